@@ -1,0 +1,118 @@
+"""Run a plan over in-memory tensors, every rank in one process; and lay canonical weights out by a layout.
+
+`shard` and `unshard` are the inverse pair that materialize a layout from canonical weights and back. They read
+the layout's placements directly, without the compiler, so they are the reference a plan is tested against.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from ..errors import ExecutionError
+from ..layouts import Layout
+from ..planner import Plan
+
+RankTensors = Mapping[int, Mapping[str, torch.Tensor]]
+
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+                "float8_e4m3fn": getattr(torch, "float8_e4m3fn", None)}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = TORCH_DTYPES.get(name)
+    if dtype is None:
+        raise ExecutionError(f"dtype {name!r} has no torch equivalent here")
+    return dtype
+
+
+def allocate(layout: Layout, fill: float = 0.0, ranks: list[int] | None = None,
+             device: str | torch.device = "cpu") -> dict[int, dict[str, torch.Tensor]]:
+    """Fresh physical tensors for `ranks` (default all) of a layout, filled with `fill`."""
+    dtype = torch_dtype(layout.dtype)
+    return {r: {name: torch.full(shape, fill, dtype=dtype, device=device)
+                for name, shape in layout.rank_tensors(r).items()}
+            for r in (range(layout.num_ranks) if ranks is None else ranks)}
+
+
+def _box(t: torch.Tensor, offset: tuple[int, ...], lengths: tuple[int, ...]) -> torch.Tensor:
+    """The view of `t` at a box whose lengths align with t's trailing dimensions."""
+    lead = t.dim() - len(lengths)
+    view = t
+    for o in offset[:lead]:  # leading dimensions of length 1 (an expert's slot in a stack)
+        view = view.select(0, o)
+    for dim, (o, n) in enumerate(zip(offset[lead:], lengths)):
+        view = view.narrow(dim, o, n)
+    return view
+
+
+def shard(layout: Layout, weights: Mapping[str, torch.Tensor], fill: float = 0.0,
+          ranks: list[int] | None = None) -> dict[int, dict[str, torch.Tensor]]:
+    """Lay canonical weights out as `layout` says; padding gets `fill`."""
+    out = allocate(layout, fill, ranks)
+    for t in layout.model.tensors:
+        w = weights[t.name]
+        for p in layout.placements(t):
+            if p.rank not in out or 0 in p.lengths:
+                continue
+            src = w[tuple(slice(o, o + n) for o, n in zip(p.canon_offset, p.lengths))]
+            _box(out[p.rank][p.tensor], p.phys_offset, p.lengths).copy_(src)
+    return out
+
+
+def unshard(layout: Layout, tensors: RankTensors) -> dict[str, torch.Tensor]:
+    """Canonical weights read back from a layout's tensors (each box from its first holder)."""
+    out = {}
+    for t in layout.model.tensors:
+        w = torch.empty(t.shape, dtype=torch_dtype(layout.dtype))
+        for p in layout.placements(t):
+            if 0 in p.lengths or p.rank not in tensors:
+                continue
+            w[tuple(slice(o, o + n) for o, n in zip(p.canon_offset, p.lengths))] = \
+                _box(tensors[p.rank][p.tensor], p.phys_offset, p.lengths)
+        out[t.name] = w
+    return out
+
+
+def check_tensors(plan: Plan, src: RankTensors, dst: RankTensors) -> None:
+    """Every tensor the plan touches is present with its shape and dtype, contiguous; all problems at once."""
+    problems = []
+    for side, table, given, layout in (("source", plan.src_tensors, src, plan.src),
+                                       ("destination", plan.dst_tensors, dst, plan.dst)):
+        want_dtype = torch_dtype(layout.dtype)
+        for rank, name, shape in zip(table.ranks, table.names, table.shapes):
+            if rank not in given:
+                continue  # ranks not given are not run here
+            t = given[rank].get(name)
+            if t is None:
+                problems.append(f"{side} rank {rank} has no tensor {name!r}")
+            elif tuple(t.shape) != tuple(shape) or t.dtype != want_dtype or not t.is_contiguous():
+                problems.append(f"{side} rank {rank} {name!r}: got {tuple(t.shape)} {t.dtype} "
+                                f"(contiguous={t.is_contiguous()}), plan expects {tuple(shape)} {want_dtype}")
+    if problems:
+        raise ExecutionError("tensors do not match the plan:\n  - " + "\n  - ".join(problems[:20]))
+
+
+def block(flat: torch.Tensor, offset: int, rows: int, cols: int, stride: int) -> torch.Tensor:
+    """The rows x cols block at `offset` of a flat (1-D) view, rows `stride` apart."""
+    if rows == 1:
+        return flat.narrow(0, offset, cols)
+    return flat.as_strided((rows, cols), (stride, 1), flat.storage_offset() + offset)
+
+
+def execute_local(plan: Plan, src: RankTensors, dst: RankTensors) -> None:
+    """Run every op of the plan; all source and destination ranks live in this process.
+
+    Tensors are checked against the plan before any byte moves, so a mismatch leaves `dst` untouched.
+    """
+    missing = sorted(set(plan.src_tensors.ranks) - set(src)) + sorted(set(plan.dst_tensors.ranks) - set(dst))
+    if missing:
+        raise ExecutionError(f"local execution needs every rank; missing {missing[:10]}")
+    check_tensors(plan, src, dst)
+    s_flat = [src[r][n].view(-1) for r, n in zip(plan.src_tensors.ranks, plan.src_tensors.names)]
+    d_flat = [dst[r][n].view(-1) for r, n in zip(plan.dst_tensors.ranks, plan.dst_tensors.names)]
+    cols = [plan.ops[c].tolist() for c in ("src_tensor", "src_offset", "src_stride", "dst_tensor",
+                                             "dst_offset", "dst_stride", "rows", "cols")]
+    with torch.no_grad():
+        for st, so, ss, dt, do, ds, r, c in zip(*cols):
+            block(d_flat[dt], do, r, c, ds).copy_(block(s_flat[st], so, r, c, ss))

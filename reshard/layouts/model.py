@@ -1,0 +1,183 @@
+"""Canonical tensors of a model: HF checkpoint names, global shapes and the role each plays.
+
+A role says how a tensor behaves under parallelism (vocab-parallel, column, row, replicated,
+expert ...). Layouts dispatch on the role, never on substrings of the name.
+"""
+from __future__ import annotations
+
+import enum
+import functools
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from ..errors import ModelConfigError
+
+DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+
+
+class Role(str, enum.Enum):
+    EMBED = "embed"
+    LM_HEAD = "lm_head"
+    FINAL_NORM = "final_norm"
+    INPUT_NORM = "input_norm"
+    POST_ATTN_NORM = "post_attn_norm"
+    Q_NORM = "q_norm"
+    K_NORM = "k_norm"
+    Q = "q"
+    K = "k"
+    V = "v"
+    O = "o"
+    GATE = "gate"
+    UP = "up"
+    DOWN = "down"
+    ROUTER = "router"
+    EXPERT_GATE = "expert_gate"
+    EXPERT_UP = "expert_up"
+    EXPERT_DOWN = "expert_down"
+
+    @property
+    def is_expert(self) -> bool:
+        return self in (Role.EXPERT_GATE, Role.EXPERT_UP, Role.EXPERT_DOWN)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One canonical tensor. `layer` and `expert` are -1 where they do not apply."""
+
+    index: int
+    name: str
+    shape: tuple[int, ...]
+    role: Role
+    layer: int = -1
+    expert: int = -1
+
+    @property
+    def numel(self) -> int:
+        return functools.reduce(lambda a, b: a * b, self.shape, 1)
+
+
+class ModelSpec(BaseModel):
+    """The facts about a decoder-only transformer that decide where its bytes live."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    family: str
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    qk_norm: bool = False
+    num_experts: int = 0
+    moe_intermediate_size: int = 0
+    dense_layers: tuple[int, ...] = ()  # MLP-only layers of a MoE model
+    dtype: str = "bfloat16"
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelSpec":
+        problems = []
+        for field in ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",
+                      "head_dim", "vocab_size"):
+            if getattr(self, field) <= 0:
+                problems.append(f"{field}={getattr(self, field)} must be positive")
+        if self.num_key_value_heads > 0 and self.num_attention_heads % self.num_key_value_heads:
+            problems.append(f"num_attention_heads={self.num_attention_heads} is not divisible by "
+                            f"num_key_value_heads={self.num_key_value_heads}")
+        if self.num_experts and self.moe_intermediate_size <= 0:
+            problems.append("a MoE model needs moe_intermediate_size > 0")
+        if (not self.num_experts or self.dense_layers) and self.intermediate_size <= 0:
+            problems.append("dense MLP layers need intermediate_size > 0")
+        if self.dtype not in DTYPE_SIZES:
+            problems.append(f"dtype={self.dtype!r} is not one of {sorted(DTYPE_SIZES)}")
+        bad = [i for i in self.dense_layers if not 0 <= i < self.num_layers]
+        if bad:
+            problems.append(f"dense_layers {bad} are outside [0, {self.num_layers})")
+        if problems:
+            raise ModelConfigError("invalid model spec: " + "; ".join(problems))
+        return self
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.is_moe and layer not in self.dense_layers
+
+    @property
+    def tensors(self) -> tuple[TensorSpec, ...]:
+        return _canonical_tensors(self)
+
+    def tensor(self, name: str) -> TensorSpec:
+        by_name = _tensors_by_name(self)
+        if name not in by_name:
+            raise KeyError(f"{name!r} is not a tensor of this {self.family} model")
+        return by_name[name]
+
+    @property
+    def num_params(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_params * self.itemsize
+
+    def __str__(self) -> str:
+        moe = f", {self.num_experts} experts x {self.moe_intermediate_size}" if self.is_moe else ""
+        return (f"{self.family}(L={self.num_layers}, H={self.hidden_size}, heads={self.num_attention_heads}/"
+                f"{self.num_key_value_heads}x{self.head_dim}, F={self.intermediate_size}{moe}, "
+                f"V={self.vocab_size}, {self.num_params / 1e9:.2f}B params)")
+
+    @classmethod
+    def from_hf_config(cls, config: "dict | str") -> "ModelSpec":
+        from .families import spec_from_hf_config
+
+        return spec_from_hf_config(config)
+
+
+@functools.lru_cache(maxsize=64)
+def _canonical_tensors(spec: ModelSpec) -> tuple[TensorSpec, ...]:
+    H, d = spec.hidden_size, spec.head_dim
+    out: list[tuple[str, tuple[int, ...], Role, int, int]] = [
+        ("model.embed_tokens.weight", (spec.vocab_size, H), Role.EMBED, -1, -1)]
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        out.append((p + "input_layernorm.weight", (H,), Role.INPUT_NORM, i, -1))
+        out.append((p + "self_attn.q_proj.weight", (spec.num_attention_heads * d, H), Role.Q, i, -1))
+        out.append((p + "self_attn.k_proj.weight", (spec.num_key_value_heads * d, H), Role.K, i, -1))
+        out.append((p + "self_attn.v_proj.weight", (spec.num_key_value_heads * d, H), Role.V, i, -1))
+        out.append((p + "self_attn.o_proj.weight", (H, spec.num_attention_heads * d), Role.O, i, -1))
+        if spec.qk_norm:
+            out.append((p + "self_attn.q_norm.weight", (d,), Role.Q_NORM, i, -1))
+            out.append((p + "self_attn.k_norm.weight", (d,), Role.K_NORM, i, -1))
+        out.append((p + "post_attention_layernorm.weight", (H,), Role.POST_ATTN_NORM, i, -1))
+        if spec.is_moe_layer(i):
+            Fm = spec.moe_intermediate_size
+            out.append((p + "mlp.gate.weight", (spec.num_experts, H), Role.ROUTER, i, -1))
+            for e in range(spec.num_experts):
+                q = f"{p}mlp.experts.{e}."
+                out.append((q + "gate_proj.weight", (Fm, H), Role.EXPERT_GATE, i, e))
+                out.append((q + "up_proj.weight", (Fm, H), Role.EXPERT_UP, i, e))
+                out.append((q + "down_proj.weight", (H, Fm), Role.EXPERT_DOWN, i, e))
+        else:
+            F = spec.intermediate_size
+            out.append((p + "mlp.gate_proj.weight", (F, H), Role.GATE, i, -1))
+            out.append((p + "mlp.up_proj.weight", (F, H), Role.UP, i, -1))
+            out.append((p + "mlp.down_proj.weight", (H, F), Role.DOWN, i, -1))
+    out.append(("model.norm.weight", (H,), Role.FINAL_NORM, -1, -1))
+    if not spec.tie_word_embeddings:
+        out.append(("lm_head.weight", (spec.vocab_size, H), Role.LM_HEAD, -1, -1))
+    return tuple(TensorSpec(k, name, shape, role, layer, expert)
+                 for k, (name, shape, role, layer, expert) in enumerate(out))
+
+
+@functools.lru_cache(maxsize=64)
+def _tensors_by_name(spec: ModelSpec) -> dict[str, TensorSpec]:
+    return {t.name: t for t in _canonical_tensors(spec)}

@@ -1,0 +1,194 @@
+"""The vLLM destination layout (Qwen3, Qwen3-MoE, Llama model code), declared by its parallel sizes.
+
+Facts this encodes (pinned by tests/unit/test_vllm_layout.py and, against real vLLM, by the vLLM adapter tests):
+- qkv_proj per TP rank is [q_r; k_r; v_r]; when tp > num_kv_heads each KV head is replicated on
+  tp / num_kv_heads ranks and rank r holds KV head r // (tp / num_kv_heads);
+- gate_up_proj is [gate_r; up_r]; o_proj and down_proj are split on dim 1;
+- experts: w13 [E_local, 2 Fm/tp_moe, H] holding [w1 (gate); w3 (up)] per expert, w2 [E_local, H, Fm/tp_moe];
+  without expert parallel every rank holds all experts split on the FFN dim; with it tp_moe = 1 and rank r
+  holds experts [r E/tp, (r+1) E/tp);
+- vocab rows are padded to a multiple of `vocab_padding` (64) and then split evenly over TP; padding rows are
+  not model data and are left alone;
+- replicas are independent engines with identical layouts; replica k's rank r is global rank r + k*tp.
+"""
+from __future__ import annotations
+
+from pydantic import model_validator
+
+from .base import Layout, Placement, divisible, pad_to, positive, rank_tensor_table
+from .model import Role, TensorSpec
+
+# vLLM parameter names, per role; `{i}` is the layer. Kept as data so a vLLM version that renames can be
+# described in one place (the vLLM adapter checks them against live models).
+VLLM_NAMES = {
+    Role.EMBED: "model.embed_tokens.weight",
+    Role.LM_HEAD: "lm_head.weight",
+    Role.FINAL_NORM: "model.norm.weight",
+    Role.INPUT_NORM: "model.layers.{i}.input_layernorm.weight",
+    Role.POST_ATTN_NORM: "model.layers.{i}.post_attention_layernorm.weight",
+    Role.Q_NORM: "model.layers.{i}.self_attn.q_norm.weight",
+    Role.K_NORM: "model.layers.{i}.self_attn.k_norm.weight",
+    Role.Q: "model.layers.{i}.self_attn.qkv_proj.weight",
+    Role.K: "model.layers.{i}.self_attn.qkv_proj.weight",
+    Role.V: "model.layers.{i}.self_attn.qkv_proj.weight",
+    Role.O: "model.layers.{i}.self_attn.o_proj.weight",
+    Role.GATE: "model.layers.{i}.mlp.gate_up_proj.weight",
+    Role.UP: "model.layers.{i}.mlp.gate_up_proj.weight",
+    Role.DOWN: "model.layers.{i}.mlp.down_proj.weight",
+    Role.ROUTER: "model.layers.{i}.mlp.gate.weight",
+    Role.EXPERT_GATE: "model.layers.{i}.mlp.experts.w13_weight",
+    Role.EXPERT_UP: "model.layers.{i}.mlp.experts.w13_weight",
+    Role.EXPERT_DOWN: "model.layers.{i}.mlp.experts.w2_weight",
+}
+
+
+class VllmLayout(Layout):
+    kind = "vllm"
+
+    tp: int = 1
+    replicas: int = 1
+    expert_parallel: bool = False
+    vocab_padding: int = 64
+
+    @model_validator(mode="after")
+    def _validate(self) -> "VllmLayout":
+        m = self.model
+        positive(self, tp=self.tp, replicas=self.replicas, vocab_padding=self.vocab_padding)
+        divisible(self, "num_attention_heads", m.num_attention_heads, "tp", self.tp)
+        g = m.num_key_value_heads
+        if self.tp >= g:
+            divisible(self, "tp", self.tp, "num_key_value_heads", g)
+        else:
+            divisible(self, "num_key_value_heads", g, "tp", self.tp)
+        if not m.is_moe or m.dense_layers:
+            divisible(self, "intermediate_size", m.intermediate_size, "tp", self.tp)
+        if m.is_moe:
+            if self.expert_parallel:
+                divisible(self, "num_experts", m.num_experts, "tp (expert parallel size)", self.tp)
+            else:
+                divisible(self, "moe_intermediate_size", m.moe_intermediate_size, "tp", self.tp)
+        elif self.expert_parallel:
+            self._fail(f"expert_parallel=True needs a MoE model; {m.family} has no experts",
+                       expert_parallel=True)
+        divisible(self, "padded_vocab", self.padded_vocab, "tp", self.tp)
+        return self
+
+    @property
+    def num_ranks(self) -> int:
+        return self.tp * self.replicas
+
+    @property
+    def num_replicas(self) -> int:
+        return self.replicas
+
+    @property
+    def padded_vocab(self) -> int:
+        return pad_to(self.model.vocab_size, self.vocab_padding)
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        return max(1, self.model.num_key_value_heads // self.tp)
+
+    def __str__(self) -> str:
+        ep = ",ep" if self.expert_parallel else ""
+        return f"vllm:tp={self.tp},replicas={self.replicas}{ep}"
+
+    def rank_tensors(self, rank: int) -> dict[str, tuple[int, ...]]:
+        self._check_rank(rank)
+        return rank_tensor_table(self).get(rank, {})
+
+    def placements(self, tensor: TensorSpec, replica: int | None = None) -> list[Placement]:
+        name = VLLM_NAMES[tensor.role].format(i=tensor.layer)
+        local = _HANDLERS[tensor.role](self, tensor, name)
+        replicas = range(self.replicas) if replica is None else (replica,)
+        return [p._replace(rank=p.rank + k * self.tp) for k in replicas for p in local]
+
+
+# --- one placement rule per role, for replica 0 -----------------------------------------------------
+
+def _vocab(lay: VllmLayout, t: TensorSpec, name: str) -> list[Placement]:
+    V, H = t.shape
+    rows = lay.padded_vocab // lay.tp
+    out = []
+    for r in range(lay.tp):
+        lo, hi = r * rows, min((r + 1) * rows, V)
+        out.append(Placement(r, name, (rows, H), (min(lo, V), 0), (max(hi - lo, 0), H), (0, 0)))
+    return out
+
+
+def _replicated(lay: VllmLayout, t: TensorSpec, name: str) -> list[Placement]:
+    zero = (0,) * len(t.shape)
+    return [Placement(r, name, t.shape, zero, t.shape, zero) for r in range(lay.tp)]
+
+
+def _qkv(lay: VllmLayout, t: TensorSpec, name: str) -> list[Placement]:
+    m = lay.model
+    d, H, g, tp = m.head_dim, m.hidden_size, m.num_key_value_heads, lay.tp
+    q_rows = m.num_attention_heads // tp * d
+    kv_local = lay.kv_heads_per_rank
+    shape = (q_rows + 2 * kv_local * d, H)
+    out = []
+    for r in range(tp):
+        if t.role == Role.Q:
+            out.append(Placement(r, name, shape, (r * q_rows, 0), (q_rows, H), (0, 0)))
+            continue
+        first_head = r * kv_local if tp <= g else r // (tp // g)
+        phys_row = q_rows if t.role == Role.K else q_rows + kv_local * d
+        out.append(Placement(r, name, shape, (first_head * d, 0), (kv_local * d, H), (phys_row, 0)))
+    return out
+
+
+def _row_split(lay: VllmLayout, t: TensorSpec, name: str) -> list[Placement]:
+    rows, cols = t.shape
+    per = cols // lay.tp
+    return [Placement(r, name, (rows, per), (0, r * per), (rows, per), (0, 0)) for r in range(lay.tp)]
+
+
+def _gate_up(lay: VllmLayout, t: TensorSpec, name: str) -> list[Placement]:
+    F, H = t.shape
+    per = F // lay.tp
+    phys_row = 0 if t.role == Role.GATE else per
+    return [Placement(r, name, (2 * per, H), (r * per, 0), (per, H), (phys_row, 0)) for r in range(lay.tp)]
+
+
+def _expert(lay: VllmLayout, t: TensorSpec, name: str) -> list[Placement]:
+    m = lay.model
+    Fm, H, E = m.moe_intermediate_size, m.hidden_size, m.num_experts
+    if lay.expert_parallel:
+        per_rank = E // lay.tp
+        ranks, slot, split = [t.expert // per_rank], t.expert % per_rank, 1
+        e_local = per_rank
+    else:
+        ranks, slot, split, e_local = list(range(lay.tp)), t.expert, lay.tp, E
+    per = Fm // split
+    out = []
+    for r in ranks:
+        tp_r = r if split > 1 else 0
+        if t.role == Role.EXPERT_DOWN:
+            out.append(Placement(r, name, (e_local, H, per), (0, tp_r * per), (H, per), (slot, 0, 0)))
+        else:
+            row = 0 if t.role == Role.EXPERT_GATE else per
+            out.append(Placement(r, name, (e_local, 2 * per, H), (tp_r * per, 0), (per, H), (slot, row, 0)))
+    return out
+
+
+_HANDLERS = {
+    Role.EMBED: _vocab,
+    Role.LM_HEAD: _vocab,
+    Role.FINAL_NORM: _replicated,
+    Role.INPUT_NORM: _replicated,
+    Role.POST_ATTN_NORM: _replicated,
+    Role.Q_NORM: _replicated,
+    Role.K_NORM: _replicated,
+    Role.Q: _qkv,
+    Role.K: _qkv,
+    Role.V: _qkv,
+    Role.O: _row_split,
+    Role.GATE: _gate_up,
+    Role.UP: _gate_up,
+    Role.DOWN: _row_split,
+    Role.ROUTER: _replicated,
+    Role.EXPERT_GATE: _expert,
+    Role.EXPERT_UP: _expert,
+    Role.EXPERT_DOWN: _expert,
+}

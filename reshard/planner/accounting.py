@@ -1,0 +1,97 @@
+"""Byte accounting of a plan, beside the lower bound and the gather-then-broadcast pattern.
+
+- total_bytes: bytes all ops move (local copies included);
+- cross_bytes / local_bytes: bytes that cross devices vs. same-device copies (only colocated plans have local);
+- lower_bound_bytes: what the destinations must receive at least: each destination rank's share of model data
+  (its placements' bytes, padding excluded); a plan that writes every element exactly once meets it;
+- gather_broadcast_bytes: what the common RL-stack refit moves for the same model: gather every tensor whole
+  onto one trainer rank (model bytes minus what that rank already holds), then broadcast the whole model to
+  every destination rank (model bytes x destination ranks), where each rank keeps its shard.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Facts from the layouts that the ops alone do not tell."""
+
+    lower_bound_by_dst: tuple[int, ...]
+    model_bytes: int
+    gatherer_held_bytes: int  # bytes of model data the gathering trainer rank (rank 0) already holds
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"lower_bound_by_dst": list(self.lower_bound_by_dst), "model_bytes": self.model_bytes,
+                "gatherer_held_bytes": self.gatherer_held_bytes}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Bounds":
+        return cls(tuple(d["lower_bound_by_dst"]), d["model_bytes"], d["gatherer_held_bytes"])
+
+
+@dataclass(frozen=True)
+class Accounting:
+    total_bytes: int
+    cross_bytes: int
+    local_bytes: int
+    lower_bound_bytes: int
+    gather_broadcast_bytes: int
+    model_bytes: int
+    num_ops: int
+    num_transfers: int
+    egress_bytes: tuple[int, ...]  # by source rank
+    ingress_bytes: tuple[int, ...]  # by destination rank
+    lower_bound_by_dst: tuple[int, ...]
+    pair_bytes: tuple[tuple[int, int, int], ...]  # (src rank, dst rank, bytes), nonzero pairs only
+
+    @property
+    def max_egress(self) -> int:
+        return max(self.egress_bytes, default=0)
+
+    @property
+    def max_ingress(self) -> int:
+        return max(self.ingress_bytes, default=0)
+
+    @property
+    def egress_balance(self) -> float:
+        """Busiest sender over the mean of the senders that send: 1.0 is perfectly balanced."""
+        sending = [b for b in self.egress_bytes if b]
+        return max(sending) / (sum(sending) / len(sending)) if sending else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "total_bytes": self.total_bytes, "cross_bytes": self.cross_bytes, "local_bytes": self.local_bytes,
+            "lower_bound_bytes": self.lower_bound_bytes, "gather_broadcast_bytes": self.gather_broadcast_bytes,
+            "model_bytes": self.model_bytes, "num_ops": self.num_ops, "num_transfers": self.num_transfers,
+            "egress_bytes": list(self.egress_bytes), "ingress_bytes": list(self.ingress_bytes),
+            "egress_balance": round(self.egress_balance, 4),
+            "pair_bytes": [list(p) for p in self.pair_bytes],
+        }
+
+
+def account(ops: dict[str, np.ndarray], itemsize: int, num_src: int, num_dst: int, colocated: bool,
+            bounds: Bounds) -> Accounting:
+    nbytes = ops["rows"] * ops["cols"] * itemsize
+    src, dst = ops["src_rank"], ops["dst_rank"]
+    local = (src == dst) if colocated else np.zeros(len(src), dtype=bool)
+    egress = np.bincount(src[~local], weights=nbytes[~local], minlength=num_src).astype(np.int64)
+    ingress = np.bincount(dst, weights=nbytes, minlength=num_dst).astype(np.int64)
+    pair_key = src * num_dst + dst
+    keys, inverse = np.unique(pair_key, return_inverse=True)
+    pair_sum = np.bincount(inverse, weights=nbytes).astype(np.int64) if len(keys) else np.zeros(0, np.int64)
+    pairs = tuple((int(k // num_dst), int(k % num_dst), int(b)) for k, b in zip(keys, pair_sum))
+    total = int(nbytes.sum())
+    local_bytes = int(nbytes[local].sum())
+    model = bounds.model_bytes
+    return Accounting(
+        total_bytes=total, cross_bytes=total - local_bytes, local_bytes=local_bytes,
+        lower_bound_bytes=int(sum(bounds.lower_bound_by_dst)),
+        gather_broadcast_bytes=(model - bounds.gatherer_held_bytes) + model * num_dst,
+        model_bytes=model, num_ops=int(len(src)), num_transfers=len(keys),
+        egress_bytes=tuple(egress.tolist()), ingress_bytes=tuple(ingress.tolist()),
+        lower_bound_by_dst=tuple(bounds.lower_bound_by_dst), pair_bytes=pairs,
+    )

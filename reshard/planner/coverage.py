@@ -1,0 +1,122 @@
+"""The coverage proof: every destination element that holds model data is written exactly once, nothing else.
+
+Both the ops and the destination placements are turned into rectangles in each destination tensor's row view
+(rows = all leading dimensions, columns = the last one). Each tensor's columns are cut into bands at every
+rectangle edge; inside a band a rectangle is a row interval. Then, per band:
+  1. the ops' intervals must not overlap (nothing written twice),
+  2. the placements' intervals must not overlap (the layout is consistent), and
+  3. after fusing touching intervals, the ops' intervals must equal the placements' intervals exactly
+     (every data element written; no padding and no element outside the tensor written).
+All of it is vectorized; problems are collected and reported together.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import CoverageError
+
+
+def rects_from_ops(dst_tensor: np.ndarray, dst_offset: np.ndarray, dst_stride: np.ndarray, rows: np.ndarray,
+                   cols: np.ndarray, width: np.ndarray, problems: list[str], names) -> tuple[np.ndarray, ...]:
+    """(tensor, row0, col0, nrows, ncols) of every op; contiguous runs that wrap rows are split."""
+    W = width[dst_tensor]
+    r0, c0 = dst_offset // W, dst_offset % W
+    flat = rows == 1
+    bad_stride = ~flat & (dst_stride != W)
+    for i in np.flatnonzero(bad_stride)[:5]:
+        problems.append(f"op into {names(dst_tensor[i])} has row stride {dst_stride[i]} != tensor width {W[i]}")
+    fits = flat & (c0 + cols <= W)
+    whole = flat & ~fits & (c0 == 0) & (cols % W == 0)
+    t_, a_, b_, m_, n_ = [dst_tensor], [r0], [c0], [rows.copy()], [cols.copy()]
+    m_[0] = np.where(whole, cols // W, m_[0])
+    n_[0] = np.where(whole, W, n_[0])
+    keep = ~(flat & ~fits & ~whole)
+    extra = []
+    for i in np.flatnonzero(~keep):  # runs that start mid-row and wrap: split into head, body, tail
+        t, w, off, left = int(dst_tensor[i]), int(W[i]), int(dst_offset[i]), int(cols[i])
+        r, c = divmod(off, w)
+        if c:
+            extra.append((t, r, c, 1, w - c))
+            left -= w - c
+            r += 1
+        if left // w:
+            extra.append((t, r, 0, left // w, w))
+            r += left // w
+        if left % w:
+            extra.append((t, r, 0, 1, left % w))
+    out = [np.concatenate([x[keep] for x in col]) for col in (t_, a_, b_, m_, n_)]
+    if extra:
+        e = np.asarray(extra, dtype=np.int64)
+        out = [np.concatenate([o, e[:, k]]) for k, o in enumerate(out)]
+    bad_cols = (out[2] < 0) | (out[2] + out[4] > width[out[0]])
+    for i in np.flatnonzero(bad_cols)[:5]:
+        problems.append(f"op into {names(out[0][i])} writes columns past the tensor's width")
+    return tuple(out)
+
+
+def _band_segments(t, r0, c0, nr, nc, key_base, bounds_keys):
+    """Explode rectangles into per-band row intervals, sorted by (band, row)."""
+    lo = np.searchsorted(bounds_keys, t * key_base + c0)
+    hi = np.searchsorted(bounds_keys, t * key_base + c0 + nc)
+    count = hi - lo
+    idx = np.repeat(np.arange(len(t)), count)
+    band = np.repeat(lo, count) + (np.arange(len(idx)) - np.repeat(np.cumsum(count) - count, count))
+    start, end = r0[idx], r0[idx] + nr[idx]
+    order = np.lexsort((start, band))
+    return band[order], start[order], end[order]
+
+
+def _overlaps(band, start, end):
+    return np.flatnonzero((band[1:] == band[:-1]) & (start[1:] < end[:-1]))
+
+
+def _fuse(band, start, end):
+    if not len(band):
+        return band, start, end
+    new = np.concatenate([[True], (band[1:] != band[:-1]) | (start[1:] != end[:-1])])
+    first = np.flatnonzero(new)
+    last = np.concatenate([first[1:] - 1, [len(band) - 1]])
+    return band[first], start[first], end[last]
+
+
+def prove_exact_coverage(ops_rects: tuple[np.ndarray, ...], piece_rects: tuple[np.ndarray, ...],
+                         width: np.ndarray, height: np.ndarray, names, problems: list[str]) -> None:
+    """Raise CoverageError listing every problem unless ops tile the placements exactly."""
+    ot, orow, ocol, onr, onc = ops_rects
+    pt, prow, pcol, pnr, pnc = piece_rects
+    for label, t, r, nr in (("op", ot, orow, onr), ("placement", pt, prow, pnr)):
+        out = (r < 0) | (r + nr > height[t])
+        for i in np.flatnonzero(out)[:5]:
+            problems.append(f"{label} in {names(t[i])} covers rows [{r[i]}, {r[i] + nr[i]}) past its "
+                            f"{height[t[i]]} rows")
+    if problems:
+        raise CoverageError("coverage proof failed", problems)
+    key_base = int(width.max(initial=0)) + 1
+    edges = np.unique(np.concatenate([ot * key_base + ocol, ot * key_base + ocol + onc,
+                                      pt * key_base + pcol, pt * key_base + pcol + pnc]))
+    ob, os_, oe = _band_segments(ot, orow, ocol, onr, onc, key_base, edges)
+    pb, ps, pe = _band_segments(pt, prow, pcol, pnr, pnc, key_base, edges)
+
+    def where(b, s, e):
+        k = int(edges[b])
+        t = k // key_base
+        c0, c1 = k % key_base, int(edges[b + 1]) % key_base
+        return f"{names(t)} rows [{s}, {e}) cols [{c0}, {c1})"
+
+    for i in _overlaps(ob, os_, oe)[:10]:
+        problems.append(f"written twice: {where(ob[i + 1], os_[i + 1], min(oe[i], oe[i + 1]))}")
+    for i in _overlaps(pb, ps, pe)[:10]:
+        problems.append(f"destination layout places two boxes at {where(pb[i + 1], ps[i + 1], pe[i])}")
+    if problems:
+        raise CoverageError("coverage proof failed", problems)
+    fo, fp = _fuse(ob, os_, oe), _fuse(pb, ps, pe)
+    if len(fo[0]) == len(fp[0]) and all(np.array_equal(a, b) for a, b in zip(fo, fp)):
+        return
+    # Report the difference: data not written, or writes outside model data.
+    o_set = set(zip(*(x.tolist() for x in fo)))
+    p_set = set(zip(*(x.tolist() for x in fp)))
+    for b, s, e in sorted(p_set - o_set)[:10]:
+        problems.append(f"model data not (wholly) written: {where(b, s, e)}")
+    for b, s, e in sorted(o_set - p_set)[:10]:
+        problems.append(f"write outside model data (or partial): {where(b, s, e)}")
+    raise CoverageError("coverage proof failed", problems)

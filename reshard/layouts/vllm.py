@@ -100,6 +100,8 @@ class VllmLayout(Layout):
     def placements(self, tensor: TensorSpec, replica: int | None = None) -> list[Placement]:
         name = VLLM_NAMES[tensor.role].format(i=tensor.layer)
         local = _HANDLERS[tensor.role](self, tensor, name)
+        if replica == 0:
+            return local
         replicas = range(self.replicas) if replica is None else (replica,)
         return [p._replace(rank=p.rank + k * self.tp) for k in replicas for p in local]
 

@@ -13,6 +13,7 @@ Lifecycle (each step a pure function of the two layouts and the explicit options
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Iterable
 
@@ -121,6 +122,7 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
     rpr = dst.ranks_per_replica
     held_by_rank0 = 0
     problems: list[str] = []
+    index_cache: dict[tuple, tuple[BoxIndex, dict]] = {}
 
     for t in selected:
         boxes: dict[tuple, list] = {}
@@ -150,13 +152,15 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
                 h_stride.append(p.shape[-1])
             if 0 in ranks:
                 held_by_rank0 += key[1][0] * key[1][1]
-        index = BoxIndex([k[0] for k in box_keys], [k[1] for k in box_keys])
-        for b, key in enumerate(box_keys):  # distinct source boxes must not overlap
-            for other, _, _ in index.query(*key):
-                if other != b:
-                    problems.append(f"source layout holds overlapping but different boxes of {t.name}: "
-                                    f"{key} and {box_keys[other]}")
-                    break
+        # Layers and experts repeat the same geometry: index and check each distinct set of boxes once.
+        geometry = tuple(box_keys)
+        cached = index_cache.get(geometry)
+        if cached is None:
+            cached = index_cache[geometry] = (BoxIndex([k[0] for k in box_keys], [k[1] for k in box_keys]), {})
+            for b, key in enumerate(box_keys):  # distinct source boxes must not overlap
+                if any(other != b for other, _, _ in cached[0].query(*key)):
+                    problems.append(f"source layout holds overlapping but different boxes of {t.name}: {key}")
+        index, queries = cached
         for p in dst.placements(t, replica=0):
             if p.rank >= rpr:
                 raise PlanError(f"destination layout places replica 0 of {t.name} outside ranks [0, {rpr})")
@@ -169,7 +173,10 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
             p_off.append(base)
             p_rows.append(lens[0])
             p_cols.append(lens[1])
-            for b, ioff, ilen in index.query(off, lens):
+            hits = queries.get((off, lens))
+            if hits is None:
+                hits = queries[(off, lens)] = index.query(off, lens)
+            for b, ioff, ilen in hits:
                 o_canon.append(t.index)
                 o_box.append(first_box + b)
                 o_d0.append(ioff[0] - box_keys[b][0][0])
@@ -213,7 +220,7 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
     _check_source_bounds(ops, src_table)
 
     width = i64([s[-1] for s in dst_table.shapes])
-    height = i64([int(np.prod(s[:-1])) if len(s) > 1 else 1 for s in dst_table.shapes])
+    height = i64([math.prod(s[:-1]) for s in dst_table.shapes])
     names = lambda tid: f"destination rank {dst_table.ranks[int(tid)]} {dst_table.names[int(tid)]!r}"  # noqa: E731
     problems = []
     op_rects = rects_from_ops(ops["dst_tensor"], ops["dst_offset"], ops["dst_stride"], ops["rows"],
@@ -237,7 +244,7 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
 
 
 def _check_source_bounds(ops: dict[str, np.ndarray], table: TensorTable) -> None:
-    numel = np.asarray([int(np.prod(s)) for s in table.shapes], dtype=np.int64)
+    numel = np.asarray([math.prod(s) for s in table.shapes], dtype=np.int64)
     last = ops["src_offset"] + (ops["rows"] - 1) * ops["src_stride"] + ops["cols"]
     bad = np.flatnonzero((ops["src_offset"] < 0) | (last > numel[ops["src_tensor"]]))
     if len(bad):

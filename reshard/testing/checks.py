@@ -1,0 +1,48 @@
+"""Independent checks of a plan, computed from the ops and the layouts without the compiler's own proof."""
+from __future__ import annotations
+
+import torch
+
+from ..executors.local import _box, block
+from ..layouts import Layout
+from ..planner import Plan
+
+
+def write_counts(plan: Plan) -> dict[tuple[int, str], torch.Tensor]:
+    """How many times the plan's ops write each destination element, per (rank, tensor)."""
+    counts = {}
+    flats = []
+    for r, n, s in zip(plan.dst_tensors.ranks, plan.dst_tensors.names, plan.dst_tensors.shapes):
+        counts[(r, n)] = torch.zeros(s, dtype=torch.int32)
+        flats.append(counts[(r, n)].view(-1))
+    o = plan.ops
+    for dt, do, ds, rows, cols in zip(*(o[c].tolist() for c in ("dst_tensor", "dst_offset", "dst_stride", "rows", "cols"))):
+        block(flats[dt], do, rows, cols, ds).add_(1)
+    return counts
+
+
+def data_mask(layout: Layout, names: set[str] | None = None) -> dict[tuple[int, str], torch.Tensor]:
+    """1 where the layout places model data (of the canonical tensors in `names`, default all), else 0."""
+    masks = {(r, n): torch.zeros(s, dtype=torch.int32)
+             for r in range(layout.num_ranks) for n, s in layout.rank_tensors(r).items()}
+    for t in layout.model.tensors:
+        if names is not None and t.name not in names:
+            continue
+        for p in layout.placements(t):
+            if 0 not in p.lengths:
+                _box(masks[(p.rank, p.tensor)], p.phys_offset, p.lengths).add_(1)
+    return masks
+
+
+def data_bytes_by_rank(layout: Layout, names: set[str] | None = None) -> list[int]:
+    """Each rank's share of model data in bytes, from the placements."""
+    out = [0] * layout.num_ranks
+    for t in layout.model.tensors:
+        if names is not None and t.name not in names:
+            continue
+        for p in layout.placements(t):
+            n = 1
+            for x in p.lengths:
+                n *= x
+            out[p.rank] += n * layout.model.itemsize
+    return out

@@ -1,0 +1,161 @@
+"""Hypothesis strategies: random small models (dense and MoE; MHA and GQA; tied and untied; vocab sizes that
+need padding) and random valid layouts of every kind for them.
+
+Topologies are drawn from the values that satisfy each layout's rules, so no example is thrown away; the
+invalid ones are drawn on purpose by `invalid_declarations`.
+"""
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from ..layouts import HfLayout, Layout, MegatronLayout, ModelSpec, VllmLayout
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@st.composite
+def models(draw, moe: bool | None = None, dtype: str = "float32") -> ModelSpec:
+    is_moe = draw(st.booleans()) if moe is None else moe
+    family = "qwen3_moe" if is_moe else draw(st.sampled_from(["qwen3", "llama"]))
+    g = draw(st.sampled_from([1, 2, 4]))
+    hpg = draw(st.sampled_from([1, 2, 4]))  # hpg=1 is MHA
+    head_dim = draw(st.sampled_from([2, 4, 8]))
+    hidden = draw(st.sampled_from([8, 12, 16]))
+    layers = draw(st.integers(1, 4))
+    experts = draw(st.sampled_from([2, 4, 8])) if is_moe else 0
+    dense = tuple(i for i in range(layers) if draw(st.booleans())) if is_moe and layers > 1 else ()
+    if len(dense) == layers:
+        dense = dense[1:]
+    return ModelSpec(
+        family=family, hidden_size=hidden, num_layers=layers, num_attention_heads=g * hpg,
+        num_key_value_heads=g, head_dim=head_dim,
+        intermediate_size=draw(st.sampled_from([8, 12, 16, 24])) if (not is_moe or dense) else 0,
+        vocab_size=draw(st.integers(17, 300)), tie_word_embeddings=draw(st.booleans()),
+        qk_norm=family != "llama", num_experts=experts,
+        moe_intermediate_size=draw(st.sampled_from([4, 8, 12])) if is_moe else 0,
+        dense_layers=dense, dtype=dtype)
+
+
+def _common(*values: int) -> list[int]:
+    out = set(divisors(values[0]))
+    for v in values[1:]:
+        out &= set(divisors(v))
+    return sorted(out)
+
+
+@st.composite
+def megatron_layouts(draw, model: ModelSpec) -> MegatronLayout:
+    dense_ffn = [model.intermediate_size] if (not model.is_moe or model.dense_layers) else []
+    tp = draw(st.sampled_from(_common(model.num_attention_heads, model.num_key_value_heads, *dense_ffn)))
+    L = model.num_layers
+    pp_choices = [(p, None, None, 1) for p in divisors(L)]
+    pp_choices += [(p, 1, None, 1) for p in (2, 3) if p <= L and (L - 1) % (p - 1) == 0 and L - 1 >= p - 1]
+    pp_choices += [(p, None, 1, 1) for p in (2,) if L >= 2]
+    pp_choices += [(p, None, None, v) for p in (2,) for v in (2,) if L % (p * v) == 0]
+    pp, first, last, vpp = draw(st.sampled_from(pp_choices))
+    ep, etp = 1, tp
+    if model.is_moe:
+        ep = draw(st.sampled_from(divisors(model.num_experts)))
+        etp = draw(st.sampled_from(divisors(model.moe_intermediate_size)[:3]))
+    dense, expert = tp * pp, etp * ep * pp
+    base = dense * expert // _gcd(dense, expert)
+    world = base * draw(st.sampled_from([1, 2]))
+    order = draw(st.sampled_from(["tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp", "tp-pp-dp-cp-ep"]))
+    return MegatronLayout(model=model, tp=tp, pp=pp, ep=ep, etp=etp, world=world, vpp=vpp,
+                          first_stage_layers=first, last_stage_layers=last,
+                          vocab_divisor=draw(st.sampled_from([1, 8, 128])),
+                          naming=draw(st.sampled_from(["local", "te"])), rank_order=order)
+
+
+def vllm_tp_choices(model: ModelSpec, expert_parallel: bool) -> list[int]:
+    g, out = model.num_key_value_heads, []
+    for tp in (1, 2, 4, 8):
+        if model.num_attention_heads % tp or (tp >= g and tp % g) or (tp < g and g % tp):
+            continue
+        if (not model.is_moe or model.dense_layers) and model.intermediate_size % tp:
+            continue
+        if model.is_moe and expert_parallel and model.num_experts % tp:
+            continue
+        if model.is_moe and not expert_parallel and model.moe_intermediate_size % tp:
+            continue
+        out.append(tp)
+    return out
+
+
+@st.composite
+def vllm_layouts(draw, model: ModelSpec) -> VllmLayout:
+    ep = model.is_moe and draw(st.booleans())
+    tp = draw(st.sampled_from(vllm_tp_choices(model, ep) or vllm_tp_choices(model, False)))
+    if not vllm_tp_choices(model, ep):
+        ep = False
+    return VllmLayout(model=model, tp=tp, replicas=draw(st.integers(1, 3)), expert_parallel=ep,
+                      vocab_padding=draw(st.sampled_from([tp, 8 * tp, 64])))
+
+
+def layouts(model: ModelSpec) -> st.SearchStrategy[Layout]:
+    return st.one_of(megatron_layouts(model), vllm_layouts(model), st.builds(HfLayout, model=st.just(model),
+                                                                              replicas=st.integers(1, 2)))
+
+
+@st.composite
+def refits(draw, moe: bool | None = None) -> tuple[Layout, Layout]:
+    """A (source, destination) pair of one random model: mostly Megatron -> vLLM, sometimes any -> any."""
+    model = draw(models(moe=moe))
+    if draw(st.integers(0, 3)) == 0:
+        return draw(layouts(model)), draw(layouts(model))
+    return draw(megatron_layouts(model)), draw(vllm_layouts(model))
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+# --- invalid declarations, each with the words its error must contain ---------------------------------
+
+def invalid_declarations() -> list[tuple[str, callable, tuple[str, ...]]]:
+    """(label, zero-argument constructor, words the error message must contain)."""
+    gqa = ModelSpec(family="qwen3", hidden_size=16, num_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                    head_dim=4, intermediate_size=24, vocab_size=100, qk_norm=True)
+    moe = ModelSpec(family="qwen3_moe", hidden_size=16, num_layers=4, num_attention_heads=8,
+                    num_key_value_heads=2, head_dim=4, intermediate_size=0, vocab_size=100, qk_norm=True,
+                    num_experts=6, moe_intermediate_size=12)
+    M, V = MegatronLayout, VllmLayout
+    cases = [
+        ("megatron tp vs query groups", lambda: M(model=gqa, tp=8), ("num_query_groups=4", "tp=8")),
+        ("megatron tp vs ffn", lambda: M(model=gqa.model_copy(update={"intermediate_size": 18}), tp=4),
+         ("ffn_hidden_size=18", "tp=4")),
+        ("megatron world vs tp*pp", lambda: M(model=gqa, tp=2, pp=2, world=6), ("world=6", "tp*pp=4")),
+        ("megatron layers vs pp", lambda: M(model=gqa, pp=3), ("num_layers=4", "pp=3")),
+        ("megatron uneven stages", lambda: M(model=gqa, pp=3, first_stage_layers=1),
+         ("3 layers", "2 other stages")),
+        ("megatron first+last != layers at pp=2", lambda: M(model=gqa, pp=2, first_stage_layers=1, last_stage_layers=1),
+         ("must equal num_layers=4",)),
+        ("megatron vpp with uneven", lambda: M(model=gqa, pp=2, vpp=2, first_stage_layers=1),
+         ("cannot be combined with vpp",)),
+        ("megatron vpp layers", lambda: M(model=gqa, pp=2, vpp=4), ("num_layers=4", "pp*vpp=8")),
+        ("megatron vpp needs pp", lambda: M(model=gqa, pp=1, vpp=2), ("vpp=2 needs pp>=2",)),
+        ("megatron experts vs ep", lambda: M(model=moe, ep=4, world=4), ("num_experts=6", "ep=4")),
+        ("megatron moe ffn vs etp", lambda: M(model=moe, ep=2, etp=8, world=16), ("moe_ffn_hidden_size=12", "etp=8")),
+        ("megatron world vs etp*ep*pp", lambda: M(model=moe, tp=2, ep=3, etp=1, world=4), ("world=4", "etp*ep*pp=3")),
+        ("megatron ep on dense", lambda: M(model=gqa, ep=2, world=2), ("need a MoE model",)),
+        ("megatron rank order", lambda: M(model=gqa, rank_order="tp-dp-pp"), ("rank_order",)),
+        ("megatron zero tp", lambda: M(model=gqa, tp=0), ("tp=0 must be at least 1",)),
+        ("vllm heads vs tp", lambda: V(model=gqa, tp=3), ("num_attention_heads=8", "tp=3")),
+        ("vllm kv replication", lambda: V(model=moe.model_copy(update={"num_attention_heads": 6, "num_key_value_heads": 2}), tp=3),
+         ("tp=3", "num_key_value_heads=2")),
+        ("vllm experts vs ep", lambda: V(model=moe, tp=4, expert_parallel=True), ("num_experts=6",)),
+        ("vllm moe ffn vs tp", lambda: V(model=moe, tp=8), ("moe_intermediate_size=12", "tp=8")),
+        ("vllm ep on dense", lambda: V(model=gqa, tp=2, expert_parallel=True), ("needs a MoE model",)),
+        ("vllm replicas", lambda: V(model=gqa, tp=2, replicas=0), ("replicas=0 must be at least 1",)),
+        ("vllm vocab padding vs tp", lambda: V(model=gqa, tp=4, vocab_padding=3), ("padded_vocab=102", "tp=4")),
+        ("hf replicas", lambda: HfLayout(model=gqa, replicas=0), ("replicas=0",)),
+    ]
+    return cases
+
+
+__all__ = ["divisors", "invalid_declarations", "layouts", "megatron_layouts", "models", "refits", "vllm_layouts",
+           "vllm_tp_choices"]

@@ -111,8 +111,9 @@ def execute_local(plan: Plan, src: RankTensors, dst: RankTensors) -> None:
     check_tensors(plan, src, dst)
     s_flat = [src[r][n].view(-1) for r, n in zip(plan.src_tensors.ranks, plan.src_tensors.names)]
     d_flat = [dst[r][n].view(-1) for r, n in zip(plan.dst_tensors.ranks, plan.dst_tensors.names)]
-    cols = [plan.ops[c].tolist() for c in ("src_tensor", "src_offset", "src_stride", "dst_tensor",
+    cols = [plan.ops[c].tolist() for c in ("src_side", "src_tensor", "src_offset", "src_stride", "dst_tensor",
                                              "dst_offset", "dst_stride", "rows", "cols")]
+    sides = (s_flat, d_flat)  # relays (side 1) read a destination tensor written in an earlier stage
     with torch.no_grad():
-        for st, so, ss, dt, do, ds, r, c in zip(*cols):
-            block(d_flat[dt], do, r, c, ds).copy_(block(s_flat[st], so, r, c, ss))
+        for side, st, so, ss, dt, do, ds, r, c in zip(*cols):  # ops are in stage order
+            block(d_flat[dt], do, r, c, ds).copy_(block(sides[side][st], so, r, c, ss))

@@ -43,10 +43,13 @@ class Accounting:
     model_bytes: int
     num_ops: int
     num_transfers: int
-    egress_bytes: tuple[int, ...]  # by source rank
+    egress_bytes: tuple[int, ...]  # by source rank (what the trainer sends)
     ingress_bytes: tuple[int, ...]  # by destination rank
+    relay_egress_bytes: tuple[int, ...]  # by destination rank: what it forwards in fan-out trees
     lower_bound_by_dst: tuple[int, ...]
     pair_bytes: tuple[tuple[int, int, int], ...]  # (src rank, dst rank, bytes), nonzero pairs only
+    relay_pair_bytes: tuple[tuple[int, int, int], ...]  # (relaying dst rank, dst rank, bytes)
+    num_stages: int
 
     @property
     def max_egress(self) -> int:
@@ -68,22 +71,25 @@ class Accounting:
             "lower_bound_bytes": self.lower_bound_bytes, "gather_broadcast_bytes": self.gather_broadcast_bytes,
             "model_bytes": self.model_bytes, "num_ops": self.num_ops, "num_transfers": self.num_transfers,
             "egress_bytes": list(self.egress_bytes), "ingress_bytes": list(self.ingress_bytes),
+            "relay_egress_bytes": list(self.relay_egress_bytes), "num_stages": self.num_stages,
             "egress_balance": round(self.egress_balance, 4),
             "pair_bytes": [list(p) for p in self.pair_bytes],
+            "relay_pair_bytes": [list(p) for p in self.relay_pair_bytes],
         }
 
 
 def account(ops: dict[str, np.ndarray], itemsize: int, num_src: int, num_dst: int, colocated: bool,
             bounds: Bounds) -> Accounting:
     nbytes = ops["rows"] * ops["cols"] * itemsize
-    src, dst = ops["src_rank"], ops["dst_rank"]
-    local = (src == dst) if colocated else np.zeros(len(src), dtype=bool)
-    egress = np.bincount(src[~local], weights=nbytes[~local], minlength=num_src).astype(np.int64)
+    src, dst, relay = ops["src_rank"], ops["dst_rank"], ops["src_side"] == 1
+    local = (src == dst) & ~relay if colocated else np.zeros(len(src), dtype=bool)
+    sent = ~local & ~relay
+    egress = np.bincount(src[sent], weights=nbytes[sent], minlength=num_src).astype(np.int64)
+    relay_egress = np.bincount(src[relay], weights=nbytes[relay], minlength=num_dst).astype(np.int64)
     ingress = np.bincount(dst, weights=nbytes, minlength=num_dst).astype(np.int64)
-    pair_key = src * num_dst + dst
-    keys, inverse = np.unique(pair_key, return_inverse=True)
-    pair_sum = np.bincount(inverse, weights=nbytes).astype(np.int64) if len(keys) else np.zeros(0, np.int64)
-    pairs = tuple((int(k // num_dst), int(k % num_dst), int(b)) for k, b in zip(keys, pair_sum))
+    transfers = len(np.unique(np.stack([ops["stage"], ops["src_side"], src, dst]), axis=1)[0]) if len(src) else 0
+    pairs = _pairs(src[~relay], dst[~relay], nbytes[~relay], num_dst)
+    relay_pairs = _pairs(src[relay], dst[relay], nbytes[relay], num_dst)
     total = int(nbytes.sum())
     local_bytes = int(nbytes[local].sum())
     model = bounds.model_bytes
@@ -91,7 +97,15 @@ def account(ops: dict[str, np.ndarray], itemsize: int, num_src: int, num_dst: in
         total_bytes=total, cross_bytes=total - local_bytes, local_bytes=local_bytes,
         lower_bound_bytes=int(sum(bounds.lower_bound_by_dst)),
         gather_broadcast_bytes=(model - bounds.gatherer_held_bytes) + model * num_dst,
-        model_bytes=model, num_ops=int(len(src)), num_transfers=len(keys),
+        model_bytes=model, num_ops=int(len(src)), num_transfers=transfers,
         egress_bytes=tuple(egress.tolist()), ingress_bytes=tuple(ingress.tolist()),
-        lower_bound_by_dst=tuple(bounds.lower_bound_by_dst), pair_bytes=pairs,
+        relay_egress_bytes=tuple(relay_egress.tolist()),
+        lower_bound_by_dst=tuple(bounds.lower_bound_by_dst), pair_bytes=pairs, relay_pair_bytes=relay_pairs,
+        num_stages=int(ops["stage"].max()) + 1 if len(src) else 0,
     )
+
+
+def _pairs(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, num_dst: int) -> tuple[tuple[int, int, int], ...]:
+    keys, inverse = np.unique(src * num_dst + dst, return_inverse=True)
+    sums = np.bincount(inverse, weights=nbytes).astype(np.int64) if len(keys) else np.zeros(0, np.int64)
+    return tuple((int(k // num_dst), int(k % num_dst), int(b)) for k, b in zip(keys, sums))

@@ -206,6 +206,8 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
                          hset_of_box[box], hsets, src.num_ranks, colocated)
     h = hstart[box] + pos
     H_rank, H_tid, H_base, H_stride = i64(h_rank), i64(h_tid), i64(h_base), i64(h_stride)
+    ops["stage"] = np.zeros_like(h)
+    ops["src_side"] = np.zeros_like(h)
     ops["src_rank"] = H_rank[h]
     ops["src_tensor"] = H_tid[h]
     ops["src_stride"] = H_stride[h]
@@ -217,7 +219,7 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
         tuple(r + k * rpr for k in range(K) for r in dtabs.ranks),
         tuple(dtabs.names) * K, tuple(dtabs.shapes) * K)
     src_table = TensorTable(tuple(stabs.ranks), tuple(stabs.names), tuple(stabs.shapes))
-    _check_source_bounds(ops, src_table)
+    check_source_bounds(ops, src_table, dst_table)
 
     width = i64([s[-1] for s in dst_table.shapes])
     height = i64([math.prod(s[:-1]) for s in dst_table.shapes])
@@ -243,11 +245,18 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
                 coverage="exact", compile_seconds=round(time.perf_counter() - start, 4))
 
 
-def _check_source_bounds(ops: dict[str, np.ndarray], table: TensorTable) -> None:
-    numel = np.asarray([math.prod(s) for s in table.shapes], dtype=np.int64)
-    last = ops["src_offset"] + (ops["rows"] - 1) * ops["src_stride"] + ops["cols"]
-    bad = np.flatnonzero((ops["src_offset"] < 0) | (last > numel[ops["src_tensor"]]))
-    if len(bad):
-        raise PlanError("ops read outside their source tensors",
-                        [f"source rank {table.ranks[ops['src_tensor'][i]]} {table.names[ops['src_tensor'][i]]!r}"
-                         for i in bad[:10]])
+def check_source_bounds(ops: dict[str, np.ndarray], src: TensorTable, dst: TensorTable) -> None:
+    """Every op reads inside its source tensor (a destination tensor for relays)."""
+    problems = []
+    for side, table in ((0, src), (1, dst)):
+        sel = np.flatnonzero(ops["src_side"] == side)
+        if not len(sel):
+            continue
+        numel = np.asarray([math.prod(s) for s in table.shapes], dtype=np.int64)
+        tid, off = ops["src_tensor"][sel], ops["src_offset"][sel]
+        last = off + (ops["rows"][sel] - 1) * ops["src_stride"][sel] + ops["cols"][sel]
+        for i in np.flatnonzero((off < 0) | (last > numel[tid]))[:10]:
+            problems.append(f"{('source', 'relaying destination')[side]} rank {table.ranks[tid[i]]} "
+                            f"{table.names[tid[i]]!r}")
+    if problems:
+        raise PlanError("ops read outside their source tensors", problems)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-SORT_KEYS = ("src_rank", "dst_rank", "src_tensor", "dst_tensor", "src_offset")
+SORT_KEYS = ("stage", "src_side", "src_rank", "dst_rank", "src_tensor", "dst_tensor", "src_offset")
 
 
 def sort_ops(ops: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -36,7 +36,7 @@ def merge_adjacent(ops: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     rows, cols = ops["rows"], ops["cols"]
     s_off, d_off, s_str, d_str = ops["src_offset"], ops["dst_offset"], ops["src_stride"], ops["dst_stride"]
     same = np.ones(n - 1, dtype=bool)
-    for k in ("src_rank", "dst_rank", "src_tensor", "dst_tensor"):
+    for k in ("stage", "src_side", "src_rank", "dst_rank", "src_tensor", "dst_tensor"):
         same &= ops[k][1:] == ops[k][:-1]
     flat_prev, flat_next = rows[:-1] == 1, rows[1:] == 1
     contiguous = (flat_prev & flat_next & (s_off[1:] == s_off[:-1] + cols[:-1])

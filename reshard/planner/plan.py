@@ -2,8 +2,15 @@
 
 An op copies a 2-D strided block: `rows` x `cols` elements from the source tensor's flat storage at
 `src_offset` (row stride `src_stride`) to the destination tensor's flat storage at `dst_offset` (row stride
-`dst_stride`). A contiguous run is `rows == 1`. Ops are sorted by (src_rank, dst_rank, src_tensor, src_offset),
-so the ops of one (source, destination) pair -- a transfer -- are one contiguous range.
+`dst_stride`). A contiguous run is `rows == 1`.
+
+Fan-out: an op with `src_side == 1` is a relay: its source is destination rank `src_rank`'s tensor
+`src_tensor` (an id in the destination table), which that rank received in an earlier stage. `stage` orders
+execution: every op of stage s may start only once the ops of stages < s that write its source are done.
+Plain plans have every op at stage 0, side 0.
+
+Ops are sorted by (stage, src_side, src_rank, dst_rank, src_tensor, dst_tensor, src_offset), so the ops of
+one (stage, sender, receiver) -- a transfer -- are one contiguous range.
 
 Plans are saved as one `.npz` (plain arrays plus a JSON header; loaded with allow_pickle=False) or as JSON.
 """
@@ -22,8 +29,9 @@ from ..layouts import Layout, layout_from_dict, layout_to_dict
 from ..layouts.model import DTYPE_SIZES
 from .accounting import Accounting, Bounds, account
 
-OP_COLUMNS = ("src_rank", "src_tensor", "src_offset", "src_stride", "dst_rank", "dst_tensor", "dst_offset",
-              "dst_stride", "rows", "cols", "canon")
+OP_COLUMNS = ("stage", "src_side", "src_rank", "src_tensor", "src_offset", "src_stride", "dst_rank", "dst_tensor",
+              "dst_offset", "dst_stride", "rows", "cols", "canon")
+SOURCE, RELAY = 0, 1  # values of src_side
 FORMAT_VERSION = 1
 
 
@@ -50,6 +58,8 @@ class TensorTable:
 
 
 class Transfer(NamedTuple):
+    stage: int
+    src_side: int  # SOURCE: a source-layout rank sends; RELAY: a destination rank forwards what it received
     src_rank: int
     dst_rank: int
     start: int  # first op
@@ -105,19 +115,28 @@ class Plan:
         return list(self._iter_transfers())
 
     def _iter_transfers(self) -> Iterator[Transfer]:
-        s, d = self.ops["src_rank"], self.ops["dst_rank"]
+        st, side, s, d = (self.ops[c] for c in ("stage", "src_side", "src_rank", "dst_rank"))
         if not len(s):
             return
-        cut = np.flatnonzero((s[1:] != s[:-1]) | (d[1:] != d[:-1])) + 1
+        change = (s[1:] != s[:-1]) | (d[1:] != d[:-1]) | (st[1:] != st[:-1]) | (side[1:] != side[:-1])
+        cut = np.flatnonzero(change) + 1
         starts = np.concatenate([[0], cut])
         stops = np.concatenate([cut, [len(s)]])
         nbytes = np.add.reduceat(self.op_bytes(), starts)
         for a, b, n in zip(starts.tolist(), stops.tolist(), nbytes.tolist()):
-            yield Transfer(int(s[a]), int(d[a]), a, b, n)
+            yield Transfer(int(st[a]), int(side[a]), int(s[a]), int(d[a]), a, b, n)
+
+    @property
+    def num_stages(self) -> int:
+        return int(self.ops["stage"].max()) + 1 if self.num_ops else 0
 
     def ops_for_src(self, rank: int) -> np.ndarray:
-        """Indices of the ops rank `rank` of the source side sends."""
-        return np.flatnonzero(self.ops["src_rank"] == rank)
+        """Indices of the ops rank `rank` of the source side sends (relays excluded)."""
+        return np.flatnonzero((self.ops["src_rank"] == rank) & (self.ops["src_side"] == SOURCE))
+
+    def ops_relayed_by(self, rank: int) -> np.ndarray:
+        """Indices of the ops destination rank `rank` forwards to other destination ranks."""
+        return np.flatnonzero((self.ops["src_rank"] == rank) & (self.ops["src_side"] == RELAY))
 
     def ops_for_dst(self, rank: int) -> np.ndarray:
         return np.flatnonzero(self.ops["dst_rank"] == rank)
@@ -125,7 +144,8 @@ class Plan:
     def op(self, i: int) -> dict[str, Any]:
         """One op, readable: tensor names instead of ids."""
         row = {c: int(self.ops[c][i]) for c in OP_COLUMNS}
-        row["src_tensor"] = self.src_tensors.names[row["src_tensor"]]
+        table = self.src_tensors if row["src_side"] == SOURCE else self.dst_tensors
+        row["src_tensor"] = table.names[row["src_tensor"]]
         row["dst_tensor"] = self.dst_tensors.names[row["dst_tensor"]]
         row["canon"] = self.src.model.tensors[row["canon"]].name
         return row

@@ -16,7 +16,7 @@ def _plan(args: argparse.Namespace) -> int:
     src, dst = parse_layout(args.src, model), parse_layout(args.dst, model)
     layers = [int(x) for x in args.layers.split(",")] if args.layers else None
     tensors = args.tensors.split(",") if args.tensors else None
-    plan = compile_plan(src, dst, tensors=tensors, layers=layers, colocated=args.colocated)
+    plan = compile_plan(src, dst, tensors=tensors, layers=layers, colocated=args.colocated, fanout=args.fanout)
     if args.save:
         plan.save(args.save)
     if args.json:
@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pairs", action="store_true", help="with --json, include bytes per (source, destination) pair")
     p.add_argument("--colocated", action="store_true",
                    help="destination rank d shares a GPU with source rank d (its bytes from there are local copies)")
+    p.add_argument("--fanout", type=int, help="feed one destination replica and relay to the others along a "
+                   "tree where each replica forwards to at most FANOUT others")
     p.add_argument("--layers", help="only these layers' tensors, comma-separated (a subset plan)")
     p.add_argument("--tensors", help="only these canonical tensor names, comma-separated (a subset plan)")
     p.add_argument("--save", help="write the plan to this .npz or .json file")

@@ -25,6 +25,7 @@ from .accounting import Bounds
 from .balance import choose_holders
 from .coverage import prove_exact_coverage, rects_from_ops
 from .intervals import BoxIndex
+from .fanout import replica_tree_relays
 from .merge import merge_adjacent
 from .plan import Plan, TensorTable
 
@@ -87,12 +88,15 @@ def select_tensors(src: Layout, tensors: Iterable[str] | None, layers: Iterable[
 
 
 def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = None,
-                 layers: Iterable[int] | None = None, colocated: bool = False) -> Plan:
+                 layers: Iterable[int] | None = None, colocated: bool = False,
+                 fanout: int | None = None) -> Plan:
     """Compile the refit from `src` to `dst`.
 
     tensors / layers: compile only these canonical tensors / these layers' tensors (a subset plan).
     colocated: destination rank d shares a device with source rank d; its bytes from there are local copies
     (and are preferred when several sources hold them).
+    fanout: feed only destination replica 0 from the source and relay to the other replicas along a tree in
+    which each replica forwards to at most `fanout` others (None: the source feeds every replica).
     """
     start = time.perf_counter()
     if src.model != dst.model:
@@ -103,6 +107,8 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
     if colocated and dst.num_ranks > src.num_ranks:
         raise PlanError(f"colocated placement needs a source rank per destination rank: "
                         f"{dst.num_ranks} destination ranks, {src.num_ranks} source ranks")
+    if fanout is not None and fanout < 1:
+        raise PlanError(f"fanout={fanout} must be at least 1 (or None to feed every replica from the source)")
     selected = select_tensors(src, tensors, layers)
     subset = tensors is not None or layers is not None
 
@@ -191,8 +197,9 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
 
     i64 = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
     K, T0, N0 = dst.num_replicas, len(dtabs.names), len(o_rows)
-    rep = np.repeat(np.arange(K, dtype=np.int64), N0)
-    tile = lambda x: np.tile(i64(x), K)  # noqa: E731
+    fed = 1 if fanout else K  # replicas the source feeds directly; the rest are relayed
+    rep = np.repeat(np.arange(fed, dtype=np.int64), N0)
+    tile = lambda x: np.tile(i64(x), fed)  # noqa: E731
     dst_tid0 = tile(o_dtid)
     dst_rank0 = i64(dtabs.ranks)[dst_tid0] if N0 else np.zeros(0, np.int64)
     ops = {
@@ -213,6 +220,8 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
     ops["src_stride"] = H_stride[h]
     ops["src_offset"] = H_base[h] + tile(o_d0) * ops["src_stride"] + tile(o_d1)
     ops = merge_adjacent(ops)
+    if fanout and K > 1:
+        ops = merge_adjacent(_concat(ops, replica_tree_relays(ops, K, fanout, rpr, T0)))
 
     # Destination tensor table for every replica.
     dst_table = TensorTable(
@@ -241,7 +250,7 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
                     model_bytes=sum(t.numel for t in selected) * itemsize,
                     gatherer_held_bytes=held_by_rank0 * itemsize)
     return Plan(src=src, dst=dst, src_tensors=src_table, dst_tensors=dst_table, ops=ops, bounds=bounds,
-                colocated=colocated, selection=tuple(t.name for t in selected) if subset else None,
+                colocated=colocated, fanout=fanout, selection=tuple(t.name for t in selected) if subset else None,
                 coverage="exact", compile_seconds=round(time.perf_counter() - start, 4))
 
 
@@ -260,3 +269,7 @@ def check_source_bounds(ops: dict[str, np.ndarray], src: TensorTable, dst: Tenso
                             f"{table.names[tid[i]]!r}")
     if problems:
         raise PlanError("ops read outside their source tensors", problems)
+
+
+def _concat(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k: np.concatenate([a[k], b[k]]) for k in a}

@@ -82,6 +82,7 @@ class Plan:
     ops: dict[str, np.ndarray]
     bounds: Bounds
     colocated: bool = False
+    fanout: int | None = None
     selection: tuple[str, ...] | None = None  # canonical tensor names, None = whole model
     coverage: str = "exact"
     compile_seconds: float = 0.0
@@ -157,6 +158,7 @@ class Plan:
             "src": layout_to_dict(self.src),
             "dst": layout_to_dict(self.dst),
             "colocated": self.colocated,
+            "fanout": self.fanout,
             "selection": list(self.selection) if self.selection is not None else None,
             "src_tensors": self.src_tensors.to_dict(),
             "dst_tensors": self.dst_tensors.to_dict(),
@@ -210,7 +212,7 @@ class Plan:
         src, dst = layout_from_dict(d["src"]), layout_from_dict(d["dst"])
         plan = cls(src=src, dst=dst, src_tensors=TensorTable.from_dict(d["src_tensors"]),
                    dst_tensors=TensorTable.from_dict(d["dst_tensors"]), ops=ops,
-                   bounds=Bounds.from_dict(d["bounds"]), colocated=d["colocated"],
+                   bounds=Bounds.from_dict(d["bounds"]), colocated=d["colocated"], fanout=d.get("fanout"),
                    selection=tuple(d["selection"]) if d["selection"] is not None else None,
                    coverage=d["coverage"], compile_seconds=d["compile_seconds"])
         if d.get("digest") and plan.digest != d["digest"]:

@@ -24,13 +24,16 @@ def _weights(model: reshard.ModelSpec, seed: int) -> dict[str, torch.Tensor]:
     return {t.name: torch.randn(t.shape, generator=g) for t in model.tensors}
 
 
-@given(refits(), st.integers(0, 2**16), st.booleans())
-def test_round_trip(pair, seed, colocated):
+FANOUT = st.sampled_from([None, None, 1, 2])
+
+
+@given(refits(), st.integers(0, 2**16), st.booleans(), FANOUT)
+def test_round_trip(pair, seed, colocated, fanout):
     """Source shards of random weights, run through the plan, equal the destination shards byte for byte;
-    padding keeps what was there before."""
+    padding keeps what was there before. With fan-out trees too."""
     src, dst = pair
     colocated = colocated and dst.num_ranks <= src.num_ranks
-    plan = reshard.compile(src, dst, colocated=colocated)
+    plan = reshard.compile(src, dst, colocated=colocated, fanout=fanout)
     weights = _weights(src.model, seed)
     got = allocate(dst, fill=SENTINEL)
     execute_local(plan, shard(src, weights), got)
@@ -40,15 +43,15 @@ def test_round_trip(pair, seed, colocated):
             assert torch.equal(got[rank][name], expected), f"{dst} rank {rank} {name}"
 
 
-@given(refits(), st.data())
-def test_exactly_once_coverage(pair, data):
+@given(refits(), st.data(), FANOUT)
+def test_exactly_once_coverage(pair, data, fanout):
     """Counting the ops' writes element by element gives 1 on model data and 0 elsewhere; also for subsets."""
     src, dst = pair
     names = None
     if data.draw(st.booleans()):
         pool = [t.name for t in src.model.tensors]
         names = set(data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=6, unique=True)))
-    plan = reshard.compile(src, dst, tensors=names)
+    plan = reshard.compile(src, dst, tensors=names, fanout=fanout)
     counts = write_counts(plan)
     mask = data_mask(dst, names)
     for key, m in mask.items():
@@ -56,20 +59,27 @@ def test_exactly_once_coverage(pair, data):
         assert torch.equal(c, m), f"{dst} rank {key[0]} {key[1]}: writes {c.flatten().tolist()[:20]}"
 
 
-@given(refits(), st.booleans())
-def test_accounting(pair, colocated):
+@given(refits(), st.booleans(), FANOUT)
+def test_accounting(pair, colocated, fanout):
     src, dst = pair
     colocated = colocated and dst.num_ranks <= src.num_ranks
-    plan = reshard.compile(src, dst, colocated=colocated)
+    plan = reshard.compile(src, dst, colocated=colocated, fanout=fanout)
     a, o = plan.accounting, plan.ops
     op_bytes = (o["rows"] * o["cols"]).sum() * src.model.itemsize
     assert a.total_bytes == op_bytes
     expected = data_bytes_by_rank(dst)
     assert list(a.ingress_bytes) == expected  # every destination receives exactly its share
     assert a.lower_bound_bytes == sum(expected) == a.total_bytes
-    assert sum(b for _, _, b in a.pair_bytes) == a.total_bytes
+    relayed = sum(a.relay_egress_bytes)
+    assert sum(b for _, _, b in a.pair_bytes) + relayed == a.total_bytes
+    assert sum(b for _, _, b in a.relay_pair_bytes) == relayed
     local = sum(b for s, d, b in a.pair_bytes if colocated and s == d)
-    assert a.local_bytes == local and sum(a.egress_bytes) == a.total_bytes - local
+    assert a.local_bytes == local and sum(a.egress_bytes) == a.total_bytes - local - relayed
+    if fanout:  # the trainer sends one replica's worth; each replica forwards at most fanout x what it got
+        per_replica = sum(expected[:dst.ranks_per_replica])
+        assert sum(a.egress_bytes) + a.local_bytes == per_replica
+        for r in range(dst.num_ranks):
+            assert a.relay_egress_bytes[r] <= fanout * a.ingress_bytes[r]
     assert a.num_transfers == len(plan.transfers) == len(a.pair_bytes)
     model_bytes = src.model.num_bytes
     assert a.model_bytes == model_bytes

@@ -80,7 +80,7 @@ def test_accounting(pair, colocated, fanout):
         assert sum(a.egress_bytes) + a.local_bytes == per_replica
         for r in range(dst.num_ranks):
             assert a.relay_egress_bytes[r] <= fanout * a.ingress_bytes[r]
-    assert a.num_transfers == len(plan.transfers) == len(a.pair_bytes)
+    assert a.num_transfers == len(plan.transfers) == len(a.pair_bytes) + len(a.relay_pair_bytes)
     model_bytes = src.model.num_bytes
     assert a.model_bytes == model_bytes
     assert a.gather_broadcast_bytes >= model_bytes * dst.num_ranks

@@ -1,0 +1,50 @@
+"""The dry run in the exact form the README and the core issue give."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from reshard.cli import main
+
+ISSUE_FORM = ["plan", "--model", "examples/configs/qwen3-235b-a22b.json",
+              "--src", "megatron:tp=4,pp=8,ep=16,etp=1,world=128,first_stage_layers=11,last_stage_layers=11",
+              "--dst", "vllm:tp=8,replicas=8"]
+
+
+def test_235b_dry_run_json(capsys):
+    assert main(ISSUE_FORM + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["coverage"] == "exact"
+    assert out["total_bytes"] == out["lower_bound_bytes"] > 0
+    assert out["gather_broadcast_bytes"] > out["total_bytes"]
+    assert len(out["egress_bytes"]) == 128 and len(out["ingress_bytes"]) == 64
+    assert sum(out["ingress_bytes"]) == out["total_bytes"]
+    assert out["num_ops"] > 0 and out["compile_seconds"] > 0
+    # Each of 8 replicas receives the model once (bf16, padding excluded), plus what vLLM TP8 replicates:
+    # each of the 4 KV heads sits on 2 ranks; norms and the router sit on all 8.
+    t, g, d, H, E, L = 8, 4, 128, 4096, 128, 94
+    per_layer = (t // g - 1) * 2 * g * d * H + (t - 1) * (2 * H + 2 * d + E * H)
+    per_replica = out["model_bytes"] + 2 * (L * per_layer + (t - 1) * H)
+    assert out["total_bytes"] == 8 * per_replica
+
+
+def test_readme_dry_run_prints_summary():
+    cmd = [sys.executable, "-m", "reshard.cli", "plan", "--model", "examples/configs/qwen3-30b-a3b.json",
+           "--src", "megatron:tp=2,pp=2,ep=8,etp=1,world=16", "--dst", "vllm:tp=2,replicas=8"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    for words in ("coverage     exact", "lower bound", "gather+bcast", "egress by source rank", "compile"):
+        assert words in out
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--src", "megatron:tp=8"], "num_query_groups=4 is not divisible by tp=8"),
+    (["--src", "megatron:tp=2,bogus=1"], "unknown option 'bogus'"),
+    (["--src", "deepspeed:tp=2"], "unknown layout kind 'deepspeed'"),
+])
+def test_bad_layouts_exit_2_with_the_reason(args, words, capsys):
+    argv = ["plan", "--model", "examples/configs/qwen3-30b-a3b.json", "--dst", "vllm:tp=2"] + args
+    assert main(argv) == 2
+    assert words in capsys.readouterr().err

@@ -4,7 +4,7 @@ Facts this encodes (pinned by tests/unit/test_vllm_layout.py and, against real v
 - qkv_proj per TP rank is [q_r; k_r; v_r]; when tp > num_kv_heads each KV head is replicated on
   tp / num_kv_heads ranks and rank r holds KV head r // (tp / num_kv_heads);
 - gate_up_proj is [gate_r; up_r]; o_proj and down_proj are split on dim 1;
-- experts: w13 [E_local, 2 Fm/tp_moe, H] holding [w1 (gate); w3 (up)] per expert, w2 [E_local, H, Fm/tp_moe];
+- experts (`mlp.experts.routed_experts.*` in vLLM 0.33): w13 [E_local, 2 Fm/tp_moe, H] holding [w1 (gate); w3 (up)] per expert, w2 [E_local, H, Fm/tp_moe];
   without expert parallel every rank holds all experts split on the FFN dim; with it tp_moe = 1 and rank r
   holds experts [r E/tp, (r+1) E/tp);
 - vocab rows are padded to a multiple of `vocab_padding` (64) and then split evenly over TP; padding rows are
@@ -36,9 +36,9 @@ VLLM_NAMES = {
     Role.UP: "model.layers.{i}.mlp.gate_up_proj.weight",
     Role.DOWN: "model.layers.{i}.mlp.down_proj.weight",
     Role.ROUTER: "model.layers.{i}.mlp.gate.weight",
-    Role.EXPERT_GATE: "model.layers.{i}.mlp.experts.w13_weight",
-    Role.EXPERT_UP: "model.layers.{i}.mlp.experts.w13_weight",
-    Role.EXPERT_DOWN: "model.layers.{i}.mlp.experts.w2_weight",
+    Role.EXPERT_GATE: "model.layers.{i}.mlp.experts.routed_experts.w13_weight",
+    Role.EXPERT_UP: "model.layers.{i}.mlp.experts.routed_experts.w13_weight",
+    Role.EXPERT_DOWN: "model.layers.{i}.mlp.experts.routed_experts.w2_weight",
 }
 
 

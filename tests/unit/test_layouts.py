@@ -132,8 +132,8 @@ def test_vllm_expert_stacks(ep):
     lay = reshard.VllmLayout(model=MOE, tp=2, expert_parallel=ep)
     out = shard(lay, W)
     for r in range(2):
-        w13 = out[r]["model.layers.0.mlp.experts.w13_weight"]
-        w2 = out[r]["model.layers.0.mlp.experts.w2_weight"]
+        w13 = out[r]["model.layers.0.mlp.experts.routed_experts.w13_weight"]
+        w2 = out[r]["model.layers.0.mlp.experts.routed_experts.w2_weight"]
         experts = [2 * r, 2 * r + 1] if ep else [0, 1, 2, 3]
         assert w13.shape == (len(experts), 12 if ep else 6, 8)
         for slot, e in enumerate(experts):

@@ -2,7 +2,8 @@
 
 Facts this encodes (pinned by tests/unit/test_megatron_layout.py and, against real megatron-core, by the
 Megatron adapter tests):
-- linear_qkv rows are interleaved per query group: [q(hpg heads); k; v] for each group, TP splits whole groups;
+- linear_qkv rows are interleaved per query group: [q(hpg heads); k; v] for each group, split into contiguous
+  row blocks over TP (whole groups when query groups >= tp; megatron-core 0.19 also accepts fewer groups);
 - linear_fc1 is per TP rank [gate_r; up_r]; linear_proj and linear_fc2 are split on dim 1;
 - experts: EP rank r holds global experts [r E/ep, (r+1) E/ep), split over the expert-TP group;
 - vocab rows are padded to a multiple of `vocab_divisor * tp` (Megatron-LM's make_vocab_size_divisible_by);
@@ -57,7 +58,8 @@ class MegatronLayout(Layout):
                  vocab_divisor=self.vocab_divisor)
         divisible(self, "world", self.world, "tp*pp", self.tp * self.pp)
         divisible(self, "num_attention_heads", m.num_attention_heads, "tp", self.tp)
-        divisible(self, "num_query_groups", m.num_key_value_heads, "tp", self.tp)
+        qkv_rows = (m.num_attention_heads + 2 * m.num_key_value_heads) * m.head_dim
+        divisible(self, "linear_qkv rows (heads + 2 * query_groups) * head_dim", qkv_rows, "tp", self.tp)
         if not m.is_moe or m.dense_layers:
             divisible(self, "ffn_hidden_size", m.intermediate_size, "tp", self.tp)
         if m.is_moe:
@@ -266,19 +268,25 @@ def _layer_norm(lay: MegatronLayout, t: TensorSpec) -> list[Placement]:
 
 
 def _qkv(lay: MegatronLayout, t: TensorSpec) -> list[Placement]:
+    """linear_qkv is the interleaved [(nq + 2g) d, H] matrix split into contiguous row blocks over TP.
+
+    With g >= tp each rank holds whole query groups; megatron-core also accepts g < tp, and then a rank's
+    block cuts through a group (g=1, tp=2: rank 0 holds q0..q2, rank 1 holds q3, k, v).
+    """
     m = lay.model
     d, g, H = m.head_dim, m.num_key_value_heads, m.hidden_size
     hpg = m.num_attention_heads // g
-    groups_per_rank = g // lay.tp
-    shape = ((m.num_attention_heads + 2 * g) * d // lay.tp, H)
+    per_rank = (m.num_attention_heads + 2 * g) * d // lay.tp
+    shape = (per_rank, H)
     stage, name = lay._layer_name(t.layer, "self_attention.linear_qkv.weight")
     slot, rows = {Role.Q: (0, hpg * d), Role.K: (hpg * d, d), Role.V: ((hpg + 1) * d, d)}[t.role]
     out = []
-    for r in range(lay.tp):
-        for gl in range(groups_per_rank):
-            grp = r * groups_per_rank + gl
-            out += lay._replicated_dense(stage, r, name, shape, (grp * rows, 0), (rows, H),
-                                         (gl * (hpg + 2) * d + slot, 0))
+    for grp in range(g):
+        start = grp * (hpg + 2) * d + slot  # global interleaved row of this group's q (or k, v) block
+        for r in range(start // per_rank, (start + rows - 1) // per_rank + 1):
+            lo, hi = max(start, r * per_rank), min(start + rows, (r + 1) * per_rank)
+            out += lay._replicated_dense(stage, r, name, shape, (grp * rows + lo - start, 0), (hi - lo, H),
+                                         (lo - r * per_rank, 0))
     return out
 
 

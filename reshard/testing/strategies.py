@@ -48,7 +48,8 @@ def _common(*values: int) -> list[int]:
 @st.composite
 def megatron_layouts(draw, model: ModelSpec) -> MegatronLayout:
     dense_ffn = [model.intermediate_size] if (not model.is_moe or model.dense_layers) else []
-    tp = draw(st.sampled_from(_common(model.num_attention_heads, model.num_key_value_heads, *dense_ffn)))
+    qkv_rows = (model.num_attention_heads + 2 * model.num_key_value_heads) * model.head_dim
+    tp = draw(st.sampled_from(_common(model.num_attention_heads, qkv_rows, *dense_ffn)))
     L = model.num_layers
     pp_choices = [(p, None, None, 1) for p in divisors(L)]
     pp_choices += [(p, 1, None, 1) for p in (2, 3) if p <= L and (L - 1) % (p - 1) == 0 and L - 1 >= p - 1]
@@ -125,7 +126,9 @@ def invalid_declarations() -> list[tuple[str, callable, tuple[str, ...]]]:
                     num_experts=6, moe_intermediate_size=12)
     M, V = MegatronLayout, VllmLayout
     cases = [
-        ("megatron tp vs query groups", lambda: M(model=gqa, tp=8), ("num_query_groups=4", "tp=8")),
+        ("megatron tp vs heads", lambda: M(model=gqa, tp=3), ("num_attention_heads=8", "tp=3")),
+        ("megatron tp vs qkv rows", lambda: M(model=gqa.model_copy(update={"num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 1}), tp=4),
+         ("linear_qkv rows", "=6", "tp=4")),
         ("megatron tp vs ffn", lambda: M(model=gqa.model_copy(update={"intermediate_size": 18}), tp=4),
          ("ffn_hidden_size=18", "tp=4")),
         ("megatron world vs tp*pp", lambda: M(model=gqa, tp=2, pp=2, world=6), ("world=6", "tp*pp=4")),

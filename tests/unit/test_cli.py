@@ -40,7 +40,7 @@ def test_readme_dry_run_prints_summary():
 
 
 @pytest.mark.parametrize("args,words", [
-    (["--src", "megatron:tp=8"], "num_query_groups=4 is not divisible by tp=8"),
+    (["--src", "megatron:tp=3"], "num_attention_heads=32 is not divisible by tp=3"),
     (["--src", "megatron:tp=2,bogus=1"], "unknown option 'bogus'"),
     (["--src", "deepspeed:tp=2"], "unknown layout kind 'deepspeed'"),
 ])

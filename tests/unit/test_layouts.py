@@ -35,6 +35,18 @@ def test_megatron_qkv_is_interleaved_per_query_group():
         assert torch.equal(tp2[r]["decoder.layers.0.self_attention.linear_qkv.weight"], want[r * rows:(r + 1) * rows])
 
 
+def test_megatron_qkv_with_fewer_query_groups_than_tp_cuts_groups():
+    """megatron-core 0.19 accepts g < tp: rank r holds contiguous rows of the interleaved matrix."""
+    one_group = MHA_GQA.model_copy(update={"num_attention_heads": 4, "num_key_value_heads": 1})
+    W = weights(one_group)
+    d = 2
+    q, k, v = (W[f"model.layers.0.self_attn.{x}_proj.weight"] for x in "qkv")
+    full = torch.cat([q, k, v])  # one group: [q0..q3; k; v]
+    tp2 = shard(reshard.MegatronLayout(model=one_group, tp=2), W)
+    assert torch.equal(tp2[0]["decoder.layers.0.self_attention.linear_qkv.weight"], full[:3 * d])  # q0 q1 q2
+    assert torch.equal(tp2[1]["decoder.layers.0.self_attention.linear_qkv.weight"], full[3 * d:])  # q3 k v
+
+
 def test_megatron_fc1_is_gate_r_up_r_per_rank_and_row_parallel_splits_dim1():
     W = weights(MHA_GQA)
     gate, up, down = (W[f"model.layers.1.mlp.{x}_proj.weight"] for x in ("gate", "up", "down"))

@@ -16,6 +16,7 @@ from typing import Callable, ClassVar, Iterator, NamedTuple, Sequence
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
+from ..arrays import unique_inverse
 from ..errors import LayoutError
 from .model import ModelSpec, TensorSpec
 
@@ -85,14 +86,14 @@ class TableBuilder:
     def kinds_for(self, keys: np.ndarray, name: Callable[..., str], shape: Callable[..., tuple[int, ...]]) -> np.ndarray:
         """Kind id per row of `keys` (n x k ints); `name(*key)` and `shape(*key)` run once per distinct key."""
         keys = np.asarray(keys, dtype=np.int64).reshape(len(keys), -1)
-        uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
-        ids = np.asarray([self.kind(name(*k), shape(*k)) for k in uniq.tolist()], dtype=np.int64)
-        return ids[inverse.reshape(-1)]
+        first, inverse = unique_inverse(tuple(keys.T))
+        ids = np.asarray([self.kind(name(*k), shape(*k)) for k in keys[first].tolist()], dtype=np.int64)
+        return ids[inverse]
 
     def add(self, canon, rank, kind, c0, c1, n0, n1, origin, stride) -> None:
         arrays = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64)
                                        for x in (canon, rank, kind, c0, c1, n0, n1, origin, stride)))
-        self._blocks.append([a.ravel() for a in arrays])
+        self._blocks.append(arrays)  # broadcast views: written once, into the table's columns
 
     def add_placements(self, canon: int, placements: Sequence["Placement"]) -> None:
         """Rows from reference placements (the slow path, for the few tensors outside any batched rule)."""
@@ -107,8 +108,14 @@ class TableBuilder:
         self._blocks.append([a[:, k] for k in range(a.shape[1])])
 
     def table(self) -> PlacementTable:
-        cols = [np.concatenate([b[k] for b in self._blocks]) if self._blocks else np.zeros(0, np.int64)
-                for k in range(9)]
+        n = sum(b[0].size for b in self._blocks)
+        cols = [np.empty(n, dtype=np.int64) for _ in range(9)]
+        at = 0
+        for block in self._blocks:
+            size = block[0].size
+            for col, x in zip(cols, block):
+                col[at: at + size].reshape(x.shape)[...] = x
+            at += size
         return PlacementTable(*cols, kinds=tuple(self._kinds))
 
 

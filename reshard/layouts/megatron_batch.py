@@ -28,7 +28,7 @@ def megatron_table(lay, index: np.ndarray | Sequence[int] | None) -> PlacementTa
     S, Se = lay.axis_strides(expert=False), lay.axis_strides(expert=True)
     tp, dp = np.arange(lay.tp), np.arange(lay.dp)
     roles = c.role[index]
-    for code in np.unique(roles).tolist():
+    for code in np.flatnonzero(np.bincount(roles)).tolist():
         idx = index[roles == code]
         role = ROLES[code]
         if c.layer[idx[0]] < 0:  # embeddings, final norm, output layer: a handful of tensors

@@ -218,7 +218,7 @@ def _vllm_table(lay: VllmLayout, index, replica: int | None) -> PlacementTable:
     R = np.arange(tp)[None, None, :]
     K = shift[None, :, None]
     roles = c.role[index]
-    for code in np.unique(roles).tolist():
+    for code in np.flatnonzero(np.bincount(roles)).tolist():
         idx = index[roles == code]
         role = ROLES[code]
         if c.layer[idx[0]] < 0:  # embeddings, final norm, lm_head: a handful of tensors

@@ -150,13 +150,21 @@ def account_program(p: "Program", itemsize: int, num_src: int, num_dst: int, col
     local = (holder == dst) if colocated else np.zeros(holder.shape, dtype=bool)
     egress = np.bincount(holder[~local], weights=w[~local], minlength=num_src).astype(np.int64)
     per_pos = np.bincount(t["dst_rank"], weights=op_bytes, minlength=rpr).astype(np.int64)
-    relayed = np.flatnonzero(p.parent >= 0)
-    senders = (p.parent[relayed][:, None] * rpr + np.arange(rpr)[None, :]).ravel()
-    relay_egress = np.bincount(senders, weights=np.tile(per_pos, len(relayed)), minlength=num_dst).astype(np.int64)
+    r = p.relay
+    P = p.num_parts
+    part_pos = np.bincount(r["part"] * rpr + r["dst_rank"], weights=r["rows"] * r["cols"] * itemsize,
+                           minlength=P * rpr).astype(np.int64).reshape(P, rpr)
+    jj, kk = np.nonzero(p.parent >= 0)  # (part, relayed replica)
+    senders = (p.parent[jj, kk][:, None] * rpr + np.arange(rpr)[None, :]).ravel()
+    receivers = (kk[:, None] * rpr + np.arange(rpr)[None, :]).ravel()
+    stages = np.repeat(p.stage[jj, kk], rpr)
+    rb = part_pos[jj].ravel()
+    nz = rb > 0
+    senders, receivers, stages, rb = senders[nz], receivers[nz], stages[nz], rb[nz]
+    relay_egress = np.bincount(senders, weights=rb, minlength=num_dst).astype(np.int64)
     pairs = _pairs(holder.ravel(), dst.ravel(), w.ravel(), num_dst)
-    pos = np.flatnonzero(per_pos)
-    relay_pairs = tuple(sorted((int(p.parent[k]) * rpr + r, int(k) * rpr + r, int(per_pos[r]))
-                               for k in relayed.tolist() for r in pos.tolist()))
+    relay_pairs = _pairs(senders, receivers, rb, num_dst)
+    relay_transfers = len(np.unique((stages * num_dst + senders) * num_dst + receivers)) if len(rb) else 0
     total = int(op_bytes.sum()) * K
     local_bytes = int(w[local].sum())
     model = bounds.model_bytes
@@ -164,7 +172,7 @@ def account_program(p: "Program", itemsize: int, num_src: int, num_dst: int, col
         total_bytes=total, cross_bytes=total - local_bytes, local_bytes=local_bytes,
         lower_bound_bytes=int(sum(bounds.lower_bound_by_dst)),
         gather_broadcast_bytes=(model - bounds.gatherer_held_bytes) + model * num_dst,
-        model_bytes=model, num_ops=p.num_ops, num_transfers=len(pairs) + len(relay_pairs),
+        model_bytes=model, num_ops=p.num_ops, num_transfers=len(pairs) + relay_transfers,
         egress_bytes=tuple(egress.tolist()), ingress_bytes=tuple(np.tile(per_pos, K).tolist()),
         relay_egress_bytes=tuple(relay_egress.tolist()), lower_bound_by_dst=tuple(bounds.lower_bound_by_dst),
         pair_bytes=pairs, relay_pair_bytes=relay_pairs,

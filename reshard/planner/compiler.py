@@ -30,7 +30,7 @@ from ..layouts.base import PlacementTable
 from .accounting import Bounds
 from .balance import choose_holders
 from .coverage import _band_segments, _overlaps, _sorted_unique, prove_exact_coverage, rects_from_ops
-from .fanout import replica_forest
+from .fanout import replica_forests, split_parts
 from .merge import merge_relay, merge_template, sort_by, unique_inverse
 from .plan import Plan, TensorTable
 from .program import Program
@@ -232,16 +232,18 @@ def _check_source_boxes(boxes: _Boxes, src: TensorTable, numel: np.ndarray) -> N
 
 def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = None,
                  layers: Iterable[int] | None = None, colocated: bool = False,
-                 fanout: int | None = None, roots: int | None = None) -> Plan:
+                 fanout: int | None = None, roots: int | None = None, relay_cap: int = 1) -> Plan:
     """Compile the refit from `src` to `dst`.
 
     tensors / layers: compile only these canonical tensors / these layers' tensors (a subset plan).
     colocated: destination rank d shares a device with source rank d; its bytes from there are local copies
     (and are preferred when several sources hold them).
-    fanout: feed only `roots` destination replicas from the source and relay to the others along a forest in
-    which each replica forwards to at most `fanout` others (None: the source feeds every replica).
+    fanout: feed only `roots` destination replicas from the source and relay to the others along trees in which
+    each replica has at most `fanout` children (None: the source feeds every replica). See planner.fanout.
     roots: replicas the source feeds when fanout is set; default: the fewest holders any source byte has (each
     trainer data-parallel copy feeds one root, so no trainer rank sends much more than it holds).
+    relay_cap: no destination rank relays more than relay_cap times what it receives (the bytes are split over
+    ceil(fanout / relay_cap) trees whose interiors are disjoint).
     """
     start = time.perf_counter()
     if src.model != dst.model:
@@ -293,12 +295,12 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
     # Who feeds whom: the forest over replicas, then a holder per fed replica and group.
     if fanout and roots is None:
         roots = int(min(K, boxes.hcount[template["box"]].min(initial=K)))
-    parent, stage = replica_forest(K, fanout, roots or K)
-    fed = np.flatnonzero(parent < 0)
+    parent, stage = replica_forests(K, fanout, roots or K, relay_cap)
+    fed = np.flatnonzero(parent[0] < 0)
     choice, balance = choose_holders(group_bytes, boxes.hset[group_box], template["dst_rank"][first_of_group],
                                      boxes.hset_start, boxes.hset_count, boxes.hset_ranks, fed, rpr,
                                      src.num_ranks, colocated)
-    relay = merge_relay(template) if len(fed) < K else {}
+    relay = split_parts(merge_relay(template), parent.shape[0], rpr) if len(fed) < K else {}
 
     # The proof: the template, and the relay template, tile replica 0's model data exactly.
     width = dst_table0.kind_array(lambda _, shape: shape[-1])

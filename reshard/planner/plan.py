@@ -208,13 +208,19 @@ class Plan:
         return int(self.program.stage.max()) + 1 if self.num_ops else 0
 
     @property
-    def replica_parent(self) -> tuple[int, ...]:
-        """The fan-out forest: per destination replica, the replica it is relayed from (-1: fed by the source)."""
-        return tuple(self.program.parent.tolist())
+    def replica_parent(self) -> tuple[tuple[int, ...], ...]:
+        """The fan-out trees: per part of the bytes, per destination replica, the replica it is relayed from
+        (-1: fed by the source). One part unless relays are split (planner.fanout)."""
+        return tuple(tuple(row) for row in self.program.parent.tolist())
 
     @property
-    def replica_stage(self) -> tuple[int, ...]:
-        return tuple(self.program.stage.tolist())
+    def replica_stage(self) -> tuple[tuple[int, ...], ...]:
+        """Per part, per destination replica: the stage in which it receives that part."""
+        return tuple(tuple(row) for row in self.program.stage.tolist())
+
+    @property
+    def tree_depth(self) -> int:
+        return int(self.program.stage.max(initial=0))
 
     def ops_for_src(self, rank: int) -> np.ndarray:
         """Indices into `ops` of the ops rank `rank` of the source side sends (relays excluded)."""

@@ -5,8 +5,9 @@ say what every replica receives. What differs per replica is only where its byte
 - a replica *fed* by the source takes each template op from one of the source ranks that hold its bytes (the
   holders of the op's source box); `choice[f, group]` is the holder position chosen for fed replica f, per
   group of template ops (a destination tensor and a holder set), so that ops adjacent in memory stay together;
-- a *relayed* replica receives the same regions from its parent replica in a fan-out tree (`parent`), copying
-  from the parent's destination tensors (the *relay template*: the template's regions merged where adjacent).
+- a *relayed* replica receives the same regions from other replicas along fan-out trees, copying from their
+  destination tensors (the *relay template*: the template's regions merged where adjacent, cut into parts; part
+  j of replica k comes from replica `parent[j, k]` in stage `stage[j, k]`, see planner.fanout).
 
 Expanding gives the flat op rows of `plan.ops` (OP_COLUMNS). Whole plans of a trillion-parameter model have tens
 of millions of rows; a rank's executor expands only its own (`expand(..., sender=...)` / `receiver=`).
@@ -22,7 +23,7 @@ from .merge import SORT_KEYS
 
 TEMPLATE_COLUMNS = ("canon", "box", "src_d0", "src_d1", "dst_rank", "dst_tensor", "dst_offset", "dst_stride",
                     "rows", "cols", "group")
-RELAY_COLUMNS = ("canon", "dst_rank", "dst_tensor", "dst_offset", "dst_stride", "rows", "cols")
+RELAY_COLUMNS = ("canon", "dst_rank", "dst_tensor", "dst_offset", "dst_stride", "rows", "cols", "part")
 OP_COLUMNS = ("stage", "src_side", "src_rank", "src_tensor", "src_offset", "src_stride", "dst_rank", "dst_tensor",
               "dst_offset", "dst_stride", "rows", "cols", "canon")
 SOURCE, RELAY = 0, 1  # values of src_side
@@ -47,8 +48,8 @@ class Program:
     group_box: np.ndarray  # per group: one of its boxes (all of a group's boxes share the holder ranks)
     fed: np.ndarray  # replicas the source feeds, in feeding order f = 0..R-1
     choice: np.ndarray  # (R, G) holder position per fed replica and group
-    parent: np.ndarray  # per replica: the replica it is relayed from, -1 if fed by the source
-    stage: np.ndarray  # per replica: the stage in which it receives
+    parent: np.ndarray  # (parts, replicas): the replica each part is relayed from, -1 if fed by the source
+    stage: np.ndarray  # (parts, replicas): the stage in which each replica receives each part
     ranks_per_replica: int
     tensors_per_replica: int
 
@@ -72,7 +73,11 @@ class Program:
     # --- sizes -----------------------------------------------------------------------------------
     @property
     def num_replicas(self) -> int:
-        return len(self.parent)
+        return self.parent.shape[1]
+
+    @property
+    def num_parts(self) -> int:
+        return self.parent.shape[0]
 
     @property
     def num_template_ops(self) -> int:
@@ -112,12 +117,11 @@ class Program:
     @classmethod
     def from_arrays(cls, arrays: dict[str, Any], scalars: dict[str, int]) -> "Program":
         get = lambda k: np.asarray(arrays[k], dtype=np.int64)  # noqa: E731
-        choice = get("choice")
         fed = get("fed")
         return cls(template={c: get(f"t.{c}") for c in TEMPLATE_COLUMNS},
                    relay={c: get(f"r.{c}") for c in RELAY_COLUMNS},
-                   **{n: get(n) for n in cls.ARRAYS if n not in ("choice",)},
-                   choice=choice.reshape(len(fed), -1), **scalars)
+                   **{n: get(n) for n in cls.ARRAYS if n != "choice"},
+                   choice=get("choice").reshape(len(fed), -1), **scalars)
 
     def field_names(self) -> tuple[str, ...]:
         return tuple(f.name for f in fields(self))
@@ -135,7 +139,7 @@ def _feed_rows(p: Program, f: int, mask: np.ndarray | None, holder_rank: int | N
         sel, h = sel[keep], h[keep]
     rows = t["rows"][sel]
     return {
-        "stage": np.full(len(sel), p.stage[k], dtype=np.int64),
+        "stage": np.full(len(sel), p.stage[0, k], dtype=np.int64),
         "src_side": np.full(len(sel), SOURCE, dtype=np.int64),
         "src_rank": p.h_rank[h],
         "src_tensor": p.h_tensor[h],
@@ -151,13 +155,14 @@ def _feed_rows(p: Program, f: int, mask: np.ndarray | None, holder_rank: int | N
     }
 
 
-def _relay_rows(p: Program, k: int, mask: np.ndarray | None) -> dict[str, np.ndarray]:
+def _relay_rows(p: Program, k: int, mask: np.ndarray | None, part: int) -> dict[str, np.ndarray]:
     r = p.relay
-    par = int(p.parent[k])
-    sel = np.arange(p.num_relay_ops) if mask is None else np.flatnonzero(mask)
+    par = int(p.parent[part, k])
+    sel = r["part"] == part if mask is None else mask & (r["part"] == part)
+    sel = np.flatnonzero(sel)
     rank, tensor = r["dst_rank"][sel], r["dst_tensor"][sel]
     return {
-        "stage": np.full(len(sel), p.stage[k], dtype=np.int64),
+        "stage": np.full(len(sel), p.stage[part, k], dtype=np.int64),
         "src_side": np.full(len(sel), RELAY, dtype=np.int64),
         "src_rank": rank + par * p.ranks_per_replica,
         "src_tensor": tensor + par * p.tensors_per_replica,
@@ -180,24 +185,26 @@ def expand(p: Program, *, source_rank: int | None = None, relay_rank: int | None
     blocks = []
     fed_index = p.fed_index
     rpr = p.ranks_per_replica
+    parts = range(p.num_parts)
     if receiver is not None:
         k, r = divmod(receiver, rpr)
         if k < p.num_replicas:
             if fed_index[k] >= 0:
                 blocks.append(_feed_rows(p, int(fed_index[k]), p.template["dst_rank"] == r, None))
             else:
-                blocks.append(_relay_rows(p, k, p.relay["dst_rank"] == r))
+                blocks += [_relay_rows(p, k, p.relay["dst_rank"] == r, j) for j in parts]
     elif relay_rank is not None:
         k, r = divmod(relay_rank, rpr)
-        for child in np.flatnonzero(p.parent == k).tolist():
-            blocks.append(_relay_rows(p, child, p.relay["dst_rank"] == r))
+        for j in parts:
+            for child in np.flatnonzero(p.parent[j] == k).tolist():
+                blocks.append(_relay_rows(p, child, p.relay["dst_rank"] == r, j))
     elif source_rank is not None:
         for f in range(len(p.fed)):
             blocks.append(_feed_rows(p, f, None, source_rank))
     else:
         for k in range(p.num_replicas):
-            blocks.append(_feed_rows(p, int(fed_index[k]), None, None) if fed_index[k] >= 0
-                          else _relay_rows(p, k, None))
+            blocks += ([_feed_rows(p, int(fed_index[k]), None, None)] if fed_index[k] >= 0
+                       else [_relay_rows(p, k, None, j) for j in parts])
     if not blocks:
         return {c: np.zeros(0, np.int64) for c in OP_COLUMNS}
     ops = {c: np.concatenate([b[c] for b in blocks]) for c in OP_COLUMNS}

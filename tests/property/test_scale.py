@@ -14,7 +14,9 @@ from reshard.layouts import Layout
 from reshard.layouts.model import ROLES
 from reshard.planner.accounting import account
 from reshard.planner.balance import choose_holders
+from reshard.planner.fanout import expected_depth, forest_shape
 from reshard.planner.program import RELAY, SOURCE
+from reshard.testing.checks import relays_read_received_data
 from reshard.testing.strategies import layouts, models, refits
 
 
@@ -83,34 +85,29 @@ def test_factored_plan_expands_to_what_it_accounts(data):
 
 @given(st.data())
 def test_fanout_forest_promises(data):
-    """The trainer sends `roots` copies whatever the replica count; no destination rank forwards more than
-    fanout x what it receives; depth is the height of a fanout-ary forest; a relay reads only what its sender
-    received in an earlier stage."""
+    """The trainer sends `roots` copies whatever the replica count; no destination rank relays more than
+    relay_cap x what it receives (up to fanout - 1 elements of rounding); every replica receives every part once;
+    depth is logarithmic; a relay reads only what its sender received in an earlier stage."""
     src, dst = data.draw(refits())
-    fanout = data.draw(st.integers(1, 3))
+    fanout = data.draw(st.integers(1, 4))
+    relay_cap = data.draw(st.integers(1, 3))
     K = dst.num_replicas
     roots = data.draw(st.integers(1, K))
-    plan = reshard.compile(src, dst, fanout=fanout, roots=roots)
+    plan = reshard.compile(src, dst, fanout=fanout, roots=roots, relay_cap=relay_cap)
     a = plan.accounting
     per_replica = sum(a.ingress_bytes[:dst.ranks_per_replica])
     assert sum(a.egress_bytes) == roots * per_replica
+    slack = (fanout - 1) * plan.itemsize
     for r in range(dst.num_ranks):
-        assert a.relay_egress_bytes[r] <= fanout * a.ingress_bytes[r]
-    stage = plan.replica_stage
-    assert sorted(k for k, p in enumerate(plan.replica_parent) if p < 0) == list(range(roots))
-    # Height of the forest: level d holds up to roots * fanout**d replicas.
-    height, capacity = 0, roots
-    while capacity < K:
-        height += 1
-        capacity += roots * fanout ** height
-    assert max(stage) == height
-    ops = plan.ops
-    rpr = dst.ranks_per_replica
-    relay = ops["src_side"] == RELAY
-    sender_stage = np.asarray(stage)[ops["src_rank"][relay] // rpr]
-    assert (sender_stage < ops["stage"][relay]).all()
-    receiver_stage = np.asarray(stage)[ops["dst_rank"] // rpr]
-    assert (receiver_stage == ops["stage"]).all()
+        assert a.relay_egress_bytes[r] <= relay_cap * a.ingress_bytes[r] + slack
+    parents, stages = np.asarray(plan.replica_parent), np.asarray(plan.replica_stage)
+    assert (np.flatnonzero(parents[0] < 0) == np.arange(roots)).all()
+    used_fanout, parts = forest_shape(K, roots, fanout, relay_cap) if roots < K else (fanout, 1)
+    assert parents.shape == (parts, K)
+    assert plan.tree_depth == expected_depth(K, roots, used_fanout)
+    assert plan.tree_depth <= 1 + math.ceil(math.log(max(K, 2), max(used_fanout, 2))) or used_fanout == 1
+    assert relays_read_received_data(plan) == []
+    assert sum(a.relay_egress_bytes) == (K - roots) * per_replica
 
 
 @given(st.data())

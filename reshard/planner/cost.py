@@ -12,7 +12,8 @@ with `pipelined`, overlap as relays forward chunks while they arrive: then the p
 resource over all stages, plus one chunk and one latency per tree level to fill the pipeline.
 
 Ranks sit on GPUs in order: source rank s on GPU s; destination rank d on GPU `dst_first_gpu` + d (default right
-after the source's GPUs), or on source rank d's GPU when the plan is colocated. GPU g is in node g // gpus_per_node.
+after the source's GPUs), or on source rank d's GPU when the plan is colocated; `src_gpus` / `dst_gpus` give any
+other placement. GPU g is in node g // gpus_per_node.
 """
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ class Topology:
     pipelined: bool = False
     chunk_bytes: int = 64 << 20  # pipelined relays forward this much before the next level can start
     dst_first_gpu: int | None = None  # None: right after the source ranks' GPUs
+    src_gpus: tuple[int, ...] | None = None  # explicit GPU of every source rank (overrides the default order)
+    dst_gpus: tuple[int, ...] | None = None  # explicit GPU of every destination rank (overrides the rest)
 
     def __post_init__(self) -> None:
         bad = [n for n in ("gpus_per_node", "nvlink_bandwidth", "nvlink_bidirectional", "network_bandwidth",
@@ -138,24 +141,36 @@ def transfer_table(plan: "Plan") -> dict[str, np.ndarray]:
     return cols
 
 
+def _rank_gpus(plan: "Plan", topo: Topology) -> tuple[np.ndarray, np.ndarray]:
+    """GPU of every source rank and of every destination rank."""
+    S, D = plan.src.num_ranks, plan.dst.num_ranks
+    src = np.asarray(topo.src_gpus if topo.src_gpus is not None else range(S), dtype=np.int64)
+    if topo.dst_gpus is not None:
+        dst = np.asarray(topo.dst_gpus, dtype=np.int64)
+    elif plan.colocated:
+        dst = src[:D]
+    else:
+        first = int(src.max(initial=-1)) + 1 if topo.dst_first_gpu is None else topo.dst_first_gpu
+        dst = first + np.arange(D)
+    if len(src) != S or len(dst) != D:
+        from ..errors import PlanError
+
+        raise PlanError(f"topology places {len(src)} source and {len(dst)} destination ranks; the plan has "
+                        f"{S} and {D}")
+    return src, dst
+
+
 def _gpus(plan: "Plan", topo: Topology, tr: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    S = plan.src.num_ranks
-    first = S if topo.dst_first_gpu is None else topo.dst_first_gpu
-    dst_gpu = tr["dst"] if plan.colocated else tr["dst"] + first
-    src_is_dst = tr["side"] == RELAY
-    src_gpu = np.where(src_is_dst, tr["src"] if plan.colocated else tr["src"] + first, tr["src"])
-    return src_gpu, dst_gpu
+    src, dst = _rank_gpus(plan, topo)
+    src_gpu = np.where(tr["side"] == RELAY, dst[np.minimum(tr["src"], len(dst) - 1)],
+                       src[np.minimum(tr["src"], len(src) - 1)])
+    return src_gpu, dst[tr["dst"]]
 
 
 def _role(plan: "Plan", topo: Topology, gpu: int) -> str:
-    S, D = plan.src.num_ranks, plan.dst.num_ranks
-    first = S if topo.dst_first_gpu is None else topo.dst_first_gpu
-    roles = []
-    if gpu < S:
-        roles.append(f"src rank {gpu}")
-    d = gpu if plan.colocated else gpu - first
-    if 0 <= d < D:
-        roles.append(f"dst rank {d}")
+    src, dst = _rank_gpus(plan, topo)
+    roles = [f"src rank {int(r)}" for r in np.flatnonzero(src == gpu)[:2]]
+    roles += [f"dst rank {int(r)}" for r in np.flatnonzero(dst == gpu)[:2]]
     return " + ".join(roles) or "idle"
 
 

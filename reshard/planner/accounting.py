@@ -147,8 +147,11 @@ def account_program(p: "Program", itemsize: int, num_src: int, num_dst: int, col
     holder = p.holder_of_group()  # (R, G)
     dst = t["dst_rank"][first][None, :] + p.fed[:, None] * rpr
     w = np.broadcast_to(group_bytes[None, :], holder.shape)
-    local = (holder == dst) if colocated else np.zeros(holder.shape, dtype=bool)
-    egress = np.bincount(holder[~local], weights=w[~local], minlength=num_src).astype(np.int64)
+    ps, pd, pb = _pair_arrays(holder.ravel(), dst.ravel(), w.ravel(), num_dst)
+    pairs = tuple(zip(ps.tolist(), pd.tolist(), pb.tolist()))
+    local = (ps == pd) if colocated else np.zeros(len(ps), dtype=bool)
+    egress = np.bincount(ps[~local], weights=pb[~local], minlength=num_src).astype(np.int64)
+    local_bytes = int(pb[local].sum())
     per_pos = np.bincount(t["dst_rank"], weights=op_bytes, minlength=rpr).astype(np.int64)
     r = p.relay
     P = p.num_parts
@@ -162,11 +165,9 @@ def account_program(p: "Program", itemsize: int, num_src: int, num_dst: int, col
     nz = rb > 0
     senders, receivers, stages, rb = senders[nz], receivers[nz], stages[nz], rb[nz]
     relay_egress = np.bincount(senders, weights=rb, minlength=num_dst).astype(np.int64)
-    pairs = _pairs(holder.ravel(), dst.ravel(), w.ravel(), num_dst)
     relay_pairs = _pairs(senders, receivers, rb, num_dst)
     relay_transfers = len(np.unique((stages * num_dst + senders) * num_dst + receivers)) if len(rb) else 0
     total = int(op_bytes.sum()) * K
-    local_bytes = int(w[local].sum())
     model = bounds.model_bytes
     return Accounting(
         total_bytes=total, cross_bytes=total - local_bytes, local_bytes=local_bytes,
@@ -180,15 +181,20 @@ def account_program(p: "Program", itemsize: int, num_src: int, num_dst: int, col
     )
 
 
-def _pairs(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, num_dst: int) -> tuple[tuple[int, int, int], ...]:
+def _pair_arrays(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
+                 num_dst: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(src, dst, bytes) summed per pair, sorted by (src, dst); every entry moves at least one byte."""
     key = src * num_dst + dst
     span = (int(src.max(initial=0)) + 1) * num_dst
     if span <= 1 << 26:  # a dense table: no sort
         dense = np.bincount(key, weights=nbytes, minlength=span)
-        count = np.bincount(key, minlength=span)
-        keys = np.flatnonzero(count)
+        keys = np.flatnonzero(dense)
         sums = dense[keys].astype(np.int64)
     else:
         keys, inverse = np.unique(key, return_inverse=True)
         sums = np.bincount(inverse, weights=nbytes).astype(np.int64) if len(keys) else np.zeros(0, np.int64)
-    return tuple(zip((keys // num_dst).tolist(), (keys % num_dst).tolist(), sums.tolist()))
+    return keys // num_dst, keys % num_dst, sums
+
+
+def _pairs(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, num_dst: int) -> tuple[tuple[int, int, int], ...]:
+    return tuple(zip(*(x.tolist() for x in _pair_arrays(src, dst, nbytes, num_dst))))

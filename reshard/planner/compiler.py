@@ -208,7 +208,7 @@ def _meet(boxes: _Boxes, D: PlacementTable, rows, tid, a0, a1, m0, m1, q, b) -> 
     if not hit.all():
         hit = np.flatnonzero(hit)
         q, b, i0, i1, e0, e1, bc0, bc1, qa0, qa1 = (x[hit] for x in (q, b, i0, i1, e0, e1, bc0, bc1, qa0, qa1))
-    r = rows[q]
+    r = q if len(rows) == len(D) else rows[q]
     stride = D.stride[r]
     return {
         "canon": D.canon[r], "box": b, "src_d0": i0 - bc0, "src_d1": i1 - bc1,

@@ -63,15 +63,14 @@ def _sorted_unique(a: np.ndarray) -> np.ndarray:
 
 def _band_segments(t, r0, c0, nr, nc, key_base, bounds_keys):
     """Explode rectangles into per-band row intervals, sorted by (band, row)."""
-    order = sort_by((t, c0, r0))  # band order follows (tensor, column) order: sort once, look bands up in order
-    t, r0, c0, nr, nc = t[order], r0[order], c0[order], nr[order], nc[order]
     lo = np.searchsorted(bounds_keys, t * key_base + c0)
     count = np.searchsorted(bounds_keys, t * key_base + c0 + nc) - lo
-    if (count == 1).all():  # every rectangle lies in one band: already in (band, row) order
-        return lo, r0, r0 + nr
-    idx = np.repeat(np.arange(len(t)), count)
-    band = np.repeat(lo, count) + (np.arange(len(idx)) - np.repeat(np.cumsum(count) - count, count))
-    start, end = r0[idx], r0[idx] + nr[idx]
+    if (count == 1).all():  # every rectangle lies in one band: nothing to explode
+        band, start, end = lo, r0, r0 + nr
+    else:
+        idx = np.repeat(np.arange(len(t)), count)
+        band = np.repeat(lo, count) + (np.arange(len(idx)) - np.repeat(np.cumsum(count) - count, count))
+        start, end = r0[idx], r0[idx] + nr[idx]
     order = sort_by((band, start))
     return band[order], start[order], end[order]
 
@@ -102,8 +101,13 @@ def prove_exact_coverage(ops_rects: tuple[np.ndarray, ...], piece_rects: tuple[n
     if problems:
         raise CoverageError("coverage proof failed", problems)
     key_base = int(width.max(initial=0)) + 1
-    edges = _sorted_unique(np.concatenate([ot * key_base + ocol, ot * key_base + ocol + onc,
-                                           pt * key_base + pcol, pt * key_base + pcol + pnc]))
+    # Column cuts: every tensor's two sides, and the sides of every rectangle narrower than its tensor.
+    tids = np.arange(len(width), dtype=np.int64)
+    cuts = [tids * key_base, tids * key_base + width]
+    for t, c, n in ((ot, ocol, onc), (pt, pcol, pnc)):
+        part = np.flatnonzero(n != width[t])
+        cuts += [t[part] * key_base + c[part], t[part] * key_base + c[part] + n[part]]
+    edges = _sorted_unique(np.concatenate(cuts))
     ob, os_, oe = _band_segments(ot, orow, ocol, onr, onc, key_base, edges)
     pb, ps, pe = _band_segments(pt, prow, pcol, pnr, pnc, key_base, edges)
 

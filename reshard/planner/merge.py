@@ -90,13 +90,14 @@ def merge_template(t: dict[str, np.ndarray], box_hset: np.ndarray, box_stride: n
     t["dst_stride"] = np.where(flat, t["cols"], t["dst_stride"])
     hset = box_hset[t["box"]]
     order = sort_by((hset, t["dst_tensor"], t["dst_offset"]))
-    t = {k: v[order] for k, v in t.items()}
     hset = hset[order]
+    need = ("box", "rows", "cols", "dst_offset", "dst_stride", "dst_tensor", "src_d0", "src_d1")
+    u = {k: t[k][order] for k in need}  # the columns the merge test reads, in merge order
     n = len(hset)
     if n >= 2:
-        rows, cols, off, dstr = t["rows"], t["cols"], t["dst_offset"], t["dst_stride"]
-        s = box_stride[t["box"]]
-        same = (hset[1:] == hset[:-1]) & (t["dst_tensor"][1:] == t["dst_tensor"][:-1])
+        rows, cols, off, dstr = u["rows"], u["cols"], u["dst_offset"], u["dst_stride"]
+        s = box_stride[u["box"]]
+        same = (hset[1:] == hset[:-1]) & (u["dst_tensor"][1:] == u["dst_tensor"][:-1])
         fp, fn = rows[:-1] == 1, rows[1:] == 1
         flat_dst = fp & fn & (off[1:] == off[:-1] + cols[:-1])
         block_dst = (~fp & ~fn & (cols[1:] == cols[:-1]) & (dstr[1:] == dstr[:-1]) & (s[1:] == s[:-1])
@@ -106,26 +107,37 @@ def merge_template(t: dict[str, np.ndarray], box_hset: np.ndarray, box_stride: n
         # The source side at holder position 0 first (cheap, and rules out most candidates), then at every
         # position of the pair's (shared) holder set.
         i, j = cand, cand + 1
-        hi, hj = box_hstart[t["box"][i]], box_hstart[t["box"][j]]
-        oi = h_base[hi] + t["src_d0"][i] * h_stride[hi] + t["src_d1"][i]
-        oj = h_base[hj] + t["src_d0"][j] * h_stride[hj] + t["src_d1"][j]
-        keep = (h_tensor[hi] == h_tensor[hj]) & (oj == oi + step[i])
-        cand = cand[keep]
+        hi, hj = box_hstart[u["box"][i]], box_hstart[u["box"][j]]
+        oi = h_base[hi] + u["src_d0"][i] * h_stride[hi] + u["src_d1"][i]
+        oj = h_base[hj] + u["src_d0"][j] * h_stride[hj] + u["src_d1"][j]
+        cand = cand[(h_tensor[hi] == h_tensor[hj]) & (oj == oi + step[i])]
         joins = np.zeros(n - 1, dtype=bool)
         if len(cand):
             i, j = cand, cand + 1
-            bi, bj = t["box"][i], t["box"][j]
+            bi, bj = u["box"][i], u["box"][j]
             cnt = box_hcount[bi]
             pair = np.repeat(np.arange(len(cand)), cnt)
             pos = np.arange(len(pair)) - np.repeat(np.cumsum(cnt) - cnt, cnt)
             hi, hj = box_hstart[bi][pair] + pos, box_hstart[bj][pair] + pos
-            oi = h_base[hi] + t["src_d0"][i][pair] * h_stride[hi] + t["src_d1"][i][pair]
-            oj = h_base[hj] + t["src_d0"][j][pair] * h_stride[hj] + t["src_d1"][j][pair]
+            oi = h_base[hi] + u["src_d0"][i][pair] * h_stride[hi] + u["src_d1"][i][pair]
+            oj = h_base[hj] + u["src_d0"][j][pair] * h_stride[hj] + u["src_d1"][j][pair]
             ok = (h_tensor[hi] == h_tensor[hj]) & (oj == oi + step[i][pair])
             bad = np.bincount(pair[~ok], minlength=len(cand))
             joins[cand[bad == 0]] = True
-        t = _fuse_runs(t, joins)
-        hset = box_hset[t["box"]]
+        if joins.any():
+            starts = np.flatnonzero(np.concatenate([[True], ~joins]))
+            keep = order[starts]
+            flat = rows[starts] == 1
+            merged_cols = np.where(flat, np.add.reduceat(cols, starts), cols[starts])
+            merged_rows = np.where(flat, 1, np.add.reduceat(rows, starts))
+            t = {k: (u[k][starts] if k in u else v[keep]) for k, v in t.items()}
+            t["cols"], t["rows"] = merged_cols, merged_rows
+            t["dst_stride"] = np.where(flat, merged_cols, t["dst_stride"])
+            hset = hset[starts]
+        else:
+            t = {k: (u[k] if k in u else v[order]) for k, v in t.items()}
+    else:
+        t = {k: v[order] for k, v in t.items()}
     change = np.ones(len(hset), dtype=bool)
     if len(hset) > 1:
         change[1:] = (hset[1:] != hset[:-1]) | (t["dst_tensor"][1:] != t["dst_tensor"][:-1])

@@ -7,7 +7,9 @@ Every transfer (stage, sender, receiver) is classified by where its two ranks si
 Each GPU has a copy engine, an NVLink port and a NIC; each link class has a bandwidth and a latency (inputs,
 with defaults from the figures measured on the H200 machine and a 400 Gb/s NIC per GPU). A stage takes as long
 as its busiest resource (bytes / bandwidth; NVLink and NICs are full duplex, NVLink capped in total when both
-directions are busy), plus the latency of its transfers and a per-op cost. Stages run one after another, or,
+directions are busy), plus the latency of its transfers and a per-op cost. Executors that pack bytes into wire
+buffers, or stage what they receive before committing it, add device copies (`pack_copies`, `commit_copies`),
+which overlap the wire or follow it (`overlap_copies`). Stages run one after another, or,
 with `pipelined`, overlap as relays forward chunks while they arrive: then the plan takes as long as its busiest
 resource over all stages, plus one chunk and one latency per tree level to fill the pipeline.
 
@@ -43,6 +45,9 @@ class Topology:
     copy_bandwidth: float = 4.2e12  # device memory, read + write counted (measured); a copy of B bytes moves 2B
     copy_latency: float = 5e-6
     op_overhead: float = 0.0  # per op, on the busiest GPU (executors that launch a kernel per op)
+    pack_copies: float = 0.0  # device copies of every crossing byte on its sender and its receiver (wire buffers)
+    commit_copies: float = 0.0  # device copies of every received byte after it lands (a staged commit)
+    overlap_copies: bool = True  # pack/commit copies overlap the wire (bucketed pipelines) or follow it
     pipelined: bool = False
     chunk_bytes: int = 64 << 20  # pipelined relays forward this much before the next level can start
     dst_first_gpu: int | None = None  # None: right after the source ranks' GPUs
@@ -184,13 +189,17 @@ def _stage(plan: "Plan", topo: Topology, tr, sel, s: int) -> tuple[StagePredicti
     nv = ~same & (src_gpu // node == dst_gpu // node)
     net = ~same & ~nv
     load = {
-        "copy": np.bincount(src_gpu[same], weights=2 * nbytes[same], minlength=n),  # read + write
         "nvlink out": np.bincount(src_gpu[nv], weights=nbytes[nv], minlength=n),
         "nvlink in": np.bincount(dst_gpu[nv], weights=nbytes[nv], minlength=n),
         "nic out": np.bincount(src_gpu[net], weights=nbytes[net], minlength=n),
         "nic in": np.bincount(dst_gpu[net], weights=nbytes[net], minlength=n),
     }
     load["nvlink both"] = load["nvlink out"] + load["nvlink in"]
+    cross = ~same
+    copies = (np.bincount(src_gpu[same], weights=nbytes[same], minlength=n)  # local copies
+              + topo.pack_copies * (np.bincount(src_gpu[cross], weights=nbytes[cross], minlength=n)
+                                    + np.bincount(dst_gpu[cross], weights=nbytes[cross], minlength=n))
+              + topo.commit_copies * np.bincount(dst_gpu, weights=nbytes, minlength=n))
     bw = {"copy": topo.copy_bandwidth, "nvlink out": topo.nvlink_bandwidth, "nvlink in": topo.nvlink_bandwidth,
           "nvlink both": topo.nvlink_bidirectional, "nic out": topo.network_bandwidth,
           "nic in": topo.network_bandwidth}
@@ -201,8 +210,22 @@ def _stage(plan: "Plan", topo: Topology, tr, sel, s: int) -> tuple[StagePredicti
         g = int(np.argmax(l))
         secs = float(l[g]) / bw[kind]
         if secs > worst:
-            shown = l[g] / 2 if kind == "copy" else l[g]
-            busiest, worst = Resource(kind, g, _role(plan, topo, g), int(shown), secs), secs
+            busiest, worst = Resource(kind, g, _role(plan, topo, g), int(l[g]), secs), secs
+    copy_time = 2 * copies / topo.copy_bandwidth  # a copy reads and writes
+    if copy_time.any():
+        if topo.overlap_copies:
+            g = int(np.argmax(copy_time))
+            if copy_time[g] > worst:
+                busiest, worst = Resource("copy", g, _role(plan, topo, g), int(copies[g]), float(copy_time[g])), \
+                    float(copy_time[g])
+        else:  # copies follow the wire on each GPU
+            wire_per_gpu = np.max([load[k] / bw[k] for k in load], axis=0)
+            total = wire_per_gpu + copy_time
+            g = int(np.argmax(total))
+            if total[g] > worst:
+                busiest, worst = Resource("wire + copy", g, _role(plan, topo, g), int(copies[g]), float(total[g])), \
+                    float(total[g])
+    load["copy"] = 2 * copies
     latency = max([topo.copy_latency] * bool(same.any()) + [topo.nvlink_latency] * bool(nv.any())
                   + [topo.network_latency] * bool(net.any()), default=0.0)
     per_gpu_ops = np.bincount(src_gpu, weights=ops, minlength=n) + np.bincount(dst_gpu, weights=ops, minlength=n)

@@ -21,10 +21,14 @@ plan as `parent[j, k]` and `stage[j, k]` (stage = depth) per part j and replica 
 """
 from __future__ import annotations
 
-import networkx as nx
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from ..errors import PlanError
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 
 def _interior(non_roots: int, roots: int, fanout: int) -> int:
@@ -44,8 +48,10 @@ def forest_shape(num_replicas: int, roots: int, fanout: int, relay_cap: int) -> 
     return 1, 1
 
 
-def tree_graph(num_replicas: int, roots: int, fanout: int, rotation: int) -> nx.DiGraph:
+def tree_graph(num_replicas: int, roots: int, fanout: int, rotation: int) -> "nx.DiGraph":
     """One tree: roots 0..roots-1, each with one head; the non-roots, rotated, hang breadth first below."""
+    import networkx as nx  # only plans with fan-out need it; keeps `import reshard` light
+
     g = nx.DiGraph()
     g.add_nodes_from(range(num_replicas))
     order = list(range(roots, num_replicas))
@@ -68,6 +74,8 @@ def replica_forests(num_replicas: int, fanout: int | None, roots: int,
         raise PlanError(f"relay_cap={relay_cap} must be at least 1")
     if roots == num_replicas:
         return np.full((1, num_replicas), -1, dtype=np.int64), np.zeros((1, num_replicas), dtype=np.int64)
+    import networkx as nx
+
     fanout, parts = forest_shape(num_replicas, roots, fanout, relay_cap)
     block = _interior(num_replicas - roots, roots, fanout)
     parent = np.full((parts, num_replicas), -1, dtype=np.int64)

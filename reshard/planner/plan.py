@@ -170,6 +170,8 @@ class Plan:
     def ops_sent_by(self, rank: int, side: int = SOURCE) -> dict[str, np.ndarray]:
         """The ops source rank `rank` sends (side SOURCE), or destination rank `rank` relays (side RELAY), sorted
         as in `ops`, without expanding the rest of the plan."""
+        if side == SOURCE and not 0 <= rank < self.src.num_ranks:
+            raise PlanError(f"source rank {rank} is outside [0, {self.src.num_ranks})")
         return expand(self.program, source_rank=rank) if side == SOURCE else expand(self.program, relay_rank=rank)
 
     def ops_received_by(self, rank: int) -> dict[str, np.ndarray]:

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import PlanError
 from .merge import SORT_KEYS
 
 TEMPLATE_COLUMNS = ("canon", "box", "src_d0", "src_d1", "dst_rank", "dst_tensor", "dst_offset", "dst_stride",
@@ -185,6 +186,10 @@ def expand(p: Program, *, source_rank: int | None = None, relay_rank: int | None
     blocks = []
     fed_index = p.fed_index
     rpr = p.ranks_per_replica
+    for label, rank, limit in (("destination", receiver, rpr * p.num_replicas),
+                               ("destination", relay_rank, rpr * p.num_replicas)):
+        if rank is not None and not 0 <= rank < limit:
+            raise PlanError(f"{label} rank {rank} is outside [0, {limit})")
     parts = range(p.num_parts)
     if receiver is not None:
         k, r = divmod(receiver, rpr)
@@ -199,8 +204,11 @@ def expand(p: Program, *, source_rank: int | None = None, relay_rank: int | None
             for child in np.flatnonzero(p.parent[j] == k).tolist():
                 blocks.append(_relay_rows(p, child, p.relay["dst_rank"] == r, j))
     elif source_rank is not None:
+        held = np.zeros(len(p.box_hstart), dtype=bool)  # boxes this rank holds: only their ops can be its
+        held[np.repeat(np.arange(len(p.box_hstart)), p.box_hcount)[p.h_rank == source_rank]] = True
+        mask = held[p.template["box"]]
         for f in range(len(p.fed)):
-            blocks.append(_feed_rows(p, f, None, source_rank))
+            blocks.append(_feed_rows(p, f, mask, source_rank))
     else:
         for k in range(p.num_replicas):
             blocks += ([_feed_rows(p, int(fed_index[k]), None, None)] if fed_index[k] >= 0

@@ -40,6 +40,18 @@ def test_nvlink_and_device_copies(model):
     assert predict(local, topo).seconds == pytest.approx(2 * nbytes / topo.copy_bandwidth + topo.copy_latency)
 
 
+def test_pack_and_commit_copies(model):
+    """Executors that pack wire buffers or stage a commit pay device copies: overlapped or after the wire."""
+    plan = _one_to_one(model)
+    b = plan.accounting.total_bytes
+    topo = Topology(gpus_per_node=8, pack_copies=1, commit_copies=1)
+    wire = b / topo.nvlink_bandwidth
+    receiver_copies = 2 * (b + b) / topo.copy_bandwidth  # unpack + commit on the receiving GPU
+    assert predict(plan, topo).seconds == pytest.approx(max(wire, receiver_copies) + topo.nvlink_latency)
+    serial = predict(plan, topo.with_(overlap_copies=False)).seconds
+    assert serial == pytest.approx(wire + receiver_copies + topo.nvlink_latency)
+
+
 def test_bidirectional_nvlink_cap(model):
     """Two GPUs that each send the other the same bytes share the bidirectional NVLink figure."""
     src = reshard.MegatronLayout(model=model, tp=2)

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import abc
 import functools
-from typing import ClassVar, Iterator, NamedTuple
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Iterator, NamedTuple, Sequence
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict
 
+from ..arrays import unique_inverse
 from ..errors import LayoutError
 from .model import ModelSpec, TensorSpec
 
@@ -25,6 +28,112 @@ class Placement(NamedTuple):
     canon_offset: tuple[int, ...]
     lengths: tuple[int, ...]
     phys_offset: tuple[int, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class PlacementTable:
+    """Many placements as columns (the batched form of `Layout.placements`).
+
+    Row i: canonical tensor `canon[i]` has its 2-D box (`c0`, `c1`) + (`n0`, `n1`) on `rank[i]`, in the
+    physical tensor `kinds[kind[i]]` = (name, shape), starting at flat element `origin[i]` with rows `stride[i]`
+    elements apart (the physical tensor's last dimension). A 1-D canonical tensor is one row: c0 = 0, n0 = 1.
+    """
+
+    canon: np.ndarray
+    rank: np.ndarray
+    kind: np.ndarray
+    c0: np.ndarray
+    c1: np.ndarray
+    n0: np.ndarray
+    n1: np.ndarray
+    origin: np.ndarray
+    stride: np.ndarray
+    kinds: tuple[tuple[str, tuple[int, ...]], ...]
+
+    COLUMNS: ClassVar[tuple[str, ...]] = ("canon", "rank", "kind", "c0", "c1", "n0", "n1", "origin", "stride")
+
+    def __len__(self) -> int:
+        return len(self.canon)
+
+    def rows(self) -> list[tuple]:
+        """(canon, rank, name, shape, c0, c1, n0, n1, origin, stride) per row: a form to compare tables by."""
+        cols = [getattr(self, c).tolist() for c in self.COLUMNS]
+        return [(c, r, self.kinds[k][0], self.kinds[k][1], *rest) for c, r, k, *rest in zip(*cols)]
+
+    @staticmethod
+    def concat(tables: Sequence["PlacementTable"]) -> "PlacementTable":
+        kinds: dict[tuple[str, tuple[int, ...]], int] = {}
+        cols: dict[str, list[np.ndarray]] = {c: [] for c in PlacementTable.COLUMNS}
+        for t in tables:
+            remap = np.asarray([kinds.setdefault(k, len(kinds)) for k in t.kinds], dtype=np.int64)
+            for c in PlacementTable.COLUMNS:
+                v = getattr(t, c)
+                cols[c].append(remap[v] if c == "kind" and len(v) else v)
+        return PlacementTable(**{c: np.concatenate(v) if v else np.zeros(0, np.int64) for c, v in cols.items()},
+                              kinds=tuple(kinds))
+
+
+class TableBuilder:
+    """Accumulates blocks of placement rows; each block's columns broadcast against each other."""
+
+    def __init__(self) -> None:
+        self._kinds: dict[tuple[str, tuple[int, ...]], int] = {}
+        self._blocks: list[list[np.ndarray]] = []
+
+    def kind(self, name: str, shape: tuple[int, ...]) -> int:
+        return self._kinds.setdefault((name, tuple(shape)), len(self._kinds))
+
+    def kinds_for(self, keys: np.ndarray, name: Callable[..., str], shape: Callable[..., tuple[int, ...]]) -> np.ndarray:
+        """Kind id per row of `keys` (n x k ints); `name(*key)` and `shape(*key)` run once per distinct key."""
+        keys = np.asarray(keys, dtype=np.int64).reshape(len(keys), -1)
+        first, inverse = unique_inverse(tuple(keys.T))
+        ids = np.asarray([self.kind(name(*k), shape(*k)) for k in keys[first].tolist()], dtype=np.int64)
+        return ids[inverse]
+
+    def add(self, canon, rank, kind, c0, c1, n0, n1, origin, stride) -> None:
+        arrays = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64)
+                                       for x in (canon, rank, kind, c0, c1, n0, n1, origin, stride)))
+        self._blocks.append(arrays)  # broadcast views: written once, into the table's columns
+
+    def add_placements(self, canon: int, placements: Sequence["Placement"]) -> None:
+        """Rows from reference placements (the slow path, for the few tensors outside any batched rule)."""
+        if not placements:
+            return
+        rows = []
+        for p in placements:
+            (c0, c1), (n0, n1) = as_2d(p.canon_offset, p.lengths)
+            rows.append((canon, p.rank, self.kind(p.tensor, p.shape), c0, c1, n0, n1,
+                         flat_origin(p.shape, p.phys_offset), p.shape[-1]))
+        a = np.asarray(rows, dtype=np.int64)
+        self._blocks.append([a[:, k] for k in range(a.shape[1])])
+
+    def table(self) -> PlacementTable:
+        n = sum(b[0].size for b in self._blocks)
+        cols = [np.empty(n, dtype=np.int64) for _ in range(9)]
+        at = 0
+        for block in self._blocks:
+            size = block[0].size
+            for col, x in zip(cols, block):
+                col[at: at + size].reshape(x.shape)[...] = x
+            at += size
+        return PlacementTable(*cols, kinds=tuple(self._kinds))
+
+
+def as_2d(offset: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[tuple[int, int], tuple[int, int]]:
+    """A canonical box seen as 2-D: a 1-D box is one row."""
+    if len(offset) == 1:
+        return (0, offset[0]), (1, lengths[0])
+    if len(offset) == 2:
+        return (offset[0], offset[1]), (lengths[0], lengths[1])
+    raise LayoutError("layout", f"canonical tensors of {len(offset)} dimensions are not supported (1 or 2)")
+
+
+def flat_origin(shape: tuple[int, ...], phys_offset: tuple[int, ...]) -> int:
+    """Flat element offset of `phys_offset` in a row-major tensor of `shape`."""
+    off = 0
+    for size, o in zip(shape, phys_offset):
+        off = off * size + o
+    return off
 
 
 class Layout(BaseModel, abc.ABC):
@@ -57,6 +166,20 @@ class Layout(BaseModel, abc.ABC):
     @abc.abstractmethod
     def rank_tensors(self, rank: int) -> dict[str, tuple[int, ...]]:
         """The physical tensors of one rank (name -> shape), padding included."""
+
+    def placement_table(self, index: np.ndarray | Sequence[int] | None = None,
+                        replica: int | None = None) -> PlacementTable:
+        """`placements` of the canonical tensors `index` (default all) as one table.
+
+        This default reads `placements` one tensor at a time (the reference); layouts override it with
+        batched rules, which property tests hold equal to the reference.
+        """
+        tensors = self.model.tensors
+        index = range(len(tensors)) if index is None else np.asarray(index, dtype=np.int64).tolist()
+        b = TableBuilder()
+        for k in index:
+            b.add_placements(k, self.placements(tensors[k], replica))
+        return b.table()
 
     # --- conveniences ----------------------------------------------------------------------------
     @property
@@ -99,7 +222,10 @@ def pad_to(n: int, multiple: int) -> int:
 def rank_tensor_table(layout: Layout) -> dict[int, dict[str, tuple[int, ...]]]:
     """rank -> {physical tensor name: shape}, read off the placements (layouts emit an empty placement
     for a physical tensor that holds only padding, so it still appears here)."""
+    t = layout.placement_table()
+    pairs = np.unique(np.stack([t.rank, t.kind]), axis=1) if len(t) else np.zeros((2, 0), np.int64)
     table: dict[int, dict[str, tuple[int, ...]]] = {}
-    for _, p in layout.iter_placements():
-        table.setdefault(p.rank, {})[p.tensor] = p.shape
+    for rank, kind in pairs.T.tolist():
+        name, shape = t.kinds[kind]
+        table.setdefault(rank, {})[name] = shape
     return table

@@ -1,10 +1,13 @@
 """The HF layout: every canonical tensor whole, under its checkpoint name, on each replica's single rank."""
 from __future__ import annotations
 
-from .base import Layout, Placement, positive
-from .model import TensorSpec
+from typing import Sequence
 
+import numpy as np
 from pydantic import model_validator
+
+from .base import Layout, Placement, PlacementTable, TableBuilder, positive
+from .model import TensorSpec
 
 
 class HfLayout(Layout):
@@ -32,6 +35,18 @@ class HfLayout(Layout):
         zero = (0,) * len(tensor.shape)
         replicas = range(self.replicas) if replica is None else (replica,)
         return [Placement(k, tensor.name, tensor.shape, zero, tensor.shape, zero) for k in replicas]
+
+    def placement_table(self, index: np.ndarray | Sequence[int] | None = None,
+                        replica: int | None = None) -> PlacementTable:
+        c = self.model.canonical
+        index = np.arange(len(c), dtype=np.int64) if index is None else np.asarray(index, dtype=np.int64)
+        b = TableBuilder()
+        kind = np.asarray([b.kind(self.model.tensor_name(k), (int(c.rows[k]), int(c.cols[k])) if c.ndim[k] == 2
+                                  else (int(c.cols[k]),)) for k in index.tolist()], dtype=np.int64)
+        ranks = np.arange(self.replicas) if replica is None else np.asarray([replica])
+        b.add(index[:, None], ranks[None, :], kind[:, None], 0, 0, c.rows[index][:, None], c.cols[index][:, None],
+              0, c.cols[index][:, None])
+        return b.table()
 
     def rank_tensors(self, rank: int) -> dict[str, tuple[int, ...]]:
         self._check_rank(rank)

@@ -13,12 +13,13 @@ Megatron adapter tests):
 from __future__ import annotations
 
 import functools
-from typing import Literal
+from typing import Literal, Sequence
 
+import numpy as np
 from pydantic import Field, model_validator
 
-from .base import Layout, Placement, divisible, pad_to, positive, rank_tensor_table
-from .model import Role, TensorSpec
+from .base import Layout, Placement, PlacementTable, TableBuilder, divisible, pad_to, positive, rank_tensor_table
+from .model import ROLE_CODE, ROLES, Role, TensorSpec
 
 _AXES = ("tp", "cp", "ep", "dp", "pp")
 
@@ -204,6 +205,22 @@ class MegatronLayout(Layout):
     def rank_tensors(self, rank: int) -> dict[str, tuple[int, ...]]:
         self._check_rank(rank)
         return rank_tensor_table(self).get(rank, {})
+
+    def placement_table(self, index: np.ndarray | Sequence[int] | None = None,
+                        replica: int | None = None) -> PlacementTable:
+        from .megatron_batch import megatron_table
+
+        return megatron_table(self, index)
+
+    def axis_strides(self, expert: bool) -> dict[str, int]:
+        """Stride of each parallel axis in the global rank (rank = sum of coordinate x stride)."""
+        sizes = ({"tp": self.etp, "cp": 1, "ep": self.ep, "dp": self.edp, "pp": self.pp} if expert else
+                 {"tp": self.tp, "cp": 1, "ep": 1, "dp": self.dp, "pp": self.pp})
+        strides, stride = {}, 1
+        for axis in self.rank_order.split("-"):
+            strides[axis] = stride
+            stride *= sizes[axis]
+        return strides
 
     def _replicated_dense(self, stage: int, tp: int, name: str, shape: tuple[int, ...],
                           canon_offset: tuple[int, ...], lengths: tuple[int, ...],

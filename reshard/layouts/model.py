@@ -9,6 +9,7 @@ import enum
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from ..errors import ModelConfigError
@@ -122,8 +123,29 @@ class ModelSpec(BaseModel):
         return by_name[name]
 
     @property
+    def canonical(self) -> "CanonicalTable":
+        """The canonical tensors as arrays (same order and indices as `tensors`), built without Python objects
+        per tensor: what compilers and batched placements use at scale."""
+        return _canonical_table(self)
+
+    def tensor_at(self, index: int) -> TensorSpec:
+        """`tensors[index]`, built alone (the whole tuple costs a Python object per tensor)."""
+        c = self.canonical
+        shape = (int(c.rows[index]), int(c.cols[index])) if c.ndim[index] == 2 else (int(c.cols[index]),)
+        return TensorSpec(int(index), self.tensor_name(index), shape, ROLES[int(c.role[index])],
+                          int(c.layer[index]), int(c.expert[index]))
+
+    def tensor_name(self, index: int) -> str:
+        """The HF name of canonical tensor `index`, without building every TensorSpec."""
+        c = self.canonical
+        if not 0 <= index < len(c):
+            raise KeyError(f"canonical tensor index {index} is outside [0, {len(c)})")
+        role = ROLES[int(c.role[index])]
+        return _NAME_FORMATS[role].format(i=int(c.layer[index]), e=int(c.expert[index]))
+
+    @property
     def num_params(self) -> int:
-        return sum(t.numel for t in self.tensors)
+        return int(self.canonical.numel.sum())
 
     @property
     def num_bytes(self) -> int:
@@ -140,6 +162,101 @@ class ModelSpec(BaseModel):
         from .families import spec_from_hf_config
 
         return spec_from_hf_config(config)
+
+
+ROLES: tuple[Role, ...] = tuple(Role)
+ROLE_CODE: dict[Role, int] = {r: k for k, r in enumerate(ROLES)}
+
+_NAME_FORMATS = {
+    Role.EMBED: "model.embed_tokens.weight",
+    Role.LM_HEAD: "lm_head.weight",
+    Role.FINAL_NORM: "model.norm.weight",
+    Role.INPUT_NORM: "model.layers.{i}.input_layernorm.weight",
+    Role.POST_ATTN_NORM: "model.layers.{i}.post_attention_layernorm.weight",
+    Role.Q_NORM: "model.layers.{i}.self_attn.q_norm.weight",
+    Role.K_NORM: "model.layers.{i}.self_attn.k_norm.weight",
+    Role.Q: "model.layers.{i}.self_attn.q_proj.weight",
+    Role.K: "model.layers.{i}.self_attn.k_proj.weight",
+    Role.V: "model.layers.{i}.self_attn.v_proj.weight",
+    Role.O: "model.layers.{i}.self_attn.o_proj.weight",
+    Role.GATE: "model.layers.{i}.mlp.gate_proj.weight",
+    Role.UP: "model.layers.{i}.mlp.up_proj.weight",
+    Role.DOWN: "model.layers.{i}.mlp.down_proj.weight",
+    Role.ROUTER: "model.layers.{i}.mlp.gate.weight",
+    Role.EXPERT_GATE: "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+    Role.EXPERT_UP: "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
+    Role.EXPERT_DOWN: "model.layers.{i}.mlp.experts.{e}.down_proj.weight",
+}
+
+
+@dataclass(frozen=True, eq=False)
+class CanonicalTable:
+    """Canonical tensors as columns, index k = `ModelSpec.tensors[k].index`. Shapes are seen as 2-D
+    (`rows` x `cols`; a 1-D tensor is one row) because every compiler step works on 2-D boxes."""
+
+    role: np.ndarray  # code into ROLES
+    layer: np.ndarray  # -1 where it does not apply
+    expert: np.ndarray
+    rows: np.ndarray
+    cols: np.ndarray
+    ndim: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.role)
+
+    @property
+    def numel(self) -> np.ndarray:
+        return self.rows * self.cols
+
+
+def _role_shapes(spec: ModelSpec) -> dict[Role, tuple[int, ...]]:
+    H, d = spec.hidden_size, spec.head_dim
+    F, Fm = spec.intermediate_size, spec.moe_intermediate_size
+    return {
+        Role.EMBED: (spec.vocab_size, H), Role.LM_HEAD: (spec.vocab_size, H), Role.FINAL_NORM: (H,),
+        Role.INPUT_NORM: (H,), Role.POST_ATTN_NORM: (H,), Role.Q_NORM: (d,), Role.K_NORM: (d,),
+        Role.Q: (spec.num_attention_heads * d, H), Role.K: (spec.num_key_value_heads * d, H),
+        Role.V: (spec.num_key_value_heads * d, H), Role.O: (H, spec.num_attention_heads * d),
+        Role.GATE: (F, H), Role.UP: (F, H), Role.DOWN: (H, F), Role.ROUTER: (spec.num_experts, H),
+        Role.EXPERT_GATE: (Fm, H), Role.EXPERT_UP: (Fm, H), Role.EXPERT_DOWN: (H, Fm),
+    }
+
+
+@functools.lru_cache(maxsize=64)
+def _canonical_table(spec: ModelSpec) -> CanonicalTable:
+    """Same order as `_canonical_tensors`, built a layer at a time with numpy."""
+    attn = [Role.INPUT_NORM, Role.Q, Role.K, Role.V, Role.O]
+    if spec.qk_norm:
+        attn += [Role.Q_NORM, Role.K_NORM]
+    attn.append(Role.POST_ATTN_NORM)
+    E = spec.num_experts
+    expert_roles = np.tile([ROLE_CODE[r] for r in (Role.EXPERT_GATE, Role.EXPERT_UP, Role.EXPERT_DOWN)], E)
+    expert_ids = np.repeat(np.arange(E), 3)
+    roles, layers, experts = [[ROLE_CODE[Role.EMBED]]], [[-1]], [[-1]]
+    for i in range(spec.num_layers):
+        head = attn + ([Role.ROUTER] if spec.is_moe_layer(i) else [Role.GATE, Role.UP, Role.DOWN])
+        roles.append([ROLE_CODE[r] for r in head])
+        experts.append([-1] * len(head))
+        if spec.is_moe_layer(i):
+            roles.append(expert_roles)
+            experts.append(expert_ids)
+        layers.append(np.full(len(head) + (3 * E if spec.is_moe_layer(i) else 0), i))
+    tail = [Role.FINAL_NORM] + ([] if spec.tie_word_embeddings else [Role.LM_HEAD])
+    roles.append([ROLE_CODE[r] for r in tail])
+    layers.append([-1] * len(tail))
+    experts.append([-1] * len(tail))
+    role = np.concatenate([np.asarray(x, dtype=np.int64) for x in roles])
+    shapes = _role_shapes(spec)
+    by_code = [shapes[r] for r in ROLES]
+    nd = np.asarray([len(s) for s in by_code], dtype=np.int64)
+    rows = np.asarray([s[0] if len(s) == 2 else 1 for s in by_code], dtype=np.int64)
+    cols = np.asarray([s[-1] for s in by_code], dtype=np.int64)
+    table = CanonicalTable(role, np.concatenate([np.asarray(x, dtype=np.int64) for x in layers]),
+                           np.concatenate([np.asarray(x, dtype=np.int64) for x in experts]),
+                           rows[role], cols[role], nd[role])
+    for a in (table.role, table.layer, table.expert, table.rows, table.cols, table.ndim):
+        a.setflags(write=False)
+    return table
 
 
 @functools.lru_cache(maxsize=64)

@@ -13,10 +13,13 @@ Facts this encodes (pinned by tests/unit/test_vllm_layout.py and, against real v
 """
 from __future__ import annotations
 
+from typing import Sequence
+
+import numpy as np
 from pydantic import model_validator
 
-from .base import Layout, Placement, divisible, pad_to, positive, rank_tensor_table
-from .model import Role, TensorSpec
+from .base import Layout, Placement, PlacementTable, TableBuilder, divisible, pad_to, positive, rank_tensor_table
+from .model import ROLES, Role, TensorSpec
 
 # vLLM parameter names, per role; `{i}` is the layer. Kept as data so a vLLM version that renames can be
 # described in one place (the vLLM adapter checks them against live models).
@@ -104,6 +107,11 @@ class VllmLayout(Layout):
             return local
         replicas = range(self.replicas) if replica is None else (replica,)
         return [p._replace(rank=p.rank + k * self.tp) for k in replicas for p in local]
+
+
+    def placement_table(self, index: np.ndarray | Sequence[int] | None = None,
+                        replica: int | None = None) -> PlacementTable:
+        return _vllm_table(self, index, replica)
 
 
 # --- one placement rule per role, for replica 0 -----------------------------------------------------
@@ -194,3 +202,73 @@ _HANDLERS = {
     Role.EXPERT_UP: _expert,
     Role.EXPERT_DOWN: _expert,
 }
+
+
+# --- the same rules, batched: one numpy expression per role over every layer and expert ----------------
+
+def _vllm_table(lay: VllmLayout, index, replica: int | None) -> PlacementTable:
+    """Rows laid out as (tensor, replica, rank in replica); mirrors the per-role rules above."""
+    spec = lay.model
+    c = spec.canonical
+    index = np.arange(len(c), dtype=np.int64) if index is None else np.asarray(index, dtype=np.int64)
+    shift = (np.arange(lay.replicas) if replica is None else np.asarray([replica])) * lay.tp
+    b = TableBuilder()
+    m = spec
+    d, H, g, tp = m.head_dim, m.hidden_size, m.num_key_value_heads, lay.tp
+    R = np.arange(tp)[None, None, :]
+    K = shift[None, :, None]
+    roles = c.role[index]
+    for code in np.flatnonzero(np.bincount(roles)).tolist():
+        idx = index[roles == code]
+        role = ROLES[code]
+        if c.layer[idx[0]] < 0:  # embeddings, final norm, lm_head: a handful of tensors
+            for k in idx.tolist():
+                b.add_placements(k, lay.placements(spec.tensor_at(k), replica))
+            continue
+        rows, cols = int(c.rows[idx[0]]), int(c.cols[idx[0]])
+        T = idx[:, None, None]
+        fmt = VLLM_NAMES[role]
+        layer_keys = c.layer[idx]
+
+        def kinds(shape):
+            return b.kinds_for(layer_keys, lambda i: fmt.format(i=i), lambda *_: shape)[:, None, None]
+
+        if role in (Role.INPUT_NORM, Role.POST_ATTN_NORM, Role.Q_NORM, Role.K_NORM, Role.ROUTER):
+            shape = (rows, cols) if c.ndim[idx[0]] == 2 else (cols,)
+            b.add(T, R + K, kinds(shape), 0, 0, rows, cols, 0, cols)
+        elif role in (Role.Q, Role.K, Role.V):
+            q_rows = m.num_attention_heads // tp * d
+            kv_local = lay.kv_heads_per_rank
+            kind = kinds((q_rows + 2 * kv_local * d, H))
+            if role == Role.Q:
+                b.add(T, R + K, kind, R * q_rows, 0, q_rows, H, 0, H)
+            else:
+                first = R * kv_local if tp <= g else R // (tp // g)
+                phys_row = q_rows if role == Role.K else q_rows + kv_local * d
+                b.add(T, R + K, kind, first * d, 0, kv_local * d, H, phys_row * H, H)
+        elif role in (Role.O, Role.DOWN):
+            per = cols // tp
+            b.add(T, R + K, kinds((rows, per)), 0, R * per, rows, per, 0, per)
+        elif role in (Role.GATE, Role.UP):
+            per = rows // tp
+            b.add(T, R + K, kinds((2 * per, cols)), R * per, 0, per, cols, (0 if role == Role.GATE else per) * cols, cols)
+        elif role.is_expert:
+            Fm, E = m.moe_intermediate_size, m.num_experts
+            e = c.expert[idx][:, None, None]
+            if lay.expert_parallel:
+                per_rank = E // tp
+                rank, slot, split, e_local = e // per_rank, e % per_rank, 1, per_rank
+                tp_r = 0
+            else:
+                rank, slot, split, e_local = R, e, tp, E
+                tp_r = R
+            per = Fm // split
+            if role == Role.EXPERT_DOWN:
+                b.add(T, rank + K, kinds((e_local, H, per)), 0, tp_r * per, H, per, slot * H * per, per)
+            else:
+                row = 0 if role == Role.EXPERT_GATE else per
+                b.add(T, rank + K, kinds((e_local, 2 * per, H)), tp_r * per, 0, per, H, (slot * 2 * per + row) * H, H)
+        else:  # pragma: no cover - every layer role has a rule above
+            for k in idx.tolist():
+                b.add_placements(k, lay.placements(spec.tensor_at(k), replica))
+    return b.table()

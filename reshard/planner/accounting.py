@@ -6,14 +6,19 @@
   (its placements' bytes, padding excluded); a plan that writes every element exactly once meets it;
 - gather_broadcast_bytes: what the common RL-stack refit moves for the same model: gather every tensor whole
   onto one trainer rank (model bytes minus what that rank already holds), then broadcast the whole model to
-  every destination rank (model bytes x destination ranks), where each rank keeps its shard.
+  every destination rank (model bytes x destination ranks), where each rank keeps its shard;
+- egress balance: the busiest trainer sender beside `egress_lower_bound`, a bound no choice of senders can beat
+  (planner.balance), and `egress_unit_max`, the most the choice may exceed it by when holder sets are laminar.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .program import Program
 
 
 @dataclass(frozen=True)
@@ -23,14 +28,19 @@ class Bounds:
     lower_bound_by_dst: tuple[int, ...]
     model_bytes: int
     gatherer_held_bytes: int  # bytes of model data the gathering trainer rank (rank 0) already holds
+    egress_lower_bound: int = 0  # no choice of senders makes the busiest trainer rank send less
+    egress_unit_max: int = 0  # the largest unit of bytes assigned by choice
+    holder_sets_laminar: bool = True  # then busiest sender <= egress_lower_bound + egress_unit_max (guaranteed)
 
     def to_dict(self) -> dict[str, Any]:
         return {"lower_bound_by_dst": list(self.lower_bound_by_dst), "model_bytes": self.model_bytes,
-                "gatherer_held_bytes": self.gatherer_held_bytes}
+                "gatherer_held_bytes": self.gatherer_held_bytes, "egress_lower_bound": self.egress_lower_bound,
+                "egress_unit_max": self.egress_unit_max, "holder_sets_laminar": self.holder_sets_laminar}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Bounds":
-        return cls(tuple(d["lower_bound_by_dst"]), d["model_bytes"], d["gatherer_held_bytes"])
+        return cls(tuple(d["lower_bound_by_dst"]), d["model_bytes"], d["gatherer_held_bytes"],
+                   d.get("egress_lower_bound", 0), d.get("egress_unit_max", 0), d.get("holder_sets_laminar", True))
 
 
 @dataclass(frozen=True)
@@ -50,6 +60,9 @@ class Accounting:
     pair_bytes: tuple[tuple[int, int, int], ...]  # (src rank, dst rank, bytes), nonzero pairs only
     relay_pair_bytes: tuple[tuple[int, int, int], ...]  # (relaying dst rank, dst rank, bytes)
     num_stages: int
+    egress_lower_bound: int = 0  # see Bounds
+    egress_unit_max: int = 0
+    holder_sets_laminar: bool = True
 
     @property
     def max_egress(self) -> int:
@@ -65,6 +78,15 @@ class Accounting:
         sending = [b for b in self.egress_bytes if b]
         return max(sending) / (sum(sending) / len(sending)) if sending else 1.0
 
+    @property
+    def egress_optimality(self) -> float:
+        """Busiest sender over the bound no choice of senders can beat: 1.0 is provably optimal."""
+        return self.max_egress / self.egress_lower_bound if self.egress_lower_bound else 1.0
+
+    @property
+    def max_relay_egress(self) -> int:
+        return max(self.relay_egress_bytes, default=0)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "total_bytes": self.total_bytes, "cross_bytes": self.cross_bytes, "local_bytes": self.local_bytes,
@@ -73,6 +95,8 @@ class Accounting:
             "egress_bytes": list(self.egress_bytes), "ingress_bytes": list(self.ingress_bytes),
             "relay_egress_bytes": list(self.relay_egress_bytes), "num_stages": self.num_stages,
             "egress_balance": round(self.egress_balance, 4),
+            "egress_lower_bound": self.egress_lower_bound, "egress_unit_max": self.egress_unit_max,
+            "egress_optimality": round(self.egress_optimality, 6), "holder_sets_laminar": self.holder_sets_laminar,
             "pair_bytes": [list(p) for p in self.pair_bytes],
             "relay_pair_bytes": [list(p) for p in self.relay_pair_bytes],
         }
@@ -102,10 +126,75 @@ def account(ops: dict[str, np.ndarray], itemsize: int, num_src: int, num_dst: in
         relay_egress_bytes=tuple(relay_egress.tolist()),
         lower_bound_by_dst=tuple(bounds.lower_bound_by_dst), pair_bytes=pairs, relay_pair_bytes=relay_pairs,
         num_stages=int(ops["stage"].max()) + 1 if len(src) else 0,
+        **_balance_fields(bounds),
     )
 
 
+def _balance_fields(bounds: Bounds) -> dict[str, Any]:
+    return {"egress_lower_bound": bounds.egress_lower_bound, "egress_unit_max": bounds.egress_unit_max,
+            "holder_sets_laminar": bounds.holder_sets_laminar}
+
+
+def account_program(p: "Program", itemsize: int, num_src: int, num_dst: int, colocated: bool,
+                    bounds: Bounds) -> Accounting:
+    """The same accounting as `account`, computed from the factored ops without expanding them: per group of
+    template ops and fed replica for what the source sends, per replica for what relays forward."""
+    t, rpr, K = p.template, p.ranks_per_replica, p.num_replicas
+    op_bytes = t["rows"] * t["cols"] * itemsize
+    G = len(p.group_box)
+    group_bytes = np.bincount(t["group"], weights=op_bytes, minlength=G).astype(np.int64)
+    first = np.searchsorted(t["group"], np.arange(G))
+    holder = p.holder_of_group()  # (R, G)
+    dst = t["dst_rank"][first][None, :] + p.fed[:, None] * rpr
+    w = np.broadcast_to(group_bytes[None, :], holder.shape)
+    ps, pd, pb = _pair_arrays(holder.ravel(), dst.ravel(), w.ravel(), num_dst)
+    pairs = tuple(zip(ps.tolist(), pd.tolist(), pb.tolist()))
+    local = (ps == pd) if colocated else np.zeros(len(ps), dtype=bool)
+    egress = np.bincount(ps[~local], weights=pb[~local], minlength=num_src).astype(np.int64)
+    local_bytes = int(pb[local].sum())
+    per_pos = np.bincount(t["dst_rank"], weights=op_bytes, minlength=rpr).astype(np.int64)
+    r = p.relay
+    P = p.num_parts
+    part_pos = np.bincount(r["part"] * rpr + r["dst_rank"], weights=r["rows"] * r["cols"] * itemsize,
+                           minlength=P * rpr).astype(np.int64).reshape(P, rpr)
+    jj, kk = np.nonzero(p.parent >= 0)  # (part, relayed replica)
+    senders = (p.parent[jj, kk][:, None] * rpr + np.arange(rpr)[None, :]).ravel()
+    receivers = (kk[:, None] * rpr + np.arange(rpr)[None, :]).ravel()
+    stages = np.repeat(p.stage[jj, kk], rpr)
+    rb = part_pos[jj].ravel()
+    nz = rb > 0
+    senders, receivers, stages, rb = senders[nz], receivers[nz], stages[nz], rb[nz]
+    relay_egress = np.bincount(senders, weights=rb, minlength=num_dst).astype(np.int64)
+    relay_pairs = _pairs(senders, receivers, rb, num_dst)
+    relay_transfers = len(np.unique((stages * num_dst + senders) * num_dst + receivers)) if len(rb) else 0
+    total = int(op_bytes.sum()) * K
+    model = bounds.model_bytes
+    return Accounting(
+        total_bytes=total, cross_bytes=total - local_bytes, local_bytes=local_bytes,
+        lower_bound_bytes=int(sum(bounds.lower_bound_by_dst)),
+        gather_broadcast_bytes=(model - bounds.gatherer_held_bytes) + model * num_dst,
+        model_bytes=model, num_ops=p.num_ops, num_transfers=len(pairs) + relay_transfers,
+        egress_bytes=tuple(egress.tolist()), ingress_bytes=tuple(np.tile(per_pos, K).tolist()),
+        relay_egress_bytes=tuple(relay_egress.tolist()), lower_bound_by_dst=tuple(bounds.lower_bound_by_dst),
+        pair_bytes=pairs, relay_pair_bytes=relay_pairs,
+        num_stages=int(p.stage.max()) + 1 if p.num_ops else 0, **_balance_fields(bounds),
+    )
+
+
+def _pair_arrays(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
+                 num_dst: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(src, dst, bytes) summed per pair, sorted by (src, dst); every entry moves at least one byte."""
+    key = src * num_dst + dst
+    span = (int(src.max(initial=0)) + 1) * num_dst
+    if span <= 1 << 26:  # a dense table: no sort
+        dense = np.bincount(key, weights=nbytes, minlength=span)
+        keys = np.flatnonzero(dense)
+        sums = dense[keys].astype(np.int64)
+    else:
+        keys, inverse = np.unique(key, return_inverse=True)
+        sums = np.bincount(inverse, weights=nbytes).astype(np.int64) if len(keys) else np.zeros(0, np.int64)
+    return keys // num_dst, keys % num_dst, sums
+
+
 def _pairs(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, num_dst: int) -> tuple[tuple[int, int, int], ...]:
-    keys, inverse = np.unique(src * num_dst + dst, return_inverse=True)
-    sums = np.bincount(inverse, weights=nbytes).astype(np.int64) if len(keys) else np.zeros(0, np.int64)
-    return tuple((int(k // num_dst), int(k % num_dst), int(b)) for k, b in zip(keys, sums))
+    return tuple(zip(*(x.tolist() for x in _pair_arrays(src, dst, nbytes, num_dst))))

@@ -1,47 +1,184 @@
 """Choosing among sources that hold the same bytes, so that the busiest sender moves as little as possible.
 
-Ops whose bytes have one holder are fixed. The rest are grouped by (destination tensor, set of holders): a
-group goes to one holder as a unit so that ops adjacent in memory stay mergeable. Groups are assigned
-greedily, largest first, to the holder with the least egress so far (longest-processing-time greedy: the
-busiest sender ends within 4/3 of the best assignment of these groups, plus the largest group). When the
-destination shares a device with a holder (colocated plans), that holder is taken: its bytes are a local
-copy and cost no link.
+A *unit* is one group of template ops (a destination tensor and the set of source ranks that hold its bytes)
+for one fed replica; it goes to one holder whole, so ops adjacent in memory stay merged. Units with one holder
+are fixed; colocated plans take the holder on the destination's own device (a local copy costs no link).
+
+The rest are placed one holder set at a time, smallest sets first. Inside a set, the units (largest first) are
+laid along a line against the holders' free room under the set's water level (the level that would equalize
+the holders' loads if units could be split), each unit going to the holder whose room its start falls in.
+
+Guarantee. When the holder sets form a laminar family (any two are disjoint or nested, as data-parallel and
+tensor-parallel replication produce), let LB be the largest, over holder sets S, of (bytes that must be sent
+from inside S: the fixed units on S's ranks and every unit whose holder set lies inside S) / |S|. No assignment,
+not even one that splits units, makes the busiest sender send less than LB. The busiest sender here ends at
+most LB + w_max, w_max the largest unit. Why: when set S is placed, every load inside S comes from units whose
+holder set lies inside S (smaller sets went first, and laminar sets meet only by nesting), so S's water level is
+at most LB; a holder overshoots its room by less than one unit; holders outside S are untouched. Sets of one
+size are disjoint in a laminar family, so each size is placed in one vectorized step.
+
+Families that are not laminar are placed set by set in the same order (no guarantee), and LB is then the
+general bound computed from subset relations. The plan's accounting reports LB and w_max beside the busiest
+sender (`egress_lower_bound`, `egress_unit_max`, `egress_optimality`).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 
-def choose_holders(op_bytes: np.ndarray, op_dst_rank: np.ndarray, op_dst_tensor: np.ndarray,
-                   op_hset: np.ndarray, hsets: list[tuple[int, ...]], num_src: int,
-                   colocated: bool) -> np.ndarray:
-    """Position, inside each op's holder set, of the holder that sends it."""
-    sizes = np.fromiter((len(h) for h in hsets), dtype=np.int64, count=len(hsets))
-    pos = np.zeros(len(op_bytes), dtype=np.int64)
-    fixed = sizes[op_hset] == 1
-    egress = np.zeros(num_src, dtype=np.int64)
-    if fixed.any():
-        first = np.fromiter((h[0] for h in hsets), dtype=np.int64, count=len(hsets))[op_hset[fixed]]
-        sent = ~(colocated & (first == op_dst_rank[fixed]))
-        np.add.at(egress, first[sent], op_bytes[fixed][sent])
-    free = np.flatnonzero(~fixed)
-    if not len(free):
-        return pos
-    key = op_dst_tensor[free] * len(hsets) + op_hset[free]
-    groups, inverse = np.unique(key, return_inverse=True)
-    group_bytes = np.bincount(inverse, weights=op_bytes[free]).astype(np.int64)
-    group_hset = groups % len(hsets)
-    group_dst = np.zeros(len(groups), dtype=np.int64)
-    group_dst[inverse] = op_dst_rank[free]
-    choice = np.zeros(len(groups), dtype=np.int64)
-    for g in np.lexsort((groups, -group_bytes)).tolist():  # largest first, ties by key: deterministic
-        holders = hsets[group_hset[g]]
-        if colocated and group_dst[g] in holders:
-            choice[g] = holders.index(int(group_dst[g]))
-            continue
-        loads = egress[list(holders)]
-        k = int(np.argmin(loads))
-        choice[g] = k
-        egress[holders[k]] += group_bytes[g]
-    pos[free] = choice[inverse]
-    return pos
+@dataclass(frozen=True)
+class BalanceReport:
+    lower_bound: int  # LB above: no assignment makes the busiest sender move less
+    unit_max: int  # w_max: the largest unit placed by choice
+    laminar: bool  # whether the holder sets were laminar (then busiest <= LB + unit_max is guaranteed)
+
+
+def _members(sets: np.ndarray, hset_start: np.ndarray, hset_count: np.ndarray, hset_ranks: np.ndarray):
+    """(set position, rank) of every membership of the given holder sets."""
+    cnt = hset_count[sets]
+    owner = np.repeat(np.arange(len(sets)), cnt)
+    at = np.repeat(hset_start[sets], cnt) + (np.arange(len(owner)) - np.repeat(np.cumsum(cnt) - cnt, cnt))
+    return owner, hset_ranks[at]
+
+
+def laminar_parents(sets: np.ndarray, hset_start: np.ndarray, hset_count: np.ndarray,
+                    hset_ranks: np.ndarray) -> tuple[bool, np.ndarray]:
+    """Whether the sets (ordered by size) are laminar, and each one's smallest strict superset (-1: none).
+
+    For every rank, list the sets holding it in (size, position) order; the family is laminar iff, for every set,
+    all its ranks name the same next set (then that set contains it, and by induction any larger set meeting it).
+    """
+    owner, rank = _members(sets, hset_start, hset_count, hset_ranks)
+    order = np.lexsort((owner, rank))  # by rank, then set position (= size order)
+    o, r = owner[order], rank[order]
+    nxt = np.full(len(o), -1, dtype=np.int64)
+    same = r[1:] == r[:-1]
+    nxt[:-1][same] = o[1:][same]
+    lo = np.full(len(sets), np.iinfo(np.int64).max)
+    hi = np.full(len(sets), -2, dtype=np.int64)
+    np.minimum.at(lo, o, nxt)
+    np.maximum.at(hi, o, nxt)
+    return bool((lo == hi).all()), hi
+
+
+def _water_levels(loads: np.ndarray, total: np.ndarray) -> np.ndarray:
+    """Per row of `loads` (m x n): T with sum(max(0, T - loads)) == total."""
+    srt = np.sort(loads.astype(np.float64), axis=1)
+    k = np.arange(1, loads.shape[1] + 1)
+    level = (total[:, None] + np.cumsum(srt, axis=1)) / k
+    ok = np.concatenate([level[:, :-1] <= srt[:, 1:], np.ones((len(srt), 1), dtype=bool)], axis=1)
+    return level[np.arange(len(srt)), np.argmax(ok, axis=1)]
+
+
+def _place(loads: np.ndarray, ranks: np.ndarray, unit_row: np.ndarray, unit_w: np.ndarray) -> np.ndarray:
+    """Positions (in each row of `ranks`, m x n) of units laid along their row's room under the water level.
+
+    Units are given grouped by row, largest first inside a row. Rows must hold disjoint ranks."""
+    m, n = ranks.shape
+    total = np.bincount(unit_row, weights=unit_w, minlength=m)
+    room = np.maximum(_water_levels(loads[ranks], total)[:, None] - loads[ranks], 0).astype(np.int64)
+    big = int(max(room.sum(axis=1).max(initial=0), total.max(initial=0))) + 1
+    ends = (np.cumsum(room, axis=1) + (np.arange(m) * big)[:, None]).ravel()
+    begin = np.cumsum(unit_w) - unit_w
+    row_start = np.searchsorted(unit_row, np.arange(m))
+    begin = begin - begin[np.minimum(row_start, len(begin) - 1)][unit_row] + unit_row * big
+    pos = np.searchsorted(ends, begin, side="right") - unit_row * n
+    return np.clip(pos, 0, n - 1)
+
+
+def choose_holders(group_bytes: np.ndarray, group_hset: np.ndarray, group_dst: np.ndarray,
+                   hset_start: np.ndarray, hset_count: np.ndarray, hset_ranks: np.ndarray,
+                   fed: np.ndarray, ranks_per_replica: int, num_src: int,
+                   colocated: bool) -> tuple[np.ndarray, BalanceReport]:
+    """(R, G) holder position per fed replica and group, and the balance report.
+
+    group_dst: each group's destination rank in replica 0; hset_ranks[hset_start[s]: + hset_count[s]] are the
+    ranks of holder set s in position order (ascending).
+    """
+    R, G = len(fed), len(group_bytes)
+    choice = np.zeros((R, G), dtype=np.int64)
+    if not G:
+        return choice, BalanceReport(0, 0, True)
+    multi = hset_count[group_hset] > 1
+    g_order = np.lexsort((np.arange(G), -group_bytes, group_hset, hset_count[group_hset]))
+    if colocated:  # a holder on the destination's own device: a local copy
+        free = np.broadcast_to(multi[None, :], (R, G)).copy()
+        dst = group_dst[None, :] + fed[:, None] * ranks_per_replica
+        hs = np.broadcast_to(group_hset[None, :], (R, G))
+        key_base = int(max(num_src, int(dst.max()) + 1))
+        keys = np.repeat(np.arange(len(hset_count)), hset_count) * key_base + hset_ranks
+        probe = hs * key_base + dst
+        at = np.clip(np.searchsorted(keys, probe), 0, len(keys) - 1)
+        local = keys[at] == probe
+        choice[local] = (at - hset_start[hs])[local]
+        free &= ~local
+        fixed_g = np.bincount(np.nonzero(~free & ~local)[1], minlength=G)  # fixed units per group
+        # Units in placing order: smallest holder sets first; inside a set, largest units first (ties by group,
+        # then replica). Sort the groups once, then take each group's units replica by replica.
+        fg = np.repeat(g_order, R)
+        fr = np.tile(np.arange(R), G)
+        keep = free[fr, fg]
+        fr, fg = fr[keep], fg[keep]
+    else:
+        fixed_g = np.where(multi, 0, R)
+        g_free = g_order[multi[g_order]]
+        fg = np.repeat(g_free, R)
+        fr = np.tile(np.arange(R), len(g_free))
+    loads = np.bincount(hset_ranks[hset_start[group_hset]], weights=group_bytes * fixed_g,
+                        minlength=num_src).astype(np.int64)
+    if not len(fg):
+        return choice, BalanceReport(int(loads.max(initial=0)), 0, True)
+    w = group_bytes[fg]
+    unit_set = group_hset[fg]
+    first = np.flatnonzero(np.concatenate([[True], unit_set[1:] != unit_set[:-1]]))
+    sets = unit_set[first]  # in placing order (size, id)
+    set_of_unit = np.cumsum(np.concatenate([[False], unit_set[1:] != unit_set[:-1]]))
+    set_bytes = np.bincount(set_of_unit, weights=w, minlength=len(sets)).astype(np.int64)
+    laminar, parent = laminar_parents(sets, hset_start, hset_count, hset_ranks)
+    unit_max = int(w.max())
+    if laminar:
+        lower = _laminar_bound(sets, parent, set_bytes, loads, hset_start, hset_count, hset_ranks)
+        sizes = hset_count[sets]
+        for n in np.unique(sizes).tolist():  # sets of one size are disjoint: place them together
+            rows = np.flatnonzero(sizes == n)
+            ranks = hset_ranks[hset_start[sets[rows]][:, None] + np.arange(n)[None, :]]
+            sel = np.flatnonzero((set_of_unit >= rows[0]) & (set_of_unit <= rows[-1]))
+            row = set_of_unit[sel] - rows[0]
+            pos = _place(loads, ranks, row, w[sel])
+            choice[fr[sel], fg[sel]] = pos
+            loads += np.bincount(ranks[row, pos], weights=w[sel], minlength=num_src).astype(np.int64)
+    else:
+        for k, s in enumerate(sets.tolist()):
+            sel = np.flatnonzero(set_of_unit == k)
+            ranks = hset_ranks[hset_start[s]: hset_start[s] + hset_count[s]][None, :]
+            pos = _place(loads, ranks, np.zeros(len(sel), dtype=np.int64), w[sel])
+            choice[fr[sel], fg[sel]] = pos
+            loads += np.bincount(ranks[0, pos], weights=w[sel], minlength=num_src).astype(np.int64)
+        lower = _general_bound(sets, set_bytes, loads_fixed=np.bincount(
+            hset_ranks[hset_start[group_hset]], weights=group_bytes * fixed_g, minlength=num_src),
+            hset_start=hset_start, hset_count=hset_count, hset_ranks=hset_ranks)
+    return choice, BalanceReport(int(lower), unit_max, laminar)
+
+
+def _laminar_bound(sets, parent, set_bytes, fixed_loads, hset_start, hset_count, hset_ranks) -> int:
+    """max over sets S of (fixed bytes on S + bytes of the units of every set inside S) / |S|."""
+    inside = set_bytes.astype(np.float64)
+    for k in range(len(sets)):  # sets are in size order, a parent is larger: children are summed first
+        if parent[k] >= 0:
+            inside[parent[k]] += inside[k]
+    owner, rank = _members(sets, hset_start, hset_count, hset_ranks)
+    fixed = np.bincount(owner, weights=fixed_loads[rank], minlength=len(sets))
+    per_set = (inside + fixed) / hset_count[sets]
+    return int(np.ceil(max(per_set.max(initial=0), float(fixed_loads.max(initial=0)))))
+
+
+def _general_bound(sets, set_bytes, loads_fixed, hset_start, hset_count, hset_ranks) -> int:
+    """The same bound for any family: subset relations computed set by set."""
+    members = [frozenset(hset_ranks[hset_start[s]: hset_start[s] + hset_count[s]].tolist()) for s in sets.tolist()]
+    best = float(loads_fixed.max(initial=0))
+    for a, ma in enumerate(members):
+        inside = sum(float(set_bytes[b]) for b, mb in enumerate(members) if mb <= ma)
+        best = max(best, (inside + float(loads_fixed[list(ma)].sum())) / len(ma))
+    return int(np.ceil(best))

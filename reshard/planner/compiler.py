@@ -1,15 +1,20 @@
-"""compile(src, dst) -> Plan: intersect destination placements with source boxes, choose senders, merge,
-prove coverage, account.
+"""compile(src, dst) -> Plan: intersect destination boxes with source boxes, choose senders, merge, prove
+coverage, account. Vectorized end to end: no Python loop runs per tensor, per placement or per op.
 
 Lifecycle (each step a pure function of the two layouts and the explicit options):
   1. select the canonical tensors (all, or a subset by name / layer);
-  2. per canonical tensor, group the source placements into distinct boxes, each with its holders, and index
-     them for interval search; intersect every destination placement of replica 0 with them;
-  3. repeat replica 0's ops for every destination replica (replicas are identical layouts);
-  4. choose which holder sends each op (planner.balance);
-  5. merge ops adjacent in memory on both sides (planner.merge);
-  6. prove that the ops write every destination model element exactly once (planner.coverage);
-  7. account bytes (planner.accounting) and seal the plan with a digest.
+  2. read both layouts' placements as tables (`Layout.placement_table`: batched rules, one numpy expression per
+     role across every layer and expert): the source for all ranks, the destination for replica 0 only;
+  3. group source placements into distinct boxes, each with its holders (the ranks that hold it);
+  4. intersect every destination box with the source boxes of its canonical tensor (sorted boxes, binary search
+     for the candidates: interval search, never all pairs) -> the template: one replica's ops;
+  5. merge template ops adjacent in memory on both sides, whichever holder sends (planner.merge);
+  6. build the fan-out forest over replicas (planner.fanout) and choose a holder for every fed replica and group
+     of ops (planner.balance);
+  7. prove that the template, and the relay template, write every destination model element exactly once
+     (planner.coverage): replicas are identical and each receives exactly once (fed or relayed), so this proves
+     the whole plan;
+  8. seal the plan (planner.program holds the factored ops; planner.accounting counts them).
 """
 from __future__ import annotations
 
@@ -20,83 +25,225 @@ from typing import Iterable
 import numpy as np
 
 from ..errors import PlanError
-from ..layouts import Layout, TensorSpec
+from ..layouts import Layout, ModelSpec
+from ..layouts.base import PlacementTable
 from .accounting import Bounds
 from .balance import choose_holders
-from .coverage import prove_exact_coverage, rects_from_ops
-from .intervals import BoxIndex
-from .fanout import replica_tree_relays
-from .merge import merge_adjacent
+from .coverage import _band_segments, _overlaps, _sorted_unique, prove_exact_coverage, rects_from_ops
+from .fanout import replica_forests, split_parts
+from .merge import merge_relay, merge_template, sort_by, unique_inverse
 from .plan import Plan, TensorTable
+from .program import Program
 
 
-def _as_2d(offset: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[tuple[int, int], tuple[int, int]]:
-    if len(offset) == 1:
-        return (0, offset[0]), (1, lengths[0])
-    if len(offset) == 2:
-        return (offset[0], offset[1]), (lengths[0], lengths[1])
-    raise PlanError(f"canonical tensors of {len(offset)} dimensions are not supported (1 or 2)")
-
-
-def _flat_origin(shape: tuple[int, ...], phys_offset: tuple[int, ...]) -> int:
-    off = 0
-    for size, o in zip(shape, phys_offset):
-        off = off * size + o
-    return off
-
-
-class _Tables:
-    """Physical tensor ids of one side: (rank, name) -> id."""
-
-    def __init__(self) -> None:
-        self.ids: dict[tuple[int, str], int] = {}
-        self.ranks: list[int] = []
-        self.names: list[str] = []
-        self.shapes: list[tuple[int, ...]] = []
-
-    def id(self, rank: int, name: str, shape: tuple[int, ...]) -> int:
-        key = (rank, name)
-        tid = self.ids.get(key)
-        if tid is None:
-            tid = self.ids[key] = len(self.names)
-            self.ranks.append(rank)
-            self.names.append(name)
-            self.shapes.append(shape)
-        elif self.shapes[tid] != shape:
-            raise PlanError(f"layout gives rank {rank} tensor {name!r} two shapes: {self.shapes[tid]} and {shape}")
-        return tid
-
-
-def select_tensors(src: Layout, tensors: Iterable[str] | None, layers: Iterable[int] | None) -> list[TensorSpec]:
-    chosen = list(src.model.tensors)
+def select_indices(model: ModelSpec, tensors: Iterable[str] | None, layers: Iterable[int] | None) -> np.ndarray:
+    """Canonical indices of the selection, ascending."""
+    c = model.canonical
+    chosen = np.ones(len(c), dtype=bool)
     if tensors is not None:
         names = set(tensors)
-        known = {t.name for t in chosen}
-        unknown = sorted(names - known)
+        unknown, wanted = [], []
+        for n in sorted(names):
+            try:
+                wanted.append(model.tensor(n).index)
+            except KeyError:
+                unknown.append(n)
         if unknown:
             raise PlanError("unknown tensor names in the selection", unknown)
-        chosen = [t for t in chosen if t.name in names]
+        mask = np.zeros(len(c), dtype=bool)
+        mask[wanted] = True
+        chosen &= mask
     if layers is not None:
-        wanted = set(layers)
-        bad = sorted(x for x in wanted if not 0 <= x < src.model.num_layers)
+        wanted_layers = sorted(set(layers))
+        bad = [x for x in wanted_layers if not 0 <= x < model.num_layers]
         if bad:
-            raise PlanError(f"layers {bad} are outside [0, {src.model.num_layers})")
-        chosen = [t for t in chosen if t.layer in wanted]
-    if not chosen:
+            raise PlanError(f"layers {bad} are outside [0, {model.num_layers})")
+        chosen &= np.isin(c.layer, wanted_layers)
+    index = np.flatnonzero(chosen)
+    if not len(index):
         raise PlanError("the selection is empty")
-    return chosen
+    return index
+
+
+def _tensor_ids(t: PlacementTable, mask: np.ndarray, side: str) -> tuple[np.ndarray, TensorTable, np.ndarray]:
+    """Physical tensor id per row (-1 outside `mask`), ids sorted by (rank, kind); one shape per (rank, name).
+    Also the element count of each tensor."""
+    nk = max(len(t.kinds), 1)
+    key = t.rank[mask] * nk + t.kind[mask]
+    span = (int(t.rank.max(initial=0)) + 1) * nk
+    if span <= 1 << 26:  # a dense table: no sort
+        present = np.bincount(key, minlength=span) > 0
+        uniq = np.flatnonzero(present)
+        dense = np.cumsum(present) - 1
+        inverse = dense[key]
+    else:
+        first, inverse = unique_inverse((key,))
+        uniq = key[first]
+    tid = np.full(len(t), -1, dtype=np.int64)
+    tid[mask] = inverse
+    ranks, kinds = uniq // nk, uniq % nk
+    name_ids: dict[str, int] = {}
+    name_of_kind = np.asarray([name_ids.setdefault(name, len(name_ids)) for name, _ in t.kinds], dtype=np.int64)
+    if len(uniq) and len(unique_inverse((ranks, name_of_kind[kinds]))[0]) != len(uniq):
+        seen: dict[tuple[int, str], tuple[int, ...]] = {}
+        problems = []
+        for r, k in zip(ranks.tolist(), kinds.tolist()):
+            name, shape = t.kinds[k]
+            if seen.setdefault((r, name), shape) != shape:
+                problems.append(f"rank {r} tensor {name!r}: {seen[(r, name)]} and {shape}")
+        raise PlanError(f"{side} layout gives a tensor two shapes", problems)
+    table = TensorTable(ranks, kinds, t.kinds)
+    return tid, table, table.kind_array(lambda _, shape: math.prod(shape))
+
+
+class _Boxes:
+    """Distinct source boxes (canonical tensor + 2-D box), sorted by (canon, c0, c1), each with its holders."""
+
+    def __init__(self, S: PlacementTable, tid: np.ndarray, data: np.ndarray):
+        rows = np.flatnonzero(data)
+        order = rows[sort_by((S.canon[rows], S.c0[rows], S.c1[rows], S.n0[rows], S.n1[rows], S.rank[rows]))]
+        key = [S.canon[order], S.c0[order], S.c1[order], S.n0[order], S.n1[order]]
+        n = len(order)
+        new_box = np.ones(n, dtype=bool)
+        if n > 1:
+            new_box[1:] = np.any([k[1:] != k[:-1] for k in key], axis=0)
+        dup = np.zeros(n, dtype=bool)  # a rank holding the same box twice: keep its first placement
+        if n > 1:
+            dup[1:] = ~new_box[1:] & (S.rank[order][1:] == S.rank[order][:-1])
+        order, new_box = order[~dup], new_box[~dup]
+        first = np.flatnonzero(new_box)
+        self.canon, self.c0, self.c1, self.n0, self.n1 = (S.canon[order[first]], S.c0[order[first]],
+                                                          S.c1[order[first]], S.n0[order[first]], S.n1[order[first]])
+        self.hstart = first
+        self.hcount = np.diff(np.append(first, len(order)))
+        self.h_rank, self.h_tensor = S.rank[order], tid[order]
+        self.h_base, self.h_stride = S.origin[order], S.stride[order]
+        lo = np.minimum.reduceat(self.h_stride, first) if len(first) else first
+        hi = np.maximum.reduceat(self.h_stride, first) if len(first) else first
+        self.stride = np.where(lo == hi, lo, -1)
+        self._holder_sets()
+
+    def __len__(self) -> int:
+        return len(self.canon)
+
+    def _holder_sets(self) -> None:
+        """Number the distinct holder rank lists (CSR: hset_start, hset_count, hset_ranks)."""
+        self.hset = np.zeros(len(self), dtype=np.int64)
+        starts, counts, ranks = [], [], []
+        next_id, at = 0, 0
+        for c in np.unique(self.hcount).tolist():
+            boxes = np.flatnonzero(self.hcount == c)
+            mat = self.h_rank[self.hstart[boxes][:, None] + np.arange(c)[None, :]]
+            first, inverse = unique_inverse(tuple(mat.T))
+            uniq = mat[first]
+            self.hset[boxes] = next_id + inverse
+            starts.append(at + c * np.arange(len(uniq)))
+            counts.append(np.full(len(uniq), c))
+            ranks.append(uniq.reshape(-1))
+            next_id += len(uniq)
+            at += uniq.size
+        cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64)  # noqa: E731
+        self.hset_start, self.hset_count, self.hset_ranks = cat(starts), cat(counts), cat(ranks)
+
+    def overlaps(self, model: ModelSpec) -> list[str]:
+        """Distinct boxes of one canonical tensor must not overlap (else the source layout is inconsistent)."""
+        if len(self) < 2:
+            return []
+        width = model.canonical.cols
+        base = int(width.max()) + 1
+        edges = _sorted_unique(np.concatenate([self.canon * base + self.c1, self.canon * base + self.c1 + self.n1]))
+        band, start, end = _band_segments(self.canon, self.c0, self.c1, self.n0, self.n1, base, edges)
+        out = []
+        for i in _overlaps(band, start, end)[:10]:
+            c = int(edges[band[i]] // base)
+            out.append(f"source layout holds overlapping but different boxes of {model.tensor_name(c)} "
+                       f"(rows [{start[i + 1]}, {min(end[i], end[i + 1])}))")
+        return out
+
+
+def _intersect(boxes: _Boxes, D: PlacementTable, rows: np.ndarray, tid: np.ndarray,
+               num_canon: int) -> dict[str, np.ndarray]:
+    """Template ops: every (destination row, source box) of one canonical tensor that meet, with offsets.
+
+    A query's candidates are its canonical tensor's boxes; where a tensor has many boxes, a binary search on the
+    boxes' row starts (and the running maximum of their row ends) narrows them to those that can meet the query.
+    """
+    if not len(rows) or not len(boxes):
+        return {k: np.zeros(0, np.int64) for k in ("canon", "box", "src_d0", "src_d1", "dst_rank", "dst_tensor",
+                                                    "dst_offset", "dst_stride", "rows", "cols")}
+    pick = (lambda a: a) if len(rows) == len(D) else (lambda a: a[rows])  # noqa: E731
+    qc, a0, a1, m0, m1 = pick(D.canon), pick(D.c0), pick(D.c1), pick(D.n0), pick(D.n1)
+    first = np.searchsorted(boxes.canon, np.arange(num_canon + 1))
+    lo, hi = first[qc], first[qc + 1]
+    many = np.flatnonzero(hi - lo > 8)
+    if len(many):
+        base = int(max((boxes.c0 + boxes.n0).max(), (a0 + m0).max())) + 1
+        start_key = boxes.canon * base + boxes.c0  # ascending: boxes are sorted by (canon, c0)
+        reach = np.maximum.accumulate(boxes.canon * base + boxes.c0 + boxes.n0)  # running max of row ends
+        c = qc[many]
+        hi[many] = np.searchsorted(start_key, c * base + a0[many] + m0[many], side="left")
+        lo[many] = np.searchsorted(reach, c * base + a0[many], side="right")
+    count = np.maximum(hi - lo, 0)
+    # Queries with one candidate box (most of them: an expert has one box) need no expansion; the others are
+    # expanded and filtered apart, so the common case copies nothing it does not keep.
+    one = np.flatnonzero(count == 1)
+    rest = np.flatnonzero(count > 1)
+    qn = np.repeat(rest, count[rest])
+    bn = np.repeat(lo[rest], count[rest]) + (np.arange(len(qn)) - np.repeat(np.cumsum(count[rest]) - count[rest],
+                                                                            count[rest]))
+    parts = [_meet(boxes, D, rows, tid, a0, a1, m0, m1, q, b) for q, b in ((one, lo[one]), (qn, bn)) if len(q)]
+    if len(parts) == 1:
+        return parts[0]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def _meet(boxes: _Boxes, D: PlacementTable, rows, tid, a0, a1, m0, m1, q, b) -> dict[str, np.ndarray]:
+    """The ops of query rows q meeting boxes b (pairs that do not meet are dropped)."""
+    bc0, bc1 = boxes.c0[b], boxes.c1[b]
+    qa0, qa1 = a0[q], a1[q]
+    i0, i1 = np.maximum(qa0, bc0), np.maximum(qa1, bc1)
+    e0 = np.minimum(qa0 + m0[q], bc0 + boxes.n0[b])
+    e1 = np.minimum(qa1 + m1[q], bc1 + boxes.n1[b])
+    hit = (e0 > i0) & (e1 > i1)
+    if not hit.all():
+        hit = np.flatnonzero(hit)
+        q, b, i0, i1, e0, e1, bc0, bc1, qa0, qa1 = (x[hit] for x in (q, b, i0, i1, e0, e1, bc0, bc1, qa0, qa1))
+    r = q if len(rows) == len(D) else rows[q]
+    stride = D.stride[r]
+    return {
+        "canon": D.canon[r], "box": b, "src_d0": i0 - bc0, "src_d1": i1 - bc1,
+        "dst_rank": D.rank[r], "dst_tensor": tid[r],
+        "dst_offset": D.origin[r] + (i0 - qa0) * stride + (i1 - qa1), "dst_stride": stride,
+        "rows": e0 - i0, "cols": e1 - i1,
+    }
+
+
+def _check_source_boxes(boxes: _Boxes, src: TensorTable, numel: np.ndarray) -> None:
+    """Every holder's box lies inside its source tensor (rows no wider than the tensor's rows). Template ops read
+    sub-boxes of their boxes, and merged ops contiguous unions of such reads, so this bounds every read."""
+    b = np.repeat(np.arange(len(boxes)), boxes.hcount)
+    last = boxes.h_base + (boxes.n0[b] - 1) * boxes.h_stride + boxes.n1[b]
+    bad = np.flatnonzero((boxes.h_base < 0) | (boxes.n1[b] > boxes.h_stride) | (last > numel[boxes.h_tensor]))
+    if len(bad):
+        raise PlanError("source placements lie outside their source tensors",
+                        [f"source rank {src.rank[boxes.h_tensor[i]]} {src.name(boxes.h_tensor[i])!r}"
+                         for i in bad[:10]])
 
 
 def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = None,
                  layers: Iterable[int] | None = None, colocated: bool = False,
-                 fanout: int | None = None) -> Plan:
+                 fanout: int | None = None, roots: int | None = None, relay_cap: int = 1) -> Plan:
     """Compile the refit from `src` to `dst`.
 
     tensors / layers: compile only these canonical tensors / these layers' tensors (a subset plan).
     colocated: destination rank d shares a device with source rank d; its bytes from there are local copies
     (and are preferred when several sources hold them).
-    fanout: feed only destination replica 0 from the source and relay to the other replicas along a tree in
-    which each replica forwards to at most `fanout` others (None: the source feeds every replica).
+    fanout: feed only `roots` destination replicas from the source and relay to the others along trees in which
+    each replica has at most `fanout` children (None: the source feeds every replica). See planner.fanout.
+    roots: replicas the source feeds when fanout is set; default: the fewest holders any source byte has (each
+    trainer data-parallel copy feeds one root, so no trainer rank sends much more than it holds).
+    relay_cap: no destination rank relays more than relay_cap times what it receives (the bytes are split over
+    ceil(fanout / relay_cap) trees whose interiors are disjoint).
     """
     start = time.perf_counter()
     if src.model != dst.model:
@@ -109,167 +256,79 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
                         f"{dst.num_ranks} destination ranks, {src.num_ranks} source ranks")
     if fanout is not None and fanout < 1:
         raise PlanError(f"fanout={fanout} must be at least 1 (or None to feed every replica from the source)")
-    selected = select_tensors(src, tensors, layers)
+    if roots is not None and not fanout:
+        raise PlanError(f"roots={roots} needs fanout (without it the source feeds every replica)")
+    model = src.model
+    sel = select_indices(model, tensors, layers)
     subset = tensors is not None or layers is not None
+    itemsize = model.itemsize
+    K, rpr = dst.num_replicas, dst.ranks_per_replica
 
-    stabs, dtabs = _Tables(), _Tables()
-    # Holders of distinct source boxes, flattened: box b's holders are holder_*[hstart[b]: hstart[b] + n].
-    h_rank: list[int] = []
-    h_tid: list[int] = []
-    h_base: list[int] = []
-    h_stride: list[int] = []
-    box_hstart: list[int] = []
-    box_hset: list[int] = []
-    hset_ids: dict[tuple[int, ...], int] = {}
-    hsets: list[tuple[int, ...]] = []
-    # Replica-0 ops (source side still a box + delta) and replica-0 destination placements as rectangles.
-    o_canon, o_box, o_d0, o_d1, o_dtid, o_doff, o_dstride, o_rows, o_cols = ([] for _ in range(9))
-    p_tid, p_off, p_rows, p_cols = [], [], [], []
-    rpr = dst.ranks_per_replica
-    held_by_rank0 = 0
-    problems: list[str] = []
-    index_cache: dict[tuple, tuple[BoxIndex, dict]] = {}
+    # Placements as tables: the source for all its ranks, the destination for replica 0.
+    S = src.placement_table(sel)
+    D = dst.placement_table(sel, replica=0)
+    s_data = S.n0 * S.n1 > 0
+    d_data = D.n0 * D.n1 > 0
+    s_tid, src_table, src_numel = _tensor_ids(S, s_data, "source")
+    d_tid, dst_table0, _ = _tensor_ids(D, np.ones(len(D), dtype=bool), "destination")
+    outside = np.flatnonzero(D.rank >= rpr)
+    if len(outside):
+        raise PlanError(f"destination layout places replica 0 of {model.tensor_name(int(D.canon[outside[0]]))} "
+                        f"outside ranks [0, {rpr})")
 
-    for t in selected:
-        boxes: dict[tuple, list] = {}
-        for p in src.placements(t):
-            off, lens = _as_2d(p.canon_offset, p.lengths)
-            if lens[0] * lens[1] == 0:
-                continue
-            boxes.setdefault((off, lens), []).append(p)
-        box_keys = list(boxes)
-        first_box = len(box_hstart)
-        for key in box_keys:
-            holders = sorted(boxes[key], key=lambda p: p.rank)
-            ranks = tuple(p.rank for p in holders)
-            if len(set(ranks)) != len(ranks):
-                holders = list({p.rank: p for p in reversed(holders)}.values())[::-1]
-                ranks = tuple(p.rank for p in holders)
-            hs = hset_ids.get(ranks)
-            if hs is None:
-                hs = hset_ids[ranks] = len(hsets)
-                hsets.append(ranks)
-            box_hstart.append(len(h_rank))
-            box_hset.append(hs)
-            for p in holders:
-                h_rank.append(p.rank)
-                h_tid.append(stabs.id(p.rank, p.tensor, p.shape))
-                h_base.append(_flat_origin(p.shape, p.phys_offset))
-                h_stride.append(p.shape[-1])
-            if 0 in ranks:
-                held_by_rank0 += key[1][0] * key[1][1]
-        # Layers and experts repeat the same geometry: index and check each distinct set of boxes once.
-        geometry = tuple(box_keys)
-        cached = index_cache.get(geometry)
-        if cached is None:
-            cached = index_cache[geometry] = (BoxIndex([k[0] for k in box_keys], [k[1] for k in box_keys]), {})
-            for b, key in enumerate(box_keys):  # distinct source boxes must not overlap
-                if any(other != b for other, _, _ in cached[0].query(*key)):
-                    problems.append(f"source layout holds overlapping but different boxes of {t.name}: {key}")
-        index, queries = cached
-        for p in dst.placements(t, replica=0):
-            if p.rank >= rpr:
-                raise PlanError(f"destination layout places replica 0 of {t.name} outside ranks [0, {rpr})")
-            off, lens = _as_2d(p.canon_offset, p.lengths)
-            tid = dtabs.id(p.rank, p.tensor, p.shape)
-            if lens[0] * lens[1] == 0:
-                continue
-            base, width = _flat_origin(p.shape, p.phys_offset), p.shape[-1]
-            p_tid.append(tid)
-            p_off.append(base)
-            p_rows.append(lens[0])
-            p_cols.append(lens[1])
-            hits = queries.get((off, lens))
-            if hits is None:
-                hits = queries[(off, lens)] = index.query(off, lens)
-            for b, ioff, ilen in hits:
-                o_canon.append(t.index)
-                o_box.append(first_box + b)
-                o_d0.append(ioff[0] - box_keys[b][0][0])
-                o_d1.append(ioff[1] - box_keys[b][0][1])
-                o_dtid.append(tid)
-                o_doff.append(base + (ioff[0] - off[0]) * width + (ioff[1] - off[1]))
-                o_dstride.append(width)
-                o_rows.append(ilen[0])
-                o_cols.append(ilen[1])
+    boxes = _Boxes(S, s_tid, s_data)
+    problems = boxes.overlaps(model)
     if problems:
         raise PlanError("source layout is inconsistent", problems)
+    _check_source_boxes(boxes, src_table, src_numel)
 
-    i64 = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
-    K, T0, N0 = dst.num_replicas, len(dtabs.names), len(o_rows)
-    fed = 1 if fanout else K  # replicas the source feeds directly; the rest are relayed
-    rep = np.repeat(np.arange(fed, dtype=np.int64), N0)
-    tile = lambda x: np.tile(i64(x), fed)  # noqa: E731
-    dst_tid0 = tile(o_dtid)
-    dst_rank0 = i64(dtabs.ranks)[dst_tid0] if N0 else np.zeros(0, np.int64)
-    ops = {
-        "canon": tile(o_canon), "dst_tensor": dst_tid0 + rep * T0, "dst_rank": dst_rank0 + rep * rpr,
-        "dst_offset": tile(o_doff), "dst_stride": tile(o_dstride), "rows": tile(o_rows), "cols": tile(o_cols),
-    }
-    box = tile(o_box)
-    itemsize = dst.model.itemsize
-    hstart, hset_of_box = i64(box_hstart), i64(box_hset)
-    pos = choose_holders(ops["rows"] * ops["cols"] * itemsize, ops["dst_rank"], ops["dst_tensor"],
-                         hset_of_box[box], hsets, src.num_ranks, colocated)
-    h = hstart[box] + pos
-    H_rank, H_tid, H_base, H_stride = i64(h_rank), i64(h_tid), i64(h_base), i64(h_stride)
-    ops["stage"] = np.zeros_like(h)
-    ops["src_side"] = np.zeros_like(h)
-    ops["src_rank"] = H_rank[h]
-    ops["src_tensor"] = H_tid[h]
-    ops["src_stride"] = H_stride[h]
-    ops["src_offset"] = H_base[h] + tile(o_d0) * ops["src_stride"] + tile(o_d1)
-    ops = merge_adjacent(ops)
-    if fanout and K > 1:
-        ops = merge_adjacent(_concat(ops, replica_tree_relays(ops, K, fanout, rpr, T0)))
+    # One replica's ops, merged whichever holder sends them.
+    d_rows = np.flatnonzero(d_data)
+    template = merge_template(_intersect(boxes, D, d_rows, d_tid, len(model.canonical)), boxes.hset, boxes.stride, boxes.hstart,
+                              boxes.hcount, boxes.h_tensor, boxes.h_base, boxes.h_stride)
+    group = template["group"]
+    G = int(group[-1]) + 1 if len(group) else 0
+    first_of_group = np.flatnonzero(np.diff(np.append(-1, group))) if G else np.zeros(0, np.int64)
+    group_box = template["box"][first_of_group]
+    group_bytes = np.bincount(group, weights=template["rows"] * template["cols"], minlength=G).astype(np.int64) * itemsize
 
-    # Destination tensor table for every replica.
-    dst_table = TensorTable(
-        tuple(r + k * rpr for k in range(K) for r in dtabs.ranks),
-        tuple(dtabs.names) * K, tuple(dtabs.shapes) * K)
-    src_table = TensorTable(tuple(stabs.ranks), tuple(stabs.names), tuple(stabs.shapes))
-    check_source_bounds(ops, src_table, dst_table)
+    # Who feeds whom: the forest over replicas, then a holder per fed replica and group.
+    if fanout and roots is None:
+        roots = int(min(K, boxes.hcount[template["box"]].min(initial=K)))
+    parent, stage = replica_forests(K, fanout, roots or K, relay_cap)
+    fed = np.flatnonzero(parent[0] < 0)
+    choice, balance = choose_holders(group_bytes, boxes.hset[group_box], template["dst_rank"][first_of_group],
+                                     boxes.hset_start, boxes.hset_count, boxes.hset_ranks, fed, rpr,
+                                     src.num_ranks, colocated)
+    relay = split_parts(merge_relay(template), parent.shape[0], rpr) if len(fed) < K else {}
 
-    width = i64([s[-1] for s in dst_table.shapes])
-    height = i64([math.prod(s[:-1]) for s in dst_table.shapes])
-    names = lambda tid: f"destination rank {dst_table.ranks[int(tid)]} {dst_table.names[int(tid)]!r}"  # noqa: E731
-    problems = []
-    op_rects = rects_from_ops(ops["dst_tensor"], ops["dst_offset"], ops["dst_stride"], ops["rows"],
-                              ops["cols"], width, problems, names)
-    prep = np.repeat(np.arange(K, dtype=np.int64), len(p_tid))
-    p_t = np.tile(i64(p_tid), K) + prep * T0
-    p_w = width[p_t] if len(p_t) else np.zeros(0, np.int64)
-    p_o = np.tile(i64(p_off), K)
-    piece_rects = (p_t, p_o // np.maximum(p_w, 1), p_o % np.maximum(p_w, 1), np.tile(i64(p_rows), K),
-                   np.tile(i64(p_cols), K))
-    prove_exact_coverage(op_rects, piece_rects, width, height, names, problems)
+    # The proof: the template, and the relay template, tile replica 0's model data exactly.
+    width = dst_table0.kind_array(lambda _, shape: shape[-1])
+    height = dst_table0.kind_array(lambda _, shape: math.prod(shape[:-1]))
+    names = lambda t: f"destination rank {dst_table0.rank[int(t)]} {dst_table0.name(int(t))!r}"  # noqa: E731
+    p_t, p_o = d_tid[d_rows], D.origin[d_rows]
+    p_w = np.maximum(width[p_t], 1)
+    piece_rects = (p_t, p_o // p_w, p_o % p_w, D.n0[d_rows], D.n1[d_rows])
+    for ops in (template, relay) if relay else (template,):
+        problems = []
+        rects = rects_from_ops(ops["dst_tensor"], ops["dst_offset"], ops["dst_stride"], ops["rows"], ops["cols"],
+                               width, problems, names)
+        prove_exact_coverage(rects, piece_rects, width, height, names, problems)
 
-    per_dst = np.bincount(i64(dst_table.ranks)[p_t], weights=piece_rects[3] * piece_rects[4] * itemsize,
-                          minlength=dst.num_ranks).astype(np.int64)
-    bounds = Bounds(lower_bound_by_dst=tuple(per_dst.tolist()),
-                    model_bytes=sum(t.numel for t in selected) * itemsize,
-                    gatherer_held_bytes=held_by_rank0 * itemsize)
-    return Plan(src=src, dst=dst, src_tensors=src_table, dst_tensors=dst_table, ops=ops, bounds=bounds,
-                colocated=colocated, fanout=fanout, selection=tuple(t.name for t in selected) if subset else None,
+    per_dst0 = np.bincount(D.rank[d_rows], weights=D.n0[d_rows] * D.n1[d_rows], minlength=rpr).astype(np.int64)
+    held0 = np.zeros(len(boxes), dtype=bool)
+    held0[np.repeat(np.arange(len(boxes)), boxes.hcount)[boxes.h_rank == 0]] = True
+    bounds = Bounds(lower_bound_by_dst=tuple((np.tile(per_dst0, K) * itemsize).tolist()),
+                    model_bytes=int(model.canonical.numel[sel].sum()) * itemsize,
+                    gatherer_held_bytes=int((boxes.n0 * boxes.n1)[held0].sum()) * itemsize,
+                    egress_lower_bound=balance.lower_bound, egress_unit_max=balance.unit_max,
+                    holder_sets_laminar=balance.laminar)
+    program = Program(template=template, relay=relay, box_hstart=boxes.hstart, box_hcount=boxes.hcount,
+                      h_rank=boxes.h_rank, h_tensor=boxes.h_tensor, h_base=boxes.h_base, h_stride=boxes.h_stride,
+                      group_box=group_box, fed=fed, choice=choice, parent=parent, stage=stage,
+                      ranks_per_replica=rpr, tensors_per_replica=len(dst_table0))
+    dst_table = dst_table0.tiled(K, rpr)
+    return Plan(src=src, dst=dst, src_tensors=src_table, dst_tensors=dst_table, program=program, bounds=bounds,
+                colocated=colocated, fanout=fanout, roots=len(fed) if fanout else None,
+                selection=tuple(model.tensor_name(int(k)) for k in sel) if subset else None,
                 coverage="exact", compile_seconds=round(time.perf_counter() - start, 4))
-
-
-def check_source_bounds(ops: dict[str, np.ndarray], src: TensorTable, dst: TensorTable) -> None:
-    """Every op reads inside its source tensor (a destination tensor for relays)."""
-    problems = []
-    for side, table in ((0, src), (1, dst)):
-        sel = np.flatnonzero(ops["src_side"] == side)
-        if not len(sel):
-            continue
-        numel = np.asarray([math.prod(s) for s in table.shapes], dtype=np.int64)
-        tid, off = ops["src_tensor"][sel], ops["src_offset"][sel]
-        last = off + (ops["rows"][sel] - 1) * ops["src_stride"][sel] + ops["cols"][sel]
-        for i in np.flatnonzero((off < 0) | (last > numel[tid]))[:10]:
-            problems.append(f"{('source', 'relaying destination')[side]} rank {table.ranks[tid[i]]} "
-                            f"{table.names[tid[i]]!r}")
-    if problems:
-        raise PlanError("ops read outside their source tensors", problems)
-
-
-def _concat(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    return {k: np.concatenate([a[k], b[k]]) for k in a}

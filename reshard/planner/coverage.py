@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import CoverageError
+from .merge import sort_by
 
 
 def rects_from_ops(dst_tensor: np.ndarray, dst_offset: np.ndarray, dst_stride: np.ndarray, rows: np.ndarray,
@@ -54,15 +55,23 @@ def rects_from_ops(dst_tensor: np.ndarray, dst_offset: np.ndarray, dst_stride: n
     return tuple(out)
 
 
+def _sorted_unique(a: np.ndarray) -> np.ndarray:
+    """np.unique by sorting (numpy's hash-based unique is slow on millions of int64)."""
+    a = np.sort(a)
+    return a[np.concatenate([[True], a[1:] != a[:-1]])] if len(a) else a
+
+
 def _band_segments(t, r0, c0, nr, nc, key_base, bounds_keys):
     """Explode rectangles into per-band row intervals, sorted by (band, row)."""
     lo = np.searchsorted(bounds_keys, t * key_base + c0)
-    hi = np.searchsorted(bounds_keys, t * key_base + c0 + nc)
-    count = hi - lo
-    idx = np.repeat(np.arange(len(t)), count)
-    band = np.repeat(lo, count) + (np.arange(len(idx)) - np.repeat(np.cumsum(count) - count, count))
-    start, end = r0[idx], r0[idx] + nr[idx]
-    order = np.lexsort((start, band))
+    count = np.searchsorted(bounds_keys, t * key_base + c0 + nc) - lo
+    if (count == 1).all():  # every rectangle lies in one band: nothing to explode
+        band, start, end = lo, r0, r0 + nr
+    else:
+        idx = np.repeat(np.arange(len(t)), count)
+        band = np.repeat(lo, count) + (np.arange(len(idx)) - np.repeat(np.cumsum(count) - count, count))
+        start, end = r0[idx], r0[idx] + nr[idx]
+    order = sort_by((band, start))
     return band[order], start[order], end[order]
 
 
@@ -92,8 +101,13 @@ def prove_exact_coverage(ops_rects: tuple[np.ndarray, ...], piece_rects: tuple[n
     if problems:
         raise CoverageError("coverage proof failed", problems)
     key_base = int(width.max(initial=0)) + 1
-    edges = np.unique(np.concatenate([ot * key_base + ocol, ot * key_base + ocol + onc,
-                                      pt * key_base + pcol, pt * key_base + pcol + pnc]))
+    # Column cuts: every tensor's two sides, and the sides of every rectangle narrower than its tensor.
+    tids = np.arange(len(width), dtype=np.int64)
+    cuts = [tids * key_base, tids * key_base + width]
+    for t, c, n in ((ot, ocol, onc), (pt, pcol, pnc)):
+        part = np.flatnonzero(n != width[t])
+        cuts += [t[part] * key_base + c[part], t[part] * key_base + c[part] + n[part]]
+    edges = _sorted_unique(np.concatenate(cuts))
     ob, os_, oe = _band_segments(ot, orow, ocol, onr, onc, key_base, edges)
     pb, ps, pe = _band_segments(pt, prow, pcol, pnr, pnc, key_base, edges)
 

@@ -1,45 +1,187 @@
-"""Fan-out across destination replicas: the source feeds replica 0; replica k > 0 receives the same bytes
-from its parent replica in a `fanout`-ary tree (children of p are p*fanout+1 .. p*fanout+fanout).
+"""Fan-out forests over destination replicas: the source feeds a few *root* replicas, and every other replica
+receives the same bytes from other replicas (relay ops, `src_side == 1`).
 
-Replicas share one layout, so a relay copies a region of the parent's destination tensor to the same region
-of the child's: trainer egress is one copy of the model whatever the replica count, no replica forwards more
-than `fanout` times what it received, and the depth is ceil(log_fanout(replicas)) stages.
+Replicas share one layout, so a relay copies a region of the parent's destination tensor into the same region of
+the child's, rank by rank: destination rank r of the parent forwards to rank r of the child.
+
+Split trees. Each destination rank's bytes are cut into P equal *parts*; part j travels along its own tree. In
+every tree each root has one child (its *head*) and every other replica at most `fanout` children, laid out
+breadth first over the non-root replicas rotated by j blocks, so that the replicas with children in tree j (its
+interior) are a block no other tree uses as interior. A replica therefore forwards at most fanout / P of its
+bytes in total, and a root exactly one copy (one part to one head per tree). With P = ceil(fanout / relay_cap):
+- no destination rank sends more than `relay_cap` times what it receives (up to rounding: parts are equal to the
+  element, so at most fanout - 1 elements more);
+- the trainer sends `roots` copies of the model, whatever the replica count;
+- depth is 1 + the height of a fanout-ary forest over the non-root replicas: logarithmic in the replica count.
+(NCCL's double binary trees are this construction for fanout 2, relay_cap 1.) If the blocks of interior replicas
+cannot be disjoint (few replicas, roots < fanout - 1), fanout is lowered until they are.
+
+Each tree is built and checked as a networkx graph (a branching: a forest of arborescences) and recorded in the
+plan as `parent[j, k]` and `stage[j, k]` (stage = depth) per part j and replica k.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
+from ..errors import PlanError
 
-def tree_parent_and_depth(num_replicas: int, fanout: int) -> tuple[list[int], list[int]]:
-    parent, depth = [-1], [0]
-    for k in range(1, num_replicas):
-        p = (k - 1) // fanout
-        parent.append(p)
-        depth.append(depth[p] + 1)
-    return parent, depth
+if TYPE_CHECKING:
+    import networkx as nx
 
 
-def replica_tree_relays(root_ops: dict[str, np.ndarray], num_replicas: int, fanout: int, ranks_per_replica: int,
-                        tensors_per_replica: int) -> dict[str, np.ndarray]:
-    """Relay ops for replicas 1..K-1, copying what `root_ops` (replica 0's ops) write."""
-    parent, depth = tree_parent_and_depth(num_replicas, fanout)
-    n = len(root_ops["rows"])
-    k = np.repeat(np.arange(1, num_replicas, dtype=np.int64), n)
-    p = np.asarray(parent, dtype=np.int64)[k]
-    rep = lambda c: np.tile(root_ops[c], num_replicas - 1)  # noqa: E731
-    d_rank, d_tensor = rep("dst_rank"), rep("dst_tensor")
-    return {
-        "stage": np.asarray(depth, dtype=np.int64)[k],  # the root receives in stage 0, depth d in stage d
-        "src_side": np.ones_like(k),
-        "src_rank": d_rank + p * ranks_per_replica,
-        "src_tensor": d_tensor + p * tensors_per_replica,
-        "src_offset": rep("dst_offset"),
-        "src_stride": rep("dst_stride"),
-        "dst_rank": d_rank + k * ranks_per_replica,
-        "dst_tensor": d_tensor + k * tensors_per_replica,
-        "dst_offset": rep("dst_offset"),
-        "dst_stride": rep("dst_stride"),
-        "rows": rep("rows"),
-        "cols": rep("cols"),
-        "canon": rep("canon"),
-    }
+def _interior(non_roots: int, roots: int, fanout: int) -> int:
+    """Replicas with children among the non-roots of one tree (breadth first: the first ones)."""
+    return -(-(non_roots - roots) // fanout) if non_roots > roots else 0
+
+
+def forest_shape(num_replicas: int, roots: int, fanout: int, relay_cap: int) -> tuple[int, int]:
+    """(fanout, parts) actually used: parts = ceil(fanout / relay_cap), fanout lowered until the trees'
+    interiors are disjoint."""
+    n = num_replicas - roots
+    while fanout > 1:
+        parts = -(-fanout // relay_cap)
+        if parts * _interior(n, roots, fanout) <= n:
+            return fanout, parts
+        fanout -= 1
+    return 1, 1
+
+
+def tree_graph(num_replicas: int, roots: int, fanout: int, rotation: int) -> "nx.DiGraph":
+    """One tree: roots 0..roots-1, each with one head; the non-roots, rotated, hang breadth first below."""
+    import networkx as nx  # only plans with fan-out need it; keeps `import reshard` light
+
+    g = nx.DiGraph()
+    g.add_nodes_from(range(num_replicas))
+    order = list(range(roots, num_replicas))
+    if order:
+        shift = rotation % len(order)
+        order = order[shift:] + order[:shift]
+    for i, k in enumerate(order):
+        g.add_edge(i if i < roots else order[(i - roots) // fanout], k)
+    return g
+
+
+def replica_forests(num_replicas: int, fanout: int | None, roots: int,
+                    relay_cap: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(parent, stage), each (parts, replicas): parent -1 for roots, stage = depth in that part's tree."""
+    if not fanout:
+        roots = num_replicas
+    if not 1 <= roots <= num_replicas:
+        raise PlanError(f"roots={roots} must be between 1 and the {num_replicas} destination replicas")
+    if relay_cap < 1:
+        raise PlanError(f"relay_cap={relay_cap} must be at least 1")
+    if roots == num_replicas:
+        return np.full((1, num_replicas), -1, dtype=np.int64), np.zeros((1, num_replicas), dtype=np.int64)
+    import networkx as nx
+
+    fanout, parts = forest_shape(num_replicas, roots, fanout, relay_cap)
+    block = _interior(num_replicas - roots, roots, fanout)
+    parent = np.full((parts, num_replicas), -1, dtype=np.int64)
+    stage = np.zeros((parts, num_replicas), dtype=np.int64)
+    for j in range(parts):
+        g = tree_graph(num_replicas, roots, fanout, j * block)
+        if not nx.is_branching(g) or max(d for n, d in g.out_degree() if n >= roots) > fanout:
+            raise PlanError("fan-out tree is malformed")  # pragma: no cover - construction guarantees it
+        depth = nx.multi_source_dijkstra_path_length(g, list(range(roots)))
+        for u, v in g.edges():
+            parent[j, v] = u
+        stage[j] = [depth[k] for k in range(num_replicas)]
+    return parent, stage
+
+
+def expected_depth(num_replicas: int, roots: int, fanout: int) -> int:
+    """Depth of the trees `replica_forests` builds (0 when the source feeds every replica)."""
+    n = num_replicas - roots
+    if n <= 0:
+        return 0
+    depth, level, placed = 1, roots, roots  # heads: one per root
+    while placed < n:
+        level *= fanout
+        placed += level
+        depth += 1
+    return depth
+
+
+def check_forest(parent: np.ndarray, stage: np.ndarray) -> list[str]:
+    """Problems with recorded forests (for plans loaded from disk): in every part, every relayed replica's
+    parent receives that part in an earlier stage; the roots are the same in every part and receive in stage 0."""
+    problems = []
+    if parent.ndim != 2 or parent.shape != stage.shape:
+        return [f"forest arrays have shapes {parent.shape} and {stage.shape}; expected (parts, replicas) both"]
+    roots = parent[0] < 0
+    for j in range(parent.shape[0]):
+        if not np.array_equal(parent[j] < 0, roots):
+            problems.append(f"part {j} has different roots than part 0")
+        for k, (p, s) in enumerate(zip(parent[j].tolist(), stage[j].tolist())):
+            if p < 0 and s != 0:
+                problems.append(f"replica {k} is fed by the source but receives in stage {s}")
+            if p >= 0 and not (0 <= p < parent.shape[1] and stage[j, p] < s):
+                problems.append(f"part {j} of replica {k} is relayed from replica {p}, which does not hold it "
+                                f"before stage {s}")
+    return problems[:20]
+
+
+def split_parts(relay: dict[str, np.ndarray], parts: int, ranks_per_replica: int) -> dict[str, np.ndarray]:
+    """Cut each destination position's relay ops into `parts` runs of equal element counts (the part boundaries
+    fall at ceil(j * total / parts)); ops crossing a boundary are split (by rows, then elements). Adds "part"."""
+    n = len(relay["rows"])
+    if parts <= 1 or not n:
+        return {**relay, "part": np.zeros(n, dtype=np.int64)}
+    elems = relay["rows"] * relay["cols"]
+    pos = relay["dst_rank"]  # ops are sorted by destination tensor, whose ids are grouped by rank
+    total = np.bincount(pos, weights=elems, minlength=ranks_per_replica).astype(np.int64)
+    first = np.searchsorted(pos, np.arange(ranks_per_replica))
+    end = np.cumsum(elems)
+    end = end - np.concatenate([[0], end])[first][pos]  # cumulative elements inside the position
+    start = end - elems
+    bounds = np.stack([-(-total * j // parts) for j in range(1, parts)], axis=1)  # (positions, parts - 1)
+    part_of_start = (bounds[pos] <= start[:, None]).sum(axis=1)
+    part_of_last = (bounds[pos] <= (end - 1)[:, None]).sum(axis=1)
+    out = {**relay, "part": part_of_start}
+    crossing = np.flatnonzero(part_of_last > part_of_start)
+    if not len(crossing):
+        return out
+    keep = np.ones(n, dtype=bool)
+    keep[crossing] = False
+    pieces = []
+    for i in crossing.tolist():
+        cuts = [int(b - start[i]) for b in bounds[pos[i]].tolist() if start[i] < b < end[i]]
+        op = {c: int(relay[c][i]) for c in relay}
+        first_part = int(part_of_start[i])
+        for k, (a, b) in enumerate(zip([0] + cuts, cuts + [int(elems[i])])):
+            for piece in _element_range(op, a, b):
+                pieces.append({**piece, "part": first_part + k})
+    extra = {c: np.asarray([p[c] for p in pieces], dtype=np.int64) for c in out}
+    return {c: np.concatenate([out[c][keep], extra[c]]) for c in out}
+
+
+def _element_range(op: dict[str, int], a: int, b: int) -> list[dict[str, int]]:
+    """The elements [a, b) of a block op (row-major inside the block), as at most three ops."""
+    rows, cols, stride, off = op["rows"], op["cols"], op["dst_stride"], op["dst_offset"]
+    if rows == 1:
+        return [{**op, "dst_offset": off + a, "cols": b - a, "dst_stride": b - a}]
+    out = []
+
+    def flat(row, c0, c1):
+        out.append({**op, "rows": 1, "cols": c1 - c0, "dst_stride": c1 - c0, "dst_offset": off + row * stride + c0})
+
+    r0, c0 = divmod(a, cols)
+    r1, c1 = divmod(b, cols)
+    if r0 == r1:
+        flat(r0, c0, c1)
+        return out
+    if c0:
+        flat(r0, c0, cols)
+        r0 += 1
+    if r1 > r0:
+        n = r1 - r0
+        out.append({**op, "rows": n, "dst_offset": off + r0 * stride} if n > 1 else
+                   {**op, "rows": 1, "cols": cols, "dst_stride": cols, "dst_offset": off + r0 * stride})
+    if c1:
+        flat(r1, 0, c1)
+    return out
+
+
+__all__ = ["check_forest", "expected_depth", "forest_shape", "replica_forests", "split_parts", "tree_graph"]

@@ -7,15 +7,19 @@ An op copies a 2-D strided block: `rows` x `cols` elements from the source tenso
 Fan-out: an op with `src_side == 1` is a relay: its source is destination rank `src_rank`'s tensor
 `src_tensor` (an id in the destination table), which that rank received in an earlier stage. `stage` orders
 execution: every op of stage s may start only once the ops of stages < s that write its source are done.
-Plain plans have every op at stage 0, side 0.
+Plans without fan-out have every op at stage 0, side 0.
 
-Ops are sorted by (stage, src_side, src_rank, dst_rank, src_tensor, dst_tensor, src_offset), so the ops of
-one (stage, sender, receiver) -- a transfer -- are one contiguous range.
+`plan.ops` has every op as one row of OP_COLUMNS, sorted by (stage, src_side, src_rank, dst_rank, src_tensor,
+dst_tensor, src_offset), so the ops of one (stage, sender, receiver) -- a transfer -- are one contiguous range.
+The plan stores them factored by destination replica (planner.program) and expands `ops` on first use; an
+executor that runs one rank expands only that rank's rows (`ops_sent_by`, `ops_received_by`), which is what
+keeps plans of thousands of ranks small.
 
 Plans are saved as one `.npz` (plain arrays plus a JSON header; loaded with allow_pickle=False) or as JSON.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -27,34 +31,89 @@ import numpy as np
 from ..errors import PlanError
 from ..layouts import Layout, layout_from_dict, layout_to_dict
 from ..layouts.model import DTYPE_SIZES
-from .accounting import Accounting, Bounds, account
+from .accounting import Accounting, Bounds, account_program
+from .fanout import check_forest
+from .program import OP_COLUMNS, RELAY, SOURCE, Program, expand
 
-OP_COLUMNS = ("stage", "src_side", "src_rank", "src_tensor", "src_offset", "src_stride", "dst_rank", "dst_tensor",
-              "dst_offset", "dst_stride", "rows", "cols", "canon")
-SOURCE, RELAY = 0, 1  # values of src_side
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TensorTable:
-    """The physical tensors one side of a plan touches: id -> (rank, name, shape)."""
+    """The physical tensors one side of a plan touches: id -> (rank, name, shape).
 
-    ranks: tuple[int, ...]
-    names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
+    Stored compactly (a rank and a kind per id; kinds are the distinct (name, shape) pairs), because a side of
+    a thousand ranks has hundreds of thousands of tensors; `ranks`, `names` and `shapes` are built on first use.
+    """
+
+    rank: np.ndarray
+    kind: np.ndarray
+    kinds: tuple[tuple[str, tuple[int, ...]], ...]
+
+    def __post_init__(self) -> None:
+        for name in ("rank", "kind"):
+            a = np.ascontiguousarray(getattr(self, name), dtype=np.int64)
+            a.setflags(write=False)
+            object.__setattr__(self, name, a)
+        object.__setattr__(self, "kinds", tuple((str(n), tuple(int(x) for x in sh)) for n, sh in self.kinds))
+
+    @classmethod
+    def from_lists(cls, ranks, names, shapes) -> "TensorTable":
+        kinds: dict[tuple[str, tuple[int, ...]], int] = {}
+        kind = [kinds.setdefault((n, tuple(s)), len(kinds)) for n, s in zip(names, shapes)]
+        return cls(np.asarray(list(ranks), dtype=np.int64), np.asarray(kind, dtype=np.int64), tuple(kinds))
 
     def __len__(self) -> int:
-        return len(self.names)
+        return len(self.rank)
+
+    @functools.cached_property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(self.rank.tolist())
+
+    @functools.cached_property
+    def names(self) -> tuple[str, ...]:
+        names = np.empty(len(self.kinds), dtype=object)
+        names[:] = [n for n, _ in self.kinds]
+        return tuple(names[self.kind].tolist())
+
+    @functools.cached_property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        shapes = np.empty(len(self.kinds), dtype=object)
+        shapes[:] = [s for _, s in self.kinds]
+        return tuple(shapes[self.kind].tolist())
+
+    def name(self, tid: int) -> str:
+        return self.kinds[int(self.kind[tid])][0]
+
+    def shape(self, tid: int) -> tuple[int, ...]:
+        return self.kinds[int(self.kind[tid])][1]
+
+    def kind_array(self, f) -> np.ndarray:
+        """f(name, shape) per tensor id, computed once per kind."""
+        per_kind = np.asarray([f(n, s) for n, s in self.kinds], dtype=np.int64)
+        return per_kind[self.kind] if len(self.kind) else np.zeros(0, np.int64)
 
     def on_rank(self, rank: int) -> dict[str, tuple[int, ...]]:
-        return {n: s for r, n, s in zip(self.ranks, self.names, self.shapes) if r == rank}
+        return {self.kinds[k][0]: self.kinds[k][1] for k in self.kind[self.rank == rank].tolist()}
+
+    def tiled(self, copies: int, rank_step: int) -> "TensorTable":
+        """The table repeated `copies` times, copy c on ranks shifted by c * rank_step (identical replicas)."""
+        rank = (self.rank[None, :] + rank_step * np.arange(copies)[:, None]).ravel()
+        return TensorTable(rank, np.tile(self.kind, copies), self.kinds)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ranks": list(self.ranks), "names": list(self.names), "shapes": [list(s) for s in self.shapes]}
+        return {"rank": self.rank.tolist(), "kind": self.kind.tolist(),
+                "kinds": [[n, list(s)] for n, s in self.kinds]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TensorTable":
-        return cls(tuple(d["ranks"]), tuple(d["names"]), tuple(tuple(s) for s in d["shapes"]))
+        return cls(np.asarray(d["rank"], dtype=np.int64), np.asarray(d["kind"], dtype=np.int64),
+                   tuple((n, tuple(s)) for n, s in d["kinds"]))
+
+    def digest_update(self, h) -> None:
+        h.update(json.dumps(self.kinds).encode())
+        h.update(self.rank.astype("<i8").tobytes())
+        h.update(self.kind.astype("<i8").tobytes())
 
 
 class Transfer(NamedTuple):
@@ -67,22 +126,17 @@ class Transfer(NamedTuple):
     nbytes: int
 
 
-def _frozen(a: np.ndarray) -> np.ndarray:
-    a = np.ascontiguousarray(a, dtype=np.int64)
-    a.setflags(write=False)
-    return a
-
-
 @dataclass(frozen=True)
 class Plan:
     src: Layout
     dst: Layout
     src_tensors: TensorTable
     dst_tensors: TensorTable
-    ops: dict[str, np.ndarray]
+    program: Program
     bounds: Bounds
     colocated: bool = False
     fanout: int | None = None
+    roots: int | None = None  # replicas the source feeds when fanout is set
     selection: tuple[str, ...] | None = None  # canonical tensor names, None = whole model
     coverage: str = "exact"
     compile_seconds: float = 0.0
@@ -90,19 +144,43 @@ class Plan:
     accounting: Accounting = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        missing = [c for c in OP_COLUMNS if c not in self.ops]
-        if missing:
-            raise PlanError("plan ops are missing columns", missing)
-        object.__setattr__(self, "ops", {c: _frozen(self.ops[c]) for c in OP_COLUMNS})
+        p = self.program
+        problems = check_forest(p.parent, p.stage)
+        if p.num_replicas != self.dst.num_replicas or p.ranks_per_replica != self.dst.ranks_per_replica:
+            problems.append(f"program has {p.num_replicas} replicas of {p.ranks_per_replica} ranks; destination "
+                            f"layout {self.dst} has {self.dst.num_replicas} of {self.dst.ranks_per_replica}")
+        if len(self.dst_tensors) != p.tensors_per_replica * p.num_replicas:
+            problems.append("destination tensor table does not match the program's replicas")
+        if problems:
+            raise PlanError("plan is inconsistent", problems)
         if not self.digest:
             object.__setattr__(self, "digest", self._compute_digest())
-        object.__setattr__(self, "accounting", account(self.ops, self.itemsize, self.src.num_ranks,
-                                                       self.dst.num_ranks, self.colocated, self.bounds))
+        object.__setattr__(self, "accounting", account_program(p, self.itemsize, self.src.num_ranks,
+                                                               self.dst.num_ranks, self.colocated, self.bounds))
 
-    # --- shape of the plan -----------------------------------------------------------------------
+    # --- the ops ---------------------------------------------------------------------------------
+    @functools.cached_property
+    def ops(self) -> dict[str, np.ndarray]:
+        """Every op (OP_COLUMNS), sorted; expanded from the program on first use (read-only arrays)."""
+        ops = expand(self.program)
+        for a in ops.values():
+            a.setflags(write=False)
+        return ops
+
+    def ops_sent_by(self, rank: int, side: int = SOURCE) -> dict[str, np.ndarray]:
+        """The ops source rank `rank` sends (side SOURCE), or destination rank `rank` relays (side RELAY), sorted
+        as in `ops`, without expanding the rest of the plan."""
+        if side == SOURCE and not 0 <= rank < self.src.num_ranks:
+            raise PlanError(f"source rank {rank} is outside [0, {self.src.num_ranks})")
+        return expand(self.program, source_rank=rank) if side == SOURCE else expand(self.program, relay_rank=rank)
+
+    def ops_received_by(self, rank: int) -> dict[str, np.ndarray]:
+        """The ops that write destination rank `rank`, sorted as in `ops`."""
+        return expand(self.program, receiver=rank)
+
     @property
     def num_ops(self) -> int:
-        return int(self.ops["rows"].shape[0])
+        return self.program.num_ops
 
     @property
     def itemsize(self) -> int:
@@ -129,14 +207,29 @@ class Plan:
 
     @property
     def num_stages(self) -> int:
-        return int(self.ops["stage"].max()) + 1 if self.num_ops else 0
+        return int(self.program.stage.max()) + 1 if self.num_ops else 0
+
+    @property
+    def replica_parent(self) -> tuple[tuple[int, ...], ...]:
+        """The fan-out trees: per part of the bytes, per destination replica, the replica it is relayed from
+        (-1: fed by the source). One part unless relays are split (planner.fanout)."""
+        return tuple(tuple(row) for row in self.program.parent.tolist())
+
+    @property
+    def replica_stage(self) -> tuple[tuple[int, ...], ...]:
+        """Per part, per destination replica: the stage in which it receives that part."""
+        return tuple(tuple(row) for row in self.program.stage.tolist())
+
+    @property
+    def tree_depth(self) -> int:
+        return int(self.program.stage.max(initial=0))
 
     def ops_for_src(self, rank: int) -> np.ndarray:
-        """Indices of the ops rank `rank` of the source side sends (relays excluded)."""
+        """Indices into `ops` of the ops rank `rank` of the source side sends (relays excluded)."""
         return np.flatnonzero((self.ops["src_rank"] == rank) & (self.ops["src_side"] == SOURCE))
 
     def ops_relayed_by(self, rank: int) -> np.ndarray:
-        """Indices of the ops destination rank `rank` forwards to other destination ranks."""
+        """Indices into `ops` of the ops destination rank `rank` forwards to other destination ranks."""
         return np.flatnonzero((self.ops["src_rank"] == rank) & (self.ops["src_side"] == RELAY))
 
     def ops_for_dst(self, rank: int) -> np.ndarray:
@@ -148,7 +241,7 @@ class Plan:
         table = self.src_tensors if row["src_side"] == SOURCE else self.dst_tensors
         row["src_tensor"] = table.names[row["src_tensor"]]
         row["dst_tensor"] = self.dst_tensors.names[row["dst_tensor"]]
-        row["canon"] = self.src.model.tensors[row["canon"]].name
+        row["canon"] = self.src.model.tensor_name(row["canon"])
         return row
 
     # --- identity --------------------------------------------------------------------------------
@@ -159,38 +252,42 @@ class Plan:
             "dst": layout_to_dict(self.dst),
             "colocated": self.colocated,
             "fanout": self.fanout,
+            "roots": self.roots,
             "selection": list(self.selection) if self.selection is not None else None,
-            "src_tensors": self.src_tensors.to_dict(),
-            "dst_tensors": self.dst_tensors.to_dict(),
             "bounds": self.bounds.to_dict(),
+            "program": self.program.scalars(),
         }
 
     def _compute_digest(self) -> str:
         h = hashlib.sha256(json.dumps(self._header(), sort_keys=True).encode())
-        for c in OP_COLUMNS:
-            h.update(c.encode())
-            h.update(self.ops[c].astype("<i8").tobytes())
+        self.src_tensors.digest_update(h)
+        self.dst_tensors.digest_update(h)
+        for name, a in self.program.arrays().items():
+            h.update(name.encode())
+            h.update(np.ascontiguousarray(a, dtype="<i8").tobytes())
         return h.hexdigest()
 
     # --- persistence (never pickle) --------------------------------------------------------------
+    def _meta(self) -> dict[str, Any]:
+        return {**self._header(), "src_tensors": self.src_tensors.to_dict(),
+                "dst_tensors": self.dst_tensors.to_dict(), "coverage": self.coverage,
+                "compile_seconds": self.compile_seconds, "digest": self.digest}
+
     def to_dict(self) -> dict[str, Any]:
-        return {**self._header(), "coverage": self.coverage, "compile_seconds": self.compile_seconds,
-                "digest": self.digest, "ops": {c: self.ops[c].tolist() for c in OP_COLUMNS}}
+        return {**self._meta(), "arrays": {k: v.tolist() for k, v in self.program.arrays().items()}}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
-        return cls._build(d, {c: np.asarray(d["ops"][c], dtype=np.int64) for c in OP_COLUMNS})
+        return cls._build(d, d["arrays"])
 
     def save(self, path: str | Path) -> Path:
-        """Write `path` as .json (everything as JSON) or .npz (op columns as arrays, header as JSON)."""
+        """Write `path` as .json (everything as JSON) or .npz (program arrays, header as JSON)."""
         path = Path(path)
         if path.suffix == ".json":
             path.write_text(json.dumps(self.to_dict()))
             return path
-        header = {**self._header(), "coverage": self.coverage, "compile_seconds": self.compile_seconds,
-                  "digest": self.digest}
-        arrays = {c: self.ops[c] for c in OP_COLUMNS}
-        arrays["header"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
+        arrays = {f"a:{k}": v for k, v in self.program.arrays().items()}
+        arrays["header"] = np.frombuffer(json.dumps(self._meta()).encode(), dtype=np.uint8)
         with open(path, "wb") as f:
             np.savez_compressed(f, **arrays)
         return path
@@ -202,18 +299,22 @@ class Plan:
             return cls.from_dict(json.loads(path.read_text()))
         with np.load(path, allow_pickle=False) as z:
             header = json.loads(bytes(z["header"]).decode())
-            ops = {c: z[c] for c in OP_COLUMNS}
-        return cls._build(header, ops)
+            arrays = {k[2:]: z[k] for k in z.files if k.startswith("a:")}
+        return cls._build(header, arrays)
 
     @classmethod
-    def _build(cls, d: dict[str, Any], ops: dict[str, np.ndarray]) -> "Plan":
+    def _build(cls, d: dict[str, Any], arrays: dict[str, Any]) -> "Plan":
         if d.get("format") != FORMAT_VERSION:
             raise PlanError(f"plan format {d.get('format')!r} is not supported (expected {FORMAT_VERSION})")
         src, dst = layout_from_dict(d["src"]), layout_from_dict(d["dst"])
+        try:
+            program = Program.from_arrays(arrays, d["program"])
+        except KeyError as exc:
+            raise PlanError(f"saved plan lacks array {exc}") from None
         plan = cls(src=src, dst=dst, src_tensors=TensorTable.from_dict(d["src_tensors"]),
-                   dst_tensors=TensorTable.from_dict(d["dst_tensors"]), ops=ops,
+                   dst_tensors=TensorTable.from_dict(d["dst_tensors"]), program=program,
                    bounds=Bounds.from_dict(d["bounds"]), colocated=d["colocated"], fanout=d.get("fanout"),
-                   selection=tuple(d["selection"]) if d["selection"] is not None else None,
+                   roots=d.get("roots"), selection=tuple(d["selection"]) if d["selection"] is not None else None,
                    coverage=d["coverage"], compile_seconds=d["compile_seconds"])
         if d.get("digest") and plan.digest != d["digest"]:
             raise PlanError(f"plan digest mismatch: stored {d['digest'][:12]}, content {plan.digest[:12]}")

@@ -52,6 +52,13 @@ def summary(plan: "Plan") -> str:
         f"  gather+bcast {human_bytes(a.gather_broadcast_bytes)} ({a.gather_broadcast_bytes / lb:.1f}x of bound)",
         f"  busiest      sender {human_bytes(a.max_egress)} (balance {a.egress_balance:.3f}x mean), "
         f"receiver {human_bytes(a.max_ingress)}",
+        f"  senders      busiest {a.egress_optimality:.4f}x of the bound no choice of senders beats "
+        f"({human_bytes(a.egress_lower_bound)}"
+        + (f"; guaranteed within one unit, {human_bytes(a.egress_unit_max)})" if a.holder_sets_laminar
+           else "; holder sets not laminar: no guarantee)"),
+        *([f"  fan-out      {plan.roots} root replica(s) fed by the source, {len(plan.replica_parent)} tree(s), "
+           f"depth {plan.tree_depth}, {a.num_stages} stages; busiest relay {human_bytes(a.max_relay_egress)}"]
+          if plan.fanout else []),
         f"  compile      {plan.compile_seconds:.3f} s",
         "  egress by source rank:",
         *_rank_table("src", a.egress_bytes),

@@ -46,3 +46,27 @@ def data_bytes_by_rank(layout: Layout, names: set[str] | None = None) -> list[in
                 n *= x
             out[p.rank] += n * layout.model.itemsize
     return out
+
+
+def relays_read_received_data(plan: Plan) -> list[str]:
+    """Problems with relay ops: each must read, from its sender's destination tensor, elements that an op of an
+    earlier stage wrote there."""
+    written = [torch.full(s, -1, dtype=torch.int64).view(-1) for s in plan.dst_tensors.shapes]
+    o = plan.ops
+    cols = [o[c].tolist() for c in ("stage", "dst_tensor", "dst_offset", "dst_stride", "rows", "cols")]
+    for st, dt, do, ds, rows, cols_ in zip(*cols):
+        block(written[dt], do, rows, cols_, ds).fill_(st)
+    problems = []
+    rel = [o[c].tolist() for c in ("stage", "src_side", "src_rank", "src_tensor", "src_offset", "src_stride", "rows",
+                                   "cols")]
+    for st, side, sr, stn, so, ss, rows, cols_ in zip(*rel):
+        if side != 1:
+            continue
+        if plan.dst_tensors.rank[stn] != sr:
+            problems.append(f"relay from rank {sr} reads tensor {stn} of rank {plan.dst_tensors.rank[stn]}")
+            continue
+        got = block(written[stn], so, rows, cols_, ss)
+        if int(got.min()) < 0 or int(got.max()) >= st:
+            problems.append(f"stage {st} relay from rank {sr} reads data written in stages "
+                            f"[{int(got.min())}, {int(got.max())}]")
+    return problems

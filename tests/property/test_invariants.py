@@ -75,9 +75,9 @@ def test_accounting(pair, colocated, fanout):
     assert sum(b for _, _, b in a.relay_pair_bytes) == relayed
     local = sum(b for s, d, b in a.pair_bytes if colocated and s == d)
     assert a.local_bytes == local and sum(a.egress_bytes) == a.total_bytes - local - relayed
-    if fanout:  # the trainer sends one replica's worth; each replica forwards at most fanout x what it got
+    if fanout:  # the trainer sends one replica's worth per root; each replica forwards at most fanout x what it got
         per_replica = sum(expected[:dst.ranks_per_replica])
-        assert sum(a.egress_bytes) + a.local_bytes == per_replica
+        assert sum(a.egress_bytes) + a.local_bytes == plan.roots * per_replica
         for r in range(dst.num_ranks):
             assert a.relay_egress_bytes[r] <= fanout * a.ingress_bytes[r]
     assert a.num_transfers == len(plan.transfers) == len(a.pair_bytes) + len(a.relay_pair_bytes)

@@ -1,0 +1,299 @@
+"""Predicted wall time of a plan: a bandwidth model over link classes.
+
+Every transfer (stage, sender, receiver) is classified by where its two ranks sit:
+- `device`: the same GPU (colocated plans): a device copy, reading and writing device memory;
+- `nvlink`: two GPUs of one node;
+- `network`: two nodes, through each GPU's NIC.
+Each GPU has a copy engine, an NVLink port and a NIC; each link class has a bandwidth and a latency (inputs,
+with defaults from the figures measured on the H200 machine and a 400 Gb/s NIC per GPU). A stage takes as long
+as its busiest resource (bytes / bandwidth; NVLink and NICs are full duplex, NVLink capped in total when both
+directions are busy), plus the latency of its transfers and a per-op cost. Executors that pack bytes into wire
+buffers, or stage what they receive before committing it, add device copies (`pack_copies`, `commit_copies`),
+which overlap the wire or follow it (`overlap_copies`). Stages run one after another, or,
+with `pipelined`, overlap as relays forward chunks while they arrive: then the plan takes as long as its busiest
+resource over all stages, plus one chunk and one latency per tree level to fill the pipeline.
+
+Ranks sit on GPUs in order: source rank s on GPU s; destination rank d on GPU `dst_first_gpu` + d (default right
+after the source's GPUs), or on source rank d's GPU when the plan is colocated; `src_gpus` / `dst_gpus` give any
+other placement. GPU g is in node g // gpus_per_node.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .program import RELAY, SOURCE
+
+if TYPE_CHECKING:
+    from .plan import Plan
+
+LINK_CLASSES = ("device", "nvlink", "network")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where ranks sit and how fast things move. Bandwidths in bytes/s, latencies in seconds."""
+
+    gpus_per_node: int = 8
+    nvlink_bandwidth: float = 366e9  # one direction, per GPU (NCCL send/recv, measured)
+    nvlink_bidirectional: float = 676e9  # both directions together, per GPU (measured)
+    nvlink_latency: float = 36e-6  # per transfer (fit of NCCL send/recv 256 MiB vs 2 GiB, measured)
+    network_bandwidth: float = 50e9  # one direction, per GPU: one 400 Gb/s NIC
+    network_latency: float = 10e-6
+    copy_bandwidth: float = 4.2e12  # device memory, read + write counted (measured); a copy of B bytes moves 2B
+    copy_latency: float = 5e-6
+    op_overhead: float = 0.0  # per op, on the busiest GPU (executors that launch a kernel per op)
+    pack_copies: float = 0.0  # device copies of every crossing byte on its sender and its receiver (wire buffers)
+    commit_copies: float = 0.0  # device copies of every received byte after it lands (a staged commit)
+    overlap_copies: bool = True  # pack/commit copies overlap the wire (bucketed pipelines) or follow it
+    pipelined: bool = False
+    chunk_bytes: int = 64 << 20  # pipelined relays forward this much before the next level can start
+    dst_first_gpu: int | None = None  # None: right after the source ranks' GPUs
+    src_gpus: tuple[int, ...] | None = None  # explicit GPU of every source rank (overrides the default order)
+    dst_gpus: tuple[int, ...] | None = None  # explicit GPU of every destination rank (overrides the rest)
+
+    def __post_init__(self) -> None:
+        bad = [n for n in ("gpus_per_node", "nvlink_bandwidth", "nvlink_bidirectional", "network_bandwidth",
+                           "copy_bandwidth", "chunk_bytes") if getattr(self, n) <= 0]
+        bad += [n for n in ("nvlink_latency", "network_latency", "copy_latency", "op_overhead") if getattr(self, n) < 0]
+        if bad:
+            from ..errors import PlanError
+
+            raise PlanError("topology figures must be positive (latencies and overheads non-negative)", bad)
+
+    def with_(self, **changes) -> "Topology":
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Resource:
+    """One GPU's port of one kind and the load on it."""
+
+    kind: str  # "copy", "nvlink out", "nvlink in", "nvlink both", "nic out", "nic in"
+    gpu: int
+    role: str  # which ranks sit on the GPU, e.g. "src 3" or "dst 17" or "src 3 + dst 3"
+    nbytes: int
+    seconds: float
+
+    def __str__(self) -> str:
+        return f"{self.kind} of GPU {self.gpu} ({self.role}): {self.nbytes / 1e9:.2f} GB in {self.seconds:.4f} s"
+
+
+@dataclass(frozen=True)
+class StagePrediction:
+    stage: int
+    seconds: float
+    transfer_seconds: float  # the busiest resource
+    latency_seconds: float
+    op_seconds: float
+    busiest: Resource | None
+    bytes_by_class: dict[str, int]
+    transfers_by_class: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    seconds: float
+    pipelined: bool
+    stages: tuple[StagePrediction, ...]
+    busiest: Resource | None  # over the whole plan (per stage when not pipelined: the slowest stage's)
+    depth: int  # fan-out tree depth (stages - 1)
+    topology: Topology = field(repr=False)
+
+    @property
+    def bytes_by_class(self) -> dict[str, int]:
+        return {c: sum(s.bytes_by_class[c] for s in self.stages) for c in LINK_CLASSES}
+
+
+def transfer_table(plan: "Plan") -> dict[str, np.ndarray]:
+    """Per transfer (stage, side, sender, receiver): bytes and ops, computed from the factored plan."""
+    p = plan.program
+    t, rpr = p.template, p.ranks_per_replica
+    num_dst = plan.dst.num_ranks
+    item = plan.itemsize
+    G = len(p.group_box)
+    op_bytes = t["rows"] * t["cols"] * item
+    g_bytes = np.bincount(t["group"], weights=op_bytes, minlength=G)
+    g_ops = np.bincount(t["group"], minlength=G)
+    first = np.searchsorted(t["group"], np.arange(G))
+    holder = p.holder_of_group()
+    dst = t["dst_rank"][first][None, :] + p.fed[:, None] * rpr
+    stage_of = np.broadcast_to(p.stage[0, p.fed][:, None], holder.shape)
+    key = (stage_of.ravel() * plan.src.num_ranks + holder.ravel()) * num_dst + dst.ravel()
+    uniq, inverse = np.unique(key, return_inverse=True)
+    nb = np.bincount(inverse, weights=np.broadcast_to(g_bytes, holder.shape).ravel())
+    no = np.bincount(inverse, weights=np.broadcast_to(g_ops, holder.shape).ravel())
+    cols = {"stage": uniq // num_dst // plan.src.num_ranks, "side": np.full(len(uniq), SOURCE),
+            "src": uniq // num_dst % plan.src.num_ranks, "dst": uniq % num_dst,
+            "bytes": nb.astype(np.int64), "ops": no.astype(np.int64)}
+    jj, kk = np.nonzero(p.parent >= 0)  # (part, relayed replica)
+    if len(kk):
+        r = p.relay
+        P = p.num_parts
+        key = r["part"] * rpr + r["dst_rank"]
+        pos_bytes = np.bincount(key, weights=r["rows"] * r["cols"] * item, minlength=P * rpr).reshape(P, rpr)
+        pos_ops = np.bincount(key, minlength=P * rpr).reshape(P, rpr)
+        j = np.repeat(jj, rpr)
+        k = np.repeat(kk, rpr)
+        rr = np.tile(np.arange(rpr), len(kk))
+        some = pos_ops[j, rr] > 0
+        j, k, rr = j[some], k[some], rr[some]
+        extra = {"stage": p.stage[j, k], "side": np.full(len(k), RELAY), "src": p.parent[j, k] * rpr + rr,
+                 "dst": k * rpr + rr, "bytes": pos_bytes[j, rr].astype(np.int64), "ops": pos_ops[j, rr]}
+        cols = {c: np.concatenate([cols[c], extra[c]]) for c in cols}
+    return cols
+
+
+def _rank_gpus(plan: "Plan", topo: Topology) -> tuple[np.ndarray, np.ndarray]:
+    """GPU of every source rank and of every destination rank."""
+    S, D = plan.src.num_ranks, plan.dst.num_ranks
+    src = np.asarray(topo.src_gpus if topo.src_gpus is not None else range(S), dtype=np.int64)
+    if topo.dst_gpus is not None:
+        dst = np.asarray(topo.dst_gpus, dtype=np.int64)
+    elif plan.colocated:
+        dst = src[:D]
+    else:
+        first = int(src.max(initial=-1)) + 1 if topo.dst_first_gpu is None else topo.dst_first_gpu
+        dst = first + np.arange(D)
+    if len(src) != S or len(dst) != D:
+        from ..errors import PlanError
+
+        raise PlanError(f"topology places {len(src)} source and {len(dst)} destination ranks; the plan has "
+                        f"{S} and {D}")
+    return src, dst
+
+
+def _gpus(plan: "Plan", topo: Topology, tr: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    src, dst = _rank_gpus(plan, topo)
+    src_gpu = np.where(tr["side"] == RELAY, dst[np.minimum(tr["src"], len(dst) - 1)],
+                       src[np.minimum(tr["src"], len(src) - 1)])
+    return src_gpu, dst[tr["dst"]]
+
+
+def _role(plan: "Plan", topo: Topology, gpu: int) -> str:
+    src, dst = _rank_gpus(plan, topo)
+    roles = [f"src rank {int(r)}" for r in np.flatnonzero(src == gpu)[:2]]
+    roles += [f"dst rank {int(r)}" for r in np.flatnonzero(dst == gpu)[:2]]
+    return " + ".join(roles) or "idle"
+
+
+def _stage(plan: "Plan", topo: Topology, tr, sel, s: int) -> tuple[StagePrediction, dict[str, np.ndarray]]:
+    src_gpu, dst_gpu = _gpus(plan, topo, tr)
+    src_gpu, dst_gpu = src_gpu[sel], dst_gpu[sel]
+    nbytes, ops = tr["bytes"][sel].astype(np.float64), tr["ops"][sel]
+    n = int(max(src_gpu.max(initial=0), dst_gpu.max(initial=0))) + 1
+    same = src_gpu == dst_gpu
+    node = topo.gpus_per_node
+    nv = ~same & (src_gpu // node == dst_gpu // node)
+    net = ~same & ~nv
+    load = {
+        "nvlink out": np.bincount(src_gpu[nv], weights=nbytes[nv], minlength=n),
+        "nvlink in": np.bincount(dst_gpu[nv], weights=nbytes[nv], minlength=n),
+        "nic out": np.bincount(src_gpu[net], weights=nbytes[net], minlength=n),
+        "nic in": np.bincount(dst_gpu[net], weights=nbytes[net], minlength=n),
+    }
+    load["nvlink both"] = load["nvlink out"] + load["nvlink in"]
+    cross = ~same
+    copies = (np.bincount(src_gpu[same], weights=nbytes[same], minlength=n)  # local copies
+              + topo.pack_copies * (np.bincount(src_gpu[cross], weights=nbytes[cross], minlength=n)
+                                    + np.bincount(dst_gpu[cross], weights=nbytes[cross], minlength=n))
+              + topo.commit_copies * np.bincount(dst_gpu, weights=nbytes, minlength=n))
+    bw = {"copy": topo.copy_bandwidth, "nvlink out": topo.nvlink_bandwidth, "nvlink in": topo.nvlink_bandwidth,
+          "nvlink both": topo.nvlink_bidirectional, "nic out": topo.network_bandwidth,
+          "nic in": topo.network_bandwidth}
+    busiest, worst = None, 0.0
+    for kind, l in load.items():
+        if not l.any():
+            continue
+        g = int(np.argmax(l))
+        secs = float(l[g]) / bw[kind]
+        if secs > worst:
+            busiest, worst = Resource(kind, g, _role(plan, topo, g), int(l[g]), secs), secs
+    copy_time = 2 * copies / topo.copy_bandwidth  # a copy reads and writes
+    if copy_time.any():
+        if topo.overlap_copies:
+            g = int(np.argmax(copy_time))
+            if copy_time[g] > worst:
+                busiest, worst = Resource("copy", g, _role(plan, topo, g), int(copies[g]), float(copy_time[g])), \
+                    float(copy_time[g])
+        else:  # copies follow the wire on each GPU
+            wire_per_gpu = np.max([load[k] / bw[k] for k in load], axis=0)
+            total = wire_per_gpu + copy_time
+            g = int(np.argmax(total))
+            if total[g] > worst:
+                busiest, worst = Resource("wire + copy", g, _role(plan, topo, g), int(copies[g]), float(total[g])), \
+                    float(total[g])
+    load["copy"] = 2 * copies
+    latency = max([topo.copy_latency] * bool(same.any()) + [topo.nvlink_latency] * bool(nv.any())
+                  + [topo.network_latency] * bool(net.any()), default=0.0)
+    per_gpu_ops = np.bincount(src_gpu, weights=ops, minlength=n) + np.bincount(dst_gpu, weights=ops, minlength=n)
+    op_secs = float(per_gpu_ops.max(initial=0)) * topo.op_overhead
+    classes = {"device": same, "nvlink": nv, "network": net}
+    pred = StagePrediction(
+        stage=s, seconds=worst + latency + op_secs, transfer_seconds=worst, latency_seconds=latency,
+        op_seconds=op_secs, busiest=busiest,
+        bytes_by_class={c: int(nbytes[m].sum()) for c, m in classes.items()},
+        transfers_by_class={c: int(m.sum()) for c, m in classes.items()})
+    return pred, {k: v / bw[k] for k, v in load.items()}
+
+
+def predict(plan: "Plan", topology: Topology | None = None) -> Prediction:
+    """The plan's predicted wall time on `topology` (default: 8-GPU nodes, measured NVLink, 400 Gb/s NICs)."""
+    topo = topology or Topology()
+    tr = transfer_table(plan)
+    stages, times = [], []
+    for s in range(plan.num_stages):
+        pred, t = _stage(plan, topo, tr, tr["stage"] == s, s)
+        stages.append(pred)
+        times.append(t)
+    depth = max(plan.num_stages - 1, 0)
+    if not stages:
+        return Prediction(0.0, topo.pipelined, (), None, 0, topo)
+    if not topo.pipelined:
+        slowest = max(stages, key=lambda x: x.transfer_seconds)
+        return Prediction(sum(x.seconds for x in stages), False, tuple(stages), slowest.busiest, depth, topo)
+    # Pipelined: all stages share the resources; each level beyond the first adds one chunk and one latency.
+    size = max(len(v) for t in times for v in t.values())
+    total = {k: sum(np.pad(t[k], (0, size - len(t[k]))) for t in times) for k in times[0]}
+    kind = max(total, key=lambda k: total[k].max(initial=0))
+    g = int(np.argmax(total[kind]))
+    secs = float(total[kind][g])
+    bw = {"copy": topo.copy_bandwidth, "nvlink out": topo.nvlink_bandwidth, "nvlink in": topo.nvlink_bandwidth,
+          "nvlink both": topo.nvlink_bidirectional, "nic out": topo.network_bandwidth, "nic in": topo.network_bandwidth}
+    nbytes = secs * bw[kind] / (2 if kind == "copy" else 1)
+    busiest = Resource(kind, g, _role(plan, topo, g), int(nbytes), secs)
+    fill = sum(min(topo.chunk_bytes, max(x.bytes_by_class.values())) / _slowest_bw(topo, x) + x.latency_seconds
+               for x in stages[1:])
+    overhead = stages[0].latency_seconds + sum(x.op_seconds for x in stages)
+    return Prediction(secs + fill + overhead, True, tuple(stages), busiest, depth, topo)
+
+
+def _slowest_bw(topo: Topology, stage: StagePrediction) -> float:
+    used = [c for c, n in stage.bytes_by_class.items() if n]
+    bws = {"device": topo.copy_bandwidth / 2, "nvlink": topo.nvlink_bandwidth, "network": topo.network_bandwidth}
+    return min((bws[c] for c in used), default=topo.network_bandwidth)
+
+
+def format_prediction(pred: Prediction) -> str:
+    """A few lines: total, where the time goes (busiest resource per stage), bytes by link class."""
+    mode = "pipelined stages" if pred.pipelined else "stages in sequence"
+    lines = [f"  predicted    {pred.seconds:.4f} s ({mode}; tree depth {pred.depth})"]
+    if pred.busiest is not None:
+        lines.append(f"  busiest      {pred.busiest}")
+    by = pred.bytes_by_class
+    lines.append("  link bytes   " + ", ".join(f"{c} {by[c] / 1e9:.2f} GB" for c in LINK_CLASSES))
+    for s in pred.stages:
+        lines.append(f"    stage {s.stage}: {s.seconds:.4f} s = transfer {s.transfer_seconds:.4f} + latency "
+                     f"{s.latency_seconds * 1e6:.0f} us + ops {s.op_seconds:.4f}; busiest {s.busiest}")
+    return "\n".join(lines)
+
+
+def compare_with_measurement(plan: "Plan", measured_seconds: float, topology: Topology | None = None) -> str:
+    """One line for benchmarks: prediction beside measurement, with the relative error and the bottleneck."""
+    pred = predict(plan, topology)
+    err = (pred.seconds - measured_seconds) / measured_seconds if measured_seconds > 0 else float("inf")
+    where = f"; busiest {pred.busiest}" if pred.busiest is not None else ""
+    return (f"predicted {pred.seconds:.4f} s, measured {measured_seconds:.4f} s, error {err:+.1%} "
+            f"(target within 15%){where}")

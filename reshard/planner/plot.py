@@ -1,0 +1,92 @@
+"""A plan as a picture: the source x destination byte matrix, and the fan-out trees when there are any.
+
+matplotlib is imported here only (`pip install matplotlib`); nothing else in reshard needs it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import networkx as nx
+import numpy as np
+
+from ..errors import PlanError
+
+if TYPE_CHECKING:
+    from .plan import Plan
+
+
+def byte_matrix(plan: "Plan") -> tuple[np.ndarray, np.ndarray]:
+    """(source rank x destination rank, relaying destination rank x destination rank) bytes."""
+    a = plan.accounting
+    S, D = plan.src.num_ranks, plan.dst.num_ranks
+    m = np.zeros((S, D))
+    for s, d, b in a.pair_bytes:
+        m[s, d] += b
+    r = np.zeros((D, D))
+    for s, d, b in a.relay_pair_bytes:
+        r[s, d] += b
+    return m, r
+
+
+def _tree_positions(g: nx.DiGraph, roots: list[int]) -> dict[int, tuple[float, float]]:
+    depth = nx.multi_source_dijkstra_path_length(g, roots)
+    by_level: dict[int, list[int]] = {}
+    for node in sorted(g.nodes, key=lambda n: (depth.get(n, 0), n)):
+        by_level.setdefault(depth.get(node, 0), []).append(node)
+    return {n: ((i + 0.5) / len(nodes), -lvl) for lvl, nodes in by_level.items() for i, n in enumerate(nodes)}
+
+
+def plot_plan(plan: "Plan", path: str | Path) -> Path:
+    """Write `path` (png, pdf, svg ...): the byte matrix on the left, each part's replica tree on the right."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.colors import LogNorm
+    except ImportError:
+        raise PlanError("plotting needs matplotlib: pip install matplotlib") from None
+    feed, relay = byte_matrix(plan)
+    parents = np.asarray(plan.replica_parent)
+    trees = parents.shape[0] if (parents >= 0).any() else 0
+    fig, axes = plt.subplots(1, 1 + (trees > 0) + (trees > 0), figsize=(6 + 5 * (trees > 0) * 2, 5),
+                             squeeze=False)
+    ax = axes[0, 0]
+    shown = np.where(feed > 0, feed / 1e9, np.nan)
+    vmin = np.nanmin(shown) if np.isfinite(shown).any() else 1e-9
+    vmax = np.nanmax(shown) if np.isfinite(shown).any() else 1.0
+    im = ax.imshow(shown, aspect="auto", interpolation="nearest", cmap="viridis",
+                   norm=LogNorm(vmin=vmin, vmax=max(vmax, vmin * 1.0001)))
+    ax.set_xlabel("destination rank")
+    ax.set_ylabel("source rank")
+    a = plan.accounting
+    ax.set_title(f"source -> destination bytes ({a.total_bytes / 1e9:.1f} GB, {a.num_transfers} transfers)",
+                 fontsize=9)
+    fig.colorbar(im, ax=ax, label="GB")
+    if trees:
+        ax = axes[0, 1]
+        shown = np.where(relay > 0, relay / 1e9, np.nan)
+        im = ax.imshow(shown, aspect="auto", interpolation="nearest", cmap="magma")
+        ax.set_xlabel("destination rank")
+        ax.set_ylabel("relaying destination rank")
+        ax.set_title(f"relays ({sum(a.relay_egress_bytes) / 1e9:.1f} GB, depth {plan.tree_depth})", fontsize=9)
+        fig.colorbar(im, ax=ax, label="GB")
+        ax = axes[0, 2]
+        roots = [int(k) for k in np.flatnonzero(parents[0] < 0)]
+        colors = matplotlib.colormaps["tab10"]
+        for j in range(trees):
+            g = nx.DiGraph()
+            g.add_nodes_from(range(parents.shape[1]))
+            g.add_edges_from((int(p), k) for k, p in enumerate(parents[j].tolist()) if p >= 0)
+            pos = {n: (x + j * 1.1, y) for n, (x, y) in _tree_positions(g, roots).items()}
+            nx.draw_networkx(g, pos, ax=ax, node_size=120, font_size=6, edge_color=[colors(j % 10)],
+                             node_color=["#f0c040" if n in roots else "#a0c8f0" for n in g.nodes], arrows=True)
+        ax.set_title(f"replica trees, one per part ({trees}); roots fed by the source", fontsize=9)
+        ax.axis("off")
+    fig.suptitle(f"{plan.src} -> {plan.dst}", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,220 @@
+"""The ops of a plan, factored by destination replica: what a plan stores, and how op rows are expanded from it.
+
+Destination replicas are identical layouts, so one replica's ops (the *template*, in replica 0's coordinates)
+say what every replica receives. What differs per replica is only where its bytes come from:
+- a replica *fed* by the source takes each template op from one of the source ranks that hold its bytes (the
+  holders of the op's source box); `choice[f, group]` is the holder position chosen for fed replica f, per
+  group of template ops (a destination tensor and a holder set), so that ops adjacent in memory stay together;
+- a *relayed* replica receives the same regions from other replicas along fan-out trees, copying from their
+  destination tensors (the *relay template*: the template's regions merged where adjacent, cut into parts; part
+  j of replica k comes from replica `parent[j, k]` in stage `stage[j, k]`, see planner.fanout).
+
+Expanding gives the flat op rows of `plan.ops` (OP_COLUMNS). Whole plans of a trillion-parameter model have tens
+of millions of rows; a rank's executor expands only its own (`expand(..., sender=...)` / `receiver=`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from ..errors import PlanError
+from .merge import SORT_KEYS
+
+TEMPLATE_COLUMNS = ("canon", "box", "src_d0", "src_d1", "dst_rank", "dst_tensor", "dst_offset", "dst_stride",
+                    "rows", "cols", "group")
+RELAY_COLUMNS = ("canon", "dst_rank", "dst_tensor", "dst_offset", "dst_stride", "rows", "cols", "part")
+OP_COLUMNS = ("stage", "src_side", "src_rank", "src_tensor", "src_offset", "src_stride", "dst_rank", "dst_tensor",
+              "dst_offset", "dst_stride", "rows", "cols", "canon")
+SOURCE, RELAY = 0, 1  # values of src_side
+
+
+@dataclass(frozen=True, eq=False)
+class Program:
+    """Template ops, relay template, source holders, and per-replica feeding (see the module doc).
+
+    Source offsets: a template op reads its box's holder h at h_base[h] + src_d0 * h_stride[h] + src_d1, with row
+    stride h_stride[h] (or `cols` when rows == 1). Holder h of box b is box_hstart[b] + position.
+    """
+
+    template: dict[str, np.ndarray]  # TEMPLATE_COLUMNS, length N0
+    relay: dict[str, np.ndarray]  # RELAY_COLUMNS, length N_R (empty when no replica is relayed)
+    box_hstart: np.ndarray  # per source box
+    box_hcount: np.ndarray
+    h_rank: np.ndarray  # per holder: source rank, source tensor id, flat origin of the box, row stride
+    h_tensor: np.ndarray
+    h_base: np.ndarray
+    h_stride: np.ndarray
+    group_box: np.ndarray  # per group: one of its boxes (all of a group's boxes share the holder ranks)
+    fed: np.ndarray  # replicas the source feeds, in feeding order f = 0..R-1
+    choice: np.ndarray  # (R, G) holder position per fed replica and group
+    parent: np.ndarray  # (parts, replicas): the replica each part is relayed from, -1 if fed by the source
+    stage: np.ndarray  # (parts, replicas): the stage in which each replica receives each part
+    ranks_per_replica: int
+    tensors_per_replica: int
+
+    ARRAYS = ("box_hstart", "box_hcount", "h_rank", "h_tensor", "h_base", "h_stride", "group_box", "fed", "choice",
+              "parent", "stage")
+
+    def __post_init__(self) -> None:
+        for name in self.ARRAYS:
+            a = np.ascontiguousarray(getattr(self, name), dtype=np.int64)
+            a.setflags(write=False)
+            object.__setattr__(self, name, a)
+        for attr, cols in (("template", TEMPLATE_COLUMNS), ("relay", RELAY_COLUMNS)):
+            d = getattr(self, attr)
+            frozen = {}
+            for c in cols:
+                a = np.ascontiguousarray(d[c], dtype=np.int64) if c in d else np.zeros(0, np.int64)
+                a.setflags(write=False)
+                frozen[c] = a
+            object.__setattr__(self, attr, frozen)
+
+    # --- sizes -----------------------------------------------------------------------------------
+    @property
+    def num_replicas(self) -> int:
+        return self.parent.shape[1]
+
+    @property
+    def num_parts(self) -> int:
+        return self.parent.shape[0]
+
+    @property
+    def num_template_ops(self) -> int:
+        return len(self.template["rows"])
+
+    @property
+    def num_relay_ops(self) -> int:
+        return len(self.relay["rows"])
+
+    @property
+    def num_ops(self) -> int:
+        return len(self.fed) * self.num_template_ops + (self.num_replicas - len(self.fed)) * self.num_relay_ops
+
+    @property
+    def fed_index(self) -> np.ndarray:
+        """Per replica: its position f in `fed`, or -1 if relayed."""
+        out = np.full(self.num_replicas, -1, dtype=np.int64)
+        out[self.fed] = np.arange(len(self.fed))
+        return out
+
+    def holder_of_group(self) -> np.ndarray:
+        """(R, G) source rank that sends each group to each fed replica."""
+        if not len(self.group_box):
+            return np.zeros((len(self.fed), 0), np.int64)
+        return self.h_rank[self.box_hstart[self.group_box][None, :] + self.choice]
+
+    # --- persistence -------------------------------------------------------------------------------
+    def arrays(self) -> dict[str, np.ndarray]:
+        out = {f"t.{c}": self.template[c] for c in TEMPLATE_COLUMNS}
+        out.update({f"r.{c}": self.relay[c] for c in RELAY_COLUMNS})
+        out.update({name: getattr(self, name) for name in self.ARRAYS})
+        return out
+
+    def scalars(self) -> dict[str, int]:
+        return {"ranks_per_replica": self.ranks_per_replica, "tensors_per_replica": self.tensors_per_replica}
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, Any], scalars: dict[str, int]) -> "Program":
+        get = lambda k: np.asarray(arrays[k], dtype=np.int64)  # noqa: E731
+        fed = get("fed")
+        return cls(template={c: get(f"t.{c}") for c in TEMPLATE_COLUMNS},
+                   relay={c: get(f"r.{c}") for c in RELAY_COLUMNS},
+                   **{n: get(n) for n in cls.ARRAYS if n != "choice"},
+                   choice=get("choice").reshape(len(fed), -1), **scalars)
+
+    def field_names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(self))
+
+
+# --- expansion to op rows -------------------------------------------------------------------------------
+
+def _feed_rows(p: Program, f: int, mask: np.ndarray | None, holder_rank: int | None) -> dict[str, np.ndarray]:
+    t = p.template
+    k = int(p.fed[f])
+    sel = np.arange(p.num_template_ops) if mask is None else np.flatnonzero(mask)
+    h = p.box_hstart[t["box"][sel]] + p.choice[f][t["group"][sel]]
+    if holder_rank is not None:
+        keep = p.h_rank[h] == holder_rank
+        sel, h = sel[keep], h[keep]
+    rows = t["rows"][sel]
+    return {
+        "stage": np.full(len(sel), p.stage[0, k], dtype=np.int64),
+        "src_side": np.full(len(sel), SOURCE, dtype=np.int64),
+        "src_rank": p.h_rank[h],
+        "src_tensor": p.h_tensor[h],
+        "src_offset": p.h_base[h] + t["src_d0"][sel] * p.h_stride[h] + t["src_d1"][sel],
+        "src_stride": np.where(rows == 1, t["cols"][sel], p.h_stride[h]),
+        "dst_rank": t["dst_rank"][sel] + k * p.ranks_per_replica,
+        "dst_tensor": t["dst_tensor"][sel] + k * p.tensors_per_replica,
+        "dst_offset": t["dst_offset"][sel],
+        "dst_stride": t["dst_stride"][sel],
+        "rows": rows,
+        "cols": t["cols"][sel],
+        "canon": t["canon"][sel],
+    }
+
+
+def _relay_rows(p: Program, k: int, mask: np.ndarray | None, part: int) -> dict[str, np.ndarray]:
+    r = p.relay
+    par = int(p.parent[part, k])
+    sel = r["part"] == part if mask is None else mask & (r["part"] == part)
+    sel = np.flatnonzero(sel)
+    rank, tensor = r["dst_rank"][sel], r["dst_tensor"][sel]
+    return {
+        "stage": np.full(len(sel), p.stage[part, k], dtype=np.int64),
+        "src_side": np.full(len(sel), RELAY, dtype=np.int64),
+        "src_rank": rank + par * p.ranks_per_replica,
+        "src_tensor": tensor + par * p.tensors_per_replica,
+        "src_offset": r["dst_offset"][sel],
+        "src_stride": r["dst_stride"][sel],
+        "dst_rank": rank + k * p.ranks_per_replica,
+        "dst_tensor": tensor + k * p.tensors_per_replica,
+        "dst_offset": r["dst_offset"][sel],
+        "dst_stride": r["dst_stride"][sel],
+        "rows": r["rows"][sel],
+        "cols": r["cols"][sel],
+        "canon": r["canon"][sel],
+    }
+
+
+def expand(p: Program, *, source_rank: int | None = None, relay_rank: int | None = None,
+           receiver: int | None = None) -> dict[str, np.ndarray]:
+    """Op rows (OP_COLUMNS), sorted by SORT_KEYS: all of them, or only those that source rank `source_rank`
+    sends, that destination rank `relay_rank` forwards, or that destination rank `receiver` receives."""
+    blocks = []
+    fed_index = p.fed_index
+    rpr = p.ranks_per_replica
+    for label, rank, limit in (("destination", receiver, rpr * p.num_replicas),
+                               ("destination", relay_rank, rpr * p.num_replicas)):
+        if rank is not None and not 0 <= rank < limit:
+            raise PlanError(f"{label} rank {rank} is outside [0, {limit})")
+    parts = range(p.num_parts)
+    if receiver is not None:
+        k, r = divmod(receiver, rpr)
+        if k < p.num_replicas:
+            if fed_index[k] >= 0:
+                blocks.append(_feed_rows(p, int(fed_index[k]), p.template["dst_rank"] == r, None))
+            else:
+                blocks += [_relay_rows(p, k, p.relay["dst_rank"] == r, j) for j in parts]
+    elif relay_rank is not None:
+        k, r = divmod(relay_rank, rpr)
+        for j in parts:
+            for child in np.flatnonzero(p.parent[j] == k).tolist():
+                blocks.append(_relay_rows(p, child, p.relay["dst_rank"] == r, j))
+    elif source_rank is not None:
+        held = np.zeros(len(p.box_hstart), dtype=bool)  # boxes this rank holds: only their ops can be its
+        held[np.repeat(np.arange(len(p.box_hstart)), p.box_hcount)[p.h_rank == source_rank]] = True
+        mask = held[p.template["box"]]
+        for f in range(len(p.fed)):
+            blocks.append(_feed_rows(p, f, mask, source_rank))
+    else:
+        for k in range(p.num_replicas):
+            blocks += ([_feed_rows(p, int(fed_index[k]), None, None)] if fed_index[k] >= 0
+                       else [_relay_rows(p, k, None, j) for j in parts])
+    if not blocks:
+        return {c: np.zeros(0, np.int64) for c in OP_COLUMNS}
+    ops = {c: np.concatenate([b[c] for b in blocks]) for c in OP_COLUMNS}
+    order = np.lexsort(tuple(ops[k] for k in reversed(SORT_KEYS)))
+    return {c: v[order] for c, v in ops.items()}

@@ -1,0 +1,108 @@
+"""The bandwidth model against hand-computed times, and the CLI's --predict and --plot."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import reshard
+from reshard.cli import main
+from reshard.errors import PlanError
+from reshard.planner.cost import Topology, compare_with_measurement, predict, transfer_table
+
+CONFIG = "examples/configs/qwen3-0.6b.json"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return reshard.ModelSpec.from_hf_config(CONFIG)
+
+
+def _one_to_one(model, **kw):
+    return reshard.compile(reshard.HfLayout(model=model), reshard.VllmLayout(model=model, tp=1), **kw)
+
+
+def test_network_transfer_is_bytes_over_nic_plus_latency(model):
+    plan = _one_to_one(model)
+    nbytes = plan.accounting.total_bytes
+    topo = Topology(gpus_per_node=1)  # source and destination on different nodes
+    pred = predict(plan, topo)
+    assert pred.seconds == pytest.approx(nbytes / topo.network_bandwidth + topo.network_latency)
+    assert pred.busiest.kind in ("nic out", "nic in") and pred.bytes_by_class["network"] == nbytes
+
+
+def test_nvlink_and_device_copies(model):
+    plan = _one_to_one(model)
+    nbytes = plan.accounting.total_bytes
+    topo = Topology(gpus_per_node=8)  # GPU 0 -> GPU 1, one node
+    assert predict(plan, topo).seconds == pytest.approx(nbytes / topo.nvlink_bandwidth + topo.nvlink_latency)
+    local = _one_to_one(model, colocated=True)
+    assert predict(local, topo).seconds == pytest.approx(2 * nbytes / topo.copy_bandwidth + topo.copy_latency)
+
+
+def test_pack_and_commit_copies(model):
+    """Executors that pack wire buffers or stage a commit pay device copies: overlapped or after the wire."""
+    plan = _one_to_one(model)
+    b = plan.accounting.total_bytes
+    topo = Topology(gpus_per_node=8, pack_copies=1, commit_copies=1)
+    wire = b / topo.nvlink_bandwidth
+    receiver_copies = 2 * (b + b) / topo.copy_bandwidth  # unpack + commit on the receiving GPU
+    assert predict(plan, topo).seconds == pytest.approx(max(wire, receiver_copies) + topo.nvlink_latency)
+    serial = predict(plan, topo.with_(overlap_copies=False)).seconds
+    assert serial == pytest.approx(wire + receiver_copies + topo.nvlink_latency)
+
+
+def test_bidirectional_nvlink_cap(model):
+    """Two GPUs that each send the other the same bytes share the bidirectional NVLink figure."""
+    src = reshard.MegatronLayout(model=model, tp=2)
+    dst = reshard.VllmLayout(model=model, tp=2)
+    split = [t.name for t in model.tensors if t.layer == 0 and t.name.endswith("proj.weight")]  # no norms
+    plan = reshard.compile(src, dst, tensors=split)
+    topo = Topology(src_gpus=(0, 1), dst_gpus=(1, 0))  # destination rank r sits on the other source's GPU
+    tr = transfer_table(plan)
+    assert (tr["src"] == tr["dst"]).all()  # same TP: rank r sends to rank r, i.e. across the pair both ways
+    pred = predict(plan, topo)
+    per_gpu = max(plan.accounting.egress_bytes)
+    both = max(per_gpu / topo.nvlink_bandwidth, 2 * per_gpu / topo.nvlink_bidirectional)
+    assert pred.seconds == pytest.approx(both + topo.nvlink_latency)
+    assert pred.busiest.kind == "nvlink both"
+
+
+def test_pipelined_trees_cost_about_one_ingress(model):
+    src = reshard.MegatronLayout(model=model, tp=2)
+    dst = reshard.VllmLayout(model=model, tp=2, replicas=7)
+    plan = reshard.compile(src, dst, fanout=2, roots=1)
+    topo = Topology(gpus_per_node=2)  # every replica on its own node: relays cross the network
+    seq, pipe = predict(plan, topo), predict(plan, topo.with_(pipelined=True))
+    ingress = max(plan.accounting.ingress_bytes) / topo.network_bandwidth
+    assert pipe.seconds < seq.seconds
+    fill = seq.depth * (topo.chunk_bytes / topo.network_bandwidth + topo.network_latency) + topo.network_latency
+    assert ingress <= pipe.seconds <= ingress + fill + 1e-9
+    assert seq.depth == plan.tree_depth == len(seq.stages) - 1
+
+
+def test_compare_with_measurement_reports_error(model):
+    line = compare_with_measurement(_one_to_one(model), 1.0, Topology(gpus_per_node=1))
+    assert "measured 1.0000 s" in line and "error" in line
+
+
+def test_bad_topology_is_refused():
+    with pytest.raises(PlanError, match="network_bandwidth"):
+        Topology(network_bandwidth=0)
+
+
+def test_cli_predict_json(capsys):
+    code = main(["plan", "--model", CONFIG, "--src", "megatron:tp=2,pp=2", "--dst", "vllm:tp=2,replicas=4",
+                 "--fanout", "2", "--predict", "--pipelined", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["predicted_seconds"] > 0 and out["tree_depth"] >= 1 and "nic" in out["predicted_busiest"]
+
+
+def test_cli_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "plan.png"
+    code = main(["plan", "--model", CONFIG, "--src", "megatron:tp=2", "--dst", "vllm:tp=1,replicas=3",
+                 "--fanout", "2", "--roots", "1", "--plot", str(path)])
+    assert code == 0 and path.stat().st_size > 1000
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -31,7 +31,8 @@ def megatron_table(lay, index: np.ndarray | Sequence[int] | None) -> PlacementTa
     for code in np.flatnonzero(np.bincount(roles)).tolist():
         idx = index[roles == code]
         role = ROLES[code]
-        if c.layer[idx[0]] < 0:  # embeddings, final norm, output layer: a handful of tensors
+        few_groups = role in (Role.Q, Role.K, Role.V) and spec.num_key_value_heads % lay.tp
+        if c.layer[idx[0]] < 0 or few_groups:  # embeddings, final norm, output layer; QKV cut through groups
             for k in idx.tolist():
                 b.add_placements(k, lay.placements(spec.tensor_at(k)))
             continue

@@ -43,7 +43,8 @@ def test_naming_detected_from_parameter_names():
         naming_of([*te, *local])
     with pytest.raises(reshard.LayoutError, match="neither"):
         naming_of(["embedding.word_embeddings.weight"])
-    sequential_te = [*(n for n in te if ".experts." not in n), "decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight"]
+    sequential_te = [*(n for n in te if ".experts." not in n),
+                     "decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight"]
     with pytest.raises(reshard.LayoutError, match="moe_grouped_gemm=True"):
         naming_of(sequential_te)
     with pytest.raises(reshard.LayoutError, match="weight1"):
@@ -121,3 +122,16 @@ def test_layer_problems_compare_global_layer_numbers():
     problems = layer_problems(layout, 0, {(0, 0): 0, (1, 0): 1})
     assert problems == ["rank 0: chunk 1 decoder.layers.0 is layer 1 in the model; the layout puts layer 1 at "
                         "stage 1, chunk 0, decoder.layers.0"]
+
+
+def test_state_buffers_are_persistent_buffers_only():
+    """The router's expert_bias is persistent model state (a refit would drop it); token counters are scratch."""
+    from reshard.adapters.megatron.model import state_buffers
+
+    router = torch.nn.Module()
+    router.register_buffer("expert_bias", torch.zeros(4))
+    router.register_buffer("local_tokens_per_expert", torch.zeros(4), persistent=False)
+    chunk = torch.nn.Module()
+    chunk.router = router
+    assert list(state_buffers([chunk])) == ["router.expert_bias"]
+    assert list(state_buffers([chunk, chunk])) == ["model0.router.expert_bias", "model1.router.expert_bias"]

@@ -80,12 +80,13 @@ def verify(model: Any, declared: MegatronLayout, *, cast: bool = False) -> Megat
     chunks = unwrap(model)
     rank = dist.get_rank()
     derived = derive_layout(chunks, declared.model, like=declared)
-    problems = spec_problems(chunks[0], declared.model) + layout_problems(derived, declared)
+    differences = layout_problems(derived, declared)
+    problems = spec_problems(chunks[0], declared.model) + differences
     if rank < declared.num_ranks:
         problems += rank_problems(declared, rank, live_parameters(chunks), cast)
         problems += [f"rank {rank}: buffer {n} {tuple(b.shape)} holds model state the layout does not place "
                      "(a refit would drop it)" for n, b in state_buffers(chunks).items()]
-        if not layout_problems(derived, declared):  # a different pipeline split already says why layers moved
+        if not differences:  # otherwise a different pipeline split already says why layers moved
             problems += layer_problems(declared, rank, layer_numbers(chunks))
     if problems:
         raise LayoutMismatchError("megatron", problems)

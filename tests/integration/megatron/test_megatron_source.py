@@ -44,6 +44,7 @@ class Case:
     tp1_check: bool = False  # (c)
     negatives: bool = False  # mismatching specs, TP and dtypes must raise
     wrong: tuple[dict, str] = ({}, "")  # a declaration that must raise, and a line of its message
+    bf16_wrapped: bool = False  # finally wrap the chunks in megatron's Float16Module (bf16) and bind again
 
     def layout(self, **changes: object) -> reshard.MegatronLayout:
         fields = dict(model=self.tiny.spec(), tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, world=self.world,
@@ -55,7 +56,7 @@ class Case:
 CASES = {
     "dense_tp2": Case(DENSE, world=2, tp=2, tp1_check=True, negatives=True),
     "dense_tp2_g1": Case(DENSE.with_(num_query_groups=1), world=2, tp=2, tp1_check=True),  # query groups < TP
-    "dense_pp2_vpp2_tied": Case(DENSE.with_(tied=True), world=2, pp=2, vpp=2,
+    "dense_pp2_vpp2_tied": Case(DENSE.with_(tied=True), world=2, pp=2, vpp=2, bf16_wrapped=True,
                                 wrong=({"vpp": 1}, "vpp: the model has 2, the declared layout 1")),
     "dense_pp2_uneven": Case(DENSE.with_(num_layers=6, first_stage_layers=2), world=2, pp=2, wrong=(
         {"first_stage_layers": None}, "first_stage_layers: the model has 2, the declared layout None")),
@@ -122,7 +123,7 @@ def _worker(name: str, outdir: str) -> None:
     from safetensors.torch import save_file
 
     from reshard.adapters.megatron import (derive_layout, layout_from_facts, layout_problems, rank_problems,
-                                           read_topology, source_tensors, verify)
+                                           read_topology, source_tensors, spec_from_megatron, verify)
     from reshard.adapters.megatron.model import live_parameters
     from reshard.executors import allocate
     from reshard.testing.checks import data_mask
@@ -147,6 +148,7 @@ def _worker(name: str, outdir: str) -> None:
     assert set(src) == set(declared.rank_tensors(rank)) == set(live)
     assert all(src[n].data_ptr() == live[n].data_ptr() for n in src), "source tensors must be views"
     result["zero_copy_tensors"] = len(src)
+    assert spec_from_megatron(chunks[0], vocab_size=spec.vocab_size) == spec
 
     te = case.layout(naming="te")
     names = te_names(chunks)
@@ -160,7 +162,7 @@ def _worker(name: str, outdir: str) -> None:
     result["te_names"] = sorted(set(renamed) - set(live))[:6]
 
     if case.negatives:
-        _negative_declarations(chunks, case, rank)
+        _negative_declarations(chunks, case)
     changes, line = case.wrong
     if changes:
         with pytest.raises(reshard.LayoutMismatchError) as err:
@@ -197,16 +199,23 @@ def _worker(name: str, outdir: str) -> None:
         compared, differ = 0, []
         for n, t in ref.items():
             data = masks[(rank, n)].bool()
-            if not torch.equal(got[rank][n][data], t[data]):
+            if not torch.equal(_bits(got[rank][n])[data], _bits(t)[data]):
                 differ.append(n)
             assert torch.isnan(got[rank][n][~data]).all(), f"{n}: padding written"
             compared += int(data.sum())
         assert not differ, f"TP2 -> TP1 differs from megatron-core's TP1 weights in {differ}"
         result["tp1_elements_equal"] = compared
+    elif case.bf16_wrapped:
+        _bf16_wrapped(chunks, case)
     Path(outdir, f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def _negative_declarations(chunks, case: Case, rank: int) -> None:
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit patterns of a float tensor, so that equality is byte equality."""
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _negative_declarations(chunks, case: Case) -> None:
     """Declarations that do not match the live model raise before anything moves, naming what differs."""
     from reshard.adapters.megatron import source_tensors, verify
 
@@ -226,6 +235,24 @@ def _negative_declarations(chunks, case: Case, rank: int) -> None:
     cast = source_tensors(chunks, reshard.MegatronLayout(model=case.tiny.spec("bfloat16"), tp=2, vocab_divisor=64),
                           cast=True)
     assert all(t.dtype == torch.bfloat16 for t in cast.values())  # a documented copy
+
+
+def _bf16_wrapped(chunks, case: Case) -> None:
+    """A mixed-precision trainer's model: chunks inside Float16Module, parameters in bf16 (converted in place).
+    Binding unwraps them and still hands out views."""
+    import copy
+
+    from megatron.core.transformer.module import Float16Module
+
+    from reshard.adapters.megatron import source_tensors
+    from reshard.adapters.megatron.model import live_parameters
+
+    config = copy.copy(chunks[0].config)
+    config.bf16 = True
+    wrapped = [Float16Module(config, chunk) for chunk in chunks]
+    tensors = source_tensors(wrapped, case.layout(model=case.tiny.spec("bfloat16")))
+    live = live_parameters(chunks)
+    assert all(t.dtype == torch.bfloat16 and t.data_ptr() == live[n].data_ptr() for n, t in tensors.items())
 
 
 # --- the test ------------------------------------------------------------------------------------------------

@@ -26,6 +26,18 @@ class LayoutError(ReshardError):
         super().__init__(message)
 
 
+class LayoutMismatchError(LayoutError):
+    """A live model does not match a declared layout; `problems` lists every difference found (tensor names and
+    both shapes, parallel sizes, ...). Raised before any byte moves."""
+
+    def __init__(self, layout: str, problems: list[str] | tuple[str, ...], fix: str = ""):
+        self.problems = tuple(problems)
+        shown = "\n  - ".join(self.problems[:20])
+        more = f"\n  ... and {len(self.problems) - 20} more" if len(self.problems) > 20 else ""
+        super().__init__(layout, f"the live model does not match the declared layout:\n  - {shown}{more}",
+                         {"problems": self.problems}, fix)
+
+
 class ModelConfigError(ReshardError):
     """An HF config that reshard cannot turn into a model spec."""
 

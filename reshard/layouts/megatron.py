@@ -163,6 +163,10 @@ class MegatronLayout(Layout):
     def stage_of_layer(self, layer: int) -> int:
         return self._layer_home[layer][0]
 
+    def layer_home(self, layer: int) -> tuple[int, int, int]:
+        """(pipeline stage, virtual chunk, index inside that chunk's `decoder.layers`) of a global layer."""
+        return self._layer_home[layer]
+
     def _prefix(self, chunk: int) -> str:
         return f"model{chunk}." if self.vpp > 1 else ""
 

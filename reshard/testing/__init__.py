@@ -1,2 +1,4 @@
-"""Helpers for testing reshard and code built on it: hypothesis strategies of models and topologies, and
-independent checks of plans. Imports hypothesis; not imported by `import reshard`."""
+"""Helpers for testing reshard and code built on it: hypothesis strategies of models and topologies, independent
+checks of plans, a send/recv stand-in executor (`sendrecv`) and real megatron-core models on CPU under gloo
+(`megatron_cpu`). Imports hypothesis; not imported by `import reshard`; megatron is imported only by
+`megatron_cpu`'s functions."""

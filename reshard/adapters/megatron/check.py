@@ -1,0 +1,93 @@
+"""Check a live model against a declared MegatronLayout before anything moves; report every problem at once.
+
+Four kinds of problems, all collected into one LayoutMismatchError:
+1. the model's config against the canonical spec (sizes, and a block the family does not compute);
+2. the derived layout against the declared one (parallel sizes, pipeline split, vocab padding, naming, ranks);
+3. this rank's parameters against `layout.rank_tensors(rank)`: missing, extra, or of another shape or dtype,
+   naming the tensor and both shapes;
+4. layer placement: each TransformerLayer's global number against where the layout puts that layer.
+Persistent buffers holding model state (the router's `expert_bias`) are problems too: no canonical tensor
+receives them, so a refit would drop them. Non-persistent buffers and TransformerEngine `_extra_state` (FP8
+metadata) are not model weights and are skipped.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from ...errors import LayoutMismatchError
+from ...executors.local import torch_dtype
+from ...layouts import MegatronLayout
+
+
+def layout_problems(derived: MegatronLayout, declared: MegatronLayout) -> list[str]:
+    problems = []
+    for field in ("tp", "pp", "ep", "etp", "world", "vpp", "first_stage_layers", "last_stage_layers", "naming",
+                  "rank_order", "padded_vocab"):
+        got, want = getattr(derived, field), getattr(declared, field)
+        if got != want:
+            problems.append(f"{field}: the model has {got}, the declared layout {want}")
+    return problems
+
+
+def rank_problems(layout: MegatronLayout, rank: int, tensors: Mapping[str, torch.Tensor],
+                  cast: bool = False) -> list[str]:
+    """Names, shapes and dtypes of one rank's live tensors against the layout's physical tensors of that rank."""
+    want = layout.rank_tensors(rank)
+    dtype = torch_dtype(layout.dtype)
+    problems = []
+    for name, shape in want.items():
+        t = tensors.get(name)
+        if t is None:
+            problems.append(f"rank {rank}: {name} {shape} is in the layout but not in the model")
+        elif tuple(t.shape) != tuple(shape):
+            problems.append(f"rank {rank}: {name} has shape {tuple(t.shape)} in the model, {tuple(shape)} in "
+                            "the layout")
+        elif t.dtype != dtype and not cast:
+            problems.append(f"rank {rank}: {name} is {t.dtype} in the model, {dtype} in the layout (cast=True "
+                            "converts it, which copies)")
+    for name in tensors.keys() - want.keys():
+        problems.append(f"rank {rank}: {name} {tuple(tensors[name].shape)} is in the model but not in the layout "
+                        "(a refit would not read it)")
+    return problems
+
+
+def layer_problems(layout: MegatronLayout, rank: int, numbers: Mapping[tuple[int, int], int]) -> list[str]:
+    """Each live layer (chunk c, index i) with global number n must be where the layout puts layer n."""
+    stage = layout.dense_coords(rank)["pp"]
+    problems = []
+    for (chunk, index), layer in sorted(numbers.items()):
+        if not 0 <= layer < layout.model.num_layers:
+            problems.append(f"rank {rank}: chunk {chunk} decoder.layers.{index} is layer {layer}, outside the "
+                            f"spec's {layout.model.num_layers} layers")
+        elif layout.layer_home(layer) != (stage, chunk, index):
+            s, c, i = layout.layer_home(layer)
+            problems.append(f"rank {rank}: chunk {chunk} decoder.layers.{index} is layer {layer} in the model; the "
+                            f"layout puts layer {layer} at stage {s}, chunk {c}, decoder.layers.{i}")
+    return problems
+
+
+def verify(model: Any, declared: MegatronLayout, *, cast: bool = False) -> MegatronLayout:
+    """Derive `model`'s layout and check it, and this rank's tensors, against `declared`; return the derived
+    layout (equal to `declared` when nothing is wrong). Raises LayoutMismatchError listing every problem."""
+    import torch.distributed as dist
+
+    from .derive import derive_layout
+    from .model import layer_numbers, live_parameters, state_buffers, unwrap
+    from .spec import spec_problems
+
+    chunks = unwrap(model)
+    rank = dist.get_rank()
+    derived = derive_layout(chunks, declared.model, like=declared)
+    differences = layout_problems(derived, declared)
+    problems = spec_problems(chunks[0], declared.model) + differences
+    if rank < declared.num_ranks:
+        problems += rank_problems(declared, rank, live_parameters(chunks), cast)
+        problems += [f"rank {rank}: buffer {n} {tuple(b.shape)} holds model state the layout does not place "
+                     "(a refit would drop it)" for n, b in state_buffers(chunks).items()]
+        if not differences:  # otherwise a different pipeline split already says why layers moved
+            problems += layer_problems(declared, rank, layer_numbers(chunks))
+    if problems:
+        raise LayoutMismatchError("megatron", problems)
+    return derived

@@ -1,0 +1,88 @@
+"""Derive the MegatronLayout a live model is in: parallel sizes and rank numbering from its process groups,
+naming from its parameter names, pipeline split and vocabulary padding from its config.
+
+`layout_from_facts` is the pure part (no megatron, no processes), so it can be tested on any set of facts.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Iterable
+
+from ...errors import LayoutError
+from ...layouts import MegatronLayout, ModelSpec
+from ...layouts.base import pad_to
+from .naming import naming_of
+from .topology import Topology
+
+DEFAULT_ORDER = "tp-cp-ep-dp-pp"  # megatron-core's initialize_model_parallel default
+MEGATRON_LM_VOCAB_DIVISOR = 128  # Megatron-LM's make_vocab_size_divisible_by default
+
+
+def derive_layout(model: Any, spec: ModelSpec, *, like: MegatronLayout | None = None) -> MegatronLayout:
+    """The layout of `model` (a GPTModel, possibly wrapped, or the list of its virtual pipeline chunks).
+
+    `spec` is the canonical model (e.g. from the HF config). Where several declarations describe the same
+    placement (the vocabulary divisor, rank orders that differ only on size-1 axes) the one of `like` is taken,
+    so a matching declared layout compares equal.
+    """
+    from .model import live_parameters, unwrap
+    from .topology import read_topology
+
+    chunks = unwrap(model)
+    cfg = chunks[0].config
+    unsupported = [f for f in ("pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
+                               "account_for_loss_in_pipeline_split") if getattr(cfg, f, None)]
+    if unsupported:
+        raise LayoutError("megatron", f"pipeline split by {unsupported} is not described by the Megatron layout",
+                          fix="use even stages or num_layers_in_first/last_pipeline_stage")
+    pp_split = (cfg.num_layers_in_first_pipeline_stage, cfg.num_layers_in_last_pipeline_stage)
+    return layout_from_facts(spec, read_topology(chunks), names=live_parameters(chunks), vpp=len(chunks),
+                             padded_vocab=chunks[0].vocab_size, first_stage_layers=pp_split[0],
+                             last_stage_layers=pp_split[1], like=like)
+
+
+def layout_from_facts(spec: ModelSpec, topo: Topology, *, names: Iterable[str], vpp: int, padded_vocab: int,
+                      first_stage_layers: int | None = None, last_stage_layers: int | None = None,
+                      like: MegatronLayout | None = None) -> MegatronLayout:
+    tp, pp = topo.size("tp"), topo.size("pp")
+    ep, etp = (topo.size("ep"), topo.size("etp")) if spec.is_moe else (1, tp)  # dense: expert groups are unused
+    fields = dict(model=spec, tp=tp, pp=pp, ep=ep, etp=etp, world=topo.world, vpp=vpp,
+                  first_stage_layers=first_stage_layers if pp > 1 else None,
+                  last_stage_layers=last_stage_layers if pp > 1 else None,
+                  vocab_divisor=vocab_divisor(spec.vocab_size, padded_vocab, tp, like),
+                  naming=naming_of(names))
+    orders = [like.rank_order] if like is not None else []
+    orders += [DEFAULT_ORDER] + ["-".join(p) for p in itertools.permutations(DEFAULT_ORDER.split("-"))]
+    for order in dict.fromkeys(orders):  # first consistent order wins; keeps the preference order
+        layout = MegatronLayout(**fields, rank_order=order)
+        if _numbering_matches(layout, topo):
+            return layout
+    raise LayoutError("megatron", f"no rank order of {DEFAULT_ORDER} numbers rank {topo.rank}'s process groups "
+                      f"as megatron-core did ({dict(topo.groups)})",
+                      fix="ranks offset from 0 (non-colocated trainers) are not described by the layout")
+
+
+def vocab_divisor(vocab: int, padded: int, tp: int, like: MegatronLayout | None = None) -> int:
+    """A divisor d with pad_to(vocab, d * tp) == padded: `like`'s if it fits, else Megatron-LM's 128, else the
+    smallest. The trainer pads, not megatron-core, so only the padded size is a fact of the model."""
+    candidates = ([like.vocab_divisor] if like is not None else []) + [MEGATRON_LM_VOCAB_DIVISOR]
+    if padded % tp == 0:
+        candidates += range(1, padded // tp + 1)
+    for d in candidates:
+        if pad_to(vocab, d * tp) == padded:
+            return d
+    raise LayoutError("megatron", f"the model's vocabulary of {padded} rows is not the spec's {vocab} padded to a "
+                      f"multiple of tp={tp} times any divisor", values={"padded": padded, "vocab": vocab, "tp": tp})
+
+
+def _numbering_matches(layout: MegatronLayout, topo: Topology) -> bool:
+    """Each member of each of this rank's groups has, on that group's axis, its index in the group."""
+    axes = [("tp", "tp", layout.dense_coords), ("dp", "dp", layout.dense_coords), ("pp", "pp", layout.dense_coords)]
+    if layout.model.is_moe:
+        axes += [("etp", "tp", layout.expert_coords), ("ep", "ep", layout.expert_coords),
+                 ("edp", "dp", layout.expert_coords)]
+    for group_name, axis, coords in axes:
+        for i, member in enumerate(topo.groups[group_name]):
+            if member >= layout.num_ranks or coords(member)[axis] != i:
+                return False
+    return True

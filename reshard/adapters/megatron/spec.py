@@ -1,0 +1,92 @@
+"""The canonical model behind a megatron-core GPTModel: build a ModelSpec from its config, or check a declared
+spec (usually from the HF config of the destination) against it.
+
+Only the Qwen3 / Qwen3-MoE / Llama block is described: RMSNorm, SwiGLU, no biases, rotary positions. A model
+computing something else would refit into wrong weights silently, so every difference is reported.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ...errors import ModelConfigError
+from ...layouts import ModelSpec
+
+_DTYPES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16", "torch.float32": "float32"}
+
+
+def _dtype_name(dtype: Any) -> str:
+    name = _DTYPES.get(str(dtype))
+    if name is None:
+        raise ModelConfigError(f"params_dtype {dtype} is not one of {sorted(_DTYPES)}")
+    return name
+
+
+def _moe_dense_layers(config: Any) -> tuple[int, ...]:
+    """Layers without experts, from megatron's moe_layer_freq (an int k: every k-th layer is MoE; or a 0/1 list)."""
+    if not config.num_moe_experts:
+        return ()
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        pattern = [1 if i % freq == 0 else 0 for i in range(config.num_layers)]
+    else:
+        pattern = list(freq)
+    return tuple(i for i, moe in enumerate(pattern) if not moe)
+
+
+def spec_from_megatron(model: Any, *, vocab_size: int | None = None, dtype: str | None = None) -> ModelSpec:
+    """A ModelSpec read off a GPTModel chunk. `vocab_size` is the true vocabulary (the model's own size includes
+    the trainer's padding); it defaults to the model's size. The family is Qwen3(-MoE) with q/k norms, Llama
+    without."""
+    cfg = model.config
+    moe = bool(cfg.num_moe_experts)
+    family = ("qwen3_moe" if moe else "qwen3") if cfg.qk_layernorm else "llama"
+    if moe and not cfg.qk_layernorm:
+        raise ModelConfigError("a MoE model without q/k layernorm matches no supported family (Qwen3-MoE has them)")
+    return ModelSpec(
+        family=family, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_query_groups or cfg.num_attention_heads, head_dim=cfg.kv_channels,
+        intermediate_size=cfg.ffn_hidden_size if (not moe or _moe_dense_layers(cfg)) else 0,
+        vocab_size=vocab_size or model.vocab_size,
+        tie_word_embeddings=bool(model.share_embeddings_and_output_weights), qk_norm=bool(cfg.qk_layernorm),
+        num_experts=cfg.num_moe_experts or 0, moe_intermediate_size=(cfg.moe_ffn_hidden_size or 0) if moe else 0,
+        dense_layers=_moe_dense_layers(cfg), dtype=dtype or _dtype_name(cfg.params_dtype))
+
+
+def spec_problems(model: Any, spec: ModelSpec) -> list[str]:
+    """Every way the GPTModel's config disagrees with `spec` or computes something the family does not."""
+    import torch.nn.functional as F
+
+    cfg = model.config
+    problems = []
+
+    def differ(what: str, got: Any, want: Any) -> None:
+        if got != want:
+            problems.append(f"{what}: the model has {got}, the spec {spec.family} declares {want}")
+
+    differ("hidden_size", cfg.hidden_size, spec.hidden_size)
+    differ("num_layers", cfg.num_layers, spec.num_layers)
+    differ("num_attention_heads", cfg.num_attention_heads, spec.num_attention_heads)
+    differ("num_query_groups (KV heads)", cfg.num_query_groups or cfg.num_attention_heads, spec.num_key_value_heads)
+    differ("kv_channels (head_dim)", cfg.kv_channels, spec.head_dim)
+    differ("qk_layernorm", bool(cfg.qk_layernorm), spec.qk_norm)
+    differ("tied embeddings (share_embeddings_and_output_weights)",
+           bool(model.share_embeddings_and_output_weights), spec.tie_word_embeddings)
+    differ("num_moe_experts", cfg.num_moe_experts or 0, spec.num_experts)
+    if spec.is_moe:
+        differ("moe_ffn_hidden_size", cfg.moe_ffn_hidden_size, spec.moe_intermediate_size)
+        differ("layers without experts (moe_layer_freq)", _moe_dense_layers(cfg), spec.dense_layers)
+    if not spec.is_moe or spec.dense_layers:
+        differ("ffn_hidden_size", cfg.ffn_hidden_size, spec.intermediate_size)
+    if model.vocab_size < spec.vocab_size:
+        problems.append(f"vocab: the model has {model.vocab_size} rows, fewer than the spec's {spec.vocab_size}")
+    # The block itself: anything else computes a different function from the same-shaped weights.
+    differ("normalization", cfg.normalization, "RMSNorm")
+    differ("gated_linear_unit", bool(cfg.gated_linear_unit), True)
+    differ("activation_func", getattr(cfg.activation_func, "__name__", cfg.activation_func), F.silu.__name__)
+    differ("add_bias_linear", bool(cfg.add_bias_linear), False)
+    differ("add_qkv_bias", bool(cfg.add_qkv_bias), False)
+    differ("layernorm_zero_centered_gamma (stores gamma - 1)", bool(cfg.layernorm_zero_centered_gamma), False)
+    differ("multi_latent_attention", bool(getattr(cfg, "multi_latent_attention", False)), False)
+    differ("position_embedding_type", getattr(model, "position_embedding_type", "rope"), "rope")
+    return problems

@@ -1,0 +1,276 @@
+"""Real megatron-core GPT models on CPU under gloo, for tests and examples (never for production).
+
+megatron-core 0.19 assumes CUDA in a few places; `apply_cpu_patches` makes a CPU-only process work:
+1. `torch.cuda.current_device()` returns "cpu": rotary embeddings and the MoE router move tensors to it;
+2. `CudaRNGStatesTracker.fork` is a null context: it saves and restores CUDA RNG state;
+3. `Tensor.cuda()` returns the tensor: tied embeddings at PP>1 move the output layer to the GPU before their
+   first all-reduce.
+Forward passes need an explicit causal mask (the default one is built on "cuda"); MoE with TP>1 and no
+sequence parallelism runs only in eval mode. With `use_cpu_initialization` and one seed, TP shards put together
+equal the TP=1 weights exactly, which tests use as ground truth.
+
+`run_ranks` starts one process per rank from a forkserver that has megatron-core imported already (importing
+it takes most of a small test's time), with a deadline; a failing rank's traceback is raised in the caller.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+import traceback
+import warnings
+import zlib
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..layouts import ModelSpec
+
+PRELOAD = ("torch", "torch.distributed", "megatron.core.parallel_state", "megatron.core.models.gpt",
+           "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.transformer.transformer_config",
+           "reshard.adapters.megatron", "reshard.testing.megatron_cpu")
+
+
+@dataclass(frozen=True)
+class TinyGPT:
+    """A small Qwen3 / Qwen3-MoE shaped megatron model; head_dim * heads != hidden on purpose."""
+
+    num_layers: int = 4
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    head_dim: int = 32
+    ffn_hidden_size: int = 96
+    vocab_size: int = 120  # the canonical (HF) vocabulary
+    padded_vocab_size: int = 128  # what the trainer builds the model with
+    num_experts: int = 0
+    moe_ffn_hidden_size: int = 48
+    topk: int = 2
+    tied: bool = False
+    rope_base: int = 1_000_000
+    eps: float = 1e-6
+    first_stage_layers: int | None = None  # uneven pipeline split (num_layers_in_first_pipeline_stage)
+    seed: int = 1234
+
+    def with_(self, **changes: Any) -> "TinyGPT":
+        return replace(self, **changes)
+
+    def spec(self, dtype: str = "float32") -> ModelSpec:
+        moe = self.num_experts > 0
+        return ModelSpec(family="qwen3_moe" if moe else "qwen3", hidden_size=self.hidden_size,
+                         num_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
+                         num_key_value_heads=self.num_query_groups, head_dim=self.head_dim,
+                         intermediate_size=0 if moe else self.ffn_hidden_size, vocab_size=self.vocab_size,
+                         tie_word_embeddings=self.tied, qk_norm=True, num_experts=self.num_experts,
+                         moe_intermediate_size=self.moe_ffn_hidden_size if moe else 0, dtype=dtype)
+
+    def hf_config(self) -> Any:
+        """The transformers config of the same model (Qwen3 or Qwen3-MoE)."""
+        from transformers import Qwen3Config, Qwen3MoeConfig
+
+        common = dict(vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_hidden_layers=self.num_layers,
+                      num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_query_groups,
+                      head_dim=self.head_dim, intermediate_size=self.ffn_hidden_size, rms_norm_eps=self.eps,
+                      max_position_embeddings=256, tie_word_embeddings=self.tied, attention_bias=False,
+                      rope_parameters={"rope_type": "default", "rope_theta": float(self.rope_base)})
+        if self.num_experts:
+            return Qwen3MoeConfig(**common, num_experts=self.num_experts, num_experts_per_tok=self.topk,
+                                  moe_intermediate_size=self.moe_ffn_hidden_size, norm_topk_prob=True,
+                                  decoder_sparse_step=1, mlp_only_layers=[])
+        return Qwen3Config(**common)
+
+
+def apply_cpu_patches() -> None:
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tp_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()  # type: ignore
+    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[assignment]
+
+
+def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, vpp: int | None = None) -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
+                                 expert_tensor_parallel_size=etp)
+
+
+def build_model(tiny: TinyGPT, dtype: torch.dtype = torch.float32) -> list[Any]:
+    """The model chunks of this rank (one per virtual pipeline stage) for the parallel state now initialized,
+    in eval mode, with norm weights set to deterministic values other than one (per global layer)."""
+    import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    moe = dict(num_moe_experts=tiny.num_experts, moe_ffn_hidden_size=tiny.moe_ffn_hidden_size,
+               moe_router_topk=tiny.topk, moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0,
+               moe_grouped_gemm=False) if tiny.num_experts else {}
+    config = TransformerConfig(
+        num_layers=tiny.num_layers, hidden_size=tiny.hidden_size, num_attention_heads=tiny.num_attention_heads,
+        num_query_groups=tiny.num_query_groups, kv_channels=tiny.head_dim, ffn_hidden_size=tiny.ffn_hidden_size,
+        normalization="RMSNorm", layernorm_epsilon=tiny.eps, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, add_qkv_bias=False, qk_layernorm=True, hidden_dropout=0.0, attention_dropout=0.0,
+        use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype if pp > 1 else None,
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(), init_method_std=0.02,
+        num_layers_in_first_pipeline_stage=tiny.first_stage_layers if pp > 1 else None, **moe)
+    layer_spec = get_gpt_layer_local_spec(num_experts=tiny.num_experts or None, qk_layernorm=True,
+                                          normalization="RMSNorm")
+    torch.manual_seed(tiny.seed)  # CPU init draws every master weight from this generator
+    chunks = []
+    for v in range(vpp or 1):
+        stage = v if vpp else None
+        chunks.append(GPTModel(
+            config=config, transformer_layer_spec=layer_spec, vocab_size=tiny.padded_vocab_size,
+            max_sequence_length=256, pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            share_embeddings_and_output_weights=tiny.tied, position_embedding_type="rope",
+            rotary_base=tiny.rope_base, vp_stage=stage).eval())
+    _set_norms(chunks)
+    return chunks
+
+
+def _set_norms(chunks: list[Any]) -> None:
+    """Norms start as ones, which would hide a swapped norm; give each (global layer, name) its own values,
+    the same on every rank that holds it."""
+    for chunk in chunks:
+        layers = {f"decoder.layers.{i}.": f"layer{layer.layer_number - 1}."
+                  for i, layer in enumerate(chunk.decoder.layers)}
+        for name, p in chunk.named_parameters():
+            if not name.endswith("layernorm.weight"):
+                continue
+            key = name
+            for local, global_ in layers.items():
+                if name.startswith(local):
+                    key = global_ + name[len(local):]
+            gen = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+            with torch.no_grad():
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype))
+
+
+def causal_mask(seq: int) -> torch.Tensor:
+    """megatron's convention: True = masked out; [1, 1, s, s]."""
+    return torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+
+
+def forward_logits(chunks: list[Any], tokens: torch.Tensor) -> torch.Tensor | None:
+    """Full-vocabulary logits [b, s, padded V] of the pipeline on `tokens`, returned on global rank 0 (None
+    elsewhere). Activations move stage to stage (and chunk to chunk under VPP) by gloo send/recv; TP shards
+    of the logits are all-gathered."""
+    import torch.distributed as dist
+
+    pgc = chunks[0].pg_collection
+    pp_ranks = dist.get_process_group_ranks(pgc.pp)
+    stage, pp = pp_ranks.index(dist.get_rank()), len(pp_ranks)
+    b, s = tokens.shape
+    pos = torch.arange(s)[None].expand(b, s)
+    mask = causal_mask(s).expand(b, 1, s, s)
+    logits = None
+    with torch.no_grad():
+        for virtual in range(pp * len(chunks)):
+            chunk, st = divmod(virtual, pp)
+            if st != stage:
+                continue
+            model = chunks[chunk]
+            if not model.pre_process:
+                hidden = torch.empty(s, b, model.config.hidden_size, dtype=model.config.params_dtype)
+                dist.recv(hidden, pp_ranks[(stage - 1) % pp])
+                model.set_input_tensor(hidden)
+            out = model(tokens, pos, mask)
+            if model.post_process:
+                logits = out
+            else:
+                dist.send(out.contiguous(), pp_ranks[(stage + 1) % pp])
+    if logits is not None:
+        parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(pgc.tp))]
+        dist.all_gather(parts, logits.contiguous(), group=pgc.tp)
+        logits = torch.cat(parts, dim=-1)
+    last, me = pp_ranks[-1], dist.get_rank()
+    if 0 not in pp_ranks:  # the last stage of rank 0's pipeline sends the logits to rank 0
+        return None
+    if me == last and me != 0:
+        dist.send(logits, 0)
+    if me != 0:
+        return None
+    if last != 0:
+        logits = torch.empty(b, s, chunks[0].vocab_size, dtype=chunks[0].config.params_dtype)
+        dist.recv(logits, last)
+    return logits
+
+
+# --- processes -------------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, errdir: str, fn: Callable[..., None], args: tuple) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")  # megatron-core warns about missing Apex / TE on every import path
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+        apply_cpu_patches()
+        fn(*args)
+    except BaseException:
+        Path(errdir, f"rank{rank}.error.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        with contextlib.suppress(Exception):
+            from megatron.core import parallel_state as ps
+
+            ps.destroy_model_parallel()
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def run_ranks(world: int, fn: Callable[..., None], *args: Any, timeout: float = 300.0, errdir: str) -> float:
+    """Run fn(*args) on `world` gloo ranks (fn must be importable by name); return the wall time. Raises
+    RuntimeError with the first failing rank's traceback, or TimeoutError after `timeout` seconds; stragglers
+    are killed (only the processes started here)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))  # ignored if this session's forkserver already runs
+    port = _free_port()
+    start = time.monotonic()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, errdir, fn, args), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        while any(p.is_alive() for p in procs):
+            if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() - start > timeout:
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+    errors = sorted(Path(errdir).glob("rank*.error.txt"), key=lambda p: p.stat().st_mtime)  # first = the cause
+    if errors:
+        raise RuntimeError(f"{errors[0].stem}:\n{errors[0].read_text()}")
+    if any(p.exitcode != 0 for p in procs):
+        if time.monotonic() - start > timeout:
+            raise TimeoutError(f"ranks did not finish within {timeout:.0f} s")
+        raise RuntimeError(f"ranks exited with {[p.exitcode for p in procs]}")
+    return time.monotonic() - start

@@ -8,8 +8,9 @@ from __future__ import annotations
 import enum
 import functools
 from dataclasses import dataclass
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from ..errors import ModelConfigError
 
@@ -43,14 +44,17 @@ class Role(str, enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
-    """One canonical tensor. `layer` and `expert` are -1 where they do not apply."""
+    """One canonical tensor. `layer` and `expert` are -1 where they do not apply. `role` is a shared `Role`
+    or a family-specific `kinds.Kind` (which carries its own placement rules). `dtype` is set only where a
+    tensor keeps another dtype than the model (e.g. a float32 router bias)."""
 
     index: int
     name: str
     shape: tuple[int, ...]
-    role: Role
+    role: "Role | Any"
     layer: int = -1
     expert: int = -1
+    dtype: str | None = None
 
     @property
     def numel(self) -> int:
@@ -76,6 +80,15 @@ class ModelSpec(BaseModel):
     moe_intermediate_size: int = 0
     dense_layers: tuple[int, ...] = ()  # MLP-only layers of a MoE model
     dtype: str = "bfloat16"
+    # Family-specific facts (MLA ranks, linear-attention heads, layer types ...) as sorted (key, value) pairs,
+    # so the spec stays hashable and JSON round-trips; read them with `spec.arch_value(key)`.
+    arch: tuple[tuple[str, Any], ...] = ()
+
+    @field_validator("arch", mode="before")
+    @classmethod
+    def _freeze_arch(cls, value: Any) -> tuple[tuple[str, Any], ...]:
+        items = value.items() if isinstance(value, dict) else value
+        return tuple(sorted((str(k), _frozen(v)) for k, v in items))
 
     @model_validator(mode="after")
     def _check(self) -> "ModelSpec":
@@ -96,9 +109,19 @@ class ModelSpec(BaseModel):
         bad = [i for i in self.dense_layers if not 0 <= i < self.num_layers]
         if bad:
             problems.append(f"dense_layers {bad} are outside [0, {self.num_layers})")
+        from .families import _BY_NAME
+
+        if self.family not in _BY_NAME:
+            problems.append(f"family={self.family!r} is not registered (registered: {', '.join(sorted(_BY_NAME))})")
         if problems:
             raise ModelConfigError("invalid model spec: " + "; ".join(problems))
         return self
+
+    def arch_value(self, key: str, default: Any = None) -> Any:
+        for k, v in self.arch:
+            if k == key:
+                return v
+        return default
 
     @property
     def is_moe(self) -> bool:
@@ -136,46 +159,27 @@ class ModelSpec(BaseModel):
                 f"V={self.vocab_size}, {self.num_params / 1e9:.2f}B params)")
 
     @classmethod
-    def from_hf_config(cls, config: "dict | str") -> "ModelSpec":
+    def from_hf_config(cls, config: "dict | str", include_mtp: bool = False) -> "ModelSpec":
         from .families import spec_from_hf_config
 
-        return spec_from_hf_config(config)
+        return spec_from_hf_config(config, include_mtp=include_mtp)
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _frozen(v)) for k, v in value.items()))
+    return value
 
 
 @functools.lru_cache(maxsize=64)
 def _canonical_tensors(spec: ModelSpec) -> tuple[TensorSpec, ...]:
-    H, d = spec.hidden_size, spec.head_dim
-    out: list[tuple[str, tuple[int, ...], Role, int, int]] = [
-        ("model.embed_tokens.weight", (spec.vocab_size, H), Role.EMBED, -1, -1)]
-    for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        out.append((p + "input_layernorm.weight", (H,), Role.INPUT_NORM, i, -1))
-        out.append((p + "self_attn.q_proj.weight", (spec.num_attention_heads * d, H), Role.Q, i, -1))
-        out.append((p + "self_attn.k_proj.weight", (spec.num_key_value_heads * d, H), Role.K, i, -1))
-        out.append((p + "self_attn.v_proj.weight", (spec.num_key_value_heads * d, H), Role.V, i, -1))
-        out.append((p + "self_attn.o_proj.weight", (H, spec.num_attention_heads * d), Role.O, i, -1))
-        if spec.qk_norm:
-            out.append((p + "self_attn.q_norm.weight", (d,), Role.Q_NORM, i, -1))
-            out.append((p + "self_attn.k_norm.weight", (d,), Role.K_NORM, i, -1))
-        out.append((p + "post_attention_layernorm.weight", (H,), Role.POST_ATTN_NORM, i, -1))
-        if spec.is_moe_layer(i):
-            Fm = spec.moe_intermediate_size
-            out.append((p + "mlp.gate.weight", (spec.num_experts, H), Role.ROUTER, i, -1))
-            for e in range(spec.num_experts):
-                q = f"{p}mlp.experts.{e}."
-                out.append((q + "gate_proj.weight", (Fm, H), Role.EXPERT_GATE, i, e))
-                out.append((q + "up_proj.weight", (Fm, H), Role.EXPERT_UP, i, e))
-                out.append((q + "down_proj.weight", (H, Fm), Role.EXPERT_DOWN, i, e))
-        else:
-            F = spec.intermediate_size
-            out.append((p + "mlp.gate_proj.weight", (F, H), Role.GATE, i, -1))
-            out.append((p + "mlp.up_proj.weight", (F, H), Role.UP, i, -1))
-            out.append((p + "mlp.down_proj.weight", (H, F), Role.DOWN, i, -1))
-    out.append(("model.norm.weight", (H,), Role.FINAL_NORM, -1, -1))
-    if not spec.tie_word_embeddings:
-        out.append(("lm_head.weight", (spec.vocab_size, H), Role.LM_HEAD, -1, -1))
-    return tuple(TensorSpec(k, name, shape, role, layer, expert)
-                 for k, (name, shape, role, layer, expert) in enumerate(out))
+    """The family (reshard/layouts/families/) lists the tensors; here they get their indices."""
+    from .families import family
+
+    rows = family(spec.family).tensors(spec)
+    return tuple(TensorSpec(k, *row) for k, row in enumerate(rows))
 
 
 @functools.lru_cache(maxsize=64)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from pydantic import model_validator
 
 from .base import Layout, Placement, divisible, pad_to, positive, rank_tensor_table
+from .kinds import check_kinds
 from .model import Role, TensorSpec
 
 # vLLM parameter names, per role; `{i}` is the layer. Kept as data so a vLLM version that renames can be
@@ -71,6 +72,7 @@ class VllmLayout(Layout):
             self._fail(f"expert_parallel=True needs a MoE model; {m.family} has no experts",
                        expert_parallel=True)
         divisible(self, "padded_vocab", self.padded_vocab, "tp", self.tp)
+        check_kinds(self.kind, m, self.tp, lambda k: k.vllm)
         return self
 
     @property
@@ -98,8 +100,10 @@ class VllmLayout(Layout):
         return rank_tensor_table(self).get(rank, {})
 
     def placements(self, tensor: TensorSpec, replica: int | None = None) -> list[Placement]:
-        name = VLLM_NAMES[tensor.role].format(i=tensor.layer)
-        local = _HANDLERS[tensor.role](self, tensor, name)
+        if tensor.role in _HANDLERS:
+            local = _HANDLERS[tensor.role](self, tensor, VLLM_NAMES[tensor.role].format(i=tensor.layer))
+        else:  # a family-specific kind (layouts/kinds.py) places itself
+            local = tensor.role.vllm_placements(self, tensor)
         if replica == 0:
             return local
         replicas = range(self.replicas) if replica is None else (replica,)

@@ -55,6 +55,29 @@ class ModelFamily(abc.ABC):
         """What the HF checkpoint holds that a refit leaves out, in words (empty: nothing)."""
         return []
 
+    # Small sizes for a tiny instance of the same structure (validation builds it on CPU). Families add their
+    # own keys in `tiny_config`; flags and layer patterns are kept.
+    TINY: ClassVar[dict[str, Any]] = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+                                      "head_dim": 16, "vocab_size": 128, "max_position_embeddings": 128}
+
+    def tiny_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The same family and structure at toy sizes: at most 4 layers, 64 wide, 4 experts."""
+        out = {k: v for k, v in config.items() if k not in ("quantization_config", "auto_map")}
+        out.update(self.TINY)
+        out["num_hidden_layers"] = min(config.get("num_hidden_layers", 4), 4)
+        heads, kv = config.get("num_attention_heads", 4), config.get("num_key_value_heads") or config.get(
+            "num_attention_heads", 4)
+        out["num_key_value_heads"] = 4 if kv == heads else 2  # keep MHA vs GQA
+        for key in ("num_experts", "n_routed_experts", "num_local_experts"):
+            if config.get(key):
+                out[key] = 4
+        if config.get("moe_intermediate_size"):
+            out["moe_intermediate_size"] = 32
+        if config.get("num_experts_per_tok"):
+            out["num_experts_per_tok"] = 2
+        out["torch_dtype"] = "float32"
+        return out
+
     # --- helpers shared by the families ----------------------------------------------------------------
     @staticmethod
     def _require(config: dict[str, Any], *keys: str) -> None:
@@ -190,7 +213,7 @@ def spec_from_hf_config(config: "dict[str, Any] | str | Path", include_mtp: bool
 
 
 # Registering a family = importing its module.
-from . import llama, qwen3, qwen3_moe  # noqa: E402,F401
+from . import deepseek_v3, llama, qwen3, qwen3_moe  # noqa: E402,F401
 
 __all__ = ["ModelFamily", "decoder", "dense_mlp", "discover", "family", "gqa_attention", "norm",
            "read_hf_config", "registered_families", "routed_experts", "spec_from_hf_config",

@@ -151,4 +151,5 @@ class DeepseekV3(ModelFamily):
     def excluded(self, config: dict[str, Any]) -> list[str]:
         n = config.get("num_nextn_predict_layers") or 0
         L = config.get("num_hidden_layers", 0)
-        return [f"multi-token-prediction layers model.layers.{L}..{L + n - 1}.* (num_nextn_predict_layers={n})"] if n else []
+        layers = f"model.layers.{L}.*" if n == 1 else f"model.layers.{L}..{L + n - 1}.*"
+        return [f"multi-token-prediction layers {layers} (num_nextn_predict_layers={n})"] if n else []

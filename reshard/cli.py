@@ -71,6 +71,12 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _validate(args: argparse.Namespace) -> int:
+    from .validate import main_validate
+
+    return main_validate(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="reshard", description="Plan and run weight refits between layouts.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -106,6 +112,15 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--pipelined", action="store_true", help="stages overlap (relays forward chunks as they arrive)")
     t.add_argument("--dst-first-gpu", type=int, help="GPU of destination rank 0 (default: after the source's)")
     p.set_defaults(func=_plan)
+    v = sub.add_parser("validate", help="run a family's validation stages on a tiny instance of a config")
+    v.add_argument("--model", required=True, help="HF config.json (or a checkpoint directory holding one)")
+    v.add_argument("--stages", help="comma-separated subset of: discovery, megatron layout, vllm layout, "
+                   "hf parity, vllm load parity, round trip")
+    v.add_argument("--vllm-python", help="python of a virtualenv with vLLM, for the vLLM stages when this one "
+                   "has none")
+    v.add_argument("--examples", type=int, default=20, help="random layout pairs in the round-trip stage")
+    v.add_argument("--json", action="store_true", help="print the results as JSON")
+    v.set_defaults(func=_validate)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -1,6 +1,6 @@
 """What is where: model specs and the layouts of each side. Imports nothing from the rest of reshard."""
 from .base import Layout, Placement
-from .families import ModelFamily, spec_from_hf_config, supported_architectures
+from .families import ModelFamily, discover, registered_families, spec_from_hf_config, supported_architectures
 from .hf import HfLayout
 from .megatron import MegatronLayout
 from .model import ModelSpec, Role, TensorSpec

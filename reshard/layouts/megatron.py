@@ -19,6 +19,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from .base import Layout, Placement, PlacementTable, TableBuilder, divisible, pad_to, positive, rank_tensor_table
+from .kinds import check_kinds
 from .model import ROLE_CODE, ROLES, Role, TensorSpec
 
 _AXES = ("tp", "cp", "ep", "dp", "pp")
@@ -75,6 +76,7 @@ class MegatronLayout(Layout):
             self._fail(f"rank_order={self.rank_order!r} must order each of {'-'.join(_AXES)} exactly once",
                        rank_order=self.rank_order)
         self._stage_layer_counts  # validates the pipeline split
+        check_kinds(self.kind, m, self.tp, lambda k: k.megatron_te if self.naming == "te" else k.megatron_local)
         return self
 
     # --- sizes -------------------------------------------------------------------------------------
@@ -204,7 +206,10 @@ class MegatronLayout(Layout):
 
     # --- placements --------------------------------------------------------------------------------
     def placements(self, tensor: TensorSpec, replica: int | None = None) -> list[Placement]:
-        return _HANDLERS[tensor.role](self, tensor)
+        handler = _HANDLERS.get(tensor.role)
+        if handler is None:  # a family-specific kind (layouts/kinds.py) places itself
+            return tensor.role.megatron_placements(self, tensor)
+        return handler(self, tensor)
 
     def rank_tensors(self, rank: int) -> dict[str, tuple[int, ...]]:
         self._check_rank(rank)

@@ -11,7 +11,7 @@ from typing import Sequence
 import numpy as np
 
 from .base import PlacementTable, TableBuilder
-from .model import ROLES, Role
+from .model import ROLES, Role, role_at
 
 _LAYER_ROLES_NORM = (Role.INPUT_NORM, Role.POST_ATTN_NORM, Role.Q_NORM, Role.K_NORM)
 
@@ -30,9 +30,10 @@ def megatron_table(lay, index: np.ndarray | Sequence[int] | None) -> PlacementTa
     roles = c.role[index]
     for code in np.flatnonzero(np.bincount(roles)).tolist():
         idx = index[roles == code]
-        role = ROLES[code]
+        role = role_at(code)
         few_groups = role in (Role.Q, Role.K, Role.V) and spec.num_key_value_heads % lay.tp
-        if c.layer[idx[0]] < 0 or few_groups:  # embeddings, final norm, output layer; QKV cut through groups
+        if c.layer[idx[0]] < 0 or few_groups or not isinstance(role, Role):  # embeddings, final norm, output
+            # layer; QKV cut through groups; family-specific kinds: their reference rule
             for k in idx.tolist():
                 b.add_placements(k, lay.placements(spec.tensor_at(k)))
             continue

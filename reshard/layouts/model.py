@@ -8,9 +8,10 @@ from __future__ import annotations
 import enum
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from ..errors import ModelConfigError
 
@@ -44,14 +45,17 @@ class Role(str, enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
-    """One canonical tensor. `layer` and `expert` are -1 where they do not apply."""
+    """One canonical tensor. `layer` and `expert` are -1 where they do not apply. `role` is a shared `Role`
+    or a family-specific `kinds.Kind` (which carries its own placement rules). `dtype` is set only where a
+    tensor keeps another dtype than the model (e.g. a float32 router bias)."""
 
     index: int
     name: str
     shape: tuple[int, ...]
-    role: Role
+    role: "Role | Any"
     layer: int = -1
     expert: int = -1
+    dtype: str | None = None
 
     @property
     def numel(self) -> int:
@@ -77,6 +81,15 @@ class ModelSpec(BaseModel):
     moe_intermediate_size: int = 0
     dense_layers: tuple[int, ...] = ()  # MLP-only layers of a MoE model
     dtype: str = "bfloat16"
+    # Family-specific facts (MLA ranks, linear-attention heads, layer types ...) as sorted (key, value) pairs,
+    # so the spec stays hashable and JSON round-trips; read them with `spec.arch_value(key)`.
+    arch: tuple[tuple[str, Any], ...] = ()
+
+    @field_validator("arch", mode="before")
+    @classmethod
+    def _freeze_arch(cls, value: Any) -> tuple[tuple[str, Any], ...]:
+        items = value.items() if isinstance(value, dict) else value
+        return tuple(sorted((str(k), _frozen(v)) for k, v in items))
 
     @model_validator(mode="after")
     def _check(self) -> "ModelSpec":
@@ -97,9 +110,19 @@ class ModelSpec(BaseModel):
         bad = [i for i in self.dense_layers if not 0 <= i < self.num_layers]
         if bad:
             problems.append(f"dense_layers {bad} are outside [0, {self.num_layers})")
+        from .families import _BY_NAME
+
+        if self.family not in _BY_NAME:
+            problems.append(f"family={self.family!r} is not registered (registered: {', '.join(sorted(_BY_NAME))})")
         if problems:
             raise ModelConfigError("invalid model spec: " + "; ".join(problems))
         return self
+
+    def arch_value(self, key: str, default: Any = None) -> Any:
+        for k, v in self.arch:
+            if k == key:
+                return v
+        return default
 
     @property
     def is_moe(self) -> bool:
@@ -130,6 +153,8 @@ class ModelSpec(BaseModel):
 
     def tensor_at(self, index: int) -> TensorSpec:
         """`tensors[index]`, built alone (the whole tuple costs a Python object per tensor)."""
+        if self.family not in _TABLE_FAMILIES:
+            return _canonical_tensors(self)[index]
         c = self.canonical
         shape = (int(c.rows[index]), int(c.cols[index])) if c.ndim[index] == 2 else (int(c.cols[index]),)
         return TensorSpec(int(index), self.tensor_name(index), shape, ROLES[int(c.role[index])],
@@ -140,6 +165,8 @@ class ModelSpec(BaseModel):
         c = self.canonical
         if not 0 <= index < len(c):
             raise KeyError(f"canonical tensor index {index} is outside [0, {len(c)})")
+        if self.family not in _TABLE_FAMILIES:
+            return _canonical_tensors(self)[index].name
         role = ROLES[int(c.role[index])]
         return _NAME_FORMATS[role].format(i=int(c.layer[index]), e=int(c.expert[index]))
 
@@ -158,14 +185,42 @@ class ModelSpec(BaseModel):
                 f"V={self.vocab_size}, {self.num_params / 1e9:.2f}B params)")
 
     @classmethod
-    def from_hf_config(cls, config: "dict | str") -> "ModelSpec":
+    def from_hf_config(cls, config: "dict | str", include_mtp: bool = False) -> "ModelSpec":
         from .families import spec_from_hf_config
 
-        return spec_from_hf_config(config)
+        return spec_from_hf_config(config, include_mtp=include_mtp)
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _frozen(v)) for k, v in value.items()))
+    return value
 
 
 ROLES: tuple[Role, ...] = tuple(Role)
 ROLE_CODE: dict[Role, int] = {r: k for k, r in enumerate(ROLES)}
+# Family-specific kinds (layouts/kinds.py) get codes after the built-in roles, on first sight.
+_EXTRA_ROLES: list = []
+
+
+def role_code(role) -> int:
+    code = ROLE_CODE.get(role)
+    if code is None:
+        if role not in _EXTRA_ROLES:
+            _EXTRA_ROLES.append(role)
+        code = len(ROLES) + _EXTRA_ROLES.index(role)
+    return code
+
+
+def role_at(code: int):
+    """The Role (or family-specific Kind) a code in `CanonicalTable.role` stands for."""
+    return ROLES[code] if code < len(ROLES) else _EXTRA_ROLES[code - len(ROLES)]
+
+
+# Families whose tensors `_canonical_table` lays out directly with numpy; others go through their tensor list.
+_TABLE_FAMILIES = ("qwen3", "qwen3_moe", "llama")
 
 _NAME_FORMATS = {
     Role.EMBED: "model.embed_tokens.weight",
@@ -225,6 +280,8 @@ def _role_shapes(spec: ModelSpec) -> dict[Role, tuple[int, ...]]:
 @functools.lru_cache(maxsize=64)
 def _canonical_table(spec: ModelSpec) -> CanonicalTable:
     """Same order as `_canonical_tensors`, built a layer at a time with numpy."""
+    if spec.family not in _TABLE_FAMILIES:
+        return _table_from_tensors(_canonical_tensors(spec))
     attn = [Role.INPUT_NORM, Role.Q, Role.K, Role.V, Role.O]
     if spec.qk_norm:
         attn += [Role.Q_NORM, Role.K_NORM]
@@ -261,40 +318,25 @@ def _canonical_table(spec: ModelSpec) -> CanonicalTable:
 
 @functools.lru_cache(maxsize=64)
 def _canonical_tensors(spec: ModelSpec) -> tuple[TensorSpec, ...]:
-    H, d = spec.hidden_size, spec.head_dim
-    out: list[tuple[str, tuple[int, ...], Role, int, int]] = [
-        ("model.embed_tokens.weight", (spec.vocab_size, H), Role.EMBED, -1, -1)]
-    for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        out.append((p + "input_layernorm.weight", (H,), Role.INPUT_NORM, i, -1))
-        out.append((p + "self_attn.q_proj.weight", (spec.num_attention_heads * d, H), Role.Q, i, -1))
-        out.append((p + "self_attn.k_proj.weight", (spec.num_key_value_heads * d, H), Role.K, i, -1))
-        out.append((p + "self_attn.v_proj.weight", (spec.num_key_value_heads * d, H), Role.V, i, -1))
-        out.append((p + "self_attn.o_proj.weight", (H, spec.num_attention_heads * d), Role.O, i, -1))
-        if spec.qk_norm:
-            out.append((p + "self_attn.q_norm.weight", (d,), Role.Q_NORM, i, -1))
-            out.append((p + "self_attn.k_norm.weight", (d,), Role.K_NORM, i, -1))
-        out.append((p + "post_attention_layernorm.weight", (H,), Role.POST_ATTN_NORM, i, -1))
-        if spec.is_moe_layer(i):
-            Fm = spec.moe_intermediate_size
-            out.append((p + "mlp.gate.weight", (spec.num_experts, H), Role.ROUTER, i, -1))
-            for e in range(spec.num_experts):
-                q = f"{p}mlp.experts.{e}."
-                out.append((q + "gate_proj.weight", (Fm, H), Role.EXPERT_GATE, i, e))
-                out.append((q + "up_proj.weight", (Fm, H), Role.EXPERT_UP, i, e))
-                out.append((q + "down_proj.weight", (H, Fm), Role.EXPERT_DOWN, i, e))
-        else:
-            F = spec.intermediate_size
-            out.append((p + "mlp.gate_proj.weight", (F, H), Role.GATE, i, -1))
-            out.append((p + "mlp.up_proj.weight", (F, H), Role.UP, i, -1))
-            out.append((p + "mlp.down_proj.weight", (H, F), Role.DOWN, i, -1))
-    out.append(("model.norm.weight", (H,), Role.FINAL_NORM, -1, -1))
-    if not spec.tie_word_embeddings:
-        out.append(("lm_head.weight", (spec.vocab_size, H), Role.LM_HEAD, -1, -1))
-    return tuple(TensorSpec(k, name, shape, role, layer, expert)
-                 for k, (name, shape, role, layer, expert) in enumerate(out))
+    """The family (reshard/layouts/families/) lists the tensors; here they get their indices."""
+    from .families import family
+
+    rows = family(spec.family).tensors(spec)
+    return tuple(TensorSpec(k, *row) for k, row in enumerate(rows))
 
 
 @functools.lru_cache(maxsize=64)
 def _tensors_by_name(spec: ModelSpec) -> dict[str, TensorSpec]:
     return {t.name: t for t in _canonical_tensors(spec)}
+
+
+def _table_from_tensors(tensors: tuple[TensorSpec, ...]) -> CanonicalTable:
+    """The canonical table of a family that lists its tensors (one Python object per tensor)."""
+    i64 = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
+    table = CanonicalTable(i64([role_code(t.role) for t in tensors]), i64([t.layer for t in tensors]),
+                           i64([t.expert for t in tensors]),
+                           i64([t.shape[0] if len(t.shape) == 2 else 1 for t in tensors]),
+                           i64([t.shape[-1] for t in tensors]), i64([len(t.shape) for t in tensors]))
+    for a in (table.role, table.layer, table.expert, table.rows, table.cols, table.ndim):
+        a.setflags(write=False)
+    return table

@@ -19,7 +19,8 @@ import numpy as np
 from pydantic import model_validator
 
 from .base import Layout, Placement, PlacementTable, TableBuilder, divisible, pad_to, positive, rank_tensor_table
-from .model import ROLES, Role, TensorSpec
+from .kinds import check_kinds
+from .model import ROLES, Role, role_at, TensorSpec
 
 # vLLM parameter names, per role; `{i}` is the layer. Kept as data so a vLLM version that renames can be
 # described in one place (the vLLM adapter checks them against live models).
@@ -74,6 +75,7 @@ class VllmLayout(Layout):
             self._fail(f"expert_parallel=True needs a MoE model; {m.family} has no experts",
                        expert_parallel=True)
         divisible(self, "padded_vocab", self.padded_vocab, "tp", self.tp)
+        check_kinds(self.kind, m, self.tp, lambda k: k.vllm)
         return self
 
     @property
@@ -101,8 +103,10 @@ class VllmLayout(Layout):
         return rank_tensor_table(self).get(rank, {})
 
     def placements(self, tensor: TensorSpec, replica: int | None = None) -> list[Placement]:
-        name = VLLM_NAMES[tensor.role].format(i=tensor.layer)
-        local = _HANDLERS[tensor.role](self, tensor, name)
+        if tensor.role in _HANDLERS:
+            local = _HANDLERS[tensor.role](self, tensor, VLLM_NAMES[tensor.role].format(i=tensor.layer))
+        else:  # a family-specific kind (layouts/kinds.py) places itself
+            local = tensor.role.vllm_placements(self, tensor)
         if replica == 0:
             return local
         replicas = range(self.replicas) if replica is None else (replica,)
@@ -220,8 +224,8 @@ def _vllm_table(lay: VllmLayout, index, replica: int | None) -> PlacementTable:
     roles = c.role[index]
     for code in np.flatnonzero(np.bincount(roles)).tolist():
         idx = index[roles == code]
-        role = ROLES[code]
-        if c.layer[idx[0]] < 0:  # embeddings, final norm, lm_head: a handful of tensors
+        role = role_at(code)
+        if c.layer[idx[0]] < 0 or not isinstance(role, Role):  # embeddings, final norm, lm_head; family kinds
             for k in idx.tolist():
                 b.add_placements(k, lay.placements(spec.tensor_at(k), replica))
             continue

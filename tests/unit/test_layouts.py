@@ -166,7 +166,7 @@ def test_model_spec_from_published_configs():
 
 
 def test_unknown_architecture_lists_supported_ones():
-    with pytest.raises(reshard.ModelConfigError, match="supported: LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"):
+    with pytest.raises(reshard.ModelConfigError, match="supported: DeepseekV3ForCausalLM, LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"):
         reshard.ModelSpec.from_hf_config({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
     with pytest.raises(reshard.ModelConfigError, match="missing"):
         reshard.ModelSpec.from_hf_config({"architectures": ["Qwen3ForCausalLM"], "hidden_size": 8})

@@ -1,0 +1,155 @@
+"""DeepSeek-V3 and Kimi-K2 (same architecture, `DeepseekV3ForCausalLM`): multi-head latent attention, the
+first `first_k_dense_replace` layers dense, the others a router (+ e_score_correction_bias with noaux_tc),
+routed experts and shared experts. Multi-token-prediction layers are left out of refits.
+
+Names and shapes from transformers 5.24 modeling_deepseek_v3.py, megatron-core 0.19
+transformer/multi_latent_attention.py + models/gpt/gpt_layer_specs.py, vLLM 0.33 models/deepseek_v2.py:
+
+| HF (per layer, `self_attn.`)   | Megatron local (`self_attention.`)       | Megatron TE                         | vLLM 0.33 (`self_attn.`)          |
+| q_a_proj [qr, H]               | linear_q_down_proj, TP row blocks (ColumnParallelLinear) | linear_q_down_proj, whole (TELinear duplicated) | fused_qkv_a_proj rows [0, qr) whole |
+| q_a_layernorm [qr]             | q_layernorm                              | linear_q_up_proj.layer_norm_weight  | q_a_layernorm                     |
+| q_b_proj [n(dn+dr), qr]        | linear_q_up_proj, TP row blocks          | same                                | q_b_proj, TP row blocks           |
+| q_proj [n(dn+dr), H] (qr null) | linear_q_proj, TP row blocks             | same                                | q_proj, TP row blocks             |
+| kv_a_proj_with_mqa [kr+dr, H]  | linear_kv_down_proj, TP row blocks       | linear_kv_down_proj, whole          | fused_qkv_a_proj rows [qr, qr+kr+dr) whole (kv_a_proj_with_mqa when qr null) |
+| kv_a_layernorm [kr]            | kv_layernorm                             | linear_kv_up_proj.layer_norm_weight | kv_a_layernorm                    |
+| kv_b_proj [n(dn+dv), kr]       | linear_kv_up_proj, TP row blocks         | same                                | kv_b_proj, TP row blocks          |
+| o_proj [H, n dv]               | linear_proj (shared Role.O)              | same                                | o_proj (shared Role.O)            |
+Per-head row order is the same on every side (head-major, [nope; rope] for q, [nope; v] for kv), so TP row
+blocks are whole heads. MoE: `mlp.gate.weight` -> Megatron `mlp.router.weight`; `mlp.gate.e_score_correction_bias`
+(float32) -> Megatron buffer `mlp.router.expert_bias` (moe_router_enable_expert_bias), vLLM parameter of the
+same HF name; shared experts `mlp.shared_experts.{gate,up,down}_proj` -> Megatron
+`mlp.shared_experts.linear_fc1` ([gate_r; up_r]) / `linear_fc2`, vLLM `mlp.shared_experts.gate_up_proj` /
+`down_proj`, TP-split like a dense MLP on both sides. The input norm is `input_layernorm.weight` under both
+Megatron namings (the MLA TE spec does not fuse it). Megatron's `mla_down_proj_fusion` variant is not declared.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ...errors import ModelConfigError
+from ..kinds import ColumnBlocks, Kind, Replicated, ReplicatedAt, RowBlocks, same
+from ..model import ModelSpec, Role
+from . import ModelFamily, decoder, dense_mlp, norm, routed_experts
+
+_A = "model.layers.{i}.self_attn."
+_M = "model.layers.{i}.mlp."
+
+INPUT_NORM = same("mla_input_norm", Replicated("input_layernorm.weight"),
+                  Replicated("model.layers.{i}.input_layernorm.weight"))
+Q_NORM = Kind("mla_q_norm", Replicated("self_attention.q_layernorm.weight"),
+              Replicated("self_attention.linear_q_up_proj.layer_norm_weight"), Replicated(_A + "q_a_layernorm.weight"))
+KV_NORM = Kind("mla_kv_norm", Replicated("self_attention.kv_layernorm.weight"),
+               Replicated("self_attention.linear_kv_up_proj.layer_norm_weight"),
+               Replicated(_A + "kv_a_layernorm.weight"))
+Q_UP = same("mla_q_up", RowBlocks("self_attention.linear_q_up_proj.weight"), RowBlocks(_A + "q_b_proj.weight"))
+Q_FULL = same("mla_q", RowBlocks("self_attention.linear_q_proj.weight"), RowBlocks(_A + "q_proj.weight"))
+KV_UP = same("mla_kv_up", RowBlocks("self_attention.linear_kv_up_proj.weight"), RowBlocks(_A + "kv_b_proj.weight"))
+ROUTER_BIAS = same("router_bias", Replicated("mlp.router.expert_bias"),
+                   Replicated(_M + "gate.e_score_correction_bias"))
+SHARED_GATE = same("shared_expert_gate", RowBlocks("mlp.shared_experts.linear_fc1.weight", 0, 2),
+                   RowBlocks(_M + "shared_experts.gate_up_proj.weight", 0, 2))
+SHARED_UP = same("shared_expert_up", RowBlocks("mlp.shared_experts.linear_fc1.weight", 1, 2),
+                 RowBlocks(_M + "shared_experts.gate_up_proj.weight", 1, 2))
+SHARED_DOWN = same("shared_expert_down", ColumnBlocks("mlp.shared_experts.linear_fc2.weight"),
+                   ColumnBlocks(_M + "shared_experts.down_proj.weight"))
+
+
+def _down_kinds(q_rank: int | None, kv_rows: int) -> tuple[Kind | None, Kind]:
+    """q_a_proj / kv_a_proj_with_mqa: TP row blocks (Megatron local), whole (Megatron TE), whole rows of vLLM's
+    fused_qkv_a_proj (or its own kv_a_proj_with_mqa when there is no q LoRA)."""
+    if q_rank is None:
+        return None, Kind("mla_kv_down", RowBlocks("self_attention.linear_kv_down_proj.weight"),
+                          Replicated("self_attention.linear_kv_down_proj.weight"),
+                          Replicated(_A + "kv_a_proj_with_mqa.weight"))
+    fused = _A + "fused_qkv_a_proj.weight"
+    q = Kind("mla_q_down", RowBlocks("self_attention.linear_q_down_proj.weight"),
+             Replicated("self_attention.linear_q_down_proj.weight"), ReplicatedAt(fused, 0, q_rank + kv_rows))
+    kv = Kind("mla_kv_down", RowBlocks("self_attention.linear_kv_down_proj.weight"),
+              Replicated("self_attention.linear_kv_down_proj.weight"), ReplicatedAt(fused, q_rank, q_rank + kv_rows))
+    return q, kv
+
+
+def _layer(spec: ModelSpec, i: int) -> list:
+    a = dict(spec.arch)
+    H, n, qr, kr = spec.hidden_size, spec.num_attention_heads, a["q_lora_rank"], a["kv_lora_rank"]
+    dn, dr, dv = a["qk_nope_head_dim"], a["qk_rope_head_dim"], a["v_head_dim"]
+    p = f"model.layers.{i}.self_attn."
+    q_down, kv_down = _down_kinds(qr, kr + dr)
+    out = [norm(i, "input_layernorm.weight", H, INPUT_NORM)]
+    if qr is None:
+        out.append((p + "q_proj.weight", (n * (dn + dr), H), Q_FULL, i, -1))
+    else:
+        out += [(p + "q_a_proj.weight", (qr, H), q_down, i, -1), (p + "q_a_layernorm.weight", (qr,), Q_NORM, i, -1),
+                (p + "q_b_proj.weight", (n * (dn + dr), qr), Q_UP, i, -1)]
+    out += [(p + "kv_a_proj_with_mqa.weight", (kr + dr, H), kv_down, i, -1),
+            (p + "kv_a_layernorm.weight", (kr,), KV_NORM, i, -1),
+            (p + "kv_b_proj.weight", (n * (dn + dv), kr), KV_UP, i, -1),
+            (p + "o_proj.weight", (H, n * dv), Role.O, i, -1),
+            norm(i, "post_attention_layernorm.weight", H, Role.POST_ATTN_NORM)]
+    if not spec.is_moe_layer(i):
+        return out + dense_mlp(spec, i)
+    out += routed_experts(spec, i)
+    if a["router_bias"]:
+        out.insert(len(out) - 3 * spec.num_experts,
+                   (f"model.layers.{i}.mlp.gate.e_score_correction_bias", (spec.num_experts,), ROUTER_BIAS, i, -1,
+                    "float32"))
+    Fs = a["shared_intermediate_size"]
+    if Fs:
+        q = f"model.layers.{i}.mlp.shared_experts."
+        out += [(q + "gate_proj.weight", (Fs, H), SHARED_GATE, i, -1), (q + "up_proj.weight", (Fs, H), SHARED_UP, i, -1),
+                (q + "down_proj.weight", (H, Fs), SHARED_DOWN, i, -1)]
+    return out
+
+
+class DeepseekV3(ModelFamily):
+    name = "deepseek_v3"
+    architectures = ("DeepseekV3ForCausalLM",)
+    model_types = ("deepseek_v3", "kimi_k2")
+
+    def spec(self, config: dict[str, Any], include_mtp: bool = False) -> ModelSpec:
+        self._require(config, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                      "n_routed_experts", "moe_intermediate_size")
+        if include_mtp and config.get("num_nextn_predict_layers"):
+            raise ModelConfigError("multi-token-prediction layers are not supported yet: Megatron keeps them in "
+                                   "a separate mtp block and vLLM in a separate draft model; refit without them")
+        if config.get("hidden_act", "silu") != "silu":
+            raise ModelConfigError(f"hidden_act={config['hidden_act']!r} is not supported (silu only)")
+        fields = self._common(config, qk_norm=False, biases=("attention_bias",))
+        fields["head_dim"] = config["v_head_dim"]  # unused by MLA tensors; keeps the shared checks meaningful
+        layers = fields["num_layers"]
+        first_dense = config.get("first_k_dense_replace", 0) or 0
+        freq = config.get("moe_layer_freq", 1) or 1
+        # transformers: layer i >= first_k_dense_replace is MoE (it ignores moe_layer_freq); vLLM also requires
+        # i % moe_layer_freq == 0. Refuse the configurations where they disagree instead of picking one.
+        if freq != 1:
+            raise ModelConfigError(f"moe_layer_freq={freq} is not supported (transformers and vLLM disagree on "
+                                   f"which layers are MoE); only 1")
+        dense = tuple(range(min(first_dense, layers)))
+        E = config["n_routed_experts"] or 0
+        shared = (config.get("n_shared_experts") or 0) * config["moe_intermediate_size"]
+        return ModelSpec(**fields, num_experts=E, moe_intermediate_size=config["moe_intermediate_size"],
+                         dense_layers=dense if E else (), arch={
+                             "q_lora_rank": config.get("q_lora_rank"), "kv_lora_rank": config["kv_lora_rank"],
+                             "qk_nope_head_dim": config["qk_nope_head_dim"],
+                             "qk_rope_head_dim": config["qk_rope_head_dim"], "v_head_dim": config["v_head_dim"],
+                             "shared_intermediate_size": shared if E else 0,
+                             "router_bias": bool(E) and config.get("topk_method") == "noaux_tc"})
+
+    def tensors(self, spec: ModelSpec) -> list:
+        return decoder(spec, _layer)
+
+    def tiny_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        out = super().tiny_config(config)
+        out.pop("head_dim", None)
+        out.update(num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                   n_group=1, topk_group=1, rope_scaling=None, num_hidden_layers=3,
+                   first_k_dense_replace=min(config.get("first_k_dense_replace", 0) or 0, 1))
+        if config.get("q_lora_rank") is not None:
+            out["q_lora_rank"] = 32
+        return out
+
+    def excluded(self, config: dict[str, Any]) -> list[str]:
+        n = config.get("num_nextn_predict_layers") or 0
+        L = config.get("num_hidden_layers", 0)
+        layers = f"model.layers.{L}.*" if n == 1 else f"model.layers.{L}..{L + n - 1}.*"
+        return [f"multi-token-prediction layers {layers} (num_nextn_predict_layers={n})"] if n else []

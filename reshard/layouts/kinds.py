@@ -1,0 +1,144 @@
+"""Per-kind-of-tensor placement rules, for tensors a family adds beyond the shared roles of `model.Role`.
+
+A family tags such a tensor with a `Kind`: one `Rule` per Megatron naming (local, te) and one for vLLM. A rule
+is a tiny frozen declaration (the physical name and how TP cuts the tensor); the layouts call it when the
+tensor's role is not one of their built-in `Role`s. Only cuts the placement model can express exist here:
+whole copies, contiguous row blocks (optionally one part of a per-rank stack of parts), contiguous column
+blocks, and a whole copy at a row offset of a larger replicated tensor. Anything else must be refused by the
+family with a clear error, never approximated.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..errors import LayoutError
+from .base import Placement
+
+if TYPE_CHECKING:
+    from .megatron import MegatronLayout
+    from .model import TensorSpec
+    from .vllm import VllmLayout
+
+
+@dataclass(frozen=True)
+class Rule(abc.ABC):
+    """Where a per-layer tensor lives on one side. `name` is the Megatron suffix after `decoder.layers.{i}.`
+    or the full vLLM name with `{i}` for the layer."""
+
+    name: str
+
+    @abc.abstractmethod
+    def cut(self, t: "TensorSpec", tp: int, kind: str) -> list[tuple[int, tuple, tuple, tuple, tuple]]:
+        """(tp rank, physical shape, canonical offset, lengths, physical offset) for each TP rank."""
+
+    def megatron(self, lay: "MegatronLayout", t: "TensorSpec") -> list[Placement]:
+        stage, name = lay._layer_name(t.layer, self.name)
+        return [p for r, shape, coff, lens, poff in self.cut(t, lay.tp, "megatron")
+                for p in lay._replicated_dense(stage, r, name, shape, coff, lens, poff)]
+
+    def vllm(self, lay: "VllmLayout", t: "TensorSpec") -> list[Placement]:
+        name = self.name.format(i=t.layer)
+        return [Placement(r, name, shape, coff, lens, poff) for r, shape, coff, lens, poff in self.cut(t, lay.tp, "vllm")]
+
+
+def _split(kind: str, t: "TensorSpec", dim: int, tp: int) -> int:
+    if t.shape[dim] % tp:
+        raise LayoutError(kind, f"{t.name}: dim {dim} of shape {t.shape} is not divisible by tp={tp}",
+                          {"tensor": t.name, "tp": tp})
+    return t.shape[dim] // tp
+
+
+@dataclass(frozen=True)
+class Replicated(Rule):
+    """The whole tensor on every TP rank."""
+
+    def cut(self, t, tp, kind):
+        zero = (0,) * len(t.shape)
+        return [(r, t.shape, zero, t.shape, zero) for r in range(tp)]
+
+
+@dataclass(frozen=True)
+class RowBlocks(Rule):
+    """Dim 0 split into contiguous blocks over TP (column-parallel linear); on each rank the block is part
+    `part` of a stack of `parts` equal blocks (e.g. [gate_r; up_r] is parts=2)."""
+
+    part: int = 0
+    parts: int = 1
+
+    def cut(self, t, tp, kind):
+        per = _split(kind, t, 0, tp)
+        rest = t.shape[1:]
+        pad = (0,) * len(rest)
+        return [(r, (self.parts * per, *rest), (r * per, *pad), (per, *rest), (self.part * per, *pad))
+                for r in range(tp)]
+
+
+@dataclass(frozen=True)
+class ColumnBlocks(Rule):
+    """Dim 1 split into contiguous blocks over TP (row-parallel linear)."""
+
+    def cut(self, t, tp, kind):
+        rows = t.shape[0]
+        per = _split(kind, t, 1, tp)
+        return [(r, (rows, per), (0, r * per), (rows, per), (0, 0)) for r in range(tp)]
+
+
+@dataclass(frozen=True)
+class ReplicatedAt(Rule):
+    """The whole tensor on every TP rank, at row `row` of a replicated [`rows`, ...] tensor (a fused stack
+    such as vLLM's fused_qkv_a_proj = [q_a_proj; kv_a_proj_with_mqa])."""
+
+    row: int = 0
+    rows: int = 0
+
+    def cut(self, t, tp, kind):
+        rest = t.shape[1:]
+        pad = (0,) * len(rest)
+        return [(r, (self.rows, *rest), (0, *pad), t.shape, (self.row, *pad)) for r in range(tp)]
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A family-specific kind of tensor: its placement rule on each side. Used as a TensorSpec's role.
+
+    `label` is what reports and errors show; `expert` says whether expert parallelism distributes it (the
+    kinds declared so far are all dense: shared experts are TP-split like a dense MLP on both sides).
+    """
+
+    label: str
+    megatron_local: Rule
+    megatron_te: Rule
+    vllm: Rule
+    expert: bool = False
+
+    @property
+    def value(self) -> str:  # mirrors Role.value for reports
+        return self.label
+
+    @property
+    def is_expert(self) -> bool:
+        return self.expert
+
+    def megatron_placements(self, lay: "MegatronLayout", t: "TensorSpec") -> list[Placement]:
+        rule = self.megatron_te if lay.naming == "te" else self.megatron_local
+        return rule.megatron(lay, t)
+
+    def vllm_placements(self, lay: "VllmLayout", t: "TensorSpec") -> list[Placement]:
+        return self.vllm.vllm(lay, t)
+
+
+def same(label: str, megatron: Rule, vllm: Rule) -> Kind:
+    """A kind whose Megatron name and cut do not depend on local vs TE naming."""
+    return Kind(label, megatron, megatron, vllm)
+
+
+def check_kinds(kind: str, model, tp: int, pick) -> None:
+    """Raise LayoutError now (at layout construction) if any family-specific tensor cannot be cut over `tp`;
+    `pick(Kind) -> Rule` selects the rule of this side."""
+    seen = set()
+    for t in model.tensors:
+        if isinstance(t.role, Kind) and (t.role, t.shape) not in seen:
+            seen.add((t.role, t.shape))
+            pick(t.role).cut(t, tp, kind)

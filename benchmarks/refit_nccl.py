@@ -191,6 +191,14 @@ def same(a: dict, b: dict) -> bool:
     return all(torch.equal(a[r][n].view(torch.int16), b[r][n].view(torch.int16)) for r in a for n in a[r])
 
 
+def slowest(values: dict[str, float], group, device) -> dict[str, float]:
+    """Each value's maximum over the processes of the group."""
+    t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
+    if group is not None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return dict(zip(values, t.tolist()))
+
+
 def ceiling(ex: DistributedExecutor, me: int, clock: Clock, iters: int, device, itemsize: int) -> tuple[list, str]:
     s = ex.schedule
     if ex.size == 1:  # E4: a device-to-device copy of the bytes the plan copies
@@ -203,10 +211,13 @@ def ceiling(ex: DistributedExecutor, me: int, clock: Clock, iters: int, device, 
     sends = {p: torch.ones(n, dtype=torch.bfloat16, device=device) for p, n in s.sent.items()}
     recvs = {p: torch.empty(n, dtype=torch.bfloat16, device=device) for p, n in s.received.items()}
     g = ex._global
+    chunk = (2 * GiB) // itemsize  # NCCL's bandwidth has flattened out well before 2 GiB messages
 
     def move():
-        ops = [dist.P2POp(dist.isend, t, g[p], ex.group) for p, t in sends.items()]
-        ops += [dist.P2POp(dist.irecv, t, g[p], ex.group) for p, t in recvs.items()]
+        ops = [dist.P2POp(dist.isend, t[i:i + chunk], g[p], ex.group) for p, t in sends.items()
+               for i in range(0, t.numel(), chunk)]
+        ops += [dist.P2POp(dist.irecv, t[i:i + chunk], g[p], ex.group) for p, t in recvs.items()
+                for i in range(0, t.numel(), chunk)]
         for w in dist.batch_isend_irecv(ops) if ops else []:
             w.wait()
 
@@ -253,12 +264,13 @@ def run_case(name: str, plan, binding: Binding, procs, me: int, groups: dict, de
     del gb
 
     got = zeros(plan.dst, my_dst, device)
-    t = clock.time(lambda: staged.run(src, got), args.iters)
+    last: dict = {}
+    t = clock.time(lambda: last.update(stats=staged.run(src, got)), args.iters)
     out["staged_s"], out["staged_runs"] = statistics.median(t), t
     out["staged_ok"] = same(got, want)
-    stats = staged.run(src, got)
-    out["staging_bytes"] = stats.staging_bytes
-    out["copies"] = stats.copies
+    out["staged_phases"] = slowest(last["stats"].phases, group, device)
+    out["staging_bytes"] = slowest({"b": float(last["stats"].staging_bytes)}, group, device)["b"]
+    out["copies"] = last["stats"].copies
     del staged
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -267,9 +279,10 @@ def run_case(name: str, plan, binding: Binding, procs, me: int, groups: dict, de
         for x in tensors.values():
             x.zero_()
     inplace = DistributedExecutor(plan, binding, ex_group, in_place=True, **options)
-    t = clock.time(lambda: inplace.run(src, got), args.iters)
+    t = clock.time(lambda: last.update(stats=inplace.run(src, got)), args.iters)
     out["in_place_s"], out["in_place_runs"] = statistics.median(t), t
     out["in_place_ok"] = same(got, want)
+    out["in_place_phases"] = slowest(last["stats"].phases, group, device)
     ok = torch.tensor([int(out["staged_ok"] and out["in_place_ok"])], device=device)
     if group is not None:
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
@@ -278,6 +291,51 @@ def run_case(name: str, plan, binding: Binding, procs, me: int, groups: dict, de
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out
+
+
+# --- transport checks: small plans with fan-out relays and odd buckets, against the local executor ---------
+def check_plans() -> list[tuple]:
+    spec = reshard.ModelSpec(family="qwen3", hidden_size=64, num_layers=2, num_attention_heads=8,
+                             num_key_value_heads=4, head_dim=8, intermediate_size=96, vocab_size=300, qk_norm=True,
+                             dtype="bfloat16")
+    moe = reshard.ModelSpec(family="qwen3_moe", hidden_size=32, num_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=8, intermediate_size=0, vocab_size=200, qk_norm=True,
+                            num_experts=4, moe_intermediate_size=16, dtype="bfloat16")
+    M, V, H = reshard.MegatronLayout, reshard.VllmLayout, reshard.HfLayout
+    return [
+        (reshard.compile(M(model=spec, tp=2), V(model=spec, replicas=3), fanout=1), Binding((0, 1), (1, 0, 1))),
+        (reshard.compile(M(model=spec, tp=2, pp=2), V(model=spec, tp=2, replicas=2), colocated=True, fanout=1),
+         Binding((0, 1, 0, 1), (0, 1, 1, 0))),
+        (reshard.compile(V(model=spec, tp=4), M(model=spec, tp=2)), Binding((0, 1, 1, 0), (1, 0))),
+        (reshard.compile(M(model=moe, tp=2, ep=2, etp=1), V(model=moe, tp=2, expert_parallel=True, replicas=2),
+                         fanout=1), Binding((0, 1), (1, 0, 0, 1))),
+        (reshard.compile(H(model=spec), V(model=spec, tp=2, replicas=2), fanout=2), Binding((0,), (1, 1, 0, 0))),
+    ]
+
+
+def run_checks(me: int, device) -> list[str]:
+    from reshard.executors import allocate, execute_local, shard
+
+    failures = []
+    for i, (plan, binding) in enumerate(check_plans()):
+        g = torch.Generator().manual_seed(i)
+        w = {t.name: torch.randn(t.shape, generator=g).to(torch.bfloat16) for t in plan.src.model.tensors}
+        src_all = shard(plan.src, w)
+        want = allocate(plan.dst, fill=-3.0)
+        execute_local(plan, src_all, want)
+        for in_place in (False, True):
+            for bucket in (4096, 1 << 20):
+                src = {r: {n: t.to(device) for n, t in src_all[r].items()} for r in binding.src_ranks_of(me)}
+                got = {r: {n: torch.full_like(t, -3.0, device=device) for n, t in want[r].items()}
+                       for r in binding.dst_ranks_of(me)}
+                ex = DistributedExecutor(plan, binding, None, in_place=in_place, bucket_bytes=bucket, timeout=60.0)
+                for _ in range(2):
+                    ex.run(src, got)
+                for r, ts in got.items():
+                    for n, t in ts.items():
+                        if not torch.equal(t.cpu().view(torch.int16), want[r][n].view(torch.int16)):
+                            failures.append(f"check {i} in_place={in_place} bucket={bucket}: rank {r} {n}")
+    return failures
 
 
 # --- processes ---------------------------------------------------------------------------------------------
@@ -292,10 +350,17 @@ def worker(args) -> None:
         device = torch.device("cuda", rank)
         backend = "nccl"
     kw = {"device_id": device} if backend == "nccl" else {}
+    if backend == "nccl" and args.nccl_high_priority:  # NCCL kernels ahead of copy kernels on the SMs
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = True
+        kw["pg_options"] = opts
     dist.init_process_group(backend, init_method=f"file://{args.store}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=300), **kw)
     spec = small_spec() if small else reshard.ModelSpec.from_hf_config(ROOT / "examples/configs/qwen3-8b.json")
     groups = {2: dist.group.WORLD, 1: dist.new_group([0])}
+    if args.check:
+        failures = run_checks(rank, device)
+        print(f"rank {rank}: transport checks {'passed' if not failures else 'FAILED'} {failures[:5]}", flush=True)
     results = []
     for name, (plan, binding, procs) in cases(spec).items():
         if name not in args.cases.split(","):
@@ -323,6 +388,11 @@ def table(results: list[dict], device: str) -> str:
             f"{r['staged_s'] * 1e3:.1f} | {r['in_place_s'] * 1e3:.1f} | {c * 1e3:.1f} ({r['ceiling_kind']}) | "
             f"{100 * c / r['staged_s']:.0f}% / {100 * c / r['in_place_s']:.0f}% | "
             f"{r['gather_broadcast_s'] * 1e3:.1f} | {'yes' if r['all_ok'] else 'NO'}")
+    lines.append("phases of the last run, slowest process (ms): staged | in place")
+    for r in results:
+        fmt = lambda ph: " ".join(f"{k}={v * 1e3:.1f}" for k, v in ph.items())  # noqa: E731
+        lines.append(f"{r['case']}: {fmt(r['staged_phases'])} | {fmt(r['in_place_phases'])}  "
+                     f"(copies {r['copies']}, rounds {r['rounds']}, staging {r['staging_bytes'] / 1e9:.1f} GB)")
     return "\n".join(lines)
 
 
@@ -333,6 +403,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--memory-cap", type=int, default=4 * GiB, help="wire buffer cap per process (bytes)")
     ap.add_argument("--bucket-bytes", type=int, default=GiB, help="largest wire message (bytes)")
+    ap.add_argument("--nccl-high-priority", action="store_true",
+                    help="give the process group high-priority NCCL streams (ProcessGroupNCCL.Options)")
+    ap.add_argument("--check", action="store_true", help="first check small plans with relays against execute_local")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--store", default=None, help=argparse.SUPPRESS)
@@ -345,13 +418,15 @@ def main() -> None:
         store = str(Path(tmp) / "store")
         cmd = [sys.executable, str(Path(__file__).resolve()), "--store", store, "--out", out, "--cases", args.cases,
                "--iters", str(args.iters), "--memory-cap", str(args.memory_cap),
-               "--bucket-bytes", str(args.bucket_bytes)] + (["--small"] if args.small else [])
+               "--bucket-bytes", str(args.bucket_bytes)] + (["--small"] if args.small else []) + \
+            (["--check"] if args.check else []) + (["--nccl-high-priority"] if args.nccl_high_priority else [])
         procs = [subprocess.Popen(cmd + ["--worker", str(r)]) for r in range(2)]
         codes = [p.wait() for p in procs]
         if any(codes) or not Path(out).exists():
             sys.exit(f"a worker failed (exit codes {codes})")
         results = json.loads(Path(out).read_text())
-    device = "CPU (gloo)" if args.small else torch.cuda.get_device_name(0) + " x2 (NCCL)"
+    device = "CPU (gloo)" if args.small else torch.cuda.get_device_name(0) + " x2 (NCCL" + \
+        (", high-priority streams)" if args.nccl_high_priority else ")")
     print(table(results, device))
 
 

@@ -63,9 +63,9 @@ import torch.distributed as dist
 from ..errors import ExecutionError, ReshardError
 from ..planner import Plan
 from .binding import Binding
-from .copies import DST, KIND_NAMES, SHADOW, SRC, WIRE, run_copies
-from .local import check_tensors, torch_dtype
-from .schedule import ProcessSchedule, Round, bucket_numel_for, build_schedule
+from .engines import Bound, Engine, abort, bound_key, make_engine, poll
+from .local import check_tensors
+from .schedule import ProcessSchedule, bucket_numel_for, build_schedule
 
 RankTensors = Mapping[int, Mapping[str, torch.Tensor]]
 DEFAULT_MEMORY_CAP = 2 << 30
@@ -77,9 +77,10 @@ class ExecutionStats:
 
     process: int
     staged: bool
-    seconds: float  # wall clock, preflight to commit
-    transfer_seconds: float  # preflight end to every message of this process done
-    commit_seconds: float
+    seconds: float  # wall clock, call to return
+    phases: dict[str, float] = field(default_factory=dict)  # wall clock per step: prepare (checks and buffers),
+    # preflight, enqueue (the host's pass over the rounds), drain (until every message and copy is done),
+    # verify, commit
     bytes_sent: dict[int, int] = field(default_factory=dict)  # peer (group rank) -> bytes
     bytes_received: dict[int, int] = field(default_factory=dict)
     local_bytes: int = 0
@@ -128,8 +129,13 @@ class DistributedExecutor:
         if self.distributed:
             peers = {m.peer for r in self.schedule.rounds for m in r.sends + r.recvs}
             self._global = {p: self._global_rank(p) for p in peers}
-        self._programs = None
-        self._wire: torch.Tensor | None = None
+        self._wire: torch.Tensor | None = None  # wire buffers, kept across calls
+        self._bound: Bound | None = None  # views of the tensors of the last call, and the staging buffer
+        self._streams = None
+
+    def release(self) -> None:
+        """Drop the buffers and views kept between calls (wire, staging, views of the caller's tensors)."""
+        self._wire = self._bound = self._streams = None
 
     def _global_rank(self, group_rank: int) -> int:
         if self.group is None or self.group is dist.group.WORLD:
@@ -140,22 +146,33 @@ class DistributedExecutor:
     def run(self, src: RankTensors | None, dst: RankTensors | None) -> ExecutionStats:
         """Refit: `src` / `dst` map the plan's source / destination ranks this process plays to their tensors."""
         start = time.perf_counter()
-        src, dst = dict(src or {}), dict(dst or {})
+        with torch.no_grad():  # parameters may require grad; a refit is not part of any graph
+            return self._run(start, dict(src or {}), dict(dst or {}))
+
+    def _run(self, start: float, src: dict, dst: dict) -> ExecutionStats:
         problem = self._check_local(src, dst)
         device, device_problem = self._device(src, dst)
         problem = problem or device_problem
         engine = None
         if problem is None:
             try:  # buffers are allocated before the preflight, so that running out of memory is reported there
-                engine = (_CudaEngine if device.type == "cuda" else _HostEngine)(self, device, src, dst)
+                key = bound_key(self, src, dst, device)
+                if self._bound is None or self._bound.key != key:
+                    self._bound = None
+                    self._bound = Bound(self, device, src, dst, key)
+                engine = make_engine(self, self._bound)
             except Exception as e:  # noqa: BLE001 - becomes this process's refusal, seen by every process
                 problem = f"could not prepare buffers on {device}: {type(e).__name__}: {e}"
+        marks = [("prepare", time.perf_counter())]
         self._preflight(problem, device)
+        marks.append(("preflight", time.perf_counter()))
         try:
             self._transfer(engine)
+            marks.append(("enqueue", time.perf_counter()))
             engine.drain()
-            transfer_end = time.perf_counter()
-            self._agree(engine, device)
+            marks.append(("drain", time.perf_counter()))
+            self._agree(device)
+            marks.append(("verify", time.perf_counter()))
         except ReshardError:
             engine.abort()
             raise
@@ -163,18 +180,19 @@ class DistributedExecutor:
             engine.abort()
             raise ExecutionError(self._failure(f"{type(e).__name__}: {e}")) from e
         engine.commit()
-        end = time.perf_counter()
+        marks.append(("commit", time.perf_counter()))
         s = self.schedule
         itemsize = self.plan.itemsize
+        times = [start] + [t for _, t in marks]
         return ExecutionStats(
-            process=self.rank, staged=s.staged, seconds=end - start, transfer_seconds=transfer_end - start,
-            commit_seconds=end - transfer_end,
+            process=self.rank, staged=s.staged, seconds=times[-1] - start,
+            phases={name: times[i + 1] - times[i] for i, (name, _) in enumerate(marks)},
             bytes_sent={p: n * itemsize for p, n in s.sent.items()},
             bytes_received={p: n * itemsize for p, n in s.received.items()},
             local_bytes=s.local_numel * itemsize, rounds=len(s.rounds),
             messages=sum(len(r.sends) + len(r.recvs) for r in s.rounds), copies=engine.copies,
-            bucket_bytes=self.bucket_numel * itemsize, wire_buffer_bytes=engine.wire_bytes,
-            staging_bytes=engine.staging_bytes)
+            bucket_bytes=self.bucket_numel * itemsize, wire_buffer_bytes=self._bound.wire_bytes,
+            staging_bytes=self._bound.staging_bytes)
 
     # --- steps -----------------------------------------------------------------------------------
     def _check_local(self, src: dict, dst: dict) -> str | None:
@@ -228,35 +246,30 @@ class DistributedExecutor:
                                  f"size (this process: plan {self.plan.digest[:12]}, {self.binding}, bucket "
                                  f"{self.bucket_numel} elements); nothing was moved")
 
-    def _transfer(self, engine: "_Engine") -> None:
+    def _transfer(self, engine: Engine) -> None:
         s = self.schedule
-        by_stage: dict[int, list[Round]] = {}
-        for r in s.rounds:
-            by_stage.setdefault(r.stage, []).append(r)
-        n = 0
+        by_stage: dict[int, list[int]] = {}
+        for pos, r in enumerate(s.rounds):
+            by_stage.setdefault(r.stage, []).append(pos)
         for stage in range(s.num_stages):
             if stage:
                 engine.stage_barrier(stage)
+            positions = by_stage.get(stage, [])
             pending: list = []
-            local_started = False
-            for rnd in by_stage.get(stage, []):
+            for k, pos in enumerate(positions):
                 if self.on_round is not None:
-                    self.on_round(rnd.index)
-                slot = n % self.depth
-                n += 1
-                engine.pack(rnd, slot)
-                pending.append(engine.post(rnd, slot))
-                if not local_started:  # local copies overlap the first round of the stage
-                    engine.local(stage)
-                    local_started = True
+                    self.on_round(s.rounds[pos].index)
+                engine.pack(pos)
+                pending.append(engine.post(pos))
+                engine.local(stage, k)  # local copies spread over the stage's rounds
                 while len(pending) >= self.depth:
                     engine.complete(pending.pop(0))
-            if not local_started:
-                engine.local(stage)
+            if not positions:
+                engine.local(stage, 0)
             while pending:
                 engine.complete(pending.pop(0))
 
-    def _agree(self, engine: "_Engine", device: torch.device) -> None:
+    def _agree(self, device: torch.device) -> None:
         """Verify: every process finished its transfer. Only then does anyone commit."""
         if self.size == 1 or not self.distributed:
             return
@@ -273,12 +286,12 @@ class DistributedExecutor:
                 work.wait()
                 ev = torch.cuda.Event()
                 ev.record()
-                _poll([ev], self.timeout, lambda: f"{what} all-reduce")
+                poll([ev], self.timeout, [f"{what} all-reduce"])
             else:
                 work.wait(timedelta(seconds=self.timeout))
         except Exception as e:
             if device.type == "cuda":
-                _abort(self.group)
+                abort(self.group)
             raise ExecutionError(self._failure(f"{what} all-reduce did not complete: {e}", before)) from e
 
     def _failure(self, what: str, before: bool = False) -> str:
@@ -287,234 +300,6 @@ class DistributedExecutor:
                  "destination tensors may be partly written (in_place=True)")
         return (f"refit failed on group rank {self.rank} (plan {self.plan.digest[:12]}): {what}; {state}; the "
                 f"process group is no longer usable: destroy and rebuild it")
-
-
-def _abort(group) -> None:
-    """Unblock NCCL kernels that wait for a dead peer (best effort: the error being raised says what failed)."""
-    try:
-        from torch.distributed.distributed_c10d import _abort_process_group
-        _abort_process_group(group)
-    except Exception:  # noqa: BLE001
-        pass
-
-
-def _poll(events: list, timeout: float, name: Callable[[], str], what: list[str] | None = None) -> None:
-    """Wait for CUDA events in order; fail after `timeout` seconds without one of them completing."""
-    last = time.monotonic()
-    for i, ev in enumerate(events):
-        while not ev.query():
-            if time.monotonic() - last > timeout:
-                where = what[i] if what else name()
-                raise ExecutionError(f"no progress for {timeout:.1f} s waiting for {where}")
-            time.sleep(0.0002)
-        last = time.monotonic()
-
-
-class _Engine:
-    """Moves one process's part of a schedule: packing, posting, completing rounds, local copies, commit."""
-
-    def __init__(self, ex: DistributedExecutor, device: torch.device, src: dict, dst: dict) -> None:
-        self.ex, self.device, s = ex, device, ex.schedule
-        plan = ex.plan
-        self.copies = 0
-        self.src_flat: dict[int, torch.Tensor] = {}
-        self.dst_flat: dict[int, torch.Tensor] = {}
-        for i in s.src_ids:
-            self.src_flat[i] = src[plan.src_tensors.ranks[i]][plan.src_tensors.names[i]].view(-1)
-        for i in s.dst_ids:
-            self.dst_flat[i] = dst[plan.dst_tensors.ranks[i]][plan.dst_tensors.names[i]].view(-1)
-        dtype = torch_dtype(plan.dst.dtype)
-        self.shadow = {i: torch.empty_like(self.dst_flat[i]) for i in s.shadow}
-        self.staging_bytes = sum(t.numel() for t in self.shadow.values()) * plan.itemsize
-        need = ex.depth * s.buffers_per_round * s.bucket_numel
-        if ex._wire is None or ex._wire.numel() < need or ex._wire.device != device:
-            ex._wire = torch.empty(need, dtype=dtype, device=device)
-        self.wire = ex._wire[:need].view(ex.depth, max(s.buffers_per_round, 1) if need else 0, s.bucket_numel) \
-            if need else ex._wire[:0]
-        self.wire_bytes = need * plan.itemsize
-        self.memory_tables = {SRC: self.src_flat, DST: self.dst_flat, SHADOW: self.shadow}
-        if ex._programs is None:  # folded programs as plain tuples, once per executor
-            ex._programs = {
-                "rounds": [([m.copies.rows_as_lists() for m in r.sends], [m.copies.rows_as_lists() for m in r.recvs])
-                           for r in s.rounds],
-                "local": [c.rows_as_lists() for c in s.local],
-                "deferred": s.deferred.rows_as_lists(), "commit": s.commit.rows_as_lists(),
-            }
-        self.programs = ex._programs
-        self.round_pos = {r.index: i for i, r in enumerate(s.rounds)}
-
-    def memory(self, wire: torch.Tensor | None = None) -> Callable[[int, int], torch.Tensor]:
-        tables = self.memory_tables
-
-        def get(kind: int, i: int) -> torch.Tensor:
-            if kind == WIRE:
-                return wire
-            try:
-                return tables[kind][i]
-            except KeyError:
-                raise ExecutionError(f"schedule names {KIND_NAMES[kind]} tensor {i}, which this process does "
-                                     f"not hold") from None
-        return get
-
-    def _run(self, program: list, wire: torch.Tensor | None = None) -> None:
-        self.copies += len(program)
-        run_copies(program, self.memory(wire))
-
-    def _ops(self, rnd: Round, slot: int) -> tuple[list, list, list]:
-        sends = [self.wire[slot, j, :m.numel] for j, m in enumerate(rnd.sends)]
-        recvs = [self.wire[slot, len(rnd.sends) + j, :m.numel] for j, m in enumerate(rnd.recvs)]
-        g = self.ex._global
-        ops = ([dist.P2POp(dist.isend, b, g[m.peer], self.ex.group, tag=rnd.index) for b, m in zip(sends, rnd.sends)]
-               + [dist.P2POp(dist.irecv, b, g[m.peer], self.ex.group, tag=rnd.index)
-                  for b, m in zip(recvs, rnd.recvs)])
-        return sends, recvs, ops
-
-    def _describe(self, rnd: Round) -> str:
-        parts = [f"send {m.numel * self.ex.plan.itemsize} B to group rank {m.peer}" for m in rnd.sends]
-        parts += [f"receive {m.numel * self.ex.plan.itemsize} B from group rank {m.peer}" for m in rnd.recvs]
-        return f"round {rnd.index} (stage {rnd.stage}: {', '.join(parts)})"
-
-    def pack(self, rnd: Round, slot: int) -> None: ...
-    def post(self, rnd: Round, slot: int): ...
-    def complete(self, pending) -> None: ...
-    def local(self, stage: int) -> None: ...
-    def stage_barrier(self, stage: int) -> None: ...
-    def drain(self) -> None: ...
-    def commit(self) -> None: ...
-    def abort(self) -> None: ...
-
-
-class _HostEngine(_Engine):
-    """CPU tensors over gloo: copies run on this thread while the transport moves earlier rounds."""
-
-    def pack(self, rnd: Round, slot: int) -> None:
-        progs = self.programs["rounds"][self.round_pos[rnd.index]][0]
-        for j, prog in enumerate(progs):
-            self._run(prog, self.wire[slot, j, :rnd.sends[j].numel])
-
-    def post(self, rnd: Round, slot: int):
-        sends, recvs, ops = self._ops(rnd, slot)
-        works = dist.batch_isend_irecv(ops) if ops else []
-        return rnd, recvs, works
-
-    def complete(self, pending) -> None:
-        rnd, recvs, works = pending
-        timeout = timedelta(seconds=self.ex.timeout)
-        for w in works:
-            try:
-                w.wait(timeout)
-            except Exception as e:
-                raise ExecutionError(self.ex._failure(f"{self._describe(rnd)} did not complete: {e}")) from e
-        progs = self.programs["rounds"][self.round_pos[rnd.index]][1]
-        with torch.no_grad():
-            for buf, prog in zip(recvs, progs):
-                self._run(prog, buf)
-
-    def local(self, stage: int) -> None:
-        with torch.no_grad():
-            self._run(self.programs["local"][stage])
-
-    def stage_barrier(self, stage: int) -> None:
-        pass  # rounds complete on this thread: stage s is done when stage s+1 starts
-
-    def drain(self) -> None:
-        pass
-
-    def commit(self) -> None:
-        with torch.no_grad():
-            self._run(self.programs["commit"])
-            self._run(self.programs["deferred"])
-
-    def abort(self) -> None:
-        pass
-
-
-class _CudaEngine(_Engine):
-    """GPU tensors over NCCL: pack, transfer, scatter and local copies on their own streams, ordered by events;
-    the host only enqueues, then polls each round's completion event against the timeout."""
-
-    def __init__(self, ex: DistributedExecutor, device: torch.device, src: dict, dst: dict) -> None:
-        super().__init__(ex, device, src, dst)
-        self.streams = {k: torch.cuda.Stream(device) for k in ("pack", "scatter", "local", "post")}
-        entry = torch.cuda.current_stream(device).record_event()
-        for st in self.streams.values():
-            st.wait_event(entry)  # the caller's writes to the source tensors come first
-        self.slot_owner: dict[int, dict] = {}
-        self.done: list = []  # (event, what) per round, in order
-        self.local_done: dict[int, torch.cuda.Event] = {}
-        self.last_scatter: torch.cuda.Event | None = None
-
-    def pack(self, rnd: Round, slot: int) -> None:
-        prev = self.slot_owner.get(slot)
-        with torch.cuda.stream(self.streams["pack"]), torch.no_grad():
-            if prev is not None:
-                for w in prev["works"]:
-                    w.wait()  # the slot's earlier sends have left
-            progs = self.programs["rounds"][self.round_pos[rnd.index]][0]
-            for j, prog in enumerate(progs):
-                self._run(prog, self.wire[slot, j, :rnd.sends[j].numel])
-            self.packed = self.streams["pack"].record_event()
-
-    def post(self, rnd: Round, slot: int):
-        prev = self.slot_owner.get(slot)
-        post = self.streams["post"]
-        post.wait_event(self.packed)
-        if prev is not None:
-            post.wait_event(prev["scattered"])  # the slot's earlier receives were scattered
-        sends, recvs, ops = self._ops(rnd, slot)
-        with torch.cuda.stream(post):
-            works = dist.batch_isend_irecv(ops) if ops else []
-        pending = {"rnd": rnd, "recvs": recvs, "works": works, "scattered": None}
-        self.slot_owner[slot] = pending
-        return pending
-
-    def complete(self, pending) -> None:
-        rnd = pending["rnd"]
-        scatter = self.streams["scatter"]
-        with torch.cuda.stream(scatter), torch.no_grad():
-            for w in pending["works"]:
-                w.wait()
-            progs = self.programs["rounds"][self.round_pos[rnd.index]][1]
-            for buf, prog in zip(pending["recvs"], progs):
-                self._run(prog, buf)
-            ev = scatter.record_event()
-        pending["scattered"] = ev
-        self.last_scatter = ev
-        self.done.append((ev, self._describe(rnd)))
-
-    def local(self, stage: int) -> None:
-        st = self.streams["local"]
-        with torch.cuda.stream(st), torch.no_grad():
-            self._run(self.programs["local"][stage])
-            self.local_done[stage] = st.record_event()
-
-    def stage_barrier(self, stage: int) -> None:
-        # relays and local copies of this stage read what earlier stages wrote on this process
-        for name in ("pack", "local"):
-            if self.last_scatter is not None:
-                self.streams[name].wait_event(self.last_scatter)
-            if stage - 1 in self.local_done:
-                self.streams[name].wait_event(self.local_done[stage - 1])
-
-    def drain(self) -> None:
-        events = [e for e, _ in self.done] + list(self.local_done.values())
-        what = [w for _, w in self.done] + [f"local copies of stage {s}" for s in self.local_done]
-        try:
-            _poll(events, self.ex.timeout, lambda: "", what)
-        except ExecutionError as e:
-            raise ExecutionError(self.ex._failure(str(e))) from None
-
-    def commit(self) -> None:
-        cur = torch.cuda.current_stream(self.device)
-        for st in self.streams.values():
-            cur.wait_stream(st)
-        with torch.no_grad():
-            self._run(self.programs["commit"])
-            self._run(self.programs["deferred"])
-        cur.synchronize()
-
-    def abort(self) -> None:
-        _abort(self.ex.group)
 
 
 def execute_distributed(plan: Plan, binding: Binding, src: RankTensors | None, dst: RankTensors | None,

@@ -8,8 +8,9 @@ binding and bucket size, and keeps only its own part (`build_schedule`).
    self-send.
 2. The remote ops of one (stage, sender, receiver) form a stream, in plan order; the stream's bytes laid end
    to end are the contiguous wire between those two processes in that stage.
-3. A stream is cut into buckets of `bucket_numel` elements; an op that straddles a cut is split there (rows,
-   then a partial row), so every message is exactly one bucket and both sides agree on where each byte is.
+3. A stream is cut into buckets of at most `bucket_numel` elements (`bucket_sizes`: a short ramp up and down
+   around full buckets); an op that straddles a cut is split there (rows, then a partial row), so every
+   message is exactly one bucket and both sides agree on where each byte is.
 4. Bucket k of stage s travels in global round `round_base[s] + k`, where round_base counts the buckets of the
    longest stream of every earlier stage. Rounds are numbered the same on every process.
 5. A message's pack program (on the sender) copies source blocks into the wire buffer; its scatter program
@@ -117,14 +118,32 @@ def bucket_numel_for(plan: Plan, binding: Binding, memory_cap: int, bucket_bytes
     return cap // itemsize
 
 
-def _split(p: dict[str, np.ndarray], bucket: int) -> dict[str, np.ndarray]:
-    """Split blocks at multiples of `bucket` in their stream's wire order (key 'w' = first element on the
+def bucket_sizes(length: int, bucket: int) -> list[int]:
+    """How a stream of `length` elements is cut into messages: sizes ramp up from bucket/16 (doubling) to
+    `bucket` and back down at the end, so the first pack and the last scatter, which nothing overlaps, are
+    short, while most bytes travel in full buckets."""
+    ramp = [bucket >> j for j in (4, 3, 2, 1) if 0 < bucket >> j < bucket]
+    middle = length - 2 * sum(ramp)
+    if middle >= 0:
+        full, rest = divmod(middle, bucket)
+        return ramp + [bucket] * full + ([rest] if rest else []) + ramp[::-1]
+    sizes, left = [], length
+    for size in ramp + [bucket] * (length // bucket + 1):
+        if left <= 0:
+            break
+        sizes.append(min(size, left))
+        left -= size
+    return sizes
+
+
+def _split(p: dict[str, np.ndarray], cuts: np.ndarray) -> dict[str, np.ndarray]:
+    """Split blocks at the cut positions (sorted wire positions; key 'w' = a block's first element on the
     wire). A block that straddles a cut becomes: whole rows before it, a partial row up to it, the rest of
     that row after it, and the remaining rows."""
     done = []
     while len(p["w"]):
         numel = p["rows"] * p["cols"]
-        cut_at = (p["w"] // bucket + 1) * bucket
+        cut_at = cuts[np.minimum(np.searchsorted(cuts, p["w"], side="right"), len(cuts) - 1)]
         cross = p["w"] + numel > cut_at
         done.append({k: v[~cross] for k, v in p.items()})
         if not cross.any():
@@ -174,12 +193,18 @@ def build_schedule(plan: Plan, binding: Binding, process: int, bucket_numel: int
         w = ends - numel[order] - starts_of_stream[stream]  # wire position inside the stream
         stream_numel = np.diff(np.concatenate([starts_of_stream, [ends[-1]]]))
         stream_stage = skey[first, 0]
-        buckets = -(-stream_numel // bucket_numel)
+        # every stream's cuts, as positions on one wire that lays the streams end to end
+        sizes = [bucket_sizes(int(n), bucket_numel) for n in stream_numel.tolist()]
+        buckets = np.asarray([len(x) for x in sizes], dtype=np.int64)
+        cuts = np.cumsum(np.concatenate([[0], *[np.asarray(x, np.int64) for x in sizes]]))
+        stream_first_cut = np.concatenate([[0], np.cumsum(buckets)[:-1]])
+        w = w + starts_of_stream[stream]  # from here on, positions on that one wire
         per_stage = np.zeros(max(num_stages, 1), np.int64)
         np.maximum.at(per_stage, stream_stage, buckets)
     else:
         stream = w = np.zeros(0, np.int64)
-        stream_numel = stream_stage = np.zeros(0, np.int64)
+        stream_numel = stream_stage = stream_first_cut = np.zeros(0, np.int64)
+        cuts = np.zeros(1, np.int64)
         per_stage = np.zeros(max(num_stages, 1), np.int64)
     round_base = np.concatenate([[0], np.cumsum(per_stage)[:-1]])
 
@@ -192,7 +217,7 @@ def build_schedule(plan: Plan, binding: Binding, process: int, bucket_numel: int
         "op": sel, "stream": stream[mine], "w": w[mine],
         "so": o["src_offset"][sel], "ss": o["src_stride"][sel], "do": o["dst_offset"][sel],
         "ds": o["dst_stride"][sel], "rows": o["rows"][sel], "cols": o["cols"][sel],
-    }, bucket_numel) if len(sel) else None
+    }, cuts) if len(sel) else None
 
     shadowed = np.zeros(len(plan.dst_tensors), dtype=bool)
     if staged:
@@ -207,15 +232,17 @@ def build_schedule(plan: Plan, binding: Binding, process: int, bucket_numel: int
     received: dict[int, int] = {}
     if pieces is not None:
         op = pieces["op"]
-        k = pieces["w"] // bucket_numel
-        wire_off = pieces["w"] - k * bucket_numel
         st = pieces["stream"]
+        cut = np.searchsorted(cuts, pieces["w"], side="right") - 1  # the piece's message, as its first cut
+        k = cut - stream_first_cut[st]  # bucket index inside the stream
+        wire_off = pieces["w"] - cuts[cut]
         msg_key = st * (int(k.max()) + 1) + k
         msg_ids, msg_of = np.unique(msg_key, return_inverse=True)
         msg_of = msg_of.reshape(-1)
         m_stream = msg_ids // (int(k.max()) + 1)
         m_k = msg_ids % (int(k.max()) + 1)
-        m_numel = np.minimum(bucket_numel, stream_numel[m_stream] - m_k * bucket_numel)
+        m_cut = stream_first_cut[m_stream] + m_k
+        m_numel = cuts[m_cut + 1] - cuts[m_cut]
         is_send = sender[op] == process
         side = o["src_side"][op]
         src_kind = _read_kind(side, o["src_tensor"][op], shadowed)

@@ -5,18 +5,23 @@ it owns and receives what it needs. Lifecycle of `DistributedExecutor(plan, bind
 
   1. construction: the binding is checked against the plan and the group; this process's part of the wire
      schedule is built (executors.schedule: streams per peer, buckets, rounds, folded copy programs). Build
-     the executor once and call `run` at every refit: the schedule and the wire buffers are reused;
-  2. preflight: this process checks its tensors against the plan (names, shapes, dtype, contiguity, device),
-     then one small all-reduce tells every process whether all are ready and run the same plan, binding and
-     bucket size; on any mismatch every process raises before a byte moves;
-  3. transfer, stage by stage: for each round, pack the round's sends into wire buffers, post the round's
+     the executor once and call `run` at every refit;
+  2. prepare: this process checks its tensors against the plan (names, shapes, dtype, contiguity, device)
+     and binds the schedule to them (executors.engines.Bound: wire and staging buffers, every copy as a
+     prebuilt view). The binding is kept and reused while the caller passes the same tensors, which is the
+     usual case; `release()` drops it;
+  3. preflight: one small all-reduce tells every process whether all are ready and run the same plan,
+     binding and bucket size; on any mismatch every process raises before a byte moves;
+  4. transfer, stage by stage: for each round, pack the round's sends into wire buffers, post the round's
      sends and receives as one batch, and (one round later) wait for them and scatter what arrived; local
-     copies (bytes between ranks played by one process) run beside; relays of stage s+1 start after this
-     process has finished stage s;
-  4. verify: every message of this process completed, with the byte count the schedule expects; then one
-     all-reduce says whether every process got there;
-  5. commit (staged, the default): copy the staged regions into the destination tensors and run the local
-     copies kept for commit; then return `ExecutionStats`.
+     copies (bytes between ranks played by one process) are spread over the stage's rounds; relays of stage
+     s+1 start after this process has finished stage s. On GPUs packing, scattering and local copies run on
+     their own streams and overlap the transfer; the host only enqueues, then waits for the last round;
+  5. verify: every message of this process completed (each was posted with the size the shared schedule
+     gives it, and the preflight showed that every process runs that schedule); then one all-reduce says
+     whether every process got there;
+  6. commit (staged, the default): copy the staged regions into the destination tensors and run the local
+     copies kept for commit; then return `ExecutionStats` (bytes per peer, time per step).
 
 Deadlock freedom. Rounds are numbered globally (schedule.py): every process derives the same rounds from the
 same plan, binding and bucket size, and each message belongs to exactly one round, in which its sender posts
@@ -33,10 +38,11 @@ stage s+1), so the induction still holds.
 Staging and its memory cost. By default a destination tensor that receives any bytes from another process
 (or that this process forwards from, in fan-out trees) gets a shadow: a staging tensor of the same size
 into which everything destined for it is written while the refit is in flight. Only after every process
-reported a complete transfer (step 4) are the shadows copied into the destination tensors. A failed refit
+reported a complete transfer (step 5) are the shadows copied into the destination tensors. A failed refit
 therefore leaves every destination tensor unchanged. Extra memory: the shadowed destination tensors once
-more (at most this process's whole destination share, e.g. 16.4 GB for a TP1 Qwen3-8B replica), plus an extra
-copy of those bytes at commit. Destination tensors fed only by local copies need no shadow: their copies
+more (at most this process's whole destination share, e.g. 16.4 GB for a TP1 Qwen3-8B replica), held by the
+executor between calls (one buffer; `release()` frees it), plus an extra copy of those bytes at commit (11 ms
+for 16.4 GB on an H200, BENCHMARKS.md). Destination tensors fed only by local copies need no shadow: their copies
 run at commit, straight from the source. `in_place=True` writes straight into the destination tensors and
 keeps no shadow; a failed refit then leaves them partly written.
 
@@ -44,7 +50,8 @@ Wire buffers: `depth` (2) rounds in flight x the most peers a process has in one
 bucket is chosen so that this stays under `memory_cap` on the busiest process.
 
 Failure. A dead or hanging peer makes every surviving process raise ExecutionError within `timeout` seconds
-of it starting to wait: gloo waits carry the timeout; on GPUs the host polls CUDA events of each round and
+of it starting to wait (a dead gloo peer is usually seen at once: its sockets close): gloo waits carry the
+timeout; on GPUs the host polls CUDA events of each round and
 gives up after `timeout` seconds without progress, then aborts the communicator. A process that does not talk
 to the failed one directly fails in the verify all-reduce. After a failure the process group is not usable:
 destroy and rebuild it.
@@ -97,7 +104,17 @@ def _digest_int(*parts: str) -> int:
 
 
 class DistributedExecutor:
-    """Runs one plan repeatedly on this process's part of a binding. See the module docstring."""
+    """Runs one plan repeatedly on this process's part of a binding. See the module docstring.
+
+    group: the refit group (default: the whole world); binding ranks are ranks in it. Every member calls `run`.
+    in_place: write straight into the destination tensors (no staging memory; a failed refit leaves them
+        partly written). Default False: staged, committed only once every process has everything.
+    memory_cap: bytes of wire buffers per process (2 rounds in flight x peers per round x bucket).
+    bucket_bytes: the largest message; default as large as `memory_cap` allows.
+    timeout: seconds any wait may go without progress before the refit fails with ExecutionError.
+    depth: rounds in flight per process.
+    on_round: called with each round's index before it is posted (progress reporting, fault injection in tests).
+    """
 
     def __init__(self, plan: Plan, binding: Binding, group: dist.ProcessGroup | None = None, *,
                  in_place: bool = False, memory_cap: int = DEFAULT_MEMORY_CAP, bucket_bytes: int | None = None,

@@ -5,7 +5,7 @@ commit) against `execute_local` cheaply, for many random plans, without processe
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -18,9 +18,10 @@ from ..planner import Plan
 
 def run_loopback(plan: Plan, binding: Binding, src: Mapping[int, Mapping[str, torch.Tensor]],
                  dst: Mapping[int, Mapping[str, torch.Tensor]], bucket_numel: int, staged: bool = True,
-                 fail_at_round: int | None = None) -> None:
-    """Run every process's schedule in global round order. With `fail_at_round`, stop before that round as
-    if a peer died (no commit): staged destinations must then be unchanged."""
+                 fail_at: Callable[[list[int]], int] | None = None) -> None:
+    """Run every process's schedule in global round order. With `fail_at` (given the sorted round indices, it
+    picks one), stop before that round as if a peer died (no commit): staged destinations must then be
+    unchanged."""
     procs = binding.processes
     scheds = {p: build_schedule(plan, binding, p, bucket_numel, staged) for p in procs}
     s_flat = [src[r][n].view(-1) for r, n in zip(plan.src_tensors.ranks, plan.src_tensors.names)]
@@ -42,6 +43,7 @@ def run_loopback(plan: Plan, binding: Binding, src: Mapping[int, Mapping[str, to
         return get
 
     rounds = sorted({r.index for s in scheds.values() for r in s.rounds})
+    fail_at_round = fail_at(rounds) if fail_at is not None and rounds else None
     by_proc = {p: {r.index: r for r in s.rounds} for p, s in scheds.items()}
     with torch.no_grad():
         for stage in range(plan.num_stages):

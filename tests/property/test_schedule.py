@@ -63,12 +63,12 @@ def test_loopback_equals_local(case):
 def test_staged_refit_cut_short_leaves_destinations_unchanged(case, data):
     plan, binding, bucket, _, seed = case
     src, _ = _inputs(plan, seed)
-    rounds = sorted({r.index for p in binding.processes
-                     for r in build_schedule(plan, binding, p, bucket, True).rounds})
-    if not rounds:
-        return
     got = allocate(plan.dst, fill=SENTINEL)
-    run_loopback(plan, binding, src, got, bucket, staged=True, fail_at_round=data.draw(st.sampled_from(rounds)))
+    cut = []
+    run_loopback(plan, binding, src, got, bucket, staged=True,
+                 fail_at=lambda rounds: cut.append(data.draw(st.sampled_from(rounds))) or cut[0])
+    if not cut:
+        return  # nothing crosses processes: the refit cannot be cut short
     for rank, tensors in got.items():
         for name, t in tensors.items():
             assert bool((t == SENTINEL).all()), f"rank {rank} {name} was written before commit"

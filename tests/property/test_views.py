@@ -47,3 +47,14 @@ def test_bound_program_copies_like_the_plain_runner(case):
     bind(prog, Memory(lambda kind, i: src if kind == SRC else got, itemsize), itemsize).run()
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     assert (word_elements(prog, itemsize) >= 1).all()
+
+
+def test_large_contiguous_copies_run_alone():
+    n = (1 << 20) // 2 + 8  # a bit over 1 MiB of bf16
+    src = torch.randn(2 * n).to(torch.bfloat16)
+    got = torch.zeros(2 * n, dtype=torch.bfloat16)
+    prog = fold(SRC, 0, np.array([0, n + 8]), n, DST, 0, np.array([n, 0]), n, 1, np.array([n, 64]))
+    bound = bind(prog, Memory(lambda kind, i: src if kind == SRC else got, 2), 2)
+    assert len(bound.large) == 1 and sum(len(g[0]) for g in bound.groups) == 1
+    bound.run()
+    assert torch.equal(got[n:], src[:n]) and torch.equal(got[:64], src[n + 8:n + 72])

@@ -19,6 +19,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..errors import ExecutionError
 from ..planner.merge import merge_adjacent
 
 SRC, DST, SHADOW, WIRE = 0, 1, 2, 3
@@ -71,7 +72,7 @@ def fold(src_kind, src_id, src_off, src_stride, dst_kind, dst_id, dst_off, dst_s
     args = (src_kind, src_id, src_off, src_stride, dst_kind, dst_id, dst_off, dst_stride, rows, cols)
     lengths = {np.size(a) for a in args if np.ndim(a) > 0}
     if len(lengths) > 1:
-        raise ValueError(f"fold needs equal-length columns, got lengths {sorted(lengths)}")
+        raise ExecutionError(f"fold needs equal-length columns, got lengths {sorted(lengths)}")
     n = lengths.pop() if lengths else 1
     full = lambda x: np.broadcast_to(np.asarray(x, dtype=np.int64), (n,)).copy()  # noqa: E731
     if n == 0:

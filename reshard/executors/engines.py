@@ -12,6 +12,7 @@ completion event against the timeout.
 """
 from __future__ import annotations
 
+import abc
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -135,7 +136,7 @@ def abort(group) -> None:
         pass
 
 
-class Engine:
+class Engine(abc.ABC):
     """Runs one process's rounds over bound buffers. Round positions index `ex.schedule.rounds`."""
 
     def __init__(self, ex: "DistributedExecutor", bound: Bound) -> None:
@@ -160,14 +161,37 @@ class Engine:
         parts += [f"receive {m.numel * size} B from group rank {m.peer}" for m in r.recvs]
         return f"round {r.index} (stage {r.stage}: {', '.join(parts)})"
 
-    def pack(self, pos: int) -> None: ...
-    def post(self, pos: int): ...
-    def complete(self, pending) -> None: ...
-    def local(self, stage: int, piece: int) -> None: ...
-    def stage_barrier(self, stage: int) -> None: ...
-    def drain(self) -> None: ...
-    def commit(self) -> None: ...
-    def abort(self) -> None: ...
+    @abc.abstractmethod
+    def pack(self, pos: int) -> None:
+        """Copy round `pos`'s sends into their wire buffers."""
+
+    @abc.abstractmethod
+    def post(self, pos: int):
+        """Post round `pos`'s sends and receives as one batch; return what `complete` needs."""
+
+    @abc.abstractmethod
+    def complete(self, pending) -> None:
+        """Wait for a posted round and scatter what it received."""
+
+    @abc.abstractmethod
+    def local(self, stage: int, piece: int) -> None:
+        """Run one piece of a stage's local copies."""
+
+    @abc.abstractmethod
+    def stage_barrier(self, stage: int) -> None:
+        """Order what stage `stage` reads after what earlier stages wrote on this process."""
+
+    @abc.abstractmethod
+    def drain(self) -> None:
+        """Return once every round and local copy of this process is done (or raise after the timeout)."""
+
+    @abc.abstractmethod
+    def commit(self) -> None:
+        """Write staged bytes and deferred local copies into the destination tensors."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Unblock the transport after a failure."""
 
 
 class HostEngine(Engine):

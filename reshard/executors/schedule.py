@@ -73,10 +73,6 @@ class ProcessSchedule:
     local_numel: int
     buffers_per_round: int  # most messages (sends + receives) in one round
 
-    @property
-    def wire_numel(self) -> int:
-        return self.buffers_per_round * self.bucket_numel
-
 
 def _senders_receivers(plan: Plan, binding: Binding) -> tuple[np.ndarray, np.ndarray]:
     o = plan.ops

@@ -63,9 +63,7 @@ def _tensors(plan: Plan, binding: Binding, me: int, seed: int):
 def run_cases(rank: int, size: int, args: dict[str, Any]) -> list[dict[str, Any] | None]:
     """Run every case (as many runs as `repeat`, reusing one executor); one result per case."""
     cases = args["cases"]
-    start = time.monotonic()
     groups = _groups(cases, size)
-    print(f"groups ready in {time.monotonic() - start:.2f} s", flush=True)
     plans: dict[str, Plan] = {}
     results: list[dict[str, Any] | None] = []
     for c in cases:

@@ -1,0 +1,144 @@
+"""Copy programs: many block copies of a plan folded into few strided 3-D copies, and running them with torch.
+
+A plan's ops are 2-D blocks (rows x cols, one row stride per side). Executors pack ops into wire buffers,
+scatter wire buffers into destination tensors and copy locally; each of those is a list of block copies, and
+on a GPU each copy is a kernel launch, so their number matters more than their size. Two folds cut it down:
+
+1. adjacent blocks (contiguous on both sides) merge into one (the planner's own `merge_adjacent`);
+2. blocks of one shape whose offsets advance by a constant step on both sides become one 3-D copy
+   (n, rows, cols) with strides (step, row stride, 1): the per-group q / k / v blocks of an interleaved QKV
+   weight, the experts of a stack, the rows of a vocabulary split.
+
+Memory is named by (kind, id): SRC / DST are the caller's source / destination tensors (ids from the plan's
+tensor tables), SHADOW a staging copy of a destination tensor, WIRE a message buffer (id = message).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ..errors import ExecutionError
+from ..planner.merge import merge_adjacent
+
+SRC, DST, SHADOW, WIRE = 0, 1, 2, 3
+KIND_NAMES = ("source", "destination", "shadow", "wire")
+COPY_COLUMNS = ("src_kind", "src_id", "src_off", "src_step", "src_stride",
+                "dst_kind", "dst_id", "dst_off", "dst_step", "dst_stride", "n", "rows", "cols")
+
+
+@dataclass(frozen=True, eq=False)
+class Copies:
+    """A program of strided 3-D block copies; copy k moves element [i, r, c] (i < n, r < rows, c < cols) from
+    `src_off + i*src_step + r*src_stride + c` of memory (src_kind, src_id) to the same place on the dst side."""
+
+    cols: dict[str, np.ndarray]
+
+    def __post_init__(self) -> None:
+        cols = {c: np.ascontiguousarray(self.cols[c], dtype=np.int64) for c in COPY_COLUMNS}
+        for a in cols.values():
+            a.setflags(write=False)
+        object.__setattr__(self, "cols", cols)
+
+    def __len__(self) -> int:
+        return int(self.cols["n"].shape[0])
+
+    @property
+    def numel(self) -> int:
+        c = self.cols
+        return int((c["n"] * c["rows"] * c["cols"]).sum())
+
+    def select(self, mask: np.ndarray) -> "Copies":
+        return Copies({k: v[mask] for k, v in self.cols.items()})
+
+    def rows_as_lists(self) -> list[tuple[int, ...]]:
+        """Copies as plain tuples in COPY_COLUMNS order (fast to iterate in Python)."""
+        return list(zip(*(self.cols[c].tolist() for c in COPY_COLUMNS)))
+
+    @classmethod
+    def empty(cls) -> "Copies":
+        return cls({c: np.zeros(0, np.int64) for c in COPY_COLUMNS})
+
+    @classmethod
+    def concat(cls, parts: list["Copies"]) -> "Copies":
+        if not parts:
+            return cls.empty()
+        return cls({c: np.concatenate([p.cols[c] for p in parts]) for c in COPY_COLUMNS})
+
+
+def fold(src_kind, src_id, src_off, src_stride, dst_kind, dst_id, dst_off, dst_stride, rows, cols) -> Copies:
+    """Fold 2-D block copies (equal-length int arrays, scalars broadcast) into a short program."""
+    args = (src_kind, src_id, src_off, src_stride, dst_kind, dst_id, dst_off, dst_stride, rows, cols)
+    lengths = {np.size(a) for a in args if np.ndim(a) > 0}
+    if len(lengths) > 1:
+        raise ExecutionError(f"fold needs equal-length columns, got lengths {sorted(lengths)}")
+    n = lengths.pop() if lengths else 1
+    full = lambda x: np.broadcast_to(np.asarray(x, dtype=np.int64), (n,)).copy()  # noqa: E731
+    if n == 0:
+        return Copies.empty()
+    # 1. merge adjacent blocks, reusing the planner's merge on its column names
+    zeros = np.zeros(n, np.int64)
+    ops = merge_adjacent({
+        "stage": zeros, "src_side": full(src_kind), "src_rank": zeros, "dst_rank": full(dst_kind),
+        "src_tensor": full(src_id), "dst_tensor": full(dst_id), "src_offset": full(src_off),
+        "src_stride": full(src_stride), "dst_offset": full(dst_off), "dst_stride": full(dst_stride),
+        "rows": full(rows), "cols": full(cols), "canon": zeros,
+    })
+    # 2. arithmetic progressions of equal blocks: try ordering by source and by destination offset and keep,
+    # per group of equal blocks, whichever gives fewer copies
+    key_cols = ("src_side", "src_tensor", "dst_rank", "dst_tensor", "rows", "cols", "src_stride", "dst_stride")
+    key = np.unique(np.stack([ops[c] for c in key_cols], axis=1), axis=0, return_inverse=True)[1].reshape(-1)
+    by_src = _progressions(ops, key, "src_offset")
+    by_dst = _progressions(ops, key, "dst_offset")
+    n_groups = int(key.max()) + 1
+    count_src = np.bincount(by_src["group"], minlength=n_groups)
+    count_dst = np.bincount(by_dst["group"], minlength=n_groups)
+    use_dst = count_dst < count_src
+    out = {c: np.concatenate([by_src[c][~use_dst[by_src["group"]]], by_dst[c][use_dst[by_dst["group"]]]])
+           for c in by_src}
+    out.pop("group")
+    return Copies(out)
+
+
+def _progressions(ops: dict[str, np.ndarray], key: np.ndarray, order_by: str) -> dict[str, np.ndarray]:
+    """Cut ops (sorted by key, then `order_by`) into runs whose offsets advance by one positive step on both
+    sides; return one 3-D copy per run (plus its key group)."""
+    order = np.lexsort((ops[order_by], key))
+    k = key[order]
+    s, d = ops["src_offset"][order], ops["dst_offset"][order]
+    n = len(k)
+    ds, dd = np.diff(s), np.diff(d)
+    # delta j (from op j to op j+1) can chain only inside one key group and forwards on both sides
+    ok = (k[1:] == k[:-1]) & (ds > 0) & (dd > 0)
+    # greedy from the left, except that an op whose incoming step differs from the one before starts afresh
+    # (it could sometimes have ended the previous run instead): a run's steps are then all equal
+    starts = np.ones(n, dtype=bool)
+    starts[1:] = ~ok
+    if n > 2:
+        starts[2:] |= ok[:-1] & ((ds[1:] != ds[:-1]) | (dd[1:] != dd[:-1]))
+    first = np.flatnonzero(starts)
+    count = np.diff(np.concatenate([first, [n]]))
+    second = np.minimum(first + 1, n - 1)
+    step_s = np.where(count > 1, s[second] - s[first], 1)
+    step_d = np.where(count > 1, d[second] - d[first], 1)
+    pick = order[first]
+    return {
+        "src_kind": ops["src_side"][pick], "src_id": ops["src_tensor"][pick], "src_off": s[first],
+        "src_step": step_s, "src_stride": ops["src_stride"][pick],
+        "dst_kind": ops["dst_rank"][pick], "dst_id": ops["dst_tensor"][pick], "dst_off": d[first],
+        "dst_step": step_d, "dst_stride": ops["dst_stride"][pick],
+        "n": count, "rows": ops["rows"][pick], "cols": ops["cols"][pick], "group": k[first],
+    }
+
+
+def run_copies(rows: list[tuple[int, ...]], memory: Callable[[int, int], "object"]) -> None:
+    """Run a program (from `Copies.rows_as_lists`); `memory(kind, id)` gives a flat (1-D) torch tensor."""
+    for sk, si, so, sst, ssr, dk, di, do, dst_, dsr, n, r, c in rows:
+        s, d = memory(sk, si), memory(dk, di)
+        if n == 1 and r == 1:
+            d.narrow(0, do, c).copy_(s.narrow(0, so, c))
+            continue
+        sv = s.as_strided((n, r, c), (sst, ssr, 1), s.storage_offset() + so)
+        dv = d.as_strided((n, r, c), (dst_, dsr, 1), d.storage_offset() + do)
+        dv.copy_(sv)

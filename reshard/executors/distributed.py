@@ -1,0 +1,325 @@
+"""Run a plan across real processes over torch.distributed: NCCL between GPUs, gloo between CPU processes.
+
+Every process of the refit group calls `run` with the same plan and binding and its own tensors; it sends what
+it owns and receives what it needs. Lifecycle of `DistributedExecutor(plan, binding, group).run(src, dst)`:
+
+  1. construction: the binding is checked against the plan and the group; this process's part of the wire
+     schedule is built (executors.schedule: streams per peer, buckets, rounds, folded copy programs). Build
+     the executor once and call `run` at every refit;
+  2. prepare: this process checks its tensors against the plan (names, shapes, dtype, contiguity, device)
+     and binds the schedule to them (executors.engines.Bound: wire and staging buffers, every copy as a
+     prebuilt view). The binding is kept and reused while the caller passes the same tensors, which is the
+     usual case; `release()` drops it;
+  3. preflight: one small all-reduce tells every process whether all are ready and run the same plan,
+     binding and bucket size; on any mismatch every process raises before a byte moves;
+  4. transfer, stage by stage: for each round, pack the round's sends into wire buffers, post the round's
+     sends and receives as one batch, and (one round later) wait for them and scatter what arrived; local
+     copies (bytes between ranks played by one process) are spread over the stage's rounds; relays of stage
+     s+1 start after this process has finished stage s. On GPUs packing, scattering and local copies run on
+     their own streams and overlap the transfer; the host only enqueues, then waits for the last round;
+  5. verify: every message of this process completed (each was posted with the size the shared schedule
+     gives it, and the preflight showed that every process runs that schedule); then one all-reduce says
+     whether every process got there;
+  6. commit (staged, the default): copy the staged regions into the destination tensors and run the local
+     copies kept for commit; then return `ExecutionStats` (bytes per peer, time per step).
+
+Deadlock freedom. Rounds are numbered globally (schedule.py): every process derives the same rounds from the
+same plan, binding and bucket size, and each message belongs to exactly one round, in which its sender posts
+the send and its receiver the receive. A process posts its rounds in increasing order, and all of one round's
+sends and receives at once (`batch_isend_irecv`, non-blocking; on NCCL one group call that progresses every
+pair together, so no cycle of blocking sends can form within a round). Induction on the round index: when
+every process has finished its rounds before r, every process taking part in round r has posted all of round
+r's operations (posting never waits on another process; with two rounds in flight, posting r only waits for
+this process's own round r-2), so every operation of round r finds its match and completes. Between one
+pair, messages are matched in posting order (NCCL) or by tag = round (gloo), and both sides post a pair's
+messages in the same round order. Relays add only local waits (a process finishes stage s before packing
+stage s+1), so the induction still holds.
+
+Staging and its memory cost. By default a destination tensor that receives any bytes from another process
+(or that this process forwards from, in fan-out trees) gets a shadow: a staging tensor of the same size
+into which everything destined for it is written while the refit is in flight. Only after every process
+reported a complete transfer (step 5) are the shadows copied into the destination tensors. A failed refit
+therefore leaves every destination tensor unchanged. Extra memory: the shadowed destination tensors once
+more (at most this process's whole destination share, e.g. 16.4 GB for a TP1 Qwen3-8B replica), held by the
+executor between calls (one buffer; `release()` frees it), plus an extra copy of those bytes at commit (11 ms
+for 16.4 GB on an H200, BENCHMARKS.md). Destination tensors fed only by local copies need no shadow: their copies
+run at commit, straight from the source. `in_place=True` writes straight into the destination tensors and
+keeps no shadow; a failed refit then leaves them partly written.
+
+Wire buffers: `depth` (2) rounds in flight x the most peers a process has in one round x the bucket size; the
+bucket is chosen so that this stays under `memory_cap` on the busiest process.
+
+Failure. A dead or hanging peer makes every surviving process raise ExecutionError within `timeout` seconds
+of it starting to wait (a dead gloo peer is usually seen at once: its sockets close): gloo waits carry the
+timeout; on GPUs the host polls CUDA events of each round and
+gives up after `timeout` seconds without progress, then aborts the communicator. A process that does not talk
+to the failed one directly fails in the verify all-reduce. After a failure the process group is not usable:
+destroy and rebuild it.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ExecutionError, ReshardError
+from ..planner import Plan
+from .binding import Binding
+from .engines import Bound, Engine, abort, bound_key, make_engine, poll
+from .local import check_tensors
+from .schedule import ProcessSchedule, bucket_numel_for, build_schedule
+
+RankTensors = Mapping[int, Mapping[str, torch.Tensor]]
+DEFAULT_MEMORY_CAP = 2 << 30
+
+
+@dataclass(frozen=True)
+class ExecutionStats:
+    """What one process did in one refit."""
+
+    process: int
+    staged: bool
+    seconds: float  # wall clock, call to return
+    phases: dict[str, float] = field(default_factory=dict)  # wall clock per step: prepare (checks and buffers),
+    # preflight, enqueue (the host's pass over the rounds), drain (until every message and copy is done),
+    # verify, commit
+    bytes_sent: dict[int, int] = field(default_factory=dict)  # peer (group rank) -> bytes
+    bytes_received: dict[int, int] = field(default_factory=dict)
+    local_bytes: int = 0
+    rounds: int = 0
+    messages: int = 0
+    copies: int = 0  # block copies launched (pack, scatter, local, commit)
+    bucket_bytes: int = 0
+    wire_buffer_bytes: int = 0
+    staging_bytes: int = 0
+
+
+def _digest_int(*parts: str) -> int:
+    return int(hashlib.sha256("|".join(parts).encode()).hexdigest()[:15], 16)
+
+
+class DistributedExecutor:
+    """Runs one plan repeatedly on this process's part of a binding. See the module docstring.
+
+    group: the refit group (default: the whole world); binding ranks are ranks in it. Every member calls `run`.
+    in_place: write straight into the destination tensors (no staging memory; a failed refit leaves them
+        partly written). Default False: staged, committed only once every process has everything.
+    memory_cap: bytes of wire buffers per process (2 rounds in flight x peers per round x bucket).
+    bucket_bytes: the largest message; default as large as `memory_cap` allows.
+    timeout: seconds any wait may go without progress before the refit fails with ExecutionError.
+    depth: rounds in flight per process.
+    on_round: called with each round's index before it is posted (progress reporting, fault injection in tests).
+    """
+
+    def __init__(self, plan: Plan, binding: Binding, group: dist.ProcessGroup | None = None, *,
+                 in_place: bool = False, memory_cap: int = DEFAULT_MEMORY_CAP, bucket_bytes: int | None = None,
+                 timeout: float = 300.0, depth: int = 2,
+                 on_round: Callable[[int], None] | None = None) -> None:
+        if depth < 1:
+            raise ExecutionError(f"depth={depth} must be at least 1")
+        if timeout <= 0:
+            raise ExecutionError(f"timeout={timeout} must be positive (seconds)")
+        self.plan, self.binding, self.in_place, self.timeout, self.depth = plan, binding, in_place, timeout, depth
+        self.on_round = on_round
+        self.distributed = dist.is_available() and dist.is_initialized()
+        if self.distributed:
+            self.group = group if group is not None else dist.group.WORLD
+            self.rank = dist.get_rank(self.group)
+            if self.rank < 0:
+                raise ExecutionError("this process is not a member of the refit group; only members call the executor")
+            self.size = dist.get_world_size(self.group)
+            self.backend = str(dist.get_backend(self.group)).lower()
+        else:
+            if group is not None:
+                raise ExecutionError("a process group was given but torch.distributed is not initialized")
+            self.group, self.rank, self.size, self.backend = None, 0, 1, "none"
+        binding.check(plan.src.num_ranks, plan.dst.num_ranks, self.size)
+        self.bucket_numel = bucket_numel_for(plan, binding, memory_cap, bucket_bytes, depth)
+        self.schedule: ProcessSchedule = build_schedule(plan, binding, self.rank, self.bucket_numel, not in_place)
+        self._fingerprint = _digest_int(plan.digest, binding.digest, str(self.bucket_numel), str(depth))
+        self._global = {}
+        if self.distributed:
+            peers = {m.peer for r in self.schedule.rounds for m in r.sends + r.recvs}
+            self._global = {p: self._global_rank(p) for p in peers}
+        self._wire: torch.Tensor | None = None  # wire buffers, kept across calls
+        self._bound: Bound | None = None  # views of the tensors of the last call, and the staging buffer
+        self._streams = None
+
+    def release(self) -> None:
+        """Drop the buffers and views kept between calls (wire, staging, views of the caller's tensors)."""
+        self._wire = self._bound = self._streams = None
+
+    def _global_rank(self, group_rank: int) -> int:
+        if self.group is None or self.group is dist.group.WORLD:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+    # --- public ----------------------------------------------------------------------------------
+    def run(self, src: RankTensors | None, dst: RankTensors | None) -> ExecutionStats:
+        """Refit: `src` / `dst` map the plan's source / destination ranks this process plays to their tensors."""
+        start = time.perf_counter()
+        with torch.no_grad():  # parameters may require grad; a refit is not part of any graph
+            return self._run(start, dict(src or {}), dict(dst or {}))
+
+    def _run(self, start: float, src: dict, dst: dict) -> ExecutionStats:
+        problem = self._check_local(src, dst)
+        device, device_problem = self._device(src, dst)
+        problem = problem or device_problem
+        engine = None
+        if problem is None:
+            try:  # buffers are allocated before the preflight, so that running out of memory is reported there
+                key = bound_key(self, src, dst, device)
+                if self._bound is None or self._bound.key != key:
+                    self._bound = None
+                    self._bound = Bound(self, device, src, dst, key)
+                engine = make_engine(self, self._bound)
+            except Exception as e:  # noqa: BLE001 - becomes this process's refusal, seen by every process
+                problem = f"could not prepare buffers on {device}: {type(e).__name__}: {e}"
+        marks = [("prepare", time.perf_counter())]
+        self._preflight(problem, device)
+        marks.append(("preflight", time.perf_counter()))
+        try:
+            self._transfer(engine)
+            marks.append(("enqueue", time.perf_counter()))
+            engine.drain()
+            marks.append(("drain", time.perf_counter()))
+            self._agree(device)
+            marks.append(("verify", time.perf_counter()))
+        except ReshardError:
+            engine.abort()
+            raise
+        except Exception as e:  # a transport error: name it, keep the original as the cause
+            engine.abort()
+            raise ExecutionError(self._failure(f"{type(e).__name__}: {e}")) from e
+        engine.commit()
+        marks.append(("commit", time.perf_counter()))
+        s = self.schedule
+        itemsize = self.plan.itemsize
+        times = [start] + [t for _, t in marks]
+        return ExecutionStats(
+            process=self.rank, staged=s.staged, seconds=times[-1] - start,
+            phases={name: times[i + 1] - times[i] for i, (name, _) in enumerate(marks)},
+            bytes_sent={p: n * itemsize for p, n in s.sent.items()},
+            bytes_received={p: n * itemsize for p, n in s.received.items()},
+            local_bytes=s.local_numel * itemsize, rounds=len(s.rounds),
+            messages=sum(len(r.sends) + len(r.recvs) for r in s.rounds), copies=engine.copies,
+            bucket_bytes=self.bucket_numel * itemsize, wire_buffer_bytes=self._bound.wire_bytes,
+            staging_bytes=self._bound.staging_bytes)
+
+    # --- steps -----------------------------------------------------------------------------------
+    def _check_local(self, src: dict, dst: dict) -> str | None:
+        want_src = set(self.binding.src_ranks_of(self.rank))
+        want_dst = set(self.binding.dst_ranks_of(self.rank))
+        problems = []
+        for side, got, want in (("source", src, want_src), ("destination", dst, want_dst)):
+            if set(got) != want:
+                problems.append(f"{side} ranks given {sorted(got)}, but the binding has this process "
+                                f"(group rank {self.rank}) play {sorted(want)}")
+        if problems:
+            return "; ".join(problems)
+        try:
+            check_tensors(self.plan, src, dst)
+        except ExecutionError as e:
+            return str(e)
+        return None
+
+    def _device(self, src: dict, dst: dict) -> tuple[torch.device, str | None]:
+        """The device of this process's tensors, and what is wrong with it for this group's backend."""
+        fallback = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        devices = {t.device for side in (src, dst) for ts in side.values() for t in ts.values()
+                   if isinstance(t, torch.Tensor)}
+        if len(devices) > 1:
+            return fallback, f"this process's tensors are on several devices {sorted(map(str, devices))}"
+        device = devices.pop() if devices else fallback
+        if self.backend == "nccl" and device.type != "cuda":
+            return fallback, f"the NCCL group needs CUDA tensors; this process's tensors are on {device}"
+        if self.backend == "gloo" and device.type != "cpu":
+            return fallback, f"the gloo executor moves CPU tensors; this process's tensors are on {device}"
+        return device, None
+
+    def _preflight(self, problem: str | None, device: torch.device) -> None:
+        """Everyone learns whether everyone is ready and runs the same schedule, before any byte moves."""
+        if self.size == 1 or not self.distributed:
+            if problem:
+                raise ExecutionError(f"{problem}; nothing was moved")
+            return
+        fp = self._fingerprint
+        t = torch.tensor([int(problem is not None), fp, -fp], dtype=torch.int64, device=device)
+        self._wait_collective(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True),
+                              device, "preflight", before=True)
+        bad, hi, lo = t.tolist()
+        if problem:
+            raise ExecutionError(f"{problem}; nothing was moved")
+        if bad:
+            raise ExecutionError("another process of the refit group refused its tensors (its own error says "
+                                 "why); nothing was moved")
+        if hi != -lo:
+            raise ExecutionError("the processes of the refit group do not run the same plan, binding and bucket "
+                                 f"size (this process: plan {self.plan.digest[:12]}, {self.binding}, bucket "
+                                 f"{self.bucket_numel} elements); nothing was moved")
+
+    def _transfer(self, engine: Engine) -> None:
+        s = self.schedule
+        by_stage: dict[int, list[int]] = {}
+        for pos, r in enumerate(s.rounds):
+            by_stage.setdefault(r.stage, []).append(pos)
+        for stage in range(s.num_stages):
+            if stage:
+                engine.stage_barrier(stage)
+            positions = by_stage.get(stage, [])
+            pending: list = []
+            for k, pos in enumerate(positions):
+                if self.on_round is not None:
+                    self.on_round(s.rounds[pos].index)
+                engine.pack(pos)
+                pending.append(engine.post(pos))
+                engine.local(stage, k)  # local copies spread over the stage's rounds
+                while len(pending) >= self.depth:
+                    engine.complete(pending.pop(0))
+            if not positions:
+                engine.local(stage, 0)
+            while pending:
+                engine.complete(pending.pop(0))
+
+    def _agree(self, device: torch.device) -> None:
+        """Verify: every process finished its transfer. Only then does anyone commit."""
+        if self.size == 1 or not self.distributed:
+            return
+        t = torch.zeros(1, dtype=torch.int64, device=device)
+        self._wait_collective(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True),
+                              device, "verify")
+        if int(t.item()):
+            raise ExecutionError(self._failure("another process reported an incomplete transfer"))
+
+    def _wait_collective(self, start: Callable, device: torch.device, what: str, before: bool = False) -> None:
+        try:
+            work = start()
+            if device.type == "cuda":
+                work.wait()
+                ev = torch.cuda.Event()
+                ev.record()
+                poll([ev], self.timeout, [f"{what} all-reduce"])
+            else:
+                work.wait(timedelta(seconds=self.timeout))
+        except Exception as e:
+            if device.type == "cuda":
+                abort(self.group)
+            raise ExecutionError(self._failure(f"{what} all-reduce did not complete: {e}", before)) from e
+
+    def _failure(self, what: str, before: bool = False) -> str:
+        state = ("nothing was moved" if before else
+                 "destination tensors were left unchanged (staged refit)" if not self.in_place else
+                 "destination tensors may be partly written (in_place=True)")
+        return (f"refit failed on group rank {self.rank} (plan {self.plan.digest[:12]}): {what}; {state}; the "
+                f"process group is no longer usable: destroy and rebuild it")
+
+
+def execute_distributed(plan: Plan, binding: Binding, src: RankTensors | None, dst: RankTensors | None,
+                        group: dist.ProcessGroup | None = None, **options) -> ExecutionStats:
+    """One refit with a fresh executor (build a `DistributedExecutor` to reuse schedule and buffers)."""
+    return DistributedExecutor(plan, binding, group, **options).run(src, dst)

@@ -1,0 +1,323 @@
+"""How one process moves its part of a schedule: buffers bound to its tensors, and two engines that run rounds.
+
+`Bound` ties a process schedule to the tensors of one call: flat views of the caller's tensors, the staging
+(shadow) buffer, the wire buffers, and every copy program as prebuilt views (executors.views). The executor
+keeps it and reuses it while the caller passes the same tensors (the usual case: parameters live as long as
+the trainer and the inference engine do).
+
+`HostEngine` (CPU tensors, gloo) packs, posts and scatters on the calling thread; the transport moves one round
+while the thread packs the next. `CudaEngine` (GPU tensors, NCCL) puts packing, scattering and local copies on
+their own streams, orders them with events, and never blocks the host until `drain`, which polls each round's
+completion event against the timeout.
+"""
+from __future__ import annotations
+
+import abc
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..errors import ExecutionError
+from .copies import DST, KIND_NAMES, SHADOW, SRC, WIRE, Copies
+from .local import torch_dtype
+from .views import BoundCopies, Memory, bind
+
+if TYPE_CHECKING:
+    from .distributed import DistributedExecutor
+
+ALIGN = 64  # elements: every shadow tensor starts 128-byte aligned (bf16) so that word views apply
+
+
+def bound_key(ex: "DistributedExecutor", src: dict, dst: dict, device: torch.device) -> tuple:
+    s, plan = ex.schedule, ex.plan
+    ptrs = [src[plan.src_tensors.ranks[i]][plan.src_tensors.names[i]].data_ptr() for i in s.src_ids]
+    ptrs += [dst[plan.dst_tensors.ranks[i]][plan.dst_tensors.names[i]].data_ptr() for i in s.dst_ids]
+    return (str(device), *ptrs)
+
+
+class Bound:
+    """A schedule bound to one set of tensors (see the module docstring)."""
+
+    def __init__(self, ex: "DistributedExecutor", device: torch.device, src: dict, dst: dict, key: tuple) -> None:
+        s, plan = ex.schedule, ex.plan
+        self.key, self.device = key, device
+        itemsize = plan.itemsize
+        dtype = torch_dtype(plan.dst.dtype)
+        flats = {SRC: {}, DST: {}, SHADOW: {}}
+        for i in s.src_ids:
+            flats[SRC][i] = src[plan.src_tensors.ranks[i]][plan.src_tensors.names[i]].view(-1)
+        for i in s.dst_ids:
+            flats[DST][i] = dst[plan.dst_tensors.ranks[i]][plan.dst_tensors.names[i]].view(-1)
+        # staging: one buffer for every shadow, each shadow aligned
+        sizes = [flats[DST][i].numel() for i in s.shadow]
+        starts = np.concatenate([[0], np.cumsum([-(-n // ALIGN) * ALIGN for n in sizes])]).tolist()
+        self.shadow = torch.empty(int(starts[-1]), dtype=dtype, device=device)
+        for i, a, n in zip(s.shadow, starts, sizes):
+            flats[SHADOW][i] = self.shadow.narrow(0, int(a), n)
+        self.staging_bytes = int(starts[-1]) * itemsize if s.shadow else 0
+        # wire: depth x (messages in a round) buckets, kept by the executor across calls
+        per_round = max(s.buffers_per_round, 1)
+        need = ex.depth * per_round * s.bucket_numel if s.rounds else 0
+        if ex._wire is None or ex._wire.numel() < need or ex._wire.device != device:
+            ex._wire = torch.empty(need, dtype=dtype, device=device)
+        self.wire = ex._wire[:need].view(ex.depth, per_round, s.bucket_numel) if need else None
+        self.wire_bytes = need * itemsize
+        wires = [self.wire[k, j] for k in range(ex.depth) for j in range(per_round)] if need else []
+
+        def flat(kind: int, i: int) -> torch.Tensor:
+            if kind == WIRE:
+                return wires[i]
+            try:
+                return flats[kind][i]
+            except KeyError:
+                raise ExecutionError(f"the schedule names {KIND_NAMES[kind]} tensor {i}, which this process "
+                                     f"does not hold") from None
+
+        memory = Memory(flat, itemsize)
+        on_wire = lambda c, slot, j: bind(_wire_id(c, slot * per_round + j), memory, itemsize)  # noqa: E731
+        self.packs: list[list[BoundCopies]] = []
+        self.scatters: list[list[BoundCopies]] = []
+        self.send_bufs: list[list[torch.Tensor]] = []
+        self.recv_bufs: list[list[torch.Tensor]] = []
+        for pos, r in enumerate(s.rounds):
+            slot = pos % ex.depth
+            self.packs.append([on_wire(m.copies, slot, j) for j, m in enumerate(r.sends)])
+            self.scatters.append([on_wire(m.copies, slot, len(r.sends) + j) for j, m in enumerate(r.recvs)])
+            self.send_bufs.append([self.wire[slot, j, :m.numel] for j, m in enumerate(r.sends)])
+            self.recv_bufs.append([self.wire[slot, len(r.sends) + j, :m.numel] for j, m in enumerate(r.recvs)])
+        # local copies of a stage, cut into one piece per round of that stage so they spread over the transfer
+        rounds_in_stage = np.bincount([r.stage for r in s.rounds], minlength=s.num_stages) if s.rounds else \
+            np.zeros(s.num_stages, np.int64)
+        self.local = [[bind(piece, memory, itemsize) for piece in _pieces(c, max(int(k), 1))]
+                      for c, k in zip(s.local, rounds_in_stage)]
+        self.commit = bind(s.commit, memory, itemsize)
+        self.deferred = bind(s.deferred, memory, itemsize)
+
+
+def _wire_id(c: Copies, wire: int) -> Copies:
+    cols = dict(c.cols)
+    for side in ("src", "dst"):
+        is_wire = cols[f"{side}_kind"] == WIRE
+        cols[f"{side}_id"] = np.where(is_wire, wire, cols[f"{side}_id"])
+    return Copies(cols)
+
+
+def _pieces(c: Copies, k: int) -> list[Copies]:
+    """Cut a program into k pieces of about equal bytes (in program order)."""
+    if k == 1 or len(c) <= 1:
+        return [c]
+    size = c.cols["n"] * c.cols["rows"] * c.cols["cols"]
+    start = np.cumsum(size) - size
+    piece = np.minimum(start * k // max(int(size.sum()), 1), k - 1)
+    return [c.select(piece == p) for p in range(k)]
+
+
+def poll(events: list, timeout: float, what: list[str]) -> None:
+    """Wait for CUDA events in order; fail after `timeout` seconds without one of them completing."""
+    last = time.monotonic()
+    for ev, name in zip(events, what):
+        while not ev.query():
+            if time.monotonic() - last > timeout:
+                raise ExecutionError(f"no progress for {timeout:.1f} s waiting for {name}")
+            time.sleep(0.0001)
+        last = time.monotonic()
+
+
+def abort(group) -> None:
+    """Unblock NCCL kernels that wait for a dead peer (best effort: the error being raised says what failed)."""
+    try:
+        from torch.distributed.distributed_c10d import _abort_process_group
+        _abort_process_group(group)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+class Engine(abc.ABC):
+    """Runs one process's rounds over bound buffers. Round positions index `ex.schedule.rounds`."""
+
+    def __init__(self, ex: "DistributedExecutor", bound: Bound) -> None:
+        self.ex, self.b = ex, bound
+        self.rounds = ex.schedule.rounds
+        self.copies = 0
+
+    def _run(self, programs) -> None:
+        for p in programs:
+            self.copies += len(p)
+            p.run()
+
+    def _ops(self, pos: int) -> list:
+        r, g, group = self.rounds[pos], self.ex._global, self.ex.group
+        return ([dist.P2POp(dist.isend, b, g[m.peer], group, tag=r.index) for b, m in zip(self.b.send_bufs[pos], r.sends)]
+                + [dist.P2POp(dist.irecv, b, g[m.peer], group, tag=r.index)
+                   for b, m in zip(self.b.recv_bufs[pos], r.recvs)])
+
+    def describe(self, pos: int) -> str:
+        r, size = self.rounds[pos], self.ex.plan.itemsize
+        parts = [f"send {m.numel * size} B to group rank {m.peer}" for m in r.sends]
+        parts += [f"receive {m.numel * size} B from group rank {m.peer}" for m in r.recvs]
+        return f"round {r.index} (stage {r.stage}: {', '.join(parts)})"
+
+    @abc.abstractmethod
+    def pack(self, pos: int) -> None:
+        """Copy round `pos`'s sends into their wire buffers."""
+
+    @abc.abstractmethod
+    def post(self, pos: int):
+        """Post round `pos`'s sends and receives as one batch; return what `complete` needs."""
+
+    @abc.abstractmethod
+    def complete(self, pending) -> None:
+        """Wait for a posted round and scatter what it received."""
+
+    @abc.abstractmethod
+    def local(self, stage: int, piece: int) -> None:
+        """Run one piece of a stage's local copies."""
+
+    @abc.abstractmethod
+    def stage_barrier(self, stage: int) -> None:
+        """Order what stage `stage` reads after what earlier stages wrote on this process."""
+
+    @abc.abstractmethod
+    def drain(self) -> None:
+        """Return once every round and local copy of this process is done (or raise after the timeout)."""
+
+    @abc.abstractmethod
+    def commit(self) -> None:
+        """Write staged bytes and deferred local copies into the destination tensors."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Unblock the transport after a failure."""
+
+
+class HostEngine(Engine):
+    """CPU tensors over gloo: copies run on this thread while the transport moves earlier rounds."""
+
+    def pack(self, pos: int) -> None:
+        self._run(self.b.packs[pos])
+
+    def post(self, pos: int):
+        ops = self._ops(pos)
+        return pos, dist.batch_isend_irecv(ops) if ops else []
+
+    def complete(self, pending) -> None:
+        pos, works = pending
+        timeout = timedelta(seconds=self.ex.timeout)
+        for w in works:
+            try:
+                w.wait(timeout)
+            except Exception as e:
+                raise ExecutionError(self.ex._failure(f"{self.describe(pos)} did not complete: {e}")) from e
+        self._run(self.b.scatters[pos])
+
+    def local(self, stage: int, piece: int) -> None:
+        self._run(self.b.local[stage][piece:piece + 1])
+
+    def stage_barrier(self, stage: int) -> None:
+        pass  # rounds complete on this thread: stage s is done when stage s+1 starts
+
+    def drain(self) -> None:
+        pass
+
+    def commit(self) -> None:
+        self._run([self.b.commit, self.b.deferred])
+
+    def abort(self) -> None:
+        pass
+
+
+class CudaEngine(Engine):
+    """GPU tensors over NCCL: pack, transfer, scatter and local copies on their own streams, ordered by events;
+    the host only enqueues, then polls each round's completion event against the timeout."""
+
+    def __init__(self, ex: "DistributedExecutor", bound: Bound) -> None:
+        super().__init__(ex, bound)
+        device = bound.device
+        if getattr(ex, "_streams", None) is None or ex._streams["pack"].device != device:
+            ex._streams = {k: torch.cuda.Stream(device) for k in ("pack", "scatter", "local", "post")}
+        self.streams = ex._streams
+        entry = torch.cuda.current_stream(device).record_event()
+        for st in self.streams.values():
+            st.wait_event(entry)  # the caller's writes to the source tensors come first
+        self.slot_owner: dict[int, dict] = {}
+        self.done: list[tuple] = []  # (event, what), in order
+        self.local_done: dict[int, torch.cuda.Event] = {}
+        self.last_scatter: torch.cuda.Event | None = None
+        self.packed: torch.cuda.Event | None = None
+
+    def pack(self, pos: int) -> None:
+        prev = self.slot_owner.get(pos % self.ex.depth)
+        st = self.streams["pack"]
+        with torch.cuda.stream(st):
+            if prev is not None:
+                for w in prev["works"]:
+                    w.wait()  # the slot's earlier sends have left
+            self._run(self.b.packs[pos])
+            self.packed = st.record_event()
+
+    def post(self, pos: int):
+        slot = pos % self.ex.depth
+        prev = self.slot_owner.get(slot)
+        post = self.streams["post"]
+        post.wait_event(self.packed)
+        if prev is not None:
+            post.wait_event(prev["scattered"])  # the slot's earlier receives were scattered
+        ops = self._ops(pos)
+        with torch.cuda.stream(post):
+            works = dist.batch_isend_irecv(ops) if ops else []
+        pending = {"pos": pos, "works": works, "scattered": None}
+        self.slot_owner[slot] = pending
+        return pending
+
+    def complete(self, pending) -> None:
+        st = self.streams["scatter"]
+        with torch.cuda.stream(st):
+            for w in pending["works"]:
+                w.wait()
+            self._run(self.b.scatters[pending["pos"]])
+            ev = st.record_event()
+        pending["scattered"] = self.last_scatter = ev
+        self.done.append((ev, self.describe(pending["pos"])))
+
+    def local(self, stage: int, piece: int) -> None:
+        st = self.streams["local"]
+        with torch.cuda.stream(st):
+            self._run(self.b.local[stage][piece:piece + 1])
+            self.local_done[stage] = st.record_event()
+
+    def stage_barrier(self, stage: int) -> None:
+        # relays and local copies of this stage read what earlier stages wrote on this process
+        for name in ("pack", "local"):
+            if self.last_scatter is not None:
+                self.streams[name].wait_event(self.last_scatter)
+            if stage - 1 in self.local_done:
+                self.streams[name].wait_event(self.local_done[stage - 1])
+
+    def drain(self) -> None:
+        events = [e for e, _ in self.done] + list(self.local_done.values())
+        what = [w for _, w in self.done] + [f"local copies of stage {s}" for s in self.local_done]
+        try:
+            poll(events, self.ex.timeout, what)
+        except ExecutionError as e:
+            raise ExecutionError(self.ex._failure(str(e))) from None
+
+    def commit(self) -> None:
+        cur = torch.cuda.current_stream(self.b.device)
+        for st in self.streams.values():
+            cur.wait_stream(st)
+        self._run([self.b.commit, self.b.deferred])
+        cur.synchronize()
+
+    def abort(self) -> None:
+        abort(self.ex.group)
+
+
+def make_engine(ex: "DistributedExecutor", bound: Bound) -> Engine:
+    return (CudaEngine if bound.device.type == "cuda" else HostEngine)(ex, bound)
+
+
+__all__ = ["Bound", "CudaEngine", "Engine", "HostEngine", "abort", "bound_key", "make_engine", "poll"]

@@ -1,0 +1,331 @@
+"""The wire schedule of a plan under a binding: messages, rounds and copy programs, as plain arrays.
+
+Pure numpy, no torch and no processes: every process computes the same global numbering from the same plan,
+binding and bucket size, and keeps only its own part (`build_schedule`).
+
+1. Each op gets a sending process (the binding's process for its source rank, or for its relaying
+   destination rank) and a receiving process. Ops whose two processes are one are LOCAL copies: no
+   self-send.
+2. The remote ops of one (stage, sender, receiver) form a stream, in plan order; the stream's bytes laid end
+   to end are the contiguous wire between those two processes in that stage.
+3. A stream is cut into buckets of at most `bucket_numel` elements (`bucket_sizes`: a short ramp up and down
+   around full buckets); an op that straddles a cut is split there (rows, then a partial row), so every
+   message is exactly one bucket and both sides agree on where each byte is.
+4. Bucket k of stage s travels in global round `round_base[s] + k`, where round_base counts the buckets of the
+   longest stream of every earlier stage. Rounds are numbered the same on every process.
+5. A message's pack program (on the sender) copies source blocks into the wire buffer; its scatter program
+   (on the receiver) copies the wire buffer into destination blocks. Both are folded (executors.copies).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import ExecutionError
+from ..planner import Plan
+from ..planner.plan import RELAY, SOURCE
+from .binding import Binding
+from .copies import DST, SHADOW, SRC, WIRE, Copies, fold
+
+
+@dataclass(frozen=True, eq=False)
+class Message:
+    round: int  # global round
+    stage: int
+    peer: int  # the other process (group rank)
+    numel: int  # elements on the wire
+    copies: Copies  # pack program on the sender, scatter program on the receiver
+
+
+@dataclass(frozen=True, eq=False)
+class Round:
+    index: int
+    stage: int
+    sends: tuple[Message, ...]
+    recvs: tuple[Message, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class ProcessSchedule:
+    """What one process does, in order.
+
+    rounds: its rounds in global order (only those where it sends or receives);
+    local: per stage, local copies run while the refit is in flight (into shadows when staged);
+    deferred: local copies that a staged refit runs at commit, straight into the destination tensors;
+    commit: shadow -> destination copies of a staged refit;
+    shadow: destination tensor ids that get a staging copy.
+    """
+
+    process: int
+    bucket_numel: int
+    staged: bool
+    num_stages: int
+    rounds: tuple[Round, ...]
+    local: tuple[Copies, ...]
+    deferred: Copies
+    commit: Copies
+    shadow: tuple[int, ...]
+    src_ids: tuple[int, ...]  # source tensor ids this process provides
+    dst_ids: tuple[int, ...]  # destination tensor ids this process provides
+    sent: dict[int, int]  # peer -> elements sent
+    received: dict[int, int]  # peer -> elements received
+    local_numel: int
+    buffers_per_round: int  # most messages (sends + receives) in one round
+
+
+def _senders_receivers(plan: Plan, binding: Binding) -> tuple[np.ndarray, np.ndarray]:
+    o = plan.ops
+    bsrc, bdst = np.asarray(binding.src, np.int64), np.asarray(binding.dst, np.int64)
+    if not plan.num_ops:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    sender = np.where(o["src_side"] == SOURCE, bsrc[np.minimum(o["src_rank"], len(bsrc) - 1)],
+                      bdst[np.minimum(o["src_rank"], len(bdst) - 1)])
+    return sender, bdst[o["dst_rank"]]
+
+
+def max_streams_per_process(plan: Plan, binding: Binding) -> int:
+    """The most streams (peers it sends to plus peers it receives from) any process has in one stage."""
+    sender, receiver = _senders_receivers(plan, binding)
+    remote = sender != receiver
+    if not remote.any():
+        return 0
+    st = plan.ops["stage"][remote]
+    pairs = np.unique(np.stack([st, sender[remote], receiver[remote]], axis=1), axis=0)
+    per = np.concatenate([pairs[:, [0, 1]], pairs[:, [0, 2]]])
+    _, counts = np.unique(per, axis=0, return_counts=True)
+    return int(counts.max())
+
+
+def bucket_numel_for(plan: Plan, binding: Binding, memory_cap: int, bucket_bytes: int | None,
+                     depth: int) -> int:
+    """The bucket size every process uses: wire buffers for `depth` rounds in flight fit `memory_cap` bytes
+    on the busiest process, and no bucket exceeds `bucket_bytes`. Rounded to 256 bytes when large."""
+    itemsize = plan.itemsize
+    streams = max(max_streams_per_process(plan, binding), 1)
+    cap = memory_cap // (depth * streams)
+    if bucket_bytes is not None:
+        cap = min(cap, bucket_bytes)
+    if cap < itemsize:
+        raise ExecutionError(f"memory_cap={memory_cap} bytes cannot hold {depth * streams} wire buffers of even "
+                             f"one element ({depth} rounds in flight x {streams} peers in a round)")
+    if cap >= 4096:
+        cap -= cap % 256  # keep every wire buffer 256-byte aligned
+    return cap // itemsize
+
+
+def bucket_sizes(length: int, bucket: int) -> list[int]:
+    """How a stream of `length` elements is cut into messages: sizes ramp up from bucket/16 (doubling) to
+    `bucket` and back down at the end, so the first pack and the last scatter, which nothing overlaps, are
+    short, while most bytes travel in full buckets."""
+    ramp = [bucket >> j for j in (4, 3, 2, 1) if 0 < bucket >> j < bucket]
+    middle = length - 2 * sum(ramp)
+    if middle >= 0:
+        full, rest = divmod(middle, bucket)
+        return ramp + [bucket] * full + ([rest] if rest else []) + ramp[::-1]
+    sizes, left = [], length
+    for size in ramp + [bucket] * (length // bucket + 1):
+        if left <= 0:
+            break
+        sizes.append(min(size, left))
+        left -= size
+    return sizes
+
+
+def _split(p: dict[str, np.ndarray], cuts: np.ndarray) -> dict[str, np.ndarray]:
+    """Split blocks at the cut positions (sorted wire positions; key 'w' = a block's first element on the
+    wire). A block that straddles a cut becomes: whole rows before it, a partial row up to it, the rest of
+    that row after it, and the remaining rows."""
+    done = []
+    while len(p["w"]):
+        numel = p["rows"] * p["cols"]
+        cut_at = cuts[np.minimum(np.searchsorted(cuts, p["w"], side="right"), len(cuts) - 1)]
+        cross = p["w"] + numel > cut_at
+        done.append({k: v[~cross] for k, v in p.items()})
+        if not cross.any():
+            break
+        x = {k: v[cross] for k, v in p.items()}
+        cut = cut_at[cross] - x["w"]
+        r, c = np.divmod(cut, x["cols"])
+
+        def piece(mask, row0, col0, rows, cols):
+            return {**{k: v[mask] for k, v in x.items()},
+                    "so": (x["so"] + row0 * x["ss"] + col0)[mask], "do": (x["do"] + row0 * x["ds"] + col0)[mask],
+                    "w": (x["w"] + row0 * x["cols"] + col0)[mask], "rows": rows[mask], "cols": cols[mask]}
+
+        one = np.ones_like(r)
+        zero = np.zeros_like(r)
+        done.append(piece(r > 0, zero, zero, r, x["cols"]))  # whole rows before the cut
+        done.append(piece(c > 0, r, zero, one, c))  # partial row up to the cut
+        after_row = r + (c > 0)
+        p = {k: np.concatenate([a, b]) for (k, a), b in zip(
+            piece(c > 0, r, c, one, x["cols"] - c).items(),  # rest of the cut row
+            piece(x["rows"] > after_row, after_row, zero, x["rows"] - after_row, x["cols"]).values())}
+    return {k: np.concatenate([d[k] for d in done]) for k in done[0]}
+
+
+def build_schedule(plan: Plan, binding: Binding, process: int, bucket_numel: int, staged: bool) -> ProcessSchedule:
+    """The part of the global schedule that `process` (a group rank) runs."""
+    if bucket_numel < 1:
+        raise ExecutionError(f"bucket_numel={bucket_numel} must be at least 1")
+    binding.check(plan.src.num_ranks, plan.dst.num_ranks)
+    o = plan.ops
+    sender, receiver = _senders_receivers(plan, binding)
+    numel = o["rows"] * o["cols"]
+    remote = sender != receiver
+    num_stages = plan.num_stages
+
+    # streams and global rounds (the same on every process)
+    r_idx = np.flatnonzero(remote)
+    order = r_idx[np.lexsort((r_idx, receiver[r_idx], sender[r_idx], o["stage"][r_idx]))]
+    skey = np.stack([o["stage"][order], sender[order], receiver[order]], axis=1)
+    if len(order):
+        new = np.ones(len(order), dtype=bool)
+        new[1:] = np.any(skey[1:] != skey[:-1], axis=1)
+        stream = np.cumsum(new) - 1
+        first = np.flatnonzero(new)
+        ends = np.cumsum(numel[order])
+        starts_of_stream = np.concatenate([[0], ends[first[1:] - 1]])
+        w = ends - numel[order] - starts_of_stream[stream]  # wire position inside the stream
+        stream_numel = np.diff(np.concatenate([starts_of_stream, [ends[-1]]]))
+        stream_stage = skey[first, 0]
+        # every stream's cuts, as positions on one wire that lays the streams end to end
+        sizes = [bucket_sizes(int(n), bucket_numel) for n in stream_numel.tolist()]
+        buckets = np.asarray([len(x) for x in sizes], dtype=np.int64)
+        cuts = np.cumsum(np.concatenate([[0], *[np.asarray(x, np.int64) for x in sizes]]))
+        stream_first_cut = np.concatenate([[0], np.cumsum(buckets)[:-1]])
+        w = w + starts_of_stream[stream]  # from here on, positions on that one wire
+        per_stage = np.zeros(max(num_stages, 1), np.int64)
+        np.maximum.at(per_stage, stream_stage, buckets)
+    else:
+        stream = w = np.zeros(0, np.int64)
+        stream_numel = stream_stage = stream_first_cut = np.zeros(0, np.int64)
+        cuts = np.zeros(1, np.int64)
+        per_stage = np.zeros(max(num_stages, 1), np.int64)
+    round_base = np.concatenate([[0], np.cumsum(per_stage)[:-1]])
+
+    # this process's messages
+    mine = (skey[:, 1] == process) | (skey[:, 2] == process) if len(order) else np.zeros(0, bool)
+    sel = order[mine]
+    relay_read = np.zeros(len(plan.dst_tensors), dtype=bool)  # destination tensors this process relays from
+    relay_read[o["src_tensor"][(sender == process) & (o["src_side"] == RELAY)]] = True
+    pieces = _split({
+        "op": sel, "stream": stream[mine], "w": w[mine],
+        "so": o["src_offset"][sel], "ss": o["src_stride"][sel], "do": o["dst_offset"][sel],
+        "ds": o["dst_stride"][sel], "rows": o["rows"][sel], "cols": o["cols"][sel],
+    }, cuts) if len(sel) else None
+
+    shadowed = np.zeros(len(plan.dst_tensors), dtype=bool)
+    if staged:
+        shadowed |= relay_read
+        if pieces is not None:
+            recv_ops = pieces["op"][receiver[pieces["op"]] == process]
+            shadowed[o["dst_tensor"][recv_ops]] = True
+    dst_kind = lambda tid: np.where(shadowed[tid], SHADOW, DST)  # noqa: E731 - where a write lands in flight
+
+    rounds: dict[int, dict[str, list[Message]]] = {}
+    sent: dict[int, int] = {}
+    received: dict[int, int] = {}
+    if pieces is not None:
+        op = pieces["op"]
+        st = pieces["stream"]
+        cut = np.searchsorted(cuts, pieces["w"], side="right") - 1  # the piece's message, as its first cut
+        k = cut - stream_first_cut[st]  # bucket index inside the stream
+        wire_off = pieces["w"] - cuts[cut]
+        msg_key = st * (int(k.max()) + 1) + k
+        msg_ids, msg_of = np.unique(msg_key, return_inverse=True)
+        msg_of = msg_of.reshape(-1)
+        m_stream = msg_ids // (int(k.max()) + 1)
+        m_k = msg_ids % (int(k.max()) + 1)
+        m_cut = stream_first_cut[m_stream] + m_k
+        m_numel = cuts[m_cut + 1] - cuts[m_cut]
+        is_send = sender[op] == process
+        side = o["src_side"][op]
+        src_kind = _read_kind(side, o["src_tensor"][op], shadowed)
+        pack = fold(src_kind[is_send], o["src_tensor"][op][is_send], pieces["so"][is_send], pieces["ss"][is_send],
+                    WIRE, msg_of[is_send], wire_off[is_send], pieces["cols"][is_send],
+                    pieces["rows"][is_send], pieces["cols"][is_send])
+        rv = ~is_send
+        d_t = o["dst_tensor"][op][rv]
+        scatter = fold(WIRE, msg_of[rv], wire_off[rv], pieces["cols"][rv], dst_kind(d_t), d_t, pieces["do"][rv],
+                       pieces["ds"][rv], pieces["rows"][rv], pieces["cols"][rv])
+        msg_send = np.zeros(len(msg_ids), dtype=bool)
+        msg_send[msg_of[is_send]] = True
+        by_msg = {}
+        for prog, col in ((pack, "dst_id"), (scatter, "src_id")):
+            ids = prog.cols[col]
+            srt = np.argsort(ids, kind="stable")
+            bounds = np.searchsorted(ids[srt], np.arange(len(msg_ids) + 1))
+            for m in np.unique(ids).tolist():
+                part = prog.select(srt[bounds[m]:bounds[m + 1]])
+                by_msg[m] = Copies({**part.cols, col: np.zeros(len(part), np.int64)})  # WIRE 0: its own buffer
+        for m in range(len(msg_ids)):
+            s_, kk = int(m_stream[m]), int(m_k[m])
+            stage = int(stream_stage[s_])
+            rnd = int(round_base[stage]) + kk
+            peer = int(skey[first[s_], 2] if msg_send[m] else skey[first[s_], 1])
+            n = int(m_numel[m])
+            entry = rounds.setdefault(rnd, {"stage": stage, "sends": [], "recvs": []})
+            entry["sends" if msg_send[m] else "recvs"].append(Message(rnd, stage, peer, n, by_msg[m]))
+            book = sent if msg_send[m] else received
+            book[peer] = book.get(peer, 0) + n
+    round_list = tuple(
+        Round(r, e["stage"], tuple(sorted(e["sends"], key=lambda m: m.peer)),
+              tuple(sorted(e["recvs"], key=lambda m: m.peer)))
+        for r, e in sorted(rounds.items()))
+
+    # local copies
+    loc = np.flatnonzero(~remote & (receiver == process))
+    side = o["src_side"][loc]
+    s_kind = _read_kind(side, o["src_tensor"][loc], shadowed)
+    d_t = o["dst_tensor"][loc]
+    in_flight = shadowed[d_t] | (not staged)  # staged: only writes into shadows happen before commit
+    local = []
+    for stage in range(num_stages):
+        m = in_flight & (o["stage"][loc] == stage)
+        local.append(_fold_ops(o, loc[m], s_kind[m], dst_kind(d_t[m])))
+    deferred = _fold_ops(o, loc[~in_flight], s_kind[~in_flight], DST)
+
+    # commit: every region written into a shadow goes to the destination tensor; a tensor written whole is
+    # one contiguous copy
+    commit = Copies.empty()
+    if staged and shadowed.any():
+        w_ops = np.concatenate([pieces["op"][receiver[pieces["op"]] == process] if pieces is not None
+                                else np.zeros(0, np.int64), loc[in_flight]])
+        w_ops = np.unique(w_ops)
+        t = o["dst_tensor"][w_ops]
+        sizes = np.asarray([int(np.prod(s)) for s in plan.dst_tensors.shapes], dtype=np.int64)
+        written = np.bincount(t, weights=numel[w_ops], minlength=len(sizes)).astype(np.int64)
+        whole = shadowed & (written == sizes)
+        part = ~whole[t]
+        ids = np.flatnonzero(whole)
+        commit = Copies.concat([
+            fold(SHADOW, ids, 0, sizes[ids], DST, ids, 0, sizes[ids], 1, sizes[ids]) if len(ids) else Copies.empty(),
+            fold(SHADOW, t[part], o["dst_offset"][w_ops][part], o["dst_stride"][w_ops][part], DST, t[part],
+                 o["dst_offset"][w_ops][part], o["dst_stride"][w_ops][part], o["rows"][w_ops][part],
+                 o["cols"][w_ops][part]) if part.any() else Copies.empty(),
+        ])
+
+    per_round = max((len(r.sends) + len(r.recvs) for r in round_list), default=0)
+    src_ids = tuple(i for i, r in enumerate(plan.src_tensors.ranks) if binding.src[r] == process)
+    dst_ids = tuple(i for i, r in enumerate(plan.dst_tensors.ranks) if binding.dst[r] == process)
+    return ProcessSchedule(
+        process=process, bucket_numel=bucket_numel, staged=staged, num_stages=num_stages, rounds=round_list,
+        local=tuple(local), deferred=deferred, commit=commit, shadow=tuple(np.flatnonzero(shadowed).tolist()),
+        src_ids=src_ids, dst_ids=dst_ids, sent=sent, received=received, local_numel=int(numel[loc].sum()),
+        buffers_per_round=per_round)
+
+
+def _read_kind(side: np.ndarray, tensor: np.ndarray, shadowed: np.ndarray) -> np.ndarray:
+    """SRC for source ops; for relays, the destination tensor's shadow when it has one."""
+    kind = np.full(len(side), SRC, dtype=np.int64)
+    relay = side == RELAY
+    kind[relay] = np.where(shadowed[tensor[relay]], SHADOW, DST)
+    return kind
+
+
+def _fold_ops(o: dict[str, np.ndarray], idx: np.ndarray, src_kind, dst_kind) -> Copies:
+    if not len(idx):
+        return Copies.empty()
+    return fold(src_kind, o["src_tensor"][idx], o["src_offset"][idx], o["src_stride"][idx], dst_kind,
+                o["dst_tensor"][idx], o["dst_offset"][idx], o["dst_stride"][idx], o["rows"][idx], o["cols"][idx])

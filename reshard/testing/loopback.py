@@ -1,0 +1,77 @@
+"""Run the distributed executor's schedules for every process inside one process, wires as plain buffers.
+
+This is not an executor: it checks the schedule (bucket splitting, pack and scatter programs, rounds, staging,
+commit) against `execute_local` cheaply, for many random plans, without processes or a transport.
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import torch
+
+from ..executors.binding import Binding
+from ..executors.copies import DST, SHADOW, SRC, WIRE, run_copies
+from ..executors.local import torch_dtype
+from ..executors.schedule import build_schedule
+from ..planner import Plan
+
+
+def run_loopback(plan: Plan, binding: Binding, src: Mapping[int, Mapping[str, torch.Tensor]],
+                 dst: Mapping[int, Mapping[str, torch.Tensor]], bucket_numel: int, staged: bool = True,
+                 fail_at: Callable[[list[int]], int] | None = None) -> None:
+    """Run every process's schedule in global round order. With `fail_at` (given the sorted round indices, it
+    picks one), stop before that round as if a peer died (no commit): staged destinations must then be
+    unchanged."""
+    procs = binding.processes
+    scheds = {p: build_schedule(plan, binding, p, bucket_numel, staged) for p in procs}
+    s_flat = [src[r][n].view(-1) for r, n in zip(plan.src_tensors.ranks, plan.src_tensors.names)]
+    d_flat = [dst[r][n].view(-1) for r, n in zip(plan.dst_tensors.ranks, plan.dst_tensors.names)]
+    shadows: dict[int, dict[int, torch.Tensor]] = {
+        p: {t: torch.empty_like(d_flat[t]) for t in s.shadow} for p, s in scheds.items()}
+    dtype = torch_dtype(plan.dst.dtype)
+
+    def memory(p: int, wire: torch.Tensor | None = None):
+        def get(kind: int, i: int) -> torch.Tensor:
+            if kind == SRC:
+                return s_flat[i]
+            if kind == DST:
+                return d_flat[i]
+            if kind == SHADOW:
+                return shadows[p][i]
+            assert kind == WIRE and wire is not None
+            return wire
+        return get
+
+    rounds = sorted({r.index for s in scheds.values() for r in s.rounds})
+    fail_at_round = fail_at(rounds) if fail_at is not None and rounds else None
+    by_proc = {p: {r.index: r for r in s.rounds} for p, s in scheds.items()}
+    with torch.no_grad():
+        for stage in range(plan.num_stages):
+            for p, s in scheds.items():
+                run_copies(s.local[stage].rows_as_lists(), memory(p))
+            for ri in rounds:
+                if fail_at_round is not None and ri >= fail_at_round:
+                    return
+                wires = {}
+                for p in procs:
+                    rnd = by_proc[p].get(ri)
+                    if rnd is None or rnd.stage != stage:
+                        continue
+                    for m in rnd.sends:
+                        buf = torch.full((m.numel,), float("nan"), dtype=dtype)
+                        run_copies(m.copies.rows_as_lists(), memory(p, buf))
+                        wires[(p, m.peer)] = buf
+                for p in procs:
+                    rnd = by_proc[p].get(ri)
+                    if rnd is None or rnd.stage != stage:
+                        continue
+                    for m in rnd.recvs:
+                        buf = wires.pop((m.peer, p))
+                        if buf.numel() != m.numel:
+                            raise AssertionError(f"round {ri}: {m.peer}->{p} sent {buf.numel()}, expected {m.numel}")
+                        run_copies(m.copies.rows_as_lists(), memory(p, buf))
+                if wires:
+                    raise AssertionError(f"round {ri}: messages nobody received: {sorted(wires)}")
+        for p, s in scheds.items():
+            run_copies(s.commit.rows_as_lists(), memory(p))
+            run_copies(s.deferred.rows_as_lists(), memory(p))

@@ -1,0 +1,170 @@
+"""The distributed executor across real processes (gloo on CPU): random plans byte-identical to the local
+executor; colocated, disjoint and subgroup bindings; fan-out egress; a peer killed or hanging mid-refit.
+
+Process start-up dominates here (seconds per process on a small machine), so each test starts one world and
+runs many refits inside it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st
+
+import reshard
+from reshard.executors.binding import Binding
+from reshard.testing.refit_jobs import SENTINEL  # noqa: F401 - documents what "unchanged" means
+from reshard.testing.strategies import refits
+from reshard.testing.world import run_world
+
+pytestmark = pytest.mark.gloo
+WORLD = 4
+RANDOM_CASES = 28
+
+
+def _draw(strategy: st.SearchStrategy, n: int) -> list:
+    """n examples of a strategy, the same on every run (hypothesis drives the draw; processes run them)."""
+    out: list = []
+
+    @settings(max_examples=n, database=None, derandomize=True, phases=[Phase.generate], deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def collect(x):
+        out.append(x)
+
+    collect()
+    return out
+
+
+@st.composite
+def random_cases(draw):
+    src, dst = draw(refits())
+    fanout = draw(st.sampled_from([None, None, 1, 2]))
+    colocated = draw(st.booleans()) and dst.num_ranks <= src.num_ranks
+    plan = reshard.compile(src, dst, colocated=colocated, fanout=fanout)
+    members = draw(st.one_of(st.none(), st.lists(st.integers(0, WORLD - 1), min_size=2, max_size=WORLD,
+                                                  unique=True).map(sorted)))
+    n = len(members) if members is not None else WORLD
+    S, D = src.num_ranks, dst.num_ranks
+    shape = draw(st.sampled_from(["disjoint", "colocated", "random"]))
+    if shape == "disjoint" and S + D <= n:
+        binding = Binding.disjoint(S, D)
+    elif shape == "colocated" and max(S, D) <= n:
+        binding = Binding.colocated(S, D)
+    else:  # ranks spread over the group's processes; a process may play several ranks of a side
+        binding = Binding(tuple(draw(st.lists(st.integers(0, n - 1), min_size=S, max_size=S))),
+                          tuple(draw(st.lists(st.integers(0, n - 1), min_size=D, max_size=D))))
+    total = int((plan.ops["rows"] * plan.ops["cols"]).sum()) * plan.itemsize
+    options = {"in_place": draw(st.booleans()), "timeout": 60.0,
+               # small buckets split ops at odd places; about 20 rounds at most keeps a case quick
+               "bucket_bytes": max(draw(st.sampled_from([4, 12, 256, 4096, 1 << 20])), total // 20)}
+    if draw(st.booleans()):
+        options["memory_cap"] = max(options.pop("bucket_bytes") * 2, 64)
+    return plan, binding, members, options, draw(st.integers(0, 2**16))
+
+
+def _tiny() -> reshard.ModelSpec:
+    return reshard.ModelSpec(family="qwen3", hidden_size=16, num_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=4, intermediate_size=24, vocab_size=100, qk_norm=True)
+
+
+def _fixed_cases():
+    """Named shapes every run covers (name, plan, binding, group members, options)."""
+    spec = _tiny()
+    M, V = reshard.MegatronLayout, reshard.VllmLayout
+    small = {"bucket_bytes": 512, "timeout": 60.0}
+    return [
+        ("disjoint tp2 -> tp2", reshard.compile(M(model=spec, tp=2), V(model=spec, tp=2)),
+         Binding.disjoint(2, 2), None, small),
+        ("a process refuses its tensors: all raise, nothing moves", reshard.compile(M(model=spec, tp=2),
+                                                                                    V(model=spec, tp=2)),
+         Binding.disjoint(2, 2), None, {**small, "refuse": 3}),
+        ("colocated tp2pp2 -> tp2 x2", reshard.compile(M(model=spec, tp=2, pp=2), V(model=spec, tp=2, replicas=2),
+                                                       colocated=True),
+         Binding.colocated(4, 4), None, small),
+        ("colocated in place", reshard.compile(M(model=spec, tp=2, pp=2), V(model=spec, tp=2, replicas=2),
+                                               colocated=True),
+         Binding.colocated(4, 4), None, {**small, "in_place": True}),
+        ("subgroup, fan-out relay", reshard.compile(M(model=spec), V(model=spec, replicas=2), fanout=1),
+         Binding.disjoint(1, 2), [1, 2, 3], small),
+        ("fan-out x3 from one trainer", reshard.compile(M(model=spec), V(model=spec, replicas=3), fanout=1),
+         Binding.disjoint(1, 3), None, small),
+        ("no fan-out x3 from one trainer", reshard.compile(M(model=spec), V(model=spec, replicas=3)),
+         Binding.disjoint(1, 3), None, small),
+        ("repeat with one executor", reshard.compile(M(model=spec, tp=2), V(model=spec, tp=1, replicas=2)),
+         Binding((0, 1), (1, 3)), None, {**small, "repeat": 2}),
+    ]
+
+
+def test_refits_across_processes_match_local_executor(tmp_path: Path):
+    named = _fixed_cases()
+    drawn = _draw(random_cases(), RANDOM_CASES)
+    cases, labels = [], []
+    for i, (name, plan, binding, members, options) in enumerate(named):
+        options = dict(options)
+        extra = {k: options.pop(k) for k in ("repeat", "refuse") if k in options}
+        path = plan.save(tmp_path / f"fixed{i}.npz")
+        cases.append({"plan": str(path), "binding": binding.to_dict(), "group": members, "seed": i,
+                      "options": options, **extra})
+        labels.append(name)
+    for i, (plan, binding, members, options, seed) in enumerate(drawn):
+        path = plan.save(tmp_path / f"random{i}.npz")
+        cases.append({"plan": str(path), "binding": binding.to_dict(), "group": members, "seed": seed,
+                      "options": options})
+        labels.append(f"random {i}: {plan.src} -> {plan.dst} fanout={plan.fanout} {binding} group={members} "
+                      f"{options}")
+    results = run_world(WORLD, "reshard.testing.refit_jobs:run_cases", {"cases": cases}, tmp_path / "world",
+                        timeout=600)
+    logs = (tmp_path / "world" / "logs.txt").read_text()
+    assert all(r is not None for r in results), f"a process died:\n{logs[-4000:]}"
+    failures = []
+    for i, (case, label) in enumerate(zip(cases, labels)):
+        members = case["group"] if case["group"] is not None else list(range(WORLD))
+        for proc in members:
+            r = results[proc][i]
+            if r is None or not r["ok"]:
+                failures.append(f"{label} on world rank {proc}: {r and r['error']}")
+    assert not failures, "\n".join(failures[:10])
+
+    stats = lambda i, proc: results[proc][i]["stats"]  # noqa: E731
+    named_index = {name: i for i, (name, *_) in enumerate(named)}
+    # colocated: process d plays source d and destination d; its own bytes are local copies, never self-sends
+    i = named_index["colocated tp2pp2 -> tp2 x2"]
+    for proc in range(WORLD):
+        assert str(proc) not in stats(i, proc)["bytes_sent"]
+        assert stats(i, proc)["staged"]
+    assert sum(stats(i, p)["local_bytes"] for p in range(WORLD)) > 0
+    assert not stats(named_index["colocated in place"], 0)["staged"]
+    # fan-out: the trainer sends one replica's worth whatever the replica count; without it, three
+    fan, flat = named_index["fan-out x3 from one trainer"], named_index["no fan-out x3 from one trainer"]
+    one_replica = named[fan][1].accounting.lower_bound_by_dst[0]
+    assert sum(stats(fan, 0)["bytes_sent"].values()) == one_replica
+    assert sum(stats(flat, 0)["bytes_sent"].values()) == 3 * one_replica
+    relayed = sum(sum(stats(fan, p)["bytes_sent"].values()) for p in (1, 2, 3))
+    assert relayed == 2 * one_replica
+    # subgroup: world rank 0 sat out; group rank 0 (world rank 1) was the trainer
+    sub = named_index["subgroup, fan-out relay"]
+    assert results[0][sub] is None and sum(stats(sub, 1)["bytes_sent"].values()) == one_replica
+
+
+@pytest.mark.parametrize("mode", ["kill", "hang"])
+def test_dead_or_hanging_peer_fails_every_survivor(tmp_path: Path, mode: str):
+    """Group rank 0 (a trainer rank) dies or stops at round 2. Rank 2 receives from it and fails in its wait;
+    rank 1 does not talk to it and fails in the verify step. Both raise ExecutionError within the timeout and
+    keep their destination tensors unchanged."""
+    spec = _tiny()
+    plan = reshard.compile(reshard.MegatronLayout(model=spec, tp=2), reshard.VllmLayout(model=spec, tp=1))
+    path = plan.save(tmp_path / "plan.npz")
+    timeout = 2.0
+    args = {"plan": str(path), "binding": Binding((0, 1), (2,)).to_dict(), "seed": 3, "victim": 0, "mode": mode,
+            "at_round": 2, "hang_seconds": 2 * timeout + 1,
+            "options": {"timeout": timeout, "bucket_bytes": 256}}
+    results = run_world(3, "reshard.testing.refit_jobs:fail_mid_refit", args, tmp_path / "world", timeout=120)
+    logs = (tmp_path / "world" / "logs.txt").read_text()
+    assert results[0] is None, "the victim should not have finished"
+    for proc in (1, 2):
+        r = results[proc]
+        assert r is not None, f"survivor {proc} did not report:\n{logs[-3000:]}"
+        assert r["raised"] == "ExecutionError", f"survivor {proc}: {r}"
+        assert "refit failed" in r["message"] and "unchanged" in r["message"]
+        assert r["seconds"] < timeout + 5.0, f"survivor {proc} took {r['seconds']:.1f} s"
+    assert results[2]["has_dst"] and results[2]["unchanged"]

@@ -1,0 +1,136 @@
+"""Pieces of the distributed executor that need no processes: bindings, copy folding, bucket splitting, and the
+executor itself in one process (everything local, as in E4)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import reshard
+from reshard.errors import ExecutionError
+from reshard.executors import allocate, execute_local, shard
+from reshard.executors.binding import Binding
+from reshard.executors.copies import DST, SRC, fold, run_copies
+from reshard.executors.distributed import DistributedExecutor, execute_distributed
+from reshard.executors.schedule import bucket_numel_for, build_schedule
+from reshard.testing.loopback import run_loopback
+
+SPEC = reshard.ModelSpec(family="qwen3", hidden_size=16, num_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                         head_dim=4, intermediate_size=24, vocab_size=100, qk_norm=True)
+
+
+def _weights(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {t.name: torch.randn(t.shape, generator=g) for t in SPEC.tensors}
+
+
+# --- bindings ------------------------------------------------------------------------------------------
+def test_binding_shapes_and_checks():
+    assert Binding.disjoint(2, 3) == Binding((0, 1), (2, 3, 4))
+    assert Binding.colocated(4, 2).processes == (0, 1, 2, 3)
+    b = Binding((0, 0, 1), (1,))
+    assert b.src_ranks_of(0) == (0, 1) and b.dst_ranks_of(1) == (0,)
+    assert Binding.from_dict(b.to_dict()) == b and b.digest == Binding((0, 0, 1), (1,)).digest
+    with pytest.raises(ExecutionError, match="non-negative"):
+        Binding((0, -1), (0,))
+    with pytest.raises(ExecutionError, match="plan has 2 source ranks, the binding places 1"):
+        Binding((0,), (0,)).check(2, 1)
+    with pytest.raises(ExecutionError, match="group has 2 ranks"):
+        Binding.disjoint(2, 1).check(2, 1, group_size=2)
+
+
+# --- folding -------------------------------------------------------------------------------------------
+def test_interleaved_blocks_fold_into_one_strided_copy_per_kind():
+    """Megatron's QKV interleave [q(4 rows) k v] per group -> vLLM's [q; k; v]: 3 copies for any group count."""
+    groups, width = 8, 5
+    q_rows, per_group = 4, 6
+    so, do, rows = [], [], []
+    for g in range(groups):
+        base = g * per_group * width
+        so += [base, base + q_rows * width, base + (q_rows + 1) * width]
+        do += [g * q_rows * width, (groups * q_rows + g) * width, (groups * (q_rows + 1) + g) * width]
+        rows += [q_rows, 1, 1]
+    n = len(so)
+    prog = fold(SRC, 0, np.array(so) , width, DST, 0, np.array(do), width, np.array(rows), width)
+    assert len(prog) == 3
+    src = torch.arange(groups * per_group * width, dtype=torch.float32)
+    want, got = torch.zeros_like(src), torch.zeros_like(src)
+    for s, d, r in zip(so, do, rows):
+        want[d:d + r * width] = src[s:s + r * width]
+    run_copies(prog.rows_as_lists(), lambda kind, i: src if kind == SRC else got)
+    assert torch.equal(got, want) and n == 3 * groups
+
+
+def test_fold_keeps_irregular_blocks_apart():
+    so = np.array([0, 10, 13, 40])
+    do = np.array([100, 0, 50, 7])
+    prog = fold(SRC, 0, so, 3, DST, 0, do, 3, 1, 3)
+    src = torch.arange(60, dtype=torch.float32)
+    got, want = torch.zeros(200), torch.zeros(200)
+    for s, d in zip(so, do):
+        want[d:d + 3] = src[s:s + 3]
+    run_copies(prog.rows_as_lists(), lambda kind, i: src if kind == SRC else got)
+    assert torch.equal(got, want)
+
+
+# --- buckets -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bucket", [1, 11, 37])
+@pytest.mark.parametrize("staged", [True, False])
+def test_tiny_buckets_split_ops_anywhere(bucket, staged):
+    # one-element buckets on a few tensors (strided and contiguous), small ones on the whole model
+    few = ["model.layers.0.self_attn.k_proj.weight", "model.layers.0.mlp.down_proj.weight", "model.norm.weight"]
+    plan = reshard.compile(reshard.MegatronLayout(model=SPEC, tp=2), reshard.VllmLayout(model=SPEC, replicas=2),
+                           fanout=1, tensors=few if bucket == 1 else None)
+    binding = Binding((0, 1), (1, 2))
+    src = shard(plan.src, _weights())
+    want, got = allocate(plan.dst, fill=-1.0), allocate(plan.dst, fill=-1.0)
+    execute_local(plan, src, want)
+    run_loopback(plan, binding, src, got, bucket, staged=staged)
+    for r in want:
+        for n in want[r]:
+            assert torch.equal(got[r][n], want[r][n]), (r, n)
+    for p in binding.processes:
+        for rnd in build_schedule(plan, binding, p, bucket, staged).rounds:
+            assert all(m.numel <= bucket for m in rnd.sends + rnd.recvs)
+
+
+def test_bucket_size_respects_memory_cap():
+    plan = reshard.compile(reshard.MegatronLayout(model=SPEC, tp=2), reshard.VllmLayout(model=SPEC, tp=2))
+    b = Binding((0, 1), (1, 0))  # each process sends to and receives from the other: 2 buffers a round
+    size = plan.itemsize
+    assert bucket_numel_for(plan, b, memory_cap=4096, bucket_bytes=None, depth=2) * size * 2 * 2 == 4096
+    assert bucket_numel_for(plan, b, memory_cap=1 << 30, bucket_bytes=1024, depth=2) == 1024 // size
+    with pytest.raises(ExecutionError, match="memory_cap=4"):
+        bucket_numel_for(plan, b, memory_cap=4, bucket_bytes=None, depth=2)
+
+
+# --- one process ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("in_place", [False, True])
+def test_one_process_plays_both_sides(in_place):
+    """No process group: a colocated refit whose every byte is a local copy (E4), byte for byte."""
+    plan = reshard.compile(reshard.MegatronLayout(model=SPEC, tp=2), reshard.VllmLayout(model=SPEC, replicas=2),
+                           fanout=1)
+    src = shard(plan.src, _weights(1))
+    want, got = allocate(plan.dst, fill=-1.0), allocate(plan.dst, fill=-1.0)
+    execute_local(plan, src, want)
+    stats = execute_distributed(plan, Binding((0, 0), (0, 0)), src, got, in_place=in_place)
+    assert stats.rounds == 0 and stats.local_bytes == plan.accounting.total_bytes
+    for r in want:
+        for n in want[r]:
+            assert torch.equal(got[r][n], want[r][n]), (r, n)
+
+
+def test_bad_tensors_are_refused_before_anything_moves():
+    plan = reshard.compile(reshard.MegatronLayout(model=SPEC), reshard.VllmLayout(model=SPEC))
+    ex = DistributedExecutor(plan, Binding((0,), (0,)))
+    src = shard(plan.src, _weights())
+    dst = allocate(plan.dst, fill=-1.0)
+    name = next(iter(dst[0]))
+    bad = {0: {**dst[0], name: dst[0][name].double()}}
+    with pytest.raises(ExecutionError, match=f"{name}.*nothing was moved"):
+        ex.run(src, bad)
+    assert all(bool((t == -1).all()) for t in dst[0].values())
+    with pytest.raises(ExecutionError, match=r"destination ranks given \[\]"):
+        ex.run(src, {})
+    with pytest.raises(ExecutionError, match="group rank 1 but the group has 1 ranks"):
+        DistributedExecutor(plan, Binding((0,), (1,)))

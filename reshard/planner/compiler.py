@@ -146,7 +146,15 @@ class _Boxes:
         self.hset_start, self.hset_count, self.hset_ranks = cat(starts), cat(counts), cat(ranks)
 
     def overlaps(self, model: ModelSpec) -> list[str]:
-        """Distinct boxes of one canonical tensor must not overlap (else the source layout is inconsistent)."""
+        """Distinct boxes of one canonical tensor must lie inside it and not overlap (else the source layout is
+        inconsistent)."""
+        c = model.canonical
+        outside = np.flatnonzero((self.c0 < 0) | (self.c1 < 0) | (self.c0 + self.n0 > c.rows[self.canon])
+                                 | (self.c1 + self.n1 > c.cols[self.canon]))
+        if len(outside):
+            return [f"source layout places a box outside {model.tensor_name(int(self.canon[i]))}: rows "
+                    f"[{self.c0[i]}, {self.c0[i] + self.n0[i]}), cols [{self.c1[i]}, {self.c1[i] + self.n1[i]})"
+                    for i in outside[:10]]
         if len(self) < 2:
             return []
         width = model.canonical.cols

@@ -84,7 +84,7 @@ def _tensor_ids(t: PlacementTable, mask: np.ndarray, side: str) -> tuple[np.ndar
     ranks, kinds = uniq // nk, uniq % nk
     name_ids: dict[str, int] = {}
     name_of_kind = np.asarray([name_ids.setdefault(name, len(name_ids)) for name, _ in t.kinds], dtype=np.int64)
-    if len(uniq) and len(unique_inverse((ranks, name_of_kind[kinds]))[0]) != len(uniq):
+    if len(name_ids) < len(t.kinds) and len(uniq) and len(unique_inverse((ranks, name_of_kind[kinds]))[0]) != len(uniq):
         seen: dict[tuple[int, str], tuple[int, ...]] = {}
         problems = []
         for r, k in zip(ranks.tolist(), kinds.tolist()):

@@ -29,7 +29,7 @@ from ..layouts import Layout, ModelSpec
 from ..layouts.base import PlacementTable
 from .accounting import Bounds
 from .balance import choose_holders
-from .coverage import _band_segments, _overlaps, _sorted_unique, prove_exact_coverage, rects_from_ops
+from .coverage import band_segments, overlapping, prove_exact_coverage, rects_from_ops, sorted_unique
 from .fanout import replica_forests, split_parts
 from .merge import merge_relay, merge_template, sort_by, unique_inverse
 from .plan import Plan, TensorTable
@@ -159,10 +159,10 @@ class _Boxes:
             return []
         width = model.canonical.cols
         base = int(width.max()) + 1
-        edges = _sorted_unique(np.concatenate([self.canon * base + self.c1, self.canon * base + self.c1 + self.n1]))
-        band, start, end = _band_segments(self.canon, self.c0, self.c1, self.n0, self.n1, base, edges)
+        edges = sorted_unique(np.concatenate([self.canon * base + self.c1, self.canon * base + self.c1 + self.n1]))
+        band, start, end = band_segments(self.canon, self.c0, self.c1, self.n0, self.n1, base, edges)
         out = []
-        for i in _overlaps(band, start, end)[:10]:
+        for i in overlapping(band, start, end)[:10]:
             c = int(edges[band[i]] // base)
             out.append(f"source layout holds overlapping but different boxes of {model.tensor_name(c)} "
                        f"(rows [{start[i + 1]}, {min(end[i], end[i + 1])}))")

@@ -83,11 +83,14 @@ class TableBuilder:
     def kind(self, name: str, shape: tuple[int, ...]) -> int:
         return self._kinds.setdefault((name, tuple(shape)), len(self._kinds))
 
-    def kinds_for(self, keys: np.ndarray, name: Callable[..., str], shape: Callable[..., tuple[int, ...]]) -> np.ndarray:
-        """Kind id per row of `keys` (n x k ints); `name(*key)` and `shape(*key)` run once per distinct key."""
+    def kinds_for(self, keys: np.ndarray, name: Callable[..., str], shape: tuple[int, ...]) -> np.ndarray:
+        """Kind id per row of `keys` (n x k ints) for tensors of one `shape`; `name(*key)` runs once per distinct
+        key."""
         keys = np.asarray(keys, dtype=np.int64).reshape(len(keys), -1)
         first, inverse = unique_inverse(tuple(keys.T))
-        ids = np.asarray([self.kind(name(*k), shape(*k)) for k in keys[first].tolist()], dtype=np.int64)
+        kinds, shape = self._kinds, tuple(shape)
+        ids = np.asarray([kinds.setdefault((name(*k), shape), len(kinds)) for k in keys[first].tolist()],
+                         dtype=np.int64)
         return ids[inverse]
 
     def add(self, canon, rank, kind, c0, c1, n0, n1, origin, stride) -> None:

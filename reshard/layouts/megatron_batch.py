@@ -27,6 +27,8 @@ def megatron_table(lay, index: np.ndarray | Sequence[int] | None) -> PlacementTa
     moe_layer = np.asarray([spec.is_moe_layer(i) for i in range(spec.num_layers)], dtype=bool)
     S, Se = lay.axis_strides(expert=False), lay.axis_strides(expert=True)
     tp, dp = np.arange(lay.tp), np.arange(lay.dp)
+    layer_prefix = [[f"{lay._prefix(ch)}decoder.layers.{lo}." for lo in range(spec.num_layers)]
+                    for ch in range(lay.vpp)]  # name pieces, formatted once
     roles = c.role[index]
     for code in np.flatnonzero(np.bincount(roles)).tolist():
         idx = index[roles == code]
@@ -44,8 +46,7 @@ def megatron_table(lay, index: np.ndarray | Sequence[int] | None) -> PlacementTa
 
         def kinds(variant, suffixes, shape):
             keys = np.stack([chunk, local, np.broadcast_to(variant, chunk.shape)], axis=1)
-            return b.kinds_for(keys, lambda ch, lo, v: f"{lay._prefix(ch)}decoder.layers.{lo}.{suffixes[v]}",
-                               lambda *_: shape)
+            return b.kinds_for(keys, lambda ch, lo, v: layer_prefix[ch][lo] + suffixes[v], shape)
 
         def dense_rank(r, d):  # r, d broadcast against (n, ...) tensor axes
             return r * S["tp"] + d * S["dp"] + stage.reshape((-1,) + (1,) * (np.ndim(r) - 1)) * S["pp"]
@@ -89,10 +90,10 @@ def megatron_table(lay, index: np.ndarray | Sequence[int] | None) -> PlacementTa
             per = Fm // lay.etp
             shape = (H, per) if role == Role.EXPERT_DOWN else (2 * per, H)
             keys = np.stack([chunk, local, j], axis=1)
-            name = ((lambda ch, lo, jj: f"{lay._prefix(ch)}decoder.layers.{lo}.mlp.experts.local_experts.{jj}.{fc}.weight")
-                    if lay.naming == "local" else
-                    (lambda ch, lo, jj: f"{lay._prefix(ch)}decoder.layers.{lo}.mlp.experts.{fc}.weight{jj}"))
-            kind = b.kinds_for(keys, name, lambda *_: shape)
+            tail = ([f"mlp.experts.local_experts.{jj}.{fc}.weight" for jj in range(per_ep)] if lay.naming == "local"
+                    else [f"mlp.experts.{fc}.weight{jj}" for jj in range(per_ep)])
+            name = lambda ch, lo, jj: layer_prefix[ch][lo] + tail[jj]  # noqa: E731
+            kind = b.kinds_for(keys, name, shape)
             r, d = np.arange(lay.etp)[None, :, None], np.arange(lay.edp)[None, None, :]
             rank = r * Se["tp"] + ep[:, None, None] * Se["ep"] + d * Se["dp"] + stage[:, None, None] * Se["pp"]
             if role == Role.EXPERT_DOWN:

@@ -235,7 +235,7 @@ def _vllm_table(lay: VllmLayout, index, replica: int | None) -> PlacementTable:
         layer_keys = c.layer[idx]
 
         def kinds(shape):
-            return b.kinds_for(layer_keys, lambda i: fmt.format(i=i), lambda *_: shape)[:, None, None]
+            return b.kinds_for(layer_keys, lambda i: fmt.format(i=i), shape)[:, None, None]
 
         if role in (Role.INPUT_NORM, Role.POST_ATTN_NORM, Role.Q_NORM, Role.K_NORM, Role.ROUTER):
             shape = (rows, cols) if c.ndim[idx[0]] == 2 else (cols,)

@@ -29,7 +29,7 @@ from ..layouts import Layout, ModelSpec
 from ..layouts.base import PlacementTable
 from .accounting import Bounds
 from .balance import choose_holders
-from .coverage import _band_segments, _overlaps, _sorted_unique, prove_exact_coverage, rects_from_ops
+from .coverage import band_segments, overlapping, prove_exact_coverage, rects_from_ops, sorted_unique
 from .fanout import replica_forests, split_parts
 from .merge import merge_relay, merge_template, sort_by, unique_inverse
 from .plan import Plan, TensorTable
@@ -84,7 +84,7 @@ def _tensor_ids(t: PlacementTable, mask: np.ndarray, side: str) -> tuple[np.ndar
     ranks, kinds = uniq // nk, uniq % nk
     name_ids: dict[str, int] = {}
     name_of_kind = np.asarray([name_ids.setdefault(name, len(name_ids)) for name, _ in t.kinds], dtype=np.int64)
-    if len(uniq) and len(unique_inverse((ranks, name_of_kind[kinds]))[0]) != len(uniq):
+    if len(name_ids) < len(t.kinds) and len(uniq) and len(unique_inverse((ranks, name_of_kind[kinds]))[0]) != len(uniq):
         seen: dict[tuple[int, str], tuple[int, ...]] = {}
         problems = []
         for r, k in zip(ranks.tolist(), kinds.tolist()):
@@ -146,15 +146,23 @@ class _Boxes:
         self.hset_start, self.hset_count, self.hset_ranks = cat(starts), cat(counts), cat(ranks)
 
     def overlaps(self, model: ModelSpec) -> list[str]:
-        """Distinct boxes of one canonical tensor must not overlap (else the source layout is inconsistent)."""
+        """Distinct boxes of one canonical tensor must lie inside it and not overlap (else the source layout is
+        inconsistent)."""
+        c = model.canonical
+        outside = np.flatnonzero((self.c0 < 0) | (self.c1 < 0) | (self.c0 + self.n0 > c.rows[self.canon])
+                                 | (self.c1 + self.n1 > c.cols[self.canon]))
+        if len(outside):
+            return [f"source layout places a box outside {model.tensor_name(int(self.canon[i]))}: rows "
+                    f"[{self.c0[i]}, {self.c0[i] + self.n0[i]}), cols [{self.c1[i]}, {self.c1[i] + self.n1[i]})"
+                    for i in outside[:10]]
         if len(self) < 2:
             return []
         width = model.canonical.cols
         base = int(width.max()) + 1
-        edges = _sorted_unique(np.concatenate([self.canon * base + self.c1, self.canon * base + self.c1 + self.n1]))
-        band, start, end = _band_segments(self.canon, self.c0, self.c1, self.n0, self.n1, base, edges)
+        edges = sorted_unique(np.concatenate([self.canon * base + self.c1, self.canon * base + self.c1 + self.n1]))
+        band, start, end = band_segments(self.canon, self.c0, self.c1, self.n0, self.n1, base, edges)
         out = []
-        for i in _overlaps(band, start, end)[:10]:
+        for i in overlapping(band, start, end)[:10]:
             c = int(edges[band[i]] // base)
             out.append(f"source layout holds overlapping but different boxes of {model.tensor_name(c)} "
                        f"(rows [{start[i + 1]}, {min(end[i], end[i + 1])}))")

@@ -55,13 +55,13 @@ def rects_from_ops(dst_tensor: np.ndarray, dst_offset: np.ndarray, dst_stride: n
     return tuple(out)
 
 
-def _sorted_unique(a: np.ndarray) -> np.ndarray:
+def sorted_unique(a: np.ndarray) -> np.ndarray:
     """np.unique by sorting (numpy's hash-based unique is slow on millions of int64)."""
     a = np.sort(a)
     return a[np.concatenate([[True], a[1:] != a[:-1]])] if len(a) else a
 
 
-def _band_segments(t, r0, c0, nr, nc, key_base, bounds_keys):
+def band_segments(t, r0, c0, nr, nc, key_base, bounds_keys):
     """Explode rectangles into per-band row intervals, sorted by (band, row)."""
     lo = np.searchsorted(bounds_keys, t * key_base + c0)
     count = np.searchsorted(bounds_keys, t * key_base + c0 + nc) - lo
@@ -75,7 +75,7 @@ def _band_segments(t, r0, c0, nr, nc, key_base, bounds_keys):
     return band[order], start[order], end[order]
 
 
-def _overlaps(band, start, end):
+def overlapping(band, start, end):
     return np.flatnonzero((band[1:] == band[:-1]) & (start[1:] < end[:-1]))
 
 
@@ -107,9 +107,9 @@ def prove_exact_coverage(ops_rects: tuple[np.ndarray, ...], piece_rects: tuple[n
     for t, c, n in ((ot, ocol, onc), (pt, pcol, pnc)):
         part = np.flatnonzero(n != width[t])
         cuts += [t[part] * key_base + c[part], t[part] * key_base + c[part] + n[part]]
-    edges = _sorted_unique(np.concatenate(cuts))
-    ob, os_, oe = _band_segments(ot, orow, ocol, onr, onc, key_base, edges)
-    pb, ps, pe = _band_segments(pt, prow, pcol, pnr, pnc, key_base, edges)
+    edges = sorted_unique(np.concatenate(cuts))
+    ob, os_, oe = band_segments(ot, orow, ocol, onr, onc, key_base, edges)
+    pb, ps, pe = band_segments(pt, prow, pcol, pnr, pnc, key_base, edges)
 
     def where(b, s, e):
         k = int(edges[b])
@@ -117,9 +117,9 @@ def prove_exact_coverage(ops_rects: tuple[np.ndarray, ...], piece_rects: tuple[n
         c0, c1 = k % key_base, int(edges[b + 1]) % key_base
         return f"{names(t)} rows [{s}, {e}) cols [{c0}, {c1})"
 
-    for i in _overlaps(ob, os_, oe)[:10]:
+    for i in overlapping(ob, os_, oe)[:10]:
         problems.append(f"written twice: {where(ob[i + 1], os_[i + 1], min(oe[i], oe[i + 1]))}")
-    for i in _overlaps(pb, ps, pe)[:10]:
+    for i in overlapping(pb, ps, pe)[:10]:
         problems.append(f"destination layout places two boxes at {where(pb[i + 1], ps[i + 1], pe[i])}")
     if problems:
         raise CoverageError("coverage proof failed", problems)

@@ -55,7 +55,7 @@ class TensorTable:
             a = np.ascontiguousarray(getattr(self, name), dtype=np.int64)
             a.setflags(write=False)
             object.__setattr__(self, name, a)
-        object.__setattr__(self, "kinds", tuple((str(n), tuple(int(x) for x in sh)) for n, sh in self.kinds))
+        object.__setattr__(self, "kinds", tuple(self.kinds))  # (name, shape tuple) pairs; from_dict converts
 
     @classmethod
     def from_lists(cls, ranks, names, shapes) -> "TensorTable":
@@ -108,7 +108,7 @@ class TensorTable:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TensorTable":
         return cls(np.asarray(d["rank"], dtype=np.int64), np.asarray(d["kind"], dtype=np.int64),
-                   tuple((n, tuple(s)) for n, s in d["kinds"]))
+                   tuple((str(n), tuple(int(x) for x in s)) for n, s in d["kinds"]))
 
     def digest_update(self, h) -> None:
         h.update(json.dumps(self.kinds).encode())

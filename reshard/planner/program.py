@@ -14,7 +14,7 @@ of millions of rows; a rank's executor expands only its own (`expand(..., sender
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -123,9 +123,6 @@ class Program:
                    relay={c: get(f"r.{c}") for c in RELAY_COLUMNS},
                    **{n: get(n) for n in cls.ARRAYS if n != "choice"},
                    choice=get("choice").reshape(len(fed), -1), **scalars)
-
-    def field_names(self) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(self))
 
 
 # --- expansion to op rows -------------------------------------------------------------------------------

@@ -34,7 +34,8 @@ def trainer_rank(outdir: str) -> None:
 
     from reshard.adapters.megatron import derive_layout, source_tensors
     from reshard.executors import allocate
-    from reshard.testing.sendrecv import run_plan_p2p
+    from reshard.executors.binding import Binding
+    from reshard.executors.distributed import execute_distributed
 
     rank = dist.get_rank()
     init_parallel(tp=2)
@@ -50,14 +51,16 @@ def trainer_rank(outdir: str) -> None:
 
     plan = reshard.compile(src_layout, hf)
     dst = allocate(hf, fill=float("nan"), ranks=[0]) if rank == 0 else {}
-    sent = run_plan_p2p(plan, {rank: tensors}, dst, src_process=lambda r: r, dst_process=lambda r: 0)
+    # Trainer ranks 0 and 1 are source ranks 0 and 1; process 0 also hosts the HF destination (rank 0).
+    stats = execute_distributed(plan, Binding((0, 1), (0,)), {rank: tensors}, dst, timeout=120.0)
+    sent = sum(stats.bytes_sent.values())
     if rank == 0:
         Path(outdir, "hf").mkdir()
         save_file(dst[0], str(Path(outdir, "hf", "model.safetensors")), metadata={"format": "pt"})
         save_file({"logits": logits, "tokens": tokens}, str(Path(outdir, "megatron.safetensors")))
     Path(outdir, f"rank{rank}.json").write_text(json.dumps({
         "derived": str(derived), "equal": derived == src_layout, "tensors": len(tensors), "views": views,
-        "sent_elements": sent, "digest": plan.digest}))
+        "sent_bytes": sent, "digest": plan.digest}))
 
 
 def main() -> int:
@@ -80,8 +83,8 @@ def main() -> int:
     for r, info in enumerate(ranks):
         print(f"trainer rank {r}: derived {info['derived']} (equals declared: {info['equal']}); "
               f"{info['views']}/{info['tensors']} source tensors are views of live parameters; "
-              f"sent {info['sent_elements'] * 4:,} B over gloo, copied "
-              f"{plan.accounting.egress_bytes[r] - info['sent_elements'] * 4:,} B locally (rank 0 hosts HF)")
+              f"sent {info['sent_bytes']:,} B over gloo, copied "
+              f"{plan.accounting.egress_bytes[r] - info['sent_bytes']:,} B locally (rank 0 hosts HF)")
     same_plan = all(info["digest"] == plan.digest for info in ranks)
     print(f"plan digest identical on both trainer ranks and here: {same_plan}")
     print(f"verify: transformers Qwen3ForCausalLM on the refitted weights vs the Megatron model, same tokens: "

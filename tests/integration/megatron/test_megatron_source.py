@@ -127,7 +127,8 @@ def _worker(name: str, outdir: str) -> None:
     from reshard.adapters.megatron.model import live_parameters
     from reshard.executors import allocate
     from reshard.testing.checks import data_mask
-    from reshard.testing.sendrecv import run_plan_p2p
+    from reshard.executors.binding import Binding
+    from reshard.executors.distributed import execute_distributed
 
     case = CASES[name]
     spec = case.tiny.spec()
@@ -177,7 +178,9 @@ def _worker(name: str, outdir: str) -> None:
     hf = reshard.HfLayout(model=spec)
     plan = reshard.compile(declared, hf)
     dst = allocate(hf, fill=float("nan"), ranks=[0]) if rank == 0 else {}
-    result["sent_elements"] = run_plan_p2p(plan, {rank: src}, dst, src_process=lambda r: r, dst_process=lambda r: 0)
+    world = dist.get_world_size()
+    stats = execute_distributed(plan, Binding(tuple(range(world)), (0,)), {rank: src}, dst, timeout=120.0)
+    result["sent_bytes"] = sum(stats.bytes_sent.values())
     if rank == 0:
         Path(outdir, "hf").mkdir()
         save_file(dst[0], str(Path(outdir, "hf", "model.safetensors")), metadata={"format": "pt"})
@@ -190,7 +193,8 @@ def _worker(name: str, outdir: str) -> None:
         tp1 = case.layout(tp=1, etp=1)
         plan1 = reshard.compile(declared, tp1)
         got = allocate(tp1, fill=float("nan"), ranks=[rank])
-        run_plan_p2p(plan1, {rank: src}, got, src_process=lambda r: r, dst_process=lambda r: r)
+        execute_distributed(plan1, Binding(tuple(range(world)), tuple(range(world))), {rank: src}, got,
+                            timeout=120.0)
         init_parallel(1, case.pp, case.ep, 1, case.vpp)
         chunks1 = build_model(case.tiny)
         assert derive_layout(chunks1, spec, like=tp1) == tp1

@@ -1,0 +1,60 @@
+"""Against real vLLM 0.33 model code on CPU (gloo), for Qwen3 (untied, tied) and Qwen3-MoE (TP split, and
+expert parallel at TP2), at vLLM TP1 and TP2; every check compares with vLLM's own `load_weights` of the same
+HF checkpoint (saved by transformers), byte for byte per parameter:
+  - direct install: a plan from a Megatron layout written straight into the parameters;
+  - loader install: the same plan's canonical tensors handed to load_weights one module group at a time;
+  - the layout derived from the model's loaders (marked tensors) equals the declared VllmLayout, and the probe
+    puts the live weights back untouched;
+  - declarations that differ from vLLM (other shapes; the same shapes with [up; gate] stacking) and models
+    whose linears vLLM's CPU post-processing re-laid out are refused before anything moves.
+Each TP world runs in its own processes (rank_checks.py), TP1 and TP2 concurrently.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from vllm_harness import HERE, launch, wait
+
+pytestmark = pytest.mark.vllm
+
+CASES = {  # name -> (checkpoint, expert parallel, Megatron source layout)
+    "qwen3": ("qwen3", False, "megatron:tp=2,pp=2"),
+    "qwen3_tied": ("qwen3_tied", False, "megatron:tp=1,pp=2"),
+    "qwen3_moe": ("qwen3_moe", False, "megatron:tp=2,ep=2,etp=1,pp=2"),
+    "qwen3_moe_ep": ("qwen3_moe", True, "megatron:tp=2,ep=2,etp=2"),
+}
+WORLDS = {1: ["qwen3", "qwen3_tied", "qwen3_moe"], 2: ["qwen3", "qwen3_tied", "qwen3_moe", "qwen3_moe_ep"]}
+CHECKS = ["direct_install_matches_load_weights", "loader_install_matches_load_weights", "derived_equals_declared",
+          "wrong_shape_declaration_refused", "wrong_stacking_refused"]
+
+
+@pytest.fixture(scope="module")
+def reports(checkpoints, tmp_path_factory):
+    out = tmp_path_factory.mktemp("rank_checks")
+    running = {}
+    for world, names in WORLDS.items():
+        (out / f"w{world}").mkdir()
+        cases = [json.dumps({"name": n, "ckpt": str(checkpoints[CASES[n][0]]), "ep": CASES[n][1],
+                             "src": CASES[n][2]}) for n in names]
+        running[world] = launch(sys.executable, HERE / "rank_checks.py",
+                                [str(out / f"w{world}"), str(checkpoints["qwen3_moe"]), *cases], world, out)
+    for procs in running.values():
+        wait(procs, timeout=1200)
+    return {world: [json.loads((out / f"w{world}" / f"rank{r}.json").read_text()) for r in range(world)]
+            for world in WORLDS}
+
+
+def _params():
+    for world, names in WORLDS.items():
+        for name in names:
+            for check in CHECKS + (["processed_model_refused"] if "moe" not in name else []):
+                yield pytest.param(world, name, check, id=f"tp{world}-{name}-{check}")
+
+
+@pytest.mark.parametrize("world,case,check", list(_params()))
+def test_vllm_destination(reports, world, case, check):
+    for rank, report in enumerate(reports[world]):
+        assert report[case][check] == "ok", f"tp{world} rank {rank} {case}: {report[case][check]}"

@@ -42,6 +42,26 @@ class GateUpSwapped(reshard.VllmLayout):
         return swapped
 
 
+class LoopbackClient:
+    """vLLM's weight-sync client protocol, served by this process's worker engine the way a worker's RPC
+    handlers serve it (parse the dict, call the engine)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def init_weight_transfer_engine(self, init_info):
+        self.engine.init_transfer_engine(self.engine.parse_init_info(init_info))
+
+    def start_weight_update(self):
+        self.engine.start_weight_update()
+
+    def update_weights(self, update_info):
+        self.engine.update_weights(update_info)
+
+    def finish_weight_update(self, weight_version=None):
+        self.engine.finish_weight_update()
+
+
 def snapshot(model):
     return {n: p.detach().clone() for n, p in weights(model).items()}
 
@@ -119,6 +139,43 @@ def run_case(case: dict, rank: int, world: int) -> dict[str, str]:
         LoaderInstaller(model, rank, plans, cfg).install(LocalTransport(src_tensors))
         return same_bytes(model, ref)
 
+    def trainer_engine(dst, key):
+        """The `reshard` backend picked by name from vLLM's factories, worker and trainer side."""
+        from vllm.config import WeightTransferConfig
+        from vllm.distributed.weight_transfer.factory import (WeightTransferEngineFactory,
+                                                               WeightTransferTrainerFactory)
+
+        from reshard.adapters.vllm import refit_spec
+        from reshard.adapters.vllm.engine import register
+        from reshard.adapters.vllm.trainer import ReshardSource, ReshardTrainerInitInfo
+
+        register()
+        engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="reshard"), cfg,
+                                                           torch.device("cpu"), model)
+        fields = refit_spec(spec, src, dst, mode="direct", transport="inprocess", transport_options={"key": key},
+                            verify_layers=list(range(spec.num_layers)))
+        info = ReshardTrainerInitInfo(rank=0, **{k: v for k, v in fields.__dict__.items() if k != "plan_digest"})
+        return WeightTransferTrainerFactory.trainer_init(info, client=LoopbackClient(engine),
+                                                         source=ReshardSource(src, src_tensors))
+
+    def engine_direct_refit_matches_load_weights():
+        poison(model)
+        trainer = trainer_engine(layout, "direct")
+        trainer.send_weights(version="v1")
+        trainer.shutdown()
+        return same_bytes(model, ref)
+
+    def engine_refuses_other_destination():
+        before = snapshot(model)
+        other = reshard.VllmLayout(model=spec, tp=world, expert_parallel=case["ep"], vocab_padding=256)
+        try:
+            trainer_engine(other, "other")
+        except reshard.LayoutMismatchError as e:
+            if "the engine runs" not in str(e):
+                return f"unexpected error: {e}"
+            return same_bytes(model, before)
+        return "the engine accepted a trainer's destination layout that differs from its own"
+
     def wrong_shape_declaration_refused():
         before = snapshot(model)
         wrong = reshard.VllmLayout(model=spec, tp=world, expert_parallel=case["ep"], vocab_padding=40)
@@ -161,6 +218,8 @@ def run_case(case: dict, rank: int, world: int) -> dict[str, str]:
     check("derived_equals_declared", derived_equals_declared)
     check("direct_install_matches_load_weights", direct_install_matches_load_weights)
     check("loader_install_matches_load_weights", loader_install_matches_load_weights)
+    check("engine_direct_refit_matches_load_weights", engine_direct_refit_matches_load_weights)
+    check("engine_refuses_other_destination", engine_refuses_other_destination)
     check("wrong_shape_declaration_refused", wrong_shape_declaration_refused)
     check("wrong_stacking_refused", wrong_stacking_refused)
     if not spec.is_moe:  # processing MoE on CPU needs kernels the CUDA wheel lacks

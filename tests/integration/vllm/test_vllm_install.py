@@ -1,10 +1,13 @@
 """Against real vLLM 0.33 model code on CPU (gloo), for Qwen3 (untied, tied) and Qwen3-MoE (TP split, and
 expert parallel at TP2), at vLLM TP1 and TP2; every check compares with vLLM's own `load_weights` of the same
 HF checkpoint (saved by transformers), byte for byte per parameter:
-  - direct install: a plan from a Megatron layout written straight into the parameters;
+  - direct install: a plan from a Megatron layout written straight into the parameters; and the same through
+    the `reshard` weight-transfer engine and trainer engine, picked by name from vLLM's factories (the trainer
+    drives the worker engine through vLLM's client protocol, served in-process);
   - loader install: the same plan's canonical tensors handed to load_weights one module group at a time;
   - the layout derived from the model's loaders (marked tensors) equals the declared VllmLayout, and the probe
     puts the live weights back untouched;
+  - a trainer whose destination layout differs from the engine's is refused at init;
   - declarations that differ from vLLM (other shapes; the same shapes with [up; gate] stacking) and models
     whose linears vLLM's CPU post-processing re-laid out are refused before anything moves.
 Each TP world runs in its own processes (rank_checks.py), TP1 and TP2 concurrently.
@@ -27,7 +30,8 @@ CASES = {  # name -> (checkpoint, expert parallel, Megatron source layout)
     "qwen3_moe_ep": ("qwen3_moe", True, "megatron:tp=2,ep=2,etp=2"),
 }
 WORLDS = {1: ["qwen3", "qwen3_tied", "qwen3_moe"], 2: ["qwen3", "qwen3_tied", "qwen3_moe", "qwen3_moe_ep"]}
-CHECKS = ["direct_install_matches_load_weights", "loader_install_matches_load_weights", "derived_equals_declared",
+CHECKS = ["direct_install_matches_load_weights", "loader_install_matches_load_weights",
+          "engine_direct_refit_matches_load_weights", "engine_refuses_other_destination", "derived_equals_declared",
           "wrong_shape_declaration_refused", "wrong_stacking_refused"]
 
 

@@ -7,9 +7,10 @@ element then says which canonical element vLLM's loaders put there. Grouped into
 the layout vLLM really uses -- stacking order, TP split, KV-head replication, expert slots, vocab padding --
 whatever the vLLM version. The live parameters are put back untouched afterwards.
 
-Cost: the probed layers' parameters once more in float64 on the host, plus the marked canonical tensors.
-Layers of one kind are built by the same code, so probing one layer of each kind (`representative_layers`)
-is the default for large models; tests probe every layer.
+Cost: the probed layers' parameters once more in float64 on the host, plus one marked canonical tensor at a
+time. Layers of one kind are built by the same code, so the engine probes one layer of each kind
+(`representative_layers`) plus embeddings, final norm and lm_head; e.g. Qwen3-235B-A22B at TP4 needs about
+7.5 GB of host memory for that, once, at init. Tests probe every layer.
 """
 from __future__ import annotations
 
@@ -73,11 +74,9 @@ def derive_layout(model: torch.nn.Module, spec: ModelSpec, rank: int, layers: Se
     swapped = {n: p for n, p in params.items() if layer_of(n) in wanted_layers}
     scratch, live = _swap_in_scratch(swapped)
     try:
-        feed = [(t.name, marker(t)) for t in chosen]
-        context = _vllm_config_scope(vllm_config)
-        with context, torch.no_grad():
-            model.load_weights(iter(feed))
-        del feed
+        feed = ((t.name, marker(t)) for t in chosen)  # made one at a time, as the loaders consume them
+        with _vllm_config_scope(vllm_config), torch.no_grad():
+            model.load_weights(feed)
         placements, problems = [], []
         by_index = {t.index: t for t in spec.tensors}
         for name, values in scratch.items():

@@ -21,9 +21,11 @@ from typing import Any, Sequence
 
 import torch
 
+from ...errors import ExecutionError
 from ...executors.local import torch_dtype
 from ...layouts import HfLayout, Layout, ModelSpec
 from ...planner import Plan, compile_plan
+from .live import weights
 from .transport import Transport
 
 
@@ -76,7 +78,8 @@ class LoaderInstaller:
 
     @torch.no_grad()
     def install(self, transport: Transport) -> set[str]:
-        """Receive each group's canonical tensors and hand them to `load_weights`; returns what vLLM loaded."""
+        """Receive each group's canonical tensors and hand them to `load_weights`; returns what vLLM loaded.
+        Raises ExecutionError if some weight of the model was not loaded (vLLM skips names it does not know)."""
         loaded: set[str] = set()
         for plan in self.plans:
             dtype = torch_dtype(plan.dst.dtype)
@@ -86,4 +89,8 @@ class LoaderInstaller:
             with self._scope():
                 loaded |= set(self.model.load_weights(list(group.items())) or ())
             del group
+        missing = sorted(set(weights(self.model)) - loaded)
+        if missing:
+            raise ExecutionError(f"load_weights did not load {len(missing)} weights of the model, e.g. {missing[:5]}: "
+                                 f"the canonical names do not match what this vLLM model loads")
         return loaded

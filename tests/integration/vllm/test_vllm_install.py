@@ -9,7 +9,8 @@ HF checkpoint (saved by transformers), byte for byte per parameter:
     puts the live weights back untouched;
   - a trainer whose destination layout differs from the engine's is refused at init;
   - declarations that differ from vLLM (other shapes; the same shapes with [up; gate] stacking) and models
-    whose linears vLLM's CPU post-processing re-laid out are refused before anything moves.
+    that vLLM's CPU post-processing re-laid out (linears dispatched to CPU GEMM kernels; experts padded by the
+    CPU MoE backend) are refused before anything moves.
 Each TP world runs in its own processes (rank_checks.py), TP1 and TP2 concurrently.
 """
 from __future__ import annotations
@@ -54,7 +55,7 @@ def reports(checkpoints, tmp_path_factory):
 def _params():
     for world, names in WORLDS.items():
         for name in names:
-            for check in CHECKS + (["processed_model_refused"] if "moe" not in name else []):
+            for check in CHECKS + (["processed_moe_refused"] if "moe" in name else ["processed_model_refused"]):
                 yield pytest.param(world, name, check, id=f"tp{world}-{name}-{check}")
 
 

@@ -1,6 +1,6 @@
 """The trainer side of the `reshard` weight-transfer backend (vLLM's `WeightTransferTrainerFactory`).
 
-    info = ReshardTrainerInitInfo(rank=0, model=..., src=..., dst=..., mode="direct")   # see session.refit_spec
+    info = ReshardTrainerInitInfo.from_refit(refit_spec(spec, src, dst, mode="direct"), rank=0)
     engine = WeightTransferTrainerFactory.trainer_init(info, client=llm_client, source=ReshardSource(src, tensors))
     engine.send_weights()        # every refit: start, update (concurrently with the trainer-side send), finish
 
@@ -25,7 +25,7 @@ from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeight
 from ...errors import ExecutionError
 from ...layouts import Layout
 from ...planner import Plan
-from .engine import BACKEND
+from .engine import BACKEND, register
 from .session import RefitSpec, plans_digest
 from .transport import publish_source, withdraw_source
 
@@ -50,6 +50,12 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
         fields = asdict(self)
         fields.pop("rank")
         return RefitSpec(**fields)
+
+    @classmethod
+    def from_refit(cls, refit: RefitSpec, rank: int) -> "ReshardTrainerInitInfo":
+        fields = asdict(refit)
+        fields.pop("plan_digest")  # the trainer computes it
+        return cls(rank=rank, **fields)
 
 
 class ReshardSource:
@@ -146,6 +152,9 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
 
     def shutdown(self) -> None:
         self.sender.close()
+
+
+register()  # importing the trainer side makes `reshard` selectable from WeightTransferTrainerFactory
 
 
 class OfflineLLMClient:

@@ -53,8 +53,8 @@ def main() -> int:
     dst = loader_layout(spec, 1)  # one vLLM rank: TP 1
     tensors = shard(src, harness.load_checkpoint(old))
     source = ReshardSource(src, tensors)
-    fields = refit_spec(spec, src, dst, mode="loader", transport="inprocess", transport_options={"key": "e2e"})
-    info = ReshardTrainerInitInfo(rank=0, **{k: v for k, v in fields.__dict__.items() if k != "plan_digest"})
+    refit = refit_spec(spec, src, dst, mode="loader", transport="inprocess", transport_options={"key": "e2e"})
+    info = ReshardTrainerInitInfo.from_refit(refit, rank=0)
     t1 = time.perf_counter()
     trainer = WeightTransferTrainerFactory.trainer_init(info, client=OfflineLLMClient(llm), source=source)
     result["init_s"] = time.perf_counter() - t1

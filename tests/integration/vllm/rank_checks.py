@@ -152,9 +152,9 @@ def run_case(case: dict, rank: int, world: int) -> dict[str, str]:
         register()
         engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="reshard"), cfg,
                                                            torch.device("cpu"), model)
-        fields = refit_spec(spec, src, dst, mode="direct", transport="inprocess", transport_options={"key": key},
-                            verify_layers=list(range(spec.num_layers)))
-        info = ReshardTrainerInitInfo(rank=0, **{k: v for k, v in fields.__dict__.items() if k != "plan_digest"})
+        refit = refit_spec(spec, src, dst, mode="direct", transport="inprocess", transport_options={"key": key},
+                           verify_layers=list(range(spec.num_layers)))
+        info = ReshardTrainerInitInfo.from_refit(refit, rank=0)
         return WeightTransferTrainerFactory.trainer_init(info, client=LoopbackClient(engine),
                                                          source=ReshardSource(src, src_tensors))
 

@@ -63,3 +63,16 @@ def _params():
 def test_vllm_destination(reports, world, case, check):
     for rank, report in enumerate(reports[world]):
         assert report[case][check] == "ok", f"tp{world} rank {rank} {case}: {report[case][check]}"
+
+
+def test_plugin_entry_point_registers_the_engine_by_name():
+    from importlib.metadata import entry_points
+
+    if not [e for e in entry_points(group="vllm.general_plugins") if e.name == "reshard"]:
+        pytest.skip("reshard is not installed in this virtualenv (scripts/bootstrap vllm installs it)")
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+    from vllm.plugins import load_plugins_by_group
+
+    load_plugins_by_group("vllm.general_plugins")["reshard"]()  # what every vLLM process runs at start
+    assert WeightTransferEngineFactory._registry["reshard"]().__name__ == "ReshardWeightTransferEngine"
+    assert WeightTransferTrainerFactory._registry["reshard"]().__name__ == "ReshardTrainerWeightTransferEngine"

@@ -23,5 +23,6 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     return {
         "qwen3": harness.make_checkpoint(base / "qwen3", "qwen3"),
         "qwen3_tied": harness.make_checkpoint(base / "qwen3_tied", "qwen3", tie=True, seed=2),
+        "qwen3_mqa": harness.make_checkpoint(base / "qwen3_mqa", "qwen3", seed=4, kv_heads=1),
         "qwen3_moe": harness.make_checkpoint(base / "qwen3_moe", "qwen3_moe", seed=3),
     }

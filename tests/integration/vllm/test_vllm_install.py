@@ -1,5 +1,5 @@
-"""Against real vLLM 0.33 model code on CPU (gloo), for Qwen3 (untied, tied) and Qwen3-MoE (TP split, and
-expert parallel at TP2), at vLLM TP1 and TP2; every check compares with vLLM's own `load_weights` of the same
+"""Against real vLLM 0.33 model code on CPU (gloo), for Qwen3 (untied, tied, one KV head replicated over TP2) and
+Qwen3-MoE (TP split, and expert parallel at TP2), at vLLM TP1 and TP2; every check compares with vLLM's own `load_weights` of the same
 HF checkpoint (saved by transformers), byte for byte per parameter:
   - direct install: a plan from a Megatron layout written straight into the parameters; and the same through
     the `reshard` weight-transfer engine and trainer engine, picked by name from vLLM's factories (the trainer
@@ -27,10 +27,12 @@ pytestmark = pytest.mark.vllm
 CASES = {  # name -> (checkpoint, expert parallel, Megatron source layout)
     "qwen3": ("qwen3", False, "megatron:tp=2,pp=2"),
     "qwen3_tied": ("qwen3_tied", False, "megatron:tp=1,pp=2"),
+    "qwen3_mqa": ("qwen3_mqa", False, "megatron:tp=1,pp=2"),  # 1 KV head: vLLM TP2 replicates it
     "qwen3_moe": ("qwen3_moe", False, "megatron:tp=2,ep=2,etp=1,pp=2"),
     "qwen3_moe_ep": ("qwen3_moe", True, "megatron:tp=2,ep=2,etp=2"),
 }
-WORLDS = {1: ["qwen3", "qwen3_tied", "qwen3_moe"], 2: ["qwen3", "qwen3_tied", "qwen3_moe", "qwen3_moe_ep"]}
+WORLDS = {1: ["qwen3", "qwen3_tied", "qwen3_moe"],
+          2: ["qwen3", "qwen3_tied", "qwen3_mqa", "qwen3_moe", "qwen3_moe_ep"]}
 CHECKS = ["direct_install_matches_load_weights", "loader_install_matches_load_weights",
           "engine_direct_refit_matches_load_weights", "engine_refuses_other_destination", "derived_equals_declared",
           "wrong_shape_declaration_refused", "wrong_stacking_refused"]

@@ -61,3 +61,21 @@ class CoverageError(PlanError):
 
 class ExecutionError(ReshardError, RuntimeError):
     """A plan could not be executed; destinations keep their previous contents unless stated otherwise."""
+
+
+class LayoutMismatchError(LayoutError):
+    """A live destination (a vLLM model) does not hold the tensors the declared layout says, or its weight
+    loaders place bytes elsewhere. Raised before any byte moves; `problems` lists every difference found."""
+
+    def __init__(self, layout: str, where: str, problems: list[str] | tuple[str, ...]):
+        self.where = where
+        self.problems = tuple(problems)
+        shown = "\n  - ".join(self.problems[:30])
+        more = f"\n  ... and {len(self.problems) - 30} more" if len(self.problems) > 30 else ""
+        super().__init__(layout, f"{where} does not match the declared layout:\n  - {shown}{more}",
+                         {"problems": self.problems})
+
+
+class KernelFormatError(LayoutMismatchError):
+    """Parameters that vLLM re-laid out (repacked, padded, swapped, quantized) after loading: writing them in
+    place would corrupt the model. Install through the model's weight loaders instead (loader mode)."""

@@ -23,6 +23,8 @@ class Qwen3Moe(ModelFamily):
     model_types = ("qwen3_moe",)
 
     def spec(self, config: dict[str, Any], include_mtp: bool = False) -> ModelSpec:
+        if "num_experts" not in config and "num_local_experts" in config:
+            config = {**config, "num_experts": config["num_local_experts"]}  # transformers 5 saves this name
         self._require(config, "num_experts", "moe_intermediate_size")
         fields = self._common(config, qk_norm=True)
         layers = fields["num_layers"]

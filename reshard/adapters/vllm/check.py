@@ -1,0 +1,77 @@
+"""Check a live vLLM model against the declared destination layout, before any byte moves.
+
+Two levels, all problems reported at once in one `LayoutMismatchError`:
+  1. structure: the live weight parameters (names, shapes, dtypes) equal `layout.rank_tensors(rank)`;
+  2. placement: the model's own weight loaders, run on marked canonical tensors (derive.py), put every probed
+     canonical element exactly where the layout's placements say. Shapes can agree while the stacking differs
+     (a vLLM version that stores [up; gate], or replicates KV heads differently); this level catches that.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Sequence
+
+import torch
+
+from ...errors import LayoutMismatchError
+from ...layouts import Layout, Placement
+from .derive import DerivedLayout, declared_placements, derive_layout, probed_tensors
+from .live import dtype_name, weights
+
+
+def structure_problems(live: dict[str, tuple[tuple[int, ...], str]], layout: Layout, rank: int) -> list[str]:
+    declared = layout.rank_tensors(rank)
+    want_dtype = layout.dtype
+    problems = []
+    for name in sorted(set(live) | set(declared)):
+        if name not in live:
+            problems.append(f"{name}: declared {tuple(declared[name])} {want_dtype}, but the live model has no "
+                            f"such parameter")
+        elif name not in declared:
+            problems.append(f"{name}: the live model has {live[name][0]} {live[name][1]}, which the declared "
+                            f"layout does not hold")
+        elif tuple(live[name][0]) != tuple(declared[name]) or live[name][1] != want_dtype:
+            problems.append(f"{name}: live {live[name][0]} {live[name][1]}, declared {tuple(declared[name])} "
+                            f"{want_dtype}")
+    return problems
+
+
+def _fmt(p: Placement) -> str:
+    box = ", ".join(f"{o}:{o + n}" for o, n in zip(p.canon_offset, p.lengths))
+    return f"[{box}] at {p.tensor}{list(p.phys_offset)}"
+
+
+def placement_problems(derived: Sequence[tuple[str, Placement]], declared: Sequence[tuple[str, Placement]]) \
+        -> list[str]:
+    got: dict[str, set[Placement]] = defaultdict(set)
+    want: dict[str, set[Placement]] = defaultdict(set)
+    for canon, p in derived:
+        got[canon].add(p)
+    for canon, p in declared:
+        want[canon].add(p)
+    problems = []
+    for canon in sorted(set(got) | set(want)):
+        if got[canon] != want[canon]:
+            order = lambda ps: sorted(ps, key=lambda p: (p.tensor, p.phys_offset))  # noqa: E731
+            problems.append(f"{canon}: declared {', '.join(map(_fmt, order(want[canon]))) or 'nowhere'}; "
+                            f"vLLM's loaders put {', '.join(map(_fmt, order(got[canon]))) or 'nothing'}")
+    return problems
+
+
+def check_layout(model: torch.nn.Module, layout: Layout, rank: int, layers: Sequence[int] | None = None,
+                 vllm_config: Any = None, loaders: bool = True) -> DerivedLayout:
+    """Raise LayoutMismatchError unless rank `rank` of `layout` is what this live model holds and what its
+    loaders write (for the canonical tensors of `layers`, default all). Returns the derived layout."""
+    where = f"rank {rank} of the live vLLM model ({type(model).__name__})"
+    live = {n: (tuple(p.shape), dtype_name(p.dtype)) for n, p in weights(model).items()}
+    problems = structure_problems(live, layout, rank)
+    if problems:
+        raise LayoutMismatchError(str(layout), where, problems)
+    if not loaders:
+        return DerivedLayout(rank, live)
+    derived = derive_layout(model, layout.model, rank, layers, vllm_config)
+    declared = declared_placements(layout, rank, probed_tensors(layout.model, layers))
+    problems = list(derived.problems) + placement_problems(derived.placements, declared)
+    if problems:
+        raise LayoutMismatchError(str(layout), where, problems)
+    return derived

@@ -1,0 +1,109 @@
+"""Direct mode: a plan writes straight into a live vLLM model's parameter storage.
+
+    binding = bind_direct(model, layout, rank)             # checks, then binds; raises before anything moves
+    transport.run(plan, {rank: binding.tensors})           # any executor: name -> tensor of this rank
+    binding.zero_padding()                                 # vocab padding rows, as vLLM's loader leaves them
+
+`bind_direct` refuses (LayoutMismatchError) a model whose weights or loaders differ from the declared layout
+and (KernelFormatError) parameters re-laid out after loading (kernel_format.py). `binding.verify()` re-checks
+before each refit that the bound storage is still the model's (vLLM may swap a Parameter's data later, e.g.
+a reload through a backend that re-allocates).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from ...errors import KernelFormatError
+from ...layouts import Layout
+from .check import check_layout
+from .kernel_format import relaid_problems
+from .live import weights
+
+
+@dataclass
+class DirectBinding:
+    rank: int
+    layout: Layout
+    tensors: dict[str, torch.Tensor]  # the live storage of each parameter (param.data), plan destination names
+    model: torch.nn.Module
+    padding: dict[str, list[tuple[int, int]]]  # name -> flat (start, length) runs no placement covers
+
+    def verify(self) -> None:
+        """Raise KernelFormatError if a bound tensor is no longer the storage its parameter uses."""
+        live = weights(self.model)
+        problems = [f"{name}: the model no longer has this parameter" for name in sorted(set(self.tensors) - set(live))]
+        for name, t in self.tensors.items():
+            p = live.get(name)
+            if p is None:
+                continue
+            if p.data.data_ptr() != t.data_ptr() or p.shape != t.shape or p.dtype != t.dtype:
+                problems.append(f"{name}: the parameter's storage changed since it was bound "
+                                f"(now {tuple(p.shape)} {p.dtype} at another address)")
+        if problems:
+            raise KernelFormatError(str(self.layout), f"rank {self.rank} of the live vLLM model", problems)
+
+    @torch.no_grad()
+    def zero_padding(self) -> None:
+        for name, runs in self.padding.items():
+            flat = self.tensors[name].view(-1)
+            for start, length in runs:
+                flat.narrow(0, start, length).zero_()
+
+
+def bind_direct(model: torch.nn.Module, layout: Layout, rank: int, layers: Sequence[int] | None = None,
+                vllm_config: Any = None, loaders: bool = True) -> DirectBinding:
+    """Check the live model against `layout` (structure and, unless `loaders=False`, the loaders' placements
+    for `layers`, default all) and that no parameter was re-laid out; then bind its storage."""
+    check_layout(model, layout, rank, layers, vllm_config, loaders)
+    params = weights(model)
+    problems = relaid_problems(model, params)
+    if problems:
+        raise KernelFormatError(str(layout), f"rank {rank} of the live vLLM model", problems)
+    tensors = {name: p.data for name, p in params.items()}
+    return DirectBinding(rank, layout, tensors, model, padding_runs(layout, rank))
+
+
+def padding_runs(layout: Layout, rank: int) -> dict[str, list[tuple[int, int]]]:
+    """For each tensor of `rank` that placements do not fill, the flat runs of elements they leave uncovered."""
+    shapes = layout.rank_tensors(rank)
+    covered = {name: 0 for name in shapes}
+    boxes: dict[str, list] = {name: [] for name in shapes}
+    replica = rank // layout.ranks_per_replica
+    for t in layout.model.tensors:
+        for p in layout.placements(t, replica=replica):
+            if p.rank == rank and 0 not in p.lengths:
+                n = 1
+                for length in p.lengths:
+                    n *= length
+                covered[p.tensor] += n
+                boxes[p.tensor].append(p)
+    out = {}
+    for name, shape in shapes.items():
+        numel = 1
+        for s in shape:
+            numel *= s
+        if covered[name] >= numel:
+            continue
+        mask = torch.zeros(shape, dtype=torch.bool)
+        for p in boxes[name]:
+            view = mask
+            lead = len(shape) - len(p.lengths)
+            for o in p.phys_offset[:lead]:
+                view = view.select(0, o)
+            for dim, (o, n) in enumerate(zip(p.phys_offset[lead:], p.lengths)):
+                view = view.narrow(dim, o, n)
+            view.fill_(True)
+        out[name] = _runs(~mask.view(-1))
+    return out
+
+
+def _runs(flags: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, length) of each run of True in a 1-D bool tensor."""
+    padded = torch.cat([torch.zeros(1, dtype=torch.int8), flags.to(torch.int8), torch.zeros(1, dtype=torch.int8)])
+    edges = torch.diff(padded)
+    starts = torch.nonzero(edges == 1).flatten().tolist()
+    stops = torch.nonzero(edges == -1).flatten().tolist()
+    return [(a, b - a) for a, b in zip(starts, stops)]

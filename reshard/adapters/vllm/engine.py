@@ -1,0 +1,115 @@
+"""The `reshard` weight-transfer engine: vLLM's weight-transfer API (NeMo-RL, ART, any stack using it) selects
+it with `weight_transfer_config={"backend": "reshard"}`.
+
+Registration is per process: `register()` runs in every vLLM worker through the `vllm.general_plugins` entry
+point (pyproject.toml) or on import of the worker extension (`worker_extension_cls=
+"reshard.adapters.vllm.worker.ReshardWorkerExtension"`).
+
+Lifecycle, per worker (vLLM makes the calls):
+  1. vLLM builds the engine after loading the model: `ReshardWeightTransferEngine(config, vllm_config, device,
+     model)`.
+  2. `init_weight_transfer_engine(init_info)` -> `init_transfer_engine(ReshardInitInfo)`: rebuild the layouts,
+     check the trainer's model and destination layout against this engine's config, compile the plan (and
+     compare its digest with the trainer's), bind the destination -- direct mode checks the live model
+     (structure, the loaders' placements, kernel formats) and raises before anything moves -- and open the
+     transport.
+  3. `start_weight_update()`: direct: verify the bound storage is still the model's; loader: start vLLM's
+     layerwise reload.
+  4. `update_weights(update_info)` -> `receive_weights`: the transport runs this worker's part of the plan
+     (direct: into the parameters, then zero vocab padding; loader: one module group at a time into
+     `load_weights`).
+  5. `finish_weight_update()`: loader: finalize the layerwise reload.
+  6. `shutdown()`: close the transport.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
+                                                   WeightTransferUpdateInfo)
+
+from .session import RefitSpec, WorkerSession
+
+BACKEND = "reshard"
+
+
+@dataclass
+class ReshardInitInfo(WeightTransferInitInfo):
+    """The worker-side init payload: a RefitSpec's fields (see session.RefitSpec)."""
+
+    model: dict[str, Any]
+    src: dict[str, Any]
+    dst: dict[str, Any]
+    mode: str = "direct"
+    replica: int = 0
+    transport: str = "inprocess"
+    transport_options: dict[str, Any] = field(default_factory=dict)
+    fanout: int | None = None
+    verify_layers: list[int] | None = None
+    plan_digest: str = ""
+
+    def refit(self) -> RefitSpec:
+        return RefitSpec(**asdict(self))
+
+
+@dataclass
+class ReshardUpdateInfo(WeightTransferUpdateInfo):
+    """Per-round info: a free label of the weights being sent (logged by the caller), nothing else needed --
+    the plan fixed at init says what moves."""
+
+    version: str = ""
+
+
+class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
+    init_info_cls = ReshardInitInfo
+    update_info_cls = ReshardUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.session: WorkerSession | None = None
+
+    def init_transfer_engine(self, init_info: ReshardInitInfo) -> None:
+        if self.session is not None:
+            self.session.close()
+            self.session = None
+        self.session = WorkerSession(self.model, self.vllm_config, init_info.refit())
+
+    def _active(self) -> WorkerSession:
+        if self.session is None:
+            raise RuntimeError("reshard weight transfer is not initialized: call init_weight_transfer_engine first")
+        return self.session
+
+    def start_weight_update(self) -> None:
+        self._active().start()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: ReshardUpdateInfo) -> None:
+        self._active().receive()
+
+    def finish_weight_update(self) -> None:
+        self._active().finish()
+
+    def shutdown(self) -> None:
+        if self.session is not None:
+            self.session.close()
+            self.session = None
+
+
+def register() -> None:
+    """Register the worker and trainer engines under `reshard` in this process (idempotent)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    for factory, module, cls in ((WeightTransferEngineFactory, __name__, "ReshardWeightTransferEngine"),
+                                 (WeightTransferTrainerFactory, "reshard.adapters.vllm.trainer",
+                                  "ReshardTrainerWeightTransferEngine")):
+        try:
+            factory.register_engine(BACKEND, module, cls)
+        except ValueError:  # already registered in this process
+            pass

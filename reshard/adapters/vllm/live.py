@@ -1,0 +1,72 @@
+"""Reading a live vLLM model: its weight parameters, its parallel sizes, the layout it declares, its rank.
+
+vllm is imported inside the functions that need it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...errors import LayoutError
+from ...layouts import ModelSpec, VllmLayout, spec_from_hf_config
+from .families import VllmFamily, family_of
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def layer_of(name: str) -> int:
+    """The decoder layer a parameter belongs to: its first integer path segment (-1 for embeddings, final
+    norm, lm_head). Structural, like vLLM's own per-layer grouping; no role is guessed from the name."""
+    for part in name.split("."):
+        if part.isdigit():
+            return int(part)
+    return -1
+
+
+def weights(model: torch.nn.Module, family: VllmFamily | None = None) -> dict[str, torch.nn.Parameter]:
+    """The model's weight parameters by name, each storage once (tied lm_head and the MoE runner's alias of
+    the router appear under their first name only). Buffers are never weights."""
+    family = family or family_of(model)
+    out = dict(model.named_parameters())  # remove_duplicate=True: aliases once
+    for i in sorted({layer_of(n) for n in out}):
+        for template in family.not_weights:
+            out.pop(template.format(i=i), None)
+    return out
+
+
+def spec_of(vllm_config: Any) -> ModelSpec:
+    """The ModelSpec of the model a vLLM config serves, in the dtype vLLM runs it."""
+    mc = vllm_config.model_config
+    spec = spec_from_hf_config(mc.hf_config.to_dict())
+    return spec.model_copy(update={"dtype": dtype_name(mc.dtype)})
+
+
+def parallel_sizes(vllm_config: Any) -> tuple[int, bool]:
+    """(tensor parallel size, expert parallel) of a vLLM config; the layouts reshard declares."""
+    pc = vllm_config.parallel_config
+    if pc.pipeline_parallel_size != 1:
+        raise LayoutError("vllm", f"pipeline_parallel_size={pc.pipeline_parallel_size}: reshard declares vLLM "
+                                  f"layouts without pipeline parallelism", {"pp": pc.pipeline_parallel_size})
+    return pc.tensor_parallel_size, bool(pc.enable_expert_parallel)
+
+
+def declared_layout(spec: ModelSpec, vllm_config: Any, replicas: int = 1) -> VllmLayout:
+    """The VllmLayout a vLLM config declares (each data-parallel rank or engine counted as a replica)."""
+    tp, ep = parallel_sizes(vllm_config)
+    dp = vllm_config.parallel_config.data_parallel_size
+    if dp > 1 and spec.is_moe:
+        raise LayoutError("vllm", f"data_parallel_size={dp} with a MoE model shards experts over DP x TP, "
+                                  f"which VllmLayout does not declare", {"dp": dp})
+    return VllmLayout(model=spec, tp=tp, expert_parallel=ep and spec.is_moe, replicas=replicas)
+
+
+def local_rank(vllm_config: Any, replica: int = 0) -> int:
+    """This worker's rank in the destination layout: replica k's TP rank r is r + k * tp."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    tp, _ = parallel_sizes(vllm_config)
+    dp_rank = vllm_config.parallel_config.data_parallel_rank if vllm_config.parallel_config.data_parallel_size > 1 else 0
+    return (replica + dp_rank) * tp + get_tensor_model_parallel_rank()

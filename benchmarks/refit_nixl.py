@@ -69,7 +69,7 @@ def cases(spec: reshard.ModelSpec, gpu: bool, sweep: bool) -> dict[str, tuple]:
         out["E2"] = (reshard.compile(M(model=spec, tp=2), V(model=spec)), Binding((0, 0), (1,)))
     if sweep:  # packing against one descriptor per row, by row size: down_proj only
         # (on GPUs from 16 KiB: 4 KiB rows of 1 GiB are 262144 descriptors, a copy launch each)
-        for row in (16 << 10, 64 << 10, 256 << 10, 1 << 20) if gpu else (4 << 10, 16 << 10, 64 << 10, 256 << 10):
+        for row in (16 << 10, 64 << 10, 256 << 10, 1 << 20) if gpu else (4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10):
             rs = row_spec(row, (1 << 30) if gpu else (128 << 20))
             names = [t.name for t in rs.tensors if t.name.endswith("down_proj.weight")]
             out[f"rows-{row >> 10}KiB"] = (reshard.compile(M(model=rs, tp=2), V(model=rs), tensors=names),

@@ -122,15 +122,20 @@ def test_pieces_cover_each_link_once_and_are_coalesced(case):
         for link in s.incoming:
             pc = link.pieces
             assert int(pc["numel"].sum()) * plan.itemsize == int(nbytes[link_of_op == link.id].sum())
-            if link.packed:
-                assert link.num_pieces == 1 and pc["send_kind"][0] == SEND and pc["recv_kind"][0] == RECV
-            else:
-                assert set(pc["recv_kind"].tolist()) == {SHADOW if options.staged else DST}
-                follows = ((pc["send_id"][1:] == pc["send_id"][:-1]) & (pc["recv_id"][1:] == pc["recv_id"][:-1])
-                           & (pc["send_kind"][1:] == pc["send_kind"][:-1])
-                           & (pc["send_off"][1:] == pc["send_off"][:-1] + pc["numel"][:-1])
-                           & (pc["recv_off"][1:] == pc["recv_off"][:-1] + pc["numel"][:-1]))
-                assert not follows.any(), "adjacent pieces were not coalesced"
+            direct = slice(0, link.num_pieces - 1) if link.packed else slice(None)
+            if link.packed:  # one buffer for all packed ops, last
+                assert pc["send_kind"][-1] == SEND and pc["recv_kind"][-1] == RECV
+                assert pc["numel"][-1] == link.packed_numel > 0
+                assert link.num_pieces < link.direct_pieces or options.pack == "always"
+            assert set(pc["recv_kind"][direct].tolist()) <= {SHADOW if options.staged else DST}
+            if options.pack == "never":
+                assert not link.packed
+            pc = {k: v[direct] for k, v in pc.items()}
+            follows = ((pc["send_id"][1:] == pc["send_id"][:-1]) & (pc["recv_id"][1:] == pc["recv_id"][:-1])
+                       & (pc["send_kind"][1:] == pc["send_kind"][:-1])
+                       & (pc["send_off"][1:] == pc["send_off"][:-1] + pc["numel"][:-1])
+                       & (pc["recv_off"][1:] == pc["recv_off"][:-1] + pc["numel"][:-1]))
+            assert not follows.any(), "adjacent pieces were not coalesced"
 
 
 def _strided_plan():
@@ -140,13 +145,18 @@ def _strided_plan():
     return reshard.compile(reshard.MegatronLayout(model=spec, tp=2), reshard.VllmLayout(model=spec, tp=1))
 
 
-def test_packing_rule_follows_mean_piece_size():
-    plan = _strided_plan()  # row-parallel weights split on columns: strided blocks of 32-element rows
+def test_small_pieces_are_packed_and_large_ones_move_direct():
+    plan = _strided_plan()  # row-parallel weights split on columns: strided blocks of 32-element (128 B) rows
     binding = Binding((0, 1), (1,))
-    small = build_schedule(plan, binding, 1, NixlOptions(), pack_below=1 << 20).incoming[0]
-    big = build_schedule(plan, binding, 1, NixlOptions(), pack_below=8).incoming[0]
-    assert small.packed and small.num_pieces == 1 and small.direct_pieces > 1
-    assert not big.packed and big.num_pieces == big.direct_pieces > 1
+    every = build_schedule(plan, binding, 1, NixlOptions(), pack_below=1 << 20).incoming[0]
+    assert every.num_pieces == 1 and every.packed_numel == every.numel and every.direct_pieces > 1
+    none = build_schedule(plan, binding, 1, NixlOptions(), pack_below=8).incoming[0]
+    assert not none.packed and none.num_pieces == none.direct_pieces > 1
+    rows = build_schedule(plan, binding, 1, NixlOptions(), pack_below=129).incoming[0]  # only the 128 B rows
+    o = plan.ops
+    assert rows.packed and set(o["rows"][rows.packed_ops].tolist()) == {64}  # the strided blocks, 64 rows each
+    assert int(o["rows"][np.setdiff1d(rows.ops, rows.packed_ops)].max()) == 1
+    assert rows.num_pieces == 1 + len(np.setdiff1d(rows.ops, rows.packed_ops))
 
 
 def test_direction_auto_balances_initiated_bytes():

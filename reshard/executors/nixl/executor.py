@@ -188,6 +188,8 @@ class NixlExecutor:
 
     def _set_up(self, namespace: str) -> None:
         s = self.schedule
+        if not s.peers:  # only local copies here: no agent, nothing to register or exchange
+            return
         name = f"{namespace}:{self.process}"
         self.agent = make_agent(name, self.options.progress_delay_us)
         regions = []
@@ -386,6 +388,8 @@ class NixlExecutor:
             raise
 
     def _drain_notifications(self, v: int) -> None:
+        if self.agent is None:
+            return
         for sender, messages in self.agent.get_new_notifs().items():
             peer = self._names_peer.get(sender)
             for m in messages:

@@ -7,11 +7,13 @@ binding, so both ends of a link build the same pieces without asking each other.
    rank) and a receiving process. Ops whose two processes are one are LOCAL copies.
 2. The remote ops of one (stage, sender, receiver) form a LINK, numbered globally in that sort order. A link is
    one NIXL transfer, prepared once and re-posted at every refit.
-3. A link is moved DIRECT, as one descriptor per contiguous piece (a strided block is one piece per row;
-   pieces adjacent on both sides are coalesced), or PACKED: the sender gathers its blocks into a send buffer,
-   one descriptor moves the whole link into a receive buffer, and the receiver scatters it. A link is packed
-   when its mean piece is small (options.pack_below): descriptors cost more than copies there.
-4. Staging (options.staged): a destination tensor that receives any DIRECT bytes from a peer, or that this
+3. An op of a link moves DIRECT, as one descriptor per contiguous piece (a strided block is one piece per row;
+   pieces adjacent on both sides are coalesced), or PACKED: the sender gathers the link's packed ops into a
+   send buffer, one descriptor moves them into a receive buffer, and the receiver scatters them. An op is
+   packed when its pieces are small (below options.pack_below bytes) and the link has more than one such
+   piece: there a descriptor costs more than copying the bytes twice. So a link is a few large descriptors
+   (big contiguous runs) plus at most one for all its small pieces.
+4. Staging (options.staged): a destination tensor that receives DIRECT bytes from a peer, or that this
    process forwards from (a relay source), gets a SHADOW in the staging arena; every write bound for it lands
    in the shadow and the commit copies the shadow into the tensor. Everything else bound for a destination
    tensor (packed receive buffers, local copies) is applied at commit. In place, everything goes straight to
@@ -96,16 +98,21 @@ class Link:
     receiver: int
     ops: np.ndarray  # op indices, plan order
     numel: int
-    packed: bool
-    pieces: dict[str, np.ndarray]  # PIECE_COLUMNS, coalesced; one piece when packed
-    direct_pieces: int  # how many pieces it would have moved direct (the packing decision's input)
+    packed_ops: np.ndarray  # the ops moved through the send / receive buffers, plan order
+    packed_numel: int
+    pieces: dict[str, np.ndarray]  # PIECE_COLUMNS: direct pieces (coalesced), then the packed buffer if any
+    direct_pieces: int  # about how many pieces it would move with nothing packed
+
+    @property
+    def packed(self) -> bool:
+        return self.packed_numel > 0
 
     @property
     def num_pieces(self) -> int:
         return int(self.pieces["numel"].shape[0])
 
     def __str__(self) -> str:
-        how = "packed" if self.packed else f"{self.num_pieces} pieces"
+        how = f"{self.num_pieces} descriptors" + (" with a packed buffer" if self.packed else "")
         return f"link {self.id} (stage {self.stage}, process {self.sender} -> {self.receiver}, {how})"
 
 
@@ -280,27 +287,33 @@ def build_schedule(plan: Plan, binding: Binding, process: int, options: NixlOpti
     relays_here = np.flatnonzero((sender == process) & (o["src_side"] == RELAY))
     relay_src = set(_relay_sources(plan, relays_here).tolist())
 
-    # Links (both ends build the same Link): pieces first, then the packing decision.
+    # Links (both ends build the same Link): which ops to pack, then the pieces.
     order = np.argsort(link_of_op, kind="stable")
     counts = np.bincount(link_of_op[link_of_op >= 0], minlength=len(l_stage))
     starts = np.concatenate([[0], np.cumsum(counts)]) + int((link_of_op < 0).sum())
     links: dict[int, Link] = {}
     itemsize = plan.itemsize
+    numel_of = o["rows"] * o["cols"]
+    piece_bytes = o["cols"] * itemsize  # a contiguous op is one piece (rows == 1), a strided block's are its rows
     for lid in np.concatenate([mine_in, mine_out]).tolist():
         ops = np.sort(order[starts[lid]:starts[lid + 1]])
-        pieces = _expand_rows(plan, ops, staged)
-        numel = int((o["rows"][ops] * o["cols"][ops]).sum())
-        n_direct = len(pieces["numel"])
         if options.pack == "always":
-            packed = True
+            pack_it = np.ones(len(ops), dtype=bool)
         elif options.pack == "never":
-            packed = False
+            pack_it = np.zeros(len(ops), dtype=bool)
         else:
-            packed = n_direct > 1 and numel * itemsize < pack_below * n_direct
-        if packed:
-            pieces = {k: _i64([v]) for k, v in zip(PIECE_COLUMNS, (SEND, lid, 0, RECV, lid, 0, numel))}
-        links[lid] = Link(lid, int(l_stage[lid]), int(l_send[lid]), int(l_recv[lid]), ops, numel, packed,
-                          pieces, n_direct)
+            pack_it = piece_bytes[ops] < pack_below
+            if int(o["rows"][ops[pack_it]].sum()) < 2:  # one small piece: packing saves no descriptor
+                pack_it[:] = False
+        packed_ops = ops[pack_it]
+        packed_numel = int(numel_of[packed_ops].sum())
+        pieces = _expand_rows(plan, ops[~pack_it], staged)
+        n_direct = len(pieces["numel"]) + int(o["rows"][packed_ops].sum())  # before coalescing the packed ones
+        if packed_numel:
+            pieces = {k: np.concatenate([pieces[k], _i64([v])])
+                      for k, v in zip(PIECE_COLUMNS, (SEND, lid, 0, RECV, lid, 0, packed_numel))}
+        links[lid] = Link(lid, int(l_stage[lid]), int(l_send[lid]), int(l_recv[lid]), ops,
+                          int(numel_of[ops].sum()), packed_ops, packed_numel, pieces, n_direct)
     incoming = tuple(links[i] for i in mine_in.tolist())
     outgoing = tuple(links[i] for i in mine_out.tolist())
 
@@ -308,8 +321,8 @@ def build_schedule(plan: Plan, binding: Binding, process: int, options: NixlOpti
     if staged:
         shadow |= relay_src
         for link in incoming:
-            if not link.packed:
-                shadow |= set(np.unique(o["dst_tensor"][link.ops]).tolist())
+            direct = np.setdiff1d(link.ops, link.packed_ops, assume_unique=True)
+            shadow |= set(np.unique(o["dst_tensor"][direct]).tolist())
     is_shadow = np.zeros(len(plan.dst_tensors), dtype=bool)
     is_shadow[sorted(shadow)] = True
 
@@ -327,10 +340,10 @@ def build_schedule(plan: Plan, binding: Binding, process: int, options: NixlOpti
         place((SHADOW, t), int(np.prod(plan.dst_tensors.shapes[t])))
     for link in outgoing:
         if link.packed:
-            place((SEND, link.id), link.numel)
+            place((SEND, link.id), link.packed_numel)
     for link in incoming:
         if link.packed:
-            place((RECV, link.id), link.numel)
+            place((RECV, link.id), link.packed_numel)
 
     landing = SHADOW if staged else DST
     # Pack programs (sender) and scatter programs (receiver) of packed links.
@@ -339,14 +352,14 @@ def build_schedule(plan: Plan, binding: Binding, process: int, options: NixlOpti
     commit_parts: list[Copies] = []
     for link in outgoing:
         if link.packed:
-            ops = link.ops
-            offs = np.cumsum(o["rows"][ops] * o["cols"][ops]) - o["rows"][ops] * o["cols"][ops]
+            ops = link.packed_ops
+            offs = np.cumsum(numel_of[ops]) - numel_of[ops]
             read_kind = np.where(o["src_side"][ops] == RELAY, landing, SRC)
             pack[link.id] = _block_copies(plan, ops, read_kind, SEND, link.id, offs)
     for link in incoming:
         if link.packed:
-            ops = link.ops
-            offs = np.cumsum(o["rows"][ops] * o["cols"][ops]) - o["rows"][ops] * o["cols"][ops]
+            ops = link.packed_ops
+            offs = np.cumsum(numel_of[ops]) - numel_of[ops]
             to_shadow = is_shadow[o["dst_tensor"][ops]]
             if staged:
                 arrive[link.id] = _scatter_copies(plan, ops[to_shadow], link.id, offs[to_shadow], SHADOW)

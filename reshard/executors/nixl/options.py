@@ -9,12 +9,12 @@ from ...errors import ExecutionError
 DIRECTIONS = ("auto", "read", "write")
 PACKING = ("auto", "always", "never")
 
-# Below this mean descriptor size a link is packed (gathered into one buffer on the sender, one descriptor per
-# link, scattered on the receiver) instead of moved as one descriptor per contiguous piece. Measured with
-# benchmarks/refit_nixl.py (BENCHMARKS.md): on CPU, cma pays ~10 us per descriptor while a packing copy costs
-# ~1 us per 4 KiB; on GPUs every cuda_ipc descriptor is a copy launch of a few us, so pieces must be larger
-# before moving them one by one beats a gather kernel.
-PACK_BELOW_DRAM = 64 << 10
+# Ops whose contiguous pieces are smaller than this are packed (gathered into one buffer on the sender, one
+# descriptor, scattered on the receiver) instead of moved one descriptor per piece. benchmarks/refit_nixl.py
+# --sweep measures both by row size (BENCHMARKS.md): on CPU (cma) packing wins at 4-8 KiB rows and loses from
+# 16 KiB; on GPUs every cuda_ipc descriptor is a copy launch of a few us, which moves ~1 MiB over NVLink, while
+# packing costs two device copies at several times NVLink's bandwidth.
+PACK_BELOW_DRAM = 16 << 10
 PACK_BELOW_VRAM = 1 << 20
 
 
@@ -29,8 +29,8 @@ class NixlOptions:
         verified its whole refit, so a failed refit leaves destinations unchanged (costs memory: see
         executor.py). False writes in place: faster and no extra memory, but a failed refit leaves
         destinations partly written.
-    pack: "auto" packs a link whose mean contiguous piece is below `pack_below` bytes (None: a default per
-        memory kind), "always" / "never" force it.
+    pack: "auto" packs the ops of a link whose contiguous pieces are below `pack_below` bytes (None: a default
+        per memory kind) when there are several such pieces; "always" packs every op, "never" none.
     timeout: seconds a refit may take, from its start, before every waiting process gives up with an error.
     progress_delay_us: sleep of NIXL's progress thread between polls (NIXL's Python wrapper spins it at 0,
         which burns a whole core; 0 keeps that behaviour).

@@ -81,7 +81,7 @@ class Exchange:
                 raise ExecutionError(f"timed out: only {count} of {processes} processes finished the refit; "
                                      f"the others failed, hang or died")
             time.sleep(sleep)
-            sleep = min(sleep * 2, max(poll_max_s, 2e-5) * 4)
+            sleep = min(sleep * 2, max(poll_max_s, 2e-5))
 
     def forget(self, version: int) -> None:
         """Drop a finished version's keys (every process has passed its vote)."""

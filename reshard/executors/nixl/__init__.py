@@ -1,0 +1,14 @@
+"""Executor over NIXL (UCX backend): the same compiled plans as the torch.distributed executor, moved by
+one-sided READs or WRITEs between registered memories, with notifications for completion.
+
+    from reshard.executors.nixl import NixlExecutor, NixlOptions
+    ex = NixlExecutor(plan, binding, process, src_tensors, dst_tensors, store)   # once: register, exchange, prepare
+    ex.refit()                                                                   # every weight update
+    ex.close()
+
+Importing this package does not import nixl; building an executor does.
+"""
+from .executor import NixlExecutor, RefitStats
+from .options import NixlOptions
+
+__all__ = ["NixlExecutor", "NixlOptions", "RefitStats"]

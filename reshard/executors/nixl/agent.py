@@ -1,0 +1,61 @@
+"""Making a NIXL agent (UCX backend) for one process, and recognizing NIXL's errors. NIXL is imported here only.
+
+Facts this relies on (nixl 1.5.1; ../shared/ENVIRONMENT.md and the executor's tests hold them):
+- the Python wrapper hard-codes the progress thread's delay to 0, so the thread busy-polls a whole core; the
+  binding's config has the field, so the constructor is given a config with a delay (the thread then sleeps in
+  poll() on the worker's event fd for at most that long);
+- errors come as exceptions of nixl's binding (nixlRemoteDisconnectError, ...), with no common base class;
+  `transfer` and `check_xfer_state` raise rather than return "ERR".
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from ...errors import ExecutionError
+
+_construct_lock = threading.Lock()
+
+
+def import_nixl() -> Any:
+    """nixl's Python API module, or a clear error if NIXL is not installed."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent creation at INFO
+    try:
+        import nixl._api as api
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ExecutionError("the NIXL executor needs the nixl package (pip install 'reshard[nixl]', "
+                             "nixl>=1.5)") from e
+    return api
+
+
+def make_agent(name: str, progress_delay_us: int = 1000) -> Any:
+    """A nixl_agent with the UCX backend, a progress thread sleeping `progress_delay_us` between polls, and no
+    listener thread (metadata travels through the caller's store)."""
+    api = import_nixl()
+    config = api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"])
+    binding = api.nixlBind
+    original = binding.nixlAgent
+
+    def with_delay(agent_name: str, agent_config: Any) -> Any:
+        agent_config.pthrDelay = progress_delay_us
+        return original(agent_name, agent_config)
+
+    with _construct_lock:  # the patch is visible to every thread while it lasts
+        binding.nixlAgent = with_delay
+        try:
+            agent = api.nixl_agent(name, config)
+        finally:
+            binding.nixlAgent = original
+    if "UCX" not in agent.backends:
+        raise ExecutionError(f"NIXL agent {name!r} has no UCX backend (plugins found: {agent.plugin_list})")
+    return agent
+
+
+def is_nixl_error(exc: BaseException) -> bool:
+    """True for the exceptions NIXL's binding raises (they share no base class, only their module)."""
+    return type(exc).__module__.startswith(("nixl", "_bindings")) or type(exc).__name__.startswith("nixl")
+
+
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,92 @@
+"""Metadata exchange and refit agreement through a torch.distributed store (TCPStore, FileStore, ...).
+
+Values are bytes: NIXL's own agent metadata blob, and JSON for everything else (never pickle). Keys live under
+the executor's namespace (a PrefixStore), so several executors can share one store:
+
+  md/<p>        NIXL agent metadata of process p (get_agent_metadata(), taken after every registration)
+  book/<p>      JSON: what p runs (plan digest, binding, shared options, resolved direction and packing
+                threshold) and the addresses of the memories its peers address, by name
+  v<g>/ok       counter: processes that finished refit version g and verified it
+  v<g>/fail     the reason of the first process that failed refit version g
+"""
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+from typing import Any
+
+from ...errors import ExecutionError
+
+PROTOCOL = 1
+
+
+class Exchange:
+    def __init__(self, store: Any, namespace: str) -> None:
+        import torch.distributed as dist
+
+        if not namespace or "/" in namespace:
+            raise ExecutionError(f"namespace={namespace!r} must be a non-empty name without '/'")
+        self.namespace = namespace
+        self.store = dist.PrefixStore(f"reshard-nixl/{namespace}/", store)
+
+    # --- set-up ----------------------------------------------------------------------------------------
+    def publish(self, process: int, metadata: bytes, book: dict[str, Any]) -> None:
+        self.store.set(f"book/{process}", json.dumps({"protocol": PROTOCOL, **book}).encode())
+        self.store.set(f"md/{process}", metadata)  # last: a peer that sees md sees the book too
+
+    def fetch(self, peer: int, timeout: float) -> tuple[bytes, dict[str, Any]]:
+        """Peer's agent metadata and book; waits for them at most `timeout` seconds."""
+        try:
+            self.store.wait([f"md/{peer}"], timedelta(seconds=timeout))
+        except Exception as e:  # the store raises its own error type on timeout
+            raise ExecutionError(f"NIXL set-up: process {peer} did not publish its metadata within {timeout:.1f} s "
+                                 f"(namespace {self.namespace!r}); is every process of the binding building its "
+                                 f"executor?") from e
+        book = json.loads(self.store.get(f"book/{peer}").decode())
+        if book.get("protocol") != PROTOCOL:
+            raise ExecutionError(f"process {peer} speaks exchange protocol {book.get('protocol')}, "
+                                 f"this process {PROTOCOL}")
+        return self.store.get(f"md/{peer}"), book
+
+    # --- agreement on a refit --------------------------------------------------------------------------
+    def fail(self, version: int, reason: str) -> None:
+        """Tell every process that refit `version` failed (the first reason stays)."""
+        try:
+            self.store.compare_set(f"v{version}/fail", "", reason.encode()[:4000])
+        except Exception:  # noqa: BLE001 - best effort: the store itself may be gone
+            pass
+
+    def failure(self, version: int) -> str | None:
+        key = f"v{version}/fail"
+        if self.store.check([key]):
+            return self.store.get(key).decode(errors="replace")
+        return None
+
+    def vote(self, version: int) -> int:
+        return int(self.store.add(f"v{version}/ok", 1))
+
+    def wait_all(self, version: int, processes: int, deadline: float, poll_max_s: float) -> None:
+        """Return once all `processes` voted for `version`; raise if one failed or the deadline passes."""
+        key = f"v{version}/ok"
+        sleep = 2e-5
+        while True:
+            count = int(self.store.add(key, 0))
+            if count >= processes:
+                return
+            reason = self.failure(version)
+            if reason is not None:
+                raise ExecutionError(f"another process failed first ({reason})")
+            if time.monotonic() > deadline:
+                raise ExecutionError(f"timed out: only {count} of {processes} processes finished the refit; "
+                                     f"the others failed, hang or died")
+            time.sleep(sleep)
+            sleep = min(sleep * 2, max(poll_max_s, 2e-5))
+
+    def forget(self, version: int) -> None:
+        """Drop a finished version's keys (every process has passed its vote)."""
+        for key in (f"v{version}/ok", f"v{version}/fail"):
+            try:
+                self.store.delete_key(key)
+            except Exception:  # noqa: BLE001 - not every store deletes; the keys are a few bytes
+                pass

@@ -1,0 +1,521 @@
+"""Run a plan over NIXL (UCX backend) between processes, refit after refit, with staged commit.
+
+Every process of a binding builds one `NixlExecutor` with the same plan, binding and options, its own tensors
+and a shared torch.distributed store, then calls `refit()` at every weight update. Lifecycle:
+
+  1. construction (once): this process's schedule is derived from the plan (schedule.py: links, pieces,
+     packing, shadows); its tensors are checked against the plan; one NIXL agent is made; the tensors that
+     peers address and one staging arena (shadows, packed buffers) are registered; the agent's metadata and a
+     JSON address book go to the store; peers' are read back and checked (same plan digest, binding and
+     options); the descriptor lists of every link this process initiates are prepared and made into transfer
+     handles. Nothing of this is repeated by a refit;
+  2. refit(version): the source tensors hold the new weights when it is called on a sender. Notifications
+     carry the version: READ (receiver pulls): a sender announces "ready v" per link once its bytes are in
+     place (at once for trainer ranks, after its own earlier stages for relays); the receiver posts that
+     link's prepared READ as soon as its ready arrives, to every peer before waiting on any, and the READ
+     notifies the sender "done v" when it completes. WRITE (sender pushes): the receiver announces "ready v"
+     (its landing memory is free), the sender posts its WRITE with notification "done v", which NIXL delivers
+     after the data. Local copies (ranks of one process) run beside, stage by stage;
+  3. verify: every link of this process completed, in this version; then the process counts itself done in
+     the store and waits until every process of the binding is (or one reports a failure);
+  4. commit (staged): shadows and packed receive buffers are copied into the destination tensors, with the
+     local copies kept for commit. Then refit returns `RefitStats`.
+  5. close(): handles, descriptor lists, peers and registrations are released (also by `with`).
+
+Versions. Each refit has a version (default: the previous one + 1), carried by every notification; a
+notification of another version for the link being waited on means the processes disagree and is an error, so
+a receiver never reads a generation other than the one it was asked for.
+
+Staging and its memory cost (staged=True, the default). Destination tensors that receive direct bytes from a
+peer, or that this process forwards to others, get a shadow of their full size in the arena; packed links get
+their own receive buffer (and the sender a send buffer) of the link's size. So the arena holds at most this
+process's destination share once more, plus the packed bytes (`RefitStats.staging_bytes`), and a refit copies
+the received bytes once more at commit. A refit that fails or times out never reaches the commit, so every
+destination tensor keeps its previous contents. staged=False writes into the destination tensors directly
+(no shadows, no commit copy); a failed refit then leaves them partly written.
+
+Failure. NIXL raises at once on a dead peer it talks to; a frozen peer never completes and NIXL has no
+deadline, so every wait here is bounded by the refit's `timeout` (from the start of the refit). A process that
+fails writes its reason to the store, and the others stop waiting at their next poll; a process that depends
+on a dead one without talking to it gives up at the vote. The error is an ExecutionError naming the link, the
+peer and what was awaited. After a failure the executor is unusable: close it and build a new one (with a new
+namespace). Its staging arena is kept alive until the process exits, since a peer may still be writing to it.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from ...errors import ExecutionError, ReshardError
+from ...planner import Plan
+from ..binding import Binding
+from ..local import check_tensors, torch_dtype
+from .agent import describe, is_nixl_error, make_agent
+from .copies import run_copies
+from .descriptors import memory_name, merged_regions, region_array, side_descriptors
+from .exchange import Exchange
+from .options import NixlOptions
+from .schedule import DST, RECV, SEND, SHADOW, SRC, Link, ProcessSchedule, build_schedule
+
+RankTensors = Mapping[int, Mapping[str, torch.Tensor]]
+READY, DONE = b"R", b"D"
+_QUARANTINE: list[torch.Tensor] = []  # arenas of failed executors: a late remote write must not hit freed memory
+
+
+@dataclass(frozen=True)
+class RefitStats:
+    """What one process did in one refit."""
+
+    process: int
+    version: int
+    direction: str
+    staged: bool
+    seconds: float
+    phases: dict[str, float] = field(default_factory=dict)  # transfer (until every link is done), agree, commit
+    bytes_in: int = 0  # from peers
+    bytes_out: int = 0  # to peers
+    local_bytes: int = 0
+    links_in: int = 0
+    links_out: int = 0
+    packed_links: int = 0
+    descriptors: int = 0  # descriptors of the transfers this process posts
+    staging_bytes: int = 0
+
+
+def _device_of(src: RankTensors, dst: RankTensors) -> torch.device:
+    devices = {t.device for side in (src, dst) for ts in side.values() for t in ts.values()}
+    if len(devices) > 1:
+        raise ExecutionError(f"a NIXL executor's tensors must all be on one device; got {sorted(map(str, devices))}")
+    return devices.pop() if devices else torch.device("cpu")
+
+
+class NixlExecutor:
+    """One process's part of a plan over NIXL, built once and run at every refit. See the module docstring."""
+
+    def __init__(self, plan: Plan, binding: Binding, process: int, src: RankTensors, dst: RankTensors,
+                 store: Any, *, options: NixlOptions | None = None, namespace: str = "default") -> None:
+        self.plan, self.binding, self.process = plan, binding, process
+        self.options = options = options or NixlOptions()
+        self.num_processes = binding.num_processes
+        self.device = _device_of(src, dst)
+        on_gpu = self.device.type == "cuda"
+        self.mem_type = "VRAM" if on_gpu else "DRAM"
+        self.device_id = (self.device.index or 0) if on_gpu else 0
+        self.pack_below = options.pack_threshold(on_gpu)
+        self.schedule: ProcessSchedule = build_schedule(plan, binding, process, options, self.pack_below)
+        self.itemsize = plan.itemsize
+        self._check_and_bind(src, dst)
+        self._version = 0
+        self._dirty = True  # copies may be in flight on the GPU (the caller's, at first)
+        self._broken: str | None = None
+        self._closed = False
+        self._inbox: dict[tuple[bytes, int], set[int]] = defaultdict(set)
+        self.exchange = Exchange(store, namespace)
+        self.agent: Any = None
+        self._reg: Any = None
+        self._handles: dict[int, Any] = {}  # link id -> transfer handle (links this process initiates)
+        self._dlists: list[Any] = []
+        self._peer_names: dict[int, str] = {}
+        self._names_peer: dict[str, int] = {}
+        try:
+            self._set_up(namespace)
+        except BaseException:
+            self._release()
+            raise
+
+    # --- construction --------------------------------------------------------------------------------
+    def _check_and_bind(self, src: RankTensors, dst: RankTensors) -> None:
+        plan, s = self.plan, self.schedule
+        problems = []
+        for ids, table, given, side in ((s.src_ids, plan.src_tensors, src, "source"),
+                                        (s.dst_ids, plan.dst_tensors, dst, "destination")):
+            for i in ids:
+                rank, name = table.ranks[i], table.names[i]
+                if rank not in given or name not in given[rank]:
+                    problems.append(f"{side} rank {rank} tensor {name!r} is missing (process {self.process} "
+                                    f"plays that rank in {self.binding})")
+        if problems:
+            raise ExecutionError("tensors do not match the plan:\n  - " + "\n  - ".join(problems[:20]))
+        check_tensors(plan, {r: src[r] for r in src}, {r: dst[r] for r in dst})
+        self.src_flat = {i: src[plan.src_tensors.ranks[i]][plan.src_tensors.names[i]].view(-1) for i in s.src_ids}
+        self.dst_flat = {i: dst[plan.dst_tensors.ranks[i]][plan.dst_tensors.names[i]].view(-1) for i in s.dst_ids}
+        dtype = torch_dtype(plan.dst.dtype)
+        self.arena = torch.empty(s.arena_numel, dtype=dtype, device=self.device)
+        arena = self.arena
+
+        def memory(kind: int, ident: int) -> torch.Tensor:
+            if kind == SRC:
+                return self.src_flat[ident]
+            if kind == DST:
+                return self.dst_flat[ident]
+            off, n = s.arena[(kind, ident)]
+            return arena.narrow(0, off, n)
+
+        self._memory = memory
+        self._pack = {k: v.rows_as_lists() for k, v in s.pack.items()}
+        self._arrive = {k: v.rows_as_lists() for k, v in s.arrive.items()}
+        self._local = [c.rows_as_lists() for c in s.local]
+        self._commit = s.commit.rows_as_lists()
+
+    def _address(self, kind: int, ident: int) -> int:
+        if kind in (SHADOW, SEND, RECV):
+            return self.arena.data_ptr() + self.schedule.arena[(kind, ident)][0] * self.itemsize
+        return self._memory(kind, ident).data_ptr()
+
+    def _book(self, agent_name: str) -> dict[str, Any]:
+        s = self.schedule
+        return {
+            "process": self.process, "agent": agent_name, "plan": self.plan.digest,
+            "binding": self.binding.to_dict(), "options": self.options.shared(), "direction": s.direction,
+            "pack_below": self.pack_below, "mem": self.mem_type, "device": self.device_id,
+            "addresses": {memory_name(k, i): self._address(k, i) for k, i in s.exposed},
+        }
+
+    def _check_peer(self, peer: int, book: dict[str, Any], mine: dict[str, Any]) -> None:
+        problems = [f"{key}: process {peer} has {book.get(key)!r}, process {self.process} has {mine[key]!r}"
+                    for key in ("plan", "binding", "options", "direction", "pack_below") if book.get(key) != mine[key]]
+        if book.get("process") != peer:
+            problems.append(f"the book published for process {peer} is process {book.get('process')}'s")
+        if problems:
+            hint = (" (pack_below resolves per memory kind: set it explicitly when CPU and GPU processes mix)"
+                    if any(p.startswith("pack_below") for p in problems) else "")
+            raise ExecutionError(f"process {peer} does not run the same refit{hint}:\n  - " + "\n  - ".join(problems))
+
+    def _set_up(self, namespace: str) -> None:
+        s = self.schedule
+        if not s.peers:  # only local copies here: no agent, nothing to register or exchange
+            return
+        name = f"{namespace}:{self.process}"
+        self.agent = make_agent(name, self.options.progress_delay_us)
+        regions = []
+        for kind, ident in s.exposed:
+            if kind in (SRC, DST):
+                t = self._memory(kind, ident)
+                regions.append((t.data_ptr(), t.numel() * self.itemsize))
+        if s.arena_numel:
+            regions.append((self.arena.data_ptr(), s.arena_numel * self.itemsize))
+        regions = merged_regions(regions)
+        if regions:
+            self._reg = self.agent.register_memory(region_array(regions, self.device_id), self.mem_type)
+        mine = self._book(name)
+        self.exchange.publish(self.process, self.agent.get_agent_metadata(), mine)
+        books: dict[int, dict[str, Any]] = {}
+        for peer in s.peers:
+            metadata, book = self.exchange.fetch(peer, self.options.timeout)
+            self._check_peer(peer, book, mine)
+            loaded = self.agent.add_remote_agent(metadata)
+            loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            if loaded != book["agent"]:
+                raise ExecutionError(f"process {peer}'s metadata names agent {loaded!r}, its book {book['agent']!r}")
+            self._peer_names[peer] = loaded
+            self._names_peer[loaded] = peer
+            books[peer] = book
+        op = "READ" if s.direction == "read" else "WRITE"
+        for link in s.links:
+            if not s.initiates(link):
+                continue
+            peer = link.sender if s.direction == "read" else link.receiver
+            here, there = ("recv", "send") if s.direction == "read" else ("send", "recv")
+            book = books[peer]
+            local = side_descriptors(link, here, mine["addresses"], self.itemsize, self.device_id, "this process")
+            remote = side_descriptors(link, there, book["addresses"], self.itemsize, int(book["device"]),
+                                      f"process {peer}")
+            try:
+                lh = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, self.mem_type)
+                self._dlists.append(lh)
+                rh = self.agent.prep_xfer_dlist(self._peer_names[peer], remote, book["mem"])
+                self._dlists.append(rh)
+                index = np.arange(len(local), dtype=np.int32)
+                self._handles[link.id] = self.agent.make_prepped_xfer(op, lh, index, rh, index)
+            except Exception as e:
+                if is_nixl_error(e):
+                    raise ExecutionError(f"NIXL refused to prepare {link}: {describe(e)}") from e
+                raise
+        for peer in s.peers:
+            self.agent.make_connection(self._peer_names[peer])
+
+    # --- a refit -------------------------------------------------------------------------------------
+    def refit(self, version: int | None = None) -> RefitStats:
+        """Move the plan's bytes for this process; every process of the binding calls it with the same version."""
+        if self._closed:
+            raise ExecutionError("this NIXL executor is closed")
+        if self._broken is not None:
+            raise ExecutionError(f"this NIXL executor failed earlier ({self._broken}); close it and build a new "
+                                 f"one with a new namespace")
+        v = self._version + 1 if version is None else int(version)
+        if v <= self._version:
+            raise ExecutionError(f"refit version {v} is not above the last one ({self._version}); versions only grow")
+        start = time.monotonic()
+        deadline = start + self.options.timeout
+        phases = {}
+        try:
+            self._dirty = True
+            self._sync()  # the caller's writes into the source tensors are done before anyone reads them
+            self._transfer(v, deadline)
+            phases["transfer"] = time.monotonic() - start
+            self.exchange.vote(v)
+            self.exchange.wait_all(v, self.num_processes, deadline, self.options.poll_max_s)
+            phases["agree"] = time.monotonic() - start - phases["transfer"]
+        except Exception as e:
+            reason = str(e) if isinstance(e, ReshardError) else (
+                describe(e) if is_nixl_error(e) else f"{type(e).__name__}: {e}")
+            self._abort(v, reason)
+            raise ExecutionError(f"refit version {v} failed on process {self.process}: {reason}") from e
+        t = time.monotonic()
+        self._run(self._commit)
+        self._sync()
+        phases["commit"] = time.monotonic() - t
+        self._version = v
+        self.exchange.forget(v - 1)
+        return self._stats(v, time.monotonic() - start, phases)
+
+    def _transfer(self, v: int, deadline: float) -> None:
+        s, agent, read = self.schedule, self.agent, self.schedule.direction == "read"
+        stage_left = defaultdict(int)
+        for link in s.incoming:
+            stage_left[link.stage] += 1
+        waiting_in = {link.id: link for link in s.incoming}
+        waiting_out = {link.id: link for link in s.outgoing}
+        unstarted_out = sorted(s.outgoing, key=lambda link: link.stage)
+        posted: dict[int, Link] = {}
+        frontier = 0
+        if s.num_stages:
+            self._run(self._local[0])
+            self._sync()
+        if not read:
+            for link in s.incoming:  # my landing memory is free: senders may write
+                self._notify(link.sender, READY, v, link)
+        next_failure_check = time.monotonic() + 0.05
+        sleep = 2e-5
+        while True:
+            progress = False
+            self._drain_notifications(v)
+            # 1. start outgoing links whose source bytes are in place
+            still = []
+            for link in unstarted_out:
+                if link.stage > frontier or (not read and not self._take(READY, v, link)):
+                    still.append(link)
+                    continue
+                if link.id in self._pack:
+                    self._run(self._pack[link.id])
+                    self._sync()
+                if read:
+                    self._notify(link.receiver, READY, v, link)
+                else:
+                    self._post(link, v)
+                    posted[link.id] = link
+                progress = True
+            unstarted_out = still
+            # 2. READ: post every incoming link whose sender is ready, before waiting on any
+            if read:
+                for link in list(waiting_in.values()):
+                    if link.id not in posted and self._take(READY, v, link):
+                        self._post(link, v)
+                        posted[link.id] = link
+                        progress = True
+            # 3. completions of the transfers this process posted
+            for lid, link in list(posted.items()):
+                state = agent.check_xfer_state(self._handles[lid])
+                if state == "DONE":
+                    del posted[lid]
+                    progress = True
+                    if read:
+                        self._arrived(link, waiting_in, stage_left)
+                    else:
+                        del waiting_out[lid]
+                elif state != "PROC":
+                    raise ExecutionError(f"{link} with process {self._other(link)} ended in state {state}")
+            # 4. completions announced by peers
+            for link in list(waiting_out.values() if read else waiting_in.values()):
+                if self._take(DONE, v, link):
+                    progress = True
+                    if read:
+                        del waiting_out[link.id]
+                    else:
+                        self._arrived(link, waiting_in, stage_left)
+            # 5. stages whose incoming links are all in: run the next stage's local copies
+            while frontier < s.num_stages and stage_left[frontier] == 0:
+                frontier += 1
+                if frontier < s.num_stages:
+                    self._run(self._local[frontier])
+                    self._sync()  # relays of the next stage may read what these copies wrote
+                progress = True
+            if not waiting_in and not waiting_out and not unstarted_out and frontier >= s.num_stages:
+                return
+            now = time.monotonic()
+            if now > deadline:
+                raise ExecutionError(f"timed out after {self.options.timeout:.1f} s, "
+                                     + self._pending(waiting_in, waiting_out, posted, unstarted_out, read))
+            if now > next_failure_check:
+                reason = self.exchange.failure(v)
+                if reason is not None:
+                    raise ExecutionError(f"another process failed first ({reason})")
+                next_failure_check = now + 0.05
+            if progress:
+                sleep = 2e-5
+            else:
+                time.sleep(sleep)
+                sleep = min(sleep * 2, self.options.poll_max_s)
+
+    def _arrived(self, link: Link, waiting_in: dict[int, Link], stage_left: dict[int, int]) -> None:
+        if link.id in self._arrive:
+            self._run(self._arrive[link.id])
+            self._sync()
+        del waiting_in[link.id]
+        stage_left[link.stage] -= 1
+
+    def _post(self, link: Link, v: int) -> None:
+        try:
+            state = self.agent.transfer(self._handles[link.id], DONE + f"{v}:{link.id}".encode())
+        except Exception as e:
+            if is_nixl_error(e):
+                raise ExecutionError(f"posting {link} with process {self._other(link)} failed: {describe(e)}") from e
+            raise
+        if state not in ("DONE", "PROC"):
+            raise ExecutionError(f"posting {link} with process {self._other(link)} returned {state}")
+
+    def _notify(self, peer: int, kind: bytes, v: int, link: Link) -> None:
+        try:
+            self.agent.send_notif(self._peer_names[peer], kind + f"{v}:{link.id}".encode())
+        except Exception as e:
+            if is_nixl_error(e):
+                raise ExecutionError(f"notifying process {peer} about {link} failed: {describe(e)}") from e
+            raise
+
+    def _drain_notifications(self, v: int) -> None:
+        if self.agent is None:
+            return
+        for sender, messages in self.agent.get_new_notifs().items():
+            peer = self._names_peer.get(sender)
+            for m in messages:
+                kind, _, rest = m[:1], None, m[1:]
+                try:
+                    mv, lid = (int(x) for x in rest.split(b":"))
+                except ValueError:
+                    continue  # not ours
+                if peer is None or kind not in (READY, DONE) or mv < v:
+                    continue  # unknown sender, or a stale version's leftover
+                self._inbox[(kind, lid)].add(mv)
+
+    def _take(self, kind: bytes, v: int, link: Link) -> bool:
+        """Consume notification (kind, v) of a link; another version there means the processes disagree."""
+        versions = self._inbox.get((kind, link.id))
+        if not versions:
+            return False
+        if v in versions:
+            versions.discard(v)
+            return True
+        other = sorted(versions)
+        what = "ready" if kind == READY else "done"
+        raise ExecutionError(f"process {self._other(link)} announced {what} of version {other[0]} for {link} while "
+                             f"process {self.process} runs version {v}: every process must refit the same versions")
+
+    def _other(self, link: Link) -> int:
+        return link.sender if link.receiver == self.process else link.receiver
+
+    def _pending(self, waiting_in: dict[int, Link], waiting_out: dict[int, Link], posted: dict[int, Link],
+                 unstarted_out: list[Link], read: bool) -> str:
+        parts = []
+        for link in waiting_in.values():
+            if link.id in posted:
+                parts.append(f"{link}: transfer still in progress")
+            elif read:
+                parts.append(f"{link}: no ready notification from process {link.sender}")
+            else:
+                parts.append(f"{link}: no done notification from process {link.sender}")
+        for link in unstarted_out:
+            parts.append(f"{link}: " + ("no ready notification from process " + str(link.receiver)
+                                        if not read else "earlier stages of this process not complete"))
+        for link in waiting_out.values():
+            if link in unstarted_out:
+                continue
+            if link.id in posted:
+                parts.append(f"{link}: transfer still in progress")
+            elif read:
+                parts.append(f"{link}: process {link.receiver} has not finished reading")
+        shown = "; ".join(parts[:8]) + (f"; and {len(parts) - 8} more" if len(parts) > 8 else "")
+        return f"waiting for: {shown}" if parts else "waiting for the local copies"
+
+    def _run(self, rows: list[tuple[int, ...]]) -> None:
+        if rows:
+            with torch.no_grad():
+                run_copies(rows, self._memory)
+            self._dirty = True
+
+    def _sync(self) -> None:
+        """Wait for this process's copies on the GPU before a peer may read what they wrote."""
+        if self.device.type == "cuda" and self._dirty:
+            torch.cuda.synchronize(self.device)
+        self._dirty = False
+
+    def _abort(self, v: int, reason: str) -> None:
+        self._broken = f"refit version {v}: {reason}"
+        self.exchange.fail(v, f"process {self.process}: {reason}")
+        if self.arena.numel():
+            _QUARANTINE.append(self.arena)
+        for lid in list(self._handles):  # stop waiting on stuck transfers; the handles cannot be reused
+            handle = self._handles.pop(lid)
+            try:
+                self.agent.release_xfer_handle(handle)
+            except Exception:  # noqa: BLE001 - a handle of a dead peer may refuse; nothing else to do
+                pass
+
+    def _stats(self, v: int, seconds: float, phases: dict[str, float]) -> RefitStats:
+        s = self.schedule
+        size = self.itemsize
+        return RefitStats(
+            process=self.process, version=v, direction=s.direction, staged=s.staged, seconds=seconds,
+            phases=phases, bytes_in=sum(link.numel for link in s.incoming) * size,
+            bytes_out=sum(link.numel for link in s.outgoing) * size,
+            local_bytes=s.local_numel * size,
+            links_in=len(s.incoming), links_out=len(s.outgoing),
+            packed_links=sum(link.packed for link in s.links),
+            descriptors=sum(link.num_pieces for link in s.links if s.initiates(link)),
+            staging_bytes=s.staging_bytes)
+
+    # --- teardown ------------------------------------------------------------------------------------
+    def _release(self) -> None:
+        agent = self.agent
+        if agent is None:
+            return
+        for handle in list(self._handles.values()) + self._dlists:  # handles first: NIXL does not track them
+            try:
+                handle.release()
+            except Exception:  # noqa: BLE001 - best effort while tearing down
+                pass
+        self._handles.clear()
+        self._dlists.clear()
+        for name in self._peer_names.values():
+            try:
+                agent.remove_remote_agent(name)
+            except Exception:  # noqa: BLE001
+                pass
+        if self._reg is not None:
+            try:
+                agent.deregister_memory(self._reg)
+            except Exception:  # noqa: BLE001
+                pass
+            self._reg = None
+        self.agent = None
+
+    def close(self) -> None:
+        """Release NIXL resources; the tensors stay the caller's."""
+        if not self._closed:
+            self._release()
+            self._closed = True
+
+    def __enter__(self) -> "NixlExecutor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def version(self) -> int:
+        """The last version this executor committed (0 before the first refit)."""
+        return self._version

@@ -1,0 +1,76 @@
+"""The choices a NIXL refit makes, as one small immutable value that every process must share."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ...errors import ExecutionError
+
+DIRECTIONS = ("auto", "read", "write")
+PACKING = ("auto", "always", "never")
+
+# Ops whose contiguous pieces are smaller than this are packed (gathered into one buffer on the sender, one
+# descriptor, scattered on the receiver) instead of moved one descriptor per piece. benchmarks/refit_nixl.py
+# --sweep measures both by row size (BENCHMARKS.md): on CPU (cma) packing wins at 4-8 KiB rows and loses from
+# 16 KiB; on GPUs every cuda_ipc descriptor is a copy launch of a few us, which moves ~1 MiB over NVLink, while
+# packing costs two device copies at several times NVLink's bandwidth.
+PACK_BELOW_DRAM = 16 << 10
+PACK_BELOW_VRAM = 1 << 20
+
+
+@dataclass(frozen=True)
+class NixlOptions:
+    """How a NixlExecutor moves bytes. Every process of a refit must pass equal options (checked at set-up).
+
+    direction: "read" (each receiver pulls from registered source memory), "write" (each sender pushes), or
+        "auto": the one that spreads the initiated bytes best over the processes (on CPU the initiator's
+        thread does the copy; see BENCHMARKS.md for both measured).
+    staged: receive into staging memory and copy into the destination tensors only after every process has
+        verified its whole refit, so a failed refit leaves destinations unchanged (costs memory: see
+        executor.py). False writes in place: faster and no extra memory, but a failed refit leaves
+        destinations partly written.
+    pack: "auto" packs the ops of a link whose contiguous pieces are below `pack_below` bytes (None: a default
+        per memory kind) when there are several such pieces; "always" packs every op, "never" none.
+    timeout: seconds a refit may take, from its start, before every waiting process gives up with an error.
+    progress_delay_us: sleep of NIXL's progress thread between polls (NIXL's Python wrapper spins it at 0,
+        which burns a whole core; 0 keeps that behaviour).
+    poll_max_s: longest sleep between two polls of the refit loop while waiting.
+    """
+
+    direction: str = "auto"
+    staged: bool = True
+    pack: str = "auto"
+    pack_below: int | None = None
+    timeout: float = 120.0
+    progress_delay_us: int = 1000
+    poll_max_s: float = 0.0005
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.direction not in DIRECTIONS:
+            problems.append(f"direction={self.direction!r} must be one of {DIRECTIONS}")
+        if self.pack not in PACKING:
+            problems.append(f"pack={self.pack!r} must be one of {PACKING}")
+        if self.pack_below is not None and self.pack_below < 0:
+            problems.append(f"pack_below={self.pack_below} must be >= 0 bytes")
+        if not self.timeout > 0:
+            problems.append(f"timeout={self.timeout} must be positive (seconds)")
+        if self.progress_delay_us < 0:
+            problems.append(f"progress_delay_us={self.progress_delay_us} must be >= 0")
+        if not self.poll_max_s >= 0:
+            problems.append(f"poll_max_s={self.poll_max_s} must be >= 0")
+        if problems:
+            raise ExecutionError("invalid NIXL options:\n  - " + "\n  - ".join(problems))
+
+    def pack_threshold(self, device_memory: bool) -> int:
+        if self.pack_below is not None:
+            return self.pack_below
+        return PACK_BELOW_VRAM if device_memory else PACK_BELOW_DRAM
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def shared(self) -> dict[str, Any]:
+        """The options that must be equal on every process (the rest are local tuning)."""
+        return {"direction": self.direction, "staged": self.staged, "pack": self.pack,
+                "pack_below": self.pack_below}

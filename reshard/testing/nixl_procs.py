@@ -1,0 +1,191 @@
+"""Real multi-process runs of the NIXL executor, for tests and benchmarks: a launcher, and workers that run
+many plans per spawned process group (spawning costs seconds) and write what they saw as JSON.
+
+Every worker gets (process, store port, *args); the parent holds the TCPStore, so a killed worker does not
+take the store with it.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+SENTINEL = -7.0
+
+
+def launch(target: Callable[..., None], nprocs: int, args: tuple, timeout: float,
+           on_started: Callable[[Any, list], None] | None = None) -> list[int | None]:
+    """Run target(process, port, *args) in `nprocs` spawned processes; exit codes (None: killed at timeout).
+    `on_started(store, processes)` runs in the parent while they work (to kill or freeze one, say)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(p, store.port, *args), daemon=True) for p in range(nprocs)]
+    for p in procs:
+        p.start()
+    try:
+        if on_started is not None:
+            on_started(store, procs)
+        end = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, end - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+                p.join(5)
+    return [p.exitcode for p in procs]
+
+
+def _client(port: int) -> Any:
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, is_master=False)
+
+
+def weights(model: Any, seed: int) -> dict[str, torch.Tensor]:
+    from ..executors.local import torch_dtype
+
+    g = torch.Generator().manual_seed(seed)
+    dtype = torch_dtype(model.dtype)
+    return {t.name: torch.randn(t.shape, generator=g).to(dtype) for t in model.tensors}
+
+
+class CallCounter:
+    """Counts calls of some methods of a live NIXL agent (the calls still go through)."""
+
+    def __init__(self, agent: Any, names: tuple[str, ...]) -> None:
+        self.counts = {n: 0 for n in names}
+        for n in names:
+            original = getattr(agent, n)
+
+            def counted(*a: Any, _n: str = n, _f: Callable = original, **k: Any) -> Any:
+                self.counts[_n] += 1
+                return _f(*a, **k)
+
+            setattr(agent, n, counted)
+
+
+SET_UP_CALLS = ("register_memory", "deregister_memory", "prep_xfer_dlist", "make_prepped_xfer",
+                "add_remote_agent", "initialize_xfer", "get_agent_metadata")
+
+
+def plan_worker(process: int, port: int, workdir: str) -> None:
+    """Run every job of workdir/jobs.json this process takes part in; write workdir/result-<process>.json.
+
+    A job: {"plan": path, "binding": {...}, "options": {...}, "seed": int, "refits": int}. Each refit puts new
+    weights into the same source tensors, refits, and compares this process's destination tensors with the
+    local executor's (run over all ranks, from the same sentinel), byte for byte; it also checks that no
+    refit registers, prepares or exchanges anything again.
+    """
+    from ..executors.binding import Binding
+    from ..executors.local import allocate, execute_local, shard
+    from ..executors.nixl import NixlExecutor, NixlOptions
+    from ..planner import Plan
+
+    torch.set_num_threads(1)
+    store = _client(port)
+    jobs = json.loads((Path(workdir) / "jobs.json").read_text())
+    results = []
+    for k, job in enumerate(jobs):
+        binding = Binding.from_dict(job["binding"])
+        if process >= binding.num_processes:
+            continue
+        out: dict[str, Any] = {"job": k, "ok": [], "errors": []}
+        try:
+            plan = Plan.load(job["plan"])
+            my_src, my_dst = binding.src_ranks_of(process), binding.dst_ranks_of(process)
+            src = {r: {n: t.clone() for n, t in ts.items()}
+                   for r, ts in shard(plan.src, weights(plan.src.model, job["seed"]), ranks=list(my_src)).items()}
+            dst = allocate(plan.dst, fill=SENTINEL, ranks=list(my_dst))
+            ex = NixlExecutor(plan, binding, process, src, dst, store, options=NixlOptions(**job["options"]),
+                              namespace=f"job{k}")
+            counter = CallCounter(ex.agent, SET_UP_CALLS) if ex.agent is not None else None  # None: local only
+            handles = dict(ex._handles)
+            for r in range(job["refits"]):
+                w = weights(plan.src.model, job["seed"] + r)
+                full = shard(plan.src, w)
+                for rank in src:
+                    for name, t in src[rank].items():
+                        t.copy_(full[rank][name])
+                stats = ex.refit()
+                want = allocate(plan.dst, fill=SENTINEL)
+                execute_local(plan, full, want)
+                bad = [f"rank {rank} {name}" for rank in dst for name in dst[rank]
+                       if not torch.equal(dst[rank][name].view(torch.uint8), want[rank][name].view(torch.uint8))]
+                out["ok"].append(not bad)
+                if bad:
+                    out["errors"].append(f"refit {r + 1}: mismatch in {bad[:5]}")
+                out["direction"], out["packed"] = stats.direction, stats.packed_links
+            out["set_up_calls_during_refits"] = {n: c for n, c in counter.counts.items() if c} if counter else {}
+            out["handles_reused"] = all(ex._handles.get(i) is h for i, h in handles.items())
+            ex.close()
+        except Exception:  # noqa: BLE001 - reported to the parent, which fails the test
+            out["errors"].append(traceback.format_exc(limit=8))
+        results.append(out)
+    (Path(workdir) / f"result-{process}.json").write_text(json.dumps(results))
+
+
+def failure_worker(process: int, port: int, workdir: str, scenario: str, victim: int) -> None:
+    """Two refits; the second loses `victim`. Survivors write result-<process>.json with what refit 2 raised,
+    how long it took, and whether their destination tensors still hold refit 1's bytes.
+
+    scenario "killed": the victim starts refit 2 in a thread (announcing that it is ready) and SIGKILLs itself;
+    the others start refit 2 once it is dead. scenario "frozen": the parent SIGSTOPs the victim after refit 1
+    (key "frozen"); the others then start refit 2.
+    """
+    from ..executors.binding import Binding
+    from ..executors.local import allocate
+    from ..executors.nixl import NixlExecutor, NixlOptions
+    from ..executors.local import shard
+    from ..planner import Plan
+
+    torch.set_num_threads(1)
+    store = _client(port)
+    job = json.loads((Path(workdir) / "failure.json").read_text())
+    plan, binding = Plan.load(job["plan"]), Binding.from_dict(job["binding"])
+    my_src, my_dst = binding.src_ranks_of(process), binding.dst_ranks_of(process)
+    src = {r: {n: t.clone() for n, t in ts.items()}
+           for r, ts in shard(plan.src, weights(plan.src.model, 1), ranks=list(my_src)).items()}
+    dst = allocate(plan.dst, fill=SENTINEL, ranks=list(my_dst))
+    ex = NixlExecutor(plan, binding, process, src, dst, store, options=NixlOptions(**job["options"]),
+                      namespace=scenario)
+    ex.refit()
+    after_first = {r: {n: t.clone() for n, t in ts.items()} for r, ts in dst.items()}
+    second = shard(plan.src, weights(plan.src.model, 2), ranks=list(my_src))
+    for r in src:
+        for n, t in src[r].items():
+            t.copy_(second[r][n])
+    store.set(f"refit1/{process}", b"1")
+    if process == victim:
+        if scenario == "killed":
+            threading.Thread(target=ex.refit, daemon=True).start()
+            time.sleep(0.3)
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(3600)  # frozen: the parent stops us here
+    store.wait(["go"])
+    out: dict[str, Any] = {"process": process}
+    t0 = time.monotonic()
+    try:
+        ex.refit()
+        out["error"] = None
+    except Exception as e:  # noqa: BLE001
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["seconds"] = time.monotonic() - t0
+    out["unchanged"] = all(torch.equal(dst[r][n], after_first[r][n]) for r in dst for n in dst[r])
+    try:
+        ex.refit()
+        out["reuse_error"] = None
+    except Exception as e:  # noqa: BLE001
+        out["reuse_error"] = f"{type(e).__name__}: {e}"
+    ex.close()
+    (Path(workdir) / f"result-{process}.json").write_text(json.dumps(out))

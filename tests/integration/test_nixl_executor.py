@@ -1,0 +1,135 @@
+"""The NIXL executor with real NIXL agents (UCX over DRAM: cma and tcp) in 2-4 spawned processes.
+
+- random plans (random models and topologies, fan-out relays, colocation, random bindings onto the processes,
+  READ / WRITE, staged / in place, packed / direct), each refit three times with new weights in the same
+  tensors: byte-identical to the local executor every time, and no refit registers, prepares or exchanges
+  anything again;
+- a peer killed mid-refit, and a frozen one: every survivor raises a clear ExecutionError within the timeout
+  and its destination tensors keep the previous refit's bytes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import Phase, given, settings, strategies as st
+
+import reshard
+from reshard.executors.binding import Binding
+from reshard.testing.nixl_procs import failure_worker, launch, plan_worker
+from reshard.testing.strategies import refits
+
+pytest.importorskip("nixl")
+pytestmark = pytest.mark.nixl
+
+PROCESSES = 4
+JOBS = 16
+REFITS = 3
+
+
+def _draw_jobs(tmp: Path) -> list[dict]:
+    jobs: list[dict] = []
+
+    @settings(max_examples=JOBS, derandomize=True, database=None, phases=[Phase.generate], deadline=None)
+    @given(refits(), st.integers(0, 2**32 - 1))
+    def draw(pair, seed):
+        src, dst = pair
+        rnd = random.Random(seed)
+        colocated = rnd.random() < 0.3 and dst.num_ranks <= src.num_ranks
+        plan = reshard.compile(src, dst, colocated=colocated, fanout=rnd.choice([None, 1, 2]))
+        procs = rnd.randint(2, PROCESSES)
+        if colocated:  # destination rank d with source rank d, as on shared GPUs
+            binding = Binding.colocated(src.num_ranks, dst.num_ranks)
+            binding = Binding(tuple(p % procs for p in binding.src), tuple(p % procs for p in binding.dst))
+        else:  # ranks dealt round-robin in random order, so every process takes part when ranks allow
+            binding = Binding(tuple(rnd.sample([s % procs for s in range(src.num_ranks)], src.num_ranks)),
+                              tuple(rnd.sample([(d + 1) % procs for d in range(dst.num_ranks)], dst.num_ranks)))
+        options = {"direction": rnd.choice(["auto", "read", "write"]), "staged": rnd.random() < 0.6,
+                   "pack": rnd.choice(["auto", "auto", "always", "never"]),
+                   "pack_below": rnd.choice([None, 256]), "timeout": 30.0}
+        path = tmp / f"plan{len(jobs)}.npz"
+        plan.save(path)
+        jobs.append({"plan": str(path), "binding": binding.to_dict(), "options": options,
+                     "seed": 100 * len(jobs), "refits": REFITS, "label": f"{src} -> {dst}, {binding}, {options}"})
+
+    draw()
+    return jobs
+
+
+def test_random_plans_match_local_executor_over_three_refits(tmp_path):
+    jobs = _draw_jobs(tmp_path)
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    codes = launch(plan_worker, PROCESSES, (str(tmp_path),), timeout=300)
+    assert codes == [0] * PROCESSES, f"workers exited with {codes}"
+    seen = {k: 0 for k in range(len(jobs))}
+    problems = []
+    for p in range(PROCESSES):
+        for r in json.loads((tmp_path / f"result-{p}.json").read_text()):
+            seen[r["job"]] += 1
+            label = f"job {r['job']} process {p} ({jobs[r['job']]['label']})"
+            if r["errors"]:
+                problems.append(f"{label}: {r['errors']}")
+            elif r["ok"] != [True] * REFITS:
+                problems.append(f"{label}: refits ok {r['ok']}")
+            elif r["set_up_calls_during_refits"] or not r["handles_reused"]:
+                problems.append(f"{label}: refits redid set-up: {r['set_up_calls_during_refits']}, "
+                                f"handles reused {r['handles_reused']}")
+    assert not problems, "\n".join(problems)
+    for k, job in enumerate(jobs):
+        assert seen[k] == Binding.from_dict(job["binding"]).num_processes, f"job {k} ran on {seen[k]} processes"
+
+
+def _failure_case(tmp: Path, scenario: str, direction: str, timeout: float) -> list[dict]:
+    spec = reshard.ModelSpec(family="qwen3", hidden_size=64, num_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=300,
+                             qk_norm=True)
+    plan = reshard.compile(reshard.MegatronLayout(model=spec, tp=2), reshard.VllmLayout(model=spec, replicas=2))
+    plan.save(tmp / "plan.npz")
+    # process 0: source rank 0; process 1: source rank 1 and destination rank 0; process 2: destination rank 1
+    binding = Binding((0, 1), (1, 2))
+    victim = 2 if scenario == "killed" else 0
+    (tmp / "failure.json").write_text(json.dumps({
+        "plan": str(tmp / "plan.npz"), "binding": binding.to_dict(),
+        "options": {"direction": direction, "timeout": timeout}}))
+
+    def drive(store, procs):
+        store.wait(["refit1/0", "refit1/1", "refit1/2"])
+        if scenario == "killed":
+            procs[victim].join(30)  # it kills itself once its refit 2 has announced it is ready
+        else:
+            os.kill(procs[victim].pid, signal.SIGSTOP)
+        store.set("go", b"1")
+        end = time.monotonic() + 60
+        while time.monotonic() < end and not all((tmp / f"result-{p}.json").exists()
+                                                 for p in range(3) if p != victim):
+            time.sleep(0.05)
+        if procs[victim].is_alive():
+            os.kill(procs[victim].pid, signal.SIGKILL)
+
+    launch(failure_worker, 3, (str(tmp), scenario, victim), timeout=120, on_started=drive)
+    return [json.loads((tmp / f"result-{p}.json").read_text()) for p in range(3) if p != victim]
+
+
+@pytest.mark.parametrize("scenario,direction", [("killed", "write"), ("frozen", "read")])
+def test_lost_peer_fails_every_survivor_within_timeout_and_keeps_destinations(tmp_path, scenario, direction):
+    timeout = 4.0
+    results = _failure_case(tmp_path, scenario, direction, timeout)
+    assert len(results) == 2
+    for r in results:
+        assert r["error"] is not None and r["error"].startswith("ExecutionError"), r
+        assert "version 2" in r["error"], r["error"]
+        assert r["seconds"] < timeout + 2.0, f"process {r['process']} took {r['seconds']:.1f} s to fail"
+        assert r["unchanged"], f"process {r['process']}: destination tensors changed by a failed refit"
+        assert r["reuse_error"] and "failed earlier" in r["reuse_error"], r["reuse_error"]
+    if scenario == "killed":
+        # the senders talk to the dead process: NIXL reports it at once, well before the timeout
+        assert any("process 2" in r["error"] for r in results), [r["error"] for r in results]
+        assert min(r["seconds"] for r in results) < timeout / 2
+    else:
+        assert any("no ready notification from process 0" in r["error"] for r in results), \
+            [r["error"] for r in results]

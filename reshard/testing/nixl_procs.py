@@ -144,9 +144,8 @@ def failure_worker(process: int, port: int, workdir: str, scenario: str, victim:
     (key "frozen"); the others then start refit 2.
     """
     from ..executors.binding import Binding
-    from ..executors.local import allocate
+    from ..executors.local import allocate, shard
     from ..executors.nixl import NixlExecutor, NixlOptions
-    from ..executors.local import shard
     from ..planner import Plan
 
     torch.set_num_threads(1)

@@ -9,7 +9,7 @@ Modules (vllm is imported only inside them, never by `import reshard`):
   kernel_format  which parameters post-load processing re-laid out (refused by direct mode)
   direct         direct mode: bind parameter storage as a plan's destination tensors
   loader         loader mode: canonical tensors into load_weights, whole modules per call
-  transport      how a plan's bytes reach the worker (pluggable; "inprocess" here)
+  transport      how a plan's bytes reach the worker (pluggable: "inprocess", "distributed" colocated)
   session        one worker's refit, used by the engine and the worker extension
   engine         the `reshard` WeightTransferEngine (+ `register()`, the vLLM plugin entry point)
   trainer        the trainer-side engine, ReshardSource, OfflineLLMClient
@@ -21,10 +21,11 @@ from .direct import DirectBinding, bind_direct
 from .families import VllmFamily, family_of, register_family
 from .loader import LoaderInstaller, layer_groups, loader_layout, loader_plans
 from .session import RefitSpec, WorkerSession, plans_digest, refit_spec
-from .transport import LocalTransport, Transport, make_transport, publish_source, register_transport
+from .transport import (DistributedTransport, LocalTransport, Transport, make_transport, publish_source,
+                        register_transport)
 
 __all__ = [
-    "DerivedLayout", "DirectBinding", "LoaderInstaller", "LocalTransport", "RefitSpec", "Transport", "VllmFamily",
+    "DerivedLayout", "DirectBinding", "DistributedTransport", "LoaderInstaller", "LocalTransport", "RefitSpec", "Transport", "VllmFamily",
     "WorkerSession", "bind_direct", "check_layout", "derive_layout", "family_of", "layer_groups", "loader_layout",
     "loader_plans", "make_transport", "plans_digest", "publish_source", "refit_spec", "register_family",
     "register_transport", "representative_layers",

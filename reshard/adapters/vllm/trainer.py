@@ -98,6 +98,8 @@ class InProcessSender(TrainerTransport):
 
 _SENDERS: dict[str, Callable[[dict[str, Any], ReshardSource], TrainerTransport]] = {
     "inprocess": lambda options, source: InProcessSender(str(options.get("key", "default")), source),
+    # colocated: this process's workers run the executor for both sides inside update_weights
+    "distributed": lambda options, source: InProcessSender(str(options.get("key", "default")), source),
 }
 
 

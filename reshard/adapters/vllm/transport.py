@@ -9,8 +9,13 @@ A `Transport` receives this process's destination ranks' part of a plan into giv
 Transports here:
   - "inprocess": the sources live in this process (`publish_source`): a trainer colocated with an in-process
     engine, and the tests. Copies run straight from the source tensors.
-A torch.distributed (NCCL / gloo) and a NIXL transport plug in with `register_transport`; they run the same
-plan with the executors in reshard.executors (any callable `run(plan, dst)` fits).
+  - "distributed": reshard's torch.distributed executor over a process group every trainer and vLLM process
+    already belongs to -- the colocated case, where the trainer's processes are the vLLM workers (vLLM's
+    `external_launcher`; its world group, NCCL on GPUs, gloo on CPU). Each process publishes the source ranks
+    it plays (`publish_source`); one `run` call on every process sends, receives and commits (staged: a failed
+    refit leaves every destination unchanged). Options: "key", and "binding" ({"src": [...], "dst": [...]},
+    group ranks) when it is not the colocated one (source rank s and destination rank d on group ranks s, d).
+Other transports (NIXL, trainer processes outside vLLM's world) plug in with `register_transport`.
 """
 from __future__ import annotations
 
@@ -110,4 +115,45 @@ class PublishedTransport(Transport):
         LocalTransport(_PUBLISHED[self.key]).run(plan, dst)
 
 
+class DistributedTransport(Transport):
+    """The published source ranks of this process and `dst`, moved by a DistributedExecutor over `group`
+    (default: the world group, vLLM's own in a worker). One executor per plan, reused across refits."""
+
+    def __init__(self, key: str, binding: Any = None, group: Any = None, **executor_options: Any):
+        self.key, self.binding, self.group, self.options = key, binding, group, executor_options
+        self._executors: dict[str, Any] = {}
+
+    def run(self, plan: Plan, dst: RankTensors) -> None:
+        from ...executors import Binding, DistributedExecutor
+
+        executor = self._executors.get(plan.digest)
+        if executor is None:
+            binding = self.binding or Binding.colocated(plan.src.num_ranks, plan.dst.num_ranks)
+            executor = self._executors[plan.digest] = DistributedExecutor(plan, binding, self.group, **self.options)
+        mine = executor.binding.src_ranks_of(executor.rank)
+        published = _PUBLISHED.get(self.key, {})
+        missing = [r for r in mine if r not in published]
+        if missing:
+            raise ExecutionError(f"this process plays source ranks {list(mine)} but {missing} are not published "
+                                 f"under {self.key!r} (publish_source first)")
+        executor.run({r: published[r] for r in mine}, dst)
+
+    def close(self) -> None:
+        for executor in self._executors.values():
+            release = getattr(executor, "release", None)
+            if release is not None:
+                release()
+        self._executors.clear()
+
+
+def _distributed(options: dict[str, Any]) -> Transport:
+    binding = options.get("binding")
+    if binding is not None:
+        from ...executors import Binding
+
+        binding = Binding(tuple(binding["src"]), tuple(binding["dst"]))
+    return DistributedTransport(str(options.get("key", "default")), binding)
+
+
 register_transport("inprocess", lambda options: PublishedTransport(str(options.get("key", "default"))))
+register_transport("distributed", _distributed)

@@ -2,7 +2,7 @@
 process per rank (WORLD_SIZE, RANK, MASTER_ADDR/PORT in the environment). Writes rank{r}.json: per case, per
 check, "ok" or what failed. vLLM's own `load_weights` of the HF checkpoint is the ground truth throughout.
 
-usage: rank_checks.py OUT_DIR MOE_CKPT CASE_JSON...   (a case: {"name", "ckpt", "ep", "src"})
+usage: rank_checks.py OUT_DIR MOE_CKPT CASE_JSON...   (a case: {"name", "ckpt", "ep", "src", "colocated_src"})
 """
 from __future__ import annotations
 
@@ -139,7 +139,7 @@ def run_case(case: dict, rank: int, world: int) -> dict[str, str]:
         LoaderInstaller(model, rank, plans, cfg).install(LocalTransport(src_tensors))
         return same_bytes(model, ref)
 
-    def trainer_engine(dst, key):
+    def trainer_engine(dst, key, source=src, tensors=src_tensors, transport="inprocess"):
         """The `reshard` backend picked by name from vLLM's factories, worker and trainer side."""
         from vllm.config import WeightTransferConfig
         from vllm.distributed.weight_transfer.factory import (WeightTransferEngineFactory,
@@ -152,15 +152,27 @@ def run_case(case: dict, rank: int, world: int) -> dict[str, str]:
         register()
         engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="reshard"), cfg,
                                                            torch.device("cpu"), model)
-        refit = refit_spec(spec, src, dst, mode="direct", transport="inprocess", transport_options={"key": key},
+        refit = refit_spec(spec, source, dst, mode="direct", transport=transport, transport_options={"key": key},
                            verify_layers=list(range(spec.num_layers)))
         info = ReshardTrainerInitInfo.from_refit(refit, rank=0)
         return WeightTransferTrainerFactory.trainer_init(info, client=LoopbackClient(engine),
-                                                         source=ReshardSource(src, src_tensors))
+                                                         source=ReshardSource(source, tensors))
 
     def engine_direct_refit_matches_load_weights():
         poison(model)
         trainer = trainer_engine(layout, "direct")
+        trainer.send_weights(version="v1")
+        trainer.shutdown()
+        return same_bytes(model, ref)
+
+    def engine_colocated_refit_matches_load_weights():
+        # every process is one trainer rank and one vLLM rank (vLLM's external_launcher); it holds only its own
+        # Megatron shard, and reshard's torch.distributed executor moves the bytes between the processes over
+        # vLLM's gloo world group
+        colocated = reshard.parse_layout(case["colocated_src"].format(w=world), spec)
+        mine = {rank: shard(colocated, hf, ranks=[rank])[rank]}
+        poison(model)
+        trainer = trainer_engine(layout, "colocated", colocated, mine, transport="distributed")
         trainer.send_weights(version="v1")
         trainer.shutdown()
         return same_bytes(model, ref)
@@ -244,6 +256,7 @@ def run_case(case: dict, rank: int, world: int) -> dict[str, str]:
     check("direct_install_matches_load_weights", direct_install_matches_load_weights)
     check("loader_install_matches_load_weights", loader_install_matches_load_weights)
     check("engine_direct_refit_matches_load_weights", engine_direct_refit_matches_load_weights)
+    check("engine_colocated_refit_matches_load_weights", engine_colocated_refit_matches_load_weights)
     check("engine_refuses_other_destination", engine_refuses_other_destination)
     check("wrong_shape_declaration_refused", wrong_shape_declaration_refused)
     check("wrong_stacking_refused", wrong_stacking_refused)

@@ -3,7 +3,9 @@ Qwen3-MoE (TP split, and expert parallel at TP2), at vLLM TP1 and TP2; every che
 HF checkpoint (saved by transformers), byte for byte per parameter:
   - direct install: a plan from a Megatron layout written straight into the parameters; and the same through
     the `reshard` weight-transfer engine and trainer engine, picked by name from vLLM's factories (the trainer
-    drives the worker engine through vLLM's client protocol, served in-process);
+    drives the worker engine through vLLM's client protocol, served in-process); and colocated, every process
+    one trainer rank holding only its own Megatron shard and one vLLM rank, the bytes moved between processes
+    by reshard's torch.distributed executor over vLLM's gloo world (`transport="distributed"`);
   - loader install: the same plan's canonical tensors handed to load_weights one module group at a time;
   - the layout derived from the model's loaders (marked tensors) equals the declared VllmLayout, and the probe
     puts the live weights back untouched;
@@ -24,17 +26,18 @@ from vllm_harness import HERE, launch, wait
 
 pytestmark = pytest.mark.vllm
 
-CASES = {  # name -> (checkpoint, expert parallel, Megatron source layout)
-    "qwen3": ("qwen3", False, "megatron:tp=2,pp=2"),
-    "qwen3_tied": ("qwen3_tied", False, "megatron:tp=1,pp=2"),
-    "qwen3_mqa": ("qwen3_mqa", False, "megatron:tp=1,pp=2"),  # 1 KV head: vLLM TP2 replicates it
-    "qwen3_moe": ("qwen3_moe", False, "megatron:tp=2,ep=2,etp=1,pp=2"),
-    "qwen3_moe_ep": ("qwen3_moe", True, "megatron:tp=2,ep=2,etp=2"),
+CASES = {  # name -> (checkpoint, expert parallel, Megatron source layout, colocated source: one rank per process)
+    "qwen3": ("qwen3", False, "megatron:tp=2,pp=2", "megatron:tp={w}"),
+    "qwen3_tied": ("qwen3_tied", False, "megatron:tp=1,pp=2", "megatron:tp=1,pp={w}"),
+    "qwen3_mqa": ("qwen3_mqa", False, "megatron:tp=1,pp=2", "megatron:tp=1,pp={w}"),  # 1 KV head, replicated at TP2
+    "qwen3_moe": ("qwen3_moe", False, "megatron:tp=2,ep=2,etp=1,pp=2", "megatron:tp={w},ep={w},etp=1"),
+    "qwen3_moe_ep": ("qwen3_moe", True, "megatron:tp=2,ep=2,etp=2", "megatron:tp=1,pp={w}"),
 }
 WORLDS = {1: ["qwen3", "qwen3_tied", "qwen3_moe"],
           2: ["qwen3", "qwen3_tied", "qwen3_mqa", "qwen3_moe", "qwen3_moe_ep"]}
 CHECKS = ["direct_install_matches_load_weights", "loader_install_matches_load_weights",
-          "engine_direct_refit_matches_load_weights", "engine_refuses_other_destination", "derived_equals_declared",
+          "engine_direct_refit_matches_load_weights", "engine_colocated_refit_matches_load_weights",
+          "engine_refuses_other_destination", "derived_equals_declared",
           "wrong_shape_declaration_refused", "wrong_stacking_refused"]
 
 
@@ -45,7 +48,7 @@ def reports(checkpoints, tmp_path_factory):
     for world, names in WORLDS.items():
         (out / f"w{world}").mkdir()
         cases = [json.dumps({"name": n, "ckpt": str(checkpoints[CASES[n][0]]), "ep": CASES[n][1],
-                             "src": CASES[n][2]}) for n in names]
+                             "src": CASES[n][2], "colocated_src": CASES[n][3]}) for n in names]
         running[world] = launch(sys.executable, HERE / "rank_checks.py",
                                 [str(out / f"w{world}"), str(checkpoints["qwen3_moe"]), *cases], world, out)
     for procs in running.values():

@@ -26,18 +26,6 @@ class LayoutError(ReshardError):
         super().__init__(message)
 
 
-class LayoutMismatchError(LayoutError):
-    """A live model does not match a declared layout; `problems` lists every difference found (tensor names and
-    both shapes, parallel sizes, ...). Raised before any byte moves."""
-
-    def __init__(self, layout: str, problems: list[str] | tuple[str, ...], fix: str = ""):
-        self.problems = tuple(problems)
-        shown = "\n  - ".join(self.problems[:20])
-        more = f"\n  ... and {len(self.problems) - 20} more" if len(self.problems) > 20 else ""
-        super().__init__(layout, f"the live model does not match the declared layout:\n  - {shown}{more}",
-                         {"problems": self.problems}, fix)
-
-
 class ModelConfigError(ReshardError):
     """An HF config that reshard cannot turn into a model spec."""
 
@@ -64,16 +52,18 @@ class ExecutionError(ReshardError, RuntimeError):
 
 
 class LayoutMismatchError(LayoutError):
-    """A live destination (a vLLM model) does not hold the tensors the declared layout says, or its weight
-    loaders place bytes elsewhere. Raised before any byte moves; `problems` lists every difference found."""
+    """A live model (a Megatron trainer's or a vLLM engine's) does not match the declared layout: it does not hold
+    the tensors the layout says, or its weight loaders place bytes elsewhere. Raised before any byte moves;
+    `problems` lists every difference found (tensor names and both shapes, parallel sizes, ...)."""
 
-    def __init__(self, layout: str, where: str, problems: list[str] | tuple[str, ...]):
+    def __init__(self, layout: str, problems: list[str] | tuple[str, ...], fix: str = "",
+                 where: str = "the live model"):
         self.where = where
         self.problems = tuple(problems)
         shown = "\n  - ".join(self.problems[:30])
         more = f"\n  ... and {len(self.problems) - 30} more" if len(self.problems) > 30 else ""
         super().__init__(layout, f"{where} does not match the declared layout:\n  - {shown}{more}",
-                         {"problems": self.problems})
+                         {"problems": self.problems}, fix)
 
 
 class KernelFormatError(LayoutMismatchError):

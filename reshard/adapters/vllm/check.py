@@ -66,12 +66,12 @@ def check_layout(model: torch.nn.Module, layout: Layout, rank: int, layers: Sequ
     live = {n: (tuple(p.shape), dtype_name(p.dtype)) for n, p in weights(model).items()}
     problems = structure_problems(live, layout, rank)
     if problems:
-        raise LayoutMismatchError(str(layout), where, problems)
+        raise LayoutMismatchError(str(layout), problems, where=where)
     if not loaders:
         return DerivedLayout(rank, live)
     derived = derive_layout(model, layout.model, rank, layers, vllm_config)
     declared = declared_placements(layout, rank, probed_tensors(layout.model, layers))
     problems = list(derived.problems) + placement_problems(derived.placements, declared)
     if problems:
-        raise LayoutMismatchError(str(layout), where, problems)
+        raise LayoutMismatchError(str(layout), problems, where=where)
     return derived

@@ -43,7 +43,7 @@ class DirectBinding:
                 problems.append(f"{name}: the parameter's storage changed since it was bound "
                                 f"(now {tuple(p.shape)} {p.dtype} at another address)")
         if problems:
-            raise KernelFormatError(str(self.layout), f"rank {self.rank} of the live vLLM model", problems)
+            raise KernelFormatError(str(self.layout), problems, where=f"rank {self.rank} of the live vLLM model")
 
     @torch.no_grad()
     def zero_padding(self) -> None:
@@ -61,7 +61,7 @@ def bind_direct(model: torch.nn.Module, layout: Layout, rank: int, layers: Seque
     params = weights(model)
     problems = relaid_problems(model, params)
     if problems:
-        raise KernelFormatError(str(layout), f"rank {rank} of the live vLLM model", problems)
+        raise KernelFormatError(str(layout), problems, where=f"rank {rank} of the live vLLM model")
     tensors = {name: p.data for name, p in params.items()}
     return DirectBinding(rank, layout, tensors, model, padding_runs(layout, rank))
 

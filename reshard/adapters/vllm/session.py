@@ -95,12 +95,12 @@ class WorkerSession:
         live = spec_of(self.vllm_config)
         ours = dst.model.model_copy(update={"dtype": live.dtype})
         if ours != live:
-            raise LayoutMismatchError(str(dst), "the vLLM model", [f"trainer: {dst.model}", f"vLLM: {live}"])
+            raise LayoutMismatchError(str(dst), [f"trainer: {dst.model}", f"vLLM: {live}"], where="the vLLM model")
         if isinstance(dst, VllmLayout):
             declared = declared_layout(dst.model, self.vllm_config, dst.replicas)
             if declared != dst:
-                raise LayoutMismatchError(str(dst), "this vLLM engine's parallel config",
-                                          [f"trainer declared {dst}, the engine runs {declared}"])
+                raise LayoutMismatchError(str(dst), [f"trainer declared {dst}, the engine runs {declared}"],
+                                          where="this vLLM engine's parallel config")
 
     # --- one refit ---------------------------------------------------------------------------------
     def start(self) -> None:

@@ -110,16 +110,19 @@ class Stacked(Rule):
     sizes: tuple[int, ...] = ()
     first: int = 0
     count: int = 1
+    heads: tuple[int, ...] = ()  # rows per head of each part (default 1): TP must give each rank whole heads
 
     def cut(self, t, tp, kind):
         mine = self.sizes[self.first:self.first + self.count]
         if sum(mine) != t.shape[0]:
             raise LayoutError(kind, f"{t.name}: {t.shape[0]} rows, but stack parts {self.first}.."
                               f"{self.first + self.count - 1} of {self.name} have {sum(mine)}", {"tensor": t.name})
-        bad = [s for s in self.sizes if s % tp]
+        heads = self.heads or (1,) * len(self.sizes)
+        bad = [s // h for s, h in zip(self.sizes, heads) if (s // h) % tp]
         if bad:
-            raise LayoutError(kind, f"{t.name}: the parts {list(self.sizes)} of {self.name} are not all divisible "
-                              f"by tp={tp}", {"tensor": t.name, "tp": tp})
+            counts = [s // h for s, h in zip(self.sizes, heads)]
+            raise LayoutError(kind, f"{t.name}: tp={tp} does not divide the head counts {counts} "
+                              f"of the parts of {self.name}", {"tensor": t.name, "tp": tp})
         per = [s // tp for s in self.sizes]
         rest, pad = t.shape[1:], (0,) * (len(t.shape) - 1)
         out = []

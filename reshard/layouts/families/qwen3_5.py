@@ -66,21 +66,24 @@ SHARED_EXPERT_GATE = same("shared_expert_gate", Replicated("mlp.shared_experts.g
 
 
 @functools.lru_cache(maxsize=16)
-def _gdn_kinds(Kd: int, Vd: int, nv: int) -> dict[str, Kind]:
-    """in_proj / conv1d kinds: each HF tensor is some consecutive parts of a fused per-rank stack."""
-    meg = (Kd, Kd, Vd, Vd, nv, nv)  # Megatron in_proj: q, k, v, z, beta (b), alpha (a)
-    qkvz, conv = (Kd, Kd, Vd, Vd), (Kd, Kd, Vd)
+def _gdn_kinds(nk: int, dk: int, nv: int, dv: int) -> dict[str, Kind]:
+    """in_proj / conv1d kinds: each HF tensor is some consecutive parts of a fused per-rank stack. Both engines
+    give each rank whole key and value heads (megatron-core and vLLM divide the head counts by tp)."""
+    Kd, Vd = nk * dk, nv * dv
+    meg, meg_h = (Kd, Kd, Vd, Vd, nv, nv), (dk, dk, dv, dv, 1, 1)  # Megatron in_proj: q, k, v, z, beta, alpha
+    qkvz, qkvz_h = (Kd, Kd, Vd, Vd), (dk, dk, dv, dv)
+    conv, conv_h = (Kd, Kd, Vd), (dk, dk, dv)
 
-    def kind(label, mfirst, mcount, vname, vsizes, vfirst, vcount):
-        return same(label, Stacked("self_attention.in_proj.weight", meg, mfirst, mcount),
-                    Stacked(_LIN + vname, vsizes, vfirst, vcount))
+    def kind(label, mfirst, mcount, vname, vsizes, vheads, vfirst, vcount):
+        return same(label, Stacked("self_attention.in_proj.weight", meg, mfirst, mcount, meg_h),
+                    Stacked(_LIN + vname, vsizes, vfirst, vcount, vheads))
 
-    return {"in_proj_qkv": kind("gdn_in_proj_qkv", 0, 3, "in_proj_qkvz.weight", qkvz, 0, 3),
-            "in_proj_z": kind("gdn_in_proj_z", 3, 1, "in_proj_qkvz.weight", qkvz, 3, 1),
-            "in_proj_b": kind("gdn_in_proj_b", 4, 1, "in_proj_ba.weight", (nv, nv), 0, 1),
-            "in_proj_a": kind("gdn_in_proj_a", 5, 1, "in_proj_ba.weight", (nv, nv), 1, 1),
-            "conv1d": same("gdn_conv1d", Stacked("self_attention.conv1d.weight", conv, 0, 3),
-                           Stacked(_LIN + "conv1d.weight", conv, 0, 3))}
+    return {"in_proj_qkv": kind("gdn_in_proj_qkv", 0, 3, "in_proj_qkvz.weight", qkvz, qkvz_h, 0, 3),
+            "in_proj_z": kind("gdn_in_proj_z", 3, 1, "in_proj_qkvz.weight", qkvz, qkvz_h, 3, 1),
+            "in_proj_b": kind("gdn_in_proj_b", 4, 1, "in_proj_ba.weight", (nv, nv), (), 0, 1),
+            "in_proj_a": kind("gdn_in_proj_a", 5, 1, "in_proj_ba.weight", (nv, nv), (), 1, 1),
+            "conv1d": same("gdn_conv1d", Stacked("self_attention.conv1d.weight", conv, 0, 3, conv_h),
+                           Stacked(_LIN + "conv1d.weight", conv, 0, 3, conv_h))}
 
 
 @functools.lru_cache(maxsize=16)
@@ -122,9 +125,10 @@ def _layer(spec: ModelSpec, i: int) -> list:
     a = dict(spec.arch)
     H, p = spec.hidden_size, f"model.layers.{i}."
     if a["layer_types"][i] == "linear_attention":
-        Kd, Vd, nv = a["linear_num_key_heads"] * a["linear_key_head_dim"], \
-            a["linear_num_value_heads"] * a["linear_value_head_dim"], a["linear_num_value_heads"]
-        k, q = _gdn_kinds(Kd, Vd, nv), p + "linear_attn."
+        nk, dk, nv, dv = (a[f"linear_{x}"] for x in ("num_key_heads", "key_head_dim", "num_value_heads",
+                                                       "value_head_dim"))
+        Kd, Vd = nk * dk, nv * dv
+        k, q = _gdn_kinds(nk, dk, nv, dv), p + "linear_attn."
         out = [norm(i, "input_layernorm.weight", H, GDN_INPUT_NORM),
                (q + "in_proj_qkv.weight", (2 * Kd + Vd, H), k["in_proj_qkv"], i, -1),
                (q + "in_proj_z.weight", (Vd, H), k["in_proj_z"], i, -1),

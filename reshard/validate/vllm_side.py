@@ -25,7 +25,8 @@ def named_parameters(config_path: str, ep: bool = False) -> dict[str, list[int]]
         shutil.copy(config_path, os.path.join(ckpt, "config.json"))
         cfg = EngineArgs(model=ckpt, tensor_parallel_size=1, enable_expert_parallel=ep, dtype="bfloat16",
                          skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
-                         load_format="dummy").create_engine_config()
+                         load_format="dummy", language_model_only=True).create_engine_config()
+        # language_model_only: a multimodal wrapper (Qwen3.5) builds no vision tower, which refits leave out
         with set_current_vllm_config(cfg):
             init_distributed_environment(world_size=1, rank=0, distributed_init_method="env://", local_rank=0,
                                          backend="gloo")

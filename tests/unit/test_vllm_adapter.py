@@ -10,7 +10,7 @@ import torch
 
 import reshard
 from reshard.adapters.vllm import LocalTransport, layer_groups, loader_layout, loader_plans, refit_spec
-from reshard.adapters.vllm.check import placement_problems, structure_problems
+from reshard.adapters.vllm.check import placement_problems, structure_problems, widens
 from reshard.adapters.vllm.derive import UNWRITTEN, _read_placements, declared_placements, marker
 from reshard.adapters.vllm.direct import padding_runs
 from reshard.executors import execute_local, shard
@@ -87,7 +87,8 @@ def test_structure_problems_name_the_tensor_and_both_shapes():
     layout = reshard.VllmLayout(model=SPEC, tp=2)
     live = {n: (s, "float32") for n, s in layout.rank_tensors(0).items()}
     live["model.embed_tokens.weight"] = ((50, 8), "float32")
-    live["model.norm.weight"] = ((8,), "bfloat16")
+    live["model.norm.weight"] = ((8,), "bfloat16")  # narrower than the plan: refused
+    live["model.layers.0.input_layernorm.weight"] = ((8,), "float64")  # wider: cast at install, not a problem
     del live["lm_head.weight"]
     live["extra.weight"] = ((1,), "float32")
     assert structure_problems(live, layout, 0) == [
@@ -96,6 +97,12 @@ def test_structure_problems_name_the_tensor_and_both_shapes():
         "model.embed_tokens.weight: live (50, 8) float32, declared (64, 8) float32",
         "model.norm.weight: live (8,) bfloat16, declared (8,) float32",
     ]
+
+
+def test_only_exact_widening_counts_as_a_cast():
+    assert widens("bfloat16", "float32") and widens("float16", "float32") and widens("float32", "float64")
+    assert not widens("float32", "bfloat16") and not widens("bfloat16", "float16")  # narrowing / not exact
+    assert not widens("bfloat16", "bfloat16") and not widens("bfloat16", "int32")
 
 
 def test_padding_runs_are_the_vocab_rows_past_v():

@@ -19,6 +19,15 @@ from .derive import DerivedLayout, declared_placements, derive_layout, probed_te
 from .live import dtype_name, weights
 
 
+def widens(plan_dtype: str, live_dtype: str) -> bool:
+    """True if the engine keeps a tensor in a wider floating type than the plan moves it in (vLLM keeps some
+    small tensors in float32, e.g. Qwen3.5's A_log or DeepSeek's router bias): every value the plan carries
+    is exact there, so a direct install lands it in plan dtype and casts it up (DirectBinding.finish)."""
+    plan, live = getattr(torch, plan_dtype, None), getattr(torch, live_dtype, None)
+    return (isinstance(plan, torch.dtype) and isinstance(live, torch.dtype) and live.is_floating_point
+            and plan.is_floating_point and plan != live and torch.promote_types(plan, live) == live)
+
+
 def structure_problems(live: dict[str, tuple[tuple[int, ...], str]], layout: Layout, rank: int) -> list[str]:
     declared = layout.rank_tensors(rank)
     want_dtype = layout.dtype
@@ -30,7 +39,8 @@ def structure_problems(live: dict[str, tuple[tuple[int, ...], str]], layout: Lay
         elif name not in declared:
             problems.append(f"{name}: the live model has {live[name][0]} {live[name][1]}, which the declared "
                             f"layout does not hold")
-        elif tuple(live[name][0]) != tuple(declared[name]) or live[name][1] != want_dtype:
+        elif tuple(live[name][0]) != tuple(declared[name]) or not (
+                live[name][1] == want_dtype or widens(want_dtype, live[name][1])):
             problems.append(f"{name}: live {live[name][0]} {live[name][1]}, declared {tuple(declared[name])} "
                             f"{want_dtype}")
     return problems

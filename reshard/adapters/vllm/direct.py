@@ -2,21 +2,26 @@
 
     binding = bind_direct(model, layout, rank)             # checks, then binds; raises before anything moves
     transport.run(plan, {rank: binding.tensors})           # any executor: name -> tensor of this rank
-    binding.zero_padding()                                 # vocab padding rows, as vLLM's loader leaves them
+    binding.finish()                                       # vocab padding rows zeroed, widened tensors cast
 
 `bind_direct` refuses (LayoutMismatchError) a model whose weights or loaders differ from the declared layout
 and (KernelFormatError) parameters re-laid out after loading (kernel_format.py). `binding.verify()` re-checks
 before each refit that the bound storage is still the model's (vLLM may swap a Parameter's data later, e.g.
 a reload through a backend that re-allocates).
+
+A parameter the engine keeps in a wider floating type than the plan's (check.widens: float32 next to a
+bfloat16 plan) is bound to a small scratch tensor in the plan's dtype; `finish()` casts it into the parameter
+after the refit landed. Lossless for what the trainer sends, which is in the plan's dtype.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 
 from ...errors import KernelFormatError
+from ...executors.local import torch_dtype
 from ...layouts import Layout
 from .check import check_layout
 from .kernel_format import relaid_problems
@@ -30,6 +35,7 @@ class DirectBinding:
     tensors: dict[str, torch.Tensor]  # the live storage of each parameter (param.data), plan destination names
     model: torch.nn.Module
     padding: dict[str, list[tuple[int, int]]]  # name -> flat (start, length) runs no placement covers
+    casts: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> the wider parameter storage
 
     def verify(self) -> None:
         """Raise KernelFormatError if a bound tensor is no longer the storage its parameter uses."""
@@ -39,6 +45,7 @@ class DirectBinding:
             p = live.get(name)
             if p is None:
                 continue
+            t = self.casts.get(name, t)
             if p.data.data_ptr() != t.data_ptr() or p.shape != t.shape or p.dtype != t.dtype:
                 problems.append(f"{name}: the parameter's storage changed since it was bound "
                                 f"(now {tuple(p.shape)} {p.dtype} at another address)")
@@ -52,6 +59,13 @@ class DirectBinding:
             for start, length in runs:
                 flat.narrow(0, start, length).zero_()
 
+    @torch.no_grad()
+    def finish(self) -> None:
+        """After a refit landed: zero the padding, cast widened tensors into their parameters."""
+        self.zero_padding()
+        for name, target in self.casts.items():
+            target.copy_(self.tensors[name])
+
 
 def bind_direct(model: torch.nn.Module, layout: Layout, rank: int, layers: Sequence[int] | None = None,
                 vllm_config: Any = None, loaders: bool = True) -> DirectBinding:
@@ -63,7 +77,11 @@ def bind_direct(model: torch.nn.Module, layout: Layout, rank: int, layers: Seque
     if problems:
         raise KernelFormatError(str(layout), problems, where=f"rank {rank} of the live vLLM model")
     tensors = {name: p.data for name, p in params.items()}
-    return DirectBinding(rank, layout, tensors, model, padding_runs(layout, rank))
+    plan_dtype = torch_dtype(layout.dtype)
+    casts = {name: t for name, t in tensors.items() if t.dtype != plan_dtype}  # check_layout allowed only widening
+    for name, t in casts.items():
+        tensors[name] = torch.empty(t.shape, dtype=plan_dtype, device=t.device)
+    return DirectBinding(rank, layout, tensors, model, padding_runs(layout, rank), casts)
 
 
 def padding_runs(layout: Layout, rank: int) -> dict[str, list[tuple[int, int]]]:

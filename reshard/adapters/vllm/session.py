@@ -112,7 +112,7 @@ class WorkerSession:
     def receive(self) -> None:
         if self.binding is not None:
             self.transport.run(self.plans[0], {self.rank: self.binding.tensors})
-            self.binding.zero_padding()
+            self.binding.finish()
         else:
             self.installer.install(self.transport)
 

@@ -130,7 +130,7 @@ def run_case(case: dict, rank: int, world: int) -> dict[str, str]:
         binding = bind_direct(model, layout, rank, None, cfg)
         plan = reshard.compile_plan(src, layout)
         LocalTransport(src_tensors).run(plan, {rank: binding.tensors})
-        binding.zero_padding()
+        binding.finish()
         return same_bytes(model, ref)
 
     def loader_install_matches_load_weights():

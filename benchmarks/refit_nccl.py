@@ -285,11 +285,20 @@ def run_case(name: str, plan, binding: Binding, procs, me: int, groups: dict, de
     out["in_place_s"], out["in_place_runs"] = statistics.median(t), t
     out["in_place_ok"] = same(got, want)
     out["in_place_phases"] = slowest(last["stats"].phases, group, device)
-    ok = torch.tensor([int(out["staged_ok"] and out["in_place_ok"])], device=device)
+    del inplace
+    for tensors in got.values():
+        for x in tensors.values():
+            x.zero_()
+    undo = DistributedExecutor(plan, binding, ex_group, undo=True, **options)
+    t = clock.time(lambda: last.update(stats=undo.run(src, got)), args.iters)
+    out["undo_s"], out["undo_runs"] = statistics.median(t), t
+    out["undo_ok"] = same(got, want)
+    out["undo_phases"] = slowest(last["stats"].phases, group, device)
+    ok = torch.tensor([int(out["staged_ok"] and out["in_place_ok"] and out["undo_ok"])], device=device)
     if group is not None:
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
     out["all_ok"] = bool(ok.item())
-    del inplace, src, got, want
+    del undo, src, got, want
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out
@@ -325,18 +334,19 @@ def run_checks(me: int, device) -> list[str]:
         src_all = shard(plan.src, w)
         want = allocate(plan.dst, fill=-3.0)
         execute_local(plan, src_all, want)
-        for in_place in (False, True):
+        for mode in ({}, {"in_place": True}, {"undo": True}):
             for bucket in (4096, 1 << 20):
                 src = {r: {n: t.to(device) for n, t in src_all[r].items()} for r in binding.src_ranks_of(me)}
                 got = {r: {n: torch.full_like(t, -3.0, device=device) for n, t in want[r].items()}
                        for r in binding.dst_ranks_of(me)}
-                ex = DistributedExecutor(plan, binding, None, in_place=in_place, bucket_bytes=bucket, timeout=60.0)
+                ex = DistributedExecutor(plan, binding, None, bucket_bytes=bucket, timeout=60.0, direct_bytes=256,
+                                         **mode)
                 for _ in range(2):
                     ex.run(src, got)
                 for r, ts in got.items():
                     for n, t in ts.items():
                         if not torch.equal(t.cpu().view(torch.int16), want[r][n].view(torch.int16)):
-                            failures.append(f"check {i} in_place={in_place} bucket={bucket}: rank {r} {n}")
+                            failures.append(f"check {i} {mode or 'staged'} bucket={bucket}: rank {r} {n}")
     return failures
 
 
@@ -381,19 +391,21 @@ def worker(args) -> None:
 
 def table(results: list[dict], device: str) -> str:
     lines = [f"refit benchmark on {device}",
-             "case | crossing GB | bucket MiB | executor staged ms | executor in-place ms | ceiling ms (kind) | "
-             "% of ceiling staged / in-place | gather-broadcast ms | correct"]
+             "case | crossing GB | bucket MiB | executor staged ms | executor in-place ms | executor undo ms | "
+             "ceiling ms (kind) | % of ceiling staged / in-place / undo | gather-broadcast ms | correct"]
     for r in results:
         c = r["ceiling_s"]
         lines.append(
             f"{r['case']} | {r['cross_bytes_sent'] / 1e9:.2f} | {r['bucket_bytes'] / 2**20:.0f} | "
-            f"{r['staged_s'] * 1e3:.1f} | {r['in_place_s'] * 1e3:.1f} | {c * 1e3:.1f} ({r['ceiling_kind']}) | "
-            f"{100 * c / r['staged_s']:.0f}% / {100 * c / r['in_place_s']:.0f}% | "
+            f"{r['staged_s'] * 1e3:.1f} | {r['in_place_s'] * 1e3:.1f} | {r['undo_s'] * 1e3:.1f} | "
+            f"{c * 1e3:.1f} ({r['ceiling_kind']}) | "
+            f"{100 * c / r['staged_s']:.0f}% / {100 * c / r['in_place_s']:.0f}% / {100 * c / r['undo_s']:.0f}% | "
             f"{r['gather_broadcast_s'] * 1e3:.1f} | {'yes' if r['all_ok'] else 'NO'}")
-    lines.append("phases of the last run, slowest process (ms): staged | in place")
+    lines.append("phases of the last run, slowest process (ms): staged | in place | undo")
     for r in results:
         fmt = lambda ph: " ".join(f"{k}={v * 1e3:.1f}" for k, v in ph.items())  # noqa: E731
-        lines.append(f"{r['case']}: {fmt(r['staged_phases'])} | {fmt(r['in_place_phases'])}  "
+        lines.append(f"{r['case']}: {fmt(r['staged_phases'])} | {fmt(r['in_place_phases'])} | "
+                     f"{fmt(r['undo_phases'])}  "
                      f"(copies {r['copies']}, rounds {r['rounds']}, staging {r['staging_bytes'] / 1e9:.1f} GB)")
     return "\n".join(lines)
 

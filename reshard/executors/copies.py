@@ -67,6 +67,16 @@ class Copies:
         return cls({c: np.concatenate([p.cols[c] for p in parts]) for c in COPY_COLUMNS})
 
 
+def regions(program: Copies, frm: int, to: int) -> Copies:
+    """Copies of the regions `program` writes, from memory kind `frm` to kind `to` at the same ids and places
+    (an undo log: back a destination region up into its shadow before writing it, or restore it)."""
+    c = program.cols
+    side = {k: c[f"dst_{k}"] for k in ("id", "off", "step", "stride")}
+    return Copies({**{f"src_{k}": v for k, v in side.items()}, **{f"dst_{k}": v for k, v in side.items()},
+                   "src_kind": np.full(len(program), frm, np.int64), "dst_kind": np.full(len(program), to, np.int64),
+                   "n": c["n"], "rows": c["rows"], "cols": c["cols"]})
+
+
 def fold(src_kind, src_id, src_off, src_stride, dst_kind, dst_id, dst_off, dst_stride, rows, cols) -> Copies:
     """Fold 2-D block copies (equal-length int arrays, scalars broadcast) into a short program."""
     args = (src_kind, src_id, src_off, src_stride, dst_kind, dst_id, dst_off, dst_stride, rows, cols)

@@ -84,6 +84,7 @@ class ExecutionStats:
 
     process: int
     staged: bool
+    undo: bool
     seconds: float  # wall clock, call to return
     phases: dict[str, float] = field(default_factory=dict)  # wall clock per step: prepare (checks and buffers),
     # preflight, enqueue (the host's pass over the rounds), drain (until every message and copy is done),
@@ -110,6 +111,11 @@ class DistributedExecutor:
     group: the refit group (default: the whole world); binding ranks are ranks in it. Every member calls `run`.
     in_place: write straight into the destination tensors (no staging memory; a failed refit leaves them
         partly written). Default False: staged, committed only once every process has everything.
+    undo: write straight into the destination tensors, but first copy each region's previous bytes into a
+        shadow (on a side stream, just before the region is written, so the copy overlaps the transfer) and
+        put them back if the refit fails. The same memory as staging and the same outcome for a failed refit,
+        without staging's commit copy; unlike staging, a reader of the destination tensors during the refit
+        sees a mix of old and new weights (pause the engine, as refits usually do).
     memory_cap: bytes of wire buffers per process (2 rounds in flight x peers per round x bucket).
     bucket_bytes: the largest message; default as large as `memory_cap` allows.
     timeout: seconds any wait may go without progress before the refit fails with ExecutionError.
@@ -121,14 +127,17 @@ class DistributedExecutor:
     """
 
     def __init__(self, plan: Plan, binding: Binding, group: dist.ProcessGroup | None = None, *,
-                 in_place: bool = False, memory_cap: int = DEFAULT_MEMORY_CAP, bucket_bytes: int | None = None,
+                 in_place: bool = False, undo: bool = False, memory_cap: int = DEFAULT_MEMORY_CAP, bucket_bytes: int | None = None,
                  timeout: float = 300.0, depth: int = 2, direct_bytes: int | None = DIRECT_BYTES,
                  on_round: Callable[[int], None] | None = None) -> None:
+        if undo and in_place:
+            raise ExecutionError("undo=True already writes in place (keeping the previous bytes); drop in_place")
         if depth < 1:
             raise ExecutionError(f"depth={depth} must be at least 1")
         if timeout <= 0:
             raise ExecutionError(f"timeout={timeout} must be positive (seconds)")
         self.plan, self.binding, self.in_place, self.timeout, self.depth = plan, binding, in_place, timeout, depth
+        self.undo = undo
         self.on_round = on_round
         self.distributed = dist.is_available() and dist.is_initialized()
         if self.distributed:
@@ -145,10 +154,10 @@ class DistributedExecutor:
         binding.check(plan.src.num_ranks, plan.dst.num_ranks, self.size)
         self.bucket_numel = bucket_numel_for(plan, binding, memory_cap, bucket_bytes, depth)
         direct_numel = 1 << 62 if direct_bytes is None else max(direct_bytes // plan.itemsize, 1)
-        self.schedule: ProcessSchedule = build_schedule(plan, binding, self.rank, self.bucket_numel, not in_place,
-                                                        direct_numel)
+        self.schedule: ProcessSchedule = build_schedule(plan, binding, self.rank, self.bucket_numel,
+                                                        not (in_place or undo), direct_numel, undo)
         self._fingerprint = _digest_int(plan.digest, binding.digest, str(self.bucket_numel), str(depth),
-                                        str(direct_numel))
+                                        str(direct_numel), str(undo))
         self._global = {}
         if self.distributed:
             peers = {m.peer for r in self.schedule.rounds for m in r.sends + r.recvs}
@@ -197,19 +206,22 @@ class DistributedExecutor:
             marks.append(("drain", time.perf_counter()))
             self._agree(device)
             marks.append(("verify", time.perf_counter()))
-        except ReshardError:
+        except ReshardError as e:
             engine.abort()
+            if self.undo:
+                raise ExecutionError(f"{e}; {engine.restore()}") from e
             raise
         except Exception as e:  # a transport error: name it, keep the original as the cause
             engine.abort()
-            raise ExecutionError(self._failure(f"{type(e).__name__}: {e}")) from e
+            restored = f"; {engine.restore()}" if self.undo else ""
+            raise ExecutionError(self._failure(f"{type(e).__name__}: {e}") + restored) from e
         engine.commit()
         marks.append(("commit", time.perf_counter()))
         s = self.schedule
         itemsize = self.plan.itemsize
         times = [start] + [t for _, t in marks]
         return ExecutionStats(
-            process=self.rank, staged=s.staged, seconds=times[-1] - start,
+            process=self.rank, staged=s.staged, undo=s.undo, seconds=times[-1] - start,
             phases={name: times[i + 1] - times[i] for i, (name, _) in enumerate(marks)},
             bytes_sent={p: n * itemsize for p, n in s.sent.items()},
             bytes_received={p: n * itemsize for p, n in s.received.items()},
@@ -321,6 +333,7 @@ class DistributedExecutor:
 
     def _failure(self, what: str, before: bool = False) -> str:
         state = ("nothing was moved" if before else
+                 "destination tensors were written in place; their previous bytes are put back" if self.undo else
                  "destination tensors were left unchanged (staged refit)" if not self.in_place else
                  "destination tensors may be partly written (in_place=True)")
         return (f"refit failed on group rank {self.rank} (plan {self.plan.digest[:12]}): {what}; {state}; the "

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ExecutionError
-from .copies import DST, KIND_NAMES, SHADOW, SRC, WIRE, Copies
+from .copies import DST, KIND_NAMES, SHADOW, SRC, WIRE, Copies, regions
 from .local import torch_dtype
 from .views import BoundCopies, Memory, bind
 
@@ -104,8 +104,16 @@ class Bound:
         # local copies of a stage, cut into one piece per round of that stage so they spread over the transfer
         rounds_in_stage = np.bincount([r.stage for r in s.rounds], minlength=s.num_stages) if s.rounds else \
             np.zeros(s.num_stages, np.int64)
-        self.local = [[bind(piece, memory, itemsize) for piece in _pieces(c, max(int(k), 1))]
-                      for c, k in zip(s.local, rounds_in_stage)]
+        local = [_pieces(c, max(int(k), 1)) for c, k in zip(s.local, rounds_in_stage)]
+        self.local = [[bind(piece, memory, itemsize) for piece in pieces] for pieces in local]
+        # undo: before a round's receives (a local piece) write, the regions they write are copied into the
+        # shadows; after a failure the copies that completed are put back
+        undo = lambda c, frm, to: bind(regions(c, frm, to), memory, itemsize) if s.undo else None  # noqa: E731
+        received = [Copies.concat([m.copies for m in r.recvs]) for r in s.rounds]
+        self.backups = [undo(c, DST, SHADOW) for c in received]
+        self.restores = [undo(c, SHADOW, DST) for c in received]
+        self.local_backups = [[undo(c, DST, SHADOW) for c in pieces] for pieces in local]
+        self.local_restores = [[undo(c, SHADOW, DST) for c in pieces] for pieces in local]
         self.commit = bind(s.commit, memory, itemsize)
         self.deferred = bind(s.deferred, memory, itemsize)
 
@@ -155,6 +163,19 @@ class Engine(abc.ABC):
         self.ex, self.b = ex, bound
         self.rounds = ex.schedule.rounds
         self.copies = 0
+        self.undo_log: list[tuple] = []  # (completion event or None, restore program), in launch order
+
+    def restore(self) -> str:
+        """Undo: after a failure, put back the previous bytes of every region that may have been written.
+        Returns what happened, for the error message."""
+        done = self._restore_log()
+        return (f"destination tensors were restored to their previous weights ({done} backed-up regions put "
+                f"back; undo)")
+
+    def _restore_log(self) -> int:
+        for _, program in self.undo_log:
+            self._run([program])
+        return len(self.undo_log)
 
     def _run(self, programs) -> None:
         for p in programs:
@@ -213,6 +234,9 @@ class HostEngine(Engine):
         self._run(self.b.packs[pos])
 
     def post(self, pos: int):
+        if self.b.backups[pos] is not None:  # receives write only after this round is posted
+            self._run([self.b.backups[pos]])
+            self.undo_log.append((None, self.b.restores[pos]))
         ops = self._ops(pos)
         return pos, dist.batch_isend_irecv(ops) if ops else []
 
@@ -227,6 +251,9 @@ class HostEngine(Engine):
         self._run(self.b.scatters[pos])
 
     def local(self, stage: int, piece: int) -> None:
+        if piece < len(self.b.local[stage]) and self.b.local_backups[stage][piece] is not None:
+            self._run([self.b.local_backups[stage][piece]])
+            self.undo_log.append((None, self.b.local_restores[stage][piece]))
         self._run(self.b.local[stage][piece:piece + 1])
 
     def stage_barrier(self, stage: int) -> None:
@@ -280,6 +307,9 @@ class CudaEngine(Engine):
             post.wait_event(prev["scattered"])  # the slot's earlier receives were scattered
         ops = self._ops(pos)
         with torch.cuda.stream(post):
+            if self.b.backups[pos] is not None:  # before this round's receives write (direct ones at once)
+                self._run([self.b.backups[pos]])
+                self.undo_log.append((post.record_event(), self.b.restores[pos]))
             works = dist.batch_isend_irecv(ops) if ops else []
         pending = {"pos": pos, "works": works, "scattered": None}
         self.slot_owner[slot] = pending
@@ -298,6 +328,9 @@ class CudaEngine(Engine):
     def local(self, stage: int, piece: int) -> None:
         st = self.streams["local"]
         with torch.cuda.stream(st):
+            if piece < len(self.b.local[stage]) and self.b.local_backups[stage][piece] is not None:
+                self._run([self.b.local_backups[stage][piece]])
+                self.undo_log.append((st.record_event(), self.b.local_restores[stage][piece]))
             self._run(self.b.local[stage][piece:piece + 1])
             self.local_done[stage] = st.record_event()
 
@@ -326,6 +359,22 @@ class CudaEngine(Engine):
 
     def abort(self) -> None:
         abort(self.ex.group)
+
+    def _restore_log(self) -> int:
+        # after the abort: wait (bounded) until nothing of this refit still runs on our streams, then put back
+        # every region whose backup completed (a region whose backup did not run was never written: its
+        # writes are ordered after the backup on the same stream)
+        ends = [st.record_event() for st in self.streams.values()]
+        try:
+            poll(ends, self.ex.timeout, [f"{name} stream" for name in self.streams])
+        except ExecutionError as e:
+            raise ExecutionError(f"could not restore the previous weights: {e}; destination tensors may be "
+                                 f"partly written") from None
+        done = [program for ev, program in self.undo_log if ev.query()]
+        with torch.cuda.stream(self.streams["local"]):
+            self._run(done)
+        self.streams["local"].synchronize()
+        return len(done)
 
 
 def make_engine(ex: "DistributedExecutor", bound: Bound) -> Engine:

@@ -73,14 +73,16 @@ class ProcessSchedule:
 
     rounds: its rounds in global order (only those where it sends or receives);
     local: per stage, local copies run while the refit is in flight (into shadows when staged);
-    deferred: local copies that a staged refit runs at commit, straight into the destination tensors;
+    deferred: local copies that a staged or undo refit runs at commit, straight into the destination tensors
+        (into tensors that receive nothing from a peer: they need neither a shadow nor a backup);
     commit: shadow -> destination copies of a staged refit;
-    shadow: destination tensor ids that get a staging copy.
+    shadow: destination tensor ids that get a staging copy (staged) or a copy of their previous bytes (undo).
     """
 
     process: int
     bucket_numel: int
     staged: bool
+    undo: bool
     num_stages: int
     rounds: tuple[Round, ...]
     local: tuple[Copies, ...]
@@ -189,13 +191,18 @@ DIRECT_BYTES = 64 << 20  # runs contiguous in one side's memory at least this lo
 
 
 def build_schedule(plan: Plan, binding: Binding, process: int, bucket_numel: int, staged: bool,
-                   direct_numel: int | None = None) -> ProcessSchedule:
+                   direct_numel: int | None = None, undo: bool = False) -> ProcessSchedule:
     """The part of the global schedule that `process` (a group rank) runs. `direct_numel`: the shortest run
-    contiguous in the sender's memory that travels as messages of its own (default DIRECT_BYTES)."""
+    contiguous in the sender's memory that travels as messages of its own (default DIRECT_BYTES). `undo`
+    (not with `staged`): writes go straight into the destination tensors, and every destination tensor this
+    process writes gets a shadow that holds its previous bytes (the executor backs each region up just before
+    writing it, and restores it if the refit fails)."""
     if direct_numel is None:
         direct_numel = max(DIRECT_BYTES // plan.itemsize, 1)
     if bucket_numel < 1:
         raise ExecutionError(f"bucket_numel={bucket_numel} must be at least 1")
+    if undo and staged:
+        raise ExecutionError("undo and staged are two ways of keeping the previous weights; choose one")
     binding.check(plan.src.num_ranks, plan.dst.num_ranks)
     o = plan.ops
     sender, receiver = _senders_receivers(plan, binding)
@@ -252,12 +259,13 @@ def build_schedule(plan: Plan, binding: Binding, process: int, bucket_numel: int
         "ds": o["dst_stride"][sel], "rows": o["rows"][sel], "cols": o["cols"][sel],
     }, cuts) if len(sel) else None
 
-    shadowed = np.zeros(len(plan.dst_tensors), dtype=bool)
-    if staged:
-        shadowed |= relay_read
-        if pieces is not None:
-            recv_ops = pieces["op"][receiver[pieces["op"]] == process]
-            shadowed[o["dst_tensor"][recv_ops]] = True
+    # tensors written while the refit is in flight when it is staged or undone: those that receive bytes from
+    # a peer or that this process forwards from; local copies into any other tensor wait for the commit
+    in_flight_tensor = relay_read.copy()
+    if pieces is not None:
+        in_flight_tensor[o["dst_tensor"][pieces["op"][receiver[pieces["op"]] == process]]] = True
+    shadowed = in_flight_tensor if staged else np.zeros(len(plan.dst_tensors), dtype=bool)  # staged writes land here
+    backed_up = in_flight_tensor if undo else np.zeros(len(plan.dst_tensors), dtype=bool)  # undo keeps these
     dst_kind = lambda tid: np.where(shadowed[tid], SHADOW, DST)  # noqa: E731 - where a write lands in flight
 
     rounds: dict[int, dict[str, list[Message]]] = {}
@@ -316,7 +324,7 @@ def build_schedule(plan: Plan, binding: Binding, process: int, bucket_numel: int
     side = o["src_side"][loc]
     s_kind = _read_kind(side, o["src_tensor"][loc], shadowed)
     d_t = o["dst_tensor"][loc]
-    in_flight = shadowed[d_t] | (not staged)  # staged: only writes into shadows happen before commit
+    in_flight = in_flight_tensor[d_t] | (not (staged or undo))  # the rest waits for the commit
     local = []
     for stage in range(num_stages):
         m = in_flight & (o["stage"][loc] == stage)
@@ -349,7 +357,8 @@ def build_schedule(plan: Plan, binding: Binding, process: int, bucket_numel: int
     dst_ids = tuple(i for i, r in enumerate(plan.dst_tensors.ranks) if binding.dst[r] == process)
     return ProcessSchedule(
         process=process, bucket_numel=bucket_numel, staged=staged, num_stages=num_stages, rounds=round_list,
-        local=tuple(local), deferred=deferred, commit=commit, shadow=tuple(np.flatnonzero(shadowed).tolist()),
+        local=tuple(local), deferred=deferred, commit=commit,
+        shadow=tuple(np.flatnonzero(shadowed | backed_up).tolist()), undo=undo,
         src_ids=src_ids, dst_ids=dst_ids, sent=sent, received=received, local_numel=int(numel[loc].sum()),
         buffers_per_round=per_round)
 

@@ -10,7 +10,7 @@ from typing import Callable, Mapping
 import torch
 
 from ..executors.binding import Binding
-from ..executors.copies import DST, SHADOW, SRC, WIRE, run_copies
+from ..executors.copies import DST, SHADOW, SRC, WIRE, Copies, regions, run_copies
 from ..executors.local import torch_dtype
 from ..executors.schedule import build_schedule
 from ..planner import Plan
@@ -18,12 +18,19 @@ from ..planner import Plan
 
 def run_loopback(plan: Plan, binding: Binding, src: Mapping[int, Mapping[str, torch.Tensor]],
                  dst: Mapping[int, Mapping[str, torch.Tensor]], bucket_numel: int, staged: bool = True,
-                 fail_at: Callable[[list[int]], int] | None = None, direct_numel: int | None = None) -> None:
+                 fail_at: Callable[[list[int]], int] | None = None, direct_numel: int | None = None,
+                 undo: bool = False) -> None:
     """Run every process's schedule in global round order. With `fail_at` (given the sorted round indices, it
-    picks one), stop before that round as if a peer died (no commit): staged destinations must then be
-    unchanged."""
+    picks one), stop before that round as if a peer died (no commit; with `undo`, the backed-up regions are
+    put back): staged or undo destinations must then be unchanged."""
     procs = binding.processes
-    scheds = {p: build_schedule(plan, binding, p, bucket_numel, staged, direct_numel) for p in procs}
+    scheds = {p: build_schedule(plan, binding, p, bucket_numel, staged, direct_numel, undo) for p in procs}
+    undo_log: list[tuple[int, Copies]] = []  # (process, restore program), as the executors keep it
+
+    def backup(p: int, program: Copies) -> None:
+        if undo and len(program):
+            run_copies(regions(program, DST, SHADOW).rows_as_lists(), memory(p))
+            undo_log.append((p, regions(program, SHADOW, DST)))
     s_flat = [src[r][n].view(-1) for r, n in zip(plan.src_tensors.ranks, plan.src_tensors.names)]
     d_flat = [dst[r][n].view(-1) for r, n in zip(plan.dst_tensors.ranks, plan.dst_tensors.names)]
     shadows: dict[int, dict[int, torch.Tensor]] = {
@@ -48,9 +55,12 @@ def run_loopback(plan: Plan, binding: Binding, src: Mapping[int, Mapping[str, to
     with torch.no_grad():
         for stage in range(plan.num_stages):
             for p, s in scheds.items():
+                backup(p, s.local[stage])
                 run_copies(s.local[stage].rows_as_lists(), memory(p))
             for ri in rounds:
                 if fail_at_round is not None and ri >= fail_at_round:
+                    for p, program in reversed(undo_log):
+                        run_copies(program.rows_as_lists(), memory(p))
                     return
                 wires = {}
                 for p in procs:
@@ -70,6 +80,7 @@ def run_loopback(plan: Plan, binding: Binding, src: Mapping[int, Mapping[str, to
                     rnd = by_proc[p].get(ri)
                     if rnd is None or rnd.stage != stage:
                         continue
+                    backup(p, Copies.concat([m.copies for m in rnd.recvs]))
                     for m in rnd.recvs:
                         buf = wires[(m.peer, p)].pop(0)  # messages of one pair match in posting order
                         if buf.numel() != m.numel:

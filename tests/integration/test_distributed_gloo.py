@@ -54,7 +54,8 @@ def random_cases(draw):
         binding = Binding(tuple(draw(st.lists(st.integers(0, n - 1), min_size=S, max_size=S))),
                           tuple(draw(st.lists(st.integers(0, n - 1), min_size=D, max_size=D))))
     total = int((plan.ops["rows"] * plan.ops["cols"]).sum()) * plan.itemsize
-    options = {"in_place": draw(st.booleans()), "timeout": 60.0,
+    mode = draw(st.sampled_from([{}, {"in_place": True}, {"undo": True}]))  # staged, in place, undo
+    options = {**mode, "timeout": 60.0,
                # small buckets split ops at odd places; about 20 rounds at most keeps a case quick
                "bucket_bytes": max(draw(st.sampled_from([4, 12, 256, 4096, 1 << 20])), total // 20),
                # runs sent from / received into the tensors unpacked: most, some, or only whole messages
@@ -86,6 +87,9 @@ def _fixed_cases():
         ("colocated in place", reshard.compile(M(model=spec, tp=2, pp=2), V(model=spec, tp=2, replicas=2),
                                                colocated=True),
          Binding.colocated(4, 4), None, {**small, "in_place": True}),
+        ("colocated undo", reshard.compile(M(model=spec, tp=2, pp=2), V(model=spec, tp=2, replicas=2),
+                                           colocated=True),
+         Binding.colocated(4, 4), None, {**small, "undo": True}),
         ("subgroup, fan-out relay", reshard.compile(M(model=spec), V(model=spec, replicas=2), fanout=1),
          Binding.disjoint(1, 2), [1, 2, 3], small),
         ("fan-out x3 from one trainer", reshard.compile(M(model=spec), V(model=spec, replicas=3), fanout=1),
@@ -136,6 +140,7 @@ def test_refits_across_processes_match_local_executor(tmp_path: Path):
         assert stats(i, proc)["staged"]
     assert sum(stats(i, p)["local_bytes"] for p in range(WORLD)) > 0
     assert not stats(named_index["colocated in place"], 0)["staged"]
+    assert stats(named_index["colocated undo"], 0)["undo"] and not stats(named_index["colocated undo"], 0)["staged"]
     # fan-out: the trainer sends one replica's worth whatever the replica count; without it, three
     fan, flat = named_index["fan-out x3 from one trainer"], named_index["no fan-out x3 from one trainer"]
     one_replica = named[fan][1].accounting.lower_bound_by_dst[0]
@@ -148,18 +153,18 @@ def test_refits_across_processes_match_local_executor(tmp_path: Path):
     assert results[0][sub] is None and sum(stats(sub, 1)["bytes_sent"].values()) == one_replica
 
 
-@pytest.mark.parametrize("mode", ["kill", "hang"])
-def test_dead_or_hanging_peer_fails_every_survivor(tmp_path: Path, mode: str):
+@pytest.mark.parametrize("mode,undo", [("kill", False), ("hang", False), ("kill", True)])
+def test_dead_or_hanging_peer_fails_every_survivor(tmp_path: Path, mode: str, undo: bool):
     """Group rank 0 (a trainer rank) dies or stops at round 2. Rank 2 receives from it and fails in its wait;
     rank 1 does not talk to it and fails in the verify step. Both raise ExecutionError within the timeout and
-    keep their destination tensors unchanged."""
+    keep their destination tensors unchanged: staged ones were never written, undo ones are put back."""
     spec = _tiny()
     plan = reshard.compile(reshard.MegatronLayout(model=spec, tp=2), reshard.VllmLayout(model=spec, tp=1))
     path = plan.save(tmp_path / "plan.npz")
     timeout = 2.0
     args = {"plan": str(path), "binding": Binding((0, 1), (2,)).to_dict(), "seed": 3, "victim": 0, "mode": mode,
             "at_round": 2, "hang_seconds": 2 * timeout + 1,
-            "options": {"timeout": timeout, "bucket_bytes": 256}}
+            "options": {"timeout": timeout, "bucket_bytes": 256, **({"undo": True} if undo else {})}}
     results = run_world(3, "reshard.testing.refit_jobs:fail_mid_refit", args, tmp_path / "world", timeout=120)
     logs = (tmp_path / "world" / "logs.txt").read_text()
     assert results[0] is None, "the victim should not have finished"
@@ -167,6 +172,7 @@ def test_dead_or_hanging_peer_fails_every_survivor(tmp_path: Path, mode: str):
         r = results[proc]
         assert r is not None, f"survivor {proc} did not report:\n{logs[-3000:]}"
         assert r["raised"] == "ExecutionError", f"survivor {proc}: {r}"
-        assert "refit failed" in r["message"] and "unchanged" in r["message"]
+        assert "refit failed" in r["message"]
+        assert ("restored to their previous weights" if undo else "unchanged") in r["message"], r["message"]
         assert r["seconds"] < timeout + 5.0, f"survivor {proc} took {r['seconds']:.1f} s"
     assert results[2]["has_dst"] and results[2]["unchanged"]

@@ -48,13 +48,14 @@ def _inputs(plan, seed):
     return shard(plan.src, weights), allocate(plan.dst, fill=SENTINEL)
 
 
-@given(cases())
-def test_loopback_equals_local(case):
+@given(cases(), st.data())
+def test_loopback_equals_local(case, data):
     plan, binding, bucket, staged, seed, direct = case
     src, want = _inputs(plan, seed)
     execute_local(plan, src, want)
     got = allocate(plan.dst, fill=SENTINEL)
-    run_loopback(plan, binding, src, got, bucket, staged=staged, direct_numel=direct)
+    undo = not staged and data.draw(st.booleans())  # in place, keeping the previous bytes
+    run_loopback(plan, binding, src, got, bucket, staged=staged, direct_numel=direct, undo=undo)
     for rank, tensors in want.items():
         for name, expected in tensors.items():
             assert torch.equal(got[rank][name], expected), f"{binding} bucket={bucket} rank {rank} {name}"
@@ -66,7 +67,8 @@ def test_staged_refit_cut_short_leaves_destinations_unchanged(case, data):
     src, _ = _inputs(plan, seed)
     got = allocate(plan.dst, fill=SENTINEL)
     cut = []
-    run_loopback(plan, binding, src, got, bucket, staged=True, direct_numel=direct,
+    undo = data.draw(st.booleans())  # staged, or written in place and put back
+    run_loopback(plan, binding, src, got, bucket, staged=not undo, undo=undo, direct_numel=direct,
                  fail_at=lambda rounds: cut.append(data.draw(st.sampled_from(rounds))) or cut[0])
     if not cut:
         return  # nothing crosses processes: the refit cannot be cut short

@@ -21,7 +21,7 @@ it owns and receives what it needs. Lifecycle of `DistributedExecutor(plan, bind
      gives it, and the preflight showed that every process runs that schedule); then one all-reduce says
      whether every process got there;
   6. commit (staged, the default): copy the staged regions into the destination tensors and run the local
-     copies kept for commit; then return `ExecutionStats` (bytes per peer, time per step).
+     copies kept for commit (undo: only the latter); then return `ExecutionStats` (bytes per peer, time per step).
 
 Deadlock freedom. Rounds are numbered globally (schedule.py): every process derives the same rounds from the
 same plan, binding and bucket size, and each message belongs to exactly one round, in which its sender posts
@@ -45,6 +45,15 @@ executor between calls (one buffer; `release()` frees it), plus an extra copy of
 for 16.4 GB on an H200, BENCHMARKS.md). Destination tensors fed only by local copies need no shadow: their copies
 run at commit, straight from the source. `in_place=True` writes straight into the destination tensors and
 keeps no shadow; a failed refit then leaves them partly written.
+
+Undo (`undo=True`): the same guarantee for a failed refit as staging, without staging's commit copy. Writes go
+straight into the destination tensors, but just before a region is written (on the stream that posts the
+round's receives, or the one that runs the local copies) its previous bytes are copied into the tensor's
+shadow, overlapping the transfer of the round before. After a failure, once nothing of the refit still runs
+on this process's streams, every region whose backup completed is put back (a region whose backup did not
+run was never written: its writes are ordered after the backup). Memory: the same shadows as staging. Local
+copies into tensors that receive nothing from a peer wait for the commit, as when staged. Unlike staging, a
+reader of the destination tensors during the refit sees old and new weights mixed: pause the engine.
 
 Wire buffers: `depth` (2) rounds in flight x the most peers a process has in one round x the bucket size; the
 bucket is chosen so that this stays under `memory_cap` on the busiest process.

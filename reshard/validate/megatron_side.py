@@ -59,9 +59,9 @@ def _router(spec: ModelSpec, hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def transformer_config(spec: ModelSpec, tp: int, pp: int, ep: int, etp: int,
-                       hf: dict[str, Any] | None = None) -> Any:
+                       hf: dict[str, Any] | None = None, init_std: float = 0.02) -> Any:
     """megatron-core config of the spec (the facts in the family modules, as megatron-core options); with the
-    HF config `hf`, also its numerics (epsilon, rope base, router)."""
+    HF config `hf`, also its numerics (epsilon, rope base, router). `init_std`: megatron's weight init scale."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
@@ -79,7 +79,7 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, ep: int, etp: int,
         params_dtype=torch.float32, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, init_method_std=init_std)
     if pp > 1:
         kw["pipeline_dtype"] = torch.float32
     if spec.is_moe:
@@ -127,14 +127,14 @@ def mla_core_attention() -> type:
     return _MLA_CORE[0]
 
 
-def build_gpt(spec: ModelSpec, lay: dict[str, Any], hf: dict[str, Any] | None = None) -> Any:
+def build_gpt(spec: ModelSpec, lay: dict[str, Any], hf: dict[str, Any] | None = None, init_std: float = 0.02) -> Any:
     """This rank's GPTModel (eval mode) for the parallel state now initialized; `lay` holds tp/pp/ep/etp and
     padded_vocab. CPU initialisation from one seed: every rank draws the same master weights."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    config = transformer_config(spec, lay["tp"], lay["pp"], lay["ep"], lay["etp"], hf)
+    config = transformer_config(spec, lay["tp"], lay["pp"], lay["ep"], lay["etp"], hf, init_std)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     for layer in block.layer_specs:
         attn = layer.submodules.self_attention

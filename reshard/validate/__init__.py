@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 import time
 import traceback
@@ -129,24 +127,16 @@ def _vllm_python(ctx: Context) -> str:
     raise NotRun("vllm is not importable in this interpreter (pass --vllm-python PATH, or run with the vLLM venv)")
 
 
-def _write_tiny(ctx: Context) -> str:
+def _vllm_subprocess(ctx: Context, python: str) -> dict[str, tuple]:
     import tempfile
 
-    path = Path(tempfile.mkdtemp(prefix="reshard_validate_")) / "config.json"
-    tiny = dict(ctx.tiny, torch_dtype="bfloat16")
-    path.write_text(json.dumps(tiny))
-    return str(path)
+    from .vllm_load import collect, start_vllm
 
-
-def _vllm_subprocess(ctx: Context, python: str) -> dict[str, tuple]:
-    root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([python, "-m", "reshard.validate.vllm_side", _write_tiny(ctx)], env=env,
-                          capture_output=True, text=True, timeout=900)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESHARD_JSON "):
-            return {k: tuple(v) for k, v in json.loads(line[len("RESHARD_JSON "):])["0"].items()}
-    raise AssertionError(f"vLLM build failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}")
+    with tempfile.TemporaryDirectory(prefix="reshard_validate_") as tmp:
+        path = Path(tmp, "config.json")
+        path.write_text(json.dumps(dict(ctx.tiny, torch_dtype="bfloat16")))
+        report = collect(start_vllm(python, [str(path)]), time.monotonic() + 900)[0]
+    return {k: tuple(v) for k, v in report["0"].items()}
 
 
 def stage_hf_parity(ctx: Context) -> str:

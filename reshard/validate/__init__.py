@@ -48,6 +48,7 @@ class Context:
     spec: ModelSpec | None = None
     vllm_python: str | None = None
     examples: int = 20
+    vllm_dtype: str = "bfloat16"
     # stage -> canonical tensor to corrupt on reshard's side (negative tests: the stage must then say FAIL)
     perturb: dict[str, str] = field(default_factory=dict)
 
@@ -156,7 +157,8 @@ def stage_vllm_load_parity(ctx: Context) -> str:
     python = _vllm_python(ctx)
     from .vllm_load import vllm_load_parity
 
-    return vllm_load_parity(ctx.spec, ctx.tiny, python, perturb=ctx.perturb.get("vllm load parity"))
+    return vllm_load_parity(ctx.spec, ctx.tiny, python, perturb=ctx.perturb.get("vllm load parity"),
+                            dtype=ctx.vllm_dtype)
 
 
 def stage_round_trip(ctx: Context) -> str:
@@ -178,11 +180,12 @@ STAGES: list[tuple[str, Callable[[Context], str]]] = [
 
 
 def validate(config: "dict | str | Path", stages: list[str] | None = None, vllm_python: str | None = None,
-             examples: int = 20, perturb: dict[str, str] | None = None) -> list[StageResult]:
+             examples: int = 20, perturb: dict[str, str] | None = None,
+             vllm_dtype: str = "bfloat16") -> list[StageResult]:
     """Run the stages (default all); `perturb` (stage -> canonical tensor name) corrupts that tensor on
     reshard's side of a parity stage, for tests that the stage can fail."""
     ctx = Context(config=read_hf_config(config), vllm_python=vllm_python, examples=examples,
-                  perturb=dict(perturb or {}))
+                  perturb=dict(perturb or {}), vllm_dtype=vllm_dtype)
     wanted = set(stages or [name for name, _ in STAGES]) | {"discovery"}
     unknown = wanted - {name for name, _ in STAGES}
     if unknown:
@@ -216,7 +219,8 @@ def format_table(results: list[StageResult]) -> str:
 
 def main_validate(args: Any) -> int:
     results = validate(args.model, stages=args.stages.split(",") if args.stages else None,
-                       vllm_python=args.vllm_python, examples=args.examples)
+                       vllm_python=args.vllm_python, examples=args.examples,
+                       vllm_dtype=getattr(args, "vllm_dtype", "bfloat16"))
     if args.json:
         print(json.dumps([r.__dict__ for r in results]))
     else:

@@ -60,11 +60,12 @@ def collect(procs: list[subprocess.Popen], deadline: float) -> list[Any]:
 
 
 def vllm_load_parity(spec: ModelSpec, tiny: dict[str, Any], python: str, perturb: str | None = None,
-                     worlds: tuple[int, ...] = WORLDS, timeout_s: float = 900) -> str:
+                     worlds: tuple[int, ...] = WORLDS, dtype: str = "bfloat16", timeout_s: float = 900) -> str:
+    """`dtype`: vLLM's model dtype (bfloat16, as served; float32 keeps every tensor in one dtype)."""
     with tempfile.TemporaryDirectory(prefix="reshard_vllm_load_") as tmp:
         config = Path(tmp, "config.json")
-        config.write_text(json.dumps({**tiny, "torch_dtype": "bfloat16"}))
-        args = [str(config), "--load-parity", *(["--perturb", perturb] if perturb else [])]
+        config.write_text(json.dumps({**tiny, "torch_dtype": dtype}))
+        args = [str(config), "--load-parity", "--dtype", dtype, *(["--perturb", perturb] if perturb else [])]
         running = {w: start_vllm(python, args, w) for w in worlds}
         deadline = time.monotonic() + timeout_s
         reports = {w: collect(procs, deadline) for w, procs in running.items()}
@@ -74,4 +75,4 @@ def vllm_load_parity(spec: ModelSpec, tiny: dict[str, Any], python: str, perturb
         raise AssertionError("direct install differs from vLLM's load_weights in " + "; ".join(bad))
     done = [f"{reports[w][0]['layout']}: {sum(r['params'] for r in reports[w])} parameters, "
             f"{sum(r['bytes'] for r in reports[w]) / 1e6:.2f} MB" for w in worlds]
-    return "direct install byte-identical to vLLM's load_weights (bf16, random weights): " + "; ".join(done)
+    return f"direct install byte-identical to vLLM's load_weights ({dtype}, random weights): " + "; ".join(done)

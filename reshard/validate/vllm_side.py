@@ -3,7 +3,7 @@ the environment; defaults: one rank): build vLLM models from an HF config withou
 vLLM worker builds them, and print one `RESHARD_JSON {...}` line.
 
   python -m reshard.validate.vllm_side CONFIG               named parameters (vllm layout stage; TP=1)
-  python -m reshard.validate.vllm_side CONFIG --load-parity [--perturb NAME]
+  python -m reshard.validate.vllm_side CONFIG --load-parity [--perturb NAME] [--dtype bfloat16]
       random HF weights into the model by vLLM's own load_weights, then (storage poisoned) by reshard's direct
       install of the compiled HF -> vLLM plan; reports the parameters whose bytes differ (vllm load parity).
 """
@@ -22,7 +22,7 @@ SEED = 11
 
 
 @contextlib.contextmanager
-def vllm_world(config_path: str, ep: bool = False) -> Iterator[tuple[Any, Any, int]]:
+def vllm_world(config_path: str, ep: bool = False, dtype: str = "bfloat16") -> Iterator[tuple[Any, Any, int]]:
     """(vllm config, a function building one model instance, this rank) with vLLM's parallel state over gloo."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -36,7 +36,7 @@ def vllm_world(config_path: str, ep: bool = False) -> Iterator[tuple[Any, Any, i
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     with tempfile.TemporaryDirectory() as ckpt:
         shutil.copy(config_path, os.path.join(ckpt, "config.json"))
-        cfg = EngineArgs(model=ckpt, tensor_parallel_size=world, enable_expert_parallel=ep, dtype="bfloat16",
+        cfg = EngineArgs(model=ckpt, tensor_parallel_size=world, enable_expert_parallel=ep, dtype=dtype,
                          skip_tokenizer_init=True, enforce_eager=True, max_model_len=128, load_format="dummy",
                          distributed_executor_backend="external_launcher" if world > 1 else None,
                          ).create_engine_config()
@@ -70,7 +70,7 @@ def poison(model: Any) -> None:
             p.fill_(float("nan"))
 
 
-def load_parity(config_path: str, perturb: str | None = None) -> dict[str, Any]:
+def load_parity(config_path: str, perturb: str | None = None, dtype: str = "bfloat16") -> dict[str, Any]:
     """This rank's comparison of vLLM's load_weights with reshard's direct install (random HF weights)."""
     import torch
     from vllm.config import set_current_vllm_config
@@ -83,7 +83,7 @@ def load_parity(config_path: str, perturb: str | None = None) -> dict[str, Any]:
     from ..planner import compile_plan
     from .hf_parity import perturbed
 
-    with vllm_world(config_path) as (cfg, build, rank):
+    with vllm_world(config_path, dtype=dtype) as (cfg, build, rank):
         spec = spec_of(cfg)
         gen = torch.Generator().manual_seed(SEED)  # the same weights on every rank
         hf = {t.name: torch.randn(t.shape, generator=gen).to(torch_dtype(t.dtype or spec.dtype))
@@ -121,9 +121,10 @@ def main() -> int:
     ap.add_argument("--ep", action="store_true")
     ap.add_argument("--load-parity", action="store_true")
     ap.add_argument("--perturb")
+    ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
     if args.load_parity:
-        out = load_parity(args.config, args.perturb)
+        out = load_parity(args.config, args.perturb, args.dtype)
     else:
         out = {"0": named_parameters(args.config, args.ep)}
     sys.stdout.write("RESHARD_JSON " + json.dumps(out) + "\n")

@@ -49,6 +49,7 @@ class Context:
     vllm_python: str | None = None
     examples: int = 20
     vllm_dtype: str = "bfloat16"
+    vllm_worlds: tuple[int, ...] = (1, 2)  # vLLM TP sizes of the vllm load parity stage
     # stage -> canonical tensor to corrupt on reshard's side (negative tests: the stage must then say FAIL)
     perturb: dict[str, str] = field(default_factory=dict)
 
@@ -158,7 +159,7 @@ def stage_vllm_load_parity(ctx: Context) -> str:
     from .vllm_load import vllm_load_parity
 
     return vllm_load_parity(ctx.spec, ctx.tiny, python, perturb=ctx.perturb.get("vllm load parity"),
-                            dtype=ctx.vllm_dtype)
+                            dtype=ctx.vllm_dtype, worlds=ctx.vllm_worlds)
 
 
 def stage_round_trip(ctx: Context) -> str:
@@ -181,11 +182,11 @@ STAGES: list[tuple[str, Callable[[Context], str]]] = [
 
 def validate(config: "dict | str | Path", stages: list[str] | None = None, vllm_python: str | None = None,
              examples: int = 20, perturb: dict[str, str] | None = None,
-             vllm_dtype: str = "bfloat16") -> list[StageResult]:
+             vllm_dtype: str = "bfloat16", vllm_worlds: tuple[int, ...] = (1, 2)) -> list[StageResult]:
     """Run the stages (default all); `perturb` (stage -> canonical tensor name) corrupts that tensor on
     reshard's side of a parity stage, for tests that the stage can fail."""
     ctx = Context(config=read_hf_config(config), vllm_python=vllm_python, examples=examples,
-                  perturb=dict(perturb or {}), vllm_dtype=vllm_dtype)
+                  perturb=dict(perturb or {}), vllm_dtype=vllm_dtype, vllm_worlds=tuple(vllm_worlds))
     wanted = set(stages or [name for name, _ in STAGES]) | {"discovery"}
     unknown = wanted - {name for name, _ in STAGES}
     if unknown:

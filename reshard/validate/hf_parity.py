@@ -98,6 +98,21 @@ def perturbed(weights: dict[str, torch.Tensor], name: str) -> dict[str, torch.Te
     return {**weights, name: t}
 
 
+def transformers_config(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` with a model_type transformers knows: a checkpoint shipping remote code under its own type (Kimi-K2:
+    `kimi_k2`, architecture DeepseekV3ForCausalLM) gets the type whose causal-LM class is its architecture."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if config.get("model_type") in CONFIG_MAPPING_NAMES:
+        return config
+    by_class = {cls: kind for kind, cls in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()}
+    for arch in config.get("architectures") or ():
+        if arch in by_class:
+            return {**config, "model_type": by_class[arch]}
+    return config
+
+
 def hf_forward(config: dict[str, Any], weights: dict[str, torch.Tensor], tokens: torch.Tensor,
                workdir: Path) -> tuple[torch.Tensor, dict[int, torch.Tensor], dict[str, list]]:
     """transformers' model of `config` loaded with `weights` (HF checkpoint names) through from_pretrained,
@@ -106,7 +121,7 @@ def hf_forward(config: dict[str, Any], weights: dict[str, torch.Tensor], tokens:
     from transformers import AutoModelForCausalLM
 
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}))
+    (workdir / "config.json").write_text(json.dumps({**transformers_config(config), "torch_dtype": "float32"}))
     save_file(weights, str(workdir / "model.safetensors"), metadata={"format": "pt"})
     model, info = AutoModelForCausalLM.from_pretrained(workdir, dtype=torch.float32, attn_implementation="eager",
                                                        output_loading_info=True)

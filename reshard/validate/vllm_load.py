@@ -69,10 +69,13 @@ def vllm_load_parity(spec: ModelSpec, tiny: dict[str, Any], python: str, perturb
         running = {w: start_vllm(python, args, w) for w in worlds}
         deadline = time.monotonic() + timeout_s
         reports = {w: collect(procs, deadline) for w, procs in running.items()}
+    refused = [f"{r['layout']} rank {r['rank']}: {r['error']}" for w in worlds for r in reports[w] if "error" in r]
+    if refused:
+        raise AssertionError(f"direct install refused ({dtype}): " + "; ".join(refused))
     bad = [f"{r['layout']} rank {r['rank']}: {', '.join(r['differ'])}"
            for w in worlds for r in reports[w] if r["differ"]]
     if bad:
-        raise AssertionError("direct install differs from vLLM's load_weights in " + "; ".join(bad))
+        raise AssertionError(f"direct install differs from vLLM's load_weights ({dtype}) in " + "; ".join(bad))
     done = [f"{reports[w][0]['layout']}: {sum(r['params'] for r in reports[w])} parameters, "
             f"{sum(r['bytes'] for r in reports[w]) / 1e6:.2f} MB" for w in worlds]
     return f"direct install byte-identical to vLLM's load_weights ({dtype}, random weights): " + "; ".join(done)

@@ -76,6 +76,7 @@ def load_parity(config_path: str, perturb: str | None = None, dtype: str = "bflo
     from vllm.config import set_current_vllm_config
 
     from ..adapters.vllm import LocalTransport, bind_direct
+    from ..errors import ReshardError
     from ..adapters.vllm.live import declared_layout, spec_of, weights
     from ..executors import shard
     from ..executors.local import torch_dtype
@@ -99,7 +100,10 @@ def load_parity(config_path: str, perturb: str | None = None, dtype: str = "bflo
         poison(model)
 
         layout = declared_layout(spec, cfg)
-        binding = bind_direct(model, layout, rank, None, cfg)  # checks structure and loaders first
+        try:
+            binding = bind_direct(model, layout, rank, None, cfg)  # checks structure and loaders first
+        except ReshardError as exc:  # the model refuses the declared layout: every problem, as a result
+            return {"rank": rank, "layout": str(layout), "error": str(exc)}
         source = HfLayout(model=spec)
         LocalTransport(shard(source, perturbed(hf, perturb) if perturb else hf)).run(
             compile_plan(source, layout), {rank: binding.tensors})

@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 import reshard  # noqa: E402
 from reshard.executors.binding import Binding  # noqa: E402
 from reshard.executors.distributed import DistributedExecutor  # noqa: E402
+from reshard.executors.schedule import DIRECT_BYTES  # noqa: E402
 from reshard.executors.local import _box, torch_dtype  # noqa: E402
 
 GiB = 1 << 30
@@ -237,7 +238,8 @@ def run_case(name: str, plan, binding: Binding, procs, me: int, groups: dict, de
     my_src, my_dst = binding.src_ranks_of(me), binding.dst_ranks_of(me)
     src = source_tensors(plan.src, my_src, device)
     out: dict = {"case": name}
-    options = {"memory_cap": args.memory_cap, "bucket_bytes": args.bucket_bytes, "timeout": 120.0}
+    options = {"memory_cap": args.memory_cap, "bucket_bytes": args.bucket_bytes, "timeout": 120.0,
+               "direct_bytes": args.direct_bytes or None}
 
     staged = DistributedExecutor(plan, binding, ex_group, **options)
     s = staged.schedule
@@ -403,6 +405,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--memory-cap", type=int, default=4 * GiB, help="wire buffer cap per process (bytes)")
     ap.add_argument("--bucket-bytes", type=int, default=GiB, help="largest wire message (bytes)")
+    ap.add_argument("--direct-bytes", type=int, default=DIRECT_BYTES,
+                    help="shortest run sent from / received into the tensors unpacked (bytes; 0: only whole messages)")
     ap.add_argument("--nccl-high-priority", action="store_true",
                     help="give the process group high-priority NCCL streams (ProcessGroupNCCL.Options)")
     ap.add_argument("--check", action="store_true", help="first check small plans with relays against execute_local")
@@ -418,7 +422,7 @@ def main() -> None:
         store = str(Path(tmp) / "store")
         cmd = [sys.executable, str(Path(__file__).resolve()), "--store", store, "--out", out, "--cases", args.cases,
                "--iters", str(args.iters), "--memory-cap", str(args.memory_cap),
-               "--bucket-bytes", str(args.bucket_bytes)] + (["--small"] if args.small else []) + \
+               "--bucket-bytes", str(args.bucket_bytes), "--direct-bytes", str(args.direct_bytes)] + (["--small"] if args.small else []) + \
             (["--check"] if args.check else []) + (["--nccl-high-priority"] if args.nccl_high_priority else [])
         procs = [subprocess.Popen(cmd + ["--worker", str(r)]) for r in range(2)]
         codes = [p.wait() for p in procs]

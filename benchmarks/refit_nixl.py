@@ -81,6 +81,7 @@ def variants(case: str, gpu: bool) -> list[dict]:
     if case.startswith("rows-"):
         return [{"direction": "read", "staged": False, "pack": p} for p in ("never", "always")]
     base = [{"direction": d, "staged": s} for d in ("read", "write") for s in (True, False)]
+    base += [{"direction": d, "staged": False, "land_below": 0} for d in ("read", "write")]  # landing off
     if case == "E2":
         base += [{"direction": "read", "staged": False, "pack": p} for p in ("never", "always")]
         base += [{"direction": "write", "staged": False, "pack": p} for p in ("never", "always")]
@@ -272,7 +273,8 @@ def worker(me: int, port: int, args: argparse.Namespace) -> None:
             # zeros: a refit that moves nothing fails the check
             dst = laid_out(plan.dst, binding.dst_ranks_of(me), device, seed=None)
             opts = NixlOptions(timeout=20.0 if case.startswith("rows-") else 60.0, progress_delay_us=args.delay_us, **v)
-            label = f"{v['direction']:5s} {'staged' if v['staged'] else 'in place':8s} pack={v.get('pack', 'auto')}"
+            label = (f"{v['direction']:5s} {'staged' if v['staged'] else 'in place':8s} pack={v.get('pack', 'auto')}"
+                     + (" land=off" if v.get("land_below") == 0 else ""))
             try:
                 t0 = time.perf_counter()
                 ex = NixlExecutor(plan, binding, me, src, dst, store, options=opts, namespace=f"{case}-{k}")

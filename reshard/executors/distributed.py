@@ -72,7 +72,7 @@ from ..planner import Plan
 from .binding import Binding
 from .engines import Bound, Engine, abort, bound_key, make_engine, poll
 from .local import check_tensors
-from .schedule import ProcessSchedule, bucket_numel_for, build_schedule
+from .schedule import DIRECT_BYTES, ProcessSchedule, bucket_numel_for, build_schedule
 
 RankTensors = Mapping[int, Mapping[str, torch.Tensor]]
 DEFAULT_MEMORY_CAP = 2 << 30
@@ -95,6 +95,7 @@ class ExecutionStats:
     messages: int = 0
     copies: int = 0  # block copies launched (pack, scatter, local, commit)
     bucket_bytes: int = 0
+    direct_bytes: int = 0  # bytes sent from or received into the tensors themselves (no pack / scatter copy)
     wire_buffer_bytes: int = 0
     staging_bytes: int = 0
 
@@ -113,12 +114,15 @@ class DistributedExecutor:
     bucket_bytes: the largest message; default as large as `memory_cap` allows.
     timeout: seconds any wait may go without progress before the refit fails with ExecutionError.
     depth: rounds in flight per process.
+    direct_bytes: runs of at least this many bytes that are contiguous in the sender's (receiver's) memory
+        travel as messages of their own, sent from (received into) the tensors themselves: no pack (scatter)
+        copy. None: only messages that happen to be contiguous go direct.
     on_round: called with each round's index before it is posted (progress reporting, fault injection in tests).
     """
 
     def __init__(self, plan: Plan, binding: Binding, group: dist.ProcessGroup | None = None, *,
                  in_place: bool = False, memory_cap: int = DEFAULT_MEMORY_CAP, bucket_bytes: int | None = None,
-                 timeout: float = 300.0, depth: int = 2,
+                 timeout: float = 300.0, depth: int = 2, direct_bytes: int | None = DIRECT_BYTES,
                  on_round: Callable[[int], None] | None = None) -> None:
         if depth < 1:
             raise ExecutionError(f"depth={depth} must be at least 1")
@@ -140,8 +144,11 @@ class DistributedExecutor:
             self.group, self.rank, self.size, self.backend = None, 0, 1, "none"
         binding.check(plan.src.num_ranks, plan.dst.num_ranks, self.size)
         self.bucket_numel = bucket_numel_for(plan, binding, memory_cap, bucket_bytes, depth)
-        self.schedule: ProcessSchedule = build_schedule(plan, binding, self.rank, self.bucket_numel, not in_place)
-        self._fingerprint = _digest_int(plan.digest, binding.digest, str(self.bucket_numel), str(depth))
+        direct_numel = 1 << 62 if direct_bytes is None else max(direct_bytes // plan.itemsize, 1)
+        self.schedule: ProcessSchedule = build_schedule(plan, binding, self.rank, self.bucket_numel, not in_place,
+                                                        direct_numel)
+        self._fingerprint = _digest_int(plan.digest, binding.digest, str(self.bucket_numel), str(depth),
+                                        str(direct_numel))
         self._global = {}
         if self.distributed:
             peers = {m.peer for r in self.schedule.rounds for m in r.sends + r.recvs}
@@ -208,6 +215,7 @@ class DistributedExecutor:
             bytes_received={p: n * itemsize for p, n in s.received.items()},
             local_bytes=s.local_numel * itemsize, rounds=len(s.rounds),
             messages=sum(len(r.sends) + len(r.recvs) for r in s.rounds), copies=engine.copies,
+            direct_bytes=self._bound.direct_bytes,
             bucket_bytes=self.bucket_numel * itemsize, wire_buffer_bytes=self._bound.wire_bytes,
             staging_bytes=self._bound.staging_bytes)
 

@@ -66,7 +66,7 @@ class Bound:
             ex._wire = torch.empty(need, dtype=dtype, device=device)
         self.wire = ex._wire[:need].view(ex.depth, per_round, s.bucket_numel) if need else None
         self.wire_bytes = need * itemsize
-        wires = [self.wire[k, j] for k in range(ex.depth) for j in range(per_round)] if need else []
+        wires: list[torch.Tensor] = []  # one view per packed message, into its round's buffer for its peer
 
         def flat(kind: int, i: int) -> torch.Tensor:
             if kind == WIRE:
@@ -78,17 +78,29 @@ class Bound:
                                      f"does not hold") from None
 
         memory = Memory(flat, itemsize)
-        on_wire = lambda c, slot, j: bind(_wire_id(c, slot * per_round + j), memory, itemsize)  # noqa: E731
         self.packs: list[list[BoundCopies]] = []
         self.scatters: list[list[BoundCopies]] = []
         self.send_bufs: list[list[torch.Tensor]] = []
         self.recv_bufs: list[list[torch.Tensor]] = []
+        self.direct_bytes = 0
         for pos, r in enumerate(s.rounds):
             slot = pos % ex.depth
-            self.packs.append([on_wire(m.copies, slot, j) for j, m in enumerate(r.sends)])
-            self.scatters.append([on_wire(m.copies, slot, len(r.sends) + j) for j, m in enumerate(r.recvs)])
-            self.send_bufs.append([self.wire[slot, j, :m.numel] for j, m in enumerate(r.sends)])
-            self.recv_bufs.append([self.wire[slot, len(r.sends) + j, :m.numel] for j, m in enumerate(r.recvs)])
+            region = {("send", p): j for j, p in enumerate(sorted({m.peer for m in r.sends}))}
+            region.update({("recv", p): len(region) + j for j, p in enumerate(sorted({m.peer for m in r.recvs}))})
+            for way, msgs, progs, bufs in (("send", r.sends, self.packs, self.send_bufs),
+                                           ("recv", r.recvs, self.scatters, self.recv_bufs)):
+                progs.append([])
+                bufs.append([])
+                for m in msgs:
+                    direct = m.contiguous()
+                    if direct is not None:  # sent from / received into the tensor itself
+                        kind, i, off = direct
+                        bufs[-1].append(flat(kind, i).narrow(0, off, m.numel))
+                        self.direct_bytes += m.numel * itemsize
+                        continue
+                    wires.append(self.wire[slot, region[(way, m.peer)], m.offset:m.offset + m.numel])
+                    bufs[-1].append(wires[-1])
+                    progs[-1].append(bind(_wire_id(m.copies, len(wires) - 1), memory, itemsize))
         # local copies of a stage, cut into one piece per round of that stage so they spread over the transfer
         rounds_in_stage = np.bincount([r.stage for r in s.rounds], minlength=s.num_stages) if s.rounds else \
             np.zeros(s.num_stages, np.int64)
@@ -151,8 +163,8 @@ class Engine(abc.ABC):
 
     def _ops(self, pos: int) -> list:
         r, g, group = self.rounds[pos], self.ex._global, self.ex.group
-        return ([dist.P2POp(dist.isend, b, g[m.peer], group, tag=r.index) for b, m in zip(self.b.send_bufs[pos], r.sends)]
-                + [dist.P2POp(dist.irecv, b, g[m.peer], group, tag=r.index)
+        return ([dist.P2POp(dist.isend, b, g[m.peer], group, tag=m.tag) for b, m in zip(self.b.send_bufs[pos], r.sends)]
+                + [dist.P2POp(dist.irecv, b, g[m.peer], group, tag=m.tag)
                    for b, m in zip(self.b.recv_bufs[pos], r.recvs)])
 
     def describe(self, pos: int) -> str:

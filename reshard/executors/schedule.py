@@ -9,12 +9,19 @@ binding and bucket size, and keeps only its own part (`build_schedule`).
 2. The remote ops of one (stage, sender, receiver) form a stream, in plan order; the stream's bytes laid end
    to end are the contiguous wire between those two processes in that stage.
 3. A stream is cut into buckets of at most `bucket_numel` elements (`bucket_sizes`: a short ramp up and down
-   around full buckets); an op that straddles a cut is split there (rows, then a partial row), so every
-   message is exactly one bucket and both sides agree on where each byte is.
-4. Bucket k of stage s travels in global round `round_base[s] + k`, where round_base counts the buckets of the
-   longest stream of every earlier stage. Rounds are numbered the same on every process.
+   around full buckets). Bucket k of stage s travels in global round `round_base[s] + k`, where round_base
+   counts the buckets of the longest stream of every earlier stage. Rounds are numbered the same on every
+   process.
+4. Messages: a bucket is one message, except that both ends of every run of at least `direct_numel` elements
+   that is contiguous in the sender's (receiver's) memory cut it further, so that such a run travels as
+   messages of its own. An op that straddles a cut is split there (rows, then a partial row), so both sides
+   agree on where each byte is. A round may so carry several messages between one pair; they share the
+   pair's wire buffer (each at its `offset`) and are posted in the same order on both sides.
 5. A message's pack program (on the sender) copies source blocks into the wire buffer; its scatter program
-   (on the receiver) copies the wire buffer into destination blocks. Both are folded (executors.copies).
+   (on the receiver) copies the wire buffer into destination blocks. Both are folded (executors.copies). A
+   program that is one contiguous copy of the whole message is not run: the message is sent from (received
+   into) that memory directly (`Message.contiguous`). On an H200 pair this moved E1 from 48.3 to 46.7-47.2 ms
+   and left E2 / E3 unchanged (BENCHMARKS.md): NCCL is the limit there, not the copies.
 """
 from __future__ import annotations
 
@@ -36,6 +43,20 @@ class Message:
     peer: int  # the other process (group rank)
     numel: int  # elements on the wire
     copies: Copies  # pack program on the sender, scatter program on the receiver
+    offset: int = 0  # elements into the round's wire buffer of this peer (a round may carry several messages)
+    tag: int = 0  # the same on both sides and unique in the schedule (gloo matches messages by tag)
+
+    def contiguous(self) -> tuple[int, int, int] | None:
+        """(kind, id, offset) when the program is one contiguous copy of the whole message: the message can
+        then be sent from (or received into) that memory directly, with no pack (scatter) copy."""
+        c = self.copies.cols
+        if len(self.copies) != 1 or int(c["n"][0]) != 1 or int(c["rows"][0]) != 1 or int(c["cols"][0]) != self.numel:
+            return None
+        side = "dst" if int(c["src_kind"][0]) == WIRE else "src"  # the memory side, not the wire side
+        wire = "src" if side == "dst" else "dst"
+        if int(c[f"{wire}_off"][0]) != 0:
+            return None
+        return int(c[f"{side}_kind"][0]), int(c[f"{side}_id"][0]), int(c[f"{side}_off"][0])
 
 
 @dataclass(frozen=True, eq=False)
@@ -71,7 +92,7 @@ class ProcessSchedule:
     sent: dict[int, int]  # peer -> elements sent
     received: dict[int, int]  # peer -> elements received
     local_numel: int
-    buffers_per_round: int  # most messages (sends + receives) in one round
+    buffers_per_round: int  # most wire buffers in one round: peers sent to + peers received from
 
 
 def _senders_receivers(plan: Plan, binding: Binding) -> tuple[np.ndarray, np.ndarray]:
@@ -164,8 +185,15 @@ def _split(p: dict[str, np.ndarray], cuts: np.ndarray) -> dict[str, np.ndarray]:
     return {k: np.concatenate([d[k] for d in done]) for k in done[0]}
 
 
-def build_schedule(plan: Plan, binding: Binding, process: int, bucket_numel: int, staged: bool) -> ProcessSchedule:
-    """The part of the global schedule that `process` (a group rank) runs."""
+DIRECT_BYTES = 64 << 20  # runs contiguous in one side's memory at least this long travel unpacked (see BENCHMARKS.md)
+
+
+def build_schedule(plan: Plan, binding: Binding, process: int, bucket_numel: int, staged: bool,
+                   direct_numel: int | None = None) -> ProcessSchedule:
+    """The part of the global schedule that `process` (a group rank) runs. `direct_numel`: the shortest run
+    contiguous in the sender's memory that travels as messages of its own (default DIRECT_BYTES)."""
+    if direct_numel is None:
+        direct_numel = max(DIRECT_BYTES // plan.itemsize, 1)
     if bucket_numel < 1:
         raise ExecutionError(f"bucket_numel={bucket_numel} must be at least 1")
     binding.check(plan.src.num_ranks, plan.dst.num_ranks)
@@ -186,21 +214,30 @@ def build_schedule(plan: Plan, binding: Binding, process: int, bucket_numel: int
         first = np.flatnonzero(new)
         ends = np.cumsum(numel[order])
         starts_of_stream = np.concatenate([[0], ends[first[1:] - 1]])
-        w = ends - numel[order] - starts_of_stream[stream]  # wire position inside the stream
         stream_numel = np.diff(np.concatenate([starts_of_stream, [ends[-1]]]))
         stream_stage = skey[first, 0]
-        # every stream's cuts, as positions on one wire that lays the streams end to end
+        w = ends - numel[order]  # each op's first element on one wire that lays the streams end to end
+        # round boundaries: every stream cut into buckets, as positions on that one wire
         sizes = [bucket_sizes(int(n), bucket_numel) for n in stream_numel.tolist()]
         buckets = np.asarray([len(x) for x in sizes], dtype=np.int64)
-        cuts = np.cumsum(np.concatenate([[0], *[np.asarray(x, np.int64) for x in sizes]]))
-        stream_first_cut = np.concatenate([[0], np.cumsum(buckets)[:-1]])
-        w = w + starts_of_stream[stream]  # from here on, positions on that one wire
+        bcuts = np.cumsum(np.concatenate([[0], *[np.asarray(x, np.int64) for x in sizes]]))
+        stream_first_bucket = np.concatenate([[0], np.cumsum(buckets)[:-1]])
+        # message boundaries: the round boundaries, plus both ends of every long run that is contiguous in the
+        # sender's (receiver's) memory, so that such a run travels as messages of its own, sent from (received
+        # into) that memory with no pack (scatter) copy
+        cuts = [bcuts]
+        for side in ("src", "dst"):
+            runs = _runs(o, order, new, numel[order], side)
+            run_numel = np.add.reduceat(numel[order], runs)
+            long = run_numel >= direct_numel
+            cuts += [w[runs[long]], w[runs[long]] + run_numel[long]]
+        cuts = np.unique(np.concatenate(cuts))
         per_stage = np.zeros(max(num_stages, 1), np.int64)
         np.maximum.at(per_stage, stream_stage, buckets)
     else:
         stream = w = np.zeros(0, np.int64)
-        stream_numel = stream_stage = stream_first_cut = np.zeros(0, np.int64)
-        cuts = np.zeros(1, np.int64)
+        stream_stage = stream_first_bucket = np.zeros(0, np.int64)
+        cuts = bcuts = np.zeros(1, np.int64)
         per_stage = np.zeros(max(num_stages, 1), np.int64)
     round_base = np.concatenate([[0], np.cumsum(per_stage)[:-1]])
 
@@ -230,15 +267,15 @@ def build_schedule(plan: Plan, binding: Binding, process: int, bucket_numel: int
         op = pieces["op"]
         st = pieces["stream"]
         cut = np.searchsorted(cuts, pieces["w"], side="right") - 1  # the piece's message, as its first cut
-        k = cut - stream_first_cut[st]  # bucket index inside the stream
         wire_off = pieces["w"] - cuts[cut]
-        msg_key = st * (int(k.max()) + 1) + k
-        msg_ids, msg_of = np.unique(msg_key, return_inverse=True)
+        msg_ids, msg_of = np.unique(cut, return_inverse=True)
         msg_of = msg_of.reshape(-1)
-        m_stream = msg_ids // (int(k.max()) + 1)
-        m_k = msg_ids % (int(k.max()) + 1)
-        m_cut = stream_first_cut[m_stream] + m_k
-        m_numel = cuts[m_cut + 1] - cuts[m_cut]
+        m_stream = np.zeros(len(msg_ids), np.int64)
+        m_stream[msg_of] = st
+        m_bucket = np.searchsorted(bcuts, cuts[msg_ids], side="right") - 1
+        m_k = m_bucket - stream_first_bucket[m_stream]  # bucket (round) index inside the stream
+        m_offset = cuts[msg_ids] - bcuts[m_bucket]  # where the message sits in its round's wire buffer
+        m_numel = cuts[msg_ids + 1] - cuts[msg_ids]
         is_send = sender[op] == process
         side = o["src_side"][op]
         src_kind = _read_kind(side, o["src_tensor"][op], shadowed)
@@ -260,19 +297,19 @@ def build_schedule(plan: Plan, binding: Binding, process: int, bucket_numel: int
                 part = prog.select(srt[bounds[m]:bounds[m + 1]])
                 by_msg[m] = Copies({**part.cols, col: np.zeros(len(part), np.int64)})  # WIRE 0: its own buffer
         for m in range(len(msg_ids)):
-            s_, kk = int(m_stream[m]), int(m_k[m])
+            s_ = int(m_stream[m])
             stage = int(stream_stage[s_])
-            rnd = int(round_base[stage]) + kk
+            rnd = int(round_base[stage]) + int(m_k[m])
             peer = int(skey[first[s_], 2] if msg_send[m] else skey[first[s_], 1])
             n = int(m_numel[m])
             entry = rounds.setdefault(rnd, {"stage": stage, "sends": [], "recvs": []})
-            entry["sends" if msg_send[m] else "recvs"].append(Message(rnd, stage, peer, n, by_msg[m]))
+            entry["sends" if msg_send[m] else "recvs"].append(
+                Message(rnd, stage, peer, n, by_msg[m], int(m_offset[m]), int(msg_ids[m])))
             book = sent if msg_send[m] else received
             book[peer] = book.get(peer, 0) + n
-    round_list = tuple(
-        Round(r, e["stage"], tuple(sorted(e["sends"], key=lambda m: m.peer)),
-              tuple(sorted(e["recvs"], key=lambda m: m.peer)))
-        for r, e in sorted(rounds.items()))
+    in_order = lambda ms: tuple(sorted(ms, key=lambda m: (m.peer, m.offset)))  # noqa: E731 - both sides agree
+    round_list = tuple(Round(r, e["stage"], in_order(e["sends"]), in_order(e["recvs"]))
+                       for r, e in sorted(rounds.items()))
 
     # local copies
     loc = np.flatnonzero(~remote & (receiver == process))
@@ -306,7 +343,8 @@ def build_schedule(plan: Plan, binding: Binding, process: int, bucket_numel: int
                  o["cols"][w_ops][part]) if part.any() else Copies.empty(),
         ])
 
-    per_round = max((len(r.sends) + len(r.recvs) for r in round_list), default=0)
+    per_round = max((len({m.peer for m in r.sends}) + len({m.peer for m in r.recvs}) for r in round_list),
+                    default=0)
     src_ids = tuple(i for i, r in enumerate(plan.src_tensors.ranks) if binding.src[r] == process)
     dst_ids = tuple(i for i, r in enumerate(plan.dst_tensors.ranks) if binding.dst[r] == process)
     return ProcessSchedule(
@@ -314,6 +352,20 @@ def build_schedule(plan: Plan, binding: Binding, process: int, bucket_numel: int
         local=tuple(local), deferred=deferred, commit=commit, shadow=tuple(np.flatnonzero(shadowed).tolist()),
         src_ids=src_ids, dst_ids=dst_ids, sent=sent, received=received, local_numel=int(numel[loc].sum()),
         buffers_per_round=per_round)
+
+
+def _runs(o: dict[str, np.ndarray], order: np.ndarray, new_stream: np.ndarray, numel: np.ndarray,
+          side: str) -> np.ndarray:
+    """Where runs start, as positions in `order`: a run is a longest chain of a stream's ops, each contiguous in
+    one side's memory (side "src" or "dst") and starting there where the previous one ends."""
+    rows, cols = o["rows"][order], o["cols"][order]
+    contiguous = (rows == 1) | (cols == o[f"{side}_stride"][order])
+    off, tensor = o[f"{side}_offset"][order], o[f"{side}_tensor"][order]
+    kind = o["src_side"][order] if side == "src" else np.zeros(len(order), np.int64)
+    chain = np.zeros(len(order), dtype=bool)
+    chain[1:] = (~new_stream[1:] & contiguous[1:] & contiguous[:-1] & (kind[1:] == kind[:-1])
+                 & (tensor[1:] == tensor[:-1]) & (off[1:] == off[:-1] + numel[:-1]))
+    return np.flatnonzero(~chain)
 
 
 def _read_kind(side: np.ndarray, tensor: np.ndarray, shadowed: np.ndarray) -> np.ndarray:

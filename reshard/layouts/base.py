@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import math
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Iterator, NamedTuple, Sequence
 
@@ -123,12 +124,18 @@ class TableBuilder:
 
 
 def as_2d(offset: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[tuple[int, int], tuple[int, int]]:
-    """A canonical box seen as 2-D: a 1-D box is one row."""
+    """A canonical box seen as 2-D: a 1-D box is one row; an N-D box (N > 2) is seen in the [prod(leading dims),
+    last dim] view, which needs it to start at 0 in the middle dimensions (the rules that place such tensors
+    cut dim 0 only and keep the middle dimensions whole)."""
     if len(offset) == 1:
         return (0, offset[0]), (1, lengths[0])
     if len(offset) == 2:
         return (offset[0], offset[1]), (lengths[0], lengths[1])
-    raise LayoutError("layout", f"canonical tensors of {len(offset)} dimensions are not supported (1 or 2)")
+    if any(offset[1:-1]):
+        raise LayoutError("layout", f"a box at {offset} of a {len(offset)}-D tensor cuts a middle dimension; only "
+                          f"dim 0 and the last dimension may be cut", {"offset": offset, "lengths": lengths})
+    middle = math.prod(lengths[1:-1])
+    return (offset[0] * middle, offset[-1]), (lengths[0] * middle, lengths[-1])
 
 
 def flat_origin(shape: tuple[int, ...], phys_offset: tuple[int, ...]) -> int:

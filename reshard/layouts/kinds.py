@@ -3,9 +3,10 @@
 A family tags such a tensor with a `Kind`: one `Rule` per Megatron naming (local, te) and one for vLLM. A rule
 is a tiny frozen declaration (the physical name and how TP cuts the tensor); the layouts call it when the
 tensor's role is not one of their built-in `Role`s. Only cuts the placement model can express exist here:
-whole copies, contiguous row blocks (optionally one part of a per-rank stack of parts), contiguous column
-blocks, and a whole copy at a row offset of a larger replicated tensor. Anything else must be refused by the
-family with a clear error, never approximated.
+whole copies, contiguous row blocks (optionally one part of a per-rank stack of parts, of equal or unequal
+sizes), row blocks of a global stack cut over TP, vLLM's fused QKV, contiguous column blocks, and a whole copy at
+a row offset of a larger replicated tensor. Tensors of more than 2 dimensions are cut on dim 0 only. Anything
+else must be refused by the family with a clear error, never approximated.
 """
 from __future__ import annotations
 
@@ -97,6 +98,93 @@ class ReplicatedAt(Rule):
         rest = t.shape[1:]
         pad = (0,) * len(rest)
         return [(r, (self.rows, *rest), (0, *pad), t.shape, (self.row, *pad)) for r in range(tp)]
+
+
+@dataclass(frozen=True)
+class Stacked(Rule):
+    """Dim 0 of a per-rank stack of parts of unequal sizes, each part split evenly over TP: rank r holds
+    [part_0 block r; part_1 block r; ...] (vLLM's MergedColumnParallelLinear with several output sizes, Megatron's
+    GDN in_proj and conv1d). `sizes` are the parts' global row counts; the canonical tensor is parts `first` ..
+    `first + count - 1` one after another (HF's in_proj_qkv is the q, k and v parts). Other dimensions stay whole."""
+
+    sizes: tuple[int, ...] = ()
+    first: int = 0
+    count: int = 1
+    heads: tuple[int, ...] = ()  # rows per head of each part (default 1): TP must give each rank whole heads
+
+    def cut(self, t, tp, kind):
+        mine = self.sizes[self.first:self.first + self.count]
+        if sum(mine) != t.shape[0]:
+            raise LayoutError(kind, f"{t.name}: {t.shape[0]} rows, but stack parts {self.first}.."
+                              f"{self.first + self.count - 1} of {self.name} have {sum(mine)}", {"tensor": t.name})
+        heads = self.heads or (1,) * len(self.sizes)
+        bad = [s // h for s, h in zip(self.sizes, heads) if (s // h) % tp]
+        if bad:
+            counts = [s // h for s, h in zip(self.sizes, heads)]
+            raise LayoutError(kind, f"{t.name}: tp={tp} does not divide the head counts {counts} "
+                              f"of the parts of {self.name}", {"tensor": t.name, "tp": tp})
+        per = [s // tp for s in self.sizes]
+        rest, pad = t.shape[1:], (0,) * (len(t.shape) - 1)
+        out = []
+        for r in range(tp):
+            canon = 0
+            for j in range(self.first, self.first + self.count):
+                out.append((r, (sum(per), *rest), (canon + r * per[j], *pad), (per[j], *rest), (sum(per[:j]), *pad)))
+                canon += self.sizes[j]
+        return out
+
+
+@dataclass(frozen=True)
+class GlobalRows(Rule):
+    """Dim 0 of a global [`total`, ...] stack cut into tp contiguous row blocks (Megatron's linear_qkv): canonical
+    rows [c, c + n) sit at global rows [g, g + n) for each (c, g, n) in `blocks`. A block that crosses a rank
+    boundary is split there (fewer query groups than tp)."""
+
+    total: int = 0
+    blocks: tuple[tuple[int, int, int], ...] = ()
+
+    def cut(self, t, tp, kind):
+        if self.total % tp:
+            raise LayoutError(kind, f"{t.name}: the {self.total} rows of {self.name} are not divisible by tp={tp}",
+                              {"tensor": t.name, "tp": tp})
+        per = self.total // tp
+        rest, pad = t.shape[1:], (0,) * (len(t.shape) - 1)
+        out = []
+        for c, g, n in self.blocks:
+            for r in range(g // per, (g + n - 1) // per + 1):
+                lo, hi = max(g, r * per), min(g + n, (r + 1) * per)
+                out.append((r, (per, *rest), (c + lo - g, *pad), (hi - lo, *rest), (lo - r * per, *pad)))
+        return out
+
+
+@dataclass(frozen=True)
+class QkvParallel(Rule):
+    """vLLM's QKVParallelLinear: rank r holds [q_r; k_r; v_r]; q (`q_rows` global rows) is split over TP, k and v
+    by head, each of the `kv_heads` heads replicated on tp / kv_heads ranks when tp > kv_heads. `part` 0, 1, 2 is
+    q, k, v. (The shared Role.Q/K/V rule, with the q part's size given: a gated q_proj holds 2 rows per head.)"""
+
+    q_rows: int = 0
+    kv_heads: int = 1
+    head_dim: int = 1
+    part: int = 0
+
+    def cut(self, t, tp, kind):
+        g, d = self.kv_heads, self.head_dim
+        if self.q_rows % tp or (g % tp if g >= tp else tp % g):
+            raise LayoutError(kind, f"{t.name}: tp={tp} cuts neither {self.q_rows} query rows nor {g} KV heads "
+                              f"evenly", {"tensor": t.name, "tp": tp})
+        q, kv = self.q_rows // tp, max(1, g // tp)
+        shape = (q + 2 * kv * d, *t.shape[1:])
+        pad = (0,) * (len(t.shape) - 1)
+        out = []
+        for r in range(tp):
+            if self.part == 0:
+                out.append((r, shape, (r * q, *pad), (q, *t.shape[1:]), (0, *pad)))
+            else:
+                first = r * kv if tp <= g else r // (tp // g)
+                row = q if self.part == 1 else q + kv * d
+                out.append((r, shape, (first * d, *pad), (kv * d, *t.shape[1:]), (row, *pad)))
+        return out
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -247,7 +248,9 @@ _NAME_FORMATS = {
 @dataclass(frozen=True, eq=False)
 class CanonicalTable:
     """Canonical tensors as columns, index k = `ModelSpec.tensors[k].index`. Shapes are seen as 2-D
-    (`rows` x `cols`; a 1-D tensor is one row) because every compiler step works on 2-D boxes."""
+    (`rows` x `cols`; a 1-D tensor is one row) because every compiler step works on 2-D boxes. A tensor of more
+    dimensions (a depthwise conv1d weight [C, 1, K]) is seen as [prod(leading dims), last dim]: its placements
+    cut dim 0 only and keep the middle dimensions whole, so each box stays a rows x cols block of that view."""
 
     role: np.ndarray  # code into ROLES
     layer: np.ndarray  # -1 where it does not apply
@@ -335,7 +338,7 @@ def _table_from_tensors(tensors: tuple[TensorSpec, ...]) -> CanonicalTable:
     i64 = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
     table = CanonicalTable(i64([role_code(t.role) for t in tensors]), i64([t.layer for t in tensors]),
                            i64([t.expert for t in tensors]),
-                           i64([t.shape[0] if len(t.shape) == 2 else 1 for t in tensors]),
+                           i64([math.prod(t.shape[:-1]) for t in tensors]),
                            i64([t.shape[-1] for t in tensors]), i64([len(t.shape) for t in tensors]))
     for a in (table.role, table.layer, table.expert, table.rows, table.cols, table.ndim):
         a.setflags(write=False)

@@ -91,6 +91,12 @@ class VllmLayout(Layout):
         return pad_to(self.model.vocab_size, self.vocab_padding)
 
     @property
+    def name_prefix(self) -> str:
+        """Prepended to every parameter name: a multimodal wrapper nests the language model (e.g.
+        `language_model.` for vLLM's Qwen3.5 ForConditionalGeneration); the family sets it in the spec."""
+        return self.model.arch_value("vllm_prefix", "")
+
+    @property
     def kv_heads_per_rank(self) -> int:
         return max(1, self.model.num_key_value_heads // self.tp)
 
@@ -107,6 +113,8 @@ class VllmLayout(Layout):
             local = _HANDLERS[tensor.role](self, tensor, VLLM_NAMES[tensor.role].format(i=tensor.layer))
         else:  # a family-specific kind (layouts/kinds.py) places itself
             local = tensor.role.vllm_placements(self, tensor)
+        if self.name_prefix:
+            local = [p._replace(tensor=self.name_prefix + p.tensor) for p in local]
         if replica == 0:
             return local
         replicas = range(self.replicas) if replica is None else (replica,)
@@ -231,7 +239,7 @@ def _vllm_table(lay: VllmLayout, index, replica: int | None) -> PlacementTable:
             continue
         rows, cols = int(c.rows[idx[0]]), int(c.cols[idx[0]])
         T = idx[:, None, None]
-        fmt = VLLM_NAMES[role]
+        fmt = lay.name_prefix + VLLM_NAMES[role]
         layer_keys = c.layer[idx]
 
         def kinds(shape):

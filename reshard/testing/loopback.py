@@ -18,12 +18,12 @@ from ..planner import Plan
 
 def run_loopback(plan: Plan, binding: Binding, src: Mapping[int, Mapping[str, torch.Tensor]],
                  dst: Mapping[int, Mapping[str, torch.Tensor]], bucket_numel: int, staged: bool = True,
-                 fail_at: Callable[[list[int]], int] | None = None) -> None:
+                 fail_at: Callable[[list[int]], int] | None = None, direct_numel: int | None = None) -> None:
     """Run every process's schedule in global round order. With `fail_at` (given the sorted round indices, it
     picks one), stop before that round as if a peer died (no commit): staged destinations must then be
     unchanged."""
     procs = binding.processes
-    scheds = {p: build_schedule(plan, binding, p, bucket_numel, staged) for p in procs}
+    scheds = {p: build_schedule(plan, binding, p, bucket_numel, staged, direct_numel) for p in procs}
     s_flat = [src[r][n].view(-1) for r, n in zip(plan.src_tensors.ranks, plan.src_tensors.names)]
     d_flat = [dst[r][n].view(-1) for r, n in zip(plan.dst_tensors.ranks, plan.dst_tensors.names)]
     shadows: dict[int, dict[int, torch.Tensor]] = {
@@ -58,18 +58,29 @@ def run_loopback(plan: Plan, binding: Binding, src: Mapping[int, Mapping[str, to
                     if rnd is None or rnd.stage != stage:
                         continue
                     for m in rnd.sends:
-                        buf = torch.full((m.numel,), float("nan"), dtype=dtype)
-                        run_copies(m.copies.rows_as_lists(), memory(p, buf))
-                        wires[(p, m.peer)] = buf
+                        direct = m.contiguous()
+                        if direct is not None:  # as the executors do: send straight from that memory
+                            kind, i, off = direct
+                            buf = memory(p)(kind, i).narrow(0, off, m.numel).clone()
+                        else:
+                            buf = torch.full((m.numel,), float("nan"), dtype=dtype)
+                            run_copies(m.copies.rows_as_lists(), memory(p, buf))
+                        wires.setdefault((p, m.peer), []).append(buf)
                 for p in procs:
                     rnd = by_proc[p].get(ri)
                     if rnd is None or rnd.stage != stage:
                         continue
                     for m in rnd.recvs:
-                        buf = wires.pop((m.peer, p))
+                        buf = wires[(m.peer, p)].pop(0)  # messages of one pair match in posting order
                         if buf.numel() != m.numel:
                             raise AssertionError(f"round {ri}: {m.peer}->{p} sent {buf.numel()}, expected {m.numel}")
-                        run_copies(m.copies.rows_as_lists(), memory(p, buf))
+                        direct = m.contiguous()
+                        if direct is not None:  # received straight into that memory
+                            kind, i, off = direct
+                            memory(p)(kind, i).narrow(0, off, m.numel).copy_(buf)
+                        else:
+                            run_copies(m.copies.rows_as_lists(), memory(p, buf))
+                wires = {k: v for k, v in wires.items() if v}
                 if wires:
                     raise AssertionError(f"round {ri}: messages nobody received: {sorted(wires)}")
         for p, s in scheds.items():

@@ -89,8 +89,15 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, ep: int, etp: int,
                   **_router(spec, hf))
         if a.get("shared_intermediate_size"):
             kw["moe_shared_expert_intermediate_size"] = a["shared_intermediate_size"]
+            kw["moe_shared_expert_gate"] = bool(a.get("shared_expert_gate"))
         if a.get("router_bias"):
             kw.update(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid")
+    if "layer_types" in a:  # Gated DeltaNet layers among gated full-attention layers (Qwen3.5)
+        # deterministic_mode: GDN picks the pure-torch gated delta rule (FLA's kernels are not installed)
+        kw.update(experimental_attention_variant="gated_delta_net", attention_output_gate=True, deterministic_mode=True,
+                  linear_attention_freq=[int(x == "linear_attention") for x in a["layer_types"]],
+                  **{k: a[k] for k in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                                       "linear_num_key_heads", "linear_num_value_heads")})
     if "kv_lora_rank" in a:
         theta, scaling = _rope(hf) if hf else (10000.0, {})
         if scaling:
@@ -102,6 +109,42 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, ep: int, etp: int,
                   kv_channels=a["v_head_dim"], rope_type="rope", rotary_base=theta, rotary_scaling_factor=1.0)
         return MLATransformerConfig(**kw)
     return TransformerConfig(**kw)
+
+
+def _gdn_block_spec(config: Any) -> Any:
+    """The per-layer specs of megatron-core 0.19's experimental hybrid block
+    (get_transformer_layer_with_experimental_attention_variant_spec: GatedDeltaNet as the self_attention of the
+    layers `linear_attention_freq` marks, standard attention elsewhere, MLP/MoE per moe_layer_freq) from local
+    modules: that builder accepts only TransformerEngine, absent on CPU. The local provider has no fused
+    norm-linear, so GDN layers keep a separate input_layernorm and a plain ColumnParallelLinear in_proj.
+    FLA (GDN's kernels) is not installable here; the module's import guard is lifted: only its parameters are
+    listed, no kernel runs."""
+    import copy
+    import dataclasses
+
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules, common
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    common.HAVE_FLA = True
+    local = LocalSpecProvider()
+    gdn = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+        in_proj=local.column_parallel_linear(), out_norm=local.layer_norm(rms_norm=True, for_qk=False),
+        out_proj=local.row_parallel_linear()))
+    plain = dataclasses.replace(config, experimental_attention_variant=None)  # the GPT builder refuses variants
+    block = get_gpt_decoder_block_spec(plain, use_transformer_engine=False, normalization="RMSNorm")
+    pattern = config.linear_attention_freq
+    if config.pipeline_model_parallel_size > 1:
+        raise ValueError("the CPU GDN build covers pp=1")
+    specs = []
+    for layer, linear in zip(block.layer_specs, pattern):
+        if linear:  # layer specs may share objects: copy before swapping the attention
+            layer = copy.copy(layer)
+            layer.submodules = dataclasses.replace(layer.submodules, self_attention=gdn)
+        specs.append(layer)
+    block.layer_specs = specs
+    return block
 
 
 _MLA_CORE: list[type] = []
@@ -135,7 +178,10 @@ def build_gpt(spec: ModelSpec, lay: dict[str, Any], hf: dict[str, Any] | None = 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     config = transformer_config(spec, lay["tp"], lay["pp"], lay["ep"], lay["etp"], hf, init_std)
-    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    if config.experimental_attention_variant == "gated_delta_net":
+        block = _gdn_block_spec(config)
+    else:
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     for layer in block.layer_specs:
         attn = layer.submodules.self_attention
         if attn.module.__name__ == "MLASelfAttention":

@@ -39,7 +39,8 @@ def vllm_world(config_path: str, ep: bool = False, dtype: str = "bfloat16") -> I
         cfg = EngineArgs(model=ckpt, tensor_parallel_size=world, enable_expert_parallel=ep, dtype=dtype,
                          skip_tokenizer_init=True, enforce_eager=True, max_model_len=128, load_format="dummy",
                          distributed_executor_backend="external_launcher" if world > 1 else None,
-                         ).create_engine_config()
+                         language_model_only=True).create_engine_config()
+        # language_model_only: a multimodal wrapper (Qwen3.5) builds no vision tower, which refits leave out
         with set_current_vllm_config(cfg):
             init_distributed_environment(world_size=world, rank=rank, distributed_init_method="env://",
                                          local_rank=rank, backend="gloo")

@@ -56,7 +56,9 @@ def random_cases(draw):
     total = int((plan.ops["rows"] * plan.ops["cols"]).sum()) * plan.itemsize
     options = {"in_place": draw(st.booleans()), "timeout": 60.0,
                # small buckets split ops at odd places; about 20 rounds at most keeps a case quick
-               "bucket_bytes": max(draw(st.sampled_from([4, 12, 256, 4096, 1 << 20])), total // 20)}
+               "bucket_bytes": max(draw(st.sampled_from([4, 12, 256, 4096, 1 << 20])), total // 20),
+               # runs sent from / received into the tensors unpacked: most, some, or only whole messages
+               "direct_bytes": draw(st.sampled_from([2, 64, None]))}
     if draw(st.booleans()):
         options["memory_cap"] = max(options.pop("bucket_bytes") * 2, 64)
     return plan, binding, members, options, draw(st.integers(0, 2**16))
@@ -71,7 +73,7 @@ def _fixed_cases():
     """Named shapes every run covers (name, plan, binding, group members, options)."""
     spec = _tiny()
     M, V = reshard.MegatronLayout, reshard.VllmLayout
-    small = {"bucket_bytes": 512, "timeout": 60.0}
+    small = {"bucket_bytes": 512, "timeout": 60.0, "direct_bytes": 128}
     return [
         ("disjoint tp2 -> tp2", reshard.compile(M(model=spec, tp=2), V(model=spec, tp=2)),
          Binding.disjoint(2, 2), None, small),

@@ -38,7 +38,8 @@ def cases(draw):
     # small buckets split ops at odd places; at most ~30 buckets a stream keeps examples fast
     total = int((plan.ops["rows"] * plan.ops["cols"]).sum())
     bucket = max(draw(st.sampled_from([1, 3, 7, 64, 1000, 1 << 20])), total // 30)
-    return plan, binding, bucket, draw(st.booleans()), draw(st.integers(0, 2**16))
+    direct = draw(st.sampled_from([1, 5, 100, 1 << 40]))  # runs sent unpacked: all, most, some, none
+    return plan, binding, bucket, draw(st.booleans()), draw(st.integers(0, 2**16)), direct
 
 
 def _inputs(plan, seed):
@@ -49,11 +50,11 @@ def _inputs(plan, seed):
 
 @given(cases())
 def test_loopback_equals_local(case):
-    plan, binding, bucket, staged, seed = case
+    plan, binding, bucket, staged, seed, direct = case
     src, want = _inputs(plan, seed)
     execute_local(plan, src, want)
     got = allocate(plan.dst, fill=SENTINEL)
-    run_loopback(plan, binding, src, got, bucket, staged=staged)
+    run_loopback(plan, binding, src, got, bucket, staged=staged, direct_numel=direct)
     for rank, tensors in want.items():
         for name, expected in tensors.items():
             assert torch.equal(got[rank][name], expected), f"{binding} bucket={bucket} rank {rank} {name}"
@@ -61,11 +62,11 @@ def test_loopback_equals_local(case):
 
 @given(cases(), st.data())
 def test_staged_refit_cut_short_leaves_destinations_unchanged(case, data):
-    plan, binding, bucket, _, seed = case
+    plan, binding, bucket, _, seed, direct = case
     src, _ = _inputs(plan, seed)
     got = allocate(plan.dst, fill=SENTINEL)
     cut = []
-    run_loopback(plan, binding, src, got, bucket, staged=True,
+    run_loopback(plan, binding, src, got, bucket, staged=True, direct_numel=direct,
                  fail_at=lambda rounds: cut.append(data.draw(st.sampled_from(rounds))) or cut[0])
     if not cut:
         return  # nothing crosses processes: the refit cannot be cut short
@@ -77,18 +78,21 @@ def test_staged_refit_cut_short_leaves_destinations_unchanged(case, data):
 @given(cases())
 def test_schedule_accounts_every_byte(case):
     """Messages carry exactly the plan's remote bytes, each bucket at most the bucket size; no self-sends."""
-    plan, binding, bucket, staged, _ = case
+    plan, binding, bucket, staged, _, direct = case
     o = plan.ops
     numel = o["rows"] * o["cols"]
     sent, received, local = {}, {}, 0
     for p in binding.processes:
-        s = build_schedule(plan, binding, p, bucket, staged)
+        s = build_schedule(plan, binding, p, bucket, staged, direct)
         for r in s.rounds:
             for m in r.sends + r.recvs:
                 assert m.peer != p and 0 < m.numel <= bucket
                 assert m.copies.numel == m.numel
-            peers = [m.peer for m in r.sends]
-            assert len(peers) == len(set(peers))
+            for msgs in (r.sends, r.recvs):  # a peer's messages of one round share its bucket, without overlap
+                for peer in {m.peer for m in msgs}:
+                    spans = sorted((m.offset, m.offset + m.numel) for m in msgs if m.peer == peer)
+                    assert spans[-1][1] <= bucket
+                    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
         for peer, n in s.sent.items():
             sent[(p, peer)] = n
         for peer, n in s.received.items():

@@ -13,7 +13,7 @@ import reshard
 from reshard.errors import ExecutionError
 from reshard.executors import allocate, execute_local, shard
 from reshard.executors.binding import Binding
-from reshard.executors.nixl.copies import run_copies
+from reshard.executors.copies import run_copies
 from reshard.executors.nixl.options import NixlOptions
 from reshard.executors.nixl.schedule import (DST, RECV, SEND, SHADOW, SRC, build_schedule, choose_direction,
                                              global_links)
@@ -35,7 +35,8 @@ def bound_plans(draw):
                                           max_size=dst.num_ranks))))
     options = NixlOptions(direction=draw(st.sampled_from(["auto", "read", "write"])), staged=draw(st.booleans()),
                           pack=draw(st.sampled_from(["auto", "always", "never"])),
-                          pack_below=draw(st.sampled_from([None, 0, 64, 1 << 20])))
+                          pack_below=draw(st.sampled_from([None, 0, 64, 1 << 20])),
+                          land_below=draw(st.sampled_from([None, 0, 256, 1 << 30])))
     return plan, binding, options
 
 
@@ -48,7 +49,8 @@ def play(plan, binding, options, src, dst):
     """Run every process's schedule in this process, in an order the real executor allows, up to the commit;
     return the schedules and the commit."""
     procs = range(binding.num_processes)
-    sched = {p: build_schedule(plan, binding, p, options, options.pack_threshold(False)) for p in procs}
+    sched = {p: build_schedule(plan, binding, p, options, options.pack_threshold(False), options.land_threshold(False))
+             for p in procs}
     arenas = {p: torch.zeros(sched[p].arena_numel) for p in procs}
 
     def memory_of(p):
@@ -68,20 +70,20 @@ def play(plan, binding, options, src, dst):
             links[link.id] = link
     for s in range(plan.num_stages):
         for p in procs:
-            run_copies(sched[p].local[s].rows_as_lists(), mem[p])
+            run_copies(sched[p].local[s].folded().rows_as_lists(), mem[p])
         for link in (l for l in links.values() if l.stage == s):
             send, recv = sched[link.sender], sched[link.receiver]
             if link.id in send.pack:
-                run_copies(send.pack[link.id].rows_as_lists(), mem[link.sender])
+                run_copies(send.pack[link.id].folded().rows_as_lists(), mem[link.sender])
             pc = link.pieces
             for sk, si, so, rk, ri, ro, n in zip(*(pc[c].tolist() for c in pc)):
                 mem[link.receiver](rk, ri).narrow(0, ro, n).copy_(mem[link.sender](sk, si).narrow(0, so, n))
             if link.id in recv.arrive:
-                run_copies(recv.arrive[link.id].rows_as_lists(), mem[link.receiver])
+                run_copies(recv.arrive[link.id].folded().rows_as_lists(), mem[link.receiver])
 
     def commit():
         for p in procs:
-            run_copies(sched[p].commit.rows_as_lists(), mem[p])
+            run_copies(sched[p].commit.folded().rows_as_lists(), mem[p])
     return sched, commit
 
 
@@ -118,7 +120,7 @@ def test_pieces_cover_each_link_once_and_are_coalesced(case):
     link_of_op, *_ = global_links(plan, binding)
     nbytes = plan.op_bytes()
     for p in range(binding.num_processes):
-        s = build_schedule(plan, binding, p, options, options.pack_threshold(False))
+        s = build_schedule(plan, binding, p, options, options.pack_threshold(False), options.land_threshold(False))
         for link in s.incoming:
             pc = link.pieces
             assert int(pc["numel"].sum()) * plan.itemsize == int(nbytes[link_of_op == link.id].sum())
@@ -127,9 +129,11 @@ def test_pieces_cover_each_link_once_and_are_coalesced(case):
                 assert pc["send_kind"][-1] == SEND and pc["recv_kind"][-1] == RECV
                 assert pc["numel"][-1] == link.packed_numel > 0
                 assert link.num_pieces < link.direct_pieces or options.pack == "always"
-            assert set(pc["recv_kind"][direct].tolist()) <= {SHADOW if options.staged else DST}
+            landed = pc["recv_kind"][direct] == RECV  # landed runs, each into the receive buffer
+            assert set(pc["recv_kind"][direct][~landed].tolist()) <= {SHADOW if options.staged else DST}
+            assert int(pc["numel"][direct][landed].sum()) == link.landed_numel
             if options.pack == "never":
-                assert not link.packed
+                assert not link.packed and not link.landed_numel
             pc = {k: v[direct] for k, v in pc.items()}
             follows = ((pc["send_id"][1:] == pc["send_id"][:-1]) & (pc["recv_id"][1:] == pc["recv_id"][:-1])
                        & (pc["send_kind"][1:] == pc["send_kind"][:-1])

@@ -55,8 +55,8 @@ from ...errors import ExecutionError, ReshardError
 from ...planner import Plan
 from ..binding import Binding
 from ..local import check_tensors, torch_dtype
+from ..views import BoundCopies, Memory, bind
 from .agent import describe, is_nixl_error, make_agent
-from .copies import run_copies
 from .descriptors import memory_name, merged_regions, region_array, side_descriptors
 from .exchange import Exchange
 from .options import NixlOptions
@@ -107,7 +107,9 @@ class NixlExecutor:
         self.mem_type = "VRAM" if on_gpu else "DRAM"
         self.device_id = (self.device.index or 0) if on_gpu else 0
         self.pack_below = options.pack_threshold(on_gpu)
-        self.schedule: ProcessSchedule = build_schedule(plan, binding, process, options, self.pack_below)
+        self.land_below = options.land_threshold(on_gpu)
+        self.schedule: ProcessSchedule = build_schedule(plan, binding, process, options, self.pack_below,
+                                                        self.land_below)
         self.itemsize = plan.itemsize
         self._check_and_bind(src, dst)
         self._version = 0
@@ -157,10 +159,13 @@ class NixlExecutor:
             return arena.narrow(0, off, n)
 
         self._memory = memory
-        self._pack = {k: v.rows_as_lists() for k, v in s.pack.items()}
-        self._arrive = {k: v.rows_as_lists() for k, v in s.arrive.items()}
-        self._local = [c.rows_as_lists() for c in s.local]
-        self._commit = s.commit.rows_as_lists()
+        # copy programs folded and bound once: views built here, each refit only launches them
+        views = Memory(memory, self.itemsize)
+        program = lambda c: bind(c.folded(), views, self.itemsize)  # noqa: E731
+        self._pack = {k: program(v) for k, v in s.pack.items()}
+        self._arrive = {k: program(v) for k, v in s.arrive.items()}
+        self._local = [program(c) for c in s.local]
+        self._commit = program(s.commit)
 
     def _address(self, kind: int, ident: int) -> int:
         if kind in (SHADOW, SEND, RECV):
@@ -172,18 +177,19 @@ class NixlExecutor:
         return {
             "process": self.process, "agent": agent_name, "plan": self.plan.digest,
             "binding": self.binding.to_dict(), "options": self.options.shared(), "direction": s.direction,
-            "pack_below": self.pack_below, "mem": self.mem_type, "device": self.device_id,
+            "pack_below": self.pack_below, "land_below": self.land_below, "mem": self.mem_type, "device": self.device_id,
             "addresses": {memory_name(k, i): self._address(k, i) for k, i in s.exposed},
         }
 
     def _check_peer(self, peer: int, book: dict[str, Any], mine: dict[str, Any]) -> None:
         problems = [f"{key}: process {peer} has {book.get(key)!r}, process {self.process} has {mine[key]!r}"
-                    for key in ("plan", "binding", "options", "direction", "pack_below") if book.get(key) != mine[key]]
+                    for key in ("plan", "binding", "options", "direction", "pack_below", "land_below")
+                    if book.get(key) != mine[key]]
         if book.get("process") != peer:
             problems.append(f"the book published for process {peer} is process {book.get('process')}'s")
         if problems:
-            hint = (" (pack_below resolves per memory kind: set it explicitly when CPU and GPU processes mix)"
-                    if any(p.startswith("pack_below") for p in problems) else "")
+            hint = (" (pack_below / land_below resolve per memory kind: set them explicitly when CPU and GPU "
+                    "processes mix)" if any(p.startswith(("pack_below", "land_below")) for p in problems) else "")
             raise ExecutionError(f"process {peer} does not run the same refit{hint}:\n  - " + "\n  - ".join(problems))
 
     def _set_up(self, namespace: str) -> None:
@@ -441,10 +447,10 @@ class NixlExecutor:
         shown = "; ".join(parts[:8]) + (f"; and {len(parts) - 8} more" if len(parts) > 8 else "")
         return f"waiting for: {shown}" if parts else "waiting for the local copies"
 
-    def _run(self, rows: list[tuple[int, ...]]) -> None:
-        if rows:
+    def _run(self, program: BoundCopies) -> None:
+        if len(program):
             with torch.no_grad():
-                run_copies(rows, self._memory)
+                program.run()
             self._dirty = True
 
     def _sync(self) -> None:

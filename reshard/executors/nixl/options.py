@@ -16,6 +16,12 @@ PACKING = ("auto", "always", "never")
 # packing costs two device copies at several times NVLink's bandwidth.
 PACK_BELOW_DRAM = 16 << 10
 PACK_BELOW_VRAM = 1 << 20
+# A run contiguous on the sender whose receiver pieces average below this is landed (one descriptor into the
+# receive buffer, then one local scatter): it saves a descriptor per piece for one copy, not two, so it pays
+# up to larger pieces than packing. On an H200 a cuda_ipc descriptor costs ~9 us (~3 MiB of NVLink time;
+# BENCHMARKS.md) while the scatter copies at ~2 TB/s.
+LAND_BELOW_DRAM = 32 << 10
+LAND_BELOW_VRAM = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -30,7 +36,9 @@ class NixlOptions:
         executor.py). False writes in place: faster and no extra memory, but a failed refit leaves
         destinations partly written.
     pack: "auto" packs the ops of a link whose contiguous pieces are below `pack_below` bytes (None: a default
-        per memory kind) when there are several such pieces; "always" packs every op, "never" none.
+        per memory kind) when there are several such pieces, and lands runs contiguous on the sender whose
+        receiver pieces average below `land_below` bytes; "always" packs every op, "never" neither packs nor
+        lands.
     timeout: seconds a refit may take, from its start, before every waiting process gives up with an error.
     progress_delay_us: sleep of NIXL's progress thread between polls (NIXL's Python wrapper spins it at 0,
         which burns a whole core; 0 keeps that behaviour).
@@ -41,6 +49,7 @@ class NixlOptions:
     staged: bool = True
     pack: str = "auto"
     pack_below: int | None = None
+    land_below: int | None = None
     timeout: float = 120.0
     progress_delay_us: int = 1000
     poll_max_s: float = 0.0005
@@ -53,6 +62,8 @@ class NixlOptions:
             problems.append(f"pack={self.pack!r} must be one of {PACKING}")
         if self.pack_below is not None and self.pack_below < 0:
             problems.append(f"pack_below={self.pack_below} must be >= 0 bytes")
+        if self.land_below is not None and self.land_below < 0:
+            problems.append(f"land_below={self.land_below} must be >= 0 bytes")
         if not self.timeout > 0:
             problems.append(f"timeout={self.timeout} must be positive (seconds)")
         if self.progress_delay_us < 0:
@@ -67,10 +78,15 @@ class NixlOptions:
             return self.pack_below
         return PACK_BELOW_VRAM if device_memory else PACK_BELOW_DRAM
 
+    def land_threshold(self, device_memory: bool) -> int:
+        if self.land_below is not None:
+            return self.land_below
+        return LAND_BELOW_VRAM if device_memory else LAND_BELOW_DRAM
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def shared(self) -> dict[str, Any]:
         """The options that must be equal on every process (the rest are local tuning)."""
         return {"direction": self.direction, "staged": self.staged, "pack": self.pack,
-                "pack_below": self.pack_below}
+                "pack_below": self.pack_below, "land_below": self.land_below}

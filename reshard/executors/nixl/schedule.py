@@ -11,8 +11,11 @@ binding, so both ends of a link build the same pieces without asking each other.
    pieces adjacent on both sides are coalesced), or PACKED: the sender gathers the link's packed ops into a
    send buffer, one descriptor moves them into a receive buffer, and the receiver scatters them. An op is
    packed when its pieces are small (below options.pack_below bytes) and the link has more than one such
-   piece: there a descriptor costs more than copying the bytes twice. So a link is a few large descriptors
-   (big contiguous runs) plus at most one for all its small pieces.
+   piece: there a descriptor costs more than copying the bytes twice. A run of ops that is contiguous in the
+   sender's memory but falls apart into many short pieces on the receiver (the q / k / v blocks of one fused
+   QKV weight) is LANDED: one descriptor moves the whole run into the receive buffer, and the receiver
+   scatters it (one copy instead of a descriptor per piece). So a link is a few large descriptors (big
+   contiguous runs) plus at most one for all its small pieces.
 4. Staging (options.staged): a destination tensor that receives DIRECT bytes from a peer, or that this
    process forwards from (a relay source), gets a SHADOW in the staging arena; every write bound for it lands
    in the shadow and the commit copies the shadow into the tensor. Everything else bound for a destination
@@ -33,6 +36,7 @@ from ...errors import ExecutionError
 from ...planner import Plan
 from ...planner.plan import RELAY
 from ..binding import Binding
+from ..copies import Copies as FoldedCopies, fold
 from .options import NixlOptions
 
 SRC, DST, SHADOW, SEND, RECV = range(5)
@@ -72,6 +76,10 @@ class Copies:
     def rows_as_lists(self) -> list[tuple[int, ...]]:
         return list(zip(*(self.cols[c].tolist() for c in COPY_COLUMNS)))
 
+    def folded(self) -> FoldedCopies:
+        """The same copies folded into few strided 3-D copies (executors.copies), ready to bind to tensors."""
+        return fold(*(self.cols[c] for c in COPY_COLUMNS))  # fold takes the columns in this order
+
     @classmethod
     def empty(cls) -> "Copies":
         return cls({c: np.zeros(0, np.int64) for c in COPY_COLUMNS})
@@ -100,8 +108,20 @@ class Link:
     numel: int
     packed_ops: np.ndarray  # the ops moved through the send / receive buffers, plan order
     packed_numel: int
-    pieces: dict[str, np.ndarray]  # PIECE_COLUMNS: direct pieces (coalesced), then the packed buffer if any
-    direct_pieces: int  # about how many pieces it would move with nothing packed
+    pieces: dict[str, np.ndarray]  # PIECE_COLUMNS: direct pieces (coalesced), landed runs, the packed buffer
+    direct_pieces: int  # about how many pieces it would move with nothing packed or landed
+    landed_ops: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # read whole, scattered here
+    landed_numel: int = 0
+
+    @property
+    def recv_numel(self) -> int:
+        """Elements of the receive buffer: packed ops, then landed runs."""
+        return self.packed_numel + self.landed_numel
+
+    @property
+    def buffered_ops(self) -> np.ndarray:
+        """Ops that arrive in the receive buffer, in its order."""
+        return np.concatenate([self.packed_ops, self.landed_ops])
 
     @property
     def packed(self) -> bool:
@@ -112,7 +132,8 @@ class Link:
         return int(self.pieces["numel"].shape[0])
 
     def __str__(self) -> str:
-        how = f"{self.num_pieces} descriptors" + (" with a packed buffer" if self.packed else "")
+        how = (f"{self.num_pieces} descriptors" + (" with a packed buffer" if self.packed else "")
+               + (f", {len(self.landed_ops)} ops landed" if self.landed_numel else ""))
         return f"link {self.id} (stage {self.stage}, process {self.sender} -> {self.receiver}, {how})"
 
 
@@ -229,6 +250,39 @@ def coalesce(p: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
+def _landed(plan: Plan, ops: np.ndarray, land_below: int) -> np.ndarray:
+    """Which direct ops to land: runs of ops contiguous in the sender's memory, one after the other, whose pieces
+    on the receiver are many and short on average. Such a run moves as ONE descriptor into the receive buffer
+    and is scattered from there: one local copy instead of a descriptor per piece."""
+    if len(ops) < 2:
+        return np.zeros(len(ops), dtype=bool)
+    o = plan.ops
+    rows, cols = o["rows"][ops], o["cols"][ops]
+    numel = rows * cols
+    src_flat = (rows == 1) | (cols == o["src_stride"][ops])
+    off, tensor, side = o["src_offset"][ops], o["src_tensor"][ops], o["src_side"][ops]
+    chain = np.zeros(len(ops), dtype=bool)
+    chain[1:] = (src_flat[1:] & src_flat[:-1] & (side[1:] == side[:-1]) & (tensor[1:] == tensor[:-1])
+                 & (off[1:] == off[:-1] + numel[:-1]))
+    run = np.cumsum(~chain) - 1
+    dst_flat = (rows == 1) | (cols == o["dst_stride"][ops])
+    pieces = np.bincount(run, weights=np.where(dst_flat, 1, rows)).astype(np.int64)  # before coalescing
+    run_numel = np.bincount(run, weights=numel).astype(np.int64)
+    land = (pieces >= 2) & (run_numel * plan.itemsize < land_below * pieces)
+    return land[run] & src_flat
+
+
+def _landed_pieces(plan: Plan, ops: np.ndarray, staged: bool, link: int, base: int) -> dict[str, np.ndarray]:
+    """One piece per sender-contiguous run of landed ops, into the receive buffer after `base` elements."""
+    o = plan.ops
+    numel = o["rows"][ops] * o["cols"][ops]
+    read_kind, _ = _sides(plan, ops, staged)
+    pieces = {"send_kind": read_kind, "send_id": o["src_tensor"][ops], "send_off": o["src_offset"][ops],
+              "recv_kind": np.full(len(ops), RECV, np.int64), "recv_id": np.full(len(ops), link, np.int64),
+              "recv_off": base + np.cumsum(numel) - numel, "numel": numel}
+    return coalesce(pieces)
+
+
 def _block_copies(plan: Plan, ops: np.ndarray, src_kind, dst_kind, dst_id=None, dst_off=None) -> Copies:
     """Copies of ops from their source memory to their destination tensor's memory (or to a packed buffer:
     dst_id / dst_off given, rows laid out contiguously)."""
@@ -268,8 +322,9 @@ def choose_direction(plan: Plan, binding: Binding, requested: str) -> str:
 
 
 def build_schedule(plan: Plan, binding: Binding, process: int, options: NixlOptions,
-                   pack_below: int) -> ProcessSchedule:
-    """This process's part of the plan (see the module docstring)."""
+                   pack_below: int, land_below: int = 0) -> ProcessSchedule:
+    """This process's part of the plan (see the module docstring). Ops with pieces below `pack_below` bytes
+    are packed; runs whose receiver pieces average below `land_below` bytes are landed."""
     if not 0 <= process < binding.num_processes:
         raise ExecutionError(f"process {process} is outside the binding's processes 0..{binding.num_processes - 1}")
     o = plan.ops
@@ -307,13 +362,21 @@ def build_schedule(plan: Plan, binding: Binding, process: int, options: NixlOpti
                 pack_it[:] = False
         packed_ops = ops[pack_it]
         packed_numel = int(numel_of[packed_ops].sum())
-        pieces = _expand_rows(plan, ops[~pack_it], staged)
-        n_direct = len(pieces["numel"]) + int(o["rows"][packed_ops].sum())  # before coalescing the packed ones
+        direct_ops = ops[~pack_it]
+        land_it = _landed(plan, direct_ops, land_below) if options.pack != "never" else \
+            np.zeros(len(direct_ops), dtype=bool)
+        landed_ops = direct_ops[land_it]
+        pieces = _expand_rows(plan, direct_ops[~land_it], staged)
+        n_direct = (len(pieces["numel"]) + len(_expand_rows(plan, landed_ops, staged)["numel"])
+                    + int(o["rows"][packed_ops].sum()))  # before coalescing the packed ones
+        landed = _landed_pieces(plan, landed_ops, staged, lid, packed_numel)
+        pieces = {k: np.concatenate([pieces[k], landed[k]]) for k in PIECE_COLUMNS}
         if packed_numel:
             pieces = {k: np.concatenate([pieces[k], _i64([v])])
                       for k, v in zip(PIECE_COLUMNS, (SEND, lid, 0, RECV, lid, 0, packed_numel))}
         links[lid] = Link(lid, int(l_stage[lid]), int(l_send[lid]), int(l_recv[lid]), ops,
-                          int(numel_of[ops].sum()), packed_ops, packed_numel, pieces, n_direct)
+                          int(numel_of[ops].sum()), packed_ops, packed_numel, pieces, n_direct, landed_ops,
+                          int(numel_of[landed_ops].sum()))
     incoming = tuple(links[i] for i in mine_in.tolist())
     outgoing = tuple(links[i] for i in mine_out.tolist())
 
@@ -321,7 +384,7 @@ def build_schedule(plan: Plan, binding: Binding, process: int, options: NixlOpti
     if staged:
         shadow |= relay_src
         for link in incoming:
-            direct = np.setdiff1d(link.ops, link.packed_ops, assume_unique=True)
+            direct = np.setdiff1d(link.ops, link.buffered_ops, assume_unique=True)
             shadow |= set(np.unique(o["dst_tensor"][direct]).tolist())
     is_shadow = np.zeros(len(plan.dst_tensors), dtype=bool)
     is_shadow[sorted(shadow)] = True
@@ -342,8 +405,8 @@ def build_schedule(plan: Plan, binding: Binding, process: int, options: NixlOpti
         if link.packed:
             place((SEND, link.id), link.packed_numel)
     for link in incoming:
-        if link.packed:
-            place((RECV, link.id), link.packed_numel)
+        if link.recv_numel:
+            place((RECV, link.id), link.recv_numel)
 
     landing = SHADOW if staged else DST
     # Pack programs (sender) and scatter programs (receiver) of packed links.
@@ -357,8 +420,8 @@ def build_schedule(plan: Plan, binding: Binding, process: int, options: NixlOpti
             read_kind = np.where(o["src_side"][ops] == RELAY, landing, SRC)
             pack[link.id] = _block_copies(plan, ops, read_kind, SEND, link.id, offs)
     for link in incoming:
-        if link.packed:
-            ops = link.packed_ops
+        if link.recv_numel:
+            ops = link.buffered_ops
             offs = np.cumsum(numel_of[ops]) - numel_of[ops]
             to_shadow = is_shadow[o["dst_tensor"][ops]]
             if staged:

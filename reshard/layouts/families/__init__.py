@@ -213,7 +213,7 @@ def spec_from_hf_config(config: "dict[str, Any] | str | Path", include_mtp: bool
 
 
 # Registering a family = importing its module.
-from . import deepseek_v3, llama, qwen3, qwen3_moe  # noqa: E402,F401
+from . import deepseek_v3, llama, qwen3, qwen3_5, qwen3_moe  # noqa: E402,F401
 
 __all__ = ["ModelFamily", "decoder", "dense_mlp", "discover", "family", "gqa_attention", "norm",
            "read_hf_config", "registered_families", "routed_experts", "spec_from_hf_config",

@@ -10,14 +10,16 @@ import pytest
 from reshard.layouts.families import discover, read_hf_config, registered_families
 from reshard.validate import FAIL, NOT_RUN, PASS, validate
 
-# One example config per registered family (examples/configs); kimi-k2 shares the deepseek_v3 family.
+# One example config per registered family (examples/configs); kimi-k2 shares the deepseek_v3 family, the dense
+# Qwen3.6 the qwen3_5 family of the MoE Qwen3.5.
 CONFIGS = {
     "qwen3": "examples/configs/qwen3-0.6b.json",
     "llama": "examples/configs/llama-3.1-70b.json",
     "qwen3_moe": "examples/configs/qwen3-30b-a3b.json",
     "deepseek_v3": "examples/configs/deepseek-v3.json",
+    "qwen3_5": "examples/configs/qwen3.5-35b-a3b.json",
 }
-EXTRA = ["examples/configs/kimi-k2.json"]
+EXTRA = ["examples/configs/kimi-k2.json", "examples/configs/qwen3.6-27b.json"]
 
 
 def test_every_registered_family_has_a_validation_config():
@@ -39,14 +41,15 @@ def test_round_trip_stage(config):
 
 
 @pytest.mark.megatron
-@pytest.mark.parametrize("config", [CONFIGS["qwen3_moe"], CONFIGS["deepseek_v3"], CONFIGS["llama"]])
+@pytest.mark.parametrize("config", [CONFIGS["qwen3_moe"], CONFIGS["deepseek_v3"], CONFIGS["llama"],
+                                    CONFIGS["qwen3_5"], EXTRA[1]])
 def test_megatron_layout_stage(config):
     r = _one(config, "megatron layout")
     assert r.status == PASS, r.detail
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("config", [CONFIGS["deepseek_v3"], CONFIGS["qwen3_moe"]])
+@pytest.mark.parametrize("config", [CONFIGS["deepseek_v3"], CONFIGS["qwen3_moe"], CONFIGS["qwen3_5"]])
 def test_vllm_layout_stage(config):
     r = _one(config, "vllm layout")
     assert r.status == PASS, r.detail

@@ -1,0 +1,252 @@
+"""Qwen3.5 and Qwen3.6, dense and MoE (one architecture: Qwen3.6 checkpoints use the Qwen3.5 classes): Gated
+DeltaNet linear-attention layers mixed with gated full-attention layers (`layer_types` in the config, or every
+`full_attention_interval`-th layer full), a SwiGLU MLP (dense) or a router + routed experts + one gated shared
+expert (MoE, every layer).
+
+Published checkpoints are the multimodal wrapper (`Qwen3_5[Moe]ForConditionalGeneration`, model_type `qwen3_5[_moe]`,
+text fields under `text_config`): the language model's tensors are named `model.language_model.*` (lm_head stays
+`lm_head.weight`) and vLLM nests it as `language_model.model.*` / `language_model.lm_head.weight`. The vision tower
+(`model.visual.*`) and the multi-token-prediction layers (`mtp.*`) are left out of refits. Text-only checkpoints
+(`Qwen3_5[Moe]ForCausalLM`, model_type `qwen3_5[_moe]_text`) use plain `model.*` names on both sides.
+
+Names, shapes and TP cuts from transformers 5.24 modeling_qwen3_5[_moe].py, megatron-core 0.19
+ssm/gated_delta_net (GatedDeltaNet as the self_attention of a TransformerLayer: experimental_attention_variant=
+"gated_delta_net", attention_output_gate=True) and vLLM 0.33 models/qwen3_5.py + qwen3_next.py +
+layers/mamba/gdn/qwen_gdn_linear_attn.py (flat, non-interleaved qkvz layout). Kd = linear_num_key_heads x
+linear_key_head_dim, Vd = linear_num_value_heads x linear_value_head_dim, nv = linear_num_value_heads:
+
+| HF (per layer)                       | Megatron (`decoder.layers.{i}.`)                   | vLLM (`model.layers.{i}.`)                   |
+| linear_attn.in_proj_qkv [2Kd+Vd, H]  | self_attention.in_proj, per rank [q;k;v;z;b;a]_r   | linear_attn.in_proj_qkvz, per rank [q;k;v;z]_r |
+| linear_attn.in_proj_z [Vd, H]        |   (z part)                                         |   (z part)                                   |
+| linear_attn.in_proj_b / _a [nv, H]   |   (b, a parts)                                     | linear_attn.in_proj_ba, per rank [b;a]_r      |
+| linear_attn.conv1d [2Kd+Vd, 1, K]    | self_attention.conv1d, per rank [q;k;v]_r          | linear_attn.conv1d, per rank [q;k;v]_r        |
+| linear_attn.dt_bias, A_log [nv]      | self_attention.dt_bias, A_log: TP blocks           | linear_attn.dt_bias, A_log: TP blocks         |
+| linear_attn.norm [Vd/nv]             | self_attention.out_norm (replicated)               | linear_attn.norm (replicated)                 |
+| linear_attn.out_proj [H, Vd]         | self_attention.out_proj, TP column blocks          | linear_attn.out_proj, TP column blocks        |
+| input_layernorm (GDN layer)          | input_layernorm (local) / self_attention.in_proj.layer_norm_weight (TE) | input_layernorm   |
+| self_attn.q_proj [2 nq d, H], per head [q_h; gate_h] | self_attention.linear_qkv, per group [q(hpg); gate(hpg); k; v], TP row blocks | self_attn.qkv_proj, per rank [q,gate of its heads; k_r; v_r] |
+| mlp.shared_expert.{gate,up,down}_proj | mlp.shared_experts.linear_fc1 ([gate_r; up_r]) / linear_fc2 | mlp.shared_expert.gate_up_proj / down_proj |
+| mlp.shared_expert_gate [1, H]        | mlp.shared_experts.gate_weight (moe_shared_expert_gate) | mlp.shared_expert_gate (replicated)      |
+Each part of a fused stack is cut over TP on its own, so a rank's slice is the concatenation of the parts' slices.
+The conv1d weight keeps its 3-D shape [C, 1, K] everywhere; it is cut on dim 0 only (see model.CanonicalTable).
+Routed experts use the shared roles with HF per-expert names (`mlp.experts.{e}.gate_proj.weight`, which vLLM's
+loader accepts; the published checkpoints store them fused as `mlp.experts.gate_up_proj` [E, 2I, H]).
+vLLM keeps A_log in float32 (the trainer in params_dtype); a refit at the model dtype casts there.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from ...errors import ModelConfigError
+from ..kinds import ColumnBlocks, GlobalRows, Kind, QkvParallel, Replicated, RowBlocks, Stacked, same
+from ..model import ModelSpec, Role
+from . import ModelFamily, decoder, dense_mlp, norm, routed_experts
+
+_LIN = "model.layers.{i}.linear_attn."
+_ATT = "model.layers.{i}.self_attn."
+_MLP = "model.layers.{i}.mlp."
+_LAYER_TYPES = ("linear_attention", "full_attention")
+
+GDN_INPUT_NORM = Kind("gdn_input_norm", Replicated("input_layernorm.weight"),
+                      Replicated("self_attention.in_proj.layer_norm_weight"),
+                      Replicated("model.layers.{i}.input_layernorm.weight"))
+GDN_DT_BIAS = same("gdn_dt_bias", RowBlocks("self_attention.dt_bias"), RowBlocks(_LIN + "dt_bias"))
+GDN_A_LOG = same("gdn_a_log", RowBlocks("self_attention.A_log"), RowBlocks(_LIN + "A_log"))
+GDN_NORM = same("gdn_norm", Replicated("self_attention.out_norm.weight"), Replicated(_LIN + "norm.weight"))
+GDN_OUT = same("gdn_out_proj", ColumnBlocks("self_attention.out_proj.weight"), ColumnBlocks(_LIN + "out_proj.weight"))
+SHARED_GATE = same("shared_expert_gate_proj", RowBlocks("mlp.shared_experts.linear_fc1.weight", 0, 2),
+                   RowBlocks(_MLP + "shared_expert.gate_up_proj.weight", 0, 2))
+SHARED_UP = same("shared_expert_up_proj", RowBlocks("mlp.shared_experts.linear_fc1.weight", 1, 2),
+                 RowBlocks(_MLP + "shared_expert.gate_up_proj.weight", 1, 2))
+SHARED_DOWN = same("shared_expert_down_proj", ColumnBlocks("mlp.shared_experts.linear_fc2.weight"),
+                   ColumnBlocks(_MLP + "shared_expert.down_proj.weight"))
+SHARED_EXPERT_GATE = same("shared_expert_gate", Replicated("mlp.shared_experts.gate_weight"),
+                          Replicated(_MLP + "shared_expert_gate.weight"))
+
+
+@functools.lru_cache(maxsize=16)
+def _gdn_kinds(nk: int, dk: int, nv: int, dv: int) -> dict[str, Kind]:
+    """in_proj / conv1d kinds: each HF tensor is some consecutive parts of a fused per-rank stack. Both engines
+    give each rank whole key and value heads (megatron-core and vLLM divide the head counts by tp)."""
+    Kd, Vd = nk * dk, nv * dv
+    meg, meg_h = (Kd, Kd, Vd, Vd, nv, nv), (dk, dk, dv, dv, 1, 1)  # Megatron in_proj: q, k, v, z, beta, alpha
+    qkvz, qkvz_h = (Kd, Kd, Vd, Vd), (dk, dk, dv, dv)
+    conv, conv_h = (Kd, Kd, Vd), (dk, dk, dv)
+
+    def kind(label, mfirst, mcount, vname, vsizes, vheads, vfirst, vcount):
+        return same(label, Stacked("self_attention.in_proj.weight", meg, mfirst, mcount, meg_h),
+                    Stacked(_LIN + vname, vsizes, vfirst, vcount, vheads))
+
+    return {"in_proj_qkv": kind("gdn_in_proj_qkv", 0, 3, "in_proj_qkvz.weight", qkvz, qkvz_h, 0, 3),
+            "in_proj_z": kind("gdn_in_proj_z", 3, 1, "in_proj_qkvz.weight", qkvz, qkvz_h, 3, 1),
+            "in_proj_b": kind("gdn_in_proj_b", 4, 1, "in_proj_ba.weight", (nv, nv), (), 0, 1),
+            "in_proj_a": kind("gdn_in_proj_a", 5, 1, "in_proj_ba.weight", (nv, nv), (), 1, 1),
+            "conv1d": same("gdn_conv1d", Stacked("self_attention.conv1d.weight", conv, 0, 3, conv_h),
+                           Stacked(_LIN + "conv1d.weight", conv, 0, 3, conv_h))}
+
+
+@functools.lru_cache(maxsize=16)
+def _gated_attention_kinds(nq: int, g: int, d: int) -> tuple[Kind, Kind, Kind]:
+    """q_proj (per head [q_h; gate_h]), k_proj, v_proj in Megatron's gated linear_qkv (per query group
+    [q heads; gate heads; k; v]) and vLLM's qkv_proj (2 nq "query heads")."""
+    hpg = nq // g
+    group = (2 * hpg + 2) * d
+    q_blocks = tuple(b for h in range(nq) for b in (
+        (2 * h * d, (h // hpg) * group + (h % hpg) * d, d),                   # q_h
+        ((2 * h + 1) * d, (h // hpg) * group + (hpg + h % hpg) * d, d)))      # gate_h
+    k_blocks = tuple((grp * d, grp * group + 2 * hpg * d, d) for grp in range(g))
+    v_blocks = tuple((grp * d, grp * group + (2 * hpg + 1) * d, d) for grp in range(g))
+    total = g * group
+    qkv = _ATT + "qkv_proj.weight"
+
+    def kind(label, blocks, part):
+        return same(label, GlobalRows("self_attention.linear_qkv.weight", total, blocks),
+                    QkvParallel(qkv, 2 * nq * d, g, d, part))
+
+    return kind("gated_q", q_blocks, 0), kind("gated_k", k_blocks, 1), kind("gated_v", v_blocks, 2)
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's fields: `text_config` of the multimodal wrapper (with the wrapper's dtype and tied
+    flag as fallbacks), or the config itself."""
+    if "text_config" not in config:
+        return config
+    text = dict(config["text_config"] or {})
+    for key in ("torch_dtype", "dtype", "tie_word_embeddings"):
+        if key in config and key not in text:
+            text[key] = config[key]
+    if "dtype" in text and "torch_dtype" not in text:
+        text["torch_dtype"] = text["dtype"]
+    return text
+
+
+def _layer(spec: ModelSpec, i: int) -> list:
+    a = dict(spec.arch)
+    H, p = spec.hidden_size, f"model.layers.{i}."
+    if a["layer_types"][i] == "linear_attention":
+        nk, dk, nv, dv = (a[f"linear_{x}"] for x in ("num_key_heads", "key_head_dim", "num_value_heads",
+                                                       "value_head_dim"))
+        Kd, Vd = nk * dk, nv * dv
+        k, q = _gdn_kinds(nk, dk, nv, dv), p + "linear_attn."
+        out = [norm(i, "input_layernorm.weight", H, GDN_INPUT_NORM),
+               (q + "in_proj_qkv.weight", (2 * Kd + Vd, H), k["in_proj_qkv"], i, -1),
+               (q + "in_proj_z.weight", (Vd, H), k["in_proj_z"], i, -1),
+               (q + "in_proj_b.weight", (nv, H), k["in_proj_b"], i, -1),
+               (q + "in_proj_a.weight", (nv, H), k["in_proj_a"], i, -1),
+               (q + "conv1d.weight", (2 * Kd + Vd, 1, a["linear_conv_kernel_dim"]), k["conv1d"], i, -1),
+               (q + "dt_bias", (nv,), GDN_DT_BIAS, i, -1),
+               (q + "A_log", (nv,), GDN_A_LOG, i, -1),
+               (q + "norm.weight", (a["linear_value_head_dim"],), GDN_NORM, i, -1),
+               (q + "out_proj.weight", (H, Vd), GDN_OUT, i, -1)]
+    else:
+        nq, g, d = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
+        qk, kk, vk = _gated_attention_kinds(nq, g, d)
+        q = p + "self_attn."
+        out = [norm(i, "input_layernorm.weight", H, Role.INPUT_NORM),
+               (q + "q_proj.weight", (2 * nq * d, H), qk, i, -1), (q + "k_proj.weight", (g * d, H), kk, i, -1),
+               (q + "v_proj.weight", (g * d, H), vk, i, -1), (q + "o_proj.weight", (H, nq * d), Role.O, i, -1),
+               (q + "q_norm.weight", (d,), Role.Q_NORM, i, -1), (q + "k_norm.weight", (d,), Role.K_NORM, i, -1)]
+    out.append(norm(i, "post_attention_layernorm.weight", H, Role.POST_ATTN_NORM))
+    if not spec.is_moe:
+        return out + dense_mlp(spec, i)
+    out += routed_experts(spec, i)
+    Fs, m = a["shared_intermediate_size"], p + "mlp."
+    if Fs:
+        out += [(m + "shared_expert.gate_proj.weight", (Fs, H), SHARED_GATE, i, -1),
+                (m + "shared_expert.up_proj.weight", (Fs, H), SHARED_UP, i, -1),
+                (m + "shared_expert.down_proj.weight", (H, Fs), SHARED_DOWN, i, -1),
+                (m + "shared_expert_gate.weight", (1, H), SHARED_EXPERT_GATE, i, -1)]
+    return out
+
+
+class Qwen35(ModelFamily):
+    name = "qwen3_5"
+    architectures = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+                     "Qwen3_5MoeForConditionalGeneration")
+    model_types = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+
+    def spec(self, config: dict[str, Any], include_mtp: bool = False) -> ModelSpec:
+        multimodal = "text_config" in config
+        t = text_config(config)
+        self._require(t, "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                      "linear_value_head_dim", "linear_conv_kernel_dim")
+        if include_mtp and t.get("mtp_num_hidden_layers"):
+            raise ModelConfigError("multi-token-prediction layers (mtp.*) are not supported yet: Megatron keeps them "
+                                   "in a separate mtp block and vLLM in a separate draft model; refit without them")
+        if t.get("hidden_act", "silu") != "silu":
+            raise ModelConfigError(f"hidden_act={t['hidden_act']!r} is not supported (silu only)")
+        if not t.get("attn_output_gate", True):
+            raise ModelConfigError("attn_output_gate=false is not supported: transformers' Qwen3.5 always gates "
+                                   "attention (q_proj holds 2 rows per head), so the checkpoint would not match")
+        if "tie_word_embeddings" in config and "text_config" in config and \
+                bool(config["tie_word_embeddings"]) != bool(t.get("tie_word_embeddings", False)):
+            raise ModelConfigError("tie_word_embeddings differs between the config and its text_config")
+        fields = self._common(t, qk_norm=True)
+        L = fields["num_layers"]
+        types = t.get("layer_types")
+        if types is None:
+            every = t.get("full_attention_interval", 4) or 4
+            types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(L)]
+        bad = sorted({x for x in types if x not in _LAYER_TYPES})
+        if len(types) != L or bad:
+            raise ModelConfigError(f"layer_types must list {L} entries of {list(_LAYER_TYPES)}; got {len(types)}"
+                                   + (f" with {bad}" if bad else ""))
+        nk, nv = t["linear_num_key_heads"], t["linear_num_value_heads"]
+        if nk <= 0 or nv % nk:
+            raise ModelConfigError(f"linear_num_value_heads={nv} is not a multiple of linear_num_key_heads={nk}")
+        E = t.get("num_experts") or 0
+        moe = {}
+        if E:
+            self._require(t, "moe_intermediate_size")
+            moe = dict(num_experts=E, moe_intermediate_size=t["moe_intermediate_size"])
+            fields["intermediate_size"] = 0  # every layer is sparse (transformers and vLLM build no dense MLP)
+        return ModelSpec(**fields, **moe, arch={
+            "layer_types": tuple(types), "linear_num_key_heads": nk, "linear_num_value_heads": nv,
+            "linear_key_head_dim": t["linear_key_head_dim"], "linear_value_head_dim": t["linear_value_head_dim"],
+            "linear_conv_kernel_dim": t["linear_conv_kernel_dim"],
+            "shared_intermediate_size": (t.get("shared_expert_intermediate_size") or 0) if E else 0,
+            "shared_expert_gate": bool(E), "multimodal": multimodal, "vllm_prefix": "language_model." if multimodal else ""})
+
+    def tensors(self, spec: ModelSpec) -> list:
+        rows = decoder(spec, _layer)
+        if not spec.arch_value("multimodal"):
+            return rows
+        # The multimodal wrapper nests the language model: model.X -> model.language_model.X (lm_head unchanged).
+        return [("model.language_model." + r[0][len("model."):] if r[0].startswith("model.") else r[0], *r[1:])
+                for r in rows]
+
+    def tiny_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Tiny sizes in the text config (kept nested for the multimodal wrapper, with a one-block vision tower);
+        4 layers keep the linear/full mix (3 linear + 1 full unless the config's own first 4 layers differ)."""
+        t = super().tiny_config(text_config(config))
+        types = list(t.get("layer_types") or [])[:4]
+        if "full_attention" not in types or "linear_attention" not in types:
+            types = ["linear_attention"] * 3 + ["full_attention"]
+        t.update(layer_types=types, num_hidden_layers=4, num_key_value_heads=2, linear_num_key_heads=2,
+                 linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                 max_position_embeddings=128, mtp_num_hidden_layers=0)
+        t.pop("full_attention_interval", None)
+        if t.get("num_experts"):
+            t["shared_expert_intermediate_size"] = 32
+        if isinstance(t.get("rope_parameters"), dict) and t["rope_parameters"].get("mrope_section"):
+            # head_dim 16 x partial_rotary_factor 0.25 = 4 rotary dims: the mRoPE sections must sum to half of it
+            t["rope_parameters"] = dict(t["rope_parameters"], mrope_section=[1, 1, 0])
+        if "text_config" not in config:
+            return t
+        out = {k: v for k, v in config.items() if k not in ("text_config", "quantization_config", "auto_map")}
+        vision = dict(config.get("vision_config") or {})
+        vision.update(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=t["hidden_size"],
+                      num_position_embeddings=16, deepstack_visual_indexes=[])
+        out.update(text_config=t, vision_config=vision, torch_dtype="float32",
+                   tie_word_embeddings=t.get("tie_word_embeddings", False))
+        return out
+
+    def excluded(self, config: dict[str, Any]) -> list[str]:
+        t = text_config(config)
+        out = []
+        if "text_config" in config:
+            out.append("the vision tower (model.visual.*)")
+        if t.get("mtp_num_hidden_layers"):
+            out.append(f"multi-token-prediction layers mtp.* (mtp_num_hidden_layers={t['mtp_num_hidden_layers']})")
+        return out

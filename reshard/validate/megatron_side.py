@@ -58,6 +58,16 @@ def _router(spec: ModelSpec, hf: dict[str, Any]) -> dict[str, Any]:
     return kw
 
 
+def forward_blocker(spec: ModelSpec) -> str | None:
+    """Why megatron-core cannot run this spec's forward on CPU here (None: it can)."""
+    import importlib.util
+
+    if "linear_attention" in (dict(spec.arch).get("layer_types") or ()) and importlib.util.find_spec("fla") is None:
+        return ("Gated DeltaNet layers: megatron-core 0.19's GatedDeltaNet forward calls flash-linear-attention "
+                "kernels (fla: l2norm, chunk_gated_delta_rule; Triton, GPU), which are not installed here")
+    return None
+
+
 def transformer_config(spec: ModelSpec, tp: int, pp: int, ep: int, etp: int,
                        hf: dict[str, Any] | None = None, init_std: float = 0.02) -> Any:
     """megatron-core config of the spec (the facts in the family modules, as megatron-core options); with the

@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
                    "hf parity, vllm load parity, round trip")
     v.add_argument("--vllm-python", help="python of a virtualenv with vLLM, for the vLLM stages when this one "
                    "has none")
+    v.add_argument("--vllm-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="vLLM model dtype in the vllm load parity stage (default bfloat16, as served)")
     v.add_argument("--examples", type=int, default=20, help="random layout pairs in the round-trip stage")
     v.add_argument("--json", action="store_true", help="print the results as JSON")
     v.set_defaults(func=_validate)

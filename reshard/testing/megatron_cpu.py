@@ -139,18 +139,18 @@ def build_model(tiny: TinyGPT, dtype: torch.dtype = torch.float32) -> list[Any]:
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             share_embeddings_and_output_weights=tiny.tied, position_embedding_type="rope",
             rotary_base=tiny.rope_base, vp_stage=stage).eval())
-    _set_norms(chunks)
+    set_norms(chunks)
     return chunks
 
 
-def _set_norms(chunks: list[Any]) -> None:
-    """Norms start as ones, which would hide a swapped norm; give each (global layer, name) its own values,
-    the same on every rank that holds it."""
+def set_norms(chunks: list[Any]) -> None:
+    """Norms start as ones and the router's expert bias as zeros, which would hide a swapped one; give each
+    (global layer, name) its own values, the same on every rank that holds it."""
     for chunk in chunks:
         layers = {f"decoder.layers.{i}.": f"layer{layer.layer_number - 1}."
                   for i, layer in enumerate(chunk.decoder.layers)}
-        for name, p in chunk.named_parameters():
-            if not name.endswith("layernorm.weight"):
+        for name, p in [*chunk.named_parameters(), *chunk.named_buffers()]:
+            if not name.endswith(("layernorm.weight", "router.expert_bias")):
                 continue
             key = name
             for local, global_ in layers.items():

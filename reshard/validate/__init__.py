@@ -7,8 +7,11 @@ Stages:
 - megatron layout: a real megatron-core model built on CPU (local specs, TP=1 and TP=2 [+EP=2 for MoE]) has,
   on every rank, exactly the parameter names and shapes the declared MegatronLayout derives;
 - vllm layout: a real vLLM 0.33 model (TP=1, dummy weights) has exactly the declared VllmLayout's names/shapes;
-- hf parity / vllm load parity: need the Megatron / vLLM adapters (refit into transformers and compare logits;
-  direct install vs vLLM's own load_weights); "not run" until `reshard.adapters.megatron` / `.vllm` exist;
+- hf parity: a tiny megatron-core model (TP=2 [EP=2], random weights) refitted Megatron -> HF by reshard's
+  torch.distributed executor; transformers' logits on those weights equal megatron-core's (fp32, hf_parity.py);
+- vllm load parity: random HF weights installed into a vLLM model by vLLM's own load_weights and then (storage
+  poisoned first) by reshard's direct install of the compiled HF -> vLLM plan: byte-identical parameters
+  (vllm_load.py; fresh vLLM processes, TP=1 and TP=2; bf16 by default);
 - round trip: random Megatron -> vLLM (and HF) layout pairs of the tiny model; the compiled plan moves random
   weights to exactly the destination shards the layout declares, byte for byte.
 """
@@ -16,8 +19,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 import time
 import traceback
@@ -47,6 +48,10 @@ class Context:
     spec: ModelSpec | None = None
     vllm_python: str | None = None
     examples: int = 20
+    vllm_dtype: str = "bfloat16"
+    vllm_worlds: tuple[int, ...] = (1, 2)  # vLLM TP sizes of the vllm load parity stage
+    # stage -> canonical tensor to corrupt on reshard's side (negative tests: the stage must then say FAIL)
+    perturb: dict[str, str] = field(default_factory=dict)
 
 
 class NotRun(Exception):
@@ -107,50 +112,57 @@ def stage_megatron_layout(ctx: Context) -> str:
 
 def stage_vllm_layout(ctx: Context) -> str:
     lay = VllmLayout(model=ctx.spec, tp=1)
-    if _has("vllm"):  # a fresh process: vLLM's parallel state is global and may be taken in this one
-        real = _vllm_subprocess(ctx, sys.executable)
-    elif ctx.vllm_python:
-        real = _vllm_subprocess(ctx, ctx.vllm_python)
-    else:
-        raise NotRun("vllm is not importable in this interpreter (pass --vllm-python PATH, or run with the vLLM venv)")
+    real = _vllm_subprocess(ctx, _vllm_python(ctx))
     problems = _diff(lay.rank_tensors(0), real, str(lay))
     if problems:
         raise AssertionError("; ".join(problems[:12]) + (f" (+{len(problems) - 12} more)" if len(problems) > 12 else ""))
     return f"{len(real)} parameters: names and shapes equal ({lay})"
 
 
-def _write_tiny(ctx: Context) -> str:
-    import tempfile
-
-    path = Path(tempfile.mkdtemp(prefix="reshard_validate_")) / "config.json"
-    tiny = dict(ctx.tiny, torch_dtype="bfloat16")
-    path.write_text(json.dumps(tiny))
-    return str(path)
+def _vllm_python(ctx: Context) -> str:
+    """The interpreter for vLLM stages: always a fresh process (vLLM's parallel state is global and may be
+    taken in this one); this one if it has vLLM, else --vllm-python."""
+    if _has("vllm"):
+        return sys.executable
+    if ctx.vllm_python:
+        return ctx.vllm_python
+    raise NotRun("vllm is not importable in this interpreter (pass --vllm-python PATH, or run with the vLLM venv)")
 
 
 def _vllm_subprocess(ctx: Context, python: str) -> dict[str, tuple]:
-    root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([python, "-m", "reshard.validate.vllm_side", _write_tiny(ctx)], env=env,
-                          capture_output=True, text=True, timeout=900)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESHARD_JSON "):
-            return {k: tuple(v) for k, v in json.loads(line[len("RESHARD_JSON "):])["0"].items()}
-    raise AssertionError(f"vLLM build failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}")
+    import tempfile
+
+    from .vllm_load import collect, start_vllm
+
+    with tempfile.TemporaryDirectory(prefix="reshard_validate_") as tmp:
+        path = Path(tmp, "config.json")
+        path.write_text(json.dumps(dict(ctx.tiny, torch_dtype="bfloat16")))
+        report = collect(start_vllm(python, [str(path)]), time.monotonic() + 900)[0]
+    return {k: tuple(v) for k, v in report["0"].items()}
 
 
 def stage_hf_parity(ctx: Context) -> str:
-    if not _has("reshard.adapters.megatron"):
-        raise NotRun("needs reshard.adapters.megatron (refit Megatron -> HF weights)")
-    raise NotRun("not wired into validate yet: tests/integration/megatron covers it for qwen3 and qwen3_moe")
+    missing = [m for m in ("megatron.core", "transformers", "safetensors") if not _has(m)]
+    if missing:
+        raise NotRun(f"{', '.join(missing)} not importable in this interpreter")
+    from .hf_parity import hf_parity
+    from .megatron_side import Unmapped, forward_blocker
+
+    blocker = forward_blocker(ctx.spec)
+    if blocker:
+        raise NotRun(blocker)
+    try:
+        return hf_parity(ctx.spec, ctx.tiny, perturb=ctx.perturb.get("hf parity"))
+    except Unmapped as exc:
+        raise NotRun(f"the tiny config cannot be built in megatron-core here: {exc}") from None
 
 
 def stage_vllm_load_parity(ctx: Context) -> str:
-    if not _has("vllm"):
-        raise NotRun("vllm is not importable in this interpreter")
-    if not _has("reshard.adapters.vllm"):
-        raise NotRun("needs reshard.adapters.vllm (direct install)")
-    raise NotRun("not wired into validate yet: tests/integration/vllm covers it for qwen3 and qwen3_moe")
+    python = _vllm_python(ctx)
+    from .vllm_load import vllm_load_parity
+
+    return vllm_load_parity(ctx.spec, ctx.tiny, python, perturb=ctx.perturb.get("vllm load parity"),
+                            dtype=ctx.vllm_dtype, worlds=ctx.vllm_worlds)
 
 
 def stage_round_trip(ctx: Context) -> str:
@@ -172,8 +184,12 @@ STAGES: list[tuple[str, Callable[[Context], str]]] = [
 
 
 def validate(config: "dict | str | Path", stages: list[str] | None = None, vllm_python: str | None = None,
-             examples: int = 20) -> list[StageResult]:
-    ctx = Context(config=read_hf_config(config), vllm_python=vllm_python, examples=examples)
+             examples: int = 20, perturb: dict[str, str] | None = None,
+             vllm_dtype: str = "bfloat16", vllm_worlds: tuple[int, ...] = (1, 2)) -> list[StageResult]:
+    """Run the stages (default all); `perturb` (stage -> canonical tensor name) corrupts that tensor on
+    reshard's side of a parity stage, for tests that the stage can fail."""
+    ctx = Context(config=read_hf_config(config), vllm_python=vllm_python, examples=examples,
+                  perturb=dict(perturb or {}), vllm_dtype=vllm_dtype, vllm_worlds=tuple(vllm_worlds))
     wanted = set(stages or [name for name, _ in STAGES]) | {"discovery"}
     unknown = wanted - {name for name, _ in STAGES}
     if unknown:
@@ -207,7 +223,8 @@ def format_table(results: list[StageResult]) -> str:
 
 def main_validate(args: Any) -> int:
     results = validate(args.model, stages=args.stages.split(",") if args.stages else None,
-                       vllm_python=args.vllm_python, examples=args.examples)
+                       vllm_python=args.vllm_python, examples=args.examples,
+                       vllm_dtype=getattr(args, "vllm_dtype", "bfloat16"))
     if args.json:
         print(json.dumps([r.__dict__ for r in results]))
     else:

@@ -1,17 +1,18 @@
-"""Build a tiny real megatron-core GPT model of a ModelSpec on CPU (gloo, one process per rank) and list each
-rank's named parameters and persistent buffers: what the Megatron layout-parity stage compares with the
-declared MegatronLayout. Local (non-TE) module specs only: transformer-engine is not available on CPU.
+"""Tiny real megatron-core GPT models of a ModelSpec on CPU (gloo, one process per rank, local module specs:
+transformer-engine does not run on CPU), for two validation stages:
+- megatron layout: each rank's named parameters and persistent buffers, compared with the declared layout;
+- hf parity: the model's own logits on a few tokens, and its weights refitted to the HF layout by reshard.
 
-Works around megatron-core's CUDA assumptions the way tests do (see the notes on CPU patches): current_device
--> "cpu", the CUDA RNG tracker's fork -> a null context.
+Numerics (norm epsilon, RoPE, router) come from the tiny HF config, so that transformers computes the same
+function; a setting without a megatron-core equivalent raises `Unmapped` (the stage says "not run").
+megatron-core's CUDA assumptions are patched the way tests do it (reshard.testing.megatron_cpu).
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import socket
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,43 +20,83 @@ import torch
 from ..layouts import MegatronLayout, ModelSpec
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Unmapped(Exception):
+    """An HF setting of the tiny config that this CPU build has no megatron-core equivalent for."""
 
 
-def _cpu_patches() -> None:
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
-    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[assignment]
-    from megatron.core.tensor_parallel import random as tp_random
+def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """(rope base, GPTModel rope-scaling arguments) of an HF config (transformers 4 or 5 spelling)."""
+    params = hf.get("rope_parameters") or {}
+    theta = hf.get("rope_theta") or params.get("rope_theta") or 10000.0
+    scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    if kind == "default":
+        return float(theta), {}
+    if kind == "llama3":
+        # megatron-core applies Llama-3.1 scaling with only the factor configurable; the rest are its defaults.
+        fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        if all(float(scaling.get(k, v)) == v for k, v in fixed.items()):
+            return float(theta), {"rope_scaling": True, "rope_scaling_factor": float(scaling["factor"])}
+    raise Unmapped(f"rope scaling {scaling} has no megatron-core GPTModel equivalent here")
 
-    tp_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+
+def _router(spec: ModelSpec, hf: dict[str, Any]) -> dict[str, Any]:
+    """megatron-core router options computing the HF router's top-k weights."""
+    kw: dict[str, Any] = {"moe_router_topk": hf.get("num_experts_per_tok", 2)}
+    sigmoid = hf.get("scoring_func", "softmax") == "sigmoid"
+    norm_topk = hf.get("norm_topk_prob", True)
+    if sigmoid:
+        if not norm_topk and kw["moe_router_topk"] > 1:
+            raise Unmapped("sigmoid routing without norm_topk_prob: megatron-core always renormalises the top-k")
+        kw["moe_router_score_function"] = "sigmoid"
+    elif not norm_topk:
+        kw["moe_router_pre_softmax"] = True  # softmax over all experts, then top-k, no renormalisation
+    if hf.get("routed_scaling_factor", 1.0) != 1.0:
+        kw["moe_router_topk_scaling_factor"] = float(hf["routed_scaling_factor"])
+    if (hf.get("n_group") or 1) > 1:
+        kw.update(moe_router_num_groups=hf["n_group"], moe_router_group_topk=hf["topk_group"])
+    return kw
 
 
-def transformer_config(spec: ModelSpec, tp: int, pp: int, ep: int, etp: int) -> Any:
-    """megatron-core config of the spec (the facts in the family modules, as megatron-core options)."""
+def forward_blocker(spec: ModelSpec) -> str | None:
+    """Why megatron-core cannot run this spec's forward on CPU here (None: it can)."""
+    import importlib.util
+
+    if "linear_attention" in (dict(spec.arch).get("layer_types") or ()) and importlib.util.find_spec("fla") is None:
+        return ("Gated DeltaNet layers: megatron-core 0.19's GatedDeltaNet forward calls flash-linear-attention "
+                "kernels (fla: l2norm, chunk_gated_delta_rule; Triton, GPU), which are not installed here")
+    return None
+
+
+def transformer_config(spec: ModelSpec, tp: int, pp: int, ep: int, etp: int,
+                       hf: dict[str, Any] | None = None, init_std: float = 0.02) -> Any:
+    """megatron-core config of the spec (the facts in the family modules, as megatron-core options); with the
+    HF config `hf`, also its numerics (epsilon, rope base, router). `init_std`: megatron's weight init scale."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
+    hf = hf or {}
+    if hf.get("hidden_act", "silu") != "silu":
+        raise Unmapped(f"hidden_act={hf['hidden_act']!r}: the CPU build uses SwiGLU (silu)")
     a = dict(spec.arch)
     kw: dict[str, Any] = dict(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
         num_query_groups=spec.num_key_value_heads, kv_channels=spec.head_dim,
         ffn_hidden_size=spec.intermediate_size or spec.moe_intermediate_size, normalization="RMSNorm",
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False,
+        layernorm_epsilon=hf.get("rms_norm_eps", 1e-5), gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, add_qkv_bias=False,
         qk_layernorm=spec.qk_norm, hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
         params_dtype=torch.float32, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, init_method_std=init_std)
     if pp > 1:
         kw["pipeline_dtype"] = torch.float32
     if spec.is_moe:
         kw.update(num_moe_experts=spec.num_experts, moe_ffn_hidden_size=spec.moe_intermediate_size,
-                  moe_router_topk=2, moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0,
-                  moe_grouped_gemm=False,
-                  moe_layer_freq=[0 if i in spec.dense_layers else 1 for i in range(spec.num_layers)])
+                  moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
+                  moe_layer_freq=[0 if i in spec.dense_layers else 1 for i in range(spec.num_layers)],
+                  **_router(spec, hf))
         if a.get("shared_intermediate_size"):
             kw["moe_shared_expert_intermediate_size"] = a["shared_intermediate_size"]
             kw["moe_shared_expert_gate"] = bool(a.get("shared_expert_gate"))
@@ -68,9 +109,14 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, ep: int, etp: int) -> 
                   **{k: a[k] for k in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
                                        "linear_num_key_heads", "linear_num_value_heads")})
     if "kv_lora_rank" in a:
+        theta, scaling = _rope(hf) if hf else (10000.0, {})
+        if scaling:
+            raise Unmapped(f"rope scaling {scaling} with MLA is not mapped (the tiny config drops it)")
+        # kv_channels = the value head width: the local core attention sizes its output by it.
         kw.update(multi_latent_attention=True, qk_layernorm=True, q_lora_rank=a["q_lora_rank"],
                   kv_lora_rank=a["kv_lora_rank"], qk_head_dim=a["qk_nope_head_dim"],
-                  qk_pos_emb_head_dim=a["qk_rope_head_dim"], v_head_dim=a["v_head_dim"], rope_type="rope")
+                  qk_pos_emb_head_dim=a["qk_rope_head_dim"], v_head_dim=a["v_head_dim"],
+                  kv_channels=a["v_head_dim"], rope_type="rope", rotary_base=theta, rotary_scaling_factor=1.0)
         return MLATransformerConfig(**kw)
     return TransformerConfig(**kw)
 
@@ -111,26 +157,37 @@ def _gdn_block_spec(config: Any) -> Any:
     return block
 
 
-class _NoParamCoreAttention(torch.nn.Module):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__()
+_MLA_CORE: list[type] = []
 
 
-def _rank_main(rank: int, world: int, port: int, spec_json: str, layout_json: str, out_dir: str) -> None:
-    import torch.distributed as dist
+def mla_core_attention() -> type:
+    """megatron-core 0.19's local DotProductAttention, usable under MLA. MultiLatentAttention builds its core
+    attention with `k_channels` / `v_channels`, which 0.19's local class does not accept (only the TE class
+    does, and TE is CUDA-only). Its computation is generic in the key width and sizes its output by
+    `config.kv_channels`, which the MLA config here sets to the value head width; so this subclass only drops
+    the two keywords (checking the value width) and megatron-core's own attention math runs."""
+    if not _MLA_CORE:
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    _cpu_patches()
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+        class MLADotProductAttention(DotProductAttention):
+            def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None,
+                         **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                if v_channels is not None and v_channels != self.config.kv_channels:
+                    raise ValueError(f"v_channels {v_channels} != config.kv_channels {self.config.kv_channels}")
+
+        _MLA_CORE.append(MLADotProductAttention)
+    return _MLA_CORE[0]
+
+
+def build_gpt(spec: ModelSpec, lay: dict[str, Any], hf: dict[str, Any] | None = None, init_std: float = 0.02) -> Any:
+    """This rank's GPTModel (eval mode) for the parallel state now initialized; `lay` holds tp/pp/ep/etp and
+    padded_vocab. CPU initialisation from one seed: every rank draws the same master weights."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    spec = ModelSpec.model_validate_json(spec_json)
-    lay = json.loads(layout_json)
-    ps.initialize_model_parallel(tensor_model_parallel_size=lay["tp"], pipeline_model_parallel_size=lay["pp"],
-                                 expert_model_parallel_size=lay["ep"], expert_tensor_parallel_size=lay["etp"])
-    config = transformer_config(spec, lay["tp"], lay["pp"], lay["ep"], lay["etp"])
+    config = transformer_config(spec, lay["tp"], lay["pp"], lay["ep"], lay["etp"], hf, init_std)
     if config.experimental_attention_variant == "gated_delta_net":
         block = _gdn_block_spec(config)
     else:
@@ -138,45 +195,52 @@ def _rank_main(rank: int, world: int, port: int, spec_json: str, layout_json: st
     for layer in block.layer_specs:
         attn = layer.submodules.self_attention
         if attn.module.__name__ == "MLASelfAttention":
-            # megatron-core 0.19's local DotProductAttention rejects MLA's k_channels/v_channels; the core
-            # attention holds no parameters, and this stage only lists parameters, so stand in a bare module.
-            attn.submodules.core_attention = _NoParamCoreAttention
+            attn.submodules.core_attention = mla_core_attention()
+    theta, scaling = _rope(hf) if hf and not config.multi_latent_attention else (10000.0, {})
     torch.manual_seed(0)
-    model = GPTModel(config=config, transformer_layer_spec=block, vocab_size=lay["padded_vocab"],
-                     max_sequence_length=128, pre_process=ps.is_pipeline_first_stage(),
-                     post_process=ps.is_pipeline_last_stage(),
-                     share_embeddings_and_output_weights=spec.tie_word_embeddings, position_embedding_type="rope")
-    keys = set(model.state_dict())
-    out = {n: list(p.shape) for n, p in model.named_parameters()}
-    out.update({n: list(b.shape) for n, b in model.named_buffers() if n in keys})
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(out, f)
-    dist.destroy_process_group()
+    return GPTModel(config=config, transformer_layer_spec=block, vocab_size=lay["padded_vocab"],
+                    max_sequence_length=128, pre_process=ps.is_pipeline_first_stage(),
+                    post_process=ps.is_pipeline_last_stage(),
+                    share_embeddings_and_output_weights=spec.tie_word_embeddings, position_embedding_type="rope",
+                    rotary_base=theta, **scaling).eval()
 
 
-def megatron_rank_tensors(layout: MegatronLayout, timeout_s: float = 300) -> dict[int, dict[str, tuple[int, ...]]]:
-    """Build the real model for `layout` (local names, vpp=1, even stages) and return rank -> {name: shape}."""
-    import torch.multiprocessing as mp
-
+def layout_dict(layout: MegatronLayout) -> dict[str, Any]:
     if layout.naming != "local" or layout.vpp != 1 or layout.first_stage_layers or layout.last_stage_layers:
         raise ValueError("the CPU build covers local naming, vpp=1 and even pipeline stages only")
     if layout.rank_order != "tp-cp-ep-dp-pp":
         raise ValueError("the CPU build uses megatron-core's default rank order")
-    lay = dict(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, padded_vocab=layout.padded_vocab)
-    with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_rank_main, args=(layout.world, _free_port(), layout.model.model_dump_json(),
-                                                   json.dumps(lay), out_dir),
-                                 nprocs=layout.world, join=False, start_method="spawn")
-        import time
+    return dict(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, padded_vocab=layout.padded_vocab)
 
-        deadline = time.monotonic() + timeout_s
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.terminate()
-                raise TimeoutError(f"megatron-core build of {layout} did not finish in {timeout_s:.0f} s")
-        out = {}
-        for r in range(layout.world):
-            with open(os.path.join(out_dir, f"rank{r}.json")) as f:
-                out[r] = {k: tuple(v) for k, v in json.load(f).items()}
-        return out
+
+def run_layout(layout: MegatronLayout, fn: Any, *args: Any, timeout_s: float = 300) -> None:
+    from ..testing.megatron_cpu import run_ranks
+
+    with tempfile.TemporaryDirectory() as errdir:
+        run_ranks(layout.world, fn, *args, timeout=timeout_s, errdir=errdir)
+
+
+# --- megatron layout: names and shapes -------------------------------------------------------------------
+
+def _names_rank(spec_json: str, lay_json: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from ..testing.megatron_cpu import init_parallel
+
+    spec, lay = ModelSpec.model_validate_json(spec_json), json.loads(lay_json)
+    init_parallel(lay["tp"], lay["pp"], lay["ep"], lay["etp"])
+    model = build_gpt(spec, lay)
+    keys = set(model.state_dict())
+    out = {n: list(p.shape) for n, p in model.named_parameters()}
+    out.update({n: list(b.shape) for n, b in model.named_buffers() if n in keys})
+    Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(out))
+
+
+def megatron_rank_tensors(layout: MegatronLayout, timeout_s: float = 300) -> dict[int, dict[str, tuple[int, ...]]]:
+    """Build the real model for `layout` (local names, vpp=1, even stages) and return rank -> {name: shape}."""
+    lay = layout_dict(layout)
+    with tempfile.TemporaryDirectory() as out_dir:
+        run_layout(layout, _names_rank, layout.model.model_dump_json(), json.dumps(lay), out_dir,
+                   timeout_s=timeout_s)
+        return {r: {k: tuple(v) for k, v in json.loads(Path(out_dir, f"rank{r}.json").read_text()).items()}
+                for r in range(layout.world)}

@@ -1,17 +1,29 @@
-"""Run inside the vLLM virtualenv: build one vLLM model from an HF config (dummy weights, no engine, gloo, CPU)
-and print its named parameters per TP rank as JSON. What the vLLM layout-parity stage compares with the
-declared VllmLayout. Usage: python -m reshard.validate.vllm_side CONFIG [--ep]  (TP=1; one process)."""
+"""Run inside the vLLM virtualenv, one process per TP rank (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT in
+the environment; defaults: one rank): build vLLM models from an HF config without an engine (gloo, CPU), as a
+vLLM worker builds them, and print one `RESHARD_JSON {...}` line.
+
+  python -m reshard.validate.vllm_side CONFIG               named parameters (vllm layout stage; TP=1)
+  python -m reshard.validate.vllm_side CONFIG --load-parity [--perturb NAME] [--dtype bfloat16]
+      random HF weights into the model by vLLM's own load_weights, then (storage poisoned) by reshard's direct
+      install of the compiled HF -> vLLM plan; reports the parameters whose bytes differ (vllm load parity).
+"""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import sys
 import tempfile
+from typing import Any, Iterator
+
+SEED = 11
 
 
-def named_parameters(config_path: str, ep: bool = False) -> dict[str, list[int]]:
+@contextlib.contextmanager
+def vllm_world(config_path: str, ep: bool = False, dtype: str = "bfloat16") -> Iterator[tuple[Any, Any, int]]:
+    """(vllm config, a function building one model instance, this rank) with vLLM's parallel state over gloo."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29561")
@@ -21,31 +33,106 @@ def named_parameters(config_path: str, ep: bool = False) -> dict[str, list[int]]
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     with tempfile.TemporaryDirectory() as ckpt:
         shutil.copy(config_path, os.path.join(ckpt, "config.json"))
-        cfg = EngineArgs(model=ckpt, tensor_parallel_size=1, enable_expert_parallel=ep, dtype="bfloat16",
-                         skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
-                         load_format="dummy", language_model_only=True).create_engine_config()
+        cfg = EngineArgs(model=ckpt, tensor_parallel_size=world, enable_expert_parallel=ep, dtype=dtype,
+                         skip_tokenizer_init=True, enforce_eager=True, max_model_len=128, load_format="dummy",
+                         distributed_executor_backend="external_launcher" if world > 1 else None,
+                         language_model_only=True).create_engine_config()
         # language_model_only: a multimodal wrapper (Qwen3.5) builds no vision tower, which refits leave out
         with set_current_vllm_config(cfg):
-            init_distributed_environment(world_size=1, rank=0, distributed_init_method="env://", local_rank=0,
-                                         backend="gloo")
-            initialize_model_parallel(tensor_model_parallel_size=1, backend="gloo")
-            with set_default_torch_dtype(cfg.model_config.dtype):
-                model = initialize_model(cfg)
-            out = {n: list(p.shape) for n, p in model.named_parameters()}
-            out.update({n: list(b.shape) for n, b in model.named_buffers()
-                        if n.endswith("e_score_correction_bias")})
-            return out
+            init_distributed_environment(world_size=world, rank=rank, distributed_init_method="env://",
+                                         local_rank=rank, backend="gloo")
+            initialize_model_parallel(tensor_model_parallel_size=world, backend="gloo")
+
+            def build() -> Any:
+                with set_default_torch_dtype(cfg.model_config.dtype):
+                    return initialize_model(cfg)
+
+            yield cfg, build, rank
+
+
+def named_parameters(config_path: str, ep: bool = False) -> dict[str, list[int]]:
+    with vllm_world(config_path, ep) as (_, build, _):
+        model = build()
+        out = {n: list(p.shape) for n, p in model.named_parameters()}
+        out.update({n: list(b.shape) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")})
+        return out
+
+
+def poison(model: Any) -> None:
+    import torch
+
+    from ..adapters.vllm.live import weights
+
+    with torch.no_grad():
+        for p in weights(model).values():
+            p.fill_(float("nan"))
+
+
+def load_parity(config_path: str, perturb: str | None = None, dtype: str = "bfloat16") -> dict[str, Any]:
+    """This rank's comparison of vLLM's load_weights with reshard's direct install (random HF weights)."""
+    import torch
+    from vllm.config import set_current_vllm_config
+
+    from ..adapters.vllm import LocalTransport, bind_direct
+    from ..errors import ReshardError
+    from ..adapters.vllm.live import declared_layout, spec_of, weights
+    from ..executors import shard
+    from ..executors.local import torch_dtype
+    from ..layouts import HfLayout
+    from ..planner import compile_plan
+    from .hf_parity import perturbed
+
+    with vllm_world(config_path, dtype=dtype) as (cfg, build, rank):
+        spec = spec_of(cfg)
+        gen = torch.Generator().manual_seed(SEED)  # the same weights on every rank
+        hf = {t.name: torch.randn(t.shape, generator=gen).to(torch_dtype(t.dtype or spec.dtype))
+              for t in spec.tensors}
+        # One instance (vLLM registers attention layers by name per config, so a second one cannot be built in
+        # this process): vLLM's loader first, its result kept; then every parameter poisoned (nothing left
+        # unwritten may compare equal) and reshard's direct install into the same storage.
+        model = build()
+        poison(model)
+        with set_current_vllm_config(cfg), torch.no_grad():
+            model.load_weights(iter([(k, v.clone()) for k, v in hf.items()]))
+        want = {n: p.detach().clone() for n, p in weights(model).items()}
+        poison(model)
+
+        layout = declared_layout(spec, cfg)
+        try:
+            binding = bind_direct(model, layout, rank, None, cfg)  # checks structure and loaders first
+        except ReshardError as exc:  # the model refuses the declared layout: every problem, as a result
+            return {"rank": rank, "layout": str(layout), "error": str(exc)}
+        source = HfLayout(model=spec)
+        LocalTransport(shard(source, perturbed(hf, perturb) if perturb else hf)).run(
+            compile_plan(source, layout), {rank: binding.tensors})
+        binding.zero_padding()
+
+        got = weights(model)
+        differ = sorted(set(want) ^ set(got))
+        for name in sorted(set(want) & set(got)):
+            a, b = want[name].detach().contiguous(), got[name].detach().contiguous()
+            if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
+                differ.append(name)
+        return {"rank": rank, "layout": str(layout), "params": len(want), "differ": differ,
+                "bytes": sum(p.numel() * p.element_size() for p in want.values())}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("config")
     ap.add_argument("--ep", action="store_true")
+    ap.add_argument("--load-parity", action="store_true")
+    ap.add_argument("--perturb")
+    ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
-    params = named_parameters(args.config, args.ep)
-    sys.stdout.write("RESHARD_JSON " + json.dumps({"0": params}) + "\n")
+    if args.load_parity:
+        out = load_parity(args.config, args.perturb, args.dtype)
+    else:
+        out = {"0": named_parameters(args.config, args.ep)}
+    sys.stdout.write("RESHARD_JSON " + json.dumps(out) + "\n")
     return 0
 
 

@@ -24,12 +24,12 @@ def source_tensors(model: Any, layout: MegatronLayout, *, cast: bool = False,
     import torch.distributed as dist
 
     from .check import verify
-    from .model import live_parameters, unwrap
+    from .model import live_tensors, unwrap
 
     chunks = unwrap(model)
     if check:
         verify(chunks, layout, cast=cast)
-    params = live_parameters(chunks)
+    params = live_tensors(chunks)  # parameters and placed persistent buffers (the router's expert_bias)
     dtype = torch_dtype(layout.dtype)
     out = {}
     for name in layout.rank_tensors(dist.get_rank()):

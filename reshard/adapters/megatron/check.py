@@ -6,8 +6,8 @@ Four kinds of problems, all collected into one LayoutMismatchError:
 3. this rank's parameters against `layout.rank_tensors(rank)`: missing, extra, or of another shape or dtype,
    naming the tensor and both shapes;
 4. layer placement: each TransformerLayer's global number against where the layout puts that layer.
-Persistent buffers holding model state (the router's `expert_bias`) are problems too: no canonical tensor
-receives them, so a refit would drop them. Non-persistent buffers and TransformerEngine `_extra_state` (FP8
+Persistent buffers holding model state (the router's `expert_bias`) are checked like parameters: placed by the
+layout when the family declares them, otherwise a problem (a refit would drop them). Non-persistent buffers and TransformerEngine `_extra_state` (FP8
 metadata) are not model weights and are skipped.
 """
 from __future__ import annotations
@@ -74,7 +74,7 @@ def verify(model: Any, declared: MegatronLayout, *, cast: bool = False) -> Megat
     import torch.distributed as dist
 
     from .derive import derive_layout
-    from .model import layer_numbers, live_parameters, state_buffers, unwrap
+    from .model import layer_numbers, live_parameters, live_tensors, state_buffers, unwrap
     from .spec import spec_problems
 
     chunks = unwrap(model)
@@ -83,9 +83,12 @@ def verify(model: Any, declared: MegatronLayout, *, cast: bool = False) -> Megat
     differences = layout_problems(derived, declared)
     problems = spec_problems(chunks[0], declared.model) + differences
     if rank < declared.num_ranks:
-        problems += rank_problems(declared, rank, live_parameters(chunks), cast)
+        placed = declared.rank_tensors(rank)
+        buffers = {n: b for n, b in state_buffers(chunks).items() if n not in placed}
+        problems += rank_problems(declared, rank, {n: t for n, t in live_tensors(chunks).items() if n not in buffers},
+                                  cast)
         problems += [f"rank {rank}: buffer {n} {tuple(b.shape)} holds model state the layout does not place "
-                     "(a refit would drop it)" for n, b in state_buffers(chunks).items()]
+                     "(a refit would drop it)" for n, b in buffers.items()]
         if not differences:  # otherwise a different pipeline split already says why layers moved
             problems += layer_problems(declared, rank, layer_numbers(chunks))
     if problems:

@@ -86,6 +86,12 @@ def state_buffers(chunks: Sequence[Any]) -> dict[str, torch.Tensor]:
     return out
 
 
+def live_tensors(chunks: Sequence[Any]) -> dict[str, torch.Tensor]:
+    """Physical name -> live tensor a refit reads: the parameters and the persistent buffers (model state such
+    as the router's `expert_bias`, which a family may place like any canonical tensor)."""
+    return {**live_parameters(chunks), **state_buffers(chunks)}
+
+
 def layer_numbers(chunks: Sequence[Any]) -> dict[tuple[int, int], int]:
     """(chunk, index in that chunk's decoder.layers) -> global layer index (TransformerLayer.layer_number - 1)."""
     return {(c, i): layer.layer_number - 1

@@ -1,8 +1,9 @@
 """The canonical model behind a megatron-core GPTModel: build a ModelSpec from its config, or check a declared
 spec (usually from the HF config of the destination) against it.
 
-Only the Qwen3 / Qwen3-MoE / Llama block is described: RMSNorm, SwiGLU, no biases, rotary positions. A model
-computing something else would refit into wrong weights silently, so every difference is reported.
+The block described: RMSNorm, SwiGLU, no biases, rotary positions; GQA attention (Qwen3 / Qwen3-MoE / Llama) or
+multi-head latent attention (DeepSeek-V3: its dimensions, shared experts and router bias come from `spec.arch`).
+A model computing something else would refit into wrong weights silently, so every difference is reported.
 """
 from __future__ import annotations
 
@@ -68,14 +69,27 @@ def spec_problems(model: Any, spec: ModelSpec) -> list[str]:
     differ("num_layers", cfg.num_layers, spec.num_layers)
     differ("num_attention_heads", cfg.num_attention_heads, spec.num_attention_heads)
     differ("num_query_groups (KV heads)", cfg.num_query_groups or cfg.num_attention_heads, spec.num_key_value_heads)
-    differ("kv_channels (head_dim)", cfg.kv_channels, spec.head_dim)
-    differ("qk_layernorm", bool(cfg.qk_layernorm), spec.qk_norm)
+    arch = dict(spec.arch)
+    mla = "kv_lora_rank" in arch
+    if mla:  # qk_layernorm = MLA's latent norms (q_a / kv_a layernorm); head sizes are MLA's own
+        differ("qk_layernorm (MLA latent norms)", bool(cfg.qk_layernorm), True)
+        for field, key in (("q_lora_rank", "q_lora_rank"), ("kv_lora_rank", "kv_lora_rank"),
+                           ("qk_head_dim", "qk_nope_head_dim"), ("qk_pos_emb_head_dim", "qk_rope_head_dim"),
+                           ("v_head_dim", "v_head_dim")):
+            differ(field, getattr(cfg, field, None), arch[key])
+    else:
+        differ("kv_channels (head_dim)", cfg.kv_channels, spec.head_dim)
+        differ("qk_layernorm", bool(cfg.qk_layernorm), spec.qk_norm)
     differ("tied embeddings (share_embeddings_and_output_weights)",
            bool(model.share_embeddings_and_output_weights), spec.tie_word_embeddings)
     differ("num_moe_experts", cfg.num_moe_experts or 0, spec.num_experts)
     if spec.is_moe:
         differ("moe_ffn_hidden_size", cfg.moe_ffn_hidden_size, spec.moe_intermediate_size)
         differ("layers without experts (moe_layer_freq)", _moe_dense_layers(cfg), spec.dense_layers)
+        differ("moe_shared_expert_intermediate_size", cfg.moe_shared_expert_intermediate_size or 0,
+               arch.get("shared_intermediate_size") or 0)
+        differ("moe_router_enable_expert_bias", bool(cfg.moe_router_enable_expert_bias),
+               bool(arch.get("router_bias")))
     if not spec.is_moe or spec.dense_layers:
         differ("ffn_hidden_size", cfg.ffn_hidden_size, spec.intermediate_size)
     if model.vocab_size < spec.vocab_size:
@@ -87,6 +101,6 @@ def spec_problems(model: Any, spec: ModelSpec) -> list[str]:
     differ("add_bias_linear", bool(cfg.add_bias_linear), False)
     differ("add_qkv_bias", bool(cfg.add_qkv_bias), False)
     differ("layernorm_zero_centered_gamma (stores gamma - 1)", bool(cfg.layernorm_zero_centered_gamma), False)
-    differ("multi_latent_attention", bool(getattr(cfg, "multi_latent_attention", False)), False)
+    differ("multi_latent_attention", bool(getattr(cfg, "multi_latent_attention", False)), mla)
     differ("position_embedding_type", getattr(model, "position_embedding_type", "rope"), "rope")
     return problems

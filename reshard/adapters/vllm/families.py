@@ -1,7 +1,8 @@
 """vLLM model families: what reshard needs to know about one vLLM model class beyond `VllmLayout`.
 
-Supporting a new vLLM model class costs one `VllmFamily(...)` line here (plus its `ModelSpec` family in
-reshard.layouts.families and, if its parameters are named or stacked differently, the rules in
+A vLLM model class named like an architecture of a `ModelSpec` family in reshard.layouts.families is served
+without an entry here; one is needed only for parameters that hold no weights. Otherwise supporting a new vLLM
+model class costs one `VllmFamily(...)` line here (plus its `ModelSpec` family in reshard.layouts.families and, if its parameters are named or stacked differently, the rules in
 reshard.layouts.vllm). Everything else -- parameter names, shapes, where each loader puts each canonical
 element -- is read off the live model and checked against the declared layout (see `check`).
 """
@@ -40,6 +41,13 @@ LLAMA = register_family(VllmFamily("LlamaForCausalLM", "llama"))
 def family_of(model: Any) -> VllmFamily:
     """The description of a live vLLM model (looked up by its class), or an error listing those supported."""
     name = type(model).__name__
+    if name not in _FAMILIES:
+        # A vLLM class named like an architecture a reshard family declares, with no entry here, needs none
+        # (no parameter that is not a weight): the family gets the vLLM adapter without a line here.
+        from ...layouts.families import _FAMILIES as SPEC_FAMILIES
+
+        if name in SPEC_FAMILIES:
+            return register_family(VllmFamily(name, SPEC_FAMILIES[name].name))
     if name not in _FAMILIES:
         raise LayoutError("vllm", f"vLLM model class {name} has no reshard description; supported: "
                                   f"{', '.join(sorted(_FAMILIES))}",

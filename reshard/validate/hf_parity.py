@@ -1,0 +1,186 @@
+"""HF parity: a refit Megatron -> HF layout reproduces megatron-core's logits in transformers.
+
+A tiny real megatron-core model of the family (CPU, gloo, two ranks: TP=2, MoE experts at EP=2) gets random
+weights (megatron's own seeded init; norms and the router bias made non-trivial); it computes logits on a few
+tokens. reshard binds its live tensors (reshard.adapters.megatron, verified against the declared layout),
+compiles Megatron -> HF and moves the bytes with the torch.distributed executor to rank 0. transformers'
+model of the tiny config loads those weights (strict: no missing, unexpected or mis-shaped tensor) and its fp32
+logits must agree with megatron-core's within LOGIT_ATOL. On a mismatch the first layer whose output differs
+(forward hooks on both sides) names the tensors to look at.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..layouts import HfLayout, MegatronLayout, ModelSpec
+
+# fp32 on both sides; megatron-core and transformers order float operations differently, so logits agree to
+# rounding (measured max |diff| ~1e-6 at logit scale ~1-10), not bit for bit: |diff| <= LOGIT_RTOL * scale.
+LOGIT_RTOL = 1e-5
+LAYER_RTOL = 1e-5  # a layer output "differs" beyond this fraction of its magnitude (localisation only)
+# Weight init scale: large enough that attention scores are O(1) (at megatron's default 0.02 attention is
+# nearly uniform and a wrong q/k head order would move the logits too little to see).
+INIT_STD = 0.1
+TOKENS = (2, 8)  # batch, sequence
+SEED = 7
+
+
+def parity_layout(spec: ModelSpec) -> MegatronLayout:
+    """Two ranks: TP=2 cuts every dense tensor; MoE experts go by EP=2 (expert TP 1), so ranks hold others."""
+    if spec.is_moe:
+        return MegatronLayout(model=spec, tp=2, ep=2, etp=1)
+    return MegatronLayout(model=spec, tp=2)
+
+
+def _tokens(vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, TOKENS, generator=torch.Generator().manual_seed(SEED))
+
+
+def _record(module: torch.nn.Module, out: dict[int, torch.Tensor], key: int, seq_first: bool) -> None:
+    def hook(_mod: Any, _inp: Any, output: Any) -> None:
+        t = output[0] if isinstance(output, tuple) else output
+        out[key] = (t.transpose(0, 1) if seq_first else t).detach().contiguous().clone()
+    module.register_forward_hook(hook)
+
+
+def _parity_rank(layout_json: str, hf_json: str, out_dir: str) -> None:
+    """One Megatron rank: build, forward (rank 0 keeps logits and per-layer outputs), refit to HF on rank 0."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from ..adapters.megatron import source_tensors
+    from ..executors import allocate
+    from ..executors.binding import Binding
+    from ..executors.distributed import execute_distributed
+    from ..planner import compile_plan
+    from ..testing.megatron_cpu import forward_logits, init_parallel, set_norms
+    from .megatron_side import build_gpt, layout_dict
+
+    layout = MegatronLayout.model_validate_json(layout_json)
+    spec, lay = layout.model, layout_dict(layout)
+    init_parallel(lay["tp"], lay["pp"], lay["ep"], lay["etp"])
+    model = build_gpt(spec, lay, json.loads(hf_json), init_std=INIT_STD)
+    set_norms([model])
+    outputs: dict[int, torch.Tensor] = {}
+    _record(model.embedding, outputs, -1, seq_first=True)
+    for i, layer in enumerate(model.decoder.layers):
+        _record(layer, outputs, layer.layer_number - 1, seq_first=True)
+    tokens = _tokens(spec.vocab_size)
+    logits = forward_logits([model], tokens)
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    hf = HfLayout(model=spec)
+    src = source_tensors(model, layout)  # verifies the live model against the declared layout first
+    dst = allocate(hf, fill=float("nan"), ranks=[0]) if rank == 0 else {}
+    execute_distributed(compile_plan(layout, hf), Binding(tuple(range(world)), (0,)), {rank: src}, dst,
+                        timeout=120.0)
+    if rank == 0:
+        save_file(dst[0], str(Path(out_dir, "model.safetensors")), metadata={"format": "pt"})
+        save_file({"logits": logits[..., :spec.vocab_size].contiguous(), "tokens": tokens,
+                   **{f"layer{k}": v for k, v in outputs.items()}}, str(Path(out_dir, "megatron.safetensors")))
+
+
+def perturbed(weights: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+    """`weights` with tensor `name` corrupted the way a wrong refit would: two rows swapped (a 1-D tensor:
+    halved), everything else untouched."""
+    if name not in weights:
+        raise KeyError(f"cannot perturb {name}: not a canonical tensor of this model")
+    t = weights[name].clone()
+    if t.dim() >= 2 and t.shape[0] > 1:
+        t[[0, 1]] = t[[1, 0]].clone()
+    else:
+        t.mul_(0.5)
+    return {**weights, name: t}
+
+
+def transformers_config(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` with a model_type transformers knows: a checkpoint shipping remote code under its own type (Kimi-K2:
+    `kimi_k2`, architecture DeepseekV3ForCausalLM) gets the type whose causal-LM class is its architecture."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if config.get("model_type") in CONFIG_MAPPING_NAMES:
+        return config
+    by_class = {cls: kind for kind, cls in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()}
+    for arch in config.get("architectures") or ():
+        if arch in by_class:
+            return {**config, "model_type": by_class[arch]}
+    return config
+
+
+def hf_forward(config: dict[str, Any], weights: dict[str, torch.Tensor], tokens: torch.Tensor,
+               workdir: Path) -> tuple[torch.Tensor, dict[int, torch.Tensor], dict[str, list]]:
+    """transformers' model of `config` loaded with `weights` (HF checkpoint names) through from_pretrained,
+    fp32, eager attention: (logits, {layer index (-1 = embedding): output [b, s, H]}, loading problems)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(json.dumps({**transformers_config(config), "torch_dtype": "float32"}))
+    save_file(weights, str(workdir / "model.safetensors"), metadata={"format": "pt"})
+    model, info = AutoModelForCausalLM.from_pretrained(workdir, dtype=torch.float32, attn_implementation="eager",
+                                                       output_loading_info=True)
+    model.eval()
+    outputs: dict[int, torch.Tensor] = {}
+    _record(model.model.embed_tokens, outputs, -1, seq_first=False)
+    for i, layer in enumerate(model.model.layers):
+        _record(layer, outputs, i, seq_first=False)
+    with torch.no_grad():
+        logits = model(tokens).logits
+    problems = {k: sorted(info[k]) for k in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(k)}
+    return logits, outputs, problems
+
+
+def _first_divergence(meg: dict[str, torch.Tensor], hf_out: dict[int, torch.Tensor]) -> int | None:
+    for key in sorted(hf_out):
+        ref = meg.get(f"layer{key}")
+        if ref is None:
+            continue
+        if not (ref - hf_out[key]).abs().max() <= LAYER_RTOL * max(1.0, ref.abs().max().item()):
+            return key
+    return None
+
+
+def hf_parity(spec: ModelSpec, tiny: dict[str, Any], perturb: str | None = None) -> str:
+    """Run the stage; return the pass detail or raise AssertionError naming what differs."""
+    from safetensors.torch import load_file
+
+    from .megatron_side import run_layout
+
+    spec = spec.model_copy(update={"dtype": "float32"})
+    layout = parity_layout(spec)
+    with tempfile.TemporaryDirectory(prefix="reshard_hf_parity_") as tmp:
+        run_layout(layout, _parity_rank, layout.model_dump_json(), json.dumps(tiny), tmp)
+        weights = load_file(str(Path(tmp, "model.safetensors")))
+        meg = load_file(str(Path(tmp, "megatron.safetensors")))
+        unwritten = sorted(n for n, t in weights.items() if torch.isnan(t).any())
+        if unwritten:
+            raise AssertionError(f"the refit left elements of {unwritten} unwritten")
+        if perturb:
+            weights = perturbed(weights, perturb)
+        logits, hf_out, problems = hf_forward(tiny, weights, meg["tokens"], Path(tmp, "hf"))
+    if problems:
+        raise AssertionError(f"transformers did not load the refitted weights cleanly: {problems}")
+    diff = (logits - meg["logits"]).abs().max().item()
+    scale = meg["logits"].abs().max().item()
+    tol = LOGIT_RTOL * max(1.0, scale)
+    where = f"{layout} -> hf ({len(weights)} tensors)"
+    if not diff <= tol:
+        layer = _first_divergence(meg, hf_out)
+        if layer is None:
+            blame = "no layer output differs: the final norm or the output layer"
+        elif layer < 0:
+            blame = "the embedding output differs: model.embed_tokens.weight"
+        else:
+            names = [t.name for t in spec.tensors if t.layer == layer]
+            blame = (f"first differing output: layer {layer} ({len(names)} tensors: "
+                     f"{', '.join(names[:8])}{', ...' if len(names) > 8 else ''})")
+        raise AssertionError(f"{where}: logits differ from megatron-core's by {diff:.2e} (> {tol:.1e} = "
+                             f"{LOGIT_RTOL:g} x logit scale {scale:.2f}); {blame}")
+    return (f"{where}: transformers logits on {TOKENS[0]}x{TOKENS[1]} tokens match megatron-core's, max |diff| "
+            f"{diff:.1e} <= {tol:.1e} ({LOGIT_RTOL:g} x logit scale {scale:.2f}; fp32)")

@@ -108,7 +108,7 @@ def load_parity(config_path: str, perturb: str | None = None, dtype: str = "bflo
         source = HfLayout(model=spec)
         LocalTransport(shard(source, perturbed(hf, perturb) if perturb else hf)).run(
             compile_plan(source, layout), {rank: binding.tensors})
-        binding.zero_padding()
+        binding.finish()
 
         got = weights(model)
         differ = sorted(set(want) ^ set(got))

@@ -14,6 +14,7 @@ from reshard.adapters.vllm.check import placement_problems, structure_problems, 
 from reshard.adapters.vllm.derive import UNWRITTEN, _read_placements, declared_placements, marker
 from reshard.adapters.vllm.direct import padding_runs
 from reshard.executors import execute_local, shard
+from reshard.layouts.base import Placement
 
 SPEC = reshard.ModelSpec(family="qwen3_moe", hidden_size=8, num_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=2, intermediate_size=12, vocab_size=101, qk_norm=True,
@@ -78,9 +79,15 @@ def test_stray_values_and_broken_boxes_are_problems():
     values[3] = 5.0  # a value that is no canonical element
     _, problems = _read_placements(0, "model.norm.weight", values, by_index)
     assert any("no canonical element" in p for p in problems)
-    values = marker(t).clone()[torch.tensor([1, 0, 2, 3, 4, 5, 6, 7])]  # two elements swapped: not a translation
+    values = marker(t).clone()
+    values[3] = UNWRITTEN  # a hole: the elements are no box
     _, problems = _read_placements(0, "model.norm.weight", values, by_index)
-    assert any("do not form one box" in p for p in problems)
+    assert any("do not form boxes" in p for p in problems)
+    values = marker(t).clone()[torch.tensor([1, 0, 2, 3, 4, 5, 6, 7])]  # two elements swapped
+    derived, problems = _read_placements(0, "model.norm.weight", values, by_index)
+    assert not problems and len(derived) == 3  # three boxes, each copied by its own translation...
+    whole = [(t.name, Placement(0, "model.norm.weight", (8,), (0,), (8,), (0,)))]
+    assert placement_problems(derived, whole)  # ...which are not the declared placement
 
 
 def test_structure_problems_name_the_tensor_and_both_shapes():
@@ -176,3 +183,13 @@ def test_importing_the_adapter_does_not_import_vllm():
     code = ("import sys, reshard, reshard.adapters.vllm; "
             "sys.exit(any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_boxes_that_continue_each_other_are_one_placement():
+    """A stack declared as parts (q, k, v channels of a conv1d) that a loader writes as one run is the same
+    placement; a part landing elsewhere is still a mismatch."""
+
+    part = lambda c, n, r: ("conv", Placement(0, "w", (128, 1, 4), (c, 0, 0), (n, 1, 4), (r, 0, 0)))  # noqa: E731
+    whole = [part(0, 128, 0)]
+    assert placement_problems([part(0, 32, 0), part(32, 32, 32), part(64, 64, 64)], whole) == []
+    assert placement_problems([part(0, 32, 0), part(32, 32, 64), part(64, 64, 96)], whole)

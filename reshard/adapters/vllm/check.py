@@ -51,6 +51,39 @@ def _fmt(p: Placement) -> str:
     return f"[{box}] at {p.tensor}{list(p.phys_offset)}"
 
 
+def merged_boxes(boxes: set[Placement]) -> set[Placement]:
+    """The same elements as fewest boxes: boxes that continue each other along one dimension, in the canonical
+    tensor and in the physical one alike, become one (a fused stack declared as q, k and v parts that a loader
+    writes as one run is the same placement)."""
+    boxes = set(boxes)
+    merged = True
+    while merged:
+        merged = False
+        for d in range(max((len(p.lengths) for p in boxes), default=0)):
+            def key(p: Placement):
+                rest = lambda t: t[:d] + t[d + 1:]  # noqa: E731
+                return (p.rank, p.tensor, p.shape, rest(p.canon_offset), rest(p.lengths), rest(p.phys_offset))
+            groups: dict[tuple, list[Placement]] = defaultdict(list)
+            for p in boxes:
+                if len(p.lengths) > d:
+                    groups[key(p)].append(p)
+            for group in groups.values():
+                group.sort(key=lambda p: p.canon_offset[d])
+                for a, b in zip(group, group[1:]):
+                    if (a.canon_offset[d] + a.lengths[d] == b.canon_offset[d]
+                            and a.phys_offset[d] + a.lengths[d] == b.phys_offset[d]):
+                        grow = lambda t, n: t[:d] + (n,) + t[d + 1:]  # noqa: E731
+                        boxes -= {a, b}
+                        boxes.add(a._replace(lengths=grow(a.lengths, a.lengths[d] + b.lengths[d])))
+                        merged = True
+                        break
+                if merged:
+                    break
+            if merged:
+                break
+    return boxes
+
+
 def placement_problems(derived: Sequence[tuple[str, Placement]], declared: Sequence[tuple[str, Placement]]) \
         -> list[str]:
     got: dict[str, set[Placement]] = defaultdict(set)
@@ -59,6 +92,8 @@ def placement_problems(derived: Sequence[tuple[str, Placement]], declared: Seque
         got[canon].add(p)
     for canon, p in declared:
         want[canon].add(p)
+    got = defaultdict(set, {c: merged_boxes(ps) for c, ps in got.items()})
+    want = defaultdict(set, {c: merged_boxes(ps) for c, ps in want.items()})
     problems = []
     for canon in sorted(set(got) | set(want)):
         if got[canon] != want[canon]:

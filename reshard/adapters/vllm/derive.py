@@ -141,14 +141,26 @@ def _read_placements(rank: int, name: str, values: torch.Tensor,
         keys = phys[:lead].T if lead else np.zeros((phys.shape[1], 0), dtype=np.int64)
         for key in np.unique(keys, axis=0):
             part = np.all(keys == key, axis=1) if lead else np.ones(phys.shape[1], dtype=bool)
-            box = _as_box(canon[:, part], phys[lead:, part])
-            if box is None:
+            boxes = _as_boxes(canon[:, part], phys[lead:, part])
+            if boxes is None:
                 problems.append(f"{name} on rank {rank}: the elements of {t.name} (stack index {tuple(key)}) "
-                                f"do not form one box copied by translation")
+                                f"do not form boxes copied by translation")
                 continue
-            lo, lengths, phys_lo = box
-            out.append((t.name, Placement(rank, name, shape, lo, lengths, tuple(int(k) for k in key) + phys_lo)))
+            for lo, lengths, phys_lo in boxes:
+                out.append((t.name, Placement(rank, name, shape, lo, lengths,
+                                              tuple(int(k) for k in key) + phys_lo)))
     return out, problems
+
+
+def _as_boxes(canon: np.ndarray, phys: np.ndarray) -> list[tuple] | None:
+    """The elements as boxes, each moved by one translation: one box, or one per distinct translation (a rank's
+    TP slices of the unequal parts of a fused stack sit side by side in its tensor); None if they are not."""
+    box = _as_box(canon, phys)
+    if box is not None:
+        return [box]
+    deltas, which = np.unique((phys - canon).T, axis=0, return_inverse=True)
+    boxes = [_as_box(canon[:, which.reshape(-1) == i], phys[:, which.reshape(-1) == i]) for i in range(len(deltas))]
+    return None if any(b is None for b in boxes) else boxes
 
 
 def _as_box(canon: np.ndarray, phys: np.ndarray) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None:

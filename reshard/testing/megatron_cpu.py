@@ -144,13 +144,14 @@ def build_model(tiny: TinyGPT, dtype: torch.dtype = torch.float32) -> list[Any]:
 
 
 def set_norms(chunks: list[Any]) -> None:
-    """Norms start as ones and the router's expert bias as zeros, which would hide a swapped one; give each
-    (global layer, name) its own values, the same on every rank that holds it."""
+    """Norms start as ones (zero-centred: zeros) and the router's expert bias as zeros, which would hide a
+    swapped one or a convention gap; give each (global layer, name) its own values, the same on every rank that
+    holds it. Gated DeltaNet's out_norm counts as a norm."""
     for chunk in chunks:
         layers = {f"decoder.layers.{i}.": f"layer{layer.layer_number - 1}."
                   for i, layer in enumerate(chunk.decoder.layers)}
         for name, p in [*chunk.named_parameters(), *chunk.named_buffers()]:
-            if not name.endswith(("layernorm.weight", "router.expert_bias")):
+            if not name.endswith(("layernorm.weight", "out_norm.weight", "router.expert_bias")):
                 continue
             key = name
             for local, global_ in layers.items():

@@ -127,8 +127,9 @@ def hf_forward(config: dict[str, Any], weights: dict[str, torch.Tensor], tokens:
                                                        output_loading_info=True)
     model.eval()
     outputs: dict[int, torch.Tensor] = {}
-    _record(model.model.embed_tokens, outputs, -1, seq_first=False)
-    for i, layer in enumerate(model.model.layers):
+    lm = getattr(model.model, "language_model", model.model)  # a multimodal wrapper nests the language model
+    _record(lm.embed_tokens, outputs, -1, seq_first=False)
+    for i, layer in enumerate(lm.layers):
         _record(layer, outputs, i, seq_first=False)
     with torch.no_grad():
         logits = model(tokens).logits

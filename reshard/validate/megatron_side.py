@@ -25,18 +25,24 @@ class Unmapped(Exception):
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-    """(rope base, GPTModel rope-scaling arguments) of an HF config (transformers 4 or 5 spelling)."""
+    """(rope base, GPTModel rope arguments) of an HF config (transformers 4 or 5 spelling). Partial rotary
+    (Qwen3.5: the first 25% of each head's dims rotate, rotate-half style) is megatron-core's rotary_percent.
+    mRoPE (Qwen3.5's `mrope_section`) rotates sections of those dims by the temporal / height / width position;
+    for text-only tokens the three positions are equal, so it is ordinary RoPE here (the parity stage feeds
+    text tokens only)."""
     params = hf.get("rope_parameters") or {}
     theta = hf.get("rope_theta") or params.get("rope_theta") or 10000.0
+    partial = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    extra = {"rotary_percent": partial} if partial != 1.0 else {}
     scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
     kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
     if kind == "default":
-        return float(theta), {}
+        return float(theta), extra
     if kind == "llama3":
         # megatron-core applies Llama-3.1 scaling with only the factor configurable; the rest are its defaults.
         fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
         if all(float(scaling.get(k, v)) == v for k, v in fixed.items()):
-            return float(theta), {"rope_scaling": True, "rope_scaling_factor": float(scaling["factor"])}
+            return float(theta), {"rope_scaling": True, "rope_scaling_factor": float(scaling["factor"]), **extra}
     raise Unmapped(f"rope scaling {scaling} has no megatron-core GPTModel equivalent here")
 
 
@@ -56,16 +62,6 @@ def _router(spec: ModelSpec, hf: dict[str, Any]) -> dict[str, Any]:
     if (hf.get("n_group") or 1) > 1:
         kw.update(moe_router_num_groups=hf["n_group"], moe_router_group_topk=hf["topk_group"])
     return kw
-
-
-def forward_blocker(spec: ModelSpec) -> str | None:
-    """Why megatron-core cannot run this spec's forward on CPU here (None: it can)."""
-    import importlib.util
-
-    if "linear_attention" in (dict(spec.arch).get("layer_types") or ()) and importlib.util.find_spec("fla") is None:
-        return ("Gated DeltaNet layers: megatron-core 0.19's GatedDeltaNet forward calls flash-linear-attention "
-                "kernels (fla: l2norm, chunk_gated_delta_rule; Triton, GPU), which are not installed here")
-    return None
 
 
 def transformer_config(spec: ModelSpec, tp: int, pp: int, ep: int, etp: int,
@@ -103,11 +99,13 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, ep: int, etp: int,
         if a.get("router_bias"):
             kw.update(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid")
     if "layer_types" in a:  # Gated DeltaNet layers among gated full-attention layers (Qwen3.5)
-        # deterministic_mode: GDN picks the pure-torch gated delta rule (FLA's kernels are not installed)
+        # deterministic_mode: GDN picks the pure-torch gated delta rule (FLA's kernels are not installed).
         kw.update(experimental_attention_variant="gated_delta_net", attention_output_gate=True, deterministic_mode=True,
                   linear_attention_freq=[int(x == "linear_attention") for x in a["layer_types"]],
                   **{k: a[k] for k in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
                                        "linear_num_key_heads", "linear_num_value_heads")})
+    if a.get("zero_centered_norms"):  # Qwen3.5's RMSNorms compute (1 + weight): see ZeroCenteredRMSNorm
+        kw["layernorm_zero_centered_gamma"] = True
     if "kv_lora_rank" in a:
         theta, scaling = _rope(hf) if hf else (10000.0, {})
         if scaling:
@@ -119,6 +117,64 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, ep: int, etp: int,
                   kv_channels=a["v_head_dim"], rope_type="rope", rotary_base=theta, rotary_scaling_factor=1.0)
         return MLATransformerConfig(**kw)
     return TransformerConfig(**kw)
+
+
+def _fla_l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6, output_dtype: Any = None) -> torch.Tensor:
+    """STAND-IN for flash-linear-attention's `fla.modules.l2norm.l2norm`, a Triton GPU kernel: FLA cannot be
+    installed here (0.5.2 fails to import with triton 3.9). Same semantics as FLA's forward kernel: over the
+    last dim, in fp32, y = x * rsqrt(sum(x^2) + eps), eps 1e-6, returned in the input dtype (or output_dtype).
+    It is the only FLA function GatedDeltaNet's forward calls under deterministic_mode (conv1d and the gated
+    delta rule then run megatron-core's own torch code); installed only in the CPU build's rank processes."""
+    xf = x.float()
+    y = xf * torch.rsqrt((xf * xf).sum(dim=dim, keepdim=True) + eps)
+    return y.to(output_dtype or x.dtype)
+
+
+class ZeroCenteredRMSNorm(torch.nn.Module):
+    """STAND-IN for TENorm (transformer-engine's RMSNorm, CUDA-only), which megatron-core builds for every norm
+    of a GPT layer, including GatedDeltaNet's out_norm, and which honours config.layernorm_zero_centered_gamma:
+    y = x * rsqrt(mean(x^2) + eps) * (1 + weight), in fp32, weight initialised to zeros. megatron-core's local
+    norm (WrappedTorchNorm = torch.nn.RMSNorm) refuses zero-centred gamma, so a Qwen3.5 trainer's norms
+    (layernorm_zero_centered_gamma=True, as Megatron-Bridge configures Qwen3.5/Qwen3-Next) need this here."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        super().__init__()
+        if config.normalization != "RMSNorm" or not config.layernorm_zero_centered_gamma:
+            raise ValueError("ZeroCenteredRMSNorm stands in for TENorm with RMSNorm and zero-centred gamma only")
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def _swap_norms(spec: Any, seen: set[int] | None = None) -> Any:
+    """Replace megatron-core's local torch norm by ZeroCenteredRMSNorm throughout a (block/layer) spec tree."""
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if spec is WrappedTorchNorm:
+        return ZeroCenteredRMSNorm
+    seen = set() if seen is None else seen
+    if id(spec) in seen:  # specs share sub-specs
+        return spec
+    seen.add(id(spec))
+    if isinstance(spec, ModuleSpec):
+        if spec.module is WrappedTorchNorm:
+            spec.module = ZeroCenteredRMSNorm
+        spec.submodules = _swap_norms(spec.submodules, seen)
+        return spec
+    if isinstance(spec, list):
+        spec[:] = [_swap_norms(x, seen) for x in spec]
+        return spec
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        for f in dataclasses.fields(spec):
+            setattr(spec, f.name, _swap_norms(getattr(spec, f.name), seen))
+    return spec
 
 
 def _gdn_block_spec(config: Any) -> Any:
@@ -138,6 +194,7 @@ def _gdn_block_spec(config: Any) -> Any:
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     common.HAVE_FLA = True
+    common.l2norm = _fla_l2norm  # the one FLA kernel GDN's deterministic forward still calls (see _fla_l2norm)
     local = LocalSpecProvider()
     gdn = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
         in_proj=local.column_parallel_linear(), out_norm=local.layer_norm(rms_norm=True, for_qk=False),
@@ -187,11 +244,15 @@ def build_gpt(spec: ModelSpec, lay: dict[str, Any], hf: dict[str, Any] | None = 
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
+    if hf and isinstance(hf.get("text_config"), dict):  # a multimodal wrapper: the language model's numerics
+        hf = {**hf, **hf["text_config"]}
     config = transformer_config(spec, lay["tp"], lay["pp"], lay["ep"], lay["etp"], hf, init_std)
     if config.experimental_attention_variant == "gated_delta_net":
         block = _gdn_block_spec(config)
     else:
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    if config.layernorm_zero_centered_gamma:
+        block = _swap_norms(block)
     for layer in block.layer_specs:
         attn = layer.submodules.self_attention
         if attn.module.__name__ == "MLASelfAttention":

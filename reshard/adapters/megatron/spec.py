@@ -100,7 +100,8 @@ def spec_problems(model: Any, spec: ModelSpec) -> list[str]:
     differ("activation_func", getattr(cfg.activation_func, "__name__", cfg.activation_func), F.silu.__name__)
     differ("add_bias_linear", bool(cfg.add_bias_linear), False)
     differ("add_qkv_bias", bool(cfg.add_qkv_bias), False)
-    differ("layernorm_zero_centered_gamma (stores gamma - 1)", bool(cfg.layernorm_zero_centered_gamma), False)
+    differ("layernorm_zero_centered_gamma (stores gamma - 1)", bool(cfg.layernorm_zero_centered_gamma),
+           bool(arch.get("zero_centered_norms")))
     differ("multi_latent_attention", bool(getattr(cfg, "multi_latent_attention", False)), mla)
     differ("position_embedding_type", getattr(model, "position_embedding_type", "rope"), "rope")
     return problems

@@ -206,7 +206,7 @@ class Qwen35(ModelFamily):
             "linear_key_head_dim": t["linear_key_head_dim"], "linear_value_head_dim": t["linear_value_head_dim"],
             "linear_conv_kernel_dim": t["linear_conv_kernel_dim"],
             "shared_intermediate_size": (t.get("shared_expert_intermediate_size") or 0) if E else 0,
-            "shared_expert_gate": bool(E), "multimodal": multimodal, "vllm_prefix": "language_model." if multimodal else ""})
+            "shared_expert_gate": bool(E), "zero_centered_norms": True, "multimodal": multimodal, "vllm_prefix": "language_model." if multimodal else ""})
 
     def tensors(self, spec: ModelSpec) -> list:
         rows = decoder(spec, _layer)

@@ -147,23 +147,30 @@ def _first_divergence(meg: dict[str, torch.Tensor], hf_out: dict[int, torch.Tens
     return None
 
 
-def hf_parity(spec: ModelSpec, tiny: dict[str, Any], perturb: str | None = None) -> str:
-    """Run the stage; return the pass detail or raise AssertionError naming what differs."""
+def megatron_run(spec: ModelSpec, tiny: dict[str, Any]) -> tuple[MegatronLayout, dict[str, torch.Tensor],
+                                                                   dict[str, torch.Tensor]]:
+    """The Megatron side: (layout, the refit's HF weights, megatron-core's tokens / logits / layer outputs)."""
     from safetensors.torch import load_file
 
     from .megatron_side import run_layout
 
-    spec = spec.model_copy(update={"dtype": "float32"})
-    layout = parity_layout(spec)
+    layout = parity_layout(spec.model_copy(update={"dtype": "float32"}))
     with tempfile.TemporaryDirectory(prefix="reshard_hf_parity_") as tmp:
         run_layout(layout, _parity_rank, layout.model_dump_json(), json.dumps(tiny), tmp)
         weights = load_file(str(Path(tmp, "model.safetensors")))
         meg = load_file(str(Path(tmp, "megatron.safetensors")))
-        unwritten = sorted(n for n, t in weights.items() if torch.isnan(t).any())
-        if unwritten:
-            raise AssertionError(f"the refit left elements of {unwritten} unwritten")
-        if perturb:
-            weights = perturbed(weights, perturb)
+    unwritten = sorted(n for n, t in weights.items() if torch.isnan(t).any())
+    if unwritten:
+        raise AssertionError(f"the refit left elements of {unwritten} unwritten")
+    return layout, weights, meg
+
+
+def compare(layout: MegatronLayout, tiny: dict[str, Any], weights: dict[str, torch.Tensor],
+            meg: dict[str, torch.Tensor]) -> str:
+    """transformers on `weights` against megatron-core's logits: the pass detail, or AssertionError naming the
+    first layer whose output differs and its tensors."""
+    spec = layout.model
+    with tempfile.TemporaryDirectory(prefix="reshard_hf_parity_") as tmp:
         logits, hf_out, problems = hf_forward(tiny, weights, meg["tokens"], Path(tmp, "hf"))
     if problems:
         raise AssertionError(f"transformers did not load the refitted weights cleanly: {problems}")
@@ -177,11 +184,18 @@ def hf_parity(spec: ModelSpec, tiny: dict[str, Any], perturb: str | None = None)
             blame = "no layer output differs: the final norm or the output layer"
         elif layer < 0:
             blame = "the embedding output differs: model.embed_tokens.weight"
-        else:
-            names = [t.name for t in spec.tensors if t.layer == layer]
-            blame = (f"first differing output: layer {layer} ({len(names)} tensors: "
-                     f"{', '.join(names[:8])}{', ...' if len(names) > 8 else ''})")
+        else:  # every non-expert tensor of the layer by name; routed experts counted
+            names = [t.name for t in spec.tensors if t.layer == layer and t.expert < 0]
+            experts = sum(1 for t in spec.tensors if t.layer == layer and t.expert >= 0)
+            blame = (f"first differing output: layer {layer} ({', '.join(names)}"
+                     f"{f' + {experts} routed-expert tensors' if experts else ''})")
         raise AssertionError(f"{where}: logits differ from megatron-core's by {diff:.2e} (> {tol:.1e} = "
                              f"{LOGIT_RTOL:g} x logit scale {scale:.2f}); {blame}")
     return (f"{where}: transformers logits on {TOKENS[0]}x{TOKENS[1]} tokens match megatron-core's, max |diff| "
             f"{diff:.1e} <= {tol:.1e} ({LOGIT_RTOL:g} x logit scale {scale:.2f}; fp32)")
+
+
+def hf_parity(spec: ModelSpec, tiny: dict[str, Any], perturb: str | None = None) -> str:
+    """Run the stage; return the pass detail or raise AssertionError naming what differs."""
+    layout, weights, meg = megatron_run(spec, tiny)
+    return compare(layout, tiny, perturbed(weights, perturb) if perturb else weights, meg)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ..errors import ExecutionError
 from .copies import DST, KIND_NAMES, SHADOW, SRC, WIRE, Copies, regions
-from .local import torch_dtype
+from .local import apply_shifts, shift_views, torch_dtype
 from .views import BoundCopies, Memory, bind
 
 if TYPE_CHECKING:
@@ -116,6 +116,7 @@ class Bound:
         self.local_restores = [[undo(c, SHADOW, DST) for c in pieces] for pieces in local]
         self.commit = bind(s.commit, memory, itemsize)
         self.deferred = bind(s.deferred, memory, itemsize)
+        self.shifts = shift_views(plan, flats[DST])  # value shifts of this process's destination blocks
 
 
 def _wire_id(c: Copies, wire: int) -> Copies:
@@ -264,6 +265,7 @@ class HostEngine(Engine):
 
     def commit(self) -> None:
         self._run([self.b.commit, self.b.deferred])
+        apply_shifts(self.b.shifts)
 
     def abort(self) -> None:
         pass
@@ -355,6 +357,7 @@ class CudaEngine(Engine):
         for st in self.streams.values():
             cur.wait_stream(st)
         self._run([self.b.commit, self.b.deferred])
+        apply_shifts(self.b.shifts)
         cur.synchronize()
 
     def abort(self) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
+import numpy as np
 import torch
 
 from ..errors import ExecutionError
@@ -56,7 +57,10 @@ def shard(layout: Layout, weights: Mapping[str, torch.Tensor], fill: float = 0.0
             if p.rank not in out or 0 in p.lengths:
                 continue
             src = w[tuple(slice(o, o + n) for o, n in zip(p.canon_offset, p.lengths))]
-            _box(out[p.rank][p.tensor], p.phys_offset, p.lengths).copy_(src)
+            box = _box(out[p.rank][p.tensor], p.phys_offset, p.lengths)
+            box.copy_(src)
+            if layout.value_offset(t):
+                box.add_(layout.value_offset(t))
     return out
 
 
@@ -70,7 +74,7 @@ def unshard(layout: Layout, tensors: RankTensors) -> dict[str, torch.Tensor]:
                 continue
             w[tuple(slice(o, o + n) for o, n in zip(p.canon_offset, p.lengths))] = \
                 _box(tensors[p.rank][p.tensor], p.phys_offset, p.lengths)
-        out[t.name] = w
+        out[t.name] = w - layout.value_offset(t) if layout.value_offset(t) else w
     return out
 
 
@@ -117,3 +121,26 @@ def execute_local(plan: Plan, src: RankTensors, dst: RankTensors) -> None:
     with torch.no_grad():
         for side, st, so, ss, dt, do, ds, r, c in zip(*cols):  # ops are in stage order
             block(d_flat[dt], do, r, c, ds).copy_(block(sides[side][st], so, r, c, ss))
+        apply_shifts(shift_views(plan, dict(enumerate(d_flat))))
+
+
+def shift_views(plan: Plan, dst_flat: Mapping[int, torch.Tensor], ops: "np.ndarray | None" = None) \
+        -> list[tuple[torch.Tensor, float]]:
+    """(view, value) for every destination block whose canonical tensor the plan shifts (Plan.value_shifts),
+    among the ops `ops` (default all) whose destination tensor is in `dst_flat` (id -> flat view)."""
+    shifts = plan.value_shifts
+    if not shifts:
+        return []
+    o = plan.ops
+    idx = np.arange(plan.num_ops) if ops is None else np.asarray(ops)
+    idx = idx[np.isin(o["canon"][idx], list(shifts))]
+    return [(block(dst_flat[int(o["dst_tensor"][i])], int(o["dst_offset"][i]), int(o["rows"][i]),
+                   int(o["cols"][i]), int(o["dst_stride"][i])), shifts[int(o["canon"][i])])
+            for i in idx.tolist() if int(o["dst_tensor"][i]) in dst_flat]
+
+
+def apply_shifts(views: list[tuple[torch.Tensor, float]]) -> None:
+    """Add each value to its block (in the tensor's opmath: float for bf16, rounded once)."""
+    with torch.no_grad():
+        for view, value in views:
+            view.add_(value)

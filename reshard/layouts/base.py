@@ -191,6 +191,11 @@ class Layout(BaseModel, abc.ABC):
             b.add_placements(k, self.placements(tensors[k], replica))
         return b.table()
 
+    def value_offset(self, tensor: TensorSpec) -> float:
+        """What this layout stores for a canonical value v is v + value_offset (0 almost everywhere; a trainer
+        that keeps a norm zero-centred where HF keeps it plain stores w - 1). A plan adds the difference."""
+        return 0.0
+
     # --- conveniences ----------------------------------------------------------------------------
     @property
     def dtype(self) -> str:

@@ -200,6 +200,7 @@ class Kind:
     megatron_te: Rule
     vllm: Rule
     expert: bool = False
+    megatron_offset: float = 0.0  # Megatron stores canonical + this (Layout.value_offset)
 
     @property
     def value(self) -> str:  # mirrors Role.value for reports
@@ -217,9 +218,9 @@ class Kind:
         return self.vllm.vllm(lay, t)
 
 
-def same(label: str, megatron: Rule, vllm: Rule) -> Kind:
+def same(label: str, megatron: Rule, vllm: Rule, megatron_offset: float = 0.0) -> Kind:
     """A kind whose Megatron name and cut do not depend on local vs TE naming."""
-    return Kind(label, megatron, megatron, vllm)
+    return Kind(label, megatron, megatron, vllm, megatron_offset=megatron_offset)
 
 
 def check_kinds(kind: str, model, tp: int, pick) -> None:

@@ -205,6 +205,9 @@ class MegatronLayout(Layout):
         return out
 
     # --- placements --------------------------------------------------------------------------------
+    def value_offset(self, tensor: TensorSpec) -> float:
+        return float(getattr(tensor.role, "megatron_offset", 0.0))
+
     def placements(self, tensor: TensorSpec, replica: int | None = None) -> list[Placement]:
         handler = _HANDLERS.get(tensor.role)
         if handler is None:  # a family-specific kind (layouts/kinds.py) places itself

@@ -158,6 +158,20 @@ class Plan:
         object.__setattr__(self, "accounting", account_program(p, self.itemsize, self.src.num_ranks,
                                                                self.dst.num_ranks, self.colocated, self.bounds))
 
+    @functools.cached_property
+    def value_shifts(self) -> dict[int, float]:
+        """Canonical tensor index -> what executors add to every destination element of it after copying
+        (dst.value_offset - src.value_offset; e.g. +1 for a norm Megatron keeps zero-centred and HF plain).
+        Empty for almost every plan."""
+        names = set(self.selection) if self.selection is not None else None
+        out = {}
+        for t in self.src.model.tensors:
+            if names is None or t.name in names:
+                shift = self.dst.value_offset(t) - self.src.value_offset(t)
+                if shift:
+                    out[t.index] = shift
+        return out
+
     # --- the ops ---------------------------------------------------------------------------------
     @functools.cached_property
     def ops(self) -> dict[str, np.ndarray]:

@@ -11,7 +11,7 @@ import torch
 
 from ..executors.binding import Binding
 from ..executors.copies import DST, SHADOW, SRC, WIRE, Copies, regions, run_copies
-from ..executors.local import torch_dtype
+from ..executors.local import apply_shifts, shift_views, torch_dtype
 from ..executors.schedule import build_schedule
 from ..planner import Plan
 
@@ -97,3 +97,4 @@ def run_loopback(plan: Plan, binding: Binding, src: Mapping[int, Mapping[str, to
         for p, s in scheds.items():
             run_copies(s.commit.rows_as_lists(), memory(p))
             run_copies(s.deferred.rows_as_lists(), memory(p))
+            apply_shifts(shift_views(plan, {t: d_flat[t] for t in s.dst_ids}))

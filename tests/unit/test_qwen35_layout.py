@@ -59,7 +59,8 @@ def test_megatron_gdn_in_proj_and_conv1d_concatenate_each_parts_tp_slice():
             assert torch.equal(rank[f"decoder.layers.0.self_attention.{name}"], chunk(W[L0 + "linear_attn." + name], r))
         assert torch.equal(rank["decoder.layers.0.self_attention.out_proj.weight"],
                            W[L0 + "linear_attn.out_proj.weight"].chunk(2, dim=1)[r])
-        assert torch.equal(rank["decoder.layers.0.self_attention.out_norm.weight"], W[L0 + "linear_attn.norm.weight"])
+        # zero-centred in Megatron: it stores w - 1 of HF's plain gated-norm weight w
+        assert torch.equal(rank["decoder.layers.0.self_attention.out_norm.weight"], W[L0 + "linear_attn.norm.weight"] - 1)
         assert torch.equal(rank["decoder.layers.0.input_layernorm.weight"], W[L0 + "input_layernorm.weight"])
 
 
@@ -182,3 +183,34 @@ def test_published_configs_plan_exactly(config):
         assert plan.coverage == "exact"
         assert plan.accounting.total_bytes == plan.accounting.lower_bound_bytes == held * spec.itemsize
     assert held == spec.num_params  # HF: every canonical element once
+
+
+def test_plans_shift_only_the_gdn_out_norm_between_megatron_and_hf_or_vllm():
+    to_vllm = reshard.compile(MegatronLayout(model=SPEC, tp=2), reshard.VllmLayout(model=SPEC, tp=1))
+    back = reshard.compile(reshard.VllmLayout(model=SPEC, tp=1), MegatronLayout(model=SPEC, tp=2))
+    gdn = {t.index for t in SPEC.tensors if t.name.endswith("linear_attn.norm.weight")}
+    assert gdn and to_vllm.value_shifts == {i: 1.0 for i in gdn}
+    assert back.value_shifts == {i: -1.0 for i in gdn}
+    assert reshard.compile(reshard.VllmLayout(model=SPEC, tp=1), reshard.VllmLayout(model=SPEC, tp=2)).value_shifts == {}
+
+
+@pytest.mark.parametrize("undo", [False, True])
+def test_refit_with_a_value_shift_lands_the_destination_layout(undo):
+    """execute_local and the distributed executor's schedule (run in one process by testing.loopback) both
+    deliver exactly shard(vLLM layout, W) from shard(Megatron layout, W): the +1 on the GDN out norm included."""
+    from reshard.executors import allocate, execute_local
+    from reshard.executors.binding import Binding
+    from reshard.testing.loopback import run_loopback
+
+    W = weights(SPEC)
+    plan = reshard.compile(MegatronLayout(model=SPEC, tp=2), reshard.VllmLayout(model=SPEC, tp=2), colocated=True)
+    src = shard(plan.src, W)  # stores w - 1 for the GDN out norm; the plan adds 1 back (rounded like this)
+    want = shard(plan.dst, {n: (w - 1) + 1 if n.endswith("linear_attn.norm.weight") else w for n, w in W.items()},
+                 fill=-5.0)
+    got, loop = allocate(plan.dst, fill=-5.0), allocate(plan.dst, fill=-5.0)
+    execute_local(plan, src, got)
+    run_loopback(plan, Binding((0, 1), (1, 0)), src, loop, bucket_numel=4096, staged=not undo, undo=undo)
+    for r in want:
+        for n in want[r]:
+            assert torch.equal(got[r][n], want[r][n]), (r, n)
+            assert torch.equal(loop[r][n], want[r][n]), (r, n)

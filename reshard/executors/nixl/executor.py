@@ -54,7 +54,7 @@ import torch
 from ...errors import ExecutionError, ReshardError
 from ...planner import Plan
 from ..binding import Binding
-from ..local import check_tensors, torch_dtype
+from ..local import apply_shifts, check_tensors, shift_views, torch_dtype
 from ..views import BoundCopies, Memory, bind
 from .agent import describe, is_nixl_error, make_agent
 from .descriptors import memory_name, merged_regions, region_array, side_descriptors
@@ -166,6 +166,7 @@ class NixlExecutor:
         self._arrive = {k: program(v) for k, v in s.arrive.items()}
         self._local = [program(c) for c in s.local]
         self._commit = program(s.commit)
+        self._shifts = shift_views(plan, self.dst_flat)  # value shifts of this process's destination blocks
 
     def _address(self, kind: int, ident: int) -> int:
         if kind in (SHADOW, SEND, RECV):
@@ -274,6 +275,8 @@ class NixlExecutor:
             raise ExecutionError(f"refit version {v} failed on process {self.process}: {reason}") from e
         t = time.monotonic()
         self._run(self._commit)
+        apply_shifts(self._shifts)
+        self._dirty = self._dirty or bool(self._shifts)
         self._sync()
         phases["commit"] = time.monotonic() - t
         self._version = v

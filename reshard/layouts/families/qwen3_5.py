@@ -53,7 +53,11 @@ GDN_INPUT_NORM = Kind("gdn_input_norm", Replicated("input_layernorm.weight"),
                       Replicated("model.layers.{i}.input_layernorm.weight"))
 GDN_DT_BIAS = same("gdn_dt_bias", RowBlocks("self_attention.dt_bias"), RowBlocks(_LIN + "dt_bias"))
 GDN_A_LOG = same("gdn_a_log", RowBlocks("self_attention.A_log"), RowBlocks(_LIN + "A_log"))
-GDN_NORM = same("gdn_norm", Replicated("self_attention.out_norm.weight"), Replicated(_LIN + "norm.weight"))
+# The GDN output norm is a plain RMSNorm weight in HF and vLLM (w * rmsnorm(x) * silu(z)), but Megatron builds it
+# with the model's zero-centred gamma like every other norm, so it stores w - 1 (hf parity measured the gap):
+# plans add +1 going Megatron -> HF / vLLM and -1 the other way.
+GDN_NORM = same("gdn_norm", Replicated("self_attention.out_norm.weight"), Replicated(_LIN + "norm.weight"),
+                megatron_offset=-1.0)
 GDN_OUT = same("gdn_out_proj", ColumnBlocks("self_attention.out_proj.weight"), ColumnBlocks(_LIN + "out_proj.weight"))
 SHARED_GATE = same("shared_expert_gate_proj", RowBlocks("mlp.shared_experts.linear_fc1.weight", 0, 2),
                    RowBlocks(_MLP + "shared_expert.gate_up_proj.weight", 0, 2))

@@ -69,44 +69,36 @@ def test_stages_without_their_dependency_say_not_run(monkeypatch):
 
 # --- hf parity: megatron-core (TP=2 [EP=2]) -> reshard -> transformers logits, every family ------------------
 
-# Qwen3.5/3.6 (Gated DeltaNet, on CPU: megatron-core's pure-torch delta rule, FLA's l2norm and TE's zero-centred
-# RMSNorm by stand-ins, megatron_side.py). The trainer's norms are zero-centred (layernorm_zero_centered_gamma),
-# which matches transformers' Qwen3_5RMSNorm (1 + weight) value for value, except GatedDeltaNet's out_norm:
-# megatron-core builds it from the same config, so it computes (1 + weight), while transformers' (and vLLM's)
-# gated linear_attn.norm computes weight. A refit must add 1 to every linear_attn.norm.weight, a value transform
-# a plan (pure re-layout) cannot express: the stage FAILs at the first GDN layer (pinned; it must flip to a pass
-# when plans carry that transform), and with +1 on exactly those tensors the logits agree.
-GDN_NORM_GAP = {CONFIGS["qwen3_5"], EXTRA[1]}
+# Qwen3.5/3.6: Megatron keeps the GDN output norm zero-centred (it stores w - 1) while HF's gated
+# linear_attn.norm computes with w itself; the plan carries that as a value shift (+1 on linear_attn.norm.weight,
+# Plan.value_shifts), so the refit's logits match. Without the shift (a pure re-layout) they differ at the first
+# GDN layer.
+GDN_NORM_SHIFT = {CONFIGS["qwen3_5"], EXTRA[1]}
 
 
 @pytest.mark.megatron
 @pytest.mark.parametrize("config", [*CONFIGS.values(), *EXTRA])
 def test_hf_parity_stage(config):
     r = _one(config, "hf parity")
-    if config in GDN_NORM_GAP:
-        assert r.status == FAIL, r.detail
-        assert "first differing output: layer 0 (" in r.detail and "layers.0.linear_attn.norm.weight" in r.detail, \
-            r.detail
-    else:
-        assert r.status == PASS, r.detail
+    assert r.status == PASS, r.detail
 
 
 @pytest.mark.megatron
-@pytest.mark.parametrize("config", sorted(GDN_NORM_GAP))
-def test_hf_parity_gdn_out_norm_is_the_only_gap(config):
-    """One megatron-core run; transformers on the refit's weights differs, and on the same weights with +1 on
-    every GDN out norm (linear_attn.norm.weight), and nothing else, matches within the stage's tolerance."""
+@pytest.mark.parametrize("config", sorted(GDN_NORM_SHIFT))
+def test_hf_parity_needs_the_gdn_out_norm_shift(config):
+    """One megatron-core run; transformers on the refit's weights matches, and on the same weights without the
+    plan's +1 on every GDN out norm (linear_attn.norm.weight), and nothing else changed, differs at layer 0."""
     from reshard.validate.hf_parity import compare, megatron_run
 
     fam = discover(read_hf_config(config))
     tiny = fam.tiny_config(read_hf_config(config))
     layout, weights, meg = megatron_run(fam.spec(tiny), tiny)
-    with pytest.raises(AssertionError, match="first differing output: layer 0 "):
-        compare(layout, tiny, weights, meg)
+    assert "match megatron-core's" in compare(layout, tiny, weights, meg)
     gdn = [n for n in weights if n.endswith("linear_attn.norm.weight")]
     assert len(gdn) == 3  # the tiny model's three linear-attention layers
-    fixed = {n: t + 1.0 if n in gdn else t for n, t in weights.items()}
-    assert "match megatron-core's" in compare(layout, tiny, fixed, meg)
+    unshifted = {n: t - 1.0 if n in gdn else t for n, t in weights.items()}
+    with pytest.raises(AssertionError, match="first differing output: layer 0 "):
+        compare(layout, tiny, unshifted, meg)
 
 
 @pytest.mark.megatron

@@ -47,6 +47,7 @@ def _plan(args: argparse.Namespace) -> int:
         out = {
             "model": str(model), "src": str(src), "dst": str(dst), "digest": plan.digest,
             "coverage": plan.coverage, "compile_seconds": plan.compile_seconds, "roots": plan.roots,
+            "value_shifts": {plan.src.model.tensor_name(i): v for i, v in plan.value_shifts.items()},
             "tree_depth": plan.tree_depth, **a.to_dict(),
         }
         if not args.pairs:

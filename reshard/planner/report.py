@@ -34,6 +34,13 @@ def _rank_table(label: str, values: tuple[int, ...], width: int = 8) -> list[str
     return lines
 
 
+def _shifts(plan: "Plan") -> str:
+    by_value: dict[float, int] = {}
+    for value in plan.value_shifts.values():
+        by_value[value] = by_value.get(value, 0) + 1
+    return ", ".join(f"{v:+g} on {n} tensor{'s' * (n > 1)}" for v, n in sorted(by_value.items()))
+
+
 def summary(plan: "Plan") -> str:
     a = plan.accounting
     lb = a.lower_bound_bytes or 1
@@ -59,6 +66,8 @@ def summary(plan: "Plan") -> str:
         *([f"  fan-out      {plan.roots} root replica(s) fed by the source, {len(plan.replica_parent)} tree(s), "
            f"depth {plan.tree_depth}, {a.num_stages} stages; busiest relay {human_bytes(a.max_relay_egress)}"]
           if plan.fanout else []),
+        *([f"  value shift  {_shifts(plan)} (added after the copy: the two sides store these values differently)"]
+          if plan.value_shifts else []),
         f"  compile      {plan.compile_seconds:.3f} s",
         "  egress by source rank:",
         *_rank_table("src", a.egress_bytes),

@@ -223,6 +223,15 @@ def same(label: str, megatron: Rule, vllm: Rule, megatron_offset: float = 0.0) -
     return Kind(label, megatron, megatron, vllm, megatron_offset=megatron_offset)
 
 
+def shared_expert_kinds(vllm_module: str, label: str = "shared_expert") -> tuple[Kind, Kind, Kind]:
+    """gate / up / down of a shared expert: Megatron's fused linear_fc1 [gate; up] and linear_fc2, TP-split like a
+    dense MLP; vLLM's `{vllm_module}gate_up_proj` and `{vllm_module}down_proj` (the module name differs by family)."""
+    fc1, fc2 = "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight"
+    return (same(f"{label}_gate", RowBlocks(fc1, 0, 2), RowBlocks(vllm_module + "gate_up_proj.weight", 0, 2)),
+            same(f"{label}_up", RowBlocks(fc1, 1, 2), RowBlocks(vllm_module + "gate_up_proj.weight", 1, 2)),
+            same(f"{label}_down", ColumnBlocks(fc2), ColumnBlocks(vllm_module + "down_proj.weight")))
+
+
 def check_kinds(kind: str, model, tp: int, pick) -> None:
     """Raise LayoutError now (at layout construction) if any family-specific tensor cannot be cut over `tp`;
     `pick(Kind) -> Rule` selects the rule of this side."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import ModelConfigError
-from ..kinds import ColumnBlocks, Kind, Replicated, ReplicatedAt, RowBlocks, same
+from ..kinds import Kind, Replicated, ReplicatedAt, RowBlocks, same, shared_expert_kinds
 from ..model import ModelSpec, Role
 from . import ModelFamily, decoder, dense_mlp, norm, routed_experts
 
@@ -46,12 +46,7 @@ Q_FULL = same("mla_q", RowBlocks("self_attention.linear_q_proj.weight"), RowBloc
 KV_UP = same("mla_kv_up", RowBlocks("self_attention.linear_kv_up_proj.weight"), RowBlocks(_A + "kv_b_proj.weight"))
 ROUTER_BIAS = same("router_bias", Replicated("mlp.router.expert_bias"),
                    Replicated(_M + "gate.e_score_correction_bias"))
-SHARED_GATE = same("shared_expert_gate", RowBlocks("mlp.shared_experts.linear_fc1.weight", 0, 2),
-                   RowBlocks(_M + "shared_experts.gate_up_proj.weight", 0, 2))
-SHARED_UP = same("shared_expert_up", RowBlocks("mlp.shared_experts.linear_fc1.weight", 1, 2),
-                 RowBlocks(_M + "shared_experts.gate_up_proj.weight", 1, 2))
-SHARED_DOWN = same("shared_expert_down", ColumnBlocks("mlp.shared_experts.linear_fc2.weight"),
-                   ColumnBlocks(_M + "shared_experts.down_proj.weight"))
+SHARED_GATE, SHARED_UP, SHARED_DOWN = shared_expert_kinds(_M + "shared_experts.")
 
 
 def _down_kinds(q_rank: int | None, kv_rows: int) -> tuple[Kind | None, Kind]:

@@ -39,7 +39,8 @@ import functools
 from typing import Any
 
 from ...errors import ModelConfigError
-from ..kinds import ColumnBlocks, GlobalRows, Kind, QkvParallel, Replicated, RowBlocks, Stacked, same
+from ..kinds import (ColumnBlocks, GlobalRows, Kind, QkvParallel, Replicated, RowBlocks, Stacked, same,
+                     shared_expert_kinds)
 from ..model import ModelSpec, Role
 from . import ModelFamily, decoder, dense_mlp, norm, routed_experts
 
@@ -59,12 +60,7 @@ GDN_A_LOG = same("gdn_a_log", RowBlocks("self_attention.A_log"), RowBlocks(_LIN 
 GDN_NORM = same("gdn_norm", Replicated("self_attention.out_norm.weight"), Replicated(_LIN + "norm.weight"),
                 megatron_offset=-1.0)
 GDN_OUT = same("gdn_out_proj", ColumnBlocks("self_attention.out_proj.weight"), ColumnBlocks(_LIN + "out_proj.weight"))
-SHARED_GATE = same("shared_expert_gate_proj", RowBlocks("mlp.shared_experts.linear_fc1.weight", 0, 2),
-                   RowBlocks(_MLP + "shared_expert.gate_up_proj.weight", 0, 2))
-SHARED_UP = same("shared_expert_up_proj", RowBlocks("mlp.shared_experts.linear_fc1.weight", 1, 2),
-                 RowBlocks(_MLP + "shared_expert.gate_up_proj.weight", 1, 2))
-SHARED_DOWN = same("shared_expert_down_proj", ColumnBlocks("mlp.shared_experts.linear_fc2.weight"),
-                   ColumnBlocks(_MLP + "shared_expert.down_proj.weight"))
+SHARED_GATE, SHARED_UP, SHARED_DOWN = shared_expert_kinds(_MLP + "shared_expert.", "shared_expert_proj")
 SHARED_EXPERT_GATE = same("shared_expert_gate", Replicated("mlp.shared_experts.gate_weight"),
                           Replicated(_MLP + "shared_expert_gate.weight"))
 

@@ -85,6 +85,16 @@ class ModelFamily(abc.ABC):
         if missing:
             raise ModelConfigError(f"config is missing {missing}")
 
+    @staticmethod
+    def _refuse_mtp_and_activation(config: dict[str, Any], include_mtp: bool, mtp_key: str, mtp_names: str) -> None:
+        """What no family supports yet: multi-token-prediction layers asked for, an activation other than silu."""
+        if include_mtp and config.get(mtp_key):
+            raise ModelConfigError(f"multi-token-prediction layers ({mtp_names}) are not supported yet: Megatron "
+                                   "keeps them in a separate mtp block and vLLM in a separate draft model; refit "
+                                   "without them")
+        if config.get("hidden_act", "silu") != "silu":
+            raise ModelConfigError(f"hidden_act={config['hidden_act']!r} is not supported (silu only)")
+
     def _common(self, config: dict[str, Any], qk_norm: bool, biases: tuple[str, ...] = ("attention_bias", "mlp_bias")
                 ) -> dict[str, Any]:
         self._require(config, "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")

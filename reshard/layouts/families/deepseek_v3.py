@@ -104,11 +104,7 @@ class DeepseekV3(ModelFamily):
     def spec(self, config: dict[str, Any], include_mtp: bool = False) -> ModelSpec:
         self._require(config, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                       "n_routed_experts", "moe_intermediate_size")
-        if include_mtp and config.get("num_nextn_predict_layers"):
-            raise ModelConfigError("multi-token-prediction layers are not supported yet: Megatron keeps them in "
-                                   "a separate mtp block and vLLM in a separate draft model; refit without them")
-        if config.get("hidden_act", "silu") != "silu":
-            raise ModelConfigError(f"hidden_act={config['hidden_act']!r} is not supported (silu only)")
+        self._refuse_mtp_and_activation(config, include_mtp, "num_nextn_predict_layers", "model.layers.N.* past the last")
         fields = self._common(config, qk_norm=False, biases=("attention_bias",))
         fields["head_dim"] = config["v_head_dim"]  # unused by MLA tensors; keeps the shared checks meaningful
         layers = fields["num_layers"]

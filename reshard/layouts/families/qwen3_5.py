@@ -171,11 +171,7 @@ class Qwen35(ModelFamily):
         t = text_config(config)
         self._require(t, "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                       "linear_value_head_dim", "linear_conv_kernel_dim")
-        if include_mtp and t.get("mtp_num_hidden_layers"):
-            raise ModelConfigError("multi-token-prediction layers (mtp.*) are not supported yet: Megatron keeps them "
-                                   "in a separate mtp block and vLLM in a separate draft model; refit without them")
-        if t.get("hidden_act", "silu") != "silu":
-            raise ModelConfigError(f"hidden_act={t['hidden_act']!r} is not supported (silu only)")
+        self._refuse_mtp_and_activation(t, include_mtp, "mtp_num_hidden_layers", "mtp.*")
         if not t.get("attn_output_gate", True):
             raise ModelConfigError("attn_output_gate=false is not supported: transformers' Qwen3.5 always gates "
                                    "attention (q_proj holds 2 rows per head), so the checkpoint would not match")

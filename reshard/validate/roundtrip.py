@@ -38,9 +38,15 @@ def round_trip(spec: ModelSpec, examples: int = 20) -> str:
         got = allocate(dst, fill=SENTINEL)
         execute_local(plan, shard(src, weights), got)
         want = shard(dst, weights, fill=SENTINEL)
+        # a value shift (Plan.value_shifts) is added after the copy, so (w - 1) + 1 may differ from w by the last
+        # bit: tensors holding a shifted canonical tensor are compared to 2 ulps, every other byte exactly
+        shifted = {(p.rank, p.tensor) for t in spec.tensors if t.index in plan.value_shifts
+                   for p in dst.placements(t)}
         for rank, tensors in want.items():
             for name, expected in tensors.items():
-                assert torch.equal(got[rank][name], expected), f"{src} -> {dst}: rank {rank} {name} differs"
+                same = (torch.allclose(got[rank][name], expected, rtol=2**-22, atol=2**-22)
+                        if (rank, name) in shifted else torch.equal(got[rank][name], expected))
+                assert same, f"{src} -> {dst}: rank {rank} {name} differs"
         seen.append(f"{src} -> {dst}")
 
     run()

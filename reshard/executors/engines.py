@@ -109,7 +109,7 @@ class Bound:
         # undo: before a round's receives (a local piece) write, the regions they write are copied into the
         # shadows; after a failure the copies that completed are put back
         undo = lambda c, frm, to: bind(regions(c, frm, to), memory, itemsize) if s.undo else None  # noqa: E731
-        received = [Copies.concat([m.copies for m in r.recvs]) for r in s.rounds]
+        received = [Copies.concat([m.copies for m in r.recvs]) if s.undo else None for r in s.rounds]
         self.backups = [undo(c, DST, SHADOW) for c in received]
         self.restores = [undo(c, SHADOW, DST) for c in received]
         self.local_backups = [[undo(c, DST, SHADOW) for c in pieces] for pieces in local]

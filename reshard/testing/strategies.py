@@ -9,6 +9,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from ..layouts import HfLayout, Layout, MegatronLayout, ModelSpec, VllmLayout
+from ..planner import Plan, compile_plan
 
 
 def divisors(n: int) -> list[int]:
@@ -107,6 +108,15 @@ def refits(draw, moe: bool | None = None) -> tuple[Layout, Layout]:
     if draw(st.integers(0, 3)) == 0:
         return draw(layouts(model)), draw(layouts(model))
     return draw(megatron_layouts(model)), draw(vllm_layouts(model))
+
+
+@st.composite
+def refit_plans(draw) -> Plan:
+    """A compiled plan of a random refit: sometimes with fan-out trees, sometimes colocated."""
+    src, dst = draw(refits())
+    fanout = draw(st.sampled_from([None, None, 1, 2]))
+    colocated = draw(st.booleans()) and dst.num_ranks <= src.num_ranks
+    return compile_plan(src, dst, colocated=colocated, fanout=fanout)
 
 
 def _gcd(a: int, b: int) -> int:

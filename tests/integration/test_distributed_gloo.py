@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 import reshard
 from reshard.executors.binding import Binding
 from reshard.testing.refit_jobs import SENTINEL  # noqa: F401 - documents what "unchanged" means
-from reshard.testing.strategies import refits
+from reshard.testing.strategies import refit_plans
 from reshard.testing.world import run_world
 
 pytestmark = pytest.mark.gloo
@@ -37,10 +37,8 @@ def _draw(strategy: st.SearchStrategy, n: int) -> list:
 
 @st.composite
 def random_cases(draw):
-    src, dst = draw(refits())
-    fanout = draw(st.sampled_from([None, None, 1, 2]))
-    colocated = draw(st.booleans()) and dst.num_ranks <= src.num_ranks
-    plan = reshard.compile(src, dst, colocated=colocated, fanout=fanout)
+    plan = draw(refit_plans())
+    src, dst = plan.src, plan.dst
     members = draw(st.one_of(st.none(), st.lists(st.integers(0, WORLD - 1), min_size=2, max_size=WORLD,
                                                   unique=True).map(sorted)))
     n = len(members) if members is not None else WORLD

@@ -5,12 +5,11 @@ from __future__ import annotations
 import torch
 from hypothesis import given, strategies as st
 
-import reshard
 from reshard.executors import allocate, execute_local, shard
 from reshard.executors.binding import Binding
 from reshard.executors.schedule import build_schedule
 from reshard.testing.loopback import run_loopback
-from reshard.testing.strategies import refits
+from reshard.testing.strategies import refit_plans
 
 SENTINEL = -7.0
 
@@ -30,11 +29,8 @@ def bindings(draw, num_src: int, num_dst: int) -> Binding:
 
 @st.composite
 def cases(draw):
-    src, dst = draw(refits())
-    fanout = draw(st.sampled_from([None, None, 1, 2]))
-    colocated = draw(st.booleans()) and dst.num_ranks <= src.num_ranks
-    plan = reshard.compile(src, dst, colocated=colocated, fanout=fanout)
-    binding = draw(bindings(src.num_ranks, dst.num_ranks))
+    plan = draw(refit_plans())
+    binding = draw(bindings(plan.src.num_ranks, plan.dst.num_ranks))
     # small buckets split ops at odd places; at most ~30 buckets a stream keeps examples fast
     total = int((plan.ops["rows"] * plan.ops["cols"]).sum())
     bucket = max(draw(st.sampled_from([1, 3, 7, 64, 1000, 1 << 20])), total // 30)

@@ -23,32 +23,21 @@ Lifecycle, per worker (vLLM makes the calls):
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 
-from .session import RefitSpec, WorkerSession
+from .session import RefitFields, RefitSpec, WorkerSession
 
 BACKEND = "reshard"
 
 
 @dataclass
-class ReshardInitInfo(WeightTransferInitInfo):
-    """The worker-side init payload: a RefitSpec's fields (see session.RefitSpec)."""
-
-    model: dict[str, Any]
-    src: dict[str, Any]
-    dst: dict[str, Any]
-    mode: str = "direct"
-    replica: int = 0
-    transport: str = "inprocess"
-    transport_options: dict[str, Any] = field(default_factory=dict)
-    fanout: int | None = None
-    verify_layers: list[int] | None = None
-    plan_digest: str = ""
+class ReshardInitInfo(WeightTransferInitInfo, RefitFields):
+    """The worker-side init payload: a RefitSpec's fields (session.RefitFields)."""
 
     def refit(self) -> RefitSpec:
         return RefitSpec(**asdict(self))

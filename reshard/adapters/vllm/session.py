@@ -25,9 +25,10 @@ from .transport import Transport, make_transport
 MODES = ("direct", "loader")
 
 
-@dataclass(frozen=True)
-class RefitSpec:
-    """Everything both sides must agree on; plain data (JSON-able dicts) so it crosses RPC boundaries."""
+@dataclass
+class RefitFields:
+    """Everything both sides must agree on; plain data (JSON-able dicts) so it crosses RPC boundaries. The one
+    list of these fields: RefitSpec and the weight-transfer init payloads (engine.py, trainer.py) inherit it."""
 
     model: dict[str, Any]  # ModelSpec fields
     src: dict[str, Any]  # source (trainer) layout, layout_to_dict
@@ -39,6 +40,11 @@ class RefitSpec:
     fanout: int | None = None
     verify_layers: list[int] | None = None  # layers whose loaders are probed; None: one layer of each kind
     plan_digest: str = ""  # the trainer's digest of the plan(s); checked when given
+
+
+@dataclass
+class RefitSpec(RefitFields):
+    """A refit's agreed fields, and what follows from them: the layouts and the plans."""
 
     def layouts(self) -> tuple[Layout, Layout]:
         spec = ModelSpec(**self.model)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import abc
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, ClassVar, Mapping, Self
 
 import torch
@@ -26,25 +26,18 @@ from ...errors import ExecutionError
 from ...layouts import Layout
 from ...planner import Plan
 from .engine import BACKEND, register
-from .session import RefitSpec, plans_digest
+from .session import RefitFields, RefitSpec, plans_digest
 from .transport import publish_source, withdraw_source
 
 RankTensors = Mapping[int, Mapping[str, torch.Tensor]]
 
 
 @dataclass
-class ReshardTrainerInitInfo(TrainerInitInfo):
-    backend: ClassVar[str] = BACKEND
+class ReshardTrainerInitInfo(TrainerInitInfo, RefitFields):
+    """The trainer-side init payload: this trainer rank, and a RefitSpec's fields (session.RefitFields); the
+    plan digest stays empty (the trainer computes it)."""
 
-    model: dict[str, Any]
-    src: dict[str, Any]
-    dst: dict[str, Any]
-    mode: str = "direct"
-    replica: int = 0
-    transport: str = "inprocess"
-    transport_options: dict[str, Any] = field(default_factory=dict)
-    fanout: int | None = None
-    verify_layers: list[int] | None = None
+    backend: ClassVar[str] = BACKEND
 
     def refit(self) -> RefitSpec:
         fields = asdict(self)

@@ -4,17 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..model import ModelSpec, Role
-from . import ModelFamily, decoder, gqa_attention, norm, routed_experts
-from .qwen3 import dense_layer
+from ..model import ModelSpec
+from . import ModelFamily, decoder, dense_mlp, routed_experts
+from .qwen3 import layer
 
 
 def _layer(spec: ModelSpec, i: int) -> list:
-    if not spec.is_moe_layer(i):
-        return dense_layer(spec, i)
-    H = spec.hidden_size
-    return [norm(i, "input_layernorm.weight", H, Role.INPUT_NORM), *gqa_attention(spec, i),
-            norm(i, "post_attention_layernorm.weight", H, Role.POST_ATTN_NORM), *routed_experts(spec, i)]
+    return layer(spec, i, routed_experts if spec.is_moe_layer(i) else dense_mlp)
 
 
 class Qwen3Moe(ModelFamily):

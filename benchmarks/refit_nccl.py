@@ -239,7 +239,7 @@ def run_case(name: str, plan, binding: Binding, procs, me: int, groups: dict, de
     src = source_tensors(plan.src, my_src, device)
     out: dict = {"case": name}
     options = {"memory_cap": args.memory_cap, "bucket_bytes": args.bucket_bytes, "timeout": 120.0,
-               "direct_bytes": args.direct_bytes or None}
+               "direct_bytes": args.direct_bytes or None, "lanes": args.lanes}
 
     staged = DistributedExecutor(plan, binding, ex_group, **options)
     s = staged.schedule
@@ -273,6 +273,7 @@ def run_case(name: str, plan, binding: Binding, procs, me: int, groups: dict, de
     out["staged_phases"] = slowest(last["stats"].phases, group, device)
     out["staging_bytes"] = slowest({"b": float(last["stats"].staging_bytes)}, group, device)["b"]
     out["copies"] = last["stats"].copies
+    out["lanes"] = last["stats"].lanes
     del staged
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -399,7 +400,7 @@ def table(results: list[dict], device: str) -> str:
         fmt = lambda ph: " ".join(f"{k}={v * 1e3:.1f}" for k, v in ph.items())  # noqa: E731
         lines.append(f"{r['case']}: {fmt(r['staged_phases'])} | {fmt(r['in_place_phases'])} | "
                      f"{fmt(r['undo_phases'])}  "
-                     f"(copies {r['copies']}, rounds {r['rounds']}, staging {r['staging_bytes'] / 1e9:.1f} GB)")
+                     f"(copies {r['copies']}, rounds {r['rounds']}, lanes {r.get('lanes', 1)}, staging {r['staging_bytes'] / 1e9:.1f} GB)")
     return "\n".join(lines)
 
 
@@ -412,6 +413,8 @@ def main() -> None:
     ap.add_argument("--bucket-bytes", type=int, default=GiB, help="largest wire message (bytes)")
     ap.add_argument("--direct-bytes", type=int, default=DIRECT_BYTES,
                     help="shortest run sent from / received into the tensors unpacked (bytes; 0: only whole messages)")
+    ap.add_argument("--lanes", type=int, default=None,
+                    help="communicators the rounds are spread over (default: the executor's, 2 on NCCL)")
     ap.add_argument("--nccl-high-priority", action="store_true",
                     help="give the process group high-priority NCCL streams (ProcessGroupNCCL.Options)")
     ap.add_argument("--check", action="store_true", help="first check small plans with relays against execute_local")
@@ -428,6 +431,7 @@ def main() -> None:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--store", store, "--out", out, "--cases", args.cases,
                "--iters", str(args.iters), "--memory-cap", str(args.memory_cap),
                "--bucket-bytes", str(args.bucket_bytes), "--direct-bytes", str(args.direct_bytes)] + (["--small"] if args.small else []) + \
+            (["--lanes", str(args.lanes)] if args.lanes is not None else []) + \
             (["--check"] if args.check else []) + (["--nccl-high-priority"] if args.nccl_high_priority else [])
         procs = [subprocess.Popen(cmd + ["--worker", str(r)]) for r in range(2)]
         codes = [p.wait() for p in procs]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -117,6 +117,7 @@ class Bound:
         self.commit = bind(s.commit, memory, itemsize)
         self.deferred = bind(s.deferred, memory, itemsize)
         self.shifts = shift_views(plan, flats[DST])  # value shifts of this process's destination blocks
+        self.ops: dict[tuple, list] = {}  # (round position, lane) -> its P2POps, built at first use
 
 
 def _wire_id(c: Copies, wire: int) -> Copies:
@@ -137,12 +138,14 @@ def _pieces(c: Copies, k: int) -> list[Copies]:
     return [c.select(piece == p) for p in range(k)]
 
 
-def poll(events: list, timeout: float, what: list[str]) -> None:
-    """Wait for CUDA events in order; fail after `timeout` seconds without one of them completing."""
+def poll(events: list, timeout: float, what: list[str] | Callable[[int], str]) -> None:
+    """Wait for CUDA events in order; fail after `timeout` seconds without one of them completing. `what`
+    names event i (a list, or a function, so that names are only built for an error message)."""
     last = time.monotonic()
-    for ev, name in zip(events, what):
+    for i, ev in enumerate(events):
         while not ev.query():
             if time.monotonic() - last > timeout:
+                name = what(i) if callable(what) else what[i]
                 raise ExecutionError(f"no progress for {timeout:.1f} s waiting for {name}")
             time.sleep(0.0001)
         last = time.monotonic()
@@ -184,10 +187,16 @@ class Engine(abc.ABC):
             p.run()
 
     def _ops(self, pos: int) -> list:
-        r, g, group = self.rounds[pos], self.ex._global, self.ex.group
-        return ([dist.P2POp(dist.isend, b, g[m.peer], group, tag=m.tag) for b, m in zip(self.b.send_bufs[pos], r.sends)]
+        r, g = self.rounds[pos], self.ex._global
+        group = self.ex.lanes[r.index % len(self.ex.lanes)]  # both ends derive the lane from the global round
+        key = (pos, id(group))
+        ops = self.b.ops.get(key)
+        if ops is None:  # built once per bound tensors and lane: a few microseconds per message saved per refit
+            ops = self.b.ops[key] = (
+                [dist.P2POp(dist.isend, b, g[m.peer], group, tag=m.tag) for b, m in zip(self.b.send_bufs[pos], r.sends)]
                 + [dist.P2POp(dist.irecv, b, g[m.peer], group, tag=m.tag)
                    for b, m in zip(self.b.recv_bufs[pos], r.recvs)])
+        return ops
 
     def describe(self, pos: int) -> str:
         r, size = self.rounds[pos], self.ex.plan.itemsize
@@ -285,7 +294,7 @@ class CudaEngine(Engine):
         for st in self.streams.values():
             st.wait_event(entry)  # the caller's writes to the source tensors come first
         self.slot_owner: dict[int, dict] = {}
-        self.done: list[tuple] = []  # (event, what), in order
+        self.done: list[tuple] = []  # (event, round position), in order
         self.local_done: dict[int, torch.cuda.Event] = {}
         self.last_scatter: torch.cuda.Event | None = None
         self.packed: torch.cuda.Event | None = None
@@ -325,7 +334,7 @@ class CudaEngine(Engine):
             self._run(self.b.scatters[pending["pos"]])
             ev = st.record_event()
         pending["scattered"] = self.last_scatter = ev
-        self.done.append((ev, self.describe(pending["pos"])))
+        self.done.append((ev, pending["pos"]))
 
     def local(self, stage: int, piece: int) -> None:
         st = self.streams["local"]
@@ -346,7 +355,11 @@ class CudaEngine(Engine):
 
     def drain(self) -> None:
         events = [e for e, _ in self.done] + list(self.local_done.values())
-        what = [w for _, w in self.done] + [f"local copies of stage {s}" for s in self.local_done]
+        stages = list(self.local_done)
+
+        def what(i: int) -> str:
+            return self.describe(self.done[i][1]) if i < len(self.done) else \
+                f"local copies of stage {stages[i - len(self.done)]}"
         try:
             poll(events, self.ex.timeout, what)
         except ExecutionError as e:
@@ -361,7 +374,7 @@ class CudaEngine(Engine):
         cur.synchronize()
 
     def abort(self) -> None:
-        abort(self.ex.group)
+        self.ex.abort()
 
     def _restore_log(self) -> int:
         # after the abort: wait (bounded) until nothing of this refit still runs on our streams, then put back

@@ -187,7 +187,7 @@ def _split(p: dict[str, np.ndarray], cuts: np.ndarray) -> dict[str, np.ndarray]:
     return {k: np.concatenate([d[k] for d in done]) for k in done[0]}
 
 
-DIRECT_BYTES = 64 << 20  # runs contiguous in one side's memory at least this long travel unpacked (see BENCHMARKS.md)
+DIRECT_BYTES = 16 << 20  # runs contiguous in one side's memory at least this long travel unpacked (see BENCHMARKS.md)
 
 
 def build_schedule(plan: Plan, binding: Binding, process: int, bucket_numel: int, staged: bool,

@@ -48,7 +48,7 @@ def _stats(s: ExecutionStats) -> dict[str, Any]:
     return {"bytes_sent": {str(k): v for k, v in s.bytes_sent.items()},
             "bytes_received": {str(k): v for k, v in s.bytes_received.items()},
             "local_bytes": s.local_bytes, "rounds": s.rounds, "messages": s.messages, "staged": s.staged,
-            "undo": s.undo,
+            "undo": s.undo, "lanes": s.lanes,
             "staging_bytes": s.staging_bytes, "bucket_bytes": s.bucket_bytes}
 
 

@@ -57,7 +57,9 @@ def random_cases(draw):
                # small buckets split ops at odd places; about 20 rounds at most keeps a case quick
                "bucket_bytes": max(draw(st.sampled_from([4, 12, 256, 4096, 1 << 20])), total // 20),
                # runs sent from / received into the tensors unpacked: most, some, or only whole messages
-               "direct_bytes": draw(st.sampled_from([2, 64, None]))}
+               "direct_bytes": draw(st.sampled_from([2, 64, None])),
+               # rounds spread over extra communicators of the group (round r on lane r mod lanes)
+               "lanes": draw(st.sampled_from([1, 2, 3]))}
     if draw(st.booleans()):
         options["memory_cap"] = max(options.pop("bucket_bytes") * 2, 64)
     return plan, binding, members, options, draw(st.integers(0, 2**16))
@@ -90,6 +92,10 @@ def _fixed_cases():
          Binding.colocated(4, 4), None, {**small, "undo": True}),
         ("subgroup, fan-out relay", reshard.compile(M(model=spec), V(model=spec, replicas=2), fanout=1),
          Binding.disjoint(1, 2), [1, 2, 3], small),
+        ("world, three lanes", reshard.compile(M(model=spec, tp=2), V(model=spec, tp=2)),
+         Binding.colocated(2, 2), None, {**small, "lanes": 3}),
+        ("subgroup, two lanes", reshard.compile(M(model=spec, tp=2), V(model=spec, replicas=2)),
+         Binding((0, 1), (1, 0)), [0, 2], {**small, "lanes": 2}),
         ("fan-out x3 from one trainer", reshard.compile(M(model=spec), V(model=spec, replicas=3), fanout=1),
          Binding.disjoint(1, 3), None, small),
         ("no fan-out x3 from one trainer", reshard.compile(M(model=spec), V(model=spec, replicas=3)),
@@ -146,13 +152,16 @@ def test_refits_across_processes_match_local_executor(tmp_path: Path):
     assert sum(stats(flat, 0)["bytes_sent"].values()) == 3 * one_replica
     relayed = sum(sum(stats(fan, p)["bytes_sent"].values()) for p in (1, 2, 3))
     assert relayed == 2 * one_replica
+    # lanes: rounds spread over three communicators of the world (their own groups, made at the first refit)
+    assert stats(named_index["world, three lanes"], 0)["lanes"] == 3
+    assert stats(named_index["disjoint tp2 -> tp2"], 0)["lanes"] == 1  # gloo's default
     # subgroup: world rank 0 sat out; group rank 0 (world rank 1) was the trainer
     sub = named_index["subgroup, fan-out relay"]
     assert results[0][sub] is None and sum(stats(sub, 1)["bytes_sent"].values()) == one_replica
 
 
-@pytest.mark.parametrize("mode,undo", [("kill", False), ("hang", False), ("kill", True)])
-def test_dead_or_hanging_peer_fails_every_survivor(tmp_path: Path, mode: str, undo: bool):
+@pytest.mark.parametrize("mode,undo,lanes", [("kill", False, 1), ("hang", False, 2), ("kill", True, 2)])
+def test_dead_or_hanging_peer_fails_every_survivor(tmp_path: Path, mode: str, undo: bool, lanes: int):
     """Group rank 0 (a trainer rank) dies or stops at round 2. Rank 2 receives from it and fails in its wait;
     rank 1 does not talk to it and fails in the verify step. Both raise ExecutionError within the timeout and
     keep their destination tensors unchanged: staged ones were never written, undo ones are put back."""
@@ -162,7 +171,7 @@ def test_dead_or_hanging_peer_fails_every_survivor(tmp_path: Path, mode: str, un
     timeout = 2.0
     args = {"plan": str(path), "binding": Binding((0, 1), (2,)).to_dict(), "seed": 3, "victim": 0, "mode": mode,
             "at_round": 2, "hang_seconds": 2 * timeout + 1,
-            "options": {"timeout": timeout, "bucket_bytes": 256, **({"undo": True} if undo else {})}}
+            "options": {"timeout": timeout, "bucket_bytes": 256, "lanes": lanes, **({"undo": True} if undo else {})}}
     results = run_world(3, "reshard.testing.refit_jobs:fail_mid_refit", args, tmp_path / "world", timeout=120)
     logs = (tmp_path / "world" / "logs.txt").read_text()
     assert results[0] is None, "the victim should not have finished"

@@ -1,0 +1,71 @@
+"""Lanes: extra communicators over the processes of a refit group, so that rounds overlap on the link.
+
+NCCL runs the point-to-point operations of one communicator one after another on one stream, and each pays a
+fixed cost on top of its bytes: on two H200s over NVLink, 8.2 GB each way as 82 messages of 100 MiB took 27.4 ms
+in 8 groups on one communicator against 23.1 ms as 8 messages of 1 GiB, about 55 us per extra message; with
+the groups alternating between two communicators the same 82 messages took 23.8 ms (BENCHMARKS.md,
+"Lanes"). The executor therefore posts round r on lane r mod n: both ends of a message derive the same lane
+from the round's global index, and on each lane a pair posts its messages in round order, as NCCL's matching
+requires. Each extra lane costs one more communicator (NCCL: its buffers on the GPU, tens to hundreds of MB).
+
+Lanes are made once per group and process and reused by every executor over that group. Making them is a
+collective of the group's members: the executor does it in its first refit, right after the preflight that
+every member must pass together, so all members make the same lanes in the same order. torch names a new
+group after a per-process count (of groups made by everyone for the whole world; of groups this process
+belongs to for a subgroup), and members that disagree on the name would wait for each other forever; the
+preflight therefore compares `naming_count` across the members, and where it differs the executor stays on
+one lane (`ExecutionStats.lanes` says how many it used).
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+_LANES: dict[int, tuple[object, list]] = {}  # id(group) -> (group, its extra lanes); the group is kept alive
+
+
+def lanes_for(group, n: int, backend: str) -> list:
+    """`group` followed by n - 1 communicators over the same processes (made on first use, then reused)."""
+    if n <= 1:
+        return [group]
+    entry = _LANES.get(id(group))
+    if entry is None or entry[0] is not group:
+        entry = _LANES[id(group)] = (group, [])
+    extra = entry[1]
+    while len(extra) < n - 1:
+        extra.append(_new_lane(group, backend))
+    return [group, *extra[:n - 1]]
+
+
+def naming_count(group) -> int:
+    """The count torch will name the next lane after (see the module docstring); -1 if unknown."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    try:
+        if _whole_world(group):
+            return int(world.group_count)
+        return len(world.pg_names)
+    except AttributeError:
+        return -1
+
+
+def _whole_world(group) -> bool:
+    return dist.get_world_size(group) == dist.get_world_size()
+
+
+def forget(group) -> None:
+    """Drop a group's lanes (after an abort they are as unusable as the group itself)."""
+    _LANES.pop(id(group), None)
+
+
+def _new_lane(group, backend: str):
+    ranks = dist.get_process_group_ranks(group)
+    if _whole_world(group):  # every process is a member and calls this: torch's usual collective new_group
+        return dist.new_group(ranks=ranks, backend=backend)
+    default = dist.distributed_c10d._get_default_group()
+    if backend == "nccl" and default.bound_device_id is not None:
+        # a device-bound world makes NCCL groups by splitting a parent communicator; splitting the refit group
+        # itself involves only its members (new_group would split the world's, needing every process)
+        return dist.split_group(parent_pg=group, split_ranks=[list(range(dist.get_world_size(group)))])
+    return dist.new_group(ranks=ranks, backend=backend, use_local_synchronization=True)
+
+
+__all__ = ["forget", "lanes_for", "naming_count"]

@@ -29,11 +29,14 @@ the send and its receiver the receive. A process posts its rounds in increasing 
 sends and receives at once (`batch_isend_irecv`, non-blocking; on NCCL one group call that progresses every
 pair together, so no cycle of blocking sends can form within a round). Induction on the round index: when
 every process has finished its rounds before r, every process taking part in round r has posted all of round
-r's operations (posting never waits on another process; with two rounds in flight, posting r only waits for
-this process's own round r-2), so every operation of round r finds its match and completes. Between one
-pair, messages are matched in posting order (NCCL) or by tag = round (gloo), and both sides post a pair's
-messages in the same round order. Relays add only local waits (a process finishes stage s before packing
-stage s+1), so the induction still holds.
+r's operations (posting never waits on another process; with `depth` rounds in flight, posting r only waits
+for this process's own round r-depth), so every operation of round r finds its match and completes. Round r
+travels on lane r mod lanes (a communicator of its own, executors.lanes), which both ends derive from the
+round's global index; on one lane, a pair's messages are matched in posting order (NCCL) or by tag = round
+(gloo), and both sides post them in the same round order. Lanes run on streams of their own, so a round
+never queues behind another lane's; their NCCL kernels (a few dozen thread blocks each) fit on the GPU
+together. Relays add only local waits (a process finishes stage s before packing stage s+1), so the
+induction still holds.
 
 Staging and its memory cost. By default a destination tensor that receives any bytes from another process
 (or that this process forwards from, in fan-out trees) gets a shadow: a staging tensor of the same size
@@ -55,7 +58,7 @@ run was never written: its writes are ordered after the backup). Memory: the sam
 copies into tensors that receive nothing from a peer wait for the commit, as when staged. Unlike staging, a
 reader of the destination tensors during the refit sees old and new weights mixed: pause the engine.
 
-Wire buffers: `depth` (2) rounds in flight x the most peers a process has in one round x the bucket size; the
+Wire buffers: `depth` (3) rounds in flight x the most peers a process has in one round x the bucket size; the
 bucket is chosen so that this stays under `memory_cap` on the busiest process.
 
 Failure. A dead or hanging peer makes every surviving process raise ExecutionError within `timeout` seconds
@@ -136,14 +139,14 @@ class DistributedExecutor:
         copy. None: only messages that happen to be contiguous go direct.
     lanes: communicators the rounds are spread over (round r on lane r mod lanes; executors.lanes): NCCL runs
         one communicator's messages one after another, each with a fixed cost, and two lanes overlap those
-        costs. The extra ones are made from the group in the first refit and kept for it. Default: 2 on NCCL,
-        1 on gloo.
+        costs. The extra ones are made from the group in the first refit and kept for it. Default on NCCL:
+        `depth`, so that every round in flight has a communicator of its own; 1 on gloo.
     on_round: called with each round's index before it is posted (progress reporting, fault injection in tests).
     """
 
     def __init__(self, plan: Plan, binding: Binding, group: dist.ProcessGroup | None = None, *,
                  in_place: bool = False, undo: bool = False, memory_cap: int = DEFAULT_MEMORY_CAP, bucket_bytes: int | None = None,
-                 timeout: float = 300.0, depth: int = 2, direct_bytes: int | None = DIRECT_BYTES,
+                 timeout: float = 300.0, depth: int = 3, direct_bytes: int | None = DIRECT_BYTES,
                  lanes: int | None = None, on_round: Callable[[int], None] | None = None) -> None:
         if undo and in_place:
             raise ExecutionError("undo=True already writes in place (keeping the previous bytes); drop in_place")
@@ -169,7 +172,7 @@ class DistributedExecutor:
                 raise ExecutionError("a process group was given but torch.distributed is not initialized")
             self.group, self.rank, self.size, self.backend = None, 0, 1, "none"
         binding.check(plan.src.num_ranks, plan.dst.num_ranks, self.size)
-        self.num_lanes = 1 if self.size == 1 else lanes if lanes is not None else 2 if self.backend == "nccl" else 1
+        self.num_lanes = 1 if self.size == 1 else lanes if lanes is not None else depth if self.backend == "nccl" else 1
         self.lanes: list = [self.group]  # the rest are made at the first refit (executors.lanes)
         self._lanes_agree = False
         self.bucket_numel = bucket_numel_for(plan, binding, memory_cap, bucket_bytes, depth)

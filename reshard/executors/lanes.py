@@ -1,12 +1,13 @@
 """Lanes: extra communicators over the processes of a refit group, so that rounds overlap on the link.
 
 NCCL runs the point-to-point operations of one communicator one after another on one stream, and each pays a
-fixed cost on top of its bytes: on two H200s over NVLink, 8.2 GB each way as 82 messages of 100 MiB took 27.4 ms
-in 8 groups on one communicator against 23.1 ms as 8 messages of 1 GiB, about 55 us per extra message; with
-the groups alternating between two communicators the same 82 messages took 23.8 ms (BENCHMARKS.md,
-"Lanes"). The executor therefore posts round r on lane r mod n: both ends of a message derive the same lane
-from the round's global index, and on each lane a pair posts its messages in round order, as NCCL's matching
-requires. Each extra lane costs one more communicator (NCCL: its buffers on the GPU, tens to hundreds of MB).
+fixed cost on top of its bytes: on two H200s over NVLink, 8.2 GB each way as 8 rounds of ten 100 MiB messages
+took 27.4 ms on one communicator against 23.1 ms as 8 rounds of one 1 GiB message, about 55 us per extra
+message; with the rounds alternating between two communicators, 23.8 ms (benchmarks/nccl_p2p_shapes.py;
+BENCHMARKS.md, issue 3, "Current figures"). The executor therefore posts round r on lane r mod n: both ends
+of a message derive the same lane from the round's global index, and on each lane a pair posts its messages
+in round order, as NCCL's matching requires. Each extra lane is one more communicator (with NCCL, its
+buffers on the GPU).
 
 Lanes are made once per group and process and reused by every executor over that group. Making them is a
 collective of the group's members: the executor does it in its first refit, right after the preflight that
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 _LANES: dict[int, tuple[object, list]] = {}  # id(group) -> (group, its extra lanes); the group is kept alive
+_FAILED: set[int] = set()  # groups whose lanes could not be made
 
 
 def lanes_for(group, n: int, backend: str) -> list:
@@ -31,8 +33,11 @@ def lanes_for(group, n: int, backend: str) -> list:
     if entry is None or entry[0] is not group:
         entry = _LANES[id(group)] = (group, [])
     extra = entry[1]
-    while len(extra) < n - 1:
-        extra.append(_new_lane(group, backend))
+    while len(extra) < n - 1 and id(group) not in _FAILED:
+        try:
+            extra.append(_new_lane(group, backend))
+        except Exception:  # noqa: BLE001 - a torch that cannot make them fails alike on every member:
+            _FAILED.add(id(group))  # stay on the lanes made so far, and do not try again
     return [group, *extra[:n - 1]]
 
 
@@ -54,6 +59,7 @@ def _whole_world(group) -> bool:
 def forget(group) -> None:
     """Drop a group's lanes (after an abort they are as unusable as the group itself)."""
     _LANES.pop(id(group), None)
+    _FAILED.discard(id(group))
 
 
 def _new_lane(group, backend: str):

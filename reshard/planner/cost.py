@@ -46,7 +46,8 @@ class Topology:
     copy_latency: float = 5e-6
     op_overhead: float = 0.0  # per op, on the busiest GPU (executors that launch a kernel per op)
     pack_copies: float = 0.0  # device copies of every crossing byte on its sender and its receiver (wire buffers)
-    commit_copies: float = 0.0  # device copies of every received byte after it lands (a staged commit)
+    commit_copies: float = 0.0  # device copies of every byte a GPU receives after it lands (a staged commit),
+    # counted on GPUs that receive anything from another GPU
     overlap_copies: bool = True  # pack/commit copies overlap the wire (bucketed pipelines) or follow it
     pipelined: bool = False
     chunk_bytes: int = 64 << 20  # pipelined relays forward this much before the next level can start
@@ -199,7 +200,10 @@ def _stage(plan: "Plan", topo: Topology, tr, sel, s: int) -> tuple[StagePredicti
     copies = (np.bincount(src_gpu[same], weights=nbytes[same], minlength=n)  # local copies
               + topo.pack_copies * (np.bincount(src_gpu[cross], weights=nbytes[cross], minlength=n)
                                     + np.bincount(dst_gpu[cross], weights=nbytes[cross], minlength=n))
-              + topo.commit_copies * np.bincount(dst_gpu, weights=nbytes, minlength=n))
+              # staging shadows only tensors that receive bytes from another process: a GPU fed only by local
+              # copies stages nothing (its copies run once, at commit)
+              + topo.commit_copies * np.bincount(dst_gpu, weights=nbytes, minlength=n)
+              * (np.bincount(dst_gpu[cross], weights=nbytes[cross], minlength=n) > 0))
     bw = {"copy": topo.copy_bandwidth, "nvlink out": topo.nvlink_bandwidth, "nvlink in": topo.nvlink_bandwidth,
           "nvlink both": topo.nvlink_bidirectional, "nic out": topo.network_bandwidth,
           "nic in": topo.network_bandwidth}

@@ -52,6 +52,15 @@ def test_pack_and_commit_copies(model):
     assert serial == pytest.approx(wire + receiver_copies + topo.nvlink_latency)
 
 
+def test_a_gpu_fed_only_by_local_copies_stages_nothing(model):
+    """Staging shadows tensors that receive bytes from another process; an all-local refit commits its local
+    copies once, so a staged commit adds nothing to it (the executor's E4)."""
+    local = _one_to_one(model, colocated=True)
+    topo = Topology(gpus_per_node=8)
+    staged = topo.with_(commit_copies=1.0, overlap_copies=False)
+    assert predict(local, staged).seconds == pytest.approx(predict(local, topo).seconds)
+
+
 def test_bidirectional_nvlink_cap(model):
     """Two GPUs that each send the other the same bytes share the bidirectional NVLink figure."""
     src = reshard.MegatronLayout(model=model, tp=2)

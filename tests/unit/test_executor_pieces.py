@@ -134,3 +134,23 @@ def test_bad_tensors_are_refused_before_anything_moves():
         ex.run(src, {})
     with pytest.raises(ExecutionError, match="group rank 1 but the group has 1 ranks"):
         DistributedExecutor(plan, Binding((0,), (1,)))
+
+
+def test_repeated_calls_skip_checks_only_for_the_same_tensors():
+    """A call with the very tensors of the last good call skips the checks; any other tensor is checked again."""
+    plan = reshard.compile(reshard.MegatronLayout(model=SPEC), reshard.VllmLayout(model=SPEC))
+    ex = DistributedExecutor(plan, Binding((0,), (0,)), in_place=True)
+    src = shard(plan.src, _weights())
+    want, dst = allocate(plan.dst, fill=-1.0), allocate(plan.dst, fill=-1.0)
+    execute_local(plan, src, want)
+    ex.run(src, dst)
+    assert ex._given, "a good call arms the fast path"
+    name = next(iter(dst[0]))
+    dst[0][name] = dst[0][name].double()  # the same dict, one tensor swapped for a bad one
+    with pytest.raises(ExecutionError, match=f"{name}.*nothing was moved"):
+        ex.run(src, dst)
+    dst[0][name] = torch.full(want[0][name].shape, -1.0, dtype=want[0][name].dtype)  # a new, good tensor
+    ex.run(src, dst)
+    ex.run(src, dst)  # the fast path, on the tensors just checked
+    for n in want[0]:
+        assert torch.equal(dst[0][n], want[0][n]), n

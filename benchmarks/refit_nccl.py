@@ -39,7 +39,6 @@ sys.path.insert(0, str(ROOT))
 import reshard  # noqa: E402
 from reshard.executors.binding import Binding  # noqa: E402
 from reshard.executors.distributed import DistributedExecutor  # noqa: E402
-from reshard.executors.schedule import DIRECT_BYTES  # noqa: E402
 from reshard.executors.local import _box, torch_dtype  # noqa: E402
 
 GiB = 1 << 30
@@ -239,7 +238,8 @@ def run_case(name: str, plan, binding: Binding, procs, me: int, groups: dict, de
     src = source_tensors(plan.src, my_src, device)
     out: dict = {"case": name}
     options = {"memory_cap": args.memory_cap, "bucket_bytes": args.bucket_bytes, "timeout": 120.0,
-               "direct_bytes": args.direct_bytes or None, "lanes": args.lanes}
+               "direct_bytes": "auto" if args.direct_bytes is None else (args.direct_bytes or None),
+               "lanes": args.lanes}
 
     staged = DistributedExecutor(plan, binding, ex_group, **options)
     s = staged.schedule
@@ -411,10 +411,11 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--memory-cap", type=int, default=4 * GiB, help="wire buffer cap per process (bytes)")
     ap.add_argument("--bucket-bytes", type=int, default=GiB, help="largest wire message (bytes)")
-    ap.add_argument("--direct-bytes", type=int, default=DIRECT_BYTES,
-                    help="shortest run sent from / received into the tensors unpacked (bytes; 0: only whole messages)")
-    ap.add_argument("--lanes", type=int, default=None,
-                    help="communicators the rounds are spread over (default: the executor's, 2 on NCCL)")
+    ap.add_argument("--direct-bytes", type=int, default=None,
+                    help="shortest run sent from / received into the tensors unpacked (bytes; 0: only whole "
+                         "messages; default: the executor's, which depends on --lanes)")
+    ap.add_argument("--lanes", type=int, default=1,
+                    help="communicators the rounds are spread over (the executor's lanes; default 1)")
     ap.add_argument("--nccl-high-priority", action="store_true",
                     help="give the process group high-priority NCCL streams (ProcessGroupNCCL.Options)")
     ap.add_argument("--check", action="store_true", help="first check small plans with relays against execute_local")
@@ -430,8 +431,9 @@ def main() -> None:
         store = str(Path(tmp) / "store")
         cmd = [sys.executable, str(Path(__file__).resolve()), "--store", store, "--out", out, "--cases", args.cases,
                "--iters", str(args.iters), "--memory-cap", str(args.memory_cap),
-               "--bucket-bytes", str(args.bucket_bytes), "--direct-bytes", str(args.direct_bytes)] + (["--small"] if args.small else []) + \
-            (["--lanes", str(args.lanes)] if args.lanes is not None else []) + \
+               "--bucket-bytes", str(args.bucket_bytes), "--lanes", str(args.lanes)] + \
+            (["--direct-bytes", str(args.direct_bytes)] if args.direct_bytes is not None else []) + \
+            (["--small"] if args.small else []) + \
             (["--check"] if args.check else []) + (["--nccl-high-priority"] if args.nccl_high_priority else [])
         procs = [subprocess.Popen(cmd + ["--worker", str(r)]) for r in range(2)]
         codes = [p.wait() for p in procs]

@@ -85,7 +85,7 @@ from .binding import Binding
 from .engines import Bound, Engine, abort, bound_key, make_engine, poll
 from .lanes import forget, lanes_for, naming_count
 from .local import check_tensors
-from .schedule import DIRECT_BYTES, ProcessSchedule, bucket_numel_for, build_schedule
+from .schedule import DIRECT_BYTES, LANES_DIRECT_BYTES, ProcessSchedule, bucket_numel_for, build_schedule
 
 RankTensors = Mapping[int, Mapping[str, torch.Tensor]]
 DEFAULT_MEMORY_CAP = 2 << 30
@@ -130,32 +130,38 @@ class DistributedExecutor:
         put them back if the refit fails. The same memory as staging and the same outcome for a failed refit,
         without staging's commit copy; unlike staging, a reader of the destination tensors during the refit
         sees a mix of old and new weights (pause the engine, as refits usually do).
-    memory_cap: bytes of wire buffers per process (2 rounds in flight x peers per round x bucket).
+    memory_cap: bytes of wire buffers per process (`depth` rounds in flight x peers per round x bucket).
     bucket_bytes: the largest message; default as large as `memory_cap` allows.
     timeout: seconds any wait may go without progress before the refit fails with ExecutionError.
-    depth: rounds in flight per process.
+    depth: rounds in flight per process; default max(2, lanes).
     direct_bytes: runs of at least this many bytes that are contiguous in the sender's (receiver's) memory
         travel as messages of their own, sent from (received into) the tensors themselves: no pack (scatter)
-        copy. None: only messages that happen to be contiguous go direct.
+        copy. None: only messages that happen to be contiguous go direct. "auto": 64 MiB on one lane, 16 MiB
+        on several (BENCHMARKS.md).
     lanes: communicators the rounds are spread over (round r on lane r mod lanes; executors.lanes): NCCL runs
-        one communicator's messages one after another, each with a fixed cost, and two lanes overlap those
-        costs. The extra ones are made from the group in the first refit and kept for it. Default on NCCL:
-        `depth`, so that every round in flight has a communicator of its own; 1 on gloo.
+        one communicator's messages one after another, each with a fixed cost, and lanes overlap those costs
+        (E3 on 2xH200: 84-85% of the link with 3 lanes, 72% with 1). The extra ones are made from the group in
+        the first refit and kept for it. Default 1: on NCCL (2.28.9, torch 2.11) aborting several
+        communicators whose kernels wait for a dead peer hung in our tests, so with lanes > 1 a dead peer can
+        leave the survivors stuck in the abort instead of raising; a hung (alive) peer is no different.
     on_round: called with each round's index before it is posted (progress reporting, fault injection in tests).
     """
 
     def __init__(self, plan: Plan, binding: Binding, group: dist.ProcessGroup | None = None, *,
                  in_place: bool = False, undo: bool = False, memory_cap: int = DEFAULT_MEMORY_CAP, bucket_bytes: int | None = None,
-                 timeout: float = 300.0, depth: int = 3, direct_bytes: int | None = DIRECT_BYTES,
-                 lanes: int | None = None, on_round: Callable[[int], None] | None = None) -> None:
+                 timeout: float = 300.0, depth: int | None = None, direct_bytes: int | str | None = "auto",
+                 lanes: int = 1, on_round: Callable[[int], None] | None = None) -> None:
         if undo and in_place:
             raise ExecutionError("undo=True already writes in place (keeping the previous bytes); drop in_place")
+        if lanes < 1:
+            raise ExecutionError(f"lanes={lanes} must be at least 1")
+        depth = max(2, lanes) if depth is None else depth
+        if direct_bytes == "auto":  # cheap messages on several lanes make shorter runs worth sending unpacked
+            direct_bytes = LANES_DIRECT_BYTES if lanes > 1 else DIRECT_BYTES
         if depth < 1:
             raise ExecutionError(f"depth={depth} must be at least 1")
         if timeout <= 0:
             raise ExecutionError(f"timeout={timeout} must be positive (seconds)")
-        if lanes is not None and lanes < 1:
-            raise ExecutionError(f"lanes={lanes} must be at least 1")
         self.plan, self.binding, self.in_place, self.timeout, self.depth = plan, binding, in_place, timeout, depth
         self.undo = undo
         self.on_round = on_round
@@ -172,7 +178,7 @@ class DistributedExecutor:
                 raise ExecutionError("a process group was given but torch.distributed is not initialized")
             self.group, self.rank, self.size, self.backend = None, 0, 1, "none"
         binding.check(plan.src.num_ranks, plan.dst.num_ranks, self.size)
-        self.num_lanes = 1 if self.size == 1 else lanes if lanes is not None else depth if self.backend == "nccl" else 1
+        self.num_lanes = 1 if self.size == 1 else lanes
         self.lanes: list = [self.group]  # the rest are made at the first refit (executors.lanes)
         self._lanes_agree = False
         self.bucket_numel = bucket_numel_for(plan, binding, memory_cap, bucket_bytes, depth)
@@ -372,8 +378,7 @@ class DistributedExecutor:
 
     def abort(self) -> None:
         """Unblock the transport after a failure: abort the group and its lanes (all unusable afterwards)."""
-        for g in self.lanes:
-            abort(g)
+        abort(self.lanes)
         forget(self.group)
 
     def _failure(self, what: str, before: bool = False) -> str:

@@ -151,11 +151,35 @@ def poll(events: list, timeout: float, what: list[str] | Callable[[int], str]) -
         last = time.monotonic()
 
 
-def abort(group) -> None:
-    """Unblock NCCL kernels that wait for a dead peer (best effort: the error being raised says what failed)."""
+def abort(groups: list) -> None:
+    """Unblock NCCL kernels that wait for a dead peer: abort these groups' communicators (best effort: the error
+    being raised says what failed; for the world group torch aborts every group of the process). NCCL aborts of several communicators one after another
+    can wait on each other's stuck kernels forever (measured with three lanes on 2xH200, and pytorch#119797),
+    so several are aborted inside one NCCL group, as torch does for a whole world (which still hung with three
+    lanes there: executors.lanes)."""
+    if len(groups) == 1:  # one communicator: torch's abort (measured on 2xH200: the survivor raises in time)
+        try:
+            from torch.distributed.distributed_c10d import _abort_process_group
+            _abort_process_group(groups[0])
+        except Exception:  # noqa: BLE001
+            pass
+        return
     try:
-        from torch.distributed.distributed_c10d import _abort_process_group
-        _abort_process_group(group)
+        from torch.distributed.distributed_c10d import ProcessGroupNCCL
+        backend = groups[0]._get_backend(torch.device("cuda"))
+        grouped = isinstance(backend, ProcessGroupNCCL)
+    except Exception:  # noqa: BLE001 - no NCCL backend: nothing is stuck on the GPU
+        return
+    try:
+        if grouped:
+            backend._group_start()
+        for g in groups:
+            try:
+                g.abort()
+            except Exception:  # noqa: BLE001
+                pass
+        if grouped:
+            backend._group_end()
     except Exception:  # noqa: BLE001
         pass
 

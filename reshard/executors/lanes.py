@@ -9,6 +9,11 @@ of a message derive the same lane from the round's global index, and on each lan
 in round order, as NCCL's matching requires. Each extra lane is one more communicator (with NCCL, its
 buffers on the GPU).
 
+Off by default (`DistributedExecutor(lanes=1)`): on NCCL 2.28.9 / torch 2.11 (2xH200), when a peer died
+mid-refit with three lanes, aborting the communicators whose kernels waited for it never returned, one after
+another or inside one NCCL group alike, so the survivor hung instead of raising; with one lane it raised after
+the timeout. Use lanes where a hung refit is handled outside the process (a job-level watchdog).
+
 Lanes are made once per group and process and reused by every executor over that group. Making them is a
 collective of the group's members: the executor does it in its first refit, right after the preflight that
 every member must pass together, so all members make the same lanes in the same order. torch names a new

@@ -187,7 +187,8 @@ def _split(p: dict[str, np.ndarray], cuts: np.ndarray) -> dict[str, np.ndarray]:
     return {k: np.concatenate([d[k] for d in done]) for k in done[0]}
 
 
-DIRECT_BYTES = 16 << 20  # runs contiguous in one side's memory at least this long travel unpacked (see BENCHMARKS.md)
+LANES_DIRECT_BYTES = 16 << 20  # the same with several lanes, where messages are cheap (executors.lanes)
+DIRECT_BYTES = 64 << 20  # runs contiguous in one side's memory at least this long travel unpacked (see BENCHMARKS.md)
 
 
 def build_schedule(plan: Plan, binding: Binding, process: int, bucket_numel: int, staged: bool,

@@ -71,6 +71,7 @@ destroy and rebuild it.
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -142,8 +143,8 @@ class DistributedExecutor:
         one communicator's messages one after another, each with a fixed cost, and lanes overlap those costs
         (E3 on 2xH200: 84-85% of the link with 3 lanes, 72% with 1). The extra ones are made from the group in
         the first refit and kept for it. Default 1: on NCCL (2.28.9, torch 2.11) aborting several
-        communicators whose kernels wait for a dead peer hung in our tests, so with lanes > 1 a dead peer can
-        leave the survivors stuck in the abort instead of raising; a hung (alive) peer is no different.
+        communicators whose kernels wait for a dead peer hung in our tests; the executor waits for that
+        abort at most `timeout`, then raises saying the process must be restarted (executors.lanes).
     on_round: called with each round's index before it is posted (progress reporting, fault injection in tests).
     """
 
@@ -181,6 +182,7 @@ class DistributedExecutor:
         self.num_lanes = 1 if self.size == 1 else lanes
         self.lanes: list = [self.group]  # the rest are made at the first refit (executors.lanes)
         self._lanes_agree = False
+        self._abort_note: str | None = None  # set by the first abort
         self.bucket_numel = bucket_numel_for(plan, binding, memory_cap, bucket_bytes, depth)
         direct_numel = 1 << 62 if direct_bytes is None else max(direct_bytes // plan.itemsize, 1)
         self.schedule: ProcessSchedule = build_schedule(plan, binding, self.rank, self.bucket_numel,
@@ -250,14 +252,16 @@ class DistributedExecutor:
             self._agree(device)
             marks.append(("verify", time.perf_counter()))
         except ReshardError as e:
-            engine.abort()
+            note = engine.abort()
             if self.undo:
-                raise ExecutionError(f"{e}; {engine.restore()}") from e
+                raise ExecutionError(f"{e}{note}; {engine.restore()}") from e
+            if note:
+                raise ExecutionError(f"{e}{note}") from e
             raise
         except Exception as e:  # a transport error: name it, keep the original as the cause
-            engine.abort()
+            note = engine.abort()
             restored = f"; {engine.restore()}" if self.undo else ""
-            raise ExecutionError(self._failure(f"{type(e).__name__}: {e}") + restored) from e
+            raise ExecutionError(self._failure(f"{type(e).__name__}: {e}") + note + restored) from e
         engine.commit()
         marks.append(("commit", time.perf_counter()))
         s = self.schedule
@@ -372,14 +376,26 @@ class DistributedExecutor:
             else:
                 work.wait(timedelta(seconds=self.timeout))
         except Exception as e:
-            if device.type == "cuda":
-                self.abort()
-            raise ExecutionError(self._failure(f"{what} all-reduce did not complete: {e}", before)) from e
+            note = self.abort() if device.type == "cuda" else ""
+            raise ExecutionError(self._failure(f"{what} all-reduce did not complete: {e}", before) + note) from e
 
-    def abort(self) -> None:
-        """Unblock the transport after a failure: abort the group and its lanes (all unusable afterwards)."""
-        abort(self.lanes)
-        forget(self.group)
+    def abort(self) -> str:
+        """Unblock the transport after a failure: abort the group and its lanes (all unusable afterwards).
+        Returns a note for the error message, empty when the abort finished."""
+        if self._abort_note is None:
+            self._abort_note = ""
+            if len(self.lanes) == 1:
+                abort(self.lanes)
+            else:  # several NCCL communicators stuck on a dead peer may never finish aborting (executors.lanes):
+                # wait at most `timeout` for it, so that this process still raises
+                worker = threading.Thread(target=abort, args=(list(self.lanes),), daemon=True, name="reshard-abort")
+                worker.start()
+                worker.join(self.timeout)
+                if worker.is_alive():
+                    self._abort_note = (f"; aborting the {len(self.lanes)} communicators (lanes) did not finish "
+                                        f"within {self.timeout:.1f} s: restart this process")
+            forget(self.group)
+        return self._abort_note
 
     def _failure(self, what: str, before: bool = False) -> str:
         state = ("nothing was moved" if before else

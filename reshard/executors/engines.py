@@ -257,8 +257,8 @@ class Engine(abc.ABC):
         """Write staged bytes and deferred local copies into the destination tensors."""
 
     @abc.abstractmethod
-    def abort(self) -> None:
-        """Unblock the transport after a failure."""
+    def abort(self) -> str:
+        """Unblock the transport after a failure; returns a note for the error message (may be empty)."""
 
 
 class HostEngine(Engine):
@@ -300,8 +300,8 @@ class HostEngine(Engine):
         self._run([self.b.commit, self.b.deferred])
         apply_shifts(self.b.shifts)
 
-    def abort(self) -> None:
-        pass
+    def abort(self) -> str:
+        return ""  # gloo's waits fail on their own
 
 
 class CudaEngine(Engine):
@@ -397,8 +397,8 @@ class CudaEngine(Engine):
         apply_shifts(self.b.shifts)
         cur.synchronize()
 
-    def abort(self) -> None:
-        self.ex.abort()
+    def abort(self) -> str:
+        return self.ex.abort()
 
     def _restore_log(self) -> int:
         # after the abort: wait (bounded) until nothing of this refit still runs on our streams, then put back

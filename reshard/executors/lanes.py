@@ -12,7 +12,10 @@ buffers on the GPU).
 Off by default (`DistributedExecutor(lanes=1)`): on NCCL 2.28.9 / torch 2.11 (2xH200), when a peer died
 mid-refit with three lanes, aborting the communicators whose kernels waited for it never returned, one after
 another or inside one NCCL group alike, so the survivor hung instead of raising; with one lane it raised after
-the timeout. Use lanes where a hung refit is handled outside the process (a job-level watchdog).
+the timeout. The executor now waits for a multi-lane abort at most `timeout` and raises anyway, saying the
+process must be restarted (not measured on NCCL yet: no GPU time was left); staged destinations are then
+untouched, undo ones may not be restored (their streams wait on the stuck kernels). Use lanes where a job-level
+watchdog restarts such a process.
 
 Lanes are made once per group and process and reused by every executor over that group. Making them is a
 collective of the group's members: the executor does it in its first refit, right after the preflight that

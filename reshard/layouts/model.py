@@ -169,7 +169,7 @@ class ModelSpec(BaseModel):
         if self.family not in _TABLE_FAMILIES:
             return _canonical_tensors(self)[index].name
         role = ROLES[int(c.role[index])]
-        return _NAME_FORMATS[role].format(i=int(c.layer[index]), e=int(c.expert[index]))
+        return HF_NAMES[role].format(i=int(c.layer[index]), e=int(c.expert[index]))
 
     @property
     def num_params(self) -> int:
@@ -223,7 +223,7 @@ def role_at(code: int):
 # Families whose tensors `_canonical_table` lays out directly with numpy; others go through their tensor list.
 _TABLE_FAMILIES = ("qwen3", "qwen3_moe", "llama")
 
-_NAME_FORMATS = {
+HF_NAMES = {  # checkpoint (HF) names of the shared roles; `{i}` is the layer, `{e}` the expert
     Role.EMBED: "model.embed_tokens.weight",
     Role.LM_HEAD: "lm_head.weight",
     Role.FINAL_NORM: "model.norm.weight",

@@ -20,26 +20,17 @@ from pydantic import model_validator
 
 from .base import Layout, Placement, PlacementTable, TableBuilder, divisible, pad_to, positive, rank_tensor_table
 from .kinds import check_kinds
-from .model import ROLES, Role, role_at, TensorSpec
+from .model import HF_NAMES, ROLES, Role, role_at, TensorSpec
 
 # vLLM parameter names, per role; `{i}` is the layer. Kept as data so a vLLM version that renames can be
 # described in one place (the vLLM adapter checks them against live models).
 VLLM_NAMES = {
-    Role.EMBED: "model.embed_tokens.weight",
-    Role.LM_HEAD: "lm_head.weight",
-    Role.FINAL_NORM: "model.norm.weight",
-    Role.INPUT_NORM: "model.layers.{i}.input_layernorm.weight",
-    Role.POST_ATTN_NORM: "model.layers.{i}.post_attention_layernorm.weight",
-    Role.Q_NORM: "model.layers.{i}.self_attn.q_norm.weight",
-    Role.K_NORM: "model.layers.{i}.self_attn.k_norm.weight",
+    **HF_NAMES,  # vLLM keeps the checkpoint's names except where it fuses tensors
     Role.Q: "model.layers.{i}.self_attn.qkv_proj.weight",
     Role.K: "model.layers.{i}.self_attn.qkv_proj.weight",
     Role.V: "model.layers.{i}.self_attn.qkv_proj.weight",
-    Role.O: "model.layers.{i}.self_attn.o_proj.weight",
     Role.GATE: "model.layers.{i}.mlp.gate_up_proj.weight",
     Role.UP: "model.layers.{i}.mlp.gate_up_proj.weight",
-    Role.DOWN: "model.layers.{i}.mlp.down_proj.weight",
-    Role.ROUTER: "model.layers.{i}.mlp.gate.weight",
     Role.EXPERT_GATE: "model.layers.{i}.mlp.experts.routed_experts.w13_weight",
     Role.EXPERT_UP: "model.layers.{i}.mlp.experts.routed_experts.w13_weight",
     Role.EXPERT_DOWN: "model.layers.{i}.mlp.experts.routed_experts.w2_weight",

@@ -154,3 +154,25 @@ def test_repeated_calls_skip_checks_only_for_the_same_tensors():
     ex.run(src, dst)  # the fast path, on the tensors just checked
     for n in want[0]:
         assert torch.equal(dst[0][n], want[0][n]), n
+
+
+def test_a_stuck_abort_of_several_lanes_still_lets_the_process_raise(monkeypatch):
+    """Aborting several NCCL communicators stuck on a dead peer hung on 2xH200 (executors.lanes); the executor
+    waits for that abort at most `timeout` and says so, instead of hanging with it. One lane: a plain abort."""
+    import time
+
+    import reshard.executors.distributed as distributed
+
+    plan = reshard.compile(reshard.MegatronLayout(model=SPEC), reshard.VllmLayout(model=SPEC))
+    calls = []
+    monkeypatch.setattr(distributed, "abort", lambda groups: (calls.append(len(groups)), time.sleep(30)))
+    ex = DistributedExecutor(plan, Binding((0,), (0,)), timeout=0.2)
+    ex.lanes = [object(), object(), object()]  # as if three lanes had been made
+    start = time.monotonic()
+    note = ex.abort()
+    assert time.monotonic() - start < 5.0 and calls == [3]
+    assert "3 communicators (lanes) did not finish within 0.2 s" in note
+    assert ex.abort() == note and calls == [3]  # aborted once
+    monkeypatch.setattr(distributed, "abort", lambda groups: calls.append(len(groups)))
+    one = DistributedExecutor(plan, Binding((0,), (0,)), timeout=0.2)
+    assert one.abort() == "" and calls == [3, 1]

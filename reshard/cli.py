@@ -29,7 +29,8 @@ def _plan(args: argparse.Namespace) -> int:
     src, dst = parse_layout(args.src, model), parse_layout(args.dst, model)
     layers = [int(x) for x in args.layers.split(",")] if args.layers else None
     tensors = args.tensors.split(",") if args.tensors else None
-    plan = compile_plan(src, dst, tensors=tensors, layers=layers, colocated=args.colocated, fanout=args.fanout,
+    colocated = args.colocated if args.colocated in (True, False) else [int(x) for x in args.colocated.split(",")]
+    plan = compile_plan(src, dst, tensors=tensors, layers=layers, colocated=colocated, fanout=args.fanout,
                         roots=args.roots, relay_cap=args.relay_cap)
     prediction = None
     if args.predict:
@@ -88,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dst", required=True, help="destination layout, e.g. vllm:tp=8,replicas=8")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     p.add_argument("--pairs", action="store_true", help="with --json, include bytes per (source, destination) pair")
-    p.add_argument("--colocated", action="store_true",
-                   help="destination rank d shares a GPU with source rank d (its bytes from there are local copies)")
+    p.add_argument("--colocated", nargs="?", const=True, default=False, metavar="SRC_RANKS",
+                   help="destination rank d shares a GPU with source rank d (its bytes from there are local copies); "
+                        "or give the source rank on each destination rank's GPU, comma-separated (e.g. 1,0)")
     p.add_argument("--fanout", type=int, help="feed ROOTS destination replicas and relay to the others along trees "
                    "where each replica has at most FANOUT children")
     p.add_argument("--roots", type=int, help="with --fanout: replicas the source feeds (default: the fewest "

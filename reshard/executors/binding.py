@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from ..errors import ExecutionError
 
@@ -43,9 +43,11 @@ class Binding:
         return cls(tuple(range(first, first + num_src)), tuple(range(first + num_src, first + num_src + num_dst)))
 
     @classmethod
-    def colocated(cls, num_src: int, num_dst: int) -> "Binding":
-        """Source rank s on group rank s and destination rank d on group rank d: process d plays both."""
-        return cls(tuple(range(num_src)), tuple(range(num_dst)))
+    def colocated(cls, num_src: int, num_dst: int, colocation: "Sequence[int] | None" = None) -> "Binding":
+        """Source rank s on group rank s; destination rank d on group rank d, or with `colocation` (a plan's:
+        the source rank on each destination rank's device) on the process of that source rank."""
+        dst = tuple(range(num_dst)) if colocation is None else tuple(int(r) for r in colocation)
+        return cls(tuple(range(num_src)), dst)
 
     # --- queries ---------------------------------------------------------------------------------
     @property

@@ -102,11 +102,12 @@ class Accounting:
         }
 
 
-def account(ops: dict[str, np.ndarray], itemsize: int, num_src: int, num_dst: int, colocated: bool,
-            bounds: Bounds) -> Accounting:
+def account(ops: dict[str, np.ndarray], itemsize: int, num_src: int, num_dst: int,
+            colocation: np.ndarray | None, bounds: Bounds) -> Accounting:
+    """colocation: per destination rank, the source rank on its device (None: not colocated)."""
     nbytes = ops["rows"] * ops["cols"] * itemsize
     src, dst, relay = ops["src_rank"], ops["dst_rank"], ops["src_side"] == 1
-    local = (src == dst) & ~relay if colocated else np.zeros(len(src), dtype=bool)
+    local = (src == colocation[dst]) & ~relay if colocation is not None else np.zeros(len(src), dtype=bool)
     sent = ~local & ~relay
     egress = np.bincount(src[sent], weights=nbytes[sent], minlength=num_src).astype(np.int64)
     relay_egress = np.bincount(src[relay], weights=nbytes[relay], minlength=num_dst).astype(np.int64)
@@ -135,7 +136,7 @@ def _balance_fields(bounds: Bounds) -> dict[str, Any]:
             "holder_sets_laminar": bounds.holder_sets_laminar}
 
 
-def account_program(p: "Program", itemsize: int, num_src: int, num_dst: int, colocated: bool,
+def account_program(p: "Program", itemsize: int, num_src: int, num_dst: int, colocation: np.ndarray | None,
                     bounds: Bounds) -> Accounting:
     """The same accounting as `account`, computed from the factored ops without expanding them: per group of
     template ops and fed replica for what the source sends, per replica for what relays forward."""
@@ -149,7 +150,7 @@ def account_program(p: "Program", itemsize: int, num_src: int, num_dst: int, col
     w = np.broadcast_to(group_bytes[None, :], holder.shape)
     ps, pd, pb = _pair_arrays(holder.ravel(), dst.ravel(), w.ravel(), num_dst)
     pairs = tuple(zip(ps.tolist(), pd.tolist(), pb.tolist()))
-    local = (ps == pd) if colocated else np.zeros(len(ps), dtype=bool)
+    local = (ps == colocation[pd]) if colocation is not None else np.zeros(len(ps), dtype=bool)
     egress = np.bincount(ps[~local], weights=pb[~local], minlength=num_src).astype(np.int64)
     local_bytes = int(pb[local].sum())
     per_pos = np.bincount(t["dst_rank"], weights=op_bytes, minlength=rpr).astype(np.int64)

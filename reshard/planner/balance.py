@@ -91,11 +91,12 @@ def _place(loads: np.ndarray, ranks: np.ndarray, unit_row: np.ndarray, unit_w: n
 def choose_holders(group_bytes: np.ndarray, group_hset: np.ndarray, group_dst: np.ndarray,
                    hset_start: np.ndarray, hset_count: np.ndarray, hset_ranks: np.ndarray,
                    fed: np.ndarray, ranks_per_replica: int, num_src: int,
-                   colocated: bool) -> tuple[np.ndarray, BalanceReport]:
+                   colocation: np.ndarray | None) -> tuple[np.ndarray, BalanceReport]:
     """(R, G) holder position per fed replica and group, and the balance report.
 
     group_dst: each group's destination rank in replica 0; hset_ranks[hset_start[s]: + hset_count[s]] are the
-    ranks of holder set s in position order (ascending).
+    ranks of holder set s in position order (ascending). colocation: per destination rank, the source rank on
+    its device (None: not colocated).
     """
     R, G = len(fed), len(group_bytes)
     choice = np.zeros((R, G), dtype=np.int64)
@@ -103,13 +104,13 @@ def choose_holders(group_bytes: np.ndarray, group_hset: np.ndarray, group_dst: n
         return choice, BalanceReport(0, 0, True)
     multi = hset_count[group_hset] > 1
     g_order = np.lexsort((np.arange(G), -group_bytes, group_hset, hset_count[group_hset]))
-    if colocated:  # a holder on the destination's own device: a local copy
+    if colocation is not None:  # a holder on the destination's own device: a local copy
         free = np.broadcast_to(multi[None, :], (R, G)).copy()
-        dst = group_dst[None, :] + fed[:, None] * ranks_per_replica
+        mate = colocation[group_dst[None, :] + fed[:, None] * ranks_per_replica]  # source rank on its device
         hs = np.broadcast_to(group_hset[None, :], (R, G))
-        key_base = int(max(num_src, int(dst.max()) + 1))
+        key_base = int(max(num_src, int(mate.max()) + 1))
         keys = np.repeat(np.arange(len(hset_count)), hset_count) * key_base + hset_ranks
-        probe = hs * key_base + dst
+        probe = hs * key_base + mate
         at = np.clip(np.searchsorted(keys, probe), 0, len(keys) - 1)
         local = keys[at] == probe
         choice[local] = (at - hset_start[hs])[local]

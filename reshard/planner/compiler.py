@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -238,14 +238,38 @@ def _check_source_boxes(boxes: _Boxes, src: TensorTable, numel: np.ndarray) -> N
                          for i in bad[:10]])
 
 
+def _colocation(colocated: "bool | Sequence[int]", num_src: int, num_dst: int) -> np.ndarray | None:
+    """Per destination rank, the source rank on its device; None when nothing is colocated."""
+    if colocated is True:
+        if num_dst > num_src:
+            raise PlanError(f"colocated placement needs a source rank per destination rank: "
+                            f"{num_dst} destination ranks, {num_src} source ranks (or give the source rank of "
+                            f"each destination rank)")
+        return np.arange(num_dst, dtype=np.int64)
+    if colocated is False or colocated is None:
+        return None
+    try:
+        ranks = [int(r) for r in colocated]
+    except (TypeError, ValueError):
+        raise PlanError(f"colocated={colocated!r}: expected True, False or a source rank per destination rank") \
+            from None
+    problems = ([f"{len(ranks)} entries for {num_dst} destination ranks"] if len(ranks) != num_dst else [])
+    problems += [f"destination rank {d} -> source rank {r}, outside [0, {num_src})"
+                 for d, r in enumerate(ranks) if not 0 <= r < num_src]
+    if problems:
+        raise PlanError("colocated: the source rank on each destination rank's device is malformed", problems)
+    return np.asarray(ranks, dtype=np.int64)
+
+
 def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = None,
-                 layers: Iterable[int] | None = None, colocated: bool = False,
+                 layers: Iterable[int] | None = None, colocated: bool | Sequence[int] = False,
                  fanout: int | None = None, roots: int | None = None, relay_cap: int = 1) -> Plan:
     """Compile the refit from `src` to `dst`.
 
     tensors / layers: compile only these canonical tensors / these layers' tensors (a subset plan).
     colocated: destination rank d shares a device with source rank d; its bytes from there are local copies
-    (and are preferred when several sources hold them).
+    (and are preferred when several sources hold them). A sequence instead gives, per destination rank, the
+    source rank on its device (e.g. [1, 0] when the inference engine numbers the two GPUs the other way).
     fanout: feed only `roots` destination replicas from the source and relay to the others along trees in which
     each replica has at most `fanout` children (None: the source feeds every replica). See planner.fanout.
     roots: replicas the source feeds when fanout is set; default: the fewest holders any source byte has (each
@@ -259,9 +283,7 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
                         [f"source: {src.model}", f"destination: {dst.model}"])
     if src.dtype != dst.dtype:
         raise PlanError(f"source dtype {src.dtype} differs from destination dtype {dst.dtype}")
-    if colocated and dst.num_ranks > src.num_ranks:
-        raise PlanError(f"colocated placement needs a source rank per destination rank: "
-                        f"{dst.num_ranks} destination ranks, {src.num_ranks} source ranks")
+    colocation = _colocation(colocated, src.num_ranks, dst.num_ranks)
     if fanout is not None and fanout < 1:
         raise PlanError(f"fanout={fanout} must be at least 1 (or None to feed every replica from the source)")
     if roots is not None and not fanout:
@@ -307,7 +329,7 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
     fed = np.flatnonzero(parent[0] < 0)
     choice, balance = choose_holders(group_bytes, boxes.hset[group_box], template["dst_rank"][first_of_group],
                                      boxes.hset_start, boxes.hset_count, boxes.hset_ranks, fed, rpr,
-                                     src.num_ranks, colocated)
+                                     src.num_ranks, colocation)
     relay = split_parts(merge_relay(template), parent.shape[0], rpr) if len(fed) < K else {}
 
     # The proof: the template, and the relay template, tile replica 0's model data exactly.
@@ -337,6 +359,8 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
                       ranks_per_replica=rpr, tensors_per_replica=len(dst_table0))
     dst_table = dst_table0.tiled(K, rpr)
     return Plan(src=src, dst=dst, src_tensors=src_table, dst_tensors=dst_table, program=program, bounds=bounds,
-                colocated=colocated, fanout=fanout, roots=len(fed) if fanout else None,
+                colocated=colocation is not None,
+                colocation=tuple(colocation.tolist()) if colocation is not None else None,
+                fanout=fanout, roots=len(fed) if fanout else None,
                 selection=tuple(model.tensor_name(int(k)) for k in sel) if subset else None,
                 coverage="exact", compile_seconds=round(time.perf_counter() - start, 4))

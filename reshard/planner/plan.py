@@ -135,6 +135,7 @@ class Plan:
     program: Program
     bounds: Bounds
     colocated: bool = False
+    colocation: tuple[int, ...] | None = None  # colocated: the source rank sharing a device with each dst rank
     fanout: int | None = None
     roots: int | None = None  # replicas the source feeds when fanout is set
     selection: tuple[str, ...] | None = None  # canonical tensor names, None = whole model
@@ -153,10 +154,20 @@ class Plan:
             problems.append("destination tensor table does not match the program's replicas")
         if problems:
             raise PlanError("plan is inconsistent", problems)
+        if self.colocated and self.colocation is None:  # colocated=True: destination rank d with source rank d
+            object.__setattr__(self, "colocation", tuple(range(self.dst.num_ranks)))
+        if self.colocation is not None and not self.colocated:
+            object.__setattr__(self, "colocated", True)
         if not self.digest:
             object.__setattr__(self, "digest", self._compute_digest())
         object.__setattr__(self, "accounting", account_program(p, self.itemsize, self.src.num_ranks,
-                                                               self.dst.num_ranks, self.colocated, self.bounds))
+                                                               self.dst.num_ranks, self.colocation_array,
+                                                               self.bounds))
+
+    @property
+    def colocation_array(self) -> np.ndarray | None:
+        """Per destination rank, the source rank on its device (None: not colocated)."""
+        return None if self.colocation is None else np.asarray(self.colocation, dtype=np.int64)
 
     @functools.cached_property
     def value_shifts(self) -> dict[int, float]:
@@ -265,6 +276,8 @@ class Plan:
             "src": layout_to_dict(self.src),
             "dst": layout_to_dict(self.dst),
             "colocated": self.colocated,
+            **({"colocation": list(self.colocation)} if self.colocation is not None
+               and self.colocation != tuple(range(self.dst.num_ranks)) else {}),  # identity: as before the map
             "fanout": self.fanout,
             "roots": self.roots,
             "selection": list(self.selection) if self.selection is not None else None,
@@ -327,7 +340,8 @@ class Plan:
             raise PlanError(f"saved plan lacks array {exc}") from None
         plan = cls(src=src, dst=dst, src_tensors=TensorTable.from_dict(d["src_tensors"]),
                    dst_tensors=TensorTable.from_dict(d["dst_tensors"]), program=program,
-                   bounds=Bounds.from_dict(d["bounds"]), colocated=d["colocated"], fanout=d.get("fanout"),
+                   bounds=Bounds.from_dict(d["bounds"]), colocated=d["colocated"],
+                   colocation=tuple(d["colocation"]) if d.get("colocation") is not None else None, fanout=d.get("fanout"),
                    roots=d.get("roots"), selection=tuple(d["selection"]) if d["selection"] is not None else None,
                    coverage=d["coverage"], compile_seconds=d["compile_seconds"])
         if d.get("digest") and plan.digest != d["digest"]:

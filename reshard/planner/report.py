@@ -41,6 +41,14 @@ def _shifts(plan: "Plan") -> str:
     return ", ".join(f"{v:+g} on {n} tensor{'s' * (n > 1)}" for v, n in sorted(by_value.items()))
 
 
+def _colocation_text(plan: "Plan") -> str:
+    c = plan.colocation
+    if c == tuple(range(len(c))):
+        return "  (colocated with source ranks)"
+    shown = ", ".join(f"{d}->{s}" for d, s in enumerate(c[:16])) + (", ..." if len(c) > 16 else "")
+    return f"  (colocated: destination->source rank {shown})"
+
+
 def summary(plan: "Plan") -> str:
     a = plan.accounting
     lb = a.lower_bound_bytes or 1
@@ -48,7 +56,7 @@ def summary(plan: "Plan") -> str:
         f"reshard plan {plan.digest[:12]}",
         f"  model        {plan.src.model}",
         f"  source       {plan.src}",
-        f"  destination  {plan.dst}" + ("  (colocated with source ranks)" if plan.colocated else ""),
+        f"  destination  {plan.dst}" + (_colocation_text(plan) if plan.colocated else ""),
         f"  selection    {len(plan.selection)} tensors" if plan.selection is not None else "  selection    whole model",
         f"  coverage     {plan.coverage} (every destination element holding model data written once)",
         f"  ops          {a.num_ops:,} in {a.num_transfers:,} transfers (source->destination pairs)",

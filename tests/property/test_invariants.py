@@ -59,11 +59,20 @@ def test_exactly_once_coverage(pair, data, fanout):
         assert torch.equal(c, m), f"{dst} rank {key[0]} {key[1]}: writes {c.flatten().tolist()[:20]}"
 
 
-@given(refits(), st.booleans(), FANOUT)
-def test_accounting(pair, colocated, fanout):
+@given(refits(), st.data(), FANOUT)
+def test_accounting(pair, data, fanout):
     src, dst = pair
-    colocated = colocated and dst.num_ranks <= src.num_ranks
+    # not colocated, colocated rank for rank, or any source rank on each destination rank's device
+    colocated = data.draw(st.sampled_from(["no", "same", "map"]))
+    if colocated == "same" and dst.num_ranks <= src.num_ranks:
+        colocated = True
+    elif colocated == "map":
+        colocated = data.draw(st.lists(st.integers(0, src.num_ranks - 1), min_size=dst.num_ranks,
+                                       max_size=dst.num_ranks))
+    else:
+        colocated = False
     plan = reshard.compile(src, dst, colocated=colocated, fanout=fanout)
+    mate = list(range(dst.num_ranks)) if colocated is True else colocated or None
     a, o = plan.accounting, plan.ops
     op_bytes = (o["rows"] * o["cols"]).sum() * src.model.itemsize
     assert a.total_bytes == op_bytes
@@ -73,7 +82,7 @@ def test_accounting(pair, colocated, fanout):
     relayed = sum(a.relay_egress_bytes)
     assert sum(b for _, _, b in a.pair_bytes) + relayed == a.total_bytes
     assert sum(b for _, _, b in a.relay_pair_bytes) == relayed
-    local = sum(b for s, d, b in a.pair_bytes if colocated and s == d)
+    local = sum(b for s, d, b in a.pair_bytes if mate is not None and s == mate[d])
     assert a.local_bytes == local and sum(a.egress_bytes) == a.total_bytes - local - relayed
     if fanout:  # the trainer sends one replica's worth per root; each replica forwards at most fanout x what it got
         per_replica = sum(expected[:dst.ranks_per_replica])

@@ -67,7 +67,7 @@ def test_factored_plan_expands_to_what_it_accounts(data):
     plan = _plan(data, colocated=data.draw(st.booleans()))
     ops = plan.ops
     assert len(ops["rows"]) == plan.num_ops
-    again = account(ops, plan.itemsize, plan.src.num_ranks, plan.dst.num_ranks, plan.colocated, plan.bounds)
+    again = account(ops, plan.itemsize, plan.src.num_ranks, plan.dst.num_ranks, plan.colocation_array, plan.bounds)
     assert again == plan.accounting
 
     def rows(cols, mask=None):
@@ -145,7 +145,7 @@ def _run(n, families, hset, sizes, replicas):
     ranks = np.concatenate([np.asarray(f) for f in families])
     fed = np.arange(replicas)
     choice, report = choose_holders(sizes, hset, np.zeros(len(sizes), dtype=np.int64), start, count, ranks,
-                                    fed, 1, n, False)
+                                    fed, 1, n, None)
     loads = np.zeros(n, dtype=np.int64)
     for f in range(replicas):
         for g in range(len(sizes)):

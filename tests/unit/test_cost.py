@@ -115,3 +115,28 @@ def test_cli_plot(tmp_path, capsys):
                  "--fanout", "2", "--roots", "1", "--plot", str(path)])
     assert code == 0 and path.stat().st_size > 1000
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_colocation_map_decides_what_is_local(model):
+    """Which source rank shares each destination rank's device is data: TP2 -> TP2 with the GPUs numbered the
+    other way ([1, 0]) keeps the replicated norms local and sends the shards across, where rank-for-rank
+    colocation copies nearly everything locally;
+    the map survives a save, the cost model puts each destination on its source's GPU, and bad maps are named."""
+    src, dst = reshard.MegatronLayout(model=model, tp=2), reshard.VllmLayout(model=model, tp=2)
+    same = reshard.compile(src, dst, colocated=True)
+    swapped = reshard.compile(src, dst, colocated=[1, 0])
+    identity = reshard.compile(src, dst, colocated=[0, 1])
+    replicated = sum(t.numel for t in model.tensors if t.name.endswith("norm.weight")) * model.itemsize
+    a, b = same.accounting, swapped.accounting
+    assert a.cross_bytes < a.total_bytes // 1000  # only the vocabulary rows the two paddings split differently
+    assert identity.digest == same.digest  # an identity map is rank-for-rank colocation
+    # swapped, every sharded byte that was local crosses and vice versa; the norms (on both ranks) stay local
+    assert b.local_bytes == 2 * replicated + a.cross_bytes
+    assert swapped.accounting.total_bytes == same.accounting.total_bytes and swapped.digest != same.digest
+    again = reshard.Plan.from_dict(json.loads(json.dumps(swapped.to_dict())))
+    assert again.colocation == (1, 0) and again.accounting == swapped.accounting
+    topo = Topology(gpus_per_node=8)
+    assert predict(swapped, topo).bytes_by_class["device"] == b.local_bytes
+    for bad, says in (([0], "1 entries for 2 destination ranks"), ([0, 2], "source rank 2, outside")):
+        with pytest.raises(PlanError, match=says):
+            reshard.compile(src, dst, colocated=bad)

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from .errors import ReshardError
+from .errors import PlanError, ReshardError
 
 
 def _topology(args: argparse.Namespace):
@@ -29,7 +29,13 @@ def _plan(args: argparse.Namespace) -> int:
     src, dst = parse_layout(args.src, model), parse_layout(args.dst, model)
     layers = [int(x) for x in args.layers.split(",")] if args.layers else None
     tensors = args.tensors.split(",") if args.tensors else None
-    colocated = args.colocated if args.colocated in (True, False) else [int(x) for x in args.colocated.split(",")]
+    colocated = args.colocated
+    if isinstance(colocated, str):
+        try:
+            colocated = [int(x) for x in colocated.split(",")]
+        except ValueError:
+            raise PlanError(f"--colocated {args.colocated!r}: expected source ranks, comma-separated (e.g. 1,0)") \
+                from None
     plan = compile_plan(src, dst, tensors=tensors, layers=layers, colocated=colocated, fanout=args.fanout,
                         roots=args.roots, relay_cap=args.relay_cap)
     prediction = None
@@ -48,6 +54,7 @@ def _plan(args: argparse.Namespace) -> int:
         out = {
             "model": str(model), "src": str(src), "dst": str(dst), "digest": plan.digest,
             "coverage": plan.coverage, "compile_seconds": plan.compile_seconds, "roots": plan.roots,
+            "colocation": list(plan.colocation) if plan.colocation is not None else None,
             "value_shifts": {plan.src.model.tensor_name(i): v for i, v in plan.value_shifts.items()},
             "tree_depth": plan.tree_depth, **a.to_dict(),
         }

@@ -43,8 +43,21 @@ def test_readme_dry_run_prints_summary():
     (["--src", "megatron:tp=3"], "num_attention_heads=32 is not divisible by tp=3"),
     (["--src", "megatron:tp=2,bogus=1"], "unknown option 'bogus'"),
     (["--src", "deepspeed:tp=2"], "unknown layout kind 'deepspeed'"),
+    (["--src", "megatron:tp=2", "--colocated", "1,x"], "expected source ranks, comma-separated"),
+    (["--src", "megatron:tp=2", "--colocated", "0,5"], "destination rank 1 -> source rank 5, outside [0, 2)"),
 ])
 def test_bad_layouts_exit_2_with_the_reason(args, words, capsys):
     argv = ["plan", "--model", "examples/configs/qwen3-30b-a3b.json", "--dst", "vllm:tp=2"] + args
     assert main(argv) == 2
     assert words in capsys.readouterr().err
+
+
+def test_colocation_map_on_the_command_line(capsys):
+    argv = ["plan", "--model", "examples/configs/qwen3-30b-a3b.json", "--src", "megatron:tp=2", "--dst",
+            "vllm:tp=2", "--json"]
+    assert main(argv + ["--colocated", "1,0"]) == 0
+    swapped = json.loads(capsys.readouterr().out)
+    assert main(argv + ["--colocated"]) == 0
+    same = json.loads(capsys.readouterr().out)
+    assert swapped["colocation"] == [1, 0] and same["colocation"] == [0, 1]
+    assert swapped["local_bytes"] < same["local_bytes"] and swapped["total_bytes"] == same["total_bytes"]

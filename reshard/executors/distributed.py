@@ -149,7 +149,8 @@ class DistributedExecutor:
     """
 
     def __init__(self, plan: Plan, binding: Binding, group: dist.ProcessGroup | None = None, *,
-                 in_place: bool = False, undo: bool = False, memory_cap: int = DEFAULT_MEMORY_CAP, bucket_bytes: int | None = None,
+                 in_place: bool = False, undo: bool = False, memory_cap: int = DEFAULT_MEMORY_CAP,
+                 bucket_bytes: int | None = None,
                  timeout: float = 300.0, depth: int | None = None, direct_bytes: int | str | None = "auto",
                  lanes: int = 1, on_round: Callable[[int], None] | None = None) -> None:
         if undo and in_place:

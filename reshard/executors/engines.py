@@ -153,10 +153,10 @@ def poll(events: list, timeout: float, what: list[str] | Callable[[int], str]) -
 
 def abort(groups: list) -> None:
     """Unblock NCCL kernels that wait for a dead peer: abort these groups' communicators (best effort: the error
-    being raised says what failed; for the world group torch aborts every group of the process). NCCL aborts of several communicators one after another
-    can wait on each other's stuck kernels forever (measured with three lanes on 2xH200, and pytorch#119797),
-    so several are aborted inside one NCCL group, as torch does for a whole world (which still hung with three
-    lanes there: executors.lanes)."""
+    being raised says what failed; for the world group torch aborts every group of the process). Aborts of
+    several communicators one after another can wait on each other's stuck kernels forever (pytorch#119797),
+    so several are aborted inside one NCCL group, as torch does for a whole world; with three lanes on 2xH200
+    that still hung (executors.lanes), hence the bounded wait in DistributedExecutor.abort."""
     if len(groups) == 1:  # one communicator: torch's abort (measured on 2xH200: the survivor raises in time)
         try:
             from torch.distributed.distributed_c10d import _abort_process_group
@@ -217,7 +217,8 @@ class Engine(abc.ABC):
         ops = self.b.ops.get(key)
         if ops is None:  # built once per bound tensors and lane: a few microseconds per message saved per refit
             ops = self.b.ops[key] = (
-                [dist.P2POp(dist.isend, b, g[m.peer], group, tag=m.tag) for b, m in zip(self.b.send_bufs[pos], r.sends)]
+                [dist.P2POp(dist.isend, b, g[m.peer], group, tag=m.tag)
+                 for b, m in zip(self.b.send_bufs[pos], r.sends)]
                 + [dist.P2POp(dist.irecv, b, g[m.peer], group, tag=m.tag)
                    for b, m in zip(self.b.recv_bufs[pos], r.recvs)])
         return ops

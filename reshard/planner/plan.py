@@ -341,7 +341,8 @@ class Plan:
         plan = cls(src=src, dst=dst, src_tensors=TensorTable.from_dict(d["src_tensors"]),
                    dst_tensors=TensorTable.from_dict(d["dst_tensors"]), program=program,
                    bounds=Bounds.from_dict(d["bounds"]), colocated=d["colocated"],
-                   colocation=tuple(d["colocation"]) if d.get("colocation") is not None else None, fanout=d.get("fanout"),
+                   colocation=tuple(d["colocation"]) if d.get("colocation") is not None else None,
+                   fanout=d.get("fanout"),
                    roots=d.get("roots"), selection=tuple(d["selection"]) if d["selection"] is not None else None,
                    coverage=d["coverage"], compile_seconds=d["compile_seconds"])
         if d.get("digest") and plan.digest != d["digest"]:

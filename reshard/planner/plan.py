@@ -183,6 +183,15 @@ class Plan:
                     out[t.index] = shift
         return out
 
+    @functools.cached_property
+    def narrowed(self) -> dict[str, str]:
+        """Canonical tensor name -> its own dtype, for the selected tensors the model keeps in another dtype
+        than the plan's (a float32 router bias in a bfloat16 model): plans move one dtype, so these travel,
+        and arrive, rounded to the plan's. Said by `reshard plan`; per-tensor dtypes are not planned yet."""
+        names = set(self.selection) if self.selection is not None else None
+        return {t.name: t.dtype for t in self.src.model.tensors
+                if t.dtype is not None and t.dtype != self.dst.dtype and (names is None or t.name in names)}
+
     # --- the ops ---------------------------------------------------------------------------------
     @functools.cached_property
     def ops(self) -> dict[str, np.ndarray]:

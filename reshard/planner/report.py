@@ -41,6 +41,14 @@ def _shifts(plan: "Plan") -> str:
     return ", ".join(f"{v:+g} on {n} tensor{'s' * (n > 1)}" for v, n in sorted(by_value.items()))
 
 
+def _narrowed(plan: "Plan") -> str:
+    dtypes = sorted(set(plan.narrowed.values()))
+    first = next(iter(plan.narrowed))
+    n = len(plan.narrowed)
+    return (f"{n} {'/'.join(dtypes)} tensor{'s' * (n > 1)} travel as {plan.dst.dtype} and arrive rounded "
+            f"(e.g. {first}); plans carry one dtype")
+
+
 def _colocation_text(plan: "Plan") -> str:
     c = plan.colocation
     if c == tuple(range(len(c))):
@@ -76,6 +84,7 @@ def summary(plan: "Plan") -> str:
           if plan.fanout else []),
         *([f"  value shift  {_shifts(plan)} (added after the copy: the two sides store these values differently)"]
           if plan.value_shifts else []),
+        *([f"  narrowed     {_narrowed(plan)}"] if plan.narrowed else []),
         f"  compile      {plan.compile_seconds:.3f} s",
         "  egress by source rank:",
         *_rank_table("src", a.egress_bytes),

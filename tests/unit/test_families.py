@@ -59,3 +59,22 @@ def test_mla_placements():
 def test_existing_families_keep_their_shared_roles():
     spec = reshard.ModelSpec.from_hf_config("examples/configs/qwen3-30b-a3b.json")
     assert all(isinstance(t.role, reshard.Role) for t in spec.tensors)
+
+
+def test_tensors_kept_in_a_wider_dtype_are_named_by_the_plan():
+    """Plans move one dtype; DeepSeek's float32 router bias travels as bfloat16. The plan says so (and the
+    dry run prints it) instead of rounding silently; a model without such tensors says nothing."""
+    from reshard.planner.report import summary
+
+    spec = _tiny("examples/configs/deepseek-v3.json").model_copy(update={"dtype": "bfloat16"})
+    assert not reshard.compile(reshard.MegatronLayout(model=spec.model_copy(update={"dtype": "float32"})),
+                               reshard.VllmLayout(model=spec.model_copy(update={"dtype": "float32"}))).narrowed
+    plan = reshard.compile(reshard.MegatronLayout(model=spec), reshard.VllmLayout(model=spec))
+    biases = [t.name for t in spec.tensors if t.name.endswith("e_score_correction_bias")]
+    assert biases and plan.narrowed == {n: "float32" for n in biases}
+    assert f"{len(biases)} float32 tensor" in summary(plan) and "arrive rounded" in summary(plan)
+    sub = reshard.compile(reshard.MegatronLayout(model=spec), reshard.VllmLayout(model=spec), tensors=biases[:1])
+    assert list(sub.narrowed) == biases[:1]
+    qwen_spec = _tiny("examples/configs/qwen3-8b.json")
+    qwen = reshard.compile(reshard.MegatronLayout(model=qwen_spec), reshard.VllmLayout(model=qwen_spec))
+    assert qwen.narrowed == {} and "narrowed" not in summary(qwen)

@@ -169,18 +169,27 @@ class Plan:
         """Per destination rank, the source rank on its device (None: not colocated)."""
         return None if self.colocation is None else np.asarray(self.colocation, dtype=np.int64)
 
+    @property
+    def rank_for_rank(self) -> bool:
+        """Colocated destination rank d with source rank d (`colocated=True`)."""
+        return self.colocation == tuple(range(self.dst.num_ranks))
+
+    @functools.cached_property
+    def selected_tensors(self) -> tuple:
+        """The canonical tensors (TensorSpec) this plan moves: the selection, or the whole model."""
+        names = set(self.selection) if self.selection is not None else None
+        return tuple(t for t in self.src.model.tensors if names is None or t.name in names)
+
     @functools.cached_property
     def value_shifts(self) -> dict[int, float]:
         """Canonical tensor index -> what executors add to every destination element of it after copying
         (dst.value_offset - src.value_offset; e.g. +1 for a norm Megatron keeps zero-centred and HF plain).
         Empty for almost every plan."""
-        names = set(self.selection) if self.selection is not None else None
         out = {}
-        for t in self.src.model.tensors:
-            if names is None or t.name in names:
-                shift = self.dst.value_offset(t) - self.src.value_offset(t)
-                if shift:
-                    out[t.index] = shift
+        for t in self.selected_tensors:
+            shift = self.dst.value_offset(t) - self.src.value_offset(t)
+            if shift:
+                out[t.index] = shift
         return out
 
     @functools.cached_property
@@ -188,9 +197,7 @@ class Plan:
         """Canonical tensor name -> its own dtype, for the selected tensors the model keeps in another dtype
         than the plan's (a float32 router bias in a bfloat16 model): plans move one dtype, so these travel,
         and arrive, rounded to the plan's. Said by `reshard plan`; per-tensor dtypes are not planned yet."""
-        names = set(self.selection) if self.selection is not None else None
-        return {t.name: t.dtype for t in self.src.model.tensors
-                if t.dtype is not None and t.dtype != self.dst.dtype and (names is None or t.name in names)}
+        return {t.name: t.dtype for t in self.selected_tensors if t.dtype is not None and t.dtype != self.dst.dtype}
 
     # --- the ops ---------------------------------------------------------------------------------
     @functools.cached_property
@@ -285,8 +292,8 @@ class Plan:
             "src": layout_to_dict(self.src),
             "dst": layout_to_dict(self.dst),
             "colocated": self.colocated,
-            **({"colocation": list(self.colocation)} if self.colocation is not None
-               and self.colocation != tuple(range(self.dst.num_ranks)) else {}),  # identity: as before the map
+            **({"colocation": list(self.colocation)} if self.colocated and not self.rank_for_rank
+               else {}),  # rank for rank: the header (and digest) of before the map
             "fanout": self.fanout,
             "roots": self.roots,
             "selection": list(self.selection) if self.selection is not None else None,

@@ -50,9 +50,9 @@ def _narrowed(plan: "Plan") -> str:
 
 
 def _colocation_text(plan: "Plan") -> str:
-    c = plan.colocation
-    if c == tuple(range(len(c))):
+    if plan.rank_for_rank:
         return "  (colocated with source ranks)"
+    c = plan.colocation
     shown = ", ".join(f"{d}->{s}" for d, s in enumerate(c[:16])) + (", ..." if len(c) > 16 else "")
     return f"  (colocated: destination->source rank {shown})"
 

@@ -414,8 +414,8 @@ def main() -> None:
     ap.add_argument("--direct-bytes", type=int, default=None,
                     help="shortest run sent from / received into the tensors unpacked (bytes; 0: only whole "
                          "messages; default: the executor's, which depends on --lanes)")
-    ap.add_argument("--lanes", type=int, default=1,
-                    help="communicators the rounds are spread over (the executor's lanes; default 1)")
+    ap.add_argument("--lanes", type=int, default=None,
+                    help="communicators the rounds are spread over (default: the executor's, 3 on NCCL)")
     ap.add_argument("--nccl-high-priority", action="store_true",
                     help="give the process group high-priority NCCL streams (ProcessGroupNCCL.Options)")
     ap.add_argument("--check", action="store_true", help="first check small plans with relays against execute_local")
@@ -431,7 +431,8 @@ def main() -> None:
         store = str(Path(tmp) / "store")
         cmd = [sys.executable, str(Path(__file__).resolve()), "--store", store, "--out", out, "--cases", args.cases,
                "--iters", str(args.iters), "--memory-cap", str(args.memory_cap),
-               "--bucket-bytes", str(args.bucket_bytes), "--lanes", str(args.lanes)] + \
+               "--bucket-bytes", str(args.bucket_bytes)] + \
+            (["--lanes", str(args.lanes)] if args.lanes is not None else []) + \
             (["--direct-bytes", str(args.direct_bytes)] if args.direct_bytes is not None else []) + \
             (["--small"] if args.small else []) + \
             (["--check"] if args.check else []) + (["--nccl-high-priority"] if args.nccl_high_priority else [])

@@ -64,14 +64,14 @@ bucket is chosen so that this stays under `memory_cap` on the busiest process.
 Failure. A dead or hanging peer makes every surviving process raise ExecutionError within `timeout` seconds
 of it starting to wait (a dead gloo peer is usually seen at once: its sockets close): gloo waits carry the
 timeout; on GPUs the host polls CUDA events of each round and
-gives up after `timeout` seconds without progress, then aborts the communicator. A process that does not talk
-to the failed one directly fails in the verify all-reduce. After a failure the process group is not usable:
-destroy and rebuild it.
+gives up after `timeout` seconds without progress, then aborts the group's communicators (its lanes), all at
+once (engines.abort says why), waiting for that at most `timeout` more. A process that does not talk to the
+failed one directly fails in the verify all-reduce. After a failure the process group is not usable: destroy
+and rebuild it.
 """
 from __future__ import annotations
 
 import hashlib
-import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -82,9 +82,10 @@ import torch.distributed as dist
 
 from ..errors import ExecutionError, ReshardError
 from ..planner import Plan
+from . import connect
 from .binding import Binding
 from .engines import Bound, Engine, abort, bound_key, make_engine, poll
-from .lanes import forget, lanes_for, naming_count
+from .lanes import NCCL_LANES, forget, lanes_for, naming_count
 from .local import check_tensors
 from .schedule import DIRECT_BYTES, LANES_DIRECT_BYTES, ProcessSchedule, bucket_numel_for, build_schedule
 
@@ -142,9 +143,8 @@ class DistributedExecutor:
     lanes: communicators the rounds are spread over (round r on lane r mod lanes; executors.lanes): NCCL runs
         one communicator's messages one after another, each with a fixed cost, and lanes overlap those costs
         (E3 on 2xH200: 84-85% of the link with 3 lanes, 72% with 1). The extra ones are made from the group in
-        the first refit and kept for it. Default 1: on NCCL (2.28.9, torch 2.11) aborting several
-        communicators whose kernels wait for a dead peer hung in our tests; the executor waits for that
-        abort at most `timeout`, then raises saying the process must be restarted (executors.lanes).
+        the first refit and kept for it; each is one more NCCL communicator (its buffers on the GPU). Default:
+        3 on NCCL, 1 otherwise (gloo has no such per-message cost to hide).
     on_round: called with each round's index before it is posted (progress reporting, fault injection in tests).
     """
 
@@ -152,19 +152,16 @@ class DistributedExecutor:
                  in_place: bool = False, undo: bool = False, memory_cap: int = DEFAULT_MEMORY_CAP,
                  bucket_bytes: int | None = None,
                  timeout: float = 300.0, depth: int | None = None, direct_bytes: int | str | None = "auto",
-                 lanes: int = 1, on_round: Callable[[int], None] | None = None) -> None:
+                 lanes: int | None = None, on_round: Callable[[int], None] | None = None) -> None:
         if undo and in_place:
             raise ExecutionError("undo=True already writes in place (keeping the previous bytes); drop in_place")
-        if lanes < 1:
+        if lanes is not None and lanes < 1:
             raise ExecutionError(f"lanes={lanes} must be at least 1")
-        depth = max(2, lanes) if depth is None else depth
-        if direct_bytes == "auto":  # cheap messages on several lanes make shorter runs worth sending unpacked
-            direct_bytes = LANES_DIRECT_BYTES if lanes > 1 else DIRECT_BYTES
-        if depth < 1:
+        if depth is not None and depth < 1:
             raise ExecutionError(f"depth={depth} must be at least 1")
         if timeout <= 0:
             raise ExecutionError(f"timeout={timeout} must be positive (seconds)")
-        self.plan, self.binding, self.in_place, self.timeout, self.depth = plan, binding, in_place, timeout, depth
+        self.plan, self.binding, self.in_place, self.timeout = plan, binding, in_place, timeout
         self.undo = undo
         self.on_round = on_round
         self.distributed = dist.is_available() and dist.is_initialized()
@@ -180,9 +177,15 @@ class DistributedExecutor:
                 raise ExecutionError("a process group was given but torch.distributed is not initialized")
             self.group, self.rank, self.size, self.backend = None, 0, 1, "none"
         binding.check(plan.src.num_ranks, plan.dst.num_ranks, self.size)
+        if lanes is None:  # NCCL: each communicator runs its messages one after another (executors.lanes)
+            lanes = NCCL_LANES if "nccl" in self.backend else 1
         self.num_lanes = 1 if self.size == 1 else lanes
+        self.depth = depth = max(2, self.num_lanes) if depth is None else depth
+        if direct_bytes == "auto":  # cheap messages on several lanes make shorter runs worth sending unpacked
+            direct_bytes = LANES_DIRECT_BYTES if self.num_lanes > 1 else DIRECT_BYTES
         self.lanes: list = [self.group]  # the rest are made at the first refit (executors.lanes)
         self._lanes_agree = False
+        self._handshake = False
         self._abort_note: str | None = None  # set by the first abort
         self.bucket_numel = bucket_numel_for(plan, binding, memory_cap, bucket_bytes, depth)
         direct_numel = 1 << 62 if direct_bytes is None else max(direct_bytes // plan.itemsize, 1)
@@ -243,9 +246,10 @@ class DistributedExecutor:
         self._preflight(problem, device)
         marks.append(("preflight", time.perf_counter()))
         try:
-            if len(self.lanes) < self.num_lanes and self._lanes_agree:  # every member passed the preflight and
-                # agrees on the names: all make them together
-                self.lanes = lanes_for(self.group, self.num_lanes, self.backend)
+            if self._handshake:  # NCCL, something not connected yet somewhere: lanes and handshake, bounded
+                self._connect(device)
+            elif len(self.lanes) < self.num_lanes and self._lanes_agree:
+                self.lanes = self._make_lanes()
             self._transfer(engine)
             marks.append(("enqueue", time.perf_counter()))
             engine.drain()
@@ -318,11 +322,15 @@ class DistributedExecutor:
             return
         fp = self._fingerprint
         count = naming_count(self.group) if len(self.lanes) < self.num_lanes else 0
-        t = torch.tensor([int(problem is not None), fp, -fp, count, -count], dtype=torch.int64, device=device)
+        unconnected = device.type == "cuda" and (len(self.lanes) < self.num_lanes or not all(
+            connect.ready(lane, p) for lane in self.lanes for p in self._global.values()))
+        t = torch.tensor([int(problem is not None), fp, -fp, count, -count, int(unconnected)], dtype=torch.int64,
+                         device=device)
         self._wait_collective(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True),
                               device, "preflight", before=True)
-        bad, hi, lo, most, least = t.tolist()
+        bad, hi, lo, most, least, handshake = t.tolist()
         self._lanes_agree = most == -least and most >= 0  # every member would give a new lane the same name
+        self._handshake = bool(handshake)  # any member has a pair to connect: all take part (connect)
         if problem:
             raise ExecutionError(f"{problem}; nothing was moved")
         if bad:
@@ -366,14 +374,41 @@ class DistributedExecutor:
         if int(t.item()):
             raise ExecutionError(self._failure("another process reported an incomplete transfer"))
 
+    def _make_lanes(self) -> list:
+        # every member passed the preflight and agrees on the names: all make them together
+        return lanes_for(self.group, self.num_lanes, self.backend) if self._lanes_agree else self.lanes
+
+    def _connect(self, device: torch.device) -> None:
+        """Make the lanes and connect every peer on every lane, off this thread and bounded (executors.connect)."""
+        peers = sorted(self._global.values())
+
+        def make() -> list:
+            self.lanes = self._make_lanes()
+            return connect.handshake(self.lanes, peers, device)
+
+        try:
+            works = connect.off_thread(make, self.timeout, device, "making lanes and connecting to peers")
+            for w in works:
+                w.wait()
+            ev = torch.cuda.Event()
+            ev.record()
+            poll([ev], self.timeout, ["the handshake with peers"])
+        except ExecutionError as e:
+            raise ExecutionError(self._failure(str(e), before=True)) from e
+        connect.mark_ready(self.lanes, peers)
+
     def _wait_collective(self, start: Callable, device: torch.device, what: str, before: bool = False) -> None:
         try:
-            work = start()
+            if device.type == "cuda" and not connect.ready(self.group):  # NCCL connects at the first collective
+                work = connect.off_thread(start, self.timeout, device, f"the first {what} all-reduce of the group")
+            else:
+                work = start()
             if device.type == "cuda":
                 work.wait()
                 ev = torch.cuda.Event()
                 ev.record()
                 poll([ev], self.timeout, [f"{what} all-reduce"])
+                connect.mark_ready([self.group], [-1])
             else:
                 work.wait(timedelta(seconds=self.timeout))
         except Exception as e:
@@ -381,20 +416,15 @@ class DistributedExecutor:
             raise ExecutionError(self._failure(f"{what} all-reduce did not complete: {e}", before) + note) from e
 
     def abort(self) -> str:
-        """Unblock the transport after a failure: abort the group and its lanes (all unusable afterwards).
-        Returns a note for the error message, empty when the abort finished."""
+        """Unblock the transport after a failure: abort the group and its lanes, all at once (engines.abort),
+        waiting at most `timeout`. All are unusable afterwards. Returns a note for the error message, empty
+        when every abort finished."""
         if self._abort_note is None:
-            self._abort_note = ""
-            if len(self.lanes) == 1:
-                abort(self.lanes)
-            else:  # several NCCL communicators stuck on a dead peer may never finish aborting (executors.lanes):
-                # wait at most `timeout` for it, so that this process still raises
-                worker = threading.Thread(target=abort, args=(list(self.lanes),), daemon=True, name="reshard-abort")
-                worker.start()
-                worker.join(self.timeout)
-                if worker.is_alive():
-                    self._abort_note = (f"; aborting the {len(self.lanes)} communicators (lanes) did not finish "
-                                        f"within {self.timeout:.1f} s: restart this process")
+            stuck = abort(list(self.lanes), self.timeout)
+            self._abort_note = "" if not stuck else (
+                f"; aborting {len(stuck)} of the {len(self.lanes)} communicators (lanes) did not finish within "
+                f"{self.timeout:.1f} s: restart this process")
+            connect.forget(self.lanes)
             forget(self.group)
         return self._abort_note
 

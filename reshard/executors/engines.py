@@ -13,6 +13,7 @@ completion event against the timeout.
 from __future__ import annotations
 
 import abc
+import threading
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Callable
@@ -29,6 +30,7 @@ from .views import BoundCopies, Memory, bind
 if TYPE_CHECKING:
     from .distributed import DistributedExecutor
 
+HOST_LEAD = 8  # rounds the host may enqueue ahead of the GPU (CudaEngine._keep_up)
 ALIGN = 64  # elements: every shadow tensor starts 128-byte aligned (bf16) so that word views apply
 
 
@@ -151,36 +153,31 @@ def poll(events: list, timeout: float, what: list[str] | Callable[[int], str]) -
         last = time.monotonic()
 
 
-def abort(groups: list) -> None:
-    """Unblock NCCL kernels that wait for a dead peer: abort these groups' communicators (best effort: the error
-    being raised says what failed; for the world group torch aborts every group of the process). Aborts of
-    several communicators one after another can wait on each other's stuck kernels forever (pytorch#119797),
-    so several are aborted inside one NCCL group, as torch does for a whole world; with three lanes on 2xH200
-    that still hung (executors.lanes), hence the bounded wait in DistributedExecutor.abort."""
-    if len(groups) == 1:  # one communicator: torch's abort (measured on 2xH200: the survivor raises in time)
-        try:
-            from torch.distributed.distributed_c10d import _abort_process_group
-            _abort_process_group(groups[0])
-        except Exception:  # noqa: BLE001
-            pass
-        return
+def abort(groups: list, timeout: float) -> list:
+    """Abort these groups' communicators, each on a thread of its own and all at once, so that NCCL kernels
+    waiting for a dead peer return; give back the groups whose abort did not finish within `timeout` seconds.
+
+    Why all at once: an NCCL abort sets its communicator's abort flag (its kernels then return) and then frees
+    the communicator's buffers, and that free waits for the whole GPU, kernels of other communicators included.
+    One after another, the first abort waited forever for the kernels of a lane nobody had aborted yet (2xH200,
+    three lanes, a peer killed mid-refit; ncclGroupStart around the aborts did not help: torch runs each abort
+    on a thread of its own). All at once, every flag is set within moments and every free completes: the
+    survivor raised 4.7 s after its peer died (timeout 4 s) with one, two or three lanes, its staged
+    destinations untouched or its undo log put back, and its GPU usable (BENCHMARKS.md, issue 3)."""
+    threads = [threading.Thread(target=_abort_one, args=(g,), daemon=True, name=f"reshard-abort-{i}")
+               for i, g in enumerate(groups)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return [g for g, t in zip(groups, threads) if t.is_alive()]
+
+
+def _abort_one(group) -> None:
     try:
-        from torch.distributed.distributed_c10d import ProcessGroupNCCL
-        backend = groups[0]._get_backend(torch.device("cuda"))
-        grouped = isinstance(backend, ProcessGroupNCCL)
-    except Exception:  # noqa: BLE001 - no NCCL backend: nothing is stuck on the GPU
-        return
-    try:
-        if grouped:
-            backend._group_start()
-        for g in groups:
-            try:
-                g.abort()
-            except Exception:  # noqa: BLE001
-                pass
-        if grouped:
-            backend._group_end()
-    except Exception:  # noqa: BLE001
+        group.abort()
+    except Exception:  # noqa: BLE001 - best effort: the error being raised says what failed
         pass
 
 
@@ -325,6 +322,7 @@ class CudaEngine(Engine):
         self.packed: torch.cuda.Event | None = None
 
     def pack(self, pos: int) -> None:
+        self._keep_up()
         prev = self.slot_owner.get(pos % self.ex.depth)
         st = self.streams["pack"]
         with torch.cuda.stream(st):
@@ -360,6 +358,19 @@ class CudaEngine(Engine):
             ev = st.record_event()
         pending["scattered"] = self.last_scatter = ev
         self.done.append((ev, pending["pos"]))
+
+    def _keep_up(self) -> None:
+        """Wait (bounded) until the GPU has finished the round HOST_LEAD rounds back. Unbounded, the host
+        enqueued every round of a refit at once; with a dead peer the GPU stops, CUDA's launch queue fills
+        and a kernel launch blocked the host for good (2xH200, 64 KiB buckets), out of reach of the timeout."""
+        if len(self.done) < HOST_LEAD:
+            return
+        ev, pos = self.done[-HOST_LEAD]
+        if not ev.query():
+            try:
+                poll([ev], self.ex.timeout, [self.describe(pos)])
+            except ExecutionError as e:
+                raise ExecutionError(self.ex._failure(str(e))) from None
 
     def local(self, stage: int, piece: int) -> None:
         st = self.streams["local"]

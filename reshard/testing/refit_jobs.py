@@ -4,7 +4,7 @@ A case is JSON: {"plan": path of a saved plan, "binding": {"src": [...], "dst": 
 of the refit group or null for the whole world, "seed": int, "options": executor options}. Every process
 builds the same canonical weights from the seed, shards them for the source ranks it plays, fills its
 destination tensors with a sentinel, runs the executor, and compares its destination tensors byte for byte
-with `execute_local` of the same plan on the same inputs.
+with `execute_local` of the same plan on the same inputs. In an NCCL world the tensors live on the process's GPU.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ def _weights(plan: Plan, seed: int) -> dict[str, torch.Tensor]:
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a = a.cpu()
     return a.shape == b.shape and torch.equal(a.flatten().view(torch.uint8), b.flatten().view(torch.uint8))
 
 
@@ -52,12 +53,21 @@ def _stats(s: ExecutionStats) -> dict[str, Any]:
             "staging_bytes": s.staging_bytes, "bucket_bytes": s.bucket_bytes}
 
 
+def _device() -> torch.device:
+    if "nccl" in str(dist.get_backend()).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _tensors(plan: Plan, binding: Binding, me: int, seed: int):
     mine_src = list(binding.src_ranks_of(me))
     mine_dst = list(binding.dst_ranks_of(me))
     weights = _weights(plan, seed)
     src = shard(plan.src, weights, ranks=mine_src) if mine_src else {}
     dst = allocate(plan.dst, fill=SENTINEL, ranks=mine_dst) if mine_dst else {}
+    device = _device()
+    if device.type != "cpu":
+        src, dst = ({r: {n: t.to(device) for n, t in ts.items()} for r, ts in side.items()} for side in (src, dst))
     return weights, src, dst
 
 
@@ -143,4 +153,4 @@ def fail_mid_refit(rank: int, size: int, args: dict[str, Any]) -> dict[str, Any]
     elapsed = time.monotonic() - start
     unchanged = all(bool((t == SENTINEL).all()) for ts in dst.values() for t in ts.values())
     return {"raised": raised, "message": message, "seconds": elapsed, "unchanged": unchanged,
-            "has_dst": bool(dst)}
+            "has_dst": bool(dst), "lanes": len(ex.lanes)}

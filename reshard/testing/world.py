@@ -1,4 +1,5 @@
-"""Run a function on N fresh processes joined in one gloo world, without pickle: the job is JSON.
+"""Run a function on N fresh processes joined in one world (gloo, or NCCL with one GPU per process), without
+pickle: the job is JSON.
 
     results = run_world(3, "reshard.testing.refit_jobs:run_cases", {"cases": [...]}, workdir, timeout=60)
 
@@ -20,13 +21,14 @@ from typing import Any
 
 
 def run_world(size: int, function: str, args: dict[str, Any], workdir: str | Path, timeout: float = 120.0,
-              pg_timeout: float = 60.0) -> list[Any]:
+              pg_timeout: float = 60.0, backend: str = "gloo") -> list[Any]:
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     for stale in [*workdir.glob("result-*.json"), workdir / "store"]:
         stale.unlink(missing_ok=True)  # a FileStore must start empty
     job = workdir / "job.json"
     job.write_text(json.dumps({"size": size, "function": function, "args": args, "pg_timeout": pg_timeout,
+                               "backend": backend,
                                "store": str(workdir / "store")}))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, "-m", "reshard.testing.world", str(job), str(r)], env=env,
@@ -53,8 +55,14 @@ def _main(job_path: str, rank: int) -> None:
     import torch.distributed as dist
 
     job = json.loads(Path(job_path).read_text())
-    dist.init_process_group("gloo", init_method=f"file://{job['store']}", rank=rank, world_size=job["size"],
-                            timeout=timedelta(seconds=job["pg_timeout"]))
+    backend, device = job.get("backend", "gloo"), None
+    if backend == "nccl":  # one GPU per process, bound at start-up (communicators made eagerly)
+        import torch
+
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{job['store']}", rank=rank, world_size=job["size"],
+                            timeout=timedelta(seconds=job["pg_timeout"]), device_id=device)
     module, name = job["function"].split(":")
     result = getattr(importlib.import_module(module), name)(rank, job["size"], job["args"])
     out = Path(job_path).parent / f"result-{rank}.json"

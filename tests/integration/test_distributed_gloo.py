@@ -8,12 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 import reshard
 from reshard.executors.binding import Binding
+from reshard.testing.refit_cases import (as_jobs, examples, failures, random_cases, survivor_failures,
+                                         tiny_spec)
 from reshard.testing.refit_jobs import SENTINEL  # noqa: F401 - documents what "unchanged" means
-from reshard.testing.strategies import refit_plans
 from reshard.testing.world import run_world
 
 pytestmark = pytest.mark.gloo
@@ -21,58 +21,9 @@ WORLD = 4
 RANDOM_CASES = 28
 
 
-def _draw(strategy: st.SearchStrategy, n: int) -> list:
-    """n examples of a strategy, the same on every run (hypothesis drives the draw; processes run them)."""
-    out: list = []
-
-    @settings(max_examples=n, database=None, derandomize=True, phases=[Phase.generate], deadline=None,
-              suppress_health_check=list(HealthCheck))
-    @given(strategy)
-    def collect(x):
-        out.append(x)
-
-    collect()
-    return out
-
-
-@st.composite
-def random_cases(draw):
-    plan = draw(refit_plans())
-    src, dst = plan.src, plan.dst
-    members = draw(st.one_of(st.none(), st.lists(st.integers(0, WORLD - 1), min_size=2, max_size=WORLD,
-                                                  unique=True).map(sorted)))
-    n = len(members) if members is not None else WORLD
-    S, D = src.num_ranks, dst.num_ranks
-    shape = draw(st.sampled_from(["disjoint", "colocated", "random"]))
-    if shape == "disjoint" and S + D <= n:
-        binding = Binding.disjoint(S, D)
-    elif shape == "colocated" and max(S, D) <= n:
-        binding = Binding.colocated(S, D)
-    else:  # ranks spread over the group's processes; a process may play several ranks of a side
-        binding = Binding(tuple(draw(st.lists(st.integers(0, n - 1), min_size=S, max_size=S))),
-                          tuple(draw(st.lists(st.integers(0, n - 1), min_size=D, max_size=D))))
-    total = int((plan.ops["rows"] * plan.ops["cols"]).sum()) * plan.itemsize
-    mode = draw(st.sampled_from([{}, {"in_place": True}, {"undo": True}]))  # staged, in place, undo
-    options = {**mode, "timeout": 60.0,
-               # small buckets split ops at odd places; about 20 rounds at most keeps a case quick
-               "bucket_bytes": max(draw(st.sampled_from([4, 12, 256, 4096, 1 << 20])), total // 20),
-               # runs sent from / received into the tensors unpacked: most, some, or only whole messages
-               "direct_bytes": draw(st.sampled_from([2, 64, None])),
-               # rounds spread over extra communicators of the group (round r on lane r mod lanes)
-               "lanes": draw(st.sampled_from([1, 2, 3]))}
-    if draw(st.booleans()):
-        options["memory_cap"] = max(options.pop("bucket_bytes") * 2, 64)
-    return plan, binding, members, options, draw(st.integers(0, 2**16))
-
-
-def _tiny() -> reshard.ModelSpec:
-    return reshard.ModelSpec(family="qwen3", hidden_size=16, num_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, head_dim=4, intermediate_size=24, vocab_size=100, qk_norm=True)
-
-
 def _fixed_cases():
     """Named shapes every run covers (name, plan, binding, group members, options)."""
-    spec = _tiny()
+    spec = tiny_spec()
     M, V = reshard.MegatronLayout, reshard.VllmLayout
     small = {"bucket_bytes": 512, "timeout": 60.0, "direct_bytes": 128}
     return [
@@ -107,33 +58,13 @@ def _fixed_cases():
 
 def test_refits_across_processes_match_local_executor(tmp_path: Path):
     named = _fixed_cases()
-    drawn = _draw(random_cases(), RANDOM_CASES)
-    cases, labels = [], []
-    for i, (name, plan, binding, members, options) in enumerate(named):
-        options = dict(options)
-        extra = {k: options.pop(k) for k in ("repeat", "refuse") if k in options}
-        path = plan.save(tmp_path / f"fixed{i}.npz")
-        cases.append({"plan": str(path), "binding": binding.to_dict(), "group": members, "seed": i,
-                      "options": options, **extra})
-        labels.append(name)
-    for i, (plan, binding, members, options, seed) in enumerate(drawn):
-        path = plan.save(tmp_path / f"random{i}.npz")
-        cases.append({"plan": str(path), "binding": binding.to_dict(), "group": members, "seed": seed,
-                      "options": options})
-        labels.append(f"random {i}: {plan.src} -> {plan.dst} fanout={plan.fanout} {binding} group={members} "
-                      f"{options}")
+    cases, labels = as_jobs(named, examples(random_cases(WORLD), RANDOM_CASES), tmp_path)
     results = run_world(WORLD, "reshard.testing.refit_jobs:run_cases", {"cases": cases}, tmp_path / "world",
                         timeout=600)
     logs = (tmp_path / "world" / "logs.txt").read_text()
     assert all(r is not None for r in results), f"a process died:\n{logs[-4000:]}"
-    failures = []
-    for i, (case, label) in enumerate(zip(cases, labels)):
-        members = case["group"] if case["group"] is not None else list(range(WORLD))
-        for proc in members:
-            r = results[proc][i]
-            if r is None or not r["ok"]:
-                failures.append(f"{label} on world rank {proc}: {r and r['error']}")
-    assert not failures, "\n".join(failures[:10])
+    wrong = failures(results, cases, labels, WORLD)
+    assert not wrong, "\n".join(wrong[:10])
 
     stats = lambda i, proc: results[proc][i]["stats"]  # noqa: E731
     named_index = {name: i for i, (name, *_) in enumerate(named)}
@@ -165,7 +96,7 @@ def test_dead_or_hanging_peer_fails_every_survivor(tmp_path: Path, mode: str, un
     """Group rank 0 (a trainer rank) dies or stops at round 2. Rank 2 receives from it and fails in its wait;
     rank 1 does not talk to it and fails in the verify step. Both raise ExecutionError within the timeout and
     keep their destination tensors unchanged: staged ones were never written, undo ones are put back."""
-    spec = _tiny()
+    spec = tiny_spec()
     plan = reshard.compile(reshard.MegatronLayout(model=spec, tp=2), reshard.VllmLayout(model=spec, tp=1))
     path = plan.save(tmp_path / "plan.npz")
     timeout = 2.0
@@ -175,11 +106,6 @@ def test_dead_or_hanging_peer_fails_every_survivor(tmp_path: Path, mode: str, un
     results = run_world(3, "reshard.testing.refit_jobs:fail_mid_refit", args, tmp_path / "world", timeout=120)
     logs = (tmp_path / "world" / "logs.txt").read_text()
     assert results[0] is None, "the victim should not have finished"
-    for proc in (1, 2):
-        r = results[proc]
-        assert r is not None, f"survivor {proc} did not report:\n{logs[-3000:]}"
-        assert r["raised"] == "ExecutionError", f"survivor {proc}: {r}"
-        assert "refit failed" in r["message"]
-        assert ("restored to their previous weights" if undo else "unchanged") in r["message"], r["message"]
-        assert r["seconds"] < timeout + 5.0, f"survivor {proc} took {r['seconds']:.1f} s"
-    assert results[2]["has_dst"] and results[2]["unchanged"]
+    wrong = survivor_failures(results, [1, 2], undo, timeout + 5.0, logs)
+    assert not wrong, "\n".join(wrong)
+    assert results[2]["has_dst"]  # rank 2 receives from the victim (its tensors were checked above)

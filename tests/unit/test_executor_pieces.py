@@ -2,6 +2,9 @@
 executor itself in one process (everything local, as in E4)."""
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -12,6 +15,7 @@ from reshard.executors import allocate, execute_local, shard
 from reshard.executors.binding import Binding
 from reshard.executors.copies import DST, SRC, fold, run_copies
 from reshard.executors.distributed import DistributedExecutor, execute_distributed
+from reshard.executors.engines import abort
 from reshard.executors.schedule import bucket_numel_for, build_schedule
 from reshard.testing.loopback import run_loopback
 
@@ -156,23 +160,55 @@ def test_repeated_calls_skip_checks_only_for_the_same_tensors():
         assert torch.equal(dst[0][n], want[0][n]), n
 
 
-def test_a_stuck_abort_of_several_lanes_still_lets_the_process_raise(monkeypatch):
-    """Aborting several NCCL communicators stuck on a dead peer hung on 2xH200 (executors.lanes); the executor
-    waits for that abort at most `timeout` and says so, instead of hanging with it. One lane: a plain abort."""
-    import time
+class _Communicator:
+    """A group whose abort returns only once every group's abort has begun: NCCL's abort frees buffers, which
+    waits for the kernels of every communicator, and a kernel returns only once its own abort has begun."""
 
+    def __init__(self, everyone: threading.Barrier | None) -> None:
+        self.everyone, self.aborted = everyone, False
+
+    def abort(self) -> None:
+        if self.everyone is None:
+            time.sleep(30)  # never finishes within the test
+            return
+        self.everyone.wait()
+        self.aborted = True
+
+
+def test_abort_aborts_every_lane_at_once_and_gives_up_after_the_timeout():
+    everyone = threading.Barrier(3, timeout=10)
+    lanes = [_Communicator(everyone) for _ in range(3)]
+    start = time.monotonic()
+    assert abort(lanes, timeout=5.0) == [] and all(c.aborted for c in lanes)  # one after another: deadlock
+    stuck = _Communicator(None)
+    assert abort([_Communicator(threading.Barrier(1)), stuck], timeout=0.2) == [stuck]
+    assert time.monotonic() - start < 5.0
+
+
+def test_an_abort_that_does_not_finish_is_named_and_the_process_still_raises(monkeypatch):
     import reshard.executors.distributed as distributed
 
     plan = reshard.compile(reshard.MegatronLayout(model=SPEC), reshard.VllmLayout(model=SPEC))
     calls = []
-    monkeypatch.setattr(distributed, "abort", lambda groups: (calls.append(len(groups)), time.sleep(30)))
+    monkeypatch.setattr(distributed, "abort", lambda groups, timeout: (calls.append(len(groups)), groups[1:])[1])
     ex = DistributedExecutor(plan, Binding((0,), (0,)), timeout=0.2)
     ex.lanes = [object(), object(), object()]  # as if three lanes had been made
-    start = time.monotonic()
     note = ex.abort()
-    assert time.monotonic() - start < 5.0 and calls == [3]
-    assert "3 communicators (lanes) did not finish within 0.2 s" in note
+    assert "2 of the 3 communicators (lanes) did not finish within 0.2 s: restart this process" in note
     assert ex.abort() == note and calls == [3]  # aborted once
-    monkeypatch.setattr(distributed, "abort", lambda groups: calls.append(len(groups)))
     one = DistributedExecutor(plan, Binding((0,), (0,)), timeout=0.2)
     assert one.abort() == "" and calls == [3, 1]
+
+
+def test_first_uses_of_a_communicator_run_off_thread_and_are_bounded():
+    """NCCL blocks the host while it connects to a gone peer; the executor's first uses must still time out."""
+    from reshard.executors.connect import off_thread
+
+    cpu = torch.device("cpu")
+    assert off_thread(lambda: 7, 1.0, cpu, "x") == 7
+    with pytest.raises(ValueError, match="boom"):  # the helper's error reaches the caller
+        off_thread(lambda: (_ for _ in ()).throw(ValueError("boom")), 1.0, cpu, "x")
+    start = time.monotonic()
+    with pytest.raises(ExecutionError, match="connecting to peers did not return within 0.2 s"):
+        off_thread(lambda: time.sleep(30), 0.2, cpu, "connecting to peers")
+    assert time.monotonic() - start < 5.0

@@ -1,0 +1,81 @@
+"""First use of NCCL communicators, off the calling thread and bounded by the timeout.
+
+NCCL connects a communicator lazily: its collectives' rings at the first collective, each peer's point-to-point
+channels at the first message to or from that peer. While connecting, the call that posts the operation
+blocks the host, and it never returns if the peer is gone: on 2xH200, a peer killed in the first refit of fresh
+lanes left the survivor stuck inside `batch_isend_irecv`, where no timeout of ours could see it. So the
+executor makes every first use here, while the preflight has just shown that every member is alive: the first
+all-reduce of a group, and a handshake (one element each way) with every peer on every lane. Both run on a
+helper thread that the caller waits for at most `timeout`; past it the refit fails like any other. Connected
+pairs are remembered per process, so later refits post on the calling thread with nothing to connect.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ExecutionError
+
+T = TypeVar("T")
+_READY: set[tuple[int, int]] = set()  # (id(communicator), global peer rank; -1 for its collectives)
+
+
+def ready(comm, peer: int = -1) -> bool:
+    return (id(comm), peer) in _READY
+
+
+def mark_ready(comms: list, peers: list[int]) -> None:
+    _READY.update((id(c), p) for c in comms for p in peers)
+
+
+def forget(comms: list) -> None:
+    """Drop what is known of these communicators (aborted, or about to be)."""
+    ids = {id(c) for c in comms}
+    _READY.difference_update({k for k in _READY if k[0] in ids})
+
+
+def off_thread(fn: Callable[[], T], timeout: float, device: torch.device, what: str) -> T:
+    """fn() on a helper thread (same device, same current stream); ExecutionError if it has not returned
+    within `timeout` seconds (the thread is left behind: a daemon stuck in NCCL)."""
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    out: dict[str, object] = {}
+
+    def target() -> None:
+        try:
+            if stream is None:
+                out["value"] = fn()
+                return
+            torch.cuda.set_device(device)
+            with torch.cuda.stream(stream):
+                out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            out["error"] = e
+
+    worker = threading.Thread(target=target, daemon=True, name="reshard-connect")
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise ExecutionError(f"{what} did not return within {timeout:.1f} s (NCCL waits for a peer while it "
+                             f"connects to it: a peer is gone or stuck)")
+    if "error" in out:
+        raise out["error"]  # type: ignore[misc]
+    return out.get("value")  # type: ignore[return-value]
+
+
+def handshake(lanes: list, peers: list[int], device: torch.device) -> list:
+    """Post one element to and from every peer (global ranks) on every lane: NCCL connects each pair then.
+    Every member posts to its own peers, which are symmetric (a peer of mine has me as a peer), so all match."""
+    buf = torch.zeros(2 * max(len(peers), 1), dtype=torch.int32, device=device)
+    works = []
+    for lane in lanes:
+        ops = [dist.P2POp(dist.isend, buf[2 * i:2 * i + 1], p, lane) for i, p in enumerate(peers)]
+        ops += [dist.P2POp(dist.irecv, buf[2 * i + 1:2 * i + 2], p, lane) for i, p in enumerate(peers)]
+        if ops:
+            works += dist.batch_isend_irecv(ops)
+    return works
+
+
+__all__ = ["forget", "handshake", "mark_ready", "off_thread", "ready"]

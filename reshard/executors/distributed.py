@@ -109,7 +109,7 @@ class ExecutionStats:
     local_bytes: int = 0
     rounds: int = 0
     messages: int = 0
-    lanes: int = 1  # communicators the rounds were spread over
+    lanes: int = 1  # communicators the rounds were spread over (3 by default on NCCL)
     copies: int = 0  # block copies launched (pack, scatter, local, commit)
     bucket_bytes: int = 0
     direct_bytes: int = 0  # bytes sent from or received into the tensors themselves (no pack / scatter copy)

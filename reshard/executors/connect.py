@@ -20,7 +20,9 @@ import torch.distributed as dist
 from ..errors import ExecutionError
 
 T = TypeVar("T")
-_READY: set[tuple[int, int]] = set()  # (id(communicator), global peer rank; -1 for its collectives)
+# (id(communicator), global peer rank; -1 for its collectives) -> the communicator, kept so that its id is not
+# reused by another group while it is listed here
+_READY: dict[tuple[int, int], object] = {}
 
 
 def ready(comm, peer: int = -1) -> bool:
@@ -28,13 +30,14 @@ def ready(comm, peer: int = -1) -> bool:
 
 
 def mark_ready(comms: list, peers: list[int]) -> None:
-    _READY.update((id(c), p) for c in comms for p in peers)
+    _READY.update({(id(c), p): c for c in comms for p in peers})
 
 
 def forget(comms: list) -> None:
     """Drop what is known of these communicators (aborted, or about to be)."""
     ids = {id(c) for c in comms}
-    _READY.difference_update({k for k in _READY if k[0] in ids})
+    for key in [k for k in _READY if k[0] in ids]:
+        del _READY[key]
 
 
 def off_thread(fn: Callable[[], T], timeout: float, device: torch.device, what: str) -> T:

@@ -11,7 +11,9 @@ it owns and receives what it needs. Lifecycle of `DistributedExecutor(plan, bind
      prebuilt view). The binding is kept and reused while the caller passes the same tensors, which is the
      usual case; `release()` drops it;
   3. preflight: one small all-reduce tells every process whether all are ready and run the same plan,
-     binding and bucket size; on any mismatch every process raises before a byte moves;
+     binding and bucket size; on any mismatch every process raises before a byte moves. On NCCL the first
+     refit then makes the lanes and connects every pair on every lane, off the calling thread and bounded by
+     the timeout (executors.connect);
   4. transfer, stage by stage: for each round, pack the round's sends into wire buffers, post the round's
      sends and receives as one batch, and (one round later) wait for them and scatter what arrived; local
      copies (bytes between ranks played by one process) are spread over the stage's rounds; relays of stage
@@ -142,7 +144,7 @@ class DistributedExecutor:
         on several (BENCHMARKS.md).
     lanes: communicators the rounds are spread over (round r on lane r mod lanes; executors.lanes): NCCL runs
         one communicator's messages one after another, each with a fixed cost, and lanes overlap those costs
-        (E3 on 2xH200: 84-85% of the link with 3 lanes, 72% with 1). The extra ones are made from the group in
+        (E3 on 2xH200: 79-88% of the link with 3 lanes, 72% with 1). The extra ones are made from the group in
         the first refit and kept for it; each is one more NCCL communicator (its buffers on the GPU). Default:
         3 on NCCL, 1 otherwise (gloo has no such per-message cost to hide).
     on_round: called with each round's index before it is posted (progress reporting, fault injection in tests).

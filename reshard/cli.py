@@ -56,7 +56,7 @@ def _plan(args: argparse.Namespace) -> int:
             "coverage": plan.coverage, "compile_seconds": plan.compile_seconds, "roots": plan.roots,
             "colocation": list(plan.colocation) if plan.colocation is not None else None,
             "value_shifts": {plan.src.model.tensor_name(i): v for i, v in plan.value_shifts.items()},
-            "narrowed": plan.narrowed,
+            "own_dtypes": plan.own_dtypes,
             "tree_depth": plan.tree_depth, **a.to_dict(),
         }
         if not args.pairs:

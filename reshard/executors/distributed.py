@@ -88,7 +88,7 @@ from . import connect
 from .binding import Binding
 from .engines import Bound, Engine, abort, bound_key, make_engine, poll
 from .lanes import NCCL_LANES, forget, lanes_for, naming_count
-from .local import check_tensors
+from .local import check_tensors, in_units
 from .schedule import DIRECT_BYTES, LANES_DIRECT_BYTES, ProcessSchedule, bucket_numel_for, build_schedule
 
 RankTensors = Mapping[int, Mapping[str, torch.Tensor]]
@@ -236,6 +236,7 @@ class DistributedExecutor:
         if problem is None:
             try:  # buffers are allocated before the preflight, so that running out of memory is reported there
                 if not self._given:
+                    src, dst = in_units(self.plan, src, dst)  # tensors kept in a wider dtype, seen in the plan's
                     key = bound_key(self, src, dst, device)
                     if self._bound is None or self._bound.key != key:
                         self._bound = None

@@ -29,9 +29,11 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def allocate(layout: Layout, fill: float = 0.0, ranks: list[int] | None = None,
              device: str | torch.device = "cpu") -> dict[int, dict[str, torch.Tensor]]:
-    """Fresh physical tensors for `ranks` (default all) of a layout, filled with `fill`."""
-    dtype = torch_dtype(layout.dtype)
-    return {r: {name: torch.full(shape, fill, dtype=dtype, device=device)
+    """Fresh physical tensors for `ranks` (default all) of a layout, filled with `fill`; each in its dtype
+    (the layout's, or a tensor's own: `Layout.tensor_dtypes`)."""
+    dtype, own = torch_dtype(layout.dtype), layout.tensor_dtypes()
+    return {r: {name: torch.full(shape, fill, device=device,
+                                 dtype=torch_dtype(own[(r, name)]) if (r, name) in own else dtype)
                 for name, shape in layout.rank_tensors(r).items()}
             for r in (range(layout.num_ranks) if ranks is None else ranks)}
 
@@ -68,7 +70,7 @@ def unshard(layout: Layout, tensors: RankTensors) -> dict[str, torch.Tensor]:
     """Canonical weights read back from a layout's tensors (each box from its first holder)."""
     out = {}
     for t in layout.model.tensors:
-        w = torch.empty(t.shape, dtype=torch_dtype(layout.dtype))
+        w = torch.empty(t.shape, dtype=torch_dtype(t.dtype or layout.dtype))
         for p in layout.placements(t):
             if 0 in p.lengths or p.rank not in tensors:
                 continue
@@ -79,15 +81,20 @@ def unshard(layout: Layout, tensors: RankTensors) -> dict[str, torch.Tensor]:
 
 
 def check_tensors(plan: Plan, src: RankTensors, dst: RankTensors) -> None:
-    """Every tensor the plan touches is present with its shape and dtype, contiguous; all problems at once."""
+    """Every tensor the plan touches is present with its shape and dtype, contiguous; all problems at once.
+    A tensor kept in its own dtype (`TensorTable.dtypes`) is expected in that dtype and its element shape."""
     problems = []
     for side, table, given, layout in (("source", plan.src_tensors, src, plan.src),
                                        ("destination", plan.dst_tensors, dst, plan.dst)):
-        want_dtype = torch_dtype(layout.dtype)
+        plan_dtype, own = torch_dtype(layout.dtype), table.own_dtypes()
         for rank, name, shape in zip(table.ranks, table.names, table.shapes):
             if rank not in given:
                 continue  # ranks not given are not run here
             t = given[rank].get(name)
+            want_dtype = plan_dtype
+            if (rank, name) in own:
+                want_dtype = torch_dtype(own[(rank, name)])
+                shape = (*shape[:-1], shape[-1] * plan_dtype.itemsize // want_dtype.itemsize)
             if t is None:
                 problems.append(f"{side} rank {rank} has no tensor {name!r}")
             elif tuple(t.shape) != tuple(shape) or t.dtype != want_dtype or not t.is_contiguous():
@@ -95,6 +102,20 @@ def check_tensors(plan: Plan, src: RankTensors, dst: RankTensors) -> None:
                                 f"(contiguous={t.is_contiguous()}), plan expects {tuple(shape)} {want_dtype}")
     if problems:
         raise ExecutionError("tensors do not match the plan:\n  - " + "\n  - ".join(problems[:20]))
+
+
+def in_units(plan: Plan, src: RankTensors, dst: RankTensors) -> tuple[RankTensors, RankTensors]:
+    """The tensors as executors move them: those kept in a wider dtype than the plan's (checked by
+    `check_tensors`) viewed as the plan's dtype, same bytes (a float32 [E] as bfloat16 [2E]); others as given."""
+    out = []
+    for side, table in ((src, plan.src_tensors), (dst, plan.dst_tensors)):
+        own = table.own_dtypes()
+        if not own:
+            out.append(side)
+            continue
+        unit = torch_dtype(plan.dst.dtype)
+        out.append({r: {n: t.view(unit) if (r, n) in own else t for n, t in ts.items()} for r, ts in side.items()})
+    return out[0], out[1]
 
 
 def block(flat: torch.Tensor, offset: int, rows: int, cols: int, stride: int) -> torch.Tensor:
@@ -113,6 +134,7 @@ def execute_local(plan: Plan, src: RankTensors, dst: RankTensors) -> None:
     if missing:
         raise ExecutionError(f"local execution needs every rank; missing {missing[:10]}")
     check_tensors(plan, src, dst)
+    src, dst = in_units(plan, src, dst)
     s_flat = [src[r][n].view(-1) for r, n in zip(plan.src_tensors.ranks, plan.src_tensors.names)]
     d_flat = [dst[r][n].view(-1) for r, n in zip(plan.dst_tensors.ranks, plan.dst_tensors.names)]
     cols = [plan.ops[c].tolist() for c in ("src_side", "src_tensor", "src_offset", "src_stride", "dst_tensor",

@@ -201,6 +201,11 @@ class Layout(BaseModel, abc.ABC):
     def dtype(self) -> str:
         return self.model.dtype
 
+    def tensor_dtypes(self) -> dict[tuple[int, str], str]:
+        """(rank, physical tensor name) -> dtype, for the physical tensors that hold a canonical tensor kept in
+        its own dtype (`ModelSpec.own_dtype_tensors`); every other physical tensor is in `dtype`."""
+        return _own_dtypes(self)
+
     def iter_placements(self) -> Iterator[tuple[TensorSpec, Placement]]:
         for t in self.model.tensors:
             for p in self.placements(t):
@@ -244,3 +249,14 @@ def rank_tensor_table(layout: Layout) -> dict[int, dict[str, tuple[int, ...]]]:
         name, shape = t.kinds[kind]
         table.setdefault(rank, {})[name] = shape
     return table
+
+
+@functools.lru_cache(maxsize=16)
+def _own_dtypes(layout: Layout) -> dict[tuple[int, str], str]:
+    out: dict[tuple[int, str], str] = {}
+    for t in layout.model.own_dtype_tensors:
+        for p in layout.placements(t):
+            if out.setdefault((p.rank, p.tensor), t.dtype) != t.dtype:
+                raise LayoutError(layout.kind, f"rank {p.rank} tensor {p.tensor!r} would hold both "
+                                  f"{out[(p.rank, p.tensor)]} and {t.dtype} data", {"tensor": p.tensor})
+    return out

@@ -133,6 +133,11 @@ class ModelSpec(BaseModel):
     def itemsize(self) -> int:
         return DTYPE_SIZES[self.dtype]
 
+    @property
+    def own_dtype_tensors(self) -> tuple[TensorSpec, ...]:
+        """The canonical tensors kept in another dtype than the model's (DeepSeek-V3's float32 router bias)."""
+        return _own_dtype_tensors(self)
+
     def is_moe_layer(self, layer: int) -> bool:
         return self.is_moe and layer not in self.dense_layers
 
@@ -326,6 +331,13 @@ def _canonical_tensors(spec: ModelSpec) -> tuple[TensorSpec, ...]:
 
     rows = family(spec.family).tensors(spec)
     return tuple(TensorSpec(k, *row) for k, row in enumerate(rows))
+
+
+@functools.lru_cache(maxsize=64)
+def _own_dtype_tensors(spec: ModelSpec) -> tuple[TensorSpec, ...]:
+    if spec.family in _TABLE_FAMILIES:  # their tensors all have the model's dtype
+        return ()
+    return tuple(t for t in _canonical_tensors(spec) if t.dtype is not None and t.dtype != spec.dtype)
 
 
 @functools.lru_cache(maxsize=64)

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from typing import Iterable, Sequence
 
 import numpy as np
 
 from ..errors import PlanError
 from ..layouts import Layout, ModelSpec
+from ..layouts.model import DTYPE_SIZES
 from ..layouts.base import PlacementTable
 from .accounting import Bounds
 from .balance import choose_holders
@@ -65,7 +67,44 @@ def select_indices(model: ModelSpec, tensors: Iterable[str] | None, layers: Iter
     return index
 
 
-def _tensor_ids(t: PlacementTable, mask: np.ndarray, side: str) -> tuple[np.ndarray, TensorTable, np.ndarray]:
+def _unit_ratios(model: ModelSpec) -> tuple[np.ndarray, dict[int, str]]:
+    """Per canonical tensor, how many units of the model's dtype one of its elements takes (1 for almost all;
+    2 for a float32 tensor of a bfloat16 model), and the own dtype of those that differ. A plan moves units:
+    a wider tensor is planned as its bytes seen in the model's dtype, so it travels bit-exact."""
+    ratio = np.ones(len(model.canonical), dtype=np.int64)
+    own: dict[int, str] = {}
+    for t in model.own_dtype_tensors:
+        size = DTYPE_SIZES.get(t.dtype)
+        if size is None or size % model.itemsize:
+            raise PlanError(f"{t.name} is kept in {t.dtype}, which is not a whole number of the model's "
+                            f"{model.dtype} units: plans move tensors at least as wide as the model's dtype")
+        ratio[t.index], own[t.index] = size // model.itemsize, t.dtype
+    return ratio, own
+
+
+def _in_units(t: PlacementTable, ratio: np.ndarray, own: dict[int, str], side: str
+              ) -> tuple[PlacementTable, tuple[str, ...]]:
+    """The placements with wider tensors' columns, origins and row strides counted in units; the dtype of
+    each physical tensor kind ("" = the model's)."""
+    r = ratio[t.canon]
+    wide = np.flatnonzero(r > 1)
+    if not len(wide):
+        return t, ()
+    dtypes = [""] * len(t.kinds)
+    scale = np.ones(len(t.kinds), dtype=np.int64)
+    for k, c in zip(t.kind[wide].tolist(), t.canon[wide].tolist()):
+        dtypes[k], scale[k] = own[c], ratio[c]
+    mixed = np.flatnonzero((r != scale[t.kind]) & (t.n0 * t.n1 > 0))
+    if len(mixed):
+        name = t.kinds[int(t.kind[mixed[0]])][0]
+        raise PlanError(f"{side} layout puts data of two dtypes into one tensor {name!r}")
+    kinds = tuple((n, (*shape[:-1], shape[-1] * f)) for (n, shape), f in zip(t.kinds, scale.tolist()))
+    return replace(t, kinds=kinds, **{c: getattr(t, c) * r for c in ("c1", "n1", "origin", "stride")}), \
+        tuple(dtypes)
+
+
+def _tensor_ids(t: PlacementTable, mask: np.ndarray, side: str, dtypes: tuple[str, ...] = ()
+                ) -> tuple[np.ndarray, TensorTable, np.ndarray]:
     """Physical tensor id per row (-1 outside `mask`), ids sorted by (rank, kind); one shape per (rank, name).
     Also the element count of each tensor."""
     nk = max(len(t.kinds), 1)
@@ -92,7 +131,7 @@ def _tensor_ids(t: PlacementTable, mask: np.ndarray, side: str) -> tuple[np.ndar
             if seen.setdefault((r, name), shape) != shape:
                 problems.append(f"rank {r} tensor {name!r}: {seen[(r, name)]} and {shape}")
         raise PlanError(f"{side} layout gives a tensor two shapes", problems)
-    table = TensorTable(ranks, kinds, t.kinds)
+    table = TensorTable(ranks, kinds, t.kinds, dtypes)
     return tid, table, table.kind_array(lambda _, shape: math.prod(shape))
 
 
@@ -145,19 +184,18 @@ class _Boxes:
         cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64)  # noqa: E731
         self.hset_start, self.hset_count, self.hset_ranks = cat(starts), cat(counts), cat(ranks)
 
-    def overlaps(self, model: ModelSpec) -> list[str]:
+    def overlaps(self, model: ModelSpec, width: np.ndarray) -> list[str]:
         """Distinct boxes of one canonical tensor must lie inside it and not overlap (else the source layout is
-        inconsistent)."""
+        inconsistent). `width`: each canonical tensor's columns, in units."""
         c = model.canonical
         outside = np.flatnonzero((self.c0 < 0) | (self.c1 < 0) | (self.c0 + self.n0 > c.rows[self.canon])
-                                 | (self.c1 + self.n1 > c.cols[self.canon]))
+                                 | (self.c1 + self.n1 > width[self.canon]))
         if len(outside):
             return [f"source layout places a box outside {model.tensor_name(int(self.canon[i]))}: rows "
                     f"[{self.c0[i]}, {self.c0[i] + self.n0[i]}), cols [{self.c1[i]}, {self.c1[i] + self.n1[i]})"
                     for i in outside[:10]]
         if len(self) < 2:
             return []
-        width = model.canonical.cols
         base = int(width.max()) + 1
         edges = sorted_unique(np.concatenate([self.canon * base + self.c1, self.canon * base + self.c1 + self.n1]))
         band, start, end = band_segments(self.canon, self.c0, self.c1, self.n0, self.n1, base, edges)
@@ -295,19 +333,24 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
     K, rpr = dst.num_replicas, dst.ranks_per_replica
 
     # Placements as tables: the source for all its ranks, the destination for replica 0.
-    S = src.placement_table(sel)
-    D = dst.placement_table(sel, replica=0)
+    # Wider tensors (a float32 router bias) are counted in units of the model's dtype from here on.
+    ratio, own = _unit_ratios(model)
+    shifted = [t.name for t in model.own_dtype_tensors if dst.value_offset(t) != src.value_offset(t)]
+    if shifted:  # a shift adds to values, which units of another dtype are not
+        raise PlanError(f"{shifted[0]} is kept in its own dtype and the layouts store it with different offsets")
+    S, s_dtypes = _in_units(src.placement_table(sel), ratio, own, "source")
+    D, d_dtypes = _in_units(dst.placement_table(sel, replica=0), ratio, own, "destination")
     s_data = S.n0 * S.n1 > 0
     d_data = D.n0 * D.n1 > 0
-    s_tid, src_table, src_numel = _tensor_ids(S, s_data, "source")
-    d_tid, dst_table0, _ = _tensor_ids(D, np.ones(len(D), dtype=bool), "destination")
+    s_tid, src_table, src_numel = _tensor_ids(S, s_data, "source", s_dtypes)
+    d_tid, dst_table0, _ = _tensor_ids(D, np.ones(len(D), dtype=bool), "destination", d_dtypes)
     outside = np.flatnonzero(D.rank >= rpr)
     if len(outside):
         raise PlanError(f"destination layout places replica 0 of {model.tensor_name(int(D.canon[outside[0]]))} "
                         f"outside ranks [0, {rpr})")
 
     boxes = _Boxes(S, s_tid, s_data)
-    problems = boxes.overlaps(model)
+    problems = boxes.overlaps(model, model.canonical.cols * ratio)
     if problems:
         raise PlanError("source layout is inconsistent", problems)
     _check_source_boxes(boxes, src_table, src_numel)
@@ -349,7 +392,7 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
     held0 = np.zeros(len(boxes), dtype=bool)
     held0[np.repeat(np.arange(len(boxes)), boxes.hcount)[boxes.h_rank == 0]] = True
     bounds = Bounds(lower_bound_by_dst=tuple((np.tile(per_dst0, K) * itemsize).tolist()),
-                    model_bytes=int(model.canonical.numel[sel].sum()) * itemsize,
+                    model_bytes=int((model.canonical.numel * ratio)[sel].sum()) * itemsize,
                     gatherer_held_bytes=int((boxes.n0 * boxes.n1)[held0].sum()) * itemsize,
                     egress_lower_bound=balance.lower_bound, egress_unit_max=balance.unit_max,
                     holder_sets_laminar=balance.laminar)

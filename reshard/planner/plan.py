@@ -49,6 +49,9 @@ class TensorTable:
     rank: np.ndarray
     kind: np.ndarray
     kinds: tuple[tuple[str, tuple[int, ...]], ...]
+    # Per kind, the dtype of a tensor kept in its own dtype ("" = the plan's). Shapes are in units of the plan's
+    # dtype: a float32 tensor of a bfloat16 plan has twice its elements in its last dimension (`element_shape`).
+    dtypes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("rank", "kind"):
@@ -56,6 +59,7 @@ class TensorTable:
             a.setflags(write=False)
             object.__setattr__(self, name, a)
         object.__setattr__(self, "kinds", tuple(self.kinds))  # (name, shape tuple) pairs; from_dict converts
+        object.__setattr__(self, "dtypes", tuple(self.dtypes) if any(self.dtypes) else ())
 
     @classmethod
     def from_lists(cls, ranks, names, shapes) -> "TensorTable":
@@ -93,25 +97,37 @@ class TensorTable:
         per_kind = np.asarray([f(n, s) for n, s in self.kinds], dtype=np.int64)
         return per_kind[self.kind] if len(self.kind) else np.zeros(0, np.int64)
 
+    def own_dtypes(self) -> dict[tuple[int, str], str]:
+        """(rank, name) -> dtype of the tensors kept in their own dtype (empty for almost every plan)."""
+        if not self.dtypes:
+            return {}
+        own = np.flatnonzero(np.asarray([bool(d) for d in self.dtypes])[self.kind])
+        return {(int(self.rank[i]), self.name(int(i))): self.dtypes[int(self.kind[i])] for i in own}
+
     def on_rank(self, rank: int) -> dict[str, tuple[int, ...]]:
         return {self.kinds[k][0]: self.kinds[k][1] for k in self.kind[self.rank == rank].tolist()}
 
     def tiled(self, copies: int, rank_step: int) -> "TensorTable":
         """The table repeated `copies` times, copy c on ranks shifted by c * rank_step (identical replicas)."""
         rank = (self.rank[None, :] + rank_step * np.arange(copies)[:, None]).ravel()
-        return TensorTable(rank, np.tile(self.kind, copies), self.kinds)
+        return TensorTable(rank, np.tile(self.kind, copies), self.kinds, self.dtypes)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank.tolist(), "kind": self.kind.tolist(),
-                "kinds": [[n, list(s)] for n, s in self.kinds]}
+        out = {"rank": self.rank.tolist(), "kind": self.kind.tolist(), "kinds": [[n, list(s)] for n, s in self.kinds]}
+        if self.dtypes:
+            out["dtypes"] = list(self.dtypes)
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TensorTable":
         return cls(np.asarray(d["rank"], dtype=np.int64), np.asarray(d["kind"], dtype=np.int64),
-                   tuple((str(n), tuple(int(x) for x in s)) for n, s in d["kinds"]))
+                   tuple((str(n), tuple(int(x) for x in s)) for n, s in d["kinds"]),
+                   tuple(str(x) for x in d.get("dtypes", ())))
 
     def digest_update(self, h) -> None:
         h.update(json.dumps(self.kinds).encode())
+        if self.dtypes:  # absent from one-dtype plans, whose digests stay as they were
+            h.update(json.dumps(self.dtypes).encode())
         h.update(self.rank.astype("<i8").tobytes())
         h.update(self.kind.astype("<i8").tobytes())
 
@@ -193,11 +209,12 @@ class Plan:
         return out
 
     @functools.cached_property
-    def narrowed(self) -> dict[str, str]:
-        """Canonical tensor name -> its own dtype, for the selected tensors the model keeps in another dtype
-        than the plan's (a float32 router bias in a bfloat16 model): plans move one dtype, so these travel,
-        and arrive, rounded to the plan's. Said by `reshard plan`; per-tensor dtypes are not planned yet."""
-        return {t.name: t.dtype for t in self.selected_tensors if t.dtype is not None and t.dtype != self.dst.dtype}
+    def own_dtypes(self) -> dict[str, str]:
+        """Canonical tensor name -> dtype, for the selected tensors the model keeps in a wider dtype than the
+        plan's (a float32 router bias in a bfloat16 model). They travel bit-exact: the plan counts them in units
+        of its dtype (a float32 element is two bfloat16 units) and executors view them that way."""
+        names = set(self.selection) if self.selection is not None else None
+        return {t.name: t.dtype for t in self.src.model.own_dtype_tensors if names is None or t.name in names}
 
     # --- the ops ---------------------------------------------------------------------------------
     @functools.cached_property

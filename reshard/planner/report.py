@@ -41,12 +41,12 @@ def _shifts(plan: "Plan") -> str:
     return ", ".join(f"{v:+g} on {n} tensor{'s' * (n > 1)}" for v, n in sorted(by_value.items()))
 
 
-def _narrowed(plan: "Plan") -> str:
-    dtypes = sorted(set(plan.narrowed.values()))
-    first = next(iter(plan.narrowed))
-    n = len(plan.narrowed)
-    return (f"{n} {'/'.join(dtypes)} tensor{'s' * (n > 1)} travel as {plan.dst.dtype} and arrive rounded "
-            f"(e.g. {first}); plans carry one dtype")
+def _own_dtypes(plan: "Plan") -> str:
+    own = plan.own_dtypes
+    dtypes = "/".join(sorted(set(own.values())))
+    n = len(own)
+    return (f"{n} tensor{'s' * (n > 1)} kept in {dtypes} travel bit-exact as {plan.dst.dtype} units "
+            f"(e.g. {next(iter(own))})")
 
 
 def _colocation_text(plan: "Plan") -> str:
@@ -84,7 +84,7 @@ def summary(plan: "Plan") -> str:
           if plan.fanout else []),
         *([f"  value shift  {_shifts(plan)} (added after the copy: the two sides store these values differently)"]
           if plan.value_shifts else []),
-        *([f"  narrowed     {_narrowed(plan)}"] if plan.narrowed else []),
+        *([f"  own dtype    {_own_dtypes(plan)}"] if plan.own_dtypes else []),
         f"  compile      {plan.compile_seconds:.3f} s",
         "  egress by source rank:",
         *_rank_table("src", a.egress_bytes),

@@ -62,6 +62,15 @@ def tiny_spec() -> ModelSpec:
                      head_dim=4, intermediate_size=24, vocab_size=100, qk_norm=True)
 
 
+def tiny_deepseek() -> ModelSpec:
+    """DeepSeek-V3's tiny test config in bfloat16: its router biases are the float32 tensors of the model."""
+    from ..layouts.families import discover, read_hf_config
+
+    config = read_hf_config("examples/configs/deepseek-v3.json")
+    family = discover(config)
+    return family.spec(family.tiny_config(config)).model_copy(update={"dtype": "bfloat16"})
+
+
 def as_jobs(named: list, drawn: list, workdir: Path) -> tuple[list[dict[str, Any]], list[str]]:
     """`refit_jobs.run_cases` cases (plans saved under `workdir`) and a label for each. `named`: (name, plan,
     binding, members, options with optional "repeat" / "refuse"); `drawn`: `random_cases` examples."""
@@ -113,4 +122,4 @@ def survivor_failures(results: list, survivors: list[int], undo: bool, within: f
     return out
 
 
-__all__ = ["as_jobs", "examples", "failures", "random_cases", "survivor_failures", "tiny_spec"]
+__all__ = ["as_jobs", "examples", "failures", "random_cases", "survivor_failures", "tiny_deepseek", "tiny_spec"]

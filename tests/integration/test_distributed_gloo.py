@@ -12,7 +12,7 @@ import pytest
 import reshard
 from reshard.executors.binding import Binding
 from reshard.testing.refit_cases import (as_jobs, examples, failures, random_cases, survivor_failures,
-                                         tiny_spec)
+                                         tiny_deepseek, tiny_spec)
 from reshard.testing.refit_jobs import SENTINEL  # noqa: F401 - documents what "unchanged" means
 from reshard.testing.world import run_world
 
@@ -47,6 +47,9 @@ def _fixed_cases():
          Binding.colocated(2, 2), None, {**small, "lanes": 3}),
         ("subgroup, two lanes", reshard.compile(M(model=spec, tp=2), V(model=spec, replicas=2)),
          Binding((0, 1), (1, 0)), [0, 2], {**small, "lanes": 2}),
+        ("DeepSeek: float32 router bias in a bfloat16 model", reshard.compile(M(model=tiny_deepseek(), tp=2, ep=2),
+                                                                          V(model=tiny_deepseek(), tp=2)),
+         Binding.colocated(4, 2), None, {**small, "undo": True}),
         ("fan-out x3 from one trainer", reshard.compile(M(model=spec), V(model=spec, replicas=3), fanout=1),
          Binding.disjoint(1, 3), None, small),
         ("no fan-out x3 from one trainer", reshard.compile(M(model=spec), V(model=spec, replicas=3)),

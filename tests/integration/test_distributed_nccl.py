@@ -12,7 +12,7 @@ import torch
 import reshard
 from reshard.executors.binding import Binding
 from reshard.testing.refit_cases import (as_jobs, examples, failures, random_cases, survivor_failures,
-                                         tiny_spec)
+                                         tiny_deepseek, tiny_spec)
 from reshard.testing.world import run_world
 
 pytestmark = [pytest.mark.gpu,
@@ -22,14 +22,17 @@ RANDOM_CASES = 24
 
 
 def test_refits_on_two_gpus_match_local_executor(tmp_path: Path):
-    spec = tiny_spec()
+    spec, deepseek = tiny_spec(), tiny_deepseek()
     M, V = reshard.MegatronLayout, reshard.VllmLayout
     e3 = reshard.compile(M(model=spec, tp=2), V(model=spec, replicas=2), colocated=True)
     small = {"bucket_bytes": 512, "timeout": 60.0, "direct_bytes": 128}
     named = [("E3 shape, default lanes, staged", e3, Binding.colocated(2, 2), None, small),
              ("E3 shape, one lane, undo", e3, Binding.colocated(2, 2), None, {**small, "lanes": 1, "undo": True}),
              ("E1 shape, in place, repeated", reshard.compile(M(model=spec), V(model=spec)), Binding((0,), (1,)),
-              None, {**small, "in_place": True, "repeat": 2})]
+              None, {**small, "in_place": True, "repeat": 2}),
+             ("DeepSeek, float32 router bias", reshard.compile(M(model=deepseek, tp=2), V(model=deepseek, tp=1,
+                                                                                          replicas=2),
+                                                               colocated=True), Binding.colocated(2, 2), None, small)]
     cases, labels = as_jobs(named, examples(random_cases(WORLD), RANDOM_CASES), tmp_path)
     results = run_world(WORLD, "reshard.testing.refit_jobs:run_cases", {"cases": cases}, tmp_path / "world",
                         timeout=600, backend="nccl")

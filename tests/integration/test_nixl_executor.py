@@ -22,6 +22,7 @@ from hypothesis import Phase, given, settings, strategies as st
 import reshard
 from reshard.executors.binding import Binding
 from reshard.testing.nixl_procs import failure_worker, launch, plan_worker
+from reshard.testing.refit_cases import tiny_deepseek
 from reshard.testing.strategies import refits
 
 pytest.importorskip("nixl")
@@ -58,6 +59,13 @@ def _draw_jobs(tmp: Path) -> list[dict]:
                      "seed": 100 * len(jobs), "refits": REFITS, "label": f"{src} -> {dst}, {binding}, {options}"})
 
     draw()
+    # DeepSeek's float32 router biases in a bfloat16 model: viewed as bfloat16 units, registered and moved as such
+    spec = tiny_deepseek()
+    plan = reshard.compile(reshard.MegatronLayout(model=spec, tp=2, ep=2), reshard.VllmLayout(model=spec, tp=2))
+    plan.save(tmp / "deepseek.npz")
+    options = {"direction": "read", "staged": True, "pack": "auto", "pack_below": 256, "timeout": 30.0}
+    jobs.append({"plan": str(tmp / "deepseek.npz"), "binding": Binding((0, 1, 2, 3), (1, 3)).to_dict(),
+                 "options": options, "seed": 7, "refits": REFITS, "label": "deepseek float32 router bias"})
     return jobs
 
 

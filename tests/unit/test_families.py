@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import reshard
-from reshard.errors import LayoutError, ModelConfigError
+from reshard.errors import ExecutionError, LayoutError, ModelConfigError
 from reshard.layouts import MegatronLayout, VllmLayout, supported_architectures
 from reshard.layouts.families import discover, read_hf_config
 
@@ -61,20 +62,40 @@ def test_existing_families_keep_their_shared_roles():
     assert all(isinstance(t.role, reshard.Role) for t in spec.tensors)
 
 
-def test_tensors_kept_in_a_wider_dtype_are_named_by_the_plan():
-    """Plans move one dtype; DeepSeek's float32 router bias travels as bfloat16. The plan says so (and the
-    dry run prints it) instead of rounding silently; a model without such tensors says nothing."""
+def test_tensors_kept_in_a_wider_dtype_travel_bit_exact(tmp_path):
+    """DeepSeek's router bias is float32 in a bfloat16 model. The plan counts it in bfloat16 units (two per
+    float32 element) and executors view it so: every bit arrives, checked against the canonical weights read
+    back through the destination layout (values with low mantissa bits, which bfloat16 would round away)."""
+    from reshard.executors import allocate, execute_local, shard, unshard
     from reshard.planner.report import summary
 
     spec = _tiny("examples/configs/deepseek-v3.json").model_copy(update={"dtype": "bfloat16"})
-    assert not reshard.compile(reshard.MegatronLayout(model=spec.model_copy(update={"dtype": "float32"})),
-                               reshard.VllmLayout(model=spec.model_copy(update={"dtype": "float32"}))).narrowed
-    plan = reshard.compile(reshard.MegatronLayout(model=spec), reshard.VllmLayout(model=spec))
-    biases = [t.name for t in spec.tensors if t.name.endswith("e_score_correction_bias")]
-    assert biases and plan.narrowed == {n: "float32" for n in biases}
-    assert f"{len(biases)} float32 tensor" in summary(plan) and "arrive rounded" in summary(plan)
-    sub = reshard.compile(reshard.MegatronLayout(model=spec), reshard.VllmLayout(model=spec), tensors=biases[:1])
-    assert list(sub.narrowed) == biases[:1]
+    src, dst = reshard.MegatronLayout(model=spec, tp=2, ep=2), reshard.VllmLayout(model=spec, tp=2)
+    plan = reshard.compile(src, dst)
+    biases = [t.name for t in spec.own_dtype_tensors]
+    assert biases and plan.own_dtypes == {n: "float32" for n in biases}
+    assert all(n.endswith("e_score_correction_bias") for n in biases)
+    assert f"{len(biases)} tensors kept in float32 travel bit-exact" in summary(plan)
+    g = torch.Generator().manual_seed(0)
+    weights = {t.name: (torch.randn(t.shape, generator=g) * (1 + 1e-3 * torch.rand(t.shape, generator=g)))
+                        .to(torch.float32 if t.dtype == "float32" else torch.bfloat16) for t in spec.tensors}
+    assert any(not torch.equal(weights[n], weights[n].to(torch.bfloat16).float()) for n in biases)
+    got = allocate(dst, fill=-1.0)
+    execute_local(plan, shard(src, weights), got)
+    back = unshard(dst, got)
+    for name, w in weights.items():
+        assert back[name].dtype == w.dtype and torch.equal(back[name], w), name
+    again = reshard.Plan.load(plan.save(tmp_path / "plan.npz"))  # the dtypes survive a save (JSON, arrays)
+    assert again.digest == plan.digest and again.dst_tensors.dtypes == plan.dst_tensors.dtypes != ()
+    # the bias alone, as a subset plan; a bfloat16 tensor where the plan wants float32 is refused by name
+    sub = reshard.compile(src, dst, tensors=biases[:1])
+    assert list(sub.own_dtypes) == biases[:1] and sub.accounting.model_bytes == 4 * spec.num_experts
+    bad = allocate(dst, fill=0.0)
+    name = next(n for (r, n) in dst.tensor_dtypes() if r == 0)
+    bad[0][name] = bad[0][name].to(torch.bfloat16)
+    with pytest.raises(ExecutionError, match=f"{name}.*plan expects .* torch.float32"):
+        execute_local(plan, shard(src, weights), bad)
     qwen_spec = _tiny("examples/configs/qwen3-8b.json")
     qwen = reshard.compile(reshard.MegatronLayout(model=qwen_spec), reshard.VllmLayout(model=qwen_spec))
-    assert qwen.narrowed == {} and "narrowed" not in summary(qwen)
+    assert qwen.own_dtypes == {} and "own dtype" not in summary(qwen)
+    assert not qwen.dst_tensors.dtypes and "dtypes" not in qwen.dst_tensors.to_dict()

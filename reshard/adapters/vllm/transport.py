@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ...errors import ExecutionError
-from ...executors.local import block, check_tensors
+from ...executors.local import block, check_tensors, in_units
 from ...planner import Plan
 from ...planner.plan import RELAY
 
@@ -62,8 +62,9 @@ class LocalTransport(Transport):
         if missing:
             raise ExecutionError(f"in-process transport lacks source ranks {missing[:10]}")
         check_tensors(plan, {r: self.src[r] for r in needed}, dst)
-        s_flat = {i: self.src[r][n].view(-1) for i, (r, n) in enumerate(zip(plan.src_tensors.ranks,
-                                                                             plan.src_tensors.names)) if r in self.src}
+        src, dst = in_units(plan, self.src, dst)  # tensors kept in a wider dtype, seen in the plan's
+        s_flat = {i: src[r][n].view(-1) for i, (r, n) in enumerate(zip(plan.src_tensors.ranks,
+                                                                             plan.src_tensors.names)) if r in src}
         d_flat = {i: dst[r][n].view(-1) for i, (r, n) in enumerate(zip(plan.dst_tensors.ranks,
                                                                          plan.dst_tensors.names)) if r in dst}
         cols = [ops[c][mine].tolist() for c in ("src_side", "src_tensor", "src_offset", "src_stride", "dst_tensor",

@@ -54,7 +54,7 @@ import torch
 from ...errors import ExecutionError, ReshardError
 from ...planner import Plan
 from ..binding import Binding
-from ..local import apply_shifts, check_tensors, shift_views, torch_dtype
+from ..local import apply_shifts, check_tensors, in_units, shift_views, torch_dtype
 from ..views import BoundCopies, Memory, bind
 from .agent import describe, is_nixl_error, make_agent
 from .descriptors import memory_name, merged_regions, region_array, side_descriptors
@@ -144,6 +144,7 @@ class NixlExecutor:
         if problems:
             raise ExecutionError("tensors do not match the plan:\n  - " + "\n  - ".join(problems[:20]))
         check_tensors(plan, {r: src[r] for r in src}, {r: dst[r] for r in dst})
+        src, dst = in_units(plan, src, dst)  # tensors kept in a wider dtype, seen in the plan's
         self.src_flat = {i: src[plan.src_tensors.ranks[i]][plan.src_tensors.names[i]].view(-1) for i in s.src_ids}
         self.dst_flat = {i: dst[plan.dst_tensors.ranks[i]][plan.dst_tensors.names[i]].view(-1) for i in s.dst_ids}
         dtype = torch_dtype(plan.dst.dtype)

@@ -116,30 +116,15 @@ def test_hf_parity_stage_fails_on_a_corrupted_tensor(family, tensor, layer):
 
 # --- vllm load parity: vLLM's load_weights vs reshard's direct install, TP=1 and TP=2, every family ----------
 
-# DeepSeek-V3's router bias (e_score_correction_bias) is float32 in checkpoints and in a bf16 vLLM model, and a
-# reshard plan carries one dtype: in bf16 the bias arrives rounded to bf16 (the direct install casts it up), so
-# it differs from vLLM's loader, which copies the float32 checkpoint value. Checked in float32 here, where the
-# model has one dtype; the bf16 difference is pinned below until plans carry per-tensor dtypes. (Qwen3.5's
-# A_log, float32 in vLLM but model dtype in checkpoints, passes in bf16 through the same cast.)
-VLLM_DTYPE = {"deepseek_v3": "float32"}
-
-
+# DeepSeek-V3's router bias (e_score_correction_bias) is float32 in checkpoints and in a bf16 vLLM model: the plan
+# moves it in its own dtype (as bf16 units), so vLLM's loader and reshard's install agree byte for byte in bf16
+# too. (Qwen3.5's A_log, float32 in vLLM but model dtype in checkpoints, passes through the install's cast.)
 @pytest.mark.vllm
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_vllm_load_parity_stage(family):
-    r = _one(CONFIGS[family], "vllm load parity", vllm_dtype=VLLM_DTYPE.get(family, "bfloat16"))
+    r = _one(CONFIGS[family], "vllm load parity")
     assert r.status == PASS, r.detail
     assert "vllm:tp=1" in r.detail and "vllm:tp=2" in r.detail, r.detail
-
-
-@pytest.mark.vllm
-def test_vllm_load_parity_stage_bf16_router_bias_is_the_known_gap():
-    """DeepSeek in bf16: everything is byte-identical except the float32 router bias, which a one-dtype plan
-    carries at bf16 (pinned: it must flip to a pass when plans carry per-tensor dtypes)."""
-    r = _one(CONFIGS["deepseek_v3"], "vllm load parity", vllm_worlds=(1,))
-    assert r.status == FAIL, r.detail
-    differing = r.detail.split("rank 0: ", 1)[1].split(", ")
-    assert differing and all(n.endswith("mlp.gate.e_score_correction_bias") for n in differing), r.detail
 
 
 @pytest.mark.vllm

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+import reshard
 from reshard.cli import main
 
 ISSUE_FORM = ["plan", "--model", "examples/configs/qwen3-235b-a22b.json",
@@ -61,3 +62,16 @@ def test_colocation_map_on_the_command_line(capsys):
     same = json.loads(capsys.readouterr().out)
     assert swapped["colocation"] == [1, 0] and same["colocation"] == [0, 1]
     assert swapped["local_bytes"] < same["local_bytes"] and swapped["total_bytes"] == same["total_bytes"]
+
+
+def test_own_dtypes_in_the_dry_run(capsys):
+    """DeepSeek's float32 router biases: named in --json and counted at four bytes an element."""
+    argv = ["plan", "--model", "examples/configs/tiny/deepseek-v3-tiny.json", "--src", "megatron:tp=2",
+            "--dst", "vllm:tp=2", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    spec = reshard.ModelSpec.from_hf_config("examples/configs/tiny/deepseek-v3-tiny.json")
+    biases = {t.name: "float32" for t in spec.tensors if t.dtype == "float32"}
+    assert biases and out["own_dtypes"] == biases
+    assert out["model_bytes"] == sum(t.numel * (4 if t.dtype == "float32" else spec.itemsize) for t in spec.tensors)
+    assert main(argv[:-1]) == 0 and "own dtype" in capsys.readouterr().out

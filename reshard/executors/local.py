@@ -91,10 +91,8 @@ def check_tensors(plan: Plan, src: RankTensors, dst: RankTensors) -> None:
             if rank not in given:
                 continue  # ranks not given are not run here
             t = given[rank].get(name)
-            want_dtype = plan_dtype
-            if (rank, name) in own:
-                want_dtype = torch_dtype(own[(rank, name)])
-                shape = (*shape[:-1], shape[-1] * plan_dtype.itemsize // want_dtype.itemsize)
+            want_dtype = torch_dtype(own[(rank, name)]) if (rank, name) in own else plan_dtype
+            shape = element_shape(shape, plan_dtype, want_dtype)
             if t is None:
                 problems.append(f"{side} rank {rank} has no tensor {name!r}")
             elif tuple(t.shape) != tuple(shape) or t.dtype != want_dtype or not t.is_contiguous():
@@ -102,6 +100,24 @@ def check_tensors(plan: Plan, src: RankTensors, dst: RankTensors) -> None:
                                 f"(contiguous={t.is_contiguous()}), plan expects {tuple(shape)} {want_dtype}")
     if problems:
         raise ExecutionError("tensors do not match the plan:\n  - " + "\n  - ".join(problems[:20]))
+
+
+def element_shape(units: tuple[int, ...], unit: torch.dtype, dtype: torch.dtype) -> tuple[int, ...]:
+    """The shape of a tensor in `dtype` whose shape in a plan's tables, counted in `unit`s, is `units`."""
+    if dtype == unit:
+        return tuple(units)
+    return (*units[:-1], units[-1] * unit.itemsize // dtype.itemsize)
+
+
+def empty_for(plan: Plan, rank: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Uninitialised destination tensors of one rank of a plan (its tensor table: a subset plan's tensors
+    only), each in its own dtype and shape."""
+    unit, own = torch_dtype(plan.dst.dtype), plan.dst_tensors.own_dtypes()
+    out = {}
+    for name, shape in plan.dst_tensors.on_rank(rank).items():
+        dtype = torch_dtype(own[(rank, name)]) if (rank, name) in own else unit
+        out[name] = torch.empty(element_shape(shape, unit, dtype), dtype=dtype, device=device)
+    return out
 
 
 def in_units(plan: Plan, src: RankTensors, dst: RankTensors) -> tuple[RankTensors, RankTensors]:

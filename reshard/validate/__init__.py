@@ -10,7 +10,8 @@ Stages:
 - hf parity: a tiny megatron-core model (TP=2 [EP=2], random weights) refitted Megatron -> HF by reshard's
   torch.distributed executor; transformers' logits on those weights equal megatron-core's (fp32, hf_parity.py);
 - vllm load parity: random HF weights installed into a vLLM model by vLLM's own load_weights and then (storage
-  poisoned first) by reshard's direct install of the compiled HF -> vLLM plan: byte-identical parameters
+  poisoned first) by reshard's direct install of the compiled HF -> vLLM plan, and again by its loader install
+  (canonical tensors per layer group, handed to load_weights): byte-identical parameters
   (vllm_load.py; fresh vLLM processes, TP=1 and TP=2; bf16 by default);
 - round trip: random Megatron -> vLLM (and HF) layout pairs of the tiny model; the compiled plan moves random
   weights to exactly the destination shards the layout declares, byte for byte.

@@ -75,7 +75,9 @@ def vllm_load_parity(spec: ModelSpec, tiny: dict[str, Any], python: str, perturb
     bad = [f"{r['layout']} rank {r['rank']}: {', '.join(r['differ'])}"
            for w in worlds for r in reports[w] if r["differ"]]
     if bad:
-        raise AssertionError(f"direct install differs from vLLM's load_weights ({dtype}) in " + "; ".join(bad))
+        raise AssertionError(f"direct or loader install differs from vLLM's load_weights ({dtype}) in "
+                             + "; ".join(bad))
     done = [f"{reports[w][0]['layout']}: {sum(r['params'] for r in reports[w])} parameters, "
             f"{sum(r['bytes'] for r in reports[w]) / 1e6:.2f} MB" for w in worlds]
-    return f"direct install byte-identical to vLLM's load_weights ({dtype}, random weights): " + "; ".join(done)
+    return (f"direct and loader installs byte-identical to vLLM's load_weights ({dtype}, random weights): "
+            + "; ".join(done))

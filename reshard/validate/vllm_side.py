@@ -5,7 +5,8 @@ vLLM worker builds them, and print one `RESHARD_JSON {...}` line.
   python -m reshard.validate.vllm_side CONFIG               named parameters (vllm layout stage; TP=1)
   python -m reshard.validate.vllm_side CONFIG --load-parity [--perturb NAME] [--dtype bfloat16]
       random HF weights into the model by vLLM's own load_weights, then (storage poisoned) by reshard's direct
-      install of the compiled HF -> vLLM plan; reports the parameters whose bytes differ (vllm load parity).
+      install of the compiled HF -> vLLM plan, then by its loader install; reports the parameters whose bytes
+      differ (vllm load parity).
 """
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def load_parity(config_path: str, perturb: str | None = None, dtype: str = "bflo
     import torch
     from vllm.config import set_current_vllm_config
 
-    from ..adapters.vllm import LocalTransport, bind_direct
+    from ..adapters.vllm import LoaderInstaller, LocalTransport, bind_direct, loader_layout, loader_plans
     from ..errors import ReshardError
     from ..adapters.vllm.live import declared_layout, spec_of, weights
     from ..executors import shard
@@ -106,16 +107,26 @@ def load_parity(config_path: str, perturb: str | None = None, dtype: str = "bflo
         except ReshardError as exc:  # the model refuses the declared layout: every problem, as a result
             return {"rank": rank, "layout": str(layout), "error": str(exc)}
         source = HfLayout(model=spec)
-        LocalTransport(shard(source, perturbed(hf, perturb) if perturb else hf)).run(
-            compile_plan(source, layout), {rank: binding.tensors})
+        transport = LocalTransport(shard(source, perturbed(hf, perturb) if perturb else hf))
+        transport.run(compile_plan(source, layout), {rank: binding.tensors})
         binding.finish()
 
-        got = weights(model)
-        differ = sorted(set(want) ^ set(got))
-        for name in sorted(set(want) & set(got)):
-            a, b = want[name].detach().contiguous(), got[name].detach().contiguous()
-            if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
-                differ.append(name)
+        def differing() -> list[str]:
+            got = weights(model)
+            out = sorted(set(want) ^ set(got))
+            for name in sorted(set(want) & set(got)):
+                a, b = want[name].detach().contiguous(), got[name].detach().contiguous()
+                if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a.view(torch.uint8),
+                                                                               b.view(torch.uint8)):
+                    out.append(name)
+            return out
+
+        differ = differing()
+        # the loader install too: canonical tensors received per layer group and handed to load_weights
+        poison(model)
+        LoaderInstaller(model, rank, loader_plans(source, loader_layout(spec, cfg.parallel_config.world_size)),
+                        cfg).install(transport)
+        differ += [f"{name} (loader install)" for name in differing()]
         return {"rank": rank, "layout": str(layout), "params": len(want), "differ": differ,
                 "bytes": sum(p.numel() * p.element_size() for p in want.values())}
 

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from ...errors import ExecutionError
-from ...executors.local import torch_dtype
+from ...executors.local import empty_for
 from ...layouts import HfLayout, Layout, ModelSpec
 from ...planner import Plan, compile_plan
 from .live import weights
@@ -82,9 +82,7 @@ class LoaderInstaller:
         Raises ExecutionError if some weight of the model was not loaded (vLLM skips names it does not know)."""
         loaded: set[str] = set()
         for plan in self.plans:
-            dtype = torch_dtype(plan.dst.dtype)
-            group = {name: torch.empty(shape, dtype=dtype, device=self.device)
-                     for name, shape in plan.dst_tensors.on_rank(self.rank).items()}
+            group = empty_for(plan, self.rank, self.device)  # each in its dtype (a float32 router bias too)
             transport.run(plan, {self.rank: group})
             with self._scope():
                 loaded |= set(self.model.load_weights(list(group.items())) or ())

@@ -129,13 +129,13 @@ def test_vllm_load_parity_stage(family):
 
 @pytest.mark.vllm
 def test_vllm_load_parity_stage_fails_on_a_corrupted_tensor():
-    """Direct install fed one corrupted canonical tensor (two rows swapped): FAIL naming the vLLM parameter
-    on the rank holding those rows (TP=2 rank 0 holds rows 0 and 1 of every expert's gate_proj)."""
+    """Direct and loader installs fed one corrupted canonical tensor (two rows swapped): FAIL naming the vLLM
+    parameter on the rank holding those rows (TP=2 rank 0 holds rows 0 and 1 of every expert's gate_proj)."""
     r = _one(CONFIGS["qwen3_moe"], "vllm load parity", vllm_worlds=(2,),
              perturb={"vllm load parity": "model.layers.1.mlp.experts.2.gate_proj.weight"})
     assert r.status == FAIL, r.detail
-    assert r.detail.endswith("vllm:tp=2,replicas=1 rank 0: model.layers.1.mlp.experts.routed_experts.w13_weight"), \
-        r.detail
+    w13 = "model.layers.1.mlp.experts.routed_experts.w13_weight"
+    assert r.detail.endswith(f"vllm:tp=2,replicas=1 rank 0: {w13}, {w13} (loader install)"), r.detail
 
 
 def test_unknown_architecture_lists_the_supported_ones():

@@ -31,9 +31,7 @@ def allocate(layout: Layout, fill: float = 0.0, ranks: list[int] | None = None,
              device: str | torch.device = "cpu") -> dict[int, dict[str, torch.Tensor]]:
     """Fresh physical tensors for `ranks` (default all) of a layout, filled with `fill`; each in its dtype
     (the layout's, or a tensor's own: `Layout.tensor_dtypes`)."""
-    dtype, own = torch_dtype(layout.dtype), layout.tensor_dtypes()
-    return {r: {name: torch.full(shape, fill, device=device,
-                                 dtype=torch_dtype(own[(r, name)]) if (r, name) in own else dtype)
+    return {r: {name: torch.full(shape, fill, device=device, dtype=torch_dtype(layout.tensor_dtype(r, name)))
                 for name, shape in layout.rank_tensors(r).items()}
             for r in (range(layout.num_ranks) if ranks is None else ranks)}
 

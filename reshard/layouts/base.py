@@ -206,6 +206,10 @@ class Layout(BaseModel, abc.ABC):
         its own dtype (`ModelSpec.own_dtype_tensors`); every other physical tensor is in `dtype`."""
         return _own_dtypes(self)
 
+    def tensor_dtype(self, rank: int, name: str) -> str:
+        """The dtype of one physical tensor: its own (`tensor_dtypes`), else the layout's."""
+        return _own_dtypes(self).get((rank, name), self.dtype)
+
     def iter_placements(self) -> Iterator[tuple[TensorSpec, Placement]]:
         for t in self.model.tensors:
             for p in self.placements(t):

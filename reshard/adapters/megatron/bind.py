@@ -31,11 +31,10 @@ def source_tensors(model: Any, layout: MegatronLayout, *, cast: bool = False,
         verify(chunks, layout, cast=cast)
     params = live_tensors(chunks)  # parameters and placed persistent buffers (the router's expert_bias)
     rank = dist.get_rank()
-    own = layout.tensor_dtypes()  # tensors kept in their own dtype (the router's float32 expert bias)
     out = {}
     for name in layout.rank_tensors(rank):
         t = params[name].detach()  # a view: same storage, no autograd history
-        dtype = torch_dtype(own.get((rank, name), layout.dtype))
+        dtype = torch_dtype(layout.tensor_dtype(rank, name))  # the router's float32 expert bias: its own
         if t.dtype != dtype:
             t = t.to(dtype)  # copy: the destination dtype differs (allowed by cast=True)
         out[name] = t.contiguous()  # a no-op for megatron-core's contiguous parameters

@@ -35,10 +35,9 @@ def rank_problems(layout: MegatronLayout, rank: int, tensors: Mapping[str, torch
                   cast: bool = False) -> list[str]:
     """Names, shapes and dtypes of one rank's live tensors against the layout's physical tensors of that rank."""
     want = layout.rank_tensors(rank)
-    own = layout.tensor_dtypes()  # tensors kept in their own dtype (the router's float32 expert bias)
     problems = []
     for name, shape in want.items():
-        dtype = torch_dtype(own.get((rank, name), layout.dtype))
+        dtype = torch_dtype(layout.tensor_dtype(rank, name))  # the router's float32 expert bias: its own
         t = tensors.get(name)
         if t is None:
             problems.append(f"rank {rank}: {name} {shape} is in the layout but not in the model")

@@ -30,10 +30,9 @@ def widens(plan_dtype: str, live_dtype: str) -> bool:
 
 def structure_problems(live: dict[str, tuple[tuple[int, ...], str]], layout: Layout, rank: int) -> list[str]:
     declared = layout.rank_tensors(rank)
-    own = layout.tensor_dtypes()  # tensors the model keeps in their own dtype (DeepSeek's float32 router bias)
     problems = []
     for name in sorted(set(live) | set(declared)):
-        want_dtype = own.get((rank, name), layout.dtype)
+        want_dtype = layout.tensor_dtype(rank, name)  # DeepSeek's float32 router bias: its own
         if name not in live:
             problems.append(f"{name}: declared {tuple(declared[name])} {want_dtype}, but the live model has no "
                             f"such parameter")

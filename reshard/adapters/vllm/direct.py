@@ -77,8 +77,7 @@ def bind_direct(model: torch.nn.Module, layout: Layout, rank: int, layers: Seque
     if problems:
         raise KernelFormatError(str(layout), problems, where=f"rank {rank} of the live vLLM model")
     tensors = {name: p.data for name, p in params.items()}
-    own = layout.tensor_dtypes()  # tensors moved in their own dtype (DeepSeek's float32 router bias)
-    want = {name: torch_dtype(own.get((rank, name), layout.dtype)) for name in tensors}
+    want = {name: torch_dtype(layout.tensor_dtype(rank, name)) for name in tensors}  # a float32 router bias: own
     casts = {name: t for name, t in tensors.items() if t.dtype != want[name]}  # check_layout allowed only widening
     for name, t in casts.items():
         tensors[name] = torch.empty(t.shape, dtype=want[name], device=t.device)

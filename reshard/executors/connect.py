@@ -15,7 +15,6 @@ import threading
 from typing import Callable, TypeVar
 
 import torch
-import torch.distributed as dist
 
 from ..errors import ExecutionError
 
@@ -68,16 +67,15 @@ def off_thread(fn: Callable[[], T], timeout: float, device: torch.device, what: 
     return out.get("value")  # type: ignore[return-value]
 
 
-def handshake(lanes: list, peers: list[int], device: torch.device) -> list:
-    """Post one element to and from every peer (global ranks) on every lane: NCCL connects each pair then.
-    Every member posts to its own peers, which are symmetric (a peer of mine has me as a peer), so all match."""
+def handshake(comm, peers: list[int], device: torch.device) -> list:
+    """Post one element to and from every peer (group ranks) on every lane of `comm`: NCCL connects each pair
+    then. Every member posts to its own peers, which are symmetric (a peer of mine has me as a peer), so all
+    match."""
     buf = torch.zeros(2 * max(len(peers), 1), dtype=torch.int32, device=device)
     works = []
-    for lane in lanes:
-        ops = [dist.P2POp(dist.isend, buf[2 * i:2 * i + 1], p, lane) for i, p in enumerate(peers)]
-        ops += [dist.P2POp(dist.irecv, buf[2 * i + 1:2 * i + 2], p, lane) for i, p in enumerate(peers)]
-        if ops:
-            works += dist.batch_isend_irecv(ops)
+    for lane in range(len(comm.lanes)):
+        works += comm.post(comm.prepare(lane, [(buf[2 * i:2 * i + 1], p, 0) for i, p in enumerate(peers)],
+                                        [(buf[2 * i + 1:2 * i + 2], p, 0) for i, p in enumerate(peers)]))
     return works
 
 

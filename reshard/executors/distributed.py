@@ -87,7 +87,8 @@ from ..planner import Plan
 from . import connect
 from .binding import Binding
 from .engines import Bound, Engine, abort, bound_key, make_engine, poll
-from .lanes import NCCL_LANES, forget, lanes_for, naming_count
+from .comm import Comm, comm_for
+from .lanes import NCCL_LANES
 from .local import check_tensors, in_units
 from .schedule import DIRECT_BYTES, LANES_DIRECT_BYTES, ProcessSchedule, bucket_numel_for, build_schedule
 
@@ -126,7 +127,9 @@ def _digest_int(*parts: str) -> int:
 class DistributedExecutor:
     """Runs one plan repeatedly on this process's part of a binding. See the module docstring.
 
-    group: the refit group (default: the whole world); binding ranks are ranks in it. Every member calls `run`.
+    group: the refit group: a group of this process's torch.distributed world (default: the whole world), or a
+        `comm.StoreComm` that trainer and inference processes joined by address; binding ranks are ranks in
+        it. Every member calls `run`.
     in_place: write straight into the destination tensors (no staging memory; a failed refit leaves them
         partly written). Default False: staged, committed only once every process has everything.
     undo: write straight into the destination tensors, but first copy each region's previous bytes into a
@@ -150,7 +153,7 @@ class DistributedExecutor:
     on_round: called with each round's index before it is posted (progress reporting, fault injection in tests).
     """
 
-    def __init__(self, plan: Plan, binding: Binding, group: dist.ProcessGroup | None = None, *,
+    def __init__(self, plan: Plan, binding: Binding, group: "dist.ProcessGroup | Comm | None" = None, *,
                  in_place: bool = False, undo: bool = False, memory_cap: int = DEFAULT_MEMORY_CAP,
                  bucket_bytes: int | None = None,
                  timeout: float = 300.0, depth: int | None = None, direct_bytes: int | str | None = "auto",
@@ -166,18 +169,12 @@ class DistributedExecutor:
         self.plan, self.binding, self.in_place, self.timeout = plan, binding, in_place, timeout
         self.undo = undo
         self.on_round = on_round
-        self.distributed = dist.is_available() and dist.is_initialized()
-        if self.distributed:
-            self.group = group if group is not None else dist.group.WORLD
-            self.rank = dist.get_rank(self.group)
-            if self.rank < 0:
-                raise ExecutionError("this process is not a member of the refit group; only members call the executor")
-            self.size = dist.get_world_size(self.group)
-            self.backend = str(dist.get_backend(self.group)).lower()
+        self.comm = comm_for(group)
+        self.distributed = self.comm is not None
+        if self.comm is not None:
+            self.rank, self.size, self.backend = self.comm.rank, self.comm.size, self.comm.backend
         else:
-            if group is not None:
-                raise ExecutionError("a process group was given but torch.distributed is not initialized")
-            self.group, self.rank, self.size, self.backend = None, 0, 1, "none"
+            self.rank, self.size, self.backend = 0, 1, "none"
         binding.check(plan.src.num_ranks, plan.dst.num_ranks, self.size)
         if lanes is None:  # NCCL: each communicator runs its messages one after another (executors.lanes)
             lanes = NCCL_LANES if "nccl" in self.backend else 1
@@ -185,7 +182,6 @@ class DistributedExecutor:
         self.depth = depth = max(2, self.num_lanes) if depth is None else depth
         if direct_bytes == "auto":  # cheap messages on several lanes make shorter runs worth sending unpacked
             direct_bytes = LANES_DIRECT_BYTES if self.num_lanes > 1 else DIRECT_BYTES
-        self.lanes: list = [self.group]  # the rest are made at the first refit (executors.lanes)
         self._lanes_agree = False
         self._handshake = False
         self._abort_note: str | None = None  # set by the first abort
@@ -195,10 +191,7 @@ class DistributedExecutor:
                                                         not (in_place or undo), direct_numel, undo)
         self._fingerprint = _digest_int(plan.digest, binding.digest, str(self.bucket_numel), str(depth),
                                         str(direct_numel), str(undo), str(self.num_lanes))
-        self._global = {}
-        if self.distributed:
-            peers = {m.peer for r in self.schedule.rounds for m in r.sends + r.recvs}
-            self._global = {p: self._global_rank(p) for p in peers}
+        self._peers: list[int] = sorted({m.peer for r in self.schedule.rounds for m in r.sends + r.recvs})
         self._wire: torch.Tensor | None = None  # wire buffers, kept across calls
         self._bound: Bound | None = None  # views of the tensors of the last call, and the staging buffer
         self._given: tuple = ()  # the tensor objects of the last call that passed the checks, and their addresses
@@ -209,10 +202,10 @@ class DistributedExecutor:
         self._wire = self._bound = self._streams = None
         self._given = ()
 
-    def _global_rank(self, group_rank: int) -> int:
-        if self.group is None or self.group is dist.group.WORLD:
-            return group_rank
-        return dist.get_global_rank(self.group, group_rank)
+    @property
+    def lanes(self) -> list:
+        """The communicators rounds are spread over (executors.lanes); the group itself first."""
+        return self.comm.lanes if self.comm is not None else [None]
 
     # --- public ----------------------------------------------------------------------------------
     def run(self, src: RankTensors | None, dst: RankTensors | None) -> ExecutionStats:
@@ -252,7 +245,7 @@ class DistributedExecutor:
             if self._handshake:  # NCCL, something not connected yet somewhere: lanes and handshake, bounded
                 self._connect(device)
             elif len(self.lanes) < self.num_lanes and self._lanes_agree:
-                self.lanes = self._make_lanes()
+                self._make_lanes()
             self._transfer(engine)
             marks.append(("enqueue", time.perf_counter()))
             engine.drain()
@@ -324,13 +317,13 @@ class DistributedExecutor:
                 raise ExecutionError(f"{problem}; nothing was moved")
             return
         fp = self._fingerprint
-        count = naming_count(self.group) if len(self.lanes) < self.num_lanes else 0
+        comm = self.comm
+        count = comm.lane_name_count() if len(self.lanes) < self.num_lanes else 0
         unconnected = device.type == "cuda" and (len(self.lanes) < self.num_lanes or not all(
-            connect.ready(lane, p) for lane in self.lanes for p in self._global.values()))
+            connect.ready(lane, comm.global_peer(p)) for lane in self.lanes for p in self._peers))
         t = torch.tensor([int(problem is not None), fp, -fp, count, -count, int(unconnected)], dtype=torch.int64,
                          device=device)
-        self._wait_collective(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True),
-                              device, "preflight", before=True)
+        self._wait_collective(lambda: comm.all_reduce_max(t), device, "preflight", before=True)
         bad, hi, lo, most, least, handshake = t.tolist()
         self._lanes_agree = most == -least and most >= 0  # every member would give a new lane the same name
         self._handshake = bool(handshake)  # any member has a pair to connect: all take part (connect)
@@ -372,22 +365,22 @@ class DistributedExecutor:
         if self.size == 1 or not self.distributed:
             return
         t = torch.zeros(1, dtype=torch.int64, device=device)
-        self._wait_collective(lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True),
-                              device, "verify")
+        self._wait_collective(lambda: self.comm.all_reduce_max(t), device, "verify")
         if int(t.item()):
             raise ExecutionError(self._failure("another process reported an incomplete transfer"))
 
-    def _make_lanes(self) -> list:
+    def _make_lanes(self) -> None:
         # every member passed the preflight and agrees on the names: all make them together
-        return lanes_for(self.group, self.num_lanes, self.backend) if self._lanes_agree else self.lanes
+        if self._lanes_agree:
+            self.comm.make_lanes(self.num_lanes)
 
     def _connect(self, device: torch.device) -> None:
         """Make the lanes and connect every peer on every lane, off this thread and bounded (executors.connect)."""
-        peers = sorted(self._global.values())
+        comm, peers = self.comm, self._peers
 
         def make() -> list:
-            self.lanes = self._make_lanes()
-            return connect.handshake(self.lanes, peers, device)
+            self._make_lanes()
+            return connect.handshake(comm, peers, device)
 
         try:
             works = connect.off_thread(make, self.timeout, device, "making lanes and connecting to peers")
@@ -398,11 +391,11 @@ class DistributedExecutor:
             poll([ev], self.timeout, ["the handshake with peers"])
         except ExecutionError as e:
             raise ExecutionError(self._failure(str(e), before=True)) from e
-        connect.mark_ready(self.lanes, peers)
+        connect.mark_ready(self.lanes, [comm.global_peer(p) for p in peers])
 
     def _wait_collective(self, start: Callable, device: torch.device, what: str, before: bool = False) -> None:
         try:
-            if device.type == "cuda" and not connect.ready(self.group):  # NCCL connects at the first collective
+            if device.type == "cuda" and not connect.ready(self.lanes[0]):  # NCCL connects at the first collective
                 work = connect.off_thread(start, self.timeout, device, f"the first {what} all-reduce of the group")
             else:
                 work = start()
@@ -411,7 +404,7 @@ class DistributedExecutor:
                 ev = torch.cuda.Event()
                 ev.record()
                 poll([ev], self.timeout, [f"{what} all-reduce"])
-                connect.mark_ready([self.group], [-1])
+                connect.mark_ready(self.lanes[:1], [-1])
             else:
                 work.wait(timedelta(seconds=self.timeout))
         except Exception as e:
@@ -428,7 +421,7 @@ class DistributedExecutor:
                 f"; aborting {len(stuck)} of the {len(self.lanes)} communicators (lanes) did not finish within "
                 f"{self.timeout:.1f} s: restart this process")
             connect.forget(self.lanes)
-            forget(self.group)
+            self.comm.forget_lanes()
         return self._abort_note
 
     def _failure(self, what: str, before: bool = False) -> str:

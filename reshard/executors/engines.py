@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from ..errors import ExecutionError
 from .copies import DST, KIND_NAMES, SHADOW, SRC, WIRE, Copies, regions
@@ -207,17 +206,15 @@ class Engine(abc.ABC):
             self.copies += len(p)
             p.run()
 
-    def _ops(self, pos: int) -> list:
-        r, g = self.rounds[pos], self.ex._global
-        group = self.ex.lanes[r.index % len(self.ex.lanes)]  # both ends derive the lane from the global round
-        key = (pos, id(group))
+    def _ops(self, pos: int):
+        r = self.rounds[pos]
+        lane = r.index % len(self.ex.lanes)  # both ends derive the lane from the global round
+        key = (pos, lane, id(self.ex.lanes[lane]))
         ops = self.b.ops.get(key)
         if ops is None:  # built once per bound tensors and lane: a few microseconds per message saved per refit
-            ops = self.b.ops[key] = (
-                [dist.P2POp(dist.isend, b, g[m.peer], group, tag=m.tag)
-                 for b, m in zip(self.b.send_bufs[pos], r.sends)]
-                + [dist.P2POp(dist.irecv, b, g[m.peer], group, tag=m.tag)
-                   for b, m in zip(self.b.recv_bufs[pos], r.recvs)])
+            ops = self.b.ops[key] = self.ex.comm.prepare(
+                lane, [(b, m.peer, m.tag) for b, m in zip(self.b.send_bufs[pos], r.sends)],
+                [(b, m.peer, m.tag) for b, m in zip(self.b.recv_bufs[pos], r.recvs)])
         return ops
 
     def describe(self, pos: int) -> str:
@@ -269,8 +266,7 @@ class HostEngine(Engine):
         if self.b.backups[pos] is not None:  # receives write only after this round is posted
             self._run([self.b.backups[pos]])
             self.undo_log.append((None, self.b.restores[pos]))
-        ops = self._ops(pos)
-        return pos, dist.batch_isend_irecv(ops) if ops else []
+        return pos, self.ex.comm.post(self._ops(pos))
 
     def complete(self, pending) -> None:
         pos, works = pending
@@ -344,7 +340,7 @@ class CudaEngine(Engine):
             if self.b.backups[pos] is not None:  # before this round's receives write (direct ones at once)
                 self._run([self.b.backups[pos]])
                 self.undo_log.append((post.record_event(), self.b.restores[pos]))
-            works = dist.batch_isend_irecv(ops) if ops else []
+            works = self.ex.comm.post(ops)
         pending = {"pos": pos, "works": works, "scattered": None}
         self.slot_owner[slot] = pending
         return pending

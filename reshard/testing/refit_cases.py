@@ -54,6 +54,8 @@ def random_cases(draw, world: int):
                "lanes": draw(st.sampled_from([None, 1, 2, 3]))}
     if draw(st.booleans()):
         options["memory_cap"] = max(options.pop("bucket_bytes") * 2, 64)
+    if draw(st.booleans()):  # a group made over a store of its own (comm.StoreComm), outside the world
+        options["store"] = True
     return plan, binding, members, options, draw(st.integers(0, 2**16))
 
 
@@ -73,19 +75,22 @@ def tiny_deepseek() -> ModelSpec:
 
 def as_jobs(named: list, drawn: list, workdir: Path) -> tuple[list[dict[str, Any]], list[str]]:
     """`refit_jobs.run_cases` cases (plans saved under `workdir`) and a label for each. `named`: (name, plan,
-    binding, members, options with optional "repeat" / "refuse"); `drawn`: `random_cases` examples."""
+    binding, members, options with optional "repeat" / "refuse" / "store"); `drawn`: `random_cases` examples.
+    "store": the refit group is a `comm.StoreComm` made over a FileStore of the case, not a torch group."""
     cases, labels = [], []
     for i, (name, plan, binding, members, options) in enumerate(named):
         options = dict(options)
-        extra = {k: options.pop(k) for k in ("repeat", "refuse") if k in options}
+        extra = {k: options.pop(k) for k in ("repeat", "refuse", "store") if k in options}
         path = plan.save(workdir / f"fixed{i}.npz")
         cases.append({"plan": str(path), "binding": binding.to_dict(), "group": members, "seed": i,
                       "options": options, **extra})
         labels.append(name)
     for i, (plan, binding, members, options, seed) in enumerate(drawn):
+        options = dict(options)
+        extra = {k: options.pop(k) for k in ("store",) if k in options}
         path = plan.save(workdir / f"random{i}.npz")
         cases.append({"plan": str(path), "binding": binding.to_dict(), "group": members, "seed": seed,
-                      "options": options})
+                      "options": options, **extra})
         labels.append(f"random {i}: {plan.src} -> {plan.dst} fanout={plan.fanout} {binding} group={members} "
                       f"{options}")
     return cases, labels

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ..errors import ExecutionError
 from ..executors import allocate, execute_local, shard
 from ..executors.binding import Binding
+from ..executors.comm import StoreComm
 from ..executors.distributed import DistributedExecutor, ExecutionStats
 from ..planner import Plan
 
@@ -43,6 +44,16 @@ def _groups(cases: list[dict], size: int) -> dict[tuple[int, ...], Any]:
         if members not in groups:
             groups[members] = dist.group.WORLD if members == tuple(range(size)) else dist.new_group(list(members))
     return groups
+
+
+def _group(case: dict[str, Any], groups: dict, members: tuple[int, ...], me: int, timeout: float) -> Any:
+    """The case's refit group: a torch group of the world, or (case "store") a StoreComm made over a FileStore
+    of the case's own, as processes outside one world (a trainer and a vLLM server) make it."""
+    if not case.get("store"):
+        return groups[members]
+    store = dist.FileStore(case["plan"] + ".store", len(members))
+    backend = str(dist.get_backend()).lower()
+    return StoreComm(store, me, len(members), "nccl" if "nccl" in backend else "gloo", timeout)
 
 
 def _stats(s: ExecutionStats) -> dict[str, Any]:
@@ -90,7 +101,9 @@ def run_cases(rank: int, size: int, args: dict[str, Any]) -> list[dict[str, Any]
             weights, src, dst = _tensors(plan, binding, me, c["seed"])
             want = allocate(plan.dst, fill=SENTINEL)
             execute_local(plan, shard(plan.src, weights), want)
-            ex = DistributedExecutor(plan, binding, groups[members], **c.get("options", {}))
+            options = c.get("options", {})
+            group = _group(c, groups, members, me, options.get("timeout", 60.0))
+            ex = DistributedExecutor(plan, binding, group, **options)
             if c.get("refuse") is not None:  # one process passes a tensor of the wrong shape
                 results.append(_refused(ex, src, dst, me == c["refuse"]))
                 continue
@@ -140,7 +153,9 @@ def fail_mid_refit(rank: int, size: int, args: dict[str, Any]) -> dict[str, Any]
             time.sleep(args["hang_seconds"])
             os._exit(18)
 
-    ex = DistributedExecutor(plan, binding, **args["options"], on_round=on_round)
+    group = _group({"plan": args["plan"], "store": args.get("store")}, {tuple(range(size)): None}, tuple(range(size)), rank,
+                   args["options"]["timeout"])
+    ex = DistributedExecutor(plan, binding, group, **args["options"], on_round=on_round)
     dist.barrier()  # start the clocks together
     start = time.monotonic()
     try:

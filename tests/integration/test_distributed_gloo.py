@@ -56,6 +56,8 @@ def _fixed_cases():
          Binding.disjoint(1, 3), None, small),
         ("repeat with one executor", reshard.compile(M(model=spec, tp=2), V(model=spec, tp=1, replicas=2)),
          Binding((0, 1), (1, 3)), None, {**small, "repeat": 2}),
+        ("group made over a store, two lanes, repeated", reshard.compile(M(model=spec, tp=2), V(model=spec, tp=2)),
+         Binding.disjoint(2, 2), [0, 1, 2, 3], {**small, "lanes": 2, "store": True, "repeat": 2}),
     ]
 
 
@@ -89,13 +91,16 @@ def test_refits_across_processes_match_local_executor(tmp_path: Path):
     # lanes: rounds spread over three communicators of the world (their own groups, made at the first refit)
     assert stats(named_index["world, three lanes"], 0)["lanes"] == 3
     assert stats(named_index["disjoint tp2 -> tp2"], 0)["lanes"] == 1  # gloo's default
+    assert stats(named_index["group made over a store, two lanes, repeated"], 0)["lanes"] == 2
     # subgroup: world rank 0 sat out; group rank 0 (world rank 1) was the trainer
     sub = named_index["subgroup, fan-out relay"]
     assert results[0][sub] is None and sum(stats(sub, 1)["bytes_sent"].values()) == one_replica
 
 
-@pytest.mark.parametrize("mode,undo,lanes", [("kill", False, 1), ("hang", False, 2), ("kill", True, 2)])
-def test_dead_or_hanging_peer_fails_every_survivor(tmp_path: Path, mode: str, undo: bool, lanes: int):
+@pytest.mark.parametrize("mode,undo,lanes,store", [("kill", False, 1, False), ("hang", False, 2, False),
+                                                  ("kill", True, 2, False), ("kill", False, 1, True),
+                                                  ("hang", False, 1, True)])
+def test_dead_or_hanging_peer_fails_every_survivor(tmp_path: Path, mode: str, undo: bool, lanes: int, store: bool):
     """Group rank 0 (a trainer rank) dies or stops at round 2. Rank 2 receives from it and fails in its wait;
     rank 1 does not talk to it and fails in the verify step. Both raise ExecutionError within the timeout and
     keep their destination tensors unchanged: staged ones were never written, undo ones are put back."""
@@ -104,7 +109,7 @@ def test_dead_or_hanging_peer_fails_every_survivor(tmp_path: Path, mode: str, un
     path = plan.save(tmp_path / "plan.npz")
     timeout = 2.0
     args = {"plan": str(path), "binding": Binding((0, 1), (2,)).to_dict(), "seed": 3, "victim": 0, "mode": mode,
-            "at_round": 2, "hang_seconds": 2 * timeout + 1,
+            "at_round": 2, "hang_seconds": 2 * timeout + 1, "store": store,
             "options": {"timeout": timeout, "bucket_bytes": 256, "lanes": lanes, **({"undo": True} if undo else {})}}
     results = run_world(3, "reshard.testing.refit_jobs:fail_mid_refit", args, tmp_path / "world", timeout=120)
     logs = (tmp_path / "world" / "logs.txt").read_text()

@@ -1,0 +1,183 @@
+"""The process group a refit runs over: its members, one all-reduce, batched point-to-point messages, lanes.
+
+The torch.distributed executor needs only these few operations, so it runs over two kinds of group:
+
+- `GroupComm`: a group of this process's torch.distributed world (`dist.init_process_group`): a trainer's
+  world in tests, vLLM's world when the trainer's processes are vLLM's own workers (colocated).
+- `StoreComm`: a group made directly over a store (a TCPStore at an address both sides know), outside either
+  side's world. Trainer processes and the workers of a separate vLLM server (or Ray actors) each keep their
+  own default world and join this one for refits; torch's `dist.*` functions know nothing of it, so its
+  messages go through the process-group objects themselves.
+
+Peers are always ranks in the refit group. Messages of one batch are posted together (NCCL: one group call, so
+that a pair sending to each other cannot deadlock); lanes (extra communicators over the same members, see
+executors.lanes) are made at the first refit, after a preflight that every member passes together.
+"""
+from __future__ import annotations
+
+import abc
+from datetime import timedelta
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ExecutionError
+
+Message = tuple[torch.Tensor, int, int]  # (buffer, peer group rank, tag)
+
+
+class Comm(abc.ABC):
+    rank: int
+    size: int
+    backend: str  # "gloo" or "nccl"
+
+    def __init__(self) -> None:
+        self.lanes: list[Any] = []  # communicators; lanes[0] is the group itself
+
+    @abc.abstractmethod
+    def all_reduce_max(self, t: torch.Tensor) -> Any:
+        """Start an element-wise MAX all-reduce of `t` over the group; returns its work."""
+
+    @abc.abstractmethod
+    def prepare(self, lane: int, sends: Sequence[Message], recvs: Sequence[Message]) -> Any:
+        """Build one batch of messages on lane `lane` (built once, posted at every refit)."""
+
+    @abc.abstractmethod
+    def post(self, batch: Any) -> list[Any]:
+        """Post a prepared batch (all its sends and receives together); returns the works to wait for."""
+
+    def lane_name_count(self) -> int:
+        """What the next lane would be named after; members whose counts differ must not make lanes (-1:
+        unknown). Lanes of a StoreComm are named by their index, so every member agrees."""
+        return 0
+
+    @abc.abstractmethod
+    def make_lanes(self, n: int) -> None:
+        """Grow `lanes` to n communicators (a collective of the group; failures leave fewer)."""
+
+    def forget_lanes(self) -> None:
+        """After an abort the lanes are unusable: forget them."""
+
+    def global_peer(self, peer: int) -> int:
+        """An identity for `peer` that is unique in this process (for remembering connected pairs)."""
+        return peer
+
+
+class GroupComm(Comm):
+    """A group of this process's torch.distributed world (default: the whole world)."""
+
+    def __init__(self, group: Any = None) -> None:
+        super().__init__()
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        if self.rank < 0:
+            raise ExecutionError("this process is not a member of the refit group; only members call the executor")
+        self.size = dist.get_world_size(self.group)
+        self.backend = str(dist.get_backend(self.group)).lower()
+        self.lanes = [self.group]
+        self._global: dict[int, int] = {}
+
+    def global_peer(self, peer: int) -> int:
+        g = self._global.get(peer)
+        if g is None:
+            g = self._global[peer] = (peer if self.group is dist.group.WORLD
+                                      else dist.get_global_rank(self.group, peer))
+        return g
+
+    def all_reduce_max(self, t: torch.Tensor) -> Any:
+        return dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+
+    def prepare(self, lane: int, sends: Sequence[Message], recvs: Sequence[Message]) -> Any:
+        group = self.lanes[lane]
+        return ([dist.P2POp(dist.isend, b, self.global_peer(p), group, tag=t) for b, p, t in sends]
+                + [dist.P2POp(dist.irecv, b, self.global_peer(p), group, tag=t) for b, p, t in recvs])
+
+    def post(self, batch: Any) -> list[Any]:
+        return dist.batch_isend_irecv(batch) if batch else []
+
+    def lane_name_count(self) -> int:
+        from .lanes import naming_count
+
+        return naming_count(self.group)
+
+    def make_lanes(self, n: int) -> None:
+        from .lanes import lanes_for
+
+        self.lanes = lanes_for(self.group, n, self.backend)
+
+    def forget_lanes(self) -> None:
+        from .lanes import forget
+
+        forget(self.group)
+
+
+class StoreComm(Comm):
+    """A group made over a store by its `size` members, each calling with its own `rank` (see the module
+    docstring). Every lane is a process group of its own under the store prefix `lane<i>/`."""
+
+    def __init__(self, store: Any, rank: int, size: int, backend: str = "gloo", timeout: float = 300.0,
+                 device: torch.device | None = None) -> None:
+        super().__init__()
+        if not 0 <= rank < size:
+            raise ExecutionError(f"rank={rank} is outside the group's [0, {size})")
+        if backend not in ("gloo", "nccl"):
+            raise ExecutionError(f"backend={backend!r} is not one of ('gloo', 'nccl')")
+        self.store, self.rank, self.size, self.backend = store, rank, size, backend
+        self.timeout = timedelta(seconds=timeout)
+        self.device = device or (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
+                                 else torch.device("cpu"))
+        self.lanes = [self._new_group(0)]
+
+    def _new_group(self, lane: int) -> Any:
+        store = dist.PrefixStore(f"lane{lane}/", self.store)
+        if self.backend == "gloo":
+            pg = dist.ProcessGroupGloo(store, self.rank, self.size, self.timeout)
+        else:
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = self.timeout
+            pg = dist.ProcessGroupNCCL(store, self.rank, self.size, options)
+        return pg
+
+    def all_reduce_max(self, t: torch.Tensor) -> Any:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        return self.lanes[0].allreduce([t], opts)
+
+    def prepare(self, lane: int, sends: Sequence[Message], recvs: Sequence[Message]) -> Any:
+        return self.lanes[lane], tuple(sends), tuple(recvs)
+
+    def post(self, batch: Any) -> list[Any]:
+        pg, sends, recvs = batch
+        if not sends and not recvs:
+            return []
+        coalesce = self.backend == "nccl"
+        if coalesce:  # one NCCL group call: a pair sending to each other cannot deadlock
+            pg._start_coalescing(self.device)
+        works = [pg.send([b], p, t) for b, p, t in sends] + [pg.recv([b], p, t) for b, p, t in recvs]
+        if coalesce:
+            return [pg._end_coalescing(self.device)]
+        return works
+
+    def make_lanes(self, n: int) -> None:
+        while len(self.lanes) < n:
+            self.lanes.append(self._new_group(len(self.lanes)))
+
+    def forget_lanes(self) -> None:
+        self.lanes = self.lanes[:1]
+
+
+def comm_for(group: Any) -> Comm | None:
+    """The Comm a DistributedExecutor runs over: `group` itself when it is one, else a group of this process's
+    world (default: the whole world); None when torch.distributed is not initialized and no group was given
+    (a single process playing every rank)."""
+    if isinstance(group, Comm):
+        return group
+    if dist.is_available() and dist.is_initialized():
+        return GroupComm(group)
+    if group is not None:
+        raise ExecutionError("a process group was given but torch.distributed is not initialized")
+    return None
+
+
+__all__ = ["Comm", "GroupComm", "Message", "StoreComm", "comm_for"]

@@ -241,7 +241,7 @@ def run_case(name: str, plan, binding: Binding, procs, me: int, groups: dict, de
                "direct_bytes": "auto" if args.direct_bytes is None else (args.direct_bytes or None),
                "lanes": args.lanes}
 
-    staged = DistributedExecutor(plan, binding, ex_group, **options)
+    staged = DistributedExecutor(plan, binding, None, src, None, group=ex_group, **options)
     s = staged.schedule
     itemsize = plan.itemsize
     crossing = torch.tensor([sum(s.sent.values()) * itemsize, sum(s.received.values()) * itemsize],
@@ -267,7 +267,7 @@ def run_case(name: str, plan, binding: Binding, procs, me: int, groups: dict, de
 
     got = zeros(plan.dst, my_dst, device)
     last: dict = {}
-    t = clock.time(lambda: last.update(stats=staged.run(src, got)), args.iters)
+    t = clock.time(lambda: last.update(stats=staged.refit(dst=got)), args.iters)
     out["staged_s"], out["staged_runs"] = statistics.median(t), t
     out["staged_ok"] = same(got, want)
     out["staged_phases"] = slowest(last["stats"].phases, group, device)
@@ -282,8 +282,8 @@ def run_case(name: str, plan, binding: Binding, procs, me: int, groups: dict, de
         for tensors in got.values():
             for x in tensors.values():
                 x.zero_()
-        ex = DistributedExecutor(plan, binding, ex_group, **{mode: True}, **options)
-        t = clock.time(lambda: last.update(stats=ex.run(src, got)), args.iters)
+        ex = DistributedExecutor(plan, binding, None, src, got, group=ex_group, **{mode: True}, **options)
+        t = clock.time(lambda: last.update(stats=ex.refit()), args.iters)
         out[f"{mode}_s"], out[f"{mode}_runs"] = statistics.median(t), t
         out[f"{mode}_ok"] = same(got, want)
         out[f"{mode}_phases"] = slowest(last["stats"].phases, group, device)
@@ -333,10 +333,10 @@ def run_checks(me: int, device) -> list[str]:
                 src = {r: {n: t.to(device) for n, t in src_all[r].items()} for r in binding.src_ranks_of(me)}
                 got = {r: {n: torch.full_like(t, -3.0, device=device) for n, t in want[r].items()}
                        for r in binding.dst_ranks_of(me)}
-                ex = DistributedExecutor(plan, binding, None, bucket_bytes=bucket, timeout=60.0, direct_bytes=256,
+                ex = DistributedExecutor(plan, binding, None, src, got, bucket_bytes=bucket, timeout=60.0, direct_bytes=256,
                                          **mode)
                 for _ in range(2):
-                    ex.run(src, got)
+                    ex.refit()
                 for r, ts in got.items():
                     for n, t in ts.items():
                         if not torch.equal(t.cpu().view(torch.int16), want[r][n].view(torch.int16)):

@@ -277,7 +277,7 @@ def worker(me: int, port: int, args: argparse.Namespace) -> None:
                      + (" land=off" if v.get("land_below") == 0 else ""))
             try:
                 t0 = time.perf_counter()
-                ex = NixlExecutor(plan, binding, me, src, dst, store, options=opts, namespace=f"{case}-{k}")
+                ex = NixlExecutor(plan, binding, me, src, dst, store=store, options=opts, namespace=f"{case}-{k}")
                 setup = time.perf_counter() - t0
                 stats = []
                 op = "READ" if v["direction"] == "read" else "WRITE"

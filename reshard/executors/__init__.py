@@ -1,12 +1,19 @@
 """Moving it: executors run a Plan and know nothing about Megatron or vLLM.
 
-- `execute_local`: every rank in one process (the reference);
-- `DistributedExecutor` / `execute_distributed`: every process of a torch.distributed group runs its part,
-  NCCL between GPUs, gloo between CPU processes; a `Binding` says which process plays which plan rank.
+Every executor follows one protocol (executors.base): built once per plan, binding, process and tensors;
+`refit()` at every weight update; `close()`. `make_executor(name, ...)` picks one by name:
+- "local": every rank the call needs in this process (`execute_local` runs a whole plan: the reference);
+- "distributed": every process of a torch.distributed group (or of a group made over a store: executors.comm)
+  runs its part, NCCL between GPUs, gloo between CPU processes;
+- "nixl": NIXL one-sided reads / writes (executors.nixl);
+- "shared": processes of one host through shared memory (CUDA IPC on GPUs, POSIX shared memory on CPU).
+A `Binding` says which process plays which plan rank. `shard` / `unshard` lay canonical weights out by a layout
+and back (the reference the executors are tested against).
 """
+from .base import Executor, RankTensors, make_executor
 from .binding import Binding
 from .distributed import DistributedExecutor, ExecutionStats, execute_distributed
-from .local import allocate, execute_local, shard, unshard
+from .local import LocalExecutor, allocate, execute_local, shard, unshard
 
-__all__ = ["Binding", "DistributedExecutor", "ExecutionStats", "allocate", "execute_distributed", "execute_local",
-           "shard", "unshard"]
+__all__ = ["Binding", "DistributedExecutor", "ExecutionStats", "Executor", "LocalExecutor", "RankTensors",
+           "allocate", "execute_distributed", "execute_local", "make_executor", "shard", "unshard"]

@@ -1,11 +1,12 @@
 """Run a plan across real processes over torch.distributed: NCCL between GPUs, gloo between CPU processes.
 
-Every process of the refit group calls `run` with the same plan and binding and its own tensors; it sends what
-it owns and receives what it needs. Lifecycle of `DistributedExecutor(plan, binding, group).run(src, dst)`:
+Every process of the refit group builds the executor with the same plan and binding and its own tensors, and
+calls `refit` at every weight update; it sends what it owns and receives what it needs. Lifecycle of
+`DistributedExecutor(plan, binding, process, src, dst, group=group).refit()` (the protocol of executors.base):
 
   1. construction: the binding is checked against the plan and the group; this process's part of the wire
      schedule is built (executors.schedule: streams per peer, buckets, rounds, folded copy programs). Build
-     the executor once and call `run` at every refit;
+     the executor once and call `refit` at every weight update;
   2. prepare: this process checks its tensors against the plan (names, shapes, dtype, contiguity, device)
      and binds the schedule to them (executors.engines.Bound: wire and staging buffers, every copy as a
      prebuilt view). The binding is kept and reused while the caller passes the same tensors, which is the
@@ -77,7 +78,7 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, Mapping
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -85,6 +86,7 @@ import torch.distributed as dist
 from ..errors import ExecutionError, ReshardError
 from ..planner import Plan
 from . import connect
+from .base import Executor, RankTensors
 from .binding import Binding
 from .engines import Bound, Engine, abort, bound_key, make_engine, poll
 from .comm import Comm, comm_for
@@ -92,7 +94,6 @@ from .lanes import NCCL_LANES
 from .local import check_tensors, in_units
 from .schedule import DIRECT_BYTES, LANES_DIRECT_BYTES, ProcessSchedule, bucket_numel_for, build_schedule
 
-RankTensors = Mapping[int, Mapping[str, torch.Tensor]]
 DEFAULT_MEMORY_CAP = 2 << 30
 
 
@@ -124,12 +125,16 @@ def _digest_int(*parts: str) -> int:
     return int(hashlib.sha256("|".join(parts).encode()).hexdigest()[:15], 16)
 
 
-class DistributedExecutor:
+class DistributedExecutor(Executor):
     """Runs one plan repeatedly on this process's part of a binding. See the module docstring.
+
+    process: this process's rank in the refit group (None: read from the group).
+    src, dst: the tensors of the source / destination ranks this process plays (rank -> name -> tensor);
+        `refit(src=..., dst=...)` may pass others for one call.
 
     group: the refit group: a group of this process's torch.distributed world (default: the whole world), or a
         `comm.StoreComm` that trainer and inference processes joined by address; binding ranks are ranks in
-        it. Every member calls `run`.
+        it. Every member calls `refit`.
     in_place: write straight into the destination tensors (no staging memory; a failed refit leaves them
         partly written). Default False: staged, committed only once every process has everything.
     undo: write straight into the destination tensors, but first copy each region's previous bytes into a
@@ -153,7 +158,10 @@ class DistributedExecutor:
     on_round: called with each round's index before it is posted (progress reporting, fault injection in tests).
     """
 
-    def __init__(self, plan: Plan, binding: Binding, group: "dist.ProcessGroup | Comm | None" = None, *,
+    name = "distributed"
+
+    def __init__(self, plan: Plan, binding: Binding, process: int | None = None, src: RankTensors | None = None,
+                 dst: RankTensors | None = None, *, group: "dist.ProcessGroup | Comm | None" = None,
                  in_place: bool = False, undo: bool = False, memory_cap: int = DEFAULT_MEMORY_CAP,
                  bucket_bytes: int | None = None,
                  timeout: float = 300.0, depth: int | None = None, direct_bytes: int | str | None = "auto",
@@ -175,7 +183,10 @@ class DistributedExecutor:
             self.rank, self.size, self.backend = self.comm.rank, self.comm.size, self.comm.backend
         else:
             self.rank, self.size, self.backend = 0, 1, "none"
+        if process is not None and process != self.rank:
+            raise ExecutionError(f"process={process}, but this process is rank {self.rank} of the refit group")
         binding.check(plan.src.num_ranks, plan.dst.num_ranks, self.size)
+        self._src, self._dst = dict(src or {}), dict(dst or {})
         if lanes is None:  # NCCL: each communicator runs its messages one after another (executors.lanes)
             lanes = NCCL_LANES if "nccl" in self.backend else 1
         self.num_lanes = 1 if self.size == 1 else lanes
@@ -208,11 +219,17 @@ class DistributedExecutor:
         return self.comm.lanes if self.comm is not None else [None]
 
     # --- public ----------------------------------------------------------------------------------
-    def run(self, src: RankTensors | None, dst: RankTensors | None) -> ExecutionStats:
-        """Refit: `src` / `dst` map the plan's source / destination ranks this process plays to their tensors."""
+    def refit(self, version: int | None = None, *, src: RankTensors | None = None,
+              dst: RankTensors | None = None) -> ExecutionStats:
+        """One refit from the tensors given at construction (or, for this call, `src` / `dst`: the plan's source /
+        destination ranks this process plays -> their tensors). `version` is not needed: the preflight makes
+        every process run the same refit."""
         start = time.perf_counter()
         with torch.no_grad():  # parameters may require grad; a refit is not part of any graph
-            return self._run(start, dict(src or {}), dict(dst or {}))
+            return self._run(start, dict(self._src if src is None else src), dict(self._dst if dst is None else dst))
+
+    def close(self) -> None:
+        self.release()
 
     def _run(self, start: float, src: dict, dst: dict) -> ExecutionStats:
         given = _identity(src, dst)
@@ -421,7 +438,8 @@ class DistributedExecutor:
                 f"; aborting {len(stuck)} of the {len(self.lanes)} communicators (lanes) did not finish within "
                 f"{self.timeout:.1f} s: restart this process")
             connect.forget(self.lanes)
-            self.comm.forget_lanes()
+            if self.comm is not None:
+                self.comm.forget_lanes()
         return self._abort_note
 
     def _failure(self, what: str, before: bool = False) -> str:
@@ -446,4 +464,4 @@ def _identity(src: dict, dst: dict) -> tuple | None:
 def execute_distributed(plan: Plan, binding: Binding, src: RankTensors | None, dst: RankTensors | None,
                         group: dist.ProcessGroup | None = None, **options) -> ExecutionStats:
     """One refit with a fresh executor (build a `DistributedExecutor` to reuse schedule and buffers)."""
-    return DistributedExecutor(plan, binding, group, **options).run(src, dst)
+    return DistributedExecutor(plan, binding, None, src, dst, group=group, **options).refit()

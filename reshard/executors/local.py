@@ -13,8 +13,9 @@ import torch
 from ..errors import ExecutionError
 from ..layouts import Layout
 from ..planner import Plan
+from ..planner.plan import RELAY
+from .base import Executor, RankTensors
 
-RankTensors = Mapping[int, Mapping[str, torch.Tensor]]
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
                 "float8_e4m3fn": getattr(torch, "float8_e4m3fn", None)}
@@ -139,25 +140,53 @@ def block(flat: torch.Tensor, offset: int, rows: int, cols: int, stride: int) ->
     return flat.as_strided((rows, cols), (stride, 1), flat.storage_offset() + offset)
 
 
-def execute_local(plan: Plan, src: RankTensors, dst: RankTensors) -> None:
-    """Run every op of the plan; all source and destination ranks live in this process.
+class LocalExecutor(Executor):
+    """The plan's ops into the destination ranks in `dst`, from the source ranks in `src`, all in this process:
+    the reference executor, and an engine reading a trainer's tensors in its own process. `binding` and `process`
+    are accepted for the protocol of executors.base and not needed. Tensors are checked against the plan before
+    any byte moves, so a mismatch leaves `dst` untouched; the copies then write `dst` directly (not staged:
+    nothing can fail half-way in one process but the process itself)."""
 
-    Tensors are checked against the plan before any byte moves, so a mismatch leaves `dst` untouched.
-    """
+    name = "local"
+
+    def __init__(self, plan: Plan, binding: object = None, process: int = 0, src: RankTensors | None = None,
+                 dst: RankTensors | None = None) -> None:
+        self.plan, self.src, self.dst = plan, dict(src or {}), dict(dst or {})
+        ops = plan.ops
+        self.mine = np.flatnonzero(np.isin(ops["dst_rank"], list(self.dst)))
+        relays = self.mine[ops["src_side"][self.mine] == RELAY]
+        foreign = sorted(set(ops["src_rank"][relays].tolist()) - set(self.dst))
+        if foreign:
+            raise ExecutionError(f"the plan relays through destination ranks {foreign[:10]} that are not in this "
+                                 f"process; compile it without fan-out to run it here")
+        self.sources = sorted(set(ops["src_rank"][self.mine[ops["src_side"][self.mine] != RELAY]].tolist()))
+        missing = [r for r in self.sources if r not in self.src]
+        if missing:
+            raise ExecutionError(f"this process lacks source ranks {missing[:10]} that the plan reads")
+
+    def refit(self, version: int | None = None) -> None:
+        plan, ops, mine = self.plan, self.plan.ops, self.mine
+        check_tensors(plan, {r: self.src[r] for r in self.sources}, self.dst)
+        src, dst = in_units(plan, self.src, self.dst)  # tensors kept in a wider dtype, seen in the plan's
+        s_flat = {i: src[r][n].view(-1) for i, (r, n) in enumerate(zip(plan.src_tensors.ranks,
+                                                                       plan.src_tensors.names)) if r in src}
+        d_flat = {i: dst[r][n].view(-1) for i, (r, n) in enumerate(zip(plan.dst_tensors.ranks,
+                                                                       plan.dst_tensors.names)) if r in dst}
+        cols = [ops[c][mine].tolist() for c in ("src_side", "src_tensor", "src_offset", "src_stride", "dst_tensor",
+                                                "dst_offset", "dst_stride", "rows", "cols")]
+        sides = (s_flat, d_flat)  # relays (side 1) read a destination tensor written in an earlier stage
+        with torch.no_grad():
+            for side, st, so, ss, dt, do, ds, r, c in zip(*cols):  # ops are in stage order
+                block(d_flat[dt], do, r, c, ds).copy_(block(sides[side][st], so, r, c, ss))
+            apply_shifts(shift_views(plan, d_flat, mine))
+
+
+def execute_local(plan: Plan, src: RankTensors, dst: RankTensors) -> None:
+    """One refit with every rank in this process (the reference the other executors are tested against)."""
     missing = sorted(set(plan.src_tensors.ranks) - set(src)) + sorted(set(plan.dst_tensors.ranks) - set(dst))
     if missing:
         raise ExecutionError(f"local execution needs every rank; missing {missing[:10]}")
-    check_tensors(plan, src, dst)
-    src, dst = in_units(plan, src, dst)
-    s_flat = [src[r][n].view(-1) for r, n in zip(plan.src_tensors.ranks, plan.src_tensors.names)]
-    d_flat = [dst[r][n].view(-1) for r, n in zip(plan.dst_tensors.ranks, plan.dst_tensors.names)]
-    cols = [plan.ops[c].tolist() for c in ("src_side", "src_tensor", "src_offset", "src_stride", "dst_tensor",
-                                             "dst_offset", "dst_stride", "rows", "cols")]
-    sides = (s_flat, d_flat)  # relays (side 1) read a destination tensor written in an earlier stage
-    with torch.no_grad():
-        for side, st, so, ss, dt, do, ds, r, c in zip(*cols):  # ops are in stage order
-            block(d_flat[dt], do, r, c, ds).copy_(block(sides[side][st], so, r, c, ss))
-        apply_shifts(shift_views(plan, dict(enumerate(d_flat))))
+    LocalExecutor(plan, None, 0, src, dst).refit()
 
 
 def shift_views(plan: Plan, dst_flat: Mapping[int, torch.Tensor], ops: "np.ndarray | None" = None) \

@@ -107,7 +107,7 @@ def plan_worker(process: int, port: int, workdir: str) -> None:
             src = {r: {n: t.clone() for n, t in ts.items()}
                    for r, ts in shard(plan.src, weights(plan.src.model, job["seed"]), ranks=list(my_src)).items()}
             dst = allocate(plan.dst, fill=SENTINEL, ranks=list(my_dst))
-            ex = NixlExecutor(plan, binding, process, src, dst, store, options=NixlOptions(**job["options"]),
+            ex = NixlExecutor(plan, binding, process, src, dst, store=store, options=NixlOptions(**job["options"]),
                               namespace=f"job{k}")
             counter = CallCounter(ex.agent, SET_UP_CALLS) if ex.agent is not None else None  # None: local only
             handles = dict(ex._handles)
@@ -156,7 +156,7 @@ def failure_worker(process: int, port: int, workdir: str, scenario: str, victim:
     src = {r: {n: t.clone() for n, t in ts.items()}
            for r, ts in shard(plan.src, weights(plan.src.model, 1), ranks=list(my_src)).items()}
     dst = allocate(plan.dst, fill=SENTINEL, ranks=list(my_dst))
-    ex = NixlExecutor(plan, binding, process, src, dst, store, options=NixlOptions(**job["options"]),
+    ex = NixlExecutor(plan, binding, process, src, dst, store=store, options=NixlOptions(**job["options"]),
                       namespace=scenario)
     ex.refit()
     after_first = {r: {n: t.clone() for n, t in ts.items()} for r, ts in dst.items()}

@@ -103,12 +103,12 @@ def run_cases(rank: int, size: int, args: dict[str, Any]) -> list[dict[str, Any]
             execute_local(plan, shard(plan.src, weights), want)
             options = c.get("options", {})
             group = _group(c, groups, members, me, options.get("timeout", 60.0))
-            ex = DistributedExecutor(plan, binding, group, **options)
+            ex = DistributedExecutor(plan, binding, me, src, dst, group=group, **options)
             if c.get("refuse") is not None:  # one process passes a tensor of the wrong shape
                 results.append(_refused(ex, src, dst, me == c["refuse"]))
                 continue
             for _ in range(c.get("repeat", 1)):
-                stats = ex.run(src, dst)
+                stats = ex.refit()
             wrong = [f"destination rank {r} {n!r}" for r, ts in dst.items() for n, t in ts.items()
                      if not _same_bytes(t, want[r][n])]
             results.append({"ok": not wrong, "error": "; ".join(wrong[:5]), "stats": _stats(stats),
@@ -127,7 +127,7 @@ def _refused(ex: DistributedExecutor, src: dict, dst: dict, culprit: bool) -> di
         side = {**side, rank: {**side[rank], name: side[rank][name][..., :-1].contiguous()}}
         src, dst = (src, side) if dst else (side, dst)
     try:
-        ex.run(src, dst)
+        ex.refit(src=src, dst=dst)
         return {"ok": False, "error": "the refit ran although a process refused its tensors"}
     except ExecutionError as e:
         msg = str(e)
@@ -155,11 +155,11 @@ def fail_mid_refit(rank: int, size: int, args: dict[str, Any]) -> dict[str, Any]
 
     group = _group({"plan": args["plan"], "store": args.get("store")}, {tuple(range(size)): None}, tuple(range(size)), rank,
                    args["options"]["timeout"])
-    ex = DistributedExecutor(plan, binding, group, **args["options"], on_round=on_round)
+    ex = DistributedExecutor(plan, binding, rank, src, dst, group=group, **args["options"], on_round=on_round)
     dist.barrier()  # start the clocks together
     start = time.monotonic()
     try:
-        ex.run(src, dst)
+        ex.refit()
         raised, message = None, ""
     except ExecutionError as e:
         raised, message = "ExecutionError", str(e)

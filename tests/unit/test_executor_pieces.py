@@ -132,10 +132,10 @@ def test_bad_tensors_are_refused_before_anything_moves():
     name = next(iter(dst[0]))
     bad = {0: {**dst[0], name: dst[0][name].double()}}
     with pytest.raises(ExecutionError, match=f"{name}.*nothing was moved"):
-        ex.run(src, bad)
+        ex.refit(src=src, dst=bad)
     assert all(bool((t == -1).all()) for t in dst[0].values())
     with pytest.raises(ExecutionError, match=r"destination ranks given \[\]"):
-        ex.run(src, {})
+        ex.refit(src=src, dst={})
     with pytest.raises(ExecutionError, match="group rank 1 but the group has 1 ranks"):
         DistributedExecutor(plan, Binding((0,), (1,)))
 
@@ -147,15 +147,15 @@ def test_repeated_calls_skip_checks_only_for_the_same_tensors():
     src = shard(plan.src, _weights())
     want, dst = allocate(plan.dst, fill=-1.0), allocate(plan.dst, fill=-1.0)
     execute_local(plan, src, want)
-    ex.run(src, dst)
+    ex.refit(src=src, dst=dst)
     assert ex._given, "a good call arms the fast path"
     name = next(iter(dst[0]))
     dst[0][name] = dst[0][name].double()  # the same dict, one tensor swapped for a bad one
     with pytest.raises(ExecutionError, match=f"{name}.*nothing was moved"):
-        ex.run(src, dst)
+        ex.refit(src=src, dst=dst)
     dst[0][name] = torch.full(want[0][name].shape, -1.0, dtype=want[0][name].dtype)  # a new, good tensor
-    ex.run(src, dst)
-    ex.run(src, dst)  # the fast path, on the tensors just checked
+    ex.refit(src=src, dst=dst)
+    ex.refit(src=src, dst=dst)  # the fast path, on the tensors just checked
     for n in want[0]:
         assert torch.equal(dst[0][n], want[0][n]), n
 
@@ -192,7 +192,8 @@ def test_an_abort_that_does_not_finish_is_named_and_the_process_still_raises(mon
     calls = []
     monkeypatch.setattr(distributed, "abort", lambda groups, timeout: (calls.append(len(groups)), groups[1:])[1])
     ex = DistributedExecutor(plan, Binding((0,), (0,)), timeout=0.2)
-    ex.lanes = [object(), object(), object()]  # as if three lanes had been made
+    lanes = [object(), object(), object()]  # as if three lanes had been made
+    monkeypatch.setattr(DistributedExecutor, "lanes", property(lambda self: lanes if self is ex else [None]))
     note = ex.abort()
     assert "2 of the 3 communicators (lanes) did not finish within 0.2 s: restart this process" in note
     assert ex.abort() == note and calls == [3]  # aborted once

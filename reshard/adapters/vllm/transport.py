@@ -20,17 +20,12 @@ Other transports (NIXL, trainer processes outside vLLM's world) plug in with `re
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable, Mapping
-
-import numpy as np
-import torch
+from typing import Any, Callable
 
 from ...errors import ExecutionError
-from ...executors.local import block, check_tensors, in_units
+from ...executors.base import RankTensors
+from ...executors.local import LocalExecutor
 from ...planner import Plan
-from ...planner.plan import RELAY
-
-RankTensors = Mapping[int, Mapping[str, torch.Tensor]]
 
 
 class Transport(abc.ABC):
@@ -50,29 +45,7 @@ class LocalTransport(Transport):
         self.src = src
 
     def run(self, plan: Plan, dst: RankTensors) -> None:
-        ops = plan.ops
-        mine = np.flatnonzero(np.isin(ops["dst_rank"], list(dst)))
-        relays = mine[ops["src_side"][mine] == RELAY]
-        foreign = sorted(set(ops["src_rank"][relays].tolist()) - set(dst))
-        if foreign:
-            raise ExecutionError(f"the plan relays through destination ranks {foreign[:10]} that are not in this "
-                                 f"process; compile it without fan-out for an in-process transport")
-        needed = sorted(set(ops["src_rank"][mine[ops["src_side"][mine] != RELAY]].tolist()))
-        missing = [r for r in needed if r not in self.src]
-        if missing:
-            raise ExecutionError(f"in-process transport lacks source ranks {missing[:10]}")
-        check_tensors(plan, {r: self.src[r] for r in needed}, dst)
-        src, dst = in_units(plan, self.src, dst)  # tensors kept in a wider dtype, seen in the plan's
-        s_flat = {i: src[r][n].view(-1) for i, (r, n) in enumerate(zip(plan.src_tensors.ranks,
-                                                                             plan.src_tensors.names)) if r in src}
-        d_flat = {i: dst[r][n].view(-1) for i, (r, n) in enumerate(zip(plan.dst_tensors.ranks,
-                                                                         plan.dst_tensors.names)) if r in dst}
-        cols = [ops[c][mine].tolist() for c in ("src_side", "src_tensor", "src_offset", "src_stride", "dst_tensor",
-                                                  "dst_offset", "dst_stride", "rows", "cols")]
-        with torch.no_grad():
-            for side, st, so, ss, dt, do, ds, r, c in zip(*cols):  # ops are in stage order
-                src = d_flat[st] if side == RELAY else s_flat[st]
-                block(d_flat[dt], do, r, c, ds).copy_(block(src, so, r, c, ss))
+        LocalExecutor(plan, None, 0, self.src, dst).refit()
 
 
 # --- named transports for the weight-transfer engine -------------------------------------------------------
@@ -130,14 +103,15 @@ class DistributedTransport(Transport):
         executor = self._executors.get(plan.digest)
         if executor is None:
             binding = self.binding or Binding.colocated(plan.src.num_ranks, plan.dst.num_ranks)
-            executor = self._executors[plan.digest] = DistributedExecutor(plan, binding, self.group, **self.options)
+            executor = self._executors[plan.digest] = DistributedExecutor(plan, binding, group=self.group,
+                                                                                            **self.options)
         mine = executor.binding.src_ranks_of(executor.rank)
         published = _PUBLISHED.get(self.key, {})
         missing = [r for r in mine if r not in published]
         if missing:
             raise ExecutionError(f"this process plays source ranks {list(mine)} but {missing} are not published "
                                  f"under {self.key!r} (publish_source first)")
-        executor.run({r: published[r] for r in mine}, dst)
+        executor.refit(src={r: published[r] for r in mine}, dst=dst)
 
     def close(self) -> None:
         for executor in self._executors.values():

@@ -2,7 +2,7 @@
 one-sided READs or WRITEs between registered memories, with notifications for completion.
 
     from reshard.executors.nixl import NixlExecutor, NixlOptions
-    ex = NixlExecutor(plan, binding, process, src_tensors, dst_tensors, store)   # once: register, exchange, prepare
+    ex = NixlExecutor(plan, binding, process, src_tensors, dst_tensors, store=store)   # once: register, exchange, prepare
     ex.refit()                                                                   # every weight update
     ex.close()
 

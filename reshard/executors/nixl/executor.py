@@ -46,13 +46,14 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 
 from ...errors import ExecutionError, ReshardError
 from ...planner import Plan
+from ..base import Executor, RankTensors
 from ..binding import Binding
 from ..local import apply_shifts, check_tensors, in_units, shift_views, torch_dtype
 from ..views import BoundCopies, Memory, bind
@@ -62,7 +63,6 @@ from .exchange import Exchange
 from .options import NixlOptions
 from .schedule import DST, RECV, SEND, SHADOW, SRC, Link, ProcessSchedule, build_schedule
 
-RankTensors = Mapping[int, Mapping[str, torch.Tensor]]
 READY, DONE = b"R", b"D"
 _QUARANTINE: list[torch.Tensor] = []  # arenas of failed executors: a late remote write must not hit freed memory
 
@@ -94,11 +94,14 @@ def _device_of(src: RankTensors, dst: RankTensors) -> torch.device:
     return devices.pop() if devices else torch.device("cpu")
 
 
-class NixlExecutor:
-    """One process's part of a plan over NIXL, built once and run at every refit. See the module docstring."""
+class NixlExecutor(Executor):
+    """One process's part of a plan over NIXL, built once and run at every refit (the protocol of
+    executors.base). `store`: a torch.distributed store every process of the binding reaches."""
 
-    def __init__(self, plan: Plan, binding: Binding, process: int, src: RankTensors, dst: RankTensors,
-                 store: Any, *, options: NixlOptions | None = None, namespace: str = "default") -> None:
+    name = "nixl"
+
+    def __init__(self, plan: Plan, binding: Binding, process: int, src: RankTensors, dst: RankTensors, *,
+                 store: Any, options: NixlOptions | None = None, namespace: str = "default") -> None:
         self.plan, self.binding, self.process = plan, binding, process
         self.options = options = options or NixlOptions()
         self.num_processes = binding.num_processes

@@ -1,0 +1,79 @@
+"""What every executor is: one process's part of a plan, bound once and run at every refit; and the one place
+that picks an executor by name.
+
+Lifecycle, the same for every executor:
+  1. construction binds the plan to where its ranks live (a `Binding`: which process plays which rank), to this
+     process (`process`) and to its tensors (`src`: source rank -> name -> tensor for the source ranks it plays,
+     `dst` likewise), and prepares what can be prepared once (schedules, buffers, registrations, connections);
+  2. `refit(version=None)` moves one refit: the source tensors hold the new weights; it returns the executor's
+     stats, or raises ExecutionError. Staged by default: a failed refit leaves every destination unchanged;
+  3. `close()` releases what the executor holds (also on leaving a `with` block).
+
+    executor = make_executor("distributed", plan, binding, process, src, dst, group=group)
+    for step in training:
+        ...                       # the trainer updates its tensors in place
+        executor.refit()
+    executor.close()
+
+Executors here: "local" (every rank in this process), "distributed" (torch.distributed: gloo, NCCL; a group of
+this process's world or one made over a store), "nixl" (NIXL one-sided reads / writes), "shared" (one host,
+separate processes: CUDA IPC on GPUs, shared memory on CPU). Each module registers itself when imported;
+`make_executor` imports it by name, so `import reshard` pulls in none of them.
+"""
+from __future__ import annotations
+
+import abc
+import importlib
+from typing import Any, Mapping
+
+import torch
+
+from ..errors import ExecutionError
+
+RankTensors = Mapping[int, Mapping[str, torch.Tensor]]
+
+# name -> module that defines it (imported on first use) and the class, once imported
+_MODULES = {"local": "reshard.executors.local", "distributed": "reshard.executors.distributed",
+            "nixl": "reshard.executors.nixl.executor", "shared": "reshard.executors.shared"}
+_EXECUTORS: dict[str, type["Executor"]] = {}
+
+
+class Executor(abc.ABC):
+    """See the module docstring. Subclasses set `name` and are registered by it."""
+
+    name: str = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.name:
+            _EXECUTORS[cls.name] = cls
+
+    @abc.abstractmethod
+    def refit(self, version: int | None = None) -> Any:
+        """Move one refit's bytes; returns this executor's stats."""
+
+    def close(self) -> None:
+        """Release buffers, registrations and connections."""
+
+    def __enter__(self) -> "Executor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def executor_class(name: str) -> type[Executor]:
+    if name not in _EXECUTORS and name in _MODULES:
+        importlib.import_module(_MODULES[name])
+    if name not in _EXECUTORS:
+        raise ExecutionError(f"unknown executor {name!r}; known: {sorted(set(_MODULES) | set(_EXECUTORS))}")
+    return _EXECUTORS[name]
+
+
+def make_executor(name: str, plan: Any, binding: Any, process: int, src: RankTensors | None,
+                  dst: RankTensors | None, **options: Any) -> Executor:
+    """The executor called `name`, bound to this process's part of `plan` (see the module docstring)."""
+    return executor_class(name)(plan, binding, process, src or {}, dst or {}, **options)
+
+
+__all__ = ["Executor", "RankTensors", "executor_class", "make_executor"]

@@ -21,7 +21,7 @@ from hypothesis import Phase, given, settings, strategies as st
 
 import reshard
 from reshard.executors.binding import Binding
-from reshard.testing.nixl_procs import failure_worker, launch, plan_worker
+from reshard.testing.store_procs import failure_worker, launch, plan_worker
 from reshard.testing.refit_cases import tiny_deepseek
 from reshard.testing.strategies import refits
 

@@ -55,11 +55,11 @@ from ...errors import ExecutionError, ReshardError
 from ...planner import Plan
 from ..base import Executor, RankTensors
 from ..binding import Binding
+from ..exchange import Exchange
 from ..local import apply_shifts, check_tensors, in_units, shift_views, torch_dtype
 from ..views import BoundCopies, Memory, bind
 from .agent import describe, is_nixl_error, make_agent
 from .descriptors import memory_name, merged_regions, region_array, side_descriptors
-from .exchange import Exchange
 from .options import NixlOptions
 from .schedule import DST, RECV, SEND, SHADOW, SRC, Link, ProcessSchedule, build_schedule
 

@@ -1,13 +1,13 @@
-"""Metadata exchange and refit agreement through a torch.distributed store (TCPStore, FileStore, ...).
+"""Set-up exchange and refit agreement of executors whose processes meet through a torch.distributed store
+(TCPStore, FileStore, ...): NIXL's and the shared-memory executor.
 
-Values are bytes: NIXL's own agent metadata blob, and JSON for everything else (never pickle). Keys live under
-the executor's namespace (a PrefixStore), so several executors can share one store:
+Values are bytes: an opaque blob (NIXL's agent metadata) and JSON for everything else (never pickle). Keys live
+under the executor's kind and namespace (a PrefixStore), so several executors can share one store:
 
-  md/<p>        NIXL agent metadata of process p (get_agent_metadata(), taken after every registration)
-  book/<p>      JSON: what p runs (plan digest, binding, shared options, resolved direction and packing
-                threshold) and the addresses of the memories its peers address, by name
-  v<g>/ok       counter: processes that finished refit version g and verified it
-  v<g>/fail     the reason of the first process that failed refit version g
+  md/<p>        process p's blob (NIXL: get_agent_metadata(), taken after every registration)
+  book/<p>      JSON: what p runs (plan digest, binding, options) and how its peers address its memory
+  v<g>/...      per refit version g: ok (counter of processes that finished and verified it), fail (the reason
+                of the first process that failed it), and the executor's own signals (`signal` / `count`)
 """
 from __future__ import annotations
 
@@ -16,22 +16,23 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from ...errors import ExecutionError
+from ..errors import ExecutionError
 
 PROTOCOL = 1
 
 
 class Exchange:
-    def __init__(self, store: Any, namespace: str) -> None:
+    def __init__(self, store: Any, namespace: str, kind: str = "nixl") -> None:
         import torch.distributed as dist
 
         if not namespace or "/" in namespace:
             raise ExecutionError(f"namespace={namespace!r} must be a non-empty name without '/'")
         self.namespace = namespace
-        self.store = dist.PrefixStore(f"reshard-nixl/{namespace}/", store)
+        self.store = dist.PrefixStore(f"reshard-{kind}/{namespace}/", store)
 
     # --- set-up ----------------------------------------------------------------------------------------
     def publish(self, process: int, metadata: bytes, book: dict[str, Any]) -> None:
+        """Process `process`'s blob and book, for its peers to `fetch`."""
         self.store.set(f"book/{process}", json.dumps({"protocol": PROTOCOL, **book}).encode())
         self.store.set(f"md/{process}", metadata)  # last: a peer that sees md sees the book too
 
@@ -40,7 +41,7 @@ class Exchange:
         try:
             self.store.wait([f"md/{peer}"], timedelta(seconds=timeout))
         except Exception as e:  # the store raises its own error type on timeout
-            raise ExecutionError(f"NIXL set-up: process {peer} did not publish its metadata within {timeout:.1f} s "
+            raise ExecutionError(f"set-up: process {peer} did not publish its metadata within {timeout:.1f} s "
                                  f"(namespace {self.namespace!r}); is every process of the binding building its "
                                  f"executor?") from e
         book = json.loads(self.store.get(f"book/{peer}").decode())
@@ -83,9 +84,28 @@ class Exchange:
             time.sleep(sleep)
             sleep = min(sleep * 2, max(poll_max_s, 2e-5))
 
-    def forget(self, version: int) -> None:
-        """Drop a finished version's keys (every process has passed its vote)."""
-        for key in (f"v{version}/ok", f"v{version}/fail"):
+    def signal(self, key: str) -> None:
+        """Count one more at `key` (a per-refit signal such as v<g>/ready/<p>)."""
+        self.store.add(key, 1)
+
+    def count(self, key: str) -> int:
+        return int(self.store.add(key, 0))
+
+    def wait_count(self, key: str, want: int, version: int, deadline: float, poll_max_s: float, what: str) -> None:
+        """Return once the counter at `key` reached `want`; raise if refit `version` failed or the deadline passes."""
+        sleep = 2e-5
+        while self.count(key) < want:
+            reason = self.failure(version)
+            if reason is not None:
+                raise ExecutionError(f"another process failed first ({reason})")
+            if time.monotonic() > deadline:
+                raise ExecutionError(f"timed out waiting for {what}")
+            time.sleep(sleep)
+            sleep = min(sleep * 2, max(poll_max_s, 2e-5))
+
+    def forget(self, version: int, keys: tuple[str, ...] = ()) -> None:
+        """Drop a finished version's keys (every process has passed its vote), and `keys` of it."""
+        for key in (f"v{version}/ok", f"v{version}/fail", *keys):
             try:
                 self.store.delete_key(key)
             except Exception:  # noqa: BLE001 - not every store deletes; the keys are a few bytes

@@ -1,5 +1,6 @@
-"""Real multi-process runs of the NIXL executor, for tests and benchmarks: a launcher, and workers that run
-many plans per spawned process group (spawning costs seconds) and write what they saw as JSON.
+"""Real multi-process runs of the executors whose processes meet through a store (NIXL, shared memory), for
+tests and benchmarks: a launcher, and workers that run many plans per spawned process group (spawning costs
+seconds) and write what they saw as JSON. A job's "executor" names which one ("nixl" by default).
 
 Every worker gets (process, store port, *args); the parent holds the TCPStore, so a killed worker does not
 take the store with it.
@@ -75,6 +76,26 @@ class CallCounter:
             setattr(agent, n, counted)
 
 
+def make(job: dict[str, Any], plan: Any, binding: Any, process: int, src: dict, dst: dict, store: Any,
+         namespace: str) -> Any:
+    """The job's executor over the store. Shared memory in place writes destinations peers map: on CPU those
+    are moved into shared memory first (`shared_empty`), as an engine that accepts in-place writes allocates
+    them."""
+    if job.get("executor", "nixl") == "shared":
+        from ..executors.shared import SharedExecutor, shared_empty
+
+        options = dict(job["options"])
+        if not options.get("staged", True):
+            for r in dst:
+                for n, t in list(dst[r].items()):
+                    dst[r][n] = shared_empty(tuple(t.shape), t.dtype).copy_(t)
+        return SharedExecutor(plan, binding, process, src, dst, store=store, namespace=namespace, **options)
+    from ..executors.nixl import NixlExecutor, NixlOptions
+
+    return NixlExecutor(plan, binding, process, src, dst, store=store, options=NixlOptions(**job["options"]),
+                        namespace=namespace)
+
+
 SET_UP_CALLS = ("register_memory", "deregister_memory", "prep_xfer_dlist", "make_prepped_xfer",
                 "add_remote_agent", "initialize_xfer", "get_agent_metadata")
 
@@ -89,7 +110,6 @@ def plan_worker(process: int, port: int, workdir: str) -> None:
     """
     from ..executors.binding import Binding
     from ..executors.local import allocate, execute_local, shard
-    from ..executors.nixl import NixlExecutor, NixlOptions
     from ..planner import Plan
 
     torch.set_num_threads(1)
@@ -107,10 +127,10 @@ def plan_worker(process: int, port: int, workdir: str) -> None:
             src = {r: {n: t.clone() for n, t in ts.items()}
                    for r, ts in shard(plan.src, weights(plan.src.model, job["seed"]), ranks=list(my_src)).items()}
             dst = allocate(plan.dst, fill=SENTINEL, ranks=list(my_dst))
-            ex = NixlExecutor(plan, binding, process, src, dst, store=store, options=NixlOptions(**job["options"]),
-                              namespace=f"job{k}")
-            counter = CallCounter(ex.agent, SET_UP_CALLS) if ex.agent is not None else None  # None: local only
-            handles = dict(ex._handles)
+            ex = make(job, plan, binding, process, src, dst, store, f"job{k}")
+            agent = getattr(ex, "agent", None)
+            counter = CallCounter(agent, SET_UP_CALLS) if agent is not None else None  # None: local only, or shm
+            handles = dict(getattr(ex, "_handles", {}))
             for r in range(job["refits"]):
                 w = weights(plan.src.model, job["seed"] + r)
                 full = shard(plan.src, w)
@@ -125,7 +145,8 @@ def plan_worker(process: int, port: int, workdir: str) -> None:
                 out["ok"].append(not bad)
                 if bad:
                     out["errors"].append(f"refit {r + 1}: mismatch in {bad[:5]}")
-                out["direction"], out["packed"] = stats.direction, stats.packed_links
+                out["direction"] = getattr(stats, "direction", None)
+                out["packed"] = getattr(stats, "packed_links", None)
             out["set_up_calls_during_refits"] = {n: c for n, c in counter.counts.items() if c} if counter else {}
             out["handles_reused"] = all(ex._handles.get(i) is h for i, h in handles.items())
             ex.close()
@@ -145,7 +166,6 @@ def failure_worker(process: int, port: int, workdir: str, scenario: str, victim:
     """
     from ..executors.binding import Binding
     from ..executors.local import allocate, shard
-    from ..executors.nixl import NixlExecutor, NixlOptions
     from ..planner import Plan
 
     torch.set_num_threads(1)
@@ -156,8 +176,7 @@ def failure_worker(process: int, port: int, workdir: str, scenario: str, victim:
     src = {r: {n: t.clone() for n, t in ts.items()}
            for r, ts in shard(plan.src, weights(plan.src.model, 1), ranks=list(my_src)).items()}
     dst = allocate(plan.dst, fill=SENTINEL, ranks=list(my_dst))
-    ex = NixlExecutor(plan, binding, process, src, dst, store=store, options=NixlOptions(**job["options"]),
-                      namespace=scenario)
+    ex = make(job, plan, binding, process, src, dst, store, scenario)
     ex.refit()
     after_first = {r: {n: t.clone() for n, t in ts.items()} for r, ts in dst.items()}
     second = shard(plan.src, weights(plan.src.model, 2), ranks=list(my_src))

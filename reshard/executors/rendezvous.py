@@ -1,0 +1,218 @@
+"""Where the processes of one refit meet: a TCPStore at an address every process reaches, the refit's public
+id, and a secret each member must prove it knows.
+
+Trainer processes and the workers of a separate vLLM server (or Ray actors) share no torch.distributed world.
+They meet here: one process (the trainer's driver) hosts the store, the others connect to its address, carried
+as plain JSON in the refit's init payload (`Rendezvous.to_dict`). Every key of the refit lives under a namespace
+derived from the secret, so a process without it can neither read the refit's metadata nor take a member's
+place; it is refused with an error that says so, and the host can list such attempts (`refused`).
+
+    rdv, store = host_store(Rendezvous.new("127.0.0.1"))   # the driver: a fresh id and secret, a free port
+    rdv.to_dict()                                           # into the init payload of every other member
+    store = connect(Rendezvous.from_dict(d))                # a member
+    members = join(store, rdv, process=3, size=6, role="engine")   # every member; duplicates refused
+    executor_store = scoped(store, rdv, "collective")               # where an executor keeps its keys
+
+Limits: the store and the transports' own sockets are not encrypted; bind them to an address only the refit's
+hosts reach (loopback in the examples).
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import socket
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any
+
+from ..errors import ExecutionError
+
+log = logging.getLogger("reshard.rendezvous")
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    host: str
+    port: int
+    refit_id: str  # public: names the refit in keys, logs and errors
+    secret: str  # hex; never logged
+    timeout: float = 60.0  # seconds any step of meeting may take
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not isinstance(self.host, str) or not self.host:
+            problems.append(f"host={self.host!r} must be a non-empty string")
+        if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port < 65536:
+            problems.append(f"port={self.port!r} must be an integer in [0, 65536)")
+        if not isinstance(self.refit_id, str) or not self.refit_id.isalnum() or len(self.refit_id) > 64:
+            problems.append(f"refit_id={self.refit_id!r} must be 1-64 letters or digits")
+        if not isinstance(self.secret, str) or len(self.secret) < 16:
+            problems.append("secret must be a string of at least 16 characters")
+        if not isinstance(self.timeout, (int, float)) or not 0 < self.timeout <= 86400:
+            problems.append(f"timeout={self.timeout!r} must be a number of seconds in (0, 86400]")
+        if problems:
+            raise ExecutionError("invalid rendezvous: " + "; ".join(problems))
+
+    @classmethod
+    def new(cls, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0) -> "Rendezvous":
+        """A fresh refit id and secret; port 0: `host()` picks a free one."""
+        return cls(host, port, secrets.token_hex(6), secrets.token_hex(16), timeout)
+
+    # --- plain data ----------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "Rendezvous":
+        if not isinstance(d, dict):
+            raise ExecutionError(f"rendezvous must be a JSON object, got {type(d).__name__}")
+        unknown = sorted(set(d) - {"host", "port", "refit_id", "secret", "timeout"})
+        if unknown:
+            raise ExecutionError(f"rendezvous has unknown fields {unknown}")
+        missing = sorted({"host", "port", "refit_id", "secret"} - set(d))
+        if missing:
+            raise ExecutionError(f"rendezvous lacks {missing}")
+        return cls(**d)
+
+    def __repr__(self) -> str:  # the secret stays out of logs and error messages
+        return f"Rendezvous({self.host}:{self.port}, refit {self.refit_id})"
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def proof(self, what: str) -> str:
+        return hmac.new(bytes.fromhex(self.secret) if _is_hex(self.secret) else self.secret.encode(),
+                        f"{self.refit_id}/{what}".encode(), hashlib.sha256).hexdigest()
+
+    @property
+    def namespace(self) -> str:
+        """Where the refit's keys live: unguessable without the secret."""
+        return f"reshard/{self.refit_id}/{self.proof('namespace')[:32]}/"
+
+
+def _is_hex(s: str) -> bool:
+    try:
+        bytes.fromhex(s)
+        return len(s) % 2 == 0
+    except ValueError:
+        return False
+
+
+def host_store(rdv: Rendezvous) -> tuple[Rendezvous, Any]:
+    """Host the refit's store at `rdv.host`:`rdv.port` (port 0: a free one); returns the rendezvous with the
+    port bound, and the store. The public check value lets members with a wrong secret be told so."""
+    import torch.distributed as dist
+
+    try:
+        store = dist.TCPStore(rdv.host, rdv.port, None, True, timedelta(seconds=rdv.timeout),
+                              wait_for_workers=False)
+    except Exception as e:  # noqa: BLE001 - the store raises several types
+        raise ExecutionError(f"cannot host the refit's store at {rdv.address}: {e}") from e
+    bound = Rendezvous(rdv.host, int(store.port), rdv.refit_id, rdv.secret, rdv.timeout)
+    store.set(f"reshard/{rdv.refit_id}/check", bound.proof("check"))
+    log.info("refit %s: store hosted at %s", rdv.refit_id, bound.address)
+    return bound, store
+
+
+def connect(rdv: Rendezvous) -> Any:
+    """A client of the refit's store; ExecutionError naming the address if it cannot be reached in time."""
+    import torch.distributed as dist
+
+    try:
+        return dist.TCPStore(rdv.host, rdv.port, None, False, timedelta(seconds=rdv.timeout))
+    except Exception as e:  # noqa: BLE001
+        raise ExecutionError(f"refit {rdv.refit_id}: cannot reach the refit's store at {rdv.address} within "
+                             f"{rdv.timeout:.0f} s ({type(e).__name__}: {e})") from e
+
+
+def scoped(store: Any, rdv: Rendezvous, kind: str) -> Any:
+    """The part of the store an executor of `kind` keeps its keys in (under the secret namespace)."""
+    import torch.distributed as dist
+
+    return dist.PrefixStore(f"{rdv.namespace}{kind}/", store)
+
+
+def _me(role: str, process: int) -> dict[str, Any]:
+    return {"role": role, "process": process, "pid": os.getpid(), "host": socket.gethostname(),
+            "nonce": secrets.token_hex(8)}
+
+
+def check_secret(store: Any, rdv: Rendezvous, role: str, process: int) -> None:
+    """Raise (and leave a note for the host) if this member's secret is not the refit's."""
+    key = f"reshard/{rdv.refit_id}/check"
+    try:
+        store.wait([key], timedelta(seconds=rdv.timeout))
+        want = store.get(key).decode()
+    except Exception as e:  # noqa: BLE001
+        raise ExecutionError(f"refit {rdv.refit_id} is not hosted at {rdv.address} (no check value within "
+                             f"{rdv.timeout:.0f} s): {e}") from e
+    if not hmac.compare_digest(want, rdv.proof("check")):
+        n = int(store.add(f"reshard/{rdv.refit_id}/refused", 1))
+        store.set(f"reshard/{rdv.refit_id}/refused/{n}", json.dumps(_me(role, process)))
+        log.warning("refit %s: %s process %d presented a wrong secret; refused", rdv.refit_id, role, process)
+        raise ExecutionError(f"refit {rdv.refit_id}: the secret this {role} process presented is not the refit's; "
+                             f"refused (it joins nothing and disturbs nothing)")
+
+
+def refused(store: Any, rdv: Rendezvous) -> list[dict[str, Any]]:
+    """The members refused for a wrong secret so far (for the host's logs)."""
+    n = int(store.add(f"reshard/{rdv.refit_id}/refused", 0))
+    return [json.loads(store.get(f"reshard/{rdv.refit_id}/refused/{i}")) for i in range(1, n + 1)]
+
+
+def fail(store: Any, rdv: Rendezvous, reason: str) -> None:
+    """Tell every member waiting in `join` that the refit cannot go on (the first reason stays)."""
+    try:
+        store.compare_set(f"{rdv.namespace}fail", "", reason.encode()[:4000])
+    except Exception:  # noqa: BLE001 - best effort: the store may be gone
+        pass
+
+
+def failure(store: Any, rdv: Rendezvous) -> str | None:
+    key = f"{rdv.namespace}fail"
+    return store.get(key).decode(errors="replace") if store.check([key]) else None
+
+
+def join(store: Any, rdv: Rendezvous, process: int, size: int, role: str) -> dict[int, dict[str, Any]]:
+    """Take place `process` of the refit's `size` and wait for every other member; returns each member's record
+    (role, pid, host). Raises ExecutionError on a wrong secret, a place already taken (a duplicate rank), a
+    failure reported by another member (`fail`), or members missing after the timeout."""
+    if not 0 <= process < size:
+        raise ExecutionError(f"refit {rdv.refit_id}: process {process} is outside the refit's [0, {size})")
+    check_secret(store, rdv, role, process)
+    mine = json.dumps(_me(role, process))
+    key = f"{rdv.namespace}member/{process}"
+    got = store.compare_set(key, "", mine)
+    got = got.decode() if isinstance(got, bytes) else got
+    if got != mine:
+        other = json.loads(got)
+        raise ExecutionError(f"refit {rdv.refit_id}: place {process} is already taken by the {other.get('role')} "
+                             f"process (pid {other.get('pid')} on {other.get('host')}): two members claim the same "
+                             f"rank")
+    deadline = time.monotonic() + rdv.timeout
+    members: dict[int, dict[str, Any]] = {}
+    sleep = 0.001
+    while len(members) < size:
+        reason = failure(store, rdv)
+        if reason is not None:
+            raise ExecutionError(f"refit {rdv.refit_id}: another member failed: {reason}")
+        for p in range(size):
+            if p not in members and store.check([f"{rdv.namespace}member/{p}"]):
+                members[p] = json.loads(store.get(f"{rdv.namespace}member/{p}"))
+        if len(members) < size:
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(size)) - set(members))
+                raise ExecutionError(f"refit {rdv.refit_id}: members {missing[:10]} of {size} did not join within "
+                                     f"{rdv.timeout:.0f} s")
+            time.sleep(sleep)
+            sleep = min(sleep * 2, 0.05)
+    return members
+
+
+__all__ = ["Rendezvous", "connect", "fail", "failure", "host_store", "join", "refused", "scoped"]

@@ -1,0 +1,410 @@
+"""Run a plan between processes of one host through shared memory: CUDA IPC between processes on GPUs (a
+trainer and a vLLM engine sharing a GPU, NeMo-RL's colocated shape), POSIX shared memory between CPU processes
+(the same code path, which CI runs).
+
+Senders write: every process that receives bytes from another process exposes "landing" memory for the
+destination tensors those bytes go to, and the sending processes map it and copy their source blocks straight
+into it, one copy per byte, with the plan's copy programs (folded strided copies, executors.copies). Handles
+travel as JSON through the refit's store (never pickle): a shared-memory segment's name, or the fields of a CUDA
+IPC handle. Lifecycle (the protocol of executors.base):
+
+  1. construction: this process's part of the plan is derived (what it sends to each peer, what it receives,
+     local copies); a receiver allocates its landing memory and publishes its handles with its book (plan
+     digest, binding, mode); a sender reads its receivers' books, checks them and maps their landing memory.
+  2. refit(version): a receiver announces "ready v" (its landing memory is free); each sender waits for that,
+     copies its blocks into the receiver's landing memory, waits for its copies to finish (GPU: its stream),
+     and announces "done v" to that receiver; a receiver waits until every sender that feeds it is done; then
+     every process votes and waits for all votes (a failure anywhere is seen by all, each wait bounded by
+     `timeout`).
+  3. commit: staged (default): landing memory is a staging arena of this process's, copied into the destination
+     tensors after the vote; a failed refit never reaches it, so destinations keep their previous bytes.
+     in_place: landing memory is the destination tensors themselves (on CPU they must live in shared memory:
+     allocate them with `shared_empty`); no commit copy, no all-or-nothing.
+  4. close(): mappings dropped, segments this process created unlinked.
+
+Plans with fan-out relays are refused: on one host every receiver is fed by the sources directly.
+"""
+from __future__ import annotations
+
+import atexit
+import base64
+import mmap
+import os
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import ExecutionError, ReshardError
+from ..planner import Plan
+from ..planner.plan import RELAY
+from .base import Executor, RankTensors
+from .binding import Binding
+from .copies import Copies, fold
+from .exchange import Exchange
+from .local import apply_shifts, check_tensors, in_units, shift_views, torch_dtype
+from .views import BoundCopies, Memory, bind
+
+SRC, DST, LANDING = 0, 1, 2  # memory kinds of this process; a peer's landing memory is kind PEER + its process
+PEER = 16
+ALIGN = 64  # elements: every landing region starts 128-byte aligned (bf16)
+_SHM_DIR = "/dev/shm"
+
+
+@dataclass(frozen=True)
+class SharedStats:
+    process: int
+    version: int
+    staged: bool
+    seconds: float
+    phases: dict[str, float] = field(default_factory=dict)  # transfer (until every sender is done), agree, commit
+    bytes_out: int = 0  # copied into peers' memory
+    bytes_in: int = 0  # received from peers
+    local_bytes: int = 0
+    staging_bytes: int = 0
+
+
+# --- shared memory on CPU -------------------------------------------------------------------------------------
+
+class Segment:
+    """A POSIX shared-memory segment (a file under /dev/shm) mapped into this process as a uint8 tensor."""
+
+    _lock = threading.Lock()
+    _mine: dict[int, "Segment"] = {}  # data_ptr of segments this process created -> segment (for `exportable`)
+
+    def __init__(self, name: str, nbytes: int = 0, create: bool = False) -> None:
+        if not name or "/" in name or len(name) > 200:
+            raise ExecutionError(f"invalid shared-memory segment name {name!r}")
+        self.name, self.created = name, create
+        path = os.path.join(_SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        except OSError as e:
+            raise ExecutionError(f"cannot {'create' if create else 'open'} shared memory {path}: {e}") from e
+        try:
+            if create:
+                os.ftruncate(fd, max(nbytes, 1))
+            size = os.fstat(fd).st_size
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.nbytes = size
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        if create:
+            with Segment._lock:
+                Segment._mine[self.tensor.data_ptr()] = self
+
+    def unlink(self) -> None:
+        if self.created:
+            with Segment._lock:
+                Segment._mine.pop(self.tensor.data_ptr(), None)
+            try:
+                os.unlink(os.path.join(_SHM_DIR, self.name))
+            except FileNotFoundError:
+                pass
+
+    @classmethod
+    def holding(cls, t: torch.Tensor) -> tuple["Segment", int] | None:
+        """The segment this process created that holds `t`, and `t`'s byte offset in it."""
+        ptr = t.data_ptr()
+        with cls._lock:
+            for base, seg in cls._mine.items():
+                if base <= ptr and ptr + t.numel() * t.element_size() <= base + seg.nbytes:
+                    return seg, ptr - base
+        return None
+
+
+def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor in a shared-memory segment of its own, which peers of a "shared" refit can
+    write into directly (in_place). The segment's name is removed when the process exits normally (`atexit`);
+    its memory lives as long as the tensor."""
+    numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    seg = Segment(_fresh_name(), numel * dtype.itemsize, create=True)
+    _exit_unlink.append(seg)
+    return seg.tensor[:numel * dtype.itemsize].view(dtype).view(shape)
+
+
+def _fresh_name() -> str:
+    return f"reshard-{os.getpid()}-{secrets.token_hex(8)}"
+
+
+_exit_unlink: list[Segment] = []
+atexit.register(lambda: [seg.unlink() for seg in _exit_unlink])
+
+
+# --- handles ----------------------------------------------------------------------------------------------
+
+def _b64(b: bytes) -> str:
+    return base64.b64encode(b).decode()
+
+
+def export(t: torch.Tensor) -> dict[str, Any]:
+    """JSON fields a peer opens `t`'s memory with (a flat tensor): a shared-memory segment and offset on CPU, the
+    fields of a CUDA IPC handle on GPUs."""
+    if t.device.type == "cuda":
+        device, handle, size, offset, ref, ref_off, event, sync = t.untyped_storage()._share_cuda_()
+        return {"cuda": {"device": int(device), "handle": _b64(handle), "size": int(size), "offset": int(offset),
+                         "ref": _b64(ref), "ref_offset": int(ref_off), "event": _b64(event or b""),
+                         "sync": bool(sync)},
+                "byte_offset": t.storage_offset() * t.element_size(), "numel": t.numel()}
+    held = Segment.holding(t)
+    if held is None:
+        raise ExecutionError("a CPU tensor peers write into must live in shared memory (allocate it with "
+                             "executors.shared.shared_empty, or refit staged)")
+    seg, off = held
+    return {"shm": seg.name, "byte_offset": off, "numel": t.numel()}
+
+
+def open_handle(h: dict[str, Any], dtype: torch.dtype, device: torch.device, segments: dict[str, Segment]) \
+        -> torch.Tensor:
+    """The flat tensor a peer exported (`export`)."""
+    try:
+        numel, off = int(h["numel"]), int(h["byte_offset"])
+        if "cuda" in h:
+            c = h["cuda"]
+            storage = torch.UntypedStorage._new_shared_cuda(
+                int(c["device"]), base64.b64decode(c["handle"]), int(c["size"]), int(c["offset"]),
+                base64.b64decode(c["ref"]), int(c["ref_offset"]), base64.b64decode(c["event"]) or None,
+                bool(c["sync"]))
+            flat = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+        else:
+            name = str(h["shm"])
+            if name not in segments:
+                segments[name] = Segment(name)
+            flat = segments[name].tensor
+    except (KeyError, TypeError, ValueError) as e:
+        raise ExecutionError(f"a peer's memory handle is malformed ({type(e).__name__}: {e})") from e
+    if off < 0 or numel < 0 or off + numel * dtype.itemsize > flat.numel() or off % dtype.itemsize:
+        raise ExecutionError(f"a peer's memory handle points outside its memory ({off} + {numel} elements)")
+    return flat[off:off + numel * dtype.itemsize].view(dtype)
+
+
+# --- the executor -----------------------------------------------------------------------------------------
+
+class SharedExecutor(Executor):
+    """One process's part of a plan between processes of one host (see the module docstring).
+
+    store: a torch.distributed store every process of the binding reaches (the refit's rendezvous).
+    staged: land received bytes in a staging arena and copy them in after every process voted (default), or
+        write the destination tensors in place.
+    timeout: seconds any wait of a refit may take.
+    """
+
+    name = "shared"
+
+    def __init__(self, plan: Plan, binding: Binding, process: int, src: RankTensors, dst: RankTensors, *,
+                 store: Any, staged: bool = True, timeout: float = 60.0, namespace: str = "default",
+                 poll_max_s: float = 0.002) -> None:
+        if timeout <= 0:
+            raise ExecutionError(f"timeout={timeout} must be positive (seconds)")
+        binding.check(plan.src.num_ranks, plan.dst.num_ranks)
+        if process not in binding.processes:
+            raise ExecutionError(f"process {process} plays no rank of {binding}")
+        if plan.num_ops and bool((plan.ops["src_side"] == RELAY).any()):
+            raise ExecutionError("the shared-memory executor runs plans without fan-out relays (compile without "
+                                 "fanout: on one host every receiver is fed by the sources directly)")
+        self.plan, self.binding, self.process, self.staged = plan, binding, process, staged
+        self.timeout, self.poll_max_s = timeout, poll_max_s
+        self.itemsize, self.dtype = plan.itemsize, torch_dtype(plan.dst.dtype)
+        self.num_processes = len(binding.processes)
+        self._version, self._broken, self._closed = 0, None, False
+        self._segments: dict[str, Segment] = {}
+        self._created: list[Segment] = []
+        self._check_and_view(src, dst)
+        self._schedule()
+        self.exchange = Exchange(store, namespace, kind="shared")
+        try:
+            self._set_up()
+        except BaseException:
+            self.close()
+            raise
+
+    # --- construction --------------------------------------------------------------------------------
+    def _check_and_view(self, src: RankTensors, dst: RankTensors) -> None:
+        b, plan = self.binding, self.plan
+        want_src, want_dst = set(b.src_ranks_of(self.process)), set(b.dst_ranks_of(self.process))
+        if set(src) != want_src or set(dst) != want_dst:
+            raise ExecutionError(f"process {self.process} plays source ranks {sorted(want_src)} and destination "
+                                 f"ranks {sorted(want_dst)} of {b}; got {sorted(src)} and {sorted(dst)}")
+        check_tensors(plan, src, dst)
+        devices = {t.device for side in (src, dst) for ts in side.values() for t in ts.values()}
+        if len(devices) > 1:
+            raise ExecutionError(f"this process's tensors are on several devices {sorted(map(str, devices))}")
+        self.device = devices.pop() if devices else torch.device("cpu")
+        self._src_given, self._dst_given = src, dst
+        src, dst = in_units(plan, src, dst)
+        self.src_flat = {i: src[r][n].view(-1) for i, (r, n) in enumerate(zip(plan.src_tensors.ranks,
+                                                                              plan.src_tensors.names)) if r in src}
+        self.dst_flat = {i: dst[r][n].view(-1) for i, (r, n) in enumerate(zip(plan.dst_tensors.ranks,
+                                                                              plan.dst_tensors.names)) if r in dst}
+
+    def _schedule(self) -> None:
+        plan, b, me = self.plan, self.binding, self.process
+        o = plan.ops
+        sender = np.asarray(b.src, np.int64)[o["src_rank"]] if plan.num_ops else np.zeros(0, np.int64)
+        receiver = np.asarray(b.dst, np.int64)[o["dst_rank"]] if plan.num_ops else np.zeros(0, np.int64)
+        self._sends = {int(q): np.flatnonzero((sender == me) & (receiver == q))
+                       for q in np.unique(receiver[(sender == me) & (receiver != me)]).tolist()}
+        self._received = np.flatnonzero((receiver == me) & (sender != me))
+        self._local = np.flatnonzero((receiver == me) & (sender == me))
+        self._feeders = sorted(set(sender[self._received].tolist()))
+        landed = sorted(set(o["dst_tensor"][self._received].tolist()))
+        self._landed = landed  # destination tensor ids that receive bytes from peers
+
+    def _blocks(self, ops: np.ndarray, src_kind: int, dst_kind: int) -> Copies:
+        o = self.plan.ops
+        src_id = o["src_tensor"][ops] if src_kind == SRC else o["dst_tensor"][ops]
+        src_off = o["src_offset"][ops] if src_kind == SRC else o["dst_offset"][ops]
+        src_stride = o["src_stride"][ops] if src_kind == SRC else o["dst_stride"][ops]
+        return fold(src_kind, src_id, src_off, src_stride, dst_kind, o["dst_tensor"][ops], o["dst_offset"][ops],
+                    o["dst_stride"][ops], o["rows"][ops], o["cols"][ops])
+
+    def _set_up(self) -> None:
+        self._landing: dict[int, torch.Tensor] = {}  # my landing memory per destination tensor id
+        self._staging_bytes = 0
+        if self._landed:
+            if self.staged:
+                sizes = [self.dst_flat[i].numel() for i in self._landed]
+                starts = np.concatenate([[0], np.cumsum([-(-n // ALIGN) * ALIGN for n in sizes])]).tolist()
+                arena = self._arena(int(starts[-1]))
+                self._staging_bytes = int(starts[-1]) * self.itemsize
+                for i, a, n in zip(self._landed, starts, sizes):
+                    self._landing[i] = arena.narrow(0, int(a), n)
+            else:
+                self._landing = {i: self.dst_flat[i] for i in self._landed}
+        book = {"process": self.process, "plan": self.plan.digest, "binding": self.binding.to_dict(),
+                "staged": self.staged, "device": str(self.device.type),
+                "landing": {str(i): export(t) for i, t in self._landing.items()}}
+        self.exchange.publish(self.process, b"", book)
+        self._peer_landing: dict[tuple[int, int], torch.Tensor] = {}
+        for q in self._sends:
+            _, theirs = self.exchange.fetch(q, self.timeout)
+            problems = [f"{k}: process {q} has {theirs.get(k)!r}, this process {book[k]!r}"
+                        for k in ("plan", "binding", "staged", "device") if theirs.get(k) != book[k]]
+            if problems:
+                raise ExecutionError(f"process {q} does not run the same refit:\n  - " + "\n  - ".join(problems))
+            for tid in sorted(set(self.plan.ops["dst_tensor"][self._sends[q]].tolist())):
+                h = theirs["landing"].get(str(tid))
+                if h is None:
+                    raise ExecutionError(f"process {q} exposes no memory for destination tensor {tid}")
+                t = open_handle(h, self.dtype, self.device, self._segments)
+                want = int(np.prod(self.plan.dst_tensors.shape(tid)))
+                if t.numel() != want:
+                    raise ExecutionError(f"process {q}'s memory for destination tensor {tid} has {t.numel()} "
+                                         f"elements, the plan's tensor {want}")
+                self._peer_landing[(q, tid)] = t
+
+        def flat(kind: int, i: int) -> torch.Tensor:
+            if kind == SRC:
+                return self.src_flat[i]
+            if kind == DST:
+                return self.dst_flat[i]
+            if kind == LANDING:
+                return self._landing[i]
+            return self._peer_landing[(kind - PEER, i)]
+
+        memory = Memory(flat, self.itemsize)
+        self._send_programs = {q: bind(self._blocks(ops, SRC, PEER + q), memory, self.itemsize)
+                               for q, ops in self._sends.items()}
+        self._local_program = bind(self._blocks(self._local, SRC, DST), memory, self.itemsize)
+        self._commit_program = (bind(self._blocks(self._received, LANDING, DST), memory, self.itemsize)
+                                if self.staged else None)
+        mine = np.concatenate([self._received, self._local])
+        self._shifts = shift_views(self.plan, self.dst_flat, mine)
+        o = self.plan.ops
+        numel = lambda ops: int((o["rows"][ops] * o["cols"][ops]).sum())  # noqa: E731
+        self._bytes = {"out": sum(numel(ops) for ops in self._sends.values()) * self.itemsize,
+                       "in": numel(self._received) * self.itemsize, "local": numel(self._local) * self.itemsize}
+
+    def _arena(self, numel: int) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return torch.empty(numel, dtype=self.dtype, device=self.device)
+        seg = Segment(_fresh_name(), numel * self.itemsize, create=True)
+        self._created.append(seg)
+        return seg.tensor[:numel * self.itemsize].view(self.dtype)
+
+    # --- a refit -------------------------------------------------------------------------------------
+    def refit(self, version: int | None = None) -> SharedStats:
+        """Move this process's part of one refit; every process of the binding calls it with the same version."""
+        if self._closed:
+            raise ExecutionError("this shared-memory executor is closed")
+        if self._broken is not None:
+            raise ExecutionError(f"this shared-memory executor failed earlier ({self._broken}); build a new one with "
+                                 f"a new namespace")
+        v = self._version + 1 if version is None else int(version)
+        if v <= self._version:
+            raise ExecutionError(f"version {v} is not after the last refit's ({self._version})")
+        start = time.perf_counter()
+        deadline = time.monotonic() + self.timeout
+        ex, marks = self.exchange, []
+        try:
+            with torch.no_grad():
+                if self._landed:
+                    ex.signal(f"v{v}/ready/{self.process}")  # my landing memory is free
+                for q, program in self._send_programs.items():
+                    ex.wait_count(f"v{v}/ready/{q}", 1, v, deadline, self.poll_max_s,
+                                  f"process {q} to be ready for refit {v}")
+                    program.run()
+                    if self.device.type == "cuda":
+                        torch.cuda.current_stream(self.device).synchronize()
+                    ex.signal(f"v{v}/done/{q}")
+                if not self.staged:
+                    self._local_program.run()
+                if self._feeders:
+                    ex.wait_count(f"v{v}/done/{self.process}", len(self._feeders), v, deadline, self.poll_max_s,
+                                  f"processes {self._feeders} to write their bytes of refit {v}")
+                marks.append(("transfer", time.perf_counter()))
+                ex.vote(v)
+                ex.wait_all(v, self.num_processes, deadline, self.poll_max_s)
+                marks.append(("agree", time.perf_counter()))
+        except ReshardError as e:
+            self._fail(v, str(e))
+            raise ExecutionError(self._failure(v, str(e))) from e
+        except Exception as e:  # noqa: BLE001 - a store or copy error: named, original kept as the cause
+            self._fail(v, f"{type(e).__name__}: {e}")
+            raise ExecutionError(self._failure(v, f"{type(e).__name__}: {e}")) from e
+        with torch.no_grad():
+            if self.staged:
+                self._commit_program.run()
+                self._local_program.run()
+            apply_shifts(self._shifts)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+        marks.append(("commit", time.perf_counter()))
+        ex.forget(self._version, tuple(f"v{self._version}/{k}/{p}" for k in ("ready", "done")
+                                       for p in self.binding.processes))
+        if self._version == 0:  # every peer mapped our segments at set-up, before voting: their names can go
+            for seg in self._created:
+                seg.unlink()
+        self._version = v
+        times = [start] + [t for _, t in marks]
+        return SharedStats(self.process, v, self.staged, times[-1] - start,
+                           {name: times[i + 1] - times[i] for i, (name, _) in enumerate(marks)},
+                           self._bytes["out"], self._bytes["in"], self._bytes["local"], self._staging_bytes)
+
+    def _fail(self, v: int, reason: str) -> None:
+        self._broken = reason
+        self.exchange.fail(v, f"process {self.process}: {reason}")
+
+    def _failure(self, v: int, what: str) -> str:
+        state = ("destination tensors were left unchanged (staged refit)" if self.staged else
+                 "destination tensors may be partly written (in place)")
+        return f"refit {v} failed on process {self.process} (plan {self.plan.digest[:12]}): {what}; {state}"
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._peer_landing = {}
+        self._send_programs = {}
+        self._segments.clear()
+        for seg in self._created:
+            seg.unlink()
+        self._created.clear()
+
+
+__all__ = ["SharedExecutor", "SharedStats", "export", "open_handle", "shared_empty"]

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 import reshard
-from reshard.adapters.vllm import LocalTransport, layer_groups, loader_layout, loader_plans, refit_spec
+from reshard.adapters.refit import RefitSpec
+from reshard.adapters.vllm import layer_groups
+from reshard.executors import LocalExecutor
 from reshard.adapters.vllm.check import placement_problems, structure_problems, widens
 from reshard.adapters.vllm.derive import UNWRITTEN, _read_placements, declared_placements, marker
 from reshard.adapters.vllm.direct import padding_runs
@@ -120,7 +122,7 @@ def test_padding_runs_are_the_vocab_rows_past_v():
     assert padding_runs(layout, 0) == {}
 
 
-def test_local_transport_fills_only_given_ranks_like_execute_local():
+def test_local_executor_fills_only_given_ranks_like_execute_local():
     src = reshard.MegatronLayout(model=SPEC, tp=2, pp=2, ep=2, etp=1)
     dst = reshard.VllmLayout(model=SPEC, tp=2, replicas=2)
     plan = reshard.compile_plan(src, dst)
@@ -130,19 +132,19 @@ def test_local_transport_fills_only_given_ranks_like_execute_local():
     everything = shard(dst, {k: torch.zeros_like(v) for k, v in w.items()})
     execute_local(plan, src_tensors, everything)
     got = {3: {n: torch.full_like(t, float("nan")) for n, t in want[3].items()}}
-    LocalTransport(src_tensors).run(plan, got)
+    LocalExecutor(plan, None, 0, src_tensors, got).refit()
     for n, t in want[3].items():
         covered = ~torch.isnan(got[3][n])
         assert torch.equal(got[3][n][covered], t[covered]) and torch.equal(everything[3][n], t)
 
 
-def test_local_transport_refuses_relays_from_other_processes():
+def test_local_executor_refuses_relays_from_other_processes():
     src = reshard.MegatronLayout(model=SPEC, tp=2)
     dst = reshard.VllmLayout(model=SPEC, tp=1, replicas=3)
     plan = reshard.compile_plan(src, dst, fanout=1)
     got = {2: {n: torch.zeros(s) for n, s in dst.rank_tensors(2).items()}}
     with pytest.raises(reshard.ExecutionError, match="relays through destination ranks"):
-        LocalTransport(shard(src, weights(SPEC))).run(plan, got)
+        LocalExecutor(plan, None, 0, shard(src, weights(SPEC)), got)
 
 
 def test_loader_groups_are_whole_layers_and_cover_every_tensor_once():
@@ -155,28 +157,45 @@ def test_loader_groups_are_whole_layers_and_cover_every_tensor_once():
         assert {SPEC.tensor(n).layer for n in g} == {i}
 
 
-def test_loader_plans_deliver_full_canonical_tensors_to_every_rank():
+def test_loader_install_delivers_full_canonical_tensors_to_every_rank():
     src = reshard.MegatronLayout(model=SPEC, tp=2, pp=2, ep=2, etp=1)
-    dst = loader_layout(SPEC, 2)
+    refit = RefitSpec.of(SPEC, src, reshard.VllmLayout(model=SPEC, tp=2), install="loader")
+    plan = refit.plan()
+    assert isinstance(plan.dst, reshard.HfLayout) and plan.dst.replicas == 2
     w = weights(SPEC)
     src_tensors = shard(src, w)
-    for plan in loader_plans(src, dst):
-        for rank in (0, 1):
-            got = {rank: {n: torch.empty(s) for n, s in plan.dst_tensors.on_rank(rank).items()}}
-            LocalTransport(src_tensors).run(plan, got)
-            assert got[rank] and all(torch.equal(t, w[n]) for n, t in got[rank].items())
+    for rank in (0, 1):
+        got = {rank: {n: torch.empty(s) for n, s in plan.dst_tensors.on_rank(rank).items()}}
+        LocalExecutor(plan, None, 0, src_tensors, got).refit()
+        assert sorted(got[rank]) == sorted(w) and all(torch.equal(t, w[n]) for n, t in got[rank].items())
 
 
-def test_refit_spec_round_trips_and_checks_the_mode():
+def test_refit_spec_round_trips_as_json_and_refuses_bad_fields():
+    import json
+
     src = reshard.MegatronLayout(model=SPEC, tp=2)
     dst = reshard.VllmLayout(model=SPEC, tp=2)
-    spec = refit_spec(SPEC, src, dst)
-    assert spec.layouts() == (src, dst)
-    assert spec.plans()[0].digest == reshard.compile_plan(src, dst).digest
-    with pytest.raises(reshard.LayoutError, match="loader mode needs a hf destination layout"):
-        refit_spec(SPEC, src, dst, mode="loader").layouts()
-    with pytest.raises(reshard.LayoutError, match="mode='fast'"):
-        refit_spec(SPEC, src, dst, mode="fast").layouts()
+    spec = RefitSpec.of(SPEC, src, dst)
+    again = RefitSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
+    assert again == spec and again.layouts() == (src, dst)
+    assert spec.plan().digest == reshard.compile_plan(src, dst).digest
+    assert spec.plan() is again.plan()  # compiled once per process
+    with pytest.raises(reshard.PlanError, match="install='fast' is not one of"):
+        spec.with_(install="fast")
+    with pytest.raises(reshard.PlanError, match="unknown fields \\['mode'\\]"):
+        RefitSpec.from_dict({**spec.to_dict(), "mode": "direct"})
+    with pytest.raises(reshard.PlanError, match="replica=True has type bool"):
+        RefitSpec.from_dict({**spec.to_dict(), "replica": True})
+    with pytest.raises(reshard.PlanError, match="must be a JSON object"):
+        RefitSpec.from_dict([1, 2])
+    with pytest.raises(reshard.LayoutError, match="must be a vllm layout"):
+        RefitSpec.of(SPEC, src, reshard.HfLayout(model=SPEC)).layouts()
+
+
+def test_trainer_side_imports_no_vllm():
+    code = ("import sys, reshard, reshard.adapters.trainer, reshard.adapters.server, reshard.adapters.refit; "
+            "sys.exit(any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
 def test_importing_the_adapter_does_not_import_vllm():

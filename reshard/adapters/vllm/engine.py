@@ -5,42 +5,39 @@ Registration is per process: `register()` runs in every vLLM worker through the 
 point (pyproject.toml) or on import of the worker extension (`worker_extension_cls=
 "reshard.adapters.vllm.worker.ReshardWorkerExtension"`).
 
-Lifecycle, per worker (vLLM makes the calls):
+Lifecycle, per worker (vLLM makes the calls; session.py says what each step checks):
   1. vLLM builds the engine after loading the model: `ReshardWeightTransferEngine(config, vllm_config, device,
      model)`.
-  2. `init_weight_transfer_engine(init_info)` -> `init_transfer_engine(ReshardInitInfo)`: rebuild the layouts,
-     check the trainer's model and destination layout against this engine's config, compile the plan (and
-     compare its digest with the trainer's), bind the destination -- direct mode checks the live model
-     (structure, the loaders' placements, kernel formats) and raises before anything moves -- and open the
-     transport.
-  3. `start_weight_update()`: direct: verify the bound storage is still the model's; loader: start vLLM's
-     layerwise reload.
-  4. `update_weights(update_info)` -> `receive_weights`: the transport runs this worker's part of the plan
-     (direct: into the parameters, then zero vocab padding; loader: one module group at a time into
-     `load_weights`).
-  5. `finish_weight_update()`: loader: finalize the layerwise reload.
-  6. `shutdown()`: close the transport.
+  2. `init_weight_transfer_engine(init_info)`: the init info is a `RefitSpec` as JSON (adapters.refit); the
+     worker's `WorkerSession` checks it against this engine, compiles the plan, binds the destination and opens
+     the transport; anything wrong raises here, before a byte moves.
+  3. `start_weight_update()`, `update_weights(update_info)` (the transport runs this worker's part of the plan,
+     then the bytes are installed), `finish_weight_update()`: one refit, all or nothing on this engine.
+  4. `shutdown()`: close the transport.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 
-from .session import RefitFields, RefitSpec, WorkerSession
+from ..refit import RefitSpec
+from .session import WorkerSession
 
 BACKEND = "reshard"
 
 
-@dataclass
-class ReshardInitInfo(WeightTransferInitInfo, RefitFields):
-    """The worker-side init payload: a RefitSpec's fields (session.RefitFields)."""
+class ReshardInitInfo(WeightTransferInitInfo):
+    """The worker-side init payload: a RefitSpec's fields, validated as untrusted input on arrival."""
+
+    def __init__(self, **fields: Any) -> None:
+        self.spec = RefitSpec.from_dict(fields)
 
     def refit(self) -> RefitSpec:
-        return RefitSpec(**asdict(self))
+        return self.spec
 
 
 @dataclass

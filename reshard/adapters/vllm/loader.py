@@ -1,32 +1,30 @@
-"""Loader mode: the plan delivers canonical tensors (full, HF-named) and the model's own `load_weights` places
-them -- for quantized or re-packing backends, where vLLM's loaders and post-load processing must run.
+"""Loader install: the plan delivers canonical tensors (whole, HF-named) and the model's own `load_weights`
+places them -- for quantized or re-packing backends (vLLM's CPU backend among them), where vLLM's loaders and
+post-load processing must run.
 
-The destination layout is `HfLayout(replicas=N)` with one "replica" per vLLM rank: `load_weights` needs the
-full global tensor on every rank (a per-rank shard is silently misloaded). Tensors are delivered and loaded one
-group at a time, each group filling whole modules (what precedes the layers, then each layer, then the final
-norm and lm_head): vLLM's layerwise reload processes a module once all its elements arrived, and a module left
-partly loaded in a session is processed with garbage in the rest.
+The plan's destination is `HfLayout(replicas=N)` with one "replica" per vLLM rank: `load_weights` needs the
+full global tensor on every rank (a per-rank shard is silently misloaded). The whole model lands in buffers of
+this worker's first (allocated once, kept between refits: memory for one whole copy of the model per worker);
+only then does `install` hand it to vLLM, one group of whole modules at a time (what precedes the layers, each
+layer, the final norm and lm_head), inside vLLM's layerwise reload:
 
-Lifecycle inside a weight-update session (the engine does this):
-  1. `start()`            initialize_layerwise_reload(model): checkpoint-format loading with deferred processing
-  2. `install(transport)` per group: receive the group's canonical tensors, `model.load_weights(group)`
-  3. `finish()`           finalize_layerwise_reload(model, model_config)
-Not atomic: a transport failure in step 2 leaves the groups loaded so far in place (each group is received
-completely before it is loaded, so no module is ever loaded from a partial transfer).
+  1. the transport fills `buffers` (every process of the refit confirmed that it has all its bytes);
+  2. `install()`: initialize_layerwise_reload(model); `model.load_weights(group)` per group;
+     finalize_layerwise_reload(model, model_config), which runs the post-load processing.
+A transport failure happens before step 2, so the model never sees a partial refit.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from ...errors import ExecutionError
 from ...executors.local import empty_for
-from ...layouts import HfLayout, Layout, ModelSpec
-from ...planner import Plan, compile_plan
+from ...layouts import HfLayout, ModelSpec
+from ...planner import Plan
 from .live import weights
-from .transport import Transport
 
 
 def layer_groups(spec: ModelSpec) -> list[tuple[str, ...]]:
@@ -48,15 +46,17 @@ def loader_layout(spec: ModelSpec, num_ranks: int) -> HfLayout:
     return HfLayout(model=spec, replicas=num_ranks)
 
 
-def loader_plans(src: Layout, dst: HfLayout, **options: Any) -> list[Plan]:
-    """One plan per group of `layer_groups`; trainer and workers compile the same list."""
-    return [compile_plan(src, dst, tensors=group, **options) for group in layer_groups(src.model)]
-
-
 class LoaderInstaller:
-    def __init__(self, model: torch.nn.Module, rank: int, plans: Sequence[Plan], vllm_config: Any = None):
-        self.model, self.rank, self.plans, self.vllm_config = model, rank, list(plans), vllm_config
+    def __init__(self, model: torch.nn.Module, rank: int, plan: Plan, vllm_config: Any = None,
+                 shared: bool = False):
+        self.model, self.rank, self.plan, self.vllm_config = model, rank, plan, vllm_config
         self.device = next(model.parameters()).device
+        self.buffers = empty_for(plan, rank, self.device)  # each in its own dtype (a float32 router bias too)
+        if shared and self.device.type == "cpu":  # peers write them in place (the shared-memory transport)
+            from ...executors.shared import shared_empty
+
+            self.buffers = {n: shared_empty(tuple(t.shape), t.dtype) for n, t in self.buffers.items()}
+        self.groups = layer_groups(plan.src.model)
 
     def _scope(self) -> contextlib.AbstractContextManager:
         if self.vllm_config is None:
@@ -65,28 +65,26 @@ class LoaderInstaller:
 
         return set_current_vllm_config(self.vllm_config)
 
-    def start(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        initialize_layerwise_reload(self.model)
-
-    def finish(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+    @torch.no_grad()
+    def install(self) -> set[str]:
+        """Hand the received tensors to the model inside vLLM's layerwise reload (which runs the post-load
+        processing at its end); returns what vLLM loaded."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
         with self._scope():
+            initialize_layerwise_reload(self.model)
+            loaded = self.load()
             finalize_layerwise_reload(self.model, self.vllm_config.model_config)
+        return loaded
 
     @torch.no_grad()
-    def install(self, transport: Transport) -> set[str]:
-        """Receive each group's canonical tensors and hand them to `load_weights`; returns what vLLM loaded.
-        Raises ExecutionError if some weight of the model was not loaded (vLLM skips names it does not know)."""
+    def load(self) -> set[str]:
+        """`load_weights` of the received tensors, group by group. Raises ExecutionError if some weight of the
+        model was not loaded (vLLM skips names it does not know)."""
         loaded: set[str] = set()
-        for plan in self.plans:
-            group = empty_for(plan, self.rank, self.device)  # each in its dtype (a float32 router bias too)
-            transport.run(plan, {self.rank: group})
-            with self._scope():
-                loaded |= set(self.model.load_weights(list(group.items())) or ())
-            del group
+        with self._scope():
+            for group in self.groups:
+                loaded |= set(self.model.load_weights([(name, self.buffers[name]) for name in group]) or ())
         missing = sorted(set(weights(self.model)) - loaded)
         if missing:
             raise ExecutionError(f"load_weights did not load {len(missing)} weights of the model, e.g. {missing[:5]}: "

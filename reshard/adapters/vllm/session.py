@@ -1,130 +1,128 @@
-"""One worker's side of a reshard refit, independent of how vLLM drives it (the weight-transfer engine and
-the worker extension both wrap this).
+"""One vLLM worker's side of a refit, however vLLM drives it (the weight-transfer engine and the worker
+extension both wrap this).
 
-    session = WorkerSession(model, vllm_config, RefitSpec(...))   # checks everything; raises before bytes move
-    session.start(); session.receive(); session.finish()          # one refit
+    session = WorkerSession(model, vllm_config, RefitSpec.from_dict(payload))  # checks; raises before bytes move
+    session.start(); session.receive(); session.finish()                        # one refit
     session.close()
+
+Construction (vLLM's `init_weight_transfer_engine`): the trainer's model and the engine's layout must be what this
+worker serves; the plan is compiled (once per process for these layouts) and its digest compared with the
+trainer's; the destination is bound -- direct: the live parameters, after checking the model's structure, its
+loaders' placements and that nothing was re-laid out; loader: buffers for whole canonical tensors -- and the
+transport is opened (cross-process transports: this worker joins the rendezvous as process S + its rank). A
+failure anywhere is reported at the rendezvous, so trainer processes waiting there stop at once, and raised.
+
+A refit (`start`, `receive` inside vLLM's `update_weights`, `finish`) is all or nothing on this engine: direct
+refits are staged by the executor and commit only once every process has every byte; loader refits receive the
+whole model into the buffers first and only then hand them to the model's weight loaders (inside vLLM's
+layerwise reload), so a transport failure never touches the model.
 """
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ...errors import LayoutError, LayoutMismatchError, PlanError
-from ...layouts import HfLayout, Layout, ModelSpec, VllmLayout, layout_from_dict, layout_to_dict
-from ...planner import Plan, compile_plan
+from ...errors import ExecutionError, LayoutError, LayoutMismatchError, PlanError
+from ...executors.base import Executor
+from ..refit import CROSS_PROCESS, RefitSpec, open_transport
 from .derive import representative_layers
 from .direct import DirectBinding, bind_direct
 from .live import declared_layout, local_rank, spec_of
-from .loader import LoaderInstaller, loader_plans
-from .transport import Transport, make_transport
-
-MODES = ("direct", "loader")
-
-
-@dataclass
-class RefitFields:
-    """Everything both sides must agree on; plain data (JSON-able dicts) so it crosses RPC boundaries. The one
-    list of these fields: RefitSpec and the weight-transfer init payloads (engine.py, trainer.py) inherit it."""
-
-    model: dict[str, Any]  # ModelSpec fields
-    src: dict[str, Any]  # source (trainer) layout, layout_to_dict
-    dst: dict[str, Any]  # destination layout: vllm (direct mode) or hf with one replica per vLLM rank (loader)
-    mode: str = "direct"
-    replica: int = 0  # which replica of `dst` this engine is (engines of one refit get 0, 1, ...)
-    transport: str = "inprocess"
-    transport_options: dict[str, Any] = field(default_factory=dict)
-    fanout: int | None = None
-    verify_layers: list[int] | None = None  # layers whose loaders are probed; None: one layer of each kind
-    plan_digest: str = ""  # the trainer's digest of the plan(s); checked when given
-
-
-@dataclass
-class RefitSpec(RefitFields):
-    """A refit's agreed fields, and what follows from them: the layouts and the plans."""
-
-    def layouts(self) -> tuple[Layout, Layout]:
-        spec = ModelSpec(**self.model)
-        src, dst = layout_from_dict({**self.src, "model": spec}), layout_from_dict({**self.dst, "model": spec})
-        if self.mode not in MODES:
-            raise LayoutError("vllm", f"mode={self.mode!r} is not one of {MODES}", {"mode": self.mode})
-        want = VllmLayout if self.mode == "direct" else HfLayout
-        if not isinstance(dst, want):
-            raise LayoutError(dst.kind, f"{self.mode} mode needs a {want.kind} destination layout, got {dst}")
-        return src, dst
-
-    def plans(self) -> list[Plan]:
-        src, dst = self.layouts()
-        if self.mode == "direct":
-            return [compile_plan(src, dst, fanout=self.fanout)]
-        return loader_plans(src, dst, fanout=self.fanout)
-
-
-def plans_digest(plans: list[Plan]) -> str:
-    return hashlib.sha256("|".join(p.digest for p in plans).encode()).hexdigest()
-
-
-def refit_spec(spec: ModelSpec, src: Layout, dst: Layout, **options: Any) -> RefitSpec:
-    """A RefitSpec from layouts (model fields are carried once, not inside each layout)."""
-    strip = lambda layout: {k: v for k, v in layout_to_dict(layout).items() if k != "model"}  # noqa: E731
-    return RefitSpec(model=spec.model_dump(), src=strip(src), dst=strip(dst), **options)
+from .loader import LoaderInstaller
 
 
 class WorkerSession:
-    def __init__(self, model: torch.nn.Module, vllm_config: Any, refit: RefitSpec):
+    def __init__(self, model: torch.nn.Module, vllm_config: Any, refit: RefitSpec, *, group: Any = None):
         self.model, self.vllm_config, self.refit = model, vllm_config, refit
+        self.executor: Executor | None = None
+        self.store = None
+        self.rendezvous = None
+        try:
+            self._set_up(group)
+        except Exception as e:
+            self._report(f"engine replica {refit.replica} worker: {type(e).__name__}: {e}")
+            self.close()
+            raise
+
+    def _set_up(self, group: Any) -> None:
+        refit = self.refit
         src, dst = refit.layouts()
-        self.src, self.dst = src, dst
         self._check_model(dst)
-        self.plans = refit.plans()
-        if refit.plan_digest and refit.plan_digest != plans_digest(self.plans):
+        self.plan = refit.plan()
+        if refit.plan_digest and refit.plan_digest != self.plan.digest:
             raise PlanError(f"the trainer's plan (digest {refit.plan_digest[:12]}) differs from the one this worker "
-                            f"compiled ({plans_digest(self.plans)[:12]}): reshard versions or inputs differ")
-        self.binding: DirectBinding | None = None
-        self.installer: LoaderInstaller | None = None
-        self.rank = local_rank(vllm_config, refit.replica)
+                            f"compiled ({self.plan.digest[:12]}): reshard versions or inputs differ")
+        self.rank = local_rank(self.vllm_config, refit.replica)
         if not 0 <= self.rank < dst.num_ranks:
             raise LayoutError(dst.kind, f"this worker is rank {self.rank} of the destination, which has "
                                         f"{dst.num_ranks} ranks (check replica and replicas)")
-        if refit.mode == "direct":
+        self.binding: DirectBinding | None = None
+        self.installer: LoaderInstaller | None = None
+        if refit.install == "direct":
             layers = refit.verify_layers if refit.verify_layers is not None else representative_layers(dst.model)
-            self.binding = bind_direct(model, dst, self.rank, layers, vllm_config)
+            self.binding = bind_direct(self.model, dst, self.rank, layers, self.vllm_config)
+            tensors = self.binding.tensors
         else:
-            self.installer = LoaderInstaller(model, self.rank, self.plans, vllm_config)
-        self.transport: Transport = make_transport(refit.transport, refit.transport_options)
+            self.installer = LoaderInstaller(self.model, self.rank, self.plan, self.vllm_config,
+                                             shared=refit.transport == "shared")
+            tensors = self.installer.buffers
+        process = self.rank
+        if refit.transport in CROSS_PROCESS:
+            from ...executors import rendezvous as rv
 
-    def _check_model(self, dst: Layout) -> None:
+            self.rendezvous = rv.Rendezvous.from_dict(refit.rendezvous)
+            self.store = rv.connect(self.rendezvous)
+            process = self.plan.src.num_ranks + self.rank
+            rv.join(self.store, self.rendezvous, process, refit.num_processes, "engine")
+        self.executor = open_transport(refit, process, {}, {self.rank: tensors}, store=self.store, group=group)
+
+    def _report(self, reason: str) -> None:
+        """Tell the trainer processes waiting at the rendezvous why this worker cannot take part."""
+        if self.refit.transport not in CROSS_PROCESS or self.refit.rendezvous is None:
+            return
+        try:
+            from ...executors import rendezvous as rv
+
+            rdv = rv.Rendezvous.from_dict(self.refit.rendezvous)
+            rv.fail(self.store if self.store is not None else rv.connect(rdv), rdv, reason)
+        except Exception:  # noqa: BLE001 - the store may be unreachable; the error raised says what failed
+            pass
+
+    def _check_model(self, dst: Any) -> None:
         """The trainer's model and destination layout must be what this worker serves."""
         live = spec_of(self.vllm_config)
         ours = dst.model.model_copy(update={"dtype": live.dtype})
         if ours != live:
             raise LayoutMismatchError(str(dst), [f"trainer: {dst.model}", f"vLLM: {live}"], where="the vLLM model")
-        if isinstance(dst, VllmLayout):
-            declared = declared_layout(dst.model, self.vllm_config, dst.replicas)
-            if declared != dst:
-                raise LayoutMismatchError(str(dst), [f"trainer declared {dst}, the engine runs {declared}"],
-                                          where="this vLLM engine's parallel config")
+        declared = declared_layout(dst.model, self.vllm_config, dst.replicas)
+        if declared != dst:
+            raise LayoutMismatchError(str(dst), [f"trainer declared {dst}, the engine runs {declared}"],
+                                      where="this vLLM engine's parallel config")
 
     # --- one refit ---------------------------------------------------------------------------------
     def start(self) -> None:
         if self.binding is not None:
             self.binding.verify()
-        else:
-            self.installer.start()
 
     def receive(self) -> None:
+        if self.executor is None:
+            raise ExecutionError("this refit session is closed")
+        try:
+            self.executor.refit()
+        except Exception as e:
+            self._report(f"engine replica {self.refit.replica} rank {self.rank}: {e}")
+            raise
         if self.binding is not None:
-            self.transport.run(self.plans[0], {self.rank: self.binding.tensors})
             self.binding.finish()
         else:
-            self.installer.install(self.transport)
+            self.installer.install()
 
     def finish(self) -> None:
-        if self.installer is not None:
-            self.installer.finish()
+        pass
 
     def close(self) -> None:
-        self.transport.close()
+        if self.executor is not None:
+            self.executor.close()
+            self.executor = None
+        self.store = None

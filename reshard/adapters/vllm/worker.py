@@ -2,7 +2,7 @@
 instead of the weight-transfer API), e.g.
 
     llm = LLM(model=..., worker_extension_cls="reshard.adapters.vllm.worker.ReshardWorkerExtension")
-    llm.collective_rpc("reshard_init", args=(asdict(refit_spec),))     # checks; raises before bytes move
+    llm.collective_rpc("reshard_init", args=(refit.to_dict(),))        # a RefitSpec; raises before bytes move
     llm.collective_rpc("reshard_refit")                                 # start, receive, finish
     llm.collective_rpc("reshard_direct_problems")                       # why direct mode would be refused
 
@@ -18,7 +18,8 @@ from .derive import representative_layers
 from .direct import bind_direct
 from .engine import register
 from .live import declared_layout, local_rank, spec_of
-from .session import RefitSpec, WorkerSession
+from ..refit import RefitSpec
+from .session import WorkerSession
 
 register()
 
@@ -34,7 +35,7 @@ class ReshardWorkerExtension:
         if old is not None:
             old.close()
         self._reshard_session = None
-        self._reshard_session = WorkerSession(self._reshard_model(), self.vllm_config, RefitSpec(**refit))
+        self._reshard_session = WorkerSession(self._reshard_model(), self.vllm_config, RefitSpec.from_dict(refit))
 
     def reshard_refit(self) -> None:
         session = getattr(self, "_reshard_session", None)

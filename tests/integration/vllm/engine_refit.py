@@ -31,8 +31,8 @@ def main() -> int:
     from vllm import LLM, SamplingParams
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from reshard.adapters.vllm import loader_layout, refit_spec
-    from reshard.adapters.vllm.trainer import OfflineLLMClient, ReshardSource, ReshardTrainerInitInfo
+    from reshard.adapters.refit import RefitSpec
+    from reshard.adapters.vllm.trainer import OfflineLLMClient, ReshardTrainerInitInfo
 
     t0 = time.perf_counter()
     llm = LLM(model=new, dtype="float32", enforce_eager=True, max_model_len=128, skip_tokenizer_init=True,
@@ -50,13 +50,12 @@ def main() -> int:
 
     spec = reshard.ModelSpec.from_hf_config(new)
     src = reshard.parse_layout(src_text, spec)
-    dst = loader_layout(spec, 1)  # one vLLM rank: TP 1
+    dst = reshard.VllmLayout(model=spec, tp=1)  # the engine's layout; loader install: whole tensors per rank
     tensors = shard(src, harness.load_checkpoint(old))
-    source = ReshardSource(src, tensors)
-    refit = refit_spec(spec, src, dst, mode="loader", transport="inprocess", transport_options={"key": "e2e"})
-    info = ReshardTrainerInitInfo.from_refit(refit, rank=0)
+    refit = RefitSpec.of(spec, src, dst, install="loader", transport="inprocess", options={"key": "e2e"})
+    info = ReshardTrainerInitInfo(refit=refit.to_dict(), rank=0)
     t1 = time.perf_counter()
-    trainer = WeightTransferTrainerFactory.trainer_init(info, client=OfflineLLMClient(llm), source=source)
+    trainer = WeightTransferTrainerFactory.trainer_init(info, client=OfflineLLMClient(llm), source=tensors)
     result["init_s"] = time.perf_counter() - t1
 
     t2 = time.perf_counter()

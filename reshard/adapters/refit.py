@@ -1,0 +1,236 @@
+"""What both sides of a refit agree on, as plain data, and the transports that move its bytes.
+
+A `RefitSpec` travels from the trainer to every inference worker (in vLLM's init payload, through HTTP, Ray or
+`collective_rpc`) as JSON: the model, the trainer's layout, the engine's layout, how the bytes are installed,
+which engine replica this is, the transport and where its processes meet. Each side rebuilds the layouts, compiles
+the same plan (once per process: planner.cache) and compares its digest with the trainer's. Imports no vLLM.
+
+Install:
+  "direct"   the plan writes the engine's parameters (destination: the engine's VllmLayout);
+  "loader"   the plan delivers whole canonical tensors to every engine rank (destination: HfLayout, one replica
+             per engine rank), and the engine's own weight loaders place them (quantized or re-packing engines).
+
+Transports (`transport`; `options` go to the executor):
+  "inprocess"   trainer and engine in one process: the engine reads the trainer's published tensors;
+  "distributed" the trainer's processes are the engine's workers (vLLM's `external_launcher`): the
+                torch.distributed executor over the engine's world group;
+  "collective"  trainer processes and engine workers in separate processes (and virtualenvs): the
+                torch.distributed executor over a group both sides join at the rendezvous's address (gloo on
+                CPU, NCCL on GPUs; `options["backend"]`); every trainer process sends its own shards;
+  "nixl"        the same processes, NIXL one-sided transfers (does not depend on torch's wire format, so the two
+                sides' torch versions may differ);
+  "shared"      the same processes on one host: senders write into the workers' memory (CUDA IPC on GPUs,
+                POSIX shared memory on CPU).
+For the last three, trainer process p plays source rank p and the worker of destination rank d is process
+S + d (S = the trainer's ranks); everyone meets at `rendezvous` (executors.rendezvous).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from ..errors import ExecutionError, LayoutError, PlanError
+from ..executors.base import Executor, RankTensors
+from ..executors.binding import Binding
+from ..layouts import HfLayout, Layout, ModelSpec, VllmLayout, layout_from_dict, layout_to_dict
+from ..planner import Plan
+from ..planner.cache import cached_plan
+
+INSTALLS = ("direct", "loader")
+TRANSPORTS = ("inprocess", "distributed", "collective", "nixl", "shared")
+CROSS_PROCESS = ("collective", "nixl", "shared")  # transports whose processes meet at a rendezvous
+LOADER_OPTIONS = {"collective": {"in_place": True}, "nixl": {"staged": False}, "shared": {"staged": False}}
+_FIELDS = {"model": dict, "src": dict, "dst": dict, "install": str, "replica": int, "transport": str,
+           "options": dict, "rendezvous": (dict, type(None)), "fanout": (int, type(None)),
+           "verify_layers": (list, tuple, type(None)), "plan_digest": str}
+
+
+@dataclass(frozen=True)
+class RefitSpec:
+    model: dict[str, Any]  # ModelSpec fields
+    src: dict[str, Any]  # the trainer's layout (layout_to_dict, without the model)
+    dst: dict[str, Any]  # the engine's VllmLayout (layout_to_dict, without the model)
+    install: str = "direct"
+    replica: int = 0  # which replica of `dst` this engine is (engines of one refit get 0, 1, ...)
+    transport: str = "inprocess"
+    options: dict[str, Any] = field(default_factory=dict)  # executor options; "key" for inprocess / distributed
+    rendezvous: dict[str, Any] | None = None  # executors.rendezvous.Rendezvous.to_dict(), cross-process transports
+    fanout: int | None = None
+    verify_layers: tuple[int, ...] | None = None  # layers whose loaders direct install probes; None: one per kind
+    plan_digest: str = ""  # the trainer's; a worker that compiles another plan refuses the refit
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name, kind in _FIELDS.items():
+            value = getattr(self, name)
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                problems.append(f"{name}={value!r} has type {type(value).__name__}")
+        if self.install not in INSTALLS:
+            problems.append(f"install={self.install!r} is not one of {INSTALLS}")
+        if self.transport not in TRANSPORTS:
+            problems.append(f"transport={self.transport!r} is not one of {TRANSPORTS}")
+        if isinstance(self.replica, int) and self.replica < 0:
+            problems.append(f"replica={self.replica} must be >= 0")
+        if self.verify_layers is not None:
+            object.__setattr__(self, "verify_layers", tuple(self.verify_layers))
+            if not all(isinstance(x, int) and not isinstance(x, bool) for x in self.verify_layers):
+                problems.append("verify_layers must list layer numbers")
+        if problems:
+            raise PlanError("invalid refit spec", problems)
+        for name in ("model", "src", "dst", "options", "rendezvous"):  # JSON values, as they travel
+            try:
+                object.__setattr__(self, name, json.loads(json.dumps(getattr(self, name))))
+            except (TypeError, ValueError) as e:
+                raise PlanError(f"refit spec field {name} is not JSON: {e}") from None
+
+    # --- plain data ----------------------------------------------------------------------------------
+    @classmethod
+    def of(cls, spec: ModelSpec, src: Layout, dst: Layout, **fields: Any) -> "RefitSpec":
+        """From layouts (the model is carried once, not inside each layout)."""
+        strip = lambda layout: {k: v for k, v in layout_to_dict(layout).items() if k != "model"}  # noqa: E731
+        rdv = fields.get("rendezvous")
+        if rdv is not None and not isinstance(rdv, dict):
+            fields["rendezvous"] = rdv.to_dict()
+        return cls(model=spec.model_dump(), src=strip(src), dst=strip(dst), **fields)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["verify_layers"] = list(self.verify_layers) if self.verify_layers is not None else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "RefitSpec":
+        if not isinstance(d, dict):
+            raise PlanError(f"a refit spec must be a JSON object, got {type(d).__name__}")
+        unknown = sorted(set(d) - set(_FIELDS))
+        if unknown:
+            raise PlanError(f"refit spec has unknown fields {unknown}; known: {sorted(_FIELDS)}")
+        missing = sorted({"model", "src", "dst"} - set(d))
+        if missing:
+            raise PlanError(f"refit spec lacks {missing}")
+        return cls(**d)
+
+    def with_(self, **changes: Any) -> "RefitSpec":
+        return replace(self, **changes)
+
+    # --- what follows from it ------------------------------------------------------------------------
+    def layouts(self) -> tuple[Layout, VllmLayout]:
+        spec = ModelSpec(**self.model)
+        src, dst = layout_from_dict({**self.src, "model": spec}), layout_from_dict({**self.dst, "model": spec})
+        if not isinstance(dst, VllmLayout):
+            raise LayoutError(dst.kind, f"the engine's layout must be a vllm layout, got {dst}")
+        return src, dst
+
+    def destination(self) -> Layout:
+        """The plan's destination: the engine's layout (direct), or whole tensors per engine rank (loader)."""
+        _, dst = self.layouts()
+        return dst if self.install == "direct" else HfLayout(model=dst.model, replicas=dst.num_ranks)
+
+    def plan(self) -> Plan:
+        """The refit's plan (compiled once per process for these layouts and options)."""
+        src, _ = self.layouts()
+        return cached_plan(src, self.destination(), fanout=self.fanout)
+
+    def binding(self) -> Binding:
+        """Cross-process transports: trainer process p plays source rank p, process S + d destination rank d."""
+        plan = self.plan()
+        return Binding.disjoint(plan.src.num_ranks, plan.dst.num_ranks)
+
+    @property
+    def num_processes(self) -> int:
+        plan = self.plan()
+        return plan.src.num_ranks + plan.dst.num_ranks
+
+
+# --- published sources (trainer and engine in one process) -------------------------------------------------
+
+_PUBLISHED: dict[str, RankTensors] = {}
+
+
+def publish_source(key: str, tensors: RankTensors) -> None:
+    """Make source tensors (source rank -> name -> tensor) readable by engines in this process under `key`."""
+    _PUBLISHED[key] = tensors
+
+
+def withdraw_source(key: str) -> None:
+    _PUBLISHED.pop(key, None)
+
+
+def published_source(key: str) -> RankTensors:
+    if key not in _PUBLISHED:
+        raise ExecutionError(f"no source published under {key!r} in this process (the in-process transports need "
+                             f"the trainer's tensors in the engine's process: publish_source first)")
+    return _PUBLISHED[key]
+
+
+class PublishedSource(Executor):
+    """The in-process transport on the engine side: copies from whatever the trainer published under `key` at
+    each refit into this process's destination ranks (a LocalExecutor per refit)."""
+
+    name = ""  # not picked by name: made by open_transport
+
+    def __init__(self, plan: Plan, dst: RankTensors, key: str) -> None:
+        self.plan, self.dst, self.key = plan, dst, key
+
+    def refit(self, version: int | None = None) -> None:
+        from ..executors.local import LocalExecutor
+
+        LocalExecutor(self.plan, None, 0, published_source(self.key), self.dst).refit()
+
+
+def open_transport(refit: RefitSpec, process: int, src: RankTensors, dst: RankTensors, *, store: Any = None,
+                   group: Any = None) -> Executor:
+    """This process's executor for the refit (trainer and worker side alike).
+
+    process: this process's place in the refit (cross-process transports: see the module docstring).
+    store: the rendezvous's store (cross-process transports), already joined.
+    group: the world group of the engine's workers ("distributed").
+    """
+    from ..executors.base import make_executor
+    from ..executors.rendezvous import Rendezvous, scoped
+
+    plan, options = refit.plan(), dict(refit.options)
+    key = str(options.pop("key", "default"))
+    if refit.install == "loader":  # the engine's buffers are read only after a complete refit: write them in place
+        options = {**LOADER_OPTIONS.get(refit.transport, {}), **options}
+    if refit.transport == "inprocess":
+        return PublishedSource(plan, dst, key)
+    if refit.transport == "distributed":  # the trainer's processes are the engine's workers
+        from ..executors import DistributedExecutor
+
+        binding = Binding.colocated(plan.src.num_ranks, plan.dst.num_ranks)
+        mine = binding.src_ranks_of(process)
+        published = published_source(key) if mine else {}
+        missing = [r for r in mine if r not in published]
+        if missing:
+            raise ExecutionError(f"this process plays source ranks {list(mine)} but {missing} are not published "
+                                 f"under {key!r} (publish_source first)")
+        return DistributedExecutor(plan, binding, None, {r: published[r] for r in mine}, dst, group=group, **options)
+    if refit.rendezvous is None:
+        raise ExecutionError(f"transport {refit.transport!r} needs a rendezvous (where the processes meet)")
+    rdv = Rendezvous.from_dict(refit.rendezvous)
+    binding = refit.binding()
+    options.setdefault("timeout", rdv.timeout)
+    if refit.transport == "collective":
+        from ..executors.comm import StoreComm
+
+        backend = options.pop("backend", None) or ("nccl" if _on_gpu(src, dst) else "gloo")
+        comm = StoreComm(scoped(store, rdv, "collective"), process, refit.num_processes, backend,
+                         options["timeout"])
+        return make_executor("distributed", plan, binding, process, src, dst, group=comm, **options)
+    if refit.transport == "nixl":
+        from ..executors.nixl import NixlOptions
+
+        return make_executor("nixl", plan, binding, process, src, dst, store=scoped(store, rdv, "nixl"),
+                             options=NixlOptions(**options), namespace=rdv.refit_id)
+    return make_executor("shared", plan, binding, process, src, dst, store=scoped(store, rdv, "shared"),
+                         namespace=rdv.refit_id, **options)
+
+
+def _on_gpu(src: RankTensors, dst: RankTensors) -> bool:
+    return any(t.device.type == "cuda" for side in (src, dst) for ts in side.values() for t in ts.values())
+
+
+__all__ = ["CROSS_PROCESS", "INSTALLS", "PublishedSource", "RefitSpec", "TRANSPORTS", "open_transport",
+           "publish_source", "published_source", "withdraw_source"]

@@ -1,0 +1,138 @@
+"""A running vLLM OpenAI-compatible server, seen from the trainer: its RL routes and completions over HTTP, with
+the standard library only (the trainer side of a refit imports no vLLM and may run another torch).
+
+The server needs `VLLM_SERVER_DEV_MODE=1` (the RL routes) and `--weight-transfer-config '{"backend":
+"reshard"}'`. Routes used (vLLM 0.32 / 0.33): POST /pause (?mode=abort|wait|keep), /resume,
+/init_weight_transfer_engine {"init_info"}, /start_weight_update, /update_weights {"update_info"},
+/finish_weight_update {"weight_version"}, /weight_checker {"action": "checksum"}; GET /weight_info,
+/get_world_size, /health; POST /v1/completions.
+
+    server = VllmServer("http://127.0.0.1:8000")
+    server.wait_healthy(timeout=300)
+    server.weight_info()        # the weight version the server reports
+"""
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+from ..errors import ExecutionError
+
+
+class VllmServer:
+    """vLLM's weight-sync client protocol (`VLLMWeightSyncClient`: init / start / update / finish) over HTTP, plus
+    pause / resume and what a caller checks afterwards (weight version, checksums, greedy completions)."""
+
+    def __init__(self, url: str, timeout: float = 600.0, api_key: str | None = None) -> None:
+        parsed = urllib.parse.urlparse(url)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise ExecutionError(f"server url {url!r} must be http(s)://host:port")
+        self.url, self.timeout, self.api_key = url.rstrip("/"), timeout, api_key
+
+    def __repr__(self) -> str:
+        return f"VllmServer({self.url})"
+
+    def call(self, method: str, route: str, body: dict[str, Any] | None = None,
+             query: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
+        """One request; its JSON answer. A non-2xx answer raises ExecutionError with the server's message."""
+        url = self.url + route + (("?" + urllib.parse.urlencode(query)) if query else "")
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(url, data=data, method=method)
+        request.add_header("Content-Type", "application/json")
+        if self.api_key:
+            request.add_header("Authorization", f"Bearer {self.api_key}")
+        try:
+            with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
+                text = response.read().decode()
+        except urllib.error.HTTPError as e:
+            raise ExecutionError(f"{self.url}{route}: HTTP {e.code}: {_message(e.read().decode(errors='replace'))}") \
+                from None
+        except (urllib.error.URLError, OSError) as e:
+            raise ExecutionError(f"{self.url}{route}: {getattr(e, 'reason', e)}") from None
+        return json.loads(text) if text else None
+
+    # --- vLLM's weight-sync client protocol ------------------------------------------------------------
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.call("POST", "/init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.call("POST", "/start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        self.call("POST", "/update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.call("POST", "/finish_weight_update", {"weight_version": weight_version})
+
+    # --- around a refit ----------------------------------------------------------------------------------
+    def pause(self, mode: str = "wait") -> None:
+        """Stop generating: "wait" lets requests in flight finish, "abort" aborts them, "keep" freezes them."""
+        self.call("POST", "/pause", query={"mode": mode})
+
+    def resume(self) -> None:
+        self.call("POST", "/resume")
+
+    def weight_info(self) -> str | None:
+        return self.call("GET", "/weight_info")["weight_version"]
+
+    def weight_checksums(self) -> dict[str, str]:
+        """vLLM's own checksum of every parameter, by name (all workers)."""
+        return self.call("POST", "/weight_checker", {"action": "checksum"})["checksums"]
+
+    def world_size(self) -> int:
+        return int(self.call("GET", "/get_world_size")["world_size"])
+
+    def healthy(self) -> bool:
+        try:
+            self.call("GET", "/health", timeout=5.0)
+            return True
+        except ExecutionError:
+            return False
+
+    def wait_healthy(self, timeout: float, alive: Any = None) -> None:
+        """Wait until /health answers; `alive()` (e.g. a Popen's poll() is None) stops the wait early."""
+        deadline = time.monotonic() + timeout
+        while not self.healthy():
+            if alive is not None and not alive():
+                raise ExecutionError(f"the server at {self.url} exited before it was healthy")
+            if time.monotonic() > deadline:
+                raise ExecutionError(f"the server at {self.url} was not healthy within {timeout:.0f} s")
+            time.sleep(1.0)
+
+    def greedy(self, prompts: list[list[int]], max_tokens: int = 12) -> list[list[int]]:
+        """Greedy completions of token-id prompts: the generated token ids of each."""
+        out = []
+        for prompt in prompts:
+            answer = self.call("POST", "/v1/completions", {
+                "model": self.model(), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "return_token_ids": True})
+            out.append([int(t) for t in answer["choices"][0]["token_ids"]])
+        return out
+
+    def model(self) -> str:
+        if not hasattr(self, "_model"):
+            self._model = self.call("GET", "/v1/models")["data"][0]["id"]
+        return self._model
+
+
+def _message(text: str) -> str:
+    """The server's error message out of its JSON error body (FastAPI's "detail", vLLM's "error")."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text[:2000]
+    if isinstance(body, dict):
+        for key in ("error", "detail", "message"):
+            value = body.get(key)
+            if isinstance(value, dict):
+                value = value.get("message", value)
+            if value:
+                return str(value)[:2000]
+    return text[:2000]
+
+
+__all__ = ["VllmServer"]

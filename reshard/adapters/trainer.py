@@ -1,0 +1,245 @@
+"""The trainer side of refits into inference engines that run elsewhere: a vLLM server in its own virtualenv,
+vLLM workers in Ray actors, or the trainer's own processes. Imports no vLLM.
+
+One `TrainerSession` per trainer process; process 0 drives the engines (anything with vLLM's weight-sync
+client methods: `VllmServer` over HTTP, vLLM's own clients, a Ray actor wrapper):
+
+    refit = RefitSpec.of(spec, MegatronLayout(...), VllmLayout(...), install="loader", transport="collective")
+    session = TrainerSession(refit, process=rank, tensors=source_tensors(model, layout),
+                             engines=[VllmServer(url)] if rank == 0 else [], trainer_group=world)
+    session.init()                  # every trainer process, together
+    for step in ...:
+        train_step()
+        session.refit(version=f"step-{step}")   # every trainer process, together
+    session.close()
+
+Lifecycle:
+  1. init: the plan is compiled (once per process); for the cross-process transports process 0 hosts the
+     refit's rendezvous (a TCPStore on `host`, a fresh id and secret) and shares it with the other trainer
+     processes over `trainer_group`; process 0 sends every engine its init payload (the RefitSpec with the
+     plan's digest and the engine's replica index) while every trainer process joins the rendezvous and opens
+     its transport. An engine that refuses (wrong model, layout, digest) fails every trainer process at once.
+  2. refit(version): process 0 pauses the engines, starts the update, asks every engine to update while every
+     trainer process sends its own shards (no gather), then finishes the update with `version` and resumes
+     the engines, also after a failure; the engines keep their previous weights if the refit failed.
+  3. close: the transport is closed.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+import torch
+
+from ..errors import ExecutionError
+from ..executors.base import Executor, RankTensors
+from .refit import CROSS_PROCESS, RefitSpec, open_transport, publish_source, withdraw_source
+
+
+class EngineClient(Protocol):
+    """vLLM's `VLLMWeightSyncClient` protocol; `pause` / `resume` are used when present."""
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
+
+    def start_weight_update(self) -> None: ...
+
+    def update_weights(self, update_info: Any) -> None: ...
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None: ...
+
+
+@dataclass
+class RefitResult:
+    """What one trainer process saw of one refit."""
+
+    version: str
+    seconds: float
+    phases: dict[str, float] = field(default_factory=dict)  # pause+start, transfer (this process), engines, finish
+    stats: Any = None  # this process's executor stats
+
+
+class TrainerSession:
+    def __init__(self, refit: RefitSpec, process: int, tensors: RankTensors | dict[str, torch.Tensor], *,
+                 engines: Sequence[EngineClient] = (), trainer_group: Any = None, rendezvous: Any = None,
+                 host: str = "127.0.0.1", pause: str | None = "wait", timeout: float = 600.0) -> None:
+        """refit: what the trainer and the engines agree on (replica and digest are filled in per engine).
+        process: this trainer process's rank (it plays source rank `process` of the plan).
+        tensors: this process's source tensors ({physical name: tensor}, or {source rank: {...}}).
+        engines: on process 0, the engines to refit (replica k = engines[k]); other processes pass none.
+        trainer_group: a torch.distributed group of the trainer processes, to share the rendezvous from process
+            0 (else pass `rendezvous`, the same on every process, with a fixed port and secret).
+        pause: how engines are paused around a refit (a VllmServer's /pause mode), or None not to pause.
+        """
+        self.refit_spec, self.process = refit, process
+        self.tensors = tensors if tensors and all(isinstance(k, int) for k in tensors) else {process: tensors}
+        self.engines, self.trainer_group, self.pause_mode = list(engines), trainer_group, pause
+        self.rendezvous, self.host, self.timeout = rendezvous, host, timeout
+        self.executor: Executor | None = None
+        self.store = None
+        self.version = 0
+        plan = refit.plan()
+        if process not in range(plan.src.num_ranks):
+            raise ExecutionError(f"process={process} is not a source rank of the plan (0..{plan.src.num_ranks - 1})")
+        if self.engines and process != 0:
+            raise ExecutionError("only trainer process 0 drives the engines; pass engines on process 0 only")
+
+    # --- 1. init -------------------------------------------------------------------------------------
+    def init(self) -> None:
+        refit, plan = self.refit_spec, self.refit_spec.plan()
+        refit = refit.with_(plan_digest=plan.digest)
+        if refit.transport in CROSS_PROCESS:
+            refit = refit.with_(rendezvous=self._meet().to_dict())
+        else:
+            publish_source(str(refit.options.get("key", "default")), self.tensors)
+        self.refit_spec = refit
+        calls = [self._call(engine, "init_weight_transfer_engine", refit.with_(replica=k).to_dict())
+                 for k, engine in enumerate(self.engines)]
+        try:
+            if refit.transport in CROSS_PROCESS:
+                from ..executors import rendezvous as rv
+
+                rdv = rv.Rendezvous.from_dict(refit.rendezvous)
+                rv.join(self.store, rdv, self.process, refit.num_processes, "trainer")
+                self.executor = open_transport(refit, self.process, self.tensors, {}, store=self.store)
+        except ExecutionError as e:
+            self._fail_rendezvous(str(e))
+            errors = _wait(calls, self.timeout)
+            raise ExecutionError(f"{e}" + (f"; engines said: {'; '.join(errors)}" if errors else "")) from e
+        errors = _wait(calls, self.timeout)
+        if errors:
+            self._fail_rendezvous("; ".join(errors))
+            raise ExecutionError("refit init failed: " + "; ".join(errors))
+
+    def _meet(self) -> Any:
+        """The rendezvous: hosted by process 0, shared over the trainer group (or given to every process)."""
+        from ..executors import rendezvous as rv
+
+        rdv = self.rendezvous
+        if self.process == 0 and (rdv is None or self.trainer_group is not None):
+            rdv, self.store = rv.host_store(rdv or rv.Rendezvous.new(self.host, timeout=min(self.timeout, 300.0)))
+        if self.trainer_group is not None:
+            rdv = _broadcast_json(rdv.to_dict() if self.process == 0 else None, self.trainer_group)
+            rdv = rv.Rendezvous.from_dict(rdv)
+        if rdv is None:
+            raise ExecutionError("trainer processes other than 0 need the rendezvous: pass trainer_group (it is "
+                                 "shared from process 0) or the same `rendezvous` on every process")
+        if self.store is None:
+            self.store = rv.host_store(rdv)[1] if self.process == 0 else rv.connect(rdv)
+        self.rendezvous = rdv
+        return rdv
+
+    def _fail_rendezvous(self, reason: str) -> None:
+        if self.store is not None and self.refit_spec.rendezvous is not None:
+            from ..executors import rendezvous as rv
+
+            rv.fail(self.store, rv.Rendezvous.from_dict(self.refit_spec.rendezvous), f"trainer: {reason}")
+
+    # --- 2. a refit ----------------------------------------------------------------------------------
+    def refit(self, version: str | None = None) -> RefitResult:
+        """One refit of every engine (every trainer process calls it, with the same version)."""
+        self.version += 1
+        version = version or str(self.version)
+        start = time.perf_counter()
+        marks: list[tuple[str, float]] = []
+        errors: list[str] = []
+        calls = []
+        paused: list[EngineClient] = []
+        stats = None
+        try:
+            if self.engines:
+                for engine in self.engines:
+                    if self.pause_mode and hasattr(engine, "pause"):
+                        engine.pause(self.pause_mode)
+                        paused.append(engine)
+                    engine.start_weight_update()
+                marks.append(("start", time.perf_counter()))
+                calls = [self._call(e, "update_weights", {"version": version}) for e in self.engines]
+            if self.executor is not None:
+                try:
+                    stats = self.executor.refit()
+                except ExecutionError as e:
+                    errors.append(f"trainer process {self.process}: {e}")
+            marks.append(("transfer", time.perf_counter()))
+            errors += _wait(calls, self.timeout)
+            marks.append(("engines", time.perf_counter()))
+            if self.engines and not errors:
+                for engine in self.engines:
+                    engine.finish_weight_update(version)
+                marks.append(("finish", time.perf_counter()))
+        finally:
+            for engine in paused:
+                try:
+                    engine.resume()
+                except Exception as e:  # noqa: BLE001 - reported with the refit's outcome
+                    errors.append(f"{engine}: resume failed: {e}")
+        if errors:
+            raise ExecutionError(f"refit {version!r} failed; engines keep their previous weights: "
+                                 + "; ".join(errors))
+        times = [start] + [t for _, t in marks]
+        return RefitResult(version, times[-1] - start,
+                           {name: times[i + 1] - times[i] for i, (name, _) in enumerate(marks)}, stats)
+
+    def _call(self, engine: EngineClient, method: str, arg: Any) -> "_Call":
+        return _Call(engine, method, arg)
+
+    # --- 3. close ------------------------------------------------------------------------------------
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.close()
+            self.executor = None
+        if self.refit_spec.transport not in CROSS_PROCESS:
+            withdraw_source(str(self.refit_spec.options.get("key", "default")))
+        self.store = None
+
+
+class _Call:
+    """An engine call on a thread of its own (an engine's update must run while the trainer sends)."""
+
+    def __init__(self, engine: EngineClient, method: str, arg: Any) -> None:
+        self.label = f"{engine!r}.{method}"
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._run, args=(getattr(engine, method), arg), daemon=True,
+                                       name=f"reshard-{method}")
+        self.thread.start()
+
+    def _run(self, fn: Any, arg: Any) -> None:
+        try:
+            fn(arg)
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            self.error = f"{self.label}: {e}"
+
+
+def _wait(calls: list[_Call], timeout: float) -> list[str]:
+    deadline = time.monotonic() + timeout
+    errors = []
+    for c in calls:
+        c.thread.join(max(0.0, deadline - time.monotonic()))
+        if c.thread.is_alive():
+            errors.append(f"{c.label}: no answer within {timeout:.0f} s")
+        elif c.error:
+            errors.append(c.error)
+    return errors
+
+
+def _broadcast_json(value: Any, group: Any) -> Any:
+    """`value` from the group's rank 0 to every member, as JSON bytes in tensors (never pickle)."""
+    import json
+
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(group)) \
+        else torch.device("cpu")
+    src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+    data = json.dumps(value).encode() if value is not None else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src, group=group)
+    buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
+    if data:
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buf, src, group=group)
+    return json.loads(bytes(buf.cpu().tolist()).decode())
+
+
+__all__ = ["EngineClient", "RefitResult", "TrainerSession"]

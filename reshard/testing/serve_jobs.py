@@ -1,0 +1,134 @@
+"""Trainer processes that refit a running vLLM server, for tests and examples: a real megatron-core model on gloo
+ranks (testing.megatron_cpu), loaded from an HF checkpoint, refit through `TrainerSession` into a server started
+by testing.serve, then changed by a deterministic "training step" and refit again.
+
+The step is elementwise (`train_step`), so it commutes with every sharding: the test applies the same function
+to the HF checkpoint in its own process to get the trained model's checkpoint, independently of Megatron and of
+reshard, and a server started from that checkpoint is the ground truth.
+
+A job is JSON: {"tiny": TinyGPT fields, "tp", "pp", "ep", "etp", "url", "server_tp", "checkpoint", "transport",
+"options", "steps", "out", "prompts", "fault"}. Rank 0 writes `out`: per refit the version, the server's greedy
+tokens, weight version and checksums, timings, and the plan-cache counts of this process.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ExecutionError
+
+
+def train_step(t: torch.Tensor, step: int) -> torch.Tensor:
+    """The deterministic stand-in for an optimizer step, elementwise (the same on any shard of a tensor)."""
+    return t * 0.8 + 0.3 * torch.sin(3.0 * t + float(step))
+
+
+def load_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    weights: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        weights.update(load_file(str(f)))
+    return weights
+
+
+def save_checkpoint(weights: dict[str, torch.Tensor], config_dir: str | Path, out: str | Path) -> Path:
+    """An HF checkpoint directory: `config_dir`'s config.json and `weights` as safetensors."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(Path(config_dir) / "config.json", out / "config.json")
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
+    return out
+
+
+def make_checkpoint(tiny: Any, out: str | Path, seed: int = 0) -> Path:
+    """A random HF checkpoint of the TinyGPT's architecture (transformers), every tensor drawn N(0, 1) so that a
+    misplaced row changes the model's output."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny.hf_config(), dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape))
+    model.save_pretrained(out)
+    return Path(out)
+
+
+def refit_server(job: dict[str, Any]) -> None:
+    """On every trainer rank (testing.megatron_cpu.run_ranks): build the model, load the checkpoint, refit the
+    server `job["steps"]` times (a training step before each refit but the first)."""
+    import torch.distributed as dist
+
+    from ..adapters.megatron import derive_layout, source_tensors
+    from ..adapters.refit import RefitSpec
+    from ..adapters.server import VllmServer
+    from ..adapters.trainer import TrainerSession
+    from ..executors import shard
+    from ..layouts import VllmLayout
+    from ..planner import cache
+    from .megatron_cpu import TinyGPT, build_model, init_parallel
+
+    rank = dist.get_rank()
+    tiny = TinyGPT(**job["tiny"])
+    init_parallel(job.get("tp", 1), job.get("pp", 1), job.get("ep", 1), job.get("etp"))
+    chunks = build_model(tiny)
+    spec = tiny.spec("float32")
+    layout = derive_layout(chunks, spec)
+    tensors = source_tensors(chunks, layout)  # views of the live parameters
+    mine = shard(layout, load_checkpoint(job["checkpoint"]), ranks=[rank])[rank]
+    with torch.no_grad():
+        for name, t in tensors.items():
+            t.copy_(mine[name])
+    server = VllmServer(job["url"]) if rank == 0 else None
+    dst = VllmLayout(model=spec, tp=job.get("server_tp", 1))
+    refit = RefitSpec.of(spec, layout, dst, install="loader", transport=job["transport"],
+                         options=job.get("options", {}))
+    out: dict[str, Any] = {"layout": str(layout), "refits": []}
+    session = TrainerSession(refit, rank, tensors, engines=[server] if server else [],
+                             trainer_group=dist.group.WORLD, timeout=job.get("timeout", 300.0))
+    try:
+        t0 = time.perf_counter()
+        session.init()
+        out["init_s"] = time.perf_counter() - t0
+        out["compiles_after_init"] = cache.stats()["compiles"]
+        for step in range(job.get("steps", 2)):
+            if step:
+                with torch.no_grad():
+                    for t in tensors.values():
+                        t.copy_(train_step(t, step))
+            if job.get("fault") == f"trainer-exit-{step}" and rank == dist.get_world_size() - 1:
+                os._exit(17)  # this trainer process dies as the refit begins: the server must fail and keep serving
+            version = f"step-{step}"
+            try:
+                result = session.refit(version)
+                entry: dict[str, Any] = {"version": version, "seconds": result.seconds, "phases": result.phases}
+            except ExecutionError as e:
+                entry = {"version": version, "error": str(e)}
+            if server is not None:
+                entry.update(tokens=server.greedy(job["prompts"]), weight_version=server.weight_info(),
+                             checksums=server.weight_checksums())
+            out["refits"].append(entry)
+            if "error" in entry:
+                break
+        out["compiles_after_refits"] = cache.stats()["compiles"]
+    except Exception:  # noqa: BLE001 - reported to the test
+        out["exception"] = traceback.format_exc()
+    finally:
+        session.close()
+    if rank == 0 or "exception" in out:
+        path = Path(job["out"]) if rank == 0 else Path(job["out"]).with_suffix(f".rank{rank}.json")
+        path.write_text(json.dumps(out, default=str))
+
+
+__all__ = ["load_checkpoint", "make_checkpoint", "refit_server", "save_checkpoint", "train_step"]

@@ -83,6 +83,10 @@ class VllmServer:
         """vLLM's own checksum of every parameter, by name (all workers)."""
         return self.call("POST", "/weight_checker", {"action": "checksum"})["checksums"]
 
+    def collective_rpc(self, method: str, args: tuple[str, ...] = ()) -> list[Any]:
+        """A worker method by name on every worker (the dev route /collective_rpc; string arguments only)."""
+        return self.call("POST", "/collective_rpc", {"method": method, "args": list(args)})["results"]
+
     def world_size(self) -> int:
         return int(self.call("GET", "/get_world_size")["world_size"])
 

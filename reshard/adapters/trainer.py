@@ -168,6 +168,8 @@ class TrainerSession:
                 for engine in self.engines:
                     engine.finish_weight_update(version)
                 marks.append(("finish", time.perf_counter()))
+            elif self.engines:
+                self._close_failed_update()
         finally:
             for engine in paused:
                 try:
@@ -180,6 +182,16 @@ class TrainerSession:
         times = [start] + [t for _, t in marks]
         return RefitResult(version, times[-1] - start,
                            {name: times[i + 1] - times[i] for i, (name, _) in enumerate(marks)}, stats)
+
+    def _close_failed_update(self) -> None:
+        """After a failed update, end the update on every engine worker (without a version). vLLM keeps an update
+        open on the workers that did not raise (the engine raises on its last worker only, see
+        adapters.vllm.engine.agreed); a worker whose update is already closed refuses, which is expected."""
+        for engine in self.engines:
+            try:
+                engine.finish_weight_update(None)
+            except Exception:  # noqa: BLE001 - expected from the workers that raised
+                pass
 
     def _call(self, engine: EngineClient, method: str, arg: Any) -> "_Call":
         return _Call(engine, method, arg)

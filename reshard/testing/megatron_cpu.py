@@ -244,10 +244,12 @@ def _entry(rank: int, world: int, port: int, errdir: str, fn: Callable[..., None
             dist.destroy_process_group()
 
 
-def run_ranks(world: int, fn: Callable[..., None], *args: Any, timeout: float = 300.0, errdir: str) -> float:
+def run_ranks(world: int, fn: Callable[..., None], *args: Any, timeout: float = 300.0, errdir: str,
+              wait_all: bool = False) -> float:
     """Run fn(*args) on `world` gloo ranks (fn must be importable by name); return the wall time. Raises
     RuntimeError with the first failing rank's traceback, or TimeoutError after `timeout` seconds; stragglers
-    are killed (only the processes started here)."""
+    are killed (only the processes started here). wait_all: a rank that exits early does not end the others
+    (fault tests: the survivors must notice by themselves)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("forkserver")
@@ -259,7 +261,8 @@ def run_ranks(world: int, fn: Callable[..., None], *args: Any, timeout: float = 
         p.start()
     try:
         while any(p.is_alive() for p in procs):
-            if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() - start > timeout:
+            failed = any(p.exitcode not in (None, 0) for p in procs) and not wait_all
+            if failed or time.monotonic() - start > timeout:
                 break
             time.sleep(0.1)
     finally:
@@ -270,7 +273,7 @@ def run_ranks(world: int, fn: Callable[..., None], *args: Any, timeout: float = 
     errors = sorted(Path(errdir).glob("rank*.error.txt"), key=lambda p: p.stat().st_mtime)  # first = the cause
     if errors:
         raise RuntimeError(f"{errors[0].stem}:\n{errors[0].read_text()}")
-    if any(p.exitcode != 0 for p in procs):
+    if any(p.exitcode != 0 for p in procs) and not wait_all:
         if time.monotonic() - start > timeout:
             raise TimeoutError(f"ranks did not finish within {timeout:.0f} s")
         raise RuntimeError(f"ranks exited with {[p.exitcode for p in procs]}")

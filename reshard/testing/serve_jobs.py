@@ -75,7 +75,7 @@ def refit_server(job: dict[str, Any]) -> None:
     from ..adapters.server import VllmServer
     from ..adapters.trainer import TrainerSession
     from ..executors import shard
-    from ..layouts import VllmLayout
+    from ..layouts import ModelSpec, VllmLayout
     from ..planner import cache
     from .megatron_cpu import TinyGPT, build_model, init_parallel
 
@@ -83,7 +83,7 @@ def refit_server(job: dict[str, Any]) -> None:
     tiny = TinyGPT(**job["tiny"])
     init_parallel(job.get("tp", 1), job.get("pp", 1), job.get("ep", 1), job.get("etp"))
     chunks = build_model(tiny)
-    spec = tiny.spec("float32")
+    spec = ModelSpec.from_hf_config(job["checkpoint"])  # the canonical model, as the server reads it
     layout = derive_layout(chunks, spec)
     tensors = source_tensors(chunks, layout)  # views of the live parameters
     mine = shard(layout, load_checkpoint(job["checkpoint"]), ranks=[rank])[rank]
@@ -97,11 +97,15 @@ def refit_server(job: dict[str, Any]) -> None:
     out: dict[str, Any] = {"layout": str(layout), "refits": []}
     session = TrainerSession(refit, rank, tensors, engines=[server] if server else [],
                              trainer_group=dist.group.WORLD, timeout=job.get("timeout", 300.0))
+    stats = (lambda: server.collective_rpc("reshard_stats")) if server and job.get("worker_stats") else None
+    if server is not None and job.get("fault", "").startswith("kill-server-"):
+        _kill_server_when_updating(server, int(job["fault"].rsplit("-", 1)[1]), job["server_pid"])
     try:
         t0 = time.perf_counter()
         session.init()
         out["init_s"] = time.perf_counter() - t0
         out["compiles_after_init"] = cache.stats()["compiles"]
+        out["worker_stats_after_init"] = stats() if stats else None
         for step in range(job.get("steps", 2)):
             if step:
                 with torch.no_grad():
@@ -110,11 +114,15 @@ def refit_server(job: dict[str, Any]) -> None:
             if job.get("fault") == f"trainer-exit-{step}" and rank == dist.get_world_size() - 1:
                 os._exit(17)  # this trainer process dies as the refit begins: the server must fail and keep serving
             version = f"step-{step}"
+            t0 = time.perf_counter()
             try:
                 result = session.refit(version)
                 entry: dict[str, Any] = {"version": version, "seconds": result.seconds, "phases": result.phases}
             except ExecutionError as e:
-                entry = {"version": version, "error": str(e)}
+                entry = {"version": version, "error": str(e), "seconds": time.perf_counter() - t0}
+            if server is not None and job.get("fault", "").startswith("kill-server-") and "error" in entry:
+                out["refits"].append(entry)
+                break
             if server is not None:
                 entry.update(tokens=server.greedy(job["prompts"]), weight_version=server.weight_info(),
                              checksums=server.weight_checksums())
@@ -122,6 +130,7 @@ def refit_server(job: dict[str, Any]) -> None:
             if "error" in entry:
                 break
         out["compiles_after_refits"] = cache.stats()["compiles"]
+        out["worker_stats_after_refits"] = stats() if stats else None
     except Exception:  # noqa: BLE001 - reported to the test
         out["exception"] = traceback.format_exc()
     finally:
@@ -129,6 +138,22 @@ def refit_server(job: dict[str, Any]) -> None:
     if rank == 0 or "exception" in out:
         path = Path(job["out"]) if rank == 0 else Path(job["out"]).with_suffix(f".rank{rank}.json")
         path.write_text(json.dumps(out, default=str))
+
+
+def _kill_server_when_updating(server: Any, step: int, pid: int) -> None:
+    """Fault injection: the server (its process group, started by the test) dies as refit `step` updates."""
+    import signal
+
+    calls = {"n": 0}
+    update = server.update_weights
+
+    def dying(update_info: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] > step:
+            os.killpg(pid, signal.SIGKILL)
+        update(update_info)
+
+    server.update_weights = dying
 
 
 __all__ = ["load_checkpoint", "make_checkpoint", "refit_server", "save_checkpoint", "train_step"]

@@ -50,7 +50,9 @@ class LoaderInstaller:
     def __init__(self, model: torch.nn.Module, rank: int, plan: Plan, vllm_config: Any = None,
                  shared: bool = False):
         self.model, self.rank, self.plan, self.vllm_config = model, rank, plan, vllm_config
-        self.device = next(model.parameters()).device
+        # the engine's device (after an interrupted reload, parameters can be on "meta")
+        device = getattr(getattr(vllm_config, "device_config", None), "device", None)
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.buffers = empty_for(plan, rank, self.device)  # each in its own dtype (a float32 router bias too)
         if shared and self.device.type == "cpu":  # peers write them in place (the shared-memory transport)
             from ...executors.shared import shared_empty
@@ -72,8 +74,16 @@ class LoaderInstaller:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
         with self._scope():
+            _reset_moe_kernels(self.model)
             initialize_layerwise_reload(self.model)
-            loaded = self.load()
+            try:
+                loaded = self.load()
+            except Exception as e:
+                # vLLM's own loaders failed half-way: close the reload so the model can serve (modules loaded so
+                # far hold the new weights, the others their old ones) instead of keeping "meta" parameters
+                finalize_layerwise_reload(self.model, self.vllm_config.model_config)
+                raise ExecutionError(f"vLLM's load_weights failed ({type(e).__name__}: {e}); the engine serves a mix "
+                                     f"of old and new weights until the next refit") from e
             finalize_layerwise_reload(self.model, self.vllm_config.model_config)
         return loaded
 
@@ -85,8 +95,21 @@ class LoaderInstaller:
         with self._scope():
             for group in self.groups:
                 loaded |= set(self.model.load_weights([(name, self.buffers[name]) for name in group]) or ())
-        missing = sorted(set(weights(self.model)) - loaded)
+        # LoRA wraps a linear's weight as `<module>.base_layer.weight`; load_weights reports the unwrapped name
+        missing = sorted({n.replace(".base_layer.", ".") for n in weights(self.model)} - loaded)
         if missing:
             raise ExecutionError(f"load_weights did not load {len(missing)} weights of the model, e.g. {missing[:5]}: "
                                  f"the canonical names do not match what this vLLM model loads")
         return loaded
+
+
+def _reset_moe_kernels(model: torch.nn.Module) -> None:
+    """Make vLLM rebuild fused-MoE kernels after this reload. vLLM (0.32, 0.33) runs a MoE kernel's weight
+    processing (the CPU backend pads and prepacks the experts) only when the layer has no kernel yet, so a reload
+    would copy unprocessed experts into the processed storage: wrong tokens, or a shape error when the kernel pads
+    (measured on the CPU build). Without a kernel, the reload's post-processing builds and runs it as a first load
+    does."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if getattr(method, "moe_kernel", None) is not None:
+            method.moe_kernel = None

@@ -97,7 +97,9 @@ class WorkerSession:
             raise LayoutMismatchError(str(dst), [f"trainer: {dst.model}", f"vLLM: {live}"], where="the vLLM model")
         declared = declared_layout(dst.model, self.vllm_config, dst.replicas)
         if declared != dst:
-            raise LayoutMismatchError(str(dst), [f"trainer declared {dst}, the engine runs {declared}"],
+            ours, theirs = dst.model_dump(exclude={"model"}), declared.model_dump(exclude={"model"})
+            differ = ", ".join(f"{k}: {ours[k]!r} vs {theirs[k]!r}" for k in ours if ours[k] != theirs.get(k))
+            raise LayoutMismatchError(str(dst), [f"trainer declared {dst}, the engine runs {declared} ({differ})"],
                                       where="this vLLM engine's parallel config")
 
     # --- one refit ---------------------------------------------------------------------------------
@@ -105,7 +107,8 @@ class WorkerSession:
         if self.binding is not None:
             self.binding.verify()
 
-    def receive(self) -> None:
+    def transfer(self) -> None:
+        """This worker's part of the transfer; the model is not touched (staged, or the loader's buffers)."""
         if self.executor is None:
             raise ExecutionError("this refit session is closed")
         try:
@@ -113,10 +116,17 @@ class WorkerSession:
         except Exception as e:
             self._report(f"engine replica {self.refit.replica} rank {self.rank}: {e}")
             raise
+
+    def install(self) -> None:
+        """After every worker has its bytes: direct: finish (padding, widened tensors); loader: load_weights."""
         if self.binding is not None:
             self.binding.finish()
         else:
             self.installer.install()
+
+    def receive(self) -> None:
+        self.transfer()
+        self.install()
 
     def finish(self) -> None:
         pass

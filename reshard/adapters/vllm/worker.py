@@ -5,20 +5,22 @@ instead of the weight-transfer API), e.g.
     llm.collective_rpc("reshard_init", args=(refit.to_dict(),))        # a RefitSpec; raises before bytes move
     llm.collective_rpc("reshard_refit")                                 # start, receive, finish
     llm.collective_rpc("reshard_direct_problems")                       # why direct mode would be refused
+    llm.collective_rpc("reshard_stats")                                 # plan compiles and cache hits
 
 Importing this module registers the `reshard` weight-transfer engine in the worker process (vLLM imports the
 extension class in every worker before building it), so the weight-transfer API can select it as well.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ...errors import LayoutMismatchError
+from ..refit import RefitSpec
 from .derive import representative_layers
 from .direct import bind_direct
 from .engine import register
 from .live import declared_layout, local_rank, spec_of
-from ..refit import RefitSpec
 from .session import WorkerSession
 
 register()
@@ -57,6 +59,13 @@ class ReshardWorkerExtension:
         except LayoutMismatchError as e:
             return [f"{type(e).__name__}: {p}" for p in e.problems]
         return []
+
+    def reshard_stats(self) -> dict[str, Any]:
+        """This worker's plan-cache counts (compiles, hits) and its rank: a second refit compiles nothing. Callable
+        by name through a server's dev route `/collective_rpc` (`{"method": "reshard_stats"}`)."""
+        from ...planner import cache
+
+        return {**cache.stats(), "pid": os.getpid()}
 
     def reshard_close(self) -> None:
         session = getattr(self, "_reshard_session", None)

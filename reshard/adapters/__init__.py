@@ -1,4 +1,16 @@
-"""The outside world: megatron-core models, vLLM workers and their weight-transfer API.
+"""The outside world: megatron-core models, inference engines and their weight-transfer APIs.
 
-The only place that imports megatron, vllm or nixl, always lazily, so `import reshard` stays light.
+The only place that imports megatron, vllm or nixl, always lazily, so `import reshard` stays light. A refit has
+one session object per side:
+  - the trainer side, which imports no vLLM: `TrainerSession` (trainer.py), driving engines through their
+    weight-sync client (`VllmServer` over HTTP, server.py) with a `RefitSpec` (refit.py: what both sides agree on,
+    and the transports);
+  - the engine side, inside vLLM: `adapters.vllm.WorkerSession`, made by the `reshard` weight-transfer engine
+    that vLLM selects by name.
+  megatron/  the source side read off a live megatron-core model (its layout, views of its parameters).
 """
+from .refit import RefitSpec
+from .server import VllmServer
+from .trainer import TrainerSession
+
+__all__ = ["RefitSpec", "TrainerSession", "VllmServer"]

@@ -85,7 +85,7 @@ def make(job: dict[str, Any], plan: Any, binding: Any, process: int, src: dict, 
         from ..executors.shared import SharedExecutor, shared_empty
 
         options = dict(job["options"])
-        if not options.get("staged", True):
+        if not options.get("staged", True) and all(t.device.type == "cpu" for ts in dst.values() for t in ts.values()):
             for r in dst:
                 for n, t in list(dst[r].items()):
                     dst[r][n] = shared_empty(tuple(t.shape), t.dtype).copy_(t)
@@ -94,6 +94,14 @@ def make(job: dict[str, Any], plan: Any, binding: Any, process: int, src: dict, 
 
     return NixlExecutor(plan, binding, process, src, dst, store=store, options=NixlOptions(**job["options"]),
                         namespace=namespace)
+
+
+def on_device(job: dict[str, Any], tensors: dict) -> dict:
+    """The job's tensors on its device ("cpu" by default; "cuda": this process's GPU, shared by all processes)."""
+    device = job.get("device", "cpu")
+    if device == "cpu":
+        return tensors
+    return {r: {n: t.to(device) for n, t in ts.items()} for r, ts in tensors.items()}
 
 
 SET_UP_CALLS = ("register_memory", "deregister_memory", "prep_xfer_dlist", "make_prepped_xfer",
@@ -127,6 +135,7 @@ def plan_worker(process: int, port: int, workdir: str) -> None:
             src = {r: {n: t.clone() for n, t in ts.items()}
                    for r, ts in shard(plan.src, weights(plan.src.model, job["seed"]), ranks=list(my_src)).items()}
             dst = allocate(plan.dst, fill=SENTINEL, ranks=list(my_dst))
+            src, dst = on_device(job, src), on_device(job, dst)
             ex = make(job, plan, binding, process, src, dst, store, f"job{k}")
             agent = getattr(ex, "agent", None)
             counter = CallCounter(agent, SET_UP_CALLS) if agent is not None else None  # None: local only, or shm
@@ -141,7 +150,7 @@ def plan_worker(process: int, port: int, workdir: str) -> None:
                 want = allocate(plan.dst, fill=SENTINEL)
                 execute_local(plan, full, want)
                 bad = [f"rank {rank} {name}" for rank in dst for name in dst[rank]
-                       if not torch.equal(dst[rank][name].view(torch.uint8), want[rank][name].view(torch.uint8))]
+                       if not torch.equal(dst[rank][name].cpu().view(torch.uint8), want[rank][name].view(torch.uint8))]
                 out["ok"].append(not bad)
                 if bad:
                     out["errors"].append(f"refit {r + 1}: mismatch in {bad[:5]}")

@@ -34,7 +34,7 @@ def _segments() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("reshard-")}
 
 
-def _draw_jobs(tmp: Path) -> list[dict]:
+def _draw_jobs(tmp: Path, device: str = "cpu") -> list[dict]:
     jobs: list[dict] = []
 
     @settings(max_examples=JOBS, derandomize=True, database=None, phases=[Phase.generate], deadline=None)
@@ -55,7 +55,8 @@ def _draw_jobs(tmp: Path) -> list[dict]:
         path = tmp / f"plan{len(jobs)}.npz"
         plan.save(path)
         jobs.append({"executor": "shared", "plan": str(path), "binding": binding.to_dict(), "options": options,
-                     "seed": 100 * len(jobs), "refits": REFITS, "label": f"{src} -> {dst}, {binding}, {options}"})
+                     "seed": 100 * len(jobs), "refits": REFITS, "label": f"{src} -> {dst}, {binding}, {options}",
+                     "device": device})
 
     draw()
     spec = tiny_deepseek()  # float32 router biases in a bfloat16 model
@@ -63,13 +64,15 @@ def _draw_jobs(tmp: Path) -> list[dict]:
     plan.save(tmp / "deepseek.npz")
     jobs.append({"executor": "shared", "plan": str(tmp / "deepseek.npz"),
                  "binding": Binding((0, 1, 2, 3), (1, 3)).to_dict(), "options": {"staged": True, "timeout": 30.0},
-                 "seed": 7, "refits": REFITS, "label": "deepseek float32 router bias"})
+                 "seed": 7, "refits": REFITS, "label": "deepseek float32 router bias", "device": device})
     return jobs
 
 
-def test_random_plans_match_local_executor_over_three_refits(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_random_plans_match_local_executor_over_three_refits(tmp_path, device):
+    """On "cuda" (the GPU machine, `-m gpu`): every process on the one GPU, bytes through CUDA IPC."""
     before = _segments()
-    jobs = _draw_jobs(tmp_path)
+    jobs = _draw_jobs(tmp_path, device)
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     codes = launch(plan_worker, PROCESSES, (str(tmp_path),), timeout=300)
     assert codes == [0] * PROCESSES, f"workers exited with {codes}"

@@ -99,7 +99,10 @@ def worker(me: int, port: int, args: dict, out: str) -> None:
         ex = SharedExecutor(plan, binding, me, src, dst, store=store, staged=staged, namespace=name.replace(" ", "-"),
                             timeout=600)
         ex.refit()  # warm-up: first touches of every page
-        results[name] = [_timed(store, f"{name}/{i}", me, device, ex.refit) for i in range(iters)]
+        phases: list = []
+        results[name] = [_timed(store, f"{name}/{i}", me, device, lambda: phases.append(ex.refit().phases))
+                         for i in range(iters)]
+        results[f"{name} phases"] = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
         ex.close()
         del src, dst
     # ceiling: one copy of the same bytes in one process
@@ -215,7 +218,8 @@ def main() -> int:
     res = [json.loads(Path(o).read_text()) for o in outs]
     nbytes = res[ENGINE]["bytes"]
     slowest = lambda k: [max(x, y) for x, y in zip(res[0][k], res[1][k])] if k in res[0] else res[1][k]  # noqa
-    med = {k: statistics.median(slowest(k)) for k in res[ENGINE] if k != "bytes"}
+    cases = [k for k in res[ENGINE] if k != "bytes" and not k.endswith("phases")]
+    med = {k: statistics.median(slowest(k)) for k in cases}
     gib = nbytes / 2**30
     print(f"{Path(config).name} Megatron TP1 -> vLLM TP1 across two processes on {a.device}: {gib:.2f} GiB, "
           f"median of {a.iters}, slowest process")
@@ -225,9 +229,13 @@ def main() -> int:
     for k, t in med.items():
         ref = ceilings.get(k)
         rel = f"{med[ref] / t:6.0%} of {ref}" if ref in med else "(ceiling)"
-        print(f"{k:<18} {t * 1e3:8.1f} ms {gib / t:8.2f}  {rel}")
+        steps = "".join(f"; {who}: " + ", ".join(f"{p} {v * 1e3:.1f}" for p, v in res[i][f"{k} phases"].items())
+                        for i, who in ((TRAINER, "trainer"), (ENGINE, "engine")) if f"{k} phases" in res[i])
+        print(f"{k:<18} {t * 1e3:8.1f} ms {gib / t:8.2f}  {rel}{steps}")
     if a.json:
         Path(a.json).write_text(json.dumps({"args": args, "bytes": nbytes, "median_s": med,
+                                            "phases": {who: {k: v for k, v in res[i].items() if k.endswith("phases")}
+                                                       for i, who in ((TRAINER, "trainer"), (ENGINE, "engine"))},
                                             "runs": {k: slowest(k) for k in med}}, indent=1))
     return 0
 

@@ -198,7 +198,7 @@ class SharedExecutor(Executor):
 
     def __init__(self, plan: Plan, binding: Binding, process: int, src: RankTensors, dst: RankTensors, *,
                  store: Any, staged: bool = True, timeout: float = 60.0, namespace: str = "default",
-                 poll_max_s: float = 0.002) -> None:
+                 poll_max_s: float = 0.0002) -> None:
         if timeout <= 0:
             raise ExecutionError(f"timeout={timeout} must be positive (seconds)")
         binding.check(plan.src.num_ranks, plan.dst.num_ranks)

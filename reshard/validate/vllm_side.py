@@ -77,10 +77,10 @@ def load_parity(config_path: str, perturb: str | None = None, dtype: str = "bflo
     import torch
     from vllm.config import set_current_vllm_config
 
-    from ..adapters.vllm import LoaderInstaller, LocalTransport, bind_direct, loader_layout, loader_plans
+    from ..adapters.vllm import LoaderInstaller, bind_direct, loader_layout
     from ..errors import ReshardError
     from ..adapters.vllm.live import declared_layout, spec_of, weights
-    from ..executors import shard
+    from ..executors import LocalExecutor, shard
     from ..executors.local import torch_dtype
     from ..layouts import HfLayout
     from ..planner import compile_plan
@@ -107,8 +107,8 @@ def load_parity(config_path: str, perturb: str | None = None, dtype: str = "bflo
         except ReshardError as exc:  # the model refuses the declared layout: every problem, as a result
             return {"rank": rank, "layout": str(layout), "error": str(exc)}
         source = HfLayout(model=spec)
-        transport = LocalTransport(shard(source, perturbed(hf, perturb) if perturb else hf))
-        transport.run(compile_plan(source, layout), {rank: binding.tensors})
+        src = shard(source, perturbed(hf, perturb) if perturb else hf)
+        LocalExecutor(compile_plan(source, layout), None, 0, src, {rank: binding.tensors}).refit()
         binding.finish()
 
         def differing() -> list[str]:
@@ -122,10 +122,12 @@ def load_parity(config_path: str, perturb: str | None = None, dtype: str = "bflo
             return out
 
         differ = differing()
-        # the loader install too: canonical tensors received per layer group and handed to load_weights
+        # the loader install too: canonical tensors received whole, then handed to load_weights per layer group
         poison(model)
-        LoaderInstaller(model, rank, loader_plans(source, loader_layout(spec, cfg.parallel_config.world_size)),
-                        cfg).install(transport)
+        plan = compile_plan(source, loader_layout(spec, cfg.parallel_config.world_size))
+        installer = LoaderInstaller(model, rank, plan, cfg)
+        LocalExecutor(plan, None, 0, src, {rank: installer.buffers}).refit()
+        installer.load()
         differ += [f"{name} (loader install)" for name in differing()]
         return {"rank": rank, "layout": str(layout), "params": len(want), "differ": differ,
                 "bytes": sum(p.numel() * p.element_size() for p in want.values())}

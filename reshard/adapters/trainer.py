@@ -56,7 +56,8 @@ class RefitResult:
 
     version: str
     seconds: float
-    phases: dict[str, float] = field(default_factory=dict)  # pause+start, transfer (this process), engines, finish
+    phases: dict[str, float] = field(default_factory=dict)  # start (pause + start), transfer (this process), engines
+    # (until every engine's update returned: its transfer and install), finish, resume
     stats: Any = None  # this process's executor stats
 
 
@@ -176,6 +177,8 @@ class TrainerSession:
                     engine.resume()
                 except Exception as e:  # noqa: BLE001 - reported with the refit's outcome
                     errors.append(f"{engine}: resume failed: {e}")
+            if paused:
+                marks.append(("resume", time.perf_counter()))
         if errors:
             raise ExecutionError(f"refit {version!r} failed; engines keep their previous weights: "
                                  + "; ".join(errors))

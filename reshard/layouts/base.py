@@ -61,18 +61,6 @@ class PlacementTable:
         cols = [getattr(self, c).tolist() for c in self.COLUMNS]
         return [(c, r, self.kinds[k][0], self.kinds[k][1], *rest) for c, r, k, *rest in zip(*cols)]
 
-    @staticmethod
-    def concat(tables: Sequence["PlacementTable"]) -> "PlacementTable":
-        kinds: dict[tuple[str, tuple[int, ...]], int] = {}
-        cols: dict[str, list[np.ndarray]] = {c: [] for c in PlacementTable.COLUMNS}
-        for t in tables:
-            remap = np.asarray([kinds.setdefault(k, len(kinds)) for k in t.kinds], dtype=np.int64)
-            for c in PlacementTable.COLUMNS:
-                v = getattr(t, c)
-                cols[c].append(remap[v] if c == "kind" and len(v) else v)
-        return PlacementTable(**{c: np.concatenate(v) if v else np.zeros(0, np.int64) for c, v in cols.items()},
-                              kinds=tuple(kinds))
-
 
 class TableBuilder:
     """Accumulates blocks of placement rows; each block's columns broadcast against each other."""
@@ -214,9 +202,6 @@ class Layout(BaseModel, abc.ABC):
         for t in self.model.tensors:
             for p in self.placements(t):
                 yield t, p
-
-    def describe(self) -> str:
-        return str(self)
 
     def _fail(self, constraint: str, fix: str = "", **values: object) -> None:
         raise LayoutError(self.kind, constraint, values, fix)

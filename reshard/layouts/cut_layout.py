@@ -24,7 +24,7 @@ class Where(NamedTuple):
     key (and, for stacked tensors, each tensor's slot)."""
 
     group: Group
-    first: np.ndarray
+    first: np.ndarray | int
     keys: np.ndarray
     name: Callable[..., str]
     slot: np.ndarray | int = 0
@@ -46,9 +46,8 @@ class CutLayout(Layout):
         for cut in self._cuts(kind):
             w = self._place(cut, kind, np.asarray([tensor.layer]), np.asarray([tensor.expert]), replica)
             if w is not None:
-                slot = int(np.asarray(w.slot).reshape(-1)[0])
-                out += cut.placements(tensor.name, tensor.shape, w.group, w.name(*w.keys[0].tolist()),
-                                      int(w.first[0]), slot)
+                first, slot = (int(np.asarray(x).reshape(-1)[0]) for x in (w.first, w.slot))
+                out += cut.placements(tensor.name, tensor.shape, w.group, w.name(*w.keys[0].tolist()), first, slot)
         return out
 
     def placement_table(self, index: np.ndarray | Sequence[int] | None = None,

@@ -76,14 +76,16 @@ class Cut(abc.ABC):
         """Where many tensors of `shape` live, as rows laid out (tensor, piece, copy) or (tensor, copy, piece):
         the batched answer. Tensor k is named `name(*keys[k])`, its group starts at `first[k]`."""
         phys, pieces = self.pieces(what, shape, g)
-        k = len(pieces)
-        at_piece, at_copy = ((1, 1, k), (1, -1, 1)) if g.copies_first else ((1, k, 1), (1, 1, -1))
-        origin = np.asarray([flat_origin(phys, p) for *_, p in pieces], dtype=np.int64).reshape(at_piece)
+        at_piece, at_copy = ((1, 1, -1), (1, -1, 1)) if g.copies_first else ((1, -1, 1), (1, 1, -1))
+
+        def per_piece(x: list[int]) -> np.ndarray | int:  # a scalar where every piece agrees: rows stay views
+            return x[0] if len(set(x)) == 1 else np.asarray(x, dtype=np.int64).reshape(at_piece)
+
+        boxes = [(r, *sum(as_2d(c, n), ()), flat_origin(phys, p)) for r, c, n, p in pieces]
+        r, c0, c1, n0, n1, origin = (per_piece(list(x)) for x in zip(*boxes))
         if g.stack:
             origin = origin + np.asarray(slot, dtype=np.int64).reshape(-1, 1, 1) * math.prod(phys)
             phys = (g.stack, *phys)
-        r, c0, c1, n0, n1 = np.asarray([(r, *sum(as_2d(c, n), ())) for r, c, n, _ in pieces],
-                                       dtype=np.int64).T.reshape(5, *at_piece)
         tensor = lambda x: np.asarray(x, dtype=np.int64).reshape(-1, 1, 1)  # noqa: E731  one value per tensor
         rank = tensor(first) + r * g.stride + np.asarray(g.copies, dtype=np.int64).reshape(at_copy)
         b.add(tensor(canon), rank, tensor(b.kinds_for(keys, name, phys)), c0, c1, n0, n1, origin, phys[-1])

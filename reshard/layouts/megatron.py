@@ -158,11 +158,7 @@ class MegatronLayout(CutLayout):
                     for j in range(per_chunk):
                         home[start + j] = (s, c, j)
             return tuple(home)
-        home, layer = [], 0
-        for s, n in enumerate(self._stage_layer_counts):
-            home.extend((s, 0, j) for j in range(n))
-            layer += n
-        return tuple(home)
+        return tuple((s, 0, j) for s, n in enumerate(self._stage_layer_counts) for j in range(n))
 
     def stage_of_layer(self, layer: int) -> int:
         return self._layer_home[layer][0]
@@ -174,51 +170,44 @@ class MegatronLayout(CutLayout):
     def _prefix(self, chunk: int) -> str:
         return f"model{chunk}." if self.vpp > 1 else ""
 
-    # --- ranks -------------------------------------------------------------------------------------
-    def _rank(self, sizes: dict[str, int], coords: dict[str, int]) -> int:
-        rank, stride = 0, 1
+    # --- ranks: a global rank is the sum of coordinate x stride, axes in `rank_order` (first fastest) ---------
+    def _sizes(self, expert: bool) -> dict[str, int]:
+        return ({"tp": self.etp, "cp": 1, "ep": self.ep, "dp": self.edp, "pp": self.pp} if expert else
+                {"tp": self.tp, "cp": 1, "ep": 1, "dp": self.dp, "pp": self.pp})
+
+    def axis_strides(self, expert: bool) -> dict[str, int]:
+        """Stride of each parallel axis (of the dense or the expert grid) in the global rank."""
+        strides, stride, sizes = {}, 1, self._sizes(expert)
         for axis in self.rank_order.split("-"):
-            rank += coords.get(axis, 0) * stride
-            stride *= sizes[axis]
-        return rank
+            strides[axis], stride = stride, stride * sizes[axis]
+        return strides
 
     def dense_rank(self, tp: int, dp: int, pp: int) -> int:
-        return self._rank({"tp": self.tp, "cp": 1, "ep": 1, "dp": self.dp, "pp": self.pp},
-                          {"tp": tp, "dp": dp, "pp": pp})
+        s = self.axis_strides(False)
+        return tp * s["tp"] + dp * s["dp"] + pp * s["pp"]
 
     def expert_rank(self, etp: int, ep: int, edp: int, pp: int) -> int:
-        return self._rank({"tp": self.etp, "cp": 1, "ep": self.ep, "dp": self.edp, "pp": self.pp},
-                          {"tp": etp, "ep": ep, "dp": edp, "pp": pp})
+        s = self.axis_strides(True)
+        return etp * s["tp"] + ep * s["ep"] + edp * s["dp"] + pp * s["pp"]
 
     def dense_coords(self, rank: int) -> dict[str, int]:
-        """Inverse of dense_rank: {'tp', 'dp', 'pp'} of a global rank."""
-        return self._coords(rank, {"tp": self.tp, "cp": 1, "ep": 1, "dp": self.dp, "pp": self.pp})
+        """Inverse of dense_rank: {'tp', 'dp', 'pp'} (and 'cp', 'ep', always 0) of a global rank."""
+        return self._coords(rank, False)
 
     def expert_coords(self, rank: int) -> dict[str, int]:
         """Inverse of expert_rank: {'tp' (expert-TP), 'ep', 'dp' (expert-DP), 'pp'} of a global rank."""
-        return self._coords(rank, {"tp": self.etp, "cp": 1, "ep": self.ep, "dp": self.edp, "pp": self.pp})
+        return self._coords(rank, True)
 
-    def _coords(self, rank: int, sizes: dict[str, int]) -> dict[str, int]:
+    def _coords(self, rank: int, expert: bool) -> dict[str, int]:
         self._check_rank(rank)
-        out = {}
+        out, sizes = {}, self._sizes(expert)
         for axis in self.rank_order.split("-"):
-            out[axis] = rank % sizes[axis]
-            rank //= sizes[axis]
+            out[axis], rank = rank % sizes[axis], rank // sizes[axis]
         return out
 
     # --- placements --------------------------------------------------------------------------------
     def value_offset(self, tensor: TensorSpec) -> float:
         return kind_of(self.model, tensor.role).megatron_offset
-
-    def axis_strides(self, expert: bool) -> dict[str, int]:
-        """Stride of each parallel axis in the global rank (rank = sum of coordinate x stride)."""
-        sizes = ({"tp": self.etp, "cp": 1, "ep": self.ep, "dp": self.edp, "pp": self.pp} if expert else
-                 {"tp": self.tp, "cp": 1, "ep": 1, "dp": self.dp, "pp": self.pp})
-        strides, stride = {}, 1
-        for axis in self.rank_order.split("-"):
-            strides[axis] = stride
-            stride *= sizes[axis]
-        return strides
 
     @functools.cached_property
     def _groups(self) -> tuple[Group, Group]:

@@ -226,15 +226,13 @@ class CanonicalTable:
     dimensions (a depthwise conv1d weight [C, 1, K]) is seen as [prod(leading dims), last dim]: its cuts split
     dim 0 only and keep the middle dimensions whole, so each box stays a rows x cols block of that view."""
 
-    entry: np.ndarray  # code into `entries`
-    role: np.ndarray  # code into `roles`
+    entry: np.ndarray  # code into `entries`: the tensor's name template, shape, role and dtype
     layer: np.ndarray  # -1 where it does not apply
     expert: np.ndarray
     rows: np.ndarray
     cols: np.ndarray
     ndim: np.ndarray
     entries: tuple[Entry, ...]  # the family's distinct entries, in order of first appearance
-    roles: tuple[Hashable, ...]  # every shared Role, then the family's own kinds in order of first appearance
 
     def __len__(self) -> int:
         return len(self.entry)
@@ -272,13 +270,11 @@ def _canonical_table(spec: ModelSpec) -> CanonicalTable:
     expert = np.concatenate([x for (_, x), _ in blocks])
     layer = np.concatenate([np.full(len(e), i, dtype=np.int64) for (e, _), i in blocks])
     entries = tuple(codes)
-    roles = tuple(Role) + tuple(dict.fromkeys(e.role for e in entries if not isinstance(e.role, Role)))
-    role_of = {r: k for k, r in enumerate(roles)}
-    per_entry = [np.asarray(x, dtype=np.int64) for x in zip(*(
-        (role_of[e.role], math.prod(e.shape[:-1]), e.shape[-1], len(e.shape)) for e in entries))]
-    table = CanonicalTable(entry, *(x[entry] for x in per_entry[:1]), layer, expert,
-                           *(x[entry] for x in per_entry[1:]), entries=entries, roles=roles)
-    for a in (table.entry, table.role, table.layer, table.expert, table.rows, table.cols, table.ndim):
+    i64 = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
+    per_entry = {"rows": i64([math.prod(e.shape[:-1]) for e in entries]), "cols": i64([e.shape[-1] for e in entries]),
+                 "ndim": i64([len(e.shape) for e in entries])}
+    table = CanonicalTable(entry, layer, expert, **{k: v[entry] for k, v in per_entry.items()}, entries=entries)
+    for a in (table.entry, table.layer, table.expert, table.rows, table.cols, table.ndim):
         a.setflags(write=False)
     return table
 

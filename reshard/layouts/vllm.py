@@ -69,10 +69,6 @@ class VllmLayout(CutLayout):
         `language_model.` for vLLM's Qwen3.5 ForConditionalGeneration); the family sets it in the spec."""
         return self.model.arch_value("vllm_prefix", "")
 
-    @property
-    def kv_heads_per_rank(self) -> int:
-        return max(1, self.model.num_key_value_heads // self.tp)
-
     def __str__(self) -> str:
         ep = ",ep" if self.expert_parallel else ""
         return f"vllm:tp={self.tp},replicas={self.replicas}{ep}"
@@ -93,7 +89,7 @@ class VllmLayout(CutLayout):
     def _place(self, cut: Cut, kind: Kind, layer: np.ndarray, expert: np.ndarray, replica: int | None
                ) -> Where | None:
         g, name = self._group(kind.expert, replica), self.name_prefix + cut.name
-        first, slot = np.zeros_like(layer), expert
+        first, slot = 0, expert  # every tensor's group starts at rank 0 of its replica
         if kind.expert and self.expert_parallel:
             first, slot = np.divmod(expert, g.stack)
         return Where(g, first, layer.reshape(-1, 1), lambda i: name.format(i=i), slot)

@@ -14,7 +14,8 @@ The modules, each importing only those listed before it:
   families/    one file per family, every one imported with the package
 """
 from .base import Layout, Placement
-from .families import ModelFamily, discover, read_hf_config, registered_families, spec_from_hf_config, supported_architectures
+from .families import (ModelFamily, discover, read_hf_config, registered_families, spec_from_hf_config,
+                       supported_architectures)
 from .hf import HfLayout
 from .megatron import MegatronLayout
 from .model import ModelSpec, Role, TensorSpec

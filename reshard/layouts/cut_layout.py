@@ -13,19 +13,20 @@ from typing import Callable, Hashable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-from .base import Layout, Placement, PlacementTable, TableBuilder, rank_tensor_table
+from .base import Layout, Placement, PlacementTable, TableBuilder
 from .cuts import Cut, Group, Kind
 from .model import Entry, ModelSpec, Role, TensorSpec
 from .roles import kind_of
 
 
 class Where(NamedTuple):
-    """Where a cut puts tensors of one kind: the group, each tensor's first rank, name keys and the name of a
-    key (and, for stacked tensors, each tensor's slot)."""
+    """Where a cut puts tensors of one kind: the group, each tensor's first rank, the columns of their name keys
+    and the name of a key (and, for stacked tensors, each tensor's slot). Values are arrays with one entry per
+    tensor, or scalars (one tensor, or a value all share)."""
 
     group: Group
     first: np.ndarray | int
-    keys: np.ndarray
+    keys: tuple[np.ndarray | int, ...]
     name: Callable[..., str]
     slot: np.ndarray | int = 0
 
@@ -36,18 +37,19 @@ class CutLayout(Layout):
         """The cuts that place tensors of `kind` on this side."""
 
     @abc.abstractmethod
-    def _place(self, cut: Cut, kind: Kind, layer: np.ndarray, expert: np.ndarray,
+    def _place(self, cut: Cut, kind: Kind, layer: np.ndarray | int, expert: np.ndarray | int,
                replica: int | None) -> Where | None:
-        """Where `cut` puts the tensors of `kind` at `layer` / `expert`; None where it puts nothing."""
+        """Where `cut` puts the tensors of `kind` at `layer` / `expert` (arrays, or one tensor's ints); None
+        where it puts nothing."""
 
     def placements(self, tensor: TensorSpec, replica: int | None = None) -> list[Placement]:
         kind = kind_of(self.model, tensor.role)
         out: list[Placement] = []
         for cut in self._cuts(kind):
-            w = self._place(cut, kind, np.asarray([tensor.layer]), np.asarray([tensor.expert]), replica)
+            w = self._place(cut, kind, tensor.layer, tensor.expert, replica)
             if w is not None:
-                first, slot = (int(np.asarray(x).reshape(-1)[0]) for x in (w.first, w.slot))
-                out += cut.placements(tensor.name, tensor.shape, w.group, w.name(*w.keys[0].tolist()), first, slot)
+                out += cut.placements(tensor.name, tensor.shape, w.group, w.name(*map(int, w.keys)), int(w.first),
+                                      int(w.slot))
         return out
 
     def placement_table(self, index: np.ndarray | Sequence[int] | None = None,
@@ -62,17 +64,13 @@ class CutLayout(Layout):
                                  w.first, w.slot)
         return b.table()
 
-    def rank_tensors(self, rank: int) -> dict[str, tuple[int, ...]]:
-        self._check_rank(rank)
-        return rank_tensor_table(self).get(rank, {})
-
     def _check_cuts(self) -> None:
         """Raise LayoutError now, at construction, if a cut of this side cannot split its tensors."""
         c = self.model.canonical
         for entry, idx in entry_groups(self.model, None):
             kind = kind_of(self.model, entry.role)
             for cut in self._cuts(kind):
-                w = self._place(cut, kind, c.layer[idx[:1]], c.expert[idx[:1]], 0)
+                w = self._place(cut, kind, int(c.layer[idx[0]]), int(c.expert[idx[0]]), 0)
                 if w is not None:
                     cut.pieces(self.model.tensor_name(int(idx[0])), entry.shape, w.group)
 
@@ -86,6 +84,9 @@ def entry_groups(spec: ModelSpec, index: np.ndarray | Sequence[int] | None) -> I
     order: dict[Hashable, int] = {r: k for k, r in enumerate(Role)}
     for e in c.entries:
         order.setdefault(e.role, len(order))
-    present = np.flatnonzero(np.bincount(codes, minlength=len(c.entries))).tolist()
-    for code in sorted(present, key=lambda e: (order[c.entries[e].role], e)):
-        yield c.entries[code], index[codes == code]
+    by_code = index[np.argsort(codes, kind="stable")]
+    ends = np.cumsum(np.bincount(codes, minlength=len(c.entries))).tolist()
+    for code in sorted(range(len(c.entries)), key=lambda e: (order[c.entries[e].role], e)):
+        start = ends[code - 1] if code else 0
+        if ends[code] > start:
+            yield c.entries[code], by_code[start:ends[code]]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Callable, Literal, Sequence
 
 import numpy as np
 
@@ -72,9 +72,11 @@ class Cut(abc.ABC):
         return [Placement(first + r * g.stride + k, name, phys, c, n, p) for r, c, n, p in pieces for k in g.copies]
 
     def add_rows(self, b: TableBuilder, what: str, shape: tuple[int, ...], g: Group, canon: np.ndarray,
-                 keys: np.ndarray, name: Callable[..., str], first: np.ndarray, slot: np.ndarray | int = 0) -> None:
+                 keys: Sequence[np.ndarray | int], name: Callable[..., str], first: np.ndarray | int,
+                 slot: np.ndarray | int = 0) -> None:
         """Where many tensors of `shape` live, as rows laid out (tensor, piece, copy) or (tensor, copy, piece):
-        the batched answer. Tensor k is named `name(*keys[k])`, its group starts at `first[k]`."""
+        the batched answer. Tensor k is named `name(*(column[k] for column in keys))`, its group starts at
+        `first[k]`, its slot is `slot[k]` (a scalar: the same for all)."""
         phys, pieces = self.pieces(what, shape, g)
         at_piece, at_copy = ((1, 1, -1), (1, -1, 1)) if g.copies_first else ((1, -1, 1), (1, 1, -1))
 

@@ -14,10 +14,9 @@ from typing import Any, ClassVar, Sequence
 
 from ..errors import ModelConfigError
 from . import registry
-from .model import Entry, Experts, ModelSpec, Role
+from .model import LAYER, Entry, Experts, ModelSpec, Role
 
 _HF_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "fp8": "float8_e4m3fn"}
-LAYER = "model.layers.{i}."  # HF prefix of a layer's tensors; `{i}` is the layer
 
 
 class ModelFamily(abc.ABC):
@@ -45,13 +44,17 @@ class ModelFamily(abc.ABC):
     def layer(self, spec: ModelSpec, i: int) -> Sequence[Entry | Experts]:
         """Layer i's tensors in checkpoint order (names keep `{i}`: layers of one structure share a list)."""
 
+    def hf_model(self, spec: ModelSpec) -> str:
+        """The HF prefix of the decoder's tensors (a multimodal wrapper nests the language model deeper)."""
+        return "model."
+
     def head(self, spec: ModelSpec) -> Sequence[Entry]:
         """The tensors before the layers."""
-        return [Entry("model.embed_tokens.weight", (spec.vocab_size, spec.hidden_size), Role.EMBED)]
+        return [Entry(self.hf_model(spec) + "embed_tokens.weight", (spec.vocab_size, spec.hidden_size), Role.EMBED)]
 
     def tail(self, spec: ModelSpec) -> Sequence[Entry]:
         """The tensors after the layers: the final norm, and the output layer unless it is tied."""
-        out = [Entry("model.norm.weight", (spec.hidden_size,), Role.FINAL_NORM)]
+        out = [Entry(self.hf_model(spec) + "norm.weight", (spec.hidden_size,), Role.FINAL_NORM)]
         if not spec.tie_word_embeddings:
             out.append(Entry("lm_head.weight", (spec.vocab_size, spec.hidden_size), Role.LM_HEAD))
         return out

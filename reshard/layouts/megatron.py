@@ -13,6 +13,7 @@ Facts this encodes (pinned by the Megatron adapter tests against real megatron-c
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -216,39 +217,47 @@ class MegatronLayout(CutLayout):
         return (Group(self.kind, self.tp, d["tp"], tuple(k * d["dp"] for k in range(self.dp)), self.padded_vocab),
                 Group(self.kind, self.etp, e["tp"], tuple(k * e["dp"] for k in range(self.edp))))
 
+    @functools.cached_property
+    def _layers(self) -> "_Layers":
+        m = self.model
+        return _Layers(np.asarray(self._layer_home, dtype=np.int64).reshape(-1, 3),
+                       np.asarray([m.is_moe_layer(i) for i in range(m.num_layers)], dtype=np.int64),
+                       [[f"{self._prefix(c)}decoder.layers.{j}." for j in range(m.num_layers)] for c in range(self.vpp)],
+                       (self.axis_strides(False), self.axis_strides(True)))
+
     def _cuts(self, kind: Kind) -> tuple[Cut, ...]:
         return kind.te if self.naming == "te" else kind.megatron
 
-    def _place(self, cut: Cut, kind: Kind, layer: np.ndarray, expert: np.ndarray, replica: int | None
-               ) -> Where | None:
-        g, pp = self._groups[kind.expert], self.axis_strides(kind.expert)["pp"]
+    def _place(self, cut: Cut, kind: Kind, layer: np.ndarray | int, expert: np.ndarray | int,
+               replica: int | None) -> Where | None:
+        g, layers = self._groups[kind.expert], self._layers
+        strides = layers.strides[kind.expert]
         if cut.at is not None:  # outside the layers: first or last stage
             if cut.at == "last_copy" and self.pp == 1:
                 return None
             stage, chunk = (0, 0) if cut.at == "first" else (self.pp - 1, self.vpp - 1)
             name = self._prefix(chunk) + cut.name
-            return Where(g, np.full(len(layer), stage * pp), np.zeros((len(layer), 1), np.int64), lambda _: name)
-        homes, moe, prefixes = _layer_arrays(self)
-        home = homes[layer]
-        first, local = home[:, 0] * pp, np.zeros_like(layer)
+            return Where(g, stage * strides["pp"], (0,), lambda _: name)
+        stage, chunk, local = layers.home[layer].T  # one layer or an array of them
+        first, j = stage * strides["pp"], 0
         if kind.expert:
-            ep, local = np.divmod(expert, self.model.num_experts // self.ep)
-            first = first + ep * self.axis_strides(True)["ep"]
+            ep, j = divmod(expert, self.model.num_experts // self.ep)
+            first = first + ep * strides["ep"]
         names = (cut.name, cut.moe_name or cut.name)
-        variant = moe[layer] if cut.moe_name else np.zeros_like(layer)
-        return Where(g, first, np.stack([home[:, 1], home[:, 2], variant, local], axis=1),
-                     lambda ch, lo, v, j: prefixes[ch][lo] + names[v].format(j=j))
+        return Where(g, first, (chunk, local, layers.moe[layer] if cut.moe_name else 0, j),
+                     lambda ch, lo, v, jj: layers.prefix[ch][lo] + names[v].format(j=jj))
 
 
-@functools.lru_cache(maxsize=16)
-def _layer_arrays(lay: MegatronLayout) -> tuple[np.ndarray, np.ndarray, list[list[str]]]:
-    """Per layer: (stage, chunk, index in chunk) and whether it is a MoE layer; per chunk and index, the name
-    prefix (formatted once). Not a cached property: arrays in a model's __dict__ would break its equality."""
-    m = lay.model
-    homes = np.asarray(lay._layer_home, dtype=np.int64).reshape(-1, 3)
-    moe = np.asarray([m.is_moe_layer(i) for i in range(m.num_layers)], dtype=np.int64)
-    return homes, moe, [[f"{lay._prefix(ch)}decoder.layers.{lo}." for lo in range(m.num_layers)]
-                        for ch in range(lay.vpp)]
+@dataclass(frozen=True, eq=False)
+class _Layers:
+    """Per layer: (stage, chunk, index in chunk) and 1 for a MoE layer; per chunk and index, the name prefix
+    (formatted once); the dense and expert axis strides. Compared by identity: arrays in a model's __dict__
+    must not take part in its equality."""
+
+    home: np.ndarray
+    moe: np.ndarray
+    prefix: list[list[str]]
+    strides: tuple[dict[str, int], dict[str, int]]
 
 
 def _gcd(a: int, b: int) -> int:

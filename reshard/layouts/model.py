@@ -19,6 +19,7 @@ from ..errors import ModelConfigError
 from . import registry
 
 DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+LAYER = "model.layers.{i}."  # HF (and vLLM) prefix of layer i's tensors
 
 
 class Role(str, enum.Enum):

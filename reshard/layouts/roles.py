@@ -11,12 +11,20 @@ its experts are stacked: w13 [E_local, 2 Fm/tp, H] holding [gate; up] per expert
 from __future__ import annotations
 
 import functools
-from typing import Hashable
+from types import MappingProxyType
+from typing import Callable, Hashable, Mapping
 
-from .cuts import ColumnBlocks, GlobalRows, Kind, QkvParallel, Replicated, RowBlocks, Vocab
-from .model import ModelSpec, Role
+from .cuts import ColumnBlocks, Cut, GlobalRows, Kind, QkvParallel, Replicated, RowBlocks, Vocab
+from .model import LAYER, ModelSpec, Role
 
-_L = "model.layers.{i}."
+
+def gated_mlp(megatron: str, vllm: str, label: str = "") -> tuple[Kind, Kind, Kind]:
+    """gate / up / down of a SwiGLU MLP under the module names `megatron` and `vllm`: Megatron's linear_fc1
+    [gate_r; up_r] and linear_fc2, vLLM's gate_up_proj [gate_r; up_r] and down_proj."""
+    fc1, gate_up = megatron + "linear_fc1.weight", vllm + "gate_up_proj.weight"
+    return (Kind(label + "gate", RowBlocks(fc1, 0, 2), RowBlocks(gate_up, 0, 2)),
+            Kind(label + "up", RowBlocks(fc1, 1, 2), RowBlocks(gate_up, 1, 2)),
+            Kind(label + "down", ColumnBlocks(megatron + "linear_fc2.weight"), ColumnBlocks(vllm + "down_proj.weight")))
 
 
 def kind_of(spec: ModelSpec, role: Hashable) -> Kind:
@@ -26,30 +34,31 @@ def kind_of(spec: ModelSpec, role: Hashable) -> Kind:
 
 
 @functools.lru_cache(maxsize=64)
-def shared_kinds(heads: int, groups: int, head_dim: int, tied: bool) -> dict[Role, Kind]:
+def shared_kinds(heads: int, groups: int, head_dim: int, tied: bool) -> Mapping[Role, Kind]:
+    """Each shared role's Kind, for a model of these attention sizes (the q/k/v cuts depend on them) and tied or
+    untied embeddings."""
     d, hpg = head_dim, heads // groups
     group = (hpg + 2) * d  # rows of one query group in linear_qkv
 
     def qkv(role: Role, slot: int, rows: int) -> Kind:
         blocks = tuple((g * rows, g * group + slot, rows) for g in range(groups))
         return Kind(role.value, GlobalRows("self_attention.linear_qkv.weight", groups * group, blocks),
-                    QkvParallel(_L + "self_attn.qkv_proj.weight", heads * d, groups, d, "qkv".index(role.value)))
+                    QkvParallel(LAYER + "self_attn.qkv_proj.weight", heads * d, groups, d, "qkv".index(role.value)))
 
     def norm(role: Role, megatron: str, vllm: str, te: str | None = None, moe: str | None = None) -> Kind:
-        return Kind(role.value, Replicated(megatron), Replicated(_L + vllm),
+        return Kind(role.value, Replicated(megatron), Replicated(LAYER + vllm),
                     te=Replicated(te, moe_name=moe) if te else None)
 
-    def expert(role: Role, part: int) -> Kind:
-        fc, w = ("fc2", "w2") if part < 0 else ("fc1", "w13")
-        cut = ColumnBlocks if part < 0 else functools.partial(RowBlocks, part=part, parts=2)
+    def expert(role: Role, fc: str, w: str, cut: Callable[[str], Cut]) -> Kind:
+        """A routed expert's tensor: Megatron's per-local-expert `{j}` fc1 / fc2, vLLM's stacked w13 / w2."""
         return Kind(role.value, cut(f"mlp.experts.local_experts.{{j}}.linear_{fc}.weight"),
-                    cut(f"{_L}mlp.experts.routed_experts.{w}_weight"), te=cut(f"mlp.experts.linear_{fc}.weight{{j}}"),
+                    cut(f"{LAYER}mlp.experts.routed_experts.{w}_weight"), te=cut(f"mlp.experts.linear_{fc}.weight{{j}}"),
                     expert=True)
 
     embed = (Vocab("embedding.word_embeddings.weight", at="first"),)
     if tied:  # the last stage keeps a synchronized copy as output_layer.weight (pp > 1)
         embed += (Vocab("output_layer.weight", at="last_copy"),)
-    return {
+    return MappingProxyType({
         Role.EMBED: Kind("embed", embed, Vocab("model.embed_tokens.weight")),
         Role.LM_HEAD: Kind("lm_head", Vocab("output_layer.weight", at="last"), Vocab("lm_head.weight")),
         Role.FINAL_NORM: Kind("final_norm", Replicated("decoder.final_layernorm.weight", at="last"),
@@ -63,12 +72,11 @@ def shared_kinds(heads: int, groups: int, head_dim: int, tied: bool) -> dict[Rol
         Role.Q: qkv(Role.Q, 0, hpg * d),
         Role.K: qkv(Role.K, hpg * d, d),
         Role.V: qkv(Role.V, (hpg + 1) * d, d),
-        Role.O: Kind("o", ColumnBlocks("self_attention.linear_proj.weight"), ColumnBlocks(_L + "self_attn.o_proj.weight")),
-        Role.GATE: Kind("gate", RowBlocks("mlp.linear_fc1.weight", 0, 2), RowBlocks(_L + "mlp.gate_up_proj.weight", 0, 2)),
-        Role.UP: Kind("up", RowBlocks("mlp.linear_fc1.weight", 1, 2), RowBlocks(_L + "mlp.gate_up_proj.weight", 1, 2)),
-        Role.DOWN: Kind("down", ColumnBlocks("mlp.linear_fc2.weight"), ColumnBlocks(_L + "mlp.down_proj.weight")),
-        Role.ROUTER: Kind("router", Replicated("mlp.router.weight"), Replicated(_L + "mlp.gate.weight")),
-        Role.EXPERT_GATE: expert(Role.EXPERT_GATE, 0),
-        Role.EXPERT_UP: expert(Role.EXPERT_UP, 1),
-        Role.EXPERT_DOWN: expert(Role.EXPERT_DOWN, -1),
-    }
+        Role.O: Kind("o", ColumnBlocks("self_attention.linear_proj.weight"),
+                     ColumnBlocks(LAYER + "self_attn.o_proj.weight")),
+        **dict(zip((Role.GATE, Role.UP, Role.DOWN), gated_mlp("mlp.", LAYER + "mlp."))),
+        Role.ROUTER: Kind("router", Replicated("mlp.router.weight"), Replicated(LAYER + "mlp.gate.weight")),
+        Role.EXPERT_GATE: expert(Role.EXPERT_GATE, "fc1", "w13", lambda name: RowBlocks(name, 0, 2)),
+        Role.EXPERT_UP: expert(Role.EXPERT_UP, "fc1", "w13", lambda name: RowBlocks(name, 1, 2)),
+        Role.EXPERT_DOWN: expert(Role.EXPERT_DOWN, "fc2", "w2", ColumnBlocks),
+    })

@@ -86,10 +86,10 @@ class VllmLayout(CutLayout):
     def _cuts(self, kind: Kind) -> tuple[Cut, ...]:
         return kind.vllm
 
-    def _place(self, cut: Cut, kind: Kind, layer: np.ndarray, expert: np.ndarray, replica: int | None
-               ) -> Where | None:
+    def _place(self, cut: Cut, kind: Kind, layer: np.ndarray | int, expert: np.ndarray | int,
+               replica: int | None) -> Where | None:
         g, name = self._group(kind.expert, replica), self.name_prefix + cut.name
         first, slot = 0, expert  # every tensor's group starts at rank 0 of its replica
         if kind.expert and self.expert_parallel:
-            first, slot = np.divmod(expert, g.stack)
-        return Where(g, first, layer.reshape(-1, 1), lambda i: name.format(i=i), slot)
+            first, slot = divmod(expert, g.stack)
+        return Where(g, first, (layer,), lambda i: name.format(i=i), slot)

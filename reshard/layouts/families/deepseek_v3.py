@@ -27,9 +27,10 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import ModelConfigError
-from ..cuts import ColumnBlocks, Kind, Replicated, ReplicatedAt, RowBlocks
+from ..cuts import Kind, Replicated, ReplicatedAt, RowBlocks
 from ..family import LAYER, ModelFamily, dense_mlp, norm, routed_experts
 from ..model import Entry, ModelSpec, Role
+from ..roles import gated_mlp
 
 _A = LAYER + "self_attn."
 _M = LAYER + "mlp."
@@ -44,11 +45,7 @@ Q_UP = Kind("mla_q_up", RowBlocks("self_attention.linear_q_up_proj.weight"), Row
 Q_FULL = Kind("mla_q", RowBlocks("self_attention.linear_q_proj.weight"), RowBlocks(_A + "q_proj.weight"))
 KV_UP = Kind("mla_kv_up", RowBlocks("self_attention.linear_kv_up_proj.weight"), RowBlocks(_A + "kv_b_proj.weight"))
 ROUTER_BIAS = Kind("router_bias", Replicated("mlp.router.expert_bias"), Replicated(_M + "gate.e_score_correction_bias"))
-# Shared experts: Megatron's fused linear_fc1 [gate_r; up_r] and linear_fc2, TP-split like a dense MLP.
-_FC1, _FC2 = "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight"
-SHARED_GATE = Kind("shared_expert_gate", RowBlocks(_FC1, 0, 2), RowBlocks(_M + "shared_experts.gate_up_proj.weight", 0, 2))
-SHARED_UP = Kind("shared_expert_up", RowBlocks(_FC1, 1, 2), RowBlocks(_M + "shared_experts.gate_up_proj.weight", 1, 2))
-SHARED_DOWN = Kind("shared_expert_down", ColumnBlocks(_FC2), ColumnBlocks(_M + "shared_experts.down_proj.weight"))
+SHARED_GATE, SHARED_UP, SHARED_DOWN = gated_mlp("mlp.shared_experts.", _M + "shared_experts.", "shared_expert_")
 
 
 def _down_kinds(q_rank: int | None, kv_rows: int) -> tuple[Kind | None, Kind]:
@@ -104,7 +101,8 @@ class DeepseekV3(ModelFamily):
     def spec(self, config: dict[str, Any], include_mtp: bool = False) -> ModelSpec:
         self._require(config, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                       "n_routed_experts", "moe_intermediate_size")
-        self._refuse_mtp_and_activation(config, include_mtp, "num_nextn_predict_layers", "model.layers.N.* past the last")
+        self._refuse_mtp_and_activation(config, include_mtp, "num_nextn_predict_layers",
+                                        "model.layers.N.* past the last")
         fields = self._common(config, qk_norm=False, biases=("attention_bias",))
         fields["head_dim"] = config["v_head_dim"]  # unused by MLA tensors; keeps the shared checks meaningful
         layers = fields["num_layers"]

@@ -42,14 +42,15 @@ from ...errors import ModelConfigError
 from ..cuts import ColumnBlocks, GlobalRows, Kind, QkvParallel, Replicated, RowBlocks, Stacked
 from ..family import LAYER, ModelFamily, dense_mlp, norm, routed_experts
 from ..model import Entry, Experts, ModelSpec, Role
+from ..roles import gated_mlp
 
 _LIN = LAYER + "linear_attn."
 _ATT = LAYER + "self_attn."
 _MLP = LAYER + "mlp."
 _LAYER_TYPES = ("linear_attention", "full_attention")
 
-GDN_INPUT_NORM = Kind("gdn_input_norm", Replicated("input_layernorm.weight"), Replicated(LAYER + "input_layernorm.weight"),
-                      te=Replicated("self_attention.in_proj.layer_norm_weight"))
+GDN_INPUT_NORM = Kind("gdn_input_norm", Replicated("input_layernorm.weight"),
+                      Replicated(LAYER + "input_layernorm.weight"), te=Replicated("self_attention.in_proj.layer_norm_weight"))
 GDN_DT_BIAS = Kind("gdn_dt_bias", RowBlocks("self_attention.dt_bias"), RowBlocks(_LIN + "dt_bias"))
 GDN_A_LOG = Kind("gdn_a_log", RowBlocks("self_attention.A_log"), RowBlocks(_LIN + "A_log"))
 # The GDN output norm is a plain RMSNorm weight in HF and vLLM (w * rmsnorm(x) * silu(z)), but Megatron builds it
@@ -58,11 +59,7 @@ GDN_A_LOG = Kind("gdn_a_log", RowBlocks("self_attention.A_log"), RowBlocks(_LIN 
 GDN_NORM = Kind("gdn_norm", Replicated("self_attention.out_norm.weight"), Replicated(_LIN + "norm.weight"),
                 megatron_offset=-1.0)
 GDN_OUT = Kind("gdn_out_proj", ColumnBlocks("self_attention.out_proj.weight"), ColumnBlocks(_LIN + "out_proj.weight"))
-# The shared expert: Megatron's fused linear_fc1 [gate_r; up_r] and linear_fc2, TP-split like a dense MLP.
-_FC1, _FC2, _SE = "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight", _MLP + "shared_expert."
-SHARED_GATE = Kind("shared_expert_proj_gate", RowBlocks(_FC1, 0, 2), RowBlocks(_SE + "gate_up_proj.weight", 0, 2))
-SHARED_UP = Kind("shared_expert_proj_up", RowBlocks(_FC1, 1, 2), RowBlocks(_SE + "gate_up_proj.weight", 1, 2))
-SHARED_DOWN = Kind("shared_expert_proj_down", ColumnBlocks(_FC2), ColumnBlocks(_SE + "down_proj.weight"))
+SHARED_GATE, SHARED_UP, SHARED_DOWN = gated_mlp("mlp.shared_experts.", _MLP + "shared_expert.", "shared_expert_proj_")
 SHARED_EXPERT_GATE = Kind("shared_expert_gate", Replicated("mlp.shared_experts.gate_weight"),
                           Replicated(_MLP + "shared_expert_gate.weight"))
 
@@ -208,20 +205,11 @@ class Qwen35(ModelFamily):
             "shared_intermediate_size": (t.get("shared_expert_intermediate_size") or 0) if E else 0,
             "shared_expert_gate": bool(E), "zero_centered_norms": True, "multimodal": multimodal, "vllm_prefix": "language_model." if multimodal else ""})
 
-    @staticmethod
-    def _model(spec: ModelSpec) -> str:
-        """HF prefix of the language model: the multimodal wrapper nests it (lm_head stays `lm_head.weight`)."""
+    def hf_model(self, spec: ModelSpec) -> str:  # the multimodal wrapper nests the language model
         return "model.language_model." if spec.arch_value("multimodal") else "model."
 
-    def head(self, spec: ModelSpec) -> list[Entry]:
-        return [Entry(self._model(spec) + "embed_tokens.weight", (spec.vocab_size, spec.hidden_size), Role.EMBED)]
-
     def layer(self, spec: ModelSpec, i: int) -> list[Entry | Experts]:
-        return _layer(spec, i, self._model(spec) + "layers.{i}.")
-
-    def tail(self, spec: ModelSpec) -> list[Entry]:
-        first, *rest = super().tail(spec)
-        return [Entry(self._model(spec) + "norm.weight", first.shape, first.role), *rest]
+        return _layer(spec, i, self.hf_model(spec) + "layers.{i}.")
 
     def megatron_options(self, spec: ModelSpec) -> dict[str, Any]:
         a = dict(spec.arch)

@@ -170,8 +170,8 @@ class Layout(BaseModel, abc.ABC):
                         replica: int | None = None) -> PlacementTable:
         """`placements` of the canonical tensors `index` (default all) as one table.
 
-        This default reads `placements` one tensor at a time (the reference); layouts override it with
-        batched rules, which property tests hold equal to the reference.
+        This default reads `placements` one tensor at a time (the reference); layouts override it with the
+        cuts' batched answer, which property tests hold equal to the reference.
         """
         tensors = self.model.tensors
         index = range(len(tensors)) if index is None else np.asarray(index, dtype=np.int64).tolist()

@@ -32,6 +32,8 @@ class Where(NamedTuple):
 
 
 class CutLayout(Layout):
+    """A layout whose tensors are placed by their kinds' cuts (see the module docstring)."""
+
     @abc.abstractmethod
     def _cuts(self, kind: Kind) -> tuple[Cut, ...]:
         """The cuts that place tensors of `kind` on this side."""

@@ -24,8 +24,8 @@ import numpy as np
 from ..errors import LayoutError
 from .base import Placement, TableBuilder, as_2d, flat_origin
 
-# (tp rank, canonical offset, lengths, physical offset) of one piece of a tensor
-Piece = tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+Shape = tuple[int, ...]
+Piece = tuple[int, Shape, Shape, Shape]  # (tp rank, canonical offset, lengths, physical offset) of one piece
 
 
 @dataclass(frozen=True)
@@ -57,12 +57,11 @@ class Cut(abc.ABC):
     moe_name: str | None = field(default=None, kw_only=True)
 
     @abc.abstractmethod
-    def pieces(self, what: str, shape: tuple[int, ...], g: Group) -> tuple[tuple[int, ...], list[Piece]]:
+    def pieces(self, what: str, shape: Shape, g: Group) -> tuple[Shape, list[Piece]]:
         """(physical shape, pieces) of a tensor of `shape` (named `what` in errors) over `g.tp` ranks; raises
         LayoutError if the group cannot cut it."""
 
-    def placements(self, what: str, shape: tuple[int, ...], g: Group, name: str, first: int,
-                   slot: int = 0) -> list[Placement]:
+    def placements(self, what: str, shape: Shape, g: Group, name: str, first: int, slot: int = 0) -> list[Placement]:
         """Where one tensor lives: the per-tensor answer."""
         phys, pieces = self.pieces(what, shape, g)
         if g.stack:
@@ -71,7 +70,7 @@ class Cut(abc.ABC):
             return [Placement(first + r * g.stride + k, name, phys, c, n, p) for k in g.copies for r, c, n, p in pieces]
         return [Placement(first + r * g.stride + k, name, phys, c, n, p) for r, c, n, p in pieces for k in g.copies]
 
-    def add_rows(self, b: TableBuilder, what: str, shape: tuple[int, ...], g: Group, canon: np.ndarray,
+    def add_rows(self, b: TableBuilder, what: str, shape: Shape, g: Group, canon: np.ndarray,
                  keys: Sequence[np.ndarray | int], name: Callable[..., str], first: np.ndarray | int,
                  slot: np.ndarray | int = 0) -> None:
         """Where many tensors of `shape` live, as rows laid out (tensor, piece, copy) or (tensor, copy, piece):
@@ -93,14 +92,14 @@ class Cut(abc.ABC):
         b.add(tensor(canon), rank, tensor(b.kinds_for(keys, name, phys)), c0, c1, n0, n1, origin, phys[-1])
 
 
-def _per(what: str, shape: tuple[int, ...], dim: int, g: Group) -> int:
+def _per(what: str, shape: Shape, dim: int, g: Group) -> int:
     if shape[dim] % g.tp:
         raise LayoutError(g.side, f"{what}: dim {dim} of shape {shape} is not divisible by tp={g.tp}",
                           {"tensor": what, "tp": g.tp})
     return shape[dim] // g.tp
 
 
-def _zeros(shape: tuple[int, ...]) -> tuple[int, ...]:
+def _zeros(shape: Shape) -> Shape:
     return (0,) * len(shape)
 
 
@@ -108,7 +107,7 @@ def _zeros(shape: tuple[int, ...]) -> tuple[int, ...]:
 class Replicated(Cut):
     """The whole tensor on every TP rank."""
 
-    def pieces(self, what, shape, g):
+    def pieces(self, what: str, shape: Shape, g: Group) -> tuple[Shape, list[Piece]]:
         return shape, [(r, _zeros(shape), shape, _zeros(shape)) for r in range(g.tp)]
 
 
@@ -120,7 +119,7 @@ class ReplicatedAt(Cut):
     row: int = 0
     rows: int = 0
 
-    def pieces(self, what, shape, g):
+    def pieces(self, what: str, shape: Shape, g: Group) -> tuple[Shape, list[Piece]]:
         rest = shape[1:]
         return (self.rows, *rest), [(r, _zeros(shape), shape, (self.row, *_zeros(rest))) for r in range(g.tp)]
 
@@ -129,7 +128,7 @@ class ReplicatedAt(Cut):
 class Vocab(Cut):
     """Vocabulary rows padded to `Group.vocab` and split into row blocks over TP; padding rows hold no data."""
 
-    def pieces(self, what, shape, g):
+    def pieces(self, what: str, shape: Shape, g: Group) -> tuple[Shape, list[Piece]]:
         V, H = shape
         rows = g.vocab // g.tp
         return (rows, H), [(r, (min(r * rows, V), 0), (max(min((r + 1) * rows, V) - r * rows, 0), H), (0, 0))
@@ -144,7 +143,7 @@ class RowBlocks(Cut):
     part: int = 0
     parts: int = 1
 
-    def pieces(self, what, shape, g):
+    def pieces(self, what: str, shape: Shape, g: Group) -> tuple[Shape, list[Piece]]:
         per, rest = _per(what, shape, 0, g), shape[1:]
         pad = _zeros(rest)
         return (self.parts * per, *rest), [(r, (r * per, *pad), (per, *rest), (self.part * per, *pad))
@@ -155,7 +154,7 @@ class RowBlocks(Cut):
 class ColumnBlocks(Cut):
     """Dim 1 split into contiguous blocks over TP."""
 
-    def pieces(self, what, shape, g):
+    def pieces(self, what: str, shape: Shape, g: Group) -> tuple[Shape, list[Piece]]:
         rows, per = shape[0], _per(what, shape, 1, g)
         return (rows, per), [(r, (0, r * per), (rows, per), (0, 0)) for r in range(g.tp)]
 
@@ -172,7 +171,7 @@ class Stacked(Cut):
     count: int = 1
     heads: tuple[int, ...] = ()  # rows per head of each part (default 1): TP must give each rank whole heads
 
-    def pieces(self, what, shape, g):
+    def pieces(self, what: str, shape: Shape, g: Group) -> tuple[Shape, list[Piece]]:
         mine = self.sizes[self.first:self.first + self.count]
         if sum(mine) != shape[0]:
             raise LayoutError(g.side, f"{what}: {shape[0]} rows, but stack parts {self.first}.."
@@ -198,7 +197,7 @@ class GlobalRows(Cut):
     total: int = 0
     blocks: tuple[tuple[int, int, int], ...] = ()
 
-    def pieces(self, what, shape, g):
+    def pieces(self, what: str, shape: Shape, g: Group) -> tuple[Shape, list[Piece]]:
         if self.total % g.tp:
             raise LayoutError(g.side, f"{what}: the {self.total} rows of {self.name} are not divisible by "
                               f"tp={g.tp}", {"tensor": what, "tp": g.tp})
@@ -223,7 +222,7 @@ class QkvParallel(Cut):
     head_dim: int = 1
     part: int = 0
 
-    def pieces(self, what, shape, g):
+    def pieces(self, what: str, shape: Shape, g: Group) -> tuple[Shape, list[Piece]]:
         heads, d, tp = self.kv_heads, self.head_dim, g.tp
         if self.q_rows % tp or (heads % tp if heads >= tp else tp % heads):
             raise LayoutError(g.side, f"{what}: tp={tp} cuts neither {self.q_rows} query rows nor {heads} KV "

@@ -25,8 +25,8 @@ class ModelFamily(abc.ABC):
     name: ClassVar[str]
     architectures: ClassVar[tuple[str, ...]]
     model_types: ClassVar[tuple[str, ...]] = ()
-    # megatron-core: which block the CPU validation builds ("gpt": get_gpt_decoder_block_spec; "gated_delta_net":
-    # GatedDeltaNet layers among attention layers), and its config class.
+    # megatron-core: the layer specs the CPU validation builds ("gpt": get_gpt_decoder_block_spec;
+    # "gated_delta_net": GatedDeltaNet layers among attention layers) and the config class.
     megatron_block: ClassVar[str] = "gpt"
     megatron_config_class: ClassVar[str] = "TransformerConfig"
     # Live vLLM parameters that hold no model weights (formatted with the layer `{i}`).
@@ -70,8 +70,8 @@ class ModelFamily(abc.ABC):
 
     def megatron_options(self, spec: ModelSpec) -> dict[str, Any]:
         """megatron-core TransformerConfig options this family's spec implies beyond the shared dense / MoE ones
-        (attention variant, norms, shared experts ...): the CPU validation builds with them and the Megatron
-        adapter checks a live model's config against them."""
+        (attention variant, norms, shared experts ...): `reshard validate` builds its tiny megatron-core model
+        with them, in `megatron_config_class`, with the `megatron_block` layer specs."""
         return {}
 
     # Small sizes for a tiny instance of the same structure (validation builds it on CPU). Families add their

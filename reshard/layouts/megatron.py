@@ -222,7 +222,8 @@ class MegatronLayout(CutLayout):
         m = self.model
         return _Layers(np.asarray(self._layer_home, dtype=np.int64).reshape(-1, 3),
                        np.asarray([m.is_moe_layer(i) for i in range(m.num_layers)], dtype=np.int64),
-                       [[f"{self._prefix(c)}decoder.layers.{j}." for j in range(m.num_layers)] for c in range(self.vpp)],
+                       [[f"{self._prefix(c)}decoder.layers.{j}." for j in range(m.num_layers)]
+                        for c in range(self.vpp)],
                        (self.axis_strides(False), self.axis_strides(True)))
 
     def _cuts(self, kind: Kind) -> tuple[Cut, ...]:

@@ -52,8 +52,8 @@ def shared_kinds(heads: int, groups: int, head_dim: int, tied: bool) -> Mapping[
     def expert(role: Role, fc: str, w: str, cut: Callable[[str], Cut]) -> Kind:
         """A routed expert's tensor: Megatron's per-local-expert `{j}` fc1 / fc2, vLLM's stacked w13 / w2."""
         return Kind(role.value, cut(f"mlp.experts.local_experts.{{j}}.linear_{fc}.weight"),
-                    cut(f"{LAYER}mlp.experts.routed_experts.{w}_weight"), te=cut(f"mlp.experts.linear_{fc}.weight{{j}}"),
-                    expert=True)
+                    cut(f"{LAYER}mlp.experts.routed_experts.{w}_weight"),
+                    te=cut(f"mlp.experts.linear_{fc}.weight{{j}}"), expert=True)
 
     embed = (Vocab("embedding.word_embeddings.weight", at="first"),)
     if tied:  # the last stage keeps a synchronized copy as output_layer.weight (pp > 1)

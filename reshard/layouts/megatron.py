@@ -150,15 +150,9 @@ class MegatronLayout(CutLayout):
     def _layer_home(self) -> tuple[tuple[int, int, int], ...]:
         """For each global layer: (stage, virtual chunk, index inside that chunk)."""
         L, p, v = self.model.num_layers, self.pp, self.vpp
-        if v > 1:
+        if v > 1:  # chunk c holds layers [c L/v, (c+1) L/v), stage s the s-th L/(p v) of them
             per_chunk = L // (p * v)
-            home = [None] * L
-            for c in range(v):
-                for s in range(p):
-                    start = c * (L // v) + s * per_chunk
-                    for j in range(per_chunk):
-                        home[start + j] = (s, c, j)
-            return tuple(home)
+            return tuple(((i % (L // v)) // per_chunk, i // (L // v), i % per_chunk) for i in range(L))
         return tuple((s, 0, j) for s, n in enumerate(self._stage_layer_counts) for j in range(n))
 
     def stage_of_layer(self, layer: int) -> int:

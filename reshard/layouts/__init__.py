@@ -1,6 +1,21 @@
-"""What is where: model specs and the layouts of each side. Imports nothing from the rest of reshard."""
+"""What is where: model specs and the layouts of each side. Imports nothing from the rest of reshard.
+
+The modules, each importing only those listed before it:
+  registry     families by name and HF architecture; reading an HF config
+  model        ModelSpec (a model's facts), Role, and the canonical tensors (TensorSpec; the CanonicalTable built
+               from a family's `Entry` lists)
+  base         Placement, PlacementTable / TableBuilder, the Layout base class
+  cuts         the one vocabulary of cuts (Replicated, RowBlocks, ColumnBlocks, Vocab, ...) and Kind (a kind of
+               tensor: its cut on each side)
+  roles        the shared roles as Kinds
+  cut_layout   a layout that places every tensor by its kind's cuts
+  megatron, vllm, hf    the three layouts; spec_string: layouts as strings and JSON
+  family       ModelFamily, the base class of a family file (subclassing registers it)
+  families/    one file per family, every one imported with the package
+"""
 from .base import Layout, Placement
-from .families import ModelFamily, discover, registered_families, spec_from_hf_config, supported_architectures
+from .families import (ModelFamily, discover, read_hf_config, registered_families, spec_from_hf_config,
+                       supported_architectures)
 from .hf import HfLayout
 from .megatron import MegatronLayout
 from .model import ModelSpec, Role, TensorSpec
@@ -9,6 +24,6 @@ from .vllm import VllmLayout
 
 __all__ = [
     "HfLayout", "LAYOUT_KINDS", "Layout", "MegatronLayout", "ModelFamily", "ModelSpec", "Placement", "Role",
-    "TensorSpec", "VllmLayout", "layout_from_dict", "layout_to_dict", "parse_layout", "spec_from_hf_config",
-    "supported_architectures",
+    "TensorSpec", "VllmLayout", "discover", "layout_from_dict", "layout_to_dict", "parse_layout", "read_hf_config",
+    "registered_families", "spec_from_hf_config", "supported_architectures",
 ]

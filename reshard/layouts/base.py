@@ -61,18 +61,6 @@ class PlacementTable:
         cols = [getattr(self, c).tolist() for c in self.COLUMNS]
         return [(c, r, self.kinds[k][0], self.kinds[k][1], *rest) for c, r, k, *rest in zip(*cols)]
 
-    @staticmethod
-    def concat(tables: Sequence["PlacementTable"]) -> "PlacementTable":
-        kinds: dict[tuple[str, tuple[int, ...]], int] = {}
-        cols: dict[str, list[np.ndarray]] = {c: [] for c in PlacementTable.COLUMNS}
-        for t in tables:
-            remap = np.asarray([kinds.setdefault(k, len(kinds)) for k in t.kinds], dtype=np.int64)
-            for c in PlacementTable.COLUMNS:
-                v = getattr(t, c)
-                cols[c].append(remap[v] if c == "kind" and len(v) else v)
-        return PlacementTable(**{c: np.concatenate(v) if v else np.zeros(0, np.int64) for c, v in cols.items()},
-                              kinds=tuple(kinds))
-
 
 class TableBuilder:
     """Accumulates blocks of placement rows; each block's columns broadcast against each other."""
@@ -84,15 +72,15 @@ class TableBuilder:
     def kind(self, name: str, shape: tuple[int, ...]) -> int:
         return self._kinds.setdefault((name, tuple(shape)), len(self._kinds))
 
-    def kinds_for(self, keys: np.ndarray, name: Callable[..., str], shape: tuple[int, ...]) -> np.ndarray:
-        """Kind id per row of `keys` (n x k ints) for tensors of one `shape`; `name(*key)` runs once per distinct
-        key."""
-        keys = np.asarray(keys, dtype=np.int64).reshape(len(keys), -1)
-        first, inverse = unique_inverse(tuple(keys.T))
+    def kinds_for(self, keys: Sequence[np.ndarray | int], name: Callable[..., str], shape: tuple[int, ...]
+                  ) -> np.ndarray:
+        """Kind id per tensor of one `shape`, named `name(*key)` from the key columns `keys` (one value per tensor,
+        or one that all share); `name` runs once per distinct key."""
+        cols = [c.reshape(-1) for c in np.broadcast_arrays(*(np.asarray(k, dtype=np.int64) for k in keys))]
+        first, inverse = unique_inverse(tuple(cols))
         kinds, shape = self._kinds, tuple(shape)
-        ids = np.asarray([kinds.setdefault((name(*k), shape), len(kinds)) for k in keys[first].tolist()],
-                         dtype=np.int64)
-        return ids[inverse]
+        ids = [kinds.setdefault((name(*key), shape), len(kinds)) for key in zip(*(c[first].tolist() for c in cols))]
+        return np.asarray(ids, dtype=np.int64)[inverse]
 
     def add(self, canon, rank, kind, c0, c1, n0, n1, origin, stride) -> None:
         arrays = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64)
@@ -173,16 +161,17 @@ class Layout(BaseModel, abc.ABC):
     def placements(self, tensor: TensorSpec, replica: int | None = None) -> list[Placement]:
         """Every place the canonical tensor lives; only in `replica` when given."""
 
-    @abc.abstractmethod
     def rank_tensors(self, rank: int) -> dict[str, tuple[int, ...]]:
         """The physical tensors of one rank (name -> shape), padding included."""
+        self._check_rank(rank)
+        return rank_tensor_table(self).get(rank, {})
 
     def placement_table(self, index: np.ndarray | Sequence[int] | None = None,
                         replica: int | None = None) -> PlacementTable:
         """`placements` of the canonical tensors `index` (default all) as one table.
 
-        This default reads `placements` one tensor at a time (the reference); layouts override it with
-        batched rules, which property tests hold equal to the reference.
+        This default reads `placements` one tensor at a time (the reference); layouts override it with the
+        cuts' batched answer, which property tests hold equal to the reference.
         """
         tensors = self.model.tensors
         index = range(len(tensors)) if index is None else np.asarray(index, dtype=np.int64).tolist()
@@ -214,9 +203,6 @@ class Layout(BaseModel, abc.ABC):
         for t in self.model.tensors:
             for p in self.placements(t):
                 yield t, p
-
-    def describe(self) -> str:
-        return str(self)
 
     def _fail(self, constraint: str, fix: str = "", **values: object) -> None:
         raise LayoutError(self.kind, constraint, values, fix)

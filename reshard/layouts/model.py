@@ -1,7 +1,8 @@
 """Canonical tensors of a model: HF checkpoint names, global shapes and the role each plays.
 
-A role says how a tensor behaves under parallelism (vocab-parallel, column, row, replicated,
-expert ...). Layouts dispatch on the role, never on substrings of the name.
+A family lists a layer's tensors as `Entry`s (an HF name template, a shape, a role); the spec turns those
+lists into the `CanonicalTable`, one row per tensor, with numpy. A role is a shared `Role` (embed, q, gate,
+experts ...) or a family's own `cuts.Kind`; layouts place a tensor by its role's cuts, never by its name.
 """
 from __future__ import annotations
 
@@ -9,17 +10,21 @@ import enum
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Hashable
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from ..errors import ModelConfigError
+from . import registry
 
 DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+LAYER = "model.layers.{i}."  # HF (and vLLM) prefix of layer i's tensors
 
 
 class Role(str, enum.Enum):
+    """The roles every decoder shares; `roles.py` says where each lives on each side."""
+
     EMBED = "embed"
     LM_HEAD = "lm_head"
     FINAL_NORM = "final_norm"
@@ -47,20 +52,38 @@ class Role(str, enum.Enum):
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
     """One canonical tensor. `layer` and `expert` are -1 where they do not apply. `role` is a shared `Role`
-    or a family-specific `kinds.Kind` (which carries its own placement rules). `dtype` is set only where a
-    tensor keeps another dtype than the model (e.g. a float32 router bias)."""
+    or a family's own `cuts.Kind`. `dtype` is set only where a tensor keeps another dtype than the model (e.g.
+    a float32 router bias)."""
 
     index: int
     name: str
     shape: tuple[int, ...]
-    role: "Role | Any"
+    role: Hashable
     layer: int = -1
     expert: int = -1
     dtype: str | None = None
 
     @property
     def numel(self) -> int:
-        return functools.reduce(lambda a, b: a * b, self.shape, 1)
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a family's list: its HF name (`{i}` the layer, `{e}` the expert), shape and role."""
+
+    name: str
+    shape: tuple[int, ...]
+    role: Hashable
+    dtype: str | None = None  # only where it differs from the model's (a float32 router bias)
+
+
+@dataclass(frozen=True)
+class Experts:
+    """Entries repeated for each of `count` experts, expert by expert (HF's per-expert checkpoint order)."""
+
+    entries: tuple[Entry, ...]
+    count: int
 
 
 class ModelSpec(BaseModel):
@@ -111,10 +134,9 @@ class ModelSpec(BaseModel):
         bad = [i for i in self.dense_layers if not 0 <= i < self.num_layers]
         if bad:
             problems.append(f"dense_layers {bad} are outside [0, {self.num_layers})")
-        from .families import _BY_NAME
-
-        if self.family not in _BY_NAME:
-            problems.append(f"family={self.family!r} is not registered (registered: {', '.join(sorted(_BY_NAME))})")
+        if not registry.is_registered(self.family):
+            problems.append(f"family={self.family!r} is not registered (registered: "
+                            f"{', '.join(registry.registered_families())})")
         if problems:
             raise ModelConfigError("invalid model spec: " + "; ".join(problems))
         return self
@@ -153,28 +175,23 @@ class ModelSpec(BaseModel):
 
     @property
     def canonical(self) -> "CanonicalTable":
-        """The canonical tensors as arrays (same order and indices as `tensors`), built without Python objects
+        """The canonical tensors as arrays (same order and indices as `tensors`), built without a Python object
         per tensor: what compilers and batched placements use at scale."""
         return _canonical_table(self)
 
     def tensor_at(self, index: int) -> TensorSpec:
         """`tensors[index]`, built alone (the whole tuple costs a Python object per tensor)."""
-        if self.family not in _TABLE_FAMILIES:
-            return _canonical_tensors(self)[index]
         c = self.canonical
-        shape = (int(c.rows[index]), int(c.cols[index])) if c.ndim[index] == 2 else (int(c.cols[index]),)
-        return TensorSpec(int(index), self.tensor_name(index), shape, ROLES[int(c.role[index])],
-                          int(c.layer[index]), int(c.expert[index]))
+        e = c.entries[int(c.entry[index])]
+        return TensorSpec(int(index), self.tensor_name(index), e.shape, e.role, int(c.layer[index]),
+                          int(c.expert[index]), e.dtype)
 
     def tensor_name(self, index: int) -> str:
         """The HF name of canonical tensor `index`, without building every TensorSpec."""
         c = self.canonical
         if not 0 <= index < len(c):
             raise KeyError(f"canonical tensor index {index} is outside [0, {len(c)})")
-        if self.family not in _TABLE_FAMILIES:
-            return _canonical_tensors(self)[index].name
-        role = ROLES[int(c.role[index])]
-        return HF_NAMES[role].format(i=int(c.layer[index]), e=int(c.expert[index]))
+        return c.entries[int(c.entry[index])].name.format(i=int(c.layer[index]), e=int(c.expert[index]))
 
     @property
     def num_params(self) -> int:
@@ -192,9 +209,7 @@ class ModelSpec(BaseModel):
 
     @classmethod
     def from_hf_config(cls, config: "dict | str", include_mtp: bool = False) -> "ModelSpec":
-        from .families import spec_from_hf_config
-
-        return spec_from_hf_config(config, include_mtp=include_mtp)
+        return registry.spec_from_hf_config(config, include_mtp=include_mtp)
 
 
 def _frozen(value: Any) -> Any:
@@ -205,153 +220,81 @@ def _frozen(value: Any) -> Any:
     return value
 
 
-ROLES: tuple[Role, ...] = tuple(Role)
-ROLE_CODE: dict[Role, int] = {r: k for k, r in enumerate(ROLES)}
-# Family-specific kinds (layouts/kinds.py) get codes after the built-in roles, on first sight.
-_EXTRA_ROLES: list = []
-
-
-def role_code(role) -> int:
-    code = ROLE_CODE.get(role)
-    if code is None:
-        if role not in _EXTRA_ROLES:
-            _EXTRA_ROLES.append(role)
-        code = len(ROLES) + _EXTRA_ROLES.index(role)
-    return code
-
-
-def role_at(code: int):
-    """The Role (or family-specific Kind) a code in `CanonicalTable.role` stands for."""
-    return ROLES[code] if code < len(ROLES) else _EXTRA_ROLES[code - len(ROLES)]
-
-
-# Families whose tensors `_canonical_table` lays out directly with numpy; others go through their tensor list.
-_TABLE_FAMILIES = ("qwen3", "qwen3_moe", "llama")
-
-HF_NAMES = {  # checkpoint (HF) names of the shared roles; `{i}` is the layer, `{e}` the expert
-    Role.EMBED: "model.embed_tokens.weight",
-    Role.LM_HEAD: "lm_head.weight",
-    Role.FINAL_NORM: "model.norm.weight",
-    Role.INPUT_NORM: "model.layers.{i}.input_layernorm.weight",
-    Role.POST_ATTN_NORM: "model.layers.{i}.post_attention_layernorm.weight",
-    Role.Q_NORM: "model.layers.{i}.self_attn.q_norm.weight",
-    Role.K_NORM: "model.layers.{i}.self_attn.k_norm.weight",
-    Role.Q: "model.layers.{i}.self_attn.q_proj.weight",
-    Role.K: "model.layers.{i}.self_attn.k_proj.weight",
-    Role.V: "model.layers.{i}.self_attn.v_proj.weight",
-    Role.O: "model.layers.{i}.self_attn.o_proj.weight",
-    Role.GATE: "model.layers.{i}.mlp.gate_proj.weight",
-    Role.UP: "model.layers.{i}.mlp.up_proj.weight",
-    Role.DOWN: "model.layers.{i}.mlp.down_proj.weight",
-    Role.ROUTER: "model.layers.{i}.mlp.gate.weight",
-    Role.EXPERT_GATE: "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
-    Role.EXPERT_UP: "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
-    Role.EXPERT_DOWN: "model.layers.{i}.mlp.experts.{e}.down_proj.weight",
-}
-
-
 @dataclass(frozen=True, eq=False)
 class CanonicalTable:
     """Canonical tensors as columns, index k = `ModelSpec.tensors[k].index`. Shapes are seen as 2-D
     (`rows` x `cols`; a 1-D tensor is one row) because every compiler step works on 2-D boxes. A tensor of more
-    dimensions (a depthwise conv1d weight [C, 1, K]) is seen as [prod(leading dims), last dim]: its placements
-    cut dim 0 only and keep the middle dimensions whole, so each box stays a rows x cols block of that view."""
+    dimensions (a depthwise conv1d weight [C, 1, K]) is seen as [prod(leading dims), last dim]: its cuts split
+    dim 0 only and keep the middle dimensions whole, so each box stays a rows x cols block of that view."""
 
-    role: np.ndarray  # code into ROLES
+    entry: np.ndarray  # code into `entries`: the tensor's name template, shape, role and dtype
     layer: np.ndarray  # -1 where it does not apply
     expert: np.ndarray
     rows: np.ndarray
     cols: np.ndarray
     ndim: np.ndarray
+    entries: tuple[Entry, ...]  # the family's distinct entries, in order of first appearance
 
     def __len__(self) -> int:
-        return len(self.role)
+        return len(self.entry)
 
     @property
     def numel(self) -> np.ndarray:
         return self.rows * self.cols
 
 
-def _role_shapes(spec: ModelSpec) -> dict[Role, tuple[int, ...]]:
-    H, d = spec.hidden_size, spec.head_dim
-    F, Fm = spec.intermediate_size, spec.moe_intermediate_size
-    return {
-        Role.EMBED: (spec.vocab_size, H), Role.LM_HEAD: (spec.vocab_size, H), Role.FINAL_NORM: (H,),
-        Role.INPUT_NORM: (H,), Role.POST_ATTN_NORM: (H,), Role.Q_NORM: (d,), Role.K_NORM: (d,),
-        Role.Q: (spec.num_attention_heads * d, H), Role.K: (spec.num_key_value_heads * d, H),
-        Role.V: (spec.num_key_value_heads * d, H), Role.O: (H, spec.num_attention_heads * d),
-        Role.GATE: (F, H), Role.UP: (F, H), Role.DOWN: (H, F), Role.ROUTER: (spec.num_experts, H),
-        Role.EXPERT_GATE: (Fm, H), Role.EXPERT_UP: (Fm, H), Role.EXPERT_DOWN: (H, Fm),
-    }
-
-
 @functools.lru_cache(maxsize=64)
 def _canonical_table(spec: ModelSpec) -> CanonicalTable:
-    """Same order as `_canonical_tensors`, built a layer at a time with numpy."""
-    if spec.family not in _TABLE_FAMILIES:
-        return _table_from_tensors(_canonical_tensors(spec))
-    attn = [Role.INPUT_NORM, Role.Q, Role.K, Role.V, Role.O]
-    if spec.qk_norm:
-        attn += [Role.Q_NORM, Role.K_NORM]
-    attn.append(Role.POST_ATTN_NORM)
-    E = spec.num_experts
-    expert_roles = np.tile([ROLE_CODE[r] for r in (Role.EXPERT_GATE, Role.EXPERT_UP, Role.EXPERT_DOWN)], E)
-    expert_ids = np.repeat(np.arange(E), 3)
-    roles, layers, experts = [[ROLE_CODE[Role.EMBED]]], [[-1]], [[-1]]
-    for i in range(spec.num_layers):
-        head = attn + ([Role.ROUTER] if spec.is_moe_layer(i) else [Role.GATE, Role.UP, Role.DOWN])
-        roles.append([ROLE_CODE[r] for r in head])
-        experts.append([-1] * len(head))
-        if spec.is_moe_layer(i):
-            roles.append(expert_roles)
-            experts.append(expert_ids)
-        layers.append(np.full(len(head) + (3 * E if spec.is_moe_layer(i) else 0), i))
-    tail = [Role.FINAL_NORM] + ([] if spec.tie_word_embeddings else [Role.LM_HEAD])
-    roles.append([ROLE_CODE[r] for r in tail])
-    layers.append([-1] * len(tail))
-    experts.append([-1] * len(tail))
-    role = np.concatenate([np.asarray(x, dtype=np.int64) for x in roles])
-    shapes = _role_shapes(spec)
-    by_code = [shapes[r] for r in ROLES]
-    nd = np.asarray([len(s) for s in by_code], dtype=np.int64)
-    rows = np.asarray([s[0] if len(s) == 2 else 1 for s in by_code], dtype=np.int64)
-    cols = np.asarray([s[-1] for s in by_code], dtype=np.int64)
-    table = CanonicalTable(role, np.concatenate([np.asarray(x, dtype=np.int64) for x in layers]),
-                           np.concatenate([np.asarray(x, dtype=np.int64) for x in experts]),
-                           rows[role], cols[role], nd[role])
-    for a in (table.role, table.layer, table.expert, table.rows, table.cols, table.ndim):
+    """The family's entries, layer by layer (a layer's list is expanded once per distinct list)."""
+    fam = registry.family(spec.family)
+    codes: dict[Entry, int] = {}
+    expanded: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+    def expand(items: tuple) -> tuple[np.ndarray, np.ndarray]:
+        if items not in expanded:
+            entry, expert = [], []
+            for item in items:
+                if isinstance(item, Experts):
+                    ids = [codes.setdefault(e, len(codes)) for e in item.entries]
+                    entry.append(np.tile(np.asarray(ids, dtype=np.int64), item.count))
+                    expert.append(np.repeat(np.arange(item.count, dtype=np.int64), len(ids)))
+                else:
+                    entry.append(np.asarray([codes.setdefault(item, len(codes))], dtype=np.int64))
+                    expert.append(np.asarray([-1], dtype=np.int64))
+            expanded[items] = (np.concatenate(entry), np.concatenate(expert))
+        return expanded[items]
+
+    blocks = [(expand(tuple(fam.head(spec))), -1)]
+    blocks += [(expand(tuple(fam.layer(spec, i))), i) for i in range(spec.num_layers)]
+    blocks.append((expand(tuple(fam.tail(spec))), -1))
+    entry = np.concatenate([e for (e, _), _ in blocks])
+    expert = np.concatenate([x for (_, x), _ in blocks])
+    layer = np.concatenate([np.full(len(e), i, dtype=np.int64) for (e, _), i in blocks])
+    entries = tuple(codes)
+    i64 = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
+    per_entry = {"rows": i64([math.prod(e.shape[:-1]) for e in entries]), "cols": i64([e.shape[-1] for e in entries]),
+                 "ndim": i64([len(e.shape) for e in entries])}
+    table = CanonicalTable(entry, layer, expert, **{k: v[entry] for k, v in per_entry.items()}, entries=entries)
+    for a in (table.entry, table.layer, table.expert, table.rows, table.cols, table.ndim):
         a.setflags(write=False)
     return table
 
 
 @functools.lru_cache(maxsize=64)
 def _canonical_tensors(spec: ModelSpec) -> tuple[TensorSpec, ...]:
-    """The family (reshard/layouts/families/) lists the tensors; here they get their indices."""
-    from .families import family
-
-    rows = family(spec.family).tensors(spec)
-    return tuple(TensorSpec(k, *row) for k, row in enumerate(rows))
+    c = spec.canonical
+    return tuple(TensorSpec(k, e.name.format(i=i, e=x), e.shape, e.role, i, x, e.dtype)
+                 for k, (e, i, x) in enumerate(zip([c.entries[j] for j in c.entry.tolist()], c.layer.tolist(),
+                                                   c.expert.tolist())))
 
 
 @functools.lru_cache(maxsize=64)
 def _own_dtype_tensors(spec: ModelSpec) -> tuple[TensorSpec, ...]:
-    if spec.family in _TABLE_FAMILIES:  # their tensors all have the model's dtype
-        return ()
-    return tuple(t for t in _canonical_tensors(spec) if t.dtype is not None and t.dtype != spec.dtype)
+    c = spec.canonical
+    own = [k for k, e in enumerate(c.entries) if e.dtype is not None and e.dtype != spec.dtype]
+    return tuple(spec.tensor_at(k) for k in np.flatnonzero(np.isin(c.entry, own)).tolist()) if own else ()
 
 
 @functools.lru_cache(maxsize=64)
 def _tensors_by_name(spec: ModelSpec) -> dict[str, TensorSpec]:
     return {t.name: t for t in _canonical_tensors(spec)}
-
-
-def _table_from_tensors(tensors: tuple[TensorSpec, ...]) -> CanonicalTable:
-    """The canonical table of a family that lists its tensors (one Python object per tensor)."""
-    i64 = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
-    table = CanonicalTable(i64([role_code(t.role) for t in tensors]), i64([t.layer for t in tensors]),
-                           i64([t.expert for t in tensors]),
-                           i64([math.prod(t.shape[:-1]) for t in tensors]),
-                           i64([t.shape[-1] for t in tensors]), i64([len(t.shape) for t in tensors]))
-    for a in (table.role, table.layer, table.expert, table.rows, table.cols, table.ndim):
-        a.setflags(write=False)
-    return table

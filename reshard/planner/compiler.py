@@ -3,8 +3,8 @@ coverage, account. Vectorized end to end: no Python loop runs per tensor, per pl
 
 Lifecycle (each step a pure function of the two layouts and the explicit options):
   1. select the canonical tensors (all, or a subset by name / layer);
-  2. read both layouts' placements as tables (`Layout.placement_table`: batched rules, one numpy expression per
-     role across every layer and expert): the source for all ranks, the destination for replica 0 only;
+  2. read both layouts' placements as tables (`Layout.placement_table`: each kind of tensor's cut answers for
+     every layer and expert at once, with numpy): the source for all ranks, the destination for replica 0 only;
   3. group source placements into distinct boxes, each with its holders (the ranks that hold it);
   4. intersect every destination box with the source boxes of its canonical tensor (sorted boxes, binary search
      for the candidates: interval search, never all pairs) -> the template: one replica's ops;

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..layouts import MegatronLayout, ModelSpec
+from ..layouts.registry import family
 
 
 class Unmapped(Exception):
@@ -66,15 +67,16 @@ def _router(spec: ModelSpec, hf: dict[str, Any]) -> dict[str, Any]:
 
 def transformer_config(spec: ModelSpec, tp: int, pp: int, ep: int, etp: int,
                        hf: dict[str, Any] | None = None, init_std: float = 0.02) -> Any:
-    """megatron-core config of the spec (the facts in the family modules, as megatron-core options); with the
-    HF config `hf`, also its numerics (epsilon, rope base, router). `init_std`: megatron's weight init scale."""
+    """megatron-core config of the spec: the shared dense / MoE options, the family's own
+    (`ModelFamily.megatron_options`, in its config class); with the HF config `hf`, also its numerics (epsilon,
+    rope base, router). `init_std`: megatron's weight init scale."""
     import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+    from megatron.core.transformer import transformer_config as configs
 
     hf = hf or {}
     if hf.get("hidden_act", "silu") != "silu":
         raise Unmapped(f"hidden_act={hf['hidden_act']!r}: the CPU build uses SwiGLU (silu)")
-    a = dict(spec.arch)
+    fam = family(spec.family)
     kw: dict[str, Any] = dict(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
         num_query_groups=spec.num_key_value_heads, kv_channels=spec.head_dim,
@@ -93,30 +95,19 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, ep: int, etp: int,
                   moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
                   moe_layer_freq=[0 if i in spec.dense_layers else 1 for i in range(spec.num_layers)],
                   **_router(spec, hf))
-        if a.get("shared_intermediate_size"):
-            kw["moe_shared_expert_intermediate_size"] = a["shared_intermediate_size"]
-            kw["moe_shared_expert_gate"] = bool(a.get("shared_expert_gate"))
-        if a.get("router_bias"):
-            kw.update(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid")
-    if "layer_types" in a:  # Gated DeltaNet layers among gated full-attention layers (Qwen3.5)
+    kw.update(fam.megatron_options(spec))
+    if kw.get("moe_router_enable_expert_bias"):
+        kw["moe_router_score_function"] = "sigmoid"  # megatron-core's expert bias needs sigmoid scores
+    if fam.megatron_block == "gated_delta_net":
         # deterministic_mode: GDN picks the pure-torch gated delta rule (FLA's kernels are not installed).
-        kw.update(experimental_attention_variant="gated_delta_net", attention_output_gate=True, deterministic_mode=True,
-                  linear_attention_freq=[int(x == "linear_attention") for x in a["layer_types"]],
-                  **{k: a[k] for k in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
-                                       "linear_num_key_heads", "linear_num_value_heads")})
-    if a.get("zero_centered_norms"):  # Qwen3.5's RMSNorms compute (1 + weight): see ZeroCenteredRMSNorm
-        kw["layernorm_zero_centered_gamma"] = True
-    if "kv_lora_rank" in a:
+        kw["deterministic_mode"] = True
+    if kw.get("multi_latent_attention"):
         theta, scaling = _rope(hf) if hf else (10000.0, {})
         if scaling:
             raise Unmapped(f"rope scaling {scaling} with MLA is not mapped (the tiny config drops it)")
         # kv_channels = the value head width: the local core attention sizes its output by it.
-        kw.update(multi_latent_attention=True, qk_layernorm=True, q_lora_rank=a["q_lora_rank"],
-                  kv_lora_rank=a["kv_lora_rank"], qk_head_dim=a["qk_nope_head_dim"],
-                  qk_pos_emb_head_dim=a["qk_rope_head_dim"], v_head_dim=a["v_head_dim"],
-                  kv_channels=a["v_head_dim"], rope_type="rope", rotary_base=theta, rotary_scaling_factor=1.0)
-        return MLATransformerConfig(**kw)
-    return TransformerConfig(**kw)
+        kw.update(kv_channels=kw["v_head_dim"], rope_type="rope", rotary_base=theta, rotary_scaling_factor=1.0)
+    return getattr(configs, fam.megatron_config_class)(**kw)
 
 
 def _fla_l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6, output_dtype: Any = None) -> torch.Tensor:
@@ -247,7 +238,7 @@ def build_gpt(spec: ModelSpec, lay: dict[str, Any], hf: dict[str, Any] | None = 
     if hf and isinstance(hf.get("text_config"), dict):  # a multimodal wrapper: the language model's numerics
         hf = {**hf, **hf["text_config"]}
     config = transformer_config(spec, lay["tp"], lay["pp"], lay["ep"], lay["etp"], hf, init_std)
-    if config.experimental_attention_variant == "gated_delta_net":
+    if family(spec.family).megatron_block == "gated_delta_net":
         block = _gdn_block_spec(config)
     else:
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")

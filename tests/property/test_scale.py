@@ -11,7 +11,6 @@ from hypothesis import assume, given, strategies as st
 
 import reshard
 from reshard.layouts import Layout
-from reshard.layouts.model import ROLES
 from reshard.planner.accounting import account
 from reshard.planner.balance import choose_holders
 from reshard.planner.fanout import expected_depth, forest_shape
@@ -26,7 +25,7 @@ def test_canonical_table_matches_tensors(model):
     assert len(c) == len(model.tensors)
     for t in model.tensors:
         k = t.index
-        assert (ROLES[c.role[k]], int(c.layer[k]), int(c.expert[k])) == (t.role, t.layer, t.expert)
+        assert (c.entries[c.entry[k]].role, int(c.layer[k]), int(c.expert[k])) == (t.role, t.layer, t.expert)
         assert (int(c.rows[k]), int(c.cols[k])) == ((1,) + t.shape)[-2:]
         assert model.tensor_name(k) == t.name and model.tensor_at(k) == t
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from ...errors import ModelConfigError
 from ...layouts import ModelSpec
+from ...layouts.registry import families
 
 _DTYPES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16", "torch.float32": "float32"}
 
@@ -36,15 +37,17 @@ def _moe_dense_layers(config: Any) -> tuple[int, ...]:
 
 def spec_from_megatron(model: Any, *, vocab_size: int | None = None, dtype: str | None = None) -> ModelSpec:
     """A ModelSpec read off a GPTModel chunk. `vocab_size` is the true vocabulary (the model's own size includes
-    the trainer's padding); it defaults to the model's size. The family is Qwen3(-MoE) with q/k norms, Llama
-    without."""
+    the trainer's padding); it defaults to the model's size. The family is the registered one whose
+    `from_megatron` accepts the config (Qwen3 and Qwen3-MoE with q/k norms, Llama without)."""
     cfg = model.config
     moe = bool(cfg.num_moe_experts)
-    family = ("qwen3_moe" if moe else "qwen3") if cfg.qk_layernorm else "llama"
-    if moe and not cfg.qk_layernorm:
-        raise ModelConfigError("a MoE model without q/k layernorm matches no supported family (Qwen3-MoE has them)")
+    matches = [f.name for f in families() if f.from_megatron(cfg)]
+    if len(matches) != 1:
+        raise ModelConfigError(f"the GPTModel's config (qk_layernorm={bool(cfg.qk_layernorm)}, num_moe_experts="
+                               f"{cfg.num_moe_experts or 0}) matches {matches or 'no'} families that can be read "
+                               f"off a megatron-core config; declare the spec from the HF config instead")
     return ModelSpec(
-        family=family, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
+        family=matches[0], hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
         num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_query_groups or cfg.num_attention_heads, head_dim=cfg.kv_channels,
         intermediate_size=cfg.ffn_hidden_size if (not moe or _moe_dense_layers(cfg)) else 0,

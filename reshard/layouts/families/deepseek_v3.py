@@ -27,72 +27,68 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import ModelConfigError
-from ..kinds import Kind, Replicated, ReplicatedAt, RowBlocks, same, shared_expert_kinds
-from ..model import ModelSpec, Role
-from . import ModelFamily, decoder, dense_mlp, norm, routed_experts
+from ..cuts import Kind, Replicated, ReplicatedAt, RowBlocks
+from ..family import LAYER, ModelFamily, dense_mlp, norm, routed_experts
+from ..model import Entry, ModelSpec, Role
+from ..roles import gated_mlp
 
-_A = "model.layers.{i}.self_attn."
-_M = "model.layers.{i}.mlp."
+_A = LAYER + "self_attn."
+_M = LAYER + "mlp."
 
-INPUT_NORM = same("mla_input_norm", Replicated("input_layernorm.weight"),
-                  Replicated("model.layers.{i}.input_layernorm.weight"))
-Q_NORM = Kind("mla_q_norm", Replicated("self_attention.q_layernorm.weight"),
-              Replicated("self_attention.linear_q_up_proj.layer_norm_weight"), Replicated(_A + "q_a_layernorm.weight"))
+INPUT_NORM = Kind("mla_input_norm", Replicated("input_layernorm.weight"), Replicated(LAYER + "input_layernorm.weight"))
+Q_NORM = Kind("mla_q_norm", Replicated("self_attention.q_layernorm.weight"), Replicated(_A + "q_a_layernorm.weight"),
+              te=Replicated("self_attention.linear_q_up_proj.layer_norm_weight"))
 KV_NORM = Kind("mla_kv_norm", Replicated("self_attention.kv_layernorm.weight"),
-               Replicated("self_attention.linear_kv_up_proj.layer_norm_weight"),
-               Replicated(_A + "kv_a_layernorm.weight"))
-Q_UP = same("mla_q_up", RowBlocks("self_attention.linear_q_up_proj.weight"), RowBlocks(_A + "q_b_proj.weight"))
-Q_FULL = same("mla_q", RowBlocks("self_attention.linear_q_proj.weight"), RowBlocks(_A + "q_proj.weight"))
-KV_UP = same("mla_kv_up", RowBlocks("self_attention.linear_kv_up_proj.weight"), RowBlocks(_A + "kv_b_proj.weight"))
-ROUTER_BIAS = same("router_bias", Replicated("mlp.router.expert_bias"),
-                   Replicated(_M + "gate.e_score_correction_bias"))
-SHARED_GATE, SHARED_UP, SHARED_DOWN = shared_expert_kinds(_M + "shared_experts.")
+               Replicated(_A + "kv_a_layernorm.weight"),
+               te=Replicated("self_attention.linear_kv_up_proj.layer_norm_weight"))
+Q_UP = Kind("mla_q_up", RowBlocks("self_attention.linear_q_up_proj.weight"), RowBlocks(_A + "q_b_proj.weight"))
+Q_FULL = Kind("mla_q", RowBlocks("self_attention.linear_q_proj.weight"), RowBlocks(_A + "q_proj.weight"))
+KV_UP = Kind("mla_kv_up", RowBlocks("self_attention.linear_kv_up_proj.weight"), RowBlocks(_A + "kv_b_proj.weight"))
+ROUTER_BIAS = Kind("router_bias", Replicated("mlp.router.expert_bias"), Replicated(_M + "gate.e_score_correction_bias"))
+SHARED_GATE, SHARED_UP, SHARED_DOWN = gated_mlp("mlp.shared_experts.", _M + "shared_experts.", "shared_expert_")
 
 
 def _down_kinds(q_rank: int | None, kv_rows: int) -> tuple[Kind | None, Kind]:
     """q_a_proj / kv_a_proj_with_mqa: TP row blocks (Megatron local), whole (Megatron TE), whole rows of vLLM's
     fused_qkv_a_proj (or its own kv_a_proj_with_mqa when there is no q LoRA)."""
+    q_name, kv_name = "self_attention.linear_q_down_proj.weight", "self_attention.linear_kv_down_proj.weight"
     if q_rank is None:
-        return None, Kind("mla_kv_down", RowBlocks("self_attention.linear_kv_down_proj.weight"),
-                          Replicated("self_attention.linear_kv_down_proj.weight"),
-                          Replicated(_A + "kv_a_proj_with_mqa.weight"))
+        return None, Kind("mla_kv_down", RowBlocks(kv_name), Replicated(_A + "kv_a_proj_with_mqa.weight"),
+                          te=Replicated(kv_name))
     fused = _A + "fused_qkv_a_proj.weight"
-    q = Kind("mla_q_down", RowBlocks("self_attention.linear_q_down_proj.weight"),
-             Replicated("self_attention.linear_q_down_proj.weight"), ReplicatedAt(fused, 0, q_rank + kv_rows))
-    kv = Kind("mla_kv_down", RowBlocks("self_attention.linear_kv_down_proj.weight"),
-              Replicated("self_attention.linear_kv_down_proj.weight"), ReplicatedAt(fused, q_rank, q_rank + kv_rows))
-    return q, kv
+    return (Kind("mla_q_down", RowBlocks(q_name), ReplicatedAt(fused, 0, q_rank + kv_rows), te=Replicated(q_name)),
+            Kind("mla_kv_down", RowBlocks(kv_name), ReplicatedAt(fused, q_rank, q_rank + kv_rows),
+                 te=Replicated(kv_name)))
 
 
 def _layer(spec: ModelSpec, i: int) -> list:
     a = dict(spec.arch)
     H, n, qr, kr = spec.hidden_size, spec.num_attention_heads, a["q_lora_rank"], a["kv_lora_rank"]
     dn, dr, dv = a["qk_nope_head_dim"], a["qk_rope_head_dim"], a["v_head_dim"]
-    p = f"model.layers.{i}.self_attn."
     q_down, kv_down = _down_kinds(qr, kr + dr)
-    out = [norm(i, "input_layernorm.weight", H, INPUT_NORM)]
+    out = [norm("input_layernorm.weight", H, INPUT_NORM)]
     if qr is None:
-        out.append((p + "q_proj.weight", (n * (dn + dr), H), Q_FULL, i, -1))
+        out.append(Entry(_A + "q_proj.weight", (n * (dn + dr), H), Q_FULL))
     else:
-        out += [(p + "q_a_proj.weight", (qr, H), q_down, i, -1), (p + "q_a_layernorm.weight", (qr,), Q_NORM, i, -1),
-                (p + "q_b_proj.weight", (n * (dn + dr), qr), Q_UP, i, -1)]
-    out += [(p + "kv_a_proj_with_mqa.weight", (kr + dr, H), kv_down, i, -1),
-            (p + "kv_a_layernorm.weight", (kr,), KV_NORM, i, -1),
-            (p + "kv_b_proj.weight", (n * (dn + dv), kr), KV_UP, i, -1),
-            (p + "o_proj.weight", (H, n * dv), Role.O, i, -1),
-            norm(i, "post_attention_layernorm.weight", H, Role.POST_ATTN_NORM)]
+        out += [Entry(_A + "q_a_proj.weight", (qr, H), q_down), Entry(_A + "q_a_layernorm.weight", (qr,), Q_NORM),
+                Entry(_A + "q_b_proj.weight", (n * (dn + dr), qr), Q_UP)]
+    out += [Entry(_A + "kv_a_proj_with_mqa.weight", (kr + dr, H), kv_down),
+            Entry(_A + "kv_a_layernorm.weight", (kr,), KV_NORM),
+            Entry(_A + "kv_b_proj.weight", (n * (dn + dv), kr), KV_UP),
+            Entry(_A + "o_proj.weight", (H, n * dv), Role.O),
+            norm("post_attention_layernorm.weight", H, Role.POST_ATTN_NORM)]
     if not spec.is_moe_layer(i):
-        return out + dense_mlp(spec, i)
-    out += routed_experts(spec, i)
+        return out + dense_mlp(spec)
+    router, experts = routed_experts(spec)
+    out.append(router)
     if a["router_bias"]:
-        out.insert(len(out) - 3 * spec.num_experts,
-                   (f"model.layers.{i}.mlp.gate.e_score_correction_bias", (spec.num_experts,), ROUTER_BIAS, i, -1,
-                    "float32"))
+        out.append(Entry(_M + "gate.e_score_correction_bias", (spec.num_experts,), ROUTER_BIAS, "float32"))
+    out.append(experts)
     Fs = a["shared_intermediate_size"]
     if Fs:
-        q = f"model.layers.{i}.mlp.shared_experts."
-        out += [(q + "gate_proj.weight", (Fs, H), SHARED_GATE, i, -1), (q + "up_proj.weight", (Fs, H), SHARED_UP, i, -1),
-                (q + "down_proj.weight", (H, Fs), SHARED_DOWN, i, -1)]
+        q = _M + "shared_experts."
+        out += [Entry(q + "gate_proj.weight", (Fs, H), SHARED_GATE), Entry(q + "up_proj.weight", (Fs, H), SHARED_UP),
+                Entry(q + "down_proj.weight", (H, Fs), SHARED_DOWN)]
     return out
 
 
@@ -100,11 +96,13 @@ class DeepseekV3(ModelFamily):
     name = "deepseek_v3"
     architectures = ("DeepseekV3ForCausalLM",)
     model_types = ("deepseek_v3", "kimi_k2")
+    megatron_config_class = "MLATransformerConfig"
 
     def spec(self, config: dict[str, Any], include_mtp: bool = False) -> ModelSpec:
         self._require(config, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                       "n_routed_experts", "moe_intermediate_size")
-        self._refuse_mtp_and_activation(config, include_mtp, "num_nextn_predict_layers", "model.layers.N.* past the last")
+        self._refuse_mtp_and_activation(config, include_mtp, "num_nextn_predict_layers",
+                                        "model.layers.N.* past the last")
         fields = self._common(config, qk_norm=False, biases=("attention_bias",))
         fields["head_dim"] = config["v_head_dim"]  # unused by MLA tensors; keeps the shared checks meaningful
         layers = fields["num_layers"]
@@ -126,8 +124,19 @@ class DeepseekV3(ModelFamily):
                              "shared_intermediate_size": shared if E else 0,
                              "router_bias": bool(E) and config.get("topk_method") == "noaux_tc"})
 
-    def tensors(self, spec: ModelSpec) -> list:
-        return decoder(spec, _layer)
+    def layer(self, spec: ModelSpec, i: int) -> list:
+        return _layer(spec, i)
+
+    def megatron_options(self, spec: ModelSpec) -> dict[str, Any]:
+        a = dict(spec.arch)
+        out: dict[str, Any] = dict(multi_latent_attention=True, qk_layernorm=True, q_lora_rank=a["q_lora_rank"],
+                                   kv_lora_rank=a["kv_lora_rank"], qk_head_dim=a["qk_nope_head_dim"],
+                                   qk_pos_emb_head_dim=a["qk_rope_head_dim"], v_head_dim=a["v_head_dim"])
+        if a["shared_intermediate_size"]:
+            out["moe_shared_expert_intermediate_size"] = a["shared_intermediate_size"]
+        if a["router_bias"]:
+            out["moe_router_enable_expert_bias"] = True
+        return out
 
     def tiny_config(self, config: dict[str, Any]) -> dict[str, Any]:
         out = super().tiny_config(config)

@@ -3,9 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..family import ModelFamily, attention_layer, dense_mlp
 from ..model import ModelSpec
-from . import ModelFamily, decoder
-from .qwen3 import dense_layer
 
 
 class Llama(ModelFamily):
@@ -16,5 +15,8 @@ class Llama(ModelFamily):
     def spec(self, config: dict[str, Any], include_mtp: bool = False) -> ModelSpec:
         return ModelSpec(**self._common(config, qk_norm=False))
 
-    def tensors(self, spec: ModelSpec) -> list:
-        return decoder(spec, dense_layer)
+    def layer(self, spec: ModelSpec, i: int) -> list:
+        return attention_layer(spec, dense_mlp(spec))
+
+    def from_megatron(self, config: Any) -> bool:
+        return not config.qk_layernorm and not config.num_moe_experts

@@ -39,29 +39,28 @@ import functools
 from typing import Any
 
 from ...errors import ModelConfigError
-from ..kinds import (ColumnBlocks, GlobalRows, Kind, QkvParallel, Replicated, RowBlocks, Stacked, same,
-                     shared_expert_kinds)
-from ..model import ModelSpec, Role
-from . import ModelFamily, decoder, dense_mlp, norm, routed_experts
+from ..cuts import ColumnBlocks, GlobalRows, Kind, QkvParallel, Replicated, RowBlocks, Stacked
+from ..family import LAYER, ModelFamily, dense_mlp, norm, routed_experts
+from ..model import Entry, Experts, ModelSpec, Role
+from ..roles import gated_mlp
 
-_LIN = "model.layers.{i}.linear_attn."
-_ATT = "model.layers.{i}.self_attn."
-_MLP = "model.layers.{i}.mlp."
+_LIN = LAYER + "linear_attn."
+_ATT = LAYER + "self_attn."
+_MLP = LAYER + "mlp."
 _LAYER_TYPES = ("linear_attention", "full_attention")
 
 GDN_INPUT_NORM = Kind("gdn_input_norm", Replicated("input_layernorm.weight"),
-                      Replicated("self_attention.in_proj.layer_norm_weight"),
-                      Replicated("model.layers.{i}.input_layernorm.weight"))
-GDN_DT_BIAS = same("gdn_dt_bias", RowBlocks("self_attention.dt_bias"), RowBlocks(_LIN + "dt_bias"))
-GDN_A_LOG = same("gdn_a_log", RowBlocks("self_attention.A_log"), RowBlocks(_LIN + "A_log"))
+                      Replicated(LAYER + "input_layernorm.weight"), te=Replicated("self_attention.in_proj.layer_norm_weight"))
+GDN_DT_BIAS = Kind("gdn_dt_bias", RowBlocks("self_attention.dt_bias"), RowBlocks(_LIN + "dt_bias"))
+GDN_A_LOG = Kind("gdn_a_log", RowBlocks("self_attention.A_log"), RowBlocks(_LIN + "A_log"))
 # The GDN output norm is a plain RMSNorm weight in HF and vLLM (w * rmsnorm(x) * silu(z)), but Megatron builds it
 # with the model's zero-centred gamma like every other norm, so it stores w - 1 (hf parity measured the gap):
 # plans add +1 going Megatron -> HF / vLLM and -1 the other way.
-GDN_NORM = same("gdn_norm", Replicated("self_attention.out_norm.weight"), Replicated(_LIN + "norm.weight"),
+GDN_NORM = Kind("gdn_norm", Replicated("self_attention.out_norm.weight"), Replicated(_LIN + "norm.weight"),
                 megatron_offset=-1.0)
-GDN_OUT = same("gdn_out_proj", ColumnBlocks("self_attention.out_proj.weight"), ColumnBlocks(_LIN + "out_proj.weight"))
-SHARED_GATE, SHARED_UP, SHARED_DOWN = shared_expert_kinds(_MLP + "shared_expert.", "shared_expert_proj")
-SHARED_EXPERT_GATE = same("shared_expert_gate", Replicated("mlp.shared_experts.gate_weight"),
+GDN_OUT = Kind("gdn_out_proj", ColumnBlocks("self_attention.out_proj.weight"), ColumnBlocks(_LIN + "out_proj.weight"))
+SHARED_GATE, SHARED_UP, SHARED_DOWN = gated_mlp("mlp.shared_experts.", _MLP + "shared_expert.", "shared_expert_proj_")
+SHARED_EXPERT_GATE = Kind("shared_expert_gate", Replicated("mlp.shared_experts.gate_weight"),
                           Replicated(_MLP + "shared_expert_gate.weight"))
 
 
@@ -75,14 +74,14 @@ def _gdn_kinds(nk: int, dk: int, nv: int, dv: int) -> dict[str, Kind]:
     conv, conv_h = (Kd, Kd, Vd), (dk, dk, dv)
 
     def kind(label, mfirst, mcount, vname, vsizes, vheads, vfirst, vcount):
-        return same(label, Stacked("self_attention.in_proj.weight", meg, mfirst, mcount, meg_h),
+        return Kind(label, Stacked("self_attention.in_proj.weight", meg, mfirst, mcount, meg_h),
                     Stacked(_LIN + vname, vsizes, vfirst, vcount, vheads))
 
     return {"in_proj_qkv": kind("gdn_in_proj_qkv", 0, 3, "in_proj_qkvz.weight", qkvz, qkvz_h, 0, 3),
             "in_proj_z": kind("gdn_in_proj_z", 3, 1, "in_proj_qkvz.weight", qkvz, qkvz_h, 3, 1),
             "in_proj_b": kind("gdn_in_proj_b", 4, 1, "in_proj_ba.weight", (nv, nv), (), 0, 1),
             "in_proj_a": kind("gdn_in_proj_a", 5, 1, "in_proj_ba.weight", (nv, nv), (), 1, 1),
-            "conv1d": same("gdn_conv1d", Stacked("self_attention.conv1d.weight", conv, 0, 3, conv_h),
+            "conv1d": Kind("gdn_conv1d", Stacked("self_attention.conv1d.weight", conv, 0, 3, conv_h),
                            Stacked(_LIN + "conv1d.weight", conv, 0, 3, conv_h))}
 
 
@@ -101,7 +100,7 @@ def _gated_attention_kinds(nq: int, g: int, d: int) -> tuple[Kind, Kind, Kind]:
     qkv = _ATT + "qkv_proj.weight"
 
     def kind(label, blocks, part):
-        return same(label, GlobalRows("self_attention.linear_qkv.weight", total, blocks),
+        return Kind(label, GlobalRows("self_attention.linear_qkv.weight", total, blocks),
                     QkvParallel(qkv, 2 * nq * d, g, d, part))
 
     return kind("gated_q", q_blocks, 0), kind("gated_k", k_blocks, 1), kind("gated_v", v_blocks, 2)
@@ -121,42 +120,43 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
     return text
 
 
-def _layer(spec: ModelSpec, i: int) -> list:
+def _layer(spec: ModelSpec, i: int, p: str) -> list:
+    """Layer i's tensors under the HF prefix `p` (`model.language_model.layers.{i}.` in the multimodal wrapper)."""
     a = dict(spec.arch)
-    H, p = spec.hidden_size, f"model.layers.{i}."
+    H = spec.hidden_size
     if a["layer_types"][i] == "linear_attention":
         nk, dk, nv, dv = (a[f"linear_{x}"] for x in ("num_key_heads", "key_head_dim", "num_value_heads",
                                                        "value_head_dim"))
         Kd, Vd = nk * dk, nv * dv
         k, q = _gdn_kinds(nk, dk, nv, dv), p + "linear_attn."
-        out = [norm(i, "input_layernorm.weight", H, GDN_INPUT_NORM),
-               (q + "in_proj_qkv.weight", (2 * Kd + Vd, H), k["in_proj_qkv"], i, -1),
-               (q + "in_proj_z.weight", (Vd, H), k["in_proj_z"], i, -1),
-               (q + "in_proj_b.weight", (nv, H), k["in_proj_b"], i, -1),
-               (q + "in_proj_a.weight", (nv, H), k["in_proj_a"], i, -1),
-               (q + "conv1d.weight", (2 * Kd + Vd, 1, a["linear_conv_kernel_dim"]), k["conv1d"], i, -1),
-               (q + "dt_bias", (nv,), GDN_DT_BIAS, i, -1),
-               (q + "A_log", (nv,), GDN_A_LOG, i, -1),
-               (q + "norm.weight", (a["linear_value_head_dim"],), GDN_NORM, i, -1),
-               (q + "out_proj.weight", (H, Vd), GDN_OUT, i, -1)]
+        out = [norm("input_layernorm.weight", H, GDN_INPUT_NORM, p),
+               Entry(q + "in_proj_qkv.weight", (2 * Kd + Vd, H), k["in_proj_qkv"]),
+               Entry(q + "in_proj_z.weight", (Vd, H), k["in_proj_z"]),
+               Entry(q + "in_proj_b.weight", (nv, H), k["in_proj_b"]),
+               Entry(q + "in_proj_a.weight", (nv, H), k["in_proj_a"]),
+               Entry(q + "conv1d.weight", (2 * Kd + Vd, 1, a["linear_conv_kernel_dim"]), k["conv1d"]),
+               Entry(q + "dt_bias", (nv,), GDN_DT_BIAS),
+               Entry(q + "A_log", (nv,), GDN_A_LOG),
+               Entry(q + "norm.weight", (a["linear_value_head_dim"],), GDN_NORM),
+               Entry(q + "out_proj.weight", (H, Vd), GDN_OUT)]
     else:
         nq, g, d = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
         qk, kk, vk = _gated_attention_kinds(nq, g, d)
         q = p + "self_attn."
-        out = [norm(i, "input_layernorm.weight", H, Role.INPUT_NORM),
-               (q + "q_proj.weight", (2 * nq * d, H), qk, i, -1), (q + "k_proj.weight", (g * d, H), kk, i, -1),
-               (q + "v_proj.weight", (g * d, H), vk, i, -1), (q + "o_proj.weight", (H, nq * d), Role.O, i, -1),
-               (q + "q_norm.weight", (d,), Role.Q_NORM, i, -1), (q + "k_norm.weight", (d,), Role.K_NORM, i, -1)]
-    out.append(norm(i, "post_attention_layernorm.weight", H, Role.POST_ATTN_NORM))
+        out = [norm("input_layernorm.weight", H, Role.INPUT_NORM, p),
+               Entry(q + "q_proj.weight", (2 * nq * d, H), qk), Entry(q + "k_proj.weight", (g * d, H), kk),
+               Entry(q + "v_proj.weight", (g * d, H), vk), Entry(q + "o_proj.weight", (H, nq * d), Role.O),
+               Entry(q + "q_norm.weight", (d,), Role.Q_NORM), Entry(q + "k_norm.weight", (d,), Role.K_NORM)]
+    out.append(norm("post_attention_layernorm.weight", H, Role.POST_ATTN_NORM, p))
     if not spec.is_moe:
-        return out + dense_mlp(spec, i)
-    out += routed_experts(spec, i)
+        return out + dense_mlp(spec, p)
+    out += routed_experts(spec, p)
     Fs, m = a["shared_intermediate_size"], p + "mlp."
     if Fs:
-        out += [(m + "shared_expert.gate_proj.weight", (Fs, H), SHARED_GATE, i, -1),
-                (m + "shared_expert.up_proj.weight", (Fs, H), SHARED_UP, i, -1),
-                (m + "shared_expert.down_proj.weight", (H, Fs), SHARED_DOWN, i, -1),
-                (m + "shared_expert_gate.weight", (1, H), SHARED_EXPERT_GATE, i, -1)]
+        out += [Entry(m + "shared_expert.gate_proj.weight", (Fs, H), SHARED_GATE),
+                Entry(m + "shared_expert.up_proj.weight", (Fs, H), SHARED_UP),
+                Entry(m + "shared_expert.down_proj.weight", (H, Fs), SHARED_DOWN),
+                Entry(m + "shared_expert_gate.weight", (1, H), SHARED_EXPERT_GATE)]
     return out
 
 
@@ -165,6 +165,7 @@ class Qwen35(ModelFamily):
     architectures = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
                      "Qwen3_5MoeForConditionalGeneration")
     model_types = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+    megatron_block = "gated_delta_net"
 
     def spec(self, config: dict[str, Any], include_mtp: bool = False) -> ModelSpec:
         multimodal = "text_config" in config
@@ -204,13 +205,24 @@ class Qwen35(ModelFamily):
             "shared_intermediate_size": (t.get("shared_expert_intermediate_size") or 0) if E else 0,
             "shared_expert_gate": bool(E), "zero_centered_norms": True, "multimodal": multimodal, "vllm_prefix": "language_model." if multimodal else ""})
 
-    def tensors(self, spec: ModelSpec) -> list:
-        rows = decoder(spec, _layer)
-        if not spec.arch_value("multimodal"):
-            return rows
-        # The multimodal wrapper nests the language model: model.X -> model.language_model.X (lm_head unchanged).
-        return [("model.language_model." + r[0][len("model."):] if r[0].startswith("model.") else r[0], *r[1:])
-                for r in rows]
+    def hf_model(self, spec: ModelSpec) -> str:  # the multimodal wrapper nests the language model
+        return "model.language_model." if spec.arch_value("multimodal") else "model."
+
+    def layer(self, spec: ModelSpec, i: int) -> list[Entry | Experts]:
+        return _layer(spec, i, self.hf_model(spec) + "layers.{i}.")
+
+    def megatron_options(self, spec: ModelSpec) -> dict[str, Any]:
+        a = dict(spec.arch)
+        out: dict[str, Any] = dict(
+            experimental_attention_variant="gated_delta_net", attention_output_gate=True,
+            linear_attention_freq=[int(x == "linear_attention") for x in a["layer_types"]],
+            layernorm_zero_centered_gamma=True,  # Qwen3.5's RMSNorms compute (1 + weight)
+            **{k: a[k] for k in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                                 "linear_num_key_heads", "linear_num_value_heads")})
+        if a["shared_intermediate_size"]:
+            out.update(moe_shared_expert_intermediate_size=a["shared_intermediate_size"],
+                       moe_shared_expert_gate=a["shared_expert_gate"])
+        return out
 
     def tiny_config(self, config: dict[str, Any]) -> dict[str, Any]:
         """Tiny sizes in the text config (kept nested for the multimodal wrapper, with a one-block vision tower);

@@ -4,13 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..family import ModelFamily, attention_layer, dense_mlp, routed_experts
 from ..model import ModelSpec
-from . import ModelFamily, decoder, dense_mlp, routed_experts
-from .qwen3 import layer
-
-
-def _layer(spec: ModelSpec, i: int) -> list:
-    return layer(spec, i, routed_experts if spec.is_moe_layer(i) else dense_mlp)
 
 
 class Qwen3Moe(ModelFamily):
@@ -31,5 +26,8 @@ class Qwen3Moe(ModelFamily):
         return ModelSpec(**fields, num_experts=config["num_experts"],
                          moe_intermediate_size=config["moe_intermediate_size"], dense_layers=dense)
 
-    def tensors(self, spec: ModelSpec) -> list:
-        return decoder(spec, _layer)
+    def layer(self, spec: ModelSpec, i: int) -> list:
+        return attention_layer(spec, routed_experts(spec) if spec.is_moe_layer(i) else dense_mlp(spec))
+
+    def from_megatron(self, config: Any) -> bool:
+        return bool(config.qk_layernorm) and bool(config.num_moe_experts)

@@ -1,0 +1,94 @@
+"""A layout that places every canonical tensor by its kind's cuts (Megatron and vLLM both are one).
+
+The subclass answers two questions about a kind of tensor: which cuts place it on this side (`_cuts`), and, for
+tensors of that kind at given layers and experts, where each cut's group of ranks starts and what the physical
+tensor is named (`_place`). Everything else -- one tensor's placements, the batched table of many, the check at
+construction that every cut fits -- is the same code for both sides, so the batched answer is the per-tensor
+one by construction.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Callable, Hashable, Iterator, NamedTuple, Sequence
+
+import numpy as np
+
+from .base import Layout, Placement, PlacementTable, TableBuilder
+from .cuts import Cut, Group, Kind
+from .model import Entry, ModelSpec, Role, TensorSpec
+from .roles import kind_of
+
+
+class Where(NamedTuple):
+    """Where a cut puts tensors of one kind: the group, each tensor's first rank, the columns of their name keys
+    and the name of a key (and, for stacked tensors, each tensor's slot). Values are arrays with one entry per
+    tensor, or scalars (one tensor, or a value all share)."""
+
+    group: Group
+    first: np.ndarray | int
+    keys: tuple[np.ndarray | int, ...]
+    name: Callable[..., str]
+    slot: np.ndarray | int = 0
+
+
+class CutLayout(Layout):
+    """A layout whose tensors are placed by their kinds' cuts (see the module docstring)."""
+
+    @abc.abstractmethod
+    def _cuts(self, kind: Kind) -> tuple[Cut, ...]:
+        """The cuts that place tensors of `kind` on this side."""
+
+    @abc.abstractmethod
+    def _place(self, cut: Cut, kind: Kind, layer: np.ndarray | int, expert: np.ndarray | int,
+               replica: int | None) -> Where | None:
+        """Where `cut` puts the tensors of `kind` at `layer` / `expert` (arrays, or one tensor's ints); None
+        where it puts nothing."""
+
+    def placements(self, tensor: TensorSpec, replica: int | None = None) -> list[Placement]:
+        kind = kind_of(self.model, tensor.role)
+        out: list[Placement] = []
+        for cut in self._cuts(kind):
+            w = self._place(cut, kind, tensor.layer, tensor.expert, replica)
+            if w is not None:
+                out += cut.placements(tensor.name, tensor.shape, w.group, w.name(*map(int, w.keys)), int(w.first),
+                                      int(w.slot))
+        return out
+
+    def placement_table(self, index: np.ndarray | Sequence[int] | None = None,
+                        replica: int | None = None) -> PlacementTable:
+        c, b = self.model.canonical, TableBuilder()
+        for entry, idx in entry_groups(self.model, index):
+            kind = kind_of(self.model, entry.role)
+            for cut in self._cuts(kind):
+                w = self._place(cut, kind, c.layer[idx], c.expert[idx], replica)
+                if w is not None:
+                    cut.add_rows(b, self.model.tensor_name(int(idx[0])), entry.shape, w.group, idx, w.keys, w.name,
+                                 w.first, w.slot)
+        return b.table()
+
+    def _check_cuts(self) -> None:
+        """Raise LayoutError now, at construction, if a cut of this side cannot split its tensors."""
+        c = self.model.canonical
+        for entry, idx in entry_groups(self.model, None):
+            kind = kind_of(self.model, entry.role)
+            for cut in self._cuts(kind):
+                w = self._place(cut, kind, int(c.layer[idx[0]]), int(c.expert[idx[0]]), 0)
+                if w is not None:
+                    cut.pieces(self.model.tensor_name(int(idx[0])), entry.shape, w.group)
+
+
+def entry_groups(spec: ModelSpec, index: np.ndarray | Sequence[int] | None) -> Iterator[tuple[Entry, np.ndarray]]:
+    """The canonical tensors `index` (default all) grouped by family entry, the shared roles first (in `Role`'s
+    order), then the family's own kinds as they first appear: the order physical tensors are first named in."""
+    c = spec.canonical
+    index = np.arange(len(c), dtype=np.int64) if index is None else np.asarray(index, dtype=np.int64)
+    codes = c.entry[index]
+    order: dict[Hashable, int] = {r: k for k, r in enumerate(Role)}
+    for e in c.entries:
+        order.setdefault(e.role, len(order))
+    by_code = index[np.argsort(codes, kind="stable")]
+    ends = np.cumsum(np.bincount(codes, minlength=len(c.entries))).tolist()
+    for code in sorted(range(len(c.entries)), key=lambda e: (order[c.entries[e].role], e)):
+        start = ends[code - 1] if code else 0
+        if ends[code] > start:
+            yield c.entries[code], by_code[start:ends[code]]

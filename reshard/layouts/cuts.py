@@ -1,0 +1,266 @@
+"""The one vocabulary of cuts: how tensor parallelism splits a tensor, on either side.
+
+Rows and columns mean the tensor's own dimensions, everywhere in reshard: `RowBlocks` splits dim 0 into
+contiguous blocks of rows, `ColumnBlocks` splits dim 1 into blocks of columns. (Megatron and vLLM name their
+linear layers after the matmul instead: the layer holding row blocks of its weight is "column-parallel".)
+
+A cut is a tiny frozen declaration: a physical tensor name and how a group of `tp` ranks share the tensor.
+Each cut states only `pieces` (what TP rank r holds, where); from it every cut answers both questions layouts
+ask: `placements` (one tensor, as `Placement`s) and `add_rows` (many tensors of one shape at once -- every
+layer, every expert -- as numpy rows of a `TableBuilder`). Which ranks form the group, and the name the
+physical tensor has there, are the layout's (`Group`, and the name it passes in). A `Kind` is one kind of
+tensor: its cuts on each side. Tensors of more than 2 dimensions are cut on dim 0 only. A cut the engines do not
+make must be refused by the family with a clear error, never approximated.
+"""
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Sequence
+
+import numpy as np
+
+from ..errors import LayoutError
+from .base import Placement, TableBuilder, as_2d, flat_origin
+
+Shape = tuple[int, ...]
+Piece = tuple[int, Shape, Shape, Shape]  # (tp rank, canonical offset, lengths, physical offset) of one piece
+
+
+@dataclass(frozen=True)
+class Group:
+    """The ranks one tensor is cut over, as a layout declares them: TP rank r of copy c is global rank
+    `first + r * stride + copies[c]` (`first` comes with each tensor). `vocab` is the padded vocabulary (for
+    `Vocab`); with `stack` > 0 the physical tensor stacks `stack` such tensors on a new dim 0, each tensor at its
+    slot (vLLM's experts). `copies_first` orders rows copy by copy instead of piece by piece."""
+
+    side: str
+    tp: int
+    stride: int = 1
+    copies: tuple[int, ...] = (0,)
+    vocab: int = 0
+    stack: int = 0
+    copies_first: bool = False
+
+
+@dataclass(frozen=True)
+class Cut(abc.ABC):
+    """A physical tensor `name` (a Megatron name after `decoder.layers.{local}.`, or a full vLLM name; `{i}` is
+    the layer, `{j}` the local expert) and how TP cuts the tensor into it. `at` places a Megatron tensor outside
+    the layers: "first" / "last" pipeline stage, or "last_copy" (the last stage's copy of a tied embedding, when
+    it is not the first). `moe_name`: the name in MoE layers, where it differs (TE fuses a dense layer's pre-MLP
+    norm into linear_fc1)."""
+
+    name: str
+    at: Literal["first", "last", "last_copy"] | None = field(default=None, kw_only=True)
+    moe_name: str | None = field(default=None, kw_only=True)
+
+    @abc.abstractmethod
+    def pieces(self, what: str, shape: Shape, g: Group) -> tuple[Shape, list[Piece]]:
+        """(physical shape, pieces) of a tensor of `shape` (named `what` in errors) over `g.tp` ranks; raises
+        LayoutError if the group cannot cut it."""
+
+    def placements(self, what: str, shape: Shape, g: Group, name: str, first: int, slot: int = 0) -> list[Placement]:
+        """Where one tensor lives: the per-tensor answer."""
+        phys, pieces = self.pieces(what, shape, g)
+        if g.stack:
+            phys, pieces = (g.stack, *phys), [(r, c, n, (slot, *p)) for r, c, n, p in pieces]
+        if g.copies_first:
+            return [Placement(first + r * g.stride + k, name, phys, c, n, p) for k in g.copies for r, c, n, p in pieces]
+        return [Placement(first + r * g.stride + k, name, phys, c, n, p) for r, c, n, p in pieces for k in g.copies]
+
+    def add_rows(self, b: TableBuilder, what: str, shape: Shape, g: Group, canon: np.ndarray,
+                 keys: Sequence[np.ndarray | int], name: Callable[..., str], first: np.ndarray | int,
+                 slot: np.ndarray | int = 0) -> None:
+        """Where many tensors of `shape` live, as rows laid out (tensor, piece, copy) or (tensor, copy, piece):
+        the batched answer. Tensor k is named `name(*(column[k] for column in keys))`, its group starts at
+        `first[k]`, its slot is `slot[k]` (a scalar: the same for all)."""
+        phys, pieces = self.pieces(what, shape, g)
+        at_piece, at_copy = ((1, 1, -1), (1, -1, 1)) if g.copies_first else ((1, -1, 1), (1, 1, -1))
+
+        def per_piece(x: list[int]) -> np.ndarray | int:  # a scalar where every piece agrees: rows stay views
+            return x[0] if len(set(x)) == 1 else np.asarray(x, dtype=np.int64).reshape(at_piece)
+
+        boxes = [(r, *sum(as_2d(c, n), ()), flat_origin(phys, p)) for r, c, n, p in pieces]
+        r, c0, c1, n0, n1, origin = (per_piece(list(x)) for x in zip(*boxes))
+        if g.stack:
+            origin = origin + np.asarray(slot, dtype=np.int64).reshape(-1, 1, 1) * math.prod(phys)
+            phys = (g.stack, *phys)
+        tensor = lambda x: np.asarray(x, dtype=np.int64).reshape(-1, 1, 1)  # noqa: E731  one value per tensor
+        rank = tensor(first) + r * g.stride + np.asarray(g.copies, dtype=np.int64).reshape(at_copy)
+        b.add(tensor(canon), rank, tensor(b.kinds_for(keys, name, phys)), c0, c1, n0, n1, origin, phys[-1])
+
+
+def _per(what: str, shape: Shape, dim: int, g: Group) -> int:
+    if shape[dim] % g.tp:
+        raise LayoutError(g.side, f"{what}: dim {dim} of shape {shape} is not divisible by tp={g.tp}",
+                          {"tensor": what, "tp": g.tp})
+    return shape[dim] // g.tp
+
+
+def _zeros(shape: Shape) -> Shape:
+    return (0,) * len(shape)
+
+
+@dataclass(frozen=True)
+class Replicated(Cut):
+    """The whole tensor on every TP rank."""
+
+    def pieces(self, what: str, shape: Shape, g: Group) -> tuple[Shape, list[Piece]]:
+        return shape, [(r, _zeros(shape), shape, _zeros(shape)) for r in range(g.tp)]
+
+
+@dataclass(frozen=True)
+class ReplicatedAt(Cut):
+    """The whole tensor on every TP rank, at row `row` of a replicated [`rows`, ...] tensor (a fused stack
+    such as vLLM's fused_qkv_a_proj = [q_a_proj; kv_a_proj_with_mqa])."""
+
+    row: int = 0
+    rows: int = 0
+
+    def pieces(self, what: str, shape: Shape, g: Group) -> tuple[Shape, list[Piece]]:
+        rest = shape[1:]
+        return (self.rows, *rest), [(r, _zeros(shape), shape, (self.row, *_zeros(rest))) for r in range(g.tp)]
+
+
+@dataclass(frozen=True)
+class Vocab(Cut):
+    """Vocabulary rows padded to `Group.vocab` and split into row blocks over TP; padding rows hold no data."""
+
+    def pieces(self, what: str, shape: Shape, g: Group) -> tuple[Shape, list[Piece]]:
+        V, H = shape
+        rows = g.vocab // g.tp
+        return (rows, H), [(r, (min(r * rows, V), 0), (max(min((r + 1) * rows, V) - r * rows, 0), H), (0, 0))
+                           for r in range(g.tp)]
+
+
+@dataclass(frozen=True)
+class RowBlocks(Cut):
+    """Dim 0 split into contiguous blocks over TP; on each rank the block is part `part` of a stack of `parts`
+    equal blocks (e.g. [gate_r; up_r] is parts=2)."""
+
+    part: int = 0
+    parts: int = 1
+
+    def pieces(self, what: str, shape: Shape, g: Group) -> tuple[Shape, list[Piece]]:
+        per, rest = _per(what, shape, 0, g), shape[1:]
+        pad = _zeros(rest)
+        return (self.parts * per, *rest), [(r, (r * per, *pad), (per, *rest), (self.part * per, *pad))
+                                           for r in range(g.tp)]
+
+
+@dataclass(frozen=True)
+class ColumnBlocks(Cut):
+    """Dim 1 split into contiguous blocks over TP."""
+
+    def pieces(self, what: str, shape: Shape, g: Group) -> tuple[Shape, list[Piece]]:
+        rows, per = shape[0], _per(what, shape, 1, g)
+        return (rows, per), [(r, (0, r * per), (rows, per), (0, 0)) for r in range(g.tp)]
+
+
+@dataclass(frozen=True)
+class Stacked(Cut):
+    """Dim 0 of a per-rank stack of parts of unequal sizes, each part split evenly over TP: rank r holds
+    [part_0 block r; part_1 block r; ...] (vLLM's MergedColumnParallelLinear with several output sizes, Megatron's
+    GDN in_proj and conv1d). `sizes` are the parts' global row counts; the canonical tensor is parts `first` ..
+    `first + count - 1` one after another (HF's in_proj_qkv is the q, k and v parts). Other dimensions stay whole."""
+
+    sizes: tuple[int, ...] = ()
+    first: int = 0
+    count: int = 1
+    heads: tuple[int, ...] = ()  # rows per head of each part (default 1): TP must give each rank whole heads
+
+    def pieces(self, what: str, shape: Shape, g: Group) -> tuple[Shape, list[Piece]]:
+        mine = self.sizes[self.first:self.first + self.count]
+        if sum(mine) != shape[0]:
+            raise LayoutError(g.side, f"{what}: {shape[0]} rows, but stack parts {self.first}.."
+                              f"{self.first + self.count - 1} of {self.name} have {sum(mine)}", {"tensor": what})
+        counts = [s // h for s, h in zip(self.sizes, self.heads or (1,) * len(self.sizes))]
+        if any(n % g.tp for n in counts):
+            raise LayoutError(g.side, f"{what}: tp={g.tp} does not divide the head counts {counts} "
+                              f"of the parts of {self.name}", {"tensor": what, "tp": g.tp})
+        per = [s // g.tp for s in self.sizes]
+        rest, pad = shape[1:], _zeros(shape[1:])
+        starts = np.cumsum([0, *self.sizes]).tolist()
+        return (sum(per), *rest), [
+            (r, (starts[j] - starts[self.first] + r * per[j], *pad), (per[j], *rest), (sum(per[:j]), *pad))
+            for r in range(g.tp) for j in range(self.first, self.first + self.count)]
+
+
+@dataclass(frozen=True)
+class GlobalRows(Cut):
+    """Dim 0 of a global [`total`, ...] stack cut into tp contiguous row blocks (Megatron's linear_qkv): canonical
+    rows [c, c + n) sit at global rows [g, g + n) for each (c, g, n) in `blocks`. A block that crosses a rank
+    boundary is split there (fewer query groups than tp)."""
+
+    total: int = 0
+    blocks: tuple[tuple[int, int, int], ...] = ()
+
+    def pieces(self, what: str, shape: Shape, g: Group) -> tuple[Shape, list[Piece]]:
+        if self.total % g.tp:
+            raise LayoutError(g.side, f"{what}: the {self.total} rows of {self.name} are not divisible by "
+                              f"tp={g.tp}", {"tensor": what, "tp": g.tp})
+        per = self.total // g.tp
+        rest, pad = shape[1:], _zeros(shape[1:])
+        out = []
+        for c, start, n in self.blocks:
+            for r in range(start // per, (start + n - 1) // per + 1):
+                lo, hi = max(start, r * per), min(start + n, (r + 1) * per)
+                out.append((r, (c + lo - start, *pad), (hi - lo, *rest), (lo - r * per, *pad)))
+        return (per, *rest), out
+
+
+@dataclass(frozen=True)
+class QkvParallel(Cut):
+    """vLLM's QKVParallelLinear: rank r holds [q_r; k_r; v_r]; q (`q_rows` global rows) is split over TP, k and v
+    by head, each of the `kv_heads` heads replicated on tp / kv_heads ranks when tp > kv_heads. `part` 0, 1, 2 is
+    q, k, v (a gated q_proj holds 2 rows per head: its `q_rows` says so)."""
+
+    q_rows: int = 0
+    kv_heads: int = 1
+    head_dim: int = 1
+    part: int = 0
+
+    def pieces(self, what: str, shape: Shape, g: Group) -> tuple[Shape, list[Piece]]:
+        heads, d, tp = self.kv_heads, self.head_dim, g.tp
+        if self.q_rows % tp or (heads % tp if heads >= tp else tp % heads):
+            raise LayoutError(g.side, f"{what}: tp={tp} cuts neither {self.q_rows} query rows nor {heads} KV "
+                              f"heads evenly", {"tensor": what, "tp": tp})
+        q, kv = self.q_rows // tp, max(1, heads // tp)
+        rest, pad = shape[1:], _zeros(shape[1:])
+        if self.part == 0:
+            return (q + 2 * kv * d, *rest), [(r, (r * q, *pad), (q, *rest), (0, *pad)) for r in range(tp)]
+        row = q if self.part == 1 else q + kv * d
+        return (q + 2 * kv * d, *rest), [(r, ((r * kv if tp <= heads else r // (tp // heads)) * d, *pad),
+                                          (kv * d, *rest), (row, *pad)) for r in range(tp)]
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of tensor: its cuts on Megatron (`te`: under TE naming, where it differs) and on vLLM, a tuple
+    where the tensor lives in several places (a tied embedding's copy). Used as a TensorSpec's role; `label` is
+    what reports and errors show; `expert` says expert parallelism distributes it."""
+
+    label: str
+    megatron: Cut | tuple[Cut, ...]
+    vllm: Cut | tuple[Cut, ...]
+    te: Cut | tuple[Cut, ...] | None = None
+    expert: bool = False
+    megatron_offset: float = 0.0  # Megatron stores canonical + this (Layout.value_offset)
+
+    def __post_init__(self) -> None:
+        for side in ("megatron", "vllm", "te"):
+            value = getattr(self, side)
+            if isinstance(value, Cut):
+                object.__setattr__(self, side, (value,))
+        if self.te is None:
+            object.__setattr__(self, "te", self.megatron)
+
+    @property
+    def value(self) -> str:  # reads like Role.value in reports
+        return self.label
+
+    @property
+    def is_expert(self) -> bool:
+        return self.expert

@@ -1,0 +1,185 @@
+"""ModelFamily: what a model family declares, in one file (see the files in `families/`).
+
+A family says (1) how an HF `config.json` becomes a ModelSpec (`spec`), (2) its canonical tensors, layer by
+layer (`layer`, plus `head` and `tail`), each an `Entry` with its HF name and a role: a shared `Role` (placed as
+`roles.py` says) or the family's own `cuts.Kind` (with its Megatron and vLLM names and cuts), (3) what the
+checkpoint holds that refits leave out (`excluded`), (4) the megatron-core options its tensors imply
+(`megatron_options`, `megatron_block`; `from_megatron` when a spec can be read off a megatron-core config) and
+(5) the vLLM parameters that hold no weights (`vllm_not_weights`). Defining a concrete subclass registers it.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Any, ClassVar, Sequence
+
+from ..errors import ModelConfigError
+from . import registry
+from .model import LAYER, Entry, Experts, ModelSpec, Role
+
+_HF_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "fp8": "float8_e4m3fn"}
+
+
+class ModelFamily(abc.ABC):
+    """A family: its config keys, its canonical tensors and their kinds, and its engine specifics."""
+
+    name: ClassVar[str]
+    architectures: ClassVar[tuple[str, ...]]
+    model_types: ClassVar[tuple[str, ...]] = ()
+    # megatron-core: the layer specs the CPU validation builds ("gpt": get_gpt_decoder_block_spec;
+    # "gated_delta_net": GatedDeltaNet layers among attention layers) and the config class.
+    megatron_block: ClassVar[str] = "gpt"
+    megatron_config_class: ClassVar[str] = "TransformerConfig"
+    # Live vLLM parameters that hold no model weights (formatted with the layer `{i}`).
+    vllm_not_weights: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not getattr(cls, "__abstractmethods__", None):
+            registry.register(cls())
+
+    @abc.abstractmethod
+    def spec(self, config: dict[str, Any], include_mtp: bool = False) -> ModelSpec: ...
+
+    @abc.abstractmethod
+    def layer(self, spec: ModelSpec, i: int) -> Sequence[Entry | Experts]:
+        """Layer i's tensors in checkpoint order (names keep `{i}`: layers of one structure share a list)."""
+
+    def hf_model(self, spec: ModelSpec) -> str:
+        """The HF prefix of the decoder's tensors (a multimodal wrapper nests the language model deeper)."""
+        return "model."
+
+    def head(self, spec: ModelSpec) -> Sequence[Entry]:
+        """The tensors before the layers."""
+        return [Entry(self.hf_model(spec) + "embed_tokens.weight", (spec.vocab_size, spec.hidden_size), Role.EMBED)]
+
+    def tail(self, spec: ModelSpec) -> Sequence[Entry]:
+        """The tensors after the layers: the final norm, and the output layer unless it is tied."""
+        out = [Entry(self.hf_model(spec) + "norm.weight", (spec.hidden_size,), Role.FINAL_NORM)]
+        if not spec.tie_word_embeddings:
+            out.append(Entry("lm_head.weight", (spec.vocab_size, spec.hidden_size), Role.LM_HEAD))
+        return out
+
+    def excluded(self, config: dict[str, Any]) -> list[str]:
+        """What the HF checkpoint holds that a refit leaves out, in words (empty: nothing)."""
+        return []
+
+    def from_megatron(self, config: Any) -> bool:
+        """Whether a megatron-core TransformerConfig is a model of this family whose spec the config alone gives
+        (dense / MoE sizes, no family facts in `spec.arch`): `spec_from_megatron` picks the family by it."""
+        return False
+
+    def megatron_options(self, spec: ModelSpec) -> dict[str, Any]:
+        """megatron-core TransformerConfig options this family's spec implies beyond the shared dense / MoE ones
+        (attention variant, norms, shared experts ...): `reshard validate` builds its tiny megatron-core model
+        with them, in `megatron_config_class`, with the `megatron_block` layer specs."""
+        return {}
+
+    # Small sizes for a tiny instance of the same structure (validation builds it on CPU). Families add their
+    # own keys in `tiny_config`; flags and layer patterns are kept.
+    TINY: ClassVar[dict[str, Any]] = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+                                      "head_dim": 16, "vocab_size": 128, "max_position_embeddings": 128}
+
+    def tiny_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The same family and structure at toy sizes: at most 4 layers, 64 wide, 4 experts."""
+        out = {k: v for k, v in config.items() if k not in ("quantization_config", "auto_map")}
+        out.update(self.TINY)
+        out["num_hidden_layers"] = min(config.get("num_hidden_layers", 4), 4)
+        heads, kv = config.get("num_attention_heads", 4), config.get("num_key_value_heads") or config.get(
+            "num_attention_heads", 4)
+        out["num_key_value_heads"] = 4 if kv == heads else 2  # keep MHA vs GQA
+        for key in ("num_experts", "n_routed_experts", "num_local_experts"):
+            if config.get(key):
+                out[key] = 4
+        if config.get("moe_intermediate_size"):
+            out["moe_intermediate_size"] = 32
+        if config.get("num_experts_per_tok"):
+            out["num_experts_per_tok"] = 2
+        out["torch_dtype"] = "float32"
+        return out
+
+    # --- helpers shared by the families ----------------------------------------------------------------
+    @staticmethod
+    def _require(config: dict[str, Any], *keys: str) -> None:
+        missing = [k for k in keys if k not in config]
+        if missing:
+            raise ModelConfigError(f"config is missing {missing}")
+
+    @staticmethod
+    def _refuse_mtp_and_activation(config: dict[str, Any], include_mtp: bool, mtp_key: str, mtp_names: str) -> None:
+        """What no family supports yet: multi-token-prediction layers asked for, an activation other than silu."""
+        if include_mtp and config.get(mtp_key):
+            raise ModelConfigError(f"multi-token-prediction layers ({mtp_names}) are not supported yet: Megatron "
+                                   "keeps them in a separate mtp block and vLLM in a separate draft model; refit "
+                                   "without them")
+        if config.get("hidden_act", "silu") != "silu":
+            raise ModelConfigError(f"hidden_act={config['hidden_act']!r} is not supported (silu only)")
+
+    def _common(self, config: dict[str, Any], qk_norm: bool, biases: tuple[str, ...] = ("attention_bias", "mlp_bias")
+                ) -> dict[str, Any]:
+        self._require(config, "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+        heads = config["num_attention_heads"]
+        dtype = config.get("torch_dtype", config.get("dtype", "bfloat16")) or "bfloat16"
+        if dtype not in _HF_DTYPES:
+            raise ModelConfigError(f"dtype {dtype!r} is not one of {sorted(_HF_DTYPES)}")
+        for flag in biases:
+            if config.get(flag):
+                raise ModelConfigError(f"{flag}=true is not supported (the {self.name} family has no biases)")
+        if config.get("quantization_config"):
+            method = config["quantization_config"].get("quant_method", "?")
+            raise ModelConfigError(f"a quantized checkpoint (quantization_config.quant_method={method!r}) is not "
+                                   f"supported: refits write unquantized weights; drop quantization_config "
+                                   f"and serve the {dtype} weights")
+        return dict(
+            family=self.name,
+            hidden_size=config["hidden_size"],
+            num_layers=config["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            intermediate_size=config.get("intermediate_size", 0),
+            vocab_size=config["vocab_size"],
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qk_norm=qk_norm,
+            dtype=_HF_DTYPES[dtype],
+        )
+
+
+# --- building blocks of a layer's list (HF names of the shared roles) --------------------------------------
+
+def norm(name: str, size: int, role: Any, p: str = LAYER) -> Entry:
+    return Entry(p + name, (size,), role)
+
+
+def gqa_attention(spec: ModelSpec, p: str = LAYER) -> list[Entry]:
+    """q/k/v/o projections (+ per-head q/k norms when the spec has them)."""
+    H, d, a = spec.hidden_size, spec.head_dim, p + "self_attn."
+    out = [Entry(a + "q_proj.weight", (spec.num_attention_heads * d, H), Role.Q),
+           Entry(a + "k_proj.weight", (spec.num_key_value_heads * d, H), Role.K),
+           Entry(a + "v_proj.weight", (spec.num_key_value_heads * d, H), Role.V),
+           Entry(a + "o_proj.weight", (H, spec.num_attention_heads * d), Role.O)]
+    if spec.qk_norm:
+        out += [Entry(a + "q_norm.weight", (d,), Role.Q_NORM), Entry(a + "k_norm.weight", (d,), Role.K_NORM)]
+    return out
+
+
+def dense_mlp(spec: ModelSpec, p: str = LAYER) -> list[Entry]:
+    H, F, m = spec.hidden_size, spec.intermediate_size, p + "mlp."
+    return [Entry(m + "gate_proj.weight", (F, H), Role.GATE), Entry(m + "up_proj.weight", (F, H), Role.UP),
+            Entry(m + "down_proj.weight", (H, F), Role.DOWN)]
+
+
+def routed_experts(spec: ModelSpec, p: str = LAYER) -> list[Entry | Experts]:
+    """The router and the per-expert gate/up/down projections (HF per-expert checkpoint names)."""
+    H, Fm, m = spec.hidden_size, spec.moe_intermediate_size, p + "mlp."
+    e = m + "experts.{e}."
+    return [Entry(m + "gate.weight", (spec.num_experts, H), Role.ROUTER),
+            Experts((Entry(e + "gate_proj.weight", (Fm, H), Role.EXPERT_GATE),
+                     Entry(e + "up_proj.weight", (Fm, H), Role.EXPERT_UP),
+                     Entry(e + "down_proj.weight", (H, Fm), Role.EXPERT_DOWN)), spec.num_experts)]
+
+
+def attention_layer(spec: ModelSpec, mlp: Sequence[Entry | Experts], p: str = LAYER) -> list[Entry | Experts]:
+    """Norm, GQA attention, norm, then `mlp`'s tensors: the decoder layer of Qwen3 and Llama."""
+    H = spec.hidden_size
+    return [norm("input_layernorm.weight", H, Role.INPUT_NORM, p), *gqa_attention(spec, p),
+            norm("post_attention_layernorm.weight", H, Role.POST_ATTN_NORM, p), *mlp]

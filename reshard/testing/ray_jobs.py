@@ -1,0 +1,106 @@
+"""Megatron trainer workers as Ray actors, for tests and examples (never for production): each actor is one rank
+of a megatron-core model on gloo (testing.megatron_cpu), loaded from an HF checkpoint, and keeps one
+`TrainerSession` per group of identical engines. Calls take and return JSON text.
+
+    trainers = [ray.remote(MegatronTrainerActor).remote(r, world, port, json.dumps(job)) for r in range(world)]
+    ray.get([t.open.remote(json.dumps(group), engines if r == 0 else []) for r, t in enumerate(trainers)])
+    ray.get([t.refit.remote("step-1") for t in trainers])
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+import traceback
+from typing import Any
+
+import torch
+
+
+class MegatronTrainerActor:
+    def __init__(self, rank: int, world: int, port: int, job: str) -> None:
+        import torch.distributed as dist
+
+        from ..adapters.megatron import derive_layout, source_tensors
+        from ..executors import shard
+        from ..layouts import ModelSpec
+        from .megatron_cpu import TinyGPT, apply_cpu_patches, build_model, init_parallel
+        from .serve_jobs import load_checkpoint
+
+        spec_job = json.loads(job)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+        apply_cpu_patches()
+        init_parallel(spec_job.get("tp", 1), spec_job.get("pp", 1), spec_job.get("ep", 1), spec_job.get("etp"))
+        self.rank = rank
+        self.chunks = build_model(TinyGPT(**spec_job.get("tiny", {})))
+        self.spec = ModelSpec.from_hf_config(spec_job["checkpoint"])
+        self.layout = derive_layout(self.chunks, self.spec)
+        self.tensors = source_tensors(self.chunks, self.layout)
+        mine = shard(self.layout, load_checkpoint(spec_job["checkpoint"]), ranks=[rank])[rank]
+        with torch.no_grad():
+            for name, t in self.tensors.items():
+                t.copy_(mine[name])
+        self.sessions: dict[str, Any] = {}
+
+    def describe(self) -> str:
+        return str(self.layout)
+
+    def open(self, group: str, engines: list) -> str:
+        """Init a session for a group of identical engines ({"name", "dst": VllmLayout fields, "transport",
+        "fanout", "options"}); `engines` (actor handles) on rank 0 only. Returns JSON: the plan-cache counts."""
+        import torch.distributed as dist
+
+        from ..adapters.ray import RayEngineClient
+        from ..adapters.refit import RefitSpec
+        from ..adapters.trainer import TrainerSession
+        from ..layouts import VllmLayout
+        from ..planner import cache
+
+        g = json.loads(group)
+        old = self.sessions.pop(g["name"], None)
+        if old is not None:
+            old.close()
+        dst = VllmLayout(model=self.spec, **g["dst"])
+        refit = RefitSpec.of(self.spec, self.layout, dst, install="loader", transport=g.get("transport", "collective"),
+                             fanout=g.get("fanout"), options=g.get("options", {}))
+        clients = [RayEngineClient(e, f"{g['name']}[{k}]", timeout=g.get("timeout", 300.0))
+                   for k, e in enumerate(engines)]
+        session = TrainerSession(refit, self.rank, self.tensors, engines=clients, trainer_group=dist.group.WORLD,
+                                 timeout=g.get("timeout", 300.0))
+        session.init()
+        self.sessions[g["name"]] = session
+        return json.dumps(cache.stats())
+
+    def train_step(self, step: int) -> None:
+        from .serve_jobs import train_step
+
+        with torch.no_grad():
+            for t in self.tensors.values():
+                t.copy_(train_step(t, step))
+
+    def refit(self, version: str, names: str = "null") -> str:
+        """Refit the engine groups `names` (all by default), one after another; JSON per group: the outcome, the
+        seconds, this process's bytes sent, the plan-cache counts."""
+        from ..planner import cache
+
+        out = {}
+        for name in json.loads(names) or list(self.sessions):
+            t0 = time.perf_counter()
+            try:
+                r = self.sessions[name].refit(version)
+                sent = sum(getattr(r.stats, "bytes_sent", {}).values()) if r.stats is not None else 0
+                out[name] = {"ok": True, "seconds": r.seconds, "phases": r.phases, "bytes_sent": sent}
+            except Exception as e:  # noqa: BLE001 - reported to the caller, which decides
+                out[name] = {"ok": False, "error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - t0,
+                             "trace": traceback.format_exc(limit=3)}
+        out["cache"] = cache.stats()
+        return json.dumps(out)
+
+    def exit(self) -> None:
+        os._exit(17)  # a trainer worker dies (fault tests)
+
+
+__all__ = ["MegatronTrainerActor"]

@@ -48,7 +48,7 @@ reported a complete transfer (step 5) are the shadows copied into the destinatio
 therefore leaves every destination tensor unchanged. Extra memory: the shadowed destination tensors once
 more (at most this process's whole destination share, e.g. 16.4 GB for a TP1 Qwen3-8B replica), held by the
 executor between calls (one buffer; `release()` frees it), plus an extra copy of those bytes at commit (11 ms
-for 16.4 GB on an H200, BENCHMARKS.md). Destination tensors fed only by local copies need no shadow: their copies
+for 16.4 GB on an H200). Destination tensors fed only by local copies need no shadow: their copies
 run at commit, straight from the source. `in_place=True` writes straight into the destination tensors and
 keeps no shadow; a failed refit then leaves them partly written.
 
@@ -149,12 +149,14 @@ class DistributedExecutor(Executor):
     direct_bytes: runs of at least this many bytes that are contiguous in the sender's (receiver's) memory
         travel as messages of their own, sent from (received into) the tensors themselves: no pack (scatter)
         copy. None: only messages that happen to be contiguous go direct. "auto": 64 MiB on one lane, 16 MiB
-        on several (BENCHMARKS.md).
+        on several, where messages are cheaper (on two H200s, 16 MiB on one lane was slower: 33.7 ms against
+        30.9-31.4 ms).
     lanes: communicators the rounds are spread over (round r on lane r mod lanes; executors.lanes): NCCL runs
         one communicator's messages one after another, each with a fixed cost, and lanes overlap those costs
-        (E3 on 2xH200: 79-88% of the link with 3 lanes, 72% with 1). The extra ones are made from the group in
-        the first refit and kept for it; each is one more NCCL communicator (its buffers on the GPU). Default:
-        3 on NCCL, 1 otherwise (gloo has no such per-message cost to hide).
+        (a Qwen3-8B refit from TP2 into two colocated TP1 replicas on two H200s: 79-88% of the link with 3
+        lanes, 72% with 1). The extra ones are made from the group in the first refit and kept for it; each is
+        one more NCCL communicator (its buffers on the GPU). Default: 3 on NCCL, 1 otherwise (gloo has no such
+        per-message cost to hide).
     on_round: called with each round's index before it is posted (progress reporting, fault injection in tests).
     """
 

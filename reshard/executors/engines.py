@@ -204,7 +204,7 @@ def abort(groups: list, timeout: float) -> list:
     three lanes, a peer killed mid-refit; ncclGroupStart around the aborts did not help: torch runs each abort
     on a thread of its own). All at once, every flag is set within moments and every free completes: the
     survivor raised 4.7 s after its peer died (timeout 4 s) with one, two or three lanes, its staged
-    destinations untouched or its undo log put back, and its GPU usable (BENCHMARKS.md, issue 3)."""
+    destinations untouched or its undo log put back, and its GPU usable."""
     threads = [threading.Thread(target=_abort_one, args=(g,), daemon=True, name=f"reshard-abort-{i}")
                for i, g in enumerate(groups)]
     for t in threads:

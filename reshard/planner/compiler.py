@@ -402,7 +402,7 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
                       ranks_per_replica=rpr, tensors_per_replica=len(dst_table0))
     dst_table = dst_table0.tiled(K, rpr)
     return Plan(src=src, dst=dst, src_tensors=src_table, dst_tensors=dst_table, program=program, bounds=bounds,
-                colocation=tuple(colocation.tolist()) if colocation is not None else None,  # sets `colocated`
+                colocation=tuple(colocation.tolist()) if colocation is not None else None,
                 fanout=fanout, roots=len(fed) if fanout else None,
                 selection=tuple(model.tensor_name(int(k)) for k in sel) if subset else None,
                 coverage="exact", compile_seconds=round(time.perf_counter() - start, 4))

@@ -25,6 +25,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from ..arrays import sort_by, unique_inverse
 from ..errors import PlanError
 from ..layouts import Layout, ModelSpec
 from ..layouts.model import DTYPE_SIZES
@@ -33,7 +34,7 @@ from .accounting import Bounds
 from .balance import choose_holders
 from .coverage import band_segments, overlapping, prove_exact_coverage, rects_from_ops, sorted_unique
 from .fanout import replica_forests, split_parts
-from .merge import merge_relay, merge_template, sort_by, unique_inverse
+from .merge import merge_relay, merge_template
 from .plan import Plan, TensorTable
 from .program import Program
 

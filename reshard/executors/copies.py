@@ -9,8 +9,11 @@ on a GPU each copy is a kernel launch, so their number matters more than their s
    (n, rows, cols) with strides (step, row stride, 1): the per-group q / k / v blocks of an interleaved QKV
    weight, the experts of a stack, the rows of a vocabulary split.
 
-Memory is named by (kind, id): SRC / DST are the caller's source / destination tensors (ids from the plan's
-tensor tables), SHADOW a staging copy of a destination tensor, WIRE a message buffer (id = message).
+Memory is named by (kind, id), the same in every executor: SRC / DST are the caller's source / destination
+tensors (ids from the plan's tensor tables); SHADOW is a copy of a destination tensor that this process keeps
+(staged bytes, a backup for undo, or memory peers write into); WIRE is a buffer bytes travel in between two
+processes (id: a message of the torch.distributed executor, a link of the NIXL executor); PEER + q is process
+q's memory for a destination tensor (id), mapped into this process (the shared-memory executor writes there).
 """
 from __future__ import annotations
 
@@ -22,8 +25,8 @@ import numpy as np
 from ..errors import ExecutionError
 from ..planner.merge import merge_adjacent
 
-SRC, DST, SHADOW, WIRE = 0, 1, 2, 3
-KIND_NAMES = ("source", "destination", "shadow", "wire")
+SRC, DST, SHADOW, WIRE, PEER = 0, 1, 2, 3, 4  # PEER + q: process q's memory (module docstring)
+KIND_NAMES = ("source", "destination", "shadow", "wire buffer")
 COPY_COLUMNS = ("src_kind", "src_id", "src_off", "src_step", "src_stride",
                 "dst_kind", "dst_id", "dst_off", "dst_step", "dst_stride", "n", "rows", "cols")
 

@@ -48,7 +48,7 @@ reported a complete transfer (step 5) are the shadows copied into the destinatio
 therefore leaves every destination tensor unchanged. Extra memory: the shadowed destination tensors once
 more (at most this process's whole destination share, e.g. 16.4 GB for a TP1 Qwen3-8B replica), held by the
 executor between calls (one buffer; `release()` frees it), plus an extra copy of those bytes at commit (11 ms
-for 16.4 GB on an H200, BENCHMARKS.md). Destination tensors fed only by local copies need no shadow: their copies
+for 16.4 GB on an H200). Destination tensors fed only by local copies need no shadow: their copies
 run at commit, straight from the source. `in_place=True` writes straight into the destination tensors and
 keeps no shadow; a failed refit then leaves them partly written.
 
@@ -88,8 +88,8 @@ from ..planner import Plan
 from . import connect
 from .base import Executor, RankTensors
 from .binding import Binding
-from .engines import Bound, Engine, abort, bound_key, make_engine, poll
 from .comm import Comm, comm_for
+from .engines import Buffers, Engine, Setup, abort, make_engine, poll
 from .lanes import NCCL_LANES
 from .local import check_tensors, in_units
 from .schedule import DIRECT_BYTES, LANES_DIRECT_BYTES, ProcessSchedule, bucket_numel_for, build_schedule
@@ -149,12 +149,14 @@ class DistributedExecutor(Executor):
     direct_bytes: runs of at least this many bytes that are contiguous in the sender's (receiver's) memory
         travel as messages of their own, sent from (received into) the tensors themselves: no pack (scatter)
         copy. None: only messages that happen to be contiguous go direct. "auto": 64 MiB on one lane, 16 MiB
-        on several (BENCHMARKS.md).
+        on several, where messages are cheaper (on two H200s, 16 MiB on one lane was slower: 33.7 ms against
+        30.9-31.4 ms).
     lanes: communicators the rounds are spread over (round r on lane r mod lanes; executors.lanes): NCCL runs
         one communicator's messages one after another, each with a fixed cost, and lanes overlap those costs
-        (E3 on 2xH200: 79-88% of the link with 3 lanes, 72% with 1). The extra ones are made from the group in
-        the first refit and kept for it; each is one more NCCL communicator (its buffers on the GPU). Default:
-        3 on NCCL, 1 otherwise (gloo has no such per-message cost to hide).
+        (a Qwen3-8B refit from TP2 into two colocated TP1 replicas on two H200s: 79-88% of the link with 3
+        lanes, 72% with 1). The extra ones are made from the group in the first refit and kept for it; each is
+        one more NCCL communicator (its buffers on the GPU). Default: 3 on NCCL, 1 otherwise (gloo has no such
+        per-message cost to hide).
     on_round: called with each round's index before it is posted (progress reporting, fault injection in tests).
     """
 
@@ -203,14 +205,13 @@ class DistributedExecutor(Executor):
         self._fingerprint = _digest_int(plan.digest, binding.digest, str(self.bucket_numel), str(depth),
                                         str(direct_numel), str(undo), str(self.num_lanes))
         self._peers: list[int] = sorted({m.peer for r in self.schedule.rounds for m in r.sends + r.recvs})
-        self._wire: torch.Tensor | None = None  # wire buffers, kept across calls
-        self._bound: Bound | None = None  # views of the tensors of the last call, and the staging buffer
+        self._setup = Setup(plan, self.schedule, self.comm, self.rank, depth, timeout, in_place, undo)
+        self._kept = Buffers()  # wire, staging, streams and views of the tensors of the last call
         self._given: tuple = ()  # the tensor objects of the last call that passed the checks, and their addresses
-        self._streams = None
 
     def release(self) -> None:
         """Drop the buffers and views kept between calls (wire, staging, views of the caller's tensors)."""
-        self._wire = self._bound = self._streams = None
+        self._kept = Buffers()
         self._given = ()
 
     @property
@@ -232,11 +233,11 @@ class DistributedExecutor(Executor):
         self.release()
 
     def _run(self, start: float, src: dict, dst: dict) -> ExecutionStats:
-        given = _identity(src, dst)
-        if self._bound is not None and given is not None and self._given and given[0] == self._given[0]:
+        given, kept = _identity(src, dst), self._kept
+        if kept.bound is not None and given is not None and self._given and given[0] == self._given[0]:
             # the very tensor objects, at the same addresses, that passed the checks last time: skip them (~1 ms
             # for a few hundred tensors). Metadata changed in place (resize_, set_) is not seen: pass new tensors.
-            device, problem = self._bound.device, None
+            device, problem = kept.bound.device, None
         else:
             self._given = ()
             problem = self._check_local(src, dst)
@@ -247,12 +248,9 @@ class DistributedExecutor(Executor):
             try:  # buffers are allocated before the preflight, so that running out of memory is reported there
                 if not self._given:
                     src, dst = in_units(self.plan, src, dst)  # tensors kept in a wider dtype, seen in the plan's
-                    key = bound_key(self, src, dst, device)
-                    if self._bound is None or self._bound.key != key:
-                        self._bound = None
-                        self._bound = Bound(self, device, src, dst, key)
+                    kept.bind(self._setup, device, src, dst)
                     self._given = given or ()
-                engine = make_engine(self, self._bound)
+                engine = make_engine(self._setup, kept)
             except Exception as e:  # noqa: BLE001 - becomes this process's refusal, seen by every process
                 problem = f"could not prepare buffers on {device}: {type(e).__name__}: {e}"
         marks = [("prepare", time.perf_counter())]
@@ -270,16 +268,16 @@ class DistributedExecutor(Executor):
             self._agree(device)
             marks.append(("verify", time.perf_counter()))
         except ReshardError as e:
-            note = engine.abort()
+            note = self.abort() if device.type == "cuda" else ""  # gloo's waits fail on their own
             if self.undo:
                 raise ExecutionError(f"{e}{note}; {engine.restore()}") from e
             if note:
                 raise ExecutionError(f"{e}{note}") from e
             raise
         except Exception as e:  # a transport error: name it, keep the original as the cause
-            note = engine.abort()
+            note = self.abort() if device.type == "cuda" else ""
             restored = f"; {engine.restore()}" if self.undo else ""
-            raise ExecutionError(self._failure(f"{type(e).__name__}: {e}") + note + restored) from e
+            raise ExecutionError(self._setup.failure(f"{type(e).__name__}: {e}") + note + restored) from e
         engine.commit()
         marks.append(("commit", time.perf_counter()))
         s = self.schedule
@@ -292,9 +290,9 @@ class DistributedExecutor(Executor):
             bytes_received={p: n * itemsize for p, n in s.received.items()},
             local_bytes=s.local_numel * itemsize, rounds=len(s.rounds),
             messages=sum(len(r.sends) + len(r.recvs) for r in s.rounds), lanes=len(self.lanes), copies=engine.copies,
-            direct_bytes=self._bound.direct_bytes,
-            bucket_bytes=self.bucket_numel * itemsize, wire_buffer_bytes=self._bound.wire_bytes,
-            staging_bytes=self._bound.staging_bytes)
+            direct_bytes=kept.bound.direct_bytes,
+            bucket_bytes=self.bucket_numel * itemsize, wire_buffer_bytes=kept.bound.wire_bytes,
+            staging_bytes=kept.bound.staging_bytes)
 
     # --- steps -----------------------------------------------------------------------------------
     def _check_local(self, src: dict, dst: dict) -> str | None:
@@ -384,7 +382,7 @@ class DistributedExecutor(Executor):
         t = torch.zeros(1, dtype=torch.int64, device=device)
         self._wait_collective(lambda: self.comm.all_reduce_max(t), device, "verify")
         if int(t.item()):
-            raise ExecutionError(self._failure("another process reported an incomplete transfer"))
+            raise ExecutionError(self._setup.failure("another process reported an incomplete transfer"))
 
     def _make_lanes(self) -> None:
         # every member passed the preflight and agrees on the names: all make them together
@@ -407,7 +405,7 @@ class DistributedExecutor(Executor):
             ev.record()
             poll([ev], self.timeout, ["the handshake with peers"])
         except ExecutionError as e:
-            raise ExecutionError(self._failure(str(e), before=True)) from e
+            raise ExecutionError(self._setup.failure(str(e), before=True)) from e
         connect.mark_ready(self.lanes, [comm.global_peer(p) for p in peers])
 
     def _wait_collective(self, start: Callable, device: torch.device, what: str, before: bool = False) -> None:
@@ -426,7 +424,7 @@ class DistributedExecutor(Executor):
                 work.wait(timedelta(seconds=self.timeout))
         except Exception as e:
             note = self.abort() if device.type == "cuda" else ""
-            raise ExecutionError(self._failure(f"{what} all-reduce did not complete: {e}", before) + note) from e
+            raise ExecutionError(self._setup.failure(f"{what} all-reduce did not complete: {e}", before) + note) from e
 
     def abort(self) -> str:
         """Unblock the transport after a failure: abort the group and its lanes, all at once (engines.abort),
@@ -442,13 +440,6 @@ class DistributedExecutor(Executor):
                 self.comm.forget_lanes()
         return self._abort_note
 
-    def _failure(self, what: str, before: bool = False) -> str:
-        state = ("nothing was moved" if before else
-                 "destination tensors were written in place; their previous bytes are put back" if self.undo else
-                 "destination tensors were left unchanged (staged refit)" if not self.in_place else
-                 "destination tensors may be partly written (in_place=True)")
-        return (f"refit failed on group rank {self.rank} (plan {self.plan.digest[:12]}): {what}; {state}; the "
-                f"process group is no longer usable: destroy and rebuild it")
 
 
 def _identity(src: dict, dst: dict) -> tuple | None:

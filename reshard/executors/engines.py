@@ -1,9 +1,11 @@
 """How one process moves its part of a schedule: buffers bound to its tensors, and two engines that run rounds.
 
+What an engine needs from the executor that runs it is a `Setup` (the plan, this process's schedule, the
+group, the options, and the words of a failure) and the `Buffers` the executor keeps between refits.
 `Bound` ties a process schedule to the tensors of one call: flat views of the caller's tensors, the staging
-(shadow) buffer, the wire buffers, and every copy program as prebuilt views (executors.views). The executor
-keeps it and reuses it while the caller passes the same tensors (the usual case: parameters live as long as
-the trainer and the inference engine do).
+(shadow) buffer, the wire buffers, and every copy program as prebuilt views (executors.views). `Buffers.bind`
+reuses it while the caller passes the same tensors (the usual case: parameters live as long as the trainer
+and the inference engine do).
 
 `HostEngine` (CPU tensors, gloo) packs, posts and scatters on the calling thread; the transport moves one round
 while the thread packs the next. `CudaEngine` (GPU tensors, NCCL) puts packing, scattering and local copies on
@@ -15,36 +17,76 @@ from __future__ import annotations
 import abc
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 import torch
 
 from ..errors import ExecutionError
+from ..planner import Plan
+from .comm import Comm
 from .copies import DST, KIND_NAMES, SHADOW, SRC, WIRE, Copies, regions
 from .local import apply_shifts, shift_views, torch_dtype
+from .schedule import ProcessSchedule
 from .views import BoundCopies, Memory, bind
-
-if TYPE_CHECKING:
-    from .distributed import DistributedExecutor
 
 HOST_LEAD = 8  # rounds the host may enqueue ahead of the GPU (CudaEngine._keep_up)
 ALIGN = 64  # elements: every shadow tensor starts 128-byte aligned (bf16) so that word views apply
 
 
-def bound_key(ex: "DistributedExecutor", src: dict, dst: dict, device: torch.device) -> tuple:
-    s, plan = ex.schedule, ex.plan
-    ptrs = [src[plan.src_tensors.ranks[i]][plan.src_tensors.names[i]].data_ptr() for i in s.src_ids]
-    ptrs += [dst[plan.dst_tensors.ranks[i]][plan.dst_tensors.names[i]].data_ptr() for i in s.dst_ids]
-    return (str(device), *ptrs)
+@dataclass(frozen=True, eq=False)
+class Setup:
+    """What the engines need from the executor that runs them, fixed when it is built."""
+
+    plan: Plan
+    schedule: ProcessSchedule  # this process's part
+    comm: Comm | None  # the refit group: its lanes carry the rounds
+    rank: int  # this process's rank in the group
+    depth: int  # rounds in flight
+    timeout: float  # seconds any wait may go without progress
+    in_place: bool
+    undo: bool
+
+    def failure(self, what: str, before: bool = False) -> str:
+        """The message of a refit that failed because of `what` (`before`: before any byte moved)."""
+        state = ("nothing was moved" if before else
+                 "destination tensors were written in place; their previous bytes are put back" if self.undo else
+                 "destination tensors were left unchanged (staged refit)" if not self.in_place else
+                 "destination tensors may be partly written (in_place=True)")
+        return (f"refit failed on group rank {self.rank} (plan {self.plan.digest[:12]}): {what}; {state}; the "
+                f"process group is no longer usable: destroy and rebuild it")
+
+
+class Buffers:
+    """What an executor keeps between refits for its engines: the wire buffer (grown, never shrunk), the CUDA
+    streams, and the schedule bound to the tensors of the last call."""
+
+    def __init__(self) -> None:
+        self.wire: torch.Tensor | None = None
+        self.streams: dict[str, torch.cuda.Stream] | None = None
+        self.bound: Bound | None = None
+
+    def bind(self, setup: Setup, device: torch.device, src: dict, dst: dict) -> "Bound":
+        """The schedule bound to these tensors; the last binding again when they are the same tensors (the
+        same addresses) on the same device."""
+        s, plan = setup.schedule, setup.plan
+        ptrs = [src[plan.src_tensors.ranks[i]][plan.src_tensors.names[i]].data_ptr() for i in s.src_ids]
+        ptrs += [dst[plan.dst_tensors.ranks[i]][plan.dst_tensors.names[i]].data_ptr() for i in s.dst_ids]
+        key = (str(device), *ptrs)
+        if self.bound is None or self.bound.key != key:
+            self.bound = None  # free the old views and staging before allocating new ones
+            self.bound = Bound(setup, self, device, src, dst, key)
+        return self.bound
 
 
 class Bound:
     """A schedule bound to one set of tensors (see the module docstring)."""
 
-    def __init__(self, ex: "DistributedExecutor", device: torch.device, src: dict, dst: dict, key: tuple) -> None:
-        s, plan = ex.schedule, ex.plan
+    def __init__(self, setup: Setup, kept: Buffers, device: torch.device, src: dict, dst: dict,
+                 key: tuple) -> None:
+        s, plan, depth = setup.schedule, setup.plan, setup.depth
         self.key, self.device = key, device
         itemsize = plan.itemsize
         dtype = torch_dtype(plan.dst.dtype)
@@ -60,12 +102,12 @@ class Bound:
         for i, a, n in zip(s.shadow, starts, sizes):
             flats[SHADOW][i] = self.shadow.narrow(0, int(a), n)
         self.staging_bytes = int(starts[-1]) * itemsize if s.shadow else 0
-        # wire: depth x (messages in a round) buckets, kept by the executor across calls
+        # wire: depth x (messages in a round) buckets, kept across calls
         per_round = max(s.buffers_per_round, 1)
-        need = ex.depth * per_round * s.bucket_numel if s.rounds else 0
-        if ex._wire is None or ex._wire.numel() < need or ex._wire.device != device:
-            ex._wire = torch.empty(need, dtype=dtype, device=device)
-        self.wire = ex._wire[:need].view(ex.depth, per_round, s.bucket_numel) if need else None
+        need = depth * per_round * s.bucket_numel if s.rounds else 0
+        if kept.wire is None or kept.wire.numel() < need or kept.wire.device != device:
+            kept.wire = torch.empty(need, dtype=dtype, device=device)
+        self.wire = kept.wire[:need].view(depth, per_round, s.bucket_numel) if need else None
         self.wire_bytes = need * itemsize
         wires: list[torch.Tensor] = []  # one view per packed message, into its round's buffer for its peer
 
@@ -85,7 +127,7 @@ class Bound:
         self.recv_bufs: list[list[torch.Tensor]] = []
         self.direct_bytes = 0
         for pos, r in enumerate(s.rounds):
-            slot = pos % ex.depth
+            slot = pos % depth
             region = {("send", p): j for j, p in enumerate(sorted({m.peer for m in r.sends}))}
             region.update({("recv", p): len(region) + j for j, p in enumerate(sorted({m.peer for m in r.recvs}))})
             for way, msgs, progs, bufs in (("send", r.sends, self.packs, self.send_bufs),
@@ -162,7 +204,7 @@ def abort(groups: list, timeout: float) -> list:
     three lanes, a peer killed mid-refit; ncclGroupStart around the aborts did not help: torch runs each abort
     on a thread of its own). All at once, every flag is set within moments and every free completes: the
     survivor raised 4.7 s after its peer died (timeout 4 s) with one, two or three lanes, its staged
-    destinations untouched or its undo log put back, and its GPU usable (BENCHMARKS.md, issue 3)."""
+    destinations untouched or its undo log put back, and its GPU usable."""
     threads = [threading.Thread(target=_abort_one, args=(g,), daemon=True, name=f"reshard-abort-{i}")
                for i, g in enumerate(groups)]
     for t in threads:
@@ -181,11 +223,11 @@ def _abort_one(group) -> None:
 
 
 class Engine(abc.ABC):
-    """Runs one process's rounds over bound buffers. Round positions index `ex.schedule.rounds`."""
+    """Runs one process's rounds over bound buffers. Round positions index `setup.schedule.rounds`."""
 
-    def __init__(self, ex: "DistributedExecutor", bound: Bound) -> None:
-        self.ex, self.b = ex, bound
-        self.rounds = ex.schedule.rounds
+    def __init__(self, setup: Setup, kept: Buffers) -> None:
+        self.setup, self.b = setup, kept.bound
+        self.rounds = setup.schedule.rounds
         self.copies = 0
         self.undo_log: list[tuple] = []  # (completion event or None, restore program), in launch order
 
@@ -207,18 +249,18 @@ class Engine(abc.ABC):
             p.run()
 
     def _ops(self, pos: int):
-        r = self.rounds[pos]
-        lane = r.index % len(self.ex.lanes)  # both ends derive the lane from the global round
-        key = (pos, lane, id(self.ex.lanes[lane]))
+        r, comm = self.rounds[pos], self.setup.comm
+        lane = r.index % len(comm.lanes)  # both ends derive the lane from the global round
+        key = (pos, lane, id(comm.lanes[lane]))
         ops = self.b.ops.get(key)
         if ops is None:  # built once per bound tensors and lane: a few microseconds per message saved per refit
-            ops = self.b.ops[key] = self.ex.comm.prepare(
+            ops = self.b.ops[key] = comm.prepare(
                 lane, [(b, m.peer, m.tag) for b, m in zip(self.b.send_bufs[pos], r.sends)],
                 [(b, m.peer, m.tag) for b, m in zip(self.b.recv_bufs[pos], r.recvs)])
         return ops
 
     def describe(self, pos: int) -> str:
-        r, size = self.rounds[pos], self.ex.plan.itemsize
+        r, size = self.rounds[pos], self.setup.plan.itemsize
         parts = [f"send {m.numel * size} B to group rank {m.peer}" for m in r.sends]
         parts += [f"receive {m.numel * size} B from group rank {m.peer}" for m in r.recvs]
         return f"round {r.index} (stage {r.stage}: {', '.join(parts)})"
@@ -251,10 +293,6 @@ class Engine(abc.ABC):
     def commit(self) -> None:
         """Write staged bytes and deferred local copies into the destination tensors."""
 
-    @abc.abstractmethod
-    def abort(self) -> str:
-        """Unblock the transport after a failure; returns a note for the error message (may be empty)."""
-
 
 class HostEngine(Engine):
     """CPU tensors over gloo: copies run on this thread while the transport moves earlier rounds."""
@@ -266,16 +304,16 @@ class HostEngine(Engine):
         if self.b.backups[pos] is not None:  # receives write only after this round is posted
             self._run([self.b.backups[pos]])
             self.undo_log.append((None, self.b.restores[pos]))
-        return pos, self.ex.comm.post(self._ops(pos))
+        return pos, self.setup.comm.post(self._ops(pos))
 
     def complete(self, pending) -> None:
         pos, works = pending
-        timeout = timedelta(seconds=self.ex.timeout)
+        timeout = timedelta(seconds=self.setup.timeout)
         for w in works:
             try:
                 w.wait(timeout)
             except Exception as e:
-                raise ExecutionError(self.ex._failure(f"{self.describe(pos)} did not complete: {e}")) from e
+                raise ExecutionError(self.setup.failure(f"{self.describe(pos)} did not complete: {e}")) from e
         self._run(self.b.scatters[pos])
 
     def local(self, stage: int, piece: int) -> None:
@@ -294,20 +332,17 @@ class HostEngine(Engine):
         self._run([self.b.commit, self.b.deferred])
         apply_shifts(self.b.shifts)
 
-    def abort(self) -> str:
-        return ""  # gloo's waits fail on their own
-
 
 class CudaEngine(Engine):
     """GPU tensors over NCCL: pack, transfer, scatter and local copies on their own streams, ordered by events;
     the host only enqueues, then polls each round's completion event against the timeout."""
 
-    def __init__(self, ex: "DistributedExecutor", bound: Bound) -> None:
-        super().__init__(ex, bound)
-        device = bound.device
-        if getattr(ex, "_streams", None) is None or ex._streams["pack"].device != device:
-            ex._streams = {k: torch.cuda.Stream(device) for k in ("pack", "scatter", "local", "post")}
-        self.streams = ex._streams
+    def __init__(self, setup: Setup, kept: Buffers) -> None:
+        super().__init__(setup, kept)
+        device = self.b.device
+        if kept.streams is None or kept.streams["pack"].device != device:
+            kept.streams = {k: torch.cuda.Stream(device) for k in ("pack", "scatter", "local", "post")}
+        self.streams = kept.streams
         entry = torch.cuda.current_stream(device).record_event()
         for st in self.streams.values():
             st.wait_event(entry)  # the caller's writes to the source tensors come first
@@ -319,7 +354,7 @@ class CudaEngine(Engine):
 
     def pack(self, pos: int) -> None:
         self._keep_up()
-        prev = self.slot_owner.get(pos % self.ex.depth)
+        prev = self.slot_owner.get(pos % self.setup.depth)
         st = self.streams["pack"]
         with torch.cuda.stream(st):
             if prev is not None:
@@ -329,7 +364,7 @@ class CudaEngine(Engine):
             self.packed = st.record_event()
 
     def post(self, pos: int):
-        slot = pos % self.ex.depth
+        slot = pos % self.setup.depth
         prev = self.slot_owner.get(slot)
         post = self.streams["post"]
         post.wait_event(self.packed)
@@ -340,7 +375,7 @@ class CudaEngine(Engine):
             if self.b.backups[pos] is not None:  # before this round's receives write (direct ones at once)
                 self._run([self.b.backups[pos]])
                 self.undo_log.append((post.record_event(), self.b.restores[pos]))
-            works = self.ex.comm.post(ops)
+            works = self.setup.comm.post(ops)
         pending = {"pos": pos, "works": works, "scattered": None}
         self.slot_owner[slot] = pending
         return pending
@@ -364,9 +399,9 @@ class CudaEngine(Engine):
         ev, pos = self.done[-HOST_LEAD]
         if not ev.query():
             try:
-                poll([ev], self.ex.timeout, [self.describe(pos)])
+                poll([ev], self.setup.timeout, [self.describe(pos)])
             except ExecutionError as e:
-                raise ExecutionError(self.ex._failure(str(e))) from None
+                raise ExecutionError(self.setup.failure(str(e))) from None
 
     def local(self, stage: int, piece: int) -> None:
         st = self.streams["local"]
@@ -393,9 +428,9 @@ class CudaEngine(Engine):
             return self.describe(self.done[i][1]) if i < len(self.done) else \
                 f"local copies of stage {stages[i - len(self.done)]}"
         try:
-            poll(events, self.ex.timeout, what)
+            poll(events, self.setup.timeout, what)
         except ExecutionError as e:
-            raise ExecutionError(self.ex._failure(str(e))) from None
+            raise ExecutionError(self.setup.failure(str(e))) from None
 
     def commit(self) -> None:
         cur = torch.cuda.current_stream(self.b.device)
@@ -405,16 +440,13 @@ class CudaEngine(Engine):
         apply_shifts(self.b.shifts)
         cur.synchronize()
 
-    def abort(self) -> str:
-        return self.ex.abort()
-
     def _restore_log(self) -> int:
         # after the abort: wait (bounded) until nothing of this refit still runs on our streams, then put back
         # every region whose backup completed (a region whose backup did not run was never written: its
         # writes are ordered after the backup on the same stream)
         ends = [st.record_event() for st in self.streams.values()]
         try:
-            poll(ends, self.ex.timeout, [f"{name} stream" for name in self.streams])
+            poll(ends, self.setup.timeout, [f"{name} stream" for name in self.streams])
         except ExecutionError as e:
             raise ExecutionError(f"could not restore the previous weights: {e}; destination tensors may be "
                                  f"partly written") from None
@@ -425,8 +457,9 @@ class CudaEngine(Engine):
         return len(done)
 
 
-def make_engine(ex: "DistributedExecutor", bound: Bound) -> Engine:
-    return (CudaEngine if bound.device.type == "cuda" else HostEngine)(ex, bound)
+def make_engine(setup: Setup, kept: Buffers) -> Engine:
+    """The engine for the tensors `kept` is bound to (`Buffers.bind`)."""
+    return (CudaEngine if kept.bound.device.type == "cuda" else HostEngine)(setup, kept)
 
 
-__all__ = ["Bound", "CudaEngine", "Engine", "HostEngine", "abort", "bound_key", "make_engine", "poll"]
+__all__ = ["Bound", "Buffers", "CudaEngine", "Engine", "HostEngine", "Setup", "abort", "make_engine", "poll"]

@@ -3,15 +3,15 @@
 NCCL runs the point-to-point operations of one communicator one after another on one stream, and each pays a
 fixed cost on top of its bytes: on two H200s over NVLink, 8.2 GB each way as 8 rounds of ten 100 MiB messages
 took 27.1-27.4 ms on one communicator against 23.1 ms as 8 rounds of one 1 GiB message, about 55 us per extra
-message; with the rounds alternating between two communicators, 23.8-23.9 ms (benchmarks/nccl_p2p_shapes.py;
-BENCHMARKS.md, issue 3, "Current figures"). The executor therefore posts round r on lane r mod n: both ends
-of a message derive the same lane from the round's global index, and on each lane a pair posts its messages
-in round order, as NCCL's matching requires. Each extra lane is one more communicator (with NCCL, its
-buffers on the GPU).
+message; with the rounds alternating between two communicators, 23.8-23.9 ms. The executor therefore posts
+round r on lane r mod n: both ends of a message derive the same lane from the round's global index, and on
+each lane a pair posts its messages in round order, as NCCL's matching requires. Each extra lane is one more
+communicator (with NCCL, its buffers on the GPU).
 
-Three by default on NCCL (`NCCL_LANES`): on 2xH200, E3 (8.2 GB each way) reached 84-85% of the link with 3
-lanes against 72% with one; a fourth gained nothing. A failure aborts all lanes at once (engines.abort): aborted
-one after another, lanes whose kernels waited for a dead peer never finished aborting.
+Three by default on NCCL (`NCCL_LANES`): on two H200s, a Qwen3-8B refit from TP2 into two colocated TP1
+replicas (8.2 GB each way) reached 84-85% of the link with 3 lanes against 72% with one; a fourth gained
+nothing. A failure aborts all lanes at once (engines.abort): aborted one after another, lanes whose kernels
+waited for a dead peer never finished aborting.
 
 Lanes are made once per group and process and reused by every executor over that group. Making them is a
 collective of the group's members: the executor does it in its first refit, right after the preflight that

@@ -20,8 +20,8 @@ binding and bucket size, and keeps only its own part (`build_schedule`).
 5. A message's pack program (on the sender) copies source blocks into the wire buffer; its scatter program
    (on the receiver) copies the wire buffer into destination blocks. Both are folded (executors.copies). A
    program that is one contiguous copy of the whole message is not run: the message is sent from (received
-   into) that memory directly (`Message.contiguous`). On an H200 pair this moved E1 from 48.3 to 46.7-47.2 ms
-   and left E2 / E3 unchanged (BENCHMARKS.md): NCCL is the limit there, not the copies.
+   into) that memory directly (`Message.contiguous`). On two H200s a Qwen3-8B refit from one GPU to the other
+   (16.4 GB) went from 48.3 to 46.7-47.2 ms this way; refits that NCCL itself limits gained nothing.
 """
 from __future__ import annotations
 
@@ -188,7 +188,7 @@ def _split(p: dict[str, np.ndarray], cuts: np.ndarray) -> dict[str, np.ndarray]:
 
 
 LANES_DIRECT_BYTES = 16 << 20  # the same with several lanes, where messages are cheap (executors.lanes)
-DIRECT_BYTES = 64 << 20  # runs contiguous in one side's memory at least this long travel unpacked (see BENCHMARKS.md)
+DIRECT_BYTES = 64 << 20  # runs contiguous in one side's memory at least this long travel unpacked
 
 
 def build_schedule(plan: Plan, binding: Binding, process: int, bucket_numel: int, staged: bool,

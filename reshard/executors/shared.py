@@ -44,13 +44,11 @@ from ..planner import Plan
 from ..planner.plan import RELAY
 from .base import Executor, RankTensors
 from .binding import Binding
-from .copies import Copies, fold
+from .copies import DST, PEER, SHADOW, SRC, Copies, fold
 from .exchange import Exchange
 from .local import apply_shifts, check_tensors, in_units, shift_views, torch_dtype
-from .views import BoundCopies, Memory, bind
+from .views import Memory, bind
 
-SRC, DST, LANDING = 0, 1, 2  # memory kinds of this process; a peer's landing memory is kind PEER + its process
-PEER = 16
 ALIGN = 64  # elements: every landing region starts 128-byte aligned (bf16)
 _SHM_DIR = "/dev/shm"
 
@@ -303,7 +301,7 @@ class SharedExecutor(Executor):
                 return self.src_flat[i]
             if kind == DST:
                 return self.dst_flat[i]
-            if kind == LANDING:
+            if kind == SHADOW:  # this process's landing memory (staged: a staging copy)
                 return self._landing[i]
             return self._peer_landing[(kind - PEER, i)]
 
@@ -311,7 +309,7 @@ class SharedExecutor(Executor):
         self._send_programs = {q: bind(self._blocks(ops, SRC, PEER + q), memory, self.itemsize)
                                for q, ops in self._sends.items()}
         self._local_program = bind(self._blocks(self._local, SRC, DST), memory, self.itemsize)
-        self._commit_program = (bind(self._blocks(self._received, LANDING, DST), memory, self.itemsize)
+        self._commit_program = (bind(self._blocks(self._received, SHADOW, DST), memory, self.itemsize)
                                 if self.staged else None)
         mine = np.concatenate([self._received, self._local])
         self._shifts = shift_views(self.plan, self.dst_flat, mine)

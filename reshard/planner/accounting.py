@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
@@ -103,8 +103,9 @@ class Accounting:
 
 
 def account(ops: dict[str, np.ndarray], itemsize: int, num_src: int, num_dst: int,
-            colocation: np.ndarray | None, bounds: Bounds) -> Accounting:
+            colocation: Sequence[int] | None, bounds: Bounds) -> Accounting:
     """colocation: per destination rank, the source rank on its device (None: not colocated)."""
+    colocation = None if colocation is None else np.asarray(colocation, dtype=np.int64)
     nbytes = ops["rows"] * ops["cols"] * itemsize
     src, dst, relay = ops["src_rank"], ops["dst_rank"], ops["src_side"] == 1
     local = (src == colocation[dst]) & ~relay if colocation is not None else np.zeros(len(src), dtype=bool)
@@ -136,10 +137,11 @@ def _balance_fields(bounds: Bounds) -> dict[str, Any]:
             "holder_sets_laminar": bounds.holder_sets_laminar}
 
 
-def account_program(p: "Program", itemsize: int, num_src: int, num_dst: int, colocation: np.ndarray | None,
+def account_program(p: "Program", itemsize: int, num_src: int, num_dst: int, colocation: Sequence[int] | None,
                     bounds: Bounds) -> Accounting:
     """The same accounting as `account`, computed from the factored ops without expanding them: per group of
     template ops and fed replica for what the source sends, per replica for what relays forward."""
+    colocation = None if colocation is None else np.asarray(colocation, dtype=np.int64)
     t, rpr, K = p.template, p.ranks_per_replica, p.num_replicas
     op_bytes = t["rows"] * t["cols"] * itemsize
     G = len(p.group_box)

@@ -25,6 +25,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from ..arrays import sort_by, unique_inverse
 from ..errors import PlanError
 from ..layouts import Layout, ModelSpec
 from ..layouts.model import DTYPE_SIZES
@@ -33,7 +34,7 @@ from .accounting import Bounds
 from .balance import choose_holders
 from .coverage import band_segments, overlapping, prove_exact_coverage, rects_from_ops, sorted_unique
 from .fanout import replica_forests, split_parts
-from .merge import merge_relay, merge_template, sort_by, unique_inverse
+from .merge import merge_relay, merge_template
 from .plan import Plan, TensorTable
 from .program import Program
 
@@ -402,7 +403,7 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
                       ranks_per_replica=rpr, tensors_per_replica=len(dst_table0))
     dst_table = dst_table0.tiled(K, rpr)
     return Plan(src=src, dst=dst, src_tensors=src_table, dst_tensors=dst_table, program=program, bounds=bounds,
-                colocation=tuple(colocation.tolist()) if colocation is not None else None,  # sets `colocated`
+                colocation=tuple(colocation.tolist()) if colocation is not None else None,
                 fanout=fanout, roots=len(fed) if fanout else None,
                 selection=tuple(model.tensor_name(int(k)) for k in sel) if subset else None,
                 coverage="exact", compile_seconds=round(time.perf_counter() - start, 4))

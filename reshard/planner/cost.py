@@ -153,8 +153,8 @@ def _rank_gpus(plan: "Plan", topo: Topology) -> tuple[np.ndarray, np.ndarray]:
     src = np.asarray(topo.src_gpus if topo.src_gpus is not None else range(S), dtype=np.int64)
     if topo.dst_gpus is not None:
         dst = np.asarray(topo.dst_gpus, dtype=np.int64)
-    elif plan.colocated:  # on the GPU of the source rank it shares a device with
-        dst = src[plan.colocation_array]
+    elif plan.colocation is not None:  # on the GPU of the source rank it shares a device with
+        dst = src[np.asarray(plan.colocation, dtype=np.int64)]
     else:
         first = int(src.max(initial=-1)) + 1 if topo.dst_first_gpu is None else topo.dst_first_gpu
         dst = first + np.arange(D)

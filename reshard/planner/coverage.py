@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..arrays import sort_by
 from ..errors import CoverageError
-from .merge import sort_by
 
 
 def rects_from_ops(dst_tensor: np.ndarray, dst_offset: np.ndarray, dst_stride: np.ndarray, rows: np.ndarray,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..arrays import sort_by, unique_inverse  # noqa: F401 - re-exported for the planner
+from ..arrays import sort_by
 
 SORT_KEYS = ("stage", "src_side", "src_rank", "dst_rank", "src_tensor", "dst_tensor", "src_offset")
 

@@ -16,6 +16,7 @@ executor that runs one rank expands only that rank's rows (`ops_sent_by`, `ops_r
 keeps plans of thousands of ranks small.
 
 Plans are saved as one `.npz` (plain arrays plus a JSON header; loaded with allow_pickle=False) or as JSON.
+`str(plan)` is a few readable lines: what moves, how balanced, against the bound and the common pattern.
 """
 from __future__ import annotations
 
@@ -150,8 +151,7 @@ class Plan:
     dst_tensors: TensorTable
     program: Program
     bounds: Bounds
-    colocated: bool = False
-    colocation: tuple[int, ...] | None = None  # colocated: the source rank sharing a device with each dst rank
+    colocation: tuple[int, ...] | None = None  # per destination rank, the source rank on its device; None: none
     fanout: int | None = None
     roots: int | None = None  # replicas the source feeds when fanout is set
     selection: tuple[str, ...] | None = None  # canonical tensor names, None = whole model
@@ -170,25 +170,12 @@ class Plan:
             problems.append("destination tensor table does not match the program's replicas")
         if problems:
             raise PlanError("plan is inconsistent", problems)
-        if self.colocated and self.colocation is None:  # colocated=True: destination rank d with source rank d
-            object.__setattr__(self, "colocation", tuple(range(self.dst.num_ranks)))
-        if self.colocation is not None and not self.colocated:
-            object.__setattr__(self, "colocated", True)
+        if self.colocation is not None:
+            object.__setattr__(self, "colocation", tuple(int(r) for r in self.colocation))
         if not self.digest:
             object.__setattr__(self, "digest", self._compute_digest())
         object.__setattr__(self, "accounting", account_program(p, self.itemsize, self.src.num_ranks,
-                                                               self.dst.num_ranks, self.colocation_array,
-                                                               self.bounds))
-
-    @property
-    def colocation_array(self) -> np.ndarray | None:
-        """Per destination rank, the source rank on its device (None: not colocated)."""
-        return None if self.colocation is None else np.asarray(self.colocation, dtype=np.int64)
-
-    @property
-    def rank_for_rank(self) -> bool:
-        """Colocated destination rank d with source rank d (`colocated=True`)."""
-        return self.colocation == tuple(range(self.dst.num_ranks))
+                                                               self.dst.num_ranks, self.colocation, self.bounds))
 
     @functools.cached_property
     def selected_tensors(self) -> tuple:
@@ -282,35 +269,15 @@ class Plan:
     def tree_depth(self) -> int:
         return int(self.program.stage.max(initial=0))
 
-    def ops_for_src(self, rank: int) -> np.ndarray:
-        """Indices into `ops` of the ops rank `rank` of the source side sends (relays excluded)."""
-        return np.flatnonzero((self.ops["src_rank"] == rank) & (self.ops["src_side"] == SOURCE))
-
-    def ops_relayed_by(self, rank: int) -> np.ndarray:
-        """Indices into `ops` of the ops destination rank `rank` forwards to other destination ranks."""
-        return np.flatnonzero((self.ops["src_rank"] == rank) & (self.ops["src_side"] == RELAY))
-
-    def ops_for_dst(self, rank: int) -> np.ndarray:
-        return np.flatnonzero(self.ops["dst_rank"] == rank)
-
-    def op(self, i: int) -> dict[str, Any]:
-        """One op, readable: tensor names instead of ids."""
-        row = {c: int(self.ops[c][i]) for c in OP_COLUMNS}
-        table = self.src_tensors if row["src_side"] == SOURCE else self.dst_tensors
-        row["src_tensor"] = table.names[row["src_tensor"]]
-        row["dst_tensor"] = self.dst_tensors.names[row["dst_tensor"]]
-        row["canon"] = self.src.model.tensor_name(row["canon"])
-        return row
-
     # --- identity --------------------------------------------------------------------------------
     def _header(self) -> dict[str, Any]:
         return {
             "format": FORMAT_VERSION,
             "src": layout_to_dict(self.src),
             "dst": layout_to_dict(self.dst),
-            "colocated": self.colocated,
-            **({"colocation": list(self.colocation)} if self.colocated and not self.rank_for_rank
-               else {}),  # rank for rank: the header (and digest) of before the map
+            "colocated": self.colocation is not None,  # rank for rank: no map, the header of older plans
+            **({"colocation": list(self.colocation)} if self.colocation not in (None, tuple(range(self.dst.num_ranks)))
+               else {}),
             "fanout": self.fanout,
             "roots": self.roots,
             "selection": list(self.selection) if self.selection is not None else None,
@@ -373,16 +340,100 @@ class Plan:
             raise PlanError(f"saved plan lacks array {exc}") from None
         plan = cls(src=src, dst=dst, src_tensors=TensorTable.from_dict(d["src_tensors"]),
                    dst_tensors=TensorTable.from_dict(d["dst_tensors"]), program=program,
-                   bounds=Bounds.from_dict(d["bounds"]), colocated=d["colocated"],
-                   colocation=tuple(d["colocation"]) if d.get("colocation") is not None else None,
-                   fanout=d.get("fanout"),
+                   bounds=Bounds.from_dict(d["bounds"]),
+                   colocation=d["colocation"] if d.get("colocation") is not None else
+                   tuple(range(dst.num_ranks)) if d["colocated"] else None, fanout=d.get("fanout"),
                    roots=d.get("roots"), selection=tuple(d["selection"]) if d["selection"] is not None else None,
                    coverage=d["coverage"], compile_seconds=d["compile_seconds"])
         if d.get("digest") and plan.digest != d["digest"]:
             raise PlanError(f"plan digest mismatch: stored {d['digest'][:12]}, content {plan.digest[:12]}")
         return plan
 
+    # --- as text -------------------------------------------------------------------------------
     def __str__(self) -> str:
-        from .report import summary
+        """A few readable lines: what moves, how balanced, against the bound and the common pattern."""
+        a, b = self.accounting, _human_bytes
+        lb = a.lower_bound_bytes or 1
+        lines = [
+            f"reshard plan {self.digest[:12]}",
+            f"  model        {self.src.model}",
+            f"  source       {self.src}",
+            f"  destination  {self.dst}" + _colocation_text(self.colocation),
+            f"  selection    {len(self.selection)} tensors" if self.selection is not None else
+            "  selection    whole model",
+            f"  coverage     {self.coverage} (every destination element holding model data written once)",
+            f"  ops          {a.num_ops:,} in {a.num_transfers:,} transfers (source->destination pairs)",
+            f"  total        {b(a.total_bytes)} ({a.total_bytes:,} B)"
+            + (f"; {b(a.cross_bytes)} cross devices, {b(a.local_bytes)} local copies"
+               if self.colocation is not None else ""),
+            f"  lower bound  {b(a.lower_bound_bytes)} ({a.total_bytes / lb:.3f}x of bound)",
+            f"  gather+bcast {b(a.gather_broadcast_bytes)} ({a.gather_broadcast_bytes / lb:.1f}x of bound)",
+            f"  busiest      sender {b(a.max_egress)} (balance {a.egress_balance:.3f}x mean), "
+            f"receiver {b(a.max_ingress)}",
+            f"  senders      busiest {a.egress_optimality:.4f}x of the bound no choice of senders beats "
+            f"({b(a.egress_lower_bound)}"
+            + (f"; guaranteed within one unit, {b(a.egress_unit_max)})" if a.holder_sets_laminar
+               else "; holder sets not laminar: no guarantee)"),
+            *([f"  fan-out      {self.roots} root replica(s) fed by the source, {len(self.replica_parent)} "
+               f"tree(s), depth {self.tree_depth}, {a.num_stages} stages; busiest relay {b(a.max_relay_egress)}"]
+              if self.fanout else []),
+            *([f"  value shift  {_counted(self.value_shifts.values())} (added after the copy: the two sides "
+               f"store these values differently)"] if self.value_shifts else []),
+            *([f"  own dtype    {_own_dtypes_text(self)}"] if self.own_dtypes else []),
+            f"  compile      {self.compile_seconds:.3f} s",
+            "  egress by source rank:",
+            *_rank_table("src", a.egress_bytes),
+            "  ingress by destination rank:",
+            *_rank_table("dst", a.ingress_bytes),
+        ]
+        return "\n".join(lines)
 
-        return summary(self)
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def _rank_table(label: str, values: tuple[int, ...], width: int = 8) -> list[str]:
+    """Bytes by rank in rows of `width` ranks; long runs of equal rows are folded."""
+    lines, prev, folded = [], None, 0
+    for start in range(0, len(values), width):
+        chunk = values[start:start + width]
+        cells = " ".join(f"{_human_bytes(v):>10}" for v in chunk)
+        if cells == prev:
+            folded += 1
+            continue
+        if folded:
+            lines.append(f"    {'':>9} ... {folded} more rows of ranks like the one above")
+            folded = 0
+        lines.append(f"    {label} {start:>4}-{start + len(chunk) - 1:<4} {cells}")
+        prev = cells
+    if folded:
+        lines.append(f"    {'':>9} ... {folded} more rows of ranks like the one above")
+    return lines
+
+
+def _counted(shifts) -> str:
+    by_value: dict[float, int] = {}
+    for value in shifts:
+        by_value[value] = by_value.get(value, 0) + 1
+    return ", ".join(f"{v:+g} on {n} tensor{'s' * (n > 1)}" for v, n in sorted(by_value.items()))
+
+
+def _own_dtypes_text(plan: Plan) -> str:
+    own = plan.own_dtypes
+    n = len(own)
+    return (f"{n} tensor{'s' * (n > 1)} kept in {'/'.join(sorted(set(own.values())))} travel bit-exact as "
+            f"{plan.dst.dtype} units (e.g. {next(iter(own))})")
+
+
+def _colocation_text(colocation: tuple[int, ...] | None) -> str:
+    if colocation is None:
+        return ""
+    if colocation == tuple(range(len(colocation))):
+        return "  (colocated with source ranks)"
+    shown = ", ".join(f"{d}->{s}" for d, s in enumerate(colocation[:16])) + (", ..." if len(colocation) > 16 else "")
+    return f"  (colocated: destination->source rank {shown})"

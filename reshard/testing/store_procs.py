@@ -137,9 +137,10 @@ def plan_worker(process: int, port: int, workdir: str) -> None:
             dst = allocate(plan.dst, fill=SENTINEL, ranks=list(my_dst))
             src, dst = on_device(job, src), on_device(job, dst)
             ex = make(job, plan, binding, process, src, dst, store, f"job{k}")
-            agent = getattr(ex, "agent", None)
+            conn = getattr(ex, "connection", None)  # NIXL's agent and prepared transfers
+            agent = conn.agent if conn is not None else None
             counter = CallCounter(agent, SET_UP_CALLS) if agent is not None else None  # None: local only, or shm
-            handles = dict(getattr(ex, "_handles", {}))
+            handles = dict(conn.handles) if conn is not None else {}
             for r in range(job["refits"]):
                 w = weights(plan.src.model, job["seed"] + r)
                 full = shard(plan.src, w)
@@ -157,7 +158,7 @@ def plan_worker(process: int, port: int, workdir: str) -> None:
                 out["direction"] = getattr(stats, "direction", None)
                 out["packed"] = getattr(stats, "packed_links", None)
             out["set_up_calls_during_refits"] = {n: c for n, c in counter.counts.items() if c} if counter else {}
-            out["handles_reused"] = all(ex._handles.get(i) is h for i, h in handles.items())
+            out["handles_reused"] = all(conn.handles.get(i) is h for i, h in handles.items())
             ex.close()
         except Exception:  # noqa: BLE001 - reported to the parent, which fails the test
             out["errors"].append(traceback.format_exc(limit=8))

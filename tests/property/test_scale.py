@@ -66,7 +66,7 @@ def test_factored_plan_expands_to_what_it_accounts(data):
     plan = _plan(data, colocated=data.draw(st.booleans()))
     ops = plan.ops
     assert len(ops["rows"]) == plan.num_ops
-    again = account(ops, plan.itemsize, plan.src.num_ranks, plan.dst.num_ranks, plan.colocation_array, plan.bounds)
+    again = account(ops, plan.itemsize, plan.src.num_ranks, plan.dst.num_ranks, plan.colocation, plan.bounds)
     assert again == plan.accounting
 
     def rows(cols, mask=None):

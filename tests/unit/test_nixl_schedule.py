@@ -13,10 +13,9 @@ import reshard
 from reshard.errors import ExecutionError
 from reshard.executors import allocate, execute_local, shard
 from reshard.executors.binding import Binding
-from reshard.executors.copies import run_copies
+from reshard.executors.copies import DST, SHADOW, SRC, WIRE, run_copies
 from reshard.executors.nixl.options import NixlOptions
-from reshard.executors.nixl.schedule import (DST, RECV, SEND, SHADOW, SRC, build_schedule, choose_direction,
-                                             global_links)
+from reshard.executors.nixl.schedule import build_schedule, choose_direction, global_links
 from reshard.testing.strategies import refits
 
 SENTINEL = -7.0
@@ -70,20 +69,20 @@ def play(plan, binding, options, src, dst):
             links[link.id] = link
     for s in range(plan.num_stages):
         for p in procs:
-            run_copies(sched[p].local[s].folded().rows_as_lists(), mem[p])
+            run_copies(sched[p].local[s].rows_as_lists(), mem[p])
         for link in (l for l in links.values() if l.stage == s):
             send, recv = sched[link.sender], sched[link.receiver]
             if link.id in send.pack:
-                run_copies(send.pack[link.id].folded().rows_as_lists(), mem[link.sender])
+                run_copies(send.pack[link.id].rows_as_lists(), mem[link.sender])
             pc = link.pieces
             for sk, si, so, rk, ri, ro, n in zip(*(pc[c].tolist() for c in pc)):
                 mem[link.receiver](rk, ri).narrow(0, ro, n).copy_(mem[link.sender](sk, si).narrow(0, so, n))
             if link.id in recv.arrive:
-                run_copies(recv.arrive[link.id].folded().rows_as_lists(), mem[link.receiver])
+                run_copies(recv.arrive[link.id].rows_as_lists(), mem[link.receiver])
 
     def commit():
         for p in procs:
-            run_copies(sched[p].commit.folded().rows_as_lists(), mem[p])
+            run_copies(sched[p].commit.rows_as_lists(), mem[p])
     return sched, commit
 
 
@@ -126,10 +125,10 @@ def test_pieces_cover_each_link_once_and_are_coalesced(case):
             assert int(pc["numel"].sum()) * plan.itemsize == int(nbytes[link_of_op == link.id].sum())
             direct = slice(0, link.num_pieces - 1) if link.packed else slice(None)
             if link.packed:  # one buffer for all packed ops, last
-                assert pc["send_kind"][-1] == SEND and pc["recv_kind"][-1] == RECV
+                assert pc["send_kind"][-1] == WIRE and pc["recv_kind"][-1] == WIRE
                 assert pc["numel"][-1] == link.packed_numel > 0
                 assert link.num_pieces < link.direct_pieces or options.pack == "always"
-            landed = pc["recv_kind"][direct] == RECV  # landed runs, each into the receive buffer
+            landed = pc["recv_kind"][direct] == WIRE  # landed runs, each into the receive buffer
             assert set(pc["recv_kind"][direct][~landed].tolist()) <= {SHADOW if options.staged else DST}
             assert int(pc["numel"][direct][landed].sum()) == link.landed_numel
             if options.pack == "never":

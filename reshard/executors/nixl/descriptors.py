@@ -1,8 +1,9 @@
 """NIXL descriptor lists of a link, and the memory regions a process registers. Pure numpy.
 
 A descriptor is a row (address, length in bytes, device id) of an Nx3 uint64 array, the form NIXL's
-prep_xfer_dlist and register_memory take. Memories are named as in schedule.py; `addresses` maps a name to the
-address of its first byte in the process that owns it (this process's own, or a peer's address book).
+prep_xfer_dlist and register_memory take. Memories are named by (kind, id) as in executors.copies; `addresses`
+maps a name to the address of its first byte in the process that owns it (this process's own, or a peer's
+address book).
 """
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from typing import Mapping
 import numpy as np
 
 from ...errors import ExecutionError
-from .schedule import KIND_NAMES, Link
+from ..copies import KIND_NAMES
+from .schedule import Link
 
-MEMORY_PREFIX = "SDHWR"  # SRC, DST, SHADOW, SEND, RECV as one letter in address books
+MEMORY_PREFIX = "SDHW"  # SRC, DST, SHADOW, WIRE as one letter in address books
 
 
 def memory_name(kind: int, ident: int) -> str:

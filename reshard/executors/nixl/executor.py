@@ -4,11 +4,11 @@ Every process of a binding builds one `NixlExecutor` with the same plan, binding
 and a shared torch.distributed store, then calls `refit()` at every weight update. Lifecycle:
 
   1. construction (once): this process's schedule is derived from the plan (schedule.py: links, pieces,
-     packing, shadows); its tensors are checked against the plan; one NIXL agent is made; the tensors that
-     peers address and one staging arena (shadows, packed buffers) are registered; the agent's metadata and a
-     JSON address book go to the store; peers' are read back and checked (same plan digest, binding and
-     options); the descriptor lists of every link this process initiates are prepared and made into transfer
-     handles. Nothing of this is repeated by a refit;
+     packing, shadows); its tensors are checked against the plan and its copy programs bound to them; then
+     the NIXL side is set up (connection.py): one agent; the tensors that peers address and one staging
+     arena (shadows, packed buffers) registered; the agent's metadata and a JSON address book to the store,
+     peers' read back and checked (same plan digest, binding and options); a prepared transfer per link this
+     process initiates. Nothing of this is repeated by a refit;
   2. refit(version): the source tensors hold the new weights when it is called on a sender. Notifications
      carry the version: READ (receiver pulls): a sender announces "ready v" per link once its bytes are in
      place (at once for trainer ranks, after its own earlier stages for relays); the receiver posts that
@@ -48,20 +48,21 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from ...errors import ExecutionError, ReshardError
 from ...planner import Plan
 from ..base import Executor, RankTensors
 from ..binding import Binding
+from ..copies import DST, SHADOW, SRC, WIRE
 from ..exchange import Exchange
 from ..local import apply_shifts, check_tensors, in_units, shift_views, torch_dtype
 from ..views import BoundCopies, Memory, bind
-from .agent import describe, is_nixl_error, make_agent
-from .descriptors import memory_name, merged_regions, region_array, side_descriptors
+from .agent import describe, is_nixl_error
+from .connection import Connection
+from .descriptors import memory_name
 from .options import NixlOptions
-from .schedule import DST, RECV, SEND, SHADOW, SRC, Link, ProcessSchedule, build_schedule
+from .schedule import Link, ProcessSchedule, build_schedule
 
 READY, DONE = b"R", b"D"
 _QUARANTINE: list[torch.Tensor] = []  # arenas of failed executors: a late remote write must not hit freed memory
@@ -121,17 +122,18 @@ class NixlExecutor(Executor):
         self._closed = False
         self._inbox: dict[tuple[bytes, int], set[int]] = defaultdict(set)
         self.exchange = Exchange(store, namespace)
-        self.agent: Any = None
-        self._reg: Any = None
-        self._handles: dict[int, Any] = {}  # link id -> transfer handle (links this process initiates)
-        self._dlists: list[Any] = []
-        self._peer_names: dict[int, str] = {}
-        self._names_peer: dict[str, int] = {}
-        try:
-            self._set_up(namespace)
-        except BaseException:
-            self._release()
-            raise
+        s, name = self.schedule, f"{namespace}:{process}"
+        book = {"process": process, "agent": name, "plan": plan.digest, "binding": binding.to_dict(),
+                "options": options.shared(), "direction": s.direction, "pack_below": self.pack_below,
+                "land_below": self.land_below, "mem": self.mem_type, "device": self.device_id,
+                "addresses": {memory_name(k, i): self._address(k, i) for k, i in s.exposed}}
+        regions = [(t.data_ptr(), t.numel() * self.itemsize) for t in
+                   (self._memory(k, i) for k, i in s.exposed if k in (SRC, DST))]
+        if s.arena_numel:
+            regions.append((self.arena.data_ptr(), s.arena_numel * self.itemsize))
+        # the agent, its registrations, its peers and a prepared transfer per link it initiates (once)
+        self.connection = Connection(s, name, self.exchange, book, regions, self.itemsize, options.timeout,
+                                     options.progress_delay_us)
 
     # --- construction --------------------------------------------------------------------------------
     def _check_and_bind(self, src: RankTensors, dst: RankTensors) -> None:
@@ -165,7 +167,7 @@ class NixlExecutor(Executor):
         self._memory = memory
         # copy programs folded and bound once: views built here, each refit only launches them
         views = Memory(memory, self.itemsize)
-        program = lambda c: bind(c.folded(), views, self.itemsize)  # noqa: E731
+        program = lambda c: bind(c, views, self.itemsize)  # noqa: E731
         self._pack = {k: program(v) for k, v in s.pack.items()}
         self._arrive = {k: program(v) for k, v in s.arrive.items()}
         self._local = [program(c) for c in s.local]
@@ -173,82 +175,9 @@ class NixlExecutor(Executor):
         self._shifts = shift_views(plan, self.dst_flat)  # value shifts of this process's destination blocks
 
     def _address(self, kind: int, ident: int) -> int:
-        if kind in (SHADOW, SEND, RECV):
+        if kind in (SHADOW, WIRE):
             return self.arena.data_ptr() + self.schedule.arena[(kind, ident)][0] * self.itemsize
         return self._memory(kind, ident).data_ptr()
-
-    def _book(self, agent_name: str) -> dict[str, Any]:
-        s = self.schedule
-        return {
-            "process": self.process, "agent": agent_name, "plan": self.plan.digest,
-            "binding": self.binding.to_dict(), "options": self.options.shared(), "direction": s.direction,
-            "pack_below": self.pack_below, "land_below": self.land_below, "mem": self.mem_type, "device": self.device_id,
-            "addresses": {memory_name(k, i): self._address(k, i) for k, i in s.exposed},
-        }
-
-    def _check_peer(self, peer: int, book: dict[str, Any], mine: dict[str, Any]) -> None:
-        problems = [f"{key}: process {peer} has {book.get(key)!r}, process {self.process} has {mine[key]!r}"
-                    for key in ("plan", "binding", "options", "direction", "pack_below", "land_below")
-                    if book.get(key) != mine[key]]
-        if book.get("process") != peer:
-            problems.append(f"the book published for process {peer} is process {book.get('process')}'s")
-        if problems:
-            hint = (" (pack_below / land_below resolve per memory kind: set them explicitly when CPU and GPU "
-                    "processes mix)" if any(p.startswith(("pack_below", "land_below")) for p in problems) else "")
-            raise ExecutionError(f"process {peer} does not run the same refit{hint}:\n  - " + "\n  - ".join(problems))
-
-    def _set_up(self, namespace: str) -> None:
-        s = self.schedule
-        if not s.peers:  # only local copies here: no agent, nothing to register or exchange
-            return
-        name = f"{namespace}:{self.process}"
-        self.agent = make_agent(name, self.options.progress_delay_us)
-        regions = []
-        for kind, ident in s.exposed:
-            if kind in (SRC, DST):
-                t = self._memory(kind, ident)
-                regions.append((t.data_ptr(), t.numel() * self.itemsize))
-        if s.arena_numel:
-            regions.append((self.arena.data_ptr(), s.arena_numel * self.itemsize))
-        regions = merged_regions(regions)
-        if regions:
-            self._reg = self.agent.register_memory(region_array(regions, self.device_id), self.mem_type)
-        mine = self._book(name)
-        self.exchange.publish(self.process, self.agent.get_agent_metadata(), mine)
-        books: dict[int, dict[str, Any]] = {}
-        for peer in s.peers:
-            metadata, book = self.exchange.fetch(peer, self.options.timeout)
-            self._check_peer(peer, book, mine)
-            loaded = self.agent.add_remote_agent(metadata)
-            loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
-            if loaded != book["agent"]:
-                raise ExecutionError(f"process {peer}'s metadata names agent {loaded!r}, its book {book['agent']!r}")
-            self._peer_names[peer] = loaded
-            self._names_peer[loaded] = peer
-            books[peer] = book
-        op = "READ" if s.direction == "read" else "WRITE"
-        for link in s.links:
-            if not s.initiates(link):
-                continue
-            peer = link.sender if s.direction == "read" else link.receiver
-            here, there = ("recv", "send") if s.direction == "read" else ("send", "recv")
-            book = books[peer]
-            local = side_descriptors(link, here, mine["addresses"], self.itemsize, self.device_id, "this process")
-            remote = side_descriptors(link, there, book["addresses"], self.itemsize, int(book["device"]),
-                                      f"process {peer}")
-            try:
-                lh = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, self.mem_type)
-                self._dlists.append(lh)
-                rh = self.agent.prep_xfer_dlist(self._peer_names[peer], remote, book["mem"])
-                self._dlists.append(rh)
-                index = np.arange(len(local), dtype=np.int32)
-                self._handles[link.id] = self.agent.make_prepped_xfer(op, lh, index, rh, index)
-            except Exception as e:
-                if is_nixl_error(e):
-                    raise ExecutionError(f"NIXL refused to prepare {link}: {describe(e)}") from e
-                raise
-        for peer in s.peers:
-            self.agent.make_connection(self._peer_names[peer])
 
     # --- a refit -------------------------------------------------------------------------------------
     def refit(self, version: int | None = None) -> RefitStats:
@@ -288,7 +217,7 @@ class NixlExecutor(Executor):
         return self._stats(v, time.monotonic() - start, phases)
 
     def _transfer(self, v: int, deadline: float) -> None:
-        s, agent, read = self.schedule, self.agent, self.schedule.direction == "read"
+        s, conn, read = self.schedule, self.connection, self.schedule.direction == "read"
         stage_left = defaultdict(int)
         for link in s.incoming:
             stage_left[link.stage] += 1
@@ -333,7 +262,7 @@ class NixlExecutor(Executor):
                         progress = True
             # 3. completions of the transfers this process posted
             for lid, link in list(posted.items()):
-                state = agent.check_xfer_state(self._handles[lid])
+                state = conn.state(link)
                 if state == "DONE":
                     del posted[lid]
                     progress = True
@@ -342,7 +271,7 @@ class NixlExecutor(Executor):
                     else:
                         del waiting_out[lid]
                 elif state != "PROC":
-                    raise ExecutionError(f"{link} with process {self._other(link)} ended in state {state}")
+                    raise ExecutionError(f"{link} with process {link.peer(self.process)} ended in state {state}")
             # 4. completions announced by peers
             for link in list(waiting_out.values() if read else waiting_in.values()):
                 if self._take(DONE, v, link):
@@ -383,36 +312,19 @@ class NixlExecutor(Executor):
         stage_left[link.stage] -= 1
 
     def _post(self, link: Link, v: int) -> None:
-        try:
-            state = self.agent.transfer(self._handles[link.id], DONE + f"{v}:{link.id}".encode())
-        except Exception as e:
-            if is_nixl_error(e):
-                raise ExecutionError(f"posting {link} with process {self._other(link)} failed: {describe(e)}") from e
-            raise
-        if state not in ("DONE", "PROC"):
-            raise ExecutionError(f"posting {link} with process {self._other(link)} returned {state}")
+        self.connection.post(link, DONE + f"{v}:{link.id}".encode())
 
     def _notify(self, peer: int, kind: bytes, v: int, link: Link) -> None:
-        try:
-            self.agent.send_notif(self._peer_names[peer], kind + f"{v}:{link.id}".encode())
-        except Exception as e:
-            if is_nixl_error(e):
-                raise ExecutionError(f"notifying process {peer} about {link} failed: {describe(e)}") from e
-            raise
+        self.connection.notify(peer, kind + f"{v}:{link.id}".encode(), link)
 
     def _drain_notifications(self, v: int) -> None:
-        if self.agent is None:
-            return
-        for sender, messages in self.agent.get_new_notifs().items():
-            peer = self._names_peer.get(sender)
-            for m in messages:
-                kind, _, rest = m[:1], None, m[1:]
-                try:
-                    mv, lid = (int(x) for x in rest.split(b":"))
-                except ValueError:
-                    continue  # not ours
-                if peer is None or kind not in (READY, DONE) or mv < v:
-                    continue  # unknown sender, or a stale version's leftover
+        for m in self.connection.notifications():
+            kind, rest = m[:1], m[1:]
+            try:
+                mv, lid = (int(x) for x in rest.split(b":"))
+            except ValueError:
+                continue  # not ours
+            if kind in (READY, DONE) and mv >= v:  # else a stale version's leftover
                 self._inbox[(kind, lid)].add(mv)
 
     def _take(self, kind: bytes, v: int, link: Link) -> bool:
@@ -425,11 +337,9 @@ class NixlExecutor(Executor):
             return True
         other = sorted(versions)
         what = "ready" if kind == READY else "done"
-        raise ExecutionError(f"process {self._other(link)} announced {what} of version {other[0]} for {link} while "
-                             f"process {self.process} runs version {v}: every process must refit the same versions")
-
-    def _other(self, link: Link) -> int:
-        return link.sender if link.receiver == self.process else link.receiver
+        raise ExecutionError(f"process {link.peer(self.process)} announced {what} of version {other[0]} for {link} "
+                             f"while process {self.process} runs version {v}: every process must refit the same "
+                             f"versions")
 
     def _pending(self, waiting_in: dict[int, Link], waiting_out: dict[int, Link], posted: dict[int, Link],
                  unstarted_out: list[Link], read: bool) -> str:
@@ -471,12 +381,7 @@ class NixlExecutor(Executor):
         self.exchange.fail(v, f"process {self.process}: {reason}")
         if self.arena.numel():
             _QUARANTINE.append(self.arena)
-        for lid in list(self._handles):  # stop waiting on stuck transfers; the handles cannot be reused
-            handle = self._handles.pop(lid)
-            try:
-                self.agent.release_xfer_handle(handle)
-            except Exception:  # noqa: BLE001 - a handle of a dead peer may refuse; nothing else to do
-                pass
+        self.connection.drop_transfers()
 
     def _stats(self, v: int, seconds: float, phases: dict[str, float]) -> RefitStats:
         s = self.schedule
@@ -492,41 +397,11 @@ class NixlExecutor(Executor):
             staging_bytes=s.staging_bytes)
 
     # --- teardown ------------------------------------------------------------------------------------
-    def _release(self) -> None:
-        agent = self.agent
-        if agent is None:
-            return
-        for handle in list(self._handles.values()) + self._dlists:  # handles first: NIXL does not track them
-            try:
-                handle.release()
-            except Exception:  # noqa: BLE001 - best effort while tearing down
-                pass
-        self._handles.clear()
-        self._dlists.clear()
-        for name in self._peer_names.values():
-            try:
-                agent.remove_remote_agent(name)
-            except Exception:  # noqa: BLE001
-                pass
-        if self._reg is not None:
-            try:
-                agent.deregister_memory(self._reg)
-            except Exception:  # noqa: BLE001
-                pass
-            self._reg = None
-        self.agent = None
-
     def close(self) -> None:
         """Release NIXL resources; the tensors stay the caller's."""
         if not self._closed:
-            self._release()
+            self.connection.release()
             self._closed = True
-
-    def __enter__(self) -> "NixlExecutor":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     @property
     def version(self) -> int:

@@ -10,16 +10,16 @@ DIRECTIONS = ("auto", "read", "write")
 PACKING = ("auto", "always", "never")
 
 # Ops whose contiguous pieces are smaller than this are packed (gathered into one buffer on the sender, one
-# descriptor, scattered on the receiver) instead of moved one descriptor per piece. benchmarks/refit_nixl.py
-# --sweep measures both by row size (BENCHMARKS.md): on CPU (cma) packing wins at 4-8 KiB rows and loses from
-# 16 KiB; on GPUs every cuda_ipc descriptor is a copy launch of a few us, which moves ~1 MiB over NVLink, while
-# packing costs two device copies at several times NVLink's bandwidth.
+# descriptor, scattered on the receiver) instead of moved one descriptor per piece. Measured by row size: on
+# CPU (cma) packing wins at 4-8 KiB rows and loses from 16 KiB; on GPUs every cuda_ipc descriptor is a copy
+# launch of a few us, which moves ~1 MiB over NVLink, while packing costs two device copies at several times
+# NVLink's bandwidth.
 PACK_BELOW_DRAM = 16 << 10
 PACK_BELOW_VRAM = 1 << 20
 # A run contiguous on the sender whose receiver pieces average below this is landed (one descriptor into the
 # receive buffer, then one local scatter): it saves a descriptor per piece for one copy, not two, so it pays
-# up to larger pieces than packing. On an H200 a cuda_ipc descriptor costs ~9 us (~3 MiB of NVLink time;
-# BENCHMARKS.md) while the scatter copies at ~2 TB/s.
+# up to larger pieces than packing. On an H200 a cuda_ipc descriptor costs ~9 us (~3 MiB of NVLink time)
+# while the scatter copies at ~2 TB/s.
 LAND_BELOW_DRAM = 32 << 10
 LAND_BELOW_VRAM = 8 << 20
 
@@ -30,7 +30,7 @@ class NixlOptions:
 
     direction: "read" (each receiver pulls from registered source memory), "write" (each sender pushes), or
         "auto": the one that spreads the initiated bytes best over the processes (on CPU the initiator's
-        thread does the copy; see BENCHMARKS.md for both measured).
+        thread does the copy).
     staged: receive into staging memory and copy into the destination tensors only after every process has
         verified its whole refit, so a failed refit leaves destinations unchanged (costs memory: see
         executor.py). False writes in place: faster and no extra memory, but a failed refit leaves

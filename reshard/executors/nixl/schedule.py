@@ -22,9 +22,10 @@ binding, so both ends of a link build the same pieces without asking each other.
    tensor (packed receive buffers, local copies) is applied at commit. In place, everything goes straight to
    the destination tensors as it arrives.
 
-Memory is named (kind, id): SRC / DST are the caller's tensors (ids of the plan's tensor tables), SHADOW a
-staging copy of a destination tensor, SEND / RECV a link's packed buffers (id = link id). SHADOW, SEND and
-RECV live in one arena per process. Offsets and lengths are in elements of the plan's dtype.
+Memory is named by (kind, id) as in every executor (executors.copies): SRC / DST the caller's tensors, SHADOW
+a staging copy of a destination tensor, WIRE a link's packed buffer (id = link id: the send buffer on the
+sender, the receive buffer on the receiver). SHADOW and WIRE live in one arena per process. Offsets and
+lengths are in elements of the plan's dtype. Copy programs are folded (executors.copies) once, here.
 """
 from __future__ import annotations
 
@@ -36,13 +37,11 @@ from ...errors import ExecutionError
 from ...planner import Plan
 from ...planner.plan import RELAY
 from ..binding import Binding
-from ..copies import Copies as FoldedCopies, fold
+from ..copies import DST, SHADOW, SRC, WIRE, Copies, fold
 from .options import NixlOptions
 
-SRC, DST, SHADOW, SEND, RECV = range(5)
-KIND_NAMES = ("source", "destination", "shadow", "send buffer", "receive buffer")
-COPY_COLUMNS = ("src_kind", "src_id", "src_off", "src_stride", "dst_kind", "dst_id", "dst_off", "dst_stride",
-                "rows", "cols")
+BLOCK_COLUMNS = ("src_kind", "src_id", "src_off", "src_stride", "dst_kind", "dst_id", "dst_off", "dst_stride",
+                 "rows", "cols")  # the arguments of `fold`
 PIECE_COLUMNS = ("send_kind", "send_id", "send_off", "recv_kind", "recv_id", "recv_off", "numel")
 ARENA_ALIGN_BYTES = 512
 
@@ -51,49 +50,16 @@ def _i64(x) -> np.ndarray:
     return np.asarray(x, dtype=np.int64)
 
 
-@dataclass(frozen=True, eq=False)
-class Copies:
-    """Block copies: copy k moves `rows` x `cols` elements from (src_kind, src_id) at src_off, rows src_stride
-    apart, to (dst_kind, dst_id) at dst_off, rows dst_stride apart."""
-
-    cols: dict[str, np.ndarray]
-
-    def __post_init__(self) -> None:
-        frozen = {}
-        for c in COPY_COLUMNS:
-            a = np.ascontiguousarray(self.cols[c], dtype=np.int64)
-            a.setflags(write=False)
-            frozen[c] = a
-        object.__setattr__(self, "cols", frozen)
-
-    def __len__(self) -> int:
-        return int(self.cols["rows"].shape[0])
-
-    @property
-    def numel(self) -> int:
-        return int((self.cols["rows"] * self.cols["cols"]).sum())
-
-    def rows_as_lists(self) -> list[tuple[int, ...]]:
-        return list(zip(*(self.cols[c].tolist() for c in COPY_COLUMNS)))
-
-    def folded(self) -> FoldedCopies:
-        """The same copies folded into few strided 3-D copies (executors.copies), ready to bind to tensors."""
-        return fold(*(self.cols[c] for c in COPY_COLUMNS))  # fold takes the columns in this order
-
-    @classmethod
-    def empty(cls) -> "Copies":
-        return cls({c: np.zeros(0, np.int64) for c in COPY_COLUMNS})
-
-    @classmethod
-    def concat(cls, parts: list["Copies"]) -> "Copies":
-        parts = [p for p in parts if len(p)]
-        if not parts:
-            return cls.empty()
-        return cls({c: np.concatenate([p.cols[c] for p in parts]) for c in COPY_COLUMNS})
+def _blocks(n: int, **cols) -> dict[str, np.ndarray]:
+    """2-D block copies as `fold`'s columns (scalars broadcast to n): copy k moves `rows` x `cols` elements from
+    (src_kind, src_id) at src_off, rows src_stride apart, to (dst_kind, dst_id) at dst_off, rows dst_stride
+    apart."""
+    return {c: np.broadcast_to(_i64(cols[c]), (n,)) for c in BLOCK_COLUMNS}
 
 
-def _copies(n: int, **cols) -> Copies:
-    return Copies({c: np.broadcast_to(_i64(cols[c]), (n,)) for c in COPY_COLUMNS})
+def _fold(parts: list[dict[str, np.ndarray]]) -> Copies:
+    """The blocks of several parts as one folded program."""
+    return fold(**{c: np.concatenate([p[c] for p in parts] or [_i64([])]) for c in BLOCK_COLUMNS})
 
 
 @dataclass(frozen=True, eq=False)
@@ -112,6 +78,10 @@ class Link:
     direct_pieces: int  # about how many pieces it would move with nothing packed or landed
     landed_ops: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # read whole, scattered here
     landed_numel: int = 0
+
+    def peer(self, process: int) -> int:
+        """The other end of the link, seen from `process`."""
+        return self.sender if self.receiver == process else self.receiver
 
     @property
     def recv_numel(self) -> int:
@@ -278,29 +248,30 @@ def _landed_pieces(plan: Plan, ops: np.ndarray, staged: bool, link: int, base: i
     numel = o["rows"][ops] * o["cols"][ops]
     read_kind, _ = _sides(plan, ops, staged)
     pieces = {"send_kind": read_kind, "send_id": o["src_tensor"][ops], "send_off": o["src_offset"][ops],
-              "recv_kind": np.full(len(ops), RECV, np.int64), "recv_id": np.full(len(ops), link, np.int64),
+              "recv_kind": np.full(len(ops), WIRE, np.int64), "recv_id": np.full(len(ops), link, np.int64),
               "recv_off": base + np.cumsum(numel) - numel, "numel": numel}
     return coalesce(pieces)
 
 
-def _block_copies(plan: Plan, ops: np.ndarray, src_kind, dst_kind, dst_id=None, dst_off=None) -> Copies:
+def _block_copies(plan: Plan, ops: np.ndarray, src_kind, dst_kind, dst_id=None, dst_off=None) \
+        -> dict[str, np.ndarray]:
     """Copies of ops from their source memory to their destination tensor's memory (or to a packed buffer:
     dst_id / dst_off given, rows laid out contiguously)."""
     o = plan.ops
     n = len(ops)
     rows, cols = o["rows"][ops], o["cols"][ops]
     packed = dst_off is not None
-    return _copies(n, src_kind=src_kind, src_id=o["src_tensor"][ops], src_off=o["src_offset"][ops],
+    return _blocks(n, src_kind=src_kind, src_id=o["src_tensor"][ops], src_off=o["src_offset"][ops],
                    src_stride=o["src_stride"][ops], dst_kind=dst_kind,
                    dst_id=dst_id if packed else o["dst_tensor"][ops],
                    dst_off=dst_off if packed else o["dst_offset"][ops],
                    dst_stride=cols if packed else o["dst_stride"][ops], rows=rows, cols=cols)
 
 
-def _scatter_copies(plan: Plan, ops: np.ndarray, link: int, offsets: np.ndarray, dst_kind) -> Copies:
+def _scatter_copies(plan: Plan, ops: np.ndarray, link: int, offsets: np.ndarray, dst_kind) -> dict[str, np.ndarray]:
     o = plan.ops
     cols = o["cols"][ops]
-    return _copies(len(ops), src_kind=RECV, src_id=link, src_off=offsets, src_stride=cols, dst_kind=dst_kind,
+    return _blocks(len(ops), src_kind=WIRE, src_id=link, src_off=offsets, src_stride=cols, dst_kind=dst_kind,
                    dst_id=o["dst_tensor"][ops], dst_off=o["dst_offset"][ops], dst_stride=o["dst_stride"][ops],
                    rows=o["rows"][ops], cols=cols)
 
@@ -373,7 +344,7 @@ def build_schedule(plan: Plan, binding: Binding, process: int, options: NixlOpti
         pieces = {k: np.concatenate([pieces[k], landed[k]]) for k in PIECE_COLUMNS}
         if packed_numel:
             pieces = {k: np.concatenate([pieces[k], _i64([v])])
-                      for k, v in zip(PIECE_COLUMNS, (SEND, lid, 0, RECV, lid, 0, packed_numel))}
+                      for k, v in zip(PIECE_COLUMNS, (WIRE, lid, 0, WIRE, lid, 0, packed_numel))}
         links[lid] = Link(lid, int(l_stage[lid]), int(l_send[lid]), int(l_recv[lid]), ops,
                           int(numel_of[ops].sum()), packed_ops, packed_numel, pieces, n_direct, landed_ops,
                           int(numel_of[landed_ops].sum()))
@@ -403,45 +374,45 @@ def build_schedule(plan: Plan, binding: Binding, process: int, options: NixlOpti
         place((SHADOW, t), int(np.prod(plan.dst_tensors.shapes[t])))
     for link in outgoing:
         if link.packed:
-            place((SEND, link.id), link.packed_numel)
+            place((WIRE, link.id), link.packed_numel)
     for link in incoming:
         if link.recv_numel:
-            place((RECV, link.id), link.recv_numel)
+            place((WIRE, link.id), link.recv_numel)
 
     landing = SHADOW if staged else DST
     # Pack programs (sender) and scatter programs (receiver) of packed links.
     pack: dict[int, Copies] = {}
     arrive: dict[int, Copies] = {}
-    commit_parts: list[Copies] = []
+    commit_parts: list[dict[str, np.ndarray]] = []
     for link in outgoing:
         if link.packed:
             ops = link.packed_ops
             offs = np.cumsum(numel_of[ops]) - numel_of[ops]
             read_kind = np.where(o["src_side"][ops] == RELAY, landing, SRC)
-            pack[link.id] = _block_copies(plan, ops, read_kind, SEND, link.id, offs)
+            pack[link.id] = fold(**_block_copies(plan, ops, read_kind, WIRE, link.id, offs))
     for link in incoming:
         if link.recv_numel:
             ops = link.buffered_ops
             offs = np.cumsum(numel_of[ops]) - numel_of[ops]
             to_shadow = is_shadow[o["dst_tensor"][ops]]
             if staged:
-                arrive[link.id] = _scatter_copies(plan, ops[to_shadow], link.id, offs[to_shadow], SHADOW)
+                arrive[link.id] = fold(**_scatter_copies(plan, ops[to_shadow], link.id, offs[to_shadow], SHADOW))
                 commit_parts.append(_scatter_copies(plan, ops[~to_shadow], link.id, offs[~to_shadow], DST))
             else:
-                arrive[link.id] = _scatter_copies(plan, ops, link.id, offs, DST)
+                arrive[link.id] = fold(**_scatter_copies(plan, ops, link.id, offs, DST))
 
     # Local copies per stage; a staged refit defers those bound for unshadowed tensors to the commit.
     local: list[Copies] = []
-    deferred: list[Copies] = []
+    deferred: list[dict[str, np.ndarray]] = []
     for s in range(num_stages):
         ops = local_ops[o["stage"][local_ops] == s]
         read_kind = np.where(o["src_side"][ops] == RELAY, landing, SRC)
         if staged:
             into = is_shadow[o["dst_tensor"][ops]]
-            local.append(_block_copies(plan, ops[into], read_kind[into], SHADOW))
+            local.append(fold(**_block_copies(plan, ops[into], read_kind[into], SHADOW)))
             deferred.append(_block_copies(plan, ops[~into], read_kind[~into], DST))
         else:
-            local.append(_block_copies(plan, ops, read_kind, DST))
+            local.append(fold(**_block_copies(plan, ops, read_kind, DST)))
     # Commit: each shadow into its tensor (whole when the plan writes all of it, else op by op).
     if staged:
         for t in sorted(shadow):
@@ -449,11 +420,11 @@ def build_schedule(plan: Plan, binding: Binding, process: int, options: NixlOpti
             size = int(np.prod(plan.dst_tensors.shapes[t]))
             written = int((o["rows"][ops] * o["cols"][ops]).sum())
             if written == size:
-                commit_parts.append(_copies(1, src_kind=SHADOW, src_id=t, src_off=0, src_stride=size,
+                commit_parts.append(_blocks(1, src_kind=SHADOW, src_id=t, src_off=0, src_stride=size,
                                             dst_kind=DST, dst_id=t, dst_off=0, dst_stride=size, rows=1,
                                             cols=size))
             elif len(ops):
-                commit_parts.append(_copies(len(ops), src_kind=SHADOW, src_id=t, src_off=o["dst_offset"][ops],
+                commit_parts.append(_blocks(len(ops), src_kind=SHADOW, src_id=t, src_off=o["dst_offset"][ops],
                                             src_stride=o["dst_stride"][ops], dst_kind=DST, dst_id=t,
                                             dst_off=o["dst_offset"][ops], dst_stride=o["dst_stride"][ops],
                                             rows=o["rows"][ops], cols=o["cols"][ops]))
@@ -472,7 +443,7 @@ def build_schedule(plan: Plan, binding: Binding, process: int, options: NixlOpti
     peers = sorted({link.sender for link in incoming} | {link.receiver for link in outgoing})
     return ProcessSchedule(process=process, direction=direction, staged=staged, num_stages=num_stages,
                            itemsize=itemsize, incoming=incoming, outgoing=outgoing, pack=pack, arrive=arrive,
-                           local=tuple(local), commit=Copies.concat(commit_parts), shadow=tuple(sorted(shadow)),
+                           local=tuple(local), commit=_fold(commit_parts), shadow=tuple(sorted(shadow)),
                            arena=arena, arena_numel=top, src_ids=tuple(src_ids.tolist()),
-                           dst_ids=tuple(dst_ids.tolist()),
-                           local_numel=int((o["rows"][local_ops] * o["cols"][local_ops]).sum()), exposed=tuple(sorted(exposed)), peers=tuple(peers))
+                           dst_ids=tuple(dst_ids.tolist()), local_numel=int(numel_of[local_ops].sum()),
+                           exposed=tuple(sorted(exposed)), peers=tuple(peers))

@@ -1,0 +1,167 @@
+"""One process's NIXL side of a refit, set up once and used by every refit: its agent, its registered memory,
+its peers (their agents loaded, their address books checked) and one prepared transfer per link it initiates.
+
+Set-up (`Connection(...)`, once per executor): make the agent; register the memory regions peers address;
+publish the agent's metadata and this process's address book to the store; read every peer's back and check
+that it runs the same refit (plan digest, binding, shared options, direction, thresholds); prepare the
+descriptor lists of every link this process initiates (executors.nixl.descriptors) and make them into transfer
+handles; connect to every peer. A refit then only posts those handles and exchanges notifications, through
+`post`, `state`, `notify` and `notifications`. Every NIXL error becomes an ExecutionError naming the link.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import numpy as np
+
+from ...errors import ExecutionError
+from ..exchange import Exchange
+from .agent import describe, is_nixl_error, make_agent
+from .descriptors import merged_regions, region_array, side_descriptors
+from .schedule import Link, ProcessSchedule
+
+SHARED_KEYS = ("plan", "binding", "options", "direction", "pack_below", "land_below")  # equal in every book
+
+
+class Connection:
+    """See the module docstring. `book`: this process's address book (SHARED_KEYS, "process", "mem", "device",
+    "addresses": memory name -> address); `regions`: (address, bytes) of the memory peers address."""
+
+    def __init__(self, schedule: ProcessSchedule, name: str, exchange: Exchange, book: dict[str, Any],
+                 regions: list[tuple[int, int]], itemsize: int, timeout: float, progress_delay_us: int) -> None:
+        self.schedule = schedule
+        self.agent: Any = None
+        self.handles: dict[int, Any] = {}  # link id -> transfer handle (links this process initiates)
+        self.names: dict[int, str] = {}  # peer process -> its agent's name
+        self.peer_of: dict[str, int] = {}  # agent name -> peer process
+        self._dlists: list[Any] = []
+        self._reg: Any = None
+        try:
+            self._set_up(name, exchange, book, regions, itemsize, timeout, progress_delay_us)
+        except BaseException:
+            self.release()
+            raise
+
+    def _set_up(self, name: str, exchange: Exchange, book: dict[str, Any], regions: list[tuple[int, int]],
+                itemsize: int, timeout: float, progress_delay_us: int) -> None:
+        s = self.schedule
+        if not s.peers:  # only local copies here: no agent, nothing to register or exchange
+            return
+        self.agent = make_agent(name, progress_delay_us)
+        regions = merged_regions(regions)
+        if regions:
+            self._reg = self.agent.register_memory(region_array(regions, book["device"]), book["mem"])
+        exchange.publish(s.process, self.agent.get_agent_metadata(), book)
+        books: dict[int, dict[str, Any]] = {}
+        for peer in s.peers:
+            metadata, theirs = exchange.fetch(peer, timeout)
+            _check_peer(s.process, peer, theirs, book)
+            loaded = self.agent.add_remote_agent(metadata)
+            loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            if loaded != theirs["agent"]:
+                raise ExecutionError(f"process {peer}'s metadata names agent {loaded!r}, its book {theirs['agent']!r}")
+            self.names[peer] = loaded
+            self.peer_of[loaded] = peer
+            books[peer] = theirs
+        read = s.direction == "read"
+        op = "READ" if read else "WRITE"
+        here, there = ("recv", "send") if read else ("send", "recv")
+        for link in s.links:
+            if not s.initiates(link):
+                continue
+            peer = link.sender if read else link.receiver
+            local = side_descriptors(link, here, book["addresses"], itemsize, book["device"], "this process")
+            remote = side_descriptors(link, there, books[peer]["addresses"], itemsize, int(books[peer]["device"]),
+                                      f"process {peer}")
+            try:
+                lh = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, book["mem"])
+                self._dlists.append(lh)
+                rh = self.agent.prep_xfer_dlist(self.names[peer], remote, books[peer]["mem"])
+                self._dlists.append(rh)
+                index = np.arange(len(local), dtype=np.int32)
+                self.handles[link.id] = self.agent.make_prepped_xfer(op, lh, index, rh, index)
+            except Exception as e:
+                if is_nixl_error(e):
+                    raise ExecutionError(f"NIXL refused to prepare {link}: {describe(e)}") from e
+                raise
+        for peer in s.peers:
+            self.agent.make_connection(self.names[peer])
+
+    # --- used by a refit -----------------------------------------------------------------------------
+    def post(self, link: Link, message: bytes) -> None:
+        """Post the link's prepared transfer; NIXL delivers `message` to the peer once it completed."""
+        peer = link.peer(self.schedule.process)
+        try:
+            state = self.agent.transfer(self.handles[link.id], message)
+        except Exception as e:
+            if is_nixl_error(e):
+                raise ExecutionError(f"posting {link} with process {peer} failed: {describe(e)}") from e
+            raise
+        if state not in ("DONE", "PROC"):
+            raise ExecutionError(f"posting {link} with process {peer} returned {state}")
+
+    def state(self, link: Link) -> str:
+        """"DONE", "PROC" or, for a transfer that failed, another state."""
+        return self.agent.check_xfer_state(self.handles[link.id])
+
+    def notify(self, peer: int, message: bytes, link: Link) -> None:
+        try:
+            self.agent.send_notif(self.names[peer], message)
+        except Exception as e:
+            if is_nixl_error(e):
+                raise ExecutionError(f"notifying process {peer} about {link} failed: {describe(e)}") from e
+            raise
+
+    def notifications(self) -> Iterator[bytes]:
+        """The notifications that arrived from peers since the last call (others' are dropped)."""
+        if self.agent is None:
+            return
+        for sender, messages in self.agent.get_new_notifs().items():
+            if sender in self.peer_of:
+                yield from messages
+
+    def drop_transfers(self) -> None:
+        """After a failure: stop waiting on stuck transfers (their handles cannot be reused)."""
+        for lid in list(self.handles):
+            handle = self.handles.pop(lid)
+            try:
+                self.agent.release_xfer_handle(handle)
+            except Exception:  # noqa: BLE001 - a handle of a dead peer may refuse; nothing else to do
+                pass
+
+    # --- teardown ------------------------------------------------------------------------------------
+    def release(self) -> None:
+        """Release handles, descriptor lists, peers and registrations (best effort)."""
+        agent = self.agent
+        if agent is None:
+            return
+        for handle in list(self.handles.values()) + self._dlists:  # handles first: NIXL does not track them
+            try:
+                handle.release()
+            except Exception:  # noqa: BLE001 - best effort while tearing down
+                pass
+        self.handles.clear()
+        self._dlists.clear()
+        for name in self.names.values():
+            try:
+                agent.remove_remote_agent(name)
+            except Exception:  # noqa: BLE001
+                pass
+        if self._reg is not None:
+            try:
+                agent.deregister_memory(self._reg)
+            except Exception:  # noqa: BLE001
+                pass
+            self._reg = None
+        self.agent = None
+
+
+def _check_peer(process: int, peer: int, book: dict[str, Any], mine: dict[str, Any]) -> None:
+    problems = [f"{key}: process {peer} has {book.get(key)!r}, process {process} has {mine[key]!r}"
+                for key in SHARED_KEYS if book.get(key) != mine[key]]
+    if book.get("process") != peer:
+        problems.append(f"the book published for process {peer} is process {book.get('process')}'s")
+    if problems:
+        hint = (" (pack_below / land_below resolve per memory kind: set them explicitly when CPU and GPU "
+                "processes mix)" if any(p.startswith(("pack_below", "land_below")) for p in problems) else "")
+        raise ExecutionError(f"process {peer} does not run the same refit{hint}:\n  - " + "\n  - ".join(problems))

@@ -210,15 +210,13 @@ def ceiling(ex: DistributedExecutor, me: int, clock: Clock, iters: int, device, 
         return times, "d2d copy"
     sends = {p: torch.ones(n, dtype=torch.bfloat16, device=device) for p, n in s.sent.items()}
     recvs = {p: torch.empty(n, dtype=torch.bfloat16, device=device) for p, n in s.received.items()}
-    g = ex._global
     chunk = (2 * GiB) // itemsize  # NCCL's bandwidth has flattened out well before 2 GiB messages
+    comm = ex.comm  # the executor's group: raw messages over the same communicator
 
     def move():
-        ops = [dist.P2POp(dist.isend, t[i:i + chunk], g[p], ex.group) for p, t in sends.items()
-               for i in range(0, t.numel(), chunk)]
-        ops += [dist.P2POp(dist.irecv, t[i:i + chunk], g[p], ex.group) for p, t in recvs.items()
-                for i in range(0, t.numel(), chunk)]
-        for w in dist.batch_isend_irecv(ops) if ops else []:
+        batch = comm.prepare(0, [(t[i:i + chunk], p, 0) for p, t in sends.items() for i in range(0, t.numel(), chunk)],
+                             [(t[i:i + chunk], p, 0) for p, t in recvs.items() for i in range(0, t.numel(), chunk)])
+        for w in comm.post(batch):
             w.wait()
 
     times = clock.time(move, iters)

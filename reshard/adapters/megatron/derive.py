@@ -1,8 +1,7 @@
 """Derive the MegatronLayout a live model is in: parallel sizes and rank numbering from its process groups,
 naming from its parameter names, pipeline split and vocabulary padding from its config -- all from the
-ModelFacts read once (model.read_model), never from the model again.
-
-`layout_from_facts` is the pure part (no megatron, no processes), so it can be tested on any set of facts.
+ModelFacts read once (model.read_model), never from the model again. Given facts, deriving needs no megatron and
+no processes, so it can be tested on any set of facts.
 """
 from __future__ import annotations
 
@@ -12,9 +11,8 @@ from typing import Any, Iterable
 from ...errors import LayoutError
 from ...layouts import MegatronLayout, ModelSpec
 from ...layouts.base import pad_to
-from .model import read_model
+from .model import Topology, read_model
 from .naming import naming_of
-from .topology import Topology
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"  # megatron-core's initialize_model_parallel default
 MEGATRON_LM_VOCAB_DIVISOR = 128  # Megatron-LM's make_vocab_size_divisible_by default

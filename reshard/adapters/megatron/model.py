@@ -1,5 +1,6 @@
-"""Reading a live megatron-core GPT model, once, into ModelFacts: everything deriving and checking its layout and
-binding its tensors needs, so that those steps are pure functions of the facts and never go back to the model.
+"""The one reader of a live megatron-core GPT model: `read_model` turns it, once, into ModelFacts -- this rank's
+place in the parallel state, its tensors, layer numbers and config -- so that deriving and checking its layout
+and binding its tensors are functions of those facts and never go back to the model.
 
 Names follow the Megatron layout's physical names: a chunk's own parameter names, prefixed `model{c}.` when
 the model has several virtual pipeline chunks. Nothing here copies a tensor: the facts hold the live parameters.
@@ -13,7 +14,21 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ...errors import LayoutError
-from .topology import Topology, read_topology
+
+# Our name for a group -> the ProcessGroupCollection field holding it. Data parallel counts context-parallel
+# ranks too: weights are replicated across both, and with the default order they are adjacent axes.
+_GROUPS = {"tp": "tp", "pp": "pp", "dp": "dp_cp", "ep": "ep", "etp": "expt_tp", "edp": "expt_dp"}
+
+
+@dataclass(frozen=True)
+class Topology:
+    """This rank's place in megatron-core's parallel state: sizes, and the members of each of its groups."""
+    rank: int
+    world: int
+    groups: Mapping[str, tuple[int, ...]]  # 'tp', 'pp', 'dp', 'ep', 'etp', 'edp' -> this rank's group, in order
+
+    def size(self, axis: str) -> int:
+        return len(self.groups[axis])
 
 
 @dataclass(frozen=True)
@@ -66,23 +81,40 @@ def read_model(model: Any) -> ModelFacts:
     chunks = unwrap(model)
     prefixes = [f"model{c}." if len(chunks) > 1 else "" for c in range(len(chunks))]
     params = {p + name: t for p, chunk in zip(prefixes, chunks) for name, t in chunk.named_parameters()}
+    buffers = {name: b for p, chunk in zip(prefixes, chunks) for name, b in state_buffers(chunk, p).items()}
     layers = {(c, i): layer.layer_number - 1
               for c, chunk in enumerate(chunks) for i, layer in enumerate(chunk.decoder.layers)}
-    return ModelFacts(topology=read_topology(chunks), parameters=params, buffers=state_buffers(chunks),
-                      layers=layers, vpp=len(chunks), config=ConfigFacts.of(chunks[0]))
+    return ModelFacts(topology=read_topology(chunks), parameters=params, buffers=buffers, layers=layers,
+                      vpp=len(chunks), config=ConfigFacts.of(chunks[0]))
 
 
-def state_buffers(chunks: Sequence[Any]) -> dict[str, torch.Tensor]:
+def read_topology(chunks: Sequence[Any]) -> Topology:
+    """From the model's `pg_collection` (megatron-core >= 0.14 keeps one on every module) or, for older models,
+    from `megatron.core.parallel_state`. Only process-group membership is read: no collective runs."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise LayoutError("megatron", "torch.distributed is not initialized; a live model needs its process groups")
+    pgc = getattr(chunks[0], "pg_collection", None)
+    groups = {}
+    for axis, field in _GROUPS.items():
+        group = getattr(pgc, field, None) if pgc is not None else _parallel_state_group(field)
+        groups[axis] = tuple(dist.get_process_group_ranks(group)) if group is not None else (dist.get_rank(),)
+    for field in ("gtp_remat", "expt_gtp_remat"):
+        group = getattr(pgc, field, None)
+        if group is not None and dist.get_world_size(group) > 1:
+            raise LayoutError("megatron", f"{field} size {dist.get_world_size(group)} > 1: weight "
+                              "rematerialization shards parameters further, which the Megatron layout does not "
+                              "describe")
+    return Topology(rank=dist.get_rank(), world=dist.get_world_size(), groups=MappingProxyType(groups))
+
+
+def state_buffers(chunk: Any, prefix: str = "") -> dict[str, torch.Tensor]:
     """Persistent buffers (part of the state dict, e.g. the router's `expert_bias`); non-persistent ones
     (token counters) are scratch and left out. TransformerEngine's `_extra_state` is not a buffer."""
-    out = {}
-    for c, chunk in enumerate(chunks):
-        prefix = f"model{c}." if len(chunks) > 1 else ""
-        for mod_name, module in chunk.named_modules():
-            for name, buf in module._buffers.items():
-                if buf is not None and name not in module._non_persistent_buffers_set:
-                    out[f"{prefix}{mod_name}.{name}" if mod_name else prefix + name] = buf
-    return out
+    return {prefix + (f"{mod_name}.{name}" if mod_name else name): buf
+            for mod_name, module in chunk.named_modules() for name, buf in module._buffers.items()
+            if buf is not None and name not in module._non_persistent_buffers_set}
 
 
 def unwrap(model: Any) -> list[Any]:
@@ -113,20 +145,30 @@ def unwrap(model: Any) -> list[Any]:
 
 
 def _wrapper_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    import importlib
+
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.transformer.module import Float16Module
 
-    sharded: list[type] = []
-    try:
-        from megatron.core.distributed import TorchFullyShardedDataParallel
-
-        sharded.append(TorchFullyShardedDataParallel)
-    except ImportError:  # optional in some megatron-core builds
-        pass
-    try:
-        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
-
-        sharded.append(FullyShardedDataParallel)
-    except ImportError:
-        pass
+    sharded = []
+    for module, name in (("megatron.core.distributed", "TorchFullyShardedDataParallel"),
+                         ("megatron.core.distributed.fsdp.mcore_fsdp_adapter", "FullyShardedDataParallel")):
+        try:
+            sharded.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):  # optional in some megatron-core builds
+            pass
     return (DistributedDataParallel, Float16Module), tuple(sharded)
+
+
+def _parallel_state_group(field: str) -> Any:
+    from megatron.core import parallel_state as ps
+
+    getters = {
+        "tp": ps.get_tensor_model_parallel_group,
+        "pp": ps.get_pipeline_model_parallel_group,
+        "dp_cp": lambda: ps.get_data_parallel_group(with_context_parallel=True),
+        "ep": ps.get_expert_model_parallel_group,
+        "expt_tp": ps.get_expert_tensor_parallel_group,
+        "expt_dp": ps.get_expert_data_parallel_group,
+    }
+    return getters[field]()

@@ -41,9 +41,12 @@ class ConfigFacts:
     position_embedding_type: str
 
     @classmethod
-    def of(cls, chunk: Any) -> ConfigFacts:
-        return cls(chunk.config, chunk.vocab_size, bool(chunk.share_embeddings_and_output_weights),
-                   getattr(chunk, "position_embedding_type", "rope"))
+    def of(cls, model: Any) -> ConfigFacts:
+        """Read off a GPTModel chunk, or the ones ModelFacts already hold (their `config`)."""
+        if isinstance(model.config, ConfigFacts):
+            return model.config
+        return cls(model.config, model.vocab_size, bool(model.share_embeddings_and_output_weights),
+                   getattr(model, "position_embedding_type", "rope"))
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,11 +69,10 @@ class ModelFacts:
         """Everything a refit may read: the parameters and the persistent buffers."""
         return {**self.parameters, **self.buffers}
 
-    def __repr__(self) -> str:
-        t = self.topology
-        return (f"ModelFacts(rank {t.rank} of {t.world}, {' '.join(f'{a}={t.size(a)}' for a in t.groups)}, "
-                f"vpp={self.vpp}, {len(self.parameters)} parameters, {len(self.buffers)} buffers, "
-                f"{len(self.layers)} layers)")
+    def __repr__(self) -> str:  # the tensors themselves would fill a terminal
+        sizes = " ".join(f"{axis}={self.topology.size(axis)}" for axis in self.topology.groups)
+        return (f"ModelFacts(rank {self.topology.rank} of {self.topology.world}, {sizes}, vpp={self.vpp}, "
+                f"{len(self.parameters)} parameters, {len(self.buffers)} buffers, {len(self.layers)} layers)")
 
 
 def read_model(model: Any) -> ModelFacts:

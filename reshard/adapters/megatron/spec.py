@@ -12,7 +12,7 @@ from typing import Any
 from ...errors import ModelConfigError
 from ...layouts import ModelSpec
 from ...layouts.registry import families
-from .model import ConfigFacts, ModelFacts
+from .model import ConfigFacts
 
 _DTYPES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16", "torch.float32": "float32"}
 
@@ -36,16 +36,11 @@ def _moe_dense_layers(config: Any) -> tuple[int, ...]:
     return tuple(i for i, moe in enumerate(pattern) if not moe)
 
 
-def _config(model: Any) -> ConfigFacts:
-    """A GPTModel chunk's config facts, or those already read into ModelFacts."""
-    return model.config if isinstance(model, ModelFacts) else ConfigFacts.of(model)
-
-
 def spec_from_megatron(model: Any, *, vocab_size: int | None = None, dtype: str | None = None) -> ModelSpec:
     """A ModelSpec read off a GPTModel chunk (or its ModelFacts). `vocab_size` is the true vocabulary (the model's
     own size includes the trainer's padding); it defaults to the model's size. The family is the registered one
     whose `from_megatron` accepts the config (Qwen3 and Qwen3-MoE with q/k norms, Llama without)."""
-    facts = _config(model)
+    facts = ConfigFacts.of(model)
     cfg = facts.transformer
     moe = bool(cfg.num_moe_experts)
     matches = [f.name for f in families() if f.from_megatron(cfg)]
@@ -68,7 +63,7 @@ def spec_problems(model: Any, spec: ModelSpec) -> list[str]:
     the family does not."""
     import torch.nn.functional as F
 
-    facts = _config(model)
+    facts = ConfigFacts.of(model)
     cfg = facts.transformer
     problems = []
 

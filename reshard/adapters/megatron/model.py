@@ -152,7 +152,7 @@ def _wrapper_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.transformer.module import Float16Module
 
-    sharded = []
+    sharded: list[type] = []
     for module, name in (("megatron.core.distributed", "TorchFullyShardedDataParallel"),
                          ("megatron.core.distributed.fsdp.mcore_fsdp_adapter", "FullyShardedDataParallel")):
         try:

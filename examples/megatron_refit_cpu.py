@@ -32,7 +32,7 @@ def trainer_rank(outdir: str) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from reshard.adapters.megatron import derive_layout, source_tensors
+    from reshard.adapters.megatron import derive_layout, read_model, source_tensors
     from reshard.executors import allocate
     from reshard.executors.binding import Binding
     from reshard.executors.distributed import execute_distributed
@@ -41,8 +41,9 @@ def trainer_rank(outdir: str) -> None:
     init_parallel(tp=2)
     model = build_model(TINY)  # the live trainer model of this rank
     src_layout, hf = declared_layouts()
-    derived = derive_layout(model, src_layout.model, like=src_layout)
-    tensors = source_tensors(model, src_layout)  # verifies the model against the layout, then binds views
+    facts = read_model(model)  # the live model, read once
+    derived = derive_layout(facts, src_layout.model, like=src_layout)
+    tensors = source_tensors(facts, src_layout)  # verifies the model against the layout, then binds views
     params = dict(model[0].named_parameters())
     views = sum(tensors[n].data_ptr() == params[n].data_ptr() for n in tensors)
 

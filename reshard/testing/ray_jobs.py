@@ -22,7 +22,7 @@ class MegatronTrainerActor:
     def __init__(self, rank: int, world: int, port: int, job: str) -> None:
         import torch.distributed as dist
 
-        from ..adapters.megatron import derive_layout, source_tensors
+        from ..adapters.megatron import derive_layout, read_model, source_tensors
         from ..executors import shard
         from ..layouts import ModelSpec
         from .megatron_cpu import TinyGPT, apply_cpu_patches, build_model, init_parallel
@@ -37,8 +37,9 @@ class MegatronTrainerActor:
         self.rank = rank
         self.chunks = build_model(TinyGPT(**spec_job.get("tiny", {})))
         self.spec = ModelSpec.from_hf_config(spec_job["checkpoint"])
-        self.layout = derive_layout(self.chunks, self.spec)
-        self.tensors = source_tensors(self.chunks, self.layout)
+        facts = read_model(self.chunks)  # read once: the layout and the tensors come from the same facts
+        self.layout = derive_layout(facts, self.spec)
+        self.tensors = source_tensors(facts, self.layout)
         mine = shard(self.layout, load_checkpoint(spec_job["checkpoint"]), ranks=[rank])[rank]
         with torch.no_grad():
             for name, t in self.tensors.items():

@@ -70,7 +70,7 @@ def refit_server(job: dict[str, Any]) -> None:
     server `job["steps"]` times (a training step before each refit but the first)."""
     import torch.distributed as dist
 
-    from ..adapters.megatron import derive_layout, source_tensors
+    from ..adapters.megatron import derive_layout, read_model, source_tensors
     from ..adapters.refit import RefitSpec
     from ..adapters.server import VllmServer
     from ..adapters.trainer import TrainerSession
@@ -84,8 +84,9 @@ def refit_server(job: dict[str, Any]) -> None:
     init_parallel(job.get("tp", 1), job.get("pp", 1), job.get("ep", 1), job.get("etp"))
     chunks = build_model(tiny)
     spec = ModelSpec.from_hf_config(job["checkpoint"])  # the canonical model, as the server reads it
-    layout = derive_layout(chunks, spec)
-    tensors = source_tensors(chunks, layout)  # views of the live parameters
+    facts = read_model(chunks)  # read once: the layout and the tensors come from the same facts
+    layout = derive_layout(facts, spec)
+    tensors = source_tensors(facts, layout)  # views of the live parameters
     mine = shard(layout, load_checkpoint(job["checkpoint"]), ranks=[rank])[rank]
     with torch.no_grad():
         for name, t in tensors.items():

@@ -1,14 +1,19 @@
 """The pure parts of the Megatron source adapter: naming detection, vocabulary padding, deriving a layout from
-process-group facts, and the checks' messages. No megatron-core needed; tests/integration/megatron runs the same
-code on live models."""
+process-group facts, the checks' messages, and deriving, checking and binding from ModelFacts alone (a live
+model is read once). No megatron-core needed; tests/integration/megatron runs the same code on live models."""
 from __future__ import annotations
+
+from collections import Counter
+from dataclasses import FrozenInstanceError, replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import reshard
-from reshard.adapters.megatron import (Topology, layer_problems, layout_from_facts, layout_problems, naming_of,
-                                       rank_problems, vocab_divisor)
+from reshard.adapters.megatron import (ConfigFacts, ModelFacts, Topology, derive_layout, layer_problems,
+                                       layout_from_facts, layout_problems, naming_of, rank_problems, read_model,
+                                       source_tensors, spec_from_megatron, verify, vocab_divisor)
 from reshard.executors import allocate
 
 MOE = reshard.ModelSpec(family="qwen3_moe", hidden_size=8, num_layers=4, num_attention_heads=4,
@@ -133,5 +138,122 @@ def test_state_buffers_are_persistent_buffers_only():
     router.register_buffer("local_tokens_per_expert", torch.zeros(4), persistent=False)
     chunk = torch.nn.Module()
     chunk.router = router
-    assert list(state_buffers([chunk])) == ["router.expert_bias"]
-    assert list(state_buffers([chunk, chunk])) == ["model0.router.expert_bias", "model1.router.expert_bias"]
+    assert list(state_buffers(chunk)) == ["router.expert_bias"]
+    assert list(state_buffers(chunk, "model1.")) == ["model1.router.expert_bias"]
+
+
+# --- ModelFacts: one read of the model, then pure functions ----------------------------------------------------
+
+TP2 = reshard.MegatronLayout(model=DENSE, tp=2, world=2, vocab_divisor=64)  # 128 vocabulary rows
+
+
+def _config(**changes):
+    """The TransformerConfig fields the checks read, for DENSE."""
+    fields = dict(hidden_size=8, num_layers=4, num_attention_heads=4, num_query_groups=2, kv_channels=2,
+                  qk_layernorm=True, num_moe_experts=None, ffn_hidden_size=12, normalization="RMSNorm",
+                  gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
+                  add_qkv_bias=False, layernorm_zero_centered_gamma=False, multi_latent_attention=False,
+                  params_dtype=torch.float32, num_layers_in_first_pipeline_stage=None,
+                  num_layers_in_last_pipeline_stage=None)
+    return SimpleNamespace(**{**fields, **changes})
+
+
+def _facts(rank: int = 1) -> ModelFacts:
+    """Rank `rank` of TP2 as a live model would read: its tensors, layers 0-3 in order, world 2 of two TP ranks."""
+    return ModelFacts(topology=_topology(rank, 2, tp=[0, 1], dp=[rank], pp=[rank]),
+                      parameters=allocate(TP2, ranks=[rank])[rank], buffers={},
+                      layers={(0, i): i for i in range(4)}, vpp=1,
+                      config=ConfigFacts(_config(), TP2.padded_vocab, False, "rope"))
+
+
+def test_layout_checks_and_binding_are_functions_of_the_facts():
+    facts = _facts()
+    assert derive_layout(facts, DENSE, like=TP2) == verify(facts, TP2) == TP2
+    assert spec_from_megatron(facts, vocab_size=120) == DENSE
+    src = source_tensors(facts, TP2)
+    assert src.keys() == facts.parameters.keys()
+    assert all(src[n].data_ptr() == t.data_ptr() for n, t in facts.parameters.items())  # views, not copies
+    with pytest.raises(FrozenInstanceError):
+        facts.vpp = 2  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        facts.parameters["x"] = torch.zeros(1)  # type: ignore[index]
+
+    qkv = "decoder.layers.2.self_attention.linear_qkv.weight"
+    bias = "decoder.layers.0.mlp.router.expert_bias"
+    bad = replace(facts, parameters={**facts.parameters, qkv: torch.zeros(7, 8)}, buffers={bias: torch.zeros(4)},
+                  layers={**facts.layers, (0, 0): 1}, config=replace(facts.config, transformer=_config(
+                      ffn_hidden_size=16)))
+    with pytest.raises(reshard.LayoutMismatchError) as err:
+        source_tensors(bad, TP2)
+    assert err.value.problems == (
+        "ffn_hidden_size: the model has 16, the spec qwen3 declares 12",
+        f"rank 1: {qkv} has shape (7, 8) in the model, (8, 8) in the layout",
+        f"rank 1: buffer {bias} (4,) holds model state the layout does not place (a refit would drop it)",
+        "rank 1: chunk 0 decoder.layers.0 is layer 1 in the model; the layout puts layer 1 at stage 0, chunk 0, "
+        "decoder.layers.1")
+
+
+_READS = ("named_parameters", "named_modules", "named_buffers", "state_dict", "decoder", "config", "vocab_size",
+          "share_embeddings_and_output_weights", "pg_collection")
+
+
+class _CountingChunk(torch.nn.Module):
+    """A stand-in GPTModel chunk that counts each read of the attributes a reader of the model would use."""
+
+    def __getattribute__(self, name: str):
+        reads = object.__getattribute__(self, "__dict__").get("reads")
+        if reads is not None and name in _READS:
+            reads[name] += 1
+        return super().__getattribute__(name)
+
+
+def _chunk(tensors: dict[str, torch.Tensor]) -> _CountingChunk:
+    chunk = _CountingChunk()
+    for name, t in tensors.items():
+        *path, leaf = name.split(".")
+        module: torch.nn.Module = chunk
+        for part in path:
+            if part not in module._modules:
+                module.add_module(part, torch.nn.ModuleList() if part == "layers" else torch.nn.Module())
+            module = module._modules[part]
+        module.register_parameter(leaf, torch.nn.Parameter(t))
+    for i, layer in enumerate(chunk.decoder.layers):
+        layer.layer_number = i + 1
+    chunk.config, chunk.vocab_size, chunk.share_embeddings_and_output_weights = _config(), TP2.padded_vocab, False
+    chunk.reads = Counter()
+    return chunk
+
+
+def test_source_tensors_reads_the_model_once(monkeypatch):
+    """Deriving, checking and binding (source_tensors) read the model exactly as much as one read_model does;
+    given the facts, they do not read it at all. megatron's unwrapping and process groups are stood in for."""
+    from reshard.adapters.megatron import model as reader
+
+    calls = Counter()
+
+    def unwrap(model):
+        calls["unwrap"] += 1
+        return [model]
+
+    def read_topology(chunks):
+        calls["read_topology"] += 1
+        return _facts().topology
+
+    monkeypatch.setattr(reader, "unwrap", unwrap)
+    monkeypatch.setattr(reader, "read_topology", read_topology)
+    chunk = _chunk(allocate(TP2, ranks=[1])[1])
+
+    facts = read_model(chunk)
+    one_read = chunk.reads + calls
+    assert chunk.reads["named_parameters"] == chunk.reads["decoder"] == calls["unwrap"] == 1, one_read
+    chunk.reads.clear()
+    calls.clear()
+    src = source_tensors(chunk, TP2)  # reads, derives, checks, binds
+    assert chunk.reads + calls == one_read
+    assert all(src[n].data_ptr() == p.data_ptr() for n, p in chunk.named_parameters())
+
+    chunk.reads.clear()
+    calls.clear()
+    assert derive_layout(facts, DENSE, like=TP2) == verify(facts, TP2) == TP2
+    assert source_tensors(facts, TP2).keys() == src.keys()
+    assert not chunk.reads and not calls

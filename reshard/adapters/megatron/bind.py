@@ -14,26 +14,24 @@ import torch
 
 from ...executors.local import torch_dtype
 from ...layouts import MegatronLayout
+from .check import verify
+from .model import read_model
 
 
 def source_tensors(model: Any, layout: MegatronLayout, *, cast: bool = False,
                    check: bool = True) -> dict[str, torch.Tensor]:
-    """{physical name: tensor} of this rank of `layout`, read from `model` (a GPTModel, possibly wrapped, or the
-    list of its virtual pipeline chunks). With `check` (the default) the model is first verified against the
-    layout (see check.verify) and any mismatch raises LayoutMismatchError before a tensor is handed out."""
-    import torch.distributed as dist
-
-    from .check import verify
-    from .model import live_tensors, unwrap
-
-    chunks = unwrap(model)
+    """{physical name: tensor} of this rank of `layout`, read from `model` (a GPTModel, possibly wrapped, the list
+    of its virtual pipeline chunks, or the ModelFacts read off it: the model is read once either way). With
+    `check` (the default) the model is first verified against the layout (see check.verify) and any mismatch
+    raises LayoutMismatchError before a tensor is handed out."""
+    facts = read_model(model)
     if check:
-        verify(chunks, layout, cast=cast)
-    params = live_tensors(chunks)  # parameters and placed persistent buffers (the router's expert_bias)
-    rank = dist.get_rank()
+        verify(facts, layout, cast=cast)
+    tensors = facts.tensors  # parameters and placed persistent buffers (the router's expert_bias)
+    rank = facts.topology.rank
     out = {}
     for name in layout.rank_tensors(rank):
-        t = params[name].detach()  # a view: same storage, no autograd history
+        t = tensors[name].detach()  # a view: same storage, no autograd history
         dtype = torch_dtype(layout.tensor_dtype(rank, name))  # the router's float32 expert bias: its own
         if t.dtype != dtype:
             t = t.to(dtype)  # copy: the destination dtype differs (allowed by cast=True)

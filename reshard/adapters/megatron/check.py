@@ -1,4 +1,5 @@
-"""Check a live model against a declared MegatronLayout before anything moves; report every problem at once.
+"""Check a live model (its ModelFacts, read once) against a declared MegatronLayout before anything moves;
+report every problem at once.
 
 Four kinds of problems, all collected into one LayoutMismatchError:
 1. the model's config against the canonical spec (sizes, and a block the family does not compute);
@@ -7,8 +8,8 @@ Four kinds of problems, all collected into one LayoutMismatchError:
    naming the tensor and both shapes;
 4. layer placement: each TransformerLayer's global number against where the layout puts that layer.
 Persistent buffers holding model state (the router's `expert_bias`) are checked like parameters: placed by the
-layout when the family declares them, otherwise a problem (a refit would drop them). Non-persistent buffers and TransformerEngine `_extra_state` (FP8
-metadata) are not model weights and are skipped.
+layout when the family declares them, otherwise a problem (a refit would drop them). Non-persistent buffers and
+TransformerEngine `_extra_state` (FP8 metadata) are not model weights and are skipped.
 """
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ import torch
 from ...errors import LayoutMismatchError
 from ...executors.local import torch_dtype
 from ...layouts import MegatronLayout
+from .derive import derive_layout
+from .model import read_model
+from .spec import spec_problems
 
 
 def layout_problems(derived: MegatronLayout, declared: MegatronLayout) -> list[str]:
@@ -70,27 +74,22 @@ def layer_problems(layout: MegatronLayout, rank: int, numbers: Mapping[tuple[int
 
 def verify(model: Any, declared: MegatronLayout, *, cast: bool = False) -> MegatronLayout:
     """Derive `model`'s layout and check it, and this rank's tensors, against `declared`; return the derived
-    layout (equal to `declared` when nothing is wrong). Raises LayoutMismatchError listing every problem."""
-    import torch.distributed as dist
-
-    from .derive import derive_layout
-    from .model import layer_numbers, live_parameters, live_tensors, state_buffers, unwrap
-    from .spec import spec_problems
-
-    chunks = unwrap(model)
-    rank = dist.get_rank()
-    derived = derive_layout(chunks, declared.model, like=declared)
+    layout (equal to `declared` when nothing is wrong). Raises LayoutMismatchError listing every problem.
+    `model` may be the ModelFacts already read off it: the checks are functions of those facts only."""
+    facts = read_model(model)
+    rank = facts.topology.rank
+    derived = derive_layout(facts, declared.model, like=declared)
     differences = layout_problems(derived, declared)
-    problems = spec_problems(chunks[0], declared.model) + differences
+    problems = spec_problems(facts, declared.model) + differences
     if rank < declared.num_ranks:
         placed = declared.rank_tensors(rank)
-        buffers = {n: b for n, b in state_buffers(chunks).items() if n not in placed}
-        problems += rank_problems(declared, rank, {n: t for n, t in live_tensors(chunks).items() if n not in buffers},
+        unplaced = {n: b for n, b in facts.buffers.items() if n not in placed}
+        problems += rank_problems(declared, rank, {n: t for n, t in facts.tensors.items() if n not in unplaced},
                                   cast)
         problems += [f"rank {rank}: buffer {n} {tuple(b.shape)} holds model state the layout does not place "
-                     "(a refit would drop it)" for n, b in buffers.items()]
+                     "(a refit would drop it)" for n, b in unplaced.items()]
         if not differences:  # otherwise a different pipeline split already says why layers moved
-            problems += layer_problems(declared, rank, layer_numbers(chunks))
+            problems += layer_problems(declared, rank, facts.layers)
     if problems:
         raise LayoutMismatchError("megatron", problems)
     return derived

@@ -1,7 +1,7 @@
 """Derive the MegatronLayout a live model is in: parallel sizes and rank numbering from its process groups,
-naming from its parameter names, pipeline split and vocabulary padding from its config.
-
-`layout_from_facts` is the pure part (no megatron, no processes), so it can be tested on any set of facts.
+naming from its parameter names, pipeline split and vocabulary padding from its config -- all from the
+ModelFacts read once (model.read_model), never from the model again. Given facts, deriving needs no megatron and
+no processes, so it can be tested on any set of facts.
 """
 from __future__ import annotations
 
@@ -11,34 +11,32 @@ from typing import Any, Iterable
 from ...errors import LayoutError
 from ...layouts import MegatronLayout, ModelSpec
 from ...layouts.base import pad_to
+from .model import Topology, read_model
 from .naming import naming_of
-from .topology import Topology
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"  # megatron-core's initialize_model_parallel default
 MEGATRON_LM_VOCAB_DIVISOR = 128  # Megatron-LM's make_vocab_size_divisible_by default
 
 
 def derive_layout(model: Any, spec: ModelSpec, *, like: MegatronLayout | None = None) -> MegatronLayout:
-    """The layout of `model` (a GPTModel, possibly wrapped, or the list of its virtual pipeline chunks).
+    """The layout of `model` (a GPTModel, possibly wrapped, the list of its virtual pipeline chunks, or the
+    ModelFacts read off it).
 
     `spec` is the canonical model (e.g. from the HF config). Where several declarations describe the same
     placement (the vocabulary divisor, rank orders that differ only on size-1 axes) the one of `like` is taken,
     so a matching declared layout compares equal.
     """
-    from .model import live_parameters, unwrap
-    from .topology import read_topology
-
-    chunks = unwrap(model)
-    cfg = chunks[0].config
+    facts = read_model(model)
+    cfg = facts.config.transformer
     unsupported = [f for f in ("pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
                                "account_for_loss_in_pipeline_split") if getattr(cfg, f, None)]
     if unsupported:
         raise LayoutError("megatron", f"pipeline split by {unsupported} is not described by the Megatron layout",
                           fix="use even stages or num_layers_in_first/last_pipeline_stage")
-    pp_split = (cfg.num_layers_in_first_pipeline_stage, cfg.num_layers_in_last_pipeline_stage)
-    return layout_from_facts(spec, read_topology(chunks), names=live_parameters(chunks), vpp=len(chunks),
-                             padded_vocab=chunks[0].vocab_size, first_stage_layers=pp_split[0],
-                             last_stage_layers=pp_split[1], like=like)
+    return layout_from_facts(spec, facts.topology, names=facts.parameters, vpp=facts.vpp,
+                             padded_vocab=facts.config.padded_vocab,
+                             first_stage_layers=cfg.num_layers_in_first_pipeline_stage,
+                             last_stage_layers=cfg.num_layers_in_last_pipeline_stage, like=like)
 
 
 def layout_from_facts(spec: ModelSpec, topo: Topology, *, names: Iterable[str], vpp: int, padded_vocab: int,

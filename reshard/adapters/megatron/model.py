@@ -1,15 +1,122 @@
-"""Reading a live megatron-core GPT model: its chunks, parameters, persistent buffers and layer numbers.
+"""The one reader of a live megatron-core GPT model: `read_model` turns it, once, into ModelFacts -- this rank's
+place in the parallel state, its tensors, layer numbers and config -- so that deriving and checking its layout
+and binding its tensors are functions of those facts and never go back to the model.
 
 Names follow the Megatron layout's physical names: a chunk's own parameter names, prefixed `model{c}.` when
-the model has several virtual pipeline chunks. Nothing here copies a tensor.
+the model has several virtual pipeline chunks. Nothing here copies a tensor: the facts hold the live parameters.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from ...errors import LayoutError
+
+# Our name for a group -> the ProcessGroupCollection field holding it. Data parallel counts context-parallel
+# ranks too: weights are replicated across both, and with the default order they are adjacent axes.
+_GROUPS = {"tp": "tp", "pp": "pp", "dp": "dp_cp", "ep": "ep", "etp": "expt_tp", "edp": "expt_dp"}
+
+
+@dataclass(frozen=True)
+class Topology:
+    """This rank's place in megatron-core's parallel state: sizes, and the members of each of its groups."""
+    rank: int
+    world: int
+    groups: Mapping[str, tuple[int, ...]]  # 'tp', 'pp', 'dp', 'ep', 'etp', 'edp' -> this rank's group, in order
+
+    def size(self, axis: str) -> int:
+        return len(self.groups[axis])
+
+
+@dataclass(frozen=True)
+class ConfigFacts:
+    """What the spec checks read off a GPTModel chunk: its TransformerConfig (never changed here) and three facts
+    kept on the module rather than in the config."""
+    transformer: Any
+    padded_vocab: int  # the embedding's rows: the true vocabulary padded by the trainer
+    tied: bool  # share_embeddings_and_output_weights
+    position_embedding_type: str
+
+    @classmethod
+    def of(cls, model: Any) -> ConfigFacts:
+        """Read off a GPTModel chunk, or the ones ModelFacts already hold (their `config`)."""
+        if isinstance(model.config, ConfigFacts):
+            return model.config
+        return cls(model.config, model.vocab_size, bool(model.share_embeddings_and_output_weights),
+                   getattr(model, "position_embedding_type", "rope"))
+
+
+@dataclass(frozen=True, eq=False)
+class ModelFacts:
+    """One rank's live model as plain facts, read by `read_model`. The mappings are read-only; the tensors are the
+    live parameters and buffers themselves (a refit must read the trainer's current weights, not a copy)."""
+    topology: Topology
+    parameters: Mapping[str, torch.Tensor]  # physical name -> live parameter
+    buffers: Mapping[str, torch.Tensor]  # physical name -> persistent buffer (model state, e.g. expert_bias)
+    layers: Mapping[tuple[int, int], int]  # (chunk, index in its decoder.layers) -> global layer number
+    vpp: int  # number of virtual pipeline chunks
+    config: ConfigFacts  # of the first chunk: every chunk is built from the same config
+
+    def __post_init__(self) -> None:
+        for field in ("parameters", "buffers", "layers"):  # read-only views of private copies
+            object.__setattr__(self, field, MappingProxyType(dict(getattr(self, field))))
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Everything a refit may read: the parameters and the persistent buffers."""
+        return {**self.parameters, **self.buffers}
+
+    def __repr__(self) -> str:  # the tensors themselves would fill a terminal
+        sizes = " ".join(f"{axis}={self.topology.size(axis)}" for axis in self.topology.groups)
+        return (f"ModelFacts(rank {self.topology.rank} of {self.topology.world}, {sizes}, vpp={self.vpp}, "
+                f"{len(self.parameters)} parameters, {len(self.buffers)} buffers, {len(self.layers)} layers)")
+
+
+def read_model(model: Any) -> ModelFacts:
+    """The facts of `model` (a GPTModel, possibly wrapped, or the list of its virtual pipeline chunks), each chunk
+    visited once; ModelFacts are returned as they are, so every entry point accepts either."""
+    if isinstance(model, ModelFacts):
+        return model
+    chunks = unwrap(model)
+    prefixes = [f"model{c}." if len(chunks) > 1 else "" for c in range(len(chunks))]
+    params = {p + name: t for p, chunk in zip(prefixes, chunks) for name, t in chunk.named_parameters()}
+    buffers = {name: b for p, chunk in zip(prefixes, chunks) for name, b in state_buffers(chunk, p).items()}
+    layers = {(c, i): layer.layer_number - 1
+              for c, chunk in enumerate(chunks) for i, layer in enumerate(chunk.decoder.layers)}
+    return ModelFacts(topology=read_topology(chunks), parameters=params, buffers=buffers, layers=layers,
+                      vpp=len(chunks), config=ConfigFacts.of(chunks[0]))
+
+
+def read_topology(chunks: Sequence[Any]) -> Topology:
+    """From the model's `pg_collection` (megatron-core >= 0.14 keeps one on every module) or, for older models,
+    from `megatron.core.parallel_state`. Only process-group membership is read: no collective runs."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise LayoutError("megatron", "torch.distributed is not initialized; a live model needs its process groups")
+    pgc = getattr(chunks[0], "pg_collection", None)
+    groups = {}
+    for axis, field in _GROUPS.items():
+        group = getattr(pgc, field, None) if pgc is not None else _parallel_state_group(field)
+        groups[axis] = tuple(dist.get_process_group_ranks(group)) if group is not None else (dist.get_rank(),)
+    for field in ("gtp_remat", "expt_gtp_remat"):
+        group = getattr(pgc, field, None)
+        if group is not None and dist.get_world_size(group) > 1:
+            raise LayoutError("megatron", f"{field} size {dist.get_world_size(group)} > 1: weight "
+                              "rematerialization shards parameters further, which the Megatron layout does not "
+                              "describe")
+    return Topology(rank=dist.get_rank(), world=dist.get_world_size(), groups=MappingProxyType(groups))
+
+
+def state_buffers(chunk: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Persistent buffers (part of the state dict, e.g. the router's `expert_bias`); non-persistent ones
+    (token counters) are scratch and left out. TransformerEngine's `_extra_state` is not a buffer."""
+    return {prefix + (f"{mod_name}.{name}" if mod_name else name): buf
+            for mod_name, module in chunk.named_modules() for name, buf in module._buffers.items()
+            if buf is not None and name not in module._non_persistent_buffers_set}
 
 
 def unwrap(model: Any) -> list[Any]:
@@ -40,59 +147,30 @@ def unwrap(model: Any) -> list[Any]:
 
 
 def _wrapper_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    import importlib
+
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.transformer.module import Float16Module
 
     sharded: list[type] = []
-    try:
-        from megatron.core.distributed import TorchFullyShardedDataParallel
-
-        sharded.append(TorchFullyShardedDataParallel)
-    except ImportError:  # optional in some megatron-core builds
-        pass
-    try:
-        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
-
-        sharded.append(FullyShardedDataParallel)
-    except ImportError:
-        pass
+    for module, name in (("megatron.core.distributed", "TorchFullyShardedDataParallel"),
+                         ("megatron.core.distributed.fsdp.mcore_fsdp_adapter", "FullyShardedDataParallel")):
+        try:
+            sharded.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):  # optional in some megatron-core builds
+            pass
     return (DistributedDataParallel, Float16Module), tuple(sharded)
 
 
-def chunk_prefix(chunk: int, num_chunks: int) -> str:
-    return f"model{chunk}." if num_chunks > 1 else ""
+def _parallel_state_group(field: str) -> Any:
+    from megatron.core import parallel_state as ps
 
-
-def live_parameters(chunks: Sequence[Any]) -> dict[str, torch.nn.Parameter]:
-    """Physical name -> the live parameter, for every chunk."""
-    out = {}
-    for c, chunk in enumerate(chunks):
-        prefix = chunk_prefix(c, len(chunks))
-        for name, param in chunk.named_parameters():
-            out[prefix + name] = param
-    return out
-
-
-def state_buffers(chunks: Sequence[Any]) -> dict[str, torch.Tensor]:
-    """Persistent buffers (part of the state dict, e.g. the router's `expert_bias`); non-persistent ones
-    (token counters) are scratch and left out. TransformerEngine's `_extra_state` is not a buffer."""
-    out = {}
-    for c, chunk in enumerate(chunks):
-        prefix = chunk_prefix(c, len(chunks))
-        for mod_name, module in chunk.named_modules():
-            for name, buf in module._buffers.items():
-                if buf is not None and name not in module._non_persistent_buffers_set:
-                    out[f"{prefix}{mod_name}.{name}" if mod_name else prefix + name] = buf
-    return out
-
-
-def live_tensors(chunks: Sequence[Any]) -> dict[str, torch.Tensor]:
-    """Physical name -> live tensor a refit reads: the parameters and the persistent buffers (model state such
-    as the router's `expert_bias`, which a family may place like any canonical tensor)."""
-    return {**live_parameters(chunks), **state_buffers(chunks)}
-
-
-def layer_numbers(chunks: Sequence[Any]) -> dict[tuple[int, int], int]:
-    """(chunk, index in that chunk's decoder.layers) -> global layer index (TransformerLayer.layer_number - 1)."""
-    return {(c, i): layer.layer_number - 1
-            for c, chunk in enumerate(chunks) for i, layer in enumerate(chunk.decoder.layers)}
+    getters = {
+        "tp": ps.get_tensor_model_parallel_group,
+        "pp": ps.get_pipeline_model_parallel_group,
+        "dp_cp": lambda: ps.get_data_parallel_group(with_context_parallel=True),
+        "ep": ps.get_expert_model_parallel_group,
+        "expt_tp": ps.get_expert_tensor_parallel_group,
+        "expt_dp": ps.get_expert_data_parallel_group,
+    }
+    return getters[field]()

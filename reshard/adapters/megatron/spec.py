@@ -12,6 +12,7 @@ from typing import Any
 from ...errors import ModelConfigError
 from ...layouts import ModelSpec
 from ...layouts.registry import families
+from .model import ConfigFacts
 
 _DTYPES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16", "torch.float32": "float32"}
 
@@ -36,10 +37,11 @@ def _moe_dense_layers(config: Any) -> tuple[int, ...]:
 
 
 def spec_from_megatron(model: Any, *, vocab_size: int | None = None, dtype: str | None = None) -> ModelSpec:
-    """A ModelSpec read off a GPTModel chunk. `vocab_size` is the true vocabulary (the model's own size includes
-    the trainer's padding); it defaults to the model's size. The family is the registered one whose
-    `from_megatron` accepts the config (Qwen3 and Qwen3-MoE with q/k norms, Llama without)."""
-    cfg = model.config
+    """A ModelSpec read off a GPTModel chunk (or its ModelFacts). `vocab_size` is the true vocabulary (the model's
+    own size includes the trainer's padding); it defaults to the model's size. The family is the registered one
+    whose `from_megatron` accepts the config (Qwen3 and Qwen3-MoE with q/k norms, Llama without)."""
+    facts = ConfigFacts.of(model)
+    cfg = facts.transformer
     moe = bool(cfg.num_moe_experts)
     matches = [f.name for f in families() if f.from_megatron(cfg)]
     if len(matches) != 1:
@@ -51,17 +53,18 @@ def spec_from_megatron(model: Any, *, vocab_size: int | None = None, dtype: str 
         num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_query_groups or cfg.num_attention_heads, head_dim=cfg.kv_channels,
         intermediate_size=cfg.ffn_hidden_size if (not moe or _moe_dense_layers(cfg)) else 0,
-        vocab_size=vocab_size or model.vocab_size,
-        tie_word_embeddings=bool(model.share_embeddings_and_output_weights), qk_norm=bool(cfg.qk_layernorm),
+        vocab_size=vocab_size or facts.padded_vocab, tie_word_embeddings=facts.tied, qk_norm=bool(cfg.qk_layernorm),
         num_experts=cfg.num_moe_experts or 0, moe_intermediate_size=(cfg.moe_ffn_hidden_size or 0) if moe else 0,
         dense_layers=_moe_dense_layers(cfg), dtype=dtype or _dtype_name(cfg.params_dtype))
 
 
 def spec_problems(model: Any, spec: ModelSpec) -> list[str]:
-    """Every way the GPTModel's config disagrees with `spec` or computes something the family does not."""
+    """Every way the GPTModel's config (of a chunk, or its ModelFacts) disagrees with `spec` or computes something
+    the family does not."""
     import torch.nn.functional as F
 
-    cfg = model.config
+    facts = ConfigFacts.of(model)
+    cfg = facts.transformer
     problems = []
 
     def differ(what: str, got: Any, want: Any) -> None:
@@ -83,8 +86,7 @@ def spec_problems(model: Any, spec: ModelSpec) -> list[str]:
     else:
         differ("kv_channels (head_dim)", cfg.kv_channels, spec.head_dim)
         differ("qk_layernorm", bool(cfg.qk_layernorm), spec.qk_norm)
-    differ("tied embeddings (share_embeddings_and_output_weights)",
-           bool(model.share_embeddings_and_output_weights), spec.tie_word_embeddings)
+    differ("tied embeddings (share_embeddings_and_output_weights)", facts.tied, spec.tie_word_embeddings)
     differ("num_moe_experts", cfg.num_moe_experts or 0, spec.num_experts)
     if spec.is_moe:
         differ("moe_ffn_hidden_size", cfg.moe_ffn_hidden_size, spec.moe_intermediate_size)
@@ -95,8 +97,8 @@ def spec_problems(model: Any, spec: ModelSpec) -> list[str]:
                bool(arch.get("router_bias")))
     if not spec.is_moe or spec.dense_layers:
         differ("ffn_hidden_size", cfg.ffn_hidden_size, spec.intermediate_size)
-    if model.vocab_size < spec.vocab_size:
-        problems.append(f"vocab: the model has {model.vocab_size} rows, fewer than the spec's {spec.vocab_size}")
+    if facts.padded_vocab < spec.vocab_size:
+        problems.append(f"vocab: the model has {facts.padded_vocab} rows, fewer than the spec's {spec.vocab_size}")
     # The block itself: anything else computes a different function from the same-shaped weights.
     differ("normalization", cfg.normalization, "RMSNorm")
     differ("gated_linear_unit", bool(cfg.gated_linear_unit), True)
@@ -106,5 +108,5 @@ def spec_problems(model: Any, spec: ModelSpec) -> list[str]:
     differ("layernorm_zero_centered_gamma (stores gamma - 1)", bool(cfg.layernorm_zero_centered_gamma),
            bool(arch.get("zero_centered_norms")))
     differ("multi_latent_attention", bool(getattr(cfg, "multi_latent_attention", False)), mla)
-    differ("position_embedding_type", getattr(model, "position_embedding_type", "rope"), "rope")
+    differ("position_embedding_type", facts.position_embedding_type, "rope")
     return problems

@@ -2,8 +2,9 @@
 
 One set of processes per case does everything on the live model, rank by rank:
   (a) the layout derived from the model equals the declared one; its parameters check clean against it; the
-      source tensors are views of the live parameters (same data_ptr); TransformerEngine names, taken from
-      megatron's own checkpoint keys, derive the TE layout and check clean against it;
+      source tensors are views of the live parameters (same data_ptr), and binding them (derive, check, bind)
+      walks the model exactly as often as reading it once does; TransformerEngine names, taken from megatron's
+      own checkpoint keys, derive the TE layout and check clean against it;
   (b) a refit Megatron -> HF layout moved over gloo send/recv (a stand-in until the torch.distributed
       executor lands) writes a checkpoint; this test process loads it into transformers' Qwen3 / Qwen3-MoE
       and compares its logits with the Megatron model's logits on the same tokens;
@@ -122,9 +123,10 @@ def _worker(name: str, outdir: str) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from reshard.adapters.megatron import (derive_layout, layout_from_facts, layout_problems, rank_problems,
-                                           read_topology, source_tensors, spec_from_megatron, verify)
-    from reshard.adapters.megatron.model import live_parameters
+    from dataclasses import replace
+
+    from reshard.adapters.megatron import (derive_layout, layout_problems, rank_problems, read_model,
+                                           source_tensors, spec_from_megatron, verify)
     from reshard.executors import allocate
     from reshard.testing.checks import data_mask
     from reshard.executors.binding import Binding
@@ -138,26 +140,30 @@ def _worker(name: str, outdir: str) -> None:
     chunks = build_model(case.tiny)
     declared = case.layout()
 
-    # (a) derive, check, bind
+    # (a) read once, derive, check, bind
+    facts = read_model(chunks)
     assert derive_layout(chunks, spec, like=declared) == declared, derive_layout(chunks, spec, like=declared)
-    free = derive_layout(chunks, spec)  # without a preference: same placement, maybe another vocab divisor
+    free = derive_layout(facts, spec)  # without a preference: same placement, maybe another vocab divisor
     assert layout_problems(free, declared) == [], layout_problems(free, declared)
     result["derived"] = str(free)
     assert verify(chunks, declared) == declared
     src = source_tensors(chunks, declared)
-    live = live_parameters(chunks)
+    live = dict(facts.parameters)
     assert set(src) == set(declared.rank_tensors(rank)) == set(live)
     assert all(src[n].data_ptr() == live[n].data_ptr() for n in src), "source tensors must be views"
     result["zero_copy_tensors"] = len(src)
+    walks = _walks(chunks, lambda: source_tensors(chunks, declared))  # derives, checks and binds
+    assert walks == _walks(chunks, lambda: read_model(chunks)), walks
+    assert all(walks[(c, "named_parameters")] == 1 for c in range(len(chunks))), walks
     assert spec_from_megatron(chunks[0], vocab_size=spec.vocab_size) == spec
+    assert spec_from_megatron(facts, vocab_size=spec.vocab_size) == spec
 
     te = case.layout(naming="te")
     names = te_names(chunks)
     renamed = {names[n]: t for n, t in live.items()}
-    te_derived = layout_from_facts(spec, read_topology(chunks), names=renamed, vpp=len(chunks),
-                                   padded_vocab=chunks[0].vocab_size, first_stage_layers=te.first_stage_layers,
-                                   like=te)
-    assert te_derived == te, te_derived
+    te_facts = replace(facts, parameters=renamed)  # the same model under TE names: checked from facts alone
+    assert derive_layout(te_facts, spec, like=te) == te, derive_layout(te_facts, spec, like=te)
+    assert verify(te_facts, te) == te
     assert rank_problems(te, rank, renamed) == [], rank_problems(te, rank, renamed)
     assert rank_problems(te, rank, live), "local names must not pass as TE names"
     result["te_names"] = sorted(set(renamed) - set(live))[:6]
@@ -214,6 +220,31 @@ def _worker(name: str, outdir: str) -> None:
     Path(outdir, f"rank{rank}.json").write_text(json.dumps(result))
 
 
+def _walks(chunks, call) -> dict[tuple[int, str], int]:
+    """How often `call()` walks each chunk's parameters and modules (instance attributes shadow the methods)."""
+    counts: dict[tuple[int, str], int] = {}
+
+    def counting(c: int, method: str):
+        original = getattr(chunks[c], method)
+
+        def counted(*args, **kwargs):
+            counts[(c, method)] = counts.get((c, method), 0) + 1
+            return original(*args, **kwargs)
+        return counted
+
+    methods = ("named_parameters", "named_modules")
+    for c, chunk in enumerate(chunks):
+        for method in methods:
+            setattr(chunk, method, counting(c, method))
+    try:
+        call()
+    finally:
+        for chunk in chunks:
+            for method in methods:
+                delattr(chunk, method)
+    return counts
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """The bit patterns of a float tensor, so that equality is byte equality."""
     return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
@@ -248,14 +279,13 @@ def _bf16_wrapped(chunks, case: Case) -> None:
 
     from megatron.core.transformer.module import Float16Module
 
-    from reshard.adapters.megatron import source_tensors
-    from reshard.adapters.megatron.model import live_parameters
+    from reshard.adapters.megatron import read_model, source_tensors
 
     config = copy.copy(chunks[0].config)
     config.bf16 = True
     wrapped = [Float16Module(config, chunk) for chunk in chunks]
     tensors = source_tensors(wrapped, case.layout(model=case.tiny.spec("bfloat16")))
-    live = live_parameters(chunks)
+    live = read_model(chunks).parameters
     assert all(t.dtype == torch.bfloat16 and t.data_ptr() == live[n].data_ptr() for n, t in tensors.items())
 
 

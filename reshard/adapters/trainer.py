@@ -5,7 +5,7 @@ One `TrainerSession` per trainer process; process 0 drives the engines (anything
 client methods: `VllmServer` over HTTP, vLLM's own clients, a Ray actor wrapper):
 
     refit = RefitSpec.of(spec, MegatronLayout(...), VllmLayout(...), install="loader", transport="collective")
-    session = TrainerSession(refit, process=rank, tensors=source_tensors(model, layout),
+    session = TrainerSession(refit, process=rank, tensors=source_tensors(facts, layout),
                              engines=[VllmServer(url)] if rank == 0 else [], trainer_group=world)
     session.init()                  # every trainer process, together
     for step in ...:

@@ -100,6 +100,11 @@ class MegatronTrainerActor:
         out["cache"] = cache.stats()
         return json.dumps(out)
 
+    def cache_stats(self) -> str:
+        from ..planner import cache
+
+        return json.dumps(cache.stats())
+
     def exit(self) -> None:
         os._exit(17)  # a trainer worker dies (fault tests)
 

@@ -173,3 +173,29 @@ def test_a_killed_trainer_leaves_every_engine_on_its_previous_weights_and_new_tr
     assert _ok(results, "replicas") and _ok(results, "tp2"), results
     for name, c in clients.items():
         assert c.greedy(PROMPTS) == cluster.reference(step) and c.weight_version() == f"step-{step}", name
+
+
+def test_adding_a_replica_recompiles_only_the_plans_it_changes(cluster):
+    """A third replica joins the replicas' group: the trainers and the replicas compile that group's new plan
+    once; the TP2 engine, whose plan did not change, compiles nothing; egress stays one copy (fan-out)."""
+    tp2_before = [s["compiles"] for s in RayEngineClient(cluster.tp2, "tp2").stats()]
+    third = start_engine(str(cluster.ckpts[0]), 1)
+    cluster.replicas.append(third)
+    trainer_before = json_cache(cluster)
+    opened = open_group(cluster.trainers, {**REPLICAS, "dst": {"tp": 1, "replicas": 3}}, cluster.replicas)
+    assert [o["compiles"] for o in opened] == [c + 1 for c in trainer_before]
+    results = refit_all(cluster.trainers, f"step-{cluster.step}")
+    assert _ok(results, "replicas") and _ok(results, "tp2"), results
+    model_bytes = sum(v.numel() * v.element_size() for v in load_checkpoint(cluster.ckpts[0]).values())
+    assert sum(r["replicas"]["bytes_sent"] for r in results) == model_bytes
+    want = cluster.reference(cluster.step)
+    for k, e in enumerate(cluster.replicas):
+        client = RayEngineClient(e, f"replica {k}")
+        assert client.greedy(PROMPTS) == want and client.weight_version() == f"step-{cluster.step}"
+    assert [s["compiles"] for s in RayEngineClient(cluster.tp2, "tp2").stats()] == tp2_before
+
+
+def json_cache(cluster) -> list[int]:
+    import json
+
+    return [json.loads(x)["compiles"] for x in ray.get([t.cache_stats.remote() for t in cluster.trainers])]

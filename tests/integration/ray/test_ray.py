@@ -171,6 +171,7 @@ def test_a_killed_trainer_leaves_every_engine_on_its_previous_weights_and_new_tr
     open_group(cluster.trainers, TP2, [cluster.tp2])
     results = refit_all(cluster.trainers, f"step-{step}")
     assert _ok(results, "replicas") and _ok(results, "tp2"), results
+    cluster.step = step
     for name, c in clients.items():
         assert c.greedy(PROMPTS) == cluster.reference(step) and c.weight_version() == f"step-{step}", name
 

@@ -125,7 +125,8 @@ def worker(me: int, port: int, args: dict, out: str) -> None:
         comm = StoreComm(dist.PrefixStore("bench/", store), me, 2, "gloo", 600.0)
         src, dst = _tensors(plan, me, device, False)
         ex = DistributedExecutor(plan, binding, me, src, dst, group=comm, in_place=True, timeout=600.0,
-                                 bucket_bytes=args["bucket"])
+                                 bucket_bytes=args["bucket"], **({"direct_bytes": args["direct"]} if args.get("direct")
+                                                                 else {}))
         ex.refit()
         results["collective"] = [_timed(store, f"coll/{i}", me, device, ex.refit) for i in range(iters)]
         del src, dst, ex
@@ -198,11 +199,12 @@ def main() -> int:
     p.add_argument("--config", default=None)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--bucket", type=int, default=None, help="bytes per message / ping-pong buffer")
+    p.add_argument("--direct-bytes", type=int, default=None, help="the collective executor's direct_bytes")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     config = a.config or str(ROOT / ("examples/configs/qwen3-8b.json" if a.device == "cuda"
                                      else "examples/configs/qwen3-0.6b.json"))
-    args = {"device": a.device, "config": config, "iters": a.iters,
+    args = {"device": a.device, "config": config, "iters": a.iters, "direct": a.direct_bytes,
             "bucket": a.bucket or ((1 << 30) if a.device == "cuda" else (64 << 20))}
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")

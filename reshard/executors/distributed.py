@@ -92,7 +92,8 @@ from .comm import Comm, comm_for
 from .engines import Buffers, Engine, Setup, abort, make_engine, poll
 from .lanes import NCCL_LANES
 from .local import check_tensors, in_units
-from .schedule import DIRECT_BYTES, LANES_DIRECT_BYTES, ProcessSchedule, bucket_numel_for, build_schedule
+from .schedule import (DIRECT_BYTES, GLOO_DIRECT_BYTES, LANES_DIRECT_BYTES, ProcessSchedule, bucket_numel_for,
+                       build_schedule)
 
 DEFAULT_MEMORY_CAP = 2 << 30
 
@@ -148,9 +149,9 @@ class DistributedExecutor(Executor):
     depth: rounds in flight per process; default max(2, lanes).
     direct_bytes: runs of at least this many bytes that are contiguous in the sender's (receiver's) memory
         travel as messages of their own, sent from (received into) the tensors themselves: no pack (scatter)
-        copy. None: only messages that happen to be contiguous go direct. "auto": 64 MiB on one lane, 16 MiB
-        on several, where messages are cheaper (on two H200s, 16 MiB on one lane was slower: 33.7 ms against
-        30.9-31.4 ms).
+        copy. None: only messages that happen to be contiguous go direct. "auto": on NCCL 64 MiB on one lane,
+        16 MiB on several, where messages are cheaper (on two H200s, 16 MiB on one lane was slower: 33.7 ms
+        against 30.9-31.4 ms); on gloo 64 KiB (a CPU copy costs more than a message).
     lanes: communicators the rounds are spread over (round r on lane r mod lanes; executors.lanes): NCCL runs
         one communicator's messages one after another, each with a fixed cost, and lanes overlap those costs
         (a Qwen3-8B refit from TP2 into two colocated TP1 replicas on two H200s: 79-88% of the link with 3
@@ -193,8 +194,9 @@ class DistributedExecutor(Executor):
             lanes = NCCL_LANES if "nccl" in self.backend else 1
         self.num_lanes = 1 if self.size == 1 else lanes
         self.depth = depth = max(2, self.num_lanes) if depth is None else depth
-        if direct_bytes == "auto":  # cheap messages on several lanes make shorter runs worth sending unpacked
-            direct_bytes = LANES_DIRECT_BYTES if self.num_lanes > 1 else DIRECT_BYTES
+        if direct_bytes == "auto":  # where messages are cheap, shorter runs are worth sending unpacked
+            direct_bytes = (GLOO_DIRECT_BYTES if self.backend == "gloo" else
+                            LANES_DIRECT_BYTES if self.num_lanes > 1 else DIRECT_BYTES)
         self._lanes_agree = False
         self._handshake = False
         self._abort_note: str | None = None  # set by the first abort

@@ -48,7 +48,7 @@ def main() -> int:
                     open_group(trainers, group, engines)
                     times, sent = [], 0
                     for i in range(a.refits + 1):
-                        results = refit_all(trainers, f"v{i}")
+                        results = refit_all(trainers, f"v{i}", [group["name"]])
                         if not all(r[group["name"]]["ok"] for r in results):
                             raise RuntimeError(results)
                         if i:  # the first refit warms up

@@ -76,10 +76,12 @@ class TrainerSession:
         self.refit_spec, self.process = refit, process
         self.tensors = tensors if tensors and all(isinstance(k, int) for k in tensors) else {process: tensors}
         self.engines, self.trainer_group, self.pause_mode = list(engines), trainer_group, pause
-        self.rendezvous, self.host, self.timeout = rendezvous, host, timeout
+        self.given_rendezvous, self.host, self.timeout = rendezvous, host, timeout
+        self.rendezvous = None
         self.executor: Executor | None = None
         self.store = None
         self.version = 0
+        self.generation = 0  # inits so far: each meets under a refit id of its own
         plan = refit.plan()
         if process not in range(plan.src.num_ranks):
             raise ExecutionError(f"process={process} is not a source rank of the plan (0..{plan.src.num_ranks - 1})")
@@ -88,6 +90,12 @@ class TrainerSession:
 
     # --- 1. init -------------------------------------------------------------------------------------
     def init(self) -> None:
+        """Meet the engines (again, after an engine or a transport failed: every trainer process calls it)."""
+        if self.executor is not None:
+            self.executor.close()
+            self.executor = None
+        self.store = None
+        self.generation += 1
         refit, plan = self.refit_spec, self.refit_spec.plan()
         refit = refit.with_(plan_digest=plan.digest)
         if refit.transport in CROSS_PROCESS:
@@ -117,7 +125,9 @@ class TrainerSession:
         """The rendezvous: hosted by process 0, shared over the trainer group (or given to every process)."""
         from ..executors import rendezvous as rv
 
-        rdv = self.rendezvous
+        rdv = self.given_rendezvous
+        if rdv is not None:  # the same on every process: a refit id of this init's own, derived alike everywhere
+            rdv = rv.Rendezvous(rdv.host, rdv.port, f"{rdv.refit_id}g{self.generation}", rdv.secret, rdv.timeout)
         if self.process == 0 and (rdv is None or self.trainer_group is not None):
             rdv, self.store = rv.host_store(rdv or rv.Rendezvous.new(self.host, timeout=min(self.timeout, 300.0)))
         if self.trainer_group is not None:

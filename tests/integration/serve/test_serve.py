@@ -174,6 +174,13 @@ def test_bad_init_is_refused_and_the_server_keeps_serving(servers):
         session.init()
     session.close()
     _still_serving(served, before)
+    # a good session refits, and meets the engine again (a new refit id, a new group) when init is called again
+    session = TrainerSession(refit, 0, tensors, engines=[served.client], timeout=60.0)
+    for k in range(2):
+        session.init()
+        session.refit(version=f"one-process-{k}")
+        assert served.client.weight_info() == f"one-process-{k}"
+    session.close()
 
 
 def _closed_port() -> int:

@@ -34,16 +34,15 @@ def check_limit(field: str, value: int, limit: int, what: str, where: str = "") 
 
 def json_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> int:
     """The nesting depth of a JSON value, stopping (returning limit + 1) once past `limit` (no recursion)."""
-    stack, deepest = [(value, 1)], 0
+    stack, deepest = [(value, 1)], 1
     while stack:
         v, d = stack.pop()
-        deepest = max(deepest, d)
-        if deepest > limit:
-            return deepest
-        if isinstance(v, dict):
-            stack.extend((x, d + 1) for x in v.values())
-        elif isinstance(v, list):
-            stack.extend((x, d + 1) for x in v)
+        if d > deepest:
+            deepest = d
+            if deepest > limit:
+                return deepest
+        items = v.values() if isinstance(v, dict) else v
+        stack.extend((x, d + 1) for x in items if isinstance(x, (dict, list)))
     return deepest
 
 

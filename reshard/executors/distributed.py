@@ -90,6 +90,7 @@ from .base import Executor, RankTensors
 from .binding import Binding
 from .comm import Comm, comm_for
 from .engines import Buffers, Engine, Setup, abort, make_engine, poll
+from .guard import check_memory, check_ops
 from .lanes import NCCL_LANES
 from .local import check_tensors, in_units
 from .schedule import DIRECT_BYTES, LANES_DIRECT_BYTES, ProcessSchedule, bucket_numel_for, build_schedule
@@ -188,6 +189,7 @@ class DistributedExecutor(Executor):
         if process is not None and process != self.rank:
             raise ExecutionError(f"process={process}, but this process is rank {self.rank} of the refit group")
         binding.check(plan.src.num_ranks, plan.dst.num_ranks, self.size)
+        check_ops(plan)  # before the schedule indexes anything with the plan's ops
         self._src, self._dst = dict(src or {}), dict(dst or {})
         if lanes is None:  # NCCL: each communicator runs its messages one after another (executors.lanes)
             lanes = NCCL_LANES if "nccl" in self.backend else 1
@@ -307,6 +309,7 @@ class DistributedExecutor(Executor):
             return "; ".join(problems)
         try:
             check_tensors(self.plan, src, dst)
+            check_memory(src, dst)
         except ExecutionError as e:
             return str(e)
         return None

@@ -46,6 +46,7 @@ from .base import Executor, RankTensors
 from .binding import Binding
 from .copies import DST, PEER, SHADOW, SRC, Copies, fold
 from .exchange import Exchange
+from .guard import check_memory, check_ops
 from .local import apply_shifts, check_tensors, in_units, shift_views, torch_dtype
 from .views import Memory, bind
 
@@ -200,6 +201,7 @@ class SharedExecutor(Executor):
         if timeout <= 0:
             raise ExecutionError(f"timeout={timeout} must be positive (seconds)")
         binding.check(plan.src.num_ranks, plan.dst.num_ranks)
+        check_ops(plan)
         if process not in binding.processes:
             raise ExecutionError(f"process {process} plays no rank of {binding}")
         if plan.num_ops and bool((plan.ops["src_side"] == RELAY).any()):
@@ -229,6 +231,7 @@ class SharedExecutor(Executor):
             raise ExecutionError(f"process {self.process} plays source ranks {sorted(want_src)} and destination "
                                  f"ranks {sorted(want_dst)} of {b}; got {sorted(src)} and {sorted(dst)}")
         check_tensors(plan, src, dst)
+        check_memory(src, dst)
         devices = {t.device for side in (src, dst) for ts in side.values() for t in ts.values()}
         if len(devices) > 1:
             raise ExecutionError(f"this process's tensors are on several devices {sorted(map(str, devices))}")

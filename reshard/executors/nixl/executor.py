@@ -56,6 +56,7 @@ from ..base import Executor, RankTensors
 from ..binding import Binding
 from ..copies import DST, SHADOW, SRC, WIRE
 from ..exchange import Exchange
+from ..guard import check_memory, check_ops
 from ..local import apply_shifts, check_tensors, in_units, shift_views, torch_dtype
 from ..views import BoundCopies, Memory, bind
 from .agent import describe, is_nixl_error
@@ -104,6 +105,8 @@ class NixlExecutor(Executor):
     def __init__(self, plan: Plan, binding: Binding, process: int, src: RankTensors, dst: RankTensors, *,
                  store: Any, options: NixlOptions | None = None, namespace: str = "default") -> None:
         self.plan, self.binding, self.process = plan, binding, process
+        binding.check(plan.src.num_ranks, plan.dst.num_ranks)
+        check_ops(plan)  # before the schedule indexes anything with the plan's ops
         self.options = options = options or NixlOptions()
         self.num_processes = binding.num_processes
         self.device = _device_of(src, dst)
@@ -149,6 +152,7 @@ class NixlExecutor(Executor):
         if problems:
             raise ExecutionError("tensors do not match the plan:\n  - " + "\n  - ".join(problems[:20]))
         check_tensors(plan, {r: src[r] for r in src}, {r: dst[r] for r in dst})
+        check_memory(src, dst)
         src, dst = in_units(plan, src, dst)  # tensors kept in a wider dtype, seen in the plan's
         self.src_flat = {i: src[plan.src_tensors.ranks[i]][plan.src_tensors.names[i]].view(-1) for i in s.src_ids}
         self.dst_flat = {i: dst[plan.dst_tensors.ranks[i]][plan.dst_tensors.names[i]].view(-1) for i in s.dst_ids}

@@ -44,6 +44,7 @@ from ..planner import Plan
 from ..planner.plan import RELAY
 from .base import Executor, RankTensors
 from .binding import Binding
+from .checksum import Streams, block, mismatch
 from .copies import DST, PEER, SHADOW, SRC, Copies, fold
 from .exchange import Exchange
 from .guard import check_memory, check_ops
@@ -197,7 +198,7 @@ class SharedExecutor(Executor):
 
     def __init__(self, plan: Plan, binding: Binding, process: int, src: RankTensors, dst: RankTensors, *,
                  store: Any, staged: bool = True, timeout: float = 60.0, namespace: str = "default",
-                 poll_max_s: float = 0.0002) -> None:
+                 poll_max_s: float = 0.0002, checksum: bool = False) -> None:
         if timeout <= 0:
             raise ExecutionError(f"timeout={timeout} must be positive (seconds)")
         binding.check(plan.src.num_ranks, plan.dst.num_ranks)
@@ -208,6 +209,7 @@ class SharedExecutor(Executor):
             raise ExecutionError("the shared-memory executor runs plans without fan-out relays (compile without "
                                  "fanout: on one host every receiver is fed by the sources directly)")
         self.plan, self.binding, self.process, self.staged = plan, binding, process, staged
+        self.checksum = bool(checksum)
         self.timeout, self.poll_max_s = timeout, poll_max_s
         self.itemsize, self.dtype = plan.itemsize, torch_dtype(plan.dst.dtype)
         self.num_processes = len(binding.processes)
@@ -278,14 +280,14 @@ class SharedExecutor(Executor):
             else:
                 self._landing = {i: self.dst_flat[i] for i in self._landed}
         book = {"process": self.process, "plan": self.plan.digest, "binding": self.binding.to_dict(),
-                "staged": self.staged, "device": str(self.device.type),
+                "staged": self.staged, "device": str(self.device.type), "checksum": self.checksum,
                 "landing": {str(i): export(t) for i, t in self._landing.items()}}
         self.exchange.publish(self.process, b"", book)
         self._peer_landing: dict[tuple[int, int], torch.Tensor] = {}
         for q in self._sends:
             _, theirs = self.exchange.fetch(q, self.timeout)
             problems = [f"{k}: process {q} has {theirs.get(k)!r}, this process {book[k]!r}"
-                        for k in ("plan", "binding", "staged", "device") if theirs.get(k) != book[k]]
+                        for k in ("plan", "binding", "staged", "device", "checksum") if theirs.get(k) != book[k]]
             if problems:
                 raise ExecutionError(f"process {q} does not run the same refit:\n  - " + "\n  - ".join(problems))
             for tid in sorted(set(self.plan.ops["dst_tensor"][self._sends[q]].tolist())):
@@ -316,6 +318,10 @@ class SharedExecutor(Executor):
                                 if self.staged else None)
         mine = np.concatenate([self._received, self._local])
         self._shifts = shift_views(self.plan, self.dst_flat, mine)
+        if self.checksum:  # the blocks each stream's checksum reads, in plan order (executors.checksum)
+            sender = np.asarray(self.binding.src, np.int64)[self.plan.ops["src_rank"][self._received]]
+            self._sum_out = {q: self._views(ops, self.src_flat, "src") for q, ops in self._sends.items()}
+            self._sum_in = {f: self._views(self._received[sender == f], self._landing, "dst") for f in self._feeders}
         o = self.plan.ops
         numel = lambda ops: int((o["rows"][ops] * o["cols"][ops]).sum())  # noqa: E731
         self._bytes = {"out": sum(numel(ops) for ops in self._sends.values()) * self.itemsize,
@@ -352,12 +358,16 @@ class SharedExecutor(Executor):
                     program.run()
                     if self.device.type == "cuda":
                         torch.cuda.current_stream(self.device).synchronize()
+                    if self.checksum:
+                        ex.store.set(f"v{v}/sum/{self.process}/{q}", self._digest(self._sum_out[q]))
                     ex.signal(f"v{v}/done/{q}")
                 if not self.staged:
                     self._local_program.run()
                 if self._feeders:
                     ex.wait_count(f"v{v}/done/{self.process}", len(self._feeders), v, deadline, self.poll_max_s,
                                   f"processes {self._feeders} to write their bytes of refit {v}")
+                    if self.checksum:
+                        self._check_sums(v)
                 marks.append(("transfer", time.perf_counter()))
                 ex.vote(v)
                 ex.wait_all(v, self.num_processes, deadline, self.poll_max_s)
@@ -377,7 +387,8 @@ class SharedExecutor(Executor):
                 torch.cuda.current_stream(self.device).synchronize()
         marks.append(("commit", time.perf_counter()))
         ex.forget(self._version, tuple(f"v{self._version}/{k}/{p}" for k in ("ready", "done")
-                                       for p in self.binding.processes))
+                                       for p in self.binding.processes)
+                  + tuple(f"v{self._version}/sum/{f}/{self.process}" for f in self._feeders if self.checksum))
         if self._version == 0:  # every peer mapped our segments at set-up, before voting: their names can go
             for seg in self._created:
                 seg.unlink()
@@ -386,6 +397,28 @@ class SharedExecutor(Executor):
         return SharedStats(self.process, v, self.staged, times[-1] - start,
                            {name: times[i + 1] - times[i] for i, (name, _) in enumerate(marks)},
                            self._bytes["out"], self._bytes["in"], self._bytes["local"], self._staging_bytes)
+
+    def _views(self, ops: np.ndarray, flat: dict[int, torch.Tensor], side: str) -> list[torch.Tensor]:
+        o = self.plan.ops
+        return [block(flat[int(o[f"{side}_tensor"][i])], int(o[f"{side}_offset"][i]), int(o["rows"][i]),
+                      int(o["cols"][i]), int(o[f"{side}_stride"][i])) for i in ops.tolist()]
+
+    def _digest(self, blocks: list[torch.Tensor]) -> str:
+        sums = Streams()
+        for b in blocks:
+            sums.update(0, b)
+        return sums.hexdigest(0)
+
+    def _check_sums(self, v: int) -> None:
+        """Every feeder's bytes as they landed here hash to what it sent (executors.checksum)."""
+        bad = []
+        for f in self._feeders:
+            sent = self.exchange.store.get(f"v{v}/sum/{f}/{self.process}").decode()
+            got = self._digest(self._sum_in[f])
+            if sent != got:
+                bad.append(mismatch(f"the bytes from process {f}", sent, got))
+        if bad:
+            raise ExecutionError("; ".join(bad))
 
     def _fail(self, v: int, reason: str) -> None:
         self._broken = reason

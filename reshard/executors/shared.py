@@ -30,7 +30,9 @@ import atexit
 import base64
 import mmap
 import os
+import re
 import secrets
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -53,6 +55,7 @@ from .views import Memory, bind
 
 ALIGN = 64  # elements: every landing region starts 128-byte aligned (bf16)
 _SHM_DIR = "/dev/shm"
+_SEGMENT_NAME = re.compile(r"reshard-[0-9]{1,10}-[0-9a-f]{32}")
 
 
 @dataclass(frozen=True)
@@ -77,16 +80,22 @@ class Segment:
     _mine: dict[int, "Segment"] = {}  # data_ptr of segments this process created -> segment (for `exportable`)
 
     def __init__(self, name: str, nbytes: int = 0, create: bool = False) -> None:
-        if not name or "/" in name or len(name) > 200:
-            raise ExecutionError(f"invalid shared-memory segment name {name!r}")
+        if not isinstance(name, str) or not _SEGMENT_NAME.fullmatch(name):
+            raise ExecutionError(f"invalid shared-memory segment name {name!r} (reshard's are "
+                                 f"reshard-<pid>-<32 hex digits>)")
         self.name, self.created = name, create
         path = os.path.join(_SHM_DIR, name)
+        flags = os.O_RDWR | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0) | (os.O_CREAT | os.O_EXCL if create else 0)
         try:
-            fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+            fd = os.open(path, flags, 0o600)
         except OSError as e:
             raise ExecutionError(f"cannot {'create' if create else 'open'} shared memory {path}: {e}") from e
         try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+                raise ExecutionError(f"shared memory {path} is not a private (0600) file of this user: refused")
             if create:
+                os.fchmod(fd, 0o600)  # whatever the umask: peers of this user open it read-write, nobody else
                 os.ftruncate(fd, max(nbytes, 1))
             size = os.fstat(fd).st_size
             self._map = mmap.mmap(fd, size)
@@ -129,7 +138,9 @@ def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def _fresh_name() -> str:
-    return f"reshard-{os.getpid()}-{secrets.token_hex(8)}"
+    """128 random bits: a segment's name cannot be guessed (it travels only in books under the refit's
+    namespace), and the file is 0600, so only this user's processes that were told the name open it."""
+    return f"reshard-{os.getpid()}-{secrets.token_hex(16)}"
 
 
 _exit_unlink: list[Segment] = []

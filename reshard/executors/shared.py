@@ -26,9 +26,9 @@ Plans with fan-out relays are refused: on one host every receiver is fed by the 
 """
 from __future__ import annotations
 
-import atexit
 import base64
 import mmap
+import multiprocessing.util
 import os
 import re
 import secrets
@@ -129,11 +129,12 @@ class Segment:
 
 def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised CPU tensor in a shared-memory segment of its own, which peers of a "shared" refit can
-    write into directly (in_place). The segment's name is removed when the process exits normally (`atexit`);
-    its memory lives as long as the tensor."""
+    write into directly (in_place). The segment's name is removed when the process exits (normally, or as a
+    multiprocessing child; a killed process leaves it in /dev/shm); its memory lives as long as the tensor."""
     numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
     seg = Segment(_fresh_name(), numel * dtype.itemsize, create=True)
-    _exit_unlink.append(seg)
+    # at exit, also of a multiprocessing child (which ends with os._exit, skipping atexit, but runs these)
+    multiprocessing.util.Finalize(seg, seg.unlink, exitpriority=10)
     return seg.tensor[:numel * dtype.itemsize].view(dtype).view(shape)
 
 
@@ -143,8 +144,6 @@ def _fresh_name() -> str:
     return f"reshard-{os.getpid()}-{secrets.token_hex(16)}"
 
 
-_exit_unlink: list[Segment] = []
-atexit.register(lambda: [seg.unlink() for seg in _exit_unlink])
 
 
 # --- handles ----------------------------------------------------------------------------------------------

@@ -161,6 +161,9 @@ class Plan:
     accounting: Accounting = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        from .verify import check_program
+
+        check_program(self)  # every index inside what it indexes, before anything is computed from them
         p = self.program
         problems = check_forest(p.parent, p.stage)
         if p.num_replicas != self.dst.num_replicas or p.ranks_per_replica != self.dst.ranks_per_replica:

@@ -43,14 +43,15 @@ def bad(field: str, value: Any, rule: str, problems: list[str] | tuple[str, ...]
     return PlanFileError(f"plan file: {field}={show(value)} {rule}", problems, field=field, value=value)
 
 
-def _int(d: dict[str, Any], key: str, low: int = 0, high: int = _BIG, optional: bool = False) -> Any:
+def _int(d: dict[str, Any], key: str, low: int = 0, high: int = _BIG, optional: bool = False,
+         prefix: str = "") -> Any:
     v = d.get(key)
     if optional and v is None:
         return None
     if not isinstance(v, int) or isinstance(v, bool):
-        raise bad(key, v, f"must be a JSON integer, not {type(v).__name__}")
+        raise bad(prefix + key, v, f"must be a JSON integer, not {type(v).__name__}")
     if not low <= v <= high:
-        raise bad(key, v, f"must be in [{low}, {high}]")
+        raise bad(prefix + key, v, f"must be in [{low}, {high}]")
     return v
 
 
@@ -60,6 +61,9 @@ def int_array(field: str, value: Any, ndim: int = 1) -> np.ndarray:
     if isinstance(value, np.ndarray):
         a = value
     elif isinstance(value, list):
+        rows = value if value and isinstance(value[0], list) else [value]
+        if any(bool in set(map(type, r)) for r in rows if isinstance(r, list)):  # numpy would make true a 1
+            raise bad(field, "<list>", "holds a boolean where integers belong")
         try:
             a = np.asarray(value)
         except (ValueError, TypeError, OverflowError) as e:
@@ -157,7 +161,7 @@ def _bounds(d: Any, num_dst: int) -> Bounds:
     laminar = d.get("holder_sets_laminar", True)
     if not isinstance(laminar, bool):
         raise bad("bounds.holder_sets_laminar", laminar, "must be true or false")
-    ints = {k: _int({k: d.get(k, 0)}, k) for k in ("model_bytes", "gatherer_held_bytes", "egress_lower_bound",
+    ints = {k: _int({k: d.get(k, 0)}, k, prefix="bounds.") for k in ("model_bytes", "gatherer_held_bytes", "egress_lower_bound",
                                                    "egress_unit_max")}
     return Bounds(tuple(lb.tolist()), ints["model_bytes"], ints["gatherer_held_bytes"], ints["egress_lower_bound"],
                   ints["egress_unit_max"], laminar)
@@ -191,8 +195,8 @@ def _header(d: Any) -> dict[str, Any]:
     prog = d.get("program")
     if not isinstance(prog, dict) or set(prog) != {"ranks_per_replica", "tensors_per_replica"}:
         raise bad("program", prog, "must be an object of ranks_per_replica and tensors_per_replica")
-    _int(prog, "ranks_per_replica", 1, MAX_RANKS)
-    _int(prog, "tensors_per_replica", 0, MAX_PLAN_ELEMENTS)
+    _int(prog, "ranks_per_replica", 1, MAX_RANKS, prefix="program.")
+    _int(prog, "tensors_per_replica", 0, MAX_PLAN_ELEMENTS, prefix="program.")
     _int(d, "fanout", 1, MAX_RANKS, optional=True)
     _int(d, "roots", 1, MAX_RANKS, optional=True)
     return d
@@ -232,6 +236,7 @@ def _check_program(p: Program, src_tables: Any, dst_table: Any, S: int, K: int, 
     T0, rpr = p.tensors_per_replica, p.ranks_per_replica
     if p.parent.shape != p.stage.shape or p.parent.shape[1:] != (K,) or p.parent.shape[0] < 1:
         raise bad("arrays.parent", p.parent.shape, f"must be (parts >= 1, {K} replicas) like arrays.stage")
+    within("arrays.stage", p.stage.reshape(-1), 0, K + 1)  # a stage per tree level: at most one per replica
     problems = check_forest(p.parent, p.stage)
     if problems:
         raise bad("arrays.parent", "...", "does not describe fan-out forests", problems)
@@ -283,6 +288,17 @@ def _check_program(p: Program, src_tables: Any, dst_table: Any, S: int, K: int, 
     within("arrays.r.part", r["part"], 0, p.num_parts)
     if len(fed) == K and len(r["rows"]):
         raise bad("arrays.r.rows", len(r["rows"]), "must be empty: every replica is fed by the source")
+
+
+def check_program(plan: Any) -> None:
+    """The index checks of `_check_program`, which every Plan runs when it is built, whatever its origin: a
+    hand-built program with an index out of range would otherwise expand into other ops than its author meant
+    (numpy wraps negative indices) or make the accounting allocate by its values."""
+    if len(plan.dst_tensors) != plan.program.tensors_per_replica * plan.dst.num_replicas or \
+            plan.program.ranks_per_replica != plan.dst.ranks_per_replica:
+        raise bad("program", plan.program.scalars(), f"does not fit the destination ({plan.dst})")
+    _check_program(plan.program, plan.src_tensors, plan.dst_tensors, plan.src.num_ranks, plan.dst.num_replicas,
+                   len(plan.src.model.canonical))
 
 
 def _raise(e: Exception) -> None:
@@ -427,7 +443,6 @@ def load_plan(cls: type, d: Any, arrays: Any) -> Any:
     except PlanError as e:
         raise bad("selection", d["selection"], str(e)) from None
     program = _program(d.get("arrays") if arrays is None else arrays, scalars)
-    _check_program(program, src_tables, dst_table, S, K, len(src.model.canonical))
     fanout, roots = d.get("fanout"), d.get("roots")
     fed = len(program.fed)
     if (fanout is None) != (roots is None) or (fanout is None and fed != K) or (roots is not None and roots != fed):
@@ -443,4 +458,4 @@ def load_plan(cls: type, d: Any, arrays: Any) -> Any:
     return plan
 
 
-__all__ = ["int_array", "load_plan", "table_numel", "within"]
+__all__ = ["check_program", "int_array", "load_plan", "table_numel", "within"]

@@ -178,11 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--colocated", nargs="?", const=True, default=False, metavar="SRC_RANKS",
                    help="destination rank d shares a GPU with source rank d (its bytes from there are local copies); "
                         "or give the source rank on each destination rank's GPU, comma-separated (e.g. 1,0)")
-    p.add_argument("--fanout", type=_int(1, MAX_RANKS), help="feed ROOTS destination replicas and relay to the others along trees "
+    ranks, positive, at_least_0 = _int(1, MAX_RANKS), _float(0, positive=True), _float(0)
+    p.add_argument("--fanout", type=ranks, help="feed ROOTS destination replicas and relay to the others along trees "
                    "where each replica has at most FANOUT children")
-    p.add_argument("--roots", type=_int(1, MAX_RANKS), help="with --fanout: replicas the source feeds (default: the fewest "
+    p.add_argument("--roots", type=ranks, help="with --fanout: replicas the source feeds (default: the fewest "
                    "holders any source byte has)")
-    p.add_argument("--relay-cap", type=_int(1, MAX_RANKS), default=1, help="with --fanout: no destination rank relays more than "
+    p.add_argument("--relay-cap", type=ranks, default=1, help="with --fanout: no destination rank relays more than "
                    "RELAY_CAP times what it receives (default 1)")
     p.add_argument("--layers", help="only these layers' tensors, comma-separated (a subset plan)")
     p.add_argument("--tensors", help="only these canonical tensor names, comma-separated (a subset plan)")
@@ -190,16 +191,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", help="draw the source x destination byte matrix (and the trees) into this image")
     t = p.add_argument_group("time prediction (--predict)")
     t.add_argument("--predict", action="store_true", help="predict the plan's wall time on a cluster")
-    t.add_argument("--gpus-per-node", type=_int(1, MAX_RANKS), default=8)
-    t.add_argument("--nic-gbps", type=_float(0, positive=True), default=400.0, help="NIC per GPU, Gb/s each direction (default 400)")
-    t.add_argument("--network-latency-us", type=_float(0), default=10.0)
-    t.add_argument("--nvlink-gbs", type=_float(0, positive=True), default=366.0, help="NVLink one direction per GPU, GB/s")
-    t.add_argument("--nvlink-bidir-gbs", type=_float(0, positive=True), default=676.0, help="NVLink both directions per GPU, GB/s")
-    t.add_argument("--nvlink-latency-us", type=_float(0), default=36.0)
-    t.add_argument("--copy-tbs", type=_float(0, positive=True), default=4.2, help="device copy, read+write TB/s")
-    t.add_argument("--op-overhead-us", type=_float(0), default=0.0, help="per op on the busiest GPU")
+    t.add_argument("--gpus-per-node", type=ranks, default=8)
+    t.add_argument("--nic-gbps", type=positive, default=400.0, help="NIC per GPU, Gb/s each direction (default 400)")
+    t.add_argument("--network-latency-us", type=at_least_0, default=10.0)
+    t.add_argument("--nvlink-gbs", type=positive, default=366.0, help="NVLink one direction per GPU, GB/s")
+    t.add_argument("--nvlink-bidir-gbs", type=positive, default=676.0, help="NVLink both directions per GPU, GB/s")
+    t.add_argument("--nvlink-latency-us", type=at_least_0, default=36.0)
+    t.add_argument("--copy-tbs", type=positive, default=4.2, help="device copy, read+write TB/s")
+    t.add_argument("--op-overhead-us", type=at_least_0, default=0.0, help="per op on the busiest GPU")
     t.add_argument("--pipelined", action="store_true", help="stages overlap (relays forward chunks as they arrive)")
-    t.add_argument("--dst-first-gpu", type=_int(0, MAX_RANKS), help="GPU of destination rank 0 (default: after the source's)")
+    t.add_argument("--dst-first-gpu", type=_int(0, MAX_RANKS), help="GPU of destination rank 0 (default: after the "
+                   "source's)")
     p.set_defaults(func=_plan)
     v = sub.add_parser("validate", help="run a family's validation stages on a tiny instance of a config")
     v.add_argument("--model", required=True, help="HF config.json (or a checkpoint directory holding one)")

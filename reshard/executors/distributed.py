@@ -161,6 +161,9 @@ class DistributedExecutor(Executor):
         one more NCCL communicator (its buffers on the GPU). Default: 3 on NCCL, 1 otherwise (gloo has no such
         per-message cost to hide).
     on_round: called with each round's index before it is posted (progress reporting, fault injection in tests).
+    checksum: hash the bytes sent to and received from every peer (SHA-256, in round order), exchange the
+        digests after the transfer and fail the refit on every process if one differs, before anything is
+        committed (executors.checksum; CPU tensors). Off, nothing is hashed or sent.
     """
 
     name = "distributed"

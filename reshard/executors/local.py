@@ -91,7 +91,8 @@ def check_tensors(plan: Plan, src: RankTensors, dst: RankTensors) -> None:
             if rank not in given:
                 continue  # ranks not given are not run here
             if not isinstance(given[rank], Mapping):
-                problems.append(f"{side} rank {rank} must map tensor names to tensors, not {type(given[rank]).__name__}")
+                problems.append(f"{side} rank {rank} must map tensor names to tensors, not "
+                                f"{type(given[rank]).__name__}")
                 continue
             t = given[rank].get(name)
             want_dtype = torch_dtype(own[(rank, name)]) if (rank, name) in own else plan_dtype

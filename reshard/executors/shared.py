@@ -202,6 +202,9 @@ class SharedExecutor(Executor):
     staged: land received bytes in a staging arena and copy them in after every process voted (default), or
         write the destination tensors in place.
     timeout: seconds any wait of a refit may take.
+    checksum: senders hash the blocks they copy to each receiver (SHA-256, plan order) and publish the digest;
+        a receiver hashes what landed before the vote, and a mismatch fails the refit everywhere
+        (executors.checksum).
     """
 
     name = "shared"

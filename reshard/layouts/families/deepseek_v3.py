@@ -133,7 +133,8 @@ class DeepseekV3(ModelFamily):
                 "is not supported: transformers' DeepseekV3 holds a router e_score_correction_bias whatever the "
                 "method, vLLM only with \"noaux_tc\", so the two load different tensors"),
                 fix="use \"noaux_tc\"")
-        return ModelSpec(**fields, num_experts=E, moe_intermediate_size=Fm, dense_layers=tuple(range(min(first_dense, layers))),
+        return ModelSpec(**fields, num_experts=E, moe_intermediate_size=Fm,
+                         dense_layers=tuple(range(min(first_dense, layers))),
                          arch={"q_lora_rank": get_opt_int(config, "q_lora_rank"), **mla,
                                "shared_intermediate_size": shared, "router_bias": True})
 

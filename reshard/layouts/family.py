@@ -111,9 +111,9 @@ class ModelFamily(abc.ABC):
         """What no family supports yet: multi-token-prediction layers asked for, an activation other than silu."""
         mtp = get_int(config, mtp_key, 0, minimum=0, maximum=MAX_LAYERS, null_is_default=True, what="layers")
         if include_mtp and mtp:
-            raise ModelConfigError(field=mtp_key, value=mtp, rule=f"asks for multi-token-prediction layers ({mtp_names}), "
-                                   "which are not supported yet: Megatron keeps them in a separate mtp block and vLLM in "
-                                   "a separate draft model; refit without them")
+            raise ModelConfigError(field=mtp_key, value=mtp, rule=f"asks for multi-token-prediction layers "
+                                   f"({mtp_names}), which are not supported yet: Megatron keeps them in a separate mtp "
+                                   "block and vLLM in a separate draft model; refit without them")
         act = get_str(config, "hidden_act", "silu", null_is_default=True)
         if act != "silu":
             raise ModelConfigError(field="hidden_act", value=act, rule="is not supported (silu only)")
@@ -141,8 +141,8 @@ class ModelFamily(abc.ABC):
         if quant is not None:
             method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
             raise ModelConfigError(field="quantization_config", value=method,
-                                   rule=f"makes it a quantized checkpoint, which is not supported: refits write unquantized weights; "
-                                        f"drop quantization_config and serve the {dtype} weights")
+                                   rule=f"makes it a quantized checkpoint, which is not supported: refits write "
+                                        f"unquantized weights; drop quantization_config and serve the {dtype} weights")
         return dict(
             family=self.name,
             hidden_size=hidden,
@@ -150,7 +150,7 @@ class ModelFamily(abc.ABC):
             num_attention_heads=heads,
             num_key_value_heads=kv,
             head_dim=head_dim,
-            intermediate_size=get_int(config, "intermediate_size", 0, minimum=0),
+            intermediate_size=get_int(config, "intermediate_size", 0, minimum=0, null_is_default=True),
             vocab_size=vocab,
             tie_word_embeddings=get_bool(config, "tie_word_embeddings", False, null_is_default=True),
             qk_norm=qk_norm,

@@ -15,6 +15,7 @@ REFITS, INTERRUPTS = 150, 12
 RSS_SLACK = 8 << 20  # allocator noise and torch's bounded flight recorder (gloo), not a per-refit leak
 # UCX opens and closes a socket of its own now and then: NIXL's count moves by one either way, never grows
 FD_SLACK = {"gloo": 0, "nixl": 1, "shared": 0}
+KEYS_IN_FLIGHT = 8
 
 
 @pytest.mark.parametrize("kind", ["gloo", pytest.param("nixl", marks=pytest.mark.nixl), "shared"])
@@ -32,7 +33,9 @@ def test_soak_keeps_resources_flat(tmp_path: Path, kind: str):
         warm, last = r["samples"][1], r["samples"][-1]  # after the first 25 refits: buffers and lanes exist
         assert last["threads"] == warm["threads"] and last["fds"] - warm["fds"] <= FD_SLACK[kind], r["samples"]
         assert last["rss"] - warm["rss"] < RSS_SLACK, r["samples"]
-        assert last["store_keys"] <= warm["store_keys"] + 1, r["samples"]
+        # the peer samples at another moment of its refit: the keys of the versions in flight come and go; a leak
+        # would add some with every one of the 125 refits in between
+        assert last["store_keys"] <= warm["store_keys"] + KEYS_IN_FLIGHT, r["samples"]
         ints = r["interrupts"]
         assert len(ints) == INTERRUPTS and any(x["outcome"] != "completed" for x in ints), ints
         first, final = ints[0], ints[-1]

@@ -22,7 +22,7 @@ class Qwen3Moe(ModelFamily):
         experts = get_int(config, key, maximum=MAX_EXPERTS, what="experts")
         fields = self._common(config, qk_norm=True)
         layers = fields["num_layers"]
-        step = get_int(config, "decoder_sparse_step", 1, maximum=MAX_LAYERS, what="layers")
+        step = get_int(config, "decoder_sparse_step", 1, maximum=MAX_LAYERS, null_is_default=True, what="layers")
         mlp_only = set(get_int_list(config, "mlp_only_layers", below=layers))
         # HF Qwen3-MoE: layer i is sparse iff i not in mlp_only_layers and (i + 1) % step == 0.
         dense = tuple(i for i in range(layers) if i in mlp_only or (i + 1) % step != 0)

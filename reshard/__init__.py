@@ -9,8 +9,8 @@
 Heavy dependencies (torch for executors, megatron-core, vllm, nixl for adapters) are imported only by the
 modules that need them.
 """
-from .errors import (CoverageError, ExecutionError, KernelFormatError, LayoutError, LayoutMismatchError,
-                     ModelConfigError, PlanError, ReshardError)
+from .errors import (ArgumentError, CoverageError, ExecutionError, InputError, KernelFormatError, LayoutError,
+                     LayoutMismatchError, LimitError, ModelConfigError, PlanError, PlanFileError, ReshardError)
 from .layouts import (HfLayout, Layout, MegatronLayout, ModelSpec, Placement, Role, TensorSpec, VllmLayout,
                       parse_layout)
 from .planner import Plan, compile, compile_plan
@@ -18,8 +18,8 @@ from .planner import Plan, compile, compile_plan
 __version__ = "0.1.0"
 
 __all__ = [
-    "CoverageError", "ExecutionError", "HfLayout", "KernelFormatError", "Layout", "LayoutError",
-    "LayoutMismatchError", "MegatronLayout", "ModelConfigError",
-    "ModelSpec", "Placement", "Plan", "PlanError", "ReshardError", "Role", "TensorSpec", "VllmLayout", "compile",
-    "compile_plan", "parse_layout",
+    "ArgumentError", "CoverageError", "ExecutionError", "HfLayout", "InputError", "KernelFormatError", "Layout",
+    "LayoutError", "LayoutMismatchError", "LimitError", "MegatronLayout", "ModelConfigError",
+    "ModelSpec", "Placement", "Plan", "PlanError", "PlanFileError", "ReshardError", "Role", "TensorSpec", "VllmLayout",
+    "compile", "compile_plan", "parse_layout",
 ]

@@ -4,9 +4,70 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import re
 import sys
+from pathlib import Path
+from typing import Callable, NoReturn
 
-from .errors import PlanError, ReshardError
+from .errors import ArgumentError, ReshardError
+from .limits import MAX_RANKS
+
+_INT = re.compile(r"[+-]?[0-9]{1,12}")  # ASCII digits (int() also reads other scripts' digits)
+_FLOAT_MAX = 1e9  # every float flag is a bandwidth, latency or overhead in units where 1e9 is beyond any link
+
+
+def _int(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high], in ASCII digits."""
+    def parse(text: str) -> int:
+        if not _INT.fullmatch(text.strip()) or not low <= int(text) <= high:
+            raise argparse.ArgumentTypeError(f"{text!r} must be a whole number in [{low}, {high:,}]")
+        return int(text)
+    return parse
+
+
+def _float(low: float, positive: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number >= low (> low with `positive`), at most _FLOAT_MAX."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value) or value < low or (positive and value == low) or value > _FLOAT_MAX:
+            raise argparse.ArgumentTypeError(f"{text!r} must be a finite number {'>' if positive else '>='} {low:g} "
+                                             f"and at most {_FLOAT_MAX:g}")
+        return value
+    return parse
+
+
+def _ints(flag: str, text: str, low: int, high: int) -> list[int]:
+    parts = text.split(",")
+    if len(parts) > MAX_RANKS or not all(_INT.fullmatch(p.strip()) for p in parts):
+        raise ArgumentError(flag, text, "must list whole numbers, comma-separated (e.g. 0,1)")
+    values = [int(p) for p in parts]
+    bad = [v for v in values if not low <= v < high]
+    if bad:
+        raise ArgumentError(flag, text, f"lists {bad[:5]} outside [{low}, {high})")
+    return values
+
+
+def _output(flag: str, path: str | None, suffixes: tuple[str, ...] = ()) -> None:
+    """Refuse an output path that cannot be written before any work is done."""
+    if path is None:
+        return
+    target = Path(path)
+    if not path or target.is_dir():
+        raise ArgumentError(flag, path, "is a directory, not a file path")
+    parent = target.parent if str(target.parent) else Path(".")
+    if not parent.is_dir():
+        raise ArgumentError(flag, path, f"cannot be written: the directory {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise ArgumentError(flag, path, f"cannot be written: no permission in {str(parent)!r}")
+    if target.exists() and not target.is_file():
+        raise ArgumentError(flag, path, "exists and is not a regular file")
+    if suffixes and target.suffix.lower() not in suffixes:
+        raise ArgumentError(flag, path, f"must end in one of {list(suffixes)}")
 
 
 def _topology(args: argparse.Namespace):
@@ -23,19 +84,17 @@ def _plan(args: argparse.Namespace) -> int:
     from .layouts import ModelSpec, parse_layout
     from .planner import compile_plan
 
+    _output("--save", args.save, (".npz", ".json"))
+    _output("--plot", args.plot)
     model = ModelSpec.from_hf_config(args.model)
-    if args.dtype:
-        model = model.model_copy(update={"dtype": args.dtype})
+    if args.dtype is not None:
+        model = ModelSpec(**{**model.model_dump(), "dtype": args.dtype})
     src, dst = parse_layout(args.src, model), parse_layout(args.dst, model)
-    layers = [int(x) for x in args.layers.split(",")] if args.layers else None
-    tensors = args.tensors.split(",") if args.tensors else None
+    layers = _ints("--layers", args.layers, 0, model.num_layers) if args.layers is not None else None
+    tensors = args.tensors.split(",") if args.tensors is not None else None
     colocated = args.colocated
     if isinstance(colocated, str):
-        try:
-            colocated = [int(x) for x in colocated.split(",")]
-        except ValueError:
-            raise PlanError(f"--colocated {args.colocated!r}: expected source ranks, comma-separated (e.g. 1,0)") \
-                from None
+        colocated = _ints("--colocated", colocated, 0, src.num_ranks)
     plan = compile_plan(src, dst, tensors=tensors, layers=layers, colocated=colocated, fanout=args.fanout,
                         roots=args.roots, relay_cap=args.relay_cap)
     prediction = None
@@ -44,11 +103,19 @@ def _plan(args: argparse.Namespace) -> int:
 
         prediction = predict(plan, _topology(args))
     if args.save:
-        plan.save(args.save)
+        try:
+            plan.save(args.save)
+        except OSError as e:
+            raise ArgumentError("--save", args.save, f"cannot be written ({e.strerror or e})") from None
     if args.plot:
-        from .planner.plot import plot_plan
-
-        plot_plan(plan, args.plot)
+        try:
+            from .planner.plot import plot_plan
+        except ImportError as e:
+            raise ArgumentError("--plot", args.plot, f"needs matplotlib ({e})") from None
+        try:
+            plot_plan(plan, args.plot)
+        except OSError as e:
+            raise ArgumentError("--plot", args.plot, f"cannot be written ({e.strerror or e})") from None
     if args.json:
         a = plan.accounting
         out = {
@@ -87,9 +154,20 @@ def _validate(args: argparse.Namespace) -> int:
     return main_validate(args)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors are one line on stderr and exit status 2, like the library's."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="reshard", description="Plan and run weight refits between layouts.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="reshard", description="Plan and run weight refits between layouts.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("plan", help="compile a refit plan (a dry run: nothing moves)")
     p.add_argument("--model", required=True, help="HF config.json (or a checkpoint directory holding one)")
     p.add_argument("--dtype", help="override the model's dtype (e.g. float8_e4m3fn to size an FP8 refit)")
@@ -100,11 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--colocated", nargs="?", const=True, default=False, metavar="SRC_RANKS",
                    help="destination rank d shares a GPU with source rank d (its bytes from there are local copies); "
                         "or give the source rank on each destination rank's GPU, comma-separated (e.g. 1,0)")
-    p.add_argument("--fanout", type=int, help="feed ROOTS destination replicas and relay to the others along trees "
+    ranks, positive, at_least_0 = _int(1, MAX_RANKS), _float(0, positive=True), _float(0)
+    p.add_argument("--fanout", type=ranks, help="feed ROOTS destination replicas and relay to the others along trees "
                    "where each replica has at most FANOUT children")
-    p.add_argument("--roots", type=int, help="with --fanout: replicas the source feeds (default: the fewest "
+    p.add_argument("--roots", type=ranks, help="with --fanout: replicas the source feeds (default: the fewest "
                    "holders any source byte has)")
-    p.add_argument("--relay-cap", type=int, default=1, help="with --fanout: no destination rank relays more than "
+    p.add_argument("--relay-cap", type=ranks, default=1, help="with --fanout: no destination rank relays more than "
                    "RELAY_CAP times what it receives (default 1)")
     p.add_argument("--layers", help="only these layers' tensors, comma-separated (a subset plan)")
     p.add_argument("--tensors", help="only these canonical tensor names, comma-separated (a subset plan)")
@@ -112,16 +191,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", help="draw the source x destination byte matrix (and the trees) into this image")
     t = p.add_argument_group("time prediction (--predict)")
     t.add_argument("--predict", action="store_true", help="predict the plan's wall time on a cluster")
-    t.add_argument("--gpus-per-node", type=int, default=8)
-    t.add_argument("--nic-gbps", type=float, default=400.0, help="NIC per GPU, Gb/s each direction (default 400)")
-    t.add_argument("--network-latency-us", type=float, default=10.0)
-    t.add_argument("--nvlink-gbs", type=float, default=366.0, help="NVLink one direction per GPU, GB/s")
-    t.add_argument("--nvlink-bidir-gbs", type=float, default=676.0, help="NVLink both directions per GPU, GB/s")
-    t.add_argument("--nvlink-latency-us", type=float, default=36.0)
-    t.add_argument("--copy-tbs", type=float, default=4.2, help="device copy, read+write TB/s")
-    t.add_argument("--op-overhead-us", type=float, default=0.0, help="per op on the busiest GPU")
+    t.add_argument("--gpus-per-node", type=ranks, default=8)
+    t.add_argument("--nic-gbps", type=positive, default=400.0, help="NIC per GPU, Gb/s each direction (default 400)")
+    t.add_argument("--network-latency-us", type=at_least_0, default=10.0)
+    t.add_argument("--nvlink-gbs", type=positive, default=366.0, help="NVLink one direction per GPU, GB/s")
+    t.add_argument("--nvlink-bidir-gbs", type=positive, default=676.0, help="NVLink both directions per GPU, GB/s")
+    t.add_argument("--nvlink-latency-us", type=at_least_0, default=36.0)
+    t.add_argument("--copy-tbs", type=positive, default=4.2, help="device copy, read+write TB/s")
+    t.add_argument("--op-overhead-us", type=at_least_0, default=0.0, help="per op on the busiest GPU")
     t.add_argument("--pipelined", action="store_true", help="stages overlap (relays forward chunks as they arrive)")
-    t.add_argument("--dst-first-gpu", type=int, help="GPU of destination rank 0 (default: after the source's)")
+    t.add_argument("--dst-first-gpu", type=_int(0, MAX_RANKS), help="GPU of destination rank 0 (default: after the "
+                   "source's)")
     p.set_defaults(func=_plan)
     v = sub.add_parser("validate", help="run a family's validation stages on a tiny instance of a config")
     v.add_argument("--model", required=True, help="HF config.json (or a checkpoint directory holding one)")
@@ -131,14 +211,14 @@ def main(argv: list[str] | None = None) -> int:
                    "has none")
     v.add_argument("--vllm-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="vLLM model dtype in the vllm load parity stage (default bfloat16, as served)")
-    v.add_argument("--examples", type=int, default=20, help="random layout pairs in the round-trip stage")
+    v.add_argument("--examples", type=_int(1, 100_000), default=20, help="random layout pairs in the round-trip stage")
     v.add_argument("--json", action="store_true", help="print the results as JSON")
     v.set_defaults(func=_validate)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except ReshardError as exc:
-        print(f"reshard: error: {exc}", file=sys.stderr)
+    except ReshardError as exc:  # an input the library refused: one line, exit 2; anything else is a bug (exit 1)
+        print(f"reshard: error: {_one_line(exc)}", file=sys.stderr)
         return 2
 
 

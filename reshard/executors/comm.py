@@ -59,6 +59,9 @@ class Comm(abc.ABC):
     def forget_lanes(self) -> None:
         """After an abort the lanes are unusable: forget them."""
 
+    def close(self) -> None:
+        """Release what this comm made (a StoreComm's groups: their sockets and threads); unusable afterwards."""
+
     def global_peer(self, peer: int) -> int:
         """An identity for `peer` that is unique in this process (for remembering connected pairs)."""
         return peer
@@ -165,6 +168,16 @@ class StoreComm(Comm):
 
     def forget_lanes(self) -> None:
         self.lanes = self.lanes[:1]
+
+    def close(self) -> None:
+        for pg in self.lanes:
+            for stop in ("shutdown", "abort"):
+                try:
+                    getattr(pg, stop)()
+                    break
+                except Exception:  # noqa: BLE001 - best effort: a broken group may refuse either
+                    continue
+        self.lanes = []
 
 
 def comm_for(group: Any) -> Comm | None:

@@ -88,14 +88,17 @@ from ..planner import Plan
 from . import connect
 from .base import Executor, RankTensors
 from .binding import Binding
+from .checksum import DIGEST_BYTES, Streams, mismatch
 from .comm import Comm, comm_for
 from .engines import Buffers, Engine, Setup, abort, make_engine, poll
+from .guard import check_memory, check_ops
 from .lanes import NCCL_LANES
 from .local import check_tensors, in_units
 from .schedule import (DIRECT_BYTES, GLOO_DIRECT_BYTES, LANES_DIRECT_BYTES, ProcessSchedule, bucket_numel_for,
                        build_schedule)
 
 DEFAULT_MEMORY_CAP = 2 << 30
+CHECKSUM_TAG = (1 << 30) - 1  # the checksum exchange's messages; schedule tags are message numbers below it
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,9 @@ class DistributedExecutor(Executor):
         one more NCCL communicator (its buffers on the GPU). Default: 3 on NCCL, 1 otherwise (gloo has no such
         per-message cost to hide).
     on_round: called with each round's index before it is posted (progress reporting, fault injection in tests).
+    checksum: hash the bytes sent to and received from every peer (SHA-256, in round order), exchange the
+        digests after the transfer and fail the refit on every process if one differs, before anything is
+        committed (executors.checksum; CPU tensors). Off, nothing is hashed or sent.
     """
 
     name = "distributed"
@@ -168,7 +174,8 @@ class DistributedExecutor(Executor):
                  in_place: bool = False, undo: bool = False, memory_cap: int = DEFAULT_MEMORY_CAP,
                  bucket_bytes: int | None = None,
                  timeout: float = 300.0, depth: int | None = None, direct_bytes: int | str | None = "auto",
-                 lanes: int | None = None, on_round: Callable[[int], None] | None = None) -> None:
+                 lanes: int | None = None, on_round: Callable[[int], None] | None = None,
+                 checksum: bool = False) -> None:
         if undo and in_place:
             raise ExecutionError("undo=True already writes in place (keeping the previous bytes); drop in_place")
         if lanes is not None and lanes < 1:
@@ -180,6 +187,7 @@ class DistributedExecutor(Executor):
         self.plan, self.binding, self.in_place, self.timeout = plan, binding, in_place, timeout
         self.undo = undo
         self.on_round = on_round
+        self.checksum = bool(checksum)
         self.comm = comm_for(group)
         self.distributed = self.comm is not None
         if self.comm is not None:
@@ -189,6 +197,7 @@ class DistributedExecutor(Executor):
         if process is not None and process != self.rank:
             raise ExecutionError(f"process={process}, but this process is rank {self.rank} of the refit group")
         binding.check(plan.src.num_ranks, plan.dst.num_ranks, self.size)
+        check_ops(plan)  # before the schedule indexes anything with the plan's ops
         self._src, self._dst = dict(src or {}), dict(dst or {})
         if lanes is None:  # NCCL: each communicator runs its messages one after another (executors.lanes)
             lanes = NCCL_LANES if "nccl" in self.backend else 1
@@ -205,7 +214,7 @@ class DistributedExecutor(Executor):
         self.schedule: ProcessSchedule = build_schedule(plan, binding, self.rank, self.bucket_numel,
                                                         not (in_place or undo), direct_numel, undo)
         self._fingerprint = _digest_int(plan.digest, binding.digest, str(self.bucket_numel), str(depth),
-                                        str(direct_numel), str(undo), str(self.num_lanes))
+                                        str(direct_numel), str(undo), str(self.num_lanes), str(self.checksum))
         self._peers: list[int] = sorted({m.peer for r in self.schedule.rounds for m in r.sends + r.recvs})
         self._setup = Setup(plan, self.schedule, self.comm, self.rank, depth, timeout, in_place, undo)
         self._kept = Buffers()  # wire, staging, streams and views of the tensors of the last call
@@ -245,6 +254,8 @@ class DistributedExecutor(Executor):
             problem = self._check_local(src, dst)
             device, device_problem = self._device(src, dst)
             problem = problem or device_problem
+            if problem is None and self.checksum and device.type != "cpu":
+                problem = "checksum=True hashes on the host and runs with CPU tensors (gloo) only"
         engine = None
         if problem is None:
             try:  # buffers are allocated before the preflight, so that running out of memory is reported there
@@ -253,6 +264,7 @@ class DistributedExecutor(Executor):
                     kept.bind(self._setup, device, src, dst)
                     self._given = given or ()
                 engine = make_engine(self._setup, kept)
+                engine.sums = Streams() if self.checksum else None
             except Exception as e:  # noqa: BLE001 - becomes this process's refusal, seen by every process
                 problem = f"could not prepare buffers on {device}: {type(e).__name__}: {e}"
         marks = [("prepare", time.perf_counter())]
@@ -267,7 +279,7 @@ class DistributedExecutor(Executor):
             marks.append(("enqueue", time.perf_counter()))
             engine.drain()
             marks.append(("drain", time.perf_counter()))
-            self._agree(device)
+            self._agree(device, self._compare_checksums(engine) if self.checksum else None)
             marks.append(("verify", time.perf_counter()))
         except ReshardError as e:
             note = self.abort() if device.type == "cuda" else ""  # gloo's waits fail on their own
@@ -309,6 +321,7 @@ class DistributedExecutor(Executor):
             return "; ".join(problems)
         try:
             check_tensors(self.plan, src, dst)
+            check_memory(src, dst)
         except ExecutionError as e:
             return str(e)
         return None
@@ -377,14 +390,36 @@ class DistributedExecutor(Executor):
             while pending:
                 engine.complete(pending.pop(0))
 
-    def _agree(self, device: torch.device) -> None:
-        """Verify: every process finished its transfer. Only then does anyone commit."""
+    def _compare_checksums(self, engine: Engine) -> str | None:
+        """Send every peer this process sent bytes to the SHA-256 of those bytes, receive the same from every peer
+        it received from, and compare with what arrived (executors.checksum). Returns the mismatch, if any."""
+        s, comm, sums = self.schedule, self.comm, engine.sums
+        if comm is None or self.size == 1:
+            return None
+        out = {p: torch.tensor(list(sums.digest(("to", p))), dtype=torch.uint8) for p in sorted(s.sent)}
+        got = {p: torch.zeros(DIGEST_BYTES, dtype=torch.uint8) for p in sorted(s.received)}
+        works = comm.post(comm.prepare(0, [(t, p, CHECKSUM_TAG) for p, t in out.items()],
+                                       [(t, p, CHECKSUM_TAG) for p, t in got.items()]))
+        for w in works:
+            w.wait(timedelta(seconds=self.timeout))
+        bad = [mismatch(f"the stream from group rank {p}", bytes(t.tolist()).hex(), sums.hexdigest(("from", p)))
+               for p, t in got.items() if bytes(t.tolist()) != sums.digest(("from", p))]
+        return "; ".join(bad) or None
+
+    def _agree(self, device: torch.device, problem: str | None = None) -> None:
+        """Verify: every process finished its transfer (and, with checksums, found no corrupted byte). Only then
+        does anyone commit."""
         if self.size == 1 or not self.distributed:
+            if problem:
+                raise ExecutionError(self._setup.failure(problem))
             return
-        t = torch.zeros(1, dtype=torch.int64, device=device)
+        t = torch.full((1,), int(problem is not None), dtype=torch.int64, device=device)
         self._wait_collective(lambda: self.comm.all_reduce_max(t), device, "verify")
+        if problem:
+            raise ExecutionError(self._setup.failure(problem))
         if int(t.item()):
-            raise ExecutionError(self._setup.failure("another process reported an incomplete transfer"))
+            raise ExecutionError(self._setup.failure("another process reported an incomplete transfer or bytes "
+                                                     "corrupted in flight"))
 
     def _make_lanes(self) -> None:
         # every member passed the preflight and agrees on the names: all make them together

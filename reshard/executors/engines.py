@@ -27,6 +27,7 @@ import torch
 from ..errors import ExecutionError
 from ..planner import Plan
 from .comm import Comm
+from .checksum import Streams
 from .copies import DST, KIND_NAMES, SHADOW, SRC, WIRE, Copies, regions
 from .local import apply_shifts, shift_views, torch_dtype
 from .schedule import ProcessSchedule
@@ -230,6 +231,7 @@ class Engine(abc.ABC):
         self.rounds = setup.schedule.rounds
         self.copies = 0
         self.undo_log: list[tuple] = []  # (completion event or None, restore program), in launch order
+        self.sums: Streams | None = None  # checksum streams of this refit (executors.checksum), when asked for
 
     def restore(self) -> str:
         """Undo: after a failure, put back the previous bytes of every region that may have been written.
@@ -299,6 +301,9 @@ class HostEngine(Engine):
 
     def pack(self, pos: int) -> None:
         self._run(self.b.packs[pos])
+        if self.sums is not None:  # what leaves, as it leaves: a message's bytes in round order, per peer
+            for buf, m in zip(self.b.send_bufs[pos], self.rounds[pos].sends):
+                self.sums.update(("to", m.peer), buf)
 
     def post(self, pos: int):
         if self.b.backups[pos] is not None:  # receives write only after this round is posted
@@ -314,6 +319,9 @@ class HostEngine(Engine):
                 w.wait(timeout)
             except Exception as e:
                 raise ExecutionError(self.setup.failure(f"{self.describe(pos)} did not complete: {e}")) from e
+        if self.sums is not None:  # what arrived, before it is scattered
+            for buf, m in zip(self.b.recv_bufs[pos], self.rounds[pos].recvs):
+                self.sums.update(("from", m.peer), buf)
         self._run(self.b.scatters[pos])
 
     def local(self, stage: int, piece: int) -> None:

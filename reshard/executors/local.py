@@ -15,6 +15,7 @@ from ..layouts import Layout
 from ..planner import Plan
 from ..planner.plan import RELAY
 from .base import Executor, RankTensors
+from .guard import check_memory, check_ops
 
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
@@ -89,11 +90,17 @@ def check_tensors(plan: Plan, src: RankTensors, dst: RankTensors) -> None:
         for rank, name, shape in zip(table.ranks, table.names, table.shapes):
             if rank not in given:
                 continue  # ranks not given are not run here
+            if not isinstance(given[rank], Mapping):
+                problems.append(f"{side} rank {rank} must map tensor names to tensors, not "
+                                f"{type(given[rank]).__name__}")
+                continue
             t = given[rank].get(name)
             want_dtype = torch_dtype(own[(rank, name)]) if (rank, name) in own else plan_dtype
             shape = element_shape(shape, plan_dtype, want_dtype)
             if t is None:
                 problems.append(f"{side} rank {rank} has no tensor {name!r}")
+            elif not isinstance(t, torch.Tensor):
+                problems.append(f"{side} rank {rank} {name!r} is a {type(t).__name__}, not a torch.Tensor")
             elif tuple(t.shape) != tuple(shape) or t.dtype != want_dtype or not t.is_contiguous():
                 problems.append(f"{side} rank {rank} {name!r}: got {tuple(t.shape)} {t.dtype} "
                                 f"(contiguous={t.is_contiguous()}), plan expects {tuple(shape)} {want_dtype}")
@@ -152,6 +159,7 @@ class LocalExecutor(Executor):
     def __init__(self, plan: Plan, binding: object = None, process: int = 0, src: RankTensors | None = None,
                  dst: RankTensors | None = None) -> None:
         self.plan, self.src, self.dst = plan, dict(src or {}), dict(dst or {})
+        check_ops(plan)
         ops = plan.ops
         self.mine = np.flatnonzero(np.isin(ops["dst_rank"], list(self.dst)))
         relays = self.mine[ops["src_side"][self.mine] == RELAY]
@@ -167,6 +175,7 @@ class LocalExecutor(Executor):
     def refit(self, version: int | None = None) -> None:
         plan, ops, mine = self.plan, self.plan.ops, self.mine
         check_tensors(plan, {r: self.src[r] for r in self.sources}, self.dst)
+        check_memory({r: self.src[r] for r in self.sources}, self.dst)
         src, dst = in_units(plan, self.src, self.dst)  # tensors kept in a wider dtype, seen in the plan's
         s_flat = {i: src[r][n].view(-1) for i, (r, n) in enumerate(zip(plan.src_tensors.ranks,
                                                                        plan.src_tensors.names)) if r in src}

@@ -115,6 +115,7 @@ def host_store(rdv: Rendezvous) -> tuple[Rendezvous, Any]:
     except Exception as e:  # noqa: BLE001 - the store raises several types
         raise ExecutionError(f"cannot host the refit's store at {rdv.address}: {e}") from e
     bound = Rendezvous(rdv.host, int(store.port), rdv.refit_id, rdv.secret, rdv.timeout)
+    store.set(f"{bound.namespace}hosted", b"1")  # first: only members find it (check_secret)
     store.set(f"reshard/{rdv.refit_id}/check", bound.proof("check"))
     log.info("refit %s: store hosted at %s", rdv.refit_id, bound.address)
     return bound, store
@@ -144,20 +145,33 @@ def _me(role: str, process: int) -> dict[str, Any]:
 
 
 def check_secret(store: Any, rdv: Rendezvous, role: str, process: int) -> None:
-    """Raise (and leave a note for the host) if this member's secret is not the refit's."""
-    key = f"reshard/{rdv.refit_id}/check"
-    try:
-        store.wait([key], timedelta(seconds=rdv.timeout))
-        want = store.get(key).decode()
-    except Exception as e:  # noqa: BLE001
-        raise ExecutionError(f"refit {rdv.refit_id} is not hosted at {rdv.address} (no check value within "
-                             f"{rdv.timeout:.0f} s): {e}") from e
-    if not hmac.compare_digest(want, rdv.proof("check")):
-        n = int(store.add(f"reshard/{rdv.refit_id}/refused", 1))
-        store.set(f"reshard/{rdv.refit_id}/refused/{n}", json.dumps(_me(role, process)))
-        log.warning("refit %s: %s process %d presented a wrong secret; refused", rdv.refit_id, role, process)
-        raise ExecutionError(f"refit {rdv.refit_id}: the secret this {role} process presented is not the refit's; "
-                             f"refused (it joins nothing and disturbs nothing)")
+    """Raise (and leave a note for the host) if this member's secret is not the refit's.
+
+    A member with the secret finds the key the host set under the secret namespace; one without it finds only
+    the public check value, which then differs from its own proof. The public value is only a courtesy that
+    turns a wrong secret into a clear error at once: whoever overwrites or deletes it cannot keep a member with
+    the right secret out (that member looks for the namespaced key first)."""
+    public, hosted = f"reshard/{rdv.refit_id}/check", f"{rdv.namespace}hosted"
+    deadline = time.monotonic() + rdv.timeout
+    sleep = 0.001
+    while True:
+        try:
+            if store.check([hosted]):
+                return
+            want = store.get(public).decode(errors="replace") if store.check([public]) else None
+        except Exception as e:  # noqa: BLE001 - the store raises several types
+            raise ExecutionError(f"refit {rdv.refit_id}: the refit's store at {rdv.address} failed: {e}") from e
+        if want is not None and not hmac.compare_digest(want, rdv.proof("check")):
+            n = int(store.add(f"reshard/{rdv.refit_id}/refused", 1))
+            store.set(f"reshard/{rdv.refit_id}/refused/{n}", json.dumps(_me(role, process)))
+            log.warning("refit %s: %s process %d presented a wrong secret; refused", rdv.refit_id, role, process)
+            raise ExecutionError(f"refit {rdv.refit_id}: the secret this {role} process presented is not the "
+                                 f"refit's; refused (it joins nothing and disturbs nothing)")
+        if time.monotonic() > deadline:
+            raise ExecutionError(f"refit {rdv.refit_id} is not hosted at {rdv.address} (nothing within "
+                                 f"{rdv.timeout:.0f} s)")
+        time.sleep(sleep)
+        sleep = min(sleep * 2, 0.05)
 
 
 def refused(store: Any, rdv: Rendezvous) -> list[dict[str, Any]]:

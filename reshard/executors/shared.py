@@ -26,11 +26,13 @@ Plans with fan-out relays are refused: on one host every receiver is fed by the 
 """
 from __future__ import annotations
 
-import atexit
 import base64
 import mmap
+import multiprocessing.util
 import os
+import re
 import secrets
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,13 +46,16 @@ from ..planner import Plan
 from ..planner.plan import RELAY
 from .base import Executor, RankTensors
 from .binding import Binding
+from .checksum import Streams, block, mismatch
 from .copies import DST, PEER, SHADOW, SRC, Copies, fold
 from .exchange import Exchange
+from .guard import check_memory, check_ops
 from .local import apply_shifts, check_tensors, in_units, shift_views, torch_dtype
 from .views import Memory, bind
 
 ALIGN = 64  # elements: every landing region starts 128-byte aligned (bf16)
 _SHM_DIR = "/dev/shm"
+_SEGMENT_NAME = re.compile(r"reshard-[0-9]{1,10}-[0-9a-f]{32}")
 
 
 @dataclass(frozen=True)
@@ -75,16 +80,22 @@ class Segment:
     _mine: dict[int, "Segment"] = {}  # data_ptr of segments this process created -> segment (for `exportable`)
 
     def __init__(self, name: str, nbytes: int = 0, create: bool = False) -> None:
-        if not name or "/" in name or len(name) > 200:
-            raise ExecutionError(f"invalid shared-memory segment name {name!r}")
+        if not isinstance(name, str) or not _SEGMENT_NAME.fullmatch(name):
+            raise ExecutionError(f"invalid shared-memory segment name {name!r} (reshard's are "
+                                 f"reshard-<pid>-<32 hex digits>)")
         self.name, self.created = name, create
         path = os.path.join(_SHM_DIR, name)
+        flags = os.O_RDWR | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0) | (os.O_CREAT | os.O_EXCL if create else 0)
         try:
-            fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+            fd = os.open(path, flags, 0o600)
         except OSError as e:
             raise ExecutionError(f"cannot {'create' if create else 'open'} shared memory {path}: {e}") from e
         try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+                raise ExecutionError(f"shared memory {path} is not a private (0600) file of this user: refused")
             if create:
+                os.fchmod(fd, 0o600)  # whatever the umask: peers of this user open it read-write, nobody else
                 os.ftruncate(fd, max(nbytes, 1))
             size = os.fstat(fd).st_size
             self._map = mmap.mmap(fd, size)
@@ -118,20 +129,21 @@ class Segment:
 
 def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised CPU tensor in a shared-memory segment of its own, which peers of a "shared" refit can
-    write into directly (in_place). The segment's name is removed when the process exits normally (`atexit`);
-    its memory lives as long as the tensor."""
+    write into directly (in_place). The segment's name is removed when the process exits (normally, or as a
+    multiprocessing child; a killed process leaves it in /dev/shm); its memory lives as long as the tensor."""
     numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
     seg = Segment(_fresh_name(), numel * dtype.itemsize, create=True)
-    _exit_unlink.append(seg)
+    # at exit, also of a multiprocessing child (which ends with os._exit, skipping atexit, but runs these)
+    multiprocessing.util.Finalize(seg, seg.unlink, exitpriority=10)
     return seg.tensor[:numel * dtype.itemsize].view(dtype).view(shape)
 
 
 def _fresh_name() -> str:
-    return f"reshard-{os.getpid()}-{secrets.token_hex(8)}"
+    """128 random bits: a segment's name cannot be guessed (it travels only in books under the refit's
+    namespace), and the file is 0600, so only this user's processes that were told the name open it."""
+    return f"reshard-{os.getpid()}-{secrets.token_hex(16)}"
 
 
-_exit_unlink: list[Segment] = []
-atexit.register(lambda: [seg.unlink() for seg in _exit_unlink])
 
 
 # --- handles ----------------------------------------------------------------------------------------------
@@ -190,22 +202,27 @@ class SharedExecutor(Executor):
     staged: land received bytes in a staging arena and copy them in after every process voted (default), or
         write the destination tensors in place.
     timeout: seconds any wait of a refit may take.
+    checksum: senders hash the blocks they copy to each receiver (SHA-256, plan order) and publish the digest;
+        a receiver hashes what landed before the vote, and a mismatch fails the refit everywhere
+        (executors.checksum).
     """
 
     name = "shared"
 
     def __init__(self, plan: Plan, binding: Binding, process: int, src: RankTensors, dst: RankTensors, *,
                  store: Any, staged: bool = True, timeout: float = 60.0, namespace: str = "default",
-                 poll_max_s: float = 0.0002) -> None:
+                 poll_max_s: float = 0.0002, checksum: bool = False) -> None:
         if timeout <= 0:
             raise ExecutionError(f"timeout={timeout} must be positive (seconds)")
         binding.check(plan.src.num_ranks, plan.dst.num_ranks)
+        check_ops(plan)
         if process not in binding.processes:
             raise ExecutionError(f"process {process} plays no rank of {binding}")
         if plan.num_ops and bool((plan.ops["src_side"] == RELAY).any()):
             raise ExecutionError("the shared-memory executor runs plans without fan-out relays (compile without "
                                  "fanout: on one host every receiver is fed by the sources directly)")
         self.plan, self.binding, self.process, self.staged = plan, binding, process, staged
+        self.checksum = bool(checksum)
         self.timeout, self.poll_max_s = timeout, poll_max_s
         self.itemsize, self.dtype = plan.itemsize, torch_dtype(plan.dst.dtype)
         self.num_processes = len(binding.processes)
@@ -229,6 +246,7 @@ class SharedExecutor(Executor):
             raise ExecutionError(f"process {self.process} plays source ranks {sorted(want_src)} and destination "
                                  f"ranks {sorted(want_dst)} of {b}; got {sorted(src)} and {sorted(dst)}")
         check_tensors(plan, src, dst)
+        check_memory(src, dst)
         devices = {t.device for side in (src, dst) for ts in side.values() for t in ts.values()}
         if len(devices) > 1:
             raise ExecutionError(f"this process's tensors are on several devices {sorted(map(str, devices))}")
@@ -275,14 +293,14 @@ class SharedExecutor(Executor):
             else:
                 self._landing = {i: self.dst_flat[i] for i in self._landed}
         book = {"process": self.process, "plan": self.plan.digest, "binding": self.binding.to_dict(),
-                "staged": self.staged, "device": str(self.device.type),
+                "staged": self.staged, "device": str(self.device.type), "checksum": self.checksum,
                 "landing": {str(i): export(t) for i, t in self._landing.items()}}
         self.exchange.publish(self.process, b"", book)
         self._peer_landing: dict[tuple[int, int], torch.Tensor] = {}
         for q in self._sends:
             _, theirs = self.exchange.fetch(q, self.timeout)
             problems = [f"{k}: process {q} has {theirs.get(k)!r}, this process {book[k]!r}"
-                        for k in ("plan", "binding", "staged", "device") if theirs.get(k) != book[k]]
+                        for k in ("plan", "binding", "staged", "device", "checksum") if theirs.get(k) != book[k]]
             if problems:
                 raise ExecutionError(f"process {q} does not run the same refit:\n  - " + "\n  - ".join(problems))
             for tid in sorted(set(self.plan.ops["dst_tensor"][self._sends[q]].tolist())):
@@ -313,6 +331,10 @@ class SharedExecutor(Executor):
                                 if self.staged else None)
         mine = np.concatenate([self._received, self._local])
         self._shifts = shift_views(self.plan, self.dst_flat, mine)
+        if self.checksum:  # the blocks each stream's checksum reads, in plan order (executors.checksum)
+            sender = np.asarray(self.binding.src, np.int64)[self.plan.ops["src_rank"][self._received]]
+            self._sum_out = {q: self._views(ops, self.src_flat, "src") for q, ops in self._sends.items()}
+            self._sum_in = {f: self._views(self._received[sender == f], self._landing, "dst") for f in self._feeders}
         o = self.plan.ops
         numel = lambda ops: int((o["rows"][ops] * o["cols"][ops]).sum())  # noqa: E731
         self._bytes = {"out": sum(numel(ops) for ops in self._sends.values()) * self.itemsize,
@@ -349,12 +371,16 @@ class SharedExecutor(Executor):
                     program.run()
                     if self.device.type == "cuda":
                         torch.cuda.current_stream(self.device).synchronize()
+                    if self.checksum:
+                        ex.store.set(f"v{v}/sum/{self.process}/{q}", self._digest(self._sum_out[q]))
                     ex.signal(f"v{v}/done/{q}")
                 if not self.staged:
                     self._local_program.run()
                 if self._feeders:
                     ex.wait_count(f"v{v}/done/{self.process}", len(self._feeders), v, deadline, self.poll_max_s,
                                   f"processes {self._feeders} to write their bytes of refit {v}")
+                    if self.checksum:
+                        self._check_sums(v)
                 marks.append(("transfer", time.perf_counter()))
                 ex.vote(v)
                 ex.wait_all(v, self.num_processes, deadline, self.poll_max_s)
@@ -374,7 +400,8 @@ class SharedExecutor(Executor):
                 torch.cuda.current_stream(self.device).synchronize()
         marks.append(("commit", time.perf_counter()))
         ex.forget(self._version, tuple(f"v{self._version}/{k}/{p}" for k in ("ready", "done")
-                                       for p in self.binding.processes))
+                                       for p in self.binding.processes)
+                  + tuple(f"v{self._version}/sum/{f}/{self.process}" for f in self._feeders if self.checksum))
         if self._version == 0:  # every peer mapped our segments at set-up, before voting: their names can go
             for seg in self._created:
                 seg.unlink()
@@ -383,6 +410,28 @@ class SharedExecutor(Executor):
         return SharedStats(self.process, v, self.staged, times[-1] - start,
                            {name: times[i + 1] - times[i] for i, (name, _) in enumerate(marks)},
                            self._bytes["out"], self._bytes["in"], self._bytes["local"], self._staging_bytes)
+
+    def _views(self, ops: np.ndarray, flat: dict[int, torch.Tensor], side: str) -> list[torch.Tensor]:
+        o = self.plan.ops
+        return [block(flat[int(o[f"{side}_tensor"][i])], int(o[f"{side}_offset"][i]), int(o["rows"][i]),
+                      int(o["cols"][i]), int(o[f"{side}_stride"][i])) for i in ops.tolist()]
+
+    def _digest(self, blocks: list[torch.Tensor]) -> str:
+        sums = Streams()
+        for b in blocks:
+            sums.update(0, b)
+        return sums.hexdigest(0)
+
+    def _check_sums(self, v: int) -> None:
+        """Every feeder's bytes as they landed here hash to what it sent (executors.checksum)."""
+        bad = []
+        for f in self._feeders:
+            sent = self.exchange.store.get(f"v{v}/sum/{f}/{self.process}").decode()
+            got = self._digest(self._sum_in[f])
+            if sent != got:
+                bad.append(mismatch(f"the bytes from process {f}", sent, got))
+        if bad:
+            raise ExecutionError("; ".join(bad))
 
     def _fail(self, v: int, reason: str) -> None:
         self._broken = reason

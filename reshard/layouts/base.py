@@ -12,13 +12,13 @@ import abc
 import functools
 import math
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, ClassVar, Iterator, NamedTuple, Sequence
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..arrays import unique_inverse
-from ..errors import LayoutError
+from ..errors import LayoutError, LimitError, from_validation
 from .model import ModelSpec, TensorSpec
 
 
@@ -142,6 +142,19 @@ class Layout(BaseModel, abc.ABC):
 
     model: ModelSpec
 
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise from_validation(exc, type(self).kind) from None
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> "Layout":  # type: ignore[override]
+        try:
+            return super().model_validate(obj, **kwargs)
+        except ValidationError as exc:
+            raise from_validation(exc, cls.kind) from None
+
     # --- structure -------------------------------------------------------------------------------
     @property
     @abc.abstractmethod
@@ -212,16 +225,29 @@ class Layout(BaseModel, abc.ABC):
             raise LayoutError(self.kind, f"rank={rank} is outside [0, {self.num_ranks})", {"rank": rank})
 
 
-def divisible(layout: Layout, what: str, value: int, by_name: str, by: int) -> None:
-    """Raise the layout's error 'what=value is not divisible by by_name=by' unless it is."""
+def divisible(layout: Layout, what: str, value: int, by_name: str, by: int, blame: str = "") -> None:
+    """Raise the layout's error 'what=value is not divisible by by_name=by' unless it is. The error's field is
+    `blame`: "what" blames `what` (a layout option such as world), anything else names the divisor's field
+    (default `by_name`: the layout's option, since the model's sizes are given)."""
     if by <= 0 or value % by:
-        layout._fail(f"{what}={value} is not divisible by {by_name}={by}", **{what: value, by_name: by})
+        if blame == "what":
+            values = {what: value, by_name: by}
+        else:
+            values = {blame or by_name: by, what: value}
+        layout._fail(f"{what}={value} is not divisible by {by_name}={by}", **values)
 
 
 def positive(layout: Layout, **values: int) -> None:
     for name, value in values.items():
         if value < 1:
             layout._fail(f"{name}={value} must be at least 1", **{name: value})
+
+
+def bounded(layout: Layout, limit: int, what: str, **values: int) -> None:
+    """Refuse counts no real cluster has (reshard.limits), before anything is allocated for them."""
+    for name, value in values.items():
+        if value > limit:
+            raise LimitError(name, value, limit, what, where=layout.kind)
 
 
 def pad_to(n: int, multiple: int) -> int:

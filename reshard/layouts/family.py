@@ -13,7 +13,9 @@ import abc
 from typing import Any, ClassVar, Sequence
 
 from ..errors import ModelConfigError
+from ..limits import MAX_DIM, MAX_HEADS, MAX_LAYERS, check_limit
 from . import registry
+from .hf_config import get_bool, get_int, get_str
 from .model import LAYER, Entry, Experts, ModelSpec, Role
 
 _HF_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "fp8": "float8_e4m3fn"}
@@ -102,43 +104,55 @@ class ModelFamily(abc.ABC):
     def _require(config: dict[str, Any], *keys: str) -> None:
         missing = [k for k in keys if k not in config]
         if missing:
-            raise ModelConfigError(f"config is missing {missing}")
+            raise ModelConfigError(field=missing[0], rule=f"is required and missing (missing: {missing})")
 
     @staticmethod
     def _refuse_mtp_and_activation(config: dict[str, Any], include_mtp: bool, mtp_key: str, mtp_names: str) -> None:
         """What no family supports yet: multi-token-prediction layers asked for, an activation other than silu."""
-        if include_mtp and config.get(mtp_key):
-            raise ModelConfigError(f"multi-token-prediction layers ({mtp_names}) are not supported yet: Megatron "
-                                   "keeps them in a separate mtp block and vLLM in a separate draft model; refit "
-                                   "without them")
-        if config.get("hidden_act", "silu") != "silu":
-            raise ModelConfigError(f"hidden_act={config['hidden_act']!r} is not supported (silu only)")
+        mtp = get_int(config, mtp_key, 0, minimum=0, maximum=MAX_LAYERS, null_is_default=True, what="layers")
+        if include_mtp and mtp:
+            raise ModelConfigError(field=mtp_key, value=mtp, rule=f"asks for multi-token-prediction layers "
+                                   f"({mtp_names}), which are not supported yet: Megatron keeps them in a separate mtp "
+                                   "block and vLLM in a separate draft model; refit without them")
+        act = get_str(config, "hidden_act", "silu", null_is_default=True)
+        if act != "silu":
+            raise ModelConfigError(field="hidden_act", value=act, rule="is not supported (silu only)")
 
     def _common(self, config: dict[str, Any], qk_norm: bool, biases: tuple[str, ...] = ("attention_bias", "mlp_bias")
                 ) -> dict[str, Any]:
-        self._require(config, "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-        heads = config["num_attention_heads"]
-        dtype = config.get("torch_dtype", config.get("dtype", "bfloat16")) or "bfloat16"
-        if dtype not in _HF_DTYPES:
-            raise ModelConfigError(f"dtype {dtype!r} is not one of {sorted(_HF_DTYPES)}")
+        """The fields every family reads, each strictly typed and bounded (layouts.hf_config)."""
+        hidden = get_int(config, "hidden_size")
+        layers = get_int(config, "num_hidden_layers", maximum=MAX_LAYERS, what="layers")
+        heads = get_int(config, "num_attention_heads", maximum=MAX_HEADS, what="heads")
+        vocab = get_int(config, "vocab_size")
+        kv = get_int(config, "num_key_value_heads", heads, maximum=MAX_HEADS, null_is_default=True, what="heads")
+        if hidden < heads and "head_dim" not in config:
+            raise ModelConfigError(field="hidden_size", value=hidden, rule=f"is smaller than num_attention_heads="
+                                   f"{heads} and no head_dim is given (hidden_size // heads would be 0)")
+        head_dim = get_int(config, "head_dim", hidden // heads, null_is_default=True)
+        check_limit("num_attention_heads * head_dim", heads * head_dim, MAX_DIM, "a dimension", "model config")
+        key = "torch_dtype" if config.get("torch_dtype") is not None else "dtype"
+        dtype = get_str(config, key, "bfloat16", choices=sorted(_HF_DTYPES), null_is_default=True)
         for flag in biases:
-            if config.get(flag):
-                raise ModelConfigError(f"{flag}=true is not supported (the {self.name} family has no biases)")
-        if config.get("quantization_config"):
-            method = config["quantization_config"].get("quant_method", "?")
-            raise ModelConfigError(f"a quantized checkpoint (quantization_config.quant_method={method!r}) is not "
-                                   f"supported: refits write unquantized weights; drop quantization_config "
-                                   f"and serve the {dtype} weights")
+            if get_bool(config, flag, False, null_is_default=True):
+                raise ModelConfigError(field=flag, value=True, rule=f"is not supported (the {self.name} family "
+                                       f"has no biases)")
+        quant = config.get("quantization_config")
+        if quant is not None:
+            method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+            raise ModelConfigError(field="quantization_config", value=method,
+                                   rule=f"makes it a quantized checkpoint, which is not supported: refits write "
+                                        f"unquantized weights; drop quantization_config and serve the {dtype} weights")
         return dict(
             family=self.name,
-            hidden_size=config["hidden_size"],
-            num_layers=config["num_hidden_layers"],
+            hidden_size=hidden,
+            num_layers=layers,
             num_attention_heads=heads,
-            num_key_value_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            intermediate_size=config.get("intermediate_size", 0),
-            vocab_size=config["vocab_size"],
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            num_key_value_heads=kv,
+            head_dim=head_dim,
+            intermediate_size=get_int(config, "intermediate_size", 0, minimum=0, null_is_default=True),
+            vocab_size=vocab,
+            tie_word_embeddings=get_bool(config, "tie_word_embeddings", False, null_is_default=True),
             qk_norm=qk_norm,
             dtype=_HF_DTYPES[dtype],
         )

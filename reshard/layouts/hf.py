@@ -4,20 +4,22 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
-from pydantic import model_validator
+from pydantic import StrictInt, model_validator
 
-from .base import Layout, Placement, PlacementTable, TableBuilder, positive
+from ..limits import MAX_RANKS
+from .base import Layout, Placement, PlacementTable, TableBuilder, bounded, positive
 from .model import TensorSpec
 
 
 class HfLayout(Layout):
     kind = "hf"
 
-    replicas: int = 1
+    replicas: StrictInt = 1
 
     @model_validator(mode="after")
     def _validate(self) -> "HfLayout":
         positive(self, replicas=self.replicas)
+        bounded(self, MAX_RANKS, "ranks", replicas=self.replicas)
         return self
 
     @property

@@ -13,13 +13,16 @@ Facts this encodes (pinned by the Megatron adapter tests against real megatron-c
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
-from pydantic import Field, model_validator
+from pydantic import Field, StrictInt, StrictStr, model_validator
 
-from .base import divisible, pad_to, positive
+from ..errors import LimitError
+from ..limits import MAX_DIM, MAX_RANKS
+from .base import bounded, divisible, pad_to, positive
 from .cut_layout import CutLayout, Where
 from .cuts import Cut, Group, Kind
 from .model import TensorSpec
@@ -31,29 +34,38 @@ _AXES = ("tp", "cp", "ep", "dp", "pp")
 class MegatronLayout(CutLayout):
     kind = "megatron"
 
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    etp: int | None = Field(default=None, description="expert tensor parallel size; None means tp (megatron-core's default)")
-    world: int | None = Field(default=None, description="world size; None means the smallest that fits")
-    vpp: int = Field(default=1, description="virtual pipeline chunks per stage")
-    first_stage_layers: int | None = None
-    last_stage_layers: int | None = None
-    vocab_divisor: int = 128
+    tp: StrictInt = 1
+    pp: StrictInt = 1
+    ep: StrictInt = 1
+    etp: StrictInt | None = Field(default=None, description="expert tensor parallel size; None means tp "
+                                  "(megatron-core's default); unused by dense models, as in megatron-core")
+    world: StrictInt | None = Field(default=None, description="world size; None means the smallest that fits")
+    vpp: StrictInt = Field(default=1, description="virtual pipeline chunks per stage")
+    first_stage_layers: StrictInt | None = None
+    last_stage_layers: StrictInt | None = None
+    vocab_divisor: StrictInt = 128
     naming: Literal["local", "te"] = "local"
-    rank_order: str = "tp-cp-ep-dp-pp"
+    rank_order: StrictStr = "tp-cp-ep-dp-pp"
 
     @model_validator(mode="before")
     @classmethod
-    def _fill_defaults(cls, data: dict) -> dict:
-        if isinstance(data, dict):
-            data = dict(data)
-            tp, pp, ep = data.get("tp", 1), data.get("pp", 1), data.get("ep", 1)
-            if data.get("etp") is None:
-                data["etp"] = tp
-            if data.get("world") is None:
-                dense, expert = tp * pp, data["etp"] * ep * pp
-                data["world"] = dense * expert // _gcd(dense, expert) if dense > 0 and expert > 0 else 1
+    def _fill_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for key in ("tp", "pp", "ep", "etp", "world", "vpp"):
+            x = data.get(key)
+            if _is_int(x) and x > MAX_RANKS:  # before any product of them is computed
+                raise LimitError(key, x, MAX_RANKS, "ranks", where=cls.kind)
+        sizes = [data.get(k, 1) for k in ("tp", "pp", "ep")]
+        if any(not _is_int(x) for x in sizes) or not (data.get("etp") is None or _is_int(data["etp"])):
+            return data  # the field validators refuse what is not an integer, naming the field
+        tp, pp, ep = sizes
+        if data.get("etp") is None:
+            data["etp"] = tp
+        if data.get("world") is None:
+            dense, expert = tp * pp, data["etp"] * ep * pp
+            data["world"] = dense * expert // math.gcd(dense, expert) if dense > 0 and expert > 0 else 1
         return data
 
     @model_validator(mode="after")
@@ -61,19 +73,28 @@ class MegatronLayout(CutLayout):
         m = self.model
         positive(self, tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, world=self.world, vpp=self.vpp,
                  vocab_divisor=self.vocab_divisor)
-        divisible(self, "world", self.world, "tp*pp", self.tp * self.pp)
+        bounded(self, MAX_RANKS, "ranks", tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, world=self.world,
+                vpp=self.vpp)
+        bounded(self, MAX_DIM, "a dimension", vocab_divisor=self.vocab_divisor,
+                **{"vocab_divisor * tp": self.vocab_divisor * self.tp})
+        divisible(self, "world", self.world, "tp*pp", self.tp * self.pp, blame="what")
+        # megatron-core's parallel_state builds the expert grid for every model, dense ones included
+        divisible(self, "world", self.world, "etp*ep*pp", self.etp * self.ep * self.pp, blame="what")
         divisible(self, "num_attention_heads", m.num_attention_heads, "tp", self.tp)
-        qkv_rows = (m.num_attention_heads + 2 * m.num_key_value_heads) * m.head_dim
+        g = m.num_key_value_heads
+        if g % self.tp and self.tp % g:  # megatron-core's TransformerConfig rule for num_query_groups
+            self._fail(f"num_query_groups (num_key_value_heads)={g} is neither a multiple nor a divisor of "
+                       f"tp={self.tp}", tp=self.tp, num_key_value_heads=g)
+        qkv_rows = (m.num_attention_heads + 2 * g) * m.head_dim
         divisible(self, "linear_qkv rows (heads + 2 * query_groups) * head_dim", qkv_rows, "tp", self.tp)
         if not m.is_moe or m.dense_layers:
             divisible(self, "ffn_hidden_size", m.intermediate_size, "tp", self.tp)
         if m.is_moe:
-            divisible(self, "world", self.world, "etp*ep*pp", self.etp * self.ep * self.pp)
             divisible(self, "num_experts", m.num_experts, "ep", self.ep)
             divisible(self, "moe_ffn_hidden_size", m.moe_intermediate_size, "etp", self.etp)
-        elif self.ep != 1 or self.etp != self.tp:
-            self._fail(f"ep={self.ep}, etp={self.etp} need a MoE model; {m.family} has no experts",
-                       fix="leave ep and etp unset for dense models", ep=self.ep, etp=self.etp)
+        elif self.ep != 1:  # megatron-core: "num_moe_experts must be non None to use expert-parallel"
+            self._fail(f"ep={self.ep} needs a MoE model; {m.family} has no experts",
+                       fix="leave ep unset for dense models", ep=self.ep)
         axes = self.rank_order.split("-")
         if sorted(axes) != sorted(_AXES):
             self._fail(f"rank_order={self.rank_order!r} must order each of {'-'.join(_AXES)} exactly once",
@@ -255,7 +276,5 @@ class _Layers:
     strides: tuple[dict[str, int], dict[str, int]]
 
 
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from typing import Any, Hashable
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError, field_validator,
+                      model_validator)
 
-from ..errors import ModelConfigError
+from ..errors import ModelConfigError, from_validation
+from ..limits import MAX_DIM, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, MAX_PARAMS, MAX_TENSORS, check_limit
 from . import registry
 
 DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
@@ -87,58 +89,98 @@ class Experts:
 
 
 class ModelSpec(BaseModel):
-    """The facts about a decoder-only transformer that decide where its bytes live."""
+    """The facts about a decoder-only transformer that decide where its bytes live. Fields are strictly typed (an
+    integer field takes an int, not "64", 64.0 or True) and bounded (`reshard.limits`); every refusal is a
+    ModelConfigError naming the field."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    family: str
-    hidden_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    tie_word_embeddings: bool = False
-    qk_norm: bool = False
-    num_experts: int = 0
-    moe_intermediate_size: int = 0
-    dense_layers: tuple[int, ...] = ()  # MLP-only layers of a MoE model
-    dtype: str = "bfloat16"
+    family: StrictStr
+    hidden_size: StrictInt
+    num_layers: StrictInt
+    num_attention_heads: StrictInt
+    num_key_value_heads: StrictInt
+    head_dim: StrictInt
+    intermediate_size: StrictInt
+    vocab_size: StrictInt
+    tie_word_embeddings: StrictBool = False
+    qk_norm: StrictBool = False
+    num_experts: StrictInt = 0
+    moe_intermediate_size: StrictInt = 0
+    dense_layers: tuple[StrictInt, ...] = ()  # MLP-only layers of a MoE model
+    dtype: StrictStr = "bfloat16"
     # Family-specific facts (MLA ranks, linear-attention heads, layer types ...) as sorted (key, value) pairs,
     # so the spec stays hashable and JSON round-trips; read them with `spec.arch_value(key)`.
     arch: tuple[tuple[str, Any], ...] = ()
 
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise from_validation(exc, "model") from None
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> "ModelSpec":  # type: ignore[override]
+        try:
+            return super().model_validate(obj, **kwargs)
+        except ValidationError as exc:
+            raise from_validation(exc, "model") from None
+
     @field_validator("arch", mode="before")
     @classmethod
     def _freeze_arch(cls, value: Any) -> tuple[tuple[str, Any], ...]:
+        if not isinstance(value, (dict, list, tuple)):
+            raise ModelConfigError(field="arch", value=value, rule="must be a mapping of family facts")
         items = value.items() if isinstance(value, dict) else value
-        return tuple(sorted((str(k), _frozen(v)) for k, v in items))
+        try:
+            return tuple(sorted((str(k), _frozen(v)) for k, v in items))
+        except (TypeError, ValueError):
+            raise ModelConfigError(field="arch", value=value, rule="must be (key, value) pairs of JSON values") \
+                from None
 
     @model_validator(mode="after")
     def _check(self) -> "ModelSpec":
         problems = []
+        bounds = {"hidden_size": MAX_DIM, "num_layers": MAX_LAYERS, "num_attention_heads": MAX_HEADS,
+                  "num_key_value_heads": MAX_HEADS, "head_dim": MAX_DIM, "intermediate_size": MAX_DIM,
+                  "vocab_size": MAX_DIM, "num_experts": MAX_EXPERTS, "moe_intermediate_size": MAX_DIM}
+        for field, limit in bounds.items():
+            check_limit(field, getattr(self, field), limit, "layers" if field == "num_layers" else "experts"
+                        if field == "num_experts" else "heads" if "heads" in field else "a dimension", "model spec")
+        check_limit("num_attention_heads * head_dim", self.num_attention_heads * self.head_dim, MAX_DIM,
+                    "a dimension", "model spec")
         for field in ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",
                       "head_dim", "vocab_size"):
             if getattr(self, field) <= 0:
-                problems.append(f"{field}={getattr(self, field)} must be positive")
-        if self.num_key_value_heads > 0 and self.num_attention_heads % self.num_key_value_heads:
-            problems.append(f"num_attention_heads={self.num_attention_heads} is not divisible by "
-                            f"num_key_value_heads={self.num_key_value_heads}")
+                raise ModelConfigError(field=field, value=getattr(self, field), rule="must be positive",
+                                       fix="" if field != "num_key_value_heads" else "leave it unset for MHA")
+        for field in ("intermediate_size", "num_experts", "moe_intermediate_size"):
+            if getattr(self, field) < 0:
+                raise ModelConfigError(field=field, value=getattr(self, field), rule="must be >= 0")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelConfigError(field="num_key_value_heads", value=self.num_key_value_heads,
+                                   rule=f"does not divide num_attention_heads={self.num_attention_heads}")
         if self.num_experts and self.moe_intermediate_size <= 0:
-            problems.append("a MoE model needs moe_intermediate_size > 0")
+            raise ModelConfigError(field="moe_intermediate_size", value=self.moe_intermediate_size,
+                                   rule=f"must be > 0 in a MoE model (num_experts={self.num_experts})")
         if (not self.num_experts or self.dense_layers) and self.intermediate_size <= 0:
-            problems.append("dense MLP layers need intermediate_size > 0")
+            raise ModelConfigError(field="intermediate_size", value=self.intermediate_size,
+                                   rule="must be > 0: the model has dense MLP layers")
         if self.dtype not in DTYPE_SIZES:
-            problems.append(f"dtype={self.dtype!r} is not one of {sorted(DTYPE_SIZES)}")
-        bad = [i for i in self.dense_layers if not 0 <= i < self.num_layers]
+            raise ModelConfigError(field="dtype", value=self.dtype, rule=f"is not one of {sorted(DTYPE_SIZES)}")
+        bad = sorted({i for i in self.dense_layers if not 0 <= i < self.num_layers})
         if bad:
-            problems.append(f"dense_layers {bad} are outside [0, {self.num_layers})")
+            raise ModelConfigError(field="dense_layers", value=list(self.dense_layers),
+                                   rule=f"lists layers {bad[:5]} outside [0, {self.num_layers})")
+        if len(set(self.dense_layers)) != len(self.dense_layers):
+            raise ModelConfigError(field="dense_layers", value=list(self.dense_layers), rule="lists a layer twice")
         if not registry.is_registered(self.family):
-            problems.append(f"family={self.family!r} is not registered (registered: "
-                            f"{', '.join(registry.registered_families())})")
-        if problems:
-            raise ModelConfigError("invalid model spec: " + "; ".join(problems))
+            raise ModelConfigError(field="family", value=self.family, rule=f"is not registered (registered: "
+                                   f"{', '.join(registry.registered_families())})")
+        # a bound on the tensor count before the family lists them, then the exact sizes (Python integers)
+        check_limit("num_layers * (3 * num_experts + 64) (canonical tensors)",
+                    self.num_layers * (3 * self.num_experts + 64), MAX_TENSORS, "canonical tensors", "model spec")
+        _check_sizes(self)
         return self
 
     def arch_value(self, key: str, default: Any = None) -> Any:
@@ -278,6 +320,25 @@ def _canonical_table(spec: ModelSpec) -> CanonicalTable:
     for a in (table.entry, table.layer, table.expert, table.rows, table.cols, table.ndim):
         a.setflags(write=False)
     return table
+
+
+def _check_sizes(spec: ModelSpec) -> None:
+    """Every tensor's shape positive and bounded, the total within MAX_PARAMS, counted in Python integers (so
+    nothing overflows); a family that cannot lay this spec out (its facts in `arch` are wrong) is refused."""
+    try:
+        c = _canonical_table(spec)
+    except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as e:
+        raise ModelConfigError(field="arch", value=dict(spec.arch), rule=f"the {spec.family} family cannot lay "
+                               f"out this spec ({type(e).__name__}: {e})") from None
+    counts = np.bincount(c.entry, minlength=len(c.entries)).tolist()
+    total = 0
+    for e, n in zip(c.entries, counts):
+        if any(not isinstance(x, int) or x <= 0 for x in e.shape):
+            raise ModelConfigError(field=e.name, value=e.shape, rule="has a dimension that is not positive")
+        for x in e.shape:
+            check_limit(f"a dimension of {e.name}", x, MAX_DIM, "a dimension", "model spec")
+        total += math.prod(e.shape) * n
+    check_limit("parameters", total, MAX_PARAMS, "parameters of one model", "model spec")
 
 
 @functools.lru_cache(maxsize=64)

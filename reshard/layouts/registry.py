@@ -6,7 +6,6 @@ the built-in ones are the modules of `families/`, imported by the package.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -48,29 +47,28 @@ def supported_architectures() -> list[str]:
 
 
 def read_hf_config(config: "dict[str, Any] | str | Path") -> dict[str, Any]:
-    """An HF config as a dict, from a dict, a config.json path, or a checkpoint directory."""
-    if isinstance(config, dict):
-        return config
-    path = Path(config)
-    if path.is_dir():
-        path = path / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ModelConfigError(f"no HF config at {path}") from None
-    except json.JSONDecodeError as exc:
-        raise ModelConfigError(f"{path} is not valid JSON: {exc}") from None
+    """An HF config as a dict, from a dict, a config.json path, or a checkpoint directory (read as untrusted
+    input: a regular file of bounded size, strict JSON, an object at the top)."""
+    from .hf_config import read_config
+
+    return read_config(config)
 
 
 def discover(config: "dict[str, Any] | str | Path") -> Any:
     """The family of an HF config, by `architectures` first, then `model_type`."""
     config = read_hf_config(config)
-    for key in list(config.get("architectures") or ()) + [config.get("model_type", "")]:
+    archs = config.get("architectures") or []
+    model_type = config.get("model_type", "")
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ModelConfigError(field="architectures", value=archs, rule="must be a JSON list of class names")
+    if not isinstance(model_type, str):
+        raise ModelConfigError(field="model_type", value=model_type, rule="must be a JSON string")
+    for key in archs + [model_type]:
         if key in _BY_KEY:
             return _BY_KEY[key]
-    raise ModelConfigError(
-        f"unknown architecture {config.get('architectures')} (model_type={config.get('model_type')!r}); "
-        f"supported: {', '.join(supported_architectures())}")
+    raise ModelConfigError(field="architectures", value=archs,
+                           rule=f"unknown architecture (model_type={model_type!r}); supported: "
+                                f"{', '.join(supported_architectures())}")
 
 
 def spec_from_hf_config(config: "dict[str, Any] | str | Path", include_mtp: bool = False) -> Any:

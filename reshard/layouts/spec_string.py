@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import json
+import re
+import types
+import typing
 from typing import Any
 
-from ..errors import LayoutError
+from ..errors import LayoutError, LimitError
 from .base import Layout
 from .hf import HfLayout
 from .megatron import MegatronLayout
@@ -16,50 +19,76 @@ LAYOUT_KINDS: dict[str, type[Layout]] = {cls.kind: cls for cls in (MegatronLayou
 # Short aliases accepted in layout strings.
 _ALIASES = {"ep": {"vllm": "expert_parallel"}, "first": {"megatron": "first_stage_layers"},
             "last": {"megatron": "last_stage_layers"}}
+_INT = re.compile(r"[+-]?[0-9]{1,30}")  # ASCII digits only: int() also reads other scripts' digits
+_WORD = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
+_BOOLS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+MAX_LAYOUT_TEXT = 4096
 
 
-def _value(text: str) -> Any:
-    low = text.lower()
-    if low in ("true", "yes", "on"):
-        return True
-    if low in ("false", "no", "off"):
-        return False
-    try:
+def _base_types(annotation: Any) -> set[Any]:
+    """The plain types a field's annotation allows (Optional, Annotated and Literal unwrapped)."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _base_types(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return set().union(*(_base_types(a) for a in typing.get_args(annotation)))
+    if origin is typing.Literal:
+        return {str}
+    return {annotation}
+
+
+def _value(kind: str, key: str, text: str, annotation: Any) -> Any:
+    """The value of one option, by the field's type: an integer, a boolean or a word; else LayoutError."""
+    allowed = _base_types(annotation)
+    if bool in allowed:
+        if text.lower() not in _BOOLS:
+            raise LayoutError(kind, f"{key}={text!r} must be true or false", {key: text})
+        return _BOOLS[text.lower()]
+    if int in allowed:
+        if not _INT.fullmatch(text):
+            raise LayoutError(kind, f"{key}={text!r} must be a whole number in ASCII digits", {key: text})
         return int(text)
-    except ValueError:
-        return text
+    if not _WORD.fullmatch(text):
+        raise LayoutError(kind, f"{key}={text!r} must be a word of letters, digits, '-' or '_'", {key: text})
+    return text
 
 
 def parse_layout(text: str, model: ModelSpec) -> Layout:
-    """Parse 'kind:key=value,...' (e.g. 'vllm:tp=8,replicas=8'); errors name the bad part."""
+    """Parse 'kind:key=value,...' (e.g. 'vllm:tp=8,replicas=8'); errors name the bad part. Each option once;
+    a bare option only for a flag (e.g. 'vllm:tp=2,ep')."""
+    if not isinstance(text, str):
+        raise LayoutError("layout", f"a layout string must be a str, not {type(text).__name__}", {"layout": text})
+    if len(text) > MAX_LAYOUT_TEXT:
+        raise LimitError("layout", f"{text[:40]}...", MAX_LAYOUT_TEXT, "characters of a layout string")
     kind, _, rest = text.partition(":")
     kind = kind.strip().lower()
     if kind not in LAYOUT_KINDS:
-        raise LayoutError(kind or text, f"unknown layout kind {kind!r}; expected one of {sorted(LAYOUT_KINDS)}")
+        raise LayoutError(kind or text, f"unknown layout kind {kind!r}; expected one of {sorted(LAYOUT_KINDS)}",
+                          {"kind": kind})
     cls = LAYOUT_KINDS[kind]
+    known = sorted(k for k in cls.model_fields if k != "model")
     fields: dict[str, Any] = {}
-    for item in filter(None, (s.strip() for s in rest.split(","))):
-        key, eq, val = item.partition("=")
-        key = key.strip()
-        if not eq:
-            fields[_ALIASES.get(key, {}).get(kind, key)] = True  # bare flag, e.g. 'vllm:tp=2,ep'
+    for item in (s.strip() for s in rest.split(",")):
+        if not item:
+            if rest.strip():
+                raise LayoutError(kind, f"empty option in {text!r} (two commas, or a trailing one)", {"layout": text})
             continue
-        key = _ALIASES.get(key, {}).get(kind, key)
+        raw, eq, val = item.partition("=")
+        key = _ALIASES.get(raw.strip(), {}).get(kind, raw.strip())
         if key not in cls.model_fields or key == "model":
-            known = sorted(k for k in cls.model_fields if k != "model")
-            raise LayoutError(kind, f"unknown option {key!r}; {kind} layouts take {known}")
-        fields[key] = _value(val.strip())
-    from pydantic import ValidationError
-
-    try:
-        return cls(model=model, **fields)
-    except ValidationError as exc:
-        # Surface our own error when a validator raised one; otherwise a readable field error.
-        for err in exc.errors():
-            if isinstance(err.get("ctx", {}).get("error"), LayoutError):
-                raise err["ctx"]["error"] from None
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise LayoutError(kind, problems) from None
+            raise LayoutError(kind, f"unknown option {raw.strip()!r}; {kind} layouts take {known}",
+                              {raw.strip(): val})
+        if key in fields:
+            raise LayoutError(kind, f"option {raw.strip()!r} is given twice in {text!r}", {key: val})
+        annotation = cls.model_fields[key].annotation
+        if not eq:
+            if bool not in _base_types(annotation):
+                raise LayoutError(kind, f"option {key!r} needs a value ({key}=...); only flags may stand alone",
+                                  {key: None})
+            fields[key] = True
+            continue
+        fields[key] = _value(kind, key, val.strip(), annotation)
+    return cls(model=model, **fields)
 
 
 def layout_to_dict(layout: Layout) -> dict[str, Any]:
@@ -67,8 +96,11 @@ def layout_to_dict(layout: Layout) -> dict[str, Any]:
 
 
 def layout_from_dict(data: dict[str, Any]) -> Layout:
+    if not isinstance(data, dict):
+        raise LayoutError("layout", f"a layout must be a JSON object, not {type(data).__name__}", {"layout": data})
     data = dict(data)
     kind = data.pop("kind", None)
-    if kind not in LAYOUT_KINDS:
-        raise LayoutError(str(kind), f"unknown layout kind {kind!r}; expected one of {sorted(LAYOUT_KINDS)}")
+    if not isinstance(kind, str) or kind not in LAYOUT_KINDS:
+        raise LayoutError(str(kind), f"unknown layout kind {kind!r}; expected one of {sorted(LAYOUT_KINDS)}",
+                          {"kind": kind})
     return LAYOUT_KINDS[kind].model_validate(data)

@@ -12,9 +12,10 @@ Facts this encodes (pinned by the vLLM adapter tests against real vLLM):
 from __future__ import annotations
 
 import numpy as np
-from pydantic import model_validator
+from pydantic import StrictBool, StrictInt, model_validator
 
-from .base import divisible, pad_to, positive
+from ..limits import MAX_DIM, MAX_RANKS
+from .base import bounded, divisible, pad_to, positive
 from .cut_layout import CutLayout, Where
 from .cuts import Cut, Group, Kind
 
@@ -22,26 +23,29 @@ from .cuts import Cut, Group, Kind
 class VllmLayout(CutLayout):
     kind = "vllm"
 
-    tp: int = 1
-    replicas: int = 1
-    expert_parallel: bool = False
-    vocab_padding: int = 64
+    tp: StrictInt = 1
+    replicas: StrictInt = 1
+    expert_parallel: StrictBool = False
+    vocab_padding: StrictInt = 64
 
     @model_validator(mode="after")
     def _validate(self) -> "VllmLayout":
         m = self.model
         positive(self, tp=self.tp, replicas=self.replicas, vocab_padding=self.vocab_padding)
+        bounded(self, MAX_RANKS, "ranks", tp=self.tp, replicas=self.replicas,
+                **{"tp * replicas": self.tp * self.replicas})
+        bounded(self, MAX_DIM, "a dimension", vocab_padding=self.vocab_padding)
         divisible(self, "num_attention_heads", m.num_attention_heads, "tp", self.tp)
         g = m.num_key_value_heads
         if self.tp >= g:
-            divisible(self, "tp", self.tp, "num_key_value_heads", g)
+            divisible(self, "tp", self.tp, "num_key_value_heads", g, blame="what")
         else:
             divisible(self, "num_key_value_heads", g, "tp", self.tp)
         if not m.is_moe or m.dense_layers:
             divisible(self, "intermediate_size", m.intermediate_size, "tp", self.tp)
         if m.is_moe:
             if self.expert_parallel:
-                divisible(self, "num_experts", m.num_experts, "tp (expert parallel size)", self.tp)
+                divisible(self, "num_experts", m.num_experts, "tp (expert parallel size)", self.tp, blame="tp")
             else:
                 divisible(self, "moe_intermediate_size", m.moe_intermediate_size, "tp", self.tp)
         elif self.expert_parallel:

@@ -32,7 +32,7 @@ from ..layouts.model import DTYPE_SIZES
 from ..layouts.base import PlacementTable
 from .accounting import Bounds
 from .balance import choose_holders
-from .coverage import band_segments, overlapping, prove_exact_coverage, rects_from_ops, sorted_unique
+from .coverage import band_segments, overlapping, prove_replica_coverage, sorted_unique
 from .fanout import replica_forests, split_parts
 from .merge import merge_relay, merge_template
 from .plan import Plan, TensorTable
@@ -377,17 +377,8 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
     relay = split_parts(merge_relay(template), parent.shape[0], rpr) if len(fed) < K else {}
 
     # The proof: the template, and the relay template, tile replica 0's model data exactly.
-    width = dst_table0.kind_array(lambda _, shape: shape[-1])
-    height = dst_table0.kind_array(lambda _, shape: math.prod(shape[:-1]))
-    names = lambda t: f"destination rank {dst_table0.rank[int(t)]} {dst_table0.name(int(t))!r}"  # noqa: E731
-    p_t, p_o = d_tid[d_rows], D.origin[d_rows]
-    p_w = np.maximum(width[p_t], 1)
-    piece_rects = (p_t, p_o // p_w, p_o % p_w, D.n0[d_rows], D.n1[d_rows])
-    for ops in (template, relay) if relay else (template,):
-        problems = []
-        rects = rects_from_ops(ops["dst_tensor"], ops["dst_offset"], ops["dst_stride"], ops["rows"], ops["cols"],
-                               width, problems, names)
-        prove_exact_coverage(rects, piece_rects, width, height, names, problems)
+    prove_replica_coverage([template, relay] if relay else [template], dst_table0, d_tid[d_rows], D.origin[d_rows],
+                           D.n0[d_rows], D.n1[d_rows])
 
     per_dst0 = np.bincount(D.rank[d_rows], weights=D.n0[d_rows] * D.n1[d_rows], minlength=rpr).astype(np.int64)
     held0 = np.zeros(len(boxes), dtype=bool)

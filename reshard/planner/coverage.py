@@ -134,3 +134,20 @@ def prove_exact_coverage(ops_rects: tuple[np.ndarray, ...], piece_rects: tuple[n
     for b, s, e in sorted(o_set - p_set)[:10]:
         problems.append(f"write outside model data (or partial): {where(b, s, e)}")
     raise CoverageError("coverage proof failed", problems)
+
+
+def prove_replica_coverage(programs: "list[dict[str, np.ndarray]]", dst_table0, d_tid: np.ndarray,
+                           origin: np.ndarray, n0: np.ndarray, n1: np.ndarray) -> None:
+    """Prove that each of `programs` (a template or a relay template: ops with dst_tensor, dst_offset,
+    dst_stride, rows, cols) tiles replica 0's model data exactly: the destination placements with data are
+    given as table ids `d_tid`, flat origins and 2-D lengths. Raises CoverageError listing the problems."""
+    width = dst_table0.kind_array(lambda _, shape: shape[-1])
+    height = dst_table0.kind_array(lambda _, shape: int(np.prod(shape[:-1], dtype=np.int64)))
+    names = lambda t: f"destination rank {dst_table0.rank[int(t)]} {dst_table0.name(int(t))!r}"  # noqa: E731
+    p_w = np.maximum(width[d_tid], 1)
+    piece_rects = (d_tid, origin // p_w, origin % p_w, n0, n1)
+    for ops in programs:
+        problems: list[str] = []
+        rects = rects_from_ops(ops["dst_tensor"], ops["dst_offset"], ops["dst_stride"], ops["rows"], ops["cols"],
+                               width, problems, names)
+        prove_exact_coverage(rects, piece_rects, width, height, names, problems)

@@ -161,6 +161,9 @@ class Plan:
     accounting: Accounting = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        from .verify import check_program
+
+        check_program(self)  # every index inside what it indexes, before anything is computed from them
         p = self.program
         problems = check_forest(p.parent, p.stage)
         if p.num_replicas != self.dst.num_replicas or p.ranks_per_replica != self.dst.ranks_per_replica:
@@ -305,7 +308,8 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
-        return cls._build(d, d["arrays"])
+        """A plan from its dict (`to_dict`), checked as untrusted input (planner.verify)."""
+        return cls._build(d, None)
 
     def save(self, path: str | Path) -> Path:
         """Write `path` as .json (everything as JSON) or .npz (program arrays, header as JSON)."""
@@ -321,33 +325,18 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        path = Path(path)
-        if path.suffix == ".json":
-            return cls.from_dict(json.loads(path.read_text()))
-        with np.load(path, allow_pickle=False) as z:
-            header = json.loads(bytes(z["header"]).decode())
-            arrays = {k[2:]: z[k] for k in z.files if k.startswith("a:")}
+        """A saved plan (.json or .npz), read and checked as untrusted input: its content must prove what it
+        claims, and its digest must be present and right (planner.plan_file, planner.verify)."""
+        from .plan_file import read_saved
+
+        header, arrays = read_saved(path)
         return cls._build(header, arrays)
 
     @classmethod
-    def _build(cls, d: dict[str, Any], arrays: dict[str, Any]) -> "Plan":
-        if d.get("format") != FORMAT_VERSION:
-            raise PlanError(f"plan format {d.get('format')!r} is not supported (expected {FORMAT_VERSION})")
-        src, dst = layout_from_dict(d["src"]), layout_from_dict(d["dst"])
-        try:
-            program = Program.from_arrays(arrays, d["program"])
-        except KeyError as exc:
-            raise PlanError(f"saved plan lacks array {exc}") from None
-        plan = cls(src=src, dst=dst, src_tensors=TensorTable.from_dict(d["src_tensors"]),
-                   dst_tensors=TensorTable.from_dict(d["dst_tensors"]), program=program,
-                   bounds=Bounds.from_dict(d["bounds"]),
-                   colocation=d["colocation"] if d.get("colocation") is not None else
-                   tuple(range(dst.num_ranks)) if d["colocated"] else None, fanout=d.get("fanout"),
-                   roots=d.get("roots"), selection=tuple(d["selection"]) if d["selection"] is not None else None,
-                   coverage=d["coverage"], compile_seconds=d["compile_seconds"])
-        if d.get("digest") and plan.digest != d["digest"]:
-            raise PlanError(f"plan digest mismatch: stored {d['digest'][:12]}, content {plan.digest[:12]}")
-        return plan
+    def _build(cls, d: Any, arrays: Any) -> "Plan":
+        from .verify import load_plan
+
+        return load_plan(cls, d, arrays)
 
     # --- as text -------------------------------------------------------------------------------
     def __str__(self) -> str:

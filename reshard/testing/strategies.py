@@ -154,7 +154,7 @@ def invalid_declarations() -> list[tuple[str, callable, tuple[str, ...]]]:
         ("megatron experts vs ep", lambda: M(model=moe, ep=4, world=4), ("num_experts=6", "ep=4")),
         ("megatron moe ffn vs etp", lambda: M(model=moe, ep=2, etp=8, world=16), ("moe_ffn_hidden_size=12", "etp=8")),
         ("megatron world vs etp*ep*pp", lambda: M(model=moe, tp=2, ep=3, etp=1, world=4), ("world=4", "etp*ep*pp=3")),
-        ("megatron ep on dense", lambda: M(model=gqa, ep=2, world=2), ("need a MoE model",)),
+        ("megatron ep on dense", lambda: M(model=gqa, ep=2, world=2), ("ep=2 needs a MoE model",)),
         ("megatron rank order", lambda: M(model=gqa, rank_order="tp-dp-pp"), ("rank_order",)),
         ("megatron zero tp", lambda: M(model=gqa, tp=0), ("tp=0 must be at least 1",)),
         ("vllm heads vs tp", lambda: V(model=gqa, tp=3), ("num_attention_heads=8", "tp=3")),

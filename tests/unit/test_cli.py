@@ -44,8 +44,8 @@ def test_readme_dry_run_prints_summary():
     (["--src", "megatron:tp=3"], "num_attention_heads=32 is not divisible by tp=3"),
     (["--src", "megatron:tp=2,bogus=1"], "unknown option 'bogus'"),
     (["--src", "deepspeed:tp=2"], "unknown layout kind 'deepspeed'"),
-    (["--src", "megatron:tp=2", "--colocated", "1,x"], "expected source ranks, comma-separated"),
-    (["--src", "megatron:tp=2", "--colocated", "0,5"], "destination rank 1 -> source rank 5, outside [0, 2)"),
+    (["--src", "megatron:tp=2", "--colocated", "1,x"], "--colocated='1,x' must list whole numbers, comma-separated"),
+    (["--src", "megatron:tp=2", "--colocated", "0,5"], "--colocated='0,5' lists [5] outside [0, 2)"),
 ])
 def test_bad_layouts_exit_2_with_the_reason(args, words, capsys):
     argv = ["plan", "--model", "examples/configs/qwen3-30b-a3b.json", "--dst", "vllm:tp=2"] + args

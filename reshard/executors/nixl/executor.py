@@ -54,8 +54,10 @@ from ...errors import ExecutionError, ReshardError
 from ...planner import Plan
 from ..base import Executor, RankTensors
 from ..binding import Binding
+from ..checksum import Streams, mismatch
 from ..copies import DST, SHADOW, SRC, WIRE
 from ..exchange import Exchange
+from ..guard import check_memory, check_ops
 from ..local import apply_shifts, check_tensors, in_units, shift_views, torch_dtype
 from ..views import BoundCopies, Memory, bind
 from .agent import describe, is_nixl_error
@@ -104,6 +106,8 @@ class NixlExecutor(Executor):
     def __init__(self, plan: Plan, binding: Binding, process: int, src: RankTensors, dst: RankTensors, *,
                  store: Any, options: NixlOptions | None = None, namespace: str = "default") -> None:
         self.plan, self.binding, self.process = plan, binding, process
+        binding.check(plan.src.num_ranks, plan.dst.num_ranks)
+        check_ops(plan)  # before the schedule indexes anything with the plan's ops
         self.options = options = options or NixlOptions()
         self.num_processes = binding.num_processes
         self.device = _device_of(src, dst)
@@ -149,6 +153,7 @@ class NixlExecutor(Executor):
         if problems:
             raise ExecutionError("tensors do not match the plan:\n  - " + "\n  - ".join(problems[:20]))
         check_tensors(plan, {r: src[r] for r in src}, {r: dst[r] for r in dst})
+        check_memory(src, dst)
         src, dst = in_units(plan, src, dst)  # tensors kept in a wider dtype, seen in the plan's
         self.src_flat = {i: src[plan.src_tensors.ranks[i]][plan.src_tensors.names[i]].view(-1) for i in s.src_ids}
         self.dst_flat = {i: dst[plan.dst_tensors.ranks[i]][plan.dst_tensors.names[i]].view(-1) for i in s.dst_ids}
@@ -213,7 +218,8 @@ class NixlExecutor(Executor):
         self._sync()
         phases["commit"] = time.monotonic() - t
         self._version = v
-        self.exchange.forget(v - 1)
+        self.exchange.forget(v - 1, tuple(f"v{v - 1}/sum/{link.id}" for link in self.schedule.incoming)
+                             if self.options.checksum else ())
         return self._stats(v, time.monotonic() - start, phases)
 
     def _transfer(self, v: int, deadline: float) -> None:
@@ -246,6 +252,8 @@ class NixlExecutor(Executor):
                 if link.id in self._pack:
                     self._run(self._pack[link.id])
                     self._sync()
+                if self.options.checksum:  # before a peer can read or receive the link's bytes
+                    self.exchange.store.set(f"v{v}/sum/{link.id}", self._link_digest(link, "send"))
                 if read:
                     self._notify(link.receiver, READY, v, link)
                 else:
@@ -267,7 +275,7 @@ class NixlExecutor(Executor):
                     del posted[lid]
                     progress = True
                     if read:
-                        self._arrived(link, waiting_in, stage_left)
+                        self._arrived(link, waiting_in, stage_left, v)
                     else:
                         del waiting_out[lid]
                 elif state != "PROC":
@@ -279,7 +287,7 @@ class NixlExecutor(Executor):
                     if read:
                         del waiting_out[link.id]
                     else:
-                        self._arrived(link, waiting_in, stage_left)
+                        self._arrived(link, waiting_in, stage_left, v)
             # 5. stages whose incoming links are all in: run the next stage's local copies
             while frontier < s.num_stages and stage_left[frontier] == 0:
                 frontier += 1
@@ -304,12 +312,25 @@ class NixlExecutor(Executor):
                 time.sleep(sleep)
                 sleep = min(sleep * 2, self.options.poll_max_s)
 
-    def _arrived(self, link: Link, waiting_in: dict[int, Link], stage_left: dict[int, int]) -> None:
+    def _arrived(self, link: Link, waiting_in: dict[int, Link], stage_left: dict[int, int], v: int) -> None:
+        if self.options.checksum:
+            sent = self.exchange.store.get(f"v{v}/sum/{link.id}").decode()
+            got = self._link_digest(link, "recv")
+            if sent != got:
+                raise ExecutionError(mismatch(f"{link} from process {link.sender}", sent, got))
         if link.id in self._arrive:
             self._run(self._arrive[link.id])
             self._sync()
         del waiting_in[link.id]
         stage_left[link.stage] -= 1
+
+    def _link_digest(self, link: Link, side: str) -> str:
+        """SHA-256 of one side of a link's pieces, in order: the bytes it moves (executors.checksum)."""
+        p, sums = link.pieces, Streams()
+        for kind, ident, off, n in zip(p[f"{side}_kind"].tolist(), p[f"{side}_id"].tolist(),
+                                       p[f"{side}_off"].tolist(), p["numel"].tolist()):
+            sums.update(0, self._memory(kind, ident).narrow(0, off, n))
+        return sums.hexdigest(0)
 
     def _post(self, link: Link, v: int) -> None:
         self.connection.post(link, DONE + f"{v}:{link.id}".encode())

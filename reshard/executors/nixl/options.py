@@ -43,6 +43,8 @@ class NixlOptions:
     progress_delay_us: sleep of NIXL's progress thread between polls (NIXL's Python wrapper spins it at 0,
         which burns a whole core; 0 keeps that behaviour).
     poll_max_s: longest sleep between two polls of the refit loop while waiting.
+    checksum: hash every link's bytes on both ends and compare them before anything is committed
+        (executors.checksum); a mismatch fails the refit on every process.
     """
 
     direction: str = "auto"
@@ -53,6 +55,7 @@ class NixlOptions:
     timeout: float = 120.0
     progress_delay_us: int = 1000
     poll_max_s: float = 0.0005
+    checksum: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -88,5 +91,8 @@ class NixlOptions:
 
     def shared(self) -> dict[str, Any]:
         """The options that must be equal on every process (the rest are local tuning)."""
-        return {"direction": self.direction, "staged": self.staged, "pack": self.pack,
-                "pack_below": self.pack_below, "land_below": self.land_below}
+        out = {"direction": self.direction, "staged": self.staged, "pack": self.pack,
+               "pack_below": self.pack_below, "land_below": self.land_below}
+        if self.checksum:  # absent when off: books of processes that predate the option stay equal
+            out["checksum"] = True
+        return out

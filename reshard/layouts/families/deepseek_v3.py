@@ -27,8 +27,10 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import ModelConfigError
+from ...limits import MAX_DIM, MAX_EXPERTS, MAX_LAYERS, check_limit
 from ..cuts import Kind, Replicated, ReplicatedAt, RowBlocks
 from ..family import LAYER, ModelFamily, dense_mlp, norm, routed_experts
+from ..hf_config import get_int, get_opt_int, get_str
 from ..model import Entry, ModelSpec, Role
 from ..roles import gated_mlp
 
@@ -99,30 +101,42 @@ class DeepseekV3(ModelFamily):
     megatron_config_class = "MLATransformerConfig"
 
     def spec(self, config: dict[str, Any], include_mtp: bool = False) -> ModelSpec:
-        self._require(config, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                      "n_routed_experts", "moe_intermediate_size")
         self._refuse_mtp_and_activation(config, include_mtp, "num_nextn_predict_layers",
                                         "model.layers.N.* past the last")
         fields = self._common(config, qk_norm=False, biases=("attention_bias",))
-        fields["head_dim"] = config["v_head_dim"]  # unused by MLA tensors; keeps the shared checks meaningful
+        mla = {k: get_int(config, k) for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+        fields["head_dim"] = mla["v_head_dim"]  # unused by MLA tensors; keeps the shared checks meaningful
         layers = fields["num_layers"]
-        first_dense = config.get("first_k_dense_replace", 0) or 0
-        freq = config.get("moe_layer_freq", 1) or 1
+        first_dense = get_int(config, "first_k_dense_replace", 0, minimum=0, maximum=MAX_LAYERS,
+                              null_is_default=True, what="layers")
+        freq = get_int(config, "moe_layer_freq", 1, maximum=MAX_LAYERS, null_is_default=True, what="layers")
         # transformers: layer i >= first_k_dense_replace is MoE (it ignores moe_layer_freq); vLLM also requires
         # i % moe_layer_freq == 0. Refuse the configurations where they disagree instead of picking one.
         if freq != 1:
-            raise ModelConfigError(f"moe_layer_freq={freq} is not supported (transformers and vLLM disagree on "
-                                   f"which layers are MoE); only 1")
-        dense = tuple(range(min(first_dense, layers)))
-        E = config["n_routed_experts"] or 0
-        shared = (config.get("n_shared_experts") or 0) * config["moe_intermediate_size"]
-        return ModelSpec(**fields, num_experts=E, moe_intermediate_size=config["moe_intermediate_size"],
-                         dense_layers=dense if E else (), arch={
-                             "q_lora_rank": config.get("q_lora_rank"), "kv_lora_rank": config["kv_lora_rank"],
-                             "qk_nope_head_dim": config["qk_nope_head_dim"],
-                             "qk_rope_head_dim": config["qk_rope_head_dim"], "v_head_dim": config["v_head_dim"],
-                             "shared_intermediate_size": shared if E else 0,
-                             "router_bias": bool(E) and config.get("topk_method") == "noaux_tc"})
+            raise ModelConfigError(field="moe_layer_freq", value=freq, rule="is not supported (transformers and "
+                                   "vLLM disagree on which layers are MoE); only 1")
+        # vLLM builds a MoE layer (with no experts, which fails) wherever n_routed_experts is not null
+        E = get_int(config, "n_routed_experts", maximum=MAX_EXPERTS, what="experts")
+        Fm = get_int(config, "moe_intermediate_size")
+        shared = get_int(config, "n_shared_experts", 0, minimum=0, maximum=MAX_EXPERTS, null_is_default=True,
+                         what="experts") * Fm
+        check_limit("n_shared_experts * moe_intermediate_size", shared, MAX_DIM, "a dimension", "model config")
+        topk = get_str(config, "topk_method", None, null_is_default=True)
+        if topk is None:
+            raise ModelConfigError(field="topk_method", rule=(
+                "is missing, and the engines disagree without it: transformers' DeepseekV3 always holds a router "
+                "e_score_correction_bias, vLLM only when topk_method is \"noaux_tc\""), fix=(
+                "set topk_method to \"noaux_tc\" (DeepSeek-V3 and Kimi-K2 checkpoints, which hold the bias); "
+                "transformers' DeepseekV3Config does not write this key"))
+        if topk != "noaux_tc":
+            raise ModelConfigError(field="topk_method", value=topk, rule=(
+                "is not supported: transformers' DeepseekV3 holds a router e_score_correction_bias whatever the "
+                "method, vLLM only with \"noaux_tc\", so the two load different tensors"),
+                fix="use \"noaux_tc\"")
+        return ModelSpec(**fields, num_experts=E, moe_intermediate_size=Fm,
+                         dense_layers=tuple(range(min(first_dense, layers))),
+                         arch={"q_lora_rank": get_opt_int(config, "q_lora_rank"), **mla,
+                               "shared_intermediate_size": shared, "router_bias": True})
 
     def layer(self, spec: ModelSpec, i: int) -> list:
         return _layer(spec, i)

@@ -39,8 +39,10 @@ import functools
 from typing import Any
 
 from ...errors import ModelConfigError
+from ...limits import MAX_DIM, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, check_limit
 from ..cuts import ColumnBlocks, GlobalRows, Kind, QkvParallel, Replicated, RowBlocks, Stacked
 from ..family import LAYER, ModelFamily, dense_mlp, norm, routed_experts
+from ..hf_config import REQUIRED, get_bool, get_int, get_str_list
 from ..model import Entry, Experts, ModelSpec, Role
 from ..roles import gated_mlp
 
@@ -111,7 +113,12 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
     flag as fallbacks), or the config itself."""
     if "text_config" not in config:
         return config
-    text = dict(config["text_config"] or {})
+    text = config["text_config"]
+    if text is None:
+        text = {}
+    if not isinstance(text, dict):
+        raise ModelConfigError(field="text_config", value=text, rule="must be a JSON object")
+    text = dict(text)
     for key in ("torch_dtype", "dtype", "tie_word_embeddings"):
         if key in config and key not in text:
             text[key] = config[key]
@@ -170,40 +177,46 @@ class Qwen35(ModelFamily):
     def spec(self, config: dict[str, Any], include_mtp: bool = False) -> ModelSpec:
         multimodal = "text_config" in config
         t = text_config(config)
-        self._require(t, "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                      "linear_value_head_dim", "linear_conv_kernel_dim")
         self._refuse_mtp_and_activation(t, include_mtp, "mtp_num_hidden_layers", "mtp.*")
-        if not t.get("attn_output_gate", True):
-            raise ModelConfigError("attn_output_gate=false is not supported: transformers' Qwen3.5 always gates "
-                                   "attention (q_proj holds 2 rows per head), so the checkpoint would not match")
+        if not get_bool(t, "attn_output_gate", True, null_is_default=True):
+            raise ModelConfigError(field="attn_output_gate", value=False, rule="is not supported: transformers' "
+                                   "Qwen3.5 always gates attention (q_proj holds 2 rows per head), so the checkpoint "
+                                   "would not match")
         if "tie_word_embeddings" in config and "text_config" in config and \
-                bool(config["tie_word_embeddings"]) != bool(t.get("tie_word_embeddings", False)):
-            raise ModelConfigError("tie_word_embeddings differs between the config and its text_config")
+                config["tie_word_embeddings"] != t.get("tie_word_embeddings", False):
+            raise ModelConfigError(field="tie_word_embeddings", value=config["tie_word_embeddings"],
+                                   rule="differs between the config and its text_config")
         fields = self._common(t, qk_norm=True)
         L = fields["num_layers"]
-        types = t.get("layer_types")
-        if types is None:
-            every = t.get("full_attention_interval", 4) or 4
+        lin = {k: get_int(t, k, maximum=MAX_HEADS if k.endswith("heads") else MAX_DIM) for k in (
+            "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+            "linear_conv_kernel_dim")}
+        for key in ("linear_num_key_heads", "linear_num_value_heads"):
+            dim = "linear_key_head_dim" if "key" in key else "linear_value_head_dim"
+            check_limit(f"{key} * {dim}", lin[key] * lin[dim], MAX_DIM, "a dimension", "model config")
+        if "layer_types" in t and t["layer_types"] is not None:
+            types = list(get_str_list(t, "layer_types", L, _LAYER_TYPES))
+        else:
+            every = get_int(t, "full_attention_interval", 4, maximum=MAX_LAYERS, null_is_default=True, what="layers")
             types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(L)]
-        bad = sorted({x for x in types if x not in _LAYER_TYPES})
-        if len(types) != L or bad:
-            raise ModelConfigError(f"layer_types must list {L} entries of {list(_LAYER_TYPES)}; got {len(types)}"
-                                   + (f" with {bad}" if bad else ""))
-        nk, nv = t["linear_num_key_heads"], t["linear_num_value_heads"]
-        if nk <= 0 or nv % nk:
-            raise ModelConfigError(f"linear_num_value_heads={nv} is not a multiple of linear_num_key_heads={nk}")
-        E = t.get("num_experts") or 0
+        nk, nv = lin["linear_num_key_heads"], lin["linear_num_value_heads"]
+        if nv % nk:
+            raise ModelConfigError(field="linear_num_value_heads", value=nv,
+                                   rule=f"is not a multiple of linear_num_key_heads={nk}")
+        moe_arch = str(config.get("model_type", "")).startswith("qwen3_5_moe") or any(
+            str(a).startswith("Qwen3_5Moe") for a in config.get("architectures") or ())
+        # a MoE architecture needs experts (0 would silently build a dense model); a dense one may say 0
+        E = get_int(t, "num_experts", REQUIRED if moe_arch else 0, minimum=1 if moe_arch else 0,
+                    maximum=MAX_EXPERTS, null_is_default=not moe_arch, what="experts")
         moe = {}
         if E:
-            self._require(t, "moe_intermediate_size")
-            moe = dict(num_experts=E, moe_intermediate_size=t["moe_intermediate_size"])
+            moe = dict(num_experts=E, moe_intermediate_size=get_int(t, "moe_intermediate_size"))
             fields["intermediate_size"] = 0  # every layer is sparse (transformers and vLLM build no dense MLP)
+        shared = get_int(t, "shared_expert_intermediate_size", 0, minimum=0, null_is_default=True) if E else 0
         return ModelSpec(**fields, **moe, arch={
-            "layer_types": tuple(types), "linear_num_key_heads": nk, "linear_num_value_heads": nv,
-            "linear_key_head_dim": t["linear_key_head_dim"], "linear_value_head_dim": t["linear_value_head_dim"],
-            "linear_conv_kernel_dim": t["linear_conv_kernel_dim"],
-            "shared_intermediate_size": (t.get("shared_expert_intermediate_size") or 0) if E else 0,
-            "shared_expert_gate": bool(E), "zero_centered_norms": True, "multimodal": multimodal, "vllm_prefix": "language_model." if multimodal else ""})
+            "layer_types": tuple(types), **lin, "shared_intermediate_size": shared,
+            "shared_expert_gate": bool(E), "zero_centered_norms": True, "multimodal": multimodal,
+            "vllm_prefix": "language_model." if multimodal else ""})
 
     def hf_model(self, spec: ModelSpec) -> str:  # the multimodal wrapper nests the language model
         return "model.language_model." if spec.arch_value("multimodal") else "model."

@@ -1,0 +1,110 @@
+"""What every executor checks before the first byte moves, whatever the plan's origin (compiled, loaded, or built
+by hand): the plan's ops, and the memory it is given.
+
+- `check_ops(plan)`: every op's ranks and tensor ids exist, the tensor is on that rank, rows, columns and
+  strides are positive, a block of several rows is no wider than its stride, and every read and write lies
+  inside its tensor (by the plan's tables; `check_tensors` holds the given tensors to those shapes). Vectorized
+  over the ops; the verdict is kept on the plan (a Plan is immutable).
+- `check_memory(src, dst)`: every tensor is a dense tensor with storage (no meta or sparse tensor, which a
+  copy would "fill" without writing a byte), and no destination tensor shares memory with another destination
+  tensor or with a source tensor (a copy would then read what it just wrote, or write one place twice).
+Both raise ExecutionError naming the op or the tensors, before anything is written.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from ..errors import ExecutionError, show
+from ..limits import MAX_PARAMS
+
+_CHECKED = "_reshard_ops_checked"
+
+
+def refuse(field: str, value: Any, rule: str) -> ExecutionError:
+    """An ExecutionError for an input the executor refuses (field, value and rule set as on input errors)."""
+    text = field if value is None else f"{field}={show(value)}"
+    e = ExecutionError(f"{text} {rule}; nothing was moved")
+    e.field, e.value, e.rule = field, value, rule
+    return e
+
+
+def check_ops(plan: Any) -> None:
+    """Raise ExecutionError unless every op of `plan` stays inside its tensors (see the module docstring)."""
+    if plan.__dict__.get(_CHECKED):
+        return
+    o = plan.ops  # a Plan checked its program's indices when it was built (planner.verify.check_program)
+    n = len(o["rows"])
+    S, D = plan.src.num_ranks, plan.dst.num_ranks
+    st, dt = plan.src_tensors, plan.dst_tensors
+    s_numel = st.kind_array(lambda _, shape: int(np.prod(shape, dtype=np.int64)))
+    d_numel = dt.kind_array(lambda _, shape: int(np.prod(shape, dtype=np.int64)))
+
+    def bad(mask: np.ndarray, column: str, rule: str) -> None:
+        idx = np.flatnonzero(mask)
+        if len(idx):
+            i = int(idx[0])
+            raise refuse(f"plan op {i} {column}", int(o[column][i]), f"{rule} ({len(idx)} of {n} ops; plan "
+                         f"{plan.digest[:12]})")
+
+    relay = o["src_side"] == 1
+    bad((o["src_side"] != 0) & ~relay, "src_side", "must be 0 (a source rank) or 1 (a relaying destination rank)")
+    bad((o["src_rank"] < 0) | (o["src_rank"] >= np.where(relay, D, S)), "src_rank", "is not a rank of its side")
+    bad((o["dst_rank"] < 0) | (o["dst_rank"] >= D), "dst_rank", f"is not a destination rank [0, {D})")
+    bad((o["src_tensor"] < 0) | (o["src_tensor"] >= np.where(relay, len(dt), len(st))), "src_tensor",
+        "is not a tensor of the plan's table")
+    bad((o["dst_tensor"] < 0) | (o["dst_tensor"] >= len(dt)), "dst_tensor", "is not a tensor of the plan's table")
+    s_rank = np.where(relay, dt.rank[np.where(relay, o["src_tensor"], 0)] if len(dt) else -1,
+                      st.rank[np.where(relay, 0, o["src_tensor"])] if len(st) else -1)
+    bad(s_rank != o["src_rank"], "src_tensor", "is a tensor of another rank")
+    bad(dt.rank[o["dst_tensor"]] != o["dst_rank"] if len(dt) else o["dst_rank"] >= 0, "dst_tensor",
+        "is a tensor of another rank")
+    for column in ("rows", "cols", "src_stride", "dst_stride"):
+        bad((o[column] < 1) | (o[column] > MAX_PARAMS), column, "must be a positive count within the limits")
+    for side in ("src", "dst"):
+        bad((o["rows"] > 1) & (o[f"{side}_stride"] < o["cols"]), f"{side}_stride",
+            "is narrower than the block's columns (its rows would overlap)")
+        bad((o[f"{side}_offset"] < 0) | (o[f"{side}_offset"] > MAX_PARAMS), f"{side}_offset",
+            "must be an offset within the limits")
+    # all factors are now below 2**47: the products fit int64
+    s_size = np.where(relay, d_numel[np.where(relay, o["src_tensor"], 0)] if len(dt) else 0,
+                      s_numel[np.where(relay, 0, o["src_tensor"])] if len(st) else 0)
+    for side, size in (("src", s_size), ("dst", d_numel[o["dst_tensor"]] if len(dt) else np.zeros(n, np.int64))):
+        end = o[f"{side}_offset"] + (o["rows"] - 1) * o[f"{side}_stride"] + o["cols"]
+        bad(end > size, f"{side}_offset", "puts the block past the end of its tensor")
+    bad(o["stage"] < 0, "stage", "must be >= 0")
+    plan.__dict__[_CHECKED] = True
+
+
+def check_memory(src: Mapping[int, Mapping[str, Any]], dst: Mapping[int, Mapping[str, Any]]) -> None:
+    """Raise ExecutionError unless the tensors are dense, hold memory, and no destination overlaps another
+    destination or a source (see the module docstring)."""
+    spans = []
+    for side, given in (("source", src), ("destination", dst)):
+        for rank, tensors in given.items():
+            for name, t in tensors.items():
+                what = f"{side} rank {rank} {name!r}"
+                if not isinstance(t, torch.Tensor):
+                    raise refuse(what, None, f"is a {type(t).__name__}, not a torch.Tensor")
+                if t.layout != torch.strided:
+                    raise refuse(what, None, f"has layout {t.layout}; only dense (strided) tensors are copied")
+                if t.device.type == "meta":
+                    raise refuse(what, None, "is a meta tensor, which holds no memory to copy into or from")
+                nbytes = t.numel() * t.element_size()
+                if nbytes:
+                    start = t.data_ptr()
+                    spans.append((str(t.device), start, start + nbytes, side == "destination", what))
+    spans.sort(key=lambda s: (s[0], s[1]))
+    reach: tuple | None = None  # the span reaching furthest so far on this device
+    for span in spans:
+        if reach is not None and reach[0] == span[0] and span[1] < reach[2] and (reach[3] or span[3]):
+            raise refuse(span[4], None, f"shares memory with {reach[4]}: a destination tensor may overlap no "
+                         f"other tensor of the refit")
+        if reach is None or reach[0] != span[0] or span[2] > reach[2] or (span[3] and span[2] == reach[2]):
+            reach = span
+    return None
+
+
+__all__ = ["check_memory", "check_ops", "refuse"]

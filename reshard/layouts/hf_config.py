@@ -1,0 +1,125 @@
+"""An HF config read as untrusted JSON: each key a family reads has a type and a range, checked strictly.
+
+JSON integers must be integers (not "64", 64.0 or true), booleans booleans (not "no"), and a key that is present
+with 0 or null means that, never "use the default" (only an absent key takes the default; `null_is_default`
+opts in where HF itself writes null for "not set"). Every refusal is a ModelConfigError naming the key, the
+value and the rule; sizes past `limits` are LimitErrors naming the limit.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from ..errors import ModelConfigError
+from ..limits import MAX_CONFIG_BYTES, MAX_DIM, MAX_LAYERS, check_limit
+from ..untrusted import read_json
+
+REQUIRED: Any = object()
+
+
+def config_error(field: str, value: Any, rule: str) -> ModelConfigError:
+    return ModelConfigError(field=field, value=value, rule=rule)
+
+
+def read_config(config: Any) -> dict[str, Any]:
+    """An HF config as a dict: a dict as given, or a config.json path / checkpoint directory read safely."""
+    import os
+    from pathlib import Path
+
+    if isinstance(config, dict):
+        return config
+    if not isinstance(config, (str, os.PathLike)):
+        raise config_error("config", config, "must be a dict, a config.json path or a checkpoint directory")
+    path = Path(config)
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.exists():
+            raise config_error("config", str(config), "is a directory without a config.json")
+    value = read_json(path, MAX_CONFIG_BYTES, config_error, "config")
+    if not isinstance(value, dict):
+        raise config_error("config", str(path), f"must hold a JSON object, not a {type(value).__name__}")
+    return value
+
+
+def _present(config: dict[str, Any], key: str, default: Any, null_is_default: bool) -> tuple[bool, Any]:
+    if key not in config or (null_is_default and config[key] is None):
+        if default is REQUIRED:
+            raise ModelConfigError(field=key, rule="is required and missing" if key not in config else
+                                   "is required and must not be null")
+        return False, default
+    return True, config[key]
+
+
+def get_int(config: dict[str, Any], key: str, default: Any = REQUIRED, *, minimum: int = 1,
+            maximum: int = MAX_DIM, null_is_default: bool = False, what: str = "a dimension") -> Any:
+    """An integer in [minimum, maximum] (default when absent; None may be the default)."""
+    present, value = _present(config, key, default, null_is_default)
+    if not present:
+        return value
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise config_error(key, value, f"must be a JSON integer, not {type(value).__name__}")
+    if value < minimum:
+        raise config_error(key, value, f"must be at least {minimum}")
+    check_limit(key, value, maximum, what, "model config")
+    return value
+
+
+def get_opt_int(config: dict[str, Any], key: str, *, minimum: int = 1, maximum: int = MAX_DIM,
+                what: str = "a dimension") -> int | None:
+    """An integer, or None when absent or null (a key HF writes as null for "not used", e.g. q_lora_rank)."""
+    return get_int(config, key, None, minimum=minimum, maximum=maximum, null_is_default=True, what=what)
+
+
+def get_bool(config: dict[str, Any], key: str, default: Any = REQUIRED, null_is_default: bool = False) -> Any:
+    present, value = _present(config, key, default, null_is_default)
+    if not present:
+        return value
+    if not isinstance(value, bool):
+        raise config_error(key, value, f"must be a JSON boolean (true or false), not {type(value).__name__}")
+    return value
+
+
+def get_str(config: dict[str, Any], key: str, default: Any = REQUIRED, choices: Sequence[str] | None = None,
+            null_is_default: bool = False) -> Any:
+    present, value = _present(config, key, default, null_is_default)
+    if not present:
+        return value
+    if not isinstance(value, str):
+        raise config_error(key, value, f"must be a JSON string, not {type(value).__name__}")
+    if choices is not None and value not in choices:
+        raise config_error(key, value, f"must be one of {list(choices)}")
+    return value
+
+
+def get_int_list(config: dict[str, Any], key: str, *, below: int, default: Any = (),
+                 null_is_default: bool = True) -> tuple[int, ...]:
+    """A list of integers in [0, below) (layer numbers), without repeats."""
+    present, value = _present(config, key, default, null_is_default)
+    if not present:
+        return tuple(value)
+    if not isinstance(value, list):
+        raise config_error(key, value, f"must be a JSON list of layer numbers, not {type(value).__name__}")
+    check_limit(key + " (entries)", len(value), MAX_LAYERS, "layers", "model config")
+    bad = [x for x in value if not isinstance(x, int) or isinstance(x, bool)]
+    if bad:
+        raise config_error(key, value, f"must list JSON integers; {bad[0]!r} is a {type(bad[0]).__name__}")
+    outside = sorted({x for x in value if not 0 <= x < below})
+    if outside:
+        raise config_error(key, value, f"lists layers {outside[:5]} outside [0, {below})")
+    if len(set(value)) != len(value):
+        raise config_error(key, value, "lists a layer twice")
+    return tuple(value)
+
+
+def get_str_list(config: dict[str, Any], key: str, length: int, choices: Sequence[str]) -> tuple[str, ...]:
+    value = config[key]
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise config_error(key, value, "must be a JSON list of strings")
+    bad = sorted({x for x in value if x not in choices})
+    if len(value) != length or bad:
+        raise config_error(key, value, f"must list {length} entries of {list(choices)}; got {len(value)}"
+                           + (f" with {bad}" if bad else ""))
+    return tuple(value)
+
+
+__all__ = ["REQUIRED", "config_error", "get_bool", "get_int", "get_int_list", "get_opt_int", "get_str",
+           "get_str_list", "read_config"]

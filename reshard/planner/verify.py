@@ -1,0 +1,461 @@
+"""A saved plan is untrusted input: loading re-proves what it claims before a Plan exists.
+
+`load_plan(header, arrays)` checks, in this order, and raises PlanFileError naming the entry to blame:
+  1. the header's entries have their types (strict JSON: integers are integers) and the layouts are valid;
+  2. the tensor tables: ranks inside each side, kinds inside the table, one shape per (rank, name);
+  3. the program's arrays: integer arrays of the expected shapes, every index inside what it indexes (boxes,
+     holders, groups, tensors, replicas, parts, holder choices), strides positive and no narrower than a row;
+  4. the digest: present, and equal to the digest of the content (a missing digest is an error);
+  5. what the content claims, in time linear in its ops (the coverage proof sorts): every op reads and writes
+     inside its tensors; the destination table is replica 0's repeated; both tables are the layouts' physical
+     tensors; the template and the relay template write every destination element holding model data exactly
+     once (planner.coverage, as the compiler proves it); the selection and the colocation are valid, and the
+     lower bounds are the layouts'.
+Executors check the ops they run again, against the tensors they are given (executors.guard), whatever the
+plan's origin.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import numpy as np
+
+from ..arrays import unique_inverse
+from ..errors import CoverageError, PlanError, PlanFileError, ReshardError, show
+from ..layouts import layout_from_dict
+from ..layouts.model import DTYPE_SIZES
+from ..limits import MAX_PARAMS, MAX_PLAN_ELEMENTS, MAX_RANKS
+from .accounting import Bounds
+from .fanout import check_forest
+from .plan import FORMAT_VERSION
+from .program import RELAY_COLUMNS, TEMPLATE_COLUMNS, Program
+
+HEADER_KEYS = {"format", "src", "dst", "colocated", "colocation", "fanout", "roots", "selection", "bounds", "program",
+               "src_tensors", "dst_tensors", "coverage", "compile_seconds", "digest", "arrays"}
+ARRAY_NAMES = tuple(f"t.{c}" for c in TEMPLATE_COLUMNS) + tuple(f"r.{c}" for c in RELAY_COLUMNS) + Program.ARRAYS
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_BIG = 1 << 62  # no offset, length or count of a valid plan comes near this
+
+
+def bad(field: str, value: Any, rule: str, problems: list[str] | tuple[str, ...] = ()) -> PlanFileError:
+    return PlanFileError(f"plan file: {field}={show(value)} {rule}", problems, field=field, value=value)
+
+
+def _int(d: dict[str, Any], key: str, low: int = 0, high: int = _BIG, optional: bool = False,
+         prefix: str = "") -> Any:
+    v = d.get(key)
+    if optional and v is None:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise bad(prefix + key, v, f"must be a JSON integer, not {type(v).__name__}")
+    if not low <= v <= high:
+        raise bad(prefix + key, v, f"must be in [{low}, {high}]")
+    return v
+
+
+def int_array(field: str, value: Any, ndim: int = 1) -> np.ndarray:
+    """An integer array from a saved plan (a numpy array from .npz, nested lists from JSON), as int64; anything
+    else (floats, booleans, strings, ragged lists, other shapes, values past int64) is refused."""
+    if isinstance(value, np.ndarray):
+        a = value
+    elif isinstance(value, list):
+        rows = value if value and isinstance(value[0], list) else [value]
+        if any(bool in set(map(type, r)) for r in rows if isinstance(r, list)):  # numpy would make true a 1
+            raise bad(field, "<list>", "holds a boolean where integers belong")
+        try:
+            a = np.asarray(value)
+        except (ValueError, TypeError, OverflowError) as e:
+            raise bad(field, "<list>", f"is not a rectangular array of integers ({e})") from None
+    else:
+        raise bad(field, value, f"must be an array of integers, not {type(value).__name__}")
+    if a.size > MAX_PLAN_ELEMENTS:
+        raise bad(field, a.shape, f"has more than {MAX_PLAN_ELEMENTS:,} elements")
+    if a.ndim != ndim:
+        raise bad(field, a.shape, f"must have {ndim} dimension{'s' * (ndim > 1)}")
+    if a.size == 0:
+        return np.zeros(a.shape, dtype=np.int64)
+    if a.dtype.kind not in "iu":
+        raise bad(field, str(a.dtype), "must hold integers")
+    if a.dtype.kind == "u" and int(a.max()) >= 1 << 63:
+        raise bad(field, int(a.max()), "holds a value past int64")
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def within(field: str, a: np.ndarray, low: int, high: int) -> None:
+    """Every value of `a` in [low, high)."""
+    out = np.flatnonzero((a < low) | (a >= high))
+    if len(out):
+        i = int(out[0])
+        raise bad(f"{field}[{i}]", int(a[i]), f"must be in [{low}, {high}) ({len(out)} entries are not)")
+
+
+def _same(field: str, a: np.ndarray, b: np.ndarray, what: str) -> None:
+    diff = np.flatnonzero(a != b)
+    if len(diff):
+        i = int(diff[0])
+        raise bad(f"{field}[{i}]", int(a[i]), f"must be {int(b[i])} ({what}; {len(diff)} entries differ)")
+
+
+# --- 1-2. header and tables ---------------------------------------------------------------------------------
+
+def _layouts(d: dict[str, Any]) -> tuple[Any, Any]:
+    out = []
+    for side in ("src", "dst"):
+        try:
+            out.append(layout_from_dict(d.get(side)))
+        except ReshardError as e:
+            raise PlanFileError(f"plan file: {side} layout is invalid: {e}", field=side) from e
+    src, dst = out
+    if src.model != dst.model:
+        raise bad("dst.model", str(dst.model), f"differs from the source's model {src.model}")
+    return src, dst
+
+
+def _table(field: str, d: Any, num_ranks: int):
+    from .plan import TensorTable
+
+    if not isinstance(d, dict) or not {"rank", "kind", "kinds"} <= set(d) or set(d) - {"rank", "kind", "kinds",
+                                                                                      "dtypes"}:
+        raise bad(field, d if not isinstance(d, dict) else sorted(d), "must be an object of rank, kind, kinds "
+                  "(and dtypes)")
+    rank, kind = int_array(f"{field}.rank", d["rank"]), int_array(f"{field}.kind", d["kind"])
+    if len(rank) != len(kind):
+        raise bad(f"{field}.kind", len(kind), f"must have as many entries as {field}.rank ({len(rank)})")
+    kinds = d["kinds"]
+    if not isinstance(kinds, list) or len(kinds) > MAX_PLAN_ELEMENTS:
+        raise bad(f"{field}.kinds", kinds, "must be a list of [name, shape] pairs")
+    parsed = []
+    for i, k in enumerate(kinds):
+        ok = isinstance(k, list) and len(k) == 2 and isinstance(k[0], str) and 0 < len(k[0]) <= 1024 and \
+            isinstance(k[1], list) and 1 <= len(k[1]) <= 8 and \
+            all(isinstance(x, int) and not isinstance(x, bool) and 0 < x <= MAX_PARAMS for x in k[1])
+        if not ok or math.prod(k[1]) > MAX_PARAMS:
+            raise bad(f"{field}.kinds[{i}]", k, "must be [name, shape] with a shape of positive integers "
+                      f"holding at most {MAX_PARAMS:,} elements")
+        parsed.append((k[0], tuple(k[1])))
+    dtypes = d.get("dtypes", [])
+    if not isinstance(dtypes, list) or (dtypes and len(dtypes) != len(kinds)) or \
+            not all(x == "" or x in DTYPE_SIZES for x in dtypes):
+        raise bad(f"{field}.dtypes", dtypes, f"must list one dtype per kind ('' or one of {sorted(DTYPE_SIZES)})")
+    within(f"{field}.rank", rank, 0, num_ranks)
+    within(f"{field}.kind", kind, 0, len(parsed))
+    names: dict[str, int] = {}
+    name_of_kind = np.asarray([names.setdefault(n, len(names)) for n, _ in parsed] or [0], dtype=np.int64)
+    key = rank * max(len(names), 1) + name_of_kind[kind] if len(kind) else kind
+    if len(np.unique(key)) != len(key):
+        raise bad(f"{field}.kinds", "...", "lists one (rank, tensor name) twice")
+    return TensorTable(rank, kind, tuple(parsed), tuple(dtypes))
+
+
+def _bounds(d: Any, num_dst: int) -> Bounds:
+    keys = {"lower_bound_by_dst", "model_bytes", "gatherer_held_bytes", "egress_lower_bound", "egress_unit_max",
+            "holder_sets_laminar"}
+    if not isinstance(d, dict) or set(d) - keys or not {"lower_bound_by_dst", "model_bytes"} <= set(d):
+        raise bad("bounds", d if not isinstance(d, dict) else sorted(d), f"must be an object of {sorted(keys)}")
+    lb = int_array("bounds.lower_bound_by_dst", d["lower_bound_by_dst"])
+    if len(lb) != num_dst:
+        raise bad("bounds.lower_bound_by_dst", len(lb), f"must list {num_dst} destination ranks")
+    within("bounds.lower_bound_by_dst", lb, 0, _BIG)
+    laminar = d.get("holder_sets_laminar", True)
+    if not isinstance(laminar, bool):
+        raise bad("bounds.holder_sets_laminar", laminar, "must be true or false")
+    ints = {k: _int({k: d.get(k, 0)}, k, prefix="bounds.") for k in ("model_bytes", "gatherer_held_bytes", "egress_lower_bound",
+                                                   "egress_unit_max")}
+    return Bounds(tuple(lb.tolist()), ints["model_bytes"], ints["gatherer_held_bytes"], ints["egress_lower_bound"],
+                  ints["egress_unit_max"], laminar)
+
+
+def _header(d: Any) -> dict[str, Any]:
+    """The header's entries, typed (the layouts and tables come later)."""
+    if not isinstance(d, dict):
+        raise bad("header", type(d).__name__, "must be a JSON object")
+    unknown = sorted(set(d) - HEADER_KEYS)
+    if unknown:
+        raise bad(unknown[0], d[unknown[0]], f"is not an entry of a plan file (entries: {sorted(HEADER_KEYS)})")
+    if d.get("format") != FORMAT_VERSION or isinstance(d.get("format"), bool):
+        raise bad("format", d.get("format"), f"is not supported (expected {FORMAT_VERSION})")
+    digest = d.get("digest")
+    if not isinstance(digest, str) or not _HEX64.fullmatch(digest):
+        raise bad("digest", digest, "must be the plan's SHA-256 digest (64 lowercase hex digits); a plan without "
+                  "one is refused")
+    if d.get("coverage") != "exact":
+        raise bad("coverage", d.get("coverage"), "must be 'exact' (a plan claims nothing else)")
+    seconds = d.get("compile_seconds", 0.0)
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 <= seconds < 1e9:
+        raise bad("compile_seconds", seconds, "must be a finite number of seconds >= 0")
+    if not isinstance(d.get("colocated"), bool):
+        raise bad("colocated", d.get("colocated"), "must be true or false")
+    sel = d.get("selection")
+    if sel is not None and (not isinstance(sel, list) or not sel or not all(isinstance(x, str) for x in sel)):
+        raise bad("selection", sel, "must be null or a non-empty list of tensor names")
+    if sel is not None and len(set(sel)) != len(sel):
+        raise bad("selection", sel, "lists a tensor twice")
+    prog = d.get("program")
+    if not isinstance(prog, dict) or set(prog) != {"ranks_per_replica", "tensors_per_replica"}:
+        raise bad("program", prog, "must be an object of ranks_per_replica and tensors_per_replica")
+    _int(prog, "ranks_per_replica", 1, MAX_RANKS, prefix="program.")
+    _int(prog, "tensors_per_replica", 0, MAX_PLAN_ELEMENTS, prefix="program.")
+    _int(d, "fanout", 1, MAX_RANKS, optional=True)
+    _int(d, "roots", 1, MAX_RANKS, optional=True)
+    return d
+
+
+# --- 3. the program ---------------------------------------------------------------------------------------
+
+def _program(arrays: Any, scalars: dict[str, int]) -> Program:
+    if not isinstance(arrays, dict):
+        raise bad("arrays", type(arrays).__name__, "must be an object of named integer arrays")
+    missing = [n for n in ARRAY_NAMES if n not in arrays]
+    if missing:
+        raise bad(f"arrays.{missing[0]}", None, f"is missing ({len(missing)} arrays are)")
+    extra = sorted(set(arrays) - set(ARRAY_NAMES))
+    if extra:
+        raise bad(f"arrays.{extra[0]}", None, "is not an array of a plan")
+    two = {"choice", "parent", "stage"}
+    a = {n: int_array(f"arrays.{n}", arrays[n], 2 if n in two else 1) for n in ARRAY_NAMES}
+    for prefix, cols in (("t.", TEMPLATE_COLUMNS), ("r.", RELAY_COLUMNS)):
+        n = len(a[prefix + cols[0]])
+        for c in cols:
+            if len(a[prefix + c]) != n:
+                raise bad(f"arrays.{prefix}{c}", len(a[prefix + c]), f"must have {n} entries like "
+                          f"arrays.{prefix}{cols[0]}")
+    for group in (("box_hstart", "box_hcount"), ("h_rank", "h_tensor", "h_base", "h_stride")):
+        for name in group[1:]:
+            if len(a[name]) != len(a[group[0]]):
+                raise bad(f"arrays.{name}", len(a[name]), f"must have {len(a[group[0]])} entries like "
+                          f"arrays.{group[0]}")
+    return Program(template={c: a["t." + c] for c in TEMPLATE_COLUMNS}, relay={c: a["r." + c] for c in RELAY_COLUMNS},
+                   **{n: a[n] for n in Program.ARRAYS}, **scalars)
+
+
+def _check_program(p: Program, src_tables: Any, dst_table: Any, S: int, K: int, num_canon: int) -> None:
+    """Every index inside what it indexes, the forests well formed, the holder choices inside their boxes."""
+    B, H, G = len(p.box_hstart), len(p.h_rank), len(p.group_box)
+    T0, rpr = p.tensors_per_replica, p.ranks_per_replica
+    if p.parent.shape != p.stage.shape or p.parent.shape[1:] != (K,) or p.parent.shape[0] < 1:
+        raise bad("arrays.parent", p.parent.shape, f"must be (parts >= 1, {K} replicas) like arrays.stage")
+    within("arrays.stage", p.stage.reshape(-1), 0, K + 1)  # a stage per tree level: at most one per replica
+    problems = check_forest(p.parent, p.stage)
+    if problems:
+        raise bad("arrays.parent", "...", "does not describe fan-out forests", problems)
+    fed = np.flatnonzero(p.parent[0] < 0)
+    _same("arrays.fed", p.fed, fed, "the replicas fed by the source, ascending") if len(p.fed) == len(fed) else \
+        _raise(bad("arrays.fed", len(p.fed), f"must list the {len(fed)} replicas that arrays.parent says are fed"))
+    if p.choice.shape != (len(fed), G):
+        raise bad("arrays.choice", p.choice.shape, f"must be ({len(fed)} fed replicas, {G} groups)")
+    within("arrays.box_hcount", p.box_hcount, 1, _BIG)
+    _same("arrays.box_hstart", p.box_hstart, np.cumsum(p.box_hcount) - p.box_hcount, "holders of box b follow "
+          "those of box b - 1")
+    if B and int(p.box_hstart[-1] + p.box_hcount[-1]) != H:
+        raise bad("arrays.box_hcount", int(p.box_hcount.sum()), f"must sum to the {H} holders")
+    within("arrays.h_rank", p.h_rank, 0, S)
+    within("arrays.h_tensor", p.h_tensor, 0, len(src_tables))
+    _same("arrays.h_rank", p.h_rank, src_tables.rank[p.h_tensor], "the rank of the holder's source tensor")
+    within("arrays.h_base", p.h_base, 0, MAX_PARAMS)
+    within("arrays.h_stride", p.h_stride, 1, MAX_PARAMS)
+    t = p.template
+    within("arrays.t.box", t["box"], 0, B)
+    within("arrays.t.canon", t["canon"], 0, num_canon)
+    within("arrays.t.dst_rank", t["dst_rank"], 0, rpr)
+    within("arrays.t.dst_tensor", t["dst_tensor"], 0, T0)
+    _same("arrays.t.dst_rank", t["dst_rank"], dst_table.rank[t["dst_tensor"]], "the rank of the op's tensor")
+    for prefix, ops in (("arrays.t.", t), ("arrays.r.", p.relay)):
+        _op_shape(prefix, ops)
+    within("arrays.t.src_d0", t["src_d0"], 0, MAX_PARAMS)
+    within("arrays.t.src_d1", t["src_d1"], 0, MAX_PARAMS)
+    g = t["group"]
+    if len(g):
+        if int(g[0]) != 0 or not np.isin(np.diff(g), (0, 1)).all() or int(g[-1]) != G - 1:
+            raise bad("arrays.t.group", "...", f"must number the {G} groups in order, 0, 0, 1, ... (sorted, no gaps)")
+        first = np.flatnonzero(np.diff(np.concatenate([[-1], g])))
+        _same("arrays.group_box", p.group_box, t["box"][first], "the box of the group's first op")
+    elif G:
+        raise bad("arrays.group_box", G, "must be empty when the template has no ops")
+    fewest = np.full(G, _BIG, dtype=np.int64)
+    np.minimum.at(fewest, g, p.box_hcount[t["box"]])
+    out = np.argwhere((p.choice < 0) | (p.choice >= fewest[None, :]))
+    if len(out):
+        f, k = (int(x) for x in out[0])
+        raise bad(f"arrays.choice[{f}][{k}]", int(p.choice[f, k]), f"must be in [0, {int(fewest[k])}) (a holder "
+                  f"of every box of group {k})")
+    r = p.relay
+    within("arrays.r.canon", r["canon"], 0, num_canon)
+    within("arrays.r.dst_rank", r["dst_rank"], 0, rpr)
+    within("arrays.r.dst_tensor", r["dst_tensor"], 0, T0)
+    _same("arrays.r.dst_rank", r["dst_rank"], dst_table.rank[r["dst_tensor"]], "the rank of the op's tensor")
+    within("arrays.r.part", r["part"], 0, p.num_parts)
+    if len(fed) == K and len(r["rows"]):
+        raise bad("arrays.r.rows", len(r["rows"]), "must be empty: every replica is fed by the source")
+
+
+def check_program(plan: Any) -> None:
+    """The index checks of `_check_program`, which every Plan runs when it is built, whatever its origin: a
+    hand-built program with an index out of range would otherwise expand into other ops than its author meant
+    (numpy wraps negative indices) or make the accounting allocate by its values."""
+    if len(plan.dst_tensors) != plan.program.tensors_per_replica * plan.dst.num_replicas or \
+            plan.program.ranks_per_replica != plan.dst.ranks_per_replica:
+        raise bad("program", plan.program.scalars(), f"does not fit the destination ({plan.dst})")
+    _check_program(plan.program, plan.src_tensors, plan.dst_tensors, plan.src.num_ranks, plan.dst.num_replicas,
+                   len(plan.src.model.canonical))
+
+
+def _raise(e: Exception) -> None:
+    raise e
+
+
+def _op_shape(prefix: str, ops: dict[str, np.ndarray]) -> None:
+    """rows, cols and the destination stride positive; a block of several rows no wider than its stride."""
+    within(prefix + "rows", ops["rows"], 1, MAX_PARAMS)
+    within(prefix + "cols", ops["cols"], 1, MAX_PARAMS)
+    within(prefix + "dst_stride", ops["dst_stride"], 1, MAX_PARAMS)
+    within(prefix + "dst_offset", ops["dst_offset"], 0, MAX_PARAMS)
+    narrow = np.flatnonzero((ops["rows"] > 1) & (ops["dst_stride"] < ops["cols"]))
+    if len(narrow):
+        i = int(narrow[0])
+        raise bad(f"{prefix}dst_stride[{i}]", int(ops["dst_stride"][i]), f"is narrower than the block's "
+                  f"{int(ops['cols'][i])} columns (rows would overlap)")
+
+
+# --- 5. what the content claims -------------------------------------------------------------------------------
+
+def _reads_inside(p: Program, src_numel: np.ndarray) -> None:
+    """Every op of every fed replica reads inside its holder's source tensor (the holder each replica chose)."""
+    t = p.template
+    rows, cols = t["rows"], t["cols"]
+    for f in range(len(p.fed)):
+        h = p.box_hstart[t["box"]] + p.choice[f][t["group"]]
+        stride = np.where(rows == 1, cols, p.h_stride[h])
+        narrow = np.flatnonzero((rows > 1) & (stride < cols))
+        # all factors are below 2**47 (checked): float products decide overflow before int64 arithmetic
+        big = (t["src_d0"].astype(float) + rows) * stride.astype(float) + p.h_base[h] + t["src_d1"] + cols
+        last = p.h_base[h] + t["src_d0"] * p.h_stride[h] + t["src_d1"] + (rows - 1) * stride + cols
+        outside = np.flatnonzero((big > 2.0 ** 61) | (last > src_numel[p.h_tensor[h]]))
+        for idx, what in ((narrow, "has a row stride narrower than its columns"),
+                          (outside, "reads past the end of its source tensor")):
+            if len(idx):
+                i = int(idx[0])
+                raise bad(f"arrays.t.src_d0[{i}]", int(t["src_d0"][i]), f"{what} (fed replica {int(p.fed[f])}, "
+                          f"source tensor {int(p.h_tensor[h[i]])}; {len(idx)} ops do)")
+
+
+def _match(field: str, table: Any, placements: Any, rows: np.ndarray, exact: bool) -> np.ndarray:
+    """Table id of each placement row in `rows`; the placements' physical tensors must be the table's (`exact`:
+    and the table no more). Shapes compared in units of the plan's dtype."""
+    names = [n for n, _ in table.kinds]
+    ids = {(r, names[k]): i for i, (r, k) in enumerate(zip(table.rank.tolist(), table.kind.tolist()))}
+    nk = max(len(placements.kinds), 1)
+    first, inverse = unique_inverse((placements.rank[rows] * nk + placements.kind[rows],))
+    pairs = np.stack([placements.rank[rows][first], placements.kind[rows][first]])
+    tid = np.empty(pairs.shape[1], dtype=np.int64)
+    for j, (r, k) in enumerate(pairs.T.tolist()):
+        name, shape = placements.kinds[k]
+        i = ids.get((r, name))
+        if i is None:
+            raise bad(field, f"rank {r} {name}", "lacks a tensor the layout places data in")
+        if table.shape(i) != tuple(shape):
+            raise bad(field, f"rank {r} {name}", f"has shape {table.shape(i)}; the layout's is {tuple(shape)}")
+        tid[j] = i
+    if exact and len(set(tid.tolist())) != len(ids):
+        extra = sorted(set(range(len(ids))) - set(tid.tolist()))[0] if ids else 0
+        raise bad(field, f"rank {table.rank[extra]} {table.name(extra)}", "is not a tensor of the layout")
+    return tid[inverse.reshape(-1)]
+
+
+def _prove(plan: Any, sel: np.ndarray) -> None:
+    from .compiler import _in_units, _unit_ratios
+    from .coverage import prove_replica_coverage
+
+    p, model, K, rpr, T0 = plan.program, plan.src.model, plan.dst.num_replicas, plan.program.ranks_per_replica, \
+        plan.program.tensors_per_replica
+    table = plan.dst_tensors
+    _same("dst_tensors.rank", table.rank, np.tile(table.rank[:T0], K) + np.repeat(np.arange(K) * rpr, T0),
+          "replica k's tensors are replica 0's on ranks shifted by k x ranks per replica")
+    _same("dst_tensors.kind", table.kind, np.tile(table.kind[:T0], K), "every replica holds replica 0's tensors")
+    ratio, own = _unit_ratios(model)
+    S, _ = _in_units(plan.src.placement_table(sel), ratio, own, "source")
+    D, _ = _in_units(plan.dst.placement_table(sel, replica=0), ratio, own, "destination")
+    table0 = type(table)(table.rank[:T0], table.kind[:T0], table.kinds, table.dtypes)
+    d_rows = np.flatnonzero(D.n0 * D.n1 > 0)
+    _match("dst_tensors", table0, D, np.arange(len(D)), exact=True)
+    s_rows = np.flatnonzero(S.n0 * S.n1 > 0)
+    _match("src_tensors", plan.src_tensors, S, s_rows, exact=True)
+    d_tid = _match("dst_tensors", table0, D, d_rows, exact=False)
+    in_sel = np.zeros(len(model.canonical), dtype=bool)
+    in_sel[sel] = True
+    for prefix, ops in (("arrays.t.canon", p.template), ("arrays.r.canon", p.relay)):
+        off = np.flatnonzero(~in_sel[ops["canon"]])
+        if len(off):
+            raise bad(f"{prefix}[{int(off[0])}]", int(ops["canon"][off[0]]), "is a tensor outside the selection")
+    _reads_inside(p, table_numel(plan.src_tensors))
+    relayed = len(p.fed) < K
+    try:
+        prove_replica_coverage([p.template, p.relay] if relayed else [p.template], table0, d_tid,
+                               D.origin[d_rows], D.n0[d_rows], D.n1[d_rows])
+    except CoverageError as e:
+        raise PlanFileError("plan file: the ops do not write every destination element holding model data "
+                            "exactly once", e.problems, field="arrays") from None
+    itemsize = plan.itemsize
+    per_dst0 = np.bincount(D.rank[d_rows], weights=D.n0[d_rows] * D.n1[d_rows], minlength=rpr).astype(np.int64)
+    want = (np.tile(per_dst0, K) * itemsize).tolist()
+    if list(plan.bounds.lower_bound_by_dst) != want:
+        raise bad("bounds.lower_bound_by_dst", list(plan.bounds.lower_bound_by_dst)[:8], "is not what the "
+                  "destination layout holds")
+    model_bytes = int((model.canonical.numel * ratio)[sel].sum()) * itemsize
+    if plan.bounds.model_bytes != model_bytes:
+        raise bad("bounds.model_bytes", plan.bounds.model_bytes, f"must be {model_bytes} (the selection's bytes)")
+
+
+def table_numel(table: Any) -> np.ndarray:
+    """Elements of each tensor of a table (in the plan's units)."""
+    return table.kind_array(lambda _, shape: math.prod(shape))
+
+
+def load_plan(cls: type, d: Any, arrays: Any) -> Any:
+    """The Plan a saved header and its arrays describe, once every check of the module docstring passed."""
+    from .compiler import select_indices
+
+    d = _header(d)
+    src, dst = _layouts(d)
+    S, D, K = src.num_ranks, dst.num_ranks, dst.num_replicas
+    src_tables = _table("src_tensors", d.get("src_tensors"), S)
+    dst_table = _table("dst_tensors", d.get("dst_tensors"), D)
+    scalars = d["program"]
+    if scalars["ranks_per_replica"] != dst.ranks_per_replica or scalars["tensors_per_replica"] * K != len(dst_table):
+        raise bad("program", scalars, f"does not fit the destination ({K} replicas of {dst.ranks_per_replica} ranks, "
+                  f"{len(dst_table)} tensors)")
+    colocation = d.get("colocation")
+    if colocation is not None:
+        if not d["colocated"]:
+            raise bad("colocation", colocation, "is given but colocated is false")
+        colocation = int_array("colocation", colocation)
+        if len(colocation) != D:
+            raise bad("colocation", len(colocation), f"must list the source rank of each of {D} destination ranks")
+        within("colocation", colocation, 0, S)
+        colocation = tuple(colocation.tolist())
+    elif d["colocated"]:
+        if D > S:
+            raise bad("colocated", True, f"needs a source rank per destination rank ({D} > {S})")
+        colocation = tuple(range(D))
+    try:
+        sel = select_indices(src.model, d["selection"], None)
+    except PlanError as e:
+        raise bad("selection", d["selection"], str(e)) from None
+    program = _program(d.get("arrays") if arrays is None else arrays, scalars)
+    fanout, roots = d.get("fanout"), d.get("roots")
+    fed = len(program.fed)
+    if (fanout is None) != (roots is None) or (fanout is None and fed != K) or (roots is not None and roots != fed):
+        raise bad("roots", roots, f"must be null without fanout (every replica fed), else the {fed} fed replicas")
+    plan = cls(src=src, dst=dst, src_tensors=src_tables, dst_tensors=dst_table, program=program,
+               bounds=_bounds(d.get("bounds"), D), colocation=colocation, fanout=fanout, roots=roots,
+               selection=tuple(d["selection"]) if d["selection"] is not None else None, coverage="exact",
+               compile_seconds=float(d.get("compile_seconds", 0.0)))
+    if plan.digest != d["digest"]:
+        raise bad("digest", d["digest"][:12], f"does not match the content (whose digest is {plan.digest[:12]}): "
+                  "the file was changed or damaged")
+    _prove(plan, sel)
+    return plan
+
+
+__all__ = ["check_program", "int_array", "load_plan", "table_numel", "within"]

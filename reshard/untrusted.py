@@ -1,0 +1,110 @@
+"""Reading files and JSON that come from outside (HF configs, saved plans): bounded, strict, never blocking.
+
+A path must name a regular file (a FIFO would block the reader, a device never end) no larger than the caller's
+limit; bytes must be UTF-8; JSON must not repeat a key in an object, use NaN or Infinity, or nest deeper than
+`limits.MAX_JSON_DEPTH`. Every refusal is the caller's error class, naming the path and the rule.
+"""
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import ReshardError
+from .limits import MAX_JSON_DEPTH, json_depth
+
+ErrorFactory = Callable[[str, Any, str], ReshardError]  # (field, value, rule) -> the error to raise
+
+
+def read_bytes(path: "str | os.PathLike[str]", limit: int, error: ErrorFactory, field: str = "path") -> bytes:
+    """The bytes of a regular file of at most `limit` bytes; opened non-blocking, checked before reading."""
+    shown = os.fspath(path)
+    try:
+        fd = os.open(shown, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+    except FileNotFoundError:
+        raise error(field, shown, "does not exist") from None
+    except IsADirectoryError:
+        raise error(field, shown, "is a directory, not a file") from None
+    except OSError as e:
+        raise error(field, shown, f"cannot be opened ({e.strerror or e})") from None
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise error(field, shown, "is a directory, not a file")
+        if not stat.S_ISREG(info.st_mode):
+            raise error(field, shown, "is not a regular file (a FIFO, socket or device is refused)")
+        if info.st_size > limit:
+            raise error(field, shown, f"is {info.st_size:,} bytes; the limit is {limit:,}")
+        chunks, left = [], limit + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+        if len(data) > limit:
+            raise error(field, shown, f"grew past the limit of {limit:,} bytes while being read")
+        return data
+    except OSError as e:
+        raise error(field, shown, f"cannot be read ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _Duplicate(k)
+        out[k] = v
+    return out
+
+
+class _Duplicate(Exception):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _constant(name: str) -> Any:
+    raise _Constant(name)
+
+
+class _Constant(Exception):
+    pass
+
+
+def parse_json(data: "bytes | str", error: ErrorFactory, field: str, value: Any = "<text>",
+               depth: int = MAX_JSON_DEPTH) -> Any:
+    """A JSON value from `data` (UTF-8 bytes or text), strictly: see the module docstring. Errors name `field`
+    and `value` (the path the data came from)."""
+    if isinstance(data, bytes):
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise error(field, value, f"is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    else:
+        text = data
+    try:
+        out = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_constant)
+    except _Duplicate as e:
+        raise error(field, value, f"repeats the key {e.key!r} in one JSON object") from None
+    except _Constant as e:
+        raise error(field, value, f"uses {e}, which JSON does not have") from None
+    except RecursionError:
+        raise error(field, value, f"nests deeper than {depth} levels") from None
+    except ValueError as e:  # JSONDecodeError
+        raise error(field, value, f"is not valid JSON ({e})") from None
+    if json_depth(out, depth) > depth:
+        raise error(field, value, f"nests deeper than {depth} levels")
+    return out
+
+
+def read_json(path: "str | Path", limit: int, error: ErrorFactory, field: str = "path") -> Any:
+    return parse_json(read_bytes(path, limit, error, field), error, field, os.fspath(path))
+
+
+__all__ = ["parse_json", "read_bytes", "read_json"]

@@ -9,6 +9,7 @@ the "E4" shape across a process boundary. Cases:
                              shared buffers in turn, the engine unpacks each (no layout change: its best case)
   collective (CPU)           the torch.distributed executor over a store-made gloo group, in place
   gloo send/recv (CPU)       ceiling of the above: the same bytes as raw gloo messages of one bucket each
+  ...+checksum (--checksum)  the same refit with the end-to-end checksum option, beside the refit without it
 
     python benchmarks/refit_shared.py [--device cpu|cuda] [--config examples/configs/qwen3-0.6b.json] [--iters 5]
 
@@ -94,10 +95,13 @@ def worker(me: int, port: int, args: dict, out: str) -> None:
     nbytes = plan.accounting.total_bytes
     results: dict = {"bytes": nbytes}
     iters = args["iters"]
-    for name, staged in (("shared staged", True), ("shared in place", False)):
+    cases = [("shared staged", True, False), ("shared in place", False, False)]
+    if args["checksum"]:  # the end-to-end checksum option's cost: SHA-256 of every block on both ends, on the host
+        cases.append(("in place+checksum", False, True))
+    for name, staged, checksum in cases:
         src, dst = _tensors(plan, me, device, not staged)
         ex = SharedExecutor(plan, binding, me, src, dst, store=store, staged=staged, namespace=name.replace(" ", "-"),
-                            timeout=600)
+                            timeout=600, checksum=checksum)
         ex.refit()  # warm-up: first touches of every page
         phases: list = []
         results[name] = [_timed(store, f"{name}/{i}", me, device, lambda: phases.append(ex.refit().phases))
@@ -129,6 +133,14 @@ def worker(me: int, port: int, args: dict, out: str) -> None:
                                                                  else {}))
         ex.refit()
         results["collective"] = [_timed(store, f"coll/{i}", me, device, ex.refit) for i in range(iters)]
+        ex.close()
+        if args["checksum"]:
+            ex = DistributedExecutor(plan, binding, me, src, dst, group=comm, in_place=True, timeout=600.0,
+                                     bucket_bytes=args["bucket"], checksum=True)
+            ex.refit()
+            results["collective+checksum"] = [_timed(store, f"collsum/{i}", me, device, ex.refit)
+                                              for i in range(iters)]
+            ex.close()
         del src, dst, ex
         results["gloo send/recv"] = _raw_gloo(comm, store, me, nbytes, args["bucket"], iters)
     Path(out).write_text(json.dumps(results))
@@ -200,11 +212,12 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--bucket", type=int, default=None, help="bytes per message / ping-pong buffer")
     p.add_argument("--direct-bytes", type=int, default=None, help="the collective executor's direct_bytes")
+    p.add_argument("--checksum", action="store_true", help="also measure the end-to-end checksum option")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     config = a.config or str(ROOT / ("examples/configs/qwen3-8b.json" if a.device == "cuda"
                                      else "examples/configs/qwen3-0.6b.json"))
-    args = {"device": a.device, "config": config, "iters": a.iters, "direct": a.direct_bytes,
+    args = {"device": a.device, "config": config, "iters": a.iters, "direct": a.direct_bytes, "checksum": a.checksum,
             "bucket": a.bucket or ((1 << 30) if a.device == "cuda" else (64 << 20))}
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
@@ -227,7 +240,8 @@ def main() -> int:
           f"median of {a.iters}, slowest process")
     print(f"{'case':<18} {'time':>10} {'GiB/s':>8}  vs ceiling")
     ceilings = {"shared staged": "copy", "shared in place": "copy", "ping-pong": "copy",
-                "collective": "gloo send/recv"}
+                "collective": "gloo send/recv", "in place+checksum": "shared in place",
+                "collective+checksum": "collective"}
     for k, t in med.items():
         ref = ceilings.get(k)
         rel = f"{med[ref] / t:6.0%} of {ref}" if ref in med else "(ceiling)"

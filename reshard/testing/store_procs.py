@@ -166,6 +166,30 @@ def plan_worker(process: int, port: int, workdir: str) -> None:
     (Path(workdir) / f"result-{process}.json").write_text(json.dumps(results))
 
 
+def check_plan_results(workdir: Path, jobs: list[dict], processes: int, refits: int,
+                       require_reuse: bool = False) -> None:
+    """Assert that every process of every job wrote results with all refits byte-equal to the local executor's
+    (and, with require_reuse, that no refit redid the transport's set-up)."""
+    from ..executors.binding import Binding
+
+    seen = {k: 0 for k in range(len(jobs))}
+    problems = []
+    for p in range(processes):
+        for r in json.loads((Path(workdir) / f"result-{p}.json").read_text()):
+            seen[r["job"]] += 1
+            label = f"job {r['job']} process {p} ({jobs[r['job']]['label']})"
+            if r["errors"]:
+                problems.append(f"{label}: {r['errors']}")
+            elif r["ok"] != [True] * refits:
+                problems.append(f"{label}: refits ok {r['ok']}")
+            elif require_reuse and (r["set_up_calls_during_refits"] or not r["handles_reused"]):
+                problems.append(f"{label}: refits redid set-up: {r['set_up_calls_during_refits']}, "
+                                f"handles reused {r['handles_reused']}")
+    assert not problems, "\n".join(problems)
+    for k, job in enumerate(jobs):
+        assert seen[k] == Binding.from_dict(job["binding"]).num_processes, f"job {k} ran on {seen[k]} processes"
+
+
 def failure_worker(process: int, port: int, workdir: str, scenario: str, victim: int) -> None:
     """Two refits; the second loses `victim`. Survivors write result-<process>.json with what refit 2 raised,
     how long it took, and whether their destination tensors still hold refit 1's bytes.

@@ -22,7 +22,7 @@ from hypothesis import Phase, given, settings, strategies as st
 import reshard
 from reshard.executors.binding import Binding
 from reshard.testing.refit_cases import tiny_deepseek
-from reshard.testing.store_procs import failure_worker, launch, plan_worker
+from reshard.testing.store_procs import check_plan_results, failure_worker, launch, plan_worker
 from reshard.testing.strategies import refits
 
 PROCESSES = 4
@@ -76,19 +76,7 @@ def test_random_plans_match_local_executor_over_three_refits(tmp_path, device):
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     codes = launch(plan_worker, PROCESSES, (str(tmp_path),), timeout=300)
     assert codes == [0] * PROCESSES, f"workers exited with {codes}"
-    seen = {k: 0 for k in range(len(jobs))}
-    problems = []
-    for p in range(PROCESSES):
-        for r in json.loads((tmp_path / f"result-{p}.json").read_text()):
-            seen[r["job"]] += 1
-            label = f"job {r['job']} process {p} ({jobs[r['job']]['label']})"
-            if r["errors"]:
-                problems.append(f"{label}: {r['errors']}")
-            elif r["ok"] != [True] * REFITS:
-                problems.append(f"{label}: refits ok {r['ok']}")
-    assert not problems, "\n".join(problems)
-    for k, job in enumerate(jobs):
-        assert seen[k] == Binding.from_dict(job["binding"]).num_processes, f"job {k} ran on {seen[k]} processes"
+    check_plan_results(tmp_path, jobs, PROCESSES, REFITS)
     assert _segments() <= before, f"segments left behind: {sorted(_segments() - before)[:5]}"
 
 

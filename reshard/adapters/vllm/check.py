@@ -104,17 +104,20 @@ def placement_problems(derived: Sequence[tuple[str, Placement]], declared: Seque
 
 
 def check_layout(model: torch.nn.Module, layout: Layout, rank: int, layers: Sequence[int] | None = None,
-                 vllm_config: Any = None, loaders: bool = True) -> DerivedLayout:
+                 vllm_config: Any = None, loaders: bool = True,
+                 params: dict[str, torch.nn.Parameter] | None = None) -> DerivedLayout:
     """Raise LayoutMismatchError unless rank `rank` of `layout` is what this live model holds and what its
-    loaders write (for the canonical tensors of `layers`, default all). Returns the derived layout."""
+    loaders write (for the canonical tensors of `layers`, default all). Returns the derived layout.
+    `params`: the model's `live.weights`, where the caller has read them already."""
     where = f"rank {rank} of the live vLLM model ({type(model).__name__})"
-    live = {n: (tuple(p.shape), dtype_name(p.dtype)) for n, p in weights(model).items()}
+    params = weights(model) if params is None else params
+    live = {n: (tuple(p.shape), dtype_name(p.dtype)) for n, p in params.items()}
     problems = structure_problems(live, layout, rank)
     if problems:
         raise LayoutMismatchError(str(layout), problems, where=where)
     if not loaders:
         return DerivedLayout(rank, live)
-    derived = derive_layout(model, layout.model, rank, layers, vllm_config)
+    derived = derive_layout(model, layout.model, rank, layers, vllm_config, params)
     declared = declared_placements(layout, rank, probed_tensors(layout.model, layers))
     problems = list(derived.problems) + placement_problems(derived.placements, declared)
     if problems:

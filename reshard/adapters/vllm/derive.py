@@ -61,13 +61,14 @@ def probed_tensors(spec: ModelSpec, layers: Sequence[int] | None) -> list[Tensor
 
 
 def derive_layout(model: torch.nn.Module, spec: ModelSpec, rank: int, layers: Sequence[int] | None = None,
-                  vllm_config: Any = None) -> DerivedLayout:
+                  vllm_config: Any = None, params: dict[str, torch.nn.Parameter] | None = None) -> DerivedLayout:
     """Run the model's loaders on marked canonical tensors (of `layers`, default all) and read the layout off.
 
     Call it outside a weight-update session (the loaders must not be wrapped by a layerwise reload); needs
-    vLLM's parallel state (TP rank) initialized, as in any worker.
+    vLLM's parallel state (TP rank) initialized, as in any worker. `params`: the model's `live.weights`, where
+    the caller has read them already.
     """
-    params = weights(model)
+    params = weights(model) if params is None else params
     tensors = {n: (tuple(p.shape), dtype_name(p.dtype)) for n, p in params.items()}
     chosen = probed_tensors(spec, layers)
     wanted_layers = {t.layer for t in chosen}

@@ -71,8 +71,8 @@ def bind_direct(model: torch.nn.Module, layout: Layout, rank: int, layers: Seque
                 vllm_config: Any = None, loaders: bool = True) -> DirectBinding:
     """Check the live model against `layout` (structure and, unless `loaders=False`, the loaders' placements
     for `layers`, default all) and that no parameter was re-laid out; then bind its storage."""
-    check_layout(model, layout, rank, layers, vllm_config, loaders)
-    params = weights(model)
+    params = weights(model)  # read once: the checks and the binding below see the same parameters
+    check_layout(model, layout, rank, layers, vllm_config, loaders, params)
     problems = relaid_problems(model, params)
     if problems:
         raise KernelFormatError(str(layout), problems, where=f"rank {rank} of the live vLLM model")

@@ -9,7 +9,8 @@ the "E4" shape across a process boundary. Cases:
                              shared buffers in turn, the engine unpacks each (no layout change: its best case)
   collective (CPU)           the torch.distributed executor over a store-made gloo group, in place
   gloo send/recv (CPU)       ceiling of the above: the same bytes as raw gloo messages of one bucket each
-  ...+checksum (--checksum)  the same refit with the end-to-end checksum option, beside the refit without it
+  ...+sha256, ...+sum64      (--checksum) the same refit with the end-to-end checksum option, per algorithm,
+                             beside the refit without it
 
     python benchmarks/refit_shared.py [--device cpu|cuda] [--config examples/configs/qwen3-0.6b.json] [--iters 5]
 
@@ -96,8 +97,8 @@ def worker(me: int, port: int, args: dict, out: str) -> None:
     results: dict = {"bytes": nbytes}
     iters = args["iters"]
     cases = [("shared staged", True, False), ("shared in place", False, False)]
-    if args["checksum"]:  # the end-to-end checksum option's cost: SHA-256 of every block on both ends, on the host
-        cases.append(("in place+checksum", False, True))
+    for name in args["checksum"]:  # the end-to-end checksum option's cost (executors.checksum), per algorithm
+        cases.append((f"in place+{name}", False, name))
     for name, staged, checksum in cases:
         src, dst = _tensors(plan, me, device, not staged)
         ex = SharedExecutor(plan, binding, me, src, dst, store=store, staged=staged, namespace=name.replace(" ", "-"),
@@ -134,12 +135,12 @@ def worker(me: int, port: int, args: dict, out: str) -> None:
         ex.refit()
         results["collective"] = [_timed(store, f"coll/{i}", me, device, ex.refit) for i in range(iters)]
         ex.close()
-        if args["checksum"]:
+        for name in args["checksum"]:
             ex = DistributedExecutor(plan, binding, me, src, dst, group=comm, in_place=True, timeout=600.0,
-                                     bucket_bytes=args["bucket"], checksum=True)
+                                     bucket_bytes=args["bucket"], checksum=name)
             ex.refit()
-            results["collective+checksum"] = [_timed(store, f"collsum/{i}", me, device, ex.refit)
-                                              for i in range(iters)]
+            results[f"collective+{name}"] = [_timed(store, f"coll{name}/{i}", me, device, ex.refit)
+                                             for i in range(iters)]
             ex.close()
         del src, dst, ex
         results["gloo send/recv"] = _raw_gloo(comm, store, me, nbytes, args["bucket"], iters)
@@ -212,12 +213,13 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--bucket", type=int, default=None, help="bytes per message / ping-pong buffer")
     p.add_argument("--direct-bytes", type=int, default=None, help="the collective executor's direct_bytes")
-    p.add_argument("--checksum", action="store_true", help="also measure the end-to-end checksum option")
+    p.add_argument("--checksum", nargs="?", const="sha256,sum64", default="",
+                   help="also measure the end-to-end checksum option with these algorithms (default: both)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     config = a.config or str(ROOT / ("examples/configs/qwen3-8b.json" if a.device == "cuda"
                                      else "examples/configs/qwen3-0.6b.json"))
-    args = {"device": a.device, "config": config, "iters": a.iters, "direct": a.direct_bytes, "checksum": a.checksum,
+    args = {"device": a.device, "config": config, "iters": a.iters, "direct": a.direct_bytes, "checksum": [c for c in a.checksum.split(",") if c],
             "bucket": a.bucket or ((1 << 30) if a.device == "cuda" else (64 << 20))}
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
@@ -240,8 +242,8 @@ def main() -> int:
           f"median of {a.iters}, slowest process")
     print(f"{'case':<18} {'time':>10} {'GiB/s':>8}  vs ceiling")
     ceilings = {"shared staged": "copy", "shared in place": "copy", "ping-pong": "copy",
-                "collective": "gloo send/recv", "in place+checksum": "shared in place",
-                "collective+checksum": "collective"}
+                "collective": "gloo send/recv", **{f"in place+{c}": "shared in place" for c in ("sha256", "sum64")},
+                **{f"collective+{c}": "collective" for c in ("sha256", "sum64")}}
     for k, t in med.items():
         ref = ceilings.get(k)
         rel = f"{med[ref] / t:6.0%} of {ref}" if ref in med else "(ceiling)"

@@ -11,17 +11,42 @@ Per tensor: `tensor_digest` is SHA-256 of a tensor's raw bytes, the digest vLLM'
 each parameter (`hashlib.sha256(w.cpu().contiguous().view(-1).view(torch.uint8).numpy())`), so a destination
 tensor a refit wrote in place can be cross-checked against the engine's own checksums.
 
-Checksums run on the host: GPU bytes are copied to host memory to be hashed (slow; meant for CPU refits and
-for debugging GPU ones).
+Two algorithms (the option's value; True means "sha256"; every process of a refit must pick the same one):
+- "sha256": on the host. GPU bytes are copied to host memory to be hashed: about two hashing passes over the
+  bytes per refit (1.2 GB/s a core here), fine for CPU refits, for debugging only on GPUs.
+- "sum64": computed where the bytes are, by torch ops (on the GPU for GPU tensors, a few passes over the
+  bytes): a stream's bytes x_i at stream positions i give the count and three sums mod 2^64 -- sum x_i,
+  sum x_i (i + 1), and sum x_i T[i mod 2^23] with pseudo-random weights T[j] = ((j 1103515245 + 12345) mod
+  2^31) >> 8. Any one corrupted byte changes the second sum (its change d (i + 1) is not 0 mod 2^64 for
+  0 < |d| < 256 and i < 2^55), as do two swapped bytes; positions are the stream's, so how a stream is cut into
+  blocks does not matter. Not a cryptographic hash: it catches corruption in flight, not a forger.
 """
 from __future__ import annotations
 
 import hashlib
+import struct
 from typing import Any, Hashable, Mapping
 
 import torch
 
+from ..errors import ArgumentError
+
 DIGEST_BYTES = 32
+ALGORITHMS = ("sha256", "sum64")
+_MASK64 = (1 << 64) - 1
+PERIOD = 1 << 23  # "sum64" weights repeat with this period (bytes); see _Sum64
+_TABLES: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def algorithm(option: bool | str | None) -> str | None:
+    """The executors' `checksum` option as an algorithm name; None when off (False / None). True is "sha256"."""
+    if option is None or option is False:
+        return None
+    if option is True:
+        return "sha256"
+    if isinstance(option, str) and option in ALGORITHMS:
+        return option
+    raise ArgumentError("checksum", option, f"must be False, True or one of {ALGORITHMS}")
 
 
 def raw_bytes(t: torch.Tensor) -> memoryview:
@@ -50,30 +75,85 @@ def block(flat: torch.Tensor, offset: int, rows: int, cols: int, stride: int) ->
     return flat.as_strided((rows, cols), (stride, 1), flat.storage_offset() + offset)
 
 
-class Streams:
-    """One running SHA-256 per stream key (e.g. ("to", peer) / ("from", peer)), for one refit."""
+class _Sum64:
+    """The running sums of one "sum64" stream, kept on the bytes' device (no host sync until the digest).
+
+    The stream is cut at multiples of PERIOD (2^23): within a period, byte x at offset j (< 2^23) times j + 1 or
+    times T[j] (< 2^23) stays below 2^31, so the products run in int32 and only the sums widen to int64."""
 
     def __init__(self) -> None:
+        self.count = 0
+        self.sums: list[torch.Tensor] = []  # s1, s2, s3: int64 scalars on the device of the first block
+
+    def update(self, flat: torch.Tensor) -> None:
+        device = flat.device
+        if not self.sums:
+            self.sums = [torch.zeros((), dtype=torch.int64, device=device) for _ in range(3)]
+        ramp, weights = _tables(device)
+        s1, s2, s3 = self.sums
+        pos, done, n = self.count, 0, flat.numel()
+        while done < n:
+            j = pos % PERIOD
+            k = min(n - done, PERIOD - j)
+            piece = flat.narrow(0, done, k)
+            part = piece.sum(dtype=torch.int64)
+            s1.add_(part.to(s1.device))
+            s2.add_((part * (pos - j) + (piece * ramp.narrow(0, j, k)).sum(dtype=torch.int64)).to(s2.device))
+            s3.add_((piece * weights.narrow(0, j, k)).sum(dtype=torch.int64).to(s3.device))
+            pos, done = pos + k, done + k
+        self.count = pos
+
+    def digest(self) -> bytes:
+        sums = [int(v.item()) & _MASK64 for v in self.sums] if self.sums else [0, 0, 0]
+        return struct.pack("<4Q", self.count & _MASK64, *sums)
+
+
+def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """ramp[j] = j + 1 and the pseudo-random weights T[j] = ((j * 1103515245 + 12345) mod 2^31) >> 8, int32,
+    j < PERIOD, made once per device."""
+    key = str(device)
+    if key not in _TABLES:
+        j = torch.arange(PERIOD, dtype=torch.int64)
+        weights = torch.bitwise_right_shift(torch.bitwise_and(j * 1_103_515_245 + 12_345, (1 << 31) - 1), 8)
+        _TABLES[key] = ((j + 1).to(torch.int32).to(device), weights.to(torch.int32).to(device))
+    return _TABLES[key]
+
+
+class Streams:
+    """One running checksum per stream key (e.g. ("to", peer) / ("from", peer)), for one refit; `algorithm` is
+    "sha256" (host) or "sum64" (on the bytes' device)."""
+
+    def __init__(self, algorithm: str = "sha256") -> None:
+        if algorithm not in ALGORITHMS:
+            raise ArgumentError("checksum", algorithm, f"must be one of {ALGORITHMS}")
+        self.algorithm = algorithm
         self._h: dict[Hashable, Any] = {}
 
     def update(self, key: Hashable, t: torch.Tensor) -> None:
         h = self._h.get(key)
         if h is None:
-            h = self._h[key] = hashlib.sha256()
-        if t.numel():
+            h = self._h[key] = hashlib.sha256() if self.algorithm == "sha256" else _Sum64()
+        if not t.numel():
+            return
+        if self.algorithm == "sha256":
             h.update(raw_bytes(t))
+        else:
+            h.update(t.detach().contiguous().view(-1).view(torch.uint8))
 
     def digest(self, key: Hashable) -> bytes:
         h = self._h.get(key)
-        return (h or hashlib.sha256()).digest()
+        if h is None:
+            h = hashlib.sha256() if self.algorithm == "sha256" else _Sum64()
+        return h.digest()
 
     def hexdigest(self, key: Hashable) -> str:
         return self.digest(key).hex()
 
 
 def mismatch(what: str, sent: str, got: str) -> str:
-    return (f"checksum mismatch: {what} arrived with SHA-256 {got[:16]}, the sender sent {sent[:16]} (bytes were "
-            f"corrupted in flight)")
+    return (f"checksum mismatch: {what} arrived with checksum {got[:16]}, the sender sent {sent[:16]} (bytes "
+            f"were corrupted in flight)")
 
 
-__all__ = ["DIGEST_BYTES", "Streams", "block", "mismatch", "raw_bytes", "tensor_digest", "tensor_digests"]
+__all__ = ["ALGORITHMS", "DIGEST_BYTES", "Streams", "algorithm", "block", "mismatch", "raw_bytes", "tensor_digest",
+           "tensor_digests"]

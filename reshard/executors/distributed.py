@@ -88,7 +88,7 @@ from ..planner import Plan
 from . import connect
 from .base import Executor, RankTensors
 from .binding import Binding
-from .checksum import DIGEST_BYTES, Streams, mismatch
+from .checksum import DIGEST_BYTES, Streams, algorithm, mismatch
 from .comm import Comm, comm_for
 from .engines import Buffers, Engine, Setup, abort, make_engine, poll
 from .guard import check_memory, check_ops
@@ -162,9 +162,9 @@ class DistributedExecutor(Executor):
         one more NCCL communicator (its buffers on the GPU). Default: 3 on NCCL, 1 otherwise (gloo has no such
         per-message cost to hide).
     on_round: called with each round's index before it is posted (progress reporting, fault injection in tests).
-    checksum: hash the bytes sent to and received from every peer (SHA-256, in round order), exchange the
-        digests after the transfer and fail the refit on every process if one differs, before anything is
-        committed (executors.checksum; CPU tensors). Off, nothing is hashed or sent.
+    checksum: hash the bytes sent to and received from every peer (in round order; True or "sha256", or
+        "sum64": executors.checksum), exchange the digests after the transfer and fail the refit on every
+        process if one differs, before anything is committed (CPU tensors). Off, nothing is hashed or sent.
     """
 
     name = "distributed"
@@ -175,7 +175,7 @@ class DistributedExecutor(Executor):
                  bucket_bytes: int | None = None,
                  timeout: float = 300.0, depth: int | None = None, direct_bytes: int | str | None = "auto",
                  lanes: int | None = None, on_round: Callable[[int], None] | None = None,
-                 checksum: bool = False) -> None:
+                 checksum: bool | str = False) -> None:
         if undo and in_place:
             raise ExecutionError("undo=True already writes in place (keeping the previous bytes); drop in_place")
         if lanes is not None and lanes < 1:
@@ -187,7 +187,7 @@ class DistributedExecutor(Executor):
         self.plan, self.binding, self.in_place, self.timeout = plan, binding, in_place, timeout
         self.undo = undo
         self.on_round = on_round
-        self.checksum = bool(checksum)
+        self.checksum = algorithm(checksum)  # None when off
         self.comm = comm_for(group)
         self.distributed = self.comm is not None
         if self.comm is not None:
@@ -255,7 +255,7 @@ class DistributedExecutor(Executor):
             device, device_problem = self._device(src, dst)
             problem = problem or device_problem
             if problem is None and self.checksum and device.type != "cpu":
-                problem = "checksum=True hashes on the host and runs with CPU tensors (gloo) only"
+                problem = "checksum exchanges its digests over the group and runs with CPU tensors (gloo) only"
         engine = None
         if problem is None:
             try:  # buffers are allocated before the preflight, so that running out of memory is reported there
@@ -264,7 +264,7 @@ class DistributedExecutor(Executor):
                     kept.bind(self._setup, device, src, dst)
                     self._given = given or ()
                 engine = make_engine(self._setup, kept)
-                engine.sums = Streams() if self.checksum else None
+                engine.sums = Streams(self.checksum) if self.checksum else None
             except Exception as e:  # noqa: BLE001 - becomes this process's refusal, seen by every process
                 problem = f"could not prepare buffers on {device}: {type(e).__name__}: {e}"
         marks = [("prepare", time.perf_counter())]

@@ -46,7 +46,7 @@ from ..planner import Plan
 from ..planner.plan import RELAY
 from .base import Executor, RankTensors
 from .binding import Binding
-from .checksum import Streams, block, mismatch
+from .checksum import Streams, algorithm, block, mismatch
 from .copies import DST, PEER, SHADOW, SRC, Copies, fold
 from .exchange import Exchange
 from .guard import check_memory, check_ops
@@ -202,16 +202,16 @@ class SharedExecutor(Executor):
     staged: land received bytes in a staging arena and copy them in after every process voted (default), or
         write the destination tensors in place.
     timeout: seconds any wait of a refit may take.
-    checksum: senders hash the blocks they copy to each receiver (SHA-256, plan order) and publish the digest;
-        a receiver hashes what landed before the vote, and a mismatch fails the refit everywhere
-        (executors.checksum).
+    checksum: senders hash the blocks they copy to each receiver (plan order; True or "sha256", or "sum64",
+        computed on the GPU for GPU tensors) and publish the digest; a receiver hashes what landed before the
+        vote, and a mismatch fails the refit everywhere (executors.checksum).
     """
 
     name = "shared"
 
     def __init__(self, plan: Plan, binding: Binding, process: int, src: RankTensors, dst: RankTensors, *,
                  store: Any, staged: bool = True, timeout: float = 60.0, namespace: str = "default",
-                 poll_max_s: float = 0.0002, checksum: bool = False) -> None:
+                 poll_max_s: float = 0.0002, checksum: bool | str = False) -> None:
         if timeout <= 0:
             raise ExecutionError(f"timeout={timeout} must be positive (seconds)")
         binding.check(plan.src.num_ranks, plan.dst.num_ranks)
@@ -222,7 +222,7 @@ class SharedExecutor(Executor):
             raise ExecutionError("the shared-memory executor runs plans without fan-out relays (compile without "
                                  "fanout: on one host every receiver is fed by the sources directly)")
         self.plan, self.binding, self.process, self.staged = plan, binding, process, staged
-        self.checksum = bool(checksum)
+        self.checksum = algorithm(checksum)  # None when off
         self.timeout, self.poll_max_s = timeout, poll_max_s
         self.itemsize, self.dtype = plan.itemsize, torch_dtype(plan.dst.dtype)
         self.num_processes = len(binding.processes)
@@ -417,7 +417,7 @@ class SharedExecutor(Executor):
                       int(o["cols"][i]), int(o[f"{side}_stride"][i])) for i in ops.tolist()]
 
     def _digest(self, blocks: list[torch.Tensor]) -> str:
-        sums = Streams()
+        sums = Streams(self.checksum)
         for b in blocks:
             sums.update(0, b)
         return sums.hexdigest(0)

@@ -48,7 +48,7 @@ def binding() -> Any:
 
 
 def make_executor(kind: str, plan: Any, process: int, src: dict, dst: dict, store: Any, namespace: str,
-                  timeout: float, checksum: bool) -> Any:
+                  timeout: float, checksum: bool | str) -> Any:
     """The `kind` executor of this process over the store, under `namespace`."""
     import torch.distributed as dist
 
@@ -184,7 +184,7 @@ def worker(process: int, port: int, workdir: str, replacement: bool = False) -> 
 
     torch.set_num_threads(1)
     case = json.loads((Path(workdir) / "case.json").read_text())
-    kind, fault, timeout = case["kind"], case["fault"], case["timeout"]
+    kind, fault, timeout, checksum = case["kind"], case["fault"], case["timeout"], case.get("checksum", True)
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     plan, b = Plan.load(case["plan"]), binding()
     src = shard(plan.src, _weights(plan.src.model, 1), ranks=list(b.src_ranks_of(process)))
@@ -192,7 +192,7 @@ def worker(process: int, port: int, workdir: str, replacement: bool = False) -> 
     out: dict[str, Any] = {"process": process, "replacement": replacement}
     try:
         if not replacement:
-            ex = make_executor(kind, plan, process, src, dst, store, "first", timeout, checksum=True)
+            ex = make_executor(kind, plan, process, src, dst, store, "first", timeout, checksum=checksum)
             ex.refit()
             out["refit1"] = _matches(plan, _load(plan, src, 1), dst)
             after_first = {r: {n: t.clone() for n, t in ts.items()} for r, ts in dst.items()}
@@ -213,7 +213,7 @@ def worker(process: int, port: int, workdir: str, replacement: bool = False) -> 
             store.set(f"failed/{process}", b"1")
             store.wait(["recover"])
         # a replacement takes seconds to start: the fresh executor's set-up waits longer than a refit may
-        ex2 = make_executor(kind, plan, process, src, dst, store, "second", 60.0, checksum=True)
+        ex2 = make_executor(kind, plan, process, src, dst, store, "second", 60.0, checksum=checksum)
         full = _load(plan, src, 3)
         ex2.refit()
         out["recovered"] = _matches(plan, full, dst)
@@ -224,14 +224,16 @@ def worker(process: int, port: int, workdir: str, replacement: bool = False) -> 
     (Path(workdir) / f"result-{process}{suffix}.json").write_text(json.dumps(out))
 
 
-def run_case(kind: str, fault: str, workdir: Path, timeout: float, limit: float = 120.0) -> list[dict[str, Any]]:
-    """Run one case of the matrix; the results of every process (the victim's replacement included)."""
+def run_case(kind: str, fault: str, workdir: Path, timeout: float, limit: float = 120.0,
+             checksum: bool | str = True) -> list[dict[str, Any]]:
+    """Run one case of the matrix; the results of every process (the victim's replacement included).
+    `checksum`: the executors' checksum option (executors.checksum)."""
     import torch.distributed as dist
 
     workdir.mkdir(parents=True, exist_ok=True)
     plan = fault_plan(workdir / "plan.npz")
     (workdir / "case.json").write_text(json.dumps({"kind": kind, "fault": fault, "timeout": timeout,
-                                                   "plan": str(plan)}))
+                                                   "plan": str(plan), "checksum": checksum}))
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = context()
     procs = [ctx.Process(target=worker, args=(p, store.port, str(workdir)), daemon=True) for p in range(PROCESSES)]

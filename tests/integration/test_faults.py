@@ -2,7 +2,7 @@
 past the timeout, one byte corrupted in flight, over gloo, NIXL and shared memory on CPU. Every surviving
 process raises ExecutionError within the timeout plus SLACK seconds, keeps its previous weights (staged), and
 the next refit with fresh executors (the victim replaced by a new process) is byte-identical to the local
-executor's. Corruption is caught by the executors' end-to-end checksums.
+executor's. Corruption is caught by the executors' end-to-end checksums (both algorithms: "sha256" and "sum64").
 
 SLACK is 2 s: measured survivors raise 0.02-0.05 s after a kill (gloo sees the socket close; NIXL and shared
 memory see another process's failure at their next poll) and 3.0-3.03 s after a freeze with a 3 s timeout, on
@@ -26,11 +26,15 @@ def _marks(kind: str) -> list:
     return [pytest.mark.nixl] if kind == "nixl" else []
 
 
-@pytest.mark.parametrize("kind,fault", [pytest.param(k, f, marks=_marks(k)) for k in KINDS for f in FAULTS])
-def test_fault_fails_survivors_in_time_keeps_weights_and_recovers(tmp_path: Path, kind: str, fault: str):
+CASES = [(k, f, True) for k in KINDS for f in FAULTS] + [(k, "corrupt", "sum64") for k in KINDS]
+
+
+@pytest.mark.parametrize("kind,fault,checksum", [pytest.param(*c, marks=_marks(c[0])) for c in CASES])
+def test_fault_fails_survivors_in_time_keeps_weights_and_recovers(tmp_path: Path, kind: str, fault: str,
+                                                                  checksum: bool | str):
     if kind == "nixl":
         pytest.importorskip("nixl")
-    results = run_case(kind, fault, tmp_path, TIMEOUT)
+    results = run_case(kind, fault, tmp_path, TIMEOUT, checksum=checksum)
     crashed = [r for r in results if "crash" in r]
     assert not crashed, crashed[0]["crash"]
     victim = VICTIM[fault]

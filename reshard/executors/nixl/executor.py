@@ -54,7 +54,7 @@ from ...errors import ExecutionError, ReshardError
 from ...planner import Plan
 from ..base import Executor, RankTensors
 from ..binding import Binding
-from ..checksum import Streams, mismatch
+from ..checksum import Streams, algorithm, mismatch
 from ..copies import DST, SHADOW, SRC, WIRE
 from ..exchange import Exchange
 from ..guard import check_memory, check_ops
@@ -325,8 +325,8 @@ class NixlExecutor(Executor):
         stage_left[link.stage] -= 1
 
     def _link_digest(self, link: Link, side: str) -> str:
-        """SHA-256 of one side of a link's pieces, in order: the bytes it moves (executors.checksum)."""
-        p, sums = link.pieces, Streams()
+        """The checksum of one side of a link's pieces, in order: the bytes it moves (executors.checksum)."""
+        p, sums = link.pieces, Streams(algorithm(self.options.checksum))
         for kind, ident, off, n in zip(p[f"{side}_kind"].tolist(), p[f"{side}_id"].tolist(),
                                        p[f"{side}_off"].tolist(), p["numel"].tolist()):
             sums.update(0, self._memory(kind, ident).narrow(0, off, n))

@@ -5,6 +5,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ...errors import ExecutionError
+from ..checksum import ALGORITHMS, algorithm
 
 DIRECTIONS = ("auto", "read", "write")
 PACKING = ("auto", "always", "never")
@@ -43,8 +44,8 @@ class NixlOptions:
     progress_delay_us: sleep of NIXL's progress thread between polls (NIXL's Python wrapper spins it at 0,
         which burns a whole core; 0 keeps that behaviour).
     poll_max_s: longest sleep between two polls of the refit loop while waiting.
-    checksum: hash every link's bytes on both ends and compare them before anything is committed
-        (executors.checksum); a mismatch fails the refit on every process.
+    checksum: hash every link's bytes on both ends and compare them before anything is committed (True or
+        "sha256", or "sum64": executors.checksum); a mismatch fails the refit on every process.
     """
 
     direction: str = "auto"
@@ -55,7 +56,7 @@ class NixlOptions:
     timeout: float = 120.0
     progress_delay_us: int = 1000
     poll_max_s: float = 0.0005
-    checksum: bool = False
+    checksum: bool | str = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -73,6 +74,8 @@ class NixlOptions:
             problems.append(f"progress_delay_us={self.progress_delay_us} must be >= 0")
         if not self.poll_max_s >= 0:
             problems.append(f"poll_max_s={self.poll_max_s} must be >= 0")
+        if not (isinstance(self.checksum, bool) or self.checksum in ALGORITHMS):
+            problems.append(f"checksum={self.checksum!r} must be False, True or one of {ALGORITHMS}")
         if problems:
             raise ExecutionError("invalid NIXL options:\n  - " + "\n  - ".join(problems))
 
@@ -94,5 +97,5 @@ class NixlOptions:
         out = {"direction": self.direction, "staged": self.staged, "pack": self.pack,
                "pack_below": self.pack_below, "land_below": self.land_below}
         if self.checksum:  # absent when off: books of processes that predate the option stay equal
-            out["checksum"] = True
+            out["checksum"] = algorithm(self.checksum)
         return out

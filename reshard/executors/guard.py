@@ -35,7 +35,7 @@ def check_ops(plan: Any) -> None:
     """Raise ExecutionError unless every op of `plan` stays inside its tensors (see the module docstring)."""
     if plan.__dict__.get(_CHECKED):
         return
-    o = plan.ops  # a Plan checked its program's indices when it was built (planner.verify.check_program)
+    o = plan.ops  # a Plan checked its program's indices when it was built (planner.program_check)
     n = len(o["rows"])
     S, D = plan.src.num_ranks, plan.dst.num_ranks
     st, dt = plan.src_tensors, plan.dst_tensors

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import replace
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -28,7 +27,6 @@ import numpy as np
 from ..arrays import sort_by, unique_inverse
 from ..errors import PlanError
 from ..layouts import Layout, ModelSpec
-from ..layouts.model import DTYPE_SIZES
 from ..layouts.base import PlacementTable
 from .accounting import Bounds
 from .balance import choose_holders
@@ -37,71 +35,7 @@ from .fanout import replica_forests, split_parts
 from .merge import merge_relay, merge_template
 from .plan import Plan, TensorTable
 from .program import Program
-
-
-def select_indices(model: ModelSpec, tensors: Iterable[str] | None, layers: Iterable[int] | None) -> np.ndarray:
-    """Canonical indices of the selection, ascending."""
-    c = model.canonical
-    chosen = np.ones(len(c), dtype=bool)
-    if tensors is not None:
-        names = set(tensors)
-        unknown, wanted = [], []
-        for n in sorted(names):
-            try:
-                wanted.append(model.tensor(n).index)
-            except KeyError:
-                unknown.append(n)
-        if unknown:
-            raise PlanError("unknown tensor names in the selection", unknown)
-        mask = np.zeros(len(c), dtype=bool)
-        mask[wanted] = True
-        chosen &= mask
-    if layers is not None:
-        wanted_layers = sorted(set(layers))
-        bad = [x for x in wanted_layers if not 0 <= x < model.num_layers]
-        if bad:
-            raise PlanError(f"layers {bad} are outside [0, {model.num_layers})")
-        chosen &= np.isin(c.layer, wanted_layers)
-    index = np.flatnonzero(chosen)
-    if not len(index):
-        raise PlanError("the selection is empty")
-    return index
-
-
-def _unit_ratios(model: ModelSpec) -> tuple[np.ndarray, dict[int, str]]:
-    """Per canonical tensor, how many units of the model's dtype one of its elements takes (1 for almost all;
-    2 for a float32 tensor of a bfloat16 model), and the own dtype of those that differ. A plan moves units:
-    a wider tensor is planned as its bytes seen in the model's dtype, so it travels bit-exact."""
-    ratio = np.ones(len(model.canonical), dtype=np.int64)
-    own: dict[int, str] = {}
-    for t in model.own_dtype_tensors:
-        size = DTYPE_SIZES.get(t.dtype)
-        if size is None or size % model.itemsize:
-            raise PlanError(f"{t.name} is kept in {t.dtype}, which is not a whole number of the model's "
-                            f"{model.dtype} units: plans move tensors at least as wide as the model's dtype")
-        ratio[t.index], own[t.index] = size // model.itemsize, t.dtype
-    return ratio, own
-
-
-def _in_units(t: PlacementTable, ratio: np.ndarray, own: dict[int, str], side: str
-              ) -> tuple[PlacementTable, tuple[str, ...]]:
-    """The placements with wider tensors' columns, origins and row strides counted in units; the dtype of
-    each physical tensor kind ("" = the model's)."""
-    r = ratio[t.canon]
-    wide = np.flatnonzero(r > 1)
-    if not len(wide):
-        return t, ()
-    dtypes = [""] * len(t.kinds)
-    scale = np.ones(len(t.kinds), dtype=np.int64)
-    for k, c in zip(t.kind[wide].tolist(), t.canon[wide].tolist()):
-        dtypes[k], scale[k] = own[c], ratio[c]
-    mixed = np.flatnonzero((r != scale[t.kind]) & (t.n0 * t.n1 > 0))
-    if len(mixed):
-        name = t.kinds[int(t.kind[mixed[0]])][0]
-        raise PlanError(f"{side} layout puts data of two dtypes into one tensor {name!r}")
-    kinds = tuple((n, (*shape[:-1], shape[-1] * f)) for (n, shape), f in zip(t.kinds, scale.tolist()))
-    return replace(t, kinds=kinds, **{c: getattr(t, c) * r for c in ("c1", "n1", "origin", "stride")}), \
-        tuple(dtypes)
+from .selection import in_units, select_indices, unit_ratios
 
 
 def _tensor_ids(t: PlacementTable, mask: np.ndarray, side: str, dtypes: tuple[str, ...] = ()
@@ -335,12 +269,12 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
 
     # Placements as tables: the source for all its ranks, the destination for replica 0.
     # Wider tensors (a float32 router bias) are counted in units of the model's dtype from here on.
-    ratio, own = _unit_ratios(model)
+    ratio, own = unit_ratios(model)
     shifted = [t.name for t in model.own_dtype_tensors if dst.value_offset(t) != src.value_offset(t)]
     if shifted:  # a shift adds to values, which units of another dtype are not
         raise PlanError(f"{shifted[0]} is kept in its own dtype and the layouts store it with different offsets")
-    S, s_dtypes = _in_units(src.placement_table(sel), ratio, own, "source")
-    D, d_dtypes = _in_units(dst.placement_table(sel, replica=0), ratio, own, "destination")
+    S, s_dtypes = in_units(src.placement_table(sel), ratio, own, "source")
+    D, d_dtypes = in_units(dst.placement_table(sel, replica=0), ratio, own, "destination")
     s_data = S.n0 * S.n1 > 0
     d_data = D.n0 * D.n1 > 0
     s_tid, src_table, src_numel = _tensor_ids(S, s_data, "source", s_dtypes)

@@ -1,0 +1,105 @@
+"""The physical tensors one side of a plan touches (TensorTable), and the saved plan format's version."""
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+FORMAT_VERSION = 2
+
+
+@dataclass(frozen=True, eq=False)
+class TensorTable:
+    """The physical tensors one side of a plan touches: id -> (rank, name, shape).
+
+    Stored compactly (a rank and a kind per id; kinds are the distinct (name, shape) pairs), because a side of
+    a thousand ranks has hundreds of thousands of tensors; `ranks`, `names` and `shapes` are built on first use.
+    """
+
+    rank: np.ndarray
+    kind: np.ndarray
+    kinds: tuple[tuple[str, tuple[int, ...]], ...]
+    # Per kind, the dtype of a tensor kept in its own dtype ("" = the plan's). Shapes are in units of the plan's
+    # dtype: a float32 tensor of a bfloat16 plan has twice its elements in its last dimension (`element_shape`).
+    dtypes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("rank", "kind"):
+            a = np.ascontiguousarray(getattr(self, name), dtype=np.int64)
+            a.setflags(write=False)
+            object.__setattr__(self, name, a)
+        object.__setattr__(self, "kinds", tuple(self.kinds))  # (name, shape tuple) pairs; from_dict converts
+        object.__setattr__(self, "dtypes", tuple(self.dtypes) if any(self.dtypes) else ())
+
+    @classmethod
+    def from_lists(cls, ranks, names, shapes) -> "TensorTable":
+        kinds: dict[tuple[str, tuple[int, ...]], int] = {}
+        kind = [kinds.setdefault((n, tuple(s)), len(kinds)) for n, s in zip(names, shapes)]
+        return cls(np.asarray(list(ranks), dtype=np.int64), np.asarray(kind, dtype=np.int64), tuple(kinds))
+
+    def __len__(self) -> int:
+        return len(self.rank)
+
+    @functools.cached_property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(self.rank.tolist())
+
+    @functools.cached_property
+    def names(self) -> tuple[str, ...]:
+        names = np.empty(len(self.kinds), dtype=object)
+        names[:] = [n for n, _ in self.kinds]
+        return tuple(names[self.kind].tolist())
+
+    @functools.cached_property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        shapes = np.empty(len(self.kinds), dtype=object)
+        shapes[:] = [s for _, s in self.kinds]
+        return tuple(shapes[self.kind].tolist())
+
+    def name(self, tid: int) -> str:
+        return self.kinds[int(self.kind[tid])][0]
+
+    def shape(self, tid: int) -> tuple[int, ...]:
+        return self.kinds[int(self.kind[tid])][1]
+
+    def kind_array(self, f) -> np.ndarray:
+        """f(name, shape) per tensor id, computed once per kind."""
+        per_kind = np.asarray([f(n, s) for n, s in self.kinds], dtype=np.int64)
+        return per_kind[self.kind] if len(self.kind) else np.zeros(0, np.int64)
+
+    def own_dtypes(self) -> dict[tuple[int, str], str]:
+        """(rank, name) -> dtype of the tensors kept in their own dtype (empty for almost every plan)."""
+        if not self.dtypes:
+            return {}
+        own = np.flatnonzero(np.asarray([bool(d) for d in self.dtypes])[self.kind])
+        return {(int(self.rank[i]), self.name(int(i))): self.dtypes[int(self.kind[i])] for i in own}
+
+    def on_rank(self, rank: int) -> dict[str, tuple[int, ...]]:
+        return {self.kinds[k][0]: self.kinds[k][1] for k in self.kind[self.rank == rank].tolist()}
+
+    def tiled(self, copies: int, rank_step: int) -> "TensorTable":
+        """The table repeated `copies` times, copy c on ranks shifted by c * rank_step (identical replicas)."""
+        rank = (self.rank[None, :] + rank_step * np.arange(copies)[:, None]).ravel()
+        return TensorTable(rank, np.tile(self.kind, copies), self.kinds, self.dtypes)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"rank": self.rank.tolist(), "kind": self.kind.tolist(), "kinds": [[n, list(s)] for n, s in self.kinds]}
+        if self.dtypes:
+            out["dtypes"] = list(self.dtypes)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TensorTable":
+        return cls(np.asarray(d["rank"], dtype=np.int64), np.asarray(d["kind"], dtype=np.int64),
+                   tuple((str(n), tuple(int(x) for x in s)) for n, s in d["kinds"]),
+                   tuple(str(x) for x in d.get("dtypes", ())))
+
+    def digest_update(self, h) -> None:
+        h.update(json.dumps(self.kinds).encode())
+        if self.dtypes:  # absent from one-dtype plans, whose digests stay as they were
+            h.update(json.dumps(self.dtypes).encode())
+        h.update(self.rank.astype("<i8").tobytes())
+        h.update(self.kind.astype("<i8").tobytes())

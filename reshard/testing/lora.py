@@ -1,0 +1,59 @@
+"""Ground truth for LoRA refits, written independently of reshard's layouts and cuts: random adapter weights, the
+same adapter saved by the `peft` library itself, and a reference merge.
+
+Canonical adapter tensors (reshard.layouts.lora) are the trainer's: one A per fused layer (qkv_proj, gate_up_proj).
+`save_with_peft` maps them onto PEFT's own modules by hand: q_proj, k_proj and v_proj each get the fused A.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+PEFT_OF = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+           "up_proj": "gate_up_proj"}  # PEFT module -> the canonical module holding its A
+
+
+def adapter_weights(spec, seed: int, scale: float = 0.5, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Random canonical adapter weights (B non-zero: an adapter that changes the model's output)."""
+    g = torch.Generator().manual_seed(seed)
+    return {t.name: (torch.randn(t.shape, generator=g) * scale).to(dtype) for t in spec.tensors}
+
+
+def _canonical_name(peft_param: str) -> str:
+    """`base_model.model.model.layers.0.self_attn.k_proj.lora_A.default.weight` -> the canonical name of its
+    values (`model.layers.0.self_attn.qkv_proj.lora_A.weight`)."""
+    name = peft_param.removeprefix("base_model.model.").replace(".default.", ".")
+    parts = name.split(".")
+    module = parts[-3]
+    if parts[-2] == "lora_A" and module in PEFT_OF:
+        parts[-3] = PEFT_OF[module]
+    return ".".join(parts)
+
+
+def save_with_peft(checkpoint: str | Path, weights: dict[str, torch.Tensor], rank: int, alpha: float,
+                   modules: list[str], out: str | Path) -> Path:
+    """The adapter saved by `peft` itself: get_peft_model on the transformers model of `checkpoint`, its LoRA
+    parameters set from `weights`, save_pretrained."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=modules, lora_dropout=0.0, bias="none")
+    peft_model = get_peft_model(model, config)
+    seen = 0
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(weights[_canonical_name(name)])
+                seen += 1
+    if not seen:
+        raise RuntimeError("peft made no LoRA parameters")
+    peft_model.save_pretrained(str(out))
+    return Path(out)
+
+
+def reference_merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float, rank: int) -> torch.Tensor:
+    """W + (alpha / r) B A in float32, cast once to W's dtype: the merge every merged refit must equal."""
+    delta = b.to(torch.float32) @ a.to(torch.float32)
+    return (w.to(torch.float32) + delta * (alpha / rank)).to(w.dtype)

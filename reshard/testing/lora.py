@@ -57,3 +57,50 @@ def reference_merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: fl
     """W + (alpha / r) B A in float32, cast once to W's dtype: the merge every merged refit must equal."""
     delta = b.to(torch.float32) @ a.to(torch.float32)
     return (w.to(torch.float32) + delta * (alpha / rank)).to(w.dtype)
+
+
+def base_weights(spec, seed: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """Random whole base-model weights under their HF names."""
+    g = torch.Generator().manual_seed(seed)
+    return {t.name: torch.randn(t.shape, generator=g).to(dtype) for t in spec.tensors}
+
+
+def merge_job(rank: int, world: int, args: dict) -> dict:
+    """On a world of `tp` processes (testing.world): process p plays Megatron-Bridge adapter rank p, process 0 also
+    the rank that holds the whole adapter and the base weights; the adapter travels over gloo (the distributed
+    executor), process 0 merges it and saves the merged weights to `args["out"]/step-<k>.safetensors`, once per
+    adapter seed in `args["seeds"]` (each merge starts from the same base)."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    import reshard
+    from reshard.adapters.lora import merge
+    from reshard.executors import make_executor, shard
+    from reshard.executors.binding import Binding
+    from reshard.executors.local import allocate
+    from reshard.layouts.lora import lora_spec
+    from reshard.testing.megatron_cpu import TinyGPT
+
+    base = TinyGPT(**args["tiny"]).spec("bfloat16")
+    spec = lora_spec(base, args["rank"], args["alpha"])
+    src_layout, dst_layout = reshard.MegatronLayout(model=spec, tp=world), reshard.HfLayout(model=spec)
+    plan = reshard.compile(src_layout, dst_layout)
+    mine = {rank: shard(src_layout, adapter_weights(spec, args["seeds"][0], dtype=torch.bfloat16), ranks=[rank])[rank]}
+    dst = allocate(dst_layout, ranks=[0]) if rank == 0 else {}
+    executor = make_executor("distributed", plan, Binding(tuple(range(world)), (0,)), rank, mine, dst,
+                             group=dist.group.WORLD, timeout=60.0)
+    weights = base_weights(base, args["base_seed"]) if rank == 0 else {}
+    out = {}
+    for k, seed in enumerate(args["seeds"]):
+        if k:  # the trainer's step: new adapter values in the same tensors
+            new = shard(src_layout, adapter_weights(spec, seed, dtype=torch.bfloat16), ranks=[rank])[rank]
+            for name, t in mine[rank].items():
+                t.copy_(new[name])
+        executor.refit()
+        if rank == 0:
+            merged = {name: torch.empty_like(weights[name]) for name in weights}
+            names = merge(spec, weights, dst[0], merged)
+            save_file({n: merged[n] for n in names}, str(Path(args["out"]) / f"step-{k}.safetensors"))
+            out[f"step-{k}"] = len(names)
+    executor.close()
+    return out

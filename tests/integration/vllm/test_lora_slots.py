@@ -1,0 +1,72 @@
+"""vLLM 0.33's LoRA slots, at TP1 and TP2 (gloo), with and without fully_sharded_loras, a KV head replicated over
+TP2, and max_lora_rank above the adapter's rank: an adapter refit by reshard from Megatron-Bridge shards into the
+slot of a loaded adapter holds, buffer for buffer and byte for byte, what vLLM's own loader and set_lora put in
+the slot of the adapter `peft` saved from the same values (lora_slot_checks.py runs each TP world)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_harness import HERE, ROOT, launch, wait
+
+pytestmark = pytest.mark.vllm
+CORE_PYTHON = ROOT / ".venv/bin/python"  # has peft; the vLLM virtualenv does not
+RANK, ALPHA, TRAINER_TP = 8, 12, 2
+CASES = {1: [("qwen3", 16, False), ("qwen3", 8, True)],
+         2: [("qwen3", 16, False), ("qwen3", 8, True), ("qwen3_mqa", 8, False)]}
+MAKE = """
+import sys, torch
+from safetensors.torch import save_file
+import reshard
+from reshard.layouts.lora import lora_spec
+from reshard.testing.lora import adapter_weights, save_with_peft
+ckpt, out, rank, alpha = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+spec = lora_spec(reshard.ModelSpec.from_hf_config(ckpt).model_copy(update={"dtype": "float32"}), rank, alpha)
+modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+weights = adapter_weights(spec, 7)
+save_file(weights, out + "/weights.safetensors")
+save_with_peft(ckpt, weights, rank, alpha, modules, out + "/peft")
+save_with_peft(ckpt, adapter_weights(spec, 8), rank, alpha, modules, out + "/other")
+"""
+
+
+@pytest.fixture(scope="module")
+def reports(checkpoints, tmp_path_factory):
+    if not CORE_PYTHON.exists():
+        pytest.skip("no core virtualenv (.venv) to save the adapter with peft")
+    out = tmp_path_factory.mktemp("lora_slots")
+    adapters = {}
+    for name in {c[0] for cases in CASES.values() for c in cases}:
+        (out / name).mkdir()
+        subprocess.run([str(CORE_PYTHON), "-c", MAKE, str(checkpoints[name]), str(out / name), str(RANK), str(ALPHA)],
+                       check=True, cwd=str(ROOT), env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+                       capture_output=True, timeout=300)
+        adapters[name] = out / name
+    running = {}
+    for world, cases in CASES.items():
+        (out / f"w{world}").mkdir()
+        jobs = [json.dumps({"name": f"{n}-R{R}-{'sharded' if s else 'plain'}", "ckpt": str(checkpoints[n]),
+                            "peft": str(adapters[n] / "peft"), "other": str(adapters[n] / "other"),
+                            "weights": str(adapters[n] / "weights.safetensors"), "rank": RANK, "alpha": ALPHA,
+                            "trainer_tp": TRAINER_TP, "max_lora_rank": R, "fully_sharded": s}) for n, R, s in cases]
+        running[world] = launch(sys.executable, HERE / "lora_slot_checks.py",
+                                [str(out / f"w{world}"), str(checkpoints["qwen3_moe"]), *jobs], world, out)
+    for procs in running.values():
+        wait(procs, timeout=900)
+    return {world: [json.loads((out / f"w{world}" / f"rank{r}.json").read_text()) for r in range(world)]
+            for world in CASES}
+
+
+@pytest.mark.parametrize("world,case", [(w, f"{n}-R{R}-{'sharded' if s else 'plain'}") for w, cs in CASES.items()
+                                        for n, R, s in cs])
+def test_refit_slot_equals_vllm_loaded_peft_adapter(reports, world, case):
+    for rank, report in enumerate(reports[world]):
+        r = report[case]
+        assert "error" not in r, r.get("error")
+        assert r["buffers"] == 2 * 7 * 2 and r["differ"] == [] and r["changed"], (rank, r)
+        sharded = "sharded" in case and world > 1
+        assert any(("Sharded" in k) == sharded for k in r["kinds"]), r["kinds"]

@@ -49,6 +49,7 @@ def check(case: dict, rank: int, world: int) -> dict:
                         enforce_eager=True, max_model_len=128, load_format="dummy", enable_lora=True,
                         max_lora_rank=case["max_lora_rank"], max_loras=2,
                         fully_sharded_loras=case["fully_sharded"],
+                        lora_target_modules=case.get("engine_targets"),
                         distributed_executor_backend="external_launcher" if world > 1 else None
                         ).create_engine_config()
     model = build_model(config)
@@ -61,7 +62,7 @@ def check(case: dict, rank: int, world: int) -> dict:
     before = _slot(manager, 2)
     weights = load_file(case["weights"])
     base = reshard.ModelSpec.from_hf_config(case["ckpt"]).model_copy(update={"dtype": "float32"})
-    spec = lora_spec(base, case["rank"], case["alpha"])
+    spec = lora_spec(base, case["rank"], case["alpha"], case["targets"])
     src = reshard.MegatronLayout(model=spec, tp=case["trainer_tp"])
     dst = VllmLoraLayout(model=spec, tp=world, max_lora_rank=case["max_lora_rank"],
                          fully_sharded=case["fully_sharded"])

@@ -11,8 +11,10 @@ vLLM's `lora_a_stacked[s][slot, 0]` views, vLLM itself is not imported):
   refit (reference)      the same plan through the reference LocalExecutor (checks and a Python loop per refit)
   copy                   ceiling: one device copy of the same bytes
   publish (CPU)          landing (b): the plan into PEFT-named tensors, safetensors + fsync + atomic switch
+  tiny adapter           the refit of a two-layer hidden-64 adapter: the fixed cost besides the bytes
 Across processes (a trainer process and an engine process, a TCPStore for control): per refit, the trainer asks,
 both run the executor, the engine scales B and answers; measured at the trainer from ask to answer:
+  control round trip         ask and answer alone, no executor
   shared staged / in place   executors.shared (POSIX shared memory on CPU, CUDA IPC on one GPU)
   collective (CPU)           executors.distributed over a gloo group made over the store, in place
 
@@ -38,11 +40,13 @@ CONFIG = ROOT / "examples/configs/qwen3-8b.json"
 RANK, ALPHA, MAX_RANK = 16, 32, 16
 
 
-def _layouts():
+def _layouts(tiny: bool = False):
     import reshard
     from reshard.layouts.lora import VllmLoraLayout, lora_spec
+    from reshard.testing.megatron_cpu import TinyGPT
 
-    spec = lora_spec(reshard.ModelSpec.from_hf_config(str(CONFIG)), RANK, ALPHA)
+    base = TinyGPT(num_layers=2).spec("bfloat16") if tiny else reshard.ModelSpec.from_hf_config(str(CONFIG))
+    spec = lora_spec(base, RANK, ALPHA)
     return spec, reshard.MegatronLayout(model=spec, tp=1), VllmLoraLayout(model=spec, tp=1, max_lora_rank=MAX_RANK)
 
 
@@ -142,6 +146,30 @@ def in_process(device: torch.device, iters: int) -> dict:
     return out
 
 
+def fixed_cost(device: torch.device, iters: int) -> dict:
+    """The same refit for a tiny adapter (two layers, hidden 64, rank 16): what a refit costs besides its bytes."""
+    from reshard.executors import allocate
+    from reshard.executors.bound import BoundLocalExecutor
+    from reshard.planner import cache
+
+    spec, src_layout, dst_layout = _layouts(tiny=True)
+    plan = cache.cached_plan(src_layout, dst_layout)
+    src, dst = allocate(src_layout, device=device), allocate(dst_layout, device=device)
+    ex = BoundLocalExecutor(plan, None, 0, src, dst)
+    b_views = [t for n, t in dst[0].items() if ".lora_b_stacked." in n]
+    times = []
+    for k in range(iters + 5):
+        t0 = time.perf_counter()
+        cache.cached_plan(src_layout, dst_layout)
+        ex.refit()
+        torch._foreach_mul_(b_views, ALPHA / RANK)
+        _sync(device)
+        if k >= 5:
+            times.append(time.perf_counter() - t0)
+    return {"adapter_bytes": spec.num_bytes, "moved_bytes": plan.accounting.total_bytes, "ops": plan.num_ops,
+            **_ms(times)}
+
+
 def _publish(spec, src_layout, src, iters: int) -> dict:
     from reshard.adapters.lora import PeftDirectory
     from reshard.layouts.lora import PeftLayout
@@ -191,6 +219,19 @@ def worker(me: int, port: int, args: dict, out: str) -> None:
     plan = cache.cached_plan(src_layout, dst_layout)
     binding = Binding((TRAINER,), (ENGINE,))
     results: dict = {}
+    times = []
+    for k in range(args["iters"] + 3):  # the control round trip alone: ask and answer, no bytes
+        if me == TRAINER:
+            t0 = time.perf_counter()
+            store.set(f"rt/{k}/ask", "1")
+            _wait(store, f"rt/{k}/done")
+            if k >= 3:
+                times.append(time.perf_counter() - t0)
+        else:
+            _wait(store, f"rt/{k}/ask")
+            store.set(f"rt/{k}/done", "1")
+    if me == TRAINER:
+        results["control round trip (no bytes)"] = _ms(times)
     cases = [("shared staged", True), ("shared in place", False)]
     if device.type == "cpu":
         cases.append(("collective", None))
@@ -267,7 +308,8 @@ def main() -> int:
     info = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
             "torch": torch.__version__, "model": "Qwen3-8B shape", "rank": RANK, "alpha": ALPHA,
             "max_lora_rank": MAX_RANK, "dtype": "bfloat16"}
-    results = {"info": info, "in_process": in_process(device, args.iters)}
+    results = {"info": info, "in_process": in_process(device, args.iters),
+               "fixed_cost_tiny_adapter": fixed_cost(device, args.iters)}
     if not args.skip_processes:
         results["across_processes"] = across_processes(args.device, max(10, args.iters // 2))
     r = results["in_process"]
@@ -281,6 +323,9 @@ def main() -> int:
         if key in r:
             print(f"  {key:<34} median {r[key]['median_ms']:8.3f} ms  (p10 {r[key]['p10_ms']:.3f}, "
                   f"p90 {r[key]['p90_ms']:.3f})")
+    t = results["fixed_cost_tiny_adapter"]
+    print(f"  refit of a tiny adapter ({t['moved_bytes'] / 1e3:.0f} kB, {t['ops']} ops)   median "
+          f"{t['median_ms']:8.3f} ms  (p10 {t['p10_ms']:.3f}, p90 {t['p90_ms']:.3f})")
     for key, v in results.get("across_processes", {}).items():
         if isinstance(v, dict):
             print(f"  across processes: {key:<17} median {v['median_ms']:8.3f} ms  (p10 {v['p10_ms']:.3f}, "

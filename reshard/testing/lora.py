@@ -104,3 +104,61 @@ def merge_job(rank: int, world: int, args: dict) -> dict:
             out[f"step-{k}"] = len(names)
     executor.close()
     return out
+
+
+def attach_bridge_adapters(chunks: list, rank: int, targets=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+                           ) -> None:
+    """Give every targeted linear layer of a live megatron-core GPTModel an `adapter` made of megatron-core's own
+    parallel linears, as Megatron-Bridge's ParallelLinearAdapter makes it: a column-parallel base gets
+    linear_in = ColumnParallelLinear(in, r, gather_output=True) and linear_out = ColumnParallelLinear(r, out); a
+    row-parallel one linear_in = RowParallelLinear(in, r, input_is_parallel=True) and linear_out =
+    ColumnParallelLinear(r, out, gather_output=True). `in` / `out` are the base layer's global sizes."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    init = torch.nn.init.zeros_
+    for chunk in chunks:
+        for name, module in list(chunk.named_modules()):
+            target = name.rsplit(".", 1)[-1]
+            if target not in targets:
+                continue
+            cfg = module.config
+            adapter = torch.nn.Module()
+            if target in ("linear_qkv", "linear_fc1"):  # column-parallel base
+                adapter.linear_in = ColumnParallelLinear(module.input_size, rank, config=cfg, init_method=init,
+                                                         bias=False, gather_output=True)
+                adapter.linear_out = ColumnParallelLinear(rank, module.output_size, config=cfg, init_method=init,
+                                                          bias=False, gather_output=False)
+            else:
+                adapter.linear_in = RowParallelLinear(module.input_size, rank, config=cfg, init_method=init,
+                                                      bias=False, input_is_parallel=True, skip_bias_add=True)
+                adapter.linear_out = ColumnParallelLinear(rank, module.output_size, config=cfg, init_method=init,
+                                                          bias=False, gather_output=True)
+            module.adapter = adapter
+
+
+def bridge_shards_job(tp: int, out: str, rank: int) -> None:
+    """On each gloo rank (megatron_cpu.run_ranks): a TinyGPT GPTModel at TP `tp` with Megatron-Bridge-shaped
+    adapters of rank `rank`; writes per adapter parameter its local shape and megatron-core's own sharded-state
+    answer (global shape, global offset) to `out/rank<r>.json`."""
+    import json
+
+    import torch.distributed as dist
+
+    from .megatron_cpu import TinyGPT, build_model, init_parallel
+
+    from megatron.core import parallel_state as ps
+
+    init_parallel(tp=tp)
+    chunks = build_model(TinyGPT(num_layers=2))
+    attach_bridge_adapters(chunks, rank)
+    metadata = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+    report = {}
+    for chunk in chunks:
+        for name, module in chunk.named_modules():
+            if not name.endswith(("adapter.linear_in", "adapter.linear_out")):
+                continue
+            sharded = module.sharded_state_dict(prefix=name + ".", metadata=metadata)[name + ".weight"]
+            report[name + ".weight"] = {"local": list(module.weight.shape), "global": list(sharded.global_shape),
+                                        "offset": list(sharded.global_offset)}
+    names = [n for chunk in chunks for n, _ in chunk.named_parameters() if ".adapter." in n]
+    Path(out, f"rank{dist.get_rank()}.json").write_text(json.dumps({"shards": report, "parameters": names}))

@@ -136,20 +136,41 @@ def attach_bridge_adapters(chunks: list, rank: int, targets=("linear_qkv", "line
             module.adapter = adapter
 
 
-def bridge_shards_job(tp: int, out: str, rank: int) -> None:
+TARGET_CODE = {"linear_qkv": 0, "linear_proj": 1, "linear_fc1": 2, "linear_fc2": 3}
+
+
+def global_value(layer: int, target: str, which: str, row: int, col: int) -> float:
+    """The value an adapter weight holds at (row, col) of its global tensor in megatron-core's coordinates: distinct
+    for every tensor and element, exact in float32. Shards are filled from megatron-core's own sharded-state
+    offsets, so what a rank holds is decided by megatron-core, not by reshard's layouts."""
+    k = 8 * layer + 2 * TARGET_CODE[target] + (which == "out")
+    return float(k * 40000 + row * 128 + col)
+
+
+def bridge_refit_job(tp: int, out: str, rank: int) -> None:
     """On each gloo rank (megatron_cpu.run_ranks): a TinyGPT GPTModel at TP `tp` with Megatron-Bridge-shaped
-    adapters of rank `rank`; writes per adapter parameter its local shape and megatron-core's own sharded-state
-    answer (global shape, global offset) to `out/rank<r>.json`."""
+    adapters of rank `rank`, each shard filled by `global_value` at megatron-core's sharded-state offsets. Writes
+    per adapter parameter its local shape and megatron-core's answer (global shape and offset) to
+    `out/rank<r>.json`, then refits the adapter from views of the live parameters (`source_tensors`) over gloo into
+    a PEFT layout on rank 0, which saves it to `out/peft.safetensors`."""
     import json
 
     import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import save_file
+
+    import reshard
+    from reshard.adapters.megatron import source_tensors
+    from reshard.executors import make_executor
+    from reshard.executors.binding import Binding
+    from reshard.executors.local import allocate
+    from reshard.layouts.lora import PeftLayout, lora_spec
 
     from .megatron_cpu import TinyGPT, build_model, init_parallel
 
-    from megatron.core import parallel_state as ps
-
     init_parallel(tp=tp)
-    chunks = build_model(TinyGPT(num_layers=2))
+    tiny = TinyGPT(num_layers=2)
+    chunks = build_model(tiny)
     attach_bridge_adapters(chunks, rank)
     metadata = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
     report = {}
@@ -158,7 +179,24 @@ def bridge_shards_job(tp: int, out: str, rank: int) -> None:
             if not name.endswith(("adapter.linear_in", "adapter.linear_out")):
                 continue
             sharded = module.sharded_state_dict(prefix=name + ".", metadata=metadata)[name + ".weight"]
+            parts = name.split(".")
+            layer, target, which = int(parts[parts.index("layers") + 1]), parts[-3], parts[-1].split("_")[1]
+            (o0, o1), (n0, n1) = sharded.global_offset, module.weight.shape
+            with torch.no_grad():
+                for a in range(n0):
+                    for b in range(n1):
+                        module.weight[a, b] = global_value(layer, target, which, o0 + a, o1 + b)
             report[name + ".weight"] = {"local": list(module.weight.shape), "global": list(sharded.global_shape),
                                         "offset": list(sharded.global_offset)}
     names = [n for chunk in chunks for n, _ in chunk.named_parameters() if ".adapter." in n]
-    Path(out, f"rank{dist.get_rank()}.json").write_text(json.dumps({"shards": report, "parameters": names}))
+    me = dist.get_rank()
+    Path(out, f"rank{me}.json").write_text(json.dumps({"shards": report, "parameters": names}))
+    spec = lora_spec(tiny.spec(), rank, 16)
+    layout, peft = reshard.MegatronLayout(model=spec, tp=tp), PeftLayout(model=spec)
+    dst = {0: allocate(peft)[0]} if me == 0 else {}
+    executor = make_executor("distributed", reshard.compile(layout, peft), Binding(tuple(range(tp)), (0,)), me,
+                             {me: source_tensors(chunks, layout)}, dst, group=dist.group.WORLD, timeout=60.0)
+    executor.refit()
+    executor.close()
+    if me == 0:
+        save_file(dst[0], str(Path(out) / "peft.safetensors"))

@@ -100,9 +100,9 @@ def lora_spec(base: ModelSpec, rank: int, alpha: float, targets: Sequence[str] =
     targets = tuple(targets)
     unknown = [t for t in targets if t not in TARGETS]
     if unknown or not targets or len(set(targets)) != len(targets):
-        raise InputError("targets", list(targets), f"must name each of some of {list(TARGETS)} once "
-                         f"(unsupported: {unknown})" if unknown else f"must name each of some of {list(TARGETS)} once",
-                         fix="vLLM's LoRA layers for Qwen3 / Llama cover exactly these modules", where="lora")
+        rule = f"must name each of some of {list(TARGETS)} once" + (f" (unsupported: {unknown})" if unknown else "")
+        raise InputError("targets", list(targets), rule, where="lora",
+                         fix="Megatron-Bridge's LoRA targets that vLLM's LoRA layers for Qwen3 / Llama cover")
     if base.is_moe and {"linear_fc1", "linear_fc2"} & set(targets):
         raise InputError("targets", list(targets), "adapts the MLP of a MoE model: expert LoRA is not supported "
                          "yet", fix="adapt linear_qkv / linear_proj only", where="lora")

@@ -122,6 +122,9 @@ class SlotRefit:
                  rank: int = 0) -> None:
         if not isinstance(plan.dst, VllmLoraLayout):
             raise InputError("plan.dst", str(plan.dst), "must be a VllmLoraLayout (vLLM's LoRA slots)")
+        if plan.selection is not None:  # B is scaled after every refit: each refit must rewrite all of it
+            raise InputError("plan.selection", len(plan.selection), "selects part of the adapter; an in-slot refit "
+                             "lands the whole adapter (compile the plan without tensors= / layers=)")
         self.slot = AdapterSlot(manager, plan.dst, lora_id, rank)
         self.executor = BoundLocalExecutor(plan, None, 0, src, {rank: self.slot.tensors})
 

@@ -303,7 +303,8 @@ def _canonical_table(spec: ModelSpec) -> CanonicalTable:
                 else:
                     entry.append(np.asarray([codes.setdefault(item, len(codes))], dtype=np.int64))
                     expert.append(np.asarray([-1], dtype=np.int64))
-            expanded[items] = (np.concatenate(entry), np.concatenate(expert))
+            empty = [np.zeros(0, dtype=np.int64)]  # a family without head or tail tensors (an adapter)
+            expanded[items] = (np.concatenate(entry + empty), np.concatenate(expert + empty))
         return expanded[items]
 
     blocks = [(expand(tuple(fam.head(spec))), -1)]

@@ -68,39 +68,52 @@ def select_indices(model: ModelSpec, tensors: Iterable[str] | None, layers: Iter
     return index
 
 
-def _unit_ratios(model: ModelSpec) -> tuple[np.ndarray, dict[int, str]]:
-    """Per canonical tensor, how many units of the model's dtype one of its elements takes (1 for almost all;
-    2 for a float32 tensor of a bfloat16 model), and the own dtype of those that differ. A plan moves units:
-    a wider tensor is planned as its bytes seen in the model's dtype, so it travels bit-exact."""
-    ratio = np.ones(len(model.canonical), dtype=np.int64)
+def _unit_ratios(model: ModelSpec) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
+    """Per canonical tensor, how many units of the model's dtype one of its elements takes, as num / den (1 / 1
+    for almost all; 2 / 1 for a float32 tensor of a bfloat16 model; 1 / 2 for a float8 tensor of one), and the own
+    dtype of those that differ. A plan moves units: a tensor of another dtype is planned as its bytes seen in the
+    model's dtype, so it travels bit-exact (a narrower one in pairs of elements, which its boxes must keep whole)."""
+    num = np.ones(len(model.canonical), dtype=np.int64)
+    den = np.ones(len(model.canonical), dtype=np.int64)
     own: dict[int, str] = {}
     for t in model.own_dtype_tensors:
         size = DTYPE_SIZES.get(t.dtype)
-        if size is None or size % model.itemsize:
+        if size is None or (size % model.itemsize and model.itemsize % size):
             raise PlanError(f"{t.name} is kept in {t.dtype}, which is not a whole number of the model's "
-                            f"{model.dtype} units: plans move tensors at least as wide as the model's dtype")
-        ratio[t.index], own[t.index] = size // model.itemsize, t.dtype
-    return ratio, own
+                            f"{model.dtype} units, nor a whole fraction of one")
+        num[t.index], den[t.index], own[t.index] = max(size // model.itemsize, 1), \
+            max(model.itemsize // size, 1), t.dtype
+    return num, den, own
 
 
-def _in_units(t: PlacementTable, ratio: np.ndarray, own: dict[int, str], side: str
+def _in_units(t: PlacementTable, num: np.ndarray, den: np.ndarray, own: dict[int, str], side: str
               ) -> tuple[PlacementTable, tuple[str, ...]]:
-    """The placements with wider tensors' columns, origins and row strides counted in units; the dtype of
-    each physical tensor kind ("" = the model's)."""
-    r = ratio[t.canon]
-    wide = np.flatnonzero(r > 1)
+    """The placements with other dtypes' columns, origins and row strides counted in units; the dtype of each
+    physical tensor kind ("" = the model's). A narrower dtype's boxes must hold whole units (even columns)."""
+    r, q = num[t.canon], den[t.canon]
+    wide = np.flatnonzero((r > 1) | (q > 1))
     if not len(wide):
         return t, ()
     dtypes = [""] * len(t.kinds)
     scale = np.ones(len(t.kinds), dtype=np.int64)
+    shrink = np.ones(len(t.kinds), dtype=np.int64)
     for k, c in zip(t.kind[wide].tolist(), t.canon[wide].tolist()):
-        dtypes[k], scale[k] = own[c], ratio[c]
-    mixed = np.flatnonzero((r != scale[t.kind]) & (t.n0 * t.n1 > 0))
+        dtypes[k], scale[k], shrink[k] = own[c], num[c], den[c]
+    data = t.n0 * t.n1 > 0
+    mixed = np.flatnonzero(((r != scale[t.kind]) | (q != shrink[t.kind])) & data)
     if len(mixed):
         name = t.kinds[int(t.kind[mixed[0]])][0]
         raise PlanError(f"{side} layout puts data of two dtypes into one tensor {name!r}")
-    kinds = tuple((n, (*shape[:-1], shape[-1] * f)) for (n, shape), f in zip(t.kinds, scale.tolist()))
-    return replace(t, kinds=kinds, **{c: getattr(t, c) * r for c in ("c1", "n1", "origin", "stride")}), \
+    split = np.flatnonzero(data & (q > 1) & ((t.c1 % q != 0) | (t.n1 % q != 0) | (t.origin % q != 0)
+                                             | (t.stride % q != 0)))
+    if len(split):
+        i = int(split[0])
+        raise PlanError(f"{side} layout: a box of {t.kinds[int(t.kind[i])][0]!r} (columns {int(t.c1[i])}.."
+                        f"{int(t.c1[i] + t.n1[i])}, row stride {int(t.stride[i])}) splits a pair of "
+                        f"{own[int(t.canon[i])]} elements that travel as one unit")
+    kinds = tuple((n, (*shape[:-1], shape[-1] * f // d)) for (n, shape), f, d in
+                  zip(t.kinds, scale.tolist(), shrink.tolist()))
+    return replace(t, kinds=kinds, **{c: getattr(t, c) * r // q for c in ("c1", "n1", "origin", "stride")}), \
         tuple(dtypes)
 
 
@@ -335,12 +348,12 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
 
     # Placements as tables: the source for all its ranks, the destination for replica 0.
     # Wider tensors (a float32 router bias) are counted in units of the model's dtype from here on.
-    ratio, own = _unit_ratios(model)
+    num, den, own = _unit_ratios(model)
     shifted = [t.name for t in model.own_dtype_tensors if dst.value_offset(t) != src.value_offset(t)]
     if shifted:  # a shift adds to values, which units of another dtype are not
         raise PlanError(f"{shifted[0]} is kept in its own dtype and the layouts store it with different offsets")
-    S, s_dtypes = _in_units(src.placement_table(sel), ratio, own, "source")
-    D, d_dtypes = _in_units(dst.placement_table(sel, replica=0), ratio, own, "destination")
+    S, s_dtypes = _in_units(src.placement_table(sel), num, den, own, "source")
+    D, d_dtypes = _in_units(dst.placement_table(sel, replica=0), num, den, own, "destination")
     s_data = S.n0 * S.n1 > 0
     d_data = D.n0 * D.n1 > 0
     s_tid, src_table, src_numel = _tensor_ids(S, s_data, "source", s_dtypes)
@@ -351,7 +364,7 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
                         f"outside ranks [0, {rpr})")
 
     boxes = _Boxes(S, s_tid, s_data)
-    problems = boxes.overlaps(model, model.canonical.cols * ratio)
+    problems = boxes.overlaps(model, model.canonical.cols * num // den)
     if problems:
         raise PlanError("source layout is inconsistent", problems)
     _check_source_boxes(boxes, src_table, src_numel)
@@ -384,7 +397,7 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
     held0 = np.zeros(len(boxes), dtype=bool)
     held0[np.repeat(np.arange(len(boxes)), boxes.hcount)[boxes.h_rank == 0]] = True
     bounds = Bounds(lower_bound_by_dst=tuple((np.tile(per_dst0, K) * itemsize).tolist()),
-                    model_bytes=int((model.canonical.numel * ratio)[sel].sum()) * itemsize,
+                    model_bytes=int((model.canonical.numel * num // den)[sel].sum()) * itemsize,
                     gatherer_held_bytes=int((boxes.n0 * boxes.n1)[held0].sum()) * itemsize,
                     egress_lower_bound=balance.lower_bound, egress_unit_max=balance.unit_max,
                     holder_sets_laminar=balance.laminar)

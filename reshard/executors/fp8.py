@@ -1,0 +1,207 @@
+"""Quantizing refits run by any executor: senders quantize before the plan moves bytes, receivers after.
+
+Numerics (`quantize_blocks`), per block of `block` = (rows, cols), as DeepGEMM's / vLLM's `per_block_cast_to_fp8`
+defines FP8 block checkpoints: amax = max |x| over the block in float32, at least 1e-4; scale = amax / 448;
+q = float8_e4m3fn(x * (1 / scale)) with torch's cast (round to nearest even). The stored `weight_scale_inv` is
+`scale` (what dequantization multiplies by). Partial blocks at a tensor's edge take the amax of what they hold.
+
+`Fp8Executor` wraps the executor a plan would use (`make_executor(name, ...)`) around an `Fp8Plan`:
+  1. construction: the source tensors of this process become the wire's (fp8 and scale shadows, allocated once,
+     beside the trainer's tensors), the destination tensors the plan's (the engine's fp8 weights and scales;
+     staging buffers for tensors quantized on receivers); the inner executor is bound to those;
+  2. `refit()`: each source rank quantizes the pieces the plan reads from it into its shadows; the inner
+     executor moves the plan (staged by default: fp8 weights and their scales commit together or not at all);
+     then each destination rank quantizes its staging tensors into temporaries and only then writes weights and
+     scales (a failure before that point leaves both unchanged);
+  3. `close()` closes the inner executor.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from ..errors import ExecutionError
+from ..layouts.fp8 import FP8_MAX, STAGING, scale_name
+from ..planner.fp8 import Fp8Plan
+from .base import Executor, RankTensors, make_executor
+from .local import _box, element_shape, torch_dtype
+
+AMAX_FLOOR = 1e-4  # DeepGEMM's / vLLM's floor on a block's amax: an all-zero block gets scale 1e-4 / 448
+
+
+def quantize_blocks(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 [n, k], float32 scales [ceil(n/bn), ceil(k/bk)]) of a 2-D tensor (see the module doc)."""
+    n, k = x.shape
+    bn, bk = block
+    nb, kb = -(-n // bn), -(-k // bk)
+    if (n, k) != (nb * bn, kb * bk):  # pad with zeros: they never raise an amax
+        padded = torch.zeros((nb * bn, kb * bk), dtype=x.dtype, device=x.device)
+        padded[:n, :k] = x
+        x = padded
+    v = x.reshape(nb, bn, kb, bk)
+    amax = v.abs().amax(dim=(1, 3)).float().clamp_(min=AMAX_FLOOR)
+    scale = amax / FP8_MAX
+    q = (v.float() * (1.0 / scale)[:, None, :, None]).to(torch.float8_e4m3fn)
+    return q.reshape(nb * bn, kb * bk)[:n, :k], scale
+
+
+def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """float32 values of fp8 blocks (q * scale per block): what the engine computes with."""
+    bn, bk = block
+    s = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:q.shape[0], :q.shape[1]]
+    return q.float() * s
+
+
+def _as_2d(view: torch.Tensor) -> torch.Tensor:
+    return view.reshape(-1, view.shape[-1]) if view.dim() != 2 else view
+
+
+class SenderQuantizer:
+    """The wire's source tensors of this process's source ranks, and the quantization that fills them."""
+
+    def __init__(self, fp: Fp8Plan, src: RankTensors) -> None:
+        plan, layout = fp.plan, fp.plan.src
+        spec, block = layout.model, fp.scheme.block
+        own = plan.src_tensors.own_dtypes()
+        unit = torch_dtype(plan.src.dtype)
+        self.tensors: dict[int, dict[str, torch.Tensor]] = {}
+        self.jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (bf16 piece, fp8 piece, scale piece)
+        for rank, given in src.items():
+            wanted = plan.src_tensors.on_rank(rank)
+            out: dict[str, torch.Tensor] = {}
+            for name, units in wanted.items():
+                dtype = torch_dtype(own[(rank, name)]) if (rank, name) in own else unit
+                shape = element_shape(units, unit, dtype)
+                real = given.get(name)
+                if dtype == unit:
+                    if real is not None:
+                        out[name] = real
+                    continue
+                if real is None:
+                    continue  # a scale: no trainer tensor (below)
+                if real.dtype != unit or tuple(real.shape) != tuple(shape):
+                    raise ExecutionError(f"source rank {rank} {name!r}: got {tuple(real.shape)} {real.dtype}, a "
+                                         f"quantizing refit reads {tuple(shape)} {unit} (a source already in "
+                                         f"{real.dtype} is not re-quantized into other blocks)")
+                # a shadow beside the trainer's tensor, on its device (fp8 weight or float32 scale)
+                out[name] = torch.zeros(shape, dtype=dtype, device=real.device)
+            for name, units in wanted.items():  # scales have no trainer tensor: shadows on the weight's device
+                if name not in given and (rank, name) in own:
+                    dev = next((t.device for t in given.values() if isinstance(t, torch.Tensor)), "cpu")
+                    out[name] = torch.zeros(element_shape(units, unit, torch_dtype(own[(rank, name)])),
+                                            dtype=torch_dtype(own[(rank, name)]), device=dev)
+            self.tensors[rank] = out
+            for w in fp.quantize_by_src.get(rank, ()):
+                wt = spec.tensor_at(w)
+                st = spec.tensor(scale_name(wt.name))
+                wp = [p for p in layout.placements(wt) if p.rank == rank]
+                sp = [p for p in layout.placements(st) if p.rank == rank]
+                if len(wp) != len(sp):
+                    raise ExecutionError(f"{wt.name}: {len(wp)} weight pieces but {len(sp)} scale pieces on source "
+                                         f"rank {rank}")
+                for a, b in zip(wp, sp):
+                    if not all(a.lengths):
+                        continue
+                    if a.tensor not in given:
+                        raise ExecutionError(f"source rank {rank} has no tensor {a.tensor!r} to quantize")
+                    self.jobs.append((_as_2d(_box(given[a.tensor], a.phys_offset, a.lengths)),
+                                      _as_2d(_box(out[a.tensor], a.phys_offset, a.lengths)),
+                                      _as_2d(_box(out[b.tensor], b.phys_offset, b.lengths))))
+        self.block = block
+
+    def run(self) -> None:
+        with torch.no_grad():
+            for x, q, s in self.jobs:
+                qq, ss = quantize_blocks(x, self.block)
+                q.copy_(qq)
+                s.copy_(ss)
+
+
+class ReceiverQuantizer:
+    """This process's destination ranks: staging buffers for receiver-quantized tensors, and the quantization
+    from them into the engine's fp8 weights and scales."""
+
+    def __init__(self, fp: Fp8Plan, dst: RankTensors) -> None:
+        plan, layout, full = fp.plan, fp.plan.dst, fp.full_dst
+        own = plan.dst_tensors.own_dtypes()
+        unit = torch_dtype(plan.dst.dtype)
+        self.tensors: dict[int, dict[str, torch.Tensor]] = {}
+        self.jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (staging, fp8 weight, scale)
+        for rank, given in dst.items():
+            out = {}
+            for name, units in plan.dst_tensors.on_rank(rank).items():
+                if name.endswith(STAGING) and name not in given:
+                    real = given.get(name[:-len(STAGING)])
+                    out[name] = torch.zeros(units, dtype=unit, device=real.device if real is not None else "cpu")
+                elif name in given:
+                    out[name] = given[name]
+            self.tensors[rank] = dict(given, **out)
+        fspec = full.model
+        for t in fp.receiver_tensors:
+            ft, fs = fspec.tensor(t.name), fspec.tensor(scale_name(t.name))
+            for rank in dst:
+                stage = [p for p in layout.placements(t) if p.rank == rank]
+                wp = [p for p in full.placements(ft) if p.rank == rank]
+                sp = [p for p in full.placements(fs) if p.rank == rank]
+                for a, b, c in zip(stage, wp, sp):
+                    if not all(a.lengths):
+                        continue
+                    mine = self.tensors[rank]
+                    for name in (b.tensor, c.tensor):
+                        if name not in mine:
+                            raise ExecutionError(f"destination rank {rank} has no tensor {name!r} (an FP8 engine "
+                                                 f"holds the weight and its scale)")
+                    self.jobs.append((_as_2d(_box(mine[a.tensor], a.phys_offset, a.lengths)),
+                                      _as_2d(_box(mine[b.tensor], b.phys_offset, b.lengths)),
+                                      _as_2d(_box(mine[c.tensor], c.phys_offset, c.lengths))))
+        self.block = fp.scheme.block
+
+    def run(self) -> None:
+        """All quantized first, then written: weights and scales change together or not at all."""
+        with torch.no_grad():
+            done = [quantize_blocks(x, self.block) for x, _, _ in self.jobs]
+            for (_, q, s), (qq, ss) in zip(self.jobs, done):
+                q.copy_(qq)
+                s.copy_(ss)
+
+
+class Fp8Executor(Executor):
+    """Runs an `Fp8Plan` with the executor called `inner` (local, distributed, nixl, shared): see the module doc.
+    `src`: source rank -> the trainer's tensors (the model's dtype); `dst`: destination rank -> the engine's
+    tensors (fp8 weights, float32 `*weight_scale_inv`, the rest in the model's dtype)."""
+
+    name = "fp8"
+
+    def __init__(self, fp: Fp8Plan, binding: Any = None, process: int = 0, src: RankTensors | None = None,
+                 dst: RankTensors | None = None, inner: str = "local", **options: Any) -> None:
+        if not isinstance(fp, Fp8Plan):
+            raise ExecutionError(f"the fp8 executor runs an Fp8Plan (reshard.planner.fp8.compile_fp8), not a "
+                                 f"{type(fp).__name__}")
+        self.fp = fp
+        self.senders = SenderQuantizer(fp, dict(src or {}))
+        self.receivers = ReceiverQuantizer(fp, dict(dst or {}))
+        self.inner = make_executor(inner, fp.plan, binding, process, self.senders.tensors, self.receivers.tensors,
+                                   **options)
+
+    @property
+    def src_tensors(self) -> Mapping[int, Mapping[str, torch.Tensor]]:
+        return self.senders.tensors
+
+    def refit(self, version: int | None = None) -> Any:
+        self.senders.run()
+        stats = self.inner.refit(version) if version is not None else self.inner.refit()
+        self.receivers.run()
+        return stats
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def execute_fp8_local(fp: Fp8Plan, src: RankTensors, dst: RankTensors) -> None:
+    """One quantizing refit with every rank in this process."""
+    Fp8Executor(fp, None, 0, src, dst, inner="local").refit()
+
+
+__all__ = ["AMAX_FLOOR", "Fp8Executor", "ReceiverQuantizer", "SenderQuantizer", "dequantize_blocks",
+           "execute_fp8_local", "quantize_blocks"]

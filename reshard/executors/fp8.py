@@ -62,7 +62,7 @@ class SenderQuantizer:
 
     def __init__(self, fp: Fp8Plan, src: RankTensors) -> None:
         plan, layout = fp.plan, fp.plan.src
-        spec, block = layout.model, fp.scheme.block
+        block = fp.scheme.block
         own = plan.src_tensors.own_dtypes()
         unit = torch_dtype(plan.src.dtype)
         self.tensors: dict[int, dict[str, torch.Tensor]] = {}
@@ -92,22 +92,12 @@ class SenderQuantizer:
                     out[name] = torch.zeros(element_shape(units, unit, torch_dtype(own[(rank, name)])),
                                             dtype=torch_dtype(own[(rank, name)]), device=dev)
             self.tensors[rank] = out
-            for w in fp.quantize_by_src.get(rank, ()):
-                wt = spec.tensor_at(w)
-                st = spec.tensor(scale_name(wt.name))
-                wp = [p for p in layout.placements(wt) if p.rank == rank]
-                sp = [p for p in layout.placements(st) if p.rank == rank]
-                if len(wp) != len(sp):
-                    raise ExecutionError(f"{wt.name}: {len(wp)} weight pieces but {len(sp)} scale pieces on source "
-                                         f"rank {rank}")
-                for a, b in zip(wp, sp):
-                    if not all(a.lengths):
-                        continue
-                    if a.tensor not in given:
-                        raise ExecutionError(f"source rank {rank} has no tensor {a.tensor!r} to quantize")
-                    self.jobs.append((_as_2d(_box(given[a.tensor], a.phys_offset, a.lengths)),
-                                      _as_2d(_box(out[a.tensor], a.phys_offset, a.lengths)),
-                                      _as_2d(_box(out[b.tensor], b.phys_offset, b.lengths))))
+            for a, b in fp.sender_pieces(rank):
+                if a.tensor not in given:
+                    raise ExecutionError(f"source rank {rank} has no tensor {a.tensor!r} to quantize")
+                self.jobs.append((_as_2d(_box(given[a.tensor], a.phys_offset, a.lengths)),
+                                  _as_2d(_box(out[a.tensor], a.phys_offset, a.lengths)),
+                                  _as_2d(_box(out[b.tensor], b.phys_offset, b.lengths))))
         self.block = block
 
     def run(self) -> None:
@@ -166,6 +156,29 @@ class ReceiverQuantizer:
                 s.copy_(ss)
 
 
+def check_engine_tensors(fp: Fp8Plan, dst: RankTensors) -> None:
+    """Every fp8 weight and float32 scale the FP8 destination declares is among the engine's tensors, with its
+    shape and dtype; all problems at once, before anything is quantized or moved."""
+    full = fp.full_dst
+    problems = []
+    for rank, given in dst.items():
+        own = {n: d for (r, n), d in full.tensor_dtypes().items() if r == rank}
+        for name, shape in full.rank_tensors(rank).items():
+            if name not in own:
+                continue
+            t, dtype = given.get(name), torch_dtype(own[name])
+            if t is None:
+                kind = "scale" if name.endswith("_scale_inv") or "_scale_inv" in name else "fp8 weight"
+                problems.append(f"destination rank {rank} has no {kind} {name!r} ({tuple(shape)} {dtype})")
+            elif not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+                problems.append(f"destination rank {rank} {name!r}: got {got}, the FP8 destination declares "
+                                f"{tuple(shape)} {dtype} ({fp.scheme.block[0]}x{fp.scheme.block[1]} blocks)")
+    if problems:
+        raise ExecutionError("the engine's tensors do not match the FP8 destination:\n  - " +
+                             "\n  - ".join(problems[:20]))
+
+
 class Fp8Executor(Executor):
     """Runs an `Fp8Plan` with the executor called `inner` (local, distributed, nixl, shared): see the module doc.
     `src`: source rank -> the trainer's tensors (the model's dtype); `dst`: destination rank -> the engine's
@@ -179,6 +192,7 @@ class Fp8Executor(Executor):
             raise ExecutionError(f"the fp8 executor runs an Fp8Plan (reshard.planner.fp8.compile_fp8), not a "
                                  f"{type(fp).__name__}")
         self.fp = fp
+        check_engine_tensors(fp, dict(dst or {}))
         self.senders = SenderQuantizer(fp, dict(src or {}))
         self.receivers = ReceiverQuantizer(fp, dict(dst or {}))
         self.inner = make_executor(inner, fp.plan, binding, process, self.senders.tensors, self.receivers.tensors,
@@ -203,5 +217,5 @@ def execute_fp8_local(fp: Fp8Plan, src: RankTensors, dst: RankTensors) -> None:
     Fp8Executor(fp, None, 0, src, dst, inner="local").refit()
 
 
-__all__ = ["AMAX_FLOOR", "Fp8Executor", "ReceiverQuantizer", "SenderQuantizer", "dequantize_blocks",
+__all__ = ["AMAX_FLOOR", "Fp8Executor", "check_engine_tensors", "ReceiverQuantizer", "SenderQuantizer", "dequantize_blocks",
            "execute_fp8_local", "quantize_blocks"]

@@ -112,6 +112,29 @@ class Fp8Scheme(BaseModel):
                 self.activation_scheme, "fmt": self.fmt, **({"ignored_layers": list(self.ignored)}
                                                             if self.ignored else {})}
 
+    def check_engine(self, config: "dict[str, Any] | str") -> None:
+        """Refuse an engine whose HF config (or its `quantization_config`) quantizes otherwise than this scheme:
+        another block size, other ignored modules, no FP8 at all. Raised before any byte moves."""
+        from .registry import read_hf_config
+
+        cfg = config if isinstance(config, dict) and "quant_method" in config else read_hf_config(config)
+        q = cfg if "quant_method" in cfg else cfg.get("quantization_config")
+        if not isinstance(q, dict):
+            raise ModelConfigError(field="quantization_config", value=q, rule="is missing from the engine's config: "
+                                   "the engine is not an FP8 engine", fix="refit it without an FP8 destination")
+        engine = Fp8Scheme.from_quantization_config(q)
+        if engine.block != self.block:
+            raise ModelConfigError(field="quantization_config.weight_block_size", value=list(engine.block),
+                                   rule=f"the engine uses {list(engine.block)} blocks, the destination declares "
+                                   f"{list(self.block)}", fix="declare the engine's block size")
+        if set(engine.ignored) != set(self.ignored):
+            only_e, only_d = sorted(set(engine.ignored) - set(self.ignored)), sorted(set(self.ignored) -
+                                                                                    set(engine.ignored))
+            raise ModelConfigError(field="quantization_config.modules_to_not_convert", value=only_e[:5] or only_d[:5],
+                                   rule=f"the engine and the destination disagree on the modules left unquantized "
+                                   f"(only the engine's: {only_e[:5]}; only the declared: {only_d[:5]})",
+                                   fix="declare the engine's ignored modules")
+
     def is_ignored(self, tensor_name: str) -> bool:
         """Whether the module holding HF tensor `tensor_name` is left unquantized (vLLM's exact-match rule: the
         module name is listed; an expert's when an ignored name containing "experts" contains its MoE module)."""

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import LayoutError, ModelConfigError, PlanError
-from ..layouts import Layout
+from ..layouts import Layout, Placement
 from ..layouts.fp8 import FP8, Fp8Scheme, quantized_entries, scale_name, wire_spec
 from ..layouts.model import ModelSpec, TensorSpec
 from .compiler import compile_plan
@@ -78,31 +78,47 @@ class Fp8Plan:
         return tuple(t for t in spec.tensors if templates[t.index] in receiver)
 
     @functools.cached_property
-    def quantize_by_src(self) -> dict[int, tuple[int, ...]]:
-        """Source rank -> the weight indices (wire spec) whose pieces on that rank it quantizes: those the plan
-        reads from it, as weight or as scale (a holder read for a scale computes it from the weight)."""
-        ops = self.plan.ops
-        pairs = dict(self.sender_tensors)
-        scale_of = {s: w for w, s in pairs.items()}
+    def quantize_by_src(self) -> dict[int, tuple[str, ...]]:
+        """Source rank -> the physical source tensors whose fp8 pieces that rank quantizes: those the plan reads
+        from it, as fp8 weight or as scale (a holder read for a scale computes it from the weight). Ops adjacent
+        in memory are merged across canonical tensors (q, k, v in one run), never across physical tensors, so
+        reads are known per physical tensor and so is the work."""
+        ops, table = self.plan.ops, self.plan.src_tensors
+        own = table.own_dtypes()
         side0 = ops["src_side"] == 0
-        read = set(zip(ops["src_rank"][side0].tolist(), ops["canon"][side0].tolist()))
-        out: dict[int, set[int]] = {}
-        for rank, canon in read:
-            w = canon if canon in pairs else scale_of.get(canon)
-            if w is not None:
-                out.setdefault(rank, set()).add(w)
+        out: dict[int, set[str]] = {}
+        for rank, tid in set(zip(ops["src_rank"][side0].tolist(), ops["src_tensor"][side0].tolist())):
+            name = table.name(tid)
+            dtype = own.get((rank, name))
+            if dtype == FP8:
+                out.setdefault(rank, set()).add(name)
+            elif dtype == "float32" and name.endswith("_scale_inv"):
+                out.setdefault(rank, set()).add(name[:-len("_scale_inv")])
+            elif dtype == "float32" and "_scale_inv" in name:  # TE's grouped experts: weight_scale_inv{j}
+                out.setdefault(rank, set()).add(name.replace("_scale_inv", ""))
         return {r: tuple(sorted(v)) for r, v in sorted(out.items())}
+
+    def sender_pieces(self, rank: int) -> list[tuple[Placement, Placement]]:
+        """(weight piece, scale piece) pairs that source rank `rank` quantizes (`quantize_by_src`)."""
+        mine = set(self.quantize_by_src.get(rank, ()))
+        layout, spec = self.plan.src, self.plan.src.model
+        out = []
+        for w, s in self.sender_tensors:
+            wp = [p for p in layout.placements(spec.tensor_at(w)) if p.rank == rank]
+            sp = [p for p in layout.placements(spec.tensor_at(s)) if p.rank == rank]
+            if len(wp) != len(sp):
+                raise PlanError(f"{spec.tensor_name(w)}: {len(wp)} weight pieces but {len(sp)} scale pieces on "
+                                f"source rank {rank}")
+            out.extend((a, b) for a, b in zip(wp, sp) if a.tensor in mine and all(a.lengths))
+        return out
 
     @functools.cached_property
     def quantize_elements(self) -> tuple[list[int], list[int]]:
         """Elements quantized per source rank and per destination rank (receivers' staging)."""
         src, dst = self.plan.src, self.plan.dst
-        spec = src.model
         by_src = [0] * src.num_ranks
-        for rank, weights in self.quantize_by_src.items():
-            for w in weights:
-                by_src[rank] += sum(int(np.prod(p.lengths)) for p in src.placements(spec.tensor_at(w))
-                                    if p.rank == rank)
+        for rank in self.quantize_by_src:
+            by_src[rank] = sum(int(np.prod(a.lengths)) for a, _ in self.sender_pieces(rank))
         by_dst = [0] * dst.num_ranks
         for t in self.receiver_tensors:
             for p in dst.placements(t):

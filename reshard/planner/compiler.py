@@ -94,12 +94,13 @@ def _in_units(t: PlacementTable, num: np.ndarray, den: np.ndarray, own: dict[int
     wide = np.flatnonzero((r > 1) | (q > 1))
     if not len(wide):
         return t, ()
+    data = t.n0 * t.n1 > 0
+    t = _split_kinds(t, r, q, data)  # one name in two dtypes on different ranks (local layer names under PP)
     dtypes = [""] * len(t.kinds)
     scale = np.ones(len(t.kinds), dtype=np.int64)
     shrink = np.ones(len(t.kinds), dtype=np.int64)
     for k, c in zip(t.kind[wide].tolist(), t.canon[wide].tolist()):
         dtypes[k], scale[k], shrink[k] = own[c], num[c], den[c]
-    data = t.n0 * t.n1 > 0
     mixed = np.flatnonzero(((r != scale[t.kind]) | (q != shrink[t.kind])) & data)
     if len(mixed):
         name = t.kinds[int(t.kind[mixed[0]])][0]
@@ -115,6 +116,25 @@ def _in_units(t: PlacementTable, num: np.ndarray, den: np.ndarray, own: dict[int
                   zip(t.kinds, scale.tolist(), shrink.tolist()))
     return replace(t, kinds=kinds, **{c: getattr(t, c) * r // q for c in ("c1", "n1", "origin", "stride")}), \
         tuple(dtypes)
+
+
+def _split_kinds(t: PlacementTable, r: np.ndarray, q: np.ndarray, data: np.ndarray) -> PlacementTable:
+    """Kinds (name, shape) whose data rows come in several dtypes -- on different ranks: Megatron names layers
+    per stage, so layer 0 of stage 0 and layer k of stage 1 share a name, and an FP8 destination may quantize one
+    and not the other -- become one kind per dtype. Two dtypes in one rank's tensor stay an error (below)."""
+    code = r * 8 + q  # ratios are small: num in {1, 2, 4}, den in {1, 2, 4}
+    rows = np.flatnonzero(data)
+    pairs = np.unique(np.stack([t.kind[rows], code[rows]]), axis=1) if len(rows) else np.zeros((2, 0), np.int64)
+    kinds_with = np.bincount(pairs[0], minlength=len(t.kinds)) if pairs.shape[1] else np.zeros(len(t.kinds), int)
+    if not (kinds_with > 1).any():
+        return t
+    kinds, kind = list(t.kinds), t.kind.copy()
+    for k in np.flatnonzero(kinds_with > 1).tolist():
+        for c in pairs[1][pairs[0] == k].tolist()[1:]:  # the first dtype keeps the kind
+            at = rows[(t.kind[rows] == k) & (code[rows] == c)]
+            kind[at] = len(kinds)
+            kinds.append(t.kinds[k])
+    return replace(t, kind=kind, kinds=tuple(kinds))
 
 
 def _tensor_ids(t: PlacementTable, mask: np.ndarray, side: str, dtypes: tuple[str, ...] = ()

@@ -17,6 +17,7 @@ q = float8_e4m3fn(x * (1 / scale)) with torch's cast (round to nearest even). Th
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping
 
 import torch
@@ -30,10 +31,22 @@ from .local import _box, element_shape, torch_dtype
 AMAX_FLOOR = 1e-4  # DeepGEMM's / vLLM's floor on a block's amax: an all-zero block gets scale 1e-4 / 448
 
 
-def quantize_blocks(x: torch.Tensor, block: tuple[int, int], out: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def _block_amax(v: torch.Tensor) -> torch.Tensor:
+    """max |x| per block of a [nb, bn, kb, bk] view, in float32: the larger of -min and max (exact, and no |x|
+    temporary)."""
+    return torch.maximum(v.amax(dim=(1, 3)), v.amin(dim=(1, 3)).neg()).float()
+
+
+def _scale_cast(v: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn(x * inv) per block: float32 products, then the cast."""
+    return torch.mul(v, inv).to(torch.float8_e4m3fn)
+
+
+def quantize_blocks(x: torch.Tensor, block: tuple[int, int], out: torch.Tensor | None = None, *,
+                    fused: "tuple | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 [n, k], float32 scales [ceil(n/bn), ceil(k/bk)]) of a 2-D tensor (see the module doc); the fp8 values
-    are written into `out` (any strided [n, k] float8 view) when given."""
+    are written into `out` (any strided [n, k] float8 view) when given. `fused`: compiled (amax, scale_cast)
+    kernels to use instead of eager ones (`compiled_quantizer`)."""
     n, k = x.shape
     bn, bk = block
     nb, kb = -(-n // bn), -(-k // bk)
@@ -42,16 +55,18 @@ def quantize_blocks(x: torch.Tensor, block: tuple[int, int], out: torch.Tensor |
         padded[:n, :k] = x
         x = padded
     v = x.reshape(nb, bn, kb, bk)
-    # max |x| without an |x| temporary: the larger of -min and max (exact, in the input dtype)
-    amax = torch.maximum(v.amax(dim=(1, 3)), v.amin(dim=(1, 3)).neg()).float().clamp_(min=AMAX_FLOOR)
-    # a true division by a tensor: CUDA divides by a Python scalar as a product with its reciprocal, which can
-    # differ from amax / 448 in the last bit (the GPU test found it)
+    amax = (fused[0] if fused else _block_amax)(v).clamp_(min=AMAX_FLOOR)
+    # the scale's division and reciprocal stay eager, on tensors: CUDA divides by a Python scalar as a product
+    # with its reciprocal, which can differ from amax / 448 in the last bit (the GPU test found it)
     scale = amax / torch.full_like(amax, FP8_MAX)
-    inv = torch.reciprocal(scale)
-    scaled = torch.mul(v, inv[:, None, :, None]).reshape(nb * bn, kb * bk)[:n, :k]  # float32 products
+    inv = torch.reciprocal(scale)[:, None, :, None]
+    if fused:
+        q = fused[1](v, inv).reshape(nb * bn, kb * bk)[:n, :k]
+    else:
+        q = torch.mul(v, inv).reshape(nb * bn, kb * bk)[:n, :k]  # float32: cast on the way into `out`
     if out is None:
-        return scaled.to(torch.float8_e4m3fn), scale
-    out.copy_(scaled)  # the cast (round to nearest even) on the way into the destination
+        return q.to(torch.float8_e4m3fn), scale
+    out.copy_(q)
     return out, scale
 
 
@@ -59,10 +74,11 @@ _COMPILED: dict[str, object] = {}
 
 
 def compiled_quantizer():
-    """`quantize_blocks` through torch.compile (one fused reduction and one fused cast per shape on GPUs); the
-    GPU test holds its bytes equal to the reference's."""
+    """`quantize_blocks` with its two large passes (block amax; scale and cast) through torch.compile: one fused
+    kernel each on GPUs. The GPU test holds its bytes equal to the reference's."""
     if "fn" not in _COMPILED:
-        _COMPILED["fn"] = torch.compile(quantize_blocks, dynamic=False)
+        fused = (torch.compile(_block_amax, dynamic=False), torch.compile(_scale_cast, dynamic=False))
+        _COMPILED["fn"] = functools.partial(quantize_blocks, fused=fused)
     return _COMPILED["fn"]
 
 

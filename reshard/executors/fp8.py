@@ -120,12 +120,12 @@ class SenderQuantizer:
                 dtype = torch_dtype(own[(rank, name)]) if (rank, name) in own else unit
                 shape = element_shape(units, unit, dtype)
                 real = given.get(name)
-                if dtype == unit:
+                if dtype != torch.float8_e4m3fn:  # the trainer's own tensor (a float32 router bias too)
                     if real is not None:
                         out[name] = real
-                    continue
-                if real is None:
                     continue  # a scale: no trainer tensor (below)
+                if real is None:
+                    continue
                 if real.dtype != unit or tuple(real.shape) != tuple(shape):
                     raise ExecutionError(f"source rank {rank} {name!r}: got {tuple(real.shape)} {real.dtype}, a "
                                          f"quantizing refit reads {tuple(shape)} {unit} (a source already in "
@@ -274,5 +274,5 @@ def execute_fp8_local(fp: Fp8Plan, src: RankTensors, dst: RankTensors) -> None:
     Fp8Executor(fp, None, 0, src, dst, inner="local").refit()
 
 
-__all__ = ["AMAX_FLOOR", "Fp8Executor", "check_engine_tensors", "compiled_quantizer", "ReceiverQuantizer", "SenderQuantizer", "dequantize_blocks",
-           "execute_fp8_local", "quantize_blocks"]
+__all__ = ["AMAX_FLOOR", "Fp8Executor", "ReceiverQuantizer", "SenderQuantizer", "check_engine_tensors",
+           "compiled_quantizer", "dequantize_blocks", "execute_fp8_local", "quantize_blocks"]

@@ -33,6 +33,9 @@ class ModelFamily(abc.ABC):
     megatron_config_class: ClassVar[str] = "TransformerConfig"
     # Live vLLM parameters that hold no model weights (formatted with the layer `{i}`).
     vllm_not_weights: ClassVar[tuple[str, ...]] = ()
+    # Whether an FP8 block-scaled vLLM engine quantizes the MoE router (vLLM passes its quant_config to the gate:
+    # Qwen3-MoE yes, DeepSeek-V3 no).
+    fp8_router: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

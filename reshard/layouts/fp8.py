@@ -205,6 +205,10 @@ def staged_kind(kind: Kind) -> Kind:
 def is_quantized(spec: ModelSpec, scheme: Fp8Scheme, role: Hashable, shape: Shape, name: str) -> bool:
     """Whether an FP8 engine of `scheme` keeps this canonical tensor (a 2-D weight) in fp8."""
     linear = role in LINEAR_ROLES if isinstance(role, Role) else bool(getattr(role, "linear", False))
+    if role == Role.ROUTER:
+        from .registry import family
+
+        linear = family(spec.family).fp8_router
     return linear and len(shape) == 2 and name.endswith(".weight") and not scheme.is_ignored(name)
 
 

@@ -82,7 +82,8 @@ def test_quantizing_refits(case):
         event("destination refused")
         return
     assert not dst_splits, f"accepted a destination whose cuts split blocks of {dst_splits}"
-    event(f"kinds on senders: {'all' if set(fp.where.values()) == {'sender'} else 'none' if 'sender' not in set(fp.where.values()) else 'some'}")
+    where = set(fp.where.values())
+    event(f"kinds on senders: {'all' if where == {'sender'} else 'some' if 'sender' in where else 'none'}")
 
     # where: sound, and complete up to the stated rules
     for name, where in fp.where.items():

@@ -246,3 +246,53 @@ def test_a_failed_receiver_quantization_leaves_weights_and_scales_unchanged():
 def test_quantized_entries_follow_vllm_linear_layers():
     names = {n.split(".")[-2] for n in quantized_entries(qwen3_moe(), Fp8Scheme())}
     assert names == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "gate"}
+
+
+# --- DeepSeek-V3: MLA projections quantized as its FP8 release does ------------------------------------------------
+def deepseek() -> reshard.ModelSpec:
+    cfg = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=256,
+               intermediate_size=256, moe_intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
+               kv_lora_rank=128, q_lora_rank=128, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+               topk_method="noaux_tc", n_group=1, topk_group=1, norm_topk_prob=True, scoring_func="sigmoid",
+               first_k_dense_replace=1, moe_layer_freq=1, hidden_act="silu", vocab_size=512,
+               tie_word_embeddings=False, torch_dtype="bfloat16")
+    return reshard.ModelSpec.from_hf_config(cfg)
+
+
+def test_deepseek_mla_projections_and_experts_quantized_router_kept():
+    spec = deepseek()
+    names = {n.replace("model.layers.{i}.", "") for n in quantized_entries(spec, Fp8Scheme())}
+    assert names == {"self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight", "self_attn.kv_a_proj_with_mqa.weight",
+                     "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
+                     "mlp.up_proj.weight", "mlp.down_proj.weight", "mlp.experts.{e}.gate_proj.weight",
+                     "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight",
+                     "mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight",
+                     "mlp.shared_experts.down_proj.weight"}  # not mlp.gate (vLLM builds it unquantized)
+    fp = compile_fp8(M(model=spec, tp=2, naming="te"), V(model=spec, tp=2), Fp8Scheme())
+    t = fp.full_dst.rank_tensors(0)
+    L = "model.layers.1."
+    # q_a_proj [128, 256] and kv_a_proj_with_mqa [192, 256] stacked whole: 1 + ceil(192 / 128) block rows
+    assert t[L + "self_attn.fused_qkv_a_proj.weight_scale_inv"] == (3, 2)
+    assert t[L + "self_attn.kv_b_proj.weight_scale_inv"] == (4, 1)  # 4 heads x (128 + 128) / tp 2 rows, 128 cols
+    assert t[L + "self_attn.q_b_proj.weight_scale_inv"] == (3, 1)  # 4 heads x (128 + 64) / tp 2 rows
+    assert (0, L + "mlp.gate.weight") not in fp.full_dst.tensor_dtypes()
+    assert fp.full_dst.tensor_dtype(0, L + "mlp.gate.e_score_correction_bias") == "float32"
+
+
+@pytest.mark.parametrize("naming", ["local", "te"])
+def test_deepseek_refit_equals_reference_checkpoint(naming):
+    """Megatron's local MLA spec cuts q_a / kv_a over TP through blocks (those go to the receivers); TE keeps them
+    whole (senders)."""
+    spec = deepseek()
+    s = M(model=spec, tp=2, ep=2, naming=naming)
+    fp = compile_fp8(s, V(model=spec, tp=2), Fp8Scheme())
+    receivers = {k.split(".")[-2] for k, v in fp.where.items() if v == "receiver"}
+    assert receivers == ({"q_a_proj", "kv_a_proj_with_mqa"} if naming == "local" else set())
+    w = weights(spec)
+    w = {n: t.float() if spec.tensor(n).dtype == "float32" else t for n, t in w.items()}
+    dst = allocate(fp.full_dst, SENTINEL)
+    execute_fp8_local(fp, shard(s, w), dst)
+    want = expected(fp, w)
+    bad = [f"rank {r} {n}" for r in want for n in want[r] if not same_bytes(dst[r][n], want[r][n])]
+    assert not bad, bad[:10]

@@ -12,7 +12,6 @@ out (the CPU AMX packing, e8m0 scale conversion) are not direct-install destinat
 """
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 

@@ -174,30 +174,32 @@ class ReceiverQuantizer:
         for rank, given in dst.items():
             out = {}
             for name, units in plan.dst_tensors.on_rank(rank).items():
-                if name.endswith(STAGING) and name not in given:
-                    real = given.get(name[:-len(STAGING)])
+                wanted = torch_dtype(own[(rank, name)]) if (rank, name) in own else unit
+                real = given.get(name[:-len(STAGING)] if name.endswith(STAGING) else name)
+                if name.endswith(STAGING) or (real is not None and real.dtype == torch.float8_e4m3fn and
+                                              wanted == unit):
+                    # staging: vLLM names it after its parameter; an HF destination's is the fp8 tensor's name
                     out[name] = torch.zeros(units, dtype=unit, device=real.device if real is not None else "cpu")
-                elif name in given:
-                    out[name] = given[name]
+                elif real is not None:
+                    out[name] = real
             self.tensors[rank] = dict(given, **out)
         fspec = full.model
         for t in fp.receiver_tensors:
             ft, fs = fspec.tensor(t.name), fspec.tensor(scale_name(t.name))
-            for rank in dst:
+            for rank, given in dst.items():
                 stage = [p for p in layout.placements(t) if p.rank == rank]
                 wp = [p for p in full.placements(ft) if p.rank == rank]
                 sp = [p for p in full.placements(fs) if p.rank == rank]
                 for a, b, c in zip(stage, wp, sp):
                     if not all(a.lengths):
                         continue
-                    mine = self.tensors[rank]
                     for name in (b.tensor, c.tensor):
-                        if name not in mine:
+                        if name not in given:
                             raise ExecutionError(f"destination rank {rank} has no tensor {name!r} (an FP8 engine "
                                                  f"holds the weight and its scale)")
-                    self.jobs.append((_as_2d(_box(mine[a.tensor], a.phys_offset, a.lengths)),
-                                      _as_2d(_box(mine[b.tensor], b.phys_offset, b.lengths)),
-                                      _as_2d(_box(mine[c.tensor], c.phys_offset, c.lengths))))
+                    self.jobs.append((_as_2d(_box(self.tensors[rank][a.tensor], a.phys_offset, a.lengths)),
+                                      _as_2d(_box(given[b.tensor], b.phys_offset, b.lengths)),
+                                      _as_2d(_box(given[c.tensor], c.phys_offset, c.lengths))))
         self.block = fp.scheme.block
 
     def run(self, quantize=None) -> None:

@@ -142,7 +142,8 @@ def test_trainer_cut_through_blocks_moves_those_kinds_to_the_receiver():
 
 # --- refits against the reference ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", ["dense tp2 -> tp1", "dense tp1 -> tp2 x2", "mixed: trainer cuts blocks",
-                                  "all on receivers", "moe ep2 -> tp2", "hf (loader install)", "ignored modules"])
+                                  "all on receivers", "moe ep2 -> tp2", "hf (loader install)", "hf, mixed",
+                                  "ignored modules"])
 def test_refit_equals_reference_checkpoint(case):
     spec, moe = qwen3(), qwen3_moe()
     s, scheme, kw = M(model=spec, tp=2), Fp8Scheme(), {}
@@ -157,6 +158,8 @@ def test_refit_equals_reference_checkpoint(case):
         s, d = M(model=moe, tp=2, ep=2), V(model=moe, tp=2)
     elif case == "hf (loader install)":
         d = H(model=spec)
+    elif case == "hf, mixed":  # receivers quantize into the checkpoint's own names
+        s, d = M(model=qwen3(intermediate=384), tp=2), H(model=qwen3(intermediate=384), replicas=2)
     elif case == "ignored modules":  # per layer, under PP: stage 0's layer 0 and stage 1's layer 1 share names
         s = M(model=spec, tp=2, pp=2)
         scheme = Fp8Scheme(ignored=("model.layers.0.self_attn.o_proj", "model.layers.1.mlp.down_proj"))

@@ -299,3 +299,22 @@ def test_deepseek_refit_equals_reference_checkpoint(naming):
     want = expected(fp, w)
     bad = [f"rank {r} {n}" for r in want for n in want[r] if not same_bytes(dst[r][n], want[r][n])]
     assert not bad, bad[:10]
+
+
+def test_cli_plan_fp8_reports_both_wire_sizes(capsys):
+    from reshard.cli import main
+
+    args = ["plan", "--model", "examples/configs/qwen3-8b-fp8.json", "--src", "megatron:tp=4,world=8", "--dst",
+            "vllm:tp=2,replicas=2", "--fp8"]
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)["fp8"]
+    assert out["block"] == [128, 128] and set(out["where"].values()) == {"sender"}
+    assert out["wire_bytes"] < 0.6 * out["wire_bytes_without_sender_quantization"]
+    assert len(out["quantize_elements_by_src"]) == 8 and sum(out["quantize_elements_by_dst"]) == 0
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "with sender-side quantization" in text and "7 of 7 quantized tensor kinds on the sender" in text
+    # an engine config without FP8 blocks: refused in one line
+    assert main(["plan", "--model", "examples/configs/qwen3-8b.json", "--src", "megatron:tp=4", "--dst", "vllm:tp=2",
+                 "--fp8"]) == 2
+    assert "quantization_config" in capsys.readouterr().err

@@ -97,3 +97,48 @@ def _own(fp):
     """The source layout over the model's own (bf16) spec: what the trainer's tensors are laid out by."""
     src = fp.plan.src
     return type(src).model_validate({**src.model_dump(), "model": fp.model})
+
+
+def store_worker(process: int, port: int, workdir: str) -> None:
+    """`testing.store_procs.launch` target: every case of workdir/cases.json through Fp8Executor around the
+    case's store-made executor ("nixl" or "shared"), twice with new weights; workdir/result-<process>.json says,
+    per case, whether this process's engine tensors equal the reference checkpoint each time."""
+    import json as _json
+    from pathlib import Path as _Path
+
+    from .store_procs import _client
+
+    torch.set_num_threads(1)
+    store = _client(port)
+    results = []
+    for k, case in enumerate(_json.loads((_Path(workdir) / "cases.json").read_text())):
+        out: dict[str, Any] = {"case": k, "ok": [], "error": ""}
+        try:
+            spec = ModelSpec.from_hf_config(case["config"])
+            fp = compile_fp8(parse_layout(case["src"], spec), parse_layout(case["dst"], spec),
+                             Fp8Scheme(block=tuple(case["block"])))
+            binding = Binding.from_dict(case["binding"])
+            mine_src, mine_dst = list(binding.src_ranks_of(process)), list(binding.dst_ranks_of(process))
+            src = shard(_own(fp), _weights(spec, case["seed"]), ranks=mine_src)
+            dst = allocate(fp.full_dst, SENTINEL, ranks=mine_dst)
+            options = dict(case["options"], store=store, namespace=f"fp8case{k}")
+            if case["executor"] == "nixl":
+                from ..executors.nixl import NixlOptions
+
+                options["options"] = NixlOptions(**options.pop("nixl", {}))
+            ex = Fp8Executor(fp, binding, process, src, dst, inner=case["executor"], **options)
+            quantized = {t.name for t in fp.full_dst.model.tensors if t.dtype == FP8}
+            for r in range(2):
+                w = _weights(spec, case["seed"] + r)
+                for rank, ts in shard(_own(fp), w, ranks=mine_src).items():
+                    for n, t in ts.items():
+                        src[rank][n].copy_(t)
+                ex.refit()
+                want = shard(fp.full_dst, reference_checkpoint(w, quantized, fp.scheme.block), fill=SENTINEL,
+                             ranks=mine_dst)
+                out["ok"].append(all(same_bytes(t, want[rr][n]) for rr, ts in dst.items() for n, t in ts.items()))
+            ex.close()
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            out["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"
+        results.append(out)
+    (_Path(workdir) / f"result-{process}.json").write_text(_json.dumps(results))

@@ -35,7 +35,7 @@ RankTensors = Mapping[int, Mapping[str, torch.Tensor]]
 # name -> module that defines it (imported on first use) and the class, once imported
 _MODULES = {"local": "reshard.executors.local", "distributed": "reshard.executors.distributed",
             "nixl": "reshard.executors.nixl.executor", "shared": "reshard.executors.shared",
-            "bound": "reshard.executors.bound"}
+            "bound": "reshard.executors.bound", "fp8": "reshard.executors.fp8"}
 _EXECUTORS: dict[str, type["Executor"]] = {}
 
 

@@ -302,6 +302,7 @@ class Kind:
     te: Cut | tuple[Cut, ...] | None = None
     expert: bool = False
     megatron_offset: float = 0.0  # Megatron stores canonical + this (Layout.value_offset)
+    linear: bool = False  # a linear layer's weight: an FP8 block-scaled engine quantizes it (layouts.fp8)
 
     def __post_init__(self) -> None:
         for side in ("megatron", "vllm", "te"):

@@ -14,6 +14,7 @@ from reshard.layouts.base import TableBuilder
 from reshard.layouts.cuts import (ColumnBlocks, Cut, GlobalRows, Group, LoraA, LoraB, QkvParallel, Replicated,
                                   ReplicatedAt, RowBlocks, Stacked, Vocab)
 from reshard.layouts.families import discover, read_hf_config
+from reshard.layouts.fp8 import ScaledCut
 from reshard.testing.strategies import divisors
 
 
@@ -59,6 +60,13 @@ def _cuts(draw, tp: int) -> tuple[Cut, tuple[int, ...], int]:
             blocks.append((canon[j], at, lengths[j]))
             at += lengths[j]
         return GlobalRows("w", -(-at // tp) * tp, tuple(blocks)), (canon[-1], m), 0
+    if kind is ScaledCut:  # the block scales of a weight cut in whole blocks (layouts.fp8), edge blocks partial
+        bn, bk = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+        inner = draw(st.sampled_from([RowBlocks("w", 0, 1), ColumnBlocks("w"), Replicated("w")]))
+        rows = tp * k * bn if isinstance(inner, RowBlocks) else k * bn - draw(st.integers(0, bn - 1))
+        cols = tp * m * bk if isinstance(inner, ColumnBlocks) else m * bk - draw(st.integers(0, bk - 1))
+        cut = ScaledCut("s", inner=inner, weight_shape=(rows, cols), block=(bn, bk))
+        return cut, (-(-rows // bn), -(-cols // bk)), 0
     heads = draw(st.sampled_from(sorted({tp * x for x in (1, 2)} | set(divisors(tp)))))
     d, part = draw(st.integers(1, 2)), draw(st.integers(0, 2))
     q_rows = tp * draw(st.integers(1, 3))
@@ -67,7 +75,8 @@ def _cuts(draw, tp: int) -> tuple[Cut, tuple[int, ...], int]:
             0)
 
 
-CUTS = (Replicated, ReplicatedAt, Vocab, RowBlocks, ColumnBlocks, Stacked, GlobalRows, QkvParallel, LoraA, LoraB)
+CUTS = (Replicated, ReplicatedAt, Vocab, RowBlocks, ColumnBlocks, Stacked, GlobalRows, QkvParallel, LoraA, LoraB,
+        ScaledCut)
 
 
 def test_the_property_covers_every_cut():

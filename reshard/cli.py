@@ -95,8 +95,18 @@ def _plan(args: argparse.Namespace) -> int:
     colocated = args.colocated
     if isinstance(colocated, str):
         colocated = _ints("--colocated", colocated, 0, src.num_ranks)
-    plan = compile_plan(src, dst, tensors=tensors, layers=layers, colocated=colocated, fanout=args.fanout,
-                        roots=args.roots, relay_cap=args.relay_cap)
+    options = dict(tensors=tensors, layers=layers, colocated=colocated, fanout=args.fanout, roots=args.roots,
+                   relay_cap=args.relay_cap)
+    fp8 = None
+    if args.fp8:  # an FP8 block-scaled destination: quantizing plan, bytes with and without sender quantization
+        from .layouts.fp8 import Fp8Scheme
+        from .planner.fp8 import compile_fp8
+
+        scheme = Fp8Scheme.from_hf_config(args.model if args.fp8 is True else args.fp8)
+        fp8 = compile_fp8(src, dst, scheme, **options)
+        plan = fp8.plan
+    else:
+        plan = compile_plan(src, dst, **options)
     prediction = None
     if args.predict:
         from .planner.cost import predict
@@ -129,6 +139,9 @@ def _plan(args: argparse.Namespace) -> int:
         if not args.pairs:
             out.pop("pair_bytes")
             out.pop("relay_pair_bytes")
+        if fp8 is not None:
+            out["fp8"] = fp8.summary()
+            out.pop("own_dtypes")  # every fp8 weight and scale: fp8.where says it per tensor kind
         if prediction is not None:
             out["predicted_seconds"] = prediction.seconds
             out["predicted_busiest"] = str(prediction.busiest)
@@ -137,6 +150,8 @@ def _plan(args: argparse.Namespace) -> int:
         print()
     else:
         print(plan)
+        if fp8 is not None:
+            print(fp8.text())
         if prediction is not None:
             from .planner.cost import format_prediction
 
@@ -173,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", help="override the model's dtype (e.g. float8_e4m3fn to size an FP8 refit)")
     p.add_argument("--src", required=True, help="source layout, e.g. megatron:tp=4,pp=2,ep=8,etp=1,world=64")
     p.add_argument("--dst", required=True, help="destination layout, e.g. vllm:tp=8,replicas=8")
+    p.add_argument("--fp8", nargs="?", const=True, default=False, metavar="CONFIG",
+                   help="an FP8 block-scaled destination, from the quantization_config of --model's config (or of "
+                   "CONFIG, the engine's config.json): quantizes on the senders where they hold whole blocks and "
+                   "reports wire bytes with and without that")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     p.add_argument("--pairs", action="store_true", help="with --json, include bytes per (source, destination) pair")
     p.add_argument("--colocated", nargs="?", const=True, default=False, metavar="SRC_RANKS",

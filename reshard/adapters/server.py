@@ -37,8 +37,9 @@ class VllmServer:
         return f"VllmServer({self.url})"
 
     def call(self, method: str, route: str, body: dict[str, Any] | None = None,
-             query: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
-        """One request; its JSON answer. A non-2xx answer raises ExecutionError with the server's message."""
+             query: dict[str, Any] | None = None, timeout: float | None = None, text: bool = False) -> Any:
+        """One request; its JSON answer (its text with `text`: routes that answer in words). A non-2xx answer raises
+        ExecutionError with the server's message."""
         url = self.url + route + (("?" + urllib.parse.urlencode(query)) if query else "")
         data = json.dumps(body).encode() if body is not None else None
         request = urllib.request.Request(url, data=data, method=method)
@@ -47,13 +48,15 @@ class VllmServer:
             request.add_header("Authorization", f"Bearer {self.api_key}")
         try:
             with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
-                text = response.read().decode()
+                answer = response.read().decode()
         except urllib.error.HTTPError as e:
             raise ExecutionError(f"{self.url}{route}: HTTP {e.code}: {_message(e.read().decode(errors='replace'))}") \
                 from None
         except (urllib.error.URLError, OSError) as e:
             raise ExecutionError(f"{self.url}{route}: {getattr(e, 'reason', e)}") from None
-        return json.loads(text) if text else None
+        if text:
+            return answer
+        return json.loads(answer) if answer else None
 
     # --- vLLM's weight-sync client protocol ------------------------------------------------------------
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
@@ -107,12 +110,23 @@ class VllmServer:
                 raise ExecutionError(f"the server at {self.url} was not healthy within {timeout:.0f} s")
             time.sleep(1.0)
 
-    def greedy(self, prompts: list[list[int]], max_tokens: int = 12) -> list[list[int]]:
-        """Greedy completions of token-id prompts: the generated token ids of each."""
+    # --- LoRA adapters (the server started with --enable-lora; VLLM_ALLOW_RUNTIME_LORA_UPDATING=True) ----------
+    def load_lora_adapter(self, name: str, path: str, inplace: bool = False) -> None:
+        """Serve the PEFT directory `path` as model `name`; `inplace` reloads an adapter already served under that
+        name from its path (after a refit published a new version there: reshard.adapters.lora.PeftDirectory)."""
+        self.call("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path, "load_inplace": inplace},
+                  text=True)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self.call("POST", "/v1/unload_lora_adapter", {"lora_name": name}, text=True)
+
+    def greedy(self, prompts: list[list[int]], max_tokens: int = 12, model: str | None = None) -> list[list[int]]:
+        """Greedy completions of token-id prompts: the generated token ids of each (by the base model, or by the
+        adapter served as `model`)."""
         out = []
         for prompt in prompts:
             answer = self.call("POST", "/v1/completions", {
-                "model": self.model(), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "model": model or self.model(), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                 "return_token_ids": True})
             out.append([int(t) for t in answer["choices"][0]["token_ids"]])
         return out

@@ -15,7 +15,7 @@ Lifecycle, the same for every executor:
         executor.refit()
     executor.close()
 
-Executors here: "local" (every rank in this process), "distributed" (torch.distributed: gloo, NCCL; a group of
+Executors here: "local" (every rank in this process), "bound" (the same, views made once: small frequent refits), "distributed" (torch.distributed: gloo, NCCL; a group of
 this process's world or one made over a store), "nixl" (NIXL one-sided reads / writes), "shared" (one host,
 separate processes: CUDA IPC on GPUs, shared memory on CPU). Each module registers itself when imported;
 `make_executor` imports it by name, so `import reshard` pulls in none of them.
@@ -34,7 +34,8 @@ RankTensors = Mapping[int, Mapping[str, torch.Tensor]]
 
 # name -> module that defines it (imported on first use) and the class, once imported
 _MODULES = {"local": "reshard.executors.local", "distributed": "reshard.executors.distributed",
-            "nixl": "reshard.executors.nixl.executor", "shared": "reshard.executors.shared"}
+            "nixl": "reshard.executors.nixl.executor", "shared": "reshard.executors.shared",
+            "bound": "reshard.executors.bound", "fp8": "reshard.executors.fp8"}
 _EXECUTORS: dict[str, type["Executor"]] = {}
 
 

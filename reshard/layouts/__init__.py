@@ -12,6 +12,9 @@ The modules, each importing only those listed before it:
   megatron, vllm, hf    the three layouts; spec_string: layouts as strings and JSON
   family       ModelFamily, the base class of a family file (subclassing registers it)
   families/    one file per family, every one imported with the package
+  fp8          FP8 block-scaled destinations: the scheme, the wire spec (fp8 + scales), their cuts; lists its
+               entries through the registry's entry transforms
+  lora         LoRA adapters as models (family "lora"), the PEFT and vLLM-slot layouts
 """
 from .base import Layout, Placement
 from .families import (ModelFamily, discover, read_hf_config, registered_families, spec_from_hf_config,
@@ -21,6 +24,8 @@ from .megatron import MegatronLayout
 from .model import ModelSpec, Role, TensorSpec
 from .spec_string import LAYOUT_KINDS, layout_from_dict, layout_to_dict, parse_layout
 from .vllm import VllmLayout
+from . import fp8  # noqa: F401 - registers the FP8 wire specs' entry transform (layouts.registry)
+from . import lora  # noqa: E402  registers the "lora" family (adapters as models)
 
 __all__ = [
     "HfLayout", "LAYOUT_KINDS", "Layout", "MegatronLayout", "ModelFamily", "ModelSpec", "Placement", "Role",

@@ -42,6 +42,8 @@ class Group:
     vocab: int = 0
     stack: int = 0
     copies_first: bool = False
+    lora_rank: int = 0         # LoRA buffers padded to this rank (vLLM's max_lora_rank); 0: the adapter's own
+    lora_sharded: bool = False  # vLLM's fully_sharded_loras: A of a column-parallel layer cut on its rank dim
 
 
 @dataclass(frozen=True)
@@ -215,12 +217,14 @@ class GlobalRows(Cut):
 class QkvParallel(Cut):
     """vLLM's QKVParallelLinear: rank r holds [q_r; k_r; v_r]; q (`q_rows` global rows) is split over TP, k and v
     by head, each of the `kv_heads` heads replicated on tp / kv_heads ranks when tp > kv_heads. `part` 0, 1, 2 is
-    q, k, v (a gated q_proj holds 2 rows per head: its `q_rows` says so)."""
+    q, k, v (a gated q_proj holds 2 rows per head: its `q_rows` says so). `alone`: the part is a tensor of its
+    own, [q_r], [k_r] or [v_r] (vLLM's per-slice LoRA B buffers), instead of its rows of the stack."""
 
     q_rows: int = 0
     kv_heads: int = 1
     head_dim: int = 1
     part: int = 0
+    alone: bool = False
 
     def pieces(self, what: str, shape: Shape, g: Group) -> tuple[Shape, list[Piece]]:
         heads, d, tp = self.kv_heads, self.head_dim, g.tp
@@ -229,11 +233,61 @@ class QkvParallel(Cut):
                               f"heads evenly", {"tensor": what, "tp": tp})
         q, kv = self.q_rows // tp, max(1, heads // tp)
         rest, pad = shape[1:], _zeros(shape[1:])
+        rows = (q if self.part == 0 else kv * d) if self.alone else q + 2 * kv * d
         if self.part == 0:
-            return (q + 2 * kv * d, *rest), [(r, (r * q, *pad), (q, *rest), (0, *pad)) for r in range(tp)]
-        row = q if self.part == 1 else q + kv * d
-        return (q + 2 * kv * d, *rest), [(r, ((r * kv if tp <= heads else r // (tp // heads)) * d, *pad),
+            return (rows, *rest), [(r, (r * q, *pad), (q, *rest), (0, *pad)) for r in range(tp)]
+        row = 0 if self.alone else q if self.part == 1 else q + kv * d
+        return (rows, *rest), [(r, ((r * kv if tp <= heads else r // (tp // heads)) * d, *pad),
                                           (kv * d, *rest), (row, *pad)) for r in range(tp)]
+
+
+def _lora_rank(what: str, r: int, g: Group) -> int:
+    """The rank dim of a LoRA slot: the engine's padded rank, which must hold the adapter's rank r."""
+    if g.lora_rank and r > g.lora_rank:
+        raise LayoutError(g.side, f"{what}: the adapter's rank r={r} exceeds max_lora_rank={g.lora_rank}",
+                          {"tensor": what, "max_lora_rank": g.lora_rank},
+                          "start the engine with max_lora_rank >= r, or train a smaller rank")
+    return g.lora_rank or r
+
+
+@dataclass(frozen=True)
+class LoraA(Cut):
+    """An engine's LoRA A slot, [R, in] with R = `Group.lora_rank` (rows r.. are padding). `split_input`: the
+    base layer is row-parallel, so A is cut into column blocks of its input dim (both modes). Otherwise A is whole
+    on every rank, or, with `Group.lora_sharded` (S-LoRA, vLLM's fully_sharded_loras), the padded rank dim is cut
+    into R/tp row blocks: rank t holds rows [t R/tp, (t+1) R/tp) of the padded A."""
+
+    split_input: bool = False
+
+    def pieces(self, what: str, shape: Shape, g: Group) -> tuple[Shape, list[Piece]]:
+        r, cols = shape
+        R = _lora_rank(what, r, g)
+        if self.split_input:
+            per = _per(what, shape, 1, g)
+            return (R, per), [(t, (0, t * per), (r, per), (0, 0)) for t in range(g.tp)]
+        if not g.lora_sharded:
+            return (R, cols), [(t, (0, 0), (r, cols), (0, 0)) for t in range(g.tp)]
+        if R % g.tp:
+            raise LayoutError(g.side, f"{what}: fully sharded LoRA needs max_lora_rank={R} divisible by tp={g.tp}",
+                              {"tensor": what, "tp": g.tp})
+        per = R // g.tp
+        return (per, cols), [(t, (min(t * per, r), 0), (max(min((t + 1) * per, r) - t * per, 0), cols), (0, 0))
+                             for t in range(g.tp)]
+
+
+@dataclass(frozen=True)
+class LoraB(Cut):
+    """An engine's LoRA B slot, [out rows, R] (columns r.. are padding). `rows` cuts the output dim as the base
+    layer's cut does (RowBlocks, QkvParallel alone ...; its name is not used); None: the base layer is
+    row-parallel, so B is whole on every rank, or cut into row blocks with `Group.lora_sharded`."""
+
+    rows: Cut | None = None
+
+    def pieces(self, what: str, shape: Shape, g: Group) -> tuple[Shape, list[Piece]]:
+        R = _lora_rank(what, shape[1], g)
+        inner = self.rows or (RowBlocks(self.name) if g.lora_sharded else Replicated(self.name))
+        phys, pieces = inner.pieces(what, shape, g)
+        return (phys[0], R), pieces
 
 
 @dataclass(frozen=True)
@@ -248,6 +302,7 @@ class Kind:
     te: Cut | tuple[Cut, ...] | None = None
     expert: bool = False
     megatron_offset: float = 0.0  # Megatron stores canonical + this (Layout.value_offset)
+    linear: bool = False  # a linear layer's weight: an FP8 block-scaled engine quantizes it (layouts.fp8)
 
     def __post_init__(self) -> None:
         for side in ("megatron", "vllm", "te"):

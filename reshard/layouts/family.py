@@ -33,6 +33,9 @@ class ModelFamily(abc.ABC):
     megatron_config_class: ClassVar[str] = "TransformerConfig"
     # Live vLLM parameters that hold no model weights (formatted with the layer `{i}`).
     vllm_not_weights: ClassVar[tuple[str, ...]] = ()
+    # Whether an FP8 block-scaled vLLM engine quantizes the MoE router (vLLM passes its quant_config to the gate:
+    # Qwen3-MoE yes, DeepSeek-V3 no).
+    fp8_router: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -138,11 +141,14 @@ class ModelFamily(abc.ABC):
                 raise ModelConfigError(field=flag, value=True, rule=f"is not supported (the {self.name} family "
                                        f"has no biases)")
         quant = config.get("quantization_config")
-        if quant is not None:
+        fp8_blocks = isinstance(quant, dict) and quant.get("quant_method") == "fp8" and \
+            quant.get("weight_block_size") is not None
+        if quant is not None and not fp8_blocks:  # FP8 blocks: the spec is the model's own; layouts.fp8 the rest
             method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
             raise ModelConfigError(field="quantization_config", value=method,
                                    rule=f"makes it a quantized checkpoint, which is not supported: refits write "
-                                        f"unquantized weights; drop quantization_config and serve the {dtype} weights")
+                                        f"{dtype} weights or FP8 blocks (quant_method fp8 with weight_block_size, "
+                                        f"`--fp8`); drop quantization_config and serve the {dtype} weights")
         return dict(
             family=self.name,
             hidden_size=hidden,

@@ -303,12 +303,18 @@ def _canonical_table(spec: ModelSpec) -> CanonicalTable:
                 else:
                     entry.append(np.asarray([codes.setdefault(item, len(codes))], dtype=np.int64))
                     expert.append(np.asarray([-1], dtype=np.int64))
-            expanded[items] = (np.concatenate(entry), np.concatenate(expert))
+            empty = [np.zeros(0, dtype=np.int64)]  # a family without head or tail tensors (an adapter)
+            expanded[items] = (np.concatenate(entry + empty), np.concatenate(expert + empty))
         return expanded[items]
 
-    blocks = [(expand(tuple(fam.head(spec))), -1)]
-    blocks += [(expand(tuple(fam.layer(spec, i))), i) for i in range(spec.num_layers)]
-    blocks.append((expand(tuple(fam.tail(spec))), -1))
+    def transform_items(spec: ModelSpec, items: tuple, layer: int) -> tuple:
+        for transform in registry.entry_transforms():  # e.g. an FP8 wire spec's fp8 + scales (layouts.fp8)
+            items = transform(spec, items, layer)
+        return items
+
+    blocks = [(expand(transform_items(spec, tuple(fam.head(spec)), -1)), -1)]
+    blocks += [(expand(transform_items(spec, tuple(fam.layer(spec, i)), i)), i) for i in range(spec.num_layers)]
+    blocks.append((expand(transform_items(spec, tuple(fam.tail(spec)), -1)), -1))
     entry = np.concatenate([e for (e, _), _ in blocks])
     expert = np.concatenate([x for (_, x), _ in blocks])
     layer = np.concatenate([np.full(len(e), i, dtype=np.int64) for (e, _), i in blocks])

@@ -13,6 +13,19 @@ from ..errors import ModelConfigError
 
 _BY_KEY: dict[str, Any] = {}   # HF architecture or model_type -> family
 _BY_NAME: dict[str, Any] = {}  # ModelSpec.family -> family
+# f(spec, entries, layer) -> entries: how a spec of another form lists a family's entries (layouts.fp8's wire
+# specs list a quantized weight as fp8 + scales); registered by the modules that define those forms
+_ENTRY_TRANSFORMS: list[Any] = []
+
+
+def register_entry_transform(transform: Any) -> None:
+    """Add `transform` to what every canonical table applies to its family's entries (once, in order)."""
+    if transform not in _ENTRY_TRANSFORMS:
+        _ENTRY_TRANSFORMS.append(transform)
+
+
+def entry_transforms() -> tuple[Any, ...]:
+    return tuple(_ENTRY_TRANSFORMS)
 
 
 def register(family: Any) -> None:

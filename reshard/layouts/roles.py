@@ -22,9 +22,10 @@ def gated_mlp(megatron: str, vllm: str, label: str = "") -> tuple[Kind, Kind, Ki
     """gate / up / down of a SwiGLU MLP under the module names `megatron` and `vllm`: Megatron's linear_fc1
     [gate_r; up_r] and linear_fc2, vLLM's gate_up_proj [gate_r; up_r] and down_proj."""
     fc1, gate_up = megatron + "linear_fc1.weight", vllm + "gate_up_proj.weight"
-    return (Kind(label + "gate", RowBlocks(fc1, 0, 2), RowBlocks(gate_up, 0, 2)),
-            Kind(label + "up", RowBlocks(fc1, 1, 2), RowBlocks(gate_up, 1, 2)),
-            Kind(label + "down", ColumnBlocks(megatron + "linear_fc2.weight"), ColumnBlocks(vllm + "down_proj.weight")))
+    return (Kind(label + "gate", RowBlocks(fc1, 0, 2), RowBlocks(gate_up, 0, 2), linear=True),
+            Kind(label + "up", RowBlocks(fc1, 1, 2), RowBlocks(gate_up, 1, 2), linear=True),
+            Kind(label + "down", ColumnBlocks(megatron + "linear_fc2.weight"), ColumnBlocks(vllm + "down_proj.weight"),
+                 linear=True))
 
 
 def kind_of(spec: ModelSpec, role: Hashable) -> Kind:

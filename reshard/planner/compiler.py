@@ -269,12 +269,12 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
 
     # Placements as tables: the source for all its ranks, the destination for replica 0.
     # Wider tensors (a float32 router bias) are counted in units of the model's dtype from here on.
-    ratio, own = unit_ratios(model)
+    num, den, own = unit_ratios(model)
     shifted = [t.name for t in model.own_dtype_tensors if dst.value_offset(t) != src.value_offset(t)]
     if shifted:  # a shift adds to values, which units of another dtype are not
         raise PlanError(f"{shifted[0]} is kept in its own dtype and the layouts store it with different offsets")
-    S, s_dtypes = in_units(src.placement_table(sel), ratio, own, "source")
-    D, d_dtypes = in_units(dst.placement_table(sel, replica=0), ratio, own, "destination")
+    S, s_dtypes = in_units(src.placement_table(sel), num, den, own, "source")
+    D, d_dtypes = in_units(dst.placement_table(sel, replica=0), num, den, own, "destination")
     s_data = S.n0 * S.n1 > 0
     d_data = D.n0 * D.n1 > 0
     s_tid, src_table, src_numel = _tensor_ids(S, s_data, "source", s_dtypes)
@@ -285,7 +285,7 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
                         f"outside ranks [0, {rpr})")
 
     boxes = _Boxes(S, s_tid, s_data)
-    problems = boxes.overlaps(model, model.canonical.cols * ratio)
+    problems = boxes.overlaps(model, model.canonical.cols * num // den)
     if problems:
         raise PlanError("source layout is inconsistent", problems)
     _check_source_boxes(boxes, src_table, src_numel)
@@ -318,7 +318,7 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
     held0 = np.zeros(len(boxes), dtype=bool)
     held0[np.repeat(np.arange(len(boxes)), boxes.hcount)[boxes.h_rank == 0]] = True
     bounds = Bounds(lower_bound_by_dst=tuple((np.tile(per_dst0, K) * itemsize).tolist()),
-                    model_bytes=int((model.canonical.numel * ratio)[sel].sum()) * itemsize,
+                    model_bytes=int((model.canonical.numel * num // den)[sel].sum()) * itemsize,
                     gatherer_held_bytes=int((boxes.n0 * boxes.n1)[held0].sum()) * itemsize,
                     egress_lower_bound=balance.lower_bound, egress_unit_max=balance.unit_max,
                     holder_sets_laminar=balance.laminar)

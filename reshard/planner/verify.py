@@ -261,9 +261,9 @@ def _prove(plan: Any, sel: np.ndarray) -> None:
     same("dst_tensors.rank", table.rank, np.tile(table.rank[:T0], K) + np.repeat(np.arange(K) * rpr, T0),
           "replica k's tensors are replica 0's on ranks shifted by k x ranks per replica")
     same("dst_tensors.kind", table.kind, np.tile(table.kind[:T0], K), "every replica holds replica 0's tensors")
-    ratio, own = unit_ratios(model)
-    S, _ = in_units(plan.src.placement_table(sel), ratio, own, "source")
-    D, _ = in_units(plan.dst.placement_table(sel, replica=0), ratio, own, "destination")
+    num, den, own = unit_ratios(model)
+    S, _ = in_units(plan.src.placement_table(sel), num, den, own, "source")
+    D, _ = in_units(plan.dst.placement_table(sel, replica=0), num, den, own, "destination")
     table0 = type(table)(table.rank[:T0], table.kind[:T0], table.kinds, table.dtypes)
     d_rows = np.flatnonzero(D.n0 * D.n1 > 0)
     _match("dst_tensors", table0, D, np.arange(len(D)), exact=True)
@@ -290,7 +290,7 @@ def _prove(plan: Any, sel: np.ndarray) -> None:
     if list(plan.bounds.lower_bound_by_dst) != want:
         raise bad("bounds.lower_bound_by_dst", list(plan.bounds.lower_bound_by_dst)[:8], "is not what the "
                   "destination layout holds")
-    model_bytes = int((model.canonical.numel * ratio)[sel].sum()) * itemsize
+    model_bytes = int((model.canonical.numel * num // den)[sel].sum()) * itemsize
     if plan.bounds.model_bytes != model_bytes:
         raise bad("bounds.model_bytes", plan.bounds.model_bytes, f"must be {model_bytes} (the selection's bytes)")
 

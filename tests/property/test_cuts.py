@@ -11,18 +11,26 @@ from hypothesis import given, reject, strategies as st
 from reshard.errors import LayoutError
 from reshard.layouts import Layout, MegatronLayout, VllmLayout
 from reshard.layouts.base import TableBuilder
-from reshard.layouts.cuts import (ColumnBlocks, Cut, GlobalRows, Group, QkvParallel, Replicated, ReplicatedAt,
-                                  RowBlocks, Stacked, Vocab)
+from reshard.layouts.cuts import (ColumnBlocks, Cut, GlobalRows, Group, LoraA, LoraB, QkvParallel, Replicated,
+                                  ReplicatedAt, RowBlocks, Stacked, Vocab)
 from reshard.layouts.families import discover, read_hf_config
+from reshard.layouts.fp8 import ScaledCut
 from reshard.testing.strategies import divisors
 
 
 def _cuts(draw, tp: int) -> tuple[Cut, tuple[int, ...], int]:
-    """A cut of each kind the vocabulary has, with a shape it can cut over `tp` (and the padded vocabulary)."""
+    """A cut of each kind the vocabulary has, with a shape it can cut over `tp` (and the padded vocabulary; for
+    the LoRA slot cuts, the group's `lora_rank` and `lora_sharded` are drawn by the caller)."""
     k, m = draw(st.integers(1, 3)), draw(st.integers(1, 4))
     three_d = draw(st.booleans())
     rest = (1, m) if three_d else (m,)
     kind = draw(st.sampled_from(CUTS))
+    if kind is LoraA:
+        split = draw(st.booleans())
+        return LoraA("w", split_input=split), (k, tp * m if split else m), 0
+    if kind is LoraB:
+        rows = draw(st.sampled_from([None, RowBlocks("rows"), QkvParallel("rows", tp, tp, 1, 0, alone=True)]))
+        return LoraB("w", rows=rows), (tp * k, m), 0
     if kind is Replicated:
         return Replicated("w"), draw(st.sampled_from([(k,), (k, m), (k, 1, m)])), 0
     if kind is ReplicatedAt:
@@ -52,13 +60,23 @@ def _cuts(draw, tp: int) -> tuple[Cut, tuple[int, ...], int]:
             blocks.append((canon[j], at, lengths[j]))
             at += lengths[j]
         return GlobalRows("w", -(-at // tp) * tp, tuple(blocks)), (canon[-1], m), 0
+    if kind is ScaledCut:  # the block scales of a weight cut in whole blocks (layouts.fp8), edge blocks partial
+        bn, bk = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+        inner = draw(st.sampled_from([RowBlocks("w", 0, 1), ColumnBlocks("w"), Replicated("w")]))
+        rows = tp * k * bn if isinstance(inner, RowBlocks) else k * bn - draw(st.integers(0, bn - 1))
+        cols = tp * m * bk if isinstance(inner, ColumnBlocks) else m * bk - draw(st.integers(0, bk - 1))
+        cut = ScaledCut("s", inner=inner, weight_shape=(rows, cols), block=(bn, bk))
+        return cut, (-(-rows // bn), -(-cols // bk)), 0
     heads = draw(st.sampled_from(sorted({tp * x for x in (1, 2)} | set(divisors(tp)))))
     d, part = draw(st.integers(1, 2)), draw(st.integers(0, 2))
     q_rows = tp * draw(st.integers(1, 3))
-    return QkvParallel("w", q_rows, heads, d, part), ((q_rows, m) if part == 0 else (heads * d, m)), 0
+    alone = draw(st.booleans())
+    return (QkvParallel("w", q_rows, heads, d, part, alone=alone), ((q_rows, m) if part == 0 else (heads * d, m)),
+            0)
 
 
-CUTS = (Replicated, ReplicatedAt, Vocab, RowBlocks, ColumnBlocks, Stacked, GlobalRows, QkvParallel)
+CUTS = (Replicated, ReplicatedAt, Vocab, RowBlocks, ColumnBlocks, Stacked, GlobalRows, QkvParallel, LoraA, LoraB,
+        ScaledCut)
 
 
 def test_the_property_covers_every_cut():
@@ -71,7 +89,14 @@ def test_every_cut_answers_batched_as_per_tensor(data):
     cut, shape, vocab = _cuts(data.draw, tp)
     copies = tuple(data.draw(st.lists(st.integers(0, 50), min_size=1, max_size=3, unique=True)))
     stack = data.draw(st.sampled_from([0, 0, 3]))
-    g = Group("test", tp, data.draw(st.integers(1, 3)), copies, vocab, stack, data.draw(st.booleans()))
+    lora_rank = tp * data.draw(st.integers(1, 4)) if isinstance(cut, (LoraA, LoraB)) else 0
+    g = Group("test", tp, data.draw(st.integers(1, 3)), copies, vocab, stack, data.draw(st.booleans()), lora_rank,
+              data.draw(st.booleans()))
+    if lora_rank:
+        try:
+            cut.pieces("w", shape, g)
+        except LayoutError:  # the drawn rank exceeds the slot's: refused, as it must be
+            reject()
     n = data.draw(st.integers(1, 4))
     first = np.asarray(data.draw(st.lists(st.integers(0, 9), min_size=n, max_size=n)))
     slot = np.asarray(data.draw(st.lists(st.integers(0, max(stack - 1, 0)), min_size=n, max_size=n)))

@@ -10,6 +10,8 @@ Four kinds of problems, all collected into one LayoutMismatchError:
 Persistent buffers holding model state (the router's `expert_bias`) are checked like parameters: placed by the
 layout when the family declares them, otherwise a problem (a refit would drop them). Non-persistent buffers and
 TransformerEngine `_extra_state` (FP8 metadata) are not model weights and are skipped.
+A layout of a LoRA adapter (`layouts.lora`, Megatron-Bridge's `<module>.adapter.linear_in/out.weight`) is checked
+against the adapter's parameters only: the base weights are frozen and not refit, and it holds no vocabulary.
 """
 from __future__ import annotations
 
@@ -20,15 +22,24 @@ import torch
 from ...errors import LayoutMismatchError
 from ...executors.local import torch_dtype
 from ...layouts import MegatronLayout
+from ...layouts.lora import FAMILY as LORA
 from .derive import derive_layout
 from .model import read_model
 from .spec import spec_problems
 
 
+ADAPTER = ".adapter."  # Megatron-Bridge's adapters: <module>.adapter.linear_in / linear_out
+
+
+def _adapter(layout: MegatronLayout) -> bool:
+    return layout.model.family == LORA
+
+
 def layout_problems(derived: MegatronLayout, declared: MegatronLayout) -> list[str]:
     problems = []
-    for field in ("tp", "pp", "ep", "etp", "world", "vpp", "first_stage_layers", "last_stage_layers", "naming",
-                  "rank_order", "padded_vocab"):
+    fields = ("tp", "pp", "ep", "etp", "world", "vpp", "first_stage_layers", "last_stage_layers", "naming",
+              "rank_order") + (() if _adapter(declared) else ("padded_vocab",))
+    for field in fields:
         got, want = getattr(derived, field), getattr(declared, field)
         if got != want:
             problems.append(f"{field}: the model has {got}, the declared layout {want}")
@@ -83,9 +94,10 @@ def verify(model: Any, declared: MegatronLayout, *, cast: bool = False) -> Megat
     problems = spec_problems(facts, declared.model) + differences
     if rank < declared.num_ranks:
         placed = declared.rank_tensors(rank)
-        unplaced = {n: b for n, b in facts.buffers.items() if n not in placed}
-        problems += rank_problems(declared, rank, {n: t for n, t in facts.tensors.items() if n not in unplaced},
-                                  cast)
+        ours = (lambda n: ADAPTER in n) if _adapter(declared) else (lambda n: True)  # noqa: E731
+        mine = {n: t for n, t in facts.tensors.items() if ours(n)}
+        unplaced = {n: b for n, b in facts.buffers.items() if n not in placed and ours(n)}
+        problems += rank_problems(declared, rank, {n: t for n, t in mine.items() if n not in unplaced}, cast)
         problems += [f"rank {rank}: buffer {n} {tuple(b.shape)} holds model state the layout does not place "
                      "(a refit would drop it)" for n, b in unplaced.items()]
         if not differences:  # otherwise a different pipeline split already says why layers moved

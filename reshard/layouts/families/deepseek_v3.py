@@ -43,9 +43,11 @@ Q_NORM = Kind("mla_q_norm", Replicated("self_attention.q_layernorm.weight"), Rep
 KV_NORM = Kind("mla_kv_norm", Replicated("self_attention.kv_layernorm.weight"),
                Replicated(_A + "kv_a_layernorm.weight"),
                te=Replicated("self_attention.linear_kv_up_proj.layer_norm_weight"))
-Q_UP = Kind("mla_q_up", RowBlocks("self_attention.linear_q_up_proj.weight"), RowBlocks(_A + "q_b_proj.weight"))
-Q_FULL = Kind("mla_q", RowBlocks("self_attention.linear_q_proj.weight"), RowBlocks(_A + "q_proj.weight"))
-KV_UP = Kind("mla_kv_up", RowBlocks("self_attention.linear_kv_up_proj.weight"), RowBlocks(_A + "kv_b_proj.weight"))
+Q_UP = Kind("mla_q_up", RowBlocks("self_attention.linear_q_up_proj.weight"), RowBlocks(_A + "q_b_proj.weight"),
+            linear=True)
+Q_FULL = Kind("mla_q", RowBlocks("self_attention.linear_q_proj.weight"), RowBlocks(_A + "q_proj.weight"), linear=True)
+KV_UP = Kind("mla_kv_up", RowBlocks("self_attention.linear_kv_up_proj.weight"), RowBlocks(_A + "kv_b_proj.weight"),
+             linear=True)
 ROUTER_BIAS = Kind("router_bias", Replicated("mlp.router.expert_bias"), Replicated(_M + "gate.e_score_correction_bias"))
 SHARED_GATE, SHARED_UP, SHARED_DOWN = gated_mlp("mlp.shared_experts.", _M + "shared_experts.", "shared_expert_")
 
@@ -56,11 +58,12 @@ def _down_kinds(q_rank: int | None, kv_rows: int) -> tuple[Kind | None, Kind]:
     q_name, kv_name = "self_attention.linear_q_down_proj.weight", "self_attention.linear_kv_down_proj.weight"
     if q_rank is None:
         return None, Kind("mla_kv_down", RowBlocks(kv_name), Replicated(_A + "kv_a_proj_with_mqa.weight"),
-                          te=Replicated(kv_name))
+                          te=Replicated(kv_name), linear=True)
     fused = _A + "fused_qkv_a_proj.weight"
-    return (Kind("mla_q_down", RowBlocks(q_name), ReplicatedAt(fused, 0, q_rank + kv_rows), te=Replicated(q_name)),
+    return (Kind("mla_q_down", RowBlocks(q_name), ReplicatedAt(fused, 0, q_rank + kv_rows), te=Replicated(q_name),
+                 linear=True),
             Kind("mla_kv_down", RowBlocks(kv_name), ReplicatedAt(fused, q_rank, q_rank + kv_rows),
-                 te=Replicated(kv_name)))
+                 te=Replicated(kv_name), linear=True))
 
 
 def _layer(spec: ModelSpec, i: int) -> list:
@@ -99,6 +102,7 @@ class DeepseekV3(ModelFamily):
     architectures = ("DeepseekV3ForCausalLM",)
     model_types = ("deepseek_v3", "kimi_k2")
     megatron_config_class = "MLATransformerConfig"
+    fp8_router = False  # vLLM builds DeepSeek's gate without quant_config; the FP8 release keeps it in bf16
 
     def spec(self, config: dict[str, Any], include_mtp: bool = False) -> ModelSpec:
         self._refuse_mtp_and_activation(config, include_mtp, "num_nextn_predict_layers",

@@ -1,0 +1,70 @@
+"""Landing (c): a LoRA refit merged into base weights, W' = W + (alpha / r) B A, computed in float32 and cast once.
+
+The adapter first travels as whole canonical tensors (a plan into `HfLayout(adapter spec)`: the rank that merges
+holds every A and B whole), then `merge` runs where whole base blocks are: a trainer rank at TP 1, a process that
+holds an HF checkpoint, or an engine's loader install (whole canonical tensors). Each merged weight is one float32
+matmul of the whole B and A, so the result does not depend on how any side is cut: bit-identical to a reference
+merge of the same tensors. A merge reads the base from `base` and writes `out`; keep the base (the weights before
+any merge) to merge the next refit of the adapter into, since merging into an already merged weight adds the
+adapter twice.
+"""
+from __future__ import annotations
+
+from typing import Mapping, MutableMapping
+
+import torch
+
+from ...errors import ExecutionError
+from ...layouts import ModelSpec
+from ...layouts.lora import PEFT_MODULES, lora_facts
+
+# base module (HF name under model.layers.{i}.) -> (canonical module holding its A, the one holding its B)
+_A_B = {"self_attn.q_proj": ("self_attn.qkv_proj", "self_attn.q_proj"),
+        "self_attn.k_proj": ("self_attn.qkv_proj", "self_attn.k_proj"),
+        "self_attn.v_proj": ("self_attn.qkv_proj", "self_attn.v_proj"),
+        "self_attn.o_proj": ("self_attn.o_proj", "self_attn.o_proj"),
+        "mlp.gate_proj": ("mlp.gate_up_proj", "mlp.gate_proj"),
+        "mlp.up_proj": ("mlp.gate_up_proj", "mlp.up_proj"),
+        "mlp.down_proj": ("mlp.down_proj", "mlp.down_proj")}
+
+
+def merged_names(spec: ModelSpec) -> dict[str, tuple[str, str]]:
+    """Base weight name -> (its A, its B) canonical adapter names, for every weight the adapter changes."""
+    f = lora_facts(spec)
+    modules = {m for t in f.targets for m in PEFT_MODULES[t]}
+    out = {}
+    for i in range(spec.num_layers):
+        for base, (a, b) in _A_B.items():
+            if base.split(".")[-1] in modules:
+                p = f"model.layers.{i}."
+                out[f"{p}{base}.weight"] = (f"{p}{a}.lora_A.weight", f"{p}{b}.lora_B.weight")
+    return out
+
+
+def merge(spec: ModelSpec, base: Mapping[str, torch.Tensor], adapter: Mapping[str, torch.Tensor],
+          out: MutableMapping[str, torch.Tensor] | None = None) -> list[str]:
+    """Write W + (alpha / r) B A into `out[name]` (default: `base`, in place) for every base weight the adapter
+    changes; returns their names. Every name and shape is checked before anything is written."""
+    f = lora_facts(spec)
+    out = base if out is None else out
+    names = merged_names(spec)
+    problems = []
+    for name, (a, b) in names.items():
+        for n, where in ((name, base), (name, out), (a, adapter), (b, adapter)):
+            if n not in where:
+                problems.append(f"missing {n}")
+        if not problems:
+            w, A, B = base[name], adapter[a], adapter[b]
+            if A.shape[0] != f.rank or B.shape[1] != f.rank or tuple(w.shape) != (B.shape[0], A.shape[1]) or \
+                    out[name].shape != w.shape or out[name].dtype != w.dtype:
+                problems.append(f"{name}: W {tuple(w.shape)} {w.dtype}, A {tuple(A.shape)}, B {tuple(B.shape)}, "
+                                f"out {tuple(out[name].shape)} {out[name].dtype} (rank {f.rank})")
+    if problems:
+        raise ExecutionError(f"cannot merge the adapter: {'; '.join(sorted(set(problems))[:5])}")
+    scale = f.scaling
+    with torch.no_grad():
+        for name, (a, b) in names.items():
+            w = base[name]
+            delta = adapter[b].to(torch.float32) @ adapter[a].to(torch.float32)
+            out[name].copy_((w.to(torch.float32) + delta * scale).to(w.dtype))
+    return list(names)

@@ -1,0 +1,138 @@
+"""Landing (a): a LoRA refit written into the slot of an adapter already loaded in a live vLLM engine.
+
+vLLM (0.32 / 0.33) keeps every LoRA-wrapped layer's adapters in stacked buffers, `lora_a_stacked[s]`
+[max_loras, 1, R, in] and `lora_b_stacked[s]` [max_loras, 1, out_s, R] per slice s of a packed module, and an
+adapter that serves requests occupies one index of them (its slot; `LoRAModelManager.lora_index_to_id`). The
+views `[slot, 0]` are exactly `VllmLoraLayout`'s tensors on that rank, so a plan lands in them as in any
+destination; B is then multiplied by alpha / r, which vLLM folds into B when it loads an adapter. The next
+requests for that adapter use the new weights (reset the prefix cache: cached KV was computed with the old ones).
+`SlotRefit` is the in-process shape (trainer tensors and engine in one process); across processes, an engine
+worker hands `AdapterSlot(...).tensors` to any executor as its rank's destination (distributed, shared, nixl: the
+adapter plan is a plan like any other) and calls `scale()` once that executor's refit returned.
+
+Everything is checked before a byte moves, each problem named: the engine's LoRA settings against the layout
+(tp, max_lora_rank, fully_sharded_loras, dtype), the adapter id loaded and holding a slot, its rank, alpha and
+modules against the refit's, every slot buffer's shape. vLLM keeps a host copy of each loaded adapter and
+re-activates an evicted one from it: with more adapters than max_loras, publish the refit as a directory too
+(landing (b)) and load it again by path.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from ...errors import InputError, LayoutMismatchError
+from ...executors.bound import BoundLocalExecutor
+from ...executors.local import torch_dtype
+from ...layouts.lora import VllmLoraLayout, lora_facts
+from ...planner import Plan
+
+
+def lora_manager(worker: Any) -> Any:
+    """The LoRA model manager of a vLLM worker (GPU or CPU model runner) with LoRA enabled."""
+    runner = getattr(worker, "model_runner", worker)
+    manager = getattr(runner, "lora_manager", None)
+    manager = getattr(manager, "_adapter_manager", manager)
+    if manager is None or not hasattr(manager, "lora_index_to_id"):
+        raise InputError("engine", "LoRA disabled", "has no LoRA manager", fix="start vLLM with enable_lora=True")
+    return manager
+
+
+def _alpha(lora: Any) -> float | None:
+    alphas = getattr(lora, "lora_alphas", None)
+    if alphas is not None:
+        return next((a for a in alphas if a is not None), None)
+    return getattr(lora, "lora_alpha", None)
+
+
+class AdapterSlot:
+    """The slot of adapter `lora_id` in one vLLM worker (rank `rank` of `layout`): `tensors` are views of vLLM's
+    buffers, the plan's destination for that rank. Construction checks everything (module docstring)."""
+
+    def __init__(self, manager: Any, layout: VllmLoraLayout, lora_id: int, rank: int = 0) -> None:
+        if not isinstance(layout, VllmLoraLayout):
+            raise InputError("layout", type(layout).__name__, "must be a VllmLoraLayout")
+        facts, cfg = lora_facts(layout.model), manager.lora_config
+        self.layout, self.lora_id, self.rank, self.scaling = layout, lora_id, rank, facts.scaling
+        problems = []
+        for field, engine, declared in (("max_lora_rank", cfg.max_lora_rank, layout.max_lora_rank),
+                                        ("fully_sharded_loras", bool(cfg.fully_sharded_loras), layout.fully_sharded)):
+            if engine != declared:
+                problems.append(f"{field}: the engine has {engine}, the layout declares {declared}")
+        tps = {getattr(m, "tp_size", 1) for m in manager.modules.values()}
+        if tps != {layout.tp}:
+            problems.append(f"tp: the engine's LoRA layers have tp_size {sorted(tps)}, the layout tp={layout.tp}")
+        if problems:
+            raise LayoutMismatchError(layout.kind, problems)
+        loaded = manager._registered_adapters
+        if lora_id not in loaded:
+            raise InputError("lora_id", lora_id, f"is not loaded in this engine (loaded: {sorted(loaded)})",
+                             fix="load it once with a LoRARequest (e.g. a PEFT directory written by landing (b))")
+        if lora_id not in manager.lora_index_to_id:
+            raise InputError("lora_id", lora_id, f"is loaded but holds no slot (slots hold "
+                             f"{list(manager.lora_index_to_id)})", fix="send a request with the adapter first")
+        self.slot = manager.lora_index_to_id.index(lora_id)
+        adapter = loaded[lora_id]
+        if adapter.rank != facts.rank:
+            raise InputError("rank", facts.rank, f"differs from the loaded adapter's r={adapter.rank}",
+                             fix="load an adapter of the refit's rank into the slot first")
+        alphas = {_alpha(w) for w in adapter.loras.values()} - {None}
+        if alphas and alphas != {facts.alpha}:
+            raise InputError("alpha", facts.alpha, f"differs from the loaded adapter's lora_alpha={sorted(alphas)}",
+                             fix="vLLM scales B by alpha / r: refit with the loaded adapter's alpha")
+        prefix = layout.name_prefix
+        want = layout.rank_tensors(rank)
+        modules = sorted({n.rsplit(".lora_", 1)[0] for n in want})
+        unknown = [m for m in modules if m not in manager.modules]
+        if unknown:
+            raise InputError("targets", unknown[0].removeprefix(prefix), "is not a LoRA module of this engine "
+                             f"(vLLM wraps {len(manager.modules)} modules, e.g. {sorted(manager.modules)[:3]})")
+        extra = sorted(set(adapter.loras) - set(modules))
+        lacking = [m for m in modules if m not in adapter.loras]
+        if extra or lacking:
+            raise InputError("targets", sorted(lora_facts(layout.model).targets), f"do not match the loaded "
+                             f"adapter's modules (it lacks {lacking[:3]}, has besides {extra[:3]})",
+                             fix="load an adapter of the same target modules into the slot first")
+        dtype = torch_dtype(layout.dtype)
+        self.tensors: dict[str, torch.Tensor] = {}
+        for name, shape in want.items():
+            module, buf = name.rsplit(".", 2)[0], name.rsplit(".", 2)[1:]
+            stacked = getattr(manager.modules[module], buf[0])
+            view = stacked[int(buf[1])][self.slot, 0]
+            if tuple(view.shape) != shape or view.dtype != dtype:
+                problems.append(f"{name}: the engine has {tuple(view.shape)} {view.dtype}, the layout {shape} {dtype}")
+            self.tensors[name] = view
+        if problems:
+            raise LayoutMismatchError(layout.kind, problems)
+        self._b = [t for n, t in self.tensors.items() if ".lora_b_stacked." in n]
+
+    def scale(self) -> None:
+        """B *= alpha / r in the slot (what vLLM's loader does to B; padding columns stay 0)."""
+        if self.scaling != 1:
+            with torch.no_grad():
+                torch._foreach_mul_(self._b, self.scaling)
+
+
+class SlotRefit:
+    """In-process landing (a): the trainer's tensors (`src`, rank -> name -> tensor) and one engine worker's slot in
+    one process. Bound once (plan checked against the slot's layout, views made); `refit()` lands one refit."""
+
+    def __init__(self, plan: Plan, src: Mapping[int, Mapping[str, torch.Tensor]], manager: Any, lora_id: int,
+                 rank: int = 0) -> None:
+        if not isinstance(plan.dst, VllmLoraLayout):
+            raise InputError("plan.dst", str(plan.dst), "must be a VllmLoraLayout (vLLM's LoRA slots)")
+        if plan.selection is not None:  # B is scaled after every refit: each refit must rewrite all of it
+            raise InputError("plan.selection", len(plan.selection), "selects part of the adapter; an in-slot refit "
+                             "lands the whole adapter (compile the plan without tensors= / layers=)")
+        self.slot = AdapterSlot(manager, plan.dst, lora_id, rank)
+        self.executor = BoundLocalExecutor(plan, None, 0, src, {rank: self.slot.tensors})
+
+    def refit(self, version: int | None = None) -> dict[str, Any]:
+        stats = self.executor.refit(version)
+        self.slot.scale()
+        return stats
+
+    def close(self) -> None:
+        self.executor.close()
+

@@ -1,0 +1,311 @@
+"""LoRA adapters as models: an adapter's tensors are the canonical tensors of a spec of family "lora", so both
+sides' layouts, the compiler, the coverage proof, the accounting and every executor take an adapter as they take a
+model. Only the cuts are new (`cuts.LoraA`, `cuts.LoraB`, `QkvParallel(alone=True)`).
+
+Canonical tensors are the trainer's logical adapter, one A per adapted (possibly fused) linear layer and one B per
+output part: `self_attn.qkv_proj.lora_A` [r, H] (the one A of the fused linear_qkv) with `q_proj.lora_B`
+[nq d, r], `k_proj.lora_B`, `v_proj.lora_B`; `o_proj.lora_A` [r, nq d] / `lora_B` [H, r];
+`mlp.gate_up_proj.lora_A` [r, H] with `gate_proj.lora_B`, `up_proj.lora_B` [F, r]; `down_proj.lora_A` [r, F] /
+`lora_B` [H, r] (names under `model.layers.{i}.`).
+
+Source: Megatron-Bridge's PEFT LoRA (`megatron.bridge.peft.lora.LoRA`, read at NVIDIA-NeMo/Megatron-Bridge
+067f987, 2026-08; it does not install here: it needs Python 3.12, transformers <= 5.12.1 and megatron-core's dev
+extras). It wraps `linear_qkv`, `linear_proj`, `linear_fc1`, `linear_fc2`; the adapter of `<module>` is
+`<module>.adapter.linear_in.weight` (A) and `<module>.adapter.linear_out.weight` (B), a `ParallelLinearAdapter`:
+- column-parallel base (linear_qkv, linear_fc1): linear_in = ColumnParallelLinear(in, r, gather_output=True), so A
+  is cut into row blocks of its rank dim [r/tp, in]; linear_out = ColumnParallelLinear(r, out) cut on its output
+  rows like the base weight ([gate_r; up_r], or linear_qkv's rows interleaved by query group);
+- row-parallel base (linear_proj, linear_fc2): linear_in = RowParallelLinear(in, r), A in column blocks
+  [r, in/tp]; linear_out = ColumnParallelLinear(r, out, gather_output=True), B in row blocks [out/tp, r].
+So both A and B are cut over TP, and r must be divisible by tp. Its export to HF names copies a fused layer's A to
+each part (q/k/v, gate/up) and splits B: what `PeftLayout` and vLLM's slots hold.
+
+Destinations: vLLM 0.33's LoRA slots (`VllmLoraLayout`: per layer, `<module>.lora_a_stacked.{s}` [R, in] and
+`.lora_b_stacked.{s}` [out_s, R] for slice s of a packed module, one adapter slot's view, R = max_lora_rank;
+vLLM's `*ParallelLinearWithLoRA` / `*WithShardedLoRA` cuts) and the PEFT directory (`PeftLayout`:
+`base_model.model.<module>.lora_A.weight`, whole, on one rank per replica).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+from pydantic import StrictBool, StrictInt, model_validator
+
+from ..errors import InputError, LayoutError
+from .base import bounded, positive
+from .cut_layout import CutLayout, Where
+from .cuts import ColumnBlocks, Cut, Group, Kind, LoraA, LoraB, Replicated, RowBlocks
+from .family import ModelFamily
+from .model import LAYER, Entry, ModelSpec, Role
+from .roles import shared_kinds
+from .vllm import VllmLayout
+
+FAMILY = "lora"
+TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # Megatron-Bridge's target module names
+PEFT_MODULES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+                "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+VLLM_MODULES = {"linear_qkv": "self_attn.qkv_proj", "linear_proj": "self_attn.o_proj",
+                "linear_fc1": "mlp.gate_up_proj", "linear_fc2": "mlp.down_proj"}
+BASE_FAMILIES = ("qwen3", "llama", "qwen3_moe")  # GQA attention and SwiGLU MLP of the shared roles
+PEFT_PREFIX = "base_model.model."
+
+
+@dataclass(frozen=True)
+class LoraKind(Kind):
+    """A kind of adapter tensor: its Megatron-Bridge cut, its vLLM slot cuts, and where it sits in a PEFT file
+    (`peft`: a tuple where one canonical A is written once per part of a fused layer)."""
+
+    peft: Cut | tuple[Cut, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.peft, Cut):
+            object.__setattr__(self, "peft", (self.peft,))
+
+
+@dataclass(frozen=True)
+class LoraFacts:
+    """What a LoRA spec adds to its base model: the base family, rank r, alpha, the adapted Megatron modules."""
+
+    base: str
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+
+    @property
+    def scaling(self) -> float:
+        """What vLLM and PEFT multiply B A by (vLLM folds it into its B slots when it loads an adapter)."""
+        return self.alpha / self.rank
+
+    @property
+    def peft_modules(self) -> tuple[str, ...]:
+        return tuple(m for t in self.targets for m in PEFT_MODULES[t])
+
+
+def lora_spec(base: ModelSpec, rank: int, alpha: float, targets: Sequence[str] = TARGETS) -> ModelSpec:
+    """The adapter of rank `rank` and scale `alpha` on `targets` (Megatron-Bridge module names) of `base`, as a
+    model spec of family "lora". Refuses what is not supported, naming it."""
+    if base.family not in BASE_FAMILIES:
+        raise InputError("base.family", base.family, f"is not supported by LoRA refits (supported: "
+                         f"{', '.join(BASE_FAMILIES)})", where="lora")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise InputError("rank", rank, "must be a positive integer", where="lora")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
+        raise InputError("alpha", alpha, "must be a positive finite number", where="lora")
+    targets = tuple(targets)
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown or not targets or len(set(targets)) != len(targets):
+        rule = f"must name each of some of {list(TARGETS)} once" + (f" (unsupported: {unknown})" if unknown else "")
+        raise InputError("targets", list(targets), rule, where="lora",
+                         fix="Megatron-Bridge's LoRA targets that vLLM's LoRA layers for Qwen3 / Llama cover")
+    if base.is_moe and {"linear_fc1", "linear_fc2"} & set(targets):
+        raise InputError("targets", list(targets), "adapts the MLP of a MoE model: expert LoRA is not supported "
+                         "yet", fix="adapt linear_qkv / linear_proj only", where="lora")
+    targets = tuple(t for t in TARGETS if t in targets)  # one order: the spec (and its digest) is canonical
+    data = base.model_dump()
+    arch = dict(base.arch)
+    arch.update(lora_base=base.family, lora_rank=rank, lora_alpha=alpha, lora_targets=targets)
+    data.update(family=FAMILY, arch=arch)
+    return ModelSpec(**data)
+
+
+def lora_facts(spec: ModelSpec) -> LoraFacts:
+    if spec.family != FAMILY:
+        raise InputError("model.family", spec.family, "is not a LoRA adapter spec (build one with "
+                         "reshard.layouts.lora.lora_spec)", where="lora")
+    return LoraFacts(spec.arch_value("lora_base"), spec.arch_value("lora_rank"), spec.arch_value("lora_alpha"),
+                     tuple(spec.arch_value("lora_targets")))
+
+
+def base_spec(spec: ModelSpec) -> ModelSpec:
+    """The model an adapter spec adapts."""
+    facts = lora_facts(spec)
+    data = spec.model_dump()
+    data.update(family=facts.base, arch={k: v for k, v in spec.arch if not k.startswith("lora_")})
+    return ModelSpec(**data)
+
+
+def peft_config(spec: ModelSpec, base_model: str = "") -> dict[str, Any]:
+    """adapter_config.json of the adapter, as PEFT writes it for a plain LoRA (the keys vLLM's PEFTHelper reads)."""
+    f = lora_facts(spec)
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model or None,
+            "r": f.rank, "lora_alpha": f.alpha, "target_modules": sorted(f.peft_modules), "lora_dropout": 0.0,
+            "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+            "modules_to_save": None, "inference_mode": True}
+
+
+# --- the family: each adapted layer's tensors and their kinds ------------------------------------------------
+
+def _bridge(target: str, which: str) -> str:
+    block = "self_attention." if target in ("linear_qkv", "linear_proj") else "mlp."
+    return f"{block}{target}.adapter.linear_{which}.weight"
+
+
+def _slot(target: str, ab: str, s: int) -> str:
+    return f"{LAYER}{VLLM_MODULES[target]}.lora_{ab}_stacked.{s}"
+
+
+def _peft(module: str, ab: str) -> Replicated:
+    block = "self_attn." if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp."
+    return Replicated(f"{PEFT_PREFIX}{LAYER}{block}{module}.lora_{ab}.weight")
+
+
+@functools.lru_cache(maxsize=64)
+def lora_kinds(heads: int, groups: int, head_dim: int) -> dict[str, LoraKind]:
+    """Each adapter tensor's kind, by canonical module and A/B ("qkv_proj.A", "q_proj.B", ...)."""
+    base = shared_kinds(heads, groups, head_dim, False)
+    out: dict[str, LoraKind] = {}
+    qkv = ("q_proj", "k_proj", "v_proj")
+    out["qkv_proj.A"] = LoraKind("lora qkv A", RowBlocks(_bridge("linear_qkv", "in")),
+                                 tuple(LoraA(_slot("linear_qkv", "a", s)) for s in range(3)),
+                                 peft=tuple(_peft(m, "A") for m in qkv))
+    for s, (role, m) in enumerate(zip((Role.Q, Role.K, Role.V), qkv)):
+        rows = dataclasses.replace(base[role].vllm[0], alone=True)
+        out[f"{m}.B"] = LoraKind(f"lora {m} B", dataclasses.replace(base[role].megatron[0],
+                                                                     name=_bridge("linear_qkv", "out")),
+                                 LoraB(_slot("linear_qkv", "b", s), rows=rows), peft=_peft(m, "B"))
+    out["gate_up_proj.A"] = LoraKind("lora gate_up A", RowBlocks(_bridge("linear_fc1", "in")),
+                                     tuple(LoraA(_slot("linear_fc1", "a", s)) for s in range(2)),
+                                     peft=(_peft("gate_proj", "A"), _peft("up_proj", "A")))
+    for s, m in enumerate(("gate_proj", "up_proj")):
+        out[f"{m}.B"] = LoraKind(f"lora {m} B", RowBlocks(_bridge("linear_fc1", "out"), s, 2),
+                                 LoraB(_slot("linear_fc1", "b", s), rows=RowBlocks("rows")), peft=_peft(m, "B"))
+    for target, m in (("linear_proj", "o_proj"), ("linear_fc2", "down_proj")):
+        out[f"{m}.A"] = LoraKind(f"lora {m} A", ColumnBlocks(_bridge(target, "in")),
+                                 LoraA(_slot(target, "a", 0), split_input=True), peft=_peft(m, "A"))
+        out[f"{m}.B"] = LoraKind(f"lora {m} B", RowBlocks(_bridge(target, "out")), LoraB(_slot(target, "b", 0)),
+                                 peft=_peft(m, "B"))
+    return out
+
+
+class LoraFamily(ModelFamily):
+    """The tensors of a LoRA adapter (see the module docstring); specs come from `lora_spec`, never a config."""
+
+    name = FAMILY
+    architectures = ()
+
+    def spec(self, config: dict[str, Any], include_mtp: bool = False) -> ModelSpec:
+        raise InputError("config", rule="cannot describe a LoRA adapter: build its spec with "
+                         "reshard.layouts.lora.lora_spec(base, rank, alpha, targets)", where="lora")
+
+    def head(self, spec: ModelSpec) -> list[Entry]:
+        return []
+
+    def tail(self, spec: ModelSpec) -> list[Entry]:
+        return []
+
+    def layer(self, spec: ModelSpec, i: int) -> list[Entry]:
+        f = lora_facts(spec)
+        k = lora_kinds(spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim)
+        H, r, d = spec.hidden_size, f.rank, spec.head_dim
+        q, kv, F = spec.num_attention_heads * d, spec.num_key_value_heads * d, spec.intermediate_size
+        a, m = LAYER + "self_attn.", LAYER + "mlp."
+        out: list[Entry] = []
+        if "linear_qkv" in f.targets:
+            out += [Entry(a + "qkv_proj.lora_A.weight", (r, H), k["qkv_proj.A"]),
+                    Entry(a + "q_proj.lora_B.weight", (q, r), k["q_proj.B"]),
+                    Entry(a + "k_proj.lora_B.weight", (kv, r), k["k_proj.B"]),
+                    Entry(a + "v_proj.lora_B.weight", (kv, r), k["v_proj.B"])]
+        if "linear_proj" in f.targets:
+            out += [Entry(a + "o_proj.lora_A.weight", (r, q), k["o_proj.A"]),
+                    Entry(a + "o_proj.lora_B.weight", (H, r), k["o_proj.B"])]
+        if "linear_fc1" in f.targets:
+            out += [Entry(m + "gate_up_proj.lora_A.weight", (r, H), k["gate_up_proj.A"]),
+                    Entry(m + "gate_proj.lora_B.weight", (F, r), k["gate_proj.B"]),
+                    Entry(m + "up_proj.lora_B.weight", (F, r), k["up_proj.B"])]
+        if "linear_fc2" in f.targets:
+            out += [Entry(m + "down_proj.lora_A.weight", (r, F), k["down_proj.A"]),
+                    Entry(m + "down_proj.lora_B.weight", (H, r), k["down_proj.B"])]
+        return out
+
+
+# --- the destination layouts ----------------------------------------------------------------------------------
+
+def _lora_kind(layout: str, kind: Kind) -> LoraKind:
+    if not isinstance(kind, LoraKind):
+        raise LayoutError(layout, f"{kind.label} is not a LoRA adapter tensor: this layout places adapters only",
+                          {"model.family": kind.label}, "build the model with reshard.layouts.lora.lora_spec")
+    return kind
+
+
+class PeftLayout(CutLayout):
+    """A PEFT adapter directory's tensors (adapter_model.safetensors): every tensor whole under its PEFT name, on
+    each replica's one rank; a fused layer's A once per part."""
+
+    kind = "peft"
+
+    replicas: StrictInt = 1
+
+    @model_validator(mode="after")
+    def _validate(self) -> "PeftLayout":
+        lora_facts(self.model)
+        positive(self, replicas=self.replicas)
+        bounded(self, 1 << 20, "ranks", replicas=self.replicas)
+        self._check_cuts()
+        return self
+
+    @property
+    def num_ranks(self) -> int:
+        return self.replicas
+
+    @property
+    def num_replicas(self) -> int:
+        return self.replicas
+
+    def __str__(self) -> str:
+        return f"peft:replicas={self.replicas}"
+
+    def _cuts(self, kind: Kind) -> tuple[Cut, ...]:
+        return _lora_kind(self.kind, kind).peft
+
+    def _place(self, cut: Cut, kind: Kind, layer: np.ndarray | int, expert: np.ndarray | int,
+               replica: int | None) -> Where | None:
+        copies = tuple(range(self.replicas)) if replica is None else (replica,)
+        return Where(Group(self.kind, 1, 1, copies), 0, (layer,), lambda i: cut.name.format(i=i))
+
+
+class VllmLoraLayout(VllmLayout):
+    """vLLM's LoRA slots of one adapter on each rank: per adapted module and slice s, `lora_a_stacked.{s}`
+    [max_lora_rank, in] and `lora_b_stacked.{s}` [out_s, max_lora_rank] -- the views `[slot, 0]` of vLLM's
+    buffers; rows / columns r.. are padding. `fully_sharded`: vLLM's fully_sharded_loras (S-LoRA cuts)."""
+
+    kind = "vllm_lora"
+
+    max_lora_rank: StrictInt = 16
+    fully_sharded: StrictBool = False
+
+    @model_validator(mode="after")
+    def _validate_lora(self) -> "VllmLoraLayout":
+        r = lora_facts(self.model).rank
+        positive(self, max_lora_rank=self.max_lora_rank)
+        if r > self.max_lora_rank:
+            self._fail(f"the adapter's rank r={r} exceeds max_lora_rank={self.max_lora_rank}",
+                       "start the engine with max_lora_rank >= r, or train a smaller rank",
+                       max_lora_rank=self.max_lora_rank, rank=r)
+        return self
+
+    def __str__(self) -> str:
+        sharded = ",fully_sharded" if self.fully_sharded else ""
+        return f"vllm_lora:tp={self.tp},replicas={self.replicas},max_lora_rank={self.max_lora_rank}{sharded}"
+
+    def _group(self, expert: bool, replica: int | None) -> Group:
+        return dataclasses.replace(super()._group(expert, replica), lora_rank=self.max_lora_rank,
+                                   lora_sharded=self.fully_sharded)
+
+    def _cuts(self, kind: Kind) -> tuple[Cut, ...]:
+        return _lora_kind(self.kind, kind).vllm
+
+
+__all__ = ["BASE_FAMILIES", "LoraFacts", "LoraFamily", "LoraKind", "PEFT_MODULES", "PeftLayout", "TARGETS",
+           "VllmLoraLayout", "base_spec", "lora_facts", "lora_kinds", "lora_spec", "peft_config"]
+
+
+# Adapter layouts travel in plan files and refit specs like the others (by kind).
+from .spec_string import LAYOUT_KINDS  # noqa: E402
+
+LAYOUT_KINDS.update({PeftLayout.kind: PeftLayout, VllmLoraLayout.kind: VllmLoraLayout})

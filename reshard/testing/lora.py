@@ -1,0 +1,202 @@
+"""Ground truth for LoRA refits, written independently of reshard's layouts and cuts: random adapter weights, the
+same adapter saved by the `peft` library itself, and a reference merge.
+
+Canonical adapter tensors (reshard.layouts.lora) are the trainer's: one A per fused layer (qkv_proj, gate_up_proj).
+`save_with_peft` maps them onto PEFT's own modules by hand: q_proj, k_proj and v_proj each get the fused A.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+PEFT_OF = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+           "up_proj": "gate_up_proj"}  # PEFT module -> the canonical module holding its A
+
+
+def adapter_weights(spec, seed: int, scale: float = 0.5, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Random canonical adapter weights (B non-zero: an adapter that changes the model's output)."""
+    g = torch.Generator().manual_seed(seed)
+    return {t.name: (torch.randn(t.shape, generator=g) * scale).to(dtype) for t in spec.tensors}
+
+
+def _canonical_name(peft_param: str) -> str:
+    """`base_model.model.model.layers.0.self_attn.k_proj.lora_A.default.weight` -> the canonical name of its
+    values (`model.layers.0.self_attn.qkv_proj.lora_A.weight`)."""
+    name = peft_param.removeprefix("base_model.model.").replace(".default.", ".")
+    parts = name.split(".")
+    module = parts[-3]
+    if parts[-2] == "lora_A" and module in PEFT_OF:
+        parts[-3] = PEFT_OF[module]
+    return ".".join(parts)
+
+
+def save_with_peft(checkpoint: str | Path, weights: dict[str, torch.Tensor], rank: int, alpha: float,
+                   modules: list[str], out: str | Path) -> Path:
+    """The adapter saved by `peft` itself: get_peft_model on the transformers model of `checkpoint`, its LoRA
+    parameters set from `weights`, save_pretrained."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=modules, lora_dropout=0.0, bias="none")
+    peft_model = get_peft_model(model, config)
+    seen = 0
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(weights[_canonical_name(name)])
+                seen += 1
+    if not seen:
+        raise RuntimeError("peft made no LoRA parameters")
+    peft_model.save_pretrained(str(out))
+    return Path(out)
+
+
+def reference_merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float, rank: int) -> torch.Tensor:
+    """W + (alpha / r) B A in float32, cast once to W's dtype: the merge every merged refit must equal."""
+    delta = b.to(torch.float32) @ a.to(torch.float32)
+    return (w.to(torch.float32) + delta * (alpha / rank)).to(w.dtype)
+
+
+def base_weights(spec, seed: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """Random whole base-model weights under their HF names."""
+    g = torch.Generator().manual_seed(seed)
+    return {t.name: torch.randn(t.shape, generator=g).to(dtype) for t in spec.tensors}
+
+
+def merge_job(rank: int, world: int, args: dict) -> dict:
+    """On a world of `tp` processes (testing.world): process p plays Megatron-Bridge adapter rank p, process 0 also
+    the rank that holds the whole adapter and the base weights; the adapter travels over gloo (the distributed
+    executor), process 0 merges it and saves the merged weights to `args["out"]/step-<k>.safetensors`, once per
+    adapter seed in `args["seeds"]` (each merge starts from the same base)."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    import reshard
+    from reshard.adapters.lora import merge
+    from reshard.executors import make_executor, shard
+    from reshard.executors.binding import Binding
+    from reshard.executors.local import allocate
+    from reshard.layouts.lora import lora_spec
+    from reshard.testing.megatron_cpu import TinyGPT
+
+    base = TinyGPT(**args["tiny"]).spec("bfloat16")
+    spec = lora_spec(base, args["rank"], args["alpha"])
+    src_layout, dst_layout = reshard.MegatronLayout(model=spec, tp=world), reshard.HfLayout(model=spec)
+    plan = reshard.compile(src_layout, dst_layout)
+    mine = {rank: shard(src_layout, adapter_weights(spec, args["seeds"][0], dtype=torch.bfloat16), ranks=[rank])[rank]}
+    dst = allocate(dst_layout, ranks=[0]) if rank == 0 else {}
+    executor = make_executor("distributed", plan, Binding(tuple(range(world)), (0,)), rank, mine, dst,
+                             group=dist.group.WORLD, timeout=60.0)
+    weights = base_weights(base, args["base_seed"]) if rank == 0 else {}
+    out = {}
+    for k, seed in enumerate(args["seeds"]):
+        if k:  # the trainer's step: new adapter values in the same tensors
+            new = shard(src_layout, adapter_weights(spec, seed, dtype=torch.bfloat16), ranks=[rank])[rank]
+            for name, t in mine[rank].items():
+                t.copy_(new[name])
+        executor.refit()
+        if rank == 0:
+            merged = {name: torch.empty_like(weights[name]) for name in weights}
+            names = merge(spec, weights, dst[0], merged)
+            save_file({n: merged[n] for n in names}, str(Path(args["out"]) / f"step-{k}.safetensors"))
+            out[f"step-{k}"] = len(names)
+    executor.close()
+    return out
+
+
+def attach_bridge_adapters(chunks: list, rank: int, targets=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+                           ) -> None:
+    """Give every targeted linear layer of a live megatron-core GPTModel an `adapter` made of megatron-core's own
+    parallel linears, as Megatron-Bridge's ParallelLinearAdapter makes it: a column-parallel base gets
+    linear_in = ColumnParallelLinear(in, r, gather_output=True) and linear_out = ColumnParallelLinear(r, out); a
+    row-parallel one linear_in = RowParallelLinear(in, r, input_is_parallel=True) and linear_out =
+    ColumnParallelLinear(r, out, gather_output=True). `in` / `out` are the base layer's global sizes."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    init = torch.nn.init.zeros_
+    for chunk in chunks:
+        for name, module in list(chunk.named_modules()):
+            target = name.rsplit(".", 1)[-1]
+            if target not in targets:
+                continue
+            cfg = module.config
+            adapter = torch.nn.Module()
+            if target in ("linear_qkv", "linear_fc1"):  # column-parallel base
+                adapter.linear_in = ColumnParallelLinear(module.input_size, rank, config=cfg, init_method=init,
+                                                         bias=False, gather_output=True)
+                adapter.linear_out = ColumnParallelLinear(rank, module.output_size, config=cfg, init_method=init,
+                                                          bias=False, gather_output=False)
+            else:
+                adapter.linear_in = RowParallelLinear(module.input_size, rank, config=cfg, init_method=init,
+                                                      bias=False, input_is_parallel=True, skip_bias_add=True)
+                adapter.linear_out = ColumnParallelLinear(rank, module.output_size, config=cfg, init_method=init,
+                                                          bias=False, gather_output=True)
+            module.adapter = adapter
+
+
+TARGET_CODE = {"linear_qkv": 0, "linear_proj": 1, "linear_fc1": 2, "linear_fc2": 3}
+
+
+def global_value(layer: int, target: str, which: str, row: int, col: int) -> float:
+    """The value an adapter weight holds at (row, col) of its global tensor in megatron-core's coordinates: distinct
+    for every tensor and element, exact in float32. Shards are filled from megatron-core's own sharded-state
+    offsets, so what a rank holds is decided by megatron-core, not by reshard's layouts."""
+    k = 8 * layer + 2 * TARGET_CODE[target] + (which == "out")
+    return float(k * 40000 + row * 128 + col)
+
+
+def bridge_refit_job(tp: int, out: str, rank: int) -> None:
+    """On each gloo rank (megatron_cpu.run_ranks): a TinyGPT GPTModel at TP `tp` with Megatron-Bridge-shaped
+    adapters of rank `rank`, each shard filled by `global_value` at megatron-core's sharded-state offsets. Writes
+    per adapter parameter its local shape and megatron-core's answer (global shape and offset) to
+    `out/rank<r>.json`, then refits the adapter from views of the live parameters (`source_tensors`) over gloo into
+    a PEFT layout on rank 0, which saves it to `out/peft.safetensors`."""
+    import json
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import save_file
+
+    import reshard
+    from reshard.adapters.megatron import source_tensors
+    from reshard.executors import make_executor
+    from reshard.executors.binding import Binding
+    from reshard.executors.local import allocate
+    from reshard.layouts.lora import PeftLayout, lora_spec
+
+    from .megatron_cpu import TinyGPT, build_model, init_parallel
+
+    init_parallel(tp=tp)
+    tiny = TinyGPT(num_layers=2)
+    chunks = build_model(tiny)
+    attach_bridge_adapters(chunks, rank)
+    metadata = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+    report = {}
+    for chunk in chunks:
+        for name, module in chunk.named_modules():
+            if not name.endswith(("adapter.linear_in", "adapter.linear_out")):
+                continue
+            sharded = module.sharded_state_dict(prefix=name + ".", metadata=metadata)[name + ".weight"]
+            parts = name.split(".")
+            layer, target, which = int(parts[parts.index("layers") + 1]), parts[-3], parts[-1].split("_")[1]
+            (o0, o1), (n0, n1) = sharded.global_offset, module.weight.shape
+            with torch.no_grad():
+                for a in range(n0):
+                    for b in range(n1):
+                        module.weight[a, b] = global_value(layer, target, which, o0 + a, o1 + b)
+            report[name + ".weight"] = {"local": list(module.weight.shape), "global": list(sharded.global_shape),
+                                        "offset": list(sharded.global_offset)}
+    names = [n for chunk in chunks for n, _ in chunk.named_parameters() if ".adapter." in n]
+    me = dist.get_rank()
+    Path(out, f"rank{me}.json").write_text(json.dumps({"shards": report, "parameters": names}))
+    spec = lora_spec(tiny.spec(), rank, 16)
+    layout, peft = reshard.MegatronLayout(model=spec, tp=tp), PeftLayout(model=spec)
+    dst = {0: allocate(peft)[0]} if me == 0 else {}
+    executor = make_executor("distributed", reshard.compile(layout, peft), Binding(tuple(range(tp)), (0,)), me,
+                             {me: source_tensors(chunks, layout)}, dst, group=dist.group.WORLD, timeout=60.0)
+    executor.refit()
+    executor.close()
+    if me == 0:
+        save_file(dst[0], str(Path(out) / "peft.safetensors"))

@@ -22,7 +22,7 @@ from reshard.testing.megatron_cpu import TinyGPT
 from reshard.testing.serve import ROOT, vllm_cpu_python
 from reshard.testing.serve_jobs import make_checkpoint
 
-pytestmark = [pytest.mark.crossprocess, pytest.mark.vllm]
+pytestmark = pytest.mark.crossprocess  # trainer side here; the engine runs in the vLLM CPU virtualenv
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK, ALPHA, TP = 8, 16, 2
 

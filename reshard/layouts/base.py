@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..arrays import unique_inverse
 from ..errors import LayoutError, LimitError, from_validation
+from ..limits import MAX_RANKS
 from .model import ModelSpec, TensorSpec
 
 
@@ -248,6 +249,26 @@ def bounded(layout: Layout, limit: int, what: str, **values: int) -> None:
     for name, value in values.items():
         if value > limit:
             raise LimitError(name, value, limit, what, where=layout.kind)
+
+
+class WholePerReplica:
+    """For layouts that hold every tensor whole on one rank per replica (an HF checkpoint, a PEFT directory):
+    rank k is replica k. The layout declares the `replicas` field and calls `_check_replicas` in its validator."""
+
+    def _check_replicas(self) -> None:
+        positive(self, replicas=self.replicas)
+        bounded(self, MAX_RANKS, "ranks", replicas=self.replicas)
+
+    @property
+    def num_ranks(self) -> int:
+        return self.replicas
+
+    @property
+    def num_replicas(self) -> int:
+        return self.replicas
+
+    def __str__(self) -> str:
+        return f"{self.kind}:replicas={self.replicas}"
 
 
 def pad_to(n: int, multiple: int) -> int:

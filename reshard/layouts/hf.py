@@ -6,32 +6,19 @@ from typing import Sequence
 import numpy as np
 from pydantic import StrictInt, model_validator
 
-from ..limits import MAX_RANKS
-from .base import Layout, Placement, PlacementTable, TableBuilder, bounded, positive
+from .base import Layout, Placement, PlacementTable, TableBuilder, WholePerReplica
 from .model import TensorSpec
 
 
-class HfLayout(Layout):
+class HfLayout(WholePerReplica, Layout):
     kind = "hf"
 
     replicas: StrictInt = 1
 
     @model_validator(mode="after")
     def _validate(self) -> "HfLayout":
-        positive(self, replicas=self.replicas)
-        bounded(self, MAX_RANKS, "ranks", replicas=self.replicas)
+        self._check_replicas()
         return self
-
-    @property
-    def num_ranks(self) -> int:
-        return self.replicas
-
-    @property
-    def num_replicas(self) -> int:
-        return self.replicas
-
-    def __str__(self) -> str:
-        return f"hf:replicas={self.replicas}"
 
     def placements(self, tensor: TensorSpec, replica: int | None = None) -> list[Placement]:
         zero = (0,) * len(tensor.shape)

@@ -37,7 +37,7 @@ import numpy as np
 from pydantic import StrictBool, StrictInt, model_validator
 
 from ..errors import InputError, LayoutError
-from .base import bounded, positive
+from .base import WholePerReplica, positive
 from .cut_layout import CutLayout, Where
 from .cuts import ColumnBlocks, Cut, Group, Kind, LoraA, LoraB, Replicated, RowBlocks
 from .family import ModelFamily
@@ -233,7 +233,7 @@ def _lora_kind(layout: str, kind: Kind) -> LoraKind:
     return kind
 
 
-class PeftLayout(CutLayout):
+class PeftLayout(WholePerReplica, CutLayout):
     """A PEFT adapter directory's tensors (adapter_model.safetensors): every tensor whole under its PEFT name, on
     each replica's one rank; a fused layer's A once per part."""
 
@@ -244,21 +244,9 @@ class PeftLayout(CutLayout):
     @model_validator(mode="after")
     def _validate(self) -> "PeftLayout":
         lora_facts(self.model)
-        positive(self, replicas=self.replicas)
-        bounded(self, 1 << 20, "ranks", replicas=self.replicas)
+        self._check_replicas()
         self._check_cuts()
         return self
-
-    @property
-    def num_ranks(self) -> int:
-        return self.replicas
-
-    @property
-    def num_replicas(self) -> int:
-        return self.replicas
-
-    def __str__(self) -> str:
-        return f"peft:replicas={self.replicas}"
 
     def _cuts(self, kind: Kind) -> tuple[Cut, ...]:
         return _lora_kind(self.kind, kind).peft

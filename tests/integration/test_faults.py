@@ -48,11 +48,8 @@ def test_fault_fails_survivors_in_time_keeps_weights_and_recovers(tmp_path: Path
         assert r["recovered"], f"process {r['process']}: the refit after the fault was wrong"
     if fault == "corrupt":
         assert any("checksum mismatch" in r["error"] for r in survivors), [r["error"] for r in survivors]
-        # the others learn it from the process that found the mismatch; over NIXL a reader may see that process's
-        # agent go away (it failed and closed) before it reads the failure from the store
         assert all("checksum mismatch" in r["error"] or "failed first" in r["error"] or "corrupted" in r["error"]
-                   or (kind == "nixl" and "DISCONNECT" in r["error"]) for r in survivors), \
-            [r["error"] for r in survivors]
+                   for r in survivors), [r["error"] for r in survivors]
     else:
         new = [r for r in results if r["replacement"]]
         assert len(new) == 1 and new[0]["recovered"], results

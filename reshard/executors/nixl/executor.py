@@ -209,6 +209,12 @@ class NixlExecutor(Executor):
         except Exception as e:
             reason = str(e) if isinstance(e, ReshardError) else (
                 describe(e) if is_nixl_error(e) else f"{type(e).__name__}: {e}")
+            try:
+                first = self.exchange.failure(v)
+            except Exception:  # noqa: BLE001 - the store may be what failed: keep this error as it is
+                first = None
+            if first is not None and "failed first" not in reason:  # a peer failed before and closed its agent
+                reason = f"another process failed first ({first}); here: {reason}"  # the cause, then the symptom
             self._abort(v, reason)
             raise ExecutionError(f"refit version {v} failed on process {self.process}: {reason}") from e
         t = time.monotonic()

@@ -219,7 +219,8 @@ def main() -> int:
     a = p.parse_args()
     config = a.config or str(ROOT / ("examples/configs/qwen3-8b.json" if a.device == "cuda"
                                      else "examples/configs/qwen3-0.6b.json"))
-    args = {"device": a.device, "config": config, "iters": a.iters, "direct": a.direct_bytes, "checksum": [c for c in a.checksum.split(",") if c],
+    args = {"device": a.device, "config": config, "iters": a.iters, "direct": a.direct_bytes,
+            "checksum": [c for c in a.checksum.split(",") if c],
             "bucket": a.bucket or ((1 << 30) if a.device == "cuda" else (64 << 20))}
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")

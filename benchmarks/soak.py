@@ -47,7 +47,8 @@ def report(out: dict) -> list[str]:
                      f"wrong {r['wrong']}{', errors ' + r['errors'][0][:200] if r['errors'] else ''}")
         lines.append(f"    refit {warm['refit']:>5} -> {last['refit']:>5}: RSS {_mib(warm['rss'])} -> "
                      f"{_mib(last['rss'])} MiB, fds {warm['fds']} -> {last['fds']}, "
-                     f"threads {warm['threads']} -> {last['threads']}, store keys {warm['store_keys']} -> {last['store_keys']}")
+                     f"threads {warm['threads']} -> {last['threads']}, "
+                     f"store keys {warm['store_keys']} -> {last['store_keys']}")
         ints = r["interrupts"]
         if ints:
             a, b = ints[0], ints[-1]

@@ -50,7 +50,8 @@ def main() -> int:
     ckpts = [make_checkpoint(TinyGPT(), work / "step-0")]
     for step in range(1, a.steps + 1):  # what the trainer holds after each step, computed independently
         prev = load_checkpoint(ckpts[-1])
-        ckpts.append(save_checkpoint({k: train_step(v, step) for k, v in prev.items()}, ckpts[0], work / f"step-{step}"))
+        trained = {k: train_step(v, step) for k, v in prev.items()}
+        ckpts.append(save_checkpoint(trained, ckpts[0], work / f"step-{step}"))
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     t0 = time.perf_counter()
     replicas = [start_engine(str(ckpts[0]), 1) for _ in range(a.replicas)]

@@ -6,9 +6,11 @@ which engine replica this is, the transport and where its processes meet. Each s
 the same plan (once per process: planner.cache) and compares its digest with the trainer's. Imports no vLLM.
 
 Install:
-  "direct"   the plan writes the engine's parameters (destination: the engine's VllmLayout);
-  "loader"   the plan delivers whole canonical tensors to every engine rank (destination: HfLayout, one replica
-             per engine rank), and the engine's own weight loaders place them (quantized or re-packing engines).
+  "direct"     the plan writes the engine's parameters (destination: the engine's VllmLayout);
+  "loader"     the plan delivers whole canonical tensors to every engine rank (destination: HfLayout, one replica
+               per engine rank), and the engine's own weight loaders place them (quantized or re-packing engines);
+  "lora_slot"  a LoRA adapter (`layouts.lora.lora_spec`) into the slot of the adapter `lora_id` the engine already
+               serves (destination: the engine's VllmLoraLayout; adapters.lora.slots); the model is untouched.
 
 Transports (`transport`; `options` go to the executor):
   "inprocess"   trainer and engine in one process: the engine reads the trainer's published tensors;
@@ -34,16 +36,17 @@ from ..errors import ExecutionError, LayoutError, PlanError
 from ..executors.base import Executor, RankTensors
 from ..executors.binding import Binding
 from ..layouts import HfLayout, Layout, ModelSpec, VllmLayout, layout_from_dict, layout_to_dict
+from ..layouts.lora import VllmLoraLayout
 from ..planner import Plan
 from ..planner.cache import cached_plan
 
-INSTALLS = ("direct", "loader")
+INSTALLS = ("direct", "loader", "lora_slot")
 TRANSPORTS = ("inprocess", "distributed", "collective", "nixl", "shared")
 CROSS_PROCESS = ("collective", "nixl", "shared")  # transports whose processes meet at a rendezvous
 LOADER_OPTIONS = {"collective": {"in_place": True}, "nixl": {"staged": False}, "shared": {"staged": False}}
 _FIELDS = {"model": dict, "src": dict, "dst": dict, "install": str, "replica": int, "transport": str,
            "options": dict, "rendezvous": (dict, type(None)), "fanout": (int, type(None)),
-           "verify_layers": (list, tuple, type(None)), "plan_digest": str}
+           "verify_layers": (list, tuple, type(None)), "plan_digest": str, "lora_id": (int, type(None))}
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class RefitSpec:
     fanout: int | None = None
     verify_layers: tuple[int, ...] | None = None  # layers whose loaders direct install probes; None: one per kind
     plan_digest: str = ""  # the trainer's; a worker that compiles another plan refuses the refit
+    lora_id: int | None = None  # "lora_slot": the engine's id of the served adapter whose slot is refit
 
     def __post_init__(self) -> None:
         problems = []
@@ -72,6 +76,10 @@ class RefitSpec:
             problems.append(f"transport={self.transport!r} is not one of {TRANSPORTS}")
         if isinstance(self.replica, int) and self.replica < 0:
             problems.append(f"replica={self.replica} must be >= 0")
+        if (self.install == "lora_slot") != (self.lora_id is not None) or isinstance(self.lora_id, bool) \
+                or (isinstance(self.lora_id, int) and self.lora_id < 1):
+            problems.append(f"lora_id={self.lora_id!r}: install='lora_slot' needs the served adapter's id (a "
+                            f"positive integer), and only it")
         if self.verify_layers is not None:
             object.__setattr__(self, "verify_layers", tuple(self.verify_layers))
             if not all(isinstance(x, int) and not isinstance(x, bool) for x in self.verify_layers):
@@ -120,12 +128,16 @@ class RefitSpec:
         src, dst = layout_from_dict({**self.src, "model": spec}), layout_from_dict({**self.dst, "model": spec})
         if not isinstance(dst, VllmLayout):
             raise LayoutError(dst.kind, f"the engine's layout must be a vllm layout, got {dst}")
+        if isinstance(dst, VllmLoraLayout) != (self.install == "lora_slot"):
+            raise LayoutError(dst.kind, f"install={self.install!r} with the engine layout {dst}: an adapter lands "
+                                        f"with install='lora_slot' into a vllm_lora layout, full weights otherwise")
         return src, dst
 
     def destination(self) -> Layout:
-        """The plan's destination: the engine's layout (direct), or whole tensors per engine rank (loader)."""
+        """The plan's destination: the engine's layout (direct, lora_slot), or whole tensors per engine rank
+        (loader)."""
         _, dst = self.layouts()
-        return dst if self.install == "direct" else HfLayout(model=dst.model, replicas=dst.num_ranks)
+        return HfLayout(model=dst.model, replicas=dst.num_ranks) if self.install == "loader" else dst
 
     def plan(self) -> Plan:
         """The refit's plan (compiled once per process for these layouts and options)."""

@@ -111,11 +111,31 @@ class VllmServer:
             time.sleep(1.0)
 
     # --- LoRA adapters (the server started with --enable-lora; VLLM_ALLOW_RUNTIME_LORA_UPDATING=True) ----------
-    def load_lora_adapter(self, name: str, path: str, inplace: bool = False) -> None:
+    def load_lora_adapter(self, name: str, path: str, inplace: bool = False) -> int | None:
         """Serve the PEFT directory `path` as model `name`; `inplace` reloads an adapter already served under that
-        name from its path (after a refit published a new version there: reshard.adapters.lora.PeftDirectory)."""
+        name from its path (after a refit published a new version there: reshard.adapters.lora.PeftDirectory).
+        Returns the engine's id of a newly served adapter -- what an in-slot refit (`RefitSpec(install=
+        "lora_slot", lora_id=...)`) names -- found as the one id its workers list after the load and not before
+        (the dev route /collective_rpc); None when that cannot be told (inplace, or another load raced it)."""
+        before = None if inplace else self.lora_ids()
         self.call("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path, "load_inplace": inplace},
                   text=True)
+        new = self.lora_ids() - before if before is not None else set()
+        return new.pop() if len(new) == 1 else None
+
+    def lora_ids(self) -> set[int]:
+        """The ids of the adapters loaded in every worker of the engine (vLLM's `list_loras`)."""
+        per_worker = []
+        for answer in self.collective_rpc("list_loras"):
+            text = str(answer).strip()
+            if text in ("set()", "{}"):
+                per_worker.append(set())
+                continue
+            try:
+                per_worker.append({int(x) for x in text.strip("{}[]").split(",") if x.strip()})
+            except ValueError:
+                raise ExecutionError(f"{self.url}: list_loras answered {text[:200]!r}, not a set of ids") from None
+        return set.intersection(*per_worker) if per_worker else set()
 
     def unload_lora_adapter(self, name: str) -> None:
         self.call("POST", "/v1/unload_lora_adapter", {"lora_name": name}, text=True)
@@ -137,6 +157,44 @@ class VllmServer:
         return self._model
 
 
+class ExtensionClient:
+    """A refit's engine calls through the `reshard` worker extension's methods over a server's dev route
+    `/collective_rpc` instead of its weight-transfer routes: what in-slot LoRA refits (`RefitSpec(install=
+    "lora_slot")`) need, because vLLM's weight-transfer API drops every loaded adapter when an update finishes.
+    The server must run with `--worker-extension-cls reshard.adapters.vllm.worker.ReshardWorkerExtension`.
+
+        TrainerSession(refit, rank, tensors, engines=[ExtensionClient(server)])
+    """
+
+    def __init__(self, server: VllmServer) -> None:
+        self.server = server
+
+    def __repr__(self) -> str:
+        return f"ExtensionClient({self.server.url})"
+
+    def _rpc(self, method: str, *args: Any) -> None:
+        self.server.collective_rpc(method, tuple(json.dumps(a) for a in args))
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._rpc("reshard_init", init_info)
+
+    def start_weight_update(self) -> None:
+        self._rpc("reshard_start")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._rpc("reshard_update", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        if weight_version is not None:  # None: closing a failed update, which the extension needs no call for
+            self._rpc("reshard_finish")
+
+    def pause(self, mode: str = "wait") -> None:
+        self.server.pause(mode)
+
+    def resume(self) -> None:
+        self.server.resume()
+
+
 def _message(text: str) -> str:
     """The server's error message out of its JSON error body (FastAPI's "detail", vLLM's "error")."""
     try:
@@ -153,4 +211,4 @@ def _message(text: str) -> str:
     return text[:2000]
 
 
-__all__ = ["VllmServer"]
+__all__ = ["ExtensionClient", "VllmServer"]

@@ -64,7 +64,8 @@ class RefitResult:
 class TrainerSession:
     def __init__(self, refit: RefitSpec, process: int, tensors: RankTensors | dict[str, torch.Tensor], *,
                  engines: Sequence[EngineClient] = (), trainer_group: Any = None, rendezvous: Any = None,
-                 host: str = "127.0.0.1", pause: str | None = "wait", timeout: float = 600.0) -> None:
+                 host: str = "127.0.0.1", pause: str | None = "wait", timeout: float = 600.0,
+                 lora_ids: Sequence[int] | None = None) -> None:
         """refit: what the trainer and the engines agree on (replica and digest are filled in per engine).
         process: this trainer process's rank (it plays source rank `process` of the plan).
         tensors: this process's source tensors ({physical name: tensor}, or {source rank: {...}}).
@@ -72,6 +73,8 @@ class TrainerSession:
         trainer_group: a torch.distributed group of the trainer processes, to share the rendezvous from process
             0 (else pass `rendezvous`, the same on every process, with a fixed port and secret).
         pause: how engines are paused around a refit (a VllmServer's /pause mode), or None not to pause.
+        lora_ids: install="lora_slot" with engines that serve the adapter under different ids: engine k's id
+            (else every engine gets the refit's `lora_id`).
         """
         self.refit_spec, self.process = refit, process
         self.tensors = tensors if tensors and all(isinstance(k, int) for k in tensors) else {process: tensors}
@@ -87,6 +90,10 @@ class TrainerSession:
             raise ExecutionError(f"process={process} is not a source rank of the plan (0..{plan.src.num_ranks - 1})")
         if self.engines and process != 0:
             raise ExecutionError("only trainer process 0 drives the engines; pass engines on process 0 only")
+        self.lora_ids = list(lora_ids) if lora_ids is not None else None
+        if self.lora_ids is not None and (refit.install != "lora_slot" or len(self.lora_ids) != len(self.engines)):
+            raise ExecutionError(f"lora_ids={self.lora_ids} must give one id per engine ({len(self.engines)}) of an "
+                                 f"install='lora_slot' refit (install={refit.install!r})")
 
     # --- 1. init -------------------------------------------------------------------------------------
     def init(self) -> None:
@@ -103,7 +110,7 @@ class TrainerSession:
         else:
             publish_source(str(refit.options.get("key", "default")), self.tensors)
         self.refit_spec = refit
-        calls = [self._call(engine, "init_weight_transfer_engine", refit.with_(replica=k).to_dict())
+        calls = [self._call(engine, "init_weight_transfer_engine", self._engine_spec(refit, k).to_dict())
                  for k, engine in enumerate(self.engines)]
         try:
             if refit.transport in CROSS_PROCESS:
@@ -120,6 +127,11 @@ class TrainerSession:
         if errors:
             self._fail_rendezvous("; ".join(errors))
             raise ExecutionError("refit init failed: " + "; ".join(errors))
+
+    def _engine_spec(self, refit: RefitSpec, k: int) -> RefitSpec:
+        """What engine k is told: its replica (and its adapter's id)."""
+        ids = {"lora_id": self.lora_ids[k]} if self.lora_ids is not None else {}
+        return refit.with_(replica=k, **ids)
 
     def _meet(self) -> Any:
         """The rendezvous: hosted by process 0, shared over the trainer group (or given to every process)."""
@@ -226,7 +238,7 @@ class TrainerSession:
     def _close_failed_update(self) -> None:
         """After a failed update, end the update on every engine worker (without a version). vLLM keeps an update
         open on the workers that did not raise (the engine raises on its last worker only, see
-        adapters.vllm.engine.agreed); a worker whose update is already closed refuses, which is expected."""
+        adapters.vllm.agreed); a worker whose update is already closed refuses, which is expected."""
         for engine in self.engines:
             try:
                 engine.finish_weight_update(None)

@@ -200,3 +200,70 @@ def bridge_refit_job(tp: int, out: str, rank: int) -> None:
     executor.close()
     if me == 0:
         save_file(dst[0], str(Path(out) / "peft.safetensors"))
+
+
+def slot_refit_job(job: dict) -> None:
+    """On every trainer rank (megatron_cpu.run_ranks, world = the trainer's TP): refit the slot of the adapter a
+    running server serves as `job["name"]` (id `job["lora_id"]`) once per transport in `job["transports"]`, each
+    time with the adapter values of seed `job["seeds"][k]`; rank 0 records the greedy tokens by that name after
+    each. The refits go through the reshard worker extension (ExtensionClient); one through the weight-transfer
+    routes instead must be refused at init. Then a refit naming an adapter id the server does not have: its error,
+    and the tokens after it."""
+    import json
+    import traceback
+
+    import torch.distributed as dist
+
+    from ..adapters.refit import RefitSpec
+    from ..adapters.server import ExtensionClient, VllmServer
+    from ..adapters.trainer import TrainerSession
+    from ..errors import ExecutionError
+    from ..executors import shard
+    from ..layouts import MegatronLayout, ModelSpec
+    from ..layouts.lora import VllmLoraLayout, lora_spec
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    spec = lora_spec(ModelSpec.from_hf_config(job["checkpoint"]), job["rank"], job["alpha"])
+    src = MegatronLayout(model=spec, tp=world)
+    dst = VllmLoraLayout(model=spec, tp=job["server_tp"], max_lora_rank=job["max_lora_rank"])
+    server = VllmServer(job["url"]) if rank == 0 else None
+    out: dict = {"refits": []}
+
+    def session_for(transport: str, lora_id: int, tensors: dict, api: bool = False) -> TrainerSession:
+        refit = RefitSpec.of(spec, src, dst, install="lora_slot", lora_id=lora_id, transport=transport)
+        engine = server if api else ExtensionClient(server) if server else None
+        return TrainerSession(refit, rank, tensors, engines=[engine] if engine else [],
+                              trainer_group=dist.group.WORLD, timeout=120.0)
+
+    def refused(session: TrainerSession) -> str | None:
+        try:
+            session.init()
+            return None
+        except ExecutionError as e:
+            return str(e)
+        finally:
+            session.close()
+
+    try:
+        for transport, seed in zip(job["transports"], job["seeds"]):
+            tensors = shard(src, adapter_weights(spec, seed), ranks=[rank])[rank]
+            session = session_for(transport, job["lora_id"], tensors)
+            try:
+                session.init()
+                result = session.refit(f"{transport}-{seed}")
+            finally:
+                session.close()
+            if server is not None:
+                server.call("POST", "/reset_prefix_cache")
+                out["refits"].append({"transport": transport, "seconds": result.seconds,
+                                      "tokens": server.greedy(job["prompts"], max_tokens=8, model=job["name"])})
+        zeros = shard(src, adapter_weights(spec, 0), ranks=[rank])[rank]
+        out["through_api"] = refused(session_for("collective", job["lora_id"], zeros, api=True))
+        out["missing_slot"] = refused(session_for("collective", 99, zeros))
+        if server is not None:
+            out["after_missing_slot"] = server.greedy(job["prompts"], max_tokens=8, model=job["name"])
+    except Exception:  # noqa: BLE001 - reported to the test
+        out["exception"] = traceback.format_exc()
+    if rank == 0 or "exception" in out:
+        path = Path(job["out"]) if rank == 0 else Path(job["out"]).with_suffix(f".rank{rank}.json")
+        path.write_text(json.dumps(out))

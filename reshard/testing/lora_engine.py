@@ -4,10 +4,12 @@
 
 job: {"checkpoint", "peft" (the adapter saved by peft), "ours" (the PEFT directory reshard published), "initial"
 (a directory of other values, loaded into the slot that the in-slot refit then rewrites), "shards" (a directory
-of `<rank>.safetensors`: the Megatron-Bridge source tensors of the refit), "tiny" (TinyGPT fields), "rank",
+of `<rank>.safetensors`: the Megatron-Bridge source tensors of the refit), "third_shards" and "third_peft" (a
+third adapter's values: source tensors, and as `peft` saved them), "tiny" (TinyGPT fields), "rank",
 "alpha", "tp" (the trainer's), "out"}. Writes `out` (JSON): greedy tokens of the base model, of each adapter, of
 the slot before and after the in-slot refit and after each refused refit; whether the slots of the peft-saved,
-the directory-loaded and the refit adapter hold the same bytes; each refused refit's error.
+the directory-loaded and the refit adapter hold the same bytes; each refused refit's error; the slot after a
+TrainerSession refit of the third values through the worker extension (and the weight-transfer API's refusal).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 PROMPTS = [[1, 5, 9, 13, 2], [7, 3, 3, 8], [11, 4, 19, 23, 42, 5]]
-IDS = {"peft": 1, "ours": 2, "slot": 3}
+IDS = {"peft": 1, "ours": 2, "slot": 3, "third": 4}
 
 
 def _slot_bytes(manager: Any, lora_id: int) -> dict[str, Any]:
@@ -61,8 +63,13 @@ def main(job_path: str) -> None:
     from reshard.testing.megatron_cpu import TinyGPT
 
     rank, alpha, tp = job["rank"], job["alpha"], job["tp"]
+    from reshard.adapters.vllm.engine import register
+
+    register()  # the `reshard` weight-transfer engine, in this process (the engine runs here)
     llm = LLM(model=job["checkpoint"], dtype="float32", enforce_eager=True, max_model_len=128, enable_lora=True,
-              max_lora_rank=rank, max_loras=3, skip_tokenizer_init=True)
+              max_lora_rank=rank, max_loras=3, max_cpu_loras=4, skip_tokenizer_init=True,
+              weight_transfer_config={"backend": "reshard"},
+              worker_extension_cls="reshard.adapters.vllm.worker.ReshardWorkerExtension")
     params = SamplingParams(temperature=0, max_tokens=8)
 
     def greedy(request: Any = None) -> list[list[int]]:
@@ -124,6 +131,36 @@ def main(job_path: str) -> None:
             result["refused"][label] = f"{type(e).__name__}: {e}"
     result["served_unchanged"] = _same(served, _slot_bytes(manager, IDS["slot"]))
     result["slot_after_refused"] = greedy(requests["slot"])
+
+    # the same slot refit by a TrainerSession (inprocess transport) through the reshard worker extension, with a
+    # third adapter's values; vLLM loading the adapter `peft` saved of those values is the ground truth
+    from reshard.adapters.refit import RefitSpec
+    from reshard.adapters.trainer import TrainerSession
+    from reshard.adapters.vllm.trainer import OfflineExtensionClient, OfflineLLMClient
+    from reshard.errors import ExecutionError
+
+    requests["third"] = LoRARequest("third", IDS["third"], job["third_peft"])
+    result["third"] = greedy(requests["third"])
+    third = {r: load_file(str(Path(job["third_shards"]) / f"{r}.safetensors")) for r in range(src_layout.num_ranks)}
+    refit_spec = RefitSpec.of(spec, src_layout, dst_layout, install="lora_slot", lora_id=IDS["slot"],
+                              transport="inprocess", options={"key": "lora"})
+    before = _slot_bytes(manager, IDS["slot"])
+    session = TrainerSession(refit_spec, 0, third, engines=[OfflineLLMClient(llm)], pause=None)
+    try:  # vLLM's weight-transfer API drops every adapter when an update finishes: refused at init
+        session.init()
+        result["api_refused"] = None
+    except ExecutionError as e:
+        result["api_refused"] = str(e)
+    finally:
+        session.close()
+    result["api_refused_unchanged"] = _same(before, _slot_bytes(manager, IDS["slot"]))
+    session = TrainerSession(refit_spec, 0, third, engines=[OfflineExtensionClient(llm)], pause=None)
+    session.init()
+    session.refit("third")
+    session.close()
+    result["extension_slot_after"] = greedy(requests["slot"])
+    result["extension_slot_equals_third"] = _same(_slot_bytes(manager, IDS["third"]),
+                                                  _slot_bytes(manager, IDS["slot"]))
     Path(job["out"]).write_text(json.dumps(result))
 
 

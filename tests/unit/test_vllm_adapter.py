@@ -192,6 +192,29 @@ def test_refit_spec_round_trips_as_json_and_refuses_bad_fields():
         RefitSpec.of(SPEC, src, reshard.HfLayout(model=SPEC)).layouts()
 
 
+def test_adapter_refit_specs_name_their_slot_and_nothing_else():
+    from reshard.adapters.trainer import TrainerSession
+    from reshard.errors import ExecutionError
+    from reshard.layouts.lora import VllmLoraLayout, lora_spec
+
+    adapter = lora_spec(SPEC, 8, 16, ["linear_qkv", "linear_proj"])  # SPEC is a MoE: attention adapters
+    src, slots = reshard.MegatronLayout(model=adapter, tp=2), VllmLoraLayout(model=adapter, tp=2)
+    spec = RefitSpec.of(adapter, src, slots, install="lora_slot", lora_id=3)
+    assert RefitSpec.from_dict(spec.to_dict()) == spec and spec.destination() == slots
+    assert spec.plan().digest == reshard.compile_plan(src, slots).digest
+    for bad in ({"lora_id": None}, {"lora_id": 0}, {"lora_id": True}, {"install": "direct"}):
+        with pytest.raises(reshard.PlanError, match="install='lora_slot' needs the served adapter's id"):
+            spec.with_(**bad)
+    with pytest.raises(reshard.LayoutError, match="an adapter lands with install='lora_slot'"):
+        spec.with_(install="direct", lora_id=None).layouts()
+    full = reshard.MegatronLayout(model=SPEC, tp=2)
+    with pytest.raises(reshard.LayoutError, match="an adapter lands with install='lora_slot'"):
+        RefitSpec.of(SPEC, full, reshard.VllmLayout(model=SPEC, tp=2), install="lora_slot", lora_id=1).layouts()
+    with pytest.raises(ExecutionError, match="one id per engine"):
+        TrainerSession(RefitSpec.of(SPEC, full, reshard.VllmLayout(model=SPEC, tp=2), transport="inprocess"), 0,
+                       {}, lora_ids=[1])
+
+
 def test_trainer_side_imports_no_vllm():
     code = ("import sys, reshard, reshard.adapters.trainer, reshard.adapters.server, reshard.adapters.refit; "
             "sys.exit(any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules))")

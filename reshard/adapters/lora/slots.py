@@ -6,15 +6,16 @@ adapter that serves requests occupies one index of them (its slot; `LoRAModelMan
 views `[slot, 0]` are exactly `VllmLoraLayout`'s tensors on that rank, so a plan lands in them as in any
 destination; B is then multiplied by alpha / r, which vLLM folds into B when it loads an adapter. The next
 requests for that adapter use the new weights (reset the prefix cache: cached KV was computed with the old ones).
-`SlotRefit` is the in-process shape (trainer tensors and engine in one process); across processes, an engine
-worker hands `AdapterSlot(...).tensors` to any executor as its rank's destination (distributed, shared, nixl: the
-adapter plan is a plan like any other) and calls `scale()` once that executor's refit returned.
+`SlotRefit` is the in-process shape (trainer tensors and engine in one process); across processes, the engine's
+`reshard` weight-transfer engine does the same with `RefitSpec(install="lora_slot", lora_id=...)` over any
+transport (adapters.vllm.session: `AdapterSlot.tensors` are its rank's destination, `scale()` its install).
 
 Everything is checked before a byte moves, each problem named: the engine's LoRA settings against the layout
 (tp, max_lora_rank, fully_sharded_loras, dtype), the adapter id loaded and holding a slot, its rank, alpha and
-modules against the refit's, every slot buffer's shape. vLLM keeps a host copy of each loaded adapter and
-re-activates an evicted one from it: with more adapters than max_loras, publish the refit as a directory too
-(landing (b)) and load it again by path.
+modules against the refit's, every slot buffer's shape. Then the adapter is pinned (vLLM's `pin_adapter`): vLLM
+keeps a host copy of each loaded adapter and would re-activate an evicted one from it, in any slot, losing the
+refit; pinned, it keeps its slot until unloaded (one slot fewer for other adapters). Each refit checks the
+adapter still holds the slot (a `load_inplace` of the same id replaces it: bind again).
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ from ...planner import Plan
 
 
 def lora_manager(worker: Any) -> Any:
-    """The LoRA model manager of a vLLM worker (GPU or CPU model runner) with LoRA enabled."""
+    """The LoRA model manager of a vLLM worker (GPU or CPU model runner), or of its model (vLLM's manager sets
+    `model.lora_manager`), with LoRA enabled."""
     runner = getattr(worker, "model_runner", worker)
     manager = getattr(runner, "lora_manager", None)
     manager = getattr(manager, "_adapter_manager", manager)
@@ -69,11 +71,8 @@ class AdapterSlot:
         if lora_id not in loaded:
             raise InputError("lora_id", lora_id, f"is not loaded in this engine (loaded: {sorted(loaded)})",
                              fix="load it once with a LoRARequest (e.g. a PEFT directory written by landing (b))")
-        if lora_id not in manager.lora_index_to_id:
-            raise InputError("lora_id", lora_id, f"is loaded but holds no slot (slots hold "
-                             f"{list(manager.lora_index_to_id)})", fix="send a request with the adapter first")
-        self.slot = manager.lora_index_to_id.index(lora_id)
-        adapter = loaded[lora_id]
+        self.manager = manager
+        adapter = self.adapter = loaded[lora_id]
         if adapter.rank != facts.rank:
             raise InputError("rank", facts.rank, f"differs from the loaded adapter's r={adapter.rank}",
                              fix="load an adapter of the refit's rank into the slot first")
@@ -94,6 +93,7 @@ class AdapterSlot:
             raise InputError("targets", sorted(lora_facts(layout.model).targets), f"do not match the loaded "
                              f"adapter's modules (it lacks {lacking[:3]}, has besides {extra[:3]})",
                              fix="load an adapter of the same target modules into the slot first")
+        self.slot = self._pin()
         dtype = torch_dtype(layout.dtype)
         self.tensors: dict[str, torch.Tensor] = {}
         for name, shape in want.items():
@@ -106,6 +106,32 @@ class AdapterSlot:
         if problems:
             raise LayoutMismatchError(layout.kind, problems)
         self._b = [t for n, t in self.tensors.items() if ".lora_b_stacked." in n]
+
+    def _pin(self) -> int:
+        """Pin the adapter (activating it into a slot if it holds none): never evicted, so never re-activated from
+        vLLM's stale host copy. Its slot index."""
+        manager, lora_id = self.manager, self.lora_id
+        try:
+            manager.pin_adapter(lora_id)
+        except NotImplementedError:  # a manager without an LRU cache never evicts
+            pass
+        except Exception as e:  # noqa: BLE001 - vLLM's own reason, named
+            raise InputError("lora_id", lora_id, f"cannot be pinned to a slot: {type(e).__name__}: {e}",
+                             fix="unload an adapter or start vLLM with a larger max_loras") from None
+        if lora_id not in manager.lora_index_to_id:
+            raise InputError("lora_id", lora_id, f"is loaded but holds no slot (slots hold "
+                             f"{list(manager.lora_index_to_id)})", fix="send a request with the adapter first")
+        return manager.lora_index_to_id.index(lora_id)
+
+    def verify(self) -> None:
+        """Before a refit: the adapter still holds the slot the views were made for (vLLM moves an adapter when it
+        evicts it for others beyond max_loras and activates it again)."""
+        held = self.manager.lora_index_to_id
+        if self.slot >= len(held) or held[self.slot] != self.lora_id \
+                or self.manager._registered_adapters.get(self.lora_id) is not self.adapter:
+            raise InputError("lora_id", self.lora_id, f"no longer holds slot {self.slot} it was bound to (slots "
+                             f"hold {list(held)}): vLLM evicted or reloaded it", fix="send a request with the "
+                             "adapter (or load it again), then init the refit again")
 
     def scale(self) -> None:
         """B *= alpha / r in the slot (what vLLM's loader does to B; padding columns stay 0)."""
@@ -129,6 +155,7 @@ class SlotRefit:
         self.executor = BoundLocalExecutor(plan, None, 0, src, {rank: self.slot.tensors})
 
     def refit(self, version: int | None = None) -> dict[str, Any]:
+        self.slot.verify()
         stats = self.executor.refit(version)
         self.slot.scale()
         return stats

@@ -5,9 +5,11 @@ Users select the engine by name -- `weight_transfer_config={"backend": "reshard"
 --weight-transfer-config '{"backend": "reshard"}'`); the `vllm.general_plugins` entry point registers it in every
 worker -- and drive it from the trainer with `reshard.adapters.trainer.TrainerSession`. What is here:
   session        WorkerSession: one worker's side of a refit (checks, destination, transport)
+  agreed         a refit's steps agreed on by every worker of the engine (what engine and worker drive)
   engine         the `reshard` WeightTransferEngine (+ `register()`, the plugin entry point)
-  trainer        the `reshard` backend of vLLM's trainer-side factory (a shell around TrainerSession)
-  worker         ReshardWorkerExtension for collective_rpc-driven refits
+  trainer        the `reshard` backend of vLLM's trainer-side factory (a shell around TrainerSession), and
+                 in-process clients (weight-transfer API; worker extension)
+  worker         ReshardWorkerExtension for collective_rpc-driven refits (and in-slot LoRA refits)
   direct         direct install: a plan writes the parameters' storage
   loader         loader install: whole tensors into the model's own load_weights (re-packing backends)
   check, derive  the live model against the declared layout (structure; where its loaders put each element)

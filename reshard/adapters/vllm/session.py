@@ -25,6 +25,8 @@ import torch
 
 from ...errors import ExecutionError, LayoutError, LayoutMismatchError, PlanError
 from ...executors.base import Executor
+from ...layouts.lora import VllmLoraLayout, base_spec
+from ..lora.slots import AdapterSlot, lora_manager
 from ..refit import CROSS_PROCESS, RefitSpec, open_transport
 from .derive import representative_layers
 from .direct import DirectBinding, bind_direct
@@ -59,7 +61,11 @@ class WorkerSession:
                                         f"{dst.num_ranks} ranks (check replica and replicas)")
         self.binding: DirectBinding | None = None
         self.installer: LoaderInstaller | None = None
-        if refit.install == "direct":
+        self.slot: AdapterSlot | None = None
+        if refit.install == "lora_slot":
+            self.slot = AdapterSlot(lora_manager(self.model), dst, refit.lora_id, self.rank)
+            tensors = self.slot.tensors
+        elif refit.install == "direct":
             layers = refit.verify_layers if refit.verify_layers is not None else representative_layers(dst.model)
             self.binding = bind_direct(self.model, dst, self.rank, layers, self.vllm_config)
             tensors = self.binding.tensors
@@ -90,14 +96,17 @@ class WorkerSession:
             pass
 
     def _check_model(self, dst: Any) -> None:
-        """The trainer's model and destination layout must be what this worker serves."""
+        """The trainer's model and destination layout must be what this worker serves (an adapter's: the model it
+        adapts; the LoRA settings are AdapterSlot's to check)."""
         live = spec_of(self.vllm_config)
-        ours = dst.model.model_copy(update={"dtype": live.dtype})
+        model = base_spec(dst.model) if isinstance(dst, VllmLoraLayout) else dst.model
+        ours = model.model_copy(update={"dtype": live.dtype})
         if ours != live:
-            raise LayoutMismatchError(str(dst), [f"trainer: {dst.model}", f"vLLM: {live}"], where="the vLLM model")
-        declared = declared_layout(dst.model, self.vllm_config, dst.replicas)
-        if declared != dst:
-            ours, theirs = dst.model_dump(exclude={"model"}), declared.model_dump(exclude={"model"})
+            raise LayoutMismatchError(str(dst), [f"trainer: {model}", f"vLLM: {live}"], where="the vLLM model")
+        declared = declared_layout(model, self.vllm_config, dst.replicas)
+        lora = {"model", "max_lora_rank", "fully_sharded"}
+        if declared.model_dump(exclude={"model"}) != dst.model_dump(exclude=lora):
+            ours, theirs = dst.model_dump(exclude=lora), declared.model_dump(exclude={"model"})
             differ = ", ".join(f"{k}: {ours[k]!r} vs {theirs[k]!r}" for k in ours if ours[k] != theirs.get(k))
             raise LayoutMismatchError(str(dst), [f"trainer declared {dst}, the engine runs {declared} ({differ})"],
                                       where="this vLLM engine's parallel config")
@@ -106,6 +115,8 @@ class WorkerSession:
     def start(self) -> None:
         if self.binding is not None:
             self.binding.verify()
+        if self.slot is not None:
+            self.slot.verify()
 
     def transfer(self) -> None:
         """This worker's part of the transfer; the model is not touched (staged, or the loader's buffers)."""
@@ -118,8 +129,11 @@ class WorkerSession:
             raise
 
     def install(self) -> None:
-        """After every worker has its bytes: direct: finish (padding, widened tensors); loader: load_weights."""
-        if self.binding is not None:
+        """After every worker has its bytes: direct: finish (padding, widened tensors); loader: load_weights;
+        lora_slot: B *= alpha / r."""
+        if self.slot is not None:
+            self.slot.scale()
+        elif self.binding is not None:
             self.binding.finish()
         else:
             self.installer.install()

@@ -1,5 +1,5 @@
 """A vLLM worker extension for refits driven by `collective_rpc` (stacks that call worker methods directly
-instead of the weight-transfer API), e.g.
+instead of the weight-transfer API, and in-slot LoRA refits, which that API cannot carry), e.g.
 
     llm = LLM(model=..., worker_extension_cls="reshard.adapters.vllm.worker.ReshardWorkerExtension")
     llm.collective_rpc("reshard_init", args=(refit.to_dict(),))        # a RefitSpec; raises before bytes move
@@ -7,23 +7,39 @@ instead of the weight-transfer API), e.g.
     llm.collective_rpc("reshard_direct_problems")                       # why direct mode would be refused
     llm.collective_rpc("reshard_stats")                                 # plan compiles and cache hits
 
+Each step is also a method of its own (`reshard_start`, `reshard_update`, `reshard_finish`), so a trainer can send
+while the workers receive: `reshard.adapters.server.ExtensionClient` drives them over a server's dev route
+`/collective_rpc`, where arguments travel as JSON strings. Every step is agreed on by all workers of the engine
+(adapters.vllm.agreed), as in the weight-transfer engine.
+
 Importing this module registers the `reshard` weight-transfer engine in the worker process (vLLM imports the
 extension class in every worker before building it), so the weight-transfer API can select it as well.
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
-from ...errors import LayoutMismatchError
+from ...errors import LayoutMismatchError, PlanError
 from ..refit import RefitSpec
+from .agreed import AgreedSteps
 from .derive import representative_layers
 from .direct import bind_direct
 from .engine import register
 from .live import declared_layout, local_rank, spec_of
-from .session import WorkerSession
 
 register()
+
+
+def _json(value: Any, what: str) -> Any:
+    """A step's argument: the value, or the JSON text of it (the HTTP route passes strings only)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError as e:
+        raise PlanError(f"{what} is not JSON: {e}") from None
 
 
 class ReshardWorkerExtension:
@@ -32,22 +48,32 @@ class ReshardWorkerExtension:
     def _reshard_model(self) -> Any:
         return self.model_runner.get_model()
 
-    def reshard_init(self, refit: dict[str, Any]) -> None:
-        old = getattr(self, "_reshard_session", None)
-        if old is not None:
-            old.close()
-        self._reshard_session = None
-        self._reshard_session = WorkerSession(self._reshard_model(), self.vllm_config, RefitSpec.from_dict(refit))
+    def _reshard_steps(self) -> AgreedSteps:
+        steps = getattr(self, "_reshard_agreed", None)
+        if steps is None:
+            steps = self._reshard_agreed = AgreedSteps(self._reshard_model(), self.vllm_config)
+        return steps
+
+    def reshard_init(self, refit: dict[str, Any] | str) -> None:
+        self._reshard_steps().init(lambda: RefitSpec.from_dict(_json(refit, "the refit spec")))
+
+    def reshard_start(self) -> None:
+        self._reshard_steps().start()
+
+    def reshard_update(self, update_info: dict[str, Any] | str = "") -> None:
+        info = _json(update_info, "update_info") if update_info else {}
+        unknown = sorted(set(info) - {"version"}) if isinstance(info, dict) else ["<not an object>"]
+        self._reshard_steps().update(PlanError(f"update_info has unknown fields {unknown}; known: ['version']")
+                                     if unknown else None)
+
+    def reshard_finish(self) -> None:
+        self._reshard_steps().finish()
 
     def reshard_refit(self) -> None:
-        session = getattr(self, "_reshard_session", None)
-        if session is None:
-            raise RuntimeError("call reshard_init before reshard_refit")
-        session.start()
-        try:
-            session.receive()
-        finally:
-            session.finish()
+        """start, update, finish: one refit (the trainer sends at the same time)."""
+        self.reshard_start()
+        self.reshard_update()
+        self.reshard_finish()
 
     def reshard_direct_problems(self, replica: int = 0) -> list[str]:
         """Why this worker's model cannot be written in place (empty list: it can)."""
@@ -68,7 +94,4 @@ class ReshardWorkerExtension:
         return {**cache.stats(), "pid": os.getpid()}
 
     def reshard_close(self) -> None:
-        session = getattr(self, "_reshard_session", None)
-        if session is not None:
-            session.close()
-            self._reshard_session = None
+        self._reshard_steps().close()

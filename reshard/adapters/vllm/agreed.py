@@ -1,0 +1,122 @@
+"""A refit's steps on the workers of one vLLM engine, each agreed on by all of them, however vLLM calls them: the
+`reshard` weight-transfer engine (vLLM's weight-transfer API) and the worker extension (`collective_rpc`, which
+in-slot LoRA refits need) both drive an `AgreedSteps`.
+
+    steps = AgreedSteps(model, vllm_config)
+    steps.init(lambda: RefitSpec.from_dict(payload))   # every worker binds; if any fails, none takes part
+    steps.start(); steps.update(version=""); steps.finish()
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+from ...errors import ExecutionError
+from ..refit import RefitSpec
+from .session import WorkerSession
+
+MESSAGE_BYTES = 4096  # per worker, when the workers of an engine tell each other why a step failed
+log = logging.getLogger("reshard.vllm")
+
+
+def _engine_group() -> Any:
+    """The CPU (gloo) group of every worker of this engine, or None for a single worker."""
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        group = get_world_group()
+    except Exception:  # noqa: BLE001 - not initialized (a bare model in tests): one worker
+        return None
+    return group.cpu_group if group.world_size > 1 else None
+
+
+def agreed(step: str, fn: Callable[[], None]) -> bool:
+    """Run `fn` on every worker of this engine and agree on the outcome: True if it succeeded everywhere. If it
+    failed anywhere, the engine's last worker raises ExecutionError naming every worker's error and the others
+    return False. Why only the last: vLLM's multiprocess executor (0.32, 0.33) reads workers' answers in rank
+    order and stops at the first failure, leaving the later workers' answers to be read by the next call, which
+    mixes up every later call's answers; a failure on the last worker alone leaves nothing unread."""
+    import torch.distributed as dist
+
+    error = None
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - agreed on below, then raised on the last worker
+        error = f"{type(e).__name__}: {e}"
+    group = _engine_group()
+    if group is None:
+        if error is not None:
+            raise ExecutionError(f"{step} failed: {error}")
+        return True
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    mine = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
+    if error is not None:
+        data = error.encode()[:MESSAGE_BYTES - 1] or b"?"
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    gathered = [torch.zeros_like(mine) for _ in range(size)]
+    dist.all_gather(gathered, mine, group=group)
+    errors = [(r, bytes(t[t.nonzero().flatten()].tolist()).decode(errors="replace"))
+              for r, t in enumerate(gathered) if bool(t.any())]
+    if not errors:
+        return True
+    text = "; ".join(f"worker {r}: {m}" for r, m in errors)
+    if rank == size - 1:
+        raise ExecutionError(f"{step} failed on this engine: {text}")
+    log.warning("reshard %s failed on this engine (reported by its last worker): %s", step, text)
+    return False
+
+
+class AgreedSteps:
+    """One worker's refit steps, each agreed on by every worker of its engine (see `agreed`)."""
+
+    def __init__(self, model: torch.nn.Module, vllm_config: Any) -> None:
+        self.model, self.vllm_config = model, vllm_config
+        self.session: WorkerSession | None = None
+
+    def init(self, refit: Callable[[], RefitSpec], check: Callable[[RefitSpec], None] | None = None) -> None:
+        """Bind this worker to the refit `refit()` returns (after `check` of it, the caller's own rules)."""
+        self.close()
+
+        def init() -> None:
+            spec = refit()
+            if check is not None:
+                check(spec)
+            self.session = WorkerSession(self.model, self.vllm_config, spec)
+
+        if not agreed("init", init) and self.session is not None:
+            self.close()  # another worker of this engine failed: none of them takes part
+
+    def active(self) -> WorkerSession:
+        if self.session is None:
+            raise RuntimeError("reshard weight transfer is not initialized: init it first")
+        return self.session
+
+    def start(self) -> None:
+        agreed("start", lambda: self.active().start())
+
+    def update(self, error: Exception | None = None) -> None:
+        """The transfer on every worker, agreed on; only then the install (nothing is installed anywhere if any
+        worker lacks its bytes). `error`: the update's info was invalid (raised inside the agreement)."""
+
+        def transfer() -> None:
+            if error is not None:
+                raise error
+            self.active().transfer()
+
+        if agreed("update", transfer):
+            agreed("install", lambda: self.active().install())
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+
+    def finish(self) -> None:
+        self.active().finish()
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+            self.session = None
+
+
+__all__ = ["AgreedSteps", "agreed"]

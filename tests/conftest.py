@@ -1,5 +1,9 @@
+import contextlib
+import glob
 import os
+import time
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 # CI runs every property at least 200 examples; locally `HYPOTHESIS_PROFILE=dev` is quicker.
@@ -8,3 +12,22 @@ settings.register_profile("ci", max_examples=200, deadline=None, derandomize=Tru
 settings.register_profile("dev", max_examples=30, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _sweep_shared_memory_of_dead_processes():
+    """Processes the tests kill (fault tests, stopped servers) cannot remove their shared-memory names: after the
+    session, remove reshard's segments made during it whose creator (the pid in the name) is gone."""
+    start = time.time() - 1
+    yield
+    for path in glob.glob("/dev/shm/reshard-*-*"):
+        try:
+            pid = int(path.rsplit("/", 1)[1].split("-")[1])
+            if os.stat(path).st_mtime < start:
+                continue
+            os.kill(pid, 0)  # signal 0: only asks whether the process exists
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        except (OSError, ValueError, IndexError):
+            continue

@@ -138,6 +138,14 @@ def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return seg.tensor[:numel * dtype.itemsize].view(dtype).view(shape)
 
 
+def release_shared(t: torch.Tensor) -> None:
+    """Remove the name of the segment this process made for `t` (shared_empty) once no new peer will map it (its
+    refits are over): the memory lives on in the mappings; a process killed later leaves nothing in /dev/shm."""
+    held = Segment.holding(t)
+    if held is not None:
+        held[0].unlink()
+
+
 def _fresh_name() -> str:
     """128 random bits: a segment's name cannot be guessed (it travels only in books under the refit's
     namespace), and the file is 0600, so only this user's processes that were told the name open it."""
@@ -454,4 +462,4 @@ class SharedExecutor(Executor):
         self._created.clear()
 
 
-__all__ = ["SharedExecutor", "SharedStats", "export", "open_handle", "shared_empty"]
+__all__ = ["SharedExecutor", "SharedStats", "export", "open_handle", "release_shared", "shared_empty"]

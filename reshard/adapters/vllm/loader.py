@@ -59,6 +59,15 @@ class LoaderInstaller:
 
             self.buffers = {n: shared_empty(tuple(t.shape), t.dtype) for n, t in self.buffers.items()}
         self.groups = layer_groups(plan.src.model)
+        self.shared = shared and self.device.type == "cpu"
+
+    def close(self) -> None:
+        """The session is over: shared buffers' names go (peers of a later session get buffers of their own)."""
+        if self.shared:
+            from ...executors.shared import release_shared
+
+            for t in self.buffers.values():
+                release_shared(t)
 
     def _scope(self) -> contextlib.AbstractContextManager:
         if self.vllm_config is None:

@@ -149,4 +149,7 @@ class WorkerSession:
         if self.executor is not None:
             self.executor.close()
             self.executor = None
+        installer = getattr(self, "installer", None)  # absent when set-up failed before binding
+        if installer is not None:
+            installer.close()
         self.store = None

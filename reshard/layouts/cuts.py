@@ -52,11 +52,13 @@ class Cut(abc.ABC):
     the layer, `{j}` the local expert) and how TP cuts the tensor into it. `at` places a Megatron tensor outside
     the layers: "first" / "last" pipeline stage, or "last_copy" (the last stage's copy of a tied embedding, when
     it is not the first). `moe_name`: the name in MoE layers, where it differs (TE fuses a dense layer's pre-MLP
-    norm into linear_fc1)."""
+    norm into linear_fc1). `stacked`: a Megatron expert tensor that is local expert `{j}`'s slot on dim 0 of one
+    per-rank stack [E_local, ...] (Megatron-Bridge's grouped expert adapters), not a tensor of its own."""
 
     name: str
     at: Literal["first", "last", "last_copy"] | None = field(default=None, kw_only=True)
     moe_name: str | None = field(default=None, kw_only=True)
+    stacked: bool = field(default=False, kw_only=True)
 
     @abc.abstractmethod
     def pieces(self, what: str, shape: Shape, g: Group) -> tuple[Shape, list[Piece]]:

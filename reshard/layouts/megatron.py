@@ -12,6 +12,7 @@ Facts this encodes (pinned by the Megatron adapter tests against real megatron-c
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -259,6 +260,9 @@ class MegatronLayout(CutLayout):
         if kind.expert:
             ep, j = divmod(expert, self.model.num_experts // self.ep)
             first = first + ep * strides["ep"]
+            if cut.stacked:  # local expert j is slot j of the rank's stack; the name is the stack's
+                g = dataclasses.replace(g, stack=self.model.num_experts // self.ep)
+                return Where(g, first, (chunk, local), lambda ch, lo: layers.prefix[ch][lo] + cut.name, j)
         names = (cut.name, cut.moe_name or cut.name)
         return Where(g, first, (chunk, local, layers.moe[layer] if cut.moe_name else 0, j),
                      lambda ch, lo, v, jj: layers.prefix[ch][lo] + names[v].format(j=jj))

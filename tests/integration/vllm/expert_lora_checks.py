@@ -57,14 +57,14 @@ def check(out: Path, ckpt: str) -> dict:
                                            dtype=torch.float32)
     problems, checked = [], 0
 
-    def same(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    def same(what: str, got: torch.Tensor, want: torch.Tensor, sides: str = "vLLM's / canonical") -> None:
         nonlocal checked
         checked += 1
         if tuple(got.shape) != tuple(want.shape) or not torch.equal(got, want):
-            problems.append(f"{what}: vLLM {tuple(got.shape)}, canonical {tuple(want.shape)}")
+            problems.append(f"{what}: {sides} differ (shapes {tuple(got.shape)} / {tuple(want.shape)})")
 
-    parts = {"gate_proj": ("gate_up_proj.lora_A", "gate_proj.lora_B"),
-             "up_proj": ("gate_up_proj.lora_A", "up_proj.lora_B"), "down_proj": ("down_proj.lora_A", "down_proj.lora_B")}
+    parts = {m: ("gate_up_proj.lora_A", f"{m}.lora_B") for m in ("gate_proj", "up_proj")}
+    parts["down_proj"] = ("down_proj.lora_A", "down_proj.lora_B")
     slots = shard(VllmLoraLayout(model=spec, tp=1, max_lora_rank=RANK), canon)[0]
     scalings = set()
     for i in range(spec.num_layers):
@@ -82,8 +82,9 @@ def check(out: Path, ckpt: str) -> dict:
         stacked = PackedLoRALayerWeights.pack_moe([lora.loras.get(n) for n in names], f"{p}experts")
         # set_lora(lora_a=[w1, w2, w3], lora_b=[...]) copies each into [slot, :, :r, :] at TP 1: reshard's slots
         for k, (buf, s) in enumerate((("w13", 0), ("w2", 0), ("w13", 1))):
-            same(f"{p}experts {buf} A slice {s}", slots[f"{p}experts.{buf}_lora_a_stacked.{s}"], stacked.lora_a[k])
-            same(f"{p}experts {buf} B slice {s}", slots[f"{p}experts.{buf}_lora_b_stacked.{s}"], stacked.lora_b[k])
+            for ab, packed_ab in (("a", stacked.lora_a[k]), ("b", stacked.lora_b[k])):
+                same(f"{p}experts.{buf}_lora_{ab}_stacked.{s}", slots[f"{p}experts.{buf}_lora_{ab}_stacked.{s}"],
+                     packed_ab, "reshard's slot / vLLM's packed")
     return {"checked": checked, "problems": problems[:8], "scalings": sorted(scalings),
             "experts_expected": sorted(m for m in expected if m.startswith("experts"))[:4],
             "loaded": len(lora.loras)}

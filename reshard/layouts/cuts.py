@@ -53,12 +53,15 @@ class Cut(abc.ABC):
     the layers: "first" / "last" pipeline stage, or "last_copy" (the last stage's copy of a tied embedding, when
     it is not the first). `moe_name`: the name in MoE layers, where it differs (TE fuses a dense layer's pre-MLP
     norm into linear_fc1). `stacked`: a Megatron expert tensor that is local expert `{j}`'s slot on dim 0 of one
-    per-rank stack [E_local, ...] (Megatron-Bridge's grouped expert adapters), not a tensor of its own."""
+    per-rank stack [E_local, ...] (Megatron-Bridge's grouped expert adapters), not a tensor of its own. `expert`:
+    a tensor all experts share (one LoRA adapter for all) placed as expert `expert`'s copy, where the layout keeps
+    a copy per expert (vLLM's expert slots, a PEFT file)."""
 
     name: str
     at: Literal["first", "last", "last_copy"] | None = field(default=None, kw_only=True)
     moe_name: str | None = field(default=None, kw_only=True)
     stacked: bool = field(default=False, kw_only=True)
+    expert: int | None = field(default=None, kw_only=True)
 
     @abc.abstractmethod
     def pieces(self, what: str, shape: Shape, g: Group) -> tuple[Shape, list[Piece]]:

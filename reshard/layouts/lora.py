@@ -9,7 +9,9 @@ output part: `self_attn.qkv_proj.lora_A` [r, H] (the one A of the fused linear_q
 `lora_B` [H, r] (names under `model.layers.{i}.`). A MoE layer's experts are adapted per expert
 (`expert_adapters="per_expert"`, Megatron-Bridge's `share_expert_adapters=False`): under
 `mlp.experts.{e}.` the same five tensors as a dense MLP's, `gate_up_proj.lora_A` [r, H], `gate_proj.lora_B` /
-`up_proj.lora_B` [Fm, r], `down_proj.lora_A` [r, Fm], `down_proj.lora_B` [H, r].
+`up_proj.lora_B` [Fm, r], `down_proj.lora_A` [r, Fm], `down_proj.lora_B` [H, r]. With `expert_adapters="shared"`
+(Bridge's default `share_expert_adapters=True`) one such adapter serves all experts of a layer, under
+`mlp.experts.` without an expert number; vLLM's slots and a PEFT file hold a copy of it for every expert.
 
 Source: Megatron-Bridge's PEFT LoRA (`megatron.bridge.peft.lora.LoRA`, read at NVIDIA-NeMo/Megatron-Bridge
 067f987, 2026-08; it does not install here: it needs Python 3.12, transformers <= 5.12.1 and megatron-core's dev
@@ -25,7 +27,9 @@ each part (q/k/v, gate/up) and splits B: what `PeftLayout` and vLLM's slots hold
 cuts over the expert-TP group, on the expert's EP rank: with SequentialMLP (naming "local") each local expert's
 own `mlp.experts.local_experts.{j}.linear_fc{1,2}.adapter.linear_{in,out}.weight`; with TEGroupedMLP (naming "te")
 a `GroupedExpertLinearAdapter`, whose `mlp.experts.linear_fc{1,2}.adapter.linear_{in,out}.weight` stacks the
-local experts on dim 0 ([E_local, r/etp, H] ...).
+local experts on dim 0 ([E_local, r/etp, H] ...). A shared adapter is a `ParallelLinearAdapter` of the grouped
+module (naming "te"; SequentialMLP always adapts each expert): `mlp.experts.linear_fc{1,2}.adapter.linear_*.weight`
+cut over expert TP like a per-expert one, the same on every EP rank.
 
 Destinations: vLLM 0.33's LoRA slots (`VllmLoraLayout`: per layer, `<module>.lora_a_stacked.{s}` [R, in] and
 `.lora_b_stacked.{s}` [out_s, R] for slice s of a packed module, one adapter slot's view, R = max_lora_rank;
@@ -66,7 +70,7 @@ VLLM_MODULES = {"linear_qkv": "self_attn.qkv_proj", "linear_proj": "self_attn.o_
                 "linear_fc1": "mlp.gate_up_proj", "linear_fc2": "mlp.down_proj"}
 BASE_FAMILIES = ("qwen3", "llama", "qwen3_moe")  # GQA attention and SwiGLU MLP of the shared roles
 PEFT_PREFIX = "base_model.model."
-EXPERT_ADAPTERS = ("per_expert",)  # "shared" (one adapter for all experts, Bridge's default) is not supported yet
+EXPERT_ADAPTERS = ("per_expert", "shared")  # one adapter per expert, or one for all (Bridge's default)
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,7 @@ class LoraFacts:
     rank: int
     alpha: float
     targets: tuple[str, ...]
-    experts: str = ""  # "per_expert" where a MoE layer's experts are adapted, else ""
+    experts: str = ""  # "per_expert" or "shared" where a MoE layer's experts are adapted, else ""
 
     @property
     def scaling(self) -> float:
@@ -122,9 +126,8 @@ def lora_spec(base: ModelSpec, rank: int, alpha: float, targets: Sequence[str] =
                          fix="Megatron-Bridge's LoRA targets that vLLM's LoRA layers for Qwen3 / Llama cover")
     experts = base.is_moe and bool({"linear_fc1", "linear_fc2"} & set(targets))
     if experts and expert_adapters not in EXPERT_ADAPTERS:
-        raise InputError("expert_adapters", expert_adapters, f"is not supported (supported: {list(EXPERT_ADAPTERS)}"
-                         "; one adapter shared by all experts, Megatron-Bridge's default, is not yet)", where="lora",
-                         fix="train with share_expert_adapters=False, or adapt linear_qkv / linear_proj only")
+        raise InputError("expert_adapters", expert_adapters, f"is not one of {list(EXPERT_ADAPTERS)}", where="lora",
+                         fix="per_expert: Megatron-Bridge's share_expert_adapters=False; shared: its default")
     targets = tuple(t for t in TARGETS if t in targets)  # one order: the spec (and its digest) is canonical
     data = base.model_dump()
     arch = dict(base.arch)
@@ -204,6 +207,35 @@ def lora_kinds(heads: int, groups: int, head_dim: int) -> dict[str, LoraKind]:
     return out
 
 
+@dataclass(frozen=True)
+class Refused(Cut):
+    """A tensor this side cannot hold: constructing the layout raises `reason` (and `fix`)."""
+
+    reason: str = ""
+    fix: str = ""
+
+    def pieces(self, what: str, shape: tuple[int, ...], g: Group) -> tuple[tuple[int, ...], list]:
+        raise LayoutError(g.side, f"{what}: {self.reason}", {"tensor": what}, self.fix)
+
+
+@functools.lru_cache(maxsize=16)
+def shared_expert_lora_kinds(experts: int) -> dict[str, LoraKind]:
+    """The kinds of an adapter shared by the `experts` experts of a layer: Megatron-Bridge's ParallelLinearAdapter
+    of TEGroupedMLP (naming "te"), one copy per expert in vLLM's slot stacks and under PEFT's `experts.{e}.`."""
+    per = expert_lora_kinds()
+    local = Refused("", reason="a shared expert adapter lives on TEGroupedMLP; SequentialMLP (naming 'local') "
+                    "adapts each expert", fix="declare naming='te', or build the spec with "
+                    "expert_adapters='per_expert'")
+    out = {}
+    for key, kind in per.items():
+        te = tuple(dataclasses.replace(c, stacked=False) for c in kind.te)  # one 2D adapter, not a stack
+        out[key] = dataclasses.replace(
+            kind, label=kind.label.replace("expert", "shared expert"), megatron=(local,), te=te,
+            vllm=tuple(dataclasses.replace(c, expert=e) for c in kind.vllm for e in range(experts)),
+            peft=tuple(dataclasses.replace(c, expert=e) for c in kind.peft for e in range(experts)))
+    return out
+
+
 @functools.lru_cache(maxsize=1)
 def expert_lora_kinds() -> dict[str, LoraKind]:
     """Each per-expert adapter tensor's kind ("gate_up_proj.A", "gate_proj.B", ...): a dense MLP's cuts over the
@@ -262,6 +294,8 @@ class LoraFamily(ModelFamily):
         if "linear_proj" in f.targets:
             out += [Entry(a + "o_proj.lora_A.weight", (r, q), k["o_proj.A"]),
                     Entry(a + "o_proj.lora_B.weight", (H, r), k["o_proj.B"])]
+        if spec.is_moe_layer(i) and f.experts == "shared":
+            return out + self._shared_experts(spec, f)
         if spec.is_moe_layer(i):
             return out + self._experts(spec, f)
         if "linear_fc1" in f.targets:
@@ -287,6 +321,21 @@ class LoraFamily(ModelFamily):
             entries += [Entry(e + "down_proj.lora_A.weight", (r, Fm), k["down_proj.A"]),
                         Entry(e + "down_proj.lora_B.weight", (H, r), k["down_proj.B"])]
         return [Experts(tuple(entries), spec.num_experts)] if entries else []
+
+    @staticmethod
+    def _shared_experts(spec: ModelSpec, f: LoraFacts) -> list[Entry | Experts]:
+        """A MoE layer's one adapter for all experts (the per-expert tensors' shapes, no expert number)."""
+        k, H, r, Fm = shared_expert_lora_kinds(spec.num_experts), spec.hidden_size, f.rank, spec.moe_intermediate_size
+        e = LAYER + "mlp.experts."
+        out: list[Entry | Experts] = []
+        if "linear_fc1" in f.targets:
+            out += [Entry(e + "gate_up_proj.lora_A.weight", (r, H), k["gate_up_proj.A"]),
+                    Entry(e + "gate_proj.lora_B.weight", (Fm, r), k["gate_proj.B"]),
+                    Entry(e + "up_proj.lora_B.weight", (Fm, r), k["up_proj.B"])]
+        if "linear_fc2" in f.targets:
+            out += [Entry(e + "down_proj.lora_A.weight", (r, Fm), k["down_proj.A"]),
+                    Entry(e + "down_proj.lora_B.weight", (H, r), k["down_proj.B"])]
+        return out
 
 
 # --- the destination layouts ----------------------------------------------------------------------------------
@@ -319,6 +368,7 @@ class PeftLayout(WholePerReplica, CutLayout):
     def _place(self, cut: Cut, kind: Kind, layer: np.ndarray | int, expert: np.ndarray | int,
                replica: int | None) -> Where | None:
         copies = tuple(range(self.replicas)) if replica is None else (replica,)
+        expert = expert if cut.expert is None else cut.expert  # a shared adapter's copy for expert cut.expert
         return Where(Group(self.kind, 1, 1, copies), 0, (layer, expert), lambda i, e: cut.name.format(i=i, e=e))
 
 
@@ -361,8 +411,8 @@ class VllmLoraLayout(VllmLayout):
         return _lora_kind(self.kind, kind).vllm
 
 
-__all__ = ["BASE_FAMILIES", "LoraFacts", "LoraFamily", "LoraKind", "PEFT_MODULES", "PeftLayout", "TARGETS",
-           "VllmLoraLayout", "base_spec", "lora_facts", "lora_kinds", "lora_spec", "peft_config"]
+__all__ = ["BASE_FAMILIES", "EXPERT_ADAPTERS", "LoraFacts", "LoraFamily", "LoraKind", "PEFT_MODULES", "PeftLayout",
+           "TARGETS", "VllmLoraLayout", "base_spec", "lora_facts", "lora_kinds", "lora_spec", "peft_config"]
 
 
 # Adapter layouts travel in plan files and refit specs like the others (by kind).

@@ -257,7 +257,9 @@ class MegatronLayout(CutLayout):
             return Where(g, stage * strides["pp"], (0,), lambda _: name)
         stage, chunk, local = layers.home[layer].T  # one layer or an array of them
         first, j = stage * strides["pp"], 0
-        if kind.expert:
+        if kind.expert and np.all(np.asarray(expert) < 0):  # one tensor shared by all experts: on every EP rank
+            g = dataclasses.replace(g, copies=tuple(c + k * strides["ep"] for k in range(self.ep) for c in g.copies))
+        elif kind.expert:
             ep, j = divmod(expert, self.model.num_experts // self.ep)
             first = first + ep * strides["ep"]
             if cut.stacked:  # local expert j is slot j of the rank's stack; the name is the stack's

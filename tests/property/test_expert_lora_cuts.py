@@ -1,9 +1,12 @@
-"""Per-expert LoRA adapters of MoE models over random TP / EP / expert-TP layouts and ranks: the cuts place every
-expert adapter tensor where Megatron-Bridge (SequentialMLP's per-expert ParallelLinearAdapter, TEGroupedMLP's
-GroupedExpertLinearAdapter), vLLM's FusedMoEWithLoRA and a PEFT file put it -- each reference written out below by
+"""Expert LoRA adapters of MoE models (per expert, or one shared by all experts) over random TP / EP / expert-TP
+layouts and ranks: the cuts place every expert adapter tensor where Megatron-Bridge (SequentialMLP's per-expert
+ParallelLinearAdapter, TEGroupedMLP's GroupedExpertLinearAdapter, or its one shared ParallelLinearAdapter), vLLM's
+FusedMoEWithLoRA and a PEFT file put it -- each reference written out below by
 hand from those projects' slicing rules, not from reshard's cuts -- and plans between them land every byte exactly
 once. Dense tensors of the same adapters (attention, dense MLP layers) are checked by test_lora_cuts' references."""
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -12,7 +15,7 @@ from hypothesis import given, strategies as st
 import reshard
 from reshard.errors import InputError, LayoutError
 from reshard.executors import allocate, execute_local, shard
-from reshard.layouts.lora import PeftLayout, VllmLoraLayout, lora_spec
+from reshard.layouts.lora import PeftLayout, VllmLoraLayout, lora_facts, lora_spec
 from reshard.testing.checks import data_mask, write_counts
 from reshard.testing.strategies import megatron_layouts, models, vllm_tp_choices
 from test_lora_cuts import SENTINEL, _pad, _weights, bridge_reference, peft_reference, vllm_reference
@@ -32,8 +35,10 @@ def expert_refits(draw):
     targets = [t for t in targets if t in ("linear_fc1", "linear_fc2")] and targets or ["linear_fc1"]
     lcm = m.tp * m.etp // __import__("math").gcd(m.tp, m.etp)
     rank = lcm * draw(st.integers(1, 2))  # Megatron-Bridge cuts A's rank dim over TP and over expert TP
-    spec = lora_spec(base, rank, draw(st.sampled_from([1, 8, 16.0])), targets)
-    src = reshard.MegatronLayout(model=spec, **{k: getattr(m, k) for k in FIELDS})
+    shared = draw(st.booleans())
+    spec = lora_spec(base, rank, draw(st.sampled_from([1, 8, 16.0])), targets, "shared" if shared else "per_expert")
+    fields = {k: getattr(m, k) for k in FIELDS} | ({"naming": "te"} if shared else {})  # shared: TEGroupedMLP's
+    src = reshard.MegatronLayout(model=spec, **fields)
     ep = draw(st.booleans()) and bool(vllm_tp_choices(base, True))
     tp = draw(st.sampled_from(vllm_tp_choices(base, ep)))
     sharded = (not ep and draw(st.booleans()) and base.hidden_size % tp == 0 and rank % tp == 0)
@@ -46,15 +51,18 @@ def expert_refits(draw):
 
 
 def _e(w: dict, i: int, e: int, module: str, ab: str) -> torch.Tensor | None:
-    return w.get(f"model.layers.{i}.mlp.experts.{e}.{module}.lora_{ab}.weight")
+    """Expert e's A or B: its own, or the layer's one adapter shared by all experts."""
+    own = w.get(f"model.layers.{i}.mlp.experts.{e}.{module}.lora_{ab}.weight")
+    return own if own is not None else w.get(f"model.layers.{i}.mlp.experts.{module}.lora_{ab}.weight")
 
 
 def bridge_expert_reference(src: reshard.MegatronLayout, w: dict) -> dict[int, dict[str, torch.Tensor]]:
     """Megatron-Bridge's per-expert adapters: expert e lives on EP rank e // (E/ep) as local expert e % (E/ep),
     cut over expert TP (etp) like a dense MLP's adapter: fc1 A rows, fc1 B per shard [gate_t; up_t], fc2 A columns,
     fc2 B rows. SequentialMLP (naming local): `local_experts.{j}.linear_fc*.adapter.linear_*.weight` each;
-    TEGroupedMLP (naming te): one `experts.linear_fc*.adapter.linear_*.weight` stacking the local experts."""
-    spec, T = src.model, src.etp
+    TEGroupedMLP (naming te): one `experts.linear_fc*.adapter.linear_*.weight` stacking the local experts, or, for an
+    adapter shared by all experts, that one adapter's shard (the same on every EP rank)."""
+    spec, T, shared = src.model, src.etp, lora_facts(src.model).experts == "shared"
     E, local = spec.num_experts, spec.num_experts // src.ep
     out: dict[int, dict[str, torch.Tensor]] = {}
     for i in range(spec.num_layers):
@@ -80,7 +88,9 @@ def bridge_expert_reference(src: reshard.MegatronLayout, w: dict) -> dict[int, d
                 mine = {}
                 for name, per_expert in shards.items():
                     experts = [per_expert[e][t] for e in range(p * local, (p + 1) * local)]
-                    if src.naming == "te":
+                    if shared:
+                        mine[pre + name] = per_expert[0][t]
+                    elif src.naming == "te":
                         mine[pre + name] = torch.stack(experts)
                     else:
                         mine.update({f"{pre}local_experts.{j}.{name}": x for j, x in enumerate(experts)})
@@ -125,14 +135,17 @@ def vllm_expert_reference(dst: VllmLoraLayout, w: dict) -> dict[int, dict[str, t
     return out
 
 
-def peft_expert_reference(w: dict) -> dict[str, torch.Tensor]:
-    """Megatron-Bridge's export of per-expert adapters: `experts.{e}.gate_proj` and `.up_proj` each get the fused
-    fc1 A; B split into the gate and up halves; down_proj as is."""
+def peft_expert_reference(spec: reshard.ModelSpec, w: dict) -> dict[str, torch.Tensor]:
+    """Megatron-Bridge's export of expert adapters: `experts.{e}.gate_proj` and `.up_proj` each get the fused
+    fc1 A; B split into the gate and up halves; down_proj as is; a shared adapter written once per expert."""
     out = {}
     for name, t in w.items():
         if ".mlp.experts." not in name:
             continue
-        if ".gate_up_proj.lora_A." in name:
+        if not re.search(r"\.experts\.\d+\.", name):  # shared: a copy under each expert's number
+            for e in range(spec.num_experts):
+                out.update(peft_expert_reference(spec, {name.replace(".experts.", f".experts.{e}."): t}))
+        elif ".gate_up_proj.lora_A." in name:
             out.update({"base_model.model." + name.replace("gate_up_proj", m): t for m in ("gate_proj", "up_proj")})
         else:
             out["base_model.model." + name] = t
@@ -172,7 +185,7 @@ def test_expert_cuts_match_bridge_vllm_and_peft(pair, seed):
         for name, t in tensors.items():
             assert torch.equal(got[rank][name], t), f"{dst} rank {rank} {name}"
     got = shard(PeftLayout(model=src.model), w)[0]
-    want = {**peft_reference(src.model, _expert_free(w)), **peft_expert_reference(w)}
+    want = {**peft_reference(src.model, _expert_free(w)), **peft_expert_reference(src.model, w)}
     assert sorted(got) == sorted(want)
     assert all(torch.equal(got[n], want[n]) for n in want)
 
@@ -202,9 +215,10 @@ def test_unsupported_expert_adapters_are_refused_with_the_rule():
     moe = reshard.ModelSpec(family="qwen3_moe", hidden_size=16, num_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, head_dim=4, intermediate_size=0, vocab_size=100, qk_norm=True,
                             num_experts=4, moe_intermediate_size=8)
-    with pytest.raises(InputError, match="expert_adapters='shared' is not supported"):
-        lora_spec(moe, 8, 16, expert_adapters="shared")
-    lora_spec(moe, 8, 16, ["linear_qkv"], expert_adapters="shared")  # no expert adapted: nothing to share
+    with pytest.raises(InputError, match="expert_adapters='grouped' is not one of"):
+        lora_spec(moe, 8, 16, expert_adapters="grouped")
+    with pytest.raises(LayoutError, match="SequentialMLP"):
+        reshard.MegatronLayout(model=lora_spec(moe, 8, 16, expert_adapters="shared"), naming="local")
     spec = lora_spec(moe, 6, 12, ["linear_fc1", "linear_fc2"])
     with pytest.raises(LayoutError, match="both expert parallelism and fully_sharded_loras"):
         VllmLoraLayout(model=spec, tp=2, max_lora_rank=8, fully_sharded=True, expert_parallel=True)

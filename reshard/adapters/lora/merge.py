@@ -32,11 +32,13 @@ def merged_names(spec: ModelSpec) -> dict[str, tuple[str, str]]:
     out = {}
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
-        mlp = [f"{p}mlp.experts.{e}." for e in range(spec.num_experts)] if spec.is_moe_layer(i) else [f"{p}mlp."]
+        # (base prefix, adapter prefix) per MLP: a MoE layer's experts, each with its own adapter or the shared one
+        mlp = [(f"{p}mlp.experts.{e}.", f"{p}mlp.experts." if f.experts == "shared" else f"{p}mlp.experts.{e}.")
+               for e in range(spec.num_experts)] if spec.is_moe_layer(i) else [(f"{p}mlp.", f"{p}mlp.")]
         for module, (block, a) in _A.items():
             if module in modules:
-                for q in mlp if block == "mlp" else [f"{p}{block}."]:
-                    out[f"{q}{module}.weight"] = (f"{q}{a}.lora_A.weight", f"{q}{module}.lora_B.weight")
+                for q, ad in mlp if block == "mlp" else [(f"{p}{block}.",) * 2]:
+                    out[f"{q}{module}.weight"] = (f"{ad}{a}.lora_A.weight", f"{ad}{module}.lora_B.weight")
     return out
 
 

@@ -1,7 +1,7 @@
-"""One process (gloo, world 1): a per-expert LoRA adapter of a tiny Qwen3-MoE, refit by reshard from
-Megatron-Bridge's grouped expert adapters (ep=2, expert TP 2) into a PEFT directory, loaded by vLLM 0.33's own
-loader: the expected modules vLLM derives for the model (its supported modules and packed mapping, as
-WorkerLoRAManager._load_adapter combines them), PEFTHelper, LoRAModel.from_local_checkpoint, then
+"""One process (gloo, world 1): an expert LoRA adapter of a tiny Qwen3-MoE (per expert, or one shared by all
+experts), refit by reshard from Megatron-Bridge's TEGroupedMLP adapters (ep=2, expert TP 2) into a PEFT directory,
+loaded by vLLM 0.33's own loader: the expected modules vLLM derives for the model (its supported modules and packed
+mapping, as WorkerLoRAManager._load_adapter combines them), PEFTHelper, LoRAModel.from_local_checkpoint, then
 PackedLoRALayerWeights.pack_moe over the experts in vLLM's packed order (what FusedMoEWithLoRA.set_lora receives).
 Reports what differs from the canonical values the adapter was made of.
 
@@ -19,7 +19,7 @@ from vllm_harness import build_model, init_parallel, write_json
 RANK, ALPHA = 8, 12.0
 
 
-def check(out: Path, ckpt: str) -> dict:
+def check(out: Path, ckpt: str, experts: str) -> dict:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.lora.lora_model import LoRAModel
     from vllm.lora.lora_weights import PackedLoRALayerWeights
@@ -43,11 +43,11 @@ def check(out: Path, ckpt: str) -> dict:
             expected.add(module)
 
     base = reshard.ModelSpec.from_hf_config(ckpt).model_copy(update={"dtype": "float32"})
-    spec = lora_spec(base, RANK, ALPHA)  # every target: attention, and the experts per expert
+    spec = lora_spec(base, RANK, ALPHA, expert_adapters=experts)  # every target: attention and the experts
     g = torch.Generator().manual_seed(11)
     canon = {t.name: torch.randn(t.shape, generator=g) for t in spec.tensors}
     src = reshard.MegatronLayout(model=spec, tp=2, ep=2, etp=2, naming="te")
-    peft = PeftDirectory(out / "adapter", PeftLayout(model=spec))
+    peft = PeftDirectory(out / f"adapter-{experts}", PeftLayout(model=spec))
     execute_local(reshard.compile(src, peft.layout), shard(src, canon), {0: peft.tensors})
     path = str(peft.publish("v1"))
 
@@ -75,8 +75,9 @@ def check(out: Path, ckpt: str) -> dict:
                 if w is None:
                     problems.append(f"{p}experts.{e}.{m}: not loaded by vLLM")
                     continue
-                same(f"{p}experts.{e}.{m} A", w.lora_a, canon[f"{p}experts.{e}.{a}.weight"])
-                same(f"{p}experts.{e}.{m} B", w.lora_b, canon[f"{p}experts.{e}.{b}.weight"])
+                own = f"{p}experts.{e}." if experts == "per_expert" else f"{p}experts."  # or the shared one
+                same(f"{p}experts.{e}.{m} A", w.lora_a, canon[f"{own}{a}.weight"])
+                same(f"{p}experts.{e}.{m} B", w.lora_b, canon[f"{own}{b}.weight"])
                 scalings.add(w.scaling)
         names = [f"{p}{r}" for r in packed["experts"]]  # the manager's packed sub-module names, in its order
         stacked = PackedLoRALayerWeights.pack_moe([lora.loras.get(n) for n in names], f"{p}experts")
@@ -93,7 +94,7 @@ def check(out: Path, ckpt: str) -> dict:
 def main() -> None:
     out, ckpt = Path(sys.argv[1]), sys.argv[2]
     init_parallel(ckpt, 1, 0)
-    write_json(out / "report.json", check(out, ckpt))
+    write_json(out / "report.json", {experts: check(out, ckpt, experts) for experts in ("per_expert", "shared")})
 
 
 if __name__ == "__main__":

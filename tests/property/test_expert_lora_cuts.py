@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, strategies as st
 
 import reshard
+from reshard.adapters.lora.slots import AdapterSlot
 from reshard.errors import InputError, LayoutError
 from reshard.executors import allocate, execute_local, shard
 from reshard.layouts.lora import PeftLayout, VllmLoraLayout, lora_facts, lora_spec
@@ -226,3 +227,5 @@ def test_unsupported_expert_adapters_are_refused_with_the_rule():
         VllmLoraLayout(model=spec, tp=4, max_lora_rank=8, fully_sharded=True)
     with pytest.raises(LayoutError, match="not divisible by tp=4"):
         reshard.MegatronLayout(model=lora_spec(moe, 2, 4, ["linear_fc1"]), tp=1, etp=4)  # A's rank dim over etp
+    with pytest.raises(InputError, match="vLLM slots a refit cannot land in yet"):  # before the engine is read
+        AdapterSlot(None, VllmLoraLayout(model=spec, tp=2, max_lora_rank=8), lora_id=1)

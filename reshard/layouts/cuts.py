@@ -246,6 +246,18 @@ class QkvParallel(Cut):
                                           (kv * d, *rest), (row, *pad)) for r in range(tp)]
 
 
+@dataclass(frozen=True)
+class Refused(Cut):
+    """A tensor this side cannot hold (a cut the engines do not make): any group raises `reason` (and `fix`), so a
+    layout that would place it fails at construction."""
+
+    reason: str = ""
+    fix: str = ""
+
+    def pieces(self, what: str, shape: Shape, g: Group) -> tuple[Shape, list[Piece]]:
+        raise LayoutError(g.side, f"{what}: {self.reason}", {"tensor": what}, self.fix)
+
+
 def _lora_rank(what: str, r: int, g: Group) -> int:
     """The rank dim of a LoRA slot: the engine's padded rank, which must hold the adapter's rank r."""
     if g.lora_rank and r > g.lora_rank:

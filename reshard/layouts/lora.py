@@ -56,7 +56,7 @@ from pydantic import StrictBool, StrictInt, model_validator
 from ..errors import InputError, LayoutError
 from .base import WholePerReplica, positive
 from .cut_layout import CutLayout, Where
-from .cuts import ColumnBlocks, Cut, Group, Kind, LoraA, LoraB, Replicated, RowBlocks
+from .cuts import ColumnBlocks, Cut, Group, Kind, LoraA, LoraB, Refused, Replicated, RowBlocks
 from .family import ModelFamily
 from .model import LAYER, Entry, Experts, ModelSpec, Role
 from .roles import shared_kinds
@@ -205,17 +205,6 @@ def lora_kinds(heads: int, groups: int, head_dim: int) -> dict[str, LoraKind]:
         out[f"{m}.B"] = LoraKind(f"lora {m} B", RowBlocks(_bridge(target, "out")), LoraB(_slot(target, "b", 0)),
                                  peft=_peft(m, "B"))
     return out
-
-
-@dataclass(frozen=True)
-class Refused(Cut):
-    """A tensor this side cannot hold: constructing the layout raises `reason` (and `fix`)."""
-
-    reason: str = ""
-    fix: str = ""
-
-    def pieces(self, what: str, shape: tuple[int, ...], g: Group) -> tuple[tuple[int, ...], list]:
-        raise LayoutError(g.side, f"{what}: {self.reason}", {"tensor": what}, self.fix)
 
 
 @functools.lru_cache(maxsize=16)

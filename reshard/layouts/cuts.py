@@ -52,11 +52,16 @@ class Cut(abc.ABC):
     the layer, `{j}` the local expert) and how TP cuts the tensor into it. `at` places a Megatron tensor outside
     the layers: "first" / "last" pipeline stage, or "last_copy" (the last stage's copy of a tied embedding, when
     it is not the first). `moe_name`: the name in MoE layers, where it differs (TE fuses a dense layer's pre-MLP
-    norm into linear_fc1)."""
+    norm into linear_fc1). `stacked`: a Megatron expert tensor that is local expert `{j}`'s slot on dim 0 of one
+    per-rank stack [E_local, ...] (Megatron-Bridge's grouped expert adapters), not a tensor of its own. `expert`:
+    a tensor all experts share (one LoRA adapter for all) placed as expert `expert`'s copy, where the layout keeps
+    a copy per expert (vLLM's expert slots, a PEFT file)."""
 
     name: str
     at: Literal["first", "last", "last_copy"] | None = field(default=None, kw_only=True)
     moe_name: str | None = field(default=None, kw_only=True)
+    stacked: bool = field(default=False, kw_only=True)
+    expert: int | None = field(default=None, kw_only=True)
 
     @abc.abstractmethod
     def pieces(self, what: str, shape: Shape, g: Group) -> tuple[Shape, list[Piece]]:
@@ -239,6 +244,18 @@ class QkvParallel(Cut):
         row = 0 if self.alone else q if self.part == 1 else q + kv * d
         return (rows, *rest), [(r, ((r * kv if tp <= heads else r // (tp // heads)) * d, *pad),
                                           (kv * d, *rest), (row, *pad)) for r in range(tp)]
+
+
+@dataclass(frozen=True)
+class Refused(Cut):
+    """A tensor this side cannot hold (a cut the engines do not make): any group raises `reason` (and `fix`), so a
+    layout that would place it fails at construction."""
+
+    reason: str = ""
+    fix: str = ""
+
+    def pieces(self, what: str, shape: Shape, g: Group) -> tuple[Shape, list[Piece]]:
+        raise LayoutError(g.side, f"{what}: {self.reason}", {"tensor": what}, self.fix)
 
 
 def _lora_rank(what: str, r: int, g: Group) -> int:

@@ -6,7 +6,12 @@ Canonical tensors are the trainer's logical adapter, one A per adapted (possibly
 output part: `self_attn.qkv_proj.lora_A` [r, H] (the one A of the fused linear_qkv) with `q_proj.lora_B`
 [nq d, r], `k_proj.lora_B`, `v_proj.lora_B`; `o_proj.lora_A` [r, nq d] / `lora_B` [H, r];
 `mlp.gate_up_proj.lora_A` [r, H] with `gate_proj.lora_B`, `up_proj.lora_B` [F, r]; `down_proj.lora_A` [r, F] /
-`lora_B` [H, r] (names under `model.layers.{i}.`).
+`lora_B` [H, r] (names under `model.layers.{i}.`). A MoE layer's experts are adapted per expert
+(`expert_adapters="per_expert"`, Megatron-Bridge's `share_expert_adapters=False`): under
+`mlp.experts.{e}.` the same five tensors as a dense MLP's, `gate_up_proj.lora_A` [r, H], `gate_proj.lora_B` /
+`up_proj.lora_B` [Fm, r], `down_proj.lora_A` [r, Fm], `down_proj.lora_B` [H, r]. With `expert_adapters="shared"`
+(Bridge's default `share_expert_adapters=True`) one such adapter serves all experts of a layer, under
+`mlp.experts.` without an expert number; vLLM's slots and a PEFT file hold a copy of it for every expert.
 
 Source: Megatron-Bridge's PEFT LoRA (`megatron.bridge.peft.lora.LoRA`, read at NVIDIA-NeMo/Megatron-Bridge
 067f987, 2026-08; it does not install here: it needs Python 3.12, transformers <= 5.12.1 and megatron-core's dev
@@ -18,12 +23,24 @@ extras). It wraps `linear_qkv`, `linear_proj`, `linear_fc1`, `linear_fc2`; the a
 - row-parallel base (linear_proj, linear_fc2): linear_in = RowParallelLinear(in, r), A in column blocks
   [r, in/tp]; linear_out = ColumnParallelLinear(r, out, gather_output=True), B in row blocks [out/tp, r].
 So both A and B are cut over TP, and r must be divisible by tp. Its export to HF names copies a fused layer's A to
-each part (q/k/v, gate/up) and splits B: what `PeftLayout` and vLLM's slots hold.
+each part (q/k/v, gate/up) and splits B: what `PeftLayout` and vLLM's slots hold. Per-expert adapters are the same
+cuts over the expert-TP group, on the expert's EP rank: with SequentialMLP (naming "local") each local expert's
+own `mlp.experts.local_experts.{j}.linear_fc{1,2}.adapter.linear_{in,out}.weight`; with TEGroupedMLP (naming "te")
+a `GroupedExpertLinearAdapter`, whose `mlp.experts.linear_fc{1,2}.adapter.linear_{in,out}.weight` stacks the
+local experts on dim 0 ([E_local, r/etp, H] ...). A shared adapter is a `ParallelLinearAdapter` of the grouped
+module (naming "te"; SequentialMLP always adapts each expert): `mlp.experts.linear_fc{1,2}.adapter.linear_*.weight`
+cut over expert TP like a per-expert one, the same on every EP rank.
 
 Destinations: vLLM 0.33's LoRA slots (`VllmLoraLayout`: per layer, `<module>.lora_a_stacked.{s}` [R, in] and
 `.lora_b_stacked.{s}` [out_s, R] for slice s of a packed module, one adapter slot's view, R = max_lora_rank;
 vLLM's `*ParallelLinearWithLoRA` / `*WithShardedLoRA` cuts) and the PEFT directory (`PeftLayout`:
-`base_model.model.<module>.lora_A.weight`, whole, on one rank per replica).
+`base_model.model.<module>.lora_A.weight`, whole, on one rank per replica). Experts: vLLM's FusedMoEWithLoRA
+(the 2D one Qwen3-MoE gets) holds per layer `mlp.experts.w13_lora_a_stacked.{0,1}` (gate, up) [max_loras, E, R, H],
+`w13_lora_b_stacked.{0,1}` [max_loras, E, Fm/tp, R], `w2_lora_a_stacked.0` [max_loras, E, R, Fm/tp] and
+`w2_lora_b_stacked.0` [max_loras, E, H, R]; the layout's tensors are the views `[slot]` (a stack over experts, as
+the base weights' w13 / w2), cut like a dense gate_up / down slot. vLLM's expert parallelism gives rank t experts
+[t E/tp, (t+1) E/tp) whole. PEFT: `mlp.experts.{e}.{gate,up,down}_proj.lora_{A,B}.weight`, what vLLM's per-expert
+loader reads for Qwen3-MoE (gate and up get the same A).
 """
 from __future__ import annotations
 
@@ -39,9 +56,9 @@ from pydantic import StrictBool, StrictInt, model_validator
 from ..errors import InputError, LayoutError
 from .base import WholePerReplica, positive
 from .cut_layout import CutLayout, Where
-from .cuts import ColumnBlocks, Cut, Group, Kind, LoraA, LoraB, Replicated, RowBlocks
+from .cuts import ColumnBlocks, Cut, Group, Kind, LoraA, LoraB, Refused, Replicated, RowBlocks
 from .family import ModelFamily
-from .model import LAYER, Entry, ModelSpec, Role
+from .model import LAYER, Entry, Experts, ModelSpec, Role
 from .roles import shared_kinds
 from .vllm import VllmLayout
 
@@ -53,6 +70,7 @@ VLLM_MODULES = {"linear_qkv": "self_attn.qkv_proj", "linear_proj": "self_attn.o_
                 "linear_fc1": "mlp.gate_up_proj", "linear_fc2": "mlp.down_proj"}
 BASE_FAMILIES = ("qwen3", "llama", "qwen3_moe")  # GQA attention and SwiGLU MLP of the shared roles
 PEFT_PREFIX = "base_model.model."
+EXPERT_ADAPTERS = ("per_expert", "shared")  # one adapter per expert, or one for all (Bridge's default)
 
 
 @dataclass(frozen=True)
@@ -76,6 +94,7 @@ class LoraFacts:
     rank: int
     alpha: float
     targets: tuple[str, ...]
+    experts: str = ""  # "per_expert" or "shared" where a MoE layer's experts are adapted, else ""
 
     @property
     def scaling(self) -> float:
@@ -87,9 +106,11 @@ class LoraFacts:
         return tuple(m for t in self.targets for m in PEFT_MODULES[t])
 
 
-def lora_spec(base: ModelSpec, rank: int, alpha: float, targets: Sequence[str] = TARGETS) -> ModelSpec:
+def lora_spec(base: ModelSpec, rank: int, alpha: float, targets: Sequence[str] = TARGETS,
+              expert_adapters: str = "per_expert") -> ModelSpec:
     """The adapter of rank `rank` and scale `alpha` on `targets` (Megatron-Bridge module names) of `base`, as a
-    model spec of family "lora". Refuses what is not supported, naming it."""
+    model spec of family "lora"; on a MoE base, linear_fc1 / linear_fc2 adapt the routed experts as
+    `expert_adapters` says. Refuses what is not supported, naming it."""
     if base.family not in BASE_FAMILIES:
         raise InputError("base.family", base.family, f"is not supported by LoRA refits (supported: "
                          f"{', '.join(BASE_FAMILIES)})", where="lora")
@@ -103,13 +124,16 @@ def lora_spec(base: ModelSpec, rank: int, alpha: float, targets: Sequence[str] =
         rule = f"must name each of some of {list(TARGETS)} once" + (f" (unsupported: {unknown})" if unknown else "")
         raise InputError("targets", list(targets), rule, where="lora",
                          fix="Megatron-Bridge's LoRA targets that vLLM's LoRA layers for Qwen3 / Llama cover")
-    if base.is_moe and {"linear_fc1", "linear_fc2"} & set(targets):
-        raise InputError("targets", list(targets), "adapts the MLP of a MoE model: expert LoRA is not supported "
-                         "yet", fix="adapt linear_qkv / linear_proj only", where="lora")
+    experts = base.is_moe and bool({"linear_fc1", "linear_fc2"} & set(targets))
+    if experts and expert_adapters not in EXPERT_ADAPTERS:
+        raise InputError("expert_adapters", expert_adapters, f"is not one of {list(EXPERT_ADAPTERS)}", where="lora",
+                         fix="per_expert: Megatron-Bridge's share_expert_adapters=False; shared: its default")
     targets = tuple(t for t in TARGETS if t in targets)  # one order: the spec (and its digest) is canonical
     data = base.model_dump()
     arch = dict(base.arch)
     arch.update(lora_base=base.family, lora_rank=rank, lora_alpha=alpha, lora_targets=targets)
+    if experts:  # only then: a dense adapter's spec (and digest) is what it was
+        arch.update(lora_experts=expert_adapters)
     data.update(family=FAMILY, arch=arch)
     return ModelSpec(**data)
 
@@ -119,7 +143,7 @@ def lora_facts(spec: ModelSpec) -> LoraFacts:
         raise InputError("model.family", spec.family, "is not a LoRA adapter spec (build one with "
                          "reshard.layouts.lora.lora_spec)", where="lora")
     return LoraFacts(spec.arch_value("lora_base"), spec.arch_value("lora_rank"), spec.arch_value("lora_alpha"),
-                     tuple(spec.arch_value("lora_targets")))
+                     tuple(spec.arch_value("lora_targets")), spec.arch_value("lora_experts", ""))
 
 
 def base_spec(spec: ModelSpec) -> ModelSpec:
@@ -150,8 +174,8 @@ def _slot(target: str, ab: str, s: int) -> str:
     return f"{LAYER}{VLLM_MODULES[target]}.lora_{ab}_stacked.{s}"
 
 
-def _peft(module: str, ab: str) -> Replicated:
-    block = "self_attn." if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp."
+def _peft(module: str, ab: str, block: str = "") -> Replicated:
+    block = block or ("self_attn." if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp.")
     return Replicated(f"{PEFT_PREFIX}{LAYER}{block}{module}.lora_{ab}.weight")
 
 
@@ -183,6 +207,51 @@ def lora_kinds(heads: int, groups: int, head_dim: int) -> dict[str, LoraKind]:
     return out
 
 
+@functools.lru_cache(maxsize=16)
+def shared_expert_lora_kinds(experts: int) -> dict[str, LoraKind]:
+    """The kinds of an adapter shared by the `experts` experts of a layer: Megatron-Bridge's ParallelLinearAdapter
+    of TEGroupedMLP (naming "te"), one copy per expert in vLLM's slot stacks and under PEFT's `experts.{e}.`."""
+    per = expert_lora_kinds()
+    local = Refused("", reason="a shared expert adapter lives on TEGroupedMLP; SequentialMLP (naming 'local') "
+                    "adapts each expert", fix="declare naming='te', or build the spec with "
+                    "expert_adapters='per_expert'")
+    out = {}
+    for key, kind in per.items():
+        te = tuple(dataclasses.replace(c, stacked=False) for c in kind.te)  # one 2D adapter, not a stack
+        out[key] = dataclasses.replace(
+            kind, label=kind.label.replace("expert", "shared expert"), megatron=(local,), te=te,
+            vllm=tuple(dataclasses.replace(c, expert=e) for c in kind.vllm for e in range(experts)),
+            peft=tuple(dataclasses.replace(c, expert=e) for c in kind.peft for e in range(experts)))
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def expert_lora_kinds() -> dict[str, LoraKind]:
+    """Each per-expert adapter tensor's kind ("gate_up_proj.A", "gate_proj.B", ...): a dense MLP's cuts over the
+    expert-TP group (Megatron), in vLLM's per-expert slot stacks, under PEFT's `mlp.experts.{e}.` names."""
+    def bridge(fc: str, which: str, cut: type[Cut], *args: int) -> dict[str, tuple[Cut, ...]]:
+        adapter = f"linear_{fc}.adapter.linear_{which}.weight"
+        return {"megatron": (cut(f"mlp.experts.local_experts.{{j}}.{adapter}", *args),),
+                "te": (cut(f"mlp.experts.{adapter}", *args, stacked=True),)}
+
+    def slot(w: str, ab: str, s: int) -> str:
+        return f"{LAYER}mlp.experts.{w}_lora_{ab}_stacked.{s}"
+
+    block, out = "mlp.experts.{e}.", {}
+    w13_a = tuple(LoraA(slot("w13", "a", s)) for s in range(2))
+    out["gate_up_proj.A"] = LoraKind("lora expert gate_up A", vllm=w13_a,
+                                     peft=(_peft("gate_proj", "A", block), _peft("up_proj", "A", block)),
+                                     expert=True, **bridge("fc1", "in", RowBlocks))
+    for s, m in enumerate(("gate_proj", "up_proj")):
+        out[f"{m}.B"] = LoraKind(f"lora expert {m} B", vllm=LoraB(slot("w13", "b", s), rows=RowBlocks("rows")),
+                                 peft=_peft(m, "B", block), expert=True, **bridge("fc1", "out", RowBlocks, s, 2))
+    out["down_proj.A"] = LoraKind("lora expert down_proj A", vllm=LoraA(slot("w2", "a", 0), split_input=True),
+                                  peft=_peft("down_proj", "A", block), expert=True, **bridge("fc2", "in", ColumnBlocks))
+    out["down_proj.B"] = LoraKind("lora expert down_proj B", vllm=LoraB(slot("w2", "b", 0)),
+                                  peft=_peft("down_proj", "B", block), expert=True, **bridge("fc2", "out", RowBlocks))
+    return out
+
+
 class LoraFamily(ModelFamily):
     """The tensors of a LoRA adapter (see the module docstring); specs come from `lora_spec`, never a config."""
 
@@ -205,7 +274,7 @@ class LoraFamily(ModelFamily):
         H, r, d = spec.hidden_size, f.rank, spec.head_dim
         q, kv, F = spec.num_attention_heads * d, spec.num_key_value_heads * d, spec.intermediate_size
         a, m = LAYER + "self_attn.", LAYER + "mlp."
-        out: list[Entry] = []
+        out: list[Entry | Experts] = []
         if "linear_qkv" in f.targets:
             out += [Entry(a + "qkv_proj.lora_A.weight", (r, H), k["qkv_proj.A"]),
                     Entry(a + "q_proj.lora_B.weight", (q, r), k["q_proj.B"]),
@@ -214,6 +283,10 @@ class LoraFamily(ModelFamily):
         if "linear_proj" in f.targets:
             out += [Entry(a + "o_proj.lora_A.weight", (r, q), k["o_proj.A"]),
                     Entry(a + "o_proj.lora_B.weight", (H, r), k["o_proj.B"])]
+        if spec.is_moe_layer(i) and f.experts == "shared":
+            return out + self._shared_experts(spec, f)
+        if spec.is_moe_layer(i):
+            return out + self._experts(spec, f)
         if "linear_fc1" in f.targets:
             out += [Entry(m + "gate_up_proj.lora_A.weight", (r, H), k["gate_up_proj.A"]),
                     Entry(m + "gate_proj.lora_B.weight", (F, r), k["gate_proj.B"]),
@@ -221,6 +294,36 @@ class LoraFamily(ModelFamily):
         if "linear_fc2" in f.targets:
             out += [Entry(m + "down_proj.lora_A.weight", (r, F), k["down_proj.A"]),
                     Entry(m + "down_proj.lora_B.weight", (H, r), k["down_proj.B"])]
+        return out
+
+    @staticmethod
+    def _experts(spec: ModelSpec, f: LoraFacts) -> list[Entry | Experts]:
+        """A MoE layer's per-expert adapters, expert by expert (the per-expert checkpoint order)."""
+        k, H, r, Fm = expert_lora_kinds(), spec.hidden_size, f.rank, spec.moe_intermediate_size
+        e = LAYER + "mlp.experts.{e}."
+        entries: list[Entry] = []
+        if "linear_fc1" in f.targets:
+            entries += [Entry(e + "gate_up_proj.lora_A.weight", (r, H), k["gate_up_proj.A"]),
+                        Entry(e + "gate_proj.lora_B.weight", (Fm, r), k["gate_proj.B"]),
+                        Entry(e + "up_proj.lora_B.weight", (Fm, r), k["up_proj.B"])]
+        if "linear_fc2" in f.targets:
+            entries += [Entry(e + "down_proj.lora_A.weight", (r, Fm), k["down_proj.A"]),
+                        Entry(e + "down_proj.lora_B.weight", (H, r), k["down_proj.B"])]
+        return [Experts(tuple(entries), spec.num_experts)] if entries else []
+
+    @staticmethod
+    def _shared_experts(spec: ModelSpec, f: LoraFacts) -> list[Entry | Experts]:
+        """A MoE layer's one adapter for all experts (the per-expert tensors' shapes, no expert number)."""
+        k, H, r, Fm = shared_expert_lora_kinds(spec.num_experts), spec.hidden_size, f.rank, spec.moe_intermediate_size
+        e = LAYER + "mlp.experts."
+        out: list[Entry | Experts] = []
+        if "linear_fc1" in f.targets:
+            out += [Entry(e + "gate_up_proj.lora_A.weight", (r, H), k["gate_up_proj.A"]),
+                    Entry(e + "gate_proj.lora_B.weight", (Fm, r), k["gate_proj.B"]),
+                    Entry(e + "up_proj.lora_B.weight", (Fm, r), k["up_proj.B"])]
+        if "linear_fc2" in f.targets:
+            out += [Entry(e + "down_proj.lora_A.weight", (r, Fm), k["down_proj.A"]),
+                    Entry(e + "down_proj.lora_B.weight", (H, r), k["down_proj.B"])]
         return out
 
 
@@ -254,7 +357,8 @@ class PeftLayout(WholePerReplica, CutLayout):
     def _place(self, cut: Cut, kind: Kind, layer: np.ndarray | int, expert: np.ndarray | int,
                replica: int | None) -> Where | None:
         copies = tuple(range(self.replicas)) if replica is None else (replica,)
-        return Where(Group(self.kind, 1, 1, copies), 0, (layer,), lambda i: cut.name.format(i=i))
+        expert = expert if cut.expert is None else cut.expert  # a shared adapter's copy for expert cut.expert
+        return Where(Group(self.kind, 1, 1, copies), 0, (layer, expert), lambda i, e: cut.name.format(i=i, e=e))
 
 
 class VllmLoraLayout(VllmLayout):
@@ -269,12 +373,19 @@ class VllmLoraLayout(VllmLayout):
 
     @model_validator(mode="after")
     def _validate_lora(self) -> "VllmLoraLayout":
-        r = lora_facts(self.model).rank
+        facts = lora_facts(self.model)
+        r = facts.rank
         positive(self, max_lora_rank=self.max_lora_rank)
         if r > self.max_lora_rank:
             self._fail(f"the adapter's rank r={r} exceeds max_lora_rank={self.max_lora_rank}",
                        "start the engine with max_lora_rank >= r, or train a smaller rank",
                        max_lora_rank=self.max_lora_rank, rank=r)
+        if facts.experts and self.fully_sharded and self.expert_parallel:  # FusedMoEWithLoRA refuses it too
+            self._fail("vLLM does not run expert LoRA with both expert parallelism and fully_sharded_loras",
+                       "turn one of them off", expert_parallel=True, fully_sharded=True)
+        if facts.experts and self.fully_sharded and r % self.tp:  # FusedMoEWithLoRA._slice_w13_a asserts it
+            self._fail(f"fully sharded expert LoRA needs the adapter's rank r={r} divisible by tp={self.tp}",
+                       "train a rank divisible by tp, or turn fully_sharded off", rank=r, tp=self.tp)
         return self
 
     def __str__(self) -> str:
@@ -289,8 +400,8 @@ class VllmLoraLayout(VllmLayout):
         return _lora_kind(self.kind, kind).vllm
 
 
-__all__ = ["BASE_FAMILIES", "LoraFacts", "LoraFamily", "LoraKind", "PEFT_MODULES", "PeftLayout", "TARGETS",
-           "VllmLoraLayout", "base_spec", "lora_facts", "lora_kinds", "lora_spec", "peft_config"]
+__all__ = ["BASE_FAMILIES", "EXPERT_ADAPTERS", "LoraFacts", "LoraFamily", "LoraKind", "PEFT_MODULES", "PeftLayout",
+           "TARGETS", "VllmLoraLayout", "base_spec", "lora_facts", "lora_kinds", "lora_spec", "peft_config"]
 
 
 # Adapter layouts travel in plan files and refit specs like the others (by kind).

@@ -12,6 +12,7 @@ Facts this encodes (pinned by the Megatron adapter tests against real megatron-c
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -256,9 +257,14 @@ class MegatronLayout(CutLayout):
             return Where(g, stage * strides["pp"], (0,), lambda _: name)
         stage, chunk, local = layers.home[layer].T  # one layer or an array of them
         first, j = stage * strides["pp"], 0
-        if kind.expert:
+        if kind.expert and np.all(np.asarray(expert) < 0):  # one tensor shared by all experts: on every EP rank
+            g = dataclasses.replace(g, copies=tuple(c + k * strides["ep"] for k in range(self.ep) for c in g.copies))
+        elif kind.expert:
             ep, j = divmod(expert, self.model.num_experts // self.ep)
             first = first + ep * strides["ep"]
+            if cut.stacked:  # local expert j is slot j of the rank's stack; the name is the stack's
+                g = dataclasses.replace(g, stack=self.model.num_experts // self.ep)
+                return Where(g, first, (chunk, local), lambda ch, lo: layers.prefix[ch][lo] + cut.name, j)
         names = (cut.name, cut.moe_name or cut.name)
         return Where(g, first, (chunk, local, layers.moe[layer] if cut.moe_name else 0, j),
                      lambda ch, lo, v, jj: layers.prefix[ch][lo] + names[v].format(j=jj))

@@ -93,6 +93,7 @@ class VllmLayout(CutLayout):
     def _place(self, cut: Cut, kind: Kind, layer: np.ndarray | int, expert: np.ndarray | int,
                replica: int | None) -> Where | None:
         g, name = self._group(kind.expert, replica), self.name_prefix + cut.name
+        expert = expert if cut.expert is None else cut.expert  # a shared tensor's copy for expert cut.expert
         first, slot = 0, expert  # every tensor's group starts at rank 0 of its replica
         if kind.expert and self.expert_parallel:
             first, slot = divmod(expert, g.stack)

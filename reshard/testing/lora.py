@@ -121,18 +121,16 @@ def attach_bridge_adapters(chunks: list, rank: int, targets=("linear_qkv", "line
             target = name.rsplit(".", 1)[-1]
             if target not in targets:
                 continue
-            cfg = module.config
+            # a routed expert's linear (SequentialMLP's local_experts.{j}): its adapter is cut over expert TP
+            kw = dict(config=module.config, init_method=init, bias=False, is_expert=module.is_expert)
             adapter = torch.nn.Module()
             if target in ("linear_qkv", "linear_fc1"):  # column-parallel base
-                adapter.linear_in = ColumnParallelLinear(module.input_size, rank, config=cfg, init_method=init,
-                                                         bias=False, gather_output=True)
-                adapter.linear_out = ColumnParallelLinear(rank, module.output_size, config=cfg, init_method=init,
-                                                          bias=False, gather_output=False)
+                adapter.linear_in = ColumnParallelLinear(module.input_size, rank, gather_output=True, **kw)
+                adapter.linear_out = ColumnParallelLinear(rank, module.output_size, gather_output=False, **kw)
             else:
-                adapter.linear_in = RowParallelLinear(module.input_size, rank, config=cfg, init_method=init,
-                                                      bias=False, input_is_parallel=True, skip_bias_add=True)
-                adapter.linear_out = ColumnParallelLinear(rank, module.output_size, config=cfg, init_method=init,
-                                                          bias=False, gather_output=True)
+                adapter.linear_in = RowParallelLinear(module.input_size, rank, input_is_parallel=True,
+                                                      skip_bias_add=True, **kw)
+                adapter.linear_out = ColumnParallelLinear(rank, module.output_size, gather_output=True, **kw)
             module.adapter = adapter
 
 

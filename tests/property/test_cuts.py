@@ -6,13 +6,14 @@ from __future__ import annotations
 import glob
 
 import numpy as np
+import pytest
 from hypothesis import given, reject, strategies as st
 
 from reshard.errors import LayoutError
 from reshard.layouts import Layout, MegatronLayout, VllmLayout
 from reshard.layouts.base import TableBuilder
-from reshard.layouts.cuts import (ColumnBlocks, Cut, GlobalRows, Group, LoraA, LoraB, QkvParallel, Replicated,
-                                  ReplicatedAt, RowBlocks, Stacked, Vocab)
+from reshard.layouts.cuts import (ColumnBlocks, Cut, GlobalRows, Group, LoraA, LoraB, QkvParallel, Refused,
+                                  Replicated, ReplicatedAt, RowBlocks, Stacked, Vocab)
 from reshard.layouts.families import discover, read_hf_config
 from reshard.layouts.fp8 import ScaledCut
 from reshard.testing.strategies import divisors
@@ -24,7 +25,7 @@ def _cuts(draw, tp: int) -> tuple[Cut, tuple[int, ...], int]:
     k, m = draw(st.integers(1, 3)), draw(st.integers(1, 4))
     three_d = draw(st.booleans())
     rest = (1, m) if three_d else (m,)
-    kind = draw(st.sampled_from(CUTS))
+    kind = draw(st.sampled_from([c for c in CUTS if c is not Refused]))  # Refused: its own test below
     if kind is LoraA:
         split = draw(st.booleans())
         return LoraA("w", split_input=split), (k, tp * m if split else m), 0
@@ -76,7 +77,7 @@ def _cuts(draw, tp: int) -> tuple[Cut, tuple[int, ...], int]:
 
 
 CUTS = (Replicated, ReplicatedAt, Vocab, RowBlocks, ColumnBlocks, Stacked, GlobalRows, QkvParallel, LoraA, LoraB,
-        ScaledCut)
+        ScaledCut, Refused)
 
 
 def test_the_property_covers_every_cut():
@@ -108,6 +109,16 @@ def test_every_cut_answers_batched_as_per_tensor(data):
     batched = TableBuilder()
     cut.add_rows(batched, "w", shape, g, canon, (np.arange(n),), lambda k: names[k], first, slot)
     assert batched.table().rows() == reference.table().rows()
+
+
+@given(st.integers(1, 4), st.integers(0, 3))
+def test_a_refused_cut_refuses_both_questions(tp, stack):
+    cut, g = Refused("w", reason="no engine cuts it", fix="cut it otherwise"), Group("test", tp, stack=stack)
+    with pytest.raises(LayoutError, match="w: no engine cuts it") as e:
+        cut.placements("w", (2, 3), g, "w", 0)
+    assert e.value.fix == "cut it otherwise"
+    with pytest.raises(LayoutError, match="w: no engine cuts it"):
+        cut.add_rows(TableBuilder(), "w", (2, 3), g, np.arange(2), (np.arange(2),), str, np.zeros(2, dtype=np.int64))
 
 
 FAMILY_CONFIGS = sorted(glob.glob("examples/configs/*.json"))

@@ -205,8 +205,8 @@ def test_bad_adapters_are_refused_with_the_rule():
         lora_spec(base, 8, -1)
     with pytest.raises(InputError, match=r"unsupported: \['lm_head'\]"):
         lora_spec(base, 8, 16, ["linear_qkv", "lm_head"])
-    with pytest.raises(InputError, match="expert LoRA is not supported"):
-        lora_spec(moe, 8, 16)
+    with pytest.raises(InputError, match="expert_adapters='grouped' is not one of"):
+        lora_spec(moe, 8, 16, expert_adapters="grouped")
     spec = lora_spec(base, 6, 12)
     with pytest.raises(LayoutError, match="not divisible by tp=4"):
         reshard.MegatronLayout(model=spec, tp=4)  # Megatron-Bridge cuts A's rank dim

@@ -18,14 +18,11 @@ from ...errors import ExecutionError
 from ...layouts import ModelSpec
 from ...layouts.lora import PEFT_MODULES, lora_facts
 
-# base module (HF name under model.layers.{i}.) -> (canonical module holding its A, the one holding its B)
-_A_B = {"self_attn.q_proj": ("self_attn.qkv_proj", "self_attn.q_proj"),
-        "self_attn.k_proj": ("self_attn.qkv_proj", "self_attn.k_proj"),
-        "self_attn.v_proj": ("self_attn.qkv_proj", "self_attn.v_proj"),
-        "self_attn.o_proj": ("self_attn.o_proj", "self_attn.o_proj"),
-        "mlp.gate_proj": ("mlp.gate_up_proj", "mlp.gate_proj"),
-        "mlp.up_proj": ("mlp.gate_up_proj", "mlp.up_proj"),
-        "mlp.down_proj": ("mlp.down_proj", "mlp.down_proj")}
+# base module (HF name under model.layers.{i}.<block>.) -> (its block, the canonical module holding its A); its B
+# is its own. A MoE layer's experts are adapted as a dense MLP is, under mlp.experts.{e}.
+_A = {"q_proj": ("self_attn", "qkv_proj"), "k_proj": ("self_attn", "qkv_proj"), "v_proj": ("self_attn", "qkv_proj"),
+      "o_proj": ("self_attn", "o_proj"), "gate_proj": ("mlp", "gate_up_proj"), "up_proj": ("mlp", "gate_up_proj"),
+      "down_proj": ("mlp", "down_proj")}
 
 
 def merged_names(spec: ModelSpec) -> dict[str, tuple[str, str]]:
@@ -34,10 +31,14 @@ def merged_names(spec: ModelSpec) -> dict[str, tuple[str, str]]:
     modules = {m for t in f.targets for m in PEFT_MODULES[t]}
     out = {}
     for i in range(spec.num_layers):
-        for base, (a, b) in _A_B.items():
-            if base.split(".")[-1] in modules:
-                p = f"model.layers.{i}."
-                out[f"{p}{base}.weight"] = (f"{p}{a}.lora_A.weight", f"{p}{b}.lora_B.weight")
+        p = f"model.layers.{i}."
+        # (base prefix, adapter prefix) per MLP: a MoE layer's experts, each with its own adapter or the shared one
+        mlp = [(f"{p}mlp.experts.{e}.", f"{p}mlp.experts." if f.experts == "shared" else f"{p}mlp.experts.{e}.")
+               for e in range(spec.num_experts)] if spec.is_moe_layer(i) else [(f"{p}mlp.", f"{p}mlp.")]
+        for module, (block, a) in _A.items():
+            if module in modules:
+                for q, ad in mlp if block == "mlp" else [(f"{p}{block}.",) * 2]:
+                    out[f"{q}{module}.weight"] = (f"{ad}{a}.lora_A.weight", f"{ad}{module}.lora_B.weight")
     return out
 
 

@@ -55,7 +55,12 @@ class AdapterSlot:
     def __init__(self, manager: Any, layout: VllmLoraLayout, lora_id: int, rank: int = 0) -> None:
         if not isinstance(layout, VllmLoraLayout):
             raise InputError("layout", type(layout).__name__, "must be a VllmLoraLayout")
-        facts, cfg = lora_facts(layout.model), manager.lora_config
+        facts = lora_facts(layout.model)
+        if facts.experts:  # FusedMoEWithLoRA's [slot] views: not checked against a live layer (none builds on CPU)
+            raise InputError("targets", list(facts.targets), "adapt a MoE model's experts, whose vLLM slots a refit "
+                             "cannot land in yet", fix="publish the refit as a PEFT directory (PeftDirectory) and "
+                             "load it by path, or refit linear_qkv / linear_proj only")
+        cfg = manager.lora_config
         self.layout, self.lora_id, self.rank, self.scaling = layout, lora_id, rank, facts.scaling
         problems = []
         for field, engine, declared in (("max_lora_rank", cfg.max_lora_rank, layout.max_lora_rank),

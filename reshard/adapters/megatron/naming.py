@@ -21,10 +21,12 @@ Naming = Literal["local", "te"]
 # A name ending that only one scheme produces: the attention input norm.
 _MARKERS: dict[Naming, str] = {"te": ".self_attention.linear_qkv.layer_norm_weight",
                                "local": ".input_layernorm.weight"}
-# Expert parameter names each scheme produces; anything else under mlp.experts is refused.
+# Expert parameter names each scheme produces (with Megatron-Bridge's LoRA adapters of those linears: per local
+# expert, or one grouped / shared adapter of TEGroupedMLP's); anything else under mlp.experts is refused.
+_ADAPTER = r"adapter\.linear_(?:in|out)\.weight"
 _EXPERTS: dict[Naming, re.Pattern[str]] = {
-    "local": re.compile(r"\.mlp\.experts\.local_experts\.\d+\.linear_fc[12]\.weight$"),
-    "te": re.compile(r"\.mlp\.experts\.linear_fc[12]\.weight\d+$"),
+    "local": re.compile(rf"\.mlp\.experts\.local_experts\.\d+\.linear_fc[12]\.(?:weight|{_ADAPTER})$"),
+    "te": re.compile(rf"\.mlp\.experts\.linear_fc[12]\.(?:weight\d+|{_ADAPTER})$"),
 }
 
 

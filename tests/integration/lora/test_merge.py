@@ -4,6 +4,7 @@ through the local executor and over gloo."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -59,6 +60,29 @@ def test_local_merge_equals_reference_bit_for_bit(dtype, tp, pp):
         assert torch.equal(_bits(merged[name]), _bits(w)), name
         assert not torch.equal(merged[name], before[name])
     assert all(torch.equal(weights[n], before[n]) for n in weights)  # the base is read, never written
+
+
+@pytest.mark.parametrize("experts", ["per_expert", "shared"])
+def test_moe_merge_adapts_every_expert_and_the_dense_layers(experts):
+    """An expert adapter (per expert, or one shared by all) of a MoE model with one dense layer, from
+    Megatron-Bridge's TEGroupedMLP adapters (ep 2, expert TP 2): each expert's gate / up / down and the dense
+    layer's MLP merged as the reference says."""
+    base = reshard.ModelSpec(family="qwen3_moe", hidden_size=16, num_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=4, intermediate_size=24, vocab_size=64, qk_norm=True,
+                             num_experts=4, moe_intermediate_size=8, dense_layers=(0,), dtype="bfloat16")
+    spec = lora_spec(base, 4, 12, expert_adapters=experts)
+    weights, adapter = base_weights(base, 0), adapter_weights(spec, 3, dtype=torch.bfloat16)
+    src = reshard.MegatronLayout(model=spec, tp=2, ep=2, etp=2, naming="te")
+    whole = allocate(reshard.HfLayout(model=spec))
+    execute_local(reshard.compile(src, reshard.HfLayout(model=spec)), shard(src, adapter), whole)
+    merged = {n: torch.empty_like(t) for n, t in weights.items()}
+    names = merge(spec, weights, whole[0], merged)
+    per_expert = {n.replace(".experts.", f".experts.{e}."): t for n, t in adapter.items() if re.search(
+        r"\.experts\.[a-z]", n) for e in range(4)} if experts == "shared" else {}  # the shared one, for each
+    want = _reference(weights, {**adapter, **per_expert}, 4, 12)
+    assert sorted(names) == sorted(want) and len(want) == 2 * 4 + 3 + 4 * 3  # attention x2, dense MLP, 4 experts
+    for name, w in want.items():
+        assert torch.equal(_bits(merged[name]), _bits(w)), name
 
 
 def test_merge_refuses_mismatched_tensors_before_writing():

@@ -18,7 +18,7 @@ CORE_PYTHON = ROOT / ".venv/bin/python"  # has peft; the vLLM virtualenv does no
 RANK, ALPHA, TRAINER_TP = 8, 12, 2
 CASES = {1: [("qwen3", 16, False)],  # at TP1 fully_sharded_loras cuts nothing
          2: [("qwen3", 16, False), ("qwen3", 8, True), ("qwen3_mqa", 8, False), ("qwen3_moe", 8, False)]}
-TARGETS = {"qwen3_moe": ["linear_qkv", "linear_proj"]}  # expert LoRA is not supported yet: attention only
+TARGETS = {"qwen3_moe": ["linear_qkv", "linear_proj"]}  # no FusedMoEWithLoRA on CPU: attention only
 ALL = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 BUFFERS = {"linear_qkv": 6, "linear_proj": 2, "linear_fc1": 4, "linear_fc2": 2}  # per layer, A and B per slice
 MAKE = """

@@ -200,68 +200,126 @@ def bridge_refit_job(tp: int, out: str, rank: int) -> None:
         save_file(dst[0], str(Path(out) / "peft.safetensors"))
 
 
-def slot_refit_job(job: dict) -> None:
-    """On every trainer rank (megatron_cpu.run_ranks, world = the trainer's TP): refit the slot of the adapter a
-    running server serves as `job["name"]` (id `job["lora_id"]`) once per transport in `job["transports"]`, each
-    time with the adapter values of seed `job["seeds"][k]`; rank 0 records the greedy tokens by that name after
-    each. The refits go through the reshard worker extension (ExtensionClient); one through the weight-transfer
-    routes instead must be refused at init. Then a refit naming an adapter id the server does not have: its error,
-    and the tokens after it."""
-    import json
-    import traceback
+class _SlotTrainer:
+    """One trainer rank of the server tests of in-slot refits (megatron_cpu.run_ranks, world = the trainer's TP): the
+    adapter of `job["checkpoint"]` at Megatron-Bridge TP = world, sessions into the slot of the served adapter."""
 
-    import torch.distributed as dist
+    def __init__(self, job: dict) -> None:
+        import torch.distributed as dist
 
-    from ..adapters.refit import RefitSpec
-    from ..adapters.server import ExtensionClient, VllmServer
-    from ..adapters.trainer import TrainerSession
-    from ..errors import ExecutionError
-    from ..executors import shard
-    from ..layouts import MegatronLayout, ModelSpec
-    from ..layouts.lora import VllmLoraLayout, lora_spec
+        from ..adapters.server import VllmServer
+        from ..layouts import MegatronLayout, ModelSpec
+        from ..layouts.lora import VllmLoraLayout, lora_spec
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    spec = lora_spec(ModelSpec.from_hf_config(job["checkpoint"]), job["rank"], job["alpha"])
-    src = MegatronLayout(model=spec, tp=world)
-    dst = VllmLoraLayout(model=spec, tp=job["server_tp"], max_lora_rank=job["max_lora_rank"])
-    server = VllmServer(job["url"]) if rank == 0 else None
-    out: dict = {"refits": []}
+        self.job, self.rank, self.world = job, dist.get_rank(), dist.get_world_size()
+        self.spec = lora_spec(ModelSpec.from_hf_config(job["checkpoint"]), job["rank"], job["alpha"])
+        self.src = MegatronLayout(model=self.spec, tp=self.world)
+        self.dst = VllmLoraLayout(model=self.spec, tp=job["server_tp"], max_lora_rank=job["max_lora_rank"])
+        self.server = VllmServer(job["url"]) if self.rank == 0 else None
 
-    def session_for(transport: str, lora_id: int, tensors: dict, api: bool = False) -> TrainerSession:
-        refit = RefitSpec.of(spec, src, dst, install="lora_slot", lora_id=lora_id, transport=transport)
-        engine = server if api else ExtensionClient(server) if server else None
-        return TrainerSession(refit, rank, tensors, engines=[engine] if engine else [],
+    def tensors(self, seed: int) -> dict:
+        from ..executors import shard
+
+        return shard(self.src, adapter_weights(self.spec, seed), ranks=[self.rank])[self.rank]
+
+    def session(self, transport: str, lora_id: int, tensors: dict, api: bool = False, **options):
+        """api: through the weight-transfer routes instead of the worker extension."""
+        import torch.distributed as dist
+
+        from ..adapters.refit import RefitSpec
+        from ..adapters.server import ExtensionClient
+        from ..adapters.trainer import TrainerSession
+
+        refit = RefitSpec.of(self.spec, self.src, self.dst, install="lora_slot", lora_id=lora_id,
+                             transport=transport, options=options)
+        engine = self.server if api else ExtensionClient(self.server) if self.server else None
+        return TrainerSession(refit, self.rank, tensors, engines=[engine] if engine else [],
                               trainer_group=dist.group.WORLD, timeout=120.0)
 
-    def refused(session: TrainerSession) -> str | None:
+    def tokens(self) -> list:
+        self.server.call("POST", "/reset_prefix_cache")
+        return self.server.greedy(self.job["prompts"], max_tokens=8, model=self.job["name"])
+
+    def report(self, run) -> None:
+        """Run `run(out)`; rank 0 (and any rank that raised) writes `out`."""
+        import json
+        import traceback
+
+        out: dict = {}
         try:
-            session.init()
-            return None
-        except ExecutionError as e:
-            return str(e)
-        finally:
-            session.close()
+            run(out)
+        except Exception:  # noqa: BLE001 - reported to the test
+            out["exception"] = traceback.format_exc()
+        if self.rank == 0 or "exception" in out:
+            path = Path(self.job["out"])
+            path = path if self.rank == 0 else path.with_suffix(f".rank{self.rank}.json")
+            path.write_text(json.dumps(out))
+
+
+def _init_error(session) -> str | None:
+    from ..errors import ExecutionError
 
     try:
+        session.init()
+        return None
+    except ExecutionError as e:
+        return str(e)
+    finally:
+        session.close()
+
+
+def slot_refit_job(job: dict) -> None:
+    """Refit the slot of the adapter a running server serves as `job["name"]` (id `job["lora_id"]`) once per
+    transport in `job["transports"]`, each time with the adapter values of seed `job["seeds"][k]`, through the
+    reshard worker extension (ExtensionClient); rank 0 records the greedy tokens by that name after each. Then: a
+    refit through the weight-transfer routes instead (refused at init), and one naming an adapter id the server
+    does not have (refused), with the tokens after them."""
+    me = _SlotTrainer(job)
+
+    def run(out: dict) -> None:
+        out["refits"] = []
         for transport, seed in zip(job["transports"], job["seeds"]):
-            tensors = shard(src, adapter_weights(spec, seed), ranks=[rank])[rank]
-            session = session_for(transport, job["lora_id"], tensors)
+            session = me.session(transport, job["lora_id"], me.tensors(seed))
             try:
                 session.init()
                 result = session.refit(f"{transport}-{seed}")
             finally:
                 session.close()
-            if server is not None:
-                server.call("POST", "/reset_prefix_cache")
-                out["refits"].append({"transport": transport, "seconds": result.seconds,
-                                      "tokens": server.greedy(job["prompts"], max_tokens=8, model=job["name"])})
-        zeros = shard(src, adapter_weights(spec, 0), ranks=[rank])[rank]
-        out["through_api"] = refused(session_for("collective", job["lora_id"], zeros, api=True))
-        out["missing_slot"] = refused(session_for("collective", 99, zeros))
-        if server is not None:
-            out["after_missing_slot"] = server.greedy(job["prompts"], max_tokens=8, model=job["name"])
-    except Exception:  # noqa: BLE001 - reported to the test
-        out["exception"] = traceback.format_exc()
-    if rank == 0 or "exception" in out:
-        path = Path(job["out"]) if rank == 0 else Path(job["out"]).with_suffix(f".rank{rank}.json")
-        path.write_text(json.dumps(out))
+            if me.server is not None:
+                out["refits"].append({"transport": transport, "seconds": result.seconds, "tokens": me.tokens()})
+        out["through_api"] = _init_error(me.session("collective", job["lora_id"], me.tensors(0), api=True))
+        out["missing_slot"] = _init_error(me.session("collective", 99, me.tensors(0)))
+        if me.server is not None:
+            out["after_refused"] = me.tokens()
+
+    me.report(run)
+
+
+def slot_fault_job(job: dict) -> None:
+    """The last trainer rank dies as an in-slot refit over `job["fault"]` begins (run_ranks with wait_all); rank 0
+    records the refit's error, how long it took, and the tokens by the adapter's name after it."""
+    import os
+    import time
+
+    from ..errors import ExecutionError
+
+    me = _SlotTrainer(job)
+
+    def run(out: dict) -> None:
+        session = me.session(job["fault"], job["lora_id"], me.tensors(0), timeout=job["fault_timeout"])
+        session.init()
+        if me.rank == me.world - 1:
+            os._exit(17)
+        start = time.monotonic()
+        try:
+            session.refit("fault")
+            out["error"] = None
+        except ExecutionError as e:
+            out["error"] = str(e)
+        finally:
+            session.close()
+        out["seconds"] = time.monotonic() - start
+        if me.server is not None:
+            out["after"] = me.tokens()
+
+    me.report(run)

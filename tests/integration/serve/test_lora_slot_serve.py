@@ -7,7 +7,8 @@ an update finishes, so a slot refit through them is refused at init.
 
 Ground truth: after each refit, the greedy tokens by the adapter's name equal those of the adapter `peft` saved
 itself from the same values, served under another name. A refit naming an adapter the server does not have is
-refused at init, and the served adapter keeps its values. The refits also check the slot at every step: an
+refused at init, and the served adapter keeps its values; so it does when a trainer process dies as a refit
+begins. The refits also check the slot at every step: an
 adapter vLLM dropped or moved would be named, not silently rewritten."""
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import reshard
 from reshard.adapters.lora import PeftDirectory
 from reshard.executors import execute_local, shard
 from reshard.layouts.lora import PeftLayout, lora_spec
-from reshard.testing.lora import adapter_weights, save_with_peft, slot_refit_job
+from reshard.testing.lora import adapter_weights, save_with_peft, slot_fault_job, slot_refit_job
 from reshard.testing.megatron_cpu import TinyGPT, run_ranks
 from reshard.testing.serve import ServerProcess, vllm_cpu_python
 from reshard.testing.serve_jobs import make_checkpoint
@@ -29,6 +30,7 @@ MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 PROMPTS = [[1, 5, 9, 13, 2], [7, 3, 3, 8]]
 RANK, ALPHA, MAX_RANK, SERVER_TP = 8, 16, 16, 2
 TRANSPORTS = {"collective": 11, "nixl": 12, "shared": 13}  # each refit's adapter values (seed)
+FAULT_TIMEOUT = 10.0
 
 
 @pytest.mark.skipif(vllm_cpu_python() is None, reason="no vLLM CPU virtualenv (scripts/bootstrap vllm)")
@@ -60,6 +62,9 @@ def test_refit_served_adapter_slot_from_trainer_processes(tmp_path):
         run_ranks(2, slot_refit_job, job, timeout=600, errdir=str(tmp_path))
         result = json.loads((tmp_path / "out.json").read_text())
         assert "exception" not in result, result["exception"]
+        (tmp_path / "fault").mkdir()
+        faulty = {**job, "fault": "shared", "fault_timeout": FAULT_TIMEOUT, "out": str(tmp_path / "fault.json")}
+        run_ranks(2, slot_fault_job, faulty, timeout=300, errdir=str(tmp_path / "fault"), wait_all=True)
         assert server.greedy(PROMPTS, max_tokens=8) != before  # the adapter changes the tokens: the test can fail
     assert len(set(map(str, expected.values()))) == len(expected) and before not in expected.values()
     for refit in result["refits"]:
@@ -67,4 +72,10 @@ def test_refit_served_adapter_slot_from_trainer_processes(tmp_path):
     assert [r["transport"] for r in result["refits"]] == list(TRANSPORTS)
     assert "cannot go through vLLM's weight-transfer API" in result["through_api"]
     assert "lora_id=99 is not loaded in this engine" in result["missing_slot"]
-    assert result["after_missing_slot"] == expected["shared"]  # the last refit's adapter, untouched
+    assert result["after_refused"] == expected["shared"]  # the last refit's adapter, untouched
+    # a trainer process dies as a refit begins: the refit fails within its timeout, the slot keeps its values
+    fault = json.loads((tmp_path / "fault.json").read_text())
+    assert "exception" not in fault, fault["exception"]
+    assert fault["error"] and "keep their previous weights" in fault["error"]
+    assert fault["seconds"] < FAULT_TIMEOUT + 30, fault["seconds"]
+    assert fault["after"] == expected["shared"]

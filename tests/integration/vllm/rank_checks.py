@@ -192,7 +192,7 @@ def run_case(case: dict, rank: int, world: int) -> dict[str, str]:
             return same_bytes(model, before)
         # the engine's workers agree on a refusal and only its last worker raises (adapters.vllm.agreed):
         # the others refuse quietly, holding no session
-        if rank == world - 1 or engines[-1].session is not None:
+        if rank == world - 1 or engines[-1].steps.session is not None:
             return "the engine accepted a trainer's destination layout that differs from its own"
         return same_bytes(model, before)
 

@@ -56,6 +56,11 @@ class RayEngineClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._call("finish_weight_update", weight_version)
 
+    def load_lora(self, name: str, path: str) -> int:
+        """Serve the PEFT directory `path` as adapter `name` (engine started with enable_lora); its id, what an
+        in-slot refit names (`RefitSpec(install="lora_slot", lora_id=...)`)."""
+        return int(self._call("load_lora", name, path))
+
     def pause(self, mode: str = "wait") -> None:
         pass  # an offline engine generates only when asked: nothing is in flight during a refit
 
@@ -63,8 +68,9 @@ class RayEngineClient:
         pass
 
     # --- what a caller checks ----------------------------------------------------------------------
-    def greedy(self, prompts: list[list[int]], max_tokens: int = 12) -> list[list[int]]:
-        return json.loads(self._call("greedy", json.dumps(prompts), max_tokens))
+    def greedy(self, prompts: list[list[int]], max_tokens: int = 12, lora: str | None = None) -> list[list[int]]:
+        """Greedy tokens of the base model, or with the adapter loaded as `lora`."""
+        return json.loads(self._call("greedy", json.dumps(prompts), max_tokens, lora))
 
     def weight_version(self) -> str:
         return self._call("weight_version")
@@ -84,7 +90,8 @@ def _first_line(e: BaseException) -> str:
 class VllmEngineActor:
     """A vLLM engine (`vllm.LLM`) with the `reshard` weight-transfer backend, as a Ray actor. `engine_args` is JSON
     of `LLM` keyword arguments (model excluded); the worker extension is added so that `stats` can count plan
-    compiles. Methods take and return JSON text."""
+    compiles, and because in-slot LoRA refits (install "lora_slot") go through it: vLLM's weight-transfer API
+    drops every loaded adapter when an update finishes. Methods take and return JSON text."""
 
     def __init__(self, model: str, engine_args: str = "{}", env: str = "{}") -> None:
         os.environ.update(json.loads(env))
@@ -95,27 +102,56 @@ class VllmEngineActor:
                 "worker_extension_cls": "reshard.adapters.vllm.worker.ReshardWorkerExtension",
                 **json.loads(engine_args)}
         self.llm = LLM(model=model, **args)
+        self.loras: dict[str, Any] = {}  # name -> LoRARequest
+        self.via_extension = False  # the refit in progress is an adapter's (the worker extension's steps)
 
     def pid(self) -> int:
         return os.getpid()
 
     def init_weight_transfer_engine(self, init_info: str) -> None:
-        self.llm.init_weight_transfer_engine({"init_info": json.loads(init_info)})
+        info = json.loads(init_info)
+        self.via_extension = isinstance(info, dict) and info.get("install") == "lora_slot"
+        if self.via_extension:
+            self.llm.collective_rpc("reshard_init", args=(info,))
+        else:
+            self.llm.init_weight_transfer_engine({"init_info": info})
 
     def start_weight_update(self) -> None:
-        self.llm.start_weight_update()
+        if self.via_extension:
+            self.llm.collective_rpc("reshard_start")
+        else:
+            self.llm.start_weight_update()
 
     def update_weights(self, update_info: str) -> None:
-        self.llm.update_weights({"update_info": json.loads(update_info)})
+        if self.via_extension:
+            self.llm.collective_rpc("reshard_update", args=(json.loads(update_info),))
+        else:
+            self.llm.update_weights({"update_info": json.loads(update_info)})
 
     def finish_weight_update(self, weight_version: str | None) -> None:
-        self.llm.finish_weight_update(weight_version)
+        if not self.via_extension:
+            self.llm.finish_weight_update(weight_version)
+        elif weight_version is not None:  # None: closing a failed update, which the extension needs no call for
+            self.llm.collective_rpc("reshard_finish")
 
-    def greedy(self, prompts: str, max_tokens: int) -> str:
+    def load_lora(self, name: str, path: str) -> int:
+        from vllm.lora.request import LoRARequest
+
+        known = self.loras.get(name)
+        request = LoRARequest(name, known.lora_int_id if known else len(self.loras) + 1, path)
+        if not self.llm.llm_engine.add_lora(request):
+            raise RuntimeError(f"vLLM did not load the adapter {name!r} from {path}")
+        self.loras[name] = request
+        return request.lora_int_id
+
+    def greedy(self, prompts: str, max_tokens: int, lora: str | None = None) -> str:
         from vllm import SamplingParams
 
+        if lora is not None and lora not in self.loras:
+            raise ValueError(f"no adapter {lora!r} loaded (loaded: {sorted(self.loras)})")
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False)
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in json.loads(prompts)], params, use_tqdm=False)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in json.loads(prompts)], params, use_tqdm=False,
+                                 lora_request=self.loras.get(lora) if lora else None)
         return json.dumps([list(o.outputs[0].token_ids) for o in outs])
 
     def weight_version(self) -> str:

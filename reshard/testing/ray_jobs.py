@@ -112,8 +112,10 @@ class MegatronTrainerActor:
 __all__ = ["MegatronTrainerActor"]
 
 
-def start_engine(model: str, tp: int = 1, python: str | None = None, name: str | None = None) -> Any:
-    """A `VllmEngineActor` in the vLLM CPU virtualenv (testing.serve.vllm_cpu_python), float32, from `model`."""
+def start_engine(model: str, tp: int = 1, python: str | None = None, name: str | None = None,
+                 **engine_args: Any) -> Any:
+    """A `VllmEngineActor` in the vLLM CPU virtualenv (testing.serve.vllm_cpu_python), float32, from `model`
+    (`engine_args`: more `LLM` keyword arguments, e.g. enable_lora)."""
     import ray
 
     from ..adapters.ray import VllmEngineActor
@@ -126,7 +128,7 @@ def start_engine(model: str, tp: int = 1, python: str | None = None, name: str |
     options = {"runtime_env": runtime_env, "num_cpus": 0}
     if name:
         options["name"] = name
-    args = {"tensor_parallel_size": tp, "dtype": "float32", "max_model_len": 128}
+    args = {"tensor_parallel_size": tp, "dtype": "float32", "max_model_len": 128, **engine_args}
     return ray.remote(VllmEngineActor).options(**options).remote(model, json.dumps(args), json.dumps(env))
 
 

@@ -272,7 +272,7 @@ class LoraFamily(ModelFamily):
         f = lora_facts(spec)
         k = lora_kinds(spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim)
         H, r, d = spec.hidden_size, f.rank, spec.head_dim
-        q, kv, F = spec.num_attention_heads * d, spec.num_key_value_heads * d, spec.intermediate_size
+        q, kv = spec.num_attention_heads * d, spec.num_key_value_heads * d
         a, m = LAYER + "self_attn.", LAYER + "mlp."
         out: list[Entry | Experts] = []
         if "linear_qkv" in f.targets:
@@ -283,48 +283,27 @@ class LoraFamily(ModelFamily):
         if "linear_proj" in f.targets:
             out += [Entry(a + "o_proj.lora_A.weight", (r, q), k["o_proj.A"]),
                     Entry(a + "o_proj.lora_B.weight", (H, r), k["o_proj.B"])]
-        if spec.is_moe_layer(i) and f.experts == "shared":
-            return out + self._shared_experts(spec, f)
-        if spec.is_moe_layer(i):
-            return out + self._experts(spec, f)
-        if "linear_fc1" in f.targets:
-            out += [Entry(m + "gate_up_proj.lora_A.weight", (r, H), k["gate_up_proj.A"]),
-                    Entry(m + "gate_proj.lora_B.weight", (F, r), k["gate_proj.B"]),
-                    Entry(m + "up_proj.lora_B.weight", (F, r), k["up_proj.B"])]
-        if "linear_fc2" in f.targets:
-            out += [Entry(m + "down_proj.lora_A.weight", (r, F), k["down_proj.A"]),
-                    Entry(m + "down_proj.lora_B.weight", (H, r), k["down_proj.B"])]
-        return out
+        if not spec.is_moe_layer(i):
+            return out + _mlp_entries(m, k, H, r, spec.intermediate_size, f.targets)
+        Fm = spec.moe_intermediate_size
+        if f.experts == "shared":  # one adapter for all experts: the per-expert shapes, no expert number
+            return out + _mlp_entries(m + "experts.", shared_expert_lora_kinds(spec.num_experts), H, r, Fm, f.targets)
+        # per expert, expert by expert (the per-expert checkpoint order)
+        entries = _mlp_entries(m + "experts.{e}.", expert_lora_kinds(), H, r, Fm, f.targets)
+        return out + ([Experts(tuple(entries), spec.num_experts)] if entries else [])
 
-    @staticmethod
-    def _experts(spec: ModelSpec, f: LoraFacts) -> list[Entry | Experts]:
-        """A MoE layer's per-expert adapters, expert by expert (the per-expert checkpoint order)."""
-        k, H, r, Fm = expert_lora_kinds(), spec.hidden_size, f.rank, spec.moe_intermediate_size
-        e = LAYER + "mlp.experts.{e}."
-        entries: list[Entry] = []
-        if "linear_fc1" in f.targets:
-            entries += [Entry(e + "gate_up_proj.lora_A.weight", (r, H), k["gate_up_proj.A"]),
-                        Entry(e + "gate_proj.lora_B.weight", (Fm, r), k["gate_proj.B"]),
-                        Entry(e + "up_proj.lora_B.weight", (Fm, r), k["up_proj.B"])]
-        if "linear_fc2" in f.targets:
-            entries += [Entry(e + "down_proj.lora_A.weight", (r, Fm), k["down_proj.A"]),
-                        Entry(e + "down_proj.lora_B.weight", (H, r), k["down_proj.B"])]
-        return [Experts(tuple(entries), spec.num_experts)] if entries else []
 
-    @staticmethod
-    def _shared_experts(spec: ModelSpec, f: LoraFacts) -> list[Entry | Experts]:
-        """A MoE layer's one adapter for all experts (the per-expert tensors' shapes, no expert number)."""
-        k, H, r, Fm = shared_expert_lora_kinds(spec.num_experts), spec.hidden_size, f.rank, spec.moe_intermediate_size
-        e = LAYER + "mlp.experts."
-        out: list[Entry | Experts] = []
-        if "linear_fc1" in f.targets:
-            out += [Entry(e + "gate_up_proj.lora_A.weight", (r, H), k["gate_up_proj.A"]),
-                    Entry(e + "gate_proj.lora_B.weight", (Fm, r), k["gate_proj.B"]),
-                    Entry(e + "up_proj.lora_B.weight", (Fm, r), k["up_proj.B"])]
-        if "linear_fc2" in f.targets:
-            out += [Entry(e + "down_proj.lora_A.weight", (r, Fm), k["down_proj.A"]),
-                    Entry(e + "down_proj.lora_B.weight", (H, r), k["down_proj.B"])]
-        return out
+def _mlp_entries(prefix: str, k: dict[str, LoraKind], H: int, r: int, F: int, targets: tuple[str, ...]) -> list[Entry]:
+    """A SwiGLU MLP's adapter tensors under `prefix` (a dense MLP, one expert's, or one shared by all experts)."""
+    out: list[Entry] = []
+    if "linear_fc1" in targets:
+        out += [Entry(prefix + "gate_up_proj.lora_A.weight", (r, H), k["gate_up_proj.A"]),
+                Entry(prefix + "gate_proj.lora_B.weight", (F, r), k["gate_proj.B"]),
+                Entry(prefix + "up_proj.lora_B.weight", (F, r), k["up_proj.B"])]
+    if "linear_fc2" in targets:
+        out += [Entry(prefix + "down_proj.lora_A.weight", (r, F), k["down_proj.A"]),
+                Entry(prefix + "down_proj.lora_B.weight", (H, r), k["down_proj.B"])]
+    return out
 
 
 # --- the destination layouts ----------------------------------------------------------------------------------

@@ -155,14 +155,9 @@ def bridge_refit_job(tp: int, out: str, rank: int) -> None:
 
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from safetensors.torch import save_file
 
     import reshard
-    from reshard.adapters.megatron import source_tensors
-    from reshard.executors import make_executor
-    from reshard.executors.binding import Binding
-    from reshard.executors.local import allocate
-    from reshard.layouts.lora import PeftLayout, lora_spec
+    from reshard.layouts.lora import lora_spec
 
     from .megatron_cpu import TinyGPT, build_model, init_parallel
 
@@ -189,10 +184,26 @@ def bridge_refit_job(tp: int, out: str, rank: int) -> None:
     names = [n for chunk in chunks for n, _ in chunk.named_parameters() if ".adapter." in n]
     me = dist.get_rank()
     Path(out, f"rank{me}.json").write_text(json.dumps({"shards": report, "parameters": names}))
-    spec = lora_spec(tiny.spec(), rank, 16)
-    layout, peft = reshard.MegatronLayout(model=spec, tp=tp), PeftLayout(model=spec)
+    refit_into_peft(chunks, reshard.MegatronLayout(model=lora_spec(tiny.spec(), rank, 16), tp=tp), out)
+
+
+def refit_into_peft(chunks: list, layout, out: str) -> None:
+    """On every gloo rank: the adapter of the live model `chunks` (views of its parameters, in `layout`) refit into
+    a PEFT layout on rank 0 over torch.distributed, which saves it to `out/peft.safetensors`."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    import reshard
+    from reshard.adapters.megatron import source_tensors
+    from reshard.executors import make_executor
+    from reshard.executors.binding import Binding
+    from reshard.executors.local import allocate
+    from reshard.layouts.lora import PeftLayout
+
+    me, peft = dist.get_rank(), PeftLayout(model=layout.model)
     dst = {0: allocate(peft)[0]} if me == 0 else {}
-    executor = make_executor("distributed", reshard.compile(layout, peft), Binding(tuple(range(tp)), (0,)), me,
+    executor = make_executor("distributed", reshard.compile(layout, peft),
+                             Binding(tuple(range(dist.get_world_size())), (0,)), me,
                              {me: source_tensors(chunks, layout)}, dst, group=dist.group.WORLD, timeout=60.0)
     executor.refit()
     executor.close()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .lora import attach_bridge_adapters, global_value
+from .lora import attach_bridge_adapters, global_value, refit_into_peft
 
 EXPERT_STRIDE = 16  # expert_value keys: global_value's layer is 1 + EXPERT_STRIDE * layer + expert
 
@@ -26,14 +26,9 @@ def bridge_expert_refit_job(tp: int, ep: int, etp: int, experts: int, out: str, 
     on rank 0, saved to `out/peft.safetensors`."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from safetensors.torch import save_file
 
     import reshard
-    from reshard.adapters.megatron import source_tensors
-    from reshard.executors import make_executor
-    from reshard.executors.binding import Binding
-    from reshard.executors.local import allocate
-    from reshard.layouts.lora import PeftLayout, lora_spec
+    from reshard.layouts.lora import lora_spec
 
     from .megatron_cpu import TinyGPT, build_model, init_parallel
 
@@ -62,12 +57,4 @@ def bridge_expert_refit_job(tp: int, ep: int, etp: int, experts: int, out: str, 
     me = dist.get_rank()
     Path(out, f"rank{me}.json").write_text(json.dumps(report))
     spec = lora_spec(tiny.spec(), rank, 16, ["linear_fc1", "linear_fc2"])
-    layout, peft = reshard.MegatronLayout(model=spec, tp=tp, ep=ep, etp=etp), PeftLayout(model=spec)
-    world = dist.get_world_size()
-    dst = {0: allocate(peft)[0]} if me == 0 else {}
-    executor = make_executor("distributed", reshard.compile(layout, peft), Binding(tuple(range(world)), (0,)), me,
-                             {me: source_tensors(chunks, layout)}, dst, group=dist.group.WORLD, timeout=60.0)
-    executor.refit()
-    executor.close()
-    if me == 0:
-        save_file(dst[0], str(Path(out) / "peft.safetensors"))
+    refit_into_peft(chunks, reshard.MegatronLayout(model=spec, tp=tp, ep=ep, etp=etp), out)

@@ -15,11 +15,11 @@ from hypothesis import given, strategies as st
 import reshard
 from reshard.adapters.lora.slots import AdapterSlot
 from reshard.errors import InputError, LayoutError
-from reshard.executors import allocate, execute_local, shard
+from reshard.executors import shard
 from reshard.layouts.lora import PeftLayout, VllmLoraLayout, lora_facts, lora_spec
-from reshard.testing.checks import data_mask, write_counts
 from reshard.testing.strategies import megatron_layouts, models, vllm_tp_choices
-from test_lora_cuts import SENTINEL, _pad, _weights, bridge_reference, peft_reference, vllm_reference
+from test_lora_cuts import (SENTINEL, _pad, _weights, bridge_reference, check_round_trip_and_coverage,
+                            peft_reference, vllm_reference)
 
 FIELDS = ("tp", "pp", "ep", "etp", "world", "vpp", "first_stage_layers", "last_stage_layers", "naming", "rank_order")
 
@@ -198,18 +198,7 @@ def test_expert_round_trip_and_coverage(pair, seed, to_peft):
     src, dst = pair
     if to_peft:
         dst = PeftLayout(model=src.model, replicas=dst.replicas)
-    plan = reshard.compile(src, dst)
-    w = _weights(src.model, seed)
-    got = allocate(dst, fill=SENTINEL)
-    execute_local(plan, shard(src, w), got)
-    want = shard(dst, w, fill=SENTINEL)
-    for rank, tensors in want.items():
-        for name, t in tensors.items():
-            assert torch.equal(got[rank][name], t), f"{dst} rank {rank} {name}"
-    counts = write_counts(plan)
-    for key, m in data_mask(dst, None).items():
-        assert torch.equal(counts.get(key, torch.zeros_like(m)), m), key
-    assert plan.accounting.total_bytes == sum(int(m.sum()) for m in data_mask(dst, None).values()) * 4
+    check_round_trip_and_coverage(src, dst, seed)
 
 
 def test_unsupported_expert_adapters_are_refused_with_the_rule():

@@ -103,36 +103,28 @@ class VllmEngineActor:
                 **json.loads(engine_args)}
         self.llm = LLM(model=model, **args)
         self.loras: dict[str, Any] = {}  # name -> LoRARequest
-        self.via_extension = False  # the refit in progress is an adapter's (the worker extension's steps)
+        from .vllm.trainer import OfflineExtensionClient, OfflineLLMClient
+
+        self.api, self.extension = OfflineLLMClient(self.llm), OfflineExtensionClient(self.llm)
+        self.client = self.api  # the refit in progress: an adapter's goes through the worker extension
 
     def pid(self) -> int:
         return os.getpid()
 
     def init_weight_transfer_engine(self, init_info: str) -> None:
         info = json.loads(init_info)
-        self.via_extension = isinstance(info, dict) and info.get("install") == "lora_slot"
-        if self.via_extension:
-            self.llm.collective_rpc("reshard_init", args=(info,))
-        else:
-            self.llm.init_weight_transfer_engine({"init_info": info})
+        lora_slot = isinstance(info, dict) and info.get("install") == "lora_slot"
+        self.client = self.extension if lora_slot else self.api
+        self.client.init_weight_transfer_engine(info)
 
     def start_weight_update(self) -> None:
-        if self.via_extension:
-            self.llm.collective_rpc("reshard_start")
-        else:
-            self.llm.start_weight_update()
+        self.client.start_weight_update()
 
     def update_weights(self, update_info: str) -> None:
-        if self.via_extension:
-            self.llm.collective_rpc("reshard_update", args=(json.loads(update_info),))
-        else:
-            self.llm.update_weights({"update_info": json.loads(update_info)})
+        self.client.update_weights(json.loads(update_info))
 
     def finish_weight_update(self, weight_version: str | None) -> None:
-        if not self.via_extension:
-            self.llm.finish_weight_update(weight_version)
-        elif weight_version is not None:  # None: closing a failed update, which the extension needs no call for
-            self.llm.collective_rpc("reshard_finish")
+        self.client.finish_weight_update(weight_version)
 
     def load_lora(self, name: str, path: str) -> int:
         from vllm.lora.request import LoRARequest

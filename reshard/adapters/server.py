@@ -116,12 +116,21 @@ class VllmServer:
         name from its path (after a refit published a new version there: reshard.adapters.lora.PeftDirectory).
         Returns the engine's id of a newly served adapter -- what an in-slot refit (`RefitSpec(install=
         "lora_slot", lora_id=...)`) names -- found as the one id its workers list after the load and not before
-        (the dev route /collective_rpc); None when that cannot be told (inplace, or another load raced it)."""
-        before = None if inplace else self.lora_ids()
+        (the dev route /collective_rpc); None when that cannot be told (inplace, no dev routes, or another load
+        raced it)."""
+        before = None if inplace else self._lora_ids_if_listed()
         self.call("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path, "load_inplace": inplace},
                   text=True)
-        new = self.lora_ids() - before if before is not None else set()
+        after = self._lora_ids_if_listed() if before is not None else None
+        new = after - before if after is not None else set()
         return new.pop() if len(new) == 1 else None
+
+    def _lora_ids_if_listed(self) -> set[int] | None:
+        """lora_ids(), or None on a server without the dev routes (loading by path does not need them)."""
+        try:
+            return self.lora_ids()
+        except ExecutionError:
+            return None
 
     def lora_ids(self) -> set[int]:
         """The ids of the adapters loaded in every worker of the engine (vLLM's `list_loras`)."""

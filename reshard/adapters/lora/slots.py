@@ -6,9 +6,10 @@ adapter that serves requests occupies one index of them (its slot; `LoRAModelMan
 views `[slot, 0]` are exactly `VllmLoraLayout`'s tensors on that rank, so a plan lands in them as in any
 destination; B is then multiplied by alpha / r, which vLLM folds into B when it loads an adapter. The next
 requests for that adapter use the new weights (reset the prefix cache: cached KV was computed with the old ones).
-`SlotRefit` is the in-process shape (trainer tensors and engine in one process); across processes, the engine's
-`reshard` weight-transfer engine does the same with `RefitSpec(install="lora_slot", lora_id=...)` over any
-transport (adapters.vllm.session: `AdapterSlot.tensors` are its rank's destination, `scale()` its install).
+`SlotRefit` is the in-process shape (trainer tensors and engine in one process); across processes, the reshard
+worker extension does the same with `RefitSpec(install="lora_slot", lora_id=...)` over any transport
+(adapters.vllm.session: `AdapterSlot.tensors` are its rank's destination, `scale()` its install; not vLLM's
+weight-transfer API, which drops every adapter when an update finishes).
 
 Everything is checked before a byte moves, each problem named: the engine's LoRA settings against the layout
 (tp, max_lora_rank, fully_sharded_loras, dtype), the adapter id loaded and holding a slot, its rank, alpha and

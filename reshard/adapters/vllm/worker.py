@@ -26,7 +26,7 @@ from ..refit import RefitSpec
 from .agreed import AgreedSteps
 from .derive import representative_layers
 from .direct import bind_direct
-from .engine import register
+from .engine import ReshardUpdateInfo, register
 from .live import declared_layout, local_rank, spec_of
 
 register()
@@ -61,10 +61,14 @@ class ReshardWorkerExtension:
         self._reshard_steps().start()
 
     def reshard_update(self, update_info: dict[str, Any] | str = "") -> None:
-        info = _json(update_info, "update_info") if update_info else {}
-        unknown = sorted(set(info) - {"version"}) if isinstance(info, dict) else ["<not an object>"]
-        self._reshard_steps().update(PlanError(f"update_info has unknown fields {unknown}; known: ['version']")
-                                     if unknown else None)
+        try:  # a bad update_info is refused inside the agreement, as every worker's error is
+            info = _json(update_info, "update_info") if update_info else {}
+            if not isinstance(info, dict):
+                raise PlanError(f"update_info must be a JSON object, got {type(info).__name__}")
+            error = ReshardUpdateInfo(**info).error
+        except PlanError as e:
+            error = e
+        self._reshard_steps().update(error)
 
     def reshard_finish(self) -> None:
         self._reshard_steps().finish()

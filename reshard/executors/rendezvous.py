@@ -199,6 +199,17 @@ def join(store: Any, rdv: Rendezvous, process: int, size: int, role: str) -> dic
     failure reported by another member (`fail`), or members missing after the timeout."""
     if not 0 <= process < size:
         raise ExecutionError(f"refit {rdv.refit_id}: process {process} is outside the refit's [0, {size})")
+    try:
+        return _join(store, rdv, process, size, role)
+    except ExecutionError:
+        raise
+    except (RuntimeError, OSError) as e:  # torch's DistNetworkError: the store's host (trainer process 0) is gone
+        raise ExecutionError(f"refit {rdv.refit_id}: the rendezvous store at {rdv.address} went away while "
+                             f"this process waited to join (its host closed after a failure, or died): "
+                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
+def _join(store: Any, rdv: Rendezvous, process: int, size: int, role: str) -> dict[int, dict[str, Any]]:
     check_secret(store, rdv, role, process)
     mine = json.dumps(_me(role, process))
     key = f"{rdv.namespace}member/{process}"

@@ -86,3 +86,29 @@ def test_segments_are_private_with_unguessable_names():
             Segment(link)  # a name that points elsewhere is not followed
     finally:
         os.unlink(f"/dev/shm/{link}")
+
+
+def test_a_member_waiting_to_join_is_told_when_the_rendezvous_host_goes_away():
+    """The host (trainer process 0) closes its store after a failure while another member waits in join: that
+    member raises ExecutionError naming the store, not the store's own network error."""
+    from reshard.executors.rendezvous import connect, join
+
+    rdv, store = host_store(Rendezvous.new("127.0.0.1", timeout=30.0))
+    member_store = connect(rdv)
+    join_error: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            join(member_store, rdv, 1, 2, "trainer")  # process 0 never joins: it goes away instead
+        except BaseException as e:  # noqa: BLE001 - checked below
+            join_error.append(e)
+
+    import threading
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    del store  # the host's TCPStore server closes
+    waiter.join(60)
+    assert not waiter.is_alive() and join_error, "the waiting member did not notice the host went away"
+    assert isinstance(join_error[0], ExecutionError), repr(join_error[0])
+    assert "went away" in str(join_error[0]) and rdv.address in str(join_error[0])

@@ -101,6 +101,13 @@ class ServerProcess:
             self._signal(signal.SIGKILL)
             self.process.wait(30)
         self._signal(signal.SIGKILL)  # workers the server left behind, in its own process group
+        deadline = time.monotonic() + 30  # return once they are gone (what they leave behind can be swept)
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.process.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
         self.process = None
 
     def _signal(self, sig: int) -> None:

@@ -53,15 +53,18 @@ class BoundLocalExecutor(Executor):
             raise ExecutionError(f"this process lacks source ranks {missing[:10]} that the plan reads")
         used = sorted(set(o["src_rank"][mine].tolist()))
         src = {r: src[r] for r in used}
-        check_tensors(plan, src, dst)
+        ids = None if ops is None else (set(o["src_tensor"][mine].tolist()), set(o["dst_tensor"][mine].tolist()))
+        check_tensors(plan, src, dst, ids)  # a subset of ops: only the tensors they touch need be there
         check_memory(src, dst)
         tensors = [t for side in (src, dst) for ts in side.values() for t in ts.values()]
         self._pins = [(t, t.data_ptr()) for t in tensors]
         s_units, d_units = in_units(plan, src, dst)
         s_flat = {i: s_units[r][n].view(-1) for i, (r, n) in enumerate(zip(plan.src_tensors.ranks,
-                                                                           plan.src_tensors.names)) if r in s_units}
+                                                                           plan.src_tensors.names))
+                  if n in s_units.get(r, {})}
         d_flat = {i: d_units[r][n].view(-1) for i, (r, n) in enumerate(zip(plan.dst_tensors.ranks,
-                                                                           plan.dst_tensors.names)) if r in d_units}
+                                                                           plan.dst_tensors.names))
+                  if n in d_units.get(r, {})}
         program = fold(SRC, o["src_tensor"][mine], o["src_offset"][mine], o["src_stride"][mine],
                        DST, o["dst_tensor"][mine], o["dst_offset"][mine], o["dst_stride"][mine],
                        o["rows"][mine], o["cols"][mine])

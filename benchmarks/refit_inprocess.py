@@ -25,6 +25,7 @@ the same blocks (the reference, once) must be equal.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -109,10 +110,16 @@ def bf16_case(config: str, device, iters: int, results: dict, keep: bool):
         want_digest = digests()
     for t in dst[0].values():
         t.fill_(-3.0)
-    bound = BoundLocalExecutor(plan, None, 0, src, dst, graph=False)
-    r["bound_nograph_s"] = med(timed(bound.refit, iters, device))
-    r["copies"] = bound.copies
-    bound.close()
+    r["variants_s"] = {}
+    for graph in (("none", "small", "all") if device.type == "cuda" else ("none",)):
+        for split in (False, True):
+            bound = BoundLocalExecutor(plan, None, 0, src, dst, graph=graph, split=split)
+            r["variants_s"][f"graph={graph},split={split}"] = med(timed(bound.refit, iters, device, warmup=3))
+            r["copies"] = bound.copies
+            bound.close()
+            del bound
+            gc.collect()
+    r["bound_nograph_s"] = r["variants_s"]["graph=none,split=False"]
     for t in dst[0].values():
         t.fill_(-5.0)
     refit = RefitSpec.of(spec, src_l, dst_l, transport="inprocess", options={"key": "bench"})
@@ -129,8 +136,11 @@ def bf16_case(config: str, device, iters: int, results: dict, keep: bool):
           f"({r['copy_s'] / r['reference_s']:.0%}) | bound no graph {r['bound_nograph_s'] * 1e3:.2f} ms "
           f"({r['copy_s'] / r['bound_nograph_s']:.0%}) | inprocess {r['inprocess_s'] * 1e3:.2f} ms "
           f"({r['inprocess_of_copy']:.0%}) | equal {r['inprocess_equals_reference']} graph {r['graph']}", flush=True)
+    print("  bound variants: " + ", ".join(f"{k} {v * 1e3:.2f} ms ({r['copy_s'] / v:.0%})"
+                                         for k, v in r["variants_s"].items()), flush=True)
     ctx = {"spec": spec, "plan": plan, "src": src, "dst": dst, "ex": ex, "src_l": src_l, "dst_l": dst_l}
     withdraw_source("bench")
+    del ref, want
     return ctx, r
 
 
@@ -141,6 +151,7 @@ def fp8_case(ctx: dict, bf: dict, device, iters: int, results: dict) -> None:
 
     spec, src, src_l, dst_l = ctx["spec"], ctx["src"], ctx["src_l"], ctx["dst_l"]
     del ctx["dst"], ctx["ex"]
+    gc.collect()
     torch.cuda.empty_cache()
     fp = compile_fp8(src_l, dst_l, Fp8Scheme(), colocated=True)
     copy_bw = 2 * bf["bytes"] / bf["copy_s"]  # bytes read + written per second, this run
@@ -161,6 +172,19 @@ def fp8_case(ctx: dict, bf: dict, device, iters: int, results: dict) -> None:
             r["quantize_ceiling_s"] = r["quantize_bytes"] / copy_bw
             r["rest_bytes"] = ex.inner.bytes
             r["graph"] = ex.direct._kernel.graph is not None
+            from reshard.executors.fp8 import kernel_jobs
+            from reshard.kernels import fp8_quantize
+
+            chosen = dict(fp8_quantize.TUNING)
+            r["quantize_variants_s"] = {}
+            for warps in (4, 8, 16):
+                for bits in (True, False):
+                    fp8_quantize.TUNING.update(num_warps=warps, amax_bits=bits)
+                    run = kernel_jobs(jobs, ex.direct.block)
+                    r["quantize_variants_s"][f"warps={warps},bits={bits}"] = med(timed(run, iters, device, 3))
+            fp8_quantize.TUNING.update(chosen)
+            print("  quantizer variants: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in
+                                                      r["quantize_variants_s"].items()), flush=True)
         out[tag] = dst8
         ex.close()
     r["direct_equals_reference"] = equal(out["direct"], out["reference"])
@@ -179,7 +203,10 @@ def fp8_case(ctx: dict, bf: dict, device, iters: int, results: dict) -> None:
     results["fp8"] = r
     # receivers quantize: Megatron TP2 (both ranks in this process) -> vLLM TP1
     del ctx["src"], src
+    gc.collect()
     torch.cuda.empty_cache()
+    spec = reshard.ModelSpec(**{**spec.model_dump(), "intermediate_size": spec.intermediate_size + 128})
+    dst_l = reshard.VllmLayout(model=spec)  # intermediate + 128: a TP2 trainer cuts the MLP through blocks
     src2_l = reshard.MegatronLayout(model=spec, tp=2)
     fp2 = compile_fp8(src2_l, dst_l, Fp8Scheme(), colocated=True)
     src2 = random_source(src2_l, device, seed=1)
@@ -208,7 +235,7 @@ def fp8_case(ctx: dict, bf: dict, device, iters: int, results: dict) -> None:
     q["bf16_refit_s"] = med(timed(b16.refit, iters, device, warmup=3))
     q["kernel_over_bf16"] = q["refit_kernel_s"] / q["bf16_refit_s"]
     q["receivers_of_hbm"] = q["receivers_ceiling_s"] / q["receivers_s"]
-    print(f"fp8 receivers (Megatron TP2 -> vLLM TP1, {q['where']}): refit {q['refit_kernel_s'] * 1e3:.2f} ms = "
+    print(f"fp8 receivers (Megatron TP2 -> vLLM TP1, intermediate {spec.intermediate_size}, {q['where']}): refit {q['refit_kernel_s'] * 1e3:.2f} ms = "
           f"{q['kernel_over_bf16']:.3f}x bf16 {q['bf16_refit_s'] * 1e3:.2f} ms; receivers' kernel "
           f"{q['receivers_s'] * 1e3:.2f} ms for {q['receiver_elements'] / 1e9:.2f} G elements "
           f"({q['receivers_of_hbm']:.0%} of HBM) | eager reference {q['refit_reference_s'] * 1e3:.2f} ms | equal "
@@ -251,6 +278,7 @@ def main() -> int:
     ap.add_argument("--configs", default="qwen3-8b")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--fp8", action="store_true")
+    ap.add_argument("--extras-config", default="qwen3-8b", help="the model --fp8 and --sum64 run on")
     ap.add_argument("--sum64", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -259,13 +287,14 @@ def main() -> int:
         torch.set_num_threads(max(1, torch.get_num_threads()))
     results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                      "torch": torch.__version__, "threads": torch.get_num_threads(), "iters": args.iters}
-    for k, config in enumerate(args.configs.split(",")):
+    for config in args.configs.split(","):
         ctx, bf = bf16_case(config, device, args.iters, results, keep=False)
-        if k == 0 and args.sum64 and device.type == "cuda":
+        if config == args.extras_config and args.sum64 and device.type == "cuda":
             sum64_case(ctx, bf, device, args.iters, results)
-        if k == 0 and args.fp8 and device.type == "cuda":
+        if config == args.extras_config and args.fp8 and device.type == "cuda":
             fp8_case(ctx, bf, device, args.iters, results)
         del ctx
+        gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if args.json:

@@ -28,17 +28,23 @@ from .guard import check_memory, check_ops
 from .local import apply_shifts, check_tensors, in_units, shift_views
 from .views import Memory, bind
 
+GRAPH = "small"  # default graph mode on one GPU (see BoundLocalExecutor)
+SPLIT = True  # default for views.bind's split
+
 
 class BoundLocalExecutor(Executor):
     """Every rank in this process, views bound once (see the module docstring). `binding` and `process` are
     accepted for the protocol of executors.base and not needed. `ops`: run only these ops of the plan (indices;
-    default all this process's destination ranks receive). `graph`: capture the refit as a CUDA graph when every
-    tensor is on one GPU (default True)."""
+    default all this process's destination ranks receive). `graph`, where every tensor is on one GPU: "all" (the
+    whole refit one CUDA graph), "small" (the batched small and strided copies and the shifts one graph, the large
+    contiguous copies launched as plain device copies), "none"; True is GRAPH, False "none". `split`: large
+    contiguous slices of 3-D copies as plain copies (views.bind; default SPLIT)."""
 
     name = "bound"
 
     def __init__(self, plan: Plan, binding: object = None, process: int = 0, src: RankTensors | None = None,
-                 dst: RankTensors | None = None, ops: "np.ndarray | None" = None, graph: bool = True) -> None:
+                 dst: RankTensors | None = None, ops: "np.ndarray | None" = None, graph: "bool | str" = True,
+                 split: "bool | None" = None) -> None:
         self.plan, src, dst = plan, dict(src or {}), dict(dst or {})
         check_ops(plan)
         o = plan.ops
@@ -69,16 +75,26 @@ class BoundLocalExecutor(Executor):
                        DST, o["dst_tensor"][mine], o["dst_offset"][mine], o["dst_stride"][mine],
                        o["rows"][mine], o["cols"][mine])
         flats = {SRC: s_flat, DST: d_flat}
-        self._program = bind(program, Memory(lambda kind, i: flats[kind][i], plan.itemsize), plan.itemsize)
+        self._program = bind(program, Memory(lambda kind, i: flats[kind][i], plan.itemsize), plan.itemsize,
+                             SPLIT if split is None else bool(split))
         self._shifts = shift_views(plan, d_flat, mine)
         self.ops = len(mine)
         self.copies = len(program)
         self.bytes = int(program.numel) * plan.itemsize
-        device = single_cuda_device(tensors) if graph else None
+        graph = GRAPH if graph is True else "none" if graph is False else graph
+        if graph not in ("all", "small", "none"):
+            raise ExecutionError(f"graph must be 'all', 'small', 'none' or a bool, not {graph!r}")
+        device = single_cuda_device(tensors) if graph != "none" else None
+        self._large_eager = graph == "small"
         self._run = Replay(self._launch, device)
 
     def _launch(self) -> None:
-        self._program.run()
+        p = self._program
+        if not self._large_eager:
+            for d, s in p.large:
+                d.copy_(s)
+        for d, s in p.groups:
+            torch._foreach_copy_(d, s)
         apply_shifts(self._shifts)
 
     def check_pins(self) -> None:
@@ -91,6 +107,9 @@ class BoundLocalExecutor(Executor):
     def refit(self, version: int | None = None) -> dict[str, Any]:
         self.check_pins()
         with torch.no_grad():
+            if self._large_eager:  # plain device copies, ahead of the graph on the same stream
+                for d, s in self._program.large:
+                    d.copy_(s)
             self._run()
         return {"ops": self.ops, "copies": self.copies, "bytes": self.bytes}
 

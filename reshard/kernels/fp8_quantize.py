@@ -27,6 +27,7 @@ import triton.language as tl
 
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
+TUNING = {"num_warps": 8, "amax_bits": True}  # launch settings (benchmarks/refit_inprocess.py compares them)
 
 
 @triton.jit
@@ -47,18 +48,24 @@ def _fp8_bits(y):
 @triton.jit
 def _quantize_kernel(x_ptr, q_ptr, s_ptr, n, k, sx, sq, ss0, ss1,
                      BN: tl.constexpr, BK: tl.constexpr, FLOOR: tl.constexpr, FMAX: tl.constexpr,
-                     EXACT_CAST: tl.constexpr):
+                     EXACT_CAST: tl.constexpr, AMAX_BITS: tl.constexpr):
     bi = tl.program_id(0)
     bj = tl.program_id(1)
     rows = bi * BN + tl.arange(0, BN)
     cols = bj * BK + tl.arange(0, BK)
     inside = (rows[:, None] < n) & (cols[None, :] < k)
     r64 = rows.to(tl.int64)[:, None]
-    x = tl.load(x_ptr + r64 * sx + cols[None, :], mask=inside, other=0.0).to(tl.float32)
-    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    nan = tl.max(tl.max((x != x).to(tl.int32), axis=1), axis=0)
-    amax = tl.where(amax < FLOOR, FLOOR, amax)
-    amax = tl.where(nan > 0, float("nan"), amax)
+    xb = tl.load(x_ptr + r64 * sx + cols[None, :], mask=inside, other=0.0)
+    x = xb.to(tl.float32)
+    if AMAX_BITS:  # one integer reduction: |x|'s bits order like |x|, and a NaN's lie above inf's
+        m = tl.max(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1), axis=0)
+        amax = tl.where(m > 0x7F800000, float("nan"), m.to(tl.float32, bitcast=True))
+        amax = tl.where(amax < FLOOR, FLOOR, amax)
+    else:
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+        nan = tl.max(tl.max((x != x).to(tl.int32), axis=1), axis=0)
+        amax = tl.where(amax < FLOOR, FLOOR, amax)
+        amax = tl.where(nan > 0, float("nan"), amax)
     scale = tl.math.div_rn(amax, FMAX)
     inv = tl.math.div_rn(1.0, scale)
     y = x * inv
@@ -79,7 +86,7 @@ def interpreted() -> bool:
 
 
 def quantize_into(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tuple[int, int],
-                  num_warps: int = 8, exact_cast: bool | None = None) -> None:
+                  num_warps: int | None = None, exact_cast: bool | None = None) -> None:
     """Quantize the 2-D bf16 (or float16 / float32) view `x` into the float8_e4m3fn view `q` (same shape) and its
     float32 block scales into `s` ([ceil(n/bn), ceil(k/bk)]). Rows of `x` and `q` must be contiguous (any row
     stride); `s` any strides. One launch; asynchronous like any kernel. `exact_cast`: the integer cast instead
@@ -98,4 +105,4 @@ def quantize_into(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tupl
     _quantize_kernel[(nb, kb)](x, q.view(torch.uint8), s, n, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
                                BN=bn, BK=bk, FLOOR=AMAX_FLOOR, FMAX=FP8_MAX,
                                EXACT_CAST=interpreted() if exact_cast is None else bool(exact_cast),
-                               num_warps=num_warps)
+                               AMAX_BITS=bool(TUNING["amax_bits"]), num_warps=num_warps or TUNING["num_warps"])

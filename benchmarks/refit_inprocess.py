@@ -112,14 +112,14 @@ def bf16_case(config: str, device, iters: int, results: dict, keep: bool):
         t.fill_(-3.0)
     r["variants_s"] = {}
     for graph in (("none", "small", "all") if device.type == "cuda" else ("none",)):
-        for split in (False, True):
-            bound = BoundLocalExecutor(plan, None, 0, src, dst, graph=graph, split=split)
-            r["variants_s"][f"graph={graph},split={split}"] = med(timed(bound.refit, iters, device, warmup=3))
+        for streams in ((1, 4) if device.type == "cuda" else (1,)):
+            bound = BoundLocalExecutor(plan, None, 0, src, dst, graph=graph, streams=streams)
+            r["variants_s"][f"graph={graph},streams={streams}"] = med(timed(bound.refit, iters, device, warmup=3))
             r["copies"] = bound.copies
             bound.close()
             del bound
             gc.collect()
-    r["bound_nograph_s"] = r["variants_s"]["graph=none,split=False"]
+    r["bound_nograph_s"] = r["variants_s"]["graph=none,streams=1"]
     for t in dst[0].values():
         t.fill_(-5.0)
     refit = RefitSpec.of(spec, src_l, dst_l, transport="inprocess", options={"key": "bench"})
@@ -175,14 +175,18 @@ def fp8_case(ctx: dict, bf: dict, device, iters: int, results: dict) -> None:
             from reshard.executors.fp8 import kernel_jobs
             from reshard.kernels import fp8_quantize
 
-            chosen = dict(fp8_quantize.TUNING)
+            from reshard.executors import graphs
+
+            chosen, streams = dict(fp8_quantize.TUNING), graphs.STREAMS
             r["quantize_variants_s"] = {}
-            for warps in (4, 8, 16):
-                for bits in (True, False):
-                    fp8_quantize.TUNING.update(num_warps=warps, amax_bits=bits)
+            for n in (1, 4, 8):
+                for warps in (8, 16):
+                    fp8_quantize.TUNING.update(num_warps=warps)
+                    graphs.STREAMS = n
                     run = kernel_jobs(jobs, ex.direct.block)
-                    r["quantize_variants_s"][f"warps={warps},bits={bits}"] = med(timed(run, iters, device, 3))
+                    r["quantize_variants_s"][f"streams={n},warps={warps}"] = med(timed(run, iters, device, 3))
             fp8_quantize.TUNING.update(chosen)
+            graphs.STREAMS = streams
             print("  quantizer variants: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in
                                                       r["quantize_variants_s"].items()), flush=True)
         out[tag] = dst8

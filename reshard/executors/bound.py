@@ -13,7 +13,7 @@ tensor, and refuses if one was replaced.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -23,13 +23,13 @@ from ..planner import Plan
 from ..planner.plan import RELAY
 from .base import Executor, RankTensors
 from .copies import DST, SRC, fold
-from .graphs import Replay, single_cuda_device
+from .graphs import STREAMS, Replay, on_streams, single_cuda_device, spread
 from .guard import check_memory, check_ops
 from .local import apply_shifts, check_tensors, in_units, shift_views
 from .views import Memory, bind
 
 GRAPH = "small"  # default graph mode on one GPU (see BoundLocalExecutor)
-SPLIT = True  # default for views.bind's split
+SPLIT = False  # default for views.bind's split
 
 
 class BoundLocalExecutor(Executor):
@@ -38,13 +38,14 @@ class BoundLocalExecutor(Executor):
     default all this process's destination ranks receive). `graph`, where every tensor is on one GPU: "all" (the
     whole refit one CUDA graph), "small" (the batched small and strided copies and the shifts one graph, the large
     contiguous copies launched as plain device copies), "none"; True is GRAPH, False "none". `split`: large
-    contiguous slices of 3-D copies as plain copies (views.bind; default SPLIT)."""
+    contiguous slices of 3-D copies as plain copies (views.bind; default SPLIT). `streams`: on a GPU, the large
+    copies are spread over this many side streams (default graphs.STREAMS; 1: all on the current stream)."""
 
     name = "bound"
 
     def __init__(self, plan: Plan, binding: object = None, process: int = 0, src: RankTensors | None = None,
                  dst: RankTensors | None = None, ops: "np.ndarray | None" = None, graph: "bool | str" = True,
-                 split: "bool | None" = None) -> None:
+                 split: "bool | None" = None, streams: "int | None" = None) -> None:
         self.plan, src, dst = plan, dict(src or {}), dict(dst or {})
         check_ops(plan)
         o = plan.ops
@@ -84,16 +85,26 @@ class BoundLocalExecutor(Executor):
         graph = GRAPH if graph is True else "none" if graph is False else graph
         if graph not in ("all", "small", "none"):
             raise ExecutionError(f"graph must be 'all', 'small', 'none' or a bool, not {graph!r}")
-        device = single_cuda_device(tensors) if graph != "none" else None
+        self._device = single_cuda_device(tensors)
+        n = (STREAMS if streams is None else int(streams)) if self._device is not None else 1
+        self._large = [self._copies(part) for part in spread(self._program.large, n, lambda ds: ds[0].numel())]
         self._large_eager = graph == "small"
-        self._run = Replay(self._launch, device)
+        self._run = Replay(self._launch, self._device if graph != "none" else None)
+
+    @staticmethod
+    def _copies(pairs: list) -> Callable[[], None]:
+        def run() -> None:
+            for d, s in pairs:
+                d.copy_(s)
+        return run
+
+    def _copy_large(self) -> None:
+        on_streams(self._large, self._device)
 
     def _launch(self) -> None:
-        p = self._program
         if not self._large_eager:
-            for d, s in p.large:
-                d.copy_(s)
-        for d, s in p.groups:
+            self._copy_large()
+        for d, s in self._program.groups:
             torch._foreach_copy_(d, s)
         apply_shifts(self._shifts)
 
@@ -108,10 +119,9 @@ class BoundLocalExecutor(Executor):
         self.check_pins()
         with torch.no_grad():
             if self._large_eager:  # plain device copies, ahead of the graph on the same stream
-                for d, s in self._program.large:
-                    d.copy_(s)
+                self._copy_large()
             self._run()
         return {"ops": self.ops, "copies": self.copies, "bytes": self.bytes}
 
     def close(self) -> None:
-        self._program, self._shifts, self._pins, self._run = None, [], [], None
+        self._program, self._shifts, self._pins, self._run, self._large = None, [], [], None, []

@@ -18,7 +18,7 @@ q = float8_e4m3fn(x * (1 / scale)) with torch's cast (round to nearest even). Th
 from __future__ import annotations
 
 import functools
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -28,7 +28,7 @@ from ..layouts.fp8 import FP8_MAX, STAGING, scale_name
 from ..planner.fp8 import Fp8Plan
 from ..planner.plan import RELAY
 from .base import Executor, RankTensors, make_executor
-from .graphs import Replay, single_cuda_device
+from .graphs import STREAMS, Replay, on_streams, single_cuda_device, spread
 from .local import _box, element_shape, torch_dtype
 
 QUANTIZERS = ("auto", "eager", "compiled", "kernel")
@@ -258,14 +258,25 @@ def kernel_launches(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     fits = [x.dim() == 2 and q.dim() == 2 and s.dim() == 2 and x.stride(-1) == 1 and q.stride(-1) == 1
             for x, q, s in jobs]
 
-    def run() -> None:
-        with torch.no_grad():
-            for (x, q, s), fit in zip(jobs, fits):
+    def part(items: list) -> Callable[[], None]:
+        def run() -> None:
+            for (x, q, s), fit in items:
                 if fit:
                     quantize_into(x, q, s, block)
                 else:
                     _, ss = quantize_blocks(x, block, q)
                     s.copy_(ss)
+        return run
+
+    device = single_cuda_device([t for job in jobs for t in job])
+    # jobs write disjoint places: spread over side streams, so that jobs of few blocks (one q group of a QKV
+    # weight: 4 x 32 blocks) run side by side instead of each under-filling the GPU in turn
+    parts = [part(p) for p in spread(list(zip(jobs, fits)), STREAMS if device is not None else 1,
+                                     lambda item: item[0][0].numel())]
+
+    def run() -> None:
+        with torch.no_grad():
+            on_streams(parts, device)
     return run
 
 

@@ -52,3 +52,45 @@ def single_cuda_device(tensors) -> "torch.device | None":
         return None
     (device,) = devices
     return device if device.type == "cuda" else None
+
+
+_STREAMS: dict[str, list] = {}
+STREAMS = 4  # side streams independent launches are spread over (a graph captures them as parallel branches)
+
+
+def side_streams(device: torch.device, n: int) -> list:
+    key = str(device)
+    have = _STREAMS.setdefault(key, [])
+    while len(have) < n:
+        have.append(torch.cuda.Stream(device))
+    return have[:n]
+
+
+def spread(items: list, n: int, size: Callable = lambda item: 1) -> list[list]:
+    """Items dealt into n lists of about equal total size (largest first, each to the lightest list)."""
+    bins: list[list] = [[] for _ in range(max(1, n))]
+    load = [0] * len(bins)
+    for item in sorted(items, key=size, reverse=True):
+        k = load.index(min(load))
+        bins[k].append(item)
+        load[k] += size(item)
+    return [b for b in bins if b]
+
+
+def on_streams(parts: list[Callable[[], None]], device: "torch.device | None") -> None:
+    """Run each part on its own side stream after the work the current stream holds, and make the current stream
+    wait for all of them: independent launches (disjoint destinations) run side by side instead of one after
+    another, which fills the GPU where each launch alone does not (small grids, many small copies). Off a GPU, or
+    with one part, in order on the current stream."""
+    if device is None or len(parts) <= 1:
+        for fn in parts:
+            fn()
+        return
+    main = torch.cuda.current_stream(device)
+    streams = side_streams(device, len(parts))
+    for s, fn in zip(streams, parts):
+        s.wait_stream(main)
+        with torch.cuda.stream(s):
+            fn()
+    for s in streams:
+        main.wait_stream(s)

@@ -111,8 +111,10 @@ def bf16_case(config: str, device, iters: int, results: dict, keep: bool):
     for t in dst[0].values():
         t.fill_(-3.0)
     r["variants_s"] = {}
-    for graph in (("none", "small", "all") if device.type == "cuda" else ("none",)):
-        for streams in ((1, 4) if device.type == "cuda" else (1,)):
+    combos = (("none", 1), ("small", 4), ("all", 4), ("all", 8), ("all", 16)) if device.type == "cuda" else \
+        (("none", 1),)
+    for graph, streams in combos:
+        if True:
             bound = BoundLocalExecutor(plan, None, 0, src, dst, graph=graph, streams=streams)
             r["variants_s"][f"graph={graph},streams={streams}"] = med(timed(bound.refit, iters, device, warmup=3))
             r["copies"] = bound.copies
@@ -127,6 +129,7 @@ def bf16_case(config: str, device, iters: int, results: dict, keep: bool):
     ex = open_transport(refit, 0, {}, dst)
     r["inprocess_s"] = med(timed(ex.refit, iters, device, warmup=3))
     r["graph"] = ex._bound._run.graph is not None
+    r["graph_mode"] = ex._bound.graph
     r["graph_error"] = ex._bound._run.error
     r["inprocess_equals_reference"] = equal(dst, want) if want is not None else digests() == want_digest
     r["inprocess_of_copy"] = r["copy_s"] / r["inprocess_s"]

@@ -28,7 +28,8 @@ from .guard import check_memory, check_ops
 from .local import apply_shifts, check_tensors, in_units, shift_views
 from .views import Memory, bind
 
-GRAPH = "small"  # default graph mode on one GPU (see BoundLocalExecutor)
+GRAPH = "auto"  # default graph mode on one GPU (see BoundLocalExecutor)
+MANY_COPIES = 1000  # "auto": from this many large copies on, the whole refit one graph (launch-bound otherwise)
 SPLIT = False  # default for views.bind's split
 
 
@@ -37,7 +38,9 @@ class BoundLocalExecutor(Executor):
     accepted for the protocol of executors.base and not needed. `ops`: run only these ops of the plan (indices;
     default all this process's destination ranks receive). `graph`, where every tensor is on one GPU: "all" (the
     whole refit one CUDA graph), "small" (the batched small and strided copies and the shifts one graph, the large
-    contiguous copies launched as plain device copies), "none"; True is GRAPH, False "none". `split`: large
+    contiguous copies launched as plain device copies), "none", "auto" ("all" from MANY_COPIES large copies on,
+    else "small": on an H200 plain copies ran a few hundred large tensors faster than graph nodes, and graph
+    nodes ran thousands of expert matrices 3x faster than launches); True is GRAPH, False "none". `split`: large
     contiguous slices of 3-D copies as plain copies (views.bind; default SPLIT). `streams`: on a GPU, the large
     copies are spread over this many side streams (default graphs.STREAMS; 1: all on the current stream)."""
 
@@ -83,8 +86,11 @@ class BoundLocalExecutor(Executor):
         self.copies = len(program)
         self.bytes = int(program.numel) * plan.itemsize
         graph = GRAPH if graph is True else "none" if graph is False else graph
-        if graph not in ("all", "small", "none"):
-            raise ExecutionError(f"graph must be 'all', 'small', 'none' or a bool, not {graph!r}")
+        if graph not in ("all", "small", "none", "auto"):
+            raise ExecutionError(f"graph must be 'all', 'small', 'none', 'auto' or a bool, not {graph!r}")
+        if graph == "auto":
+            graph = "all" if len(self._program.large) >= MANY_COPIES else "small"
+        self.graph = graph
         self._device = single_cuda_device(tensors)
         n = (STREAMS if streams is None else int(streams)) if self._device is not None else 1
         self._large = [self._copies(part) for part in spread(self._program.large, n, lambda ds: ds[0].numel())]

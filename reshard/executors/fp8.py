@@ -467,6 +467,7 @@ class Fp8Executor(Executor):
             raise ExecutionError("direct quantization needs every rank in this process (inner 'local' or 'bound')")
         self.senders = SenderQuantizer(fp, src, shadows=self.direct is None)
         self.receivers = ReceiverQuantizer(fp, dst)
+        self._device = single_cuda_device([t for side in (src, dst) for ts in side.values() for t in ts.values()])
         if self.direct is not None:
             self._pins = [(t, t.data_ptr()) for side in (src, dst) for ts in side.values() for t in ts.values()]
             self.inner = make_executor("bound", fp.plan, binding, process, self.senders.tensors,
@@ -485,10 +486,12 @@ class Fp8Executor(Executor):
             if moved:
                 raise ExecutionError(f"{len(moved)} bound tensors were replaced since the executor was made; update "
                                      f"them in place, or make a new executor")
-            self.direct.run(self.quantize)
-            stats = self.inner.refit()
+            out: list = []
+            # the quantizer's jobs and the copies of everything else write disjoint places: side by side on a GPU
+            on_streams([lambda: self.direct.run(self.quantize), lambda: out.append(self.inner.refit())],
+                       self._device if self.quantize == "kernel" else None)
             self.receivers.run(self.quantize, direct=True)
-            return stats
+            return out[0]
         self.senders.run(self.quantize)
         stats = self.inner.refit(version) if version is not None else self.inner.refit()
         self.receivers.run(self.quantize, direct=self.inner.name in ("local", "bound"))

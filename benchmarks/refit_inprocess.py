@@ -201,7 +201,8 @@ def fp8_case(ctx: dict, bf: dict, device, iters: int, results: dict) -> None:
     r["bf16_refit_s"] = bf["inprocess_s"]
     r["direct_over_bf16"] = r["refit_direct_s"] / bf["inprocess_s"]
     r["quantize_of_hbm"] = r["quantize_ceiling_s"] / r["quantize_s"]
-    print(f"fp8 {bf['model']}: quantize kernel {r['quantize_s'] * 1e3:.2f} ms for {r['quantized_elements'] / 1e9:.2f} G "
+    print(f"fp8 {bf['model']}: quantize kernel {r['quantize_s'] * 1e3:.2f} ms for "
+          f"{r['quantized_elements'] / 1e9:.2f} G "
           f"elements, ceiling {r['quantize_ceiling_s'] * 1e3:.2f} ms at the copy's {copy_bw / 1e12:.2f} TB/s "
           f"({r['quantize_of_hbm']:.0%}) | refit direct {r['refit_direct_s'] * 1e3:.2f} ms = "
           f"{r['direct_over_bf16']:.3f}x bf16 inprocess {bf['inprocess_s'] * 1e3:.2f} ms | shadows "
@@ -242,7 +243,8 @@ def fp8_case(ctx: dict, bf: dict, device, iters: int, results: dict) -> None:
     q["bf16_refit_s"] = med(timed(b16.refit, iters, device, warmup=3))
     q["kernel_over_bf16"] = q["refit_kernel_s"] / q["bf16_refit_s"]
     q["receivers_of_hbm"] = q["receivers_ceiling_s"] / q["receivers_s"]
-    print(f"fp8 receivers (Megatron TP2 -> vLLM TP1, intermediate {spec.intermediate_size}, {q['where']}): refit {q['refit_kernel_s'] * 1e3:.2f} ms = "
+    print(f"fp8 receivers (Megatron TP2 -> vLLM TP1, intermediate {spec.intermediate_size}, {q['where']}): refit "
+          f"{q['refit_kernel_s'] * 1e3:.2f} ms = "
           f"{q['kernel_over_bf16']:.3f}x bf16 {q['bf16_refit_s'] * 1e3:.2f} ms; receivers' kernel "
           f"{q['receivers_s'] * 1e3:.2f} ms for {q['receiver_elements'] / 1e9:.2f} G elements "
           f"({q['receivers_of_hbm']:.0%} of HBM) | eager reference {q['refit_reference_s'] * 1e3:.2f} ms | equal "

@@ -207,5 +207,5 @@ def mismatch(what: str, sent: str, got: str) -> str:
             f"were corrupted in flight)")
 
 
-__all__ = ["ALGORITHMS", "DIGEST_BYTES", "Streams", "Sum64Program", "use_kernel", "algorithm", "block", "mismatch", "raw_bytes", "tensor_digest",
-           "tensor_digests"]
+__all__ = ["ALGORITHMS", "DIGEST_BYTES", "Streams", "Sum64Program", "algorithm", "block", "mismatch", "raw_bytes",
+           "tensor_digest", "tensor_digests", "use_kernel"]

@@ -223,7 +223,7 @@ class ReceiverQuantizer:
         if direct or not self.jobs:
             return kernel_jobs(self.jobs, self.block)
         temps = [(x, torch.empty_like(q), torch.empty_like(s)) for x, q, s in self.jobs]
-        quantize = kernel_jobs(temps, self.block)
+        quantize = kernel_launches(temps, self.block)  # plain launches: captured inside the graph below
         writes = [(q, tq, s, ts) for (_, q, s), (_, tq, ts) in zip(self.jobs, temps)]
 
         def run() -> None:
@@ -506,5 +506,5 @@ def execute_fp8_local(fp: Fp8Plan, src: RankTensors, dst: RankTensors) -> None:
     Fp8Executor(fp, None, 0, src, dst, inner="local").refit()
 
 
-__all__ = ["AMAX_FLOOR", "DirectQuantizer", "Fp8Executor", "QUANTIZERS", "ReceiverQuantizer", "SenderQuantizer", "check_engine_tensors",
-           "compiled_quantizer", "dequantize_blocks", "execute_fp8_local", "quantize_blocks"]
+__all__ = ["AMAX_FLOOR", "DirectQuantizer", "Fp8Executor", "QUANTIZERS", "ReceiverQuantizer", "SenderQuantizer",
+           "check_engine_tensors", "compiled_quantizer", "dequantize_blocks", "execute_fp8_local", "quantize_blocks"]

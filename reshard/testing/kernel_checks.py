@@ -48,7 +48,8 @@ def _same_f32(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 
 def check_fp8_quantizer(device: str = "cpu", cases: int = 12, seed: int = 0,
-                        blocks: tuple = ((16, 16), (32, 64), (128, 128)), exact_cast: "bool | None" = None) -> list[str]:
+                        blocks: tuple = ((16, 16), (32, 64), (128, 128)),
+                        exact_cast: "bool | None" = None) -> list[str]:
     """The Triton quantizer against `executors.fp8.quantize_blocks` on random shapes (partial edge blocks too),
     strided views (x and q inside larger tensors, s a transposed view) and edge values."""
     from reshard.executors.fp8 import quantize_blocks

@@ -178,17 +178,46 @@ def published_source(key: str) -> RankTensors:
 
 class PublishedSource(Executor):
     """The in-process transport on the engine side: copies from whatever the trainer published under `key` at
-    each refit into this process's destination ranks (a LocalExecutor per refit)."""
+    each refit into this process's destination ranks.
+
+    The copies run through a bound executor (executors.bound: checks, views and the copy program made once; on a
+    GPU one graph launch per refit), kept while the trainer publishes the same tensors in place. A refit first
+    checks, per tensor, that what is published under `key` is still the object bound (and its storage where it
+    was); if the trainer published other tensors, the executor is bound afresh to them. A plan the bound executor
+    cannot run in one process (one that relays between replicas) runs through the reference LocalExecutor."""
 
     name = ""  # not picked by name: made by open_transport
 
     def __init__(self, plan: Plan, dst: RankTensors, key: str) -> None:
         self.plan, self.dst, self.key = plan, dst, key
+        self._bound: Any = None
+        self._bound_to: list[tuple[int, str, Any]] = []  # (rank, name, tensor) the bound executor reads
 
-    def refit(self, version: int | None = None) -> None:
+    def _still_bound(self, src: RankTensors) -> bool:
+        try:
+            return all(src[r][n] is t for r, n, t in self._bound_to)
+        except (KeyError, TypeError):
+            return False
+
+    def refit(self, version: int | None = None) -> Any:
+        from ..executors.bound import BoundLocalExecutor
         from ..executors.local import LocalExecutor
+        from ..planner.plan import RELAY
 
-        LocalExecutor(self.plan, None, 0, published_source(self.key), self.dst).refit()
+        src = published_source(self.key)
+        if self._bound is None or not self._still_bound(src):
+            if bool((self.plan.ops["src_side"] == RELAY).any()):
+                return LocalExecutor(self.plan, None, 0, src, self.dst).refit()
+            self._bound = None
+            self._bound = BoundLocalExecutor(self.plan, None, 0, src, self.dst)
+            used = sorted(set(self.plan.src_tensors.ranks) & set(src))
+            self._bound_to = [(r, n, t) for r in used for n, t in src[r].items()]
+        return self._bound.refit(version)
+
+    def close(self) -> None:
+        if self._bound is not None:
+            self._bound.close()
+        self._bound, self._bound_to = None, []
 
 
 def open_transport(refit: RefitSpec, process: int, src: RankTensors, dst: RankTensors, *, store: Any = None,

@@ -96,16 +96,24 @@ class AgreedSteps:
     def start(self) -> None:
         agreed("start", lambda: self.active().start())
 
-    def update(self, error: Exception | None = None) -> None:
+    def update(self, error: Exception | None = None, phase: str = "all", refit: str = "") -> None:
         """The transfer on every worker, agreed on; only then the install (nothing is installed anywhere if any
-        worker lacks its bytes). `error`: the update's info was invalid (raised inside the agreement)."""
+        worker lacks its bytes). `phase` "transfer" stops before the install, "install" installs what the previous
+        transfer of this update received (the driver sends it only once every trainer process has sent: a driver
+        that dies in between leaves the model untouched). `refit`: the refit id the update belongs to (a worker
+        bound to another refit refuses it). `error`: the update's info was invalid (raised inside the
+        agreement)."""
 
         def transfer() -> None:
             if error is not None:
                 raise error
-            self.active().transfer()
+            self.active().check_refit(refit)
+            if phase == "install":
+                self.active().install_received()
+            else:
+                self.active().transfer()
 
-        if agreed("update", transfer):
+        if agreed("update", transfer) and phase == "all":
             agreed("install", lambda: self.active().install())
         if torch.accelerator.is_available():
             torch.accelerator.synchronize()

@@ -112,7 +112,15 @@ class WorkerSession:
                                       where="this vLLM engine's parallel config")
 
     # --- one refit ---------------------------------------------------------------------------------
+    def check_refit(self, refit: str) -> None:
+        """An update of another refit (an old driver's late message, after a new init) is refused."""
+        ours = (self.refit.rendezvous or {}).get("refit_id", "")
+        if refit and refit != ours:
+            raise PlanError(f"an update of refit {refit[:16]!r} refused: this worker is bound to refit {ours[:16]!r} "
+                            f"(a late message of an old generation is never applied)")
+
     def start(self) -> None:
+        self.received = False
         if self.binding is not None:
             self.binding.verify()
         if self.slot is not None:
@@ -122,11 +130,20 @@ class WorkerSession:
         """This worker's part of the transfer; the model is not touched (staged, or the loader's buffers)."""
         if self.executor is None:
             raise ExecutionError("this refit session is closed")
+        self.received = False
         try:
             self.executor.refit()
         except Exception as e:
             self._report(f"engine replica {self.refit.replica} rank {self.rank}: {e}")
             raise
+        self.received = True
+
+    def install_received(self) -> None:
+        """The install step of a two-phase update: only after this update's transfer landed whole."""
+        if not getattr(self, "received", False):
+            raise ExecutionError("install refused: no transfer of this update landed on this worker")
+        self.received = False
+        self.install()
 
     def install(self) -> None:
         """After every worker has its bytes: direct: finish (padding, widened tensors); loader: load_weights;

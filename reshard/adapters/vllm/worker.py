@@ -65,10 +65,11 @@ class ReshardWorkerExtension:
             info = _json(update_info, "update_info") if update_info else {}
             if not isinstance(info, dict):
                 raise PlanError(f"update_info must be a JSON object, got {type(info).__name__}")
-            error = ReshardUpdateInfo(**info).error
-        except PlanError as e:
-            error = e
-        self._reshard_steps().update(error)
+            parsed = ReshardUpdateInfo(**info)
+            error, phase, refit = parsed.error, parsed.phase, parsed.refit
+        except (PlanError, TypeError) as e:
+            error, phase, refit = (e if isinstance(e, PlanError) else PlanError(f"update_info: {e}")), "all", ""
+        self._reshard_steps().update(error, phase, refit)
 
     def reshard_finish(self) -> None:
         self._reshard_steps().finish()

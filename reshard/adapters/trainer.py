@@ -114,11 +114,15 @@ class TrainerSession:
         self.generation += 1
         refit, plan = self.refit_spec, self.refit_spec.plan()
         refit = refit.with_(plan_digest=plan.digest)
+        mismatch = self._tensors_mismatch(plan)
         if refit.transport in CROSS_PROCESS:
             refit = refit.with_(rendezvous=self._meet().to_dict())
-        else:
+        elif mismatch is None:
             publish_source(str(refit.options.get("key", "default")), self.tensors)
         self.refit_spec = refit
+        if mismatch is not None:  # refused at init, before any engine is called; the others stop at the rendezvous
+            self._fail_rendezvous(f"trainer process {self.process}: {mismatch}")
+            raise ExecutionError(f"trainer process {self.process}: {mismatch}")
         try:
             self._take_lease()
         except ExecutionError as e:
@@ -144,6 +148,17 @@ class TrainerSession:
         if errors:
             self._fail_rendezvous("; ".join(errors))
             raise ExecutionError("refit init failed: " + "; ".join(errors))
+
+    def _tensors_mismatch(self, plan: Any) -> str | None:
+        """Why this process's tensors cannot be the plan's source (names, shapes, dtypes, contiguity), or None."""
+        from ..executors.local import check_tensors
+
+        try:
+            check_tensors(plan, self.tensors, {})
+        except ExecutionError as e:
+            return str(e)
+        missing = sorted(set(self.tensors) - set(range(plan.src.num_ranks)))
+        return f"source ranks {missing} are not ranks of the plan" if missing else None
 
     def _take_lease(self) -> None:
         """Process 0: a lease of a new generation on every engine that keeps one, renewed until close."""

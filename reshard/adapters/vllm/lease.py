@@ -31,7 +31,7 @@ FENCED = ("/pause", "/resume", "/init_weight_transfer_engine", "/start_weight_up
           "/finish_weight_update", "/update_weight_version", "/collective_rpc")
 MAX_TTL = 3600.0
 MAX_BODY = 1 << 20
-log = logging.getLogger("reshard.lease")
+log = logging.getLogger("vllm.reshard.lease")  # under vLLM's logger: the server's log shows lease events
 
 
 @dataclass

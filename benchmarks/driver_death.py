@@ -38,17 +38,17 @@ def main() -> None:
         a = make_checkpoint(TinyGPT(), work / "A")
         b = save_checkpoint({k: train_step(v, 1) for k, v in load_checkpoint(a).items()}, a, work / "B")
         with ServerProcess(b, tp=2, log=work / "server.log") as server:
-            served = b
+            served, engine = b, {"url": server.url, "tp": 2}
             for transport in args.transports.split(","):
                 other = a if served == b else b
                 t0 = time.time()
-                refit_from_here(server.url, other, 2, transport, f"clean-{transport}", timeout=args.timeout)
+                refit_from_here(engine, other, transport, f"clean-{transport}", timeout=args.timeout)
                 clean, served = time.time() - t0, other
                 for phase in PHASES:
                     other = a if served == b else b
-                    case = kill_the_driver(server.url, other, 2, transport, phase, work=work / "cases",
+                    case = kill_the_driver(engine, other, transport, phase, work=work / "cases",
                                            lease=args.lease, timeout=args.timeout, prompts=PROMPTS)
-                    refit_at = refit_from_here(server.url, other, 2, transport, f"new-{transport}-{phase}",
+                    refit_at = refit_from_here(engine, other, transport, f"new-{transport}-{phase}",
                                                timeout=args.timeout)
                     served = other
                     rows.append({"transport": transport, "phase": phase,

@@ -93,6 +93,10 @@ class RayEngineClient:
     def weight_checksums(self) -> dict[str, str]:
         return json.loads(self._call("weight_checksums"))
 
+    def landed(self) -> list[dict[str, Any]]:
+        """reshard's end-to-end digest of what the last refit landed, per worker, before vLLM's repacking."""
+        return json.loads(self._call("landed"))
+
     def stats(self) -> list[dict[str, Any]]:
         return json.loads(self._call("stats"))
 
@@ -254,6 +258,11 @@ class VllmEngineActor:
         for worker in per_worker:
             merged.update(worker)
         return json.dumps(merged)
+
+    def landed(self) -> str:
+        """reshard's digest of what the last refit landed on each worker (WorkerSession.landed)."""
+        with self.engine_lock:
+            return json.dumps(self.llm.collective_rpc("reshard_landed"))
 
     def stats(self) -> str:
         with self.engine_lock:

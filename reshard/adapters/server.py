@@ -112,6 +112,12 @@ class VllmServer:
         """vLLM's own checksum of every parameter, by name (all workers)."""
         return self.call("POST", "/weight_checker", {"action": "checksum"})["checksums"]
 
+    def landed(self) -> list[dict[str, Any]]:
+        """reshard's end-to-end digest of what the last refit landed, per worker (before vLLM's repacking; the
+        server runs the worker extension: `--worker-extension-cls reshard.adapters.vllm.worker.
+        ReshardWorkerExtension`): [{"rank", "refit", "installed", "digests": {name: sha256}}]."""
+        return self.collective_rpc("reshard_landed")
+
     def collective_rpc(self, method: str, args: tuple[str, ...] = ()) -> list[Any]:
         """A worker method by name on every worker (the dev route /collective_rpc; string arguments only)."""
         return self.call("POST", "/collective_rpc", {"method": method, "args": list(args)})["results"]

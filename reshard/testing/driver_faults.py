@@ -33,7 +33,6 @@ def dying_driver(job: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     from ..adapters.refit import RefitSpec
-    from ..adapters.server import VllmServer
     from ..adapters.trainer import TrainerSession
     from ..errors import ExecutionError
     from ..executors import shard
@@ -45,9 +44,9 @@ def dying_driver(job: dict[str, Any]) -> None:
     spec = ModelSpec.from_hf_config(job["checkpoint"])
     src = MegatronLayout(model=spec, tp=world, vocab_divisor=64)
     tensors = shard(src, load_checkpoint(job["checkpoint"]), ranks=[rank])[rank]
-    refit = RefitSpec.of(spec, src, VllmLayout(model=spec, tp=job["server_tp"]), install="loader",
+    refit = RefitSpec.of(spec, src, VllmLayout(model=spec, tp=job["engine"]["tp"]), install="loader",
                          transport=job["transport"], options={"timeout": job["timeout"]})
-    server = VllmServer(job["url"], timeout=job["timeout"] * 3) if rank == 0 else None
+    server = engine_client(job["engine"], job["timeout"] * 3) if rank == 0 else None
     session = TrainerSession(refit, rank, tensors, engines=[server] if server else [],
                              trainer_group=dist.group.WORLD, timeout=job["timeout"], lease=job["lease"])
     seen: dict[str, Any] = {}
@@ -92,12 +91,27 @@ def dying_driver(job: dict[str, Any]) -> None:
         out.with_suffix(f".rank{rank}.json").write_text(json.dumps(seen))
 
 
-def refit_from_here(url: str, checkpoint: str | Path, server_tp: int, transport: str, version: str,
+def engine_client(engine: dict[str, Any], timeout: float) -> Any:
+    """The client of an engine described as JSON: {"url", "tp"} (a vLLM server) or {"ray_address", "namespace",
+    "name", "tp"} (a named VllmEngineActor of a running Ray cluster; this process joins it)."""
+    if "url" in engine:
+        from ..adapters.server import VllmServer
+
+        return VllmServer(engine["url"], timeout=timeout)
+    import ray
+
+    from ..adapters.ray import RayEngineClient
+
+    if not ray.is_initialized():
+        ray.init(address=engine["ray_address"], namespace=engine["namespace"], log_to_driver=False)
+    return RayEngineClient(ray.get_actor(engine["name"]), engine["name"], timeout=timeout)
+
+
+def refit_from_here(engine: dict[str, Any], checkpoint: str | Path, transport: str, version: str,
                     timeout: float = 60.0, lease: float = 30.0) -> float:
     """A new driver: one trainer process (this one, plain tensors in a Megatron TP1 layout) inits and refits the
-    server with `checkpoint`; returns when the refit succeeded (raises ExecutionError otherwise)."""
+    engine with `checkpoint`; returns time.time() when the refit succeeded (raises ExecutionError otherwise)."""
     from ..adapters.refit import RefitSpec
-    from ..adapters.server import VllmServer
     from ..adapters.trainer import TrainerSession
     from ..executors import shard
     from ..layouts import MegatronLayout, ModelSpec, VllmLayout
@@ -105,10 +119,10 @@ def refit_from_here(url: str, checkpoint: str | Path, server_tp: int, transport:
 
     spec = ModelSpec.from_hf_config(checkpoint)
     src = MegatronLayout(model=spec, vocab_divisor=64)
-    refit = RefitSpec.of(spec, src, VllmLayout(model=spec, tp=server_tp), install="loader", transport=transport,
+    refit = RefitSpec.of(spec, src, VllmLayout(model=spec, tp=engine["tp"]), install="loader", transport=transport,
                          options={"timeout": timeout})
     session = TrainerSession(refit, 0, shard(src, load_checkpoint(checkpoint))[0],
-                             engines=[VllmServer(url, timeout=3 * timeout)], timeout=timeout, lease=lease)
+                             engines=[engine_client(engine, 3 * timeout)], timeout=timeout, lease=lease)
     try:
         session.init()
         session.refit(version)
@@ -117,21 +131,21 @@ def refit_from_here(url: str, checkpoint: str | Path, server_tp: int, transport:
     return time.time()
 
 
-def kill_the_driver(url: str, checkpoint: str | Path, server_tp: int, transport: str, phase: str, *, work: Path,
-                    lease: float, timeout: float, prompts: list[list[int]], poll: float = 5.0) -> dict[str, Any]:
-    """One case: two trainer processes refit the server with `checkpoint` as `version` "dead-<phase>", process 0
-    is SIGKILLed at `phase`; then this process polls the server's completions until it serves again. Returns
-    {"killed_at", "serving_at", "tokens" (the first served), "weight_version", "lease" (the server's lease state),
-    "rank1" (what the surviving trainer process saw), "ranks_s"}."""
+def kill_the_driver(engine: dict[str, Any], checkpoint: str | Path, transport: str, phase: str, *, work: Path,
+                    lease: float, timeout: float, prompts: list[list[int]], poll: float = 1.0) -> dict[str, Any]:
+    """One case: two trainer processes refit the engine (see engine_client) with `checkpoint` as version
+    "dead-<phase>", process 0 is SIGKILLed at `phase`; then this process asks the engine for one token (each ask
+    waits at most `poll` s) until it serves again. Returns {"killed_at", "serving_at", "tokens" (greedy tokens of
+    `prompts` then), "ended_at" (when the engine had ended the dead driver's lease), "weight_version", "lease"
+    (the engine's lease state), "rank1" (what the surviving trainer process saw), "ranks"}."""
     import threading
 
-    from ..adapters.server import VllmServer
     from ..errors import ExecutionError
     from .megatron_cpu import run_ranks
 
     work.mkdir(parents=True, exist_ok=True)
     out = work / f"driver-{transport}-{phase}.json"
-    job = {"out": str(out), "phase": phase, "checkpoint": str(checkpoint), "url": url, "server_tp": server_tp,
+    job = {"out": str(out), "phase": phase, "checkpoint": str(checkpoint), "engine": engine,
            "transport": transport, "timeout": timeout, "lease": lease, "version": f"dead-{phase}"}
     ranks: dict[str, Any] = {}
 
@@ -150,7 +164,7 @@ def kill_the_driver(url: str, checkpoint: str | Path, server_tp: int, transport:
         thread.join(30)
         raise RuntimeError(f"the driver was not killed at {phase!r}: {ranks}")
     killed_at = json.loads(out.read_text())["killed_at"]
-    poller = VllmServer(url, timeout=poll)
+    poller = engine_client(engine, poll)
     serving_at = None
     while time.monotonic() < deadline:
         try:  # one token of one prompt: answered at once by a serving engine, never by a paused one
@@ -159,13 +173,20 @@ def kill_the_driver(url: str, checkpoint: str | Path, server_tp: int, transport:
             break
         except ExecutionError:
             time.sleep(0.1)
+    client = engine_client(engine, 120.0)
+    ended_at = None  # when the engine had ended the dead driver's lease (an offline engine serves meanwhile)
+    while time.monotonic() < deadline:
+        if client.lease_state()["holder"] is None:
+            ended_at = time.time()
+            break
+        time.sleep(0.1)
     thread.join(max(1.0, deadline - time.monotonic()))
-    client = VllmServer(url, timeout=120.0)
     tokens = client.greedy(prompts)
+    version = client.weight_info() if hasattr(client, "weight_info") else client.weight_version()
     rank1 = out.with_suffix(".rank1.json")
-    return {"killed_at": killed_at, "serving_at": serving_at, "tokens": tokens,
-            "weight_version": client.weight_info(), "lease": client.lease_state(),
+    return {"killed_at": killed_at, "serving_at": serving_at, "ended_at": ended_at, "tokens": tokens,
+            "weight_version": version, "lease": client.lease_state(),
             "rank1": json.loads(rank1.read_text()) if rank1.exists() else None, "ranks": ranks}
 
 
-__all__ = ["PHASES", "dying_driver", "kill_the_driver", "refit_from_here"]
+__all__ = ["PHASES", "dying_driver", "engine_client", "kill_the_driver", "refit_from_here"]

@@ -126,7 +126,7 @@ def refit_server(job: dict[str, Any]) -> None:
                 break
             if server is not None:
                 entry.update(tokens=server.greedy(job["prompts"]), weight_version=server.weight_info(),
-                             checksums=server.weight_checksums())
+                             checksums=server.weight_checksums(), landed=_landed(server))
             out["refits"].append(entry)
             if "error" in entry:
                 break
@@ -139,6 +139,14 @@ def refit_server(job: dict[str, Any]) -> None:
     if rank == 0 or "exception" in out:
         path = Path(job["out"]) if rank == 0 else Path(job["out"]).with_suffix(f".rank{rank}.json")
         path.write_text(json.dumps(out, default=str))
+
+
+def _landed(server: Any) -> list[dict[str, Any]] | None:
+    """reshard's digest of what landed on each worker (servers with the worker extension), else None."""
+    try:
+        return server.landed()
+    except ExecutionError:
+        return None
 
 
 def _kill_server_when_updating(server: Any, step: int, pid: int) -> None:

@@ -82,6 +82,7 @@ class WorkerSession:
             process = self.plan.src.num_ranks + self.rank
             rv.join(self.store, self.rendezvous, process, refit.num_processes, "engine")
         self.executor = open_transport(refit, process, {}, {self.rank: tensors}, store=self.store, group=group)
+        self.tensors, self.installed = tensors, False
 
     def _report(self, reason: str) -> None:
         """Tell the trainer processes waiting at the rendezvous why this worker cannot take part."""
@@ -130,7 +131,7 @@ class WorkerSession:
         """This worker's part of the transfer; the model is not touched (staged, or the loader's buffers)."""
         if self.executor is None:
             raise ExecutionError("this refit session is closed")
-        self.received = False
+        self.received = self.installed = False
         try:
             self.executor.refit()
         except Exception as e:
@@ -154,6 +155,20 @@ class WorkerSession:
             self.binding.finish()
         else:
             self.installer.install()
+        self.installed = True
+
+    def landed(self) -> dict[str, Any]:
+        """reshard's own end-to-end digest of what the last transfer landed on this worker, before vLLM's loaders
+        repack anything: SHA-256 of each destination tensor of the plan (loader: the whole canonical tensors, so
+        they compare with a checkpoint's; direct: the parameters written; lora_slot: before B's scaling) and
+        whether it was installed. vLLM's /weight_checker hashes parameters after its processing, and on the CPU
+        build hashes repacked parameters as empty input."""
+        from ...executors.checksum import tensor_digests
+
+        if self.slot is not None and self.installed:
+            raise ExecutionError("an installed adapter slot holds B * alpha / r, not what landed")
+        return {"rank": self.rank, "refit": (self.refit.rendezvous or {}).get("refit_id", ""),
+                "installed": self.installed, "digests": tensor_digests(getattr(self, "tensors", {}))}
 
     def receive(self) -> None:
         self.transfer()

@@ -98,5 +98,14 @@ class ReshardWorkerExtension:
 
         return {**cache.stats(), "pid": os.getpid()}
 
+    def reshard_landed(self) -> dict[str, Any]:
+        """`WorkerSession.landed` of this worker's last refit (through the weight-transfer API or this extension):
+        reshard's digest of what landed, before any repacking. Callable through a server's `/collective_rpc`."""
+        engine = getattr(getattr(self, "weight_transfer_engine", None), "steps", None)
+        for steps in (engine, getattr(self, "_reshard_agreed", None)):
+            if steps is not None and steps.session is not None:
+                return steps.session.landed()
+        raise PlanError("no refit session on this worker: nothing landed yet")
+
     def reshard_close(self) -> None:
         self._reshard_steps().close()

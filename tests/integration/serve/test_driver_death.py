@@ -4,7 +4,8 @@ after the byte transfer, over every cross-process transport, one server for all 
 
 Each case must leave the server serving by itself (no /resume from anyone) within the lease + the transport's
 timeout, with its previous weights (the same greedy tokens as before the case) and version, its lease ended; and a
-new driver's init + refit must then succeed. Ground truth: the server starts on checkpoint B (its fresh tokens);
+new driver's init + refit must then succeed, and what landed on every worker (reshard's digest of each whole
+tensor before vLLM repacks it) must equal the checkpoint file's. Ground truth: the server starts on checkpoint B (its fresh tokens);
 refits alternate between checkpoint A and B, so every case both keeps and then changes the served weights.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 
 import pytest
 
+from reshard.executors.checksum import tensor_digests
 from reshard.testing.driver_faults import PHASES, kill_the_driver, refit_from_here
 from reshard.testing.megatron_cpu import TinyGPT
 from reshard.testing.serve import ServerProcess, vllm_cpu_python
@@ -30,13 +32,16 @@ def test_a_dead_driver_leaves_the_server_serving_its_weights_and_a_new_driver_re
         pytest.fail("no vLLM CPU virtualenv (scripts/bootstrap vllm makes .venv-vllm-cpu; scripts/test runs it)")
     a = make_checkpoint(TinyGPT(), tmp_path / "A")
     b = save_checkpoint({k: train_step(v, 1) for k, v in load_checkpoint(a).items()}, a, tmp_path / "B")
-    with ServerProcess(b, tp=2, log=tmp_path / "server.log") as server:
+    digests = {c: tensor_digests(load_checkpoint(c)) for c in (a, b)}  # the checkpoints' files: ground truth
+    extension = ("--worker-extension-cls", "reshard.adapters.vllm.worker.ReshardWorkerExtension")
+    with ServerProcess(b, tp=2, log=tmp_path / "server.log", extra_args=extension) as server:
         tokens = {b: server.greedy(PROMPTS)}
         served, version = b, server.weight_info()
+        engine = {"url": server.url, "tp": 2}
         for transport in TRANSPORTS:
             for phase in PHASES:
                 other = a if served == b else b
-                case = kill_the_driver(server.url, other, 2, transport, phase, work=tmp_path / "cases", lease=LEASE,
+                case = kill_the_driver(engine, other, transport, phase, work=tmp_path / "cases", lease=LEASE,
                                        timeout=TIMEOUT, prompts=PROMPTS)
                 label = f"{transport}/{phase}"
                 assert case["serving_at"] is not None, f"{label}: the server did not serve again"
@@ -47,10 +52,12 @@ def test_a_dead_driver_leaves_the_server_serving_its_weights_and_a_new_driver_re
                 assert case["lease"]["holder"] is None, f"{label}: the dead driver still holds the lease"
                 assert case["rank1"] is not None and "exception" not in case["rank1"], (label, case)
                 t0 = time.monotonic()
-                refit_from_here(server.url, other, 2, transport, f"new-{transport}-{phase}", timeout=TIMEOUT)
+                refit_from_here(engine, other, transport, f"new-{transport}-{phase}", timeout=TIMEOUT)
                 served, version = other, f"new-{transport}-{phase}"
                 now = server.greedy(PROMPTS)
                 assert now != tokens[b] if served == a else now == tokens[b], f"{label}: the new driver's refit"
                 tokens.setdefault(served, now)
                 assert now == tokens[served] and server.weight_info() == version
+                for worker in server.landed():  # reshard's digest of every tensor that landed, before repacking
+                    assert worker["installed"] and worker["digests"] == digests[served], f"{label}: landed bytes"
                 assert time.monotonic() - t0 < 3 * TIMEOUT + MARGIN

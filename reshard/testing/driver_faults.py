@@ -45,7 +45,7 @@ def dying_driver(job: dict[str, Any]) -> None:
     src = MegatronLayout(model=spec, tp=world, vocab_divisor=64)
     tensors = shard(src, load_checkpoint(job["checkpoint"]), ranks=[rank])[rank]
     refit = RefitSpec.of(spec, src, VllmLayout(model=spec, tp=job["engine"]["tp"]), install="loader",
-                         transport=job["transport"], options={"timeout": job["timeout"]})
+                         transport=job["transport"], options={"timeout": job["timeout"]}, config=job["checkpoint"])
     server = engine_client(job["engine"], job["timeout"] * 3) if rank == 0 else None
     session = TrainerSession(refit, rank, tensors, engines=[server] if server else [],
                              trainer_group=dist.group.WORLD, timeout=job["timeout"], lease=job["lease"])
@@ -120,7 +120,7 @@ def refit_from_here(engine: dict[str, Any], checkpoint: str | Path, transport: s
     spec = ModelSpec.from_hf_config(checkpoint)
     src = MegatronLayout(model=spec, vocab_divisor=64)
     refit = RefitSpec.of(spec, src, VllmLayout(model=spec, tp=engine["tp"]), install="loader", transport=transport,
-                         options={"timeout": timeout})
+                         options={"timeout": timeout}, config=checkpoint)
     session = TrainerSession(refit, 0, shard(src, load_checkpoint(checkpoint))[0],
                              engines=[engine_client(engine, 3 * timeout)], timeout=timeout, lease=lease)
     try:

@@ -94,7 +94,7 @@ def refit_server(job: dict[str, Any]) -> None:
     server = VllmServer(job["url"]) if rank == 0 else None
     dst = VllmLayout(model=spec, tp=job.get("server_tp", 1))
     refit = RefitSpec.of(spec, layout, dst, install="loader", transport=job["transport"],
-                         options=job.get("options", {}))
+                         options=job.get("options", {}), config=job["checkpoint"])
     out: dict[str, Any] = {"layout": str(layout), "refits": []}
     session = TrainerSession(refit, rank, tensors, engines=[server] if server else [],
                              trainer_group=dist.group.WORLD, timeout=job.get("timeout", 300.0))

@@ -104,6 +104,16 @@ class WorkerSession:
         ours = model.model_copy(update={"dtype": live.dtype})
         if ours != live:
             raise LayoutMismatchError(str(dst), [f"trainer: {model}", f"vLLM: {live}"], where="the vLLM model")
+        if self.refit.math is not None:  # fields that change the math, not the shapes (layouts.math_config)
+            from ...layouts.math_config import math_config, math_differences, math_fingerprint
+
+            engine = math_config(self.vllm_config.model_config.hf_config.to_dict())
+            differ = math_differences(self.refit.math, engine)
+            if differ:
+                ours, theirs = math_fingerprint(self.refit.math)[:12], math_fingerprint(engine)[:12]
+                raise LayoutMismatchError(str(dst), [f"the trainer's model config (math {ours}) vs this engine's "
+                                                     f"(math {theirs}): " + "; ".join(differ)],
+                                          where="the vLLM model's config")
         declared = declared_layout(model, self.vllm_config, dst.replicas)
         lora = {"model", "max_lora_rank", "fully_sharded"}
         if declared.model_dump(exclude={"model"}) != dst.model_dump(exclude=lora):

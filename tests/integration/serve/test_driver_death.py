@@ -14,6 +14,11 @@ import time
 
 import pytest
 
+import reshard
+from reshard.adapters.refit import RefitSpec
+from reshard.adapters.trainer import TrainerSession
+from reshard.errors import ExecutionError
+from reshard.executors import shard
 from reshard.executors.checksum import tensor_digests
 from reshard.testing.driver_faults import PHASES, kill_the_driver, refit_from_here
 from reshard.testing.megatron_cpu import TinyGPT
@@ -38,6 +43,7 @@ def test_a_dead_driver_leaves_the_server_serving_its_weights_and_a_new_driver_re
         tokens = {b: server.greedy(PROMPTS)}
         served, version = b, server.weight_info()
         engine = {"url": server.url, "tp": 2}
+        _a_differently_configured_model_is_refused_at_init(server, a)
         for transport in TRANSPORTS:
             for phase in PHASES:
                 other = a if served == b else b
@@ -61,3 +67,20 @@ def test_a_dead_driver_leaves_the_server_serving_its_weights_and_a_new_driver_re
                 for worker in server.landed():  # reshard's digest of every tensor that landed, before repacking
                     assert worker["installed"] and worker["digests"] == digests[served], f"{label}: landed bytes"
                 assert time.monotonic() - t0 < 3 * TIMEOUT + MARGIN
+
+
+def _a_differently_configured_model_is_refused_at_init(server, checkpoint):
+    """Same shapes, other math (RMSNorm epsilon, rope theta): refused by the workers at init, naming the fields;
+    nothing moved, the server keeps serving."""
+    spec = reshard.ModelSpec.from_hf_config(checkpoint)
+    src = reshard.MegatronLayout(model=spec, vocab_divisor=64)
+    refit = RefitSpec.of(spec, src, reshard.VllmLayout(model=spec, tp=2), install="loader", transport="collective",
+                         config=checkpoint)
+    wrong = refit.with_(math={**refit.math, "rms_norm_eps": 0.125, "rope_theta": 77.0})
+    before = server.greedy(PROMPTS)
+    session = TrainerSession(wrong, 0, shard(src, load_checkpoint(checkpoint))[0], engines=[server], timeout=60.0)
+    with pytest.raises(ExecutionError, match="rms_norm_eps: trainer 0.125") as e:
+        session.init()
+    session.close()
+    assert "rope_theta: trainer 77.0" in str(e.value)
+    assert server.greedy(PROMPTS) == before

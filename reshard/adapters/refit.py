@@ -102,15 +102,28 @@ class RefitSpec:
         dict, config.json or checkpoint directory): its fields that change the math without changing shapes
         (layouts.math_config.MATH_FIELDS: MoE top-k, norm epsilon, rope, activation ...) travel as `math`, and the
         engine refuses a refit whose model sets any of them otherwise."""
+        from pathlib import Path
+
+        from .arguments import instance
+
+        instance("spec", spec, ModelSpec, "a ModelSpec")
+        instance("src", src, Layout, "a Layout (the trainer's)")
+        instance("dst", dst, Layout, "a Layout (the engine's VllmLayout)")
+        instance("config", config, (dict, str, Path), "an HF config (a dict, config.json or a checkpoint directory)",
+                 none=True)
         strip = lambda layout: {k: v for k, v in layout_to_dict(layout).items() if k != "model"}  # noqa: E731
         rdv = fields.get("rendezvous")
         if rdv is not None and not isinstance(rdv, dict):
             fields["rendezvous"] = rdv.to_dict()
         if config is not None:
+            from ..errors import ArgumentError
             from ..layouts.math_config import math_config
-            from ..layouts.registry import read_hf_config
+            from ..layouts.registry import read_hf_config, spec_from_hf_config
 
-            fields["math"] = math_config(read_hf_config(config))
+            config = read_hf_config(config)
+            if spec_from_hf_config(config).model_copy(update={"dtype": spec.dtype}) != spec:
+                raise ArgumentError("config", "<the HF config>", f"is not the config of the model {spec}")
+            fields["math"] = math_config(config)
         return cls(model=spec.model_dump(), src=strip(src), dst=strip(dst), **fields)
 
     def to_dict(self) -> dict[str, Any]:

@@ -28,9 +28,16 @@ class VllmServer:
     pause / resume and what a caller checks afterwards (weight version, checksums, greedy completions)."""
 
     def __init__(self, url: str, timeout: float = 600.0, api_key: str | None = None) -> None:
+        from .arguments import seconds, text
+
+        text("url", url)
+        seconds("timeout", timeout)
+        text("api_key", api_key, none=True)
         parsed = urllib.parse.urlparse(url)
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
-            raise ExecutionError(f"server url {url!r} must be http(s)://host:port")
+            from ..errors import ArgumentError
+
+            raise ArgumentError("url", url, "must be http(s)://host:port")
         self.url, self.timeout, self.api_key = url.rstrip("/"), timeout, api_key
         self.lease_holder: str | None = None  # sent with every call once a lease is taken (adapters.vllm.lease)
 

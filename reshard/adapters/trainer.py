@@ -80,6 +80,7 @@ class TrainerSession:
             freezes, the engine ends the open update by itself within `lease` (+ the transport's timeout when bytes
             are in flight) and serves its previous weights. None: no lease.
         """
+        _check_arguments(refit, process, tensors, engines, trainer_group, rendezvous, host, pause, timeout, lora_ids)
         self.refit_spec, self.process = refit, process
         self.tensors = tensors if tensors and all(isinstance(k, int) for k in tensors) else {process: tensors}
         self.engines, self.trainer_group, self.pause_mode = list(engines), trainer_group, pause
@@ -320,6 +321,46 @@ class TrainerSession:
         if self.refit_spec.transport not in CROSS_PROCESS:
             withdraw_source(str(self.refit_spec.options.get("key", "default")))
         self.store = None
+
+
+def _check_arguments(refit: Any, process: Any, tensors: Any, engines: Any, trainer_group: Any, rendezvous: Any,
+                     host: Any, pause: Any, timeout: Any, lora_ids: Any) -> None:
+    """TrainerSession's arguments, each refused with ArgumentError naming it (nothing coerced)."""
+    from collections.abc import Mapping
+
+    from ..errors import ArgumentError
+    from ..executors.rendezvous import Rendezvous
+    from .arguments import instance, integer, seconds, text
+
+    instance("refit", refit, RefitSpec, "a RefitSpec")
+    integer("process", process, 0, 1 << 20)
+    rule = "must map tensor names to tensors ({name: tensor}), or source ranks to such mappings"
+    if not isinstance(tensors, Mapping):
+        raise ArgumentError("tensors", tensors, rule)
+    for key, value in tensors.items():
+        ok = (isinstance(key, str) and isinstance(value, torch.Tensor)) or (
+            isinstance(key, int) and not isinstance(key, bool) and isinstance(value, Mapping)
+            and all(isinstance(n, str) and isinstance(t, torch.Tensor) for n, t in value.items()))
+        if not ok:
+            raise ArgumentError("tensors", {key: value}, rule)
+    if not isinstance(engines, (list, tuple)):
+        raise ArgumentError("engines", engines, "must be a list of engine clients (VllmServer, RayEngineClient ...)")
+    for engine in engines:
+        missing = [m for m in ("init_weight_transfer_engine", "start_weight_update", "update_weights",
+                               "finish_weight_update") if not callable(getattr(engine, m, None))]
+        if missing:
+            raise ArgumentError("engines", engine, f"must be engine clients; this one lacks {missing}")
+    if trainer_group is not None:
+        import torch.distributed as dist
+
+        instance("trainer_group", trainer_group, dist.ProcessGroup, "a torch.distributed ProcessGroup", none=True)
+    instance("rendezvous", rendezvous, Rendezvous, "an executors.rendezvous.Rendezvous", none=True)
+    text("host", host)
+    text("pause", pause, none=True, choices=("wait", "abort", "keep"))
+    seconds("timeout", timeout)
+    if lora_ids is not None and (not isinstance(lora_ids, (list, tuple)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i > 0 for i in lora_ids)):
+        raise ArgumentError("lora_ids", lora_ids, "must be a list of positive adapter ids, or None")
 
 
 class _Renewal:

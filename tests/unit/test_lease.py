@@ -9,6 +9,7 @@ import types
 import pytest
 
 from reshard.adapters.vllm.lease import LeaseBook, ReshardLeaseMiddleware, parse_grant
+from reshard.errors import ArgumentError
 
 
 class Clock:
@@ -33,12 +34,12 @@ def test_book_grants_renews_fences_and_refuses_old_generations():
 
 
 @pytest.mark.parametrize("body,rule", [
-    (b"[]", "JSON object"), (b"nope", "not JSON"), (b'{"holder": "short"}', "8-128"),
+    (b"[]", "JSON object"), (b"nope", "not JSON"), ("{}", "bytes"), (b'{"holder": "short"}', "8-128"),
     (b'{"holder": "abcdefgh", "ttl": 0}', "ttl"), (b'{"holder": "abcdefgh", "ttl": true}', "ttl"),
     (b'{"holder": "abcdefgh", "ttl": "5"}', "ttl"), (b'{"holder": "abcdefgh", "ttl": NaN}', "ttl"),
     (b'{"holder": "abcdefgh", "x": 1}', "unknown fields"), (b'{"holder": "abc/../defgh"}', "letters or digits")])
 def test_bad_lease_requests_are_refused(body, rule):
-    with pytest.raises(ValueError, match=rule):
+    with pytest.raises(ArgumentError, match=rule):
         parse_grant(body)
 
 

@@ -102,23 +102,28 @@ def after(opened: Open, route: str, update: dict[str, Any] | None, ok: bool) -> 
 
 
 def parse_grant(body: bytes) -> tuple[str, float, bool]:
-    """The lease request's fields, validated (untrusted input)."""
+    """The lease request's fields, validated (untrusted input); ArgumentError names what is wrong."""
+    from ...errors import ArgumentError
+
+    if not isinstance(body, (bytes, bytearray)) or len(body) > MAX_BODY:
+        raise ArgumentError("body", body, f"must be at most {MAX_BODY} bytes of JSON")
     try:
-        value = json.loads(body or b"{}")
+        value = json.loads(bytes(body) or b"{}")
     except ValueError as e:
-        raise ValueError(f"the lease request is not JSON: {e}") from None
+        raise ArgumentError("body", bytes(body[:200]), f"is not JSON ({e})") from None
     if not isinstance(value, dict):
-        raise ValueError(f"the lease request must be a JSON object, got {type(value).__name__}")
+        raise ArgumentError("body", value, "must be a JSON object")
     unknown = sorted(set(value) - {"holder", "ttl", "release"})
     holder, ttl, release = value.get("holder"), value.get("ttl", 30.0), value.get("release", False)
     if unknown:
-        raise ValueError(f"unknown fields {unknown}; known: ['holder', 'release', 'ttl']")
+        raise ArgumentError("body", unknown, "has unknown fields; known: ['holder', 'release', 'ttl']")
     if not isinstance(holder, str) or not 8 <= len(holder) <= 128 or not holder.isalnum():
-        raise ValueError(f"holder={holder!r} must be 8-128 letters or digits")
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl) or not 0.5 <= ttl <= MAX_TTL:
-        raise ValueError(f"ttl={ttl!r} must be a number of seconds in [0.5, {MAX_TTL:.0f}]")
+        raise ArgumentError("holder", holder, "must be 8-128 letters or digits")
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl) \
+            or not 0.5 <= ttl <= MAX_TTL:
+        raise ArgumentError("ttl", ttl, f"must be a number of seconds in [0.5, {MAX_TTL:.0f}]")
     if not isinstance(release, bool):
-        raise ValueError(f"release={release!r} must be true or false")
+        raise ArgumentError("release", release, "must be true or false")
     return holder, float(ttl), release
 
 
@@ -215,9 +220,11 @@ class ReshardLeaseMiddleware:
             return await _answer(send, 200, {"holder": book.holder, "generation": book.generation,
                                              "open": book.open.__dict__, "inflight": book.inflight})
         body, _ = await _buffered(receive)
+        from ...errors import ReshardError
+
         try:
             holder, ttl, release = parse_grant(body)
-        except ValueError as e:
+        except ReshardError as e:
             return await _answer(send, 400, {"error": str(e)})
         async with self.lock:
             if release:

@@ -39,7 +39,7 @@ def test_a_dead_driver_leaves_the_engine_actor_its_weights_and_a_new_driver_refi
     actor = None
     try:
         actor = start_engine(str(b), 1, name=NAME)
-        client = RayEngineClient(actor, NAME, timeout=300.0)
+        client = RayEngineClient(actor, NAME, timeout=900.0)  # the first call waits for the engine to start
         tokens = {b: client.greedy(PROMPTS)}
         served, version = b, client.weight_version()
         engine = {"ray_address": ray.get_runtime_context().gcs_address, "namespace": NAMESPACE, "name": NAME,

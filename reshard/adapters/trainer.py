@@ -222,11 +222,11 @@ class TrainerSession:
             for engine in self.engines:
                 try:
                     if self.pause_mode and hasattr(engine, "pause"):
-                        engine.pause(self.pause_mode)
-                        paused.append(engine)
-                    engine.start_weight_update()
-                except Exception as e:  # noqa: BLE001 - the refit stops here; the other processes time out
-                    errors.append(f"{engine}: {e}")
+                        paused.append(engine)  # resumed below even if the pause's answer never came
+                        self._bounded(engine, "pause", self.pause_mode)
+                    self._bounded(engine, "start_weight_update")
+                except ExecutionError as e:  # the refit stops here; the other processes time out
+                    errors.append(str(e))
                     break
             if self.engines:
                 marks.append(("start", time.perf_counter()))
@@ -250,16 +250,19 @@ class TrainerSession:
                 marks.append(("engines", time.perf_counter()))
             if self.engines and not errors:
                 for engine in self.engines:
-                    engine.finish_weight_update(version)
+                    try:
+                        self._bounded(engine, "finish_weight_update", version)
+                    except ExecutionError as e:
+                        errors.append(str(e))
                 marks.append(("finish", time.perf_counter()))
             elif self.engines:
                 self._close_failed_update()
         finally:
             for engine in paused:
                 try:
-                    engine.resume()
-                except Exception as e:  # noqa: BLE001 - reported with the refit's outcome
-                    errors.append(f"{engine}: resume failed: {e}")
+                    self._bounded(engine, "resume")
+                except ExecutionError as e:  # reported with the refit's outcome
+                    errors.append(f"resume failed: {e}")
             if paused:
                 marks.append(("resume", time.perf_counter()))
         if errors:
@@ -295,14 +298,18 @@ class TrainerSession:
         """After a failed update, end the update on every engine worker (without a version). vLLM keeps an update
         open on the workers that did not raise (the engine raises on its last worker only, see
         adapters.vllm.agreed); a worker whose update is already closed refuses, which is expected."""
-        for engine in self.engines:
-            try:
-                engine.finish_weight_update(None)
-            except Exception:  # noqa: BLE001 - expected from the workers that raised
-                pass
+        _wait([self._call(engine, "finish_weight_update", None) for engine in self.engines], self.timeout)
+        # errors are expected from the workers that raised
 
-    def _call(self, engine: EngineClient, method: str, arg: Any, on_error: Any = None) -> "_Call":
-        return _Call(engine, method, arg, on_error)
+    def _call(self, engine: EngineClient, method: str, *args: Any, on_error: Any = None) -> "_Call":
+        return _Call(engine, method, args, on_error)
+
+    def _bounded(self, engine: EngineClient, method: str, *args: Any) -> None:
+        """An engine call that returns within the session's timeout, or raises ExecutionError (the call is left
+        to its thread: an engine that never answers cannot hold the trainer)."""
+        errors = _wait([self._call(engine, method, *args)], self.timeout)
+        if errors:
+            raise ExecutionError(errors[0])
 
     # --- 3. close ------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -390,17 +397,17 @@ class _Renewal:
 class _Call:
     """An engine call on a thread of its own (an engine's update must run while the trainer sends)."""
 
-    def __init__(self, engine: EngineClient, method: str, arg: Any, on_error: Any = None) -> None:
+    def __init__(self, engine: EngineClient, method: str, args: tuple, on_error: Any = None) -> None:
         self.label = f"{engine!r}.{method}"
         self.error: str | None = None
         self.on_error = on_error
-        self.thread = threading.Thread(target=self._run, args=(getattr(engine, method), arg), daemon=True,
+        self.thread = threading.Thread(target=self._run, args=(getattr(engine, method), args), daemon=True,
                                        name=f"reshard-{method}")
         self.thread.start()
 
-    def _run(self, fn: Any, arg: Any) -> None:
+    def _run(self, fn: Any, args: tuple) -> None:
         try:
-            fn(arg)
+            fn(*args)
         except Exception as e:  # noqa: BLE001 - handed to the caller
             self.error = f"{self.label}: {e}"
             if self.on_error is not None:

@@ -5,8 +5,10 @@ after the byte transfer, over every cross-process transport, one server for all 
 Each case must leave the server serving by itself (no /resume from anyone) within the lease + the transport's
 timeout, with its previous weights (the same greedy tokens as before the case) and version, its lease ended; and a
 new driver's init + refit must then succeed, and what landed on every worker (reshard's digest of each whole
-tensor before vLLM repacks it) must equal the checkpoint file's. Ground truth: the server starts on checkpoint B (its fresh tokens);
-refits alternate between checkpoint A and B, so every case both keeps and then changes the served weights.
+tensor before vLLM repacks it) must equal the checkpoint file's. Ground truth: the server starts on checkpoint B
+(its fresh tokens); refits alternate between checkpoint A and B, so every case both keeps and then changes the
+served weights. First, a trainer whose model config differs only in its math (norm epsilon, rope theta) is
+refused at init.
 """
 from __future__ import annotations
 

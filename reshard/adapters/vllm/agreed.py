@@ -33,7 +33,7 @@ def _engine_group() -> Any:
     return group.cpu_group if group.world_size > 1 else None
 
 
-def agreed(step: str, fn: Callable[[], None], timeout: float = AGREE_TIMEOUT) -> bool:
+def agreed(step: str, fn: Callable[[], None], timeout: float = AGREE_TIMEOUT, group: Any = None) -> bool:
     """Run `fn` on every worker of this engine and agree on the outcome: True if it succeeded everywhere. If it
     failed anywhere, the engine's last worker raises ExecutionError naming every worker's error and the others
     return False. Why only the last: vLLM's multiprocess executor (0.32, 0.33) reads workers' answers in rank
@@ -49,7 +49,7 @@ def agreed(step: str, fn: Callable[[], None], timeout: float = AGREE_TIMEOUT) ->
         fn()
     except Exception as e:  # noqa: BLE001 - agreed on below, then raised on the last worker
         error = f"{type(e).__name__}: {e}"
-    group = _engine_group()
+    group = group if group is not None else _engine_group()  # `group`: tests give their own
     if group is None:
         if error is not None:
             raise ExecutionError(f"{step} failed: {error}")

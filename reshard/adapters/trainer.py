@@ -383,11 +383,13 @@ class _Renewal:
 
     def _run(self) -> None:
         while not self.stopped.wait(self.ttl / 4):
+            error = None
             for engine in self.engines:
                 try:
                     engine.acquire_lease(self.holder, self.ttl, timeout=self.ttl / 2)
                 except Exception as e:  # noqa: BLE001 - reported by the next refit
-                    self.error = f"{engine}: the driver's lease could not be renewed: {e}"
+                    error = f"{engine}: the driver's lease could not be renewed: {e}"
+            self.error = error  # the last round's: a renewal that failed once and then got through is no error
 
     def stop(self) -> None:
         self.stopped.set()

@@ -154,6 +154,8 @@ class VllmEngineActor:
                 if holder == self.book.holder:
                     self._end("released by its holder")
                 return json.dumps({"released": True})
+            if holder in self.book.fenced:
+                raise ExecutionError(f"lease {holder[:16]!r} ended (its generation was fenced): init again")
             if self.book.holder is not None and holder != self.book.holder:
                 self._end("a new driver took the lease")
             self.book.grant(holder, ttl)

@@ -30,6 +30,8 @@ def test_book_grants_renews_fences_and_refuses_old_generations():
     assert book.lapsed() and book.refusal("a" * 8) is not None  # a lapsed holder is refused before the watchdog
     book.fence()
     assert book.holder is None and not book.lapsed()
+    with pytest.raises(ValueError, match="init again"):  # a fenced driver that thaws does not come back
+        book.grant("a" * 8, 5.0)
     assert book.grant("b" * 8, 5.0) and book.generation == 2
 
 
@@ -115,6 +117,7 @@ def test_a_lapsed_lease_ends_the_update_and_resumes(installed, expected):
         status, body = await _request(mw, "/finish_weight_update", holder=A)  # a late call of the dead driver
         assert status == 409 and "never applied" in body["error"]
         assert (await _request(mw, "/reshard/lease", method="GET"))[1]["holder"] is None
+        assert (await _request(mw, "/reshard/lease", {"holder": A, "ttl": 5}))[0] == 409  # no renewal after it
     _run(main())
 
 

@@ -54,12 +54,17 @@ class LeaseBook:
     generation: int = 0
     open: Open = field(default_factory=Open)
     inflight: int = 0  # calls of lease holders (of any generation) inside the server now
+    fenced: list[str] = field(default_factory=list)  # holders whose generation ended (the last 64): never again
 
     def lapsed(self) -> bool:
         return self.holder is not None and self.clock() > self.expires
 
     def grant(self, holder: str, ttl: float) -> bool:
-        """Take or renew the lease; True if this is a new generation (the caller ended the previous one first)."""
+        """Take or renew the lease; True if this is a new generation (the caller ended the previous one first).
+        A holder whose generation ended is refused (ValueError): a driver that froze past its lease and thawed
+        must init again, as a new generation."""
+        if holder in self.fenced:
+            raise ValueError(f"lease {holder[:16]!r} ended (its generation was fenced); init again for a new one")
         new = holder != self.holder
         if new:
             self.holder, self.generation, self.open = holder, self.generation + 1, Open()
@@ -68,6 +73,8 @@ class LeaseBook:
 
     def fence(self) -> Open:
         """End the holder's generation: its later calls are refused; returns what it left open."""
+        if self.holder is not None:
+            self.fenced = [*self.fenced[-63:], self.holder]
         left, self.holder, self.open = self.open, None, Open()
         return left
 
@@ -231,6 +238,8 @@ class ReshardLeaseMiddleware:
                 if holder == self.book.holder:
                     await self._end("released by its holder")
                 return await _answer(send, 200, {"released": True})
+            if holder in self.book.fenced:
+                return await _answer(send, 409, {"error": f"lease {holder[:16]!r} ended: init again"})
             if self.book.holder is not None and holder != self.book.holder:
                 await self._end("a new driver took the lease")
             self.book.grant(holder, ttl)

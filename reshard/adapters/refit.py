@@ -104,7 +104,7 @@ class RefitSpec:
         engine refuses a refit whose model sets any of them otherwise."""
         from pathlib import Path
 
-        from .arguments import instance
+        from ..arguments import instance
 
         instance("spec", spec, ModelSpec, "a ModelSpec")
         instance("src", src, Layout, "a Layout (the trainer's)")

@@ -28,7 +28,7 @@ class VllmServer:
     pause / resume and what a caller checks afterwards (weight version, checksums, greedy completions)."""
 
     def __init__(self, url: str, timeout: float = 600.0, api_key: str | None = None) -> None:
-        from .arguments import seconds, text
+        from ..arguments import seconds, text
 
         text("url", url)
         seconds("timeout", timeout)

@@ -337,7 +337,7 @@ def _check_arguments(refit: Any, process: Any, tensors: Any, engines: Any, train
 
     from ..errors import ArgumentError
     from ..executors.rendezvous import Rendezvous
-    from .arguments import instance, integer, seconds, text
+    from ..arguments import instance, integer, seconds, text
 
     instance("refit", refit, RefitSpec, "a RefitSpec")
     integer("process", process, 0, 1 << 20)

@@ -59,6 +59,9 @@ ENTRY: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
     "Rendezvous": (Rendezvous, {"host": "127.0.0.1", "port": 29500, "refit_id": "abcdef012345",
                                 "secret": "0" * 32, "timeout": 60.0}),
     "parse_grant": (lambda body: parse_grant(body), {"body": b'{"holder": "abcdefgh", "ttl": 5}'}),
+    "compile_plan": (reshard.compile_plan, {"src": SRC, "dst": DST, "tensors": None, "layers": None, "colocated": False, "fanout": None, "roots": None, "relay_cap": 1}),
+    "parse_layout": (reshard.parse_layout, {"text": "vllm:tp=1", "model": SPEC}),
+    "ModelSpec.from_hf_config": (reshard.ModelSpec.from_hf_config, {"config": CONFIG, "include_mtp": False}),
 }
 
 
@@ -107,9 +110,22 @@ def test_one_wrong_argument_is_refused_with_a_library_error(pytestconfig, data):
 def _accepted_means_valid(name: str, param: str, value: Any) -> None:
     """An accepted value must be one the parameter really takes (nothing coerced)."""
     ok_none = {"TrainerSession": {"engines", "trainer_group", "rendezvous", "pause", "lora_ids", "lease"},
-               "VllmServer": {"api_key"}, "RefitSpec.of": {"config"}}
+               "VllmServer": {"api_key"}, "RefitSpec.of": {"config"},
+               "compile_plan": {"tensors", "layers", "fanout", "roots"}}
     if value is None:
         assert param in ok_none.get(name, set()), f"{name}: {param}=None accepted"
+        return
+    if isinstance(value, bool) and (name, param) in {("compile_plan", "colocated"),
+                                                    ("ModelSpec.from_hf_config", "include_mtp")}:
+        return
+    if name == "compile_plan" and param in ("tensors", "layers", "colocated"):  # an empty selection
+        assert isinstance(value, (list, tuple, set)) and not value, f"compile_plan: {param}={value!r} accepted"
+        return
+    if name == "compile_plan" and param in ("fanout", "roots", "relay_cap"):
+        assert type(value) is int and value >= 1, f"compile_plan: {param}={value!r} accepted"
+        return
+    if name == "parse_layout" and param == "text":
+        assert isinstance(value, str), f"parse_layout: text={value!r} accepted"
         return
     if name == "TrainerSession" and param == "engines":
         assert isinstance(value, (list, tuple)) and not value, f"engines={value!r} accepted"

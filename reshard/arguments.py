@@ -1,11 +1,11 @@
-"""Checks of the adapters' public arguments: each refuses with ArgumentError (field, value, rule) before anything
+"""Checks of public arguments: each refuses with ArgumentError (field, value, rule) before anything
 is built, so a wrong type never surfaces as a TypeError or AttributeError from inside. Nothing is coerced."""
 from __future__ import annotations
 
 import math
 from typing import Any
 
-from ..errors import ArgumentError
+from .errors import ArgumentError
 
 
 def seconds(field: str, value: Any, low: float = 0.0, high: float = 86400.0, none: bool = False) -> float | None:
@@ -40,4 +40,21 @@ def instance(field: str, value: Any, kind: type | tuple[type, ...], what: str, n
     raise ArgumentError(field, value, f"must be {what}" + (", or None" if none else ""))
 
 
-__all__ = ["instance", "integer", "seconds", "text"]
+def integers(field: str, value: Any, none: bool = True) -> None:
+    """None (where allowed), or a list, tuple, set or range of integers (not bools, not a string)."""
+    if value is None and none:
+        return
+    if not isinstance(value, (list, tuple, set, frozenset, range)) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise ArgumentError(field, value, "must be a list of integers" + (", or None" if none else ""))
+
+
+def names(field: str, value: Any, none: bool = True) -> None:
+    """None (where allowed), or a list, tuple or set of strings (a single string is not a list of names)."""
+    if value is None and none:
+        return
+    if not isinstance(value, (list, tuple, set, frozenset)) or not all(isinstance(v, str) for v in value):
+        raise ArgumentError(field, value, "must be a list of names" + (", or None" if none else ""))
+
+
+__all__ = ["instance", "integer", "integers", "names", "seconds", "text"]

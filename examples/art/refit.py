@@ -10,8 +10,10 @@ virtualenv (the vLLM CPU build, its own torch), the trainer in this one, which h
 3. starts the trainer: TP x PP megatron-core processes on gloo, loaded with A; they refit the server with A
    (its tokens must change), take the training step (now they hold B) and refit again; every refit is pause,
    start, update (every trainer process sends its own shards to the server's workers), finish, resume;
-4. exits 0 only if the server's tokens and checksums after the second refit equal the fresh server's and its
-   weight version is the one the trainer sent.
+4. exits 0 only if the server's tokens after the second refit equal the fresh server's, reshard's digest of every
+   tensor that landed on every worker (before vLLM repacks it) equals checkpoint B's file, and its weight version
+   is the one the trainer sent. (vLLM's own /weight_checker checksums are compared too, but the CPU build hashes
+   repacked parameters as empty input: they cannot see those.)
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from reshard.executors.checksum import tensor_digests
 from reshard.testing.megatron_cpu import TinyGPT, run_ranks
 from reshard.testing.serve import ServerProcess, vllm_cpu_python
 from reshard.testing.serve_jobs import load_checkpoint, make_checkpoint, refit_server, save_checkpoint, train_step
@@ -45,7 +48,8 @@ def main() -> int:
     a = make_checkpoint(tiny, work / "A")
     b = save_checkpoint({k: train_step(v, 1) for k, v in load_checkpoint(a).items()}, a, work / "B")
     t0 = time.perf_counter()
-    with ServerProcess(b, tp=args.server_tp, log=work / "server.log") as server:
+    extension = ("--worker-extension-cls", "reshard.adapters.vllm.worker.ReshardWorkerExtension")  # reshard_landed
+    with ServerProcess(b, tp=args.server_tp, log=work / "server.log", extra_args=extension) as server:
         print(f"server {server.url} (tp={args.server_tp}) healthy after {time.perf_counter() - t0:.0f} s; "
               f"log {work / 'server.log'}")
         fresh, checksums = server.greedy(PROMPTS), server.weight_checksums()
@@ -66,7 +70,9 @@ def main() -> int:
     checks = {
         "refit with the weights before the step changed the tokens": first["tokens"] != fresh,
         "tokens after the step's refit equal a fresh server's": last["tokens"] == fresh,
-        "vLLM's weight checksums equal a fresh server's": last["checksums"] == checksums,
+        "reshard's digests of what landed on every worker equal checkpoint B's": bool(last.get("landed")) and all(
+            w["installed"] and w["digests"] == tensor_digests(load_checkpoint(b)) for w in last["landed"]),
+        "vLLM's weight checksums equal a fresh server's (blind to repacked parameters)": last["checksums"] == checksums,
         "the server reports the version the trainer sent": last["weight_version"] == last["version"],
     }
     for what, ok in checks.items():

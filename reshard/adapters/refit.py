@@ -46,7 +46,8 @@ CROSS_PROCESS = ("collective", "nixl", "shared")  # transports whose processes m
 LOADER_OPTIONS = {"collective": {"in_place": True}, "nixl": {"staged": False}, "shared": {"staged": False}}
 _FIELDS = {"model": dict, "src": dict, "dst": dict, "install": str, "replica": int, "transport": str,
            "options": dict, "rendezvous": (dict, type(None)), "fanout": (int, type(None)),
-           "verify_layers": (list, tuple, type(None)), "plan_digest": str, "lora_id": (int, type(None))}
+           "verify_layers": (list, tuple, type(None)), "plan_digest": str, "lora_id": (int, type(None)),
+           "math": (dict, type(None))}
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,8 @@ class RefitSpec:
     verify_layers: tuple[int, ...] | None = None  # layers whose loaders direct install probes; None: one per kind
     plan_digest: str = ""  # the trainer's; a worker that compiles another plan refuses the refit
     lora_id: int | None = None  # "lora_slot": the engine's id of the served adapter whose slot is refit
+    math: dict[str, Any] | None = None  # the trainer's HF config fields that change the math, not the shapes
+    # (layouts.math_config); a worker whose model sets any of them otherwise refuses the refit at init
 
     def __post_init__(self) -> None:
         problems = []
@@ -86,7 +89,7 @@ class RefitSpec:
                 problems.append("verify_layers must list layer numbers")
         if problems:
             raise PlanError("invalid refit spec", problems)
-        for name in ("model", "src", "dst", "options", "rendezvous"):  # JSON values, as they travel
+        for name in ("model", "src", "dst", "options", "rendezvous", "math"):  # JSON values, as they travel
             try:
                 object.__setattr__(self, name, json.loads(json.dumps(getattr(self, name))))
             except (TypeError, ValueError) as e:
@@ -94,12 +97,33 @@ class RefitSpec:
 
     # --- plain data ----------------------------------------------------------------------------------
     @classmethod
-    def of(cls, spec: ModelSpec, src: Layout, dst: Layout, **fields: Any) -> "RefitSpec":
-        """From layouts (the model is carried once, not inside each layout)."""
+    def of(cls, spec: ModelSpec, src: Layout, dst: Layout, *, config: Any = None, **fields: Any) -> "RefitSpec":
+        """From layouts (the model is carried once, not inside each layout). `config`: the trainer's HF config (a
+        dict, config.json or checkpoint directory): its fields that change the math without changing shapes
+        (layouts.math_config.MATH_FIELDS: MoE top-k, norm epsilon, rope, activation ...) travel as `math`, and the
+        engine refuses a refit whose model sets any of them otherwise."""
+        from pathlib import Path
+
+        from ..arguments import instance
+
+        instance("spec", spec, ModelSpec, "a ModelSpec")
+        instance("src", src, Layout, "a Layout (the trainer's)")
+        instance("dst", dst, Layout, "a Layout (the engine's VllmLayout)")
+        instance("config", config, (dict, str, Path), "an HF config (a dict, config.json or a checkpoint directory)",
+                 none=True)
         strip = lambda layout: {k: v for k, v in layout_to_dict(layout).items() if k != "model"}  # noqa: E731
         rdv = fields.get("rendezvous")
         if rdv is not None and not isinstance(rdv, dict):
             fields["rendezvous"] = rdv.to_dict()
+        if config is not None:
+            from ..errors import ArgumentError
+            from ..layouts.math_config import math_config
+            from ..layouts.registry import read_hf_config, spec_from_hf_config
+
+            config = read_hf_config(config)
+            if spec_from_hf_config(config).model_copy(update={"dtype": spec.dtype}) != spec:
+                raise ArgumentError("config", "<the HF config>", f"is not the config of the model {spec}")
+            fields["math"] = math_config(config)
         return cls(model=spec.model_dump(), src=strip(src), dst=strip(dst), **fields)
 
     def to_dict(self) -> dict[str, Any]:

@@ -251,6 +251,10 @@ class ModelSpec(BaseModel):
 
     @classmethod
     def from_hf_config(cls, config: "dict | str", include_mtp: bool = False) -> "ModelSpec":
+        if not isinstance(include_mtp, bool):
+            from ..errors import ArgumentError
+
+            raise ArgumentError("include_mtp", include_mtp, "must be True or False")
         return registry.spec_from_hf_config(config, include_mtp=include_mtp)
 
 

@@ -117,8 +117,9 @@ class ReshardCheckpointEngine:
         return {"reshard": self._settings(), "rendezvous": self.offer.to_dict()}
 
     def _settings(self) -> dict[str, Any]:
-        return {"model": self.spec.model_dump(), "transport": self.transport, "fanout": self.fanout,
-                "checksum": self.checksum}
+        """Plain JSON values (they are compared after travelling through Ray or vLLM's RPC)."""
+        return json.loads(json.dumps({"model": self.spec.model_dump(), "transport": self.transport,
+                                      "fanout": self.fanout, "checksum": self.checksum}))
 
     # --- 2. meet -----------------------------------------------------------------------------------------
     def init_policy_process_group(self, *, worker_rank: int, train_world_size: int, rollout_world_size: int,
@@ -182,7 +183,7 @@ class ReshardCheckpointEngine:
         if not isinstance(metadata, list) or len(metadata) != n:
             raise ArgumentError("metadata", f"{type(metadata).__name__} of {len(metadata) if isinstance(metadata, list) else '?'}",
                                 f"must list one prepare() result per worker ({n}: policy workers first)")
-        ours = json.loads(json.dumps(self._settings()))
+        ours = self._settings()
         differ = [k for k, m in enumerate(metadata) if not isinstance(m, dict) or m.get("reshard") != ours]
         if differ:
             raise ArgumentError("metadata", f"entries {differ[:10]}",

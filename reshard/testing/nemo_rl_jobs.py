@@ -12,7 +12,8 @@ at the commit in tests/data/nemo_rl_checkpoint_engine.json):
   - the vLLM worker: `async for batch in receive_weight_batches()`, each batch "loaded" into a dict.
 
 A job is JSON: {"checkpoint", "policy", "rollout", "steps", "kwargs" (engine keyword arguments), "fault": null,
-"wrong-shape" or "unknown-name" (what the last policy worker does wrong at the last step: _faulty), "dir"}.
+"wrong-shape" or "unknown-name" (what the last policy worker does wrong at the last step: _faulty), "release_after_refit"
+(finalize after every refit, prepare and join again before the next, as NeMo-RL then does), "dir"}.
 """
 from __future__ import annotations
 
@@ -63,15 +64,11 @@ def nemo_rl_worker(rank: int, size: int, job: dict[str, Any]) -> dict[str, Any]:
     policy = dist.new_group(list(range(T)))  # every process makes every group
     engine = ReshardCheckpointEngine(bucket_size=job.get("bucket_size", 1 << 20), model=job["checkpoint"],
                                      host="127.0.0.1", **job.get("kwargs", {}))
-    metadata = _gather(job, "prepare", rank, engine.prepare())  # policy workers are processes 0..T-1: first
-    topology = {"train_world_size": T, "rollout_world_size": R, "metadata": metadata}
-    if rank < T:
-        engine.init_policy_process_group(worker_rank=rank, **topology)
-    else:
-        engine.init_rollout_process_group(rollout_rank=rank - T, **topology)
     out: dict[str, Any] = {"refits": []}
     base = load_checkpoint(job["checkpoint"])
     for step in range(1, job["steps"] + 1):
+        if step == 1 or job.get("release_after_refit"):  # NeMo-RL then finalizes after every refit
+            _meet(job, engine, rank, step)
         base = {k: train_step(v, step) for k, v in base.items()}
         entry: dict[str, Any] = {"step": step}
         t0 = time.perf_counter()
@@ -91,9 +88,22 @@ def nemo_rl_worker(rank: int, size: int, job: dict[str, Any]) -> dict[str, Any]:
         entry["seconds"] = time.perf_counter() - t0
         out["refits"].append(entry)
         dist.barrier()
+        if job.get("release_after_refit"):
+            engine.finalize()
     out["model_bytes"] = sum(t.numel() * t.element_size() for t in base.values())
     engine.finalize()
     return out
+
+
+def _meet(job: dict[str, Any], engine: Any, rank: int, step: int) -> None:
+    """prepare on every engine, then every engine joins with all their metadata (policy workers first)."""
+    T, R = job["policy"], job["rollout"]
+    metadata = _gather(job, f"prepare{step}", rank, engine.prepare())  # policy workers are processes 0..T-1
+    topology = {"train_world_size": T, "rollout_world_size": R, "metadata": metadata}
+    if rank < T:
+        engine.init_policy_process_group(worker_rank=rank, **topology)
+    else:
+        engine.init_rollout_process_group(rollout_rank=rank - T, **topology)
 
 
 def _policy_iterator(weights: dict[str, torch.Tensor], group: Any) -> Iterator[tuple[str, torch.Tensor]]:

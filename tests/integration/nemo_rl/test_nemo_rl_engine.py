@@ -37,9 +37,12 @@ def _run(tmp_path, checkpoint, policy, rollout, **job):
     return results[:policy], results[policy:]
 
 
-@pytest.mark.parametrize("model,fanout", [("dense", None), ("moe", 1)])
-def test_rollout_workers_get_the_trained_tensors_from_every_policy_worker(tmp_path, checkpoints, model, fanout):
-    policy, rollout = _run(tmp_path, checkpoints[model], 2, 3, bucket_size=20_000, kwargs={"fanout": fanout})
+@pytest.mark.parametrize("model,fanout,release", [("dense", None, True), ("moe", 1, False)])
+def test_rollout_workers_get_the_trained_tensors_from_every_policy_worker(tmp_path, checkpoints, model, fanout,
+                                                                          release):
+    """release: finalize after every refit and meet again before the next (NeMo-RL's release_after_refit)."""
+    policy, rollout = _run(tmp_path, checkpoints[model], 2, 3, bucket_size=20_000, kwargs={"fanout": fanout},
+                           release_after_refit=release)
     for r in rollout:
         for entry in r["refits"]:
             assert "error" not in entry, entry

@@ -5,8 +5,9 @@ examples/nemo_rl/refit.py, run by tests/integration/examples).
 Ground truth: the tensors a rollout worker yields must equal, byte for byte, the checkpoint's tensors after the
 same training steps, computed in that process from the checkpoint file (independent of reshard). The sending is
 spread: each policy worker keeps and sends only what the plan reads from it (get_target_weight_layout filters
-its iterator), and with fan-out the policy workers send one copy of the model in total. A policy worker that
-sends a wrong tensor (or one the model does not have) fails the refit on every process and no rollout worker yields anything.
+its iterator), and with fan-out (3 rollout workers fed by 2 policy workers) fewer copies leave the policy. A policy
+worker that sends a wrong tensor (or one the model does not have) fails the refit on every process and no rollout
+worker yields anything.
 """
 from __future__ import annotations
 
@@ -37,11 +38,11 @@ def _run(tmp_path, checkpoint, policy, rollout, **job):
     return results[:policy], results[policy:]
 
 
-@pytest.mark.parametrize("model,fanout,release", [("dense", None, True), ("moe", 1, False)])
-def test_rollout_workers_get_the_trained_tensors_from_every_policy_worker(tmp_path, checkpoints, model, fanout,
-                                                                          release):
+@pytest.mark.parametrize("model,rollouts,fanout,release", [("dense", 3, 1, True), ("moe", 2, None, False)])
+def test_rollout_workers_get_the_trained_tensors_from_every_policy_worker(tmp_path, checkpoints, model, rollouts,
+                                                                          fanout, release):
     """release: finalize after every refit and meet again before the next (NeMo-RL's release_after_refit)."""
-    policy, rollout = _run(tmp_path, checkpoints[model], 2, 3, bucket_size=20_000, kwargs={"fanout": fanout},
+    policy, rollout = _run(tmp_path, checkpoints[model], 2, rollouts, bucket_size=20_000, kwargs={"fanout": fanout},
                            release_after_refit=release)
     for r in rollout:
         for entry in r["refits"]:
@@ -53,9 +54,9 @@ def test_rollout_workers_get_the_trained_tensors_from_every_policy_worker(tmp_pa
     assert all(s > 0 for s in sent)  # both policy workers send ...
     assert max(sent) < 0.75 * sum(sent)  # ... about half each
     spec = ModelSpec.from_hf_config(checkpoints[model])
-    plan = cached_plan(HfLayout(model=spec, replicas=2), HfLayout(model=spec, replicas=3), fanout=fanout)
-    copies = plan.roots if fanout else 3  # with fan-out the rollout workers relay: fewer copies leave the policy
-    assert copies < 3 if fanout else True
+    plan = cached_plan(HfLayout(model=spec, replicas=2), HfLayout(model=spec, replicas=rollouts), fanout=fanout)
+    copies = plan.roots if fanout else rollouts  # with fan-out the rollout workers relay: fewer copies leave the policy
+    assert copies < rollouts if fanout else True
     assert sum(sent) == copies * model_bytes
     kept = [p["refits"][-1]["kept"] for p in policy]  # each worker keeps only its share of the iterator
     assert max(kept) < len(spec.tensors) and sum(kept) <= len(spec.tensors) + 2

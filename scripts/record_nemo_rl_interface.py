@@ -24,8 +24,9 @@ CALL_ORDER = [
      "bucket_size_bytes=..., engine_kwargs=...) -> cls(bucket_size=bucket_size_bytes, **engine_kwargs)"},
     {"step": "prepare", "where": "every engine", "call": "prepare(); dict results get 'rank' added; policy results "
      "sorted by rank first, then vLLM workers' in global rollout order"},
-    {"step": "init", "where": "all together", "call": "init_policy_process_group(worker_rank=..., train_world_size=..., "
-     "rollout_world_size=..., metadata=...) / init_rollout_process_group(rollout_rank=..., ...)"},
+    {"step": "init", "where": "all together", "call": "init_policy_process_group(worker_rank=..., "
+     "train_world_size=..., rollout_world_size=..., metadata=...) / init_rollout_process_group(rollout_rank=..., "
+     "...)"},
     {"step": "refit", "where": "all together, per refit", "call": "policy: await send_weights(iterator) where the "
      "Megatron worker filters the iterator with get_target_weight_layout(); vLLM: async for batch in "
      "receive_weight_batches(): load_weights(batch)"},
@@ -66,8 +67,10 @@ def record(root: Path) -> dict:
     typed = {c: [t.target.id for t in _class(layout, c).body if isinstance(t, ast.AnnAssign)]
              for c in ("VllmWeightLayout", "VllmExpertParamLayout")}
     config = ast.parse((root / CONFIG).read_text())
-    plugin = [t.target.id for t in _class(config, "VllmCheckpointEnginePluginConfig").body if isinstance(t, ast.AnnAssign)]
-    commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    plugin = [t.target.id for t in _class(config, "VllmCheckpointEnginePluginConfig").body
+              if isinstance(t, ast.AnnAssign)]
+    commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
     return {
         "source": {"repository": "https://github.com/NVIDIA-NeMo/RL", "commit": commit,
                    "files": [BASE, LAYOUT, CONFIG]},
@@ -83,7 +86,8 @@ def record(root: Path) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkout")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "tests/data/nemo_rl_checkpoint_engine.json"))
+    p.add_argument("--out", default=str(Path(__file__).resolve().parents[1]
+                                        / "tests/data/nemo_rl_checkpoint_engine.json"))
     a = p.parse_args()
     Path(a.out).write_text(json.dumps(record(Path(a.checkout)), indent=2) + "\n")
 

@@ -65,6 +65,7 @@ class ReshardCheckpointEngine:
     checksum: hash every message and compare before anything is handed to vLLM (True: sha256, or "sum64").
     backend: the torch.distributed backend (None: NCCL when the tensors are on GPUs, else gloo).
     device: where vLLM workers receive (None: CUDA when available, else CPU).
+    dtype: the dtype the policy sends and vLLM loads (None: the checkpoint config's), e.g. "bfloat16".
     timeout: seconds any wait may go without progress.
     release_after_refit: NeMo-RL's key (its synchronizer then calls finalize after every refit); kept.
     """
@@ -74,7 +75,7 @@ class ReshardCheckpointEngine:
     def __init__(self, bucket_size: int, *, model: str | dict[str, Any] | None = None,
                  transport: str = "collective", host: str | None = None, fanout: int | None = None,
                  checksum: bool | str = True, backend: str | None = None, device: str | None = None,
-                 timeout: float = 300.0, release_after_refit: bool = False) -> None:
+                 dtype: str | None = None, timeout: float = 300.0, release_after_refit: bool = False) -> None:
         if not isinstance(bucket_size, int) or isinstance(bucket_size, bool) or bucket_size < 1:
             raise ArgumentError("bucket_size", bucket_size, "must be a positive number of bytes")
         if model is None:
@@ -91,6 +92,9 @@ class ReshardCheckpointEngine:
         algorithm(checksum)  # raises ArgumentError for an unknown one
         self.bucket_size, self.transport, self.fanout, self.checksum = bucket_size, transport, fanout, checksum
         self.spec = ModelSpec.from_hf_config(model)
+        if dtype is not None:
+            self.spec = self.spec.model_copy(update={"dtype": dtype})
+            ModelSpec(**self.spec.model_dump())  # validated (an unknown dtype raises, naming it)
         self.host = host or socket.gethostname()
         self.backend, self.device, self.timeout = backend, device, float(timeout)
         self.release_after_refit = bool(release_after_refit)
@@ -181,8 +185,9 @@ class ReshardCheckpointEngine:
         """Every engine's prepare() result, policy workers' first; every one built for the same refit. Returns
         the rendezvous of the first (policy worker 0's)."""
         if not isinstance(metadata, list) or len(metadata) != n:
-            raise ArgumentError("metadata", f"{type(metadata).__name__} of {len(metadata) if isinstance(metadata, list) else '?'}",
-                                f"must list one prepare() result per worker ({n}: policy workers first)")
+            got = f"{len(metadata)} entries" if isinstance(metadata, list) else type(metadata).__name__
+            raise ArgumentError("metadata", got, f"must list one prepare() result per worker ({n}: policy workers "
+                                                 f"first)")
         ours = self._settings()
         differ = [k for k, m in enumerate(metadata) if not isinstance(m, dict) or m.get("reshard") != ours]
         if differ:
@@ -220,11 +225,12 @@ class ReshardCheckpointEngine:
         unknown: list[str] = []
         known = {t.name for t in self.spec.tensors}
         for name, tensor in weights:
-            if name in self.needed:
-                kept[name] = tensor.detach().contiguous()
+            if name in self.needed:  # a copy: an exporter may reuse the tensor it yields for the next one
+                kept[name] = tensor.detach().clone(memory_format=torch.contiguous_format)
             elif name not in known:
                 unknown.append(name)
-        if unknown:  # vLLM would miss these: withhold this worker's tensors so every process refuses the refit
+        if unknown:  # vLLM would miss these: withhold this worker's tensors (the executor checks every tensor of its
+            # source table, which lists the whole model on every policy worker), so every process refuses the refit
             await self._transfer({self.rank: {}}, quiet=True)
             raise ExecutionError(f"the policy sent {len(unknown)} tensors the model {self.spec.family} does not have "
                                  f"(e.g. {unknown[:3]}): refit refused before a byte moved")

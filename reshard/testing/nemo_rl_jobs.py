@@ -12,8 +12,9 @@ at the commit in tests/data/nemo_rl_checkpoint_engine.json):
   - the vLLM worker: `async for batch in receive_weight_batches()`, each batch "loaded" into a dict.
 
 A job is JSON: {"checkpoint", "policy", "rollout", "steps", "kwargs" (engine keyword arguments), "fault": null,
-"wrong-shape" or "unknown-name" (what the last policy worker does wrong at the last step: _faulty), "release_after_refit"
-(finalize after every refit, prepare and join again before the next, as NeMo-RL then does), "dir"}.
+"wrong-shape" or "unknown-name" (what the last policy worker does wrong at the last step: _faulty),
+"release_after_refit" (finalize after every refit, prepare and join again before the next, as NeMo-RL then
+does), "dir"}.
 """
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ vllm_side.py the vLLM generation worker and its worker extension, in the vLLM CP
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import tempfile
@@ -89,9 +90,7 @@ class PolicyWorker:
         kwargs = method_kwargs or {}
         if checkpoint_method == "init_checkpoint_engine":
             if self.engine is None:
-                module, name = kwargs["backend"].split(":", 1)
-                import importlib
-
+                module, name = kwargs["backend"].split(":", 1)  # NeMo-RL's create_checkpoint_engine
                 cls = getattr(importlib.import_module(module), name)
                 self.engine = cls(bucket_size=kwargs["bucket_size_bytes"], **kwargs["engine_kwargs"])
             return None

@@ -25,9 +25,9 @@ engine per policy worker and per vLLM worker (`create_checkpoint_engine`: `bucke
      run collectives) and only the slices the plan reads from this worker are kept -- the plan spreads the sending
      over all policy workers (each sends about 1/T of the model) and, with `fanout`, vLLM workers relay to each
      other so the policy workers send fewer copies; `receive_weight_batches()` on every vLLM worker: the whole
-     transfer lands in this worker's buffers, is checksummed and agreed by every process, and only then are
-     batches of at most `bucket_size` bytes yielded to vLLM's loaders -- a failed transfer yields nothing, so
-     vLLM keeps its previous weights and NeMo-RL's refit raises;
+     transfer lands in this worker's buffers, is agreed complete by every process (and checksummed, on gloo), and
+     only then are batches of at most `bucket_size` bytes yielded to vLLM's loaders -- a failed transfer yields
+     nothing, so vLLM keeps its previous weights and NeMo-RL's refit raises;
   4. `finalize()` (NeMo-RL's shutdown, or after every refit with `release_after_refit`): the transport closes;
      the next refit starts again at 1.
 
@@ -62,8 +62,9 @@ class ReshardCheckpointEngine:
     transport: "collective" (torch.distributed over a group both sides join at policy worker 0's store).
     host: the address policy worker 0's store listens on and every worker connects to.
     fanout: vLLM workers relaying to at most this many others (None: the policy workers feed every one).
-    checksum: hash every message and compare before anything is handed to vLLM (True: sha256, or "sum64").
-    backend: the torch.distributed backend (None: NCCL when the tensors are on GPUs, else gloo).
+    checksum: hash every message and compare before anything is handed to vLLM (True: sha256, or "sum64"; None: on
+        with gloo; the executor hashes CPU tensors only, so NCCL refits rely on its completion agreement alone).
+    backend: the torch.distributed backend (None: NCCL where CUDA is available, else gloo; the same on every worker).
     device: where vLLM workers receive (None: CUDA when available, else CPU).
     dtype: the dtype the policy sends and vLLM loads (None: the checkpoint config's), e.g. "bfloat16".
     timeout: seconds any wait may go without progress.
@@ -74,7 +75,7 @@ class ReshardCheckpointEngine:
 
     def __init__(self, bucket_size: int, *, model: str | dict[str, Any] | None = None,
                  transport: str = "collective", host: str | None = None, fanout: int | None = None,
-                 checksum: bool | str = True, backend: str | None = None, device: str | None = None,
+                 checksum: bool | str | None = None, backend: str | None = None, device: str | None = None,
                  dtype: str | None = None, timeout: float = 300.0, release_after_refit: bool = False) -> None:
         if not isinstance(bucket_size, int) or isinstance(bucket_size, bool) or bucket_size < 1:
             raise ArgumentError("bucket_size", bucket_size, "must be a positive number of bytes")
@@ -89,14 +90,23 @@ class ReshardCheckpointEngine:
             raise ArgumentError("timeout", timeout, "must be a number of seconds in (0, 86400]")
         from ..executors.checksum import algorithm
 
+        # resolved here, not from the tensors at the first refit: the policy side has none when the group opens
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if self.backend not in ("gloo", "nccl"):
+            raise ArgumentError("backend", backend, "must be 'gloo', 'nccl' or None")
+        if checksum is None:
+            checksum = self.backend == "gloo"
         algorithm(checksum)  # raises ArgumentError for an unknown one
+        if checksum and self.backend != "gloo":
+            raise ArgumentError("checksum", checksum, f"needs the gloo backend (CPU tensors); backend is "
+                                f"{self.backend!r}", fix="leave checksum unset on GPUs")
         self.bucket_size, self.transport, self.fanout, self.checksum = bucket_size, transport, fanout, checksum
         self.spec = ModelSpec.from_hf_config(model)
         if dtype is not None:
             self.spec = self.spec.model_copy(update={"dtype": dtype})
             ModelSpec(**self.spec.model_dump())  # validated (an unknown dtype raises, naming it)
         self.host = host or socket.gethostname()
-        self.backend, self.device, self.timeout = backend, device, float(timeout)
+        self.device, self.timeout = device, float(timeout)
         self.release_after_refit = bool(release_after_refit)
         self._reset()
 
@@ -123,7 +133,7 @@ class ReshardCheckpointEngine:
     def _settings(self) -> dict[str, Any]:
         """Plain JSON values (they are compared after travelling through Ray or vLLM's RPC)."""
         return json.loads(json.dumps({"model": self.spec.model_dump(), "transport": self.transport,
-                                      "fanout": self.fanout, "checksum": self.checksum}))
+                                      "fanout": self.fanout, "checksum": self.checksum, "backend": self.backend}))
 
     # --- 2. meet -----------------------------------------------------------------------------------------
     def init_policy_process_group(self, *, worker_rank: int, train_world_size: int, rollout_world_size: int,
@@ -161,8 +171,7 @@ class ReshardCheckpointEngine:
         refit = RefitSpec.of(self.spec, HfLayout(model=self.spec, replicas=T),
                              VllmLayout(model=self.spec, tp=1, replicas=R), install="loader",
                              transport=self.transport, fanout=self.fanout, rendezvous=rdv,
-                             options={"checksum": self.checksum, "timeout": self.timeout,
-                                      **({"backend": self.backend} if self.backend else {})})
+                             options={"checksum": self.checksum, "timeout": self.timeout, "backend": self.backend})
         plan = refit.plan()  # the same plan on every worker: a pure function of the model and the two sizes
         process = rank if role == "policy" else T + rank
         mine = rv.Rendezvous.from_dict(rdv)
@@ -192,7 +201,8 @@ class ReshardCheckpointEngine:
         differ = [k for k, m in enumerate(metadata) if not isinstance(m, dict) or m.get("reshard") != ours]
         if differ:
             raise ArgumentError("metadata", f"entries {differ[:10]}",
-                                "come from engines built with other settings (model, transport, fanout, checksum) "
+                                "come from engines built with other settings (model, transport, fanout, checksum, "
+                                "backend) "
                                 "or from another checkpoint engine", fix="give every worker the same refit_cfg entry")
         return metadata[0]["rendezvous"]
 

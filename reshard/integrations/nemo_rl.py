@@ -162,9 +162,9 @@ class ReshardCheckpointEngine:
         size = T if role == "policy" else R
         if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < size:
             raise ArgumentError("worker_rank" if role == "policy" else "rollout_rank", rank, f"must be in [0, {size})")
-        rdv = self._check_metadata(metadata, T + R)
         if self.offer is None:
             raise ExecutionError("init_*_process_group before prepare(): NeMo-RL prepares every engine first")
+        rdv = self._check_metadata(metadata, T + R)
         if self.executor is not None:  # joined before without finalize: leave that group
             self.executor.close()
             self.executor = None
@@ -198,12 +198,13 @@ class ReshardCheckpointEngine:
             raise ArgumentError("metadata", got, f"must list one prepare() result per worker ({n}: policy workers "
                                                  f"first)")
         ours = self._settings()
-        differ = [k for k, m in enumerate(metadata) if not isinstance(m, dict) or m.get("reshard") != ours]
+        differ = [k for k, m in enumerate(metadata) if not isinstance(m, dict) or m.get("reshard") != ours
+                  or not isinstance(m.get("rendezvous"), dict)]
         if differ:
             raise ArgumentError("metadata", f"entries {differ[:10]}",
                                 "come from engines built with other settings (model, transport, fanout, checksum, "
-                                "backend) "
-                                "or from another checkpoint engine", fix="give every worker the same refit_cfg entry")
+                                "backend) or from another checkpoint engine",
+                                fix="give every worker the same refit_cfg entry")
         return metadata[0]["rendezvous"]
 
     # --- 3. a refit --------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from reshard.errors import ArgumentError
+from reshard.errors import ArgumentError, ExecutionError
 from reshard.integrations.nemo_rl import ReshardCheckpointEngine
 from reshard.testing.megatron_cpu import TinyGPT
 
@@ -87,3 +87,32 @@ def test_target_layout_has_nemo_rl_keys_and_keeps_this_workers_share(interface, 
     for entry in layout["expert_params"].values():  # whole experts: NeMo-RL slices nothing (tp_size 1)
         assert sorted(entry) == sorted(interface["typed_dicts"]["VllmExpertParamLayout"])
         assert entry["local_expert_ids"] == [1] and entry["tp_size"] == 1
+
+
+def test_bad_topology_is_refused_before_joining(tmp_path):
+    """Untrusted metadata and sizes are checked before this worker meets anyone (nothing else runs here)."""
+    config = tmp_path / "config.json"
+    config.write_text(TinyGPT().hf_config().to_json_string())
+    engine = ReshardCheckpointEngine(bucket_size=1 << 20, model=str(config), host="127.0.0.1")
+    other = ReshardCheckpointEngine(bucket_size=1 << 20, model=str(config), host="127.0.0.1", fanout=2)
+    with pytest.raises(ExecutionError, match="prepare"):
+        engine.init_policy_process_group(worker_rank=0, train_world_size=1, rollout_world_size=1,
+                                         metadata=[{"reshard": engine._settings()}] * 2)
+    mine, theirs = engine.prepare(), other.prepare()
+    try:
+        cases = [({"worker_rank": 0, "train_world_size": 1, "rollout_world_size": 1, "metadata": [mine]}, "per worker"),
+                 ({"worker_rank": 0, "train_world_size": 1, "rollout_world_size": 1, "metadata": [mine, theirs]},
+                  "other settings"),
+                 ({"worker_rank": 2, "train_world_size": 2, "rollout_world_size": 1, "metadata": [mine] * 3},
+                  "worker_rank"),
+                 ({"worker_rank": 0, "train_world_size": 0, "rollout_world_size": 1, "metadata": [mine]},
+                  "train_world_size"),
+                 ({"worker_rank": 1, "train_world_size": 2, "rollout_world_size": 1, "metadata": [mine, mine, "x"]},
+                  "other settings")]
+        for kwargs, words in cases:
+            with pytest.raises(ArgumentError, match=words):
+                engine.init_policy_process_group(**kwargs)
+        assert engine.executor is None and engine.role is None
+    finally:
+        engine.finalize()
+        other.finalize()

@@ -32,6 +32,7 @@ from verl.workers.config import CheckpointEngineConfig, RolloutConfig
 from verl.workers.engine_workers import ActorRolloutRefWorker
 from verl.workers.rollout import BaseRollout, RolloutReplica
 
+from ..layouts import ModelSpec
 from .megatron_cpu import TinyGPT
 
 MOE = TinyGPT(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, head_dim=16,
@@ -134,6 +135,15 @@ class MegatronExport:
             yield name, tensor
 
 
+def new_engine(ce: dict[str, Any], **is_master: bool) -> Any:
+    """The checkpoint engine as verl's workers make it (ActorRolloutRefWorker.init_model: with `is_master`;
+    CheckpointEngineWorker.__init__: without)."""
+    config: CheckpointEngineConfig = omega_conf_to_dataclass(OmegaConf.create(ce))
+    import_external_libs(config.custom_backend_module or None)
+    return CheckpointEngineRegistry.new(config.backend, bucket_size=config.update_weights_bucket_megabytes << 20,
+                                        **is_master, **config.engine_kwargs.get(config.backend, {}))
+
+
 class TrainerWorker(ActorRolloutRefWorker):
     """verl's trainer worker; `init_model` builds the CPU model and the checkpoint engine as verl's does."""
 
@@ -148,12 +158,14 @@ class TrainerWorker(ActorRolloutRefWorker):
         from types import SimpleNamespace
 
         self.actor = SimpleNamespace(engine=MegatronExport(self.tiny))
-        # as ActorRolloutRefWorker.init_model does it
-        ce: CheckpointEngineConfig = omega_conf_to_dataclass(self.config.rollout.checkpoint_engine)
-        import_external_libs(ce.custom_backend_module or None)
-        self.checkpoint_engine = CheckpointEngineRegistry.new(
-            ce.backend, is_master=(torch.distributed.get_rank() == 0),
-            bucket_size=ce.update_weights_bucket_megabytes << 20, **ce.engine_kwargs.get(ce.backend, {}))
+        self.checkpoint_engine = new_engine(OmegaConf.to_container(self.config.rollout.checkpoint_engine),
+                                            is_master=(torch.distributed.get_rank() == 0))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def reconfigure(self, ce: dict[str, Any]) -> None:
+        """A new checkpoint engine from another config, made as init_model makes it (tests switch transports
+        without restarting the cluster)."""
+        self.checkpoint_engine = new_engine(ce, is_master=(torch.distributed.get_rank() == 0))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def train_step(self, step: int) -> None:
@@ -207,6 +219,10 @@ class RolloutWorker(CheckpointEngineWorker):
         super().__init__(rollout_config, None, CheckpointAdapter(rollout_config, checkpoint))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def reconfigure(self, ce: dict[str, Any]) -> None:
+        self.checkpoint_engine = new_engine(ce)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def served(self) -> tuple[int | None, dict[str, str]]:
         adapter = self.server_adapter
         return adapter.version, {name: digest(t) for name, t in adapter.weights.items()}
@@ -237,14 +253,8 @@ class Refit:
 
     def __init__(self, trainers: int, rollouts: int, checkpoint: str, ce: dict[str, Any], tiny: TinyGPT = MOE,
                  extra_modules: str | None = None) -> None:
-        self.checkpoint = checkpoint
-        config = OmegaConf.create({"actor": {"strategy": "fsdp"}, "rollout": {"checkpoint_engine": ce}})
-        self.trainer_pool = RayResourcePool([trainers], use_gpu=False, max_colocate_count=1)
-        self.trainers = RayWorkerGroup(
-            resource_pool=self.trainer_pool, device_name="cpu",
-            ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(TrainerWorker), config=config, role="actor",
-                                                   tiny=tiny.__dict__))
-        self.trainers.init_model()
+        self.checkpoint, self.ce, self.tiny, self.num_trainers = checkpoint, ce, tiny, trainers
+        self._start_trainers()
         self.rollout_config = RolloutConfig(name="vllm", tensor_model_parallel_size=1,
                                             checkpoint_engine=CheckpointEngineConfig(**ce))
         self.rollout_pool = RayResourcePool([rollouts], use_gpu=False, max_colocate_count=1)
@@ -258,6 +268,33 @@ class Refit:
             replica.workers = self.rollouts.workers[r:r + 1]
         self.manager = CheckpointEngineManager(CheckpointEngineConfig(**ce), self.trainers, self.replicas)
 
+    def _start_trainers(self) -> None:
+        config = OmegaConf.create({"actor": {"strategy": "fsdp"}, "rollout": {"checkpoint_engine": self.ce}})
+        self.trainer_pool = RayResourcePool([self.num_trainers], use_gpu=False, max_colocate_count=1)
+        self.trainers = RayWorkerGroup(
+            resource_pool=self.trainer_pool, device_name="cpu",
+            ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(TrainerWorker), config=config, role="actor",
+                                                   tiny=self.tiny.__dict__))
+        self.trainers.init_model()
+
+    def replace_trainers(self, ce: dict[str, Any] | None = None) -> None:
+        """New trainer workers (as verl restarts a failed trainer group) and a manager over them and the same
+        rollout replicas."""
+        _kill(self.trainers.workers, [self.trainer_pool])
+        self.ce = ce or self.ce
+        self._start_trainers()
+        self.manager = CheckpointEngineManager(CheckpointEngineConfig(**self.ce), self.trainers,
+                                               self.manager.replicas)
+
+    def reconfigure(self, ce: dict[str, Any]) -> None:
+        """Every worker's checkpoint engine anew from `ce` (same backend class: the manager stays)."""
+        self.trainers.reconfigure(ce)
+        self.rollouts.reconfigure(ce)
+
+    def drop_replica(self, r: int) -> None:
+        """verl's elastic scale-down: the manager forgets replica r (e.g. after its worker died)."""
+        self.manager.remove_replicas([self.replicas[r]])
+
     def refit(self, step: int) -> dict[str, float]:
         return self.manager.update_weights(global_steps=step)  # verl's auto_await runs it to completion
 
@@ -267,18 +304,25 @@ class Refit:
     def served(self) -> list[tuple[int | None, dict[str, str]]]:
         return self.rollouts.served()
 
+    def served_by(self, ranks: list[int]) -> list[tuple[int | None, dict[str, str]]]:
+        return ray.get([self.rollouts.workers[r].served.remote() for r in ranks])
+
     def kill_rollout(self, r: int) -> None:
         ray.kill(self.rollouts.workers[r], no_restart=True)
 
     def shutdown(self) -> None:
-        for worker in [*self.trainers.workers, *self.rollouts.workers]:
-            try:
-                ray.kill(worker, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-        for pool in (self.trainer_pool, self.rollout_pool):
-            for pg in pool.get_placement_groups():
-                ray.util.remove_placement_group(pg)
+        _kill([*self.trainers.workers, *self.rollouts.workers], [self.trainer_pool, self.rollout_pool])
+
+
+def _kill(workers: list, pools: list) -> None:
+    for worker in workers:
+        try:
+            ray.kill(worker, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+    for pool in pools:
+        for pg in pool.get_placement_groups():
+            ray.util.remove_placement_group(pg)
 
 
 def start_ray(num_cpus: int = 16) -> None:
@@ -290,5 +334,5 @@ def start_ray(num_cpus: int = 16) -> None:
     ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=False)
 
 
-__all__ = ["CheckpointAdapter", "MOE", "MegatronExport", "Refit", "Replica", "RolloutWorker", "TrainerWorker",
+__all__ = ["CheckpointAdapter", "MOE", "MegatronExport", "ModelSpec", "Refit", "Replica", "RolloutWorker", "TrainerWorker",
            "checkpoint_engine_config", "digest", "megatron_to_hf", "save_checkpoint", "start_ray"]

@@ -31,7 +31,7 @@ from ...executors import rendezvous as rv
 from ...executors.binding import Binding
 from ...executors.local import torch_dtype
 from ...layouts import ModelSpec
-from .topology import DEPTH, Topology, build, check_options, model_digest, tensor_groups
+from .topology import DEPTH, Topology, bindings, build, check_options, model_digest, tensor_groups
 
 BACKEND = "reshard"
 
@@ -67,6 +67,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self._store = self._rdv = self._comm = self._top = None
         self._plans: list = []
+        self._bindings: tuple[Binding, ...] = ()
         self.last_metrics: dict[str, float] = {}
 
     # --- 1. prepare ----------------------------------------------------------------------------------
@@ -93,6 +94,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
             raise ArgumentError("topology", f"process {top.process}", f"does not fit this {self.role} rank (another "
                                 f"role or model than it was configured with)")
         self._plans = top.plans()
+        self._bindings = bindings(self._plans, top.trainers, top.rollouts)
         rdv = rv.Rendezvous.from_dict(top.rendezvous)
         if not self.is_master:
             self._close()
@@ -206,7 +208,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
         from ...executors.base import make_executor
 
         top, plan = self._top, self._plans[k]
-        binding = rotated(top.trainers, top.rollouts, k)
+        binding = self._bindings[k]
         src = {binding.src_ranks_of(top.process)[0]: src} if src is not None else {}
         dst = {binding.dst_ranks_of(top.process)[0]: dst} if dst is not None else {}
         checksum = self.options.get("checksum", False)
@@ -261,14 +263,6 @@ class ReshardCheckpointEngine(CheckpointEngine):
             self._comm.close()
         self._comm, self._top = None, None
         self._store = None  # trainer rank 0's store server goes with its last reference
-
-
-def rotated(trainers: int, rollouts: int, k: int) -> Binding:
-    """Group k's binding: source rank s on trainer process (s + k) mod M, destination rank d on rollout process
-    (d + k) mod N. The compiler breaks ties between equal holders towards low ranks; rotating the ranks per group
-    spreads that over every process (and the fan-out roots over every rollout rank)."""
-    return Binding(tuple((s + k) % trainers for s in range(trainers)),
-                   tuple(trainers + (d + k) % rollouts for d in range(rollouts)))
 
 
 async def _items(weights: Any) -> AsyncIterator[tuple[str, torch.Tensor]]:

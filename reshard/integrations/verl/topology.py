@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 from ...errors import ArgumentError, ExecutionError
+from ...executors.binding import Binding
 from ...layouts import HfLayout, ModelSpec
 from ...planner import Plan
 from ...planner.cache import cached_plan
@@ -144,10 +145,29 @@ def group_plans(spec: ModelSpec, trainers: int, rollouts: int, bucket_size: int,
     return [cached_plan(src, dst, tensors=group, **extra) for group in tensor_groups(spec, bucket_size)]
 
 
+def bindings(plans: Sequence[Plan], trainers: int, rollouts: int) -> tuple[Binding, ...]:
+    """Which process plays which rank of each group's plan. Within one group the compiler balances the trainer
+    ranks as well as whole tensors allow (a small group may give one rank two destinations' copies and the other
+    one); across groups the busiest source rank of the next group goes to the trainer process that has sent the
+    least so far (a pure function of the plans: every process computes the same). Destination rank d of group k
+    is rollout process (d + k) mod N, which spreads fan-out roots over the rollout ranks."""
+    sent = [0] * trainers
+    out = []
+    for k, plan in enumerate(plans):
+        egress = plan.accounting.egress_bytes
+        ranks = sorted(range(trainers), key=lambda s: (-egress[s], s))
+        processes = sorted(range(trainers), key=lambda p: (sent[p], p))
+        src = [0] * trainers
+        for s, p in zip(ranks, processes):
+            src[s] = p
+            sent[p] += egress[s]
+        out.append(Binding(tuple(src), tuple(trainers + (d + k) % rollouts for d in range(rollouts))))
+    return tuple(out)
+
+
 def check_bucket(plans: Sequence[Plan], trainers: int, rollouts: int, bucket_size: int) -> None:
     """A collective refit's wire buffers (DEPTH rounds x peers x one message) must fit the bucket: refuse, naming
     the bucket, a bucket smaller than the smallest message the busiest process needs."""
-    from ...executors.binding import Binding
     from ...executors.schedule import bucket_numel_for
 
     binding = Binding.disjoint(trainers, rollouts)
@@ -195,5 +215,5 @@ def build(trainers: int, rollouts: int, metadata: Sequence[Any]) -> tuple[list[d
     return tops[:trainers], tops[trainers:]
 
 
-__all__ = ["TRANSPORTS", "Topology", "build", "check_bucket", "check_options", "group_plans", "model_digest",
+__all__ = ["TRANSPORTS", "Topology", "bindings", "build", "check_bucket", "check_options", "group_plans", "model_digest",
            "tensor_groups"]

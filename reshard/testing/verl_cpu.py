@@ -15,6 +15,7 @@ Imports verl, Ray and megatron-core; run in the verl virtualenv.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import time
 from pathlib import Path
@@ -23,7 +24,8 @@ from typing import Any
 import ray
 import torch
 from omegaconf import OmegaConf
-from verl.checkpoint_engine import CheckpointEngineManager, CheckpointEngineRegistry, CheckpointEngineWorker
+from verl.checkpoint_engine import (CheckpointEngine, CheckpointEngineManager, CheckpointEngineRegistry,
+                                   CheckpointEngineWorker)
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from verl.utils.config import omega_conf_to_dataclass
@@ -242,10 +244,10 @@ class Replica(RolloutReplica):
 
 def checkpoint_engine_config(checkpoint: str, bucket_mb: int = 1, backend: str = "reshard",
                              **options: Any) -> dict[str, Any]:
-    kwargs = {"reshard": {"model": checkpoint, **options}} if backend == "reshard" else {}
+    kwargs = {"reshard": {"model": checkpoint, **options}} if backend == "reshard" else {backend: options}
     return {"_target_": "verl.workers.config.CheckpointEngineConfig", "backend": backend,
             "update_weights_bucket_megabytes": bucket_mb, "engine_kwargs": kwargs,
-            "custom_backend_module": "reshard.integrations.verl" if backend == "reshard" else None}
+            "custom_backend_module": "reshard.integrations.verl" if backend == "reshard" else __name__}
 
 
 class Refit:
@@ -336,3 +338,99 @@ def start_ray(num_cpus: int = 16) -> None:
 
 __all__ = ["CheckpointAdapter", "MOE", "MegatronExport", "ModelSpec", "Refit", "Replica", "RolloutWorker", "TrainerWorker",
            "checkpoint_engine_config", "digest", "megatron_to_hf", "save_checkpoint", "start_ray"]
+
+
+# --- verl's stock pattern, for benchmarks ----------------------------------------------------------------------
+
+@CheckpointEngineRegistry.register("funnel")
+class FunnelCheckpointEngine(CheckpointEngine):
+    """verl's stock NCCL engine's pattern over gloo, for side-by-side benchmarks: trainer rank 0 alone packs the
+    stream into buckets of whole tensors (larger ones in bucket-sized chunks) and broadcasts each to every rollout
+    rank; the other trainer ranks only drain their streams. No checksums, no all-or-nothing."""
+
+    def __init__(self, bucket_size: int, is_master: bool | None = None, timeout: float = 120.0) -> None:
+        self.bucket_size, self.role = bucket_size, "rollout" if is_master is None else "trainer"
+        self.is_master, self.timeout = bool(is_master), timeout
+        self.store = self.pg = None
+        self.rank = -1
+
+    def prepare(self) -> dict[str, Any]:
+        if self.is_master:
+            import datetime
+
+            self.store = torch.distributed.TCPStore("127.0.0.1", 0, None, True,
+                                                    datetime.timedelta(seconds=self.timeout), wait_for_workers=False)
+            return {"port": int(self.store.port)}
+        return {}
+
+    @classmethod
+    def build_topology(cls, trainers: int, rollouts: int, metadata: list[dict]):
+        port, world = metadata[0]["port"], 1 + rollouts
+        return ({"rank": [0] + [-1] * (trainers - 1), "world": [world] * trainers, "port": [port] * trainers},
+                {"rank": list(range(1, world)), "world": [world] * rollouts, "port": [port] * rollouts})
+
+    def init_process_group(self, rank: int, world: int, port: int) -> None:
+        import datetime
+
+        self.rank = rank
+        if rank < 0:
+            return
+        if self.store is None:
+            self.store = torch.distributed.TCPStore("127.0.0.1", port, None, False,
+                                                    datetime.timedelta(seconds=self.timeout))
+        self.pg = torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore("funnel/", self.store), rank,
+                                                     world, datetime.timedelta(seconds=self.timeout))
+        self.world = world
+
+    def finalize(self) -> None:
+        self.pg = self.store = None
+
+    def _bcast(self, t: torch.Tensor) -> None:
+        self.pg.broadcast([t], 0).wait()
+
+    def _send(self, meta: list, bucket: torch.Tensor, used: int) -> int:
+        header = json.dumps(meta).encode()
+        self._bcast(torch.tensor([len(header), used], dtype=torch.int64))
+        self._bcast(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+        self._bcast(bucket[:used])
+        return used * (self.world - 1)  # gloo's broadcast: the root sends to every other rank
+
+    async def send_weights(self, weights, global_steps: int | None = None) -> dict[str, float]:
+        if self.rank < 0:
+            for _ in weights:
+                pass
+            return {}
+        bucket = torch.empty(self.bucket_size, dtype=torch.uint8)
+        meta, used, sent, start = [], 0, 0, time.perf_counter()
+        for name, tensor in weights:
+            raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
+            for offset in range(0, max(raw.numel(), 1), self.bucket_size):
+                piece = raw[offset:offset + self.bucket_size]
+                if used + piece.numel() > self.bucket_size:
+                    sent += self._send(meta, bucket, used)
+                    meta, used = [], 0
+                bucket[used:used + piece.numel()] = piece
+                meta.append([name, list(tensor.shape), str(tensor.dtype).split(".")[1], offset, used, piece.numel()])
+                used += piece.numel()
+        sent += self._send(meta, bucket, used)
+        self._bcast(torch.tensor([-1, 0], dtype=torch.int64))
+        return {f"funnel/trainer{self.rank}/egress_bytes": float(sent),
+                f"funnel/trainer{self.rank}/seconds": time.perf_counter() - start}
+
+    async def receive_weights(self, global_steps: int | None = None):
+        partial: dict[str, torch.Tensor] = {}
+        while True:
+            sizes = torch.empty(2, dtype=torch.int64)
+            self._bcast(sizes)
+            if int(sizes[0]) < 0:
+                return
+            header = torch.empty(int(sizes[0]), dtype=torch.uint8)
+            self._bcast(header)
+            bucket = torch.empty(int(sizes[1]), dtype=torch.uint8)
+            self._bcast(bucket)
+            for name, shape, dtype, offset, at, n in json.loads(bytes(header.numpy())):
+                dt = getattr(torch, dtype)
+                full = partial.setdefault(name, torch.empty(shape, dtype=dt))
+                full.view(-1).view(torch.uint8)[offset:offset + n] = bucket[at:at + n]
+                if offset + n == full.numel() * full.element_size():
+                    yield name, partial.pop(name)

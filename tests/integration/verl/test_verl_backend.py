@@ -63,7 +63,8 @@ def test_refits_2_to_3_bytes_egress_and_bucket(cluster):
 
 
 def test_fanout_sends_one_copy_from_the_trainers(cluster):
-    cluster.reconfigure(ce(cluster, fanout=1))
+    """Also streamed (atomic=False): groups go to the server adapter as they land."""
+    cluster.reconfigure(ce(cluster, fanout=1, atomic=False))
     try:
         spec = vc.ModelSpec.from_hf_config(cluster.checkpoint)
         model_bytes = sum(t.numel * spec.itemsize for t in spec.tensors)

@@ -75,7 +75,8 @@ def main() -> None:
 
     mib = 2 ** 20
     print(f"model: megatron-core MoE {MODEL.num_layers} layers, {MODEL.num_experts} experts, "
-          f"{model_bytes / mib:.1f} MiB (float32); {m} trainer ranks -> {n} rollout ranks; bucket {args.bucket_mb} MiB; "
+          f"{model_bytes / mib:.1f} MiB (float32); {m} trainer ranks -> {n} rollout ranks; "
+          f"bucket {args.bucket_mb} MiB; "
           f"one in-memory copy of the model: {copy_s * 1e3:.1f} ms")
     print(f"{'backend':<18} {'egress per trainer rank (MiB)':<32} {'busiest / bound':>16} {'refit (s)':>10} "
           f"{'correct':>8}")

@@ -5,21 +5,17 @@ rollout workers from the trainer workers through it. On CPU, over a local Ray cl
                                             [--fanout K] [--steps 3]
 
 (verl lives in .venv-verl, `scripts/bootstrap verl`: its pins differ from the core venv's; the script re-runs
-itself there.) What a user writes is the config block below; everything else stands in for what verl runs on
-GPUs: trainer workers are verl's ActorRolloutRefWorker (its own `update_weights`) whose engine streams a
-transformers Qwen3's gathered HF tensors (as verl's FSDP engine does), rollout workers are verl's
-CheckpointEngineWorker whose server adapter loads the received tensors into a transformers model (as vLLM's
-`load_weights` would). Exits 1 unless every rollout worker serves exactly the trainer's weights after each step.
+itself there.) What a user writes is the config block below; cpu_stand_ins.py stands in for what verl runs on
+GPUs (verl's own trainer and rollout worker classes, with a transformers Qwen3 instead of FSDP and vLLM).
+Exits 1 unless every rollout worker serves exactly the trainer's weights after each step.
 """
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import sys
 import tempfile
 from pathlib import Path
-from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[2]
 try:
@@ -35,14 +31,13 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: E402
-from verl.checkpoint_engine import CheckpointEngineManager, CheckpointEngineRegistry, CheckpointEngineWorker  # noqa
-from verl.single_controller.base.decorator import Dispatch, register  # noqa: E402
+from verl.checkpoint_engine import CheckpointEngineManager  # noqa: E402
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup  # noqa: E402
-from verl.utils.config import omega_conf_to_dataclass  # noqa: E402
-from verl.utils.import_utils import import_external_libs  # noqa: E402
 from verl.workers.config import CheckpointEngineConfig, RolloutConfig  # noqa: E402
-from verl.workers.engine_workers import ActorRolloutRefWorker  # noqa: E402
-from verl.workers.rollout import BaseRollout, RolloutReplica  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from cpu_stand_ins import Replica, Rollout, Trainer  # noqa: E402
 
 
 def user_config(model_path: str, args: argparse.Namespace) -> dict:
@@ -53,74 +48,6 @@ def user_config(model_path: str, args: argparse.Namespace) -> dict:
             "update_weights_bucket_megabytes": 1,
             "engine_kwargs": {"reshard": {"model": model_path, "transport": args.transport, "fanout": args.fanout,
                                           "checksum": True}}}
-
-
-def fingerprint(named) -> dict[str, str]:
-    return {n: hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-            for n, t in named}
-
-
-class Trainer(ActorRolloutRefWorker):
-    """verl's trainer worker; only init_model differs (verl's builds an FSDP / Megatron engine on GPUs)."""
-
-    def __init__(self, config, role: str, model_path: str) -> None:
-        super().__init__(config, role)
-        self.model_path = model_path
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def init_model(self):
-        torch.distributed.init_process_group("gloo")
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
-        # the engine behind get_per_tensor_param: gathered HF tensors, the same stream on every trainer rank
-        self.actor = SimpleNamespace(engine=SimpleNamespace(model=model, get_per_tensor_param=lambda **_: (
-            iter(list(model.state_dict().items())), None)))
-        ce: CheckpointEngineConfig = omega_conf_to_dataclass(self.config.rollout.checkpoint_engine)
-        import_external_libs(ce.custom_backend_module)  # as verl's init_model: registers "reshard"
-        self.checkpoint_engine = CheckpointEngineRegistry.new(
-            ce.backend, is_master=torch.distributed.get_rank() == 0,
-            bucket_size=ce.update_weights_bucket_megabytes << 20, **ce.engine_kwargs[ce.backend])
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def train_step(self, step: int) -> dict[str, str]:
-        with torch.no_grad():  # the same update on every data-parallel rank
-            for k, (_, p) in enumerate(sorted(self.actor.engine.model.named_parameters())):
-                p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(step * 997 + k)))
-        return fingerprint(self.actor.engine.model.state_dict().items())
-
-
-class HfServer(BaseRollout):
-    """Stands in for vLLM's server adapter: loads what arrives into the served model, strictly."""
-
-    def __init__(self, config: RolloutConfig, model_path: str) -> None:
-        super().__init__(config, None, device_mesh=None)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-
-    async def update_weights(self, weights, global_steps=None, **kwargs):
-        received = {name: tensor.clone() async for name, tensor in weights}
-        self.model.load_state_dict(received, strict=True)
-
-    async def resume(self, tags):
-        pass
-
-    async def release(self):
-        pass
-
-
-class Rollout(CheckpointEngineWorker):
-    def __init__(self, rollout_config: RolloutConfig, model_path: str) -> None:
-        super().__init__(rollout_config, None, HfServer(rollout_config, model_path))
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def served(self) -> dict[str, str]:
-        return fingerprint(self.server_adapter.model.state_dict().items())
-
-
-class Replica(RolloutReplica):  # no inference server on CPU: nothing to abort or resume
-    def get_ray_class_with_init_args(self):
-        raise NotImplementedError
-
-    async def launch_servers(self):
-        pass
 
 
 def main() -> int:
@@ -140,15 +67,16 @@ def main() -> int:
     ce = user_config(model_path, args)
 
     ray.init(num_cpus=args.trainers + args.rollouts + 2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", str(ROOT))}})
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}})
     config = OmegaConf.create({"actor": {"strategy": "fsdp"}, "rollout": {"checkpoint_engine": ce}})
-    trainers = RayWorkerGroup(resource_pool=RayResourcePool([args.trainers], use_gpu=False), device_name="cpu",
+    pools = [RayResourcePool([n], use_gpu=False, max_colocate_count=1) for n in (args.trainers, args.rollouts)]
+    trainers = RayWorkerGroup(resource_pool=pools[0], device_name="cpu",
                               ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(Trainer), config=config,
                                                                      role="actor", model_path=model_path))
     trainers.init_model()
     rollout_config = RolloutConfig(name="vllm", tensor_model_parallel_size=1,
                                    checkpoint_engine=CheckpointEngineConfig(**ce))
-    rollouts = RayWorkerGroup(resource_pool=RayResourcePool([args.rollouts], use_gpu=False), device_name="cpu",
+    rollouts = RayWorkerGroup(resource_pool=pools[1], device_name="cpu",
                               ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(Rollout),
                                                                      rollout_config=rollout_config,
                                                                      model_path=model_path))

@@ -79,7 +79,8 @@ def megatron_to_hf(named: dict[str, torch.Tensor], tiny: TinyGPT):
                 half = fc1.shape[0] // 2
                 yield f"{h}mlp.experts.{e}.gate_proj.weight", fc1[:half]
                 yield f"{h}mlp.experts.{e}.up_proj.weight", fc1[half:]
-                yield f"{h}mlp.experts.{e}.down_proj.weight", named[f"{m}mlp.experts.local_experts.{e}.linear_fc2.weight"]
+                fc2 = named[f"{m}mlp.experts.local_experts.{e}.linear_fc2.weight"]
+                yield f"{h}mlp.experts.{e}.down_proj.weight", fc2
         else:
             fc1 = named[m + "mlp.linear_fc1.weight"]
             half = fc1.shape[0] // 2
@@ -336,9 +337,6 @@ def start_ray(num_cpus: int = 16) -> None:
     ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=False)
 
 
-__all__ = ["CheckpointAdapter", "MOE", "MegatronExport", "ModelSpec", "Refit", "Replica", "RolloutWorker", "TrainerWorker",
-           "checkpoint_engine_config", "digest", "megatron_to_hf", "save_checkpoint", "start_ray"]
-
 
 # --- verl's stock pattern, for benchmarks ----------------------------------------------------------------------
 
@@ -436,3 +434,8 @@ class FunnelCheckpointEngine(CheckpointEngine):
                 full.view(-1).view(torch.uint8)[offset:offset + n] = bucket[at:at + n]
                 if offset + n == full.numel() * full.element_size():
                     yield name, partial.pop(name)
+
+
+__all__ = ["CheckpointAdapter", "FunnelCheckpointEngine", "MOE", "MegatronExport", "ModelSpec", "Refit", "Replica",
+           "RolloutWorker", "TrainerWorker",
+           "checkpoint_engine_config", "digest", "megatron_to_hf", "save_checkpoint", "start_ray"]

@@ -215,5 +215,6 @@ def build(trainers: int, rollouts: int, metadata: Sequence[Any]) -> tuple[list[d
     return tops[:trainers], tops[trainers:]
 
 
-__all__ = ["TRANSPORTS", "Topology", "bindings", "build", "check_bucket", "check_options", "group_plans", "model_digest",
+__all__ = ["TRANSPORTS", "Topology", "bindings", "build", "check_bucket", "check_options", "group_plans",
+           "model_digest",
            "tensor_groups"]

@@ -15,7 +15,9 @@ Lifecycle, per refit, as verl's `CheckpointEngineManager.update_weights` drives 
      side); `atomic=False` yields each group as it lands (memory: one group; a failure can leave a partial load).
   5. `finalize()`: the group and the store are closed.
 A stream that does not match the model (an unknown, repeated or missing tensor, a wrong shape or dtype) fails the
-refit on every process with an ArgumentError naming the tensor, before any rollout rank hands anything on.
+refit: the trainer rank that sees it raises an ArgumentError naming the tensor and posts it to the store; every
+other process raises an ExecutionError carrying it (a process blocked in a gloo receive when its wait times out),
+before any rollout rank hands anything on.
 """
 from __future__ import annotations
 

@@ -5,9 +5,10 @@ both in this process (the local executor: every op a device copy). Cases, each t
   copy bf16        ceiling: one device copy of the bf16 model's bytes (one flat tensor)
   refit bf16       the plan Megatron TP1 -> vLLM TP1, bf16 into bf16 (what an unquantized engine takes)
   copy fp8 wire    ceiling: one device copy of the FP8 refit's wire bytes (fp8 weights, scales, bf16 rest)
-  quantize         the senders' quantization alone (fp8 into the shadows, scales), eager or torch.compile
-  move fp8         the FP8 plan's copies alone (fp8 + scales + bf16 rest into the engine's tensors)
-  refit fp8        quantize + move: a whole FP8 refit, eager or torch.compile
+  quantize         the senders' quantization alone: eager or torch.compile into the wire's shadows, or the Triton
+                   kernel straight into the engine's fp8 weights and scales (issue 31; refit_inprocess.py has more)
+  move fp8         the FP8 plan's copies alone (fp8 + scales + bf16 rest into the engine's tensors; shadow paths)
+  refit fp8        quantize + move: a whole FP8 refit, eager, torch.compile or kernel
 It checks the FP8 engine's layer-0 qkv_proj (weight and scales) against the reference quantizer on the CPU, and
 prints what a link of a given bandwidth would make of the two refits (computed from the measured quantize time
 and the wire bytes, not measured: one GPU here).
@@ -105,13 +106,16 @@ def main() -> int:
     bf16 = LocalExecutor(plan, None, 0, src, dst16)
     results["refit_bf16"] = timed(bf16.refit, args.iters)
 
-    for compiled in (False, True):
-        tag = "compiled" if compiled else "eager"
-        try:
-            ex = Fp8Executor(fp, None, 0, src, dst8, compiled=compiled)
+    for tag in ("eager", "compiled", "kernel"):
+        try:  # eager / compiled: the wire's shadows, then the plan's copies; kernel: the Triton kernel, straight
+            # into the engine's tensors where the plan allows (executors.fp8.DirectQuantizer)
+            ex = Fp8Executor(fp, None, 0, src, dst8, quantizer=tag, direct=tag == "kernel")
             results[f"refit_fp8_{tag}"] = timed(ex.refit, args.iters)
-            results[f"quantize_{tag}"] = timed(lambda: ex.senders.run(ex.quantize), args.iters)
-            results[f"move_fp8_{tag}"] = timed(ex.inner.refit, args.iters)
+            if ex.direct is not None:
+                results[f"quantize_{tag}"] = timed(lambda: ex.direct.run(ex.quantize), args.iters)
+            else:
+                results[f"quantize_{tag}"] = timed(lambda: ex.senders.run(ex.quantize), args.iters)
+                results[f"move_fp8_{tag}"] = timed(ex.inner.refit, args.iters)
             ex.refit()
             sync()
             name = "model.layers.0.self_attn."
@@ -119,7 +123,8 @@ def main() -> int:
             q, s = zip(*(reference_quantize(w, scheme.block) for w in parts))
             results[f"check_{tag}"] = bool(same_bytes(dst8[0][name + "qkv_proj.weight"], torch.cat(q)) and
                                           same_bytes(dst8[0][name + "qkv_proj.weight_scale_inv"], torch.cat(s)))
-        except Exception as e:  # noqa: BLE001 - recorded (torch.compile may be missing on a machine)
+            ex.close()
+        except Exception as e:  # noqa: BLE001 - recorded (torch.compile or Triton may be missing on a machine)
             results[f"error_{tag}"] = f"{type(e).__name__}: {str(e)[:500]}"
     results["peak_memory_bytes"] = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
 
@@ -133,7 +138,7 @@ def main() -> int:
     for k, v in med.items():
         nbytes = results["bf16_wire_bytes"] if "bf16" in k else results["fp8_wire_bytes"]
         print(f"  {k:22s} {v * 1e3:9.2f} ms   {2 * nbytes / v / 1e12:6.2f} TB/s (read + write of its wire bytes)")
-    for tag in ("eager", "compiled"):
+    for tag in ("eager", "compiled", "kernel"):
         if f"refit_fp8_{tag}" in med:
             print(f"  fp8 / bf16 refit ({tag}): {med[f'refit_fp8_{tag}'] / med['refit_bf16']:.3f}x; checks: "
                   f"{results.get(f'check_{tag}')}")
@@ -141,7 +146,7 @@ def main() -> int:
             print(f"  {tag}: {results[f'error_{tag}']}")
     proj = {}
     for label, bw in (("400 Gb/s NIC (50 GB/s)", 50e9), ("NVLink one direction (366 GB/s)", 366e9)):
-        valid = [med[f"quantize_{t}"] for t in ("eager", "compiled") if results.get(f"check_{t}")]
+        valid = [med[f"quantize_{t}"] for t in ("eager", "compiled", "kernel") if results.get(f"check_{t}")]
         q = min(valid) if valid else med.get("quantize_eager", float("nan"))  # a quantizer whose bytes checked
         b16 = results["bf16_wire_bytes"] / bw
         f8 = q + results["fp8_wire_bytes"] / bw

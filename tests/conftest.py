@@ -1,10 +1,18 @@
 import contextlib
 import glob
 import os
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+# The CPU capability path of this session and every process it starts, decided here once (tests/cpu_path).
+sys.path.insert(0, str(Path(__file__).resolve().parent / "cpu_path"))
+from cpu_path_session import pin, pytest_runtest_makereport, pytest_terminal_summary  # noqa: E402,F401  (pytest hooks)
+
+pin()
 
 # CI runs every property at least 200 examples; locally `HYPOTHESIS_PROFILE=dev` is quicker.
 settings.register_profile("ci", max_examples=200, deadline=None, derandomize=True,
@@ -31,3 +39,10 @@ def _sweep_shared_memory_of_dead_processes():
                 os.unlink(path)
         except (OSError, ValueError, IndexError):
             continue
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The number of calls the signature fuzz suite generated (tests/fuzz/test_signatures.py)."""
+    calls = getattr(config, "reshard_signature_calls", None)
+    if calls is not None:
+        terminalreporter.write_line(f"signature fuzz: {calls[0]} generated calls over {calls[1]} entry points")

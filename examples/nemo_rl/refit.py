@@ -1,102 +1,254 @@
-"""Trainer workers and vLLM engines as Ray actors (the NeMo-RL shape): a GRPO-like loop of generate, train,
-refit every engine, generate again, for a few steps.
+"""reshard as NeMo-RL's refit transport: `ReshardCheckpointEngine` driven in NeMo-RL's call order, policy workers
+and a vLLM engine as Ray actors in separate processes (and virtualenvs), on CPU.
 
-    .venv/bin/python examples/nemo_rl/refit.py [--steps 3] [--trainer-tp 2] [--replicas 2]
+    .venv/bin/python examples/nemo_rl/refit.py [--policy-workers 2] [--tp 1]
 
-- a local Ray cluster (bounded CPUs); trainer actors run megatron-core (TP2 on gloo) in this virtualenv, which
-  has no vLLM; engine actors run vLLM CPU engines in the vLLM virtualenv (`runtime_env={"py_executable": ...}`):
-  `--replicas` TP1 replicas refit as one group with fan-out (one replica relays to the next, so the trainers send
-  one copy of the model however many replicas there are), and one TP2 engine as a group of its own;
-- every step: the engines generate, the trainers take a training step (a deterministic elementwise function of
-  their weights), every group is refit (`TrainerSession` on each trainer actor; trainer actor 0 drives the
-  engines through `RayEngineClient`), the engines generate again;
-- ground truth: a fresh engine started from the step's weights, saved as an HF checkpoint computed here from the
-  first checkpoint by the same function (independent of Megatron and of reshard); exits non-zero on any token
-  or weight-version mismatch.
+In NeMo-RL this is configuration only:
+
+    policy.generation.refit_transport: "reshard.integrations.nemo_rl:ReshardCheckpointEngine"
+    policy.generation.refit_cfg."reshard.integrations.nemo_rl:ReshardCheckpointEngine": {model: <checkpoint>}
+
+NeMo-RL is not installed here (it needs Python >= 3.13 and GPUs), so this file plays its part: `Synchronizer`
+replays CheckpointEngineWeightSynchronizer (init_checkpoint_engine, prepare, init process groups, then per refit
+send_weights_via_checkpoint_engine on every policy worker while every vLLM worker updates from the engine),
+`PolicyWorker` NeMo-RL's Megatron policy worker (its HF iterator, filtered by the engine's target layout), and
+vllm_side.py the vLLM generation worker and its worker extension, in the vLLM CPU virtualenv.
+
+1. makes a tiny Qwen3 checkpoint A (transformers) and B, the weights after one "training step" (an elementwise
+   function applied here to A's tensors: ground truth independent of reshard);
+2. starts the vLLM engine on B and records its greedy tokens and vLLM's own weight checksums;
+3. the policy workers, loaded with A, refit the engine (its tokens must change), take the training step (now they
+   hold B) and refit again;
+4. exits 0 only if the engine's tokens and weight checksums then equal those it had when started on B, and each
+   policy worker sent only part of the model.
 """
 from __future__ import annotations
 
 import argparse
-import json
+import importlib
+import os
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Iterator
 
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]  # this checkout: its reshard is the one every actor imports
+ENGINE = "reshard.integrations.nemo_rl:ReshardCheckpointEngine"
 PROMPTS = [[1, 2, 3, 4, 5], [17, 40, 3, 99], [64, 65, 66, 7, 7, 7, 7, 80]]
 
 
+def train_step(t: torch.Tensor, step: int) -> torch.Tensor:
+    """The stand-in for an optimizer step (elementwise: the same however a tensor is sharded)."""
+    return t * 0.8 + 0.3 * torch.sin(3.0 * t + float(step))
+
+
+def make_checkpoints(work: Path) -> tuple[Path, Path]:
+    """A: a tiny random Qwen3 (every weight N(0, 1), so a misplaced element changes the tokens); B: A after a step."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(vocab_size=120, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, intermediate_size=96, max_position_embeddings=256,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape))
+    model.save_pretrained(work / "A")
+    model.config.save_pretrained(work / "B")
+    trained = {k: train_step(v, 1).contiguous() for k, v in load_file(str(work / "A/model.safetensors")).items()}
+    save_file(trained, str(work / "B/model.safetensors"))
+    return work / "A", work / "B"
+
+
+class PolicyWorker:
+    """NeMo-RL's policy worker with its checkpoint-engine mixins (PolicyCheckpointEngineMixin,
+    MegatronCheckpointEngineSendMixin): Megatron hands the engine whole HF tensors; here they are a checkpoint's."""
+
+    def __init__(self, rank: int, checkpoint: str) -> None:
+        from safetensors.torch import load_file
+
+        torch.set_num_threads(1)
+        self.rank, self.engine = rank, None
+        self.weights = load_file(str(Path(checkpoint) / "model.safetensors"))
+
+    def train(self, step: int) -> None:
+        self.weights = {k: train_step(v, step) for k, v in self.weights.items()}
+
+    def _iterator(self) -> Iterator[tuple[str, torch.Tensor]]:
+        layout = self.engine.get_target_weight_layout()  # what the Megatron worker filters its iterator with
+        for name, tensor in self.weights.items():
+            if layout is None or not any(name.startswith(p) for p in layout["missing_weight_prefixes"]):
+                yield name, tensor  # (a MoE model's experts are also kept by layout["expert_params"])
+
+    async def checkpoint_engine_rpc(self, checkpoint_method: str, method_kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = method_kwargs or {}
+        if checkpoint_method == "init_checkpoint_engine":
+            if self.engine is None:
+                module, name = kwargs["backend"].split(":", 1)  # NeMo-RL's create_checkpoint_engine
+                cls = getattr(importlib.import_module(module), name)
+                self.engine = cls(bucket_size=kwargs["bucket_size_bytes"], **kwargs["engine_kwargs"])
+            return None
+        if checkpoint_method == "prepare_checkpoint_engine":
+            return {**self.engine.prepare(), "rank": self.rank}
+        if checkpoint_method == "init_checkpoint_engine_process_group":
+            return self.engine.init_policy_process_group(worker_rank=self.rank, **kwargs)
+        if checkpoint_method == "send_weights_via_checkpoint_engine":
+            await self.engine.send_weights(self._iterator())
+            return sum(self.engine.last_stats.bytes_sent.values())  # (NeMo-RL returns nothing; printed here)
+        if checkpoint_method == "finalize_checkpoint_engine":
+            return self.engine.finalize()
+        raise ValueError(f"unknown checkpoint method {checkpoint_method!r}")
+
+
+class Synchronizer:
+    """NeMo-RL's CheckpointEngineWeightSynchronizer, in its call order (one vLLM engine: one data-parallel group)."""
+
+    def __init__(self, policy: list, generation: Any, engine_kwargs: dict[str, Any], bucket_size: int) -> None:
+        self.policy, self.generation = policy, generation
+        self.engine_kwargs, self.bucket_size, self.ready = engine_kwargs, bucket_size, False
+
+    def _policy(self, method: str, **kwargs: Any) -> list:
+        return [w.checkpoint_engine_rpc.remote(method, kwargs) for w in self.policy]
+
+    def _generation(self, method: str, args: tuple = ()) -> list:
+        return [self.generation.checkpoint_engine_rpc.remote(method, args)]
+
+    def init(self) -> None:
+        import ray
+
+        ray.get(self._policy("init_checkpoint_engine", backend=ENGINE, bucket_size_bytes=self.bucket_size,
+                             engine_kwargs=self.engine_kwargs)
+                + self._generation("init_checkpoint_engine", (ENGINE, self.bucket_size, self.engine_kwargs)))
+        results = ray.get(self._policy("prepare_checkpoint_engine") + self._generation("prepare_checkpoint_engine"))
+        policy_metadata = sorted(results[:len(self.policy)], key=lambda m: m["rank"])
+        generation_metadata = sorted(results[-1], key=lambda m: m["rank"])  # one group: its workers' list
+        topology = {"metadata": policy_metadata + generation_metadata, "train_world_size": len(policy_metadata),
+                    "rollout_world_size": len(generation_metadata)}
+        ray.get(self._policy("init_checkpoint_engine_process_group", **topology)
+                + self._generation("init_checkpoint_engine_process_group",
+                                   (0, topology["train_world_size"], topology["rollout_world_size"],
+                                    topology["metadata"])))
+        self.ready = True
+
+    def sync_weights(self) -> list[int]:
+        """One refit; the bytes each policy worker sent. Raises if the refit failed."""
+        import ray
+
+        if not self.ready:
+            self.init()
+        refs = self._policy("send_weights_via_checkpoint_engine")
+        results = ray.get(refs + self._generation("update_weights_from_checkpoint_engine"))
+        if not all(r for r in results[len(refs):] if r is not None):
+            raise RuntimeError("weight transfer failed during the checkpoint-engine sync")
+        return results[:len(refs)]
+
+    def shutdown(self) -> None:
+        import ray
+
+        if self.ready:
+            ray.get(self._policy("finalize_checkpoint_engine") + self._generation("finalize_checkpoint_engine"))
+            self.ready = False
+
+
 def main() -> int:
-    import ray
-
-    from reshard.adapters.ray import RayEngineClient
-    from reshard.testing.megatron_cpu import TinyGPT
-    from reshard.testing.ray_jobs import (open_group, reference_tokens, refit_all, start_engine, start_trainers,
-                                          stop_engine)
-    from reshard.testing.serve import vllm_cpu_python
-    from reshard.testing.serve_jobs import load_checkpoint, make_checkpoint, save_checkpoint, train_step
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--trainer-tp", type=int, default=2)
-    p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--transport", default="collective", choices=["collective", "nixl"])
+    p.add_argument("--policy-workers", type=int, default=2)
+    p.add_argument("--tp", type=int, default=1, help="the vLLM engine's tensor-parallel size")
+    p.add_argument("--vllm-python", default=os.environ.get("RESHARD_VLLM_CPU_PYTHON",
+                                                          str(ROOT / ".venv-vllm-cpu/bin/python")))
     p.add_argument("--workdir", default=None)
     a = p.parse_args()
-    if vllm_cpu_python() is None:
-        print("no vLLM CPU virtualenv: run scripts/bootstrap vllm first", file=sys.stderr)
+    if not Path(a.vllm_python).exists():
+        print(f"no vLLM CPU python at {a.vllm_python}: run scripts/bootstrap vllm first", file=sys.stderr)
         return 2
+    import ray
+
     work = Path(a.workdir or tempfile.mkdtemp(prefix="reshard-nemo-rl-"))
-    ckpts = [make_checkpoint(TinyGPT(), work / "step-0")]
-    for step in range(1, a.steps + 1):  # what the trainer holds after each step, computed independently
-        prev = load_checkpoint(ckpts[-1])
-        trained = {k: train_step(v, step) for k, v in prev.items()}
-        ckpts.append(save_checkpoint(trained, ckpts[0], work / f"step-{step}"))
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ckpt_a, ckpt_b = make_checkpoints(work)
+    path = os.pathsep.join([str(ROOT), str(HERE)])
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu", "PYTHONPATH": path,
+           **({"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1)) for i in range(a.tp))}
+              if a.tp > 1 else {})}
     t0 = time.perf_counter()
-    replicas = [start_engine(str(ckpts[0]), 1) for _ in range(a.replicas)]
-    tp2 = start_engine(str(ckpts[0]), 2)
-    trainers = start_trainers(a.trainer_tp, {"tp": a.trainer_tp, "checkpoint": str(ckpts[0])})
-    clients = {f"replica {k}": RayEngineClient(e, f"replica {k}") for k, e in enumerate(replicas)}
-    clients["tp2"] = RayEngineClient(tp2, "tp2")
-    ok = True
+    generation = start_generation(a.vllm_python, str(ckpt_b), a.tp, env)
+    policy = [ray.remote(PolicyWorker).options(num_cpus=0).remote(r, str(ckpt_a)) for r in range(a.policy_workers)]
+    sync = Synchronizer(policy, generation, {"model": str(ckpt_a), "host": "127.0.0.1"}, bucket_size=1 << 20)
+    ok = False
     try:
-        for c in clients.values():
-            c.greedy(PROMPTS[:1])  # engines are up
-        print(f"{len(replicas)} TP1 replicas, one TP2 engine and {a.trainer_tp} trainer actors up in "
-              f"{time.perf_counter() - t0:.0f} s")
-        open_group(trainers, {"name": "replicas", "dst": {"tp": 1, "replicas": a.replicas}, "fanout": 1,
-                              "transport": a.transport}, replicas)
-        open_group(trainers, {"name": "tp2", "dst": {"tp": 2}, "fanout": 1, "transport": a.transport}, [tp2])
-        for step in range(1, a.steps + 1):
-            rollouts = {name: c.greedy(PROMPTS) for name, c in clients.items()}  # generate
-            ray.get([t.train_step.remote(step) for t in trainers])  # train
-            results = refit_all(trainers, f"step-{step}")  # refit every engine
-            want = reference_tokens(str(ckpts[step]), PROMPTS)
-            line = []
-            for group in ("replicas", "tp2"):
-                r = [x[group] for x in results]
-                if not all(x["ok"] for x in r):
-                    print(f"  step {step} {group}: refit failed: {[x.get('error') for x in r]}")
-                    ok = False
-                    continue
-                sent = sum(x["bytes_sent"] for x in r)
-                line.append(f"{group} {max(x['seconds'] for x in r) * 1e3:.0f} ms, trainer egress {sent:,} B")
-            for name, c in clients.items():
-                got, version = c.greedy(PROMPTS), c.weight_version()
-                good = got == want and version == f"step-{step}" and got != rollouts[name]
-                ok &= good
-                if not good:
-                    print(f"  step {step} {name}: tokens {'match' if got == want else 'DIFFER'}, version {version!r}")
-            print(f"step {step}: {'; '.join(line)}; every engine's tokens equal a fresh engine's: "
-                  f"{all(c.greedy(PROMPTS) == want for c in clients.values())}")
-        model_bytes = sum(v.numel() * v.element_size() for v in load_checkpoint(ckpts[0]).values())
-        print(f"one copy of the model: {model_bytes:,} B (the trainers' egress to {a.replicas} replicas with fan-out)")
+        fresh = ray.get(generation.greedy.remote(PROMPTS))
+        fresh_sums = ray.get(generation.weight_checksums.remote())
+        print(f"vLLM engine (tp={a.tp}) up on B in {time.perf_counter() - t0:.0f} s; "
+              f"{a.policy_workers} policy workers hold A")
+        t0 = time.perf_counter()
+        sync.init()
+        print(f"checkpoint engines prepared and joined in {time.perf_counter() - t0:.2f} s")
+        sent_a = sync.sync_weights()
+        tokens_a = ray.get(generation.greedy.remote(PROMPTS))
+        ray.get([w.train.remote(1) for w in policy])
+        t0 = time.perf_counter()
+        sent_b = sync.sync_weights()
+        seconds = time.perf_counter() - t0
+        tokens_b = ray.get(generation.greedy.remote(PROMPTS))
+        sums_b = ray.get(generation.weight_checksums.remote())
+        model_bytes = sum(os.path.getsize(f) for f in ckpt_b.glob("*.safetensors"))
+        print(f"refit after the step: {seconds * 1e3:.0f} ms; bytes sent per policy worker {sent_b} "
+              f"(the model: about {model_bytes:,} B)")
+        checks = {
+            "refit with A changed the tokens": tokens_a != fresh,
+            "after the step's refit the tokens equal the engine's when started on B": tokens_b == fresh,
+            "vLLM's weight checksums equal the engine's when started on B": sums_b == fresh_sums,
+            "every policy worker sent a part of the model, none all of it":
+                all(0 < s < sum(sent_b) for s in sent_b) if len(sent_b) > 1 else sent_b[0] > 0,
+            "both refits sent the same bytes": sent_a == sent_b,
+        }
+        for what, good in checks.items():
+            print(f"  {'ok  ' if good else 'FAIL'} {what}")
+        ok = all(checks.values())
     finally:
-        for e in [*replicas, tp2]:
-            stop_engine(e)
-        ray.shutdown()
+        try:
+            sync.shutdown()
+        finally:
+            stop_generation(generation)
+            ray.shutdown()
     return 0 if ok else 1
+
+
+def start_generation(python: str, model: str, tp: int, env: dict[str, str]) -> Any:
+    """The vLLM engine actor (vllm_side.GenerationActor) in the vLLM virtualenv."""
+    import ray
+
+    sys.path.insert(0, str(HERE))
+    from vllm_side import GenerationActor
+
+    options = {"num_cpus": 0, "runtime_env": {"py_executable": python, "env_vars": env}}
+    return ray.remote(GenerationActor).options(**options).remote(model, tp, env)
+
+
+def stop_generation(actor: Any) -> None:
+    """Stop the engine's processes, then the actor (and any of its processes left, by PID)."""
+    import signal
+
+    import ray
+
+    try:
+        pids = ray.get(actor.processes.remote(), timeout=60)
+        ray.get(actor.shutdown.remote(), timeout=120)
+    except Exception:  # noqa: BLE001 - the actor may be gone already
+        pids = []
+    ray.kill(actor)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 if __name__ == "__main__":

@@ -28,33 +28,48 @@ class RayEngineClient:
 
     def __init__(self, actor: Any, name: str, timeout: float = 600.0) -> None:
         self.actor, self.name, self.timeout = actor, name, timeout
+        self.lease_holder: str | None = None  # sent with every refit call once a lease is taken
 
     def __repr__(self) -> str:
         return f"engine {self.name}"
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def _call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         import ray
 
+        timeout = timeout or self.timeout
         try:
-            return ray.get(getattr(self.actor, method).remote(*args), timeout=self.timeout)
+            return ray.get(getattr(self.actor, method).remote(*args), timeout=timeout)
         except ray.exceptions.GetTimeoutError:
-            raise ExecutionError(f"{self}: {method} did not answer within {self.timeout:.0f} s") from None
+            raise ExecutionError(f"{self}: {method} did not answer within {timeout:.0f} s") from None
         except ray.exceptions.RayActorError as e:
             raise ExecutionError(f"{self} is gone (its actor died): {_first_line(e)}") from None
         except ray.exceptions.RayTaskError as e:
             raise ExecutionError(f"{self}: {method} failed: {_first_line(e.cause if e.cause else e)}") from None
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._call("init_weight_transfer_engine", json.dumps(init_info))
+        self._call("init_weight_transfer_engine", json.dumps(init_info), self.lease_holder)
 
     def start_weight_update(self) -> None:
-        self._call("start_weight_update")
+        self._call("start_weight_update", self.lease_holder)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self._call("update_weights", json.dumps(update_info))
+        self._call("update_weights", json.dumps(update_info), self.lease_holder)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._call("finish_weight_update", weight_version)
+        self._call("finish_weight_update", weight_version, self.lease_holder)
+
+    # --- the driver's lease (adapters.vllm.lease's rules, kept by the actor) -------------------------------
+    def acquire_lease(self, holder: str, ttl: float, timeout: float | None = None) -> None:
+        self._call("lease", json.dumps({"holder": holder, "ttl": ttl}), timeout=timeout)
+        self.lease_holder = holder
+
+    def release_lease(self, timeout: float | None = None) -> None:
+        holder, self.lease_holder = self.lease_holder, None
+        if holder:
+            self._call("lease", json.dumps({"holder": holder, "release": True}), timeout=timeout)
+
+    def lease_state(self) -> dict[str, Any]:
+        return json.loads(self._call("lease_state"))
 
     def load_lora(self, name: str, path: str) -> int:
         """Serve the PEFT directory `path` as adapter `name` (engine started with enable_lora); its id, what an
@@ -78,6 +93,10 @@ class RayEngineClient:
     def weight_checksums(self) -> dict[str, str]:
         return json.loads(self._call("weight_checksums"))
 
+    def landed(self) -> list[dict[str, Any]]:
+        """reshard's end-to-end digest of what the last refit landed, per worker, before vLLM's repacking."""
+        return json.loads(self._call("landed"))
+
     def stats(self) -> list[dict[str, Any]]:
         return json.loads(self._call("stats"))
 
@@ -91,7 +110,13 @@ class VllmEngineActor:
     """A vLLM engine (`vllm.LLM`) with the `reshard` weight-transfer backend, as a Ray actor. `engine_args` is JSON
     of `LLM` keyword arguments (model excluded); the worker extension is added so that `stats` can count plan
     compiles, and because in-slot LoRA refits (install "lora_slot") go through it: vLLM's weight-transfer API
-    drops every loaded adapter when an update finishes. Methods take and return JSON text."""
+    drops every loaded adapter when an update finishes. Methods take and return JSON text.
+
+    The driver's lease (the rules of adapters.vllm.lease): the driver (trainer process 0, through RayEngineClient)
+    takes it at init and renews it; refit calls carry its holder and a call of any other holder is refused; if it
+    lapses, a watchdog thread of the actor ends what the driver left open (its update rolled back, or forward
+    with its version when its install step succeeded). Create the actor threaded (`.options(max_concurrency=4)`):
+    renewals must get through while an update runs; engine calls are serialized by the actor itself."""
 
     def __init__(self, model: str, engine_args: str = "{}", env: str = "{}") -> None:
         os.environ.update(json.loads(env))
@@ -107,31 +132,108 @@ class VllmEngineActor:
 
         self.api, self.extension = OfflineLLMClient(self.llm), OfflineExtensionClient(self.llm)
         self.client = self.api  # the refit in progress: an adapter's goes through the worker extension
+        import threading
+
+        from .vllm.lease import LeaseBook
+
+        self.engine_lock = threading.RLock()  # one engine call at a time (the actor may be threaded)
+        self.book_lock = threading.Lock()
+        self.book = LeaseBook()
+        threading.Thread(target=self._watch, daemon=True, name="reshard-lease").start()
 
     def pid(self) -> int:
         return os.getpid()
 
-    def init_weight_transfer_engine(self, init_info: str) -> None:
+    # --- the driver's lease --------------------------------------------------------------------------
+    def lease(self, request: str) -> str:
+        from .vllm.lease import parse_grant
+
+        holder, ttl, release = parse_grant(request.encode())
+        with self.book_lock:
+            if release:
+                if holder == self.book.holder:
+                    self._end("released by its holder")
+                return json.dumps({"released": True})
+            if holder in self.book.fenced:
+                raise ExecutionError(f"lease {holder[:16]!r} ended (its generation was fenced): init again")
+            if self.book.holder is not None and holder != self.book.holder:
+                self._end("a new driver took the lease")
+            self.book.grant(holder, ttl)
+            return json.dumps({"holder": holder, "generation": self.book.generation})
+
+    def lease_state(self) -> str:
+        book = self.book
+        return json.dumps({"holder": book.holder, "generation": book.generation, "open": book.open.__dict__})
+
+    def _watch(self) -> None:
+        import time
+
+        while True:
+            time.sleep(0.2)
+            with self.book_lock:
+                if self.book.lapsed():
+                    self._end("its lease lapsed")
+
+    def _end(self, why: str) -> None:
+        """Fence the holder (book_lock held); once its engine call in progress returns, close what it left open."""
+        import logging
+
+        left = self.book.fence()
+        with self.engine_lock:
+            if left.started:
+                try:
+                    self.client.finish_weight_update(left.installed)
+                except Exception as e:  # noqa: BLE001 - an update that already closed refuses; expected
+                    logging.getLogger("reshard.lease").info("closing an ended lease's update: %s", e)
+        logging.getLogger("reshard.lease").warning("reshard: a driver's lease ended (%s): %s", why,
+                                                   "rolled forward" if left.installed is not None else "rolled back")
+
+    def _refit_call(self, route: str, holder: str | None, fn: Any, update: Any = None) -> None:
+        from .vllm.lease import after, before
+
+        with self.book_lock:
+            if holder is not None:
+                refusal = self.book.refusal(holder)
+                if refusal is not None:
+                    raise ExecutionError(refusal)
+            opened = self.book.open
+            before(opened, route, update)
+        ok = False
+        try:
+            with self.engine_lock:
+                fn()
+            ok = True
+        finally:
+            after(opened, route, update, ok)
+
+    def init_weight_transfer_engine(self, init_info: str, holder: str | None = None) -> None:
         info = json.loads(init_info)
-        lora_slot = isinstance(info, dict) and info.get("install") == "lora_slot"
-        self.client = self.extension if lora_slot else self.api
-        self.client.init_weight_transfer_engine(info)
 
-    def start_weight_update(self) -> None:
-        self.client.start_weight_update()
+        def init() -> None:
+            lora_slot = isinstance(info, dict) and info.get("install") == "lora_slot"
+            self.client = self.extension if lora_slot else self.api
+            self.client.init_weight_transfer_engine(info)
 
-    def update_weights(self, update_info: str) -> None:
-        self.client.update_weights(json.loads(update_info))
+        self._refit_call("/init_weight_transfer_engine", holder, init)
 
-    def finish_weight_update(self, weight_version: str | None) -> None:
-        self.client.finish_weight_update(weight_version)
+    def start_weight_update(self, holder: str | None = None) -> None:
+        self._refit_call("/start_weight_update", holder, lambda: self.client.start_weight_update())
+
+    def update_weights(self, update_info: str, holder: str | None = None) -> None:
+        info = json.loads(update_info)
+        self._refit_call("/update_weights", holder, lambda: self.client.update_weights(info), info)
+
+    def finish_weight_update(self, weight_version: str | None, holder: str | None = None) -> None:
+        self._refit_call("/finish_weight_update", holder, lambda: self.client.finish_weight_update(weight_version))
 
     def load_lora(self, name: str, path: str) -> int:
         from vllm.lora.request import LoRARequest
 
         known = self.loras.get(name)
         request = LoRARequest(name, known.lora_int_id if known else len(self.loras) + 1, path)
-        if not self.llm.llm_engine.add_lora(request):
+        with self.engine_lock:
+            added = self.llm.llm_engine.add_lora(request)
+        if not added:
             raise RuntimeError(f"vLLM did not load the adapter {name!r} from {path}")
         self.loras[name] = request
         return request.lora_int_id
@@ -142,21 +244,31 @@ class VllmEngineActor:
         if lora is not None and lora not in self.loras:
             raise ValueError(f"no adapter {lora!r} loaded (loaded: {sorted(self.loras)})")
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False)
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in json.loads(prompts)], params, use_tqdm=False,
-                                 lora_request=self.loras.get(lora) if lora else None)
+        with self.engine_lock:
+            outs = self.llm.generate([{"prompt_token_ids": p} for p in json.loads(prompts)], params, use_tqdm=False,
+                                     lora_request=self.loras.get(lora) if lora else None)
         return json.dumps([list(o.outputs[0].token_ids) for o in outs])
 
     def weight_version(self) -> str:
-        return self.llm.get_weight_version()
+        with self.engine_lock:
+            return self.llm.get_weight_version()
 
     def weight_checksums(self) -> str:
         merged: dict[str, str] = {}
-        for worker in self.llm.collective_rpc("compute_weight_checksums"):
+        with self.engine_lock:
+            per_worker = self.llm.collective_rpc("compute_weight_checksums")
+        for worker in per_worker:
             merged.update(worker)
         return json.dumps(merged)
 
+    def landed(self) -> str:
+        """reshard's digest of what the last refit landed on each worker (WorkerSession.landed)."""
+        with self.engine_lock:
+            return json.dumps(self.llm.collective_rpc("reshard_landed"))
+
     def stats(self) -> str:
-        return json.dumps(self.llm.collective_rpc("reshard_stats"))
+        with self.engine_lock:
+            return json.dumps(self.llm.collective_rpc("reshard_stats"))
 
     def processes(self) -> list[int]:
         """The PIDs of this engine's own processes (engine core, workers), for a caller that must end them after

@@ -46,7 +46,8 @@ CROSS_PROCESS = ("collective", "nixl", "shared")  # transports whose processes m
 LOADER_OPTIONS = {"collective": {"in_place": True}, "nixl": {"staged": False}, "shared": {"staged": False}}
 _FIELDS = {"model": dict, "src": dict, "dst": dict, "install": str, "replica": int, "transport": str,
            "options": dict, "rendezvous": (dict, type(None)), "fanout": (int, type(None)),
-           "verify_layers": (list, tuple, type(None)), "plan_digest": str, "lora_id": (int, type(None))}
+           "verify_layers": (list, tuple, type(None)), "plan_digest": str, "lora_id": (int, type(None)),
+           "math": (dict, type(None))}
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,8 @@ class RefitSpec:
     verify_layers: tuple[int, ...] | None = None  # layers whose loaders direct install probes; None: one per kind
     plan_digest: str = ""  # the trainer's; a worker that compiles another plan refuses the refit
     lora_id: int | None = None  # "lora_slot": the engine's id of the served adapter whose slot is refit
+    math: dict[str, Any] | None = None  # the trainer's HF config fields that change the math, not the shapes
+    # (layouts.math_config); a worker whose model sets any of them otherwise refuses the refit at init
 
     def __post_init__(self) -> None:
         problems = []
@@ -86,7 +89,7 @@ class RefitSpec:
                 problems.append("verify_layers must list layer numbers")
         if problems:
             raise PlanError("invalid refit spec", problems)
-        for name in ("model", "src", "dst", "options", "rendezvous"):  # JSON values, as they travel
+        for name in ("model", "src", "dst", "options", "rendezvous", "math"):  # JSON values, as they travel
             try:
                 object.__setattr__(self, name, json.loads(json.dumps(getattr(self, name))))
             except (TypeError, ValueError) as e:
@@ -94,12 +97,33 @@ class RefitSpec:
 
     # --- plain data ----------------------------------------------------------------------------------
     @classmethod
-    def of(cls, spec: ModelSpec, src: Layout, dst: Layout, **fields: Any) -> "RefitSpec":
-        """From layouts (the model is carried once, not inside each layout)."""
+    def of(cls, spec: ModelSpec, src: Layout, dst: Layout, *, config: Any = None, **fields: Any) -> "RefitSpec":
+        """From layouts (the model is carried once, not inside each layout). `config`: the trainer's HF config (a
+        dict, config.json or checkpoint directory): its fields that change the math without changing shapes
+        (layouts.math_config.MATH_FIELDS: MoE top-k, norm epsilon, rope, activation ...) travel as `math`, and the
+        engine refuses a refit whose model sets any of them otherwise."""
+        from pathlib import Path
+
+        from ..arguments import instance
+
+        instance("spec", spec, ModelSpec, "a ModelSpec")
+        instance("src", src, Layout, "a Layout (the trainer's)")
+        instance("dst", dst, Layout, "a Layout (the engine's VllmLayout)")
+        instance("config", config, (dict, str, Path), "an HF config (a dict, config.json or a checkpoint directory)",
+                 none=True)
         strip = lambda layout: {k: v for k, v in layout_to_dict(layout).items() if k != "model"}  # noqa: E731
         rdv = fields.get("rendezvous")
         if rdv is not None and not isinstance(rdv, dict):
             fields["rendezvous"] = rdv.to_dict()
+        if config is not None:
+            from ..errors import ArgumentError
+            from ..layouts.math_config import math_config
+            from ..layouts.registry import read_hf_config, spec_from_hf_config
+
+            config = read_hf_config(config)
+            if spec_from_hf_config(config).model_copy(update={"dtype": spec.dtype}) != spec:
+                raise ArgumentError("config", "<the HF config>", f"is not the config of the model {spec}")
+            fields["math"] = math_config(config)
         return cls(model=spec.model_dump(), src=strip(src), dst=strip(dst), **fields)
 
     def to_dict(self) -> dict[str, Any]:
@@ -178,17 +202,46 @@ def published_source(key: str) -> RankTensors:
 
 class PublishedSource(Executor):
     """The in-process transport on the engine side: copies from whatever the trainer published under `key` at
-    each refit into this process's destination ranks (a LocalExecutor per refit)."""
+    each refit into this process's destination ranks.
+
+    The copies run through a bound executor (executors.bound: checks, views and the copy program made once; on a
+    GPU one graph launch per refit), kept while the trainer publishes the same tensors in place. A refit first
+    checks, per tensor, that what is published under `key` is still the object bound (and its storage where it
+    was); if the trainer published other tensors, the executor is bound afresh to them. A plan the bound executor
+    cannot run in one process (one that relays between replicas) runs through the reference LocalExecutor."""
 
     name = ""  # not picked by name: made by open_transport
 
     def __init__(self, plan: Plan, dst: RankTensors, key: str) -> None:
         self.plan, self.dst, self.key = plan, dst, key
+        self._bound: Any = None
+        self._bound_to: list[tuple[int, str, Any]] = []  # (rank, name, tensor) the bound executor reads
 
-    def refit(self, version: int | None = None) -> None:
+    def _still_bound(self, src: RankTensors) -> bool:
+        try:
+            return all(src[r][n] is t for r, n, t in self._bound_to)
+        except (KeyError, TypeError):
+            return False
+
+    def refit(self, version: int | None = None) -> Any:
+        from ..executors.bound import BoundLocalExecutor
         from ..executors.local import LocalExecutor
+        from ..planner.plan import RELAY
 
-        LocalExecutor(self.plan, None, 0, published_source(self.key), self.dst).refit()
+        src = published_source(self.key)
+        if self._bound is None or not self._still_bound(src):
+            if bool((self.plan.ops["src_side"] == RELAY).any()):
+                return LocalExecutor(self.plan, None, 0, src, self.dst).refit()
+            self._bound = None
+            self._bound = BoundLocalExecutor(self.plan, None, 0, src, self.dst)
+            used = sorted(set(self.plan.src_tensors.ranks) & set(src))
+            self._bound_to = [(r, n, t) for r in used for n, t in src[r].items()]
+        return self._bound.refit(version)
+
+    def close(self) -> None:
+        if self._bound is not None:
+            self._bound.close()
+        self._bound, self._bound_to = None, []
 
 
 def open_transport(refit: RefitSpec, process: int, src: RankTensors, dst: RankTensors, *, store: Any = None,

@@ -28,10 +28,18 @@ class VllmServer:
     pause / resume and what a caller checks afterwards (weight version, checksums, greedy completions)."""
 
     def __init__(self, url: str, timeout: float = 600.0, api_key: str | None = None) -> None:
+        from ..arguments import seconds, text
+
+        text("url", url)
+        seconds("timeout", timeout)
+        text("api_key", api_key, none=True)
         parsed = urllib.parse.urlparse(url)
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
-            raise ExecutionError(f"server url {url!r} must be http(s)://host:port")
+            from ..errors import ArgumentError
+
+            raise ArgumentError("url", url, "must be http(s)://host:port")
         self.url, self.timeout, self.api_key = url.rstrip("/"), timeout, api_key
+        self.lease_holder: str | None = None  # sent with every call once a lease is taken (adapters.vllm.lease)
 
     def __repr__(self) -> str:
         return f"VllmServer({self.url})"
@@ -46,6 +54,8 @@ class VllmServer:
         request.add_header("Content-Type", "application/json")
         if self.api_key:
             request.add_header("Authorization", f"Bearer {self.api_key}")
+        if self.lease_holder:
+            request.add_header("X-Reshard-Lease", self.lease_holder)
         try:
             with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
                 answer = response.read().decode()
@@ -71,6 +81,29 @@ class VllmServer:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.call("POST", "/finish_weight_update", {"weight_version": weight_version})
 
+    # --- the driver's lease (the server runs reshard.adapters.vllm.lease.ReshardLeaseMiddleware) -------------
+    def acquire_lease(self, holder: str, ttl: float, timeout: float | None = None) -> None:
+        """Take (or renew) the server's lease as `holder` for `ttl` seconds; every later call carries it. Taking it
+        from another holder waits until the server has ended that holder's open update."""
+        try:
+            self.call("POST", "/reshard/lease", {"holder": holder, "ttl": ttl}, timeout=timeout)
+        except ExecutionError as e:
+            if "HTTP 404" in str(e):
+                raise ExecutionError(f"{self.url} has no driver lease: start it with --middleware "
+                                     f"reshard.adapters.vllm.lease.ReshardLeaseMiddleware (or pass lease=None to "
+                                     f"TrainerSession: then a dead driver leaves the server paused)") from None
+            raise
+        self.lease_holder = holder
+
+    def release_lease(self, timeout: float | None = None) -> None:
+        """End this client's lease (the server closes whatever it left open)."""
+        holder, self.lease_holder = self.lease_holder, None
+        if holder:
+            self.call("POST", "/reshard/lease", {"holder": holder, "release": True}, timeout=timeout)
+
+    def lease_state(self) -> dict[str, Any]:
+        return self.call("GET", "/reshard/lease")
+
     # --- around a refit ----------------------------------------------------------------------------------
     def pause(self, mode: str = "wait") -> None:
         """Stop generating: "wait" lets requests in flight finish, "abort" aborts them, "keep" freezes them."""
@@ -85,6 +118,12 @@ class VllmServer:
     def weight_checksums(self) -> dict[str, str]:
         """vLLM's own checksum of every parameter, by name (all workers)."""
         return self.call("POST", "/weight_checker", {"action": "checksum"})["checksums"]
+
+    def landed(self) -> list[dict[str, Any]]:
+        """reshard's end-to-end digest of what the last refit landed, per worker (before vLLM's repacking; the
+        server runs the worker extension: `--worker-extension-cls reshard.adapters.vllm.worker.
+        ReshardWorkerExtension`): [{"rank", "refit", "installed", "digests": {name: sha256}}]."""
+        return self.collective_rpc("reshard_landed")
 
     def collective_rpc(self, method: str, args: tuple[str, ...] = ()) -> list[Any]:
         """A worker method by name on every worker (the dev route /collective_rpc; string arguments only)."""

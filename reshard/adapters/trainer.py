@@ -33,7 +33,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from ..errors import ExecutionError
+from ..errors import ArgumentError, ExecutionError
 from ..executors.base import Executor, RankTensors
 from .refit import CROSS_PROCESS, RefitSpec, open_transport, publish_source, withdraw_source
 
@@ -65,7 +65,7 @@ class TrainerSession:
     def __init__(self, refit: RefitSpec, process: int, tensors: RankTensors | dict[str, torch.Tensor], *,
                  engines: Sequence[EngineClient] = (), trainer_group: Any = None, rendezvous: Any = None,
                  host: str = "127.0.0.1", pause: str | None = "wait", timeout: float = 600.0,
-                 lora_ids: Sequence[int] | None = None) -> None:
+                 lora_ids: Sequence[int] | None = None, lease: float | None = 30.0) -> None:
         """refit: what the trainer and the engines agree on (replica and digest are filled in per engine).
         process: this trainer process's rank (it plays source rank `process` of the plan).
         tensors: this process's source tensors ({physical name: tensor}, or {source rank: {...}}).
@@ -75,7 +75,12 @@ class TrainerSession:
         pause: how engines are paused around a refit (a VllmServer's /pause mode), or None not to pause.
         lora_ids: install="lora_slot" with engines that serve the adapter under different ids: engine k's id
             (else every engine gets the refit's `lora_id`).
+        lease: seconds of the driver's lease on engines that keep one (`acquire_lease`: a VllmServer whose server
+            runs reshard's lease middleware): process 0 renews it from init to close; if this process dies or
+            freezes, the engine ends the open update by itself within `lease` (+ the transport's timeout when bytes
+            are in flight) and serves its previous weights. None: no lease.
         """
+        _check_arguments(refit, process, tensors, engines, trainer_group, rendezvous, host, pause, timeout, lora_ids)
         self.refit_spec, self.process = refit, process
         self.tensors = tensors if tensors and all(isinstance(k, int) for k in tensors) else {process: tensors}
         self.engines, self.trainer_group, self.pause_mode = list(engines), trainer_group, pause
@@ -90,6 +95,11 @@ class TrainerSession:
             raise ExecutionError(f"process={process} is not a source rank of the plan (0..{plan.src.num_ranks - 1})")
         if self.engines and process != 0:
             raise ExecutionError("only trainer process 0 drives the engines; pass engines on process 0 only")
+        if lease is not None and (isinstance(lease, bool) or not isinstance(lease, (int, float))
+                                  or not 1.0 <= lease <= 3600.0):
+            raise ArgumentError("lease", lease, "a number of seconds in [1, 3600], or None for no lease")
+        self.lease = float(lease) if lease is not None else None
+        self.renewal: _Renewal | None = None
         self.lora_ids = list(lora_ids) if lora_ids is not None else None
         if self.lora_ids is not None and (refit.install != "lora_slot" or len(self.lora_ids) != len(self.engines)):
             raise ExecutionError(f"lora_ids={self.lora_ids} must give one id per engine ({len(self.engines)}) of an "
@@ -105,12 +115,24 @@ class TrainerSession:
         self.generation += 1
         refit, plan = self.refit_spec, self.refit_spec.plan()
         refit = refit.with_(plan_digest=plan.digest)
+        mismatch = self._tensors_mismatch(plan)
         if refit.transport in CROSS_PROCESS:
             refit = refit.with_(rendezvous=self._meet().to_dict())
-        else:
+        elif mismatch is None:
             publish_source(str(refit.options.get("key", "default")), self.tensors)
         self.refit_spec = refit
-        calls = [self._call(engine, "init_weight_transfer_engine", self._engine_spec(refit, k).to_dict())
+        if mismatch is not None:  # refused at init, before any engine is called; the others stop at the rendezvous
+            self._fail_rendezvous(f"trainer process {self.process}: {mismatch}")
+            raise ExecutionError(f"trainer process {self.process}: {mismatch}")
+        try:
+            self._take_lease()
+        except ExecutionError as e:
+            self._fail_rendezvous(str(e))
+            raise
+        # an engine that refuses or cannot be reached fails the rendezvous at once: every trainer process stops
+        # waiting there (not after the rendezvous's timeout)
+        calls = [self._call(engine, "init_weight_transfer_engine", self._engine_spec(refit, k).to_dict(),
+                            on_error=self._fail_rendezvous)
                  for k, engine in enumerate(self.engines)]
         try:
             if refit.transport in CROSS_PROCESS:
@@ -127,6 +149,32 @@ class TrainerSession:
         if errors:
             self._fail_rendezvous("; ".join(errors))
             raise ExecutionError("refit init failed: " + "; ".join(errors))
+
+    def _tensors_mismatch(self, plan: Any) -> str | None:
+        """Why this process's tensors cannot be the plan's source (names, shapes, dtypes, contiguity), or None."""
+        from ..executors.local import check_tensors
+
+        try:
+            check_tensors(plan, self.tensors, {})
+        except ExecutionError as e:
+            return str(e)
+        missing = sorted(set(self.tensors) - set(range(plan.src.num_ranks)))
+        return f"source ranks {missing} are not ranks of the plan" if missing else None
+
+    def _take_lease(self) -> None:
+        """Process 0: a lease of a new generation on every engine that keeps one, renewed until close."""
+        leased = [e for e in self.engines if hasattr(e, "acquire_lease")]
+        if self.renewal is not None:
+            self.renewal.stop()
+            self.renewal = None
+        if self.lease is None or not leased:
+            return
+        import uuid
+
+        holder = uuid.uuid4().hex
+        for engine in leased:  # a previous driver's open update is ended first: bounded by the refit's timeout
+            engine.acquire_lease(holder, self.lease, timeout=self.timeout)
+        self.renewal = _Renewal(leased, holder, self.lease)
 
     def _engine_spec(self, refit: RefitSpec, k: int) -> RefitSpec:
         """What engine k is told: its replica (and its adapter's id)."""
@@ -174,16 +222,19 @@ class TrainerSession:
             for engine in self.engines:
                 try:
                     if self.pause_mode and hasattr(engine, "pause"):
-                        engine.pause(self.pause_mode)
-                        paused.append(engine)
-                    engine.start_weight_update()
-                except Exception as e:  # noqa: BLE001 - the refit stops here; the other processes time out
-                    errors.append(f"{engine}: {e}")
+                        paused.append(engine)  # resumed below even if the pause's answer never came
+                        self._bounded(engine, "pause", self.pause_mode)
+                    self._bounded(engine, "start_weight_update")
+                except ExecutionError as e:  # the refit stops here; the other processes time out
+                    errors.append(str(e))
                     break
             if self.engines:
                 marks.append(("start", time.perf_counter()))
             if not errors:
-                calls = [self._call(e, "update_weights", {"version": version}) for e in self.engines]
+                # two phases: the bytes land (the model untouched), then, once every engine has them, the install
+                # (a driver that dies in between leaves the engines their previous weights)
+                info = {"version": version, "refit": (self.refit_spec.rendezvous or {}).get("refit_id", "")}
+                calls = [self._call(e, "update_weights", {**info, "phase": "transfer"}) for e in self.engines]
                 if self.executor is not None:
                     try:
                         stats = self.executor.refit()
@@ -191,19 +242,27 @@ class TrainerSession:
                         errors.append(f"trainer process {self.process}: {e}")
                 marks.append(("transfer", time.perf_counter()))
                 errors += _wait(calls, self.timeout)
+                if self.renewal is not None and self.renewal.error:
+                    errors.append(self.renewal.error)
+                if self.engines and not errors:
+                    errors += _wait([self._call(e, "update_weights", {**info, "phase": "install"})
+                                     for e in self.engines], self.timeout)
                 marks.append(("engines", time.perf_counter()))
             if self.engines and not errors:
                 for engine in self.engines:
-                    engine.finish_weight_update(version)
+                    try:
+                        self._bounded(engine, "finish_weight_update", version)
+                    except ExecutionError as e:
+                        errors.append(str(e))
                 marks.append(("finish", time.perf_counter()))
             elif self.engines:
                 self._close_failed_update()
         finally:
             for engine in paused:
                 try:
-                    engine.resume()
-                except Exception as e:  # noqa: BLE001 - reported with the refit's outcome
-                    errors.append(f"{engine}: resume failed: {e}")
+                    self._bounded(engine, "resume")
+                except ExecutionError as e:  # reported with the refit's outcome
+                    errors.append(f"resume failed: {e}")
             if paused:
                 marks.append(("resume", time.perf_counter()))
         if errors:
@@ -239,17 +298,30 @@ class TrainerSession:
         """After a failed update, end the update on every engine worker (without a version). vLLM keeps an update
         open on the workers that did not raise (the engine raises on its last worker only, see
         adapters.vllm.agreed); a worker whose update is already closed refuses, which is expected."""
-        for engine in self.engines:
-            try:
-                engine.finish_weight_update(None)
-            except Exception:  # noqa: BLE001 - expected from the workers that raised
-                pass
+        _wait([self._call(engine, "finish_weight_update", None) for engine in self.engines], self.timeout)
+        # errors are expected from the workers that raised
 
-    def _call(self, engine: EngineClient, method: str, arg: Any) -> "_Call":
-        return _Call(engine, method, arg)
+    def _call(self, engine: EngineClient, method: str, *args: Any, on_error: Any = None) -> "_Call":
+        return _Call(engine, method, args, on_error)
+
+    def _bounded(self, engine: EngineClient, method: str, *args: Any) -> None:
+        """An engine call that returns within the session's timeout, or raises ExecutionError (the call is left
+        to its thread: an engine that never answers cannot hold the trainer)."""
+        errors = _wait([self._call(engine, method, *args)], self.timeout)
+        if errors:
+            raise ExecutionError(errors[0])
 
     # --- 3. close ------------------------------------------------------------------------------------
     def close(self) -> None:
+        if self.renewal is not None:
+            self.renewal.stop()
+            self.renewal = None
+            for engine in self.engines:
+                if hasattr(engine, "release_lease"):
+                    try:
+                        engine.release_lease(timeout=min(self.timeout, 60.0))
+                    except Exception:  # noqa: BLE001 - the engine ends a lease that is not released when it lapses
+                        pass
         if self.executor is not None:
             self.executor.close()
             self.executor = None
@@ -258,21 +330,93 @@ class TrainerSession:
         self.store = None
 
 
+def _check_arguments(refit: Any, process: Any, tensors: Any, engines: Any, trainer_group: Any, rendezvous: Any,
+                     host: Any, pause: Any, timeout: Any, lora_ids: Any) -> None:
+    """TrainerSession's arguments, each refused with ArgumentError naming it (nothing coerced)."""
+    from collections.abc import Mapping
+
+    from ..errors import ArgumentError
+    from ..executors.rendezvous import Rendezvous
+    from ..arguments import instance, integer, seconds, text
+
+    instance("refit", refit, RefitSpec, "a RefitSpec")
+    integer("process", process, 0, 1 << 20)
+    rule = "must map tensor names to tensors ({name: tensor}), or source ranks to such mappings"
+    if not isinstance(tensors, Mapping):
+        raise ArgumentError("tensors", tensors, rule)
+    for key, value in tensors.items():
+        ok = (isinstance(key, str) and isinstance(value, torch.Tensor)) or (
+            isinstance(key, int) and not isinstance(key, bool) and isinstance(value, Mapping)
+            and all(isinstance(n, str) and isinstance(t, torch.Tensor) for n, t in value.items()))
+        if not ok:
+            raise ArgumentError("tensors", {key: value}, rule)
+    if not isinstance(engines, (list, tuple)):
+        raise ArgumentError("engines", engines, "must be a list of engine clients (VllmServer, RayEngineClient ...)")
+    for engine in engines:
+        missing = [m for m in ("init_weight_transfer_engine", "start_weight_update", "update_weights",
+                               "finish_weight_update") if not callable(getattr(engine, m, None))]
+        if missing:
+            raise ArgumentError("engines", engine, f"must be engine clients; this one lacks {missing}")
+    if trainer_group is not None:
+        import torch.distributed as dist
+
+        instance("trainer_group", trainer_group, dist.ProcessGroup, "a torch.distributed ProcessGroup", none=True)
+    instance("rendezvous", rendezvous, Rendezvous, "an executors.rendezvous.Rendezvous", none=True)
+    text("host", host)
+    text("pause", pause, none=True, choices=("wait", "abort", "keep"))
+    seconds("timeout", timeout)
+    if lora_ids is not None and (not isinstance(lora_ids, (list, tuple)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i > 0 for i in lora_ids)):
+        raise ArgumentError("lora_ids", lora_ids, "must be a list of positive adapter ids, or None")
+
+
+class _Renewal:
+    """Renews the driver's lease on its engines every ttl / 4 seconds (a daemon thread: it dies with the driver,
+    which is the point). A renewal the engine refuses is kept as `error`: the next refit fails with it."""
+
+    def __init__(self, engines: list[Any], holder: str, ttl: float) -> None:
+        self.engines, self.holder, self.ttl = engines, holder, ttl
+        self.error: str | None = None
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="reshard-lease")
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopped.wait(self.ttl / 4):
+            error = None
+            for engine in self.engines:
+                try:
+                    engine.acquire_lease(self.holder, self.ttl, timeout=self.ttl / 2)
+                except Exception as e:  # noqa: BLE001 - reported by the next refit
+                    error = f"{engine}: the driver's lease could not be renewed: {e}"
+            self.error = error  # the last round's: a renewal that failed once and then got through is no error
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join(self.ttl)
+
+
 class _Call:
     """An engine call on a thread of its own (an engine's update must run while the trainer sends)."""
 
-    def __init__(self, engine: EngineClient, method: str, arg: Any) -> None:
+    def __init__(self, engine: EngineClient, method: str, args: tuple, on_error: Any = None) -> None:
         self.label = f"{engine!r}.{method}"
         self.error: str | None = None
-        self.thread = threading.Thread(target=self._run, args=(getattr(engine, method), arg), daemon=True,
+        self.on_error = on_error
+        self.thread = threading.Thread(target=self._run, args=(getattr(engine, method), args), daemon=True,
                                        name=f"reshard-{method}")
         self.thread.start()
 
-    def _run(self, fn: Any, arg: Any) -> None:
+    def _run(self, fn: Any, args: tuple) -> None:
         try:
-            fn(arg)
+            fn(*args)
         except Exception as e:  # noqa: BLE001 - handed to the caller
             self.error = f"{self.label}: {e}"
+            if self.on_error is not None:
+                try:
+                    self.on_error(self.error)
+                except Exception:  # noqa: BLE001 - the error itself is reported by _wait
+                    pass
 
 
 def _wait(calls: list[_Call], timeout: float) -> list[str]:

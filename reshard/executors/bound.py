@@ -1,16 +1,19 @@
-"""The local executor for small, frequent refits (LoRA adapters): every block view is made once, at
-construction, and a refit is one batched copy of all of them.
+"""The local executor bound once: for frequent refits in one process (LoRA adapters, an in-process engine).
 
-The reference `LocalExecutor` checks the tensors and walks the ops in Python at every refit: right for a whole
-model (gigabytes; a few thousand ops), a fixed cost that dominates a refit of megabytes. Here construction does the
-checks and builds the source and destination views of every op (and of every value shift); `refit` runs
-`torch._foreach_copy_` over them, which on a GPU launches the copies without a Python loop. The tensors must stay
-the same objects between refits (the trainer updates them in place; a slot buffer stays where the engine made it):
-`refit` checks their storage pointers, a constant-time test, and refuses if one was replaced.
+The reference `LocalExecutor` checks the tensors and walks the ops in Python at every refit: right as a reference,
+a fixed cost per op that dominates small refits and, on a GPU, leaves a whole model's refit at a fraction of the
+device's copy speed (one launch per op, each built in Python). Here construction does the checks once, folds the
+ops into a short copy program (executors.copies: adjacent blocks merged, progressions of equal blocks as one 3-D
+copy) and binds it to views (executors.views: bytes moved as 8-byte words where alignment allows, large
+contiguous runs as plain copies, small ones batched through `torch._foreach_copy_`). On one GPU the program, with
+the value shifts after it, is captured as a CUDA graph at the second refit (executors.graphs): a refit is then
+one graph launch. The tensors must stay the same objects between refits (the trainer updates them in place; a
+slot buffer stays where the engine made it): `refit` checks their storage pointers, a constant-time test per
+tensor, and refuses if one was replaced.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -19,22 +22,39 @@ from ..errors import ExecutionError
 from ..planner import Plan
 from ..planner.plan import RELAY
 from .base import Executor, RankTensors
+from .copies import DST, SRC, fold
+from .graphs import STREAMS, Replay, on_streams, single_cuda_device, spread
 from .guard import check_memory, check_ops
-from .local import apply_shifts, block, check_tensors, in_units, shift_views
+from .local import apply_shifts, check_tensors, in_units, shift_views
+from .views import Memory, bind
+
+GRAPH = "auto"  # default graph mode on one GPU (see BoundLocalExecutor)
+MANY_COPIES = 1000  # "auto": from this many large copies on, the whole refit one graph (launch-bound otherwise)
+SPLIT = False  # default for views.bind's split
 
 
 class BoundLocalExecutor(Executor):
     """Every rank in this process, views bound once (see the module docstring). `binding` and `process` are
-    accepted for the protocol of executors.base and not needed."""
+    accepted for the protocol of executors.base and not needed. `ops`: run only these ops of the plan (indices;
+    default all this process's destination ranks receive). `graph`, where every tensor is on one GPU: "all" (the
+    whole refit one CUDA graph), "small" (the batched small and strided copies and the shifts one graph, the large
+    contiguous copies launched as plain device copies), "none", "auto" ("all" from MANY_COPIES large copies on,
+    else "small": on an H200 plain copies ran a few hundred large tensors faster than graph nodes, and graph
+    nodes ran thousands of expert matrices 3x faster than launches); True is GRAPH, False "none". `split`: large
+    contiguous slices of 3-D copies as plain copies (views.bind; default SPLIT). `streams`: on a GPU, the large
+    copies are spread over this many side streams (default graphs.STREAMS; 1: all on the current stream)."""
 
     name = "bound"
 
     def __init__(self, plan: Plan, binding: object = None, process: int = 0, src: RankTensors | None = None,
-                 dst: RankTensors | None = None) -> None:
+                 dst: RankTensors | None = None, ops: "np.ndarray | None" = None, graph: "bool | str" = True,
+                 split: "bool | None" = None, streams: "int | None" = None) -> None:
         self.plan, src, dst = plan, dict(src or {}), dict(dst or {})
         check_ops(plan)
         o = plan.ops
         mine = np.flatnonzero(np.isin(o["dst_rank"], list(dst)))
+        if ops is not None:
+            mine = np.intersect1d(mine, np.asarray(ops, dtype=np.int64))
         if np.any(o["src_side"][mine] == RELAY):
             raise ExecutionError("the plan relays between destination replicas; compile it without fan-out to "
                                  "run it bound in one process")
@@ -43,35 +63,71 @@ class BoundLocalExecutor(Executor):
             raise ExecutionError(f"this process lacks source ranks {missing[:10]} that the plan reads")
         used = sorted(set(o["src_rank"][mine].tolist()))
         src = {r: src[r] for r in used}
-        check_tensors(plan, src, dst)
+        ids = None if ops is None else (set(o["src_tensor"][mine].tolist()), set(o["dst_tensor"][mine].tolist()))
+        check_tensors(plan, src, dst, ids)  # a subset of ops: only the tensors they touch need be there
         check_memory(src, dst)
-        self._pins = [(t, t.data_ptr()) for side in (src, dst) for ts in side.values() for t in ts.values()]
+        tensors = [t for side in (src, dst) for ts in side.values() for t in ts.values()]
+        self._pins = [(t, t.data_ptr()) for t in tensors]
         s_units, d_units = in_units(plan, src, dst)
         s_flat = {i: s_units[r][n].view(-1) for i, (r, n) in enumerate(zip(plan.src_tensors.ranks,
-                                                                           plan.src_tensors.names)) if r in s_units}
+                                                                           plan.src_tensors.names))
+                  if n in s_units.get(r, {})}
         d_flat = {i: d_units[r][n].view(-1) for i, (r, n) in enumerate(zip(plan.dst_tensors.ranks,
-                                                                           plan.dst_tensors.names)) if r in d_units}
-        cols = [o[c][mine].tolist() for c in ("src_tensor", "src_offset", "src_stride", "dst_tensor", "dst_offset",
-                                             "dst_stride", "rows", "cols")]
-        self._src, self._dst = [], []
-        for st, so, ss, dt, do, ds, r, c in zip(*cols):
-            if ss == c and ds == c:  # whole rows on both sides: one contiguous run (foreach's fused path)
-                r, c = 1, r * c
-            self._src.append(block(s_flat[st], so, r, c, ss))
-            self._dst.append(block(d_flat[dt], do, r, c, ds))
+                                                                           plan.dst_tensors.names))
+                  if n in d_units.get(r, {})}
+        program = fold(SRC, o["src_tensor"][mine], o["src_offset"][mine], o["src_stride"][mine],
+                       DST, o["dst_tensor"][mine], o["dst_offset"][mine], o["dst_stride"][mine],
+                       o["rows"][mine], o["cols"][mine])
+        flats = {SRC: s_flat, DST: d_flat}
+        self._program = bind(program, Memory(lambda kind, i: flats[kind][i], plan.itemsize), plan.itemsize,
+                             SPLIT if split is None else bool(split))
         self._shifts = shift_views(plan, d_flat, mine)
-        self.bytes = int(sum(v.numel() * v.element_size() for v in self._dst))
+        self.ops = len(mine)
+        self.copies = len(program)
+        self.bytes = int(program.numel) * plan.itemsize
+        graph = GRAPH if graph is True else "none" if graph is False else graph
+        if graph not in ("all", "small", "none", "auto"):
+            raise ExecutionError(f"graph must be 'all', 'small', 'none', 'auto' or a bool, not {graph!r}")
+        if graph == "auto":
+            graph = "all" if len(self._program.large) >= MANY_COPIES else "small"
+        self.graph = graph
+        self._device = single_cuda_device(tensors)
+        n = (STREAMS if streams is None else int(streams)) if self._device is not None else 1
+        self._large = [self._copies(part) for part in spread(self._program.large, n, lambda ds: ds[0].numel())]
+        self._large_eager = graph == "small"
+        self._run = Replay(self._launch, self._device if graph != "none" else None)
 
-    def refit(self, version: int | None = None) -> dict[str, Any]:
+    @staticmethod
+    def _copies(pairs: list) -> Callable[[], None]:
+        def run() -> None:
+            for d, s in pairs:
+                d.copy_(s)
+        return run
+
+    def _copy_large(self) -> None:
+        on_streams(self._large, self._device)
+
+    def _launch(self) -> None:
+        if not self._large_eager:
+            self._copy_large()
+        for d, s in self._program.groups:
+            torch._foreach_copy_(d, s)
+        apply_shifts(self._shifts)
+
+    def check_pins(self) -> None:
+        """Refuse if a bound tensor's storage was replaced since binding (its views would write stale memory)."""
         moved = [t for t, ptr in self._pins if t.data_ptr() != ptr]
         if moved:
             raise ExecutionError(f"{len(moved)} bound tensors were replaced since the executor was made; update "
                                  f"them in place, or make a new executor")
+
+    def refit(self, version: int | None = None) -> dict[str, Any]:
+        self.check_pins()
         with torch.no_grad():
-            if self._dst:
-                torch._foreach_copy_(self._dst, self._src)
-            apply_shifts(self._shifts)
-        return {"ops": len(self._dst), "bytes": self.bytes}
+            if self._large_eager:  # plain device copies, ahead of the graph on the same stream
+                self._copy_large()
+            self._run()
+        return {"ops": self.ops, "copies": self.copies, "bytes": self.bytes}
 
     def close(self) -> None:
-        self._src, self._dst, self._shifts, self._pins = [], [], [], []
+        self._program, self._shifts, self._pins, self._run, self._large = None, [], [], None, []

@@ -20,6 +20,9 @@ Two algorithms (the option's value; True means "sha256"; every process of a refi
   2^31) >> 8. Any one corrupted byte changes the second sum (its change d (i + 1) is not 0 mod 2^64 for
   0 < |d| < 256 and i < 2^55), as do two swapped bytes; positions are the stream's, so how a stream is cut into
   blocks does not matter. Not a cryptographic hash: it catches corruption in flight, not a forger.
+  On GPUs (with Triton) the sums are one fused kernel per block (reshard.kernels.sum64: each byte read once), and
+  `Sum64Program` digests a fixed list of blocks (an executor's stream, bound once) as one CUDA graph replay; both
+  give the digests of the torch ops here, bit for bit.
 """
 from __future__ import annotations
 
@@ -103,9 +106,56 @@ class _Sum64:
             pos, done = pos + k, done + k
         self.count = pos
 
+    def update_kernel(self, t: torch.Tensor) -> None:
+        """The same update by the fused kernel, for a block of rows of contiguous bytes (kernels.sum64)."""
+        from ..kernels.sum64 import Sum64Launches
+
+        k = Sum64Launches([t], self.count)
+        k.launch()
+        part = k.sums()
+        if not self.sums:
+            self.sums = [torch.zeros((), dtype=torch.int64, device=t.device) for _ in range(3)]
+        for acc, v in zip(self.sums, part):
+            acc.add_(v)
+        self.count += k.count
+
     def digest(self) -> bytes:
         sums = [int(v.item()) & _MASK64 for v in self.sums] if self.sums else [0, 0, 0]
         return struct.pack("<4Q", self.count & _MASK64, *sums)
+
+
+def use_kernel(blocks: "list[torch.Tensor]", force: bool = False) -> bool:
+    """Whether the fused sum64 kernel takes these blocks: all on one GPU (or `force`: any device, for Triton's
+    interpreter), Triton importable, every block rows of contiguous bytes."""
+    from .graphs import single_cuda_device
+
+    if not blocks or (not force and single_cuda_device(blocks) is None):
+        return False
+    try:
+        from ..kernels.sum64 import byte_rows
+    except ImportError:
+        return False
+    return all(byte_rows(b) is not None for b in blocks)
+
+
+class Sum64Program:
+    """The "sum64" digest of a fixed list of blocks (one stream's, in order, from position 0), recomputed at each
+    call: the kernel's launches, replayed as one CUDA graph from the second call (executors.graphs)."""
+
+    def __init__(self, blocks: "list[torch.Tensor]") -> None:
+        from ..kernels.sum64 import Sum64Launches
+        from .graphs import Replay, single_cuda_device
+
+        self._k = Sum64Launches(blocks)
+        self._run = Replay(self._k.launch, single_cuda_device(blocks))
+
+    def digest(self) -> bytes:
+        self._run()
+        sums = [int(v) & _MASK64 for v in self._k.sums().tolist()]
+        return struct.pack("<4Q", self._k.count & _MASK64, *sums)
+
+    def hexdigest(self) -> str:
+        return self.digest().hex()
 
 
 def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,6 +187,8 @@ class Streams:
             return
         if self.algorithm == "sha256":
             h.update(raw_bytes(t))
+        elif t.device.type == "cuda" and use_kernel([t]):
+            h.update_kernel(t.detach())
         else:
             h.update(t.detach().contiguous().view(-1).view(torch.uint8))
 
@@ -155,5 +207,5 @@ def mismatch(what: str, sent: str, got: str) -> str:
             f"were corrupted in flight)")
 
 
-__all__ = ["ALGORITHMS", "DIGEST_BYTES", "Streams", "algorithm", "block", "mismatch", "raw_bytes", "tensor_digest",
-           "tensor_digests"]
+__all__ = ["ALGORITHMS", "DIGEST_BYTES", "Streams", "Sum64Program", "algorithm", "block", "mismatch", "raw_bytes",
+           "tensor_digest", "tensor_digests", "use_kernel"]

@@ -53,8 +53,9 @@ class Comm(abc.ABC):
         return 0
 
     @abc.abstractmethod
-    def make_lanes(self, n: int) -> None:
-        """Grow `lanes` to n communicators (a collective of the group; failures leave fewer)."""
+    def make_lanes(self, n: int, timeout: float | None = None) -> None:
+        """Grow `lanes` to n communicators (a collective of the group; failures leave fewer), each bounding its
+        waits by `timeout` seconds."""
 
     def forget_lanes(self) -> None:
         """After an abort the lanes are unusable: forget them."""
@@ -104,10 +105,10 @@ class GroupComm(Comm):
 
         return naming_count(self.group)
 
-    def make_lanes(self, n: int) -> None:
+    def make_lanes(self, n: int, timeout: float | None = None) -> None:
         from .lanes import lanes_for
 
-        self.lanes = lanes_for(self.group, n, self.backend)
+        self.lanes = lanes_for(self.group, n, self.backend, timeout)
 
     def forget_lanes(self) -> None:
         from .lanes import forget
@@ -162,8 +163,8 @@ class StoreComm(Comm):
             return [pg._end_coalescing(self.device)]
         return works
 
-    def make_lanes(self, n: int) -> None:
-        while len(self.lanes) < n:
+    def make_lanes(self, n: int, timeout: float | None = None) -> None:
+        while len(self.lanes) < n:  # each lane has the group's own timeout
             self.lanes.append(self._new_group(len(self.lanes)))
 
     def forget_lanes(self) -> None:

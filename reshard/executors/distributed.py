@@ -424,7 +424,7 @@ class DistributedExecutor(Executor):
     def _make_lanes(self) -> None:
         # every member passed the preflight and agrees on the names: all make them together
         if self._lanes_agree:
-            self.comm.make_lanes(self.num_lanes)
+            self.comm.make_lanes(self.num_lanes, self.timeout)
 
     def _connect(self, device: torch.device) -> None:
         """Make the lanes and connect every peer on every lane, off this thread and bounded (executors.connect)."""

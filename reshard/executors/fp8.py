@@ -18,16 +18,20 @@ q = float8_e4m3fn(x * (1 / scale)) with torch's cast (round to nearest even). Th
 from __future__ import annotations
 
 import functools
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
+import numpy as np
 import torch
 
-from ..errors import ExecutionError
+from ..errors import ArgumentError, ExecutionError
 from ..layouts.fp8 import FP8_MAX, STAGING, scale_name
 from ..planner.fp8 import Fp8Plan
+from ..planner.plan import RELAY
 from .base import Executor, RankTensors, make_executor
+from .graphs import STREAMS, Replay, on_streams, single_cuda_device, spread
 from .local import _box, element_shape, torch_dtype
 
+QUANTIZERS = ("auto", "eager", "compiled", "kernel")
 AMAX_FLOOR = 1e-4  # DeepGEMM's / vLLM's floor on a block's amax: an all-zero block gets scale 1e-4 / 448
 
 
@@ -106,13 +110,14 @@ def _tiles(t: torch.Tensor, pieces: list, block: tuple[int, int]) -> bool:
 class SenderQuantizer:
     """The wire's source tensors of this process's source ranks, and the quantization that fills them."""
 
-    def __init__(self, fp: Fp8Plan, src: RankTensors) -> None:
+    def __init__(self, fp: Fp8Plan, src: RankTensors, shadows: bool = True) -> None:
         plan, layout = fp.plan, fp.plan.src
         block = fp.scheme.block
         own = plan.src_tensors.own_dtypes()
         unit = torch_dtype(plan.src.dtype)
         self.tensors: dict[int, dict[str, torch.Tensor]] = {}
         self.jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (bf16 piece, fp8 piece, scale piece)
+        self.quantized: dict[tuple[int, str], torch.Tensor] = {}  # without shadows: the trainer's tensors quantized
         for rank, given in src.items():
             wanted = plan.src_tensors.on_rank(rank)
             out: dict[str, torch.Tensor] = {}
@@ -130,14 +135,19 @@ class SenderQuantizer:
                     raise ExecutionError(f"source rank {rank} {name!r}: got {tuple(real.shape)} {real.dtype}, a "
                                          f"quantizing refit reads {tuple(shape)} {unit} (a source already in "
                                          f"{real.dtype} is not re-quantized into other blocks)")
+                if not shadows:  # quantized straight into the destination (DirectQuantizer): no wire tensors
+                    self.quantized[rank, name] = real
+                    continue
                 # a shadow beside the trainer's tensor, on its device (fp8 weight or float32 scale)
                 out[name] = torch.zeros(shape, dtype=dtype, device=real.device)
             for name, units in wanted.items():  # scales have no trainer tensor: shadows on the weight's device
-                if name not in given and (rank, name) in own:
+                if shadows and name not in given and (rank, name) in own:
                     dev = next((t.device for t in given.values() if isinstance(t, torch.Tensor)), "cpu")
                     out[name] = torch.zeros(element_shape(units, unit, torch_dtype(own[(rank, name)])),
                                             dtype=torch_dtype(own[(rank, name)]), device=dev)
             self.tensors[rank] = out
+            if not shadows:
+                continue
             pieces: dict[tuple[str, str], list] = {}
             for a, b in fp.sender_pieces(rank):
                 if a.tensor not in given:
@@ -152,8 +162,14 @@ class SenderQuantizer:
                                       _as_2d(_box(out[wname], a.phys_offset, a.lengths)),
                                       _as_2d(_box(out[sname], b.phys_offset, b.lengths))))
         self.block = block
+        self._kernel: Replay | None = None
 
     def run(self, quantize=None) -> None:
+        if quantize == "kernel":
+            if self._kernel is None:
+                self._kernel = kernel_jobs(self.jobs, self.block)
+            self._kernel()
+            return
         quantize = quantize or quantize_blocks
         with torch.no_grad():
             for x, q, s in self.jobs:
@@ -201,14 +217,182 @@ class ReceiverQuantizer:
                                       _as_2d(_box(given[b.tensor], b.phys_offset, b.lengths)),
                                       _as_2d(_box(given[c.tensor], c.phys_offset, c.lengths))))
         self.block = fp.scheme.block
+        self._kernel: Replay | None = None
 
-    def run(self, quantize=None) -> None:
-        """All quantized first, then written: weights and scales change together or not at all."""
+    def _kernel_program(self, direct: bool) -> "Replay":
+        if direct or not self.jobs:
+            return kernel_jobs(self.jobs, self.block)
+        temps = [(x, torch.empty_like(q), torch.empty_like(s)) for x, q, s in self.jobs]
+        quantize = kernel_launches(temps, self.block)  # plain launches: captured inside the graph below
+        writes = [(q, tq, s, ts) for (_, q, s), (_, tq, ts) in zip(self.jobs, temps)]
+
+        def run() -> None:
+            quantize()
+            for q, tq, s, ts in writes:
+                q.copy_(tq)
+                s.copy_(ts)
+        return Replay(run, single_cuda_device([t for job in self.jobs for t in job]))
+
+    def run(self, quantize=None, direct: bool = False) -> None:
+        """All quantized first, then written: weights and scales change together or not at all. With the kernel
+        (`quantize="kernel"`) and `direct` (an in-process refit: nothing can fail between the two), straight into
+        the engine's tensors."""
+        if quantize == "kernel":
+            if self._kernel is None:
+                self._kernel = self._kernel_program(direct)
+            self._kernel()
+            return
         quantize = quantize or quantize_blocks
         with torch.no_grad():
             done = [quantize(x, self.block) for x, _, _ in self.jobs]
             for (_, q, s), (qq, ss) in zip(self.jobs, done):
                 q.copy_(qq)
+                s.copy_(ss)
+
+
+def kernel_launches(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block: tuple[int, int]):
+    """A function that quantizes every (x, fp8 view, scale view) job with the Triton kernel (reshard.kernels):
+    one launch per job; a job the kernel cannot take (rows not contiguous) through the reference."""
+    from ..kernels.fp8_quantize import quantize_into
+
+    fits = [x.dim() == 2 and q.dim() == 2 and s.dim() == 2 and x.stride(-1) == 1 and q.stride(-1) == 1
+            for x, q, s in jobs]
+
+    def part(items: list) -> Callable[[], None]:
+        def run() -> None:
+            for (x, q, s), fit in items:
+                if fit:
+                    quantize_into(x, q, s, block)
+                else:
+                    _, ss = quantize_blocks(x, block, q)
+                    s.copy_(ss)
+        return run
+
+    device = single_cuda_device([t for job in jobs for t in job])
+    # jobs write disjoint places: spread over side streams, so that jobs of few blocks (one q group of a QKV
+    # weight: 4 x 32 blocks) run side by side instead of each under-filling the GPU in turn
+    parts = [part(p) for p in spread(list(zip(jobs, fits)), STREAMS if device is not None else 1,
+                                     lambda item: item[0][0].numel())]
+
+    def run() -> None:
+        with torch.no_grad():
+            on_streams(parts, device)
+    return run
+
+
+def kernel_jobs(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block: tuple[int, int]) -> Replay:
+    """`kernel_launches` replayed as one CUDA graph from the second call (executors.graphs)."""
+    return Replay(kernel_launches(jobs, block), single_cuda_device([t for job in jobs for t in job]))
+
+
+def _rect(off: int, stride: int, rows: int, cols: int, width: int) -> "tuple[int, int, int, int] | None":
+    """A block of a flat tensor (offset, row stride, rows x cols, in elements) as (row, col, rows, cols) of the
+    tensor seen as rows of `width`; None when it is not a rectangle there."""
+    r0, c0 = divmod(off, width)
+    if rows == 1:
+        if c0 == 0 and cols % width == 0:
+            return r0, 0, cols // width, width
+        return (r0, c0, 1, cols) if c0 + cols <= width else None
+    return (r0, c0, rows, cols) if stride == width and c0 + cols <= width else None
+
+
+def _as_rows(t: torch.Tensor, block_rows: int) -> "torch.Tensor | None":
+    """A weight as 2-D rows of its last dimension, when its blocks stay whole that way (a stack's matrices
+    a whole number of blocks high); else None."""
+    if t.dim() == 2:
+        return t
+    if t.dim() > 2 and t.shape[-2] % block_rows == 0:
+        return t.reshape(-1, t.shape[-1])
+    return None
+
+
+class DirectQuantizer:
+    """Sender quantization straight into the destination, for refits with every rank in this process: each op
+    of the plan that moves fp8 blocks becomes a job reading the trainer's bf16 rectangle and writing the engine's
+    fp8 rectangle and its scales, so a quantized byte is read once and written once (no wire shadow, no copy).
+    The scale ops are then covered by the jobs; every other op runs through a bound executor. `jobs is None`
+    when the plan cannot be run so (an op's rectangle is not a whole number of blocks on both sides, a stack's
+    matrices split blocks, a shifted or relayed fp8 op): the caller falls back to shadows and copies."""
+
+    def __init__(self, fp: Fp8Plan, src: RankTensors, dst: RankTensors) -> None:
+        self.jobs: "list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None" = None
+        self.rest: "np.ndarray | None" = None
+        self.why = ""
+        plan, (bn, bk) = fp.plan, fp.scheme.block
+        o = plan.ops
+        mine = np.flatnonzero(np.isin(o["dst_rank"], list(dst)))
+        s_own, d_own = plan.src_tensors.own_dtypes(), plan.dst_tensors.own_dtypes()
+        s_names = list(zip(plan.src_tensors.ranks, plan.src_tensors.names))
+        d_names = list(zip(plan.dst_tensors.ranks, plan.dst_tensors.names))
+        fp8 = {i for i, key in enumerate(s_names) if s_own.get(key) == "float8_e4m3fn"}
+        scales = {i for i, key in enumerate(s_names)
+                  if s_own.get(key) == "float32" and key[1] not in src.get(key[0], {})}
+        ratio = plan.itemsize  # fp8 elements per plan unit
+        is8 = np.isin(o["src_tensor"][mine], list(fp8))
+        for rank in src:  # the senders' pieces start on the block grid: its blocks are the tensor's own
+            for a, _ in fp.sender_pieces(rank):
+                t = src[rank].get(a.tensor)
+                lead = a.phys_offset[:-2]
+                row = (int(np.ravel_multi_index(lead, t.shape[:-2])) * t.shape[-2] if lead else 0) + a.phys_offset[-2] \
+                    if t is not None and t.dim() >= 2 and len(a.phys_offset) == t.dim() else None
+                if row is None or row % bn or a.phys_offset[-1] % bk:
+                    self.why = f"a piece of {a.tensor} starts off the block grid"
+                    return
+        jobs, scale_elements = [], 0
+        shifted = set(plan.value_shifts)
+        for i in mine[is8].tolist():
+            (sr, sn), (dr, dn) = s_names[int(o["src_tensor"][i])], d_names[int(o["dst_tensor"][i])]
+            x_t, q_t = src.get(sr, {}).get(sn), dst.get(dr, {}).get(dn)
+            s_t = dst.get(dr, {}).get(scale_name(dn)) if dn.endswith("weight") else None
+            if int(o["src_side"][i]) == RELAY or int(o["canon"][i]) in shifted or x_t is None or q_t is None \
+                    or s_t is None or d_own.get((dr, dn)) != "float8_e4m3fn":
+                self.why = f"op {i} ({sn} -> {dn}) is not a plain fp8 copy"
+                return
+            x2, q2 = _as_rows(x_t, bn), _as_rows(q_t, bn)
+            s2 = s_t.reshape(-1, s_t.shape[-1]) if s_t.dim() > 2 else s_t
+            if x2 is None or q2 is None:
+                self.why = f"{sn} or {dn}: a stack's matrices split blocks"
+                return
+            a = _rect(int(o["src_offset"][i]) * ratio, int(o["src_stride"][i]) * ratio, int(o["rows"][i]),
+                      int(o["cols"][i]) * ratio, x2.shape[1])
+            b = _rect(int(o["dst_offset"][i]) * ratio, int(o["dst_stride"][i]) * ratio, int(o["rows"][i]),
+                      int(o["cols"][i]) * ratio, q2.shape[1])
+            if a is None or b is None or a[2:] != b[2:] or \
+                    tuple(s2.shape) != (-(-q2.shape[0] // bn), -(-q2.shape[1] // bk)):
+                self.why = f"op {i} ({sn} -> {dn}) is not a rectangle of both tensors"
+                return
+            nr, nc = a[2], a[3]
+            for (r0, c0, _, _), (n_all, k_all) in ((a, x2.shape), (b, q2.shape)):
+                whole = r0 % bn == 0 and c0 % bk == 0
+                rows_ok = nr % bn == 0 or (a[0] + nr == x2.shape[0] and b[0] + nr == q2.shape[0])
+                cols_ok = nc % bk == 0 or (a[1] + nc == x2.shape[1] and b[1] + nc == q2.shape[1])
+                if not (whole and rows_ok and cols_ok):
+                    self.why = f"op {i} ({sn} -> {dn}) cuts blocks"
+                    return
+            sb = (b[0] // bn, b[1] // bk, -(-nr // bn), -(-nc // bk))
+            jobs.append((x2[a[0]:a[0] + nr, a[1]:a[1] + nc], q2[b[0]:b[0] + nr, b[1]:b[1] + nc],
+                         s2[sb[0]:sb[0] + sb[2], sb[1]:sb[1] + sb[3]]))
+            scale_elements += sb[2] * sb[3]
+        into_scales = mine[np.isin(o["src_tensor"][mine], list(scales))]
+        planned = int((o["rows"][into_scales] * o["cols"][into_scales]).sum()) * plan.itemsize // 4
+        if planned != scale_elements:  # the jobs must write exactly the scales the plan's scale ops would
+            self.why = f"the fp8 ops cover {scale_elements} scales, the plan moves {planned}"
+            return
+        self.jobs = jobs
+        self.rest = mine[~is8 & ~np.isin(o["src_tensor"][mine], list(scales))]
+        self.block = (bn, bk)
+        self._kernel: Replay | None = None
+
+    def run(self, quantize=None) -> None:
+        if quantize == "kernel":
+            if self._kernel is None:
+                self._kernel = kernel_jobs(self.jobs, self.block)
+            self._kernel()
+            return
+        quantize = quantize or quantize_blocks
+        with torch.no_grad():
+            for x, q, s in self.jobs:
+                _, ss = quantize(x, self.block, q)
                 s.copy_(ss)
 
 
@@ -236,35 +420,81 @@ def check_engine_tensors(fp: Fp8Plan, dst: RankTensors) -> None:
 
 
 class Fp8Executor(Executor):
-    """Runs an `Fp8Plan` with the executor called `inner` (local, distributed, nixl, shared): see the module doc.
-    `src`: source rank -> the trainer's tensors (the model's dtype); `dst`: destination rank -> the engine's
-    tensors (fp8 weights, float32 `*weight_scale_inv`, the rest in the model's dtype). `compiled`: quantize through
-    torch.compile (on GPUs: fused kernels)."""
+    """Runs an `Fp8Plan` with the executor called `inner` (local, bound, distributed, nixl, shared): see the module
+    doc. `src`: source rank -> the trainer's tensors (the model's dtype); `dst`: destination rank -> the engine's
+    tensors (fp8 weights, float32 `*weight_scale_inv`, the rest in the model's dtype).
+
+    `quantizer`: "eager" (torch ops, the reference), "compiled" (torch.compile: fused kernels on GPUs), "kernel"
+    (the Triton kernel of reshard.kernels, its launches one CUDA graph from the second refit), or "auto" (the
+    kernel where every tensor is on a GPU and Triton is there, else eager). `compiled=True` is "compiled".
+    `direct`: with an in-process inner ("local", "bound") and every rank here, quantize straight into the engine's
+    tensors (DirectQuantizer: no wire shadows, each quantized byte read once and written once) where the plan
+    allows it ("auto", the default), always (True: refused where it cannot), or never (False)."""
 
     name = "fp8"
 
     def __init__(self, fp: Fp8Plan, binding: Any = None, process: int = 0, src: RankTensors | None = None,
                  dst: RankTensors | None = None, inner: str = "local", compiled: bool = False,
-                 **options: Any) -> None:
+                 quantizer: str = "auto", direct: "bool | str" = "auto", **options: Any) -> None:
         if not isinstance(fp, Fp8Plan):
             raise ExecutionError(f"the fp8 executor runs an Fp8Plan (reshard.planner.fp8.compile_fp8), not a "
                                  f"{type(fp).__name__}")
+        if quantizer not in QUANTIZERS:
+            raise ArgumentError("quantizer", quantizer, f"must be one of {QUANTIZERS}")
         self.fp = fp
-        self.quantize = compiled_quantizer() if compiled else quantize_blocks
-        check_engine_tensors(fp, dict(dst or {}))
-        self.senders = SenderQuantizer(fp, dict(src or {}))
-        self.receivers = ReceiverQuantizer(fp, dict(dst or {}))
-        self.inner = make_executor(inner, fp.plan, binding, process, self.senders.tensors, self.receivers.tensors,
-                                   **options)
+        src, dst = dict(src or {}), dict(dst or {})
+        if compiled:
+            quantizer = "compiled"
+        if quantizer == "auto":
+            from ..kernels import triton_available
+
+            on_gpu = single_cuda_device([t for side in (src, dst) for ts in side.values() for t in ts.values()])
+            quantizer = "kernel" if on_gpu is not None and triton_available() else "eager"
+        self.quantizer = quantizer
+        self.quantize: Any = {"eager": quantize_blocks, "compiled": None, "kernel": "kernel"}[quantizer]
+        if quantizer == "compiled":
+            self.quantize = compiled_quantizer()
+        check_engine_tensors(fp, dst)
+        self.direct: DirectQuantizer | None = None
+        in_process = inner in ("local", "bound") and set(src) >= set(fp.plan.src_tensors.ranks)
+        if direct and in_process:
+            d = DirectQuantizer(fp, src, dst)
+            if d.jobs is not None:
+                self.direct = d
+            elif direct is True:
+                raise ExecutionError(f"this FP8 plan cannot be quantized straight into the destination: {d.why}")
+        elif direct is True:
+            raise ExecutionError("direct quantization needs every rank in this process (inner 'local' or 'bound')")
+        self.senders = SenderQuantizer(fp, src, shadows=self.direct is None)
+        self.receivers = ReceiverQuantizer(fp, dst)
+        self._device = single_cuda_device([t for side in (src, dst) for ts in side.values() for t in ts.values()])
+        if self.direct is not None:
+            self._pins = [(t, t.data_ptr()) for side in (src, dst) for ts in side.values() for t in ts.values()]
+            self.inner = make_executor("bound", fp.plan, binding, process, self.senders.tensors,
+                                       self.receivers.tensors, ops=self.direct.rest)
+        else:
+            self.inner = make_executor(inner, fp.plan, binding, process, self.senders.tensors,
+                                       self.receivers.tensors, **options)
 
     @property
     def src_tensors(self) -> Mapping[int, Mapping[str, torch.Tensor]]:
         return self.senders.tensors
 
     def refit(self, version: int | None = None) -> Any:
+        if self.direct is not None:
+            moved = [t for t, ptr in self._pins if t.data_ptr() != ptr]
+            if moved:
+                raise ExecutionError(f"{len(moved)} bound tensors were replaced since the executor was made; update "
+                                     f"them in place, or make a new executor")
+            out: list = []
+            # the quantizer's jobs and the copies of everything else write disjoint places: side by side on a GPU
+            on_streams([lambda: self.direct.run(self.quantize), lambda: out.append(self.inner.refit())],
+                       self._device if self.quantize == "kernel" else None)
+            self.receivers.run(self.quantize, direct=True)
+            return out[0]
         self.senders.run(self.quantize)
         stats = self.inner.refit(version) if version is not None else self.inner.refit()
-        self.receivers.run(self.quantize)
+        self.receivers.run(self.quantize, direct=self.inner.name in ("local", "bound"))
         return stats
 
     def close(self) -> None:
@@ -276,5 +506,5 @@ def execute_fp8_local(fp: Fp8Plan, src: RankTensors, dst: RankTensors) -> None:
     Fp8Executor(fp, None, 0, src, dst, inner="local").refit()
 
 
-__all__ = ["AMAX_FLOOR", "Fp8Executor", "ReceiverQuantizer", "SenderQuantizer", "check_engine_tensors",
-           "compiled_quantizer", "dequantize_blocks", "execute_fp8_local", "quantize_blocks"]
+__all__ = ["AMAX_FLOOR", "DirectQuantizer", "Fp8Executor", "QUANTIZERS", "ReceiverQuantizer", "SenderQuantizer",
+           "check_engine_tensors", "compiled_quantizer", "dequantize_blocks", "execute_fp8_local", "quantize_blocks"]

@@ -30,8 +30,9 @@ _LANES: dict[int, tuple[object, list]] = {}  # id(group) -> (group, its extra la
 _FAILED: set[int] = set()  # groups whose lanes could not be made
 
 
-def lanes_for(group, n: int, backend: str) -> list:
-    """`group` followed by n - 1 communicators over the same processes (made on first use, then reused)."""
+def lanes_for(group, n: int, backend: str, timeout: float | None = None) -> list:
+    """`group` followed by n - 1 communicators over the same processes (made on first use, then reused), each
+    with `timeout` seconds for any wait (the executor's; torch's defaults -- 30 min on gloo -- never apply)."""
     if n <= 1:
         return [group]
     entry = _LANES.get(id(group))
@@ -40,7 +41,7 @@ def lanes_for(group, n: int, backend: str) -> list:
     extra = entry[1]
     while len(extra) < n - 1 and id(group) not in _FAILED:
         try:
-            extra.append(_new_lane(group, backend))
+            extra.append(_new_lane(group, backend, timeout))
         except Exception:  # noqa: BLE001 - a torch that cannot make them fails alike on every member:
             _FAILED.add(id(group))  # stay on the lanes made so far, and do not try again
     return [group, *extra[:n - 1]]
@@ -67,16 +68,19 @@ def forget(group) -> None:
     _FAILED.discard(id(group))
 
 
-def _new_lane(group, backend: str):
+def _new_lane(group, backend: str, timeout: float | None = None):
+    from datetime import timedelta
+
     ranks = dist.get_process_group_ranks(group)
+    limit = {"timeout": timedelta(seconds=timeout)} if timeout is not None else {}
     if _whole_world(group):  # every process is a member and calls this: torch's usual collective new_group
-        return dist.new_group(ranks=ranks, backend=backend)
+        return dist.new_group(ranks=ranks, backend=backend, **limit)
     default = dist.distributed_c10d._get_default_group()
     if backend == "nccl" and default.bound_device_id is not None:
         # a device-bound world makes NCCL groups by splitting a parent communicator; splitting the refit group
         # itself involves only its members (new_group would split the world's, needing every process)
         return dist.split_group(parent_pg=group, split_ranks=[list(range(dist.get_world_size(group)))])
-    return dist.new_group(ranks=ranks, backend=backend, use_local_synchronization=True)
+    return dist.new_group(ranks=ranks, backend=backend, use_local_synchronization=True, **limit)
 
 
 __all__ = ["NCCL_LANES", "forget", "lanes_for", "naming_count"]

@@ -80,15 +80,17 @@ def unshard(layout: Layout, tensors: RankTensors) -> dict[str, torch.Tensor]:
     return out
 
 
-def check_tensors(plan: Plan, src: RankTensors, dst: RankTensors) -> None:
+def check_tensors(plan: Plan, src: RankTensors, dst: RankTensors, ids: "tuple | None" = None) -> None:
     """Every tensor the plan touches is present with its shape and dtype, contiguous; all problems at once.
-    A tensor kept in its own dtype (`TensorTable.dtypes`) is expected in that dtype and its element shape."""
+    A tensor kept in its own dtype (`TensorTable.dtypes`) is expected in that dtype and its element shape.
+    `ids`: (source ids, destination ids), the tables' tensors to check (default all of the ranks given)."""
     problems = []
-    for side, table, given, layout in (("source", plan.src_tensors, src, plan.src),
-                                       ("destination", plan.dst_tensors, dst, plan.dst)):
+    for k, (side, table, given, layout) in enumerate((("source", plan.src_tensors, src, plan.src),
+                                                      ("destination", plan.dst_tensors, dst, plan.dst))):
         plan_dtype, own = torch_dtype(layout.dtype), table.own_dtypes()
-        for rank, name, shape in zip(table.ranks, table.names, table.shapes):
-            if rank not in given:
+        only = None if ids is None else set(ids[k])
+        for i, (rank, name, shape) in enumerate(zip(table.ranks, table.names, table.shapes)):
+            if rank not in given or (only is not None and i not in only):
                 continue  # ranks not given are not run here
             if not isinstance(given[rank], Mapping):
                 problems.append(f"{side} rank {rank} must map tensor names to tensors, not "

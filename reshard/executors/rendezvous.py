@@ -53,7 +53,8 @@ class Rendezvous:
             problems.append(f"refit_id={self.refit_id!r} must be 1-64 letters or digits")
         if not isinstance(self.secret, str) or len(self.secret) < 16:
             problems.append("secret must be a string of at least 16 characters")
-        if not isinstance(self.timeout, (int, float)) or not 0 < self.timeout <= 86400:
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) \
+                or not 0 < self.timeout <= 86400:
             problems.append(f"timeout={self.timeout!r} must be a number of seconds in (0, 86400]")
         if problems:
             raise ExecutionError("invalid rendezvous: " + "; ".join(problems))

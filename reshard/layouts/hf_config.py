@@ -30,7 +30,11 @@ def read_config(config: Any) -> dict[str, Any]:
     if not isinstance(config, (str, os.PathLike)):
         raise config_error("config", config, "must be a dict, a config.json path or a checkpoint directory")
     path = Path(config)
-    if path.is_dir():
+    try:
+        is_dir = path.is_dir()
+    except OSError as e:  # a name too long, a loop of links ...: not a path to read
+        raise config_error("config", str(config)[:200], f"cannot be read as a path ({e.strerror})") from None
+    if is_dir:
         path = path / "config.json"
         if not path.exists():
             raise config_error("config", str(config), "is a directory without a config.json")

@@ -292,7 +292,12 @@ class ModelSpec(BaseModel):
 
         Raises:
             ModelConfigError: an unreadable or invalid config, or an architecture no family claims.
+            ArgumentError: `include_mtp` is not a bool.
         """
+        if not isinstance(include_mtp, bool):
+            from ..errors import ArgumentError
+
+            raise ArgumentError("include_mtp", include_mtp, "must be True or False")
         return registry.spec_from_hf_config(config, include_mtp=include_mtp)
 
 

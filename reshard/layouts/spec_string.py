@@ -72,6 +72,10 @@ def parse_layout(text: str, model: ModelSpec) -> Layout:
     """
     if not isinstance(text, str):
         raise LayoutError("layout", f"a layout string must be a str, not {type(text).__name__}", {"layout": text})
+    if not isinstance(model, ModelSpec):
+        from ..errors import ArgumentError
+
+        raise ArgumentError("model", model, "must be a ModelSpec")
     if len(text) > MAX_LAYOUT_TEXT:
         raise LimitError("layout", f"{text[:40]}...", MAX_LAYOUT_TEXT, "characters of a layout string")
     kind, _, rest = text.partition(":")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -234,6 +234,24 @@ def _colocation(colocated: "bool | Sequence[int]", num_src: int, num_dst: int) -
     return np.asarray(ranks, dtype=np.int64)
 
 
+def _check_arguments(src: Any, dst: Any, tensors: Any, layers: Any, colocated: Any, fanout: Any, roots: Any,
+                     relay_cap: Any) -> None:
+    """compile_plan's arguments by type, each refused with ArgumentError naming it (ranges are checked below)."""
+    from ..arguments import instance, integer, integers, names
+
+    instance("src", src, Layout, "a Layout")
+    instance("dst", dst, Layout, "a Layout")
+    names("tensors", tensors)
+    integers("layers", layers)
+    if not isinstance(colocated, bool):
+        integers("colocated", colocated, none=False)
+    if fanout is not None:
+        integer("fanout", fanout, 1, 1 << 20)
+    if roots is not None:
+        integer("roots", roots, 1, 1 << 20)
+    integer("relay_cap", relay_cap, 1, 1 << 20)
+
+
 def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = None,
                  layers: Iterable[int] | None = None, colocated: bool | Sequence[int] = False,
                  fanout: int | None = None, roots: int | None = None, relay_cap: int = 1) -> Plan:
@@ -262,6 +280,7 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
         ArgumentError: a selection or colocation that names no tensor, layer or rank of the layouts.
         CoverageError: the plan would not write every destination element holding model data exactly once.
     """
+    _check_arguments(src, dst, tensors, layers, colocated, fanout, roots, relay_cap)
     start = time.perf_counter()
     if src.model != dst.model:
         raise PlanError("source and destination describe different models",

@@ -125,7 +125,7 @@ def start_engine(model: str, tp: int = 1, python: str | None = None, name: str |
            **({"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))}
               if tp > 1 else {})}
     runtime_env = {"py_executable": python or vllm_cpu_python(), "env_vars": {"PYTHONPATH": str(ROOT)}}
-    options = {"runtime_env": runtime_env, "num_cpus": 0}
+    options = {"runtime_env": runtime_env, "num_cpus": 0, "max_concurrency": 4}  # threaded: lease renewals
     if name:
         options["name"] = name
     args = {"tensor_parallel_size": tp, "dtype": "float32", "max_model_len": 128, **engine_args}

@@ -60,7 +60,8 @@ class ServerProcess:
                 "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype, "--max-model-len",
                 str(self.max_model_len), "--skip-tokenizer-init", "--enforce-eager", "--no-enable-prefix-caching",
                 "--tensor-parallel-size", str(self.tp), "--seed", "0",
-                "--weight-transfer-config", '{"backend": "reshard"}', *self.extra_args]
+                "--weight-transfer-config", '{"backend": "reshard"}',
+                "--middleware", "reshard.adapters.vllm.lease.ReshardLeaseMiddleware", *self.extra_args]
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "w") as out:
             self.process = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=str(ROOT),

@@ -94,7 +94,7 @@ def refit_server(job: dict[str, Any]) -> None:
     server = VllmServer(job["url"]) if rank == 0 else None
     dst = VllmLayout(model=spec, tp=job.get("server_tp", 1))
     refit = RefitSpec.of(spec, layout, dst, install="loader", transport=job["transport"],
-                         options=job.get("options", {}))
+                         options=job.get("options", {}), config=job["checkpoint"])
     out: dict[str, Any] = {"layout": str(layout), "refits": []}
     session = TrainerSession(refit, rank, tensors, engines=[server] if server else [],
                              trainer_group=dist.group.WORLD, timeout=job.get("timeout", 300.0))
@@ -126,7 +126,7 @@ def refit_server(job: dict[str, Any]) -> None:
                 break
             if server is not None:
                 entry.update(tokens=server.greedy(job["prompts"]), weight_version=server.weight_info(),
-                             checksums=server.weight_checksums())
+                             checksums=server.weight_checksums(), landed=_landed(server))
             out["refits"].append(entry)
             if "error" in entry:
                 break
@@ -141,6 +141,14 @@ def refit_server(job: dict[str, Any]) -> None:
         path.write_text(json.dumps(out, default=str))
 
 
+def _landed(server: Any) -> list[dict[str, Any]] | None:
+    """reshard's digest of what landed on each worker (servers with the worker extension), else None."""
+    try:
+        return server.landed()
+    except ExecutionError:
+        return None
+
+
 def _kill_server_when_updating(server: Any, step: int, pid: int) -> None:
     """Fault injection: the server (its process group, started by the test) dies as refit `step` updates."""
     import signal
@@ -149,6 +157,8 @@ def _kill_server_when_updating(server: Any, step: int, pid: int) -> None:
     update = server.update_weights
 
     def dying(update_info: Any) -> None:
+        if isinstance(update_info, dict) and update_info.get("phase") == "install":
+            return update(update_info)  # refits update twice (transfer, install): count the transfers
         calls["n"] += 1
         if calls["n"] > step:
             os.killpg(pid, signal.SIGKILL)

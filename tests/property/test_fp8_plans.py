@@ -10,8 +10,8 @@ import torch
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 import reshard
-from reshard.errors import LayoutError
-from reshard.executors.fp8 import execute_fp8_local
+from reshard.errors import ExecutionError, LayoutError
+from reshard.executors.fp8 import Fp8Executor, execute_fp8_local
 from reshard.executors.local import allocate, shard
 from reshard.layouts.fp8 import Fp8Scheme, quantized_entries
 from reshard.planner.fp8 import compile_fp8
@@ -115,6 +115,21 @@ def test_quantizing_refits(case):
     want = shard(d, reference_checkpoint(weights, quantized, block), fill=SENTINEL)
     bad = [f"rank {r} {n}" for r in want for n in want[r] if not same_bytes(got[r][n], want[r][n])]
     assert not bad, f"{src} -> {dst} block {block}: {bad[:5]}"
+
+    # both in-process paths: quantized straight into the engine's tensors (where the plan allows) and through
+    # the wire's shadows and the bound executor's copies; each equals the reference checkpoint
+    for direct in (True, False):
+        try:
+            out = allocate(d, SENTINEL)
+            ex = Fp8Executor(fp, None, 0, shard(src, weights), out, inner="bound", direct=direct)
+        except ExecutionError as e:
+            assert direct and "straight into" in str(e)
+            event("direct quantization refused")
+            continue
+        event(f"direct={direct}")
+        ex.refit()
+        bad = [f"rank {r} {n}" for r in want for n in want[r] if not same_bytes(out[r][n], want[r][n])]
+        assert not bad, f"direct={direct} {src} -> {dst} block {block}: {bad[:5]}"
 
 
 def _template(spec: reshard.ModelSpec, t: reshard.TensorSpec) -> str:

@@ -15,6 +15,7 @@ worker -- and drive it from the trainer with `reshard.adapters.trainer.TrainerSe
   check, derive  the live model against the declared layout (structure; where its loaders put each element)
   kernel_format  which parameters post-load processing re-laid out (refused by direct install)
   live, families reading a live model; per-model-class facts
+  lease          the driver's lease on a server (ASGI middleware): a dead driver cannot leave it paused
 """
 from .check import check_layout
 from .derive import DerivedLayout, derive_layout, representative_layers

@@ -18,6 +18,7 @@ from ..refit import RefitSpec
 from .session import WorkerSession
 
 MESSAGE_BYTES = 4096  # per worker, when the workers of an engine tell each other why a step failed
+AGREE_TIMEOUT = 300.0  # seconds a worker waits for the others of its engine to agree (the refit's timeout once bound)
 log = logging.getLogger("reshard.vllm")
 
 
@@ -32,12 +33,15 @@ def _engine_group() -> Any:
     return group.cpu_group if group.world_size > 1 else None
 
 
-def agreed(step: str, fn: Callable[[], None]) -> bool:
+def agreed(step: str, fn: Callable[[], None], timeout: float = AGREE_TIMEOUT, group: Any = None) -> bool:
     """Run `fn` on every worker of this engine and agree on the outcome: True if it succeeded everywhere. If it
     failed anywhere, the engine's last worker raises ExecutionError naming every worker's error and the others
     return False. Why only the last: vLLM's multiprocess executor (0.32, 0.33) reads workers' answers in rank
     order and stops at the first failure, leaving the later workers' answers to be read by the next call, which
-    mixes up every later call's answers; a failure on the last worker alone leaves nothing unread."""
+    mixes up every later call's answers; a failure on the last worker alone leaves nothing unread. The agreement
+    waits at most `timeout` seconds for the other workers (never gloo's 30-minute default)."""
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     error = None
@@ -45,7 +49,7 @@ def agreed(step: str, fn: Callable[[], None]) -> bool:
         fn()
     except Exception as e:  # noqa: BLE001 - agreed on below, then raised on the last worker
         error = f"{type(e).__name__}: {e}"
-    group = _engine_group()
+    group = group if group is not None else _engine_group()  # `group`: tests give their own
     if group is None:
         if error is not None:
             raise ExecutionError(f"{step} failed: {error}")
@@ -56,7 +60,12 @@ def agreed(step: str, fn: Callable[[], None]) -> bool:
         data = error.encode()[:MESSAGE_BYTES - 1] or b"?"
         mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     gathered = [torch.zeros_like(mine) for _ in range(size)]
-    dist.all_gather(gathered, mine, group=group)
+    work = dist.all_gather(gathered, mine, group=group, async_op=True)
+    try:
+        work.wait(timedelta(seconds=timeout))
+    except Exception as e:  # noqa: BLE001 - another worker of this engine never came to the agreement
+        raise ExecutionError(f"{step}: the other workers of this engine did not agree within {timeout:.0f} s "
+                             f"({e}); this worker's own outcome: {error or 'ok'}") from None
     errors = [(r, bytes(t[t.nonzero().flatten()].tolist()).decode(errors="replace"))
               for r, t in enumerate(gathered) if bool(t.any())]
     if not errors:
@@ -93,20 +102,36 @@ class AgreedSteps:
             raise RuntimeError("reshard weight transfer is not initialized: init it first")
         return self.session
 
-    def start(self) -> None:
-        agreed("start", lambda: self.active().start())
+    def _timeout(self) -> float:
+        if self.session is None:
+            return AGREE_TIMEOUT
+        value = self.session.refit.options.get("timeout", AGREE_TIMEOUT)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return AGREE_TIMEOUT
+        return 2 * float(value) + 30.0  # another worker may still be inside its own bounded step
 
-    def update(self, error: Exception | None = None) -> None:
+    def start(self) -> None:
+        agreed("start", lambda: self.active().start(), self._timeout())
+
+    def update(self, error: Exception | None = None, phase: str = "all", refit: str = "") -> None:
         """The transfer on every worker, agreed on; only then the install (nothing is installed anywhere if any
-        worker lacks its bytes). `error`: the update's info was invalid (raised inside the agreement)."""
+        worker lacks its bytes). `phase` "transfer" stops before the install, "install" installs what the previous
+        transfer of this update received (the driver sends it only once every trainer process has sent: a driver
+        that dies in between leaves the model untouched). `refit`: the refit id the update belongs to (a worker
+        bound to another refit refuses it). `error`: the update's info was invalid (raised inside the
+        agreement)."""
 
         def transfer() -> None:
             if error is not None:
                 raise error
-            self.active().transfer()
+            self.active().check_refit(refit)
+            if phase == "install":
+                self.active().install_received()
+            else:
+                self.active().transfer()
 
-        if agreed("update", transfer):
-            agreed("install", lambda: self.active().install())
+        if agreed("update", transfer, self._timeout()) and phase == "all":
+            agreed("install", lambda: self.active().install(), self._timeout())
         if torch.accelerator.is_available():
             torch.accelerator.synchronize()
 

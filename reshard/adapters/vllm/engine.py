@@ -48,14 +48,22 @@ class ReshardInitInfo(WeightTransferInitInfo):
         return self.spec
 
 
-class ReshardUpdateInfo(WeightTransferUpdateInfo):
-    """Per-round info: the version label of the weights being sent, nothing else -- the plan fixed at init says
-    what moves. Never raises itself (see ReshardInitInfo)."""
+PHASES = ("transfer", "install", "all")
 
-    def __init__(self, version: str = "", **unknown: Any) -> None:
-        self.version = str(version)
-        self.error = PlanError(f"update_info has unknown fields {sorted(unknown)}; known: ['version']") \
-            if unknown else None
+
+class ReshardUpdateInfo(WeightTransferUpdateInfo):
+    """Per-round info -- the plan fixed at init says what moves: the version label of the weights being sent, the
+    refit (generation) it belongs to (a worker bound to another refit refuses it: a late message of an old driver is
+    never applied), and the phase: "transfer" (the bytes land in staging or the loader's buffers, the model is not
+    touched), "install" (hand them to the model; only after a transfer of this update), or "all" (both).
+    Never raises itself (see ReshardInitInfo)."""
+
+    def __init__(self, version: str = "", refit: str = "", phase: str = "all", **unknown: Any) -> None:
+        self.version, self.refit, self.phase = str(version), str(refit), str(phase)
+        self.error = PlanError(f"update_info has unknown fields {sorted(unknown)}; known: ['phase', 'refit', "
+                               f"'version']") if unknown else None
+        if self.error is None and self.phase not in PHASES:
+            self.error = PlanError(f"update_info phase={phase!r} is not one of {PHASES}")
 
 
 class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
@@ -77,7 +85,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: ReshardUpdateInfo) -> None:
-        self.steps.update(update_info.error)
+        self.steps.update(update_info.error, update_info.phase, update_info.refit)
 
     def finish_weight_update(self) -> None:
         self.steps.finish()

@@ -82,6 +82,7 @@ class WorkerSession:
             process = self.plan.src.num_ranks + self.rank
             rv.join(self.store, self.rendezvous, process, refit.num_processes, "engine")
         self.executor = open_transport(refit, process, {}, {self.rank: tensors}, store=self.store, group=group)
+        self.tensors, self.installed = tensors, False
 
     def _report(self, reason: str) -> None:
         """Tell the trainer processes waiting at the rendezvous why this worker cannot take part."""
@@ -103,6 +104,16 @@ class WorkerSession:
         ours = model.model_copy(update={"dtype": live.dtype})
         if ours != live:
             raise LayoutMismatchError(str(dst), [f"trainer: {model}", f"vLLM: {live}"], where="the vLLM model")
+        if self.refit.math is not None:  # fields that change the math, not the shapes (layouts.math_config)
+            from ...layouts.math_config import math_config, math_differences, math_fingerprint
+
+            engine = math_config(self.vllm_config.model_config.hf_config.to_dict())
+            differ = math_differences(self.refit.math, engine)
+            if differ:
+                ours, theirs = math_fingerprint(self.refit.math)[:12], math_fingerprint(engine)[:12]
+                raise LayoutMismatchError(str(dst), [f"the trainer's model config (math {ours}) vs this engine's "
+                                                     f"(math {theirs}): " + "; ".join(differ)],
+                                          where="the vLLM model's config")
         declared = declared_layout(model, self.vllm_config, dst.replicas)
         lora = {"model", "max_lora_rank", "fully_sharded"}
         if declared.model_dump(exclude={"model"}) != dst.model_dump(exclude=lora):
@@ -112,7 +123,15 @@ class WorkerSession:
                                       where="this vLLM engine's parallel config")
 
     # --- one refit ---------------------------------------------------------------------------------
+    def check_refit(self, refit: str) -> None:
+        """An update of another refit (an old driver's late message, after a new init) is refused."""
+        ours = (self.refit.rendezvous or {}).get("refit_id", "")
+        if refit and refit != ours:
+            raise PlanError(f"an update of refit {refit[:16]!r} refused: this worker is bound to refit {ours[:16]!r} "
+                            f"(a late message of an old generation is never applied)")
+
     def start(self) -> None:
+        self.received = False
         if self.binding is not None:
             self.binding.verify()
         if self.slot is not None:
@@ -122,11 +141,20 @@ class WorkerSession:
         """This worker's part of the transfer; the model is not touched (staged, or the loader's buffers)."""
         if self.executor is None:
             raise ExecutionError("this refit session is closed")
+        self.received = self.installed = False
         try:
             self.executor.refit()
         except Exception as e:
             self._report(f"engine replica {self.refit.replica} rank {self.rank}: {e}")
             raise
+        self.received = True
+
+    def install_received(self) -> None:
+        """The install step of a two-phase update: only after this update's transfer landed whole."""
+        if not getattr(self, "received", False):
+            raise ExecutionError("install refused: no transfer of this update landed on this worker")
+        self.received = False
+        self.install()
 
     def install(self) -> None:
         """After every worker has its bytes: direct: finish (padding, widened tensors); loader: load_weights;
@@ -137,6 +165,20 @@ class WorkerSession:
             self.binding.finish()
         else:
             self.installer.install()
+        self.installed = True
+
+    def landed(self) -> dict[str, Any]:
+        """reshard's own end-to-end digest of what the last transfer landed on this worker, before vLLM's loaders
+        repack anything: SHA-256 of each destination tensor of the plan (loader: the whole canonical tensors, so
+        they compare with a checkpoint's; direct: the parameters written; lora_slot: before B's scaling) and
+        whether it was installed. vLLM's /weight_checker hashes parameters after its processing, and on the CPU
+        build hashes repacked parameters as empty input."""
+        from ...executors.checksum import tensor_digests
+
+        if self.slot is not None and self.installed:
+            raise ExecutionError("an installed adapter slot holds B * alpha / r, not what landed")
+        return {"rank": self.rank, "refit": (self.refit.rendezvous or {}).get("refit_id", ""),
+                "installed": self.installed, "digests": tensor_digests(getattr(self, "tensors", {}))}
 
     def receive(self) -> None:
         self.transfer()

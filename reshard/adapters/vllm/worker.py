@@ -65,10 +65,11 @@ class ReshardWorkerExtension:
             info = _json(update_info, "update_info") if update_info else {}
             if not isinstance(info, dict):
                 raise PlanError(f"update_info must be a JSON object, got {type(info).__name__}")
-            error = ReshardUpdateInfo(**info).error
-        except PlanError as e:
-            error = e
-        self._reshard_steps().update(error)
+            parsed = ReshardUpdateInfo(**info)
+            error, phase, refit = parsed.error, parsed.phase, parsed.refit
+        except (PlanError, TypeError) as e:
+            error, phase, refit = (e if isinstance(e, PlanError) else PlanError(f"update_info: {e}")), "all", ""
+        self._reshard_steps().update(error, phase, refit)
 
     def reshard_finish(self) -> None:
         self._reshard_steps().finish()
@@ -96,6 +97,15 @@ class ReshardWorkerExtension:
         from ...planner import cache
 
         return {**cache.stats(), "pid": os.getpid()}
+
+    def reshard_landed(self) -> dict[str, Any]:
+        """`WorkerSession.landed` of this worker's last refit (through the weight-transfer API or this extension):
+        reshard's digest of what landed, before any repacking. Callable through a server's `/collective_rpc`."""
+        engine = getattr(getattr(self, "weight_transfer_engine", None), "steps", None)
+        for steps in (engine, getattr(self, "_reshard_agreed", None)):
+            if steps is not None and steps.session is not None:
+                return steps.session.landed()
+        raise PlanError("no refit session on this worker: nothing landed yet")
 
     def reshard_close(self) -> None:
         self._reshard_steps().close()

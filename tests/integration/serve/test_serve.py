@@ -28,6 +28,7 @@ from reshard.adapters.trainer import TrainerSession
 from reshard.errors import ExecutionError
 from reshard.executors import rendezvous as rv
 from reshard.executors import shard
+from reshard.executors.checksum import tensor_digests
 from reshard.testing.megatron_cpu import TinyGPT, run_ranks
 from reshard.testing.serve import ServerProcess, vllm_cpu_python
 from reshard.testing.serve_jobs import load_checkpoint, make_checkpoint, refit_server, save_checkpoint, train_step
@@ -41,8 +42,8 @@ EXTENSION = ("--worker-extension-cls", "reshard.adapters.vllm.worker.ReshardWork
 
 
 class Served:
-    def __init__(self, name: str, process: ServerProcess, checkpoint_a: Path) -> None:
-        self.name, self.process, self.a = name, process, checkpoint_a
+    def __init__(self, name: str, process: ServerProcess, checkpoint_a: Path, checkpoint_b: Path) -> None:
+        self.name, self.process, self.a, self.b = name, process, checkpoint_a, checkpoint_b
         self.client = process.client
         self.fresh = self.client.greedy(PROMPTS)
         self.checksums = self.client.weight_checksums()
@@ -76,7 +77,7 @@ def servers(tmp_path_factory):
     try:
         if errors:
             raise next(iter(errors.values()))
-        yield {name: Served(name, p, ckpts[SERVERS[name][0]][0]) for name, p in procs.items()}
+        yield {name: Served(name, p, *ckpts[SERVERS[name][0]]) for name, p in procs.items()}
     finally:
         for p in procs.values():
             p.stop()
@@ -102,6 +103,10 @@ def _assert_refit_equals_fresh(served: Served, result: dict) -> None:
     assert first["tokens"] != served.fresh, "refitting the weights before the step did not change the tokens"
     assert last["tokens"] == served.fresh, "after the step's refit the tokens differ from a fresh server's"
     assert last["checksums"] == served.checksums, "vLLM's weight checksums differ from a fresh server's"
+    # reshard's own digest of every whole tensor that landed on every worker, before vLLM repacks it (vLLM's
+    # checksums hash repacked parameters of the CPU build as empty input): the fresh server's checkpoint file
+    want = tensor_digests(load_checkpoint(served.b))
+    assert last["landed"] and all(w["installed"] and w["digests"] == want for w in last["landed"])
     assert last["weight_version"] == last["version"] == "step-1"
     # both sides compiled the plan once, at init; the refits reused it
     assert result["compiles_after_refits"] == result["compiles_after_init"]

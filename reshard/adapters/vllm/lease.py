@@ -1,0 +1,288 @@
+"""The driver's lease on a vLLM server, held in the server's own process: a dead or frozen driver (the trainer
+process that calls init and drives the refits) cannot leave the server paused or an update open.
+
+Start the server with `--middleware reshard.adapters.vllm.lease.ReshardLeaseMiddleware` (vLLM adds it to its
+FastAPI app; it imports no vLLM itself). Protocol, all JSON over the server's port:
+  1. `POST /reshard/lease {"holder": h, "ttl": s}`: driver h takes the lease for s seconds, or renews it. A new
+     holder fences the previous one (a new generation): the previous holder's open update is ended first.
+  2. The driver's RL calls (/pause, /start_weight_update, /update_weights, /finish_weight_update, /resume, ...) carry
+     the header `X-Reshard-Lease: h`; one from any holder but the current one is refused (HTTP 409) and never
+     reaches the engine. Calls without the header (an operator's) pass untouched.
+  3. If the lease lapses (no renewal within ttl), the holder is fenced and, once its calls still inside the server
+     have returned, the server ends what the holder left open by itself: an update whose install step succeeded
+     is finished with the version it carried (the weights landed whole: roll forward), any other update is
+     finished without a version (nothing was installed: the previous weights and version stay), and a pause is
+     resumed. `POST /reshard/lease {"holder": h, "release": true}` ends a lease on purpose.
+`GET /reshard/lease` answers the current holder, its generation and what it holds open (for tests and operators).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+HEADER = b"x-reshard-lease"
+ROUTE = "/reshard/lease"
+FENCED = ("/pause", "/resume", "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
+          "/finish_weight_update", "/update_weight_version", "/collective_rpc")
+MAX_TTL = 3600.0
+MAX_BODY = 1 << 20
+log = logging.getLogger("vllm.reshard.lease")  # under vLLM's logger: the server's log shows lease events
+
+
+@dataclass
+class Open:
+    """What the current holder has open on the engine."""
+
+    paused: bool = False
+    started: bool = False
+    installed: str | None = None  # the version of an update whose install step succeeded (not finished yet)
+    pending: str | None = None  # the version an update in flight carries
+
+
+@dataclass
+class LeaseBook:
+    """The lease's state and rules, without I/O (the middleware does the engine calls). `clock` is monotonic."""
+
+    clock: Callable[[], float] = time.monotonic
+    holder: str | None = None
+    expires: float = 0.0
+    generation: int = 0
+    open: Open = field(default_factory=Open)
+    inflight: int = 0  # calls of lease holders (of any generation) inside the server now
+    fenced: list[str] = field(default_factory=list)  # holders whose generation ended (the last 64): never again
+
+    def lapsed(self) -> bool:
+        return self.holder is not None and self.clock() > self.expires
+
+    def grant(self, holder: str, ttl: float) -> bool:
+        """Take or renew the lease; True if this is a new generation (the caller ended the previous one first).
+        A holder whose generation ended is refused (ValueError): a driver that froze past its lease and thawed
+        must init again, as a new generation."""
+        if holder in self.fenced:
+            raise ValueError(f"lease {holder[:16]!r} ended (its generation was fenced); init again for a new one")
+        new = holder != self.holder
+        if new:
+            self.holder, self.generation, self.open = holder, self.generation + 1, Open()
+        self.expires = self.clock() + ttl
+        return new
+
+    def fence(self) -> Open:
+        """End the holder's generation: its later calls are refused; returns what it left open."""
+        if self.holder is not None:
+            self.fenced = [*self.fenced[-63:], self.holder]
+        left, self.holder, self.open = self.open, None, Open()
+        return left
+
+    def refusal(self, holder: str) -> str | None:
+        if holder == self.holder and not self.lapsed():
+            return None
+        now = f"the current holder is generation {self.generation}" if self.holder else "no driver holds it now"
+        return (f"refused: lease {holder[:16]!r} is not the server's current lease ({now}); a late call of an old "
+                f"generation is never applied")
+
+
+
+def before(opened: Open, route: str, update: dict[str, Any] | None) -> None:
+    """A call of the holder enters the engine."""
+    if route == "/pause":
+        opened.paused = True
+    elif route == "/start_weight_update":
+        opened.started, opened.installed = True, None
+    elif route == "/update_weights" and isinstance(update, dict):
+        opened.pending = str(update.get("version", ""))
+
+
+def after(opened: Open, route: str, update: dict[str, Any] | None, ok: bool) -> None:
+    """A call of the holder returned (status 2xx: ok); also after its generation was fenced (the Open is the one
+    the fence handed over, so the recovery sees the outcome)."""
+    if route == "/resume" and ok:
+        opened.paused = False
+    elif route == "/finish_weight_update":
+        opened.started, opened.installed = False, None  # finished, or closed after a failure
+    elif route == "/update_weights" and isinstance(update, dict) and update.get("phase", "all") in ("install", "all"):
+        opened.installed = opened.pending if ok else None
+
+
+def parse_grant(body: bytes) -> tuple[str, float, bool]:
+    """The lease request's fields, validated (untrusted input); ArgumentError names what is wrong."""
+    from ...errors import ArgumentError
+
+    if not isinstance(body, (bytes, bytearray)) or len(body) > MAX_BODY:
+        raise ArgumentError("body", body, f"must be at most {MAX_BODY} bytes of JSON")
+    try:
+        value = json.loads(bytes(body) or b"{}")
+    except ValueError as e:
+        raise ArgumentError("body", bytes(body[:200]), f"is not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ArgumentError("body", value, "must be a JSON object")
+    unknown = sorted(set(value) - {"holder", "ttl", "release"})
+    holder, ttl, release = value.get("holder"), value.get("ttl", 30.0), value.get("release", False)
+    if unknown:
+        raise ArgumentError("body", unknown, "has unknown fields; known: ['holder', 'release', 'ttl']")
+    if not isinstance(holder, str) or not 8 <= len(holder) <= 128 or not holder.isalnum():
+        raise ArgumentError("holder", holder, "must be 8-128 letters or digits")
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl) \
+            or not 0.5 <= ttl <= MAX_TTL:
+        raise ArgumentError("ttl", ttl, f"must be a number of seconds in [0.5, {MAX_TTL:.0f}]")
+    if not isinstance(release, bool):
+        raise ArgumentError("release", release, "must be true or false")
+    return holder, float(ttl), release
+
+
+class ReshardLeaseMiddleware:
+    """ASGI middleware (vLLM's `--middleware`): keeps the LeaseBook, fences the RL routes, recovers a lapsed lease."""
+
+    def __init__(self, app: Any, poll: float = 0.2) -> None:
+        self.app, self.poll = app, poll
+        self.book = LeaseBook()
+        self.lock: asyncio.Lock | None = None
+        self.idle: asyncio.Event | None = None
+        self.engine: Any = None
+        self.watchdog: asyncio.Task | None = None
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope.get("type") != "http":
+            return await self.app(scope, receive, send)
+        self._start(scope)
+        path = scope.get("path", "")
+        if path == ROUTE:
+            return await self._lease(scope, receive, send)
+        holder = _header(scope, HEADER)
+        if holder is None or path not in FENCED:
+            return await self.app(scope, receive, send)
+        refusal = self.book.refusal(holder)
+        if refusal is not None:
+            return await _answer(send, 409, {"error": refusal})
+        body, receive = await _buffered(receive)
+        update = None
+        if path == "/update_weights":
+            try:
+                update = (json.loads(body or b"{}") or {}).get("update_info")
+            except (ValueError, AttributeError):
+                update = None
+        opened = self.book.open  # the fence hands this same object to the recovery
+        before(opened, path, update)
+        self.book.inflight += 1
+        self.idle.clear()
+        status = {"code": 500}
+
+        async def watch(message: dict) -> None:
+            if message.get("type") == "http.response.start":
+                status["code"] = int(message.get("status", 500))
+            try:
+                await send(message)
+            except Exception:  # noqa: BLE001 - the driver went away: the outcome still counts
+                pass
+
+        try:
+            await self.app(scope, receive, watch)
+        finally:
+            after(opened, path, update, 200 <= status["code"] < 300)
+            self.book.inflight -= 1
+            if self.book.inflight <= 0:
+                self.idle.set()
+
+    def _start(self, scope: dict) -> None:
+        if self.watchdog is None:
+            self.lock, self.idle = asyncio.Lock(), asyncio.Event()
+            self.idle.set()
+            self.engine = scope["app"].state.engine_client
+            self.watchdog = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll)
+            if self.book.lapsed():
+                async with self.lock:
+                    if self.book.lapsed():
+                        try:
+                            await self._end("its lease lapsed")
+                        except Exception:  # noqa: BLE001 - keep watching; the next driver's lease ends it again
+                            log.exception("reshard: ending a lapsed lease failed")
+
+    async def _end(self, why: str) -> None:
+        """Fence the holder, wait for its calls inside the server, then close what it left open."""
+        holder, generation = self.book.holder, self.book.generation
+        left = self.book.fence()  # from now on its calls are refused
+        await self.idle.wait()  # and those already inside the server have returned (their outcome is in `left`)
+        log.warning("reshard: lease generation %d (%s) ended: %s; open: %s", generation, holder, why, left)
+        if left.started:
+            try:
+                await self.engine.finish_weight_update(left.installed)
+            except Exception as e:  # noqa: BLE001 - workers whose update already closed refuse; expected
+                log.info("reshard: closing the update of generation %d: %s", generation, e)
+        if left.paused:
+            await self.engine.resume_generation()
+        log.warning("reshard: generation %d closed (%s); serving", generation,
+                    f"rolled forward to {left.installed!r}" if left.installed is not None else "previous weights kept")
+
+    async def _lease(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope.get("method") == "GET":
+            book = self.book
+            return await _answer(send, 200, {"holder": book.holder, "generation": book.generation,
+                                             "open": book.open.__dict__, "inflight": book.inflight})
+        body, _ = await _buffered(receive)
+        from ...errors import ReshardError
+
+        try:
+            holder, ttl, release = parse_grant(body)
+        except ReshardError as e:
+            return await _answer(send, 400, {"error": str(e)})
+        async with self.lock:
+            if release:
+                if holder == self.book.holder:
+                    await self._end("released by its holder")
+                return await _answer(send, 200, {"released": True})
+            if holder in self.book.fenced:
+                return await _answer(send, 409, {"error": f"lease {holder[:16]!r} ended: init again"})
+            if self.book.holder is not None and holder != self.book.holder:
+                await self._end("a new driver took the lease")
+            self.book.grant(holder, ttl)
+            return await _answer(send, 200, {"holder": holder, "generation": self.book.generation, "ttl": ttl})
+
+
+def _header(scope: dict, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+async def _buffered(receive: Any) -> tuple[bytes, Any]:
+    """The request's body (bounded) and a `receive` that hands it to the app again."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message.get("type") != "http.request":
+            break
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY:
+            break
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    body, sent = b"".join(chunks), {"done": False}
+
+    async def replay() -> dict:
+        if not sent["done"]:
+            sent["done"] = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return body, replay
+
+
+async def _answer(send: Any, code: int, body: dict[str, Any]) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": code,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})
+
+
+__all__ = ["FENCED", "HEADER", "LeaseBook", "Open", "ReshardLeaseMiddleware", "after", "before", "parse_grant"]

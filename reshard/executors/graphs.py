@@ -1,0 +1,96 @@
+"""Launch-bound work as one CUDA graph: a fixed sequence of launches over tensors that stay where they are.
+
+A refit through prebuilt views (executors.bound), a quantizer's kernels over fixed jobs (executors.fp8) and a
+checksum over fixed blocks each launch the same kernels over the same memory at every refit. `Replay` runs such a
+function eagerly the first time (Triton kernels compile, torch's copy kernels are chosen) and captures it into a
+CUDA graph at the second call; from then on a call is one graph launch (host cost a few microseconds, however many
+kernels the graph holds). The caller keeps the tensors alive and in place (the bound executors check their
+storage pointers before every call). Off a GPU, or where capture fails, the function simply runs eagerly.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+class Replay:
+    """`fn()` eagerly once, then as a captured CUDA graph on `device` (None: always eagerly)."""
+
+    def __init__(self, fn: Callable[[], None], device: "torch.device | None") -> None:
+        self.fn, self.device = fn, device
+        self.graph: "torch.cuda.CUDAGraph | None" = None
+        self.calls = 0
+        self.error: str | None = None  # why capture was given up (kept for diagnosis; the eager path still runs)
+
+    def __call__(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+            return
+        if self.device is None or self.calls == 0 or self.error is not None:
+            self.calls += 1
+            self.fn()
+            return
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.device(self.device):
+                torch.cuda.current_stream().synchronize()
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    self.fn()
+        except Exception as e:  # noqa: BLE001 - capture refused (a sync inside, an old driver): stay eager
+            self.error = f"{type(e).__name__}: {e}"
+            self.fn()
+            return
+        self.graph = graph
+        graph.replay()
+
+
+def single_cuda_device(tensors) -> "torch.device | None":
+    """The one CUDA device every tensor is on, or None (CPU tensors, several devices, none at all)."""
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        return None
+    (device,) = devices
+    return device if device.type == "cuda" else None
+
+
+_STREAMS: dict[str, list] = {}
+STREAMS = 4  # side streams independent launches are spread over (a graph captures them as parallel branches)
+
+
+def side_streams(device: torch.device, n: int) -> list:
+    key = str(device)
+    have = _STREAMS.setdefault(key, [])
+    while len(have) < n:
+        have.append(torch.cuda.Stream(device))
+    return have[:n]
+
+
+def spread(items: list, n: int, size: Callable = lambda item: 1) -> list[list]:
+    """Items dealt into n lists of about equal total size (largest first, each to the lightest list)."""
+    bins: list[list] = [[] for _ in range(max(1, n))]
+    load = [0] * len(bins)
+    for item in sorted(items, key=size, reverse=True):
+        k = load.index(min(load))
+        bins[k].append(item)
+        load[k] += size(item)
+    return [b for b in bins if b]
+
+
+def on_streams(parts: list[Callable[[], None]], device: "torch.device | None") -> None:
+    """Run each part on its own side stream after the work the current stream holds, and make the current stream
+    wait for all of them: independent launches (disjoint destinations) run side by side instead of one after
+    another, which fills the GPU where each launch alone does not (small grids, many small copies). Off a GPU, or
+    with one part, in order on the current stream."""
+    if device is None or len(parts) <= 1:
+        for fn in parts:
+            fn()
+        return
+    main = torch.cuda.current_stream(device)
+    streams = side_streams(device, len(parts))
+    for s, fn in zip(streams, parts):
+        s.wait_stream(main)
+        with torch.cuda.stream(s):
+            fn()
+    for s in streams:
+        main.wait_stream(s)

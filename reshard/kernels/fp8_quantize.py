@@ -1,0 +1,108 @@
+"""FP8 block quantization as one Triton kernel: each bf16 block read once, its fp8 values and its scale written
+once, straight where they belong (a destination's fp8 weight and `weight_scale_inv`, or a sender's shadows).
+
+Numerics are the reference's (executors.fp8.quantize_blocks), operation for operation, so the bytes are equal:
+amax = max |x| over the block in float32 (zeros padding a partial block never raise it), raised to 1e-4;
+scale = amax / 448 and inv = 1 / scale, both correctly rounded float32 divisions (`div_rn`: Triton's plain `/`
+is an approximate division); q = float8_e4m3fn(float32(x) * inv), round to nearest even.
+Non-finite values, the reference's policy kept:
+- a NaN anywhere in a block makes the block's amax, scale and every fp8 value NaN (torch's amax propagates NaN;
+  Triton's max would drop it, so the kernel flags it);
+- an infinity makes amax and scale inf and inv 0: the block's finite values become (signed) zeros and the
+  infinity itself NaN (inf * 0);
+- an fp8 NaN is 0x7F with the product's sign bit (torch's cast; the hardware's saturating cast would give 448
+  instead, so the kernel writes those bytes itself). The sign of a NaN produced by arithmetic is the device's
+  (a GPU's is canonical, positive; an x86 CPU's default NaN is negative), the same for kernel and reference on
+  one device.
+Denormal inputs and outputs round like any value (no flush to zero on either path).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-4
+TUNING = {"num_warps": 8, "amax_bits": True}  # launch settings (benchmarks/refit_inprocess.py compares them)
+
+
+@triton.jit
+def _fp8_bits(y):
+    """float8_e4m3fn bits of float32 `y` exactly as torch's cast makes them (c10's fp8e4m3fn_from_fp32_value:
+    round to nearest even, denormals through a float add, |y| >= 464 and non-finite to NaN 0x7F, sign kept), in
+    integer arithmetic: for Triton's interpreter, whose own fp8 conversion misrounds at exponent boundaries."""
+    b = y.to(tl.int32, bitcast=True)
+    sign = (b >> 24) & 0x80
+    f = b & 0x7FFFFFFF
+    sub = ((f.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True) - 0x46800000) & 0xFF
+    odd = (f >> 20) & 1
+    norm = ((f - 0x3C000000 + 0x7FFFF + odd) >> 20) & 0xFF
+    r = tl.where(f >= 0x43F00000, 0x7F, tl.where(f < 0x3C800000, sub, norm))
+    return (r | sign).to(tl.uint8)
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, n, k, sx, sq, ss0, ss1,
+                     BN: tl.constexpr, BK: tl.constexpr, FLOOR: tl.constexpr, FMAX: tl.constexpr,
+                     EXACT_CAST: tl.constexpr, AMAX_BITS: tl.constexpr):
+    bi = tl.program_id(0)
+    bj = tl.program_id(1)
+    rows = bi * BN + tl.arange(0, BN)
+    cols = bj * BK + tl.arange(0, BK)
+    inside = (rows[:, None] < n) & (cols[None, :] < k)
+    r64 = rows.to(tl.int64)[:, None]
+    xb = tl.load(x_ptr + r64 * sx + cols[None, :], mask=inside, other=0.0)
+    x = xb.to(tl.float32)
+    if AMAX_BITS:  # one integer reduction: |x|'s bits order like |x|, and a NaN's lie above inf's
+        m = tl.max(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1), axis=0)
+        amax = tl.where(m > 0x7F800000, float("nan"), m.to(tl.float32, bitcast=True))
+        amax = tl.where(amax < FLOOR, FLOOR, amax)
+    else:
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+        nan = tl.max(tl.max((x != x).to(tl.int32), axis=1), axis=0)
+        amax = tl.where(amax < FLOOR, FLOOR, amax)
+        amax = tl.where(nan > 0, float("nan"), amax)
+    scale = tl.math.div_rn(amax, FMAX)
+    inv = tl.math.div_rn(1.0, scale)
+    y = x * inv
+    if EXACT_CAST:
+        bits = _fp8_bits(y)
+    else:  # the hardware's cast (round to nearest even, saturating): the same bytes for |y| < 464, which is every
+        # finite y here (|y| <= amax * inv ~ 448); inf and NaN become torch's NaN with the sign
+        bits = y.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+        ybits = y.to(tl.uint32, bitcast=True)
+        bad = (ybits & 0x7FFFFFFF) >= 0x7F800000
+        bits = tl.where(bad, ((ybits >> 24) & 0x80).to(tl.uint8) | 0x7F, bits)
+    tl.store(q_ptr + r64 * sq + cols[None, :], bits, mask=inside)
+    tl.store(s_ptr + bi * ss0 + bj * ss1, scale)
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def quantize_into(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tuple[int, int],
+                  num_warps: int | None = None, exact_cast: bool | None = None) -> None:
+    """Quantize the 2-D bf16 (or float16 / float32) view `x` into the float8_e4m3fn view `q` (same shape) and its
+    float32 block scales into `s` ([ceil(n/bn), ceil(k/bk)]). Rows of `x` and `q` must be contiguous (any row
+    stride); `s` any strides. One launch; asynchronous like any kernel. `exact_cast`: the integer cast instead
+    of the hardware's (default: under the interpreter only)."""
+    n, k = x.shape
+    bn, bk = block
+    nb, kb = -(-n // bn), -(-k // bk)
+    if tuple(q.shape) != (n, k) or tuple(s.shape) != (nb, kb):
+        raise ValueError(f"quantize_into: x {tuple(x.shape)}, q {tuple(q.shape)}, s {tuple(s.shape)} do not match "
+                         f"blocks {block}")
+    if x.stride(-1) != 1 or q.stride(-1) != 1 or q.dtype != torch.float8_e4m3fn or \
+            s.dtype != torch.float32:
+        raise ValueError("quantize_into needs rows contiguous in x and q, q float8_e4m3fn and s float32")
+    if n == 0 or k == 0:
+        return
+    _quantize_kernel[(nb, kb)](x, q.view(torch.uint8), s, n, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
+                               BN=bn, BK=bk, FLOOR=AMAX_FLOOR, FMAX=FP8_MAX,
+                               EXACT_CAST=interpreted() if exact_cast is None else bool(exact_cast),
+                               AMAX_BITS=bool(TUNING["amax_bits"]), num_warps=num_warps or TUNING["num_warps"])

@@ -1,0 +1,192 @@
+"""A driver that dies: trainer processes that refit a running vLLM server and whose process 0 (the one that called
+init and drives the server) is SIGKILLed at a chosen phase of a refit, for the driver-death tests and benchmark.
+
+Trainer processes hold plain tensors in a Megatron TP layout (testing.megatron_cpu.run_ranks gives them a gloo
+world); process 0 kills itself with SIGKILL (no clean-up runs) at:
+  "before"  the server is paused and the update started, no byte sent;
+  "during"  the other trainer process sends its bytes while process 0 dies before sending its own: the workers
+            are mid-transfer;
+  "after"   every engine worker reported the transfer complete; the install step was never sent.
+Process 0 writes `killed_at` (time.time()) to `job["out"]` just before it dies; the other process writes what it
+saw to `<out>.rank1.json`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+PHASES = ("before", "during", "after")
+
+
+def _die(out: Path, phase: str) -> None:
+    out.write_text(json.dumps({"killed_at": time.time(), "phase": phase}))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def dying_driver(job: dict[str, Any]) -> None:
+    """On every trainer rank: init, then one refit during which process 0 is SIGKILLed at `job["phase"]`."""
+    import torch.distributed as dist
+
+    from ..adapters.refit import RefitSpec
+    from ..adapters.trainer import TrainerSession
+    from ..errors import ExecutionError
+    from ..executors import shard
+    from ..layouts import MegatronLayout, ModelSpec, VllmLayout
+    from .serve_jobs import load_checkpoint
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out, phase = Path(job["out"]), job["phase"]
+    spec = ModelSpec.from_hf_config(job["checkpoint"])
+    src = MegatronLayout(model=spec, tp=world, vocab_divisor=64)
+    tensors = shard(src, load_checkpoint(job["checkpoint"]), ranks=[rank])[rank]
+    refit = RefitSpec.of(spec, src, VllmLayout(model=spec, tp=job["engine"]["tp"]), install="loader",
+                         transport=job["transport"], options={"timeout": job["timeout"]}, config=job["checkpoint"])
+    server = engine_client(job["engine"], job["timeout"] * 3) if rank == 0 else None
+    session = TrainerSession(refit, rank, tensors, engines=[server] if server else [],
+                             trainer_group=dist.group.WORLD, timeout=job["timeout"], lease=job["lease"])
+    seen: dict[str, Any] = {}
+    try:
+        session.init()
+        if rank == 0 and phase == "before":
+            start = server.start_weight_update
+
+            def start_then_die() -> None:
+                start()
+                _die(out, phase)
+
+            server.start_weight_update = start_then_die
+        elif rank == 0 and phase == "after":
+            update = server.update_weights
+
+            def die_before_install(info: Any) -> None:
+                if isinstance(info, dict) and info.get("phase") == "install":
+                    _die(out, phase)
+                update(info)
+
+            server.update_weights = die_before_install
+        elif phase == "during":
+            executor_refit = session.executor.refit
+
+            def send_or_die() -> Any:
+                if rank == 0:
+                    time.sleep(0.5)  # the other process's bytes are on their way: the workers are mid-transfer
+                    _die(out, phase)
+                return executor_refit()
+
+            session.executor.refit = send_or_die
+        session.refit(job["version"])
+        seen["refit"] = "succeeded"
+    except ExecutionError as e:
+        seen["refit"] = f"raised: {e}"
+    except Exception:  # noqa: BLE001 - reported to the test
+        seen["exception"] = traceback.format_exc()
+    finally:
+        session.close()
+    if rank != 0:
+        out.with_suffix(f".rank{rank}.json").write_text(json.dumps(seen))
+
+
+def engine_client(engine: dict[str, Any], timeout: float) -> Any:
+    """The client of an engine described as JSON: {"url", "tp"} (a vLLM server) or {"ray_address", "namespace",
+    "name", "tp"} (a named VllmEngineActor of a running Ray cluster; this process joins it)."""
+    if "url" in engine:
+        from ..adapters.server import VllmServer
+
+        return VllmServer(engine["url"], timeout=timeout)
+    import ray
+
+    from ..adapters.ray import RayEngineClient
+
+    if not ray.is_initialized():
+        ray.init(address=engine["ray_address"], namespace=engine["namespace"], log_to_driver=False)
+    return RayEngineClient(ray.get_actor(engine["name"]), engine["name"], timeout=timeout)
+
+
+def refit_from_here(engine: dict[str, Any], checkpoint: str | Path, transport: str, version: str,
+                    timeout: float = 60.0, lease: float = 30.0) -> float:
+    """A new driver: one trainer process (this one, plain tensors in a Megatron TP1 layout) inits and refits the
+    engine with `checkpoint`; returns time.time() when the refit succeeded (raises ExecutionError otherwise)."""
+    from ..adapters.refit import RefitSpec
+    from ..adapters.trainer import TrainerSession
+    from ..executors import shard
+    from ..layouts import MegatronLayout, ModelSpec, VllmLayout
+    from .serve_jobs import load_checkpoint
+
+    spec = ModelSpec.from_hf_config(checkpoint)
+    src = MegatronLayout(model=spec, vocab_divisor=64)
+    refit = RefitSpec.of(spec, src, VllmLayout(model=spec, tp=engine["tp"]), install="loader", transport=transport,
+                         options={"timeout": timeout}, config=checkpoint)
+    session = TrainerSession(refit, 0, shard(src, load_checkpoint(checkpoint))[0],
+                             engines=[engine_client(engine, 3 * timeout)], timeout=timeout, lease=lease)
+    try:
+        session.init()
+        session.refit(version)
+    finally:
+        session.close()
+    return time.time()
+
+
+def kill_the_driver(engine: dict[str, Any], checkpoint: str | Path, transport: str, phase: str, *, work: Path,
+                    lease: float, timeout: float, prompts: list[list[int]], poll: float = 1.0) -> dict[str, Any]:
+    """One case: two trainer processes refit the engine (see engine_client) with `checkpoint` as version
+    "dead-<phase>", process 0 is SIGKILLed at `phase`; then this process asks the engine for one token (each ask
+    waits at most `poll` s) until it serves again. Returns {"killed_at", "serving_at", "tokens" (greedy tokens of
+    `prompts` then), "ended_at" (when the engine had ended the dead driver's lease), "weight_version", "lease"
+    (the engine's lease state), "rank1" (what the surviving trainer process saw), "ranks"}."""
+    import threading
+
+    from ..errors import ExecutionError
+    from .megatron_cpu import run_ranks
+
+    work.mkdir(parents=True, exist_ok=True)
+    out = work / f"driver-{transport}-{phase}.json"
+    job = {"out": str(out), "phase": phase, "checkpoint": str(checkpoint), "engine": engine,
+           "transport": transport, "timeout": timeout, "lease": lease, "version": f"dead-{phase}"}
+    ranks: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            ranks["s"] = run_ranks(2, dying_driver, job, timeout=6 * timeout + 120, errdir=str(work), wait_all=True)
+        except Exception as e:  # noqa: BLE001 - reported below
+            ranks["error"] = f"{type(e).__name__}: {e}"
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 6 * timeout + 120
+    while not out.exists() and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not out.exists():
+        thread.join(30)
+        raise RuntimeError(f"the driver was not killed at {phase!r}: {ranks}")
+    killed_at = json.loads(out.read_text())["killed_at"]
+    poller = engine_client(engine, poll)
+    serving_at = None
+    while time.monotonic() < deadline:
+        try:  # one token of one prompt: answered at once by a serving engine, never by a paused one
+            poller.greedy(prompts[:1], max_tokens=1)
+            serving_at = time.time()
+            break
+        except ExecutionError:
+            time.sleep(0.1)
+    client = engine_client(engine, 120.0)
+    ended_at = None  # when the engine had ended the dead driver's lease (an offline engine serves meanwhile)
+    while time.monotonic() < deadline:
+        if client.lease_state()["holder"] is None:
+            ended_at = time.time()
+            break
+        time.sleep(0.1)
+    thread.join(max(1.0, deadline - time.monotonic()))
+    tokens = client.greedy(prompts)
+    version = client.weight_info() if hasattr(client, "weight_info") else client.weight_version()
+    rank1 = out.with_suffix(".rank1.json")
+    return {"killed_at": killed_at, "serving_at": serving_at, "ended_at": ended_at, "tokens": tokens,
+            "weight_version": version, "lease": client.lease_state(),
+            "rank1": json.loads(rank1.read_text()) if rank1.exists() else None, "ranks": ranks}
+
+
+__all__ = ["PHASES", "dying_driver", "engine_client", "kill_the_driver", "refit_from_here"]

@@ -1,0 +1,176 @@
+"""Checks of the Triton kernels (reshard.kernels) against the torch references, byte for byte, on any device:
+the GPU tests call them natively, the CPU tests in a subprocess under Triton's interpreter (TRITON_INTERPRET=1,
+which must be set before Triton is imported). Each returns a list of failures (empty: all equal)."""
+from __future__ import annotations
+
+import torch
+
+NAN_BYTES = (0x7F, 0xFF)  # float8_e4m3fn NaNs (sign bit aside)
+
+
+def _edge_values(device: torch.device) -> torch.Tensor:
+    """bf16 values at the edges: zeros of both signs, denormals, the largest finite, near fp8 rounding ties."""
+    vals = [0.0, -0.0, 9.184e-41, -9.184e-41, 1.1755e-38, 3.3895e38, -3.3895e38, 1e-4, -1e-4, 448.0, -448.0,
+            464.0, 0.0078125, 0.01171875, 1.0, -1.0, 2.0 ** -9, 3 * 2.0 ** -10]
+    return torch.tensor(vals, dtype=torch.float32).to(torch.bfloat16).to(device)
+
+
+def _inputs(device: torch.device, g: torch.Generator, n: int, k: int, kind: str) -> torch.Tensor:
+    x = (torch.randn((n, k), generator=g) * float(torch.empty(()).uniform_(1e-3, 10, generator=g))).to(torch.bfloat16)
+    x = x.to(device)
+    flat = x.view(-1)
+    if kind in ("edges", "nonfinite"):
+        e = _edge_values(device)
+        idx = torch.randint(0, flat.numel(), (min(flat.numel(), 3 * e.numel()),), generator=g).to(device)
+        flat[idx] = e[torch.arange(idx.numel(), device=device) % e.numel()]
+    if kind == "zeros":
+        x[: max(1, n // 2)] = 0
+    if kind == "denormal":
+        x.mul_(1e-38)
+    if kind == "nonfinite":
+        for v in (float("inf"), float("-inf"), float("nan")):
+            flat[int(torch.randint(0, flat.numel(), (1,), generator=g))] = v
+    return x
+
+
+def _same_fp8(got: torch.Tensor, want: torch.Tensor) -> bool:
+    a = got.detach().cpu().contiguous().view(torch.uint8).to(torch.int32)
+    b = want.detach().cpu().contiguous().view(torch.uint8).to(torch.int32)
+    nan_a = (a == NAN_BYTES[0]) | (a == NAN_BYTES[1])
+    nan_b = (b == NAN_BYTES[0]) | (b == NAN_BYTES[1])
+    return bool(torch.equal(nan_a, nan_b) and torch.equal(a[~nan_b], b[~nan_b]))
+
+
+def _same_f32(got: torch.Tensor, want: torch.Tensor) -> bool:
+    a, b = got.detach().cpu().contiguous(), want.detach().cpu().contiguous()
+    nan = torch.isnan(b)
+    return bool(torch.equal(torch.isnan(a), nan) and torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32)))
+
+
+def check_fp8_quantizer(device: str = "cpu", cases: int = 12, seed: int = 0,
+                        blocks: tuple = ((16, 16), (32, 64), (128, 128)),
+                        exact_cast: "bool | None" = None) -> list[str]:
+    """The Triton quantizer against `executors.fp8.quantize_blocks` on random shapes (partial edge blocks too),
+    strided views (x and q inside larger tensors, s a transposed view) and edge values."""
+    from reshard.executors.fp8 import quantize_blocks
+    from reshard.kernels.fp8_quantize import quantize_into
+
+    dev = torch.device(device)
+    g = torch.Generator().manual_seed(seed)
+    failures = []
+    kinds = ("random", "edges", "zeros", "denormal", "nonfinite")
+    for case in range(cases):
+        bn, bk = blocks[case % len(blocks)]
+        n = int(torch.randint(1, 3 * bn, (1,), generator=g))
+        k = int(torch.randint(1, 3 * bk, (1,), generator=g))
+        kind = kinds[case % len(kinds)]
+        big = _inputs(dev, g, n + 3, k + 5, kind)
+        x = big[2:2 + n, 1:1 + k]  # strided: rows k + 5 apart
+        want_q, want_s = quantize_blocks(x, (bn, bk))
+        q_big = torch.full((n + 1, k + 7), 0.5, dtype=torch.float8_e4m3fn, device=dev)
+        q = q_big[1:, 3:3 + k]
+        nb, kb = -(-n // bn), -(-k // bk)
+        s_big = torch.full((kb + 1, nb), -1.0, dtype=torch.float32, device=dev)
+        s = s_big[1:].t()  # [nb, kb], column-major
+        quantize_into(x, q, s, (bn, bk), exact_cast=exact_cast)
+        if device != "cpu":
+            torch.cuda.synchronize(dev)
+        what = f"case {case} ({kind}, {n}x{k}, blocks {bn}x{bk})"
+        if not _same_fp8(q, want_q):
+            failures.append(f"{what}: fp8 bytes differ")
+        if not _same_f32(s, want_s):
+            failures.append(f"{what}: scales differ")
+        untouched = q_big.view(torch.uint8).clone()
+        untouched[1:, 3:3 + k] = torch.tensor(0.5, dtype=torch.float8_e4m3fn).view(torch.uint8).item()
+        if not bool((untouched == torch.tensor(0.5, dtype=torch.float8_e4m3fn).view(torch.uint8).item()).all()):
+            failures.append(f"{what}: wrote outside its view")
+        if not bool((s_big[0] == -1.0).all()):
+            failures.append(f"{what}: wrote scales outside its view")
+    return failures
+
+
+def check_fp8_refits(device: str = "cpu", quantizer: str = "kernel", head_dim: int = 128, layers: int = 2) -> list[str]:
+    """Whole quantizing refits with `quantizer` (the kernel) on `device`, each case twice (the second a graph
+    replay on GPUs) with the trainer's weights changed in place between: straight into the engine (direct), through
+    the wire's shadows, and with receivers quantizing (a trainer TP that cuts the MLP through blocks); the engine's
+    tensors must equal the reference checkpoint, byte for byte."""
+    import reshard
+    from reshard.executors.fp8 import Fp8Executor
+    from reshard.executors.local import allocate, shard
+    from reshard.layouts.fp8 import FP8, Fp8Scheme
+    from reshard.planner.fp8 import compile_fp8
+    from reshard.testing.fp8_reference import reference_checkpoint, same_bytes
+
+    cfg = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=2 * head_dim,
+               num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+               vocab_size=300,
+               intermediate_size=3 * head_dim, torch_dtype="bfloat16")
+    spec = reshard.ModelSpec.from_hf_config(cfg)
+    scheme = Fp8Scheme(block=(head_dim, head_dim))
+    dev = torch.device(device)
+    failures = []
+    for tp, direct in ((1, True), (1, False), (2, "auto")):
+        src_layout = reshard.MegatronLayout(model=spec, tp=tp)
+        fp = compile_fp8(src_layout, reshard.VllmLayout(model=spec), scheme, colocated=True)
+        g = torch.Generator().manual_seed(tp)
+        w = {t.name: (torch.randn(t.shape, generator=g) * 0.05).to(torch.bfloat16) for t in spec.tensors}
+        src = {r: {n: t.to(dev) for n, t in ts.items()} for r, ts in shard(src_layout, w).items()}
+        dst = {r: {n: t.to(dev) for n, t in ts.items()} for r, ts in allocate(fp.full_dst, -7.0).items()}
+        ex = Fp8Executor(fp, None, 0, src, dst, inner="bound", quantizer=quantizer, direct=direct)
+        quantized = {t.name for t in fp.full_dst.model.tensors if t.dtype == FP8}
+        for step in range(2):
+            if step:  # the trainer's step, in place
+                w = {n: (t.float() * 0.5 + 0.01).to(torch.bfloat16) for n, t in w.items()}
+                for r, ts in shard(src_layout, w).items():
+                    for n, t in ts.items():
+                        src[r][n].copy_(t)
+            ex.refit()
+            want = shard(fp.full_dst, reference_checkpoint(w, quantized, scheme.block), fill=-7.0)
+            bad = [n for n, t in want[0].items() if not same_bytes(dst[0][n], t)]
+            if bad:
+                failures.append(f"tp={tp} direct={direct} ({'direct' if ex.direct else 'shadows'}) step {step}: "
+                                f"{bad[:4]}")
+    return failures
+
+
+def check_sum64(device: str = "cpu", cases: int = 6, seed: int = 0) -> list[str]:
+    """The fused sum64 kernel against the torch reference (`executors.checksum._Sum64`): streams of blocks of
+    several dtypes and shapes (1-D runs, 2-D blocks with rows apart), starting at stream positions that cross the
+    weights' period (2^23) and far beyond 2^32; the digests must be equal, bit for bit."""
+    from reshard.executors.checksum import PERIOD, Streams, _Sum64
+    from reshard.kernels.sum64 import Sum64Launches
+
+    dev = torch.device(device)
+    g = torch.Generator().manual_seed(seed)
+    failures = []
+    for case in range(cases):
+        blocks = []
+        for _ in range(int(torch.randint(1, 5, (1,), generator=g))):
+            dtype = (torch.bfloat16, torch.float32, torch.uint8)[int(torch.randint(0, 3, (1,), generator=g))]
+            rows, cols = int(torch.randint(1, 9, (1,), generator=g)), int(torch.randint(1, 3000, (1,), generator=g))
+            big = torch.randint(-2 ** 15, 2 ** 15, (rows + 2, cols + 5), generator=g).to(torch.int16).view(-1)
+            big = big.view(torch.uint8)[:((rows + 2) * (cols + 5))].to(dev) if dtype == torch.uint8 else \
+                big.view(torch.bfloat16).to(dtype).to(dev) if dtype == torch.float32 else big.view(dtype).to(dev)
+            big = big.view(rows + 2, cols + 5)
+            blocks.append(big[1:1 + rows, 2:2 + cols] if case % 2 else big[1:1 + rows].reshape(-1))
+        start = (0, PERIOD - 777, 3 * PERIOD + 5, (1 << 40) + 12345)[case % 4]
+        ref = _Sum64()
+        ref.count = start
+        for b in blocks:
+            ref.update(b.contiguous().view(-1).view(torch.uint8))
+        k = Sum64Launches(blocks, start)
+        k.launch()
+        got = [int(v) & ((1 << 64) - 1) for v in k.sums().tolist()]
+        want = [int(v.item()) & ((1 << 64) - 1) for v in ref.sums]
+        if got != want or k.count + start != ref.count:
+            failures.append(f"case {case} (start {start}, blocks {[tuple(b.shape) for b in blocks]}): sums differ")
+        whole = Streams("sum64"), Streams("sum64")
+        for b in blocks:
+            whole[0].update(0, b)
+            whole[1].update(0, b.cpu())  # the reference, on the CPU
+        if whole[0].digest(0) != whole[1].digest(0):
+            failures.append(f"case {case}: Streams digest on {device} differs from the CPU reference")
+    return failures
+
+
+__all__ = ["check_fp8_quantizer", "check_fp8_refits", "check_sum64"]

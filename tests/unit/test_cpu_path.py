@@ -1,0 +1,64 @@
+"""The suite's CPU capability pin (tests/cpu_path) reaches processes the tests start, on both paths, and the AMX
+pass's selection follows the consult log."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import amx_pass
+import cpu_path_pin
+
+PROBE = ("import torch, json; print(json.dumps([torch.cpu._is_amx_tile_supported(), "
+         "hasattr(torch.ops._C, 'convert_weight_packed') and torch.ops._C.convert_weight_packed("
+         "torch.arange(4.).reshape(2, 2)).tolist() if torch.cpu._is_amx_tile_supported() else None]))")
+
+
+def probe(path: str, log: Path) -> list:
+    env = dict(os.environ, RESHARD_TEST_CPU_PATH=path, RESHARD_TEST_CPU_PATH_LOG=str(log))
+    env.pop("ATEN_CPU_CAPABILITY", None)  # the child gets it from the pin, not from this process
+    out = subprocess.run([sys.executable, "-c", PROBE + "; import os; print(os.environ['ATEN_CPU_CAPABILITY'])"],
+                         env=env, capture_output=True, text=True, timeout=120, check=True).stdout.split("\n")
+    assert out[1] == "avx2"
+    return json.loads(out[0])
+
+
+def test_child_processes_take_the_pinned_path(tmp_path):
+    # the session put the pin on PYTHONPATH: a plain child python (no vLLM here: the CUDA-wheel case) obeys it
+    assert probe("vector", tmp_path / "v.jsonl") == [False, None]
+    amx, packed = probe("amx", tmp_path / "a.jsonl")
+    assert amx is True and packed == [[1.0, 0.0], [3.0, 2.0]]  # the stand-in: a same-shape permutation
+    for name, forced in (("v.jsonl", False), ("a.jsonl", True)):
+        lines = [json.loads(x) for x in (tmp_path / name).read_text().splitlines()]
+        assert lines and all(e["amx"] is forced and e["exercised"] for e in lines)
+        assert all(e["test"] == "tests/unit/test_cpu_path.py::test_child_processes_take_the_pinned_path"
+                   for e in lines)
+
+
+def test_this_session_is_pinned():
+    assert os.environ["RESHARD_TEST_CPU_PATH"] in cpu_path_pin.PATHS
+    assert str(Path(cpu_path_pin.__file__).parent) in os.environ["PYTHONPATH"].split(os.pathsep)
+
+
+def consult(test: str, cpu_has_it: bool, native_kernels: bool) -> dict:
+    return {"test": test, "check": "_is_amx_tile_supported", "pid": 1, "python": "p", "amx": False,
+            "exercised": True, "cpu_has_it": cpu_has_it, "native_kernels": native_kernels}
+
+
+@pytest.mark.parametrize("cpu_has_amx", [False, True])
+def test_amx_pass_selects_modules_that_can_take_the_path(tmp_path, cpu_has_amx):
+    log = tmp_path / "log.jsonl"
+    entries = [consult("tests/a.py::t1[x]", cpu_has_amx, False),   # CUDA wheel: always forcible
+               consult("tests/b.py::t", cpu_has_amx, True),         # vLLM CPU build: only on an AMX CPU
+               consult("tests/c.py::t", cpu_has_amx, True), consult("tests/c.py::u", cpu_has_amx, False),
+               consult("", cpu_has_amx, False)]                     # outside any test: ignored
+    log.write_text("".join(json.dumps(e) + "\n" for e in entries))
+    run, cannot = amx_pass.plan(str(log))
+    if cpu_has_amx:
+        assert (run, cannot) == (["tests/a.py", "tests/b.py", "tests/c.py"], [])
+    else:
+        assert (run, cannot) == (["tests/a.py", "tests/c.py"], ["tests/b.py"])

@@ -1,0 +1,38 @@
+"""The Triton kernels (reshard.kernels) on CPU, through Triton's interpreter, byte for byte against the torch
+references: the FP8 quantizer (random shapes with partial blocks, strided views, zeros, denormals, the largest
+bf16, fp8 rounding ties, inf and NaN), whole quantizing refits with it (straight into the engine, through the
+wire's shadows, with receivers quantizing; twice, the trainer's weights changed in place between), and the sum64
+checksum (streams across the weights' period and past 2^32). The interpreter must be switched on before Triton is
+imported, so each check runs in a fresh interpreter; the same checks run natively on the GPU (tests marked gpu)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _interpreted(call: str) -> list[str]:
+    code = f"import json; from reshard.testing import kernel_checks as k; print(json.dumps(k.{call}))"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_fp8_quantizer_kernel_equals_reference():
+    assert _interpreted("check_fp8_quantizer('cpu', cases=15)") == []
+
+
+def test_quantizing_refits_with_the_kernel_equal_reference_checkpoint():
+    assert _interpreted("check_fp8_refits('cpu', head_dim=32, layers=1)") == []
+
+
+def test_sum64_kernel_equals_reference():
+    assert _interpreted("check_sum64('cpu', cases=4)") == []

@@ -1,0 +1,155 @@
+"""The driver's lease (adapters.vllm.lease) as pure logic: the book's rules, and the ASGI middleware driven by raw
+ASGI messages over a recording engine (the real server test is tests/integration/serve/test_driver_death.py)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import types
+
+import pytest
+
+from reshard.adapters.vllm.lease import LeaseBook, ReshardLeaseMiddleware, parse_grant
+from reshard.errors import ArgumentError
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_book_grants_renews_fences_and_refuses_old_generations():
+    clock = Clock()
+    book = LeaseBook(clock=clock)
+    assert book.grant("a" * 8, 5.0) and book.generation == 1
+    assert not book.grant("a" * 8, 5.0) and book.generation == 1  # a renewal
+    assert book.refusal("a" * 8) is None and "not the server's current lease" in book.refusal("b" * 8)
+    clock.t = 5.5
+    assert book.lapsed() and book.refusal("a" * 8) is not None  # a lapsed holder is refused before the watchdog
+    book.fence()
+    assert book.holder is None and not book.lapsed()
+    with pytest.raises(ValueError, match="init again"):  # a fenced driver that thaws does not come back
+        book.grant("a" * 8, 5.0)
+    assert book.grant("b" * 8, 5.0) and book.generation == 2
+
+
+@pytest.mark.parametrize("body,rule", [
+    (b"[]", "JSON object"), (b"nope", "not JSON"), ("{}", "bytes"), (b'{"holder": "short"}', "8-128"),
+    (b'{"holder": "abcdefgh", "ttl": 0}', "ttl"), (b'{"holder": "abcdefgh", "ttl": true}', "ttl"),
+    (b'{"holder": "abcdefgh", "ttl": "5"}', "ttl"), (b'{"holder": "abcdefgh", "ttl": NaN}', "ttl"),
+    (b'{"holder": "abcdefgh", "x": 1}', "unknown fields"), (b'{"holder": "abc/../defgh"}', "letters or digits")])
+def test_bad_lease_requests_are_refused(body, rule):
+    with pytest.raises(ArgumentError, match=rule):
+        parse_grant(body)
+
+
+class Engine:
+    """Records the engine calls the middleware makes; `update` answers an /update_weights with this status."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    async def finish_weight_update(self, version):
+        self.calls.append(("finish", version))
+
+    async def resume_generation(self):
+        self.calls.append(("resume",))
+
+
+def _app(statuses: dict[str, int], gate: dict[str, asyncio.Event]):
+    async def app(scope, receive, send):
+        message = await receive()
+        assert message["type"] == "http.request"  # the middleware replays the body it read
+        if scope["path"] in gate:
+            await gate[scope["path"]].wait()
+        code = statuses.get(scope["path"], 200)
+        await send({"type": "http.response.start", "status": code, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+    return app
+
+
+async def _request(mw, path, body=None, holder=None, method="POST"):
+    headers = [(b"x-reshard-lease", holder.encode())] if holder else []
+    scope = {"type": "http", "path": path, "method": method, "headers": headers,
+             "app": types.SimpleNamespace(state=types.SimpleNamespace(engine_client=mw.test_engine))}
+    data = json.dumps(body).encode() if body is not None else b""
+    out = {}
+
+    async def receive():
+        return {"type": "http.request", "body": data, "more_body": False}
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            out["status"] = message["status"]
+        else:
+            out["body"] = message.get("body", b"")
+    await mw(scope, receive, send)
+    return out["status"], json.loads(out.get("body") or b"{}")
+
+
+def _middleware(statuses=None, gate=None):
+    mw = ReshardLeaseMiddleware(_app(statuses or {}, gate or {}), poll=0.02)
+    mw.test_engine = Engine()
+    return mw
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+A, B = "a" * 32, "b" * 32
+
+
+@pytest.mark.parametrize("installed,expected", [(False, None), (True, "v1")])
+def test_a_lapsed_lease_ends_the_update_and_resumes(installed, expected):
+    async def main():
+        mw = _middleware()
+        assert (await _request(mw, "/reshard/lease", {"holder": A, "ttl": 0.5}))[0] == 200
+        await _request(mw, "/pause", holder=A)
+        await _request(mw, "/start_weight_update", holder=A)
+        await _request(mw, "/update_weights", {"update_info": {"version": "v1", "phase": "transfer"}}, holder=A)
+        if installed:
+            await _request(mw, "/update_weights", {"update_info": {"version": "v1", "phase": "install"}}, holder=A)
+        await asyncio.sleep(0.8)  # no renewal: the lease lapses, the watchdog ends it
+        assert mw.test_engine.calls == [("finish", expected), ("resume",)]
+        status, body = await _request(mw, "/finish_weight_update", holder=A)  # a late call of the dead driver
+        assert status == 409 and "never applied" in body["error"]
+        assert (await _request(mw, "/reshard/lease", method="GET"))[1]["holder"] is None
+        assert (await _request(mw, "/reshard/lease", {"holder": A, "ttl": 5}))[0] == 409  # no renewal after it
+    _run(main())
+
+
+def test_a_failed_install_rolls_back():
+    async def main():
+        mw = _middleware({"/update_weights": 500})
+        await _request(mw, "/reshard/lease", {"holder": A, "ttl": 0.5})
+        await _request(mw, "/start_weight_update", holder=A)
+        await _request(mw, "/update_weights", {"update_info": {"version": "v1", "phase": "install"}}, holder=A)
+        await asyncio.sleep(0.8)
+        assert mw.test_engine.calls == [("finish", None)]
+    _run(main())
+
+
+def test_a_new_driver_takes_over_after_the_old_ones_calls_return():
+    async def main():
+        gate = {"/update_weights": asyncio.Event()}
+        mw = _middleware(gate=gate)
+        await _request(mw, "/reshard/lease", {"holder": A, "ttl": 60})
+        await _request(mw, "/pause", holder=A)
+        await _request(mw, "/start_weight_update", holder=A)
+        stuck = asyncio.create_task(_request(mw, "/update_weights", {"update_info": {"version": "v1"}}, holder=A))
+        await asyncio.sleep(0.05)
+        takeover = asyncio.create_task(_request(mw, "/reshard/lease", {"holder": B, "ttl": 60}))
+        await asyncio.sleep(0.1)
+        assert not takeover.done() and mw.test_engine.calls == []  # waits for the old update inside the server
+        gate["/update_weights"].set()
+        assert (await stuck)[0] == 200 and (await takeover)[1]["generation"] == 2
+        assert mw.test_engine.calls == [("finish", "v1"), ("resume",)]  # the old update had installed: forward
+        assert (await _request(mw, "/start_weight_update", holder=A))[0] == 409
+        assert (await _request(mw, "/start_weight_update", holder=B))[0] == 200
+        assert (await _request(mw, "/resume"))[0] == 200  # calls without a lease pass untouched
+        await _request(mw, "/reshard/lease", {"holder": B, "release": True})
+        assert mw.test_engine.calls[-1] == ("finish", None)
+    _run(main())

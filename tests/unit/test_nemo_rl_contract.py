@@ -1,0 +1,118 @@
+"""ReshardCheckpointEngine against NeMo-RL's checkpoint-engine interface, recorded as data from NeMo-RL's source
+at a pinned commit (tests/data/nemo_rl_checkpoint_engine.json, made by scripts/record_nemo_rl_interface.py).
+
+Fails when the recorded interface changes (re-recorded at another commit: review the difference, then update
+PINNED) or when the class drifts from it: a method missing, a parameter renamed or of another kind, a sync method
+made async or the reverse, the async generator no longer one. Also checks the pure logic NeMo-RL relies on:
+construction from `bucket_size` plus the plugin config's keywords, and the target layout's shape.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+
+from reshard.errors import ArgumentError, ExecutionError
+from reshard.integrations.nemo_rl import ReshardCheckpointEngine
+from reshard.testing.megatron_cpu import TinyGPT
+
+DATA = Path(__file__).resolve().parents[1] / "data/nemo_rl_checkpoint_engine.json"
+PINNED = {"commit": "7ea279abfbeb698b092856d0dab61e7cf39bc909",
+          "interface_sha256": "c910d9823dcd10f3be652c6c6f78c48f34d31b220290d76c03faff351144a15c"}
+
+
+@pytest.fixture(scope="module")
+def interface():
+    return json.loads(DATA.read_text())
+
+
+def test_the_recorded_interface_is_the_pinned_one(interface):
+    assert interface["source"]["commit"] == PINNED["commit"]
+    body = {k: interface[k] for k in ("constructor", "methods", "attributes", "typed_dicts")}
+    digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    assert digest == PINNED["interface_sha256"], "NeMo-RL's recorded interface changed: review it, then re-pin"
+
+
+def test_every_method_matches_the_recorded_signature(interface):
+    for name, want in interface["methods"].items():
+        fn = getattr(ReshardCheckpointEngine, name, None)
+        assert callable(fn), f"{name} is missing"
+        params = list(inspect.signature(fn).parameters.values())[1:]  # without self
+        got = [{"name": p.name, "kind": p.kind.name, "has_default": p.default is not inspect.Parameter.empty}
+               for p in params]
+        assert got == want["params"], f"{name}: {got} != {want['params']}"
+        assert inspect.iscoroutinefunction(fn) == want["async"], name
+        assert inspect.isasyncgenfunction(fn) == want["async_iterable"], name
+
+
+def test_class_attributes(interface):
+    for name, want in interface["attributes"].items():
+        value = getattr(ReshardCheckpointEngine, name)
+        assert type(value).__name__ == want["annotation"], name
+
+
+def test_constructed_as_nemo_rl_constructs_it(interface, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(TinyGPT().hf_config().to_json_string())
+    kwargs = {f: False for f in interface["constructor"]["plugin_config_fields"]
+              if f not in interface["constructor"]["excluded_from_kwargs"]}
+    engine = ReshardCheckpointEngine(**{interface["constructor"]["keywords"][0]: 1 << 20}, model=str(config),
+                                     **kwargs)
+    assert engine.get_target_weight_layout() is None  # not a joined policy worker
+    with pytest.raises(ArgumentError, match="model"):
+        ReshardCheckpointEngine(bucket_size=1 << 20)
+    with pytest.raises(ArgumentError, match="bucket_size"):
+        ReshardCheckpointEngine(bucket_size=0, model=str(config))
+    with pytest.raises(ArgumentError, match="transport"):
+        ReshardCheckpointEngine(bucket_size=1 << 20, model=str(config), transport="carrier-pigeon")
+
+
+def test_target_layout_has_nemo_rl_keys_and_keeps_this_workers_share(interface, tmp_path):
+    """The layout a joined policy worker answers with (its plan share set by hand: no processes here)."""
+    config = tmp_path / "config.json"
+    config.write_text(TinyGPT(num_experts=4).hf_config().to_json_string())
+    engine = ReshardCheckpointEngine(bucket_size=1 << 20, model=str(config))
+    names = [t.name for t in engine.spec.tensors]
+    experts = [n for n in names if ".mlp.experts.1." in n and ".layers.0." in n]
+    engine.role, engine.needed = "policy", frozenset(["model.embed_tokens.weight", *experts])
+    layout = engine.get_target_weight_layout()
+    assert sorted(layout) == sorted(interface["typed_dicts"]["VllmWeightLayout"])
+    missing = set(layout["missing_weight_prefixes"])
+    assert missing == set(names) - engine.needed
+    assert sorted(layout["expert_params"]) == [f"model.layers.0.mlp.experts.routed_experts.{w}_weight"
+                                               for w in ("w13", "w2")]
+    for entry in layout["expert_params"].values():  # whole experts: NeMo-RL slices nothing (tp_size 1)
+        assert sorted(entry) == sorted(interface["typed_dicts"]["VllmExpertParamLayout"])
+        assert entry["local_expert_ids"] == [1] and entry["tp_size"] == 1
+
+
+def test_bad_topology_is_refused_before_joining(tmp_path):
+    """Untrusted metadata and sizes are checked before this worker meets anyone (nothing else runs here)."""
+    config = tmp_path / "config.json"
+    config.write_text(TinyGPT().hf_config().to_json_string())
+    engine = ReshardCheckpointEngine(bucket_size=1 << 20, model=str(config), host="127.0.0.1")
+    other = ReshardCheckpointEngine(bucket_size=1 << 20, model=str(config), host="127.0.0.1", fanout=2)
+    with pytest.raises(ExecutionError, match="prepare"):
+        engine.init_policy_process_group(worker_rank=0, train_world_size=1, rollout_world_size=1,
+                                         metadata=[{"reshard": engine._settings()}] * 2)
+    mine, theirs = engine.prepare(), other.prepare()
+    try:
+        cases = [({"worker_rank": 0, "train_world_size": 1, "rollout_world_size": 1, "metadata": [mine]}, "per worker"),
+                 ({"worker_rank": 0, "train_world_size": 1, "rollout_world_size": 1, "metadata": [mine, theirs]},
+                  "other settings"),
+                 ({"worker_rank": 2, "train_world_size": 2, "rollout_world_size": 1, "metadata": [mine] * 3},
+                  "worker_rank"),
+                 ({"worker_rank": 0, "train_world_size": 0, "rollout_world_size": 1, "metadata": [mine]},
+                  "train_world_size"),
+                 ({"worker_rank": 1, "train_world_size": 2, "rollout_world_size": 1, "metadata": [mine, mine, "x"]},
+                  "other settings")]
+        for kwargs, words in cases:
+            with pytest.raises(ArgumentError, match=words):
+                engine.init_policy_process_group(**kwargs)
+        assert engine.executor is None and engine.role is None
+    finally:
+        engine.finalize()
+        other.finalize()

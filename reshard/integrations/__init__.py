@@ -1,2 +1,2 @@
-"""Backends that RL frameworks select through their own extension points (each module imports its framework, if
-at all, lazily; none is imported by `import reshard`)."""
+"""Backends that RL frameworks select through their own extension points (each module imports its framework
+lazily and registers nothing where the framework is absent; none is imported by `import reshard`)."""

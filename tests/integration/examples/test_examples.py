@@ -1,7 +1,8 @@
 """Every example of a framework integration runs in one command and exits 0 (each checks its own refit against
 ground truth it computes independently, and exits non-zero when the result is wrong): examples/nemo_rl (reshard as
 NeMo-RL's checkpoint engine, inside a real vLLM CPU worker's extension) and examples/art (a `vllm serve` refit from
-Megatron trainer processes; its LoRA adapter refit in place). Also: the examples import nothing from reshard.testing
+Megatron trainer processes; its LoRA adapter refit in place); examples/verl runs in the verl stage
+(tests/integration/verl/test_verl_example.py). Also: the examples import nothing from reshard.testing
 (they are the user path).
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ def _imports(path: Path) -> set[str]:
     return names | {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
 
 
-@pytest.mark.parametrize("folder", ["examples/nemo_rl", "examples/art"])
+@pytest.mark.parametrize("folder", ["examples/nemo_rl", "examples/art", "examples/verl"])
 def test_examples_import_only_the_public_api(folder):
     for path in sorted((ROOT / folder).glob("*.py")):
         bad = sorted(m for m in _imports(path) if m.startswith("reshard.testing"))
@@ -37,7 +38,8 @@ def test_example_runs_and_checks_its_refit(example, tmp_path):
     python = os.environ.get("RESHARD_VLLM_CPU_PYTHON") or str(ROOT / ".venv-vllm-cpu/bin/python")
     if not Path(python).exists():
         pytest.skip("no vLLM CPU virtualenv (scripts/bootstrap vllm)")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), RESHARD_VLLM_CPU_PYTHON=python)
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # keeps the CPU-path pin
+    env = dict(os.environ, PYTHONPATH=path, RESHARD_VLLM_CPU_PYTHON=python)
     done = subprocess.run([sys.executable, str(ROOT / example), "--workdir", str(tmp_path)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"{example} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"

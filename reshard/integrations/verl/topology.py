@@ -1,0 +1,220 @@
+"""The plan side of reshard's verl backend: pure data, no verl, no processes (testable anywhere).
+
+What verl 0.9.1 hands a checkpoint engine (verl/workers/engine_workers.py, `ActorRolloutRefWorker.update_weights`):
+every trainer rank gets the same stream of gathered HF tensors (`engine.get_per_tensor_param()`), and every
+rollout rank must hand whole HF tensors to the server adapter (vLLM's `load_weights`). So the source is the HF
+layout replicated on the M trainer ranks and the destination the HF layout replicated on the N rollout ranks.
+The plans still differ from verl's own backends in who sends: the compiler spreads every tensor's bytes over all
+M holders (no rank-0 funnel), and with `fanout` it feeds one rollout rank and relays to the others, so the
+trainers together send one copy of the model instead of one per rollout rank.
+
+Memory is bounded by verl's bucket: the model's tensors are cut, in stream order, into groups of at most
+`bucket_size` bytes (a tensor larger than the bucket is a group of its own), one plan per group, and the
+executor moves each group in messages whose wire buffers fit the bucket. `build_topology` compiles every group's
+plan once per (model, ranks, bucket, options) in the driver; each process compiles the same plans once and
+checks their digests against the driver's.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+from ...errors import ArgumentError, ExecutionError
+from ...executors.binding import Binding
+from ...layouts import HfLayout, ModelSpec
+from ...planner import Plan
+from ...planner.cache import cached_plan
+
+TRANSPORTS = ("collective", "nixl", "shared")
+DEPTH = 2  # rounds in flight of the collective executor (gloo: one lane); wire buffers = DEPTH x peers x bucket
+_OPTIONS = {"transport": str, "fanout": (int, type(None)), "atomic": bool, "checksum": (bool, str),
+            "timeout": (int, float), "backend": (str, type(None))}
+
+
+def check_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The backend's options (`engine_kwargs.reshard` in verl's config) as plain JSON values, or ArgumentError."""
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise ArgumentError("engine_kwargs.reshard", unknown, f"are not options of the reshard backend; known: "
+                                                            f"{sorted(_OPTIONS)}")
+    for key, value in options.items():
+        kind = _OPTIONS[key]
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind in ((int, float), (int, type(None)))):
+            raise ArgumentError(f"engine_kwargs.reshard.{key}", value, f"has type {type(value).__name__}")
+    if options.get("transport", "collective") not in TRANSPORTS:
+        raise ArgumentError("engine_kwargs.reshard.transport", options["transport"], f"is not one of {TRANSPORTS}")
+    if options.get("fanout") is not None and options["fanout"] < 1:
+        raise ArgumentError("engine_kwargs.reshard.fanout", options["fanout"], "must be at least 1 (or None)")
+    if "timeout" in options and not 0 < options["timeout"] <= 86400:
+        raise ArgumentError("engine_kwargs.reshard.timeout", options["timeout"], "must be in (0, 86400] seconds")
+    return json.loads(json.dumps(options))
+
+
+def model_digest(spec: ModelSpec) -> str:
+    return hashlib.sha256(spec.model_dump_json().encode()).hexdigest()[:16]
+
+
+def tensor_groups(spec: ModelSpec, bucket_size: int) -> tuple[tuple[str, ...], ...]:
+    """The model's tensors in order, cut into groups of at most `bucket_size` bytes (a larger tensor alone)."""
+    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
+        raise ArgumentError("bucket_size", bucket_size, "must be a positive number of bytes "
+                                                        "(update_weights_bucket_megabytes << 20)")
+    groups: list[tuple[str, ...]] = []
+    current: list[str] = []
+    used = 0
+    for t in spec.tensors:
+        nbytes = t.numel * spec.itemsize if t.dtype is None else t.numel * _itemsize(t.dtype)
+        if current and used + nbytes > bucket_size:
+            groups.append(tuple(current))
+            current, used = [], 0
+        current.append(t.name)
+        used += nbytes
+    if current:
+        groups.append(tuple(current))
+    return tuple(groups)
+
+
+def _itemsize(dtype: str) -> int:
+    from ...layouts.model import DTYPE_SIZES
+
+    return DTYPE_SIZES[dtype]
+
+
+@dataclass(frozen=True)
+class Topology:
+    """What one process of one refit needs: the model, both sides' sizes, the bucket, the options, the plans'
+    digests (the driver's) and where everyone meets. Process p < trainers is trainer rank p; the others are
+    rollout ranks p - trainers. Travels as a JSON object."""
+
+    model: dict[str, Any]
+    trainers: int
+    rollouts: int
+    bucket_size: int
+    options: dict[str, Any]
+    digests: tuple[str, ...]
+    rendezvous: dict[str, Any]
+    process: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "digests", tuple(self.digests))
+        for name in ("trainers", "rollouts", "bucket_size", "process"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "process" else 1):
+                raise ArgumentError(f"topology.{name}", value, "must be a positive integer")
+        if self.process >= self.trainers + self.rollouts:
+            raise ArgumentError("topology.process", self.process,
+                                f"is outside the refit's {self.trainers + self.rollouts} processes")
+
+    def to_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps({**asdict(self), "digests": list(self.digests)}))
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "Topology":
+        if not isinstance(d, dict) or set(d) != set(cls.__dataclass_fields__):
+            raise ArgumentError("topology", type(d).__name__ if not isinstance(d, dict) else sorted(d),
+                                f"must be an object with exactly {sorted(cls.__dataclass_fields__)}")
+        return cls(**d)
+
+    @property
+    def is_trainer(self) -> bool:
+        return self.process < self.trainers
+
+    @property
+    def spec(self) -> ModelSpec:
+        return ModelSpec(**self.model)
+
+    def plans(self) -> list[Plan]:
+        """Every group's plan (compiled once per process), checked against the driver's digests."""
+        plans = group_plans(self.spec, self.trainers, self.rollouts, self.bucket_size, self.options)
+        mine = tuple(p.digest for p in plans)
+        if mine != self.digests:
+            raise ExecutionError(f"this process compiled plans {mine[:3]}... for the refit, the driver "
+                                 f"{self.digests[:3]}...: the two sides disagree on the model or options")
+        return plans
+
+
+def group_plans(spec: ModelSpec, trainers: int, rollouts: int, bucket_size: int,
+                options: dict[str, Any]) -> list[Plan]:
+    """One plan per tensor group: HF tensors replicated on every trainer rank -> whole tensors on every rollout
+    rank, the sending spread over the trainer ranks (and relayed among rollout ranks with `fanout`)."""
+    src, dst = HfLayout(model=spec, replicas=trainers), HfLayout(model=spec, replicas=rollouts)
+    fanout = options.get("fanout")
+    extra = {"fanout": fanout, "roots": 1} if fanout is not None and rollouts > 1 else {}
+    return [cached_plan(src, dst, tensors=group, **extra) for group in tensor_groups(spec, bucket_size)]
+
+
+def bindings(plans: Sequence[Plan], trainers: int, rollouts: int) -> tuple[Binding, ...]:
+    """Which process plays which rank of each group's plan. Within one group the compiler balances the trainer
+    ranks as well as whole tensors allow (a small group may give one rank two destinations' copies and the other
+    one); across groups the busiest source rank of the next group goes to the trainer process that has sent the
+    least so far (a pure function of the plans: every process computes the same). Destination rank d of group k
+    is rollout process (d + k) mod N, which spreads fan-out roots over the rollout ranks."""
+    sent = [0] * trainers
+    out = []
+    for k, plan in enumerate(plans):
+        egress = plan.accounting.egress_bytes
+        ranks = sorted(range(trainers), key=lambda s: (-egress[s], s))
+        processes = sorted(range(trainers), key=lambda p: (sent[p], p))
+        src = [0] * trainers
+        for s, p in zip(ranks, processes):
+            src[s] = p
+            sent[p] += egress[s]
+        out.append(Binding(tuple(src), tuple(trainers + (d + k) % rollouts for d in range(rollouts))))
+    return tuple(out)
+
+
+def check_bucket(plans: Sequence[Plan], trainers: int, rollouts: int, bucket_size: int) -> None:
+    """A collective refit's wire buffers (DEPTH rounds x peers x one message) must fit the bucket: refuse, naming
+    the bucket, a bucket smaller than the smallest message the busiest process needs."""
+    from ...executors.schedule import bucket_numel_for
+
+    binding = Binding.disjoint(trainers, rollouts)
+    for plan in plans:
+        try:
+            bucket_numel_for(plan, binding, bucket_size, None, DEPTH)
+        except ExecutionError as e:
+            raise ArgumentError("bucket_size", bucket_size, f"is smaller than the wire buffers the plan must hold "
+                                f"to move its tensors in one message each ({e})",
+                                fix="raise update_weights_bucket_megabytes") from None
+
+
+def build(trainers: int, rollouts: int, metadata: Sequence[Any]) -> tuple[list[dict], list[dict]]:
+    """`build_topology`'s work: check every rank's `prepare()` metadata, compile (cached) and check the plans,
+    and give each process its Topology (trainer kwargs, rollout kwargs, as verl wants them)."""
+    if len(metadata) != trainers + rollouts:
+        raise ArgumentError("metadata", len(metadata), f"entries, expected {trainers} trainer + {rollouts} rollout")
+    problems = []
+    for i, m in enumerate(metadata):
+        role = "trainer" if i < trainers else "rollout"
+        if not isinstance(m, dict) or m.get("role") != role:
+            problems.append(f"entry {i} should come from a {role} rank of the reshard backend, got "
+                            f"{m.get('role') if isinstance(m, dict) else type(m).__name__}")
+    if problems:
+        raise ArgumentError("metadata", problems, "(is every rank's checkpoint_engine.backend 'reshard'?)")
+    first = metadata[0]
+    if not first.get("master") or any(m.get("master") for m in metadata[1:]):
+        raise ArgumentError("metadata", [bool(m.get("master")) for m in metadata],
+                            "must have trainer rank 0 as the one master (it hosts the refit's store)")
+    for key in ("model_digest", "bucket_size", "options"):
+        values = {json.dumps(m.get(key), sort_keys=True) for m in metadata}
+        if len(values) > 1:
+            raise ArgumentError(f"metadata.{key}", sorted(values), "differs between ranks: every trainer and "
+                                "rollout rank must be configured with the same model, bucket and options")
+    spec = ModelSpec(**first["model"])
+    if model_digest(spec) != first["model_digest"]:
+        raise ArgumentError("metadata.model", first["model_digest"], "does not match its digest")
+    options = check_options(first["options"])
+    plans = group_plans(spec, trainers, rollouts, first["bucket_size"], options)
+    if options.get("transport", "collective") == "collective":
+        check_bucket(plans, trainers, rollouts, first["bucket_size"])
+    base = dict(model=spec.model_dump(), trainers=trainers, rollouts=rollouts, bucket_size=first["bucket_size"],
+                options=options, digests=tuple(p.digest for p in plans), rendezvous=first["rendezvous"])
+    tops = [Topology(**base, process=p).to_dict() for p in range(trainers + rollouts)]
+    return tops[:trainers], tops[trainers:]
+
+
+__all__ = ["TRANSPORTS", "Topology", "bindings", "build", "check_bucket", "check_options", "group_plans",
+           "model_digest",
+           "tensor_groups"]

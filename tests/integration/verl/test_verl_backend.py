@@ -1,0 +1,158 @@
+"""reshard's verl backend driven by verl's own code on CPU: the real CheckpointEngineManager, trainer-side
+ActorRolloutRefWorker.update_weights and rollout-side CheckpointEngineWorker over a local Ray cluster (CPU
+resource pools), 2 trainer ranks (a megatron-core MoE model: fused QKV, gated MLP, experts; exported as HF
+tensors) into 3 rollout ranks. What the rollout side serves is compared byte for byte (SHA-256 per tensor) with
+the trainer model's HF tensors. One cluster for the module; the tests run in order and each starts from a
+successful refit of its own."""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from reshard.testing import verl_cpu as vc
+
+pytestmark = pytest.mark.verl
+
+TRAINERS, ROLLOUTS = 2, 3
+OPTIONS = {"timeout": 60.0}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    checkpoint = str(vc.save_checkpoint(vc.MOE, tmp_path_factory.mktemp("verl") / "checkpoint"))
+    vc.start_ray()
+    refit = vc.Refit(TRAINERS, ROLLOUTS, checkpoint, vc.checkpoint_engine_config(checkpoint, 1, **OPTIONS))
+    yield refit
+    refit.shutdown()
+    import ray
+
+    ray.shutdown()
+
+
+def ce(cluster, **options):
+    return vc.checkpoint_engine_config(cluster.checkpoint, 1, **{**OPTIONS, **options})
+
+
+def check_served(cluster, step, ranks=None):
+    expected = cluster.expected()
+    served = cluster.served()
+    for r, (version, digests) in enumerate(served):
+        if ranks is not None and r not in ranks:
+            continue
+        assert version == step, f"rollout rank {r} serves step {version}, expected {step}"
+        wrong = sorted(n for n in expected if digests.get(n) != expected[n])
+        assert not wrong and set(digests) == set(expected), f"rollout rank {r}: {wrong[:5]} differ"
+    return served
+
+
+def test_refits_2_to_3_bytes_egress_and_bucket(cluster):
+    spec = vc.ModelSpec.from_hf_config(cluster.checkpoint)
+    largest = max(t.numel * spec.itemsize for t in spec.tensors)
+    assert largest > 1 << 20, "the model must have a tensor larger than the 1 MiB bucket"
+    model_bytes = sum(t.numel * spec.itemsize for t in spec.tensors)
+    for step in (1, 2, 3):  # several refits in a row, the weights changing between them
+        cluster.trainers.train_step(step)
+        metrics = cluster.refit(step)
+        check_served(cluster, step)
+        egress = [metrics[f"reshard/trainer{p}/egress_bytes"] for p in range(TRAINERS)]
+        assert sum(egress) == ROLLOUTS * model_bytes  # whole tensors to every rollout rank, once
+        assert min(egress) > 0.4 * sum(egress), f"sending not spread over the trainer ranks: {egress}"
+
+
+def test_fanout_sends_one_copy_from_the_trainers(cluster):
+    """Also streamed (atomic=False): groups go to the server adapter as they land."""
+    cluster.reconfigure(ce(cluster, fanout=1, atomic=False))
+    try:
+        spec = vc.ModelSpec.from_hf_config(cluster.checkpoint)
+        model_bytes = sum(t.numel * spec.itemsize for t in spec.tensors)
+        cluster.trainers.train_step(4)
+        metrics = cluster.refit(4)
+        check_served(cluster, 4)
+        egress = [metrics[f"reshard/trainer{p}/egress_bytes"] for p in range(TRAINERS)]
+        assert sum(egress) == model_bytes and min(egress) > 0.4 * model_bytes, egress
+    finally:
+        cluster.reconfigure(ce(cluster))
+
+
+@pytest.mark.parametrize("transport", ["shared", "nixl"])
+def test_other_transports_with_checksums(cluster, transport):
+    cluster.reconfigure(ce(cluster, transport=transport, checksum=True))
+    try:
+        cluster.trainers.train_step(5)
+        cluster.refit(5)
+        check_served(cluster, 5)
+    finally:
+        cluster.reconfigure(ce(cluster))
+
+
+@pytest.mark.parametrize("kind,named", [("extra", "model.layers.0.mlp.not_a_tensor.weight"),
+                                        ("skip", "never came in the stream"),
+                                        ("shape", "does not match the plan")])
+def test_bad_stream_fails_every_process_and_keeps_the_weights(cluster, kind, named):
+    cluster.trainers.train_step(6)
+    cluster.refit(6)
+    before = check_served(cluster, 6)
+    cluster.trainers.set_fault({"kind": kind, "at": 5}, 1)
+    cluster.trainers.train_step(7)
+    try:
+        with pytest.raises(Exception) as failure:
+            cluster.refit(7)
+        assert named in str(failure.value)  # whichever process's error comes first names the bad tensor
+        assert cluster.served() == before  # nothing was handed to any rollout rank
+    finally:
+        cluster.trainers.set_fault({}, 1)
+    cluster.refit(7)
+    check_served(cluster, 7)
+
+
+def test_trainer_killed_mid_refit(cluster):
+    cluster.refit(8)
+    before = check_served(cluster, 8)
+    cluster.trainers.set_fault({"kind": "exit", "at": 10}, 1)
+    cluster.trainers.train_step(9)
+    start = time.monotonic()
+    with pytest.raises(Exception) as failure:
+        cluster.refit(9)
+    assert time.monotonic() - start < OPTIONS["timeout"], "the survivors waited for the timeout"
+    assert "died" in str(failure.value) or "ExecutionError" in str(failure.value)
+    assert cluster.served() == before
+    cluster.replace_trainers()  # verl restarts the trainer group; the rollout workers are the same
+    cluster.trainers.train_step(10)
+    cluster.refit(10)
+    check_served(cluster, 10)
+
+
+def test_rollout_killed_mid_refit(cluster, tmp_path: Path):
+    cluster.refit(11)
+    before = check_served(cluster, 11)
+    reached, go = tmp_path / "reached", tmp_path / "go"
+    cluster.trainers.set_fault({"kind": "wait", "at": 10, "reached": str(reached), "go": str(go)}, 0)
+    cluster.trainers.train_step(12)
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            cluster.refit(12)
+        except BaseException as e:  # noqa: BLE001 - examined below
+            errors.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not reached.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert reached.exists(), "the refit never reached the fault"
+    cluster.kill_rollout(2)
+    go.touch()
+    thread.join(OPTIONS["timeout"] * 2)
+    assert not thread.is_alive() and errors, "the refit did not fail"
+    served = cluster.served_by([0, 1])
+    assert served == before[:2]  # the survivors kept their previous weights
+    cluster.trainers.set_fault({}, 0)
+    cluster.drop_replica(2)  # verl's elastic scale-down: refit the replicas that are left
+    cluster.refit(13)
+    for version, digests in cluster.served_by([0, 1]):
+        assert version == 13 and digests == cluster.expected()

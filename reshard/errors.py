@@ -33,8 +33,10 @@ def show(value: Any, width: int = 80) -> str:
 
 
 class ReshardError(Exception):
-    """Base class of every error reshard raises on purpose. `field`, `value` and `rule` are set where one input
-    is to blame (None otherwise)."""
+    """Base class of every error reshard raises on purpose.
+
+    `field`, `value` and `rule` are set where one input is to blame (None otherwise).
+    """
 
     field: str | None = None
     value: Any = None
@@ -42,8 +44,11 @@ class ReshardError(Exception):
 
 
 class InputError(ReshardError):
-    """An invalid input: `field` names it (a config key, an argument, a layout option, a plan file entry),
-    `value` is what was received and `rule` the rule it breaks; `fix` says what to do, where it is known."""
+    """An invalid input, named with the value received and the rule it breaks.
+
+    `field` names it (a config key, an argument, a layout option, a plan file entry), `value` is what was
+    received and `rule` the rule it breaks; `fix` says what to do, where it is known.
+    """
 
     def __init__(self, field: str, value: Any = _UNSET, rule: str = "", fix: str = "", where: str = "") -> None:
         self.field, self.rule, self.fix = field, rule, fix
@@ -58,8 +63,11 @@ class InputError(ReshardError):
 
 
 class ModelConfigError(InputError):
-    """An HF config or a model spec that reshard cannot turn into a model: `field` is the config key (or spec
-    field) to blame when one is. Raised with a bare message where no single key is."""
+    """An HF config or a model spec that reshard cannot turn into a model.
+
+    `field` is the config key (or spec field) to blame when one is. Raised with a bare message where no single
+    key is.
+    """
 
     def __init__(self, message: str = "", *, field: str | None = None, value: Any = _UNSET, rule: str = "",
                  fix: str = "") -> None:
@@ -71,8 +79,11 @@ class ModelConfigError(InputError):
 
 
 class LayoutError(InputError):
-    """A layout that cannot exist: `constraint` names the broken rule, `values` what was received (the first of
-    them is the `field` / `value` to blame)."""
+    """A layout that cannot exist.
+
+    `constraint` names the broken rule, `values` what was received (the first of them is the `field` / `value`
+    to blame).
+    """
 
     def __init__(self, layout: str, constraint: str, values: dict[str, Any] | None = None, fix: str = ""):
         self.layout = layout
@@ -118,7 +129,9 @@ class CoverageError(PlanError):
 
 class PlanFileError(PlanError):
     """A saved plan (a file or its dict) that is malformed, or whose content does not prove what it claims.
-    `field` names the entry to blame (e.g. `arrays.t.rows`, `digest`) when one is."""
+
+    `field` names the entry to blame (e.g. `arrays.t.rows`, `digest`) when one is.
+    """
 
     def __init__(self, message: str, problems: list[str] | tuple[str, ...] = (), *, field: str | None = None,
                  value: Any = None) -> None:
@@ -131,9 +144,11 @@ class ExecutionError(ReshardError, RuntimeError):
 
 
 class LayoutMismatchError(LayoutError):
-    """A live model (a Megatron trainer's or a vLLM engine's) does not match the declared layout: it does not hold
-    the tensors the layout says, or its weight loaders place bytes elsewhere. Raised before any byte moves;
-    `problems` lists every difference found (tensor names and both shapes, parallel sizes, ...)."""
+    """A live model (a Megatron trainer's or a vLLM engine's) that does not match the declared layout.
+
+    It does not hold the tensors the layout says, or its weight loaders place bytes elsewhere. Raised before any
+    byte moves; `problems` lists every difference found (tensor names and both shapes, parallel sizes, ...).
+    """
 
     def __init__(self, layout: str, problems: list[str] | tuple[str, ...], fix: str = "",
                  where: str = "the live model"):
@@ -146,8 +161,11 @@ class LayoutMismatchError(LayoutError):
 
 
 class KernelFormatError(LayoutMismatchError):
-    """Parameters that vLLM re-laid out (repacked, padded, swapped, quantized) after loading: writing them in
-    place would corrupt the model. Install through the model's weight loaders instead (loader mode)."""
+    """Parameters that vLLM re-laid out (repacked, padded, swapped, quantized) after loading.
+
+    Writing them in place would corrupt the model: install through the model's weight loaders instead (loader
+    mode).
+    """
 
 
 def from_validation(exc: Any, kind: str) -> ReshardError:

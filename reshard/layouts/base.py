@@ -24,6 +24,20 @@ from .model import ModelSpec, TensorSpec
 
 
 class Placement(NamedTuple):
+    """Where one box of a canonical tensor sits on one rank.
+
+    `lengths` elements from `canon_offset` of the canonical tensor are at `phys_offset` of the rank's physical
+    tensor `tensor` (of `shape`).
+
+    Attributes:
+        rank: the rank holding the box.
+        tensor: the physical tensor's name on that rank.
+        shape: the physical tensor's shape (padding included).
+        canon_offset: the box's first element in the canonical tensor.
+        lengths: the box's extent per dimension.
+        phys_offset: the box's first element in the physical tensor.
+    """
+
     rank: int
     tensor: str
     shape: tuple[int, ...]
@@ -136,7 +150,17 @@ def flat_origin(shape: tuple[int, ...], phys_offset: tuple[int, ...]) -> int:
 
 
 class Layout(BaseModel, abc.ABC):
-    """One side of a refit. Subclasses are small immutable declarations validated on construction."""
+    """One side of a refit: for each rank, its physical tensors and where canonical boxes sit in them.
+
+    Subclasses (`MegatronLayout`, `VllmLayout`, `HfLayout`, ...) are small immutable declarations validated on
+    construction; the compiler reads them only through `placements` / `placement_table` and `rank_tensors`.
+
+    Args:
+        model: the model whose tensors the layout places.
+
+    Raises:
+        LayoutError: a field breaks a rule of the layout (the message names field, value and rule).
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     kind: ClassVar[str]

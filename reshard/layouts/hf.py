@@ -11,6 +11,16 @@ from .model import TensorSpec
 
 
 class HfLayout(WholePerReplica, Layout):
+    """An HF checkpoint's layout: every canonical tensor whole, under its checkpoint name, on one rank a replica.
+
+    Args:
+        model: the model whose tensors the layout holds.
+        replicas: identical copies (replica k is rank k).
+
+    Raises:
+        LayoutError: `replicas` is not a positive int within `reshard.limits`.
+    """
+
     kind = "hf"
 
     replicas: StrictInt = 1

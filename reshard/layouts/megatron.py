@@ -33,6 +33,27 @@ _AXES = ("tp", "cp", "ep", "dp", "pp")
 
 
 class MegatronLayout(CutLayout):
+    """A megatron-core trainer's layout, declared by its parallel sizes (the module docstring lists the facts).
+
+    Args:
+        model: the model being trained.
+        tp: tensor parallel size.
+        pp: pipeline parallel size.
+        ep: expert parallel size (MoE models).
+        etp: expert tensor parallel size; None means `tp`, as in megatron-core.
+        world: world size; None means the smallest that fits (data parallel size 1).
+        vpp: virtual pipeline chunks per stage.
+        first_stage_layers: layers of the first pipeline stage when the split is uneven.
+        last_stage_layers: layers of the last pipeline stage when the split is uneven.
+        vocab_divisor: vocabulary rows are padded to a multiple of `vocab_divisor * tp`.
+        naming: "local" or "te" (TransformerEngine) parameter names.
+        rank_order: megatron-core's rank order, first axis fastest (default 'tp-cp-ep-dp-pp').
+
+    Raises:
+        LayoutError: sizes that do not divide the model or the world, an unknown rank order or naming.
+        LimitError: a size beyond `reshard.limits`.
+    """
+
     kind = "megatron"
 
     tp: StrictInt = 1

@@ -53,9 +53,17 @@ class Role(str, enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
-    """One canonical tensor. `layer` and `expert` are -1 where they do not apply. `role` is a shared `Role`
-    or a family's own `cuts.Kind`. `dtype` is set only where a tensor keeps another dtype than the model (e.g.
-    a float32 router bias)."""
+    """One canonical tensor of a model (its HF checkpoint tensor), as `ModelSpec.tensors` lists them.
+
+    Attributes:
+        index: its position in `ModelSpec.tensors`.
+        name: the HF checkpoint name.
+        shape: the canonical shape.
+        role: a shared `Role` or a family's own `cuts.Kind` (where each side keeps it).
+        layer: its decoder layer, -1 where none.
+        expert: its expert, -1 where none.
+        dtype: set only where the tensor keeps another dtype than the model (e.g. a float32 router bias).
+    """
 
     index: int
     name: str
@@ -89,9 +97,31 @@ class Experts:
 
 
 class ModelSpec(BaseModel):
-    """The facts about a decoder-only transformer that decide where its bytes live. Fields are strictly typed (an
-    integer field takes an int, not "64", 64.0 or True) and bounded (`reshard.limits`); every refusal is a
-    ModelConfigError naming the field."""
+    """The facts about a decoder-only transformer that decide where its bytes live.
+
+    Usually made from an HF config with `ModelSpec.from_hf_config(path_or_dict)`. Fields are strictly typed (an
+    integer field takes an int, not "64", 64.0 or True) and bounded (`reshard.limits`).
+
+    Args:
+        family: the registered family (`qwen3`, `qwen3_moe`, `llama`, `deepseek_v3`, `qwen3_5`, ...).
+        hidden_size: model width.
+        num_layers: decoder layers.
+        num_attention_heads: query heads.
+        num_key_value_heads: key/value heads.
+        head_dim: width of one head.
+        intermediate_size: FFN width of dense MLPs.
+        vocab_size: vocabulary rows (unpadded).
+        tie_word_embeddings: the output layer shares the embedding.
+        qk_norm: per-head RMSNorm of queries and keys.
+        num_experts: routed experts per MoE layer (0: dense).
+        moe_intermediate_size: FFN width of one expert.
+        dense_layers: MLP-only layers of a MoE model.
+        dtype: parameter dtype.
+        arch: family-specific facts as sorted (key, value) pairs (read with `arch_value`).
+
+    Raises:
+        ModelConfigError: a field of the wrong type, out of its bounds, or breaking the family's rules.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -251,6 +281,19 @@ class ModelSpec(BaseModel):
 
     @classmethod
     def from_hf_config(cls, config: "dict | str", include_mtp: bool = False) -> "ModelSpec":
+        """The spec of an HF `config.json` (a path or its parsed dict), by the family its architecture names.
+
+        Args:
+            config: a path to config.json (or its folder), or the parsed dict (untrusted: validated strictly).
+            include_mtp: also plan DeepSeek-V3's multi-token-prediction layers.
+
+        Returns:
+            The validated spec.
+
+        Raises:
+            ModelConfigError: an unreadable or invalid config, or an architecture no family claims.
+            ArgumentError: `include_mtp` is not a bool.
+        """
         if not isinstance(include_mtp, bool):
             from ..errors import ArgumentError
 

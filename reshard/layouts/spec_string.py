@@ -54,8 +54,22 @@ def _value(kind: str, key: str, text: str, annotation: Any) -> Any:
 
 
 def parse_layout(text: str, model: ModelSpec) -> Layout:
-    """Parse 'kind:key=value,...' (e.g. 'vllm:tp=8,replicas=8'); errors name the bad part. Each option once;
-    a bare option only for a flag (e.g. 'vllm:tp=2,ep')."""
+    """Parse a layout string such as 'vllm:tp=8,replicas=8' or 'megatron:tp=2,pp=2,ep=8,etp=1,world=16'.
+
+    Each option once; a bare option only for a flag (e.g. 'vllm:tp=2,ep').
+
+    Args:
+        text: 'kind:key=value,...' (untrusted: length, kind, keys and values are checked).
+        model: the model the layout places.
+
+    Returns:
+        The layout, validated.
+
+    Raises:
+        LayoutError: an unknown kind or option, a repeated option, a malformed value, or a layout that cannot
+            exist (the message names the bad part).
+        LimitError: a string or a size beyond `reshard.limits`.
+    """
     if not isinstance(text, str):
         raise LayoutError("layout", f"a layout string must be a str, not {type(text).__name__}", {"layout": text})
     if not isinstance(model, ModelSpec):

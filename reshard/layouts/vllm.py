@@ -21,6 +21,20 @@ from .cuts import Cut, Group, Kind
 
 
 class VllmLayout(CutLayout):
+    """vLLM engines' layout, declared by their parallel sizes (the module docstring lists the facts).
+
+    Args:
+        model: the served model.
+        tp: tensor parallel size of each engine.
+        replicas: identical engines (replica k's rank r is global rank r + k * tp).
+        expert_parallel: experts whole, spread over the TP ranks (vLLM's `enable_expert_parallel`).
+        vocab_padding: vocabulary rows are padded to a multiple of this before the TP split.
+
+    Raises:
+        LayoutError: sizes that do not divide the model (heads, KV heads, FFN, experts).
+        LimitError: a size beyond `reshard.limits`.
+    """
+
     kind = "vllm"
 
     tp: StrictInt = 1

@@ -255,18 +255,30 @@ def _check_arguments(src: Any, dst: Any, tensors: Any, layers: Any, colocated: A
 def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = None,
                  layers: Iterable[int] | None = None, colocated: bool | Sequence[int] = False,
                  fanout: int | None = None, roots: int | None = None, relay_cap: int = 1) -> Plan:
-    """Compile the refit from `src` to `dst`.
+    """Compile the refit from `src` to `dst` into a plan proven to write every destination element once.
 
-    tensors / layers: compile only these canonical tensors / these layers' tensors (a subset plan).
-    colocated: destination rank d shares a device with source rank d; its bytes from there are local copies
-    (and are preferred when several sources hold them). A sequence instead gives, per destination rank, the
-    source rank on its device (e.g. [1, 0] when the inference engine numbers the two GPUs the other way).
-    fanout: feed only `roots` destination replicas from the source and relay to the others along trees in which
-    each replica has at most `fanout` children (None: the source feeds every replica). See planner.fanout.
-    roots: replicas the source feeds when fanout is set; default: the fewest holders any source byte has (each
-    trainer data-parallel copy feeds one root, so no trainer rank sends much more than it holds).
-    relay_cap: no destination rank relays more than relay_cap times what it receives (the bytes are split over
-    ceil(fanout / relay_cap) trees whose interiors are disjoint).
+    Args:
+        src: the source layout (e.g. a `MegatronLayout`).
+        dst: the destination layout (e.g. a `VllmLayout`); same model and dtype as `src`.
+        tensors: compile only these canonical tensors (a subset plan).
+        layers: compile only these layers' tensors (a subset plan).
+        colocated: True: destination rank d shares a device with source rank d, its bytes from there are local
+            copies (preferred when several sources hold them). A sequence instead gives, per destination rank,
+            the source rank on its device (e.g. [1, 0] when the engine numbers the two GPUs the other way).
+        fanout: feed only `roots` destination replicas from the source and relay to the others along trees in
+            which each replica has at most `fanout` children (None: the source feeds every replica).
+        roots: replicas the source feeds when fanout is set; default: the fewest holders any source byte has
+            (each trainer data-parallel copy feeds one root, so no trainer rank sends much more than it holds).
+        relay_cap: no destination rank relays more than relay_cap times what it receives (the bytes are split
+            over ceil(fanout / relay_cap) trees whose interiors are disjoint).
+
+    Returns:
+        The plan, with its byte accounting and digest.
+
+    Raises:
+        PlanError: the layouts describe different models or dtypes, or fanout options that contradict.
+        ArgumentError: a selection or colocation that names no tensor, layer or rank of the layouts.
+        CoverageError: the plan would not write every destination element holding model data exactly once.
     """
     _check_arguments(src, dst, tensors, layers, colocated, fanout, roots, relay_cap)
     start = time.perf_counter()

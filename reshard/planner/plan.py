@@ -50,6 +50,31 @@ class Transfer(NamedTuple):
 
 @dataclass(frozen=True)
 class Plan:
+    """A compiled refit: every block copy from source ranks to destination ranks, proven to cover exactly.
+
+    Made by `reshard.compile`, saved and loaded with `save` / `load` (JSON header and plain arrays, re-proved on
+    load), run by an executor (`reshard.executors.make_executor`). `accounting` counts its bytes, `transfers`
+    groups its ops per (sender, receiver), `digest` identifies it across processes.
+
+    Args:
+        src: the source layout.
+        dst: the destination layout.
+        src_tensors: the source ranks' physical tensors.
+        dst_tensors: the destination ranks' physical tensors.
+        program: the ops, as columns.
+        bounds: per-tensor extents the ops were checked against.
+        colocation: per destination rank, the source rank on its device (None: none).
+        fanout: relay tree width across replicas (None: the source feeds every replica).
+        roots: replicas the source feeds when `fanout` is set.
+        selection: the canonical tensors of a subset plan (None: the whole model).
+        coverage: "exact" once proven.
+        compile_seconds: time the compiler took.
+        digest: content digest (set by the compiler and required on load).
+
+    Raises:
+        PlanFileError: from `load` / `from_dict`, for a malformed plan or one that does not prove its claims.
+    """
+
     src: Layout
     dst: Layout
     src_tensors: TensorTable

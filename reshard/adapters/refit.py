@@ -52,6 +52,32 @@ _FIELDS = {"model": dict, "src": dict, "dst": dict, "install": str, "replica": i
 
 @dataclass(frozen=True)
 class RefitSpec:
+    """What a trainer and the engines it refits agree on, as plain JSON-able data (sent to every engine at init).
+
+    Usually made with `RefitSpec.of(spec, trainer_layout, engine_layout, ...)`; `plan()` compiles (and caches)
+    the plan both sides derive from it.
+
+    Args:
+        model: the `ModelSpec`'s fields.
+        src: the trainer's layout (without the model).
+        dst: the engine's `VllmLayout` (without the model).
+        install: how a worker lands the bytes: "direct" (into the parameters), "loader" (whole tensors through
+            vLLM's `load_weights`), "lora_slot" (an adapter's slot).
+        replica: which replica of `dst` this engine is (engines of one refit get 0, 1, ...).
+        transport: "inprocess", "distributed", "collective", "nixl" or "shared".
+        options: executor options (e.g. `{"timeout": 60}`, `{"checksum": "sha256"}`).
+        rendezvous: the cross-process transports' meeting point (filled in by `TrainerSession`).
+        fanout: relay tree width across replicas (None: the trainer feeds every replica).
+        verify_layers: layers whose loaders a direct install probes (None: one per tensor kind).
+        plan_digest: the trainer's plan digest; a worker that compiles another plan refuses the refit.
+        lora_id: for "lora_slot", the engine's id of the served adapter whose slot is refit.
+        math: the trainer's HF config fields that change the math but no shape; a worker whose model sets any
+            of them otherwise refuses the refit at init.
+
+    Raises:
+        PlanError: a field of the wrong type, an unknown install or transport, or a field that is not JSON.
+    """
+
     model: dict[str, Any]  # ModelSpec fields
     src: dict[str, Any]  # the trainer's layout (layout_to_dict, without the model)
     dst: dict[str, Any]  # the engine's VllmLayout (layout_to_dict, without the model)
@@ -98,10 +124,24 @@ class RefitSpec:
     # --- plain data ----------------------------------------------------------------------------------
     @classmethod
     def of(cls, spec: ModelSpec, src: Layout, dst: Layout, *, config: Any = None, **fields: Any) -> "RefitSpec":
-        """From layouts (the model is carried once, not inside each layout). `config`: the trainer's HF config (a
-        dict, config.json or checkpoint directory): its fields that change the math without changing shapes
-        (layouts.math_config.MATH_FIELDS: MoE top-k, norm epsilon, rope, activation ...) travel as `math`, and the
-        engine refuses a refit whose model sets any of them otherwise."""
+        """The spec of a refit between two layouts of one model (the model is carried once, not in each layout).
+
+        Args:
+            spec: the model.
+            src: the trainer's layout.
+            dst: the engine's layout (a `VllmLayout`).
+            config: the trainer's HF config (a dict, config.json or checkpoint directory): its fields that change
+                the math without changing shapes (`layouts.math_config.MATH_FIELDS`: MoE top-k, norm epsilon,
+                rope, activation ...) travel as `math`, and the engine refuses a refit whose model differs.
+            **fields: any other `RefitSpec` field (install, transport, options, fanout, ...).
+
+        Returns:
+            The spec.
+
+        Raises:
+            ArgumentError: an argument of the wrong kind, or a config that is not the spec's model.
+            PlanError: a field `RefitSpec` refuses.
+        """
         from pathlib import Path
 
         from ..arguments import instance

@@ -24,8 +24,19 @@ from ..errors import ExecutionError
 
 
 class VllmServer:
-    """vLLM's weight-sync client protocol (`VLLMWeightSyncClient`: init / start / update / finish) over HTTP, plus
-    pause / resume and what a caller checks afterwards (weight version, checksums, greedy completions)."""
+    """A running `vllm serve`, driven over HTTP: vLLM's weight-sync routes plus what a caller checks afterwards.
+
+    Speaks vLLM's weight-sync client protocol (`VLLMWeightSyncClient`: init / start / update / finish), pause /
+    resume, the weight version, checksums (vLLM's and reshard's own `landed` digests), greedy completions.
+
+    Args:
+        url: the server's base URL, http(s)://host:port.
+        timeout: seconds any request may take.
+        api_key: the server's API key, if it has one.
+
+    Raises:
+        ArgumentError: a URL that is not http(s)://host:port, or a bad timeout or key.
+    """
 
     def __init__(self, url: str, timeout: float = 600.0, api_key: str | None = None) -> None:
         from ..arguments import seconds, text

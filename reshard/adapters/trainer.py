@@ -62,6 +62,36 @@ class RefitResult:
 
 
 class TrainerSession:
+    """The trainer side of refits into engines (imports no vLLM).
+
+    Every trainer process makes one, calls `init` once, `refit` after each training step, `close` at the end.
+
+    Trainer process 0 drives the engines (pause, start, update, finish, resume over their weight-sync API) and
+    holds a lease on them; every trainer process sends its own shards straight to the engine workers that need
+    them.
+
+    Args:
+        refit: what the trainer and the engines agree on (replica and digest are filled in per engine).
+        process: this trainer process's rank (it plays source rank `process` of the plan).
+        tensors: this process's source tensors ({physical name: tensor}, or {source rank: {...}}).
+        engines: on process 0, the engines to refit (replica k = engines[k]); other processes pass none.
+        trainer_group: a torch.distributed group of the trainer processes, to share the rendezvous from process
+            0 (else pass `rendezvous`, the same on every process, with a fixed port and secret).
+        rendezvous: an `executors.rendezvous.Rendezvous` every process passes (instead of `trainer_group`).
+        host: the address process 0's rendezvous store binds to.
+        pause: how engines are paused around a refit (a VllmServer's /pause mode), or None not to pause.
+        timeout: seconds any step may take (every wait and clean-up is bounded by it).
+        lora_ids: install="lora_slot" with engines that serve the adapter under different ids: engine k's id.
+        lease: seconds of the driver's lease on engines that keep one (a server running reshard's lease
+            middleware): process 0 renews it from init to close; if it dies, the engine ends the open update by
+            itself and serves its previous weights. None: no lease.
+
+    Raises:
+        ArgumentError: an argument of the wrong type or an impossible value.
+        ExecutionError: a process that is not a source rank of the plan, engines given to another process than
+            0, or `lora_ids` that do not fit the engines.
+    """
+
     def __init__(self, refit: RefitSpec, process: int, tensors: RankTensors | dict[str, torch.Tensor], *,
                  engines: Sequence[EngineClient] = (), trainer_group: Any = None, rendezvous: Any = None,
                  host: str = "127.0.0.1", pause: str | None = "wait", timeout: float = 600.0,
@@ -107,7 +137,16 @@ class TrainerSession:
 
     # --- 1. init -------------------------------------------------------------------------------------
     def init(self) -> None:
-        """Meet the engines (again, after an engine or a transport failed: every trainer process calls it)."""
+        """Meet the engines (again, after an engine or a transport failed): every trainer process calls it.
+
+        Checks this process's tensors against the plan, then process 0 sends every engine the spec and every
+        process joins the rendezvous, before any byte moves.
+
+        Raises:
+            LayoutMismatchError: this process's tensors differ from the plan's source tensors.
+            ExecutionError: an engine refused the spec (its message names why) or cannot be reached, or the
+                rendezvous failed within the timeout.
+        """
         if self.executor is not None:
             self.executor.close()
             self.executor = None
@@ -209,7 +248,18 @@ class TrainerSession:
 
     # --- 2. a refit ----------------------------------------------------------------------------------
     def refit(self, version: str | None = None) -> RefitResult:
-        """One refit of every engine (every trainer process calls it, with the same version)."""
+        """One refit of every engine: every trainer process calls it, with the same version.
+
+        Args:
+            version: the weight version the engines report afterwards (default: a counter).
+
+        Returns:
+            What this process did: the version, the phases' wall times and its executor's stats.
+
+        Raises:
+            ExecutionError: the refit failed (a dead or frozen peer, a refused update, a checksum mismatch); the
+                engines keep their previous weights and version, and the next `init` + `refit` works.
+        """
         self.version += 1
         version = version or str(self.version)
         start = time.perf_counter()

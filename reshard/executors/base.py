@@ -31,6 +31,7 @@ import torch
 from ..errors import ExecutionError
 
 RankTensors = Mapping[int, Mapping[str, torch.Tensor]]
+"""A process's tensors of some plan ranks: rank -> physical tensor name -> tensor."""
 
 # name -> module that defines it (imported on first use) and the class, once imported
 _MODULES = {"local": "reshard.executors.local", "distributed": "reshard.executors.distributed",
@@ -40,7 +41,10 @@ _EXECUTORS: dict[str, type["Executor"]] = {}
 
 
 class Executor(abc.ABC):
-    """See the module docstring. Subclasses set `name` and are registered by it."""
+    """The protocol every executor follows: built once per plan and process, `refit()` per refit, `close()`.
+
+    Subclasses set `name` and are registered by it (`make_executor`).
+    """
 
     name: str = ""
 
@@ -73,7 +77,23 @@ def executor_class(name: str) -> type[Executor]:
 
 def make_executor(name: str, plan: Any, binding: Any, process: int, src: RankTensors | None,
                   dst: RankTensors | None, **options: Any) -> Executor:
-    """The executor called `name`, bound to this process's part of `plan` (see the module docstring)."""
+    """The executor called `name`, bound to this process's part of `plan` (see the module docstring).
+
+    Args:
+        name: "local", "distributed", "nixl", "shared", "bound" or "fp8".
+        plan: the plan.
+        binding: which process plays each plan rank.
+        process: this process's index in the binding.
+        src: this process's source tensors (rank -> name -> tensor).
+        dst: this process's destination tensors.
+        **options: the executor's own options.
+
+    Returns:
+        The executor, ready to `refit()`.
+
+    Raises:
+        ExecutionError: an unknown name, or what the executor refuses at construction.
+    """
     return executor_class(name)(plan, binding, process, src or {}, dst or {}, **options)
 
 

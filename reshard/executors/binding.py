@@ -25,6 +25,13 @@ from ..errors import ExecutionError
 
 @dataclass(frozen=True)
 class Binding:
+    """Which process of the refit group plays each plan rank.
+
+    Attributes:
+        src: src[s] is the group rank playing source rank s.
+        dst: dst[d] is the group rank playing destination rank d.
+    """
+
     src: tuple[int, ...]  # src[s] = group rank playing source rank s
     dst: tuple[int, ...]  # dst[d] = group rank playing destination rank d
 

@@ -103,7 +103,26 @@ CHECKSUM_TAG = (1 << 30) - 1  # the checksum exchange's messages; schedule tags 
 
 @dataclass(frozen=True)
 class ExecutionStats:
-    """What one process did in one refit."""
+    """What one process did in one refit.
+
+    Attributes:
+        process: its rank in the refit group.
+        staged: the refit landed in shadows first.
+        undo: the refit wrote in place with a backup.
+        seconds: wall clock, call to return.
+        phases: wall clock per step (prepare, preflight, enqueue, drain, verify, commit).
+        bytes_sent: bytes per peer (group rank).
+        bytes_received: bytes per peer (group rank).
+        local_bytes: bytes copied within the process.
+        rounds: rounds of messages.
+        messages: messages sent and received.
+        lanes: communicators the rounds were spread over.
+        copies: block copies launched (pack, scatter, local, commit).
+        bucket_bytes: the largest message.
+        direct_bytes: bytes sent from or received into the tensors themselves (no pack / scatter copy).
+        wire_buffer_bytes: wire buffer memory.
+        staging_bytes: staging memory.
+    """
 
     process: int
     staged: bool
@@ -130,41 +149,49 @@ def _digest_int(*parts: str) -> int:
 
 
 class DistributedExecutor(Executor):
-    """Runs one plan repeatedly on this process's part of a binding. See the module docstring.
+    """Runs one plan repeatedly on this process's part of a binding over torch.distributed (gloo, NCCL).
 
-    process: this process's rank in the refit group (None: read from the group).
-    src, dst: the tensors of the source / destination ranks this process plays (rank -> name -> tensor);
-        `refit(src=..., dst=...)` may pass others for one call.
+    See the module docstring for the schedule.
 
-    group: the refit group: a group of this process's torch.distributed world (default: the whole world), or a
-        `comm.StoreComm` that trainer and inference processes joined by address; binding ranks are ranks in
-        it. Every member calls `refit`.
-    in_place: write straight into the destination tensors (no staging memory; a failed refit leaves them
-        partly written). Default False: staged, committed only once every process has everything.
-    undo: write straight into the destination tensors, but first copy each region's previous bytes into a
-        shadow (on a side stream, just before the region is written, so the copy overlaps the transfer) and
-        put them back if the refit fails. The same memory as staging and the same outcome for a failed refit,
-        without staging's commit copy; unlike staging, a reader of the destination tensors during the refit
-        sees a mix of old and new weights (pause the engine, as refits usually do).
-    memory_cap: bytes of wire buffers per process (`depth` rounds in flight x peers per round x bucket).
-    bucket_bytes: the largest message; default as large as `memory_cap` allows.
-    timeout: seconds any wait may go without progress before the refit fails with ExecutionError.
-    depth: rounds in flight per process; default max(2, lanes).
-    direct_bytes: runs of at least this many bytes that are contiguous in the sender's (receiver's) memory
-        travel as messages of their own, sent from (received into) the tensors themselves: no pack (scatter)
-        copy. None: only messages that happen to be contiguous go direct. "auto": on NCCL 64 MiB on one lane,
-        16 MiB on several, where messages are cheaper (on two H200s, 16 MiB on one lane was slower: 33.7 ms
-        against 30.9-31.4 ms); on gloo 64 KiB (a CPU copy costs more than a message).
-    lanes: communicators the rounds are spread over (round r on lane r mod lanes; executors.lanes): NCCL runs
-        one communicator's messages one after another, each with a fixed cost, and lanes overlap those costs
-        (a Qwen3-8B refit from TP2 into two colocated TP1 replicas on two H200s: 79-88% of the link with 3
-        lanes, 72% with 1). The extra ones are made from the group in the first refit and kept for it; each is
-        one more NCCL communicator (its buffers on the GPU). Default: 3 on NCCL, 1 otherwise (gloo has no such
-        per-message cost to hide).
-    on_round: called with each round's index before it is posted (progress reporting, fault injection in tests).
-    checksum: hash the bytes sent to and received from every peer (in round order; True or "sha256", or
-        "sum64": executors.checksum), exchange the digests after the transfer and fail the refit on every
-        process if one differs, before anything is committed (CPU tensors). Off, nothing is hashed or sent.
+    Args:
+        plan: the plan.
+        binding: which group rank plays each plan rank.
+        process: this process's rank in the refit group (None: read from the group).
+        src: the tensors of the source ranks this process plays (rank -> name -> tensor).
+        dst: the tensors of the destination ranks this process plays; `refit(src=..., dst=...)` may pass others.
+        group: the refit group: a group of this process's torch.distributed world (default: the whole world), or a
+            `comm.StoreComm` that trainer and inference processes joined by address; binding ranks are ranks in
+            it. Every member calls `refit`.
+        in_place: write straight into the destination tensors (no staging memory; a failed refit leaves them
+            partly written). Default False: staged, committed only once every process has everything.
+        undo: write straight into the destination tensors, but first copy each region's previous bytes into a
+            shadow (on a side stream, just before the region is written, so the copy overlaps the transfer) and
+            put them back if the refit fails. The same memory as staging and the same outcome for a failed refit,
+            without staging's commit copy; unlike staging, a reader of the destination tensors during the refit
+            sees a mix of old and new weights (pause the engine, as refits usually do).
+        memory_cap: bytes of wire buffers per process (`depth` rounds in flight x peers per round x bucket).
+        bucket_bytes: the largest message; default as large as `memory_cap` allows.
+        timeout: seconds any wait may go without progress before the refit fails with ExecutionError.
+        depth: rounds in flight per process; default max(2, lanes).
+        direct_bytes: runs of at least this many bytes that are contiguous in the sender's (receiver's) memory
+            travel as messages of their own, sent from (received into) the tensors themselves: no pack (scatter)
+            copy. None: only messages that happen to be contiguous go direct. "auto": on NCCL 64 MiB on one lane,
+            16 MiB on several, where messages are cheaper (on two H200s, 16 MiB on one lane was slower: 33.7 ms
+            against 30.9-31.4 ms); on gloo 64 KiB (a CPU copy costs more than a message).
+        lanes: communicators the rounds are spread over (round r on lane r mod lanes; executors.lanes): NCCL runs
+            one communicator's messages one after another, each with a fixed cost, and lanes overlap those costs
+            (a Qwen3-8B refit from TP2 into two colocated TP1 replicas on two H200s: 79-88% of the link with 3
+            lanes, 72% with 1). The extra ones are made from the group in the first refit and kept for it; each is
+            one more NCCL communicator (its buffers on the GPU). Default: 3 on NCCL, 1 otherwise (gloo has no such
+            per-message cost to hide).
+        on_round: called with each round's index before it is posted (progress reporting, fault injection in tests).
+        checksum: hash the bytes sent to and received from every peer (in round order; True or "sha256", or
+            "sum64": executors.checksum), exchange the digests after the transfer and fail the refit on every
+            process if one differs, before anything is committed (CPU tensors). Off, nothing is hashed or sent.
+
+    Raises:
+        ExecutionError: options that contradict, tensors that do not match the plan, or (from `refit`) a dead or
+            frozen peer or a checksum mismatch; staged and undo refits then leave the destinations as they were.
     """
 
     name = "distributed"
@@ -491,5 +518,20 @@ def _identity(src: dict, dst: dict) -> tuple | None:
 
 def execute_distributed(plan: Plan, binding: Binding, src: RankTensors | None, dst: RankTensors | None,
                         group: dist.ProcessGroup | None = None, **options) -> ExecutionStats:
-    """One refit with a fresh executor (build a `DistributedExecutor` to reuse schedule and buffers)."""
+    """One refit with a fresh executor (build a `DistributedExecutor` to reuse schedule and buffers).
+
+    Args:
+        plan: the plan.
+        binding: which group rank plays each plan rank.
+        src: this process's source tensors (rank -> name -> tensor).
+        dst: this process's destination tensors.
+        group: the refit group (default: the whole world).
+        **options: `DistributedExecutor` options.
+
+    Returns:
+        This process's stats.
+
+    Raises:
+        ExecutionError: as `DistributedExecutor.refit`.
+    """
     return DistributedExecutor(plan, binding, None, src, dst, group=group, **options).refit()

@@ -31,8 +31,20 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def allocate(layout: Layout, fill: float = 0.0, ranks: list[int] | None = None,
              device: str | torch.device = "cpu") -> dict[int, dict[str, torch.Tensor]]:
-    """Fresh physical tensors for `ranks` (default all) of a layout, filled with `fill`; each in its dtype
-    (the layout's, or a tensor's own: `Layout.tensor_dtypes`)."""
+    """Fresh physical tensors for some ranks of a layout, each in its dtype, filled with one value.
+
+    Args:
+        layout: the layout.
+        fill: the value of every element.
+        ranks: the ranks (default all).
+        device: where the tensors live.
+
+    Returns:
+        rank -> physical name -> tensor (the layout's dtype, or a tensor's own: `Layout.tensor_dtypes`).
+
+    Raises:
+        LayoutError: a rank the layout does not have.
+    """
     return {r: {name: torch.full(shape, fill, device=device, dtype=torch_dtype(layout.tensor_dtype(r, name)))
                 for name, shape in layout.rank_tensors(r).items()}
             for r in (range(layout.num_ranks) if ranks is None else ranks)}
@@ -51,7 +63,20 @@ def _box(t: torch.Tensor, offset: tuple[int, ...], lengths: tuple[int, ...]) -> 
 
 def shard(layout: Layout, weights: Mapping[str, torch.Tensor], fill: float = 0.0,
           ranks: list[int] | None = None) -> dict[int, dict[str, torch.Tensor]]:
-    """Lay canonical weights out as `layout` says; padding gets `fill`."""
+    """Lay canonical weights out as `layout` says.
+
+    Args:
+        layout: the layout.
+        weights: canonical tensors by HF name (every tensor of the model).
+        fill: the value of padding elements.
+        ranks: the ranks to make (default all).
+
+    Returns:
+        rank -> physical name -> tensor.
+
+    Raises:
+        KeyError: a canonical tensor missing from `weights`.
+    """
     out = allocate(layout, fill, ranks)
     for t in layout.model.tensors:
         w = weights[t.name]
@@ -67,7 +92,18 @@ def shard(layout: Layout, weights: Mapping[str, torch.Tensor], fill: float = 0.0
 
 
 def unshard(layout: Layout, tensors: RankTensors) -> dict[str, torch.Tensor]:
-    """Canonical weights read back from a layout's tensors (each box from its first holder)."""
+    """Canonical weights read back from a layout's tensors (each box from its first holder).
+
+    Args:
+        layout: the layout.
+        tensors: rank -> physical name -> tensor (ranks may be missing: their boxes stay uninitialized).
+
+    Returns:
+        HF name -> canonical tensor.
+
+    Raises:
+        KeyError: a physical tensor missing from a rank that is given.
+    """
     out = {}
     for t in layout.model.tensors:
         w = torch.empty(t.shape, dtype=torch_dtype(t.dtype or layout.dtype))
@@ -150,11 +186,22 @@ def block(flat: torch.Tensor, offset: int, rows: int, cols: int, stride: int) ->
 
 
 class LocalExecutor(Executor):
-    """The plan's ops into the destination ranks in `dst`, from the source ranks in `src`, all in this process:
-    the reference executor, and an engine reading a trainer's tensors in its own process. `binding` and `process`
-    are accepted for the protocol of executors.base and not needed. Tensors are checked against the plan before
-    any byte moves, so a mismatch leaves `dst` untouched; the copies then write `dst` directly (not staged:
-    nothing can fail half-way in one process but the process itself)."""
+    """Every op of a plan in this process: the reference executor the others are tested against.
+
+    Tensors are checked against the plan before any byte moves, so a mismatch leaves `dst` untouched; the copies
+    then write `dst` directly (not staged: nothing can fail half-way in one process but the process itself).
+
+    Args:
+        plan: the plan.
+        binding: accepted for the executor protocol; not needed.
+        process: accepted for the executor protocol; not needed.
+        src: the source ranks' tensors (rank -> name -> tensor).
+        dst: the destination ranks' tensors.
+
+    Raises:
+        ExecutionError: the plan relays through ranks not given, a source rank is missing, or (from `refit`)
+            tensors that do not match the plan.
+    """
 
     name = "local"
 
@@ -193,7 +240,16 @@ class LocalExecutor(Executor):
 
 
 def execute_local(plan: Plan, src: RankTensors, dst: RankTensors) -> None:
-    """One refit with every rank in this process (the reference the other executors are tested against)."""
+    """One refit with every rank in this process (the reference the other executors are tested against).
+
+    Args:
+        plan: the plan.
+        src: every source rank's tensors.
+        dst: every destination rank's tensors.
+
+    Raises:
+        ExecutionError: a rank is missing, or tensors that do not match the plan.
+    """
     missing = sorted(set(plan.src_tensors.ranks) - set(src)) + sorted(set(plan.dst_tensors.ranks) - set(dst))
     if missing:
         raise ExecutionError(f"local execution needs every rank; missing {missing[:10]}")

@@ -1,0 +1,284 @@
+"""A megatron-core distributed checkpoint (`torch_dist`, written by `dist_checkpointing.save`, as Megatron-LM and
+Megatron-Bridge do) as a lazily read, validated set of global tensors.
+
+The format: `metadata.json` (the backend), `.metadata` (torch.distributed.checkpoint's Metadata: every tensor's
+global shape, dtype and chunks, and per chunk the file, byte offset and length holding it) and `__R_K.distcp`
+files holding each chunk as one `torch.save` record. megatron-core saves every tensor at its global coordinates:
+layers stacked on a leading axis at their global layer number, experts on a second one at their global expert
+number, TP shards at their global rows / columns (gate and up halves of a SwiGLU fc1 each at its place in
+[gate; up]), so the checkpoint itself is a TP=1, PP=1, EP=1 model and any reader layout can be cut out of it.
+
+Trust: `.metadata` is a pickle written by torch. It is read with a restricted unpickler that can only build
+torch.distributed.checkpoint's metadata classes, torch.Size and dtypes (the pickle documentation's "restricting
+globals"); anything else in it is refused, so a hostile `.metadata` cannot run code, but the checkpoint directory is
+still input: every chunk's bounds, coverage, file, offset and length are validated before any tensor is read, and
+each chunk is decoded with `torch.load(weights_only=True)` and checked against its declared shape and dtype.
+Pickled objects of the checkpoint (`common.pt`, the `common_state` and `_extra_state` byte records) are never read.
+
+Reading is lazy: `read(key, offsets, lengths)` reads only the chunks that intersect the box, by byte range, and
+counts the bytes read (`bytes_read`); nothing loads the whole checkpoint.
+"""
+from __future__ import annotations
+
+import io
+import math
+import os
+import pickle
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from ...errors import InputError
+from ...untrusted import read_bytes, read_json
+
+MAX_METADATA_BYTES = 1 << 30  # a trillion-parameter checkpoint's .metadata is a few hundred MiB
+MAX_GRID_CELLS = 1 << 24  # coverage check of one tensor's chunk grid
+_DTYPES = {torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8,
+           torch.int8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2}
+_DCP_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "TensorProperties",
+                                              "ChunkStorageMetadata", "BytesStorageMetadata", "MetadataIndex",
+                                              "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.distributed.checkpoint.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "collections": {"OrderedDict"},
+}
+
+
+class CheckpointError(InputError):
+    """A checkpoint directory reshard cannot read: `field` names the file or tensor, `problems` every problem
+    found (all of them, before any byte is read)."""
+
+    def __init__(self, path: str, problems: list[str] | tuple[str, ...], fix: str = "") -> None:
+        self.problems = tuple(problems)
+        shown = "\n  - ".join(self.problems[:30])
+        more = f"\n  ... and {len(self.problems) - 30} more" if len(self.problems) > 30 else ""
+        super().__init__("checkpoint", path, f"is not a readable megatron-core torch_dist checkpoint:\n  - "
+                         f"{shown}{more}", fix)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds only torch.distributed.checkpoint's metadata classes, torch.Size and dtypes."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if name in _DCP_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not a torch.distributed.checkpoint metadata class")
+
+
+@dataclass(frozen=True)
+class SavedChunk:
+    """One chunk of a saved tensor: its box in the global tensor and where its torch.save record lies."""
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str  # relative to the checkpoint directory
+    offset: int  # byte offset of the record in the file
+    length: int  # bytes of the record
+
+    def intersect(self, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[tuple[int, ...], ...] | None:
+        """The overlap with a box as (start, stop) per dimension in global coordinates, or None."""
+        out = []
+        for o, n, co, cn in zip(offsets, lengths, self.offsets, self.sizes):
+            lo, hi = max(o, co), min(o + n, co + cn)
+            if lo >= hi:
+                return None
+            out.append((lo, hi))
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunks: tuple[SavedChunk, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(eq=False)
+class Checkpoint:
+    """The validated tensors of a torch_dist checkpoint; `read` reads boxes of them lazily, counting bytes."""
+    path: Path
+    tensors: Mapping[str, SavedTensor]
+    bytes_read: int = 0  # bytes read from the shard files (records read whole, framing included)
+    chunks_read: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        self.tensors = MappingProxyType(dict(self.tensors))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data in the checkpoint."""
+        return sum(t.nbytes for t in self.tensors.values())
+
+    @property
+    def record_bytes(self) -> int:
+        """Bytes of the shard files' tensor records (what reading every tensor reads)."""
+        return sum(c.length for t in self.tensors.values() for c in t.chunks)
+
+    def read(self, key: str, offsets: tuple[int, ...] | None = None,
+             lengths: tuple[int, ...] | None = None) -> torch.Tensor:
+        """The box (offsets, lengths) of tensor `key` (the whole tensor by default), read from the chunks that
+        intersect it only."""
+        saved = self.tensors.get(key)
+        if saved is None:
+            raise CheckpointError(str(self.path), [f"tensor {key!r} is not in the checkpoint"])
+        offsets = tuple(offsets) if offsets is not None else (0,) * len(saved.shape)
+        lengths = tuple(lengths) if lengths is not None else saved.shape
+        if len(offsets) != len(saved.shape) or len(lengths) != len(saved.shape) or any(
+                o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, lengths, saved.shape)):
+            raise CheckpointError(str(self.path), [f"box {offsets} + {lengths} is outside {key} {saved.shape}"])
+        out = torch.empty(lengths, dtype=saved.dtype)
+        for chunk in saved.chunks:
+            box = chunk.intersect(offsets, lengths)
+            if box is None:
+                continue
+            data = self._chunk(saved, chunk)
+            src = data[tuple(slice(lo - c, hi - c) for (lo, hi), c in zip(box, chunk.offsets))]
+            out[tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(box, offsets))] = src
+        return out
+
+    def _chunk(self, saved: SavedTensor, chunk: SavedChunk) -> torch.Tensor:
+        with open(self.path / chunk.file, "rb") as f:
+            f.seek(chunk.offset)
+            record = f.read(chunk.length)
+        with self._lock:
+            self.bytes_read += len(record)
+            self.chunks_read += 1
+        where = f"{chunk.file} at byte {chunk.offset}"
+        if len(record) != chunk.length:
+            raise CheckpointError(str(self.path), [f"{saved.key}: {where}: {len(record)} of {chunk.length} bytes "
+                                                   "(the file was truncated after the checkpoint was opened)"])
+        try:
+            data = torch.load(io.BytesIO(record), weights_only=True, map_location="cpu")
+        except Exception as e:  # a torn or forged record: torch says why
+            raise CheckpointError(str(self.path), [f"{saved.key}: the record in {where} is not a tensor "
+                                                   f"torch can load ({type(e).__name__}: {e})"]) from None
+        if not isinstance(data, torch.Tensor) or tuple(data.shape) != chunk.sizes or data.dtype != saved.dtype:
+            got = f"{tuple(data.shape)} {data.dtype}" if isinstance(data, torch.Tensor) else type(data).__name__
+            raise CheckpointError(str(self.path), [f"{saved.key}: the record in {where} holds {got}, the metadata "
+                                                   f"says {chunk.sizes} {saved.dtype}"])
+        return data
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """Open and validate a torch_dist checkpoint directory (a Megatron-LM `iter_NNNNNNN` directory): its metadata
+    only; no tensor is read. Raises CheckpointError listing every problem found."""
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(str(root), ["is not a directory"])
+
+    def error(field_: str, value: Any, rule: str) -> CheckpointError:
+        return CheckpointError(str(root), [f"{field_} {rule}"])
+
+    config = read_json(root / "metadata.json", 1 << 16, error, "metadata.json")
+    if not isinstance(config, dict) or config.get("sharded_backend") != "torch_dist":
+        backend = config.get("sharded_backend") if isinstance(config, dict) else config
+        raise CheckpointError(str(root), [f"metadata.json names backend {backend!r}, not 'torch_dist'"],
+                              fix="only megatron-core's torch_dist format is read (zarr and fsdp_dtensor are not)")
+    raw = read_bytes(root / ".metadata", MAX_METADATA_BYTES, error, ".metadata")
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
+    except Exception as e:
+        raise CheckpointError(str(root), [f".metadata cannot be read as torch.distributed.checkpoint metadata "
+                                          f"({type(e).__name__}: {e})"]) from None
+    tensors, problems = _tensors(root, metadata)
+    if problems:
+        raise CheckpointError(str(root), problems)
+    return Checkpoint(root, tensors)
+
+
+def _tensors(root: Path, metadata: Any) -> tuple[dict[str, SavedTensor], list[str]]:
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict) \
+            or not isinstance(metadata.storage_data, dict):
+        return {}, [".metadata does not hold torch.distributed.checkpoint Metadata with storage data"]
+    sizes: dict[str, int] = {}
+    problems: list[str] = []
+    tensors = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        if not isinstance(meta, TensorStorageMetadata):
+            continue  # byte records (pickled objects): never read
+        if not isinstance(key, str):
+            problems.append(f"tensor key {key!r} is not a string")
+            continue
+        dtype, shape = meta.properties.dtype, tuple(meta.size)
+        if dtype not in _DTYPES:
+            problems.append(f"{key}: dtype {dtype} is not a tensor dtype reshard reads")
+            continue
+        if not all(isinstance(s, int) and 0 <= s < 1 << 40 for s in shape):
+            problems.append(f"{key}: shape {shape} is not a list of sizes")
+            continue
+        chunks = []
+        for i, c in enumerate(meta.chunks):
+            offsets, csizes = tuple(c.offsets), tuple(c.sizes)
+            if len(offsets) != len(shape) or len(csizes) != len(shape) or any(
+                    not isinstance(o, int) or not isinstance(n, int) or o < 0 or n <= 0 or o + n > s
+                    for o, n, s in zip(offsets, csizes, shape)):
+                problems.append(f"{key}: chunk {i} at {offsets} of {csizes} is outside the tensor's {shape}")
+                continue
+            info = metadata.storage_data.get(MetadataIndex(key, c.offsets))
+            if info is None:
+                problems.append(f"{key}: chunk {i} at {offsets} has no storage entry (a missing shard)")
+                continue
+            file, offset, length = info.relative_path, info.offset, info.length
+            if not isinstance(file, str) or not file or "/" in file or "\\" in file or file.startswith("."):
+                problems.append(f"{key}: chunk {i} is stored in {file!r}, not a file of the checkpoint directory")
+                continue
+            if getattr(info, "transform_descriptors", None):
+                problems.append(f"{key}: chunk {i} is stored with transforms {info.transform_descriptors} "
+                                "(compression is not read)")
+                continue
+            if file not in sizes:
+                p = root / file
+                sizes[file] = p.stat().st_size if p.is_file() else -1
+            if sizes[file] < 0:
+                problems.append(f"{key}: chunk {i} is in {file}, which is missing (a missing shard file)")
+                continue
+            if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0 and length > 0):
+                problems.append(f"{key}: chunk {i} has byte range {offset!r} + {length!r}")
+                continue
+            if offset + length > sizes[file]:
+                problems.append(f"{key}: chunk {i} lies at bytes [{offset}, {offset + length}) of {file}, which "
+                                f"has {sizes[file]} bytes (a truncated file)")
+                continue
+            if length < math.prod(csizes) * dtype.itemsize:
+                problems.append(f"{key}: chunk {i} has {length} bytes, fewer than its {csizes} {dtype} data")
+                continue
+            chunks.append(SavedChunk(offsets, csizes, file, offset, length))
+        if len(chunks) == len(meta.chunks):
+            problems += _coverage_problems(key, shape, chunks)
+        tensors[key] = SavedTensor(key, shape, dtype, tuple(chunks))
+    return tensors, problems
+
+
+def _coverage_problems(key: str, shape: tuple[int, ...], chunks: list[SavedChunk]) -> list[str]:
+    """Every element of the tensor in exactly one chunk: on the grid of all chunk edges, each cell once."""
+    cuts = [sorted({0, s, *(c.offsets[d] for c in chunks), *(c.offsets[d] + c.sizes[d] for c in chunks)})
+            for d, s in enumerate(shape)]
+    cells = math.prod(len(c) - 1 for c in cuts)
+    if cells > MAX_GRID_CELLS:
+        return [f"{key}: {len(chunks)} chunks cut the tensor into {cells} cells, more than {MAX_GRID_CELLS} to check"]
+    index = [{x: i for i, x in enumerate(cut)} for cut in cuts]
+    grid = np.zeros([len(c) - 1 for c in cuts], dtype=np.int32)
+    for c in chunks:
+        grid[tuple(slice(at[o], at[o + n]) for at, o, n in zip(index, c.offsets, c.sizes))] += 1
+    if grid.size and (grid == 1).all():
+        return []
+    holes, twice = int((grid == 0).sum()), int((grid > 1).sum())
+    return [f"{key}: its chunks leave {holes} cells of the chunk grid unwritten and write {twice} more than once "
+            "(chunks must tile the tensor exactly)"] if (holes or twice) else []

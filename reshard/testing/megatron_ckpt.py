@@ -34,3 +34,64 @@ def save_job(tiny: TinyGPT, sizes: dict[str, Any], path: str) -> None:
     else:
         state = {f"model{c}": chunk.sharded_state_dict() for c, chunk in enumerate(chunks)}
     dist_checkpointing.save(state, path)
+
+
+def reference_job(tiny: TinyGPT, path: str, out: str) -> None:
+    """The independent reference (one gloo rank): megatron-core's own loader reads the checkpoint into a TP=1 model
+    built from another seed, and reshard's live-model adapter refits that model into HF tensors, saved to
+    `out/reference.safetensors` with the HF config beside them."""
+    from megatron.core import dist_checkpointing
+    from safetensors.torch import save_file
+
+    from ..adapters.megatron import derive_layout, source_tensors
+    from ..executors.local import allocate, execute_local
+    from ..layouts import HfLayout
+    from ..planner import compile_plan
+
+    init_parallel()
+    chunks = build_model(tiny.with_(seed=tiny.seed + 1, first_stage_layers=None))
+    loaded = dist_checkpointing.load({"model": chunks[0].sharded_state_dict()}, path)
+    chunks[0].load_state_dict(loaded["model"], strict=False)  # TransformerEngine _extra_state: none on CPU
+    spec = tiny.spec()
+    layout = derive_layout(chunks, spec)
+    dst = HfLayout(model=spec)
+    hf = allocate(dst)
+    execute_local(compile_plan(layout, dst), {0: source_tensors(chunks, layout)}, hf)
+    save_file(hf[0], f"{out}/reference.safetensors")
+    tiny.hf_config().save_pretrained(out)
+
+
+def reader_job(path: str, config: str, out: str, dtype: str) -> None:
+    """One reader process of a refit from a checkpoint (gloo, world = readers): reads its part of the plan into
+    an HF layout on rank 0 over torch.distributed; rank 0 saves `out/readers.safetensors`; every rank writes what it
+    read to `out/reader<r>.json`."""
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from ..adapters.megatron.checkpoint import open_checkpoint
+    from ..adapters.megatron.checkpoint_layout import checkpoint_layout, checkpoint_tensors
+    from ..executors import make_executor
+    from ..executors.binding import Binding
+    from ..executors.local import allocate
+    from ..layouts import HfLayout, ModelSpec
+    from ..planner import compile_plan
+
+    me, world = dist.get_rank(), dist.get_world_size()
+    spec = ModelSpec(**{**ModelSpec.from_hf_config(f"{config}/config.json").model_dump(), "dtype": dtype})
+    ckpt = open_checkpoint(path)
+    src = checkpoint_layout(ckpt, spec, readers=world)
+    dst = HfLayout(model=spec)
+    plan = compile_plan(src, dst)
+    out_tensors = {0: allocate(dst)[0]} if me == 0 else {}
+    executor = make_executor("distributed", plan, Binding(tuple(range(world)), (0,)), me,
+                             {me: checkpoint_tensors(ckpt, plan, me)}, out_tensors, group=dist.group.WORLD,
+                             timeout=60.0)
+    executor.refit()
+    executor.close()
+    Path(out, f"reader{me}.json").write_text(json.dumps({"bytes_read": ckpt.bytes_read,
+                                                         "chunks_read": ckpt.chunks_read}))
+    if me == 0:
+        save_file(out_tensors[0], f"{out}/readers.safetensors")

@@ -112,12 +112,24 @@ class Checkpoint:
     """The validated tensors of a torch_dist checkpoint; `read` reads boxes of them lazily, counting bytes."""
     path: Path
     tensors: Mapping[str, SavedTensor]
-    bytes_read: int = 0  # bytes read from the shard files (records read whole, framing included)
-    chunks_read: int = 0
+    bytes_read: int = 0  # bytes read from the shard files: tensor data, and each opened record's directory
+    chunks_read: int = 0  # records opened
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _starts: dict[SavedChunk, int | None] = field(default_factory=dict, repr=False)
+    _fds: dict[str, int] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.tensors = MappingProxyType(dict(self.tensors))
+
+    def close(self) -> None:
+        """Close the shard files opened so far (reading again reopens them)."""
+        with self._lock:
+            fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
 
     @property
     def nbytes(self) -> int:
@@ -146,22 +158,54 @@ class Checkpoint:
             box = chunk.intersect(offsets, lengths)
             if box is None:
                 continue
-            data = self._chunk(saved, chunk)
-            src = data[tuple(slice(lo - c, hi - c) for (lo, hi), c in zip(box, chunk.offsets))]
-            out[tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(box, offsets))] = src
+            out[tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(box, offsets))] = self._read_box(saved, chunk, box)
         return out
 
-    def _chunk(self, saved: SavedTensor, chunk: SavedChunk) -> torch.Tensor:
-        with open(self.path / chunk.file, "rb") as f:
-            f.seek(chunk.offset)
-            record = f.read(chunk.length)
+    def _read_box(self, saved: SavedTensor, chunk: SavedChunk, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        """The part `box` (global (start, stop) per dimension) of one chunk: the byte span from its first to its
+        last element inside the record's data, or the whole record decoded where its layout is not the plain one."""
+        local = [(lo - c, hi - c) for (lo, hi), c in zip(box, chunk.offsets)]
+        start = self._data_start(saved, chunk)
+        if start is None:
+            return self._chunk(saved, chunk)[tuple(slice(lo, hi) for lo, hi in local)]
+        strides = [math.prod(chunk.sizes[d + 1:]) for d in range(len(chunk.sizes))]
+        first = sum(lo * s for (lo, _), s in zip(local, strides))
+        last = sum((hi - 1) * s for (_, hi), s in zip(local, strides)) + 1
+        size = saved.dtype.itemsize
+        span = self._read(saved, chunk, chunk.offset + start + first * size, (last - first) * size)
+        flat = torch.frombuffer(bytearray(span), dtype=saved.dtype) if span else torch.empty(0, dtype=saved.dtype)
+        return flat.as_strided([hi - lo for lo, hi in local], strides)
+
+    def _read(self, saved: SavedTensor, chunk: SavedChunk, offset: int, length: int) -> bytes:
         with self._lock:
-            self.bytes_read += len(record)
-            self.chunks_read += 1
-        where = f"{chunk.file} at byte {chunk.offset}"
-        if len(record) != chunk.length:
-            raise CheckpointError(str(self.path), [f"{saved.key}: {where}: {len(record)} of {chunk.length} bytes "
+            fd = self._fds.get(chunk.file)
+            if fd is None:
+                fd = self._fds[chunk.file] = os.open(self.path / chunk.file, os.O_RDONLY)
+        data = os.pread(fd, length, offset)  # no shared file position: readers may run in threads
+        with self._lock:
+            self.bytes_read += len(data)
+        if len(data) != length:
+            raise CheckpointError(str(self.path), [f"{saved.key}: {chunk.file} ends before byte {offset + length} "
                                                    "(the file was truncated after the checkpoint was opened)"])
+        return data
+
+    def _data_start(self, saved: SavedTensor, chunk: SavedChunk) -> int | None:
+        """Where the tensor's bytes start inside the chunk's torch.save record, when the record is the plain form
+        (stored, not compressed; little-endian; one contiguous storage of exactly the chunk's elements at offset 0);
+        None otherwise. Reads the record's zip directory and its small pickle, counted; cached per chunk."""
+        with self._lock:
+            if chunk in self._starts:
+                return self._starts[chunk]
+        start = _plain_data_start(_Window(self, saved, chunk), chunk.sizes, saved.dtype)
+        with self._lock:
+            self._starts[chunk] = start
+            self.chunks_read += 1
+        return start
+
+    def _chunk(self, saved: SavedTensor, chunk: SavedChunk) -> torch.Tensor:
+        """The whole record decoded by torch (weights_only) and checked against the metadata."""
+        record = self._read(saved, chunk, chunk.offset, chunk.length)
+        where = f"{chunk.file} at byte {chunk.offset}"
         try:
             data = torch.load(io.BytesIO(record), weights_only=True, map_location="cpu")
         except Exception as e:  # a torn or forged record: torch says why
@@ -282,3 +326,83 @@ def _coverage_problems(key: str, shape: tuple[int, ...], chunks: list[SavedChunk
     holes, twice = int((grid == 0).sum()), int((grid > 1).sum())
     return [f"{key}: its chunks leave {holes} cells of the chunk grid unwritten and write {twice} more than once "
             "(chunks must tile the tensor exactly)"] if (holes or twice) else []
+
+
+class _Window(io.RawIOBase):
+    """One record of a shard file as a read-only file (what zipfile reads its directory through), counting the
+    bytes read into the checkpoint's total."""
+
+    def __init__(self, ckpt: Checkpoint, saved: SavedTensor, chunk: SavedChunk) -> None:
+        self.ckpt, self.saved, self.chunk, self.pos = ckpt, saved, chunk, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = max(0, (pos, self.pos + pos, self.chunk.length + pos)[whence])
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.chunk.length - self.pos if n is None or n < 0 else min(n, self.chunk.length - self.pos)
+        if n <= 0:
+            return b""
+        data = self.ckpt._read(self.saved, self.chunk, self.chunk.offset + self.pos, n)
+        self.pos += n
+        return data
+
+
+class _Storage:
+    def __init__(self, *key: Any) -> None:
+        self.key = key
+
+
+class _RecordUnpickler(pickle.Unpickler):
+    """Reads a torch.save record's data.pkl far enough to learn its tensor's layout; builds nothing else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return lambda storage, offset, size, stride, *rest: ("tensor", storage, offset, tuple(size), tuple(stride))
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        if module == "torch" and name.endswith("Storage"):
+            return name
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        return _Storage(*pid) if isinstance(pid, tuple) else None
+
+
+def _plain_data_start(window: _Window, sizes: tuple[int, ...], dtype: torch.dtype) -> int | None:
+    import sys
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(window) as z:
+            names = {i.filename.split("/", 1)[-1]: i for i in z.infolist()}
+            pkl, data, order = names.get("data.pkl"), names.get("data/0"), names.get("byteorder")
+            if pkl is None or data is None or len(names.keys() & {n for n in names if n.startswith("data/")}) != 1 \
+                    or data.compress_type != zipfile.ZIP_STORED or pkl.file_size > 1 << 16 \
+                    or data.file_size != math.prod(sizes) * dtype.itemsize:
+                return None
+            if (z.read(order).decode() if order is not None else "little") != sys.byteorder:
+                return None
+            what = _RecordUnpickler(io.BytesIO(z.read(pkl))).load()
+            strides = tuple(math.prod(sizes[d + 1:]) for d in range(len(sizes)))
+            if not (isinstance(what, tuple) and what[0] == "tensor" and isinstance(what[1], _Storage)
+                    and what[1].key[2:3] == ("0",) and what[2:] == (0, tuple(sizes), strides)):
+                return None
+            window.seek(data.header_offset)
+            header = window.read(30)
+            if len(header) != 30 or header[:4] != b"PK\x03\x04":
+                return None
+            start = data.header_offset + 30 + int.from_bytes(header[26:28], "little") + \
+                int.from_bytes(header[28:30], "little")
+            return start if start + data.file_size <= window.chunk.length else None
+    except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError, UnicodeDecodeError, IndexError):
+        return None  # not the plain form: decoded whole by torch.load, which says what is wrong

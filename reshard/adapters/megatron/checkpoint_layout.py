@@ -113,7 +113,9 @@ def checkpoint_layout(ckpt: Checkpoint, spec: ModelSpec, *, readers: int = 1,
     if like is not None:
         problems += layout_problems(layout, like)
     if problems:
-        raise LayoutMismatchError("megatron-ckpt", problems, where=f"the checkpoint {ckpt.path} ({facts})")
+        fix = (f"declare the model's dtype as the checkpoint's, {facts.dtype} (ModelSpec dtype, CLI --dtype)"
+               if any(" tensors are saved as " in p for p in problems) else "")
+        raise LayoutMismatchError("megatron-ckpt", problems, fix=fix, where=f"the checkpoint {ckpt.path} ({facts})")
     return layout
 
 
@@ -123,6 +125,7 @@ def checkpoint_problems(ckpt: Checkpoint, layout: MegatronLayout) -> list[str]:
     if (layout.tp, layout.pp, layout.ep, layout.vpp) != (1, 1, 1, 1):
         return [f"a checkpoint is read as tp=pp=ep=vpp=1 (it stores global tensors), not {layout}"]
     problems, used = [], set()
+    dtypes: dict[tuple[torch.dtype, torch.dtype], list[str]] = {}
     for name, shape in layout.rank_tensors(0).items():
         keys, index = checkpoint_key(name)
         found = [k for k in keys if k in ckpt.tensors]
@@ -137,8 +140,9 @@ def checkpoint_problems(ckpt: Checkpoint, layout: MegatronLayout) -> list[str]:
             problems.append(f"{name}: the checkpoint's {saved.key} has shape {saved.shape}, which holds no "
                             f"{tuple(shape)} at {index}")
         elif saved.dtype != want_dtype:
-            problems.append(f"{name}: the checkpoint saved {saved.key} as {saved.dtype}, the layout is "
-                            f"{want_dtype}")
+            dtypes.setdefault((saved.dtype, want_dtype), []).append(name)
+    problems += [f"{len(names)} tensors are saved as {got}, the layout declares {want} (e.g. {names[0]})"
+                 for (got, want), names in dtypes.items()]
     for key, saved in ckpt.tensors.items():
         if key in used or key.endswith(_SKIP):
             continue

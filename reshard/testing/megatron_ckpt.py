@@ -58,7 +58,9 @@ def reference_job(tiny: TinyGPT, path: str, out: str) -> None:
     hf = allocate(dst)
     execute_local(compile_plan(layout, dst), {0: source_tensors(chunks, layout)}, hf)
     save_file(hf[0], f"{out}/reference.safetensors")
-    tiny.hf_config().save_pretrained(out)
+    config = tiny.hf_config()
+    config.architectures = ["Qwen3MoeForCausalLM" if tiny.num_experts else "Qwen3ForCausalLM"]
+    config.save_pretrained(out)
 
 
 def reader_job(path: str, config: str, out: str, dtype: str) -> None:
@@ -95,3 +97,34 @@ def reader_job(path: str, config: str, out: str, dtype: str) -> None:
                                                          "chunks_read": ckpt.chunks_read}))
     if me == 0:
         save_file(out_tensors[0], f"{out}/readers.safetensors")
+
+
+CASES: dict[str, tuple[TinyGPT, int, dict[str, int]]] = {  # name -> (model, world, parallel sizes) of saved cases
+    "dense_tp2": (TinyGPT(), 2, {"tp": 2}),
+    "dense_pp2_vpp2_tied": (TinyGPT(tied=True), 2, {"pp": 2, "vpp": 2}),
+    "moe_tp2_ep2_etp2": (TinyGPT(num_experts=4), 4, {"tp": 2, "ep": 2, "etp": 2}),
+}
+
+
+def save_case(name: str, out: str) -> None:
+    """Save case `name` into `out/ckpt` and its megatron-loader reference into `out/ref` (HF config and
+    reference.safetensors): what the vLLM stage, which has no megatron-core, compares against."""
+    import tempfile
+    from pathlib import Path
+
+    from .megatron_cpu import run_ranks
+
+    tiny, world, sizes = CASES[name]
+    ckpt, ref = Path(out, "ckpt"), Path(out, "ref")
+    ckpt.mkdir(parents=True)
+    ref.mkdir(parents=True)
+    with tempfile.TemporaryDirectory() as errdir:
+        run_ranks(world, save_job, tiny, sizes, str(ckpt), errdir=errdir, timeout=300)
+        run_ranks(1, reference_job, tiny, str(ckpt), str(ref), errdir=errdir, timeout=300)
+
+
+if __name__ == "__main__":  # python -m reshard.testing.megatron_ckpt OUT CASE...
+    import sys
+
+    for case_name in sys.argv[2:]:
+        save_case(case_name, f"{sys.argv[1]}/{case_name}")

@@ -117,6 +117,7 @@ class Checkpoint:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _starts: dict[SavedChunk, int | None] = field(default_factory=dict, repr=False)
     _fds: dict[str, int] = field(default_factory=dict, repr=False)
+    _by_first: dict[str, dict[int, list[SavedChunk]]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.tensors = MappingProxyType(dict(self.tensors))
@@ -141,6 +142,23 @@ class Checkpoint:
         """Bytes of the shard files' tensor records (what reading every tensor reads)."""
         return sum(c.length for t in self.tensors.values() for c in t.chunks)
 
+    def holds(self, key: str, index: tuple[int, ...]) -> bool:
+        """Whether the slice at `index` of the leading (layer, expert) axes of `key` is saved whole."""
+        saved = self.tensors[key]
+        with self._lock:
+            by_first = self._by_first.get(key)
+            if by_first is None:
+                by_first = self._by_first[key] = {}
+                for c in saved.chunks:
+                    by_first.setdefault(c.offsets[0] if c.offsets else 0, []).append(c)
+        want = math.prod(saved.shape[len(index):])
+        box = (tuple(index) + (0,) * (len(saved.shape) - len(index)), (1,) * len(index) + saved.shape[len(index):])
+        got = 0
+        for c in by_first.get(index[0], ()) if index else saved.chunks:
+            inter = c.intersect(*box)
+            got += math.prod(hi - lo for lo, hi in inter) if inter is not None else 0
+        return got == want
+
     def read(self, key: str, offsets: tuple[int, ...] | None = None,
              lengths: tuple[int, ...] | None = None) -> torch.Tensor:
         """The box (offsets, lengths) of tensor `key` (the whole tensor by default), read from the chunks that
@@ -154,10 +172,11 @@ class Checkpoint:
                 o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, lengths, saved.shape)):
             raise CheckpointError(str(self.path), [f"box {offsets} + {lengths} is outside {key} {saved.shape}"])
         out = torch.empty(lengths, dtype=saved.dtype)
-        for chunk in saved.chunks:
-            box = chunk.intersect(offsets, lengths)
-            if box is None:
-                continue
+        boxes = [(chunk, box) for chunk in saved.chunks if (box := chunk.intersect(offsets, lengths)) is not None]
+        if sum(math.prod(hi - lo for lo, hi in box) for _, box in boxes) != math.prod(lengths):
+            raise CheckpointError(str(self.path), [f"{key}: the box {offsets} + {lengths} is not saved whole (a "
+                                                   "layer or expert the checkpoint does not hold)"])
+        for chunk, box in boxes:
             out[tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(box, offsets))] = self._read_box(saved, chunk, box)
         return out
 
@@ -311,7 +330,9 @@ def _tensors(root: Path, metadata: Any) -> tuple[dict[str, SavedTensor], list[st
 
 
 def _coverage_problems(key: str, shape: tuple[int, ...], chunks: list[SavedChunk]) -> list[str]:
-    """Every element of the tensor in exactly one chunk: on the grid of all chunk edges, each cell once."""
+    """No element of the tensor in two chunks, and every element in one -- except whole slices of the leading
+    (layer, expert) axes of a stacked layer tensor: megatron-core gives a tensor of some layers only (the dense
+    MLP of a model whose other layers are MoE) the global layer axis, with chunks at the layers that have it."""
     cuts = [sorted({0, s, *(c.offsets[d] for c in chunks), *(c.offsets[d] + c.sizes[d] for c in chunks)})
             for d, s in enumerate(shape)]
     cells = math.prod(len(c) - 1 for c in cuts)
@@ -321,11 +342,21 @@ def _coverage_problems(key: str, shape: tuple[int, ...], chunks: list[SavedChunk
     grid = np.zeros([len(c) - 1 for c in cuts], dtype=np.int32)
     for c in chunks:
         grid[tuple(slice(at[o], at[o + n]) for at, o, n in zip(index, c.offsets, c.sizes))] += 1
-    if grid.size and (grid == 1).all():
-        return []
-    holes, twice = int((grid == 0).sum()), int((grid > 1).sum())
-    return [f"{key}: its chunks leave {holes} cells of the chunk grid unwritten and write {twice} more than once "
-            "(chunks must tile the tensor exactly)"] if (holes or twice) else []
+    twice = int((grid > 1).sum())
+    lead = min(leading_axes(key), grid.ndim)
+    holes = grid.reshape(grid.shape[:lead] + (-1,)) if lead else grid.reshape(1, -1)
+    partial = int(((holes == 0).any(-1) & (holes > 0).any(-1)).sum()) if holes.size else 0
+    if lead == 0 and holes.size and (holes == 0).any():
+        partial = int((holes == 0).sum())
+    if twice or partial:
+        return [f"{key}: its chunks write {twice} cells of the chunk grid more than once and leave {partial} "
+                "slices partly unwritten (chunks must tile the tensor, or whole layers of it)"]
+    return []
+
+
+def leading_axes(key: str) -> int:
+    """Stacked axes in front of a layer's tensor: (layer,) or (layer, expert) for decoder layers, none otherwise."""
+    return 0 if not key.startswith("decoder.layers.") else 2 if ".experts.experts." in key else 1
 
 
 class _Window(io.RawIOBase):

@@ -31,7 +31,7 @@ import torch
 from ...errors import LayoutError, LayoutMismatchError
 from ...executors.local import torch_dtype
 from ...layouts import MegatronLayout, ModelSpec
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, leading_axes
 from .check import layout_problems
 from .derive import vocab_divisor
 
@@ -139,6 +139,8 @@ def checkpoint_problems(ckpt: Checkpoint, layout: MegatronLayout) -> list[str]:
         if len(lead) != len(index) or any(i >= n for i, n in zip(index, lead)) or rest != tuple(shape):
             problems.append(f"{name}: the checkpoint's {saved.key} has shape {saved.shape}, which holds no "
                             f"{tuple(shape)} at {index}")
+        elif index and not ckpt.holds(saved.key, index):
+            problems.append(f"{name}: the checkpoint's {saved.key} does not hold {index} (layer, expert) whole")
         elif saved.dtype != want_dtype:
             dtypes.setdefault((saved.dtype, want_dtype), []).append(name)
     problems += [f"{len(names)} tensors are saved as {got}, the layout declares {want} (e.g. {names[0]})"
@@ -149,15 +151,11 @@ def checkpoint_problems(ckpt: Checkpoint, layout: MegatronLayout) -> list[str]:
         problems.append(f"the checkpoint's {key} {saved.shape} is not a tensor of the {layout.model.family} spec "
                         "(a refit would not read it)")
     for key in used:  # every layer / expert of the checkpoint must be one of the spec's
-        saved, lead = ckpt.tensors[key], _lead(key)
+        saved, lead = ckpt.tensors[key], leading_axes(key)
         want = (layout.model.num_layers, layout.model.num_experts)[:lead]
         if saved.shape[:lead] != want:
             problems.append(f"the checkpoint's {key} has {saved.shape[:lead]} (layers, experts), the spec {want}")
     return problems
-
-
-def _lead(key: str) -> int:
-    return 0 if not key.startswith("decoder.layers.") else 2 if ".experts.experts." in key else 1
 
 
 def checkpoint_tensors(ckpt: Checkpoint, plan, rank: int) -> dict[str, torch.Tensor]:

@@ -188,9 +188,30 @@ def test_metadata_with_a_hole_or_an_overlap_is_refused(dense):
     with pytest.raises(CheckpointError) as exc:
         open_checkpoint(ckpt)
     text = _problems(exc)
-    assert f"{key}: its chunks leave" in text
+    assert f"{key}: its chunks write 0 cells of the chunk grid more than once and leave 1 slices partly" in text
     assert "output_layer.weight: chunk 0" in text or "output_layer.weight: its chunks" in text
 
+
+
+def test_a_layer_missing_from_the_checkpoint_is_refused_by_the_layout_check(dense):
+    ckpt, ref = dense
+    key = "decoder.layers.self_attention.q_layernorm.weight"
+
+    def drop_layer(md):  # a whole layer of a stacked tensor: how megatron saves a tensor only some layers have
+        md.state_dict_metadata[key].chunks = [c for c in md.state_dict_metadata[key].chunks if c.offsets[0] != 3]
+
+    _rewrite_metadata(ckpt, drop_layer)
+    from reshard.layouts import ModelSpec
+
+    reader = open_checkpoint(ckpt)  # a whole missing layer is a valid stacked tensor
+    spec = ModelSpec(**{**ModelSpec.from_hf_config(str(ref / "config.json")).model_dump(), "dtype": "float32"})
+    with pytest.raises(LayoutMismatchError) as exc:
+        checkpoint_layout(reader, spec)
+    assert f"decoder.layers.3.self_attention.q_layernorm.weight: the checkpoint's {key} does not hold (3,)" \
+        in _problems(exc)
+    with pytest.raises(CheckpointError, match="is not saved whole"):
+        reader.read(key, (3, 0), (1, 32))
+    assert reader.bytes_read == 0
 
 
 def test_metadata_without_a_storage_entry_is_refused(dense):

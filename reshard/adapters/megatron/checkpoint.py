@@ -191,16 +191,34 @@ class Checkpoint:
         first = sum(lo * s for (lo, _), s in zip(local, strides))
         last = sum((hi - 1) * s for (_, hi), s in zip(local, strides)) + 1
         size = saved.dtype.itemsize
-        span = self._read(saved, chunk, chunk.offset + start + first * size, (last - first) * size)
-        flat = torch.frombuffer(bytearray(span), dtype=saved.dtype) if span else torch.empty(0, dtype=saved.dtype)
+        flat = torch.empty(last - first, dtype=saved.dtype)
+        self._read_into(saved, chunk, chunk.offset + start + first * size, flat)
         return flat.as_strided([hi - lo for lo, hi in local], strides)
 
-    def _read(self, saved: SavedTensor, chunk: SavedChunk, offset: int, length: int) -> bytes:
+    def _read_into(self, saved: SavedTensor, chunk: SavedChunk, offset: int, out: torch.Tensor) -> None:
+        """Read the bytes at `offset` straight into `out` (one copy, no intermediate buffer)."""
+        view = memoryview(out.view(torch.uint8).numpy()).cast("B") if out.numel() else memoryview(b"")
+        fd = self._fd(chunk.file)
+        done = 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise CheckpointError(str(self.path), [f"{saved.key}: {chunk.file} ends before byte "
+                                                       f"{offset + len(view)} (the file was truncated after the "
+                                                       "checkpoint was opened)"])
+            done += n
         with self._lock:
-            fd = self._fds.get(chunk.file)
+            self.bytes_read += done
+
+    def _fd(self, file: str) -> int:
+        with self._lock:
+            fd = self._fds.get(file)
             if fd is None:
-                fd = self._fds[chunk.file] = os.open(self.path / chunk.file, os.O_RDONLY)
-        data = os.pread(fd, length, offset)  # no shared file position: readers may run in threads
+                fd = self._fds[file] = os.open(self.path / file, os.O_RDONLY)
+            return fd
+
+    def _read(self, saved: SavedTensor, chunk: SavedChunk, offset: int, length: int) -> bytes:
+        data = os.pread(self._fd(chunk.file), length, offset)  # no shared file position: readers may run in threads
         with self._lock:
             self.bytes_read += len(data)
         if len(data) != length:

@@ -38,7 +38,7 @@ def reports(tmp_path_factory):
         running[world] = launch(sys.executable, HERE / "checkpoint_checks.py", [str(out / f"w{world}"), moe_hf,
                                                                                  *cases], world, out)
     for procs in running.values():
-        wait(procs, timeout=900)
+        wait(procs, timeout=1200)
     return {world: [json.loads((out / f"w{world}" / f"rank{r}.json").read_text()) for r in range(world)]
             for world in (1, 2)}
 

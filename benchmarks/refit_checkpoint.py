@@ -176,8 +176,8 @@ def main() -> int:
     print(f"{'path':48s} {'read GB':>9s} {'written GB':>11s} {'wall s':>8s} {'GB/s read':>10s}")
     for name, read, written, secs in rows:
         print(f"{name:48s} {read / gb:9.3f} {written / gb:11.3f} {secs:8.2f} {read / gb / secs:10.2f}")
-    print(f"reshard readers read {[round(b / gb, 3) for b in r['per_reader']]} GB each; plan {r['plan_seconds']:.2f} s; "
-          f"convert's process including megatron-core import and model build {c['process_seconds']:.1f} s")
+    print(f"reshard readers read {[round(b / gb, 3) for b in r['per_reader']]} GB each; "
+          f"plan {r['plan_seconds']:.2f} s; convert's process including megatron-core import and model build {c['process_seconds']:.1f} s")
     if args.json:
         Path(args.json).write_text(json.dumps({"best": best, "save_seconds": save_s}, indent=1))
     return 0

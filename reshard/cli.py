@@ -210,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("plan", help="compile a refit plan (a dry run: nothing moves)")
     p.add_argument("--model", required=True, help="HF config.json (or a checkpoint directory holding one)")
     p.add_argument("--dtype", help="override the model's dtype (e.g. float8_e4m3fn to size an FP8 refit)")
-    p.add_argument("--src", required=True, help="source layout, e.g. megatron:tp=4,pp=2,ep=8,etp=1,world=64; or megatron-ckpt:PATH[,readers=N], a "
-                   "megatron-core torch_dist checkpoint read by N processes")
+    p.add_argument("--src", required=True, help="source layout, e.g. megatron:tp=4,pp=2,ep=8,etp=1,world=64; or "
+                   "megatron-ckpt:PATH[,readers=N], a megatron-core torch_dist checkpoint read by N processes")
     p.add_argument("--dst", required=True, help="destination layout, e.g. vllm:tp=8,replicas=8")
     p.add_argument("--fp8", nargs="?", const=True, default=False, metavar="CONFIG",
                    help="an FP8 block-scaled destination, from the quantization_config of --model's config (or of "

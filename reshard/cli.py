@@ -80,6 +80,30 @@ def _topology(args: argparse.Namespace):
                     pipelined=args.pipelined, dst_first_gpu=args.dst_first_gpu)
 
 
+CHECKPOINT_SOURCE = "megatron-ckpt:"
+
+
+def _source(text: str, model):
+    """A declared layout, or `megatron-ckpt:PATH[,readers=N]`: the reader layout of a megatron-core torch_dist
+    checkpoint, derived from its metadata and checked against the model (no tensor is read)."""
+    from .layouts import parse_layout
+
+    if not text.lower().startswith(CHECKPOINT_SOURCE):
+        return parse_layout(text, model)
+    path, readers = text[len(CHECKPOINT_SOURCE):], 1
+    head, sep, tail = path.rpartition(",readers=")
+    if sep:
+        if not _INT.fullmatch(tail.strip()) or not 1 <= int(tail) <= MAX_RANKS:
+            raise ArgumentError("--src", text, f"readers={tail!r} must be a whole number in [1, {MAX_RANKS}]")
+        path, readers = head, int(tail)
+    if not path:
+        raise ArgumentError("--src", text, "must name the checkpoint directory: megatron-ckpt:PATH[,readers=N]")
+    from .adapters.megatron.checkpoint import open_checkpoint
+    from .adapters.megatron.checkpoint_layout import checkpoint_layout
+
+    return checkpoint_layout(open_checkpoint(path), model, readers=readers)
+
+
 def _plan(args: argparse.Namespace) -> int:
     from .layouts import ModelSpec, parse_layout
     from .planner import compile_plan
@@ -89,7 +113,7 @@ def _plan(args: argparse.Namespace) -> int:
     model = ModelSpec.from_hf_config(args.model)
     if args.dtype is not None:
         model = ModelSpec(**{**model.model_dump(), "dtype": args.dtype})
-    src, dst = parse_layout(args.src, model), parse_layout(args.dst, model)
+    src, dst = _source(args.src, model), parse_layout(args.dst, model)
     layers = _ints("--layers", args.layers, 0, model.num_layers) if args.layers is not None else None
     tensors = args.tensors.split(",") if args.tensors is not None else None
     colocated = args.colocated
@@ -186,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("plan", help="compile a refit plan (a dry run: nothing moves)")
     p.add_argument("--model", required=True, help="HF config.json (or a checkpoint directory holding one)")
     p.add_argument("--dtype", help="override the model's dtype (e.g. float8_e4m3fn to size an FP8 refit)")
-    p.add_argument("--src", required=True, help="source layout, e.g. megatron:tp=4,pp=2,ep=8,etp=1,world=64")
+    p.add_argument("--src", required=True, help="source layout, e.g. megatron:tp=4,pp=2,ep=8,etp=1,world=64; or "
+                   "megatron-ckpt:PATH[,readers=N], a megatron-core torch_dist checkpoint read by N processes")
     p.add_argument("--dst", required=True, help="destination layout, e.g. vllm:tp=8,replicas=8")
     p.add_argument("--fp8", nargs="?", const=True, default=False, metavar="CONFIG",
                    help="an FP8 block-scaled destination, from the quantization_config of --model's config (or of "

@@ -80,6 +80,10 @@ def parse_layout(text: str, model: ModelSpec) -> Layout:
         raise LimitError("layout", f"{text[:40]}...", MAX_LAYOUT_TEXT, "characters of a layout string")
     kind, _, rest = text.partition(":")
     kind = kind.strip().lower()
+    if kind == "megatron-ckpt":  # derived from a checkpoint's files, which layouts never read
+        raise LayoutError(kind, "a checkpoint's layout is derived from its metadata, not declared",
+                          {"layout": text}, fix="use reshard.adapters.megatron.checkpoint_layout(open_checkpoint("
+                          "path), spec), or `reshard plan --src megatron-ckpt:PATH`")
     if kind not in LAYOUT_KINDS:
         raise LayoutError(kind or text, f"unknown layout kind {kind!r}; expected one of {sorted(LAYOUT_KINDS)}",
                           {"kind": kind})

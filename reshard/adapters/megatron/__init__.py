@@ -12,14 +12,22 @@ Lifecycle on every trainer rank (megatron is imported lazily, only by these modu
      the map an executor sends from: zero copy unless a dtype change is asked for.
 Steps 2-4 are functions of the facts alone; given the model instead, each reads it once itself.
 `spec_from_megatron` builds the canonical ModelSpec from the model's config when no HF config is at hand.
+
+A saved training step is a source too, with no live model: `open_checkpoint(path)` (a megatron-core torch_dist
+checkpoint, validated), `checkpoint_layout(ckpt, spec, readers=n)`, `checkpoint_tensors(ckpt, plan, rank)` (each
+reader's part, read by byte range), and `export_hf` (an HF directory straight from the checkpoint).
 """
 from .bind import source_tensors
+from .checkpoint import Checkpoint, CheckpointError, open_checkpoint
+from .checkpoint_layout import checkpoint_layout, checkpoint_tensors, saved_facts
+from .checkpoint_refit import export_hf
 from .check import layer_problems, layout_problems, rank_problems, verify
 from .derive import derive_layout, layout_from_facts, vocab_divisor
 from .model import ConfigFacts, ModelFacts, Topology, read_model, read_topology
 from .naming import naming_of
 from .spec import spec_from_megatron, spec_problems
 
-__all__ = ["ConfigFacts", "ModelFacts", "Topology", "derive_layout", "layer_problems", "layout_from_facts",
+__all__ = ["Checkpoint", "CheckpointError", "ConfigFacts", "checkpoint_layout", "checkpoint_tensors", "export_hf",
+           "open_checkpoint", "saved_facts", "ModelFacts", "Topology", "derive_layout", "layer_problems", "layout_from_facts",
            "layout_problems", "naming_of", "rank_problems", "read_model", "read_topology", "source_tensors",
            "spec_from_megatron", "spec_problems", "verify", "vocab_divisor"]

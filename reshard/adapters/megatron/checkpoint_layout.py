@@ -1,0 +1,201 @@
+"""A torch_dist checkpoint as a refit source: its layout, checked against the spec, and the tensors each reader
+process sends, read lazily from the shard files.
+
+megatron-core saves global tensors (see checkpoint.py), so the checkpoint *is* a TP=1, PP=1, EP=1 Megatron
+model whatever layout trained it; which pipeline stage, virtual chunk, expert-parallel rank or naming scheme
+saved a layer is not part of the format (layers and experts sit at their global numbers, and the local and
+TransformerEngine specs save under the same keys), so no rank order on disk can misplace a byte. The reader
+layout is therefore `MegatronLayout(tp=1, pp=1, ep=1, world=readers)`: `readers` processes, each holding the
+whole model as a data-parallel replica, among which the planner spreads the reading (each reader reads only the
+rows of the tensors the plan has it send).
+
+Lifecycle of a refit from a checkpoint (each reader process):
+  1. `ckpt = open_checkpoint(path)` validates the metadata (no tensor is read);
+  2. `layout = checkpoint_layout(ckpt, spec, readers=n)` derives the reader layout (vocabulary padding and
+     dtype from the checkpoint) and checks every tensor of it against the checkpoint (all problems at once);
+  3. `plan = compile(layout, destination)`;
+  4. `checkpoint_tensors(ckpt, plan, rank)`: {physical name: tensor} of reader `rank`, holding what it sends;
+     hand it to an executor as a live trainer rank's source tensors. `ckpt.bytes_read` counts what was read.
+`saved_facts(ckpt)` reports what the checkpoint says about the layout that saved it (tensor and expert-tensor
+parallel sizes from how its chunks cut a tensor, vocabulary padding, layers, experts).
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ...errors import LayoutError, LayoutMismatchError
+from ...executors.local import torch_dtype
+from ...layouts import MegatronLayout, ModelSpec
+from .checkpoint import Checkpoint, leading_axes
+from .check import layout_problems
+from .derive import vocab_divisor
+
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight")
+# megatron-core's checkpoint keys of the local spec's separate norms (sharded_state_dict_keys_map: the keys of the
+# TransformerEngine spec, whose norms are fused into the next linear); a MoE layer of the TE spec keeps its own
+# pre_mlp_layernorm, saved under its own name.
+_NORM_KEYS = {"input_layernorm.weight": ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
+              "pre_mlp_layernorm.weight": ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")}
+_SKIP = ("._extra_state",)  # TransformerEngine's FP8 metadata: not weights
+
+
+@dataclass(frozen=True)
+class SavedFacts:
+    """What a checkpoint's metadata says about the model and the layout that saved it."""
+    padded_vocab: int | None  # rows of the embedding
+    num_layers: int | None  # the layer axis of the stacked layer tensors
+    num_experts: int | None
+    tied: bool  # no output_layer saved
+    dtype: str | None
+    tp: int | None  # how many row chunks one layer's linear_qkv has
+    etp: int | None  # how many row chunks one expert's linear_fc2 has on its columns
+
+    def __str__(self) -> str:
+        return (f"saved by tp={self.tp}, etp={self.etp}: {self.num_layers} layers, {self.num_experts or 0} experts, "
+                f"vocab {self.padded_vocab} rows, {self.dtype}{', tied' if self.tied else ''}")
+
+
+def checkpoint_key(name: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """Candidate checkpoint keys of a TP=1 Megatron physical tensor (local names) and its index on the leading
+    (layer, expert) axes: decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight ->
+    ('decoder.layers.mlp.experts.experts.linear_fc1.weight',), (3, 5)."""
+    m = _LAYER.fullmatch(name)
+    if m is None:
+        return (name,), ()
+    layer, rest = int(m[1]), m[2]
+    e = _EXPERT.fullmatch(rest)
+    if e is not None:
+        return (f"decoder.layers.mlp.experts.experts.{e[2]}.weight",), (layer, int(e[1]))
+    return tuple(f"decoder.layers.{k}" for k in _NORM_KEYS.get(rest, (rest,))), (layer,)
+
+
+def saved_facts(ckpt: Checkpoint) -> SavedFacts:
+    t = ckpt.tensors
+    embed = t.get("embedding.word_embeddings.weight")
+    qkv = t.get("decoder.layers.self_attention.linear_qkv.weight")
+    fc2 = t.get("decoder.layers.mlp.experts.experts.linear_fc2.weight")
+    layered = [s for k, s in t.items() if k.startswith("decoder.layers.") and not k.endswith(_SKIP)]
+
+    def cuts(saved, dim: int, prefix: int) -> int | None:  # chunks of the first (layer, expert) along dim
+        if saved is None:
+            return None
+        first = [c for c in saved.chunks if all(o == 0 for o in c.offsets[:prefix])]
+        return len({c.offsets[dim] for c in first})
+
+    return SavedFacts(padded_vocab=embed.shape[0] if embed else None,
+                      num_layers=layered[0].shape[0] if layered else None,
+                      num_experts=fc2.shape[1] if fc2 else None, tied="output_layer.weight" not in t,
+                      dtype=str(embed.dtype).removeprefix("torch.") if embed else None,
+                      tp=cuts(qkv, 1, 1), etp=cuts(fc2, 3, 2))
+
+
+def checkpoint_layout(ckpt: Checkpoint, spec: ModelSpec, *, readers: int = 1,
+                      like: MegatronLayout | None = None) -> MegatronLayout:
+    """The reader layout of `ckpt` for the canonical model `spec` (TP=1, PP=1, EP=1, `readers` data-parallel
+    replicas, vocabulary padding of the checkpoint), checked against the checkpoint: raises LayoutMismatchError
+    naming every problem (and every difference from `like`, a declared layout) before anything is read."""
+    facts = saved_facts(ckpt)
+    if facts.padded_vocab is None:
+        raise LayoutMismatchError("megatron-ckpt", ["the checkpoint has no embedding.word_embeddings.weight"],
+                                  where=f"the checkpoint {ckpt.path}")
+    try:
+        divisor = vocab_divisor(spec.vocab_size, facts.padded_vocab, 1, like)
+    except LayoutError as e:
+        raise LayoutMismatchError("megatron-ckpt", [str(e)], where=f"the checkpoint {ckpt.path}") from None
+    layout = MegatronLayout(model=spec, tp=1, pp=1, ep=1, etp=1, world=readers, vocab_divisor=divisor)
+    problems = checkpoint_problems(ckpt, layout)
+    if like is not None:
+        problems += layout_problems(layout, like)
+    if problems:
+        fix = (f"declare the model's dtype as the checkpoint's, {facts.dtype} (ModelSpec dtype, CLI --dtype)"
+               if any(" tensors are saved as " in p for p in problems) else "")
+        raise LayoutMismatchError("megatron-ckpt", problems, fix=fix, where=f"the checkpoint {ckpt.path} ({facts})")
+    return layout
+
+
+def checkpoint_problems(ckpt: Checkpoint, layout: MegatronLayout) -> list[str]:
+    """Every tensor of the layout's rank 0 against the checkpoint (key, shape, dtype), and every saved weight no
+    tensor of the layout reads."""
+    if (layout.tp, layout.pp, layout.ep, layout.vpp) != (1, 1, 1, 1):
+        return [f"a checkpoint is read as tp=pp=ep=vpp=1 (it stores global tensors), not {layout}"]
+    problems, used = [], set()
+    dtypes: dict[tuple[torch.dtype, torch.dtype], list[str]] = {}
+    for name, shape in layout.rank_tensors(0).items():
+        keys, index = checkpoint_key(name)
+        found = [k for k in keys if k in ckpt.tensors]
+        if not found:
+            problems.append(f"{name} {tuple(shape)}: none of {list(keys)} is in the checkpoint")
+            continue
+        saved = ckpt.tensors[found[0]]
+        used.add(saved.key)
+        want_dtype = torch_dtype(layout.tensor_dtype(0, name))
+        lead, rest = saved.shape[:len(index)], saved.shape[len(index):]
+        if len(lead) != len(index) or any(i >= n for i, n in zip(index, lead)) or rest != tuple(shape):
+            problems.append(f"{name}: the checkpoint's {saved.key} has shape {saved.shape}, which holds no "
+                            f"{tuple(shape)} at {index}")
+        elif index and not ckpt.holds(saved.key, index):
+            problems.append(f"{name}: the checkpoint's {saved.key} does not hold {index} (layer, expert) whole")
+        elif saved.dtype != want_dtype:
+            dtypes.setdefault((saved.dtype, want_dtype), []).append(name)
+    problems += [f"{len(names)} tensors are saved as {got}, the layout declares {want} (e.g. {names[0]})"
+                 for (got, want), names in dtypes.items()]
+    for key, saved in ckpt.tensors.items():
+        if key in used or key.endswith(_SKIP):
+            continue
+        problems.append(f"the checkpoint's {key} {saved.shape} is not a tensor of the {layout.model.family} spec "
+                        "(a refit would not read it)")
+    for key in used:  # every layer / expert of the checkpoint must be one of the spec's
+        saved, lead = ckpt.tensors[key], leading_axes(key)
+        want = (layout.model.num_layers, layout.model.num_experts)[:lead]
+        if saved.shape[:lead] != want:
+            problems.append(f"the checkpoint's {key} has {saved.shape[:lead]} (layers, experts), the spec {want}")
+    return problems
+
+
+def checkpoint_tensors(ckpt: Checkpoint, plan, rank: int) -> dict[str, torch.Tensor]:
+    """{physical name: tensor} of reader `rank` of `plan` (compiled from `checkpoint_layout`): the tensors it
+    sends, with the rows its ops read filled from the checkpoint. Everything else is left unwritten
+    (`torch.empty`: the executor checks every tensor of the rank but sends only what the plan reads; untouched
+    pages of a large allocation are never made resident)."""
+    ops = plan.ops_sent_by(rank)
+    table, layout = plan.src_tensors, plan.src
+    out = {}
+    for tid in np.flatnonzero(table.rank == rank):
+        name = table.names[tid]
+        key = next(k for k in checkpoint_key(name)[0] if k in ckpt.tensors)
+        out[name] = torch.empty(layout.rank_tensors(rank)[name], dtype=ckpt.tensors[key].dtype)
+    tensor_ids = ops["src_tensor"]
+    for tid in np.unique(tensor_ids):
+        name, units_shape = table.names[tid], tuple(table.shapes[tid])
+        shape = tuple(layout.rank_tensors(rank)[name])
+        keys, index = checkpoint_key(name)
+        key = next(k for k in keys if k in ckpt.tensors)
+        mine = tensor_ids == tid
+        inner = math.prod(units_shape[1:]) if len(units_shape) > 1 else None
+        t = out[name]
+        if inner is None:  # one dimension (norms): read it whole
+            spans = [(0, shape[0])]
+        else:
+            start = ops["src_offset"][mine]
+            last = start + (ops["rows"][mine] - 1) * ops["src_stride"][mine] + ops["cols"][mine] - 1
+            spans = _merge(zip((start // inner).tolist(), (last // inner + 1).tolist()))
+        for lo, hi in spans:
+            box = ckpt.read(key, index + (lo,) + (0,) * (len(shape) - 1), (1,) * len(index) + (hi - lo,) + shape[1:])
+            t[lo:hi] = box.reshape((hi - lo,) + shape[1:])
+    return out
+
+
+def _merge(spans) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for lo, hi in sorted(spans):
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return [(lo, hi) for lo, hi in out]

@@ -1,0 +1,73 @@
+"""Refits straight from a megatron-core torch_dist checkpoint: into an HF directory (safetensors + config.json,
+what vLLM, transformers and PEFT tooling load), or, on each of several reader processes, into any destination
+an executor reaches (a running `vllm serve`, a Ray engine) as a trainer rank's source tensors would.
+
+No Megatron model is built and no HF copy of the whole checkpoint is staged: each reader reads, by byte range,
+only the chunks holding the rows its part of the plan sends (`checkpoint_layout.checkpoint_tensors`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...errors import ArgumentError
+from ...layouts import HfLayout, ModelSpec
+from .checkpoint import Checkpoint, open_checkpoint
+from .checkpoint_layout import checkpoint_layout, checkpoint_tensors
+
+
+@dataclass(frozen=True)
+class CheckpointRefit:
+    """What one refit from a checkpoint read and wrote."""
+    bytes_read: int  # from the shard files, torch.save framing included
+    bytes_written: int  # tensor data written into the destination
+    checkpoint_bytes: int  # every tensor record of the checkpoint
+    seconds: float
+
+    def to_dict(self) -> dict[str, float]:
+        return dict(bytes_read=self.bytes_read, bytes_written=self.bytes_written,
+                    checkpoint_bytes=self.checkpoint_bytes, seconds=self.seconds)
+
+
+def export_hf(checkpoint: str | os.PathLike[str] | Checkpoint, config: str | os.PathLike[str],
+              out: str | os.PathLike[str], *, dtype: str | None = None) -> CheckpointRefit:
+    """Write the HF directory of the model saved in `checkpoint` into `out` (an existing empty directory or a new
+    one): `model.safetensors` and `config` (the HF config.json, or a directory holding one) copied beside it.
+    The checkpoint is validated and checked against the config before anything is written."""
+    from safetensors.torch import save_file
+
+    from ...executors.local import allocate, execute_local
+    from ...planner import compile_plan
+
+    start = time.perf_counter()
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint)
+    config_file = Path(config) / "config.json" if Path(config).is_dir() else Path(config)
+    spec = ModelSpec.from_hf_config(str(config_file))
+    if dtype is not None:
+        spec = ModelSpec(**{**spec.model_dump(), "dtype": dtype})
+    target = Path(out)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise ArgumentError("out", str(target), "must be a new or empty directory")
+    before = ckpt.bytes_read
+    src = checkpoint_layout(ckpt, spec)
+    dst = HfLayout(model=spec)
+    plan = compile_plan(src, dst)
+    hf = allocate(dst)
+    execute_local(plan, {0: checkpoint_tensors(ckpt, plan, 0)}, hf)
+    target.mkdir(parents=True, exist_ok=True)
+    save_file(hf[0], str(target / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copyfile(config_file, target / "config.json")
+    written = sum(t.numel() * t.element_size() for t in hf[0].values())
+    return CheckpointRefit(ckpt.bytes_read - before, written, ckpt.record_bytes, time.perf_counter() - start)
+
+
+def summary(ckpt: Checkpoint) -> str:
+    """One line: the checkpoint and what its metadata says (for logs and the CLI)."""
+    from .checkpoint_layout import saved_facts
+
+    return json.dumps({"checkpoint": str(ckpt.path), "tensors": len(ckpt.tensors), "bytes": ckpt.nbytes,
+                       "saved": str(saved_facts(ckpt))})

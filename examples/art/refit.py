@@ -102,6 +102,7 @@ def trainer(rank: int, job: dict[str, Any]) -> None:
     from reshard.adapters.megatron import derive_layout, read_model, source_tensors
     from reshard.executors import shard
 
+    # --8<-- [start:trainer]
     model = build_megatron_model(job["tp"], job["pp"])
     spec = reshard.ModelSpec.from_hf_config(job["checkpoint"])  # the canonical model, as the server reads it
     facts = read_model([model])
@@ -131,6 +132,7 @@ def trainer(rank: int, job: dict[str, Any]) -> None:
                                       "checksums": server.weight_checksums(), "landed": server.landed()})
     finally:
         session.close()
+    # --8<-- [end:trainer]
     if rank == 0:
         Path(job["out"]).write_text(json.dumps(out))
 

@@ -83,6 +83,7 @@ def reader_job(path: str, config: str, out: str, dtype: str) -> None:
 
     me, world = dist.get_rank(), dist.get_world_size()
     spec = ModelSpec(**{**ModelSpec.from_hf_config(f"{config}/config.json").model_dump(), "dtype": dtype})
+    # --8<-- [start:read_checkpoint]
     ckpt = open_checkpoint(path)
     src = checkpoint_layout(ckpt, spec, readers=world)
     dst = HfLayout(model=spec)
@@ -93,6 +94,7 @@ def reader_job(path: str, config: str, out: str, dtype: str) -> None:
                              timeout=60.0)
     executor.refit()
     executor.close()
+    # --8<-- [end:read_checkpoint]
     Path(out, f"reader{me}.json").write_text(json.dumps({"bytes_read": ckpt.bytes_read,
                                                          "chunks_read": ckpt.chunks_read}))
     if me == 0:

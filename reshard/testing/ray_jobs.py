@@ -64,6 +64,7 @@ class MegatronTrainerActor:
         old = self.sessions.pop(g["name"], None)
         if old is not None:
             old.close()
+        # --8<-- [start:ray_trainer]
         dst = VllmLayout(model=self.spec, **g["dst"])
         refit = RefitSpec.of(self.spec, self.layout, dst, install="loader", transport=g.get("transport", "collective"),
                              fanout=g.get("fanout"), options=g.get("options", {}))
@@ -72,6 +73,7 @@ class MegatronTrainerActor:
         session = TrainerSession(refit, self.rank, self.tensors, engines=clients, trainer_group=dist.group.WORLD,
                                  timeout=g.get("timeout", 300.0))
         session.init()
+        # --8<-- [end:ray_trainer]
         self.sessions[g["name"]] = session
         return json.dumps(cache.stats())
 

@@ -20,24 +20,44 @@ SNIPPET = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
 def pages() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    """The README and the docs pages that hold python snippets."""
+    return [p for p in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))] if SNIPPET.search(p.read_text())]
 
 
 def test_docs_site_builds_strictly(tmp_path):
-    pytest.importorskip("mkdocstrings")
     out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
                           "-d", str(tmp_path / "site")], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     assert (tmp_path / "site" / "reference" / "reshard" / "index.html").exists()
 
 
+INCLUDE = re.compile(r'^--8<-- "([^":]+):([\w-]+)"$')
+TESTED_SOURCES = ("examples/", "reshard/testing/")  # run by the example tests / the integration tests
+
+
+def included(block: str) -> tuple[str, str] | None:
+    """(file, section) of a block that only includes a marked section of a file (pymdownx.snippets)."""
+    m = INCLUDE.match(block.strip())
+    return (m.group(1), m.group(2)) if m else None
+
+
 @pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_python_snippets_run(page, tmp_path):
     """A page's ```python blocks run in order in one fresh interpreter from the repository root (a later block may
-    use an earlier one's names); a block that shows a refusal catches it itself."""
-    blocks = SNIPPET.findall(page.read_text())
+    use an earlier one's names); a block that shows a refusal catches it itself. A block that includes a marked
+    section of a file the test suite runs (an example, a test job) is that file's code: the section must exist."""
+    blocks = []
+    for block in SNIPPET.findall(page.read_text()):
+        source = included(block)
+        if source is None:
+            blocks.append(block)
+            continue
+        path, section = source
+        assert path.startswith(TESTED_SOURCES), f"{page.name} includes {path}, which no test runs"
+        text = (ROOT / path).read_text()
+        assert f"[start:{section}]" in text and f"[end:{section}]" in text, f"{path} has no section {section}"
     if not blocks:
-        pytest.skip(f"{page.name} has no python snippet")
+        return  # every snippet of this page is an included section, checked above
     script = tmp_path / "snippets.py"
     script.write_text("\n\n".join(f"# --- block {i + 1}\n{b}" for i, b in enumerate(blocks)))
     out = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -87,3 +107,12 @@ def doc_problems(obj: object) -> list[str]:
 def test_every_public_name_documents_itself():
     problems = [f"{m}.{n}: {p}" for m, n, obj in public_names() for p in doc_problems(obj)]
     assert not problems, "\n".join(problems)
+
+
+def test_readme_is_a_front_door():
+    """One screen-ish: the two commands first (set-up + main job, set-up + tests), then where to go."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 150
+    first = re.search(r"^```bash\n(.*?)^```", text, re.S | re.M).group(1).strip().splitlines()
+    assert [line.split()[:2] for line in first] == [["scripts/reshard", "plan"], ["scripts/test"]]
+    assert text.index("```bash") < text.index("## ")

@@ -15,8 +15,8 @@ Lifecycle, the same for every executor:
         executor.refit()
     executor.close()
 
-Executors here: "local" (every rank in this process), "bound" (the same, views made once: small frequent refits), "distributed" (torch.distributed: gloo, NCCL; a group of
-this process's world or one made over a store), "nixl" (NIXL one-sided reads / writes), "shared" (one host,
+Executors here: "local" (every rank in this process), "bound" (the same, views made once: small frequent
+refits), "distributed" (torch.distributed: gloo, NCCL; a group of this process's world or one made over a store), "nixl" (NIXL one-sided reads / writes), "shared" (one host,
 separate processes: CUDA IPC on GPUs, shared memory on CPU). Each module registers itself when imported;
 `make_executor` imports it by name, so `import reshard` pulls in none of them.
 """

@@ -63,20 +63,24 @@ class ReshardCheckpointEngine:
 
     Args:
         bucket_size: bytes per batch handed to vLLM's loaders (NeMo-RL's resolved bucket size).
-        model: the HF checkpoint directory or config.json of the model vLLM serves (a dict of its config also works).
+        model: the HF checkpoint directory or config.json of the model vLLM serves (a dict of its config also
+            works).
         transport: "collective" (torch.distributed over a group both sides join at policy worker 0's store).
         host: the address policy worker 0's store listens on and every worker connects to.
         fanout: vLLM workers relaying to at most this many others (None: the policy workers feed every one).
-        checksum: hash every message and compare before anything is handed to vLLM (True: sha256, or "sum64"; None: on
-            with gloo; the executor hashes CPU tensors only, so NCCL refits rely on its completion agreement alone).
-        backend: the torch.distributed backend (None: NCCL where CUDA is available, else gloo; the same on every worker).
+        checksum: hash every message and compare before anything is handed to vLLM (True: sha256, or "sum64";
+            None: on with gloo; the executor hashes CPU tensors only, so NCCL refits rely on its completion
+            agreement alone).
+        backend: the torch.distributed backend (None: NCCL where CUDA is available, else gloo; the same on every
+            worker).
         device: where vLLM workers receive (None: CUDA when available, else CPU).
         dtype: the dtype the policy sends and vLLM loads (None: the checkpoint config's), e.g. "bfloat16".
         timeout: seconds any wait may go without progress.
         release_after_refit: NeMo-RL's key (its synchronizer then calls finalize after every refit); kept.
 
     Raises:
-        ArgumentError: an option of the wrong type or value (checked at construction, before any worker joins).
+        ArgumentError: an option of the wrong type or value (checked at construction, before any worker
+            joins).
         ExecutionError: from the refit methods, a peer that failed or a tensor the plan does not expect; nothing
             is yielded to vLLM, which keeps its weights.
     """

@@ -323,13 +323,14 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
 
     # One replica's ops, merged whichever holder sends them.
     d_rows = np.flatnonzero(d_data)
-    template = merge_template(_intersect(boxes, D, d_rows, d_tid, len(model.canonical)), boxes.hset, boxes.stride, boxes.hstart,
-                              boxes.hcount, boxes.h_tensor, boxes.h_base, boxes.h_stride)
+    template = merge_template(_intersect(boxes, D, d_rows, d_tid, len(model.canonical)), boxes.hset, boxes.stride,
+                              boxes.hstart, boxes.hcount, boxes.h_tensor, boxes.h_base, boxes.h_stride)
     group = template["group"]
     G = int(group[-1]) + 1 if len(group) else 0
     first_of_group = np.flatnonzero(np.diff(np.append(-1, group))) if G else np.zeros(0, np.int64)
     group_box = template["box"][first_of_group]
-    group_bytes = np.bincount(group, weights=template["rows"] * template["cols"], minlength=G).astype(np.int64) * itemsize
+    group_bytes = (np.bincount(group, weights=template["rows"] * template["cols"], minlength=G).astype(np.int64)
+                   * itemsize)
 
     # Who feeds whom: the forest over replicas, then a holder per fed replica and group.
     if fanout and roots is None:

@@ -2,7 +2,8 @@
 
 vLLM's CPU code picks kernels by asking torch what the CPU can do (AMX tiles above all: with AMX, post-load
 processing packs bf16 weights with `torch.ops._C.convert_weight_packed`; AVX-512 variants choose attention and
-convolution kernels), and torch's own kernels and oneDNN pick their instruction set from the CPU. Left alone, the same test takes different code on a developer's CPU and on CI's.
+convolution kernels), and torch's own kernels and oneDNN pick their instruction set from the CPU. Left alone, the
+same test takes different code on a developer's CPU and on CI's.
 So the suite pins the path, by construction rather than per test:
 
   RESHARD_TEST_CPU_PATH=vector   torch.cpu's AMX and AVX-512 checks answer False on every CPU (the default)

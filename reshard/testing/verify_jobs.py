@@ -11,7 +11,8 @@ slice-sensitivity audit must flag each one; a clean refit afterwards must pass a
 A job is JSON: {"tiny": TinyGPT fields and "tp", or "layout" (a MegatronLayout, JSON) and "hf" (the tiny HF
 config of the validate stages' model), "url", "server_tp", "checkpoint", "sequences", "dtype", "out",
 "bugs": [names of BUGS], "audit": [tensor names] or null (one of each kind), "controls": [tensor names audited
-with each bug], "fresh_only": bool, "audit_clean": bool}.
+with each bug], "silent": [names of BUGS planted without a training step before them: a dropped slice whose stale
+bytes equal the trainer's, which only the audit can see], "fresh_only": bool, "audit_clean": bool}.
 """
 from __future__ import annotations
 
@@ -158,11 +159,14 @@ def verify_server(job: dict[str, Any]) -> None:
             out["audit_clean"] = audit(chunks, live, do_refit, server, seqs, vocab_size=vocab, dtype=dtype,
                                        names=job.get("audit")).to_dict()
             out["audit_s"] = time.perf_counter() - t0
-        out["bugs"] = {}
-        for step, bug in enumerate(job.get("bugs", []), start=1):
-            with torch.no_grad():  # the trainer moves on, so rows the refit leaves stale differ from the trainer's
-                for t in live.values():
-                    t.copy_(train_step(t, step) * 0.5 + t * 0.5)
+        out["bugs"], out["silent"] = {}, {}
+        planted = [(b, True) for b in job.get("bugs", [])] + [(b, False) for b in job.get("silent", [])]
+        for step, (bug, moved) in enumerate(planted, start=1):
+            if moved:  # the trainer moves on, so rows the refit leaves stale differ from the trainer's
+                with torch.no_grad():
+                    for t in live.values():
+                        t.copy_(train_step(t, step) * 0.5 + t * 0.5)
+            # else the bug is silent when the engine's stale bytes equal the trainer's: only the audit can see it
             state["bug"] = bug
             do_refit()
             named = state["tensor"]
@@ -173,7 +177,7 @@ def verify_server(job: dict[str, Any]) -> None:
             state["bug"] = None
             do_refit()
             found["restored"] = measure(chunks, server, seqs, vocab_size=vocab, dtype=dtype).to_dict()
-            out["bugs"][bug] = found
+            out["bugs" if moved else "silent"][bug] = found
         session.close()
     except Exception:  # noqa: BLE001 - reported to the test
         out["exception"] = traceback.format_exc()

@@ -3,7 +3,8 @@
 Trainer: a live megatron-core GPT model on its ranks (the model chunks of this rank); every rank of the model
 calls `trainer_scores` together (pipeline stages pass activations, tensor-parallel logits are gathered); rank 0
 computes log-softmax in float32 over the canonical vocabulary (the padded rows are not the model's tokens).
-No vLLM is imported. Engine: anything with `prompt_logprobs(prompts)` answering (logprobs, argmax) per prompt
+No vLLM is imported; the forward is megatron-core's own (reshard.testing.megatron_cpu.forward_logits: pipeline
+stages by point-to-point sends, an explicit causal mask on the tokens' device). Engine: anything with `prompt_logprobs(prompts)` answering (logprobs, argmax) per prompt
 (reshard.adapters.server.VllmServer for a `vllm serve`).
 """
 from __future__ import annotations
@@ -38,12 +39,13 @@ def trainer_scores(chunks: list[Any], sequences: Sequence[Sequence[int]], vocab_
 
     seqs = check_sequences(sequences, vocab_size)
     logprobs, argmax = [], []
+    device = next(chunks[0].parameters()).device
     for seq in seqs:
-        logits = forward_logits(chunks, torch.tensor([seq]))
+        logits = forward_logits(chunks, torch.tensor([seq], device=device))
         if logits is None:
             continue
         lp = torch.log_softmax(logits[0, :-1, :vocab_size].float(), dim=-1)
-        nxt = torch.tensor(seq[1:])
+        nxt = torch.tensor(seq[1:], device=lp.device)
         logprobs.append(lp.gather(1, nxt[:, None])[:, 0].tolist())
         argmax.append(lp.argmax(-1).tolist())
     return Scores.of(logprobs, argmax) if logprobs else None

@@ -6,9 +6,12 @@ Per family (Qwen3 dense, Qwen3-MoE), one server started from a random checkpoint
 - megatron-core loaded with A against the fresh server (the baseline), then after a clean refit: within thresholds;
 - the slice-sensitivity audit of one tensor of each kind after the clean refit: every perturbation reaches the engine
   and moves its log-probabilities as it moves the trainer's;
-- planted bugs, each refit into the same server in turn (swapped experts, swapped gate/up halves, two query heads
-  exchanged, a shard shifted by one column, the last vocabulary rows left stale): the mismatch check fails, the
-  audit names the tensor, and a clean refit afterwards passes again;
+- planted bugs, each refit into the same server in turn after a training step (swapped experts, swapped gate/up
+  halves, two query heads exchanged, a shard shifted by one column, the last vocabulary rows left stale): the
+  mismatch check fails, the audit flags the tensor (and, the engine's model being wrong, also a correct control
+  tensor: its responses are taken at wrong weights), and a clean refit afterwards passes again;
+- the last vocabulary rows dropped with no training step before (the engine's stale rows equal the trainer's): the
+  mismatch check passes, as it must, and the audit names exactly that tensor;
 - `reshard verify` against A now fails: the server holds the trainer's later weights.
 """
 from __future__ import annotations
@@ -51,12 +54,16 @@ def test_mismatch_check_and_audit_catch_planted_bugs(family, tmp_path, capsys):
         assert cli(["verify", "--checkpoint", str(a), "--server", server.url, "--sequences", "2",
                     "--length", "16"]) == 0, capsys.readouterr().out
         job = {"tiny": fields, "tp": 2, "url": server.url, "checkpoint": str(a),
-               "sequences": _sequences(tiny.vocab_size), "out": str(out), "bugs": bugs}
+               "sequences": _sequences(tiny.vocab_size), "out": str(out), "bugs": bugs,
+               "controls": ["decoder.final_layernorm.weight"], "silent": ["drop last vocab rows"]}
         run_ranks(2, verify_server, job, timeout=1200, errdir=str(tmp_path))
         result = json.loads(out.read_text())
         assert "exception" not in result, result["exception"]
         assert cli(["verify", "--checkpoint", str(a), "--server", server.url, "--sequences", "2",
                     "--length", "16"]) == 1, "the server holds the trainer's later weights, not A's"
+    for bug, found in result.get("bugs", {}).items():  # shown with -s
+        print(family, bug, found["tensor"], [(e["tensor"], e["status"], round(e["relative_error"], 3))
+                                            for e in found["audit"]["entries"]])
     assert result["fresh"]["ok"], result["fresh"]
     assert result["clean"]["ok"], result["clean"]
     audited = result["audit_clean"]["entries"]
@@ -70,3 +77,9 @@ def test_mismatch_check_and_audit_catch_planted_bugs(family, tmp_path, capsys):
         assert found["tensor"] in found["audit"]["failed"], f"{bug}: the audit did not name {found['tensor']}: " \
             f"{found['audit']}"
         assert found["restored"]["ok"], f"{bug}: the clean refit after it: {found['restored']}"
+    # the dropped vocabulary rows again, with no training step before: the engine's stale rows equal the trainer's,
+    # so the mismatch check cannot see the bug; the audit can, and names only that tensor
+    silent = result["silent"]["drop last vocab rows"]
+    assert silent["mismatch"]["ok"], silent["mismatch"]
+    assert silent["audit"]["failed"] == ["output_layer.weight"], silent["audit"]
+    assert silent["restored"]["ok"]

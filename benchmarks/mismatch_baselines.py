@@ -3,7 +3,8 @@ reshard.verify's thresholds stand on measurements. For each (family, dtype): a r
 `vllm serve` (vLLM CPU build) started fresh from it, megatron-core (TP=2, gloo, CPU) loaded with the same
 checkpoint in the same dtype; the mismatch of the fresh server (the ceiling: no refit involved, only two engines'
 arithmetic), then after one reshard refit of the same weights, and transformers (fp32) on the checkpoint
-against the server (`reshard verify`). Prints one table.
+against the server (`reshard verify`); and the slice-sensitivity audit's worst relative response error of a
+correct refit. Prints a JSON line per measurement, then one table.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/mismatch_baselines.py [--families dense,moe] [--dtypes float32,bfloat16]
 """
@@ -17,10 +18,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from reshard.adapters.server import VllmServer
 from reshard.testing.megatron_cpu import TinyGPT, run_ranks
 from reshard.testing.serve import ServerProcess
-from reshard.testing.serve_jobs import make_checkpoint
+from reshard.testing.serve_jobs import load_checkpoint, make_checkpoint, save_checkpoint
 from reshard.testing.verify_jobs import verify_server
 from reshard.verify import compare
 from reshard.verify.checkpoint import checkpoint_scores, random_sequences
@@ -44,12 +47,17 @@ def main() -> int:
         for dtype in args.dtypes.split(","):
             with tempfile.TemporaryDirectory() as tmp:
                 ckpt = make_checkpoint(tiny, Path(tmp, "A"))
+                if dtype != "float32":  # the checkpoint in the served dtype: trainer and server hold the same bits
+                    weights = {k: v.to(getattr(torch, dtype)) for k, v in load_checkpoint(ckpt).items()}
+                    ckpt = save_checkpoint(weights, ckpt, Path(tmp, "A-" + dtype))
+                    config = json.loads((ckpt / "config.json").read_text())
+                    (ckpt / "config.json").write_text(json.dumps({**config, "torch_dtype": dtype, "dtype": dtype}))
                 out = Path(tmp, "out.json")
                 t0 = time.monotonic()
                 with ServerProcess(ckpt, tp=1, log=Path(tmp, "server.log"), dtype=dtype) as server:
                     start = time.monotonic() - t0
                     job = {"tiny": fields, "tp": 2, "url": server.url, "checkpoint": str(ckpt), "dtype": dtype,
-                           "sequences": seqs, "out": str(out), "bugs": [], "audit_clean": False}
+                           "sequences": seqs, "out": str(out), "bugs": []}
                     run_ranks(2, verify_server, job, timeout=1200, errdir=tmp)
                     hf = compare(checkpoint_scores(ckpt, seqs), engine_scores(VllmServer(server.url), seqs), dtype)
                 result = json.loads(out.read_text())
@@ -59,6 +67,12 @@ def main() -> int:
                 for what, r in (("fresh server vs megatron", result["fresh"]),
                                 ("after refit vs megatron", result["clean"]), ("fresh server vs HF fp32", hf.to_dict())):
                     rows.append((family, dtype, what, r, result.get("measure_s", 0.0), start))
+                    print(json.dumps({"family": family, "dtype": dtype, "what": what, **r}), flush=True)
+                audit = result["audit_clean"]["entries"]
+                worst = max(e["relative_error"] for e in audit if e["status"] != "no response")
+                print(json.dumps({"family": family, "dtype": dtype, "audit_worst_relative_error": worst,
+                                  "audit": [(e["tensor"], e["status"], e["relative_error"]) for e in audit]}),
+                      flush=True)
     print(f"machine: {platform.node()} {platform.processor() or platform.machine()}, CPU only; "
           f"{args.sequences} sequences x {args.length} tokens, tiny 2-layer models (N(0,1) weights)")
     print(f"{'family':<6} {'dtype':<9} {'comparison':<26} {'mean|d|':>9} {'p99|d|':>9} {'max|d|':>9} "

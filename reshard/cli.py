@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                        "(transformers) and a running vllm serve; exit 1 above the dtype's thresholds")
     m.add_argument("--checkpoint", required=True, help="HF checkpoint directory of the weights the server should hold")
     m.add_argument("--server", required=True, help="the server's URL, e.g. http://127.0.0.1:8000")
-    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="the dtype the server computes in (picks the thresholds)")
     m.add_argument("--sequences", type=_int(1, 1024), default=4, help="random token sequences to score (default 4)")
     m.add_argument("--length", type=_int(2, 65536), default=32, help="tokens per sequence (default 32)")

@@ -26,8 +26,8 @@ from .sides import Scorer, broadcast_json, engine_scores, trainer_scores
 # relative response error |d_engine - d_trainer| / |d_trainer| a correctly placed slice stays under (measured
 # baselines: README "Train-inference mismatch"); responses under FLOOR (nats, l2 over all scored tokens) on both
 # sides say nothing (a row no scored token uses).
-RESPONSE_TOL = {"float32": 0.02, "bfloat16": 0.3, "float16": 0.2}
-FLOOR = {"float32": 1e-3, "bfloat16": 0.2, "float16": 0.1}
+RESPONSE_TOL = {"float32": 0.02, "bfloat16": 0.3}  # bf16: not yet measured (a bf16 megatron-core trainer on CPU)
+FLOOR = {"float32": 1e-3, "bfloat16": 0.2}
 
 
 @dataclass(frozen=True)

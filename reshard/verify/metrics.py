@@ -50,11 +50,13 @@ class Thresholds:
 # Baselines (BENCHMARKS.md "Issue 30"): tiny Qwen3 / Qwen3-MoE of N(0, 1) weights, a vLLM CPU server started fresh
 # from the trainer's weights against megatron-core (and transformers) on CPU. float32: max |dlogp| 2.5e-5-3.4e-5,
 # k3 3e-11-9e-11, argmax 1.000; the limits leave 30x (max) and 1000x (k3) headroom, still 1000x under the smallest
-# planted bug (max 1.8). bf16 rounds each matmul's inputs to 8 bits of mantissa: differences ~2^8 larger than
-# float32's, and argmax flips between near-ties (README "Train-inference mismatch" has the bf16 baseline).
+# planted bug (max 1.8). bf16 rounds weights and each matmul's inputs to 8 bits of mantissa; against transformers
+# fp32 on the same bf16 weights a bf16 server measured max 0.73, k3 0.0127, argmax 0.984 (N(0, 1) weights give
+# logits of tens of nats, so these are large): the limits leave ~3-4x headroom, one measurement only. In bf16 the
+# check catches gross bugs (experts, heads, halves, shards: max |dlogp| 18-37); the audit is for small ones.
 THRESHOLDS = {
     "float32": Thresholds(max_abs=1e-3, mean_k3=1e-7, min_argmax_agreement=0.99),
-    "bfloat16": Thresholds(max_abs=0.5, mean_k3=5e-3, min_argmax_agreement=0.85),
+    "bfloat16": Thresholds(max_abs=2.0, mean_k3=0.05, min_argmax_agreement=0.9),
 }
 
 

@@ -32,7 +32,7 @@ def mismatch_stage(spec: ModelSpec, tiny: dict[str, Any], python: str, timeout_s
         save_file({k: v.contiguous() for k, v in weights.items()}, str(ckpt / "model.safetensors"),
                   metadata={"format": "pt"})
         out = Path(tmp, "out.json")
-        with ServerProcess(ckpt, tp=1, log=Path(tmp, "server.log"), python=python) as server:
+        with ServerProcess(ckpt, tp=1, log=Path(tmp, "server.log"), python=python, max_model_len=64) as server:
             job = {"layout": layout.model_dump_json(), "hf": tiny, "checkpoint": str(ckpt), "url": server.url,
                    "sequences": random_sequences(spec.vocab_size, 4, 16), "out": str(out), "bugs": []}
             run_layout(layout, verify_server, job, timeout_s=timeout_s)

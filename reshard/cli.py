@@ -193,6 +193,12 @@ def _validate(args: argparse.Namespace) -> int:
     return main_validate(args)
 
 
+def _verify(args: argparse.Namespace) -> int:
+    from .verify.checkpoint import main_verify
+
+    return main_verify(args)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse's parser, whose usage errors are one line on stderr and exit status 2, like the library's."""
 
@@ -258,6 +264,17 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--examples", type=_int(1, 100_000), default=20, help="random layout pairs in the round-trip stage")
     v.add_argument("--json", action="store_true", help="print the results as JSON")
     v.set_defaults(func=_validate)
+    m = sub.add_parser("verify", help="train-inference mismatch: score token sequences with an HF checkpoint "
+                       "(transformers) and a running vllm serve; exit 1 above the dtype's thresholds")
+    m.add_argument("--checkpoint", required=True, help="HF checkpoint directory of the weights the server should hold")
+    m.add_argument("--server", required=True, help="the server's URL, e.g. http://127.0.0.1:8000")
+    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the dtype the server computes in (picks the thresholds)")
+    m.add_argument("--sequences", type=_int(1, 1024), default=4, help="random token sequences to score (default 4)")
+    m.add_argument("--length", type=_int(2, 65536), default=32, help="tokens per sequence (default 32)")
+    m.add_argument("--seed", type=_int(0, 2**31), default=0)
+    m.add_argument("--json", action="store_true", help="print the report as JSON")
+    m.set_defaults(func=_verify)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

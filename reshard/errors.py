@@ -11,7 +11,8 @@
     ├── PlanError                   a plan that cannot be compiled, loaded or run (`problems`)
     │   ├── CoverageError           a plan that does not write every destination element exactly once
     │   └── PlanFileError           a saved plan that is malformed or does not prove what it claims
-    └── ExecutionError              a refit that could not run (faults, and tensors an executor refuses)
+    ├── ExecutionError              a refit that could not run (faults, and tensors an executor refuses)
+    └── MismatchError               the engine computes other log-probabilities than the trainer (reshard.verify)
 
 InputError is not a ValueError on purpose: pydantic wraps a ValueError raised in a validator into its own
 ValidationError, and callers should get these classes (`from_validation` turns pydantic's into ours).
@@ -196,3 +197,13 @@ def from_validation(exc: Any, kind: str) -> ReshardError:
 __all__ = ["ArgumentError", "CoverageError", "ExecutionError", "InputError", "KernelFormatError", "LayoutError",
            "LayoutMismatchError", "LimitError", "ModelConfigError", "PlanError", "PlanFileError", "ReshardError",
            "from_validation", "show"]
+
+
+class MismatchError(ReshardError):
+    """The engine's token log-probabilities differ from the trainer's beyond the thresholds after a refit (or a
+    slice-sensitivity audit found tensors whose perturbation did not reach the engine as it reached the trainer):
+    `report` holds the measurement (reshard.verify.MismatchReport or AuditReport)."""
+
+    def __init__(self, message: str, report: Any = None) -> None:
+        self.report = report
+        super().__init__(message)

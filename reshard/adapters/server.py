@@ -210,6 +210,32 @@ class VllmServer:
             out.append([int(t) for t in answer["choices"][0]["token_ids"]])
         return out
 
+    def prompt_logprobs(self, prompts: list[list[int]], model: str | None = None) -> list[tuple[list[float], list[int]]]:
+        """Score token-id prompts without sampling (`/v1/completions` with `prompt_logprobs=1`): per prompt, for
+        every position after the first, the log-probability of the prompt's token there and the argmax token
+        (the one vLLM ranks 1). The answer is untrusted: every position must be present, finite and ranked."""
+        out = []
+        for prompt in prompts:
+            answer = self.call("POST", "/v1/completions", {
+                "model": model or self.model(), "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+                "prompt_logprobs": 1})
+            rows = answer["choices"][0].get("prompt_logprobs")
+            if not isinstance(rows, list) or len(rows) != len(prompt):
+                raise ExecutionError(f"{self.url}: prompt_logprobs of a {len(prompt)}-token prompt came back as "
+                                     f"{type(rows).__name__} of length {len(rows) if isinstance(rows, list) else '-'}")
+            logprobs, argmax = [], []
+            for i, row in enumerate(rows[1:], start=1):
+                entries = {int(k): v for k, v in (row or {}).items()}
+                mine = entries.get(int(prompt[i]))
+                best = [t for t, v in entries.items() if isinstance(v, dict) and v.get("rank") == 1]
+                if not isinstance(mine, dict) or not best:
+                    raise ExecutionError(f"{self.url}: prompt_logprobs position {i} lacks token {prompt[i]} or a "
+                                         f"rank-1 token: {str(row)[:200]}")
+                logprobs.append(float(mine["logprob"]))
+                argmax.append(best[0])
+            out.append((logprobs, argmax))
+        return out
+
     def model(self) -> str:
         if not hasattr(self, "_model"):
             self._model = self.call("GET", "/v1/models")["data"][0]["id"]

@@ -177,8 +177,9 @@ def forward_logits(chunks: list[Any], tokens: torch.Tensor) -> torch.Tensor | No
     pp_ranks = dist.get_process_group_ranks(pgc.pp)
     stage, pp = pp_ranks.index(dist.get_rank()), len(pp_ranks)
     b, s = tokens.shape
-    pos = torch.arange(s)[None].expand(b, s)
-    mask = causal_mask(s).expand(b, 1, s, s)
+    dev = tokens.device
+    pos = torch.arange(s, device=dev)[None].expand(b, s)
+    mask = causal_mask(s).to(dev).expand(b, 1, s, s)
     logits = None
     with torch.no_grad():
         for virtual in range(pp * len(chunks)):
@@ -187,7 +188,7 @@ def forward_logits(chunks: list[Any], tokens: torch.Tensor) -> torch.Tensor | No
                 continue
             model = chunks[chunk]
             if not model.pre_process:
-                hidden = torch.empty(s, b, model.config.hidden_size, dtype=model.config.params_dtype)
+                hidden = torch.empty(s, b, model.config.hidden_size, dtype=model.config.params_dtype, device=dev)
                 dist.recv(hidden, pp_ranks[(stage - 1) % pp])
                 model.set_input_tensor(hidden)
             out = model(tokens, pos, mask)
@@ -207,7 +208,7 @@ def forward_logits(chunks: list[Any], tokens: torch.Tensor) -> torch.Tensor | No
     if me != 0:
         return None
     if last != 0:
-        logits = torch.empty(b, s, chunks[0].vocab_size, dtype=chunks[0].config.params_dtype)
+        logits = torch.empty(b, s, chunks[0].vocab_size, dtype=chunks[0].config.params_dtype, device=dev)
         dist.recv(logits, last)
     return logits
 

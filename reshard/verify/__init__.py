@@ -1,0 +1,20 @@
+"""Train-inference mismatch: prove that the weights a refit delivered are the trainer's, doing the same math.
+
+Not to be confused with `reshard.planner.verify`, which checks a *plan* (coverage, bounds) against its own
+layouts: byte equality against the plan cannot catch a wrong plan. This package compares the two models' outputs.
+
+- `measure` / `check_after_refit` (check.py): after a refit, score the same token sequences on the trainer
+  (a live megatron-core model, collective over its ranks, no vLLM) and on the engine (a `vllm serve` through
+  `VllmServer.prompt_logprobs`); per-token log-probability differences (mean, percentiles, max), the KL
+  estimates RL stacks log (k1, k3), argmax agreement, against per-dtype thresholds (metrics.py).
+- `audit` (audit.py): the slice-sensitivity audit: perturb a known slice of one trainer tensor at a time, refit,
+  and check that the engine's log-probabilities respond as the trainer's do; names the tensors that do not.
+"""
+from .audit import AuditEntry, AuditReport, audit, check_audit, sample_by_kind, tensor_kind
+from .check import check_after_refit, measure
+from .metrics import THRESHOLDS, MismatchReport, Scores, Thresholds, compare, thresholds
+from .sides import engine_scores, trainer_scores
+
+__all__ = ["AuditEntry", "AuditReport", "MismatchReport", "Scores", "THRESHOLDS", "Thresholds", "audit",
+           "check_after_refit", "check_audit", "compare", "engine_scores", "measure", "sample_by_kind",
+           "tensor_kind", "thresholds", "trainer_scores"]

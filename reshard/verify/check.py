@@ -1,0 +1,59 @@
+"""The mismatch check after a refit: score the same sequences on the trainer (megatron-core, collective over its
+ranks) and on the engine (rank 0 asks it), compare, and give every rank the same report, so that all of them
+can stop together when it fails.
+
+    report = measure(chunks, server, sequences, vocab_size=spec.vocab_size, dtype="float32")
+    check_after_refit(chunks, server, sequences, vocab_size=spec.vocab_size)   # raises MismatchError above threshold
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from ..errors import MismatchError
+from .metrics import MismatchReport, Thresholds, compare
+from .sides import Scorer, broadcast_json, engine_scores, trainer_scores
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def report_from_dict(d: dict) -> MismatchReport:
+    d = {k: v for k, v in d.items() if k != "ok"}
+    return MismatchReport(**{**d, "worst": tuple(d["worst"]), "thresholds": Thresholds(**d["thresholds"]),
+                             "failures": tuple(d["failures"])})
+
+
+def measure(chunks: list[Any], engine: Scorer | None, sequences: Sequence[Sequence[int]], *, vocab_size: int,
+            dtype: str = "float32", limits: Thresholds | None = None, group: Any = None) -> MismatchReport:
+    """On every trainer rank (collective): the mismatch between the trainer model `chunks` and `engine` (needed on
+    global rank 0 only) on `sequences`. The engine must hold the trainer's current weights (call after a refit)."""
+    mine = trainer_scores(chunks, sequences, vocab_size)
+    payload = None
+    if _rank() == 0:
+        try:
+            payload = compare(mine, engine_scores(engine, sequences), dtype, limits).to_dict()
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or the others wait forever
+            payload = {"error": f"{type(exc).__name__}: {exc}"}
+    payload = broadcast_json(payload, 0, group)
+    if "error" in payload:
+        raise MismatchError(f"the mismatch could not be measured: {payload['error']}")
+    return report_from_dict(payload)
+
+
+def check_after_refit(chunks: list[Any], engine: Scorer | None, sequences: Sequence[Sequence[int]], *,
+                      vocab_size: int, dtype: str = "float32", limits: Thresholds | None = None,
+                      group: Any = None, log: Any = print) -> MismatchReport:
+    """`measure`, logged on rank 0 (`log`: a print-like function, or None), raising MismatchError on every rank
+    when the engine's log-probabilities are beyond the thresholds: what an RL loop calls after each refit."""
+    report = measure(chunks, engine, sequences, vocab_size=vocab_size, dtype=dtype, limits=limits, group=group)
+    if log is not None and _rank() == 0:
+        log(str(report))
+    if not report.ok:
+        raise MismatchError(str(report), report)
+    return report
+
+
+__all__ = ["check_after_refit", "measure", "report_from_dict"]

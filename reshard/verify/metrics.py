@@ -1,0 +1,153 @@
+"""Train-inference mismatch, the numbers: the trainer's and the engine's log-probabilities of the same token
+sequences compared per token, the sequence-level KL estimates RL stacks log, and argmax agreement, against
+thresholds that depend on the dtype the engine computes in. Pure: no torch, no processes.
+
+For one sequence t_0..t_n, position i (1 <= i <= n) is scored by both sides: lp(t_i | t_<i) and the argmax of the
+next-token distribution. With r_i = lp_trainer - lp_engine (the trainer is the policy being trained, the engine's
+samples are the behaviour policy), the per-token KL(engine || trainer) estimates RL stacks use are
+k1 = -r_i (mean of log-ratio) and k3 = exp(r_i) - 1 - r_i (Schulman's unbiased, non-negative estimator).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+from ..errors import ArgumentError
+
+
+@dataclass(frozen=True)
+class Scores:
+    """One side's scoring of sequences: per sequence, per scored position (all but the first token), the
+    log-probability of the token that follows and the argmax token."""
+
+    logprobs: tuple[tuple[float, ...], ...]
+    argmax: tuple[tuple[int, ...], ...]
+
+    @staticmethod
+    def of(logprobs: Sequence[Sequence[float]], argmax: Sequence[Sequence[int]]) -> "Scores":
+        lp = tuple(tuple(float(x) for x in row) for row in logprobs)
+        am = tuple(tuple(int(x) for x in row) for row in argmax)
+        if [len(r) for r in lp] != [len(r) for r in am]:
+            raise ArgumentError("argmax", [len(r) for r in am], f"must have the lengths of logprobs "
+                                f"{[len(r) for r in lp]}")
+        return Scores(lp, am)
+
+    def flat(self) -> list[float]:
+        return [x for row in self.logprobs for x in row]
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """What a correct refit stays under (see README "Train-inference mismatch" for the measured baselines):
+    the largest per-token |log-prob difference|, the mean of k3 and the smallest argmax agreement."""
+
+    max_abs: float
+    mean_k3: float
+    min_argmax_agreement: float
+
+
+# Baselines (BENCHMARKS.md "Issue 30"): tiny Qwen3 / Qwen3-MoE of N(0, 1) weights, a vLLM CPU server started fresh
+# from the trainer's weights against megatron-core (and transformers) on CPU. float32: max |dlogp| 2.5e-5-3.4e-5,
+# k3 3e-11-9e-11, argmax 1.000; the limits leave 30x (max) and 1000x (k3) headroom, still 1000x under the smallest
+# planted bug (max 1.8). bf16 rounds weights and each matmul's inputs to 8 bits of mantissa; against transformers
+# fp32 on the same bf16 weights a bf16 server measured max 0.73, k3 0.0127, argmax 0.984 (N(0, 1) weights give
+# logits of tens of nats, so these are large): the limits leave ~3-4x headroom, one measurement only. In bf16 the
+# check catches gross bugs (experts, heads, halves, shards: max |dlogp| 18-37); the audit is for small ones.
+THRESHOLDS = {
+    "float32": Thresholds(max_abs=1e-3, mean_k3=1e-7, min_argmax_agreement=0.99),
+    "bfloat16": Thresholds(max_abs=2.0, mean_k3=0.05, min_argmax_agreement=0.9),
+}
+
+
+def thresholds(dtype: str) -> Thresholds:
+    key = str(dtype).removeprefix("torch.")
+    key = {"fp32": "float32", "bf16": "bfloat16", "float": "float32"}.get(key, key)
+    if key not in THRESHOLDS:
+        raise ArgumentError("dtype", dtype, f"has no mismatch thresholds; known: {sorted(THRESHOLDS)}")
+    return THRESHOLDS[key]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), linear interpolation between order statistics."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True)
+class MismatchReport:
+    """The comparison of one refit: per-token |lp_trainer - lp_engine| statistics, KL estimates, argmax
+    agreement, the thresholds applied and what broke them (empty: within thresholds)."""
+
+    dtype: str
+    tokens: int
+    mean_abs: float
+    max_abs: float
+    p50_abs: float
+    p90_abs: float
+    p99_abs: float
+    mean_k1: float
+    mean_k3: float
+    argmax_agreement: float
+    worst: tuple[int, int]  # (sequence, position) of the largest difference
+    thresholds: Thresholds
+    failures: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["ok"] = self.ok
+        return out
+
+    def __str__(self) -> str:
+        verdict = "ok" if self.ok else "MISMATCH: " + "; ".join(self.failures)
+        return (f"train-inference mismatch ({self.dtype}, {self.tokens} tokens): |dlogp| mean {self.mean_abs:.2e} "
+                f"p50 {self.p50_abs:.2e} p90 {self.p90_abs:.2e} p99 {self.p99_abs:.2e} max {self.max_abs:.2e}; "
+                f"KL k1 {self.mean_k1:.2e} k3 {self.mean_k3:.2e}; argmax agree {self.argmax_agreement:.3f} "
+                f"-> {verdict}")
+
+
+def compare(trainer: Scores, engine: Scores, dtype: str = "float32",
+            limits: Thresholds | None = None) -> MismatchReport:
+    """Compare the two sides' scores of the same sequences."""
+    limits = limits or thresholds(dtype)
+    if [len(r) for r in trainer.logprobs] != [len(r) for r in engine.logprobs]:
+        raise ArgumentError("engine scores", [len(r) for r in engine.logprobs],
+                            f"must score the positions the trainer scored {[len(r) for r in trainer.logprobs]}")
+    diffs, k1, k3, agree, where = [], [], [], 0, []
+    for s, (lt, le, at, ae) in enumerate(zip(trainer.logprobs, engine.logprobs, trainer.argmax, engine.argmax)):
+        for i, (a, b, x, y) in enumerate(zip(lt, le, at, ae)):
+            r = a - b
+            diffs.append(abs(r))
+            where.append((s, i))
+            k1.append(-r)
+            k3.append(math.expm1(min(r, 50.0)) - r)
+            agree += x == y
+    if not diffs:
+        raise ArgumentError("sequences", 0, "must hold at least one scored position (sequences of 2+ tokens)")
+    n = len(diffs)
+    worst = max(range(n), key=diffs.__getitem__)
+    stats = dict(mean_abs=sum(diffs) / n, max_abs=diffs[worst], p50_abs=percentile(diffs, 50),
+                 p90_abs=percentile(diffs, 90), p99_abs=percentile(diffs, 99), mean_k1=sum(k1) / n,
+                 mean_k3=sum(k3) / n, argmax_agreement=agree / n)
+    failures = []
+    if not all(math.isfinite(d) for d in diffs):
+        failures.append("non-finite log-probabilities")
+    if stats["max_abs"] > limits.max_abs:
+        failures.append(f"max |dlogp| {stats['max_abs']:.3e} > {limits.max_abs:.1e}")
+    if stats["mean_k3"] > limits.mean_k3:
+        failures.append(f"mean KL (k3) {stats['mean_k3']:.3e} > {limits.mean_k3:.1e}")
+    if stats["argmax_agreement"] < limits.min_argmax_agreement:
+        failures.append(f"argmax agreement {stats['argmax_agreement']:.3f} < {limits.min_argmax_agreement}")
+    return MismatchReport(dtype=str(dtype), tokens=n, worst=where[worst], thresholds=limits,
+                          failures=tuple(failures), **stats)
+
+
+__all__ = ["MismatchReport", "Scores", "THRESHOLDS", "Thresholds", "compare", "percentile", "thresholds"]

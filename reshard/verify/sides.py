@@ -1,0 +1,76 @@
+"""The two sides' scores of the same token sequences (reshard.verify.metrics.Scores).
+
+Trainer: a live megatron-core GPT model on its ranks (the model chunks of this rank); every rank of the model
+calls `trainer_scores` together (pipeline stages pass activations, tensor-parallel logits are gathered); rank 0
+computes log-softmax in float32 over the canonical vocabulary (the padded rows are not the model's tokens).
+No vLLM is imported; the forward is megatron-core's own (reshard.testing.megatron_cpu.forward_logits: pipeline
+stages by point-to-point sends, an explicit causal mask on the tokens' device). Engine: anything with `prompt_logprobs(prompts)` answering (logprobs, argmax) per prompt
+(reshard.adapters.server.VllmServer for a `vllm serve`).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Protocol, Sequence
+
+from ..errors import ArgumentError
+from .metrics import Scores
+
+
+class Scorer(Protocol):
+    def prompt_logprobs(self, prompts: list[list[int]]) -> list[tuple[list[float], list[int]]]: ...
+
+
+def check_sequences(sequences: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
+    out = [[int(t) for t in s] for s in sequences]
+    if not out or any(len(s) < 2 for s in out):
+        raise ArgumentError("sequences", [len(s) for s in out], "must be one or more sequences of 2+ token ids")
+    bad = sorted({t for s in out for t in s if not 0 <= t < vocab_size})
+    if bad:
+        raise ArgumentError("sequences", bad[:8], f"hold token ids outside the vocabulary [0, {vocab_size})")
+    return out
+
+
+def trainer_scores(chunks: list[Any], sequences: Sequence[Sequence[int]], vocab_size: int) -> Scores | None:
+    """megatron-core's scores of `sequences` (collective over the model's ranks): Scores on global rank 0, None
+    on the others. `vocab_size`: the canonical vocabulary (the model's output may be padded past it)."""
+    import torch
+
+    from ..testing.megatron_cpu import forward_logits
+
+    seqs = check_sequences(sequences, vocab_size)
+    logprobs, argmax = [], []
+    device = next(chunks[0].parameters()).device
+    for seq in seqs:
+        logits = forward_logits(chunks, torch.tensor([seq], device=device))
+        if logits is None:
+            continue
+        lp = torch.log_softmax(logits[0, :-1, :vocab_size].float(), dim=-1)
+        nxt = torch.tensor(seq[1:], device=lp.device)
+        logprobs.append(lp.gather(1, nxt[:, None])[:, 0].tolist())
+        argmax.append(lp.argmax(-1).tolist())
+    return Scores.of(logprobs, argmax) if logprobs else None
+
+
+def engine_scores(engine: Scorer, sequences: Sequence[Sequence[int]]) -> Scores:
+    rows = engine.prompt_logprobs([list(s) for s in sequences])
+    return Scores.of([r[0] for r in rows], [r[1] for r in rows])
+
+
+def broadcast_json(value: Any, src: int = 0, group: Any = None) -> Any:
+    """`value` (JSON-able; given on `src`) on every rank of `group`, as JSON bytes (never pickle)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return value
+    me = dist.get_rank()
+    data = json.dumps(value).encode() if me == src else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(size, src, group=group)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if me == src else \
+        torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(buf, src, group=group)
+    return value if me == src else json.loads(bytes(buf.tolist()).decode())
+
+
+__all__ = ["Scorer", "broadcast_json", "check_sequences", "engine_scores", "trainer_scores"]

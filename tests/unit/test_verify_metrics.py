@@ -1,0 +1,62 @@
+"""reshard.verify's pure parts: the mismatch statistics against hand-computed values, the thresholds, the audit's
+tensor kinds and slices. The checks against real models and a real server are in
+tests/integration/serve/test_verify.py."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from reshard.errors import ArgumentError
+from reshard.verify import Scores, compare, sample_by_kind, tensor_kind, thresholds
+from reshard.verify.audit import slice_rows
+from reshard.verify.metrics import percentile
+
+
+def test_statistics_by_hand():
+    trainer = Scores.of([[-1.0, -2.0], [-0.5]], [[3, 4], [7]])
+    engine = Scores.of([[-1.0, -2.5], [-0.25]], [[3, 5], [7]])
+    r = compare(trainer, engine, "bfloat16")
+    assert r.tokens == 3
+    assert r.max_abs == pytest.approx(0.5) and r.worst == (0, 1)
+    assert r.mean_abs == pytest.approx(0.75 / 3)
+    # r_i = lp_trainer - lp_engine = 0, 0.5, -0.25; k1 = -r; k3 = e^r - 1 - r
+    assert r.mean_k1 == pytest.approx(-(0.5 - 0.25) / 3)
+    assert r.mean_k3 == pytest.approx((math.exp(0.5) - 1.5 + math.exp(-0.25) - 0.75) / 3)
+    assert r.argmax_agreement == pytest.approx(2 / 3)
+    assert not r.ok and any("argmax" in f for f in r.failures)
+
+
+def test_identical_scores_pass_and_thresholds_depend_on_dtype():
+    s = Scores.of([[-1.0, -2.0]], [[1, 2]])
+    assert compare(s, s, "float32").ok
+    close = Scores.of([[-1.0, -2.01]], [[1, 2]])
+    assert not compare(s, close, "float32").ok
+    assert compare(s, close, "bfloat16").ok
+    assert thresholds("torch.bfloat16") == thresholds("bf16")
+    with pytest.raises(ArgumentError, match="dtype"):
+        thresholds("int8")
+
+
+def test_nan_fails_and_shapes_must_match():
+    s = Scores.of([[-1.0, -2.0]], [[1, 2]])
+    assert not compare(s, Scores.of([[-1.0, float("nan")]], [[1, 2]]), "bfloat16").ok
+    with pytest.raises(ArgumentError, match="engine scores"):
+        compare(s, Scores.of([[-1.0]], [[1]]))
+    with pytest.raises(ArgumentError, match="argmax"):
+        Scores.of([[-1.0]], [[1, 2]])
+
+
+def test_percentile():
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([0.0, 10.0], 90) == pytest.approx(9.0)
+
+
+def test_kinds_and_slices():
+    assert tensor_kind("decoder.layers.3.mlp.experts.local_experts.7.linear_fc1.weight") == \
+        "decoder.layers.*.mlp.experts.local_experts.*.linear_fc1.weight"
+    names = ["decoder.layers.1.mlp.linear_fc1.weight", "decoder.layers.0.mlp.linear_fc1.weight",
+             "decoder.layers.10.mlp.linear_fc1.weight", "output_layer.weight"]
+    assert sample_by_kind(names) == ["decoder.layers.0.mlp.linear_fc1.weight", "output_layer.weight"]
+    assert slice_rows((64, 3), 8) == [0, 9, 18, 27, 36, 45, 54, 63]  # first and last rows included
+    assert slice_rows((3,), 8) == [0, 1, 2]

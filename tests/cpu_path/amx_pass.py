@@ -2,7 +2,9 @@
 
     python tests/cpu_path/amx_pass.py LOG     prints "run MODULE" and "not-exercisable MODULE" lines
 
-A module runs again when some process of it consulted vLLM's AMX checks and could take the AMX path here: the
+A module runs again when some process of it consulted the AMX checks (torch.cpu's amx_tile / amx_fp16: consults of
+the AVX-512 checks alone, which vLLM makes while building any model, do not choose an AMX kernel) and could take
+the AMX path here: the
 CUDA wheel of vLLM anywhere (stand-in packing kernel), the vLLM CPU build only on a CPU with AMX. A module whose
 consults all came from processes that cannot (the CPU build on a CPU without AMX) is named as not exercisable.
 Reads the JSON lines cpu_path_pin.py writes; plain standard library, so any of the suite's pythons can run it.
@@ -13,6 +15,9 @@ import json
 import sys
 
 
+AMX_CHECKS = ("_is_amx_tile_supported", "_is_amx_fp16_supported")
+
+
 def plan(log_path: str) -> tuple[list[str], list[str]]:
     forcible: dict[str, bool] = {}
     with open(log_path) as f:
@@ -21,7 +26,7 @@ def plan(log_path: str) -> tuple[list[str], list[str]]:
                 continue
             e = json.loads(line)
             module = e["test"].split("::", 1)[0]
-            if not module:
+            if not module or e["check"] not in AMX_CHECKS:
                 continue
             can = e["cpu_has_it"] or not e["native_kernels"]
             forcible[module] = forcible.get(module, False) or can

@@ -44,8 +44,8 @@ def test_this_session_is_pinned():
     assert str(Path(cpu_path_pin.__file__).parent) in os.environ["PYTHONPATH"].split(os.pathsep)
 
 
-def consult(test: str, cpu_has_it: bool, native_kernels: bool) -> dict:
-    return {"test": test, "check": "_is_amx_tile_supported", "pid": 1, "python": "p", "amx": False,
+def consult(test: str, cpu_has_it: bool, native_kernels: bool, check: str = "_is_amx_tile_supported") -> dict:
+    return {"test": test, "check": check, "pid": 1, "python": "p", "amx": False,
             "exercised": True, "cpu_has_it": cpu_has_it, "native_kernels": native_kernels}
 
 
@@ -55,7 +55,8 @@ def test_amx_pass_selects_modules_that_can_take_the_path(tmp_path, cpu_has_amx):
     entries = [consult("tests/a.py::t1[x]", cpu_has_amx, False),   # CUDA wheel: always forcible
                consult("tests/b.py::t", cpu_has_amx, True),         # vLLM CPU build: only on an AMX CPU
                consult("tests/c.py::t", cpu_has_amx, True), consult("tests/c.py::u", cpu_has_amx, False),
-               consult("", cpu_has_amx, False)]                     # outside any test: ignored
+               consult("", cpu_has_amx, False),                     # outside any test: ignored
+               consult("tests/d.py::t", cpu_has_amx, False, "_is_avx512_supported")]  # no AMX kernel choice
     log.write_text("".join(json.dumps(e) + "\n" for e in entries))
     run, cannot = amx_pass.plan(str(log))
     if cpu_has_amx:

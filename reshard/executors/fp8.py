@@ -107,7 +107,28 @@ def _tiles(t: torch.Tensor, pieces: list, block: tuple[int, int]) -> bool:
     return all(o % b == 0 and n % b == 0 for p in pieces for o, n, b in zip(p.phys_offset, p.lengths, block))
 
 
-class SenderQuantizer:
+class _QuantizeJobs:
+    """Runs (bf16 block view, fp8 destination view, scale destination view) jobs: the fused kernel (one replay,
+    built once) or a quantizer function per job, writing fp8 and scale straight into their destinations."""
+
+    jobs: list
+    block: tuple[int, int]
+    _kernel: "Replay | None"
+
+    def run(self, quantize=None) -> None:
+        if quantize == "kernel":
+            if self._kernel is None:
+                self._kernel = kernel_jobs(self.jobs, self.block)
+            self._kernel()
+            return
+        quantize = quantize or quantize_blocks
+        with torch.no_grad():
+            for x, q, s in self.jobs:
+                _, ss = quantize(x, self.block, q)  # fp8 straight into the shadow
+                s.copy_(ss)
+
+
+class SenderQuantizer(_QuantizeJobs):
     """The wire's source tensors of this process's source ranks, and the quantization that fills them."""
 
     def __init__(self, fp: Fp8Plan, src: RankTensors, shadows: bool = True) -> None:
@@ -163,18 +184,6 @@ class SenderQuantizer:
                                       _as_2d(_box(out[sname], b.phys_offset, b.lengths))))
         self.block = block
         self._kernel: Replay | None = None
-
-    def run(self, quantize=None) -> None:
-        if quantize == "kernel":
-            if self._kernel is None:
-                self._kernel = kernel_jobs(self.jobs, self.block)
-            self._kernel()
-            return
-        quantize = quantize or quantize_blocks
-        with torch.no_grad():
-            for x, q, s in self.jobs:
-                _, ss = quantize(x, self.block, q)  # fp8 straight into the shadow
-                s.copy_(ss)
 
 
 class ReceiverQuantizer:
@@ -306,7 +315,7 @@ def _as_rows(t: torch.Tensor, block_rows: int) -> "torch.Tensor | None":
     return None
 
 
-class DirectQuantizer:
+class DirectQuantizer(_QuantizeJobs):
     """Sender quantization straight into the destination, for refits with every rank in this process: each op
     of the plan that moves fp8 blocks becomes a job reading the trainer's bf16 rectangle and writing the engine's
     fp8 rectangle and its scales, so a quantized byte is read once and written once (no wire shadow, no copy).
@@ -382,18 +391,6 @@ class DirectQuantizer:
         self.rest = mine[~is8 & ~np.isin(o["src_tensor"][mine], list(scales))]
         self.block = (bn, bk)
         self._kernel: Replay | None = None
-
-    def run(self, quantize=None) -> None:
-        if quantize == "kernel":
-            if self._kernel is None:
-                self._kernel = kernel_jobs(self.jobs, self.block)
-            self._kernel()
-            return
-        quantize = quantize or quantize_blocks
-        with torch.no_grad():
-            for x, q, s in self.jobs:
-                _, ss = quantize(x, self.block, q)
-                s.copy_(ss)
 
 
 def check_engine_tensors(fp: Fp8Plan, dst: RankTensors) -> None:

@@ -10,9 +10,15 @@ from hypothesis import HealthCheck, settings
 
 # The CPU capability path of this session and every process it starts, decided here once (tests/cpu_path).
 sys.path.insert(0, str(Path(__file__).resolve().parent / "cpu_path"))
-from cpu_path_session import pin, pytest_runtest_makereport, pytest_terminal_summary  # noqa: E402,F401  (pytest hooks)
+import cpu_path_session  # noqa: E402
+from cpu_path_session import pin, pytest_runtest_makereport  # noqa: E402,F401  (a pytest hook)
 
 pin()
+# Ray >= 2.50 turns token authentication on for every new local cluster and, when RAY_AUTH_MODE is unset, a joining
+# process decides by whether ~/.ray/auth_token existed when *it* started: a trainer process forked from a
+# forkserver started before the first cluster then joins without the token and is refused (a fresh CI machine has
+# no token file; a developer machine usually does). One mode for every process the suite starts, decided here.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 # CI runs every property at least 200 examples; locally `HYPOTHESIS_PROFILE=dev` is quicker.
 settings.register_profile("ci", max_examples=200, deadline=None, derandomize=True,
@@ -42,7 +48,9 @@ def _sweep_shared_memory_of_dead_processes():
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """The number of calls the signature fuzz suite generated (tests/fuzz/test_signatures.py)."""
+    """The CPU capability path of the session, and the number of calls the signature fuzz suite generated
+    (tests/fuzz/test_signatures.py)."""
+    cpu_path_session.pytest_terminal_summary(terminalreporter)
     calls = getattr(config, "reshard_signature_calls", None)
     if calls is not None:
         terminalreporter.write_line(f"signature fuzz: {calls[0]} generated calls over {calls[1]} entry points")

@@ -211,9 +211,12 @@ class TrainerSession:
         import uuid
 
         holder = uuid.uuid4().hex
+        # Renewed from the first grant on: an engine still starting can hold its acquisition for longer than the
+        # lease, and the engines granted before it must not lapse meanwhile.
+        self.renewal = _Renewal([], holder, self.lease)
         for engine in leased:  # a previous driver's open update is ended first: bounded by the refit's timeout
             engine.acquire_lease(holder, self.lease, timeout=self.timeout)
-        self.renewal = _Renewal(leased, holder, self.lease)
+            self.renewal.engines.append(engine)
 
     def _engine_spec(self, refit: RefitSpec, k: int) -> RefitSpec:
         """What engine k is told: its replica (and its adapter's id)."""
@@ -433,13 +436,11 @@ class _Renewal:
 
     def _run(self) -> None:
         while not self.stopped.wait(self.ttl / 4):
-            error = None
-            for engine in self.engines:
-                try:
-                    engine.acquire_lease(self.holder, self.ttl, timeout=self.ttl / 2)
-                except Exception as e:  # noqa: BLE001 - reported by the next refit
-                    error = f"{engine}: the driver's lease could not be renewed: {e}"
-            self.error = error  # the last round's: a renewal that failed once and then got through is no error
+            # every engine renewed at once: one engine slow to answer must not make the others' leases lapse
+            calls = [_Call(e, "acquire_lease", (self.holder, self.ttl, self.ttl / 2)) for e in list(self.engines)]
+            errors = _wait(calls, self.ttl / 2)
+            # the last round's: a renewal that failed once and then got through is no error
+            self.error = f"the driver's lease could not be renewed: {errors[0]}" if errors else None
 
     def stop(self) -> None:
         self.stopped.set()

@@ -77,3 +77,38 @@ def test_a_bad_lease_is_an_argument_error(lease):
     refit = RefitSpec.of(SPEC, src, reshard.VllmLayout(model=SPEC), install="loader", transport="inprocess")
     with pytest.raises(ArgumentError, match="lease"):
         TrainerSession(refit, 0, _tensors(src), lease=lease)
+
+
+class LeasedEngine(Recorder):
+    """An engine keeping a lease like the real ones (it lapses `ttl` seconds after the last grant); the first grant
+    takes `starting` seconds, as an engine still constructing its vLLM engine does."""
+
+    def __init__(self, starting: float = 0.0) -> None:
+        super().__init__()
+        self.starting, self.expires, self.lapsed = starting, None, False
+
+    def acquire_lease(self, holder, ttl, timeout=None):
+        if self.expires is None:
+            time.sleep(self.starting)
+        elif time.monotonic() > self.expires:
+            self.lapsed = True
+        self.expires = time.monotonic() + ttl
+
+    def release_lease(self, timeout=None):
+        self.expires = None
+
+
+def test_the_lease_is_renewed_from_the_first_grant_while_a_slow_engine_starts():
+    """A group whose last engine takes longer than the lease to answer its first grant (a replica still starting):
+    the engines granted before it must be renewed meanwhile, not found lapsed at the first refit call."""
+    src = reshard.MegatronLayout(model=SPEC)
+    refit = RefitSpec.of(SPEC, src, reshard.VllmLayout(model=SPEC, tp=1), transport="inprocess")
+    engines = [LeasedEngine(), LeasedEngine(), LeasedEngine(starting=2.5)]
+    session = TrainerSession(refit, 0, _tensors(src), engines=engines, lease=1.0)
+    try:
+        session._take_lease()
+        time.sleep(0.6)
+        assert not any(e.lapsed for e in engines) and all(time.monotonic() < e.expires for e in engines)
+        assert session.renewal.error is None
+    finally:
+        session.close()

@@ -176,9 +176,6 @@ def test_a_killed_trainer_leaves_every_engine_on_its_previous_weights_and_new_tr
         assert c.greedy(PROMPTS) == cluster.reference(step) and c.weight_version() == f"step-{step}", name
 
 
-@pytest.mark.xfail(strict=False, reason="known regression of the driver lease (issue 29), found on merged main: the "
-                   "group re-opened over the same engine actors is refused at init ('lease ... is not the server's "
-                   "current lease'); the hand-over of an engine between two sessions of one trainer needs a fix")
 def test_adding_a_replica_recompiles_only_the_plans_it_changes(cluster):
     """A third replica joins the replicas' group: the trainers and the replicas compile that group's new plan
     once; the TP2 engine, whose plan did not change, compiles nothing; egress stays one copy (fan-out)."""

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 # The CPU capability path of this session and every process it starts, decided here once (tests/cpu_path).
 sys.path.insert(0, str(Path(__file__).resolve().parent / "cpu_path"))
 import cpu_path_session  # noqa: E402
-from cpu_path_session import pin, pytest_runtest_makereport  # noqa: E402,F401  (a pytest hook)
+from cpu_path_session import pin, pytest_collection_modifyitems, pytest_runtest_makereport  # noqa: E402,F401 (hooks)
 
 pin()
 # Ray >= 2.50 turns token authentication on for every new local cluster and, when RAY_AUTH_MODE is unset, a joining

@@ -33,21 +33,50 @@ def read_log(log: str | None) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def module_of(test: str) -> str:
-    return test.split("::", 1)[0]
+SELECT_ENV = "RESHARD_TEST_CPU_PATH_SELECT"
+
+
+def each_choice(items: list) -> list:
+    """The items (parametrizations of one test function) that together take every value of every parameter at
+    least once -- the each-choice criterion of combinatorial testing: a test of 9 cases x 6 models x 2 TP sizes
+    keeps about 9 runs, not 108. Greedy, in collection order; deterministic."""
+    seen: set[tuple[str, str]] = set()
+    kept = []
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        choices = {(k, repr(v)) for k, v in spec.params.items()} if spec is not None else {("", "")}
+        if not choices <= seen:
+            kept.append(item)
+            seen |= choices
+    return kept
+
+
+def pytest_collection_modifyitems(config, items):
+    """With $RESHARD_TEST_CPU_PATH_SELECT (a file of test ids, one per line: the AMX run of scripts/test), keep
+    those tests, reduced to an each-choice cover of each test function's parametrizations."""
+    select = os.environ.get(SELECT_ENV)
+    if not select:
+        return
+    wanted = set(Path(select).read_text().split("\n")) - {""}
+    functions: dict[tuple[str, str], list] = {}
+    for item in items:
+        if item.nodeid in wanted:
+            functions.setdefault((item.path.as_posix(), getattr(item, "originalname", item.name)), []).append(item)
+    kept = {id(i) for group in functions.values() for i in each_choice(group)}
+    config.hook.pytest_deselected(items=[i for i in items if id(i) not in kept])
+    items[:] = [i for i in items if id(i) in kept]
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """On the AMX path, a passing test of a module where some process could not take that path (the vLLM CPU
-    build's real AMX kernels on a CPU without AMX) did not test it: report it skipped, by name, not passed."""
+    """On the AMX path, a passing test where some process could not take that path (the vLLM CPU build's real AMX
+    kernels on a CPU without AMX) did not test it: report it skipped, by name, not passed."""
     outcome = yield
     report = outcome.get_result()
     if report.when != "call" or not report.passed or os.environ.get(cpu_path_pin.PATH_ENV) != "amx":
         return
-    module = module_of(item.nodeid)
     missed = {e["python"] for e in read_log(os.environ.get(cpu_path_pin.LOG_ENV))
-              if not e["exercised"] and module_of(e["test"]) == module}
+              if not e["exercised"] and e["test"] == item.nodeid}
     if missed:
         report.outcome = "skipped"
         report.longrepr = (str(item.path), item.location[1] or 0,

@@ -7,11 +7,15 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import amx_pass
 import cpu_path_pin
+import cpu_path_session
 
 PROBE = ("import torch, json; print(json.dumps([torch.cpu._is_amx_tile_supported(), "
          "hasattr(torch.ops._C, 'convert_weight_packed') and torch.ops._C.convert_weight_packed("
@@ -50,7 +54,7 @@ def consult(test: str, cpu_has_it: bool, native_kernels: bool, check: str = "_is
 
 
 @pytest.mark.parametrize("cpu_has_amx", [False, True])
-def test_amx_pass_selects_modules_that_can_take_the_path(tmp_path, cpu_has_amx):
+def test_amx_pass_selects_tests_that_can_take_the_path(tmp_path, cpu_has_amx):
     log = tmp_path / "log.jsonl"
     entries = [consult("tests/a.py::t1[x]", cpu_has_amx, False),   # CUDA wheel: always forcible
                consult("tests/b.py::t", cpu_has_amx, True),         # vLLM CPU build: only on an AMX CPU
@@ -60,6 +64,21 @@ def test_amx_pass_selects_modules_that_can_take_the_path(tmp_path, cpu_has_amx):
     log.write_text("".join(json.dumps(e) + "\n" for e in entries))
     run, cannot = amx_pass.plan(str(log))
     if cpu_has_amx:
-        assert (run, cannot) == (["tests/a.py", "tests/b.py", "tests/c.py"], [])
+        assert (run, cannot) == (["tests/a.py::t1[x]", "tests/b.py::t", "tests/c.py::t", "tests/c.py::u"], [])
     else:
-        assert (run, cannot) == (["tests/a.py", "tests/c.py"], ["tests/b.py"])
+        assert (run, cannot) == (["tests/a.py::t1[x]", "tests/c.py::u"], ["tests/b.py::t", "tests/c.py::t"])
+
+
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=4), min_size=1, max_size=4))
+def test_each_choice_keeps_every_value_of_every_parameter(values):
+    """The AMX run's reduction: a grid of parametrizations, reduced, still takes every value of every parameter,
+    keeps no more runs than the parameters have values in all, and always keeps the first parametrization."""
+    import itertools
+
+    grid = [SimpleNamespace(callspec=SimpleNamespace(params={f"p{k}": v for k, v in enumerate(combo)}))
+            for combo in itertools.product(*values)]
+    kept = cpu_path_session.each_choice(grid)
+    assert kept[0] is grid[0] and all(any(k is g for g in grid) for k in kept)
+    for k, vals in enumerate(values):
+        assert {item.callspec.params[f"p{k}"] for item in kept} == set(vals)
+    assert len(kept) <= sum(len(set(v)) for v in values)

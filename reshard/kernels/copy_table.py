@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .table_plan import WORDS, chunk_table, chunk_words, word_bytes
 
-TUNING = {"chunk_bytes": 1 << 20, "block_bytes": 16 << 10, "num_warps": 8}  # benchmarks/refit_inprocess.py
+TUNING = {"chunk_bytes": 256 << 10, "block_bytes": 16 << 10, "num_warps": 8}  # set by benchmarks/refit_inprocess.py
 
 
 @triton.jit

@@ -173,11 +173,12 @@ def check_sum64(device: str = "cpu", cases: int = 6, seed: int = 0) -> list[str]
     return failures
 
 
-def check_copy_table(device: str = "cpu", cases: int = 4, seed: int = 0, moe_layers: int = 1) -> list[str]:
+def check_copy_table(device: str = "cpu", cases: int = 4, seed: int = 0, moe_layers: int = 1,
+                     tps: tuple = ((2, 1), (1, 2))) -> list[str]:
     """The table-copy kernel (kernels.copy_table) against torch's copies: pairs of random lengths and byte offsets
     (every word class, 16-byte words down to single bytes, chunks cut mid-copy) in a few buffers, every other byte
     of the buffers unchanged; and the bound executor with table=True against the reference LocalExecutor on a
-    Qwen3-MoE refit (TP2 -> TP1 and TP1 -> TP2), twice, the trainer's weights changed in place between."""
+    Qwen3-MoE refit (`tps`: TP2 -> TP1 and TP1 -> TP2), twice, the trainer's weights changed in place between."""
     import reshard
     from reshard.executors import allocate, execute_local, shard
     from reshard.executors import views
@@ -213,7 +214,7 @@ def check_copy_table(device: str = "cpu", cases: int = 4, seed: int = 0, moe_lay
     spec = reshard.ModelSpec(family="qwen3_moe", hidden_size=128, num_layers=moe_layers, num_attention_heads=4,
                              num_key_value_heads=2, head_dim=32, intermediate_size=0, moe_intermediate_size=64,
                              num_experts=8, vocab_size=512, qk_norm=True, dtype="bfloat16")
-    for tp in ((2, 1), (1, 2)):
+    for tp in tps:
         src_l, dst_l = reshard.MegatronLayout(model=spec, tp=tp[0]), reshard.VllmLayout(model=spec, tp=tp[1])
         plan = reshard.compile(src_l, dst_l)
         w = {t.name: torch.randn(t.shape, generator=g).to(torch.bfloat16) for t in spec.tensors}

@@ -28,7 +28,7 @@ def copies(draw):
     return out
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(copies(), st.integers(1, 700), st.sampled_from([0, 16, 1 << 40]))
 def test_chunk_table_moves_exactly_the_copies_bytes(entries, chunk_bytes, base):
     """Memory index i stands for address base + i (base 16-byte aligned, so an index's alignment is its

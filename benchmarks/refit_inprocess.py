@@ -7,6 +7,8 @@ the model and vLLM TP1 tensors, random bf16 weights. Per model (--configs):
   reference            the reference LocalExecutor (views built and ops walked in Python at every refit)
   bound, no graph      the bound executor (executors.bound) with its program run eagerly
   inprocess            the inprocess transport end to end (PublishedSource: the bound executor, one CUDA graph)
+  bound variants       graph modes and streams; on a GPU the table-copy kernel (kernels.copy_table) for the large
+                       copies over chunk sizes and warps, each variant's bytes checked against the reference
 With --fp8 (first model only; GPU):
   quantize kernel      the Triton quantizer alone, straight into the engine's fp8 weights and scales; ceiling: its
                        bytes (bf16 read + fp8 write + scales) at the copy's bandwidth
@@ -15,7 +17,9 @@ With --fp8 (first model only; GPU):
   fp8 refit shadows    the same through the wire's shadows and the bound copies (kernel quantizer)
   fp8 receivers        Megatron TP2 (both ranks here) -> vLLM TP1: the trainer's TP cuts the MLP through blocks,
                        so those kinds travel bf16 into staging and the receivers quantize (kernel)
+  fp8 rest table       the direct refit with the copies beside the quantizer through the table kernel
   and the bytes of the direct and shadow refits against the eager reference path, tensor for tensor.
+  --quick: without the quantizer's variants and the receivers' case.
 With --sum64 (first model only): the "sum64" digest of the refit's source stream (every op's block, plan order)
 by the fused kernel as one graph (checksum.Sum64Program), against the refit's own time; the torch-ops digest of
 the same blocks (the reference, once) must be equal.

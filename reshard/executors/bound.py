@@ -7,9 +7,10 @@ ops into a short copy program (executors.copies: adjacent blocks merged, progres
 copy) and binds it to views (executors.views: bytes moved as 8-byte words where alignment allows, large
 contiguous runs as plain copies, small ones batched through `torch._foreach_copy_`). On one GPU the program, with
 the value shifts after it, is captured as a CUDA graph at the second refit (executors.graphs): a refit is then
-one graph launch. The tensors must stay the same objects between refits (the trainer updates them in place; a
-slot buffer stays where the engine made it): `refit` checks their storage pointers, a constant-time test per
-tensor, and refuses if one was replaced.
+one graph launch. With thousands of large copies (a mixture-of-experts model's expert matrices) they go through
+one launch of the table-copy kernel (kernels.copy_table) inside that graph. The tensors must stay the same objects
+between refits (the trainer updates them in place; a slot buffer stays where the engine made it): `refit` checks
+their storage pointers, a constant-time test per tensor, and refuses if one was replaced.
 """
 from __future__ import annotations
 

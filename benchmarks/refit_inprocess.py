@@ -7,6 +7,8 @@ the model and vLLM TP1 tensors, random bf16 weights. Per model (--configs):
   reference            the reference LocalExecutor (views built and ops walked in Python at every refit)
   bound, no graph      the bound executor (executors.bound) with its program run eagerly
   inprocess            the inprocess transport end to end (PublishedSource: the bound executor, one CUDA graph)
+  bound variants       graph modes and streams; on a GPU the table-copy kernel (kernels.copy_table) for the large
+                       copies over chunk sizes and warps, each variant's bytes checked against the reference
 With --fp8 (first model only; GPU):
   quantize kernel      the Triton quantizer alone, straight into the engine's fp8 weights and scales; ceiling: its
                        bytes (bf16 read + fp8 write + scales) at the copy's bandwidth
@@ -15,7 +17,9 @@ With --fp8 (first model only; GPU):
   fp8 refit shadows    the same through the wire's shadows and the bound copies (kernel quantizer)
   fp8 receivers        Megatron TP2 (both ranks here) -> vLLM TP1: the trainer's TP cuts the MLP through blocks,
                        so those kinds travel bf16 into staging and the receivers quantize (kernel)
+  fp8 rest table       the direct refit with the copies beside the quantizer through the table kernel
   and the bytes of the direct and shadow refits against the eager reference path, tensor for tensor.
+  --quick: without the quantizer's variants and the receivers' case.
 With --sum64 (first model only): the "sum64" digest of the refit's source stream (every op's block, plan order)
 by the fused kernel as one graph (checksum.Sum64Program), against the refit's own time; the torch-ops digest of
 the same blocks (the reference, once) must be equal.
@@ -111,16 +115,36 @@ def bf16_case(config: str, device, iters: int, results: dict, keep: bool):
     for t in dst[0].values():
         t.fill_(-3.0)
     r["variants_s"] = {}
-    combos = (("none", 1), ("small", 4), ("all", 4), ("all", 8), ("all", 16)) if device.type == "cuda" else \
-        (("none", 1),)
-    for graph, streams in combos:
-        if True:
-            bound = BoundLocalExecutor(plan, None, 0, src, dst, graph=graph, streams=streams)
-            r["variants_s"][f"graph={graph},streams={streams}"] = med(timed(bound.refit, iters, device, warmup=3))
+    combos = [("none", 1, False, None), ("small", 4, False, None), ("all", 4, False, None), ("all", 16, False, None)]
+    if device.type == "cuda":  # the table-copy kernel (kernels.copy_table): chunk bytes x warps
+        combos += [("all", 1, True, (chunk << 10, warps)) for chunk, warps in
+                   ((256, 8), (1024, 4), (1024, 8), (1024, 16), (4096, 8), (16384, 8))]
+    else:
+        combos = combos[:1]
+    for graph, streams, table, tuning in combos:
+        name = f"graph={graph},streams={streams}"
+        if table:
+            from reshard.kernels import copy_table
+            saved = dict(copy_table.TUNING)
+            copy_table.TUNING.update(chunk_bytes=tuning[0], num_warps=tuning[1])
+            name = f"table,chunk={tuning[0] >> 10}K,warps={tuning[1]}"
+            for t in dst[0].values():
+                t.fill_(-3.0)
+        try:
+            bound = BoundLocalExecutor(plan, None, 0, src, dst, graph=graph, streams=streams, table=table)
+            r["variants_s"][name] = med(timed(bound.refit, iters, device, warmup=3))
+            if table:  # each table variant's bytes against the reference too
+                r.setdefault("table_equal", {})[name] = equal(dst, want) if want is not None else \
+                    digests() == want_digest
             r["copies"] = bound.copies
+            r["large_copies"] = len(bound._program.large)
             bound.close()
             del bound
             gc.collect()
+        finally:
+            if table:
+                copy_table.TUNING.clear()
+                copy_table.TUNING.update(saved)
     r["bound_nograph_s"] = r["variants_s"]["graph=none,streams=1"]
     for t in dst[0].values():
         t.fill_(-5.0)
@@ -130,6 +154,7 @@ def bf16_case(config: str, device, iters: int, results: dict, keep: bool):
     r["inprocess_s"] = med(timed(ex.refit, iters, device, warmup=3))
     r["graph"] = ex._bound._run.graph is not None
     r["graph_mode"] = ex._bound.graph
+    r["table"] = ex._bound._table is not None
     r["graph_error"] = ex._bound._run.error
     r["inprocess_equals_reference"] = equal(dst, want) if want is not None else digests() == want_digest
     r["inprocess_of_copy"] = r["copy_s"] / r["inprocess_s"]
@@ -138,7 +163,8 @@ def bf16_case(config: str, device, iters: int, results: dict, keep: bool):
           f"{r['copy_s'] * 1e3:.2f} ms | reference {r['reference_s'] * 1e3:.2f} ms "
           f"({r['copy_s'] / r['reference_s']:.0%}) | bound no graph {r['bound_nograph_s'] * 1e3:.2f} ms "
           f"({r['copy_s'] / r['bound_nograph_s']:.0%}) | inprocess {r['inprocess_s'] * 1e3:.2f} ms "
-          f"({r['inprocess_of_copy']:.0%}) | equal {r['inprocess_equals_reference']} graph {r['graph']}", flush=True)
+          f"({r['inprocess_of_copy']:.0%}) | equal {r['inprocess_equals_reference']} graph {r['graph']} "
+          f"table {r['table']} (variants equal: {r.get('table_equal')})", flush=True)
     print("  bound variants: " + ", ".join(f"{k} {v * 1e3:.2f} ms ({r['copy_s'] / v:.0%})"
                                          for k, v in r["variants_s"].items()), flush=True)
     ctx = {"spec": spec, "plan": plan, "src": src, "dst": dst, "ex": ex, "src_l": src_l, "dst_l": dst_l}
@@ -147,7 +173,7 @@ def bf16_case(config: str, device, iters: int, results: dict, keep: bool):
     return ctx, r
 
 
-def fp8_case(ctx: dict, bf: dict, device, iters: int, results: dict) -> None:
+def fp8_case(ctx: dict, bf: dict, device, iters: int, results: dict, quick: bool = False) -> None:
     from reshard.executors.fp8 import Fp8Executor
     from reshard.layouts.fp8 import Fp8Scheme
     from reshard.planner.fp8 import compile_fp8
@@ -182,7 +208,7 @@ def fp8_case(ctx: dict, bf: dict, device, iters: int, results: dict) -> None:
 
             chosen, streams = dict(fp8_quantize.TUNING), graphs.STREAMS
             r["quantize_variants_s"] = {}
-            for n in (1, 4, 8):
+            for n in () if quick else (1, 4, 8):
                 for warps in (8, 16):
                     fp8_quantize.TUNING.update(num_warps=warps)
                     graphs.STREAMS = n
@@ -194,6 +220,19 @@ def fp8_case(ctx: dict, bf: dict, device, iters: int, results: dict) -> None:
                                                       r["quantize_variants_s"].items()), flush=True)
         out[tag] = dst8
         ex.close()
+    from reshard.executors import fp8 as fp8_executor
+
+    fp8_executor.REST_TABLE = True  # the rest (embeddings, lm_head, norms) through the table-copy kernel
+    try:
+        dst8 = allocate(fp.full_dst, -7.0, device=device)
+        ex = Fp8Executor(fp, None, 0, src, dst8, inner="bound", quantizer="kernel", direct=True)
+        r["rest_table"] = ex.inner._table is not None
+        r["refit_direct_rest_table_s"] = med(timed(ex.refit, iters, device, warmup=3))
+        out["direct_rest_table"] = dst8
+        ex.close()
+    finally:
+        fp8_executor.REST_TABLE = False
+    r["direct_rest_table_equals_reference"] = equal(out["direct_rest_table"], out["reference"])
     r["direct_equals_reference"] = equal(out["direct"], out["reference"])
     r["shadows_equal_reference"] = equal(out["shadows"], out["reference"])
     del out
@@ -207,8 +246,12 @@ def fp8_case(ctx: dict, bf: dict, device, iters: int, results: dict) -> None:
           f"({r['quantize_of_hbm']:.0%}) | refit direct {r['refit_direct_s'] * 1e3:.2f} ms = "
           f"{r['direct_over_bf16']:.3f}x bf16 inprocess {bf['inprocess_s'] * 1e3:.2f} ms | shadows "
           f"{r['refit_shadows_s'] * 1e3:.2f} ms | eager reference {r['refit_reference_s'] * 1e3:.2f} ms | equal "
-          f"{r['direct_equals_reference']}/{r['shadows_equal_reference']}", flush=True)
+          f"{r['direct_equals_reference']}/{r['shadows_equal_reference']} | rest through the table "
+          f"{r['refit_direct_rest_table_s'] * 1e3:.2f} ms = {r['refit_direct_rest_table_s'] / bf['inprocess_s']:.3f}x "
+          f"(equal {r['direct_rest_table_equals_reference']})", flush=True)
     results["fp8"] = r
+    if quick:
+        return
     # receivers quantize: Megatron TP2 (both ranks in this process) -> vLLM TP1
     del ctx["src"], src
     gc.collect()
@@ -290,18 +333,26 @@ def main() -> int:
     ap.add_argument("--extras-config", default="qwen3-8b", help="the model --fp8 and --sum64 run on")
     ap.add_argument("--sum64", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument("--quick", action="store_true", help="--fp8 without the quantizer's variants and receivers")
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(max(1, torch.get_num_threads()))
     results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                      "torch": torch.__version__, "threads": torch.get_num_threads(), "iters": args.iters}
+    try:
+        import triton
+        results["triton"] = triton.__version__
+    except ImportError:
+        pass
     for config in args.configs.split(","):
         ctx, bf = bf16_case(config, device, args.iters, results, keep=False)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1, default=str))
         if config == args.extras_config and args.sum64 and device.type == "cuda":
             sum64_case(ctx, bf, device, args.iters, results)
         if config == args.extras_config and args.fp8 and device.type == "cuda":
-            fp8_case(ctx, bf, device, args.iters, results)
+            fp8_case(ctx, bf, device, args.iters, results, args.quick)
         del ctx
         gc.collect()
         if device.type == "cuda":

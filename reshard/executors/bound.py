@@ -7,9 +7,10 @@ ops into a short copy program (executors.copies: adjacent blocks merged, progres
 copy) and binds it to views (executors.views: bytes moved as 8-byte words where alignment allows, large
 contiguous runs as plain copies, small ones batched through `torch._foreach_copy_`). On one GPU the program, with
 the value shifts after it, is captured as a CUDA graph at the second refit (executors.graphs): a refit is then
-one graph launch. The tensors must stay the same objects between refits (the trainer updates them in place; a
-slot buffer stays where the engine made it): `refit` checks their storage pointers, a constant-time test per
-tensor, and refuses if one was replaced.
+one graph launch. With thousands of large copies (a mixture-of-experts model's expert matrices) they go through
+one launch of the table-copy kernel (kernels.copy_table) inside that graph. The tensors must stay the same objects
+between refits (the trainer updates them in place; a slot buffer stays where the engine made it): `refit` checks
+their storage pointers, a constant-time test per tensor, and refuses if one was replaced.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from .views import Memory, bind
 GRAPH = "auto"  # default graph mode on one GPU (see BoundLocalExecutor)
 MANY_COPIES = 1000  # "auto": from this many large copies on, the whole refit one graph (launch-bound otherwise)
 SPLIT = False  # default for views.bind's split
+TABLE_FROM = 1000  # table None: the large copies through one table-copy kernel from this many on (CUDA, Triton)
 
 
 class BoundLocalExecutor(Executor):
@@ -42,13 +44,16 @@ class BoundLocalExecutor(Executor):
     else "small": on an H200 plain copies ran a few hundred large tensors faster than graph nodes, and graph
     nodes ran thousands of expert matrices 3x faster than launches); True is GRAPH, False "none". `split`: large
     contiguous slices of 3-D copies as plain copies (views.bind; default SPLIT). `streams`: on a GPU, the large
-    copies are spread over this many side streams (default graphs.STREAMS; 1: all on the current stream)."""
+    copies are spread over this many side streams (default graphs.STREAMS; 1: all on the current stream).
+    `table`: the large copies as one launch of the table-copy kernel (kernels.copy_table, Triton) instead of one
+    copy each; None: on one GPU with Triton, from TABLE_FROM large copies on (then "auto" is "all")."""
 
     name = "bound"
 
     def __init__(self, plan: Plan, binding: object = None, process: int = 0, src: RankTensors | None = None,
                  dst: RankTensors | None = None, ops: "np.ndarray | None" = None, graph: "bool | str" = True,
-                 split: "bool | None" = None, streams: "int | None" = None) -> None:
+                 split: "bool | None" = None, streams: "int | None" = None,
+                 table: "bool | None" = None) -> None:
         self.plan, src, dst = plan, dict(src or {}), dict(dst or {})
         check_ops(plan)
         o = plan.ops
@@ -88,12 +93,22 @@ class BoundLocalExecutor(Executor):
         graph = GRAPH if graph is True else "none" if graph is False else graph
         if graph not in ("all", "small", "none", "auto"):
             raise ExecutionError(f"graph must be 'all', 'small', 'none', 'auto' or a bool, not {graph!r}")
-        if graph == "auto":
-            graph = "all" if len(self._program.large) >= MANY_COPIES else "small"
-        self.graph = graph
         self._device = single_cuda_device(tensors)
+        large = self._program.large
+        if table is None:
+            table = self._device is not None and len(large) >= TABLE_FROM and _triton()
+        elif table and not _triton():
+            raise ExecutionError("table=True needs Triton (kernels.copy_table)")
+        self._table = None
+        if table and large:
+            from ..kernels.copy_table import CopyTable
+
+            self._table, large = CopyTable(large), []
+        if graph == "auto":
+            graph = "all" if self._table is not None or len(large) >= MANY_COPIES else "small"
+        self.graph = graph
         n = (STREAMS if streams is None else int(streams)) if self._device is not None else 1
-        self._large = [self._copies(part) for part in spread(self._program.large, n, lambda ds: ds[0].numel())]
+        self._large = [self._copies(part) for part in spread(large, n, lambda ds: ds[0].numel())]
         self._large_eager = graph == "small"
         self._run = Replay(self._launch, self._device if graph != "none" else None)
 
@@ -105,6 +120,8 @@ class BoundLocalExecutor(Executor):
         return run
 
     def _copy_large(self) -> None:
+        if self._table is not None:
+            self._table.launch()
         on_streams(self._large, self._device)
 
     def _launch(self) -> None:
@@ -131,3 +148,10 @@ class BoundLocalExecutor(Executor):
 
     def close(self) -> None:
         self._program, self._shifts, self._pins, self._run, self._large = None, [], [], None, []
+        self._table = None
+
+
+def _triton() -> bool:
+    from ..kernels import triton_available
+
+    return triton_available()

@@ -416,6 +416,9 @@ def check_engine_tensors(fp: Fp8Plan, dst: RankTensors) -> None:
                              "\n  - ".join(problems[:20]))
 
 
+REST_TABLE = False  # direct kernel refits: the copies beside the quantizer through the table-copy kernel (one
+# launch on its stream, next to the quantizer's); benchmarks/refit_inprocess.py measures both
+
 class Fp8Executor(Executor):
     """Runs an `Fp8Plan` with the executor called `inner` (local, bound, distributed, nixl, shared): see the module
     doc. `src`: source rank -> the trainer's tensors (the model's dtype); `dst`: destination rank -> the engine's
@@ -468,7 +471,8 @@ class Fp8Executor(Executor):
         if self.direct is not None:
             self._pins = [(t, t.data_ptr()) for side in (src, dst) for ts in side.values() for t in ts.values()]
             self.inner = make_executor("bound", fp.plan, binding, process, self.senders.tensors,
-                                       self.receivers.tensors, ops=self.direct.rest)
+                                       self.receivers.tensors, ops=self.direct.rest,
+                                       table=True if REST_TABLE and quantizer == "kernel" else None)
         else:
             self.inner = make_executor(inner, fp.plan, binding, process, self.senders.tensors,
                                        self.receivers.tensors, **options)

@@ -173,4 +173,72 @@ def check_sum64(device: str = "cpu", cases: int = 6, seed: int = 0) -> list[str]
     return failures
 
 
-__all__ = ["check_fp8_quantizer", "check_fp8_refits", "check_sum64"]
+def check_copy_table(device: str = "cpu", cases: int = 4, seed: int = 0, moe_layers: int = 1,
+                     tps: tuple = ((2, 1), (1, 2))) -> list[str]:
+    """The table-copy kernel (kernels.copy_table) against torch's copies: pairs of random lengths and byte offsets
+    (every word class, 16-byte words down to single bytes, chunks cut mid-copy) in a few buffers, every other byte
+    of the buffers unchanged; and the bound executor with table=True against the reference LocalExecutor on a
+    Qwen3-MoE refit (`tps`: TP2 -> TP1 and TP1 -> TP2), twice, the trainer's weights changed in place between."""
+    import reshard
+    from reshard.executors import allocate, execute_local, shard
+    from reshard.executors import views
+    from reshard.executors.bound import BoundLocalExecutor
+    from reshard.kernels.copy_table import CopyTable
+
+    dev = torch.device(device)
+    g = torch.Generator().manual_seed(seed)
+    failures = []
+    for case in range(cases):
+        bufs = [torch.randint(0, 256, (int(torch.randint(3000, 9000, (1,), generator=g)),), generator=g,
+                              dtype=torch.uint8).to(dev) for _ in range(3)]
+        before = [b.clone() for b in bufs]
+        pairs, want = [], [b.clone() for b in bufs]
+        taken = [[] for _ in bufs]  # destination byte ranges used so far (copies must not overlap each other)
+        for _ in range(int(torch.randint(1, 12, (1,), generator=g))):
+            align = (16, 8, 4, 2, 1)[int(torch.randint(0, 5, (1,), generator=g))]
+            n = align * int(torch.randint(0, 400 // align + 2, (1,), generator=g))
+            si, di = (int(torch.randint(0, 3, (1,), generator=g)) for _ in range(2))
+            so = align * int(torch.randint(0, (len(bufs[si]) - n) // align, (1,), generator=g))
+            do = align * int(torch.randint(0, (len(bufs[di]) - n) // align, (1,), generator=g))
+            if any(do < e and s < do + n for s, e in taken[di]):  # sources are read from `before`: any overlap
+                continue
+            taken[di].append((do, do + n))
+            pairs.append((bufs[di][do:do + n], before[si][so:so + n]))
+            want[di][do:do + n] = before[si][so:so + n]
+        CopyTable(pairs, chunk_bytes=int(torch.randint(16, 300, (1,), generator=g)), block_bytes=64).launch()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        bad = [i for i in range(3) if not torch.equal(bufs[i].cpu(), want[i].cpu())]
+        if bad:
+            failures.append(f"case {case}: buffers {bad} differ from torch's copies ({len(pairs)} pairs)")
+    spec = reshard.ModelSpec(family="qwen3_moe", hidden_size=128, num_layers=moe_layers, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=32, intermediate_size=0, moe_intermediate_size=64,
+                             num_experts=8, vocab_size=512, qk_norm=True, dtype="bfloat16")
+    for tp in tps:
+        src_l, dst_l = reshard.MegatronLayout(model=spec, tp=tp[0]), reshard.VllmLayout(model=spec, tp=tp[1])
+        plan = reshard.compile(src_l, dst_l)
+        w = {t.name: torch.randn(t.shape, generator=g).to(torch.bfloat16) for t in spec.tensors}
+        src = {r: {n: t.to(dev) for n, t in ts.items()} for r, ts in shard(src_l, w).items()}
+        got = {r: {n: t.to(dev) for n, t in ts.items()} for r, ts in allocate(dst_l, -7.0).items()}
+        large, views.LARGE_BYTES = views.LARGE_BYTES, 256  # tiny model: its copies "large" enough for the table
+        try:
+            ex = BoundLocalExecutor(plan, None, 0, src, got, table=True)
+        finally:
+            views.LARGE_BYTES = large
+        if ex._table is None:
+            failures.append(f"tp={tp}: no copy went through the table")
+        for step in range(2):
+            if step:
+                for ts in src.values():
+                    for t in ts.values():
+                        t.mul_(0.5).add_(1.0)
+            ex.refit()
+            want = allocate(dst_l, -7.0)
+            execute_local(plan, {r: {n: t.cpu() for n, t in ts.items()} for r, ts in src.items()}, want)
+            bad = [(r, n) for r in want for n in want[r] if not torch.equal(got[r][n].cpu(), want[r][n])]
+            if bad:
+                failures.append(f"bound table tp={tp} step {step}: {bad[:4]}")
+    return failures
+
+
+__all__ = ["check_copy_table", "check_fp8_quantizer", "check_fp8_refits", "check_sum64"]

@@ -9,6 +9,8 @@ import torch
 
 import reshard
 from reshard.executors import allocate, execute_local, make_executor, shard
+from reshard.executors import views
+from reshard.executors.bound import BoundLocalExecutor
 from reshard.testing import kernel_checks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
@@ -27,14 +29,19 @@ def test_sum64_kernel_on_gpu():
     assert kernel_checks.check_sum64("cuda", cases=12) == []
 
 
+def test_copy_table_kernel_on_gpu():
+    assert kernel_checks.check_copy_table("cuda", cases=20) == []
+
+
 def _qwen3(layers=2):
     return reshard.ModelSpec(family="qwen3", hidden_size=256, num_layers=layers, num_attention_heads=4,
                              num_key_value_heads=2, head_dim=64, intermediate_size=512, vocab_size=1000,
                              qk_norm=True, dtype="bfloat16")
 
 
+@pytest.mark.parametrize("table", [False, True], ids=["copies", "table"])
 @pytest.mark.parametrize("tp", [(1, 1), (2, 1), (1, 2), (2, 4)])
-def test_bound_executor_graph_equals_reference_on_gpu(tp):
+def test_bound_executor_graph_equals_reference_on_gpu(tp, table, monkeypatch):
     spec = _qwen3()
     src_l, dst_l = reshard.MegatronLayout(model=spec, tp=tp[0]), reshard.VllmLayout(model=spec, tp=tp[1])
     plan = reshard.compile(src_l, dst_l)
@@ -43,7 +50,12 @@ def test_bound_executor_graph_equals_reference_on_gpu(tp):
     src = {r: {n: t.cuda() for n, t in ts.items()} for r, ts in shard(src_l, w).items()}
     got = {r: {n: t.cuda() for n, t in ts.items()} for r, ts in allocate(dst_l, -7.0).items()}
     want = allocate(dst_l, -7.0)
-    ex = make_executor("bound", plan, None, 0, src, got)
+    if table:  # a small model: its copies "large" enough for the table kernel
+        monkeypatch.setattr(views, "LARGE_BYTES", 4096)
+        ex = BoundLocalExecutor(plan, None, 0, src, got, table=True)
+        assert ex._table is not None and ex._table.count == len(ex._program.large) > 0
+    else:
+        ex = make_executor("bound", plan, None, 0, src, got)
     for step in range(3):  # eager, capture, replay
         if step:
             for ts in src.values():

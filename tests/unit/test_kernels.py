@@ -1,9 +1,10 @@
 """The Triton kernels (reshard.kernels) on CPU, through Triton's interpreter, byte for byte against the torch
 references: the FP8 quantizer (random shapes with partial blocks, strided views, zeros, denormals, the largest
 bf16, fp8 rounding ties, inf and NaN), whole quantizing refits with it (straight into the engine, through the
-wire's shadows, with receivers quantizing; twice, the trainer's weights changed in place between), and the sum64
-checksum (streams across the weights' period and past 2^32). The interpreter must be switched on before Triton is
-imported, so each check runs in a fresh interpreter; the same checks run natively on the GPU (tests marked gpu)."""
+wire's shadows, with receivers quantizing; twice, the trainer's weights changed in place between), the sum64
+checksum (streams across the weights' period and past 2^32) and the table-copy kernel (kernels.copy_table). The
+interpreter must be switched on before Triton is imported, so each check runs in a fresh interpreter; the same
+checks run natively on the GPU (tests marked gpu)."""
 from __future__ import annotations
 
 import json
@@ -34,5 +35,7 @@ def test_quantizing_refits_with_the_kernel_equal_reference_checkpoint():
     assert _interpreted("check_fp8_refits('cpu', head_dim=32, layers=1)") == []
 
 
-def test_sum64_kernel_equals_reference():
-    assert _interpreted("check_sum64('cpu', cases=4)") == []
+def test_sum64_and_copy_table_kernels_equal_references():
+    """One interpreter for both (its start is most of the cost): sum64 against its reference, the table-copy
+    kernel against torch's copies and the bound executor with it against the reference executor."""
+    assert _interpreted("check_sum64('cpu', cases=4) + k.check_copy_table('cpu', cases=3, tps=((2, 1),))") == []

@@ -1,0 +1,82 @@
+"""Many contiguous copies as one Triton launch: a table of (source, destination, length) chunks on the device, one
+program per chunk (the bound executor's large copies, executors.bound).
+
+A refit of a mixture-of-experts model is ~12.7 K copies of ~4.7 MB each: as separate copies (even as CUDA graph
+nodes) each costs a few microseconds beyond its ~1 us of bandwidth. Here every copy is cut into chunks of at most
+`chunk_bytes`, and the chunks of all copies are rows of one int64 table read by one kernel: the launch cost is
+paid once. Addresses enter as word offsets from one base tensor (`base + offset` pointer arithmetic: no integer to
+pointer casts, so Triton's interpreter runs it too); copies are grouped by the widest word (16, 8, 4, 2, 1 bytes)
+that divides both addresses and the length, one launch per group (in a refit, all of them in the 16-byte group).
+The table logic (`chunk_table`) is plain numpy, property-tested without Triton; the kernel byte for byte on CPU
+(interpreter) and GPU (reshard.testing.kernel_checks).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import triton
+import triton.language as tl
+
+from .table_plan import WORDS, chunk_table, chunk_words, word_bytes
+
+TUNING = {"chunk_bytes": 256 << 10, "block_bytes": 16 << 10, "num_warps": 8}  # set by benchmarks/refit_inprocess.py
+
+
+@triton.jit
+def _copy_table_kernel(src_base, dst_base, table, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    s = tl.multiple_of(tl.load(table + 3 * i), ALIGN)
+    d = tl.multiple_of(tl.load(table + 3 * i + 1), ALIGN)
+    n = tl.multiple_of(tl.load(table + 3 * i + 2), ALIGN)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inside = offs < n
+        x = tl.load(src_base + s + offs, mask=inside)
+        tl.store(dst_base + d + offs, x, mask=inside)
+
+
+_ELEMENT = {16: torch.int64, 8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+class CopyTable:
+    """The pairs (dst, src) of contiguous tensors (same byte length each, on one device) as prepared launches;
+    `launch()` enqueues them on the current stream (capturable in a CUDA graph). The tensors must stay in place
+    (the caller pins them)."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], chunk_bytes: int | None = None,
+                 block_bytes: int | None = None, num_warps: int | None = None) -> None:
+        chunk_bytes = int(chunk_bytes or TUNING["chunk_bytes"])
+        block_bytes = int(block_bytes or TUNING["block_bytes"])
+        self.num_warps = int(num_warps or TUNING["num_warps"])
+        entries = []
+        device = None
+        for d, s in pairs:
+            if not (d.is_contiguous() and s.is_contiguous()) or d.nbytes != s.nbytes:
+                raise ValueError("CopyTable: pairs must be contiguous and of equal byte length")
+            if device is None:
+                device = d.device
+            if d.device != device or s.device != device:
+                raise ValueError("CopyTable: every tensor must be on one device")
+            entries.append((s.data_ptr(), d.data_ptr(), d.nbytes))
+        self.count, self.bytes = len(entries), sum(e[2] for e in entries)
+        self.launches: list[tuple] = []
+        if not entries:
+            return
+        self._base = torch.empty(2, dtype=torch.int64, device=device)  # 16-byte aligned anchor of the offsets
+        base = self._base.data_ptr()
+        for word, rows in chunk_table(np.asarray(entries, dtype=np.int64), base, chunk_bytes).items():
+            element = _ELEMENT[word]
+            per = word // element.itemsize  # elements per word (2 int64 per 16-byte word)
+            chunk = chunk_words(chunk_bytes, word) * per  # the most elements a chunk holds
+            table = torch.from_numpy(np.ascontiguousarray(rows * per)).to(device)
+            block = min(triton.next_power_of_2(max(1, block_bytes // element.itemsize)), triton.next_power_of_2(chunk))
+            self.launches.append((self._base.view(element), table, len(rows), chunk, block, per))
+
+    def launch(self) -> None:
+        for base, table, n, chunk, block, align in self.launches:
+            _copy_table_kernel[(n,)](base, base, table, BLOCK=block, ALIGN=align,
+                                     num_warps=self.num_warps)
+
+
+__all__ = ["CopyTable", "TUNING", "WORDS", "word_bytes"]

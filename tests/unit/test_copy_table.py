@@ -1,0 +1,62 @@
+"""The table-copy kernel's chunk table (kernels.table_plan), property-tested in numpy without Triton: for random
+copies (lengths, addresses of every alignment, chunk sizes), applying the table's chunks moves exactly the bytes
+the copies move, each chunk in the widest word that all its copy's addresses and length allow. The kernel itself
+is tested byte for byte in test_kernels.py (interpreter) and on the GPU (test_kernels_gpu.py)."""
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from reshard.kernels.table_plan import WORDS, apply_table, chunk_table, word_bytes
+
+SIZE = 4096
+
+
+@st.composite
+def copies(draw):
+    """Non-overlapping destinations in the upper half of a 2*SIZE memory, sources anywhere in the lower half."""
+    out, free = [], 0
+    for _ in range(draw(st.integers(0, 8))):
+        n = draw(st.integers(0, 300))
+        gap = draw(st.integers(0, 40))
+        if free + gap + n > SIZE:
+            break
+        src = draw(st.integers(0, SIZE - n))
+        out.append((src, SIZE + free + gap, n))
+        free += gap + n
+    return out
+
+
+@settings(max_examples=100, deadline=None)
+@given(copies(), st.integers(1, 700), st.sampled_from([0, 16, 1 << 40]))
+def test_chunk_table_moves_exactly_the_copies_bytes(entries, chunk_bytes, base):
+    """Memory index i stands for address base + i (base 16-byte aligned, so an index's alignment is its
+    address's)."""
+    rng = np.random.default_rng(len(entries) + chunk_bytes)
+    mem = rng.integers(0, 256, 2 * SIZE, dtype=np.uint8)
+    want = mem.copy()
+    for s, d, n in entries:
+        want[d:d + n] = mem[s:s + n]
+    addresses = np.asarray([(base + s, base + d, n) for s, d, n in entries], dtype=np.int64).reshape(-1, 3)
+    tables = chunk_table(addresses, base, chunk_bytes)
+    got = mem.copy()
+    apply_table(got, tables)
+    assert np.array_equal(got, want)
+    for w, rows in tables.items():
+        assert w in WORDS and np.all(rows[:, 2] >= 1) and np.all(rows[:, 2] * w <= max(chunk_bytes, w))
+    assert sum(int(rows[:, 2].sum()) * w for w, rows in tables.items()) == sum(n for _, _, n in entries)
+    for (s, d, n), w in zip(entries, word_bytes(addresses).tolist()):  # the widest word that fits
+        assert s % w == 0 and d % w == 0 and n % w == 0
+        assert w == 16 or s % (2 * w) or d % (2 * w) or n % (2 * w)
+
+
+def test_chunk_table_refuses_an_unaligned_base_and_bad_sizes():
+    import pytest
+
+    with pytest.raises(ValueError, match="aligned"):
+        chunk_table(np.zeros((1, 3), dtype=np.int64), 8, 64)
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        chunk_table(np.zeros((1, 3), dtype=np.int64), 0, 0)
+    with pytest.raises(ValueError, match="negative"):
+        chunk_table(np.asarray([[0, 16, -1]]), 0, 64)

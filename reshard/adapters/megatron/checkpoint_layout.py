@@ -16,6 +16,9 @@ Lifecycle of a refit from a checkpoint (each reader process):
   3. `plan = compile(layout, destination)`;
   4. `checkpoint_tensors(ckpt, plan, rank)`: {physical name: tensor} of reader `rank`, holding what it sends;
      hand it to an executor as a live trainer rank's source tensors. `ckpt.bytes_read` counts what was read.
+A LoRA adapter spec (`layouts.lora.lora_spec`) reads the checkpoint's Megatron-Bridge adapter tensors
+(`<module>.adapter.linear_{in,out}.weight`, stacked on the layer axis like every layer tensor) and ignores the base
+weights saved beside them; an adapter tensor the declared targets do not name, or of another rank, is a problem.
 `saved_facts(ckpt)` reports what the checkpoint says about the layout that saved it (tensor and expert-tensor
 parallel sizes from how its chunks cut a tensor, vocabulary padding, layers, experts).
 """

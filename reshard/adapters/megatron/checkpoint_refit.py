@@ -1,6 +1,7 @@
 """Refits straight from a megatron-core torch_dist checkpoint: into an HF directory (safetensors + config.json,
-what vLLM, transformers and PEFT tooling load), the LoRA adapter it holds into a PEFT directory, or, on each of several reader processes, into any destination
-an executor reaches (a running `vllm serve`, a Ray engine) as a trainer rank's source tensors would.
+what vLLM, transformers and PEFT tooling load), the LoRA adapter it holds into a PEFT directory, or, on each of
+several reader processes, into any destination an executor reaches (a running `vllm serve`, a Ray engine) as a
+trainer rank's source tensors would.
 
 No Megatron model is built and no HF copy of the whole checkpoint is staged: each reader reads, by byte range,
 only the chunks holding the rows its part of the plan sends (`checkpoint_layout.checkpoint_tensors`).

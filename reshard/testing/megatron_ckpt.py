@@ -18,6 +18,13 @@ from .megatron_cpu import TinyGPT, build_model, init_parallel
 def save_job(tiny: TinyGPT, sizes: dict[str, Any], path: str) -> None:
     """Build `tiny` at `sizes` (tp, pp, ep, etp, vpp) on this rank and save it into `path` (an existing, empty
     directory) with megatron-core's dist_checkpointing.save, torch_dist format."""
+    init_parallel(**sizes)
+    save_chunks(build_model(tiny), path)
+
+
+def save_chunks(chunks: list, path: str) -> None:
+    """On every gloo rank: save this rank's live model chunks into `path` with megatron-core's
+    dist_checkpointing.save (torch_dist), keyed like Megatron-LM."""
     import queue
 
     from megatron.core import dist_checkpointing
@@ -27,8 +34,6 @@ def save_job(tiny: TinyGPT, sizes: dict[str, Any], path: str) -> None:
     # start; a synchronous save writes in this process, so an in-process queue carries the same results.
     filesystem_async._results_queue = queue.Queue()
     torch.cuda.synchronize = lambda *a, **k: None  # the writer syncs the GPU after its device-to-host copies
-    init_parallel(**sizes)
-    chunks = build_model(tiny)
     if len(chunks) == 1:
         state = {"model": chunks[0].sharded_state_dict()}
     else:

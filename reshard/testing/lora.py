@@ -145,12 +145,13 @@ def global_value(layer: int, target: str, which: str, row: int, col: int) -> flo
     return float(k * 40000 + row * 128 + col)
 
 
-def bridge_refit_job(tp: int, out: str, rank: int) -> None:
+def bridge_refit_job(tp: int, out: str, rank: int, ckpt: str | None = None) -> None:
     """On each gloo rank (megatron_cpu.run_ranks): a TinyGPT GPTModel at TP `tp` with Megatron-Bridge-shaped
     adapters of rank `rank`, each shard filled by `global_value` at megatron-core's sharded-state offsets. Writes
     per adapter parameter its local shape and megatron-core's answer (global shape and offset) to
     `out/rank<r>.json`, then refits the adapter from views of the live parameters (`source_tensors`) over gloo into
-    a PEFT layout on rank 0, which saves it to `out/peft.safetensors`."""
+    a PEFT layout on rank 0, which saves it to `out/peft.safetensors`. With `ckpt` (an existing empty directory),
+    first saves the model with its adapters there as Megatron-Bridge does (`save_bridge_checkpoint`)."""
     import json
 
     import torch.distributed as dist
@@ -181,10 +182,46 @@ def bridge_refit_job(tp: int, out: str, rank: int) -> None:
                         module.weight[a, b] = global_value(layer, target, which, o0 + a, o1 + b)
             report[name + ".weight"] = {"local": list(module.weight.shape), "global": list(sharded.global_shape),
                                         "offset": list(sharded.global_offset)}
+    if ckpt is not None:
+        save_bridge_checkpoint(chunks, ckpt)
     names = [n for chunk in chunks for n, _ in chunk.named_parameters() if ".adapter." in n]
     me = dist.get_rank()
     Path(out, f"rank{me}.json").write_text(json.dumps({"shards": report, "parameters": names}))
     refit_into_peft(chunks, reshard.MegatronLayout(model=lora_spec(tiny.spec(), rank, 16), tp=tp), out)
+
+
+def save_bridge_checkpoint(chunks: list, path: str) -> None:
+    """On every gloo rank: megatron-core's dist_checkpointing.save (torch_dist) of a live GPTModel (one chunk, PP=1)
+    with `attach_bridge_adapters` adapters, keyed as Megatron-Bridge's AdapterWrapper keys them: the base weights
+    under their own keys and each adapter linear's own sharded state (megatron-core's ColumnParallelLinear /
+    RowParallelLinear cuts) under `<module>.adapter.linear_{in,out}.weight`, stacked on the global layer axis as
+    megatron-core's TransformerBlock stacks a layer's tensors, linear_fc1's B through megatron-core's
+    apply_swiglu_sharded_factory as Bridge's ParallelLinearAdapter.sharded_state_dict does (the checkpoint then
+    holds [gate; up] whatever the TP that saved it). (The base linear's own sharded state would
+    declare its adapter child replicated: that entry is replaced.)"""
+    import queue
+
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+    filesystem_async._results_queue = queue.Queue()  # as megatron_ckpt.save_job: a synchronous save in a daemon
+    torch.cuda.synchronize = lambda *a, **k: None
+    (chunk,) = chunks
+    metadata = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+    state = {k: v for k, v in chunk.sharded_state_dict(metadata=metadata).items() if ".adapter." not in k}
+    layers = chunk.config.num_layers
+    for name, module in chunk.named_modules():
+        if not name.endswith(("adapter.linear_in", "adapter.linear_out")):
+            continue
+        layer, sub = name.removeprefix("decoder.layers.").split(".", 1)
+        prefix, offsets = f"decoder.layers.{sub}.", ((0, int(layer), layers),)
+        own = module.sharded_state_dict(prefix=prefix, metadata=metadata, sharded_offsets=offsets)
+        if sub.endswith("linear_fc1.adapter.linear_out"):  # gate and up rows each at its place in [gate; up]
+            own[prefix + "weight"] = apply_swiglu_sharded_factory(own[prefix + "weight"], offsets)
+        state.update({f"{name}.{k.removeprefix(prefix)}": v for k, v in own.items()})  # keyed per layer, as the live
+    dist_checkpointing.save({"model": state}, path)
 
 
 def refit_into_peft(chunks: list, layout, out: str) -> None:

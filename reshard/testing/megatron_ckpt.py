@@ -18,6 +18,13 @@ from .megatron_cpu import TinyGPT, build_model, init_parallel
 def save_job(tiny: TinyGPT, sizes: dict[str, Any], path: str) -> None:
     """Build `tiny` at `sizes` (tp, pp, ep, etp, vpp) on this rank and save it into `path` (an existing, empty
     directory) with megatron-core's dist_checkpointing.save, torch_dist format."""
+    init_parallel(**sizes)
+    save_chunks(build_model(tiny), path)
+
+
+def save_chunks(chunks: list, path: str) -> None:
+    """On every gloo rank: save this rank's live model chunks into `path` with megatron-core's
+    dist_checkpointing.save (torch_dist), keyed like Megatron-LM."""
     import queue
 
     from megatron.core import dist_checkpointing
@@ -27,8 +34,6 @@ def save_job(tiny: TinyGPT, sizes: dict[str, Any], path: str) -> None:
     # start; a synchronous save writes in this process, so an in-process queue carries the same results.
     filesystem_async._results_queue = queue.Queue()
     torch.cuda.synchronize = lambda *a, **k: None  # the writer syncs the GPU after its device-to-host copies
-    init_parallel(**sizes)
-    chunks = build_model(tiny)
     if len(chunks) == 1:
         state = {"model": chunks[0].sharded_state_dict()}
     else:
@@ -99,6 +104,41 @@ def reader_job(path: str, config: str, out: str, dtype: str) -> None:
                                                          "chunks_read": ckpt.chunks_read}))
     if me == 0:
         save_file(out_tensors[0], f"{out}/readers.safetensors")
+
+
+def peft_reader_job(path: str, spec_json: str, out: str) -> None:
+    """One reader process of a PEFT directory straight from a checkpoint holding a LoRA adapter (gloo, world =
+    readers; `spec_json` the adapter's lora_spec as JSON): each reads its part of the plan into the PEFT layout on
+    rank 0 over torch.distributed; rank 0 publishes it at `out/peft` through PeftDirectory; every rank writes
+    what it read to `out/reader<r>.json`."""
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from ..adapters.lora import PeftDirectory
+    from ..adapters.megatron.checkpoint import open_checkpoint
+    from ..adapters.megatron.checkpoint_layout import checkpoint_layout, checkpoint_tensors
+    from ..executors import make_executor
+    from ..executors.binding import Binding
+    from ..layouts import ModelSpec
+    from ..layouts.lora import PeftLayout
+    from ..planner import compile_plan
+
+    me, world = dist.get_rank(), dist.get_world_size()
+    spec = ModelSpec.model_validate_json(spec_json)
+    ckpt = open_checkpoint(path)
+    src = checkpoint_layout(ckpt, spec, readers=world)
+    plan = compile_plan(src, PeftLayout(model=spec))
+    directory = PeftDirectory(Path(out, "peft"), PeftLayout(model=spec)) if me == 0 else None
+    executor = make_executor("distributed", plan, Binding(tuple(range(world)), (0,)), me,
+                             {me: checkpoint_tensors(ckpt, plan, me)}, {0: directory.tensors} if directory else {},
+                             group=dist.group.WORLD, timeout=60.0)
+    executor.refit()
+    executor.close()
+    Path(out, f"reader{me}.json").write_text(json.dumps({"bytes_read": ckpt.bytes_read}))
+    if directory is not None:
+        directory.publish("checkpoint")
 
 
 CASES: dict[str, tuple[TinyGPT, int, dict[str, int]]] = {  # name -> (model, world, parallel sizes) of saved cases

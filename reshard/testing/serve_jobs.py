@@ -7,8 +7,9 @@ to the HF checkpoint in its own process to get the trained model's checkpoint, i
 reshard, and a server started from that checkpoint is the ground truth.
 
 A job is JSON: {"tiny": TinyGPT fields, "tp", "pp", "ep", "etp", "url", "server_tp", "checkpoint", "transport",
-"options", "steps", "out", "prompts", "fault"}. Rank 0 writes `out`: per refit the version, the server's greedy
-tokens, weight version and checksums, timings, and the plan-cache counts of this process.
+"options", "steps", "out", "prompts", "fault", "from_checkpoint"}. Rank 0 writes `out`: per refit the version,
+the server's greedy tokens, weight version and checksums, timings, and the plan-cache counts of this process; with
+"from_checkpoint" (an empty directory) also a refit from a torch_dist checkpoint of the last refit's weights.
 """
 from __future__ import annotations
 
@@ -132,6 +133,8 @@ def refit_server(job: dict[str, Any]) -> None:
                 break
         out["compiles_after_refits"] = cache.stats()["compiles"]
         out["worker_stats_after_refits"] = stats() if stats else None
+        if job.get("from_checkpoint") and out["refits"] and "error" not in out["refits"][-1]:
+            out["from_checkpoint"] = _refit_from_checkpoint(job, chunks, tensors, session, server, spec, dst)
     except Exception:  # noqa: BLE001 - reported to the test
         out["exception"] = traceback.format_exc()
     finally:
@@ -139,6 +142,51 @@ def refit_server(job: dict[str, Any]) -> None:
     if rank == 0 or "exception" in out:
         path = Path(job["out"]) if rank == 0 else Path(job["out"]).with_suffix(f".rank{rank}.json")
         path.write_text(json.dumps(out, default=str))
+
+
+def _refit_from_checkpoint(job: dict[str, Any], chunks: list, tensors: dict, session: Any, server: Any,
+                           spec: Any, dst: Any) -> dict[str, Any]:
+    """Issue 33 on a running server: the trainer saves its live model (the weights of its last refit) as a
+    megatron-core torch_dist checkpoint in `job["from_checkpoint"]`, takes one more step and refits it (the
+    server now serves other weights); then the same processes, as checkpoint readers (no model), refit the server
+    from the checkpoint, each reading only the records of its part of the plan."""
+    import torch.distributed as dist
+
+    from ..adapters.megatron.checkpoint import open_checkpoint
+    from ..adapters.megatron.checkpoint_layout import checkpoint_layout, checkpoint_tensors
+    from ..adapters.refit import RefitSpec
+    from ..adapters.trainer import TrainerSession
+    from .megatron_ckpt import save_chunks
+
+    step = job.get("steps", 2)
+    saved_version = f"step-{step - 1}"
+    save_chunks(chunks, job["from_checkpoint"])
+    with torch.no_grad():
+        for t in tensors.values():
+            t.copy_(train_step(t, step))
+    session.refit(f"step-{step}")
+    before = {"tokens": server.greedy(job["prompts"])} if server is not None else {}
+    session.close()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ckpt = open_checkpoint(job["from_checkpoint"])
+    refit = RefitSpec.of(spec, checkpoint_layout(ckpt, spec, readers=world), dst, install="loader",
+                         transport=job["transport"], options=job.get("options", {}), config=job["checkpoint"])
+    reader = TrainerSession(refit, rank, checkpoint_tensors(ckpt, refit.plan(), rank),
+                            engines=[server] if server is not None else [], trainer_group=dist.group.WORLD,
+                            timeout=job.get("timeout", 300.0))
+    try:
+        reader.init()
+        result = reader.refit(f"checkpoint-{saved_version}")
+    finally:
+        reader.close()
+    read = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(read, torch.tensor([ckpt.bytes_read], dtype=torch.int64))
+    after: dict[str, Any] = {"version": f"checkpoint-{saved_version}", "seconds": result.seconds,
+                             "bytes_read": [int(b) for b in read], "record_bytes": ckpt.record_bytes}
+    if server is not None:
+        after.update(tokens=server.greedy(job["prompts"]), weight_version=server.weight_info(),
+                     checksums=server.weight_checksums(), landed=_landed(server))
+    return {"before": before, "after": after}
 
 
 def _landed(server: Any) -> list[dict[str, Any]] | None:

@@ -16,6 +16,9 @@ Lifecycle of a refit from a checkpoint (each reader process):
   3. `plan = compile(layout, destination)`;
   4. `checkpoint_tensors(ckpt, plan, rank)`: {physical name: tensor} of reader `rank`, holding what it sends;
      hand it to an executor as a live trainer rank's source tensors. `ckpt.bytes_read` counts what was read.
+A LoRA adapter spec (`layouts.lora.lora_spec`) reads the checkpoint's Megatron-Bridge adapter tensors
+(`<module>.adapter.linear_{in,out}.weight`, stacked on the layer axis like every layer tensor) and ignores the base
+weights saved beside them; an adapter tensor the declared targets do not name, or of another rank, is a problem.
 `saved_facts(ckpt)` reports what the checkpoint says about the layout that saved it (tensor and expert-tensor
 parallel sizes from how its chunks cut a tensor, vocabulary padding, layers, experts).
 """
@@ -43,6 +46,8 @@ _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weig
 _NORM_KEYS = {"input_layernorm.weight": ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
               "pre_mlp_layernorm.weight": ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")}
 _SKIP = ("._extra_state",)  # TransformerEngine's FP8 metadata: not weights
+LORA = "lora"  # reshard.layouts.lora's family: a Megatron-Bridge adapter, read from its `.adapter.` tensors
+ADAPTER = ".adapter."
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,14 @@ def checkpoint_layout(ckpt: Checkpoint, spec: ModelSpec, *, readers: int = 1,
     replicas, vocabulary padding of the checkpoint), checked against the checkpoint: raises LayoutMismatchError
     naming every problem (and every difference from `like`, a declared layout) before anything is read."""
     facts = saved_facts(ckpt)
+    if spec.family == LORA:  # an adapter has no vocabulary: its tensors are the checkpoint's `.adapter.` ones
+        layout = MegatronLayout(model=spec, tp=1, pp=1, ep=1, etp=1, world=readers)
+        problems = checkpoint_problems(ckpt, layout) + (layout_problems(layout, like) if like is not None else [])
+        if problems:
+            raise LayoutMismatchError("megatron-ckpt", problems, where=f"the checkpoint {ckpt.path} ({facts})",
+                                      fix="declare the adapter the checkpoint holds (lora_spec: its rank, "
+                                          "targets and alpha as trained)")
+        return layout
     if facts.padded_vocab is None:
         raise LayoutMismatchError("megatron-ckpt", ["the checkpoint has no embedding.word_embeddings.weight"],
                                   where=f"the checkpoint {ckpt.path}")
@@ -145,11 +158,13 @@ def checkpoint_problems(ckpt: Checkpoint, layout: MegatronLayout) -> list[str]:
             dtypes.setdefault((saved.dtype, want_dtype), []).append(name)
     problems += [f"{len(names)} tensors are saved as {got}, the layout declares {want} (e.g. {names[0]})"
                  for (got, want), names in dtypes.items()]
+    adapter = layout.model.family == LORA
     for key, saved in ckpt.tensors.items():
-        if key in used or key.endswith(_SKIP):
-            continue
-        problems.append(f"the checkpoint's {key} {saved.shape} is not a tensor of the {layout.model.family} spec "
-                        "(a refit would not read it)")
+        if key in used or key.endswith(_SKIP) or (adapter and ADAPTER not in key):
+            continue  # an adapter refit reads no base weight (a Megatron-Bridge LoRA checkpoint holds both)
+        what = (f"an adapter tensor the declared targets {list(layout.model.arch_value('lora_targets'))} do not "
+                "include") if adapter else f"not a tensor of the {layout.model.family} spec"
+        problems.append(f"the checkpoint's {key} {saved.shape} is {what} (a refit would not read it)")
     for key in used:  # every layer / expert of the checkpoint must be one of the spec's
         saved, lead = ckpt.tensors[key], leading_axes(key)
         want = (layout.model.num_layers, layout.model.num_experts)[:lead]

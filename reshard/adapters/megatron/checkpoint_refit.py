@@ -1,6 +1,7 @@
 """Refits straight from a megatron-core torch_dist checkpoint: into an HF directory (safetensors + config.json,
-what vLLM, transformers and PEFT tooling load), or, on each of several reader processes, into any destination
-an executor reaches (a running `vllm serve`, a Ray engine) as a trainer rank's source tensors would.
+what vLLM, transformers and PEFT tooling load), the LoRA adapter it holds into a PEFT directory, or, on each of
+several reader processes, into any destination an executor reaches (a running `vllm serve`, a Ray engine) as a
+trainer rank's source tensors would.
 
 No Megatron model is built and no HF copy of the whole checkpoint is staged: each reader reads, by byte range,
 only the chunks holding the rows its part of the plan sends (`checkpoint_layout.checkpoint_tensors`).
@@ -62,6 +63,31 @@ def export_hf(checkpoint: str | os.PathLike[str] | Checkpoint, config: str | os.
     save_file(hf[0], str(target / "model.safetensors"), metadata={"format": "pt"})
     shutil.copyfile(config_file, target / "config.json")
     written = sum(t.numel() * t.element_size() for t in hf[0].values())
+    return CheckpointRefit(ckpt.bytes_read - before, written, ckpt.record_bytes, time.perf_counter() - start)
+
+
+def export_peft(checkpoint: str | os.PathLike[str] | Checkpoint, spec: ModelSpec, out: str | os.PathLike[str], *,
+                base_model: str = "", version: str = "checkpoint") -> CheckpointRefit:
+    """Write the LoRA adapter `spec` (`layouts.lora.lora_spec`: the rank, alpha and targets it was trained with)
+    saved in `checkpoint` (Megatron-Bridge's `<module>.adapter.linear_{in,out}.weight` tensors; base weights
+    beside them are not read) as a PEFT directory at `out`, through the PEFT writer of LoRA refits (`out` becomes
+    a link to the version's directory, switched atomically). The checkpoint is checked against the declared
+    adapter (rank, targets, layers) before anything is written; one process reads what several readers would
+    (several reader processes, each reading its part: `reshard.testing.megatron_ckpt.peft_reader_job`)."""
+    from ...executors.local import execute_local
+    from ...layouts.lora import PeftLayout
+    from ...planner import compile_plan
+    from ..lora.peft_dir import PeftDirectory
+
+    start = time.perf_counter()
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint)
+    before = ckpt.bytes_read
+    src = checkpoint_layout(ckpt, spec)  # refuses a non-adapter spec's checkpoint mismatch, or a LoRA one's
+    directory = PeftDirectory(out, PeftLayout(model=spec), base_model=base_model)
+    plan = compile_plan(src, directory.layout)
+    execute_local(plan, {0: checkpoint_tensors(ckpt, plan, 0)}, {0: directory.tensors})
+    directory.publish(version)
+    written = sum(t.numel() * t.element_size() for t in directory.tensors.values())
     return CheckpointRefit(ckpt.bytes_read - before, written, ckpt.record_bytes, time.perf_counter() - start)
 
 

@@ -4,6 +4,10 @@ parameter names, local shapes and offsets are what `MegatronLayout` declares for
 from views of the live parameters (`adapters.megatron.source_tensors`) over gloo into a PEFT layout equals the
 PEFT tensors written out by hand from megatron-core's global tensors (Megatron-Bridge's export: a fused layer's A
 under each part, linear_qkv's B de-interleaved by query group, linear_fc1's B split per rank into gate and up).
+The same model saved by megatron-core's dist_checkpointing (torch_dist, keyed as Bridge's AdapterWrapper keys it)
+is a source too: two reader processes, each reading only its part, write a PEFT directory equal to the same
+hand-written export, which PEFT's own loader merges into W + (alpha / r) B A; a checkpoint whose adapter disagrees
+with the declared rank or targets is refused before anything is written.
 (Megatron-Bridge itself does not install here: Python 3.12, transformers <= 5.12.1.)"""
 from __future__ import annotations
 
@@ -50,8 +54,17 @@ def _expected_peft(tiny: TinyGPT) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_bridge_adapters_refit_from_a_live_megatron_model(tmp_path):
-    run_ranks(TP, bridge_refit_job, TP, str(tmp_path), RANK, errdir=str(tmp_path), timeout=240)
+@pytest.fixture(scope="module")
+def bridge(tmp_path_factory):
+    """The live TP-2 model with Bridge adapters: its refit into PEFT tensors, and its torch_dist checkpoint."""
+    out = tmp_path_factory.mktemp("bridge")
+    (out / "ckpt").mkdir()
+    run_ranks(TP, bridge_refit_job, TP, str(out), RANK, str(out / "ckpt"), errdir=str(out), timeout=240)
+    return out
+
+
+def test_bridge_adapters_refit_from_a_live_megatron_model(bridge):
+    tmp_path = bridge
     tiny = TinyGPT(num_layers=2)
     spec = lora_spec(tiny.spec(), RANK, 16)
     layout = reshard.MegatronLayout(model=spec, tp=TP)
@@ -67,3 +80,62 @@ def test_bridge_adapters_refit_from_a_live_megatron_model(tmp_path):
     assert sorted(got) == sorted(want)
     for name, t in want.items():
         assert torch.equal(got[name], t), name
+
+
+def test_peft_directory_straight_from_a_bridge_checkpoint(bridge, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from reshard.adapters.megatron.checkpoint import open_checkpoint
+    from reshard.testing.lora import reference_merge
+    from reshard.testing.megatron_ckpt import peft_reader_job
+
+    tiny = TinyGPT(num_layers=2)
+    spec = lora_spec(tiny.spec(), RANK, 16)
+    run_ranks(2, peft_reader_job, str(bridge / "ckpt"), spec.model_dump_json(), str(tmp_path), errdir=str(tmp_path),
+              timeout=240)
+    got, want = load_file(str(tmp_path / "peft" / "adapter_model.safetensors")), _expected_peft(tiny)
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
+    ckpt = open_checkpoint(bridge / "ckpt")  # base weights and adapters: the readers read adapter records only
+    adapter = sum(c.length for key, t in ckpt.tensors.items() if ".adapter." in key for c in t.chunks)
+    read = [json.loads((tmp_path / f"reader{r}.json").read_text())["bytes_read"] for r in range(2)]
+    assert all(0 < b < 0.75 * adapter for b in read) and sum(read) < adapter, (read, adapter)
+
+    # PEFT's own loader: merging the directory gives W + (alpha / r) B A of the hand-written adapter, every module
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny.hf_config(), dtype=torch.float32)
+    base = {n: p.detach().clone() for n, p in model.named_parameters()}
+    merged = {n: p.detach() for n, p in
+              PeftModel.from_pretrained(model, str(tmp_path / "peft")).merge_and_unload().named_parameters()}
+    checked = 0
+    for name in want:
+        if name.endswith("lora_A.weight"):
+            module = name.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            b = want[name.replace("lora_A", "lora_B")]
+            expect = reference_merge(base[f"{module}.weight"], want[name], b, 16, RANK)
+            assert torch.equal(merged[f"{module}.weight"], expect), module
+            checked += 1
+    assert checked == 2 * 7
+
+
+def test_checkpoint_adapter_that_disagrees_with_the_declared_one_is_refused(bridge, tmp_path):
+    from reshard.adapters.megatron.checkpoint import open_checkpoint
+    from reshard.adapters.megatron.checkpoint_refit import export_peft
+    from reshard.errors import LayoutMismatchError
+
+    ckpt = open_checkpoint(bridge / "ckpt")
+    spec = lora_spec(TinyGPT(num_layers=2).spec(), RANK // 2, 16, ["linear_qkv", "linear_proj", "linear_fc1"])
+    with pytest.raises(LayoutMismatchError) as exc:
+        export_peft(ckpt, spec, tmp_path / "peft")
+    text = "\n".join(exc.value.problems)
+    assert (f"decoder.layers.0.self_attention.linear_qkv.adapter.linear_in.weight: the checkpoint's "
+            f"decoder.layers.self_attention.linear_qkv.adapter.linear_in.weight has shape (2, {RANK}, 64)") in text
+    assert ("decoder.layers.mlp.linear_fc2.adapter.linear_in.weight (2, 8, 96) is an adapter tensor the declared "
+            "targets ['linear_qkv', 'linear_proj', 'linear_fc1'] do not include") in text
+    assert ckpt.bytes_read == 0 and not (tmp_path / "peft").exists()
+    report = export_peft(ckpt, lora_spec(TinyGPT(num_layers=2).spec(), RANK, 16), tmp_path / "peft")  # as saved
+    assert report.bytes_read == ckpt.bytes_read > 0
+    assert sorted(load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))) == sorted(
+        _expected_peft(TinyGPT(num_layers=2)))

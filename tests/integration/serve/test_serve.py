@@ -6,6 +6,9 @@ function of checkpoint A, applied in this process: independent of Megatron and o
 tokens and vLLM's own weight checksums are recorded first. Trainer processes loaded with A refit it (its tokens
 must change), take the training step and refit again: tokens and checksums must equal the fresh server's, and
 the server must report the trainer's weight version. Both sides compile the plan once.
+In one case the trainer also saves that step as a megatron-core torch_dist checkpoint, refits one more step, and
+its processes then refit the server straight from the checkpoint (readers with no model, each reading its part):
+the fresh server's output again.
 
 Faults and bad input (each bounded in time): a trainer process dies as a refit starts -> the server's update
 fails, it keeps serving the previous weights, and a new init + refit succeeds; the server dies mid-update ->
@@ -121,9 +124,30 @@ def _assert_refit_equals_fresh(served: Served, result: dict) -> None:
     ("moe-tp2", "collective", 2, 2, 1), ("moe-tp2", "nixl", 2, 1, 2)])
 def test_refit_equals_fresh_server(servers, tmp_path, server, transport, tp, pp, ep):
     served = servers[server]
-    result = _run(served, tmp_path, transport, tp, pp, ep)
+    # one case also refits the server straight from a megatron-core checkpoint its trainer saved (issue 33)
+    from_checkpoint = (server, transport, tp, pp) == ("dense-tp2", "collective", 2, 2)
+    extra = {"from_checkpoint": str(tmp_path / "ckpt")} if from_checkpoint else {}
+    (tmp_path / "ckpt").mkdir()
+    result = _run(served, tmp_path, transport, tp, pp, ep, **extra)
     _assert_refit_equals_fresh(served, result)
     assert result["layout"].startswith(f"megatron:tp={tp},pp={pp},ep={ep},")
+    if from_checkpoint:
+        _assert_checkpoint_refit_equals_fresh(served, result["from_checkpoint"])
+
+
+def _assert_checkpoint_refit_equals_fresh(served: Served, result: dict) -> None:
+    """The trainer saved step 1's weights (checkpoint B's) with dist_checkpointing, refit step 2 live, then its
+    processes, as readers of the checkpoint, refit the server from it: a fresh server's tokens and checksums, the
+    digests of checkpoint B's tensors, each reader reading its part of the checkpoint's records."""
+    before, after = result["before"], result["after"]
+    assert before["tokens"] != served.fresh, "the step after the saved one did not change the tokens"
+    assert "error" not in after, after.get("error")
+    assert after["tokens"] == served.fresh and after["checksums"] == served.checksums
+    want = tensor_digests(load_checkpoint(served.b))
+    assert after["landed"] and all(w["installed"] and w["digests"] == want for w in after["landed"])
+    assert after["weight_version"] == "checkpoint-step-1"
+    read, total = after["bytes_read"], after["record_bytes"]
+    assert len(read) > 1 and all(0 < b < 0.75 * total for b in read) and sum(read) < total, (read, total)
 
 
 def _trainer_of_one(served: Served, **changes) -> tuple[RefitSpec, dict]:

@@ -2,7 +2,7 @@
 
 Pydantic's `model_construct` and `model_copy(update=...)` skip validation on purpose (speed); a model spec or a
 layout made that way could hold a tp of -3 or a string head count, and the compiler would trust it. Here both
-re-validate through the constructor, and the JSON / string / dict readers turn pydantic's ValidationError into
+re-validate through the constructor, setting or deleting a field is refused, and the JSON / string / dict readers turn pydantic's ValidationError into
 the library's error (`kind` names the model in it: "model" blames ModelConfigError, anything else LayoutError).
 """
 from __future__ import annotations
@@ -68,6 +68,13 @@ class ValidatedModel(BaseModel):
         if unknown:
             raise ArgumentError("update", update, f"names fields {type(self).__name__} does not have: {unknown}")
         return type(self)(**{**{k: getattr(self, k) for k in type(self).model_fields}, **(update or {})})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise ArgumentError(name, value, f"cannot be set: a {type(self).__name__} is immutable (make another, or "
+                                         f"model_copy(update={{...}}), which validates)")
+
+    def __delattr__(self, name: str) -> None:
+        raise ArgumentError(name, rule=f"cannot be deleted: a {type(self).__name__} is immutable")
 
 
 __all__ = ["ValidatedModel"]

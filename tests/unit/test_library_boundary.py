@@ -48,6 +48,17 @@ def test_a_model_spec_cannot_be_made_invalid_through_pydantic():
         SPEC.model_copy(update={"no_such_field": 1})
 
 
+def test_fields_cannot_be_set_or_deleted():
+    layout = reshard.VllmLayout(model=SPEC)
+    with pytest.raises(ArgumentError, match="immutable"):
+        layout.tp = 0
+    with pytest.raises(ArgumentError, match="immutable"):
+        del layout.tp
+    with pytest.raises(ArgumentError, match="immutable"):
+        SPEC.hidden_size = -1
+    assert layout.tp == 1 and SPEC.hidden_size > 0
+
+
 def test_pydantic_paths_still_make_valid_copies():
     """Re-validation keeps every valid use (the library copies specs with another dtype, layouts with another tp)."""
     assert SPEC.model_copy(update={"dtype": "float32"}).dtype == "float32"

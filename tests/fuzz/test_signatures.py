@@ -10,9 +10,11 @@ AttributeError or ZeroDivisionError from inside. The number of generated calls i
 (conftest)."""
 from __future__ import annotations
 
+import atexit
 import importlib
 import inspect
 import math
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -47,7 +49,8 @@ PLAN = reshard.compile_plan(SRC, DST)
 PRED = predict(PLAN)
 BINDING = Binding.disjoint(1, 1)
 SRC_TENSORS, DST_TENSORS = shard(SRC, WEIGHTS), allocate(DST)
-FILES = Path(tempfile.mkdtemp(prefix="reshard-fuzz-"))
+FILES = Path(tempfile.mkdtemp(prefix="reshard-fuzz-"))  # plan files the fuzz reads and writes, never the checkout
+atexit.register(shutil.rmtree, FILES, True)
 PLAN_FILE = PLAN.save(FILES / "plan.npz")
 CALLS = {"n": 0}
 

@@ -3,6 +3,8 @@ is built, so a wrong type never surfaces as a TypeError or AttributeError from i
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 from typing import Any
 
 from .errors import ArgumentError
@@ -57,4 +59,87 @@ def names(field: str, value: Any, none: bool = True) -> None:
         raise ArgumentError(field, value, "must be a list of names" + (", or None" if none else ""))
 
 
-__all__ = ["instance", "integer", "integers", "names", "seconds", "text"]
+def number(field: str, value: Any) -> float:
+    """A finite real number (an int or a float; not a bool, a string or a tensor)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ArgumentError(field, value, "must be a finite number")
+    return value
+
+
+def ranks(field: str, value: Any, count: int, none: bool = True) -> list[int] | None:
+    """None (where allowed: every rank), or distinct integers in [0, count)."""
+    if value is None and none:
+        return None
+    integers(field, value, none=False)
+    bad = [r for r in value if not 0 <= r < count]
+    if bad or len(set(value)) != len(list(value)):
+        raise ArgumentError(field, value, f"must list distinct ranks in [0, {count})")
+    return list(value)
+
+
+def device(field: str, value: Any) -> Any:
+    """A torch device this process has: "cpu", "meta", or an accelerator index that exists."""
+    import torch
+
+    if not isinstance(value, (str, torch.device)):
+        raise ArgumentError(field, value, "must be a device name (e.g. 'cpu', 'cuda:0') or a torch.device")
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, TypeError, ValueError):
+        raise ArgumentError(field, value, "is not a torch device name") from None
+    if dev.type in ("cpu", "meta"):
+        return dev
+    backend = getattr(torch, dev.type, None)
+    available = getattr(backend, "is_available", lambda: False)()
+    if not available or (dev.index is not None and dev.index >= backend.device_count()):
+        raise ArgumentError(field, value, "is not a device of this process")
+    return dev
+
+
+PLAN_SUFFIXES = (".npz", ".json")  # Plan.save's writers
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".eps", ".ps", ".tif", ".tiff", ".webp")  # matplotlib's
+
+
+def output_path(field: str, path: Any, suffixes: tuple[str, ...] = ()) -> Path:
+    """A file path that can be written, checked before any work is done: its directory exists and is writable,
+    it is not a directory, and (where `suffixes` are given) its suffix, in any case, names one of the writers.
+    The one rule of the API and the CLI (`field` is an argument's or a flag's name)."""
+    if not isinstance(path, (str, os.PathLike)) or isinstance(path, bytes) or not str(path):
+        raise ArgumentError(field, path, "must be a file path (a non-empty str or pathlib.Path)")
+    target = Path(path)
+    try:
+        if target.is_dir():
+            raise ArgumentError(field, str(path), "is a directory, not a file path")
+        parent = target.parent if str(target.parent) else Path(".")
+        if not parent.is_dir():
+            raise ArgumentError(field, str(path), f"cannot be written: the directory {str(parent)!r} does not exist")
+        if not os.access(parent, os.W_OK):
+            raise ArgumentError(field, str(path), f"cannot be written: no permission in {str(parent)!r}")
+        if target.exists() and not target.is_file():
+            raise ArgumentError(field, str(path), "exists and is not a regular file")
+    except OSError as e:  # a name too long, a loop of links ...
+        raise ArgumentError(field, str(path)[:200], f"cannot be written ({e.strerror or e})") from None
+    if suffixes and target.suffix.lower() not in suffixes:
+        raise ArgumentError(field, str(path), f"must end in one of {list(suffixes)} (the formats written)")
+    return target
+
+
+def rank_tensors(field: str, value: Any, none: bool = False, deep: bool = False) -> None:
+    """rank -> physical name -> tensor: a mapping of integer ranks (`deep`: to mappings of names to torch tensors;
+    else what each rank holds is left to the executors' check against the plan, which lists every problem)."""
+    import torch
+    from collections.abc import Mapping
+
+    if value is None and none:
+        return
+    rule = "must map integer ranks to {name: torch.Tensor}" + (", or be None" if none else "")
+    if not isinstance(value, Mapping):
+        raise ArgumentError(field, value, rule)
+    for rank, tensors in value.items():
+        if isinstance(rank, bool) or not isinstance(rank, int) or deep and (not isinstance(tensors, Mapping) or not all(
+                isinstance(k, str) and isinstance(t, torch.Tensor) for k, t in tensors.items())):
+            raise ArgumentError(field, value, rule)
+
+
+__all__ = ["PLAN_SUFFIXES", "PLOT_SUFFIXES", "device", "instance", "integer", "integers", "names", "number", "output_path", "rank_tensors", "ranks", "seconds",
+           "text"]

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Callable, NoReturn
 
+from .arguments import PLAN_SUFFIXES, PLOT_SUFFIXES, output_path
 from .errors import ArgumentError, ReshardError
 from .limits import MAX_RANKS
 
@@ -53,21 +54,9 @@ def _ints(flag: str, text: str, low: int, high: int) -> list[int]:
 
 
 def _output(flag: str, path: str | None, suffixes: tuple[str, ...] = ()) -> None:
-    """Refuse an output path that cannot be written before any work is done."""
-    if path is None:
-        return
-    target = Path(path)
-    if not path or target.is_dir():
-        raise ArgumentError(flag, path, "is a directory, not a file path")
-    parent = target.parent if str(target.parent) else Path(".")
-    if not parent.is_dir():
-        raise ArgumentError(flag, path, f"cannot be written: the directory {str(parent)!r} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise ArgumentError(flag, path, f"cannot be written: no permission in {str(parent)!r}")
-    if target.exists() and not target.is_file():
-        raise ArgumentError(flag, path, "exists and is not a regular file")
-    if suffixes and target.suffix.lower() not in suffixes:
-        raise ArgumentError(flag, path, f"must end in one of {list(suffixes)}")
+    """Refuse an output path that cannot be written before any work is done (the API's rule: Plan.save)."""
+    if path is not None:
+        output_path(flag, path, suffixes)
 
 
 def _topology(args: argparse.Namespace):
@@ -108,8 +97,8 @@ def _plan(args: argparse.Namespace) -> int:
     from .layouts import ModelSpec, parse_layout
     from .planner import compile_plan
 
-    _output("--save", args.save, (".npz", ".json"))
-    _output("--plot", args.plot)
+    _output("--save", args.save, PLAN_SUFFIXES)
+    _output("--plot", args.plot, PLOT_SUFFIXES)
     model = ModelSpec.from_hf_config(args.model)
     if args.dtype is not None:
         model = ModelSpec(**{**model.model_dump(), "dtype": args.dtype})

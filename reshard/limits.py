@@ -41,7 +41,7 @@ def json_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> int:
             deepest = d
             if deepest > limit:
                 return deepest
-        items = v.values() if isinstance(v, dict) else v
+        items = v.values() if isinstance(v, dict) else v if isinstance(v, list) else ()  # a scalar: no nesting
         stack.extend((x, d + 1) for x in items if isinstance(x, (dict, list)))
     return deepest
 

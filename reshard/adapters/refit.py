@@ -97,19 +97,27 @@ class RefitSpec:
         problems = []
         for name, kind in _FIELDS.items():
             value = getattr(self, name)
-            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            if not isinstance(value, kind) or isinstance(value, bool):
                 problems.append(f"{name}={value!r} has type {type(value).__name__}")
+        for name in ("options", "math", "rendezvous"):
+            value = getattr(self, name)
+            if isinstance(value, dict) and not all(isinstance(k, str) for k in value):
+                problems.append(f"{name}={value!r} must have string keys (it travels as a JSON object)")
         if self.install not in INSTALLS:
             problems.append(f"install={self.install!r} is not one of {INSTALLS}")
         if self.transport not in TRANSPORTS:
             problems.append(f"transport={self.transport!r} is not one of {TRANSPORTS}")
+        if isinstance(self.fanout, int) and not isinstance(self.fanout, bool) and self.fanout < 1:
+            problems.append(f"fanout={self.fanout} must be >= 1 (or None: the trainer feeds every replica)")
         if isinstance(self.replica, int) and self.replica < 0:
             problems.append(f"replica={self.replica} must be >= 0")
         if (self.install == "lora_slot") != (self.lora_id is not None) or isinstance(self.lora_id, bool) \
                 or (isinstance(self.lora_id, int) and self.lora_id < 1):
             problems.append(f"lora_id={self.lora_id!r}: install='lora_slot' needs the served adapter's id (a "
                             f"positive integer), and only it")
-        if self.verify_layers is not None:
+        if self.verify_layers is not None and not isinstance(self.verify_layers, (list, tuple)):
+            problems.append(f"verify_layers={self.verify_layers!r} must be a list of layer numbers, or None")
+        elif self.verify_layers is not None:
             object.__setattr__(self, "verify_layers", tuple(self.verify_layers))
             if not all(isinstance(x, int) and not isinstance(x, bool) for x in self.verify_layers):
                 problems.append("verify_layers must list layer numbers")
@@ -120,6 +128,11 @@ class RefitSpec:
                 object.__setattr__(self, name, json.loads(json.dumps(getattr(self, name))))
             except (TypeError, ValueError) as e:
                 raise PlanError(f"refit spec field {name} is not JSON: {e}") from None
+        self.layouts()  # the model and both layouts are valid (each raises its own library error)
+        if self.rendezvous is not None:
+            from ..executors.rendezvous import Rendezvous
+
+            Rendezvous.from_dict(self.rendezvous)
 
     # --- plain data ----------------------------------------------------------------------------------
     @classmethod

@@ -94,7 +94,16 @@ def make_executor(name: str, plan: Any, binding: Any, process: int, src: RankTen
     Raises:
         ExecutionError: an unknown name, or what the executor refuses at construction.
     """
-    return executor_class(name)(plan, binding, process, src or {}, dst or {}, **options)
+    from ..arguments import instance, integer, rank_tensors, text
+    from ..planner import Plan
+
+    text("name", name)
+    instance("plan", plan, Plan, "a Plan")
+    integer("process", process, 0, 1 << 20)
+    rank_tensors("src", src, none=True)
+    rank_tensors("dst", dst, none=True)
+    return executor_class(name)(plan, binding, process, {} if src is None else src, {} if dst is None else dst,
+                                **options)
 
 
 __all__ = ["Executor", "RankTensors", "executor_class", "make_executor"]

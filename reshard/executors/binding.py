@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..errors import ExecutionError
+from ..errors import ArgumentError, ExecutionError
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,11 @@ class Binding:
 
     def __post_init__(self) -> None:
         for side in ("src", "dst"):
+            if not isinstance(getattr(self, side), (list, tuple, range)):
+                raise ArgumentError(side, getattr(self, side), "must be a list or tuple of group ranks")
             ranks = tuple(getattr(self, side))
+            if not ranks:
+                raise ArgumentError(side, getattr(self, side), "must list the group rank of at least one plan rank")
             bad = [r for r in ranks if not isinstance(r, int) or isinstance(r, bool) or r < 0]
             if bad:
                 raise ExecutionError(f"binding {side} must list non-negative group ranks; got {bad[:5]}")

@@ -5,12 +5,13 @@ the layout's placements directly, without the compiler, so they are the referenc
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import torch
 
-from ..errors import ExecutionError
+from ..arguments import device as check_device, instance, integer, number, rank_tensors, ranks as check_ranks
+from ..errors import ArgumentError, ExecutionError
 from ..layouts import Layout
 from ..planner import Plan
 from ..planner.plan import RELAY
@@ -45,6 +46,11 @@ def allocate(layout: Layout, fill: float = 0.0, ranks: list[int] | None = None,
     Raises:
         LayoutError: a rank the layout does not have.
     """
+    instance("layout", layout, Layout, "a Layout")
+    number("fill", fill)
+    ranks = check_ranks("ranks", ranks, layout.num_ranks)
+    device = check_device("device", device)
+    _check_fill(layout, fill)
     return {r: {name: torch.full(shape, fill, device=device, dtype=torch_dtype(layout.tensor_dtype(r, name)))
                 for name, shape in layout.rank_tensors(r).items()}
             for r in (range(layout.num_ranks) if ranks is None else ranks)}
@@ -75,8 +81,11 @@ def shard(layout: Layout, weights: Mapping[str, torch.Tensor], fill: float = 0.0
         rank -> physical name -> tensor.
 
     Raises:
-        KeyError: a canonical tensor missing from `weights`.
+        ArgumentError: a canonical tensor missing from `weights`, or one whose shape is not the canonical one
+            (a shape that merely broadcasts to it is refused, never broadcast).
     """
+    instance("layout", layout, Layout, "a Layout")
+    _check_weights(layout, weights)
     out = allocate(layout, fill, ranks)
     for t in layout.model.tensors:
         w = weights[t.name]
@@ -91,6 +100,34 @@ def shard(layout: Layout, weights: Mapping[str, torch.Tensor], fill: float = 0.0
     return out
 
 
+def _check_fill(layout: Layout, fill: float) -> None:
+    """`fill` is representable in every dtype the layout's tensors have (never saturated or wrapped)."""
+    if isinstance(fill, int) and not -(1 << 63) <= fill < (1 << 63):
+        raise ArgumentError("fill", fill, "is not a value of any tensor dtype")
+    for name in {layout.dtype, *layout.tensor_dtypes().values()}:
+        dtype = torch_dtype(name)
+        info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
+        if not info.min <= fill <= info.max or (not dtype.is_floating_point and fill != int(fill)):
+            raise ArgumentError("fill", fill, f"is not a value of the layout's dtype {name}")
+
+
+def _check_weights(layout: Layout, weights: Any) -> None:
+    """Every canonical tensor, a torch tensor of exactly its canonical shape (never broadcast)."""
+    if not isinstance(weights, Mapping) or not all(isinstance(k, str) for k in weights):
+        raise ArgumentError("weights", weights, "must map canonical (HF) tensor names to torch tensors")
+    problems = []
+    for t in layout.model.tensors:
+        w = weights.get(t.name)
+        if not isinstance(w, torch.Tensor):
+            problems.append(f"{t.name!r} is {'missing' if w is None else type(w).__name__}")
+        elif tuple(w.shape) != tuple(t.shape):
+            problems.append(f"{t.name!r} has shape {tuple(w.shape)}, the model's is {tuple(t.shape)}")
+    if problems:
+        raise ArgumentError("weights", f"<{len(weights)} tensors>",
+                            f"must hold every tensor of the model in its canonical shape: {'; '.join(problems[:5])}"
+                            + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
+
+
 def unshard(layout: Layout, tensors: RankTensors) -> dict[str, torch.Tensor]:
     """Canonical weights read back from a layout's tensors (each box from its first holder).
 
@@ -102,8 +139,19 @@ def unshard(layout: Layout, tensors: RankTensors) -> dict[str, torch.Tensor]:
         HF name -> canonical tensor.
 
     Raises:
-        KeyError: a physical tensor missing from a rank that is given.
+        ArgumentError: a physical tensor missing from a rank that is given, or of another shape.
     """
+    instance("layout", layout, Layout, "a Layout")
+    rank_tensors("tensors", tensors, deep=True)
+    problems = [f"rank {r} {name!r}: {tuple(tensors[r][name].shape) if name in tensors[r] else 'missing'}, "
+                f"the layout has {shape}" for r in tensors if 0 <= r < layout.num_ranks
+                for name, shape in layout.rank_tensors(r).items()
+                if name not in tensors[r] or tuple(tensors[r][name].shape) != tuple(shape)]
+    unknown = sorted(r for r in tensors if not 0 <= r < layout.num_ranks)
+    if unknown or problems:
+        raise ArgumentError("tensors", f"<{len(tensors)} ranks>",
+                            f"ranks {unknown} are not ranks of {layout}" if unknown else
+                            "do not match the layout: " + "; ".join(problems[:5]))
     out = {}
     for t in layout.model.tensors:
         w = torch.empty(t.shape, dtype=torch_dtype(t.dtype or layout.dtype))
@@ -207,7 +255,19 @@ class LocalExecutor(Executor):
 
     def __init__(self, plan: Plan, binding: object = None, process: int = 0, src: RankTensors | None = None,
                  dst: RankTensors | None = None) -> None:
+        from .binding import Binding
+
+        instance("plan", plan, Plan, "a Plan")
+        instance("binding", binding, Binding, "a Binding (not needed here)", none=True)
+        integer("process", process, 0, 1 << 20)
+        rank_tensors("src", src, none=True)
+        rank_tensors("dst", dst, none=True)
         self.plan, self.src, self.dst = plan, dict(src or {}), dict(dst or {})
+        for side, given, layout in (("src", self.src, plan.src), ("dst", self.dst, plan.dst)):
+            unknown = sorted(r for r in given if not 0 <= r < layout.num_ranks)
+            if unknown:
+                raise ExecutionError(f"{side} names ranks {unknown[:10]} that the plan's {layout.kind} side does "
+                                     f"not have")
         check_ops(plan)
         ops = plan.ops
         self.mine = np.flatnonzero(np.isin(ops["dst_rank"], list(self.dst)))
@@ -220,6 +280,7 @@ class LocalExecutor(Executor):
         missing = [r for r in self.sources if r not in self.src]
         if missing:
             raise ExecutionError(f"this process lacks source ranks {missing[:10]} that the plan reads")
+        check_tensors(plan, {r: self.src[r] for r in self.sources}, self.dst)  # before any byte moves
 
     def refit(self, version: int | None = None) -> None:
         plan, ops, mine = self.plan, self.plan.ops, self.mine
@@ -250,6 +311,9 @@ def execute_local(plan: Plan, src: RankTensors, dst: RankTensors) -> None:
     Raises:
         ExecutionError: a rank is missing, or tensors that do not match the plan.
     """
+    instance("plan", plan, Plan, "a Plan")
+    rank_tensors("src", src)
+    rank_tensors("dst", dst)
     missing = sorted(set(plan.src_tensors.ranks) - set(src)) + sorted(set(plan.dst_tensors.ranks) - set(dst))
     if missing:
         raise ExecutionError(f"local execution needs every rank; missing {missing[:10]}")

@@ -15,12 +15,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterator, NamedTuple, Sequence
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ConfigDict, field_validator
 
 from ..arrays import unique_inverse
-from ..errors import LayoutError, LimitError, from_validation
+from ..errors import LayoutError, LimitError, show
 from ..limits import MAX_RANKS
 from .model import ModelSpec, TensorSpec
+from .validated import ValidatedModel
 
 
 class Placement(NamedTuple):
@@ -149,7 +150,7 @@ def flat_origin(shape: tuple[int, ...], phys_offset: tuple[int, ...]) -> int:
     return off
 
 
-class Layout(BaseModel, abc.ABC):
+class Layout(ValidatedModel, abc.ABC):
     """One side of a refit: for each rank, its physical tensors and where canonical boxes sit in them.
 
     Subclasses (`MegatronLayout`, `VllmLayout`, `HfLayout`, ...) are small immutable declarations validated on
@@ -167,18 +168,14 @@ class Layout(BaseModel, abc.ABC):
 
     model: ModelSpec
 
-    def __init__(self, **data: Any) -> None:
-        try:
-            super().__init__(**data)
-        except ValidationError as exc:
-            raise from_validation(exc, type(self).kind) from None
-
+    @field_validator("model", mode="before")
     @classmethod
-    def model_validate(cls, obj: Any, **kwargs: Any) -> "Layout":  # type: ignore[override]
-        try:
-            return super().model_validate(obj, **kwargs)
-        except ValidationError as exc:
-            raise from_validation(exc, cls.kind) from None
+    def _model_fields_by_name(cls, value: Any) -> Any:
+        """A ModelSpec, or its fields by name (pydantic would spread any other mapping as keyword arguments)."""
+        if isinstance(value, dict) and not all(isinstance(k, str) for k in value):
+            raise LayoutError(getattr(cls, "kind", "layout"), f"model={show(value)} must be a ModelSpec or its "
+                                                               f"fields by name", {"model": value})
+        return value
 
     # --- structure -------------------------------------------------------------------------------
     @property
@@ -246,7 +243,7 @@ class Layout(BaseModel, abc.ABC):
         raise LayoutError(self.kind, constraint, values, fix)
 
     def _check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self.num_ranks:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.num_ranks:
             raise LayoutError(self.kind, f"rank={rank} is outside [0, {self.num_ranks})", {"rank": rank})
 
 

@@ -18,14 +18,15 @@ the spec's `arch` under "fp8", so specs, layouts and plans serialize as before.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Hashable, Iterable
+from typing import Any, ClassVar, Hashable, Iterable
 
-from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError, field_validator
+from pydantic import ConfigDict, StrictInt, StrictStr, field_validator
 
-from ..errors import LayoutError, ModelConfigError, from_validation
+from ..errors import LayoutError, ModelConfigError
 from .cuts import Cut, Group, Kind, Piece, Shape
 from . import registry
 from .model import Entry, Experts, ModelSpec, Role
+from .validated import ValidatedModel
 
 FP8 = "float8_e4m3fn"
 SCALE_DTYPE = "float32"
@@ -39,7 +40,7 @@ LINEAR_ROLES = frozenset({Role.Q, Role.K, Role.V, Role.O, Role.GATE, Role.UP, Ro
                           Role.EXPERT_GATE, Role.EXPERT_UP, Role.EXPERT_DOWN})
 
 
-class Fp8Scheme(BaseModel):
+class Fp8Scheme(ValidatedModel):
     """An FP8 block-scaled destination: block (rows, cols), the activation scheme and the modules left in high
     precision (HF module names, matched as vLLM's Fp8Config matches them: exactly, experts by substring)."""
 
@@ -50,11 +51,7 @@ class Fp8Scheme(BaseModel):
     ignored: tuple[StrictStr, ...] = ()
     fmt: StrictStr = "e4m3"
 
-    def __init__(self, **data: Any) -> None:
-        try:
-            super().__init__(**data)
-        except ValidationError as exc:
-            raise from_validation(exc, "quantization_config") from None
+    error_kind: ClassVar[str] = "quantization_config"
 
     @field_validator("block")
     @classmethod

@@ -26,6 +26,8 @@ def read_config(config: Any) -> dict[str, Any]:
     from pathlib import Path
 
     if isinstance(config, dict):
+        if not all(isinstance(k, str) for k in config):
+            raise config_error("config", config, "must have string keys (a JSON object)")
         return config
     if not isinstance(config, (str, os.PathLike)):
         raise config_error("config", config, "must be a dict, a config.json path or a checkpoint directory")

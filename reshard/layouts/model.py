@@ -13,12 +13,13 @@ from dataclasses import dataclass
 from typing import Any, Hashable
 
 import numpy as np
-from pydantic import (BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError, field_validator,
+from pydantic import (ConfigDict, StrictBool, StrictInt, StrictStr, field_validator,
                       model_validator)
 
-from ..errors import ModelConfigError, from_validation
+from ..errors import ModelConfigError
 from ..limits import MAX_DIM, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, MAX_PARAMS, MAX_TENSORS, check_limit
 from . import registry
+from .validated import ValidatedModel
 
 DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 LAYER = "model.layers.{i}."  # HF (and vLLM) prefix of layer i's tensors
@@ -96,7 +97,7 @@ class Experts:
     count: int
 
 
-class ModelSpec(BaseModel):
+class ModelSpec(ValidatedModel):
     """The facts about a decoder-only transformer that decide where its bytes live.
 
     Usually made from an HF config with `ModelSpec.from_hf_config(path_or_dict)`. Fields are strictly typed (an
@@ -143,25 +144,14 @@ class ModelSpec(BaseModel):
     # so the spec stays hashable and JSON round-trips; read them with `spec.arch_value(key)`.
     arch: tuple[tuple[str, Any], ...] = ()
 
-    def __init__(self, **data: Any) -> None:
-        try:
-            super().__init__(**data)
-        except ValidationError as exc:
-            raise from_validation(exc, "model") from None
-
-    @classmethod
-    def model_validate(cls, obj: Any, **kwargs: Any) -> "ModelSpec":  # type: ignore[override]
-        try:
-            return super().model_validate(obj, **kwargs)
-        except ValidationError as exc:
-            raise from_validation(exc, "model") from None
-
     @field_validator("arch", mode="before")
     @classmethod
     def _freeze_arch(cls, value: Any) -> tuple[tuple[str, Any], ...]:
         if not isinstance(value, (dict, list, tuple)):
             raise ModelConfigError(field="arch", value=value, rule="must be a mapping of family facts")
         items = value.items() if isinstance(value, dict) else value
+        if isinstance(value, dict) and not all(isinstance(k, str) for k in value):
+            raise ModelConfigError(field="arch", value=value, rule="must have string keys (family fact names)")
         try:
             return tuple(sorted((str(k), _frozen(v)) for k, v in items))
         except (TypeError, ValueError):

@@ -86,5 +86,9 @@ def discover(config: "dict[str, Any] | str | Path") -> Any:
 
 def spec_from_hf_config(config: "dict[str, Any] | str | Path", include_mtp: bool = False) -> Any:
     """Build a ModelSpec from an HF config dict, a config.json path, or a checkpoint directory."""
+    if not isinstance(include_mtp, bool):
+        from ..errors import ArgumentError
+
+        raise ArgumentError("include_mtp", include_mtp, "must be True or False")
     config = read_hf_config(config)
     return discover(config).spec(config, include_mtp=include_mtp)

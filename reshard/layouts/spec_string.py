@@ -7,7 +7,7 @@ import types
 import typing
 from typing import Any
 
-from ..errors import LayoutError, LimitError
+from ..errors import LayoutError, LimitError, show
 from .base import Layout
 from .hf import HfLayout
 from .megatron import MegatronLayout
@@ -114,6 +114,8 @@ def parse_layout(text: str, model: ModelSpec) -> Layout:
 
 
 def layout_to_dict(layout: Layout) -> dict[str, Any]:
+    if not isinstance(layout, Layout):
+        raise LayoutError("layout", f"layout={show(layout)} must be a Layout", {"layout": layout})
     return {"kind": layout.kind, **json.loads(layout.model_dump_json())}
 
 

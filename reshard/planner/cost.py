@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..errors import ArgumentError
 from .program import RELAY, SOURCE
 
 if TYPE_CHECKING:
@@ -56,9 +57,29 @@ class Topology:
     dst_gpus: tuple[int, ...] | None = None  # explicit GPU of every destination rank (overrides the rest)
 
     def __post_init__(self) -> None:
+        from ..arguments import integer, integers, number
+
+        for name in ("gpus_per_node", "chunk_bytes"):
+            integer(name, getattr(self, name), 1, 1 << 62)
+        for name in ("nvlink_bandwidth", "nvlink_bidirectional", "nvlink_latency", "network_bandwidth",
+                     "network_latency", "copy_bandwidth", "copy_latency", "op_overhead", "pack_copies",
+                     "commit_copies"):
+            number(name, getattr(self, name))
+        for name in ("overlap_copies", "pipelined"):
+            if not isinstance(getattr(self, name), bool):
+                raise ArgumentError(name, getattr(self, name), "must be a bool")
+        if self.dst_first_gpu is not None:
+            integer("dst_first_gpu", self.dst_first_gpu, 0, 1 << 30)
+        for name in ("src_gpus", "dst_gpus"):
+            integers(name, getattr(self, name))
+            if isinstance(getattr(self, name), (set, frozenset)):  # one GPU per rank, in rank order
+                raise ArgumentError(name, getattr(self, name), "must be a list or tuple (in rank order), not a set")
+            if getattr(self, name) is not None and any(g < 0 for g in getattr(self, name)):
+                raise ArgumentError(name, getattr(self, name), "must list non-negative GPU numbers")
         bad = [n for n in ("gpus_per_node", "nvlink_bandwidth", "nvlink_bidirectional", "network_bandwidth",
                            "copy_bandwidth", "chunk_bytes") if getattr(self, n) <= 0]
-        bad += [n for n in ("nvlink_latency", "network_latency", "copy_latency", "op_overhead") if getattr(self, n) < 0]
+        bad += [n for n in ("nvlink_latency", "network_latency", "copy_latency", "op_overhead", "pack_copies",
+                            "commit_copies") if getattr(self, n) < 0]
         if bad:
             from ..errors import PlanError
 
@@ -245,6 +266,11 @@ def _stage(plan: "Plan", topo: Topology, tr, sel, s: int) -> tuple[StagePredicti
 
 def predict(plan: "Plan", topology: Topology | None = None) -> Prediction:
     """The plan's predicted wall time on `topology` (default: 8-GPU nodes, measured NVLink, 400 Gb/s NICs)."""
+    from ..arguments import instance
+    from .plan import Plan
+
+    instance("plan", plan, Plan, "a Plan")
+    instance("topology", topology, Topology, "a Topology", none=True)
     topo = topology or Topology()
     tr = transfer_table(plan)
     stages, times = [], []
@@ -282,6 +308,9 @@ def _slowest_bw(topo: Topology, stage: StagePrediction) -> float:
 
 def format_prediction(pred: Prediction) -> str:
     """A few lines: total, where the time goes (busiest resource per stage), bytes by link class."""
+    from ..arguments import instance
+
+    instance("pred", pred, Prediction, "a Prediction (from predict)")
     mode = "pipelined stages" if pred.pipelined else "stages in sequence"
     lines = [f"  predicted    {pred.seconds:.4f} s ({mode}; tree depth {pred.depth})"]
     if pred.busiest is not None:
@@ -296,6 +325,10 @@ def format_prediction(pred: Prediction) -> str:
 
 def compare_with_measurement(plan: "Plan", measured_seconds: float, topology: Topology | None = None) -> str:
     """One line for benchmarks: prediction beside measurement, with the relative error and the bottleneck."""
+    from ..arguments import number
+
+    if number("measured_seconds", measured_seconds) <= 0:
+        raise ArgumentError("measured_seconds", measured_seconds, "must be a positive number of seconds")
     pred = predict(plan, topology)
     err = (pred.seconds - measured_seconds) / measured_seconds if measured_seconds > 0 else float("inf")
     where = f"; busiest {pred.busiest}" if pred.busiest is not None else ""

@@ -240,9 +240,13 @@ class Plan:
         return cls._build(d, None)
 
     def save(self, path: str | Path) -> Path:
-        """Write `path` as .json (everything as JSON) or .npz (program arrays, header as JSON)."""
-        path = Path(path)
-        if path.suffix == ".json":
+        """Write `path` as .json (everything as JSON) or .npz (program arrays, header as JSON), the suffix in any
+        case (as the CLI's --save); any other suffix is refused (ArgumentError), never written in a format its
+        name does not say."""
+        from ..arguments import PLAN_SUFFIXES, output_path
+
+        path = output_path("path", path, PLAN_SUFFIXES)
+        if path.suffix.lower() == ".json":
             path.write_text(json.dumps(self.to_dict()))
             return path
         arrays = {f"a:{k}": v for k, v in self.program.arrays().items()}

@@ -25,8 +25,10 @@ def _error(field: str, value: Any, rule: str) -> PlanFileError:
 
 def read_saved(path: "str | os.PathLike[str]") -> tuple[Any, Any]:
     """(header, arrays) of a saved plan: arrays None for a JSON plan (they are in the header's "arrays")."""
+    if not isinstance(path, (str, os.PathLike)) or isinstance(path, bytes):
+        raise _error("path", path, "must be a path (str or pathlib.Path)")
     path = Path(path)
-    if path.suffix == ".json":
+    if path.suffix.lower() == ".json":  # as Plan.save writes it
         return parse_json(read_bytes(path, MAX_PLAN_HEADER_BYTES, _error, "path"), _error, "path", str(path)), None
     try:
         info = os.stat(path)

@@ -1,0 +1,80 @@
+"""A pydantic model that cannot be made invalid: every pydantic path that builds or changes an instance validates.
+
+Pydantic's `model_construct` and `model_copy(update=...)` skip validation on purpose (speed); a model spec or a
+layout made that way could hold a tp of -3 or a string head count, and the compiler would trust it. Here both
+re-validate through the constructor, setting or deleting a field is refused, and the JSON / string / dict readers turn pydantic's ValidationError into
+the library's error (`kind` names the model in it: "model" blames ModelConfigError, anything else LayoutError).
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ValidationError
+
+from ..errors import ArgumentError, from_validation
+
+
+class ValidatedModel(BaseModel):
+    """Every way in validates; errors are the library's (subclasses set `error_kind` or a `kind`)."""
+
+    error_kind: ClassVar[str] = "model"
+
+    @classmethod
+    def _error_kind(cls) -> str:
+        return getattr(cls, "kind", None) or cls.error_kind
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise from_validation(exc, type(self)._error_kind()) from None
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        try:
+            return super().model_validate(obj, **kwargs)
+        except ValidationError as exc:
+            raise from_validation(exc, cls._error_kind()) from None
+
+    @classmethod
+    def model_validate_json(cls, json_data: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """From JSON text: an object at the top, strictly validated (a list, a string or a number is refused)."""
+        if not isinstance(json_data, (str, bytes, bytearray)):
+            raise ArgumentError("json_data", json_data, "must be JSON text (str or bytes)")
+        try:
+            return super().model_validate_json(json_data, **kwargs)
+        except ValidationError as exc:
+            raise from_validation(exc, cls._error_kind()) from None
+
+    @classmethod
+    def model_validate_strings(cls, obj: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        try:
+            return super().model_validate_strings(obj, **kwargs)
+        except ValidationError as exc:
+            raise from_validation(exc, cls._error_kind()) from None
+
+    @classmethod
+    def model_construct(cls, _fields_set: Any = None, **values: Any) -> Any:  # type: ignore[override]
+        """Validated like the constructor (pydantic's skips validation; an unvalidated instance is refused)."""
+        return cls(**values)
+
+    def model_copy(self, *, update: Any = None, deep: bool = False) -> Any:  # type: ignore[override]
+        """A copy with `update` applied, validated like the constructor (pydantic's copy skips validation)."""
+        if update is not None and not isinstance(update, dict):
+            raise ArgumentError("update", update, "must be a dict of field -> value, or None")
+        if not isinstance(deep, bool):
+            raise ArgumentError("deep", deep, "must be a bool")
+        unknown = sorted(str(k) for k in (update or {}) if k not in type(self).model_fields)
+        if unknown:
+            raise ArgumentError("update", update, f"names fields {type(self).__name__} does not have: {unknown}")
+        return type(self)(**{**{k: getattr(self, k) for k in type(self).model_fields}, **(update or {})})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise ArgumentError(name, value, f"cannot be set: a {type(self).__name__} is immutable (make another, or "
+                                         f"model_copy(update={{...}}), which validates)")
+
+    def __delattr__(self, name: str) -> None:
+        raise ArgumentError(name, rule=f"cannot be deleted: a {type(self).__name__} is immutable")
+
+
+__all__ = ["ValidatedModel"]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_harness import HERE, launch, wait
+from vllm_harness import HERE, collected, launch, wait
 
 pytestmark = pytest.mark.vllm
 
@@ -69,12 +69,13 @@ def fp8_config(out: Path, family: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory):
+def reports(tmp_path_factory, request):
     pytest.importorskip("vllm")
     base = tmp_path_factory.mktemp("fp8")
     ckpts = {f: fp8_config(base / f, f) for f in ("qwen3", "qwen3_moe", "deepseek_v3")}
     running = {}
-    for world, names in WORLDS.items():
+    worlds = collected(request, WORLDS)
+    for world, names in worlds.items():
         (base / f"w{world}").mkdir()
         cases = [json.dumps({"name": n, "ckpt": str(ckpts[CASES[n][0]]), "ep": CASES[n][1], "src": CASES[n][2],
                              "processed": CASES[n][3]}) for n in names]
@@ -83,7 +84,7 @@ def reports(tmp_path_factory):
     for procs in running.values():
         wait(procs, timeout=1200)
     return {world: [json.loads((base / f"w{world}" / f"rank{r}.json").read_text()) for r in range(world)]
-            for world in WORLDS}
+            for world in worlds}
 
 
 @pytest.mark.parametrize("world,case,check", [pytest.param(w, n, c, id=f"tp{w}-{n}-{c}") for w, names in

@@ -22,7 +22,7 @@ import sys
 
 import pytest
 
-from vllm_harness import HERE, launch, wait
+from vllm_harness import HERE, collected, launch, wait
 
 pytestmark = pytest.mark.vllm
 
@@ -42,10 +42,11 @@ CHECKS = ["direct_install_matches_load_weights", "loader_install_matches_load_we
 
 
 @pytest.fixture(scope="module")
-def reports(checkpoints, tmp_path_factory):
+def reports(checkpoints, tmp_path_factory, request):
     out = tmp_path_factory.mktemp("rank_checks")
     running = {}
-    for world, names in WORLDS.items():
+    worlds = collected(request, WORLDS)
+    for world, names in worlds.items():
         (out / f"w{world}").mkdir()
         cases = [json.dumps({"name": n, "ckpt": str(checkpoints[CASES[n][0]]), "ep": CASES[n][1],
                              "src": CASES[n][2], "colocated_src": CASES[n][3]}) for n in names]
@@ -54,7 +55,7 @@ def reports(checkpoints, tmp_path_factory):
     for procs in running.values():
         wait(procs, timeout=1200)
     return {world: [json.loads((out / f"w{world}" / f"rank{r}.json").read_text()) for r in range(world)]
-            for world in WORLDS}
+            for world in worlds}
 
 
 def _params():

@@ -135,3 +135,14 @@ def wait(procs: list[tuple[subprocess.Popen, Path]], timeout: float) -> None:
         tails = "\n".join(f"--- {log.name} (exit {p.returncode}) ---\n" + "\n".join(log.read_text().splitlines()[-25:])
                           for p, log in bad)
         raise HelperFailed(f"helper processes failed or timed out after {timeout:.0f} s:\n{tails}")
+
+
+def collected(request, worlds: dict[int, list[str]]) -> dict[int, list[str]]:
+    """The (world, case) pairs of `worlds` that this session's selected tests of the requesting module use (their
+    `world` and `case` parameters): a module fixture computes only those. `pytest -k tp1-qwen3` then starts one
+    world for one case, and the AMX re-run of scripts/test pays only for the tests it selected."""
+    module = request.node.path if hasattr(request.node, "path") else None
+    used = {(item.callspec.params["world"], item.callspec.params["case"]) for item in request.session.items
+            if getattr(item, "path", None) == module and hasattr(item, "callspec")
+            and {"world", "case"} <= set(item.callspec.params)}
+    return {w: [n for n in names if (w, n) in used] for w, names in worlds.items() if any(p[0] == w for p in used)}

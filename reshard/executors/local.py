@@ -5,12 +5,14 @@ the layout's placements directly, without the compiler, so they are the referenc
 """
 from __future__ import annotations
 
+import math
+
 from typing import Any, Mapping
 
 import numpy as np
 import torch
 
-from ..arguments import device as check_device, instance, integer, number, rank_tensors, ranks as check_ranks
+from ..arguments import device as check_device, instance, integer, rank_tensors, ranks as check_ranks
 from ..errors import ArgumentError, ExecutionError
 from ..layouts import Layout
 from ..planner import Plan
@@ -47,7 +49,6 @@ def allocate(layout: Layout, fill: float = 0.0, ranks: list[int] | None = None,
         LayoutError: a rank the layout does not have.
     """
     instance("layout", layout, Layout, "a Layout")
-    number("fill", fill)
     ranks = check_ranks("ranks", ranks, layout.num_ranks)
     device = check_device("device", device)
     _check_fill(layout, fill)
@@ -101,11 +102,16 @@ def shard(layout: Layout, weights: Mapping[str, torch.Tensor], fill: float = 0.0
 
 
 def _check_fill(layout: Layout, fill: float) -> None:
-    """`fill` is representable in every dtype the layout's tensors have (never saturated or wrapped)."""
+    """`fill` is a real number representable in every dtype the layout's tensors have (never saturated or
+    wrapped); NaN and infinities where every dtype is floating (NaN is the poison fill that shows unwritten bytes)."""
+    if isinstance(fill, bool) or not isinstance(fill, (int, float)):
+        raise ArgumentError("fill", fill, "must be a real number (an int or a float)")
     if isinstance(fill, int) and not -(1 << 63) <= fill < (1 << 63):
         raise ArgumentError("fill", fill, "is not a value of any tensor dtype")
     for name in {layout.dtype, *layout.tensor_dtypes().values()}:
         dtype = torch_dtype(name)
+        if dtype.is_floating_point and not math.isfinite(fill):
+            continue
         info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
         if not info.min <= fill <= info.max or (not dtype.is_floating_point and fill != int(fill)):
             raise ArgumentError("fill", fill, f"is not a value of the layout's dtype {name}")

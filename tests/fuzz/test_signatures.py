@@ -256,6 +256,11 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _is_fill(value: Any) -> bool:
+    """A fill: a real number; NaN and infinities too (the poison fill; the fuzzed layouts are floating-point)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 # (entry point, parameter) -> the rule an accepted value must meet, where the annotation alone does not say it
 RULES: dict[tuple[str, str], Callable[[Any], bool]] = {
     ("compile_plan", "tensors"): lambda v: isinstance(v, (list, tuple, set)) and not v,  # an empty selection
@@ -295,8 +300,8 @@ RULES: dict[tuple[str, str], Callable[[Any], bool]] = {
     ("RefitSpec", "math"): lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v),
     ("Topology", "src_gpus"): lambda v: isinstance(v, (list, tuple)) and all(_is_int(x) and x >= 0 for x in v),
     ("Topology", "dst_gpus"): lambda v: isinstance(v, (list, tuple)) and all(_is_int(x) and x >= 0 for x in v),
-    ("allocate", "fill"): _is_number,
-    ("shard", "fill"): _is_number,
+    ("allocate", "fill"): _is_fill,
+    ("shard", "fill"): _is_fill,
     ("read_hf_config", "config"): lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v),
     **{("Topology", k): lambda v: _is_number(v) and v >= 0 for k in (
         "nvlink_latency", "network_latency", "copy_latency", "op_overhead", "pack_copies", "commit_copies")},  # the local executor runs every rank in this process

@@ -101,11 +101,18 @@ def test_shard_and_unshard_still_round_trip():
     assert all(torch.equal(back[k], weights[k]) for k in weights)
 
 
-@pytest.mark.parametrize("fill,device", [("0", "cpu"), (float("nan"), "cpu"), (1e300, "cpu"), (10 ** 30, "cpu"),
+@pytest.mark.parametrize("fill,device", [("0", "cpu"), (True, "cpu"), (1e300, "cpu"), (10 ** 30, "cpu"),
                                          (0.0, "cuda:99"), (0.0, "tpu"), (0.0, 3)])
 def test_allocate_refuses_unknown_fill_values_and_devices(fill, device):
     with pytest.raises(ArgumentError):
         allocate(DST, fill=fill, device=device)
+
+
+def test_nan_is_the_poison_fill_of_floating_point_layouts():
+    """NaN marks bytes no plan wrote (the validators allocate destinations with it); an integer dtype has no NaN."""
+    assert all(torch.isnan(t).all() for ts in allocate(DST, fill=float("nan")).values() for t in ts.values())
+    with pytest.raises(ArgumentError):
+        allocate(DST.model_copy(update={"dtype": "int32"}), fill=float("nan"))
 
 
 # --- JSON documents whose top level is not an object -----------------------------------------------------------

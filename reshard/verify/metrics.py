@@ -47,7 +47,7 @@ class Thresholds:
     min_argmax_agreement: float
 
 
-# Baselines (BENCHMARKS.md "Issue 30"): tiny Qwen3 / Qwen3-MoE of N(0, 1) weights, a vLLM CPU server started fresh
+# Baselines (BENCHMARKS.md, Mismatch: "Issue 30"): tiny Qwen3 / Qwen3-MoE of N(0, 1) weights, a vLLM CPU server started fresh
 # from the trainer's weights against megatron-core (and transformers) on CPU. float32: max |dlogp| 2.5e-5-3.4e-5,
 # k3 3e-11-9e-11, argmax 1.000; the limits leave 30x (max) and 1000x (k3) headroom, still 1000x under the smallest
 # planted bug (max 1.8). bf16 rounds weights and each matmul's inputs to 8 bits of mantissa; against transformers

@@ -41,8 +41,9 @@ class BoundLocalExecutor(Executor):
     default all this process's destination ranks receive). `graph`, where every tensor is on one GPU: "all" (the
     whole refit one CUDA graph), "small" (the batched small and strided copies and the shifts one graph, the large
     contiguous copies launched as plain device copies), "none", "auto" ("all" from MANY_COPIES large copies on,
-    else "small": on an H200 plain copies ran a few hundred large tensors faster than graph nodes, and graph
-    nodes ran thousands of expert matrices 3x faster than launches); True is GRAPH, False "none". `split`: large
+    else "small": plain copies move a few hundred large tensors faster than graph nodes do, while thousands of
+    expert matrices are launch-bound and run far faster as graph nodes; BENCHMARKS.md, Same host, issue 31's
+    variants); True is GRAPH, False "none". `split`: large
     contiguous slices of 3-D copies as plain copies (views.bind; default SPLIT). `streams`: on a GPU, the large
     copies are spread over this many side streams (default graphs.STREAMS; 1: all on the current stream).
     `table`: the large copies as one launch of the table-copy kernel (kernels.copy_table, Triton) instead of one

@@ -13,7 +13,8 @@ tensor a refit wrote in place can be cross-checked against the engine's own chec
 
 Two algorithms (the option's value; True means "sha256"; every process of a refit must pick the same one):
 - "sha256": on the host. GPU bytes are copied to host memory to be hashed: about two hashing passes over the
-  bytes per refit (1.2 GB/s a core here), fine for CPU refits, for debugging only on GPUs.
+  bytes per refit at one core's hashing speed: fine for CPU refits, for debugging only on GPUs (BENCHMARKS.md,
+  Checksums).
 - "sum64": computed where the bytes are, by torch ops (on the GPU for GPU tensors, a few passes over the
   bytes): a stream's bytes x_i at stream positions i give the count and three sums mod 2^64 -- sum x_i,
   sum x_i (i + 1), and sum x_i T[i mod 2^23] with pseudo-random weights T[j] = ((j 1103515245 + 12345) mod

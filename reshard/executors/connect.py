@@ -2,7 +2,7 @@
 
 NCCL connects a communicator lazily: its collectives' rings at the first collective, each peer's point-to-point
 channels at the first message to or from that peer. While connecting, the call that posts the operation
-blocks the host, and it never returns if the peer is gone: on 2xH200, a peer killed in the first refit of fresh
+blocks the host, and it never returns if the peer is gone: on two GPUs, a peer killed in the first refit of fresh
 lanes left the survivor stuck inside `batch_isend_irecv`, where no timeout of ours could see it. So the
 executor makes every first use here, while the preflight has just shown that every member is alive: the first
 all-reduce of a group, and a handshake (one element each way) with every peer on every lane. Both run on a

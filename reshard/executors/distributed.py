@@ -41,16 +41,15 @@ never queues behind another lane's; their NCCL kernels (a few dozen thread block
 together. Relays add only local waits (a process finishes stage s before packing stage s+1), so the
 induction still holds.
 
-Staging and its memory cost. By default a destination tensor that receives any bytes from another process
-(or that this process forwards from, in fan-out trees) gets a shadow: a staging tensor of the same size
-into which everything destined for it is written while the refit is in flight. Only after every process
-reported a complete transfer (step 5) are the shadows copied into the destination tensors. A failed refit
-therefore leaves every destination tensor unchanged. Extra memory: the shadowed destination tensors once
-more (at most this process's whole destination share, e.g. 16.4 GB for a TP1 Qwen3-8B replica), held by the
-executor between calls (one buffer; `release()` frees it), plus an extra copy of those bytes at commit (11 ms
-for 16.4 GB on an H200). Destination tensors fed only by local copies need no shadow: their copies
-run at commit, straight from the source. `in_place=True` writes straight into the destination tensors and
-keeps no shadow; a failed refit then leaves them partly written.
+Staging and its memory cost. By default a destination tensor that receives any bytes from another process (or that
+this process forwards from, in fan-out trees) gets a shadow: a staging tensor of the same size into which everything
+destined for it is written while the refit is in flight. Only after every process reported a complete transfer (step
+5) are the shadows copied into the destination tensors. A failed refit therefore leaves every destination tensor
+unchanged. Extra memory: the shadowed destination tensors once more (at most this process's whole destination share,
+e.g. 16.4 GB for a TP1 Qwen3-8B replica), held by the executor between calls (one buffer; `release()` frees it), plus
+an extra copy of those bytes at commit (a device copy after the transfer; BENCHMARKS.md, NCCL). Destination tensors
+fed only by local copies need no shadow: their copies run at commit, straight from the source. `in_place=True` writes
+straight into the destination tensors and keeps no shadow; a failed refit then leaves them partly written.
 
 Undo (`undo=True`): the same guarantee for a failed refit as staging, without staging's commit copy. Writes go
 straight into the destination tensors, but just before a region is written (on the stream that posts the
@@ -176,12 +175,12 @@ class DistributedExecutor(Executor):
         direct_bytes: runs of at least this many bytes that are contiguous in the sender's (receiver's) memory
             travel as messages of their own, sent from (received into) the tensors themselves: no pack (scatter)
             copy. None: only messages that happen to be contiguous go direct. "auto": on NCCL 64 MiB on one lane,
-            16 MiB on several, where messages are cheaper (on two H200s, 16 MiB on one lane was slower: 33.7 ms
-            against 30.9-31.4 ms); on gloo 64 KiB (a CPU copy costs more than a message).
+            16 MiB on several, where messages are cheaper (on one lane 16 MiB was slower: BENCHMARKS.md, NCCL);
+            on gloo 64 KiB (a CPU copy costs more than a message).
         lanes: communicators the rounds are spread over (round r on lane r mod lanes; executors.lanes): NCCL runs
             one communicator's messages one after another, each with a fixed cost, and lanes overlap those costs
-            (a Qwen3-8B refit from TP2 into two colocated TP1 replicas on two H200s: 79-88% of the link with 3
-            lanes, 72% with 1). The extra ones are made from the group in the first refit and kept for it; each is
+            (a refit in which both GPUs send and receive reaches its share of the link with 3 lanes, not with 1;
+            BENCHMARKS.md, NCCL). The extra ones are made from the group in the first refit and kept for it; each is
             one more NCCL communicator (its buffers on the GPU). Default: 3 on NCCL, 1 otherwise (gloo has no such
             per-message cost to hide).
         on_round: called with each round's index before it is posted (progress reporting, fault injection in tests).
@@ -273,8 +272,9 @@ class DistributedExecutor(Executor):
     def _run(self, start: float, src: dict, dst: dict) -> ExecutionStats:
         given, kept = _identity(src, dst), self._kept
         if kept.bound is not None and given is not None and self._given and given[0] == self._given[0]:
-            # the very tensor objects, at the same addresses, that passed the checks last time: skip them (~1 ms
-            # for a few hundred tensors). Metadata changed in place (resize_, set_) is not seen: pass new tensors.
+            # the very tensor objects, at the same addresses, that passed the checks last time: skip them (they
+            # are a fixed cost of every refit otherwise). Metadata changed in place (resize_, set_) is
+            # not seen: pass new tensors.
             device, problem = kept.bound.device, None
         else:
             self._given = ()

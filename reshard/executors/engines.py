@@ -201,11 +201,11 @@ def abort(groups: list, timeout: float) -> list:
 
     Why all at once: an NCCL abort sets its communicator's abort flag (its kernels then return) and then frees
     the communicator's buffers, and that free waits for the whole GPU, kernels of other communicators included.
-    One after another, the first abort waited forever for the kernels of a lane nobody had aborted yet (2xH200,
-    three lanes, a peer killed mid-refit; ncclGroupStart around the aborts did not help: torch runs each abort
-    on a thread of its own). All at once, every flag is set within moments and every free completes: the
-    survivor raised 4.7 s after its peer died (timeout 4 s) with one, two or three lanes, its staged
-    destinations untouched or its undo log put back, and its GPU usable."""
+    One after another, the first abort waited forever for the kernels of a lane nobody had aborted yet (two
+    GPUs, three lanes, a peer killed mid-refit; ncclGroupStart around the aborts did not help: torch runs each
+    abort on a thread of its own). All at once, every flag is set within moments and every free completes: the
+    survivor raises shortly after its timeout with any number of lanes, its staged destinations untouched or its
+    undo log put back, and its GPU usable (BENCHMARKS.md, NCCL: failure with lanes)."""
     threads = [threading.Thread(target=_abort_one, args=(g,), daemon=True, name=f"reshard-abort-{i}")
                for i, g in enumerate(groups)]
     for t in threads:
@@ -401,7 +401,7 @@ class CudaEngine(Engine):
     def _keep_up(self) -> None:
         """Wait (bounded) until the GPU has finished the round HOST_LEAD rounds back. Unbounded, the host
         enqueued every round of a refit at once; with a dead peer the GPU stops, CUDA's launch queue fills
-        and a kernel launch blocked the host for good (2xH200, 64 KiB buckets), out of reach of the timeout."""
+        and a kernel launch blocked the host for good (small buckets, a killed peer), out of reach of the timeout."""
         if len(self.done) < HOST_LEAD:
             return
         ev, pos = self.done[-HOST_LEAD]

@@ -1,17 +1,17 @@
 """Lanes: extra communicators over the processes of a refit group, so that rounds overlap on the link.
 
 NCCL runs the point-to-point operations of one communicator one after another on one stream, and each pays a
-fixed cost on top of its bytes: on two H200s over NVLink, 8.2 GB each way as 8 rounds of ten 100 MiB messages
-took 27.1-27.4 ms on one communicator against 23.1 ms as 8 rounds of one 1 GiB message, about 55 us per extra
-message; with the rounds alternating between two communicators, 23.8-23.9 ms. The executor therefore posts
+fixed cost on top of its bytes, so the same bytes in many messages fall short of the link where a few large
+ones reach it; with the rounds alternating between communicators the cost all but goes (BENCHMARKS.md, NCCL:
+the message-shape table of `benchmarks/nccl_p2p_shapes.py`). The executor therefore posts
 round r on lane r mod n: both ends of a message derive the same lane from the round's global index, and on
 each lane a pair posts its messages in round order, as NCCL's matching requires. Each extra lane is one more
 communicator (with NCCL, its buffers on the GPU).
 
-Three by default on NCCL (`NCCL_LANES`): on two H200s, a Qwen3-8B refit from TP2 into two colocated TP1
-replicas (8.2 GB each way) reached 84-85% of the link with 3 lanes against 72% with one; a fourth gained
-nothing. A failure aborts all lanes at once (engines.abort): aborted one after another, lanes whose kernels
-waited for a dead peer never finished aborting.
+Three by default on NCCL (`NCCL_LANES`): a refit in which both GPUs send and receive (TP2 into a colocated TP1
+replica on each GPU) reaches its share of the link with three lanes and not with one, and a fourth gained
+nothing (BENCHMARKS.md, NCCL). A failure aborts all lanes at once (engines.abort): aborted one after another,
+lanes whose kernels waited for a dead peer never finished aborting.
 
 Lanes are made once per group and process and reused by every executor over that group. Making them is a
 collective of the group's members: the executor does it in its first refit, right after the preflight that

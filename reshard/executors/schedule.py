@@ -20,8 +20,8 @@ binding and bucket size, and keeps only its own part (`build_schedule`).
 5. A message's pack program (on the sender) copies source blocks into the wire buffer; its scatter program
    (on the receiver) copies the wire buffer into destination blocks. Both are folded (executors.copies). A
    program that is one contiguous copy of the whole message is not run: the message is sent from (received
-   into) that memory directly (`Message.contiguous`). On two H200s a Qwen3-8B refit from one GPU to the other
-   (16.4 GB) went from 48.3 to 46.7-47.2 ms this way; refits that NCCL itself limits gained nothing.
+   into) that memory directly (`Message.contiguous`). That saves the pack and scatter copies where they, not
+   the link, are the limit; refits that NCCL itself limits gain nothing (BENCHMARKS.md, NCCL: direct messages).
 """
 from __future__ import annotations
 
@@ -190,7 +190,7 @@ def _split(p: dict[str, np.ndarray], cuts: np.ndarray) -> dict[str, np.ndarray]:
 LANES_DIRECT_BYTES = 16 << 20  # the same with several lanes, where messages are cheap (executors.lanes)
 DIRECT_BYTES = 64 << 20  # runs contiguous in one side's memory at least this long travel unpacked
 # gloo over loopback or TCP: a message costs little next to a CPU copy; sending tensors as they are beat packing
-# them (TP1 -> TP1 of Qwen3-0.6B between two CPU processes: 391 ms from 64 KiB, 672 ms from 64 MiB)
+# them (BENCHMARKS.md, Same host: the gloo row of the CPU `refit_shared.py` run)
 GLOO_DIRECT_BYTES = 64 << 10
 
 

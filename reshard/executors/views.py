@@ -6,9 +6,8 @@ is a copy whatever the element type, and the copy kernels move a quarter as many
 program is two `torch._foreach_copy_` calls: one for pairs that are both contiguous (fused into few launches
 for small tensors) and one for strided pairs (looped in C++, not in Python). Per refit, the host cost of a
 copy is then a few microseconds instead of the tens that building views in Python takes. Large contiguous
-pairs are the exception: each is its own `copy_`, which CUDA runs as a plain device memcpy; on an H200 the
-fused foreach kernel moved large tensors at about 70% of that speed (a 16.4 GB commit took 11.2 ms fused,
-8.6 ms as single copies).
+pairs are the exception: each is its own `copy_`, which CUDA runs as a plain device memcpy; the fused foreach
+kernel moves large tensors markedly slower than that (BENCHMARKS.md, NCCL, first session: the staged commit).
 """
 from __future__ import annotations
 

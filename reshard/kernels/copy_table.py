@@ -1,14 +1,14 @@
 """Many contiguous copies as one Triton launch: a table of (source, destination, length) chunks on the device, one
 program per chunk (the bound executor's large copies, executors.bound).
 
-A refit of a mixture-of-experts model is ~12.7 K copies of ~4.7 MB each: as separate copies (even as CUDA graph
-nodes) each costs a few microseconds beyond its ~1 us of bandwidth. Here every copy is cut into chunks of at most
-`chunk_bytes`, and the chunks of all copies are rows of one int64 table read by one kernel: the launch cost is
-paid once. Addresses enter as word offsets from one base tensor (`base + offset` pointer arithmetic: no integer to
-pointer casts, so Triton's interpreter runs it too); copies are grouped by the widest word (16, 8, 4, 2, 1 bytes)
-that divides both addresses and the length, one launch per group (in a refit, all of them in the 16-byte group).
-The table logic (`chunk_table`) is plain numpy, property-tested without Triton; the kernel byte for byte on CPU
-(interpreter) and GPU (reshard.testing.kernel_checks).
+A refit of a mixture-of-experts model is thousands of copies of a few MB each: as separate copies (even as CUDA graph
+nodes) each pays a launch cost larger than its bytes' own time (BENCHMARKS.md, Same host, issue 31). Here every copy
+is cut into chunks of at most `chunk_bytes`, and the chunks of all copies are rows of one int64 table read by one
+kernel: the launch cost is paid once. Addresses enter as word offsets from one base tensor (`base + offset` pointer
+arithmetic: no integer to pointer casts, so Triton's interpreter runs it too); copies are grouped by the widest word
+(16, 8, 4, 2, 1 bytes) that divides both addresses and the length, one launch per group (in a refit, all of them in
+the 16-byte group). The table logic (`chunk_table`) is plain numpy, property-tested without Triton; the kernel byte
+for byte on CPU (interpreter) and GPU (reshard.testing.kernel_checks).
 """
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ local experts on dim 0 ([E_local, r/etp, H] ...). A shared adapter is a `Paralle
 module (naming "te"; SequentialMLP always adapts each expert): `mlp.experts.linear_fc{1,2}.adapter.linear_*.weight`
 cut over expert TP like a per-expert one, the same on every EP rank.
 
-Destinations: vLLM 0.33's LoRA slots (`VllmLoraLayout`: per layer, `<module>.lora_a_stacked.{s}` [R, in] and
+Destinations: vLLM's LoRA slots (`VllmLoraLayout`: per layer, `<module>.lora_a_stacked.{s}` [R, in] and
 `.lora_b_stacked.{s}` [out_s, R] for slice s of a packed module, one adapter slot's view, R = max_lora_rank;
 vLLM's `*ParallelLinearWithLoRA` / `*WithShardedLoRA` cuts) and the PEFT directory (`PeftLayout`:
 `base_model.model.<module>.lora_A.weight`, whole, on one rank per replica). Experts: vLLM's FusedMoEWithLoRA

@@ -2,7 +2,7 @@
 (shared roles) and the family files.
 
 Facts this encodes (pinned by the vLLM adapter tests against real vLLM):
-- experts (`mlp.experts.routed_experts.*` in vLLM 0.33) are stacked [E_local, ...] per rank: without expert
+- experts (`mlp.experts.routed_experts.*` in vLLM) are stacked [E_local, ...] per rank: without expert
   parallel every rank holds all experts, each cut over TP; with it an expert is whole (tp_moe = 1) and rank r
   holds experts [r E/tp, (r+1) E/tp);
 - vocab rows are padded to a multiple of `vocab_padding` (64) and then split evenly over TP; padding rows are

@@ -5,7 +5,8 @@ Every transfer (stage, sender, receiver) is classified by where its two ranks si
 - `nvlink`: two GPUs of one node;
 - `network`: two nodes, through each GPU's NIC.
 Each GPU has a copy engine, an NVLink port and a NIC; each link class has a bandwidth and a latency (inputs,
-with defaults from the figures measured on the H200 machine and a 400 Gb/s NIC per GPU). A stage takes as long
+with defaults for an NVLink node and a 400 Gb/s NIC per GPU; where the NVLink and copy defaults come from:
+BENCHMARKS.md, Compile and planning, predicted refit times). A stage takes as long
 as its busiest resource (bytes / bandwidth; NVLink and NICs are full duplex, NVLink capped in total when both
 directions are busy), plus the latency of its transfers and a per-op cost. Executors that pack bytes into wire
 buffers, or stage what they receive before committing it, add device copies (`pack_copies`, `commit_copies`),
@@ -38,12 +39,12 @@ class Topology:
     """Where ranks sit and how fast things move. Bandwidths in bytes/s, latencies in seconds."""
 
     gpus_per_node: int = 8
-    nvlink_bandwidth: float = 366e9  # one direction, per GPU (NCCL send/recv, measured)
-    nvlink_bidirectional: float = 676e9  # both directions together, per GPU (measured)
-    nvlink_latency: float = 36e-6  # per transfer (fit of NCCL send/recv 256 MiB vs 2 GiB, measured)
+    nvlink_bandwidth: float = 366e9  # one direction, per GPU (NCCL send/recv)
+    nvlink_bidirectional: float = 676e9  # both directions together, per GPU
+    nvlink_latency: float = 36e-6  # per transfer (fit of NCCL send/recv 256 MiB vs 2 GiB)
     network_bandwidth: float = 50e9  # one direction, per GPU: one 400 Gb/s NIC
     network_latency: float = 10e-6
-    copy_bandwidth: float = 4.2e12  # device memory, read + write counted (measured); a copy of B bytes moves 2B
+    copy_bandwidth: float = 4.2e12  # device memory, read + write counted; a copy of B bytes moves 2B
     copy_latency: float = 5e-6
     op_overhead: float = 0.0  # per op, on the busiest GPU (executors that launch a kernel per op)
     pack_copies: float = 0.0  # device copies of every crossing byte on its sender and its receiver (wire buffers)
@@ -265,7 +266,7 @@ def _stage(plan: "Plan", topo: Topology, tr, sel, s: int) -> tuple[StagePredicti
 
 
 def predict(plan: "Plan", topology: Topology | None = None) -> Prediction:
-    """The plan's predicted wall time on `topology` (default: 8-GPU nodes, measured NVLink, 400 Gb/s NICs)."""
+    """The plan's predicted wall time on `topology` (default: 8-GPU nodes on NVLink, 400 Gb/s NICs)."""
     from ..arguments import instance
     from .plan import Plan
 

@@ -1,6 +1,7 @@
 """Real megatron-core GPT models on CPU under gloo, for tests and examples (never for production).
 
-megatron-core 0.19 assumes CUDA in a few places; `apply_cpu_patches` makes a CPU-only process work:
+megatron-core assumes CUDA in a few places (docs/guides/layouts.md, Versions); `apply_cpu_patches` makes a CPU-only
+process work:
 1. `torch.cuda.current_device()` returns "cpu": rotary embeddings and the MoE router move tensors to it;
 2. `CudaRNGStatesTracker.fork` is a null context: it saves and restores CUDA RNG state;
 3. `Tensor.cuda()` returns the tensor: tied embeddings at PP>1 move the output layer to the GPU before their

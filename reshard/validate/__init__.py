@@ -6,7 +6,7 @@ Stages:
 - discovery: the config's architecture resolves to a registered family and its full-size spec builds;
 - megatron layout: a real megatron-core model built on CPU (local specs, TP=1 and TP=2 [+EP=2 for MoE]) has,
   on every rank, exactly the parameter names and shapes the declared MegatronLayout derives;
-- vllm layout: a real vLLM 0.33 model (TP=1, dummy weights) has exactly the declared VllmLayout's names/shapes;
+- vllm layout: a real vLLM model (TP=1, dummy weights) has exactly the declared VllmLayout's names/shapes;
 - hf parity: a tiny megatron-core model (TP=2 [EP=2], random weights) refitted Megatron -> HF by reshard's
   torch.distributed executor; transformers' logits on those weights equal megatron-core's (fp32, hf_parity.py);
 - vllm load parity: random HF weights installed into a vLLM model by vLLM's own load_weights and then (storage

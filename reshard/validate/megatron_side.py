@@ -111,11 +111,12 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, ep: int, etp: int,
 
 
 def _fla_l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6, output_dtype: Any = None) -> torch.Tensor:
-    """STAND-IN for flash-linear-attention's `fla.modules.l2norm.l2norm`, a Triton GPU kernel: FLA cannot be
-    installed here (0.5.2 fails to import with triton 3.9). Same semantics as FLA's forward kernel: over the
-    last dim, in fp32, y = x * rsqrt(sum(x^2) + eps), eps 1e-6, returned in the input dtype (or output_dtype).
-    It is the only FLA function GatedDeltaNet's forward calls under deterministic_mode (conv1d and the gated
-    delta rule then run megatron-core's own torch code); installed only in the CPU build's rank processes."""
+    """STAND-IN for flash-linear-attention's `fla.modules.l2norm.l2norm`, a Triton GPU kernel: FLA cannot be installed
+    here (its release fails to import with the installed Triton: docs/guides/layouts.md, Versions). Same semantics as
+    FLA's forward kernel: over the last dim, in fp32, y = x * rsqrt(sum(x^2) + eps), eps 1e-6, returned in the input
+    dtype (or output_dtype). It is the only FLA function GatedDeltaNet's forward calls under deterministic_mode
+    (conv1d and the gated delta rule then run megatron-core's own torch code); installed only in the CPU build's rank
+    processes."""
     xf = x.float()
     y = xf * torch.rsqrt((xf * xf).sum(dim=dim, keepdim=True) + eps)
     return y.to(output_dtype or x.dtype)
@@ -169,7 +170,7 @@ def _swap_norms(spec: Any, seen: set[int] | None = None) -> Any:
 
 
 def _gdn_block_spec(config: Any) -> Any:
-    """The per-layer specs of megatron-core 0.19's experimental hybrid block
+    """The per-layer specs of megatron-core's experimental hybrid block
     (get_transformer_layer_with_experimental_attention_variant_spec: GatedDeltaNet as the self_attention of the
     layers `linear_attention_freq` marks, standard attention elsewhere, MLP/MoE per moe_layer_freq) from local
     modules: that builder accepts only TransformerEngine, absent on CPU. The local provider has no fused
@@ -209,8 +210,8 @@ _MLA_CORE: list[type] = []
 
 
 def mla_core_attention() -> type:
-    """megatron-core 0.19's local DotProductAttention, usable under MLA. MultiLatentAttention builds its core
-    attention with `k_channels` / `v_channels`, which 0.19's local class does not accept (only the TE class
+    """megatron-core's local DotProductAttention, usable under MLA. MultiLatentAttention builds its core
+    attention with `k_channels` / `v_channels`, which the local class does not accept (only the TE class
     does, and TE is CUDA-only). Its computation is generic in the key width and sizes its output by
     `config.kv_channels`, which the MLA config here sets to the value head width; so this subclass only drops
     the two keywords (checking the value width) and megatron-core's own attention math runs."""

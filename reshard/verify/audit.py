@@ -23,10 +23,10 @@ from typing import Any, Callable, Sequence
 from ..errors import ArgumentError, MismatchError
 from .sides import Scorer, broadcast_json, engine_scores, trainer_scores
 
-# relative response error |d_engine - d_trainer| / |d_trainer| a correctly placed slice stays under (measured
-# baselines: README "Train-inference mismatch"); responses under FLOOR (nats, l2 over all scored tokens) on both
+# relative response error |d_engine - d_trainer| / |d_trainer| a correctly placed slice stays under (baselines:
+# BENCHMARKS.md, Mismatch); responses under FLOOR (nats, l2 over all scored tokens) on both
 # sides say nothing (a row no scored token uses).
-RESPONSE_TOL = {"float32": 0.02, "bfloat16": 0.3}  # bf16: not yet measured (a bf16 megatron-core trainer on CPU)
+RESPONSE_TOL = {"float32": 0.02, "bfloat16": 0.3}  # bf16: no baseline yet (needs a bf16 megatron-core trainer on CPU)
 FLOOR = {"float32": 1e-3, "bfloat16": 0.2}
 
 

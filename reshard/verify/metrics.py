@@ -39,7 +39,7 @@ class Scores:
 
 @dataclass(frozen=True)
 class Thresholds:
-    """What a correct refit stays under (see README "Train-inference mismatch" for the measured baselines):
+    """What a correct refit stays under (the baselines: BENCHMARKS.md, Mismatch):
     the largest per-token |log-prob difference|, the mean of k3 and the smallest argmax agreement."""
 
     max_abs: float
@@ -47,13 +47,13 @@ class Thresholds:
     min_argmax_agreement: float
 
 
-# Baselines (BENCHMARKS.md "Issue 30"): tiny Qwen3 / Qwen3-MoE of N(0, 1) weights, a vLLM CPU server started fresh
-# from the trainer's weights against megatron-core (and transformers) on CPU. float32: max |dlogp| 2.5e-5-3.4e-5,
-# k3 3e-11-9e-11, argmax 1.000; the limits leave 30x (max) and 1000x (k3) headroom, still 1000x under the smallest
-# planted bug (max 1.8). bf16 rounds weights and each matmul's inputs to 8 bits of mantissa; against transformers
-# fp32 on the same bf16 weights a bf16 server measured max 0.73, k3 0.0127, argmax 0.984 (N(0, 1) weights give
-# logits of tens of nats, so these are large): the limits leave ~3-4x headroom, one measurement only. In bf16 the
-# check catches gross bugs (experts, heads, halves, shards: max |dlogp| 18-37); the audit is for small ones.
+# Why these limits (the baselines and headroom: BENCHMARKS.md, Mismatch, issue 30: tiny Qwen3 / Qwen3-MoE of
+# N(0, 1) weights, a vLLM CPU server started fresh from the trainer's weights against megatron-core and
+# transformers on CPU). In float32 the two sides differ only by the order of float operations, so the limits sit
+# far above a correct refit's differences and far below the smallest planted bug. bf16 rounds weights and each
+# matmul's inputs to 8 bits of mantissa, and N(0, 1) weights give logits of tens of nats, so a correct bf16 refit
+# differs a lot: its limits leave modest headroom over one measurement and catch gross bugs only (experts, heads,
+# halves, shards); the audit is for small ones.
 THRESHOLDS = {
     "float32": Thresholds(max_abs=1e-3, mean_k3=1e-7, min_argmax_agreement=0.99),
     "bfloat16": Thresholds(max_abs=2.0, mean_k3=0.05, min_argmax_agreement=0.9),

@@ -1,11 +1,12 @@
 """Landing (a): a LoRA refit written into the slot of an adapter already loaded in a live vLLM engine.
 
-vLLM (0.32 / 0.33) keeps every LoRA-wrapped layer's adapters in stacked buffers, `lora_a_stacked[s]`
-[max_loras, 1, R, in] and `lora_b_stacked[s]` [max_loras, 1, out_s, R] per slice s of a packed module, and an
-adapter that serves requests occupies one index of them (its slot; `LoRAModelManager.lora_index_to_id`). The
-views `[slot, 0]` are exactly `VllmLoraLayout`'s tensors on that rank, so a plan lands in them as in any
-destination; B is then multiplied by alpha / r, which vLLM folds into B when it loads an adapter. The next
-requests for that adapter use the new weights (reset the prefix cache: cached KV was computed with the old ones).
+vLLM (the tested versions: docs/guides/layouts.md, Versions) keeps every LoRA-wrapped layer's adapters in stacked
+buffers, `lora_a_stacked[s]` [max_loras, 1, R, in] and `lora_b_stacked[s]` [max_loras, 1, out_s, R] per slice s of a
+packed module, and an adapter that serves requests occupies one index of them (its slot;
+`LoRAModelManager.lora_index_to_id`). The views `[slot, 0]` are exactly `VllmLoraLayout`'s tensors on that rank, so a
+plan lands in them as in any destination; B is then multiplied by alpha / r, which vLLM folds into B when it loads an
+adapter. The next requests for that adapter use the new weights (reset the prefix cache: cached KV was computed with
+the old ones).
 `SlotRefit` is the in-process shape (trainer tensors and engine in one process); across processes, the reshard
 worker extension does the same with `RefitSpec(install="lora_slot", lora_id=...)` over any transport
 (adapters.vllm.session: `AdapterSlot.tensors` are its rank's destination, `scale()` its install; not vLLM's

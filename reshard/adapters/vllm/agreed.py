@@ -34,12 +34,12 @@ def _engine_group() -> Any:
 
 
 def agreed(step: str, fn: Callable[[], None], timeout: float = AGREE_TIMEOUT, group: Any = None) -> bool:
-    """Run `fn` on every worker of this engine and agree on the outcome: True if it succeeded everywhere. If it
-    failed anywhere, the engine's last worker raises ExecutionError naming every worker's error and the others
-    return False. Why only the last: vLLM's multiprocess executor (0.32, 0.33) reads workers' answers in rank
-    order and stops at the first failure, leaving the later workers' answers to be read by the next call, which
-    mixes up every later call's answers; a failure on the last worker alone leaves nothing unread. The agreement
-    waits at most `timeout` seconds for the other workers (never gloo's 30-minute default)."""
+    """Run `fn` on every worker of this engine and agree on the outcome: True if it succeeded everywhere. If it failed
+    anywhere, the engine's last worker raises ExecutionError naming every worker's error and the others return False.
+    Why only the last: vLLM's multiprocess executor (in the tested versions) reads workers' answers in rank order and
+    stops at the first failure, leaving the later workers' answers to be read by the next call, which mixes up every
+    later call's answers; a failure on the last worker alone leaves nothing unread. The agreement waits at most
+    `timeout` seconds for the other workers (never gloo's 30-minute default)."""
     from datetime import timedelta
 
     import torch.distributed as dist

@@ -96,8 +96,8 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
 
 def _full_weights_only(refit: RefitSpec) -> None:
     """vLLM's weight-transfer API ends every update by dropping every loaded LoRA adapter (the worker's
-    finish_weight_update -> reset_lora_state, vLLM 0.32 / 0.33): an adapter refit into a slot would be thrown away
-    and reloaded from its path at the next request. Refused, naming the way that works."""
+    finish_weight_update -> reset_lora_state, in the tested vLLM versions): an adapter refit into a slot would be
+    thrown away and reloaded from its path at the next request. Refused, naming the way that works."""
     if refit.install == "lora_slot":
         raise PlanError("install='lora_slot' cannot go through vLLM's weight-transfer API: vLLM drops every loaded "
                         "LoRA adapter when a weight update finishes (reset_lora_state). Refit adapters through the "

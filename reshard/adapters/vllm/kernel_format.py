@@ -1,9 +1,9 @@
 """Which live parameters may be written in place: those whose storage is still in the layout their loader
 wrote (the "checkpoint-loaded" layout VllmLayout declares), not re-laid out by post-load processing.
 
-After `load_weights`, vLLM runs each module's `quant_method.process_weights_after_loading`, which may repack,
-pad, transpose or swap weights into a kernel format. What is detected here (vLLM 0.33), per module type,
-fail-closed (a quant method not listed is refused):
+After `load_weights`, vLLM runs each module's `quant_method.process_weights_after_loading`, which may repack, pad,
+transpose or swap weights into a kernel format. What is detected here (the tested vLLM version:
+docs/guides/layouts.md, Versions), per module type, fail-closed (a quant method not listed is refused):
   - UnquantizedLinearMethod / UnquantizedEmbeddingMethod: nothing on CUDA. On CPU, a module that went through
     `dispatch_cpu_unquantized_gemm` (it has `cpu_linear`) computes from a packed copy (oneDNN, sgl, zentorch;
     linear weights are even replaced by empty ones) -> refused. XPU's opt-in transpose and ROCm's padding

@@ -113,10 +113,10 @@ class LoaderInstaller:
 
 
 def _reset_moe_kernels(model: torch.nn.Module) -> None:
-    """Make vLLM rebuild fused-MoE kernels after this reload. vLLM (0.32, 0.33) runs a MoE kernel's weight
+    """Make vLLM rebuild fused-MoE kernels after this reload. vLLM (the tested versions) runs a MoE kernel's weight
     processing (the CPU backend pads and prepacks the experts) only when the layer has no kernel yet, so a reload
     would copy unprocessed experts into the processed storage: wrong tokens, or a shape error when the kernel pads
-    (measured on the CPU build). Without a kernel, the reload's post-processing builds and runs it as a first load
+    (seen on the CPU build). Without a kernel, the reload's post-processing builds and runs it as a first load
     does."""
     for module in model.modules():
         method = getattr(module, "quant_method", None)

@@ -1,6 +1,6 @@
 """Making a NIXL agent (UCX backend) for one process, and recognizing NIXL's errors. NIXL is imported here only.
 
-Facts this relies on (nixl 1.5.1):
+Facts this relies on (in the tested nixl version: docs/guides/layouts.md, Versions):
 - the Python wrapper hard-codes the progress thread's delay to 0, so the thread busy-polls a whole core; the
   binding's config has the field, so the constructor is given a config with a delay (the thread then sleeps in
   poll() on the worker's event fd for at most that long);

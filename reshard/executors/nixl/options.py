@@ -11,16 +11,16 @@ DIRECTIONS = ("auto", "read", "write")
 PACKING = ("auto", "always", "never")
 
 # Ops whose contiguous pieces are smaller than this are packed (gathered into one buffer on the sender, one
-# descriptor, scattered on the receiver) instead of moved one descriptor per piece. Measured by row size: on
-# CPU (cma) packing wins at 4-8 KiB rows and loses from 16 KiB; on GPUs every cuda_ipc descriptor is a copy
-# launch of a few us, which moves ~1 MiB over NVLink, while packing costs two device copies at several times
-# NVLink's bandwidth.
+# descriptor, scattered on the receiver) instead of moved one descriptor per piece. On CPU (cma) a descriptor
+# is cheap and packing pays only for small rows; on GPUs every cuda_ipc descriptor is a copy launch whose fixed
+# cost is worth a large piece of NVLink time, while packing costs two device copies at several times NVLink's
+# bandwidth (the row-size sweeps: BENCHMARKS.md, NIXL).
 PACK_BELOW_DRAM = 16 << 10
 PACK_BELOW_VRAM = 1 << 20
 # A run contiguous on the sender whose receiver pieces average below this is landed (one descriptor into the
 # receive buffer, then one local scatter): it saves a descriptor per piece for one copy, not two, so it pays
-# up to larger pieces than packing. On an H200 a cuda_ipc descriptor costs ~9 us (~3 MiB of NVLink time)
-# while the scatter copies at ~2 TB/s.
+# up to larger pieces than packing: on GPUs a cuda_ipc descriptor's fixed cost is worth megabytes of NVLink
+# time, while the local scatter copies far faster than NVLink (BENCHMARKS.md, NIXL: landing).
 LAND_BELOW_DRAM = 32 << 10
 LAND_BELOW_VRAM = 8 << 20
 

@@ -1,6 +1,7 @@
 """The plan side of reshard's verl backend: pure data, no verl, no processes (testable anywhere).
 
-What verl 0.9.1 hands a checkpoint engine (verl/workers/engine_workers.py, `ActorRolloutRefWorker.update_weights`):
+What verl hands a checkpoint engine (verl/workers/engine_workers.py, `ActorRolloutRefWorker.update_weights`;
+version: docs/guides/layouts.md, Versions):
 every trainer rank gets the same stream of gathered HF tensors (`engine.get_per_tensor_param()`), and every
 rollout rank must hand whole HF tensors to the server adapter (vLLM's `load_weights`). So the source is the HF
 layout replicated on the M trainer ranks and the destination the HF layout replicated on the N rollout ranks.

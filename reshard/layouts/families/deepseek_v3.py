@@ -2,10 +2,11 @@
 first `first_k_dense_replace` layers dense, the others a router (+ e_score_correction_bias with noaux_tc),
 routed experts and shared experts. Multi-token-prediction layers are left out of refits.
 
-Names and shapes from transformers 5.24 modeling_deepseek_v3.py, megatron-core 0.19
-transformer/multi_latent_attention.py + models/gpt/gpt_layer_specs.py, vLLM 0.33 models/deepseek_v2.py:
+Names and shapes from transformers' modeling_deepseek_v3.py, megatron-core's
+transformer/multi_latent_attention.py + models/gpt/gpt_layer_specs.py, vLLM's models/deepseek_v2.py
+(versions: docs/guides/layouts.md, Versions):
 
-| HF (per layer, `self_attn.`)   | Megatron local (`self_attention.`)       | Megatron TE                         | vLLM 0.33 (`self_attn.`)          |
+| HF (per layer, `self_attn.`)   | Megatron local (`self_attention.`)       | Megatron TE                         | vLLM (`self_attn.`)               |
 | q_a_proj [qr, H]               | linear_q_down_proj, TP row blocks (ColumnParallelLinear) | linear_q_down_proj, whole (TELinear duplicated) | fused_qkv_a_proj rows [0, qr) whole |
 | q_a_layernorm [qr]             | q_layernorm                              | linear_q_up_proj.layer_norm_weight  | q_a_layernorm                     |
 | q_b_proj [n(dn+dr), qr]        | linear_q_up_proj, TP row blocks          | same                                | q_b_proj, TP row blocks           |

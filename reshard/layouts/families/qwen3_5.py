@@ -9,11 +9,12 @@ text fields under `text_config`): the language model's tensors are named `model.
 (`model.visual.*`) and the multi-token-prediction layers (`mtp.*`) are left out of refits. Text-only checkpoints
 (`Qwen3_5[Moe]ForCausalLM`, model_type `qwen3_5[_moe]_text`) use plain `model.*` names on both sides.
 
-Names, shapes and TP cuts from transformers 5.24 modeling_qwen3_5[_moe].py, megatron-core 0.19
-ssm/gated_delta_net (GatedDeltaNet as the self_attention of a TransformerLayer: experimental_attention_variant=
-"gated_delta_net", attention_output_gate=True) and vLLM 0.33 models/qwen3_5.py + qwen3_next.py +
-layers/mamba/gdn/qwen_gdn_linear_attn.py (flat, non-interleaved qkvz layout). Kd = linear_num_key_heads x
-linear_key_head_dim, Vd = linear_num_value_heads x linear_value_head_dim, nv = linear_num_value_heads:
+Names, shapes and TP cuts (versions: docs/guides/layouts.md, Versions) from transformers' modeling_qwen3_5[_moe].py,
+megatron-core's ssm/gated_delta_net (GatedDeltaNet as the self_attention of a TransformerLayer:
+experimental_attention_variant="gated_delta_net", attention_output_gate=True) and vLLM's models/qwen3_5.py +
+qwen3_next.py + layers/mamba/gdn/qwen_gdn_linear_attn.py (flat, non-interleaved qkvz layout). Kd =
+linear_num_key_heads x linear_key_head_dim, Vd = linear_num_value_heads x linear_value_head_dim, nv =
+linear_num_value_heads:
 
 | HF (per layer)                       | Megatron (`decoder.layers.{i}.`)                   | vLLM (`model.layers.{i}.`)                   |
 | linear_attn.in_proj_qkv [2Kd+Vd, H]  | self_attention.in_proj, per rank [q;k;v;z;b;a]_r   | linear_attn.in_proj_qkvz, per rank [q;k;v;z]_r |

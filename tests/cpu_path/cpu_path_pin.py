@@ -33,6 +33,7 @@ import importlib.util
 import json
 import os
 import sys
+import tempfile
 from types import ModuleType
 from typing import Callable
 
@@ -66,6 +67,11 @@ def install() -> None:
     _installed = True
     for name, value in KERNEL_ISA_ENV.items():
         os.environ.setdefault(name, value)
+    # Inductor's on-disk cache does not key its compiled CPU kernels by these settings: a kernel another process
+    # compiled for this CPU's widest vector ISA fails to build against AVX2-capped headers ("'at::vec' has not
+    # been declared"). The suite's processes share a cache of their own, one per path.
+    cache = os.path.join(tempfile.gettempdir(), f"torchinductor_reshard_{path}")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache)
     if "torch" in sys.modules:
         _pin(sys.modules["torch"], path == "amx")
     else:

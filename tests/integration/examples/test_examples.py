@@ -1,6 +1,7 @@
 """Every example of a framework integration runs in one command and exits 0 (each checks its own refit against
 ground truth it computes independently, and exits non-zero when the result is wrong): examples/nemo_rl (reshard as
-NeMo-RL's checkpoint engine, inside a real vLLM CPU worker's extension) and examples/art (a `vllm serve` refit from
+NeMo-RL's checkpoint engine, inside a real vLLM CPU worker's extension), examples/megatron (a live Megatron
+model's refit into an HF checkpoint, checked in transformers) and examples/art (a `vllm serve` refit from
 Megatron trainer processes; its LoRA adapter refit in place); examples/verl runs in the verl stage
 (tests/integration/verl/test_verl_example.py). Also: the examples import nothing from reshard.testing
 (they are the user path).
@@ -18,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 # lora_refit.py runs the same server path as tests/integration/serve/test_lora_slot_serve.py; it is run with the
 # others when RESHARD_ALL_EXAMPLES=1 (the suite's time on a 2-core CI machine is the limit)
-EXAMPLES = ["examples/nemo_rl/refit.py", "examples/art/refit.py",
+EXAMPLES = ["examples/megatron/refit.py", "examples/nemo_rl/refit.py", "examples/art/refit.py",
             *(["examples/art/lora_refit.py"] if os.environ.get("RESHARD_ALL_EXAMPLES") == "1" else [])]
 
 
@@ -28,7 +29,7 @@ def _imports(path: Path) -> set[str]:
     return names | {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
 
 
-@pytest.mark.parametrize("folder", ["examples/nemo_rl", "examples/art", "examples/verl"])
+@pytest.mark.parametrize("folder", ["examples/megatron", "examples/nemo_rl", "examples/art", "examples/verl"])
 def test_examples_import_only_the_public_api(folder):
     for path in sorted((ROOT / folder).glob("*.py")):
         bad = sorted(m for m in _imports(path) if m.startswith("reshard.testing"))

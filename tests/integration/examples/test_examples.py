@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
-# lora_refit.py runs the same server path as tests/integration/serve/test_lora_slot_serve.py; it is run with the
-# others when RESHARD_ALL_EXAMPLES=1 (the suite's time on a 2-core CI machine is the limit)
-EXAMPLES = ["examples/megatron/refit.py", "examples/nemo_rl/refit.py", "examples/art/refit.py",
-            *(["examples/art/lora_refit.py"] if os.environ.get("RESHARD_ALL_EXAMPLES") == "1" else [])]
+# examples/art runs the server path of tests/integration/serve (test_serve.py, test_lora_slot_serve.py): marked
+# slow, run by scripts/test with RESHARD_SLOW_TESTS=1 (the suite's time on a 2-core CI machine is the limit)
+EXAMPLES = ["examples/megatron/refit.py", "examples/nemo_rl/refit.py",
+            pytest.param("examples/art/refit.py", marks=pytest.mark.slow),
+            pytest.param("examples/art/lora_refit.py", marks=pytest.mark.slow)]
 
 
 def _imports(path: Path) -> set[str]:

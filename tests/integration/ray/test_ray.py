@@ -29,6 +29,10 @@ from reshard.testing.ray_jobs import (kill_engine, open_group, reference_tokens,
 from reshard.testing.serve import vllm_cpu_python  # noqa: E402
 from reshard.testing.serve_jobs import load_checkpoint, make_checkpoint, save_checkpoint, train_step  # noqa: E402
 
+# Each Ray fault test restarts engine or trainer actors (minutes on 2 cores); in CI the same failures are covered
+# for servers by tests/integration/serve/test_serve.py's fault tests and for Ray actors by test_ray_driver_death.py.
+SLOW = pytest.mark.slow
+
 pytestmark = [pytest.mark.ray, pytest.mark.crossprocess]
 
 PROMPTS = [[1, 2, 3, 4, 5], [17, 40, 3, 99], [64, 65, 66, 7, 7, 7, 7, 80]]
@@ -111,6 +115,7 @@ def test_grpo_loop_refits_every_engine_like_a_fresh_one(cluster):
         assert {n: [s["compiles"] for s in c.stats()] for n, c in cluster.clients().items()} == engine_compiles
 
 
+@SLOW
 def test_a_killed_engine_fails_its_group_only_and_a_new_one_is_refit_without_restarting_trainers(cluster):
     step = cluster.step + 1
     ray.get([t.train_step.remote(step) for t in cluster.trainers])
@@ -136,6 +141,7 @@ def test_a_killed_engine_fails_its_group_only_and_a_new_one_is_refit_without_res
     assert client.greedy(PROMPTS) == want and client.weight_version() == f"step-{step}"
 
 
+@SLOW
 def test_a_killed_relay_fails_its_group_and_names_the_fan_out_tree(cluster):
     root = cluster.replicas[0]
     before = RayEngineClient(cluster.replicas[1], "replica 1").weight_version()
@@ -152,6 +158,7 @@ def test_a_killed_relay_fails_its_group_and_names_the_fan_out_tree(cluster):
     assert RayEngineClient(cluster.replicas[0], "replica 0").greedy(PROMPTS) == cluster.reference(cluster.step)
 
 
+@SLOW
 def test_a_killed_trainer_leaves_every_engine_on_its_previous_weights_and_new_trainers_continue(cluster):
     clients = cluster.clients()
     before = {n: (c.greedy(PROMPTS), c.weight_version(), c.weight_checksums()) for n, c in clients.items()}

@@ -21,7 +21,8 @@ from reshard.testing.ray_jobs import start_engine, stop_engine  # noqa: E402
 from reshard.testing.serve import vllm_cpu_python  # noqa: E402
 from reshard.testing.serve_jobs import load_checkpoint, make_checkpoint, save_checkpoint, train_step  # noqa: E402
 
-pytestmark = [pytest.mark.ray, pytest.mark.crossprocess, pytest.mark.fault]
+# slow (RESHARD_SLOW_TESTS=1): nine driver deaths, each waiting out a lease (about 5 minutes on 2 cores)
+pytestmark = [pytest.mark.ray, pytest.mark.crossprocess, pytest.mark.fault, pytest.mark.slow]
 
 PROMPTS = [[1, 2, 3, 4, 5], [17, 40, 3, 99]]
 # The lease is renewed by a Python thread of the driver: a native call that holds the GIL for longer than the

@@ -27,7 +27,9 @@ from reshard.testing.megatron_cpu import TinyGPT
 from reshard.testing.serve import ServerProcess, vllm_cpu_python
 from reshard.testing.serve_jobs import load_checkpoint, make_checkpoint, save_checkpoint, train_step
 
-pytestmark = [pytest.mark.crossprocess, pytest.mark.fault]
+# slow (RESHARD_SLOW_TESTS=1): nine driver deaths, each waiting out a lease (about 7 minutes on 2 cores);
+# benchmarks/driver_death.py measures the same cases
+pytestmark = [pytest.mark.crossprocess, pytest.mark.fault, pytest.mark.slow]
 
 PROMPTS = [[1, 2, 3, 4, 5], [17, 40, 3, 99]]
 # The lease is renewed by a Python thread of the driver: a native call that holds the GIL for longer than the

@@ -2,16 +2,26 @@
 
 Pydantic's `model_construct` and `model_copy(update=...)` skip validation on purpose (speed); a model spec or a
 layout made that way could hold a tp of -3 or a string head count, and the compiler would trust it. Here both
-re-validate through the constructor, setting or deleting a field is refused, and the JSON / string / dict readers turn pydantic's ValidationError into
-the library's error (`kind` names the model in it: "model" blames ModelConfigError, anything else LayoutError).
+re-validate through the constructor, setting or deleting a field is refused, and the JSON / string / dict readers
+turn pydantic's ValidationError into the library's error (`kind` names the model in it: "model" blames ModelConfigError, anything else LayoutError).
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from contextlib import contextmanager
+from typing import Any, ClassVar, Iterator
 
 from pydantic import BaseModel, ValidationError
 
 from ..errors import ArgumentError, from_validation
+
+
+@contextmanager
+def _library_errors(model: type) -> Iterator[None]:
+    """pydantic's ValidationError raised inside, as the library's error for `model`'s kind."""
+    try:
+        yield
+    except ValidationError as exc:
+        raise from_validation(exc, model._error_kind()) from None
 
 
 class ValidatedModel(BaseModel):
@@ -24,34 +34,26 @@ class ValidatedModel(BaseModel):
         return getattr(cls, "kind", None) or cls.error_kind
 
     def __init__(self, **data: Any) -> None:
-        try:
+        with _library_errors(type(self)):
             super().__init__(**data)
-        except ValidationError as exc:
-            raise from_validation(exc, type(self)._error_kind()) from None
 
     @classmethod
     def model_validate(cls, obj: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        try:
+        with _library_errors(cls):
             return super().model_validate(obj, **kwargs)
-        except ValidationError as exc:
-            raise from_validation(exc, cls._error_kind()) from None
 
     @classmethod
     def model_validate_json(cls, json_data: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         """From JSON text: an object at the top, strictly validated (a list, a string or a number is refused)."""
         if not isinstance(json_data, (str, bytes, bytearray)):
             raise ArgumentError("json_data", json_data, "must be JSON text (str or bytes)")
-        try:
+        with _library_errors(cls):
             return super().model_validate_json(json_data, **kwargs)
-        except ValidationError as exc:
-            raise from_validation(exc, cls._error_kind()) from None
 
     @classmethod
     def model_validate_strings(cls, obj: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        try:
+        with _library_errors(cls):
             return super().model_validate_strings(obj, **kwargs)
-        except ValidationError as exc:
-            raise from_validation(exc, cls._error_kind()) from None
 
     @classmethod
     def model_construct(cls, _fields_set: Any = None, **values: Any) -> Any:  # type: ignore[override]

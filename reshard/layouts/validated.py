@@ -3,7 +3,8 @@
 Pydantic's `model_construct` and `model_copy(update=...)` skip validation on purpose (speed); a model spec or a
 layout made that way could hold a tp of -3 or a string head count, and the compiler would trust it. Here both
 re-validate through the constructor, setting or deleting a field is refused, and the JSON / string / dict readers
-turn pydantic's ValidationError into the library's error (`kind` names the model in it: "model" blames ModelConfigError, anything else LayoutError).
+turn pydantic's ValidationError into the library's error (`kind` names the model in it: "model" blames
+ModelConfigError, anything else LayoutError).
 """
 from __future__ import annotations
 

@@ -21,6 +21,11 @@ from pathlib import Path
 from typing import Any
 
 PHASES = ("before", "during", "after")
+TRANSPORTS = ("collective", "shared", "nixl")
+# Every (transport, phase) pair, and an each-choice cover of them: every transport and every phase once, so a
+# run that cannot afford nine lease waits still kills the driver on each transport and in each phase.
+ALL_CASES = tuple((t, p) for t in TRANSPORTS for p in PHASES)
+EACH_CHOICE = tuple(zip(TRANSPORTS, PHASES))
 
 
 def _die(out: Path, phase: str) -> None:
@@ -189,4 +194,4 @@ def kill_the_driver(engine: dict[str, Any], checkpoint: str | Path, transport: s
             "rank1": json.loads(rank1.read_text()) if rank1.exists() else None, "ranks": ranks}
 
 
-__all__ = ["PHASES", "dying_driver", "engine_client", "kill_the_driver", "refit_from_here"]
+__all__ = ["ALL_CASES", "EACH_CHOICE", "PHASES", "TRANSPORTS", "dying_driver", "engine_client", "kill_the_driver", "refit_from_here"]

@@ -135,13 +135,17 @@ class StoreComm(Comm):
 
     def _new_group(self, lane: int) -> Any:
         store = dist.PrefixStore(f"lane{lane}/", self.store)
-        if self.backend == "gloo":
-            pg = dist.ProcessGroupGloo(store, self.rank, self.size, self.timeout)
-        else:
+        try:  # gloo connects to every member here, waiting at most the group's timeout
+            if self.backend == "gloo":
+                return dist.ProcessGroupGloo(store, self.rank, self.size, self.timeout)
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self.timeout
-            pg = dist.ProcessGroupNCCL(store, self.rank, self.size, options)
-        return pg
+            return dist.ProcessGroupNCCL(store, self.rank, self.size, options)
+        except (RuntimeError, OSError) as e:  # torch's DistStoreError / DistNetworkError: a member never came
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ExecutionError(f"set-up: making the {self.backend} group (lane {lane}) of {self.size} members "
+                                 f"did not complete within {self.timeout.total_seconds():.1f} s on rank "
+                                 f"{self.rank}: {first}") from e
 
     def all_reduce_max(self, t: torch.Tensor) -> Any:
         opts = dist.AllreduceOptions()

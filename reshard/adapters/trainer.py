@@ -148,7 +148,9 @@ class TrainerSession:
                 rendezvous failed within the timeout.
         """
         if self.executor is not None:
-            self.executor.close()
+            from ..executors.base import close_within
+
+            close_within(self.executor.close, self.timeout, f"closing trainer process {self.process}'s executor")
             self.executor = None
         self.store = None
         self.generation += 1
@@ -402,8 +404,10 @@ class TrainerSession:
                         engine.release_lease(timeout=min(self.timeout, 60.0))
                     except Exception:  # noqa: BLE001 - the engine ends a lease that is not released when it lapses
                         pass
-        if self.executor is not None:
-            self.executor.close()
+        if self.executor is not None:  # bounded: a transport whose release waits on a frozen peer cannot hold it
+            from ..executors.base import close_within
+
+            close_within(self.executor.close, self.timeout, f"closing trainer process {self.process}'s executor")
             self.executor = None
         if self.refit_spec.transport not in CROSS_PROCESS:
             withdraw_source(str(self.refit_spec.options.get("key", "default")))

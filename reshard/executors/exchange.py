@@ -99,7 +99,7 @@ class Exchange:
         while self.count(key) < want:
             reason = self.failure(version)
             if reason is not None:
-                raise ExecutionError(f"another process failed first ({reason})")
+                raise ExecutionError(f"another process failed first ({reason}) while this one waited for {what}")
             if time.monotonic() > deadline:
                 raise ExecutionError(f"timed out waiting for {what}")
             time.sleep(sleep)

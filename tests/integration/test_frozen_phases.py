@@ -1,8 +1,8 @@
 """No untimed wait: a peer frozen at each phase of a refit (reshard.testing.frozen_phases.PHASES: the rendezvous,
 set-up and plan agreement, each transfer step, the checksum exchange, the commit vote, close) for each transport
-(gloo collective, NIXL, shared memory). Every survivor ends within the timeout plus SLACK with an ExecutionError
-naming the phase (close: returns without error). The cases run at once, in one batch (module fixture): a frozen
-wait costs no CPU.
+(gloo collective, NIXL, shared memory). Every survivor ends within the timeout plus SLACK with an ExecutionError,
+the one waiting on the victim's step naming it (close: returns without error). The cases run at once, in one
+batch (module fixture): a frozen wait costs no CPU.
 
 SLACK as in test_faults (2 s; RESHARD_FAULT_SLACK widens it): measured here, survivors end 2.0-3.1 s after
 they start a wait with a 2 s timeout, on a loaded 2-core machine with the whole batch (about 50 processes)
@@ -46,8 +46,12 @@ def test_a_frozen_peer_ends_every_survivor_in_time_naming_the_phase(results, cas
             assert r["error"] is None, r
             continue
         assert r["error"] is not None and r["error"].startswith("ExecutionError"), r
-        assert re.search(phase.words, r["error"]), f"{case}: {r['error']!r} does not name the phase"
         assert r["seconds"] >= TIMEOUT - 0.1 or "failed first" in r["error"], r  # it waited, not failed at once
+    if phase.when != "close":
+        # the survivor that waits on the victim's step names it; another may have passed that step already (the
+        # victim did its part for it) and end at the next wait, the vote: which one is a race
+        errors = [r["error"] for r in survivors]
+        assert any(re.search(phase.words, e) for e in errors), f"{case}: no error names the phase: {errors}"
 
 
 def test_every_transport_has_a_row_for_every_phase():

@@ -154,3 +154,22 @@ def test_the_nixl_agent_is_made_before_the_lease_is_taken(monkeypatch):
     (name,) = made
     assert nixl_agent.make_agent(name, 1000) is made[name]  # what the executor's Connection would get
     nixl_agent.discard_ahead(name)
+
+
+def test_close_is_bounded_by_the_session_timeout(caplog):
+    """A transport whose release never returns (waiting on a frozen peer) cannot hold close(): it returns after
+    the session's timeout and says so in the log."""
+    import threading
+
+    class Stuck:
+        def close(self):
+            threading.Event().wait()
+
+    src = reshard.MegatronLayout(model=SPEC, tp=1)
+    refit = RefitSpec.of(SPEC, src, reshard.VllmLayout(model=SPEC), install="loader", transport="collective")
+    session = TrainerSession(refit, 0, _tensors(src), timeout=1.0)
+    session.executor = Stuck()
+    t0 = time.monotonic()
+    session.close()
+    assert time.monotonic() - t0 < 3.0 and session.executor is None
+    assert "did not finish within 1.0 s" in caplog.text

@@ -124,6 +124,7 @@ def worker(process: int, port: int, workdir: str, case_id: str) -> None:
     store = dist.PrefixStore(f"{case_id}/", root)
     victim = process == phase.victim
     out: dict[str, Any] = {"process": process, "case": case_id}
+    start: float | None = None  # when the measured wait began
     try:
         plan, b = Plan.load(case["plan"]), binding()
         src = shard(plan.src, _weights(plan.src.model, 1), ranks=list(b.src_ranks_of(process)))
@@ -163,9 +164,9 @@ def worker(process: int, port: int, workdir: str, case_id: str) -> None:
         out["error"] = None
     except Exception as e:  # noqa: BLE001 - the test checks the type and the words
         out["error"] = f"{type(e).__name__}: {e}"
-        if "start" not in locals():
+        if start is None:  # failed before the phase: the case itself is broken
             out["crash"] = traceback.format_exc(limit=6)
-    out["seconds"] = time.monotonic() - start if "start" in locals() else None
+    out["seconds"] = time.monotonic() - start if start is not None else None
     (Path(workdir) / f"{case_id}-{process}.json").write_text(json.dumps(out))
     os._exit(0)  # not torch's destructors: a gloo group's waits on the frozen peer at exit are not the refit's
 

@@ -152,6 +152,7 @@ def test_the_nixl_agent_is_made_before_the_lease_is_taken(monkeypatch):
     session.close()
     assert events[:2] == ["agent", "lease"], events
     (name,) = made
+    assert name == f"{session.refit_spec.rendezvous['refit_id']}:0"  # the executor's (adapters.refit, namespace)
     assert nixl_agent.make_agent(name, 1000) is made[name]  # what the executor's Connection would get
     nixl_agent.discard_ahead(name)
 

@@ -175,14 +175,21 @@ class StoreComm(Comm):
         self.lanes = self.lanes[:1]
 
     def close(self) -> None:
-        for pg in self.lanes:
-            for stop in ("shutdown", "abort"):
-                try:
-                    getattr(pg, stop)()
-                    break
-                except Exception:  # noqa: BLE001 - best effort: a broken group may refuse either
-                    continue
-        self.lanes = []
+        """Shut the lanes down, within the group's timeout (a shutdown waiting on a frozen peer is left behind)."""
+        from .base import close_within
+
+        lanes, self.lanes = self.lanes, []
+
+        def shut_down() -> None:
+            for pg in lanes:
+                for stop in ("shutdown", "abort"):
+                    try:
+                        getattr(pg, stop)()
+                        break
+                    except Exception:  # noqa: BLE001 - best effort: a broken group may refuse either
+                        continue
+
+        close_within(shut_down, self.timeout.total_seconds(), f"shutting down the {self.backend} group's lanes")
 
 
 def comm_for(group: Any) -> Comm | None:

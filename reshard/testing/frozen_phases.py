@@ -161,6 +161,8 @@ def worker(process: int, port: int, workdir: str, case_id: str) -> None:
             if phase.when == "refit":
                 ex.refit()
             ex.close()
+            if phase.kind == "gloo":  # the group too (StoreComm.close: its lanes shut down, bounded)
+                ex.comm.close()
         out["error"] = None
     except Exception as e:  # noqa: BLE001 - the test checks the type and the words
         out["error"] = f"{type(e).__name__}: {e}"

@@ -148,7 +148,9 @@ class TrainerSession:
                 rendezvous failed within the timeout.
         """
         if self.executor is not None:
-            self.executor.close()
+            from ..executors.base import close_within
+
+            close_within(self.executor.close, self.timeout, f"closing trainer process {self.process}'s executor")
             self.executor = None
         self.store = None
         self.generation += 1
@@ -163,10 +165,12 @@ class TrainerSession:
         if mismatch is not None:  # refused at init, before any engine is called; the others stop at the rendezvous
             self._fail_rendezvous(f"trainer process {self.process}: {mismatch}")
             raise ExecutionError(f"trainer process {self.process}: {mismatch}")
+        ahead = self._nixl_agent_ahead(refit)
         try:
             self._take_lease()
         except ExecutionError as e:
             self._fail_rendezvous(str(e))
+            self._discard_ahead(ahead)
             raise
         # an engine that refuses or cannot be reached fails the rendezvous at once: every trainer process stops
         # waiting there (not after the rendezvous's timeout)
@@ -182,8 +186,10 @@ class TrainerSession:
                 self.executor = open_transport(refit, self.process, self.tensors, {}, store=self.store)
         except ExecutionError as e:
             self._fail_rendezvous(str(e))
+            self._discard_ahead(ahead)
             errors = _wait(calls, self.timeout)
             raise ExecutionError(f"{e}" + (f"; engines said: {'; '.join(errors)}" if errors else "")) from e
+        self._discard_ahead(ahead)  # taken by the executor, or never needed (no NIXL peer)
         errors = _wait(calls, self.timeout)
         if errors:
             self._fail_rendezvous("; ".join(errors))
@@ -199,6 +205,29 @@ class TrainerSession:
             return str(e)
         missing = sorted(set(self.tensors) - set(range(plan.src.num_ranks)))
         return f"source ranks {missing} are not ranks of the plan" if missing else None
+
+    def _nixl_agent_ahead(self, refit: RefitSpec) -> str | None:
+        """NIXL transport: this process's agent made before the lease is taken (NIXL's import and UCX set-up hold
+        the GIL for seconds on a loaded machine, and the lease is renewed by a thread). Its name, or None."""
+        delay = refit.options.get("progress_delay_us", 1000)
+        if refit.transport != "nixl" or isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
+            return None  # (a bad delay is refused by the executor's options, with the error naming it)
+        from ..executors.nixl.agent import make_agent_ahead
+
+        name = f"{refit.rendezvous['refit_id']}:{self.process}"  # the executor's agent (adapters.refit)
+        try:
+            make_agent_ahead(name, delay)
+        except ExecutionError as e:
+            self._fail_rendezvous(str(e))
+            raise
+        return name
+
+    @staticmethod
+    def _discard_ahead(name: str | None) -> None:
+        if name is not None:
+            from ..executors.nixl.agent import discard_ahead
+
+            discard_ahead(name)
 
     def _take_lease(self) -> None:
         """Process 0: a lease of a new generation on every engine that keeps one, renewed until close."""
@@ -375,8 +404,10 @@ class TrainerSession:
                         engine.release_lease(timeout=min(self.timeout, 60.0))
                     except Exception:  # noqa: BLE001 - the engine ends a lease that is not released when it lapses
                         pass
-        if self.executor is not None:
-            self.executor.close()
+        if self.executor is not None:  # bounded: a transport whose release waits on a frozen peer cannot hold it
+            from ..executors.base import close_within
+
+            close_within(self.executor.close, self.timeout, f"closing trainer process {self.process}'s executor")
             self.executor = None
         if self.refit_spec.transport not in CROSS_PROCESS:
             withdraw_source(str(self.refit_spec.options.get("key", "default")))

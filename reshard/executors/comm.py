@@ -135,13 +135,17 @@ class StoreComm(Comm):
 
     def _new_group(self, lane: int) -> Any:
         store = dist.PrefixStore(f"lane{lane}/", self.store)
-        if self.backend == "gloo":
-            pg = dist.ProcessGroupGloo(store, self.rank, self.size, self.timeout)
-        else:
+        try:  # gloo connects to every member here, waiting at most the group's timeout
+            if self.backend == "gloo":
+                return dist.ProcessGroupGloo(store, self.rank, self.size, self.timeout)
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self.timeout
-            pg = dist.ProcessGroupNCCL(store, self.rank, self.size, options)
-        return pg
+            return dist.ProcessGroupNCCL(store, self.rank, self.size, options)
+        except (RuntimeError, OSError) as e:  # torch's DistStoreError / DistNetworkError: a member never came
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ExecutionError(f"set-up: making the {self.backend} group (lane {lane}) of {self.size} members "
+                                 f"did not complete within {self.timeout.total_seconds():.1f} s on rank "
+                                 f"{self.rank}: {first}") from e
 
     def all_reduce_max(self, t: torch.Tensor) -> Any:
         opts = dist.AllreduceOptions()
@@ -171,14 +175,21 @@ class StoreComm(Comm):
         self.lanes = self.lanes[:1]
 
     def close(self) -> None:
-        for pg in self.lanes:
-            for stop in ("shutdown", "abort"):
-                try:
-                    getattr(pg, stop)()
-                    break
-                except Exception:  # noqa: BLE001 - best effort: a broken group may refuse either
-                    continue
-        self.lanes = []
+        """Shut the lanes down, within the group's timeout (a shutdown waiting on a frozen peer is left behind)."""
+        from .base import close_within
+
+        lanes, self.lanes = self.lanes, []
+
+        def shut_down() -> None:
+            for pg in lanes:
+                for stop in ("shutdown", "abort"):
+                    try:
+                        getattr(pg, stop)()
+                        break
+                    except Exception:  # noqa: BLE001 - best effort: a broken group may refuse either
+                        continue
+
+        close_within(shut_down, self.timeout.total_seconds(), f"shutting down the {self.backend} group's lanes")
 
 
 def comm_for(group: Any) -> Comm | None:

@@ -427,8 +427,13 @@ class DistributedExecutor(Executor):
         got = {p: torch.zeros(DIGEST_BYTES, dtype=torch.uint8) for p in sorted(s.received)}
         works = comm.post(comm.prepare(0, [(t, p, CHECKSUM_TAG) for p, t in out.items()],
                                        [(t, p, CHECKSUM_TAG) for p, t in got.items()]))
-        for w in works:
-            w.wait(timedelta(seconds=self.timeout))
+        try:
+            for w in works:
+                w.wait(timedelta(seconds=self.timeout))
+        except RuntimeError as e:  # gloo's timeout or a peer's closed socket
+            raise ExecutionError(self._setup.failure(f"the checksum exchange with peers did not complete: "
+                                                     f"{str(e).splitlines()[0] if str(e) else type(e).__name__}")) \
+                from e
         bad = [mismatch(f"the stream from group rank {p}", bytes(t.tolist()).hex(), sums.hexdigest(("from", p)))
                for p, t in got.items() if bytes(t.tolist()) != sums.digest(("from", p))]
         return "; ".join(bad) or None

@@ -36,10 +36,12 @@ class Exchange:
         self.store.set(f"book/{process}", json.dumps({"protocol": PROTOCOL, **book}).encode())
         self.store.set(f"md/{process}", metadata)  # last: a peer that sees md sees the book too
 
-    def fetch(self, peer: int, timeout: float) -> tuple[bytes, dict[str, Any]]:
-        """Peer's agent metadata and book; waits for them at most `timeout` seconds."""
+    def fetch(self, peer: int, timeout: float, deadline: float | None = None) -> tuple[bytes, dict[str, Any]]:
+        """Peer's agent metadata and book; waits for them at most `timeout` seconds, and not past `deadline` (a
+        time.monotonic(): the set-up's, shared by every peer fetched, so that n absent peers cost one timeout)."""
+        left = timeout if deadline is None else max(min(timeout, deadline - time.monotonic()), 0.001)
         try:
-            self.store.wait([f"md/{peer}"], timedelta(seconds=timeout))
+            self.store.wait([f"md/{peer}"], timedelta(seconds=left))
         except Exception as e:  # the store raises its own error type on timeout
             raise ExecutionError(f"set-up: process {peer} did not publish its metadata within {timeout:.1f} s "
                                  f"(namespace {self.namespace!r}); is every process of the binding building its "
@@ -97,7 +99,7 @@ class Exchange:
         while self.count(key) < want:
             reason = self.failure(version)
             if reason is not None:
-                raise ExecutionError(f"another process failed first ({reason})")
+                raise ExecutionError(f"another process failed first ({reason}) while this one waited for {what}")
             if time.monotonic() > deadline:
                 raise ExecutionError(f"timed out waiting for {what}")
             time.sleep(sleep)

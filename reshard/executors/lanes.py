@@ -79,7 +79,7 @@ def _new_lane(group, backend: str, timeout: float | None = None):
     if backend == "nccl" and default.bound_device_id is not None:
         # a device-bound world makes NCCL groups by splitting a parent communicator; splitting the refit group
         # itself involves only its members (new_group would split the world's, needing every process)
-        return dist.split_group(parent_pg=group, split_ranks=[list(range(dist.get_world_size(group)))])
+        return dist.split_group(parent_pg=group, split_ranks=[list(range(dist.get_world_size(group)))], **limit)
     return dist.new_group(ranks=ranks, backend=backend, use_local_synchronization=True, **limit)
 
 

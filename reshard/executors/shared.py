@@ -306,8 +306,9 @@ class SharedExecutor(Executor):
                 "landing": {str(i): export(t) for i, t in self._landing.items()}}
         self.exchange.publish(self.process, b"", book)
         self._peer_landing: dict[tuple[int, int], torch.Tensor] = {}
+        deadline = time.monotonic() + self.timeout
         for q in self._sends:
-            _, theirs = self.exchange.fetch(q, self.timeout)
+            _, theirs = self.exchange.fetch(q, self.timeout, deadline)
             problems = [f"{k}: process {q} has {theirs.get(k)!r}, this process {book[k]!r}"
                         for k in ("plan", "binding", "staged", "device", "checksum") if theirs.get(k) != book[k]]
             if problems:

@@ -10,10 +10,11 @@ checkpoint holds that refits leave out (`excluded`), (4) the megatron-core optio
 from __future__ import annotations
 
 import abc
+import functools
 from typing import Any, ClassVar, Sequence
 
 from ..errors import ModelConfigError
-from ..limits import MAX_DIM, MAX_HEADS, MAX_LAYERS, check_limit
+from ..limits import MAX_DIM, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, check_limit
 from . import registry
 from .hf_config import get_bool, get_int, get_str
 from .model import LAYER, Entry, Experts, ModelSpec, Role
@@ -39,11 +40,18 @@ class ModelFamily(abc.ABC):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        if "spec" in cls.__dict__ and not getattr(cls.__dict__["spec"], "generic_rules", False):
+            cls.spec = _with_generic_rules(cls.__dict__["spec"])  # every family, a plugin's too
         if not getattr(cls, "__abstractmethods__", None):
             registry.register(cls())
 
     @abc.abstractmethod
-    def spec(self, config: dict[str, Any], include_mtp: bool = False) -> ModelSpec: ...
+    def spec(self, config: dict[str, Any], include_mtp: bool = False) -> ModelSpec:
+        """The spec of an HF config. The generic rules (`check_generic_rules`) run around every family's own."""
+
+    def language_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The fields of the language model (a multimodal wrapper nests them): where the generic rules look."""
+        return config
 
     @abc.abstractmethod
     def layer(self, spec: ModelSpec, i: int) -> Sequence[Entry | Experts]:
@@ -110,16 +118,13 @@ class ModelFamily(abc.ABC):
             raise ModelConfigError(field=missing[0], rule=f"is required and missing (missing: {missing})")
 
     @staticmethod
-    def _refuse_mtp_and_activation(config: dict[str, Any], include_mtp: bool, mtp_key: str, mtp_names: str) -> None:
-        """What no family supports yet: multi-token-prediction layers asked for, an activation other than silu."""
+    def _refuse_mtp(config: dict[str, Any], include_mtp: bool, mtp_key: str, mtp_names: str) -> None:
+        """What no family supports yet: multi-token-prediction layers asked for."""
         mtp = get_int(config, mtp_key, 0, minimum=0, maximum=MAX_LAYERS, null_is_default=True, what="layers")
         if include_mtp and mtp:
             raise ModelConfigError(field=mtp_key, value=mtp, rule=f"asks for multi-token-prediction layers "
                                    f"({mtp_names}), which are not supported yet: Megatron keeps them in a separate mtp "
                                    "block and vLLM in a separate draft model; refit without them")
-        act = get_str(config, "hidden_act", "silu", null_is_default=True)
-        if act != "silu":
-            raise ModelConfigError(field="hidden_act", value=act, rule="is not supported (silu only)")
 
     def _common(self, config: dict[str, Any], qk_norm: bool, biases: tuple[str, ...] = ("attention_bias", "mlp_bias")
                 ) -> dict[str, Any]:
@@ -162,6 +167,47 @@ class ModelFamily(abc.ABC):
             qk_norm=qk_norm,
             dtype=_HF_DTYPES[dtype],
         )
+
+
+# --- the rules every family's config obeys, checked in this one place --------------------------------------
+
+def check_generic_rules(config: dict[str, Any]) -> None:
+    """Before a family reads its own keys: what no family may accept (each a ModelConfigError naming the key).
+    Positive sizes and head counts, kv heads dividing heads and the dtype are the spec's own rules (ModelSpec)."""
+    act = get_str(config, "hidden_act", "silu", null_is_default=True)
+    if act != "silu":
+        raise ModelConfigError(field="hidden_act", value=act, rule="is not supported (silu only: the gated MLPs of "
+                               "every family are SwiGLU)")
+    if config.get("head_dim") is None and "hidden_size" in config and "num_attention_heads" in config:
+        hidden = get_int(config, "hidden_size")
+        heads = get_int(config, "num_attention_heads", maximum=MAX_HEADS, what="heads")
+        if hidden % heads:
+            raise ModelConfigError(field="hidden_size", value=hidden, rule=f"is not a multiple of "
+                                   f"num_attention_heads={heads} and no head_dim is given (the head width would "
+                                   f"be hidden_size / heads)")
+
+
+def check_generic_spec_rules(config: dict[str, Any], spec: ModelSpec) -> None:
+    """After a family made its spec: the rules that need it (MoE top-k within the routed experts)."""
+    if not spec.is_moe:
+        return
+    topk = get_int(config, "num_experts_per_tok", None, null_is_default=True, maximum=MAX_EXPERTS, what="experts")
+    if topk is not None and topk > spec.num_experts:
+        raise ModelConfigError(field="num_experts_per_tok", value=topk,
+                               rule=f"is more than the routed experts (num_experts={spec.num_experts})")
+
+
+def _with_generic_rules(spec: Any) -> Any:
+    @functools.wraps(spec)
+    def checked(self: ModelFamily, config: dict[str, Any], include_mtp: bool = False) -> ModelSpec:
+        language = self.language_config(config)
+        check_generic_rules(language)
+        out = spec(self, config, include_mtp)
+        check_generic_spec_rules(language, out)
+        return out
+
+    checked.generic_rules = True  # type: ignore[attr-defined]
+    return checked
 
 
 # --- building blocks of a layer's list (HF names of the shared roles) --------------------------------------

@@ -48,8 +48,9 @@ def binding() -> Any:
 
 
 def make_executor(kind: str, plan: Any, process: int, src: dict, dst: dict, store: Any, namespace: str,
-                  timeout: float, checksum: bool | str) -> Any:
-    """The `kind` executor of this process over the store, under `namespace`."""
+                  timeout: float, checksum: bool | str, setup_timeout: float | None = None) -> Any:
+    """The `kind` executor of this process over the store, under `namespace`. `setup_timeout`: how long the gloo
+    group's set-up waits for every member (default: at least 60 s, for a replacement process to start)."""
     import torch.distributed as dist
 
     if kind == "gloo":
@@ -57,7 +58,8 @@ def make_executor(kind: str, plan: Any, process: int, src: dict, dst: dict, stor
         from ..executors.distributed import DistributedExecutor
 
         # the group's own set-up waits for every member, a replacement too (seconds to start): not the refit's timeout
-        comm = StoreComm(dist.PrefixStore(f"{namespace}/", store), process, PROCESSES, "gloo", max(timeout, 60.0))
+        comm = StoreComm(dist.PrefixStore(f"{namespace}/", store), process, PROCESSES, "gloo",
+                         max(timeout, 60.0) if setup_timeout is None else setup_timeout)
         return DistributedExecutor(plan, binding(), process, src, dst, group=comm, timeout=timeout,
                                    checksum=checksum, bucket_bytes=1024, direct_bytes=None)
     if kind == "nixl":

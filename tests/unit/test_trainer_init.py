@@ -112,3 +112,65 @@ def test_the_lease_is_renewed_from_the_first_grant_while_a_slow_engine_starts():
         assert session.renewal.error is None
     finally:
         session.close()
+
+
+class OrderedEngine(LeasedEngine):
+    """Records when it is granted the lease, against when a NIXL agent is made."""
+
+    def __init__(self, events: list[str]) -> None:
+        super().__init__()
+        self.events = events
+
+    def acquire_lease(self, holder, ttl, timeout=None):
+        self.events.append("lease")
+        super().acquire_lease(holder, ttl, timeout)
+
+
+def test_the_nixl_agent_is_made_before_the_lease_is_taken(monkeypatch):
+    """NIXL's import and UCX set-up hold the GIL for seconds on a loaded machine; the lease is renewed by a thread,
+    so the driver makes its (real) agent before the first grant and its executor adopts that agent. The engine never
+    joins the rendezvous here: init fails there, after the order was recorded."""
+    pytest.importorskip("nixl")
+    from reshard.executors.nixl import agent as nixl_agent
+
+    events: list[str] = []
+    made: dict[str, object] = {}
+    real = nixl_agent._new_agent
+
+    def recording(name, delay):
+        events.append("agent")
+        made[name] = real(name, delay)
+        return made[name]
+
+    monkeypatch.setattr(nixl_agent, "_new_agent", recording)
+    src = reshard.MegatronLayout(model=SPEC, tp=1)
+    refit = RefitSpec.of(SPEC, src, reshard.VllmLayout(model=SPEC), install="loader", transport="nixl")
+    session = TrainerSession(refit, 0, _tensors(src), engines=[OrderedEngine(events)], timeout=2.0, lease=5.0)
+    monkeypatch.setattr(session, "_discard_ahead", lambda name: None)  # kept, to check the executor would adopt it
+    with pytest.raises(ExecutionError):
+        session.init()
+    session.close()
+    assert events[:2] == ["agent", "lease"], events
+    (name,) = made
+    assert name == f"{session.refit_spec.rendezvous['refit_id']}:0"  # the executor's (adapters.refit, namespace)
+    assert nixl_agent.make_agent(name, 1000) is made[name]  # what the executor's Connection would get
+    nixl_agent.discard_ahead(name)
+
+
+def test_close_is_bounded_by_the_session_timeout(caplog):
+    """A transport whose release never returns (waiting on a frozen peer) cannot hold close(): it returns after
+    the session's timeout and says so in the log."""
+    import threading
+
+    class Stuck:
+        def close(self):
+            threading.Event().wait()
+
+    src = reshard.MegatronLayout(model=SPEC, tp=1)
+    refit = RefitSpec.of(SPEC, src, reshard.VllmLayout(model=SPEC), install="loader", transport="collective")
+    session = TrainerSession(refit, 0, _tensors(src), timeout=1.0)
+    session.executor = Stuck()
+    t0 = time.monotonic()
+    session.close()
+    assert time.monotonic() - t0 < 3.0 and session.executor is None
+    assert "did not finish within 1.0 s" in caplog.text

@@ -188,8 +188,13 @@ class WorkerSession:
         pass
 
     def close(self) -> None:
-        if self.executor is not None:
-            self.executor.close()
+        if self.executor is not None:  # bounded by the transport's timeout: a release waiting on a frozen peer
+            from ...executors.base import close_within
+
+            timeout = self.refit.options.get("timeout", (self.refit.rendezvous or {}).get("timeout", 300.0))
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+                timeout = 300.0
+            close_within(self.executor.close, float(timeout), "closing this worker's executor")
             self.executor = None
         installer = getattr(self, "installer", None)  # absent when set-up failed before binding
         if installer is not None:

@@ -16,6 +16,7 @@ from typing import Any
 from ...errors import ExecutionError
 
 _construct_lock = threading.Lock()
+_AHEAD: dict[tuple[str, int], Any] = {}  # (name, progress delay) -> an agent made ahead of its executor
 
 
 def import_nixl() -> Any:
@@ -31,7 +32,26 @@ def import_nixl() -> Any:
 
 def make_agent(name: str, progress_delay_us: int = 1000) -> Any:
     """A nixl_agent with the UCX backend, a progress thread sleeping `progress_delay_us` between polls, and no
-    listener thread (metadata travels through the caller's store)."""
+    listener thread (metadata travels through the caller's store); the one `make_agent_ahead` made, if any."""
+    agent = _AHEAD.pop((name, progress_delay_us), None)
+    return agent if agent is not None else _new_agent(name, progress_delay_us)
+
+
+def make_agent_ahead(name: str, progress_delay_us: int = 1000) -> None:
+    """Make now the agent a later `make_agent(name, progress_delay_us)` returns. NIXL's import and UCX set-up take
+    seconds on a loaded machine, much of it holding the GIL: a driver does it before it takes its engines' lease,
+    which a Python thread renews (a GIL held past the lease would let it lapse while the driver lives)."""
+    if (name, progress_delay_us) not in _AHEAD:
+        _AHEAD[(name, progress_delay_us)] = _new_agent(name, progress_delay_us)
+
+
+def discard_ahead(name: str) -> None:
+    """Drop the agents made ahead under `name` that no executor took (its init failed, or it needed none)."""
+    for key in [k for k in _AHEAD if k[0] == name]:
+        del _AHEAD[key]
+
+
+def _new_agent(name: str, progress_delay_us: int) -> Any:
     api = import_nixl()
     config = api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"])
     binding = api.nixlBind

@@ -10,6 +10,7 @@ handles; connect to every peer. A refit then only posts those handles and exchan
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Iterator
 
 import numpy as np
@@ -53,8 +54,9 @@ class Connection:
             self._reg = self.agent.register_memory(region_array(regions, book["device"]), book["mem"])
         exchange.publish(s.process, self.agent.get_agent_metadata(), book)
         books: dict[int, dict[str, Any]] = {}
+        deadline = time.monotonic() + timeout
         for peer in s.peers:
-            metadata, theirs = exchange.fetch(peer, timeout)
+            metadata, theirs = exchange.fetch(peer, timeout, deadline)
             _check_peer(s.process, peer, theirs, book)
             loaded = self.agent.add_remote_agent(metadata)
             loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)

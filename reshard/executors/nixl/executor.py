@@ -52,7 +52,7 @@ import torch
 
 from ...errors import ExecutionError, ReshardError
 from ...planner import Plan
-from ..base import Executor, RankTensors
+from ..base import Executor, RankTensors, close_within
 from ..binding import Binding
 from ..checksum import Streams, algorithm, mismatch
 from ..copies import DST, SHADOW, SRC, WIRE
@@ -310,7 +310,8 @@ class NixlExecutor(Executor):
             if now > next_failure_check:
                 reason = self.exchange.failure(v)
                 if reason is not None:
-                    raise ExecutionError(f"another process failed first ({reason})")
+                    raise ExecutionError(f"another process failed first ({reason}) while this one was waiting for: "
+                                         + self._pending(waiting_in, waiting_out, posted, unstarted_out, read))
                 next_failure_check = now + 0.05
             if progress:
                 sleep = 2e-5
@@ -427,8 +428,9 @@ class NixlExecutor(Executor):
     def close(self) -> None:
         """Release NIXL resources; the tensors stay the caller's."""
         if not self._closed:
-            self.connection.release()
             self._closed = True
+            if not close_within(self.connection.release, self.options.timeout, "releasing the NIXL agent"):
+                _QUARANTINE.append(self.arena)  # a release still running may yet touch the registered memory
 
     @property
     def version(self) -> int:

@@ -106,7 +106,7 @@ class DeepseekV3(ModelFamily):
     fp8_router = False  # vLLM builds DeepSeek's gate without quant_config; the FP8 release keeps it in bf16
 
     def spec(self, config: dict[str, Any], include_mtp: bool = False) -> ModelSpec:
-        self._refuse_mtp_and_activation(config, include_mtp, "num_nextn_predict_layers",
+        self._refuse_mtp(config, include_mtp, "num_nextn_predict_layers",
                                         "model.layers.N.* past the last")
         fields = self._common(config, qk_norm=False, biases=("attention_bias",))
         mla = {k: get_int(config, k) for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}

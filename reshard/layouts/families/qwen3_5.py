@@ -178,7 +178,7 @@ class Qwen35(ModelFamily):
     def spec(self, config: dict[str, Any], include_mtp: bool = False) -> ModelSpec:
         multimodal = "text_config" in config
         t = text_config(config)
-        self._refuse_mtp_and_activation(t, include_mtp, "mtp_num_hidden_layers", "mtp.*")
+        self._refuse_mtp(t, include_mtp, "mtp_num_hidden_layers", "mtp.*")
         if not get_bool(t, "attn_output_gate", True, null_is_default=True):
             raise ModelConfigError(field="attn_output_gate", value=False, rule="is not supported: transformers' "
                                    "Qwen3.5 always gates attention (q_proj holds 2 rows per head), so the checkpoint "
@@ -218,6 +218,9 @@ class Qwen35(ModelFamily):
             "layer_types": tuple(types), **lin, "shared_intermediate_size": shared,
             "shared_expert_gate": bool(E), "zero_centered_norms": True, "multimodal": multimodal,
             "vllm_prefix": "language_model." if multimodal else ""})
+
+    def language_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        return text_config(config)
 
     def hf_model(self, spec: ModelSpec) -> str:  # the multimodal wrapper nests the language model
         return "model.language_model." if spec.arch_value("multimodal") else "model."

@@ -39,7 +39,7 @@ def trainer_scores(chunks: list[Any], sequences: Sequence[Sequence[int]], vocab_
         chunks: this rank's model chunks (megatron-core GPTModels holding the trainer's current weights).
         sequences: token-id sequences of 2+ tokens, the same on every rank.
         vocab_size: the canonical vocabulary; the model's output may be padded past it, those rows are dropped
-            before the log-softmax.
+            before the log-softmax. The chunks are scored in eval mode (no dropout), their mode restored after.
 
     Returns:
         Scores (float32 log-probabilities of each next token and the argmax, per scored position) on global rank
@@ -55,14 +55,21 @@ def trainer_scores(chunks: list[Any], sequences: Sequence[Sequence[int]], vocab_
     seqs = check_sequences(sequences, vocab_size)
     logprobs, argmax = [], []
     device = next(chunks[0].parameters()).device
-    for seq in seqs:
-        logits = forward_logits(chunks, torch.tensor([seq], device=device))
-        if logits is None:
-            continue
-        lp = torch.log_softmax(logits[0, :-1, :vocab_size].float(), dim=-1)
-        nxt = torch.tensor(seq[1:], device=lp.device)
-        logprobs.append(lp.gather(1, nxt[:, None])[:, 0].tolist())
-        argmax.append(lp.argmax(-1).tolist())
+    training = [c.training for c in chunks]
+    for c in chunks:  # the engine has no dropout: score in eval mode, then give the trainer its mode back
+        c.eval()
+    try:
+        for seq in seqs:
+            logits = forward_logits(chunks, torch.tensor([seq], device=device))
+            if logits is None:
+                continue
+            lp = torch.log_softmax(logits[0, :-1, :vocab_size].float(), dim=-1)
+            nxt = torch.tensor(seq[1:], device=lp.device)
+            logprobs.append(lp.gather(1, nxt[:, None])[:, 0].tolist())
+            argmax.append(lp.argmax(-1).tolist())
+    finally:
+        for c, mode in zip(chunks, training):
+            c.train(mode)
     return Scores.of(logprobs, argmax) if logprobs else None
 
 

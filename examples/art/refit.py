@@ -16,7 +16,10 @@ HTTP routes) after every training step; the server runs `vllm serve --weight-tra
 3. starts TP x PP megatron-core trainer processes on gloo, loaded with A; they refit the server with A (its
    tokens must change), take the training step (now they hold B) and refit again; every refit is pause, start,
    update (every trainer process sends its own shards to the server's workers), finish, resume;
-4. exits 0 only if the server's tokens after the second refit equal those it had when started on B, reshard's
+4. after each refit, every trainer process scores a few sequences with its megatron-core model and rank 0 compares
+   the server's prompt log-probabilities (reshard.verify.measure: the train-inference mismatch, printed);
+5. exits 0 only if every mismatch is within the float32 thresholds, the server's tokens after the second refit
+   equal those it had when started on B, reshard's
    digest of every tensor that landed on every worker (before vLLM repacks it) equals checkpoint B's file, and its
    weight version is the one the trainer sent. (vLLM's own /weight_checker checksums are compared too, but the CPU
    build hashes repacked parameters as empty input: they cannot see those.)
@@ -24,6 +27,7 @@ HTTP routes) after every training step; the server runs `vllm serve --weight-tra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -38,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve import VllmServe, vllm_python  # noqa: E402 - this folder's launcher of `vllm serve`
 
 PROMPTS = [[1, 2, 3, 4, 5], [17, 40, 3, 99], [64, 65, 66, 7, 7, 7, 7, 80]]
+MISMATCH_SEQUENCES = 3  # x 16 tokens, scored by both sides after each refit
 SIZES = dict(vocab_size=128, hidden_size=64, num_layers=4, heads=4, kv_heads=2, head_dim=32, ffn=96)
 
 
@@ -89,7 +94,7 @@ def build_megatron_model(tp: int, pp: int) -> Any:
                                                                                     normalization="RMSNorm"),
                     vocab_size=s["vocab_size"], max_sequence_length=256, pre_process=ps.is_pipeline_first_stage(),
                     post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=False,
-                    position_embedding_type="rope", rotary_base=1_000_000)
+                    position_embedding_type="rope", rotary_base=10_000)  # the checkpoint's rope_theta
 
 
 def trainer(rank: int, job: dict[str, Any]) -> None:
@@ -101,6 +106,7 @@ def trainer(rank: int, job: dict[str, Any]) -> None:
     from reshard.adapters import RefitSpec, TrainerSession, VllmServer
     from reshard.adapters.megatron import derive_layout, read_model, source_tensors
     from reshard.executors import shard
+    from reshard.verify import measure, random_sequences
 
     # --8<-- [start:trainer]
     model = build_megatron_model(job["tp"], job["pp"])
@@ -126,8 +132,12 @@ def trainer(rank: int, job: dict[str, Any]) -> None:
                     for t in tensors.values():
                         t.copy_(train_step(t, step))
             result = session.refit(version=f"step-{step}")
+            # the train-inference mismatch: every trainer process scores, rank 0 asks the server
+            mismatch = measure([model], server, random_sequences(spec.vocab_size, MISMATCH_SEQUENCES, 16),
+                               vocab_size=spec.vocab_size, dtype="float32")
             if server is not None:
-                out["refits"].append({"version": result.version, "phases": result.phases,
+                out["refits"].append({"mismatch": mismatch.to_dict(), "mismatch_text": str(mismatch),
+                                      "version": result.version, "phases": result.phases,
                                       "tokens": server.greedy(PROMPTS), "weight_version": server.weight_info(),
                                       "checksums": server.weight_checksums(), "landed": server.landed()})
     finally:
@@ -148,6 +158,10 @@ def _process(rank: int, world: int, port: int, job: dict[str, Any]) -> None:
     warnings.simplefilter("ignore")  # megatron-core warns about missing Apex / TransformerEngine on CPU
     torch.set_num_threads(1)
     torch.cuda.current_device = lambda: "cpu"  # megatron-core 0.19 asks CUDA for a device in a few places
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tp_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()  # no CUDA RNG on CPU
+    torch.Tensor.cuda = lambda self, *a, **k: self  # the forward moves a few tensors "to CUDA": here, the CPU
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
     trainer(rank, job)
 
@@ -187,12 +201,15 @@ def main() -> int:
     for r in out["refits"]:
         phases = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in r["phases"].items())
         print(f"  refit {r['version']}: {phases}; server weight version {r['weight_version']!r}")
+        print(f"    {r['mismatch_text']}")
     from safetensors.torch import load_file
 
     from reshard.executors.checksum import tensor_digests
 
     first, last = out["refits"][0], out["refits"][-1]
     checks = {
+        "the train-inference mismatch after every refit is within the float32 thresholds":
+            all(r["mismatch"]["ok"] for r in out["refits"]),
         "refit with the weights before the step changed the tokens": first["tokens"] != fresh,
         "tokens after the step's refit equal the server's when started on B": last["tokens"] == fresh,
         "reshard's digests of what landed on every worker equal checkpoint B's": bool(last["landed"]) and all(

@@ -19,8 +19,10 @@ vllm_side.py the vLLM generation worker and its worker extension, in the vLLM CP
 2. starts the vLLM engine on B and records its greedy tokens and vLLM's own weight checksums;
 3. the policy workers, loaded with A, refit the engine (its tokens must change), take the training step (now they
    hold B) and refit again;
-4. exits 0 only if the engine's tokens and weight checksums then equal those it had when started on B, and each
-   policy worker sent only part of the model.
+4. after each refit prints the train-inference mismatch (reshard.verify: the engine's log-probabilities of a few
+   sequences against transformers' on the policy's weights, A then B);
+5. exits 0 only if the engine's tokens and weight checksums then equal those it had when started on B, each
+   policy worker sent only part of the model and both mismatches are within the float32 thresholds.
 """
 from __future__ import annotations
 
@@ -192,11 +194,13 @@ def main() -> int:
         print(f"checkpoint engines prepared and joined in {time.perf_counter() - t0:.2f} s")
         sent_a = sync.sync_weights()
         tokens_a = ray.get(generation.greedy.remote(PROMPTS))
+        mismatch_a = mismatch(generation, ckpt_a)
         ray.get([w.train.remote(1) for w in policy])
         t0 = time.perf_counter()
         sent_b = sync.sync_weights()
         seconds = time.perf_counter() - t0
         tokens_b = ray.get(generation.greedy.remote(PROMPTS))
+        mismatch_b = mismatch(generation, ckpt_b)
         sums_b = ray.get(generation.weight_checksums.remote())
         model_bytes = sum(os.path.getsize(f) for f in ckpt_b.glob("*.safetensors"))
         print(f"refit after the step: {seconds * 1e3:.0f} ms; bytes sent per policy worker {sent_b} "
@@ -208,6 +212,8 @@ def main() -> int:
             "every policy worker sent a part of the model, none all of it":
                 all(0 < s < sum(sent_b) for s in sent_b) if len(sent_b) > 1 else sent_b[0] > 0,
             "both refits sent the same bytes": sent_a == sent_b,
+            "the train-inference mismatch after each refit is within the float32 thresholds":
+                mismatch_a.ok and mismatch_b.ok,
         }
         for what, good in checks.items():
             print(f"  {'ok  ' if good else 'FAIL'} {what}")
@@ -219,6 +225,20 @@ def main() -> int:
             stop_generation(generation)
             ray.shutdown()
     return 0 if ok else 1
+
+
+def mismatch(generation: Any, trained: Path) -> Any:
+    """The train-inference mismatch after a refit: the engine's scores of a few sequences against transformers'
+    on the policy's weights (`trained`, the checkpoint they equal), printed; its MismatchReport."""
+    import ray
+
+    from reshard.verify import Scores, checkpoint_scores, compare, random_sequences
+
+    sequences = random_sequences(120, 3, 16)  # the vocabulary of make_checkpoints' model
+    rows = ray.get(generation.prompt_logprobs.remote(sequences))
+    report = compare(checkpoint_scores(trained, sequences), Scores.of(*zip(*rows)), "float32")
+    print(f"after the refit to {trained.name}: {report}")
+    return report
 
 
 def start_generation(python: str, model: str, tp: int, env: dict[str, str]) -> Any:

@@ -102,6 +102,13 @@ class GenerationActor:
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
+    def prompt_logprobs(self, prompts: list[list[int]]) -> list[tuple[list[float], list[int]]]:
+        """The engine's log-probability of each prompt token after the first, and its argmax there (plain lists):
+        the engine side of reshard.verify's train-inference mismatch check."""
+        from reshard.verify import llm_prompt_logprobs
+
+        return llm_prompt_logprobs(self.llm, prompts)
+
     def weight_checksums(self) -> str:
         """vLLM's own checksum of every parameter (every worker's, merged), as JSON."""
         merged: dict[str, str] = {}

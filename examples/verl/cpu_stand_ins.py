@@ -19,6 +19,15 @@ from verl.workers.engine_workers import ActorRolloutRefWorker
 from verl.workers.rollout import BaseRollout, RolloutReplica
 
 
+def scores(model, sequences: list[list[int]]) -> list[list]:
+    """The model's log-probability of each token after the first and its argmax there, per sequence (plain lists,
+    reshard.verify's Scores): what the train-inference mismatch check compares."""
+    from reshard.verify import hf_model_scores
+
+    s = hf_model_scores(model.eval(), sequences)
+    return [[list(lp), list(am)] for lp, am in zip(s.logprobs, s.argmax)]
+
+
 def fingerprint(named) -> dict[str, str]:
     return {n: hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
             for n, t in named}
@@ -51,6 +60,10 @@ class Trainer(ActorRolloutRefWorker):
                 p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(step * 997 + k)))
         return fingerprint(self.actor.engine.model.state_dict().items())
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def scores(self, sequences: list[list[int]]) -> list[list]:
+        return scores(self.actor.engine.model, sequences)
+
 
 class HfServer(BaseRollout):
     """Stands in for vLLM's server adapter: loads what arrives into the served model, strictly."""
@@ -77,6 +90,10 @@ class Rollout(CheckpointEngineWorker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def served(self) -> dict[str, str]:
         return fingerprint(self.server_adapter.model.state_dict().items())
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def scores(self, sequences: list[list[int]]) -> list[list]:
+        return scores(self.server_adapter.model, sequences)
 
 
 class Replica(RolloutReplica):  # no inference server on CPU: nothing to abort or resume

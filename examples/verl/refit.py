@@ -7,7 +7,9 @@ rollout workers from the trainer workers through it. On CPU, over a local Ray cl
 (verl lives in .venv-verl, `scripts/bootstrap verl`: its pins differ from the core venv's; the script re-runs
 itself there.) What a user writes is the config block below; cpu_stand_ins.py stands in for what verl runs on
 GPUs (verl's own trainer and rollout worker classes, with a transformers Qwen3 instead of FSDP and vLLM).
-Exits 1 unless every rollout worker serves exactly the trainer's weights after each step.
+Exits 1 unless every rollout worker serves exactly the trainer's weights after each step and the train-inference
+mismatch (reshard.verify: the rollout models' log-probabilities of a few sequences against the trainer's) is within
+the float32 thresholds.
 """
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: E402
 from verl.checkpoint_engine import CheckpointEngineManager  # noqa: E402
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup  # noqa: E402
 from verl.workers.config import CheckpointEngineConfig, RolloutConfig  # noqa: E402
+
+from reshard.verify import Scores, compare, random_sequences  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -86,6 +90,7 @@ def main() -> int:
         replicas[-1].workers = rollouts.workers[r:r + 1]
     manager = CheckpointEngineManager(CheckpointEngineConfig(**ce), trainers, replicas)
 
+    sequences = random_sequences(4100, 3, 16)  # the model's vocabulary
     ok = True
     for step in range(1, args.steps + 1):
         expected = trainers.train_step(step)[0]
@@ -96,6 +101,11 @@ def main() -> int:
         egress = [metrics[f"reshard/trainer{p}/egress_bytes"] / 2**20 for p in range(args.trainers)]
         print(f"step {step}: rollout workers equal to the trainer's weights: {same}; trainer egress MiB per rank: "
               + ", ".join(f"{e:.2f}" for e in egress))
+        trainer_scores = Scores.of(*zip(*trainers.scores(sequences)[0]))
+        for r, rows in enumerate(rollouts.scores(sequences)):
+            report = compare(trainer_scores, Scores.of(*zip(*rows)), "float32")
+            ok &= report.ok
+            print(f"  rollout {r}: {report}")
     ray.shutdown()
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1

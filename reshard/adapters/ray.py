@@ -87,6 +87,15 @@ class RayEngineClient:
         """Greedy tokens of the base model, or with the adapter loaded as `lora`."""
         return json.loads(self._call("greedy", json.dumps(prompts), max_tokens, lora))
 
+    def prompt_logprobs(self, prompts: list[list[int]]) -> list[tuple[list[float], list[int]]]:
+        """Score token-id prompts in the engine actor without sampling (a reshard.verify Scorer): per prompt, the
+        log-probability of each token after the first and the argmax token there, as plain lists (JSON over the
+        actor call)."""
+        rows = json.loads(self._call("prompt_logprobs", json.dumps([[int(t) for t in p] for p in prompts])))
+        if not isinstance(rows, list) or len(rows) != len(prompts):
+            raise ExecutionError(f"{self}: prompt_logprobs answered {type(rows).__name__} for {len(prompts)} prompts")
+        return [(list(map(float, lp)), list(map(int, am))) for lp, am in rows]
+
     def weight_version(self) -> str:
         return self._call("weight_version")
 
@@ -248,6 +257,14 @@ class VllmEngineActor:
             outs = self.llm.generate([{"prompt_token_ids": p} for p in json.loads(prompts)], params, use_tqdm=False,
                                      lora_request=self.loras.get(lora) if lora else None)
         return json.dumps([list(o.outputs[0].token_ids) for o in outs])
+
+    def prompt_logprobs(self, prompts: str) -> str:
+        """JSON [[logprobs, argmax], ...] of the token-id prompts (JSON), scored without sampling
+        (reshard.verify.engines.llm_prompt_logprobs)."""
+        from ..verify.engines import llm_prompt_logprobs
+
+        with self.engine_lock:
+            return json.dumps(llm_prompt_logprobs(self.llm, json.loads(prompts)))
 
     def weight_version(self) -> str:
         with self.engine_lock:

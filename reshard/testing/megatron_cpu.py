@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..adapters.megatron.forward import causal_mask, forward_logits  # noqa: F401 - re-exported for tests
 from ..layouts import ModelSpec
 
 PRELOAD = ("torch", "torch.distributed", "megatron.core.parallel_state", "megatron.core.models.gpt",
@@ -161,57 +162,6 @@ def set_norms(chunks: list[Any]) -> None:
             gen = torch.Generator().manual_seed(zlib.crc32(key.encode()))
             with torch.no_grad():
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype))
-
-
-def causal_mask(seq: int) -> torch.Tensor:
-    """megatron's convention: True = masked out; [1, 1, s, s]."""
-    return torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
-
-
-def forward_logits(chunks: list[Any], tokens: torch.Tensor) -> torch.Tensor | None:
-    """Full-vocabulary logits [b, s, padded V] of the pipeline on `tokens`, returned on global rank 0 (None
-    elsewhere). Activations move stage to stage (and chunk to chunk under VPP) by gloo send/recv; TP shards
-    of the logits are all-gathered."""
-    import torch.distributed as dist
-
-    pgc = chunks[0].pg_collection
-    pp_ranks = dist.get_process_group_ranks(pgc.pp)
-    stage, pp = pp_ranks.index(dist.get_rank()), len(pp_ranks)
-    b, s = tokens.shape
-    dev = tokens.device
-    pos = torch.arange(s, device=dev)[None].expand(b, s)
-    mask = causal_mask(s).to(dev).expand(b, 1, s, s)
-    logits = None
-    with torch.no_grad():
-        for virtual in range(pp * len(chunks)):
-            chunk, st = divmod(virtual, pp)
-            if st != stage:
-                continue
-            model = chunks[chunk]
-            if not model.pre_process:
-                hidden = torch.empty(s, b, model.config.hidden_size, dtype=model.config.params_dtype, device=dev)
-                dist.recv(hidden, pp_ranks[(stage - 1) % pp])
-                model.set_input_tensor(hidden)
-            out = model(tokens, pos, mask)
-            if model.post_process:
-                logits = out
-            else:
-                dist.send(out.contiguous(), pp_ranks[(stage + 1) % pp])
-    if logits is not None:
-        parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(pgc.tp))]
-        dist.all_gather(parts, logits.contiguous(), group=pgc.tp)
-        logits = torch.cat(parts, dim=-1)
-    last, me = pp_ranks[-1], dist.get_rank()
-    if 0 not in pp_ranks:  # the last stage of rank 0's pipeline sends the logits to rank 0
-        return None
-    if me == last and me != 0:
-        dist.send(logits, 0)
-    if me != 0:
-        return None
-    if last != 0:
-        logits = torch.empty(b, s, chunks[0].vocab_size, dtype=chunks[0].config.params_dtype, device=dev)
-        dist.recv(logits, last)
-    return logits
 
 
 # --- processes -------------------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ class MegatronTrainerActor:
             for name, t in self.tensors.items():
                 t.copy_(mine[name])
         self.sessions: dict[str, Any] = {}
+        self.clients: dict[str, list] = {}  # group -> its engines' clients (rank 0's; empty elsewhere)
 
     def describe(self) -> str:
         return str(self.layout)
@@ -75,6 +76,7 @@ class MegatronTrainerActor:
         session.init()
         # --8<-- [end:ray_trainer]
         self.sessions[g["name"]] = session
+        self.clients[g["name"]] = clients
         return json.dumps(cache.stats())
 
     def train_step(self, step: int) -> None:
@@ -101,6 +103,20 @@ class MegatronTrainerActor:
                              "trace": traceback.format_exc(limit=3)}
         out["cache"] = cache.stats()
         return json.dumps(out)
+
+    def mismatch(self, name: str, sequences: str) -> str:
+        """The train-inference mismatch of every engine of group `name` on `sequences` (JSON): this model's scores
+        (reshard.verify.trainer_scores, collective: every trainer actor calls it together) against each engine's
+        (RayEngineClient.prompt_logprobs, asked by rank 0). JSON {engine: MismatchReport dict} on rank 0, null
+        elsewhere."""
+        from ..verify import compare, engine_scores, trainer_scores
+
+        seqs = json.loads(sequences)
+        mine = trainer_scores(self.chunks, seqs, self.spec.vocab_size)
+        if mine is None:
+            return "null"
+        return json.dumps({c.name: compare(mine, engine_scores(c, seqs), "float32").to_dict()
+                           for c in self.clients[name]})
 
     def cache_stats(self) -> str:
         from ..planner import cache
@@ -157,6 +173,13 @@ def refit_all(trainers: list, version: str, names: list[str] | None = None) -> l
     import ray
 
     return [json.loads(x) for x in ray.get([t.refit.remote(version, json.dumps(names)) for t in trainers])]
+
+
+def mismatch_all(trainers: list, name: str, sequences: list[list[int]]) -> dict[str, dict]:
+    """Every trainer scores `sequences` together; rank 0's reports: {engine: MismatchReport dict}."""
+    import ray
+
+    return json.loads(ray.get([t.mismatch.remote(name, json.dumps(sequences)) for t in trainers])[0])
 
 
 def stop_engine(actor: Any) -> None:

@@ -13,6 +13,10 @@ Stages:
   poisoned first) by reshard's direct install of the compiled HF -> vLLM plan, and again by its loader install
   (canonical tensors per layer group, handed to load_weights): byte-identical parameters
   (vllm_load.py; fresh vLLM processes, TP=1 and TP=2; bf16 by default);
+- mismatch: the train-inference mismatch after a refit (reshard.verify): an in-process vLLM engine (the vLLM CPU
+  virtualenv: the whole engine on CPU) started fresh on random weights T scores a few sequences; reshard refits it
+  with other weights (the check must flag them), then with T (its log-probabilities must equal the fresh engine's
+  within the float32 thresholds); transformers on T is reported beside them (mismatch_side.py);
 - round trip: random Megatron -> vLLM (and HF) layout pairs of the tiny model; the compiled plan moves random
   weights to exactly the destination shards the layout declares, byte for byte.
 """
@@ -48,6 +52,7 @@ class Context:
     tiny: dict[str, Any] = field(default_factory=dict)
     spec: ModelSpec | None = None
     vllm_python: str | None = None
+    vllm_cpu_python: str | None = None  # the vLLM CPU virtualenv's python (the mismatch stage's engine)
     examples: int = 20
     vllm_dtype: str = "bfloat16"
     vllm_worlds: tuple[int, ...] = (1, 2)  # vLLM TP sizes of the vllm load parity stage
@@ -163,6 +168,45 @@ def stage_vllm_load_parity(ctx: Context) -> str:
                             dtype=ctx.vllm_dtype, worlds=ctx.vllm_worlds)
 
 
+def _vllm_cpu_python(ctx: Context) -> str:
+    """The vLLM CPU virtualenv's python (a whole engine on CPU): --vllm-cpu-python, else $RESHARD_VLLM_CPU_PYTHON,
+    else this checkout's .venv-vllm-cpu."""
+    import os
+
+    from .vllm_load import ROOT
+
+    path = (ctx.vllm_cpu_python or os.environ.get("RESHARD_VLLM_CPU_PYTHON")
+            or str(Path(ROOT, ".venv-vllm-cpu/bin/python")))
+    if not Path(path).exists():
+        raise NotRun(f"no vLLM CPU virtualenv at {path} (scripts/bootstrap vllm makes .venv-vllm-cpu; or pass "
+                     "--vllm-cpu-python PATH): the mismatch stage runs a whole vLLM engine on CPU")
+    return path
+
+
+def stage_mismatch(ctx: Context) -> str:
+    python = _vllm_cpu_python(ctx)
+    import tempfile
+
+    from ..verify.check import report_from_dict
+    from .vllm_load import collect, start_vllm
+
+    with tempfile.TemporaryDirectory(prefix="reshard_validate_mismatch_") as tmp:
+        path = Path(tmp, "config.json")
+        path.write_text(json.dumps(dict(ctx.tiny, torch_dtype="float32")))
+        perturb = ctx.perturb.get("mismatch")
+        args = [str(path), *(["--perturb", perturb] if perturb else [])]
+        (out,) = collect(start_vllm(python, args, module="reshard.validate.mismatch_side"), time.monotonic() + 900)
+    before, after, hf = (report_from_dict(out[k]) for k in ("before", "after", "transformers"))
+    if before.ok:
+        raise AssertionError(f"the check did not flag the engine refit with other weights: {before}")
+    if not after.ok:
+        raise AssertionError(f"after the refit, against the engine started fresh on the same weights: {after}")
+    return (f"after the refit, against the engine started fresh on the same weights: {after} | other weights "
+            f"flagged (max |dlogp| {before.max_abs:.2e}) | against transformers on the same weights (vLLM's model "
+            f"code, not the refit): max |dlogp| {hf.max_abs:.2e}, argmax agree {hf.argmax_agreement:.3f} "
+            f"({'within' if hf.ok else 'BEYOND'} the float32 thresholds)")
+
+
 def stage_round_trip(ctx: Context) -> str:
     if not (_has("hypothesis") and _has("torch")):
         raise NotRun("hypothesis or torch is not importable")
@@ -177,16 +221,19 @@ STAGES: list[tuple[str, Callable[[Context], str]]] = [
     ("vllm layout", stage_vllm_layout),
     ("hf parity", stage_hf_parity),
     ("vllm load parity", stage_vllm_load_parity),
+    ("mismatch", stage_mismatch),
     ("round trip", stage_round_trip),
 ]
 
 
 def validate(config: "dict | str | Path", stages: list[str] | None = None, vllm_python: str | None = None,
              examples: int = 20, perturb: dict[str, str] | None = None,
-             vllm_dtype: str = "bfloat16", vllm_worlds: tuple[int, ...] = (1, 2)) -> list[StageResult]:
+             vllm_dtype: str = "bfloat16", vllm_worlds: tuple[int, ...] = (1, 2),
+             vllm_cpu_python: str | None = None) -> list[StageResult]:
     """Run the stages (default all); `perturb` (stage -> canonical tensor name) corrupts that tensor on
-    reshard's side of a parity stage, for tests that the stage can fail."""
-    ctx = Context(config=read_hf_config(config), vllm_python=vllm_python, examples=examples,
+    reshard's side of a parity stage (or of the mismatch stage's refit), for tests that the stage can fail."""
+    ctx = Context(config=read_hf_config(config), vllm_python=vllm_python, vllm_cpu_python=vllm_cpu_python,
+                  examples=examples,
                   perturb=dict(perturb or {}), vllm_dtype=vllm_dtype, vllm_worlds=tuple(vllm_worlds))
     wanted = set(stages or [name for name, _ in STAGES]) | {"discovery"}
     unknown = wanted - {name for name, _ in STAGES}
@@ -222,7 +269,8 @@ def format_table(results: list[StageResult]) -> str:
 def main_validate(args: Any) -> int:
     results = validate(args.model, stages=args.stages.split(",") if args.stages else None,
                        vllm_python=args.vllm_python, examples=args.examples,
-                       vllm_dtype=getattr(args, "vllm_dtype", "bfloat16"))
+                       vllm_dtype=getattr(args, "vllm_dtype", "bfloat16"),
+                       vllm_cpu_python=getattr(args, "vllm_cpu_python", None))
     if args.json:
         print(json.dumps([r.__dict__ for r in results]))
     else:

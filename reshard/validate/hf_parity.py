@@ -59,7 +59,8 @@ def _parity_rank(layout_json: str, hf_json: str, out_dir: str) -> None:
     from ..executors.binding import Binding
     from ..executors.distributed import execute_distributed
     from ..planner import compile_plan
-    from ..testing.megatron_cpu import forward_logits, init_parallel, set_norms
+    from ..adapters.megatron.forward import forward_logits
+    from ..testing.megatron_cpu import init_parallel, set_norms
     from .megatron_side import build_gpt, layout_dict
 
     layout = MegatronLayout.model_validate_json(layout_json)

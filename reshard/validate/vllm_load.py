@@ -24,14 +24,16 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def start_vllm(python: str, args: list[str], world: int = 1) -> list[subprocess.Popen]:
-    """`world` processes of `python -m reshard.validate.vllm_side ARGS`, one per rank (gloo over localhost)."""
+def start_vllm(python: str, args: list[str], world: int = 1,
+               module: str = "reshard.validate.vllm_side") -> list[subprocess.Popen]:
+    """`world` processes of `python -m MODULE ARGS` (default reshard.validate.vllm_side), one per rank (gloo over
+    localhost)."""
     port, procs = _port(), []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1", VLLM_TARGET_DEVICE="cpu",
                    PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-        procs.append(subprocess.Popen([python, "-m", "reshard.validate.vllm_side", *args], env=env,
+        procs.append(subprocess.Popen([python, "-m", module, *args], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return procs
 

@@ -17,8 +17,26 @@ from .sides import check_sequences, engine_scores
 
 
 def random_sequences(vocab_size: int, count: int, length: int, seed: int = 0) -> list[list[int]]:
-    """`count` sequences of `length` token ids drawn uniformly from the vocabulary (the first two include its
-    last ids, whose rows a wrong vocabulary padding would lose)."""
+    """Token sequences to score for a mismatch check, the same for a given seed.
+
+    Ids are drawn uniformly from the vocabulary; the first two sequences include its last ids, whose rows a wrong
+    vocabulary padding would lose.
+
+    Args:
+        vocab_size: the canonical vocabulary size (2 or more).
+        count: how many sequences (1 or more).
+        length: tokens per sequence (2 or more).
+        seed: the random seed.
+
+    Returns:
+        `count` lists of `length` token ids.
+
+    Raises:
+        ArgumentError: a size is out of range.
+    """
+    for name, value, least in (("vocab_size", vocab_size, 2), ("count", count, 1), ("length", length, 2)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ArgumentError(name, value, f"must be an integer >= {least}")
     rng = random.Random(seed)
     out = [[rng.randrange(vocab_size) for _ in range(length)] for _ in range(count)]
     for s in out[:2]:
@@ -26,22 +44,52 @@ def random_sequences(vocab_size: int, count: int, length: int, seed: int = 0) ->
     return out
 
 
+def hf_model_scores(model: Any, sequences: Sequence[Sequence[int]]) -> Scores:
+    """A transformers causal LM's scores of `sequences` (log-softmax in float32 over the canonical vocabulary).
+
+    Args:
+        model: a transformers causal LM (any dtype; on CPU or its device).
+        sequences: token-id sequences of 2+ tokens.
+
+    Returns:
+        Scores: per sequence, the log-probability of each token after the first and the argmax there.
+
+    Raises:
+        ArgumentError: a sequence is shorter than 2 tokens or holds ids outside the vocabulary.
+    """
+    import torch
+
+    vocab = model.config.get_text_config().vocab_size
+    seqs = check_sequences(sequences, vocab)
+    device = next(model.parameters()).device
+    logprobs, argmax = [], []
+    with torch.no_grad():
+        for seq in seqs:
+            logits = model(torch.tensor([seq], device=device)).logits[0, :-1, :vocab].float()
+            lp = torch.log_softmax(logits, dim=-1)
+            logprobs.append(lp.gather(1, torch.tensor(seq[1:], device=device)[:, None])[:, 0].tolist())
+            argmax.append(lp.argmax(-1).tolist())
+    return Scores.of(logprobs, argmax)
+
+
 def checkpoint_scores(path: str | Path, sequences: Sequence[Sequence[int]]) -> Scores:
-    """transformers' scores of `sequences` on the checkpoint at `path` (float32, eager attention)."""
+    """transformers' scores of `sequences` on the HF checkpoint at `path` (loaded in float32, eager attention).
+
+    Args:
+        path: an HF checkpoint directory (config.json and safetensors).
+        sequences: token-id sequences of 2+ tokens.
+
+    Returns:
+        Scores: per sequence, the log-probability of each token after the first and the argmax there.
+
+    Raises:
+        ArgumentError: a sequence is shorter than 2 tokens or holds ids outside the vocabulary.
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
-    vocab = model.config.get_text_config().vocab_size
-    seqs = check_sequences(sequences, vocab)
-    logprobs, argmax = [], []
-    with torch.no_grad():
-        for seq in seqs:
-            logits = model(torch.tensor([seq])).logits[0, :-1, :vocab].float()
-            lp = torch.log_softmax(logits, dim=-1)
-            logprobs.append(lp.gather(1, torch.tensor(seq[1:])[:, None])[:, 0].tolist())
-            argmax.append(lp.argmax(-1).tolist())
-    return Scores.of(logprobs, argmax)
+    return hf_model_scores(model, sequences)
 
 
 def verify_checkpoint(path: str | Path, server: Any, *, dtype: str = "float32", count: int = 4, length: int = 32,
@@ -63,4 +111,4 @@ def main_verify(args: Any) -> int:
     return 0 if report.ok else 1
 
 
-__all__ = ["checkpoint_scores", "main_verify", "random_sequences", "verify_checkpoint"]
+__all__ = ["checkpoint_scores", "hf_model_scores", "main_verify", "random_sequences", "verify_checkpoint"]

@@ -4,6 +4,7 @@ tests/integration/serve/test_verify.py."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 
@@ -60,3 +61,33 @@ def test_kinds_and_slices():
     assert sample_by_kind(names) == ["decoder.layers.0.mlp.linear_fc1.weight", "output_layer.weight"]
     assert slice_rows((64, 3), 8) == [0, 9, 18, 27, 36, 45, 54, 63]  # first and last rows included
     assert slice_rows((3,), 8) == [0, 1, 2]
+
+
+# --- an in-process engine's prompt log-probabilities, validated position by position (engines.prompt_rows) -------
+
+@dataclass
+class _Logprob:  # the fields of vllm.logprobs.Logprob that prompt_rows reads
+    logprob: float
+    rank: int
+
+
+def test_prompt_rows_reads_the_token_and_the_rank_1_token():
+    from reshard.verify.engines import prompt_rows
+
+    rows = [None, {5: _Logprob(-0.5, 1)}, {7: _Logprob(-2.0, 3), 9: _Logprob(-0.1, 1)}]
+    assert prompt_rows([1, 5, 7], rows, "e") == ([-0.5, -2.0], [5, 9])
+
+
+@pytest.mark.parametrize("rows,why", [
+    ([None, {5: _Logprob(-0.5, 1)}], "came back with 2 rows"),
+    ([None, {5: _Logprob(-0.5, 1)}, {9: _Logprob(-0.1, 1)}], "position 2 lacks token 7"),
+    ([None, {5: _Logprob(-0.5, 1)}, {7: _Logprob(-2.0, 2)}], "position 2 lacks"),
+    ([None, {5: _Logprob(float("nan"), 1)}, {7: _Logprob(-2.0, 1)}], "position 1 lacks"),
+    (None, "no rows"),
+])
+def test_prompt_rows_refuses_an_incomplete_answer(rows, why):
+    from reshard.errors import ExecutionError
+    from reshard.verify.engines import prompt_rows
+
+    with pytest.raises(ExecutionError, match=why):
+        prompt_rows([1, 5, 7], rows, "e")

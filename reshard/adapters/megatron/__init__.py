@@ -12,6 +12,7 @@ Lifecycle on every trainer rank (megatron is imported lazily, only by these modu
      the map an executor sends from: zero copy unless a dtype change is asked for.
 Steps 2-4 are functions of the facts alone; given the model instead, each reads it once itself.
 `spec_from_megatron` builds the canonical ModelSpec from the model's config when no HF config is at hand.
+`forward_logits(chunks, tokens)` runs the model over all its ranks (the trainer side of reshard.verify's check).
 
 A saved training step is a source too, with no live model: `open_checkpoint(path)` (a megatron-core torch_dist
 checkpoint, validated), `checkpoint_layout(ckpt, spec, readers=n)`, `checkpoint_tensors(ckpt, plan, rank)` (each
@@ -23,11 +24,13 @@ from .checkpoint_layout import checkpoint_layout, checkpoint_tensors, saved_fact
 from .checkpoint_refit import export_hf
 from .check import layer_problems, layout_problems, rank_problems, verify
 from .derive import derive_layout, layout_from_facts, vocab_divisor
+from .forward import causal_mask, forward_logits
 from .model import ConfigFacts, ModelFacts, Topology, read_model, read_topology
 from .naming import naming_of
 from .spec import spec_from_megatron, spec_problems
 
-__all__ = ["Checkpoint", "CheckpointError", "ConfigFacts", "checkpoint_layout", "checkpoint_tensors", "export_hf",
+__all__ = ["Checkpoint", "CheckpointError", "ConfigFacts", "causal_mask", "forward_logits", "checkpoint_layout",
+           "checkpoint_tensors", "export_hf",
            "open_checkpoint", "saved_facts", "ModelFacts", "Topology", "derive_layout", "layer_problems", "layout_from_facts",
            "layout_problems", "naming_of", "rank_problems", "read_model", "read_topology", "source_tensors",
            "spec_from_megatron", "spec_problems", "verify", "vocab_divisor"]

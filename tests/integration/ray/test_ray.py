@@ -6,7 +6,9 @@ its own. Ground truth for every step: a fresh engine started from the step's wei
 computed here from the first checkpoint by the same elementwise "training step" (independent of Megatron and of
 reshard). The tests run in order on shared actors (starting engines costs most of the time):
   1. a GRPO-like loop of 3 steps: generate, train, refit every engine, generate; tokens equal the fresh engine's,
-     versions advance, trainer egress to the replicas is one copy of the model, both sides compile once;
+     versions advance, trainer egress to the replicas is one copy of the model, both sides compile once; the
+     train-inference mismatch (reshard.verify: megatron-core's scores against each engine actor's) flags the
+     engines before the first refit and passes after the last;
   2. the TP2 engine killed mid-refit: its group's refit raises naming it, the replicas' group is unaffected; a new
      engine actor is initialized and refit without restarting the trainers (their plans reused);
   3. a replica that relays killed: its group's refit raises naming the fan-out tree;
@@ -24,8 +26,8 @@ ray = pytest.importorskip("ray")
 
 from reshard.adapters.ray import RayEngineClient  # noqa: E402
 from reshard.testing.megatron_cpu import TinyGPT  # noqa: E402
-from reshard.testing.ray_jobs import (kill_engine, open_group, reference_tokens, refit_all, start_engine,  # noqa: E402
-                                      start_trainers, stop_engine)
+from reshard.testing.ray_jobs import (kill_engine, mismatch_all, open_group, reference_tokens, refit_all,  # noqa: E402
+                                      start_engine, start_trainers, stop_engine)
 from reshard.testing.serve import vllm_cpu_python  # noqa: E402
 from reshard.testing.serve_jobs import load_checkpoint, make_checkpoint, save_checkpoint, train_step  # noqa: E402
 
@@ -100,6 +102,9 @@ def test_grpo_loop_refits_every_engine_like_a_fresh_one(cluster):
     for step in range(1, STEPS + 1):
         rollouts = {n: c.greedy(PROMPTS) for n, c in cluster.clients().items()}
         ray.get([t.train_step.remote(step) for t in cluster.trainers])
+        if step == 1:  # the engines still hold step 0: the mismatch check must say so
+            stale = mismatch_all(cluster.trainers, "tp2", PROMPTS)
+            assert not stale["tp2[0]"]["ok"], stale
         results = refit_all(cluster.trainers, f"step-{step}")
         cluster.step = step
         assert _ok(results, "replicas") and _ok(results, "tp2"), results
@@ -113,6 +118,12 @@ def test_grpo_loop_refits_every_engine_like_a_fresh_one(cluster):
         # both sides compiled at init only
         assert [r["cache"]["compiles"] for r in results] == trainer_compiles
         assert {n: [s["compiles"] for s in c.stats()] for n, c in cluster.clients().items()} == engine_compiles
+    reports = {**mismatch_all(cluster.trainers, "replicas", PROMPTS), **mismatch_all(cluster.trainers, "tp2", PROMPTS)}
+    assert sorted(reports) == ["replicas[0]", "replicas[1]", "tp2[0]"], reports
+    for name, report in reports.items():
+        print(f"mismatch {name}: max {report['max_abs']:.3e} k3 {report['mean_k3']:.3e} "
+              f"argmax {report['argmax_agreement']:.3f}")
+        assert report["ok"], (name, report)
 
 
 @SLOW

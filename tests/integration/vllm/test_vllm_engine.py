@@ -2,7 +2,9 @@
 weight-transfer API with the `reshard` backend (loader mode, in-process transport, Megatron source layout).
 Ground truth: the greedy tokens of the same engine freshly loaded from the new checkpoint. The refit of other
 weights must change them, the refit of the new weights must restore them exactly. The worker also reports why
-direct mode is refused there (the CPU backend replaces its linear weights by packed copies)."""
+direct mode is refused there (the CPU backend replaces its linear weights by packed copies). After each refit
+reshard.verify's mismatch check (an in-process LLM scorer against transformers on the new checkpoint) must flag
+the other weights and pass the new ones."""
 from __future__ import annotations
 
 import json
@@ -40,5 +42,11 @@ def test_refit_into_running_cpu_engine_matches_fresh_engine(tmp_path):
     assert r["after_old"] != r["fresh"], "refitting other weights did not change the engine's output"
     assert r["after_new"] == r["fresh"], "after refitting the new weights the engine's greedy tokens differ " \
                                          "from the fresh engine's"
+    # the train-inference mismatch (reshard.verify, in-process LLM scorer) flags the wrong weights, passes the right
+    old_report, new_report = r["mismatch_old"], r["mismatch_new"]
+    print(f"mismatch after refit OLD: max {old_report['max_abs']:.3e}; after refit NEW: max "
+          f"{new_report['max_abs']:.3e} k3 {new_report['mean_k3']:.3e} argmax {new_report['argmax_agreement']:.3f}")
+    assert not old_report["ok"], old_report
+    assert new_report["ok"], new_report
     (problems,) = r["direct_problems"]
     assert any("qkv_proj.weight: live (0,)" in p for p in problems), problems

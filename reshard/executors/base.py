@@ -5,8 +5,9 @@ Lifecycle, the same for every executor:
   1. construction binds the plan to where its ranks live (a `Binding`: which process plays which rank), to this
      process (`process`) and to its tensors (`src`: source rank -> name -> tensor for the source ranks it plays,
      `dst` likewise), and prepares what can be prepared once (schedules, buffers, registrations, connections);
-  2. `refit(version=None)` moves one refit: the source tensors hold the new weights; it returns the executor's
-     stats, or raises ExecutionError. Staged by default: a failed refit leaves every destination unchanged;
+  2. `refit(version=None)` moves one refit: the source tensors hold the new weights; it returns a `RefitStats`
+     (executors.stats: one type for every executor), or raises ExecutionError. Staged by default: a failed refit
+     leaves every destination unchanged;
   3. `close()` releases what the executor holds (also on leaving a `with` block).
 
     executor = make_executor("distributed", plan, binding, process, src, dst, group=group)
@@ -29,6 +30,7 @@ from typing import Any, Mapping
 import torch
 
 from ..errors import ExecutionError
+from .stats import RefitStats
 
 RankTensors = Mapping[int, Mapping[str, torch.Tensor]]
 """A process's tensors of some plan ranks: rank -> physical tensor name -> tensor."""
@@ -54,8 +56,9 @@ class Executor(abc.ABC):
             _EXECUTORS[cls.name] = cls
 
     @abc.abstractmethod
-    def refit(self, version: int | None = None) -> Any:
-        """Move one refit's bytes; returns this executor's stats."""
+    def refit(self, version: int | None = None) -> "RefitStats":
+        """Move one refit's bytes; returns what this process did (a `RefitStats`, the same type for every
+        executor)."""
 
     def close(self) -> None:
         """Release buffers, registrations and connections."""

@@ -24,7 +24,7 @@ calls `refit` at every weight update; it sends what it owns and receives what it
      gives it, and the preflight showed that every process runs that schedule); then one all-reduce says
      whether every process got there;
   6. commit (staged, the default): copy the staged regions into the destination tensors and run the local
-     copies kept for commit (undo: only the latter); then return `ExecutionStats` (bytes per peer, time per step).
+     copies kept for commit (undo: only the latter); then return `RefitStats` (bytes per peer, time per step).
 
 Deadlock freedom. Rounds are numbered globally (schedule.py): every process derives the same rounds from the
 same plan, binding and bucket size, and each message belongs to exactly one round, in which its sender posts
@@ -75,7 +75,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable
 
@@ -95,52 +94,10 @@ from .lanes import NCCL_LANES
 from .local import check_tensors, in_units
 from .schedule import (DIRECT_BYTES, GLOO_DIRECT_BYTES, LANES_DIRECT_BYTES, ProcessSchedule, bucket_numel_for,
                        build_schedule)
+from .stats import RefitStats, ops_landing, phase_times
 
 DEFAULT_MEMORY_CAP = 2 << 30
 CHECKSUM_TAG = (1 << 30) - 1  # the checksum exchange's messages; schedule tags are message numbers below it
-
-
-@dataclass(frozen=True)
-class ExecutionStats:
-    """What one process did in one refit.
-
-    Attributes:
-        process: its rank in the refit group.
-        staged: the refit landed in shadows first.
-        undo: the refit wrote in place with a backup.
-        seconds: wall clock, call to return.
-        phases: wall clock per step (prepare, preflight, enqueue, drain, verify, commit).
-        bytes_sent: bytes per peer (group rank).
-        bytes_received: bytes per peer (group rank).
-        local_bytes: bytes copied within the process.
-        rounds: rounds of messages.
-        messages: messages sent and received.
-        lanes: communicators the rounds were spread over.
-        copies: block copies launched (pack, scatter, local, commit).
-        bucket_bytes: the largest message.
-        direct_bytes: bytes sent from or received into the tensors themselves (no pack / scatter copy).
-        wire_buffer_bytes: wire buffer memory.
-        staging_bytes: staging memory.
-    """
-
-    process: int
-    staged: bool
-    undo: bool
-    seconds: float  # wall clock, call to return
-    phases: dict[str, float] = field(default_factory=dict)  # wall clock per step: prepare (checks and buffers),
-    # preflight, enqueue (the host's pass over the rounds), drain (until every message and copy is done),
-    # verify, commit
-    bytes_sent: dict[int, int] = field(default_factory=dict)  # peer (group rank) -> bytes
-    bytes_received: dict[int, int] = field(default_factory=dict)
-    local_bytes: int = 0
-    rounds: int = 0
-    messages: int = 0
-    lanes: int = 1  # communicators the rounds were spread over (3 by default on NCCL)
-    copies: int = 0  # block copies launched (pack, scatter, local, commit)
-    bucket_bytes: int = 0
-    direct_bytes: int = 0  # bytes sent from or received into the tensors themselves (no pack / scatter copy)
-    wire_buffer_bytes: int = 0
-    staging_bytes: int = 0
 
 
 def _digest_int(*parts: str) -> int:
@@ -245,6 +202,8 @@ class DistributedExecutor(Executor):
         self._setup = Setup(plan, self.schedule, self.comm, self.rank, depth, timeout, in_place, undo)
         self._kept = Buffers()  # wire, staging, streams and views of the tensors of the last call
         self._given: tuple = ()  # the tensor objects of the last call that passed the checks, and their addresses
+        self._version = 0
+        self._num_ops = ops_landing(plan, binding.dst_ranks_of(self.rank))
 
     def release(self) -> None:
         """Drop the buffers and views kept between calls (wire, staging, views of the caller's tensors)."""
@@ -258,18 +217,19 @@ class DistributedExecutor(Executor):
 
     # --- public ----------------------------------------------------------------------------------
     def refit(self, version: int | None = None, *, src: RankTensors | None = None,
-              dst: RankTensors | None = None) -> ExecutionStats:
+              dst: RankTensors | None = None) -> RefitStats:
         """One refit from the tensors given at construction (or, for this call, `src` / `dst`: the plan's source /
         destination ranks this process plays -> their tensors). `version` is not needed: the preflight makes
         every process run the same refit."""
         start = time.perf_counter()
         with torch.no_grad():  # parameters may require grad; a refit is not part of any graph
-            return self._run(start, dict(self._src if src is None else src), dict(self._dst if dst is None else dst))
+            return self._run(start, dict(self._src if src is None else src), dict(self._dst if dst is None else dst),
+                             version)
 
     def close(self) -> None:
         self.release()
 
-    def _run(self, start: float, src: dict, dst: dict) -> ExecutionStats:
+    def _run(self, start: float, src: dict, dst: dict, version: int | None) -> RefitStats:
         given, kept = _identity(src, dst), self._kept
         if kept.bound is not None and given is not None and self._given and given[0] == self._given[0]:
             # the very tensor objects, at the same addresses, that passed the checks last time: skip them (they
@@ -323,17 +283,17 @@ class DistributedExecutor(Executor):
         marks.append(("commit", time.perf_counter()))
         s = self.schedule
         itemsize = self.plan.itemsize
-        times = [start] + [t for _, t in marks]
-        return ExecutionStats(
-            process=self.rank, staged=s.staged, undo=s.undo, seconds=times[-1] - start,
-            phases={name: times[i + 1] - times[i] for i, (name, _) in enumerate(marks)},
+        self._version = self._version + 1 if version is None else int(version)
+        seconds, phases = phase_times(start, marks)
+        return RefitStats(
+            executor=self.name, process=self.rank, version=self._version, seconds=seconds, phases=phases,
+            staged=s.staged, undo=s.undo, ops=self._num_ops, copies=engine.copies,
             bytes_sent={p: n * itemsize for p, n in s.sent.items()},
             bytes_received={p: n * itemsize for p, n in s.received.items()},
-            local_bytes=s.local_numel * itemsize, rounds=len(s.rounds),
-            messages=sum(len(r.sends) + len(r.recvs) for r in s.rounds), lanes=len(self.lanes), copies=engine.copies,
-            direct_bytes=kept.bound.direct_bytes,
-            bucket_bytes=self.bucket_numel * itemsize, wire_buffer_bytes=kept.bound.wire_bytes,
-            staging_bytes=kept.bound.staging_bytes)
+            local_bytes=s.local_numel * itemsize, staging_bytes=kept.bound.staging_bytes,
+            transfers=sum(len(r.sends) + len(r.recvs) for r in s.rounds), checksum=self.checksum or "",
+            rounds=len(s.rounds), lanes=len(self.lanes), bucket_bytes=self.bucket_numel * itemsize,
+            direct_bytes=kept.bound.direct_bytes, wire_bytes=kept.bound.wire_bytes)
 
     # --- steps -----------------------------------------------------------------------------------
     def _check_local(self, src: dict, dst: dict) -> str | None:
@@ -517,7 +477,7 @@ def _identity(src: dict, dst: dict) -> tuple | None:
 
 
 def execute_distributed(plan: Plan, binding: Binding, src: RankTensors | None, dst: RankTensors | None,
-                        group: dist.ProcessGroup | None = None, **options) -> ExecutionStats:
+                        group: dist.ProcessGroup | None = None, **options) -> RefitStats:
     """One refit with a fresh executor (build a `DistributedExecutor` to reuse schedule and buffers).
 
     Args:

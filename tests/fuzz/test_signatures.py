@@ -162,7 +162,7 @@ SKIPPED = {
     "TensorTable": "a plan's tensor table (built by the compiler; a loaded one is checked by Plan.load / from_dict)",
     "Transfer": "a record Plan.transfers returns (read-only output)",
     "Plan": "built by compile_plan, Plan.load or Plan.from_dict (each fuzzed), never by its dataclass constructor",
-    "ExecutionStats": "a record the executors return (read-only output)",
+    "RefitStats": "a record every executor's refit returns (read-only output)",
     "DistributedExecutor": "needs a live torch.distributed group or store (tests/fuzz/test_plans_executors_cli.py "
                            "feeds it wrong options inside real gloo groups)",
     "execute_distributed": "needs a live torch.distributed group (as DistributedExecutor)",

@@ -238,8 +238,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
             raise self._explained(e, k) from e
         except Exception as e:  # noqa: BLE001 - a transport's own error: name the group, keep the cause
             raise self._explained(ExecutionError(f"{type(e).__name__}: {e}"), k) from e
-        sent = getattr(stats, "bytes_sent", None)
-        return int(sum(sent.values())) if isinstance(sent, dict) else int(getattr(stats, "bytes_out", 0))
+        return sum(stats.bytes_sent.values())
 
     def _explained(self, e: ReshardError, k: int) -> ReshardError:
         """A peer's failure seen here as a broken transfer: say what the failing process reported."""

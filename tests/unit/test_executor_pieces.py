@@ -15,7 +15,7 @@ from reshard.executors import RefitStats, allocate, execute_local, make_executor
 from reshard.executors.binding import Binding
 from reshard.executors.copies import DST, SRC, fold, run_copies
 from reshard.executors.distributed import DistributedExecutor, execute_distributed
-from reshard.executors.engines import abort
+from reshard.executors.runners import abort
 from reshard.executors.schedule import bucket_numel_for, build_schedule
 from reshard.testing.loopback import run_loopback
 

@@ -66,7 +66,7 @@ from .agent import describe, is_nixl_error
 from .connection import Connection
 from .descriptors import memory_name
 from .options import NixlOptions
-from .schedule import Link, ProcessSchedule, build_schedule
+from .schedule import Link, LinkSchedule, build_schedule
 
 READY, DONE = b"R", b"D"
 _QUARANTINE: list[torch.Tensor] = []  # arenas of failed executors: a late remote write must not hit freed memory
@@ -100,8 +100,8 @@ class NixlExecutor(VotedExecutor):
         self.device_id = (self.device.index or 0) if on_gpu else 0
         self.pack_below = options.pack_threshold(on_gpu)
         self.land_below = options.land_threshold(on_gpu)
-        self.schedule: ProcessSchedule = build_schedule(plan, binding, process, options, self.pack_below,
-                                                        self.land_below)
+        self.schedule: LinkSchedule = build_schedule(plan, binding, process, options, self.pack_below,
+                                                     self.land_below)
         self.staged = self.schedule.staged
         self.itemsize = plan.itemsize
         self._check_and_bind(src, dst)

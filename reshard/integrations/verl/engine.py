@@ -33,7 +33,7 @@ from ...executors import rendezvous as rv
 from ...executors.binding import Binding
 from ...executors.local import torch_dtype
 from ...layouts import ModelSpec
-from .topology import DEPTH, Topology, bindings, build, check_options, model_digest, tensor_groups
+from .topology import DEPTH, RefitAssignment, bindings, build, check_options, model_digest, tensor_groups
 
 BACKEND = "reshard"
 
@@ -91,7 +91,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
 
     # --- 3. init_process_group -----------------------------------------------------------------------
     def init_process_group(self, topology: dict[str, Any]) -> None:
-        top = Topology.from_dict(topology)
+        top = RefitAssignment.from_dict(topology)
         if top.is_trainer != (self.role == "trainer") or model_digest(top.spec) != model_digest(self.spec):
             raise ArgumentError("topology", f"process {top.process}", f"does not fit this {self.role} rank (another "
                                 f"role or model than it was configured with)")
@@ -174,7 +174,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
         self._close()
 
     # --- internals -----------------------------------------------------------------------------------
-    def _ready(self, what: str, trainer: bool) -> Topology:
+    def _ready(self, what: str, trainer: bool) -> RefitAssignment:
         if self._top is None:
             raise ExecutionError(f"{what} before init_process_group: verl's CheckpointEngineManager calls prepare, "
                                  f"build_topology and init_process_group first")

@@ -163,6 +163,8 @@ SKIPPED = {
     "Transfer": "a record Plan.transfers returns (read-only output)",
     "Plan": "built by compile_plan, Plan.load or Plan.from_dict (each fuzzed), never by its dataclass constructor",
     "RefitStats": "a record every executor's refit returns (read-only output)",
+    "register_family": "changes the process-wide registry (tests/unit/test_family_plugin.py: a class is registered, "
+                       "anything else refused with ArgumentError)",
     "DistributedExecutor": "needs a live torch.distributed group or store (tests/fuzz/test_plans_executors_cli.py "
                            "feeds it wrong options inside real gloo groups)",
     "execute_distributed": "needs a live torch.distributed group (as DistributedExecutor)",

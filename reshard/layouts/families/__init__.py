@@ -1,21 +1,24 @@
-"""The built-in model families, one file each. Every module of this package is imported with it, and a family
-registers itself when its class is defined: adding one = adding its file (README: "Add a model family").
+"""The built-in model families, one file each, listed in BUILT_IN_FAMILIES: adding one = adding its file and its
+line there (docs: "Add a model family"). The registry registers the list on its first look-up (layouts.registry).
 
 Architecture discovery reads `architectures` and then `model_type`; an unknown one gets an error that lists
 the supported ones.
 """
 from __future__ import annotations
 
-import importlib
-import pkgutil
-
 from ..family import ModelFamily, attention_layer, dense_mlp, gqa_attention, norm, routed_experts
-from ..registry import (discover, family, read_hf_config, registered_families, spec_from_hf_config,
+from ..lora import LoraFamily
+from ..registry import (discover, family, read_hf_config, register_family, registered_families, spec_from_hf_config,
                         supported_architectures)
+from .deepseek_v3 import DeepseekV3
+from .llama import Llama
+from .qwen3 import Qwen3
+from .qwen3_5 import Qwen35
+from .qwen3_moe import Qwen3Moe
 
-for _module in pkgutil.iter_modules(__path__):
-    importlib.import_module(f"{__name__}.{_module.name}")
+# every family the library knows without being told (LoRA adapters are a family of their own: layouts.lora)
+BUILT_IN_FAMILIES: tuple[type[ModelFamily], ...] = (Qwen3, Qwen3Moe, Llama, Qwen35, DeepseekV3, LoraFamily)
 
-__all__ = ["ModelFamily", "attention_layer", "dense_mlp", "discover", "family", "gqa_attention", "norm",
-           "read_hf_config", "registered_families", "routed_experts", "spec_from_hf_config",
+__all__ = ["BUILT_IN_FAMILIES", "ModelFamily", "attention_layer", "dense_mlp", "discover", "family", "gqa_attention", "norm",
+           "read_hf_config", "register_family", "registered_families", "routed_experts", "spec_from_hf_config",
            "supported_architectures"]

@@ -14,17 +14,20 @@ The modules, each importing only those listed before it:
   fp8          FP8 block-scaled destinations: the scheme, the wire spec (fp8 + scales), their cuts; lists its
                entries through the registry's entry transforms
   lora         LoRA adapters as models (family "lora"), the PEFT and vLLM-slot layouts
-  families/    one file per family; BUILT_IN_FAMILIES lists them, registered on the registry's first look-up
-Nothing registers itself on import: `register_family(cls)` adds a family defined elsewhere.
+  families/    one file per family; BUILT_IN_FAMILIES lists them
+Nothing registers itself: the package calls `families.register_built_ins()` once, below (the built-in families
+and FP8's entry transform); `register_family(cls)` adds a family defined elsewhere.
 """
 from .base import Layout, Placement
-from .families import (ModelFamily, discover, read_hf_config, register_family, registered_families,
-                       spec_from_hf_config, supported_architectures)
+from .families import (ModelFamily, discover, read_hf_config, register_built_ins, register_family,
+                       registered_families, spec_from_hf_config, supported_architectures)
 from .hf import HfLayout
 from .megatron import MegatronLayout
 from .model import ModelSpec, Role, TensorSpec
 from .spec_string import LAYOUT_KINDS, layout_from_dict, layout_to_dict, parse_layout
 from .vllm import VllmLayout
+
+register_built_ins()
 
 __all__ = [
     "HfLayout", "LAYOUT_KINDS", "Layout", "MegatronLayout", "ModelFamily", "ModelSpec", "Placement", "Role",

@@ -1,9 +1,9 @@
 """The registry of model families: by name (`ModelSpec.family`) and by HF architecture / model_type.
 
-At the bottom of the layouts: it imports nothing from them at import time, so the spec can look a family up and
-the families can be registered into it without a circle. Registration is explicit: the built-in families are the
-list `families.BUILT_IN_FAMILIES` and the built-in entry transforms `BUILT_IN_TRANSFORMS` below, registered on the
-first look-up; a family defined elsewhere is registered by `register_family(cls)`.
+At the bottom of the layouts: it imports nothing from them, so the spec can look a family up and the families can
+be registered into it without a circle. Registration is explicit: `families.register_built_ins()` (called once by
+the package, `reshard.layouts`) registers the list `families.BUILT_IN_FAMILIES` and FP8's entry transform; a family
+defined elsewhere is registered by `families.register_family(cls)`.
 """
 from __future__ import annotations
 
@@ -17,34 +17,16 @@ _BY_NAME: dict[str, Any] = {}  # ModelSpec.family -> family
 # f(spec, entries, layer) -> entries: how a spec of another form lists a family's entries (layouts.fp8's wire
 # specs list a quantized weight as fp8 + scales); registered by the modules that define those forms
 _ENTRY_TRANSFORMS: list[Any] = []
-# module:function of the built-in entry transforms (module imported on the first canonical table)
-BUILT_IN_TRANSFORMS = ("reshard.layouts.fp8:transform_items",)
-_built_ins_loaded = False
 
 
-def _built_ins() -> None:
-    """Register the built-in families and entry transforms, once (on the first look-up)."""
-    global _built_ins_loaded
-    if _built_ins_loaded:
-        return
-    _built_ins_loaded = True
-    import importlib
-
-    from .families import BUILT_IN_FAMILIES
-
-    for cls in BUILT_IN_FAMILIES:
-        if cls.name not in _BY_NAME:  # a family registered earlier under a built-in's name stays
-            register(cls())
-    for path in BUILT_IN_TRANSFORMS:
-        module, name = path.split(":")
-        transform = getattr(importlib.import_module(module), name)
-        if transform not in _ENTRY_TRANSFORMS:
-            _ENTRY_TRANSFORMS.append(transform)
+def register_entry_transform(transform: Any) -> None:
+    """Add `transform` to what every canonical table applies to its family's entries (once, in order)."""
+    if transform not in _ENTRY_TRANSFORMS:
+        _ENTRY_TRANSFORMS.append(transform)
 
 
 def entry_transforms() -> tuple[Any, ...]:
     """What every canonical table applies to its family's entries, in order."""
-    _built_ins()
     return tuple(_ENTRY_TRANSFORMS)
 
 
@@ -56,53 +38,26 @@ def register(family: Any) -> None:
     _BY_NAME[family.name] = family
 
 
-def register_family(cls: Any) -> Any:
-    """Register the model family class `cls` (a ModelFamily subclass) and return it (usable as a decorator).
-
-    Args:
-        cls: the family's class; it is instantiated once.
-
-    Returns:
-        `cls`, unchanged.
-
-    Raises:
-        ArgumentError: `cls` is not a concrete ModelFamily subclass.
-    """
-    from ..errors import ArgumentError
-    from .family import ModelFamily
-
-    if not (isinstance(cls, type) and issubclass(cls, ModelFamily)) or getattr(cls, "__abstractmethods__", None):
-        raise ArgumentError("cls", cls, "must be a concrete ModelFamily subclass (spec and layer defined)")
-    _built_ins()
-    register(cls())
-    return cls
-
-
 def is_registered(name: str) -> bool:
-    _built_ins()
     return name in _BY_NAME
 
 
 def family(name: str) -> Any:
     """The family a ModelSpec names."""
-    _built_ins()
     if name not in _BY_NAME:
         raise ModelConfigError(f"unknown model family {name!r}; registered: {', '.join(sorted(_BY_NAME))}")
     return _BY_NAME[name]
 
 
 def families() -> list[Any]:
-    _built_ins()
     return [_BY_NAME[n] for n in sorted(_BY_NAME)]
 
 
 def registered_families() -> list[str]:
-    _built_ins()
     return sorted(_BY_NAME)
 
 
 def supported_architectures() -> list[str]:
-    _built_ins()
     return sorted(k for k in _BY_KEY if k[:1].isupper())
 
 
@@ -123,7 +78,6 @@ def discover(config: "dict[str, Any] | str | Path") -> Any:
         raise ModelConfigError(field="architectures", value=archs, rule="must be a JSON list of class names")
     if not isinstance(model_type, str):
         raise ModelConfigError(field="model_type", value=model_type, rule="must be a JSON string")
-    _built_ins()
     for key in archs + [model_type]:
         if key in _BY_KEY:
             return _BY_KEY[key]

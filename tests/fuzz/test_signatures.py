@@ -30,7 +30,7 @@ from reshard.adapters.trainer import TrainerSession
 from reshard.adapters.vllm.lease import parse_grant
 from reshard.errors import ReshardError
 from reshard.executors import Binding, LocalExecutor, allocate, execute_local, make_executor, shard, unshard
-from reshard.executors.rendezvous import Rendezvous
+from reshard.adapters.rendezvous import Rendezvous
 from reshard.layouts import (HfLayout, MegatronLayout, ModelSpec, VllmLayout, discover, layout_from_dict,
                              layout_to_dict, read_hf_config, spec_from_hf_config)
 from reshard.planner import ClusterModel, Plan, compare_with_measurement, format_prediction, predict

@@ -28,8 +28,8 @@ from typing import Any, AsyncIterator, Iterable
 import torch
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 
+from ...adapters import rendezvous as rv
 from ...errors import ArgumentError, ExecutionError, ReshardError
-from ...executors import rendezvous as rv
 from ...executors.binding import Binding
 from ...executors.local import torch_dtype
 from ...layouts import ModelSpec

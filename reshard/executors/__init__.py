@@ -7,8 +7,8 @@ Every executor follows one protocol (executors.base): built once per plan, bindi
   runs its part, NCCL between GPUs, gloo between CPU processes;
 - "nixl": NIXL one-sided reads / writes (executors.nixl);
 - "shared": processes of one host through shared memory (CUDA IPC on GPUs, POSIX shared memory on CPU).
-Every `refit()` returns a `RefitStats` (executors.stats). A `Binding` says which process plays which plan rank. `shard` / `unshard` lay canonical weights out by a layout
-and back (the reference the executors are tested against).
+Every `refit()` returns a `RefitStats` (executors.stats). A `Binding` says which process plays which plan rank.
+`shard` / `unshard` lay canonical weights out by a layout and back (the reference the executors are tested against).
 """
 from .base import Executor, RankTensors, make_executor
 from .binding import Binding

@@ -1,5 +1,6 @@
 """A model family defined outside the library -- here, in this file -- is registered by one explicit call
-(`register_family`) and then works like a built-in one: discovery, both layouts, compile, execute, round trip. No library file is edited."""
+(`register_family`) and then works like a built-in one: discovery, both layouts, compile, execute, round trip. No
+library file is edited."""
 from __future__ import annotations
 
 from typing import Any

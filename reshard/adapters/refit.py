@@ -35,6 +35,7 @@ from typing import Any
 from ..errors import ExecutionError, LayoutError, PlanError
 from ..executors.base import Executor, RankTensors
 from ..executors.binding import Binding
+from ..executors.stats import RefitStats
 from ..layouts import HfLayout, Layout, ModelSpec, VllmLayout, layout_from_dict, layout_to_dict
 from ..layouts.lora import VllmLoraLayout
 from ..planner import Plan
@@ -276,7 +277,7 @@ class PublishedSource(Executor):
         except (KeyError, TypeError):
             return False
 
-    def refit(self, version: int | None = None) -> Any:
+    def refit(self, version: int | None = None) -> RefitStats:
         from ..executors.bound import BoundLocalExecutor
         from ..executors.local import LocalExecutor
         from ..planner.plan import RELAY

@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 import reshard  # noqa: E402
 from reshard.errors import LayoutError  # noqa: E402
 from reshard.planner import predict  # noqa: E402
-from reshard.planner.cost import Topology  # noqa: E402
+from reshard.planner.cost import ClusterModel  # noqa: E402
 
 SRC = "megatron:tp=2,ep=4,etp=1,world=8"
 MOVES = {
@@ -33,7 +33,7 @@ MOVES = {
 def main() -> None:
     spec = reshard.ModelSpec.from_hf_config(ROOT / "examples/configs/qwen3-30b-a3b.json")
     src = reshard.parse_layout(SRC, spec)
-    where = Topology(gpus_per_node=8, src_gpus=tuple(range(8)), dst_gpus=tuple(range(8)))
+    where = ClusterModel(gpus_per_node=8, src_gpus=tuple(range(8)), dst_gpus=tuple(range(8)))
     print(f"model {spec}\nsource {src}\n")
     print("move | fan-out | ops | compile s | cross-GPU GB | busiest trainer egress GB | busiest GPU egress GB "
           "(trainer + relays) | busiest ingress GB | predicted ms | busiest resource | gather-broadcast GB")

@@ -3,7 +3,7 @@
     python benchmarks/predict_cluster.py            # the 1T scenario, 235B and 30B on 8-GPU nodes, 400 Gb/s NICs
     python benchmarks/predict_cluster.py --two-gpu  # the 2-GPU refits of benchmarks/refit_nccl.py (issue 3)
 
-Topology: 8 GPUs per node, one 400 Gb/s NIC per GPU (50 GB/s each way), NVLink and device copies at the figures
+Cluster model: 8 GPUs per node, one 400 Gb/s NIC per GPU (50 GB/s each way), NVLink and device copies at the figures
 measured on the H200 machine (366 GB/s one way, 676 GB/s both ways, 4.2 TB/s read+write). Source ranks fill
 nodes first, destination ranks the nodes after them (trainer and inference on different nodes).
 """
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import reshard  # noqa: E402
-from reshard.planner.cost import Topology, format_prediction, predict  # noqa: E402
+from reshard.planner.cost import ClusterModel, format_prediction, predict  # noqa: E402
 
 CLUSTER = {
     "1t": ("examples/configs/moe-1t.json",
@@ -32,7 +32,7 @@ CLUSTER = {
 
 
 def cluster(cases: list[str]) -> None:
-    topo = Topology()
+    cluster = ClusterModel()
     for case in cases:
         config, s, d = CLUSTER[case]
         for dtype in ("bfloat16", "float8_e4m3fn"):
@@ -42,10 +42,10 @@ def cluster(cases: list[str]) -> None:
             for label, kw, pipelined in (("direct: the source feeds every replica", {}, False),
                                          ("fan-out 2, split trees, pipelined", {"fanout": 2}, True)):
                 plan = reshard.compile(src, dst, **kw)
-                pred = predict(plan, topo.with_(pipelined=pipelined))
+                pred = predict(plan, cluster.with_(pipelined=pipelined))
                 a = plan.accounting
                 per_gpu = max(a.ingress_bytes)
-                floor = per_gpu / topo.network_bandwidth
+                floor = per_gpu / cluster.network_bandwidth
                 print(f"{case} {dtype} | {label}")
                 print(f"  {src} -> {dst}")
                 print(f"  trainer egress {sum(a.egress_bytes) / 1e12:.2f} TB (busiest trainer GPU "
@@ -67,12 +67,12 @@ def two_gpu() -> None:
         "E4 TP1 -> TP1 on one GPU": (reshard.compile(M(model=spec), V(model=spec), colocated=True), (0,), (0,)),
     }
     for name, (plan, src_gpus, dst_gpus) in cases.items():
-        base = Topology(src_gpus=src_gpus, dst_gpus=dst_gpus)
+        base = ClusterModel(src_gpus=src_gpus, dst_gpus=dst_gpus)
         print(f"{name}: {plan.accounting.total_bytes / 1e9:.2f} GB")
-        for label, topo in (("in place, no wire buffers", base),
-                            ("in place, pack/unpack wire buffers", base.with_(pack_copies=1)),
-                            ("staged commit + wire buffers", base.with_(pack_copies=1, commit_copies=1))):
-            pred = predict(plan, topo)
+        for label, cluster in (("in place, no wire buffers", base),
+                               ("in place, pack/unpack wire buffers", base.with_(pack_copies=1)),
+                               ("staged commit + wire buffers", base.with_(pack_copies=1, commit_copies=1))):
+            pred = predict(plan, cluster)
             print(f"  {label:38s} {pred.seconds * 1e3:8.2f} ms   busiest {pred.busiest}")
 
 

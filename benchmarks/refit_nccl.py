@@ -462,13 +462,13 @@ def main() -> None:
 def predictions(results: list[dict]) -> str:
     """The bandwidth model's prediction (reshard.planner.cost) beside each measurement of this run."""
     from reshard.planner import compare_with_measurement
-    from reshard.planner.cost import Topology
+    from reshard.planner.cost import ClusterModel
 
     plans = cases(reshard.ModelSpec.from_hf_config(ROOT / "examples/configs/qwen3-8b.json"))
     lines = ["prediction beside measurement (bandwidth model, figures measured on this machine type):"]
     for r in results:
         plan, binding, _ = plans[r["case"]]
-        where = Topology(src_gpus=binding.src, dst_gpus=binding.dst)
+        where = ClusterModel(src_gpus=binding.src, dst_gpus=binding.dst)
         lines.append(f"{r['case']} in place: " + compare_with_measurement(plan, r["in_place_s"], where))
         staged = where.with_(commit_copies=1.0, overlap_copies=False)
         lines.append(f"{r['case']} staged:   " + compare_with_measurement(plan, r["staged_s"], staged))

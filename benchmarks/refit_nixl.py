@@ -286,7 +286,7 @@ def worker(me: int, port: int, args: argparse.Namespace) -> None:
                 flag = torch.tensor([int(ok)])
                 dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=host)
                 last = stats[-1]
-                info = torch.tensor([last.packed_links, last.descriptors, last.staging_bytes,
+                info = torch.tensor([last.packed_transfers, last.descriptors, last.staging_bytes,
                                      *(statistics.median(s.phases.get(p, 0.0) for s in stats)
                                        for p in ("transfer", "agree", "commit"))], dtype=torch.float64)
                 dist.all_reduce(info, op=dist.ReduceOp.MAX, group=host)
@@ -300,14 +300,14 @@ def worker(me: int, port: int, args: argparse.Namespace) -> None:
             row = {**v, "seconds": t, "gbps": nbytes / t / GB, "setup_s": setup, "verified": bool(flag.item()),
                    "raw_seconds": raw_same, "pct_of_raw_same_op": 100 * raw_same / t,
                    "pct_paired_median": 100 * statistics.median(r / x for r, x in zip(raw_times, times)),
-                   "packed_links": int(info[0]), "descriptors": int(info[1]), "staging_bytes": int(info[2]),
+                   "packed_transfers": int(info[0]), "descriptors": int(info[1]), "staging_bytes": int(info[2]),
                    "transfer_s": info[3].item(), "agree_s": info[4].item(), "commit_s": info[5].item(),
                    "all_s": times, "raw_all_s": raw_times}
             rows.append(row)
             report(f"{label}: {t * 1e3:8.2f} ms {row['gbps']:7.2f} GB/s | raw {op} alternating {raw_same * 1e3:8.2f} ms"
                    f" | {row['pct_of_raw_same_op']:5.1f}% of raw (paired median {row['pct_paired_median']:5.1f}%)  (transfer {row['transfer_s'] * 1e3:.1f} / "
                    f"agree {row['agree_s'] * 1e3:.1f} / commit {row['commit_s'] * 1e3:.1f} ms; "
-                   f"{row['descriptors']} descriptors, {row['packed_links']} packed; set-up {setup:.2f} s; "
+                   f"{row['descriptors']} descriptors, {row['packed_transfers']} packed; set-up {setup:.2f} s; "
                    f"{'verified' if row['verified'] else 'WRONG BYTES'})")
             del dst
             ex = None  # frees its staging arena before the next variant allocates one

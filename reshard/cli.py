@@ -59,10 +59,10 @@ def _output(flag: str, path: str | None, suffixes: tuple[str, ...] = ()) -> None
         output_path(flag, path, suffixes)
 
 
-def _topology(args: argparse.Namespace):
-    from .planner.cost import Topology
+def _cluster_model(args: argparse.Namespace):
+    from .planner.cost import ClusterModel
 
-    return Topology(gpus_per_node=args.gpus_per_node, nvlink_bandwidth=args.nvlink_gbs * 1e9,
+    return ClusterModel(gpus_per_node=args.gpus_per_node, nvlink_bandwidth=args.nvlink_gbs * 1e9,
                     nvlink_bidirectional=args.nvlink_bidir_gbs * 1e9, nvlink_latency=args.nvlink_latency_us * 1e-6,
                     network_bandwidth=args.nic_gbps * 1e9 / 8, network_latency=args.network_latency_us * 1e-6,
                     copy_bandwidth=args.copy_tbs * 1e12, op_overhead=args.op_overhead_us * 1e-6,
@@ -124,7 +124,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.predict:
         from .planner.cost import predict
 
-        prediction = predict(plan, _topology(args))
+        prediction = predict(plan, _cluster_model(args))
     if args.save:
         try:
             plan.save(args.save)

@@ -8,6 +8,8 @@ one session object per side:
   - the engine side, inside vLLM: `adapters.vllm.WorkerSession`, made by the `reshard` weight-transfer engine
     that vLLM selects by name.
   megatron/  the source side read off a live megatron-core model (its layout, views of its parameters).
+  rendezvous.py  where the processes of one refit meet (a TCPStore, the refit's id and secret): used by the
+    sessions and the integrations, not by the executors, which take any store.
 """
 from .refit import RefitSpec
 from .server import VllmServer

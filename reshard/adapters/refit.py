@@ -24,7 +24,7 @@ Transports (`transport`; `options` go to the executor):
   "shared"      the same processes on one host: senders write into the workers' memory (CUDA IPC on GPUs,
                 POSIX shared memory on CPU).
 For the last three, trainer process p plays source rank p and the worker of destination rank d is process
-S + d (S = the trainer's ranks); everyone meets at `rendezvous` (executors.rendezvous).
+S + d (S = the trainer's ranks); everyone meets at `rendezvous` (adapters.rendezvous).
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ from typing import Any
 from ..errors import ExecutionError, LayoutError, PlanError
 from ..executors.base import Executor, RankTensors
 from ..executors.binding import Binding
+from ..executors.stats import RefitStats
 from ..layouts import HfLayout, Layout, ModelSpec, VllmLayout, layout_from_dict, layout_to_dict
 from ..layouts.lora import VllmLoraLayout
 from ..planner import Plan
@@ -85,7 +86,7 @@ class RefitSpec:
     replica: int = 0  # which replica of `dst` this engine is (engines of one refit get 0, 1, ...)
     transport: str = "collective"
     options: dict[str, Any] = field(default_factory=dict)  # executor options; "key" for inprocess / distributed
-    rendezvous: dict[str, Any] | None = None  # executors.rendezvous.Rendezvous.to_dict(), cross-process transports
+    rendezvous: dict[str, Any] | None = None  # adapters.rendezvous.Rendezvous.to_dict(), cross-process transports
     fanout: int | None = None
     verify_layers: tuple[int, ...] | None = None  # layers whose loaders direct install probes; None: one per kind
     plan_digest: str = ""  # the trainer's; a worker that compiles another plan refuses the refit
@@ -130,7 +131,7 @@ class RefitSpec:
                 raise PlanError(f"refit spec field {name} is not JSON: {e}") from None
         self.layouts()  # the model and both layouts are valid (each raises its own library error)
         if self.rendezvous is not None:
-            from ..executors.rendezvous import Rendezvous
+            from .rendezvous import Rendezvous
 
             Rendezvous.from_dict(self.rendezvous)
 
@@ -276,7 +277,7 @@ class PublishedSource(Executor):
         except (KeyError, TypeError):
             return False
 
-    def refit(self, version: int | None = None) -> Any:
+    def refit(self, version: int | None = None) -> RefitStats:
         from ..executors.bound import BoundLocalExecutor
         from ..executors.local import LocalExecutor
         from ..planner.plan import RELAY
@@ -306,7 +307,7 @@ def open_transport(refit: RefitSpec, process: int, src: RankTensors, dst: RankTe
     group: the world group of the engine's workers ("distributed").
     """
     from ..executors.base import make_executor
-    from ..executors.rendezvous import Rendezvous, scoped
+    from .rendezvous import Rendezvous, scoped
 
     plan, options = refit.plan(), dict(refit.options)
     key = str(options.pop("key", "default"))

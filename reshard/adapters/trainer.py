@@ -77,7 +77,7 @@ class TrainerSession:
         engines: on process 0, the engines to refit (replica k = engines[k]); other processes pass none.
         trainer_group: a torch.distributed group of the trainer processes, to share the rendezvous from process
             0 (else pass `rendezvous`, the same on every process, with a fixed port and secret).
-        rendezvous: an `executors.rendezvous.Rendezvous` every process passes (instead of `trainer_group`).
+        rendezvous: an `adapters.rendezvous.Rendezvous` every process passes (instead of `trainer_group`).
         host: the address process 0's rendezvous store binds to.
         pause: how engines are paused around a refit (a VllmServer's /pause mode), or None not to pause.
         timeout: seconds any step may take (every wait and clean-up is bounded by it).
@@ -179,7 +179,7 @@ class TrainerSession:
                  for k, engine in enumerate(self.engines)]
         try:
             if refit.transport in CROSS_PROCESS:
-                from ..executors import rendezvous as rv
+                from . import rendezvous as rv
 
                 rdv = rv.Rendezvous.from_dict(refit.rendezvous)
                 rv.join(self.store, rdv, self.process, refit.num_processes, "trainer")
@@ -254,7 +254,7 @@ class TrainerSession:
 
     def _meet(self) -> Any:
         """The rendezvous: hosted by process 0, shared over the trainer group (or given to every process)."""
-        from ..executors import rendezvous as rv
+        from . import rendezvous as rv
 
         rdv = self.given_rendezvous
         if rdv is not None:  # the same on every process: a refit id of this init's own, derived alike everywhere
@@ -274,7 +274,7 @@ class TrainerSession:
 
     def _fail_rendezvous(self, reason: str) -> None:
         if self.store is not None and self.refit_spec.rendezvous is not None:
-            from ..executors import rendezvous as rv
+            from . import rendezvous as rv
 
             rv.fail(self.store, rv.Rendezvous.from_dict(self.refit_spec.rendezvous), f"trainer: {reason}")
 
@@ -420,7 +420,7 @@ def _check_arguments(refit: Any, process: Any, tensors: Any, engines: Any, train
     from collections.abc import Mapping
 
     from ..errors import ArgumentError
-    from ..executors.rendezvous import Rendezvous
+    from .rendezvous import Rendezvous
     from ..arguments import instance, integer, seconds, text
 
     instance("refit", refit, RefitSpec, "a RefitSpec")
@@ -445,7 +445,7 @@ def _check_arguments(refit: Any, process: Any, tensors: Any, engines: Any, train
         import torch.distributed as dist
 
         instance("trainer_group", trainer_group, dist.ProcessGroup, "a torch.distributed ProcessGroup", none=True)
-    instance("rendezvous", rendezvous, Rendezvous, "an executors.rendezvous.Rendezvous", none=True)
+    instance("rendezvous", rendezvous, Rendezvous, "an adapters.rendezvous.Rendezvous", none=True)
     text("host", host)
     text("pause", pause, none=True, choices=("wait", "abort", "keep"))
     seconds("timeout", timeout)

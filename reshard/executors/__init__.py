@@ -7,13 +7,14 @@ Every executor follows one protocol (executors.base): built once per plan, bindi
   runs its part, NCCL between GPUs, gloo between CPU processes;
 - "nixl": NIXL one-sided reads / writes (executors.nixl);
 - "shared": processes of one host through shared memory (CUDA IPC on GPUs, POSIX shared memory on CPU).
-A `Binding` says which process plays which plan rank. `shard` / `unshard` lay canonical weights out by a layout
-and back (the reference the executors are tested against).
+Every `refit()` returns a `RefitStats` (executors.stats). A `Binding` says which process plays which plan rank.
+`shard` / `unshard` lay canonical weights out by a layout and back (the reference the executors are tested against).
 """
 from .base import Executor, RankTensors, make_executor
 from .binding import Binding
-from .distributed import DistributedExecutor, ExecutionStats, execute_distributed
+from .distributed import DistributedExecutor, execute_distributed
 from .local import LocalExecutor, allocate, execute_local, shard, unshard
+from .stats import RefitStats
 
-__all__ = ["Binding", "DistributedExecutor", "ExecutionStats", "Executor", "LocalExecutor", "RankTensors",
+__all__ = ["Binding", "DistributedExecutor", "Executor", "LocalExecutor", "RankTensors", "RefitStats",
            "allocate", "execute_distributed", "execute_local", "make_executor", "shard", "unshard"]

@@ -5,8 +5,9 @@ Lifecycle, the same for every executor:
   1. construction binds the plan to where its ranks live (a `Binding`: which process plays which rank), to this
      process (`process`) and to its tensors (`src`: source rank -> name -> tensor for the source ranks it plays,
      `dst` likewise), and prepares what can be prepared once (schedules, buffers, registrations, connections);
-  2. `refit(version=None)` moves one refit: the source tensors hold the new weights; it returns the executor's
-     stats, or raises ExecutionError. Staged by default: a failed refit leaves every destination unchanged;
+  2. `refit(version=None)` moves one refit: the source tensors hold the new weights; it returns a `RefitStats`
+     (executors.stats: one type for every executor), or raises ExecutionError. Staged by default: a failed refit
+     leaves every destination unchanged;
   3. `close()` releases what the executor holds (also on leaving a `with` block).
 
     executor = make_executor("distributed", plan, binding, process, src, dst, group=group)
@@ -17,8 +18,8 @@ Lifecycle, the same for every executor:
 
 Executors here: "local" (every rank in this process), "bound" (the same, views made once: small frequent
 refits), "distributed" (torch.distributed: gloo, NCCL; a group of this process's world or one made over a store), "nixl" (NIXL one-sided reads / writes), "shared" (one host,
-separate processes: CUDA IPC on GPUs, shared memory on CPU). Each module registers itself when imported;
-`make_executor` imports it by name, so `import reshard` pulls in none of them.
+separate processes: CUDA IPC on GPUs, shared memory on CPU). `EXECUTORS` lists them by name, each as the module and
+class that define it; `make_executor` imports the module on first use, so `import reshard` pulls in none of them.
 """
 from __future__ import annotations
 
@@ -31,33 +32,32 @@ from typing import Any, Mapping
 import torch
 
 from ..errors import ExecutionError
+from .stats import RefitStats
 
 RankTensors = Mapping[int, Mapping[str, torch.Tensor]]
 """A process's tensors of some plan ranks: rank -> physical tensor name -> tensor."""
 
-# name -> module that defines it (imported on first use) and the class, once imported
-_MODULES = {"local": "reshard.executors.local", "distributed": "reshard.executors.distributed",
-            "nixl": "reshard.executors.nixl.executor", "shared": "reshard.executors.shared",
-            "bound": "reshard.executors.bound", "fp8": "reshard.executors.fp8"}
-_EXECUTORS: dict[str, type["Executor"]] = {}
+# every executor: name -> "module:class" (the module imported on first use)
+EXECUTORS = {"local": "reshard.executors.local:LocalExecutor",
+             "bound": "reshard.executors.bound:BoundLocalExecutor",
+             "distributed": "reshard.executors.distributed:DistributedExecutor",
+             "nixl": "reshard.executors.nixl.executor:NixlExecutor",
+             "shared": "reshard.executors.shared:SharedExecutor",
+             "fp8": "reshard.executors.fp8:Fp8Executor"}
 
 
 class Executor(abc.ABC):
     """The protocol every executor follows: built once per plan and process, `refit()` per refit, `close()`.
 
-    Subclasses set `name` and are registered by it (`make_executor`).
+    Subclasses set `name`, their entry in `EXECUTORS` (what `make_executor` picks them by).
     """
 
     name: str = ""
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if cls.name:
-            _EXECUTORS[cls.name] = cls
-
     @abc.abstractmethod
-    def refit(self, version: int | None = None) -> Any:
-        """Move one refit's bytes; returns this executor's stats."""
+    def refit(self, version: int | None = None) -> "RefitStats":
+        """Move one refit's bytes; returns what this process did (a `RefitStats`, the same type for every
+        executor)."""
 
     def close(self) -> None:
         """Release buffers, registrations and connections."""
@@ -70,11 +70,11 @@ class Executor(abc.ABC):
 
 
 def executor_class(name: str) -> type[Executor]:
-    if name not in _EXECUTORS and name in _MODULES:
-        importlib.import_module(_MODULES[name])
-    if name not in _EXECUTORS:
-        raise ExecutionError(f"unknown executor {name!r}; known: {sorted(set(_MODULES) | set(_EXECUTORS))}")
-    return _EXECUTORS[name]
+    """The class of the executor called `name` (its module imported on first use)."""
+    if name not in EXECUTORS:
+        raise ExecutionError(f"unknown executor {name!r}; known: {sorted(EXECUTORS)}")
+    module, cls = EXECUTORS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 def make_executor(name: str, plan: Any, binding: Any, process: int, src: RankTensors | None,
@@ -133,4 +133,4 @@ def close_within(close: Any, timeout: float, what: str) -> bool:
     return True
 
 
-__all__ = ["Executor", "RankTensors", "close_within", "executor_class", "make_executor"]
+__all__ = ["EXECUTORS", "Executor", "RankTensors", "close_within", "executor_class", "make_executor"]

@@ -14,7 +14,8 @@ their storage pointers, a constant-time test per tensor, and refuses if one was 
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ from .copies import DST, SRC, fold
 from .graphs import STREAMS, Replay, on_streams, single_cuda_device, spread
 from .guard import check_memory, check_ops
 from .local import apply_shifts, check_tensors, in_units, shift_views
+from .stats import RefitStats
 from .views import Memory, bind
 
 GRAPH = "auto"  # default graph mode on one GPU (see BoundLocalExecutor)
@@ -56,6 +58,7 @@ class BoundLocalExecutor(Executor):
                  split: "bool | None" = None, streams: "int | None" = None,
                  table: "bool | None" = None) -> None:
         self.plan, src, dst = plan, dict(src or {}), dict(dst or {})
+        self.process, self._version = process, 0
         check_ops(plan)
         o = plan.ops
         mine = np.flatnonzero(np.isin(o["dst_rank"], list(dst)))
@@ -139,13 +142,17 @@ class BoundLocalExecutor(Executor):
             raise ExecutionError(f"{len(moved)} bound tensors were replaced since the executor was made; update "
                                  f"them in place, or make a new executor")
 
-    def refit(self, version: int | None = None) -> dict[str, Any]:
+    def refit(self, version: int | None = None) -> RefitStats:
+        start = time.perf_counter()
         self.check_pins()
         with torch.no_grad():
             if self._large_eager:  # plain device copies, ahead of the graph on the same stream
                 self._copy_large()
             self._run()
-        return {"ops": self.ops, "copies": self.copies, "bytes": self.bytes}
+        self._version = self._version + 1 if version is None else int(version)
+        seconds = time.perf_counter() - start  # launched: on a GPU the copies may still be running
+        return RefitStats(executor=self.name, process=self.process, version=self._version, seconds=seconds,
+                          phases={"launch": seconds}, ops=self.ops, copies=self.copies, local_bytes=self.bytes)
 
     def close(self) -> None:
         self._program, self._shifts, self._pins, self._run, self._large = None, [], [], None, []

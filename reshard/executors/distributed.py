@@ -8,7 +8,7 @@ calls `refit` at every weight update; it sends what it owns and receives what it
      schedule is built (executors.schedule: streams per peer, buckets, rounds, folded copy programs). Build
      the executor once and call `refit` at every weight update;
   2. prepare: this process checks its tensors against the plan (names, shapes, dtype, contiguity, device)
-     and binds the schedule to them (executors.engines.Bound: wire and staging buffers, every copy as a
+     and binds the schedule to them (executors.runners.Bound: wire and staging buffers, every copy as a
      prebuilt view). The binding is kept and reused while the caller passes the same tensors, which is the
      usual case; `release()` drops it;
   3. preflight: one small all-reduce tells every process whether all are ready and run the same plan,
@@ -24,7 +24,7 @@ calls `refit` at every weight update; it sends what it owns and receives what it
      gives it, and the preflight showed that every process runs that schedule); then one all-reduce says
      whether every process got there;
   6. commit (staged, the default): copy the staged regions into the destination tensors and run the local
-     copies kept for commit (undo: only the latter); then return `ExecutionStats` (bytes per peer, time per step).
+     copies kept for commit (undo: only the latter); then return `RefitStats` (bytes per peer, time per step).
 
 Deadlock freedom. Rounds are numbered globally (schedule.py): every process derives the same rounds from the
 same plan, binding and bucket size, and each message belongs to exactly one round, in which its sender posts
@@ -67,7 +67,7 @@ Failure. A dead or hanging peer makes every surviving process raise ExecutionErr
 of it starting to wait (a dead gloo peer is usually seen at once: its sockets close): gloo waits carry the
 timeout; on GPUs the host polls CUDA events of each round and
 gives up after `timeout` seconds without progress, then aborts the group's communicators (its lanes), all at
-once (engines.abort says why), waiting for that at most `timeout` more. A process that does not talk to the
+once (runners.abort says why), waiting for that at most `timeout` more. A process that does not talk to the
 failed one directly fails in the verify all-reduce. After a failure the process group is not usable: destroy
 and rebuild it.
 """
@@ -75,7 +75,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable
 
@@ -89,58 +88,16 @@ from .base import Executor, RankTensors
 from .binding import Binding
 from .checksum import DIGEST_BYTES, Streams, algorithm, mismatch
 from .comm import Comm, comm_for
-from .engines import Buffers, Engine, Setup, abort, make_engine, poll
+from .runners import Buffers, RoundRunner, Setup, abort, make_runner, poll
 from .guard import check_memory, check_ops
 from .lanes import NCCL_LANES
 from .local import check_tensors, in_units
-from .schedule import (DIRECT_BYTES, GLOO_DIRECT_BYTES, LANES_DIRECT_BYTES, ProcessSchedule, bucket_numel_for,
+from .schedule import (DIRECT_BYTES, GLOO_DIRECT_BYTES, LANES_DIRECT_BYTES, RoundSchedule, bucket_numel_for,
                        build_schedule)
+from .stats import RefitStats, ops_landing, phase_times
 
 DEFAULT_MEMORY_CAP = 2 << 30
 CHECKSUM_TAG = (1 << 30) - 1  # the checksum exchange's messages; schedule tags are message numbers below it
-
-
-@dataclass(frozen=True)
-class ExecutionStats:
-    """What one process did in one refit.
-
-    Attributes:
-        process: its rank in the refit group.
-        staged: the refit landed in shadows first.
-        undo: the refit wrote in place with a backup.
-        seconds: wall clock, call to return.
-        phases: wall clock per step (prepare, preflight, enqueue, drain, verify, commit).
-        bytes_sent: bytes per peer (group rank).
-        bytes_received: bytes per peer (group rank).
-        local_bytes: bytes copied within the process.
-        rounds: rounds of messages.
-        messages: messages sent and received.
-        lanes: communicators the rounds were spread over.
-        copies: block copies launched (pack, scatter, local, commit).
-        bucket_bytes: the largest message.
-        direct_bytes: bytes sent from or received into the tensors themselves (no pack / scatter copy).
-        wire_buffer_bytes: wire buffer memory.
-        staging_bytes: staging memory.
-    """
-
-    process: int
-    staged: bool
-    undo: bool
-    seconds: float  # wall clock, call to return
-    phases: dict[str, float] = field(default_factory=dict)  # wall clock per step: prepare (checks and buffers),
-    # preflight, enqueue (the host's pass over the rounds), drain (until every message and copy is done),
-    # verify, commit
-    bytes_sent: dict[int, int] = field(default_factory=dict)  # peer (group rank) -> bytes
-    bytes_received: dict[int, int] = field(default_factory=dict)
-    local_bytes: int = 0
-    rounds: int = 0
-    messages: int = 0
-    lanes: int = 1  # communicators the rounds were spread over (3 by default on NCCL)
-    copies: int = 0  # block copies launched (pack, scatter, local, commit)
-    bucket_bytes: int = 0
-    direct_bytes: int = 0  # bytes sent from or received into the tensors themselves (no pack / scatter copy)
-    wire_buffer_bytes: int = 0
-    staging_bytes: int = 0
 
 
 def _digest_int(*parts: str) -> int:
@@ -237,14 +194,16 @@ class DistributedExecutor(Executor):
         self._abort_note: str | None = None  # set by the first abort
         self.bucket_numel = bucket_numel_for(plan, binding, memory_cap, bucket_bytes, depth)
         direct_numel = 1 << 62 if direct_bytes is None else max(direct_bytes // plan.itemsize, 1)
-        self.schedule: ProcessSchedule = build_schedule(plan, binding, self.rank, self.bucket_numel,
-                                                        not (in_place or undo), direct_numel, undo)
+        self.schedule: RoundSchedule = build_schedule(plan, binding, self.rank, self.bucket_numel,
+                                                      not (in_place or undo), direct_numel, undo)
         self._fingerprint = _digest_int(plan.digest, binding.digest, str(self.bucket_numel), str(depth),
                                         str(direct_numel), str(undo), str(self.num_lanes), str(self.checksum))
         self._peers: list[int] = sorted({m.peer for r in self.schedule.rounds for m in r.sends + r.recvs})
         self._setup = Setup(plan, self.schedule, self.comm, self.rank, depth, timeout, in_place, undo)
         self._kept = Buffers()  # wire, staging, streams and views of the tensors of the last call
         self._given: tuple = ()  # the tensor objects of the last call that passed the checks, and their addresses
+        self._version = 0
+        self._num_ops = ops_landing(plan, binding.dst_ranks_of(self.rank))
 
     def release(self) -> None:
         """Drop the buffers and views kept between calls (wire, staging, views of the caller's tensors)."""
@@ -258,18 +217,19 @@ class DistributedExecutor(Executor):
 
     # --- public ----------------------------------------------------------------------------------
     def refit(self, version: int | None = None, *, src: RankTensors | None = None,
-              dst: RankTensors | None = None) -> ExecutionStats:
+              dst: RankTensors | None = None) -> RefitStats:
         """One refit from the tensors given at construction (or, for this call, `src` / `dst`: the plan's source /
         destination ranks this process plays -> their tensors). `version` is not needed: the preflight makes
         every process run the same refit."""
         start = time.perf_counter()
         with torch.no_grad():  # parameters may require grad; a refit is not part of any graph
-            return self._run(start, dict(self._src if src is None else src), dict(self._dst if dst is None else dst))
+            return self._run(start, dict(self._src if src is None else src), dict(self._dst if dst is None else dst),
+                             version)
 
     def close(self) -> None:
         self.release()
 
-    def _run(self, start: float, src: dict, dst: dict) -> ExecutionStats:
+    def _run(self, start: float, src: dict, dst: dict, version: int | None) -> RefitStats:
         given, kept = _identity(src, dst), self._kept
         if kept.bound is not None and given is not None and self._given and given[0] == self._given[0]:
             # the very tensor objects, at the same addresses, that passed the checks last time: skip them (they
@@ -283,15 +243,15 @@ class DistributedExecutor(Executor):
             problem = problem or device_problem
             if problem is None and self.checksum and device.type != "cpu":
                 problem = "checksum exchanges its digests over the group and runs with CPU tensors (gloo) only"
-        engine = None
+        runner = None
         if problem is None:
             try:  # buffers are allocated before the preflight, so that running out of memory is reported there
                 if not self._given:
                     src, dst = in_units(self.plan, src, dst)  # tensors kept in a wider dtype, seen in the plan's
                     kept.bind(self._setup, device, src, dst)
                     self._given = given or ()
-                engine = make_engine(self._setup, kept)
-                engine.sums = Streams(self.checksum) if self.checksum else None
+                runner = make_runner(self._setup, kept)
+                runner.sums = Streams(self.checksum) if self.checksum else None
             except Exception as e:  # noqa: BLE001 - becomes this process's refusal, seen by every process
                 problem = f"could not prepare buffers on {device}: {type(e).__name__}: {e}"
         marks = [("prepare", time.perf_counter())]
@@ -302,38 +262,38 @@ class DistributedExecutor(Executor):
                 self._connect(device)
             elif len(self.lanes) < self.num_lanes and self._lanes_agree:
                 self._make_lanes()
-            self._transfer(engine)
+            self._transfer(runner)
             marks.append(("enqueue", time.perf_counter()))
-            engine.drain()
+            runner.drain()
             marks.append(("drain", time.perf_counter()))
-            self._agree(device, self._compare_checksums(engine) if self.checksum else None)
+            self._agree(device, self._compare_checksums(runner) if self.checksum else None)
             marks.append(("verify", time.perf_counter()))
         except ReshardError as e:
             note = self.abort() if device.type == "cuda" else ""  # gloo's waits fail on their own
             if self.undo:
-                raise ExecutionError(f"{e}{note}; {engine.restore()}") from e
+                raise ExecutionError(f"{e}{note}; {runner.restore()}") from e
             if note:
                 raise ExecutionError(f"{e}{note}") from e
             raise
         except Exception as e:  # a transport error: name it, keep the original as the cause
             note = self.abort() if device.type == "cuda" else ""
-            restored = f"; {engine.restore()}" if self.undo else ""
+            restored = f"; {runner.restore()}" if self.undo else ""
             raise ExecutionError(self._setup.failure(f"{type(e).__name__}: {e}") + note + restored) from e
-        engine.commit()
+        runner.commit()
         marks.append(("commit", time.perf_counter()))
         s = self.schedule
         itemsize = self.plan.itemsize
-        times = [start] + [t for _, t in marks]
-        return ExecutionStats(
-            process=self.rank, staged=s.staged, undo=s.undo, seconds=times[-1] - start,
-            phases={name: times[i + 1] - times[i] for i, (name, _) in enumerate(marks)},
+        self._version = self._version + 1 if version is None else int(version)
+        seconds, phases = phase_times(start, marks)
+        return RefitStats(
+            executor=self.name, process=self.rank, version=self._version, seconds=seconds, phases=phases,
+            staged=s.staged, undo=s.undo, ops=self._num_ops, copies=runner.copies,
             bytes_sent={p: n * itemsize for p, n in s.sent.items()},
             bytes_received={p: n * itemsize for p, n in s.received.items()},
-            local_bytes=s.local_numel * itemsize, rounds=len(s.rounds),
-            messages=sum(len(r.sends) + len(r.recvs) for r in s.rounds), lanes=len(self.lanes), copies=engine.copies,
-            direct_bytes=kept.bound.direct_bytes,
-            bucket_bytes=self.bucket_numel * itemsize, wire_buffer_bytes=kept.bound.wire_bytes,
-            staging_bytes=kept.bound.staging_bytes)
+            local_bytes=s.local_numel * itemsize, staging_bytes=kept.bound.staging_bytes,
+            transfers=sum(len(r.sends) + len(r.recvs) for r in s.rounds), checksum=self.checksum or "",
+            rounds=len(s.rounds), lanes=len(self.lanes), bucket_bytes=self.bucket_numel * itemsize,
+            direct_bytes=kept.bound.direct_bytes, wire_bytes=kept.bound.wire_bytes)
 
     # --- steps -----------------------------------------------------------------------------------
     def _check_local(self, src: dict, dst: dict) -> str | None:
@@ -394,33 +354,33 @@ class DistributedExecutor(Executor):
                                  f"size (this process: plan {self.plan.digest[:12]}, {self.binding}, bucket "
                                  f"{self.bucket_numel} elements); nothing was moved")
 
-    def _transfer(self, engine: Engine) -> None:
+    def _transfer(self, runner: RoundRunner) -> None:
         s = self.schedule
         by_stage: dict[int, list[int]] = {}
         for pos, r in enumerate(s.rounds):
             by_stage.setdefault(r.stage, []).append(pos)
         for stage in range(s.num_stages):
             if stage:
-                engine.stage_barrier(stage)
+                runner.stage_barrier(stage)
             positions = by_stage.get(stage, [])
             pending: list = []
             for k, pos in enumerate(positions):
                 if self.on_round is not None:
                     self.on_round(s.rounds[pos].index)
-                engine.pack(pos)
-                pending.append(engine.post(pos))
-                engine.local(stage, k)  # local copies spread over the stage's rounds
+                runner.pack(pos)
+                pending.append(runner.post(pos))
+                runner.local(stage, k)  # local copies spread over the stage's rounds
                 while len(pending) >= self.depth:
-                    engine.complete(pending.pop(0))
+                    runner.complete(pending.pop(0))
             if not positions:
-                engine.local(stage, 0)
+                runner.local(stage, 0)
             while pending:
-                engine.complete(pending.pop(0))
+                runner.complete(pending.pop(0))
 
-    def _compare_checksums(self, engine: Engine) -> str | None:
+    def _compare_checksums(self, runner: RoundRunner) -> str | None:
         """Send every peer this process sent bytes to the SHA-256 of those bytes, receive the same from every peer
         it received from, and compare with what arrived (executors.checksum). Returns the mismatch, if any."""
-        s, comm, sums = self.schedule, self.comm, engine.sums
+        s, comm, sums = self.schedule, self.comm, runner.sums
         if comm is None or self.size == 1:
             return None
         out = {p: torch.tensor(list(sums.digest(("to", p))), dtype=torch.uint8) for p in sorted(s.sent)}
@@ -496,7 +456,7 @@ class DistributedExecutor(Executor):
             raise ExecutionError(self._setup.failure(f"{what} all-reduce did not complete: {e}", before) + note) from e
 
     def abort(self) -> str:
-        """Unblock the transport after a failure: abort the group and its lanes, all at once (engines.abort),
+        """Unblock the transport after a failure: abort the group and its lanes, all at once (runners.abort),
         waiting at most `timeout`. All are unusable afterwards. Returns a note for the error message, empty
         when every abort finished."""
         if self._abort_note is None:
@@ -522,7 +482,7 @@ def _identity(src: dict, dst: dict) -> tuple | None:
 
 
 def execute_distributed(plan: Plan, binding: Binding, src: RankTensors | None, dst: RankTensors | None,
-                        group: dist.ProcessGroup | None = None, **options) -> ExecutionStats:
+                        group: dist.ProcessGroup | None = None, **options) -> RefitStats:
     """One refit with a fresh executor (build a `DistributedExecutor` to reuse schedule and buffers).
 
     Args:

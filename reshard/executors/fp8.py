@@ -18,6 +18,8 @@ q = float8_e4m3fn(x * (1 / scale)) with torch's cast (round to nearest even). Th
 from __future__ import annotations
 
 import functools
+import time
+from dataclasses import replace
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -30,6 +32,7 @@ from ..planner.plan import RELAY
 from .base import Executor, RankTensors, make_executor
 from .graphs import STREAMS, Replay, on_streams, single_cuda_device, spread
 from .local import _box, element_shape, torch_dtype
+from .stats import RefitStats, phase_times
 
 QUANTIZERS = ("auto", "eager", "compiled", "kernel")
 AMAX_FLOOR = 1e-4  # DeepGEMM's / vLLM's floor on a block's amax: an all-zero block gets scale 1e-4 / 448
@@ -481,7 +484,8 @@ class Fp8Executor(Executor):
     def src_tensors(self) -> Mapping[int, Mapping[str, torch.Tensor]]:
         return self.senders.tensors
 
-    def refit(self, version: int | None = None) -> Any:
+    def refit(self, version: int | None = None) -> RefitStats:
+        start = time.perf_counter()
         if self.direct is not None:
             moved = [t for t, ptr in self._pins if t.data_ptr() != ptr]
             if moved:
@@ -489,14 +493,19 @@ class Fp8Executor(Executor):
                                      f"them in place, or make a new executor")
             out: list = []
             # the quantizer's jobs and the copies of everything else write disjoint places: side by side on a GPU
-            on_streams([lambda: self.direct.run(self.quantize), lambda: out.append(self.inner.refit())],
+            on_streams([lambda: self.direct.run(self.quantize), lambda: out.append(self.inner.refit(version))],
                        self._device if self.quantize == "kernel" else None)
             self.receivers.run(self.quantize, direct=True)
-            return out[0]
+            seconds = time.perf_counter() - start
+            return replace(out[0], executor=self.name, seconds=seconds, phases={"quantize and copy": seconds})
         self.senders.run(self.quantize)
-        stats = self.inner.refit(version) if version is not None else self.inner.refit()
+        marks = [("quantize", time.perf_counter())]
+        stats = self.inner.refit(version)
+        marks.append(("transfer", time.perf_counter()))
         self.receivers.run(self.quantize, direct=self.inner.name in ("local", "bound"))
-        return stats
+        marks.append(("land", time.perf_counter()))
+        seconds, phases = phase_times(start, marks)
+        return replace(stats, executor=self.name, seconds=seconds, phases=phases)
 
     def close(self) -> None:
         self.inner.close()

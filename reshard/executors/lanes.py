@@ -10,7 +10,7 @@ communicator (with NCCL, its buffers on the GPU).
 
 Three by default on NCCL (`NCCL_LANES`): a refit in which both GPUs send and receive (TP2 into a colocated TP1
 replica on each GPU) reaches its share of the link with three lanes and not with one, and a fourth gained
-nothing (BENCHMARKS.md, NCCL). A failure aborts all lanes at once (engines.abort): aborted one after another,
+nothing (BENCHMARKS.md, NCCL). A failure aborts all lanes at once (runners.abort): aborted one after another,
 lanes whose kernels waited for a dead peer never finished aborting.
 
 Lanes are made once per group and process and reused by every executor over that group. Making them is a
@@ -19,7 +19,7 @@ every member must pass together, so all members make the same lanes in the same 
 group after a per-process count (of groups made by everyone for the whole world; of groups this process
 belongs to for a subgroup), and members that disagree on the name would wait for each other forever; the
 preflight therefore compares `naming_count` across the members, and where it differs the executor stays on
-one lane (`ExecutionStats.lanes` says how many it used).
+one lane (`RefitStats.lanes` says how many it used).
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ the layout's placements directly, without the compiler, so they are the referenc
 from __future__ import annotations
 
 import math
+import time
 
 from typing import Any, Mapping
 
@@ -19,6 +20,7 @@ from ..planner import Plan
 from ..planner.plan import RELAY
 from .base import Executor, RankTensors
 from .guard import check_memory, check_ops
+from .stats import RefitStats
 
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
@@ -287,8 +289,11 @@ class LocalExecutor(Executor):
         if missing:
             raise ExecutionError(f"this process lacks source ranks {missing[:10]} that the plan reads")
         check_tensors(plan, {r: self.src[r] for r in self.sources}, self.dst)  # before any byte moves
+        self.process, self._version = process, 0
+        self._bytes = int((ops["rows"][self.mine] * ops["cols"][self.mine]).sum()) * plan.itemsize
 
-    def refit(self, version: int | None = None) -> None:
+    def refit(self, version: int | None = None) -> RefitStats:
+        start = time.perf_counter()
         plan, ops, mine = self.plan, self.plan.ops, self.mine
         check_tensors(plan, {r: self.src[r] for r in self.sources}, self.dst)
         check_memory({r: self.src[r] for r in self.sources}, self.dst)
@@ -304,6 +309,10 @@ class LocalExecutor(Executor):
             for side, st, so, ss, dt, do, ds, r, c in zip(*cols):  # ops are in stage order
                 block(d_flat[dt], do, r, c, ds).copy_(block(sides[side][st], so, r, c, ss))
             apply_shifts(shift_views(plan, d_flat, mine))
+        self._version = self._version + 1 if version is None else int(version)
+        seconds = time.perf_counter() - start
+        return RefitStats(executor=self.name, process=self.process, version=self._version, seconds=seconds,
+                          phases={"copy": seconds}, ops=len(mine), copies=len(mine), local_bytes=self._bytes)
 
 
 def execute_local(plan: Plan, src: RankTensors, dst: RankTensors) -> None:

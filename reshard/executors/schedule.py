@@ -68,7 +68,7 @@ class Round:
 
 
 @dataclass(frozen=True, eq=False)
-class ProcessSchedule:
+class RoundSchedule:
     """What one process does, in order.
 
     rounds: its rounds in global order (only those where it sends or receives);
@@ -195,7 +195,7 @@ GLOO_DIRECT_BYTES = 64 << 10
 
 
 def build_schedule(plan: Plan, binding: Binding, process: int, bucket_numel: int, staged: bool,
-                   direct_numel: int | None = None, undo: bool = False) -> ProcessSchedule:
+                   direct_numel: int | None = None, undo: bool = False) -> RoundSchedule:
     """The part of the global schedule that `process` (a group rank) runs. `direct_numel`: the shortest run
     contiguous in the sender's memory that travels as messages of its own (default DIRECT_BYTES). `undo`
     (not with `staged`): writes go straight into the destination tensors, and every destination tensor this
@@ -359,7 +359,7 @@ def build_schedule(plan: Plan, binding: Binding, process: int, bucket_numel: int
                     default=0)
     src_ids = tuple(i for i, r in enumerate(plan.src_tensors.ranks) if binding.src[r] == process)
     dst_ids = tuple(i for i, r in enumerate(plan.dst_tensors.ranks) if binding.dst[r] == process)
-    return ProcessSchedule(
+    return RoundSchedule(
         process=process, bucket_numel=bucket_numel, staged=staged, num_stages=num_stages, rounds=round_list,
         local=tuple(local), deferred=deferred, commit=commit,
         shadow=tuple(np.flatnonzero(shadowed | backed_up).tolist()), undo=undo,

@@ -15,7 +15,7 @@ IPC handle. Lifecycle (the protocol of executors.base):
      copies its blocks into the receiver's landing memory, waits for its copies to finish (GPU: its stream),
      and announces "done v" to that receiver; a receiver waits until every sender that feeds it is done; then
      every process votes and waits for all votes (a failure anywhere is seen by all, each wait bounded by
-     `timeout`).
+     `timeout`): versions, vote, commit and failure handling are executors.voted's, shared with NIXL.
   3. commit: staged (default): landing memory is a staging arena of this process's, copied into the destination
      tensors after the vote; a failed refit never reaches it, so destinations keep their previous bytes.
      in_place: landing memory is the destination tensors themselves (on CPU they must live in shared memory:
@@ -34,41 +34,28 @@ import re
 import secrets
 import stat
 import threading
-import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..errors import ExecutionError, ReshardError
+from ..errors import ExecutionError
 from ..planner import Plan
 from ..planner.plan import RELAY
-from .base import Executor, RankTensors
+from .base import RankTensors
 from .binding import Binding
 from .checksum import Streams, Sum64Program, algorithm, block, mismatch, use_kernel
 from .copies import DST, PEER, SHADOW, SRC, Copies, fold
 from .exchange import Exchange
 from .guard import check_memory, check_ops
 from .local import apply_shifts, check_tensors, in_units, shift_views, torch_dtype
+from .stats import RefitStats
 from .views import Memory, bind
+from .voted import VotedExecutor
 
 ALIGN = 64  # elements: every landing region starts 128-byte aligned (bf16)
 _SHM_DIR = "/dev/shm"
 _SEGMENT_NAME = re.compile(r"reshard-[0-9]{1,10}-[0-9a-f]{32}")
-
-
-@dataclass(frozen=True)
-class SharedStats:
-    process: int
-    version: int
-    staged: bool
-    seconds: float
-    phases: dict[str, float] = field(default_factory=dict)  # transfer (until every sender is done), agree, commit
-    bytes_out: int = 0  # copied into peers' memory
-    bytes_in: int = 0  # received from peers
-    local_bytes: int = 0
-    staging_bytes: int = 0
 
 
 # --- shared memory on CPU -------------------------------------------------------------------------------------
@@ -203,7 +190,7 @@ def open_handle(h: dict[str, Any], dtype: torch.dtype, device: torch.device, seg
 
 # --- the executor -----------------------------------------------------------------------------------------
 
-class SharedExecutor(Executor):
+class SharedExecutor(VotedExecutor):
     """One process's part of a plan between processes of one host (see the module docstring).
 
     store: a torch.distributed store every process of the binding reaches (the refit's rendezvous).
@@ -216,6 +203,7 @@ class SharedExecutor(Executor):
     """
 
     name = "shared"
+    label = "shared-memory"
 
     def __init__(self, plan: Plan, binding: Binding, process: int, src: RankTensors, dst: RankTensors, *,
                  store: Any, staged: bool = True, timeout: float = 60.0, namespace: str = "default",
@@ -235,7 +223,7 @@ class SharedExecutor(Executor):
         self.timeout, self.poll_max_s = timeout, poll_max_s
         self.itemsize, self.dtype = plan.itemsize, torch_dtype(plan.dst.dtype)
         self.num_processes = len(binding.processes)
-        self._version, self._broken, self._closed = 0, None, False
+        self._start_versions()
         self._segments: dict[str, Segment] = {}
         self._created: list[Segment] = []
         self._check_and_view(src, dst)
@@ -346,9 +334,11 @@ class SharedExecutor(Executor):
             self._sum_out = {q: self._views(ops, self.src_flat, "src") for q, ops in self._sends.items()}
             self._sum_in = {f: self._views(self._received[sender == f], self._landing, "dst") for f in self._feeders}
         o = self.plan.ops
-        numel = lambda ops: int((o["rows"][ops] * o["cols"][ops]).sum())  # noqa: E731
-        self._bytes = {"out": sum(numel(ops) for ops in self._sends.values()) * self.itemsize,
-                       "in": numel(self._received) * self.itemsize, "local": numel(self._local) * self.itemsize}
+        nbytes = lambda ops: int((o["rows"][ops] * o["cols"][ops]).sum()) * self.itemsize  # noqa: E731
+        sender = np.asarray(self.binding.src, np.int64)[o["src_rank"][self._received]]
+        self._bytes_sent = {q: nbytes(ops) for q, ops in self._sends.items()}
+        self._bytes_received = {f: nbytes(self._received[sender == f]) for f in self._feeders}
+        self._local_bytes = nbytes(self._local)
 
     def _arena(self, numel: int) -> torch.Tensor:
         if self.device.type == "cuda":
@@ -358,49 +348,29 @@ class SharedExecutor(Executor):
         return seg.tensor[:numel * self.itemsize].view(self.dtype)
 
     # --- a refit -------------------------------------------------------------------------------------
-    def refit(self, version: int | None = None) -> SharedStats:
-        """Move this process's part of one refit; every process of the binding calls it with the same version."""
-        if self._closed:
-            raise ExecutionError("this shared-memory executor is closed")
-        if self._broken is not None:
-            raise ExecutionError(f"this shared-memory executor failed earlier ({self._broken}); build a new one with "
-                                 f"a new namespace")
-        v = self._version + 1 if version is None else int(version)
-        if v <= self._version:
-            raise ExecutionError(f"version {v} is not after the last refit's ({self._version})")
-        start = time.perf_counter()
-        deadline = time.monotonic() + self.timeout
-        ex, marks = self.exchange, []
-        try:
-            with torch.no_grad():
-                if self._landed:
-                    ex.signal(f"v{v}/ready/{self.process}")  # my landing memory is free
-                for q, program in self._send_programs.items():
-                    ex.wait_count(f"v{v}/ready/{q}", 1, v, deadline, self.poll_max_s,
-                                  f"process {q} to be ready for refit {v}")
-                    program.run()
-                    if self.device.type == "cuda":
-                        torch.cuda.current_stream(self.device).synchronize()
-                    if self.checksum:
-                        ex.store.set(f"v{v}/sum/{self.process}/{q}", self._digest(self._sum_out[q]))
-                    ex.signal(f"v{v}/done/{q}")
-                if not self.staged:
-                    self._local_program.run()
-                if self._feeders:
-                    ex.wait_count(f"v{v}/done/{self.process}", len(self._feeders), v, deadline, self.poll_max_s,
-                                  f"processes {self._feeders} to write their bytes of refit {v}")
-                    if self.checksum:
-                        self._check_sums(v)
-                marks.append(("transfer", time.perf_counter()))
-                ex.vote(v)
-                ex.wait_all(v, self.num_processes, deadline, self.poll_max_s)
-                marks.append(("agree", time.perf_counter()))
-        except ReshardError as e:
-            self._fail(v, str(e))
-            raise ExecutionError(self._failure(v, str(e))) from e
-        except Exception as e:  # noqa: BLE001 - a store or copy error: named, original kept as the cause
-            self._fail(v, f"{type(e).__name__}: {e}")
-            raise ExecutionError(self._failure(v, f"{type(e).__name__}: {e}")) from e
+    def _transfer(self, v: int, deadline: float) -> None:
+        ex = self.exchange
+        with torch.no_grad():
+            if self._landed:
+                ex.signal(f"v{v}/ready/{self.process}")  # my landing memory is free
+            for q, program in self._send_programs.items():
+                ex.wait_count(f"v{v}/ready/{q}", 1, v, deadline, self.poll_max_s,
+                              f"process {q} to be ready for refit {v}")
+                program.run()
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()
+                if self.checksum:
+                    ex.store.set(f"v{v}/sum/{self.process}/{q}", self._digest(self._sum_out[q]))
+                ex.signal(f"v{v}/done/{q}")
+            if not self.staged:
+                self._local_program.run()
+            if self._feeders:
+                ex.wait_count(f"v{v}/done/{self.process}", len(self._feeders), v, deadline, self.poll_max_s,
+                              f"processes {self._feeders} to write their bytes of refit {v}")
+                if self.checksum:
+                    self._check_sums(v)
+
+    def _commit(self) -> None:
         with torch.no_grad():
             if self.staged:
                 self._commit_program.run()
@@ -408,18 +378,21 @@ class SharedExecutor(Executor):
             apply_shifts(self._shifts)
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
-        marks.append(("commit", time.perf_counter()))
-        ex.forget(self._version, tuple(f"v{self._version}/{k}/{p}" for k in ("ready", "done")
-                                       for p in self.binding.processes)
-                  + tuple(f"v{self._version}/sum/{f}/{self.process}" for f in self._feeders if self.checksum))
-        if self._version == 0:  # every peer mapped our segments at set-up, before voting: their names can go
+
+    def _forget(self, previous: int) -> None:
+        self.exchange.forget(previous, tuple(f"v{previous}/{k}/{p}" for k in ("ready", "done")
+                                             for p in self.binding.processes)
+                             + tuple(f"v{previous}/sum/{f}/{self.process}" for f in self._feeders if self.checksum))
+        if previous == 0:  # every peer mapped our segments at set-up, before voting: their names can go
             for seg in self._created:
                 seg.unlink()
-        self._version = v
-        times = [start] + [t for _, t in marks]
-        return SharedStats(self.process, v, self.staged, times[-1] - start,
-                           {name: times[i + 1] - times[i] for i, (name, _) in enumerate(marks)},
-                           self._bytes["out"], self._bytes["in"], self._bytes["local"], self._staging_bytes)
+
+    def _stats(self, v: int, seconds: float, phases: dict[str, float]) -> RefitStats:
+        return RefitStats(executor=self.name, process=self.process, version=v, seconds=seconds, phases=phases,
+                          staged=self.staged, ops=len(self._received) + len(self._local),
+                          bytes_sent=self._bytes_sent, bytes_received=self._bytes_received,
+                          local_bytes=self._local_bytes, staging_bytes=self._staging_bytes,
+                          transfers=len(self._sends) + len(self._feeders), checksum=self.checksum or "")
 
     def _views(self, ops: np.ndarray, flat: dict[int, torch.Tensor], side: str) -> list[torch.Tensor]:
         o = self.plan.ops
@@ -448,15 +421,6 @@ class SharedExecutor(Executor):
         if bad:
             raise ExecutionError("; ".join(bad))
 
-    def _fail(self, v: int, reason: str) -> None:
-        self._broken = reason
-        self.exchange.fail(v, f"process {self.process}: {reason}")
-
-    def _failure(self, v: int, what: str) -> str:
-        state = ("destination tensors were left unchanged (staged refit)" if self.staged else
-                 "destination tensors may be partly written (in place)")
-        return f"refit {v} failed on process {self.process} (plan {self.plan.digest[:12]}): {what}; {state}"
-
     def close(self) -> None:
         if self._closed:
             return
@@ -469,4 +433,4 @@ class SharedExecutor(Executor):
         self._created.clear()
 
 
-__all__ = ["SharedExecutor", "SharedStats", "export", "open_handle", "release_shared", "shared_empty"]
+__all__ = ["SharedExecutor", "export", "open_handle", "release_shared", "shared_empty"]

@@ -139,7 +139,7 @@ class ReshardCheckpointEngine:
     # --- 1. prepare ------------------------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
         """Host a rendezvous store (only policy worker 0's is used) and say what this engine was built for."""
-        from ..executors import rendezvous as rv
+        from ..adapters import rendezvous as rv
 
         self.offer, self.store = rv.host_store(rv.Rendezvous.new(self.host, timeout=min(self.timeout, 300.0)))
         return {"reshard": self._settings(), "rendezvous": self.offer.to_dict()}
@@ -166,7 +166,7 @@ class ReshardCheckpointEngine:
     def _join(self, role: str, rank: int, train_world_size: int, rollout_world_size: int,
               metadata: list[Any]) -> None:
         from ..adapters.refit import RefitSpec, open_transport
-        from ..executors import rendezvous as rv
+        from ..adapters import rendezvous as rv
         from ..executors.local import empty_for
 
         T, R = train_world_size, rollout_world_size

@@ -10,25 +10,27 @@ The modules, each importing only those listed before it:
   roles        the shared roles as Kinds
   cut_layout   a layout that places every tensor by its kind's cuts
   megatron, vllm, hf    the three layouts; spec_string: layouts as strings and JSON
-  family       ModelFamily, the base class of a family file (subclassing registers it)
-  families/    one file per family, every one imported with the package
+  family       ModelFamily, the base class of a family file
   fp8          FP8 block-scaled destinations: the scheme, the wire spec (fp8 + scales), their cuts; lists its
                entries through the registry's entry transforms
   lora         LoRA adapters as models (family "lora"), the PEFT and vLLM-slot layouts
+  families/    one file per family; BUILT_IN_FAMILIES lists them
+Nothing registers itself: the package calls `families.register_built_ins()` once, below (the built-in families
+and FP8's entry transform); `register_family(cls)` adds a family defined elsewhere.
 """
 from .base import Layout, Placement
-from .families import (ModelFamily, discover, read_hf_config, registered_families, spec_from_hf_config,
-                       supported_architectures)
+from .families import (ModelFamily, discover, read_hf_config, register_built_ins, register_family,
+                       registered_families, spec_from_hf_config, supported_architectures)
 from .hf import HfLayout
 from .megatron import MegatronLayout
 from .model import ModelSpec, Role, TensorSpec
 from .spec_string import LAYOUT_KINDS, layout_from_dict, layout_to_dict, parse_layout
 from .vllm import VllmLayout
-from . import fp8  # noqa: F401 - registers the FP8 wire specs' entry transform (layouts.registry)
-from . import lora  # noqa: E402  registers the "lora" family (adapters as models)
+
+register_built_ins()
 
 __all__ = [
     "HfLayout", "LAYOUT_KINDS", "Layout", "MegatronLayout", "ModelFamily", "ModelSpec", "Placement", "Role",
     "TensorSpec", "VllmLayout", "discover", "layout_from_dict", "layout_to_dict", "parse_layout", "read_hf_config",
-    "registered_families", "spec_from_hf_config", "supported_architectures",
+    "register_family", "registered_families", "spec_from_hf_config", "supported_architectures",
 ]

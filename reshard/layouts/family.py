@@ -5,7 +5,8 @@ layer (`layer`, plus `head` and `tail`), each an `Entry` with its HF name and a 
 `roles.py` says) or the family's own `cuts.Kind` (with its Megatron and vLLM names and cuts), (3) what the
 checkpoint holds that refits leave out (`excluded`), (4) the megatron-core options its tensors imply
 (`megatron_options`, `megatron_block`; `from_megatron` when a spec can be read off a megatron-core config) and
-(5) the vLLM parameters that hold no weights (`vllm_not_weights`). Defining a concrete subclass registers it.
+(5) the vLLM parameters that hold no weights (`vllm_not_weights`). `registry.register_family(cls)` registers a
+concrete subclass; the built-in ones are listed in `families.BUILT_IN_FAMILIES`.
 """
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from typing import Any, ClassVar, Sequence
 
 from ..errors import ModelConfigError
 from ..limits import MAX_DIM, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, check_limit
-from . import registry
 from .hf_config import get_bool, get_int, get_str
 from .model import LAYER, Entry, Experts, ModelSpec, Role
 
@@ -42,8 +42,6 @@ class ModelFamily(abc.ABC):
         super().__init_subclass__(**kwargs)
         if "spec" in cls.__dict__ and not getattr(cls.__dict__["spec"], "generic_rules", False):
             cls.spec = _with_generic_rules(cls.__dict__["spec"])  # every family, a plugin's too
-        if not getattr(cls, "__abstractmethods__", None):
-            registry.register(cls())
 
     @abc.abstractmethod
     def spec(self, config: dict[str, Any], include_mtp: bool = False) -> ModelSpec:

@@ -24,7 +24,6 @@ from pydantic import ConfigDict, StrictInt, StrictStr, field_validator
 
 from ..errors import LayoutError, ModelConfigError
 from .cuts import Cut, Group, Kind, Piece, Shape
-from . import registry
 from .model import Entry, Experts, ModelSpec, Role
 from .validated import ValidatedModel
 
@@ -297,6 +296,3 @@ def scale_shape(shape: Shape, block: tuple[int, int]) -> Shape:
 __all__ = ["FP8", "FP8_MAX", "Fp8Scheme", "LINEAR_ROLES", "STAGING", "ScaledCut", "WireInfo", "block_math",
            "is_quantized", "quantized_entries", "scale_kind", "scale_name", "scale_shape", "staged_kind",
            "transform_items", "wire_info", "wire_spec"]
-
-
-registry.register_entry_transform(transform_items)

@@ -382,8 +382,3 @@ class VllmLoraLayout(VllmLayout):
 __all__ = ["BASE_FAMILIES", "EXPERT_ADAPTERS", "LoraFacts", "LoraFamily", "LoraKind", "PEFT_MODULES", "PeftLayout",
            "TARGETS", "VllmLoraLayout", "base_spec", "lora_facts", "lora_kinds", "lora_spec", "peft_config"]
 
-
-# Adapter layouts travel in plan files and refit specs like the others (by kind).
-from .spec_string import LAYOUT_KINDS  # noqa: E402
-
-LAYOUT_KINDS.update({PeftLayout.kind: PeftLayout, VllmLoraLayout.kind: VllmLoraLayout})

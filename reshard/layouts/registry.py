@@ -1,8 +1,9 @@
 """The registry of model families: by name (`ModelSpec.family`) and by HF architecture / model_type.
 
-At the bottom of the layouts: it imports nothing from them, so the spec can look a family up and the families
-can register into it without a circle. A family registers itself when its class is defined (`family.py`);
-the built-in ones are the modules of `families/`, imported by the package.
+At the bottom of the layouts: it imports nothing from them, so the spec can look a family up and the families can
+be registered into it without a circle. Registration is explicit: `families.register_built_ins()` (called once by
+the package, `reshard.layouts`) registers the list `families.BUILT_IN_FAMILIES` and FP8's entry transform; a family
+defined elsewhere is registered by `families.register_family(cls)`.
 """
 from __future__ import annotations
 
@@ -25,12 +26,13 @@ def register_entry_transform(transform: Any) -> None:
 
 
 def entry_transforms() -> tuple[Any, ...]:
+    """What every canonical table applies to its family's entries, in order."""
     return tuple(_ENTRY_TRANSFORMS)
 
 
 def register(family: Any) -> None:
-    """Make `family` (a ModelFamily) findable by its name, architectures and model types; a later
-    registration of the same name replaces the earlier one (a module imported again)."""
+    """Make `family` (a ModelFamily instance) findable by its name, architectures and model types; a later
+    registration of the same name replaces the earlier one."""
     for key in family.architectures + family.model_types:
         _BY_KEY[key] = family
     _BY_NAME[family.name] = family

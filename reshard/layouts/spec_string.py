@@ -10,11 +10,14 @@ from typing import Any
 from ..errors import LayoutError, LimitError, show
 from .base import Layout
 from .hf import HfLayout
+from .lora import PeftLayout, VllmLoraLayout
 from .megatron import MegatronLayout
 from .model import ModelSpec
 from .vllm import VllmLayout
 
-LAYOUT_KINDS: dict[str, type[Layout]] = {cls.kind: cls for cls in (MegatronLayout, VllmLayout, HfLayout)}
+# every layout kind plan files and refit specs may name (adapter layouts travel like the others)
+LAYOUT_KINDS: dict[str, type[Layout]] = {cls.kind: cls for cls in (MegatronLayout, VllmLayout, HfLayout, PeftLayout,
+                                                                   VllmLoraLayout)}
 
 # Short aliases accepted in layout strings.
 _ALIASES = {"ep": {"vllm": "expert_parallel"}, "first": {"megatron": "first_stage_layers"},

@@ -15,8 +15,8 @@ with `pipelined`, overlap as relays forward chunks while they arrive: then the p
 resource over all stages, plus one chunk and one latency per tree level to fill the pipeline.
 
 Ranks sit on GPUs in order: source rank s on GPU s; destination rank d on GPU `dst_first_gpu` + d (default right
-after the source's GPUs), or on source rank d's GPU when the plan is colocated; `src_gpus` / `dst_gpus` give any
-other placement. GPU g is in node g // gpus_per_node.
+after the source's GPUs), or on source rank d's GPU when the plan is colocated; `src_gpus` / `dst_gpus` put them
+on any other GPUs. GPU g is in node g // gpus_per_node.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ LINK_CLASSES = ("device", "nvlink", "network")
 
 
 @dataclass(frozen=True)
-class Topology:
+class ClusterModel:
     """Where ranks sit and how fast things move. Bandwidths in bytes/s, latencies in seconds."""
 
     gpus_per_node: int = 8
@@ -84,9 +84,9 @@ class Topology:
         if bad:
             from ..errors import PlanError
 
-            raise PlanError("topology figures must be positive (latencies and overheads non-negative)", bad)
+            raise PlanError("cluster model figures must be positive (latencies and overheads non-negative)", bad)
 
-    def with_(self, **changes) -> "Topology":
+    def with_(self, **changes) -> "ClusterModel":
         return replace(self, **changes)
 
 
@@ -123,7 +123,7 @@ class Prediction:
     stages: tuple[StagePrediction, ...]
     busiest: Resource | None  # over the whole plan (per stage when not pipelined: the slowest stage's)
     depth: int  # fan-out tree depth (stages - 1)
-    topology: Topology = field(repr=False)
+    cluster: ClusterModel = field(repr=False)
 
     @property
     def bytes_by_class(self) -> dict[str, int]:
@@ -169,46 +169,46 @@ def transfer_table(plan: "Plan") -> dict[str, np.ndarray]:
     return cols
 
 
-def _rank_gpus(plan: "Plan", topo: Topology) -> tuple[np.ndarray, np.ndarray]:
+def _rank_gpus(plan: "Plan", cluster: ClusterModel) -> tuple[np.ndarray, np.ndarray]:
     """GPU of every source rank and of every destination rank."""
     S, D = plan.src.num_ranks, plan.dst.num_ranks
-    src = np.asarray(topo.src_gpus if topo.src_gpus is not None else range(S), dtype=np.int64)
-    if topo.dst_gpus is not None:
-        dst = np.asarray(topo.dst_gpus, dtype=np.int64)
+    src = np.asarray(cluster.src_gpus if cluster.src_gpus is not None else range(S), dtype=np.int64)
+    if cluster.dst_gpus is not None:
+        dst = np.asarray(cluster.dst_gpus, dtype=np.int64)
     elif plan.colocation is not None:  # on the GPU of the source rank it shares a device with
         dst = src[np.asarray(plan.colocation, dtype=np.int64)]
     else:
-        first = int(src.max(initial=-1)) + 1 if topo.dst_first_gpu is None else topo.dst_first_gpu
+        first = int(src.max(initial=-1)) + 1 if cluster.dst_first_gpu is None else cluster.dst_first_gpu
         dst = first + np.arange(D)
     if len(src) != S or len(dst) != D:
         from ..errors import PlanError
 
-        raise PlanError(f"topology places {len(src)} source and {len(dst)} destination ranks; the plan has "
+        raise PlanError(f"the cluster model places {len(src)} source and {len(dst)} destination ranks; the plan has "
                         f"{S} and {D}")
     return src, dst
 
 
-def _gpus(plan: "Plan", topo: Topology, tr: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    src, dst = _rank_gpus(plan, topo)
+def _gpus(plan: "Plan", cluster: ClusterModel, tr: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    src, dst = _rank_gpus(plan, cluster)
     src_gpu = np.where(tr["side"] == RELAY, dst[np.minimum(tr["src"], len(dst) - 1)],
                        src[np.minimum(tr["src"], len(src) - 1)])
     return src_gpu, dst[tr["dst"]]
 
 
-def _role(plan: "Plan", topo: Topology, gpu: int) -> str:
-    src, dst = _rank_gpus(plan, topo)
+def _role(plan: "Plan", cluster: ClusterModel, gpu: int) -> str:
+    src, dst = _rank_gpus(plan, cluster)
     roles = [f"src rank {int(r)}" for r in np.flatnonzero(src == gpu)[:2]]
     roles += [f"dst rank {int(r)}" for r in np.flatnonzero(dst == gpu)[:2]]
     return " + ".join(roles) or "idle"
 
 
-def _stage(plan: "Plan", topo: Topology, tr, sel, s: int) -> tuple[StagePrediction, dict[str, np.ndarray]]:
-    src_gpu, dst_gpu = _gpus(plan, topo, tr)
+def _stage(plan: "Plan", cluster: ClusterModel, tr, sel, s: int) -> tuple[StagePrediction, dict[str, np.ndarray]]:
+    src_gpu, dst_gpu = _gpus(plan, cluster, tr)
     src_gpu, dst_gpu = src_gpu[sel], dst_gpu[sel]
     nbytes, ops = tr["bytes"][sel].astype(np.float64), tr["ops"][sel]
     n = int(max(src_gpu.max(initial=0), dst_gpu.max(initial=0))) + 1
     same = src_gpu == dst_gpu
-    node = topo.gpus_per_node
+    node = cluster.gpus_per_node
     nv = ~same & (src_gpu // node == dst_gpu // node)
     net = ~same & ~nv
     load = {
@@ -220,15 +220,15 @@ def _stage(plan: "Plan", topo: Topology, tr, sel, s: int) -> tuple[StagePredicti
     load["nvlink both"] = load["nvlink out"] + load["nvlink in"]
     cross = ~same
     copies = (np.bincount(src_gpu[same], weights=nbytes[same], minlength=n)  # local copies
-              + topo.pack_copies * (np.bincount(src_gpu[cross], weights=nbytes[cross], minlength=n)
+              + cluster.pack_copies * (np.bincount(src_gpu[cross], weights=nbytes[cross], minlength=n)
                                     + np.bincount(dst_gpu[cross], weights=nbytes[cross], minlength=n))
               # staging shadows only tensors that receive bytes from another process: a GPU fed only by local
               # copies stages nothing (its copies run once, at commit)
-              + topo.commit_copies * np.bincount(dst_gpu, weights=nbytes, minlength=n)
+              + cluster.commit_copies * np.bincount(dst_gpu, weights=nbytes, minlength=n)
               * (np.bincount(dst_gpu[cross], weights=nbytes[cross], minlength=n) > 0))
-    bw = {"copy": topo.copy_bandwidth, "nvlink out": topo.nvlink_bandwidth, "nvlink in": topo.nvlink_bandwidth,
-          "nvlink both": topo.nvlink_bidirectional, "nic out": topo.network_bandwidth,
-          "nic in": topo.network_bandwidth}
+    bw = {"copy": cluster.copy_bandwidth, "nvlink out": cluster.nvlink_bandwidth, "nvlink in": cluster.nvlink_bandwidth,
+          "nvlink both": cluster.nvlink_bidirectional, "nic out": cluster.network_bandwidth,
+          "nic in": cluster.network_bandwidth}
     busiest, worst = None, 0.0
     for kind, l in load.items():
         if not l.any():
@@ -236,26 +236,26 @@ def _stage(plan: "Plan", topo: Topology, tr, sel, s: int) -> tuple[StagePredicti
         g = int(np.argmax(l))
         secs = float(l[g]) / bw[kind]
         if secs > worst:
-            busiest, worst = Resource(kind, g, _role(plan, topo, g), int(l[g]), secs), secs
-    copy_time = 2 * copies / topo.copy_bandwidth  # a copy reads and writes
+            busiest, worst = Resource(kind, g, _role(plan, cluster, g), int(l[g]), secs), secs
+    copy_time = 2 * copies / cluster.copy_bandwidth  # a copy reads and writes
     if copy_time.any():
-        if topo.overlap_copies:
+        if cluster.overlap_copies:
             g = int(np.argmax(copy_time))
             if copy_time[g] > worst:
-                busiest, worst = Resource("copy", g, _role(plan, topo, g), int(copies[g]), float(copy_time[g])), \
+                busiest, worst = Resource("copy", g, _role(plan, cluster, g), int(copies[g]), float(copy_time[g])), \
                     float(copy_time[g])
         else:  # copies follow the wire on each GPU
             wire_per_gpu = np.max([load[k] / bw[k] for k in load], axis=0)
             total = wire_per_gpu + copy_time
             g = int(np.argmax(total))
             if total[g] > worst:
-                busiest, worst = Resource("wire + copy", g, _role(plan, topo, g), int(copies[g]), float(total[g])), \
+                busiest, worst = Resource("wire + copy", g, _role(plan, cluster, g), int(copies[g]), float(total[g])), \
                     float(total[g])
     load["copy"] = 2 * copies
-    latency = max([topo.copy_latency] * bool(same.any()) + [topo.nvlink_latency] * bool(nv.any())
-                  + [topo.network_latency] * bool(net.any()), default=0.0)
+    latency = max([cluster.copy_latency] * bool(same.any()) + [cluster.nvlink_latency] * bool(nv.any())
+                  + [cluster.network_latency] * bool(net.any()), default=0.0)
     per_gpu_ops = np.bincount(src_gpu, weights=ops, minlength=n) + np.bincount(dst_gpu, weights=ops, minlength=n)
-    op_secs = float(per_gpu_ops.max(initial=0)) * topo.op_overhead
+    op_secs = float(per_gpu_ops.max(initial=0)) * cluster.op_overhead
     classes = {"device": same, "nvlink": nv, "network": net}
     pred = StagePrediction(
         stage=s, seconds=worst + latency + op_secs, transfer_seconds=worst, latency_seconds=latency,
@@ -265,46 +265,48 @@ def _stage(plan: "Plan", topo: Topology, tr, sel, s: int) -> tuple[StagePredicti
     return pred, {k: v / bw[k] for k, v in load.items()}
 
 
-def predict(plan: "Plan", topology: Topology | None = None) -> Prediction:
-    """The plan's predicted wall time on `topology` (default: 8-GPU nodes on NVLink, 400 Gb/s NICs)."""
+def predict(plan: "Plan", cluster: ClusterModel | None = None) -> Prediction:
+    """The plan's predicted wall time on `cluster` (default: 8-GPU nodes on NVLink, 400 Gb/s NICs)."""
     from ..arguments import instance
     from .plan import Plan
 
     instance("plan", plan, Plan, "a Plan")
-    instance("topology", topology, Topology, "a Topology", none=True)
-    topo = topology or Topology()
+    instance("cluster", cluster, ClusterModel, "a ClusterModel", none=True)
+    cluster = cluster or ClusterModel()
     tr = transfer_table(plan)
     stages, times = [], []
     for s in range(plan.num_stages):
-        pred, t = _stage(plan, topo, tr, tr["stage"] == s, s)
+        pred, t = _stage(plan, cluster, tr, tr["stage"] == s, s)
         stages.append(pred)
         times.append(t)
     depth = max(plan.num_stages - 1, 0)
     if not stages:
-        return Prediction(0.0, topo.pipelined, (), None, 0, topo)
-    if not topo.pipelined:
+        return Prediction(0.0, cluster.pipelined, (), None, 0, cluster)
+    if not cluster.pipelined:
         slowest = max(stages, key=lambda x: x.transfer_seconds)
-        return Prediction(sum(x.seconds for x in stages), False, tuple(stages), slowest.busiest, depth, topo)
+        return Prediction(sum(x.seconds for x in stages), False, tuple(stages), slowest.busiest, depth, cluster)
     # Pipelined: all stages share the resources; each level beyond the first adds one chunk and one latency.
     size = max(len(v) for t in times for v in t.values())
     total = {k: sum(np.pad(t[k], (0, size - len(t[k]))) for t in times) for k in times[0]}
     kind = max(total, key=lambda k: total[k].max(initial=0))
     g = int(np.argmax(total[kind]))
     secs = float(total[kind][g])
-    bw = {"copy": topo.copy_bandwidth, "nvlink out": topo.nvlink_bandwidth, "nvlink in": topo.nvlink_bandwidth,
-          "nvlink both": topo.nvlink_bidirectional, "nic out": topo.network_bandwidth, "nic in": topo.network_bandwidth}
+    bw = {"copy": cluster.copy_bandwidth, "nvlink out": cluster.nvlink_bandwidth, "nvlink in": cluster.nvlink_bandwidth,
+          "nvlink both": cluster.nvlink_bidirectional, "nic out": cluster.network_bandwidth,
+          "nic in": cluster.network_bandwidth}
     nbytes = secs * bw[kind] / (2 if kind == "copy" else 1)
-    busiest = Resource(kind, g, _role(plan, topo, g), int(nbytes), secs)
-    fill = sum(min(topo.chunk_bytes, max(x.bytes_by_class.values())) / _slowest_bw(topo, x) + x.latency_seconds
+    busiest = Resource(kind, g, _role(plan, cluster, g), int(nbytes), secs)
+    fill = sum(min(cluster.chunk_bytes, max(x.bytes_by_class.values())) / _slowest_bw(cluster, x) + x.latency_seconds
                for x in stages[1:])
     overhead = stages[0].latency_seconds + sum(x.op_seconds for x in stages)
-    return Prediction(secs + fill + overhead, True, tuple(stages), busiest, depth, topo)
+    return Prediction(secs + fill + overhead, True, tuple(stages), busiest, depth, cluster)
 
 
-def _slowest_bw(topo: Topology, stage: StagePrediction) -> float:
+def _slowest_bw(cluster: ClusterModel, stage: StagePrediction) -> float:
     used = [c for c, n in stage.bytes_by_class.items() if n]
-    bws = {"device": topo.copy_bandwidth / 2, "nvlink": topo.nvlink_bandwidth, "network": topo.network_bandwidth}
-    return min((bws[c] for c in used), default=topo.network_bandwidth)
+    bws = {"device": cluster.copy_bandwidth / 2, "nvlink": cluster.nvlink_bandwidth,
+           "network": cluster.network_bandwidth}
+    return min((bws[c] for c in used), default=cluster.network_bandwidth)
 
 
 def format_prediction(pred: Prediction) -> str:
@@ -324,13 +326,13 @@ def format_prediction(pred: Prediction) -> str:
     return "\n".join(lines)
 
 
-def compare_with_measurement(plan: "Plan", measured_seconds: float, topology: Topology | None = None) -> str:
+def compare_with_measurement(plan: "Plan", measured_seconds: float, cluster: ClusterModel | None = None) -> str:
     """One line for benchmarks: prediction beside measurement, with the relative error and the bottleneck."""
     from ..arguments import number
 
     if number("measured_seconds", measured_seconds) <= 0:
         raise ArgumentError("measured_seconds", measured_seconds, "must be a positive number of seconds")
-    pred = predict(plan, topology)
+    pred = predict(plan, cluster)
     err = (pred.seconds - measured_seconds) / measured_seconds if measured_seconds > 0 else float("inf")
     where = f"; busiest {pred.busiest}" if pred.busiest is not None else ""
     return (f"predicted {pred.seconds:.4f} s, measured {measured_seconds:.4f} s, error {err:+.1%} "

@@ -122,9 +122,9 @@ def arm(kind: str, fault: str, ex: Any) -> Callable[[], None]:
         if fault != "corrupt":
             ex.on_round = lambda index: _stop(action) if index >= 1 else None
             return lambda: None
-        from ..executors.engines import HostEngine
+        from ..executors.runners import HostRunner
 
-        original = HostEngine.post
+        original = HostRunner.post
         state = {"done": False}
 
         def post(self: Any, pos: int) -> Any:  # after pack hashed the bytes: flip one on the wire
@@ -133,8 +133,8 @@ def arm(kind: str, fault: str, ex: Any) -> Callable[[], None]:
                 state["done"] = True
             return original(self, pos)
 
-        HostEngine.post = post
-        return lambda: setattr(HostEngine, "post", original)
+        HostRunner.post = post
+        return lambda: setattr(HostRunner, "post", original)
     if fault != "corrupt":
         exchange = ex.exchange
         vote = exchange.vote

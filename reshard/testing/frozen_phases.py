@@ -113,7 +113,7 @@ def worker(process: int, port: int, workdir: str, case_id: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from ..executors import rendezvous as rv
+    from ..adapters import rendezvous as rv
     from ..executors.local import allocate, shard
     from ..planner import Plan
 
@@ -177,7 +177,7 @@ def run_cases(case_ids: list[str], workdir: Path, timeout: float, limit: float =
     """Run the cases at once; {case id: the survivors' results}."""
     import torch.distributed as dist
 
-    from ..executors import rendezvous as rv
+    from ..adapters import rendezvous as rv
 
     workdir.mkdir(parents=True, exist_ok=True)
     plan = fault_plan(workdir / "plan.npz")

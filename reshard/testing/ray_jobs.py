@@ -96,7 +96,7 @@ class MegatronTrainerActor:
             t0 = time.perf_counter()
             try:
                 r = self.sessions[name].refit(version)
-                sent = sum(getattr(r.stats, "bytes_sent", {}).values()) if r.stats is not None else 0
+                sent = sum(r.stats.bytes_sent.values()) if r.stats is not None else 0
                 out[name] = {"ok": True, "seconds": r.seconds, "phases": r.phases, "bytes_sent": sent}
             except Exception as e:  # noqa: BLE001 - reported to the caller, which decides
                 out[name] = {"ok": False, "error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - t0,

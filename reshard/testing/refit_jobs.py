@@ -20,7 +20,8 @@ from ..errors import ExecutionError
 from ..executors import allocate, execute_local, shard
 from ..executors.binding import Binding
 from ..executors.comm import StoreComm
-from ..executors.distributed import DistributedExecutor, ExecutionStats
+from ..executors.distributed import DistributedExecutor
+from ..executors.stats import RefitStats
 from ..planner import Plan
 
 SENTINEL = -7.0
@@ -56,10 +57,10 @@ def _group(case: dict[str, Any], groups: dict, members: tuple[int, ...], me: int
     return StoreComm(store, me, len(members), "nccl" if "nccl" in backend else "gloo", timeout)
 
 
-def _stats(s: ExecutionStats) -> dict[str, Any]:
+def _stats(s: RefitStats) -> dict[str, Any]:
     return {"bytes_sent": {str(k): v for k, v in s.bytes_sent.items()},
             "bytes_received": {str(k): v for k, v in s.bytes_received.items()},
-            "local_bytes": s.local_bytes, "rounds": s.rounds, "messages": s.messages, "staged": s.staged,
+            "local_bytes": s.local_bytes, "rounds": s.rounds, "transfers": s.transfers, "staged": s.staged,
             "undo": s.undo, "lanes": s.lanes,
             "staging_bytes": s.staging_bytes, "bucket_bytes": s.bucket_bytes}
 

@@ -81,9 +81,9 @@ def _executor(kind: str, plan: Any, process: int, src: dict, dst: dict, store: A
 def _steps(kind: str, ex: Any) -> list[tuple[Any, str]]:
     """(object, method name) of the steps a refit calls, where an interrupt may strike."""
     if kind == "gloo":
-        from ..executors.engines import HostEngine
+        from ..executors.runners import HostRunner
 
-        return [(HostEngine, "pack"), (HostEngine, "post"), (HostEngine, "complete"), (ex, "_agree"),
+        return [(HostRunner, "pack"), (HostRunner, "post"), (HostRunner, "complete"), (ex, "_agree"),
                 (ex, "_preflight")]
     if kind == "nixl":
         return [(ex, "_post"), (ex, "_notify"), (ex, "_arrived"), (ex.exchange, "vote"), (ex, "_run")]

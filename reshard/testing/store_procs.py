@@ -157,8 +157,11 @@ def plan_worker(process: int, port: int, workdir: str) -> None:
                 out["ok"].append(not bad)
                 if bad:
                     out["errors"].append(f"refit {r + 1}: mismatch in {bad[:5]}")
-                out["direction"] = getattr(stats, "direction", None)
-                out["packed"] = getattr(stats, "packed_links", None)
+                out["direction"] = stats.direction or None
+                out["packed"] = stats.packed_transfers
+                out["stats"] = {"executor": stats.executor, "ops": stats.ops, "version": stats.version,
+                                "sent": {str(q): n for q, n in stats.bytes_sent.items()},
+                                "received": {str(q): n for q, n in stats.bytes_received.items()}}
             out["set_up_calls_during_refits"] = {n: c for n, c in counter.counts.items() if c} if counter else {}
             out["handles_reused"] = all(conn.handles.get(i) is h for i, h in handles.items())
             ex.close()
@@ -190,6 +193,25 @@ def check_plan_results(workdir: Path, jobs: list[dict], processes: int, refits: 
     assert not problems, "\n".join(problems)
     for k, job in enumerate(jobs):
         assert seen[k] == Binding.from_dict(job["binding"]).num_processes, f"job {k} ran on {seen[k]} processes"
+    _check_stats(workdir, jobs, processes, refits)
+
+
+def _check_stats(workdir: Path, jobs: list[dict], processes: int, refits: int) -> None:
+    """Every process's RefitStats of a job's last refit agree with its peers' (what p sent q, q received from p)
+    and with the plan (every op lands on exactly one process)."""
+    from ..planner import Plan
+
+    stats: dict[int, dict[int, dict]] = {}
+    for p in range(processes):
+        for r in json.loads((Path(workdir) / f"result-{p}.json").read_text()):
+            stats.setdefault(r["job"], {})[p] = r["stats"]
+    for k, job in enumerate(jobs):
+        by = stats[k]
+        for p, s in by.items():
+            assert s["executor"] == job.get("executor", "nixl") and s["version"] == refits, (k, p, s)
+            for q, n in s["sent"].items():
+                assert by[int(q)]["received"].get(str(p)) == n, (k, p, q, n, by[int(q)]["received"])
+        assert sum(s["ops"] for s in by.values()) == Plan.load(job["plan"]).num_ops, (k, job["label"])
 
 
 def failure_worker(process: int, port: int, workdir: str, scenario: str, victim: int) -> None:

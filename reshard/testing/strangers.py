@@ -1,4 +1,4 @@
-"""Processes that meet at a rendezvous (executors.rendezvous) while strangers try to join or read: members run a
+"""Processes that meet at a rendezvous (adapters.rendezvous) while strangers try to join or read: members run a
 refit after refit through the shared-memory or NIXL executor over the rendezvous's namespaced store, recording
 every key they touch; strangers present a wrong secret, no secret, or guess where the books are."""
 from __future__ import annotations
@@ -65,7 +65,7 @@ def member(process: int, rdv: dict, workdir: str, kind: str, refits: int) -> Non
     """Join as process `process` of 2, then refit `refits` times; write result-<process>.json."""
     from ..executors.binding import Binding
     from ..executors.local import allocate, execute_local, shard
-    from ..executors.rendezvous import Rendezvous, connect, join, scoped
+    from ..adapters.rendezvous import Rendezvous, connect, join, scoped
     from ..planner import Plan
     from .faults import _weights
 
@@ -109,7 +109,7 @@ def member(process: int, rdv: dict, workdir: str, kind: str, refits: int) -> Non
 def stranger(how: str, rdv: dict, workdir: str, kind: str) -> None:
     """Try to join or read the refit without its secret; write stranger-<how>.json with what happened."""
     from ..errors import ReshardError
-    from ..executors.rendezvous import Rendezvous, connect, join, scoped
+    from ..adapters.rendezvous import Rendezvous, connect, join, scoped
 
     out: dict[str, Any] = {"how": how}
     try:

@@ -30,10 +30,10 @@ from reshard.adapters.trainer import TrainerSession
 from reshard.adapters.vllm.lease import parse_grant
 from reshard.errors import ReshardError
 from reshard.executors import Binding, LocalExecutor, allocate, execute_local, make_executor, shard, unshard
-from reshard.executors.rendezvous import Rendezvous
+from reshard.adapters.rendezvous import Rendezvous
 from reshard.layouts import (HfLayout, MegatronLayout, ModelSpec, VllmLayout, discover, layout_from_dict,
                              layout_to_dict, read_hf_config, spec_from_hf_config)
-from reshard.planner import Plan, Topology, compare_with_measurement, format_prediction, predict
+from reshard.planner import ClusterModel, Plan, compare_with_measurement, format_prediction, predict
 from reshard.testing.megatron_cpu import TinyGPT
 
 pytestmark = pytest.mark.fuzz
@@ -107,11 +107,11 @@ ENTRY: dict[str, tuple[Callable[..., Any], dict[str, Any], int]] = {
                                        {"model": SPEC, "tp": 1, "pp": 1}, 30),
     "Layout.rank_tensors": (SRC.rank_tensors, {"rank": 0}, 20),
     # reshard.planner
-    "Topology": (Topology, {}, 0),  # every field (filled in below)
-    "predict": (predict, {"plan": PLAN, "topology": None}, 20),
+    "ClusterModel": (ClusterModel, {}, 0),  # every field (filled in below)
+    "predict": (predict, {"plan": PLAN, "cluster": None}, 20),
     "format_prediction": (format_prediction, {"pred": PRED}, 10),
     "compare_with_measurement": (compare_with_measurement, {"plan": PLAN, "measured_seconds": 1.0,
-                                                            "topology": None}, 30),
+                                                            "cluster": None}, 30),
     "Plan.save": (PLAN.save, {"path": FILES / "saved.json"}, 20),
     "Plan.load": (Plan.load, {"path": PLAN_FILE}, 20),
     "Plan.from_dict": (Plan.from_dict, {"d": PLAN.to_dict()}, 20),
@@ -137,8 +137,8 @@ ENTRY: dict[str, tuple[Callable[..., Any], dict[str, Any], int]] = {
                                 "secret": "0" * 32, "timeout": 60.0}, 30),
     "parse_grant": (lambda body: parse_grant(body), {"body": b'{"holder": "abcdefgh", "ttl": 5}'}, 10),
 }
-_TOPOLOGY = {k: getattr(Topology(), k) for k in Topology.__dataclass_fields__}
-ENTRY["Topology"] = (Topology, _TOPOLOGY, 80)
+_CLUSTER_MODEL = {k: getattr(ClusterModel(), k) for k in ClusterModel.__dataclass_fields__}
+ENTRY["ClusterModel"] = (ClusterModel, _CLUSTER_MODEL, 80)
 # the same object exported twice, or under a second name
 ALIASES = {"compile": "compile_plan"}
 
@@ -162,7 +162,9 @@ SKIPPED = {
     "TensorTable": "a plan's tensor table (built by the compiler; a loaded one is checked by Plan.load / from_dict)",
     "Transfer": "a record Plan.transfers returns (read-only output)",
     "Plan": "built by compile_plan, Plan.load or Plan.from_dict (each fuzzed), never by its dataclass constructor",
-    "ExecutionStats": "a record the executors return (read-only output)",
+    "RefitStats": "a record every executor's refit returns (read-only output)",
+    "register_family": "changes the process-wide registry (tests/unit/test_family_plugin.py: a class is registered, "
+                       "anything else refused with ArgumentError)",
     "DistributedExecutor": "needs a live torch.distributed group or store (tests/fuzz/test_plans_executors_cli.py "
                            "feeds it wrong options inside real gloo groups)",
     "execute_distributed": "needs a live torch.distributed group (as DistributedExecutor)",
@@ -298,12 +300,12 @@ RULES: dict[tuple[str, str], Callable[[Any], bool]] = {
         v if isinstance(v, dict) else ())) and (isinstance(v, dict) or not v),
     ("ModelSpec", "dense_layers"): lambda v: isinstance(v, (list, tuple, set)) and all(_is_int(x) for x in v),
     ("RefitSpec", "math"): lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v),
-    ("Topology", "src_gpus"): lambda v: isinstance(v, (list, tuple)) and all(_is_int(x) and x >= 0 for x in v),
-    ("Topology", "dst_gpus"): lambda v: isinstance(v, (list, tuple)) and all(_is_int(x) and x >= 0 for x in v),
+    ("ClusterModel", "src_gpus"): lambda v: isinstance(v, (list, tuple)) and all(_is_int(x) and x >= 0 for x in v),
+    ("ClusterModel", "dst_gpus"): lambda v: isinstance(v, (list, tuple)) and all(_is_int(x) and x >= 0 for x in v),
     ("allocate", "fill"): _is_fill,
     ("shard", "fill"): _is_fill,
     ("read_hf_config", "config"): lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v),
-    **{("Topology", k): lambda v: _is_number(v) and v >= 0 for k in (
+    **{("ClusterModel", k): lambda v: _is_number(v) and v >= 0 for k in (
         "nvlink_latency", "network_latency", "copy_latency", "op_overhead", "pack_copies", "commit_copies")},  # the local executor runs every rank in this process
     ("LocalExecutor", "binding"): lambda v: v is None,
 }

@@ -1,7 +1,7 @@
 """The distributed executor over NCCL, one GPU per process (run on the GPU machine: `-m gpu`): random plans
 byte-identical to the local executor, with the default three lanes and with one; and a peer killed or frozen
 mid-refit, after which the survivor must raise within the timeout with its destinations unchanged (staged) or
-put back (undo). With lanes, that needs every lane aborted at once (engines.abort)."""
+put back (undo). With lanes, that needs every lane aborted at once (runners.abort)."""
 from __future__ import annotations
 
 from pathlib import Path

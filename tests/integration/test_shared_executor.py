@@ -121,7 +121,7 @@ def test_lost_sender_fails_every_survivor_within_timeout_and_keeps_destinations(
     for p in (1, 2):
         r = json.loads((tmp_path / f"result-{p}.json").read_text())
         assert r["error"] is not None and r["error"].startswith("ExecutionError"), r
-        assert "refit 2 failed" in r["error"] and "left unchanged" in r["error"], r["error"]
+        assert "refit version 2 failed" in r["error"] and "left unchanged" in r["error"], r["error"]
         assert r["seconds"] < timeout + 2.0, f"process {p} took {r['seconds']:.1f} s to fail"
         assert r["unchanged"], f"process {p}: destination tensors changed by a failed refit"
         assert r["reuse_error"] and "failed earlier" in r["reuse_error"], r["reuse_error"]

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from reshard.errors import ExecutionError
-from reshard.executors.rendezvous import Rendezvous, host_store, refused
+from reshard.adapters.rendezvous import Rendezvous, host_store, refused
 from reshard.testing.faults import context
 from reshard.testing.strangers import member, stranger, tiny_plan
 
@@ -91,7 +91,7 @@ def test_segments_are_private_with_unguessable_names():
 def test_a_member_waiting_to_join_is_told_when_the_rendezvous_host_goes_away():
     """The host (trainer process 0) closes its store after a failure while another member waits in join: that
     member raises ExecutionError naming the store, not the store's own network error."""
-    from reshard.executors.rendezvous import connect, join
+    from reshard.adapters.rendezvous import connect, join
 
     rdv, store = host_store(Rendezvous.new("127.0.0.1", timeout=30.0))
     member_store = connect(rdv)

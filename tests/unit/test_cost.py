@@ -8,7 +8,7 @@ import pytest
 import reshard
 from reshard.cli import main
 from reshard.errors import PlanError
-from reshard.planner.cost import Topology, compare_with_measurement, predict, transfer_table
+from reshard.planner.cost import ClusterModel, compare_with_measurement, predict, transfer_table
 
 CONFIG = "examples/configs/qwen3-0.6b.json"
 
@@ -25,40 +25,40 @@ def _one_to_one(model, **kw):
 def test_network_transfer_is_bytes_over_nic_plus_latency(model):
     plan = _one_to_one(model)
     nbytes = plan.accounting.total_bytes
-    topo = Topology(gpus_per_node=1)  # source and destination on different nodes
-    pred = predict(plan, topo)
-    assert pred.seconds == pytest.approx(nbytes / topo.network_bandwidth + topo.network_latency)
+    cluster = ClusterModel(gpus_per_node=1)  # source and destination on different nodes
+    pred = predict(plan, cluster)
+    assert pred.seconds == pytest.approx(nbytes / cluster.network_bandwidth + cluster.network_latency)
     assert pred.busiest.kind in ("nic out", "nic in") and pred.bytes_by_class["network"] == nbytes
 
 
 def test_nvlink_and_device_copies(model):
     plan = _one_to_one(model)
     nbytes = plan.accounting.total_bytes
-    topo = Topology(gpus_per_node=8)  # GPU 0 -> GPU 1, one node
-    assert predict(plan, topo).seconds == pytest.approx(nbytes / topo.nvlink_bandwidth + topo.nvlink_latency)
+    cluster = ClusterModel(gpus_per_node=8)  # GPU 0 -> GPU 1, one node
+    assert predict(plan, cluster).seconds == pytest.approx(nbytes / cluster.nvlink_bandwidth + cluster.nvlink_latency)
     local = _one_to_one(model, colocated=True)
-    assert predict(local, topo).seconds == pytest.approx(2 * nbytes / topo.copy_bandwidth + topo.copy_latency)
+    assert predict(local, cluster).seconds == pytest.approx(2 * nbytes / cluster.copy_bandwidth + cluster.copy_latency)
 
 
 def test_pack_and_commit_copies(model):
     """Executors that pack wire buffers or stage a commit pay device copies: overlapped or after the wire."""
     plan = _one_to_one(model)
     b = plan.accounting.total_bytes
-    topo = Topology(gpus_per_node=8, pack_copies=1, commit_copies=1)
-    wire = b / topo.nvlink_bandwidth
-    receiver_copies = 2 * (b + b) / topo.copy_bandwidth  # unpack + commit on the receiving GPU
-    assert predict(plan, topo).seconds == pytest.approx(max(wire, receiver_copies) + topo.nvlink_latency)
-    serial = predict(plan, topo.with_(overlap_copies=False)).seconds
-    assert serial == pytest.approx(wire + receiver_copies + topo.nvlink_latency)
+    cluster = ClusterModel(gpus_per_node=8, pack_copies=1, commit_copies=1)
+    wire = b / cluster.nvlink_bandwidth
+    receiver_copies = 2 * (b + b) / cluster.copy_bandwidth  # unpack + commit on the receiving GPU
+    assert predict(plan, cluster).seconds == pytest.approx(max(wire, receiver_copies) + cluster.nvlink_latency)
+    serial = predict(plan, cluster.with_(overlap_copies=False)).seconds
+    assert serial == pytest.approx(wire + receiver_copies + cluster.nvlink_latency)
 
 
 def test_a_gpu_fed_only_by_local_copies_stages_nothing(model):
     """Staging shadows tensors that receive bytes from another process; an all-local refit commits its local
     copies once, so a staged commit adds nothing to it (the executor's E4)."""
     local = _one_to_one(model, colocated=True)
-    topo = Topology(gpus_per_node=8)
-    staged = topo.with_(commit_copies=1.0, overlap_copies=False)
-    assert predict(local, staged).seconds == pytest.approx(predict(local, topo).seconds)
+    cluster = ClusterModel(gpus_per_node=8)
+    staged = cluster.with_(commit_copies=1.0, overlap_copies=False)
+    assert predict(local, staged).seconds == pytest.approx(predict(local, cluster).seconds)
 
 
 def test_bidirectional_nvlink_cap(model):
@@ -67,13 +67,13 @@ def test_bidirectional_nvlink_cap(model):
     dst = reshard.VllmLayout(model=model, tp=2)
     split = [t.name for t in model.tensors if t.layer == 0 and t.name.endswith("proj.weight")]  # no norms
     plan = reshard.compile(src, dst, tensors=split)
-    topo = Topology(src_gpus=(0, 1), dst_gpus=(1, 0))  # destination rank r sits on the other source's GPU
+    cluster = ClusterModel(src_gpus=(0, 1), dst_gpus=(1, 0))  # destination rank r sits on the other source's GPU
     tr = transfer_table(plan)
     assert (tr["src"] == tr["dst"]).all()  # same TP: rank r sends to rank r, i.e. across the pair both ways
-    pred = predict(plan, topo)
+    pred = predict(plan, cluster)
     per_gpu = max(plan.accounting.egress_bytes)
-    both = max(per_gpu / topo.nvlink_bandwidth, 2 * per_gpu / topo.nvlink_bidirectional)
-    assert pred.seconds == pytest.approx(both + topo.nvlink_latency)
+    both = max(per_gpu / cluster.nvlink_bandwidth, 2 * per_gpu / cluster.nvlink_bidirectional)
+    assert pred.seconds == pytest.approx(both + cluster.nvlink_latency)
     assert pred.busiest.kind == "nvlink both"
 
 
@@ -81,23 +81,24 @@ def test_pipelined_trees_cost_about_one_ingress(model):
     src = reshard.MegatronLayout(model=model, tp=2)
     dst = reshard.VllmLayout(model=model, tp=2, replicas=7)
     plan = reshard.compile(src, dst, fanout=2, roots=1)
-    topo = Topology(gpus_per_node=2)  # every replica on its own node: relays cross the network
-    seq, pipe = predict(plan, topo), predict(plan, topo.with_(pipelined=True))
-    ingress = max(plan.accounting.ingress_bytes) / topo.network_bandwidth
+    cluster = ClusterModel(gpus_per_node=2)  # every replica on its own node: relays cross the network
+    seq, pipe = predict(plan, cluster), predict(plan, cluster.with_(pipelined=True))
+    ingress = max(plan.accounting.ingress_bytes) / cluster.network_bandwidth
     assert pipe.seconds < seq.seconds
-    fill = seq.depth * (topo.chunk_bytes / topo.network_bandwidth + topo.network_latency) + topo.network_latency
+    fill = (seq.depth * (cluster.chunk_bytes / cluster.network_bandwidth + cluster.network_latency)
+            + cluster.network_latency)
     assert ingress <= pipe.seconds <= ingress + fill + 1e-9
     assert seq.depth == plan.tree_depth == len(seq.stages) - 1
 
 
 def test_compare_with_measurement_reports_error(model):
-    line = compare_with_measurement(_one_to_one(model), 1.0, Topology(gpus_per_node=1))
+    line = compare_with_measurement(_one_to_one(model), 1.0, ClusterModel(gpus_per_node=1))
     assert "measured 1.0000 s" in line and "error" in line
 
 
 def test_bad_topology_is_refused():
     with pytest.raises(PlanError, match="network_bandwidth"):
-        Topology(network_bandwidth=0)
+        ClusterModel(network_bandwidth=0)
 
 
 def test_cli_predict_json(capsys):
@@ -135,8 +136,8 @@ def test_colocation_map_decides_what_is_local(model):
     assert swapped.accounting.total_bytes == same.accounting.total_bytes and swapped.digest != same.digest
     again = reshard.Plan.from_dict(json.loads(json.dumps(swapped.to_dict())))
     assert again.colocation == (1, 0) and again.accounting == swapped.accounting
-    topo = Topology(gpus_per_node=8)
-    assert predict(swapped, topo).bytes_by_class["device"] == b.local_bytes
+    cluster = ClusterModel(gpus_per_node=8)
+    assert predict(swapped, cluster).bytes_by_class["device"] == b.local_bytes
     for bad, says in (([0], "1 entries for 2 destination ranks"), ([0, 2], "source rank 2, outside")):
         with pytest.raises(PlanError, match=says):
             reshard.compile(src, dst, colocated=bad)

@@ -11,11 +11,11 @@ import torch
 
 import reshard
 from reshard.errors import ExecutionError
-from reshard.executors import allocate, execute_local, shard
+from reshard.executors import RefitStats, allocate, execute_local, make_executor, shard
 from reshard.executors.binding import Binding
 from reshard.executors.copies import DST, SRC, fold, run_copies
 from reshard.executors.distributed import DistributedExecutor, execute_distributed
-from reshard.executors.engines import abort
+from reshard.executors.runners import abort
 from reshard.executors.schedule import bucket_numel_for, build_schedule
 from reshard.testing.loopback import run_loopback
 
@@ -122,6 +122,19 @@ def test_one_process_plays_both_sides(in_place):
     for r in want:
         for n in want[r]:
             assert torch.equal(got[r][n], want[r][n]), (r, n)
+
+
+@pytest.mark.parametrize("name", ["local", "bound", "distributed"])
+def test_every_executor_returns_one_stats_type(name):
+    """Every executor's refit returns a RefitStats whose quantities agree with the plan's accounting."""
+    plan = reshard.compile(reshard.MegatronLayout(model=SPEC, tp=2), reshard.VllmLayout(model=SPEC, tp=2))
+    src, dst = shard(plan.src, _weights(1)), allocate(plan.dst, fill=-1.0)
+    ex = make_executor(name, plan, Binding((0, 0), (0, 0)), 0, src, dst)
+    first, second = ex.refit(), ex.refit(7)
+    assert type(first) is RefitStats and first.executor == name and first.process == 0
+    assert (first.version, second.version) == (1, 7)
+    assert first.ops == plan.num_ops and first.local_bytes == plan.accounting.total_bytes
+    assert first.bytes_sent == {} and first.seconds >= sum(first.phases.values()) * 0.999 > 0
 
 
 def test_bad_tensors_are_refused_before_anything_moves():

@@ -1,14 +1,18 @@
-"""A model family defined outside the library -- here, in this file -- is registered by defining it and then
-works like a built-in one: discovery, both layouts, compile, execute, round trip. No library file is edited."""
+"""A model family defined outside the library -- here, in this file -- is registered by one explicit call
+(`register_family`) and then works like a built-in one: discovery, both layouts, compile, execute, round trip. No
+library file is edited."""
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 import reshard
 from reshard.executors import allocate, execute_local, shard, unshard
-from reshard.layouts import HfLayout, MegatronLayout, ModelFamily, VllmLayout, registered_families
+from reshard.errors import ArgumentError, ModelConfigError
+from reshard.layouts import (HfLayout, MegatronLayout, ModelFamily, VllmLayout, register_family,
+                             registered_families)
 from reshard.layouts.cuts import ColumnBlocks, Kind, Replicated
 from reshard.layouts.family import LAYER, attention_layer, dense_mlp
 from reshard.layouts.model import Entry, ModelSpec
@@ -19,6 +23,7 @@ GAIN = Kind("toy_gain", Replicated("self_attention.gain"), Replicated(LAYER + "s
 MIX = Kind("toy_mix", ColumnBlocks("mlp.mix.weight"), ColumnBlocks(LAYER + "mlp.mix_proj.weight"))
 
 
+@register_family
 class ToyQwen3(ModelFamily):
     """Qwen3 with two extra tensors per layer, under its own architecture name."""
 
@@ -37,6 +42,27 @@ class ToyQwen3(ModelFamily):
 CONFIG = {"architectures": ["ToyQwen3ForCausalLM"], "hidden_size": 16, "num_hidden_layers": 4,
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4, "intermediate_size": 24,
           "vocab_size": 100, "torch_dtype": "float32"}
+
+
+class Unregistered(ModelFamily):
+    """Defined, never registered: defining a family registers nothing."""
+
+    name = "toy_unregistered"
+    architectures = ("ToyUnregisteredForCausalLM",)
+
+    def spec(self, config: dict[str, Any], include_mtp: bool = False) -> ModelSpec:
+        return ModelSpec(**self._common(config, qk_norm=True))
+
+    def layer(self, spec: ModelSpec, i: int) -> list:
+        return attention_layer(spec, dense_mlp(spec))
+
+
+def test_only_an_explicit_call_registers_a_family():
+    assert "toy_unregistered" not in registered_families()
+    with pytest.raises(ModelConfigError, match="unknown architecture"):
+        reshard.ModelSpec.from_hf_config({**CONFIG, "architectures": ["ToyUnregisteredForCausalLM"]})
+    with pytest.raises(ArgumentError, match="ModelFamily subclass"):
+        register_family(ModelFamily)  # abstract: nothing to register
 
 
 def test_a_family_defined_here_is_registered_and_discovered():

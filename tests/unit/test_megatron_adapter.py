@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import reshard
-from reshard.adapters.megatron import (ConfigFacts, ModelFacts, Topology, derive_layout, layer_problems,
+from reshard.adapters.megatron import (ConfigFacts, ModelFacts, ParallelState, derive_layout, layer_problems,
                                        layout_from_facts, layout_problems, naming_of, rank_problems, read_model,
                                        source_tensors, spec_from_megatron, verify, vocab_divisor)
 from reshard.executors import allocate
@@ -72,32 +72,32 @@ def test_vocab_padding_that_no_divisor_explains_is_refused(padded):
         vocab_divisor(120, padded, 2)
 
 
-def _topology(rank, world, **groups):
+def _parallel_state(rank, world, **groups):
     groups = {k: tuple(v) for k, v in groups.items()}
     for axis in ("ep", "etp", "edp"):
         groups.setdefault(axis, (rank,))
-    return Topology(rank=rank, world=world, groups=groups)
+    return ParallelState(rank=rank, world=world, groups=groups)
 
 
 def test_layout_from_facts_default_order():
     """World 8, TP2 x PP2 x DP2, EP2 with expert-TP1, rank 5 (hand-computed from megatron's formulas:
     dense r = tp + 2 dp + 4 pp, expert r = ep + 2 edp + 4 pp)."""
-    topo = _topology(5, 8, tp=[4, 5], dp=[5, 7], pp=[1, 5], ep=[4, 5], etp=[5], edp=[5, 7])
+    parallel = _parallel_state(5, 8, tp=[4, 5], dp=[5, 7], pp=[1, 5], ep=[4, 5], etp=[5], edp=[5, 7])
     names = reshard.MegatronLayout(model=MOE, naming="te").rank_tensors(0)
-    got = layout_from_facts(MOE, topo, names=names, vpp=1, padded_vocab=128)
+    got = layout_from_facts(MOE, parallel, names=names, vpp=1, padded_vocab=128)
     assert got == reshard.MegatronLayout(model=MOE, tp=2, pp=2, ep=2, etp=1, world=8, naming="te", vocab_divisor=8)
 
 
 def test_layout_from_facts_finds_another_rank_order():
     """order 'tp-pp-dp': r = tp + 2 pp + 4 dp. Rank 5 has tp 1, pp 0, dp 1."""
-    topo = _topology(5, 8, tp=[4, 5], dp=[1, 5], pp=[5, 7])
+    parallel = _parallel_state(5, 8, tp=[4, 5], dp=[1, 5], pp=[5, 7])
     names = reshard.MegatronLayout(model=DENSE).rank_tensors(0)
-    got = layout_from_facts(DENSE, topo, names=names, vpp=1, padded_vocab=128)
+    got = layout_from_facts(DENSE, parallel, names=names, vpp=1, padded_vocab=128)
     assert [got.dense_coords(r) for r in range(8)] == [
         {"tp": r % 2, "pp": (r // 2) % 2, "dp": r // 4, "cp": 0, "ep": 0} for r in range(8)]
     declared = reshard.MegatronLayout(model=DENSE, tp=2, pp=2, world=8, vocab_divisor=64)
     assert "rank_order: the model has" in layout_problems(got, declared)[0]
-    assert layout_problems(layout_from_facts(DENSE, topo, names=names, vpp=1, padded_vocab=128,
+    assert layout_problems(layout_from_facts(DENSE, parallel, names=names, vpp=1, padded_vocab=128,
                                              like=declared.model_copy(update={"rank_order": "tp-cp-ep-pp-dp"})),
                            declared.model_copy(update={"rank_order": "tp-cp-ep-pp-dp"})) == []
 
@@ -160,7 +160,7 @@ def _config(**changes):
 
 def _facts(rank: int = 1) -> ModelFacts:
     """Rank `rank` of TP2 as a live model would read: its tensors, layers 0-3 in order, world 2 of two TP ranks."""
-    return ModelFacts(topology=_topology(rank, 2, tp=[0, 1], dp=[rank], pp=[rank]),
+    return ModelFacts(parallel_state=_parallel_state(rank, 2, tp=[0, 1], dp=[rank], pp=[rank]),
                       parameters=allocate(TP2, ranks=[rank])[rank], buffers={},
                       layers={(0, i): i for i in range(4)}, vpp=1,
                       config=ConfigFacts(_config(), TP2.padded_vocab, False, "rope"))
@@ -235,12 +235,12 @@ def test_source_tensors_reads_the_model_once(monkeypatch):
         calls["unwrap"] += 1
         return [model]
 
-    def read_topology(chunks):
-        calls["read_topology"] += 1
-        return _facts().topology
+    def read_parallel_state(chunks):
+        calls["read_parallel_state"] += 1
+        return _facts().parallel_state
 
     monkeypatch.setattr(reader, "unwrap", unwrap)
-    monkeypatch.setattr(reader, "read_topology", read_topology)
+    monkeypatch.setattr(reader, "read_parallel_state", read_parallel_state)
     chunk = _chunk(allocate(TP2, ranks=[1])[1])
 
     facts = read_model(chunk)

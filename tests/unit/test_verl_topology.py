@@ -38,7 +38,7 @@ def test_groups_cover_the_model_in_order_within_the_bucket():
 def test_every_trainer_sends_its_share(trainers, rollouts, fanout):
     actor, rollout = tp.build(trainers, rollouts, metadata(trainers, rollouts, fanout=fanout))
     assert [t["process"] for t in actor + rollout] == list(range(trainers + rollouts))
-    top = tp.Topology.from_dict(actor[0])
+    top = tp.RefitAssignment.from_dict(actor[0])
     plans = top.plans()
     sent = [0] * trainers
     for plan, binding in zip(plans, tp.bindings(plans, trainers, rollouts)):
@@ -78,8 +78,8 @@ def test_options_and_topologies_are_checked():
         tp.check_options({"fanotu": 2})
     actor, _ = tp.build(2, 3, metadata(2, 3))
     with pytest.raises(ArgumentError):
-        tp.Topology.from_dict({**actor[0], "extra": 1})
-    forged = tp.Topology.from_dict({**actor[0], "digests": ["0" * 12] * len(actor[0]["digests"])})
+        tp.RefitAssignment.from_dict({**actor[0], "extra": 1})
+    forged = tp.RefitAssignment.from_dict({**actor[0], "digests": ["0" * 12] * len(actor[0]["digests"])})
     with pytest.raises(ExecutionError, match="disagree"):
         forged.plans()
 

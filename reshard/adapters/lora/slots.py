@@ -28,6 +28,7 @@ import torch
 from ...errors import InputError, LayoutMismatchError
 from ...executors.bound import BoundLocalExecutor
 from ...executors.local import torch_dtype
+from ...executors.stats import RefitStats
 from ...layouts.lora import VllmLoraLayout, lora_facts
 from ...planner import Plan
 
@@ -161,7 +162,7 @@ class SlotRefit:
         self.slot = AdapterSlot(manager, plan.dst, lora_id, rank)
         self.executor = BoundLocalExecutor(plan, None, 0, src, {rank: self.slot.tensors})
 
-    def refit(self, version: int | None = None) -> dict[str, Any]:
+    def refit(self, version: int | None = None) -> RefitStats:
         self.slot.verify()
         stats = self.executor.refit(version)
         self.slot.scale()

@@ -25,12 +25,11 @@ from .checkpoint_refit import export_hf
 from .check import layer_problems, layout_problems, rank_problems, verify
 from .derive import derive_layout, layout_from_facts, vocab_divisor
 from .forward import causal_mask, forward_logits
-from .model import ConfigFacts, ModelFacts, Topology, read_model, read_topology
+from .model import ConfigFacts, ModelFacts, ParallelState, read_model, read_parallel_state
 from .naming import naming_of
 from .spec import spec_from_megatron, spec_problems
 
-__all__ = ["Checkpoint", "CheckpointError", "ConfigFacts", "causal_mask", "forward_logits", "checkpoint_layout",
-           "checkpoint_tensors", "export_hf",
-           "open_checkpoint", "saved_facts", "ModelFacts", "Topology", "derive_layout", "layer_problems", "layout_from_facts",
-           "layout_problems", "naming_of", "rank_problems", "read_model", "read_topology", "source_tensors",
-           "spec_from_megatron", "spec_problems", "verify", "vocab_divisor"]
+__all__ = ["Checkpoint", "CheckpointError", "ConfigFacts", "causal_mask", "forward_logits", "checkpoint_layout", "checkpoint_tensors", "export_hf",
+           "open_checkpoint", "saved_facts", "ModelFacts", "ParallelState", "derive_layout", "layer_problems",
+           "layout_from_facts", "layout_problems", "naming_of", "rank_problems", "read_model", "read_parallel_state",
+           "source_tensors", "spec_from_megatron", "spec_problems", "verify", "vocab_divisor"]

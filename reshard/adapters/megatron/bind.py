@@ -28,7 +28,7 @@ def source_tensors(model: Any, layout: MegatronLayout, *, cast: bool = False,
     if check:
         verify(facts, layout, cast=cast)
     tensors = facts.tensors  # parameters and placed persistent buffers (the router's expert_bias)
-    rank = facts.topology.rank
+    rank = facts.parallel_state.rank
     out = {}
     for name in layout.rank_tensors(rank):
         t = tensors[name].detach()  # a view: same storage, no autograd history

@@ -6,7 +6,7 @@ Four kinds of problems, all collected into one LayoutMismatchError:
 2. the derived layout against the declared one (parallel sizes, pipeline split, vocab padding, naming, ranks);
 3. this rank's parameters against `layout.rank_tensors(rank)`: missing, extra, or of another shape or dtype,
    naming the tensor and both shapes;
-4. layer placement: each TransformerLayer's global number against where the layout puts that layer.
+4. layer positions: each TransformerLayer's global number against where the layout puts that layer.
 Persistent buffers holding model state (the router's `expert_bias`) are checked like parameters: placed by the
 layout when the family declares them, otherwise a problem (a refit would drop them). Non-persistent buffers and
 TransformerEngine `_extra_state` (FP8 metadata) are not model weights and are skipped.
@@ -88,7 +88,7 @@ def verify(model: Any, declared: MegatronLayout, *, cast: bool = False) -> Megat
     layout (equal to `declared` when nothing is wrong). Raises LayoutMismatchError listing every problem.
     `model` may be the ModelFacts already read off it: the checks are functions of those facts only."""
     facts = read_model(model)
-    rank = facts.topology.rank
+    rank = facts.parallel_state.rank
     derived = derive_layout(facts, declared.model, like=declared)
     differences = layout_problems(derived, declared)
     problems = spec_problems(facts, declared.model) + differences

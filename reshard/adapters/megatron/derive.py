@@ -11,7 +11,7 @@ from typing import Any, Iterable
 from ...errors import LayoutError
 from ...layouts import MegatronLayout, ModelSpec
 from ...layouts.base import pad_to
-from .model import Topology, read_model
+from .model import ParallelState, read_model
 from .naming import naming_of
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"  # megatron-core's initialize_model_parallel default
@@ -33,18 +33,18 @@ def derive_layout(model: Any, spec: ModelSpec, *, like: MegatronLayout | None = 
     if unsupported:
         raise LayoutError("megatron", f"pipeline split by {unsupported} is not described by the Megatron layout",
                           fix="use even stages or num_layers_in_first/last_pipeline_stage")
-    return layout_from_facts(spec, facts.topology, names=facts.parameters, vpp=facts.vpp,
+    return layout_from_facts(spec, facts.parallel_state, names=facts.parameters, vpp=facts.vpp,
                              padded_vocab=facts.config.padded_vocab,
                              first_stage_layers=cfg.num_layers_in_first_pipeline_stage,
                              last_stage_layers=cfg.num_layers_in_last_pipeline_stage, like=like)
 
 
-def layout_from_facts(spec: ModelSpec, topo: Topology, *, names: Iterable[str], vpp: int, padded_vocab: int,
-                      first_stage_layers: int | None = None, last_stage_layers: int | None = None,
+def layout_from_facts(spec: ModelSpec, parallel: ParallelState, *, names: Iterable[str], vpp: int,
+                      padded_vocab: int, first_stage_layers: int | None = None, last_stage_layers: int | None = None,
                       like: MegatronLayout | None = None) -> MegatronLayout:
-    tp, pp = topo.size("tp"), topo.size("pp")
-    ep, etp = (topo.size("ep"), topo.size("etp")) if spec.is_moe else (1, tp)  # dense: expert groups are unused
-    fields = dict(model=spec, tp=tp, pp=pp, ep=ep, etp=etp, world=topo.world, vpp=vpp,
+    tp, pp = parallel.size("tp"), parallel.size("pp")
+    ep, etp = (parallel.size("ep"), parallel.size("etp")) if spec.is_moe else (1, tp)  # dense: expert groups unused
+    fields = dict(model=spec, tp=tp, pp=pp, ep=ep, etp=etp, world=parallel.world, vpp=vpp,
                   first_stage_layers=first_stage_layers if pp > 1 else None,
                   last_stage_layers=last_stage_layers if pp > 1 else None,
                   vocab_divisor=vocab_divisor(spec.vocab_size, padded_vocab, tp, like),
@@ -53,10 +53,10 @@ def layout_from_facts(spec: ModelSpec, topo: Topology, *, names: Iterable[str], 
     orders += [DEFAULT_ORDER] + ["-".join(p) for p in itertools.permutations(DEFAULT_ORDER.split("-"))]
     for order in dict.fromkeys(orders):  # first consistent order wins; keeps the preference order
         layout = MegatronLayout(**fields, rank_order=order)
-        if _numbering_matches(layout, topo):
+        if _numbering_matches(layout, parallel):
             return layout
-    raise LayoutError("megatron", f"no rank order of {DEFAULT_ORDER} numbers rank {topo.rank}'s process groups "
-                      f"as megatron-core did ({dict(topo.groups)})",
+    raise LayoutError("megatron", f"no rank order of {DEFAULT_ORDER} numbers rank {parallel.rank}'s process groups "
+                      f"as megatron-core did ({dict(parallel.groups)})",
                       fix="ranks offset from 0 (non-colocated trainers) are not described by the layout")
 
 
@@ -73,14 +73,14 @@ def vocab_divisor(vocab: int, padded: int, tp: int, like: MegatronLayout | None 
                       f"multiple of tp={tp} times any divisor", values={"padded": padded, "vocab": vocab, "tp": tp})
 
 
-def _numbering_matches(layout: MegatronLayout, topo: Topology) -> bool:
+def _numbering_matches(layout: MegatronLayout, parallel: ParallelState) -> bool:
     """Each member of each of this rank's groups has, on that group's axis, its index in the group."""
     axes = [("tp", "tp", layout.dense_coords), ("dp", "dp", layout.dense_coords), ("pp", "pp", layout.dense_coords)]
     if layout.model.is_moe:
         axes += [("etp", "tp", layout.expert_coords), ("ep", "ep", layout.expert_coords),
                  ("edp", "dp", layout.expert_coords)]
     for group_name, axis, coords in axes:
-        for i, member in enumerate(topo.groups[group_name]):
+        for i, member in enumerate(parallel.groups[group_name]):
             if member >= layout.num_ranks or coords(member)[axis] != i:
                 return False
     return True

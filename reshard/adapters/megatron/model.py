@@ -21,7 +21,7 @@ _GROUPS = {"tp": "tp", "pp": "pp", "dp": "dp_cp", "ep": "ep", "etp": "expt_tp", 
 
 
 @dataclass(frozen=True)
-class Topology:
+class ParallelState:
     """This rank's place in megatron-core's parallel state: sizes, and the members of each of its groups."""
     rank: int
     world: int
@@ -53,7 +53,7 @@ class ConfigFacts:
 class ModelFacts:
     """One rank's live model as plain facts, read by `read_model`. The mappings are read-only; the tensors are the
     live parameters and buffers themselves (a refit must read the trainer's current weights, not a copy)."""
-    topology: Topology
+    parallel_state: ParallelState
     parameters: Mapping[str, torch.Tensor]  # physical name -> live parameter
     buffers: Mapping[str, torch.Tensor]  # physical name -> persistent buffer (model state, e.g. expert_bias)
     layers: Mapping[tuple[int, int], int]  # (chunk, index in its decoder.layers) -> global layer number
@@ -70,8 +70,8 @@ class ModelFacts:
         return {**self.parameters, **self.buffers}
 
     def __repr__(self) -> str:  # the tensors themselves would fill a terminal
-        sizes = " ".join(f"{axis}={self.topology.size(axis)}" for axis in self.topology.groups)
-        return (f"ModelFacts(rank {self.topology.rank} of {self.topology.world}, {sizes}, vpp={self.vpp}, "
+        sizes = " ".join(f"{axis}={self.parallel_state.size(axis)}" for axis in self.parallel_state.groups)
+        return (f"ModelFacts(rank {self.parallel_state.rank} of {self.parallel_state.world}, {sizes}, vpp={self.vpp}, "
                 f"{len(self.parameters)} parameters, {len(self.buffers)} buffers, {len(self.layers)} layers)")
 
 
@@ -86,11 +86,11 @@ def read_model(model: Any) -> ModelFacts:
     buffers = {name: b for p, chunk in zip(prefixes, chunks) for name, b in state_buffers(chunk, p).items()}
     layers = {(c, i): layer.layer_number - 1
               for c, chunk in enumerate(chunks) for i, layer in enumerate(chunk.decoder.layers)}
-    return ModelFacts(topology=read_topology(chunks), parameters=params, buffers=buffers, layers=layers,
+    return ModelFacts(parallel_state=read_parallel_state(chunks), parameters=params, buffers=buffers, layers=layers,
                       vpp=len(chunks), config=ConfigFacts.of(chunks[0]))
 
 
-def read_topology(chunks: Sequence[Any]) -> Topology:
+def read_parallel_state(chunks: Sequence[Any]) -> ParallelState:
     """From the model's `pg_collection` (megatron-core >= 0.14 keeps one on every module) or, for older models,
     from `megatron.core.parallel_state`. Only process-group membership is read: no collective runs."""
     import torch.distributed as dist
@@ -108,7 +108,7 @@ def read_topology(chunks: Sequence[Any]) -> Topology:
             raise LayoutError("megatron", f"{field} size {dist.get_world_size(group)} > 1: weight "
                               "rematerialization shards parameters further, which the Megatron layout does not "
                               "describe")
-    return Topology(rank=dist.get_rank(), world=dist.get_world_size(), groups=MappingProxyType(groups))
+    return ParallelState(rank=dist.get_rank(), world=dist.get_world_size(), groups=MappingProxyType(groups))
 
 
 def state_buffers(chunk: Any, prefix: str = "") -> dict[str, torch.Tensor]:

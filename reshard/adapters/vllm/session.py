@@ -75,7 +75,7 @@ class WorkerSession:
             tensors = self.installer.buffers
         process = self.rank
         if refit.transport in CROSS_PROCESS:
-            from ...executors import rendezvous as rv
+            from .. import rendezvous as rv
 
             self.rendezvous = rv.Rendezvous.from_dict(refit.rendezvous)
             self.store = rv.connect(self.rendezvous)
@@ -89,7 +89,7 @@ class WorkerSession:
         if self.refit.transport not in CROSS_PROCESS or self.refit.rendezvous is None:
             return
         try:
-            from ...executors import rendezvous as rv
+            from .. import rendezvous as rv
 
             rdv = rv.Rendezvous.from_dict(self.refit.rendezvous)
             rv.fail(self.store if self.store is not None else rv.connect(rdv), rdv, reason)

@@ -8,7 +8,7 @@ one-sided READs or WRITEs between registered memories, with notifications for co
 
 Importing this package does not import nixl; building an executor does.
 """
-from .executor import NixlExecutor, RefitStats
+from .executor import NixlExecutor
 from .options import NixlOptions
 
-__all__ = ["NixlExecutor", "NixlOptions", "RefitStats"]
+__all__ = ["NixlExecutor", "NixlOptions"]

@@ -19,7 +19,7 @@ from ...errors import ExecutionError
 from ..exchange import Exchange
 from .agent import describe, is_nixl_error, make_agent
 from .descriptors import merged_regions, region_array, side_descriptors
-from .schedule import Link, ProcessSchedule
+from .schedule import Link, LinkSchedule
 
 SHARED_KEYS = ("plan", "binding", "options", "direction", "pack_below", "land_below")  # equal in every book
 
@@ -28,7 +28,7 @@ class Connection:
     """See the module docstring. `book`: this process's address book (SHARED_KEYS, "process", "mem", "device",
     "addresses": memory name -> address); `regions`: (address, bytes) of the memory peers address."""
 
-    def __init__(self, schedule: ProcessSchedule, name: str, exchange: Exchange, book: dict[str, Any],
+    def __init__(self, schedule: LinkSchedule, name: str, exchange: Exchange, book: dict[str, Any],
                  regions: list[tuple[int, int]], itemsize: int, timeout: float, progress_delay_us: int) -> None:
         self.schedule = schedule
         self.agent: Any = None

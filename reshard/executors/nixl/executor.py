@@ -17,7 +17,8 @@ and a shared torch.distributed store, then calls `refit()` at every weight updat
      (its landing memory is free), the sender posts its WRITE with notification "done v", which NIXL delivers
      after the data. Local copies (ranks of one process) run beside, stage by stage;
   3. verify: every link of this process completed, in this version; then the process counts itself done in
-     the store and waits until every process of the binding is (or one reports a failure);
+     the store and waits until every process of the binding is (or one reports a failure): the refit around
+     the transfer (versions, vote, commit, failure) is executors.voted's, shared with the shared-memory executor;
   4. commit (staged): shadows and packed receive buffers are copied into the destination tensors, with the
      local copies kept for commit. Then refit returns `RefitStats`.
   5. close(): handles, descriptor lists, peers and registrations are released (also by `with`).
@@ -45,49 +46,30 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ...errors import ExecutionError, ReshardError
+from ...errors import ExecutionError
 from ...planner import Plan
-from ..base import Executor, RankTensors, close_within
+from ..base import RankTensors, close_within
 from ..binding import Binding
 from ..checksum import Streams, algorithm, mismatch
 from ..copies import DST, SHADOW, SRC, WIRE
 from ..exchange import Exchange
 from ..guard import check_memory, check_ops
 from ..local import apply_shifts, check_tensors, in_units, shift_views, torch_dtype
+from ..stats import RefitStats, ops_landing
 from ..views import BoundCopies, Memory, bind
+from ..voted import VotedExecutor
 from .agent import describe, is_nixl_error
 from .connection import Connection
 from .descriptors import memory_name
 from .options import NixlOptions
-from .schedule import Link, ProcessSchedule, build_schedule
+from .schedule import Link, LinkSchedule, build_schedule
 
 READY, DONE = b"R", b"D"
 _QUARANTINE: list[torch.Tensor] = []  # arenas of failed executors: a late remote write must not hit freed memory
-
-
-@dataclass(frozen=True)
-class RefitStats:
-    """What one process did in one refit."""
-
-    process: int
-    version: int
-    direction: str
-    staged: bool
-    seconds: float
-    phases: dict[str, float] = field(default_factory=dict)  # transfer (until every link is done), agree, commit
-    bytes_in: int = 0  # from peers
-    bytes_out: int = 0  # to peers
-    local_bytes: int = 0
-    links_in: int = 0
-    links_out: int = 0
-    packed_links: int = 0
-    descriptors: int = 0  # descriptors of the transfers this process posts
-    staging_bytes: int = 0
 
 
 def _device_of(src: RankTensors, dst: RankTensors) -> torch.device:
@@ -97,11 +79,12 @@ def _device_of(src: RankTensors, dst: RankTensors) -> torch.device:
     return devices.pop() if devices else torch.device("cpu")
 
 
-class NixlExecutor(Executor):
+class NixlExecutor(VotedExecutor):
     """One process's part of a plan over NIXL, built once and run at every refit (the protocol of
     executors.base). `store`: a torch.distributed store every process of the binding reaches."""
 
     name = "nixl"
+    label = "NIXL"
 
     def __init__(self, plan: Plan, binding: Binding, process: int, src: RankTensors, dst: RankTensors, *,
                  store: Any, options: NixlOptions | None = None, namespace: str = "default") -> None:
@@ -109,6 +92,7 @@ class NixlExecutor(Executor):
         binding.check(plan.src.num_ranks, plan.dst.num_ranks)
         check_ops(plan)  # before the schedule indexes anything with the plan's ops
         self.options = options = options or NixlOptions()
+        self.timeout, self.poll_max_s = options.timeout, options.poll_max_s
         self.num_processes = binding.num_processes
         self.device = _device_of(src, dst)
         on_gpu = self.device.type == "cuda"
@@ -116,14 +100,14 @@ class NixlExecutor(Executor):
         self.device_id = (self.device.index or 0) if on_gpu else 0
         self.pack_below = options.pack_threshold(on_gpu)
         self.land_below = options.land_threshold(on_gpu)
-        self.schedule: ProcessSchedule = build_schedule(plan, binding, process, options, self.pack_below,
-                                                        self.land_below)
+        self.schedule: LinkSchedule = build_schedule(plan, binding, process, options, self.pack_below,
+                                                     self.land_below)
+        self.staged = self.schedule.staged
         self.itemsize = plan.itemsize
         self._check_and_bind(src, dst)
-        self._version = 0
+        self._num_ops = ops_landing(plan, binding.dst_ranks_of(process))
+        self._start_versions()
         self._dirty = True  # copies may be in flight on the GPU (the caller's, at first)
-        self._broken: str | None = None
-        self._closed = False
         self._inbox: dict[tuple[bytes, int], set[int]] = defaultdict(set)
         self.exchange = Exchange(store, namespace)
         s, name = self.schedule, f"{namespace}:{process}"
@@ -176,7 +160,7 @@ class NixlExecutor(Executor):
         self._pack = {k: program(v) for k, v in s.pack.items()}
         self._arrive = {k: program(v) for k, v in s.arrive.items()}
         self._local = [program(c) for c in s.local]
-        self._commit = program(s.commit)
+        self._commit_program = program(s.commit)
         self._shifts = shift_views(plan, self.dst_flat)  # value shifts of this process's destination blocks
 
     def _address(self, kind: int, ident: int) -> int:
@@ -185,50 +169,25 @@ class NixlExecutor(Executor):
         return self._memory(kind, ident).data_ptr()
 
     # --- a refit -------------------------------------------------------------------------------------
-    def refit(self, version: int | None = None) -> RefitStats:
-        """Move the plan's bytes for this process; every process of the binding calls it with the same version."""
-        if self._closed:
-            raise ExecutionError("this NIXL executor is closed")
-        if self._broken is not None:
-            raise ExecutionError(f"this NIXL executor failed earlier ({self._broken}); close it and build a new "
-                                 f"one with a new namespace")
-        v = self._version + 1 if version is None else int(version)
-        if v <= self._version:
-            raise ExecutionError(f"refit version {v} is not above the last one ({self._version}); versions only grow")
-        start = time.monotonic()
-        deadline = start + self.options.timeout
-        phases = {}
-        try:
-            self._dirty = True
-            self._sync()  # the caller's writes into the source tensors are done before anyone reads them
-            self._transfer(v, deadline)
-            phases["transfer"] = time.monotonic() - start
-            self.exchange.vote(v)
-            self.exchange.wait_all(v, self.num_processes, deadline, self.options.poll_max_s)
-            phases["agree"] = time.monotonic() - start - phases["transfer"]
-        except Exception as e:
-            reason = str(e) if isinstance(e, ReshardError) else (
-                describe(e) if is_nixl_error(e) else f"{type(e).__name__}: {e}")
-            try:
-                first = self.exchange.failure(v)
-            except Exception:  # noqa: BLE001 - the store may be what failed: keep this error as it is
-                first = None
-            if first is not None and "failed first" not in reason:  # a peer failed before and closed its agent
-                reason = f"another process failed first ({first}); here: {reason}"  # the cause, then the symptom
-            self._abort(v, reason)
-            raise ExecutionError(f"refit version {v} failed on process {self.process}: {reason}") from e
-        t = time.monotonic()
-        self._run(self._commit)
+    def _transfer(self, v: int, deadline: float) -> None:
+        self._dirty = True
+        self._sync()  # the caller's writes into the source tensors are done before anyone reads them
+        self._move(v, deadline)
+
+    def _describe(self, e: Exception) -> str:
+        return describe(e) if is_nixl_error(e) else f"{type(e).__name__}: {e}"
+
+    def _commit(self) -> None:
+        self._run(self._commit_program)
         apply_shifts(self._shifts)
         self._dirty = self._dirty or bool(self._shifts)
         self._sync()
-        phases["commit"] = time.monotonic() - t
-        self._version = v
-        self.exchange.forget(v - 1, tuple(f"v{v - 1}/sum/{link.id}" for link in self.schedule.incoming)
-                             if self.options.checksum else ())
-        return self._stats(v, time.monotonic() - start, phases)
 
-    def _transfer(self, v: int, deadline: float) -> None:
+    def _forget(self, previous: int) -> None:
+        self.exchange.forget(previous, tuple(f"v{previous}/sum/{link.id}" for link in self.schedule.incoming)
+                             if self.options.checksum else ())
+
+    def _move(self, v: int, deadline: float) -> None:
         s, conn, read = self.schedule, self.connection, self.schedule.direction == "read"
         stage_left = defaultdict(int)
         for link in s.incoming:
@@ -404,25 +363,26 @@ class NixlExecutor(Executor):
             torch.cuda.synchronize(self.device)
         self._dirty = False
 
-    def _abort(self, v: int, reason: str) -> None:
-        self._broken = f"refit version {v}: {reason}"
-        self.exchange.fail(v, f"process {self.process}: {reason}")
+    def _abandon(self) -> None:
         if self.arena.numel():
             _QUARANTINE.append(self.arena)
         self.connection.drop_transfers()
 
     def _stats(self, v: int, seconds: float, phases: dict[str, float]) -> RefitStats:
-        s = self.schedule
-        size = self.itemsize
+        s, size = self.schedule, self.itemsize
+        sent: dict[int, int] = defaultdict(int)
+        received: dict[int, int] = defaultdict(int)
+        for link in s.outgoing:
+            sent[link.receiver] += link.numel * size
+        for link in s.incoming:
+            received[link.sender] += link.numel * size
         return RefitStats(
-            process=self.process, version=v, direction=s.direction, staged=s.staged, seconds=seconds,
-            phases=phases, bytes_in=sum(link.numel for link in s.incoming) * size,
-            bytes_out=sum(link.numel for link in s.outgoing) * size,
-            local_bytes=s.local_numel * size,
-            links_in=len(s.incoming), links_out=len(s.outgoing),
-            packed_links=sum(link.packed for link in s.links),
-            descriptors=sum(link.num_pieces for link in s.links if s.initiates(link)),
-            staging_bytes=s.staging_bytes)
+            executor=self.name, process=self.process, version=v, seconds=seconds, phases=phases, staged=s.staged,
+            ops=self._num_ops, bytes_sent=dict(sent), bytes_received=dict(received), local_bytes=s.local_numel * size,
+            staging_bytes=s.staging_bytes, transfers=len(s.incoming) + len(s.outgoing),
+            checksum=algorithm(self.options.checksum) or "", direction=s.direction,
+            packed_transfers=sum(link.packed for link in s.links),
+            descriptors=sum(link.num_pieces for link in s.links if s.initiates(link)))
 
     # --- teardown ------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -432,7 +392,3 @@ class NixlExecutor(Executor):
             if not close_within(self.connection.release, self.options.timeout, "releasing the NIXL agent"):
                 _QUARANTINE.append(self.arena)  # a release still running may yet touch the registered memory
 
-    @property
-    def version(self) -> int:
-        """The last version this executor committed (0 before the first refit)."""
-        return self._version

@@ -108,7 +108,7 @@ class Link:
 
 
 @dataclass(frozen=True, eq=False)
-class ProcessSchedule:
+class LinkSchedule:
     """What one process does in a refit; see the module docstring."""
 
     process: int
@@ -293,7 +293,7 @@ def choose_direction(plan: Plan, binding: Binding, requested: str) -> str:
 
 
 def build_schedule(plan: Plan, binding: Binding, process: int, options: NixlOptions,
-                   pack_below: int, land_below: int = 0) -> ProcessSchedule:
+                   pack_below: int, land_below: int = 0) -> LinkSchedule:
     """This process's part of the plan (see the module docstring). Ops with pieces below `pack_below` bytes
     are packed; runs whose receiver pieces average below `land_below` bytes are landed."""
     if not 0 <= process < binding.num_processes:
@@ -441,9 +441,9 @@ def build_schedule(plan: Plan, binding: Binding, process: int, options: NixlOpti
         kinds, ids = (p["recv_kind"], p["recv_id"]) if here else (p["send_kind"], p["send_id"])
         exposed |= set(zip(kinds.tolist(), ids.tolist()))
     peers = sorted({link.sender for link in incoming} | {link.receiver for link in outgoing})
-    return ProcessSchedule(process=process, direction=direction, staged=staged, num_stages=num_stages,
-                           itemsize=itemsize, incoming=incoming, outgoing=outgoing, pack=pack, arrive=arrive,
-                           local=tuple(local), commit=_fold(commit_parts), shadow=tuple(sorted(shadow)),
-                           arena=arena, arena_numel=top, src_ids=tuple(src_ids.tolist()),
-                           dst_ids=tuple(dst_ids.tolist()), local_numel=int(numel_of[local_ops].sum()),
-                           exposed=tuple(sorted(exposed)), peers=tuple(peers))
+    return LinkSchedule(process=process, direction=direction, staged=staged, num_stages=num_stages,
+                        itemsize=itemsize, incoming=incoming, outgoing=outgoing, pack=pack, arrive=arrive,
+                        local=tuple(local), commit=_fold(commit_parts), shadow=tuple(sorted(shadow)),
+                        arena=arena, arena_numel=top, src_ids=tuple(src_ids.tolist()),
+                        dst_ids=tuple(dst_ids.tolist()), local_numel=int(numel_of[local_ops].sum()),
+                        exposed=tuple(sorted(exposed)), peers=tuple(peers))

@@ -28,12 +28,12 @@ from typing import Any, AsyncIterator, Iterable
 import torch
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 
+from ...adapters import rendezvous as rv
 from ...errors import ArgumentError, ExecutionError, ReshardError
-from ...executors import rendezvous as rv
 from ...executors.binding import Binding
 from ...executors.local import torch_dtype
 from ...layouts import ModelSpec
-from .topology import DEPTH, Topology, bindings, build, check_options, model_digest, tensor_groups
+from .topology import DEPTH, RefitAssignment, bindings, build, check_options, model_digest, tensor_groups
 
 BACKEND = "reshard"
 
@@ -91,7 +91,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
 
     # --- 3. init_process_group -----------------------------------------------------------------------
     def init_process_group(self, topology: dict[str, Any]) -> None:
-        top = Topology.from_dict(topology)
+        top = RefitAssignment.from_dict(topology)
         if top.is_trainer != (self.role == "trainer") or model_digest(top.spec) != model_digest(self.spec):
             raise ArgumentError("topology", f"process {top.process}", f"does not fit this {self.role} rank (another "
                                 f"role or model than it was configured with)")
@@ -174,7 +174,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
         self._close()
 
     # --- internals -----------------------------------------------------------------------------------
-    def _ready(self, what: str, trainer: bool) -> Topology:
+    def _ready(self, what: str, trainer: bool) -> RefitAssignment:
         if self._top is None:
             raise ExecutionError(f"{what} before init_process_group: verl's CheckpointEngineManager calls prepare, "
                                  f"build_topology and init_process_group first")
@@ -238,8 +238,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
             raise self._explained(e, k) from e
         except Exception as e:  # noqa: BLE001 - a transport's own error: name the group, keep the cause
             raise self._explained(ExecutionError(f"{type(e).__name__}: {e}"), k) from e
-        sent = getattr(stats, "bytes_sent", None)
-        return int(sum(sent.values())) if isinstance(sent, dict) else int(getattr(stats, "bytes_out", 0))
+        return sum(stats.bytes_sent.values())
 
     def _explained(self, e: ReshardError, k: int) -> ReshardError:
         """A peer's failure seen here as a broken transfer: say what the failing process reported."""

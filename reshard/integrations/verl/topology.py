@@ -84,10 +84,10 @@ def _itemsize(dtype: str) -> int:
 
 
 @dataclass(frozen=True)
-class Topology:
-    """What one process of one refit needs: the model, both sides' sizes, the bucket, the options, the plans'
-    digests (the driver's) and where everyone meets. Process p < trainers is trainer rank p; the others are
-    rollout ranks p - trainers. Travels as a JSON object."""
+class RefitAssignment:
+    """What one process of one refit needs (what verl's `build_topology` hands each process as `topology`): the
+    model, both sides' sizes, the bucket, the options, the plans' digests (the driver's) and where everyone meets.
+    Process p < trainers is trainer rank p; the others are rollout ranks p - trainers. Travels as a JSON object."""
 
     model: dict[str, Any]
     trainers: int
@@ -112,7 +112,7 @@ class Topology:
         return json.loads(json.dumps({**asdict(self), "digests": list(self.digests)}))
 
     @classmethod
-    def from_dict(cls, d: Any) -> "Topology":
+    def from_dict(cls, d: Any) -> "RefitAssignment":
         if not isinstance(d, dict) or set(d) != set(cls.__dataclass_fields__):
             raise ArgumentError("topology", type(d).__name__ if not isinstance(d, dict) else sorted(d),
                                 f"must be an object with exactly {sorted(cls.__dataclass_fields__)}")
@@ -183,7 +183,7 @@ def check_bucket(plans: Sequence[Plan], trainers: int, rollouts: int, bucket_siz
 
 def build(trainers: int, rollouts: int, metadata: Sequence[Any]) -> tuple[list[dict], list[dict]]:
     """`build_topology`'s work: check every rank's `prepare()` metadata, compile (cached) and check the plans,
-    and give each process its Topology (trainer kwargs, rollout kwargs, as verl wants them)."""
+    and give each process its RefitAssignment (trainer kwargs, rollout kwargs, as verl wants them)."""
     if len(metadata) != trainers + rollouts:
         raise ArgumentError("metadata", len(metadata), f"entries, expected {trainers} trainer + {rollouts} rollout")
     problems = []
@@ -212,10 +212,10 @@ def build(trainers: int, rollouts: int, metadata: Sequence[Any]) -> tuple[list[d
         check_bucket(plans, trainers, rollouts, first["bucket_size"])
     base = dict(model=spec.model_dump(), trainers=trainers, rollouts=rollouts, bucket_size=first["bucket_size"],
                 options=options, digests=tuple(p.digest for p in plans), rendezvous=first["rendezvous"])
-    tops = [Topology(**base, process=p).to_dict() for p in range(trainers + rollouts)]
+    tops = [RefitAssignment(**base, process=p).to_dict() for p in range(trainers + rollouts)]
     return tops[:trainers], tops[trainers:]
 
 
-__all__ = ["TRANSPORTS", "Topology", "bindings", "build", "check_bucket", "check_options", "group_plans",
+__all__ = ["RefitAssignment", "TRANSPORTS", "bindings", "build", "check_bucket", "check_options", "group_plans",
            "model_digest",
            "tensor_groups"]

@@ -1,21 +1,55 @@
-"""The built-in model families, one file each. Every module of this package is imported with it, and a family
-registers itself when its class is defined: adding one = adding its file (README: "Add a model family").
+"""The built-in model families, one file each, listed in BUILT_IN_FAMILIES: adding one = adding its file and its
+line there (docs: "Add a model family"). `register_built_ins()`, called once by `reshard.layouts`, registers them
+(and FP8's entry transform); `register_family(cls)` registers a family defined elsewhere.
 
 Architecture discovery reads `architectures` and then `model_type`; an unknown one gets an error that lists
 the supported ones.
 """
 from __future__ import annotations
 
-import importlib
-import pkgutil
+from typing import Any
 
+from ...errors import ArgumentError
 from ..family import ModelFamily, attention_layer, dense_mlp, gqa_attention, norm, routed_experts
-from ..registry import (discover, family, read_hf_config, registered_families, spec_from_hf_config,
-                        supported_architectures)
+from ..fp8 import transform_items
+from ..lora import LoraFamily
+from ..registry import (discover, family, read_hf_config, register, register_entry_transform, registered_families,
+                        spec_from_hf_config, supported_architectures)
+from .deepseek_v3 import DeepseekV3
+from .llama import Llama
+from .qwen3 import Qwen3
+from .qwen3_5 import Qwen35
+from .qwen3_moe import Qwen3Moe
 
-for _module in pkgutil.iter_modules(__path__):
-    importlib.import_module(f"{__name__}.{_module.name}")
+# every family the library knows without being told (LoRA adapters are a family of their own: layouts.lora)
+BUILT_IN_FAMILIES: tuple[type[ModelFamily], ...] = (Qwen3, Qwen3Moe, Llama, Qwen35, DeepseekV3, LoraFamily)
 
-__all__ = ["ModelFamily", "attention_layer", "dense_mlp", "discover", "family", "gqa_attention", "norm",
-           "read_hf_config", "registered_families", "routed_experts", "spec_from_hf_config",
-           "supported_architectures"]
+
+def register_family(cls: Any) -> Any:
+    """Register the model family class `cls` (a ModelFamily subclass) and return it (usable as a decorator).
+
+    Args:
+        cls: the family's class; it is instantiated once.
+
+    Returns:
+        `cls`, unchanged.
+
+    Raises:
+        ArgumentError: `cls` is not a concrete ModelFamily subclass.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, ModelFamily)) or getattr(cls, "__abstractmethods__", None):
+        raise ArgumentError("cls", cls, "must be a concrete ModelFamily subclass (spec and layer defined)")
+    register(cls())
+    return cls
+
+
+def register_built_ins() -> None:
+    """Register every family of BUILT_IN_FAMILIES and FP8's entry transform (an FP8 wire spec lists a quantized
+    weight as fp8 + scales: layouts.fp8)."""
+    for cls in BUILT_IN_FAMILIES:
+        register_family(cls)
+    register_entry_transform(transform_items)
+
+__all__ = ["BUILT_IN_FAMILIES", "ModelFamily", "attention_layer", "dense_mlp", "discover", "family", "gqa_attention",
+           "norm", "read_hf_config", "register_built_ins", "register_family", "registered_families", "routed_experts",
+           "spec_from_hf_config", "supported_architectures"]

@@ -29,7 +29,7 @@ import reshard
 from reshard.adapters.refit import RefitSpec
 from reshard.adapters.trainer import TrainerSession
 from reshard.errors import ExecutionError
-from reshard.executors import rendezvous as rv
+from reshard.adapters import rendezvous as rv
 from reshard.executors import shard
 from reshard.executors.checksum import tensor_digests
 from reshard.testing.megatron_cpu import TinyGPT, run_ranks

@@ -1,14 +1,14 @@
-"""How one process moves its part of a schedule: buffers bound to its tensors, and two engines that run rounds.
+"""How one process moves its part of a schedule: buffers bound to its tensors, and two runners that run rounds.
 
-What an engine needs from the executor that runs it is a `Setup` (the plan, this process's schedule, the
+What a runner needs from the executor that runs it is a `Setup` (the plan, this process's schedule, the
 group, the options, and the words of a failure) and the `Buffers` the executor keeps between refits.
 `Bound` ties a process schedule to the tensors of one call: flat views of the caller's tensors, the staging
 (shadow) buffer, the wire buffers, and every copy program as prebuilt views (executors.views). `Buffers.bind`
 reuses it while the caller passes the same tensors (the usual case: parameters live as long as the trainer
 and the inference engine do).
 
-`HostEngine` (CPU tensors, gloo) packs, posts and scatters on the calling thread; the transport moves one round
-while the thread packs the next. `CudaEngine` (GPU tensors, NCCL) puts packing, scattering and local copies on
+`HostRunner` (CPU tensors, gloo) packs, posts and scatters on the calling thread; the transport moves one round
+while the thread packs the next. `CudaRunner` (GPU tensors, NCCL) puts packing, scattering and local copies on
 their own streams, orders them with events, and never blocks the host until `drain`, which polls each round's
 completion event against the timeout.
 """
@@ -30,19 +30,19 @@ from .comm import Comm
 from .checksum import Streams
 from .copies import DST, KIND_NAMES, SHADOW, SRC, WIRE, Copies, regions
 from .local import apply_shifts, shift_views, torch_dtype
-from .schedule import ProcessSchedule
+from .schedule import RoundSchedule
 from .views import BoundCopies, Memory, bind
 
-HOST_LEAD = 8  # rounds the host may enqueue ahead of the GPU (CudaEngine._keep_up)
+HOST_LEAD = 8  # rounds the host may enqueue ahead of the GPU (CudaRunner._keep_up)
 ALIGN = 64  # elements: every shadow tensor starts 128-byte aligned (bf16) so that word views apply
 
 
 @dataclass(frozen=True, eq=False)
 class Setup:
-    """What the engines need from the executor that runs them, fixed when it is built."""
+    """What the runners need from the executor that runs them, fixed when it is built."""
 
     plan: Plan
-    schedule: ProcessSchedule  # this process's part
+    schedule: RoundSchedule  # this process's part
     comm: Comm | None  # the refit group: its lanes carry the rounds
     rank: int  # this process's rank in the group
     depth: int  # rounds in flight
@@ -61,7 +61,7 @@ class Setup:
 
 
 class Buffers:
-    """What an executor keeps between refits for its engines: the wire buffer (grown, never shrunk), the CUDA
+    """What an executor keeps between refits for its runners: the wire buffer (grown, never shrunk), the CUDA
     streams, and the schedule bound to the tensors of the last call."""
 
     def __init__(self) -> None:
@@ -223,7 +223,7 @@ def _abort_one(group) -> None:
         pass
 
 
-class Engine(abc.ABC):
+class RoundRunner(abc.ABC):
     """Runs one process's rounds over bound buffers. Round positions index `setup.schedule.rounds`."""
 
     def __init__(self, setup: Setup, kept: Buffers) -> None:
@@ -296,7 +296,7 @@ class Engine(abc.ABC):
         """Write staged bytes and deferred local copies into the destination tensors."""
 
 
-class HostEngine(Engine):
+class HostRunner(RoundRunner):
     """CPU tensors over gloo: copies run on this thread while the transport moves earlier rounds."""
 
     def pack(self, pos: int) -> None:
@@ -341,7 +341,7 @@ class HostEngine(Engine):
         apply_shifts(self.b.shifts)
 
 
-class CudaEngine(Engine):
+class CudaRunner(RoundRunner):
     """GPU tensors over NCCL: pack, transfer, scatter and local copies on their own streams, ordered by events;
     the host only enqueues, then polls each round's completion event against the timeout."""
 
@@ -465,9 +465,9 @@ class CudaEngine(Engine):
         return len(done)
 
 
-def make_engine(setup: Setup, kept: Buffers) -> Engine:
-    """The engine for the tensors `kept` is bound to (`Buffers.bind`)."""
-    return (CudaEngine if kept.bound.device.type == "cuda" else HostEngine)(setup, kept)
+def make_runner(setup: Setup, kept: Buffers) -> RoundRunner:
+    """The runner for the tensors `kept` is bound to (`Buffers.bind`)."""
+    return (CudaRunner if kept.bound.device.type == "cuda" else HostRunner)(setup, kept)
 
 
-__all__ = ["Bound", "Buffers", "CudaEngine", "Engine", "HostEngine", "Setup", "abort", "make_engine", "poll"]
+__all__ = ["Bound", "Buffers", "CudaRunner", "RoundRunner", "HostRunner", "Setup", "abort", "make_runner", "poll"]

@@ -1,0 +1,83 @@
+"""What one process did in one refit: the one record every executor's `refit()` returns.
+
+One field per quantity, named the same whatever the executor; a quantity an executor does not have keeps its
+default (0, an empty dict, ""), so callers read any executor's stats the same way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class RefitStats:
+    """What one process did in one refit.
+
+    Attributes:
+        executor: the executor's name ("local", "bound", "distributed", "nixl", "shared", "fp8").
+        process: this process's index in the binding (its group rank for "distributed").
+        version: the refit's version (the previous one + 1 unless the caller gave one).
+        seconds: wall clock, call to return.
+        phases: wall clock per step, in order (e.g. transfer, agree, commit; the distributed executor's prepare,
+            preflight, enqueue, drain, verify, commit).
+        staged: the refit landed in staging memory first and was copied into the destination at commit.
+        undo: the refit wrote in place with a backup to restore on failure (distributed only).
+        ops: plan ops (block copies of the plan) this process ran or received.
+        copies: block copies launched (pack, scatter, local, commit), where the executor counts them.
+        bytes_sent: peer process -> bytes this process sent it.
+        bytes_received: peer process -> bytes this process received from it.
+        local_bytes: bytes copied within this process.
+        staging_bytes: staging memory (shadows, packed buffers) this process holds.
+        transfers: point-to-point transfers this process took part in (messages sent and received; NIXL links
+            in and out; shared-memory peers written to and read from).
+        checksum: the algorithm every transfer's bytes were checked with ("" when none).
+        rounds: rounds of messages (distributed).
+        lanes: communicators the rounds were spread over (distributed).
+        bucket_bytes: the largest message (distributed).
+        direct_bytes: bytes sent from or received into the tensors themselves, no pack / scatter copy
+            (distributed).
+        wire_bytes: wire buffer memory (distributed).
+        direction: "read" or "write": who posts the transfers (nixl).
+        packed_transfers: transfers packed into one buffer (nixl).
+        descriptors: descriptors of the transfers this process posts (nixl).
+    """
+
+    executor: str
+    process: int
+    version: int
+    seconds: float
+    phases: dict[str, float] = field(default_factory=dict)
+    staged: bool = False
+    undo: bool = False
+    ops: int = 0
+    copies: int = 0
+    bytes_sent: dict[int, int] = field(default_factory=dict)
+    bytes_received: dict[int, int] = field(default_factory=dict)
+    local_bytes: int = 0
+    staging_bytes: int = 0
+    transfers: int = 0
+    checksum: str = ""
+    rounds: int = 0
+    lanes: int = 0
+    bucket_bytes: int = 0
+    direct_bytes: int = 0
+    wire_bytes: int = 0
+    direction: str = ""
+    packed_transfers: int = 0
+    descriptors: int = 0
+
+
+def phase_times(start: float, marks: list[tuple[str, float]]) -> tuple[float, dict[str, float]]:
+    """(seconds since `start` to the last mark, seconds per phase) from (phase, time at its end) marks."""
+    times = [start] + [t for _, t in marks]
+    return times[-1] - start, {name: times[i + 1] - times[i] for i, (name, _) in enumerate(marks)}
+
+
+def ops_landing(plan: Any, dst_ranks: Iterable[int]) -> int:
+    """The plan's ops whose destination is one of `dst_ranks`."""
+    return int(np.isin(plan.ops["dst_rank"], list(dst_ranks)).sum())
+
+
+__all__ = ["RefitStats", "ops_landing", "phase_times"]

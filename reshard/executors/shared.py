@@ -34,6 +34,7 @@ import re
 import secrets
 import stat
 import threading
+import time
 from typing import Any
 
 import numpy as np

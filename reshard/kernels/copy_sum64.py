@@ -48,16 +48,12 @@ def _copy_sum64_kernel(base, table, starts, out, period, WINDOW: tl.constexpr, W
     y2 = tl.zeros((WINDOW // V, V), dtype=tl.int32)
     y3 = tl.zeros((WINDOW // V, V), dtype=tl.int32)
     by_period = tl.zeros((WINDOW // V,), dtype=tl.int64)  # sum over rows of period x the row's bytes
+    s, d, n, c0, p = _row(table + 5 * lo, ALIGN)  # each row's fields are loaded one iteration ahead
     for first in range(lo, hi, FLUSH):
         even = tl.zeros((WINDOW // V, V), dtype=tl.int32)  # bytes 0 and 2 of each word, 16-bit lanes
         odd = tl.zeros((WINDOW // V, V), dtype=tl.int32)  # bytes 1 and 3
         for i in range(first, tl.minimum(first + FLUSH, hi)):
-            row = table + 5 * i  # i is int64: the bounds are
-            s = tl.multiple_of(tl.load(row), ALIGN)
-            d = tl.multiple_of(tl.load(row + 1), ALIGN)
-            n = tl.multiple_of(tl.load(row + 2), ALIGN)
-            c0 = tl.multiple_of(tl.load(row + 3), ALIGN)
-            p = tl.load(row + 4)
+            s_next, d_next, n_next, c0_next, p_next = _row(table + 5 * (i + 1), ALIGN)  # past the end: a zero row
             inside = (cols >= c0) & (cols < c0 + n)
             x = tl.load(base + (s - c0) + cols, mask=inside, other=0)
             tl.store(base + (d - c0) + cols, x, mask=inside)
@@ -72,6 +68,7 @@ def _copy_sum64_kernel(base, table, starts, out, period, WINDOW: tl.constexpr, W
                 b = x.to(tl.int32)
                 y0 += b
                 by_period += p * tl.sum(b, axis=1).to(tl.int64)
+            s, d, n, c0, p = s_next, d_next, n_next, c0_next, p_next
         if WORD == 4:
             y0 += even & 0xFFFF
             y2 += (even >> 16) & 0xFFFF
@@ -89,6 +86,13 @@ def _copy_sum64_kernel(base, table, starts, out, period, WINDOW: tl.constexpr, W
     tl.store(out + g * 3, s1)
     tl.store(out + g * 3 + 1, s2 + period * tl.sum(by_period, axis=0))
     tl.store(out + g * 3 + 2, s3)
+
+
+@triton.jit
+def _row(row, ALIGN: tl.constexpr):
+    """A table row: source and destination offsets, length, column offset (words), period."""
+    return (tl.multiple_of(tl.load(row), ALIGN), tl.multiple_of(tl.load(row + 1), ALIGN),
+            tl.multiple_of(tl.load(row + 2), ALIGN), tl.multiple_of(tl.load(row + 3), ALIGN), tl.load(row + 4))
 
 
 @triton.jit
@@ -121,7 +125,7 @@ class CopySum64:
         for word, (rows, starts) in window_table(entries, self._base.data_ptr(), window, self.period).items():
             view = self._base.view(_VIEW[word])
             per = view.element_size()
-            rows = rows.copy()
+            rows = np.concatenate([rows, np.zeros((1, 5), dtype=np.int64)])  # read ahead past the last row
             rows[:, :4] *= word // per  # in the view's elements (16-byte words are 4 int32 each)
             self.launches.append((view, torch.from_numpy(rows).to(device),
                                   torch.from_numpy(starts).to(device), programs, len(starts) - 1,

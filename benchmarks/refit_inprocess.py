@@ -359,6 +359,21 @@ def sum64_case(ctx: dict, bf: dict, device, iters: int, results: dict) -> None:
     r["fused_best"], r["fused_s"] = best, ok[best]
     r["fused_extra_over_refit"] = (r["fused_s"] - r["refit_s"]) / r["refit_s"]
     r["fused_of_copy"] = bf["copy_s"] / r["fused_s"]
+    # the kernel's own ceiling: one flat copy of 4 GiB with its digest, against torch's copy of the same bytes
+    import numpy as np
+
+    n = 4 << 30
+    a = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
+    b = torch.empty_like(a)
+    w, warps = best.split(",")
+    k = copy_sum64.CopySum64(np.asarray([[a.data_ptr(), b.data_ptr(), n, 0]], dtype=np.int64), device, n,
+                             window_bytes=int(w.split("=")[1][:-1]) << 10, num_warps=int(warps.split("=")[1]))
+    r["flat_bytes"] = n
+    r["flat_fused_s"] = med(timed(lambda: (k.launch(), k.digest()), iters, device, warmup=3))
+    r["flat_copy_s"] = med(timed(lambda: b.copy_(a), iters, device, warmup=3))
+    del a, b, k
+    print(f"flat 4 GiB: copy-and-sum {r['flat_fused_s'] * 1e3:.2f} ms, torch copy {r['flat_copy_s'] * 1e3:.2f} ms "
+          f"({r['flat_copy_s'] / r['flat_fused_s']:.0%})", flush=True)
     print(f"refit with checksum='sum64' (one copy-and-sum kernel), best {best}: {r['fused_s'] * 1e3:.2f} ms = refit "
           f"+ {r['fused_extra_over_refit']:.2f}x (refit {r['refit_s'] * 1e3:.2f} ms, device copy "
           f"{bf['copy_s'] * 1e3:.2f} ms: {r['fused_of_copy']:.0%} of it; separate pass {r['kernel_s'] * 1e3:.2f} ms) "

@@ -321,7 +321,8 @@ def sum64_case(ctx: dict, bf: dict, device, iters: int, results: dict) -> None:
     r["refit_s"] = bf["inprocess_s"]
     r["kernel_over_refit"] = r["kernel_s"] / r["refit_s"]
     r["read_of_hbm"] = (bf["bytes"] / r["kernel_s"]) / (2 * bf["bytes"] / bf["copy_s"])
-    print(f"sum64 over {len(blocks)} blocks ({bf['bytes'] / 2**30:.2f} GiB): separate pass {r['kernel_s'] * 1e3:.2f} ms "
+    print(f"sum64 over {len(blocks)} blocks ({bf['bytes'] / 2**30:.2f} GiB): separate pass "
+          f"{r['kernel_s'] * 1e3:.2f} ms "
           f"= {r['kernel_over_refit']:.2f}x the refit ({r['refit_s'] * 1e3:.2f} ms), reads at {r['read_of_hbm']:.0%} "
           f"of the copy's bandwidth | torch ops {r['torch_ops_s'] * 1e3:.0f} ms | equal {r['equal']}", flush=True)
     # the refit with checksum="sum64": copies and digest in one kernel (kernels.copy_sum64), against the refit

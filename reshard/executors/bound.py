@@ -10,9 +10,9 @@ the value shifts after it, is captured as a CUDA graph at the second refit (exec
 one graph launch. With thousands of large copies (a mixture-of-experts model's expert matrices) they go through
 one launch of the table-copy kernel (kernels.copy_table) inside that graph. With `checksum="sum64"` on one GPU,
 every copy goes through the copy-and-checksum kernel instead (kernels.copy_sum64): the bytes are read once, to
-be written and to be counted, and the refit reports the digest of its source stream. The tensors must stay the same objects
-between refits (the trainer updates them in place; a slot buffer stays where the engine made it): `refit` checks
-their storage pointers, a constant-time test per tensor, and refuses if one was replaced.
+be written and to be counted, and the refit reports the digest of its source stream. The tensors must stay the
+same objects between refits (the trainer updates them in place; a slot buffer stays where the engine made it):
+`refit` checks their storage pointers, a constant-time test per tensor, and refuses if one was replaced.
 """
 from __future__ import annotations
 

@@ -278,8 +278,8 @@ def check_copy_sum64(device: str = "cpu", cases: int = 6, seed: int = 0, big: bo
     flush = copy_sum64.FLUSH
     for case in range(cases + (1 if big else 0)):
         large = case == cases
-        period, window = ((PERIOD, 16 << 10) if large else (PERIOD, 1024) if case % 3 == 0 else (4096, 256) if case % 3 == 1
-                          else (1024, 64))
+        period, window = ((PERIOD, 16 << 10) if large else (PERIOD, 1024) if case % 3 == 0
+                          else (4096, 256) if case % 3 == 1 else (1024, 64))
         copy_sum64.FLUSH = flush if case % 2 == 0 else 2
         size = (48 << 20) if large else 12000
         bufs = [torch.randint(0, 256, (size,), generator=g, dtype=torch.uint8).to(dev) for _ in range(2)]

@@ -20,9 +20,12 @@ With --fp8 (first model only; GPU):
   fp8 rest table       the direct refit with the copies beside the quantizer through the table kernel
   and the bytes of the direct and shadow refits against the eager reference path, tensor for tensor.
   --quick: without the quantizer's variants and the receivers' case.
-With --sum64 (first model only): the "sum64" digest of the refit's source stream (every op's block, plan order)
-by the fused kernel as one graph (checksum.Sum64Program), against the refit's own time; the torch-ops digest of
-the same blocks (the reference, once) must be equal.
+With --sum64 (the extras model): the "sum64" digest of the refit's source stream (every op's block, plan order)
+as a separate pass (checksum.Sum64Program, one graph), against the refit's own time; the torch-ops digest of
+the same blocks (the reference, once) must be equal. Then the refit with checksum="sum64" (the bound executor
+with the copy-and-checksum kernel, kernels.copy_sum64: bytes read once) over windows and warps, its digest
+against the reference and its bytes against the plain refit's, and its time beside the refit's, the device copy
+and the separate pass.
 
     python benchmarks/refit_inprocess.py --device cuda --configs qwen3-8b,qwen3-30b-a3b --fp8 --sum64 --json out
 """
@@ -318,9 +321,66 @@ def sum64_case(ctx: dict, bf: dict, device, iters: int, results: dict) -> None:
     r["refit_s"] = bf["inprocess_s"]
     r["kernel_over_refit"] = r["kernel_s"] / r["refit_s"]
     r["read_of_hbm"] = (bf["bytes"] / r["kernel_s"]) / (2 * bf["bytes"] / bf["copy_s"])
-    print(f"sum64 over {len(blocks)} blocks ({bf['bytes'] / 2**30:.2f} GiB): kernel {r['kernel_s'] * 1e3:.2f} ms = "
-          f"{r['kernel_over_refit']:.2f}x the refit ({r['refit_s'] * 1e3:.2f} ms), reads at {r['read_of_hbm']:.0%} of "
-          f"the copy's bandwidth | torch ops {r['torch_ops_s'] * 1e3:.0f} ms | equal {r['equal']}", flush=True)
+    print(f"sum64 over {len(blocks)} blocks ({bf['bytes'] / 2**30:.2f} GiB): separate pass "
+          f"{r['kernel_s'] * 1e3:.2f} ms "
+          f"= {r['kernel_over_refit']:.2f}x the refit ({r['refit_s'] * 1e3:.2f} ms), reads at {r['read_of_hbm']:.0%} "
+          f"of the copy's bandwidth | torch ops {r['torch_ops_s'] * 1e3:.0f} ms | equal {r['equal']}", flush=True)
+    # the refit with checksum="sum64": copies and digest in one kernel (kernels.copy_sum64), against the refit
+    from reshard.executors.bound import BoundLocalExecutor
+    from reshard.kernels import copy_sum64
+
+    dst = ctx["dst"]
+    BoundLocalExecutor(plan, None, 0, src, dst).refit()  # the plain refit's bytes, to compare against
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    want_bytes = {0: {n: t.clone() for n, t in dst[0].items()}}
+    chosen = dict(copy_sum64.TUNING)
+    r["fused_variants_s"], r["fused_equal"] = {}, {}
+    for window, warps in ((16, 8), (8, 4), (8, 8), (16, 4), (16, 16), (32, 8), (32, 16), (4, 4)):
+        name = f"window={window}K,warps={warps}"
+        copy_sum64.TUNING.update(window_bytes=window << 10, num_warps=warps)
+        for t in dst[0].values():
+            t.fill_(-3.0)
+        try:
+            ex = BoundLocalExecutor(plan, None, 0, src, dst, checksum="sum64")
+            digest = ex.refit().digest
+            r["fused_variants_s"][name] = med(timed(ex.refit, iters, device, warmup=3))
+            r["fused_equal"][name] = (digest == want, equal(dst, want_bytes))
+            r["fused_graph"] = ex._run.graph is not None
+            ex.close()
+        except Exception as e:  # a tuning that does not compile (registers): recorded, the others still run
+            r["fused_variants_s"][name] = None
+            r["fused_equal"][name] = repr(e)[:300]
+        finally:
+            copy_sum64.TUNING.clear()
+            copy_sum64.TUNING.update(chosen)
+    del want_bytes
+    ok = {k: v for k, v in r["fused_variants_s"].items() if v}
+    best = min(ok, key=ok.get)
+    r["fused_best"], r["fused_s"] = best, ok[best]
+    r["fused_extra_over_refit"] = (r["fused_s"] - r["refit_s"]) / r["refit_s"]
+    r["fused_of_copy"] = bf["copy_s"] / r["fused_s"]
+    # the kernel's own ceiling: one flat copy of 4 GiB with its digest, against torch's copy of the same bytes
+    import numpy as np
+
+    n = 4 << 30
+    a = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
+    b = torch.empty_like(a)
+    w, warps = best.split(",")
+    k = copy_sum64.CopySum64(np.asarray([[a.data_ptr(), b.data_ptr(), n, 0]], dtype=np.int64), device, n,
+                             window_bytes=int(w.split("=")[1][:-1]) << 10, num_warps=int(warps.split("=")[1]))
+    r["flat_bytes"] = n
+    r["flat_fused_s"] = med(timed(lambda: (k.launch(), k.digest()), iters, device, warmup=3))
+    r["flat_copy_s"] = med(timed(lambda: b.copy_(a), iters, device, warmup=3))
+    del a, b, k
+    print(f"flat 4 GiB: copy-and-sum {r['flat_fused_s'] * 1e3:.2f} ms, torch copy {r['flat_copy_s'] * 1e3:.2f} ms "
+          f"({r['flat_copy_s'] / r['flat_fused_s']:.0%})", flush=True)
+    print(f"refit with checksum='sum64' (one copy-and-sum kernel), best {best}: {r['fused_s'] * 1e3:.2f} ms = refit "
+          f"+ {r['fused_extra_over_refit']:.2f}x (refit {r['refit_s'] * 1e3:.2f} ms, device copy "
+          f"{bf['copy_s'] * 1e3:.2f} ms: {r['fused_of_copy']:.0%} of it; separate pass {r['kernel_s'] * 1e3:.2f} ms) "
+          f"| variants: " + ", ".join(f"{k} {v * 1e3:.2f} ms" if v else f"{k} failed"
+                                      for k, v in r["fused_variants_s"].items())
+          + f" | equal (digest, bytes): {r['fused_equal']}", flush=True)
     results["sum64"] = r
 
 

@@ -262,12 +262,17 @@ class PublishedSource(Executor):
     GPU one graph launch per refit), kept while the trainer publishes the same tensors in place. A refit first
     checks, per tensor, that what is published under `key` is still the object bound (and its storage where it
     was); if the trainer published other tensors, the executor is bound afresh to them. A plan the bound executor
-    cannot run in one process (one that relays between replicas) runs through the reference LocalExecutor."""
+    cannot run in one process (one that relays between replicas) runs through the reference LocalExecutor.
+    `checksum` (the transport's option): the bound executor's (executors.bound; "sum64" on a GPU is computed by the
+    kernel that moves the bytes), the digest in each refit's stats (`RefitStats.digest`)."""
 
     name = ""  # not picked by name: made by open_transport
 
-    def __init__(self, plan: Plan, dst: RankTensors, key: str) -> None:
+    def __init__(self, plan: Plan, dst: RankTensors, key: str, checksum: "bool | str" = False) -> None:
+        from ..executors.checksum import algorithm
+
         self.plan, self.dst, self.key = plan, dst, key
+        self.checksum = algorithm(checksum)
         self._bound: Any = None
         self._bound_to: list[tuple[int, str, Any]] = []  # (rank, name, tensor) the bound executor reads
 
@@ -285,9 +290,12 @@ class PublishedSource(Executor):
         src = published_source(self.key)
         if self._bound is None or not self._still_bound(src):
             if bool((self.plan.ops["src_side"] == RELAY).any()):
+                if self.checksum:
+                    raise ExecutionError("checksum in process needs the bound executor, and this plan relays "
+                                         "between destination replicas (compile it without fan-out)")
                 return LocalExecutor(self.plan, None, 0, src, self.dst).refit()
             self._bound = None
-            self._bound = BoundLocalExecutor(self.plan, None, 0, src, self.dst)
+            self._bound = BoundLocalExecutor(self.plan, None, 0, src, self.dst, checksum=self.checksum or False)
             used = sorted(set(self.plan.src_tensors.ranks) & set(src))
             self._bound_to = [(r, n, t) for r in used for n, t in src[r].items()]
         return self._bound.refit(version)
@@ -314,7 +322,7 @@ def open_transport(refit: RefitSpec, process: int, src: RankTensors, dst: RankTe
     if refit.install == "loader":  # the engine's buffers are read only after a complete refit: write them in place
         options = {**LOADER_OPTIONS.get(refit.transport, {}), **options}
     if refit.transport == "inprocess":
-        return PublishedSource(plan, dst, key)
+        return PublishedSource(plan, dst, key, checksum=options.pop("checksum", False))
     if refit.transport == "distributed":  # the trainer's processes are the engine's workers
         from ..executors import DistributedExecutor
 

@@ -8,9 +8,11 @@ copy) and binds it to views (executors.views: bytes moved as 8-byte words where 
 contiguous runs as plain copies, small ones batched through `torch._foreach_copy_`). On one GPU the program, with
 the value shifts after it, is captured as a CUDA graph at the second refit (executors.graphs): a refit is then
 one graph launch. With thousands of large copies (a mixture-of-experts model's expert matrices) they go through
-one launch of the table-copy kernel (kernels.copy_table) inside that graph. The tensors must stay the same objects
-between refits (the trainer updates them in place; a slot buffer stays where the engine made it): `refit` checks
-their storage pointers, a constant-time test per tensor, and refuses if one was replaced.
+one launch of the table-copy kernel (kernels.copy_table) inside that graph. With `checksum="sum64"` on one GPU,
+every copy goes through the copy-and-checksum kernel instead (kernels.copy_sum64): the bytes are read once, to
+be written and to be counted, and the refit reports the digest of its source stream. The tensors must stay the
+same objects between refits (the trainer updates them in place; a slot buffer stays where the engine made it):
+`refit` checks their storage pointers, a constant-time test per tensor, and refuses if one was replaced.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from ..errors import ExecutionError
 from ..planner import Plan
 from ..planner.plan import RELAY
 from .base import Executor, RankTensors
+from .checksum import Streams, algorithm, block
 from .copies import DST, SRC, fold
 from .graphs import STREAMS, Replay, on_streams, single_cuda_device, spread
 from .guard import check_memory, check_ops
@@ -56,9 +59,22 @@ class BoundLocalExecutor(Executor):
     def __init__(self, plan: Plan, binding: object = None, process: int = 0, src: RankTensors | None = None,
                  dst: RankTensors | None = None, ops: "np.ndarray | None" = None, graph: "bool | str" = True,
                  split: "bool | None" = None, streams: "int | None" = None,
-                 table: "bool | None" = None) -> None:
+                 table: "bool | None" = None, checksum: "bool | str" = False,
+                 checksum_kernel: "bool | None" = None) -> None:
         self.plan, src, dst = plan, dict(src or {}), dict(dst or {})
-        self.process, self._version = process, 0
+        self._version = self._version + 1 if version is None else int(version)
+        digest = ""
+        if self._fused is not None:  # the kernel that moved the bytes summed them (on the GPU, no host sync before)
+            digest = self._fused.digest().hex()
+        elif self.checksum:
+            sums = Streams(self.checksum)
+            for b in self._sum_blocks:
+                sums.update(0, b)
+            digest = sums.hexdigest(0)
+        seconds = time.perf_counter() - start  # launched: on a GPU the copies may still be running
+        return RefitStats(executor=self.name, process=self.process, version=self._version, seconds=seconds,
+                          phases={"launch": seconds}, ops=self.ops, copies=self.copies, local_bytes=self.bytes,
+                          checksum=self.checksum or "", digest=digest)
         check_ops(plan)
         o = plan.ops
         mine = np.flatnonzero(np.isin(o["dst_rank"], list(dst)))
@@ -98,6 +114,19 @@ class BoundLocalExecutor(Executor):
         if graph not in ("all", "small", "none", "auto"):
             raise ExecutionError(f"graph must be 'all', 'small', 'none', 'auto' or a bool, not {graph!r}")
         self._device = single_cuda_device(tensors)
+        self._fused, self._sum_blocks = None, []
+        if checksum_kernel is None:
+            checksum_kernel = self._device is not None and _triton()
+        if self.checksum == "sum64" and checksum_kernel:
+            from ..kernels.copy_sum64 import CopySum64
+
+            entries, count = stream_entries(plan, mine, s_flat, d_flat)
+            device = tensors[0].device if tensors else torch.device("cpu")
+            self._fused = CopySum64(entries, device, count)
+            self._program.large, self._program.groups = [], []  # all of it moved by the kernel
+        elif self.checksum:
+            self._sum_blocks = [block(s_flat[int(o["src_tensor"][i])], int(o["src_offset"][i]), int(o["rows"][i]),
+                                      int(o["cols"][i]), int(o["src_stride"][i])) for i in mine.tolist()]
         large = self._program.large
         if table is None:
             table = self._device is not None and len(large) >= TABLE_FROM and _triton()
@@ -129,6 +158,8 @@ class BoundLocalExecutor(Executor):
         on_streams(self._large, self._device)
 
     def _launch(self) -> None:
+        if self._fused is not None:
+            self._fused.launch()
         if not self._large_eager:
             self._copy_large()
         for d, s in self._program.groups:
@@ -150,13 +181,48 @@ class BoundLocalExecutor(Executor):
                 self._copy_large()
             self._run()
         self._version = self._version + 1 if version is None else int(version)
+        digest = ""
+        if self._fused is not None:  # the kernel that moved the bytes summed them (on the GPU, no host sync before)
+            digest = self._fused.digest().hex()
+        elif self.checksum:
+            sums = Streams(self.checksum)
+            for b in self._sum_blocks:
+                sums.update(0, b)
+            digest = sums.hexdigest(0)
         seconds = time.perf_counter() - start  # launched: on a GPU the copies may still be running
         return RefitStats(executor=self.name, process=self.process, version=self._version, seconds=seconds,
-                          phases={"launch": seconds}, ops=self.ops, copies=self.copies, local_bytes=self.bytes)
+                          phases={"launch": seconds}, ops=self.ops, copies=self.copies, local_bytes=self.bytes,
+                          checksum=self.checksum or "", digest=digest)
 
     def close(self) -> None:
         self._program, self._shifts, self._pins, self._run, self._large = None, [], [], None, []
-        self._table = None
+        self._table, self._fused, self._sum_blocks = None, None, []
+
+
+def stream_entries(plan: Plan, mine: np.ndarray, s_flat: dict, d_flat: dict) -> tuple[np.ndarray, int]:
+    """The ops `mine` (plan order) as contiguous copies (src address, dst address, nbytes, stream position): a
+    block's rows apart become one entry each, then entries that continue each other on both sides are merged; and
+    the stream's length in bytes."""
+    o, size = plan.ops, plan.itemsize
+    if not len(mine):
+        return np.zeros((0, 4), dtype=np.int64), 0
+    s_ptr = np.asarray([s_flat[int(t)].data_ptr() for t in o["src_tensor"][mine]], dtype=np.int64)
+    d_ptr = np.asarray([d_flat[int(t)].data_ptr() for t in o["dst_tensor"][mine]], dtype=np.int64)
+    rows, cols = o["rows"][mine].astype(np.int64), o["cols"][mine].astype(np.int64)
+    nbytes = rows * cols * size
+    pos = np.cumsum(nbytes) - nbytes
+    owner = np.repeat(np.arange(len(mine)), rows)
+    r = np.arange(int(rows.sum())) - np.repeat(np.cumsum(rows) - rows, rows)  # row within its block
+    e = np.empty((len(owner), 4), dtype=np.int64)
+    e[:, 0] = s_ptr[owner] + (o["src_offset"][mine][owner] + r * o["src_stride"][mine][owner]) * size
+    e[:, 1] = d_ptr[owner] + (o["dst_offset"][mine][owner] + r * o["dst_stride"][mine][owner]) * size
+    e[:, 2] = cols[owner] * size
+    e[:, 3] = pos[owner] + r * e[:, 2]
+    new = np.ones(len(e), dtype=bool)
+    new[1:] = (e[1:, 0] != e[:-1, 0] + e[:-1, 2]) | (e[1:, 1] != e[:-1, 1] + e[:-1, 2])
+    merged = e[new].copy()
+    merged[:, 2] = np.add.reduceat(e[:, 2], np.flatnonzero(new))
+    return merged, int(nbytes.sum())
 
 
 def _triton() -> bool:

@@ -23,7 +23,9 @@ Two algorithms (the option's value; True means "sha256"; every process of a refi
   blocks does not matter. Not a cryptographic hash: it catches corruption in flight, not a forger.
   On GPUs (with Triton) the sums are one fused kernel per block (reshard.kernels.sum64: each byte read once), and
   `Sum64Program` digests a fixed list of blocks (an executor's stream, bound once) as one CUDA graph replay; both
-  give the digests of the torch ops here, bit for bit.
+  give the digests of the torch ops here, bit for bit. In one process, the bound executor's checksum="sum64"
+  (the inprocess transport's option) digests the bytes in the kernel that copies them (kernels.copy_sum64: the
+  weights' period folds the stream, so no weight is computed per byte), the same digest again.
 """
 from __future__ import annotations
 

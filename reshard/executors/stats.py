@@ -33,6 +33,8 @@ class RefitStats:
         transfers: point-to-point transfers this process took part in (messages sent and received; NIXL links
             in and out; shared-memory peers written to and read from).
         checksum: the algorithm every transfer's bytes were checked with ("" when none).
+        digest: the hex digest (`checksum`'s algorithm) of every byte this process landed, in plan order, where the
+            executor computes one over the whole refit (bound); else "".
         rounds: rounds of messages (distributed).
         lanes: communicators the rounds were spread over (distributed).
         bucket_bytes: the largest message (distributed).
@@ -59,6 +61,7 @@ class RefitStats:
     staging_bytes: int = 0
     transfers: int = 0
     checksum: str = ""
+    digest: str = ""
     rounds: int = 0
     lanes: int = 0
     bucket_bytes: int = 0

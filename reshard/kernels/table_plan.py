@@ -61,3 +61,88 @@ def apply_table(memory: np.ndarray, tables: dict[int, np.ndarray]) -> None:
     for w, rows in tables.items():
         for s, d, n in rows.tolist():
             memory[d * w:(d + n) * w] = memory[s * w:(s + n) * w]
+
+
+# --- the copy-and-checksum kernel's table (kernels.copy_sum64) ---
+
+SUM_WORDS = (16, 4, 1)  # its word classes: 16-byte vectors of int32 words, int32 words, single bytes
+
+
+def sum_word_bytes(entries: np.ndarray) -> np.ndarray:
+    """Per entry (src address, dst address, nbytes, stream position): the widest of SUM_WORDS dividing all four."""
+    e = np.asarray(entries, dtype=np.int64).reshape(-1, 4)
+    out = np.ones(len(e), dtype=np.int64)
+    for w in SUM_WORDS[::-1]:
+        out[np.all(e % w == 0, axis=1)] = w
+    return out
+
+
+def window_table(entries: np.ndarray, base: int, window_bytes: int, period: int) -> dict[int, tuple]:
+    """{word: (rows int64 [k, 5], starts int64 [windows + 1])} for entries (src address, dst address, nbytes,
+    stream position): the stream's positions folded by `period` (the checksum weights' period) into columns, the
+    columns cut into windows of `window_bytes`; each entry cut where it crosses a window boundary, each piece a row
+    (source offset, destination offset, length, column offset in its window, period number), in words (offsets
+    from `base`, 16-byte aligned), rows sorted by window then period; window g's rows are starts[g]:starts[g+1].
+    A kernel program per window adds up the bytes of each column over all periods (each byte read once), and only
+    then weighs the columns (kernels.copy_sum64)."""
+    if base % SUM_WORDS[0]:
+        raise ValueError(f"window_table: base {base:#x} is not {SUM_WORDS[0]}-byte aligned")
+    if window_bytes < SUM_WORDS[0] or window_bytes % SUM_WORDS[0] or period % window_bytes:
+        raise ValueError(f"window_table: window_bytes {window_bytes} must be a multiple of {SUM_WORDS[0]} dividing "
+                         f"the period {period}")
+    e = np.asarray(entries, dtype=np.int64).reshape(-1, 4)
+    if np.any(e[:, 2] < 0) or np.any(e[:, 3] < 0):
+        raise ValueError("window_table: negative length or position")
+    e = e[e[:, 2] > 0]
+    words = sum_word_bytes(e)
+    windows = period // window_bytes
+    out = {}
+    for w in SUM_WORDS:
+        mine = e[words == w]
+        if not len(mine):
+            continue
+        first = mine[:, 3] // window_bytes
+        last = (mine[:, 3] + mine[:, 2] - 1) // window_bytes
+        k = last - first + 1  # pieces per entry
+        owner = np.repeat(np.arange(len(mine)), k)
+        cut = np.repeat(first, k) + np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)  # window index
+        pos, end = mine[owner, 3], mine[owner, 3] + mine[owner, 2]
+        start = np.maximum(pos, cut * window_bytes)
+        stop = np.minimum(end, (cut + 1) * window_bytes)
+        rows = np.empty((len(owner), 5), dtype=np.int64)
+        rows[:, 0] = (mine[owner, 0] + (start - pos) - base) // w
+        rows[:, 1] = (mine[owner, 1] + (start - pos) - base) // w
+        rows[:, 2] = (stop - start) // w
+        rows[:, 3] = (start % window_bytes) // w
+        rows[:, 4] = start // period
+        g = (start % period) // window_bytes
+        order = np.lexsort((rows[:, 3], rows[:, 4], g))
+        rows, g = rows[order], g[order]
+        starts = np.searchsorted(g, np.arange(int(g.max()) + 2)).astype(np.int64)
+        assert starts[-1] == len(rows) and len(starts) - 1 <= windows
+        out[w] = (rows, starts)
+    return out
+
+
+def apply_window_table(memory: np.ndarray, tables: dict[int, tuple], window_bytes: int, period: int,
+                       weights) -> tuple[int, int, int]:
+    """What the kernel does, in numpy over a byte array standing for memory from the base address on: every row's
+    bytes copied, and the sums (s1, s2, s3 of executors.checksum, mod 2^64) computed as the kernel does: per
+    window, each column's bytes added over the periods, then weighed by its stream position and T[column];
+    the position's period part from each row's byte sum times its period. `weights(j)`: T for columns j."""
+    s1 = s2 = s3 = 0
+    for w, (rows, starts) in tables.items():
+        for g in range(len(starts) - 1):
+            col = np.zeros(window_bytes, dtype=np.int64)
+            by_period = 0
+            for s, d, n, c0, p in rows[starts[g]:starts[g + 1]].tolist():
+                x = memory[s * w:(s + n) * w].copy()
+                memory[d * w:(d + n) * w] = x
+                col[c0 * w:(c0 + n) * w] += x
+                by_period += p * int(x.astype(np.int64).sum())
+            j = g * window_bytes + np.arange(window_bytes, dtype=np.int64)
+            s1 += int(col.sum())
+            s2 += int(((j + 1) * col).sum()) + period * by_period
+            s3 += int((weights(j) * col).sum())
+    mask = (1 << 64) - 1
+    return s1 & mask, s2 & mask, s3 & mask

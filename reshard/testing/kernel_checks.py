@@ -241,4 +241,123 @@ def check_copy_table(device: str = "cpu", cases: int = 4, seed: int = 0, moe_lay
     return failures
 
 
-__all__ = ["check_copy_table", "check_fp8_quantizer", "check_fp8_refits", "check_sum64"]
+def _sums_reference(x: torch.Tensor, start: int, period: int) -> list[int]:
+    """s1, s2, s3 of executors.checksum for bytes x at stream positions start..., with the weights' period
+    `period` (2^23 in the digest; smaller here to cross periods with few bytes), in int64 numpy, mod 2^64."""
+    import numpy as np
+
+    b = x.cpu().numpy().astype(np.uint64)
+    i = np.arange(start, start + len(b), dtype=np.uint64)
+    j = (i % np.uint64(period)).astype(np.int64)
+    t = (((j * 1_103_515_245 + 12_345) & ((1 << 31) - 1)) >> 8).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        return [int(b.sum()), int((b * (i + np.uint64(1))).sum()), int((b * t).sum())]
+
+
+def check_copy_sum64(device: str = "cpu", cases: int = 6, seed: int = 0, big: bool = False,
+                     tps: tuple = ((2, 1), (1, 2))) -> list[str]:
+    """The copy-and-checksum kernel (kernels.copy_sum64) against torch's copies and the "sum64" reference: pieces
+    of every word class (16-byte aligned, 4-byte, odd) at random places of a few buffers, a stream that starts
+    anywhere (across the weights' period 2^23, and past 2^40); with a small period and window as well, so that many
+    periods fold onto one window and the 16-bit lanes spill (FLUSH lowered); every other byte unchanged. Then the
+    bound executor with checksum="sum64" through the kernel against the reference executor's bytes and the
+    reference digest of its source blocks, twice (the trainer's weights changed in place between). `big`: also one
+    stream of 40 MB (five real periods; GPUs)."""
+    import numpy as np
+
+    import reshard
+    from reshard.executors import allocate, execute_local, shard
+    from reshard.executors.bound import BoundLocalExecutor
+    from reshard.executors.checksum import PERIOD, Streams, block
+    from reshard.kernels import copy_sum64
+    from reshard.kernels.copy_sum64 import CopySum64
+
+    dev = torch.device(device)
+    g = torch.Generator().manual_seed(seed)
+    failures = []
+    flush = copy_sum64.FLUSH
+    for case in range(cases + (1 if big else 0)):
+        large = case == cases
+        period, window = ((PERIOD, 16 << 10) if large else (PERIOD, 1024) if case % 3 == 0
+                          else (4096, 256) if case % 3 == 1 else (1024, 64))
+        copy_sum64.FLUSH = flush if case % 2 == 0 else 2
+        size = (48 << 20) if large else 12000
+        bufs = [torch.randint(0, 256, (size,), generator=g, dtype=torch.uint8).to(dev) for _ in range(2)]
+        src, dst = bufs
+        before = dst.clone()
+        start = 0 if large else (0, PERIOD - 3001, (1 << 40) + 7, 5 * 4096 - 100, 33, 0)[case % 6]
+        entries, pieces, pos, free = [], [], start, 0
+        for _ in range(int(torch.randint(1, 12, (1,), generator=g))):
+            align = (16, 4, 2, 1)[int(torch.randint(0, 4, (1,), generator=g))]
+            n = (40 << 20) if large else align * int(torch.randint(0, 2000 // align + 2, (1,), generator=g))
+            so = align * int(torch.randint(0, (size - n) // align + 1, (1,), generator=g))
+            do = free + align * int(torch.randint(0, 4, (1,), generator=g))
+            if do + n > size:
+                break
+            entries.append((src.data_ptr() + so, dst.data_ptr() + do, n, pos))
+            pieces.append((so, do, n))
+            pos, free = pos + n, do + n
+            if large:
+                break
+        want = before.clone()
+        for so, do, n in pieces:
+            want[do:do + n] = src[so:so + n]
+        k = CopySum64(np.asarray(entries, dtype=np.int64).reshape(-1, 4), dev, pos - start, window_bytes=window,
+                      num_warps=4, period=period)
+        k.launch()
+        got = [int(v) & ((1 << 64) - 1) for v in k.sums().tolist()]
+        stream = torch.cat([src[so:so + n] for so, _, n in pieces]) if pieces else src[:0]
+        ref = _sums_reference(stream, start, period)
+        what = f"case {case} (period {period}, window {window}, start {start}, {len(pieces)} pieces)"
+        if got != [v & ((1 << 64) - 1) for v in ref]:
+            failures.append(f"{what}: sums differ")
+        if not torch.equal(dst.cpu(), want.cpu()):
+            failures.append(f"{what}: bytes differ from torch's copies")
+        if period == PERIOD and start == 0:
+            s = Streams("sum64")
+            s.update(0, stream.cpu())
+            if k.digest() != s.digest(0):
+                failures.append(f"{what}: digest differs from checksum.Streams on the CPU")
+    copy_sum64.FLUSH = flush
+    spec = reshard.ModelSpec(family="qwen3", hidden_size=64, num_layers=1, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16, intermediate_size=96, vocab_size=64,
+                             qk_norm=True, dtype="bfloat16")
+    for tp in tps:
+        src_l, dst_l = reshard.MegatronLayout(model=spec, tp=tp[0]), reshard.VllmLayout(model=spec, tp=tp[1])
+        plan = reshard.compile(src_l, dst_l)
+        w = {t.name: torch.randn(t.shape, generator=g).to(torch.bfloat16) for t in spec.tensors}
+        src = {r: {n: t.to(dev) for n, t in ts.items()} for r, ts in shard(src_l, w).items()}
+        got = {r: {n: t.to(dev) for n, t in ts.items()} for r, ts in allocate(dst_l, -7.0).items()}
+        tuning = dict(copy_sum64.TUNING)
+        if dev.type == "cpu":  # the interpreter: small windows run faster
+            copy_sum64.TUNING["window_bytes"] = 1024
+        try:
+            ex = BoundLocalExecutor(plan, None, 0, src, got, checksum="sum64", checksum_kernel=True)
+        finally:
+            copy_sum64.TUNING.update(tuning)
+        if ex._fused is None:
+            failures.append(f"bound tp={tp}: the kernel was not used")
+        for step in range(2):
+            if step:
+                for ts in src.values():
+                    for t in ts.values():
+                        t.mul_(0.5).add_(1.0)
+            digest = ex.refit().digest
+            cpu = {r: {n: t.cpu() for n, t in ts.items()} for r, ts in src.items()}
+            want = allocate(dst_l, -7.0)
+            execute_local(plan, cpu, want)
+            bad = [(r, n) for r in want for n in want[r] if not torch.equal(got[r][n].cpu(), want[r][n])]
+            if bad:
+                failures.append(f"bound checksum tp={tp} step {step}: {bad[:4]}")
+            o, s = plan.ops, Streams("sum64")
+            flat = {i: cpu[r][n].view(-1) for i, (r, n) in enumerate(zip(plan.src_tensors.ranks,
+                                                                         plan.src_tensors.names))}
+            for i in np.flatnonzero(np.isin(o["dst_rank"], list(got))).tolist():
+                s.update(0, block(flat[int(o["src_tensor"][i])], int(o["src_offset"][i]), int(o["rows"][i]),
+                                  int(o["cols"][i]), int(o["src_stride"][i])))
+            if digest != s.hexdigest(0):
+                failures.append(f"bound checksum tp={tp} step {step}: digest differs from the reference")
+    return failures
+
+
+__all__ = ["check_copy_sum64", "check_copy_table", "check_fp8_quantizer", "check_fp8_refits", "check_sum64"]

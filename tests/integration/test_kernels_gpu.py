@@ -29,6 +29,11 @@ def test_sum64_kernel_on_gpu():
     assert kernel_checks.check_sum64("cuda", cases=12) == []
 
 
+def test_copy_sum64_kernel_on_gpu():
+    """Also one 40 MB stream (five periods of the weights) and a bound refit with checksum="sum64" per TP pair."""
+    assert kernel_checks.check_copy_sum64("cuda", cases=12, big=True) == []
+
+
 def test_copy_table_kernel_on_gpu():
     assert kernel_checks.check_copy_table("cuda", cases=20) == []
 

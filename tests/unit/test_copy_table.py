@@ -60,3 +60,41 @@ def test_chunk_table_refuses_an_unaligned_base_and_bad_sizes():
         chunk_table(np.zeros((1, 3), dtype=np.int64), 0, 0)
     with pytest.raises(ValueError, match="negative"):
         chunk_table(np.asarray([[0, 16, -1]]), 0, 64)
+
+
+@settings(max_examples=60, deadline=None)
+@given(copies(), st.sampled_from([16, 32, 64]), st.sampled_from([64, 128, 1 << 23]),
+       st.sampled_from([0, 1000, (1 << 23) - 48, 1 << 40]), st.sampled_from([0, 16, 1 << 40]))
+def test_window_table_copies_the_bytes_and_folds_the_sums_like_the_reference(entries, window, period, start, base):
+    """The copy-and-checksum table (kernels.table_plan.window_table, kernels.copy_sum64): every byte of every copy
+    in exactly one row, and the sums computed the kernel's way (columns added over periods, weighed once) equal
+    count, sum x, sum x (i + 1), sum x T[i mod period] over the stream's bytes at positions start..., mod 2^64."""
+    from reshard.kernels.table_plan import SUM_WORDS, apply_window_table, sum_word_bytes, window_table
+
+    if window > period:
+        return
+    rng = np.random.default_rng(len(entries) + window)
+    mem = rng.integers(0, 256, 2 * SIZE, dtype=np.uint8)
+    want, stream, pos, rows4 = mem.copy(), [], start, []
+    for s, d, n in entries:
+        want[d:d + n] = mem[s:s + n]
+        stream.append(mem[s:s + n])
+        rows4.append((base + s, base + d, n, pos))
+        pos += n
+    tables = window_table(np.asarray(rows4, dtype=np.int64).reshape(-1, 4), base, window, period)
+
+    def weights(j):
+        return ((j * 1_103_515_245 + 12_345) & ((1 << 31) - 1)) >> 8
+
+    got = mem.copy()
+    sums = apply_window_table(got, tables, window, period, weights)
+    assert np.array_equal(got, want)
+    x = np.concatenate(stream).astype(np.int64) if stream else np.zeros(0, dtype=np.int64)
+    i = np.arange(start, start + len(x), dtype=np.int64)
+    ref = (int(x.sum()), sum(int(v) * (int(k) + 1) for v, k in zip(x, i)), int((x * weights(i % period)).sum()))
+    assert sums == tuple(v & ((1 << 64) - 1) for v in ref)
+    for w, (rows, starts) in tables.items():
+        assert w in SUM_WORDS and np.all(rows[:, 2] >= 1) and np.all((rows[:, 3] + rows[:, 2]) * w <= window)
+        assert starts[0] == 0 and starts[-1] == len(rows) and np.all(np.diff(starts) >= 0)
+    for e, w in zip(rows4, sum_word_bytes(np.asarray(rows4, dtype=np.int64).reshape(-1, 4)).tolist()):
+        assert all(v % w == 0 for v in e) and (w == 16 or any(v % (4 if w == 1 else 16) for v in e))

@@ -147,8 +147,9 @@ def test_vllm_load_parity_stage_fails_on_a_corrupted_tensor():
 
 # Each case starts a whole vLLM engine on CPU in the vLLM CPU virtualenv (about 15 s on 2 cores): the dense Qwen3
 # runs in CI; DeepSeek-V3 (MLA) and the negative case are slow (their path, a refit into an in-process engine and
-# reshard.verify's scorer after it, is the Qwen3 case's). vLLM's DeepSeek-V3 differs from transformers' on these
-# N(0, 1) weights whether loaded fresh or refit (model code, not the refit): the stage reports that comparison.
+# reshard.verify's scorer after it, is the Qwen3 case's). Both must also agree with transformers on the same weights
+# within the float32 thresholds (independent model code; DeepSeek-V3's MLA only with vLLM CPU's C++ rotary kernel
+# left out, which mis-rotates MLA's 3-D query: reshard/validate/mismatch_side.py, docs/guides/verify.md).
 @pytest.mark.vllm
 @pytest.mark.parametrize("family", ["qwen3", pytest.param("deepseek_v3", marks=pytest.mark.slow)])
 def test_mismatch_stage(family):
@@ -157,6 +158,7 @@ def test_mismatch_stage(family):
     assert r.status == PASS, r.detail
     assert "train-inference mismatch (float32" in r.detail and "-> ok" in r.detail, r.detail
     assert "other weights flagged" in r.detail, r.detail
+    assert "(within the float32 thresholds)" in r.detail, r.detail
 
 
 @pytest.mark.vllm

@@ -5,13 +5,13 @@ weights, then with T again; reshard.verify's check (float32) must flag the first
 the fresh scores. transformers' scores of T are compared with the engine too (vLLM's model code against an
 independent implementation, not the refit: reported). Prints one `RESHARD_JSON {...}` line.
 
-The engine runs eager with vLLM's custom ops on, except the rotary embedding (`ENGINE_CUSTOM_OPS`): the vLLM CPU
-build's C++ `rotary_embedding` kernel (0.32) takes the head count from the last dimension, so a query of shape
-[tokens, heads, rope_dim], as vLLM's MLA layer passes it (DeepSeek-V3), is rotated only in its first `tokens` rows
-of [tokens * heads, rope_dim] (row r at position r) and the rest is left unrotated; the dense families pass
-[tokens, heads * head_dim] and are not affected. With it DeepSeek-V3 differed from transformers by max |dlogp| 25
-whether loaded fresh or refit; with vLLM's own torch rotary (`forward_native`) it agrees within the float32
-thresholds (docs/guides/verify.md).
+The engine runs eager with vLLM's custom ops on, except the plain rotary embedding (`ENGINE_CUSTOM_OPS`): the vLLM
+CPU build's C++ `rotary_embedding` kernel (0.32) takes the head count from the last dimension, so a query of shape
+[tokens, heads, rope_dim], as vLLM's MLA layer passes it, is rotated only in the first `tokens` rows of its
+[tokens * heads, rope_dim] view (row r at position r) and the rest is left unrotated; the dense families pass
+[tokens, heads * head_dim] and are not affected, nor is DeepSeek-V3's own yarn rotary (torch on CPU), which the
+stage's config keeps (validate.mismatch_config). With the tiny config's rope_scaling None and that kernel,
+DeepSeek-V3 differed from transformers by max |dlogp| 25 whether loaded fresh or refit (docs/guides/verify.md).
 
   python -m reshard.validate.mismatch_side CONFIG [--perturb NAME]
 

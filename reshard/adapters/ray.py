@@ -177,9 +177,13 @@ class VllmEngineActor:
     def _watch(self) -> None:
         import time
 
+        clock = self.book.clock
         while True:
+            went = clock()
             time.sleep(0.2)
             with self.book_lock:
+                if self.book.woke(clock() - went, 0.2):
+                    continue
                 if self.book.lapsed():
                     self._end("its lease lapsed")
 

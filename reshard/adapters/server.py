@@ -106,6 +106,10 @@ class VllmServer:
             raise
         self.lease_holder = holder
 
+    def lease_endpoint(self) -> dict[str, Any]:
+        """Where the lease is renewed (by the driver's keeper process, adapters.lease_keeper)."""
+        return {"url": self.url, "api_key": self.api_key}
+
     def release_lease(self, timeout: float | None = None) -> None:
         """End this client's lease (the server closes whatever it left open)."""
         holder, self.lease_holder = self.lease_holder, None
@@ -210,7 +214,8 @@ class VllmServer:
             out.append([int(t) for t in answer["choices"][0]["token_ids"]])
         return out
 
-    def prompt_logprobs(self, prompts: list[list[int]], model: str | None = None) -> list[tuple[list[float], list[int]]]:
+    def prompt_logprobs(self, prompts: list[list[int]],
+                        model: str | None = None) -> list[tuple[list[float], list[int]]]:
         """Score token-id prompts without sampling (`/v1/completions` with `prompt_logprobs=1`): per prompt, for
         every position after the first, the log-probability of the prompt's token there and the argmax token
         (the one vLLM ranks 1). The answer is untrusted: every position must be present, finite and ranked."""

@@ -35,6 +35,20 @@ def test_book_grants_renews_fences_and_refuses_old_generations():
     assert book.grant("b" * 8, 5.0) and book.generation == 2
 
 
+def test_a_stall_of_the_engines_own_process_is_not_counted_against_the_holder():
+    """A watchdog that overslept (the engine's loop or GIL held) gives the holder that time back: renewals sent
+    meanwhile were waiting unheard; a normal oversleep counts."""
+    clock = Clock()
+    book = LeaseBook(clock=clock)
+    book.grant("a" * 8, 5.0)
+    assert not book.woke(0.2 + 0.5, 0.2) and book.expires == 5.0  # jitter: counted
+    clock.t = 12.0
+    assert book.woke(12.0, 0.2) and not book.lapsed()  # a 12 s stall: the lease had 5 s of hearing, not 12
+    clock.t = 12.0 + 5.0 - 0.2 + 0.1
+    assert book.lapsed()  # and lapses once the holder stays silent while the server hears
+    assert LeaseBook(clock=clock).woke(10.0, 0.2)  # no holder: nothing to give back
+
+
 @pytest.mark.parametrize("body,rule", [
     (b"[]", "JSON object"), (b"nope", "not JSON"), ("{}", "bytes"), (b'{"holder": "short"}', "8-128"),
     (b'{"holder": "abcdefgh", "ttl": 0}', "ttl"), (b'{"holder": "abcdefgh", "ttl": true}', "ttl"),

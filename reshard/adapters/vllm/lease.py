@@ -31,6 +31,7 @@ FENCED = ("/pause", "/resume", "/init_weight_transfer_engine", "/start_weight_up
           "/finish_weight_update", "/update_weight_version", "/collective_rpc")
 MAX_TTL = 3600.0
 MAX_BODY = 1 << 20
+STALL = 1.0  # seconds a watchdog may oversleep before the gap counts as a stall of this process (LeaseBook.woke)
 log = logging.getLogger("vllm.reshard.lease")  # under vLLM's logger: the server's log shows lease events
 
 
@@ -58,6 +59,17 @@ class LeaseBook:
 
     def lapsed(self) -> bool:
         return self.holder is not None and self.clock() > self.expires
+
+    def woke(self, slept: float, meant: float) -> bool:
+        """The watchdog slept `slept` seconds where it meant `meant`. A longer gap is a stall of the engine's own
+        process (its event loop or GIL held): renewals sent meanwhile wait unheard, so the lease does not count that
+        time against the holder. True for a stall: the caller lets the waiting renewals in before it judges."""
+        stall = slept - meant
+        if stall <= STALL:
+            return False
+        if self.holder is not None:
+            self.expires += stall
+        return True
 
     def grant(self, holder: str, ttl: float) -> bool:
         """Take or renew the lease; True if this is a new generation (the caller ended the previous one first).
@@ -195,8 +207,12 @@ class ReshardLeaseMiddleware:
             self.watchdog = asyncio.get_running_loop().create_task(self._watch())
 
     async def _watch(self) -> None:
+        clock = self.book.clock
         while True:
+            went = clock()
             await asyncio.sleep(self.poll)
+            if self.book.woke(clock() - went, self.poll):
+                continue
             if self.book.lapsed():
                 async with self.lock:
                     if self.book.lapsed():

@@ -1,0 +1,125 @@
+"""Renews a driver's lease on vLLM servers from a small process of its own (standard library only).
+
+Why a process: the lease proves that the driver *process* lives, and a thread of the driver cannot prove it while
+the driver's interpreter is held. NIXL's and UCX's bindings keep the GIL during connection set-up, and on a loaded
+machine that lasted longer than a 30 s lease: the engine fenced a live driver. This keeper renews while the driver
+runs, and stops (the lease lapses, the engine ends the update by itself) when the driver dies (its end of the pipe
+closes, or the keeper is re-parented) or is stopped (SIGSTOP: state T in /proc).
+
+Protocol (JSON lines; never pickle): the driver writes on the keeper's stdin
+    {"pid": driver pid, "holder": h, "ttl": s, "every": s}        first line
+    {"add": {"url": "http://host:port", "api_key": key or null}}  a server granted since (renewed from now on)
+and closes stdin to stop it; the keeper writes one line per round on stdout: {"errors": [...]} (empty: all renewed).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import urllib.error
+import urllib.request
+from typing import Any
+
+ROUTE = "/reshard/lease"
+MAX_LINE = 1 << 16
+
+
+def driver_state(pid: int) -> str:
+    """The driver's scheduler state: "gone", "stopped" (SIGSTOP, traced) or "running" (anything else)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]  # the command name, in parentheses, may hold spaces
+    except FileNotFoundError:
+        return "gone"
+    except (OSError, IndexError):  # no /proc here: liveness only
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return "gone"
+        except PermissionError:
+            pass
+        return "running"
+    return {"T": "stopped", "t": "stopped", "Z": "gone", "X": "gone"}.get(state, "running")
+
+
+def renew(server: dict[str, Any], holder: str, ttl: float) -> str | None:
+    """One renewal; None, or why it failed."""
+    request = urllib.request.Request(server["url"] + ROUTE, method="POST",
+                                     data=json.dumps({"holder": holder, "ttl": ttl}).encode())
+    request.add_header("Content-Type", "application/json")
+    if server.get("api_key"):
+        request.add_header("Authorization", f"Bearer {server['api_key']}")
+    try:
+        with urllib.request.urlopen(request, timeout=ttl / 2) as response:
+            response.read()
+    except urllib.error.HTTPError as e:
+        return f"{server['url']}{ROUTE}: HTTP {e.code}: {e.read(2000).decode(errors='replace')}"
+    except (urllib.error.URLError, OSError) as e:
+        return f"{server['url']}{ROUTE}: {getattr(e, 'reason', e)}"
+    return None
+
+
+def _server(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict) or not isinstance(value.get("url"), str) \
+            or not value["url"].startswith(("http://", "https://")) \
+            or not isinstance(value.get("api_key"), (str, type(None))):
+        raise ValueError(f"not a server: {value!r}"[:200])
+    return {"url": value["url"].rstrip("/"), "api_key": value.get("api_key")}
+
+
+def _config(line: str) -> tuple[int, str, float, float]:
+    value = json.loads(line)
+    pid, holder, ttl, every = (value.get(k) if isinstance(value, dict) else None
+                               for k in ("pid", "holder", "ttl", "every"))
+    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in (ttl, every))
+    if not isinstance(pid, int) or pid <= 0 or not isinstance(holder, str) or not holder.isalnum() or not numbers:
+        raise ValueError(f"bad keeper config: {line[:200]!r}")
+    return pid, holder, float(ttl), float(every)
+
+
+def main() -> int:
+    pid, holder, ttl, every = _config(sys.stdin.readline(MAX_LINE))
+    parent = os.getppid()
+    servers: list[dict[str, Any]] = []
+    lock, stopped = threading.Lock(), threading.Event()
+
+    def listen() -> None:  # the driver's later lines; EOF: the driver stopped us or died
+        for line in iter(lambda: sys.stdin.readline(MAX_LINE), ""):
+            try:
+                server = _server(json.loads(line).get("add"))
+            except (ValueError, AttributeError) as e:
+                print(json.dumps({"errors": [f"lease keeper: {e}"]}), flush=True)
+                continue
+            with lock:
+                servers.append(server)
+        stopped.set()
+
+    threading.Thread(target=listen, daemon=True).start()
+    while not stopped.wait(every):
+        if os.getppid() != parent:
+            return 0  # re-parented: the driver died (a forked child of it may still hold the pipe open)
+        state = driver_state(pid)
+        if state == "gone":
+            return 0
+        if state == "stopped":
+            continue  # a frozen driver's lease lapses
+        with lock:
+            targets = list(servers)
+        results: list[str | None] = [f"{t['url']}{ROUTE}: no answer within {ttl / 2:.0f} s" for t in targets]
+
+        def one(k: int) -> None:
+            results[k] = renew(targets[k], holder, ttl)
+
+        threads = [threading.Thread(target=one, args=(k,), daemon=True) for k in range(len(targets))]
+        for t in threads:  # all at once: one slow server must not let the others' leases lapse
+            t.start()
+        for t in threads:
+            t.join(ttl / 2 + 1.0)
+        errors = [r for r in results if r]
+        print(json.dumps({"errors": errors}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

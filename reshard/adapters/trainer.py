@@ -262,7 +262,8 @@ class TrainerSession:
         if self.process == 0 and (rdv is None or self.trainer_group is not None):
             rdv, self.store = rv.host_store(rdv or rv.Rendezvous.new(self.host, timeout=min(self.timeout, 300.0)))
         if self.trainer_group is not None:
-            rdv = _broadcast_json(rdv.to_dict() if self.process == 0 else None, self.trainer_group)
+            rdv = _broadcast_json(rdv.to_dict() if self.process == 0 else None, self.trainer_group, self.timeout,
+                                  f"trainer process {self.process}: the rendezvous from process 0 over trainer_group")
             rdv = rv.Rendezvous.from_dict(rdv)
         if rdv is None:
             raise ExecutionError("trainer processes other than 0 need the rendezvous: pass trainer_group (it is "
@@ -578,8 +579,9 @@ def _wait(calls: list[_Call], timeout: float) -> list[str]:
     return errors
 
 
-def _broadcast_json(value: Any, group: Any) -> Any:
-    """`value` from the group's rank 0 to every member, as JSON bytes in tensors (never pickle)."""
+def _broadcast_json(value: Any, group: Any, timeout: float, what: str) -> Any:
+    """`value` from the group's rank 0 to every member, as JSON bytes in tensors (never pickle), each step bounded
+    by `timeout` (the session's, not the group's own: a user's group may wait 30 minutes on a dead peer)."""
     import json
 
     import torch.distributed as dist
@@ -589,12 +591,28 @@ def _broadcast_json(value: Any, group: Any) -> Any:
     src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
     data = json.dumps(value).encode() if value is not None else b""
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    dist.broadcast(size, src, group=group)
+    _bounded(dist.broadcast(size, src, group=group, async_op=True), timeout, what)
+    if not 0 <= int(size.item()) <= 1 << 24:
+        raise ExecutionError(f"{what}: a size of {int(size.item())} bytes (at most 16 MiB of JSON)")
     buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
     if data:
         buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    dist.broadcast(buf, src, group=group)
-    return json.loads(bytes(buf.cpu().tolist()).decode())
+    _bounded(dist.broadcast(buf, src, group=group, async_op=True), timeout, what)
+    try:
+        return json.loads(bytes(buf.cpu().tolist()).decode())
+    except ValueError as e:
+        raise ExecutionError(f"{what}: not JSON ({e})") from None
+
+
+def _bounded(work: Any, timeout: float, what: str) -> None:
+    """Wait for a collective at most `timeout` seconds; ExecutionError naming `what` otherwise."""
+    from datetime import timedelta
+
+    try:
+        work.wait(timedelta(seconds=timeout))
+    except RuntimeError as e:  # gloo's and NCCL's timeouts, and a peer that went away
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ExecutionError(f"{what} did not arrive within {timeout:.0f} s ({first})") from None
 
 
 __all__ = ["EngineClient", "RefitResult", "TrainerSession"]

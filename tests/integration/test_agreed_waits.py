@@ -1,13 +1,14 @@
-"""The workers of one vLLM engine agree on each refit step (adapters.vllm.agreed) over a real gloo group: a worker
-that never comes to the agreement (frozen) makes the others raise ExecutionError within the agreement's timeout,
-never after gloo's 30-minute default."""
+"""Waits over a user's gloo group are bounded by reshard's timeout, never by the group's own (gloo's default: 30
+minutes): the workers of one vLLM engine agreeing on each refit step (adapters.vllm.agreed), and trainer processes
+sharing the rendezvous from process 0 (TrainerSession.init). A frozen member makes the others raise
+ExecutionError within the timeout."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from reshard.testing.agree_jobs import agree_with_a_frozen_peer
+from reshard.testing.agree_jobs import agree_with_a_frozen_peer, rendezvous_without_process_0
 from reshard.testing.megatron_cpu import run_ranks
 
 pytestmark = pytest.mark.fault
@@ -20,4 +21,15 @@ def test_a_frozen_worker_ends_the_agreement_within_its_timeout(tmp_path):
               timeout=120, errdir=str(tmp_path), wait_all=True)
     result = json.loads(out.read_text())
     assert result["outcome"].startswith("ExecutionError") and "did not agree within 3 s" in result["outcome"]
+    assert timeout - 0.5 <= result["seconds"] < timeout + 5, result
+
+
+def test_a_frozen_process_0_ends_init_within_the_sessions_timeout(tmp_path):
+    out = tmp_path / "rank1.json"
+    timeout = 3.0
+    run_ranks(2, rendezvous_without_process_0, {"timeout": timeout, "frozen_s": 4 * timeout, "out": str(out)},
+              timeout=120, errdir=str(tmp_path), wait_all=True)
+    result = json.loads(out.read_text())
+    assert result["outcome"].startswith("ExecutionError"), result
+    assert "rendezvous from process 0 over trainer_group did not arrive within 3 s" in result["outcome"], result
     assert timeout - 0.5 <= result["seconds"] < timeout + 5, result

@@ -106,13 +106,21 @@ def _interrupting(owner: Any, name: str, after: int) -> Callable[[], None]:
 
 
 def worker(process: int, port: int, workdir: str) -> None:
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     from ..executors.local import allocate, shard
     from ..planner import Plan
 
+    import faulthandler
+
     torch.set_num_threads(1)
+    # a crash inside a binding (UCX's assertions abort) or a hang leaves the Python stacks of every thread here
+    stacks = open(Path(workdir) / f"stacks-{process}.txt", "w")  # noqa: SIM115 - open until the process ends
+    faulthandler.enable(stacks)
     job = json.loads((Path(workdir) / "soak.json").read_text())
+    faulthandler.dump_traceback_later(job["limit"] - 10, exit=False, file=stacks)
     kind, store = job["kind"], dist.TCPStore("127.0.0.1", port, is_master=False)
     plan = Plan.load(job["plan"])
     src = shard(plan.src, _weights(plan.src.model, 0), ranks=[0] if process == 0 else [])
@@ -148,7 +156,7 @@ def worker(process: int, port: int, workdir: str) -> None:
             restore()
             release()
             store.set(f"int{i}/done/{process}", b"1")
-            store.wait([f"int{i}/done/{1 - process}"])
+            store.wait([f"int{i}/done/{1 - process}"], timedelta(seconds=job["limit"] / 2))
             gc.collect()
             out["interrupts"].append({"i": i, "step": name, "call": after, "victim": victim, "outcome": outcome,
                                       **resources(), "store_keys": store.num_keys()})
@@ -168,7 +176,7 @@ def run(kind: str, workdir: Path, refits: int, interrupts: int, timeout: float =
     workdir.mkdir(parents=True, exist_ok=True)
     job = {"kind": kind, "plan": str(tiny_plan(workdir / "plan.npz")), "refits": refits,
            "interrupts": interrupts, "timeout": timeout, "interrupt_timeout": interrupt_timeout, "seed": seed,
-           "sample_every": sample_every, "check_every": check_every}
+           "sample_every": sample_every, "check_every": check_every, "limit": limit}
     (workdir / "soak.json").write_text(json.dumps(job))
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     shm_before = shm_segments()
@@ -184,12 +192,19 @@ def run(kind: str, workdir: Path, refits: int, interrupts: int, timeout: float =
         if p.is_alive():
             p.kill()
             p.join(5)
-    out = {"kind": kind, "hung": hung, "seconds": time.monotonic() - start, "shm_before": shm_before,
+    out = {"kind": kind, "hung": hung, "exitcodes": [p.exitcode for p in procs], "stacks": _stacks(workdir),
+           "seconds": time.monotonic() - start, "shm_before": shm_before,
            "shm_after": shm_segments(), "store_keys": store.num_keys(), "threads_parent": threading.active_count()}
     for p in (0, 1):
         f = workdir / f"soak-{p}.json"
         out[f"process{p}"] = json.loads(f.read_text()) if f.exists() else None
     return out
+
+
+def _stacks(workdir: Path) -> dict[int, str]:
+    """What faulthandler wrote (a crash's or a hang's Python stacks), by process; empty when all went well."""
+    found = {p: workdir / f"stacks-{p}.txt" for p in (0, 1)}
+    return {p: f.read_text()[-4000:] for p, f in found.items() if f.exists() and f.stat().st_size}
 
 
 __all__ = ["Interrupt", "resources", "run", "shm_segments", "worker"]

@@ -24,7 +24,8 @@ def test_soak_keeps_resources_flat(tmp_path: Path, kind: str):
         pytest.importorskip("nixl")
     out = run(kind, tmp_path, REFITS, INTERRUPTS, interrupt_timeout=1.0, sample_every=25, check_every=10,
               limit=300)
-    assert not out["hung"], f"processes {out['hung']} hung"
+    assert not out["hung"] and out["exitcodes"] == [0, 0], \
+        f"processes {out['hung']} hung; exit codes {out['exitcodes']}; their stacks: {out['stacks']}"
     assert out["shm_after"] == out["shm_before"], "shared-memory segments were left in /dev/shm"
     for p in (0, 1):
         r = out[f"process{p}"]

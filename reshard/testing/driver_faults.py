@@ -29,7 +29,9 @@ EACH_CHOICE = tuple(zip(TRANSPORTS, PHASES))
 
 
 def _die(out: Path, phase: str) -> None:
-    out.write_text(json.dumps({"killed_at": time.time(), "phase": phase}))
+    part = out.with_suffix(".part")  # whole or absent: the test reads `out` as soon as it exists
+    part.write_text(json.dumps({"killed_at": time.time(), "phase": phase}))
+    os.replace(part, out)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -194,4 +196,5 @@ def kill_the_driver(engine: dict[str, Any], checkpoint: str | Path, transport: s
             "rank1": json.loads(rank1.read_text()) if rank1.exists() else None, "ranks": ranks}
 
 
-__all__ = ["ALL_CASES", "EACH_CHOICE", "PHASES", "TRANSPORTS", "dying_driver", "engine_client", "kill_the_driver", "refit_from_here"]
+__all__ = ["ALL_CASES", "EACH_CHOICE", "PHASES", "TRANSPORTS", "dying_driver", "engine_client", "kill_the_driver",
+           "refit_from_here"]

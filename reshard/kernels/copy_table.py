@@ -38,8 +38,8 @@ def _copy_table_kernel(src_base, dst_base, table, rows, BLOCK: tl.constexpr, ALI
             if UNROLL == 2:
                 offs2 = offs + BLOCK
                 if HINT:
-                    x = tl.load(src_base + s + offs, mask=offs < n, cache_modifier=".cg", eviction_policy="evict_first")
-                    y = tl.load(src_base + s + offs2, mask=offs2 < n, cache_modifier=".cg",
+                    x = tl.load(src_base + s + offs, mask=offs < n, eviction_policy="evict_first")
+                    y = tl.load(src_base + s + offs2, mask=offs2 < n,
                                 eviction_policy="evict_first")
                     tl.store(dst_base + d + offs, x, mask=offs < n, cache_modifier=".cs")
                     tl.store(dst_base + d + offs2, y, mask=offs2 < n, cache_modifier=".cs")
@@ -50,7 +50,7 @@ def _copy_table_kernel(src_base, dst_base, table, rows, BLOCK: tl.constexpr, ALI
                     tl.store(dst_base + d + offs2, y, mask=offs2 < n)
             else:
                 if HINT:
-                    x = tl.load(src_base + s + offs, mask=offs < n, cache_modifier=".cg", eviction_policy="evict_first")
+                    x = tl.load(src_base + s + offs, mask=offs < n, eviction_policy="evict_first")
                     tl.store(dst_base + d + offs, x, mask=offs < n, cache_modifier=".cs")
                 else:
                     x = tl.load(src_base + s + offs, mask=offs < n)

@@ -274,13 +274,10 @@ class PublishedSource(Executor):
         self.plan, self.dst, self.key = plan, dst, key
         self.checksum = algorithm(checksum)
         self._bound: Any = None
-        self._bound_to: list[tuple[int, str, Any]] = []  # (rank, name, tensor) the bound executor reads
+        self._bound_to: Any = None  # executors.pins.SameTensors: the published tensors the bound executor reads
 
     def _still_bound(self, src: RankTensors) -> bool:
-        try:
-            return all(src[r][n] is t for r, n, t in self._bound_to)
-        except (KeyError, TypeError):
-            return False
+        return self._bound_to is not None and self._bound_to.same(src)
 
     def refit(self, version: int | None = None) -> RefitStats:
         from ..executors.bound import BoundLocalExecutor
@@ -296,14 +293,16 @@ class PublishedSource(Executor):
                 return LocalExecutor(self.plan, None, 0, src, self.dst).refit()
             self._bound = None
             self._bound = BoundLocalExecutor(self.plan, None, 0, src, self.dst, checksum=self.checksum or False)
+            from ..executors.pins import SameTensors
+
             used = sorted(set(self.plan.src_tensors.ranks) & set(src))
-            self._bound_to = [(r, n, t) for r in used for n, t in src[r].items()]
+            self._bound_to = SameTensors({r: src[r] for r in used})
         return self._bound.refit(version)
 
     def close(self) -> None:
         if self._bound is not None:
             self._bound.close()
-        self._bound, self._bound_to = None, []
+        self._bound, self._bound_to = None, None
 
 
 def open_transport(refit: RefitSpec, process: int, src: RankTensors, dst: RankTensors, *, store: Any = None,

@@ -23,7 +23,7 @@ from .table_plan import WORDS, chunk_table, chunk_words, word_bytes
 # set by benchmarks/refit_inprocess.py; hint: streaming cache hints (read once, write once: keep them out of L2's way);
 # unroll: blocks loaded before the first is stored (bytes in flight per thread); programs: 0 = one program per chunk,
 # k > 0 = a persistent grid of k programs per SM walking the chunks
-TUNING = {"chunk_bytes": 32 << 10, "block_bytes": 16 << 10, "num_warps": 16, "hint": False, "unroll": 2, "programs": 0}
+TUNING = {"chunk_bytes": 48 << 10, "block_bytes": 16 << 10, "num_warps": 16, "hint": False, "unroll": 2, "programs": 0}
 
 
 @triton.jit

@@ -86,3 +86,22 @@ def test_inprocess_refuses_an_unknown_checksum():
                          transport="inprocess", options={"key": "x", "checksum": "crc"})
     with pytest.raises(ArgumentError, match="checksum"):
         open_transport(refit, 0, {}, {})
+
+
+def test_pins_count_replaced_storages_and_same_tensors_tells_identity_not_values():
+    from reshard.errors import ExecutionError
+    from reshard.executors.pins import Pins, SameTensors
+
+    ts = [torch.zeros(4) for _ in range(5)]
+    pins = Pins(ts)
+    pins.check()
+    ts[1].data = torch.zeros(4)  # a new storage behind the same tensor object
+    ts[3].set_(torch.zeros(8).untyped_storage())
+    assert pins.moved() == 2
+    with pytest.raises(ExecutionError, match="2 bound tensors were replaced"):
+        pins.check()
+    published = {0: {"a": ts[0], "b": ts[2]}}
+    same = SameTensors(published)
+    assert same.same({0: {"a": ts[0], "b": ts[2]}})
+    assert not same.same({0: {"a": ts[0], "b": ts[2].clone()}})  # equal values, another object
+    assert not same.same({0: {"a": ts[0]}}) and not same.same({1: published[0]})

@@ -5,7 +5,7 @@ thousands of tensors, and the check runs on the host before every launch, in ser
 from __future__ import annotations
 
 import operator
-from typing import Iterable, Mapping
+from typing import Iterable
 
 import torch
 
@@ -33,19 +33,4 @@ class Pins:
                                  f"place, or make a new executor")
 
 
-class SameTensors:
-    """The tensor objects of a rank -> name -> tensor mapping, to tell later whether a mapping holds the very same
-    objects (identity, not values)."""
-
-    def __init__(self, tensors: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
-        self.ranks = {r: (tuple(ts), tuple(ts.values())) for r, ts in tensors.items()}
-
-    def same(self, tensors: Mapping[int, Mapping[str, torch.Tensor]]) -> bool:
-        try:
-            return all(all(map(operator.is_, map(tensors[r].__getitem__, names), objects))
-                       for r, (names, objects) in self.ranks.items())
-        except (KeyError, TypeError):
-            return False
-
-
-__all__ = ["Pins", "SameTensors"]
+__all__ = ["Pins"]

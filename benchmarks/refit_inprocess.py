@@ -8,7 +8,8 @@ the model and vLLM TP1 tensors, random bf16 weights. Per model (--configs):
   bound, no graph      the bound executor (executors.bound) with its program run eagerly
   inprocess            the inprocess transport end to end (PublishedSource: the bound executor, one CUDA graph)
   bound variants       graph modes and streams; on a GPU the table-copy kernel (kernels.copy_table) for the large
-                       copies over chunk sizes and warps, each variant's bytes checked against the reference
+                       copies over its TUNING (chunk sizes, warps, cache hints, unroll, persistent grid;
+                       --table-variants), each variant's bytes checked against the reference
 With --fp8 (first model only; GPU):
   quantize kernel      the Triton quantizer alone, straight into the engine's fp8 weights and scales; ceiling: its
                        bytes (bf16 read + fp8 write + scales) at the copy's bandwidth
@@ -46,6 +47,11 @@ sys.path.insert(0, str(ROOT))
 
 import reshard  # noqa: E402
 from reshard.executors.local import LocalExecutor, allocate  # noqa: E402
+
+
+# the table kernel's variants (kernels.copy_table.TUNING overrides); --table-variants replaces them
+TABLE_VARIANTS = [{"chunk_bytes": c << 10, "num_warps": w} for c, w in
+                  ((256, 8), (1024, 4), (1024, 8), (1024, 16), (4096, 8), (16384, 8))]
 
 
 def timed(fn, iters: int, device: torch.device, warmup: int = 2) -> list[float]:
@@ -119,9 +125,8 @@ def bf16_case(config: str, device, iters: int, results: dict, keep: bool):
         t.fill_(-3.0)
     r["variants_s"] = {}
     combos = [("none", 1, False, None), ("small", 4, False, None), ("all", 4, False, None), ("all", 16, False, None)]
-    if device.type == "cuda":  # the table-copy kernel (kernels.copy_table): chunk bytes x warps
-        combos += [("all", 1, True, (chunk << 10, warps)) for chunk, warps in
-                   ((256, 8), (1024, 4), (1024, 8), (1024, 16), (4096, 8), (16384, 8))]
+    if device.type == "cuda":  # the table-copy kernel (kernels.copy_table): its TUNING's variants
+        combos += [("all", 1, True, t) for t in TABLE_VARIANTS]
     else:
         combos = combos[:1]
     for graph, streams, table, tuning in combos:
@@ -129,8 +134,9 @@ def bf16_case(config: str, device, iters: int, results: dict, keep: bool):
         if table:
             from reshard.kernels import copy_table
             saved = dict(copy_table.TUNING)
-            copy_table.TUNING.update(chunk_bytes=tuning[0], num_warps=tuning[1])
-            name = f"table,chunk={tuning[0] >> 10}K,warps={tuning[1]}"
+            copy_table.TUNING.update(tuning)
+            name = "table," + ",".join(f"{k}={v >> 10}K" if k.endswith("bytes") else f"{k}={v}"
+                                       for k, v in tuning.items())
             for t in dst[0].values():
                 t.fill_(-3.0)
         try:
@@ -394,7 +400,10 @@ def main() -> int:
     ap.add_argument("--sum64", action="store_true")
     ap.add_argument("--json")
     ap.add_argument("--quick", action="store_true", help="--fp8 without the quantizer's variants and receivers")
+    ap.add_argument("--table-variants", help="JSON list of kernels.copy_table.TUNING overrides to sweep")
     args = ap.parse_args()
+    if args.table_variants:
+        TABLE_VARIANTS[:] = json.loads(args.table_variants)
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(max(1, torch.get_num_threads()))

@@ -32,7 +32,7 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from ..errors import ExecutionError, LayoutError, PlanError
+from ..errors import ArgumentError, ExecutionError, LayoutError, PlanError
 from ..executors.base import Executor, RankTensors
 from ..executors.binding import Binding
 from ..executors.stats import RefitStats
@@ -239,8 +239,25 @@ _PUBLISHED: dict[str, RankTensors] = {}
 
 
 def publish_source(key: str, tensors: RankTensors) -> None:
-    """Make source tensors (source rank -> name -> tensor) readable by engines in this process under `key`."""
-    _PUBLISHED[key] = tensors
+    """Make source tensors (source rank -> name -> tensor) readable by engines in this process under `key`.
+
+    What is published is the mapping as it is now: its rank and name levels are copied (read-only), the tensors
+    are shared. The trainer's steps update the tensors in place and every refit reads them; to publish other
+    tensors (new objects, names added or removed), publish again. (An in-process engine then re-checks one object's
+    identity per refit, not every tensor's: tens of thousands for a mixture-of-experts model, in series with the
+    launch.)
+
+    Raises:
+        ArgumentError: `tensors` is not a mapping of source rank -> mapping of name -> tensor.
+    """
+    from collections.abc import Mapping
+    from types import MappingProxyType
+
+    if not isinstance(key, str):
+        raise ArgumentError("key", key, "must be a string")
+    if not isinstance(tensors, Mapping) or not all(isinstance(ts, Mapping) for ts in tensors.values()):
+        raise ArgumentError("tensors", type(tensors).__name__, "must map source rank -> {name: tensor}")
+    _PUBLISHED[key] = MappingProxyType({r: MappingProxyType(dict(ts)) for r, ts in tensors.items()})
 
 
 def withdraw_source(key: str) -> None:
@@ -259,9 +276,9 @@ class PublishedSource(Executor):
     each refit into this process's destination ranks.
 
     The copies run through a bound executor (executors.bound: checks, views and the copy program made once; on a
-    GPU one graph launch per refit), kept while the trainer publishes the same tensors in place. A refit first
-    checks, per tensor, that what is published under `key` is still the object bound (and its storage where it
-    was); if the trainer published other tensors, the executor is bound afresh to them. A plan the bound executor
+    GPU one graph launch per refit), kept while the trainer updates the published tensors in place. A refit first
+    checks that what is published under `key` is still the publication bound (and every tensor's storage where it
+    was); if the trainer published again, the executor is bound afresh. A plan the bound executor
     cannot run in one process (one that relays between replicas) runs through the reference LocalExecutor.
     `checksum` (the transport's option): the bound executor's (executors.bound; "sum64" on a GPU is computed by the
     kernel that moves the bytes), the digest in each refit's stats (`RefitStats.digest`)."""
@@ -274,13 +291,10 @@ class PublishedSource(Executor):
         self.plan, self.dst, self.key = plan, dst, key
         self.checksum = algorithm(checksum)
         self._bound: Any = None
-        self._bound_to: list[tuple[int, str, Any]] = []  # (rank, name, tensor) the bound executor reads
+        self._bound_to: Any = None  # the publication (publish_source) the bound executor reads
 
     def _still_bound(self, src: RankTensors) -> bool:
-        try:
-            return all(src[r][n] is t for r, n, t in self._bound_to)
-        except (KeyError, TypeError):
-            return False
+        return src is self._bound_to  # republished: another object; in-place storage swaps: the executor's pins
 
     def refit(self, version: int | None = None) -> RefitStats:
         from ..executors.bound import BoundLocalExecutor
@@ -296,14 +310,13 @@ class PublishedSource(Executor):
                 return LocalExecutor(self.plan, None, 0, src, self.dst).refit()
             self._bound = None
             self._bound = BoundLocalExecutor(self.plan, None, 0, src, self.dst, checksum=self.checksum or False)
-            used = sorted(set(self.plan.src_tensors.ranks) & set(src))
-            self._bound_to = [(r, n, t) for r in used for n, t in src[r].items()]
+            self._bound_to = src
         return self._bound.refit(version)
 
     def close(self) -> None:
         if self._bound is not None:
             self._bound.close()
-        self._bound, self._bound_to = None, []
+        self._bound, self._bound_to = None, None
 
 
 def open_transport(refit: RefitSpec, process: int, src: RankTensors, dst: RankTensors, *, store: Any = None,

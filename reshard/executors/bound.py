@@ -31,6 +31,7 @@ from .copies import DST, SRC, fold
 from .graphs import STREAMS, Replay, on_streams, single_cuda_device, spread
 from .guard import check_memory, check_ops
 from .local import apply_shifts, check_tensors, in_units, shift_views
+from .pins import Pins
 from .stats import RefitStats
 from .views import Memory, bind
 
@@ -81,7 +82,7 @@ class BoundLocalExecutor(Executor):
         check_tensors(plan, src, dst, ids)  # a subset of ops: only the tensors they touch need be there
         check_memory(src, dst)
         tensors = [t for side in (src, dst) for ts in side.values() for t in ts.values()]
-        self._pins = [(t, t.data_ptr()) for t in tensors]
+        self._pins = Pins(tensors)
         s_units, d_units = in_units(plan, src, dst)
         s_flat = {i: s_units[r][n].view(-1) for i, (r, n) in enumerate(zip(plan.src_tensors.ranks,
                                                                            plan.src_tensors.names))
@@ -157,10 +158,7 @@ class BoundLocalExecutor(Executor):
 
     def check_pins(self) -> None:
         """Refuse if a bound tensor's storage was replaced since binding (its views would write stale memory)."""
-        moved = [t for t, ptr in self._pins if t.data_ptr() != ptr]
-        if moved:
-            raise ExecutionError(f"{len(moved)} bound tensors were replaced since the executor was made; update "
-                                 f"them in place, or make a new executor")
+        self._pins.check()
 
     def refit(self, version: int | None = None) -> RefitStats:
         start = time.perf_counter()
@@ -184,7 +182,7 @@ class BoundLocalExecutor(Executor):
                           checksum=self.checksum or "", digest=digest)
 
     def close(self) -> None:
-        self._program, self._shifts, self._pins, self._run, self._large = None, [], [], None, []
+        self._program, self._shifts, self._pins, self._run, self._large = None, [], Pins(()), None, []
         self._table, self._fused, self._sum_blocks = None, None, []
 
 

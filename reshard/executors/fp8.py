@@ -32,6 +32,7 @@ from ..planner.plan import RELAY
 from .base import Executor, RankTensors, make_executor
 from .graphs import STREAMS, Replay, on_streams, single_cuda_device, spread
 from .local import _box, element_shape, torch_dtype
+from .pins import Pins
 from .stats import RefitStats, phase_times
 
 QUANTIZERS = ("auto", "eager", "compiled", "kernel")
@@ -472,7 +473,7 @@ class Fp8Executor(Executor):
         self.receivers = ReceiverQuantizer(fp, dst)
         self._device = single_cuda_device([t for side in (src, dst) for ts in side.values() for t in ts.values()])
         if self.direct is not None:
-            self._pins = [(t, t.data_ptr()) for side in (src, dst) for ts in side.values() for t in ts.values()]
+            self._pins = Pins(t for side in (src, dst) for ts in side.values() for t in ts.values())
             self.inner = make_executor("bound", fp.plan, binding, process, self.senders.tensors,
                                        self.receivers.tensors, ops=self.direct.rest,
                                        table=True if REST_TABLE and quantizer == "kernel" else None)
@@ -487,10 +488,7 @@ class Fp8Executor(Executor):
     def refit(self, version: int | None = None) -> RefitStats:
         start = time.perf_counter()
         if self.direct is not None:
-            moved = [t for t, ptr in self._pins if t.data_ptr() != ptr]
-            if moved:
-                raise ExecutionError(f"{len(moved)} bound tensors were replaced since the executor was made; update "
-                                     f"them in place, or make a new executor")
+            self._pins.check()
             out: list = []
             # the quantizer's jobs and the copies of everything else write disjoint places: side by side on a GPU
             on_streams([lambda: self.direct.run(self.quantize), lambda: out.append(self.inner.refit(version))],

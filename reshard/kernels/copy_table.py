@@ -20,20 +20,41 @@ import triton.language as tl
 
 from .table_plan import WORDS, chunk_table, chunk_words, word_bytes
 
-TUNING = {"chunk_bytes": 256 << 10, "block_bytes": 16 << 10, "num_warps": 8}  # set by benchmarks/refit_inprocess.py
+# set by benchmarks/refit_inprocess.py; hint: streaming cache hints (read once, write once: keep them out of L2's way);
+# unroll: blocks loaded before the first is stored (bytes in flight per thread); programs: 0 = one program per chunk,
+# k > 0 = a persistent grid of k programs per SM walking the chunks
+TUNING = {"chunk_bytes": 48 << 10, "block_bytes": 16 << 10, "num_warps": 16, "hint": False, "unroll": 2, "programs": 0}
 
 
 @triton.jit
-def _copy_table_kernel(src_base, dst_base, table, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64)
-    s = tl.multiple_of(tl.load(table + 3 * i), ALIGN)
-    d = tl.multiple_of(tl.load(table + 3 * i + 1), ALIGN)
-    n = tl.multiple_of(tl.load(table + 3 * i + 2), ALIGN)
-    for start in range(0, n, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        inside = offs < n
-        x = tl.load(src_base + s + offs, mask=inside)
-        tl.store(dst_base + d + offs, x, mask=inside)
+def _copy_table_kernel(src_base, dst_base, table, rows, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
+                       HINT: tl.constexpr, UNROLL: tl.constexpr):
+    for i in range(tl.program_id(0), rows, tl.num_programs(0)):  # 3 * rows fits 32 bits: the table is host-built
+        s = tl.multiple_of(tl.load(table + 3 * i), ALIGN)
+        d = tl.multiple_of(tl.load(table + 3 * i + 1), ALIGN)
+        n = tl.multiple_of(tl.load(table + 3 * i + 2), ALIGN)
+        for start in range(0, n, BLOCK * UNROLL):
+            offs = start + tl.arange(0, BLOCK)
+            if UNROLL == 2:
+                offs2 = offs + BLOCK
+                if HINT:
+                    x = tl.load(src_base + s + offs, mask=offs < n, eviction_policy="evict_first")
+                    y = tl.load(src_base + s + offs2, mask=offs2 < n,
+                                eviction_policy="evict_first")
+                    tl.store(dst_base + d + offs, x, mask=offs < n, cache_modifier=".cs")
+                    tl.store(dst_base + d + offs2, y, mask=offs2 < n, cache_modifier=".cs")
+                else:
+                    x = tl.load(src_base + s + offs, mask=offs < n)
+                    y = tl.load(src_base + s + offs2, mask=offs2 < n)
+                    tl.store(dst_base + d + offs, x, mask=offs < n)
+                    tl.store(dst_base + d + offs2, y, mask=offs2 < n)
+            else:
+                if HINT:
+                    x = tl.load(src_base + s + offs, mask=offs < n, eviction_policy="evict_first")
+                    tl.store(dst_base + d + offs, x, mask=offs < n, cache_modifier=".cs")
+                else:
+                    x = tl.load(src_base + s + offs, mask=offs < n)
+                    tl.store(dst_base + d + offs, x, mask=offs < n)
 
 
 _ELEMENT = {16: torch.int64, 8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -45,10 +66,16 @@ class CopyTable:
     (the caller pins them)."""
 
     def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], chunk_bytes: int | None = None,
-                 block_bytes: int | None = None, num_warps: int | None = None) -> None:
+                 block_bytes: int | None = None, num_warps: int | None = None, hint: bool | None = None,
+                 unroll: int | None = None, programs: int | None = None) -> None:
         chunk_bytes = int(chunk_bytes or TUNING["chunk_bytes"])
         block_bytes = int(block_bytes or TUNING["block_bytes"])
         self.num_warps = int(num_warps or TUNING["num_warps"])
+        self.hint = bool(TUNING.get("hint", False) if hint is None else hint)
+        self.unroll = int(unroll or TUNING.get("unroll", 1))
+        if self.unroll not in (1, 2):
+            raise ValueError(f"CopyTable: unroll must be 1 or 2, not {self.unroll}")
+        programs = int(TUNING.get("programs", 0) if programs is None else programs)
         entries = []
         device = None
         for d, s in pairs:
@@ -64,6 +91,7 @@ class CopyTable:
         if not entries:
             return
         self._base = torch.empty(2, dtype=torch.int64, device=device)  # 16-byte aligned anchor of the offsets
+        slots = programs * _processors(device) if programs > 0 else 0
         base = self._base.data_ptr()
         for word, rows in chunk_table(np.asarray(entries, dtype=np.int64), base, chunk_bytes).items():
             element = _ELEMENT[word]
@@ -71,12 +99,20 @@ class CopyTable:
             chunk = chunk_words(chunk_bytes, word) * per  # the most elements a chunk holds
             table = torch.from_numpy(np.ascontiguousarray(rows * per)).to(device)
             block = min(triton.next_power_of_2(max(1, block_bytes // element.itemsize)), triton.next_power_of_2(chunk))
-            self.launches.append((self._base.view(element), table, len(rows), chunk, block, per))
+            grid = min(len(rows), slots) if slots else len(rows)
+            self.launches.append((self._base.view(element), table, len(rows), grid, block, per))
 
     def launch(self) -> None:
-        for base, table, n, chunk, block, align in self.launches:
-            _copy_table_kernel[(n,)](base, base, table, BLOCK=block, ALIGN=align,
-                                     num_warps=self.num_warps)
+        for base, table, n, grid, block, align in self.launches:
+            _copy_table_kernel[(grid,)](base, base, table, n, BLOCK=block, ALIGN=align, HINT=self.hint,
+                                        UNROLL=self.unroll, num_warps=self.num_warps)
+
+
+def _processors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (a persistent grid's unit); 4 elsewhere (the interpreter)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return 4
 
 
 __all__ = ["CopyTable", "TUNING", "WORDS", "word_bytes"]

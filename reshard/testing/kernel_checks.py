@@ -205,7 +205,9 @@ def check_copy_table(device: str = "cpu", cases: int = 4, seed: int = 0, moe_lay
             taken[di].append((do, do + n))
             pairs.append((bufs[di][do:do + n], before[si][so:so + n]))
             want[di][do:do + n] = before[si][so:so + n]
-        CopyTable(pairs, chunk_bytes=int(torch.randint(16, 300, (1,), generator=g)), block_bytes=64).launch()
+        # every kernel variant in turn: cache hints, two blocks in flight, a persistent grid walking the chunks
+        CopyTable(pairs, chunk_bytes=int(torch.randint(16, 300, (1,), generator=g)), block_bytes=64,
+                  hint=bool(case % 2), unroll=1 + (case // 2) % 2, programs=case % 3).launch()
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         bad = [i for i in range(3) if not torch.equal(bufs[i].cpu(), want[i].cpu())]

@@ -48,7 +48,7 @@ def test_bound_refuses_replaced_tensors_and_relays():
     target[0][name] = torch.zeros_like(target[0][name])  # a new tensor where the bound one was
     ex.refit()  # the dict entry changed, the bound tensor did not: still fine
     with torch.no_grad():
-        ex._pins[0][0].set_(torch.zeros_like(ex._pins[0][0]))  # the bound tensor's storage replaced
+        ex._pins.tensors[0].set_(torch.zeros_like(ex._pins.tensors[0]))  # the bound tensor's storage replaced
     with pytest.raises(ExecutionError, match="replaced"):
         ex.refit()
     relayed = reshard.compile(src, reshard.VllmLayout(model=spec, tp=2, replicas=2), fanout=1)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import reshard
-from reshard.adapters.refit import RefitSpec, open_transport, publish_source, withdraw_source
+from reshard.adapters.refit import RefitSpec, open_transport, publish_source, published_source, withdraw_source
 from reshard.executors import allocate, execute_local, shard
 
 
@@ -86,3 +86,38 @@ def test_inprocess_refuses_an_unknown_checksum():
                          transport="inprocess", options={"key": "x", "checksum": "crc"})
     with pytest.raises(ArgumentError, match="checksum"):
         open_transport(refit, 0, {}, {})
+
+
+def test_pins_count_replaced_storages():
+    from reshard.errors import ExecutionError
+    from reshard.executors.pins import Pins
+
+    ts = [torch.zeros(4) for _ in range(5)]
+    pins = Pins(ts)
+    pins.check()
+    ts[1].data = torch.zeros(4)  # a new storage behind the same tensor object
+    ts[3].set_(torch.zeros(8).untyped_storage())
+    assert pins.moved() == 2
+    with pytest.raises(ExecutionError, match="2 bound tensors were replaced"):
+        pins.check()
+
+
+def test_a_publication_is_a_read_only_snapshot_of_the_mapping():
+    from reshard.errors import ArgumentError
+
+    a, b = torch.zeros(3), torch.ones(3)
+    mine = {0: {"a": a}}
+    publish_source("snap-test", mine)
+    try:
+        first = published_source("snap-test")
+        mine[0]["a"] = b  # the caller's mapping changes; the publication does not
+        assert published_source("snap-test") is first and first[0]["a"] is a
+        with pytest.raises(TypeError):
+            first[0]["a"] = b  # read-only
+        publish_source("snap-test", mine)
+        assert published_source("snap-test") is not first and published_source("snap-test")[0]["a"] is b
+        for bad in ([a], {0: [a]}, None):
+            with pytest.raises(ArgumentError, match="tensors"):
+                publish_source("snap-test", bad)
+    finally:
+        withdraw_source("snap-test")

@@ -113,9 +113,6 @@ def refit_server(job: dict[str, Any]) -> None:
                 with torch.no_grad():
                     for t in tensors.values():
                         t.copy_(train_step(t, step))
-                # in step, as a trainer is: process 0's checks of the last refit (generation, checksums on a loaded
-                # machine) must not run down the others' refit timeout while they wait in the next one
-                dist.barrier()
             if job.get("fault") == f"trainer-exit-{step}" and rank == dist.get_world_size() - 1:
                 os._exit(17)  # this trainer process dies as the refit begins: the server must fail and keep serving
             version = f"step-{step}"

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 import reshard
+from reshard.ports import free_port
 from reshard.adapters.lora import PeftDirectory
 from reshard.executors import execute_local, shard
 from reshard.layouts.lora import PeftLayout, lora_spec
@@ -120,8 +121,6 @@ def main() -> int:
     if not vllm_python().exists():
         print(f"no vLLM CPU virtualenv at {vllm_python()}: run scripts/bootstrap vllm first", file=sys.stderr)
         return 2
-    import socket
-
     import torch.multiprocessing as mp
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="reshard-art-lora-"))
@@ -145,9 +144,7 @@ def main() -> int:
             path = save_with_peft(checkpoint, adapter_weights(spec, seed), work / f"peft-{step}")
             server.load_lora_adapter(f"reference-{step}", str(path))
             expected.append(server.greedy(PROMPTS, max_tokens=8, model=f"reference-{step}"))
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         job = {"checkpoint": str(checkpoint), "server_tp": args.server_tp, "url": server.url, "lora_id": lora_id,
                "transport": args.transport, "out": str(work / "trainer.json")}
         mp.start_processes(_process, args=(2, port, job), nprocs=2, join=True, start_method="spawn")

@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from reshard.ports import free_port
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve import VllmServe, vllm_python  # noqa: E402 - this folder's launcher of `vllm serve`
 
@@ -177,8 +179,6 @@ def main() -> int:
     if not vllm_python().exists():
         print(f"no vLLM CPU virtualenv at {vllm_python()}: run scripts/bootstrap vllm first", file=sys.stderr)
         return 2
-    import socket
-
     import torch.multiprocessing as mp
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="reshard-art-"))
@@ -189,9 +189,7 @@ def main() -> int:
         print(f"server {server.url} (tp={args.server_tp}) healthy after {time.perf_counter() - t0:.0f} s; "
               f"log {work / 'server.log'}")
         fresh, checksums = server.greedy(PROMPTS), server.weight_checksums()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         job = {"tp": args.tp, "pp": args.pp, "url": server.url, "server_tp": args.server_tp, "checkpoint": str(a),
                "transport": args.transport, "out": str(work / "trainer.json")}
         mp.start_processes(_process, args=(args.tp * args.pp, port, job), nprocs=args.tp * args.pp, join=True,

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 from reshard.adapters import VllmServer
+from reshard.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,9 +33,7 @@ def vllm_python() -> Path:
 class VllmServe:
     def __init__(self, python: str | Path, model: str | Path, *, log: str | Path, tp: int = 1,
                  extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         cpu = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu",
                **({"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))}
                   if tp > 1 else {})}

@@ -29,6 +29,7 @@ import torch.multiprocessing as mp
 from transformers import Qwen3Config
 
 import reshard
+from reshard.ports import free_port
 
 TP = 2
 HF = Qwen3Config(vocab_size=120, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -111,15 +112,6 @@ def main() -> int:
     print(f"transformers on the refit checkpoint vs the Megatron model, same tokens: max |logit diff| = {diff:.2e} "
           "(fp32; tolerance 2e-5)")
     return 0 if same_plan and diff <= 2e-5 else 1
-
-
-def free_port() -> int:
-    """A free TCP port for the process group's rendezvous."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

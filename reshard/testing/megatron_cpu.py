@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import time
 import traceback
 import warnings
@@ -30,6 +29,7 @@ import torch
 
 from ..adapters.megatron.forward import causal_mask, forward_logits  # noqa: F401 - re-exported for tests
 from ..layouts import ModelSpec
+from ..ports import free_port
 
 PRELOAD = ("torch", "torch.distributed", "megatron.core.parallel_state", "megatron.core.models.gpt",
            "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.transformer.transformer_config",
@@ -166,12 +166,6 @@ def set_norms(chunks: list[Any]) -> None:
 
 # --- processes -------------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _entry(rank: int, world: int, port: int, errdir: str, fn: Callable[..., None], args: tuple) -> None:
     import datetime
 
@@ -206,7 +200,7 @@ def run_ranks(world: int, fn: Callable[..., None], *args: Any, timeout: float = 
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))  # ignored if this session's forkserver already runs
-    port = _free_port()
+    port = free_port()
     start = time.monotonic()
     procs = [ctx.Process(target=_entry, args=(r, world, port, errdir, fn, args), daemon=True) for r in range(world)]
     for p in procs:

@@ -154,7 +154,7 @@ def start_trainers(world: int, job: dict[str, Any]) -> list:
     """`world` MegatronTrainerActors (one rank each) of one gloo world, loaded with job["checkpoint"]."""
     import ray
 
-    from .serve import free_port
+    from ..ports import free_port
 
     port = free_port()
     actor = ray.remote(MegatronTrainerActor).options(num_cpus=0, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})

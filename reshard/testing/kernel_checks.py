@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 NAN_BYTES = (0x7F, 0xFF)  # float8_e4m3fn NaNs (sign bit aside)
+INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the quantizer takes
 
 
 def _edge_values(device: torch.device) -> torch.Tensor:
@@ -47,11 +48,33 @@ def _same_f32(got: torch.Tensor, want: torch.Tensor) -> bool:
     return bool(torch.equal(torch.isnan(a), nan) and torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32)))
 
 
+# every program shape and amax reduction of the kernel (kernels.fp8_quantize.TUNING)
+QUANTIZER_TUNINGS = ({"strip": 0}, {"strip": 1, "prefetch": True}, {"strip": 2, "prefetch": True},
+                     {"strip": 2, "prefetch": False}, {"amax": "float32 bits"}, {"amax": "float"})
+
+
 def check_fp8_quantizer(device: str = "cpu", cases: int = 12, seed: int = 0,
                         blocks: tuple = ((16, 16), (32, 64), (128, 128)),
-                        exact_cast: "bool | None" = None) -> list[str]:
-    """The Triton quantizer against `executors.fp8.quantize_blocks` on random shapes (partial edge blocks too),
-    strided views (x and q inside larger tensors, s a transposed view) and edge values."""
+                        exact_cast: "bool | None" = None, tunings: tuple = QUANTIZER_TUNINGS) -> list[str]:
+    """The Triton quantizer against `executors.fp8.quantize_blocks` on random shapes (partial edge blocks and
+    strips too), strided views (x and q inside larger tensors, s a transposed view) and edge values, each case under
+    every one of `tunings` (kernels.fp8_quantize.TUNING overrides)."""
+    from reshard.kernels import fp8_quantize
+
+    chosen = dict(fp8_quantize.TUNING)
+    failures = []
+    try:
+        for tuning in tunings:
+            fp8_quantize.TUNING.update(tuning)
+            failures += [f"tuning {tuning}: {f}" for f in _check_fp8_quantizer(device, cases, seed, blocks,
+                                                                               exact_cast)]
+            fp8_quantize.TUNING.update(chosen)
+    finally:
+        fp8_quantize.TUNING.update(chosen)
+    return failures
+
+
+def _check_fp8_quantizer(device: str, cases: int, seed: int, blocks: tuple, exact_cast: "bool | None") -> list[str]:
     from reshard.executors.fp8 import quantize_blocks
     from reshard.kernels.fp8_quantize import quantize_into
 
@@ -64,7 +87,8 @@ def check_fp8_quantizer(device: str = "cpu", cases: int = 12, seed: int = 0,
         n = int(torch.randint(1, 3 * bn, (1,), generator=g))
         k = int(torch.randint(1, 3 * bk, (1,), generator=g))
         kind = kinds[case % len(kinds)]
-        big = _inputs(dev, g, n + 3, k + 5, kind)
+        dtype = INPUT_DTYPES[(case // len(kinds)) % len(INPUT_DTYPES)]  # each kind in each dtype over 15 cases
+        big = _inputs(dev, g, n + 3, k + 5, kind).to(dtype)  # bf16 values: float16's overflow to inf
         x = big[2:2 + n, 1:1 + k]  # strided: rows k + 5 apart
         want_q, want_s = quantize_blocks(x, (bn, bk))
         q_big = torch.full((n + 1, k + 7), 0.5, dtype=torch.float8_e4m3fn, device=dev)
@@ -75,7 +99,7 @@ def check_fp8_quantizer(device: str = "cpu", cases: int = 12, seed: int = 0,
         quantize_into(x, q, s, (bn, bk), exact_cast=exact_cast)
         if device != "cpu":
             torch.cuda.synchronize(dev)
-        what = f"case {case} ({kind}, {n}x{k}, blocks {bn}x{bk})"
+        what = f"case {case} ({kind}, {dtype}, {n}x{k}, blocks {bn}x{bk})"
         if not _same_fp8(q, want_q):
             failures.append(f"{what}: fp8 bytes differ")
         if not _same_f32(s, want_s):

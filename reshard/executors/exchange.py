@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import timedelta
 from typing import Any
 
 from ..errors import ExecutionError
@@ -40,17 +39,30 @@ class Exchange:
         """Peer's agent metadata and book; waits for them at most `timeout` seconds, and not past `deadline` (a
         time.monotonic(): the set-up's, shared by every peer fetched, so that n absent peers cost one timeout)."""
         left = timeout if deadline is None else max(min(timeout, deadline - time.monotonic()), 0.001)
-        try:
-            self.store.wait([f"md/{peer}"], timedelta(seconds=left))
-        except Exception as e:  # the store raises its own error type on timeout
-            raise ExecutionError(f"set-up: process {peer} did not publish its metadata within {timeout:.1f} s "
-                                 f"(namespace {self.namespace!r}); is every process of the binding building its "
-                                 f"executor?") from e
+        give_up, pause, key = time.monotonic() + left, 0.002, f"md/{peer}"
+        # polled, not store.wait: CI once saw every process of a NIXL set-up sit its whole timeout in store.wait on
+        # keys that all of them had set before waiting (each publishes before it fetches)
+        while not self._published(key, peer):
+            now = time.monotonic()
+            if now >= give_up:
+                raise ExecutionError(f"set-up: process {peer} did not publish its metadata within {timeout:.1f} s "
+                                     f"(namespace {self.namespace!r}); is every process of the binding building "
+                                     f"its executor?")
+            time.sleep(min(pause, give_up - now))
+            pause = min(2 * pause, 0.05)
         book = json.loads(self.store.get(f"book/{peer}").decode())
         if book.get("protocol") != PROTOCOL:
             raise ExecutionError(f"process {peer} speaks exchange protocol {book.get('protocol')}, "
                                  f"this process {PROTOCOL}")
         return self.store.get(f"md/{peer}"), book
+
+    def _published(self, key: str, peer: int) -> bool:
+        try:
+            return bool(self.store.check([key]))
+        except (RuntimeError, OSError) as e:  # torch's DistNetworkError: the store's host is gone
+            raise ExecutionError(f"set-up: the store went away while this process waited for process {peer}'s "
+                                 f"metadata (namespace {self.namespace!r}): "
+                                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
     # --- agreement on a refit --------------------------------------------------------------------------
     def fail(self, version: int, reason: str) -> None:

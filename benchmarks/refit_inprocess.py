@@ -199,7 +199,7 @@ def quantize_variants(fp, src, device, iters: int, r: dict, reference) -> None:
     try:
         for variant in QUANTIZE_VARIANTS:
             name = ",".join(f"{k}={v}" for k, v in variant.items())
-            fp8_quantize.TUNING.update({k: v for k, v in variant.items() if k != "streams"})
+            fp8_quantize.TUNING.update({**chosen, **{k: v for k, v in variant.items() if k != "streams"}})
             graphs.STREAMS = variant.get("streams", streams)
             dst8 = allocate(fp.full_dst, -7.0, device=device)
             ex = Fp8Executor(fp, None, 0, src, dst8, inner="bound", quantizer="kernel", direct=True)
@@ -208,9 +208,6 @@ def quantize_variants(fp, src, device, iters: int, r: dict, reference) -> None:
             r["variants_equal"][name] = equal(dst8, reference)
             ex.close()
             del dst8
-            fp8_quantize.TUNING.clear()
-            fp8_quantize.TUNING.update(chosen)
-            graphs.STREAMS = streams
             print(f"  quantizer {name}: {r['quantize_variants_s'][name] * 1e3:.2f} ms, refit "
                   f"{r['refit_variants_s'][name] * 1e3:.2f} ms, equal {r['variants_equal'][name]}", flush=True)
     finally:

@@ -65,10 +65,9 @@ def check_fp8_quantizer(device: str = "cpu", cases: int = 12, seed: int = 0,
     failures = []
     try:
         for tuning in tunings:
-            fp8_quantize.TUNING.update(tuning)
+            fp8_quantize.TUNING.update({**chosen, **tuning})
             failures += [f"tuning {tuning}: {f}" for f in _check_fp8_quantizer(device, cases, seed, blocks,
                                                                                exact_cast)]
-            fp8_quantize.TUNING.update(chosen)
     finally:
         fp8_quantize.TUNING.update(chosen)
     return failures

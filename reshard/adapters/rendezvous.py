@@ -31,6 +31,7 @@ from datetime import timedelta
 from typing import Any
 
 from ..errors import ExecutionError
+from ..polling import poll
 
 log = logging.getLogger("reshard.rendezvous")
 
@@ -153,12 +154,11 @@ def check_secret(store: Any, rdv: Rendezvous, role: str, process: int) -> None:
     turns a wrong secret into a clear error at once: whoever overwrites or deletes it cannot keep a member with
     the right secret out (that member looks for the namespaced key first)."""
     public, hosted = f"reshard/{rdv.refit_id}/check", f"{rdv.namespace}hosted"
-    deadline = time.monotonic() + rdv.timeout
-    sleep = 0.001
-    while True:
+
+    def found() -> bool:  # the host's key under the secret namespace; raises at a public value we cannot prove
         try:
             if store.check([hosted]):
-                return
+                return True
             want = store.get(public).decode(errors="replace") if store.check([public]) else None
         except Exception as e:  # noqa: BLE001 - the store raises several types
             raise ExecutionError(f"refit {rdv.refit_id}: the refit's store at {rdv.address} failed: {e}") from e
@@ -168,12 +168,11 @@ def check_secret(store: Any, rdv: Rendezvous, role: str, process: int) -> None:
             log.warning("refit %s: %s process %d presented a wrong secret; refused", rdv.refit_id, role, process)
             raise ExecutionError(f"refit {rdv.refit_id}: the secret this {role} process presented is not the "
                                  f"refit's; refused (it joins nothing and disturbs nothing)")
-        if time.monotonic() > deadline:
-            raise ExecutionError(f"refit {rdv.refit_id} is not hosted at {rdv.address} (nothing within "
-                                 f"{rdv.timeout:.0f} s)")
-        time.sleep(sleep)
-        sleep = min(sleep * 2, 0.05)
+        return False
 
+    if not poll(found, time.monotonic() + rdv.timeout, first_s=0.001):
+        raise ExecutionError(f"refit {rdv.refit_id} is not hosted at {rdv.address} (nothing within "
+                             f"{rdv.timeout:.0f} s)")
 
 def refused(store: Any, rdv: Rendezvous) -> list[dict[str, Any]]:
     """The members refused for a wrong secret so far (for the host's logs)."""
@@ -221,23 +220,21 @@ def _join(store: Any, rdv: Rendezvous, process: int, size: int, role: str) -> di
         raise ExecutionError(f"refit {rdv.refit_id}: place {process} is already taken by the {other.get('role')} "
                              f"process (pid {other.get('pid')} on {other.get('host')}): two members claim the same "
                              f"rank")
-    deadline = time.monotonic() + rdv.timeout
     members: dict[int, dict[str, Any]] = {}
-    sleep = 0.001
-    while len(members) < size:
+
+    def all_joined() -> bool:  # a failure reported by a member wins, also once all have joined
         reason = failure(store, rdv)
         if reason is not None:
             raise ExecutionError(f"refit {rdv.refit_id}: another member failed: {reason}")
         for p in range(size):
             if p not in members and store.check([f"{rdv.namespace}member/{p}"]):
                 members[p] = json.loads(store.get(f"{rdv.namespace}member/{p}"))
-        if len(members) < size:
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(size)) - set(members))
-                raise ExecutionError(f"refit {rdv.refit_id}: members {missing[:10]} of {size} did not join within "
-                                     f"{rdv.timeout:.0f} s")
-            time.sleep(sleep)
-            sleep = min(sleep * 2, 0.05)
+        return len(members) == size
+
+    if not poll(all_joined, time.monotonic() + rdv.timeout, first_s=0.001):
+        missing = sorted(set(range(size)) - set(members))
+        raise ExecutionError(f"refit {rdv.refit_id}: members {missing[:10]} of {size} did not join within "
+                             f"{rdv.timeout:.0f} s")
     return members
 
 

@@ -6,6 +6,8 @@ under the executor's kind and namespace (a PrefixStore), so several executors ca
 
   md/<p>        process p's blob (NIXL: get_agent_metadata(), taken after every registration)
   book/<p>      JSON: what p runs (plan digest, binding, options) and how its peers address its memory
+  setup/fail    the reason of the first process whose set-up failed (its peers stop setting up)
+  setup/left/<p>  p is done with set-up, as a success or a failure: it will not connect to anyone any more
   v<g>/...      per refit version g: ok (counter of processes that finished and verified it), fail (the reason
                 of the first process that failed it), and the executor's own signals (`signal` / `count`)
 """
@@ -16,6 +18,7 @@ import time
 from typing import Any
 
 from ..errors import ExecutionError
+from ..polling import poll
 
 PROTOCOL = 1
 
@@ -39,17 +42,14 @@ class Exchange:
         """Peer's agent metadata and book; waits for them at most `timeout` seconds, and not past `deadline` (a
         time.monotonic(): the set-up's, shared by every peer fetched, so that n absent peers cost one timeout)."""
         left = timeout if deadline is None else max(min(timeout, deadline - time.monotonic()), 0.001)
-        give_up, pause, key = time.monotonic() + left, 0.002, f"md/{peer}"
+        key = f"md/{peer}"
         # polled, not store.wait: CI once saw every process of a NIXL set-up sit its whole timeout in store.wait on
         # keys that all of them had set before waiting (each publishes before it fetches)
-        while not self._published(key, peer):
-            now = time.monotonic()
-            if now >= give_up:
-                raise ExecutionError(f"set-up: process {peer} did not publish its metadata within {timeout:.1f} s "
-                                     f"(namespace {self.namespace!r}); is every process of the binding building "
-                                     f"its executor?")
-            time.sleep(min(pause, give_up - now))
-            pause = min(2 * pause, 0.05)
+        if not poll(lambda: self._published(key, peer), time.monotonic() + left, first_s=0.002, most_s=0.05,
+                    between=self.raise_if_setup_failed):
+            raise ExecutionError(f"set-up: process {peer} did not publish its metadata within {timeout:.1f} s "
+                                 f"(namespace {self.namespace!r}); is every process of the binding building "
+                                 f"its executor?")
         book = json.loads(self.store.get(f"book/{peer}").decode())
         if book.get("protocol") != PROTOCOL:
             raise ExecutionError(f"process {peer} speaks exchange protocol {book.get('protocol')}, "
@@ -63,6 +63,41 @@ class Exchange:
             raise ExecutionError(f"set-up: the store went away while this process waited for process {peer}'s "
                                  f"metadata (namespace {self.namespace!r}): "
                                  f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+    def fail_setup(self, process: int, reason: str) -> None:
+        """Tell the peers still setting up that this process's set-up failed (the first reason stays)."""
+        try:
+            self.store.compare_set("setup/fail", "", f"process {process}: {reason}".encode()[:4000])
+        except Exception:  # noqa: BLE001 - best effort: the store itself may be gone
+            pass
+
+    def raise_if_setup_failed(self) -> None:
+        try:
+            failed = self.store.check(["setup/fail"])
+            reason = self.store.get("setup/fail").decode(errors="replace") if failed else None
+        except (RuntimeError, OSError):  # the store went away: the caller's own wait reports that
+            return
+        if reason is not None:
+            raise ExecutionError(f"set-up: another process failed first ({reason})")
+
+    def leave_setup(self, process: int) -> None:
+        """This process is done with set-up (it succeeded or failed): it connects to no peer any more."""
+        try:
+            self.store.set(f"setup/left/{process}", b"1")
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+
+    def wait_left(self, peers: list[int], seconds: float) -> list[int]:
+        """Wait at most `seconds` until each of `peers` that published its metadata has left set-up (a peer that
+        never published cannot know this process's agent); returns those still in set-up."""
+        def still_in() -> list[int]:
+            try:
+                return [p for p in peers
+                        if self.store.check([f"md/{p}"]) and not self.store.check([f"setup/left/{p}"])]
+            except (RuntimeError, OSError):  # the store is gone: so is every peer's way to this agent's metadata
+                return []
+        poll(lambda: not still_in(), time.monotonic() + seconds, first_s=0.002)
+        return still_in()
 
     # --- agreement on a refit --------------------------------------------------------------------------
     def fail(self, version: int, reason: str) -> None:
@@ -84,19 +119,16 @@ class Exchange:
     def wait_all(self, version: int, processes: int, deadline: float, poll_max_s: float) -> None:
         """Return once all `processes` voted for `version`; raise if one failed or the deadline passes."""
         key = f"v{version}/ok"
-        sleep = 2e-5
-        while True:
-            count = int(self.store.add(key, 0))
-            if count >= processes:
-                return
-            reason = self.failure(version)
-            if reason is not None:
-                raise ExecutionError(f"another process failed first ({reason})")
-            if time.monotonic() > deadline:
-                raise ExecutionError(f"timed out: only {count} of {processes} processes finished the refit; "
-                                     f"the others failed, hang or died")
-            time.sleep(sleep)
-            sleep = min(sleep * 2, max(poll_max_s, 2e-5))
+        if not poll(lambda: self.count(key) >= processes, deadline, most_s=poll_max_s,
+                    between=lambda: self._raise_if_failed(version, "")):
+            raise ExecutionError(f"timed out: only {self.count(key)} of {processes} processes finished the refit; "
+                                 f"the others failed, hang or died")
+
+    def _raise_if_failed(self, version: int, waiting_for: str) -> None:
+        reason = self.failure(version)
+        if reason is not None:
+            raise ExecutionError(f"another process failed first ({reason})"
+                                 + (f" while this one waited for {waiting_for}" if waiting_for else ""))
 
     def signal(self, key: str) -> None:
         """Count one more at `key` (a per-refit signal such as v<g>/ready/<p>)."""
@@ -107,15 +139,9 @@ class Exchange:
 
     def wait_count(self, key: str, want: int, version: int, deadline: float, poll_max_s: float, what: str) -> None:
         """Return once the counter at `key` reached `want`; raise if refit `version` failed or the deadline passes."""
-        sleep = 2e-5
-        while self.count(key) < want:
-            reason = self.failure(version)
-            if reason is not None:
-                raise ExecutionError(f"another process failed first ({reason}) while this one waited for {what}")
-            if time.monotonic() > deadline:
-                raise ExecutionError(f"timed out waiting for {what}")
-            time.sleep(sleep)
-            sleep = min(sleep * 2, max(poll_max_s, 2e-5))
+        if not poll(lambda: self.count(key) >= want, deadline, most_s=poll_max_s,
+                    between=lambda: self._raise_if_failed(version, what)):
+            raise ExecutionError(f"timed out waiting for {what}")
 
     def forget(self, version: int, keys: tuple[str, ...] = ()) -> None:
         """Drop a finished version's keys (every process has passed its vote), and `keys` of it."""
@@ -124,3 +150,4 @@ class Exchange:
                 self.store.delete_key(key)
             except Exception:  # noqa: BLE001 - not every store deletes; the keys are a few bytes
                 pass
+

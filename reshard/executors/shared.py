@@ -232,7 +232,8 @@ class SharedExecutor(VotedExecutor):
         self.exchange = Exchange(store, namespace, kind="shared")
         try:
             self._set_up()
-        except BaseException:
+        except BaseException as e:
+            self.exchange.fail_setup(self.process, str(e) or repr(e))  # peers still fetching stop now
             self.close()
             raise
 

@@ -265,3 +265,58 @@ def failure_worker(process: int, port: int, workdir: str, scenario: str, victim:
         out["reuse_error"] = f"{type(e).__name__}: {e}"
     ex.close()
     (Path(workdir) / f"result-{process}.json").write_text(json.dumps(out))
+
+
+def setup_failure_worker(process: int, port: int, workdir: str) -> None:
+    """A NIXL set-up that fails in one process while a peer is still setting up (job file setup_failure.json:
+    plan, binding, options, "failing", "slow", "delay"). The failing process refuses the first peer book it reads
+    (an injected error); the slow one sleeps `delay` s after publishing its metadata, so it is still in set-up
+    when the other fails. Each writes setup-<process>.json: what its set-up raised, after how long, and the wall
+    times at which it left set-up and released its agent."""
+    from ..errors import ExecutionError
+    from ..executors.binding import Binding
+    from ..executors.exchange import Exchange
+    from ..executors.local import allocate, shard
+    from ..executors.nixl import connection
+    from ..planner import Plan
+
+    torch.set_num_threads(1)
+    store = _client(port)
+    job = json.loads((Path(workdir) / "setup_failure.json").read_text())
+    plan, binding = Plan.load(job["plan"]), Binding.from_dict(job["binding"])
+    src = shard(plan.src, weights(plan.src.model, 1), ranks=list(binding.src_ranks_of(process)))
+    dst = allocate(plan.dst, fill=SENTINEL, ranks=list(binding.dst_ranks_of(process)))
+    out: dict[str, Any] = {"process": process}
+
+    def wrap(owner: Any, name: str, before: Callable | None = None, after: Callable | None = None) -> None:
+        original = getattr(owner, name)
+
+        def wrapped(*a: Any, **k: Any) -> Any:
+            if before is not None:
+                before()
+            result = original(*a, **k)
+            if after is not None:
+                after()
+            return result
+
+        setattr(owner, name, wrapped)
+
+    if process == job["failing"]:
+        def refuse(*_: Any) -> None:
+            raise ExecutionError(f"injected: process {process} refuses its peer's book")
+
+        connection._check_peer = refuse
+        wrap(connection.Connection, "release", before=lambda: out.setdefault("released", time.time()))
+    if process == job["slow"]:
+        wrap(Exchange, "publish", after=lambda: time.sleep(job["delay"]))
+    wrap(Exchange, "leave_setup", before=lambda: out.setdefault("left", time.time()))
+    store.set(f"start/{process}", b"1")
+    store.wait([f"start/{p}" for p in range(binding.num_processes)])
+    t0 = time.monotonic()
+    try:
+        make(job, plan, binding, process, src, dst, store, "setup-failure").close()
+        out["error"] = None
+    except Exception as e:  # noqa: BLE001 - the test checks the type and the words
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["seconds"] = time.monotonic() - t0
+    (Path(workdir) / f"setup-{process}.json").write_text(json.dumps(out))

@@ -5,7 +5,8 @@
   tensors: byte-identical to the local executor every time, and no refit registers, prepares or exchanges
   anything again;
 - a peer killed mid-refit, and a frozen one: every survivor raises a clear ExecutionError within the timeout
-  and its destination tensors keep the previous refit's bytes.
+  and its destination tensors keep the previous refit's bytes;
+- a set-up that fails in one process fails its peers at once, and its agent outlives their set-up.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from hypothesis import Phase, given, settings, strategies as st
 
 import reshard
 from reshard.executors.binding import Binding
-from reshard.testing.store_procs import check_plan_results, failure_worker, launch, plan_worker
+from reshard.testing.store_procs import (check_plan_results, failure_worker, launch, plan_worker,
+                                         setup_failure_worker)
 from reshard.testing.refit_cases import tiny_deepseek
 from reshard.testing.strategies import refits
 
@@ -77,12 +79,16 @@ def test_random_plans_match_local_executor_over_three_refits(tmp_path):
     check_plan_results(tmp_path, jobs, PROCESSES, REFITS, require_reuse=True)
 
 
-def _failure_case(tmp: Path, scenario: str, direction: str, timeout: float) -> list[dict]:
+def _failure_case_plan(tmp: Path) -> Path:
     spec = reshard.ModelSpec(family="qwen3", hidden_size=64, num_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=300,
                              qk_norm=True)
     plan = reshard.compile(reshard.MegatronLayout(model=spec, tp=2), reshard.VllmLayout(model=spec, replicas=2))
-    plan.save(tmp / "plan.npz")
+    return plan.save(tmp / "plan.npz")
+
+
+def _failure_case(tmp: Path, scenario: str, direction: str, timeout: float) -> list[dict]:
+    _failure_case_plan(tmp)
     # process 0: source rank 0; process 1: source rank 1 and destination rank 0; process 2: destination rank 1
     binding = Binding((0, 1), (1, 2))
     victim = 2 if scenario == "killed" else 0
@@ -126,3 +132,23 @@ def test_lost_peer_fails_every_survivor_within_timeout_and_keeps_destinations(tm
     else:
         assert any("no ready notification from process 0" in r["error"] for r in results), \
             [r["error"] for r in results]
+
+
+def test_a_failed_set_up_fails_its_peers_at_once_and_keeps_its_agent_until_they_left(tmp_path):
+    """Process 0's set-up fails (it refuses process 1's book) while process 1 is still setting up (it sleeps after
+    publishing). Process 1 must stop before connecting to process 0's agent, naming process 0's failure, well
+    within its timeout; process 0 must release its agent only after process 1 left set-up (UCX can abort a
+    process whose connection to a released agent fails)."""
+    timeout, delay = 8.0, 1.0
+    plan = _failure_case_plan(tmp_path)
+    (tmp_path / "setup_failure.json").write_text(json.dumps({
+        "plan": str(plan), "binding": Binding((0, 1), (1, 0)).to_dict(), "options": {"timeout": timeout},
+        "failing": 0, "slow": 1, "delay": delay}))
+    codes = launch(setup_failure_worker, 2, (str(tmp_path),), timeout=120)
+    assert codes == [0, 0], f"workers exited with {codes}"
+    failing, slow = (json.loads((tmp_path / f"setup-{p}.json").read_text()) for p in (0, 1))
+    assert failing["error"] and "injected: process 0 refuses" in failing["error"], failing
+    assert slow["error"] and slow["error"].startswith("ExecutionError"), slow
+    assert "another process failed first" in slow["error"] and "injected" in slow["error"], slow["error"]
+    assert slow["seconds"] < timeout / 2, f"process 1 waited {slow['seconds']:.1f} s: not told of the failure"
+    assert failing["released"] >= slow["left"], "process 0 released its agent while process 1 was setting up"

@@ -7,6 +7,12 @@ that it runs the same refit (plan digest, binding, shared options, direction, th
 descriptor lists of every link this process initiates (executors.nixl.descriptors) and make them into transfer
 handles; connect to every peer. A refit then only posts those handles and exchanges notifications, through
 `post`, `state`, `notify` and `notifications`. Every NIXL error becomes an ExecutionError naming the link.
+
+A set-up that fails anywhere fails everywhere, and no agent is released while a peer may still connect to it:
+UCX can abort the process (an assertion on its async thread) whose connection to a released agent fails. The
+failing process says so in the store (its peers stop before their next connect, at once instead of at their
+timeout), then keeps its agent until every peer that could know it (those that published) has left set-up, for
+at most `leave_grace(timeout)`: a peer that died after publishing cannot hold it longer.
 """
 from __future__ import annotations
 
@@ -39,9 +45,15 @@ class Connection:
         self._reg: Any = None
         try:
             self._set_up(name, exchange, book, regions, itemsize, timeout, progress_delay_us)
-        except BaseException:
+        except BaseException as e:
+            if schedule.peers:
+                exchange.fail_setup(schedule.process, describe(e) if is_nixl_error(e) else str(e) or repr(e))
+                exchange.leave_setup(schedule.process)
+                exchange.wait_left(sorted(schedule.peers), leave_grace(timeout))
             self.release()
             raise
+        if schedule.peers:
+            exchange.leave_setup(schedule.process)
 
     def _set_up(self, name: str, exchange: Exchange, book: dict[str, Any], regions: list[tuple[int, int]],
                 itemsize: int, timeout: float, progress_delay_us: int) -> None:
@@ -57,8 +69,10 @@ class Connection:
         deadline = time.monotonic() + timeout
         for peer in s.peers:
             metadata, theirs = exchange.fetch(peer, timeout, deadline)
+            exchange.raise_if_setup_failed()  # before loading (and later connecting to) a peer that may be gone
             _check_peer(s.process, peer, theirs, book)
-            loaded = self.agent.add_remote_agent(metadata)
+            loaded = _nixl_call(self.agent.add_remote_agent, f"loading process {peer}'s agent (it connects to it)",
+                                metadata)
             loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
             if loaded != theirs["agent"]:
                 raise ExecutionError(f"process {peer}'s metadata names agent {loaded!r}, its book {theirs['agent']!r}")
@@ -87,7 +101,9 @@ class Connection:
                     raise ExecutionError(f"NIXL refused to prepare {link}: {describe(e)}") from e
                 raise
         for peer in s.peers:
-            self.agent.make_connection(self.names[peer])
+            exchange.raise_if_setup_failed()
+            _nixl_call(self.agent.make_connection, f"connecting to process {peer}'s agent", self.names[peer])
+        exchange.raise_if_setup_failed()  # a peer failed meanwhile: it releases its agent once this one has left
 
     # --- used by a refit -----------------------------------------------------------------------------
     def post(self, link: Link, message: bytes) -> None:
@@ -156,6 +172,21 @@ class Connection:
                 pass
             self._reg = None
         self.agent = None
+
+
+def _nixl_call(call: Any, what: str, *args: Any) -> Any:
+    """call(*args), NIXL's errors as an ExecutionError saying `what` failed."""
+    try:
+        return call(*args)
+    except Exception as e:
+        if is_nixl_error(e):
+            raise ExecutionError(f"set-up: {what} failed: {describe(e)}") from e
+        raise
+
+
+def leave_grace(timeout: float) -> float:
+    """How long a failed set-up keeps its agent for peers still setting up: a quarter of the timeout, 0.5-10 s."""
+    return min(max(timeout / 4, 0.5), 10.0)
 
 
 def _check_peer(process: int, peer: int, book: dict[str, Any], mine: dict[str, Any]) -> None:

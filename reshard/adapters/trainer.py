@@ -26,7 +26,6 @@ Lifecycle:
 """
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
@@ -35,6 +34,9 @@ import torch
 
 from ..errors import ArgumentError, ExecutionError
 from ..executors.base import Executor, RankTensors
+from .engine_calls import EngineCall, wait_calls
+from .group_json import broadcast_json
+from .lease_renewal import LeaseRenewal
 from .refit import CROSS_PROCESS, RefitSpec, open_transport, publish_source, withdraw_source
 
 
@@ -129,7 +131,7 @@ class TrainerSession:
                                   or not 1.0 <= lease <= 3600.0):
             raise ArgumentError("lease", lease, "a number of seconds in [1, 3600], or None for no lease")
         self.lease = float(lease) if lease is not None else None
-        self.renewal: _Renewal | None = None
+        self.renewal: LeaseRenewal | None = None
         self.lora_ids = list(lora_ids) if lora_ids is not None else None
         if self.lora_ids is not None and (refit.install != "lora_slot" or len(self.lora_ids) != len(self.engines)):
             raise ExecutionError(f"lora_ids={self.lora_ids} must give one id per engine ({len(self.engines)}) of an "
@@ -187,10 +189,10 @@ class TrainerSession:
         except ExecutionError as e:
             self._fail_rendezvous(str(e))
             self._discard_ahead(ahead)
-            errors = _wait(calls, self.timeout)
+            errors = wait_calls(calls, self.timeout)
             raise ExecutionError(f"{e}" + (f"; engines said: {'; '.join(errors)}" if errors else "")) from e
         self._discard_ahead(ahead)  # taken by the executor, or never needed (no NIXL peer)
-        errors = _wait(calls, self.timeout)
+        errors = wait_calls(calls, self.timeout)
         if errors:
             self._fail_rendezvous("; ".join(errors))
             raise ExecutionError("refit init failed: " + "; ".join(errors))
@@ -242,7 +244,7 @@ class TrainerSession:
         holder = uuid.uuid4().hex
         # Renewed from the first grant on: an engine still starting can hold its acquisition for longer than the
         # lease, and the engines granted before it must not lapse meanwhile.
-        self.renewal = _Renewal([], holder, self.lease)
+        self.renewal = LeaseRenewal([], holder, self.lease)
         for engine in leased:  # a previous driver's open update is ended first: bounded by the refit's timeout
             engine.acquire_lease(holder, self.lease, timeout=self.timeout)
             self.renewal.add(engine)
@@ -262,7 +264,7 @@ class TrainerSession:
         if self.process == 0 and (rdv is None or self.trainer_group is not None):
             rdv, self.store = rv.host_store(rdv or rv.Rendezvous.new(self.host, timeout=min(self.timeout, 300.0)))
         if self.trainer_group is not None:
-            rdv = _broadcast_json(rdv.to_dict() if self.process == 0 else None, self.trainer_group, self.timeout,
+            rdv = broadcast_json(rdv.to_dict() if self.process == 0 else None, self.trainer_group, self.timeout,
                                   f"trainer process {self.process}: the rendezvous from process 0 over trainer_group")
             rdv = rv.Rendezvous.from_dict(rdv)
         if rdv is None:
@@ -324,11 +326,11 @@ class TrainerSession:
                     except ExecutionError as e:
                         errors.append(f"trainer process {self.process}: {e}")
                 marks.append(("transfer", time.perf_counter()))
-                errors += _wait(calls, self.timeout)
+                errors += wait_calls(calls, self.timeout)
                 if self.renewal is not None and self.renewal.error:
                     errors.append(self.renewal.error)
                 if self.engines and not errors:
-                    errors += _wait([self._call(e, "update_weights", {**info, "phase": "install"})
+                    errors += wait_calls([self._call(e, "update_weights", {**info, "phase": "install"})
                                      for e in self.engines], self.timeout)
                 marks.append(("engines", time.perf_counter()))
             if self.engines and not errors:
@@ -381,16 +383,16 @@ class TrainerSession:
         """After a failed update, end the update on every engine worker (without a version). vLLM keeps an update
         open on the workers that did not raise (the engine raises on its last worker only, see
         adapters.vllm.agreed); a worker whose update is already closed refuses, which is expected."""
-        _wait([self._call(engine, "finish_weight_update", None) for engine in self.engines], self.timeout)
+        wait_calls([self._call(engine, "finish_weight_update", None) for engine in self.engines], self.timeout)
         # errors are expected from the workers that raised
 
-    def _call(self, engine: EngineClient, method: str, *args: Any, on_error: Any = None) -> "_Call":
-        return _Call(engine, method, args, on_error)
+    def _call(self, engine: EngineClient, method: str, *args: Any, on_error: Any = None) -> EngineCall:
+        return EngineCall(engine, method, args, on_error)
 
     def _bounded(self, engine: EngineClient, method: str, *args: Any) -> None:
         """An engine call that returns within the session's timeout, or raises ExecutionError (the call is left
         to its thread: an engine that never answers cannot hold the trainer)."""
-        errors = _wait([self._call(engine, method, *args)], self.timeout)
+        errors = wait_calls([self._call(engine, method, *args)], self.timeout)
         if errors:
             raise ExecutionError(errors[0])
 
@@ -453,166 +455,6 @@ def _check_arguments(refit: Any, process: Any, tensors: Any, engines: Any, train
     if lora_ids is not None and (not isinstance(lora_ids, (list, tuple)) or not all(
             isinstance(i, int) and not isinstance(i, bool) and i > 0 for i in lora_ids)):
         raise ArgumentError("lora_ids", lora_ids, "must be a list of positive adapter ids, or None")
-
-
-class _Renewal:
-    """Renews the driver's lease on its engines every ttl / 4 seconds, until stopped; it must die with the driver,
-    which is the point. Servers reached over HTTP (`lease_endpoint()`) are renewed by a keeper process
-    (adapters.lease_keeper: a thread could not renew while a binding holds the driver's GIL), the others (Ray
-    actors) by a daemon thread. A renewal the engine refuses is kept as `error`: the next refit fails with it."""
-
-    def __init__(self, engines: list[Any], holder: str, ttl: float) -> None:
-        self.engines: list[Any] = []
-        self.holder, self.ttl = holder, ttl
-        self.error: str | None = None
-        self.errors: dict[str, str | None] = {"thread": None, "keeper": None}
-        self.keeper: Any = None
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True, name="reshard-lease")
-        self.thread.start()
-        for engine in engines:
-            self.add(engine)
-
-    def add(self, engine: Any) -> None:
-        """Renew `engine` from now on (its first grant was taken by the caller)."""
-        endpoint = getattr(engine, "lease_endpoint", None)
-        server = endpoint() if callable(endpoint) else None
-        if isinstance(server, dict) and isinstance(server.get("url"), str) and self._keeper_add(server):
-            return
-        self.engines.append(engine)
-
-    def _keeper_add(self, server: dict[str, Any]) -> bool:
-        import os
-        import subprocess
-        import sys
-        from pathlib import Path
-
-        try:
-            if self.keeper is None:
-                script = Path(__file__).with_name("lease_keeper.py")
-                self.keeper = subprocess.Popen([sys.executable, "-I", str(script)], stdin=subprocess.PIPE,
-                                               stdout=subprocess.PIPE, text=True, bufsize=1)
-                self._send({"pid": os.getpid(), "holder": self.holder, "ttl": self.ttl, "every": self.ttl / 4})
-                threading.Thread(target=self._read, args=(self.keeper,), daemon=True, name="reshard-lease").start()
-            self._send({"add": server})
-            return True
-        except OSError:  # no process to be had: the thread renews it (starved while the GIL is held)
-            return False
-
-    def _send(self, value: dict[str, Any]) -> None:
-        import json
-
-        self.keeper.stdin.write(json.dumps(value) + "\n")
-        self.keeper.stdin.flush()
-
-    def _read(self, keeper: Any) -> None:
-        import json
-
-        for line in keeper.stdout:
-            try:
-                errors = json.loads(line)["errors"]
-            except (ValueError, KeyError, TypeError):
-                continue
-            self._report("keeper", errors)
-        if not self.stopped.is_set():
-            self._report("keeper", [f"the lease keeper process (PID {keeper.pid}) ended"])
-
-    def _report(self, source: str, errors: list[str]) -> None:
-        # the last round's: a renewal that failed once and then got through is no error
-        self.errors[source] = f"the driver's lease could not be renewed: {errors[0]}" if errors else None
-        self.error = self.errors["thread"] or self.errors["keeper"]
-
-    def _run(self) -> None:
-        while not self.stopped.wait(self.ttl / 4):
-            # every engine renewed at once: one engine slow to answer must not make the others' leases lapse
-            calls = [_Call(e, "acquire_lease", (self.holder, self.ttl, self.ttl / 2)) for e in list(self.engines)]
-            self._report("thread", _wait(calls, self.ttl / 2))
-
-    def stop(self) -> None:
-        self.stopped.set()
-        if self.keeper is not None:
-            try:
-                self.keeper.stdin.close()  # the keeper ends at its next round
-            except OSError:
-                pass
-            try:
-                self.keeper.wait(self.ttl / 4 + 5.0)
-            except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: ended by its PID (we started it)
-                self.keeper.kill()
-                self.keeper.wait(5.0)
-            self.keeper = None
-        self.thread.join(self.ttl)
-
-
-class _Call:
-    """An engine call on a thread of its own (an engine's update must run while the trainer sends)."""
-
-    def __init__(self, engine: EngineClient, method: str, args: tuple, on_error: Any = None) -> None:
-        self.label = f"{engine!r}.{method}"
-        self.error: str | None = None
-        self.on_error = on_error
-        self.thread = threading.Thread(target=self._run, args=(getattr(engine, method), args), daemon=True,
-                                       name=f"reshard-{method}")
-        self.thread.start()
-
-    def _run(self, fn: Any, args: tuple) -> None:
-        try:
-            fn(*args)
-        except Exception as e:  # noqa: BLE001 - handed to the caller
-            self.error = f"{self.label}: {e}"
-            if self.on_error is not None:
-                try:
-                    self.on_error(self.error)
-                except Exception:  # noqa: BLE001 - the error itself is reported by _wait
-                    pass
-
-
-def _wait(calls: list[_Call], timeout: float) -> list[str]:
-    deadline = time.monotonic() + timeout
-    errors = []
-    for c in calls:
-        c.thread.join(max(0.0, deadline - time.monotonic()))
-        if c.thread.is_alive():
-            errors.append(f"{c.label}: no answer within {timeout:.0f} s")
-        elif c.error:
-            errors.append(c.error)
-    return errors
-
-
-def _broadcast_json(value: Any, group: Any, timeout: float, what: str) -> Any:
-    """`value` from the group's rank 0 to every member, as JSON bytes in tensors (never pickle), each step bounded
-    by `timeout` (the session's, not the group's own: a user's group may wait 30 minutes on a dead peer)."""
-    import json
-
-    import torch.distributed as dist
-
-    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(group)) \
-        else torch.device("cpu")
-    src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
-    data = json.dumps(value).encode() if value is not None else b""
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    _bounded(dist.broadcast(size, src, group=group, async_op=True), timeout, what)
-    if not 0 <= int(size.item()) <= 1 << 24:
-        raise ExecutionError(f"{what}: a size of {int(size.item())} bytes (at most 16 MiB of JSON)")
-    buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
-    if data:
-        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    _bounded(dist.broadcast(buf, src, group=group, async_op=True), timeout, what)
-    try:
-        return json.loads(bytes(buf.cpu().tolist()).decode())
-    except ValueError as e:
-        raise ExecutionError(f"{what}: not JSON ({e})") from None
-
-
-def _bounded(work: Any, timeout: float, what: str) -> None:
-    """Wait for a collective at most `timeout` seconds; ExecutionError naming `what` otherwise."""
-    from datetime import timedelta
-
-    try:
-        work.wait(timedelta(seconds=timeout))
-    except RuntimeError as e:  # gloo's and NCCL's timeouts, and a peer that went away
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ExecutionError(f"{what} did not arrive within {timeout:.0f} s ({first})") from None
 
 
 __all__ = ["EngineClient", "RefitResult", "TrainerSession"]

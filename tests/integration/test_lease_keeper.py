@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from reshard.adapters.lease_keeper import driver_state
-from reshard.adapters.trainer import _Renewal
+from reshard.adapters.lease_renewal import LeaseRenewal
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,13 +42,13 @@ server.serve_forever()
 # A driver in a process of its own: renews through the keeper, prints the keeper's PID, then idles.
 DRIVER = r"""
 import json, sys, time
-from reshard.adapters.trainer import _Renewal
+from reshard.adapters.lease_renewal import LeaseRenewal
 
 class Server:
     def lease_endpoint(self):
         return {"url": sys.argv[1], "api_key": None}
 
-renewal = _Renewal([Server()], "driver0a", float(sys.argv[2]))
+renewal = LeaseRenewal([Server()], "driver0a", float(sys.argv[2]))
 print(json.dumps({"keeper": renewal.keeper.pid}), flush=True)
 time.sleep(600)
 """
@@ -90,7 +90,7 @@ def _gaps(times: list[float], start: float, end: float) -> float:
 
 def test_renewals_go_on_while_a_binding_holds_the_drivers_gil(server):
     ttl, hold = 4.0, 9  # renewed every ttl / 4 = 1 s; the GIL held for more than twice the lease
-    renewal = _Renewal([server], "driver0a", ttl)
+    renewal = LeaseRenewal([server], "driver0a", ttl)
     ticks: list[float] = []
     stop = threading.Event()
 

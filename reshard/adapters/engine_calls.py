@@ -1,0 +1,47 @@
+"""Calls into engines on threads of their own, so that an engine's update runs while the trainer sends and an
+engine that never answers cannot hold the trainer: each call is waited for with a deadline, then left to its
+thread."""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+
+class EngineCall:
+    """An engine call on a thread of its own (an engine's update must run while the trainer sends)."""
+
+    def __init__(self, engine: Any, method: str, args: tuple, on_error: Any = None) -> None:
+        self.label = f"{engine!r}.{method}"
+        self.error: str | None = None
+        self.on_error = on_error
+        self.thread = threading.Thread(target=self._run, args=(getattr(engine, method), args), daemon=True,
+                                       name=f"reshard-{method}")
+        self.thread.start()
+
+    def _run(self, fn: Any, args: tuple) -> None:
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            self.error = f"{self.label}: {e}"
+            if self.on_error is not None:
+                try:
+                    self.on_error(self.error)
+                except Exception:  # noqa: BLE001 - the error itself is reported by _wait
+                    pass
+
+
+def wait_calls(calls: list[EngineCall], timeout: float) -> list[str]:
+    """Join every call within one shared `timeout`; the errors, and the calls that did not answer in time."""
+    deadline = time.monotonic() + timeout
+    errors = []
+    for c in calls:
+        c.thread.join(max(0.0, deadline - time.monotonic()))
+        if c.thread.is_alive():
+            errors.append(f"{c.label}: no answer within {timeout:.0f} s")
+        elif c.error:
+            errors.append(c.error)
+    return errors
+
+
+__all__ = ["EngineCall", "wait_calls"]

@@ -1,0 +1,100 @@
+"""The driver's lease on its engines, renewed for as long as the driver lives (see adapters.vllm.lease for the
+engines' side): a keeper process for servers reached over HTTP, a thread for the others."""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from .engine_calls import EngineCall, wait_calls
+
+
+class LeaseRenewal:
+    """Renews the driver's lease on its engines every ttl / 4 seconds, until stopped; it must die with the driver,
+    which is the point. Servers reached over HTTP (`lease_endpoint()`) are renewed by a keeper process
+    (adapters.lease_keeper: a thread could not renew while a binding holds the driver's GIL), the others (Ray
+    actors) by a daemon thread. A renewal the engine refuses is kept as `error`: the next refit fails with it."""
+
+    def __init__(self, engines: list[Any], holder: str, ttl: float) -> None:
+        self.engines: list[Any] = []
+        self.holder, self.ttl = holder, ttl
+        self.error: str | None = None
+        self.errors: dict[str, str | None] = {"thread": None, "keeper": None}
+        self.keeper: Any = None
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="reshard-lease")
+        self.thread.start()
+        for engine in engines:
+            self.add(engine)
+
+    def add(self, engine: Any) -> None:
+        """Renew `engine` from now on (its first grant was taken by the caller)."""
+        endpoint = getattr(engine, "lease_endpoint", None)
+        server = endpoint() if callable(endpoint) else None
+        if isinstance(server, dict) and isinstance(server.get("url"), str) and self._keeper_add(server):
+            return
+        self.engines.append(engine)
+
+    def _keeper_add(self, server: dict[str, Any]) -> bool:
+        import os
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        try:
+            if self.keeper is None:
+                script = Path(__file__).with_name("lease_keeper.py")
+                self.keeper = subprocess.Popen([sys.executable, "-I", str(script)], stdin=subprocess.PIPE,
+                                               stdout=subprocess.PIPE, text=True, bufsize=1)
+                self._send({"pid": os.getpid(), "holder": self.holder, "ttl": self.ttl, "every": self.ttl / 4})
+                threading.Thread(target=self._read, args=(self.keeper,), daemon=True, name="reshard-lease").start()
+            self._send({"add": server})
+            return True
+        except OSError:  # no process to be had: the thread renews it (starved while the GIL is held)
+            return False
+
+    def _send(self, value: dict[str, Any]) -> None:
+        import json
+
+        self.keeper.stdin.write(json.dumps(value) + "\n")
+        self.keeper.stdin.flush()
+
+    def _read(self, keeper: Any) -> None:
+        import json
+
+        for line in keeper.stdout:
+            try:
+                errors = json.loads(line)["errors"]
+            except (ValueError, KeyError, TypeError):
+                continue
+            self._report("keeper", errors)
+        if not self.stopped.is_set():
+            self._report("keeper", [f"the lease keeper process (PID {keeper.pid}) ended"])
+
+    def _report(self, source: str, errors: list[str]) -> None:
+        # the last round's: a renewal that failed once and then got through is no error
+        self.errors[source] = f"the driver's lease could not be renewed: {errors[0]}" if errors else None
+        self.error = self.errors["thread"] or self.errors["keeper"]
+
+    def _run(self) -> None:
+        while not self.stopped.wait(self.ttl / 4):
+            # every engine renewed at once: one engine slow to answer must not make the others' leases lapse
+            calls = [EngineCall(e, "acquire_lease", (self.holder, self.ttl, self.ttl / 2)) for e in list(self.engines)]
+            self._report("thread", wait_calls(calls, self.ttl / 2))
+
+    def stop(self) -> None:
+        self.stopped.set()
+        if self.keeper is not None:
+            try:
+                self.keeper.stdin.close()  # the keeper ends at its next round
+            except OSError:
+                pass
+            try:
+                self.keeper.wait(self.ttl / 4 + 5.0)
+            except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: ended by its PID (we started it)
+                self.keeper.kill()
+                self.keeper.wait(5.0)
+            self.keeper = None
+        self.thread.join(self.ttl)
+
+
+__all__ = ["LeaseRenewal"]

@@ -5,10 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import sys
-from pathlib import Path
 from typing import Callable, NoReturn
 
 from .arguments import PLAN_SUFFIXES, PLOT_SUFFIXES, output_path

@@ -136,7 +136,7 @@ class SenderQuantizer(_QuantizeJobs):
     """The wire's source tensors of this process's source ranks, and the quantization that fills them."""
 
     def __init__(self, fp: Fp8Plan, src: RankTensors, shadows: bool = True) -> None:
-        plan, layout = fp.plan, fp.plan.src
+        plan = fp.plan
         block = fp.scheme.block
         own = plan.src_tensors.own_dtypes()
         unit = torch_dtype(plan.src.dtype)

@@ -160,7 +160,6 @@ class ModelSpec(ValidatedModel):
 
     @model_validator(mode="after")
     def _check(self) -> "ModelSpec":
-        problems = []
         bounds = {"hidden_size": MAX_DIM, "num_layers": MAX_LAYERS, "num_attention_heads": MAX_HEADS,
                   "num_key_value_heads": MAX_HEADS, "head_dim": MAX_DIM, "intermediate_size": MAX_DIM,
                   "vocab_size": MAX_DIM, "num_experts": MAX_EXPERTS, "moe_intermediate_size": MAX_DIM}

@@ -61,7 +61,7 @@ def nemo_rl_worker(rank: int, size: int, job: dict[str, Any]) -> dict[str, Any]:
     from ..integrations.nemo_rl import ReshardCheckpointEngine
     from .serve_jobs import load_checkpoint, train_step
 
-    T, R = job["policy"], job["rollout"]
+    T = job["policy"]
     policy = dist.new_group(list(range(T)))  # every process makes every group
     engine = ReshardCheckpointEngine(bucket_size=job.get("bucket_size", 1 << 20), model=job["checkpoint"],
                                      host="127.0.0.1", **job.get("kwargs", {}))

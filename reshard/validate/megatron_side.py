@@ -10,7 +10,6 @@ megatron-core's CUDA assumptions are patched the way tests do it (reshard.testin
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 from pathlib import Path
 from typing import Any

@@ -79,19 +79,20 @@ class MegatronLayout(CutLayout):
             x = data.get(key)
             if _is_int(x) and x > MAX_RANKS:  # before any product of them is computed
                 raise LimitError(key, x, MAX_RANKS, "ranks", where=cls.kind)
-        sizes = [data.get(k, 1) for k in ("tp", "pp", "ep")]
-        if any(not _is_int(x) for x in sizes) or not (data.get("etp") is None or _is_int(data["etp"])):
-            return data  # the field validators refuse what is not an integer, naming the field
-        tp, pp, ep = sizes
-        if data.get("etp") is None:
-            data["etp"] = tp
-        if data.get("world") is None:
-            dense, expert = tp * pp, data["etp"] * ep * pp
-            data["world"] = dense * expert // math.gcd(dense, expert) if dense > 0 and expert > 0 else 1
-        return data
+        # etp and world left out are derived after validation (`_derive`), so they are not among the fields set:
+        # model_copy(update={"tp": 1}) derives them again from the new sizes instead of keeping the old ones
+        return {k: v for k, v in data.items() if not (k in ("etp", "world") and v is None)}
+
+    def _derive(self) -> None:
+        if self.etp is None:
+            self.__dict__["etp"] = self.tp  # the one place a field is written after validation: still building
+        if self.world is None:
+            dense, expert = self.tp * self.pp, self.etp * self.ep * self.pp
+            self.__dict__["world"] = dense * expert // math.gcd(dense, expert) if dense > 0 and expert > 0 else 1
 
     @model_validator(mode="after")
     def _validate(self) -> "MegatronLayout":
+        self._derive()
         m = self.model
         positive(self, tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, world=self.world, vpp=self.vpp,
                  vocab_divisor=self.vocab_divisor)

@@ -62,8 +62,11 @@ def test_fields_cannot_be_set_or_deleted():
 def test_pydantic_paths_still_make_valid_copies():
     """Re-validation keeps every valid use (the library copies specs with another dtype, layouts with another tp)."""
     assert SPEC.model_copy(update={"dtype": "float32"}).dtype == "float32"
-    copy = SRC.model_copy(update={"tp": 1})  # pydantic's meaning: every other field as it is (world, etp too)
-    assert copy == reshard.MegatronLayout(**{**{k: getattr(SRC, k) for k in type(SRC).model_fields}, "tp": 1})
+    # the fields given stay; those left to their defaults default again (etp and world derive from the new tp)
+    assert SRC.model_copy(update={"tp": 1}) == reshard.MegatronLayout(model=SPEC, tp=1)
+    given = reshard.MegatronLayout(model=SPEC, tp=2, world=8)
+    assert given.model_copy(update={"tp": 1}) == reshard.MegatronLayout(model=SPEC, tp=1, world=8)
+    assert given.model_copy(update={"world": None}) == SRC  # None: the default again
     assert reshard.MegatronLayout.model_construct(model=SPEC, tp=2) == SRC
     assert reshard.ModelSpec.model_validate_json(SPEC.model_dump_json()) == SPEC
 

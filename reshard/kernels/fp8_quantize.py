@@ -32,8 +32,11 @@ AMAX_FLOOR = 1e-4
 AMAX_MODES = {"input bits": 2, "float32 bits": 1, "float": 0}
 # launch settings (benchmarks/refit_inprocess.py --quantize-variants compares them; benchmarks/quantizer_occupancy.py
 # shows what each allows per SM): `strip` blocks of a block row per program (0: one program per block), `prefetch`
-# the next block of a strip loaded before this one is stored, `amax` a key of AMAX_MODES
-TUNING = {"num_warps": 8, "amax": "input bits", "strip": 0, "prefetch": True}
+# the next block of a strip loaded before this one is stored, `amax` a key of AMAX_MODES. The default amax is the
+# one checked and timed on a GPU (an H200); "input bits" halves the registers (4 programs an SM instead of 2) and
+# equals it bit for bit under Triton's interpreter, but has not run compiled on a GPU yet: benchmarks/gpu_session.sh
+# checks it there byte for byte and times both, and its result decides the default
+TUNING = {"num_warps": 8, "amax": "float32 bits", "strip": 0, "prefetch": True}
 
 
 @triton.jit

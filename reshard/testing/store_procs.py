@@ -269,10 +269,11 @@ def failure_worker(process: int, port: int, workdir: str, scenario: str, victim:
 
 def setup_failure_worker(process: int, port: int, workdir: str) -> None:
     """A NIXL set-up that fails in one process while a peer is still setting up (job file setup_failure.json:
-    plan, binding, options, "failing", "slow", "delay"). The failing process refuses the first peer book it reads
-    (an injected error); the slow one sleeps `delay` s after publishing its metadata, so it is still in set-up
-    when the other fails. Each writes setup-<process>.json: what its set-up raised, after how long, and the wall
-    times at which it left set-up and released its agent."""
+    plan, binding, options, "failing", "fail_at", "slow", "delay"). The failing process raises an injected error
+    at `fail_at`: "check" (the first peer book it reads), "prep" (describing its first link's memory, every peer
+    loaded) or "connect" (its first connection); the slow one sleeps `delay` s after publishing its metadata, so
+    it is still in set-up when the other fails. Each writes setup-<process>.json: what its set-up raised, after
+    how long, and the wall times at which it left set-up and released its agent."""
     from ..errors import ExecutionError
     from ..executors.binding import Binding
     from ..executors.exchange import Exchange
@@ -302,11 +303,26 @@ def setup_failure_worker(process: int, port: int, workdir: str) -> None:
         setattr(owner, name, wrapped)
 
     if process == job["failing"]:
-        def refuse(*_: Any) -> None:
-            raise ExecutionError(f"injected: process {process} refuses its peer's book")
+        fail_at = job["fail_at"]
 
-        connection._check_peer = refuse
-        wrap(connection.Connection, "release", before=lambda: out.setdefault("released", time.time()))
+        def refuse(*_: Any, **__: Any) -> None:
+            raise ExecutionError(f"injected at {fail_at}: process {process} fails its set-up")
+
+        if fail_at == "check":
+            connection._check_peer = refuse
+        elif fail_at == "prep":
+            connection.side_descriptors = refuse
+    make_agent = connection.make_agent
+
+    def watched_agent(*a: Any, **k: Any) -> Any:  # the agent's teardown begins with either call
+        agent = make_agent(*a, **k)
+        for name in ("remove_remote_agent", "deregister_memory"):
+            wrap(agent, name, before=lambda: out.setdefault("released", time.time()))
+        if process == job["failing"] and job["fail_at"] == "connect":
+            agent.make_connection = refuse
+        return agent
+
+    connection.make_agent = watched_agent
     if process == job["slow"]:
         wrap(Exchange, "publish", after=lambda: time.sleep(job["delay"]))
     wrap(Exchange, "leave_setup", before=lambda: out.setdefault("left", time.time()))

@@ -134,21 +134,34 @@ def test_lost_peer_fails_every_survivor_within_timeout_and_keeps_destinations(tm
             [r["error"] for r in results]
 
 
-def test_a_failed_set_up_fails_its_peers_at_once_and_keeps_its_agent_until_they_left(tmp_path):
-    """Process 0's set-up fails (it refuses process 1's book) while process 1 is still setting up (it sleeps after
-    publishing). Process 1 must stop before connecting to process 0's agent, naming process 0's failure, well
-    within its timeout; process 0 must release its agent only after process 1 left set-up (UCX can abort a
-    process whose connection to a released agent fails)."""
+@pytest.mark.parametrize("fail_at,failing,slow", [("check", 0, 1), ("prep", 1, 2), ("connect", 2, 0)])
+def test_a_failed_set_up_fails_its_peers_at_once_and_keeps_its_agent_until_they_left(tmp_path, fail_at, failing,
+                                                                                      slow):
+    """Three processes, each the others' peer. One fails its set-up at `fail_at` (after reading a peer's book,
+    after loading every peer, at its first connection) while another is still setting up (it sleeps after
+    publishing). The slow one must stop before connecting to the failed one's agent, naming that failure, well
+    within its timeout (the third fails the same way, or finished set-up before the failure and closes); no
+    process may release its agent, after a failure or a close, before each peer has left set-up (UCX can abort a
+    process whose connection to a released agent fails: with the old release-at-once, the slow peer's connect was
+    refused)."""
     timeout, delay = 8.0, 1.0
     plan = _failure_case_plan(tmp_path)
     (tmp_path / "setup_failure.json").write_text(json.dumps({
-        "plan": str(plan), "binding": Binding((0, 1), (1, 0)).to_dict(), "options": {"timeout": timeout},
-        "failing": 0, "slow": 1, "delay": delay}))
-    codes = launch(setup_failure_worker, 2, (str(tmp_path),), timeout=120)
-    assert codes == [0, 0], f"workers exited with {codes}"
-    failing, slow = (json.loads((tmp_path / f"setup-{p}.json").read_text()) for p in (0, 1))
-    assert failing["error"] and "injected: process 0 refuses" in failing["error"], failing
-    assert slow["error"] and slow["error"].startswith("ExecutionError"), slow
-    assert "another process failed first" in slow["error"] and "injected" in slow["error"], slow["error"]
-    assert slow["seconds"] < timeout / 2, f"process 1 waited {slow['seconds']:.1f} s: not told of the failure"
-    assert failing["released"] >= slow["left"], "process 0 released its agent while process 1 was setting up"
+        "plan": str(plan), "binding": Binding((0, 1), (1, 2)).to_dict(),
+        "options": {"timeout": timeout, "direction": "write"}, "failing": failing, "fail_at": fail_at,
+        "slow": slow, "delay": delay}))
+    codes = launch(setup_failure_worker, 3, (str(tmp_path),), timeout=120)
+    assert codes == [0, 0, 0], f"workers exited with {codes}"
+    results = [json.loads((tmp_path / f"setup-{p}.json").read_text()) for p in range(3)]
+    for r in results:
+        assert r["seconds"] < timeout / 2, f"process {r['process']} took {r['seconds']:.1f} s: not told at once"
+        if r["process"] != slow and r["error"] is None:
+            continue  # it finished set-up before the failure (and closed): its first refit would have failed
+        assert r["error"] and r["error"].startswith("ExecutionError"), r
+        assert f"injected at {fail_at}: process {failing}" in r["error"], r["error"]
+        if r["process"] != failing:
+            assert "another process failed first" in r["error"], r["error"]
+        for q in results:
+            if q is not r:
+                assert r["released"] >= q["left"], (f"process {r['process']} released its agent while process "
+                                                     f"{q['process']} was setting up", results)

@@ -8,11 +8,12 @@ descriptor lists of every link this process initiates (executors.nixl.descriptor
 handles; connect to every peer. A refit then only posts those handles and exchanges notifications, through
 `post`, `state`, `notify` and `notifications`. Every NIXL error becomes an ExecutionError naming the link.
 
-A set-up that fails anywhere fails everywhere, and no agent is released while a peer may still connect to it:
-UCX can abort the process (an assertion on its async thread) whose connection to a released agent fails. The
-failing process says so in the store (its peers stop before their next connect, at once instead of at their
-timeout), then keeps its agent until every peer that could know it (those that published) has left set-up, for
-at most `leave_grace(timeout)`: a peer that died after publishing cannot hold it longer.
+No agent is released while a peer may still connect to it: UCX can abort the process (an assertion on its async
+thread) whose connection to a released agent fails. A failed set-up says so in the store, and the peers still
+setting up stop before their next connect (at once, not at their timeout; a peer that had already finished finds
+out at its first refit). Every release, after a failure or a close, first waits until each peer that could know
+the agent (those that published) has left set-up, for at most `leave_grace(timeout)`: a peer that died after
+publishing cannot hold it longer, and long after set-up the wait is one look at the store per peer.
 """
 from __future__ import annotations
 
@@ -43,13 +44,13 @@ class Connection:
         self.peer_of: dict[str, int] = {}  # agent name -> peer process
         self._dlists: list[Any] = []
         self._reg: Any = None
+        self._exchange, self._grace = exchange, leave_grace(timeout)
         try:
             self._set_up(name, exchange, book, regions, itemsize, timeout, progress_delay_us)
         except BaseException as e:
             if schedule.peers:
                 exchange.fail_setup(schedule.process, describe(e) if is_nixl_error(e) else str(e) or repr(e))
                 exchange.leave_setup(schedule.process)
-                exchange.wait_left(sorted(schedule.peers), leave_grace(timeout))
             self.release()
             raise
         if schedule.peers:
@@ -149,10 +150,12 @@ class Connection:
 
     # --- teardown ------------------------------------------------------------------------------------
     def release(self) -> None:
-        """Release handles, descriptor lists, peers and registrations (best effort)."""
+        """Release handles, descriptor lists, peers and registrations (best effort), once every peer that could
+        still connect to this agent has left set-up (at most the grace: see the module docstring)."""
         agent = self.agent
         if agent is None:
             return
+        self._exchange.wait_left(sorted(self.schedule.peers), self._grace)
         for handle in list(self.handles.values()) + self._dlists:  # handles first: NIXL does not track them
             try:
                 handle.release()

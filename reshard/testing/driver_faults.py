@@ -94,8 +94,8 @@ def dying_driver(job: dict[str, Any]) -> None:
         seen["exception"] = traceback.format_exc()
     finally:
         session.close()
-    if rank != 0:
-        out.with_suffix(f".rank{rank}.json").write_text(json.dumps(seen))
+    # process 0 gets here only if it was not killed: what it saw tells why (the test reports every rank's file)
+    out.with_suffix(f".rank{rank}.json").write_text(json.dumps(seen))
 
 
 def engine_client(engine: dict[str, Any], timeout: float) -> Any:
@@ -169,7 +169,9 @@ def kill_the_driver(engine: dict[str, Any], checkpoint: str | Path, transport: s
         time.sleep(0.05)
     if not out.exists():
         thread.join(30)
-        raise RuntimeError(f"the driver was not killed at {phase!r}: {ranks}")
+        seen = {f.name: f.read_text()[:2000] for f in sorted(work.glob(f"{out.stem}.rank*.json"))}
+        raise RuntimeError(f"the driver was not killed at {phase!r}: {ranks}; the trainer processes saw: "
+                           f"{seen or 'nothing (none wrote its file: killed or crashed)'}")
     killed_at = json.loads(out.read_text())["killed_at"]
     poller = engine_client(engine, poll)
     serving_at = None

@@ -174,6 +174,7 @@ def check_secret(store: Any, rdv: Rendezvous, role: str, process: int) -> None:
         raise ExecutionError(f"refit {rdv.refit_id} is not hosted at {rdv.address} (nothing within "
                              f"{rdv.timeout:.0f} s)")
 
+
 def refused(store: Any, rdv: Rendezvous) -> list[dict[str, Any]]:
     """The members refused for a wrong secret so far (for the host's logs)."""
     n = int(store.add(f"reshard/{rdv.refit_id}/refused", 0))

@@ -66,15 +66,11 @@ class Exchange:
 
     def fail_setup(self, process: int, reason: str) -> None:
         """Tell the peers still setting up that this process's set-up failed (the first reason stays)."""
-        try:
-            self.store.compare_set("setup/fail", "", f"process {process}: {reason}".encode()[:4000])
-        except Exception:  # noqa: BLE001 - best effort: the store itself may be gone
-            pass
+        self._first_reason("setup/fail", f"process {process}: {reason}")
 
     def raise_if_setup_failed(self) -> None:
         try:
-            failed = self.store.check(["setup/fail"])
-            reason = self.store.get("setup/fail").decode(errors="replace") if failed else None
+            reason = self._reason("setup/fail")
         except (RuntimeError, OSError):  # the store went away: the caller's own wait reports that
             return
         if reason is not None:
@@ -96,22 +92,24 @@ class Exchange:
                         if self.store.check([f"md/{p}"]) and not self.store.check([f"setup/left/{p}"])]
             except (RuntimeError, OSError):  # the store is gone: so is every peer's way to this agent's metadata
                 return []
-        poll(lambda: not still_in(), time.monotonic() + seconds, first_s=0.002)
-        return still_in()
+        return [] if poll(lambda: not still_in(), time.monotonic() + seconds, first_s=0.002) else still_in()
 
     # --- agreement on a refit --------------------------------------------------------------------------
     def fail(self, version: int, reason: str) -> None:
         """Tell every process that refit `version` failed (the first reason stays)."""
+        self._first_reason(f"v{version}/fail", reason)
+
+    def failure(self, version: int) -> str | None:
+        return self._reason(f"v{version}/fail")
+
+    def _first_reason(self, key: str, reason: str) -> None:
         try:
-            self.store.compare_set(f"v{version}/fail", "", reason.encode()[:4000])
+            self.store.compare_set(key, "", reason.encode()[:4000])
         except Exception:  # noqa: BLE001 - best effort: the store itself may be gone
             pass
 
-    def failure(self, version: int) -> str | None:
-        key = f"v{version}/fail"
-        if self.store.check([key]):
-            return self.store.get(key).decode(errors="replace")
-        return None
+    def _reason(self, key: str) -> str | None:
+        return self.store.get(key).decode(errors="replace") if self.store.check([key]) else None
 
     def vote(self, version: int) -> int:
         return int(self.store.add(f"v{version}/ok", 1))
@@ -150,4 +148,3 @@ class Exchange:
                 self.store.delete_key(key)
             except Exception:  # noqa: BLE001 - not every store deletes; the keys are a few bytes
                 pass
-

@@ -188,7 +188,7 @@ def _nixl_call(call: Any, what: str, *args: Any) -> Any:
 
 
 def leave_grace(timeout: float) -> float:
-    """How long a failed set-up keeps its agent for peers still setting up: a quarter of the timeout, 0.5-10 s."""
+    """How long a release waits for peers still setting up: a quarter of the timeout, 0.5-10 s."""
     return min(max(timeout / 4, 0.5), 10.0)
 
 

@@ -2,7 +2,8 @@
 # The one-GPU figures issue 31 still needs, in one call of the lent machine (it has torch and Triton, no registry):
 #   device tool: command "bash benchmarks/gpu_session.sh", carry [".whl"] (pydantic and its three dependencies as
 #   wheels, ENVIRONMENT.md), timeout 600.
-# Writes under $OUT: machine.txt, the quantizer checked byte for byte on the GPU (every tuning and input dtype),
+# Writes under $OUT: machine.txt, the quantizer checked byte for byte on the GPU (every tuning, the two-pass kernel
+# included, and input dtype),
 # its registers on this machine's Triton, the in-process FP8 refit with the quantizer sweep beside the bf16 refit
 # (refit_inprocess.py's default variants, receivers' case included), and the -m gpu kernel tests. Each step runs
 # even if one before it failed; the exit status is the number of steps that failed.

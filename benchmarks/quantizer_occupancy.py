@@ -31,7 +31,8 @@ def compiled(fn, signature: dict, constants: dict, warps: int, arch: int):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    sig = dict(signature, **{name: "constexpr" for name in constants})
+    given = dict(signature, **{name: "constexpr" for name in constants})
+    sig = {name: given[name] for name in fn.arg_names}  # in the kernel's order: indices name the arguments
     names = list(sig)
     src = ASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in constants.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED if n in names})
@@ -75,19 +76,23 @@ def main() -> int:
     variants = [("one block per program", fq._quantize_kernel, one, {}, 1),
                 ("strip, next block prefetched", fq._quantize_strip_kernel, strip, {"PREFETCH": True}, 2),
                 ("strip", fq._quantize_strip_kernel, strip, {"PREFETCH": False}, 1)]
+    # the two-pass kernel: at least one slab a program in flight (more if the compiler issues the first pass's
+    # unrolled loads together)
+    variants += [(f"two-pass, {rows}-row slabs", fq._quantize_two_pass_kernel, one, {"SUB": rows, "HINTS": False},
+                  rows / BLOCK[0]) for rows in (16, 32)]
     block_bytes = BLOCK[0] * BLOCK[1] * 2
     rows = []
     print(f"{'kernel (bf16 in, 128x128 blocks)':34s} {'amax':>12s} {'warps':>5s} {'regs':>5s} {'spill B':>7s} "
           f"{'programs/SM':>11s} {'warps/SM':>8s} {'KiB in flight/SM':>16s}")
     for label, fn, sig, extra, blocks_in_flight in variants:
         for amax in fq.AMAX_MODES:
-            for warps in (4, 8, 16, 32):
+            for warps in (2, 4, 8, 16, 32):
                 regs, spill = resources(compiled(fn, sig, dict(common, AMAX=fq.AMAX_MODES[amax], **extra), warps,
                                                  args.arch))
                 programs = per_sm(regs, warps)
                 row = {"kernel": label, "amax": amax, "warps": warps, "registers": regs,
                        "spill_bytes": spill, "programs_per_sm": programs, "warps_per_sm": programs * warps,
-                       "kib_in_flight_per_sm": programs * blocks_in_flight * block_bytes // 1024}
+                       "kib_in_flight_per_sm": int(programs * blocks_in_flight * block_bytes) // 1024}
                 rows.append(row)
                 print(f"{label:34s} {amax:>12s} {warps:5d} {regs:5d} {spill:7d} "
                       f"{programs:11d} {row['warps_per_sm']:8d} {row['kib_in_flight_per_sm']:16d}", flush=True)

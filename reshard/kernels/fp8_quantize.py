@@ -32,11 +32,13 @@ AMAX_FLOOR = 1e-4
 AMAX_MODES = {"input bits": 2, "float32 bits": 1, "float": 0}
 # launch settings (benchmarks/refit_inprocess.py --quantize-variants compares them; benchmarks/quantizer_occupancy.py
 # shows what each allows per SM): `strip` blocks of a block row per program (0: one program per block), `prefetch`
-# the next block of a strip loaded before this one is stored, `amax` a key of AMAX_MODES. The default amax is the
-# one checked and timed on a GPU (an H200); "input bits" halves the registers (4 programs an SM instead of 2) and
-# equals it bit for bit under Triton's interpreter, but has not run compiled on a GPU yet: benchmarks/gpu_session.sh
-# checks it there byte for byte and times both, and its result decides the default
-TUNING = {"num_warps": 8, "amax": "float32 bits", "strip": 0, "prefetch": True}
+# the next block of a strip loaded before this one is stored, `slab` rows of a block read at a time by the two-pass
+# kernel (0: the one-pass kernels; a power of two below the block's rows: its amax is reduced slab by slab, then the
+# block read again from cache to quantize), `hints` that kernel's cache hints, `amax` a key of AMAX_MODES. The
+# default is what a GPU (an H200) has checked and timed; "input bits" (4 programs an SM instead of 2) and the
+# two-pass kernel equal it bit for bit under Triton's interpreter but have not run compiled on a GPU yet:
+# benchmarks/gpu_session.sh checks them there byte for byte and times them, and its result decides the default
+TUNING = {"num_warps": 8, "amax": "float32 bits", "strip": 0, "prefetch": True, "slab": 0, "hints": False}
 
 
 @triton.jit
@@ -55,23 +57,46 @@ def _fp8_bits(y):
 
 
 @triton.jit
+def _amax_key(xb, AMAX: tl.constexpr):
+    """max over block (or part of a block) `xb` of an integer that orders like |x| and puts a NaN above inf:
+    |x|'s bit pattern, of the 16-bit input itself (AMAX 2: only the packed 16-bit values stay live, not their
+    float32 forms, which would hold 3-4 registers per element) or of its float32 form. Keys of parts of one block
+    combine with max."""
+    if AMAX == 2 and xb.dtype.primitive_bitwidth == 16:
+        return tl.max(tl.max(xb.to(tl.int16, bitcast=True).to(tl.int32) & 0x7FFF, axis=1), axis=0)
+    return tl.max(tl.max(xb.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1), axis=0)
+
+
+@triton.jit
+def _amax_of_key(m, xb, FLOOR: tl.constexpr, AMAX: tl.constexpr):
+    """The block's float32 amax (raised to FLOOR; a NaN stays NaN) from its `_amax_key` (`xb`: for its dtype)."""
+    if AMAX == 2 and xb.dtype.primitive_bitwidth == 16:  # float32 holds every 16-bit value exactly
+        amax = m.to(tl.int16).to(xb.dtype, bitcast=True).to(tl.float32)
+    else:
+        amax = tl.where(m > 0x7F800000, float("nan"), m.to(tl.float32, bitcast=True))
+    return tl.where(amax < FLOOR, FLOOR, amax)
+
+
+@triton.jit
+def _fp8_of(y, EXACT_CAST: tl.constexpr):
+    """fp8 bits of float32 `y`, torch's cast."""
+    if EXACT_CAST:
+        return _fp8_bits(y)
+    # the hardware's cast (round to nearest even, saturating): the same bytes for |y| < 464, which is every finite
+    # y here (|y| <= amax * inv ~ 448); inf and NaN become torch's NaN with the sign
+    bits = y.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+    ybits = y.to(tl.uint32, bitcast=True)
+    bad = (ybits & 0x7FFFFFFF) >= 0x7F800000
+    return tl.where(bad, ((ybits >> 24) & 0x80).to(tl.uint8) | 0x7F, bits)
+
+
+@triton.jit
 def _quantize_block(xb, FLOOR: tl.constexpr, FMAX: tl.constexpr, EXACT_CAST: tl.constexpr,
                     AMAX: tl.constexpr):
     """(fp8 bits, scale) of one block `xb` (masked-off elements loaded as zeros)."""
-    if AMAX == 2 and xb.dtype.primitive_bitwidth == 16:
-        # on the 16-bit values themselves: only they stay live across the reduction (two a register), not their
-        # float32 forms, which would hold 3-4 registers per element and so one program per SM
-        m = tl.max(tl.max(xb.to(tl.int16, bitcast=True).to(tl.int32) & 0x7FFF, axis=1), axis=0)
-        # |x|'s bits order like |x| and a NaN's lie above inf's, so the largest is the NaN if there is one; float32
-        # holds every 16-bit value exactly
-        amax = m.to(tl.int16).to(xb.dtype, bitcast=True).to(tl.float32)
-        amax = tl.where(amax < FLOOR, FLOOR, amax)  # a NaN stays NaN
+    if AMAX >= 1:
+        amax = _amax_of_key(_amax_key(xb, AMAX), xb, FLOOR, AMAX)
         x = xb.to(tl.float32)
-    elif AMAX >= 1:  # one integer reduction: |x|'s bits order like |x|, and a NaN's lie above inf's
-        x = xb.to(tl.float32)
-        m = tl.max(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1), axis=0)
-        amax = tl.where(m > 0x7F800000, float("nan"), m.to(tl.float32, bitcast=True))
-        amax = tl.where(amax < FLOOR, FLOOR, amax)
     else:
         x = xb.to(tl.float32)
         amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
@@ -80,16 +105,7 @@ def _quantize_block(xb, FLOOR: tl.constexpr, FMAX: tl.constexpr, EXACT_CAST: tl.
         amax = tl.where(nan > 0, float("nan"), amax)
     scale = tl.math.div_rn(amax, FMAX)
     inv = tl.math.div_rn(1.0, scale)
-    y = x * inv
-    if EXACT_CAST:
-        bits = _fp8_bits(y)
-    else:  # the hardware's cast (round to nearest even, saturating): the same bytes for |y| < 464, which is every
-        # finite y here (|y| <= amax * inv ~ 448); inf and NaN become torch's NaN with the sign
-        bits = y.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
-        ybits = y.to(tl.uint32, bitcast=True)
-        bad = (ybits & 0x7FFFFFFF) >= 0x7F800000
-        bits = tl.where(bad, ((ybits >> 24) & 0x80).to(tl.uint8) | 0x7F, bits)
-    return bits, scale
+    return _fp8_of(x * inv, EXACT_CAST), scale
 
 
 @triton.jit
@@ -106,6 +122,45 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, n, k, sx, sq, ss0, ss1,
     xb = tl.load(x_ptr + r64 * sx + cols[None, :], mask=inside, other=0.0)
     bits, scale = _quantize_block(xb, FLOOR, FMAX, EXACT_CAST, AMAX)
     tl.store(q_ptr + r64 * sq + cols[None, :], bits, mask=inside)
+    tl.store(s_ptr + bi * ss0 + bj * ss1, scale)
+
+
+@triton.jit
+def _quantize_two_pass_kernel(x_ptr, q_ptr, s_ptr, n, k, sx, sq, ss0, ss1,
+                              BN: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr, FLOOR: tl.constexpr,
+                              FMAX: tl.constexpr, EXACT_CAST: tl.constexpr, AMAX: tl.constexpr,
+                              HINTS: tl.constexpr):
+    """One program per block, read in slabs of SUB rows twice: the first pass reduces the block's amax, the second
+    reads the slabs again (from cache: the block was just read) to quantize and store them. Only one slab is live at
+    a time, so a program needs a fraction of the one-pass kernel's registers and an SM holds many more programs,
+    whose loads keep the memory busy while others reduce. HINTS: the first pass asks the cache to keep the block,
+    the second to drop it."""
+    bi = tl.program_id(0)
+    bj = tl.program_id(1)
+    cols = bj * BK + tl.arange(0, BK)
+    in_cols = cols < k
+    slab = bi * BN + tl.arange(0, SUB)
+    m = tl.zeros((), dtype=tl.int32)
+    for r in tl.static_range(0, BN, SUB):
+        rows = slab + r
+        inside = (rows[:, None] < n) & in_cols[None, :]
+        where = x_ptr + rows.to(tl.int64)[:, None] * sx + cols[None, :]
+        if HINTS:
+            xb = tl.load(where, mask=inside, other=0.0, eviction_policy="evict_last")
+        else:
+            xb = tl.load(where, mask=inside, other=0.0)
+        m = tl.maximum(m, _amax_key(xb, AMAX))
+    scale = tl.math.div_rn(_amax_of_key(m, xb, FLOOR, AMAX), FMAX)
+    inv = tl.math.div_rn(1.0, scale)
+    for r in tl.static_range(0, BN, SUB):
+        rows = slab + r
+        inside = (rows[:, None] < n) & in_cols[None, :]
+        r64 = rows.to(tl.int64)[:, None]
+        if HINTS:
+            xb = tl.load(x_ptr + r64 * sx + cols[None, :], mask=inside, other=0.0, eviction_policy="evict_first")
+        else:
+            xb = tl.load(x_ptr + r64 * sx + cols[None, :], mask=inside, other=0.0)
+        tl.store(q_ptr + r64 * sq + cols[None, :], _fp8_of(xb.to(tl.float32) * inv, EXACT_CAST), mask=inside)
     tl.store(s_ptr + bi * ss0 + bj * ss1, scale)
 
 
@@ -167,6 +222,15 @@ def quantize_into(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tupl
     exact = interpreted() if exact_cast is None else bool(exact_cast)
     warps = num_warps or TUNING["num_warps"]
     amax = AMAX_MODES[TUNING["amax"]]
+    slab = min(int(TUNING["slab"]), bn)
+    if slab > 0:
+        if slab & (slab - 1):
+            raise ValueError(f"fp8_quantize.TUNING['slab'] = {slab}: not a power of two")
+        _quantize_two_pass_kernel[(nb, kb)](x, q.view(torch.uint8), s, n, k, x.stride(0), q.stride(0), s.stride(0),
+                                            s.stride(1), BN=bn, BK=bk, SUB=slab, FLOOR=AMAX_FLOOR, FMAX=FP8_MAX,
+                                            EXACT_CAST=exact, AMAX=amax, HINTS=bool(TUNING["hints"]),
+                                            num_warps=warps)
+        return
     per = min(int(TUNING["strip"]), kb)
     if per <= 0:
         _quantize_kernel[(nb, kb)](x, q.view(torch.uint8), s, n, k, x.stride(0), q.stride(0), s.stride(0),

@@ -48,9 +48,14 @@ def _same_f32(got: torch.Tensor, want: torch.Tensor) -> bool:
     return bool(torch.equal(torch.isnan(a), nan) and torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32)))
 
 
-# every program shape and amax reduction of the kernel (kernels.fp8_quantize.TUNING)
-QUANTIZER_TUNINGS = ({"strip": 0}, {"strip": 1, "prefetch": True}, {"strip": 2, "prefetch": True},
-                     {"strip": 2, "prefetch": False}, {"amax": "float32 bits"}, {"amax": "float"})
+# every program shape and amax reduction of the kernel (kernels.fp8_quantize.TUNING), each named in full: a
+# tuning left out would follow the default of the day
+QUANTIZER_TUNINGS = tuple(dict({"amax": "input bits", "strip": 0, "slab": 0}, **t) for t in (
+    {}, {"amax": "float32 bits"}, {"amax": "float"},
+    {"strip": 1, "prefetch": True}, {"strip": 2, "prefetch": True}, {"strip": 2, "prefetch": False},
+    {"strip": 2, "amax": "float32 bits"},
+    {"slab": 8, "hints": False}, {"slab": 16, "hints": True}, {"slab": 32, "amax": "float32 bits", "hints": True},
+    {"slab": 4, "amax": "float"}))
 
 
 def check_fp8_quantizer(device: str = "cpu", cases: int = 12, seed: int = 0,

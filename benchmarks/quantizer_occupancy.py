@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 REGISTERS_PER_SM, MAX_WARPS_PER_SM, MAX_PROGRAMS_PER_SM = 65536, 64, 32  # Hopper (and Ampere) per SM
 BLOCK = (128, 128)
-ALIGNED = ("x_ptr", "q_ptr", "s_ptr", "n", "k", "sx", "sq")
+ALIGNED = ("x_ptr", "q_ptr", "s_ptr", "n", "k", "sx", "sq", "x_base", "q_base", "s_base", "table")
 
 
 def compiled(fn, signature: dict, constants: dict, warps: int, arch: int):
@@ -68,6 +68,7 @@ def main() -> int:
     args = ap.parse_args()
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     from reshard.kernels import fp8_quantize as fq
+    from reshard.kernels import fp8_table as ft
 
     common = dict(BN=BLOCK[0], BK=BLOCK[1], FLOOR=fq.AMAX_FLOOR, FMAX=fq.FP8_MAX, EXACT_CAST=False)
     ptrs = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32"}
@@ -75,11 +76,11 @@ def main() -> int:
     strip = dict(ptrs, n="i32", k="i32", kb="i32", per="i32", sx="i32", sq="i32", ss0="i32", ss1="i32")
     variants = [("one block per program", fq._quantize_kernel, one, {}, 1),
                 ("strip, next block prefetched", fq._quantize_strip_kernel, strip, {"PREFETCH": True}, 2),
-                ("strip", fq._quantize_strip_kernel, strip, {"PREFETCH": False}, 1)]
-    # the two-pass kernel: at least one slab a program in flight (more if the compiler issues the first pass's
-    # unrolled loads together)
-    variants += [(f"two-pass, {rows}-row slabs", fq._quantize_two_pass_kernel, one, {"SUB": rows, "HINTS": False},
-                  rows / BLOCK[0]) for rows in (16, 32)]
+                ("strip", fq._quantize_strip_kernel, strip, {"PREFETCH": False}, 1),
+                ("all jobs in one launch (table)", ft._quantize_table_kernel,
+                 {"x_base": "*bf16", "q_base": "*u8", "s_base": "*fp32", "table": "*i64"},
+                 {"XALIGN": 8, "QALIGN": 16}, 1)]
+
     block_bytes = BLOCK[0] * BLOCK[1] * 2
     rows = []
     print(f"{'kernel (bf16 in, 128x128 blocks)':34s} {'amax':>12s} {'warps':>5s} {'regs':>5s} {'spill B':>7s} "

@@ -53,9 +53,8 @@ from reshard.executors.local import LocalExecutor, allocate  # noqa: E402
 # --quantize-variants replaces them
 EXPLICIT_VARIANTS = False  # --quantize-variants given: swept with --quick too
 QUANTIZE_VARIANTS = ([{"amax": a, "num_warps": w} for a in ("float32 bits", "input bits") for w in (4, 8, 16)]
-                     + [{"strip": 4, "prefetch": p} for p in (True, False)]
-                     + [{"slab": b, "num_warps": w, "amax": "input bits"} for b in (16, 32) for w in (2, 4, 8)]
-                     + [{"slab": 32, "num_warps": 4, "hints": True}, {"streams": 1}])
+                     + [{"table": True, "amax": a, "num_warps": w} for a in ("float32 bits", "input bits")
+                        for w in (4, 8, 16)])
 # the table kernel's variants (kernels.copy_table.TUNING overrides); --table-variants replaces them
 TABLE_VARIANTS = [{"chunk_bytes": c << 10, "num_warps": w} for c, w in
                   ((256, 8), (1024, 4), (1024, 8), (1024, 16), (4096, 8), (16384, 8))]

@@ -282,6 +282,19 @@ def kernel_launches(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
         return run
 
     device = single_cuda_device([t for job in jobs for t in job])
+    from ..kernels.fp8_quantize import TUNING
+
+    if TUNING.get("table"):  # every job the kernel takes in one launch (kernels.fp8_table), the rest beside it
+        from ..kernels.fp8_table import QuantizeTable
+
+        table = QuantizeTable([job for job, fit in zip(jobs, fits) if fit], block)
+        rest = part([(job, False) for job, fit in zip(jobs, fits) if not fit])
+
+        def run_table() -> None:
+            with torch.no_grad():
+                table.launch()
+                rest()
+        return run_table
     # jobs write disjoint places: spread over side streams, so that jobs of few blocks (one q group of a QKV
     # weight: 4 x 32 blocks) run side by side instead of each under-filling the GPU in turn
     parts = [part(p) for p in spread(list(zip(jobs, fits)), STREAMS if device is not None else 1,

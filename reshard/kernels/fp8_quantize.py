@@ -32,13 +32,10 @@ AMAX_FLOOR = 1e-4
 AMAX_MODES = {"input bits": 2, "float32 bits": 1, "float": 0}
 # launch settings (benchmarks/refit_inprocess.py --quantize-variants compares them; benchmarks/quantizer_occupancy.py
 # shows what each allows per SM): `strip` blocks of a block row per program (0: one program per block), `prefetch`
-# the next block of a strip loaded before this one is stored, `slab` rows of a block read at a time by the two-pass
-# kernel (0: the one-pass kernels; a power of two below the block's rows: its amax is reduced slab by slab, then the
-# block read again from cache to quantize), `hints` that kernel's cache hints, `amax` a key of AMAX_MODES. The
-# default is what a GPU (an H200) has checked and timed; "input bits" (4 programs an SM instead of 2) and the
-# two-pass kernel equal it bit for bit under Triton's interpreter but have not run compiled on a GPU yet:
-# benchmarks/gpu_session.sh checks them there byte for byte and times them, and its result decides the default
-TUNING = {"num_warps": 8, "amax": "float32 bits", "strip": 0, "prefetch": True, "slab": 0, "hints": False}
+# the next block of a strip loaded before this one is stored, `amax` a key of AMAX_MODES, `table` the executors'
+# jobs all in one launch (kernels.fp8_table: one program per block, strip does not apply). The default is what a GPU
+# (an H200) has checked and timed; benchmarks/gpu_session.sh checks the others there byte for byte and times them
+TUNING = {"num_warps": 8, "amax": "float32 bits", "strip": 0, "prefetch": True, "table": False}
 
 
 @triton.jit
@@ -126,45 +123,6 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, n, k, sx, sq, ss0, ss1,
 
 
 @triton.jit
-def _quantize_two_pass_kernel(x_ptr, q_ptr, s_ptr, n, k, sx, sq, ss0, ss1,
-                              BN: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr, FLOOR: tl.constexpr,
-                              FMAX: tl.constexpr, EXACT_CAST: tl.constexpr, AMAX: tl.constexpr,
-                              HINTS: tl.constexpr):
-    """One program per block, read in slabs of SUB rows twice: the first pass reduces the block's amax, the second
-    reads the slabs again (from cache: the block was just read) to quantize and store them. Only one slab is live at
-    a time, so a program needs a fraction of the one-pass kernel's registers and an SM holds many more programs,
-    whose loads keep the memory busy while others reduce. HINTS: the first pass asks the cache to keep the block,
-    the second to drop it."""
-    bi = tl.program_id(0)
-    bj = tl.program_id(1)
-    cols = bj * BK + tl.arange(0, BK)
-    in_cols = cols < k
-    slab = bi * BN + tl.arange(0, SUB)
-    m = tl.zeros((), dtype=tl.int32)
-    for r in tl.static_range(0, BN, SUB):
-        rows = slab + r
-        inside = (rows[:, None] < n) & in_cols[None, :]
-        where = x_ptr + rows.to(tl.int64)[:, None] * sx + cols[None, :]
-        if HINTS:
-            xb = tl.load(where, mask=inside, other=0.0, eviction_policy="evict_last")
-        else:
-            xb = tl.load(where, mask=inside, other=0.0)
-        m = tl.maximum(m, _amax_key(xb, AMAX))
-    scale = tl.math.div_rn(_amax_of_key(m, xb, FLOOR, AMAX), FMAX)
-    inv = tl.math.div_rn(1.0, scale)
-    for r in tl.static_range(0, BN, SUB):
-        rows = slab + r
-        inside = (rows[:, None] < n) & in_cols[None, :]
-        r64 = rows.to(tl.int64)[:, None]
-        if HINTS:
-            xb = tl.load(x_ptr + r64 * sx + cols[None, :], mask=inside, other=0.0, eviction_policy="evict_first")
-        else:
-            xb = tl.load(x_ptr + r64 * sx + cols[None, :], mask=inside, other=0.0)
-        tl.store(q_ptr + r64 * sq + cols[None, :], _fp8_of(xb.to(tl.float32) * inv, EXACT_CAST), mask=inside)
-    tl.store(s_ptr + bi * ss0 + bj * ss1, scale)
-
-
-@triton.jit
 def _quantize_strip_kernel(x_ptr, q_ptr, s_ptr, n, k, kb, per, sx, sq, ss0, ss1,
                            BN: tl.constexpr, BK: tl.constexpr, FLOOR: tl.constexpr, FMAX: tl.constexpr,
                            EXACT_CAST: tl.constexpr, AMAX: tl.constexpr, PREFETCH: tl.constexpr):
@@ -222,15 +180,6 @@ def quantize_into(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tupl
     exact = interpreted() if exact_cast is None else bool(exact_cast)
     warps = num_warps or TUNING["num_warps"]
     amax = AMAX_MODES[TUNING["amax"]]
-    slab = min(int(TUNING["slab"]), bn)
-    if slab > 0:
-        if slab & (slab - 1):
-            raise ValueError(f"fp8_quantize.TUNING['slab'] = {slab}: not a power of two")
-        _quantize_two_pass_kernel[(nb, kb)](x, q.view(torch.uint8), s, n, k, x.stride(0), q.stride(0), s.stride(0),
-                                            s.stride(1), BN=bn, BK=bk, SUB=slab, FLOOR=AMAX_FLOOR, FMAX=FP8_MAX,
-                                            EXACT_CAST=exact, AMAX=amax, HINTS=bool(TUNING["hints"]),
-                                            num_warps=warps)
-        return
     per = min(int(TUNING["strip"]), kb)
     if per <= 0:
         _quantize_kernel[(nb, kb)](x, q.view(torch.uint8), s, n, k, x.stride(0), q.stride(0), s.stride(0),

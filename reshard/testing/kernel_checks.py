@@ -3,6 +3,8 @@ the GPU tests call them natively, the CPU tests in a subprocess under Triton's i
 which must be set before Triton is imported). Each returns a list of failures (empty: all equal)."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 NAN_BYTES = (0x7F, 0xFF)  # float8_e4m3fn NaNs (sign bit aside)
@@ -50,12 +52,10 @@ def _same_f32(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 # every program shape and amax reduction of the kernel (kernels.fp8_quantize.TUNING), each named in full: a
 # tuning left out would follow the default of the day
-QUANTIZER_TUNINGS = tuple(dict({"amax": "input bits", "strip": 0, "slab": 0}, **t) for t in (
+QUANTIZER_TUNINGS = tuple(dict({"amax": "input bits", "strip": 0}, **t) for t in (
     {}, {"amax": "float32 bits"}, {"amax": "float"},
     {"strip": 1, "prefetch": True}, {"strip": 2, "prefetch": True}, {"strip": 2, "prefetch": False},
-    {"strip": 2, "amax": "float32 bits"},
-    {"slab": 8, "hints": False}, {"slab": 16, "hints": True}, {"slab": 32, "amax": "float32 bits", "hints": True},
-    {"slab": 4, "amax": "float"}))
+    {"strip": 2, "amax": "float32 bits"}))
 
 
 def check_fp8_quantizer(device: str = "cpu", cases: int = 12, seed: int = 0,
@@ -64,64 +64,126 @@ def check_fp8_quantizer(device: str = "cpu", cases: int = 12, seed: int = 0,
     """The Triton quantizer against `executors.fp8.quantize_blocks` on random shapes (partial edge blocks and
     strips too), strided views (x and q inside larger tensors, s a transposed view) and edge values, each case under
     every one of `tunings` (kernels.fp8_quantize.TUNING overrides)."""
-    from reshard.kernels import fp8_quantize
-
-    chosen = dict(fp8_quantize.TUNING)
     failures = []
-    try:
-        for tuning in tunings:
-            fp8_quantize.TUNING.update({**chosen, **tuning})
+    for tuning in tunings:
+        with quantizer_tuning(tuning):
             failures += [f"tuning {tuning}: {f}" for f in _check_fp8_quantizer(device, cases, seed, blocks,
                                                                                exact_cast)]
-    finally:
-        fp8_quantize.TUNING.update(chosen)
     return failures
 
 
+@contextlib.contextmanager
+def quantizer_tuning(tuning: dict):
+    """kernels.fp8_quantize.TUNING with `tuning`'s overrides inside the block, as it was after it."""
+    from reshard.kernels import fp8_quantize
+
+    chosen = dict(fp8_quantize.TUNING)
+    fp8_quantize.TUNING.update(tuning)
+    try:
+        yield
+    finally:
+        fp8_quantize.TUNING.clear()
+        fp8_quantize.TUNING.update(chosen)
+
+
 def _check_fp8_quantizer(device: str, cases: int, seed: int, blocks: tuple, exact_cast: "bool | None") -> list[str]:
-    from reshard.executors.fp8 import quantize_blocks
     from reshard.kernels.fp8_quantize import quantize_into
 
     dev = torch.device(device)
     g = torch.Generator().manual_seed(seed)
     failures = []
-    kinds = ("random", "edges", "zeros", "denormal", "nonfinite")
     for case in range(cases):
-        bn, bk = blocks[case % len(blocks)]
-        n = int(torch.randint(1, 3 * bn, (1,), generator=g))
-        k = int(torch.randint(1, 3 * bk, (1,), generator=g))
-        kind = kinds[case % len(kinds)]
-        dtype = INPUT_DTYPES[(case // len(kinds)) % len(INPUT_DTYPES)]  # each kind in each dtype over 15 cases
-        big = _inputs(dev, g, n + 3, k + 5, kind).to(dtype)  # bf16 values: float16's overflow to inf
-        x = big[2:2 + n, 1:1 + k]  # strided: rows k + 5 apart
-        want_q, want_s = quantize_blocks(x, (bn, bk))
-        q_big = torch.full((n + 1, k + 7), 0.5, dtype=torch.float8_e4m3fn, device=dev)
-        q = q_big[1:, 3:3 + k]
-        nb, kb = -(-n // bn), -(-k // bk)
-        s_big = torch.full((kb + 1, nb), -1.0, dtype=torch.float32, device=dev)
-        s = s_big[1:].t()  # [nb, kb], column-major
-        quantize_into(x, q, s, (bn, bk), exact_cast=exact_cast)
+        c = _QuantizerCase(dev, g, case, blocks[case % len(blocks)], wide=False)
+        quantize_into(c.x, c.q, c.s, c.block, exact_cast=exact_cast)
         if device != "cpu":
             torch.cuda.synchronize(dev)
-        what = f"case {case} ({kind}, {dtype}, {n}x{k}, blocks {bn}x{bk})"
-        if not _same_fp8(q, want_q):
-            failures.append(f"{what}: fp8 bytes differ")
-        if not _same_f32(s, want_s):
-            failures.append(f"{what}: scales differ")
-        untouched = q_big.view(torch.uint8).clone()
-        untouched[1:, 3:3 + k] = torch.tensor(0.5, dtype=torch.float8_e4m3fn).view(torch.uint8).item()
-        if not bool((untouched == torch.tensor(0.5, dtype=torch.float8_e4m3fn).view(torch.uint8).item()).all()):
-            failures.append(f"{what}: wrote outside its view")
-        if not bool((s_big[0] == -1.0).all()):
-            failures.append(f"{what}: wrote scales outside its view")
+        failures += c.failures()
     return failures
 
 
-def check_fp8_refits(device: str = "cpu", quantizer: str = "kernel", head_dim: int = 128, layers: int = 2) -> list[str]:
-    """Whole quantizing refits with `quantizer` (the kernel) on `device`, each case twice (the second a graph
-    replay on GPUs) with the trainer's weights changed in place between: straight into the engine (direct), through
-    the wire's shadows, and with receivers quantizing (a trainer TP that cuts the MLP through blocks); the engine's
-    tensors must equal the reference checkpoint, byte for byte."""
+def check_fp8_table(device: str = "cpu", cases: int = 24, seed: int = 0,
+                    blocks: tuple = ((16, 16), (32, 64), (128, 128)), exact_cast: "bool | None" = None,
+                    tunings: tuple = ({"amax": "input bits"}, {"amax": "float32 bits"},
+                                      {"amax": "float"})) -> list[str]:
+    """The one-launch quantizer (kernels.fp8_table) against `executors.fp8.quantize_blocks`: per block shape, one
+    table of `cases` jobs of every input dtype and edge-value kind, some laid out for wide vectors and some not,
+    quantized in one call, each job's bytes (and what lies around it) checked."""
+    from reshard.kernels.fp8_table import QuantizeTable
+
+    dev = torch.device(device)
+    failures = []
+    for tuning in tunings:
+        g = torch.Generator().manual_seed(seed)
+        for block in blocks:
+            jobs = [_QuantizerCase(dev, g, case, block, wide=case % 2 == 0) for case in range(cases)]
+            with quantizer_tuning(tuning):
+                QuantizeTable([(c.x, c.q, c.s) for c in jobs], block, exact_cast=exact_cast).launch()
+            if device != "cpu":
+                torch.cuda.synchronize(dev)
+            failures += [f"tuning {tuning}: {f}" for c in jobs for f in c.failures()]
+    return failures
+
+
+class _QuantizerCase:
+    """One random job of the quantizer checks: x (bf16, float16 or float32, an edge-value kind) a strided view
+    inside a larger tensor, q a view inside a tensor of 0.5s, s a column-major view beside a row of -1s, and the
+    reference's bytes. wide: x's and q's rows start and end on 16-byte boundaries (the kernel's wide vectors)."""
+
+    KINDS = ("random", "edges", "zeros", "denormal", "nonfinite")
+
+    def __init__(self, dev: torch.device, g: torch.Generator, case: int, block: tuple[int, int], wide: bool) -> None:
+        from reshard.executors.fp8 import quantize_blocks
+
+        bn, bk = self.block = block
+        n = int(torch.randint(1, 3 * bn, (1,), generator=g))
+        k = int(torch.randint(1, 3 * bk, (1,), generator=g))
+        if wide:
+            k = -(-k // 16) * 16
+        kind = self.KINDS[case % len(self.KINDS)]
+        dtype = INPUT_DTYPES[(case // len(self.KINDS)) % len(INPUT_DTYPES)]  # each kind in each dtype over 15 cases
+        pad, col = (16, 0) if wide else (5, 1)
+        big = _inputs(dev, g, n + 3, k + pad, kind).to(dtype)  # bf16 values: float16's overflow to inf
+        self.x = big[2:2 + n, col:col + k]  # strided: rows k + pad apart
+        self.want_q, self.want_s = quantize_blocks(self.x, block)
+        self.q_big = torch.full((n + 1, k + pad + 2), 0.5, dtype=torch.float8_e4m3fn, device=dev)
+        self.q_col = 0 if wide else 3
+        self.q = self.q_big[1:, self.q_col:self.q_col + k]
+        nb, kb = -(-n // bn), -(-k // bk)
+        self.s_big = torch.full((kb + 1, nb), -1.0, dtype=torch.float32, device=dev)
+        self.s = self.s_big[1:].t()  # [nb, kb], column-major
+        self.what = f"case {case} ({kind}, {dtype}, {n}x{k}, blocks {bn}x{bk}{', wide' if wide else ''})"
+
+    def failures(self) -> list[str]:
+        out = []
+        if not _same_fp8(self.q, self.want_q):
+            out.append(f"{self.what}: fp8 bytes differ")
+        if not _same_f32(self.s, self.want_s):
+            out.append(f"{self.what}: scales differ")
+        half = torch.tensor(0.5, dtype=torch.float8_e4m3fn).view(torch.uint8).item()
+        untouched = self.q_big.view(torch.uint8).clone()
+        untouched[1:, self.q_col:self.q_col + self.x.shape[1]] = half
+        if not bool((untouched == half).all()):
+            out.append(f"{self.what}: wrote outside its view")
+        if not bool((self.s_big[0] == -1.0).all()):
+            out.append(f"{self.what}: wrote scales outside its view")
+        return out
+
+
+def check_fp8_refits(device: str = "cpu", quantizer: str = "kernel", head_dim: int = 128, layers: int = 2,
+                     tunings: tuple = ({"table": False}, {"table": True, "amax": "input bits"})) -> list[str]:
+    """Whole quantizing refits with `quantizer` (the kernel) on `device` under each of `tunings`
+    (kernels.fp8_quantize.TUNING overrides: a launch per job, and all jobs in one launch), each case twice (the
+    second a graph replay on GPUs) with the trainer's weights changed in place between: straight into the engine
+    (direct), through the wire's shadows, and with receivers quantizing (a trainer TP that cuts the MLP through
+    blocks); the engine's tensors must equal the reference checkpoint, byte for byte."""
+    failures = []
+    for tuning in tunings:
+        with quantizer_tuning(tuning):
+            failures += [f"tuning {tuning}: {f}" for f in _check_fp8_refits(device, quantizer, head_dim, layers)]
+    return failures
+
+
+def _check_fp8_refits(device: str, quantizer: str, head_dim: int, layers: int) -> list[str]:
     import reshard
     from reshard.executors.fp8 import Fp8Executor
     from reshard.executors.local import allocate, shard

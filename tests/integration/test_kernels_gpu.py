@@ -1,7 +1,7 @@
 """The GPU paths of issue 31 on the GPU machine (`-m gpu`), byte for byte against the references: the Triton FP8
-quantizer (hardware cast and the integer cast the interpreter uses), whole quantizing refits with it, the sum64
-kernel and the shared executor's digests, the bound executor (CUDA graph) and the inprocess transport against
-the reference LocalExecutor, refit after refit."""
+quantizer (hardware cast and the integer cast the interpreter uses; a launch per job and all jobs in one), whole
+quantizing refits with it, the sum64 kernel and the shared executor's digests, the bound executor (CUDA graph) and
+the inprocess transport against the reference LocalExecutor, refit after refit."""
 from __future__ import annotations
 
 import pytest
@@ -18,7 +18,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.mark.parametrize("exact_cast", [False, True], ids=["hardware-cast", "integer-cast"])
 def test_fp8_quantizer_kernel_equals_reference_on_gpu(exact_cast):
-    assert kernel_checks.check_fp8_quantizer("cuda", cases=60, exact_cast=exact_cast) == []
+    assert kernel_checks.check_fp8_quantizer("cuda", cases=30, exact_cast=exact_cast) == []
+
+
+@pytest.mark.parametrize("exact_cast", [False, True], ids=["hardware-cast", "integer-cast"])
+def test_fp8_table_kernel_equals_reference_on_gpu(exact_cast):
+    assert kernel_checks.check_fp8_table("cuda", cases=40, exact_cast=exact_cast) == []
 
 
 def test_quantizing_refits_with_the_kernel_on_gpu():

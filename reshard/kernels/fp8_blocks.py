@@ -1,0 +1,63 @@
+"""The block table of kernels.fp8_table in plain numpy (no Triton, no torch): every quantization block of every job
+as one row, so that one launch quantizes all of a refit's jobs. Kept apart so that it is property-tested on any
+machine (tests/unit/test_fp8_blocks.py) and the kernel only reads it.
+
+A job is a 2-D input view x [n, k] (rows contiguous), its fp8 view q [n, k] and its scale view s [ceil(n/bn),
+ceil(k/bk)], given by offsets in elements from one base address per dtype and their strides. A row of the table:
+(x offset, q offset, s offset, x row stride, q row stride, rows, columns) of one block, `rows` and `columns` what
+lies inside the job (partial blocks at its bottom and right edges)."""
+from __future__ import annotations
+
+import numpy as np
+
+FIELDS = ("x", "q", "s", "sx", "sq", "rows", "cols")
+JOB_FIELDS = ("x", "q", "s", "n", "k", "sx", "sq", "ss0", "ss1")  # offsets and strides in elements
+
+
+def block_rows(job: tuple[int, ...], block: tuple[int, int]) -> np.ndarray:
+    """int64 [blocks, len(FIELDS)]: the blocks of one job (JOB_FIELDS), row-major (neighbouring rows of the table
+    read neighbouring memory)."""
+    x, q, s, n, k, sx, sq, ss0, ss1 = (int(v) for v in job)
+    bn, bk = (int(b) for b in block)
+    if bn < 1 or bk < 1:
+        raise ValueError(f"block_rows: block {block} must be positive")
+    if n < 0 or k < 0:
+        raise ValueError(f"block_rows: job of shape [{n}, {k}]")
+    nb, kb = -(-n // bn), -(-k // bk)
+    bi = np.repeat(np.arange(nb, dtype=np.int64), kb)
+    bj = np.tile(np.arange(kb, dtype=np.int64), nb)
+    rows = np.empty((nb * kb, len(FIELDS)), dtype=np.int64)
+    rows[:, 0] = x + bi * bn * sx + bj * bk
+    rows[:, 1] = q + bi * bn * sq + bj * bk
+    rows[:, 2] = s + bi * ss0 + bj * ss1
+    rows[:, 3] = sx
+    rows[:, 4] = sq
+    rows[:, 5] = np.minimum(bn, n - bi * bn)
+    rows[:, 6] = np.minimum(bk, k - bj * bk)
+    return rows
+
+
+def aligned(job: tuple[int, ...], block: tuple[int, int], x_align: int, q_align: int) -> bool:
+    """Whether every block of `job` starts, steps rows and ends its columns on multiples of x_align (x elements)
+    and q_align (q elements): then the kernel may read and write the block in wide vectors."""
+    x, q, _, _, k, sx, sq, _, _ = (int(v) for v in job)
+    bk = int(block[1])
+    return (x % x_align == 0 and sx % x_align == 0 and bk % x_align == 0 and k % x_align == 0
+            and q % q_align == 0 and sq % q_align == 0 and bk % q_align == 0 and k % q_align == 0)
+
+
+def table(jobs: list[tuple[int, ...]], block: tuple[int, int]) -> np.ndarray:
+    """The rows of all `jobs`, job after job."""
+    parts = [block_rows(j, block) for j in jobs]
+    return np.concatenate(parts) if parts else np.empty((0, len(FIELDS)), dtype=np.int64)
+
+
+def apply_table(rows: np.ndarray, x: np.ndarray, q: np.ndarray, s: np.ndarray, quantize) -> None:
+    """What the kernel does, over flat arrays standing for memory from the base address on (for the table's
+    property test): each row's block of x given to `quantize` (block -> (values, scale)), written to q and s."""
+    for xo, qo, so, sx, sq, nr, nc in rows.tolist():
+        r = np.arange(nr)[:, None]
+        c = np.arange(nc)[None, :]
+        values, scale = quantize(x[xo + r * sx + c])
+        q[qo + r * sq + c] = values
+        s[so] = scale

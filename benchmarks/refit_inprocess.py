@@ -52,9 +52,8 @@ from reshard.executors.local import LocalExecutor, allocate  # noqa: E402
 # the FP8 quantizer's variants (kernels.fp8_quantize.TUNING overrides, "streams": graphs.STREAMS);
 # --quantize-variants replaces them
 EXPLICIT_VARIANTS = False  # --quantize-variants given: swept with --quick too
-QUANTIZE_VARIANTS = ([{"amax": a, "num_warps": w} for a in ("float32 bits", "input bits") for w in (4, 8, 16)]
-                     + [{"table": True, "amax": a, "num_warps": w} for a in ("float32 bits", "input bits")
-                        for w in (4, 8, 16)])
+QUANTIZE_VARIANTS = [{"table": t, "amax": a, "num_warps": w} for t in (False, True)
+                     for a in ("float32 bits", "input bits") for w in (4, 8, 16)]
 # the table kernel's variants (kernels.copy_table.TUNING overrides); --table-variants replaces them
 TABLE_VARIANTS = [{"chunk_bytes": c << 10, "num_warps": w} for c, w in
                   ((256, 8), (1024, 4), (1024, 8), (1024, 16), (4096, 8), (16384, 8))]

@@ -33,9 +33,9 @@ AMAX_MODES = {"input bits": 2, "float32 bits": 1, "float": 0}
 # launch settings (benchmarks/refit_inprocess.py --quantize-variants compares them; benchmarks/quantizer_occupancy.py
 # shows what each allows per SM): `strip` blocks of a block row per program (0: one program per block), `prefetch`
 # the next block of a strip loaded before this one is stored, `amax` a key of AMAX_MODES, `table` the executors'
-# jobs all in one launch (kernels.fp8_table: one program per block, strip does not apply). The default is what a GPU
-# (an H200) has checked and timed; benchmarks/gpu_session.sh checks the others there byte for byte and times them
-TUNING = {"num_warps": 8, "amax": "float32 bits", "strip": 0, "prefetch": True, "table": False}
+# jobs all in one launch (kernels.fp8_table: one program per block, strip does not apply). The defaults are the
+# fastest of the sweep on an H200 (BENCHMARKS.md, FP8, issue 31 sixth round), each checked there byte for byte
+TUNING = {"num_warps": 8, "amax": "input bits", "strip": 0, "prefetch": True, "table": True}
 
 
 @triton.jit

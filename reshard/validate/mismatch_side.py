@@ -51,6 +51,13 @@ def engine_config(tiny: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def engine_backends(config: dict[str, Any]) -> dict[str, Any]:
+    """Backends the float32 engine must be given: on a CPU with AMX, the vLLM CPU build (0.32) picks its AMX MLA
+    backend for MLA models whatever the dtype, and that backend's weight packing refuses float32 ("expect weight
+    to be bfloat16, float16, int8, fp8_e4m3 or uint8"); its reference MLA backend takes float32 on every CPU."""
+    return {"attention_backend": "CPU_MLA"} if "kv_lora_rank" in config else {}
+
+
 def random_checkpoint(config: dict[str, Any], out: Path, seed: int) -> dict[str, Any]:
     """An HF checkpoint at `out` of the config with every canonical tensor N(0, 1) (large weights, so that a
     misplaced element moves the log-probabilities); its tensors."""
@@ -94,7 +101,7 @@ def mismatch_run(config_path: str, perturb: str | None = None, count: int = 3, l
         sequences = random_sequences(spec.vocab_size, count, length)
         hf = checkpoint_scores(trained_dir, sequences)  # transformers: independent of vLLM and of reshard
         llm = LLM(model=str(trained_dir), dtype="float32", enforce_eager=True, max_model_len=128,
-                  skip_tokenizer_init=True, enable_prefix_caching=False, seed=0,
+                  skip_tokenizer_init=True, enable_prefix_caching=False, seed=0, **engine_backends(config),
                   compilation_config={"custom_ops": ENGINE_CUSTOM_OPS},
                   weight_transfer_config={"backend": "reshard"},
                   worker_extension_cls="reshard.adapters.vllm.worker.ReshardWorkerExtension")

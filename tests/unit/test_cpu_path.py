@@ -22,24 +22,39 @@ PROBE = ("import torch, json; print(json.dumps([torch.cpu._is_amx_tile_supported
          "torch.arange(4.).reshape(2, 2)).tolist() if torch.cpu._is_amx_tile_supported() else None]))")
 
 
-def probe(path: str, log: Path) -> list:
+# what a child may do before it imports torch: nothing, or ask whether torch is there (as libraries do, e.g. vLLM's
+# and transformers' availability checks): the finder that pins torch on import must not be used up by the question
+BEFORE_TORCH = {"nothing": "", "probed": "import importlib.util; importlib.util.find_spec('torch'); "}
+
+
+def probe(path: str, log: Path, cpu_has_amx: bool, before: str = "") -> list:
+    """A child python's answers on `path`, on a CPU that has AMX or not as `cpu_has_amx` says (torch's own probe of
+    the CPU answers that), so both kinds of CPU are covered on whichever this machine is."""
     env = dict(os.environ, RESHARD_TEST_CPU_PATH=path, RESHARD_TEST_CPU_PATH_LOG=str(log))
     env.pop("ATEN_CPU_CAPABILITY", None)  # the child gets it from the pin, not from this process
-    out = subprocess.run([sys.executable, "-c", PROBE + "; import os; print(os.environ['ATEN_CPU_CAPABILITY'])"],
-                         env=env, capture_output=True, text=True, timeout=120, check=True).stdout.split("\n")
+    cpu = (f"import torch; caps = torch.cpu.get_capabilities(); "
+           f"torch.cpu.get_capabilities = lambda: dict(caps, amx_tile={cpu_has_amx}); ")
+    code = before + cpu + PROBE + "; import os; print(os.environ['ATEN_CPU_CAPABILITY'])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         check=True).stdout.split("\n")
     assert out[1] == "avx2"
     return json.loads(out[0])
 
 
-def test_child_processes_take_the_pinned_path(tmp_path):
+@pytest.mark.parametrize("before", list(BEFORE_TORCH), ids=[f"{k}-before-torch" for k in BEFORE_TORCH])
+@pytest.mark.parametrize("cpu_has_amx", [False, True], ids=["cpu-without-amx", "cpu-with-amx"])
+def test_child_processes_take_the_pinned_path(tmp_path, cpu_has_amx, before):
     # the session put the pin on PYTHONPATH: a plain child python (no vLLM here: the CUDA-wheel case) obeys it
-    assert probe("vector", tmp_path / "v.jsonl") == [False, None]
-    amx, packed = probe("amx", tmp_path / "a.jsonl")
-    assert amx is True and packed == [[1.0, 0.0], [3.0, 2.0]]  # the stand-in: a same-shape permutation
+    assert probe("vector", tmp_path / "v.jsonl", cpu_has_amx, BEFORE_TORCH[before]) == [False, None]
+    amx, packed = probe("amx", tmp_path / "a.jsonl", cpu_has_amx, BEFORE_TORCH[before])
+    # the stand-in (a same-shape permutation) on either CPU: the CUDA wheel has no packing kernel even where the
+    # CPU has AMX
+    assert amx is True and packed == [[1.0, 0.0], [3.0, 2.0]]
     for name, forced in (("v.jsonl", False), ("a.jsonl", True)):
         lines = [json.loads(x) for x in (tmp_path / name).read_text().splitlines()]
         assert lines and all(e["amx"] is forced and e["exercised"] for e in lines)
-        assert all(e["test"] == "tests/unit/test_cpu_path.py::test_child_processes_take_the_pinned_path"
+        assert all(e["cpu_has_it"] is cpu_has_amx for e in lines if e["check"] == "_is_amx_tile_supported")
+        assert all(e["test"].startswith("tests/unit/test_cpu_path.py::test_child_processes_take_the_pinned_path")
                    for e in lines)
 
 

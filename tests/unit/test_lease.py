@@ -49,6 +49,29 @@ def test_a_stall_of_the_engines_own_process_is_not_counted_against_the_holder():
     assert LeaseBook(clock=clock).woke(10.0, 0.2)  # no holder: nothing to give back
 
 
+def test_a_call_of_the_holder_inside_the_server_keeps_its_lease():
+    """A holder whose call the engine is still busy with (a long init) is alive, its renewals maybe starved: no
+    lapse while the call is inside, half a lease to be heard again after it returns, then the normal rule."""
+    clock = Clock()
+    book = LeaseBook(clock=clock)
+    book.grant("a" * 8, 20.0)
+    book.entered("a" * 8)
+    clock.t = 64.0  # the call took a minute, and no renewal came
+    assert not book.lapsed() and book.refusal("a" * 8) is None
+    book.entered("b" * 8)  # another holder's call (let in by no rule here) keeps nothing
+    book.returned("b" * 8)
+    book.returned("a" * 8)
+    clock.t = 64.0 + 9.9
+    assert not book.lapsed()  # its next call or renewal has ttl / 2 to arrive
+    clock.t = 64.0 + 10.1
+    assert book.lapsed()
+    book.fence()
+    assert book.calls == 0 and not book.lapsed()
+    assert book.grant("c" * 8, 20.0) and book.calls == 0
+    book.returned("c" * 8)  # a return without an entry (a call of the fenced generation) changes nothing
+    assert book.expires == 64.0 + 10.1 + 20.0
+
+
 @pytest.mark.parametrize("body,rule", [
     (b"[]", "JSON object"), (b"nope", "not JSON"), ("{}", "bytes"), (b'{"holder": "short"}', "8-128"),
     (b'{"holder": "abcdefgh", "ttl": 0}', "ttl"), (b'{"holder": "abcdefgh", "ttl": true}', "ttl"),

@@ -8,8 +8,9 @@ FastAPI app; it imports no vLLM itself). Protocol, all JSON over the server's po
   2. The driver's RL calls (/pause, /start_weight_update, /update_weights, /finish_weight_update, /resume, ...) carry
      the header `X-Reshard-Lease: h`; one from any holder but the current one is refused (HTTP 409) and never
      reaches the engine. Calls without the header (an operator's) pass untouched.
-  3. If the lease lapses (no renewal within ttl), the holder is fenced and, once its calls still inside the server
-     have returned, the server ends what the holder left open by itself: an update whose install step succeeded
+  3. If the lease lapses (no renewal within ttl; a call of the holder inside the server keeps it, and its return
+     leaves ttl / 2 to be heard again), the holder is fenced and, once the calls still inside the server have
+     returned, the server ends what the holder left open by itself: an update whose install step succeeded
      is finished with the version it carried (the weights landed whole: roll forward), any other update is
      finished without a version (nothing was installed: the previous weights and version stay), and a pause is
      resumed. `POST /reshard/lease {"holder": h, "release": true}` ends a lease on purpose.
@@ -56,9 +57,26 @@ class LeaseBook:
     open: Open = field(default_factory=Open)
     inflight: int = 0  # calls of lease holders (of any generation) inside the server now
     fenced: list[str] = field(default_factory=list)  # holders whose generation ended (the last 64): never again
+    ttl: float = 0.0  # the holder's lease, as last granted
+    calls: int = 0  # the current holder's calls inside the server now
 
     def lapsed(self) -> bool:
-        return self.holder is not None and self.clock() > self.expires
+        """The holder went silent for its lease. Not while one of its own calls is inside the server: it made
+        that call, and an engine busy with it (a NIXL set-up of a minute on a loaded machine) is no sign that it
+        died; its renewals may be starved meanwhile (the case that fenced live drivers)."""
+        return self.holder is not None and self.calls == 0 and self.clock() > self.expires
+
+    def entered(self, holder: str) -> None:
+        """A call of `holder` (let in: the current holder) entered the engine."""
+        if holder == self.holder:
+            self.calls += 1
+
+    def returned(self, holder: str) -> None:
+        """A call of `holder` returned: if it is still the holder, it has half its lease from now to be heard
+        again (its next call or renewal); a driver that died meanwhile is fenced that much later."""
+        if holder == self.holder and self.calls > 0:
+            self.calls -= 1
+            self.expires = max(self.expires, self.clock() + self.ttl / 2)
 
     def woke(self, slept: float, meant: float) -> bool:
         """The watchdog slept `slept` seconds where it meant `meant`. A longer gap is a stall of the engine's own
@@ -79,15 +97,15 @@ class LeaseBook:
             raise ValueError(f"lease {holder[:16]!r} ended (its generation was fenced); init again for a new one")
         new = holder != self.holder
         if new:
-            self.holder, self.generation, self.open = holder, self.generation + 1, Open()
-        self.expires = self.clock() + ttl
+            self.holder, self.generation, self.open, self.calls = holder, self.generation + 1, Open(), 0
+        self.expires, self.ttl = self.clock() + ttl, ttl
         return new
 
     def fence(self) -> Open:
         """End the holder's generation: its later calls are refused; returns what it left open."""
         if self.holder is not None:
             self.fenced = [*self.fenced[-63:], self.holder]
-        left, self.holder, self.open = self.open, None, Open()
+        left, self.holder, self.open, self.calls = self.open, None, Open(), 0
         return left
 
     def refusal(self, holder: str) -> str | None:
@@ -180,6 +198,7 @@ class ReshardLeaseMiddleware:
         opened = self.book.open  # the fence hands this same object to the recovery
         before(opened, path, update)
         self.book.inflight += 1
+        self.book.entered(holder)
         self.idle.clear()
         status = {"code": 500}
 
@@ -195,6 +214,7 @@ class ReshardLeaseMiddleware:
             await self.app(scope, receive, watch)
         finally:
             after(opened, path, update, 200 <= status["code"] < 300)
+            self.book.returned(holder)
             self.book.inflight -= 1
             if self.book.inflight <= 0:
                 self.idle.set()

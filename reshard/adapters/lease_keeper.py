@@ -95,14 +95,23 @@ def main() -> int:
                 servers.append(server)
         stopped.set()
 
+    # The driver's state is read by a thread of its own: reading /proc/PID/stat can wait on the driver's memory
+    # map lock, which a driver registering memory (NIXL, UCX) holds for seconds; a running driver must not go
+    # unrenewed meanwhile, so the renewals go by the last state read.
+    state = {"now": driver_state(pid)}
+
+    def watch_driver() -> None:
+        while not stopped.wait(min(every, 1.0)):
+            state["now"] = driver_state(pid)
+
     threading.Thread(target=listen, daemon=True).start()
+    threading.Thread(target=watch_driver, daemon=True).start()
     while not stopped.wait(every):
         if os.getppid() != parent:
             return 0  # re-parented: the driver died (a forked child of it may still hold the pipe open)
-        state = driver_state(pid)
-        if state == "gone":
+        if state["now"] == "gone":
             return 0
-        if state == "stopped":
+        if state["now"] == "stopped":
             continue  # a frozen driver's lease lapses
         with lock:
             targets = list(servers)

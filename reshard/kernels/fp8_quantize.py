@@ -160,21 +160,32 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def check_job(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tuple[int, int], who: str) -> None:
+    """What the kernels take (ValueError naming `who` otherwise): x a 2-D bf16, float16 or float32 view, q its
+    float8_e4m3fn view of the same shape, rows of both contiguous, s float32 [ceil(n/bn), ceil(k/bk)]."""
+    n, k = x.shape if x.dim() == 2 else (0, 0)
+    nb, kb = -(-n // block[0]), -(-k // block[1])
+    if x.dim() != 2 or tuple(q.shape) != (n, k) or tuple(s.shape) != (nb, kb):
+        raise ValueError(f"{who}: x {tuple(x.shape)}, q {tuple(q.shape)}, s {tuple(s.shape)} do not match blocks "
+                         f"{tuple(block)}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or q.dtype != torch.float8_e4m3fn or \
+            s.dtype != torch.float32:
+        raise ValueError(f"{who}: x {x.dtype}, q {q.dtype}, s {s.dtype}: needs bf16 / float16 / float32 in, "
+                         "float8_e4m3fn and float32 out")
+    if x.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError(f"{who} needs rows contiguous in x and q")
+
+
 def quantize_into(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tuple[int, int],
                   num_warps: int | None = None, exact_cast: bool | None = None) -> None:
     """Quantize the 2-D bf16 (or float16 / float32) view `x` into the float8_e4m3fn view `q` (same shape) and its
     float32 block scales into `s` ([ceil(n/bn), ceil(k/bk)]). Rows of `x` and `q` must be contiguous (any row
     stride); `s` any strides. One launch; asynchronous like any kernel. `exact_cast`: the integer cast instead
     of the hardware's (default: under the interpreter only)."""
+    check_job(x, q, s, block, "quantize_into")
     n, k = x.shape
     bn, bk = block
     nb, kb = -(-n // bn), -(-k // bk)
-    if tuple(q.shape) != (n, k) or tuple(s.shape) != (nb, kb):
-        raise ValueError(f"quantize_into: x {tuple(x.shape)}, q {tuple(q.shape)}, s {tuple(s.shape)} do not match "
-                         f"blocks {block}")
-    if x.stride(-1) != 1 or q.stride(-1) != 1 or q.dtype != torch.float8_e4m3fn or \
-            s.dtype != torch.float32:
-        raise ValueError("quantize_into needs rows contiguous in x and q, q float8_e4m3fn and s float32")
     if n == 0 or k == 0:
         return
     exact = interpreted() if exact_cast is None else bool(exact_cast)

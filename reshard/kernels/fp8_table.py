@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from . import fp8_blocks
-from .fp8_quantize import AMAX_FLOOR, AMAX_MODES, FP8_MAX, TUNING, _quantize_block, interpreted
+from .fp8_quantize import AMAX_FLOOR, AMAX_MODES, FP8_MAX, TUNING, _quantize_block, check_job, interpreted
 
 VECTOR_BYTES = 16  # the widest load and store a thread issues
 
@@ -66,14 +66,13 @@ class QuantizeTable:
             x, q, s = job
             meta = (self._offset(x), self._offset(q), self._offset(s), x.shape[0], x.shape[1], x.stride(0),
                     q.stride(0), s.stride(0), s.stride(1))
-            wide = fp8_blocks.aligned(meta, self.block, VECTOR_BYTES // x.element_size(), VECTOR_BYTES)
-            groups.setdefault((x.dtype, wide), []).append(meta)
-        for (dtype, wide), metas in groups.items():
+            aligns = (VECTOR_BYTES // x.element_size(), VECTOR_BYTES)
+            wide = fp8_blocks.aligned(meta, self.block, *aligns)
+            groups.setdefault((x.dtype, *(aligns if wide else (1, 1))), []).append(meta)
+        for (dtype, x_align, q_align), metas in groups.items():
             rows = fp8_blocks.table(metas, self.block)
             if not len(rows):
                 continue
-            x_align, q_align = (VECTOR_BYTES // torch.empty((), dtype=dtype).element_size(), VECTOR_BYTES) \
-                if wide else (1, 1)
             self.launches.append((self._anchor.view(dtype), torch.from_numpy(np.ascontiguousarray(rows)).to(device),
                                   len(rows), x_align, q_align))
             self.blocks += len(rows)
@@ -85,18 +84,7 @@ class QuantizeTable:
         return delta // t.element_size()
 
     def _check(self, job: tuple, device: torch.device) -> None:
-        x, q, s = job
-        n, k = x.shape if x.dim() == 2 else (0, 0)
-        nb, kb = -(-n // self.block[0]), -(-k // self.block[1])
-        if x.dim() != 2 or tuple(q.shape) != (n, k) or tuple(s.shape) != (nb, kb):
-            raise ValueError(f"QuantizeTable: x {tuple(x.shape)}, q {tuple(q.shape)}, s {tuple(s.shape)} do not "
-                             f"match blocks {self.block}")
-        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or q.dtype != torch.float8_e4m3fn or \
-                s.dtype != torch.float32:
-            raise ValueError(f"QuantizeTable: x {x.dtype}, q {q.dtype}, s {s.dtype}: needs bf16 / float16 / "
-                             "float32 in, float8_e4m3fn and float32 out")
-        if x.stride(-1) != 1 or q.stride(-1) != 1:
-            raise ValueError("QuantizeTable needs rows contiguous in x and q")
+        check_job(*job, self.block, "QuantizeTable")
         if any(t.device != device for t in job):
             raise ValueError("QuantizeTable: every tensor must be on one device")
 

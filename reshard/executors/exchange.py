@@ -7,7 +7,8 @@ under the executor's kind and namespace (a PrefixStore), so several executors ca
   md/<p>        process p's blob (NIXL: get_agent_metadata(), taken after every registration)
   book/<p>      JSON: what p runs (plan digest, binding, options) and how its peers address its memory
   setup/fail    the reason of the first process whose set-up failed (its peers stop setting up)
-  setup/left/<p>  p is done with set-up, as a success or a failure: it will not connect to anyone any more
+  setup/left/<p>  p is done with set-up, as a success or a failure: it will not connect to anyone any more, and
+                peers may talk to its agent (a first refit waits for it: `wait_set_up`)
   v<g>/...      per refit version g: ok (counter of processes that finished and verified it), fail (the reason
                 of the first process that failed it), and the executor's own signals (`signal` / `count`)
 """
@@ -93,6 +94,19 @@ class Exchange:
             except (RuntimeError, OSError):  # the store is gone: so is every peer's way to this agent's metadata
                 return []
         return [] if poll(lambda: not still_in(), time.monotonic() + seconds, first_s=0.002) else still_in()
+
+    def wait_set_up(self, peers: list[int], version: int, deadline: float, poll_max_s: float) -> None:
+        """Return once each of `peers` has left set-up; raise if refit `version` failed or the deadline passes,
+        naming the peers still setting up."""
+        def still_in() -> list[int]:
+            return [p for p in peers if not self.store.check([f"setup/left/{p}"])]
+
+        if not poll(lambda: not still_in(), deadline, most_s=poll_max_s,
+                    between=lambda: (self.raise_if_setup_failed(),
+                                     self._raise_if_failed(version, "its peers to finish setting up"))):
+            late = still_in()
+            raise ExecutionError(f"timed out: peer process(es) {late[:10]} did not finish setting up (loading "
+                                 f"their peers' agents); nothing was sent to them")
 
     # --- agreement on a refit --------------------------------------------------------------------------
     def fail(self, version: int, reason: str) -> None:

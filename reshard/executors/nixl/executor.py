@@ -9,7 +9,8 @@ and a shared torch.distributed store, then calls `refit()` at every weight updat
      arena (shadows, packed buffers) registered; the agent's metadata and a JSON address book to the store,
      peers' read back and checked (same plan digest, binding and options); a prepared transfer per link this
      process initiates. Nothing of this is repeated by a refit;
-  2. refit(version): the source tensors hold the new weights when it is called on a sender. Notifications
+  2. refit(version): the source tensors hold the new weights when it is called on a sender. The first refit
+     first waits until every peer has left set-up (no NIXL traffic to an agent still loading its peers). Notifications
      carry the version: READ (receiver pulls): a sender announces "ready v" per link once its bytes are in
      place (at once for trainer ranks, after its own earlier stages for relays); the receiver posts that
      link's prepared READ as soon as its ready arrives, to every peer before waiting on any, and the READ
@@ -109,6 +110,7 @@ class NixlExecutor(VotedExecutor):
         self._start_versions()
         self._dirty = True  # copies may be in flight on the GPU (the caller's, at first)
         self._inbox: dict[tuple[bytes, int], set[int]] = defaultdict(set)
+        self._peers_set_up = False  # every peer has left set-up (checked once, at the first refit)
         self.exchange = Exchange(store, namespace)
         s, name = self.schedule, f"{namespace}:{process}"
         book = {"process": process, "agent": name, "plan": plan.digest, "binding": binding.to_dict(),
@@ -172,6 +174,13 @@ class NixlExecutor(VotedExecutor):
     def _transfer(self, v: int, deadline: float) -> None:
         self._dirty = True
         self._sync()  # the caller's writes into the source tensors are done before anyone reads them
+        if not self._peers_set_up:
+            # No NIXL traffic to a peer still setting up (loading its peers' agents, i.e. making UCX endpoints): a
+            # process can start refitting while its peers set up (a trainer process other than the driver does, as
+            # soon as its own init returns), and vLLM workers' inits stalled 60-300 s on a loaded 2-core machine
+            # while such a process notified them (CPU transport: UCX over TCP on loopback; inferred, not proven)
+            self.exchange.wait_set_up(list(self.schedule.peers), v, deadline, self.poll_max_s)
+            self._peers_set_up = True
         self._move(v, deadline)
 
     def _describe(self, e: Exception) -> str:

@@ -28,9 +28,10 @@ START_LIMIT = 120.0  # seconds the processes of a case may take to start and mee
 @dataclass(frozen=True)
 class Phase:
     """A wait of a refit: `when` the survivors' clock runs ("setup": building the executor; "refit"; "close";
-    "join": the rendezvous), `freeze` what makes the victim stop there (given its executor), `words` a regular
-    expression the survivors' ExecutionError must match (it names the phase), `victim` the process that freezes
-    (one that takes part in the phase: a sender for a sender's step)."""
+    "join": the rendezvous; "first-refit": the first refit, the victim frozen as it leaves set-up), `freeze` what
+    makes the victim stop there (given its executor), `words` a regular expression the survivors' ExecutionError
+    must match (it names the phase), `victim` the process that freezes (one that takes part in the phase: a sender
+    for a sender's step)."""
 
     kind: str
     name: str
@@ -85,6 +86,7 @@ PHASES: tuple[Phase, ...] = (
     Phase("gloo", "commit", "refit", _replace("_agree"), r"verify all-reduce did not complete"),
     Phase("gloo", "close", "close", None, ""),
     Phase("nixl", "setup", "setup", None, r"set-up: process 2 did not publish"),
+    Phase("nixl", "peers-set-up", "first-refit", None, r"process\(es\) \[2\] did not finish setting up"),
     Phase("nixl", "transfer-ready", "refit", _at_notify, r"waiting for: link .*no ready notification", victim=0),
     Phase("nixl", "transfer", "refit", _after_post, r"waiting for: link .*process 2 has not finished"),
     Phase("nixl", "commit", "refit", _at_vote, r"only 2 of 3 processes finished"),
@@ -147,6 +149,15 @@ def worker(process: int, port: int, workdir: str, case_id: str) -> None:
             start = time.monotonic()
             make_executor(phase.kind, plan, process, src, dst, store, "case", timeout, checksum=True,
                           setup_timeout=timeout)
+        elif phase.when == "first-refit":  # the victim freezes as it would leave set-up; the others refit
+            if victim:
+                from ..executors.exchange import Exchange
+
+                Exchange.leave_setup = lambda self, process: _stop()
+            ex = make_executor(phase.kind, plan, process, src, dst, store, "case", timeout, checksum=True)
+            start = time.monotonic()
+            ex.refit()
+            ex.close()
         else:
             # the set-up of the other phases' cases may wait longer (a loaded machine): the refit's waits are
             # bounded by the executor's own timeout, which is `timeout`

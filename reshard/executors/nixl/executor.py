@@ -175,10 +175,8 @@ class NixlExecutor(VotedExecutor):
         self._dirty = True
         self._sync()  # the caller's writes into the source tensors are done before anyone reads them
         if not self._peers_set_up:
-            # No NIXL traffic to a peer still setting up (loading its peers' agents, i.e. making UCX endpoints): a
-            # process can start refitting while its peers set up (a trainer process other than the driver does, as
-            # soon as its own init returns), and vLLM workers' inits stalled 60-300 s on a loaded 2-core machine
-            # while such a process notified them (CPU transport: UCX over TCP on loopback; inferred, not proven)
+            # a trainer process other than the driver starts refitting as soon as its own init returns, while the
+            # engines' workers may still be setting up (why that matters: docs/guides/reliability.md)
             self.exchange.wait_set_up(list(self.schedule.peers), v, deadline, self.poll_max_s)
             self._peers_set_up = True
         self._move(v, deadline)

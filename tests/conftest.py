@@ -19,6 +19,10 @@ pin()
 # forkserver started before the first cluster then joins without the token and is refused (a fresh CI machine has
 # no token file; a developer machine usually does). One mode for every process the suite starts, decided here.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Single-host tests keep their stores and groups on loopback: with nothing set, reshard publishes this host's routable
+# address (reshard.addresses), and the suite's traffic stays on addresses of this machine's own. The multihost tests
+# (tests/multihost) start their processes in network namespaces without it, where discovery is what they test.
+os.environ.setdefault("RESHARD_HOST", "127.0.0.1")
 
 # CI runs every property at least 200 examples; locally `HYPOTHESIS_PROFILE=dev` is quicker.
 settings.register_profile("ci", max_examples=200, deadline=None, derandomize=True,

@@ -7,14 +7,18 @@ as plain JSON in the refit's init payload (`Rendezvous.to_dict`). Every key of t
 derived from the secret, so a process without it can neither read the refit's metadata nor take a member's
 place; it is refused with an error that says so, and the host can list such attempts (`refused`).
 
-    rdv, store = host_store(Rendezvous.new("127.0.0.1"))   # the driver: a fresh id and secret, a free port
+    rdv, store = host_store(Rendezvous.new())   # the driver: this host's routable address, a fresh id and secret
     rdv.to_dict()                                           # into the init payload of every other member
     store = connect(Rendezvous.from_dict(d))                # a member
     members = join(store, rdv, process=3, size=6, role="engine")   # every member; duplicates refused
     executor_store = scoped(store, rdv, "collective")               # where an executor keeps its keys
 
+The host address is discovered where the store runs (reshard.addresses: an override, the Ray node IP, this
+host's routable interface); a member probes it once before its retrying client connects, so an address it cannot
+reach (a loopback address published to another host) fails at once, naming the address.
+
 Limits: the store and the transports' own sockets are not encrypted; bind them to an address only the refit's
-hosts reach (loopback in the examples).
+hosts reach (RESHARD_HOST or `host=` chooses it on a multi-homed host).
 """
 from __future__ import annotations
 
@@ -61,9 +65,12 @@ class Rendezvous:
             raise ExecutionError("invalid rendezvous: " + "; ".join(problems))
 
     @classmethod
-    def new(cls, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0) -> "Rendezvous":
-        """A fresh refit id and secret; port 0: `host()` picks a free one."""
-        return cls(host, port, secrets.token_hex(6), secrets.token_hex(16), timeout)
+    def new(cls, host: str | None = None, port: int = 0, timeout: float = 60.0) -> "Rendezvous":
+        """A fresh refit id and secret at `host` (None: this host's routable address, `addresses.routable_address`;
+        an address given must be this host's); port 0: `host_store` picks a free one."""
+        from ..addresses import routable_address
+
+        return cls(routable_address(host), port, secrets.token_hex(6), secrets.token_hex(16), timeout)
 
     # --- plain data ----------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -127,6 +134,9 @@ def connect(rdv: Rendezvous) -> Any:
     """A client of the refit's store; ExecutionError naming the address if it cannot be reached in time."""
     import torch.distributed as dist
 
+    from ..addresses import probe
+
+    probe(rdv.host, rdv.port, rdv.timeout, f"refit {rdv.refit_id}: the refit's store")  # refused: at once, not retried
     try:
         return dist.TCPStore(rdv.host, rdv.port, None, False, timedelta(seconds=rdv.timeout))
     except Exception as e:  # noqa: BLE001

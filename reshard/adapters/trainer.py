@@ -80,7 +80,9 @@ class TrainerSession:
         trainer_group: a torch.distributed group of the trainer processes, to share the rendezvous from process
             0 (else pass `rendezvous`, the same on every process, with a fixed port and secret).
         rendezvous: an `adapters.rendezvous.Rendezvous` every process passes (instead of `trainer_group`).
-        host: the address process 0's rendezvous store binds to.
+        host: the address process 0's rendezvous store binds to and every engine connects to (None: this host's
+            routable address: RESHARD_HOST, the Ray node IP, the interface of the default route; see
+            reshard.addresses).
         pause: how engines are paused around a refit (a VllmServer's /pause mode), or None not to pause.
         timeout: seconds any step may take (every wait and clean-up is bounded by it).
         lora_ids: install="lora_slot" with engines that serve the adapter under different ids: engine k's id.
@@ -96,7 +98,7 @@ class TrainerSession:
 
     def __init__(self, refit: RefitSpec, process: int, tensors: RankTensors | dict[str, torch.Tensor], *,
                  engines: Sequence[EngineClient] = (), trainer_group: Any = None, rendezvous: Any = None,
-                 host: str = "127.0.0.1", pause: str | None = "wait", timeout: float = 600.0,
+                 host: str | None = None, pause: str | None = "wait", timeout: float = 600.0,
                  lora_ids: Sequence[int] | None = None, lease: float | None = 30.0) -> None:
         """refit: what the trainer and the engines agree on (replica and digest are filled in per engine).
         process: this trainer process's rank (it plays source rank `process` of the plan).
@@ -449,7 +451,7 @@ def _check_arguments(refit: Any, process: Any, tensors: Any, engines: Any, train
 
         instance("trainer_group", trainer_group, dist.ProcessGroup, "a torch.distributed ProcessGroup", none=True)
     instance("rendezvous", rendezvous, Rendezvous, "an adapters.rendezvous.Rendezvous", none=True)
-    text("host", host)
+    text("host", host, none=True)
     text("pause", pause, none=True, choices=("wait", "abort", "keep"))
     seconds("timeout", timeout)
     if lora_ids is not None and (not isinstance(lora_ids, (list, tuple)) or not all(

@@ -137,7 +137,7 @@ class StoreComm(Comm):
         store = dist.PrefixStore(f"lane{lane}/", self.store)
         try:  # gloo connects to every member here, waiting at most the group's timeout
             if self.backend == "gloo":
-                return dist.ProcessGroupGloo(store, self.rank, self.size, self.timeout)
+                return dist.ProcessGroupGloo(store, self.rank, self.size, gloo_options(self.timeout))
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self.timeout
             return dist.ProcessGroupNCCL(store, self.rank, self.size, options)
@@ -190,6 +190,23 @@ class StoreComm(Comm):
                         continue
 
         close_within(shut_down, self.timeout.total_seconds(), f"shutting down the {self.backend} group's lanes")
+
+
+def gloo_options(timeout: timedelta) -> Any:
+    """A gloo group's options: its device bound to this host's routable address (reshard.addresses), the address
+    its peers on other hosts reach, unless GLOO_SOCKET_IFNAME chooses the interface. Gloo's own default resolves
+    the host name, which on many machines (and in containers) is loopback: its peers elsewhere then fail."""
+    import os
+
+    from ..addresses import routable_address
+
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        options._devices = [dist.ProcessGroupGloo.create_default_device()]
+    else:
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=routable_address())]
+    return options
 
 
 def comm_for(group: Any) -> Comm | None:

@@ -8,7 +8,6 @@
         refit_cfg:
           "reshard.integrations.nemo_rl:ReshardCheckpointEngine":
             model: /path/to/the/hf/checkpoint        # or its config.json: what vLLM serves
-            host: 10.0.0.1                           # where policy worker 0 listens (default: this host's name)
 
 NeMo-RL's interface (nemo_rl/utils/checkpoint_engines/base.py at the commit in
 tests/data/nemo_rl_checkpoint_engine.json) is duck-typed here: nothing of NeMo-RL is imported. NeMo-RL builds one
@@ -41,7 +40,6 @@ import asyncio
 import bisect
 import json
 import re
-import socket
 from collections.abc import AsyncGenerator, Generator
 from typing import Any
 
@@ -66,7 +64,9 @@ class ReshardCheckpointEngine:
         model: the HF checkpoint directory or config.json of the model vLLM serves (a dict of its config also
             works).
         transport: "collective" (torch.distributed over a group both sides join at policy worker 0's store).
-        host: the address policy worker 0's store listens on and every worker connects to.
+        host: an address of this worker's own host for its store (None, the default: discovered where each worker
+            runs -- RESHARD_HOST, the Ray node IP, the default route's interface; only policy worker 0's store is
+            used). A config naming one node's address would be wrong on every other node, so it is refused there.
         fanout: vLLM workers relaying to at most this many others (None: the policy workers feed every one).
         checksum: hash every message and compare before anything is handed to vLLM (True: sha256, or "sum64";
             None: on with gloo; the executor hashes CPU tensors only, so NCCL refits rely on its completion
@@ -119,7 +119,11 @@ class ReshardCheckpointEngine:
         if dtype is not None:
             self.spec = self.spec.model_copy(update={"dtype": dtype})
             ModelSpec(**self.spec.model_dump())  # validated (an unknown dtype raises, naming it)
-        self.host = host or socket.gethostname()
+        if host is not None:  # every engine hosts a store at prepare(): an address of another node fails here, at once
+            from ..addresses import check_local
+
+            check_local(host, "refit_cfg host")
+        self.host = host
         self.device, self.timeout = device, float(timeout)
         self.release_after_refit = bool(release_after_refit)
         self._reset()

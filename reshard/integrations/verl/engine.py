@@ -46,7 +46,8 @@ class ReshardCheckpointEngine(CheckpointEngine):
     model: the HF config of the model (a dict, a config.json path or a checkpoint directory), the same as the
         trainer's and the rollout's `model.path`.
     dtype: the dtype the trainer streams (default: the config's).
-    host: the address trainer rank 0 hosts the refit's store on (every rank must reach it).
+    host: the address trainer rank 0 hosts the refit's store on (None, the default: its Ray node's IP, as verl's
+        own backends find theirs; set it only to choose among a multi-homed node's addresses).
     device: where rollout ranks receive (default: cuda when available).
     options: transport ("collective" | "nixl" | "shared"), fanout (relay among rollout ranks), atomic (default
         True), checksum (False | True | "sha256" | "sum64"), timeout (seconds), backend (collective: gloo/nccl).
@@ -55,7 +56,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
     wire_format = "named_tensors"
 
     def __init__(self, bucket_size: int, is_master: bool | None = None, *, model: Any, dtype: str | None = None,
-                 host: str = "127.0.0.1", device: str | None = None, **options: Any) -> None:
+                 host: str | None = None, device: str | None = None, **options: Any) -> None:
         self.role = "rollout" if is_master is None else "trainer"
         self.is_master = bool(is_master)
         spec = model if isinstance(model, ModelSpec) else ModelSpec.from_hf_config(model)

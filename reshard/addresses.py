@@ -1,0 +1,166 @@
+"""Where this process can be reached from other hosts: the one rule for every store, rendezvous and gloo group.
+
+A refit's processes run on several hosts (trainer nodes, inference nodes), so every address reshard hands to
+another process is discovered from where this process actually runs, never a loopback default and never a
+host a user must type into a config:
+
+  1. an explicit override: an argument (`host=`) or the environment variable RESHARD_HOST (multi-homed hosts);
+     an override must be an address of this host (it is bound), checked here so a wrong one fails at once;
+  2. inside Ray, the node's IP as Ray knows it (`ray.util.get_node_ip_address()`: what Ray's own peers use,
+     and what verl's backends use);
+  3. else this host's interfaces: the IPv4 address of the interface that carries the default route, or the
+     only non-loopback one; with several and no default route, the first by interface name (logged);
+  4. loopback only on a host with no other interface (nothing else could reach it anyway).
+
+`interface_of(address)` names the interface that holds an address, so a gloo group binds to the same address
+the store does (no GLOO_SOCKET_IFNAME a user must know); `probe(host, port)` tells at once whether a store is
+reachable from here, naming the address and why not (a connection refused at a loopback address from another
+host is the classic case).
+"""
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import logging
+import os
+import socket
+import struct
+import sys
+from pathlib import Path
+
+from .errors import ArgumentError, ExecutionError
+
+ENV = "RESHARD_HOST"
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+_ROUTES = Path("/proc/net/route")
+
+log = logging.getLogger("reshard.addresses")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or a name) means this host only (127.0.0.0/8, ::1, "localhost")."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        try:
+            return all(ipaddress.ip_address(info[4][0]).is_loopback
+                       for info in socket.getaddrinfo(host, None, socket.AF_INET))
+        except (OSError, ValueError):
+            return False
+
+
+def interfaces() -> dict[str, str]:
+    """This host's interfaces that have an IPv4 address: {name: address} (loopback included)."""
+    found: dict[str, str] = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address (or down)
+                continue
+            found[name] = socket.inet_ntoa(packed[20:24])
+    return found
+
+
+def default_route_interface() -> str | None:
+    """The interface of this host's IPv4 default route, if it has one (from /proc/net/route)."""
+    try:
+        lines = _ROUTES.read_text().splitlines()[1:]
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        if len(fields) > 1 and fields[1] == "00000000":
+            return fields[0]
+    return None
+
+
+def choose(addresses: dict[str, str], default_interface: str | None) -> str | None:
+    """The routable address among `addresses` ({interface: IPv4}): the default route's, else the only non-loopback
+    one, else the first by name; None when only loopback is left. Pure: the rule, testable on data."""
+    routable = {name: a for name, a in addresses.items() if not ipaddress.ip_address(a).is_loopback}
+    if default_interface in routable:
+        return routable[default_interface]
+    if not routable:
+        return None
+    name = sorted(routable)[0]
+    if len(routable) > 1:
+        log.info("several interfaces and no default route; using %s (%s) of %s: set %s to choose", name,
+                 routable[name], sorted(routable), ENV)
+    return routable[name]
+
+
+def _ray_node_address() -> str | None:
+    ray = sys.modules.get("ray")  # only a process that already uses Ray: importing Ray here would cost seconds
+    if ray is None or not ray.is_initialized():
+        return None
+    try:
+        return str(ray.util.get_node_ip_address())
+    except Exception:  # noqa: BLE001 - an older or partial Ray: fall back to the interfaces
+        return None
+
+
+def routable_address(override: str | None = None) -> str:
+    """The address other hosts reach this process at (the module docstring's order).
+
+    Args:
+        override: an address (or host name) of this host to use instead of discovering one; None: RESHARD_HOST,
+            else discovered.
+
+    Returns:
+        An IPv4 address or host name of this host.
+
+    Raises:
+        ArgumentError: an override that is not an address of this host (it cannot be bound here).
+    """
+    given, source = (override, "host") if override is not None else (os.environ.get(ENV) or None, ENV)
+    if given is not None:
+        check_local(given, source)
+        return given
+    found = _ray_node_address() or choose(interfaces(), default_route_interface())
+    return found or "127.0.0.1"
+
+
+def check_local(host: str, what: str = "host") -> None:
+    """Raise ArgumentError unless `host` is an address (or name) of this host that a server can bind."""
+    if not isinstance(host, str) or not host:
+        raise ArgumentError(what, host, "must be a non-empty address or host name")
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.bind((host, 0))
+    except OSError as e:
+        raise ArgumentError(what, host, f"is not an address of this host ({e.strerror or e}); a store can only "
+                                        f"listen on its own host's addresses",
+                            fix=f"leave it unset: reshard finds this host's routable address (here: "
+                                f"{choose(interfaces(), default_route_interface()) or '127.0.0.1'})") from None
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this host's interface holding `address` (None: no interface has it, e.g. a host name)."""
+    for name, a in interfaces().items():
+        if a == address:
+            return name
+    return None
+
+
+def probe(host: str, port: int, timeout: float, what: str) -> None:
+    """Connect to `host`:`port` once (no retries): ExecutionError at once, naming the address, if nothing listens
+    there or it cannot be reached within `timeout` seconds. Retrying clients (torch's TCPStore) would instead wait
+    out their whole timeout on a refused connection."""
+    try:
+        with socket.create_connection((host, port), timeout=max(min(timeout, 30.0), 0.5)):
+            return
+    except OSError as e:
+        why = "connection refused: nothing listens there" if isinstance(e, ConnectionRefusedError) else \
+            (f"no answer within {min(timeout, 30.0):.0f} s" if isinstance(e, socket.timeout) else str(e))
+        hint = (f"; {host} is a loopback address, which reaches only the host it is used on: the host serving it "
+                f"must publish an address other hosts reach (leave `host` unset or set {ENV} there)"
+                if is_loopback(host) else "")
+        here = choose(interfaces(), default_route_interface()) or socket.gethostname()
+        raise ExecutionError(f"{what}: cannot reach {host}:{port} from this host ({here}): {why}{hint}") from None
+
+
+__all__ = ["ENV", "check_local", "choose", "default_route_interface", "interface_of", "interfaces", "is_loopback",
+           "probe", "routable_address"]

@@ -11,6 +11,9 @@ from hypothesis import HealthCheck, settings
 # The CPU capability path of this session and every process it starts, decided here once (tests/cpu_path).
 sys.path.insert(0, str(Path(__file__).resolve().parent / "cpu_path"))
 import cpu_path_session  # noqa: E402
+
+# The two-host test bed (network namespaces) of the multihost tests, importable from every stage's tests.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "testbed"))
 from cpu_path_session import pin, pytest_collection_modifyitems, pytest_runtest_makereport  # noqa: E402,F401 (hooks)
 
 pin()
@@ -58,3 +61,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     calls = getattr(config, "reshard_signature_calls", None)
     if calls is not None:
         terminalreporter.write_line(f"signature fuzz: {calls[0]} generated calls over {calls[1]} entry points")
+
+
+@pytest.fixture(scope="session")
+def two_hosts():
+    """Hosts A and B (tests/testbed/two_hosts.py), shared by the session's multihost tests; removed at its end."""
+    from two_hosts import TwoHosts
+
+    with TwoHosts() as hosts:
+        yield hosts

@@ -77,6 +77,7 @@ class ReshardCheckpointEngine:
         dtype: the dtype the policy sends and vLLM loads (None: the checkpoint config's), e.g. "bfloat16".
         timeout: seconds any wait may go without progress.
         release_after_refit: NeMo-RL's key (its synchronizer then calls finalize after every refit); kept.
+        **unknown: any other key of the refit_cfg entry (NeMo-RL passes them all): refused, naming it.
 
     Raises:
         ArgumentError: an option of the wrong type or value (checked at construction, before any worker
@@ -90,7 +91,10 @@ class ReshardCheckpointEngine:
     def __init__(self, bucket_size: int, *, model: str | dict[str, Any] | None = None,
                  transport: str = "collective", host: str | None = None, fanout: int | None = None,
                  checksum: bool | str | None = None, backend: str | None = None, device: str | None = None,
-                 dtype: str | None = None, timeout: float = 300.0, release_after_refit: bool = False) -> None:
+                 dtype: str | None = None, timeout: float = 300.0, release_after_refit: bool = False,
+                 **unknown: Any) -> None:
+        if unknown:  # NeMo-RL passes every key of the refit_cfg entry (its schema allows extra keys): a typo lands here
+            _refuse_unknown(unknown)
         if not isinstance(bucket_size, int) or isinstance(bucket_size, bool) or bucket_size < 1:
             raise ArgumentError("bucket_size", bucket_size, "must be a positive number of bytes")
         if model is None:
@@ -122,7 +126,14 @@ class ReshardCheckpointEngine:
         if host is not None:  # every engine hosts a store at prepare(): an address of another node fails here, at once
             from ..addresses import check_local
 
-            check_local(host, "refit_cfg host")
+            try:
+                check_local(host, "refit_cfg host")
+            except ArgumentError as e:  # the same config reaches every node: say why a node's address cannot work
+                raise ArgumentError("refit_cfg host", host, f"{e.rule}; NeMo-RL gives every policy and vLLM worker "
+                                    f"the same refit_cfg entry, so an address of one node is wrong on all others",
+                                    fix="remove `host`: each worker finds its own address (set RESHARD_HOST in a "
+                                        "worker's environment to choose among a multi-homed node's addresses)"
+                                    ) from None
         self.host = host
         self.device, self.timeout = device, float(timeout)
         self.release_after_refit = bool(release_after_refit)
@@ -323,6 +334,21 @@ class ReshardCheckpointEngine:
         if self.executor is not None:
             self.executor.close()
         self._reset()
+
+
+def _refuse_unknown(unknown: dict[str, Any]) -> None:
+    """ArgumentError naming every key of the refit_cfg entry this engine does not take (with the closest option)."""
+    import difflib
+    import inspect
+
+    options = [p for p in inspect.signature(ReshardCheckpointEngine.__init__).parameters
+               if p not in ("self", "bucket_size", "unknown")]
+    names = sorted(unknown)
+    hints = [f"{n!r} -> {close[0]!r}" for n in names if (close := difflib.get_close_matches(n, options, 1))]
+    raise ArgumentError(f"refit_cfg key{'s' if len(names) > 1 else ''} {', '.join(map(repr, names))}",
+                        rule=f"{'are not options' if len(names) > 1 else 'is not an option'} of ReshardCheckpointEngine (NeMo-RL passes every key of its refit_cfg "
+                             f"entry to the constructor); its options: {', '.join(options)}",
+                        fix=f"did you mean {'; '.join(hints)}" if hints else "remove it")
 
 
 def _prefixes_any(name: str, sorted_names: list[str]) -> bool:

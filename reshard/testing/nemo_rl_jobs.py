@@ -11,15 +11,22 @@ at the commit in tests/data/nemo_rl_checkpoint_engine.json):
     experts kept by id);
   - the vLLM worker: `async for batch in receive_weight_batches()`, each batch "loaded" into a dict.
 
-A job is JSON: {"checkpoint", "policy", "rollout", "steps", "kwargs" (engine keyword arguments), "fault": null,
-"wrong-shape" or "unknown-name" (what the last policy worker does wrong at the last step: _faulty),
-"release_after_refit" (finalize after every refit, prepare and join again before the next, as NeMo-RL then
-does), "dir"}.
+A job is JSON: {"checkpoint", "policy", "rollout", "steps", "kwargs" (engine keyword arguments besides `model`,
+which is the checkpoint), or "engine_kwargs" (exactly the keyword arguments besides `bucket_size`: what NeMo-RL
+builds from a config's refit_cfg entry), "bucket_size", "fault": null, "wrong-shape" or "unknown-name" (what the
+last policy worker does wrong at the last step: _faulty), "release_after_refit" (finalize after every refit,
+prepare and join again before the next, as NeMo-RL then does), "dir"}.
+
+Nothing here names a host: every engine finds its own address (reshard.addresses) where its process runs, so the
+same job runs on one host or with the policy and rollout processes on different hosts (testing.world's `launch`).
+A failure to construct an engine or to join is what NeMo-RL's driver sees from `ray.get` over every worker: every
+process learns that one failed (the gathered outcomes) and stops; each reports its own error and how long it took.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -56,20 +63,39 @@ def _select(name: str, layout: dict[str, Any] | None) -> bool:
 
 
 def nemo_rl_worker(rank: int, size: int, job: dict[str, Any]) -> dict[str, Any]:
+    """One process of the job (testing.world): policy worker `rank` if rank < policy, else rollout worker
+    rank - policy. Returns what it saw: per refit the bytes it sent or what it loaded (checked against the
+    checkpoint), and any error constructing or joining."""
     import torch.distributed as dist
 
     from ..integrations.nemo_rl import ReshardCheckpointEngine
     from .serve_jobs import load_checkpoint, train_step
+    from .world import new_group
 
     T = job["policy"]
-    policy = dist.new_group(list(range(T)))  # every process makes every group
-    engine = ReshardCheckpointEngine(bucket_size=job.get("bucket_size", 1 << 20), model=job["checkpoint"],
-                                     host="127.0.0.1", **job.get("kwargs", {}))
+    policy = new_group(list(range(T)))  # every process makes every group
     out: dict[str, Any] = {"refits": []}
+    out["gloo_socket_ifname"] = os.environ.get("GLOO_SOCKET_IFNAME")  # the harness's device choice must not leak
+    kwargs = job.get("engine_kwargs") or {"model": job["checkpoint"], **job.get("kwargs", {})}
+    engine = None
+    try:  # NeMo-RL's init_checkpoint_engine on every worker
+        engine = ReshardCheckpointEngine(bucket_size=job.get("bucket_size", 1 << 20), **kwargs)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out["construct_error"] = f"{type(e).__name__}: {e}"
+    if any(_gather(job, "construct", rank, "construct_error" in out)):  # the driver's ray.get raises for all
+        return out
     base = load_checkpoint(job["checkpoint"])
     for step in range(1, job["steps"] + 1):
         if step == 1 or job.get("release_after_refit"):  # NeMo-RL then finalizes after every refit
-            _meet(job, engine, rank, step)
+            t0 = time.perf_counter()
+            try:
+                out["store_host"] = _meet(job, engine, rank, step)
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                out["meet_error"] = f"{type(e).__name__}: {e}"
+            out["meet_seconds"] = time.perf_counter() - t0
+            if any(_gather(job, f"met{step}", rank, "meet_error" in out)):
+                engine.finalize()
+                return out
         base = {k: train_step(v, step) for k, v in base.items()}
         entry: dict[str, Any] = {"step": step}
         t0 = time.perf_counter()
@@ -96,15 +122,18 @@ def nemo_rl_worker(rank: int, size: int, job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _meet(job: dict[str, Any], engine: Any, rank: int, step: int) -> None:
-    """prepare on every engine, then every engine joins with all their metadata (policy workers first)."""
+def _meet(job: dict[str, Any], engine: Any, rank: int, step: int) -> str:
+    """prepare on every engine, then every engine joins with all their metadata (policy workers first). Returns the
+    address of the store everyone met at (policy worker 0's, as it published it)."""
     T, R = job["policy"], job["rollout"]
-    metadata = _gather(job, f"prepare{step}", rank, engine.prepare())  # policy workers are processes 0..T-1
+    # NeMo-RL's mixins add the worker's rank to a dict result; policy workers are processes 0..T-1
+    metadata = _gather(job, f"prepare{step}", rank, {**engine.prepare(), "rank": rank if rank < T else rank - T})
     topology = {"train_world_size": T, "rollout_world_size": R, "metadata": metadata}
     if rank < T:
         engine.init_policy_process_group(worker_rank=rank, **topology)
     else:
         engine.init_rollout_process_group(rollout_rank=rank - T, **topology)
+    return metadata[0]["rendezvous"]["host"]
 
 
 def _policy_iterator(weights: dict[str, torch.Tensor], group: Any) -> Iterator[tuple[str, torch.Tensor]]:

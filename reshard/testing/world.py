@@ -6,33 +6,72 @@ pickle: the job is JSON.
 Each process runs `python -m reshard.testing.world JOB RANK`, joins the world through a FileStore in `workdir`,
 calls `function(rank, world_size, args)` and writes what it returns (JSON) to `workdir/result-RANK.json`. A
 process that dies or outlives `timeout` gets `None` as its result (the ones still running are killed).
+
+Across hosts (tests/testbed's network namespaces): `launch` starts each rank where the test wants it (e.g. rank r
+on host A or B; the FileStore only needs a shared filesystem), and `interfaces[r]` names the network interface rank
+r's harness gloo device binds. The harness world is test scaffolding (the stand-in for a framework's own driver
+channels): its device is chosen with GLOO_SOCKET_IFNAME only while the harness world and its groups (`new_group`)
+are made, and the variable is gone while the job runs, so the groups reshard makes itself find their addresses
+with nothing of the harness's help (reshard's gloo groups honour GLOO_SOCKET_IFNAME when it is set).
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+Launch = Callable[[int, list[str], dict[str, str]], subprocess.Popen]
+"""How rank r is started: `launch(rank, argv, env)` returns its process, started with `env` added to its
+environment and stdout (stderr merged into it) piped as text; the default runs `argv` here."""
+
+_IFNAME = "GLOO_SOCKET_IFNAME"
+_harness_interface: str | None = None  # this process's harness device (set by _main)
+
 
 def run_world(size: int, function: str, args: dict[str, Any], workdir: str | Path, timeout: float = 120.0,
-              pg_timeout: float = 60.0, backend: str = "gloo") -> list[Any]:
+              pg_timeout: float = 60.0, backend: str = "gloo", launch: Launch | None = None,
+              interfaces: Sequence[str | None] | None = None) -> list[Any]:
+    """Run `function` ("module:name") on `size` processes joined in one world; their JSON results, in rank order.
+
+    Args:
+        size: the number of processes (ranks).
+        function: "module:name" of `function(rank, world_size, args) -> JSON-able`.
+        args: the JSON-able arguments every rank gets.
+        workdir: where the job, the FileStore, the results and `logs.txt` (every rank's output) go.
+        timeout: seconds for the whole world; ranks still running then are killed (their result: None).
+        pg_timeout: the harness world's collective timeout, in seconds.
+        backend: "gloo", or "nccl" (one GPU per rank).
+        launch: how each rank is started (None: a child process of this one, on this host).
+        interfaces: per rank, the interface the harness world's gloo device binds (None: gloo's default), for
+            worlds spread over hosts where gloo's default (the host name) does not reach the other ranks.
+
+    Returns:
+        Each rank's result, None for a rank that died or ran out of time.
+
+    Raises:
+        ValueError: `interfaces` not one entry per rank.
+    """
+    if interfaces is not None and len(interfaces) != size:
+        raise ValueError(f"interfaces must name one entry per rank ({size}), got {len(interfaces)}")
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     for stale in [*workdir.glob("result-*.json"), workdir / "store"]:
         stale.unlink(missing_ok=True)  # a FileStore must start empty
     job = workdir / "job.json"
     job.write_text(json.dumps({"size": size, "function": function, "args": args, "pg_timeout": pg_timeout,
-                               "backend": backend,
+                               "backend": backend, "interfaces": list(interfaces or [None] * size),
                                "store": str(workdir / "store")}))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-m", "reshard.testing.world", str(job), str(r)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    extra = {"OMP_NUM_THREADS": "1"}
+    start = launch or _launch_here
+    procs = [start(r, [sys.executable, "-m", "reshard.testing.world", str(job), str(r)], dict(extra))
              for r in range(size)]
     deadline = time.monotonic() + timeout
     logs = []
@@ -42,7 +81,7 @@ def run_world(size: int, function: str, args: dict[str, Any], workdir: str | Pat
         except subprocess.TimeoutExpired:
             p.kill()  # only processes started here, by their handle
             out, _ = p.communicate()
-        logs.append(out)
+        logs.append(out or "")
     results = []
     for r in range(size):
         f = workdir / f"result-{r}.json"
@@ -51,18 +90,63 @@ def run_world(size: int, function: str, args: dict[str, Any], workdir: str | Pat
     return results
 
 
+def _launch_here(rank: int, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(argv, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+@contextlib.contextmanager
+def _harness_device() -> Iterator[None]:
+    """GLOO_SOCKET_IFNAME set to this rank's harness interface for the duration (restored after: gloo reads it when
+    a group is made, and reshard's own groups must not inherit the harness's choice)."""
+    if _harness_interface is None:
+        yield
+        return
+    before = os.environ.get(_IFNAME)
+    os.environ[_IFNAME] = _harness_interface
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[_IFNAME]
+        else:
+            os.environ[_IFNAME] = before
+
+
+def new_group(ranks: list[int]) -> Any:
+    """A subgroup of the harness world (torch.distributed.new_group: every rank must call it), on the harness's
+    device.
+
+    Args:
+        ranks: the ranks of the group.
+
+    Returns:
+        The process group (None on ranks outside it, as torch.distributed returns).
+
+    Raises:
+        RuntimeError: from torch.distributed, when the group cannot be made.
+    """
+    import torch.distributed as dist
+
+    with _harness_device():
+        return dist.new_group(ranks)
+
+
 def _main(job_path: str, rank: int) -> None:
     import torch.distributed as dist
 
+    global _harness_interface
     job = json.loads(Path(job_path).read_text())
+    _harness_interface = (job.get("interfaces") or [None] * job["size"])[rank]
     backend, device = job.get("backend", "gloo"), None
     if backend == "nccl":  # one GPU per process, bound at start-up (communicators made eagerly)
         import torch
 
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"file://{job['store']}", rank=rank, world_size=job["size"],
-                            timeout=timedelta(seconds=job["pg_timeout"]), device_id=device)
+    with _harness_device():
+        dist.init_process_group(backend, init_method=f"file://{job['store']}", rank=rank, world_size=job["size"],
+                                timeout=timedelta(seconds=job["pg_timeout"]), device_id=device)
     module, name = job["function"].split(":")
     result = getattr(importlib.import_module(module), name)(rank, job["size"], job["args"])
     out = Path(job_path).parent / f"result-{rank}.json"

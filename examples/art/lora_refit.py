@@ -81,7 +81,10 @@ def trainer(rank: int, job: dict[str, Any]) -> None:
     spec = lora_spec(reshard.ModelSpec.from_hf_config(job["checkpoint"]), RANK, ALPHA)
     src = reshard.MegatronLayout(model=spec, tp=dist.get_world_size())  # the trainer's adapter shards
     dst = VllmLoraLayout(model=spec, tp=job["server_tp"], max_lora_rank=RANK)
-    refit = RefitSpec.of(spec, src, dst, install="lora_slot", lora_id=job["lora_id"], transport=job["transport"])
+    # config: the base model's, whose fields that change the math but no shape (MoE top-k, norm epsilon, rope ...)
+    # the server compares with its own (an adapter spec is a model of its own and carries none)
+    refit = RefitSpec.of(spec, src, dst, install="lora_slot", lora_id=job["lora_id"], transport=job["transport"],
+                         config=job["checkpoint"])
     server = VllmServer(job["url"]) if rank == 0 else None
     out: dict[str, Any] = {"refits": []}
     for seed in STEPS:

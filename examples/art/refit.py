@@ -112,7 +112,10 @@ def trainer(rank: int, job: dict[str, Any]) -> None:
 
     # --8<-- [start:trainer]
     model = build_megatron_model(job["tp"], job["pp"])
-    spec = reshard.ModelSpec.from_hf_config(job["checkpoint"])  # the canonical model, as the server reads it
+    # the canonical model, as the server reads it; it also carries the config's fields that change the math but
+    # no shape (spec.math: MoE top-k, norm epsilon, rope, activation), which the refit sends to the server: a server
+    # whose model is configured otherwise refuses at init, before any byte moves
+    spec = reshard.ModelSpec.from_hf_config(job["checkpoint"])
     facts = read_model([model])
     layout = derive_layout(facts, spec)  # the MegatronLayout this process's model is in
     tensors = source_tensors(facts, layout)  # views of the live parameters: what this process sends
@@ -122,7 +125,7 @@ def trainer(rank: int, job: dict[str, Any]) -> None:
             t.copy_(mine[name])
     server = VllmServer(job["url"]) if rank == 0 else None
     refit = RefitSpec.of(spec, layout, reshard.VllmLayout(model=spec, tp=job["server_tp"]), install="loader",
-                         transport=job["transport"])
+                         transport=job["transport"])  # refit.math: spec.math, checked by every server worker
     session = TrainerSession(refit, rank, tensors, engines=[server] if server else [],
                              trainer_group=dist.group.WORLD)
     out: dict[str, Any] = {"layout": str(layout), "refits": []}

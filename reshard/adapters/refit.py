@@ -72,8 +72,9 @@ class RefitSpec:
         verify_layers: layers whose loaders a direct install probes (None: one per tensor kind).
         plan_digest: the trainer's plan digest; a worker that compiles another plan refuses the refit.
         lora_id: for "lora_slot", the engine's id of the served adapter whose slot is refit.
-        math: the trainer's HF config fields that change the math but no shape; a worker whose model sets any
-            of them otherwise refuses the refit at init.
+        math: the trainer's HF config fields that change the math but no shape (`RefitSpec.of` fills it from the
+            spec, `ModelSpec.math`, or its `config`); a worker whose model sets any of them otherwise refuses the
+            refit at init. None: not checked.
 
     Raises:
         PlanError: a field of the wrong type, an unknown install or transport, or a field that is not JSON.
@@ -140,20 +141,28 @@ class RefitSpec:
     def of(cls, spec: ModelSpec, src: Layout, dst: Layout, *, config: Any = None, **fields: Any) -> "RefitSpec":
         """The spec of a refit between two layouts of one model (the model is carried once, not in each layout).
 
+        The fields of the model's HF config that change the math without changing shapes
+        (`layouts.math_config.MATH_FIELDS`: MoE top-k, norm epsilon, rope, activation ...) travel as `math`, and
+        every engine refuses a refit whose model's config sets any of them otherwise. They come from `config` when
+        given, else from the spec itself (`spec.math`: a spec made by `ModelSpec.from_hf_config` carries them), so
+        a refit from a spec read from a checkpoint is checked without further arguments. `math=None` turns the
+        check off.
+
         Args:
             spec: the model.
             src: the trainer's layout.
             dst: the engine's layout (a `VllmLayout`).
-            config: the trainer's HF config (a dict, config.json or checkpoint directory): its fields that change
-                the math without changing shapes (`layouts.math_config.MATH_FIELDS`: MoE top-k, norm epsilon,
-                rope, activation ...) travel as `math`, and the engine refuses a refit whose model differs.
-            **fields: any other `RefitSpec` field (install, transport, options, fanout, ...).
+            config: the trainer's HF config (a dict, config.json or checkpoint directory), for a spec that does
+                not carry its math (one made field by field); it must be the spec's model's config (an adapter
+                spec's: the config of the model it adapts).
+            **fields: any other `RefitSpec` field (install, transport, options, fanout, math, ...).
 
         Returns:
             The spec.
 
         Raises:
-            ArgumentError: an argument of the wrong kind, or a config that is not the spec's model.
+            ArgumentError: an argument of the wrong kind, a config that is not the spec's model's, or both
+                `config` and `math`.
             PlanError: a field `RefitSpec` refuses.
         """
         from pathlib import Path
@@ -170,14 +179,12 @@ class RefitSpec:
         if rdv is not None and not isinstance(rdv, dict):
             fields["rendezvous"] = rdv.to_dict()
         if config is not None:
-            from ..errors import ArgumentError
-            from ..layouts.math_config import math_config
-            from ..layouts.registry import read_hf_config, spec_from_hf_config
-
-            config = read_hf_config(config)
-            if spec_from_hf_config(config).model_copy(update={"dtype": spec.dtype}) != spec:
-                raise ArgumentError("config", "<the HF config>", f"is not the config of the model {spec}")
-            fields["math"] = math_config(config)
+            if "math" in fields:
+                raise ArgumentError("config", str(config)[:200] if not isinstance(config, dict) else "<a dict>",
+                                    "and math= are both given: pass one (config's math fields are what math holds)")
+            fields["math"] = _config_math(spec, config)
+        elif "math" not in fields:
+            fields["math"] = spec.math  # ModelSpec.from_hf_config's; None for a spec made field by field
         return cls(model=spec.model_dump(), src=strip(src), dst=strip(dst), **fields)
 
     def to_dict(self) -> dict[str, Any]:
@@ -231,6 +238,20 @@ class RefitSpec:
     def num_processes(self) -> int:
         plan = self.plan()
         return plan.src.num_ranks + plan.dst.num_ranks
+
+
+def _config_math(spec: ModelSpec, config: Any) -> dict[str, Any]:
+    """The math fields of `config`, which must be the config of `spec`'s model (an adapter spec's: of the model it
+    adapts): a config of another model would check the engine against the wrong math."""
+    from ..layouts.lora import FAMILY, base_spec
+    from ..layouts.math_config import math_config
+    from ..layouts.registry import read_hf_config, spec_from_hf_config
+
+    config = read_hf_config(config)
+    model = base_spec(spec) if spec.family == FAMILY else spec
+    if spec_from_hf_config(config).model_copy(update={"dtype": model.dtype}) != model:
+        raise ArgumentError("config", "<the HF config>", f"is not the config of the model {model}")
+    return math_config(config)
 
 
 # --- published sources (trainer and engine in one process) -------------------------------------------------

@@ -1,7 +1,9 @@
 """The HF config fields that change a model's math without changing any tensor's shape: two models that differ in
 one of them have the same layouts and plans, so a refit between them would "succeed" and serve wrong outputs.
-`ModelSpec.from_hf_config` keeps them in `ModelSpec.math`; a vLLM worker compares the trainer's with its own
-model's before a byte moves (adapters.vllm.session), field by field, and `math_fingerprint` is one digest of them.
+`ModelSpec.from_hf_config` keeps them in `ModelSpec.math` (beside the spec's fields, so no equality or digest
+changes), `RefitSpec.of` sends them to the engines by default, and a vLLM worker compares the trainer's with its
+own model's before a byte moves (adapters.vllm.session.check_served_model), field by field; `math_fingerprint` is
+one digest of them.
 
 Rope settings are compared in one normalized form (transformers 4 writes `rope_theta` + `rope_scaling`,
 transformers 5 `rope_parameters`): "rope_theta" and "rope_scaling" (the scaling's parameters, without the theta).
@@ -56,10 +58,22 @@ def _rope(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def math_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The fields of MATH_FIELDS an HF config sets (rope normalized); JSON values."""
+    """The fields of MATH_FIELDS an HF config sets (rope normalized); JSON values.
+
+    Raises:
+        ModelConfigError: a field whose value is not JSON (a config given as a dict with, say, tuple keys in
+            rope_scaling), naming it: the fields travel to the engines as JSON.
+    """
     out = {k: config[k] for k in MATH_FIELDS if k in config and k not in ("rope_theta", "rope_scaling")
            and config[k] is not None}
     out.update(_rope(config))
+    for key, value in out.items():
+        try:
+            json.dumps(value, default=str)
+        except (TypeError, ValueError) as e:
+            from ..errors import ModelConfigError
+
+            raise ModelConfigError(field=key, value=value, rule=f"must be a JSON value ({e})") from None
     return json.loads(json.dumps(out, sort_keys=True, default=str))
 
 

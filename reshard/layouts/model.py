@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import json
 import math
 from dataclasses import dataclass
 from typing import Any, Hashable
@@ -23,6 +24,9 @@ from .validated import ValidatedModel
 
 DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 LAYER = "model.layers.{i}."  # HF (and vLLM) prefix of layer i's tensors
+# where a spec keeps its `math` (canonical JSON text): in the instance's __dict__ beside the pydantic fields, which
+# pydantic's equality, hash and serialization skip (see ModelSpec.math)
+_MATH_KEY = "_reshard_math"
 
 
 class Role(str, enum.Enum):
@@ -120,6 +124,11 @@ class ModelSpec(ValidatedModel):
         dtype: parameter dtype.
         arch: family-specific facts as sorted (key, value) pairs (read with `arch_value`).
 
+    A spec made by `from_hf_config` also keeps the config's fields that change the math without changing any
+    shape (`math`: MoE top-k, norm epsilon, rope, activation ...; `layouts.math_config`). They are not a field:
+    two specs that differ only there have the same layouts, plans and digests and compare equal; `RefitSpec.of`
+    sends them to the engines, which refuse a model configured otherwise.
+
     Raises:
         ModelConfigError: a field of the wrong type, out of its bounds, or breaking the family's rules.
     """
@@ -209,6 +218,33 @@ class ModelSpec(ValidatedModel):
         return default
 
     @property
+    def math(self) -> dict[str, Any] | None:
+        """The HF config's fields that change the math but no shape (`layouts.math_config.math_config`), as JSON
+        values, when the spec was made from a config (`from_hf_config`); None otherwise.
+
+        Kept beside the fields, not among them: equality, hashing, `model_dump` and every digest (plan digests,
+        verl's model digest) see only where bytes live, so a spec compares equal to the engine's own (which never
+        carries it) and plans are shared; `RefitSpec.of` sends it to the engines, which compare it with their
+        model's config. `model_copy` keeps it (a dtype or size changed does not change the config's math);
+        `ModelSpec(**spec.model_dump())` does not."""
+        raw = self.__dict__.get(_MATH_KEY)
+        return None if raw is None else json.loads(raw)
+
+    def _with_math(self, fields: "dict[str, Any] | None") -> "ModelSpec":
+        """This spec, carrying `fields` (JSON values; None: none) as its `math` (stored as canonical JSON text:
+        immutable, and the same text on every process that read the same config)."""
+        if fields is None:
+            self.__dict__.pop(_MATH_KEY, None)
+        else:
+            self.__dict__[_MATH_KEY] = json.dumps(fields, sort_keys=True)
+        return self
+
+    def model_copy(self, *, update: Any = None, deep: bool = False) -> "ModelSpec":  # type: ignore[override]
+        """A copy with `update` applied, validated like the constructor (`ValidatedModel.model_copy`); it keeps
+        this spec's `math`."""
+        return super().model_copy(update=update, deep=deep)._with_math(self.math)
+
+    @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
@@ -287,7 +323,12 @@ class ModelSpec(ValidatedModel):
             from ..errors import ArgumentError
 
             raise ArgumentError("include_mtp", include_mtp, "must be True or False")
-        return registry.spec_from_hf_config(config, include_mtp=include_mtp)
+        from .math_config import math_config
+
+        config = registry.read_hf_config(config)  # read once: the spec and its math come from the same dict
+        spec = registry.spec_from_hf_config(config, include_mtp=include_mtp)
+        # a fresh object (a family may hand out cached specs): its math belongs to this config alone
+        return spec.model_copy()._with_math(math_config(config))
 
 
 def _frozen(value: Any) -> Any:

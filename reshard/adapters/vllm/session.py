@@ -97,30 +97,8 @@ class WorkerSession:
             pass
 
     def _check_model(self, dst: Any) -> None:
-        """The trainer's model and destination layout must be what this worker serves (an adapter's: the model it
-        adapts; the LoRA settings are AdapterSlot's to check)."""
-        live = spec_of(self.vllm_config)
-        model = base_spec(dst.model) if isinstance(dst, VllmLoraLayout) else dst.model
-        ours = model.model_copy(update={"dtype": live.dtype})
-        if ours != live:
-            raise LayoutMismatchError(str(dst), [f"trainer: {model}", f"vLLM: {live}"], where="the vLLM model")
-        if self.refit.math is not None:  # fields that change the math, not the shapes (layouts.math_config)
-            from ...layouts.math_config import math_config, math_differences, math_fingerprint
-
-            engine = math_config(self.vllm_config.model_config.hf_config.to_dict())
-            differ = math_differences(self.refit.math, engine)
-            if differ:
-                ours, theirs = math_fingerprint(self.refit.math)[:12], math_fingerprint(engine)[:12]
-                raise LayoutMismatchError(str(dst), [f"the trainer's model config (math {ours}) vs this engine's "
-                                                     f"(math {theirs}): " + "; ".join(differ)],
-                                          where="the vLLM model's config")
-        declared = declared_layout(model, self.vllm_config, dst.replicas)
-        lora = {"model", "max_lora_rank", "fully_sharded"}
-        if declared.model_dump(exclude={"model"}) != dst.model_dump(exclude=lora):
-            ours, theirs = dst.model_dump(exclude=lora), declared.model_dump(exclude={"model"})
-            differ = ", ".join(f"{k}: {ours[k]!r} vs {theirs[k]!r}" for k in ours if ours[k] != theirs.get(k))
-            raise LayoutMismatchError(str(dst), [f"trainer declared {dst}, the engine runs {declared} ({differ})"],
-                                      where="this vLLM engine's parallel config")
+        """The trainer's model and destination layout must be what this worker serves (`check_served_model`)."""
+        check_served_model(self.refit, dst, self.vllm_config)
 
     # --- one refit ---------------------------------------------------------------------------------
     def check_refit(self, refit: str) -> None:
@@ -200,3 +178,38 @@ class WorkerSession:
         if installer is not None:
             installer.close()
         self.store = None
+
+
+def check_served_model(refit: RefitSpec, dst: Any, vllm_config: Any) -> None:
+    """The trainer's model and destination layout must be what the engine of `vllm_config` serves (an adapter's:
+    the model it adapts; the LoRA settings are AdapterSlot's to check): the same spec, the same math (the HF config
+    fields that change no shape, `refit.math`: compared with the engine's own config unless the trainer sent none)
+    and the same parallel layout.
+
+    Raises:
+        LayoutMismatchError: naming what differs, before any byte moves.
+    """
+    live = spec_of(vllm_config)
+    model = base_spec(dst.model) if isinstance(dst, VllmLoraLayout) else dst.model
+    ours = model.model_copy(update={"dtype": live.dtype})
+    if ours != live:
+        raise LayoutMismatchError(str(dst), [f"trainer: {model}", f"vLLM: {live}"], where="the vLLM model")
+    if refit.math is not None:  # fields that change the math, not the shapes (layouts.math_config)
+        from ...layouts.math_config import math_config, math_differences, math_fingerprint
+
+        engine = math_config(vllm_config.model_config.hf_config.to_dict())
+        differ = math_differences(refit.math, engine)
+        if differ:
+            mine, theirs = math_fingerprint(refit.math)[:12], math_fingerprint(engine)[:12]
+            raise LayoutMismatchError(str(dst), [f"the trainer's model config (math {mine}) vs this engine's "
+                                                 f"(math {theirs}): " + "; ".join(differ)],
+                                      fix="serve the trainer's config, or refit from a spec of the engine's "
+                                          "(RefitSpec.of(..., math=None) skips this check)",
+                                      where="the vLLM model's config")
+    declared = declared_layout(model, vllm_config, dst.replicas)
+    lora = {"model", "max_lora_rank", "fully_sharded"}
+    if declared.model_dump(exclude={"model"}) != dst.model_dump(exclude=lora):
+        mine, theirs = dst.model_dump(exclude=lora), declared.model_dump(exclude={"model"})
+        differ = ", ".join(f"{k}: {mine[k]!r} vs {theirs[k]!r}" for k in mine if mine[k] != theirs.get(k))
+        raise LayoutMismatchError(str(dst), [f"trainer declared {dst}, the engine runs {declared} ({differ})"],
+                                  where="this vLLM engine's parallel config")

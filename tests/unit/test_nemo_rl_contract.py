@@ -21,7 +21,9 @@ from reshard.testing.megatron_cpu import TinyGPT
 
 DATA = Path(__file__).resolve().parents[1] / "data/nemo_rl_checkpoint_engine.json"
 PINNED = {"commit": "7ea279abfbeb698b092856d0dab61e7cf39bc909",
-          "interface_sha256": "c910d9823dcd10f3be652c6c6f78c48f34d31b220290d76c03faff351144a15c"}
+          "interface_sha256": "c910d9823dcd10f3be652c6c6f78c48f34d31b220290d76c03faff351144a15c",
+          # how a YAML config becomes the constructor call (the guide's configs run through it)
+          "config_sha256": "03cfbe6f3df7949b8d646955f7dda7e1f3d5c0788838972d92a07cf90dd3c0af"}
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +36,21 @@ def test_the_recorded_interface_is_the_pinned_one(interface):
     body = {k: interface[k] for k in ("constructor", "methods", "attributes", "typed_dicts")}
     digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
     assert digest == PINNED["interface_sha256"], "NeMo-RL's recorded interface changed: review it, then re-pin"
+    digest = hashlib.sha256(json.dumps(interface["config"], sort_keys=True).encode()).hexdigest()
+    assert digest == PINNED["config_sha256"], "NeMo-RL's recorded config machinery changed: review it, then re-pin"
+
+
+def test_the_recorded_config_is_what_construction_relies_on(interface):
+    """The plugin config passes extra keys through (reshard's options reach the constructor only so), and every
+    field it declares is either dumped into the keyword arguments or excluded from them."""
+    config = interface["config"]
+    plugin = config["plugin_config"]
+    assert plugin["extra"] == "allow"
+    assert sorted(plugin["fields"]) == sorted(interface["constructor"]["plugin_config_fields"])
+    assert config["engine_kwargs_exclude"] == interface["constructor"]["excluded_from_kwargs"]
+    passed = set(plugin["fields"]) - set(config["engine_kwargs_exclude"])
+    params = inspect.signature(ReshardCheckpointEngine).parameters
+    assert passed <= set(params), f"NeMo-RL always passes {sorted(passed)}"
 
 
 def test_every_method_matches_the_recorded_signature(interface):
@@ -68,6 +85,10 @@ def test_constructed_as_nemo_rl_constructs_it(interface, tmp_path):
         ReshardCheckpointEngine(bucket_size=0, model=str(config))
     with pytest.raises(ArgumentError, match="transport"):
         ReshardCheckpointEngine(bucket_size=1 << 20, model=str(config), transport="carrier-pigeon")
+    with pytest.raises(ArgumentError, match=r"'fan_out' is not an option.*'fan_out' -> 'fanout'"):
+        ReshardCheckpointEngine(bucket_size=1 << 20, model=str(config), fan_out=2)  # NeMo-RL passes any key
+    with pytest.raises(ArgumentError, match=r"host='198\.51\.100\.77' is not an address of this host.*RESHARD_HOST"):
+        ReshardCheckpointEngine(bucket_size=1 << 20, model=str(config), host="198.51.100.77")  # TEST-NET-2: no host's
 
 
 def test_target_layout_has_nemo_rl_keys_and_keeps_this_workers_share(interface, tmp_path):

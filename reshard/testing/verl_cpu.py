@@ -179,6 +179,12 @@ class TrainerWorker(ActorRolloutRefWorker):
         return {name: digest(t) for name, t in megatron_to_hf(self.actor.engine.named(), self.tiny)}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def where(self) -> dict[str, Any]:
+        """This worker's node address (Ray's) and the address its checkpoint engine last hosted a store at."""
+        rdv = getattr(self.checkpoint_engine, "_rdv", None)
+        return {"node": ray.util.get_node_ip_address(), "store": rdv.host if rdv is not None else None}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def set_fault(self, fault: dict[str, Any], rank: int) -> None:
         self.actor.engine.fault = fault if self.rank == rank else {}
 
@@ -226,6 +232,10 @@ class RolloutWorker(CheckpointEngineWorker):
         self.checkpoint_engine = new_engine(ce)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def where(self) -> dict[str, Any]:
+        return {"node": ray.util.get_node_ip_address()}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def served(self) -> tuple[int | None, dict[str, str]]:
         adapter = self.server_adapter
         return adapter.version, {name: digest(t) for name, t in adapter.weights.items()}
@@ -255,12 +265,16 @@ class Refit:
     """M trainer workers, N rollout workers (TP 1 replicas), one manager: `refit(step)` as verl's trainer does."""
 
     def __init__(self, trainers: int, rollouts: int, checkpoint: str, ce: dict[str, Any], tiny: TinyGPT = MOE,
-                 extra_modules: str | None = None) -> None:
+                 extra_modules: str | None = None, trainer_node: str | None = None,
+                 rollout_node: str | None = None) -> None:
+        """trainer_node / rollout_node: a Ray custom resource of the node each side's workers must run on (e.g.
+        the two-host test bed's "host_a" / "host_b"); None: wherever Ray places them."""
         self.checkpoint, self.ce, self.tiny, self.num_trainers = checkpoint, ce, tiny, trainers
+        self.trainer_node, self.rollout_node = trainer_node, rollout_node
         self._start_trainers()
         self.rollout_config = RolloutConfig(name="vllm", tensor_model_parallel_size=1,
                                             checkpoint_engine=CheckpointEngineConfig(**ce))
-        self.rollout_pool = RayResourcePool([rollouts], use_gpu=False, max_colocate_count=1)
+        self.rollout_pool = resource_pool(rollouts, rollout_node)
         self.rollouts = RayWorkerGroup(
             resource_pool=self.rollout_pool, device_name="cpu",
             ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(RolloutWorker),
@@ -273,7 +287,7 @@ class Refit:
 
     def _start_trainers(self) -> None:
         config = OmegaConf.create({"actor": {"strategy": "fsdp"}, "rollout": {"checkpoint_engine": self.ce}})
-        self.trainer_pool = RayResourcePool([self.num_trainers], use_gpu=False, max_colocate_count=1)
+        self.trainer_pool = resource_pool(self.num_trainers, self.trainer_node)
         self.trainers = RayWorkerGroup(
             resource_pool=self.trainer_pool, device_name="cpu",
             ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(TrainerWorker), config=config, role="actor",
@@ -317,6 +331,22 @@ class Refit:
         _kill([*self.trainers.workers, *self.rollouts.workers], [self.trainer_pool, self.rollout_pool])
 
 
+def resource_pool(workers: int, node: str | None = None) -> RayResourcePool:
+    """verl's CPU resource pool of `workers` one-CPU bundles; with `node`, every bundle also asks for a little of
+    that Ray custom resource, so the pool lands on the node that has it. verl builds a pool's placement groups from
+    CPU (and GPU) counts only; a pool whose groups are made beforehand keeps them (`get_placement_groups` returns
+    `pgs` once set, as verl's own SubRayResourcePool relies on)."""
+    pool = RayResourcePool([workers], use_gpu=False, max_colocate_count=1)
+    if node is not None:
+        from ray.util.placement_group import placement_group
+
+        group = placement_group([{"CPU": 1, node: 0.001}] * workers, strategy="STRICT_PACK",
+                                name=f"{pool.name_prefix}{node}")
+        ray.get(group.ready(), timeout=120)
+        pool.pgs = [group]
+    return pool
+
+
 def _kill(workers: list, pools: list) -> None:
     for worker in workers:
         try:
@@ -328,12 +358,15 @@ def _kill(workers: list, pools: list) -> None:
             ray.util.remove_placement_group(pg)
 
 
-def start_ray(num_cpus: int = 16) -> None:
-    """A local Ray cluster whose workers import this checkout's reshard (logical CPUs: verl's pools ask for one
-    per worker; the machine may have two)."""
+def start_ray(num_cpus: int = 16, address: str | None = None) -> None:
+    """A local Ray cluster (or, with `address`, a driver of the running cluster there) whose workers import this
+    checkout's reshard (logical CPUs: verl's pools ask for one per worker; the machine may have two)."""
     root = str(Path(__file__).resolve().parents[2])
     env = {"PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
            "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    if address is not None:
+        ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False)
+        return
     ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=False)
 
 
@@ -438,4 +471,4 @@ class FunnelCheckpointEngine(CheckpointEngine):
 
 __all__ = ["CheckpointAdapter", "FunnelCheckpointEngine", "MOE", "MegatronExport", "ModelSpec", "Refit", "Replica",
            "RolloutWorker", "TrainerWorker",
-           "checkpoint_engine_config", "digest", "megatron_to_hf", "save_checkpoint", "start_ray"]
+           "checkpoint_engine_config", "digest", "megatron_to_hf", "resource_pool", "save_checkpoint", "start_ray"]

@@ -22,6 +22,8 @@ before any rollout rank hands anything on.
 from __future__ import annotations
 
 import inspect
+import os
+import sys
 import time
 from typing import Any, AsyncIterator, Iterable
 
@@ -29,6 +31,7 @@ import torch
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 
 from ...adapters import rendezvous as rv
+from ...addresses import ENV, routable_address
 from ...errors import ArgumentError, ExecutionError, ReshardError
 from ...executors.binding import Binding
 from ...executors.local import torch_dtype
@@ -76,11 +79,14 @@ class ReshardCheckpointEngine(CheckpointEngine):
     # --- 1. prepare ----------------------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
         meta = {"role": self.role, "master": self.is_master, "model_digest": model_digest(self.spec),
-                "bucket_size": self.bucket_size, "options": self.options}
+                "bucket_size": self.bucket_size, "options": self.options, "node": node_here()}
         if self.is_master:
             self._close()
             self._rdv, self._store = rv.host_store(rv.Rendezvous.new(self.host, 0, timeout=self.timeout))
-            meta.update(model=self.spec.model_dump(), rendezvous=self._rdv.to_dict())
+            # where the store's address came from, so a bad one is blamed on what set it (build_topology)
+            source = "engine_kwargs.reshard.host" if self.host is not None else (
+                ENV if os.environ.get(ENV) else "discovered")
+            meta.update(model=self.spec.model_dump(), rendezvous=self._rdv.to_dict(), host_source=source)
         return meta
 
     # --- 2. build_topology (driver) ------------------------------------------------------------------
@@ -265,6 +271,24 @@ class ReshardCheckpointEngine(CheckpointEngine):
             self._comm.close()
         self._comm, self._top = None, None
         self._store = None  # trainer rank 0's store server goes with its last reference
+
+
+def node_here() -> dict[str, str | None]:
+    """Which host this rank runs on, for build_topology's check of the store address: the Ray node id (every
+    verl worker is a Ray actor; host names can repeat across nodes, network namespaces share one) and the address
+    other hosts reach it at (None where it cannot be told)."""
+    node_id = None
+    ray = sys.modules.get("ray")  # every verl worker has Ray imported and initialized; never import it here
+    if ray is not None and ray.is_initialized():
+        try:
+            node_id = ray.get_runtime_context().get_node_id()
+        except Exception:  # noqa: BLE001 - an older or partial Ray: the address alone decides
+            node_id = None
+    try:
+        address = routable_address()
+    except ReshardError:  # a RESHARD_HOST that is not this host's: the master's prepare reports it, not this
+        address = None
+    return {"id": node_id, "address": address}
 
 
 async def _items(weights: Any) -> AsyncIterator[tuple[str, torch.Tensor]]:

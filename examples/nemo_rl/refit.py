@@ -182,7 +182,8 @@ def main() -> int:
     t0 = time.perf_counter()
     generation = start_generation(a.vllm_python, str(ckpt_b), a.tp, env)
     policy = [ray.remote(PolicyWorker).options(num_cpus=0).remote(r, str(ckpt_a)) for r in range(a.policy_workers)]
-    sync = Synchronizer(policy, generation, {"model": str(ckpt_a), "host": "127.0.0.1"}, bucket_size=1 << 20)
+    # the refit_cfg entry as a user writes it: no address (each engine finds its own, here the Ray node's IP)
+    sync = Synchronizer(policy, generation, {"model": str(ckpt_a), "release_after_refit": False}, bucket_size=1 << 20)
     ok = False
     try:
         fresh = ray.get(generation.greedy.remote(PROMPTS))

@@ -9,6 +9,10 @@
           "reshard.integrations.nemo_rl:ReshardCheckpointEngine":
             model: /path/to/the/hf/checkpoint        # or its config.json: what vLLM serves
 
+No address in the config: NeMo-RL gives every worker on every node the same entry, so each engine finds its own
+(reshard.addresses: RESHARD_HOST in the node's environment, else the Ray node IP, else the default route's
+interface) and only policy worker 0's store, at the address it published, is used.
+
 NeMo-RL's interface (nemo_rl/utils/checkpoint_engines/base.py at the commit in
 tests/data/nemo_rl_checkpoint_engine.json) is duck-typed here: nothing of NeMo-RL is imported. NeMo-RL builds one
 engine per policy worker and per vLLM worker (`create_checkpoint_engine`: `bucket_size` in bytes plus the
@@ -131,8 +135,8 @@ class ReshardCheckpointEngine:
             except ArgumentError as e:  # the same config reaches every node: say why a node's address cannot work
                 raise ArgumentError("refit_cfg host", host, f"{e.rule}; NeMo-RL gives every policy and vLLM worker "
                                     f"the same refit_cfg entry, so an address of one node is wrong on all others",
-                                    fix="remove `host`: each worker finds its own address (set RESHARD_HOST in a "
-                                        "worker's environment to choose among a multi-homed node's addresses)"
+                                    fix="remove `host`: each worker finds its own address; RESHARD_HOST in a "
+                                        "node's environment chooses among a multi-homed node's addresses"
                                     ) from None
         self.host = host
         self.device, self.timeout = device, float(timeout)

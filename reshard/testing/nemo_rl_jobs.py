@@ -68,6 +68,7 @@ def nemo_rl_worker(rank: int, size: int, job: dict[str, Any]) -> dict[str, Any]:
     checkpoint), and any error constructing or joining."""
     import torch.distributed as dist
 
+    from ..executors.local import torch_dtype
     from ..integrations.nemo_rl import ReshardCheckpointEngine
     from .serve_jobs import load_checkpoint, train_step
     from .world import new_group
@@ -84,7 +85,8 @@ def nemo_rl_worker(rank: int, size: int, job: dict[str, Any]) -> dict[str, Any]:
         out["construct_error"] = f"{type(e).__name__}: {e}"
     if any(_gather(job, "construct", rank, "construct_error" in out)):  # the driver's ray.get raises for all
         return out
-    base = load_checkpoint(job["checkpoint"])
+    sent = torch_dtype(engine.spec.dtype)  # the policy exports in the dtype the engine was built for (its `dtype`)
+    base = {k: v.to(sent) for k, v in load_checkpoint(job["checkpoint"]).items()}
     for step in range(1, job["steps"] + 1):
         if step == 1 or job.get("release_after_refit"):  # NeMo-RL then finalizes after every refit
             t0 = time.perf_counter()

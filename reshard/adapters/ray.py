@@ -11,6 +11,16 @@ call; nothing of reshard's is pickled).
     # on trainer actor 0:
     session = TrainerSession(refit, 0, tensors, engines=[RayEngineClient(engine, "engine-0")], ...)
 
+Addresses on a Ray cluster: nothing to configure. Trainer actor 0 hosts the refit's store at its node's IP as Ray
+knows it (`ray.util.get_node_ip_address()`, what Ray's own peers use; reshard.addresses), and every gloo group of
+the refit binds the node IP of the process that joins it; an engine actor's vLLM workers are processes of its own
+(not Ray workers) and find their node's address from its interfaces (the default route's, or the only
+non-loopback one). RESHARD_HOST (in the actors' `runtime_env` env_vars) or `TrainerSession(host=...)` overrides
+it on a multi-homed node; an address of another host is refused. An engine that cannot reach the store fails its
+init at once, naming the address, and the trainer's init raises with that message. Placing engines on other
+nodes than the trainers is Ray's business (`resources`, placement groups); `VllmEngineActor.node_address` tells
+where one landed.
+
 This module imports ray and vllm lazily (only inside the calls that need them).
 """
 from __future__ import annotations
@@ -152,6 +162,12 @@ class VllmEngineActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def node_address(self) -> str:
+        """The IP of the Ray node this engine runs on (where its workers' addresses are found)."""
+        import ray
+
+        return str(ray.util.get_node_ip_address())
 
     # --- the driver's lease --------------------------------------------------------------------------
     def lease(self, request: str) -> str:

@@ -77,7 +77,14 @@ class MegatronTrainerActor:
         # --8<-- [end:ray_trainer]
         self.sessions[g["name"]] = session
         self.clients[g["name"]] = clients
-        return json.dumps(cache.stats())
+        return json.dumps({**cache.stats(), "rendezvous_host": session.rendezvous.host if session.rendezvous
+                           else None})
+
+    def node_address(self) -> str:
+        """The IP of the Ray node this trainer runs on."""
+        import ray
+
+        return str(ray.util.get_node_ip_address())
 
     def train_step(self, step: int) -> None:
         from .serve_jobs import train_step
@@ -131,9 +138,10 @@ __all__ = ["MegatronTrainerActor"]
 
 
 def start_engine(model: str, tp: int = 1, python: str | None = None, name: str | None = None,
-                 **engine_args: Any) -> Any:
+                 resources: dict[str, float] | None = None, **engine_args: Any) -> Any:
     """A `VllmEngineActor` in the vLLM CPU virtualenv (testing.serve.vllm_cpu_python), float32, from `model`
-    (`engine_args`: more `LLM` keyword arguments, e.g. enable_lora)."""
+    (`engine_args`: more `LLM` keyword arguments, e.g. enable_lora); `resources`: Ray custom resources that place
+    it (the multihost test bed's nodes carry "host_a" / "host_b")."""
     import ray
 
     from ..adapters.ray import VllmEngineActor
@@ -145,18 +153,24 @@ def start_engine(model: str, tp: int = 1, python: str | None = None, name: str |
     options = {"runtime_env": runtime_env, "num_cpus": 0, "max_concurrency": 4}  # threaded: lease renewals
     if name:
         options["name"] = name
+    if resources:
+        options["resources"] = dict(resources)
     args = {"tensor_parallel_size": tp, "dtype": "float32", "max_model_len": 128, **engine_args}
     return ray.remote(VllmEngineActor).options(**options).remote(model, json.dumps(args), json.dumps(env))
 
 
-def start_trainers(world: int, job: dict[str, Any]) -> list:
-    """`world` MegatronTrainerActors (one rank each) of one gloo world, loaded with job["checkpoint"]."""
+def start_trainers(world: int, job: dict[str, Any], resources: dict[str, float] | None = None) -> list:
+    """`world` MegatronTrainerActors (one rank each) of one gloo world, loaded with job["checkpoint"]. Their world
+    meets on loopback (MASTER_ADDR): they must share a node; `resources` (Ray custom resources) chooses it."""
     import ray
 
     from ..ports import free_port
 
     port = free_port()
-    actor = ray.remote(MegatronTrainerActor).options(num_cpus=0, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    options: dict[str, Any] = {"num_cpus": 0, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}}
+    if resources:
+        options["resources"] = dict(resources)
+    actor = ray.remote(MegatronTrainerActor).options(**options)
     return [actor.remote(r, world, port, json.dumps(job)) for r in range(world)]
 
 

@@ -58,8 +58,13 @@ class ReshardCheckpointEngine(CheckpointEngine):
 
     wire_format = "named_tensors"
 
-    def __init__(self, bucket_size: int, is_master: bool | None = None, *, model: Any, dtype: str | None = None,
+    def __init__(self, bucket_size: int, is_master: bool | None = None, *, model: Any = None, dtype: str | None = None,
                  host: str | None = None, device: str | None = None, **options: Any) -> None:
+        if model is None or model == "":  # verl passes engine_kwargs.reshard only: {} when the options sit elsewhere
+            raise ArgumentError("engine_kwargs.reshard.model", model, "is required: the HF config of the model (a "
+                                "config.json path or checkpoint directory); verl hands this backend only "
+                                "checkpoint_engine.engine_kwargs.reshard, so options placed directly under "
+                                "engine_kwargs reach no backend")
         self.role = "rollout" if is_master is None else "trainer"
         self.is_master = bool(is_master)
         spec = model if isinstance(model, ModelSpec) else ModelSpec.from_hf_config(model)

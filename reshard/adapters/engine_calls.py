@@ -1,6 +1,7 @@
 """Calls into engines on threads of their own, so that an engine's update runs while the trainer sends and an
 engine that never answers cannot hold the trainer: each call is waited for with a deadline, then left to its
-thread."""
+thread. A refit's waits share one deadline (its timeout from its start), so a frozen engine ends the refit within
+the timeout, not within the timeout once per step."""
 from __future__ import annotations
 
 import threading
@@ -31,14 +32,26 @@ class EngineCall:
                     pass
 
 
-def wait_calls(calls: list[EngineCall], timeout: float) -> list[str]:
-    """Join every call within one shared `timeout`; the errors, and the calls that did not answer in time."""
-    deadline = time.monotonic() + timeout
+def wait_calls(calls: list[EngineCall], timeout: float, deadline: float | None = None) -> list[str]:
+    """Join every call by one shared deadline; the errors, and the calls that did not answer in time.
+
+    Args:
+        calls: the calls, each on its thread.
+        timeout: seconds from now the calls share (when `deadline` is None), else the bound `deadline` derives
+            from (named in the errors).
+        deadline: a `time.monotonic()` instant that bounds a whole sequence of steps (a refit), shared by every
+            wait of the sequence: a step that started late gets only what is left, so the steps together never
+            take longer than the sequence's timeout.
+    """
+    if deadline is None:
+        deadline, late = time.monotonic() + timeout, f"no answer within {timeout:.0f} s"
+    else:
+        late = f"no answer by the refit's deadline ({timeout:.0f} s after it began)"
     errors = []
     for c in calls:
         c.thread.join(max(0.0, deadline - time.monotonic()))
         if c.thread.is_alive():
-            errors.append(f"{c.label}: no answer within {timeout:.0f} s")
+            errors.append(f"{c.label}: {late}")
         elif c.error:
             errors.append(c.error)
     return errors

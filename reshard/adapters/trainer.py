@@ -84,7 +84,8 @@ class TrainerSession:
             routable address: RESHARD_HOST, the Ray node IP, the interface of the default route; see
             reshard.addresses).
         pause: how engines are paused around a refit (a VllmServer's /pause mode), or None not to pause.
-        timeout: seconds any step may take (every wait and clean-up is bounded by it).
+        timeout: seconds a refit may take, all its steps together (every wait and clean-up is bounded by it), and
+            any one step of init or close.
         lora_ids: install="lora_slot" with engines that serve the adapter under different ids: engine k's id.
         lease: seconds of the driver's lease on engines that keep one (a server running reshard's lease
             middleware): process 0 renews it from init to close; if it dies, the engine ends the open update by
@@ -134,6 +135,7 @@ class TrainerSession:
             raise ArgumentError("lease", lease, "a number of seconds in [1, 3600], or None for no lease")
         self.lease = float(lease) if lease is not None else None
         self.renewal: LeaseRenewal | None = None
+        self._winding_down: Any = None  # a refit's clean-up left running in the background (refit)
         self.lora_ids = list(lora_ids) if lora_ids is not None else None
         if self.lora_ids is not None and (refit.install != "lora_slot" or len(self.lora_ids) != len(self.engines)):
             raise ExecutionError(f"lora_ids={self.lora_ids} must give one id per engine ({len(self.engines)}) of an "
@@ -151,6 +153,10 @@ class TrainerSession:
             ExecutionError: an engine refused the spec (its message names why) or cannot be reached, or the
                 rendezvous failed within the timeout.
         """
+        try:  # a previous refit's clean-up first (bounded): its resume must not land inside this init's calls
+            self._await_wind_down(time.monotonic() + self.timeout, "init")
+        except ExecutionError:  # stopped below: a new generation's init makes the wind-down skip what is left
+            pass
         if self.executor is not None:
             from ..executors.base import close_within
 
@@ -287,6 +293,13 @@ class TrainerSession:
     def refit(self, version: str | None = None) -> RefitResult:
         """One refit of every engine: every trainer process calls it, with the same version.
 
+        The whole call is bounded by the session's `timeout`, from its start: every engine call (pause, start,
+        update, install, finish, and after a failure closing the update and resume) waits only for what is left
+        of it, and the transfer is bounded by the transport's timeout (the rendezvous's, at most `timeout`). What
+        the engines have not answered by then is left to a background thread (the clean-up after a failure:
+        closing the update, then resume, in that order; each call bounded by `timeout`), which the next `init`,
+        `refit` or `close` waits for first.
+
         Args:
             version: the weight version the engines report afterwards (default: a counter).
 
@@ -294,9 +307,12 @@ class TrainerSession:
             What this process did: the version, the phases' wall times and its executor's stats.
 
         Raises:
-            ExecutionError: the refit failed (a dead or frozen peer, a refused update, a checksum mismatch); the
-                engines keep their previous weights and version, and the next `init` + `refit` works.
+            ExecutionError: the refit failed (a dead or frozen peer, a refused update, a checksum mismatch, no
+                answer by the deadline); the engines keep their previous weights and version, and the next `init`
+                + `refit` works.
         """
+        deadline = time.monotonic() + self.timeout  # the whole refit's, shared by every engine call below
+        self._await_wind_down(deadline, "this refit")
         self.version += 1
         version = version or str(self.version)
         start = time.perf_counter()
@@ -305,13 +321,14 @@ class TrainerSession:
         calls = []
         paused: list[EngineClient] = []
         stats = None
+        failed = True  # until the steps below ran to their end without error (an exception leaves it set)
         try:
             for engine in self.engines:
                 try:
                     if self.pause_mode and hasattr(engine, "pause"):
                         paused.append(engine)  # resumed below even if the pause's answer never came
-                        self._bounded(engine, "pause", self.pause_mode)
-                    self._bounded(engine, "start_weight_update")
+                        self._bounded(engine, "pause", self.pause_mode, deadline=deadline)
+                    self._bounded(engine, "start_weight_update", deadline=deadline)
                 except ExecutionError as e:  # the refit stops here; the other processes time out
                     errors.append(str(e))
                     break
@@ -323,33 +340,30 @@ class TrainerSession:
                 info = {"version": version, "refit": (self.refit_spec.rendezvous or {}).get("refit_id", "")}
                 calls = [self._call(e, "update_weights", {**info, "phase": "transfer"}) for e in self.engines]
                 if self.executor is not None:
-                    try:
+                    try:  # bounded by the transport's own timeout (executors wait for peers, not engine calls)
                         stats = self.executor.refit()
                     except ExecutionError as e:
                         errors.append(f"trainer process {self.process}: {e}")
                 marks.append(("transfer", time.perf_counter()))
-                errors += wait_calls(calls, self.timeout)
+                errors += wait_calls(calls, self.timeout, deadline)
                 if self.renewal is not None and self.renewal.error:
                     errors.append(self.renewal.error)
                 if self.engines and not errors:
                     errors += wait_calls([self._call(e, "update_weights", {**info, "phase": "install"})
-                                     for e in self.engines], self.timeout)
+                                          for e in self.engines], self.timeout, deadline)
                 marks.append(("engines", time.perf_counter()))
             if self.engines and not errors:
                 for engine in self.engines:
                     try:
-                        self._bounded(engine, "finish_weight_update", version)
+                        self._bounded(engine, "finish_weight_update", version, deadline=deadline)
                     except ExecutionError as e:
                         errors.append(str(e))
                 marks.append(("finish", time.perf_counter()))
-            elif self.engines:
-                self._close_failed_update()
+            failed = bool(errors)
         finally:
-            for engine in paused:
-                try:
-                    self._bounded(engine, "resume")
-                except ExecutionError as e:  # reported with the refit's outcome
-                    errors.append(f"resume failed: {e}")
+            close = failed and bool(self.engines)  # end the update on every engine worker, without a version
+            if close or paused:
+                errors += self._wind_down(close, paused, deadline)
             if paused:
                 marks.append(("resume", time.perf_counter()))
         if errors:
@@ -358,6 +372,49 @@ class TrainerSession:
         times = [start] + [t for _, t in marks]
         return RefitResult(version, times[-1] - start,
                            {name: times[i + 1] - times[i] for i, (name, _) in enumerate(marks)}, stats)
+
+    def _wind_down(self, close: bool, paused: list[EngineClient], deadline: float) -> list[str]:
+        """The end of a refit, in order on one thread: after a failure, close the open update on every engine
+        (`_close_failed_update`), then resume the paused engines. Waited for until the refit's `deadline`; what is
+        not done by then goes on in the background (each call bounded by the session's timeout; a later `init`
+        stops it before its next call) and the next init, refit or close waits for it first. The errors: resumes
+        that failed, or that the wind-down did not end by the deadline."""
+        import threading
+
+        generation, problems = self.generation, []
+
+        def run() -> None:
+            if close:
+                self._close_failed_update()
+            for engine in paused:
+                if self.generation != generation:  # a new init took over: its lease ends what this one left open
+                    return
+                try:
+                    self._bounded(engine, "resume")
+                except ExecutionError as e:
+                    problems.append(f"resume failed: {e}")
+
+        thread = threading.Thread(target=run, daemon=True, name="reshard-wind-down")
+        thread.start()
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            self._winding_down = thread
+            what = "closing the failed update and resuming" if close else "resuming"
+            return [f"{what} the engines did not end by the refit's deadline ({self.timeout:.0f} s after it "
+                    f"began); it goes on in the background"]
+        return list(problems)
+
+    def _await_wind_down(self, deadline: float, who: str) -> None:
+        """Wait (until `deadline`) for a previous refit's wind-down still running in the background, so that its
+        resume never lands inside the next refit. Raises ExecutionError if it is still running then."""
+        thread = getattr(self, "_winding_down", None)
+        if thread is None:
+            return
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            raise ExecutionError(f"{who} did not start: the previous refit's clean-up (closing its update, resuming "
+                                 f"the engines) is still waiting for an engine that does not answer")
+        self._winding_down = None
 
     def _members(self) -> str:
         """Who is who in the transport's group (its errors name group ranks), and the fan-out trees."""
@@ -391,15 +448,21 @@ class TrainerSession:
     def _call(self, engine: EngineClient, method: str, *args: Any, on_error: Any = None) -> EngineCall:
         return EngineCall(engine, method, args, on_error)
 
-    def _bounded(self, engine: EngineClient, method: str, *args: Any) -> None:
-        """An engine call that returns within the session's timeout, or raises ExecutionError (the call is left
-        to its thread: an engine that never answers cannot hold the trainer)."""
-        errors = wait_calls([self._call(engine, method, *args)], self.timeout)
+    def _bounded(self, engine: EngineClient, method: str, *args: Any, deadline: float | None = None) -> None:
+        """An engine call that returns within the session's timeout (or by `deadline`, a refit's), or raises
+        ExecutionError (the call is left to its thread: an engine that never answers cannot hold the trainer)."""
+        errors = wait_calls([self._call(engine, method, *args)], self.timeout, deadline)
         if errors:
             raise ExecutionError(errors[0])
 
     # --- 3. close ------------------------------------------------------------------------------------
     def close(self) -> None:
+        """Release the engines' lease and close the transport (each bounded by the timeout); a refit's clean-up
+        still running in the background is waited for first, as long as the timeout."""
+        try:
+            self._await_wind_down(time.monotonic() + self.timeout, "close")
+        except ExecutionError:  # the lease's release (or its lapse) ends what it left open on the server
+            pass
         if self.renewal is not None:
             self.renewal.stop()
             self.renewal = None

@@ -128,8 +128,18 @@ def _meet(job: dict[str, Any], engine: Any, rank: int, step: int) -> str:
     """prepare on every engine, then every engine joins with all their metadata (policy workers first). Returns the
     address of the store everyone met at (policy worker 0's, as it published it)."""
     T, R = job["policy"], job["rollout"]
-    # NeMo-RL's mixins add the worker's rank to a dict result; policy workers are processes 0..T-1
-    metadata = _gather(job, f"prepare{step}", rank, {**engine.prepare(), "rank": rank if rank < T else rank - T})
+    mine: dict[str, Any] | None = None
+    try:  # NeMo-RL's mixins add the worker's rank to a dict result; policy workers are processes 0..T-1
+        mine, error = {**engine.prepare(), "rank": rank if rank < T else rank - T}, None
+    except Exception as e:  # noqa: BLE001 - every process must reach the gathering, failed or not
+        error = e
+    gathered = _gather(job, f"prepare{step}", rank, {"metadata": mine, "error": repr(error) if error else None})
+    if error is not None:
+        raise error
+    failed = [(k, g["error"]) for k, g in enumerate(gathered) if g["error"]]
+    if failed:  # the driver's ray.get over every worker's prepare raises
+        raise RuntimeError(f"prepare failed on process {failed[0][0]}: {failed[0][1]}")
+    metadata = [g["metadata"] for g in gathered]
     topology = {"train_world_size": T, "rollout_world_size": R, "metadata": metadata}
     if rank < T:
         engine.init_policy_process_group(worker_rank=rank, **topology)

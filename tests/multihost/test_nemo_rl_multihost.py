@@ -10,7 +10,8 @@ after the same training steps, computed in that process from the checkpoint file
 
 The two failures users met on real clusters, reproduced: the old guide's `host: <one node's address>` is refused
 at once on the other node, naming the address; a store published at a loopback address (RESHARD_HOST=127.0.0.1 on
-the policy node only) fails the vLLM workers within seconds, naming it, instead of after the store's timeout.
+the policy node only) fails the vLLM workers within seconds, naming it, instead of after the store's timeout. And
+RESHARD_HOST naming another node's address is refused on the node where it is set, naming it.
 """
 from __future__ import annotations
 
@@ -34,10 +35,11 @@ def checkpoint(tmp_path_factory):
     return str(make_checkpoint(TinyGPT(), tmp_path_factory.mktemp("nemo-rl-2h") / "dense"))
 
 
-def _run(two_hosts, tmp_path, checkpoint, env_a=None, steps=2, **job):
-    """The job with processes 0..T-1 on host A and T..T+R-1 on host B; every process's result."""
+def _run(two_hosts, tmp_path, checkpoint, env_a=None, env_b=None, steps=2, **job):
+    """The job with processes 0..T-1 on host A and T..T+R-1 on host B (`env_a`, `env_b`: added to their
+    environments); every process's result."""
     def launch(rank: int, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
-        host, extra = (two_hosts.a, env_a or {}) if rank < T else (two_hosts.b, {})
+        host, extra = (two_hosts.a, env_a or {}) if rank < T else (two_hosts.b, env_b or {})
         return two_hosts.start(host, argv, {**env, **extra}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True)
 
@@ -91,3 +93,15 @@ def test_a_loopback_store_fails_the_rollout_workers_at_once_naming_it(two_hosts,
         assert not r["refits"]
     for r in policy:
         assert "meet_error" in r and not r["refits"], r  # its vLLM workers never came (bounded by the timeout)
+
+
+def test_reshard_host_naming_another_node_is_refused_where_it_is_set(two_hosts, tmp_path, checkpoint):
+    """The environment's override is checked like the config's: RESHARD_HOST=<A's address> on host B fails B's
+    engines at prepare(), naming the variable and the address, and NeMo-RL's driver sees it from every worker."""
+    policy, rollout = _run(two_hosts, tmp_path, checkpoint, env_b={"RESHARD_HOST": two_hosts.a.address}, steps=1)
+    for r in rollout:
+        error = r.get("meet_error", "")
+        assert "RESHARD_HOST" in error and two_hosts.a.address in error and "not an address of this host" in error, r
+        assert r["meet_seconds"] < 5.0 and not r["refits"], r
+    for r in policy:
+        assert "prepare failed on process 2" in r.get("meet_error", "") and not r["refits"], r

@@ -13,7 +13,9 @@ FastAPI app; it imports no vLLM itself). Protocol, all JSON over the server's po
      returned, the server ends what the holder left open by itself: an update whose install step succeeded
      is finished with the version it carried (the weights landed whole: roll forward), any other update is
      finished without a version (nothing was installed: the previous weights and version stay), and a pause is
-     resumed. `POST /reshard/lease {"holder": h, "release": true}` ends a lease on purpose.
+     resumed. `POST /reshard/lease {"holder": h, "release": true}` ends a lease on purpose. Either way the
+     server logs what it serves then (`outcome`): the version an open update was rolled forward to, the previous
+     weights of an update closed without a version or of a failed last refit, or the last refit's weights.
 `GET /reshard/lease` answers the current holder, its generation and what it holds open (for tests and operators).
 """
 from __future__ import annotations
@@ -44,6 +46,8 @@ class Open:
     started: bool = False
     installed: str | None = None  # the version of an update whose install step succeeded (not finished yet)
     pending: str | None = None  # the version an update in flight carries
+    finished: str | None = None  # the version the holder's last finished update installed (what is served)
+    failed: bool = False  # the holder's last update was closed without a version (a failed refit)
 
 
 @dataclass
@@ -129,13 +133,36 @@ def before(opened: Open, route: str, update: dict[str, Any] | None) -> None:
 
 def after(opened: Open, route: str, update: dict[str, Any] | None, ok: bool) -> None:
     """A call of the holder returned (status 2xx: ok); also after its generation was fenced (the Open is the one
-    the fence handed over, so the recovery sees the outcome)."""
+    the fence handed over, so the recovery sees the outcome). For /finish_weight_update, `update` is
+    {"version": its weight_version}."""
     if route == "/resume" and ok:
         opened.paused = False
     elif route == "/finish_weight_update":
+        version = (update or {}).get("version") if isinstance(update, dict) else None
+        if version is None:  # closed without a version: a failed refit's update ended (refused by workers whose
+            opened.failed = True  # update was already closed, which is expected: ended all the same)
+        elif ok:  # the weights the update installed are served under this version
+            opened.finished, opened.failed = str(version), False
         opened.started, opened.installed = False, None  # finished, or closed after a failure
     elif route == "/update_weights" and isinstance(update, dict) and update.get("phase", "all") in ("install", "all"):
         opened.installed = opened.pending if ok else None
+
+
+def outcome(left: Open) -> str:
+    """What the server serves once a generation ended and the middleware closed what it left open (`_end`), in
+    words for the server's log: the update it left open and how it was closed, else its last refit's outcome."""
+    kept = f" (version {left.finished!r}, its last finished refit)" if left.finished is not None else ""
+    if left.started and left.installed is not None:
+        what = f"its open update had installed {left.installed!r}: rolled forward, finished as {left.installed!r}"
+    elif left.started:
+        what = f"its open update installed nothing: closed without a version, previous weights kept{kept}"
+    elif left.failed:
+        what = f"nothing open; its last refit failed and was closed without a version: previous weights kept{kept}"
+    elif left.finished is not None:
+        what = f"nothing open: serving {left.finished!r}, the weights of its last refit"
+    else:
+        what = "nothing open and no refit finished: serving the weights it had before"
+    return what + ("; resumed" if left.paused else "")
 
 
 def parse_grant(body: bytes) -> tuple[str, float, bool]:
@@ -190,9 +217,11 @@ class ReshardLeaseMiddleware:
             return await _answer(send, 409, {"error": refusal})
         body, receive = await _buffered(receive)
         update = None
-        if path == "/update_weights":
+        if path in ("/update_weights", "/finish_weight_update"):
             try:
-                update = (json.loads(body or b"{}") or {}).get("update_info")
+                payload = json.loads(body or b"{}") or {}
+                update = payload.get("update_info") if path == "/update_weights" else \
+                    {"version": payload.get("weight_version")}
             except (ValueError, AttributeError):
                 update = None
         opened = self.book.open  # the fence hands this same object to the recovery
@@ -254,8 +283,7 @@ class ReshardLeaseMiddleware:
                 log.info("reshard: closing the update of generation %d: %s", generation, e)
         if left.paused:
             await self.engine.resume_generation()
-        log.warning("reshard: generation %d closed (%s); serving", generation,
-                    f"rolled forward to {left.installed!r}" if left.installed is not None else "previous weights kept")
+        log.warning("reshard: generation %d closed (%s): %s", generation, why, outcome(left))
 
     async def _lease(self, scope: dict, receive: Any, send: Any) -> None:
         if scope.get("method") == "GET":
@@ -321,4 +349,5 @@ async def _answer(send: Any, code: int, body: dict[str, Any]) -> None:
     await send({"type": "http.response.body", "body": data})
 
 
-__all__ = ["FENCED", "HEADER", "LeaseBook", "Open", "ReshardLeaseMiddleware", "after", "before", "parse_grant"]
+__all__ = ["FENCED", "HEADER", "LeaseBook", "Open", "ReshardLeaseMiddleware", "after", "before", "outcome",
+           "parse_grant"]

@@ -74,7 +74,7 @@ def test_segments_are_private_with_unguessable_names():
 
     t = shared_empty((16,), torch.float32)
     seg, _ = Segment.holding(t)
-    assert re.fullmatch(r"reshard-\d+-[0-9a-f]{32}", seg.name)
+    assert re.fullmatch(r"reshard-\d+-\d+-\d+-[0-9a-f]{32}", seg.name)  # creator pid, start time, pid namespace
     assert stat.S_IMODE(os.stat(f"/dev/shm/{seg.name}").st_mode) == 0o600
     for name in ("other-app-segment", "../etc/passwd", f"reshard-{os.getpid()}-abc"):
         with pytest.raises(ExecutionError, match="invalid shared-memory segment name"):

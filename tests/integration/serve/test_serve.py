@@ -179,7 +179,7 @@ def test_bad_init_is_refused_and_the_server_keeps_serving(servers):
         "wrong layout": (good.with_(dst={**good.dst, "vocab_padding": 256}), "the engine runs vllm:tp=1"),
         "plan digest": (good.with_(plan_digest="0" * 64), "differs from the one this worker compiled"),
         "unreachable store": (good.with_(rendezvous={**rdv.to_dict(), "port": free_port()}),
-                              "cannot reach the refit's store"),
+                              "the refit's store: cannot reach"),
         "wrong secret": (good.with_(rendezvous={**rdv.to_dict(), "secret": "f" * 32}), "is not the refit's"),
         "unknown field": (None, "unknown fields ['mode']"),
     }

@@ -122,8 +122,10 @@ class WorkerSession:
                 transport_timeout = _seconds(refit.options.get("timeout"), self.rendezvous.timeout)
                 # join waits at most the rendezvous's timeout, the transport's set-up at most its own
                 self.meeting_deadline = time.monotonic() + self.rendezvous.timeout + transport_timeout + 30.0
-                self.meeting = threading.Thread(target=self._meet, args=(process, tensors, group), daemon=True,
-                                                name="reshard-meet")
+                # the CUDA device is per thread: the set-up thread makes NCCL groups on this worker's device
+                device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+                self.meeting = threading.Thread(target=self._meet, args=(process, tensors, group, device),
+                                                daemon=True, name="reshard-meet")
                 self.meeting.start()
                 return
             rv.join(self.store, self.rendezvous, process, refit.num_processes, "engine")
@@ -139,11 +141,14 @@ class WorkerSession:
                                  f"{other.get('role')} process (pid {other.get('pid')} on {other.get('host')}): two "
                                  f"members claim the same rank")
 
-    def _meet(self, process: int, tensors: Any, group: Any) -> None:
-        """The background set-up: wait for every member, then open the transport. A failure is kept for the next
-        step and reported at the rendezvous; a session closed meanwhile releases what was opened."""
+    def _meet(self, process: int, tensors: Any, group: Any, device: int | None = None) -> None:
+        """The background set-up: wait for every member, then open the transport (on `device`, the worker's CUDA
+        device, current in the thread that started it). A failure is kept for the next step and reported at the
+        rendezvous; a session closed meanwhile releases what was opened."""
         from .. import rendezvous as rv
 
+        if device is not None:
+            torch.cuda.set_device(device)
         store, rdv, refit = self.store, self.rendezvous, self.refit
         try:
             rv.join(store, rdv, process, refit.num_processes, "engine")

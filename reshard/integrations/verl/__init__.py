@@ -14,9 +14,9 @@ that use the backend, and both forms tested):
 verl imports the module in its driver, trainer and rollout processes; importing it registers
 `ReshardCheckpointEngine` under "reshard" in verl's `CheckpointEngineRegistry`. In the driver the import also checks
 the block (`modes.on_import`): a key that reaches no backend is an error, and a manager verl built with another
-backend (the v1 trainers' `naive`, trainer_mode sync and colocate_async) is a BackendNotUsedWarning. Where verl is not installed the
-import succeeds and registers nothing (`ReshardCheckpointEngine` is None). The plans: `topology`; the engine and
-its lifecycle: `engine`.
+backend (the v1 trainers' `naive`, trainer_mode sync and colocate_async) is a BackendNotUsedWarning. Where verl is
+not installed the import succeeds and registers nothing (`ReshardCheckpointEngine` is None). The plans: `topology`;
+the engine and its lifecycle: `engine`; the trainer modes and the config checks: `modes`.
 """
 from __future__ import annotations
 

@@ -126,7 +126,8 @@ def test_every_guide_block_composes_and_refits(tmp_path, checkpoint):
 
 def test_a_dotted_top_level_yaml_key_is_silently_ignored(tmp_path):
     """The trap the guide's old block fell into: OmegaConf keeps the dotted key as one literal key."""
-    text = "hydra:\n  searchpath:\n    - pkg://verl.trainer.config\ndefaults:\n  - ppo_trainer\n  - _self_\n" + OLD_BLOCK
+    head = "hydra:\n  searchpath:\n    - pkg://verl.trainer.config\ndefaults:\n  - ppo_trainer\n  - _self_\n"
+    text = head + OLD_BLOCK
     (tmp_path / "old.yaml").write_text(text)
     cfg = compose(str(tmp_path), "old")
     assert CE in cfg  # the literal key

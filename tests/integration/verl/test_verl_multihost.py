@@ -80,6 +80,7 @@ def test_refits_across_hosts_at_discovered_addresses(record):
 def test_loopback_host_is_refused_at_once_naming_it(record):
     assert "error" not in record, record.get("trace", record["error"])
     bad, after = record["refits"][2:4]
+    print(f"refits (step, seconds): {[(r['step'], round(r['seconds'], 1)) for r in record['refits']]}")
     assert "error" in bad, "a store at 127.0.0.1 on host A was reported reachable from host B"
     assert "127.0.0.1" in bad["error"] and "loopback" in bad["error"], bad["error"]
     assert "engine_kwargs.reshard.host" in bad["error"] and "rollout rank 0" in bad["error"], bad["error"]

@@ -4,7 +4,8 @@ process cannot reach the namespaces' addresses): `python verl_multihost_job.py J
 It joins the Ray cluster at the job's address, starts verl's real CheckpointEngineManager over 2 trainer workers
 placed on host A and 3 rollout workers placed on host B (reshard.testing.verl_cpu.Refit, custom resources "host_a"
 and "host_b"), with no `host` in the backend's config, and refits as the job says. What happened goes, as JSON, to
-JOB.out.json: where every worker ran, each refit's seconds, the trainer's HF tensor digests (the ground truth) and
+JOB.out.json: where every worker ran, each refit's seconds (and its whole step's, with the reconfiguration and
+the training step before it), the trainer's HF tensor digests (the ground truth) and
 what every rollout worker serves, and the error and seconds of a refit that failed.
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ def main(job_path: str) -> None:
         refit = vc.Refit(2, 3, job["checkpoint"], base, trainer_node="host_a", rollout_node="host_b")
         out["trainers"], out["rollouts"] = refit.trainers.where(), refit.rollouts.where()
         for step in job["steps"]:
+            begin = time.monotonic()  # the whole step: a worker still busy with an earlier refit delays its calls
             if step.get("options") is not None:  # every worker's engine anew from this config (same backend)
                 refit.reconfigure(vc.checkpoint_engine_config(job["checkpoint"], 1, **step["options"]))
             refit.trainers.train_step(step["step"])
@@ -40,6 +42,7 @@ def main(job_path: str) -> None:
             except Exception as e:  # noqa: BLE001 - the test reads what failed and how fast
                 record["error"] = f"{type(e).__name__}: {e}"
             record["seconds"] = time.monotonic() - start
+            record["step_seconds"] = time.monotonic() - begin
             record["expected"] = refit.expected()
             record["served"] = refit.served()
             record["trainers"] = refit.trainers.where()

@@ -5,11 +5,13 @@ rank 0 publishes the address its Ray node is reached at, and every rollout worke
 trainer's HF tensors after each of two refits with training steps between them.
 
 The failure users met before addresses were discovered: `host: "127.0.0.1"` in engine_kwargs.reshard. Trainer rank 0
-can host a store there, trainer rank 1 (same host) could even join it, but host B's rollout workers cannot reach it;
-they cannot tell the trainers so through a store they cannot reach, and the trainers would wait in the rendezvous
-for the whole timeout (300 s by default). build_topology, in the driver, sees every rank's node in its metadata and
-refuses the refit before any process joins, naming the address and saying loopback; the same workers then refit
-with the discovered address at once (nobody was left waiting).
+can host a store there, trainer rank 1 (same host) joins it, but host B's rollout workers cannot reach it. Without
+build_topology's check (measured here with it disabled in the driver) verl's update_weights still raised within
+0.1 s, with the rollout side's error (its probe names 127.0.0.1 and says loopback), but the trainer ranks, which no
+one could tell through a store the rollout side cannot reach, stayed in the rendezvous until its timeout (300 s by
+default): shutting the workers down then took about 5 minutes. build_topology, in the driver, sees every rank's node
+in its metadata and refuses the refit before any process joins, naming the address, the key that set it and the
+ranks elsewhere; the same workers then refit with the discovered address at once, and shut down at once.
 
 One Ray cluster and one driver job for the module (the machine has 2 cores); each test reads its part of the job's
 record.
@@ -81,7 +83,8 @@ def test_loopback_host_is_refused_at_once_naming_it(record):
     assert "error" not in record, record.get("trace", record["error"])
     bad, after = record["refits"][2:4]
     print(f"refits (step, refit s, whole step s): "
-          f"{[(r['step'], round(r['seconds'], 1), round(r['step_seconds'], 1)) for r in record['refits']]}")
+          f"{[(r['step'], round(r['seconds'], 1), round(r['step_seconds'], 1)) for r in record['refits']]}; "
+          f"workers shut down in {record.get('shutdown_seconds', -1):.1f} s")
     assert "error" in bad, "a store at 127.0.0.1 on host A was reported reachable from host B"
     assert bad["seconds"] < DEFAULT_TIMEOUT / 10, f"the refusal took {bad['seconds']:.0f} s"
     assert all(version == 2 for version, _ in bad["served"])  # nothing was handed on: still step 2's weights
@@ -89,6 +92,8 @@ def test_loopback_host_is_refused_at_once_naming_it(record):
     # trainer that joined a store nobody else could reach would hold its next calls until the rendezvous timeout)
     assert after["step_seconds"] < DEFAULT_TIMEOUT / 5, f"the next step took {after['step_seconds']:.0f} s"
     _served_exactly(after)
+    assert record["shutdown_seconds"] < DEFAULT_TIMEOUT / 5, f"shutting the workers down took " \
+                                                             f"{record['shutdown_seconds']:.0f} s"
     # refused in the driver, naming what set the address
     assert "127.0.0.1" in bad["error"] and "loopback" in bad["error"], bad["error"]
     assert "engine_kwargs.reshard.host" in bad["error"] and "rollout rank 0" in bad["error"], bad["error"]

@@ -5,7 +5,7 @@ It joins the Ray cluster at the job's address, starts verl's real CheckpointEngi
 placed on host A and 3 rollout workers placed on host B (reshard.testing.verl_cpu.Refit, custom resources "host_a"
 and "host_b"), with no `host` in the backend's config, and refits as the job says. What happened goes, as JSON, to
 JOB.out.json: where every worker ran, each refit's seconds (and its whole step's, with the reconfiguration and
-the training step before it), the trainer's HF tensor digests (the ground truth) and
+the training step before it) and the workers' shutdown's, the trainer's HF tensor digests (the ground truth) and
 what every rollout worker serves, and the error and seconds of a refit that failed.
 """
 from __future__ import annotations
@@ -48,7 +48,9 @@ def main(job_path: str) -> None:
             record["trainers"] = refit.trainers.where()
             out["refits"].append(record)
             Path(out_path).write_text(json.dumps(out))  # so far, in case a later step hangs
-        refit.shutdown()
+        start = time.monotonic()
+        refit.shutdown()  # ray.kill of every worker, their placement groups removed
+        out["shutdown_seconds"] = time.monotonic() - start
     except BaseException as e:  # noqa: BLE001 - the test reads what failed
         out["error"] = f"{type(e).__name__}: {e}"
         out["trace"] = traceback.format_exc()[-4000:]

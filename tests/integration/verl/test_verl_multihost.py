@@ -9,9 +9,9 @@ can host a store there, trainer rank 1 (same host) joins it, but host B's rollou
 build_topology's check (measured here with it disabled in the driver) verl's update_weights still raised within
 0.1 s, with the rollout side's error (its probe names 127.0.0.1 and says loopback), but the trainer ranks, which no
 one could tell through a store the rollout side cannot reach, stayed in the rendezvous until its timeout (300 s by
-default): shutting the workers down then took about 5 minutes. build_topology, in the driver, sees every rank's node
-in its metadata and refuses the refit before any process joins, naming the address, the key that set it and the
-ranks elsewhere; the same workers then refit with the discovered address at once, and shut down at once.
+default), and the next call to them (here: reading their weights' digests) waited that long. build_topology, in the
+driver, sees every rank's node in its metadata and refuses the refit before any process joins, naming the address,
+the key that set it and the ranks elsewhere; the same workers answer and refit with the discovered address at once.
 
 One Ray cluster and one driver job for the module (the machine has 2 cores); each test reads its part of the job's
 record.
@@ -88,12 +88,12 @@ def test_loopback_host_is_refused_at_once_naming_it(record):
     assert "error" in bad, "a store at 127.0.0.1 on host A was reported reachable from host B"
     assert bad["seconds"] < DEFAULT_TIMEOUT / 10, f"the refusal took {bad['seconds']:.0f} s"
     assert all(version == 2 for version, _ in bad["served"])  # nothing was handed on: still step 2's weights
-    # the same workers refit at once with the address discovered: no trainer was left waiting in a rendezvous (a
-    # trainer that joined a store nobody else could reach would hold its next calls until the rendezvous timeout)
-    assert after["step_seconds"] < DEFAULT_TIMEOUT / 5, f"the next step took {after['step_seconds']:.0f} s"
+    # no trainer was left waiting in a rendezvous: one that joined a store nobody else could reach answers the next
+    # call only at the rendezvous timeout (the calls after the refit are in the step's time)
+    assert bad["step_seconds"] < DEFAULT_TIMEOUT / 10, f"the failed step took {bad['step_seconds']:.0f} s in all"
+    # the same workers refit at once with the address discovered
+    assert after["step_seconds"] < DEFAULT_TIMEOUT / 10, f"the next step took {after['step_seconds']:.0f} s"
     _served_exactly(after)
-    assert record["shutdown_seconds"] < DEFAULT_TIMEOUT / 5, f"shutting the workers down took " \
-                                                             f"{record['shutdown_seconds']:.0f} s"
     # refused in the driver, naming what set the address
     assert "127.0.0.1" in bad["error"] and "loopback" in bad["error"], bad["error"]
     assert "engine_kwargs.reshard.host" in bad["error"] and "rollout rank 0" in bad["error"], bad["error"]

@@ -4,8 +4,8 @@ process cannot reach the namespaces' addresses): `python verl_multihost_job.py J
 It joins the Ray cluster at the job's address, starts verl's real CheckpointEngineManager over 2 trainer workers
 placed on host A and 3 rollout workers placed on host B (reshard.testing.verl_cpu.Refit, custom resources "host_a"
 and "host_b"), with no `host` in the backend's config, and refits as the job says. What happened goes, as JSON, to
-JOB.out.json: where every worker ran, each refit's seconds (and its whole step's, with the reconfiguration and
-the training step before it) and the workers' shutdown's, the trainer's HF tensor digests (the ground truth) and
+JOB.out.json: where every worker ran, each refit's seconds (and its whole step's: the reconfiguration and
+training step before it, the calls to the workers after it) and the workers' shutdown's, the trainer's HF tensor digests (the ground truth) and
 what every rollout worker serves, and the error and seconds of a refit that failed.
 """
 from __future__ import annotations
@@ -42,10 +42,10 @@ def main(job_path: str) -> None:
             except Exception as e:  # noqa: BLE001 - the test reads what failed and how fast
                 record["error"] = f"{type(e).__name__}: {e}"
             record["seconds"] = time.monotonic() - start
-            record["step_seconds"] = time.monotonic() - begin
-            record["expected"] = refit.expected()
+            record["expected"] = refit.expected()  # calls the trainer workers: one still busy with the refit waits
             record["served"] = refit.served()
             record["trainers"] = refit.trainers.where()
+            record["step_seconds"] = time.monotonic() - begin
             out["refits"].append(record)
             Path(out_path).write_text(json.dumps(out))  # so far, in case a later step hangs
         start = time.monotonic()

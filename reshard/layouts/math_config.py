@@ -7,6 +7,8 @@ one digest of them.
 
 Rope settings are compared in one normalized form (transformers 4 writes `rope_theta` + `rope_scaling`,
 transformers 5 `rope_parameters`): "rope_theta" and "rope_scaling" (the scaling's parameters, without the theta).
+A rope type vLLM renames in the config it serves for the same math (DeepSeek's "yarn" becomes "deepseek_yarn") is
+compared under the checkpoint's name.
 """
 from __future__ import annotations
 
@@ -40,6 +42,10 @@ MATH_FIELDS = {
 }
 
 
+# vLLM's names for a checkpoint's rope type, written into the served model's config (same math, another kernel name)
+_ROPE_ALIASES = {"deepseek_yarn": "yarn"}
+
+
 def _rope(config: Mapping[str, Any]) -> dict[str, Any]:
     params = config.get("rope_parameters")
     scaling = config.get("rope_scaling")
@@ -52,6 +58,8 @@ def _rope(config: Mapping[str, Any]) -> dict[str, Any]:
         out["rope_theta"] = float(theta) if isinstance(theta, (int, float)) and not isinstance(theta, bool) else theta
     if isinstance(scaling, Mapping):
         scaling = {("rope_type" if k == "type" else k): v for k, v in scaling.items() if k != "rope_theta"}
+        if scaling.get("rope_type") in _ROPE_ALIASES:
+            scaling["rope_type"] = _ROPE_ALIASES[scaling["rope_type"]]
         if scaling and scaling != {"rope_type": "default"}:
             out["rope_scaling"] = scaling
     return out

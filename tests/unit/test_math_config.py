@@ -19,6 +19,16 @@ def test_rope_written_either_way_is_the_same_math():
     assert math_config(plain) == math_config({"rope_theta": 10000}) == {"rope_theta": 10000.0}
 
 
+def test_a_rope_type_vllm_renames_is_the_checkpoints():
+    """vLLM serves DeepSeek's yarn as "deepseek_yarn" in the config it keeps (the families' mismatch stage found
+    every DeepSeek-V3 refit refused for it); another rope type still differs."""
+    yarn = {"rope_type": "yarn", "factor": 40, "mscale": 1.0, "original_max_position_embeddings": 4096}
+    served = {"rope_scaling": {**yarn, "rope_type": "deepseek_yarn"}}
+    assert math_differences(math_config({"rope_scaling": yarn}), math_config(served)) == []
+    other = {"rope_scaling": {**yarn, "rope_type": "longrope"}}
+    assert len(math_differences(math_config({"rope_scaling": yarn}), math_config(other))) == 1
+
+
 @pytest.mark.parametrize("field,value", [("num_experts_per_tok", 4), ("rms_norm_eps", 1e-5), ("hidden_act", "gelu"),
                                          ("rope_theta", 5e5), ("norm_topk_prob", False)])
 def test_each_field_that_changes_the_math_is_told_apart(field, value):

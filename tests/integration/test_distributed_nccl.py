@@ -28,6 +28,10 @@ def test_refits_on_two_gpus_match_local_executor(tmp_path: Path):
     small = {"bucket_bytes": 512, "timeout": 60.0, "direct_bytes": 128}
     named = [("E3 shape, default lanes, staged", e3, Binding.colocated(2, 2), None, small),
              ("E3 shape, one lane, undo", e3, Binding.colocated(2, 2), None, {**small, "lanes": 1, "undo": True}),
+             ("E3 shape, checksums on the GPU (sum64)", e3, Binding.colocated(2, 2), None,
+              {**small, "checksum": "sum64", "repeat": 2}),
+             ("E3 shape, checksums on the host (sha256)", e3, Binding.colocated(2, 2), None,
+              {**small, "checksum": "sha256"}),
              ("E1 shape, in place, repeated", reshard.compile(M(model=spec), V(model=spec)), Binding((0,), (1,)),
               None, {**small, "in_place": True, "repeat": 2}),
              ("DeepSeek, float32 router bias", reshard.compile(M(model=deepseek, tp=2), V(model=deepseek, tp=1,

@@ -20,40 +20,61 @@ engine per policy worker and per vLLM worker (`create_checkpoint_engine`: `bucke
 
   1. `prepare()` on every engine: each hosts a rendezvous store and returns it as JSON-able metadata;
   2. `init_policy_process_group(worker_rank=p, ...)` / `init_rollout_process_group(rollout_rank=r, ...)`, all
-     together, with every engine's metadata (policy workers' first): everyone meets at policy worker 0's store,
-     compiles the same plan -- every HF tensor is held by each of the T policy workers (NeMo-RL hands each of
-     them whole HF tensors), and each of the R vLLM workers needs every whole tensor (NeMo-RL hands them to
-     vLLM's `load_weights`) -- and opens the transport (torch.distributed: gloo on CPU, NCCL on GPUs);
-  3. per refit, all together: `send_weights(weights)` on every policy worker: the generator is drained (it may
-     run collectives) and only the slices the plan reads from this worker are kept -- the plan spreads the sending
-     over all policy workers (each sends about 1/T of the model) and, with `fanout`, vLLM workers relay to each
-     other so the policy workers send fewer copies; `receive_weight_batches()` on every vLLM worker: the whole
-     transfer lands in this worker's buffers, is agreed complete by every process (and checksummed, on gloo), and
-     only then are batches of at most `bucket_size` bytes yielded to vLLM's loaders -- a failed transfer yields
-     nothing, so vLLM keeps its previous weights and NeMo-RL's refit raises;
+     together, with every engine's metadata (policy workers' first): everyone meets at policy worker 0's store
+     and builds the same plans: the model's tensors cut into groups of at most `bucket_size` bytes
+     (integrations.groups), one plan per group from the T policy workers (each holds every whole HF tensor:
+     NeMo-RL hands them whole tensors) to the R vLLM workers (each needs every whole tensor for vLLM's
+     `load_weights`), and this worker's executor for each group over the transport;
+  3. per refit, all together: `send_weights(weights)` on every policy worker and `receive_weight_batches()` on
+     every vLLM worker. A policy worker drains the whole stream (it may run collectives), checks every name,
+     shape and dtype (integrations.streams), keeps only the tensors the plans read from it and hands each group
+     to a thread that moves it as soon as the stream has delivered the group, while the stream goes on. A vLLM
+     worker receives group k+1 in a thread while vLLM loads batch k. A batch (one group) reaches vLLM only once
+     every process has agreed that it arrived complete (checksummed, where `checksum` is on); the last one, in
+     "bucket" staging, and every one, in "model" staging, only once every policy worker has also reported its
+     stream complete and valid (the end-of-stream verdict);
   4. `finalize()` (NeMo-RL's shutdown, or after every refit with `release_after_refit`): the transport closes;
      the next refit starts again at 1.
 
-Before sending, NeMo-RL's Megatron policy worker asks `get_target_weight_layout()` and filters its HF iterator
-with it: this engine answers with every tensor the plan does not read from this worker as a missing prefix (and
-its experts as owned expert ids), so the policy worker does not even keep the tensors other workers send.
+A refused refit (a tensor the model does not have, one of the wrong shape or dtype, one missing or repeated, a
+failed transfer or checksum, a loader that raised) fails on every process within about a second of the refusal
+(a failure record in the store every wait checks, and the refusing process failing the group everyone is in),
+not after the transport's timeout: every vLLM worker's `receive_weight_batches` raises, every policy worker's
+`send_weights` raises once it has drained its stream, so NeMo-RL's refit raises. The next refit rebuilds the
+transport on every process and moves a whole version again.
+
+What a failed refit leaves in vLLM depends on `staging`:
+  - "model": nothing was yielded, so vLLM's weights are all of the previous version;
+  - "bucket" (the default): the batches yielded before the failure were loaded, so vLLM's weights mix the new
+    version (those groups) with the previous one (the rest); never a torn tensor, never the last batch, and
+    never a batch that any process had not agreed on. Don't serve from such a worker until a refit succeeds: the
+    next successful refit writes every tensor again.
+
+Before sending, NeMo-RL's Megatron policy worker asks `get_target_weight_layout()` and would filter its iterator
+with it (`select_hf_weight_for_vllm_target` tries every missing prefix against every name: quadratic in the
+number of tensors); this engine answers None, so NeMo-RL filters nothing and every worker sees the whole stream,
+checks all of it and keeps only its share (benchmarks/nemo_rl_filter.py measures both).
 """
 from __future__ import annotations
 
 import asyncio
-import bisect
+import concurrent.futures
 import json
-import re
+import os
+import time
 from collections.abc import AsyncGenerator, Generator
 from typing import Any
 
 import torch
 
-from ..errors import ArgumentError, ExecutionError
-from ..layouts import HfLayout, ModelSpec, VllmLayout
+from ..errors import ArgumentError, ExecutionError, ReshardError
+from ..layouts import ModelSpec
+from .groups import group_bindings, group_executor, group_plans, refuse, tensor_bytes, tensor_groups
 
-TRANSPORTS = ("collective",)  # the cross-process transport whose sources may arrive at each refit
-_EXPERT = re.compile(r"^(?P<block>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+TRANSPORTS = ("collective", "shared")
+STAGINGS = ("bucket", "model")
+ALIGN = 256  # bytes: every tensor in a bucket starts aligned for any dtype and vectorised copies
+POLL_S = 0.05  # how often a draining policy worker checks the store for a failure posted elsewhere
 
 
 class ReshardCheckpointEngine:
@@ -63,21 +84,38 @@ class ReshardCheckpointEngine:
     "reshard.integrations.nemo_rl:ReshardCheckpointEngine"`; NeMo-RL constructs it with `bucket_size` and the
     matching `refit_cfg` entry as keyword arguments.
 
+    Memory on a vLLM worker (besides vLLM's own):
+      - staging "bucket" (default): two buckets of at most `bucket_size` bytes (of the largest group, when a
+        single tensor is larger), allocated when the worker joins and reused by every refit: the one vLLM loads
+        from and the one the next batch lands in;
+      - staging "model": the whole model, allocated when the worker joins and kept; refused at that point, with
+        both numbers, when it exceeds the free memory measured when the engine was built (CUDA: the device's
+        free memory, after vLLM reserved its own; CPU: the host's available memory).
+    On a policy worker: two buckets of its own share of a group, plus the tensors of later groups the stream
+    delivers before an earlier group is complete (none when it streams in model order).
+
     Args:
-        bucket_size: bytes per batch handed to vLLM's loaders (NeMo-RL's resolved bucket size).
+        bucket_size: bytes per batch handed to vLLM's loaders (NeMo-RL's resolved bucket size); the model moves
+            in groups of this size.
         model: the HF checkpoint directory or config.json of the model vLLM serves (a dict of its config also
             works).
-        transport: "collective" (torch.distributed over a group both sides join at policy worker 0's store).
+        staging: "bucket" (default: each batch is handed to vLLM once every process agreed on it, the last one
+            once every policy worker also reported its stream complete) or "model" (the whole model lands first;
+            nothing is handed on until every process agreed on all of it: all or nothing).
+        transport: "collective" (torch.distributed over a group both sides join at policy worker 0's store: gloo
+            on CPU, NCCL on GPUs) or "shared" (every worker on one host: policy workers write straight into the
+            vLLM workers' buckets through shared memory on CPU, CUDA IPC on GPUs).
         host: an address of this worker's own host for its store (None, the default: discovered where each worker
             runs -- RESHARD_HOST, the Ray node IP, the default route's interface; only policy worker 0's store is
             used). A config naming one node's address would be wrong on every other node, so it is refused there.
-        fanout: vLLM workers relaying to at most this many others (None: the policy workers feed every one).
-        checksum: hash every message and compare before anything is handed to vLLM (True: sha256, or "sum64";
-            None: on with gloo; the executor hashes CPU tensors only, so NCCL refits rely on its completion
-            agreement alone).
-        backend: the torch.distributed backend (None: NCCL where CUDA is available, else gloo; the same on every
-            worker).
-        device: where vLLM workers receive (None: CUDA when available, else CPU).
+        fanout: vLLM workers relaying to at most this many others (None: the policy workers feed every one);
+            collective transport only.
+        checksum: hash every transfer and compare before anything is handed to vLLM (True: sha256, or "sum64";
+            None: on wherever the transport can -- collective over gloo (sha256), shared (sha256 on CPU, sum64
+            on GPUs); collective over NCCL relies on its completion agreement alone).
+        backend: the collective transport's torch.distributed backend (None: NCCL when `device` is CUDA, else
+            gloo; the same on every worker).
+        device: where the workers stage the weights (None: CUDA when available, else CPU).
         dtype: the dtype the policy sends and vLLM loads (None: the checkpoint config's), e.g. "bfloat16".
         timeout: seconds any wait may go without progress.
         release_after_refit: NeMo-RL's key (its synchronizer then calls finalize after every refit); kept.
@@ -85,18 +123,21 @@ class ReshardCheckpointEngine:
 
     Raises:
         ArgumentError: an option of the wrong type or value (checked at construction, before any worker
-            joins).
-        ExecutionError: from the refit methods, a peer that failed or a tensor the plan does not expect; nothing
-            is yielded to vLLM, which keeps its weights.
+            joins); "model" staging larger than the receiving device's free memory (when a vLLM worker joins);
+            from `send_weights`, on the policy worker whose stream is wrong, the tensor that is.
+        ExecutionError: from the refit methods, a peer that failed, a transfer that failed or another worker's
+            refusal (its reason included); see the module docstring for what vLLM then holds.
     """
 
     shard_expert_weights: bool = False  # NeMo-RL's own expert-sharding loader stays off: the plan says who sends what
 
-    def __init__(self, bucket_size: int, *, model: str | dict[str, Any] | None = None,
+    def __init__(self, bucket_size: int, *, model: str | dict[str, Any] | None = None, staging: str = "bucket",
                  transport: str = "collective", host: str | None = None, fanout: int | None = None,
                  checksum: bool | str | None = None, backend: str | None = None, device: str | None = None,
                  dtype: str | None = None, timeout: float = 300.0, release_after_refit: bool = False,
                  **unknown: Any) -> None:
+        from ..executors.checksum import algorithm
+
         if unknown:  # NeMo-RL passes every key of the refit_cfg entry (its schema allows extra keys): a typo lands here
             _refuse_unknown(unknown)
         if not isinstance(bucket_size, int) or isinstance(bucket_size, bool) or bucket_size < 1:
@@ -104,25 +145,45 @@ class ReshardCheckpointEngine:
         if model is None:
             raise ArgumentError("model", None, "is required", fix="add `model: <the HF checkpoint vLLM serves>` to "
                                 "refit_cfg's entry for this engine")
+        if staging not in STAGINGS:
+            raise ArgumentError("staging", staging, f"must be one of {STAGINGS}")
         if transport not in TRANSPORTS:
             raise ArgumentError("transport", transport, f"must be one of {TRANSPORTS}")
         if fanout is not None and (not isinstance(fanout, int) or isinstance(fanout, bool) or fanout < 1):
             raise ArgumentError("fanout", fanout, "must be a positive integer or None")
-        if not isinstance(timeout, (int, float)) or not 0 < timeout <= 86400:
+        if fanout is not None and transport == "shared":
+            raise ArgumentError("fanout", fanout, "is the collective transport's: on one host (shared) every vLLM "
+                                "worker is written by the policy workers directly", fix="remove fanout")
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= 86400:
             raise ArgumentError("timeout", timeout, "must be a number of seconds in (0, 86400]")
-        from ..executors.checksum import algorithm
-
-        # resolved here, not from the tensors at the first refit: the policy side has none when the group opens
-        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        if self.backend not in ("gloo", "nccl"):
-            raise ArgumentError("backend", backend, "must be 'gloo', 'nccl' or None")
-        if checksum is None:
-            checksum = self.backend == "gloo"
+        try:
+            self.device = torch.device(device) if device is not None else torch.device(
+                "cuda" if torch.cuda.is_available() else "cpu")
+        except (RuntimeError, TypeError):
+            raise ArgumentError("device", device, "is not a torch device (e.g. 'cuda', 'cpu')") from None
+        if self.device.type not in ("cuda", "cpu"):
+            raise ArgumentError("device", device, "must be a CUDA device or the CPU")
+        if transport == "collective":
+            # resolved here, not from the tensors at the first refit: the policy side has none when the group opens
+            want = "nccl" if self.device.type == "cuda" else "gloo"
+            if backend not in (None, want):
+                raise ArgumentError("backend", backend, f"does not move tensors on {self.device.type}; the "
+                                    f"collective transport there runs over {want!r}", fix="leave backend unset")
+            self.backend: str | None = want
+        else:
+            if backend is not None:
+                raise ArgumentError("backend", backend, "is the collective transport's (torch.distributed); the "
+                                    "shared transport has none", fix="remove backend")
+            self.backend = None
+        if checksum is None:  # on wherever the transport hashes what it moves
+            checksum = (self.backend == "gloo") if transport == "collective" else (
+                "sum64" if self.device.type == "cuda" else True)
         algorithm(checksum)  # raises ArgumentError for an unknown one
-        if checksum and self.backend != "gloo":
-            raise ArgumentError("checksum", checksum, f"needs the gloo backend (CPU tensors); backend is "
-                                f"{self.backend!r}", fix="leave checksum unset on GPUs")
-        self.bucket_size, self.transport, self.fanout, self.checksum = bucket_size, transport, fanout, checksum
+        if checksum and self.backend == "nccl":
+            raise ArgumentError("checksum", checksum, "needs CPU tensors over the collective transport (gloo); "
+                                "backend is 'nccl'", fix="leave checksum unset on GPUs, or use transport: shared")
+        self.bucket_size, self.staging, self.transport = bucket_size, staging, transport
+        self.fanout, self.checksum = fanout, checksum
         self.spec = ModelSpec.from_hf_config(model)
         if dtype is not None:
             self.spec = self.spec.model_copy(update={"dtype": dtype})
@@ -138,22 +199,37 @@ class ReshardCheckpointEngine:
                                     fix="remove `host`: each worker finds its own address; RESHARD_HOST in a "
                                         "node's environment chooses among a multi-homed node's addresses"
                                     ) from None
-        self.host = host
-        self.device, self.timeout = device, float(timeout)
+        self.host, self.timeout = host, float(timeout)
         self.release_after_refit = bool(release_after_refit)
+        self.groups = tensor_groups(self.spec, bucket_size)
+        from .streams import StreamNames
+
+        self._names = StreamNames(self.spec)
+        # the cost of "model" staging, measured here: on a vLLM worker NeMo-RL builds the engine after vLLM reserved
+        # its memory. Refused when the worker joins (the first moment it is known to be one), naming both numbers.
+        self.model_bytes = sum(_aligned(tensor_bytes(self.spec, t.name)) for t in self.spec.tensors)
+        self.free_bytes = _free_bytes(self.device) if staging == "model" else None
         self._reset()
 
     def _reset(self) -> None:
         self.role: str | None = None  # "policy" or "rollout" once a process group is joined
         self.rank = -1
-        self.refit_spec: Any = None
-        self.executor: Any = None
         self.store: Any = None
         self.offer: Any = None  # the rendezvous this engine hosts after prepare()
-        self.needed: frozenset[str] = frozenset()  # policy: the tensors the plan reads from this worker
-        self.buffers: dict[str, torch.Tensor] = {}  # rollout: the whole model, received before vLLM sees any
-        self.last_stats: Any = None
-        self._scratch: torch.Tensor | None = None  # policy: stand-ins for the tensors other workers send
+        self.last_refit: dict[str, Any] = {}  # what the last refit did here (bytes, seconds, batches, memory)
+        self._rdv: Any = None
+        self._plans: list = []
+        self._bindings: tuple = ()
+        self._executors: list = []
+        self._comm: Any = None
+        self._views: list[dict[str, torch.Tensor]] = []  # per group: this worker's tensors its executor is bound to
+        self._needed: list[frozenset[str]] = []  # policy, per group: the tensors the plan reads from this worker
+        self._held = 0  # bytes of buffers this worker keeps between refits
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._refits = 0  # refits since joining (keys of the end-of-stream verdicts)
+        self._version = 0  # refits since the executors were built
+        self._generation = 0  # builds of the transport since joining (a failed refit makes the next one rebuild)
+        self._broken = False
 
     # --- 1. prepare ------------------------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
@@ -165,28 +241,27 @@ class ReshardCheckpointEngine:
 
     def _settings(self) -> dict[str, Any]:
         """Plain JSON values (they are compared after travelling through Ray or vLLM's RPC)."""
-        return json.loads(json.dumps({"model": self.spec.model_dump(), "transport": self.transport,
-                                      "fanout": self.fanout, "checksum": self.checksum, "backend": self.backend}))
+        return json.loads(json.dumps({"model": self.spec.model_dump(), "bucket_size": self.bucket_size,
+                                      "staging": self.staging, "transport": self.transport, "fanout": self.fanout,
+                                      "checksum": self.checksum, "backend": self.backend,
+                                      "device": self.device.type}))
 
     # --- 2. meet -----------------------------------------------------------------------------------------
     def init_policy_process_group(self, *, worker_rank: int, train_world_size: int, rollout_world_size: int,
                                   metadata: list[Any]) -> None:
-        """Policy worker `worker_rank` joins: source rank `worker_rank` of the plan."""
+        """Policy worker `worker_rank` joins: process `worker_rank` of every group's plan binding."""
         self._join("policy", worker_rank, train_world_size, rollout_world_size, metadata)
-        ops = self.refit_spec.plan().ops_sent_by(worker_rank)
-        names = self.refit_spec.plan().src_tensors
-        self.needed = frozenset(names.name(int(t)) for t in set(ops["src_tensor"].tolist()))
 
     def init_rollout_process_group(self, *, rollout_rank: int, train_world_size: int, rollout_world_size: int,
                                    metadata: list[Any]) -> None:
-        """vLLM worker `rollout_rank` joins: destination rank `rollout_rank` of the plan."""
+        """vLLM worker `rollout_rank` joins: process train_world_size + `rollout_rank` of every binding. With
+        staging "model", refuses (ArgumentError, every worker told at once) a model larger than the free memory
+        measured at construction."""
         self._join("rollout", rollout_rank, train_world_size, rollout_world_size, metadata)
 
     def _join(self, role: str, rank: int, train_world_size: int, rollout_world_size: int,
               metadata: list[Any]) -> None:
-        from ..adapters.refit import RefitSpec, open_transport
         from ..adapters import rendezvous as rv
-        from ..executors.local import empty_for
 
         T, R = train_world_size, rollout_world_size
         for field, value in (("train_world_size", T), ("rollout_world_size", R)):
@@ -197,31 +272,34 @@ class ReshardCheckpointEngine:
             raise ArgumentError("worker_rank" if role == "policy" else "rollout_rank", rank, f"must be in [0, {size})")
         if self.offer is None:
             raise ExecutionError("init_*_process_group before prepare(): NeMo-RL prepares every engine first")
-        rdv = self._check_metadata(metadata, T + R)
-        if self.executor is not None:  # joined before without finalize: leave that group
-            self.executor.close()
-            self.executor = None
-        refit = RefitSpec.of(self.spec, HfLayout(model=self.spec, replicas=T),
-                             VllmLayout(model=self.spec, tp=1, replicas=R), install="loader",
-                             transport=self.transport, fanout=self.fanout, rendezvous=rdv,
-                             options={"checksum": self.checksum, "timeout": self.timeout, "backend": self.backend})
-        plan = refit.plan()  # the same plan on every worker: a pure function of the model and the two sizes
-        process = rank if role == "policy" else T + rank
-        mine = rv.Rendezvous.from_dict(rdv)
+        rdv = rv.Rendezvous.from_dict(self._check_metadata(metadata, T + R))
         if role == "policy" and rank == 0:
-            if mine.refit_id != self.offer.refit_id:
+            if rdv.refit_id != self.offer.refit_id:
                 raise ArgumentError("metadata", "entry 0", "must be policy worker 0's own prepare() result (NeMo-RL "
                                     "lists policy workers first, sorted by rank)")
         else:  # only policy worker 0's store is used
-            self.store = rv.connect(mine)
-        dst: dict[int, dict[str, torch.Tensor]] = {}
-        if role == "rollout":
-            device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-            self.buffers = empty_for(plan, rank, device)
-            dst = {rank: self.buffers}
-        rv.join(self.store, mine, process, T + R, role)
-        self.executor = open_transport(refit, process, {}, dst, store=self.store)
-        self.role, self.rank, self.refit_spec = role, rank, refit
+            self.store = rv.connect(rdv)
+        process = rank if role == "policy" else T + rank
+        if role == "rollout" and self.staging == "model" and self.model_bytes > self.free_bytes:
+            error = ArgumentError("staging", "model", f"holds the whole model on every vLLM worker: "
+                                  f"{_gib(self.model_bytes)} for {self.spec.family}, but {self.device} had "
+                                  f"{_gib(self.free_bytes)} free when the engine was built",
+                                  fix="use staging: bucket (the default: two buckets of bucket_size bytes), or leave "
+                                      "vLLM more memory (a lower gpu_memory_utilization)")
+            rv.fail(self.store, rdv, f"rollout worker {rank}: {error}")  # the others stop waiting in join at once
+            raise error
+        self._close()
+        self._plans = group_plans(self.spec, T, R, self.groups, self.fanout)  # the same on every worker
+        self._bindings = group_bindings(self._plans, T, R)
+        rv.join(self.store, rdv, process, T + R, role)
+        self.role, self.rank, self._rdv, self._process, self._T, self._R = role, rank, rdv, process, T, R
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"reshard-{role}{rank}")
+        try:
+            self._build()
+        except BaseException:
+            self._close()
+            self.role, self.rank = None, -1
+            raise
 
     def _check_metadata(self, metadata: Any, n: int) -> dict[str, Any]:
         """Every engine's prepare() result, policy workers' first; every one built for the same refit. Returns
@@ -235,109 +313,422 @@ class ReshardCheckpointEngine:
                   or not isinstance(m.get("rendezvous"), dict)]
         if differ:
             raise ArgumentError("metadata", f"entries {differ[:10]}",
-                                "come from engines built with other settings (model, transport, fanout, checksum, "
-                                "backend) or from another checkpoint engine",
+                                "come from engines built with other settings (model, bucket_size, staging, "
+                                "transport, fanout, checksum, backend, device) or from another checkpoint engine",
                                 fix="give every worker the same refit_cfg entry")
         return metadata[0]["rendezvous"]
 
+    def _build(self) -> None:
+        """This worker's buffers and one executor per group (a generation of the transport; every process builds
+        the same one together: at join, and at the first refit after a failed one)."""
+        from ..adapters import rendezvous as rv
+        from ..executors.comm import StoreComm
+
+        g, P = self._generation, self._process
+        device = torch.device("cuda", torch.cuda.current_device()) if self.device.type == "cuda" else self.device
+        self._device = device
+        if self.transport == "collective":
+            self._comm = StoreComm(rv.scoped(self.store, self._rdv, f"collective{g}"), P, self._T + self._R,
+                                   self.backend, self.timeout)
+        if self.role == "rollout":
+            self._views = self._rollout_buffers(device)
+        else:
+            self._views = self._policy_buffers(device)
+        self._executors = []
+        for k, (plan, binding) in enumerate(zip(self._plans, self._bindings)):
+            mine = {r: self._views[k] for r in (binding.src_ranks_of(P) or binding.dst_ranks_of(P))}
+            src, dst = (mine, {}) if self.role == "policy" else ({}, mine)
+            self._executors.append(group_executor(
+                self.transport, plan, binding, P, src, dst, store=self.store, rendezvous=self._rdv,
+                namespace=f"{self._rdv.refit_id}g{g}k{k}", comm=self._comm, timeout=self.timeout,
+                checksum=self.checksum, memory_cap=self.bucket_size))
+        self._version, self._broken = 0, False
+
+    def _rollout_buffers(self, device: torch.device) -> list[dict[str, torch.Tensor]]:
+        """Views of this vLLM worker's buckets, per group: two buckets reused in turn ("bucket"), or one per group
+        ("model"). On CPU with the shared transport they live in shared memory (policy workers write into them)."""
+        sizes = [sum(_aligned(tensor_bytes(self.spec, n)) for n in group) for group in self.groups]
+        count = 2 if self.staging == "bucket" else len(self.groups)
+        slots = [_bytes(max(sizes[i::count], default=1), device, self.transport == "shared")
+                 for i in range(min(count, len(sizes)))]
+        self._held = sum(s.numel() for s in slots)
+        return [_carve(slots[k % count], [(n, *self._shape(n)) for n in group]) for k, group in enumerate(self.groups)]
+
+    def _policy_buffers(self, device: torch.device) -> list[dict[str, torch.Tensor]]:
+        """Views of this policy worker's two buckets, per group: the tensors the group's plan reads from it; every
+        other tensor of the group as a stand-in (a view of one scratch buffer, never read: the executor checks
+        every tensor its plan's source table lists, and each policy worker holds the whole model)."""
+        P, needed = self._process, []
+        for plan, binding in zip(self._plans, self._bindings):
+            ops = plan.ops_sent_by(binding.src_ranks_of(P)[0])
+            names = plan.src_tensors
+            needed.append(frozenset(names.name(int(t)) for t in set(ops["src_tensor"].tolist())))
+        self._needed = needed
+        sizes = [sum(_aligned(tensor_bytes(self.spec, n)) for n in need) for need in needed]
+        slots = [_bytes(max(sizes[i::2], default=1), device, False) for i in range(min(2, len(sizes)))]
+        spare = max((tensor_bytes(self.spec, n) for k, group in enumerate(self.groups) for n in group
+                     if n not in needed[k]), default=1)
+        scratch = torch.empty(spare, dtype=torch.uint8, device=device)
+        self._held = sum(s.numel() for s in slots) + scratch.numel()
+        views = []
+        for k, group in enumerate(self.groups):
+            mine = _carve(slots[k % 2], [(n, *self._shape(n)) for n in group if n in needed[k]])
+            for n in group:
+                if n not in mine:
+                    shape, dtype = self._shape(n)
+                    mine[n] = scratch[:_numel(shape) * dtype.itemsize].view(dtype).view(shape)
+            views.append(mine)
+        return views
+
+    def _shape(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        from ..executors.local import torch_dtype
+
+        t = self.spec.tensor(name)
+        return tuple(t.shape), torch_dtype(t.dtype or self.spec.dtype)
+
     # --- 3. a refit --------------------------------------------------------------------------------------
     def get_target_weight_layout(self) -> dict[str, Any] | None:
-        """NeMo-RL's VllmWeightLayout for this policy worker: tensors the plan reads from other workers are
-        "missing" (dropped from the iterator before they are kept); experts this worker sends are listed by id."""
-        if self.role != "policy":
-            return None
-        names = sorted(t.name for t in self.spec.tensors)
-        kept = sorted(self.needed)
-        missing = [n for n in names if n not in self.needed and not _prefixes_any(n, kept)]
-        experts: dict[str, set[int]] = {}
-        for name in kept:
-            m = _EXPERT.match(name)
-            if m:
-                leaf = "w2_weight" if m["proj"] == "down_proj" else "w13_weight"
-                experts.setdefault(f"{m['block']}.routed_experts.{leaf}", set()).add(int(m["expert"]))
-        return {"expert_params": {p: {"tp_rank": 0, "tp_size": 1, "local_expert_ids": sorted(ids)}
-                                  for p, ids in sorted(experts.items())},
-                "missing_weight_prefixes": missing}
+        """None: NeMo-RL's Megatron worker then hands this engine its whole stream unfiltered. Its filter would try
+        every missing prefix against every name (`select_hf_weight_for_vllm_target`: quadratic in the tensors),
+        while dropping a tensor here is one set lookup; every worker also checks the whole stream that way."""
+        return None
 
     async def send_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None]) -> None:
-        """Drain `weights` (every policy worker must: it may run collectives), keep what the plan reads from this
-        worker, and send it. Raises ExecutionError, on every worker, if the refit failed."""
+        """Drain `weights` (every policy worker must: it may run collectives), check every tensor of it, keep what
+        the plans read from this worker and move each group as soon as the stream has delivered it.
+
+        Raises:
+            ArgumentError: this worker's stream is wrong (a name the model does not have, a repeated, missing or
+                misshapen tensor), after the stream is drained; every other process fails at once.
+            ExecutionError: the refit failed elsewhere or in the transport (the reason included).
+        """
         if self.role != "policy":
             raise ExecutionError("send_weights on an engine that is not a joined policy worker "
                                  "(call init_policy_process_group first)")
-        kept: dict[str, torch.Tensor] = {}
-        unknown: list[str] = []
-        known = {t.name for t in self.spec.tensors}
-        for name, tensor in weights:
-            if name in self.needed:  # a copy: an exporter may reuse the tensor it yields for the next one
-                kept[name] = tensor.detach().clone(memory_format=torch.contiguous_format)
-            elif name not in known:
-                unknown.append(name)
-        if unknown:  # vLLM would miss these: withhold this worker's tensors (the executor checks every tensor of its
-            # source table, which lists the whole model on every policy worker), so every process refuses the refit
-            await self._transfer({self.rank: {}}, quiet=True)
-            raise ExecutionError(f"the policy sent {len(unknown)} tensors the model {self.spec.family} does not have "
-                                 f"(e.g. {unknown[:3]}): refit refused before a byte moved")
-        await self._transfer({self.rank: self._with_stand_ins(kept)})
+        n, v = self._begin()
+        start = time.perf_counter()
+        where = {name: k for k, group in enumerate(self.groups) for name in group}
+        missing = [len(group) for group in self.groups]  # per group: tensors the stream has not delivered yet
+        seen: set[str] = set()
+        early: dict[int, dict[str, torch.Tensor]] = {}  # groups ahead of the next one: copies until its bucket frees
+        early_bytes = peak = sent = 0
+        error: BaseException | None = None
+        flight: concurrent.futures.Future | None = None  # the group moving now (group next_k - 1)
+        refusal: concurrent.futures.Future | None = None
+        next_k, polled = 0, time.monotonic()
+        stream = iter(weights)
+        while True:
+            try:  # NeMo-RL's iterator is synchronous (Megatron's export): drained here, on the event loop's thread
+                name, tensor = next(stream)
+            except StopIteration:
+                break
+            except BaseException as e:  # the exporter itself failed: no stream left to drain
+                if error is None:
+                    await asyncio.wrap_future(self._fail(n, v, e, flight, next_k))
+                raise
+            if error is not None:
+                continue  # drain: producing the stream is collective over the policy workers
+            try:
+                for hf, t in self._names.split(name, tensor):
+                    k = self._check(hf, t, where, seen)
+                    missing[k] -= 1
+                    if hf in self._needed[k]:
+                        if k == next_k:  # its bucket is free: the group in flight uses the other one
+                            self._views[k][hf].copy_(t)
+                        else:  # a copy: an exporter may reuse what it yields
+                            early.setdefault(k, {})[hf] = t.detach().clone()
+                            early_bytes += t.nbytes
+                            peak = max(peak, early_bytes)
+                while next_k < len(self.groups) and missing[next_k] == 0:  # groups in model order, one in flight
+                    sent += await self._landed(flight)
+                    flight = self._submit(self._move, next_k, v)
+                    next_k += 1
+                    for hf, t in early.pop(next_k, {}).items():
+                        self._views[next_k][hf].copy_(t)
+                        early_bytes -= t.nbytes
+                if flight is not None and flight.done() and flight.exception() is not None:
+                    raise flight.exception()
+                if time.monotonic() - polled > POLL_S:  # a refusal elsewhere: stop sending now, not at the end
+                    polled = time.monotonic()
+                    reason = self._failure(n)
+                    if reason is not None:
+                        raise ExecutionError(f"another worker refused refit {n}: {reason}")
+            except Exception as e:  # noqa: BLE001 - a wrong tensor, a failed copy or transfer, a refusal elsewhere
+                error = e
+                refusal, flight = self._fail(n, v, e, flight, next_k), None
+                early.clear()
+        if error is None and next_k < len(self.groups):  # the stream ended without every tensor
+            absent = [name for group in self.groups[next_k:] for name in group if name not in seen]
+            error = ArgumentError("weights", absent[:5], f"({len(absent)} tensors of the model) never came in the "
+                                  f"stream", fix="the policy must stream every tensor of the model")
+            refusal, flight = self._fail(n, v, error, flight, next_k), None
+        if error is None:
+            try:
+                sent += await self._landed(flight)
+                self._verdicts().add(f"{n}/ok", 1)  # this worker's stream was complete and valid, and moved
+                await self._in_thread(self._wait_verdict, n)
+            except ReshardError as e:
+                error = e
+                refusal = self._fail(n, v, e, None, len(self.groups))
+        if refusal is not None:
+            await asyncio.wrap_future(refusal)
+        self.last_refit = {"bytes_sent": sent, "seconds": time.perf_counter() - start,
+                           "kept": sum(len(x) for x in self._needed), "held_bytes": self._held,
+                           "early_bytes_peak": peak, "groups": len(self.groups), "failed": error is not None}
+        if error is not None:
+            raise self._explained(error, n)
 
-    def _with_stand_ins(self, kept: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """`kept` plus a stand-in for every other tensor of the model: the executor checks every tensor its plan's
-        source table lists for this worker (every tensor: each policy worker holds the whole model), but reads only
-        the kept ones. The stand-ins are views of one scratch buffer (sources may share memory)."""
-        from ..executors.local import element_shape, torch_dtype
-
-        plan = self.refit_spec.plan()
-        device = next(iter(kept.values())).device if kept else torch.device(self.device or "cpu")
-        unit, own = torch_dtype(plan.src.dtype), plan.src_tensors.own_dtypes()
-        others = {}
-        for name, units in plan.src_tensors.on_rank(self.rank).items():
-            if name not in kept:
-                dtype = torch_dtype(own[(self.rank, name)]) if (self.rank, name) in own else unit
-                others[name] = (element_shape(units, unit, dtype), dtype)
-        nbytes = max((torch.Size(shape).numel() * dtype.itemsize for shape, dtype in others.values()), default=0)
-        if self._scratch is None or self._scratch.numel() < nbytes or self._scratch.device != device:
-            self._scratch = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        out = dict(kept)
-        for name, (shape, dtype) in others.items():
-            n = torch.Size(shape).numel() * dtype.itemsize
-            out[name] = self._scratch[:n].view(dtype).view(shape)
-        return out
+    def _check(self, name: str, tensor: Any, where: dict[str, int], seen: set[str]) -> int:
+        """The group of one of the model's tensors the stream delivered, or ArgumentError naming what is wrong."""
+        if name in seen:
+            raise ArgumentError("weights", name, "came twice in the stream")
+        seen.add(name)
+        shape, dtype = self._shape(name)
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            got = (tuple(tensor.shape), tensor.dtype) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise ArgumentError(f"weights[{name}]", got, f"does not match the model's {shape} {dtype}")
+        return where[name]
 
     async def receive_weight_batches(self) -> AsyncGenerator[list[tuple[str, torch.Tensor]], None]:
-        """The whole model into this worker's buffers (checksummed, agreed by every process), then batches of
-        whole HF tensors of at most `bucket_size` bytes (a larger tensor alone), in model order."""
+        """Batches of whole HF tensors (one group each: at most `bucket_size` bytes, or one larger tensor), in
+        model order: each once every process agreed it arrived ("bucket"; the last also once every policy worker
+        reported its stream complete), or all of them once all that holds for the whole model ("model").
+
+        The tensors are views of this worker's buckets: load them before asking for the next batch.
+
+        Raises:
+            ExecutionError: the refit failed (here, elsewhere, or another worker refused it); what vLLM then holds
+                is in the module docstring.
+        """
         if self.role != "rollout":
             raise ExecutionError("receive_weight_batches on an engine that is not a joined vLLM worker "
                                  "(call init_rollout_process_group first)")
-        await self._transfer(None)
-        batch: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for t in self.spec.tensors:
-            buf = self.buffers[t.name]
-            if batch and size + buf.nbytes > self.bucket_size:
-                yield batch
-                batch, size = [], 0
-            batch.append((t.name, buf))
-            size += buf.nbytes
-        if batch:
-            yield batch
-
-    async def _transfer(self, src: dict[int, dict[str, torch.Tensor]] | None, quiet: bool = False) -> None:
-        run = (lambda: self.executor.refit()) if src is None else (lambda: self.executor.refit(src=src))
+        n, v = self._begin()
+        start, G = time.perf_counter(), len(self.groups)
+        flight: concurrent.futures.Future | None = self._submit(self._move, 0, v)
+        moving = 0  # the group in flight
+        received, agreed, yielded = 0, False, 0
         try:
-            self.last_stats = await asyncio.to_thread(run)
-        except ExecutionError as e:
-            if quiet:
-                return
-            raise ExecutionError(f"reshard refit failed on {self.role} worker {self.rank}; vLLM keeps its previous "
-                                 f"weights: {e}") from e
+            while moving < G:
+                k = moving
+                received += await self._landed(flight)  # group k: every process agreed it arrived whole
+                flight, moving = None, k + 1
+                if moving < G:
+                    if self.staging == "bucket":
+                        self._synchronize()  # vLLM's loads from the other bucket (batch k-1) are done
+                    flight = self._submit(self._move, moving, v)  # lands while vLLM loads batch k
+                elif self.staging == "bucket":
+                    await self._in_thread(self._wait_verdict, n)
+                    agreed = True
+                if self.staging == "bucket":
+                    yield self._batch(k)
+                    yielded += 1
+            if self.staging == "model":
+                await self._in_thread(self._wait_verdict, n)
+                agreed = True
+                for k in range(G):
+                    yield self._batch(k)
+                    yielded += 1
+        except BaseException as e:  # noqa: BLE001 - also a loader's error thrown in at a yield, or the generator closed
+            if not agreed:  # every other process is still in the refit: make it fail there now
+                await asyncio.wrap_future(self._fail(n, v, e, flight, moving + 1 if flight is not None else G))
+                if isinstance(e, ReshardError):
+                    raise self._explained(e, n) from e
+            raise
+        finally:
+            self.last_refit = {"bytes_received": received, "seconds": time.perf_counter() - start,
+                               "batches_yielded": yielded, "groups": G, "held_bytes": self._held, "failed": not agreed}
+
+    def _batch(self, k: int) -> list[tuple[str, torch.Tensor]]:
+        return [(name, self._views[k][name]) for name in self.groups[k]]
+
+    # --- the refit's machinery ---------------------------------------------------------------------------
+    def _begin(self) -> tuple[int, int]:
+        """The refit's number (since joining) and its executors' version; rebuilds the transport after a failed
+        refit (every process does, at the same refit)."""
+        if self._broken:
+            self._close_transport()
+            self._generation += 1
+            self._build()
+        self._refits += 1
+        self._version += 1
+        n = self._refits
+        if n > 2:  # every process has finished refit n-2 (each took part in n-1): its keys can go
+            for key in (f"{n - 2}/ok", f"{n - 2}/fail"):
+                try:
+                    self._verdicts().delete_key(key)
+                except Exception:  # noqa: BLE001 - best effort; a few bytes
+                    pass
+        return n, self._version
+
+    def _submit(self, fn: Any, *args: Any) -> concurrent.futures.Future:
+        device = self._device
+
+        def run() -> Any:
+            if device.type == "cuda":  # the current device is per thread
+                torch.cuda.set_device(device)
+            return fn(*args)
+
+        return self._pool.submit(run)
+
+    async def _in_thread(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.wrap_future(self._submit(fn, *args))
+
+    async def _landed(self, flight: concurrent.futures.Future | None) -> int:
+        """Wait for a group in flight (without blocking the event loop); the bytes it moved here."""
+        return 0 if flight is None else await asyncio.wrap_future(flight)
+
+    def _move(self, k: int, v: int) -> int:
+        """Group k of refit version v, on the pool's thread; returns the bytes this process sent or received."""
+        ex = self._executors[k]
+        if self.role == "policy":
+            self._synchronize()  # the stream's copies into the bucket are done before a peer reads it
+        try:
+            stats = ex.refit(v)
+        finally:
+            if self.transport == "collective":
+                ex.release()  # its wire buffers: one group's at a time, not every group's
+        return sum((stats.bytes_sent if self.role == "policy" else stats.bytes_received).values())
+
+    def _synchronize(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.current_stream(self._device).synchronize()
+
+    def _verdicts(self) -> Any:
+        from ..adapters import rendezvous as rv
+
+        return rv.scoped(self.store, self._rdv, "verdicts")
+
+    def _failure(self, n: int) -> str | None:
+        store = self._verdicts()
+        try:
+            return store.get(f"{n}/fail").decode(errors="replace") if store.check([f"{n}/fail"]) else None
+        except Exception as e:  # noqa: BLE001 - the store's host (policy worker 0) is gone
+            return f"the refit's store went away ({type(e).__name__}: {e})"
+
+    def _wait_verdict(self, n: int) -> None:
+        """Every policy worker reported its stream complete and moved; ExecutionError at once if a worker posted a
+        failure, or after `timeout` seconds without the reports."""
+        from ..polling import poll
+
+        store = self._verdicts()
+        reason: list[str] = []
+
+        def done() -> bool:
+            failure = self._failure(n)
+            if failure is not None:
+                reason.append(failure)
+                return True
+            return int(store.add(f"{n}/ok", 0)) >= self._T
+
+        if not poll(done, time.monotonic() + self.timeout, first_s=0.0005, most_s=0.01):
+            raise ExecutionError(f"refit {n}: only {int(store.add(f'{n}/ok', 0))} of {self._T} policy workers "
+                                 f"reported their stream complete within {self.timeout:.0f} s")
+        if reason:
+            raise ExecutionError(reason[0])
+
+    def _fail(self, n: int, v: int, error: BaseException, flight: concurrent.futures.Future | None,
+              next_k: int) -> concurrent.futures.Future:
+        """This worker's part of a failed refit: post the reason (every wait for the verdicts and every draining
+        policy worker sees it) and, once the group in flight is done, fail group `next_k`, the one every other
+        process is in or enters next, so that nobody waits for this worker until its timeout. Unless the group in
+        flight failed: then it failed on every process and nobody enters the next. Returns the future of that
+        (on the worker's thread: a policy worker goes on draining its stream meanwhile). The next refit rebuilds
+        the transport."""
+        self._broken = True
+        reason = f"{self.role} worker {self.rank}: {type(error).__name__}: {error}"
+        try:
+            self._verdicts().compare_set(f"{n}/fail", "", reason.encode()[:4000])
+        except Exception:  # noqa: BLE001 - best effort: the store may be gone
+            pass
+
+        def refuse_next() -> None:  # the pool's one thread: the group in flight has finished by now
+            failed = flight is not None and flight.exception() is not None
+            if not failed and next_k < len(self._executors):
+                refuse(self._executors[next_k], self._process, v, reason)
+
+        return self._submit(refuse_next)
+
+    def _explained(self, error: BaseException, n: int) -> BaseException:
+        """The error this worker raises: its own refusal as it is; a failure seen here, with the first reason."""
+        if isinstance(error, ArgumentError):
+            return error
+        first = self._failure(n)
+        state = "vLLM keeps its previous weights" if self.staging == "model" else (
+            "vLLM holds the batches yielded before it (staging bucket)")
+        why = f"{first}; here: {error}" if first and first not in str(error) else str(error)
+        return ExecutionError(f"reshard refit {n} failed on {self.role} worker {self.rank} ({state}): {why}")
 
     # --- 4. finalize ---------------------------------------------------------------------------------------
     def finalize(self) -> None:
         """Close the transport and the store; prepare() starts the next meeting."""
-        if self.executor is not None:
-            self.executor.close()
+        self._close()
         self._reset()
+
+    def _close_transport(self) -> None:
+        for ex in self._executors:
+            try:
+                ex.close()
+            except Exception:  # noqa: BLE001 - closing a broken executor is best effort
+                pass
+        self._executors, self._views = [], []
+        if self._comm is not None:
+            self._comm.close()
+        self._comm = None
+
+    def _close(self) -> None:
+        self._close_transport()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self._pool = None
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+def _bytes(nbytes: int, device: torch.device, shared: bool) -> torch.Tensor:
+    """A buffer of `nbytes`; in shared memory when peers write into it on CPU (the shared transport)."""
+    if shared and device.type == "cpu":
+        from ..executors.shared import shared_empty
+
+        return shared_empty((nbytes,), torch.uint8)
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def _carve(buffer: torch.Tensor, tensors: list[tuple[str, tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
+    """Views of `buffer`, one per (name, shape, dtype), each starting ALIGN-aligned."""
+    out, offset = {}, 0
+    for name, shape, dtype in tensors:
+        size = _numel(shape) * dtype.itemsize
+        out[name] = buffer[offset:offset + size].view(dtype).view(shape)
+        offset += _aligned(size)
+    return out
+
+
+def _free_bytes(device: torch.device) -> int:
+    """Free memory where a vLLM worker would stage the model: the CUDA device's, or the host's available memory."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _gib(nbytes: int | None) -> str:
+    return f"{(nbytes or 0) / 2**30:.2f} GiB ({nbytes:,} bytes)"
 
 
 def _refuse_unknown(unknown: dict[str, Any]) -> None:
@@ -350,16 +741,10 @@ def _refuse_unknown(unknown: dict[str, Any]) -> None:
     names = sorted(unknown)
     hints = [f"{n!r} -> {close[0]!r}" for n in names if (close := difflib.get_close_matches(n, options, 1))]
     raise ArgumentError(f"refit_cfg key{'s' if len(names) > 1 else ''} {', '.join(map(repr, names))}",
-                        rule=f"{'are not options' if len(names) > 1 else 'is not an option'} of ReshardCheckpointEngine (NeMo-RL passes every key of its refit_cfg "
-                             f"entry to the constructor); its options: {', '.join(options)}",
+                        rule=f"{'are not options' if len(names) > 1 else 'is not an option'} of ReshardCheckpointEngine "
+                             f"(NeMo-RL passes every key of its refit_cfg entry to the constructor); its options: "
+                             f"{', '.join(options)}",
                         fix=f"did you mean {'; '.join(hints)}" if hints else "remove it")
-
-
-def _prefixes_any(name: str, sorted_names: list[str]) -> bool:
-    """Whether `name` is a proper prefix of one of `sorted_names` (NeMo-RL drops every name a missing prefix
-    starts: such a name cannot be listed without dropping the other)."""
-    i = bisect.bisect_right(sorted_names, name)
-    return i < len(sorted_names) and sorted_names[i].startswith(name)
 
 
 __all__ = ["ReshardCheckpointEngine"]

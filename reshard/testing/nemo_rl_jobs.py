@@ -11,11 +11,17 @@ at the commit in tests/data/nemo_rl_checkpoint_engine.json):
     experts kept by id);
   - the vLLM worker: `async for batch in receive_weight_batches()`, each batch "loaded" into a dict.
 
-A job is JSON: {"checkpoint", "policy", "rollout", "steps", "kwargs" (engine keyword arguments besides `model`,
-which is the checkpoint), or "engine_kwargs" (exactly the keyword arguments besides `bucket_size`: what NeMo-RL
-builds from a config's refit_cfg entry), "bucket_size", "fault": null, "wrong-shape" or "unknown-name" (what the
-last policy worker does wrong at the last step: _faulty), "release_after_refit" (finalize after every refit,
+A job is JSON: {"checkpoint" (an HF checkpoint directory) or "config" (an HF config dict: the weights are then
+drawn per tensor from a seed, no transformers or safetensors needed), "policy", "rollout", "steps", "kwargs"
+(engine keyword arguments besides `model`), or "engine_kwargs" (exactly the keyword arguments besides
+`bucket_size`: what NeMo-RL builds from a config's refit_cfg entry), "bucket_size", "device" (where the policy's
+tensors live; default CPU), "faults" ({step: fault}: what the last policy worker's stream does wrong at that step,
+_faulty: "extra-first", "misshapen-middle", "extra-last"), "release_after_refit" (finalize after every refit,
 prepare and join again before the next, as NeMo-RL then does), "dir"}.
+
+Per refit each process reports what it saw: a policy worker the bytes it sent and what it keeps, a rollout worker
+every batch it was yielded (names, and whether each tensor equals the checkpoint's), and either its error and the
+time it raised (time.time(); the faulty worker records when it yielded the fault: one host, one clock).
 
 Nothing here names a host: every engine finds its own address (reshard.addresses) where its process runs, so the
 same job runs on one host or with the policy and rollout processes on different hosts (testing.world's `launch`).
@@ -64,20 +70,21 @@ def _select(name: str, layout: dict[str, Any] | None) -> bool:
 
 def nemo_rl_worker(rank: int, size: int, job: dict[str, Any]) -> dict[str, Any]:
     """One process of the job (testing.world): policy worker `rank` if rank < policy, else rollout worker
-    rank - policy. Returns what it saw: per refit the bytes it sent or what it loaded (checked against the
-    checkpoint), and any error constructing or joining."""
+    rank - policy. Returns what it saw: per refit the bytes it sent or the batches it was yielded (checked against
+    the checkpoint), and any error constructing or joining."""
     import torch.distributed as dist
 
     from ..executors.local import torch_dtype
     from ..integrations.nemo_rl import ReshardCheckpointEngine
-    from .serve_jobs import load_checkpoint, train_step
+    from .serve_jobs import train_step
     from .world import new_group
 
     T = job["policy"]
     policy = new_group(list(range(T)))  # every process makes every group
     out: dict[str, Any] = {"refits": []}
     out["gloo_socket_ifname"] = os.environ.get("GLOO_SOCKET_IFNAME")  # the harness's device choice must not leak
-    kwargs = job.get("engine_kwargs") or {"model": job["checkpoint"], **job.get("kwargs", {})}
+    model = job.get("checkpoint") or job["config"]
+    kwargs = job.get("engine_kwargs") or {"model": model, **job.get("kwargs", {})}
     engine = None
     try:  # NeMo-RL's init_checkpoint_engine on every worker
         engine = ReshardCheckpointEngine(bucket_size=job.get("bucket_size", 1 << 20), **kwargs)
@@ -86,7 +93,9 @@ def nemo_rl_worker(rank: int, size: int, job: dict[str, Any]) -> dict[str, Any]:
     if any(_gather(job, "construct", rank, "construct_error" in out)):  # the driver's ray.get raises for all
         return out
     sent = torch_dtype(engine.spec.dtype)  # the policy exports in the dtype the engine was built for (its `dtype`)
-    base = {k: v.to(sent) for k, v in load_checkpoint(job["checkpoint"]).items()}
+    device = torch.device(job.get("device", "cpu"))
+    base = {k: v.to(sent) for k, v in _weights(job, engine.spec).items()}
+    out["groups"] = [list(g) for g in engine.groups]
     for step in range(1, job["steps"] + 1):
         if step == 1 or job.get("release_after_refit"):  # NeMo-RL then finalizes after every refit
             t0 = time.perf_counter()
@@ -104,16 +113,17 @@ def nemo_rl_worker(rank: int, size: int, job: dict[str, Any]) -> dict[str, Any]:
         try:
             if rank < T:
                 layout = engine.get_target_weight_layout()
-                fault = job.get("fault") if rank == T - 1 and step == job["steps"] else None
-                weights = _policy_iterator(base, policy)
-                kept = _faulty((w for w in weights if _select(w[0], layout)), fault)
-                asyncio.run(engine.send_weights(kept))
-                entry["bytes_sent"] = sum(engine.last_stats.bytes_sent.values())
-                entry["kept"] = len(engine.needed)
+                entry["layout"] = layout
+                fault = (job.get("faults") or {}).get(str(step)) if rank == T - 1 else None
+                weights = _policy_iterator(base, policy, device)
+                stream = _faulty((w for w in weights if _select(w[0], layout)), fault, engine.spec, entry)
+                asyncio.run(engine.send_weights(stream))
             else:
-                entry.update(asyncio.run(_receive(engine, base, job.get("bucket_size", 1 << 20))))
+                asyncio.run(_receive(engine, base, entry))
         except Exception as e:  # noqa: BLE001 - reported to the test
+            entry["error_at"] = time.time()
             entry["error"] = f"{type(e).__name__}: {e}"
+        entry.update(engine.last_refit)
         entry["seconds"] = time.perf_counter() - t0
         out["refits"].append(entry)
         dist.barrier()
@@ -121,6 +131,22 @@ def nemo_rl_worker(rank: int, size: int, job: dict[str, Any]) -> dict[str, Any]:
             engine.finalize()
     out["model_bytes"] = sum(t.numel() * t.element_size() for t in base.values())
     engine.finalize()
+    return out
+
+
+def _weights(job: dict[str, Any], spec: Any) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors, or (job["config"]) each tensor of the model drawn N(0, 1) from a seed of its own
+    name: the same in every process, independent of reshard's planning and transport."""
+    if job.get("checkpoint"):
+        from .serve_jobs import load_checkpoint
+
+        return load_checkpoint(job["checkpoint"])
+    import zlib
+
+    out = {}
+    for t in spec.tensors:
+        g = torch.Generator().manual_seed(zlib.crc32(t.name.encode()))
+        out[t.name] = torch.randn(tuple(t.shape), generator=g)
     return out
 
 
@@ -148,39 +174,49 @@ def _meet(job: dict[str, Any], engine: Any, rank: int, step: int) -> str:
     return metadata[0]["rendezvous"]["host"]
 
 
-def _policy_iterator(weights: dict[str, torch.Tensor], group: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def _policy_iterator(weights: dict[str, torch.Tensor], group: Any, device: torch.device
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """Whole HF tensors on every policy worker, with a collective per tensor (as Megatron's export has)."""
     import torch.distributed as dist
 
     for name, tensor in weights.items():
         token = torch.ones(1)
         dist.all_reduce(token, group=group)
-        yield name, tensor.clone()
+        yield name, tensor.to(device, copy=True)
 
 
-def _faulty(weights: Iterator[tuple[str, torch.Tensor]], fault: str | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """fault "wrong-shape": the first 2-D tensor this worker sends loses a row; "unknown-name": one tensor more,
-    under a name the model does not have."""
-    for name, tensor in weights:
-        if fault == "wrong-shape" and tensor.dim() == 2:
-            tensor, fault = tensor[:-1], None
+def _faulty(weights: Iterator[tuple[str, torch.Tensor]], fault: str | None, spec: Any,
+            entry: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream with one fault (None: as it is): "extra-first", a tensor the model does not have before the
+    model's own; "misshapen-middle", the tensor in the middle of the stream loses a row; "extra-last", a tensor
+    the model does not have after the last one. Records in `entry` when the fault is yielded (time.time()) and
+    which tensor it is."""
+    extra = ("model.layers.0.mlp.extra.weight", torch.zeros(4))
+    if fault == "extra-first":
+        entry["fault_at"], entry["fault_tensor"] = time.time(), extra[0]
+        yield extra
+    middle = len(spec.tensors) // 2
+    for i, (name, tensor) in enumerate(weights):
+        if i == middle and fault == "misshapen-middle":
+            entry["fault_at"], entry["fault_tensor"] = time.time(), name
+            tensor = tensor[:-1]
         yield name, tensor
-    if fault == "unknown-name":
-        yield "model.layers.0.mlp.extra.weight", torch.zeros(4)
+    if fault == "extra-last":
+        entry["fault_at"], entry["fault_tensor"] = time.time(), extra[0]
+        yield extra
 
 
-async def _receive(engine: Any, want: dict[str, torch.Tensor], bucket_size: int) -> dict[str, Any]:
-    """What vLLM's worker does with the batches, checked against the checkpoint's tensors (ground truth)."""
-    loaded: dict[str, torch.Tensor] = {}
-    batches, largest = 0, 0
+async def _receive(engine: Any, want: dict[str, torch.Tensor], entry: dict[str, Any]) -> None:
+    """What vLLM's worker does with the batches, recorded in `entry` as they come (a failed refit raises after
+    some): each batch's tensor names and size, and the names of tensors that differ from the checkpoint's
+    (ground truth)."""
+    entry["batches"], entry["wrong"] = [], []
     async for batch in engine.receive_weight_batches():
-        batches += 1
-        largest = max(largest, sum(t.nbytes for _, t in batch)) if len(batch) > 1 else largest
-        for name, tensor in batch:
-            loaded[name] = tensor.clone()
-    wrong = sorted(n for n in want if n not in loaded or not torch.equal(loaded[n], want[n]))
-    return {"batches": batches, "tensors": len(loaded), "wrong": wrong[:5], "equal": not wrong and
-            set(loaded) == set(want), "largest_multi_tensor_batch": largest}
+        entry["batches"].append({"names": [name for name, _ in batch], "bytes": sum(t.nbytes for _, t in batch)})
+        entry["wrong"] += [name for name, t in batch if not torch.equal(t.cpu(), want[name])]
+    loaded = {name for b in entry["batches"] for name in b["names"]}
+    entry["equal"] = not entry["wrong"] and loaded == set(want) and sum(len(b["names"]) for b in entry["batches"]) \
+        == len(want)
 
 
 __all__ = ["nemo_rl_worker"]

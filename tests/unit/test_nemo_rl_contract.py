@@ -91,23 +91,41 @@ def test_constructed_as_nemo_rl_constructs_it(interface, tmp_path):
         ReshardCheckpointEngine(bucket_size=1 << 20, model=str(config), host="198.51.100.77")  # TEST-NET-2: no host's
 
 
-def test_target_layout_has_nemo_rl_keys_and_keeps_this_workers_share(interface, tmp_path):
-    """The layout a joined policy worker answers with (its plan share set by hand: no processes here)."""
+def test_options_are_checked_at_construction(tmp_path):
+    """staging and transport, and the options that do not fit them, refused by name before any worker joins."""
     config = tmp_path / "config.json"
-    config.write_text(TinyGPT(num_experts=4).hf_config().to_json_string())
-    engine = ReshardCheckpointEngine(bucket_size=1 << 20, model=str(config))
-    names = [t.name for t in engine.spec.tensors]
-    experts = [n for n in names if ".mlp.experts.1." in n and ".layers.0." in n]
-    engine.role, engine.needed = "policy", frozenset(["model.embed_tokens.weight", *experts])
-    layout = engine.get_target_weight_layout()
-    assert sorted(layout) == sorted(interface["typed_dicts"]["VllmWeightLayout"])
-    missing = set(layout["missing_weight_prefixes"])
-    assert missing == set(names) - engine.needed
-    assert sorted(layout["expert_params"]) == [f"model.layers.0.mlp.experts.routed_experts.{w}_weight"
-                                               for w in ("w13", "w2")]
-    for entry in layout["expert_params"].values():  # whole experts: NeMo-RL slices nothing (tp_size 1)
-        assert sorted(entry) == sorted(interface["typed_dicts"]["VllmExpertParamLayout"])
-        assert entry["local_expert_ids"] == [1] and entry["tp_size"] == 1
+    config.write_text(TinyGPT().hf_config().to_json_string())
+    for kwargs, words in [({"staging": "all"}, r"staging='all' must be one of \('bucket', 'model'\)"),
+                          ({"transport": "shared", "fanout": 2}, "fanout=2 is the collective transport's"),
+                          ({"transport": "shared", "backend": "gloo"}, "backend='gloo' is the collective"),
+                          ({"device": "cpu", "backend": "nccl"}, "backend='nccl' does not move tensors on cpu"),
+                          ({"checksum": "md5"}, "checksum='md5'")]:
+        with pytest.raises(ArgumentError, match=words):
+            ReshardCheckpointEngine(bucket_size=1 << 20, model=str(config), **kwargs)
+    engine = ReshardCheckpointEngine(bucket_size=1 << 20, model=str(config), transport="shared", device="cpu")
+    assert engine.checksum is True  # on by default wherever the transport hashes
+    assert engine.get_target_weight_layout() is None  # NeMo-RL then filters nothing (benchmarks/nemo_rl_filter.py)
+
+
+def test_model_staging_larger_than_free_memory_is_refused_when_a_vllm_worker_joins(tmp_path):
+    """DeepSeek-V3 (1.3 TB in bf16) staged whole on this host's CPU: refused with both numbers and the fix, and
+    the failure is posted to the rendezvous so that the workers waiting in it stop at once."""
+    from reshard.adapters import rendezvous as rv
+
+    config = Path(__file__).resolve().parents[2] / "examples/configs/deepseek-v3.json"
+    engines = [ReshardCheckpointEngine(bucket_size=1 << 30, model=str(config), staging="model", device="cpu",
+                                       host="127.0.0.1") for _ in range(2)]
+    assert engines[1].model_bytes > 1 << 40 and engines[1].free_bytes < engines[1].model_bytes
+    try:
+        metadata = [e.prepare() for e in engines]
+        with pytest.raises(ArgumentError, match=r"staging='model' holds the whole model on every vLLM worker: "
+                                                 r"1249\.\d\d GiB .*but cpu had .* GiB .* free.*staging: bucket"):
+            engines[1].init_rollout_process_group(rollout_rank=0, train_world_size=1, rollout_world_size=1,
+                                                  metadata=metadata)
+        assert "staging='model'" in rv.failure(engines[0].store, engines[0].offer)
+    finally:
+        for e in engines:
+            e.finalize()
 
 
 def test_bad_topology_is_refused_before_joining(tmp_path):
@@ -133,7 +151,7 @@ def test_bad_topology_is_refused_before_joining(tmp_path):
         for kwargs, words in cases:
             with pytest.raises(ArgumentError, match=words):
                 engine.init_policy_process_group(**kwargs)
-        assert engine.executor is None and engine.role is None
+        assert engine.role is None
     finally:
         engine.finalize()
         other.finalize()

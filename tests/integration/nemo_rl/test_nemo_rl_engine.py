@@ -1,20 +1,24 @@
-"""ReshardCheckpointEngine driven in NeMo-RL's call order on real processes (gloo): 2 policy workers and 2 or 3
-rollout workers, each its own process (testing.nemo_rl_jobs; the vLLM side inside a real vLLM worker is
-examples/nemo_rl/refit.py, run by tests/integration/examples).
+"""ReshardCheckpointEngine driven in NeMo-RL's call order on real processes (gloo, shared memory): 2 policy
+workers and 2 or 3 rollout workers, each its own process (testing.nemo_rl_jobs; the vLLM side inside a real vLLM
+worker is examples/nemo_rl/refit.py, run by tests/integration/examples).
 
-Ground truth: the tensors a rollout worker yields must equal, byte for byte, the checkpoint's tensors after the
+Ground truth: the tensors a rollout worker is yielded must equal, byte for byte, the checkpoint's tensors after the
 same training steps, computed in that process from the checkpoint file (independent of reshard). The sending is
-spread: each policy worker keeps and sends only what the plan reads from it (get_target_weight_layout filters
-its iterator), and with fan-out (3 rollout workers fed by 2 policy workers) fewer copies leave the policy. A policy
-worker that sends a wrong tensor (or one the model does not have) fails the refit on every process and no rollout
-worker yields anything.
+spread: each policy worker keeps and sends only what the plans read from it, and with fan-out (3 rollout workers
+fed by 2 policy workers) fewer copies leave the policy. Batches are at most `bucket_size` bytes and the worker
+holds two of them ("bucket" staging) or the whole model ("model").
+
+A policy worker whose stream is wrong -- a tensor the model does not have before the model's own, a misshapen
+tensor in the middle, a tensor the model does not have after the last one -- fails the refit on every process
+within seconds of the refusal; with "model" staging no rollout worker is yielded anything, with "bucket" staging
+only batches every process agreed on, never the one holding the bad tensor and never the last; the next refit
+moves a whole version again.
 """
 from __future__ import annotations
 
 import pytest
 
-from reshard.layouts import HfLayout, ModelSpec
-from reshard.planner.cache import cached_plan
+from reshard.layouts import ModelSpec
 from reshard.testing.megatron_cpu import TinyGPT
 from reshard.testing.serve_jobs import make_checkpoint
 from reshard.testing.world import run_world
@@ -22,6 +26,8 @@ from reshard.testing.world import run_world
 pytestmark = pytest.mark.gloo
 
 JOB = "reshard.testing.nemo_rl_jobs:nemo_rl_worker"
+BUCKET = 20_000  # bytes: the tiny models (~0.4 MB) move in about 20 groups
+FAIL_FAST_S = 20.0  # the bound the test holds a refusal to; the engine's timeout is 60 s, the measured time ~1 s
 
 
 @pytest.fixture(scope="module")
@@ -31,45 +37,88 @@ def checkpoints(tmp_path_factory):
             "moe": str(make_checkpoint(TinyGPT(num_experts=4), root / "moe"))}
 
 
-def _run(tmp_path, checkpoint, policy, rollout, **job):
-    job = {"checkpoint": checkpoint, "policy": policy, "rollout": rollout, "steps": 2, "dir": str(tmp_path), **job}
+def _run(tmp_path, checkpoint, policy, rollout, steps=2, **job):
+    job = {"checkpoint": checkpoint, "policy": policy, "rollout": rollout, "steps": steps, "dir": str(tmp_path),
+           **job}
     results = run_world(policy + rollout, JOB, job, tmp_path, timeout=240)
     assert all(r is not None for r in results), (tmp_path / "logs.txt").read_text()[-4000:]
     return results[:policy], results[policy:]
 
 
-@pytest.mark.parametrize("model,rollouts,fanout,release", [("dense", 3, 1, True), ("moe", 2, None, False)])
+@pytest.mark.parametrize("model,rollouts,options,release", [
+    ("dense", 3, {"fanout": 1}, True),
+    ("moe", 2, {"staging": "model"}, False),
+    ("dense", 2, {"transport": "shared"}, False),
+], ids=["dense-fanout-bucket", "moe-model-staging", "dense-shared-memory"])
 def test_rollout_workers_get_the_trained_tensors_from_every_policy_worker(tmp_path, checkpoints, model, rollouts,
-                                                                          fanout, release):
+                                                                          options, release):
     """release: finalize after every refit and meet again before the next (NeMo-RL's release_after_refit)."""
-    policy, rollout = _run(tmp_path, checkpoints[model], 2, rollouts, bucket_size=20_000, kwargs={"fanout": fanout},
+    policy, rollout = _run(tmp_path, checkpoints[model], 2, rollouts, bucket_size=BUCKET, kwargs=options,
                            release_after_refit=release)
+    groups = rollout[0]["groups"]
+    assert len(groups) > 5
     for r in rollout:
         for entry in r["refits"]:
             assert "error" not in entry, entry
             assert entry["equal"], entry["wrong"]
-            assert entry["batches"] > 1 and entry["largest_multi_tensor_batch"] <= 20_000
+            assert [b["names"] for b in entry["batches"]] == groups  # one batch per group, in model order
+            assert all(b["bytes"] <= BUCKET for b in entry["batches"] if len(b["names"]) > 1)
+        held = r["refits"][-1]["held_bytes"]
+        if options.get("staging") == "model":
+            assert held >= r["model_bytes"]
+        else:  # two buckets (a bucket: the largest batch, each tensor 256-byte aligned), never the model
+            largest = max(b["bytes"] + 256 * len(b["names"]) for b in r["refits"][-1]["batches"])
+            assert held <= 2 * largest and held < r["model_bytes"] / 4
+    for p in policy:
+        assert all(e["layout"] is None for e in p["refits"])  # NeMo-RL filters nothing (benchmarks/nemo_rl_filter.py)
     model_bytes = rollout[0]["model_bytes"]
     sent = [p["refits"][-1]["bytes_sent"] for p in policy]
     assert all(s > 0 for s in sent)  # both policy workers send ...
     assert max(sent) < 0.75 * sum(sent)  # ... about half each
+    if options.get("fanout"):  # the rollout workers relay: fewer copies leave the policy
+        assert model_bytes <= sum(sent) < rollouts * model_bytes
+    else:
+        assert sum(sent) == rollouts * model_bytes
     spec = ModelSpec.from_hf_config(checkpoints[model])
-    plan = cached_plan(HfLayout(model=spec, replicas=2), HfLayout(model=spec, replicas=rollouts), fanout=fanout)
-    copies = plan.roots if fanout else rollouts  # with fan-out the rollout workers relay: fewer copies leave the policy
-    assert copies < rollouts if fanout else True
-    assert sum(sent) == copies * model_bytes
-    kept = [p["refits"][-1]["kept"] for p in policy]  # each worker keeps only its share of the iterator
-    assert max(kept) < len(spec.tensors) and sum(kept) <= len(spec.tensors) + 2
+    kept = [p["refits"][-1]["kept"] for p in policy]  # each worker keeps only its share of the stream
+    assert max(kept) < len(spec.tensors) <= sum(kept)
 
 
-@pytest.mark.parametrize("fault", ["wrong-shape", "unknown-name"])
-def test_a_wrong_tensor_fails_the_refit_everywhere_and_nothing_is_loaded(tmp_path, checkpoints, fault):
-    policy, rollout = _run(tmp_path, checkpoints["dense"], 2, 2, fault=fault)
-    for r in [*policy, *rollout]:
-        first, last = r["refits"]
-        assert "error" not in first, first
-        assert "ExecutionError" in last["error"], last
-    assert ("does not have" in policy[-1]["refits"][-1]["error"]) == (fault == "unknown-name")
-    for r in rollout:
-        assert "batches" not in r["refits"][-1]  # the generator raised before yielding a batch
-        assert r["refits"][0]["equal"]
+@pytest.mark.parametrize("staging", ["model", "bucket"])
+def test_a_refused_stream_fails_every_process_at_once_and_the_next_refit_is_whole(tmp_path, checkpoints, staging):
+    """The last policy worker's stream is wrong at step 2 (an extra tensor first), 4 (a misshapen tensor in the
+    middle) and 6 (an extra tensor after the last); steps 1, 3, 5 and 7 are clean refits after each."""
+    faults = {"2": "extra-first", "4": "misshapen-middle", "6": "extra-last"}
+    policy, rollout = _run(tmp_path, checkpoints["dense"], 2, 2, steps=7, bucket_size=BUCKET, faults=faults,
+                           kwargs={"staging": staging, "timeout": 60})
+    groups = rollout[0]["groups"]
+    where = {name: k for k, group in enumerate(groups) for name in group}
+    slowest = 0.0
+    for step in range(1, 8):
+        faulty = policy[-1]["refits"][step - 1]
+        for r in [*policy, *rollout]:
+            entry = r["refits"][step - 1]
+            if str(step) not in faults:
+                assert "error" not in entry, (step, entry)
+                continue
+            assert "error" in entry, (step, entry)
+            slowest = max(slowest, entry["error_at"] - faulty["fault_at"])
+        if str(step) not in faults:
+            for r in rollout:
+                assert r["refits"][step - 1]["equal"], (step, r["refits"][step - 1]["wrong"])
+            continue
+        assert faulty["error"].startswith("ArgumentError") and faulty["fault_tensor"] in faulty["error"]
+        for r in [policy[0], *rollout]:  # the others carry the faulty worker's reason
+            assert faulty["fault_tensor"] in r["refits"][step - 1]["error"], r["refits"][step - 1]["error"]
+        for r in rollout:
+            entry = r["refits"][step - 1]
+            yielded = [b["names"] for b in entry["batches"]]
+            assert not entry["wrong"]  # what was yielded is the checkpoint's
+            if staging == "model" or faults[str(step)] == "extra-first":
+                assert yielded == []
+            elif faults[str(step)] == "misshapen-middle":
+                assert yielded == groups[:len(yielded)] and len(yielded) <= where[faulty["fault_tensor"]]
+            else:  # extra-last: every batch but the last, which waits for the end-of-stream verdict
+                assert yielded == groups[:-1]
+    print(f"\nfail-fast ({staging} staging): every process raised within {slowest:.2f} s of the refusal")
+    assert slowest < FAIL_FAST_S

@@ -1,0 +1,167 @@
+"""A model moved between the processes of an RL framework group by group: what the checkpoint-engine backends
+(NeMo-RL's, verl's) have in common once their framework hands every trainer process whole HF tensors and every
+inference process must hand whole HF tensors to vLLM's loaders.
+
+  1. `tensor_groups(spec, bucket_size)`: the model's tensors in model order, cut into groups of at most
+     `bucket_size` bytes (a larger tensor is a group of its own): what moves, is agreed on and is handed to the
+     loaders as one piece;
+  2. `group_plans(spec, trainers, rollouts, groups, fanout)`: one plan per group (whole HF tensors replicated on
+     the trainer processes -> whole HF tensors on every rollout process), compiled once per process;
+  3. `group_bindings(plans, trainers, rollouts)`: which process plays which rank of each group's plan (the
+     sending balanced over the trainer processes across groups; a pure function of the plans);
+  4. `group_executor(transport, ...)`: this process's executor for one group over a transport ("collective":
+     torch.distributed over a group made at the rendezvous; "shared": shared memory / CUDA IPC on one host;
+     "nixl"), writing the destination tensors in place (loaders read them only once every process agreed);
+  5. `refuse(executor, version, reason)`: make the refit `version` of one group's executor fail on every process
+     of it at once (a trainer process whose stream is wrong, a rollout process whose loader failed), instead of
+     leaving them waiting for it until their timeout.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from ..errors import ArgumentError, ExecutionError
+from ..executors.base import Executor, RankTensors
+from ..executors.binding import Binding
+from ..layouts import HfLayout, ModelSpec
+from ..planner import Plan
+from ..planner.cache import cached_plan
+
+TRANSPORTS = ("collective", "shared", "nixl")
+DEPTH = 2  # collective: rounds in flight; its wire buffers are DEPTH x peers x one message, within the bucket
+
+
+def tensor_bytes(spec: ModelSpec, name: str) -> int:
+    """Bytes of one of the model's tensors in its own dtype (a float32 router bias in a bfloat16 model)."""
+    from ..layouts.model import DTYPE_SIZES
+
+    t = spec.tensor(name)
+    return t.numel * DTYPE_SIZES[t.dtype or spec.dtype]
+
+
+def tensor_groups(spec: ModelSpec, bucket_size: int) -> tuple[tuple[str, ...], ...]:
+    """The model's tensors in model order, cut into consecutive groups of at most `bucket_size` bytes (a tensor
+    larger than that is a group of its own).
+
+    Raises:
+        ArgumentError: a bucket size that is not a positive integer.
+    """
+    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
+        raise ArgumentError("bucket_size", bucket_size, "must be a positive number of bytes")
+    groups: list[tuple[str, ...]] = []
+    current: list[str] = []
+    used = 0
+    for t in spec.tensors:
+        size = tensor_bytes(spec, t.name)
+        if current and used + size > bucket_size:
+            groups.append(tuple(current))
+            current, used = [], 0
+        current.append(t.name)
+        used += size
+    if current:
+        groups.append(tuple(current))
+    return tuple(groups)
+
+
+def group_plans(spec: ModelSpec, trainers: int, rollouts: int, groups: Sequence[Sequence[str]],
+                fanout: int | None = None) -> list[Plan]:
+    """One plan per group: each tensor held whole by every one of `trainers` source ranks, needed whole by every
+    one of `rollouts` destination ranks; the compiler spreads a group's sending over the source ranks and, with
+    `fanout`, feeds some destination ranks and relays to the others."""
+    src, dst = HfLayout(model=spec, replicas=trainers), HfLayout(model=spec, replicas=rollouts)
+    extra = {"fanout": fanout} if fanout is not None and rollouts > 1 else {}
+    return [cached_plan(src, dst, tensors=tuple(group), **extra) for group in groups]
+
+
+def group_bindings(plans: Sequence[Plan], trainers: int, rollouts: int) -> tuple[Binding, ...]:
+    """Which process plays each rank of each group's plan: processes 0..trainers-1 are the trainer processes,
+    the next `rollouts` the rollout processes.
+
+    A small group cannot be spread evenly over many source ranks (whole tensors), so across groups the source
+    rank that sends most goes to the trainer process that has sent least so far; destination rank d of group k
+    is rollout process (d + k) mod rollouts, which spreads fan-out roots (the destinations fed by the trainers)
+    over the rollout processes. Every process computes the same from the same plans."""
+    sent = [0] * trainers
+    out = []
+    for k, plan in enumerate(plans):
+        egress = plan.accounting.egress_bytes
+        ranks = sorted(range(trainers), key=lambda s: (-egress[s], s))
+        least = sorted(range(trainers), key=lambda p: (sent[p], p))
+        src = [0] * trainers
+        for s, p in zip(ranks, least):
+            src[s] = p
+            sent[p] += egress[s]
+        out.append(Binding(tuple(src), tuple(trainers + (d + k) % rollouts for d in range(rollouts))))
+    return tuple(out)
+
+
+def group_executor(transport: str, plan: Plan, binding: Binding, process: int, src: RankTensors, dst: RankTensors,
+                   *, store: Any, rendezvous: Any, namespace: str, comm: Any = None, timeout: float = 300.0,
+                   checksum: bool | str = False, memory_cap: int = 1 << 30) -> Executor:
+    """This process's executor for one group's plan, writing the destination tensors in place: the caller hands
+    them on only after the refit returned on this process, which every process reaches only once all agreed.
+
+    Args:
+        transport: "collective" (over `comm`, a StoreComm every process joined), "shared" or "nixl" (keys under
+            `namespace` in the rendezvous's store).
+        plan, binding, process: the group's plan, who plays its ranks, this process.
+        src, dst: this process's source / destination tensors (rank -> name -> tensor). For "shared" on CPU, a
+            destination tensor peers write into must live in shared memory (executors.shared.shared_empty).
+        store, rendezvous: the refit's store (joined) and its adapters.rendezvous.Rendezvous.
+        namespace: unique per executor among those of one store ("shared", "nixl"): letters, digits, no '/'.
+        comm: "collective": the executors.comm.StoreComm.
+        timeout: seconds any wait may go without progress.
+        checksum: the executors' option (False, True / "sha256", "sum64").
+        memory_cap: "collective": bytes of wire buffers (DEPTH rounds in flight x peers x one message).
+
+    Returns:
+        The executor; `refit(version)` moves the group once per call.
+
+    Raises:
+        ArgumentError: an unknown transport.
+        ExecutionError: what the executor refuses at construction (and, for "shared" and "nixl", a peer that did
+            not set up within the timeout).
+    """
+    from ..adapters.rendezvous import scoped
+    from ..executors.base import make_executor
+
+    if transport == "collective":
+        if comm is None:
+            raise ExecutionError("the collective transport needs the group every process joined (comm)")
+        return make_executor("distributed", plan, binding, process, src, dst, group=comm, in_place=True,
+                             memory_cap=memory_cap, depth=DEPTH, timeout=timeout, checksum=checksum)
+    if transport == "shared":
+        # polled waits back off to 5 ms: a rollout process waits on the trainers' stream for seconds per group
+        return make_executor("shared", plan, binding, process, src, dst, store=scoped(store, rendezvous, "shared"),
+                             namespace=namespace, staged=False, timeout=timeout, checksum=checksum,
+                             poll_max_s=0.005)
+    if transport == "nixl":
+        from ..executors.nixl import NixlOptions
+
+        return make_executor("nixl", plan, binding, process, src, dst, store=scoped(store, rendezvous, "nixl"),
+                             namespace=namespace, options=NixlOptions(staged=False, timeout=timeout,
+                                                                       checksum=checksum))
+    raise ArgumentError("transport", transport, f"must be one of {TRANSPORTS}")
+
+
+def refuse(executor: Executor, process: int, version: int, reason: str) -> None:
+    """Fail refit `version` of a group's executor on every process of it, at once, from this process, which
+    takes no further part in it: the torch.distributed executor's preflight (every process learns that this one
+    refused its tensors before a byte moves); the voted executors' (shared, NIXL) failure record, which every
+    wait of that version checks. Never raises (the refit is failing already)."""
+    from ..executors.voted import VotedExecutor
+
+    try:
+        if isinstance(executor, VotedExecutor):
+            executor.exchange.fail(version, f"process {process}: {reason}")
+            return
+        binding = executor.binding
+        # no tensors for the ranks this process plays: its preflight refuses, and every process learns it there
+        executor.refit(src={r: {} for r in binding.src_ranks_of(process)},
+                       dst={r: {} for r in binding.dst_ranks_of(process)})
+    except Exception:  # noqa: BLE001 - expected: the refusal itself raises here
+        pass
+
+
+__all__ = ["DEPTH", "TRANSPORTS", "group_bindings", "group_executor", "group_plans", "refuse", "tensor_bytes",
+           "tensor_groups"]

@@ -1,22 +1,38 @@
 """What an exporter's stream of (name, tensor) may hold, mapped onto the model's HF tensors: one rule for both
 integrations (verl's `send_weights`, NeMo-RL's `send_weights`).
 
-Exporters do not all stream a checkpoint's HF names: transformers 5 state dicts fuse MoE experts into 3-D tensors,
-NeMo-RL adds FP8 KV-cache scales and Eagle/MTP draft tensors when those features are on. `StreamNames.split` maps
-one stream item onto the model's own HF tensors (what the plan was compiled for), declares extras it skips, and
-refuses anything else with an error naming it.
-
-(Skeleton: plain HF names pass through; everything else is refused. Fused experts and declared extras are being
-added.)
+Exporters do not all stream a checkpoint's HF names: transformers 5 state dicts (verl's FSDP engine) and
+Megatron-Bridge / mbridge exports of fused checkpoints (Qwen3.5) hold routed experts fused into 3-D tensors;
+NeMo-RL adds FP8 KV-cache scales and Eagle draft tensors, Megatron-Bridge and mbridge multi-token-prediction
+layers, when those features are on. `StreamNames.split` maps one stream item onto the model's own HF tensors (what
+the plan was compiled for), skips the extras the family declares, and refuses anything else with an error naming
+it. What each family streams is declared by the family (`layouts.family.routed_experts` for the fused experts,
+`ModelFamily.stream_extras` for the extras); nothing here knows a family by name.
 """
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..errors import ArgumentError
 from ..layouts import ModelSpec
+from ..layouts.families import family
+from ..layouts.model import Experts
+
+log = logging.getLogger("reshard.streams")
+
+
+@dataclass(frozen=True)
+class _Fused:
+    """A fused expert tensor of one layer: for expert e, rows [start, stop) of its slab are the entry `names[k]`
+    (formatted with the expert)."""
+
+    names: tuple[str, ...]  # per-expert HF name templates (`{e}`), in the slab's row order
+    rows: tuple[tuple[int, int], ...]
+    shape: tuple[int, int, int]  # [experts, rows, cols]
 
 
 class StreamNames:
@@ -28,22 +44,69 @@ class StreamNames:
 
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
-        self._names = {t.name for t in spec.tensors}
+        self._names = frozenset(t.name for t in spec.tensors)
+        fam = family(spec.family)
+        self._fused: dict[str, _Fused] = {}
+        for i in range(spec.num_layers):
+            for item in fam.layer(spec, i):
+                for f in item.fused if isinstance(item, Experts) else ():
+                    parts = [item.entries[k] for k in f.parts]
+                    bounds = [0]
+                    for e in parts:
+                        bounds.append(bounds[-1] + e.shape[0])
+                    names = tuple(e.name.replace("{i}", str(i)) for e in parts)
+                    self._fused[f.name.format(i=i)] = _Fused(names, tuple(zip(bounds, bounds[1:])),
+                                                             (item.count, bounds[-1], parts[0].shape[1]))
+        self._extras = fam.stream_extras(spec)
+        self._logged: set[str] = set()
 
     def split(self, name: Any, tensor: Any) -> list[tuple[str, torch.Tensor]]:
         """The model's HF tensors one stream item carries.
 
+        Output names are always the model's own HF names (`spec.tensors`), whatever form the item came in: a
+        fused expert tensor becomes the per-expert names it holds. So a stream that brings one tensor twice, in
+        two forms (`mlp.experts.gate_up_proj` and `mlp.experts.3.gate_proj.weight`), yields that name twice, and
+        the callers' check of names seen once catches it.
+
+        Args:
+            name: the stream item's name.
+            tensor: its tensor.
+
         Returns:
             [(name, tensor)] for one of the model's HF names (its shape and dtype are the caller's to check);
-            the per-expert tensors (views, no copy) for a fused expert tensor; [] for a declared extra the plan
-            does not carry (logged once per name).
+            for a fused expert tensor, its per-expert tensors, expert by expert, as views of it (no copy); [] for
+            an extra the family declares that the plan does not carry (logged once per kind).
+
         Raises:
             ArgumentError: a name that is none of these, or a fused tensor of the wrong shape.
         """
-        if isinstance(name, str) and name in self._names:
+        if not isinstance(name, str):
+            raise ArgumentError("weights", name, "is not a tensor name (a str)", fix="stream (name, tensor) pairs")
+        if name in self._names:
             return [(name, tensor)]
-        raise ArgumentError("weights", name, f"is not a tensor of the {self.spec.family} model the plan was "
-                            f"compiled for", fix="stream the model's HF names")
+        fused = self._fused.get(name)
+        if fused is not None:
+            return self._split_fused(name, tensor, fused)
+        for extra in self._extras:
+            if extra.matches(name):
+                if extra.what not in self._logged:
+                    self._logged.add(extra.what)
+                    log.warning("reshard: skipping %s (first: %s): the refit does not carry them", extra.what, name)
+                return []
+        example = f"; its experts may come fused ({next(iter(self._fused))})" if self._fused else ""
+        raise ArgumentError("weights", name, f"is not a tensor of the {self.spec.family} model the plan was compiled "
+                            f"for, nor an extra exporters add that refits skip",
+                            fix=f"stream the model's HF names{example}")
+
+    @staticmethod
+    def _split_fused(name: str, tensor: Any, fused: _Fused) -> list[tuple[str, torch.Tensor]]:
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != fused.shape:
+            got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            parts = " + ".join(n.rsplit(".", 2)[-2] for n in fused.names)
+            raise ArgumentError(f"weights[{name}]", got, f"is not the fused experts tensor {list(fused.shape)} "
+                                f"(experts, rows {parts}, columns)")
+        return [(template.format(e=e), tensor[e, start:stop])
+                for e in range(fused.shape[0]) for template, (start, stop) in zip(fused.names, fused.rows)]
 
 
 __all__ = ["StreamNames"]

@@ -5,21 +5,50 @@ layer (`layer`, plus `head` and `tail`), each an `Entry` with its HF name and a 
 `roles.py` says) or the family's own `cuts.Kind` (with its Megatron and vLLM names and cuts), (3) what the
 checkpoint holds that refits leave out (`excluded`), (4) the megatron-core options its tensors imply
 (`megatron_options`, `megatron_block`; `from_megatron` when a spec can be read off a megatron-core config) and
-(5) the vLLM parameters that hold no weights (`vllm_not_weights`). `registry.register_family(cls)` registers a
-concrete subclass; the built-in ones are listed in `families.BUILT_IN_FAMILIES`.
+(5) the vLLM parameters that hold no weights (`vllm_not_weights`) and (6) what exporters stream beside its tensors
+that refits skip (`stream_extras`; the fused form of routed experts is declared with them, `routed_experts`).
+`registry.register_family(cls)` registers a concrete subclass; the built-in ones are listed in
+`families.BUILT_IN_FAMILIES`.
 """
 from __future__ import annotations
 
 import abc
 import functools
+import re
+from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 
 from ..errors import ModelConfigError
 from ..limits import MAX_DIM, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, check_limit
 from .hf_config import get_bool, get_int, get_str
-from .model import LAYER, Entry, Experts, ModelSpec, Role
+from .model import LAYER, Entry, Experts, FusedExperts, ModelSpec, Role
 
 _HF_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "fp8": "float8_e4m3fn"}
+
+
+@dataclass(frozen=True)
+class StreamExtra:
+    """Tensors an exporter may stream beside the model's own that a refit does not carry: skipped (one log line
+    per kind), never refused (`integrations.streams`).
+
+    Attributes:
+        what: the kind, in words, with who streams it (the log line says it).
+        pattern: a regular expression a name matches whole; a group named `layer`, where it has one, must lie in
+            `layers`.
+        layers: [first, stop) of the `layer` group (None: any layer).
+    """
+
+    what: str
+    pattern: str
+    layers: tuple[int, int] | None = None
+
+    def matches(self, name: str) -> bool:
+        """Whether the stream item `name` is one of these."""
+        m = re.fullmatch(self.pattern, name)
+        if m is None:
+            return False
+        layer = m.groupdict().get("layer")
+        return self.layers is None or layer is None or self.layers[0] <= int(layer) < self.layers[1]
 
 
 class ModelFamily(abc.ABC):
@@ -73,6 +102,32 @@ class ModelFamily(abc.ABC):
     def excluded(self, config: dict[str, Any]) -> list[str]:
         """What the HF checkpoint holds that a refit leaves out, in words (empty: nothing)."""
         return []
+
+    def stream_extras(self, spec: ModelSpec) -> tuple[StreamExtra, ...]:
+        """What exporters stream beside this model's tensors that refits skip; a family adds its own to these.
+
+        Args:
+            spec: the model.
+
+        Returns:
+            The extras every family's streams may hold: NeMo-RL's FP8 KV/Q scales and Eagle draft tensors
+            (`megatron_policy_worker.py::_iter_params_with_optional_kv_scales`, names from
+            `fp8_train_utils.get_vllm_qkv_scale_names` and `draft.` + `export_eagle_weights_to_hf`), the rotary
+            `inv_freq` buffers Megatron-Bridge passes on where the checkpoint holds them (llama and deepseek
+            bridges) and, with tied embeddings, the `lm_head.weight` copy it emits (`export_hf_weights`).
+        """
+        layers = (0, spec.num_layers)
+        out = (StreamExtra("FP8 KV-cache / Q scales (NeMo-RL's Megatron stream, kv_cache_dtype fp8)",
+                           r"model\.layers\.(?P<layer>\d+)\.self_attn\.(attn\.q_scale|k_scale|v_scale)", layers),
+               StreamExtra("Eagle draft-model tensors draft.* (NeMo-RL's Megatron stream with a draft model)",
+                           r"draft\..+"),
+               StreamExtra("rotary inv_freq buffers (Megatron-Bridge passes on the checkpoint's)",
+                           re.escape(self.hf_model(spec)) + r"layers\.(?P<layer>\d+)\.self_attn\.rotary_emb\.inv_freq",
+                           layers))
+        if spec.tie_word_embeddings:
+            out += (StreamExtra("lm_head.weight of tied embeddings (Megatron-Bridge exports a copy of embed_tokens)",
+                                r"lm_head\.weight"),)
+        return out
 
     def from_megatron(self, config: Any) -> bool:
         """Whether a megatron-core TransformerConfig is a model of this family whose spec the config alone gives
@@ -233,13 +288,20 @@ def dense_mlp(spec: ModelSpec, p: str = LAYER) -> list[Entry]:
 
 
 def routed_experts(spec: ModelSpec, p: str = LAYER) -> list[Entry | Experts]:
-    """The router and the per-expert gate/up/down projections (HF per-expert checkpoint names)."""
+    """The router and the per-expert gate/up/down projections (HF per-expert checkpoint names), and their fused
+    form: transformers 5 keeps them as `mlp.experts.gate_up_proj` [E, 2I, H] (per expert [gate; up]) and
+    `mlp.experts.down_proj` [E, H, I] (no transpose), which its state dicts, Megatron-Bridge / mbridge exports of
+    fused checkpoints (Qwen3.5) and so trainers stream. Source: transformers 5.10 / 5.20 / 5.25
+    `conversion_mapping.py` ("qwen2_moe": MergeModulelist(dim=0) + Concatenate(dim=1) of gate, up; the mapping of
+    qwen3_moe, deepseek_v3, qwen3_5_moe_text) and `Qwen3MoeExperts` / `DeepseekV3Experts` / `Qwen3_5MoeExperts`."""
     H, Fm, m = spec.hidden_size, spec.moe_intermediate_size, p + "mlp."
     e = m + "experts.{e}."
     return [Entry(m + "gate.weight", (spec.num_experts, H), Role.ROUTER),
             Experts((Entry(e + "gate_proj.weight", (Fm, H), Role.EXPERT_GATE),
                      Entry(e + "up_proj.weight", (Fm, H), Role.EXPERT_UP),
-                     Entry(e + "down_proj.weight", (H, Fm), Role.EXPERT_DOWN)), spec.num_experts)]
+                     Entry(e + "down_proj.weight", (H, Fm), Role.EXPERT_DOWN)), spec.num_experts,
+                    fused=(FusedExperts(m + "experts.gate_up_proj", (0, 1)),
+                           FusedExperts(m + "experts.down_proj", (2,))))]
 
 
 def attention_layer(spec: ModelSpec, mlp: Sequence[Entry | Experts], p: str = LAYER) -> list[Entry | Experts]:

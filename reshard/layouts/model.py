@@ -94,11 +94,37 @@ class Entry:
 
 
 @dataclass(frozen=True)
+class FusedExperts:
+    """One tensor holding some entries of an `Experts` for every expert, as transformers 5 keeps routed experts
+    (and exporters stream them): shape [count, rows, cols], expert e's slab its `parts` entries (2-D, same cols)
+    stacked on dim 0 in order. E.g. `mlp.experts.gate_up_proj` [E, 2I, H] = per expert [gate_e; up_e].
+
+    Attributes:
+        name: the fused tensor's name (`{i}` the layer).
+        parts: indexes into `Experts.entries`, in the slab's row order.
+    """
+
+    name: str
+    parts: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Experts:
-    """Entries repeated for each of `count` experts, expert by expert (HF's per-expert checkpoint order)."""
+    """Entries repeated for each of `count` experts, expert by expert (HF's per-expert checkpoint order);
+    `fused`: the same tensors as exporters may also stream them, a few per layer (`integrations.streams` splits
+    them back into the per-expert entries)."""
 
     entries: tuple[Entry, ...]
     count: int
+    fused: tuple[FusedExperts, ...] = ()
+
+    def __post_init__(self) -> None:
+        for f in self.fused:
+            parts = [self.entries[k] for k in f.parts if 0 <= k < len(self.entries)]
+            if not parts or len(parts) != len(f.parts) or any(len(e.shape) != 2 for e in parts) or \
+                    len({e.shape[1] for e in parts}) != 1:
+                raise ModelConfigError(field=f.name, value=f.parts, rule="must name 2-D entries of the experts with "
+                                       "the same number of columns (a fused tensor stacks their rows per expert)")
 
 
 class ModelSpec(ValidatedModel):

@@ -30,7 +30,7 @@ from typing import Any
 from ...errors import ModelConfigError
 from ...limits import MAX_DIM, MAX_EXPERTS, MAX_LAYERS, check_limit
 from ..cuts import Kind, Replicated, ReplicatedAt, RowBlocks
-from ..family import LAYER, ModelFamily, dense_mlp, norm, routed_experts
+from ..family import LAYER, ModelFamily, StreamExtra, dense_mlp, norm, routed_experts
 from ..hf_config import get_int, get_opt_int, get_str
 from ..model import Entry, ModelSpec, Role
 from ..roles import gated_mlp
@@ -166,6 +166,15 @@ class DeepseekV3(ModelFamily):
         if config.get("q_lora_rank") is not None:
             out["q_lora_rank"] = 32
         return out
+
+    def stream_extras(self, spec: ModelSpec) -> tuple[StreamExtra, ...]:
+        """Also the multi-token-prediction layers, `model.layers.N.*` past the last decoder layer, which
+        Megatron-Bridge (deepseek/common.py, layer num_hidden_layers + k) and mbridge (deepseek_v3.py) export when
+        the trainer has MTP (the spec does not know how many: any N from num_layers on)."""
+        L = spec.num_layers
+        return super().stream_extras(spec) + (StreamExtra(
+            f"multi-token-prediction layers model.layers.{L}+.* (Megatron-Bridge / mbridge with MTP)",
+            r"model\.layers\.(?P<layer>\d+)\..+", (L, L + MAX_LAYERS)),)
 
     def excluded(self, config: dict[str, Any]) -> list[str]:
         n = config.get("num_nextn_predict_layers") or 0

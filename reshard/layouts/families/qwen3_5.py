@@ -42,7 +42,7 @@ from typing import Any
 from ...errors import ModelConfigError
 from ...limits import MAX_DIM, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, check_limit
 from ..cuts import ColumnBlocks, GlobalRows, Kind, QkvParallel, Replicated, RowBlocks, Stacked
-from ..family import LAYER, ModelFamily, dense_mlp, norm, routed_experts
+from ..family import LAYER, ModelFamily, StreamExtra, dense_mlp, norm, routed_experts
 from ..hf_config import REQUIRED, get_bool, get_int, get_str_list
 from ..model import Entry, Experts, ModelSpec, Role
 from ..roles import gated_mlp
@@ -265,6 +265,16 @@ class Qwen35(ModelFamily):
                       num_position_embeddings=16, deepstack_visual_indexes=[])
         out.update(text_config=t, vision_config=vision, torch_dtype="float32",
                    tie_word_embeddings=t.get("tie_word_embeddings", False))
+        return out
+
+    def stream_extras(self, spec: ModelSpec) -> tuple[StreamExtra, ...]:
+        """Also the multi-token-prediction tensors `mtp.*` (Megatron-Bridge qwen35_bridge.py and mbridge
+        qwen3_5/base_bridge.py export them when the trainer has MTP) and, in the multimodal wrapper, the vision
+        tower `model.visual.*` (in a transformers state dict and the VL bridges' exports)."""
+        out = super().stream_extras(spec) + (
+            StreamExtra("multi-token-prediction tensors mtp.* (Megatron-Bridge / mbridge with MTP)", r"mtp\..+"),)
+        if spec.arch_value("multimodal"):
+            out += (StreamExtra("the vision tower model.visual.* (refits leave it out)", r"model\.visual\..+"),)
         return out
 
     def excluded(self, config: dict[str, Any]) -> list[str]:

@@ -1,36 +1,53 @@
-"""JSON from rank 0 of a trainer's process group to every member, over the group's own collectives (never pickle),
-each step bounded by the caller's timeout rather than the group's (a user's group may wait 30 minutes on a dead
-peer)."""
+"""JSON from one member of a torch.distributed group to every member, over the group's own collectives (never
+pickle), each step bounded by the caller's timeout rather than the group's (a user's group may wait 30 minutes on a
+dead peer). Used by the trainer session (the rendezvous from process 0) and by verify (scores and audit entries)."""
 from __future__ import annotations
 
 from typing import Any
 
 import torch
 
-from ..errors import ExecutionError
+from .errors import ExecutionError
 
 
-def broadcast_json(value: Any, group: Any, timeout: float, what: str) -> Any:
-    """`value` from the group's rank 0 to every member, as JSON bytes in tensors (never pickle), each step bounded
-    by `timeout` (the session's, not the group's own: a user's group may wait 30 minutes on a dead peer)."""
+def broadcast_json(value: Any, group: Any = None, timeout: float = 300.0, what: str = "a JSON broadcast",
+                   src: int = 0) -> Any:
+    """`value` (JSON-able; the one given on the group's rank `src` counts) on every member of `group`, as JSON bytes
+    in tensors (never pickle), each step bounded by `timeout` (the caller's, not the group's own: a user's group may
+    wait 30 minutes on a dead peer).
+
+    Args:
+        value: what rank `src` sends (other ranks' values are ignored).
+        group: the process group (None: the default group). Outside torch.distributed, or in a group of one,
+            `value` is returned as it is.
+        timeout: seconds each of the two broadcasts may take.
+        what: names the broadcast in errors.
+        src: the sending member's rank in `group`.
+    Returns:
+        rank `src`'s value, decoded from JSON (so tuples come back as lists).
+    Raises:
+        ExecutionError: a broadcast that did not complete within `timeout`, a size over 16 MiB, bytes not JSON.
+    """
     import json
 
     import torch.distributed as dist
 
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return value
     device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(group)) \
         else torch.device("cpu")
-    src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
-    data = json.dumps(value).encode() if value is not None else b""
+    root = src if group is None or group is dist.group.WORLD else dist.get_global_rank(group, src)
+    data = json.dumps(value).encode() if value is not None and dist.get_rank() == root else b""
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    bounded_wait(dist.broadcast(size, src, group=group, async_op=True), timeout, what)
+    bounded_wait(dist.broadcast(size, root, group=group, async_op=True), timeout, what)
     if not 0 <= int(size.item()) <= 1 << 24:
         raise ExecutionError(f"{what}: a size of {int(size.item())} bytes (at most 16 MiB of JSON)")
     buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
     if data:
         buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    bounded_wait(dist.broadcast(buf, src, group=group, async_op=True), timeout, what)
+    bounded_wait(dist.broadcast(buf, root, group=group, async_op=True), timeout, what)
     try:
-        return json.loads(bytes(buf.cpu().tolist()).decode())
+        return json.loads(bytes(buf.cpu().tolist()).decode()) if int(size.item()) else None
     except ValueError as e:
         raise ExecutionError(f"{what}: not JSON ({e})") from None
 

@@ -1,10 +1,15 @@
-"""Waiting on a condition that another process makes true (a key in a store, a counter reaching a count): poll
-it with a sleep that doubles between calls, so a short wait costs microseconds and a long one little CPU.
+"""Waiting with a deadline, the one place it is written:
+- `poll`: a condition another process makes true (a key in a store, a counter reaching a count), called with a
+  sleep that doubles between calls, so a short wait costs microseconds and a long one little CPU;
+- `wait_events`: events that complete on their own (CUDA events), in order, each bounded by a timeout;
+- `Background`: a call that may block on a peer (a clean-up, an NCCL connect, an engine's update), run on a daemon
+  thread of its own and joined by a deadline, then left to its thread: a frozen peer cannot hold the caller.
 Standard library only."""
 from __future__ import annotations
 
+import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 
 def poll(done: Callable[[], bool], deadline: float, *, first_s: float = 2e-5, most_s: float = 0.05,
@@ -23,4 +28,42 @@ def poll(done: Callable[[], bool], deadline: float, *, first_s: float = 2e-5, mo
     return True
 
 
-__all__ = ["poll"]
+def wait_events(events: list, timeout: float, what: "list[str] | Callable[[int], str]") -> None:
+    """Wait for events (anything with `query()`, e.g. CUDA events) in order; ExecutionError after `timeout` seconds
+    without the next one completing. `what` names event i (a list, or a function, so that names are only built
+    for an error message)."""
+    from .errors import ExecutionError
+
+    for i, ev in enumerate(events):
+        if not poll(ev.query, time.monotonic() + timeout, first_s=1e-4, most_s=1e-4):
+            name = what(i) if callable(what) else what[i]
+            raise ExecutionError(f"no progress for {timeout:.1f} s waiting for {name}")
+
+
+class Background:
+    """`fn(*args)` on a daemon thread of its own, started at once; `join` waits for it by a deadline.
+
+    Attributes:
+        value: what the call returned (once it finished without an error).
+        error: the exception it raised, if it did (handed to the caller: nothing is logged here).
+    """
+
+    def __init__(self, fn: Callable[..., Any], *args: Any, name: str) -> None:
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(fn, args), daemon=True, name=name)
+        self.thread.start()
+
+    def _run(self, fn: Callable[..., Any], args: tuple) -> None:
+        try:
+            self.value = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to whoever joins
+            self.error = e
+
+    def join(self, deadline: float) -> bool:
+        """Wait until the call finished (True) or the time.monotonic() `deadline` passed (False: it goes on)."""
+        self.thread.join(max(0.0, deadline - time.monotonic()))
+        return not self.thread.is_alive()
+
+
+__all__ = ["Background", "poll", "wait_events"]

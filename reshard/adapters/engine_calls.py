@@ -4,21 +4,28 @@ thread. A refit's waits share one deadline (its timeout from its start), so a fr
 the timeout, not within the timeout once per step."""
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
+from ..polling import Background
+
 
 class EngineCall:
-    """An engine call on a thread of its own (an engine's update must run while the trainer sends)."""
+    """An engine call on a thread of its own (an engine's update must run while the trainer sends).
+
+    Args:
+        engine: the engine (its method is looked up at once).
+        method: the method's name.
+        args: its arguments.
+        on_error: called (on the call's thread) with the error's text as soon as the call raised, so that a
+            refit blocked elsewhere can be woken; its own errors are ignored (the call's error is reported).
+    """
 
     def __init__(self, engine: Any, method: str, args: tuple, on_error: Any = None) -> None:
         self.label = f"{engine!r}.{method}"
         self.error: str | None = None
         self.on_error = on_error
-        self.thread = threading.Thread(target=self._run, args=(getattr(engine, method), args), daemon=True,
-                                       name=f"reshard-{method}")
-        self.thread.start()
+        self.call = Background(self._run, getattr(engine, method), args, name=f"reshard-{method}")
 
     def _run(self, fn: Any, args: tuple) -> None:
         try:
@@ -28,7 +35,7 @@ class EngineCall:
             if self.on_error is not None:
                 try:
                     self.on_error(self.error)
-                except Exception:  # noqa: BLE001 - the error itself is reported by _wait
+                except Exception:  # noqa: BLE001 - the error itself is reported by wait_calls
                     pass
 
 
@@ -49,8 +56,7 @@ def wait_calls(calls: list[EngineCall], timeout: float, deadline: float | None =
         late = f"no answer by the refit's deadline ({timeout:.0f} s after it began)"
     errors = []
     for c in calls:
-        c.thread.join(max(0.0, deadline - time.monotonic()))
-        if c.thread.is_alive():
+        if not c.call.join(deadline):
             errors.append(f"{c.label}: {late}")
         elif c.error:
             errors.append(c.error)

@@ -33,9 +33,10 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from ..errors import ArgumentError, ExecutionError
+from ..group_json import broadcast_json
+from ..polling import Background
 from ..executors.base import Executor, RankTensors
 from .engine_calls import EngineCall, wait_calls
-from .group_json import broadcast_json
 from .lease_renewal import LeaseRenewal
 from .refit import CROSS_PROCESS, RefitSpec, open_transport, publish_source, withdraw_source
 
@@ -379,8 +380,6 @@ class TrainerSession:
         not done by then goes on in the background (each call bounded by the session's timeout; a later `init`
         stops it before its next call) and the next init, refit or close waits for it first. The errors: resumes
         that failed, or that the wind-down did not end by the deadline."""
-        import threading
-
         generation, problems = self.generation, []
 
         def run() -> None:
@@ -394,11 +393,9 @@ class TrainerSession:
                 except ExecutionError as e:
                     problems.append(f"resume failed: {e}")
 
-        thread = threading.Thread(target=run, daemon=True, name="reshard-wind-down")
-        thread.start()
-        thread.join(max(0.0, deadline - time.monotonic()))
-        if thread.is_alive():
-            self._winding_down = thread
+        call = Background(run, name="reshard-wind-down")
+        if not call.join(deadline):
+            self._winding_down = call
             what = "closing the failed update and resuming" if close else "resuming"
             return [f"{what} the engines did not end by the refit's deadline ({self.timeout:.0f} s after it "
                     f"began); it goes on in the background"]
@@ -407,11 +404,10 @@ class TrainerSession:
     def _await_wind_down(self, deadline: float, who: str) -> None:
         """Wait (until `deadline`) for a previous refit's wind-down still running in the background, so that its
         resume never lands inside the next refit. Raises ExecutionError if it is still running then."""
-        thread = getattr(self, "_winding_down", None)
-        if thread is None:
+        call = getattr(self, "_winding_down", None)
+        if call is None:
             return
-        thread.join(max(0.0, deadline - time.monotonic()))
-        if thread.is_alive():
+        if not call.join(deadline):
             raise ExecutionError(f"{who} did not start: the previous refit's clean-up (closing its update, resuming "
                                  f"the engines) is still waiting for an engine that does not answer")
         self._winding_down = None

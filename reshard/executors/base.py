@@ -26,12 +26,13 @@ from __future__ import annotations
 import abc
 import importlib
 import logging
-import threading
+import time
 from typing import Any, Mapping
 
 import torch
 
 from ..errors import ExecutionError
+from ..polling import Background
 from .stats import RefitStats
 
 RankTensors = Mapping[int, Mapping[str, torch.Tensor]]
@@ -112,24 +113,14 @@ def close_within(close: Any, timeout: float, what: str) -> bool:
     """Run a clean-up call for at most `timeout` seconds (bounded clean-up: a release waiting on a frozen peer
     must not hold its caller). True when it finished; else it is left to a daemon thread, a warning is logged
     and False returned. An error it raises is logged too: clean-up after a failure is best effort."""
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            close()
-        except Exception as e:  # noqa: BLE001 - logged below
-            errors.append(e)
-
-    worker = threading.Thread(target=run, daemon=True, name="reshard-close")
-    worker.start()
-    worker.join(timeout)
-    if worker.is_alive():
+    call = Background(close, name="reshard-close")
+    if not call.join(time.monotonic() + timeout):
         logging.getLogger("reshard").warning("reshard: %s did not finish within %.1f s; left to a background "
                                              "thread", what, timeout)
         return False
-    if errors:
-        logging.getLogger("reshard").warning("reshard: %s failed: %s: %s", what, type(errors[0]).__name__,
-                                             errors[0])
+    if call.error is not None:
+        logging.getLogger("reshard").warning("reshard: %s failed: %s: %s", what, type(call.error).__name__,
+                                             call.error)
     return True
 
 

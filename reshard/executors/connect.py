@@ -11,12 +11,13 @@ pairs are remembered per process, so later refits post on the calling thread wit
 """
 from __future__ import annotations
 
-import threading
+import time
 from typing import Callable, TypeVar
 
 import torch
 
 from ..errors import ExecutionError
+from ..polling import Background
 
 T = TypeVar("T")
 # (id(communicator), global peer rank; -1 for its collectives) -> the communicator, kept so that its id is not
@@ -43,28 +44,21 @@ def off_thread(fn: Callable[[], T], timeout: float, device: torch.device, what: 
     """fn() on a helper thread (same device, same current stream); ExecutionError if it has not returned
     within `timeout` seconds (the thread is left behind: a daemon stuck in NCCL)."""
     stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-    out: dict[str, object] = {}
 
-    def target() -> None:
-        try:
-            if stream is None:
-                out["value"] = fn()
-                return
-            torch.cuda.set_device(device)
-            with torch.cuda.stream(stream):
-                out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            out["error"] = e
+    def target() -> T:
+        if stream is None:
+            return fn()
+        torch.cuda.set_device(device)
+        with torch.cuda.stream(stream):
+            return fn()
 
-    worker = threading.Thread(target=target, daemon=True, name="reshard-connect")
-    worker.start()
-    worker.join(timeout)
-    if worker.is_alive():
+    call = Background(target, name="reshard-connect")
+    if not call.join(time.monotonic() + timeout):
         raise ExecutionError(f"{what} did not return within {timeout:.1f} s (NCCL waits for a peer while it "
                              f"connects to it: a peer is gone or stuck)")
-    if "error" in out:
-        raise out["error"]  # type: ignore[misc]
-    return out.get("value")  # type: ignore[return-value]
+    if call.error is not None:
+        raise call.error
+    return call.value
 
 
 def handshake(comm, peers: list[int], device: torch.device) -> list:

@@ -88,7 +88,8 @@ from .base import Executor, RankTensors
 from .binding import Binding
 from .checksum import DIGEST_BYTES, Streams, algorithm, mismatch
 from .comm import Comm, comm_for
-from .runners import Buffers, RoundRunner, Setup, abort, make_runner, poll
+from ..polling import wait_events
+from .runners import Buffers, RoundRunner, Setup, abort, make_runner
 from .guard import check_memory, check_ops
 from .lanes import NCCL_LANES
 from .local import check_tensors, in_units
@@ -437,7 +438,7 @@ class DistributedExecutor(Executor):
                 w.wait()
             ev = torch.cuda.Event()
             ev.record()
-            poll([ev], self.timeout, ["the handshake with peers"])
+            wait_events([ev], self.timeout, ["the handshake with peers"])
         except ExecutionError as e:
             raise ExecutionError(self._setup.failure(str(e), before=True)) from e
         connect.mark_ready(self.lanes, [comm.global_peer(p) for p in peers])
@@ -452,7 +453,7 @@ class DistributedExecutor(Executor):
                 work.wait()
                 ev = torch.cuda.Event()
                 ev.record()
-                poll([ev], self.timeout, [f"{what} all-reduce"])
+                wait_events([ev], self.timeout, [f"{what} all-reduce"])
                 connect.mark_ready(self.lanes[:1], [-1])
             else:
                 work.wait(timedelta(seconds=self.timeout))

@@ -19,13 +19,13 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable
 
 import numpy as np
 import torch
 
 from ..errors import ExecutionError
 from ..planner import Plan
+from ..polling import wait_events
 from .comm import Comm
 from .checksum import Streams
 from .copies import DST, KIND_NAMES, SHADOW, SRC, WIRE, Copies, regions
@@ -180,19 +180,6 @@ def _pieces(c: Copies, k: int) -> list[Copies]:
     start = np.cumsum(size) - size
     piece = np.minimum(start * k // max(int(size.sum()), 1), k - 1)
     return [c.select(piece == p) for p in range(k)]
-
-
-def poll(events: list, timeout: float, what: list[str] | Callable[[int], str]) -> None:
-    """Wait for CUDA events in order; fail after `timeout` seconds without one of them completing. `what`
-    names event i (a list, or a function, so that names are only built for an error message)."""
-    last = time.monotonic()
-    for i, ev in enumerate(events):
-        while not ev.query():
-            if time.monotonic() - last > timeout:
-                name = what(i) if callable(what) else what[i]
-                raise ExecutionError(f"no progress for {timeout:.1f} s waiting for {name}")
-            time.sleep(0.0001)
-        last = time.monotonic()
 
 
 def abort(groups: list, timeout: float) -> list:
@@ -413,7 +400,7 @@ class CudaRunner(RoundRunner):
         ev, pos = self.done[-HOST_LEAD]
         if not ev.query():
             try:
-                poll([ev], self.setup.timeout, [self.describe(pos)])
+                wait_events([ev], self.setup.timeout, [self.describe(pos)])
             except ExecutionError as e:
                 raise ExecutionError(self.setup.failure(str(e))) from None
 
@@ -442,7 +429,7 @@ class CudaRunner(RoundRunner):
             return self.describe(self.done[i][1]) if i < len(self.done) else \
                 f"local copies of stage {stages[i - len(self.done)]}"
         try:
-            poll(events, self.setup.timeout, what)
+            wait_events(events, self.setup.timeout, what)
         except ExecutionError as e:
             raise ExecutionError(self.setup.failure(str(e))) from None
 
@@ -460,7 +447,7 @@ class CudaRunner(RoundRunner):
         # writes are ordered after the backup on the same stream)
         ends = [st.record_event() for st in self.streams.values()]
         try:
-            poll(ends, self.setup.timeout, [f"{name} stream" for name in self.streams])
+            wait_events(ends, self.setup.timeout, [f"{name} stream" for name in self.streams])
         except ExecutionError as e:
             raise ExecutionError(f"could not restore the previous weights: {e}; destination tensors may be "
                                  f"partly written") from None
@@ -476,4 +463,4 @@ def make_runner(setup: Setup, kept: Buffers) -> RoundRunner:
     return (CudaRunner if kept.bound.device.type == "cuda" else HostRunner)(setup, kept)
 
 
-__all__ = ["Bound", "Buffers", "CudaRunner", "RoundRunner", "HostRunner", "Setup", "abort", "make_runner", "poll"]
+__all__ = ["Bound", "Buffers", "CudaRunner", "RoundRunner", "HostRunner", "Setup", "abort", "make_runner"]

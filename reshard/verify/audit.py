@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
 from ..errors import ArgumentError, MismatchError
-from .sides import Scorer, broadcast_json, engine_scores, trainer_scores
+from ..group_json import broadcast_json
+from .sides import Scorer, engine_scores, trainer_scores
 
 # relative response error |d_engine - d_trainer| / |d_trainer| a correctly placed slice stays under (baselines:
 # BENCHMARKS.md, Mismatch); responses under FLOOR (nats, l2 over all scored tokens) on both
@@ -100,7 +101,7 @@ def _all_names(tensors: dict[str, Any], group: Any) -> list[str]:
         return sorted(tensors)
     names: set[str] = set()
     for src in range(dist.get_world_size(group)):
-        names |= set(broadcast_json(sorted(tensors), dist.get_global_rank(group, src) if group else src, group))
+        names |= set(broadcast_json(sorted(tensors), group, what=f"rank {src}'s tensor names", src=src))
     return sorted(names)
 
 
@@ -160,7 +161,7 @@ def audit(chunks: list[Any], tensors: dict[str, Any], refit: Callable[[], Any], 
                 else:
                     status = "ok" if rel <= tol else "MOVED WRONGLY"
                 entry = asdict(AuditEntry(name, status, rel, nt, ne))
-            entries.append(AuditEntry(**broadcast_json(entry, 0, group)))
+            entries.append(AuditEntry(**broadcast_json(entry, group, what="an audit entry from rank 0")))
     finally:
         with torch.no_grad():
             if saved is not None:

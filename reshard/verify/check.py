@@ -11,7 +11,8 @@ from typing import Any, Sequence
 
 from ..errors import MismatchError
 from .metrics import MismatchReport, Thresholds, compare
-from .sides import Scorer, broadcast_json, engine_scores, trainer_scores
+from ..group_json import broadcast_json
+from .sides import Scorer, engine_scores, trainer_scores
 
 
 def _rank() -> int:
@@ -37,7 +38,7 @@ def measure(chunks: list[Any], engine: Scorer | None, sequences: Sequence[Sequen
             payload = compare(mine, engine_scores(engine, sequences), dtype, limits).to_dict()
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or the others wait forever
             payload = {"error": f"{type(exc).__name__}: {exc}"}
-    payload = broadcast_json(payload, 0, group)
+    payload = broadcast_json(payload, group, what="the mismatch report from rank 0")
     if "error" in payload:
         raise MismatchError(f"the mismatch could not be measured: {payload['error']}")
     return report_from_dict(payload)

@@ -11,7 +11,6 @@ reshard.adapters.server.VllmServer for a `vllm serve`, reshard.verify.engines.LL
 """
 from __future__ import annotations
 
-import json
 from typing import Any, Protocol, Sequence
 
 from ..errors import ArgumentError
@@ -78,21 +77,4 @@ def engine_scores(engine: Scorer, sequences: Sequence[Sequence[int]]) -> Scores:
     return Scores.of([r[0] for r in rows], [r[1] for r in rows])
 
 
-def broadcast_json(value: Any, src: int = 0, group: Any = None) -> Any:
-    """`value` (JSON-able; given on `src`) on every rank of `group`, as JSON bytes (never pickle)."""
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return value
-    me = dist.get_rank()
-    data = json.dumps(value).encode() if me == src else b""
-    size = torch.tensor([len(data)], dtype=torch.int64)
-    dist.broadcast(size, src, group=group)
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if me == src else \
-        torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.broadcast(buf, src, group=group)
-    return value if me == src else json.loads(bytes(buf.tolist()).decode())
-
-
-__all__ = ["Scorer", "broadcast_json", "check_sequences", "engine_scores", "trainer_scores"]
+__all__ = ["Scorer", "check_sequences", "engine_scores", "trainer_scores"]

@@ -521,17 +521,21 @@ class ReshardCheckpointEngine:
                     await self._in_thread(self._wait_verdict, n)
                     agreed = True
                 if self.staging == "bucket":
-                    yield self._batch(k)
                     yielded += 1
+                    yield self._batch(k)
             if self.staging == "model":
                 await self._in_thread(self._wait_verdict, n)
                 agreed = True
                 for k in range(G):
-                    yield self._batch(k)
                     yielded += 1
+                    yield self._batch(k)
         except BaseException as e:  # noqa: BLE001 - also a loader's error thrown in at a yield, or the generator closed
             if not agreed:  # every other process is still in the refit: make it fail there now
-                await asyncio.wrap_future(self._fail(n, v, e, flight, moving + 1 if flight is not None else G))
+                # a loader's error stays in the caller's frame: the generator is closed (or cancelled) at the yield
+                cause = e if not isinstance(e, (GeneratorExit, asyncio.CancelledError)) else ExecutionError(
+                    f"stopped taking batches after {yielded} of {G} were handed to its loader (the loader raised, or the "
+                    f"refit was abandoned)")
+                await asyncio.wrap_future(self._fail(n, v, cause, flight, moving + 1 if flight is not None else G))
                 if isinstance(e, ReshardError):
                     raise self._explained(e, n) from e
             raise
@@ -654,8 +658,8 @@ class ReshardCheckpointEngine:
         if isinstance(error, ArgumentError):
             return error
         first = self._failure(n)
-        state = "vLLM keeps its previous weights" if self.staging == "model" else (
-            "vLLM holds the batches yielded before it (staging bucket)")
+        state = "nothing was yielded to vLLM" if self.staging == "model" else (
+            "staging bucket: vLLM loaded only the batches yielded before the failure")
         why = f"{first}; here: {error}" if first and first not in str(error) else str(error)
         return ExecutionError(f"reshard refit {n} failed on {self.role} worker {self.rank} ({state}): {why}")
 
@@ -741,9 +745,9 @@ def _refuse_unknown(unknown: dict[str, Any]) -> None:
     names = sorted(unknown)
     hints = [f"{n!r} -> {close[0]!r}" for n in names if (close := difflib.get_close_matches(n, options, 1))]
     raise ArgumentError(f"refit_cfg key{'s' if len(names) > 1 else ''} {', '.join(map(repr, names))}",
-                        rule=f"{'are not options' if len(names) > 1 else 'is not an option'} of ReshardCheckpointEngine "
-                             f"(NeMo-RL passes every key of its refit_cfg entry to the constructor); its options: "
-                             f"{', '.join(options)}",
+                        rule=f"{'are not options' if len(names) > 1 else 'is not an option'} of "
+                             f"ReshardCheckpointEngine (NeMo-RL passes every key of its refit_cfg entry to the "
+                             f"constructor); its options: {', '.join(options)}",
                         fix=f"did you mean {'; '.join(hints)}" if hints else "remove it")
 
 

@@ -12,7 +12,7 @@ A policy worker whose stream is wrong -- a tensor the model does not have before
 tensor in the middle, a tensor the model does not have after the last one -- fails the refit on every process
 within seconds of the refusal; with "model" staging no rollout worker is yielded anything, with "bucket" staging
 only batches every process agreed on, never the one holding the bad tensor and never the last; the next refit
-moves a whole version again.
+moves a whole version again. A vLLM worker whose loader raises mid-refit fails the others the same way.
 """
 from __future__ import annotations
 
@@ -87,38 +87,43 @@ def test_rollout_workers_get_the_trained_tensors_from_every_policy_worker(tmp_pa
 @pytest.mark.parametrize("staging", ["model", "bucket"])
 def test_a_refused_stream_fails_every_process_at_once_and_the_next_refit_is_whole(tmp_path, checkpoints, staging):
     """The last policy worker's stream is wrong at step 2 (an extra tensor first), 4 (a misshapen tensor in the
-    middle) and 6 (an extra tensor after the last); steps 1, 3, 5 and 7 are clean refits after each."""
-    faults = {"2": "extra-first", "4": "misshapen-middle", "6": "extra-last"}
-    policy, rollout = _run(tmp_path, checkpoints["dense"], 2, 2, steps=7, bucket_size=BUCKET, faults=faults,
-                           kwargs={"staging": staging, "timeout": 60})
+    middle) and 6 (an extra tensor after the last); at step 8 the first rollout worker's loader raises on batch 3
+    (after the end-of-stream verdict with "model" staging: the refit stands elsewhere); steps 1, 3, 5, 7 and 9
+    are clean refits after each."""
+    faults, loader = {"2": "extra-first", "4": "misshapen-middle", "6": "extra-last"}, {"8": 3}
+    policy, rollout = _run(tmp_path, checkpoints["dense"], 2, 2, steps=9, bucket_size=2 * BUCKET, faults=faults,
+                           loader_faults=loader, kwargs={"staging": staging, "timeout": 60})
     groups = rollout[0]["groups"]
     where = {name: k for k, group in enumerate(groups) for name in group}
     slowest = 0.0
-    for step in range(1, 8):
-        faulty = policy[-1]["refits"][step - 1]
+    for step in range(1, 10):
+        culprit = policy[-1] if str(step) in faults else rollout[0]
+        faulty = culprit["refits"][step - 1]
+        failed = str(step) in faults or (str(step) in loader and staging == "bucket")
         for r in [*policy, *rollout]:
             entry = r["refits"][step - 1]
-            if str(step) not in faults:
-                assert "error" not in entry, (step, entry)
+            if r is culprit or not failed:
+                assert ("error" in entry) == (r is culprit and str(step) in {**faults, **loader}), (step, entry)
                 continue
             assert "error" in entry, (step, entry)
             slowest = max(slowest, entry["error_at"] - faulty["fault_at"])
-        if str(step) not in faults:
-            for r in rollout:
-                assert r["refits"][step - 1]["equal"], (step, r["refits"][step - 1]["wrong"])
-            continue
-        assert faulty["error"].startswith("ArgumentError") and faulty["fault_tensor"] in faulty["error"]
-        for r in [policy[0], *rollout]:  # the others carry the faulty worker's reason
-            assert faulty["fault_tensor"] in r["refits"][step - 1]["error"], r["refits"][step - 1]["error"]
+            reason = faulty.get("fault_tensor") or "rollout worker 0: ExecutionError: stopped taking batches after 4"
+            assert entry["error"].startswith("ExecutionError") and reason in entry["error"], entry["error"]
         for r in rollout:
             entry = r["refits"][step - 1]
             yielded = [b["names"] for b in entry["batches"]]
             assert not entry["wrong"]  # what was yielded is the checkpoint's
-            if staging == "model" or faults[str(step)] == "extra-first":
+            if not failed:
+                assert r is culprit or entry["equal"], (step, entry["wrong"])
+            elif staging == "model" or faults.get(str(step)) == "extra-first":
                 assert yielded == []
-            elif faults[str(step)] == "misshapen-middle":
+            elif faults.get(str(step)) == "misshapen-middle":
                 assert yielded == groups[:len(yielded)] and len(yielded) <= where[faulty["fault_tensor"]]
-            else:  # extra-last: every batch but the last, which waits for the end-of-stream verdict
+            elif faults.get(str(step)) == "extra-last":  # every batch but the last: it waits for the verdicts
                 assert yielded == groups[:-1]
+            else:  # the loader failed on batch 3 of one worker: the other had at most the batch landing meanwhile
+                assert 4 <= len(yielded) <= 6 and yielded == groups[:len(yielded)]
+        if str(step) in faults:
+            assert faulty["error"].startswith("ArgumentError") and faulty["fault_tensor"] in faulty["error"]
     print(f"\nfail-fast ({staging} staging): every process raised within {slowest:.2f} s of the refusal")
     assert slowest < FAIL_FAST_S

@@ -11,14 +11,14 @@ modules that need them.
 """
 from .errors import (ArgumentError, CoverageError, ExecutionError, InputError, KernelFormatError, LayoutError,
                      LayoutMismatchError, LimitError, ModelConfigError, PlanError, PlanFileError, ReshardError)
-from .layouts import (HfLayout, Layout, MegatronLayout, ModelSpec, Placement, Role, TensorSpec, VllmLayout,
-                      parse_layout)
+from .layouts import (ExpertPlacement, HfLayout, Layout, MegatronLayout, ModelSpec, Placement, Role, TensorSpec,
+                      VllmLayout, parse_layout)
 from .planner import Plan, compile, compile_plan
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ArgumentError", "CoverageError", "ExecutionError", "HfLayout", "InputError", "KernelFormatError", "Layout",
+    "ArgumentError", "CoverageError", "ExecutionError", "ExpertPlacement", "HfLayout", "InputError", "KernelFormatError", "Layout",
     "LayoutError", "LayoutMismatchError", "LimitError", "MegatronLayout", "ModelConfigError",
     "ModelSpec", "Placement", "Plan", "PlanError", "PlanFileError", "ReshardError", "Role", "TensorSpec", "VllmLayout",
     "compile", "compile_plan", "parse_layout",

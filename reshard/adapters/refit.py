@@ -37,6 +37,7 @@ from ..executors.base import Executor, RankTensors
 from ..executors.binding import Binding
 from ..executors.stats import RefitStats
 from ..layouts import HfLayout, Layout, ModelSpec, VllmLayout, layout_from_dict, layout_to_dict
+from ..layouts.expert_placement import ExpertPlacement
 from ..layouts.lora import VllmLoraLayout
 from ..planner import Plan
 from ..planner.cache import cached_plan
@@ -206,6 +207,28 @@ class RefitSpec:
 
     def with_(self, **changes: Any) -> "RefitSpec":
         return replace(self, **changes)
+
+    def with_expert_placement(self, placement: ExpertPlacement | None) -> "RefitSpec":
+        """This refit for an EPLB engine whose experts now sit as `placement` says (read from the engine:
+        `adapters.vllm.experts.live_placement`, or `ExpertPlacement.from_vllm` of its EPLB maps; None: vLLM's
+        initial placement). The plan digest is cleared: init the refit again with this spec, and the plan is
+        compiled for the new destination (the plan cache keeps the old one for the old placement). An engine
+        refuses a plan of another placement than the one it holds, so a stale spec never writes a byte.
+
+        Raises:
+            ArgumentError: `placement` is not an ExpertPlacement (or None).
+            LayoutError: the placement is not the engine's (other experts, EP size, MoE layers or redundancy), or
+                the engine's layout has no expert parallelism.
+        """
+        from ..arguments import instance
+
+        instance("placement", placement, ExpertPlacement, "an ExpertPlacement", none=True)
+        _, dst = self.layouts()
+        update: dict[str, Any] = {"expert_placement": placement}
+        if placement is not None:  # EPLB keeps its redundancy; a placement of another is refused by the layout
+            update["redundant_experts"] = placement.redundant
+        new = dst.model_copy(update=update)
+        return replace(self, dst={k: v for k, v in layout_to_dict(new).items() if k != "model"}, plan_digest="")
 
     # --- what follows from it ------------------------------------------------------------------------
     def layouts(self) -> tuple[Layout, VllmLayout]:

@@ -9,6 +9,7 @@ The modules, each importing only those listed before it:
                tensor: its cut on each side)
   roles        the shared roles as Kinds
   cut_layout   a layout that places every tensor by its kind's cuts
+  expert_placement      ExpertPlacement: which logical expert each physical slot of an EPLB engine holds
   megatron, vllm, hf    the three layouts; spec_string: layouts as strings and JSON
   family       ModelFamily, the base class of a family file
   fp8          FP8 block-scaled destinations: the scheme, the wire spec (fp8 + scales), their cuts; lists its
@@ -19,6 +20,7 @@ Nothing registers itself: the package calls `families.register_built_ins()` once
 and FP8's entry transform); `register_family(cls)` adds a family defined elsewhere.
 """
 from .base import Layout, Placement
+from .expert_placement import ExpertPlacement
 from .families import (ModelFamily, discover, read_hf_config, register_built_ins, register_family,
                        registered_families, spec_from_hf_config, supported_architectures)
 from .hf import HfLayout
@@ -30,7 +32,7 @@ from .vllm import VllmLayout
 register_built_ins()
 
 __all__ = [
-    "HfLayout", "LAYOUT_KINDS", "Layout", "MegatronLayout", "ModelFamily", "ModelSpec", "Placement", "Role",
-    "TensorSpec", "VllmLayout", "discover", "layout_from_dict", "layout_to_dict", "parse_layout", "read_hf_config",
-    "register_family", "registered_families", "spec_from_hf_config", "supported_architectures",
+    "ExpertPlacement", "HfLayout", "LAYOUT_KINDS", "Layout", "MegatronLayout", "ModelFamily", "ModelSpec", "Placement",
+    "Role", "TensorSpec", "VllmLayout", "discover", "layout_from_dict", "layout_to_dict", "parse_layout",
+    "read_hf_config", "register_family", "registered_families", "spec_from_hf_config", "supported_architectures",
 ]

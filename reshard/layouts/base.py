@@ -215,6 +215,11 @@ class Layout(ValidatedModel, abc.ABC):
             b.add_placements(k, self.placements(tensors[k], replica))
         return b.table()
 
+    def expert_stacks(self, replica: int = 0) -> tuple:
+        """The stacked expert tensors of `replica`'s ranks whose slots a placement fills (an EPLB engine's: its
+        `ExpertStack`s, each slot naming the logical expert it holds), for the planner's slot proof; none here."""
+        return ()
+
     def value_offset(self, tensor: TensorSpec) -> float:
         """What this layout stores for a canonical value v is v + value_offset (0 almost everywhere; a trainer
         that keeps a norm zero-centred where HF keeps it plain stores w - 1). A plan adds the difference."""

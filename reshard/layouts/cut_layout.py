@@ -22,13 +22,16 @@ from .roles import kind_of
 class Where(NamedTuple):
     """Where a cut puts tensors of one kind: the group, each tensor's first rank, the columns of their name keys
     and the name of a key (and, for stacked tensors, each tensor's slot). Values are arrays with one entry per
-    tensor, or scalars (one tensor, or a value all share)."""
+    tensor, or scalars (one tensor, or a value all share). `tensors`: where a tensor has several copies in
+    different places (an expert's replicas in an EPLB engine), which of the tensors asked about each entry is
+    (indices, repeated per copy; the other values then have one entry per copy); None: one entry per tensor."""
 
     group: Group
     first: np.ndarray | int
     keys: tuple[np.ndarray | int, ...]
     name: Callable[..., str]
     slot: np.ndarray | int = 0
+    tensors: np.ndarray | None = None
 
 
 class CutLayout(Layout):
@@ -49,9 +52,17 @@ class CutLayout(Layout):
         out: list[Placement] = []
         for cut in self._cuts(kind):
             w = self._place(cut, kind, tensor.layer, tensor.expert, replica)
-            if w is not None:
+            if w is None:
+                continue
+            if w.tensors is None:
                 out += cut.placements(tensor.name, tensor.shape, w.group, w.name(*map(int, w.keys)), int(w.first),
                                       int(w.slot))
+                continue
+            n = len(w.tensors)  # one entry per copy of this one tensor
+            each = lambda x: np.broadcast_to(np.asarray(x, dtype=np.int64), (n,)).tolist()  # noqa: E731
+            keys = list(zip(*map(each, w.keys))) if w.keys else [()] * n
+            for key, first, slot in zip(keys, each(w.first), each(w.slot)):
+                out += cut.placements(tensor.name, tensor.shape, w.group, w.name(*key), first, slot)
         return out
 
     def placement_table(self, index: np.ndarray | Sequence[int] | None = None,
@@ -62,7 +73,8 @@ class CutLayout(Layout):
             for cut in self._cuts(kind):
                 w = self._place(cut, kind, c.layer[idx], c.expert[idx], replica)
                 if w is not None:
-                    cut.add_rows(b, self.model.tensor_name(int(idx[0])), entry.shape, w.group, idx, w.keys, w.name,
+                    canon = idx if w.tensors is None else idx[w.tensors]
+                    cut.add_rows(b, self.model.tensor_name(int(idx[0])), entry.shape, w.group, canon, w.keys, w.name,
                                  w.first, w.slot)
         return b.table()
 

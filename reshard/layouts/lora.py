@@ -365,7 +365,14 @@ class VllmLoraLayout(VllmLayout):
         if facts.experts and self.fully_sharded and r % self.tp:  # FusedMoEWithLoRA._slice_w13_a asserts it
             self._fail(f"fully sharded expert LoRA needs the adapter's rank r={r} divisible by tp={self.tp}",
                        "train a rank divisible by tp, or turn fully_sharded off", rank=r, tp=self.tp)
+        if self.redundant_experts or self.expert_placement is not None:  # not declared: vLLM's slots per expert
+            self._fail("LoRA slots of an EPLB engine (redundant experts, a placement) are not declared",
+                       redundant_experts=self.redundant_experts)
         return self
+
+    def expert_stacks(self, replica: int = 0) -> tuple:
+        """Adapter slots hold no expert weights: nothing for the EPLB slot proof."""
+        return ()
 
     def __str__(self) -> str:
         sharded = ",fully_sharded" if self.fully_sharded else ""

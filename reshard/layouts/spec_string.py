@@ -21,7 +21,11 @@ LAYOUT_KINDS: dict[str, type[Layout]] = {cls.kind: cls for cls in (MegatronLayou
 
 # Short aliases accepted in layout strings.
 _ALIASES = {"ep": {"vllm": "expert_parallel"}, "first": {"megatron": "first_stage_layers"},
-            "last": {"megatron": "last_stage_layers"}}
+            "last": {"megatron": "last_stage_layers"}, "placement": {"vllm": "expert_placement"}}
+# Fields a string cannot carry, with why (str(layout) names them by digest only)
+_NOT_IN_STRINGS = {"vllm": {"expert_placement": "an expert placement other than vLLM's initial one is a map per MoE "
+                                                "layer, carried by the layout's JSON form (layout_to_dict), not a "
+                                                "layout string; redundant_experts=N gives the initial placement"}}
 _INT = re.compile(r"[+-]?[0-9]{1,30}")  # ASCII digits only: int() also reads other scripts' digits
 _WORD = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
 _BOOLS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
@@ -100,6 +104,8 @@ def parse_layout(text: str, model: ModelSpec) -> Layout:
             continue
         raw, eq, val = item.partition("=")
         key = _ALIASES.get(raw.strip(), {}).get(kind, raw.strip())
+        if key in _NOT_IN_STRINGS.get(kind, {}):
+            raise LayoutError(kind, f"option {raw.strip()!r}: {_NOT_IN_STRINGS[kind][key]}", {key: val})
         if key not in cls.model_fields or key == "model":
             raise LayoutError(kind, f"unknown option {raw.strip()!r}; {kind} layouts take {known}",
                               {raw.strip(): val})

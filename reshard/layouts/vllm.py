@@ -5,19 +5,37 @@ Facts this encodes (pinned by the vLLM adapter tests against real vLLM):
 - experts (`mlp.experts.routed_experts.*` in vLLM) are stacked [E_local, ...] per rank: without expert
   parallel every rank holds all experts, each cut over TP; with it an expert is whole (tp_moe = 1) and rank r
   holds experts [r E/tp, (r+1) E/tp);
+- with EPLB (vLLM's expert-parallel load balancer) rank r holds physical slots [r P/tp, (r+1) P/tp) of
+  P = E + redundant_experts, and each slot the logical expert the placement names (`ExpertPlacement`): vLLM's
+  initial placement until it rebalances; a logical expert in several slots is written to each of them;
 - vocab rows are padded to a multiple of `vocab_padding` (64) and then split evenly over TP; padding rows are
   not model data and are left alone;
 - replicas are independent engines with identical layouts; replica k's rank r is global rank r + k*tp.
 """
 from __future__ import annotations
 
-import numpy as np
-from pydantic import StrictBool, StrictInt, model_validator
+import functools
+from typing import Any, NamedTuple
 
-from ..limits import MAX_DIM, MAX_RANKS
+import numpy as np
+from pydantic import StrictBool, StrictInt, model_serializer, model_validator
+
+from ..limits import MAX_DIM, MAX_EXPERTS, MAX_RANKS
 from .base import bounded, divisible, pad_to, positive
 from .cut_layout import CutLayout, Where
 from .cuts import Cut, Group, Kind
+from .expert_placement import ExpertPlacement, slot_index
+from .roles import kind_of
+
+
+class ExpertStack(NamedTuple):
+    """One stacked expert tensor of one destination rank: its name, its MoE layer and, per slot, the logical
+    expert the slot holds (what the planner's slot proof holds a plan to)."""
+
+    rank: int
+    name: str
+    layer: int
+    logical: tuple[int, ...]
 
 
 class VllmLayout(CutLayout):
@@ -29,9 +47,16 @@ class VllmLayout(CutLayout):
         replicas: identical engines (replica k's rank r is global rank r + k * tp).
         expert_parallel: experts whole, spread over the TP ranks (vLLM's `enable_expert_parallel`).
         vocab_padding: vocabulary rows are padded to a multiple of this before the TP split.
+        redundant_experts: EPLB's redundant experts (vLLM's `num_redundant_experts`): physical expert slots beyond
+            one per logical expert; without `expert_placement` they hold vLLM's initial placement.
+        expert_placement: the engine's current placement of logical experts in physical slots (read from its EPLB
+            state after a rebalance); None: vLLM's initial placement. One equal to the initial placement is stored
+            as None, so the two forms are one layout.
 
     Raises:
-        LayoutError: sizes that do not divide the model (heads, KV heads, FFN, experts).
+        LayoutError: sizes that do not divide the model (heads, KV heads, FFN, experts), or an expert placement
+            that is not this engine's (other expert count, EP size, MoE layers or redundancy).
+        ArgumentError: an expert placement that is not a permutation with replicas (`ExpertPlacement`).
         LimitError: a size beyond `reshard.limits`.
     """
 
@@ -41,11 +66,46 @@ class VllmLayout(CutLayout):
     replicas: StrictInt = 1
     expert_parallel: StrictBool = False
     vocab_padding: StrictInt = 64
+    redundant_experts: StrictInt = 0
+    expert_placement: ExpertPlacement | None = None
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _canonical_experts(cls, data: Any, handler: Any) -> "VllmLayout":
+        """One layout, one value: a placement fills in `redundant_experts` when not given, and a placement equal to
+        vLLM's initial one is stored as None (the JSON form, the digest and `==` then agree for both forms)."""
+        if isinstance(data, dict) and data.get("expert_placement") is not None and "redundant_experts" not in data:
+            placement = data["expert_placement"]
+            if not isinstance(placement, ExpertPlacement):
+                placement = ExpertPlacement.model_validate(placement)
+            data = {**data, "expert_placement": placement, "redundant_experts": placement.redundant}
+        layout = handler(data)
+        p = layout.expert_placement
+        if p is not None and p.is_initial:
+            fields = {k: getattr(layout, k) for k in layout.model_fields_set}
+            return handler({**fields, "expert_placement": None})
+        return layout
+
+    @model_serializer(mode="wrap")
+    def _without_eplb_defaults(self, handler: Any) -> dict[str, Any]:
+        """The EPLB fields appear only when set: a layout without them has the JSON form (and plan digests) it
+        had before they existed."""
+        out = handler(self)
+        if isinstance(out, dict):
+            if out.get("redundant_experts") == 0:
+                out.pop("redundant_experts")
+            if out.get("expert_placement", 0) is None:
+                out.pop("expert_placement")
+        return out
 
     @model_validator(mode="after")
     def _validate(self) -> "VllmLayout":
         m = self.model
         positive(self, tp=self.tp, replicas=self.replicas, vocab_padding=self.vocab_padding)
+        if self.redundant_experts < 0:
+            self._fail(f"redundant_experts={self.redundant_experts} must be at least 0",
+                       redundant_experts=self.redundant_experts)
+        bounded(self, MAX_EXPERTS, "experts", redundant_experts=self.redundant_experts)
         bounded(self, MAX_RANKS, "ranks", tp=self.tp, replicas=self.replicas,
                 **{"tp * replicas": self.tp * self.replicas})
         bounded(self, MAX_DIM, "a dimension", vocab_padding=self.vocab_padding)
@@ -59,15 +119,87 @@ class VllmLayout(CutLayout):
             divisible(self, "intermediate_size", m.intermediate_size, "tp", self.tp)
         if m.is_moe:
             if self.expert_parallel:
-                divisible(self, "num_experts", m.num_experts, "tp (expert parallel size)", self.tp, blame="tp")
+                self._check_experts()
             else:
                 divisible(self, "moe_intermediate_size", m.moe_intermediate_size, "tp", self.tp)
         elif self.expert_parallel:
             self._fail(f"expert_parallel=True needs a MoE model; {m.family} has no experts",
                        expert_parallel=True)
+        if not (self.expert_parallel and m.is_moe) and (self.redundant_experts or self.expert_placement):
+            self._fail("redundant experts and expert placements need expert_parallel=True on a MoE model (vLLM's "
+                       "EPLB runs only with expert parallelism)", redundant_experts=self.redundant_experts)
         divisible(self, "padded_vocab", self.padded_vocab, "tp", self.tp)
         self._check_cuts()
         return self
+
+    def _check_experts(self) -> None:
+        """Expert parallel: the physical slots (experts, plus EPLB's redundant ones) split evenly over the EP ranks,
+        and a placement must be this engine's."""
+        m, R, p = self.model, self.redundant_experts, self.expert_placement
+        if not R and p is None:
+            divisible(self, "num_experts", m.num_experts, "tp (expert parallel size)", self.tp, blame="tp")
+            return
+        divisible(self, "num_experts + redundant_experts", m.num_experts + R, "tp (expert parallel size)", self.tp,
+                  blame="tp")
+        if p is None:
+            return
+        moe_layers = len(moe_layer_numbers(m))
+        problems = [f"{what}: the placement's {got}, the layout's {want}" for what, got, want in (
+            ("logical experts", p.logical_experts, m.num_experts), ("EP ranks", p.ranks, self.tp),
+            ("redundant experts", p.redundant, R)) if got != want]
+        if p.num_rows not in (1, moe_layers):
+            problems.append(f"MoE layers: the placement has {p.num_rows} rows, the model {moe_layers} MoE layers "
+                            f"(one row stands for all)")
+        if problems:
+            self._fail(f"expert_placement ({p.digest[:12]}) is not this engine's: " + "; ".join(problems),
+                       "read the placement from the engine's EPLB state (ExpertPlacement.from_vllm) for this model "
+                       "and EP size", expert_placement=p.digest[:12])
+
+    # --- experts in physical slots (EPLB) -----------------------------------------------------------
+    @property
+    def experts(self) -> ExpertPlacement | None:
+        """The engine's placement of logical experts in physical slots (expert parallel only; None otherwise): the
+        declared `expert_placement`, else vLLM's initial one (with `redundant_experts`)."""
+        if not (self.expert_parallel and self.model.is_moe):
+            return None
+        if self.expert_placement is not None:
+            return self.expert_placement
+        return ExpertPlacement.initial(self.model.num_experts, self.redundant_experts, self.tp)
+
+    def with_initial_experts(self) -> "VllmLayout":
+        """This layout with vLLM's initial expert placement: what the engine's own weight loaders write (EPLB moves
+        experts after loading), so what a probe of the loaders is compared with."""
+        return self if self.expert_placement is None else self.model_copy(update={"expert_placement": None})
+
+    def expert_stacks(self, replica: int = 0) -> tuple[ExpertStack, ...]:
+        """Every stacked expert tensor of `replica`'s ranks and the logical expert in each of its slots (expert
+        parallel only; empty otherwise): read from the placement, not from the placements table, so the planner's
+        slot proof checks a plan against it independently."""
+        p = self.experts
+        if p is None:
+            return ()
+        S, table = p.slots_per_rank, p.table()
+        names = expert_tensor_names(self)
+        out = []
+        for k, layer in enumerate(moe_layer_numbers(self.model)):
+            row = table[0 if p.num_rows == 1 else k]
+            for r in range(self.tp):
+                logical = tuple(row[r * S:(r + 1) * S].tolist())
+                out += [ExpertStack(r + replica * self.tp, self.name_prefix + n.format(i=layer), layer, logical)
+                        for n in names]
+        return tuple(out)
+
+    def _slots(self, layer: np.ndarray | int, expert: np.ndarray | int) -> tuple[np.ndarray, np.ndarray]:
+        """(which tensor, physical slot) of every copy of the expert tensors at `layer` / `expert`: one per slot the
+        placement gives the logical expert in that layer, tensors in the order asked."""
+        p = self.experts
+        layer, expert = (np.asarray(x, dtype=np.int64).reshape(-1) for x in np.broadcast_arrays(layer, expert))
+        order, start, count = slot_index(p)
+        row = np.zeros_like(layer) if p.num_rows == 1 else moe_row_of_layer(self.model)[layer]
+        n = count[row, expert]
+        which = np.repeat(np.arange(len(layer)), n)
+        within = np.arange(len(which)) - np.repeat(np.cumsum(n) - n, n)
+        return which, order[row[which], start[row, expert][which] + within]
 
     @property
     def num_ranks(self) -> int:
@@ -89,7 +221,9 @@ class VllmLayout(CutLayout):
 
     def __str__(self) -> str:
         ep = ",ep" if self.expert_parallel else ""
-        return f"vllm:tp={self.tp},replicas={self.replicas}{ep}"
+        redundant = f",redundant_experts={self.redundant_experts}" if self.redundant_experts else ""
+        placed = f",placement={self.expert_placement.digest[:12]}" if self.expert_placement is not None else ""
+        return f"vllm:tp={self.tp},replicas={self.replicas}{ep}{redundant}{placed}"
 
     def _group(self, expert: bool, replica: int | None) -> Group:
         """Replica 0's TP ranks, copied to each replica (or to `replica` only); experts stack per rank."""
@@ -97,8 +231,8 @@ class VllmLayout(CutLayout):
         E = self.model.num_experts
         if not expert:
             return Group(self.kind, self.tp, 1, copies, self.padded_vocab, copies_first=True)
-        if self.expert_parallel:
-            return Group(self.kind, 1, 1, copies, stack=E // self.tp, copies_first=True)
+        if self.expert_parallel:  # whole experts, P / tp physical slots per rank (P = E without EPLB)
+            return Group(self.kind, 1, 1, copies, stack=(E + self.redundant_experts) // self.tp, copies_first=True)
         return Group(self.kind, self.tp, 1, copies, stack=E, copies_first=True)
 
     def _cuts(self, kind: Kind) -> tuple[Cut, ...]:
@@ -110,5 +244,39 @@ class VllmLayout(CutLayout):
         expert = expert if cut.expert is None else cut.expert  # a shared tensor's copy for expert cut.expert
         first, slot = 0, expert  # every tensor's group starts at rank 0 of its replica
         if kind.expert and self.expert_parallel:
-            first, slot = divmod(expert, g.stack)
+            if self.redundant_experts or self.expert_placement is not None:  # EPLB: a copy in each of its slots
+                which, physical = self._slots(layer, expert)
+                first, slot = np.divmod(physical, g.stack)
+                return Where(g, first, (np.asarray(layer).reshape(-1)[which] if np.ndim(layer) else layer,),
+                             lambda i: name.format(i=i), slot, which)
+            first, slot = divmod(expert, g.stack)  # linear: expert e in slot e of P = E
         return Where(g, first, (layer,), lambda i: name.format(i=i), slot)
+
+
+def moe_layer_numbers(model: Any) -> tuple[int, ...]:
+    """The model's MoE layers, in order: what vLLM's EPLB numbers 0, 1, ... (its `moe_layer_idx`)."""
+    return _moe_layers(model)
+
+
+@functools.lru_cache(maxsize=32)
+def _moe_layers(model: Any) -> tuple[int, ...]:
+    return tuple(i for i in range(model.num_layers) if model.is_moe_layer(i))
+
+
+@functools.lru_cache(maxsize=32)
+def moe_row_of_layer(model: Any) -> np.ndarray:
+    """Per layer, its MoE layer number (-1 for a dense layer)."""
+    row = np.full(model.num_layers, -1, dtype=np.int64)
+    row[list(_moe_layers(model))] = np.arange(len(_moe_layers(model)))
+    row.setflags(write=False)
+    return row
+
+
+def expert_tensor_names(layout: VllmLayout) -> tuple[str, ...]:
+    """The name templates (`{i}`: the layer) of the stacked expert tensors of one MoE layer, as the cuts name them."""
+    spec, names = layout.model, []
+    for entry in spec.canonical.entries:
+        kind = kind_of(spec, entry.role)
+        if kind.expert:
+            names += [c.name for c in layout._cuts(kind) if c.name not in names]
+    return tuple(names)

@@ -13,7 +13,8 @@ Lifecycle (each step a pure function of the two layouts and the explicit options
      of ops (planner.balance);
   7. prove that the template, and the relay template, write every destination model element exactly once
      (planner.coverage): replicas are identical and each receives exactly once (fed or relayed), so this proves
-     the whole plan;
+     the whole plan; an expert-parallel destination's slots are proven too (every physical slot written, each
+     from its own logical expert, every replica of one expert with the same bytes: `prove_expert_slots`);
   8. seal the plan (planner.program holds the factored ops; planner.accounting counts them).
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ from ..layouts import Layout, ModelSpec
 from ..layouts.base import PlacementTable
 from .accounting import Bounds
 from .balance import choose_holders
-from .coverage import band_segments, overlapping, prove_replica_coverage, sorted_unique
+from .coverage import band_segments, overlapping, prove_expert_slots, prove_replica_coverage, sorted_unique
 from .fanout import replica_forests, split_parts
 from .merge import merge_relay, merge_template
 from .plan import Plan, TensorTable
@@ -323,8 +324,15 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
 
     # One replica's ops, merged whichever holder sends them.
     d_rows = np.flatnonzero(d_data)
-    template = merge_template(_intersect(boxes, D, d_rows, d_tid, len(model.canonical)), boxes.hset, boxes.stride,
-                              boxes.hstart, boxes.hcount, boxes.h_tensor, boxes.h_base, boxes.h_stride)
+    ops = _intersect(boxes, D, d_rows, d_tid, len(model.canonical))
+    stacks = dst.expert_stacks()
+    if stacks:  # EPLB slots: proven on the ops before merging, while each still names its canonical box
+        prove_expert_slots(stacks, dst_table0, d_tid[d_rows], D.origin[d_rows], D.n0[d_rows], D.n1[d_rows],
+                           whole=not subset, ops=ops, canon_r0=boxes.c0[ops["box"]] + ops["src_d0"],
+                           canon_c0=boxes.c1[ops["box"]] + ops["src_d1"], layer_of=model.canonical.layer,
+                           expert_of=model.canonical.expert)
+    template = merge_template(ops, boxes.hset, boxes.stride, boxes.hstart, boxes.hcount, boxes.h_tensor,
+                              boxes.h_base, boxes.h_stride)
     group = template["group"]
     G = int(group[-1]) + 1 if len(group) else 0
     first_of_group = np.flatnonzero(np.diff(np.append(-1, group))) if G else np.zeros(0, np.int64)

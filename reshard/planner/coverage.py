@@ -151,3 +151,113 @@ def prove_replica_coverage(programs: "list[dict[str, np.ndarray]]", dst_table0, 
         rects = rects_from_ops(ops["dst_tensor"], ops["dst_offset"], ops["dst_stride"], ops["rows"], ops["cols"],
                                width, problems, names)
         prove_exact_coverage(rects, piece_rects, width, height, names, problems)
+
+
+
+def prove_expert_slots(stacks: tuple, dst_table0, d_tid: np.ndarray, d_origin: np.ndarray, d_n0: np.ndarray,
+                       d_n1: np.ndarray, whole: bool = True, ops: dict[str, np.ndarray] | None = None,
+                       canon_r0: np.ndarray | None = None, canon_c0: np.ndarray | None = None,
+                       layer_of: np.ndarray | None = None, expert_of: np.ndarray | None = None) -> None:
+    """Prove what an expert-parallel destination's slots receive. Raises CoverageError listing the problems.
+
+    `stacks` are the destination's `expert_stacks()`: per stacked expert tensor of replica 0, the logical expert
+    its placement puts in each slot (read from the placement, not from the placements table). The destination
+    placements with data are given as table ids `d_tid`, flat origins and 2-D lengths.
+      1. Every slot holds model data: with `whole` (a whole-model plan) the placements cover each slot completely,
+         and in any plan every replica of a logical expert as much as the others; with the exact coverage proof,
+         every slot, each replica included, is written.
+      2. Given `ops` (the template's ops before merging: `canon`, `dst_tensor`, `dst_offset`, `dst_stride`, `rows`,
+         `cols`) and each op's canonical origin (`canon_r0`, `canon_c0`): every op into a slot lies inside it and
+         reads the canonical tensor of the slot's layer and logical expert (`layer_of` / `expert_of` per canonical
+         tensor), and every replica of a logical expert receives the same canonical boxes at the same offsets in
+         its slot: the same bytes. (Merging joins ops adjacent on both sides, which changes no byte's source, so the
+         merged template writes what these ops write.)
+    """
+    if not stacks:
+        return
+    problems: list[str] = []
+    where = {(r, dst_table0.name(t)): t for t, r in enumerate(dst_table0.rank.tolist())}
+    tid, slots, numel, layer, logical, name_id, names = [], [], [], [], [], [], {}
+    for st in stacks:
+        t = where.get((st.rank, st.name))
+        if t is None and not whole:  # a subset plan that leaves this layer out
+            continue
+        shape = dst_table0.shape(t) if t is not None else None
+        if shape is None or shape[0] != len(st.logical):
+            problems.append(f"destination rank {st.rank} {st.name!r}: the placement gives it {len(st.logical)} "
+                            f"expert slots, the layout {'no such tensor' if shape is None else f'shape {shape}'}")
+            continue
+        tid.append(t)
+        slots.append(len(st.logical))
+        numel.append(int(np.prod(shape[1:], dtype=np.int64)))
+        layer.append(st.layer)
+        logical += list(st.logical)
+        name_id.append(names.setdefault(st.name, len(names)))
+    if problems:
+        raise CoverageError("expert slot proof failed", problems[:10])
+    if not tid:
+        return
+    tid, slots, numel, layer = (np.asarray(x, dtype=np.int64) for x in (tid, slots, numel, layer))
+    logical = np.asarray(logical, dtype=np.int64)
+    base = np.cumsum(slots) - slots  # each stack's first global slot
+    slot_numel = np.repeat(numel, slots)
+    stack_of = np.full(len(dst_table0), -1, dtype=np.int64)
+    stack_of[tid] = np.arange(len(tid))
+    # replicas: the slots of one tensor name (layer and w13 / w2) holding one logical expert; `first` of a group is
+    # its lowest slot
+    _, group = np.unique(np.stack([np.repeat(np.asarray(name_id, dtype=np.int64), slots), logical]), axis=1,
+                         return_inverse=True)
+    group = group.reshape(-1)
+    first = np.full(int(group.max()) + 1, -1, dtype=np.int64)
+    first[group[::-1]] = np.arange(len(group))[::-1]
+    replica0 = first[group]
+
+    def label(g: int) -> str:
+        k = int(np.searchsorted(base, g, side="right") - 1)
+        return (f"destination rank {dst_table0.rank[tid[k]]} {dst_table0.name(int(tid[k]))!r} slot {g - base[k]} "
+                f"(logical expert {logical[g]})")
+
+    # 1. placements: the slots' model data (the placements do not overlap: the exact coverage proof says so)
+    sel = np.flatnonzero(stack_of[d_tid] >= 0)
+    k = stack_of[d_tid[sel]]
+    filled = np.bincount(base[k] + d_origin[sel] // numel[k], weights=d_n0[sel] * d_n1[sel],
+                         minlength=len(logical)).astype(np.int64)
+    short = np.flatnonzero((filled != slot_numel) if whole else (filled != filled[replica0]))
+    problems += [f"{label(int(g))}: the layout places {filled[g]} of its {slot_numel[g]} elements"
+                 + ("" if whole else f", its replica {label(int(replica0[g]))} {filled[replica0[g]]}")
+                 for g in short[:10]]
+    if problems:
+        raise CoverageError("expert slot proof failed: a physical slot is not (like its replicas) model data",
+                            problems)
+    if ops is None:
+        return
+
+    # 2. the ops into slots: inside one slot, from the slot's expert, the same for every replica
+    sel = np.flatnonzero(stack_of[ops["dst_tensor"]] >= 0)
+    k = stack_of[ops["dst_tensor"][sel]]
+    off, rows, cols, stride, canon = (ops[c][sel] for c in ("dst_offset", "rows", "cols", "dst_stride", "canon"))
+    local = off // numel[k]
+    g = base[k] + local
+    across = np.flatnonzero((off + (rows - 1) * stride + cols - 1) // numel[k] != local)
+    problems += [f"{label(int(g[i]))}: an op runs past the slot's end" for i in across[:10]]
+    wrong = np.flatnonzero((layer_of[canon] != layer[k]) | (expert_of[canon] != logical[g]))
+    problems += [f"{label(int(g[i]))}: written from canonical tensor {int(canon[i])} (layer {layer_of[canon[i]]}, "
+                 f"expert {expert_of[canon[i]]})" for i in wrong[:10]]
+    if problems:
+        raise CoverageError("expert slot proof failed: a slot receives bytes of another expert", problems)
+    # each slot's ops, sorted by what they carry, must equal op for op those of its group's first slot
+    key = [canon, canon_r0[sel], canon_c0[sel], rows, cols, off - local * numel[k], stride]
+    order = sort_by((g, *key))
+    g, key = g[order], [x[order] for x in key]
+    per_slot = np.bincount(g, minlength=len(logical))
+    start = np.cumsum(per_slot) - per_slot
+    uneven = np.flatnonzero(per_slot != per_slot[replica0])
+    problems += [f"{label(int(x))}: receives {per_slot[x]} pieces, its replica {label(int(replica0[x]))} "
+                 f"{per_slot[replica0[x]]}" for x in uneven[:10]]
+    if not problems and len(g):
+        ref = start[replica0[g]] + (np.arange(len(g)) - start[g])
+        differ = np.flatnonzero(np.any([x != x[ref] for x in key], axis=0))
+        problems += [f"{label(int(g[i]))}: receives other bytes than its replica {label(int(replica0[g[i]]))}"
+                     for i in differ[:10]]
+    if problems:
+        raise CoverageError("expert slot proof failed: replicas of one expert receive different bytes", problems)

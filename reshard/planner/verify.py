@@ -253,7 +253,7 @@ def _match(field: str, table: Any, placements: Any, rows: np.ndarray, exact: boo
 
 
 def _prove(plan: Any, sel: np.ndarray) -> None:
-    from .coverage import prove_replica_coverage
+    from .coverage import prove_expert_slots, prove_replica_coverage
 
     p, model, K, rpr, T0 = plan.program, plan.src.model, plan.dst.num_replicas, plan.program.ranks_per_replica, \
         plan.program.tensors_per_replica
@@ -281,6 +281,9 @@ def _prove(plan: Any, sel: np.ndarray) -> None:
     try:
         prove_replica_coverage([p.template, p.relay] if relayed else [p.template], table0, d_tid,
                                D.origin[d_rows], D.n0[d_rows], D.n1[d_rows])
+        # an EPLB destination: every physical slot (each replica of an expert) is model data, so written
+        prove_expert_slots(plan.dst.expert_stacks(), table0, d_tid, D.origin[d_rows], D.n0[d_rows], D.n1[d_rows],
+                           whole=plan.selection is None)
     except CoverageError as e:
         raise PlanFileError("plan file: the ops do not write every destination element holding model data "
                             "exactly once", e.problems, field="arrays") from None

@@ -9,6 +9,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from ..layouts import HfLayout, Layout, MegatronLayout, ModelSpec, VllmLayout
+from ..layouts.expert_placement import ExpertPlacement
 from ..planner import Plan, compile_plan
 
 
@@ -87,13 +88,34 @@ def vllm_tp_choices(model: ModelSpec, expert_parallel: bool) -> list[int]:
 
 
 @st.composite
+def expert_placements(draw, model: ModelSpec, ranks: int, redundant: int) -> ExpertPlacement:
+    """A placement of `model`'s experts in E + `redundant` slots over `ranks` EP ranks, as EPLB may leave it: every
+    expert at least once, the redundant slots any experts, shuffled; one row for every MoE layer, or one each."""
+    E = model.num_experts
+    moe_layers = sum(model.is_moe_layer(i) for i in range(model.num_layers))
+
+    def row() -> list[int]:
+        slots = list(range(E)) + draw(st.lists(st.integers(0, E - 1), min_size=redundant, max_size=redundant))
+        return draw(st.permutations(slots))
+
+    rows = [row()] if draw(st.booleans()) else [row() for _ in range(moe_layers)]
+    return ExpertPlacement(ranks=ranks, logical_experts=E, physical_to_logical=rows)
+
+
+@st.composite
 def vllm_layouts(draw, model: ModelSpec) -> VllmLayout:
     ep = model.is_moe and draw(st.booleans())
     tp = draw(st.sampled_from(vllm_tp_choices(model, ep) or vllm_tp_choices(model, False)))
     if not vllm_tp_choices(model, ep):
         ep = False
+    eplb = {}
+    if ep and draw(st.booleans()):  # EPLB: redundant experts (a multiple of the EP size), a placement or vLLM's
+        redundant = tp * draw(st.integers(0, 2))
+        eplb = {"redundant_experts": redundant}
+        if draw(st.booleans()):
+            eplb["expert_placement"] = draw(expert_placements(model, tp, redundant))
     return VllmLayout(model=model, tp=tp, replicas=draw(st.integers(1, 3)), expert_parallel=ep,
-                      vocab_padding=draw(st.sampled_from([tp, 8 * tp, 64])))
+                      vocab_padding=draw(st.sampled_from([tp, 8 * tp, 64])), **eplb)
 
 
 def layouts(model: ModelSpec) -> st.SearchStrategy[Layout]:
@@ -170,5 +192,5 @@ def invalid_declarations() -> list[tuple[str, callable, tuple[str, ...]]]:
     return cases
 
 
-__all__ = ["divisors", "invalid_declarations", "layouts", "megatron_layouts", "models", "refits", "vllm_layouts",
-           "vllm_tp_choices"]
+__all__ = ["divisors", "expert_placements", "invalid_declarations", "layouts", "megatron_layouts", "models", "refits",
+           "vllm_layouts", "vllm_tp_choices"]

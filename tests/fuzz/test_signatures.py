@@ -31,8 +31,8 @@ from reshard.adapters.vllm.lease import parse_grant
 from reshard.errors import ReshardError
 from reshard.executors import Binding, LocalExecutor, allocate, execute_local, make_executor, shard, unshard
 from reshard.adapters.rendezvous import Rendezvous
-from reshard.layouts import (HfLayout, MegatronLayout, ModelSpec, VllmLayout, discover, layout_from_dict,
-                             layout_to_dict, read_hf_config, spec_from_hf_config)
+from reshard.layouts import (ExpertPlacement, HfLayout, MegatronLayout, ModelSpec, VllmLayout, discover,
+                             layout_from_dict, layout_to_dict, read_hf_config, spec_from_hf_config)
 from reshard.planner import ClusterModel, Plan, compare_with_measurement, format_prediction, predict
 from reshard.testing.megatron_cpu import TinyGPT
 
@@ -106,6 +106,11 @@ ENTRY: dict[str, tuple[Callable[..., Any], dict[str, Any], int]] = {
                                                                                             pp=pp),
                                        {"model": SPEC, "tp": 1, "pp": 1}, 30),
     "Layout.rank_tensors": (SRC.rank_tensors, {"rank": 0}, 20),
+    "ExpertPlacement": (ExpertPlacement, {"ranks": 1, "logical_experts": 2, "physical_to_logical": ((0, 1, 1),)}, 40),
+    "ExpertPlacement.initial": (ExpertPlacement.initial, {"logical_experts": 2, "redundant": 1, "ranks": 1}, 30),
+    "ExpertPlacement.from_vllm": (ExpertPlacement.from_vllm, {
+        "physical_to_logical": [[0, 1, 1]], "ranks": 1, "logical_experts": 2, "logical_to_physical": [[[0, -1], [1, 2]]],
+        "logical_replica_count": [[1, 2]]}, 50),
     # reshard.planner
     "ClusterModel": (ClusterModel, {}, 0),  # every field (filled in below)
     "predict": (predict, {"plan": PLAN, "cluster": None}, 20),
@@ -308,6 +313,8 @@ RULES: dict[tuple[str, str], Callable[[Any], bool]] = {
     **{("ClusterModel", k): lambda v: _is_number(v) and v >= 0 for k in (
         "nvlink_latency", "network_latency", "copy_latency", "op_overhead", "pack_copies", "commit_copies")},  # the local executor runs every rank in this process
     ("LocalExecutor", "binding"): lambda v: v is None,
+    ("ExpertPlacement.initial", "ranks"): lambda v: v == 1,  # 1: the placement's three slots on one rank
+    ("ExpertPlacement.initial", "redundant"): lambda v: _is_int(v) and v >= 0,
 }
 
 

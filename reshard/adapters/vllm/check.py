@@ -3,7 +3,8 @@
 Two levels, all problems reported at once in one `LayoutMismatchError`:
   1. structure: the live weight parameters (names, shapes, dtypes) equal `layout.rank_tensors(rank)`;
   2. placement: the model's own weight loaders, run on marked canonical tensors (derive.py), put every probed
-     canonical element exactly where the layout's placements say. Shapes can agree while the stacking differs
+     canonical element exactly where the layout's placements say (an EPLB engine's experts: where vLLM's initial
+     placement puts them, which is what its loaders write). Shapes can agree while the stacking differs
      (a vLLM version that stores [up; gate], or replicates KV heads differently); this level catches that.
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from ...errors import LayoutMismatchError
-from ...layouts import Layout, Placement
+from ...layouts import Layout, Placement, VllmLayout
 from .derive import DerivedLayout, declared_placements, derive_layout, probed_tensors
 from .live import dtype_name, weights
 
@@ -118,7 +119,10 @@ def check_layout(model: torch.nn.Module, layout: Layout, rank: int, layers: Sequ
     if not loaders:
         return DerivedLayout(rank, live)
     derived = derive_layout(model, layout.model, rank, layers, vllm_config, params)
-    declared = declared_placements(layout, rank, probed_tensors(layout.model, layers))
+    # vLLM's loaders write experts by its initial placement, whatever EPLB did since: the probe is compared with
+    # that; the live placement is checked against the EPLB state (experts.check_placement)
+    probe = layout.with_initial_experts() if isinstance(layout, VllmLayout) else layout
+    declared = declared_placements(probe, rank, probed_tensors(layout.model, layers))
     problems = list(derived.problems) + placement_problems(derived.placements, declared)
     if problems:
         raise LayoutMismatchError(str(layout), problems, where=where)

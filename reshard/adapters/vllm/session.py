@@ -6,8 +6,9 @@ extension both wrap this).
     session.close()
 
 Construction (vLLM's `init_weight_transfer_engine`): the trainer's model and the engine's layout must be what this
-worker serves; the plan is compiled (once per process for these layouts) and its digest compared with the
-trainer's; the destination is bound -- direct: the live parameters, after checking the model's structure, its
+worker serves (an EPLB engine's expert placement: what its EPLB state holds now, checked again at every `start`,
+since EPLB may rebalance between refits; experts.py); the plan is compiled (once per process for these layouts)
+and its digest compared with the trainer's; the destination is bound -- direct: the live parameters, after checking the model's structure, its
 loaders' placements and that nothing was re-laid out; loader: buffers for whole canonical tensors -- and the
 transport is opened (cross-process transports: this worker joins the rendezvous as process S + its rank). A
 failure anywhere is reported at the rendezvous, so trainer processes waiting there stop at once, and raised.
@@ -42,6 +43,7 @@ from ..lora.slots import AdapterSlot, lora_manager
 from ..refit import CROSS_PROCESS, RefitSpec, open_transport
 from .derive import representative_layers
 from .direct import DirectBinding, bind_direct
+from .experts import check_loader_placement, check_placement, live_placement
 from .live import declared_layout, local_rank, spec_of
 from .loader import LoaderInstaller
 
@@ -86,6 +88,8 @@ class WorkerSession:
         refit = self.refit
         src, dst = refit.layouts()
         self._check_model(dst)
+        self.dst = dst
+        self._check_experts()
         self.plan = refit.plan()
         if refit.plan_digest and refit.plan_digest != self.plan.digest:
             raise PlanError(f"the trainer's plan (digest {refit.plan_digest[:12]}) differs from the one this worker "
@@ -197,6 +201,19 @@ class WorkerSession:
         """The trainer's model and destination layout must be what this worker serves (`check_served_model`)."""
         check_served_model(self.refit, dst, self.vllm_config)
 
+    def _check_experts(self) -> None:
+        """The plan's expert placement must be the one this engine's EPLB state holds now; a loader install needs
+        vLLM's initial placement (its load_weights writes by it). Read from the model each time: a rebalance may
+        come between init and any refit."""
+        if self.dst.experts is None:  # no expert parallelism: nothing EPLB moves
+            return
+        live = live_placement(self.model, self.dst.tp)
+        where = f"engine replica {self.refit.replica}"
+        if self.refit.install == "loader":
+            check_loader_placement(live, where)
+        else:
+            check_placement(self.dst, live, where)
+
     # --- one refit ---------------------------------------------------------------------------------
     def check_refit(self, refit: str) -> None:
         """An update of another refit (an old driver's late message, after a new init) is refused."""
@@ -208,6 +225,7 @@ class WorkerSession:
     def start(self) -> None:
         self.ready()
         self.received = False
+        self._check_experts()  # before any byte lands: EPLB may have moved experts since the plan was bound
         if self.binding is not None:
             self.binding.verify()
         if self.slot is not None:
@@ -323,7 +341,8 @@ def check_served_model(refit: RefitSpec, dst: Any, vllm_config: Any) -> None:
                                           "(RefitSpec.of(..., math=None) skips this check)",
                                       where="the vLLM model's config")
     declared = declared_layout(model, vllm_config, dst.replicas)
-    lora = {"model", "max_lora_rank", "fully_sharded"}
+    # the LoRA settings are AdapterSlot's to check; the expert placement is the EPLB state's (_check_experts)
+    lora = {"model", "max_lora_rank", "fully_sharded", "expert_placement"}
     if declared.model_dump(exclude={"model"}) != dst.model_dump(exclude=lora):
         mine, theirs = dst.model_dump(exclude=lora), declared.model_dump(exclude={"model"})
         differ = ", ".join(f"{k}: {mine[k]!r} vs {theirs[k]!r}" for k in mine if mine[k] != theirs.get(k))

@@ -1,0 +1,317 @@
+"""Which logical expert each physical expert slot of an expert-parallel engine holds: vLLM's EPLB placement.
+
+vLLM's expert-parallel load balancer (EPLB) keeps a MoE layer's E logical experts in P >= E physical slots, spread
+evenly over the EP ranks: rank r holds slots [r P/ranks, (r+1) P/ranks), in that order, as the rows of its
+stacked expert tensors (`w13_weight` [P/ranks, ...]). Slot p of MoE layer m holds logical expert
+`physical_to_logical[m][p]`; a logical expert in several slots has replicas (redundant experts, P - E of them),
+each with the same weights. vLLM loads weights by its initial placement (slots 0..E-1 hold experts 0..E-1, the
+redundant slots E.. hold experts 0, 1, ... in turn) and rebalances while serving, moving experts between slots and
+ranks, per layer.
+
+An `ExpertPlacement` is that map as a small frozen value: validated on construction (untrusted input: a map that is
+not a permutation with replicas of the logical experts is refused, naming the layer and the experts), canonical (a
+placement the same in every MoE layer is one row), and identified by a digest, so a plan compiled for one
+placement is never taken for another's. `from_vllm` reads vLLM's three maps (physical -> logical, logical ->
+physical, replica counts) and refuses maps that disagree with each other.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from typing import Any, ClassVar, Sequence
+
+import numpy as np
+from pydantic import ConfigDict, StrictInt, model_validator
+
+from ..errors import ArgumentError
+from ..limits import MAX_EXPERTS, MAX_LAYERS, MAX_RANKS, check_limit
+from .validated import ValidatedModel
+
+WHERE = "expert placement"
+
+
+class ExpertPlacement(ValidatedModel):
+    """Per MoE layer, the logical expert of every physical slot of an expert-parallel engine (module docstring).
+
+    Args:
+        ranks: the EP ranks the physical slots are spread over (each holds `num_physical / ranks` slots).
+        logical_experts: the model's (routed) experts, E.
+        physical_to_logical: per MoE layer, in layer order, the logical expert in each physical slot (vLLM's
+            `physical_to_logical_map`); a single row stands for every MoE layer.
+
+    Raises:
+        ArgumentError: a map that is not a permutation with replicas of the logical experts (a slot holding an
+            expert outside [0, E), an expert in no slot), rows of different lengths, or a slot count that the ranks
+            do not divide evenly.
+        LimitError: counts beyond `reshard.limits`.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    error_kind: ClassVar[str] = "expert_placement"
+
+    ranks: StrictInt
+    logical_experts: StrictInt
+    physical_to_logical: tuple[tuple[StrictInt, ...], ...]
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _one_row_if_uniform(cls, data: Any, handler: Any) -> "ExpertPlacement":
+        """Canonical form: identical rows are one row, so one placement has one value (and one digest)."""
+        if isinstance(data, dict) and not all(isinstance(k, str) for k in data):  # pydantic would spread it
+            raise ArgumentError("expert_placement", data, "must be an ExpertPlacement or its fields by name",
+                                where=WHERE)
+        placement = handler(data)
+        rows = placement.physical_to_logical
+        if len(rows) > 1 and all(r == rows[0] for r in rows[1:]):
+            return handler({"ranks": placement.ranks, "logical_experts": placement.logical_experts,
+                            "physical_to_logical": rows[:1]})
+        return placement
+
+    @model_validator(mode="after")
+    def _validate(self) -> "ExpertPlacement":
+        for name, value in (("ranks", self.ranks), ("logical_experts", self.logical_experts)):
+            if value < 1:
+                raise ArgumentError(name, value, "must be at least 1", where=WHERE)
+        check_limit("ranks", self.ranks, MAX_RANKS, "ranks", WHERE)
+        check_limit("logical_experts", self.logical_experts, MAX_EXPERTS, "experts", WHERE)
+        rows = self.physical_to_logical
+        if not rows:
+            raise ArgumentError("physical_to_logical", rows, "must have a row per MoE layer (or one for all)",
+                                where=WHERE)
+        check_limit("physical_to_logical (rows)", len(rows), MAX_LAYERS, "layers", WHERE)
+        lengths = sorted({len(r) for r in rows})
+        if len(lengths) > 1:
+            raise ArgumentError("physical_to_logical", f"rows of {lengths} slots",
+                                "must give every MoE layer the same number of physical slots", where=WHERE)
+        P = lengths[0]
+        check_limit("physical slots", P, MAX_EXPERTS, "experts", WHERE)
+        if P < self.logical_experts:
+            raise ArgumentError("physical_to_logical", f"{P} slots per layer",
+                                f"must hold each of the {self.logical_experts} logical experts at least once",
+                                where=WHERE)
+        if P % self.ranks:
+            raise ArgumentError("physical_to_logical", f"{P} slots per layer",
+                                f"must split evenly over ranks={self.ranks} (EPLB gives every EP rank the same "
+                                f"number of slots)", where=WHERE)
+        problems = _map_problems(np.asarray(rows, dtype=np.int64), self.logical_experts)
+        if problems:
+            raise ArgumentError("physical_to_logical", f"<{len(rows)} x {P} map>",
+                                f"must place logical experts 0..{self.logical_experts - 1} in the slots, each at "
+                                f"least once (a permutation with replicas): " + "; ".join(problems), where=WHERE)
+        return self
+
+    # --- what it says ------------------------------------------------------------------------------
+    @property
+    def num_physical(self) -> int:
+        """Physical slots per MoE layer, P."""
+        return len(self.physical_to_logical[0])
+
+    @property
+    def slots_per_rank(self) -> int:
+        return self.num_physical // self.ranks
+
+    @property
+    def redundant(self) -> int:
+        """Redundant experts: physical slots beyond one per logical expert (vLLM's num_redundant_experts)."""
+        return self.num_physical - self.logical_experts
+
+    @property
+    def num_rows(self) -> int:
+        """1 if every MoE layer has the same placement, else the number of MoE layers."""
+        return len(self.physical_to_logical)
+
+    def table(self) -> np.ndarray:
+        """[rows, P] int64: the logical expert of each physical slot (read-only)."""
+        return _table(self)
+
+    def row(self, moe_layer: int) -> tuple[int, ...]:
+        """The placement of MoE layer `moe_layer` (counted over MoE layers only, as vLLM's EPLB counts them)."""
+        return self.physical_to_logical[0 if self.num_rows == 1 else moe_layer]
+
+    def replica_counts(self) -> np.ndarray:
+        """[rows, E]: how many slots hold each logical expert (vLLM's `logical_replica_count`)."""
+        return slot_index(self)[2]
+
+    def slots_of(self, moe_layer: int, expert: int) -> tuple[int, ...]:
+        """The physical slots holding logical expert `expert` in MoE layer `moe_layer`, ascending."""
+        return tuple(int(p) for p in np.flatnonzero(np.asarray(self.row(moe_layer)) == expert))
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 of the canonical JSON form: what names this placement in plans and errors."""
+        return _digest(self)
+
+    @property
+    def is_initial(self) -> bool:
+        """Whether this is the placement vLLM's weight loaders write (`initial`)."""
+        return self == _initial(self.logical_experts, self.redundant, self.ranks)
+
+    def __str__(self) -> str:
+        layers = "every MoE layer alike" if self.num_rows == 1 else f"{self.num_rows} MoE layers"
+        return (f"{self.logical_experts} experts in {self.num_physical} slots over {self.ranks} ranks "
+                f"({self.redundant} redundant, {layers}; {self.digest[:12]})")
+
+    # --- made from vLLM's maps -----------------------------------------------------------------------
+    @classmethod
+    def initial(cls, logical_experts: int, redundant: int, ranks: int) -> "ExpertPlacement":
+        """vLLM's initial placement, the one its weight loaders write (EplbState's
+        `build_initial_global_physical_to_logical_map`): slots 0..E-1 hold experts 0..E-1, slot E + i holds
+        expert i mod E.
+
+        Raises:
+            ArgumentError: counts that are not integers, a negative `redundant`, or a slot count the ranks do not
+                divide.
+        """
+        for name, value in (("logical_experts", logical_experts), ("redundant", redundant), ("ranks", ranks)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ArgumentError(name, value, "must be an integer", where=WHERE)
+        if redundant < 0:
+            raise ArgumentError("redundant", redundant, "must be at least 0", where=WHERE)
+        for name, value in (("logical_experts", logical_experts), ("ranks", ranks)):
+            if value < 1:
+                raise ArgumentError(name, value, "must be at least 1", where=WHERE)
+        check_limit("logical_experts + redundant", logical_experts + redundant, MAX_EXPERTS, "experts", WHERE)
+        check_limit("ranks", ranks, MAX_RANKS, "ranks", WHERE)
+        return _initial(logical_experts, redundant, ranks)
+
+    @classmethod
+    def from_vllm(cls, physical_to_logical: Any, *, ranks: int, logical_experts: int,
+                  logical_to_physical: Any = None, logical_replica_count: Any = None) -> "ExpertPlacement":
+        """The placement vLLM's EPLB state holds, from its maps (numpy arrays, nested lists, or tensors).
+
+        Args:
+            physical_to_logical: [layers, P] (or [P], every layer alike): the logical expert of each physical slot.
+            ranks: the engine's EP size.
+            logical_experts: the model's logical experts, E.
+            logical_to_physical: optional [layers, E, K] (or [E, K]): each logical expert's slots, then -1 padding
+                (vLLM pads to K = 1024); must list exactly the slots `physical_to_logical` gives the expert.
+            logical_replica_count: optional [layers, E] (or [E]): each logical expert's number of slots; must equal
+                what `physical_to_logical` says.
+
+        Returns:
+            The placement.
+
+        Raises:
+            ArgumentError: a map of the wrong shape or type, a map that is not a permutation with replicas, or maps
+                that disagree (naming the map, the layer and the expert).
+        """
+        p2l = _int_array("physical_to_logical", physical_to_logical, (1, 2))
+        p2l = p2l.reshape(1, -1) if p2l.ndim == 1 else p2l
+        if isinstance(logical_experts, bool) or not isinstance(logical_experts, int) or logical_experts < 1:
+            raise ArgumentError("logical_experts", logical_experts, "must be a positive integer", where=WHERE)
+        check_limit("logical_experts", logical_experts, MAX_EXPERTS, "experts", WHERE)
+        placement = cls(ranks=ranks, logical_experts=logical_experts, physical_to_logical=p2l.tolist())
+        layers, E = p2l.shape[0], logical_experts
+        counts = np.stack([np.bincount(r, minlength=E) for r in p2l])
+        if logical_replica_count is not None:
+            got = _int_array("logical_replica_count", logical_replica_count, (1, 2))
+            got = got.reshape(1, -1) if got.ndim == 1 else got
+            if got.shape != (layers, E):
+                raise ArgumentError("logical_replica_count", f"shape {got.shape}", f"must be [{layers}, {E}] (layers "
+                                    f"x logical experts), as physical_to_logical is", where=WHERE)
+            bad = np.argwhere(got != counts)
+            if len(bad):
+                text = "; ".join(f"layer {m} expert {e}: {got[m, e]} replicas, but physical_to_logical puts it in "
+                                 f"{counts[m, e]} slots {np.flatnonzero(p2l[m] == e).tolist()}" for m, e in bad[:3])
+                raise ArgumentError("logical_replica_count", f"<{layers} x {E} counts>", "must count each expert's "
+                                    "slots in physical_to_logical: " + text, where=WHERE)
+        if logical_to_physical is not None:
+            l2p = _int_array("logical_to_physical", logical_to_physical, (2, 3))
+            l2p = l2p.reshape(1, *l2p.shape) if l2p.ndim == 2 else l2p
+            if l2p.shape[:2] != (layers, E):
+                raise ArgumentError("logical_to_physical", f"shape {l2p.shape}", f"must be [{layers}, {E}, K] "
+                                    f"(layers x logical experts x slots, -1 padded)", where=WHERE)
+            bad = _slot_list_problems(l2p, p2l, counts)
+            if bad:
+                raise ArgumentError("logical_to_physical", f"<{'x'.join(map(str, l2p.shape))} map>", "must list "
+                                    "each expert's slots of physical_to_logical, then -1 padding: " + "; ".join(bad),
+                                    where=WHERE)
+        return placement
+
+
+def _map_problems(t: np.ndarray, E: int) -> list[str]:
+    """What makes [rows, P] not a permutation with replicas of experts 0..E-1 (at most three, layer and experts
+    named)."""
+    bad = np.argwhere((t < 0) | (t >= E))
+    if len(bad):
+        return [f"layer {m} slot {p} holds expert {t[m, p]}, outside [0, {E})" for m, p in bad[:3]]
+    problems = []
+    for m, row in enumerate(t):
+        missing = np.flatnonzero(np.bincount(row, minlength=E) == 0)
+        if len(missing):
+            problems.append(f"layer {m} places no replica of experts {missing[:8].tolist()}"
+                            + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""))
+            if len(problems) == 3:
+                break
+    return problems
+
+
+def _slot_list_problems(l2p: np.ndarray, p2l: np.ndarray, counts: np.ndarray) -> list[str]:
+    """Where logical -> physical [layers, E, K] does not list exactly each expert's slots of physical -> logical
+    (valid entries first, then -1); at most three, vectorized (layers x E runs to tens of thousands)."""
+    layers, E, K = l2p.shape
+    P = p2l.shape[1]
+    big = P + 1
+    expected = np.full((layers, E, max(K, int(counts.max()))), big, dtype=np.int64)
+    order = np.argsort(p2l, axis=1, kind="stable")  # slots grouped by expert, ascending within each
+    expert_of = np.take_along_axis(p2l, order, axis=1)
+    within = np.arange(P) - np.take_along_axis(np.cumsum(counts, axis=1) - counts, expert_of, axis=1)
+    expected[np.arange(layers)[:, None], expert_of, within] = order
+    got = np.sort(np.where(l2p >= 0, l2p, big), axis=-1)
+    valid = l2p >= 0
+    wrong = ((counts > K) | np.any(got != expected[..., :K], axis=-1) | np.any(l2p < -1, axis=-1)
+             | np.any(valid[..., 1:] & ~valid[..., :-1], axis=-1))
+    return [f"layer {m} expert {e}: lists slots {l2p[m, e][l2p[m, e] != -1].tolist()}, but physical_to_logical "
+            f"puts it in {np.flatnonzero(p2l[m] == e).tolist()}" for m, e in np.argwhere(wrong)[:3]]
+
+
+def _int_array(name: str, value: Any, ndims: Sequence[int]) -> np.ndarray:
+    """An integer array from a nested list, a numpy array or a tensor (a device tensor is copied to the host)."""
+    if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor, without importing torch here
+        value = value.detach().cpu().numpy()
+    try:
+        a = np.asarray(value)
+    except (TypeError, ValueError) as e:
+        raise ArgumentError(name, f"<{type(value).__name__}>", f"must be an array of integers ({e})",
+                            where=WHERE) from None
+    if a.ndim not in ndims or a.dtype.kind not in "iu" or a.size == 0:
+        raise ArgumentError(name, f"{a.dtype} of shape {a.shape}", f"must be a non-empty integer array of "
+                            f"{' or '.join(map(str, ndims))} dimensions", where=WHERE)
+    check_limit(f"{name} (entries)", int(a.size), MAX_LAYERS * MAX_EXPERTS, "entries", WHERE)
+    return a.astype(np.int64)
+
+
+@functools.lru_cache(maxsize=64)
+def _table(p: ExpertPlacement) -> np.ndarray:
+    t = np.asarray(p.physical_to_logical, dtype=np.int64)
+    t.setflags(write=False)
+    return t
+
+
+@functools.lru_cache(maxsize=64)
+def _digest(p: ExpertPlacement) -> str:
+    return hashlib.sha256(json.dumps(p.model_dump(), sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+@functools.lru_cache(maxsize=64)
+def _initial(E: int, R: int, ranks: int) -> ExpertPlacement:
+    return ExpertPlacement(ranks=ranks, logical_experts=E,
+                           physical_to_logical=(tuple(range(E)) + tuple(i % E for i in range(R)),))
+
+
+@functools.lru_cache(maxsize=64)
+def slot_index(p: ExpertPlacement) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each logical expert's slots, per row, as CSR (read-only): (order [rows, P]: the slots sorted by expert, then
+    slot; start [rows, E]; count [rows, E]). Expert e of row m is in slots order[m, start[m, e]: start[m, e] +
+    count[m, e]]."""
+    t = _table(p)
+    order = np.argsort(t, axis=1, kind="stable")
+    count = np.stack([np.bincount(r, minlength=p.logical_experts) for r in t])
+    start = np.cumsum(count, axis=1) - count
+    for a in (order, count, start):
+        a.setflags(write=False)
+    return order, start, count
+
+
+__all__ = ["ExpertPlacement", "slot_index"]

@@ -11,8 +11,11 @@ In NeMo-RL this is configuration only:
 NeMo-RL is not installed here (it needs Python >= 3.13 and GPUs), so this file plays its part: `Synchronizer`
 replays CheckpointEngineWeightSynchronizer (init_checkpoint_engine, prepare, init process groups, then per refit
 send_weights_via_checkpoint_engine on every policy worker while every vLLM worker updates from the engine),
-`PolicyWorker` NeMo-RL's Megatron policy worker (its HF iterator, filtered by the engine's target layout), and
-vllm_side.py the vLLM generation worker and its worker extension, in the vLLM CPU virtualenv.
+`PolicyWorker` NeMo-RL's Megatron policy worker (its HF iterator, filtered as NeMo-RL filters it by the engine's
+target layout: the engine answers None, so every worker hands it the whole stream), and vllm_side.py the vLLM
+generation worker and its worker extension, in the vLLM CPU virtualenv. The engine runs with its defaults (the
+collective transport over gloo, "bucket" staging) and a 256 KiB bucket, so the model moves in a few groups and
+vLLM loads each batch while the next one lands.
 
 1. makes a tiny Qwen3 checkpoint A (transformers) and B, the weights after one "training step" (an elementwise
    function applied here to A's tensors: ground truth independent of reshard);
@@ -86,7 +89,7 @@ class PolicyWorker:
         layout = self.engine.get_target_weight_layout()  # what the Megatron worker filters its iterator with
         for name, tensor in self.weights.items():
             if layout is None or not any(name.startswith(p) for p in layout["missing_weight_prefixes"]):
-                yield name, tensor  # (a MoE model's experts are also kept by layout["expert_params"])
+                yield name, tensor  # (NeMo-RL also filters experts by layout["expert_params"]; None: nothing)
 
     async def checkpoint_engine_rpc(self, checkpoint_method: str, method_kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = method_kwargs or {}
@@ -102,7 +105,7 @@ class PolicyWorker:
             return self.engine.init_policy_process_group(worker_rank=self.rank, **kwargs)
         if checkpoint_method == "send_weights_via_checkpoint_engine":
             await self.engine.send_weights(self._iterator())
-            return sum(self.engine.last_stats.bytes_sent.values())  # (NeMo-RL returns nothing; printed here)
+            return self.engine.last_refit["bytes_sent"]  # (NeMo-RL returns nothing; printed here)
         if checkpoint_method == "finalize_checkpoint_engine":
             return self.engine.finalize()
         raise ValueError(f"unknown checkpoint method {checkpoint_method!r}")
@@ -183,7 +186,7 @@ def main() -> int:
     generation = start_generation(a.vllm_python, str(ckpt_b), a.tp, env)
     policy = [ray.remote(PolicyWorker).options(num_cpus=0).remote(r, str(ckpt_a)) for r in range(a.policy_workers)]
     # the refit_cfg entry as a user writes it: no address (each engine finds its own, here the Ray node's IP)
-    sync = Synchronizer(policy, generation, {"model": str(ckpt_a), "release_after_refit": False}, bucket_size=1 << 20)
+    sync = Synchronizer(policy, generation, {"model": str(ckpt_a), "release_after_refit": False}, bucket_size=1 << 18)
     ok = False
     try:
         fresh = ray.get(generation.greedy.remote(PROMPTS))

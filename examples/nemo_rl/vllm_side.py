@@ -11,8 +11,11 @@ at the commit in tests/data/nemo_rl_checkpoint_engine.json).
 
 One difference from NeMo-RL, for the vLLM CPU build: NeMo-RL (on GPUs) hands each batch to `load_weights`; the CPU
 backend repacks weights after loading, so here the batches are loaded inside vLLM's layerwise reload (begun when the
-first batch arrives -- a failed transfer yields none, so the model is never touched -- and finished after the last),
-which runs that post-processing, as vLLM's own reload does.
+first batch arrives -- a refit that fails before any batch was agreed on yields none, so the model is never touched
+-- and finished after the last), which runs that post-processing, as vLLM's own reload does. With the engine's
+default "bucket" staging a refit that fails later has yielded the batches before the failure (the model then mixes
+two versions until the next refit succeeds: the engine's docstring says which); with "model" staging it yields
+none.
 """
 from __future__ import annotations
 
@@ -67,6 +70,7 @@ class CheckpointEngineExtension:
                         initialize_layerwise_reload(model)
                         reloading = True
                     model.load_weights(weights=batch)
+                    own_pending_weights(model, batch)
             finally:
                 if reloading:
                     finalize_layerwise_reload(model, self.vllm_config.model_config)
@@ -76,6 +80,24 @@ class CheckpointEngineExtension:
         engine = getattr(self, "checkpoint_engine", None)
         if engine is not None:
             engine.finalize()
+
+
+def own_pending_weights(model: Any, batch: list) -> None:
+    """vLLM's layerwise reload keeps the tensors handed to a layer until all of that layer's weights came
+    (reload/layerwise.py: `loaded_weights`), but the engine's batches are views of buckets it reuses for the batch
+    after next (as NeMo-RL's NIXL engine's are): copy those still held before the next batch is asked for, as
+    NeMo-RL's own layerwise path does (modelopt/models/generation/vllm_quant_backend.py,
+    `_detach_pending_layerwise_weights`). `load_weights` without the layerwise reload keeps nothing."""
+    import torch
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    buckets = {t.untyped_storage().data_ptr() for _, t in batch}
+    for module in model.modules():
+        info = LAYERWISE_INFO.get(module)
+        for _, arguments in (info.loaded_weights if info is not None else ()):
+            for key, value in arguments.arguments.items():
+                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in buckets:
+                    arguments.arguments[key] = value.clone()
 
 
 class GenerationActor:

@@ -22,15 +22,16 @@ TINY_MOE = dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, 
 
 
 def make_checkpoint(out: str | Path, family: str, tie: bool = False, dtype: str = "bfloat16", seed: int = 0,
-                    scale: float = 1.0, kv_heads: int = 2) -> Path:
-    """Save a tiny random Qwen3 / Qwen3-MoE with transformers; every tensor (norms too) random so that a
-    misplaced row cannot compare equal."""
+                    scale: float = 1.0, kv_heads: int = 2, experts: int | None = None) -> Path:
+    """Save a tiny random Qwen3 / Qwen3-MoE with transformers (`experts`: the MoE's, default TINY_MOE's); every
+    tensor (norms too) random so that a misplaced row cannot compare equal."""
     from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
     out = Path(out)
     torch_dtype = getattr(torch, dtype)
     common = dict(TINY, tie_word_embeddings=tie, dtype=dtype, num_key_value_heads=kv_heads)
-    config = Qwen3Config(**common) if family == "qwen3" else Qwen3MoeConfig(**common, **TINY_MOE)
+    moe = dict(TINY_MOE, **({"num_experts": experts} if experts else {}))
+    config = Qwen3Config(**common) if family == "qwen3" else Qwen3MoeConfig(**common, **moe)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     with torch.no_grad():

@@ -92,7 +92,9 @@ class ReshardCheckpointEngine:
         both numbers, when it exceeds the free memory measured when the engine was built (CUDA: the device's
         free memory, after vLLM reserved its own; CPU: the host's available memory).
     On a policy worker: two buckets of its own share of a group, plus the tensors of later groups the stream
-    delivers before an earlier group is complete (none when it streams in model order).
+    delivers before an earlier group is complete (none when it streams in model order), plus, when its buckets are
+    smaller than the largest tensor it does not send, a buffer of that size (stand-ins the executors check but
+    never read).
 
     Args:
         bucket_size: bytes per batch handed to vLLM's loaders (NeMo-RL's resolved bucket size); the model moves
@@ -222,6 +224,7 @@ class ReshardCheckpointEngine:
         self._bindings: tuple = ()
         self._executors: list = []
         self._comm: Any = None
+        self._slots: list[torch.Tensor] = []  # this worker's buckets (bytes)
         self._views: list[dict[str, torch.Tensor]] = []  # per group: this worker's tensors its executor is bound to
         self._needed: list[frozenset[str]] = []  # policy, per group: the tensors the plan reads from this worker
         self._held = 0  # bytes of buffers this worker keeps between refits
@@ -351,7 +354,7 @@ class ReshardCheckpointEngine:
         count = 2 if self.staging == "bucket" else len(self.groups)
         slots = [_bytes(max(sizes[i::count], default=1), device, self.transport == "shared")
                  for i in range(min(count, len(sizes)))]
-        self._held = sum(s.numel() for s in slots)
+        self._slots, self._held = slots, sum(s.numel() for s in slots)
         return [_carve(slots[k % count], [(n, *self._shape(n)) for n in group]) for k, group in enumerate(self.groups)]
 
     def _policy_buffers(self, device: torch.device) -> list[dict[str, torch.Tensor]]:
@@ -368,8 +371,11 @@ class ReshardCheckpointEngine:
         slots = [_bytes(max(sizes[i::2], default=1), device, False) for i in range(min(2, len(sizes)))]
         spare = max((tensor_bytes(self.spec, n) for k, group in enumerate(self.groups) for n in group
                      if n not in needed[k]), default=1)
-        scratch = torch.empty(spare, dtype=torch.uint8, device=device)
-        self._held = sum(s.numel() for s in slots) + scratch.numel()
+        largest = max(slots, key=lambda t: t.numel())
+        # stand-ins are never read and sources may share memory: a bucket serves unless the largest is too small
+        scratch = largest if largest.numel() >= spare else torch.empty(spare, dtype=torch.uint8, device=device)
+        self._slots = slots
+        self._held = sum(s.numel() for s in slots) + (0 if scratch is largest else scratch.numel())
         views = []
         for k, group in enumerate(self.groups):
             mine = _carve(slots[k % 2], [(n, *self._shape(n)) for n in group if n in needed[k]])
@@ -441,6 +447,7 @@ class ReshardCheckpointEngine:
                             peak = max(peak, early_bytes)
                 while next_k < len(self.groups) and missing[next_k] == 0:  # groups in model order, one in flight
                     sent += await self._landed(flight)
+                    self._synchronize()  # this thread's copies into the bucket are done before a peer reads it
                     flight = self._submit(self._move, next_k, v)
                     next_k += 1
                     for hf, t in early.pop(next_k, {}).items():
@@ -520,12 +527,14 @@ class ReshardCheckpointEngine:
                 elif self.staging == "bucket":
                     await self._in_thread(self._wait_verdict, n)
                     agreed = True
+                    self._release_names()
                 if self.staging == "bucket":
                     yielded += 1
                     yield self._batch(k)
             if self.staging == "model":
                 await self._in_thread(self._wait_verdict, n)
                 agreed = True
+                self._release_names()
                 for k in range(G):
                     yielded += 1
                     yield self._batch(k)
@@ -585,8 +594,6 @@ class ReshardCheckpointEngine:
     def _move(self, k: int, v: int) -> int:
         """Group k of refit version v, on the pool's thread; returns the bytes this process sent or received."""
         ex = self._executors[k]
-        if self.role == "policy":
-            self._synchronize()  # the stream's copies into the bucket are done before a peer reads it
         try:
             stats = ex.refit(v)
         finally:
@@ -669,13 +676,23 @@ class ReshardCheckpointEngine:
         self._close()
         self._reset()
 
+    def _release_names(self) -> None:
+        """Remove the names of this worker's shared-memory buckets (CPU, shared transport) once every peer mapped
+        them (a refit agreed by all): a killed process then leaves nothing in /dev/shm; the memory stays mapped."""
+        from ..executors.shared import release_shared
+
+        for slot in self._slots:
+            if self.transport == "shared" and slot.device.type == "cpu":
+                release_shared(slot)
+
     def _close_transport(self) -> None:
         for ex in self._executors:
             try:
                 ex.close()
             except Exception:  # noqa: BLE001 - closing a broken executor is best effort
                 pass
-        self._executors, self._views = [], []
+        self._release_names()
+        self._executors, self._views, self._slots = [], [], []
         if self._comm is not None:
             self._comm.close()
         self._comm = None

@@ -16,6 +16,8 @@ moves a whole version again. A vLLM worker whose loader raises mid-refit fails t
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from reshard.layouts import ModelSpec
@@ -53,6 +55,7 @@ def _run(tmp_path, checkpoint, policy, rollout, steps=2, **job):
 def test_rollout_workers_get_the_trained_tensors_from_every_policy_worker(tmp_path, checkpoints, model, rollouts,
                                                                           options, release):
     """release: finalize after every refit and meet again before the next (NeMo-RL's release_after_refit)."""
+    before = _segments()
     policy, rollout = _run(tmp_path, checkpoints[model], 2, rollouts, bucket_size=BUCKET, kwargs=options,
                            release_after_refit=release)
     groups = rollout[0]["groups"]
@@ -82,21 +85,27 @@ def test_rollout_workers_get_the_trained_tensors_from_every_policy_worker(tmp_pa
     spec = ModelSpec.from_hf_config(checkpoints[model])
     kept = [p["refits"][-1]["kept"] for p in policy]  # each worker keeps only its share of the stream
     assert max(kept) < len(spec.tensors) <= sum(kept)
+    assert _segments() <= before  # shared memory: no bucket's name left in /dev/shm
+
+
+def _segments() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("reshard-*")} if Path("/dev/shm").is_dir() else set()
 
 
 @pytest.mark.parametrize("staging", ["model", "bucket"])
 def test_a_refused_stream_fails_every_process_at_once_and_the_next_refit_is_whole(tmp_path, checkpoints, staging):
-    """The last policy worker's stream is wrong at step 2 (an extra tensor first), 4 (a misshapen tensor in the
-    middle) and 6 (an extra tensor after the last); at step 8 the first rollout worker's loader raises on batch 3
-    (after the end-of-stream verdict with "model" staging: the refit stands elsewhere); steps 1, 3, 5, 7 and 9
-    are clean refits after each."""
-    faults, loader = {"2": "extra-first", "4": "misshapen-middle", "6": "extra-last"}, {"8": 3}
-    policy, rollout = _run(tmp_path, checkpoints["dense"], 2, 2, steps=9, bucket_size=2 * BUCKET, faults=faults,
+    """The last policy worker's stream is wrong at step 2 (an extra tensor first), 3 (a misshapen tensor in the
+    middle) and 4 (an extra tensor after the last); at step 5 the first rollout worker's loader raises on batch 3
+    (after the end-of-stream verdict with "model" staging: the refit stands elsewhere); steps 1 and 6 are clean
+    (every refit after a failed one rebuilds the transport first)."""
+    faults, loader = {"2": "extra-first", "3": "misshapen-middle", "4": "extra-last"}, {"5": 3}
+    steps = 6
+    policy, rollout = _run(tmp_path, checkpoints["dense"], 2, 2, steps=steps, bucket_size=2 * BUCKET, faults=faults,
                            loader_faults=loader, kwargs={"staging": staging, "timeout": 60})
     groups = rollout[0]["groups"]
     where = {name: k for k, group in enumerate(groups) for name in group}
     slowest = 0.0
-    for step in range(1, 10):
+    for step in range(1, steps + 1):
         culprit = policy[-1] if str(step) in faults else rollout[0]
         faulty = culprit["refits"][step - 1]
         failed = str(step) in faults or (str(step) in loader and staging == "bucket")

@@ -215,10 +215,10 @@ class Layout(ValidatedModel, abc.ABC):
             b.add_placements(k, self.placements(tensors[k], replica))
         return b.table()
 
-    def expert_stacks(self, replica: int = 0) -> tuple:
-        """The stacked expert tensors of `replica`'s ranks whose slots a placement fills (an EPLB engine's: its
-        `ExpertStack`s, each slot naming the logical expert it holds), for the planner's slot proof; none here."""
-        return ()
+    def expert_stacks(self, replica: int = 0) -> Any:
+        """The stacked expert tensors of `replica`'s ranks whose slots a placement fills and the logical expert in
+        each slot (an expert-parallel vLLM engine's `ExpertStacks`), for the planner's slot proof; None here."""
+        return None
 
     def value_offset(self, tensor: TensorSpec) -> float:
         """What this layout stores for a canonical value v is v + value_offset (0 almost everywhere; a trainer

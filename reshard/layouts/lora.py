@@ -370,9 +370,9 @@ class VllmLoraLayout(VllmLayout):
                        redundant_experts=self.redundant_experts)
         return self
 
-    def expert_stacks(self, replica: int = 0) -> tuple:
+    def expert_stacks(self, replica: int = 0) -> None:
         """Adapter slots hold no expert weights: nothing for the EPLB slot proof."""
-        return ()
+        return None
 
     def __str__(self) -> str:
         sharded = ",fully_sharded" if self.fully_sharded else ""

@@ -28,14 +28,15 @@ from .expert_placement import ExpertPlacement, slot_index
 from .roles import kind_of
 
 
-class ExpertStack(NamedTuple):
-    """One stacked expert tensor of one destination rank: its name, its MoE layer and, per slot, the logical
-    expert the slot holds (what the planner's slot proof holds a plan to)."""
+class ExpertStacks(NamedTuple):
+    """The stacked expert tensors of one replica's ranks and what their slots hold, as columns: what the planner's
+    slot proof holds a plan to. Tensor k is `names[k]` on rank `ranks[k]`, of layer `layers[k]`; its slot j holds
+    logical expert `logical[k, j]`."""
 
-    rank: int
-    name: str
-    layer: int
-    logical: tuple[int, ...]
+    ranks: np.ndarray
+    names: tuple[str, ...]
+    layers: np.ndarray
+    logical: np.ndarray  # [tensors, slots per rank]
 
 
 class VllmLayout(CutLayout):
@@ -171,23 +172,20 @@ class VllmLayout(CutLayout):
         experts after loading), so what a probe of the loaders is compared with."""
         return self if self.expert_placement is None else self.model_copy(update={"expert_placement": None})
 
-    def expert_stacks(self, replica: int = 0) -> tuple[ExpertStack, ...]:
+    def expert_stacks(self, replica: int = 0) -> ExpertStacks | None:
         """Every stacked expert tensor of `replica`'s ranks and the logical expert in each of its slots (expert
-        parallel only; empty otherwise): read from the placement, not from the placements table, so the planner's
-        slot proof checks a plan against it independently."""
+        parallel only; None otherwise): read from the placement, not from the placements table, so the planner's
+        slot proof checks a plan against it independently. Ordered by layer, rank, tensor."""
         p = self.experts
         if p is None:
-            return ()
-        S, table = p.slots_per_rank, p.table()
-        names = expert_tensor_names(self)
-        out = []
-        for k, layer in enumerate(moe_layer_numbers(self.model)):
-            row = table[0 if p.num_rows == 1 else k]
-            for r in range(self.tp):
-                logical = tuple(row[r * S:(r + 1) * S].tolist())
-                out += [ExpertStack(r + replica * self.tp, self.name_prefix + n.format(i=layer), layer, logical)
-                        for n in names]
-        return tuple(out)
+            return None
+        S, layers, names = p.slots_per_rank, moe_layer_numbers(self.model), expert_tensor_names(self)
+        per = np.broadcast_to(p.table(), (len(layers), p.num_physical)).reshape(len(layers), self.tp, 1, S)
+        logical = np.broadcast_to(per, (len(layers), self.tp, len(names), S)).reshape(-1, S)
+        ranks = np.tile(np.repeat(np.arange(self.tp, dtype=np.int64), len(names)), len(layers)) + replica * self.tp
+        layer_col = np.repeat(np.asarray(layers, dtype=np.int64), self.tp * len(names))
+        named = tuple(self.name_prefix + n.format(i=i) for i in layers for _ in range(self.tp) for n in names)
+        return ExpertStacks(ranks, named, layer_col, logical)
 
     def _slots(self, layer: np.ndarray | int, expert: np.ndarray | int) -> tuple[np.ndarray, np.ndarray]:
         """(which tensor, physical slot) of every copy of the expert tensors at `layer` / `expert`: one per slot the

@@ -326,7 +326,7 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
     d_rows = np.flatnonzero(d_data)
     ops = _intersect(boxes, D, d_rows, d_tid, len(model.canonical))
     stacks = dst.expert_stacks()
-    if stacks:  # EPLB slots: proven on the ops before merging, while each still names its canonical box
+    if stacks is not None:  # expert-parallel slots (EPLB's replicas among them): proven on the ops before merging, while each still names its canonical box
         prove_expert_slots(stacks, dst_table0, d_tid[d_rows], D.origin[d_rows], D.n0[d_rows], D.n1[d_rows],
                            whole=not subset, ops=ops, canon_r0=boxes.c0[ops["box"]] + ops["src_d0"],
                            canon_c0=boxes.c1[ops["box"]] + ops["src_d1"], layer_of=model.canonical.layer,

@@ -11,6 +11,9 @@ All of it is vectorized; problems are collected and reported together.
 """
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import numpy as np
 
 from ..arrays import sort_by
@@ -154,15 +157,15 @@ def prove_replica_coverage(programs: "list[dict[str, np.ndarray]]", dst_table0, 
 
 
 
-def prove_expert_slots(stacks: tuple, dst_table0, d_tid: np.ndarray, d_origin: np.ndarray, d_n0: np.ndarray,
+def prove_expert_slots(stacks: Any, dst_table0: Any, d_tid: np.ndarray, d_origin: np.ndarray, d_n0: np.ndarray,
                        d_n1: np.ndarray, whole: bool = True, ops: dict[str, np.ndarray] | None = None,
                        canon_r0: np.ndarray | None = None, canon_c0: np.ndarray | None = None,
                        layer_of: np.ndarray | None = None, expert_of: np.ndarray | None = None) -> None:
     """Prove what an expert-parallel destination's slots receive. Raises CoverageError listing the problems.
 
-    `stacks` are the destination's `expert_stacks()`: per stacked expert tensor of replica 0, the logical expert
-    its placement puts in each slot (read from the placement, not from the placements table). The destination
-    placements with data are given as table ids `d_tid`, flat origins and 2-D lengths.
+    `stacks` are the destination's `expert_stacks()` (None: nothing to prove): per stacked expert tensor of replica
+    0, the logical expert its placement puts in each slot, read from the placement, not from the placements table.
+    The destination placements with data are given as table ids `d_tid`, flat origins and 2-D lengths.
       1. Every slot holds model data: with `whole` (a whole-model plan) the placements cover each slot completely,
          and in any plan every replica of a logical expert as much as the others; with the exact coverage proof,
          every slot, each replica included, is written.
@@ -173,40 +176,45 @@ def prove_expert_slots(stacks: tuple, dst_table0, d_tid: np.ndarray, d_origin: n
          its slot: the same bytes. (Merging joins ops adjacent on both sides, which changes no byte's source, so the
          merged template writes what these ops write.)
     """
-    if not stacks:
+    if stacks is None or not len(stacks.names):
         return
     problems: list[str] = []
-    where = {(r, dst_table0.name(t)): t for t, r in enumerate(dst_table0.rank.tolist())}
-    tid, slots, numel, layer, logical, name_id, names = [], [], [], [], [], [], {}
-    for st in stacks:
-        t = where.get((st.rank, st.name))
-        if t is None and not whole:  # a subset plan that leaves this layer out
-            continue
-        shape = dst_table0.shape(t) if t is not None else None
-        if shape is None or shape[0] != len(st.logical):
-            problems.append(f"destination rank {st.rank} {st.name!r}: the placement gives it {len(st.logical)} "
-                            f"expert slots, the layout {'no such tensor' if shape is None else f'shape {shape}'}")
-            continue
-        tid.append(t)
-        slots.append(len(st.logical))
-        numel.append(int(np.prod(shape[1:], dtype=np.int64)))
-        layer.append(st.layer)
-        logical += list(st.logical)
-        name_id.append(names.setdefault(st.name, len(names)))
+    # each stack's table id, by (rank, name), vectorized (tens of thousands of stacks at EP64)
+    name_ids: dict[str, int] = {}
+    kind_name = np.asarray([name_ids.setdefault(n, len(name_ids)) for n, _ in dst_table0.kinds] or [0],
+                           dtype=np.int64)
+    stack_name = np.asarray([name_ids.get(n, -1) for n in stacks.names], dtype=np.int64)
+    width = len(name_ids) + 1
+    key = dst_table0.rank * width + kind_name[dst_table0.kind]
+    by_key = np.argsort(key, kind="stable")
+    want = stacks.ranks * width + stack_name
+    at = np.minimum(np.searchsorted(key[by_key], want), max(len(key) - 1, 0))
+    found = (stack_name >= 0) & (len(key) > 0) & (key[by_key][at] == want if len(key) else False)
+    S = stacks.logical.shape[1]
+    lead = np.asarray([shape[0] for _, shape in dst_table0.kinds] or [0], dtype=np.int64)
+    kind_numel = np.asarray([math.prod(shape[1:]) for _, shape in dst_table0.kinds] or [0], dtype=np.int64)
+    tid = np.where(found, by_key[at], -1)
+    wrong = np.flatnonzero(found & (lead[dst_table0.kind[np.maximum(tid, 0)]] != S))
+    missing = np.flatnonzero(~found) if whole else np.zeros(0, np.int64)  # a subset plan may leave a layer out
+    problems += [f"destination rank {stacks.ranks[k]} {stacks.names[k]!r}: the placement gives it {S} expert slots, "
+                 f"the layout {'no such tensor' if tid[k] < 0 else f'shape {dst_table0.shape(int(tid[k]))}'}"
+                 for k in np.concatenate([missing, wrong])[:10]]
     if problems:
-        raise CoverageError("expert slot proof failed", problems[:10])
-    if not tid:
+        raise CoverageError("expert slot proof failed", problems)
+    kept = np.flatnonzero(found)
+    if not len(kept):
         return
-    tid, slots, numel, layer = (np.asarray(x, dtype=np.int64) for x in (tid, slots, numel, layer))
-    logical = np.asarray(logical, dtype=np.int64)
-    base = np.cumsum(slots) - slots  # each stack's first global slot
+    tid, layer, name_id = tid[kept], stacks.layers[kept], stack_name[kept]
+    logical = np.ascontiguousarray(stacks.logical[kept]).reshape(-1)
+    numel = kind_numel[dst_table0.kind[tid]]
+    slots = np.full(len(kept), S, dtype=np.int64)
+    base = np.arange(len(kept), dtype=np.int64) * S  # each stack's first global slot
     slot_numel = np.repeat(numel, slots)
     stack_of = np.full(len(dst_table0), -1, dtype=np.int64)
     stack_of[tid] = np.arange(len(tid))
     # replicas: the slots of one tensor name (layer and w13 / w2) holding one logical expert; `first` of a group is
     # its lowest slot
-    _, group = np.unique(np.stack([np.repeat(np.asarray(name_id, dtype=np.int64), slots), logical]), axis=1,
-                         return_inverse=True)
+    _, group = np.unique(np.repeat(name_id, slots) * (int(logical.max()) + 1) + logical, return_inverse=True)
     group = group.reshape(-1)
     first = np.full(int(group.max()) + 1, -1, dtype=np.int64)
     first[group[::-1]] = np.arange(len(group))[::-1]

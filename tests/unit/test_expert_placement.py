@@ -153,10 +153,10 @@ class _SlotsSwapped(VllmLayout):
     placement disagree (the table is right, the placement it reports is not)."""
 
     def expert_stacks(self, replica: int = 0):
-        stacks = list(super().expert_stacks(replica))
-        s = stacks[0]
-        stacks[0] = s._replace(logical=(s.logical[1], s.logical[0], *s.logical[2:]))
-        return tuple(stacks)
+        stacks = super().expert_stacks(replica)
+        logical = stacks.logical.copy()
+        logical[0, [0, 1]] = logical[0, [1, 0]]  # rank 0's first stacked tensor: its first two slots
+        return stacks._replace(logical=logical)
 
 
 class _ReplicaDropped(VllmLayout):

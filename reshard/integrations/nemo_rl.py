@@ -230,6 +230,7 @@ class ReshardCheckpointEngine:
         self._held = 0  # bytes of buffers this worker keeps between refits
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._refits = 0  # refits since joining (keys of the end-of-stream verdicts)
+        self._moved_at: dict[int, float] = {}  # this refit's groups: time.time() each was agreed here
         self._version = 0  # refits since the executors were built
         self._generation = 0  # builds of the transport since joining (a failed refit makes the next one rebuild)
         self._broken = False
@@ -359,8 +360,9 @@ class ReshardCheckpointEngine:
 
     def _policy_buffers(self, device: torch.device) -> list[dict[str, torch.Tensor]]:
         """Views of this policy worker's two buckets, per group: the tensors the group's plan reads from it; every
-        other tensor of the group as a stand-in (a view of one scratch buffer, never read: the executor checks
-        every tensor its plan's source table lists, and each policy worker holds the whole model)."""
+        other tensor of the group as a stand-in (a view of the larger bucket, or of a buffer of the largest such
+        tensor when the bucket is smaller; never read: the executor checks every tensor its plan's source table
+        lists, and each policy worker holds the whole model)."""
         P, needed = self._process, []
         for plan, binding in zip(self._plans, self._bindings):
             ops = plan.ops_sent_by(binding.src_ranks_of(P)[0])
@@ -421,7 +423,7 @@ class ReshardCheckpointEngine:
         error: BaseException | None = None
         flight: concurrent.futures.Future | None = None  # the group moving now (group next_k - 1)
         refusal: concurrent.futures.Future | None = None
-        next_k, polled = 0, time.monotonic()
+        next_k, polled, overlapped = 0, time.monotonic(), 0
         stream = iter(weights)
         while True:
             try:  # NeMo-RL's iterator is synchronous (Megatron's export): drained here, on the event loop's thread
@@ -434,6 +436,7 @@ class ReshardCheckpointEngine:
                 raise
             if error is not None:
                 continue  # drain: producing the stream is collective over the policy workers
+            overlapped += flight is not None and not flight.done()
             try:
                 for hf, t in self._names.split(name, tensor):
                     k = self._check(hf, t, where, seen)
@@ -481,7 +484,8 @@ class ReshardCheckpointEngine:
             await asyncio.wrap_future(refusal)
         self.last_refit = {"bytes_sent": sent, "seconds": time.perf_counter() - start,
                            "kept": sum(len(x) for x in self._needed), "held_bytes": self._held,
-                           "early_bytes_peak": peak, "groups": len(self.groups), "failed": error is not None}
+                           "early_bytes_peak": peak, "groups": len(self.groups), "failed": error is not None,
+                           "drained_while_moving": overlapped}  # stream items taken while a group moved
         if error is not None:
             raise self._explained(error, n)
 
@@ -515,6 +519,7 @@ class ReshardCheckpointEngine:
         flight: concurrent.futures.Future | None = self._submit(self._move, 0, v)
         moving = 0  # the group in flight
         received, agreed, yielded = 0, False, 0
+        self._moved_at = {}
         try:
             while moving < G:
                 k = moving
@@ -538,19 +543,20 @@ class ReshardCheckpointEngine:
                 for k in range(G):
                     yielded += 1
                     yield self._batch(k)
-        except BaseException as e:  # noqa: BLE001 - also a loader's error thrown in at a yield, or the generator closed
+        except BaseException as e:  # noqa: BLE001 - also the generator closed or cancelled at a yield
             if not agreed:  # every other process is still in the refit: make it fail there now
                 # a loader's error stays in the caller's frame: the generator is closed (or cancelled) at the yield
                 cause = e if not isinstance(e, (GeneratorExit, asyncio.CancelledError)) else ExecutionError(
-                    f"stopped taking batches after {yielded} of {G} were handed to its loader (the loader raised, or the "
-                    f"refit was abandoned)")
+                    f"stopped taking batches after {yielded} of {G} were handed to its loader (the loader raised, "
+                    f"or the refit was abandoned)")
                 await asyncio.wrap_future(self._fail(n, v, cause, flight, moving + 1 if flight is not None else G))
                 if isinstance(e, ReshardError):
                     raise self._explained(e, n) from e
             raise
         finally:
             self.last_refit = {"bytes_received": received, "seconds": time.perf_counter() - start,
-                               "batches_yielded": yielded, "groups": G, "held_bytes": self._held, "failed": not agreed}
+                               "batches_yielded": yielded, "groups": G, "held_bytes": self._held, "failed": not agreed,
+                               "landed_at": [self._moved_at[k] for k in sorted(self._moved_at)]}
 
     def _batch(self, k: int) -> list[tuple[str, torch.Tensor]]:
         return [(name, self._views[k][name]) for name in self.groups[k]]
@@ -599,6 +605,7 @@ class ReshardCheckpointEngine:
         finally:
             if self.transport == "collective":
                 ex.release()  # its wire buffers: one group's at a time, not every group's
+        self._moved_at[k] = time.time()  # (when group k was agreed here: the pipelining test reads it)
         return sum((stats.bytes_sent if self.role == "policy" else stats.bytes_received).values())
 
     def _synchronize(self) -> None:

@@ -17,7 +17,8 @@ drawn per tensor from a seed, no transformers or safetensors needed), "policy", 
 `bucket_size`: what NeMo-RL builds from a config's refit_cfg entry), "bucket_size", "device" (where the policy's
 tensors live; default CPU), "faults" ({step: fault}: what the last policy worker's stream does wrong at that step,
 _faulty: "extra-first", "misshapen-middle", "extra-last"), "loader_faults" ({step: batch}: the first rollout
-worker's loader raises on that batch), "release_after_refit" (finalize after every refit,
+worker's loader raises on that batch), "first_load_seconds" (the loader takes that long on the first batch),
+"release_after_refit" (finalize after every refit,
 prepare and join again before the next, as NeMo-RL then does), "dir"}.
 
 Per refit each process reports what it saw: a policy worker the bytes it sent and what it keeps, a rollout worker
@@ -121,7 +122,7 @@ def nemo_rl_worker(rank: int, size: int, job: dict[str, Any]) -> dict[str, Any]:
                 asyncio.run(engine.send_weights(stream))
             else:
                 fail_at = (job.get("loader_faults") or {}).get(str(step)) if rank == T else None
-                asyncio.run(_receive(engine, base, entry, fail_at))
+                asyncio.run(_receive(engine, base, entry, fail_at, job.get("first_load_seconds", 0.0)))
         except Exception as e:  # noqa: BLE001 - reported to the test
             entry["error_at"] = time.time()
             entry["error"] = f"{type(e).__name__}: {e}"
@@ -208,15 +209,20 @@ def _faulty(weights: Iterator[tuple[str, torch.Tensor]], fault: str | None, spec
         yield extra
 
 
-async def _receive(engine: Any, want: dict[str, torch.Tensor], entry: dict[str, Any], fail_at: int | None) -> None:
+async def _receive(engine: Any, want: dict[str, torch.Tensor], entry: dict[str, Any], fail_at: int | None,
+                   first_load_seconds: float) -> None:
     """What vLLM's worker does with the batches, recorded in `entry` as they come (a failed refit raises after
     some): each batch's tensor names and size, and the names of tensors that differ from the checkpoint's
     (ground truth). `fail_at`: the loader raises on that batch (as vLLM's load_weights may), leaving the
-    generator suspended, as NeMo-RL's `async for` does."""
+    generator suspended, as NeMo-RL's `async for` does. `first_load_seconds`: loading the first batch takes that
+    long (synchronously, as vLLM's loader blocks the event loop); when it ended is `first_loaded_at`."""
     entry["batches"], entry["wrong"] = [], []
     async for batch in engine.receive_weight_batches():
         entry["batches"].append({"names": [name for name, _ in batch], "bytes": sum(t.nbytes for _, t in batch)})
         entry["wrong"] += [name for name, t in batch if not torch.equal(t.cpu(), want[name])]
+        if len(entry["batches"]) == 1 and first_load_seconds:
+            time.sleep(first_load_seconds)
+            entry["first_loaded_at"] = time.time()
         if fail_at is not None and len(entry["batches"]) == fail_at + 1:
             entry["fault_at"] = time.time()
             raise RuntimeError(f"the loader failed on batch {fail_at}")

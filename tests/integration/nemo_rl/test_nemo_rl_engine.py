@@ -6,7 +6,8 @@ Ground truth: the tensors a rollout worker is yielded must equal, byte for byte,
 same training steps, computed in that process from the checkpoint file (independent of reshard). The sending is
 spread: each policy worker keeps and sends only what the plans read from it, and with fan-out (3 rollout workers
 fed by 2 policy workers) fewer copies leave the policy. Batches are at most `bucket_size` bytes and the worker
-holds two of them ("bucket" staging) or the whole model ("model").
+holds two of them ("bucket" staging) or the whole model ("model"). Pipelined: while vLLM loads batch 0 (made to
+take a second) the next group lands, and the policy workers go on draining their streams while groups move.
 
 A policy worker whose stream is wrong -- a tensor the model does not have before the model's own, a misshapen
 tensor in the middle, a tensor the model does not have after the last one -- fails the refit on every process
@@ -57,7 +58,7 @@ def test_rollout_workers_get_the_trained_tensors_from_every_policy_worker(tmp_pa
     """release: finalize after every refit and meet again before the next (NeMo-RL's release_after_refit)."""
     before = _segments()
     policy, rollout = _run(tmp_path, checkpoints[model], 2, rollouts, bucket_size=BUCKET, kwargs=options,
-                           release_after_refit=release)
+                           release_after_refit=release, first_load_seconds=1.0)
     groups = rollout[0]["groups"]
     assert len(groups) > 5
     for r in rollout:
@@ -66,6 +67,8 @@ def test_rollout_workers_get_the_trained_tensors_from_every_policy_worker(tmp_pa
             assert entry["equal"], entry["wrong"]
             assert [b["names"] for b in entry["batches"]] == groups  # one batch per group, in model order
             assert all(b["bytes"] <= BUCKET for b in entry["batches"] if len(b["names"]) > 1)
+            if options.get("staging", "bucket") == "bucket":  # group 1 landed while vLLM loaded batch 0
+                assert entry["landed_at"][1] < entry["first_loaded_at"], entry["landed_at"][:2]
         held = r["refits"][-1]["held_bytes"]
         if options.get("staging") == "model":
             assert held >= r["model_bytes"]
@@ -74,6 +77,7 @@ def test_rollout_workers_get_the_trained_tensors_from_every_policy_worker(tmp_pa
             assert held <= 2 * largest and held < r["model_bytes"] / 4
     for p in policy:
         assert all(e["layout"] is None for e in p["refits"])  # NeMo-RL filters nothing (benchmarks/nemo_rl_filter.py)
+        assert all(e["drained_while_moving"] > 0 for e in p["refits"])  # the stream went on while groups moved
     model_bytes = rollout[0]["model_bytes"]
     sent = [p["refits"][-1]["bytes_sent"] for p in policy]
     assert all(s > 0 for s in sent)  # both policy workers send ...

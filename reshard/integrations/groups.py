@@ -32,7 +32,11 @@ DEPTH = 2  # collective: rounds in flight; its wire buffers are DEPTH x peers x 
 
 
 def tensor_bytes(spec: ModelSpec, name: str) -> int:
-    """Bytes of one of the model's tensors in its own dtype (a float32 router bias in a bfloat16 model)."""
+    """Bytes of one of the model's tensors in its own dtype (a float32 router bias in a bfloat16 model).
+
+    Raises:
+        KeyError: a name that is not one of the model's tensors.
+    """
     from ..layouts.model import DTYPE_SIZES
 
     t = spec.tensor(name)
@@ -67,7 +71,20 @@ def group_plans(spec: ModelSpec, trainers: int, rollouts: int, groups: Sequence[
                 fanout: int | None = None) -> list[Plan]:
     """One plan per group: each tensor held whole by every one of `trainers` source ranks, needed whole by every
     one of `rollouts` destination ranks; the compiler spreads a group's sending over the source ranks and, with
-    `fanout`, feeds some destination ranks and relays to the others."""
+    `fanout`, feeds some destination ranks and relays to the others.
+
+    Args:
+        spec: the model.
+        trainers, rollouts: the processes of each side.
+        groups: `tensor_groups`' result (every process must pass the same).
+        fanout: relay tree width among the rollout processes (None: the trainers feed every one).
+
+    Returns:
+        The plans, in group order (compiled once per process: planner.cache).
+
+    Raises:
+        PlanError, ArgumentError: from the compiler (a group naming no tensor of the model, bad fan-out options).
+    """
     src, dst = HfLayout(model=spec, replicas=trainers), HfLayout(model=spec, replicas=rollouts)
     extra = {"fanout": fanout} if fanout is not None and rollouts > 1 else {}
     return [cached_plan(src, dst, tensors=tuple(group), **extra) for group in groups]
@@ -80,7 +97,11 @@ def group_bindings(plans: Sequence[Plan], trainers: int, rollouts: int) -> tuple
     A small group cannot be spread evenly over many source ranks (whole tensors), so across groups the source
     rank that sends most goes to the trainer process that has sent least so far; destination rank d of group k
     is rollout process (d + k) mod rollouts, which spreads fan-out roots (the destinations fed by the trainers)
-    over the rollout processes. Every process computes the same from the same plans."""
+    over the rollout processes. Every process computes the same from the same plans.
+
+    Returns:
+        One binding per plan (processes numbered as above).
+    """
     sent = [0] * trainers
     out = []
     for k, plan in enumerate(plans):

@@ -6,6 +6,7 @@ instead of the weight-transfer API, and in-slot LoRA refits, which that API cann
     llm.collective_rpc("reshard_refit")                                 # start, receive, finish
     llm.collective_rpc("reshard_direct_problems")                       # why direct mode would be refused
     llm.collective_rpc("reshard_stats")                                 # plan compiles and cache hits
+    llm.collective_rpc("reshard_expert_placement")                      # an EPLB engine's placement now
 
 Each step is also a method of its own (`reshard_start`, `reshard_update`, `reshard_finish`), so a trainer can send
 while the workers receive: `reshard.adapters.server.ExtensionClient` drives them over a server's dev route
@@ -90,6 +91,21 @@ class ReshardWorkerExtension:
         except LayoutMismatchError as e:
             return [f"{type(e).__name__}: {p}" for p in e.problems]
         return []
+
+    def reshard_expert_placement(self) -> dict[str, Any] | None:
+        """The expert placement this engine's EPLB state holds now, as JSON (`ExpertPlacement`'s fields; None without
+        EPLB): what a trainer follows after a rebalance, `refit.with_expert_placement(ExpertPlacement.model_validate(
+        answer))`, then init again. Every worker of an engine answers the same (the maps are the engine's).
+
+        Raises:
+            ArgumentError: the EPLB state's maps are not a placement.
+        """
+        from .experts import live_placement
+        from .live import parallel_sizes
+
+        tp, _ = parallel_sizes(self.vllm_config)
+        placement = live_placement(self._reshard_model(), tp)
+        return None if placement is None else placement.model_dump(mode="json")
 
     def reshard_stats(self) -> dict[str, Any]:
         """This worker's plan-cache counts (compiles, hits) and its rank: a second refit compiles nothing. Callable

@@ -147,6 +147,19 @@ def main() -> int:
         return reshard.VllmLayout(model=spec, tp=world, expert_parallel=True, redundant_experts=REDUNDANT,
                                   expert_placement=None if p2l is None else as_placement(p2l))
 
+    def reported() -> reshard.VllmLayout:
+        """The layout a trainer follows: the placement the worker extension reports (`collective_rpc(
+        "reshard_expert_placement")`), applied to the initial refit spec."""
+        from reshard.adapters.vllm.worker import ReshardWorkerExtension
+
+        class Worker(ReshardWorkerExtension):  # vLLM mixes the extension into its worker class so
+            model_runner = SimpleNamespace(get_model=lambda: engine_model)
+            vllm_config = cfg
+
+        answer = json.loads(json.dumps(Worker().reshard_expert_placement()))  # as it travels
+        spec0 = RefitSpec.of(spec, src, layout(None))
+        return spec0.with_expert_placement(reshard.ExpertPlacement.model_validate(answer)).layouts()[1]
+
     engines: list = []
 
     def trainer(dst, weights, key, install="direct"):
@@ -198,9 +211,10 @@ def main() -> int:
         return None if moved else f"the rebalance moved no expert to another rank: {p1.tolist()}"
 
     def live_placement_is_eplbs():
-        live = live_placement(engine_model, world)
-        want = as_placement(p1)
-        return None if live == want else f"read {live}, vLLM's policy gave {want}"
+        live, want = live_placement(engine_model, world), as_placement(p1)
+        if live != want:
+            return f"read {live}, vLLM's policy gave {want}"
+        return None if reported() == layout(p1) else f"the worker extension reported {reported()}"
 
     def stale_plan_refused_at_init():
         # the failure users hit: a refit by the initial placement after a rebalance
@@ -229,7 +243,7 @@ def main() -> int:
 
     def refit_matches_vllm_after_one_rebalance():
         poison(engine_model)
-        t = trainer(layout(p1), new, "r1")
+        t = trainer(reported(), new, "r1")  # the trainer follows the placement the engine reports
         t.send_weights(version="v1")
         t.shutdown()
         truth.loaded(new, truth_cfg, history)
@@ -260,7 +274,7 @@ def main() -> int:
     def refit_matches_vllm_after_two_rebalances():
         bound.shutdown()
         poison(engine_model)
-        t = trainer(layout(p2), newer, "r3")
+        t = trainer(reported(), newer, "r3")
         t.send_weights(version="v3")
         t.shutdown()
         truth.loaded(newer, truth_cfg, history)

@@ -2,7 +2,8 @@
 placements come from vLLM's EPLB policy on random expert loads and the weights are moved between the EP ranks by
 vLLM's rearrangement (eplb_checks.py says how); after one and after two rebalances, a refit through the `reshard`
 weight-transfer engine lands byte-identical to an engine that loaded the same checkpoint with vLLM's
-`load_weights` and went through the same rebalances. The failure users hit -- a refit planned by the initial
+`load_weights` and went through the same rebalances (the trainer following the placement the worker extension
+reports: `reshard_expert_placement`, then `RefitSpec.with_expert_placement`). The failure users hit -- a refit planned by the initial
 placement after a rebalance -- is refused at init naming both placements, as is a refit whose engine rebalanced
 after its init (at the refit's start, before any byte lands) and a loader install (vLLM's `load_weights` writes the
 initial placement); the stale plan, run anyway into scratch tensors, would have written other bytes.

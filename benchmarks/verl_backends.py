@@ -58,6 +58,7 @@ import importlib
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -882,6 +883,7 @@ def main() -> None:
             copy_after = min(copies_after.values())
         if os.path.exists(shm):
             os.unlink(shm)
+        shutil.rmtree(work, ignore_errors=True)
     report(results, layout.model_bytes, args.bucket_mb, args.trainers, args.rollouts, copy_s, copy_after, gloo)
     if results:
         method = next((m["method"] for r in results for per in r.receiver for m in per), None)

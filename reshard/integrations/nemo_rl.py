@@ -112,9 +112,8 @@ class ReshardCheckpointEngine:
             used). A config naming one node's address would be wrong on every other node, so it is refused there.
         fanout: vLLM workers relaying to at most this many others (None: the policy workers feed every one);
             collective transport only.
-        checksum: hash every transfer and compare before anything is handed to vLLM (True: sha256, or "sum64";
-            None: on wherever the transport can -- collective over gloo (sha256), shared (sha256 on CPU, sum64
-            on GPUs); collective over NCCL relies on its completion agreement alone).
+        checksum: hash every transfer and compare before anything is handed to vLLM (True: sha256, "sum64", or
+            False; None, the default: sha256 on CPU, sum64 on GPUs, computed on the GPU).
         backend: the collective transport's torch.distributed backend (None: NCCL when `device` is CUDA, else
             gloo; the same on every worker).
         device: where the workers stage the weights (None: CUDA when available, else CPU).
@@ -177,13 +176,9 @@ class ReshardCheckpointEngine:
                 raise ArgumentError("backend", backend, "is the collective transport's (torch.distributed); the "
                                     "shared transport has none", fix="remove backend")
             self.backend = None
-        if checksum is None:  # on wherever the transport hashes what it moves
-            checksum = (self.backend == "gloo") if transport == "collective" else (
-                "sum64" if self.device.type == "cuda" else True)
+        if checksum is None:  # on: sha256 on the host, sum64 where the bytes are on a GPU (computed there)
+            checksum = "sum64" if self.device.type == "cuda" else True
         algorithm(checksum)  # raises ArgumentError for an unknown one
-        if checksum and self.backend == "nccl":
-            raise ArgumentError("checksum", checksum, "needs CPU tensors over the collective transport (gloo); "
-                                "backend is 'nccl'", fix="leave checksum unset on GPUs, or use transport: shared")
         self.bucket_size, self.staging, self.transport = bucket_size, staging, transport
         self.fanout, self.checksum = fanout, checksum
         self.spec = ModelSpec.from_hf_config(model)

@@ -103,7 +103,7 @@ def test_options_are_checked_at_construction(tmp_path):
         with pytest.raises(ArgumentError, match=words):
             ReshardCheckpointEngine(bucket_size=1 << 20, model=str(config), **kwargs)
     engine = ReshardCheckpointEngine(bucket_size=1 << 20, model=str(config), transport="shared", device="cpu")
-    assert engine.checksum is True  # on by default wherever the transport hashes
+    assert engine.checksum is True  # on by default (sha256 on CPU; sum64 on GPUs)
     assert engine.get_target_weight_layout() is None  # NeMo-RL then filters nothing (benchmarks/nemo_rl_filter.py)
 
 

@@ -5,12 +5,15 @@ verl's real `CheckpointEngineManager` drives the backend between:
   `actor.engine.get_per_tensor_param()` into the checkpoint engine); only `init_model` is replaced, since verl's
   engines need GPUs: each worker builds a real megatron-core GPT (local spec: fused QKV, gated MLP, experts) on
   CPU, data-parallel over the trainer workers (gloo), and exports it as gathered HF tensors the way Megatron-Bridge
-  does for verl (QKV split per query group, fc1 into gate / up, experts one by one, padded vocabulary cut);
-- rollout workers: verl's `CheckpointEngineWorker` with a server adapter that stands in for vLLM's
-  `load_weights`: it holds the checkpoint transformers saved for the same model and copies each received tensor
-  into it, refusing an unknown name or shape and a refit that misses a tensor;
+  does for verl (QKV split per query group, fc1 into gate / up, experts one by one, padded vocabulary cut); or
+  (`HfExport`) loads the transformers model of the served checkpoint and streams its state dict, as verl's FSDP
+  engine does; either stream takes injected faults (`faulty`);
+- rollout workers: verl's `CheckpointEngineWorker` with a server adapter that stands in for vLLM's: it holds the
+  checkpoint transformers saved for the same model and copies each received tensor into it, refusing an unknown
+  name or shape and a refit that misses a tensor, records what each update was handed, and sets verl's version
+  only after a complete update (as vLLM's adapter calls `set_global_steps`);
 - replicas: verl's `RolloutReplica` without servers (nothing to abort or resume on CPU).
-Imports verl, Ray and megatron-core; run in the verl virtualenv.
+Imports verl and Ray (megatron-core for the megatron model); run in the verl virtualenv.
 """
 from __future__ import annotations
 
@@ -115,27 +118,62 @@ class MegatronExport:
                 p.add_(0.01 * torch.randn(p.shape, generator=gen))
 
     def get_per_tensor_param(self, **_: Any):
-        return self._stream(), None
+        return faulty(megatron_to_hf(self.named(), self.tiny), self.fault), None
 
-    def _stream(self):
-        fault = self.fault
-        for n, (name, tensor) in enumerate(megatron_to_hf(self.named(), self.tiny)):
-            if fault.get("at") == n:
-                kind = fault["kind"]
-                if kind == "exit":
-                    os._exit(17)  # the trainer process dies mid-refit
-                if kind == "wait":  # park here until the test has done its damage
-                    Path(fault["reached"]).touch()
-                    deadline = time.monotonic() + 60
-                    while not Path(fault["go"]).exists() and time.monotonic() < deadline:
-                        time.sleep(0.05)
-                if kind == "extra":
-                    yield "model.layers.0.mlp.not_a_tensor.weight", tensor
-                if kind == "skip":
-                    continue
-                if kind == "shape":
-                    tensor = tensor[:-1]
-            yield name, tensor
+
+class HfExport:
+    """Stands in for verl's FSDP engine behind `get_per_tensor_param`: a transformers model (loaded from the
+    checkpoint the rollout serves) streamed as its state dict, in the state dict's order (with faults to inject)."""
+
+    def __init__(self, checkpoint: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(checkpoint)
+        self.fault: dict[str, Any] = {}
+
+    def named(self) -> dict[str, torch.Tensor]:
+        return {n: t.detach() for n, t in self.model.state_dict().items()}
+
+    def train_step(self, step: int) -> None:
+        """A deterministic update, the same on every data-parallel rank."""
+        with torch.no_grad():
+            for k, (_, p) in enumerate(sorted(self.model.named_parameters())):
+                gen = torch.Generator().manual_seed(step * 1000 + k)
+                p.add_((0.01 * torch.randn(p.shape, generator=gen)).to(p.dtype))
+
+    def get_per_tensor_param(self, **_: Any):
+        return faulty(iter(self.named().items()), self.fault), None
+
+
+def faulty(stream, fault: dict[str, Any]):
+    """`stream` with `fault` injected at item `fault["at"]` (-1: after the last item): "exit" kills the process,
+    "wait" parks until the test says go, "extra" puts an unknown tensor before the item (-1: after the last),
+    "skip" drops it, "repeat" streams it twice, "shape" cuts its last row. Records when the fault was injected
+    (`fault["injected"]`: time.monotonic, a host-wide clock on Linux)."""
+    n = -1
+    for n, (name, tensor) in enumerate(stream):
+        if fault.get("at") == n:
+            fault["injected"] = time.monotonic()
+            kind = fault["kind"]
+            if kind == "exit":
+                os._exit(17)  # the trainer process dies mid-refit
+            if kind == "wait":  # park here until the test has done its damage
+                Path(fault["reached"]).touch()
+                deadline = time.monotonic() + 60
+                while not Path(fault["go"]).exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            if kind == "extra":
+                yield "model.layers.0.mlp.not_a_tensor.weight", tensor
+            if kind == "skip":
+                continue
+            if kind == "shape":
+                tensor = tensor[:-1]
+            if kind == "repeat":
+                yield name, tensor
+        yield name, tensor
+    if fault.get("at") == -1 and fault.get("kind") == "extra":
+        fault["injected"] = time.monotonic()
+        yield "model.layers.0.mlp.not_a_tensor.weight", tensor
 
 
 def new_engine(ce: dict[str, Any], **is_master: bool) -> Any:
@@ -150,9 +188,9 @@ def new_engine(ce: dict[str, Any], **is_master: bool) -> Any:
 class TrainerWorker(ActorRolloutRefWorker):
     """verl's trainer worker; `init_model` builds the CPU model and the checkpoint engine as verl's does."""
 
-    def __init__(self, config: Any, role: str, tiny: dict[str, Any]) -> None:
+    def __init__(self, config: Any, role: str, tiny: dict[str, Any] | None, checkpoint: str) -> None:
         super().__init__(config, role)
-        self.tiny = TinyGPT(**tiny)
+        self.tiny, self.checkpoint = (TinyGPT(**tiny) if tiny else None), checkpoint
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self):
@@ -160,7 +198,8 @@ class TrainerWorker(ActorRolloutRefWorker):
             torch.distributed.init_process_group("gloo")
         from types import SimpleNamespace
 
-        self.actor = SimpleNamespace(engine=MegatronExport(self.tiny))
+        engine = MegatronExport(self.tiny) if self.tiny is not None else HfExport(self.checkpoint)
+        self.actor = SimpleNamespace(engine=engine)
         self.checkpoint_engine = new_engine(OmegaConf.to_container(self.config.rollout.checkpoint_engine),
                                             is_master=(torch.distributed.get_rank() == 0))
 
@@ -176,7 +215,9 @@ class TrainerWorker(ActorRolloutRefWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def hf_digests(self) -> dict[str, str]:
-        return {name: digest(t) for name, t in megatron_to_hf(self.actor.engine.named(), self.tiny)}
+        named = self.actor.engine.named()
+        pairs = megatron_to_hf(named, self.tiny) if self.tiny is not None else named.items()
+        return {name: digest(t) for name, t in pairs}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def where(self) -> dict[str, Any]:
@@ -185,8 +226,14 @@ class TrainerWorker(ActorRolloutRefWorker):
         return {"node": ray.util.get_node_ip_address(), "store": rdv.host if rdv is not None else None}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def set_fault(self, fault: dict[str, Any], rank: int) -> None:
-        self.actor.engine.fault = fault if self.rank == rank else {}
+    def set_fault(self, fault: dict[str, Any], rank: int | None) -> None:
+        """Inject `fault` into trainer rank `rank`'s stream (None: every rank's, as a real exporter's fault is)."""
+        self.actor.engine.fault = dict(fault) if rank is None or self.rank == rank else {}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def fault_injected(self) -> float | None:
+        """When this rank's stream reached its fault (time.monotonic, a host-wide clock on Linux), or None."""
+        return self.actor.engine.fault.get("injected")
 
 
 # --- rollout side ----------------------------------------------------------------------------------------------
@@ -201,20 +248,29 @@ class CheckpointAdapter(BaseRollout):
 
         self.weights = {n: t.clone() for n, t in load_file(str(Path(checkpoint) / "model.safetensors")).items()}
         self.version: int | None = None
+        # per update_weights: its step, the names received in order, whether it completed, when it ended
+        self.calls: list[dict[str, Any]] = []
 
     async def update_weights(self, weights, global_steps: int | None = None, **kwargs: Any) -> None:
         got = set()
-        async for name, tensor in weights:
-            have = self.weights.get(name)
-            if have is None or have.shape != tensor.shape or have.dtype != tensor.dtype:
-                raise ValueError(f"load_weights: {name} {tuple(tensor.shape)} {tensor.dtype} is not a parameter of "
-                                 f"the served model")
-            have.copy_(tensor)
-            got.add(name)
-        missing = sorted(set(self.weights) - got)
-        if missing:
-            raise ValueError(f"load_weights: the refit left {missing[:3]} ({len(missing)}) unset")
-        self.version = global_steps
+        call = {"step": global_steps, "names": [], "ok": False, "ended": None}
+        self.calls.append(call)
+        try:
+            async for name, tensor in weights:
+                call["names"].append(name)
+                have = self.weights.get(name)
+                if have is None or have.shape != tensor.shape or have.dtype != tensor.dtype:
+                    raise ValueError(f"load_weights: {name} {tuple(tensor.shape)} {tensor.dtype} is not a parameter "
+                                     f"of the served model")
+                have.copy_(tensor)
+                got.add(name)
+            missing = sorted(set(self.weights) - got)
+            if missing:
+                raise ValueError(f"load_weights: the refit left {missing[:3]} ({len(missing)}) unset")
+            self.version = global_steps  # as vLLM's adapter: set_global_steps only after a complete update
+            call["ok"] = True
+        finally:
+            call["ended"] = time.monotonic()
 
     async def resume(self, tags: list[str]) -> None:
         pass
@@ -240,6 +296,11 @@ class RolloutWorker(CheckpointEngineWorker):
         adapter = self.server_adapter
         return adapter.version, {name: digest(t) for name, t in adapter.weights.items()}
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def calls(self) -> list[dict[str, Any]]:
+        """What the server adapter was handed, per update_weights call (CheckpointAdapter.calls)."""
+        return self.server_adapter.calls
+
 
 class Replica(RolloutReplica):
     """A replica whose workers are given (no inference server on CPU: nothing to abort, release or resume)."""
@@ -264,11 +325,12 @@ def checkpoint_engine_config(checkpoint: str, bucket_mb: int = 1, backend: str =
 class Refit:
     """M trainer workers, N rollout workers (TP 1 replicas), one manager: `refit(step)` as verl's trainer does."""
 
-    def __init__(self, trainers: int, rollouts: int, checkpoint: str, ce: dict[str, Any], tiny: TinyGPT = MOE,
+    def __init__(self, trainers: int, rollouts: int, checkpoint: str, ce: dict[str, Any], tiny: TinyGPT | None = MOE,
                  extra_modules: str | None = None, trainer_node: str | None = None,
                  rollout_node: str | None = None) -> None:
         """trainer_node / rollout_node: a Ray custom resource of the node each side's workers must run on (e.g.
-        the two-host test bed's "host_a" / "host_b"); None: wherever Ray places them."""
+        the two-host test bed's "host_a" / "host_b"); None: wherever Ray places them. tiny None: the trainers
+        stream the transformers model of `checkpoint` (its state dict) instead of a megatron-core model's export."""
         self.checkpoint, self.ce, self.tiny, self.num_trainers = checkpoint, ce, tiny, trainers
         self.trainer_node, self.rollout_node = trainer_node, rollout_node
         self._start_trainers()
@@ -291,7 +353,8 @@ class Refit:
         self.trainers = RayWorkerGroup(
             resource_pool=self.trainer_pool, device_name="cpu",
             ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(TrainerWorker), config=config, role="actor",
-                                                   tiny=self.tiny.__dict__))
+                                                   tiny=self.tiny.__dict__ if self.tiny else None,
+                                                   checkpoint=self.checkpoint))
         self.trainers.init_model()
 
     def replace_trainers(self, ce: dict[str, Any] | None = None) -> None:
@@ -469,6 +532,6 @@ class FunnelCheckpointEngine(CheckpointEngine):
                     yield name, partial.pop(name)
 
 
-__all__ = ["CheckpointAdapter", "FunnelCheckpointEngine", "MOE", "MegatronExport", "ModelSpec", "Refit", "Replica",
-           "RolloutWorker", "TrainerWorker",
-           "checkpoint_engine_config", "digest", "megatron_to_hf", "resource_pool", "save_checkpoint", "start_ray"]
+__all__ = ["CheckpointAdapter", "FunnelCheckpointEngine", "HfExport", "MOE", "MegatronExport", "ModelSpec", "Refit",
+           "Replica", "RolloutWorker", "TrainerWorker", "checkpoint_engine_config", "digest", "faulty", "megatron_to_hf",
+           "resource_pool", "save_checkpoint", "start_ray"]

@@ -6,24 +6,49 @@ Lifecycle, per refit, as verl's `CheckpointEngineManager.update_weights` drives 
   2. `build_topology(...)` on the driver: checks the metadata and compiles one plan per tensor group (cached:
      verl rebuilds its group every refit, the plans stay).
   3. `init_process_group(topology=...)`: every process compiles the same plans (cached) and checks their digests,
-     joins the rendezvous (the secret keeps strangers out) and, for the collective transport, its group.
-  4. `send_weights(stream)` on every trainer rank and `receive_weights()` on every rollout rank, concurrently:
-     each group of tensors moves as soon as the stream has delivered it (trainer memory: one group, bounded by
-     the bucket); each trainer rank sends only the share the plan gives it. A rollout rank hands its tensors to
-     verl's server adapter only after every group arrived and every process agreed (`atomic`, the default: a
-     failure anywhere leaves the served weights as they were; memory: one copy of the model on the rollout
-     side); `atomic=False` yields each group as it lands (memory: one group; a failure can leave a partial load).
-  5. `finalize()`: the group and the store are closed.
-A stream that does not match the model (an unknown, repeated or missing tensor, a wrong shape or dtype) fails the
-refit: the trainer rank that sees it raises an ArgumentError naming the tensor and posts it to the store; every
-other process raises an ExecutionError carrying it (a process blocked in a gloo receive when its wait times out),
-before any rollout rank hands anything on.
+     joins the rendezvous (the secret keeps strangers out) and, for the collective transport, its group; the
+     refit's session (session.py) starts its transfer thread.
+  4. `send_weights(stream)` on every trainer rank and `receive_weights()` on every rollout rank, concurrently, on
+     verl's actor event loops; the transfers run on each process's transfer thread, so the actors stay responsive:
+     - a trainer rank checks every stream item (`streams.StreamNames.split`, then shape, dtype, repeats) and, once
+       all tensors of a group came, announces the group and moves it on its thread while the stream goes on.
+       Groups move in the order the stream completes them (a transformers state dict puts a layer's
+       input_layernorm last, the model's order first). Memory: the group moving, one complete group waiting for
+       it, and the groups the stream has begun (with a stream in the model's order: none more);
+     - a rollout rank receives group k+1 on its thread while group k is handed to verl's server adapter.
+  5. `finalize()`: the session, its group and the store are closed.
+
+Staging (`staging` option), what a rollout rank hands verl's server adapter:
+  - "bucket" (default): a group is yielded once every process of the refit finished moving it; the refit's last
+    group also waits for every trainer rank's end-of-stream verdict (every tensor came once, nothing unknown).
+    Memory: BUCKET_SLOTS (2) groups, each at most the bucket (a tensor larger than the bucket is a group of its
+    own), plus the collective transport's wire buffers (within one bucket).
+  - "model": the whole model is received on the rollout's device and yielded only after every process agreed on
+    every group and the trainers' verdict came: all or nothing. Memory: one copy of the model, checked against the
+    device's free memory at construction and again at each refit (refused naming both sizes).
+
+A failed refit (a refused stream, a transfer that failed, a process that died): the process that sees it posts the
+reason to the refit's store; every other process raises at its next wait (within milliseconds: no process enters a
+group's transfer before every trainer rank has the group whole and checked, so none is left inside a gloo receive
+waiting for a rank that stopped; a killed process's sockets close). A rollout rank's `receive_weights` then raises:
+  - "model": before its first yield, so the server adapter was handed nothing;
+  - "bucket": the groups already yielded stay loaded: the rollout serves some groups of the new version and the
+    rest of the old one.
+verl's server adapters set verl's version (`set_global_steps`) only after the weights generator is exhausted, so a
+raising generator never hands the failed refit's version to the engine: `CheckpointEngineWorker.update_weights`,
+then the manager's `update_weights`, raise, and the next complete refit loads a whole version. Upstream (verl 0.9.1,
+read, not run: no vLLM here): vLLM's adapter starts the worker's `update_weights_from_ipc` before it iterates the
+generator, and verl's `BucketedWeightSender` closes its socket without a last bucket when the generator raises; the
+worker's `BucketedWeightReceiver` then waits for one with no timeout (docs/guides/verl.md, Failed refits). sglang's
+and TensorRT-LLM's adapters pass the error on and keep what they had loaded.
 """
 from __future__ import annotations
 
+import asyncio
 import inspect
 import os
 import sys
+import threading
 import time
 from typing import Any, AsyncIterator, Iterable
 
@@ -33,10 +58,12 @@ from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 from ...adapters import rendezvous as rv
 from ...addresses import ENV, routable_address
 from ...errors import ArgumentError, ExecutionError, ReshardError
-from ...executors.binding import Binding
 from ...executors.local import torch_dtype
 from ...layouts import ModelSpec
-from .topology import DEPTH, RefitAssignment, bindings, build, check_options, model_digest, tensor_groups
+from ...layouts.model import DTYPE_SIZES
+from ..streams import StreamNames
+from .session import RefitSession
+from .topology import RefitAssignment, bindings, build, check_options, model_digest, tensor_groups
 
 BACKEND = "reshard"
 
@@ -52,8 +79,13 @@ class ReshardCheckpointEngine(CheckpointEngine):
     host: the address trainer rank 0 hosts the refit's store on (None, the default: its Ray node's IP, as verl's
         own backends find theirs; set it only to choose among a multi-homed node's addresses).
     device: where rollout ranks receive (default: cuda when available).
-    options: transport ("collective" | "nixl" | "shared"), fanout (relay among rollout ranks), atomic (default
-        True), checksum (False | True | "sha256" | "sum64"), timeout (seconds), backend (collective: gloo/nccl).
+    options: transport ("collective" | "nixl" | "shared"), fanout (relay among rollout ranks), staging ("bucket",
+        the default, or "model": module docstring), checksum (False | True | "sha256" | "sum64"), timeout
+        (seconds), backend (collective: gloo/nccl).
+
+    Raises:
+        ArgumentError: a missing model, an unknown option (`atomic` names its replacement), a bad bucket, or
+            "model" staging on a rollout rank whose device has less free memory than the model takes.
     """
 
     wire_format = "named_tensors"
@@ -76,9 +108,14 @@ class ReshardCheckpointEngine(CheckpointEngine):
         self.transport = self.options.get("transport", "collective")
         self.timeout = float(self.options.get("timeout", 300.0))
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self._store = self._rdv = self._comm = self._top = None
-        self._plans: list = []
-        self._bindings: tuple[Binding, ...] = ()
+        if self.device.type == "cuda" and self.device.index is None:  # the transfer thread needs it explicit
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.role == "rollout" and self.options.get("staging") == "model":
+            staging_room(spec, self.device)
+        self.names = StreamNames(spec)
+        self.where = {name: k for k, group in enumerate(self.groups) for name in group}
+        self._store = self._rdv = None
+        self._session: RefitSession | None = None
         self.last_metrics: dict[str, float] = {}
 
     # --- 1. prepare ----------------------------------------------------------------------------------
@@ -107,106 +144,179 @@ class ReshardCheckpointEngine(CheckpointEngine):
         if top.is_trainer != (self.role == "trainer") or model_digest(top.spec) != model_digest(self.spec):
             raise ArgumentError("topology", f"process {top.process}", f"does not fit this {self.role} rank (another "
                                 f"role or model than it was configured with)")
-        self._plans = top.plans()
-        self._bindings = bindings(self._plans, top.trainers, top.rollouts)
+        plans = top.plans()
         rdv = rv.Rendezvous.from_dict(top.rendezvous)
         if not self.is_master:
             self._close()
             self._store = rv.connect(rdv)
-        self._rdv, self._top = rdv, top
+        self._rdv = rdv
         size = top.trainers + top.rollouts
         rv.join(self._store, rdv, top.process, size, self.role)
+        comm = None
         if self.transport == "collective":
             from ...executors.comm import StoreComm
 
             backend = self.options.get("backend") or ("nccl" if self.device.type == "cuda" else "gloo")
-            self._comm = StoreComm(rv.scoped(self._store, rdv, "collective"), top.process, size, backend,
-                                   self.timeout)
+            comm = StoreComm(rv.scoped(self._store, rdv, "collective"), top.process, size, backend, self.timeout)
+        self._session = RefitSession(top, plans, bindings(plans, top.trainers, top.rollouts), self.groups,
+                                     self._store, rdv, comm, self.options,
+                                     self.device if self.device.type == "cuda" else None)
 
     # --- 4. send / receive ---------------------------------------------------------------------------
     async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | AsyncIterator,
                            global_steps: int | None = None) -> dict[str, float]:
-        top = self._ready("send_weights", trainer=True)
-        where = {name: k for k, group in enumerate(self.groups) for name in group}
-        pending: dict[int, dict[str, torch.Tensor]] = {}
+        """Check the stream and move each group as soon as its tensors all came (on the transfer thread, while
+        the stream goes on): at most one group moving and one complete group waiting for it, besides the groups
+        the stream has begun. Every rank drains the whole stream, even after a failure (verl's exporters run
+        collectives over the trainer ranks while they produce it).
+
+        Returns:
+            This rank's metrics (egress bytes, seconds).
+
+        Raises:
+            ArgumentError: the stream does not fit the plan (a tensor unknown, repeated, missing, of another shape
+                or dtype), posted to every process of the refit at once.
+            ExecutionError: a transfer failed, or another process reported a failure.
+        """
+        session = self._ready("send_weights", trainer=True)
+        filling: dict[int, dict[str, torch.Tensor]] = {}
         seen: set[str] = set()
-        done, sent, error, start = 0, 0, None, time.perf_counter()
+        moving = None  # the transfer in flight (an awaitable of the transfer thread's job)
+        position, sent, error, start = 0, 0, None, time.perf_counter()
         async for name, tensor in _items(weights):
             if error is not None:
                 continue  # drain: producing the stream is collective over the trainer ranks
-            error = self._check(name, tensor, where, seen)
-            if error is None:
-                pending.setdefault(where[name], {})[name] = tensor.detach().contiguous()
-                while done < len(self.groups) and len(pending.get(done, ())) == len(self.groups[done]):
-                    try:
-                        sent += self._run(done, src=pending.pop(done))
-                    except ReshardError as e:
-                        error = e
-                        break
-                    done += 1
-            if error is not None:
-                self._fail(error)
-        if error is None and done < len(self.groups):
-            missing = [n for g in self.groups[done:] for n in g if n not in seen]
-            error = ArgumentError("weights", missing[:5], f"({len(missing)} tensors of the model) never came in the "
-                                  f"stream", fix="the trainer must stream every tensor of the model")
-            self._fail(error)
+            try:
+                for hf, piece in self.names.split(name, tensor):
+                    self._check(hf, piece, seen, name)
+                    k = self.where[hf]
+                    group = filling.setdefault(k, {})
+                    group[hf] = piece.detach().contiguous()
+                    if len(group) < len(self.groups[k]):
+                        continue
+                    session.post_go(position, k)
+                    if moving is not None:  # memory: one group moving, this one waiting for it
+                        sent += await moving
+                    moving = session.submit(_move_next, session, position, filling.pop(k))
+                    position += 1
+            except ReshardError as e:
+                error = session.fail(e)
+        if error is None and position < len(self.groups):
+            missing = [n for g in self.groups for n in g if n not in seen]
+            error = session.fail(ArgumentError("weights", missing[:5], f"({len(missing)} tensors of the model) "
+                                               f"never came in the stream",
+                                               fix="the trainer must stream every tensor of the model"))
+        if moving is not None:
+            try:
+                sent += await moving  # a transfer begun is finished: its peers are inside it
+            except ReshardError as e:
+                error = error or e
         if error is not None:
             raise error
+        session.post_end()
         seconds = time.perf_counter() - start
-        self.last_metrics = {f"reshard/trainer{top.process}/egress_bytes": float(sent),
-                             f"reshard/trainer{top.process}/seconds": seconds}
+        self.last_metrics = {f"reshard/trainer{session.top.process}/egress_bytes": float(sent),
+                             f"reshard/trainer{session.top.process}/seconds": seconds}
         return self.last_metrics
 
     async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
-        top = self._ready("receive_weights", trainer=False)
-        rank = top.process - top.trainers
-        atomic = self.options.get("atomic", True)
-        landed: list[dict[str, torch.Tensor]] = []
-        start = time.perf_counter()
-        for k, group in enumerate(self.groups):
-            dst = {name: self._empty(name) for name in group}
-            try:
-                self._run(k, dst=dst)
-            except ReshardError as e:
-                self._fail(e)
-                raise
-            if atomic:
-                landed.append(dst)
-            else:
-                for name in group:
+        """Receive each group on the transfer thread while the previous one is handed on, and yield a group's
+        tensors once every process finished moving it ("bucket"; the last group also waits for the trainers'
+        end-of-stream verdict) or the whole model once every process agreed on the whole refit ("model").
+
+        Yields:
+            (HF name, tensor) for verl's server adapter; each tensor is valid until the next group is handed on.
+
+        Raises:
+            ExecutionError: the refit failed on any process (before the first yield in "model" staging; in
+                "bucket" staging the groups already handed on stay loaded).
+        """
+        session = self._ready("receive_weights", trainer=False)
+        bucket = self.options.get("staging", "bucket") == "bucket"
+        if not bucket:
+            staging_room(self.spec, self.device)  # verl may have taken memory since the construction's check
+        loop, landed = asyncio.get_running_loop(), asyncio.Queue()
+        # buffers: one group being handed on while the next is received (bucket); every group (model)
+        slots = threading.Semaphore(BUCKET_SLOTS if bucket else len(self.groups))
+        receiving = session.submit(self._receive_all, session, slots, loop, landed)
+        receiving.add_done_callback(lambda f: f.cancelled() or f.exception())  # its errors come through `landed`
+        rank, start, done = session.top.process - session.top.trainers, time.perf_counter(), False
+        try:
+            held = []
+            for i in range(len(self.groups)):
+                item = await landed.get()
+                if isinstance(item, BaseException):
+                    raise item
+                k, dst = item
+                if not bucket:
+                    held.append((k, dst))
+                    continue
+                await session.agreed(k)
+                if i == len(self.groups) - 1:
+                    await session.ended()
+                for name in self.groups[k]:
                     yield name, dst[name]
+                _synchronize(self.device)  # the adapter's copies out of this group are done before its reuse
+                slots.release()
+            if not bucket:
+                for k, _ in held:
+                    await session.agreed(k)
+                await session.ended()
+                for k, dst in held:
+                    for name in self.groups[k]:
+                        yield name, dst[name]
+            done = True
+        except GeneratorExit:
+            session.fail(ExecutionError("the server adapter stopped taking the weights before the refit's end"))
+            raise
+        except ReshardError as e:
+            session.fail(e)
+            raise
+        finally:
+            if not done:
+                session.stop.set()  # the transfer thread stops at its next wait
         self.last_metrics = {f"reshard/rollout{rank}/seconds": time.perf_counter() - start}
-        for dst in landed:  # every process agreed on the last group, so on every group: hand them on
-            for name, tensor in dst.items():
-                yield name, tensor
+
+    def _receive_all(self, session: RefitSession, slots: threading.Semaphore, loop: asyncio.AbstractEventLoop,
+                     landed: asyncio.Queue) -> None:
+        """The rollout's transfer thread: every group in the trainers' order, each into fresh buffers once a slot
+        is free; what landed (or the error) goes to the event loop's queue."""
+        try:
+            for i in range(len(self.groups)):
+                k = session.wait_go(i)
+                while not slots.acquire(timeout=0.05):
+                    session.check()
+                dst = {name: self._empty(name) for name in self.groups[k]}
+                session.move(k, dst=dst)
+                loop.call_soon_threadsafe(landed.put_nowait, (k, dst))
+        except BaseException as e:  # noqa: BLE001 - handed to the event loop, which raises it
+            loop.call_soon_threadsafe(landed.put_nowait, e)
 
     # --- 5. finalize ---------------------------------------------------------------------------------
     def finalize(self) -> None:
         self._close()
 
     # --- internals -----------------------------------------------------------------------------------
-    def _ready(self, what: str, trainer: bool) -> RefitAssignment:
-        if self._top is None:
+    def _ready(self, what: str, trainer: bool) -> RefitSession:
+        if self._session is None:
             raise ExecutionError(f"{what} before init_process_group: verl's CheckpointEngineManager calls prepare, "
                                  f"build_topology and init_process_group first")
-        if self._top.is_trainer != trainer:
+        if self._session.top.is_trainer != trainer:
             raise ExecutionError(f"{what} on a {self.role} rank")
-        return self._top
+        return self._session
 
-    def _check(self, name: Any, tensor: Any, where: dict[str, int], seen: set[str]) -> ArgumentError | None:
-        if not isinstance(name, str) or name not in where:
-            return ArgumentError("weights", name, f"is not a tensor of the {self.spec.family} model the plan was "
-                                 f"compiled for", fix="stream the model's HF names")
+    def _check(self, name: str, tensor: Any, seen: set[str], item: str) -> None:
+        """Raise ArgumentError unless `tensor` is the plan's `name` (one of the model's names, from
+        StreamNames.split of the stream's `item`) coming for the first time, of its shape and dtype."""
         if name in seen:
-            return ArgumentError("weights", name, "came twice in the stream")
+            raise ArgumentError("weights", name, "came twice in the stream" + (f" (again in {item})" if item != name
+                                                                              else ""))
         seen.add(name)
         want = self.spec.tensor(name)
         dtype = torch_dtype(want.dtype or self.spec.dtype)
         if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != tuple(want.shape) or tensor.dtype != dtype:
             got = (tuple(tensor.shape), tensor.dtype) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            return ArgumentError(f"weights[{name}]", got, f"does not match the plan's {tuple(want.shape)} {dtype}")
-        return None
+            raise ArgumentError(f"weights[{name}]", got, f"does not match the plan's {tuple(want.shape)} {dtype}")
 
     def _empty(self, name: str) -> torch.Tensor:
         t = self.spec.tensor(name)
@@ -217,65 +327,60 @@ class ReshardCheckpointEngine(CheckpointEngine):
             return shared_empty(tuple(t.shape), dtype)
         return torch.empty(t.shape, dtype=dtype, device=self.device)
 
-    def _run(self, k: int, src: dict | None = None, dst: dict | None = None) -> int:
-        """Move group k (this process's part); returns the bytes this process sent to others."""
-        from ...executors.base import make_executor
-
-        top, plan = self._top, self._plans[k]
-        binding = self._bindings[k]
-        src = {binding.src_ranks_of(top.process)[0]: src} if src is not None else {}
-        dst = {binding.dst_ranks_of(top.process)[0]: dst} if dst is not None else {}
-        checksum = self.options.get("checksum", False)
-        try:
-            if self.transport == "collective":
-                ex = make_executor("distributed", plan, binding, top.process, src, dst, group=self._comm,
-                                   in_place=True, memory_cap=self.bucket_size, depth=DEPTH, timeout=self.timeout,
-                                   checksum=checksum)
-            else:
-                store = rv.scoped(self._store, self._rdv, f"{self.transport}{k}")
-                namespace = f"{self._rdv.refit_id}g{k}"
-                if self.transport == "nixl":
-                    from ...executors.nixl import NixlOptions
-
-                    ex = make_executor("nixl", plan, binding, top.process, src, dst, store=store, namespace=namespace,
-                                       options=NixlOptions(staged=False, timeout=self.timeout, checksum=checksum))
-                else:
-                    ex = make_executor("shared", plan, binding, top.process, src, dst, store=store,
-                                       namespace=namespace, staged=False, timeout=self.timeout, checksum=checksum)
-            try:
-                stats = ex.refit()
-            finally:
-                ex.close()
-        except ReshardError as e:
-            raise self._explained(e, k) from e
-        except Exception as e:  # noqa: BLE001 - a transport's own error: name the group, keep the cause
-            raise self._explained(ExecutionError(f"{type(e).__name__}: {e}"), k) from e
-        return sum(stats.bytes_sent.values())
-
-    def _explained(self, e: ReshardError, k: int) -> ReshardError:
-        """A peer's failure seen here as a broken transfer: say what the failing process reported."""
-        reason = None
-        try:
-            reason = rv.failure(self._store, self._rdv)
-        except Exception:  # noqa: BLE001 - the store's host may be gone too
-            pass
-        if reason is None or isinstance(e, ArgumentError):
-            return e
-        return ExecutionError(f"refit failed in tensor group {k} of {len(self.groups)}: {reason} (here: {e})")
-
-    def _fail(self, error: BaseException) -> None:
-        """Tell every process of the refit why it fails, and break the group so nobody waits for the timeout."""
-        if self._store is not None and self._rdv is not None:
-            rv.fail(self._store, self._rdv, f"{self.role} process {self._top.process}: {error}")
-        if self._comm is not None:
-            self._comm.close()
-            self._comm = None
-
     def _close(self) -> None:
-        if self._comm is not None:
-            self._comm.close()
-        self._comm, self._top = None, None
-        self._store = None  # trainer rank 0's store server goes with its last reference
+        if self._session is not None:
+            self._session.close()
+        self._session = None
+        self._store = None  # trainer rank 0's store server goes with its last reference (a session may hold it)
+
+
+BUCKET_SLOTS = 2  # "bucket" staging: groups a rollout rank holds (one handed on, the next received)
+
+
+def _move_next(session: RefitSession, position: int, src: dict[str, torch.Tensor]) -> int:
+    """A trainer's transfer-thread job: wait until every trainer rank completed its group `position`, move it."""
+    k = session.wait_go(position)
+    return session.move(k, src=src)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def model_bytes(spec: ModelSpec) -> int:
+    """Bytes of every tensor of the model, each in its own dtype."""
+    return sum(t.numel * DTYPE_SIZES[t.dtype or spec.dtype] for t in spec.tensors)
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory where a rollout rank receives: the CUDA device's free memory, or the host's available memory
+    (/proc/meminfo's MemAvailable); None where it cannot be read."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def staging_room(spec: ModelSpec, device: torch.device) -> None:
+    """Refuse "model" staging where the whole model does not fit in the receiving device's free memory.
+
+    Raises:
+        ArgumentError: naming the model's bytes, the free bytes and the fix.
+    """
+    need, free = model_bytes(spec), available_bytes(device)
+    if free is not None and need > free:
+        raise ArgumentError("engine_kwargs.reshard.staging", "model",
+                            f"stages the whole model on every rollout rank: {need / 2**30:.2f} GiB ({need} bytes), "
+                            f"but {device} has {free / 2**30:.2f} GiB ({free} bytes) free",
+                            fix="staging: bucket (the default) holds two tensor groups of at most the bucket size "
+                                "each; a failed refit then leaves some groups of the new version loaded")
 
 
 def node_here() -> dict[str, str | None]:

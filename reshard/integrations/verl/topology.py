@@ -9,9 +9,10 @@ The plans still differ from verl's own backends in who sends: the compiler sprea
 M holders (no rank-0 funnel), and with `fanout` it feeds one rollout rank and relays to the others, so the
 trainers together send one copy of the model instead of one per rollout rank.
 
-Memory is bounded by verl's bucket: the model's tensors are cut, in stream order, into groups of at most
+Memory is bounded by verl's bucket: the model's tensors are cut, in the model's order, into groups of at most
 `bucket_size` bytes (a tensor larger than the bucket is a group of its own), one plan per group, and the
-executor moves each group in messages whose wire buffers fit the bucket. `build_topology` compiles every group's
+executor moves each group in messages whose wire buffers fit the bucket. Groups move in the order the stream
+completes them (engine.py). `build_topology` compiles every group's
 plan once per (model, ranks, bucket, options) in the driver; each process compiles the same plans once and
 checks their digests against the driver's.
 """
@@ -30,12 +31,23 @@ from ...planner.cache import cached_plan
 
 TRANSPORTS = ("collective", "nixl", "shared")
 DEPTH = 2  # rounds in flight of the collective executor (gloo: one lane); wire buffers = DEPTH x peers x bucket
-_OPTIONS = {"transport": str, "fanout": (int, type(None)), "atomic": bool, "checksum": (bool, str),
+STAGINGS = ("bucket", "model")
+_OPTIONS = {"transport": str, "fanout": (int, type(None)), "staging": str, "checksum": (bool, str),
             "timeout": (int, float), "backend": (str, type(None))}
 
 
 def check_options(options: dict[str, Any]) -> dict[str, Any]:
-    """The backend's options (`engine_kwargs.reshard` in verl's config) as plain JSON values, or ArgumentError."""
+    """The backend's options (`engine_kwargs.reshard` in verl's config) as plain JSON values.
+
+    Raises:
+        ArgumentError: an unknown option (`atomic`, replaced by `staging`, is named with its replacement), a value
+            of the wrong type or outside its range.
+    """
+    if "atomic" in options:
+        raise ArgumentError("engine_kwargs.reshard.atomic", options["atomic"], "was replaced by `staging`",
+                            fix="staging: model for all or nothing (atomic: true; one copy of the model per "
+                                "rollout rank), or leave staging unset for bucket (bounded memory, a failed refit "
+                                "can leave some groups of the new version loaded)")
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         raise ArgumentError("engine_kwargs.reshard", unknown, f"are not options of the reshard backend; known: "
@@ -44,6 +56,8 @@ def check_options(options: dict[str, Any]) -> dict[str, Any]:
         kind = _OPTIONS[key]
         if not isinstance(value, kind) or (isinstance(value, bool) and kind in ((int, float), (int, type(None)))):
             raise ArgumentError(f"engine_kwargs.reshard.{key}", value, f"has type {type(value).__name__}")
+    if options.get("staging", "bucket") not in STAGINGS:
+        raise ArgumentError("engine_kwargs.reshard.staging", options["staging"], f"is not one of {STAGINGS}")
     if options.get("transport", "collective") not in TRANSPORTS:
         raise ArgumentError("engine_kwargs.reshard.transport", options["transport"], f"is not one of {TRANSPORTS}")
     if options.get("fanout") is not None and options["fanout"] < 1:
@@ -250,7 +264,5 @@ def build(trainers: int, rollouts: int, metadata: Sequence[Any]) -> tuple[list[d
     return tops[:trainers], tops[trainers:]
 
 
-__all__ = ["RefitAssignment", "TRANSPORTS", "bindings", "build", "check_bucket", "check_options", "check_store_address",
-           "group_plans",
-           "model_digest",
-           "tensor_groups"]
+__all__ = ["RefitAssignment", "STAGINGS", "TRANSPORTS", "bindings", "build", "check_bucket", "check_options",
+           "check_store_address", "group_plans", "model_digest", "tensor_groups"]

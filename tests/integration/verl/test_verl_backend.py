@@ -3,7 +3,7 @@ ActorRolloutRefWorker.update_weights and rollout-side CheckpointEngineWorker ove
 resource pools), 2 trainer ranks (a megatron-core MoE model: fused QKV, gated MLP, experts; exported as HF
 tensors) into 3 rollout ranks. What the rollout side serves is compared byte for byte (SHA-256 per tensor) with
 the trainer model's HF tensors. One cluster for the module; the tests run in order and each starts from a
-successful refit of its own."""
+successful refit of its own. Refused streams: test_verl_exporter_streams.py."""
 from __future__ import annotations
 
 import threading
@@ -63,8 +63,7 @@ def test_refits_2_to_3_bytes_egress_and_bucket(cluster):
 
 
 def test_fanout_sends_one_copy_from_the_trainers(cluster):
-    """Also streamed (atomic=False): groups go to the server adapter as they land."""
-    cluster.reconfigure(ce(cluster, fanout=1, atomic=False))
+    cluster.reconfigure(ce(cluster, fanout=1))
     try:
         spec = vc.ModelSpec.from_hf_config(cluster.checkpoint)
         model_bytes = sum(t.numel * spec.itemsize for t in spec.tensors)
@@ -88,24 +87,10 @@ def test_other_transports_with_checksums(cluster, transport):
         cluster.reconfigure(ce(cluster))
 
 
-@pytest.mark.parametrize("kind,named", [("extra", "model.layers.0.mlp.not_a_tensor.weight"),
-                                        ("skip", "never came in the stream"),
-                                        ("shape", "does not match the plan")])
-def test_bad_stream_fails_every_process_and_keeps_the_weights(cluster, kind, named):
-    cluster.trainers.train_step(6)
-    cluster.refit(6)
-    before = check_served(cluster, 6)
-    cluster.trainers.set_fault({"kind": kind, "at": 5}, 1)
-    cluster.trainers.train_step(7)
-    try:
-        with pytest.raises(Exception) as failure:
-            cluster.refit(7)
-        assert named in str(failure.value)  # whichever process's error comes first names the bad tensor
-        assert cluster.served() == before  # nothing was handed to any rollout rank
-    finally:
-        cluster.trainers.set_fault({}, 1)
-    cluster.refit(7)
-    check_served(cluster, 7)
+def old_or_new(served, before, expected) -> list[str]:
+    """The tensors a rollout rank serves that are neither its previous bytes nor the new version's ("bucket"
+    staging: a failed refit leaves some groups of the new version loaded, the rest old)."""
+    return [n for n in expected if served[n] not in (before[n], expected[n])]
 
 
 def test_trainer_killed_mid_refit(cluster):
@@ -118,7 +103,11 @@ def test_trainer_killed_mid_refit(cluster):
         cluster.refit(9)
     assert time.monotonic() - start < OPTIONS["timeout"], "the survivors waited for the timeout"
     assert "died" in str(failure.value) or "ExecutionError" in str(failure.value)
-    assert cluster.served() == before
+    import ray
+
+    expected = ray.get(cluster.trainers.workers[0].hf_digests.remote())  # trainer rank 1 is gone
+    for (version, served), (_, old) in zip(cluster.served(), before):
+        assert version == 8 and not old_or_new(served, old, expected)
     cluster.replace_trainers()  # verl restarts the trainer group; the rollout workers are the same
     cluster.trainers.train_step(10)
     cluster.refit(10)
@@ -126,6 +115,8 @@ def test_trainer_killed_mid_refit(cluster):
 
 
 def test_rollout_killed_mid_refit(cluster, tmp_path: Path):
+    """All or nothing ("model" staging): the survivors keep their weights whole."""
+    cluster.reconfigure(ce(cluster, staging="model"))
     cluster.refit(11)
     before = check_served(cluster, 11)
     reached, go = tmp_path / "reached", tmp_path / "go"

@@ -17,6 +17,7 @@ Imports verl and Ray (megatron-core for the megatron model); run in the verl vir
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -250,6 +251,7 @@ class CheckpointAdapter(BaseRollout):
         self.version: int | None = None
         # per update_weights: its step, the names received in order, whether it completed, when it ended
         self.calls: list[dict[str, Any]] = []
+        self.hold: str | None = None  # a path: each update waits at its first tensor until the file exists
 
     async def update_weights(self, weights, global_steps: int | None = None, **kwargs: Any) -> None:
         got = set()
@@ -258,6 +260,10 @@ class CheckpointAdapter(BaseRollout):
         try:
             async for name, tensor in weights:
                 call["names"].append(name)
+                deadline = time.monotonic() + 60
+                while self.hold and len(call["names"]) == 1 and not Path(self.hold).exists() \
+                        and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)  # as a slow load would, without blocking the worker's event loop
                 have = self.weights.get(name)
                 if have is None or have.shape != tensor.shape or have.dtype != tensor.dtype:
                     raise ValueError(f"load_weights: {name} {tuple(tensor.shape)} {tensor.dtype} is not a parameter "
@@ -295,6 +301,23 @@ class RolloutWorker(CheckpointEngineWorker):
     def served(self) -> tuple[int | None, dict[str, str]]:
         adapter = self.server_adapter
         return adapter.version, {name: digest(t) for name, t in adapter.weights.items()}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def hold(self, path: str | None) -> None:
+        """Make the server adapter wait, at the first tensor of each update, until `path` exists (None: never)."""
+        self.server_adapter.hold = path
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def moved(self) -> list[tuple[int, int]]:
+        """The refit in flight as reshard's verl backend records it in the refit's store: per position, the group
+        the trainer ranks announced and how many processes finished moving it."""
+        session, out = self.checkpoint_engine._session, []
+        for i in range(len(session.groups) if session is not None else 0):
+            if not session.keys.check([f"go/{i}/0"]):
+                break
+            k = int(session.keys.get(f"go/{i}/0"))
+            out.append((k, int(session.keys.add(f"done/{k}", 0))))
+        return out
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def calls(self) -> list[dict[str, Any]]:
@@ -533,5 +556,5 @@ class FunnelCheckpointEngine(CheckpointEngine):
 
 
 __all__ = ["CheckpointAdapter", "FunnelCheckpointEngine", "HfExport", "MOE", "MegatronExport", "ModelSpec", "Refit",
-           "Replica", "RolloutWorker", "TrainerWorker", "checkpoint_engine_config", "digest", "faulty", "megatron_to_hf",
-           "resource_pool", "save_checkpoint", "start_ray"]
+           "Replica", "RolloutWorker", "TrainerWorker", "checkpoint_engine_config", "digest", "faulty",
+           "megatron_to_hf", "resource_pool", "save_checkpoint", "start_ray"]

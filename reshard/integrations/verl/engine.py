@@ -63,7 +63,8 @@ from ...layouts import ModelSpec
 from ...layouts.model import DTYPE_SIZES
 from ..streams import StreamNames
 from .session import RefitSession
-from .topology import RefitAssignment, bindings, build, check_options, model_digest, tensor_groups
+from ..groups import group_bindings, tensor_groups
+from .topology import RefitAssignment, build, check_options, model_digest
 
 BACKEND = "reshard"
 
@@ -158,7 +159,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
 
             backend = self.options.get("backend") or ("nccl" if self.device.type == "cuda" else "gloo")
             comm = StoreComm(rv.scoped(self._store, rdv, "collective"), top.process, size, backend, self.timeout)
-        self._session = RefitSession(top, plans, bindings(plans, top.trainers, top.rollouts), self.groups,
+        self._session = RefitSession(top, plans, group_bindings(plans, top.trainers, top.rollouts), self.groups,
                                      self._store, rdv, comm, self.options,
                                      self.device if self.device.type == "cuda" else None)
 

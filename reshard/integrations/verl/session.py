@@ -30,7 +30,8 @@ from ...adapters import rendezvous as rv
 from ...errors import ExecutionError, ReshardError
 from ...executors.binding import Binding
 from ...polling import poll
-from .topology import DEPTH, RefitAssignment
+from ..groups import group_executor
+from .topology import RefitAssignment
 
 _MOST_S = 0.01  # longest sleep between two looks at the store: what a failure adds to a waiting process's wait
 
@@ -142,29 +143,14 @@ class RefitSession:
         Raises:
             ReshardError: the transfer failed (posted as the refit's failure unless a peer's came first).
         """
-        from ...executors.base import make_executor
-
         top, binding = self.top, self.bindings[k]
         src = {binding.src_ranks_of(top.process)[0]: src} if src is not None else {}
         dst = {binding.dst_ranks_of(top.process)[0]: dst} if dst is not None else {}
-        checksum, transport = self.options.get("checksum", False), self.options.get("transport", "collective")
         try:
-            if transport == "collective":
-                ex = make_executor("distributed", self.plans[k], binding, top.process, src, dst, group=self.comm,
-                                   in_place=True, memory_cap=top.bucket_size, depth=DEPTH, timeout=self.timeout,
-                                   checksum=checksum)
-            else:
-                store = rv.scoped(self.store, self.rdv, f"{transport}{k}")
-                namespace = f"{self.rdv.refit_id}g{k}"
-                if transport == "nixl":
-                    from ...executors.nixl import NixlOptions
-
-                    ex = make_executor("nixl", self.plans[k], binding, top.process, src, dst, store=store,
-                                       namespace=namespace, options=NixlOptions(staged=False, timeout=self.timeout,
-                                                                                checksum=checksum))
-                else:
-                    ex = make_executor("shared", self.plans[k], binding, top.process, src, dst, store=store,
-                                       namespace=namespace, staged=False, timeout=self.timeout, checksum=checksum)
+            ex = group_executor(self.options.get("transport", "collective"), self.plans[k], binding, top.process,
+                                src, dst, store=self.store, rendezvous=self.rdv, namespace=f"{self.rdv.refit_id}g{k}",
+                                comm=self.comm, timeout=self.timeout, checksum=self.options.get("checksum", False),
+                                memory_cap=top.bucket_size)
             try:
                 stats = ex.refit()
             finally:

@@ -28,9 +28,8 @@ from ...executors.binding import Binding
 from ...layouts import HfLayout, ModelSpec
 from ...planner import Plan
 from ...planner.cache import cached_plan
+from ..groups import DEPTH, TRANSPORTS, tensor_groups
 
-TRANSPORTS = ("collective", "nixl", "shared")
-DEPTH = 2  # rounds in flight of the collective executor (gloo: one lane); wire buffers = DEPTH x peers x bucket
 STAGINGS = ("bucket", "model")
 _OPTIONS = {"transport": str, "fanout": (int, type(None)), "staging": str, "checksum": (bool, str),
             "timeout": (int, float), "backend": (str, type(None))}
@@ -69,32 +68,6 @@ def check_options(options: dict[str, Any]) -> dict[str, Any]:
 
 def model_digest(spec: ModelSpec) -> str:
     return hashlib.sha256(spec.model_dump_json().encode()).hexdigest()[:16]
-
-
-def tensor_groups(spec: ModelSpec, bucket_size: int) -> tuple[tuple[str, ...], ...]:
-    """The model's tensors in order, cut into groups of at most `bucket_size` bytes (a larger tensor alone)."""
-    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
-        raise ArgumentError("bucket_size", bucket_size, "must be a positive number of bytes "
-                                                        "(update_weights_bucket_megabytes << 20)")
-    groups: list[tuple[str, ...]] = []
-    current: list[str] = []
-    used = 0
-    for t in spec.tensors:
-        nbytes = t.numel * spec.itemsize if t.dtype is None else t.numel * _itemsize(t.dtype)
-        if current and used + nbytes > bucket_size:
-            groups.append(tuple(current))
-            current, used = [], 0
-        current.append(t.name)
-        used += nbytes
-    if current:
-        groups.append(tuple(current))
-    return tuple(groups)
-
-
-def _itemsize(dtype: str) -> int:
-    from ...layouts.model import DTYPE_SIZES
-
-    return DTYPE_SIZES[dtype]
 
 
 @dataclass(frozen=True)
@@ -152,32 +125,13 @@ class RefitAssignment:
 
 def group_plans(spec: ModelSpec, trainers: int, rollouts: int, bucket_size: int,
                 options: dict[str, Any]) -> list[Plan]:
-    """One plan per tensor group: HF tensors replicated on every trainer rank -> whole tensors on every rollout
-    rank, the sending spread over the trainer ranks (and relayed among rollout ranks with `fanout`)."""
+    """One plan per tensor group (integrations.groups.tensor_groups): HF tensors replicated on every trainer rank
+    -> whole tensors on every rollout rank, the sending spread over the trainer ranks; with `fanout`, the trainers
+    feed one rollout rank (one copy of the model leaves them) and rollout ranks relay it to the others."""
     src, dst = HfLayout(model=spec, replicas=trainers), HfLayout(model=spec, replicas=rollouts)
     fanout = options.get("fanout")
     extra = {"fanout": fanout, "roots": 1} if fanout is not None and rollouts > 1 else {}
     return [cached_plan(src, dst, tensors=group, **extra) for group in tensor_groups(spec, bucket_size)]
-
-
-def bindings(plans: Sequence[Plan], trainers: int, rollouts: int) -> tuple[Binding, ...]:
-    """Which process plays which rank of each group's plan. Within one group the compiler balances the trainer
-    ranks as well as whole tensors allow (a small group may give one rank two destinations' copies and the other
-    one); across groups the busiest source rank of the next group goes to the trainer process that has sent the
-    least so far (a pure function of the plans: every process computes the same). Destination rank d of group k
-    is rollout process (d + k) mod N, which spreads fan-out roots over the rollout ranks."""
-    sent = [0] * trainers
-    out = []
-    for k, plan in enumerate(plans):
-        egress = plan.accounting.egress_bytes
-        ranks = sorted(range(trainers), key=lambda s: (-egress[s], s))
-        processes = sorted(range(trainers), key=lambda p: (sent[p], p))
-        src = [0] * trainers
-        for s, p in zip(ranks, processes):
-            src[s] = p
-            sent[p] += egress[s]
-        out.append(Binding(tuple(src), tuple(trainers + (d + k) % rollouts for d in range(rollouts))))
-    return tuple(out)
 
 
 def check_bucket(plans: Sequence[Plan], trainers: int, rollouts: int, bucket_size: int) -> None:
@@ -264,5 +218,5 @@ def build(trainers: int, rollouts: int, metadata: Sequence[Any]) -> tuple[list[d
     return tops[:trainers], tops[trainers:]
 
 
-__all__ = ["RefitAssignment", "STAGINGS", "TRANSPORTS", "bindings", "build", "check_bucket", "check_options",
-           "check_store_address", "group_plans", "model_digest", "tensor_groups"]
+__all__ = ["RefitAssignment", "STAGINGS", "build", "check_bucket", "check_options", "check_store_address",
+           "group_plans", "model_digest"]

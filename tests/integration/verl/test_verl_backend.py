@@ -115,7 +115,8 @@ def test_trainer_killed_mid_refit(cluster):
 
 
 def test_rollout_killed_mid_refit(cluster, tmp_path: Path):
-    """All or nothing ("model" staging): the survivors keep their weights whole."""
+    """All or nothing ("model" staging): the survivors keep their weights whole. While the refit waits for the
+    trainers, the rollout workers answer other calls."""
     cluster.reconfigure(ce(cluster, staging="model"))
     cluster.refit(11)
     before = check_served(cluster, 11)
@@ -136,6 +137,10 @@ def test_rollout_killed_mid_refit(cluster, tmp_path: Path):
     while not reached.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert reached.exists(), "the refit never reached the fault"
+    import ray
+
+    # mid-refit, the rollout workers' event loops are free (the transfers wait on a thread): they answer at once
+    assert ray.get(cluster.rollouts.workers[0].served.remote(), timeout=30) == before[0]
     cluster.kill_rollout(2)
     go.touch()
     thread.join(OPTIONS["timeout"] * 2)

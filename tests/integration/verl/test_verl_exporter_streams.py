@@ -13,6 +13,7 @@ adapter was handed, what it serves afterwards, and how long the refusal took to 
 from __future__ import annotations
 
 import re
+import threading
 import time
 
 import pytest
@@ -95,6 +96,38 @@ def test_a_fused_expert_stream_refits_byte_for_byte(cluster):
     want, streamed = expected(cluster)
     assert FUSED in streamed  # the stream is the fused one
     assert "model.layers.0.mlp.experts.3.up_proj.weight" in want  # what vLLM's loader takes
+    check_serves(cluster, step)
+
+
+def test_a_group_is_received_while_the_adapter_takes_the_one_before(cluster, tmp_path):
+    """Pipelined, with bounded memory ("bucket" staging): while every rollout rank's server adapter holds the
+    refit's first group, the second moves to every process (received on the transfer thread), the third does not
+    (a rollout rank holds two groups); the event loop meanwhile answers calls."""
+    import ray
+
+    cluster.reconfigure(vc.checkpoint_engine_config(cluster.checkpoint, 1))
+    go = tmp_path / "go"
+    cluster.rollouts.hold(str(go))
+    step = train(cluster)
+    outcome: list = []
+    refit = threading.Thread(target=lambda: outcome.append(cluster.refit(step)))
+    refit.start()
+    try:
+        size, moved, deadline = TRAINERS + ROLLOUTS, [], time.monotonic() + 60
+        while not (len(moved) > 1 and moved[1][1] == size) and time.monotonic() < deadline:
+            moved = ray.get(cluster.rollouts.workers[0].moved.remote(), timeout=30)
+            time.sleep(0.05)
+        assert len(moved) > 1 and moved[1][1] == size, f"the second group did not move while the first was held: " \
+                                                       f"{moved}"
+        time.sleep(0.5)  # time enough for a third group, were it allowed
+        moved = ray.get(cluster.rollouts.workers[0].moved.remote(), timeout=30)
+        assert len(moved) < 3 or moved[2][1] < size, f"a third group moved while two were held: {moved}"
+        assert all(not cs[-1]["names"][1:] for cs in cluster.rollouts.calls()), "an adapter went past its hold"
+    finally:
+        go.touch()
+        refit.join(120)
+        cluster.rollouts.hold(None)
+    assert outcome, "the refit failed"
     check_serves(cluster, step)
 
 

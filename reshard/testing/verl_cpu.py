@@ -309,13 +309,13 @@ class RolloutWorker(CheckpointEngineWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def moved(self) -> list[tuple[int, int]]:
-        """The refit in flight as reshard's verl backend records it in the refit's store: per position, the group
-        the trainer ranks announced and how many processes finished moving it."""
+        """The refit in flight as reshard's verl backend records it in the refit's store: per position whose gate
+        is open, the group and how many processes finished moving it."""
         session, out = self.checkpoint_engine._session, []
         for i in range(len(session.groups) if session is not None else 0):
-            if not session.keys.check([f"go/{i}/0"]):
+            if not session.keys.check([f"gate/{i}"]) or session.keys.get(f"gate/{i}") == b"closed":
                 break
-            k = int(session.keys.get(f"go/{i}/0"))
+            k = int(session.keys.get(f"gate/{i}"))
             out.append((k, int(session.keys.add(f"done/{k}", 0))))
         return out
 

@@ -180,6 +180,13 @@ class ReshardCheckpointEngine(CheckpointEngine):
             ExecutionError: a transfer failed, or another process reported a failure.
         """
         session = self._ready("send_weights", trainer=True)
+        try:
+            return await self._send(session, weights)
+        except BaseException as e:  # the exporter's own error too: every process hears of it at once
+            session.fail(e)
+            raise
+
+    async def _send(self, session: RefitSession, weights: Any) -> dict[str, float]:
         filling: dict[int, dict[str, torch.Tensor]] = {}
         seen: set[str] = set()
         moving = None  # the transfer in flight (an awaitable of the transfer thread's job)
@@ -202,6 +209,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
                     position += 1
             except ReshardError as e:
                 error = session.fail(e)
+                filling.clear()  # nothing more moves: the drain holds no tensors
         if error is None and position < len(self.groups):
             missing = [n for g in self.groups for n in g if n not in seen]
             error = session.fail(ArgumentError("weights", missing[:5], f"({len(missing)} tensors of the model) "
@@ -270,12 +278,13 @@ class ReshardCheckpointEngine(CheckpointEngine):
         except GeneratorExit:
             session.fail(ExecutionError("the server adapter stopped taking the weights before the refit's end"))
             raise
-        except ReshardError as e:
+        except BaseException as e:
             session.fail(e)
             raise
         finally:
-            if not done:
-                session.stop.set()  # the transfer thread stops at its next wait
+            if not done:  # the transfer thread takes part in the groups already open, then stops at the next gate
+                session.stop.set()
+                slots.release(len(self.groups))
         self.last_metrics = {f"reshard/rollout{rank}/seconds": time.perf_counter() - start}
 
     def _receive_all(self, session: RefitSession, slots: threading.Semaphore, loop: asyncio.AbstractEventLoop,
@@ -284,9 +293,8 @@ class ReshardCheckpointEngine(CheckpointEngine):
         is free; what landed (or the error) goes to the event loop's queue."""
         try:
             for i in range(len(self.groups)):
-                k = session.wait_go(i)
-                while not slots.acquire(timeout=0.05):
-                    session.check()
+                k = session.wait_gate(i)
+                slots.acquire()  # an open gate is entered: the event loop releases every slot if it stops early
                 dst = {name: self._empty(name) for name in self.groups[k]}
                 session.move(k, dst=dst)
                 loop.call_soon_threadsafe(landed.put_nowait, (k, dst))
@@ -339,9 +347,9 @@ BUCKET_SLOTS = 2  # "bucket" staging: groups a rollout rank holds (one handed on
 
 
 def _move_next(session: RefitSession, position: int, src: dict[str, torch.Tensor]) -> int:
-    """A trainer's transfer-thread job: wait until every trainer rank completed its group `position`, move it."""
-    k = session.wait_go(position)
-    return session.move(k, src=src)
+    """A trainer's transfer-thread job: move its group `position` once every trainer rank completed it (its gate
+    open), or raise if the gate closed."""
+    return session.move(session.wait_gate(position), src=src)
 
 
 def _synchronize(device: torch.device) -> None:

@@ -4,17 +4,21 @@ process of the refit agrees (engine.py drives it; no verl here).
 Every process of a refit (M trainer ranks, N rollout ranks) agrees through keys in the refit's store, under its
 secret namespace (adapters.rendezvous):
 
-    go/<i>/<p>   trainer rank p: the i-th group it moves is group k (the value). Posted once every tensor of group
-                 k came in p's stream and passed the checks, so groups move in the order the stream completes
-                 them, whatever order the model's groups are cut in (engine.py, send_weights).
+    go/<i>       the group k the trainer ranks move i-th (the first trainer rank's to post it; another value
+                 from another trainer rank fails the refit: their streams differ). A trainer rank posts it once
+                 every tensor of group k came in its stream and passed the checks, so groups move in the order the
+                 stream completes them, whatever order the model's groups are cut in (engine.py, send_weights).
+    gate/<i>     the decision on the i-th group, made once: k (open: the M-th trainer rank to post go/<i> sets it)
+                 or "closed" (a failing process closes every gate not yet decided).
     done/<k>     a counter: the processes that finished moving group k.
     end          a counter: the trainer ranks whose stream ended clean (every tensor once, nothing unknown).
-    fail         the first failure's reason (adapters.rendezvous.fail), which every wait here checks.
+    fail         the first failure's reason (adapters.rendezvous.fail), which every other wait checks.
 
-No process enters group k's transfer before every trainer rank posted go for it. So a trainer rank that refuses
-its stream never leaves a peer waiting inside a transfer (a gloo receive is woken only by its timeout or its
-peer's exit, not by the peer closing its group): it posts `fail`, lets the transfer it had begun finish (one
-group), and every other process sees `fail` at its next wait, within milliseconds.
+Every live process enters the transfer of every open gate's group, and none enters a closed one's. So a trainer
+rank that refuses its stream never leaves a peer waiting inside a transfer (a gloo receive is woken only by its
+timeout or its peer's exit, not by the peer closing its group): it posts `fail`, closes the gates still open to
+decision, takes part in the transfers already opened (at most two groups), and every other process raises at its
+next wait, within milliseconds.
 """
 from __future__ import annotations
 
@@ -60,7 +64,7 @@ class RefitSession:
         self.timeout = float(options.get("timeout", 300.0))
         self.size = top.trainers + top.rollouts
         self.role = "trainer" if top.is_trainer else "rollout"
-        self.stop = threading.Event()  # set on a failure seen here and at close: every wait of this session ends
+        self.stop = threading.Event()  # set on a failure seen here and at close: the waits of this session end
         # one thread moves the groups, in order; the caller's event loop stays free (verl's actors are async)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"reshard-verl-{self.role}",
                                        initializer=torch.cuda.set_device if device is not None else None,
@@ -68,27 +72,38 @@ class RefitSession:
 
     # --- the keys ----------------------------------------------------------------------------------------
     def post_go(self, i: int, k: int) -> None:
-        """This trainer rank has group k whole and checked, as the i-th group it moves."""
-        self.keys.set(f"go/{i}/{self.top.process}", str(k))
-
-    def wait_go(self, i: int) -> int:
-        """Block until every trainer rank posted its i-th group (on the transfer thread); returns that group.
+        """This trainer rank has group k whole and checked, as the i-th group it moves; the last trainer rank to
+        say so opens gate i.
 
         Raises:
-            ExecutionError: a failure posted by any process, trainer ranks naming different groups (their streams
-                differ), the session closed, or nothing within the timeout.
+            ExecutionError: another trainer rank moves another group i-th (posted as the refit's failure).
         """
-        keys = [f"go/{i}/{p}" for p in range(self.top.trainers)]
-        if not poll(lambda: self.keys.check(keys), time.monotonic() + self.timeout, first_s=1e-4, most_s=_MOST_S,
-                    between=self.check):
+        first = self.keys.compare_set(f"go/{i}", "", str(k))
+        first = first.decode() if isinstance(first, bytes) else first
+        if first != str(k):
+            raise self.fail(ExecutionError(f"the trainer ranks completed different groups as their group {i + 1} "
+                                           f"({first} and {k}): their streams differ (a tensor missing or out of "
+                                           f"place on some of them)"))
+        if int(self.keys.add(f"go/{i}/count", 1)) == self.top.trainers:
+            self.keys.compare_set(f"gate/{i}", "", str(k))
+
+    def wait_gate(self, i: int) -> int:
+        """Block until gate i is decided (on the transfer thread); returns the group to move.
+
+        Raises:
+            ExecutionError: the gate is closed (a process failed: its reason), the session was closed, or no
+                decision within the timeout.
+        """
+        key = f"gate/{i}"
+        if not poll(lambda: self.keys.check([key]), time.monotonic() + self.timeout, first_s=1e-4, most_s=_MOST_S,
+                    between=self._closed):
             raise ExecutionError(f"{self._who()}: the trainer ranks did not all complete their group {i + 1} of "
                                  f"{len(self.groups)} within {self.timeout:.0f} s")
-        named = [int(self.keys.get(key)) for key in keys]
-        if len(set(named)) > 1:
-            raise self.fail(ExecutionError(f"the trainer ranks completed different groups as their group {i + 1} "
-                                           f"({named}): their streams differ (a tensor missing or out of place on "
-                                           f"some of them)"))
-        return named[0]
+        value = self.keys.get(key).decode()
+        if value == "closed":
+            self.stop.set()
+            raise ExecutionError(f"{self._who()}: the refit failed: {self.failure()}")
+        return int(value)
 
     def post_done(self, k: int) -> None:
         self.keys.add(f"done/{k}", 1)
@@ -113,9 +128,12 @@ class RefitSession:
         if reason is not None:
             self.stop.set()
             raise ExecutionError(f"{self._who()}: the refit failed: {reason}")
+        self._closed()
+
+    def _closed(self) -> None:
         if self.stop.is_set():
-            raise ExecutionError(f"{self._who()}: the refit was closed before it ended (the next refit's "
-                                 f"prepare, or finalize)")
+            raise ExecutionError(f"{self._who()}: the refit was closed before it ended (a failure, the next "
+                                 f"refit's prepare, or finalize)")
 
     def failure(self) -> str | None:
         try:
@@ -124,8 +142,14 @@ class RefitSession:
             return f"the refit's store at {self.rdv.address} is gone ({type(e).__name__})"
 
     def fail(self, error: BaseException) -> BaseException:
-        """Tell every process of the refit why it fails (the first reason stays); returns `error`."""
+        """Tell every process of the refit why it fails (the first reason stays) and close every gate not yet
+        decided; returns `error`. Gates already open stay open: this process still takes part in their groups."""
         rv.fail(self.store, self.rdv, f"{self._who()}: {error}")
+        try:
+            for i in range(len(self.groups)):
+                self.keys.compare_set(f"gate/{i}", "", "closed")
+        except Exception:  # noqa: BLE001 - best effort: the store's host may be gone (then so is the refit)
+            pass
         self.stop.set()
         return error
 
@@ -138,7 +162,7 @@ class RefitSession:
     def move(self, k: int, src: dict[str, torch.Tensor] | None = None,
              dst: dict[str, torch.Tensor] | None = None) -> int:
         """Move group k (this process's part), then count it done; returns the bytes this process sent. On the
-        transfer thread, after `wait_go`.
+        transfer thread, once its gate is open.
 
         Raises:
             ReshardError: the transfer failed (posted as the refit's failure unless a peer's came first).

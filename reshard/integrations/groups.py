@@ -43,6 +43,23 @@ def tensor_bytes(spec: ModelSpec, name: str) -> int:
     return t.numel * DTYPE_SIZES[t.dtype or spec.dtype]
 
 
+def available_bytes(device: "torch.device") -> int | None:
+    """Free memory where an inference process would stage the model ("model" staging): the CUDA device's free
+    memory, or the host's available memory (/proc/meminfo's MemAvailable); None where it cannot be read."""
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def tensor_groups(spec: ModelSpec, bucket_size: int) -> tuple[tuple[str, ...], ...]:
     """The model's tensors in model order, cut into consecutive groups of at most `bucket_size` bytes (a tensor
     larger than that is a group of its own).

@@ -60,7 +60,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-import os
 import time
 from collections.abc import AsyncGenerator, Generator
 from typing import Any
@@ -69,7 +68,8 @@ import torch
 
 from ..errors import ArgumentError, ExecutionError, ReshardError
 from ..layouts import ModelSpec
-from .groups import group_bindings, group_executor, group_plans, refuse, tensor_bytes, tensor_groups
+from .groups import (available_bytes, group_bindings, group_executor, group_plans, refuse, tensor_bytes,
+                     tensor_groups)
 
 TRANSPORTS = ("collective", "shared")
 STAGINGS = ("bucket", "model")
@@ -205,7 +205,7 @@ class ReshardCheckpointEngine:
         # the cost of "model" staging, measured here: on a vLLM worker NeMo-RL builds the engine after vLLM reserved
         # its memory. Refused when the worker joins (the first moment it is known to be one), naming both numbers.
         self.model_bytes = sum(_aligned(tensor_bytes(self.spec, t.name)) for t in self.spec.tensors)
-        self.free_bytes = _free_bytes(self.device) if staging == "model" else None
+        self.free_bytes = available_bytes(self.device) if staging == "model" else None
         self._reset()
 
     def _reset(self) -> None:
@@ -279,7 +279,8 @@ class ReshardCheckpointEngine:
         else:  # only policy worker 0's store is used
             self.store = rv.connect(rdv)
         process = rank if role == "policy" else T + rank
-        if role == "rollout" and self.staging == "model" and self.model_bytes > self.free_bytes:
+        if role == "rollout" and self.staging == "model" and self.free_bytes is not None \
+                and self.model_bytes > self.free_bytes:
             error = ArgumentError("staging", "model", f"holds the whole model on every vLLM worker: "
                                   f"{_gib(self.model_bytes)} for {self.spec.family}, but {self.device} had "
                                   f"{_gib(self.free_bytes)} free when the engine was built",
@@ -734,20 +735,6 @@ def _carve(buffer: torch.Tensor, tensors: list[tuple[str, tuple[int, ...], torch
         out[name] = buffer[offset:offset + size].view(dtype).view(shape)
         offset += _aligned(size)
     return out
-
-
-def _free_bytes(device: torch.device) -> int:
-    """Free memory where a vLLM worker would stage the model: the CUDA device's, or the host's available memory."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _gib(nbytes: int | None) -> str:

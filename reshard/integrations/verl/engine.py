@@ -63,7 +63,7 @@ from ...layouts import ModelSpec
 from ...layouts.model import DTYPE_SIZES
 from ..streams import StreamNames
 from .session import RefitSession
-from ..groups import group_bindings, tensor_groups
+from ..groups import available_bytes, group_bindings, tensor_groups
 from .topology import RefitAssignment, build, check_options, model_digest
 
 BACKEND = "reshard"
@@ -360,21 +360,6 @@ def _synchronize(device: torch.device) -> None:
 def model_bytes(spec: ModelSpec) -> int:
     """Bytes of every tensor of the model, each in its own dtype."""
     return sum(t.numel * DTYPE_SIZES[t.dtype or spec.dtype] for t in spec.tensors)
-
-
-def available_bytes(device: torch.device) -> int | None:
-    """Free memory where a rollout rank receives: the CUDA device's free memory, or the host's available memory
-    (/proc/meminfo's MemAvailable); None where it cannot be read."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def staging_room(spec: ModelSpec, device: torch.device) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from reshard.errors import ArgumentError, ExecutionError
+from reshard.integrations.groups import group_bindings
 from reshard.integrations.verl import topology as tp
 from reshard.testing.megatron_cpu import TinyGPT
 
@@ -41,7 +42,7 @@ def test_every_trainer_sends_its_share(trainers, rollouts, fanout):
     top = tp.RefitAssignment.from_dict(actor[0])
     plans = top.plans()
     sent = [0] * trainers
-    for plan, binding in zip(plans, tp.bindings(plans, trainers, rollouts)):
+    for plan, binding in zip(plans, group_bindings(plans, trainers, rollouts)):
         for s, b in enumerate(plan.accounting.egress_bytes):
             sent[binding.src[s]] += b
     model = sum(nbytes(t.name) for t in SPEC.tensors)

@@ -85,7 +85,7 @@ def tensor_groups(spec: ModelSpec, bucket_size: int) -> tuple[tuple[str, ...], .
 
 
 def group_plans(spec: ModelSpec, trainers: int, rollouts: int, groups: Sequence[Sequence[str]],
-                fanout: int | None = None) -> list[Plan]:
+                fanout: int | None = None, roots: int | None = None) -> list[Plan]:
     """One plan per group: each tensor held whole by every one of `trainers` source ranks, needed whole by every
     one of `rollouts` destination ranks; the compiler spreads a group's sending over the source ranks and, with
     `fanout`, feeds some destination ranks and relays to the others.
@@ -95,6 +95,8 @@ def group_plans(spec: ModelSpec, trainers: int, rollouts: int, groups: Sequence[
         trainers, rollouts: the processes of each side.
         groups: `tensor_groups`' result (every process must pass the same).
         fanout: relay tree width among the rollout processes (None: the trainers feed every one).
+        roots: with `fanout`, how many rollout processes the trainers feed (None: the compiler's choice; 1: one
+            copy of the model leaves the trainers).
 
     Returns:
         The plans, in group order (compiled once per process: planner.cache).
@@ -103,7 +105,8 @@ def group_plans(spec: ModelSpec, trainers: int, rollouts: int, groups: Sequence[
         PlanError, ArgumentError: from the compiler (a group naming no tensor of the model, bad fan-out options).
     """
     src, dst = HfLayout(model=spec, replicas=trainers), HfLayout(model=spec, replicas=rollouts)
-    extra = {"fanout": fanout} if fanout is not None and rollouts > 1 else {}
+    extra = {} if fanout is None or rollouts < 2 else \
+        {"fanout": fanout} if roots is None else {"fanout": fanout, "roots": roots}
     return [cached_plan(src, dst, tensors=tuple(group), **extra) for group in groups]
 
 

@@ -60,10 +60,9 @@ from ...addresses import ENV, routable_address
 from ...errors import ArgumentError, ExecutionError, ReshardError
 from ...executors.local import torch_dtype
 from ...layouts import ModelSpec
-from ...layouts.model import DTYPE_SIZES
 from ..streams import StreamNames
 from .session import RefitSession
-from ..groups import available_bytes, group_bindings, tensor_groups
+from ..groups import available_bytes, group_bindings, tensor_bytes, tensor_groups
 from .topology import RefitAssignment, build, check_options, model_digest
 
 BACKEND = "reshard"
@@ -359,7 +358,7 @@ def _synchronize(device: torch.device) -> None:
 
 def model_bytes(spec: ModelSpec) -> int:
     """Bytes of every tensor of the model, each in its own dtype."""
-    return sum(t.numel * DTYPE_SIZES[t.dtype or spec.dtype] for t in spec.tensors)
+    return sum(tensor_bytes(spec, t.name) for t in spec.tensors)
 
 
 def staging_room(spec: ModelSpec, device: torch.device) -> None:

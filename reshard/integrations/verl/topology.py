@@ -25,9 +25,9 @@ from typing import Any, Sequence
 
 from ...errors import ArgumentError, ExecutionError
 from ...executors.binding import Binding
-from ...layouts import HfLayout, ModelSpec
+from ...layouts import ModelSpec
 from ...planner import Plan
-from ...planner.cache import cached_plan
+from .. import groups
 from ..groups import DEPTH, TRANSPORTS, tensor_groups
 
 STAGINGS = ("bucket", "model")
@@ -125,13 +125,10 @@ class RefitAssignment:
 
 def group_plans(spec: ModelSpec, trainers: int, rollouts: int, bucket_size: int,
                 options: dict[str, Any]) -> list[Plan]:
-    """One plan per tensor group (integrations.groups.tensor_groups): HF tensors replicated on every trainer rank
-    -> whole tensors on every rollout rank, the sending spread over the trainer ranks; with `fanout`, the trainers
-    feed one rollout rank (one copy of the model leaves them) and rollout ranks relay it to the others."""
-    src, dst = HfLayout(model=spec, replicas=trainers), HfLayout(model=spec, replicas=rollouts)
-    fanout = options.get("fanout")
-    extra = {"fanout": fanout, "roots": 1} if fanout is not None and rollouts > 1 else {}
-    return [cached_plan(src, dst, tensors=group, **extra) for group in tensor_groups(spec, bucket_size)]
+    """One plan per tensor group (integrations.groups); with `fanout`, the trainers feed one rollout rank (one copy
+    of the model leaves them) and rollout ranks relay it to the others."""
+    return groups.group_plans(spec, trainers, rollouts, tensor_groups(spec, bucket_size), options.get("fanout"),
+                              roots=1)
 
 
 def check_bucket(plans: Sequence[Plan], trainers: int, rollouts: int, bucket_size: int) -> None:

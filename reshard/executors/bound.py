@@ -29,15 +29,15 @@ from .base import Executor, RankTensors
 from .checksum import Streams, algorithm, block
 from .copies import DST, SRC, fold
 from .graphs import STREAMS, Replay, on_streams, single_cuda_device, spread
-from .guard import check_memory, check_ops
-from .local import apply_shifts, check_tensors, in_units, shift_views
+from .guard import check_ops
+from .local import apply_shifts
 from .pins import Pins
+from .prepared import Prepared
 from .stats import RefitStats
 from .views import Memory, bind
 
 GRAPH = "auto"  # default graph mode on one GPU (see BoundLocalExecutor)
 MANY_COPIES = 1000  # "auto": from this many large copies on, the whole refit one graph (launch-bound otherwise)
-SPLIT = False  # default for views.bind's split
 TABLE_FROM = 1000  # table None: the large copies through one table-copy kernel from this many on (CUDA, Triton)
 
 
@@ -49,8 +49,7 @@ class BoundLocalExecutor(Executor):
     contiguous copies launched as plain device copies), "none", "auto" ("all" from MANY_COPIES large copies on,
     else "small": plain copies move a few hundred large tensors faster than graph nodes do, while thousands of
     expert matrices are launch-bound and run far faster as graph nodes; BENCHMARKS.md, Same host, issue 31's
-    variants); True is GRAPH, False "none". `split`: large
-    contiguous slices of 3-D copies as plain copies (views.bind; default SPLIT). `streams`: on a GPU, the large
+    variants); True is GRAPH, False "none". `streams`: on a GPU, the large
     copies are spread over this many side streams (default graphs.STREAMS; 1: all on the current stream).
     `table`: the large copies as one launch of the table-copy kernel (kernels.copy_table, Triton) instead of one
     copy each; None: on one GPU with Triton, from TABLE_FROM large copies on (then "auto" is "all")."""
@@ -59,64 +58,37 @@ class BoundLocalExecutor(Executor):
 
     def __init__(self, plan: Plan, binding: object = None, process: int = 0, src: RankTensors | None = None,
                  dst: RankTensors | None = None, ops: "np.ndarray | None" = None, graph: "bool | str" = True,
-                 split: "bool | None" = None, streams: "int | None" = None,
-                 table: "bool | None" = None, checksum: "bool | str" = False,
+                 streams: "int | None" = None, table: "bool | None" = None, checksum: "bool | str" = False,
                  checksum_kernel: "bool | None" = None) -> None:
-        self.plan, src, dst = plan, dict(src or {}), dict(dst or {})
-        self.process, self._version = process, 0
+        self.plan, self.process, self._version = plan, process, 0
         self.checksum = algorithm(checksum)
-        check_ops(plan)
+        mine, prepared = _prepare(plan, dict(src or {}), dict(dst or {}), ops)
+        self._pins = Pins(prepared.tensors)
         o = plan.ops
-        mine = np.flatnonzero(np.isin(o["dst_rank"], list(dst)))
-        if ops is not None:
-            mine = np.intersect1d(mine, np.asarray(ops, dtype=np.int64))
-        if np.any(o["src_side"][mine] == RELAY):
-            raise ExecutionError("the plan relays between destination replicas; compile it without fan-out to "
-                                 "run it bound in one process")
-        missing = sorted(set(o["src_rank"][mine].tolist()) - set(src))
-        if missing:
-            raise ExecutionError(f"this process lacks source ranks {missing[:10]} that the plan reads")
-        used = sorted(set(o["src_rank"][mine].tolist()))
-        src = {r: src[r] for r in used}
-        ids = None if ops is None else (set(o["src_tensor"][mine].tolist()), set(o["dst_tensor"][mine].tolist()))
-        check_tensors(plan, src, dst, ids)  # a subset of ops: only the tensors they touch need be there
-        check_memory(src, dst)
-        tensors = [t for side in (src, dst) for ts in side.values() for t in ts.values()]
-        self._pins = Pins(tensors)
-        s_units, d_units = in_units(plan, src, dst)
-        s_flat = {i: s_units[r][n].view(-1) for i, (r, n) in enumerate(zip(plan.src_tensors.ranks,
-                                                                           plan.src_tensors.names))
-                  if n in s_units.get(r, {})}
-        d_flat = {i: d_units[r][n].view(-1) for i, (r, n) in enumerate(zip(plan.dst_tensors.ranks,
-                                                                           plan.dst_tensors.names))
-                  if n in d_units.get(r, {})}
         program = fold(SRC, o["src_tensor"][mine], o["src_offset"][mine], o["src_stride"][mine],
                        DST, o["dst_tensor"][mine], o["dst_offset"][mine], o["dst_stride"][mine],
                        o["rows"][mine], o["cols"][mine])
-        flats = {SRC: s_flat, DST: d_flat}
-        self._program = bind(program, Memory(lambda kind, i: flats[kind][i], plan.itemsize), plan.itemsize,
-                             SPLIT if split is None else bool(split))
-        self._shifts = shift_views(plan, d_flat, mine)
-        self.ops = len(mine)
-        self.copies = len(program)
-        self.bytes = int(program.numel) * plan.itemsize
+        flats = {SRC: prepared.src_flat, DST: prepared.dst_flat}
+        self._program = bind(program, Memory(lambda kind, i: flats[kind][i], plan.itemsize), plan.itemsize)
+        self._shifts = prepared.shifts(mine)
+        self.ops, self.copies, self.bytes = len(mine), len(program), int(program.numel) * plan.itemsize
         graph = GRAPH if graph is True else "none" if graph is False else graph
         if graph not in ("all", "small", "none", "auto"):
             raise ExecutionError(f"graph must be 'all', 'small', 'none', 'auto' or a bool, not {graph!r}")
-        self._device = single_cuda_device(tensors)
+        self._device = single_cuda_device(prepared.tensors)
         self._fused, self._sum_blocks = None, []
         if checksum_kernel is None:
             checksum_kernel = self._device is not None and _triton()
         if self.checksum == "sum64" and checksum_kernel:
             from ..kernels.copy_sum64 import CopySum64
 
-            entries, count = stream_entries(plan, mine, s_flat, d_flat)
-            device = tensors[0].device if tensors else torch.device("cpu")
-            self._fused = CopySum64(entries, device, count)
+            entries, count = stream_entries(plan, mine, prepared.src_flat, prepared.dst_flat)
+            self._fused = CopySum64(entries, prepared.device or torch.device("cpu"), count)
             self._program.large, self._program.groups = [], []  # all of it moved by the kernel
         elif self.checksum:
-            self._sum_blocks = [block(s_flat[int(o["src_tensor"][i])], int(o["src_offset"][i]), int(o["rows"][i]),
-                                      int(o["cols"][i]), int(o["src_stride"][i])) for i in mine.tolist()]
+            self._sum_blocks = [block(prepared.src_flat[int(o["src_tensor"][i])], int(o["src_offset"][i]),
+                                      int(o["rows"][i]), int(o["cols"][i]), int(o["src_stride"][i]))
+                                for i in mine.tolist()]
         large = self._program.large
         if table is None:
             table = self._device is not None and len(large) >= TABLE_FROM and _triton()
@@ -184,6 +156,25 @@ class BoundLocalExecutor(Executor):
     def close(self) -> None:
         self._program, self._shifts, self._pins, self._run, self._large = None, [], Pins(()), None, []
         self._table, self._fused, self._sum_blocks = None, None, []
+
+
+def _prepare(plan: Plan, src: dict, dst: dict, ops: "np.ndarray | None") -> tuple[np.ndarray, Prepared]:
+    """The ops this process runs (those its destination ranks receive, within `ops`) and its tensors, checked:
+    only the source ranks and (with `ops`) the tensors those ops touch need be there."""
+    check_ops(plan)
+    o = plan.ops
+    mine = np.flatnonzero(np.isin(o["dst_rank"], list(dst)))
+    if ops is not None:
+        mine = np.intersect1d(mine, np.asarray(ops, dtype=np.int64))
+    if np.any(o["src_side"][mine] == RELAY):
+        raise ExecutionError("the plan relays between destination replicas; compile it without fan-out to "
+                             "run it bound in one process")
+    used = sorted(set(o["src_rank"][mine].tolist()))
+    missing = sorted(set(used) - set(src))
+    if missing:
+        raise ExecutionError(f"this process lacks source ranks {missing[:10]} that the plan reads")
+    ids = None if ops is None else (set(o["src_tensor"][mine].tolist()), set(o["dst_tensor"][mine].tolist()))
+    return mine, Prepared(plan, {r: src[r] for r in used}, dst, ids=ids)
 
 
 def stream_entries(plan: Plan, mine: np.ndarray, s_flat: dict, d_flat: dict) -> tuple[np.ndarray, int]:

@@ -75,10 +75,9 @@ class BoundCopies:
         return self.count
 
 
-def bind(copies: Copies, memory: Memory, itemsize: int, split: bool = False) -> BoundCopies:
+def bind(copies: Copies, memory: Memory, itemsize: int) -> BoundCopies:
     """View pairs for a program: large contiguous pairs alone; small contiguous pairs grouped by word type
-    (so that they fuse into few launches); strided pairs in one more group. `split`: a 3-D copy of large
-    contiguous slices (the q / k / v groups of an interleaved QKV weight) as one plain copy per slice."""
+    (so that they fuse into few launches); strided pairs in one more group."""
     per_word = word_elements(copies, itemsize).tolist()
     large: list[tuple] = []
     dense: dict[torch.dtype, tuple[list, list]] = {}
@@ -94,9 +93,6 @@ def bind(copies: Copies, memory: Memory, itemsize: int, split: bool = False) -> 
         contiguous = sv.is_contiguous() and dv.is_contiguous()
         if contiguous and sv.numel() * sv.element_size() >= LARGE_BYTES:
             large.append((dv, sv))
-            continue
-        if split and n > 1 and r == 1 and (c // w) * sv.element_size() >= LARGE_BYTES:
-            large.extend(zip(dv.unbind(0), sv.unbind(0)))  # large contiguous slices: a memcpy each
             continue
         group = dense.setdefault(sv.dtype, ([], [])) if contiguous else strided
         group[0].append(dv)

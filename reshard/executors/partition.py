@@ -1,0 +1,231 @@
+"""Who moves each op of a plan under a binding, and what one process does: written once for every executor.
+
+Every executor splits a plan the same way before it adds its wire: each op has a sending process (the binding's
+process for its source rank, or for its relaying destination rank) and a receiving process (the one playing its
+destination rank). An op whose two processes are one is LOCAL: a copy, never a send to itself. The remote ops of
+one (stage, sender, receiver) form a STREAM, numbered globally in that sort order, so every process derives the
+same numbering from the same plan and binding: the torch.distributed executor cuts streams into rounds
+(executors.schedule), NIXL moves each as one link (executors.nixl.schedule), the shared-memory executor writes
+each pair's ops straight into its peer's memory (executors.shared).
+
+`Partition(plan, binding, process)` holds that split, this process's part of it (its local ops by stage, the ops
+it sends and receives by peer, the tensors it reads and writes, byte counts), and the staging pieces every staged
+executor needs: which destination tensors are written while a refit is in flight, the commit of shadows into
+destination tensors, and the local copies deferred to the commit. Pure numpy; computed once per executor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from ..errors import ExecutionError
+from ..planner import Plan
+from ..planner.plan import RELAY, SOURCE
+from .binding import Binding
+from .copies import DST, SHADOW, SRC, Copies, fold
+
+
+def op_processes(plan: Plan, binding: Binding) -> tuple[np.ndarray, np.ndarray]:
+    """The sending and the receiving process of every op (a relay's sender plays a destination rank)."""
+    if not plan.num_ops:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    o = plan.ops
+    src, dst = np.asarray(binding.src, np.int64), np.asarray(binding.dst, np.int64)
+    sender = np.where(o["src_side"] == SOURCE, src[np.minimum(o["src_rank"], len(src) - 1)],
+                      dst[np.minimum(o["src_rank"], len(dst) - 1)])
+    return sender, dst[o["dst_rank"]]
+
+
+def carve(sizes: "list[int] | np.ndarray", align: int) -> tuple[list[int], int]:
+    """Start offsets of regions of `sizes` elements laid end to end in one buffer, each start a multiple of `align`
+    elements (so that word views apply to every region), and the buffer's length. The one layout of every staging
+    arena (shadows, wire buffers)."""
+    padded = [-(-max(int(n), 1) // align) * align for n in sizes]
+    starts = np.concatenate([[0], np.cumsum(padded, dtype=np.int64)]).tolist()
+    return [int(s) for s in starts[:-1]], int(starts[-1]) if len(padded) else 0
+
+
+@dataclass(frozen=True, eq=False)
+class Partition:
+    """A plan's ops split between the processes of a binding, seen from `process` (see the module docstring)."""
+
+    plan: Plan
+    binding: Binding
+    process: int
+
+    def __post_init__(self) -> None:
+        self.binding.check(self.plan.src.num_ranks, self.plan.dst.num_ranks)
+        if not 0 <= self.process < max(self.binding.num_processes, 1):
+            raise ExecutionError(f"process {self.process} is outside the binding's processes "
+                                 f"0..{self.binding.num_processes - 1}")
+
+    # --- the global split (the same on every process) ------------------------------------------------
+    @cached_property
+    def senders_receivers(self) -> tuple[np.ndarray, np.ndarray]:
+        return op_processes(self.plan, self.binding)
+
+    @property
+    def sender(self) -> np.ndarray:
+        """Per op, the process that sends it."""
+        return self.senders_receivers[0]
+
+    @property
+    def receiver(self) -> np.ndarray:
+        """Per op, the process that receives it."""
+        return self.senders_receivers[1]
+
+    @cached_property
+    def streams(self) -> tuple[np.ndarray, np.ndarray]:
+        """(stream of every op, -1 for local ones; (stage, sender, receiver) of every stream, sorted)."""
+        sender, receiver = self.senders_receivers
+        remote = sender != receiver
+        stream = np.full(self.plan.num_ops, -1, np.int64)
+        if not remote.any():
+            return stream, np.zeros((0, 3), np.int64)
+        keys = np.stack([self.plan.ops["stage"][remote], sender[remote], receiver[remote]], axis=1)
+        uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
+        stream[remote] = inverse.reshape(-1)
+        return stream, uniq
+
+    def most_streams(self) -> int:
+        """The most streams (peers sent to plus peers received from) any process has in one stage."""
+        keys = self.streams[1]
+        if not len(keys):
+            return 0
+        per = np.concatenate([keys[:, [0, 1]], keys[:, [0, 2]]])
+        return int(np.unique(per, axis=0, return_counts=True)[1].max())
+
+    # --- this process --------------------------------------------------------------------------------
+    @cached_property
+    def local(self) -> np.ndarray:
+        """Ops this process both sends and receives (plan order)."""
+        return np.flatnonzero((self.sender == self.process) & (self.receiver == self.process))
+
+    @cached_property
+    def received(self) -> np.ndarray:
+        """Ops a peer sends this process (plan order)."""
+        return np.flatnonzero((self.receiver == self.process) & (self.sender != self.process))
+
+    @cached_property
+    def sent(self) -> np.ndarray:
+        """Ops this process sends a peer (plan order)."""
+        return np.flatnonzero((self.sender == self.process) & (self.receiver != self.process))
+
+    @cached_property
+    def landing(self) -> np.ndarray:
+        """Every op this process receives, local or remote (plan order)."""
+        return np.flatnonzero(self.receiver == self.process)
+
+    def local_by_stage(self) -> list[np.ndarray]:
+        stage = self.plan.ops["stage"][self.local]
+        return [self.local[stage == s] for s in range(self.plan.num_stages)]
+
+    @cached_property
+    def sends_to(self) -> dict[int, np.ndarray]:
+        """Peer -> the ops this process sends it (plan order)."""
+        return _by(self.sent, self.receiver)
+
+    @cached_property
+    def receives_from(self) -> dict[int, np.ndarray]:
+        """Peer -> the ops it sends this process (plan order)."""
+        return _by(self.received, self.sender)
+
+    @property
+    def peers(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.sends_to) | set(self.receives_from)))
+
+    @cached_property
+    def src_ids(self) -> tuple[int, ...]:
+        """Source tensor ids of the source ranks this process plays."""
+        mine = self.binding.src_ranks_of(self.process)
+        return tuple(np.flatnonzero(np.isin(self.plan.src_tensors.rank, mine)).tolist())
+
+    @cached_property
+    def dst_ids(self) -> tuple[int, ...]:
+        """Destination tensor ids of the destination ranks this process plays."""
+        mine = self.binding.dst_ranks_of(self.process)
+        return tuple(np.flatnonzero(np.isin(self.plan.dst_tensors.rank, mine)).tolist())
+
+    @cached_property
+    def relay_sources(self) -> np.ndarray:
+        """Destination tensors this process forwards bytes from (fan-out relays it sends)."""
+        o = self.plan.ops
+        relays = np.flatnonzero((self.sender == self.process) & (o["src_side"] == RELAY))
+        return np.unique(o["src_tensor"][relays])
+
+    @cached_property
+    def in_flight(self) -> np.ndarray:
+        """Per destination tensor: written while a refit is in flight (it receives bytes from a peer, or this
+        process forwards from it). A staged refit gives these a shadow; local copies into any other tensor wait
+        for the commit."""
+        mask = np.zeros(len(self.plan.dst_tensors), dtype=bool)
+        mask[self.plan.ops["dst_tensor"][self.received]] = True
+        mask[self.relay_sources] = True
+        return mask
+
+    # --- staging -------------------------------------------------------------------------------------
+    def commit(self, shadowed: np.ndarray) -> Copies:
+        """Shadow -> destination copies of the tensors `shadowed` (a mask): a tensor the ops received here write
+        whole is one contiguous copy, any other one copy per op."""
+        o, sizes = self.plan.ops, self.tensor_sizes
+        ops = self.landing[shadowed[o["dst_tensor"][self.landing]]]
+        t = o["dst_tensor"][ops]
+        written = np.bincount(t, weights=o["rows"][ops] * o["cols"][ops], minlength=len(sizes)).astype(np.int64)
+        ids = np.flatnonzero(shadowed & (written == sizes))
+        part = ~np.isin(t, ids)
+        parts = [fold(SHADOW, ids, 0, sizes[ids], DST, ids, 0, sizes[ids], 1, sizes[ids]) if len(ids) else
+                 Copies.empty()]
+        if part.any():
+            p = ops[part]
+            parts.append(fold(SHADOW, o["dst_tensor"][p], o["dst_offset"][p], o["dst_stride"][p], DST,
+                              o["dst_tensor"][p], o["dst_offset"][p], o["dst_stride"][p], o["rows"][p], o["cols"][p]))
+        return Copies.concat(parts)
+
+    def copies(self, ops: np.ndarray, src_kind: "int | np.ndarray", dst_kind: "int | np.ndarray") -> Copies:
+        """The ops as one folded program from `src_kind` memory (SRC; a relay reads its destination tensor, in
+        the kind given for it) to `dst_kind` memory at the destination tensors' places."""
+        if not len(ops):
+            return Copies.empty()
+        o = self.plan.ops
+        return fold(src_kind, o["src_tensor"][ops], o["src_offset"][ops], o["src_stride"][ops], dst_kind,
+                    o["dst_tensor"][ops], o["dst_offset"][ops], o["dst_stride"][ops], o["rows"][ops], o["cols"][ops])
+
+    def read_kind(self, ops: np.ndarray, shadowed: np.ndarray) -> np.ndarray:
+        """Per op, the memory it reads: SRC for source ops; for relays the destination tensor, or its shadow."""
+        o = self.plan.ops
+        relay = o["src_side"][ops] == RELAY
+        kind = np.full(len(ops), SRC, np.int64)
+        kind[relay] = np.where(shadowed[o["src_tensor"][ops][relay]], SHADOW, DST)
+        return kind
+
+    @cached_property
+    def tensor_sizes(self) -> np.ndarray:
+        """Elements of every destination tensor (plan units)."""
+        return np.asarray([int(np.prod(s)) for s in self.plan.dst_tensors.shapes], dtype=np.int64)
+
+    # --- byte counts ---------------------------------------------------------------------------------
+    def numel(self, ops: np.ndarray) -> int:
+        o = self.plan.ops
+        return int((o["rows"][ops] * o["cols"][ops]).sum())
+
+    @cached_property
+    def bytes_sent(self) -> dict[int, int]:
+        return {q: self.numel(ops) * self.plan.itemsize for q, ops in self.sends_to.items()}
+
+    @cached_property
+    def bytes_received(self) -> dict[int, int]:
+        return {q: self.numel(ops) * self.plan.itemsize for q, ops in self.receives_from.items()}
+
+    @cached_property
+    def local_numel(self) -> int:
+        return self.numel(self.local)
+
+
+def _by(ops: np.ndarray, peer_of: np.ndarray) -> dict[int, np.ndarray]:
+    peers = peer_of[ops]
+    return {int(q): ops[peers == q] for q in np.unique(peers).tolist()}
+
+
+__all__ = ["Partition", "carve", "op_processes"]

@@ -1,0 +1,84 @@
+"""A process's tensors made ready for an executor, written once for every executor.
+
+`Prepared(plan, src, dst)` checks the tensors against the plan (names, shapes, dtypes, contiguity: `check_tensors`;
+dense memory and no destination overlapping another tensor: `check_memory`), with `ranks` that they are exactly the
+ranks the binding has this process play, finds their one device, sees tensors kept in a wider dtype in the plan's
+units (`in_units`) and keeps a flat view of each by its id in the plan's tensor tables: the memory SRC / DST of
+every copy program (executors.copies). `shifts(ops)` gives the value shifts of the destination blocks of `ops`;
+`arena(sizes)` lays staging regions (shadows, wire buffers) out in one buffer, each start aligned so that word
+views apply (`partition.carve`). Every check raises ExecutionError before anything is written.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..errors import ExecutionError
+from ..planner import Plan
+from .base import RankTensors
+from .guard import check_memory
+from .local import check_tensors, in_units, shift_views, torch_dtype
+from .partition import carve
+
+ALIGN = 64  # elements: every arena region starts 128-byte aligned (bf16) so that word views apply
+
+
+class Prepared:
+    """A process's tensors, checked and viewed (see the module docstring).
+
+    Args:
+        plan: the plan.
+        src: the source ranks' tensors this process holds (rank -> name -> tensor).
+        dst: the destination ranks' tensors.
+        ranks: (source ranks, destination ranks) the binding has this process play: `src` / `dst` must give
+            exactly these; None: any.
+        ids: (source ids, destination ids): check only these tensors of the ranks given (a subset of the
+            plan's ops needs only the tensors they touch); None: every tensor of the ranks given.
+
+    Raises:
+        ExecutionError: other ranks than the binding's, tensors that do not match the plan, overlapping or
+            memoryless tensors, or tensors on several devices.
+    """
+
+    def __init__(self, plan: Plan, src: RankTensors, dst: RankTensors,
+                 ranks: "tuple[tuple[int, ...], tuple[int, ...]] | None" = None,
+                 ids: "tuple | None" = None) -> None:
+        if ranks is not None and (set(src) != set(ranks[0]) or set(dst) != set(ranks[1])):
+            raise ExecutionError(f"this process plays source ranks {sorted(ranks[0])} and destination ranks "
+                                 f"{sorted(ranks[1])}; got tensors of {sorted(src)} and {sorted(dst)}")
+        check_tensors(plan, src, dst, ids)
+        check_memory(src, dst)
+        self.plan, self.src, self.dst = plan, src, dst
+        self.tensors = [t for side in (src, dst) for ts in side.values() for t in ts.values()]
+        devices = {t.device for t in self.tensors}
+        if len(devices) > 1:
+            raise ExecutionError(f"this process's tensors are on several devices {sorted(map(str, devices))}")
+        self.device: "torch.device | None" = devices.pop() if devices else None
+        units = in_units(plan, src, dst)  # tensors kept in a wider dtype, seen in the plan's
+        self.src_flat, self.dst_flat = (_flat(table, side) for table, side in
+                                        ((plan.src_tensors, units[0]), (plan.dst_tensors, units[1])))
+        self.dtype = torch_dtype(plan.dst.dtype)
+
+    def shifts(self, ops: "np.ndarray | None" = None) -> list[tuple[torch.Tensor, float]]:
+        """(view, value) of the value shifts of the destination blocks of `ops` (default every op) held here."""
+        return shift_views(self.plan, self.dst_flat, ops)
+
+    def arena(self, sizes: "dict[object, int]", device: "torch.device | None" = None,
+              allocate: "Callable[[int], torch.Tensor] | None" = None) -> tuple[torch.Tensor, dict[object, torch.Tensor]]:
+        """One buffer holding a region of `sizes[key]` elements per key, each start ALIGN-aligned; returns it and
+        each key's view. `allocate(numel)` makes the buffer (default: uninitialised, on `device` or the tensors')."""
+        starts, total = carve(list(sizes.values()), ALIGN) if sizes else ([], 0)
+        buffer = (allocate or (lambda n: torch.empty(n, dtype=self.dtype, device=device or self.device or "cpu")))(
+            total)
+        return buffer, {k: buffer.narrow(0, a, n) for (k, n), a in zip(sizes.items(), starts)}
+
+
+def _flat(table, tensors: RankTensors) -> dict[int, torch.Tensor]:
+    """Tensor id -> flat view of every tensor of the table that `tensors` holds."""
+    return {i: tensors[r][n].view(-1) for i, (r, n) in enumerate(zip(table.ranks, table.names))
+            if r in tensors and n in tensors[r]}
+
+
+__all__ = ["ALIGN", "Prepared"]

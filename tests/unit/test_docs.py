@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import importlib
 import inspect
 import re
@@ -15,7 +16,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PUBLIC_MODULES = ("reshard", "reshard.adapters", "reshard.executors", "reshard.integrations.nemo_rl")
+# the packages whose exported names (__all__) the API reference renders: Google style (summary, Args, Returns, Raises)
+PUBLIC_MODULES = ("reshard", "reshard.adapters", "reshard.executors", "reshard.integrations.nemo_rl",
+                  "reshard.integrations.verl", "reshard.layouts")
 SNIPPET = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
@@ -104,9 +107,111 @@ def doc_problems(obj: object) -> list[str]:
     return problems
 
 
+# Exported names whose module (owned by other work of issue 44) lacks the sections for now; remove each once fixed.
+STYLE_NOT_YET = {
+    "reshard.layouts.discover", "reshard.layouts.layout_from_dict", "reshard.layouts.layout_to_dict",
+    "reshard.layouts.read_hf_config", "reshard.layouts.registered_families", "reshard.layouts.spec_from_hf_config",
+    "reshard.layouts.supported_architectures",
+}
+
+
 def test_every_public_name_documents_itself():
-    problems = [f"{m}.{n}: {p}" for m, n, obj in public_names() for p in doc_problems(obj)]
+    problems = [f"{m}.{n}: {p}" for m, n, obj in public_names() if f"{m}.{n}" not in STYLE_NOT_YET
+                for p in doc_problems(obj)]
     assert not problems, "\n".join(problems)
+
+
+# Every other public name of the package needs a docstring too: a one-line summary is enough where the signature
+# says the rest. These modules (owned by other work of issue 44; reshard.testing is being reorganised) are skipped
+# for now; each number is how many public names the module leaves undocumented today, and must not grow. Remove an
+# entry once its module passes.
+NOT_YET = {
+    "reshard.adapters.lora.slots": 2, "reshard.adapters.megatron.checkpoint_refit": 1, "reshard.adapters.ray": 24,
+    "reshard.adapters.refit": 7, "reshard.adapters.server": 17, "reshard.adapters.trainer": 4,
+    "reshard.adapters.vllm.agreed": 4, "reshard.adapters.vllm.check": 2, "reshard.adapters.vllm.derive": 1,
+    "reshard.adapters.vllm.direct": 1, "reshard.adapters.vllm.families": 1, "reshard.adapters.vllm.lease": 1,
+    "reshard.adapters.vllm.live": 1, "reshard.adapters.vllm.loader": 1, "reshard.adapters.vllm.session": 4,
+    # these three need vllm (and verl.engine verl) to import: counted from their source, inherited docs not seen
+    "reshard.adapters.vllm.engine": 8, "reshard.adapters.vllm.trainer": 12, "reshard.adapters.vllm.worker": 5,
+    "reshard.integrations.verl.engine": 4,
+    "reshard.integrations.verl.session": 2, "reshard.integrations.verl.topology": 5,
+    "reshard.executors.binding": 6, "reshard.executors.checksum": 6, "reshard.executors.connect": 2,
+    "reshard.executors.copies": 4, "reshard.executors.exchange": 5, "reshard.executors.fp8": 1,
+    "reshard.executors.graphs": 1, "reshard.executors.local": 1, "reshard.executors.partition": 7,
+    "reshard.executors.pins": 1, "reshard.executors.runners": 1, "reshard.executors.shared": 1,
+    "reshard.executors.views": 1, "reshard.executors.nixl.agent": 1, "reshard.executors.nixl.connection": 1,
+    "reshard.executors.nixl.descriptors": 2, "reshard.executors.nixl.options": 3, "reshard.executors.nixl.schedule": 5,
+    "reshard.kernels": 1, "reshard.kernels.copy_sum64": 3, "reshard.kernels.copy_table": 1,
+    "reshard.kernels.fp8_quantize": 1, "reshard.kernels.fp8_table": 1, "reshard.kernels.sum64": 2,
+    "reshard.layouts.base": 10, "reshard.layouts.cuts": 2, "reshard.layouts.expert_placement": 1,
+    "reshard.layouts.family": 2, "reshard.layouts.fp8": 3, "reshard.layouts.hf_config": 4, "reshard.layouts.lora": 2,
+    "reshard.layouts.megatron": 6, "reshard.layouts.model": 11, "reshard.layouts.registry": 4,
+    "reshard.layouts.spec_string": 2, "reshard.layouts.vllm": 1,
+    "reshard.validate": 9, "reshard.validate.megatron_side": 2, "reshard.validate.mismatch_side": 1,
+    "reshard.validate.roundtrip": 1, "reshard.validate.vllm_side": 3, "reshard.cli": 1,
+    # documented next
+    "reshard.adapters.lease_keeper": 1, "reshard.adapters.lease_renewal": 1, "reshard.adapters.megatron.check": 1,
+    "reshard.adapters.megatron.checkpoint": 1, "reshard.adapters.megatron.checkpoint_layout": 1,
+    "reshard.adapters.megatron.derive": 1, "reshard.adapters.megatron.model": 1, "reshard.adapters.rendezvous": 5,
+    "reshard.arguments": 3, "reshard.planner.accounting": 6, "reshard.planner.cache": 1, "reshard.planner.cost": 2,
+    "reshard.planner.coverage": 1, "reshard.planner.fp8": 4, "reshard.planner.merge": 1, "reshard.planner.plan": 7,
+    "reshard.planner.program": 8, "reshard.planner.program_check": 2, "reshard.planner.tables": 7,
+    "reshard.untrusted": 1, "reshard.verify.audit": 4, "reshard.verify.check": 1, "reshard.verify.checkpoint": 2,
+    "reshard.verify.metrics": 5, "reshard.verify.sides": 3,
+}
+
+
+def package_modules() -> list[str]:
+    """Every module of reshard/ by dotted name, reshard.testing excepted."""
+    names = []
+    for path in sorted((ROOT / "reshard").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if parts[:2] != ("reshard", "testing"):
+            names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def undocumented(module) -> list[str]:
+    """The public functions and classes defined in `module`, and their own public methods and properties, that have
+    no docstring (an override documented where it is first declared counts as documented)."""
+    missing = []
+    for name, obj in vars(module).items():
+        if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__ \
+                or not (inspect.isclass(obj) or inspect.isfunction(obj)):
+            continue
+        if not (inspect.getdoc(obj) or "").strip():
+            missing.append(name)
+        for attr, member in vars(obj).items() if inspect.isclass(obj) else ():
+            function = getattr(member, "__func__", None) or getattr(member, "fget", None) \
+                or getattr(member, "func", None) if isinstance(member, (staticmethod, classmethod, property,
+                                                                        functools.cached_property)) else member
+            if not attr.startswith("_") and inspect.isfunction(function) \
+                    and function.__qualname__ == f"{obj.__qualname__}.{function.__name__}" \
+                    and not (inspect.getdoc(getattr(obj, attr, function)) or inspect.getdoc(function) or "").strip():
+                missing.append(f"{name}.{attr}")
+    return missing
+
+
+def imported(module_name: str):
+    """The module, or a skip where it needs a framework this environment lacks (checked where it is installed)."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and not e.name.startswith("reshard"):
+            pytest.skip(f"{module_name} needs {e.name}")
+        raise
+
+
+@pytest.mark.parametrize("module_name", [m for m in package_modules() if m not in NOT_YET])
+def test_every_public_name_has_a_docstring(module_name):
+    missing = undocumented(imported(module_name))
+    assert not missing, f"{module_name}: no docstring: {', '.join(missing)}"
+
+
+@pytest.mark.parametrize("module_name", [m for m in NOT_YET if m in package_modules()])
+def test_not_yet_does_not_grow(module_name):
+    missing = undocumented(imported(module_name))
+    assert len(missing) <= NOT_YET[module_name], f"{module_name}: no docstring: {', '.join(missing)}"
 
 
 def test_readme_is_a_front_door():

@@ -19,7 +19,7 @@ from ..layouts import Layout
 from ..planner import Plan
 from ..planner.plan import RELAY
 from .base import Executor, RankTensors
-from .guard import check_memory, check_ops
+from .guard import check_ops
 from .stats import RefitStats
 
 
@@ -295,20 +295,17 @@ class LocalExecutor(Executor):
     def refit(self, version: int | None = None) -> RefitStats:
         start = time.perf_counter()
         plan, ops, mine = self.plan, self.plan.ops, self.mine
-        check_tensors(plan, {r: self.src[r] for r in self.sources}, self.dst)
-        check_memory({r: self.src[r] for r in self.sources}, self.dst)
-        src, dst = in_units(plan, self.src, self.dst)  # tensors kept in a wider dtype, seen in the plan's
-        s_flat = {i: src[r][n].view(-1) for i, (r, n) in enumerate(zip(plan.src_tensors.ranks,
-                                                                       plan.src_tensors.names)) if r in src}
-        d_flat = {i: dst[r][n].view(-1) for i, (r, n) in enumerate(zip(plan.dst_tensors.ranks,
-                                                                       plan.dst_tensors.names)) if r in dst}
+        from .prepared import Prepared
+
+        prepared = Prepared(plan, {r: self.src[r] for r in self.sources}, self.dst)
+        s_flat, d_flat = prepared.src_flat, prepared.dst_flat
         cols = [ops[c][mine].tolist() for c in ("src_side", "src_tensor", "src_offset", "src_stride", "dst_tensor",
                                                 "dst_offset", "dst_stride", "rows", "cols")]
         sides = (s_flat, d_flat)  # relays (side 1) read a destination tensor written in an earlier stage
         with torch.no_grad():
             for side, st, so, ss, dt, do, ds, r, c in zip(*cols):  # ops are in stage order
                 block(d_flat[dt], do, r, c, ds).copy_(block(sides[side][st], so, r, c, ss))
-            apply_shifts(shift_views(plan, d_flat, mine))
+            apply_shifts(prepared.shifts(mine))
         self._version = self._version + 1 if version is None else int(version)
         seconds = time.perf_counter() - start
         return RefitStats(executor=self.name, process=self.process, version=self._version, seconds=seconds,

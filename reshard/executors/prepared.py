@@ -39,7 +39,7 @@ class Prepared:
 
     Raises:
         ExecutionError: other ranks than the binding's, tensors that do not match the plan, overlapping or
-            memoryless tensors, or tensors on several devices.
+            or memoryless tensors.
     """
 
     def __init__(self, plan: Plan, src: RankTensors, dst: RankTensors,
@@ -52,14 +52,19 @@ class Prepared:
         check_memory(src, dst)
         self.plan, self.src, self.dst = plan, src, dst
         self.tensors = [t for side in (src, dst) for ts in side.values() for t in ts.values()]
-        devices = {t.device for t in self.tensors}
-        if len(devices) > 1:
-            raise ExecutionError(f"this process's tensors are on several devices {sorted(map(str, devices))}")
-        self.device: "torch.device | None" = devices.pop() if devices else None
+        self.devices = {t.device for t in self.tensors}
         units = in_units(plan, src, dst)  # tensors kept in a wider dtype, seen in the plan's
         self.src_flat, self.dst_flat = (_flat(table, side) for table, side in
                                         ((plan.src_tensors, units[0]), (plan.dst_tensors, units[1])))
         self.dtype = torch_dtype(plan.dst.dtype)
+
+    @property
+    def device(self) -> "torch.device | None":
+        """The one device of the tensors (None: no tensors); ExecutionError if they are on several (only the
+        reference executor copies across devices)."""
+        if len(self.devices) > 1:
+            raise ExecutionError(f"this process's tensors are on several devices {sorted(map(str, self.devices))}")
+        return next(iter(self.devices), None)
 
     def shifts(self, ops: "np.ndarray | None" = None) -> list[tuple[torch.Tensor, float]]:
         """(view, value) of the value shifts of the destination blocks of `ops` (default every op) held here."""

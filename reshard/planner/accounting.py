@@ -23,28 +23,62 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Bounds:
-    """Facts from the layouts that the ops alone do not tell."""
+    """Facts from the layouts that the ops alone do not tell, which `Accounting` sets the ops' bytes beside.
+
+    Attributes:
+        lower_bound_by_dst: per destination rank, the bytes of model data it must receive (padding excluded).
+        model_bytes: the bytes of the whole model, each element once.
+        gatherer_held_bytes: what trainer rank 0 already holds (gather-then-broadcast need not move it).
+        egress_lower_bound: no choice of senders makes the busiest trainer rank send less.
+        egress_unit_max: the largest unit of bytes assigned to one sender by choice.
+        holder_sets_laminar: then the busiest sender sends at most `egress_lower_bound + egress_unit_max`.
+    """
 
     lower_bound_by_dst: tuple[int, ...]
     model_bytes: int
-    gatherer_held_bytes: int  # bytes of model data the gathering trainer rank (rank 0) already holds
-    egress_lower_bound: int = 0  # no choice of senders makes the busiest trainer rank send less
-    egress_unit_max: int = 0  # the largest unit of bytes assigned by choice
-    holder_sets_laminar: bool = True  # then busiest sender <= egress_lower_bound + egress_unit_max (guaranteed)
+    gatherer_held_bytes: int
+    egress_lower_bound: int = 0
+    egress_unit_max: int = 0
+    holder_sets_laminar: bool = True
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain JSON values, as a saved plan holds them (`from_dict` reads them back)."""
         return {"lower_bound_by_dst": list(self.lower_bound_by_dst), "model_bytes": self.model_bytes,
                 "gatherer_held_bytes": self.gatherer_held_bytes, "egress_lower_bound": self.egress_lower_bound,
                 "egress_unit_max": self.egress_unit_max, "holder_sets_laminar": self.holder_sets_laminar}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Bounds":
+        """The bounds `to_dict` wrote (the egress keys optional)."""
         return cls(tuple(d["lower_bound_by_dst"]), d["model_bytes"], d["gatherer_held_bytes"],
                    d.get("egress_lower_bound", 0), d.get("egress_unit_max", 0), d.get("holder_sets_laminar", True))
 
 
 @dataclass(frozen=True)
 class Accounting:
+    """What a plan moves, where, and how far that is from the bounds (the module docstring defines each figure).
+
+    Attributes:
+        total_bytes: bytes all ops move, local copies included; `cross_bytes` + `local_bytes`.
+        cross_bytes: bytes that cross devices.
+        local_bytes: same-device copies (colocated plans only).
+        lower_bound_bytes: what the destinations must receive at least (the sum of `lower_bound_by_dst`).
+        gather_broadcast_bytes: what gather-to-rank-0-then-broadcast would move for the same model.
+        model_bytes: the bytes of the whole model, each element once.
+        num_ops: copy ops in the plan.
+        num_transfers: distinct (stage, sender, receiver) messages.
+        egress_bytes: by source rank, what the trainer sends.
+        ingress_bytes: by destination rank, what it receives.
+        relay_egress_bytes: by destination rank, what it forwards in fan-out trees.
+        lower_bound_by_dst: by destination rank, its share of model data.
+        pair_bytes: (source rank, destination rank, bytes) of every pair that moves any.
+        relay_pair_bytes: (relaying destination rank, destination rank, bytes).
+        num_stages: stages of the fan-out trees (1 without fan-out).
+        egress_lower_bound: as in `Bounds`.
+        egress_unit_max: as in `Bounds`.
+        holder_sets_laminar: as in `Bounds`.
+    """
+
     total_bytes: int
     cross_bytes: int
     local_bytes: int
@@ -53,23 +87,25 @@ class Accounting:
     model_bytes: int
     num_ops: int
     num_transfers: int
-    egress_bytes: tuple[int, ...]  # by source rank (what the trainer sends)
-    ingress_bytes: tuple[int, ...]  # by destination rank
-    relay_egress_bytes: tuple[int, ...]  # by destination rank: what it forwards in fan-out trees
+    egress_bytes: tuple[int, ...]
+    ingress_bytes: tuple[int, ...]
+    relay_egress_bytes: tuple[int, ...]
     lower_bound_by_dst: tuple[int, ...]
-    pair_bytes: tuple[tuple[int, int, int], ...]  # (src rank, dst rank, bytes), nonzero pairs only
-    relay_pair_bytes: tuple[tuple[int, int, int], ...]  # (relaying dst rank, dst rank, bytes)
+    pair_bytes: tuple[tuple[int, int, int], ...]
+    relay_pair_bytes: tuple[tuple[int, int, int], ...]
     num_stages: int
-    egress_lower_bound: int = 0  # see Bounds
+    egress_lower_bound: int = 0
     egress_unit_max: int = 0
     holder_sets_laminar: bool = True
 
     @property
     def max_egress(self) -> int:
+        """What the busiest trainer rank sends: the figure trainer-side NIC time follows."""
         return max(self.egress_bytes, default=0)
 
     @property
     def max_ingress(self) -> int:
+        """What the busiest destination rank receives."""
         return max(self.ingress_bytes, default=0)
 
     @property
@@ -85,9 +121,11 @@ class Accounting:
 
     @property
     def max_relay_egress(self) -> int:
+        """What the busiest relaying destination rank forwards."""
         return max(self.relay_egress_bytes, default=0)
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain JSON values, the derived ratios included (for `reshard plan --json` and benchmarks)."""
         return {
             "total_bytes": self.total_bytes, "cross_bytes": self.cross_bytes, "local_bytes": self.local_bytes,
             "lower_bound_bytes": self.lower_bound_bytes, "gather_broadcast_bytes": self.gather_broadcast_bytes,

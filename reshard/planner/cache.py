@@ -54,6 +54,7 @@ def stats() -> dict[str, int]:
 
 
 def clear() -> None:
+    """Forget every cached plan (the counts stay)."""
     with _lock:
         _plans.clear()
 

@@ -36,26 +36,50 @@ LINK_CLASSES = ("device", "nvlink", "network")
 
 @dataclass(frozen=True)
 class ClusterModel:
-    """Where ranks sit and how fast things move. Bandwidths in bytes/s, latencies in seconds."""
+    """Where ranks sit and how fast things move, for `predict`. Bandwidths in bytes/s, latencies in seconds.
+
+    Attributes:
+        gpus_per_node: GPU g is in node g // gpus_per_node.
+        nvlink_bandwidth: one direction, per GPU (NCCL send/recv).
+        nvlink_bidirectional: both directions together, per GPU.
+        nvlink_latency: per transfer (fit of NCCL send/recv 256 MiB vs 2 GiB).
+        network_bandwidth: one direction, per GPU: one 400 Gb/s NIC.
+        network_latency: per transfer between nodes.
+        copy_bandwidth: device memory, read + write counted: a copy of B bytes moves 2B.
+        copy_latency: per device copy.
+        op_overhead: per op, on the busiest GPU (executors that launch a kernel per op).
+        pack_copies: device copies of every crossing byte on its sender and its receiver (wire buffers).
+        commit_copies: device copies of every byte a GPU receives after it lands (a staged commit), counted on
+            GPUs that receive anything from another GPU.
+        overlap_copies: pack/commit copies overlap the wire (bucketed pipelines) or follow it.
+        pipelined: stages overlap as relays forward chunks while they arrive.
+        chunk_bytes: pipelined relays forward this much before the next level can start.
+        dst_first_gpu: the GPU of destination rank 0 (None: right after the source ranks' GPUs).
+        src_gpus: the GPU of every source rank (overrides the default order).
+        dst_gpus: the GPU of every destination rank (overrides the rest).
+
+    Raises:
+        ArgumentError: a figure of the wrong type.
+        PlanError: a bandwidth that is not positive, or a latency or overhead that is negative.
+    """
 
     gpus_per_node: int = 8
-    nvlink_bandwidth: float = 366e9  # one direction, per GPU (NCCL send/recv)
-    nvlink_bidirectional: float = 676e9  # both directions together, per GPU
-    nvlink_latency: float = 36e-6  # per transfer (fit of NCCL send/recv 256 MiB vs 2 GiB)
-    network_bandwidth: float = 50e9  # one direction, per GPU: one 400 Gb/s NIC
+    nvlink_bandwidth: float = 366e9
+    nvlink_bidirectional: float = 676e9
+    nvlink_latency: float = 36e-6
+    network_bandwidth: float = 50e9
     network_latency: float = 10e-6
-    copy_bandwidth: float = 4.2e12  # device memory, read + write counted; a copy of B bytes moves 2B
+    copy_bandwidth: float = 4.2e12
     copy_latency: float = 5e-6
-    op_overhead: float = 0.0  # per op, on the busiest GPU (executors that launch a kernel per op)
-    pack_copies: float = 0.0  # device copies of every crossing byte on its sender and its receiver (wire buffers)
-    commit_copies: float = 0.0  # device copies of every byte a GPU receives after it lands (a staged commit),
-    # counted on GPUs that receive anything from another GPU
-    overlap_copies: bool = True  # pack/commit copies overlap the wire (bucketed pipelines) or follow it
+    op_overhead: float = 0.0
+    pack_copies: float = 0.0
+    commit_copies: float = 0.0
+    overlap_copies: bool = True
     pipelined: bool = False
-    chunk_bytes: int = 64 << 20  # pipelined relays forward this much before the next level can start
-    dst_first_gpu: int | None = None  # None: right after the source ranks' GPUs
-    src_gpus: tuple[int, ...] | None = None  # explicit GPU of every source rank (overrides the default order)
-    dst_gpus: tuple[int, ...] | None = None  # explicit GPU of every destination rank (overrides the rest)
+    chunk_bytes: int = 64 << 20
+    dst_first_gpu: int | None = None
+    src_gpus: tuple[int, ...] | None = None
+    dst_gpus: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         from ..arguments import integer, integers, number
@@ -87,6 +111,7 @@ class ClusterModel:
             raise PlanError("cluster model figures must be positive (latencies and overheads non-negative)", bad)
 
     def with_(self, **changes) -> "ClusterModel":
+        """A copy with `changes` applied, checked as a new model is."""
         return replace(self, **changes)
 
 
@@ -118,15 +143,27 @@ class StagePrediction:
 
 @dataclass(frozen=True)
 class Prediction:
+    """A plan's predicted wall time and where it goes (`format_prediction` prints it).
+
+    Attributes:
+        seconds: the predicted wall time.
+        pipelined: whether stages were taken to overlap (`ClusterModel.pipelined`).
+        stages: per stage, its time, busiest resource and bytes by link class.
+        busiest: the bottleneck over the whole plan (not pipelined: the slowest stage's); None without ops.
+        depth: fan-out tree depth (stages - 1).
+        cluster: the model the prediction assumed.
+    """
+
     seconds: float
     pipelined: bool
     stages: tuple[StagePrediction, ...]
-    busiest: Resource | None  # over the whole plan (per stage when not pipelined: the slowest stage's)
-    depth: int  # fan-out tree depth (stages - 1)
+    busiest: Resource | None
+    depth: int
     cluster: ClusterModel = field(repr=False)
 
     @property
     def bytes_by_class(self) -> dict[str, int]:
+        """Bytes over all stages per link class (LINK_CLASSES)."""
         return {c: sum(s.bytes_by_class[c] for s in self.stages) for c in LINK_CLASSES}
 
 
@@ -226,9 +263,7 @@ def _stage(plan: "Plan", cluster: ClusterModel, tr, sel, s: int) -> tuple[StageP
               # copies stages nothing (its copies run once, at commit)
               + cluster.commit_copies * np.bincount(dst_gpu, weights=nbytes, minlength=n)
               * (np.bincount(dst_gpu[cross], weights=nbytes[cross], minlength=n) > 0))
-    bw = {"copy": cluster.copy_bandwidth, "nvlink out": cluster.nvlink_bandwidth, "nvlink in": cluster.nvlink_bandwidth,
-          "nvlink both": cluster.nvlink_bidirectional, "nic out": cluster.network_bandwidth,
-          "nic in": cluster.network_bandwidth}
+    bw = _bandwidths(cluster)
     busiest, worst = None, 0.0
     for kind, l in load.items():
         if not l.any():
@@ -266,7 +301,19 @@ def _stage(plan: "Plan", cluster: ClusterModel, tr, sel, s: int) -> tuple[StageP
 
 
 def predict(plan: "Plan", cluster: ClusterModel | None = None) -> Prediction:
-    """The plan's predicted wall time on `cluster` (default: 8-GPU nodes on NVLink, 400 Gb/s NICs)."""
+    """The plan's predicted wall time on `cluster`, from bytes per link, latencies and per-op costs.
+
+    Args:
+        plan: the plan.
+        cluster: where its ranks sit and how fast links are (default: 8-GPU NVLink nodes, a 400 Gb/s NIC per GPU).
+
+    Returns:
+        The total and, per stage, the busiest resource.
+
+    Raises:
+        ArgumentError: `plan` or `cluster` of the wrong type.
+        PlanError: a cluster model that places another number of ranks than the plan has.
+    """
     from ..arguments import instance
     from .plan import Plan
 
@@ -291,15 +338,19 @@ def predict(plan: "Plan", cluster: ClusterModel | None = None) -> Prediction:
     kind = max(total, key=lambda k: total[k].max(initial=0))
     g = int(np.argmax(total[kind]))
     secs = float(total[kind][g])
-    bw = {"copy": cluster.copy_bandwidth, "nvlink out": cluster.nvlink_bandwidth, "nvlink in": cluster.nvlink_bandwidth,
-          "nvlink both": cluster.nvlink_bidirectional, "nic out": cluster.network_bandwidth,
-          "nic in": cluster.network_bandwidth}
-    nbytes = secs * bw[kind] / (2 if kind == "copy" else 1)
+    nbytes = secs * _bandwidths(cluster)[kind] / (2 if kind == "copy" else 1)
     busiest = Resource(kind, g, _role(plan, cluster, g), int(nbytes), secs)
     fill = sum(min(cluster.chunk_bytes, max(x.bytes_by_class.values())) / _slowest_bw(cluster, x) + x.latency_seconds
                for x in stages[1:])
     overhead = stages[0].latency_seconds + sum(x.op_seconds for x in stages)
     return Prediction(secs + fill + overhead, True, tuple(stages), busiest, depth, cluster)
+
+
+def _bandwidths(cluster: ClusterModel) -> dict[str, float]:
+    """Bytes/s of each kind of resource of a GPU."""
+    return {"copy": cluster.copy_bandwidth, "nvlink out": cluster.nvlink_bandwidth, "nvlink in": cluster.nvlink_bandwidth,
+            "nvlink both": cluster.nvlink_bidirectional, "nic out": cluster.network_bandwidth,
+            "nic in": cluster.network_bandwidth}
 
 
 def _slowest_bw(cluster: ClusterModel, stage: StagePrediction) -> float:
@@ -310,7 +361,17 @@ def _slowest_bw(cluster: ClusterModel, stage: StagePrediction) -> float:
 
 
 def format_prediction(pred: Prediction) -> str:
-    """A few lines: total, where the time goes (busiest resource per stage), bytes by link class."""
+    """A few lines: total, where the time goes (busiest resource per stage), bytes by link class.
+
+    Args:
+        pred: a prediction from `predict`.
+
+    Returns:
+        The lines, joined by newlines.
+
+    Raises:
+        ArgumentError: `pred` is not a Prediction.
+    """
     from ..arguments import instance
 
     instance("pred", pred, Prediction, "a Prediction (from predict)")
@@ -327,13 +388,26 @@ def format_prediction(pred: Prediction) -> str:
 
 
 def compare_with_measurement(plan: "Plan", measured_seconds: float, cluster: ClusterModel | None = None) -> str:
-    """One line for benchmarks: prediction beside measurement, with the relative error and the bottleneck."""
+    """One line for benchmarks: prediction beside measurement, with the relative error and the bottleneck.
+
+    Args:
+        plan: the plan that ran.
+        measured_seconds: how long it took.
+        cluster: as for `predict`.
+
+    Returns:
+        The line.
+
+    Raises:
+        ArgumentError: `measured_seconds` is not a positive number.
+        PlanError: as from `predict`.
+    """
     from ..arguments import number
 
     if number("measured_seconds", measured_seconds) <= 0:
         raise ArgumentError("measured_seconds", measured_seconds, "must be a positive number of seconds")
     pred = predict(plan, cluster)
-    err = (pred.seconds - measured_seconds) / measured_seconds if measured_seconds > 0 else float("inf")
+    err = (pred.seconds - measured_seconds) / measured_seconds
     where = f"; busiest {pred.busiest}" if pred.busiest is not None else ""
     return (f"predicted {pred.seconds:.4f} s, measured {measured_seconds:.4f} s, error {err:+.1%} "
             f"(target within 15%){where}")

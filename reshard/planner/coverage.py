@@ -79,6 +79,7 @@ def band_segments(t, r0, c0, nr, nc, key_base, bounds_keys):
 
 
 def overlapping(band, start, end):
+    """Indices i where interval i + 1 starts inside interval i of the same band (segments sorted by band, start)."""
     return np.flatnonzero((band[1:] == band[:-1]) & (start[1:] < end[:-1]))
 
 

@@ -49,14 +49,17 @@ class Fp8Plan:
 
     @property
     def src(self) -> Layout:
+        """The wire plan's source layout (the model's fp8 kinds as the senders send them)."""
         return self.plan.src
 
     @property
     def dst(self) -> Layout:
+        """The wire plan's destination layout (receiver kinds in the model's dtype, for staging)."""
         return self.plan.dst
 
     @property
     def wire_bytes(self) -> int:
+        """Bytes the wire plan moves (compare `baseline_bytes`)."""
         return int(self.plan.accounting.total_bytes)
 
     @functools.cached_property
@@ -136,6 +139,7 @@ class Fp8Plan:
                 "ignored": list(self.scheme.ignored)}
 
     def text(self) -> str:
+        """`summary` as the lines `reshard plan` prints under the plan."""
         s = self.summary()
         senders = sum(v == "sender" for v in self.where.values())
         lines = [f"  fp8          {self.scheme.block[0]}x{self.scheme.block[1]} blocks, e4m3fn + float32 "

@@ -9,6 +9,7 @@ SORT_KEYS = ("stage", "src_side", "src_rank", "dst_rank", "src_tensor", "dst_ten
 
 
 def sort_ops(ops: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The ops in transfer order (SORT_KEYS): each (stage, sender, receiver) one contiguous range."""
     order = np.lexsort(tuple(ops[k] for k in reversed(SORT_KEYS)))
     return {k: v[order] for k, v in ops.items()}
 

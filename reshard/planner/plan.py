@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple
@@ -39,12 +40,24 @@ from .program_check import check_program
 from .tables import FORMAT_VERSION, TensorTable
 
 class Transfer(NamedTuple):
+    """One message of a plan: the contiguous range of its ops that one rank sends another in one stage.
+
+    Attributes:
+        stage: the fan-out stage.
+        src_side: SOURCE (a source-layout rank sends) or RELAY (a destination rank forwards what it received).
+        src_rank: the sender, on the side `src_side` names.
+        dst_rank: the receiving destination rank.
+        start: the first op's row in `Plan.ops`.
+        stop: one past the last op's row.
+        nbytes: the bytes its ops move.
+    """
+
     stage: int
-    src_side: int  # SOURCE: a source-layout rank sends; RELAY: a destination rank forwards what it received
+    src_side: int
     src_rank: int
     dst_rank: int
-    start: int  # first op
-    stop: int  # one past the last op
+    start: int
+    stop: int
     nbytes: int
 
 
@@ -156,17 +169,21 @@ class Plan:
 
     @property
     def num_ops(self) -> int:
+        """How many ops the plan has, counted without expanding them."""
         return self.program.num_ops
 
     @property
     def itemsize(self) -> int:
+        """Bytes of one plan unit: an element of the destination dtype (ops count in these units)."""
         return DTYPE_SIZES[self.dst.dtype]
 
     def op_bytes(self) -> np.ndarray:
+        """Bytes of every op of `ops`, in its order."""
         return self.ops["rows"] * self.ops["cols"] * self.itemsize
 
     @property
     def transfers(self) -> list[Transfer]:
+        """The ops grouped into messages, one per (stage, side, sender, receiver), in `ops` order."""
         return list(self._iter_transfers())
 
     def _iter_transfers(self) -> Iterator[Transfer]:
@@ -183,6 +200,7 @@ class Plan:
 
     @property
     def num_stages(self) -> int:
+        """Stages the ops run in: 1 without fan-out, tree depth + 1 with it (0 for a plan without ops)."""
         return int(self.program.stage.max()) + 1 if self.num_ops else 0
 
     @property
@@ -198,6 +216,7 @@ class Plan:
 
     @property
     def tree_depth(self) -> int:
+        """Relay levels of the deepest fan-out tree (0: the source feeds every replica)."""
         return int(self.program.stage.max(initial=0))
 
     # --- identity --------------------------------------------------------------------------------
@@ -232,6 +251,7 @@ class Plan:
                 "compile_seconds": self.compile_seconds, "digest": self.digest}
 
     def to_dict(self) -> dict[str, Any]:
+        """The whole plan as JSON values (what a .json plan file holds; `from_dict` reads it back)."""
         return {**self._meta(), "arrays": {k: v.tolist() for k, v in self.program.arrays().items()}}
 
     @classmethod
@@ -315,7 +335,6 @@ def _human_bytes(n: float) -> str:
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
-    return f"{n:.2f} TiB"
 
 
 def _rank_table(label: str, values: tuple[int, ...], width: int = 8) -> list[str]:
@@ -338,10 +357,7 @@ def _rank_table(label: str, values: tuple[int, ...], width: int = 8) -> list[str
 
 
 def _counted(shifts) -> str:
-    by_value: dict[float, int] = {}
-    for value in shifts:
-        by_value[value] = by_value.get(value, 0) + 1
-    return ", ".join(f"{v:+g} on {n} tensor{'s' * (n > 1)}" for v, n in sorted(by_value.items()))
+    return ", ".join(f"{v:+g} on {n} tensor{'s' * (n > 1)}" for v, n in sorted(Counter(shifts).items()))
 
 
 def _own_dtypes_text(plan: Plan) -> str:

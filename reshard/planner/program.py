@@ -15,7 +15,6 @@ of millions of rows; a rank's executor expands only its own (`expand(..., sender
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -36,21 +35,38 @@ class Program:
 
     Source offsets: a template op reads its box's holder h at h_base[h] + src_d0 * h_stride[h] + src_d1, with row
     stride h_stride[h] (or `cols` when rows == 1). Holder h of box b is box_hstart[b] + position.
+
+    Attributes:
+        template: TEMPLATE_COLUMNS, one row per op of replica 0.
+        relay: RELAY_COLUMNS (empty when no replica is relayed).
+        box_hstart: per source box, its first holder.
+        box_hcount: per source box, how many holders it has.
+        h_rank: per holder, the source rank.
+        h_tensor: per holder, the source tensor id.
+        h_base: per holder, the flat offset of the box's origin in that tensor.
+        h_stride: per holder, the row stride.
+        group_box: per group, one of its boxes (all of a group's boxes share the holder ranks).
+        fed: the replicas the source feeds, in feeding order f = 0..R-1.
+        choice: (R, G) holder position per fed replica and group.
+        parent: (parts, replicas) the replica each part is relayed from, -1 if fed by the source.
+        stage: (parts, replicas) the stage in which each replica receives each part.
+        ranks_per_replica: destination ranks of one replica.
+        tensors_per_replica: destination tensors of one replica.
     """
 
-    template: dict[str, np.ndarray]  # TEMPLATE_COLUMNS, length N0
-    relay: dict[str, np.ndarray]  # RELAY_COLUMNS, length N_R (empty when no replica is relayed)
-    box_hstart: np.ndarray  # per source box
+    template: dict[str, np.ndarray]
+    relay: dict[str, np.ndarray]
+    box_hstart: np.ndarray
     box_hcount: np.ndarray
-    h_rank: np.ndarray  # per holder: source rank, source tensor id, flat origin of the box, row stride
+    h_rank: np.ndarray
     h_tensor: np.ndarray
     h_base: np.ndarray
     h_stride: np.ndarray
-    group_box: np.ndarray  # per group: one of its boxes (all of a group's boxes share the holder ranks)
-    fed: np.ndarray  # replicas the source feeds, in feeding order f = 0..R-1
-    choice: np.ndarray  # (R, G) holder position per fed replica and group
-    parent: np.ndarray  # (parts, replicas): the replica each part is relayed from, -1 if fed by the source
-    stage: np.ndarray  # (parts, replicas): the stage in which each replica receives each part
+    group_box: np.ndarray
+    fed: np.ndarray
+    choice: np.ndarray
+    parent: np.ndarray
+    stage: np.ndarray
     ranks_per_replica: int
     tensors_per_replica: int
 
@@ -74,22 +90,27 @@ class Program:
     # --- sizes -----------------------------------------------------------------------------------
     @property
     def num_replicas(self) -> int:
+        """Destination replicas."""
         return self.parent.shape[1]
 
     @property
     def num_parts(self) -> int:
+        """Parts the relayed bytes are cut into (1 unless relays are split)."""
         return self.parent.shape[0]
 
     @property
     def num_template_ops(self) -> int:
+        """Ops of one fed replica."""
         return len(self.template["rows"])
 
     @property
     def num_relay_ops(self) -> int:
+        """Ops of one relayed replica."""
         return len(self.relay["rows"])
 
     @property
     def num_ops(self) -> int:
+        """Ops of the whole plan once expanded."""
         return len(self.fed) * self.num_template_ops + (self.num_replicas - len(self.fed)) * self.num_relay_ops
 
     @property
@@ -107,22 +128,15 @@ class Program:
 
     # --- persistence -------------------------------------------------------------------------------
     def arrays(self) -> dict[str, np.ndarray]:
+        """Every array by its saved name (`t.` template and `r.` relay columns; planner.verify reads them back)."""
         out = {f"t.{c}": self.template[c] for c in TEMPLATE_COLUMNS}
         out.update({f"r.{c}": self.relay[c] for c in RELAY_COLUMNS})
         out.update({name: getattr(self, name) for name in self.ARRAYS})
         return out
 
     def scalars(self) -> dict[str, int]:
+        """The sizes a saved plan keeps in its JSON header."""
         return {"ranks_per_replica": self.ranks_per_replica, "tensors_per_replica": self.tensors_per_replica}
-
-    @classmethod
-    def from_arrays(cls, arrays: dict[str, Any], scalars: dict[str, int]) -> "Program":
-        get = lambda k: np.asarray(arrays[k], dtype=np.int64)  # noqa: E731
-        fed = get("fed")
-        return cls(template={c: get(f"t.{c}") for c in TEMPLATE_COLUMNS},
-                   relay={c: get(f"r.{c}") for c in RELAY_COLUMNS},
-                   **{n: get(n) for n in cls.ARRAYS if n != "choice"},
-                   choice=get("choice").reshape(len(fed), -1), **scalars)
 
 
 # --- expansion to op rows -------------------------------------------------------------------------------

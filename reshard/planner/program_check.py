@@ -18,6 +18,7 @@ BIG = 1 << 62  # no offset, length or count of a valid plan comes near this
 
 
 def bad(field: str, value: Any, rule: str, problems: list[str] | tuple[str, ...] = ()) -> PlanFileError:
+    """The error for a plan file whose `field` holds `value` against `rule` (for the caller to raise)."""
     return PlanFileError(f"plan file: {field}={show(value)} {rule}", problems, field=field, value=value)
 
 
@@ -30,6 +31,7 @@ def within(field: str, a: np.ndarray, low: int, high: int) -> None:
 
 
 def same(field: str, a: np.ndarray, b: np.ndarray, what: str) -> None:
+    """Raise `bad` at the first entry where `a` differs from `b`, the value it must have (`what` says why)."""
     diff = np.flatnonzero(a != b)
     if len(diff):
         i = int(diff[0])

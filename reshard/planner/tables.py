@@ -17,13 +17,18 @@ class TensorTable:
 
     Stored compactly (a rank and a kind per id; kinds are the distinct (name, shape) pairs), because a side of
     a thousand ranks has hundreds of thousands of tensors; `ranks`, `names` and `shapes` are built on first use.
+
+    Attributes:
+        rank: per tensor id, its rank.
+        kind: per tensor id, its index in `kinds`.
+        kinds: the distinct (name, shape) pairs. Shapes are in units of the plan's dtype: a float32 tensor of a
+            bfloat16 plan has twice its elements in its last dimension.
+        dtypes: per kind, the dtype of a tensor kept in its own dtype ("" = the plan's); empty when none is.
     """
 
     rank: np.ndarray
     kind: np.ndarray
     kinds: tuple[tuple[str, tuple[int, ...]], ...]
-    # Per kind, the dtype of a tensor kept in its own dtype ("" = the plan's). Shapes are in units of the plan's
-    # dtype: a float32 tensor of a bfloat16 plan has twice its elements in its last dimension (`element_shape`).
     dtypes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -34,35 +39,34 @@ class TensorTable:
         object.__setattr__(self, "kinds", tuple(self.kinds))  # (name, shape tuple) pairs; from_dict converts
         object.__setattr__(self, "dtypes", tuple(self.dtypes) if any(self.dtypes) else ())
 
-    @classmethod
-    def from_lists(cls, ranks, names, shapes) -> "TensorTable":
-        kinds: dict[tuple[str, tuple[int, ...]], int] = {}
-        kind = [kinds.setdefault((n, tuple(s)), len(kinds)) for n, s in zip(names, shapes)]
-        return cls(np.asarray(list(ranks), dtype=np.int64), np.asarray(kind, dtype=np.int64), tuple(kinds))
-
     def __len__(self) -> int:
         return len(self.rank)
 
     @functools.cached_property
     def ranks(self) -> tuple[int, ...]:
+        """The rank of every tensor id."""
         return tuple(self.rank.tolist())
 
     @functools.cached_property
     def names(self) -> tuple[str, ...]:
+        """The name of every tensor id."""
         names = np.empty(len(self.kinds), dtype=object)
         names[:] = [n for n, _ in self.kinds]
         return tuple(names[self.kind].tolist())
 
     @functools.cached_property
     def shapes(self) -> tuple[tuple[int, ...], ...]:
+        """The shape of every tensor id (in plan units)."""
         shapes = np.empty(len(self.kinds), dtype=object)
         shapes[:] = [s for _, s in self.kinds]
         return tuple(shapes[self.kind].tolist())
 
     def name(self, tid: int) -> str:
+        """Tensor `tid`'s name, without building `names`."""
         return self.kinds[int(self.kind[tid])][0]
 
     def shape(self, tid: int) -> tuple[int, ...]:
+        """Tensor `tid`'s shape (in plan units), without building `shapes`."""
         return self.kinds[int(self.kind[tid])][1]
 
     def kind_array(self, f) -> np.ndarray:
@@ -78,6 +82,7 @@ class TensorTable:
         return {(int(self.rank[i]), self.name(int(i))): self.dtypes[int(self.kind[i])] for i in own}
 
     def on_rank(self, rank: int) -> dict[str, tuple[int, ...]]:
+        """Name -> shape (in plan units) of the tensors on `rank`."""
         return {self.kinds[k][0]: self.kinds[k][1] for k in self.kind[self.rank == rank].tolist()}
 
     def tiled(self, copies: int, rank_step: int) -> "TensorTable":
@@ -86,6 +91,7 @@ class TensorTable:
         return TensorTable(rank, np.tile(self.kind, copies), self.kinds, self.dtypes)
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain JSON values, as a saved plan holds them."""
         out = {"rank": self.rank.tolist(), "kind": self.kind.tolist(), "kinds": [[n, list(s)] for n, s in self.kinds]}
         if self.dtypes:
             out["dtypes"] = list(self.dtypes)
@@ -93,11 +99,13 @@ class TensorTable:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TensorTable":
+        """The table `to_dict` wrote, trusted (a plan file's tables are checked by planner.verify instead)."""
         return cls(np.asarray(d["rank"], dtype=np.int64), np.asarray(d["kind"], dtype=np.int64),
                    tuple((str(n), tuple(int(x) for x in s)) for n, s in d["kinds"]),
                    tuple(str(x) for x in d.get("dtypes", ())))
 
     def digest_update(self, h) -> None:
+        """Feed the table to hash `h` (part of `Plan.digest`)."""
         h.update(json.dumps(self.kinds).encode())
         if self.dtypes:  # absent from one-dtype plans, whose digests stay as they were
             h.update(json.dumps(self.dtypes).encode())

@@ -33,8 +33,19 @@ FLOOR = {"float32": 1e-3, "bfloat16": 0.2}
 
 @dataclass(frozen=True)
 class AuditEntry:
+    """How the engine responded to the perturbation of one trainer tensor, beside the trainer's response.
+
+    Attributes:
+        tensor: the source tensor perturbed.
+        status: "ok", "MOVED WRONGLY", "NOT DELIVERED" (the engine did not move) or "no response" (neither side
+            moved: inconclusive).
+        relative_error: |engine response - trainer response| / |trainer response|.
+        trainer_response: l2 change of the trainer's log-probabilities over all scored tokens.
+        engine_response: the same on the engine.
+    """
+
     tensor: str
-    status: str  # "ok", "MOVED WRONGLY", "NOT DELIVERED" (engine did not move), "no response" (inconclusive)
+    status: str
     relative_error: float
     trainer_response: float
     engine_response: float
@@ -42,18 +53,28 @@ class AuditEntry:
 
 @dataclass(frozen=True)
 class AuditReport:
+    """The outcome of one `audit`.
+
+    Attributes:
+        dtype: the dtype whose tolerances applied.
+        entries: one per audited tensor, in audit order.
+    """
+
     dtype: str
     entries: tuple[AuditEntry, ...]
 
     @property
     def failed(self) -> tuple[str, ...]:
+        """The tensors that moved wrongly or were not delivered."""
         return tuple(e.tensor for e in self.entries if e.status in ("MOVED WRONGLY", "NOT DELIVERED"))
 
     @property
     def ok(self) -> bool:
+        """No tensor failed ("no response" is not a failure)."""
         return not self.failed
 
     def to_dict(self) -> dict:
+        """Plain JSON values, `failed` included."""
         return {"dtype": self.dtype, "entries": [asdict(e) for e in self.entries], "failed": list(self.failed)}
 
     def __str__(self) -> str:
@@ -66,12 +87,32 @@ class AuditReport:
 
 
 def tensor_kind(name: str) -> str:
-    """A tensor's kind: its name with layer and expert indices taken out."""
+    """A tensor's kind: its name with layer and expert indices taken out.
+
+    Args:
+        name: a tensor name ("decoder.layers.3.mlp.experts.7.weight").
+
+    Returns:
+        The name with every dotted number replaced by `*` ("decoder.layers.*.mlp.experts.*.weight").
+
+    Raises:
+        TypeError: `name` is not a string.
+    """
     return re.sub(r"\.\d+\.", ".*.", re.sub(r"\.\d+\.", ".*.", name))
 
 
 def sample_by_kind(names: Sequence[str]) -> list[str]:
-    """One tensor of each kind: the first by name order (the lowest layer and expert)."""
+    """One tensor of each kind (`tensor_kind`): what `audit` perturbs by default.
+
+    Args:
+        names: tensor names.
+
+    Returns:
+        Per kind, its tensor with the lowest layer and expert indices, sorted by name.
+
+    Raises:
+        TypeError: a name is not a string.
+    """
     seen: dict[str, str] = {}
     for n in sorted(names, key=lambda n: (tuple(int(p) for p in n.split(".") if p.isdigit()), n)):
         seen.setdefault(tensor_kind(n), n)
@@ -109,8 +150,29 @@ def audit(chunks: list[Any], tensors: dict[str, Any], refit: Callable[[], Any], 
           sequences: Sequence[Sequence[int]], *, vocab_size: int, dtype: str = "float32",
           names: Sequence[str] | None = None, rows: int = 8, tol: float | None = None,
           group: Any = None) -> AuditReport:
-    """Audit `names` (default: one tensor of each kind, over all ranks' source tensor names); same arguments on
-    every rank. Returns the same AuditReport on every rank; the trainer's weights are as before, and refit."""
+    """Perturb one trainer tensor at a time, refit, and check the engine responds as the trainer does (collective).
+
+    Every rank calls it with the same arguments; afterwards the trainer's weights are as before, and refit.
+
+    Args:
+        chunks: this rank's megatron-core model chunks.
+        tensors: this rank's live source tensors (views of the chunks' parameters) by name.
+        refit: the caller's refit of the engine from `tensors`.
+        engine: what scores on the engine side (needed on global rank 0 only).
+        sequences: token sequences to score.
+        vocab_size: the model's vocabulary size (unpadded).
+        dtype: the dtype the engine computes in; picks the tolerances.
+        names: the tensors to audit (default: `sample_by_kind` of every rank's tensor names).
+        rows: rows perturbed per tensor, spread over its first dimension.
+        tol: the relative response error a correctly placed slice stays under (default: the dtype's).
+        group: the trainer's process group (default: the world).
+
+    Returns:
+        The same report on every rank (`check_audit` raises on a failed one).
+
+    Raises:
+        ArgumentError: a dtype without tolerances, or `names` that are no rank's source tensors.
+    """
     import torch
 
     key = str(dtype).removeprefix("torch.")
@@ -171,6 +233,17 @@ def audit(chunks: list[Any], tensors: dict[str, Any], refit: Callable[[], Any], 
 
 
 def check_audit(report: AuditReport) -> AuditReport:
+    """Fail on an audit that found misplaced or undelivered tensors.
+
+    Args:
+        report: an `audit`'s report.
+
+    Returns:
+        `report`, when no tensor failed.
+
+    Raises:
+        MismatchError: a tensor failed (the report attached).
+    """
     if not report.ok:
         raise MismatchError(str(report), report)
     return report

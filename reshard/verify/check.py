@@ -22,6 +22,7 @@ def _rank() -> int:
 
 
 def report_from_dict(d: dict) -> MismatchReport:
+    """The report `MismatchReport.to_dict` wrote, after a JSON round trip (a broadcast, another process's output)."""
     d = {k: v for k, v in d.items() if k != "ok"}
     return MismatchReport(**{**d, "worst": tuple(d["worst"]), "thresholds": Thresholds(**d["thresholds"]),
                              "failures": tuple(d["failures"])})
@@ -29,8 +30,25 @@ def report_from_dict(d: dict) -> MismatchReport:
 
 def measure(chunks: list[Any], engine: Scorer | None, sequences: Sequence[Sequence[int]], *, vocab_size: int,
             dtype: str = "float32", limits: Thresholds | None = None, group: Any = None) -> MismatchReport:
-    """On every trainer rank (collective): the mismatch between the trainer model `chunks` and `engine` (needed on
-    global rank 0 only) on `sequences`. The engine must hold the trainer's current weights (call after a refit)."""
+    """On every trainer rank (collective): how far the engine's log-probabilities are from the trainer's.
+
+    Call after a refit: the engine must hold the trainer's current weights.
+
+    Args:
+        chunks: the trainer's megatron-core model chunks on this rank.
+        engine: what scores on the engine side (needed on global rank 0 only).
+        sequences: token sequences to score.
+        vocab_size: the model's vocabulary size (unpadded).
+        dtype: the dtype the engine computes in; picks the thresholds.
+        limits: thresholds to apply instead of `dtype`'s.
+        group: the process group to share the report over (default: the world).
+
+    Returns:
+        The same report on every rank.
+
+    Raises:
+        MismatchError: rank 0 could not measure (the engine failed, or the scores do not match up).
+    """
     mine = trainer_scores(chunks, sequences, vocab_size)
     payload = None
     if _rank() == 0:
@@ -47,8 +65,24 @@ def measure(chunks: list[Any], engine: Scorer | None, sequences: Sequence[Sequen
 def check_after_refit(chunks: list[Any], engine: Scorer | None, sequences: Sequence[Sequence[int]], *,
                       vocab_size: int, dtype: str = "float32", limits: Thresholds | None = None,
                       group: Any = None, log: Any = print) -> MismatchReport:
-    """`measure`, logged on rank 0 (`log`: a print-like function, or None), raising MismatchError on every rank
-    when the engine's log-probabilities are beyond the thresholds: what an RL loop calls after each refit."""
+    """`measure`, logged on rank 0, failing on every rank beyond the thresholds: what an RL loop calls after a refit.
+
+    Args:
+        chunks: as for `measure`.
+        engine: as for `measure`.
+        sequences: as for `measure`.
+        vocab_size: as for `measure`.
+        dtype: as for `measure`.
+        limits: as for `measure`.
+        group: as for `measure`.
+        log: a print-like function for the report on rank 0, or None.
+
+    Returns:
+        The report, within thresholds.
+
+    Raises:
+        MismatchError: beyond the thresholds (the report attached), or not measured.
+    """
     report = measure(chunks, engine, sequences, vocab_size=vocab_size, dtype=dtype, limits=limits, group=group)
     if log is not None and _rank() == 0:
         log(str(report))

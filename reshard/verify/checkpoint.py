@@ -94,6 +94,7 @@ def checkpoint_scores(path: str | Path, sequences: Sequence[Sequence[int]]) -> S
 
 def verify_checkpoint(path: str | Path, server: Any, *, dtype: str = "float32", count: int = 4, length: int = 32,
                       seed: int = 0) -> MismatchReport:
+    """The mismatch between the HF checkpoint at `path` and `server` on `count` random sequences of `seed`."""
     config = json.loads(Path(path, "config.json").read_text())
     vocab = (config.get("text_config") or config).get("vocab_size")
     if not isinstance(vocab, int) or vocab < 2:
@@ -103,6 +104,7 @@ def verify_checkpoint(path: str | Path, server: Any, *, dtype: str = "float32", 
 
 
 def main_verify(args: Any) -> int:
+    """`reshard verify`: print the report; the exit status is 1 above the thresholds."""
     from ..adapters.server import VllmServer
 
     report = verify_checkpoint(args.checkpoint, VllmServer(args.server), dtype=args.dtype, count=args.sequences,

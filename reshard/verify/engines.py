@@ -71,11 +71,14 @@ def llm_prompt_logprobs(llm: Any, prompts: list[list[int]], lora: Any = None) ->
 class LLMScorer:
     """A reshard.verify Scorer over an in-process `vllm.LLM` (the engine a refit through `OfflineLLMClient` fills).
 
+        scorer = LLMScorer(llm)
+        report = compare(reference_scores, engine_scores(scorer, sequences), "float32")
+
     Args:
         llm: the `vllm.LLM`.
 
-        scorer = LLMScorer(llm)
-        report = compare(reference_scores, engine_scores(scorer, sequences), "float32")
+    Raises:
+        ExecutionError: from `prompt_logprobs`, where the engine's answer lacks a position, a token or a rank.
     """
 
     def __init__(self, llm: Any) -> None:

@@ -18,14 +18,19 @@ from ..errors import ArgumentError
 
 @dataclass(frozen=True)
 class Scores:
-    """One side's scoring of sequences: per sequence, per scored position (all but the first token), the
-    log-probability of the token that follows and the argmax token."""
+    """One side's scoring of sequences, per sequence and scored position (every token but the first).
+
+    Attributes:
+        logprobs: the log-probability of the token at each position, given those before it.
+        argmax: the most likely token at each position.
+    """
 
     logprobs: tuple[tuple[float, ...], ...]
     argmax: tuple[tuple[int, ...], ...]
 
     @staticmethod
     def of(logprobs: Sequence[Sequence[float]], argmax: Sequence[Sequence[int]]) -> "Scores":
+        """Scores from any nested sequences (tensors' `tolist()`, JSON), refusing rows of unequal lengths."""
         lp = tuple(tuple(float(x) for x in row) for row in logprobs)
         am = tuple(tuple(int(x) for x in row) for row in argmax)
         if [len(r) for r in lp] != [len(r) for r in am]:
@@ -34,13 +39,19 @@ class Scores:
         return Scores(lp, am)
 
     def flat(self) -> list[float]:
+        """Every log-probability, sequence after sequence."""
         return [x for row in self.logprobs for x in row]
 
 
 @dataclass(frozen=True)
 class Thresholds:
-    """What a correct refit stays under (the baselines: BENCHMARKS.md, Mismatch):
-    the largest per-token |log-prob difference|, the mean of k3 and the smallest argmax agreement."""
+    """What a correct refit stays under (the baselines: BENCHMARKS.md, Mismatch).
+
+    Attributes:
+        max_abs: the largest per-token |log-prob difference|.
+        mean_k3: the largest mean of the k3 KL estimate.
+        min_argmax_agreement: the smallest fraction of positions where both sides' argmax agree.
+    """
 
     max_abs: float
     mean_k3: float
@@ -61,6 +72,17 @@ THRESHOLDS = {
 
 
 def thresholds(dtype: str) -> Thresholds:
+    """The thresholds for an engine computing in `dtype`.
+
+    Args:
+        dtype: "float32" or "bfloat16", as torch prints them ("torch.bfloat16") or short ("fp32", "bf16").
+
+    Returns:
+        The entry of THRESHOLDS.
+
+    Raises:
+        ArgumentError: a dtype without thresholds.
+    """
     key = str(dtype).removeprefix("torch.")
     key = {"fp32": "float32", "bf16": "bfloat16", "float": "float32"}.get(key, key)
     if key not in THRESHOLDS:
@@ -80,8 +102,23 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 @dataclass(frozen=True)
 class MismatchReport:
-    """The comparison of one refit: per-token |lp_trainer - lp_engine| statistics, KL estimates, argmax
-    agreement, the thresholds applied and what broke them (empty: within thresholds)."""
+    """The comparison of one refit: per-token log-prob differences, KL estimates, argmax agreement, verdict.
+
+    Attributes:
+        dtype: the dtype whose thresholds applied.
+        tokens: scored positions.
+        mean_abs: mean of |lp_trainer - lp_engine| over them.
+        max_abs: its largest value.
+        p50_abs: its median.
+        p90_abs: its 90th percentile.
+        p99_abs: its 99th percentile.
+        mean_k1: mean k1 KL estimate (module docstring).
+        mean_k3: mean k3 KL estimate.
+        argmax_agreement: fraction of positions where both sides' argmax agree.
+        worst: (sequence, position) of the largest difference.
+        thresholds: the thresholds applied.
+        failures: what broke them (empty: within thresholds).
+    """
 
     dtype: str
     tokens: int
@@ -93,15 +130,17 @@ class MismatchReport:
     mean_k1: float
     mean_k3: float
     argmax_agreement: float
-    worst: tuple[int, int]  # (sequence, position) of the largest difference
+    worst: tuple[int, int]
     thresholds: Thresholds
     failures: tuple[str, ...]
 
     @property
     def ok(self) -> bool:
+        """Within every threshold."""
         return not self.failures
 
     def to_dict(self) -> dict:
+        """Plain JSON values, `ok` included (`verify.check.report_from_dict` reads them back)."""
         out = asdict(self)
         out["ok"] = self.ok
         return out
@@ -116,7 +155,20 @@ class MismatchReport:
 
 def compare(trainer: Scores, engine: Scores, dtype: str = "float32",
             limits: Thresholds | None = None) -> MismatchReport:
-    """Compare the two sides' scores of the same sequences."""
+    """Compare the two sides' scores of the same sequences.
+
+    Args:
+        trainer: the trainer's scores.
+        engine: the engine's scores of the same positions.
+        dtype: the dtype the engine computes in; picks the thresholds.
+        limits: thresholds to apply instead of `dtype`'s.
+
+    Returns:
+        The statistics and the thresholds they broke.
+
+    Raises:
+        ArgumentError: the two sides scored other positions, none at all, or `dtype` has no thresholds.
+    """
     limits = limits or thresholds(dtype)
     if [len(r) for r in trainer.logprobs] != [len(r) for r in engine.logprobs]:
         raise ArgumentError("engine scores", [len(r) for r in engine.logprobs],

@@ -18,10 +18,14 @@ from .metrics import Scores
 
 
 class Scorer(Protocol):
-    def prompt_logprobs(self, prompts: list[list[int]]) -> list[tuple[list[float], list[int]]]: ...
+    """The engine side of a mismatch check: anything that scores prompts as the engine computes."""
+
+    def prompt_logprobs(self, prompts: list[list[int]]) -> list[tuple[list[float], list[int]]]:
+        """Per prompt, (log-probability, argmax token) at every position after the first."""
 
 
 def check_sequences(sequences: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
+    """`sequences` as lists of ints, refused (ArgumentError) unless each has 2+ ids, all in the vocabulary."""
     out = [[int(t) for t in s] for s in sequences]
     if not out or any(len(s) < 2 for s in out):
         raise ArgumentError("sequences", [len(s) for s in out], "must be one or more sequences of 2+ token ids")
@@ -73,6 +77,18 @@ def trainer_scores(chunks: list[Any], sequences: Sequence[Sequence[int]], vocab_
 
 
 def engine_scores(engine: Scorer, sequences: Sequence[Sequence[int]]) -> Scores:
+    """The engine's scores of `sequences` (asked in one call).
+
+    Args:
+        engine: a Scorer: a VllmServer, an LLMScorer, a RayEngineClient.
+        sequences: token-id sequences of 2+ tokens.
+
+    Returns:
+        Its log-probabilities and argmax tokens.
+
+    Raises:
+        ArgumentError: the engine answered rows of unequal lengths.
+    """
     rows = engine.prompt_logprobs([list(s) for s in sequences])
     return Scores.of([r[0] for r in rows], [r[1] for r in rows])
 

@@ -183,6 +183,21 @@ class Partition:
                               o["dst_tensor"][p], o["dst_offset"][p], o["dst_stride"][p], o["rows"][p], o["cols"][p]))
         return Copies.concat(parts)
 
+    def local_copies(self, shadowed: np.ndarray, defer: "np.ndarray | None" = None) -> tuple[list[Copies], Copies]:
+        """This process's local copies: per stage, those run while the refit is in flight (into a destination
+        tensor's shadow where `shadowed` gives it one), and those deferred to the commit, straight into the
+        destination: the copies into tensors `defer` marks (a staged or undone refit defers tensors that take
+        nothing while in flight: they need neither a shadow nor a backup)."""
+        o = self.plan.ops
+        d_t = o["dst_tensor"][self.local]
+        later = np.zeros(len(self.local), bool) if defer is None else defer[d_t]
+        kind = self.read_kind(self.local, shadowed)
+        into = np.where(shadowed[d_t], SHADOW, DST)
+        stage = o["stage"][self.local]
+        now = [self.copies(self.local[m], kind[m], into[m])
+               for m in (~later & (stage == s) for s in range(self.plan.num_stages))]
+        return now, self.copies(self.local[later], kind[later], DST)
+
     def copies(self, ops: np.ndarray, src_kind: "int | np.ndarray", dst_kind: "int | np.ndarray") -> Copies:
         """The ops as one folded program from `src_kind` memory (SRC; a relay reads its destination tensor, in
         the kind given for it) to `dst_kind` memory at the destination tensors' places."""

@@ -49,15 +49,16 @@ from ..planner.plan import RELAY
 from .base import RankTensors
 from .binding import Binding
 from .checksum import Streams, Sum64Program, algorithm, block, mismatch, use_kernel
-from .copies import DST, PEER, SHADOW, SRC, Copies, fold
+from .copies import DST, PEER, SHADOW, SRC, Copies
 from .exchange import Exchange
-from .guard import check_memory, check_ops
-from .local import apply_shifts, check_tensors, in_units, shift_views, torch_dtype
+from .guard import check_ops
+from .local import apply_shifts, torch_dtype
+from .partition import Partition
+from .prepared import Prepared
 from .stats import RefitStats
 from .views import Memory, bind
 from .voted import VotedExecutor
 
-ALIGN = 64  # elements: every landing region starts 128-byte aligned (bf16)
 _SHM_DIR = "/dev/shm"
 # reshard-<creator pid>-<its start time, clock ticks after boot>-<its pid namespace's inode>-<128 random bits>:
 # what a later process needs to prove the creator gone (reclaim_segments). Names of the older form
@@ -317,7 +318,7 @@ class SharedExecutor(VotedExecutor):
                  poll_max_s: float = 0.0002, checksum: bool | str = False) -> None:
         if timeout <= 0:
             raise ExecutionError(f"timeout={timeout} must be positive (seconds)")
-        binding.check(plan.src.num_ranks, plan.dst.num_ranks)
+        binding.check(plan.src.num_ranks, plan.dst.num_ranks)  # before the process is looked up in it
         check_ops(plan)
         if process not in binding.processes:
             raise ExecutionError(f"process {process} plays no rank of {binding}")
@@ -333,8 +334,12 @@ class SharedExecutor(VotedExecutor):
         self._start_versions()
         self._segments: dict[str, Segment] = {}
         self._created: list[Segment] = []
-        self._check_and_view(src, dst)
-        self._schedule()
+        self.part = Partition(plan, binding, process)
+        self.prepared = Prepared(plan, src, dst, (binding.src_ranks_of(process), binding.dst_ranks_of(process)))
+        self.device = self.prepared.device or torch.device("cpu")
+        self.src_flat, self.dst_flat = self.prepared.src_flat, self.prepared.dst_flat
+        self._landed = np.flatnonzero(self.part.in_flight).tolist()  # destination tensors peers write into
+        self._feeders = sorted(self.part.receives_from)
         if self.device.type != "cuda":  # the segments killed processes left behind, before this one makes its own
             reclaim_segments()
         self.exchange = Exchange(store, namespace, kind="shared")
@@ -346,81 +351,45 @@ class SharedExecutor(VotedExecutor):
             raise
 
     # --- construction --------------------------------------------------------------------------------
-    def _check_and_view(self, src: RankTensors, dst: RankTensors) -> None:
-        b, plan = self.binding, self.plan
-        want_src, want_dst = set(b.src_ranks_of(self.process)), set(b.dst_ranks_of(self.process))
-        if set(src) != want_src or set(dst) != want_dst:
-            raise ExecutionError(f"process {self.process} plays source ranks {sorted(want_src)} and destination "
-                                 f"ranks {sorted(want_dst)} of {b}; got {sorted(src)} and {sorted(dst)}")
-        check_tensors(plan, src, dst)
-        check_memory(src, dst)
-        devices = {t.device for side in (src, dst) for ts in side.values() for t in ts.values()}
-        if len(devices) > 1:
-            raise ExecutionError(f"this process's tensors are on several devices {sorted(map(str, devices))}")
-        self.device = devices.pop() if devices else torch.device("cpu")
-        self._src_given, self._dst_given = src, dst
-        src, dst = in_units(plan, src, dst)
-        self.src_flat = {i: src[r][n].view(-1) for i, (r, n) in enumerate(zip(plan.src_tensors.ranks,
-                                                                              plan.src_tensors.names)) if r in src}
-        self.dst_flat = {i: dst[r][n].view(-1) for i, (r, n) in enumerate(zip(plan.dst_tensors.ranks,
-                                                                              plan.dst_tensors.names)) if r in dst}
-
-    def _schedule(self) -> None:
-        plan, b, me = self.plan, self.binding, self.process
-        o = plan.ops
-        sender = np.asarray(b.src, np.int64)[o["src_rank"]] if plan.num_ops else np.zeros(0, np.int64)
-        receiver = np.asarray(b.dst, np.int64)[o["dst_rank"]] if plan.num_ops else np.zeros(0, np.int64)
-        self._sends = {int(q): np.flatnonzero((sender == me) & (receiver == q))
-                       for q in np.unique(receiver[(sender == me) & (receiver != me)]).tolist()}
-        self._received = np.flatnonzero((receiver == me) & (sender != me))
-        self._local = np.flatnonzero((receiver == me) & (sender == me))
-        self._feeders = sorted(set(sender[self._received].tolist()))
-        landed = sorted(set(o["dst_tensor"][self._received].tolist()))
-        self._landed = landed  # destination tensor ids that receive bytes from peers
-
-    def _blocks(self, ops: np.ndarray, src_kind: int, dst_kind: int) -> Copies:
-        o = self.plan.ops
-        src_id = o["src_tensor"][ops] if src_kind == SRC else o["dst_tensor"][ops]
-        src_off = o["src_offset"][ops] if src_kind == SRC else o["dst_offset"][ops]
-        src_stride = o["src_stride"][ops] if src_kind == SRC else o["dst_stride"][ops]
-        return fold(src_kind, src_id, src_off, src_stride, dst_kind, o["dst_tensor"][ops], o["dst_offset"][ops],
-                    o["dst_stride"][ops], o["rows"][ops], o["cols"][ops])
-
     def _set_up(self) -> None:
         self._landing: dict[int, torch.Tensor] = {}  # my landing memory per destination tensor id
         self._staging_bytes = 0
-        if self._landed:
-            if self.staged:
-                sizes = [self.dst_flat[i].numel() for i in self._landed]
-                starts = np.concatenate([[0], np.cumsum([-(-n // ALIGN) * ALIGN for n in sizes])]).tolist()
-                arena = self._arena(int(starts[-1]))
-                self._staging_bytes = int(starts[-1]) * self.itemsize
-                for i, a, n in zip(self._landed, starts, sizes):
-                    self._landing[i] = arena.narrow(0, int(a), n)
-            else:
-                self._landing = {i: self.dst_flat[i] for i in self._landed}
+        if self._landed and self.staged:
+            sizes = {i: self.dst_flat[i].numel() for i in self._landed}
+            arena, self._landing = self.prepared.arena(sizes, allocate=self._arena)
+            self._staging_bytes = arena.numel() * self.itemsize
+        elif self._landed:
+            self._landing = {i: self.dst_flat[i] for i in self._landed}
         book = {"process": self.process, "plan": self.plan.digest, "binding": self.binding.to_dict(),
                 "staged": self.staged, "device": str(self.device.type), "checksum": self.checksum,
                 "landing": {str(i): export(t) for i, t in self._landing.items()}}
         self.exchange.publish(self.process, b"", book)
         self._peer_landing: dict[tuple[int, int], torch.Tensor] = {}
         deadline = time.monotonic() + self.timeout
-        for q in self._sends:
-            _, theirs = self.exchange.fetch(q, self.timeout, deadline)
-            problems = [f"{k}: process {q} has {theirs.get(k)!r}, this process {book[k]!r}"
-                        for k in ("plan", "binding", "staged", "device", "checksum") if theirs.get(k) != book[k]]
-            if problems:
-                raise ExecutionError(f"process {q} does not run the same refit:\n  - " + "\n  - ".join(problems))
-            for tid in sorted(set(self.plan.ops["dst_tensor"][self._sends[q]].tolist())):
-                h = theirs["landing"].get(str(tid))
-                if h is None:
-                    raise ExecutionError(f"process {q} exposes no memory for destination tensor {tid}")
-                t = open_handle(h, self.dtype, self.device, self._segments)
-                want = int(np.prod(self.plan.dst_tensors.shape(tid)))
-                if t.numel() != want:
-                    raise ExecutionError(f"process {q}'s memory for destination tensor {tid} has {t.numel()} "
-                                         f"elements, the plan's tensor {want}")
-                self._peer_landing[(q, tid)] = t
+        for q in self.part.sends_to:
+            self._map_peer(q, book, self.exchange.fetch(q, self.timeout, deadline)[1])
+        self._bind_programs()
+
+    def _map_peer(self, q: int, book: dict, theirs: dict) -> None:
+        """Check that peer `q` runs the same refit and map the landing memory it exposes for this process."""
+        problems = [f"{k}: process {q} has {theirs.get(k)!r}, this process {book[k]!r}"
+                    for k in ("plan", "binding", "staged", "device", "checksum") if theirs.get(k) != book[k]]
+        if problems:
+            raise ExecutionError(f"process {q} does not run the same refit:\n  - " + "\n  - ".join(problems))
+        for tid in sorted(set(self.plan.ops["dst_tensor"][self.part.sends_to[q]].tolist())):
+            h = theirs["landing"].get(str(tid))
+            if h is None:
+                raise ExecutionError(f"process {q} exposes no memory for destination tensor {tid}")
+            t = open_handle(h, self.dtype, self.device, self._segments)
+            want = int(self.part.tensor_sizes[tid])
+            if t.numel() != want:
+                raise ExecutionError(f"process {q}'s memory for destination tensor {tid} has {t.numel()} "
+                                     f"elements, the plan's tensor {want}")
+            self._peer_landing[(q, tid)] = t
+
+    def _bind_programs(self) -> None:
+        """Copy programs bound to this process's memory and its peers' (executors.views), made once."""
+        part = self.part
 
         def flat(kind: int, i: int) -> torch.Tensor:
             if kind == SRC:
@@ -432,23 +401,16 @@ class SharedExecutor(VotedExecutor):
             return self._peer_landing[(kind - PEER, i)]
 
         memory = Memory(flat, self.itemsize)
-        self._send_programs = {q: bind(self._blocks(ops, SRC, PEER + q), memory, self.itemsize)
-                               for q, ops in self._sends.items()}
-        self._local_program = bind(self._blocks(self._local, SRC, DST), memory, self.itemsize)
-        self._commit_program = (bind(self._blocks(self._received, SHADOW, DST), memory, self.itemsize)
-                                if self.staged else None)
-        mine = np.concatenate([self._received, self._local])
-        self._shifts = shift_views(self.plan, self.dst_flat, mine)
+        self._send_programs = {q: bind(part.copies(ops, SRC, PEER + q), memory, self.itemsize)
+                               for q, ops in part.sends_to.items()}
+        shadowed = part.in_flight if self.staged else np.zeros_like(part.in_flight)
+        local, deferred = part.local_copies(shadowed, ~part.in_flight if self.staged else None)
+        self._local_program = bind(Copies.concat(local), memory, self.itemsize)
+        self._commit_program = bind(Copies.concat([part.commit(shadowed), deferred]), memory, self.itemsize)
+        self._shifts = self.prepared.shifts(part.landing)
         if self.checksum:  # the blocks each stream's checksum reads, in plan order (executors.checksum)
-            sender = np.asarray(self.binding.src, np.int64)[self.plan.ops["src_rank"][self._received]]
-            self._sum_out = {q: self._views(ops, self.src_flat, "src") for q, ops in self._sends.items()}
-            self._sum_in = {f: self._views(self._received[sender == f], self._landing, "dst") for f in self._feeders}
-        o = self.plan.ops
-        nbytes = lambda ops: int((o["rows"][ops] * o["cols"][ops]).sum()) * self.itemsize  # noqa: E731
-        sender = np.asarray(self.binding.src, np.int64)[o["src_rank"][self._received]]
-        self._bytes_sent = {q: nbytes(ops) for q, ops in self._sends.items()}
-        self._bytes_received = {f: nbytes(self._received[sender == f]) for f in self._feeders}
-        self._local_bytes = nbytes(self._local)
+            self._sum_out = {q: self._views(ops, self.src_flat, "src") for q, ops in part.sends_to.items()}
+            self._sum_in = {f: self._views(ops, self._landing, "dst") for f, ops in part.receives_from.items()}
 
     def _arena(self, numel: int) -> torch.Tensor:
         if self.device.type == "cuda":
@@ -463,6 +425,7 @@ class SharedExecutor(VotedExecutor):
         with torch.no_grad():
             if self._landed:
                 ex.signal(f"v{v}/ready/{self.process}")  # my landing memory is free
+            self._local_program.run()  # copies into tensors peers write too: into their landing memory
             for q, program in self._send_programs.items():
                 ex.wait_count(f"v{v}/ready/{q}", 1, v, deadline, self.poll_max_s,
                               f"process {q} to be ready for refit {v}")
@@ -472,8 +435,6 @@ class SharedExecutor(VotedExecutor):
                 if self.checksum:
                     ex.store.set(f"v{v}/sum/{self.process}/{q}", self._digest(self._sum_out[q]))
                 ex.signal(f"v{v}/done/{q}")
-            if not self.staged:
-                self._local_program.run()
             if self._feeders:
                 ex.wait_count(f"v{v}/done/{self.process}", len(self._feeders), v, deadline, self.poll_max_s,
                               f"processes {self._feeders} to write their bytes of refit {v}")
@@ -482,9 +443,7 @@ class SharedExecutor(VotedExecutor):
 
     def _commit(self) -> None:
         with torch.no_grad():
-            if self.staged:
-                self._commit_program.run()
-                self._local_program.run()
+            self._commit_program.run()
             apply_shifts(self._shifts)
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
@@ -499,10 +458,10 @@ class SharedExecutor(VotedExecutor):
 
     def _stats(self, v: int, seconds: float, phases: dict[str, float]) -> RefitStats:
         return RefitStats(executor=self.name, process=self.process, version=v, seconds=seconds, phases=phases,
-                          staged=self.staged, ops=len(self._received) + len(self._local),
-                          bytes_sent=self._bytes_sent, bytes_received=self._bytes_received,
-                          local_bytes=self._local_bytes, staging_bytes=self._staging_bytes,
-                          transfers=len(self._sends) + len(self._feeders), checksum=self.checksum or "")
+                          staged=self.staged, ops=len(self.part.landing),
+                          bytes_sent=self.part.bytes_sent, bytes_received=self.part.bytes_received,
+                          local_bytes=self.part.local_numel * self.itemsize, staging_bytes=self._staging_bytes,
+                          transfers=len(self.part.sends_to) + len(self._feeders), checksum=self.checksum or "")
 
     def _views(self, ops: np.ndarray, flat: dict[int, torch.Tensor], side: str) -> list[torch.Tensor]:
         o = self.plan.ops

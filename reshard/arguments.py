@@ -22,12 +22,14 @@ def seconds(field: str, value: Any, low: float = 0.0, high: float = 86400.0, non
 
 
 def integer(field: str, value: Any, low: int, high: int) -> int:
+    """An int in [low, high] (not a bool, a float or a string)."""
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ArgumentError(field, value, f"must be an integer in [{low}, {high}]")
     return value
 
 
 def text(field: str, value: Any, none: bool = False, choices: tuple[str, ...] | None = None) -> str | None:
+    """A non-empty string (one of `choices` where given), or None where allowed."""
     if value is None and none:
         return None
     if not isinstance(value, str) or not value or (choices is not None and value not in choices):
@@ -37,6 +39,7 @@ def text(field: str, value: Any, none: bool = False, choices: tuple[str, ...] | 
 
 
 def instance(field: str, value: Any, kind: type | tuple[type, ...], what: str, none: bool = False) -> Any:
+    """An instance of `kind` (`what` names it in the error), or None where allowed."""
     if (value is None and none) or isinstance(value, kind):
         return value
     raise ArgumentError(field, value, f"must be {what}" + (", or None" if none else ""))

@@ -104,6 +104,7 @@ def parse_json(data: "bytes | str", error: ErrorFactory, field: str, value: Any 
 
 
 def read_json(path: "str | Path", limit: int, error: ErrorFactory, field: str = "path") -> Any:
+    """The JSON value of the file at `path`: `read_bytes` (at most `limit` bytes), then `parse_json`."""
     return parse_json(read_bytes(path, limit, error, field), error, field, os.fspath(path))
 
 

@@ -79,6 +79,7 @@ def _config(line: str) -> tuple[int, str, float, float]:
 
 
 def main() -> int:
+    """The keeper process (protocol above): renew every `every` seconds until the driver is gone; exit status 0."""
     pid, holder, ttl, every = _config(sys.stdin.readline(MAX_LINE))
     parent = os.getppid()
     servers: list[dict[str, Any]] = []

@@ -82,6 +82,7 @@ class LeaseRenewal:
             self._report("thread", wait_calls(calls, self.ttl / 2))
 
     def stop(self) -> None:
+        """Stop renewing (the leases then lapse after their ttl) and end the keeper process."""
         self.stopped.set()
         if self.keeper is not None:
             try:

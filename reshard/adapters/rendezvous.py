@@ -42,11 +42,24 @@ log = logging.getLogger("reshard.rendezvous")
 
 @dataclass(frozen=True)
 class Rendezvous:
+    """Where one refit's processes meet and the secret that admits them: plain JSON in the refit's init payload.
+
+    Attributes:
+        host: the store's address, reachable from every member.
+        port: its port (0 until `host_store` binds one).
+        refit_id: public: names the refit in keys, logs and errors.
+        secret: hex, never logged (not even by `repr`).
+        timeout: seconds any step of meeting may take.
+
+    Raises:
+        ExecutionError: a field out of range (all problems named at once).
+    """
+
     host: str
     port: int
-    refit_id: str  # public: names the refit in keys, logs and errors
-    secret: str  # hex; never logged
-    timeout: float = 60.0  # seconds any step of meeting may take
+    refit_id: str
+    secret: str
+    timeout: float = 60.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -74,10 +87,12 @@ class Rendezvous:
 
     # --- plain data ----------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
+        """The fields as JSON values, secret included: for members only."""
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: Any) -> "Rendezvous":
+        """The rendezvous `to_dict` wrote, checked as untrusted input (unknown or missing fields refused)."""
         if not isinstance(d, dict):
             raise ExecutionError(f"rendezvous must be a JSON object, got {type(d).__name__}")
         unknown = sorted(set(d) - {"host", "port", "refit_id", "secret", "timeout"})
@@ -93,9 +108,11 @@ class Rendezvous:
 
     @property
     def address(self) -> str:
+        """host:port, as errors name it."""
         return f"{self.host}:{self.port}"
 
     def proof(self, what: str) -> str:
+        """An HMAC of `what` under the secret: a value only members can compute."""
         return hmac.new(bytes.fromhex(self.secret) if _is_hex(self.secret) else self.secret.encode(),
                         f"{self.refit_id}/{what}".encode(), hashlib.sha256).hexdigest()
 
@@ -200,6 +217,7 @@ def fail(store: Any, rdv: Rendezvous, reason: str) -> None:
 
 
 def failure(store: Any, rdv: Rendezvous) -> str | None:
+    """The first reason a member gave to `fail`, or None while none has."""
     key = f"{rdv.namespace}fail"
     return store.get(key).decode(errors="replace") if store.check([key]) else None
 

@@ -36,6 +36,7 @@ def _adapter(layout: MegatronLayout) -> bool:
 
 
 def layout_problems(derived: MegatronLayout, declared: MegatronLayout) -> list[str]:
+    """Every field where the layout derived from the live model differs from the declared one (none: empty)."""
     problems = []
     fields = ("tp", "pp", "ep", "etp", "world", "vpp", "first_stage_layers", "last_stage_layers", "naming",
               "rank_order") + (() if _adapter(declared) else ("padded_vocab",))

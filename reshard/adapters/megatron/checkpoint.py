@@ -97,6 +97,8 @@ class SavedChunk:
 
 @dataclass(frozen=True)
 class SavedTensor:
+    """One tensor of a checkpoint as its metadata describes it: its global shape and dtype, and its saved chunks."""
+
     key: str
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -104,6 +106,7 @@ class SavedTensor:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the whole (global) tensor."""
         return math.prod(self.shape) * self.dtype.itemsize
 
 

@@ -81,6 +81,7 @@ def checkpoint_key(name: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
 
 
 def saved_facts(ckpt: Checkpoint) -> SavedFacts:
+    """What the checkpoint's metadata tells of the model and of the TP / ETP that saved it (None: not saved)."""
     t = ckpt.tensors
     embed = t.get("embedding.word_embeddings.weight")
     qkv = t.get("decoder.layers.self_attention.linear_qkv.weight")

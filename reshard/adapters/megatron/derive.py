@@ -42,6 +42,11 @@ def derive_layout(model: Any, spec: ModelSpec, *, like: MegatronLayout | None = 
 def layout_from_facts(spec: ModelSpec, parallel: ParallelState, *, names: Iterable[str], vpp: int,
                       padded_vocab: int, first_stage_layers: int | None = None, last_stage_layers: int | None = None,
                       like: MegatronLayout | None = None) -> MegatronLayout:
+    """`derive_layout` from facts already read (no model, no processes: what tests drive with invented facts).
+
+    The rank order is the first of `like`'s, megatron-core's default, then every other permutation, that numbers
+    this rank's process groups as `parallel` has them; raises LayoutError when none does.
+    """
     tp, pp = parallel.size("tp"), parallel.size("pp")
     ep, etp = (parallel.size("ep"), parallel.size("etp")) if spec.is_moe else (1, tp)  # dense: expert groups unused
     fields = dict(model=spec, tp=tp, pp=pp, ep=ep, etp=etp, world=parallel.world, vpp=vpp,

@@ -28,6 +28,7 @@ class ParallelState:
     groups: Mapping[str, tuple[int, ...]]  # 'tp', 'pp', 'dp', 'ep', 'etp', 'edp' -> this rank's group, in order
 
     def size(self, axis: str) -> int:
+        """The size of this rank's group on `axis` ('tp', 'pp', 'dp', 'ep', 'etp', 'edp')."""
         return len(self.groups[axis])
 
 

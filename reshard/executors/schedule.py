@@ -31,9 +31,9 @@ import numpy as np
 
 from ..errors import ExecutionError
 from ..planner import Plan
-from ..planner.plan import RELAY, SOURCE
 from .binding import Binding
-from .copies import DST, SHADOW, SRC, WIRE, Copies, fold
+from .copies import DST, SHADOW, WIRE, Copies, fold
+from .partition import Partition
 
 
 @dataclass(frozen=True, eq=False)
@@ -97,35 +97,12 @@ class RoundSchedule:
     buffers_per_round: int  # most wire buffers in one round: peers sent to + peers received from
 
 
-def _senders_receivers(plan: Plan, binding: Binding) -> tuple[np.ndarray, np.ndarray]:
-    o = plan.ops
-    bsrc, bdst = np.asarray(binding.src, np.int64), np.asarray(binding.dst, np.int64)
-    if not plan.num_ops:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    sender = np.where(o["src_side"] == SOURCE, bsrc[np.minimum(o["src_rank"], len(bsrc) - 1)],
-                      bdst[np.minimum(o["src_rank"], len(bdst) - 1)])
-    return sender, bdst[o["dst_rank"]]
-
-
-def max_streams_per_process(plan: Plan, binding: Binding) -> int:
-    """The most streams (peers it sends to plus peers it receives from) any process has in one stage."""
-    sender, receiver = _senders_receivers(plan, binding)
-    remote = sender != receiver
-    if not remote.any():
-        return 0
-    st = plan.ops["stage"][remote]
-    pairs = np.unique(np.stack([st, sender[remote], receiver[remote]], axis=1), axis=0)
-    per = np.concatenate([pairs[:, [0, 1]], pairs[:, [0, 2]]])
-    _, counts = np.unique(per, axis=0, return_counts=True)
-    return int(counts.max())
-
-
 def bucket_numel_for(plan: Plan, binding: Binding, memory_cap: int, bucket_bytes: int | None,
                      depth: int) -> int:
     """The bucket size every process uses: wire buffers for `depth` rounds in flight fit `memory_cap` bytes
     on the busiest process, and no bucket exceeds `bucket_bytes`. Rounded to 256 bytes when large."""
     itemsize = plan.itemsize
-    streams = max(max_streams_per_process(plan, binding), 1)
+    streams = max(Partition(plan, binding, binding.processes[0]).most_streams(), 1)
     cap = memory_cap // (depth * streams)
     if bucket_bytes is not None:
         cap = min(cap, bucket_bytes)
@@ -207,164 +184,120 @@ def build_schedule(plan: Plan, binding: Binding, process: int, bucket_numel: int
         raise ExecutionError(f"bucket_numel={bucket_numel} must be at least 1")
     if undo and staged:
         raise ExecutionError("undo and staged are two ways of keeping the previous weights; choose one")
-    binding.check(plan.src.num_ranks, plan.dst.num_ranks)
-    o = plan.ops
-    sender, receiver = _senders_receivers(plan, binding)
-    numel = o["rows"] * o["cols"]
-    remote = sender != receiver
-    num_stages = plan.num_stages
+    part = Partition(plan, binding, process)
+    wire = _Wire(part, bucket_numel, direct_numel)
+    shadowed = part.in_flight if staged else np.zeros_like(part.in_flight)  # staged writes land here
+    rounds, sent, received = _rounds(part, wire, shadowed)
+    local, deferred = part.local_copies(shadowed, ~part.in_flight if staged or undo else None)
+    per_round = max((len({m.peer for m in r.sends}) + len({m.peer for m in r.recvs}) for r in rounds), default=0)
+    return RoundSchedule(
+        process=process, bucket_numel=bucket_numel, staged=staged, num_stages=plan.num_stages, rounds=rounds,
+        local=tuple(local), deferred=deferred, commit=part.commit(shadowed) if staged else Copies.empty(),
+        shadow=tuple(np.flatnonzero(part.in_flight if staged or undo else shadowed).tolist()), undo=undo,
+        src_ids=part.src_ids, dst_ids=part.dst_ids, sent=sent, received=received, local_numel=part.local_numel,
+        buffers_per_round=per_round)
 
-    # streams and global rounds (the same on every process)
-    r_idx = np.flatnonzero(remote)
-    order = r_idx[np.lexsort((r_idx, receiver[r_idx], sender[r_idx], o["stage"][r_idx]))]
-    skey = np.stack([o["stage"][order], sender[order], receiver[order]], axis=1)
-    if len(order):
+
+class _Wire:
+    """The global cut of every stream into buckets (rounds) and messages, the same on every process: the streams
+    laid end to end on one wire, `w` each remote op's first element on it (in `order`), `bcuts` the bucket
+    boundaries, `cuts` the message boundaries (bucket boundaries plus both ends of every long contiguous run)."""
+
+    def __init__(self, part: Partition, bucket_numel: int, direct_numel: int) -> None:
+        o, plan = part.plan.ops, part.plan
+        stream_of, keys = part.streams
+        remote = np.flatnonzero(stream_of >= 0)
+        self.order = order = remote[np.argsort(stream_of[remote], kind="stable")]  # by stream, then plan order
+        self.stream = stream = stream_of[order]
+        self.keys = keys  # (stage, sender, receiver) per stream
+        per_stage = np.zeros(max(plan.num_stages, 1), np.int64)
+        if not len(order):
+            self.w, self.cuts, self.bcuts = np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64)
+            self.first_bucket, self.round_base = np.zeros(0, np.int64), np.zeros(len(per_stage), np.int64)
+            return
+        numel = o["rows"][order] * o["cols"][order]
         new = np.ones(len(order), dtype=bool)
-        new[1:] = np.any(skey[1:] != skey[:-1], axis=1)
-        stream = np.cumsum(new) - 1
+        new[1:] = stream[1:] != stream[:-1]
+        ends = np.cumsum(numel)
+        self.w = w = ends - numel
         first = np.flatnonzero(new)
-        ends = np.cumsum(numel[order])
-        starts_of_stream = np.concatenate([[0], ends[first[1:] - 1]])
-        stream_numel = np.diff(np.concatenate([starts_of_stream, [ends[-1]]]))
-        stream_stage = skey[first, 0]
-        w = ends - numel[order]  # each op's first element on one wire that lays the streams end to end
-        # round boundaries: every stream cut into buckets, as positions on that one wire
+        stream_numel = np.diff(np.concatenate([w[first], [ends[-1]]]))
         sizes = [bucket_sizes(int(n), bucket_numel) for n in stream_numel.tolist()]
         buckets = np.asarray([len(x) for x in sizes], dtype=np.int64)
-        bcuts = np.cumsum(np.concatenate([[0], *[np.asarray(x, np.int64) for x in sizes]]))
-        stream_first_bucket = np.concatenate([[0], np.cumsum(buckets)[:-1]])
-        # message boundaries: the round boundaries, plus both ends of every long run that is contiguous in the
-        # sender's (receiver's) memory, so that such a run travels as messages of its own, sent from (received
-        # into) that memory with no pack (scatter) copy
-        cuts = [bcuts]
-        for side in ("src", "dst"):
-            runs = _runs(o, order, new, numel[order], side)
-            run_numel = np.add.reduceat(numel[order], runs)
+        self.bcuts = np.cumsum(np.concatenate([[0], *[np.asarray(x, np.int64) for x in sizes]]))
+        self.first_bucket = np.concatenate([[0], np.cumsum(buckets)[:-1]])
+        cuts = [self.bcuts]
+        for side in ("src", "dst"):  # long runs contiguous in one side's memory travel as messages of their own
+            runs = _runs(o, order, new, numel, side)
+            run_numel = np.add.reduceat(numel, runs)
             long = run_numel >= direct_numel
             cuts += [w[runs[long]], w[runs[long]] + run_numel[long]]
-        cuts = np.unique(np.concatenate(cuts))
-        per_stage = np.zeros(max(num_stages, 1), np.int64)
-        np.maximum.at(per_stage, stream_stage, buckets)
-    else:
-        stream = w = np.zeros(0, np.int64)
-        stream_stage = stream_first_bucket = np.zeros(0, np.int64)
-        cuts = bcuts = np.zeros(1, np.int64)
-        per_stage = np.zeros(max(num_stages, 1), np.int64)
-    round_base = np.concatenate([[0], np.cumsum(per_stage)[:-1]])
+        self.cuts = np.unique(np.concatenate(cuts))
+        np.maximum.at(per_stage, keys[:, 0], buckets)
+        self.round_base = np.concatenate([[0], np.cumsum(per_stage)[:-1]])
 
-    # this process's messages
-    mine = (skey[:, 1] == process) | (skey[:, 2] == process) if len(order) else np.zeros(0, bool)
-    sel = order[mine]
-    relay_read = np.zeros(len(plan.dst_tensors), dtype=bool)  # destination tensors this process relays from
-    relay_read[o["src_tensor"][(sender == process) & (o["src_side"] == RELAY)]] = True
-    pieces = _split({
-        "op": sel, "stream": stream[mine], "w": w[mine],
-        "so": o["src_offset"][sel], "ss": o["src_stride"][sel], "do": o["dst_offset"][sel],
-        "ds": o["dst_stride"][sel], "rows": o["rows"][sel], "cols": o["cols"][sel],
-    }, cuts) if len(sel) else None
 
-    # tensors written while the refit is in flight when it is staged or undone: those that receive bytes from
-    # a peer or that this process forwards from; local copies into any other tensor wait for the commit
-    in_flight_tensor = relay_read.copy()
-    if pieces is not None:
-        in_flight_tensor[o["dst_tensor"][pieces["op"][receiver[pieces["op"]] == process]]] = True
-    shadowed = in_flight_tensor if staged else np.zeros(len(plan.dst_tensors), dtype=bool)  # staged writes land here
-    backed_up = in_flight_tensor if undo else np.zeros(len(plan.dst_tensors), dtype=bool)  # undo keeps these
-    dst_kind = lambda tid: np.where(shadowed[tid], SHADOW, DST)  # noqa: E731 - where a write lands in flight
-
-    rounds: dict[int, dict[str, list[Message]]] = {}
+def _rounds(part: Partition, wire: _Wire, shadowed: np.ndarray) \
+        -> tuple[tuple[Round, ...], dict[int, int], dict[int, int]]:
+    """This process's messages, by global round, with their pack (scatter) programs; elements sent (received)
+    per peer."""
+    o, process = part.plan.ops, part.process
+    mine = (wire.keys[wire.stream, 1] == process) | (wire.keys[wire.stream, 2] == process)
+    if not mine.any():
+        return (), {}, {}
+    sel = wire.order[mine]
+    pieces = _split({"op": sel, "stream": wire.stream[mine], "w": wire.w[mine], "so": o["src_offset"][sel],
+                     "ss": o["src_stride"][sel], "do": o["dst_offset"][sel], "ds": o["dst_stride"][sel],
+                     "rows": o["rows"][sel], "cols": o["cols"][sel]}, wire.cuts)
+    op, cuts = pieces["op"], wire.cuts
+    cut = np.searchsorted(cuts, pieces["w"], side="right") - 1  # the piece's message, as its first cut
+    wire_off = pieces["w"] - cuts[cut]
+    msg_ids, msg_of = np.unique(cut, return_inverse=True)
+    msg_of = msg_of.reshape(-1)
+    m_stream = np.zeros(len(msg_ids), np.int64)
+    m_stream[msg_of] = pieces["stream"]
+    m_bucket = np.searchsorted(wire.bcuts, cuts[msg_ids], side="right") - 1
+    m_k = m_bucket - wire.first_bucket[m_stream]  # bucket (round) index inside the stream
+    m_offset = cuts[msg_ids] - wire.bcuts[m_bucket]  # where the message sits in its round's wire buffer
+    m_numel = cuts[msg_ids + 1] - cuts[msg_ids]
+    is_send = part.sender[op] == process
+    s, r = is_send, ~is_send
+    d_t = o["dst_tensor"][op][r]
+    pack = fold(part.read_kind(op[s], shadowed), o["src_tensor"][op][s], pieces["so"][s], pieces["ss"][s],
+                WIRE, msg_of[s], wire_off[s], pieces["cols"][s], pieces["rows"][s], pieces["cols"][s])
+    scatter = fold(WIRE, msg_of[r], wire_off[r], pieces["cols"][r], np.where(shadowed[d_t], SHADOW, DST), d_t,
+                   pieces["do"][r], pieces["ds"][r], pieces["rows"][r], pieces["cols"][r])
+    msg_send = np.zeros(len(msg_ids), dtype=bool)
+    msg_send[msg_of[is_send]] = True
+    by_msg = _per_message(pack, "dst_id", len(msg_ids)) | _per_message(scatter, "src_id", len(msg_ids))
+    rounds: dict[int, dict] = {}
     sent: dict[int, int] = {}
     received: dict[int, int] = {}
-    if pieces is not None:
-        op = pieces["op"]
-        st = pieces["stream"]
-        cut = np.searchsorted(cuts, pieces["w"], side="right") - 1  # the piece's message, as its first cut
-        wire_off = pieces["w"] - cuts[cut]
-        msg_ids, msg_of = np.unique(cut, return_inverse=True)
-        msg_of = msg_of.reshape(-1)
-        m_stream = np.zeros(len(msg_ids), np.int64)
-        m_stream[msg_of] = st
-        m_bucket = np.searchsorted(bcuts, cuts[msg_ids], side="right") - 1
-        m_k = m_bucket - stream_first_bucket[m_stream]  # bucket (round) index inside the stream
-        m_offset = cuts[msg_ids] - bcuts[m_bucket]  # where the message sits in its round's wire buffer
-        m_numel = cuts[msg_ids + 1] - cuts[msg_ids]
-        is_send = sender[op] == process
-        side = o["src_side"][op]
-        src_kind = _read_kind(side, o["src_tensor"][op], shadowed)
-        pack = fold(src_kind[is_send], o["src_tensor"][op][is_send], pieces["so"][is_send], pieces["ss"][is_send],
-                    WIRE, msg_of[is_send], wire_off[is_send], pieces["cols"][is_send],
-                    pieces["rows"][is_send], pieces["cols"][is_send])
-        rv = ~is_send
-        d_t = o["dst_tensor"][op][rv]
-        scatter = fold(WIRE, msg_of[rv], wire_off[rv], pieces["cols"][rv], dst_kind(d_t), d_t, pieces["do"][rv],
-                       pieces["ds"][rv], pieces["rows"][rv], pieces["cols"][rv])
-        msg_send = np.zeros(len(msg_ids), dtype=bool)
-        msg_send[msg_of[is_send]] = True
-        by_msg = {}
-        for prog, col in ((pack, "dst_id"), (scatter, "src_id")):
-            ids = prog.cols[col]
-            srt = np.argsort(ids, kind="stable")
-            bounds = np.searchsorted(ids[srt], np.arange(len(msg_ids) + 1))
-            for m in np.unique(ids).tolist():
-                part = prog.select(srt[bounds[m]:bounds[m + 1]])
-                by_msg[m] = Copies({**part.cols, col: np.zeros(len(part), np.int64)})  # WIRE 0: its own buffer
-        for m in range(len(msg_ids)):
-            s_ = int(m_stream[m])
-            stage = int(stream_stage[s_])
-            rnd = int(round_base[stage]) + int(m_k[m])
-            peer = int(skey[first[s_], 2] if msg_send[m] else skey[first[s_], 1])
-            n = int(m_numel[m])
-            entry = rounds.setdefault(rnd, {"stage": stage, "sends": [], "recvs": []})
-            entry["sends" if msg_send[m] else "recvs"].append(
-                Message(rnd, stage, peer, n, by_msg[m], int(m_offset[m]), int(msg_ids[m])))
-            book = sent if msg_send[m] else received
-            book[peer] = book.get(peer, 0) + n
+    for m in range(len(msg_ids)):
+        stage, sender, receiver = (int(x) for x in wire.keys[m_stream[m]])
+        rnd = int(wire.round_base[stage]) + int(m_k[m])
+        peer = receiver if msg_send[m] else sender
+        n = int(m_numel[m])
+        entry = rounds.setdefault(rnd, {"stage": stage, "sends": [], "recvs": []})
+        entry["sends" if msg_send[m] else "recvs"].append(
+            Message(rnd, stage, peer, n, by_msg[m], int(m_offset[m]), int(msg_ids[m])))
+        book = sent if msg_send[m] else received
+        book[peer] = book.get(peer, 0) + n
     in_order = lambda ms: tuple(sorted(ms, key=lambda m: (m.peer, m.offset)))  # noqa: E731 - both sides agree
-    round_list = tuple(Round(r, e["stage"], in_order(e["sends"]), in_order(e["recvs"]))
-                       for r, e in sorted(rounds.items()))
+    return tuple(Round(r, e["stage"], in_order(e["sends"]), in_order(e["recvs"]))
+                 for r, e in sorted(rounds.items())), sent, received
 
-    # local copies
-    loc = np.flatnonzero(~remote & (receiver == process))
-    side = o["src_side"][loc]
-    s_kind = _read_kind(side, o["src_tensor"][loc], shadowed)
-    d_t = o["dst_tensor"][loc]
-    in_flight = in_flight_tensor[d_t] | (not (staged or undo))  # the rest waits for the commit
-    local = []
-    for stage in range(num_stages):
-        m = in_flight & (o["stage"][loc] == stage)
-        local.append(_fold_ops(o, loc[m], s_kind[m], dst_kind(d_t[m])))
-    deferred = _fold_ops(o, loc[~in_flight], s_kind[~in_flight], DST)
 
-    # commit: every region written into a shadow goes to the destination tensor; a tensor written whole is
-    # one contiguous copy
-    commit = Copies.empty()
-    if staged and shadowed.any():
-        w_ops = np.concatenate([pieces["op"][receiver[pieces["op"]] == process] if pieces is not None
-                                else np.zeros(0, np.int64), loc[in_flight]])
-        w_ops = np.unique(w_ops)
-        t = o["dst_tensor"][w_ops]
-        sizes = np.asarray([int(np.prod(s)) for s in plan.dst_tensors.shapes], dtype=np.int64)
-        written = np.bincount(t, weights=numel[w_ops], minlength=len(sizes)).astype(np.int64)
-        whole = shadowed & (written == sizes)
-        part = ~whole[t]
-        ids = np.flatnonzero(whole)
-        commit = Copies.concat([
-            fold(SHADOW, ids, 0, sizes[ids], DST, ids, 0, sizes[ids], 1, sizes[ids]) if len(ids) else Copies.empty(),
-            fold(SHADOW, t[part], o["dst_offset"][w_ops][part], o["dst_stride"][w_ops][part], DST, t[part],
-                 o["dst_offset"][w_ops][part], o["dst_stride"][w_ops][part], o["rows"][w_ops][part],
-                 o["cols"][w_ops][part]) if part.any() else Copies.empty(),
-        ])
-
-    per_round = max((len({m.peer for m in r.sends}) + len({m.peer for m in r.recvs}) for r in round_list),
-                    default=0)
-    src_ids = tuple(i for i, r in enumerate(plan.src_tensors.ranks) if binding.src[r] == process)
-    dst_ids = tuple(i for i, r in enumerate(plan.dst_tensors.ranks) if binding.dst[r] == process)
-    return RoundSchedule(
-        process=process, bucket_numel=bucket_numel, staged=staged, num_stages=num_stages, rounds=round_list,
-        local=tuple(local), deferred=deferred, commit=commit,
-        shadow=tuple(np.flatnonzero(shadowed | backed_up).tolist()), undo=undo,
-        src_ids=src_ids, dst_ids=dst_ids, sent=sent, received=received, local_numel=int(numel[loc].sum()),
-        buffers_per_round=per_round)
+def _per_message(program: Copies, col: str, count: int) -> dict[int, Copies]:
+    """A program's copies per message (its wire id in `col`), each message's wire renumbered 0: its own buffer."""
+    ids = program.cols[col]
+    srt = np.argsort(ids, kind="stable")
+    bounds = np.searchsorted(ids[srt], np.arange(count + 1))
+    out = {}
+    for m in np.unique(ids).tolist():
+        part = program.select(srt[bounds[m]:bounds[m + 1]])
+        out[m] = Copies({**part.cols, col: np.zeros(len(part), np.int64)})
+    return out
 
 
 def _runs(o: dict[str, np.ndarray], order: np.ndarray, new_stream: np.ndarray, numel: np.ndarray,
@@ -379,18 +312,3 @@ def _runs(o: dict[str, np.ndarray], order: np.ndarray, new_stream: np.ndarray, n
     chain[1:] = (~new_stream[1:] & contiguous[1:] & contiguous[:-1] & (kind[1:] == kind[:-1])
                  & (tensor[1:] == tensor[:-1]) & (off[1:] == off[:-1] + numel[:-1]))
     return np.flatnonzero(~chain)
-
-
-def _read_kind(side: np.ndarray, tensor: np.ndarray, shadowed: np.ndarray) -> np.ndarray:
-    """SRC for source ops; for relays, the destination tensor's shadow when it has one."""
-    kind = np.full(len(side), SRC, dtype=np.int64)
-    relay = side == RELAY
-    kind[relay] = np.where(shadowed[tensor[relay]], SHADOW, DST)
-    return kind
-
-
-def _fold_ops(o: dict[str, np.ndarray], idx: np.ndarray, src_kind, dst_kind) -> Copies:
-    if not len(idx):
-        return Copies.empty()
-    return fold(src_kind, o["src_tensor"][idx], o["src_offset"][idx], o["src_stride"][idx], dst_kind,
-                o["dst_tensor"][idx], o["dst_offset"][idx], o["dst_stride"][idx], o["rows"][idx], o["cols"][idx])

@@ -5,26 +5,23 @@ A `RefitSpec` travels from the trainer to every inference worker (in vLLM's init
 which engine replica this is, the transport and where its processes meet. Each side rebuilds the layouts, compiles
 the same plan (once per process: planner.cache) and compares its digest with the trainer's. Imports no vLLM.
 
-Install:
-  "direct"     the plan writes the engine's parameters (destination: the engine's VllmLayout);
+The engine's layout is any registered layout (layouts.registry.register_layout) that accepts the install
+(`Layout.installs`): a new engine is a module that registers its layout, never an edit here.
+
+Install (the built-in engines'):
+  "direct"     the plan writes the engine's parameters (destination: the engine's layout);
   "loader"     the plan delivers whole canonical tensors to every engine rank (destination: HfLayout, one replica
                per engine rank), and the engine's own weight loaders place them (quantized or re-packing engines);
   "lora_slot"  a LoRA adapter (`layouts.lora.lora_spec`) into the slot of the adapter `lora_id` the engine already
                serves (destination: the engine's VllmLoraLayout; adapters.lora.slots); the model is untouched.
 
-Transports (`transport`; `options` go to the executor):
-  "inprocess"   trainer and engine in one process: the engine reads the trainer's published tensors;
-  "distributed" the trainer's processes are the engine's workers (vLLM's `external_launcher`): the
-                torch.distributed executor over the engine's world group;
-  "collective"  trainer processes and engine workers in separate processes (and virtualenvs): the
-                torch.distributed executor over a group both sides join at the rendezvous's address (gloo on
-                CPU, NCCL on GPUs; `options["backend"]`); every trainer process sends its own shards;
-  "nixl"        the same processes, NIXL one-sided transfers (does not depend on torch's wire format, so the two
-                sides' torch versions may differ);
-  "shared"      the same processes on one host: senders write into the workers' memory (CUDA IPC on GPUs,
-                POSIX shared memory on CPU).
-For the last three, trainer process p plays source rank p and the worker of destination rank d is process
-S + d (S = the trainer's ranks); everyone meets at `rendezvous` (adapters.rendezvous).
+Transports (`transport`, a name registered in adapters.transports; `options` go to the executor):
+"inprocess", "distributed" (the trainer's processes are the engine's workers, vLLM's `external_launcher`),
+"collective" (torch.distributed over a group both sides join at the rendezvous: gloo on CPU, NCCL on GPUs; every
+trainer process sends its own shards), "nixl" (one-sided transfers, independent of torch's wire format) and
+"shared" (one host: CUDA IPC or POSIX shared memory). For the cross-process ones, trainer process p plays source
+rank p and the worker of destination rank d is process S + d (S = the trainer's ranks); everyone meets at
+`rendezvous` (adapters.rendezvous).
 """
 from __future__ import annotations
 
@@ -36,16 +33,11 @@ from ..errors import ArgumentError, ExecutionError, LayoutError, PlanError
 from ..executors.base import Executor, RankTensors
 from ..executors.binding import Binding
 from ..executors.stats import RefitStats
-from ..layouts import HfLayout, Layout, ModelSpec, VllmLayout, layout_from_dict, layout_to_dict
+from ..layouts import HfLayout, Layout, ModelSpec, layout_from_dict, layout_to_dict, registered_layouts
 from ..layouts.expert_placement import ExpertPlacement
-from ..layouts.lora import VllmLoraLayout
 from ..planner import Plan
 from ..planner.cache import cached_plan
-
-INSTALLS = ("direct", "loader", "lora_slot")
-TRANSPORTS = ("inprocess", "distributed", "collective", "nixl", "shared")
-CROSS_PROCESS = ("collective", "nixl", "shared")  # transports whose processes meet at a rendezvous
-LOADER_OPTIONS = {"collective": {"in_place": True}, "nixl": {"staged": False}, "shared": {"staged": False}}
+from . import transports
 _FIELDS = {"model": dict, "src": dict, "dst": dict, "install": str, "replica": int, "transport": str,
            "options": dict, "rendezvous": (dict, type(None)), "fanout": (int, type(None)),
            "verify_layers": (list, tuple, type(None)), "plan_digest": str, "lora_id": (int, type(None)),
@@ -62,11 +54,12 @@ class RefitSpec:
     Args:
         model: the `ModelSpec`'s fields.
         src: the trainer's layout (without the model).
-        dst: the engine's `VllmLayout` (without the model).
+        dst: the engine's layout (without the model): any registered layout whose `installs` hold `install`.
         install: how a worker lands the bytes: "direct" (into the parameters), "loader" (whole tensors through
-            vLLM's `load_weights`), "lora_slot" (an adapter's slot).
+            vLLM's `load_weights`), "lora_slot" (an adapter's slot), or an install a registered layout declares.
         replica: which replica of `dst` this engine is (engines of one refit get 0, 1, ...).
-        transport: "inprocess", "distributed", "collective", "nixl" or "shared".
+        transport: a registered transport (adapters.transports): "inprocess", "distributed", "collective", "nixl",
+            "shared", or one registered since.
         options: executor options (e.g. `{"timeout": 60}`, `{"checksum": "sha256"}`).
         rendezvous: the cross-process transports' meeting point (filled in by `TrainerSession`).
         fanout: relay tree width across replicas (None: the trainer feeds every replica).
@@ -83,7 +76,7 @@ class RefitSpec:
 
     model: dict[str, Any]  # ModelSpec fields
     src: dict[str, Any]  # the trainer's layout (layout_to_dict, without the model)
-    dst: dict[str, Any]  # the engine's VllmLayout (layout_to_dict, without the model)
+    dst: dict[str, Any]  # the engine's layout (layout_to_dict, without the model)
     install: str = "direct"
     replica: int = 0  # which replica of `dst` this engine is (engines of one refit get 0, 1, ...)
     transport: str = "collective"
@@ -106,10 +99,12 @@ class RefitSpec:
             value = getattr(self, name)
             if isinstance(value, dict) and not all(isinstance(k, str) for k in value):
                 problems.append(f"{name}={value!r} must have string keys (it travels as a JSON object)")
-        if self.install not in INSTALLS:
-            problems.append(f"install={self.install!r} is not one of {INSTALLS}")
-        if self.transport not in TRANSPORTS:
-            problems.append(f"transport={self.transport!r} is not one of {TRANSPORTS}")
+        installs = sorted({i for cls in registered_layouts().values() for i in cls.installs})
+        if self.install not in installs:
+            problems.append(f"install={self.install!r} is not one of the registered layouts' installs {installs}")
+        if self.transport not in transports.transports():
+            problems.append(f"transport={self.transport!r} is not one of the registered transports "
+                            f"{list(transports.transports())}")
         if isinstance(self.fanout, int) and not isinstance(self.fanout, bool) and self.fanout < 1:
             problems.append(f"fanout={self.fanout} must be >= 1 (or None: the trainer feeds every replica)")
         if isinstance(self.replica, int) and self.replica < 0:
@@ -152,7 +147,7 @@ class RefitSpec:
         Args:
             spec: the model.
             src: the trainer's layout.
-            dst: the engine's layout (a `VllmLayout`).
+            dst: the engine's layout (a registered layout that accepts the install).
             config: the trainer's HF config (a dict, config.json or checkpoint directory), for a spec that does
                 not carry its math (one made field by field); it must be the spec's model's config (an adapter
                 spec's: the config of the model it adapts).
@@ -172,7 +167,7 @@ class RefitSpec:
 
         instance("spec", spec, ModelSpec, "a ModelSpec")
         instance("src", src, Layout, "a Layout (the trainer's)")
-        instance("dst", dst, Layout, "a Layout (the engine's VllmLayout)")
+        instance("dst", dst, Layout, "a Layout (the engine's)")
         instance("config", config, (dict, str, Path), "an HF config (a dict, config.json or a checkpoint directory)",
                  none=True)
         strip = lambda layout: {k: v for k, v in layout_to_dict(layout).items() if k != "model"}  # noqa: E731
@@ -224,6 +219,9 @@ class RefitSpec:
 
         instance("placement", placement, ExpertPlacement, "an ExpertPlacement", none=True)
         _, dst = self.layouts()
+        if "expert_placement" not in type(dst).model_fields:
+            raise LayoutError(dst.engine, f"the engine layout {dst} places no experts by an EPLB placement",
+                              {"engine": dst.engine})
         update: dict[str, Any] = {"expert_placement": placement}
         if placement is not None:  # EPLB keeps its redundancy; a placement of another is refused by the layout
             update["redundant_experts"] = placement.redundant
@@ -231,15 +229,24 @@ class RefitSpec:
         return replace(self, dst={k: v for k, v in layout_to_dict(new).items() if k != "model"}, plan_digest="")
 
     # --- what follows from it ------------------------------------------------------------------------
-    def layouts(self) -> tuple[Layout, VllmLayout]:
+    def layouts(self) -> tuple[Layout, Layout]:
+        """(the trainer's layout, the engine's), each validated by its own class.
+
+        Raises:
+            LayoutError: a layout its class refuses, or an engine layout that does not accept the install.
+        """
         spec = ModelSpec(**self.model)
         src, dst = layout_from_dict({**self.src, "model": spec}), layout_from_dict({**self.dst, "model": spec})
-        if not isinstance(dst, VllmLayout):
-            raise LayoutError(dst.kind, f"the engine's layout must be a vllm layout, got {dst}")
-        if isinstance(dst, VllmLoraLayout) != (self.install == "lora_slot"):
-            raise LayoutError(dst.kind, f"install={self.install!r} with the engine layout {dst}: an adapter lands "
-                                        f"with install='lora_slot' into a vllm_lora layout, full weights otherwise")
+        if self.install not in dst.installs:
+            accepts = f"accepts install {list(dst.installs)}" if dst.installs else "is not a refit destination"
+            raise LayoutError(dst.engine, f"install={self.install!r} with the engine layout {dst}: a {dst.engine} "
+                              f"layout {accepts}", {"install": self.install})
         return src, dst
+
+    @property
+    def cross_process(self) -> bool:
+        """Whether the transport's processes meet at a rendezvous."""
+        return transports.transport(self.transport).cross_process
 
     def destination(self) -> Layout:
         """The plan's destination: the engine's layout (direct, lora_slot), or whole tensors per engine rank
@@ -365,56 +372,35 @@ class PublishedSource(Executor):
 
 def open_transport(refit: RefitSpec, process: int, src: RankTensors, dst: RankTensors, *, store: Any = None,
                    group: Any = None) -> Executor:
-    """This process's executor for the refit (trainer and worker side alike).
+    """This process's executor for the refit (trainer and worker side alike), over the transport the refit names
+    (adapters.transports).
 
-    process: this process's place in the refit (cross-process transports: see the module docstring).
-    store: the rendezvous's store (cross-process transports), already joined.
-    group: the world group of the engine's workers ("distributed").
+    Args:
+        refit: the refit.
+        process: this process's place in the refit (cross-process transports: see the module docstring).
+        src, dst: this process's source / destination tensors (rank -> name -> tensor).
+        store: the rendezvous's store (cross-process transports), already joined.
+        group: the world group of the engine's workers ("distributed").
+
+    Raises:
+        ExecutionError: a cross-process transport without a rendezvous, or what the executor refuses.
     """
-    from ..executors.base import make_executor
-    from .rendezvous import Rendezvous, scoped
+    from .rendezvous import Rendezvous
 
-    plan, options = refit.plan(), dict(refit.options)
-    key = str(options.pop("key", "default"))
+    plan, options, chosen = refit.plan(), dict(refit.options), transports.transport(refit.transport)
     if refit.install == "loader":  # the engine's buffers are read only after a complete refit: write them in place
-        options = {**LOADER_OPTIONS.get(refit.transport, {}), **options}
-    if refit.transport == "inprocess":
-        return PublishedSource(plan, dst, key, checksum=options.pop("checksum", False))
-    if refit.transport == "distributed":  # the trainer's processes are the engine's workers
-        from ..executors import DistributedExecutor
-
+        options = {**chosen.in_place, **options}
+    if not chosen.cross_process:
         binding = Binding.colocated(plan.src.num_ranks, plan.dst.num_ranks)
-        mine = binding.src_ranks_of(process)
-        published = published_source(key) if mine else {}
-        missing = [r for r in mine if r not in published]
-        if missing:
-            raise ExecutionError(f"this process plays source ranks {list(mine)} but {missing} are not published "
-                                 f"under {key!r} (publish_source first)")
-        return DistributedExecutor(plan, binding, None, {r: published[r] for r in mine}, dst, group=group, **options)
+        return transports.open_transport(refit.transport, transports.Endpoint(plan, binding, process, src, dst,
+                                                                              options, group=group))
     if refit.rendezvous is None:
         raise ExecutionError(f"transport {refit.transport!r} needs a rendezvous (where the processes meet)")
     rdv = Rendezvous.from_dict(refit.rendezvous)
-    binding = refit.binding()
     options.setdefault("timeout", rdv.timeout)
-    if refit.transport == "collective":
-        from ..executors.comm import StoreComm
-
-        backend = options.pop("backend", None) or ("nccl" if _on_gpu(src, dst) else "gloo")
-        comm = StoreComm(scoped(store, rdv, "collective"), process, refit.num_processes, backend,
-                         options["timeout"])
-        return make_executor("distributed", plan, binding, process, src, dst, group=comm, **options)
-    if refit.transport == "nixl":
-        from ..executors.nixl import NixlOptions
-
-        return make_executor("nixl", plan, binding, process, src, dst, store=scoped(store, rdv, "nixl"),
-                             options=NixlOptions(**options), namespace=rdv.refit_id)
-    return make_executor("shared", plan, binding, process, src, dst, store=scoped(store, rdv, "shared"),
-                         namespace=rdv.refit_id, **options)
+    return transports.open_transport(refit.transport, transports.Endpoint(
+        plan, refit.binding(), process, src, dst, options, store=store, rendezvous=rdv))
 
 
-def _on_gpu(src: RankTensors, dst: RankTensors) -> bool:
-    return any(t.device.type == "cuda" for side in (src, dst) for ts in side.values() for t in ts.values())
-
-
-__all__ = ["CROSS_PROCESS", "INSTALLS", "PublishedSource", "RefitSpec", "TRANSPORTS", "open_transport",
+__all__ = ["PublishedSource", "RefitSpec", "open_transport",
            "publish_source", "published_source", "withdraw_source"]

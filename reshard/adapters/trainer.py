@@ -1,8 +1,9 @@
 """The trainer side of refits into inference engines that run elsewhere: a vLLM server in its own virtualenv,
 vLLM workers in Ray actors, or the trainer's own processes. Imports no vLLM.
 
-One `TrainerSession` per trainer process; process 0 drives the engines (anything with vLLM's weight-sync
-client methods: `VllmServer` over HTTP, vLLM's own clients, a Ray actor wrapper):
+One `TrainerSession` per trainer process; process 0 drives the engines (any `adapters.engines.EngineClient`:
+`VllmServer` over HTTP, vLLM's own clients, a Ray actor wrapper, an HF checkpoint directory; pause, lease and
+LoRA are capabilities an engine may add, checked by their protocols):
 
     refit = RefitSpec.of(spec, MegatronLayout(...), VllmLayout(...), install="loader", transport="collective")
     session = TrainerSession(refit, process=rank, tensors=source_tensors(facts, layout),
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -37,20 +38,9 @@ from ..group_json import broadcast_json
 from ..polling import Background
 from ..executors.base import Executor, RankTensors
 from .engine_calls import EngineCall, wait_calls
+from .engines import EngineClient, Leased, Pausable
 from .lease_renewal import LeaseRenewal
-from .refit import CROSS_PROCESS, RefitSpec, open_transport, publish_source, withdraw_source
-
-
-class EngineClient(Protocol):
-    """vLLM's `VLLMWeightSyncClient` protocol; `pause` / `resume` are used when present."""
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
-
-    def start_weight_update(self) -> None: ...
-
-    def update_weights(self, update_info: Any) -> None: ...
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None: ...
+from .refit import RefitSpec, open_transport, publish_source, withdraw_source
 
 
 @dataclass
@@ -168,7 +158,7 @@ class TrainerSession:
         refit, plan = self.refit_spec, self.refit_spec.plan()
         refit = refit.with_(plan_digest=plan.digest)
         mismatch = self._tensors_mismatch(plan)
-        if refit.transport in CROSS_PROCESS:
+        if refit.cross_process:
             refit = refit.with_(rendezvous=self._meet().to_dict())
         elif mismatch is None:
             publish_source(str(refit.options.get("key", "default")), self.tensors)
@@ -189,7 +179,7 @@ class TrainerSession:
                             on_error=self._fail_rendezvous)
                  for k, engine in enumerate(self.engines)]
         try:
-            if refit.transport in CROSS_PROCESS:
+            if refit.cross_process:
                 from . import rendezvous as rv
 
                 rdv = rv.Rendezvous.from_dict(refit.rendezvous)
@@ -242,7 +232,7 @@ class TrainerSession:
 
     def _take_lease(self) -> None:
         """Process 0: a lease of a new generation on every engine that keeps one, renewed until close."""
-        leased = [e for e in self.engines if hasattr(e, "acquire_lease")]
+        leased = [e for e in self.engines if isinstance(e, Leased)]
         if self.renewal is not None:
             self.renewal.stop()
             self.renewal = None
@@ -326,7 +316,7 @@ class TrainerSession:
         try:
             for engine in self.engines:
                 try:
-                    if self.pause_mode and hasattr(engine, "pause"):
+                    if self.pause_mode and isinstance(engine, Pausable):
                         paused.append(engine)  # resumed below even if the pause's answer never came
                         self._bounded(engine, "pause", self.pause_mode, deadline=deadline)
                     self._bounded(engine, "start_weight_update", deadline=deadline)
@@ -415,15 +405,15 @@ class TrainerSession:
     def _members(self) -> str:
         """Who is who in the transport's group (its errors name group ranks), and the fan-out trees."""
         refit = self.refit_spec
-        if refit.transport not in CROSS_PROCESS:
+        if not refit.cross_process:
             return ""
         plan, dst = refit.plan(), refit.layouts()[1]
-        S, tp = plan.src.num_ranks, dst.tp
+        S, tp = plan.src.num_ranks, dst.ranks_per_replica
         engines = ", ".join(f"engine replica {k} = group ranks {S + k * tp}-{S + (k + 1) * tp - 1}"
-                            for k in range(dst.replicas))
+                            for k in range(dst.num_replicas))
         note = f" (group ranks 0-{S - 1} are trainer processes, {engines}"
         if plan.fanout:
-            ratio = max(plan.dst.num_replicas // dst.replicas, 1)  # plan replicas per engine (loader: its ranks)
+            ratio = max(plan.dst.num_replicas // dst.num_replicas, 1)  # plan replicas per engine (loader: its ranks)
             feeds: dict[int, set[int]] = {}
             for parents in plan.replica_parent:
                 for child, parent in enumerate(parents):
@@ -463,7 +453,7 @@ class TrainerSession:
             self.renewal.stop()
             self.renewal = None
             for engine in self.engines:
-                if hasattr(engine, "release_lease"):
+                if isinstance(engine, Leased):
                     try:
                         engine.release_lease(timeout=min(self.timeout, 60.0))
                     except Exception:  # noqa: BLE001 - the engine ends a lease that is not released when it lapses
@@ -473,7 +463,7 @@ class TrainerSession:
 
             close_within(self.executor.close, self.timeout, f"closing trainer process {self.process}'s executor")
             self.executor = None
-        if self.refit_spec.transport not in CROSS_PROCESS:
+        if not self.refit_spec.cross_process:
             withdraw_source(str(self.refit_spec.options.get("key", "default")))
         self.store = None
 
@@ -501,10 +491,11 @@ def _check_arguments(refit: Any, process: Any, tensors: Any, engines: Any, train
     if not isinstance(engines, (list, tuple)):
         raise ArgumentError("engines", engines, "must be a list of engine clients (VllmServer, RayEngineClient ...)")
     for engine in engines:
-        missing = [m for m in ("init_weight_transfer_engine", "start_weight_update", "update_weights",
-                               "finish_weight_update") if not callable(getattr(engine, m, None))]
-        if missing:
-            raise ArgumentError("engines", engine, f"must be engine clients; this one lacks {missing}")
+        if not isinstance(engine, EngineClient):
+            missing = [m for m in ("init_weight_transfer_engine", "start_weight_update", "update_weights",
+                                   "finish_weight_update") if not callable(getattr(engine, m, None))]
+            raise ArgumentError("engines", engine, f"must be engine clients (adapters.engines.EngineClient); this "
+                                f"one lacks {missing}")
     if trainer_group is not None:
         import torch.distributed as dist
 

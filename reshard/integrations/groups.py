@@ -9,9 +9,10 @@ inference process must hand whole HF tensors to vLLM's loaders.
      the trainer processes -> whole HF tensors on every rollout process), compiled once per process;
   3. `group_bindings(plans, trainers, rollouts)`: which process plays which rank of each group's plan (the
      sending balanced over the trainer processes across groups; a pure function of the plans);
-  4. `group_executor(transport, ...)`: this process's executor for one group over a transport ("collective":
-     torch.distributed over a group made at the rendezvous; "shared": shared memory / CUDA IPC on one host;
-     "nixl"), writing the destination tensors in place (loaders read them only once every process agreed);
+  4. `group_executor(transport, ...)`: this process's executor for one group over a cross-process transport of
+     adapters.transports ("collective": torch.distributed over a group made at the rendezvous; "shared": shared
+     memory / CUDA IPC on one host; "nixl"; or one registered since), writing the destination tensors in place
+     (loaders read them only once every process agreed);
   5. `refuse(executor, version, reason)`: make the refit `version` of one group's executor fail on every process
      of it at once (a trainer process whose stream is wrong, a rollout process whose loader failed), instead of
      leaving them waiting for it until their timeout.
@@ -27,7 +28,6 @@ from ..layouts import HfLayout, ModelSpec
 from ..planner import Plan
 from ..planner.cache import cached_plan
 
-TRANSPORTS = ("collective", "shared", "nixl")
 DEPTH = 2  # collective: rounds in flight; its wire buffers are DEPTH x peers x one message, within the bucket
 
 
@@ -136,6 +136,25 @@ def group_bindings(plans: Sequence[Plan], trainers: int, rollouts: int) -> tuple
     return tuple(out)
 
 
+def group_transport(name: Any, field: str = "transport") -> str:
+    """`name`, if it is a registered transport whose processes meet at a rendezvous (what a group moves over).
+
+    Raises:
+        ArgumentError: any other name (`field` is what the error blames), listing the ones that fit.
+    """
+    from ..adapters.transports import cross_process_transports
+
+    if name not in cross_process_transports():
+        raise ArgumentError(field, name, f"is not one of the cross-process transports {list(cross_process_transports())}")
+    return name
+
+
+# options a transport's group executors get beyond timeout, checksum and writing in place (wire buffers per round,
+# polled waits backing off to 5 ms: a rollout process waits on the trainers' stream for seconds per group)
+_GROUP_OPTIONS = {"collective": lambda cap: {"memory_cap": cap, "depth": DEPTH},
+                  "shared": lambda cap: {"poll_max_s": 0.005}}
+
+
 def group_executor(transport: str, plan: Plan, binding: Binding, process: int, src: RankTensors, dst: RankTensors,
                    *, store: Any, rendezvous: Any, namespace: str, comm: Any = None, timeout: float = 300.0,
                    checksum: bool | str = False, memory_cap: int = 1 << 30) -> Executor:
@@ -143,8 +162,8 @@ def group_executor(transport: str, plan: Plan, binding: Binding, process: int, s
     them on only after the refit returned on this process, which every process reaches only once all agreed.
 
     Args:
-        transport: "collective" (over `comm`, a StoreComm every process joined), "shared" or "nixl" (keys under
-            `namespace` in the rendezvous's store).
+        transport: a cross-process transport (`group_transport`): "collective" (over `comm`, a StoreComm every
+            process joined), "shared" or "nixl" (keys under `namespace` in the rendezvous's store).
         plan, binding, process: the group's plan, who plays its ranks, this process.
         src, dst: this process's source / destination tensors (rank -> name -> tensor). For "shared" on CPU, a
             destination tensor peers write into must live in shared memory (executors.shared.shared_empty).
@@ -163,26 +182,15 @@ def group_executor(transport: str, plan: Plan, binding: Binding, process: int, s
         ExecutionError: what the executor refuses at construction (and, for "shared" and "nixl", a peer that did
             not set up within the timeout).
     """
-    from ..adapters.rendezvous import scoped
-    from ..executors.base import make_executor
+    from ..adapters.transports import Endpoint, open_transport, transport as registered
 
-    if transport == "collective":
-        if comm is None:
-            raise ExecutionError("the collective transport needs the group every process joined (comm)")
-        return make_executor("distributed", plan, binding, process, src, dst, group=comm, in_place=True,
-                             memory_cap=memory_cap, depth=DEPTH, timeout=timeout, checksum=checksum)
-    if transport == "shared":
-        # polled waits back off to 5 ms: a rollout process waits on the trainers' stream for seconds per group
-        return make_executor("shared", plan, binding, process, src, dst, store=scoped(store, rendezvous, "shared"),
-                             namespace=namespace, staged=False, timeout=timeout, checksum=checksum,
-                             poll_max_s=0.005)
-    if transport == "nixl":
-        from ..executors.nixl import NixlOptions
-
-        return make_executor("nixl", plan, binding, process, src, dst, store=scoped(store, rendezvous, "nixl"),
-                             namespace=namespace, options=NixlOptions(staged=False, timeout=timeout,
-                                                                       checksum=checksum))
-    raise ArgumentError("transport", transport, f"must be one of {TRANSPORTS}")
+    chosen = registered(group_transport(transport))
+    if transport == "collective" and comm is None:
+        raise ExecutionError("the collective transport needs the group every process joined (comm)")
+    options = {**chosen.in_place, "timeout": timeout, "checksum": checksum,
+               **_GROUP_OPTIONS.get(transport, lambda cap: {})(memory_cap)}
+    return open_transport(transport, Endpoint(plan, binding, process, src, dst, options, store=store,
+                                              rendezvous=rendezvous, namespace=namespace, comm=comm))
 
 
 def refuse(executor: Executor, process: int, version: int, reason: str) -> None:
@@ -204,5 +212,5 @@ def refuse(executor: Executor, process: int, version: int, reason: str) -> None:
         pass
 
 
-__all__ = ["DEPTH", "TRANSPORTS", "group_bindings", "group_executor", "group_plans", "refuse", "tensor_bytes",
+__all__ = ["DEPTH", "group_bindings", "group_executor", "group_plans", "group_transport", "refuse", "tensor_bytes",
            "tensor_groups"]

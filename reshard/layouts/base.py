@@ -155,6 +155,9 @@ class Layout(ValidatedModel, abc.ABC):
 
     Subclasses (`MegatronLayout`, `VllmLayout`, `HfLayout`, ...) are small immutable declarations validated on
     construction; the compiler reads them only through `placements` / `placement_table` and `rank_tensors`.
+    Each names its engine (`engine`: what layout strings, plan files and refit specs call it; registry.
+    register_layout makes it nameable) and, where it can be a refit's destination, the installs it accepts
+    (`installs`: adapters.refit.RefitSpec accepts any registered layout whose `installs` holds the refit's).
 
     Args:
         model: the model whose tensors the layout places.
@@ -164,7 +167,8 @@ class Layout(ValidatedModel, abc.ABC):
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    kind: ClassVar[str]
+    engine: ClassVar[str]
+    installs: ClassVar[tuple[str, ...]] = ()  # how a refit may land on this layout; (): not a refit destination
 
     model: ModelSpec
 
@@ -173,9 +177,14 @@ class Layout(ValidatedModel, abc.ABC):
     def _model_fields_by_name(cls, value: Any) -> Any:
         """A ModelSpec, or its fields by name (pydantic would spread any other mapping as keyword arguments)."""
         if isinstance(value, dict) and not all(isinstance(k, str) for k in value):
-            raise LayoutError(getattr(cls, "kind", "layout"), f"model={show(value)} must be a ModelSpec or its "
+            raise LayoutError(getattr(cls, "engine", "layout"), f"model={show(value)} must be a ModelSpec or its "
                                                                f"fields by name", {"model": value})
         return value
+
+    @property
+    def kind(self) -> str:
+        """The engine's name, under its former attribute name (for executors.local until it reads `engine`)."""
+        return self.engine
 
     # --- structure -------------------------------------------------------------------------------
     @property
@@ -245,11 +254,11 @@ class Layout(ValidatedModel, abc.ABC):
                 yield t, p
 
     def _fail(self, constraint: str, fix: str = "", **values: object) -> None:
-        raise LayoutError(self.kind, constraint, values, fix)
+        raise LayoutError(self.engine, constraint, values, fix)
 
     def _check_rank(self, rank: int) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.num_ranks:
-            raise LayoutError(self.kind, f"rank={rank} is outside [0, {self.num_ranks})", {"rank": rank})
+            raise LayoutError(self.engine, f"rank={rank} is outside [0, {self.num_ranks})", {"rank": rank})
 
 
 def divisible(layout: Layout, what: str, value: int, by_name: str, by: int, blame: str = "") -> None:
@@ -274,7 +283,7 @@ def bounded(layout: Layout, limit: int, what: str, **values: int) -> None:
     """Refuse counts no real cluster has (reshard.limits), before anything is allocated for them."""
     for name, value in values.items():
         if value > limit:
-            raise LimitError(name, value, limit, what, where=layout.kind)
+            raise LimitError(name, value, limit, what, where=layout.engine)
 
 
 class WholePerReplica:
@@ -294,7 +303,7 @@ class WholePerReplica:
         return self.replicas
 
     def __str__(self) -> str:
-        return f"{self.kind}:replicas={self.replicas}"
+        return f"{self.engine}:replicas={self.replicas}"
 
 
 def pad_to(n: int, multiple: int) -> int:
@@ -320,6 +329,6 @@ def _own_dtypes(layout: Layout) -> dict[tuple[int, str], str]:
     for t in layout.model.own_dtype_tensors:
         for p in layout.placements(t):
             if out.setdefault((p.rank, p.tensor), t.dtype) != t.dtype:
-                raise LayoutError(layout.kind, f"rank {p.rank} tensor {p.tensor!r} would hold both "
+                raise LayoutError(layout.engine, f"rank {p.rank} tensor {p.tensor!r} would hold both "
                                   f"{out[(p.rank, p.tensor)]} and {t.dtype} data", {"tensor": p.tensor})
     return out

@@ -1,8 +1,9 @@
 """A layout that places every canonical tensor by its kind's cuts (Megatron and vLLM both are one).
 
-The subclass answers two questions about a kind of tensor: which cuts place it on this side (`_cuts`), and, for
-tensors of that kind at given layers and experts, where each cut's group of ranks starts and what the physical
-tensor is named (`_place`). Everything else -- one tensor's placements, the batched table of many, the check at
+Two questions about a kind of tensor: which cuts place it on this side (`_cuts`: the kind's own cuts for the
+layout's `cut_set` -- its engine, or a naming of it -- else the cuts the engine registered for the model's family,
+registry.register_cuts), and, for tensors of that kind at given layers and experts, where each cut's group of
+ranks starts and what the physical tensor is named (`_place`, the subclass's). Everything else -- one tensor's placements, the batched table of many, the check at
 construction that every cut fits -- is the same code for both sides, so the batched answer is the per-tensor
 one by construction.
 """
@@ -14,8 +15,10 @@ from typing import Callable, Hashable, Iterator, NamedTuple, Sequence
 import numpy as np
 
 from .base import Layout, Placement, PlacementTable, TableBuilder
-from .cuts import Cut, Group, Kind
+from ..errors import LayoutError
+from .cuts import Cut, Group, TensorKind
 from .model import Entry, ModelSpec, Role, TensorSpec
+from .registry import cut_rule, families_with_cuts
 from .roles import kind_of
 
 
@@ -37,12 +40,17 @@ class Where(NamedTuple):
 class CutLayout(Layout):
     """A layout whose tensors are placed by their kinds' cuts (see the module docstring)."""
 
-    @abc.abstractmethod
-    def _cuts(self, kind: Kind) -> tuple[Cut, ...]:
-        """The cuts that place tensors of `kind` on this side."""
+    @property
+    def cut_set(self) -> str:
+        """Whose cuts a TensorKind gives this layout: its engine's (a layout with several namings picks one)."""
+        return self.engine
+
+    def _cuts(self, kind: TensorKind) -> tuple[Cut, ...]:
+        """The cuts that place tensors of `kind` on this side (`engine_cuts`)."""
+        return engine_cuts(self.model, kind, self.cut_set)
 
     @abc.abstractmethod
-    def _place(self, cut: Cut, kind: Kind, layer: np.ndarray | int, expert: np.ndarray | int,
+    def _place(self, cut: Cut, kind: TensorKind, layer: np.ndarray | int, expert: np.ndarray | int,
                replica: int | None) -> Where | None:
         """Where `cut` puts the tensors of `kind` at `layer` / `expert` (arrays, or one tensor's ints); None
         where it puts nothing."""
@@ -87,6 +95,27 @@ class CutLayout(Layout):
                 w = self._place(cut, kind, int(c.layer[idx[0]]), int(c.expert[idx[0]]), 0)
                 if w is not None:
                     cut.pieces(self.model.tensor_name(int(idx[0])), entry.shape, w.group)
+
+
+def engine_cuts(spec: ModelSpec, kind: TensorKind, engine: str) -> tuple[Cut, ...]:
+    """The cuts that place tensors of `kind` on `engine`: the kind's own, else those `engine` registered for the
+    model's family (registry.register_cuts).
+
+    Raises:
+        LayoutError: neither exists (the message names the engine, the tensor kind and the families the engine
+            registered cuts for).
+    """
+    own = kind.cuts_for(engine)
+    if own is not None:
+        return own
+    rule = cut_rule(engine, spec.family)
+    if rule is None:
+        served = families_with_cuts(engine)
+        raise LayoutError(engine, f"{kind.label}: the {engine} engine has no cuts for the {spec.family} family's "
+                          f"tensors (its kinds declare {list(kind.engines)}; {engine} registered cuts for "
+                          f"{served or 'no family'})", {"model.family": spec.family},
+                          f"register the engine's cuts for {spec.family} (reshard.layouts.registry.register_cuts)")
+    return tuple(rule(spec, kind))
 
 
 def entry_groups(spec: ModelSpec, index: np.ndarray | Sequence[int] | None) -> Iterator[tuple[Entry, np.ndarray]]:

@@ -8,16 +8,17 @@ A cut is a tiny frozen declaration: a physical tensor name and how a group of `t
 Each cut states only `pieces` (what TP rank r holds, where); from it every cut answers both questions layouts
 ask: `placements` (one tensor, as `Placement`s) and `add_rows` (many tensors of one shape at once -- every
 layer, every expert -- as numpy rows of a `TableBuilder`). Which ranks form the group, and the name the
-physical tensor has there, are the layout's (`Group`, and the name it passes in). A `Kind` is one kind of
-tensor: its cuts on each side. Tensors of more than 2 dimensions are cut on dim 0 only. A cut the engines do not
+physical tensor has there, are the layout's (`Group`, and the name it passes in). A `TensorKind` is one kind
+of tensor: its cuts on each engine, by the engine's name. Tensors of more than 2 dimensions are cut on dim 0 only. A cut the engines do not
 make must be refused by the family with a clear error, never approximated.
 """
 from __future__ import annotations
 
 import abc
+import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import numpy as np
 
@@ -308,26 +309,44 @@ class LoraB(Cut):
 
 
 @dataclass(frozen=True)
-class Kind:
-    """One kind of tensor: its cuts on Megatron (`te`: under TE naming, where it differs) and on vLLM, a tuple
-    where the tensor lives in several places (a tied embedding's copy). Used as a TensorSpec's role; `label` is
-    what reports and errors show; `expert` says expert parallelism distributes it."""
+class TensorKind:
+    """One kind of tensor: the cuts that place it on each engine, by the engine's name (a layout's `engine`, or a
+    naming of one: Megatron's "te"), a tuple where the tensor lives in several places (a tied embedding's copy).
+    An engine added later registers its cuts for the families it serves (`registry.register_cuts`) instead of
+    adding a field here. Used as a TensorSpec's role; `label` is what reports and errors show; `expert` says expert
+    parallelism distributes it.
+
+    Args:
+        label: the name reports and errors show.
+        cuts: engine name -> its cut (or cuts); stored as sorted (engine, cuts) pairs, so a kind stays hashable.
+        expert: expert parallelism distributes it.
+        megatron_offset: Megatron stores canonical + this (Layout.value_offset).
+        linear: a linear layer's weight (an FP8 block-scaled engine quantizes it: layouts.fp8).
+    """
 
     label: str
-    megatron: Cut | tuple[Cut, ...]
-    vllm: Cut | tuple[Cut, ...]
-    te: Cut | tuple[Cut, ...] | None = None
+    cuts: Any
     expert: bool = False
-    megatron_offset: float = 0.0  # Megatron stores canonical + this (Layout.value_offset)
-    linear: bool = False  # a linear layer's weight: an FP8 block-scaled engine quantizes it (layouts.fp8)
+    megatron_offset: float = 0.0
+    linear: bool = False
 
     def __post_init__(self) -> None:
-        for side in ("megatron", "vllm", "te"):
-            value = getattr(self, side)
-            if isinstance(value, Cut):
-                object.__setattr__(self, side, (value,))
-        if self.te is None:
-            object.__setattr__(self, "te", self.megatron)
+        pairs = self.cuts.items() if isinstance(self.cuts, Mapping) else self.cuts
+        object.__setattr__(self, "cuts", tuple(sorted((str(engine), (c,) if isinstance(c, Cut) else tuple(c))
+                                                      for engine, c in pairs)))
+
+    def cuts_for(self, engine: str) -> tuple[Cut, ...] | None:
+        """The cuts that place this kind on `engine`; None where the kind declares none for it."""
+        return dict(self.cuts).get(engine)
+
+    @property
+    def engines(self) -> tuple[str, ...]:
+        """The engines this kind declares cuts for."""
+        return tuple(engine for engine, _ in self.cuts)
+
+    def with_cuts(self, **cuts: "Cut | tuple[Cut, ...]") -> "TensorKind":
+        """This kind with the cuts of some engines replaced or added."""
+        return dataclasses.replace(self, cuts={**dict(self.cuts), **cuts})
 
     @property
     def value(self) -> str:  # reads like Role.value in reports

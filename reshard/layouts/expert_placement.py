@@ -48,7 +48,7 @@ class ExpertPlacement(ValidatedModel):
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    error_kind: ClassVar[str] = "expert_placement"
+    error_where: ClassVar[str] = "expert_placement"
 
     ranks: StrictInt
     logical_experts: StrictInt

@@ -2,7 +2,7 @@
 
 A family says (1) how an HF `config.json` becomes a ModelSpec (`spec`), (2) its canonical tensors, layer by
 layer (`layer`, plus `head` and `tail`), each an `Entry` with its HF name and a role: a shared `Role` (placed as
-`roles.py` says) or the family's own `cuts.Kind` (with its Megatron and vLLM names and cuts), (3) what the
+`roles.py` says) or the family's own `cuts.TensorKind` (its cuts on each engine), (3) what the
 checkpoint holds that refits leave out (`excluded`), (4) the megatron-core options its tensors imply
 (`megatron_options`, `megatron_block`; `from_megatron` when a spec can be read off a megatron-core config) and
 (5) the vLLM parameters that hold no weights (`vllm_not_weights`) and (6) what exporters stream beside its tensors

@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Hashable, Iterable
 from pydantic import ConfigDict, StrictInt, StrictStr, field_validator
 
 from ..errors import LayoutError, ModelConfigError
-from .cuts import Cut, Group, Kind, Piece, Shape
+from .cuts import Cut, Group, Piece, Shape, TensorKind
 from .model import Entry, Experts, ModelSpec, Role
 from .validated import ValidatedModel
 
@@ -50,7 +50,7 @@ class Fp8Scheme(ValidatedModel):
     ignored: tuple[StrictStr, ...] = ()
     fmt: StrictStr = "e4m3"
 
-    error_kind: ClassVar[str] = "quantization_config"
+    error_where: ClassVar[str] = "quantization_config"
 
     @field_validator("block")
     @classmethod
@@ -184,19 +184,18 @@ class ScaledCut(Cut):
         return tuple(_blocks(x, bb) for x, bb in zip(phys, b)), out
 
 
-def scale_kind(kind: Kind, shape: Shape, block: tuple[int, int]) -> Kind:
-    """The Kind of the scales of a weight of `kind` and `shape`: every cut scaled by the block."""
+def scale_kind(kind: TensorKind, shape: Shape, block: tuple[int, int]) -> TensorKind:
+    """The TensorKind of the scales of a weight of `kind` and `shape`: every engine's cuts scaled by the block."""
     def scaled(cuts: tuple[Cut, ...]) -> tuple[Cut, ...]:
         return tuple(ScaledCut(scale_name(c.name), at=c.at, moe_name=c.moe_name and scale_name(c.moe_name),
                                inner=c, weight_shape=shape, block=block) for c in cuts)
-    return Kind(kind.label + "_scale", scaled(kind.megatron), scaled(kind.vllm), te=scaled(kind.te),
-                expert=kind.expert)
+    return TensorKind(kind.label + "_scale", {engine: scaled(cuts) for engine, cuts in kind.cuts}, expert=kind.expert)
 
 
-def staged_kind(kind: Kind) -> Kind:
-    """A receiver-quantized tensor's Kind: on vLLM it lands in the staging tensor named after the parameter."""
-    return replace(kind, label=kind.label + STAGING, vllm=tuple(replace(c, name=c.name + STAGING)
-                                                                 for c in kind.vllm))
+def staged_kind(kind: TensorKind) -> TensorKind:
+    """A receiver-quantized tensor's TensorKind: on vLLM it lands in the staging tensor named after the parameter."""
+    staged = tuple(replace(c, name=c.name + STAGING) for c in kind.cuts_for("vllm") or ())
+    return replace(kind.with_cuts(vllm=staged), label=kind.label + STAGING)
 
 
 def is_quantized(spec: ModelSpec, scheme: Fp8Scheme, role: Hashable, shape: Shape, name: str) -> bool:

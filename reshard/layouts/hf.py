@@ -21,7 +21,7 @@ class HfLayout(WholePerReplica, Layout):
         LayoutError: `replicas` is not a positive int within `reshard.limits`.
     """
 
-    kind = "hf"
+    engine = "hf"
 
     replicas: StrictInt = 1
 

@@ -56,10 +56,10 @@ from pydantic import StrictBool, StrictInt, model_validator
 from ..errors import InputError, LayoutError
 from .base import WholePerReplica, positive
 from .cut_layout import CutLayout, Where
-from .cuts import ColumnBlocks, Cut, Group, Kind, LoraA, LoraB, Refused, Replicated, RowBlocks
+from .cuts import ColumnBlocks, Cut, Group, LoraA, LoraB, Refused, Replicated, RowBlocks, TensorKind
 from .family import ModelFamily
 from .model import LAYER, Entry, Experts, ModelSpec, Role
-from .roles import shared_kinds
+from .roles import Cuts, shared_kinds
 from .vllm import VllmLayout
 
 FAMILY = "lora"
@@ -73,17 +73,13 @@ PEFT_PREFIX = "base_model.model."
 EXPERT_ADAPTERS = ("per_expert", "shared")  # one adapter per expert, or one for all (Bridge's default)
 
 
-@dataclass(frozen=True)
-class LoraKind(Kind):
-    """A kind of adapter tensor: its Megatron-Bridge cut, its vLLM slot cuts, and where it sits in a PEFT file
-    (`peft`: a tuple where one canonical A is written once per part of a fused layer)."""
-
-    peft: Cut | tuple[Cut, ...] = ()
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if isinstance(self.peft, Cut):
-            object.__setattr__(self, "peft", (self.peft,))
+def lora_kind(label: str, megatron: Cuts, vllm_lora: Cuts, peft: Cuts, te: Cuts | None = None,
+              expert: bool = False) -> TensorKind:
+    """A kind of adapter tensor: its Megatron-Bridge cut ("megatron"; "te" under TE naming, where it differs), its
+    vLLM slot cuts ("vllm_lora") and where it sits in a PEFT file ("peft": a tuple where one canonical A is written
+    once per part of a fused layer)."""
+    return TensorKind(label, {"megatron": megatron, "te": megatron if te is None else te, "vllm_lora": vllm_lora,
+                              "peft": peft}, expert=expert)
 
 
 @dataclass(frozen=True)
@@ -180,35 +176,35 @@ def _peft(module: str, ab: str, block: str = "") -> Replicated:
 
 
 @functools.lru_cache(maxsize=64)
-def lora_kinds(heads: int, groups: int, head_dim: int) -> dict[str, LoraKind]:
+def lora_kinds(heads: int, groups: int, head_dim: int) -> dict[str, TensorKind]:
     """Each adapter tensor's kind, by canonical module and A/B ("qkv_proj.A", "q_proj.B", ...)."""
     base = shared_kinds(heads, groups, head_dim, False)
-    out: dict[str, LoraKind] = {}
+    out: dict[str, TensorKind] = {}
     qkv = ("q_proj", "k_proj", "v_proj")
-    out["qkv_proj.A"] = LoraKind("lora qkv A", RowBlocks(_bridge("linear_qkv", "in")),
-                                 tuple(LoraA(_slot("linear_qkv", "a", s)) for s in range(3)),
-                                 peft=tuple(_peft(m, "A") for m in qkv))
+    out["qkv_proj.A"] = lora_kind("lora qkv A", RowBlocks(_bridge("linear_qkv", "in")),
+                                  tuple(LoraA(_slot("linear_qkv", "a", s)) for s in range(3)),
+                                  peft=tuple(_peft(m, "A") for m in qkv))
     for s, (role, m) in enumerate(zip((Role.Q, Role.K, Role.V), qkv)):
-        rows = dataclasses.replace(base[role].vllm[0], alone=True)
-        out[f"{m}.B"] = LoraKind(f"lora {m} B", dataclasses.replace(base[role].megatron[0],
-                                                                     name=_bridge("linear_qkv", "out")),
-                                 LoraB(_slot("linear_qkv", "b", s), rows=rows), peft=_peft(m, "B"))
-    out["gate_up_proj.A"] = LoraKind("lora gate_up A", RowBlocks(_bridge("linear_fc1", "in")),
-                                     tuple(LoraA(_slot("linear_fc1", "a", s)) for s in range(2)),
-                                     peft=(_peft("gate_proj", "A"), _peft("up_proj", "A")))
+        rows = dataclasses.replace(base[role].cuts_for("vllm")[0], alone=True)
+        out[f"{m}.B"] = lora_kind(f"lora {m} B", dataclasses.replace(base[role].cuts_for("megatron")[0],
+                                                                      name=_bridge("linear_qkv", "out")),
+                                  LoraB(_slot("linear_qkv", "b", s), rows=rows), peft=_peft(m, "B"))
+    out["gate_up_proj.A"] = lora_kind("lora gate_up A", RowBlocks(_bridge("linear_fc1", "in")),
+                                      tuple(LoraA(_slot("linear_fc1", "a", s)) for s in range(2)),
+                                      peft=(_peft("gate_proj", "A"), _peft("up_proj", "A")))
     for s, m in enumerate(("gate_proj", "up_proj")):
-        out[f"{m}.B"] = LoraKind(f"lora {m} B", RowBlocks(_bridge("linear_fc1", "out"), s, 2),
-                                 LoraB(_slot("linear_fc1", "b", s), rows=RowBlocks("rows")), peft=_peft(m, "B"))
+        out[f"{m}.B"] = lora_kind(f"lora {m} B", RowBlocks(_bridge("linear_fc1", "out"), s, 2),
+                                  LoraB(_slot("linear_fc1", "b", s), rows=RowBlocks("rows")), peft=_peft(m, "B"))
     for target, m in (("linear_proj", "o_proj"), ("linear_fc2", "down_proj")):
-        out[f"{m}.A"] = LoraKind(f"lora {m} A", ColumnBlocks(_bridge(target, "in")),
-                                 LoraA(_slot(target, "a", 0), split_input=True), peft=_peft(m, "A"))
-        out[f"{m}.B"] = LoraKind(f"lora {m} B", RowBlocks(_bridge(target, "out")), LoraB(_slot(target, "b", 0)),
-                                 peft=_peft(m, "B"))
+        out[f"{m}.A"] = lora_kind(f"lora {m} A", ColumnBlocks(_bridge(target, "in")),
+                                  LoraA(_slot(target, "a", 0), split_input=True), peft=_peft(m, "A"))
+        out[f"{m}.B"] = lora_kind(f"lora {m} B", RowBlocks(_bridge(target, "out")), LoraB(_slot(target, "b", 0)),
+                                  peft=_peft(m, "B"))
     return out
 
 
 @functools.lru_cache(maxsize=16)
-def shared_expert_lora_kinds(experts: int) -> dict[str, LoraKind]:
+def shared_expert_lora_kinds(experts: int) -> dict[str, TensorKind]:
     """The kinds of an adapter shared by the `experts` experts of a layer: Megatron-Bridge's ParallelLinearAdapter
     of TEGroupedMLP (naming "te"), one copy per expert in vLLM's slot stacks and under PEFT's `experts.{e}.`."""
     per = expert_lora_kinds()
@@ -217,16 +213,16 @@ def shared_expert_lora_kinds(experts: int) -> dict[str, LoraKind]:
                     "expert_adapters='per_expert'")
     out = {}
     for key, kind in per.items():
-        te = tuple(dataclasses.replace(c, stacked=False) for c in kind.te)  # one 2D adapter, not a stack
-        out[key] = dataclasses.replace(
-            kind, label=kind.label.replace("expert", "shared expert"), megatron=(local,), te=te,
-            vllm=tuple(dataclasses.replace(c, expert=e) for c in kind.vllm for e in range(experts)),
-            peft=tuple(dataclasses.replace(c, expert=e) for c in kind.peft for e in range(experts)))
+        te = tuple(dataclasses.replace(c, stacked=False) for c in kind.cuts_for("te"))  # one 2D adapter, not a stack
+        per_expert = {engine: tuple(dataclasses.replace(c, expert=e) for c in kind.cuts_for(engine)
+                                    for e in range(experts)) for engine in ("vllm_lora", "peft")}
+        out[key] = dataclasses.replace(kind.with_cuts(megatron=(local,), te=te, **per_expert),
+                                       label=kind.label.replace("expert", "shared expert"))
     return out
 
 
 @functools.lru_cache(maxsize=1)
-def expert_lora_kinds() -> dict[str, LoraKind]:
+def expert_lora_kinds() -> dict[str, TensorKind]:
     """Each per-expert adapter tensor's kind ("gate_up_proj.A", "gate_proj.B", ...): a dense MLP's cuts over the
     expert-TP group (Megatron), in vLLM's per-expert slot stacks, under PEFT's `mlp.experts.{e}.` names."""
     def bridge(fc: str, which: str, cut: type[Cut], *args: int) -> dict[str, tuple[Cut, ...]]:
@@ -239,16 +235,18 @@ def expert_lora_kinds() -> dict[str, LoraKind]:
 
     block, out = "mlp.experts.{e}.", {}
     w13_a = tuple(LoraA(slot("w13", "a", s)) for s in range(2))
-    out["gate_up_proj.A"] = LoraKind("lora expert gate_up A", vllm=w13_a,
-                                     peft=(_peft("gate_proj", "A", block), _peft("up_proj", "A", block)),
-                                     expert=True, **bridge("fc1", "in", RowBlocks))
+    out["gate_up_proj.A"] = lora_kind("lora expert gate_up A", vllm_lora=w13_a,
+                                      peft=(_peft("gate_proj", "A", block), _peft("up_proj", "A", block)),
+                                      expert=True, **bridge("fc1", "in", RowBlocks))
     for s, m in enumerate(("gate_proj", "up_proj")):
-        out[f"{m}.B"] = LoraKind(f"lora expert {m} B", vllm=LoraB(slot("w13", "b", s), rows=RowBlocks("rows")),
-                                 peft=_peft(m, "B", block), expert=True, **bridge("fc1", "out", RowBlocks, s, 2))
-    out["down_proj.A"] = LoraKind("lora expert down_proj A", vllm=LoraA(slot("w2", "a", 0), split_input=True),
-                                  peft=_peft("down_proj", "A", block), expert=True, **bridge("fc2", "in", ColumnBlocks))
-    out["down_proj.B"] = LoraKind("lora expert down_proj B", vllm=LoraB(slot("w2", "b", 0)),
-                                  peft=_peft("down_proj", "B", block), expert=True, **bridge("fc2", "out", RowBlocks))
+        out[f"{m}.B"] = lora_kind(f"lora expert {m} B", vllm_lora=LoraB(slot("w13", "b", s), rows=RowBlocks("rows")),
+                                  peft=_peft(m, "B", block), expert=True, **bridge("fc1", "out", RowBlocks, s, 2))
+    out["down_proj.A"] = lora_kind("lora expert down_proj A", vllm_lora=LoraA(slot("w2", "a", 0), split_input=True),
+                                   peft=_peft("down_proj", "A", block), expert=True,
+                                   **bridge("fc2", "in", ColumnBlocks))
+    out["down_proj.B"] = lora_kind("lora expert down_proj B", vllm_lora=LoraB(slot("w2", "b", 0)),
+                                   peft=_peft("down_proj", "B", block), expert=True,
+                                   **bridge("fc2", "out", RowBlocks))
     return out
 
 
@@ -293,7 +291,7 @@ class LoraFamily(ModelFamily):
         return out + ([Experts(tuple(entries), spec.num_experts)] if entries else [])
 
 
-def _mlp_entries(prefix: str, k: dict[str, LoraKind], H: int, r: int, F: int, targets: tuple[str, ...]) -> list[Entry]:
+def _mlp_entries(prefix: str, k: dict[str, TensorKind], H: int, r: int, F: int, targets: tuple[str, ...]) -> list[Entry]:
     """A SwiGLU MLP's adapter tensors under `prefix` (a dense MLP, one expert's, or one shared by all experts)."""
     out: list[Entry] = []
     if "linear_fc1" in targets:
@@ -308,18 +306,19 @@ def _mlp_entries(prefix: str, k: dict[str, LoraKind], H: int, r: int, F: int, ta
 
 # --- the destination layouts ----------------------------------------------------------------------------------
 
-def _lora_kind(layout: str, kind: Kind) -> LoraKind:
-    if not isinstance(kind, LoraKind):
-        raise LayoutError(layout, f"{kind.label} is not a LoRA adapter tensor: this layout places adapters only",
+def _adapter_cuts(engine: str, kind: TensorKind) -> tuple[Cut, ...]:
+    cuts = kind.cuts_for(engine)
+    if cuts is None:
+        raise LayoutError(engine, f"{kind.label} is not a LoRA adapter tensor: this layout places adapters only",
                           {"model.family": kind.label}, "build the model with reshard.layouts.lora.lora_spec")
-    return kind
+    return cuts
 
 
 class PeftLayout(WholePerReplica, CutLayout):
     """A PEFT adapter directory's tensors (adapter_model.safetensors): every tensor whole under its PEFT name, on
     each replica's one rank; a fused layer's A once per part."""
 
-    kind = "peft"
+    engine = "peft"
 
     replicas: StrictInt = 1
 
@@ -330,14 +329,14 @@ class PeftLayout(WholePerReplica, CutLayout):
         self._check_cuts()
         return self
 
-    def _cuts(self, kind: Kind) -> tuple[Cut, ...]:
-        return _lora_kind(self.kind, kind).peft
+    def _cuts(self, kind: TensorKind) -> tuple[Cut, ...]:
+        return _adapter_cuts(self.engine, kind)
 
-    def _place(self, cut: Cut, kind: Kind, layer: np.ndarray | int, expert: np.ndarray | int,
+    def _place(self, cut: Cut, kind: TensorKind, layer: np.ndarray | int, expert: np.ndarray | int,
                replica: int | None) -> Where | None:
         copies = tuple(range(self.replicas)) if replica is None else (replica,)
         expert = expert if cut.expert is None else cut.expert  # a shared adapter's copy for expert cut.expert
-        return Where(Group(self.kind, 1, 1, copies), 0, (layer, expert), lambda i, e: cut.name.format(i=i, e=e))
+        return Where(Group(self.engine, 1, 1, copies), 0, (layer, expert), lambda i, e: cut.name.format(i=i, e=e))
 
 
 class VllmLoraLayout(VllmLayout):
@@ -345,7 +344,8 @@ class VllmLoraLayout(VllmLayout):
     [max_lora_rank, in] and `lora_b_stacked.{s}` [out_s, max_lora_rank] -- the views `[slot, 0]` of vLLM's
     buffers; rows / columns r.. are padding. `fully_sharded`: vLLM's fully_sharded_loras (S-LoRA cuts)."""
 
-    kind = "vllm_lora"
+    engine = "vllm_lora"
+    installs = ("lora_slot",)
 
     max_lora_rank: StrictInt = 16
     fully_sharded: StrictBool = False
@@ -382,10 +382,10 @@ class VllmLoraLayout(VllmLayout):
         return dataclasses.replace(super()._group(expert, replica), lora_rank=self.max_lora_rank,
                                    lora_sharded=self.fully_sharded)
 
-    def _cuts(self, kind: Kind) -> tuple[Cut, ...]:
-        return _lora_kind(self.kind, kind).vllm
+    def _cuts(self, kind: TensorKind) -> tuple[Cut, ...]:
+        return _adapter_cuts(self.engine, kind)
 
 
-__all__ = ["BASE_FAMILIES", "EXPERT_ADAPTERS", "LoraFacts", "LoraFamily", "LoraKind", "PEFT_MODULES", "PeftLayout",
-           "TARGETS", "VllmLoraLayout", "base_spec", "lora_facts", "lora_kinds", "lora_spec", "peft_config"]
+__all__ = ["BASE_FAMILIES", "EXPERT_ADAPTERS", "LoraFacts", "LoraFamily", "PEFT_MODULES", "PeftLayout",
+           "TARGETS", "VllmLoraLayout", "base_spec", "lora_facts", "lora_kind", "lora_kinds", "lora_spec", "peft_config"]
 

@@ -25,7 +25,7 @@ from ..errors import LimitError
 from ..limits import MAX_DIM, MAX_RANKS
 from .base import bounded, divisible, pad_to, positive
 from .cut_layout import CutLayout, Where
-from .cuts import Cut, Group, Kind
+from .cuts import Cut, Group, TensorKind
 from .model import TensorSpec
 from .roles import kind_of
 
@@ -54,7 +54,7 @@ class MegatronLayout(CutLayout):
         LimitError: a size beyond `reshard.limits`.
     """
 
-    kind = "megatron"
+    engine = "megatron"
 
     tp: StrictInt = 1
     pp: StrictInt = 1
@@ -78,7 +78,7 @@ class MegatronLayout(CutLayout):
         for key in ("tp", "pp", "ep", "etp", "world", "vpp"):
             x = data.get(key)
             if _is_int(x) and x > MAX_RANKS:  # before any product of them is computed
-                raise LimitError(key, x, MAX_RANKS, "ranks", where=cls.kind)
+                raise LimitError(key, x, MAX_RANKS, "ranks", where=cls.engine)
         # etp and world left out are derived after validation (`_derive`), so they are not among the fields set:
         # model_copy(update={"tp": 1}) derives them again from the new sizes instead of keeping the old ones
         return {k: v for k, v in data.items() if not (k in ("etp", "world") and v is None)}
@@ -252,8 +252,8 @@ class MegatronLayout(CutLayout):
     def _groups(self) -> tuple[Group, Group]:
         """A dense tensor's group (TP, copied over DP) and an expert's (expert-TP, copied over expert-DP)."""
         d, e = self.axis_strides(False), self.axis_strides(True)
-        return (Group(self.kind, self.tp, d["tp"], tuple(k * d["dp"] for k in range(self.dp)), self.padded_vocab),
-                Group(self.kind, self.etp, e["tp"], tuple(k * e["dp"] for k in range(self.edp))))
+        return (Group(self.engine, self.tp, d["tp"], tuple(k * d["dp"] for k in range(self.dp)), self.padded_vocab),
+                Group(self.engine, self.etp, e["tp"], tuple(k * e["dp"] for k in range(self.edp))))
 
     @functools.cached_property
     def _layers(self) -> "_Layers":
@@ -264,10 +264,11 @@ class MegatronLayout(CutLayout):
                         for c in range(self.vpp)],
                        (self.axis_strides(False), self.axis_strides(True)))
 
-    def _cuts(self, kind: Kind) -> tuple[Cut, ...]:
-        return kind.te if self.naming == "te" else kind.megatron
+    @property
+    def cut_set(self) -> str:
+        return "te" if self.naming == "te" else "megatron"
 
-    def _place(self, cut: Cut, kind: Kind, layer: np.ndarray | int, expert: np.ndarray | int,
+    def _place(self, cut: Cut, kind: TensorKind, layer: np.ndarray | int, expert: np.ndarray | int,
                replica: int | None) -> Where | None:
         g, layers = self._groups[kind.expert], self._layers
         strides = layers.strides[kind.expert]

@@ -2,7 +2,7 @@
 
 A family lists a layer's tensors as `Entry`s (an HF name template, a shape, a role); the spec turns those
 lists into the `CanonicalTable`, one row per tensor, with numpy. A role is a shared `Role` (embed, q, gate,
-experts ...) or a family's own `cuts.Kind`; layouts place a tensor by its role's cuts, never by its name.
+experts ...) or a family's own `cuts.TensorKind`; layouts place a tensor by its role's cuts, never by its name.
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ class TensorSpec:
         index: its position in `ModelSpec.tensors`.
         name: the HF checkpoint name.
         shape: the canonical shape.
-        role: a shared `Role` or a family's own `cuts.Kind` (where each side keeps it).
+        role: a shared `Role` or a family's own `cuts.TensorKind` (where each engine keeps it).
         layer: its decoder layer, -1 where none.
         expert: its expert, -1 where none.
         dtype: set only where the tensor keeps another dtype than the model (e.g. a float32 router bias).

@@ -1,9 +1,13 @@
-"""The registry of model families: by name (`ModelSpec.family`) and by HF architecture / model_type.
+"""The registries of the layouts: model families (by name, `ModelSpec.family`, and by HF architecture /
+model_type), layout classes (by engine name: what layout strings, plan files and refit specs name), and the cuts
+an engine added later places the kinds of tensors of a family with.
 
 At the bottom of the layouts: it imports nothing from them, so the spec can look a family up and the families can
 be registered into it without a circle. Registration is explicit: `families.register_built_ins()` (called once by
-the package, `reshard.layouts`) registers the list `families.BUILT_IN_FAMILIES` and FP8's entry transform; a family
-defined elsewhere is registered by `families.register_family(cls)`.
+the package, `reshard.layouts`) registers the list `families.BUILT_IN_FAMILIES`, FP8's entry transform and the
+built-in layouts; a family defined elsewhere is registered by `families.register_family(cls)`, a layout by
+`register_layout(cls)`, an engine's cuts for a family by `register_cuts(engine, family, rule)`. A new engine is a
+module that registers its layout and its cuts: nothing here or in the cuts names it.
 """
 from __future__ import annotations
 
@@ -17,6 +21,54 @@ _BY_NAME: dict[str, Any] = {}  # ModelSpec.family -> family
 # f(spec, entries, layer) -> entries: how a spec of another form lists a family's entries (layouts.fp8's wire
 # specs list a quantized weight as fp8 + scales); registered by the modules that define those forms
 _ENTRY_TRANSFORMS: list[Any] = []
+_LAYOUTS: dict[str, Any] = {}  # engine name -> Layout class
+_CUTS: dict[tuple[str, str], Any] = {}  # (engine, family) -> rule(spec, tensor kind) -> cuts
+
+
+def register_layout(cls: Any) -> None:
+    """Make the Layout class `cls` nameable by its `engine` (layout strings, plan files, refit specs); a refit
+    destination is a class whose `installs` is not empty. A later registration of the same engine replaces it."""
+    engine = getattr(cls, "engine", None)
+    if not isinstance(engine, str) or not engine:
+        from ..errors import ArgumentError
+
+        raise ArgumentError("cls", cls, "must be a Layout class with an engine name (its `engine` class attribute)")
+    _LAYOUTS[engine] = cls
+
+
+def layout_class(engine: str) -> Any:
+    """The Layout class registered for `engine`.
+
+    Raises:
+        LayoutError: no layout is registered for it (the message lists those that are).
+    """
+    if not isinstance(engine, str) or engine not in _LAYOUTS:
+        from ..errors import LayoutError
+
+        raise LayoutError(str(engine), f"unknown layout engine {engine!r}; expected one of {sorted(_LAYOUTS)}",
+                          {"engine": engine})
+    return _LAYOUTS[engine]
+
+
+def registered_layouts() -> dict[str, Any]:
+    """engine name -> Layout class, of every registered layout."""
+    return dict(_LAYOUTS)
+
+
+def register_cuts(engine: str, family: str, rule: Any) -> None:
+    """How `engine` places the tensors of `family`: `rule(spec, kind)` returns the cuts of one TensorKind, for the
+    kinds that do not declare cuts for `engine` themselves (an engine added after the families were written)."""
+    _CUTS[(engine, family)] = rule
+
+
+def cut_rule(engine: str, family: str) -> Any:
+    """The rule registered by `register_cuts` for (engine, family), or None."""
+    return _CUTS.get((engine, family))
+
+
+def families_with_cuts(engine: str) -> list[str]:
+    """The families `engine` has registered cuts for."""
+    return sorted(f for e, f in _CUTS if e == engine)
 
 
 def register_entry_transform(transform: Any) -> None:

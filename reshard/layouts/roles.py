@@ -1,5 +1,6 @@
 """The shared roles in the vocabulary of cuts: where embed, norms, q/k/v, o, gate/up/down, router and experts
-live on each side, as `Kind`s (names and cuts are data here, for every family that uses the shared roles).
+live on each built-in engine, as `TensorKind`s (names and cuts are data here, for every family that uses the
+shared roles).
 
 Megatron (megatron-core's GPT layer specs): linear_qkv interleaves rows per query group, [q(hpg heads); k; v]
 for each group, and is split into contiguous row blocks over TP (with fewer groups than tp a block cuts through a
@@ -12,47 +13,56 @@ from __future__ import annotations
 
 import functools
 from types import MappingProxyType
-from typing import Callable, Hashable, Mapping
+from typing import Any, Callable, Hashable, Mapping
 
-from .cuts import ColumnBlocks, Cut, GlobalRows, Kind, QkvParallel, Replicated, RowBlocks, Vocab
+from .cuts import ColumnBlocks, Cut, GlobalRows, QkvParallel, Replicated, RowBlocks, TensorKind, Vocab
 from .model import LAYER, ModelSpec, Role
 
 
-def gated_mlp(megatron: str, vllm: str, label: str = "") -> tuple[Kind, Kind, Kind]:
+Cuts = Cut | tuple[Cut, ...]
+
+
+def tensor_kind(label: str, megatron: Cuts, vllm: Cuts, te: Cuts | None = None, **flags: Any) -> TensorKind:
+    """A kind of tensor on the built-in engines: its cuts on Megatron ("megatron"; "te": under TE naming, where it
+    differs) and on vLLM ("vllm"); `flags` are TensorKind's (expert, megatron_offset, linear)."""
+    return TensorKind(label, {"megatron": megatron, "te": megatron if te is None else te, "vllm": vllm}, **flags)
+
+
+def gated_mlp(megatron: str, vllm: str, label: str = "") -> tuple[TensorKind, TensorKind, TensorKind]:
     """gate / up / down of a SwiGLU MLP under the module names `megatron` and `vllm`: Megatron's linear_fc1
     [gate_r; up_r] and linear_fc2, vLLM's gate_up_proj [gate_r; up_r] and down_proj."""
     fc1, gate_up = megatron + "linear_fc1.weight", vllm + "gate_up_proj.weight"
-    return (Kind(label + "gate", RowBlocks(fc1, 0, 2), RowBlocks(gate_up, 0, 2), linear=True),
-            Kind(label + "up", RowBlocks(fc1, 1, 2), RowBlocks(gate_up, 1, 2), linear=True),
-            Kind(label + "down", ColumnBlocks(megatron + "linear_fc2.weight"), ColumnBlocks(vllm + "down_proj.weight"),
+    return (tensor_kind(label + "gate", RowBlocks(fc1, 0, 2), RowBlocks(gate_up, 0, 2), linear=True),
+            tensor_kind(label + "up", RowBlocks(fc1, 1, 2), RowBlocks(gate_up, 1, 2), linear=True),
+            tensor_kind(label + "down", ColumnBlocks(megatron + "linear_fc2.weight"), ColumnBlocks(vllm + "down_proj.weight"),
                  linear=True))
 
 
-def kind_of(spec: ModelSpec, role: Hashable) -> Kind:
-    """The Kind of a tensor's role: a family's own kind is its role; a shared Role's depends on the spec."""
-    return role if isinstance(role, Kind) else shared_kinds(spec.num_attention_heads, spec.num_key_value_heads,
+def kind_of(spec: ModelSpec, role: Hashable) -> TensorKind:
+    """The TensorKind of a tensor's role: a family's own kind is its role; a shared Role's depends on the spec."""
+    return role if isinstance(role, TensorKind) else shared_kinds(spec.num_attention_heads, spec.num_key_value_heads,
                                                             spec.head_dim, spec.tie_word_embeddings)[role]
 
 
 @functools.lru_cache(maxsize=64)
-def shared_kinds(heads: int, groups: int, head_dim: int, tied: bool) -> Mapping[Role, Kind]:
-    """Each shared role's Kind, for a model of these attention sizes (the q/k/v cuts depend on them) and tied or
+def shared_kinds(heads: int, groups: int, head_dim: int, tied: bool) -> Mapping[Role, TensorKind]:
+    """Each shared role's TensorKind, for a model of these attention sizes (the q/k/v cuts depend on them) and tied or
     untied embeddings."""
     d, hpg = head_dim, heads // groups
     group = (hpg + 2) * d  # rows of one query group in linear_qkv
 
-    def qkv(role: Role, slot: int, rows: int) -> Kind:
+    def qkv(role: Role, slot: int, rows: int) -> TensorKind:
         blocks = tuple((g * rows, g * group + slot, rows) for g in range(groups))
-        return Kind(role.value, GlobalRows("self_attention.linear_qkv.weight", groups * group, blocks),
+        return tensor_kind(role.value, GlobalRows("self_attention.linear_qkv.weight", groups * group, blocks),
                     QkvParallel(LAYER + "self_attn.qkv_proj.weight", heads * d, groups, d, "qkv".index(role.value)))
 
-    def norm(role: Role, megatron: str, vllm: str, te: str | None = None, moe: str | None = None) -> Kind:
-        return Kind(role.value, Replicated(megatron), Replicated(LAYER + vllm),
+    def norm(role: Role, megatron: str, vllm: str, te: str | None = None, moe: str | None = None) -> TensorKind:
+        return tensor_kind(role.value, Replicated(megatron), Replicated(LAYER + vllm),
                     te=Replicated(te, moe_name=moe) if te else None)
 
-    def expert(role: Role, fc: str, w: str, cut: Callable[[str], Cut]) -> Kind:
+    def expert(role: Role, fc: str, w: str, cut: Callable[[str], Cut]) -> TensorKind:
         """A routed expert's tensor: Megatron's per-local-expert `{j}` fc1 / fc2, vLLM's stacked w13 / w2."""
-        return Kind(role.value, cut(f"mlp.experts.local_experts.{{j}}.linear_{fc}.weight"),
+        return tensor_kind(role.value, cut(f"mlp.experts.local_experts.{{j}}.linear_{fc}.weight"),
                     cut(f"{LAYER}mlp.experts.routed_experts.{w}_weight"),
                     te=cut(f"mlp.experts.linear_{fc}.weight{{j}}"), expert=True)
 
@@ -60,9 +70,9 @@ def shared_kinds(heads: int, groups: int, head_dim: int, tied: bool) -> Mapping[
     if tied:  # the last stage keeps a synchronized copy as output_layer.weight (pp > 1)
         embed += (Vocab("output_layer.weight", at="last_copy"),)
     return MappingProxyType({
-        Role.EMBED: Kind("embed", embed, Vocab("model.embed_tokens.weight")),
-        Role.LM_HEAD: Kind("lm_head", Vocab("output_layer.weight", at="last"), Vocab("lm_head.weight")),
-        Role.FINAL_NORM: Kind("final_norm", Replicated("decoder.final_layernorm.weight", at="last"),
+        Role.EMBED: tensor_kind("embed", embed, Vocab("model.embed_tokens.weight")),
+        Role.LM_HEAD: tensor_kind("lm_head", Vocab("output_layer.weight", at="last"), Vocab("lm_head.weight")),
+        Role.FINAL_NORM: tensor_kind("final_norm", Replicated("decoder.final_layernorm.weight", at="last"),
                               Replicated("model.norm.weight")),
         Role.INPUT_NORM: norm(Role.INPUT_NORM, "input_layernorm.weight", "input_layernorm.weight",
                               "self_attention.linear_qkv.layer_norm_weight"),
@@ -73,10 +83,10 @@ def shared_kinds(heads: int, groups: int, head_dim: int, tied: bool) -> Mapping[
         Role.Q: qkv(Role.Q, 0, hpg * d),
         Role.K: qkv(Role.K, hpg * d, d),
         Role.V: qkv(Role.V, (hpg + 1) * d, d),
-        Role.O: Kind("o", ColumnBlocks("self_attention.linear_proj.weight"),
+        Role.O: tensor_kind("o", ColumnBlocks("self_attention.linear_proj.weight"),
                      ColumnBlocks(LAYER + "self_attn.o_proj.weight")),
         **dict(zip((Role.GATE, Role.UP, Role.DOWN), gated_mlp("mlp.", LAYER + "mlp."))),
-        Role.ROUTER: Kind("router", Replicated("mlp.router.weight"), Replicated(LAYER + "mlp.gate.weight")),
+        Role.ROUTER: tensor_kind("router", Replicated("mlp.router.weight"), Replicated(LAYER + "mlp.gate.weight")),
         Role.EXPERT_GATE: expert(Role.EXPERT_GATE, "fc1", "w13", lambda name: RowBlocks(name, 0, 2)),
         Role.EXPERT_UP: expert(Role.EXPERT_UP, "fc1", "w13", lambda name: RowBlocks(name, 1, 2)),
         Role.EXPERT_DOWN: expert(Role.EXPERT_DOWN, "fc2", "w2", ColumnBlocks),

@@ -13,11 +13,17 @@ from .hf import HfLayout
 from .lora import PeftLayout, VllmLoraLayout
 from .megatron import MegatronLayout
 from .model import ModelSpec
+from .registry import layout_class, register_layout
 from .vllm import VllmLayout
 
-# every layout kind plan files and refit specs may name (adapter layouts travel like the others)
-LAYOUT_KINDS: dict[str, type[Layout]] = {cls.kind: cls for cls in (MegatronLayout, VllmLayout, HfLayout, PeftLayout,
-                                                                   VllmLoraLayout)}
+# the layouts of the built-in engines (adapter layouts travel like the others); others: registry.register_layout
+BUILT_IN_LAYOUTS: tuple[type[Layout], ...] = (MegatronLayout, VllmLayout, HfLayout, PeftLayout, VllmLoraLayout)
+
+
+def register_built_in_layouts() -> None:
+    """Make the built-in layouts nameable by their engines (called once by the package, `reshard.layouts`)."""
+    for cls in BUILT_IN_LAYOUTS:
+        register_layout(cls)
 
 # Short aliases accepted in layout strings.
 _ALIASES = {"ep": {"vllm": "expert_parallel"}, "first": {"megatron": "first_stage_layers"},
@@ -44,19 +50,19 @@ def _base_types(annotation: Any) -> set[Any]:
     return {annotation}
 
 
-def _value(kind: str, key: str, text: str, annotation: Any) -> Any:
+def _value(engine: str, key: str, text: str, annotation: Any) -> Any:
     """The value of one option, by the field's type: an integer, a boolean or a word; else LayoutError."""
     allowed = _base_types(annotation)
     if bool in allowed:
         if text.lower() not in _BOOLS:
-            raise LayoutError(kind, f"{key}={text!r} must be true or false", {key: text})
+            raise LayoutError(engine, f"{key}={text!r} must be true or false", {key: text})
         return _BOOLS[text.lower()]
     if int in allowed:
         if not _INT.fullmatch(text):
-            raise LayoutError(kind, f"{key}={text!r} must be a whole number in ASCII digits", {key: text})
+            raise LayoutError(engine, f"{key}={text!r} must be a whole number in ASCII digits", {key: text})
         return int(text)
     if not _WORD.fullmatch(text):
-        raise LayoutError(kind, f"{key}={text!r} must be a word of letters, digits, '-' or '_'", {key: text})
+        raise LayoutError(engine, f"{key}={text!r} must be a word of letters, digits, '-' or '_'", {key: text})
     return text
 
 
@@ -66,14 +72,14 @@ def parse_layout(text: str, model: ModelSpec) -> Layout:
     Each option once; a bare option only for a flag (e.g. 'vllm:tp=2,ep').
 
     Args:
-        text: 'kind:key=value,...' (untrusted: length, kind, keys and values are checked).
+        text: 'engine:key=value,...' (untrusted: length, engine, keys and values are checked).
         model: the model the layout places.
 
     Returns:
         The layout, validated.
 
     Raises:
-        LayoutError: an unknown kind or option, a repeated option, a malformed value, or a layout that cannot
+        LayoutError: an unknown engine or option, a repeated option, a malformed value, or a layout that cannot
             exist (the message names the bad part).
         LimitError: a string or a size beyond `reshard.limits`.
     """
@@ -85,55 +91,55 @@ def parse_layout(text: str, model: ModelSpec) -> Layout:
         raise ArgumentError("model", model, "must be a ModelSpec")
     if len(text) > MAX_LAYOUT_TEXT:
         raise LimitError("layout", f"{text[:40]}...", MAX_LAYOUT_TEXT, "characters of a layout string")
-    kind, _, rest = text.partition(":")
-    kind = kind.strip().lower()
-    if kind == "megatron-ckpt":  # derived from a checkpoint's files, which layouts never read
-        raise LayoutError(kind, "a checkpoint's layout is derived from its metadata, not declared",
+    engine, _, rest = text.partition(":")
+    engine = engine.strip().lower()
+    if engine == "megatron-ckpt":  # derived from a checkpoint's files, which layouts never read
+        raise LayoutError(engine, "a checkpoint's layout is derived from its metadata, not declared",
                           {"layout": text}, fix="use reshard.adapters.megatron.checkpoint_layout(open_checkpoint("
                           "path), spec), or `reshard plan --src megatron-ckpt:PATH`")
-    if kind not in LAYOUT_KINDS:
-        raise LayoutError(kind or text, f"unknown layout kind {kind!r}; expected one of {sorted(LAYOUT_KINDS)}",
-                          {"kind": kind})
-    cls = LAYOUT_KINDS[kind]
+    cls = layout_class(engine)
     known = sorted(k for k in cls.model_fields if k != "model")
     fields: dict[str, Any] = {}
     for item in (s.strip() for s in rest.split(",")):
         if not item:
             if rest.strip():
-                raise LayoutError(kind, f"empty option in {text!r} (two commas, or a trailing one)", {"layout": text})
+                raise LayoutError(engine, f"empty option in {text!r} (two commas, or a trailing one)", {"layout": text})
             continue
         raw, eq, val = item.partition("=")
-        key = _ALIASES.get(raw.strip(), {}).get(kind, raw.strip())
-        if key in _NOT_IN_STRINGS.get(kind, {}):
-            raise LayoutError(kind, f"option {raw.strip()!r}: {_NOT_IN_STRINGS[kind][key]}", {key: val})
+        key = _ALIASES.get(raw.strip(), {}).get(engine, raw.strip())
+        if key in _NOT_IN_STRINGS.get(engine, {}):
+            raise LayoutError(engine, f"option {raw.strip()!r}: {_NOT_IN_STRINGS[engine][key]}", {key: val})
         if key not in cls.model_fields or key == "model":
-            raise LayoutError(kind, f"unknown option {raw.strip()!r}; {kind} layouts take {known}",
+            raise LayoutError(engine, f"unknown option {raw.strip()!r}; {engine} layouts take {known}",
                               {raw.strip(): val})
         if key in fields:
-            raise LayoutError(kind, f"option {raw.strip()!r} is given twice in {text!r}", {key: val})
+            raise LayoutError(engine, f"option {raw.strip()!r} is given twice in {text!r}", {key: val})
         annotation = cls.model_fields[key].annotation
         if not eq:
             if bool not in _base_types(annotation):
-                raise LayoutError(kind, f"option {key!r} needs a value ({key}=...); only flags may stand alone",
+                raise LayoutError(engine, f"option {key!r} needs a value ({key}=...); only flags may stand alone",
                                   {key: None})
             fields[key] = True
             continue
-        fields[key] = _value(kind, key, val.strip(), annotation)
+        fields[key] = _value(engine, key, val.strip(), annotation)
     return cls(model=model, **fields)
 
 
 def layout_to_dict(layout: Layout) -> dict[str, Any]:
+    """A layout as JSON data: its engine and its fields (the model's included)."""
     if not isinstance(layout, Layout):
         raise LayoutError("layout", f"layout={show(layout)} must be a Layout", {"layout": layout})
-    return {"kind": layout.kind, **json.loads(layout.model_dump_json())}
+    return {"engine": layout.engine, **json.loads(layout.model_dump_json())}
 
 
 def layout_from_dict(data: dict[str, Any]) -> Layout:
+    """The layout `layout_to_dict` wrote ("kind" is read as "engine": plan files written before the rename).
+
+    Raises:
+        LayoutError: not a JSON object, an engine no layout is registered for, or fields the layout refuses.
+    """
     if not isinstance(data, dict):
         raise LayoutError("layout", f"a layout must be a JSON object, not {type(data).__name__}", {"layout": data})
     data = dict(data)
-    kind = data.pop("kind", None)
-    if not isinstance(kind, str) or kind not in LAYOUT_KINDS:
-        raise LayoutError(str(kind), f"unknown layout kind {kind!r}; expected one of {sorted(LAYOUT_KINDS)}",
-                          {"kind": kind})
-    return LAYOUT_KINDS[kind].model_validate(data)
+    engine = data.pop("engine", None) if "engine" in data else data.pop("kind", None)
+    return layout_class(engine).model_validate(data)

@@ -18,21 +18,21 @@ from ..errors import ArgumentError, from_validation
 
 @contextmanager
 def _library_errors(model: type) -> Iterator[None]:
-    """pydantic's ValidationError raised inside, as the library's error for `model`'s kind."""
+    """pydantic's ValidationError raised inside, as the library's error for what `model` is."""
     try:
         yield
     except ValidationError as exc:
-        raise from_validation(exc, model._error_kind()) from None
+        raise from_validation(exc, model._error_where()) from None
 
 
 class ValidatedModel(BaseModel):
-    """Every way in validates; errors are the library's (subclasses set `error_kind` or a `kind`)."""
+    """Every way in validates; errors are the library's (subclasses set `error_where`, or a layout its `engine`)."""
 
-    error_kind: ClassVar[str] = "model"
+    error_where: ClassVar[str] = "model"
 
     @classmethod
-    def _error_kind(cls) -> str:
-        return getattr(cls, "kind", None) or cls.error_kind
+    def _error_where(cls) -> str:
+        return getattr(cls, "engine", None) or cls.error_where
 
     def __init__(self, **data: Any) -> None:
         with _library_errors(type(self)):

@@ -23,7 +23,7 @@ from pydantic import StrictBool, StrictInt, model_serializer, model_validator
 from ..limits import MAX_DIM, MAX_EXPERTS, MAX_RANKS
 from .base import bounded, divisible, pad_to, positive
 from .cut_layout import CutLayout, Where
-from .cuts import Cut, Group, Kind
+from .cuts import Cut, Group, TensorKind
 from .expert_placement import ExpertPlacement, slot_index
 from .roles import kind_of
 
@@ -61,7 +61,8 @@ class VllmLayout(CutLayout):
         LimitError: a size beyond `reshard.limits`.
     """
 
-    kind = "vllm"
+    engine = "vllm"
+    installs = ("direct", "loader")
 
     tp: StrictInt = 1
     replicas: StrictInt = 1
@@ -228,15 +229,12 @@ class VllmLayout(CutLayout):
         copies = tuple(k * self.tp for k in (range(self.replicas) if replica is None else (replica,)))
         E = self.model.num_experts
         if not expert:
-            return Group(self.kind, self.tp, 1, copies, self.padded_vocab, copies_first=True)
+            return Group(self.engine, self.tp, 1, copies, self.padded_vocab, copies_first=True)
         if self.expert_parallel:  # whole experts, P / tp physical slots per rank (P = E without EPLB)
-            return Group(self.kind, 1, 1, copies, stack=(E + self.redundant_experts) // self.tp, copies_first=True)
-        return Group(self.kind, self.tp, 1, copies, stack=E, copies_first=True)
+            return Group(self.engine, 1, 1, copies, stack=(E + self.redundant_experts) // self.tp, copies_first=True)
+        return Group(self.engine, self.tp, 1, copies, stack=E, copies_first=True)
 
-    def _cuts(self, kind: Kind) -> tuple[Cut, ...]:
-        return kind.vllm
-
-    def _place(self, cut: Cut, kind: Kind, layer: np.ndarray | int, expert: np.ndarray | int,
+    def _place(self, cut: Cut, kind: TensorKind, layer: np.ndarray | int, expert: np.ndarray | int,
                replica: int | None) -> Where | None:
         g, name = self._group(kind.expert, replica), self.name_prefix + cut.name
         expert = expert if cut.expert is None else cut.expert  # a shared tensor's copy for expert cut.expert

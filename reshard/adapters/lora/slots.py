@@ -74,7 +74,7 @@ class AdapterSlot:
         if tps != {layout.tp}:
             problems.append(f"tp: the engine's LoRA layers have tp_size {sorted(tps)}, the layout tp={layout.tp}")
         if problems:
-            raise LayoutMismatchError(layout.kind, problems)
+            raise LayoutMismatchError(layout.engine, problems)
         loaded = manager._registered_adapters
         if lora_id not in loaded:
             raise InputError("lora_id", lora_id, f"is not loaded in this engine (loaded: {sorted(loaded)})",
@@ -112,7 +112,7 @@ class AdapterSlot:
                 problems.append(f"{name}: the engine has {tuple(view.shape)} {view.dtype}, the layout {shape} {dtype}")
             self.tensors[name] = view
         if problems:
-            raise LayoutMismatchError(layout.kind, problems)
+            raise LayoutMismatchError(layout.engine, problems)
         self._b = [t for n, t in self.tensors.items() if ".lora_b_stacked." in n]
 
     def _pin(self) -> int:

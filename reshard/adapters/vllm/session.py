@@ -40,7 +40,7 @@ from ...errors import ExecutionError, LayoutError, LayoutMismatchError, PlanErro
 from ...executors.base import Executor
 from ...layouts.lora import VllmLoraLayout, base_spec
 from ..lora.slots import AdapterSlot, lora_manager
-from ..refit import CROSS_PROCESS, RefitSpec, open_transport
+from ..refit import RefitSpec, open_transport
 from .derive import representative_layers
 from .direct import DirectBinding, bind_direct
 from .experts import check_loader_placement, check_placement, live_placement
@@ -96,7 +96,7 @@ class WorkerSession:
                             f"compiled ({self.plan.digest[:12]}): reshard versions or inputs differ")
         self.rank = local_rank(self.vllm_config, refit.replica)
         if not 0 <= self.rank < dst.num_ranks:
-            raise LayoutError(dst.kind, f"this worker is rank {self.rank} of the destination, which has "
+            raise LayoutError(dst.engine, f"this worker is rank {self.rank} of the destination, which has "
                                         f"{dst.num_ranks} ranks (check replica and replicas)")
         self.binding: DirectBinding | None = None
         self.installer: LoaderInstaller | None = None
@@ -114,7 +114,7 @@ class WorkerSession:
             tensors = self.installer.buffers
         process = self.rank
         self.tensors, self.installed = tensors, False
-        if refit.transport in CROSS_PROCESS:
+        if refit.cross_process:
             from .. import rendezvous as rv
 
             self.rendezvous = rv.Rendezvous.from_dict(refit.rendezvous)
@@ -186,7 +186,7 @@ class WorkerSession:
 
     def _report(self, reason: str, store: Any = None) -> None:
         """Tell the trainer processes waiting at the rendezvous why this worker cannot take part."""
-        if self.refit.transport not in CROSS_PROCESS or self.refit.rendezvous is None:
+        if not self.refit.cross_process or self.refit.rendezvous is None:
             return
         try:
             from .. import rendezvous as rv

@@ -28,7 +28,7 @@ from ...executors.binding import Binding
 from ...layouts import ModelSpec
 from ...planner import Plan
 from .. import groups
-from ..groups import DEPTH, TRANSPORTS, tensor_groups
+from ..groups import DEPTH, group_transport, tensor_groups
 
 STAGINGS = ("bucket", "model")
 _OPTIONS = {"transport": str, "fanout": (int, type(None)), "staging": str, "checksum": (bool, str),
@@ -57,8 +57,7 @@ def check_options(options: dict[str, Any]) -> dict[str, Any]:
             raise ArgumentError(f"engine_kwargs.reshard.{key}", value, f"has type {type(value).__name__}")
     if options.get("staging", "bucket") not in STAGINGS:
         raise ArgumentError("engine_kwargs.reshard.staging", options["staging"], f"is not one of {STAGINGS}")
-    if options.get("transport", "collective") not in TRANSPORTS:
-        raise ArgumentError("engine_kwargs.reshard.transport", options["transport"], f"is not one of {TRANSPORTS}")
+    group_transport(options.get("transport", "collective"), "engine_kwargs.reshard.transport")
     if options.get("fanout") is not None and options["fanout"] < 1:
         raise ArgumentError("engine_kwargs.reshard.fanout", options["fanout"], "must be at least 1 (or None)")
     if "timeout" in options and not 0 < options["timeout"] <= 86400:

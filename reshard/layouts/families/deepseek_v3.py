@@ -29,41 +29,41 @@ from typing import Any
 
 from ...errors import ModelConfigError
 from ...limits import MAX_DIM, MAX_EXPERTS, MAX_LAYERS, check_limit
-from ..cuts import Kind, Replicated, ReplicatedAt, RowBlocks
+from ..cuts import Replicated, ReplicatedAt, RowBlocks, TensorKind
 from ..family import LAYER, ModelFamily, StreamExtra, dense_mlp, norm, routed_experts
 from ..hf_config import get_int, get_opt_int, get_str
 from ..model import Entry, ModelSpec, Role
-from ..roles import gated_mlp
+from ..roles import gated_mlp, tensor_kind
 
 _A = LAYER + "self_attn."
 _M = LAYER + "mlp."
 
-INPUT_NORM = Kind("mla_input_norm", Replicated("input_layernorm.weight"), Replicated(LAYER + "input_layernorm.weight"))
-Q_NORM = Kind("mla_q_norm", Replicated("self_attention.q_layernorm.weight"), Replicated(_A + "q_a_layernorm.weight"),
+INPUT_NORM = tensor_kind("mla_input_norm", Replicated("input_layernorm.weight"), Replicated(LAYER + "input_layernorm.weight"))
+Q_NORM = tensor_kind("mla_q_norm", Replicated("self_attention.q_layernorm.weight"), Replicated(_A + "q_a_layernorm.weight"),
               te=Replicated("self_attention.linear_q_up_proj.layer_norm_weight"))
-KV_NORM = Kind("mla_kv_norm", Replicated("self_attention.kv_layernorm.weight"),
+KV_NORM = tensor_kind("mla_kv_norm", Replicated("self_attention.kv_layernorm.weight"),
                Replicated(_A + "kv_a_layernorm.weight"),
                te=Replicated("self_attention.linear_kv_up_proj.layer_norm_weight"))
-Q_UP = Kind("mla_q_up", RowBlocks("self_attention.linear_q_up_proj.weight"), RowBlocks(_A + "q_b_proj.weight"),
+Q_UP = tensor_kind("mla_q_up", RowBlocks("self_attention.linear_q_up_proj.weight"), RowBlocks(_A + "q_b_proj.weight"),
             linear=True)
-Q_FULL = Kind("mla_q", RowBlocks("self_attention.linear_q_proj.weight"), RowBlocks(_A + "q_proj.weight"), linear=True)
-KV_UP = Kind("mla_kv_up", RowBlocks("self_attention.linear_kv_up_proj.weight"), RowBlocks(_A + "kv_b_proj.weight"),
+Q_FULL = tensor_kind("mla_q", RowBlocks("self_attention.linear_q_proj.weight"), RowBlocks(_A + "q_proj.weight"), linear=True)
+KV_UP = tensor_kind("mla_kv_up", RowBlocks("self_attention.linear_kv_up_proj.weight"), RowBlocks(_A + "kv_b_proj.weight"),
              linear=True)
-ROUTER_BIAS = Kind("router_bias", Replicated("mlp.router.expert_bias"), Replicated(_M + "gate.e_score_correction_bias"))
+ROUTER_BIAS = tensor_kind("router_bias", Replicated("mlp.router.expert_bias"), Replicated(_M + "gate.e_score_correction_bias"))
 SHARED_GATE, SHARED_UP, SHARED_DOWN = gated_mlp("mlp.shared_experts.", _M + "shared_experts.", "shared_expert_")
 
 
-def _down_kinds(q_rank: int | None, kv_rows: int) -> tuple[Kind | None, Kind]:
+def _down_kinds(q_rank: int | None, kv_rows: int) -> tuple[TensorKind | None, TensorKind]:
     """q_a_proj / kv_a_proj_with_mqa: TP row blocks (Megatron local), whole (Megatron TE), whole rows of vLLM's
     fused_qkv_a_proj (or its own kv_a_proj_with_mqa when there is no q LoRA)."""
     q_name, kv_name = "self_attention.linear_q_down_proj.weight", "self_attention.linear_kv_down_proj.weight"
     if q_rank is None:
-        return None, Kind("mla_kv_down", RowBlocks(kv_name), Replicated(_A + "kv_a_proj_with_mqa.weight"),
+        return None, tensor_kind("mla_kv_down", RowBlocks(kv_name), Replicated(_A + "kv_a_proj_with_mqa.weight"),
                           te=Replicated(kv_name), linear=True)
     fused = _A + "fused_qkv_a_proj.weight"
-    return (Kind("mla_q_down", RowBlocks(q_name), ReplicatedAt(fused, 0, q_rank + kv_rows), te=Replicated(q_name),
+    return (tensor_kind("mla_q_down", RowBlocks(q_name), ReplicatedAt(fused, 0, q_rank + kv_rows), te=Replicated(q_name),
                  linear=True),
-            Kind("mla_kv_down", RowBlocks(kv_name), ReplicatedAt(fused, q_rank, q_rank + kv_rows),
+            tensor_kind("mla_kv_down", RowBlocks(kv_name), ReplicatedAt(fused, q_rank, q_rank + kv_rows),
                  te=Replicated(kv_name), linear=True))
 
 

@@ -41,34 +41,34 @@ from typing import Any
 
 from ...errors import ModelConfigError
 from ...limits import MAX_DIM, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, check_limit
-from ..cuts import ColumnBlocks, GlobalRows, Kind, QkvParallel, Replicated, RowBlocks, Stacked
+from ..cuts import ColumnBlocks, GlobalRows, QkvParallel, Replicated, RowBlocks, Stacked, TensorKind
 from ..family import LAYER, ModelFamily, StreamExtra, dense_mlp, norm, routed_experts
 from ..hf_config import REQUIRED, get_bool, get_int, get_str_list
 from ..model import Entry, Experts, ModelSpec, Role
-from ..roles import gated_mlp
+from ..roles import gated_mlp, tensor_kind
 
 _LIN = LAYER + "linear_attn."
 _ATT = LAYER + "self_attn."
 _MLP = LAYER + "mlp."
 _LAYER_TYPES = ("linear_attention", "full_attention")
 
-GDN_INPUT_NORM = Kind("gdn_input_norm", Replicated("input_layernorm.weight"),
+GDN_INPUT_NORM = tensor_kind("gdn_input_norm", Replicated("input_layernorm.weight"),
                       Replicated(LAYER + "input_layernorm.weight"), te=Replicated("self_attention.in_proj.layer_norm_weight"))
-GDN_DT_BIAS = Kind("gdn_dt_bias", RowBlocks("self_attention.dt_bias"), RowBlocks(_LIN + "dt_bias"))
-GDN_A_LOG = Kind("gdn_a_log", RowBlocks("self_attention.A_log"), RowBlocks(_LIN + "A_log"))
+GDN_DT_BIAS = tensor_kind("gdn_dt_bias", RowBlocks("self_attention.dt_bias"), RowBlocks(_LIN + "dt_bias"))
+GDN_A_LOG = tensor_kind("gdn_a_log", RowBlocks("self_attention.A_log"), RowBlocks(_LIN + "A_log"))
 # The GDN output norm is a plain RMSNorm weight in HF and vLLM (w * rmsnorm(x) * silu(z)), but Megatron builds it
 # with the model's zero-centred gamma like every other norm, so it stores w - 1 (hf parity measured the gap):
 # plans add +1 going Megatron -> HF / vLLM and -1 the other way.
-GDN_NORM = Kind("gdn_norm", Replicated("self_attention.out_norm.weight"), Replicated(_LIN + "norm.weight"),
+GDN_NORM = tensor_kind("gdn_norm", Replicated("self_attention.out_norm.weight"), Replicated(_LIN + "norm.weight"),
                 megatron_offset=-1.0)
-GDN_OUT = Kind("gdn_out_proj", ColumnBlocks("self_attention.out_proj.weight"), ColumnBlocks(_LIN + "out_proj.weight"))
+GDN_OUT = tensor_kind("gdn_out_proj", ColumnBlocks("self_attention.out_proj.weight"), ColumnBlocks(_LIN + "out_proj.weight"))
 SHARED_GATE, SHARED_UP, SHARED_DOWN = gated_mlp("mlp.shared_experts.", _MLP + "shared_expert.", "shared_expert_proj_")
-SHARED_EXPERT_GATE = Kind("shared_expert_gate", Replicated("mlp.shared_experts.gate_weight"),
+SHARED_EXPERT_GATE = tensor_kind("shared_expert_gate", Replicated("mlp.shared_experts.gate_weight"),
                           Replicated(_MLP + "shared_expert_gate.weight"))
 
 
 @functools.lru_cache(maxsize=16)
-def _gdn_kinds(nk: int, dk: int, nv: int, dv: int) -> dict[str, Kind]:
+def _gdn_kinds(nk: int, dk: int, nv: int, dv: int) -> dict[str, TensorKind]:
     """in_proj / conv1d kinds: each HF tensor is some consecutive parts of a fused per-rank stack. Both engines
     give each rank whole key and value heads (megatron-core and vLLM divide the head counts by tp)."""
     Kd, Vd = nk * dk, nv * dv
@@ -77,19 +77,19 @@ def _gdn_kinds(nk: int, dk: int, nv: int, dv: int) -> dict[str, Kind]:
     conv, conv_h = (Kd, Kd, Vd), (dk, dk, dv)
 
     def kind(label, mfirst, mcount, vname, vsizes, vheads, vfirst, vcount):
-        return Kind(label, Stacked("self_attention.in_proj.weight", meg, mfirst, mcount, meg_h),
+        return tensor_kind(label, Stacked("self_attention.in_proj.weight", meg, mfirst, mcount, meg_h),
                     Stacked(_LIN + vname, vsizes, vfirst, vcount, vheads))
 
     return {"in_proj_qkv": kind("gdn_in_proj_qkv", 0, 3, "in_proj_qkvz.weight", qkvz, qkvz_h, 0, 3),
             "in_proj_z": kind("gdn_in_proj_z", 3, 1, "in_proj_qkvz.weight", qkvz, qkvz_h, 3, 1),
             "in_proj_b": kind("gdn_in_proj_b", 4, 1, "in_proj_ba.weight", (nv, nv), (), 0, 1),
             "in_proj_a": kind("gdn_in_proj_a", 5, 1, "in_proj_ba.weight", (nv, nv), (), 1, 1),
-            "conv1d": Kind("gdn_conv1d", Stacked("self_attention.conv1d.weight", conv, 0, 3, conv_h),
+            "conv1d": tensor_kind("gdn_conv1d", Stacked("self_attention.conv1d.weight", conv, 0, 3, conv_h),
                            Stacked(_LIN + "conv1d.weight", conv, 0, 3, conv_h))}
 
 
 @functools.lru_cache(maxsize=16)
-def _gated_attention_kinds(nq: int, g: int, d: int) -> tuple[Kind, Kind, Kind]:
+def _gated_attention_kinds(nq: int, g: int, d: int) -> tuple[TensorKind, TensorKind, TensorKind]:
     """q_proj (per head [q_h; gate_h]), k_proj, v_proj in Megatron's gated linear_qkv (per query group
     [q heads; gate heads; k; v]) and vLLM's qkv_proj (2 nq "query heads")."""
     hpg = nq // g
@@ -103,7 +103,7 @@ def _gated_attention_kinds(nq: int, g: int, d: int) -> tuple[Kind, Kind, Kind]:
     qkv = _ATT + "qkv_proj.weight"
 
     def kind(label, blocks, part):
-        return Kind(label, GlobalRows("self_attention.linear_qkv.weight", total, blocks),
+        return tensor_kind(label, GlobalRows("self_attention.linear_qkv.weight", total, blocks),
                     QkvParallel(qkv, 2 * nq * d, g, d, part))
 
     return kind("gated_q", q_blocks, 0), kind("gated_k", k_blocks, 1), kind("gated_v", v_blocks, 2)

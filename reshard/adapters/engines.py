@@ -1,0 +1,54 @@
+"""What the trainer session drives: an engine client, and the capabilities some engines add.
+
+`EngineClient` is vLLM's weight-sync client protocol (`VLLMWeightSyncClient`); user implementations need only
+these four methods. The optional capabilities are protocols of their own, checked with `isinstance` (never by
+probing attributes): `Pausable` (pause / resume around a refit), `Leased` (a driver's lease the engine keeps:
+adapters.vllm.lease) and `ServesLora` (serves PEFT adapters whose slots an install="lora_slot" refit rewrites).
+`VllmServer`, `RayEngineClient`, the offline vLLM clients and `adapters.hf_dir.HfDirectoryEngine` implement them.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """An engine a `TrainerSession` refits: init once, then start / update (phase "transfer", then "install") /
+    finish per refit; `finish_weight_update(None)` ends a failed update without a version."""
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
+
+    def start_weight_update(self) -> None: ...
+
+    def update_weights(self, update_info: Any) -> None: ...
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None: ...
+
+
+@runtime_checkable
+class Pausable(Protocol):
+    """An engine that stops generating during a refit (`mode`: a VllmServer's /pause mode)."""
+
+    def pause(self, mode: str = "wait") -> None: ...
+
+    def resume(self) -> None: ...
+
+
+@runtime_checkable
+class Leased(Protocol):
+    """An engine that keeps a driver's lease: refit calls of any other holder are refused, and an update whose
+    lease lapses is ended by the engine itself (adapters.vllm.lease)."""
+
+    def acquire_lease(self, holder: str, ttl: float, timeout: float | None = None) -> None: ...
+
+    def release_lease(self, timeout: float | None = None) -> None: ...
+
+
+@runtime_checkable
+class ServesLora(Protocol):
+    """An engine that serves PEFT adapters: `load_lora` returns the id an in-slot refit names."""
+
+    def load_lora(self, name: str, path: str) -> int: ...
+
+
+__all__ = ["EngineClient", "Leased", "Pausable", "ServesLora"]

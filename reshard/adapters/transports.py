@@ -1,0 +1,186 @@
+"""Transports by name: how the bytes of a plan move between the processes of a refit, one registry for every entry
+point (the trainer session and the engine workers through `adapters.refit.open_transport`, NeMo-RL's and verl's
+group executors through `integrations.groups`).
+
+A transport is an opener: `opener(Endpoint) -> Executor`, this process's executor for its part of a plan. The
+built-in ones, registered below (each imports its executor only when opened: nixl only for "nixl"):
+  "inprocess"   trainer and engine in one process: the engine reads the trainer's published tensors;
+  "distributed" the trainer's processes are the engine's workers: the torch.distributed executor over `group`;
+  "collective"  torch.distributed over a group every process joins at the rendezvous (`comm`, else made from the
+                store: gloo on CPU, NCCL on GPUs, or `options["backend"]`);
+  "nixl"        NIXL one-sided transfers (keys in the rendezvous's store);
+  "shared"      processes of one host: senders write into the receivers' memory (CUDA IPC, POSIX shared memory).
+`register_transport(name, opener, ...)` adds one; an unknown name is refused, listing the registered ones.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..errors import ArgumentError, ExecutionError
+from ..executors.base import Executor, RankTensors
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """What an opener binds: this process's part of a plan and where its peers meet.
+
+    Attributes:
+        plan, binding, process: the plan, who plays its ranks, this process.
+        src, dst: this process's source / destination tensors (rank -> name -> tensor).
+        options: the executor's own options (timeout, checksum, ...); "key" names an in-process publication.
+        store, rendezvous: the rendezvous's store (joined) and its `adapters.rendezvous.Rendezvous`
+            (cross-process transports).
+        namespace: unique per executor among those of one store (default: the rendezvous's refit id).
+        comm: "collective": a StoreComm every process joined (else one is made from the store).
+        group: "distributed": the engine's world group.
+    """
+
+    plan: Any
+    binding: Any
+    process: int
+    src: RankTensors
+    dst: RankTensors
+    options: dict[str, Any] = field(default_factory=dict)
+    store: Any = None
+    rendezvous: Any = None
+    namespace: str = ""
+    comm: Any = None
+    group: Any = None
+
+    def scoped(self, transport: str) -> Any:
+        """The part of the store this transport keeps its keys in."""
+        from .rendezvous import scoped
+
+        if self.rendezvous is None or self.store is None:
+            raise ExecutionError(f"transport {transport!r} needs a rendezvous (where the processes meet)")
+        return scoped(self.store, self.rendezvous, transport)
+
+    @property
+    def space(self) -> str:
+        return self.namespace or self.rendezvous.refit_id
+
+
+@dataclass(frozen=True)
+class Transport:
+    """A registered transport: its opener, whether its processes meet at a rendezvous, and the options that make
+    its executor write the destination in place (a loader reads the buffers only after a complete refit)."""
+
+    name: str
+    opener: Callable[[Endpoint], Executor]
+    cross_process: bool = True
+    in_place: dict[str, Any] = field(default_factory=dict)
+
+
+_TRANSPORTS: dict[str, Transport] = {}
+
+
+def register_transport(name: str, opener: Callable[[Endpoint], Executor], *, cross_process: bool = True,
+                       in_place: dict[str, Any] | None = None) -> None:
+    """Make `opener` the transport `name` (a later registration of the name replaces it).
+
+    Args:
+        name: what RefitSpec.transport and the integrations' `transport` option name.
+        opener: `opener(Endpoint) -> Executor`; it imports what it needs when called.
+        cross_process: its processes meet at a rendezvous.
+        in_place: executor options that write the destination tensors in place.
+    """
+    if not isinstance(name, str) or not name or not callable(opener):
+        raise ArgumentError("name", name, "must be a non-empty string, with a callable opener")
+    _TRANSPORTS[name] = Transport(name, opener, cross_process, dict(in_place or {}))
+
+
+def transport(name: str) -> Transport:
+    """The transport registered as `name`.
+
+    Raises:
+        ArgumentError: no transport is registered under `name` (the message lists the registered ones).
+    """
+    if not isinstance(name, str) or name not in _TRANSPORTS:
+        raise ArgumentError("transport", name, f"must be one of the registered transports {sorted(_TRANSPORTS)}")
+    return _TRANSPORTS[name]
+
+
+def transports() -> tuple[str, ...]:
+    """The registered transports' names."""
+    return tuple(sorted(_TRANSPORTS))
+
+
+def cross_process_transports() -> tuple[str, ...]:
+    """The registered transports whose processes meet at a rendezvous."""
+    return tuple(sorted(n for n, t in _TRANSPORTS.items() if t.cross_process))
+
+
+def open_transport(name: str, endpoint: Endpoint) -> Executor:
+    """This process's executor for its part of `endpoint.plan` over the transport `name`.
+
+    Raises:
+        ArgumentError: an unknown transport.
+        ExecutionError: what the transport or its executor refuses at construction.
+    """
+    return transport(name).opener(endpoint)
+
+
+# --- the built-in transports -------------------------------------------------------------------------------------
+
+def _inprocess(e: Endpoint) -> Executor:
+    from .refit import PublishedSource
+
+    options = dict(e.options)
+    return PublishedSource(e.plan, e.dst, str(options.pop("key", "default")), checksum=options.pop("checksum", False))
+
+
+def _distributed(e: Endpoint) -> Executor:
+    from ..executors import DistributedExecutor
+    from .refit import published_source
+
+    options = dict(e.options)
+    key = str(options.pop("key", "default"))
+    mine = e.binding.src_ranks_of(e.process)
+    published = published_source(key) if mine else {}
+    missing = [r for r in mine if r not in published]
+    if missing:
+        raise ExecutionError(f"this process plays source ranks {list(mine)} but {missing} are not published "
+                             f"under {key!r} (publish_source first)")
+    return DistributedExecutor(e.plan, e.binding, None, {r: published[r] for r in mine}, e.dst, group=e.group,
+                               **options)
+
+
+def _collective(e: Endpoint) -> Executor:
+    from ..executors import make_executor
+
+    options = dict(e.options)
+    backend = options.pop("backend", None)
+    comm = e.comm
+    if comm is None:
+        from ..executors.comm import StoreComm
+
+        on_gpu = any(t.device.type == "cuda" for side in (e.src, e.dst) for ts in side.values() for t in ts.values())
+        comm = StoreComm(e.scoped("collective"), e.process, e.binding.num_processes,
+                         backend or ("nccl" if on_gpu else "gloo"), options.get("timeout", e.rendezvous.timeout))
+    return make_executor("distributed", e.plan, e.binding, e.process, e.src, e.dst, group=comm, **options)
+
+
+def _nixl(e: Endpoint) -> Executor:
+    from ..executors import make_executor
+    from ..executors.nixl import NixlOptions
+
+    return make_executor("nixl", e.plan, e.binding, e.process, e.src, e.dst, store=e.scoped("nixl"),
+                         options=NixlOptions(**e.options), namespace=e.space)
+
+
+def _shared(e: Endpoint) -> Executor:
+    from ..executors import make_executor
+
+    return make_executor("shared", e.plan, e.binding, e.process, e.src, e.dst, store=e.scoped("shared"),
+                         namespace=e.space, **e.options)
+
+
+register_transport("inprocess", _inprocess, cross_process=False)
+register_transport("distributed", _distributed, cross_process=False)
+register_transport("collective", _collective, in_place={"in_place": True})
+register_transport("nixl", _nixl, in_place={"staged": False})
+register_transport("shared", _shared, in_place={"staged": False})
+
+__all__ = ["Endpoint", "Transport", "cross_process_transports", "open_transport", "register_transport", "transport",
+           "transports"]

@@ -20,11 +20,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _harness_path  # noqa: E402,F401 - tests/ (the harness) on the path, here and in children
 
-from reshard.testing.driver_faults import PHASES, kill_the_driver, refit_from_here  # noqa: E402
+from harness.driver_faults import PHASES, kill_the_driver, refit_from_here  # noqa: E402
 from reshard.testing.megatron_cpu import TinyGPT  # noqa: E402
-from reshard.testing.serve import ServerProcess  # noqa: E402
-from reshard.testing.serve_jobs import load_checkpoint, make_checkpoint, save_checkpoint, train_step  # noqa: E402
+from harness.serve import ServerProcess  # noqa: E402
+from harness.serve_jobs import load_checkpoint, make_checkpoint, save_checkpoint, train_step  # noqa: E402
 
 PROMPTS = [[1, 2, 3, 4, 5], [17, 40, 3, 99]]
 
@@ -82,7 +83,7 @@ def _engine(kind: str, checkpoint: Path, work: Path):
     import ray
 
     from reshard.adapters.ray import RayEngineClient
-    from reshard.testing.ray_jobs import start_engine, stop_engine
+    from harness.ray_jobs import start_engine, stop_engine
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="reshard-bench")
     actor = start_engine(str(checkpoint), 1, name="bench-engine")

@@ -23,11 +23,12 @@ from pathlib import Path
 
 import torch
 
+import _harness_path  # noqa: E402,F401 - tests/ (the harness) on the path, here and in children
 from reshard.adapters.server import VllmServer
 from reshard.testing.megatron_cpu import TinyGPT, run_ranks
-from reshard.testing.serve import ServerProcess
-from reshard.testing.serve_jobs import load_checkpoint, make_checkpoint, save_checkpoint
-from reshard.testing.verify_jobs import verify_server
+from harness.serve import ServerProcess
+from harness.serve_jobs import load_checkpoint, make_checkpoint, save_checkpoint
+from harness.verify_jobs import verify_server
 from reshard.verify import compare
 from reshard.verify.checkpoint import checkpoint_scores, random_sequences
 from reshard.verify.sides import engine_scores

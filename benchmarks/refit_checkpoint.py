@@ -34,9 +34,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import _harness_path  # noqa: E402,F401 - tests/ (the harness) on the path, here and in children
 
 from reshard.testing.megatron_cpu import TinyGPT, run_ranks  # noqa: E402
-from reshard.testing.megatron_ckpt import save_job  # noqa: E402
+from harness.megatron_ckpt import save_job  # noqa: E402
 
 MODELS = {
     "default": TinyGPT(num_layers=8, hidden_size=768, num_attention_heads=12, num_query_groups=4, head_dim=64,

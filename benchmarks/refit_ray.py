@@ -18,14 +18,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import _harness_path  # noqa: E402,F401 - tests/ (the harness) on the path, here and in children
 
 
 def main() -> int:
     import ray
 
     from reshard.testing.megatron_cpu import TinyGPT
-    from reshard.testing.ray_jobs import open_group, refit_all, start_engine, start_trainers, stop_engine
-    from reshard.testing.serve_jobs import load_checkpoint, make_checkpoint
+    from harness.ray_jobs import open_group, refit_all, start_engine, start_trainers, stop_engine
+    from harness.serve_jobs import load_checkpoint, make_checkpoint
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engines", default="1,2,4")

@@ -2,7 +2,7 @@
 nothing): each step of a refit (pause + start, the transfer, the engine's update and install, finish + resume)
 beside one HTTP round trip of a route that does nothing (GET /weight_info), measured in the same run.
 
-The server is the vLLM CPU build in its own virtualenv (reshard.testing.serve); the trainer is this process,
+The server is the vLLM CPU build in its own virtualenv (harness.serve); the trainer is this process,
 one rank, plain tensors (no Megatron: its start-up is not what is measured).
 
     .venv/bin/python benchmarks/refit_server.py [--transport collective|shared|nixl] [--refits 20] [--tp 1]
@@ -19,6 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import _harness_path  # noqa: E402,F401 - tests/ (the harness) on the path, here and in children
 
 
 def main() -> int:
@@ -26,8 +27,8 @@ def main() -> int:
     from reshard.adapters import RefitSpec, TrainerSession
     from reshard.executors import shard
     from reshard.testing.megatron_cpu import TinyGPT
-    from reshard.testing.serve import ServerProcess
-    from reshard.testing.serve_jobs import load_checkpoint, make_checkpoint
+    from harness.serve import ServerProcess
+    from harness.serve_jobs import load_checkpoint, make_checkpoint
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--transport", default="collective", choices=["collective", "shared", "nixl"])

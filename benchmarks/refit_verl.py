@@ -5,7 +5,7 @@
 verl's real CheckpointEngineManager drives every backend between the same trainer workers (verl's
 ActorRolloutRefWorker.update_weights over a megatron-core MoE model exported as gathered HF tensors, as verl's
 Megatron engine hands them to any backend) and the same rollout workers (verl's CheckpointEngineWorker), over a
-local Ray cluster (reshard.testing.verl_cpu). Backends, switched between runs without restarting the workers:
+local Ray cluster (harness.verl_cpu). Backends, switched between runs without restarting the workers:
 - funnel: verl's stock NCCL engine's pattern over gloo (trainer rank 0 broadcasts buckets of whole tensors to
   every rollout rank; the other trainer ranks only drain);
 - reshard: whole tensors to every rollout rank, the sending spread over all trainer ranks, all or nothing;
@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from reshard.testing import verl_cpu as vc
+import _harness_path  # noqa: E402,F401 - tests/ (the harness) on the path, here and in children
+from harness import verl_cpu as vc
 
 MODEL = vc.TinyGPT(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=2, head_dim=32,
                    ffn_hidden_size=512, vocab_size=8000, padded_vocab_size=8064, num_experts=8,

@@ -25,8 +25,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import _harness_path  # noqa: E402,F401 - tests/ (the harness) on the path, here and in children
 
-from reshard.testing.soak import run  # noqa: E402
+from harness.soak import run  # noqa: E402
 
 
 def _mib(n: int) -> str:

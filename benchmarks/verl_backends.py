@@ -4,7 +4,7 @@
         [--rows funnel,nixl,reshard-bucket,...] [--json PATH]
 
 verl's real `CheckpointEngineManager.update_weights` drives every backend between the same workers over a local Ray
-cluster (CPU resource pools, as reshard.testing.verl_cpu does): 2 trainer ranks (verl's `ActorRolloutRefWorker`,
+cluster (CPU resource pools, as harness.verl_cpu does): 2 trainer ranks (verl's `ActorRolloutRefWorker`,
 its own `update_weights`, which streams `engine.get_per_tensor_param()` into the backend) and 3 rollout workers
 (verl's `CheckpointEngineWorker`, whose server adapter stands in for vLLM's `load_weights`: it copies every received
 tensor into the weights it serves). The model: random bf16 tensors with a real model's HF names, shapes and order
@@ -13,7 +13,7 @@ embeddings as in Qwen3-8B). Both trainer ranks stream the same tensors (verl han
 tensors), mapped from one file in /dev/shm so the model is in memory once on the trainer side.
 
 Rows (`--rows`; all by default; ROWS below is the one place that says what each runs):
-  funnel          reshard.testing.verl_cpu's FunnelCheckpointEngine, NOT verl code: verl's NCCL engine's pattern
+  funnel          harness.verl_cpu's FunnelCheckpointEngine, NOT verl code: verl's NCCL engine's pattern
                   (trainer rank 0 broadcasts buckets to every rollout worker, the other trainer ranks drain) over gloo
   nixl            verl's own NIXLCheckpointEngine with device="cpu" (a chain: trainer rank 0 -> rollout 0 -> 1 -> 2,
                   each reading its predecessor's bucket), run on CPU through three shims confined to that module:
@@ -77,6 +77,7 @@ if str(ROOT) not in sys.path:  # `benchmarks.verl_backends` and this checkout's 
     sys.path.insert(0, str(ROOT))
 if EXTRAS.is_dir() and str(EXTRAS) not in sys.path:
     sys.path.append(str(EXTRAS))
+from benchmarks import _harness_path  # noqa: E402,F401 - tests/ (the harness) on the path, here and in children
 
 import numpy as np  # noqa: E402
 import ray  # noqa: E402
@@ -88,7 +89,7 @@ from verl.workers.config import CheckpointEngineConfig, RolloutConfig  # noqa: E
 from verl.workers.engine_workers import ActorRolloutRefWorker  # noqa: E402
 from verl.workers.rollout import BaseRollout  # noqa: E402
 
-from reshard.testing import verl_cpu as vc  # noqa: E402  (also registers the "funnel" backend)
+from harness import verl_cpu as vc  # noqa: E402  (also registers the "funnel" backend)
 
 MODULE = "benchmarks.verl_backends"  # verl imports this (custom_backend_module) in driver, trainers and rollouts
 
@@ -370,7 +371,7 @@ class _NoDevice:
 
 class BenchTrainer(ActorRolloutRefWorker):
     """verl's trainer worker (its own update_weights); init_model maps the shared weights and builds the checkpoint
-    engine as verl's does (reshard.testing.verl_cpu.new_engine)."""
+    engine as verl's does (harness.verl_cpu.new_engine)."""
 
     def __init__(self, config: Any, role: str, layout: dict[str, Any]) -> None:
         super().__init__(config, role)

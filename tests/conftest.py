@@ -17,6 +17,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "testbed"))
 from cpu_path_session import pin, pytest_collection_modifyitems, pytest_runtest_makereport  # noqa: E402,F401 (hooks)
 
 pin()
+# The suite's harness (tests/harness, imported as `harness`), importable here and, through PYTHONPATH, in every
+# process the suite starts (world processes, servers, Ray workers, processes of the test bed's hosts).
+TESTS = str(Path(__file__).resolve().parent)
+sys.path.insert(0, TESTS)
+if TESTS not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")]))
 # Ray >= 2.50 turns token authentication on for every new local cluster and, when RAY_AUTH_MODE is unset, a joining
 # process decides by whether ~/.ray/auth_token existed when *it* started: a trainer process forked from a
 # forkserver started before the first cluster then joins without the token and is refused (a fresh CI machine has

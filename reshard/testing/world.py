@@ -1,7 +1,7 @@
 """Run a function on N fresh processes joined in one world (gloo, or NCCL with one GPU per process), without
 pickle: the job is JSON.
 
-    results = run_world(3, "reshard.testing.refit_jobs:run_cases", {"cases": [...]}, workdir, timeout=60)
+    results = run_world(3, "mypackage.jobs:check", {"cases": [...]}, workdir, timeout=60)
 
 Each process runs `python -m reshard.testing.world JOB RANK`, joins the world through a FileStore in `workdir`,
 calls `function(rank, world_size, args)` and writes what it returns (JSON) to `workdir/result-RANK.json`. A

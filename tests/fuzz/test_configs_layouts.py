@@ -1,5 +1,5 @@
 """Fuzz: invalid HF configs, config files, layout strings and layout constructors, drawn from the grammar of
-valid ones (reshard.testing.hostile). Each must raise the library's InputError naming the key, option or field
+valid ones (harness.hostile). Each must raise the library's InputError naming the key, option or field
 to blame; nothing else may escape (no pydantic, numpy, json or Python error)."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 import reshard
 from reshard.errors import InputError, LayoutError, LimitError, ModelConfigError
-from reshard.testing.hostile import (LAYOUT_OPTIONS, config_documents, invalid_configs, invalid_constructor_values,
+from harness.hostile import (LAYOUT_OPTIONS, config_documents, invalid_configs, invalid_constructor_values,
                                      invalid_layout_strings, valid_configs)
 
 pytestmark = pytest.mark.fuzz

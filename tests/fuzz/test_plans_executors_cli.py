@@ -32,7 +32,7 @@ from reshard.executors.local import LocalExecutor
 from reshard.layouts import layout_from_dict
 from reshard.planner import Bounds, Plan, Program, TensorTable
 from reshard.planner.verify import ARRAY_NAMES
-from reshard.testing.hostile import config_documents, invalid_layout_strings
+from harness.hostile import config_documents, invalid_layout_strings
 
 pytestmark = pytest.mark.fuzz
 SPEC = reshard.ModelSpec(family="qwen3", hidden_size=16, num_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from reshard.testing.agree_jobs import agree_with_a_frozen_peer, rendezvous_without_process_0
+from harness.agree_jobs import agree_with_a_frozen_peer, rendezvous_without_process_0
 from reshard.testing.megatron_cpu import run_ranks
 
 pytestmark = pytest.mark.fault

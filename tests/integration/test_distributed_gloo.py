@@ -11,9 +11,9 @@ import pytest
 
 import reshard
 from reshard.executors.binding import Binding
-from reshard.testing.refit_cases import (as_jobs, examples, failures, random_cases, survivor_failures,
+from harness.refit_cases import (as_jobs, examples, failures, random_cases, survivor_failures,
                                          tiny_deepseek, tiny_spec)
-from reshard.testing.refit_jobs import SENTINEL  # noqa: F401 - documents what "unchanged" means
+from harness.refit_jobs import SENTINEL  # noqa: F401 - documents what "unchanged" means
 from reshard.testing.world import run_world
 
 pytestmark = pytest.mark.gloo
@@ -64,7 +64,7 @@ def _fixed_cases():
 def test_refits_across_processes_match_local_executor(tmp_path: Path):
     named = _fixed_cases()
     cases, labels = as_jobs(named, examples(random_cases(WORLD), RANDOM_CASES), tmp_path)
-    results = run_world(WORLD, "reshard.testing.refit_jobs:run_cases", {"cases": cases}, tmp_path / "world",
+    results = run_world(WORLD, "harness.refit_jobs:run_cases", {"cases": cases}, tmp_path / "world",
                         timeout=600)
     logs = (tmp_path / "world" / "logs.txt").read_text()
     assert all(r is not None for r in results), f"a process died:\n{logs[-4000:]}"
@@ -111,7 +111,7 @@ def test_dead_or_hanging_peer_fails_every_survivor(tmp_path: Path, mode: str, un
     args = {"plan": str(path), "binding": Binding((0, 1), (2,)).to_dict(), "seed": 3, "victim": 0, "mode": mode,
             "at_round": 2, "hang_seconds": 2 * timeout + 1, "store": store,
             "options": {"timeout": timeout, "bucket_bytes": 256, "lanes": lanes, **({"undo": True} if undo else {})}}
-    results = run_world(3, "reshard.testing.refit_jobs:fail_mid_refit", args, tmp_path / "world", timeout=120)
+    results = run_world(3, "harness.refit_jobs:fail_mid_refit", args, tmp_path / "world", timeout=120)
     logs = (tmp_path / "world" / "logs.txt").read_text()
     assert results[0] is None, "the victim should not have finished"
     wrong = survivor_failures(results, [1, 2], undo, timeout + 5.0, logs)

@@ -11,7 +11,7 @@ import torch
 
 import reshard
 from reshard.executors.binding import Binding
-from reshard.testing.refit_cases import (as_jobs, examples, failures, random_cases, survivor_failures,
+from harness.refit_cases import (as_jobs, examples, failures, random_cases, survivor_failures,
                                          tiny_deepseek, tiny_spec)
 from reshard.testing.world import run_world
 
@@ -38,7 +38,7 @@ def test_refits_on_two_gpus_match_local_executor(tmp_path: Path):
                                                                                           replicas=2),
                                                                colocated=True), Binding.colocated(2, 2), None, small)]
     cases, labels = as_jobs(named, examples(random_cases(WORLD), RANDOM_CASES), tmp_path)
-    results = run_world(WORLD, "reshard.testing.refit_jobs:run_cases", {"cases": cases}, tmp_path / "world",
+    results = run_world(WORLD, "harness.refit_jobs:run_cases", {"cases": cases}, tmp_path / "world",
                         timeout=600, backend="nccl")
     logs = (tmp_path / "world" / "logs.txt").read_text()
     assert all(r is not None for r in results), f"a process died:\n{logs[-4000:]}"
@@ -62,7 +62,7 @@ def test_dead_or_hanging_peer_fails_the_survivor(tmp_path: Path, mode: str, undo
             "at_round": 3, "hang_seconds": 4 * timeout,
             "options": {"timeout": timeout, "bucket_bytes": 64 << 10, "lanes": lanes,
                         **({"undo": True} if undo else {})}}
-    results = run_world(WORLD, "reshard.testing.refit_jobs:fail_mid_refit", args, tmp_path / "world", timeout=60,
+    results = run_world(WORLD, "harness.refit_jobs:fail_mid_refit", args, tmp_path / "world", timeout=60,
                         backend="nccl")
     logs = (tmp_path / "world" / "logs.txt").read_text()
     assert results[0] is None, "the victim should not have finished"

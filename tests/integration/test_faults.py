@@ -1,4 +1,4 @@
-"""The fault matrix (reshard.testing.faults): a source process killed, a destination process killed, a peer frozen
+"""The fault matrix (harness.faults): a source process killed, a destination process killed, a peer frozen
 past the timeout, one byte corrupted in flight, over gloo, NIXL and shared memory on CPU. Every surviving
 process raises ExecutionError within the timeout plus SLACK seconds, keeps its previous weights (staged), and
 the next refit with fresh executors (the victim replaced by a new process) is byte-identical to the local
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from reshard.testing.faults import FAULTS, KINDS, VICTIM, run_case
+from harness.faults import FAULTS, KINDS, VICTIM, run_case
 
 pytestmark = pytest.mark.fault
 TIMEOUT = 3.0

@@ -33,7 +33,7 @@ def test_quantizing_refits_across_processes(tmp_path: Path):
         {"config": config(384), "src": "megatron:tp=2,world=4", "dst": "vllm:tp=2", "block": [64, 32],
          "binding": Binding((0, 1, 2, 3), (0, 2)).to_dict(), "seed": 3, "options": {**options, "in_place": True}},
     ]
-    results = run_world(4, "reshard.testing.fp8_jobs:run_cases", {"cases": cases}, tmp_path / "w", timeout=300)
+    results = run_world(4, "harness.fp8_jobs:run_cases", {"cases": cases}, tmp_path / "w", timeout=300)
     logs = (tmp_path / "w" / "logs.txt").read_text()
     assert all(r is not None for r in results), f"a process died:\n{logs[-3000:]}"
     for i in range(len(cases)):
@@ -49,7 +49,7 @@ def test_source_killed_mid_refit_keeps_previous_weights_and_scales(tmp_path: Pat
     case = {"config": config(384), "src": "megatron:tp=2", "dst": "vllm:tp=1", "block": [128, 128],
             "binding": Binding.disjoint(2, 1).to_dict(), "seed": 5, "kill": {"victim": 0, "at_round": 1},
             "options": {"bucket_bytes": 4096, "timeout": 5.0}}
-    results = run_world(3, "reshard.testing.fp8_jobs:run_case", case, tmp_path / "w", timeout=120)
+    results = run_world(3, "harness.fp8_jobs:run_case", case, tmp_path / "w", timeout=120)
     logs = (tmp_path / "w" / "logs.txt").read_text()
     assert results[0] is None, "the victim should have died"
     r = results[2]

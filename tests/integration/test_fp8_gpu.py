@@ -12,7 +12,7 @@ from reshard.executors.fp8 import Fp8Executor, compiled_quantizer, quantize_bloc
 from reshard.executors.local import allocate, shard
 from reshard.layouts.fp8 import FP8, Fp8Scheme
 from reshard.planner.fp8 import compile_fp8
-from reshard.testing.fp8_reference import reference_checkpoint, reference_quantize, same_bytes
+from harness.fp8_reference import reference_checkpoint, reference_quantize, same_bytes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 

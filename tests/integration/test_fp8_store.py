@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from reshard.executors.binding import Binding
-from reshard.testing.fp8_jobs import store_worker
-from reshard.testing.store_procs import launch
+from harness.fp8_jobs import store_worker
+from harness.store_procs import launch
 
 pytestmark = pytest.mark.nixl
 

@@ -1,4 +1,4 @@
-"""No untimed wait: a peer frozen at each phase of a refit (reshard.testing.frozen_phases.PHASES: the rendezvous,
+"""No untimed wait: a peer frozen at each phase of a refit (harness.frozen_phases.PHASES: the rendezvous,
 set-up and plan agreement, a first NIXL refit's wait for peers still setting up, each transfer step, the checksum
 exchange, the commit vote, close) for each transport
 (gloo collective, NIXL, shared memory). Every survivor ends within the timeout plus SLACK with an ExecutionError,
@@ -17,7 +17,7 @@ import re
 
 import pytest
 
-from reshard.testing.frozen_phases import BY_ID, PHASES, run_cases
+from harness.frozen_phases import BY_ID, PHASES, run_cases
 
 pytestmark = pytest.mark.fault
 TIMEOUT = 2.0

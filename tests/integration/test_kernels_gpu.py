@@ -11,7 +11,7 @@ import reshard
 from reshard.executors import allocate, execute_local, make_executor, shard
 from reshard.executors import views
 from reshard.executors.bound import BoundLocalExecutor
-from reshard.testing import kernel_checks
+from harness import kernel_checks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 

@@ -22,9 +22,9 @@ from hypothesis import Phase, given, settings, strategies as st
 
 import reshard
 from reshard.executors.binding import Binding
-from reshard.testing.store_procs import (check_plan_results, failure_worker, launch, plan_worker,
+from harness.store_procs import (check_plan_results, failure_worker, launch, plan_worker,
                                          setup_failure_worker)
-from reshard.testing.refit_cases import tiny_deepseek
+from harness.refit_cases import tiny_deepseek
 from reshard.testing.strategies import refits
 
 pytest.importorskip("nixl")

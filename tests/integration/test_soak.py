@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from reshard.testing.soak import run
+from harness.soak import run
 
 pytestmark = pytest.mark.fault
 REFITS, INTERRUPTS = 150, 12

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from reshard.errors import ExecutionError
 from reshard.adapters.rendezvous import Rendezvous, host_store, refused
-from reshard.testing.faults import context
-from reshard.testing.strangers import member, stranger, tiny_plan
+from harness.faults import context
+from harness.strangers import member, stranger, tiny_plan
 
 pytestmark = pytest.mark.fault
 REFITS = 5

@@ -22,7 +22,7 @@ def main(path: str) -> None:
         import ray
 
         from reshard.adapters.ray import RayEngineClient
-        from reshard.testing.ray_jobs import open_group, refit_all, start_engine, start_trainers, stop_engine
+        from harness.ray_jobs import open_group, refit_all, start_engine, start_trainers, stop_engine
 
         ray.init(address=job["address"], log_to_driver=False)
         t0 = time.monotonic()

@@ -4,7 +4,7 @@ host B; this process can, and writes what it saw, as JSON, to JOB.out.json. JOB[
 
   fresh        the server's greedy tokens and vLLM's checksums, before any refit (the ground truth of a refit);
   refit        trainer processes (megatron-core, TP 2, gloo on this host) refit the server twice through
-               testing.serve_jobs.refit_server: TrainerSession(host=None), so the store's address is discovered;
+               harness.serve_jobs.refit_server: TrainerSession(host=None), so the store's address is discovered;
   unreachable  a one-process trainer whose store binds loopback (`host="127.0.0.1"`): its init must fail at once,
                naming the address, and the server must answer a completion right after, with its weights unchanged;
   stuck        an init whose store is reachable but whose trainer process never joins: completions must answer
@@ -28,7 +28,7 @@ def _one_process_trainer(checkpoint: str, weights_of: str, server_tp: int) -> tu
     import reshard
     from reshard.adapters.refit import RefitSpec
     from reshard.executors import shard
-    from reshard.testing.serve_jobs import load_checkpoint
+    from harness.serve_jobs import load_checkpoint
 
     spec = reshard.ModelSpec.from_hf_config(checkpoint)
     src = reshard.MegatronLayout(model=spec, vocab_divisor=64)
@@ -50,7 +50,7 @@ def fresh(job: dict, server: Any) -> dict:
 
 def refit(job: dict, server: Any) -> dict:
     from reshard.testing.megatron_cpu import run_ranks
-    from reshard.testing.serve_jobs import refit_server
+    from harness.serve_jobs import refit_server
 
     out = Path(job["path"]).with_suffix(".trainer.json")
     trainer = {"tiny": {}, "tp": 2, "url": server.url, "server_tp": job["server_tp"], "checkpoint": job["a"],

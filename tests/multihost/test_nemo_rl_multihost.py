@@ -1,10 +1,10 @@
 """ReshardCheckpointEngine across two hosts (tests/testbed): NeMo-RL's policy workers on host A, its vLLM workers on
-host B, driven in NeMo-RL's call order by the same job as tests/integration/nemo_rl (reshard.testing.nemo_rl_jobs),
+host B, driven in NeMo-RL's call order by the same job as tests/integration/nemo_rl (harness.nemo_rl_jobs),
 with a config that names no host.
 
 Each process of the job runs in its host's network namespace, started without RESHARD_HOST or GLOO_SOCKET_IFNAME:
 the harness's own world (its stand-in for NeMo-RL's driver gathering results over Ray) binds each host's interface
-only while it is made (testing.world), so the engines' stores and gloo groups find their addresses by reshard's own
+only while it is made (reshard.testing.world), so the engines' stores and gloo groups find their addresses by reshard's own
 discovery. Ground truth: the tensors a rollout worker on B yields equal, byte for byte, the checkpoint's tensors
 after the same training steps, computed in that process from the checkpoint file.
 
@@ -20,12 +20,12 @@ import subprocess
 import pytest
 
 from reshard.testing.megatron_cpu import TinyGPT
-from reshard.testing.serve_jobs import make_checkpoint
+from harness.serve_jobs import make_checkpoint
 from reshard.testing.world import run_world
 
 pytestmark = pytest.mark.multihost
 
-JOB = "reshard.testing.nemo_rl_jobs:nemo_rl_worker"
+JOB = "harness.nemo_rl_jobs:nemo_rl_worker"
 T, R = 2, 2  # policy workers on A, vLLM workers on B (the machine has 2 cores)
 
 

@@ -21,8 +21,8 @@ import pytest
 
 from reshard.executors.checksum import tensor_digests
 from reshard.testing.megatron_cpu import TinyGPT
-from reshard.testing.serve import vllm_cpu_python
-from reshard.testing.serve_jobs import load_checkpoint, make_checkpoint, save_checkpoint, train_step
+from harness.serve import vllm_cpu_python
+from harness.serve_jobs import load_checkpoint, make_checkpoint, save_checkpoint, train_step
 
 pytestmark = [pytest.mark.multihost, pytest.mark.ray]
 

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 from reshard.executors.checksum import tensor_digests
-from reshard.testing.serve import ServerProcess, vllm_cpu_python
-from reshard.testing.serve_jobs import load_checkpoint, make_checkpoint, save_checkpoint, train_step
+from harness.serve import ServerProcess, vllm_cpu_python
+from harness.serve_jobs import load_checkpoint, make_checkpoint, save_checkpoint, train_step
 from reshard.testing.megatron_cpu import TinyGPT
 
 pytestmark = pytest.mark.multihost

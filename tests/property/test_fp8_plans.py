@@ -15,7 +15,7 @@ from reshard.executors.fp8 import Fp8Executor, execute_fp8_local
 from reshard.executors.local import allocate, shard
 from reshard.layouts.fp8 import Fp8Scheme, quantized_entries
 from reshard.planner.fp8 import compile_fp8
-from reshard.testing.fp8_reference import reference_checkpoint, same_bytes
+from harness.fp8_reference import reference_checkpoint, same_bytes
 from reshard.testing.strategies import megatron_layouts, models, vllm_layouts
 
 SENTINEL = -7.0

@@ -9,7 +9,7 @@ from hypothesis import assume, given, strategies as st
 import reshard
 from reshard.errors import LayoutError
 from reshard.executors import allocate, execute_local, shard
-from reshard.testing.refit_cases import tiny_deepseek
+from harness.refit_cases import tiny_deepseek
 
 SENTINEL = -7.0
 

@@ -1,4 +1,4 @@
-"""The distributed executor's wire schedule, run for every process in one process (testing.loopback): random
+"""The distributed executor's wire schedule, run for every process in one process (harness.loopback): random
 plans, random bindings of plan ranks to processes, random bucket sizes; byte-identical to `execute_local`."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from hypothesis import given, strategies as st
 from reshard.executors import allocate, execute_local, shard
 from reshard.executors.binding import Binding
 from reshard.executors.schedule import build_schedule
-from reshard.testing.loopback import run_loopback
+from harness.loopback import run_loopback
 from reshard.testing.strategies import refit_plans
 
 SENTINEL = -7.0

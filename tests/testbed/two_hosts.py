@@ -53,9 +53,10 @@ class Host:
         return ["ip", "netns", "exec", self.name, *argv]
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        """This machine's environment less what pins single-host tests to loopback, with this checkout on the path."""
+        """This machine's environment less what pins single-host tests to loopback, with this checkout and its test
+        harness (tests/) on the path."""
         env = {k: v for k, v in os.environ.items() if k not in ("RESHARD_HOST", "GLOO_SOCKET_IFNAME", "MASTER_ADDR")}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH")]))
         env.update(extra or {})
         return env
 

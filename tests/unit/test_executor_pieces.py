@@ -17,7 +17,7 @@ from reshard.executors.copies import DST, SRC, fold, run_copies
 from reshard.executors.distributed import DistributedExecutor, execute_distributed
 from reshard.executors.runners import abort
 from reshard.executors.schedule import bucket_numel_for, build_schedule
-from reshard.testing.loopback import run_loopback
+from harness.loopback import run_loopback
 
 SPEC = reshard.ModelSpec(family="qwen3", hidden_size=16, num_layers=2, num_attention_heads=8, num_key_value_heads=2,
                          head_dim=4, intermediate_size=24, vocab_size=100, qk_norm=True)

@@ -14,7 +14,7 @@ from reshard.executors.fp8 import Fp8Executor, execute_fp8_local, quantize_block
 from reshard.executors.local import allocate, shard
 from reshard.layouts.fp8 import Fp8Scheme, quantized_entries
 from reshard.planner.fp8 import compile_fp8
-from reshard.testing.fp8_reference import reference_checkpoint, reference_quantize, same_bytes
+from harness.fp8_reference import reference_checkpoint, reference_quantize, same_bytes
 
 M, V, H = reshard.MegatronLayout, reshard.VllmLayout, reshard.HfLayout
 SENTINEL = -7.0

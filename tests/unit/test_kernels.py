@@ -11,17 +11,17 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from harness import pythonpath
+
 pytest.importorskip("triton")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _interpreted(call: str) -> list[str]:
-    code = f"import json; from reshard.testing import kernel_checks as k; print(json.dumps(k.{call}))"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    code = f"import json; from harness import kernel_checks as k; print(json.dumps(k.{call}))"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=pythonpath())
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

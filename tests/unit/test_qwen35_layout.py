@@ -196,11 +196,11 @@ def test_plans_shift_only_the_gdn_out_norm_between_megatron_and_hf_or_vllm():
 
 @pytest.mark.parametrize("undo", [False, True])
 def test_refit_with_a_value_shift_lands_the_destination_layout(undo):
-    """execute_local and the distributed executor's schedule (run in one process by testing.loopback) both
+    """execute_local and the distributed executor's schedule (run in one process by harness.loopback) both
     deliver exactly shard(vLLM layout, W) from shard(Megatron layout, W): the +1 on the GDN out norm included."""
     from reshard.executors import allocate, execute_local
     from reshard.executors.binding import Binding
-    from reshard.testing.loopback import run_loopback
+    from harness.loopback import run_loopback
 
     W = weights(SPEC)
     plan = reshard.compile(MegatronLayout(model=SPEC, tp=2), reshard.VllmLayout(model=SPEC, tp=2), colocated=True)

@@ -73,7 +73,7 @@ def export_peft(checkpoint: str | os.PathLike[str] | Checkpoint, spec: ModelSpec
     beside them are not read) as a PEFT directory at `out`, through the PEFT writer of LoRA refits (`out` becomes
     a link to the version's directory, switched atomically). The checkpoint is checked against the declared
     adapter (rank, targets, layers) before anything is written; one process reads what several readers would
-    (several reader processes, each reading its part: `reshard.testing.megatron_ckpt.peft_reader_job`)."""
+    (several reader processes, each reading its part: `harness.megatron_ckpt.peft_reader_job`)."""
     from ...executors.local import execute_local
     from ...layouts.lora import PeftLayout
     from ...planner import compile_plan

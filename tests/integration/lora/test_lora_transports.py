@@ -12,7 +12,7 @@ from reshard.executors.binding import Binding
 from reshard.layouts.lora import PeftLayout, VllmLoraLayout, lora_spec
 from reshard.planner import Plan
 from reshard.testing.megatron_cpu import TinyGPT
-from reshard.testing.store_procs import launch, plan_worker
+from harness.store_procs import launch, plan_worker
 
 PROCESSES, REFITS = 3, 3
 

@@ -1,5 +1,5 @@
 """Landing (c): an adapter merged into base weights, W + (alpha / r) B A, byte for byte equal to a reference
-merge in float32 cast once (reshard.testing.lora.reference_merge), after travelling from Megatron-Bridge shards
+merge in float32 cast once (harness.lora.reference_merge), after travelling from Megatron-Bridge shards
 through the local executor and over gloo."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from reshard.errors import ExecutionError
 from reshard.executors import execute_local, shard
 from reshard.executors.local import allocate
 from reshard.layouts.lora import lora_spec
-from reshard.testing.lora import adapter_weights, base_weights, reference_merge
+from harness.lora import adapter_weights, base_weights, reference_merge
 from reshard.testing.megatron_cpu import TinyGPT
 from reshard.testing.world import run_world
 
@@ -102,7 +102,7 @@ def test_merge_over_gloo_equals_reference_bit_for_bit(tmp_path):
     """Two trainer processes (Megatron-Bridge TP 2) send the adapter over gloo to process 0, which merges two
     successive refits; each equals the reference merge of that refit's adapter into the same base."""
     seeds, rank, alpha = [11, 12], 8, 12
-    results = run_world(2, "reshard.testing.lora:merge_job",
+    results = run_world(2, "harness.lora:merge_job",
                         {"tiny": dataclasses.asdict(TINY), "rank": rank, "alpha": alpha, "seeds": seeds,
                          "base_seed": 0, "out": str(tmp_path)}, tmp_path / "world", timeout=180)
     assert results[0] == {"step-0": 14, "step-1": 14} and results[1] == {}, (tmp_path / "world" / "logs.txt")

@@ -15,9 +15,9 @@ from reshard.adapters.lora import PeftDirectory
 from reshard.errors import ArgumentError, ExecutionError
 from reshard.executors import execute_local, shard
 from reshard.layouts.lora import PeftLayout, lora_spec
-from reshard.testing.lora import adapter_weights, save_with_peft
+from harness.lora import adapter_weights, save_with_peft
 from reshard.testing.megatron_cpu import TinyGPT
-from reshard.testing.serve_jobs import make_checkpoint
+from harness.serve_jobs import make_checkpoint
 
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 import reshard
 from reshard.layouts.lora import lora_spec
-from reshard.testing.lora import bridge_refit_job, global_value
+from harness.lora import bridge_refit_job, global_value
 from reshard.testing.megatron_cpu import TinyGPT, run_ranks
 
 pytestmark = [pytest.mark.megatron, pytest.mark.gloo]
@@ -87,8 +87,8 @@ def test_peft_directory_straight_from_a_bridge_checkpoint(bridge, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from reshard.adapters.megatron.checkpoint import open_checkpoint
-    from reshard.testing.lora import reference_merge
-    from reshard.testing.megatron_ckpt import peft_reader_job
+    from harness.lora import reference_merge
+    from harness.megatron_ckpt import peft_reader_job
 
     tiny = TinyGPT(num_layers=2)
     spec = lora_spec(tiny.spec(), RANK, 16)

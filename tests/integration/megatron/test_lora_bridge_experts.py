@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import reshard
 from reshard.layouts.lora import lora_spec
-from reshard.testing.lora_experts import bridge_expert_refit_job, expert_value
+from harness.lora_experts import bridge_expert_refit_job, expert_value
 from reshard.testing.megatron_cpu import TinyGPT, run_ranks
 
 pytestmark = [pytest.mark.megatron, pytest.mark.gloo]

@@ -1,6 +1,6 @@
 """Megatron torch_dist checkpoints as a refit source, against checkpoints saved by real megatron-core on CPU.
 
-Per layout, megatron-core's `dist_checkpointing.save` writes a checkpoint from gloo ranks (reshard.testing.
+Per layout, megatron-core's `dist_checkpointing.save` writes a checkpoint from gloo ranks (harness.
 megatron_ckpt.save_job). The reference is independent of the code under test: megatron-core's own
 `dist_checkpointing.load` reads it into a TP=1 model built from another seed, and reshard's live-model adapter
 refits that model into HF tensors. The checkpoint source must give the same bytes, read lazily: two reader
@@ -24,7 +24,7 @@ from reshard.adapters.megatron.checkpoint_layout import checkpoint_layout, check
 from reshard.adapters.megatron.checkpoint_refit import export_hf
 from reshard.cli import main as cli
 from reshard.errors import LayoutMismatchError
-from reshard.testing.megatron_ckpt import reader_job, reference_job, save_job
+from harness.megatron_ckpt import reader_job, reference_job, save_job
 from reshard.testing.megatron_cpu import TinyGPT, run_ranks
 
 pytestmark = pytest.mark.megatron

@@ -8,7 +8,7 @@ entry validated by a model built from the recorded schema of `VllmCheckpointEngi
 allowed, the ratio's bounds, the booleans), dumped without the recorded excluded fields into the keyword arguments
 NeMo-RL passes, with the bucket size by NeMo-RL's recorded rule; the class is imported from the class path as
 NeMo-RL's `create_checkpoint_engine` does. Those exact keyword arguments then build the engines of 2 policy and 2
-vLLM worker processes (testing.nemo_rl_jobs, NeMo-RL's call order) and two refits must give every vLLM worker the
+vLLM worker processes (harness.nemo_rl_jobs, NeMo-RL's call order) and two refits must give every vLLM worker the
 checkpoint's trained tensors, byte for byte. The placeholder model path is the only thing replaced.
 
 Bad input as NeMo-RL would pass it: a key reshard does not take and a host that is no address of this node are
@@ -28,7 +28,7 @@ import yaml
 
 from reshard.errors import ArgumentError
 from reshard.testing.megatron_cpu import TinyGPT
-from reshard.testing.serve_jobs import make_checkpoint
+from harness.serve_jobs import make_checkpoint
 from reshard.testing.world import run_world
 
 pytestmark = pytest.mark.gloo
@@ -40,7 +40,7 @@ MARK = "<!-- test: nemo-rl-config -->"
 PLACEHOLDER = "/path/to/the/checkpoint"
 FENCE = re.compile(r"^```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^```", re.S | re.M)
 GPU_MEMORY = 80 * 1024**3  # the smallest worker's total GPU memory in NeMo-RL's bucket rule (an 80 GiB card)
-JOB = "reshard.testing.nemo_rl_jobs:nemo_rl_worker"
+JOB = "harness.nemo_rl_jobs:nemo_rl_worker"
 
 
 def config_blocks() -> list[tuple[int, bool, str]]:

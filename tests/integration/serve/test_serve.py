@@ -34,8 +34,8 @@ from reshard.executors import shard
 from reshard.executors.checksum import tensor_digests
 from reshard.ports import free_port
 from reshard.testing.megatron_cpu import TinyGPT, run_ranks
-from reshard.testing.serve import ServerProcess, vllm_cpu_python
-from reshard.testing.serve_jobs import load_checkpoint, make_checkpoint, refit_server, save_checkpoint, train_step
+from harness.serve import ServerProcess, vllm_cpu_python
+from harness.serve_jobs import load_checkpoint, make_checkpoint, refit_server, save_checkpoint, train_step
 
 pytestmark = pytest.mark.crossprocess
 

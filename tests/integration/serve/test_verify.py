@@ -24,9 +24,9 @@ import pytest
 
 from reshard.cli import main as cli
 from reshard.testing.megatron_cpu import TinyGPT, run_ranks
-from reshard.testing.serve import ServerProcess, vllm_cpu_python
-from reshard.testing.serve_jobs import make_checkpoint
-from reshard.testing.verify_jobs import verify_server
+from harness.serve import ServerProcess, vllm_cpu_python
+from harness.serve_jobs import make_checkpoint
+from harness.verify_jobs import verify_server
 
 pytestmark = pytest.mark.crossprocess
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from reshard.testing import verl_cpu as vc
+from harness import verl_cpu as vc
 
 pytestmark = pytest.mark.verl
 

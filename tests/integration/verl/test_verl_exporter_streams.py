@@ -1,5 +1,5 @@
 """The stream verl's FSDP engine gets from transformers 5, through reshard's verl backend, driven by verl's real
-CheckpointEngineManager on CPU (reshard.testing.verl_cpu, a local Ray cluster): 2 trainer ranks stream a tiny
+CheckpointEngineManager on CPU (harness.verl_cpu, a local Ray cluster): 2 trainer ranks stream a tiny
 Qwen3-MoE's `state_dict()` (routed experts fused: `mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`
 [E, H, I]) into 3 rollout ranks, whose stand-in for vLLM's server adapter holds the checkpoint transformers'
 `save_pretrained` wrote (per-expert names), refuses any other name, shape or a missing tensor, records every tensor
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from reshard.layouts.families import discover, read_hf_config
-from reshard.testing import verl_cpu as vc
+from harness import verl_cpu as vc
 
 pytestmark = pytest.mark.verl
 

@@ -1,6 +1,6 @@
 """The configuration blocks of docs/guides/verl.md, as a user pastes them, through verl's own Hydra composition
 (verl 0.9.1's `ppo_trainer` config, what `python -m verl.trainer.main_ppo` composes) and into a refit through verl's
-CheckpointEngineManager (reshard.testing.verl_cpu, a local Ray cluster).
+CheckpointEngineManager (harness.verl_cpu, a local Ray cluster).
 
 Every fenced block that follows an HTML comment `<!-- verl-test: KIND -->` is extracted: KIND "config-file" is a
 Hydra config file of the user's (composed as the primary config, verl's configs on its search path), "cli" a shell
@@ -80,7 +80,7 @@ def composed_blocks(tmp_path: Path, checkpoint: str) -> list[tuple[str, Any]]:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from reshard.testing import verl_cpu as vc
+    from harness import verl_cpu as vc
 
     return str(vc.save_checkpoint(vc.MOE, tmp_path_factory.mktemp("guide") / "checkpoint"))
 
@@ -94,7 +94,7 @@ def test_every_guide_block_composes_and_refits(tmp_path, checkpoint):
     from omegaconf import OmegaConf
 
     from reshard.integrations.verl import modes
-    from reshard.testing import verl_cpu as vc
+    from harness import verl_cpu as vc
 
     blocks = composed_blocks(tmp_path, checkpoint)
     ces = []

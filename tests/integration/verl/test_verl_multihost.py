@@ -32,7 +32,7 @@ DEFAULT_TIMEOUT = 300.0  # the backend's `timeout` when the config sets none (Re
 
 @pytest.fixture(scope="module")
 def record(two_hosts, tmp_path_factory):
-    from reshard.testing import verl_cpu as vc
+    from harness import verl_cpu as vc
 
     work = tmp_path_factory.mktemp("verl_multihost")
     checkpoint = str(vc.save_checkpoint(vc.MOE, work / "checkpoint"))

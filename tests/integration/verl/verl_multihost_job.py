@@ -2,7 +2,7 @@
 process cannot reach the namespaces' addresses): `python verl_multihost_job.py JOB.json`.
 
 It joins the Ray cluster at the job's address, starts verl's real CheckpointEngineManager over 2 trainer workers
-placed on host A and 3 rollout workers placed on host B (reshard.testing.verl_cpu.Refit, custom resources "host_a"
+placed on host A and 3 rollout workers placed on host B (harness.verl_cpu.Refit, custom resources "host_a"
 and "host_b"), with no `host` in the backend's config, and refits as the job says. What happened goes, as JSON, to
 JOB.out.json: where every worker ran, each refit's seconds (and its whole step's: the reconfiguration and
 training step before it, the calls to the workers after it) and the workers' shutdown's, the trainer's HF tensor digests (the ground truth) and
@@ -23,7 +23,7 @@ def main(job_path: str) -> None:
     out_path = Path(job_path).with_suffix(".out.json")
     out: dict = {"refits": []}
     try:
-        from reshard.testing import verl_cpu as vc
+        from harness import verl_cpu as vc
 
         vc.start_ray(address=job["address"])
         base = vc.checkpoint_engine_config(job["checkpoint"], 1, **job.get("options", {}))

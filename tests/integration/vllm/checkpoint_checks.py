@@ -1,6 +1,6 @@
 """A refit of real vLLM model code on CPU straight from megatron-core torch_dist checkpoints, against vLLM's own
 `load_weights` of the HF export of the same weights (megatron-core's loader + reshard's live adapter, written by
-reshard.testing.megatron_ckpt in the core virtualenv), byte for byte per parameter. Launched by
+harness.megatron_ckpt in the core virtualenv), byte for byte per parameter. Launched by
 test_vllm_checkpoint.py, one process per vLLM TP rank; each rank is also one reader of the checkpoint and reads
 only its part. Writes rank{r}.json: per case "ok" or what failed, and the bytes read.
 

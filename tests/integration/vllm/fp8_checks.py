@@ -2,7 +2,7 @@
 per rank. Writes rank{r}.json: per case, per check, "ok" or what failed.
 
 Ground truth: vLLM's own `load_weights` of an FP8 checkpoint quantized from the same bf16 weights by the
-reference quantizer (`reshard.testing.fp8_reference`, written apart from the library's), followed by vLLM's
+reference quantizer (`harness.fp8_reference`, written apart from the library's), followed by vLLM's
 `process_weights_after_loading`. vLLM's CPU block-FP8 kernel needs AMX and an op the CUDA wheel lacks, and it
 re-packs the weight for AMX; these checks build the model with the CPU kernel class standing in for vLLM's CUDA
 block-FP8 kernel (`Fp8BlockScaledMMLinearKernel`: its post-load step `process_fp8_weight_block_strategy`, what
@@ -36,7 +36,7 @@ from reshard.executors.local import allocate, shard  # noqa: E402
 from reshard.layouts import parse_layout  # noqa: E402
 from reshard.layouts.fp8 import FP8, Fp8Scheme  # noqa: E402
 from reshard.planner.fp8 import compile_fp8  # noqa: E402
-from reshard.testing.fp8_reference import reference_checkpoint, same_bytes  # noqa: E402
+from harness.fp8_reference import reference_checkpoint, same_bytes  # noqa: E402
 
 
 @contextlib.contextmanager

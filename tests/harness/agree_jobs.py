@@ -13,7 +13,7 @@ def agree_with_a_frozen_peer(job: dict[str, Any]) -> None:
     it ended and after how long to job["out"]."""
     import torch.distributed as dist
 
-    from ..adapters.vllm.agreed import agreed
+    from reshard.adapters.vllm.agreed import agreed
 
     rank = dist.get_rank()
     if rank == dist.get_world_size() - 1:
@@ -41,7 +41,7 @@ def rendezvous_without_process_0(job: dict[str, Any]) -> None:
     from reshard.adapters.trainer import TrainerSession
     from reshard.executors import shard
 
-    from .megatron_cpu import TinyGPT
+    from reshard.testing.megatron_cpu import TinyGPT
 
     group = dist.new_group([0, 1], timeout=timedelta(hours=1))
     if dist.get_rank() == 0:

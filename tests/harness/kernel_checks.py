@@ -189,7 +189,7 @@ def _check_fp8_refits(device: str, quantizer: str, head_dim: int, layers: int) -
     from reshard.executors.local import allocate, shard
     from reshard.layouts.fp8 import FP8, Fp8Scheme
     from reshard.planner.fp8 import compile_fp8
-    from reshard.testing.fp8_reference import reference_checkpoint, same_bytes
+    from harness.fp8_reference import reference_checkpoint, same_bytes
 
     cfg = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=2 * head_dim,
                num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,

@@ -56,23 +56,23 @@ def _executor(kind: str, plan: Any, process: int, src: dict, dst: dict, store: A
     """The executor and what releases everything it and its group hold."""
     import torch.distributed as dist
 
-    from ..executors.binding import Binding
+    from reshard.executors.binding import Binding
 
     binding = Binding((0,), (1,))
     if kind == "gloo":
-        from ..executors.comm import StoreComm
-        from ..executors.distributed import DistributedExecutor
+        from reshard.executors.comm import StoreComm
+        from reshard.executors.distributed import DistributedExecutor
 
         comm = StoreComm(dist.PrefixStore(f"{namespace}/", store), process, 2, "gloo", timeout)
         ex = DistributedExecutor(plan, binding, process, src, dst, group=comm, timeout=timeout, bucket_bytes=2048)
         return ex, lambda: (ex.close(), comm.close())
     if kind == "nixl":
-        from ..executors.nixl import NixlExecutor, NixlOptions
+        from reshard.executors.nixl import NixlExecutor, NixlOptions
 
         ex = NixlExecutor(plan, binding, process, src, dst, store=store, namespace=namespace,
                           options=NixlOptions(timeout=timeout))
         return ex, ex.close
-    from ..executors.shared import SharedExecutor
+    from reshard.executors.shared import SharedExecutor
 
     ex = SharedExecutor(plan, binding, process, src, dst, store=store, namespace=namespace, timeout=timeout)
     return ex, ex.close
@@ -81,7 +81,7 @@ def _executor(kind: str, plan: Any, process: int, src: dict, dst: dict, store: A
 def _steps(kind: str, ex: Any) -> list[tuple[Any, str]]:
     """(object, method name) of the steps a refit calls, where an interrupt may strike."""
     if kind == "gloo":
-        from ..executors.runners import HostRunner
+        from reshard.executors.runners import HostRunner
 
         return [(HostRunner, "pack"), (HostRunner, "post"), (HostRunner, "complete"), (ex, "_agree"),
                 (ex, "_preflight")]
@@ -110,8 +110,8 @@ def worker(process: int, port: int, workdir: str) -> None:
 
     import torch.distributed as dist
 
-    from ..executors.local import allocate, shard
-    from ..planner import Plan
+    from reshard.executors.local import allocate, shard
+    from reshard.planner import Plan
 
     import faulthandler
 

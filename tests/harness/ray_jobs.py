@@ -1,5 +1,5 @@
 """Megatron trainer workers as Ray actors, for tests and examples (never for production): each actor is one rank
-of a megatron-core model on gloo (testing.megatron_cpu), loaded from an HF checkpoint, and keeps one
+of a megatron-core model on gloo (reshard.testing.megatron_cpu), loaded from an HF checkpoint, and keeps one
 `TrainerSession` per group of identical engines. Calls take and return JSON text.
 
     trainers = [ray.remote(MegatronTrainerActor).remote(r, world, port, json.dumps(job)) for r in range(world)]
@@ -22,10 +22,10 @@ class MegatronTrainerActor:
     def __init__(self, rank: int, world: int, port: int, job: str) -> None:
         import torch.distributed as dist
 
-        from ..adapters.megatron import derive_layout, read_model, source_tensors
-        from ..executors import shard
-        from ..layouts import ModelSpec
-        from .megatron_cpu import TinyGPT, apply_cpu_patches, build_model, init_parallel
+        from reshard.adapters.megatron import derive_layout, read_model, source_tensors
+        from reshard.executors import shard
+        from reshard.layouts import ModelSpec
+        from reshard.testing.megatron_cpu import TinyGPT, apply_cpu_patches, build_model, init_parallel
         from .serve_jobs import load_checkpoint
 
         spec_job = json.loads(job)
@@ -55,11 +55,11 @@ class MegatronTrainerActor:
         "fanout", "options"}); `engines` (actor handles) on rank 0 only. Returns JSON: the plan-cache counts."""
         import torch.distributed as dist
 
-        from ..adapters.ray import RayEngineClient
-        from ..adapters.refit import RefitSpec
-        from ..adapters.trainer import TrainerSession
-        from ..layouts import VllmLayout
-        from ..planner import cache
+        from reshard.adapters.ray import RayEngineClient
+        from reshard.adapters.refit import RefitSpec
+        from reshard.adapters.trainer import TrainerSession
+        from reshard.layouts import VllmLayout
+        from reshard.planner import cache
 
         g = json.loads(group)
         old = self.sessions.pop(g["name"], None)
@@ -96,7 +96,7 @@ class MegatronTrainerActor:
     def refit(self, version: str, names: str = "null") -> str:
         """Refit the engine groups `names` (all by default), one after another; JSON per group: the outcome, the
         seconds, this process's bytes sent, the plan-cache counts."""
-        from ..planner import cache
+        from reshard.planner import cache
 
         out = {}
         for name in json.loads(names) or list(self.sessions):
@@ -116,7 +116,7 @@ class MegatronTrainerActor:
         (reshard.verify.trainer_scores, collective: every trainer actor calls it together) against each engine's
         (RayEngineClient.prompt_logprobs, asked by rank 0). JSON {engine: MismatchReport dict} on rank 0, null
         elsewhere."""
-        from ..verify import compare, engine_scores, trainer_scores
+        from reshard.verify import compare, engine_scores, trainer_scores
 
         seqs = json.loads(sequences)
         mine = trainer_scores(self.chunks, seqs, self.spec.vocab_size)
@@ -126,7 +126,7 @@ class MegatronTrainerActor:
                            for c in self.clients[name]})
 
     def cache_stats(self) -> str:
-        from ..planner import cache
+        from reshard.planner import cache
 
         return json.dumps(cache.stats())
 
@@ -139,17 +139,18 @@ __all__ = ["MegatronTrainerActor"]
 
 def start_engine(model: str, tp: int = 1, python: str | None = None, name: str | None = None,
                  resources: dict[str, float] | None = None, **engine_args: Any) -> Any:
-    """A `VllmEngineActor` in the vLLM CPU virtualenv (testing.serve.vllm_cpu_python), float32, from `model`
+    """A `VllmEngineActor` in the vLLM CPU virtualenv (harness.serve.vllm_cpu_python), float32, from `model`
     (`engine_args`: more `LLM` keyword arguments, e.g. enable_lora); `resources`: Ray custom resources that place
     it (the multihost test bed's nodes carry "host_a" / "host_b")."""
     import ray
 
-    from ..adapters.ray import VllmEngineActor
-    from .serve import ROOT, cpu_engine_env, vllm_cpu_python
+    from reshard.adapters.ray import VllmEngineActor
+    from . import pythonpath
+    from .serve import cpu_engine_env, vllm_cpu_python
 
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu", "TOKENIZERS_PARALLELISM": "false",
            **cpu_engine_env()}
-    runtime_env = {"py_executable": python or vllm_cpu_python(), "env_vars": {"PYTHONPATH": str(ROOT)}}
+    runtime_env = {"py_executable": python or vllm_cpu_python(), "env_vars": {"PYTHONPATH": pythonpath()}}
     options = {"runtime_env": runtime_env, "num_cpus": 0, "max_concurrency": 4}  # threaded: lease renewals
     if name:
         options["name"] = name
@@ -164,7 +165,7 @@ def start_trainers(world: int, job: dict[str, Any], resources: dict[str, float] 
     meets on loopback (MASTER_ADDR): they must share a node; `resources` (Ray custom resources) chooses it."""
     import ray
 
-    from ..ports import free_port
+    from reshard.ports import free_port
 
     port = free_port()
     options: dict[str, Any] = {"num_cpus": 0, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}}
@@ -235,7 +236,7 @@ def reference_tokens(checkpoint: str, prompts: list[list[int]], tp: int = 1) -> 
     """Greedy tokens of a fresh engine started from `checkpoint` (then stopped): the ground truth of a refit."""
     import ray
 
-    from ..adapters.ray import RayEngineClient
+    from reshard.adapters.ray import RayEngineClient
 
     actor = start_engine(checkpoint, tp)
     try:

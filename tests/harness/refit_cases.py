@@ -8,9 +8,9 @@ from typing import Any
 
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
-from ..executors.binding import Binding
-from ..layouts import ModelSpec
-from .strategies import refit_plans
+from reshard.executors.binding import Binding
+from reshard.layouts import ModelSpec
+from reshard.testing.strategies import refit_plans
 
 
 def examples(strategy: st.SearchStrategy, n: int) -> list:
@@ -66,7 +66,7 @@ def tiny_spec() -> ModelSpec:
 
 def tiny_deepseek() -> ModelSpec:
     """DeepSeek-V3's tiny test config in bfloat16: its router biases are the float32 tensors of the model."""
-    from ..layouts.families import discover, read_hf_config
+    from reshard.layouts.families import discover, read_hf_config
 
     config = read_hf_config("examples/configs/deepseek-v3.json")
     family = discover(config)

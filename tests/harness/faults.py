@@ -42,7 +42,7 @@ def fault_plan(path: Path) -> Path:
 
 
 def binding() -> Any:
-    from ..executors.binding import Binding
+    from reshard.executors.binding import Binding
 
     return Binding((0, 1), (1, 2))
 
@@ -54,8 +54,8 @@ def make_executor(kind: str, plan: Any, process: int, src: dict, dst: dict, stor
     import torch.distributed as dist
 
     if kind == "gloo":
-        from ..executors.comm import StoreComm
-        from ..executors.distributed import DistributedExecutor
+        from reshard.executors.comm import StoreComm
+        from reshard.executors.distributed import DistributedExecutor
 
         # the group's own set-up waits for every member, a replacement too (seconds to start): not the refit's timeout
         comm = StoreComm(dist.PrefixStore(f"{namespace}/", store), process, PROCESSES, "gloo",
@@ -63,18 +63,18 @@ def make_executor(kind: str, plan: Any, process: int, src: dict, dst: dict, stor
         return DistributedExecutor(plan, binding(), process, src, dst, group=comm, timeout=timeout,
                                    checksum=checksum, bucket_bytes=1024, direct_bytes=None)
     if kind == "nixl":
-        from ..executors.nixl import NixlExecutor, NixlOptions
+        from reshard.executors.nixl import NixlExecutor, NixlOptions
 
         return NixlExecutor(plan, binding(), process, src, dst, store=store, namespace=namespace,
                             options=NixlOptions(timeout=timeout, checksum=checksum))
-    from ..executors.shared import SharedExecutor
+    from reshard.executors.shared import SharedExecutor
 
     return SharedExecutor(plan, binding(), process, src, dst, store=store, namespace=namespace, timeout=timeout,
                           checksum=checksum)
 
 
 def _weights(model: Any, seed: int) -> dict[str, torch.Tensor]:
-    from ..executors.local import torch_dtype
+    from reshard.executors.local import torch_dtype
 
     g = torch.Generator().manual_seed(seed)
     return {t.name: torch.randn(t.shape, generator=g).to(torch_dtype(model.dtype)) for t in model.tensors}
@@ -82,7 +82,7 @@ def _weights(model: Any, seed: int) -> dict[str, torch.Tensor]:
 
 def _load(plan: Any, src: dict, seed: int) -> dict:
     """Shard the weights of `seed` into this process's source tensors; return every rank's (for the reference)."""
-    from ..executors.local import shard
+    from reshard.executors.local import shard
 
     full = shard(plan.src, _weights(plan.src.model, seed))
     for r, ts in src.items():
@@ -92,7 +92,7 @@ def _load(plan: Any, src: dict, seed: int) -> dict:
 
 
 def _matches(plan: Any, full: dict, dst: dict) -> bool:
-    from ..executors.local import allocate, execute_local
+    from reshard.executors.local import allocate, execute_local
 
     want = allocate(plan.dst, fill=SENTINEL)
     execute_local(plan, full, want)
@@ -122,7 +122,7 @@ def arm(kind: str, fault: str, ex: Any) -> Callable[[], None]:
         if fault != "corrupt":
             ex.on_round = lambda index: _stop(action) if index >= 1 else None
             return lambda: None
-        from ..executors.runners import HostRunner
+        from reshard.executors.runners import HostRunner
 
         original = HostRunner.post
         state = {"done": False}
@@ -181,8 +181,8 @@ def worker(process: int, port: int, workdir: str, replacement: bool = False) -> 
     """One process of a case (workdir/case.json); writes workdir/result-<process>[-new].json."""
     import torch.distributed as dist
 
-    from ..executors.local import allocate, shard
-    from ..planner import Plan
+    from reshard.executors.local import allocate, shard
+    from reshard.planner import Plan
 
     torch.set_num_threads(1)
     case = json.loads((Path(workdir) / "case.json").read_text())
@@ -275,7 +275,7 @@ def context() -> Any:
     threads and store connections)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "reshard", "reshard.executors.distributed",
-                                "reshard.testing.faults"])
+                                "harness.faults"])
     return ctx
 
 

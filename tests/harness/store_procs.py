@@ -54,7 +54,7 @@ def _client(port: int) -> Any:
 
 
 def weights(model: Any, seed: int) -> dict[str, torch.Tensor]:
-    from ..executors.local import torch_dtype
+    from reshard.executors.local import torch_dtype
 
     g = torch.Generator().manual_seed(seed)
     dtype = torch_dtype(model.dtype)
@@ -82,7 +82,7 @@ def make(job: dict[str, Any], plan: Any, binding: Any, process: int, src: dict, 
     are moved into shared memory first (`shared_empty`), as an engine that accepts in-place writes allocates
     them."""
     if job.get("executor", "nixl") == "shared":
-        from ..executors.shared import SharedExecutor, shared_empty
+        from reshard.executors.shared import SharedExecutor, shared_empty
 
         options = dict(job["options"])
         if not options.get("staged", True) and all(t.device.type == "cpu" for ts in dst.values() for t in ts.values()):
@@ -90,7 +90,7 @@ def make(job: dict[str, Any], plan: Any, binding: Any, process: int, src: dict, 
                 for n, t in list(dst[r].items()):
                     dst[r][n] = shared_empty(tuple(t.shape), t.dtype).copy_(t)
         return SharedExecutor(plan, binding, process, src, dst, store=store, namespace=namespace, **options)
-    from ..executors.nixl import NixlExecutor, NixlOptions
+    from reshard.executors.nixl import NixlExecutor, NixlOptions
 
     # --8<-- [start:nixl_executor]
     return NixlExecutor(plan, binding, process, src, dst, store=store, options=NixlOptions(**job["options"]),
@@ -118,9 +118,9 @@ def plan_worker(process: int, port: int, workdir: str) -> None:
     local executor's (run over all ranks, from the same sentinel), byte for byte; it also checks that no
     refit registers, prepares or exchanges anything again.
     """
-    from ..executors.binding import Binding
-    from ..executors.local import allocate, execute_local, shard
-    from ..planner import Plan
+    from reshard.executors.binding import Binding
+    from reshard.executors.local import allocate, execute_local, shard
+    from reshard.planner import Plan
 
     torch.set_num_threads(1)
     store = _client(port)
@@ -175,7 +175,7 @@ def check_plan_results(workdir: Path, jobs: list[dict], processes: int, refits: 
                        require_reuse: bool = False) -> None:
     """Assert that every process of every job wrote results with all refits byte-equal to the local executor's
     (and, with require_reuse, that no refit redid the transport's set-up)."""
-    from ..executors.binding import Binding
+    from reshard.executors.binding import Binding
 
     seen = {k: 0 for k in range(len(jobs))}
     problems = []
@@ -199,7 +199,7 @@ def check_plan_results(workdir: Path, jobs: list[dict], processes: int, refits: 
 def _check_stats(workdir: Path, jobs: list[dict], processes: int, refits: int) -> None:
     """Every process's RefitStats of a job's last refit agree with its peers' (what p sent q, q received from p)
     and with the plan (every op lands on exactly one process)."""
-    from ..planner import Plan
+    from reshard.planner import Plan
 
     stats: dict[int, dict[int, dict]] = {}
     for p in range(processes):
@@ -222,9 +222,9 @@ def failure_worker(process: int, port: int, workdir: str, scenario: str, victim:
     the others start refit 2 once it is dead. scenario "frozen": the parent SIGSTOPs the victim after refit 1
     (key "frozen"); the others then start refit 2.
     """
-    from ..executors.binding import Binding
-    from ..executors.local import allocate, shard
-    from ..planner import Plan
+    from reshard.executors.binding import Binding
+    from reshard.executors.local import allocate, shard
+    from reshard.planner import Plan
 
     torch.set_num_threads(1)
     store = _client(port)
@@ -274,12 +274,12 @@ def setup_failure_worker(process: int, port: int, workdir: str) -> None:
     loaded) or "connect" (its first connection); the slow one sleeps `delay` s after publishing its metadata, so
     it is still in set-up when the other fails. Each writes setup-<process>.json: what its set-up raised, after
     how long, and the wall times at which it left set-up and released its agent."""
-    from ..errors import ExecutionError
-    from ..executors.binding import Binding
-    from ..executors.exchange import Exchange
-    from ..executors.local import allocate, shard
-    from ..executors.nixl import connection
-    from ..planner import Plan
+    from reshard.errors import ExecutionError
+    from reshard.executors.binding import Binding
+    from reshard.executors.exchange import Exchange
+    from reshard.executors.local import allocate, shard
+    from reshard.executors.nixl import connection
+    from reshard.planner import Plan
 
     torch.set_num_threads(1)
     store = _client(port)

@@ -66,7 +66,7 @@ def base_weights(spec, seed: int, dtype: torch.dtype = torch.bfloat16) -> dict[s
 
 
 def merge_job(rank: int, world: int, args: dict) -> dict:
-    """On a world of `tp` processes (testing.world): process p plays Megatron-Bridge adapter rank p, process 0 also
+    """On a world of `tp` processes (reshard.testing.world): process p plays Megatron-Bridge adapter rank p, process 0 also
     the rank that holds the whole adapter and the base weights; the adapter travels over gloo (the distributed
     executor), process 0 merges it and saves the merged weights to `args["out"]/step-<k>.safetensors`, once per
     adapter seed in `args["seeds"]` (each merge starts from the same base)."""
@@ -160,7 +160,7 @@ def bridge_refit_job(tp: int, out: str, rank: int, ckpt: str | None = None) -> N
     import reshard
     from reshard.layouts.lora import lora_spec
 
-    from .megatron_cpu import TinyGPT, build_model, init_parallel
+    from reshard.testing.megatron_cpu import TinyGPT, build_model, init_parallel
 
     init_parallel(tp=tp)
     tiny = TinyGPT(num_layers=2)
@@ -255,9 +255,9 @@ class _SlotTrainer:
     def __init__(self, job: dict) -> None:
         import torch.distributed as dist
 
-        from ..adapters.server import VllmServer
-        from ..layouts import MegatronLayout, ModelSpec
-        from ..layouts.lora import VllmLoraLayout, lora_spec
+        from reshard.adapters.server import VllmServer
+        from reshard.layouts import MegatronLayout, ModelSpec
+        from reshard.layouts.lora import VllmLoraLayout, lora_spec
 
         self.job, self.rank, self.world = job, dist.get_rank(), dist.get_world_size()
         self.spec = lora_spec(ModelSpec.from_hf_config(job["checkpoint"]), job["rank"], job["alpha"])
@@ -266,7 +266,7 @@ class _SlotTrainer:
         self.server = VllmServer(job["url"]) if self.rank == 0 else None
 
     def tensors(self, seed: int) -> dict:
-        from ..executors import shard
+        from reshard.executors import shard
 
         return shard(self.src, adapter_weights(self.spec, seed), ranks=[self.rank])[self.rank]
 
@@ -274,9 +274,9 @@ class _SlotTrainer:
         """api: through the weight-transfer routes instead of the worker extension."""
         import torch.distributed as dist
 
-        from ..adapters.refit import RefitSpec
-        from ..adapters.server import ExtensionClient
-        from ..adapters.trainer import TrainerSession
+        from reshard.adapters.refit import RefitSpec
+        from reshard.adapters.server import ExtensionClient
+        from reshard.adapters.trainer import TrainerSession
 
         refit = RefitSpec.of(self.spec, self.src, self.dst, install="lora_slot", lora_id=lora_id,
                              transport=transport, options=options)
@@ -305,7 +305,7 @@ class _SlotTrainer:
 
 
 def _init_error(session) -> str | None:
-    from ..errors import ExecutionError
+    from reshard.errors import ExecutionError
 
     try:
         session.init()
@@ -349,7 +349,7 @@ def slot_fault_job(job: dict) -> None:
     import os
     import time
 
-    from ..errors import ExecutionError
+    from reshard.errors import ExecutionError
 
     me = _SlotTrainer(job)
 

@@ -1,7 +1,7 @@
 """A driver that dies: trainer processes that refit a running vLLM server and whose process 0 (the one that called
 init and drives the server) is SIGKILLed at a chosen phase of a refit, for the driver-death tests and benchmark.
 
-Trainer processes hold plain tensors in a Megatron TP layout (testing.megatron_cpu.run_ranks gives them a gloo
+Trainer processes hold plain tensors in a Megatron TP layout (reshard.testing.megatron_cpu.run_ranks gives them a gloo
 world); process 0 kills itself with SIGKILL (no clean-up runs) at:
   "before"  the server is paused and the update started, no byte sent;
   "during"  the other trainer process sends its bytes while process 0 dies before sending its own: the workers
@@ -39,11 +39,11 @@ def dying_driver(job: dict[str, Any]) -> None:
     """On every trainer rank: init, then one refit during which process 0 is SIGKILLed at `job["phase"]`."""
     import torch.distributed as dist
 
-    from ..adapters.refit import RefitSpec
-    from ..adapters.trainer import TrainerSession
-    from ..errors import ExecutionError
-    from ..executors import shard
-    from ..layouts import MegatronLayout, ModelSpec, VllmLayout
+    from reshard.adapters.refit import RefitSpec
+    from reshard.adapters.trainer import TrainerSession
+    from reshard.errors import ExecutionError
+    from reshard.executors import shard
+    from reshard.layouts import MegatronLayout, ModelSpec, VllmLayout
     from .serve_jobs import load_checkpoint
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -102,12 +102,12 @@ def engine_client(engine: dict[str, Any], timeout: float) -> Any:
     """The client of an engine described as JSON: {"url", "tp"} (a vLLM server) or {"ray_address", "namespace",
     "name", "tp"} (a named VllmEngineActor of a running Ray cluster; this process joins it)."""
     if "url" in engine:
-        from ..adapters.server import VllmServer
+        from reshard.adapters.server import VllmServer
 
         return VllmServer(engine["url"], timeout=timeout)
     import ray
 
-    from ..adapters.ray import RayEngineClient
+    from reshard.adapters.ray import RayEngineClient
 
     if not ray.is_initialized():
         ray.init(address=engine["ray_address"], namespace=engine["namespace"], log_to_driver=False)
@@ -118,10 +118,10 @@ def refit_from_here(engine: dict[str, Any], checkpoint: str | Path, transport: s
                     timeout: float = 60.0, lease: float = 30.0) -> float:
     """A new driver: one trainer process (this one, plain tensors in a Megatron TP1 layout) inits and refits the
     engine with `checkpoint`; returns time.time() when the refit succeeded (raises ExecutionError otherwise)."""
-    from ..adapters.refit import RefitSpec
-    from ..adapters.trainer import TrainerSession
-    from ..executors import shard
-    from ..layouts import MegatronLayout, ModelSpec, VllmLayout
+    from reshard.adapters.refit import RefitSpec
+    from reshard.adapters.trainer import TrainerSession
+    from reshard.executors import shard
+    from reshard.layouts import MegatronLayout, ModelSpec, VllmLayout
     from .serve_jobs import load_checkpoint
 
     spec = ModelSpec.from_hf_config(checkpoint)
@@ -147,8 +147,8 @@ def kill_the_driver(engine: dict[str, Any], checkpoint: str | Path, transport: s
     (the engine's lease state), "rank1" (what the surviving trainer process saw), "ranks"}."""
     import threading
 
-    from ..errors import ExecutionError
-    from .megatron_cpu import run_ranks
+    from reshard.errors import ExecutionError
+    from reshard.testing.megatron_cpu import run_ranks
 
     work.mkdir(parents=True, exist_ok=True)
     out = work / f"driver-{transport}-{phase}.json"

@@ -1,6 +1,6 @@
 """Trainer processes that refit a running vLLM server, for tests and examples: a real megatron-core model on gloo
-ranks (testing.megatron_cpu), loaded from an HF checkpoint, refit through `TrainerSession` into a server started
-by testing.serve, then changed by a deterministic "training step" and refit again.
+ranks (reshard.testing.megatron_cpu), loaded from an HF checkpoint, refit through `TrainerSession` into a server started
+by harness.serve, then changed by a deterministic "training step" and refit again.
 
 The step is elementwise (`train_step`), so it commutes with every sharding: the test applies the same function
 to the HF checkpoint in its own process to get the trained model's checkpoint, independently of Megatron and of
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ExecutionError
+from reshard.errors import ExecutionError
 
 
 def train_step(t: torch.Tensor, step: int) -> torch.Tensor:
@@ -68,18 +68,18 @@ def make_checkpoint(tiny: Any, out: str | Path, seed: int = 0) -> Path:
 
 
 def refit_server(job: dict[str, Any]) -> None:
-    """On every trainer rank (testing.megatron_cpu.run_ranks): build the model, load the checkpoint, refit the
+    """On every trainer rank (reshard.testing.megatron_cpu.run_ranks): build the model, load the checkpoint, refit the
     server `job["steps"]` times (a training step before each refit but the first)."""
     import torch.distributed as dist
 
-    from ..adapters.megatron import derive_layout, read_model, source_tensors
-    from ..adapters.refit import RefitSpec
-    from ..adapters.server import VllmServer
-    from ..adapters.trainer import TrainerSession
-    from ..executors import shard
-    from ..layouts import ModelSpec, VllmLayout
-    from ..planner import cache
-    from .megatron_cpu import TinyGPT, build_model, init_parallel
+    from reshard.adapters.megatron import derive_layout, read_model, source_tensors
+    from reshard.adapters.refit import RefitSpec
+    from reshard.adapters.server import VllmServer
+    from reshard.adapters.trainer import TrainerSession
+    from reshard.executors import shard
+    from reshard.layouts import ModelSpec, VllmLayout
+    from reshard.planner import cache
+    from reshard.testing.megatron_cpu import TinyGPT, build_model, init_parallel
 
     rank = dist.get_rank()
     tiny = TinyGPT(**job["tiny"])
@@ -155,10 +155,10 @@ def _refit_from_checkpoint(job: dict[str, Any], chunks: list, tensors: dict, ses
     from the checkpoint, each reading only the records of its part of the plan."""
     import torch.distributed as dist
 
-    from ..adapters.megatron.checkpoint import open_checkpoint
-    from ..adapters.megatron.checkpoint_layout import checkpoint_layout, checkpoint_tensors
-    from ..adapters.refit import RefitSpec
-    from ..adapters.trainer import TrainerSession
+    from reshard.adapters.megatron.checkpoint import open_checkpoint
+    from reshard.adapters.megatron.checkpoint_layout import checkpoint_layout, checkpoint_tensors
+    from reshard.adapters.refit import RefitSpec
+    from reshard.adapters.trainer import TrainerSession
     from .megatron_ckpt import save_chunks
 
     step = job.get("steps", 2)

@@ -63,10 +63,10 @@ def tiny_plan(path: Path) -> Path:
 
 def member(process: int, rdv: dict, workdir: str, kind: str, refits: int) -> None:
     """Join as process `process` of 2, then refit `refits` times; write result-<process>.json."""
-    from ..executors.binding import Binding
-    from ..executors.local import allocate, execute_local, shard
-    from ..adapters.rendezvous import Rendezvous, connect, join, scoped
-    from ..planner import Plan
+    from reshard.executors.binding import Binding
+    from reshard.executors.local import allocate, execute_local, shard
+    from reshard.adapters.rendezvous import Rendezvous, connect, join, scoped
+    from reshard.planner import Plan
     from .faults import _weights
 
     torch.set_num_threads(1)
@@ -81,12 +81,12 @@ def member(process: int, rdv: dict, workdir: str, kind: str, refits: int) -> Non
         dst = allocate(plan.dst, fill=SENTINEL, ranks=list(binding.dst_ranks_of(process)))
         ex_store = scoped(store, r, kind)
         if kind == "nixl":
-            from ..executors.nixl import NixlExecutor, NixlOptions
+            from reshard.executors.nixl import NixlExecutor, NixlOptions
 
             ex = NixlExecutor(plan, binding, process, src, dst, store=ex_store, namespace=r.refit_id,
                               options=NixlOptions(timeout=30.0, checksum=True))
         else:
-            from ..executors.shared import SharedExecutor
+            from reshard.executors.shared import SharedExecutor
 
             ex = SharedExecutor(plan, binding, process, src, dst, store=ex_store, namespace=r.refit_id,
                                 timeout=30.0, checksum=True)
@@ -108,8 +108,8 @@ def member(process: int, rdv: dict, workdir: str, kind: str, refits: int) -> Non
 
 def stranger(how: str, rdv: dict, workdir: str, kind: str) -> None:
     """Try to join or read the refit without its secret; write stranger-<how>.json with what happened."""
-    from ..errors import ReshardError
-    from ..adapters.rendezvous import Rendezvous, connect, join, scoped
+    from reshard.errors import ReshardError
+    from reshard.adapters.rendezvous import Rendezvous, connect, join, scoped
 
     out: dict[str, Any] = {"how": how}
     try:

@@ -1,5 +1,5 @@
-"""Jobs for `testing.world`: quantizing refits across real processes (gloo, or NCCL on GPUs), checked against an
-independently quantized checkpoint (`testing.fp8_reference`).
+"""Jobs for `reshard.testing.world`: quantizing refits across real processes (gloo, or NCCL on GPUs), checked against an
+independently quantized checkpoint (`harness.fp8_reference`).
 
 A case is JSON: {"config": an HF config dict, "src": a layout string, "dst": a layout string, "block": [bn, bk],
 "binding": {"src": [...], "dst": [...]}, "seed": int, "options": executor options, "kill": optional {"victim":
@@ -19,13 +19,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import ExecutionError
-from ..executors.binding import Binding
-from ..executors.fp8 import Fp8Executor
-from ..executors.local import allocate, shard
-from ..layouts import ModelSpec, parse_layout
-from ..layouts.fp8 import FP8, Fp8Scheme
-from ..planner.fp8 import compile_fp8
+from reshard.errors import ExecutionError
+from reshard.executors.binding import Binding
+from reshard.executors.fp8 import Fp8Executor
+from reshard.executors.local import allocate, shard
+from reshard.layouts import ModelSpec, parse_layout
+from reshard.layouts.fp8 import FP8, Fp8Scheme
+from reshard.planner.fp8 import compile_fp8
 from .fp8_reference import reference_checkpoint, same_bytes
 
 SENTINEL = -7.0
@@ -102,7 +102,7 @@ def _own(fp):
 
 
 def store_worker(process: int, port: int, workdir: str) -> None:
-    """`testing.store_procs.launch` target: every case of workdir/cases.json through Fp8Executor around the
+    """`harness.store_procs.launch` target: every case of workdir/cases.json through Fp8Executor around the
     case's store-made executor ("nixl" or "shared"), twice with new weights; workdir/result-<process>.json says,
     per case, whether this process's engine tensors equal the reference checkpoint each time."""
     import json as _json
@@ -125,7 +125,7 @@ def store_worker(process: int, port: int, workdir: str) -> None:
             dst = allocate(fp.full_dst, SENTINEL, ranks=mine_dst)
             options = dict(case["options"], store=store, namespace=f"fp8case{k}")
             if case["executor"] == "nixl":
-                from ..executors.nixl import NixlOptions
+                from reshard.executors.nixl import NixlOptions
 
                 options["options"] = NixlOptions(**options.pop("nixl", {}))
             ex = Fp8Executor(fp, binding, process, src, dst, inner=case["executor"], **options)

@@ -1,5 +1,5 @@
 """NeMo-RL's checkpoint-engine call order replayed on plain processes, for tests (never for production): the
-engines of `reshard.integrations.nemo_rl` on T policy and R rollout processes (testing.world), the rollout side
+engines of `reshard.integrations.nemo_rl` on T policy and R rollout processes (reshard.testing.world), the rollout side
 collecting the batches vLLM would load. The vLLM side inside a real vLLM worker is examples/nemo_rl/refit.py.
 
 What stands in for NeMo-RL (nemo_rl/weight_sync/checkpoint_engine_weight_synchronizer.py and the worker mixins,
@@ -26,7 +26,7 @@ every batch it was yielded (names, and whether each tensor equals the checkpoint
 time it raised (time.time(); the faulty worker records when it yielded the fault: one host, one clock).
 
 Nothing here names a host: every engine finds its own address (reshard.addresses) where its process runs, so the
-same job runs on one host or with the policy and rollout processes on different hosts (testing.world's `launch`).
+same job runs on one host or with the policy and rollout processes on different hosts (reshard.testing.world's `launch`).
 A failure to construct an engine or to join is what NeMo-RL's driver sees from `ray.get` over every worker: every
 process learns that one failed (the gathered outcomes) and stops; each reports its own error and how long it took.
 """
@@ -71,15 +71,15 @@ def _select(name: str, layout: dict[str, Any] | None) -> bool:
 
 
 def nemo_rl_worker(rank: int, size: int, job: dict[str, Any]) -> dict[str, Any]:
-    """One process of the job (testing.world): policy worker `rank` if rank < policy, else rollout worker
+    """One process of the job (reshard.testing.world): policy worker `rank` if rank < policy, else rollout worker
     rank - policy. Returns what it saw: per refit the bytes it sent or the batches it was yielded (checked against
     the checkpoint), and any error constructing or joining."""
     import torch.distributed as dist
 
-    from ..executors.local import torch_dtype
-    from ..integrations.nemo_rl import ReshardCheckpointEngine
+    from reshard.executors.local import torch_dtype
+    from reshard.integrations.nemo_rl import ReshardCheckpointEngine
     from .serve_jobs import train_step
-    from .world import new_group
+    from reshard.testing.world import new_group
 
     T = job["policy"]
     policy = new_group(list(range(T)))  # every process makes every group

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .megatron_cpu import TinyGPT, build_model, init_parallel
+from reshard.testing.megatron_cpu import TinyGPT, build_model, init_parallel
 
 
 def save_job(tiny: TinyGPT, sizes: dict[str, Any], path: str) -> None:
@@ -48,10 +48,10 @@ def reference_job(tiny: TinyGPT, path: str, out: str) -> None:
     from megatron.core import dist_checkpointing
     from safetensors.torch import save_file
 
-    from ..adapters.megatron import derive_layout, source_tensors
-    from ..executors.local import allocate, execute_local
-    from ..layouts import HfLayout
-    from ..planner import compile_plan
+    from reshard.adapters.megatron import derive_layout, source_tensors
+    from reshard.executors.local import allocate, execute_local
+    from reshard.layouts import HfLayout
+    from reshard.planner import compile_plan
 
     init_parallel()
     chunks = build_model(tiny.with_(seed=tiny.seed + 1, first_stage_layers=None))
@@ -78,13 +78,13 @@ def reader_job(path: str, config: str, out: str, dtype: str) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from ..adapters.megatron.checkpoint import open_checkpoint
-    from ..adapters.megatron.checkpoint_layout import checkpoint_layout, checkpoint_tensors
-    from ..executors import make_executor
-    from ..executors.binding import Binding
-    from ..executors.local import allocate
-    from ..layouts import HfLayout, ModelSpec
-    from ..planner import compile_plan
+    from reshard.adapters.megatron.checkpoint import open_checkpoint
+    from reshard.adapters.megatron.checkpoint_layout import checkpoint_layout, checkpoint_tensors
+    from reshard.executors import make_executor
+    from reshard.executors.binding import Binding
+    from reshard.executors.local import allocate
+    from reshard.layouts import HfLayout, ModelSpec
+    from reshard.planner import compile_plan
 
     me, world = dist.get_rank(), dist.get_world_size()
     spec = ModelSpec(**{**ModelSpec.from_hf_config(f"{config}/config.json").model_dump(), "dtype": dtype})
@@ -116,14 +116,14 @@ def peft_reader_job(path: str, spec_json: str, out: str) -> None:
 
     import torch.distributed as dist
 
-    from ..adapters.lora import PeftDirectory
-    from ..adapters.megatron.checkpoint import open_checkpoint
-    from ..adapters.megatron.checkpoint_layout import checkpoint_layout, checkpoint_tensors
-    from ..executors import make_executor
-    from ..executors.binding import Binding
-    from ..layouts import ModelSpec
-    from ..layouts.lora import PeftLayout
-    from ..planner import compile_plan
+    from reshard.adapters.lora import PeftDirectory
+    from reshard.adapters.megatron.checkpoint import open_checkpoint
+    from reshard.adapters.megatron.checkpoint_layout import checkpoint_layout, checkpoint_tensors
+    from reshard.executors import make_executor
+    from reshard.executors.binding import Binding
+    from reshard.layouts import ModelSpec
+    from reshard.layouts.lora import PeftLayout
+    from reshard.planner import compile_plan
 
     me, world = dist.get_rank(), dist.get_world_size()
     spec = ModelSpec.model_validate_json(spec_json)
@@ -154,7 +154,7 @@ def save_case(name: str, out: str) -> None:
     import tempfile
     from pathlib import Path
 
-    from .megatron_cpu import run_ranks
+    from reshard.testing.megatron_cpu import run_ranks
 
     tiny, world, sizes = CASES[name]
     ckpt, ref = Path(out, "ckpt"), Path(out, "ref")
@@ -165,7 +165,7 @@ def save_case(name: str, out: str) -> None:
         run_ranks(1, reference_job, tiny, str(ckpt), str(ref), errdir=errdir, timeout=300)
 
 
-if __name__ == "__main__":  # python -m reshard.testing.megatron_ckpt OUT CASE...
+if __name__ == "__main__":  # python -m harness.megatron_ckpt OUT CASE...
     import sys
 
     for case_name in sys.argv[2:]:

@@ -30,7 +30,7 @@ def bridge_expert_refit_job(tp: int, ep: int, etp: int, experts: int, out: str, 
     import reshard
     from reshard.layouts.lora import lora_spec
 
-    from .megatron_cpu import TinyGPT, build_model, init_parallel
+    from reshard.testing.megatron_cpu import TinyGPT, build_model, init_parallel
 
     init_parallel(tp=tp, ep=ep, etp=etp)
     tiny = TinyGPT(num_layers=2, num_experts=experts)

@@ -87,32 +87,32 @@ BUGS: dict[str, Bug] = {"swap experts": swap_experts, "swap gate/up": swap_gate_
 
 
 def verify_server(job: dict[str, Any]) -> None:
-    """On every trainer rank (testing.megatron_cpu.run_ranks): see the module docstring. Rank 0 writes `out`."""
+    """On every trainer rank (reshard.testing.megatron_cpu.run_ranks): see the module docstring. Rank 0 writes `out`."""
     import torch.distributed as dist
 
-    from ..adapters.megatron import derive_layout, read_model, source_tensors
-    from ..adapters.refit import RefitSpec
-    from ..adapters.server import VllmServer
-    from ..adapters.trainer import TrainerSession
-    from ..executors import shard
-    from ..layouts import ModelSpec, VllmLayout
-    from ..verify import audit, measure
-    from .megatron_cpu import TinyGPT, build_model, init_parallel
+    from reshard.adapters.megatron import derive_layout, read_model, source_tensors
+    from reshard.adapters.refit import RefitSpec
+    from reshard.adapters.server import VllmServer
+    from reshard.adapters.trainer import TrainerSession
+    from reshard.executors import shard
+    from reshard.layouts import ModelSpec, VllmLayout
+    from reshard.verify import audit, measure
+    from reshard.testing.megatron_cpu import TinyGPT, build_model, init_parallel
     from .serve_jobs import load_checkpoint, train_step
 
     rank = dist.get_rank()
     dtype = job.get("dtype", "float32")
     spec = ModelSpec.from_hf_config(job["checkpoint"])
-    if "tiny" in job:  # a testing.megatron_cpu model
+    if "tiny" in job:  # a reshard.testing.megatron_cpu model
         init_parallel(job.get("tp", 1))
         chunks = build_model(TinyGPT(**job["tiny"]), getattr(torch, dtype))
         facts = read_model(chunks)
         layout = derive_layout(facts, spec)
         live = source_tensors(facts, layout)
     else:  # the validate stages' model of a tiny config (validate.megatron_side)
-        from ..layouts import MegatronLayout
-        from ..validate.hf_parity import INIT_STD
-        from ..validate.megatron_side import build_gpt, layout_dict
+        from reshard.layouts import MegatronLayout
+        from reshard.validate.hf_parity import INIT_STD
+        from reshard.validate.megatron_side import build_gpt, layout_dict
 
         layout = MegatronLayout.model_validate_json(job["layout"])
         lay = layout_dict(layout)

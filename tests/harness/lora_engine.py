@@ -1,6 +1,6 @@
 """A vLLM engine with LoRA enabled, in this process, for LoRA refit tests (run by the vLLM CPU build's python):
 
-    python -m reshard.testing.lora_engine job.json
+    python -m harness.lora_engine job.json
 
 job: {"checkpoint", "peft" (the adapter saved by peft), "ours" (the PEFT directory reshard published), "initial"
 (a directory of other values, loaded into the slot that the in-slot refit then rewrites), "shards" (a directory

@@ -9,11 +9,11 @@ from typing import Callable, Mapping
 
 import torch
 
-from ..executors.binding import Binding
-from ..executors.copies import DST, SHADOW, SRC, WIRE, Copies, regions, run_copies
-from ..executors.local import apply_shifts, shift_views, torch_dtype
-from ..executors.schedule import build_schedule
-from ..planner import Plan
+from reshard.executors.binding import Binding
+from reshard.executors.copies import DST, SHADOW, SRC, WIRE, Copies, regions, run_copies
+from reshard.executors.local import apply_shifts, shift_views, torch_dtype
+from reshard.executors.schedule import build_schedule
+from reshard.planner import Plan
 
 
 def run_loopback(plan: Plan, binding: Binding, src: Mapping[int, Mapping[str, torch.Tensor]],

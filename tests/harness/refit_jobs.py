@@ -1,4 +1,4 @@
-"""Jobs for `testing.world`: run refits across real processes and check them against `execute_local`.
+"""Jobs for `reshard.testing.world`: run refits across real processes and check them against `execute_local`.
 
 A case is JSON: {"plan": path of a saved plan, "binding": {"src": [...], "dst": [...]}, "group": world ranks
 of the refit group or null for the whole world, "seed": int, "options": executor options}. Every process
@@ -16,13 +16,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import ExecutionError
-from ..executors import allocate, execute_local, shard
-from ..executors.binding import Binding
-from ..executors.comm import StoreComm
-from ..executors.distributed import DistributedExecutor
-from ..executors.stats import RefitStats
-from ..planner import Plan
+from reshard.errors import ExecutionError
+from reshard.executors import allocate, execute_local, shard
+from reshard.executors.binding import Binding
+from reshard.executors.comm import StoreComm
+from reshard.executors.distributed import DistributedExecutor
+from reshard.executors.stats import RefitStats
+from reshard.planner import Plan
 
 SENTINEL = -7.0
 

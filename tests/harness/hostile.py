@@ -13,7 +13,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from ..limits import MAX_DIM, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, MAX_RANKS
+from reshard.limits import MAX_DIM, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, MAX_RANKS
 
 # --- HF configs --------------------------------------------------------------------------------------------
 

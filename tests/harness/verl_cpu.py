@@ -38,8 +38,10 @@ from verl.workers.config import CheckpointEngineConfig, RolloutConfig
 from verl.workers.engine_workers import ActorRolloutRefWorker
 from verl.workers.rollout import BaseRollout, RolloutReplica
 
-from ..layouts import ModelSpec
-from .megatron_cpu import TinyGPT
+from reshard.layouts import ModelSpec
+from reshard.testing.megatron_cpu import TinyGPT
+
+from . import pythonpath
 
 MOE = TinyGPT(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, head_dim=16,
               ffn_hidden_size=96, vocab_size=5000, padded_vocab_size=5008, num_experts=4, moe_ffn_hidden_size=32)
@@ -100,7 +102,7 @@ class MegatronExport:
     export every trainer rank streams (with faults to inject for tests)."""
 
     def __init__(self, tiny: TinyGPT) -> None:
-        from . import megatron_cpu
+        from reshard.testing import megatron_cpu
 
         megatron_cpu.apply_cpu_patches()
         megatron_cpu.init_parallel(tp=1)
@@ -447,8 +449,7 @@ def _kill(workers: list, pools: list) -> None:
 def start_ray(num_cpus: int = 16, address: str | None = None) -> None:
     """A local Ray cluster (or, with `address`, a driver of the running cluster there) whose workers import this
     checkout's reshard (logical CPUs: verl's pools ask for one per worker; the machine may have two)."""
-    root = str(Path(__file__).resolve().parents[2])
-    env = {"PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    env = {"PYTHONPATH": pythonpath(os.environ.get("PYTHONPATH")),
            "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     if address is not None:
         ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False)

@@ -1,6 +1,6 @@
 """Every wait of a refit, enumerated: a peer frozen (SIGSTOP) at one phase of a refit, for each transport, on CPU, in
 forked processes that meet through a TCPStore the parent holds (the plan, binding and executors of
-reshard.testing.faults). The phases are data, `PHASES` (one row per (kind, phase): where the victim freezes and the
+harness.faults). The phases are data, `PHASES` (one row per (kind, phase): where the victim freezes and the
 words the survivors' error must have), so a new wait is one more row.
 
 One case, three processes (the victim: process 2, a destination process every other one talks to, unless the
@@ -115,9 +115,9 @@ def worker(process: int, port: int, workdir: str, case_id: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from ..adapters import rendezvous as rv
-    from ..executors.local import allocate, shard
-    from ..planner import Plan
+    from reshard.adapters import rendezvous as rv
+    from reshard.executors.local import allocate, shard
+    from reshard.planner import Plan
 
     torch.set_num_threads(1)
     case = json.loads((Path(workdir) / "case.json").read_text())
@@ -132,7 +132,7 @@ def worker(process: int, port: int, workdir: str, case_id: str) -> None:
         src = shard(plan.src, _weights(plan.src.model, 1), ranks=list(b.src_ranks_of(process)))
         dst = allocate(plan.dst, fill=-7.0, ranks=list(b.dst_ranks_of(process)))
         if phase.kind == "nixl":  # NIXL's import and agent take seconds on a loaded machine and are no wait
-            from ..executors.nixl.agent import make_agent_ahead
+            from reshard.executors.nixl.agent import make_agent_ahead
 
             make_agent_ahead(f"case:{process}", 1000)  # the executor's agent (namespace "case")
         _meet(store, "start")
@@ -151,7 +151,7 @@ def worker(process: int, port: int, workdir: str, case_id: str) -> None:
                           setup_timeout=timeout)
         elif phase.when == "first-refit":  # the victim freezes as it would leave set-up; the others refit
             if victim:
-                from ..executors.exchange import Exchange
+                from reshard.executors.exchange import Exchange
 
                 Exchange.leave_setup = lambda self, process: _stop()
             ex = make_executor(phase.kind, plan, process, src, dst, store, "case", timeout, checksum=True)
@@ -188,7 +188,7 @@ def run_cases(case_ids: list[str], workdir: Path, timeout: float, limit: float =
     """Run the cases at once; {case id: the survivors' results}."""
     import torch.distributed as dist
 
-    from ..adapters import rendezvous as rv
+    from reshard.adapters import rendezvous as rv
 
     workdir.mkdir(parents=True, exist_ok=True)
     plan = fault_plan(workdir / "plan.npz")

@@ -36,7 +36,7 @@ def test_docs_site_builds_strictly(tmp_path):
 
 
 INCLUDE = re.compile(r'^--8<-- "([^":]+):([\w-]+)"$')
-TESTED_SOURCES = ("examples/", "reshard/testing/")  # run by the example tests / the integration tests
+TESTED_SOURCES = ("examples/", "tests/harness/")  # run by the example tests / the integration tests
 
 
 def included(block: str) -> tuple[str, str] | None:

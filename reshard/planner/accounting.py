@@ -59,24 +59,13 @@ class Accounting:
     """What a plan moves, where, and how far that is from the bounds (the module docstring defines each figure).
 
     Attributes:
-        total_bytes: bytes all ops move, local copies included; `cross_bytes` + `local_bytes`.
-        cross_bytes: bytes that cross devices.
-        local_bytes: same-device copies (colocated plans only).
-        lower_bound_bytes: what the destinations must receive at least (the sum of `lower_bound_by_dst`).
-        gather_broadcast_bytes: what gather-to-rank-0-then-broadcast would move for the same model.
-        model_bytes: the bytes of the whole model, each element once.
-        num_ops: copy ops in the plan.
         num_transfers: distinct (stage, sender, receiver) messages.
         egress_bytes: by source rank, what the trainer sends.
         ingress_bytes: by destination rank, what it receives.
         relay_egress_bytes: by destination rank, what it forwards in fan-out trees.
-        lower_bound_by_dst: by destination rank, its share of model data.
         pair_bytes: (source rank, destination rank, bytes) of every pair that moves any.
         relay_pair_bytes: (relaying destination rank, destination rank, bytes).
         num_stages: stages of the fan-out trees (1 without fan-out).
-        egress_lower_bound: as in `Bounds`.
-        egress_unit_max: as in `Bounds`.
-        holder_sets_laminar: as in `Bounds`.
     """
 
     total_bytes: int

@@ -68,14 +68,7 @@ def check_after_refit(chunks: list[Any], engine: Scorer | None, sequences: Seque
     """`measure`, logged on rank 0, failing on every rank beyond the thresholds: what an RL loop calls after a refit.
 
     Args:
-        chunks: as for `measure`.
-        engine: as for `measure`.
-        sequences: as for `measure`.
-        vocab_size: as for `measure`.
-        dtype: as for `measure`.
-        limits: as for `measure`.
-        group: as for `measure`.
-        log: a print-like function for the report on rank 0, or None.
+        log: a print-like function for the report on rank 0, or None; the other arguments as for `measure`.
 
     Returns:
         The report, within thresholds.

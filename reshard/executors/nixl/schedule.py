@@ -38,6 +38,7 @@ from ...planner import Plan
 from ...planner.plan import RELAY
 from ..binding import Binding
 from ..copies import DST, SHADOW, SRC, WIRE, Copies, fold
+from ..partition import Partition, carve
 from .options import NixlOptions
 
 BLOCK_COLUMNS = ("src_kind", "src_id", "src_off", "src_stride", "dst_kind", "dst_id", "dst_off", "dst_stride",
@@ -143,37 +144,11 @@ class LinkSchedule:
         return self.arena_numel * self.itemsize
 
 
-def op_processes(plan: Plan, binding: Binding) -> tuple[np.ndarray, np.ndarray]:
-    """Sending and receiving process of every op."""
-    binding.check(plan.src.num_ranks, plan.dst.num_ranks)
-    o = plan.ops
-    src_proc, dst_proc = _i64(binding.src), _i64(binding.dst)
-    if not plan.num_ops:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    relay = o["src_side"] == RELAY
-    sender = np.empty(plan.num_ops, np.int64)
-    sender[~relay] = src_proc[o["src_rank"][~relay]]
-    sender[relay] = dst_proc[o["src_rank"][relay]]  # a relay's sender is a destination rank
-    return sender, dst_proc[o["dst_rank"]]
-
-
 def global_links(plan: Plan, binding: Binding) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(link id per op, -1 for local ops; stage, sender, receiver per link), the same on every process."""
-    sender, receiver = op_processes(plan, binding)
-    stage = plan.ops["stage"]
-    remote = sender != receiver
-    link_of_op = np.full(plan.num_ops, -1, np.int64)
-    if not remote.any():
-        return link_of_op, *(np.zeros(0, np.int64),) * 3
-    keys = np.stack([stage[remote], sender[remote], receiver[remote]], axis=1)
-    uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
-    link_of_op[remote] = inverse.reshape(-1)
-    return link_of_op, uniq[:, 0], uniq[:, 1], uniq[:, 2]
-
-
-def _relay_sources(plan: Plan, ops: np.ndarray) -> np.ndarray:
-    o = plan.ops
-    return np.unique(o["src_tensor"][ops[o["src_side"][ops] == RELAY]])
+    """(link id per op, -1 for local ops; stage, sender, receiver per link), the same on every process: a link is
+    one of the partition's streams (executors.partition)."""
+    link_of_op, keys = Partition(plan, binding, 0).streams
+    return link_of_op, keys[:, 0], keys[:, 1], keys[:, 2]
 
 
 def _sides(plan: Plan, ops: np.ndarray, staged: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -298,152 +273,99 @@ def build_schedule(plan: Plan, binding: Binding, process: int, options: NixlOpti
     are packed; runs whose receiver pieces average below `land_below` bytes are landed."""
     if not 0 <= process < binding.num_processes:
         raise ExecutionError(f"process {process} is outside the binding's processes 0..{binding.num_processes - 1}")
-    o = plan.ops
-    staged = options.staged
-    direction = choose_direction(plan, binding, options.direction)
-    sender, receiver = op_processes(plan, binding)
-    link_of_op, l_stage, l_send, l_recv = global_links(plan, binding)
-    mine_in = np.flatnonzero(l_recv == process)
-    mine_out = np.flatnonzero(l_send == process)
-    local_ops = np.flatnonzero((sender == process) & (receiver == process))
-    recv_ops = np.flatnonzero(receiver == process)
-    num_stages = plan.num_stages
-
-    # Shadows: destination tensors here that take direct remote bytes or that this process relays from.
-    relays_here = np.flatnonzero((sender == process) & (o["src_side"] == RELAY))
-    relay_src = set(_relay_sources(plan, relays_here).tolist())
-
-    # Links (both ends build the same Link): which ops to pack, then the pieces.
-    order = np.argsort(link_of_op, kind="stable")
-    counts = np.bincount(link_of_op[link_of_op >= 0], minlength=len(l_stage))
-    starts = np.concatenate([[0], np.cumsum(counts)]) + int((link_of_op < 0).sum())
-    links: dict[int, Link] = {}
-    itemsize = plan.itemsize
-    numel_of = o["rows"] * o["cols"]
-    piece_bytes = o["cols"] * itemsize  # a contiguous op is one piece (rows == 1), a strided block's are its rows
-    for lid in np.concatenate([mine_in, mine_out]).tolist():
-        ops = np.sort(order[starts[lid]:starts[lid + 1]])
-        if options.pack == "always":
-            pack_it = np.ones(len(ops), dtype=bool)
-        elif options.pack == "never":
-            pack_it = np.zeros(len(ops), dtype=bool)
-        else:
-            pack_it = piece_bytes[ops] < pack_below
-            if int(o["rows"][ops[pack_it]].sum()) < 2:  # one small piece: packing saves no descriptor
-                pack_it[:] = False
-        packed_ops = ops[pack_it]
-        packed_numel = int(numel_of[packed_ops].sum())
-        direct_ops = ops[~pack_it]
-        land_it = _landed(plan, direct_ops, land_below) if options.pack != "never" else \
-            np.zeros(len(direct_ops), dtype=bool)
-        landed_ops = direct_ops[land_it]
-        pieces = _expand_rows(plan, direct_ops[~land_it], staged)
-        n_direct = (len(pieces["numel"]) + len(_expand_rows(plan, landed_ops, staged)["numel"])
-                    + int(o["rows"][packed_ops].sum()))  # before coalescing the packed ones
-        landed = _landed_pieces(plan, landed_ops, staged, lid, packed_numel)
-        pieces = {k: np.concatenate([pieces[k], landed[k]]) for k in PIECE_COLUMNS}
-        if packed_numel:
-            pieces = {k: np.concatenate([pieces[k], _i64([v])])
-                      for k, v in zip(PIECE_COLUMNS, (WIRE, lid, 0, WIRE, lid, 0, packed_numel))}
-        links[lid] = Link(lid, int(l_stage[lid]), int(l_send[lid]), int(l_recv[lid]), ops,
-                          int(numel_of[ops].sum()), packed_ops, packed_numel, pieces, n_direct, landed_ops,
-                          int(numel_of[landed_ops].sum()))
-    incoming = tuple(links[i] for i in mine_in.tolist())
-    outgoing = tuple(links[i] for i in mine_out.tolist())
-
-    shadow: set[int] = set()
-    if staged:
-        shadow |= relay_src
-        for link in incoming:
-            direct = np.setdiff1d(link.ops, link.buffered_ops, assume_unique=True)
-            shadow |= set(np.unique(o["dst_tensor"][direct]).tolist())
+    o, staged = plan.ops, options.staged
+    part = Partition(plan, binding, process)
+    link_of_op, keys = part.streams
+    order = np.argsort(link_of_op, kind="stable")  # both ends build the same Link from the same ops
+    starts = np.concatenate([[0], np.cumsum(np.bincount(link_of_op[link_of_op >= 0], minlength=len(keys)))]) \
+        + int((link_of_op < 0).sum())
+    link = lambda lid: _link(plan, lid, keys[lid], np.sort(order[starts[lid]:starts[lid + 1]]), options,  # noqa: E731
+                             pack_below, land_below)
+    incoming = tuple(link(i) for i in np.flatnonzero(keys[:, 2] == process).tolist())
+    outgoing = tuple(link(i) for i in np.flatnonzero(keys[:, 1] == process).tolist())
+    # shadows: destination tensors here that take direct remote bytes or that this process relays from
     is_shadow = np.zeros(len(plan.dst_tensors), dtype=bool)
-    is_shadow[sorted(shadow)] = True
+    if staged:
+        is_shadow[part.relay_sources] = True
+        for lk in incoming:
+            is_shadow[o["dst_tensor"][np.setdiff1d(lk.ops, lk.buffered_ops, assume_unique=True)]] = True
+    shadow = tuple(np.flatnonzero(is_shadow).tolist())
+    arena, top = _arena(plan, shadow, incoming, outgoing)
+    pack, arrive, to_dst = _buffer_programs(part, incoming, outgoing, is_shadow, staged)
+    local, deferred = part.local_copies(is_shadow, ~is_shadow if staged else None)
+    commit = Copies.concat([to_dst, part.commit(is_shadow), deferred]) if staged else Copies.empty()
+    exposed: set[tuple[int, int]] = set()
+    for lk in incoming + outgoing:
+        side = "recv" if lk.receiver == process else "send"
+        exposed |= set(zip(lk.pieces[f"{side}_kind"].tolist(), lk.pieces[f"{side}_id"].tolist()))
+    sends = np.flatnonzero(part.sender == process)
+    src_ids = np.unique(o["src_tensor"][sends[o["src_side"][sends] != RELAY]])
+    dst_ids = np.unique(np.concatenate([o["dst_tensor"][part.landing], part.relay_sources]))
+    return LinkSchedule(process=process, direction=choose_direction(plan, binding, options.direction),
+                        staged=staged, num_stages=plan.num_stages, itemsize=plan.itemsize, incoming=incoming,
+                        outgoing=outgoing, pack=pack, arrive=arrive, local=tuple(local), commit=commit, shadow=shadow,
+                        arena=arena, arena_numel=top, src_ids=tuple(src_ids.tolist()), dst_ids=tuple(dst_ids.tolist()),
+                        local_numel=part.local_numel, exposed=tuple(sorted(exposed)), peers=part.peers)
 
-    # Arena: shadows, then send buffers, then receive buffers.
-    arena: dict[tuple[int, int], tuple[int, int]] = {}
-    align = max(1, ARENA_ALIGN_BYTES // itemsize)
-    top = 0
 
-    def place(key: tuple[int, int], numel: int) -> None:
-        nonlocal top
-        arena[key] = (top, numel)
-        top += -(-max(numel, 1) // align) * align
+def _link(plan: Plan, lid: int, key: np.ndarray, ops: np.ndarray, options: NixlOptions, pack_below: int,
+          land_below: int) -> Link:
+    """Link `lid` of (stage, sender, receiver) `key` moving `ops`: which ops to pack and land, then its pieces."""
+    o, staged = plan.ops, options.staged
+    numel_of = o["rows"] * o["cols"]
+    if options.pack in ("always", "never"):
+        pack_it = np.full(len(ops), options.pack == "always")
+    else:  # a contiguous op is one piece (rows == 1), a strided block's are its rows
+        pack_it = o["cols"][ops] * plan.itemsize < pack_below
+        if int(o["rows"][ops[pack_it]].sum()) < 2:  # one small piece: packing saves no descriptor
+            pack_it[:] = False
+    packed_ops, direct_ops = ops[pack_it], ops[~pack_it]
+    packed_numel = int(numel_of[packed_ops].sum())
+    land_it = _landed(plan, direct_ops, land_below) if options.pack != "never" else np.zeros(len(direct_ops), bool)
+    landed_ops = direct_ops[land_it]
+    pieces = _expand_rows(plan, direct_ops[~land_it], staged)
+    n_direct = (len(pieces["numel"]) + len(_expand_rows(plan, landed_ops, staged)["numel"])
+                + int(o["rows"][packed_ops].sum()))  # before coalescing the packed ones
+    landed = _landed_pieces(plan, landed_ops, staged, lid, packed_numel)
+    pieces = {k: np.concatenate([pieces[k], landed[k]]) for k in PIECE_COLUMNS}
+    if packed_numel:
+        pieces = {k: np.concatenate([pieces[k], _i64([v])])
+                  for k, v in zip(PIECE_COLUMNS, (WIRE, lid, 0, WIRE, lid, 0, packed_numel))}
+    stage, sender, receiver = (int(x) for x in key)
+    return Link(lid, stage, sender, receiver, ops, int(numel_of[ops].sum()), packed_ops, packed_numel, pieces,
+                n_direct, landed_ops, int(numel_of[landed_ops].sum()))
 
-    for t in sorted(shadow):
-        place((SHADOW, t), int(np.prod(plan.dst_tensors.shapes[t])))
-    for link in outgoing:
-        if link.packed:
-            place((WIRE, link.id), link.packed_numel)
-    for link in incoming:
-        if link.recv_numel:
-            place((WIRE, link.id), link.recv_numel)
 
-    landing = SHADOW if staged else DST
-    # Pack programs (sender) and scatter programs (receiver) of packed links.
+def _arena(plan: Plan, shadow: tuple[int, ...], incoming: tuple[Link, ...], outgoing: tuple[Link, ...]) \
+        -> tuple[dict[tuple[int, int], tuple[int, int]], int]:
+    """(kind, id) -> (element offset, numel) in one arena: shadows, then send buffers, then receive buffers."""
+    regions = {(SHADOW, t): int(np.prod(plan.dst_tensors.shapes[t])) for t in shadow}
+    regions.update({(WIRE, lk.id): lk.packed_numel for lk in outgoing if lk.packed})
+    regions.update({(WIRE, lk.id): lk.recv_numel for lk in incoming if lk.recv_numel})
+    starts, top = carve(list(regions.values()), max(1, ARENA_ALIGN_BYTES // plan.itemsize))
+    return {k: (a, n) for (k, n), a in zip(regions.items(), starts)}, top
+
+
+def _buffer_programs(part: Partition, incoming: tuple[Link, ...], outgoing: tuple[Link, ...], is_shadow: np.ndarray,
+                     staged: bool) -> tuple[dict[int, Copies], dict[int, Copies], Copies]:
+    """Pack programs of packed outgoing links (sender), scatter programs of incoming ones run as each arrives
+    (receiver), and the scatters into tensors without a shadow that a staged refit defers to its commit."""
+    plan = part.plan
+    o = plan.ops
+    numel_of = o["rows"] * o["cols"]
     pack: dict[int, Copies] = {}
     arrive: dict[int, Copies] = {}
-    commit_parts: list[dict[str, np.ndarray]] = []
-    for link in outgoing:
-        if link.packed:
-            ops = link.packed_ops
+    later: list[dict[str, np.ndarray]] = []
+    for lk in outgoing:
+        if lk.packed:
+            ops = lk.packed_ops
             offs = np.cumsum(numel_of[ops]) - numel_of[ops]
-            read_kind = np.where(o["src_side"][ops] == RELAY, landing, SRC)
-            pack[link.id] = fold(**_block_copies(plan, ops, read_kind, WIRE, link.id, offs))
-    for link in incoming:
-        if link.recv_numel:
-            ops = link.buffered_ops
+            pack[lk.id] = fold(**_block_copies(plan, ops, part.read_kind(ops, is_shadow), WIRE, lk.id, offs))
+    for lk in incoming:
+        if lk.recv_numel:
+            ops = lk.buffered_ops
             offs = np.cumsum(numel_of[ops]) - numel_of[ops]
-            to_shadow = is_shadow[o["dst_tensor"][ops]]
-            if staged:
-                arrive[link.id] = fold(**_scatter_copies(plan, ops[to_shadow], link.id, offs[to_shadow], SHADOW))
-                commit_parts.append(_scatter_copies(plan, ops[~to_shadow], link.id, offs[~to_shadow], DST))
-            else:
-                arrive[link.id] = fold(**_scatter_copies(plan, ops, link.id, offs, DST))
-
-    # Local copies per stage; a staged refit defers those bound for unshadowed tensors to the commit.
-    local: list[Copies] = []
-    deferred: list[dict[str, np.ndarray]] = []
-    for s in range(num_stages):
-        ops = local_ops[o["stage"][local_ops] == s]
-        read_kind = np.where(o["src_side"][ops] == RELAY, landing, SRC)
-        if staged:
-            into = is_shadow[o["dst_tensor"][ops]]
-            local.append(fold(**_block_copies(plan, ops[into], read_kind[into], SHADOW)))
-            deferred.append(_block_copies(plan, ops[~into], read_kind[~into], DST))
-        else:
-            local.append(fold(**_block_copies(plan, ops, read_kind, DST)))
-    # Commit: each shadow into its tensor (whole when the plan writes all of it, else op by op).
-    if staged:
-        for t in sorted(shadow):
-            ops = recv_ops[o["dst_tensor"][recv_ops] == t]
-            size = int(np.prod(plan.dst_tensors.shapes[t]))
-            written = int((o["rows"][ops] * o["cols"][ops]).sum())
-            if written == size:
-                commit_parts.append(_blocks(1, src_kind=SHADOW, src_id=t, src_off=0, src_stride=size,
-                                            dst_kind=DST, dst_id=t, dst_off=0, dst_stride=size, rows=1,
-                                            cols=size))
-            elif len(ops):
-                commit_parts.append(_blocks(len(ops), src_kind=SHADOW, src_id=t, src_off=o["dst_offset"][ops],
-                                            src_stride=o["dst_stride"][ops], dst_kind=DST, dst_id=t,
-                                            dst_off=o["dst_offset"][ops], dst_stride=o["dst_stride"][ops],
-                                            rows=o["rows"][ops], cols=o["cols"][ops]))
-        commit_parts.extend(deferred)
-
-    # Tensors this process must hold, and the memories peers address.
-    sends = np.flatnonzero(sender == process)
-    src_ids = np.unique(o["src_tensor"][sends[o["src_side"][sends] != RELAY]])
-    dst_ids = np.unique(np.concatenate([o["dst_tensor"][recv_ops], o["src_tensor"][relays_here]]))
-    exposed: set[tuple[int, int]] = set()
-    for link in incoming + outgoing:
-        here = link.receiver == process
-        p = link.pieces
-        kinds, ids = (p["recv_kind"], p["recv_id"]) if here else (p["send_kind"], p["send_id"])
-        exposed |= set(zip(kinds.tolist(), ids.tolist()))
-    peers = sorted({link.sender for link in incoming} | {link.receiver for link in outgoing})
-    return LinkSchedule(process=process, direction=direction, staged=staged, num_stages=num_stages,
-                        itemsize=itemsize, incoming=incoming, outgoing=outgoing, pack=pack, arrive=arrive,
-                        local=tuple(local), commit=_fold(commit_parts), shadow=tuple(sorted(shadow)),
-                        arena=arena, arena_numel=top, src_ids=tuple(src_ids.tolist()),
-                        dst_ids=tuple(dst_ids.tolist()), local_numel=int(numel_of[local_ops].sum()),
-                        exposed=tuple(sorted(exposed)), peers=tuple(peers))
+            into = is_shadow[o["dst_tensor"][ops]] | (not staged)
+            arrive[lk.id] = fold(**_scatter_copies(plan, ops[into], lk.id, offs[into], SHADOW if staged else DST))
+            later.append(_scatter_copies(plan, ops[~into], lk.id, offs[~into], DST))
+    return pack, arrive, _fold(later) if later else Copies.empty()

@@ -77,7 +77,7 @@ def test_invalid_layout_strings_name_the_option(case):
     lambda kk: st.tuples(st.just(kk[0]), st.just(kk[1]), invalid_constructor_values(LAYOUT_OPTIONS[kk[0]][kk[1]][0], kk[1]))))
 def test_invalid_layout_constructor_values_name_the_field(case):
     kind, key, value = case
-    cls = reshard.layouts.spec_string.LAYOUT_KINDS[kind]
+    cls = reshard.layouts.registered_layouts()[kind]
     with pytest.raises(InputError) as info:
         cls(model=SPEC, **{key: value})
     assert key in str(info.value), (kind, key, value, str(info.value))

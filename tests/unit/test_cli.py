@@ -43,7 +43,7 @@ def test_readme_dry_run_prints_summary():
 @pytest.mark.parametrize("args,words", [
     (["--src", "megatron:tp=3"], "num_attention_heads=32 is not divisible by tp=3"),
     (["--src", "megatron:tp=2,bogus=1"], "unknown option 'bogus'"),
-    (["--src", "deepspeed:tp=2"], "unknown layout kind 'deepspeed'"),
+    (["--src", "deepspeed:tp=2"], "unknown layout engine 'deepspeed'"),
     (["--src", "megatron:tp=2", "--colocated", "1,x"], "--colocated='1,x' must list whole numbers, comma-separated"),
     (["--src", "megatron:tp=2", "--colocated", "0,5"], "--colocated='0,5' lists [5] outside [0, 2)"),
 ])

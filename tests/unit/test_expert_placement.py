@@ -117,7 +117,7 @@ def test_placement_is_part_of_the_layouts_identity():
     """Equality, hashing, JSON and the layout string all carry the placement; the initial one given explicitly is
     the same layout as redundant_experts alone; layouts without EPLB keep the JSON form they had."""
     plain = VllmLayout(model=MOE, tp=2, expert_parallel=True)
-    assert set(layout_to_dict(plain)) == {"kind", "model", "tp", "replicas", "expert_parallel", "vocab_padding"}
+    assert set(layout_to_dict(plain)) == {"engine", "model", "tp", "replicas", "expert_parallel", "vocab_padding"}
     initial = VllmLayout(model=MOE, tp=2, expert_parallel=True, redundant_experts=2)
     explicit = VllmLayout(model=MOE, tp=2, expert_parallel=True, expert_placement=ExpertPlacement.initial(4, 2, 2))
     assert initial == explicit and hash(initial) == hash(explicit) and explicit.expert_placement is None

@@ -13,14 +13,15 @@ from reshard.executors import allocate, execute_local, shard, unshard
 from reshard.errors import ArgumentError, ModelConfigError
 from reshard.layouts import (HfLayout, MegatronLayout, ModelFamily, VllmLayout, register_family,
                              registered_families)
-from reshard.layouts.cuts import ColumnBlocks, Kind, Replicated
+from reshard.layouts.cuts import ColumnBlocks, Replicated
+from reshard.layouts.roles import tensor_kind
 from reshard.layouts.family import LAYER, attention_layer, dense_mlp
 from reshard.layouts.model import Entry, ModelSpec
 
 # A per-layer gain vector, whole on every rank, and a [H, H] mixing matrix cut into column blocks; Megatron and
 # vLLM name them differently (Megatron's names follow `decoder.layers.{index in the chunk}.`, vLLM's are full).
-GAIN = Kind("toy_gain", Replicated("self_attention.gain"), Replicated(LAYER + "self_attn.gain"))
-MIX = Kind("toy_mix", ColumnBlocks("mlp.mix.weight"), ColumnBlocks(LAYER + "mlp.mix_proj.weight"))
+GAIN = tensor_kind("toy_gain", Replicated("self_attention.gain"), Replicated(LAYER + "self_attn.gain"))
+MIX = tensor_kind("toy_mix", ColumnBlocks("mlp.mix.weight"), ColumnBlocks(LAYER + "mlp.mix_proj.weight"))
 
 
 @register_family

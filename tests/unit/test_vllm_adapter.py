@@ -188,7 +188,7 @@ def test_refit_spec_round_trips_as_json_and_refuses_bad_fields():
         RefitSpec.from_dict({**spec.to_dict(), "replica": True})
     with pytest.raises(reshard.PlanError, match="must be a JSON object"):
         RefitSpec.from_dict([1, 2])
-    with pytest.raises(reshard.LayoutError, match="must be a vllm layout"):
+    with pytest.raises(reshard.LayoutError, match="a hf layout is not a refit destination"):
         RefitSpec.of(SPEC, src, reshard.HfLayout(model=SPEC)).layouts()
 
 
@@ -205,10 +205,10 @@ def test_adapter_refit_specs_name_their_slot_and_nothing_else():
     for bad in ({"lora_id": None}, {"lora_id": 0}, {"lora_id": True}, {"install": "direct"}):
         with pytest.raises(reshard.PlanError, match="install='lora_slot' needs the served adapter's id"):
             spec.with_(**bad)
-    with pytest.raises(reshard.LayoutError, match="an adapter lands with install='lora_slot'"):
+    with pytest.raises(reshard.LayoutError, match="a vllm_lora layout accepts install \\['lora_slot'\\]"):
         spec.with_(install="direct", lora_id=None).layouts()
     full = reshard.MegatronLayout(model=SPEC, tp=2)
-    with pytest.raises(reshard.LayoutError, match="an adapter lands with install='lora_slot'"):
+    with pytest.raises(reshard.LayoutError, match="a vllm layout accepts install \\['direct', 'loader'\\]"):
         RefitSpec.of(SPEC, full, reshard.VllmLayout(model=SPEC, tp=2), install="lora_slot", lora_id=1).layouts()
     with pytest.raises(ExecutionError, match="one id per engine"):
         TrainerSession(RefitSpec.of(SPEC, full, reshard.VllmLayout(model=SPEC, tp=2), transport="inprocess"), 0,

@@ -1,8 +1,6 @@
 """Hypothesis strategies: random small models (dense and MoE; MHA and GQA; tied and untied; vocab sizes that
-need padding) and random valid layouts of every kind for them.
-
-Topologies are drawn from the values that satisfy each layout's rules, so no example is thrown away; the
-invalid ones are drawn on purpose by `invalid_declarations`.
+need padding) and random valid layouts of every kind for them (`random_layouts`' choices, drawn by hypothesis).
+The invalid ones are drawn on purpose by `invalid_declarations`.
 """
 from __future__ import annotations
 
@@ -11,10 +9,12 @@ from hypothesis import strategies as st
 from ..layouts import HfLayout, Layout, MegatronLayout, ModelSpec, VllmLayout
 from ..layouts.expert_placement import ExpertPlacement
 from ..planner import Plan, compile_plan
+from .random_layouts import Pick, divisors, expert_placement, megatron_layout, vllm_layout, vllm_tp_choices
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def _picker(draw) -> Pick:
+    """`random_layouts`' pick through hypothesis's draw (so a failing example shrinks)."""
+    return lambda options: draw(st.sampled_from(list(options)))
 
 
 @st.composite
@@ -40,82 +40,19 @@ def models(draw, moe: bool | None = None, dtype: str = "float32") -> ModelSpec:
         dense_layers=dense, dtype=dtype)
 
 
-def _common(*values: int) -> list[int]:
-    out = set(divisors(values[0]))
-    for v in values[1:]:
-        out &= set(divisors(v))
-    return sorted(out)
-
-
 @st.composite
 def megatron_layouts(draw, model: ModelSpec) -> MegatronLayout:
-    dense_ffn = [model.intermediate_size] if (not model.is_moe or model.dense_layers) else []
-    qkv_rows = (model.num_attention_heads + 2 * model.num_key_value_heads) * model.head_dim
-    tp = draw(st.sampled_from(_common(model.num_attention_heads, qkv_rows, *dense_ffn)))
-    L = model.num_layers
-    pp_choices = [(p, None, None, 1) for p in divisors(L)]
-    pp_choices += [(p, 1, None, 1) for p in (2, 3) if p <= L and (L - 1) % (p - 1) == 0 and L - 1 >= p - 1]
-    pp_choices += [(p, None, 1, 1) for p in (2,) if L >= 2]
-    pp_choices += [(p, None, None, v) for p in (2,) for v in (2,) if L % (p * v) == 0]
-    pp, first, last, vpp = draw(st.sampled_from(pp_choices))
-    ep, etp = 1, tp
-    if model.is_moe:
-        ep = draw(st.sampled_from(divisors(model.num_experts)))
-        etp = draw(st.sampled_from(divisors(model.moe_intermediate_size)[:3]))
-    dense, expert = tp * pp, etp * ep * pp
-    base = dense * expert // _gcd(dense, expert)
-    world = base * draw(st.sampled_from([1, 2]))
-    order = draw(st.sampled_from(["tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp", "tp-pp-dp-cp-ep"]))
-    return MegatronLayout(model=model, tp=tp, pp=pp, ep=ep, etp=etp, world=world, vpp=vpp,
-                          first_stage_layers=first, last_stage_layers=last,
-                          vocab_divisor=draw(st.sampled_from([1, 8, 128])),
-                          naming=draw(st.sampled_from(["local", "te"])), rank_order=order)
-
-
-def vllm_tp_choices(model: ModelSpec, expert_parallel: bool) -> list[int]:
-    g, out = model.num_key_value_heads, []
-    for tp in (1, 2, 4, 8):
-        if model.num_attention_heads % tp or (tp >= g and tp % g) or (tp < g and g % tp):
-            continue
-        if (not model.is_moe or model.dense_layers) and model.intermediate_size % tp:
-            continue
-        if model.is_moe and expert_parallel and model.num_experts % tp:
-            continue
-        if model.is_moe and not expert_parallel and model.moe_intermediate_size % tp:
-            continue
-        out.append(tp)
-    return out
+    return megatron_layout(model, _picker(draw))
 
 
 @st.composite
 def expert_placements(draw, model: ModelSpec, ranks: int, redundant: int) -> ExpertPlacement:
-    """A placement of `model`'s experts in E + `redundant` slots over `ranks` EP ranks, as EPLB may leave it: every
-    expert at least once, the redundant slots any experts, shuffled; one row for every MoE layer, or one each."""
-    E = model.num_experts
-    moe_layers = sum(model.is_moe_layer(i) for i in range(model.num_layers))
-
-    def row() -> list[int]:
-        slots = list(range(E)) + draw(st.lists(st.integers(0, E - 1), min_size=redundant, max_size=redundant))
-        return draw(st.permutations(slots))
-
-    rows = [row()] if draw(st.booleans()) else [row() for _ in range(moe_layers)]
-    return ExpertPlacement(ranks=ranks, logical_experts=E, physical_to_logical=rows)
+    return expert_placement(model, ranks, redundant, _picker(draw))
 
 
 @st.composite
 def vllm_layouts(draw, model: ModelSpec) -> VllmLayout:
-    ep = model.is_moe and draw(st.booleans())
-    tp = draw(st.sampled_from(vllm_tp_choices(model, ep) or vllm_tp_choices(model, False)))
-    if not vllm_tp_choices(model, ep):
-        ep = False
-    eplb = {}
-    if ep and draw(st.booleans()):  # EPLB: redundant experts (a multiple of the EP size), a placement or vLLM's
-        redundant = tp * draw(st.integers(0, 2))
-        eplb = {"redundant_experts": redundant}
-        if draw(st.booleans()):
-            eplb["expert_placement"] = draw(expert_placements(model, tp, redundant))
-    return VllmLayout(model=model, tp=tp, replicas=draw(st.integers(1, 3)), expert_parallel=ep,
-                      vocab_padding=draw(st.sampled_from([tp, 8 * tp, 64])), **eplb)
+    return vllm_layout(model, _picker(draw))
 
 
 def layouts(model: ModelSpec) -> st.SearchStrategy[Layout]:
@@ -139,12 +76,6 @@ def refit_plans(draw) -> Plan:
     fanout = draw(st.sampled_from([None, None, 1, 2]))
     colocated = draw(st.booleans()) and dst.num_ranks <= src.num_ranks
     return compile_plan(src, dst, colocated=colocated, fanout=fanout)
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
 
 
 # --- invalid declarations, each with the words its error must contain ---------------------------------

@@ -78,9 +78,10 @@ class TrainerSession:
         timeout: seconds a refit may take, all its steps together (every wait and clean-up is bounded by it), and
             any one step of init or close.
         lora_ids: install="lora_slot" with engines that serve the adapter under different ids: engine k's id.
-        lease: seconds of the driver's lease on engines that keep one (a server running reshard's lease
-            middleware): process 0 renews it from init to close; if it dies, the engine ends the open update by
-            itself and serves its previous weights. None: no lease.
+        lease: seconds of the driver's lease on engines that keep one (`engines.Leased`: a VllmServer running
+            reshard's lease middleware, a Ray engine actor): process 0 renews it from init to close; if it dies or
+            freezes, the engine ends the open update by itself within `lease` (+ the transport's timeout when bytes
+            are in flight) and serves its previous weights. None: no lease.
 
     Raises:
         ArgumentError: an argument of the wrong type or an impossible value.
@@ -92,20 +93,6 @@ class TrainerSession:
                  engines: Sequence[EngineClient] = (), trainer_group: Any = None, rendezvous: Any = None,
                  host: str | None = None, pause: str | None = "wait", timeout: float = 600.0,
                  lora_ids: Sequence[int] | None = None, lease: float | None = 30.0) -> None:
-        """refit: what the trainer and the engines agree on (replica and digest are filled in per engine).
-        process: this trainer process's rank (it plays source rank `process` of the plan).
-        tensors: this process's source tensors ({physical name: tensor}, or {source rank: {...}}).
-        engines: on process 0, the engines to refit (replica k = engines[k]); other processes pass none.
-        trainer_group: a torch.distributed group of the trainer processes, to share the rendezvous from process
-            0 (else pass `rendezvous`, the same on every process, with a fixed port and secret).
-        pause: how engines are paused around a refit (a VllmServer's /pause mode), or None not to pause.
-        lora_ids: install="lora_slot" with engines that serve the adapter under different ids: engine k's id
-            (else every engine gets the refit's `lora_id`).
-        lease: seconds of the driver's lease on engines that keep one (`acquire_lease`: a VllmServer whose server
-            runs reshard's lease middleware): process 0 renews it from init to close; if this process dies or
-            freezes, the engine ends the open update by itself within `lease` (+ the transport's timeout when bytes
-            are in flight) and serves its previous weights. None: no lease.
-        """
         _check_arguments(refit, process, tensors, engines, trainer_group, rendezvous, host, pause, timeout, lora_ids)
         self.refit_spec, self.process = refit, process
         self.tensors = tensors if tensors and all(isinstance(k, int) for k in tensors) else {process: tensors}

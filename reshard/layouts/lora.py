@@ -291,7 +291,8 @@ class LoraFamily(ModelFamily):
         return out + ([Experts(tuple(entries), spec.num_experts)] if entries else [])
 
 
-def _mlp_entries(prefix: str, k: dict[str, TensorKind], H: int, r: int, F: int, targets: tuple[str, ...]) -> list[Entry]:
+def _mlp_entries(prefix: str, k: dict[str, TensorKind], H: int, r: int, F: int,
+                 targets: tuple[str, ...]) -> list[Entry]:
     """A SwiGLU MLP's adapter tensors under `prefix` (a dense MLP, one expert's, or one shared by all experts)."""
     out: list[Entry] = []
     if "linear_fc1" in targets:
@@ -387,5 +388,6 @@ class VllmLoraLayout(VllmLayout):
 
 
 __all__ = ["BASE_FAMILIES", "EXPERT_ADAPTERS", "LoraFacts", "LoraFamily", "PEFT_MODULES", "PeftLayout",
-           "TARGETS", "VllmLoraLayout", "base_spec", "lora_facts", "lora_kind", "lora_kinds", "lora_spec", "peft_config"]
+           "TARGETS", "VllmLoraLayout", "base_spec", "lora_facts", "lora_kind", "lora_kinds", "lora_spec",
+           "peft_config"]
 

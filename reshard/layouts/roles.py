@@ -34,7 +34,8 @@ def gated_mlp(megatron: str, vllm: str, label: str = "") -> tuple[TensorKind, Te
     fc1, gate_up = megatron + "linear_fc1.weight", vllm + "gate_up_proj.weight"
     return (tensor_kind(label + "gate", RowBlocks(fc1, 0, 2), RowBlocks(gate_up, 0, 2), linear=True),
             tensor_kind(label + "up", RowBlocks(fc1, 1, 2), RowBlocks(gate_up, 1, 2), linear=True),
-            tensor_kind(label + "down", ColumnBlocks(megatron + "linear_fc2.weight"), ColumnBlocks(vllm + "down_proj.weight"),
+            tensor_kind(label + "down",
+                        ColumnBlocks(megatron + "linear_fc2.weight"), ColumnBlocks(vllm + "down_proj.weight"),
                  linear=True))
 
 

@@ -38,18 +38,23 @@ from ..roles import gated_mlp, tensor_kind
 _A = LAYER + "self_attn."
 _M = LAYER + "mlp."
 
-INPUT_NORM = tensor_kind("mla_input_norm", Replicated("input_layernorm.weight"), Replicated(LAYER + "input_layernorm.weight"))
-Q_NORM = tensor_kind("mla_q_norm", Replicated("self_attention.q_layernorm.weight"), Replicated(_A + "q_a_layernorm.weight"),
+INPUT_NORM = tensor_kind("mla_input_norm",
+                         Replicated("input_layernorm.weight"), Replicated(LAYER + "input_layernorm.weight"))
+Q_NORM = tensor_kind("mla_q_norm",
+                     Replicated("self_attention.q_layernorm.weight"), Replicated(_A + "q_a_layernorm.weight"),
               te=Replicated("self_attention.linear_q_up_proj.layer_norm_weight"))
 KV_NORM = tensor_kind("mla_kv_norm", Replicated("self_attention.kv_layernorm.weight"),
                Replicated(_A + "kv_a_layernorm.weight"),
                te=Replicated("self_attention.linear_kv_up_proj.layer_norm_weight"))
 Q_UP = tensor_kind("mla_q_up", RowBlocks("self_attention.linear_q_up_proj.weight"), RowBlocks(_A + "q_b_proj.weight"),
             linear=True)
-Q_FULL = tensor_kind("mla_q", RowBlocks("self_attention.linear_q_proj.weight"), RowBlocks(_A + "q_proj.weight"), linear=True)
-KV_UP = tensor_kind("mla_kv_up", RowBlocks("self_attention.linear_kv_up_proj.weight"), RowBlocks(_A + "kv_b_proj.weight"),
+Q_FULL = tensor_kind("mla_q",
+                     RowBlocks("self_attention.linear_q_proj.weight"), RowBlocks(_A + "q_proj.weight"), linear=True)
+KV_UP = tensor_kind("mla_kv_up",
+                    RowBlocks("self_attention.linear_kv_up_proj.weight"), RowBlocks(_A + "kv_b_proj.weight"),
              linear=True)
-ROUTER_BIAS = tensor_kind("router_bias", Replicated("mlp.router.expert_bias"), Replicated(_M + "gate.e_score_correction_bias"))
+ROUTER_BIAS = tensor_kind("router_bias",
+                          Replicated("mlp.router.expert_bias"), Replicated(_M + "gate.e_score_correction_bias"))
 SHARED_GATE, SHARED_UP, SHARED_DOWN = gated_mlp("mlp.shared_experts.", _M + "shared_experts.", "shared_expert_")
 
 
@@ -61,7 +66,8 @@ def _down_kinds(q_rank: int | None, kv_rows: int) -> tuple[TensorKind | None, Te
         return None, tensor_kind("mla_kv_down", RowBlocks(kv_name), Replicated(_A + "kv_a_proj_with_mqa.weight"),
                           te=Replicated(kv_name), linear=True)
     fused = _A + "fused_qkv_a_proj.weight"
-    return (tensor_kind("mla_q_down", RowBlocks(q_name), ReplicatedAt(fused, 0, q_rank + kv_rows), te=Replicated(q_name),
+    return (tensor_kind("mla_q_down",
+                        RowBlocks(q_name), ReplicatedAt(fused, 0, q_rank + kv_rows), te=Replicated(q_name),
                  linear=True),
             tensor_kind("mla_kv_down", RowBlocks(kv_name), ReplicatedAt(fused, q_rank, q_rank + kv_rows),
                  te=Replicated(kv_name), linear=True))

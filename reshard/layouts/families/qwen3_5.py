@@ -53,7 +53,8 @@ _MLP = LAYER + "mlp."
 _LAYER_TYPES = ("linear_attention", "full_attention")
 
 GDN_INPUT_NORM = tensor_kind("gdn_input_norm", Replicated("input_layernorm.weight"),
-                      Replicated(LAYER + "input_layernorm.weight"), te=Replicated("self_attention.in_proj.layer_norm_weight"))
+                             Replicated(LAYER + "input_layernorm.weight"),
+                             te=Replicated("self_attention.in_proj.layer_norm_weight"))
 GDN_DT_BIAS = tensor_kind("gdn_dt_bias", RowBlocks("self_attention.dt_bias"), RowBlocks(_LIN + "dt_bias"))
 GDN_A_LOG = tensor_kind("gdn_a_log", RowBlocks("self_attention.A_log"), RowBlocks(_LIN + "A_log"))
 # The GDN output norm is a plain RMSNorm weight in HF and vLLM (w * rmsnorm(x) * silu(z)), but Megatron builds it
@@ -61,7 +62,8 @@ GDN_A_LOG = tensor_kind("gdn_a_log", RowBlocks("self_attention.A_log"), RowBlock
 # plans add +1 going Megatron -> HF / vLLM and -1 the other way.
 GDN_NORM = tensor_kind("gdn_norm", Replicated("self_attention.out_norm.weight"), Replicated(_LIN + "norm.weight"),
                 megatron_offset=-1.0)
-GDN_OUT = tensor_kind("gdn_out_proj", ColumnBlocks("self_attention.out_proj.weight"), ColumnBlocks(_LIN + "out_proj.weight"))
+GDN_OUT = tensor_kind("gdn_out_proj",
+                      ColumnBlocks("self_attention.out_proj.weight"), ColumnBlocks(_LIN + "out_proj.weight"))
 SHARED_GATE, SHARED_UP, SHARED_DOWN = gated_mlp("mlp.shared_experts.", _MLP + "shared_expert.", "shared_expert_proj_")
 SHARED_EXPERT_GATE = tensor_kind("shared_expert_gate", Replicated("mlp.shared_experts.gate_weight"),
                           Replicated(_MLP + "shared_expert_gate.weight"))

@@ -354,10 +354,6 @@ def worker(args) -> None:
         device = torch.device("cuda", rank)
         backend = "nccl"
     kw = {"device_id": device} if backend == "nccl" else {}
-    if backend == "nccl" and args.nccl_high_priority:  # NCCL kernels ahead of copy kernels on the SMs
-        opts = dist.ProcessGroupNCCL.Options()
-        opts.is_high_priority_stream = True
-        kw["pg_options"] = opts
     dist.init_process_group(backend, init_method=f"file://{args.store}", rank=rank, world_size=args.world,
                             timeout=timedelta(seconds=300), **kw)
     spec = small_spec() if small else reshard.ModelSpec.from_hf_config(ROOT / "examples/configs/qwen3-8b.json")
@@ -414,8 +410,6 @@ def main() -> None:
                          "messages; default: the executor's, which depends on --lanes)")
     ap.add_argument("--lanes", type=int, default=None,
                     help="communicators the rounds are spread over (default: the executor's, 3 on NCCL)")
-    ap.add_argument("--nccl-high-priority", action="store_true",
-                    help="give the process group high-priority NCCL streams (ProcessGroupNCCL.Options)")
     ap.add_argument("--check", action="store_true", help="first check small plans with relays against execute_local")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
@@ -446,14 +440,13 @@ def main() -> None:
             (["--lanes", str(args.lanes)] if args.lanes is not None else []) + \
             (["--direct-bytes", str(args.direct_bytes)] if args.direct_bytes is not None else []) + \
             (["--small"] if args.small else []) + \
-            (["--check"] if args.check else []) + (["--nccl-high-priority"] if args.nccl_high_priority else [])
+            (["--check"] if args.check else [])
         procs = [subprocess.Popen(cmd + ["--worker", str(r)]) for r in range(world)]
         codes = [p.wait() for p in procs]
         if any(codes) or not Path(out).exists():
             sys.exit(f"a worker failed (exit codes {codes})")
         results = json.loads(Path(out).read_text())
-    device = "CPU (gloo)" if args.small else torch.cuda.get_device_name(0) + f" x{world} (NCCL" + \
-        (", high-priority streams)" if args.nccl_high_priority else ")")
+    device = "CPU (gloo)" if args.small else torch.cuda.get_device_name(0) + f" x{world} (NCCL)"
     print(table(results, device))
     if not args.small:
         print(predictions(results))

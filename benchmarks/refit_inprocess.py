@@ -8,8 +8,9 @@ the model and vLLM TP1 tensors, random bf16 weights. Per model (--configs):
   bound, no graph      the bound executor (executors.bound) with its program run eagerly
   inprocess            the inprocess transport end to end (PublishedSource: the bound executor, one CUDA graph)
   bound variants       graph modes and streams; on a GPU the table-copy kernel (kernels.copy_table) for the large
-                       copies over its TUNING (chunk sizes, warps, cache hints, unroll, persistent grid;
-                       --table-variants), each variant's bytes checked against the reference
+                       copies over KernelTuning's chunk sizes and warps (--table-variants), each variant's bytes
+                       checked against the reference (its cache hints, one block in flight and a persistent grid were
+                       measured no better and removed: BENCHMARKS.md, Same host, issue 31 fourth run)
 With --fp8 (first model only; GPU):
   quantize kernel      the Triton quantizer alone, straight into the engine's fp8 weights and scales; ceiling: its
                        bytes (bf16 read + fp8 write + scales) at the copy's bandwidth
@@ -18,15 +19,21 @@ With --fp8 (first model only; GPU):
   fp8 refit shadows    the same through the wire's shadows and the bound copies (kernel quantizer)
   fp8 receivers        Megatron TP2 (both ranks here) -> vLLM TP1: the trainer's TP cuts the MLP through blocks,
                        so those kinds travel bf16 into staging and the receivers quantize (kernel)
-  fp8 rest table       the direct refit with the copies beside the quantizer through the table kernel
-  and the bytes of the direct and shadow refits against the eager reference path, tensor for tensor.
+  quantizer variants   KernelTuning's quantizer warps (--quantize-variants), the quantizer alone and the whole
+                       direct refit, each one's bytes against the reference
+  and the bytes of the direct and shadow refits against the eager reference path, tensor for tensor. The variants
+  measured slower and removed (BENCHMARKS.md, FP8, issue 31 sixth round) are no longer swept: a launch per job, the
+  float32 amax forms, strips of blocks, side streams for the jobs, and the rest's copies through the table kernel
+  beside the quantizer.
   --quick: without the quantizer's variants and the receivers' case.
 With --sum64 (the extras model): the "sum64" digest of the refit's source stream (every op's block, plan order)
 as a separate pass (checksum.Sum64Program, one graph), against the refit's own time; the torch-ops digest of
 the same blocks (the reference, once) must be equal. Then the refit with checksum="sum64" (the bound executor
-with the copy-and-checksum kernel, kernels.copy_sum64: bytes read once) over windows and warps, its digest
-against the reference and its bytes against the plain refit's, and its time beside the refit's, the device copy
-and the separate pass.
+with the copy-and-checksum kernel, kernels.copy_sum64: bytes read once) over KernelTuning's windows and warps,
+its digest against the reference and its bytes against the plain refit's, and its time beside the refit's, the
+device copy and the separate pass.
+
+Every variant is a `KernelTuning` (reshard.kernels) handed to the executor it runs: no module state is changed.
 
     python benchmarks/refit_inprocess.py --device cuda --configs qwen3-8b,qwen3-30b-a3b --fp8 --sum64 --json out
 """
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import json
 import statistics
 import sys
@@ -47,16 +55,31 @@ sys.path.insert(0, str(ROOT))
 
 import reshard  # noqa: E402
 from reshard.executors.local import LocalExecutor, allocate  # noqa: E402
+from reshard.kernels import KernelTuning  # noqa: E402
+
+# the variants swept, as KernelTuning overrides (--table-variants and --quantize-variants replace the first two)
+TABLE_VARIANTS = tuple({"copy_chunk_bytes": c << 10, "copy_warps": w} for c, w in
+                       ((32, 16), (48, 16), (64, 16), (256, 16), (48, 8)))
+QUANTIZE_VARIANTS = tuple({"quantize_warps": w} for w in (4, 8, 16))
+SUM64_VARIANTS = tuple({"sum64_window_bytes": k << 10, "sum64_warps": w} for k, w in
+                       ((16, 8), (8, 4), (8, 8), (16, 4), (16, 16), (32, 8), (32, 16), (4, 4)))
 
 
-# the FP8 quantizer's variants (kernels.fp8_quantize.TUNING overrides, "streams": graphs.STREAMS);
-# --quantize-variants replaces them
-EXPLICIT_VARIANTS = False  # --quantize-variants given: swept with --quick too
-QUANTIZE_VARIANTS = [{"table": t, "amax": a, "num_warps": w} for t in (False, True)
-                     for a in ("float32 bits", "input bits") for w in (4, 8, 16)]
-# the table kernel's variants (kernels.copy_table.TUNING overrides); --table-variants replaces them
-TABLE_VARIANTS = [{"chunk_bytes": c << 10, "num_warps": w} for c, w in
-                  ((256, 8), (1024, 4), (1024, 8), (1024, 16), (4096, 8), (16384, 8))]
+def named(overrides: dict) -> str:
+    """A variant's name: its overrides, byte counts in KiB."""
+    return ",".join(f"{k}={v >> 10}K" if k.endswith("bytes") else f"{k}={v}" for k, v in overrides.items())
+
+
+def bound_executor(plan, src, dst, tuning: KernelTuning, **options):
+    """The bound executor with its kernels launched with `tuning`; None where the executor does not take a
+    tuning yet (it then builds its kernels with KernelTuning()) and `tuning` is another."""
+    from reshard.executors.bound import BoundLocalExecutor
+
+    if "tuning" in inspect.signature(BoundLocalExecutor).parameters:
+        return BoundLocalExecutor(plan, None, 0, src, dst, tuning=tuning, **options)
+    if tuning != KernelTuning():
+        return None
+    return BoundLocalExecutor(plan, None, 0, src, dst, **options)
 
 
 def timed(fn, iters: int, device: torch.device, warmup: int = 2) -> list[float]:
@@ -101,9 +124,8 @@ def equal(a: dict, b: dict) -> bool:
     return all(torch.equal(a[r][n].view(torch.uint8), b[r][n].view(torch.uint8)) for r in a for n in a[r])
 
 
-def bf16_case(config: str, device, iters: int, results: dict, keep: bool):
+def bf16_case(config: str, device, iters: int, results: dict, keep: bool, table_variants=TABLE_VARIANTS):
     from reshard.adapters.refit import RefitSpec, open_transport, publish_source, withdraw_source
-    from reshard.executors.bound import BoundLocalExecutor
 
     spec = reshard.ModelSpec.from_hf_config(ROOT / "examples/configs" / f"{config}.json")
     src_l, dst_l = reshard.MegatronLayout(model=spec), reshard.VllmLayout(model=spec)
@@ -129,36 +151,29 @@ def bf16_case(config: str, device, iters: int, results: dict, keep: bool):
     for t in dst[0].values():
         t.fill_(-3.0)
     r["variants_s"] = {}
-    combos = [("none", 1, False, None), ("small", 4, False, None), ("all", 4, False, None), ("all", 16, False, None)]
-    if device.type == "cuda":  # the table-copy kernel (kernels.copy_table): its TUNING's variants
-        combos += [("all", 1, True, t) for t in TABLE_VARIANTS]
+    combos = [("none", 1, False, {}), ("small", 4, False, {}), ("all", 4, False, {}), ("all", 16, False, {})]
+    if device.type == "cuda":  # the table-copy kernel (kernels.copy_table) under each tuning
+        combos += [("all", 1, True, t) for t in table_variants]
     else:
         combos = combos[:1]
-    for graph, streams, table, tuning in combos:
-        name = f"graph={graph},streams={streams}"
+    for graph, streams, table, overrides in combos:
+        name = "table," + named(overrides) if table else f"graph={graph},streams={streams}"
         if table:
-            from reshard.kernels import copy_table
-            saved = dict(copy_table.TUNING)
-            copy_table.TUNING.update(tuning)
-            name = "table," + ",".join(f"{k}={v >> 10}K" if k.endswith("bytes") else f"{k}={v}"
-                                       for k, v in tuning.items())
             for t in dst[0].values():
                 t.fill_(-3.0)
-        try:
-            bound = BoundLocalExecutor(plan, None, 0, src, dst, graph=graph, streams=streams, table=table)
-            r["variants_s"][name] = med(timed(bound.refit, iters, device, warmup=3))
-            if table:  # each table variant's bytes against the reference too
-                r.setdefault("table_equal", {})[name] = equal(dst, want) if want is not None else \
-                    digests() == want_digest
-            r["copies"] = bound.copies
-            r["large_copies"] = len(bound._program.large)
-            bound.close()
-            del bound
-            gc.collect()
-        finally:
-            if table:
-                copy_table.TUNING.clear()
-                copy_table.TUNING.update(saved)
+        bound = bound_executor(plan, src, dst, KernelTuning(**overrides), graph=graph, streams=streams, table=table)
+        if bound is None:
+            r.setdefault("variants_skipped", []).append(name)
+            continue
+        r["variants_s"][name] = med(timed(bound.refit, iters, device, warmup=3))
+        if table:  # each table variant's bytes against the reference too
+            r.setdefault("table_equal", {})[name] = equal(dst, want) if want is not None else \
+                digests() == want_digest
+        r["copies"] = bound.copies
+        r["large_copies"] = len(bound._program.large)
+        bound.close()
+        del bound
+        gc.collect()
     r["bound_nograph_s"] = r["variants_s"]["graph=none,streams=1"]
     for t in dst[0].values():
         t.fill_(-5.0)
@@ -179,6 +194,8 @@ def bf16_case(config: str, device, iters: int, results: dict, keep: bool):
           f"({r['copy_s'] / r['bound_nograph_s']:.0%}) | inprocess {r['inprocess_s'] * 1e3:.2f} ms "
           f"({r['inprocess_of_copy']:.0%}) | equal {r['inprocess_equals_reference']} graph {r['graph']} "
           f"table {r['table']} (variants equal: {r.get('table_equal')})", flush=True)
+    if r.get("variants_skipped"):
+        print(f"  skipped (the bound executor takes no tuning yet): {r['variants_skipped']}", flush=True)
     print("  bound variants: " + ", ".join(f"{k} {v * 1e3:.2f} ms ({r['copy_s'] / v:.0%})"
                                          for k, v in r["variants_s"].items()), flush=True)
     ctx = {"spec": spec, "plan": plan, "src": src, "dst": dst, "ex": ex, "src_l": src_l, "dst_l": dst_l}
@@ -187,36 +204,29 @@ def bf16_case(config: str, device, iters: int, results: dict, keep: bool):
     return ctx, r
 
 
-def quantize_variants(fp, src, device, iters: int, r: dict, reference) -> None:
-    """Each of QUANTIZE_VARIANTS (kernels.fp8_quantize.TUNING overrides, "streams": graphs.STREAMS): the quantizer
-    alone and the whole direct refit, its bytes against the reference's."""
-    from reshard.executors import graphs
+def quantize_variants(fp, src, device, iters: int, r: dict, reference, variants) -> None:
+    """Each of `variants` (KernelTuning overrides): the quantizer alone and the whole direct refit, its bytes
+    against the reference's."""
     from reshard.executors.fp8 import Fp8Executor
-    from reshard.kernels import fp8_quantize
 
-    chosen, streams = dict(fp8_quantize.TUNING), graphs.STREAMS
     r["quantize_variants_s"], r["refit_variants_s"], r["variants_equal"] = {}, {}, {}
-    try:
-        for variant in QUANTIZE_VARIANTS:
-            name = ",".join(f"{k}={v}" for k, v in variant.items())
-            fp8_quantize.TUNING.update({**chosen, **{k: v for k, v in variant.items() if k != "streams"}})
-            graphs.STREAMS = variant.get("streams", streams)
-            dst8 = allocate(fp.full_dst, -7.0, device=device)
-            ex = Fp8Executor(fp, None, 0, src, dst8, inner="bound", quantizer="kernel", direct=True)
-            r["quantize_variants_s"][name] = med(timed(lambda: ex.direct.run(ex.quantize), iters, device, 3))
-            r["refit_variants_s"][name] = med(timed(ex.refit, iters, device, warmup=3))
-            r["variants_equal"][name] = equal(dst8, reference)
-            ex.close()
-            del dst8
-            print(f"  quantizer {name}: {r['quantize_variants_s'][name] * 1e3:.2f} ms, refit "
-                  f"{r['refit_variants_s'][name] * 1e3:.2f} ms, equal {r['variants_equal'][name]}", flush=True)
-    finally:
-        fp8_quantize.TUNING.clear()
-        fp8_quantize.TUNING.update(chosen)
-        graphs.STREAMS = streams
+    for overrides in variants:
+        name = named(overrides)
+        dst8 = allocate(fp.full_dst, -7.0, device=device)
+        ex = Fp8Executor(fp, None, 0, src, dst8, inner="bound", quantizer="kernel", direct=True,
+                         tuning=KernelTuning(**overrides))
+        r["quantize_variants_s"][name] = med(timed(lambda: ex.direct.run(ex.quantize), iters, device, 3))
+        r["refit_variants_s"][name] = med(timed(ex.refit, iters, device, warmup=3))
+        r["variants_equal"][name] = equal(dst8, reference)
+        ex.close()
+        del dst8
+        print(f"  quantizer {name}: {r['quantize_variants_s'][name] * 1e3:.2f} ms, refit "
+              f"{r['refit_variants_s'][name] * 1e3:.2f} ms, equal {r['variants_equal'][name]}", flush=True)
 
 
-def fp8_case(ctx: dict, bf: dict, device, iters: int, results: dict, quick: bool = False) -> None:
+def fp8_case(ctx: dict, bf: dict, device, iters: int, results: dict, quick: bool = False,
+             variants=QUANTIZE_VARIANTS, sweep: bool = False) -> None:
+    """The FP8 figures (module doc); `variants` swept unless `quick` (`sweep`: with `quick` too)."""
     from reshard.executors.fp8 import Fp8Executor
     from reshard.layouts.fp8 import Fp8Scheme
     from reshard.planner.fp8 import compile_fp8
@@ -246,21 +256,8 @@ def fp8_case(ctx: dict, bf: dict, device, iters: int, results: dict, quick: bool
             r["graph"] = ex.direct._kernel.graph is not None
         out[tag] = dst8
         ex.close()
-    from reshard.executors import fp8 as fp8_executor
-
-    fp8_executor.REST_TABLE = True  # the rest (embeddings, lm_head, norms) through the table-copy kernel
-    try:
-        dst8 = allocate(fp.full_dst, -7.0, device=device)
-        ex = Fp8Executor(fp, None, 0, src, dst8, inner="bound", quantizer="kernel", direct=True)
-        r["rest_table"] = ex.inner._table is not None
-        r["refit_direct_rest_table_s"] = med(timed(ex.refit, iters, device, warmup=3))
-        out["direct_rest_table"] = dst8
-        ex.close()
-    finally:
-        fp8_executor.REST_TABLE = False
-    r["direct_rest_table_equals_reference"] = equal(out["direct_rest_table"], out["reference"])
-    if QUANTIZE_VARIANTS and (not quick or EXPLICIT_VARIANTS):
-        quantize_variants(fp, src, device, iters, r, out["reference"])
+    if variants and (not quick or sweep):
+        quantize_variants(fp, src, device, iters, r, out["reference"], variants)
     r["direct_equals_reference"] = equal(out["direct"], out["reference"])
     r["shadows_equal_reference"] = equal(out["shadows"], out["reference"])
     del out
@@ -274,9 +271,7 @@ def fp8_case(ctx: dict, bf: dict, device, iters: int, results: dict, quick: bool
           f"({r['quantize_of_hbm']:.0%}) | refit direct {r['refit_direct_s'] * 1e3:.2f} ms = "
           f"{r['direct_over_bf16']:.3f}x bf16 inprocess {bf['inprocess_s'] * 1e3:.2f} ms | shadows "
           f"{r['refit_shadows_s'] * 1e3:.2f} ms | eager reference {r['refit_reference_s'] * 1e3:.2f} ms | equal "
-          f"{r['direct_equals_reference']}/{r['shadows_equal_reference']} | rest through the table "
-          f"{r['refit_direct_rest_table_s'] * 1e3:.2f} ms = {r['refit_direct_rest_table_s'] / bf['inprocess_s']:.3f}x "
-          f"(equal {r['direct_rest_table_equals_reference']})", flush=True)
+          f"{r['direct_equals_reference']}/{r['shadows_equal_reference']}", flush=True)
     results["fp8"] = r
     if quick:
         return
@@ -352,22 +347,24 @@ def sum64_case(ctx: dict, bf: dict, device, iters: int, results: dict) -> None:
           f"of the copy's bandwidth | torch ops {r['torch_ops_s'] * 1e3:.0f} ms | equal {r['equal']}", flush=True)
     # the refit with checksum="sum64": copies and digest in one kernel (kernels.copy_sum64), against the refit
     from reshard.executors.bound import BoundLocalExecutor
-    from reshard.kernels import copy_sum64
+    from reshard.kernels.copy_sum64 import CopySum64
 
     dst = ctx["dst"]
     BoundLocalExecutor(plan, None, 0, src, dst).refit()  # the plain refit's bytes, to compare against
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     want_bytes = {0: {n: t.clone() for n, t in dst[0].items()}}
-    chosen = dict(copy_sum64.TUNING)
-    r["fused_variants_s"], r["fused_equal"] = {}, {}
-    for window, warps in ((16, 8), (8, 4), (8, 8), (16, 4), (16, 16), (32, 8), (32, 16), (4, 4)):
-        name = f"window={window}K,warps={warps}"
-        copy_sum64.TUNING.update(window_bytes=window << 10, num_warps=warps)
+    r["fused_variants_s"], r["fused_equal"], tunings = {}, {}, {}
+    for overrides in SUM64_VARIANTS:
+        name = named(overrides)
+        tunings[name] = KernelTuning(**overrides)
         for t in dst[0].values():
             t.fill_(-3.0)
         try:
-            ex = BoundLocalExecutor(plan, None, 0, src, dst, checksum="sum64")
+            ex = bound_executor(plan, src, dst, tunings[name], checksum="sum64")
+            if ex is None:
+                r["fused_variants_s"][name], r["fused_equal"][name] = None, "skipped: the executor takes no tuning"
+                continue
             digest = ex.refit().digest
             r["fused_variants_s"][name] = med(timed(ex.refit, iters, device, warmup=3))
             r["fused_equal"][name] = (digest == want, equal(dst, want_bytes))
@@ -376,9 +373,6 @@ def sum64_case(ctx: dict, bf: dict, device, iters: int, results: dict) -> None:
         except Exception as e:  # a tuning that does not compile (registers): recorded, the others still run
             r["fused_variants_s"][name] = None
             r["fused_equal"][name] = repr(e)[:300]
-        finally:
-            copy_sum64.TUNING.clear()
-            copy_sum64.TUNING.update(chosen)
     del want_bytes
     ok = {k: v for k, v in r["fused_variants_s"].items() if v}
     best = min(ok, key=ok.get)
@@ -391,9 +385,7 @@ def sum64_case(ctx: dict, bf: dict, device, iters: int, results: dict) -> None:
     n = 4 << 30
     a = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
     b = torch.empty_like(a)
-    w, warps = best.split(",")
-    k = copy_sum64.CopySum64(np.asarray([[a.data_ptr(), b.data_ptr(), n, 0]], dtype=np.int64), device, n,
-                             window_bytes=int(w.split("=")[1][:-1]) << 10, num_warps=int(warps.split("=")[1]))
+    k = CopySum64(np.asarray([[a.data_ptr(), b.data_ptr(), n, 0]], dtype=np.int64), device, n, tunings[best])
     r["flat_bytes"] = n
     r["flat_fused_s"] = med(timed(lambda: (k.launch(), k.digest()), iters, device, warmup=3))
     r["flat_copy_s"] = med(timed(lambda: b.copy_(a), iters, device, warmup=3))
@@ -403,7 +395,7 @@ def sum64_case(ctx: dict, bf: dict, device, iters: int, results: dict) -> None:
     print(f"refit with checksum='sum64' (one copy-and-sum kernel), best {best}: {r['fused_s'] * 1e3:.2f} ms = refit "
           f"+ {r['fused_extra_over_refit']:.2f}x (refit {r['refit_s'] * 1e3:.2f} ms, device copy "
           f"{bf['copy_s'] * 1e3:.2f} ms: {r['fused_of_copy']:.0%} of it; separate pass {r['kernel_s'] * 1e3:.2f} ms) "
-          f"| variants: " + ", ".join(f"{k} {v * 1e3:.2f} ms" if v else f"{k} failed"
+          f"| variants: " + ", ".join(f"{k} {v * 1e3:.2f} ms" if v else f"{k} not run"
                                       for k, v in r["fused_variants_s"].items())
           + f" | equal (digest, bytes): {r['fused_equal']}", flush=True)
     results["sum64"] = r
@@ -420,15 +412,13 @@ def main() -> int:
     ap.add_argument("--json")
     ap.add_argument("--quick", action="store_true",
                     help="--fp8 without the receivers' case and the default quantizer variants")
-    ap.add_argument("--table-variants", help="JSON list of kernels.copy_table.TUNING overrides to sweep")
-    ap.add_argument("--quantize-variants", help="JSON list of kernels.fp8_quantize.TUNING overrides (and "
-                    "\"streams\") to sweep")
+    ap.add_argument("--table-variants", help="JSON list of KernelTuning overrides for the table-copy kernel "
+                    "(copy_chunk_bytes, copy_block_bytes, copy_warps) to sweep")
+    ap.add_argument("--quantize-variants", help="JSON list of KernelTuning overrides for the quantizer "
+                    "(quantize_warps) to sweep; swept with --quick too")
     args = ap.parse_args()
-    if args.table_variants:
-        TABLE_VARIANTS[:] = json.loads(args.table_variants)
-    if args.quantize_variants:
-        global EXPLICIT_VARIANTS
-        QUANTIZE_VARIANTS[:], EXPLICIT_VARIANTS = json.loads(args.quantize_variants), True
+    table_variants = json.loads(args.table_variants) if args.table_variants else TABLE_VARIANTS
+    quantize_variants_ = json.loads(args.quantize_variants) if args.quantize_variants else QUANTIZE_VARIANTS
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -440,13 +430,14 @@ def main() -> int:
     except ImportError:
         pass
     for config in args.configs.split(","):
-        ctx, bf = bf16_case(config, device, args.iters, results, keep=False)
+        ctx, bf = bf16_case(config, device, args.iters, results, keep=False, table_variants=table_variants)
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1, default=str))
         if config == args.extras_config and args.sum64 and device.type == "cuda":
             sum64_case(ctx, bf, device, args.iters, results)
         if config == args.extras_config and args.fp8 and device.type == "cuda":
-            fp8_case(ctx, bf, device, args.iters, results, args.quick)
+            fp8_case(ctx, bf, device, args.iters, results, args.quick, quantize_variants_,
+                     sweep=bool(args.quantize_variants))
         del ctx
         gc.collect()
         if device.type == "cuda":

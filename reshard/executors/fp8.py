@@ -17,7 +17,6 @@ q = float8_e4m3fn(x * (1 / scale)) with torch's cast (round to nearest even). Th
 """
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import replace
 from typing import Any, Callable, Mapping
@@ -30,12 +29,13 @@ from ..layouts.fp8 import FP8_MAX, STAGING, scale_name
 from ..planner.fp8 import Fp8Plan
 from ..planner.plan import RELAY
 from .base import Executor, RankTensors, make_executor
-from .graphs import STREAMS, Replay, on_streams, single_cuda_device, spread
+from ..kernels.tuning import KernelTuning
+from .graphs import Replay, on_streams, single_cuda_device
 from .local import _box, element_shape, torch_dtype
 from .pins import Pins
 from .stats import RefitStats, phase_times
 
-QUANTIZERS = ("auto", "eager", "compiled", "kernel")
+QUANTIZERS = ("auto", "eager", "kernel")
 AMAX_FLOOR = 1e-4  # DeepGEMM's / vLLM's floor on a block's amax: an all-zero block gets scale 1e-4 / 448
 
 
@@ -45,16 +45,11 @@ def _block_amax(v: torch.Tensor) -> torch.Tensor:
     return torch.maximum(v.amax(dim=(1, 3)), v.amin(dim=(1, 3)).neg()).float()
 
 
-def _scale_cast(v: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
-    """float8_e4m3fn(x * inv) per block: float32 products, then the cast."""
-    return torch.mul(v, inv).to(torch.float8_e4m3fn)
-
-
-def quantize_blocks(x: torch.Tensor, block: tuple[int, int], out: torch.Tensor | None = None, *,
-                    fused: "tuple | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blocks(x: torch.Tensor, block: tuple[int, int],
+                    out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 [n, k], float32 scales [ceil(n/bn), ceil(k/bk)]) of a 2-D tensor (see the module doc); the fp8 values
-    are written into `out` (any strided [n, k] float8 view) when given. `fused`: compiled (amax, scale_cast)
-    kernels to use instead of eager ones (`compiled_quantizer`)."""
+    are written into `out` (any strided [n, k] float8 view) when given. The reference every quantizer is checked
+    against (torch ops, any device)."""
     n, k = x.shape
     bn, bk = block
     nb, kb = -(-n // bn), -(-k // bk)
@@ -63,31 +58,16 @@ def quantize_blocks(x: torch.Tensor, block: tuple[int, int], out: torch.Tensor |
         padded[:n, :k] = x
         x = padded
     v = x.reshape(nb, bn, kb, bk)
-    amax = (fused[0] if fused else _block_amax)(v).clamp_(min=AMAX_FLOOR)
-    # the scale's division and reciprocal stay eager, on tensors: CUDA divides by a Python scalar as a product
+    amax = _block_amax(v).clamp_(min=AMAX_FLOOR)
+    # the scale's division and reciprocal on tensors: CUDA divides by a Python scalar as a product
     # with its reciprocal, which can differ from amax / 448 in the last bit (the GPU test found it)
     scale = amax / torch.full_like(amax, FP8_MAX)
     inv = torch.reciprocal(scale)[:, None, :, None]
-    if fused:
-        q = fused[1](v, inv).reshape(nb * bn, kb * bk)[:n, :k]
-    else:
-        q = torch.mul(v, inv).reshape(nb * bn, kb * bk)[:n, :k]  # float32: cast on the way into `out`
+    q = torch.mul(v, inv).reshape(nb * bn, kb * bk)[:n, :k]  # float32: cast on the way into `out`
     if out is None:
         return q.to(torch.float8_e4m3fn), scale
     out.copy_(q)
     return out, scale
-
-
-_COMPILED: dict[str, object] = {}
-
-
-def compiled_quantizer():
-    """`quantize_blocks` with its two large passes (block amax; scale and cast) through torch.compile: one fused
-    kernel each on GPUs. The GPU test holds its bytes equal to the reference's."""
-    if "fn" not in _COMPILED:
-        fused = (torch.compile(_block_amax, dynamic=False), torch.compile(_scale_cast, dynamic=False))
-        _COMPILED["fn"] = functools.partial(quantize_blocks, fused=fused)
-    return _COMPILED["fn"]
 
 
 def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -112,17 +92,19 @@ def _tiles(t: torch.Tensor, pieces: list, block: tuple[int, int]) -> bool:
 
 
 class _QuantizeJobs:
-    """Runs (bf16 block view, fp8 destination view, scale destination view) jobs: the fused kernel (one replay,
-    built once) or a quantizer function per job, writing fp8 and scale straight into their destinations."""
+    """Runs (bf16 block view, fp8 destination view, scale destination view) jobs: the Triton kernel (one replay,
+    built once, launched with `tuning`) or a quantizer function per job, writing fp8 and scale straight into their
+    destinations."""
 
     jobs: list
     block: tuple[int, int]
+    tuning: "KernelTuning | None"
     _kernel: "Replay | None"
 
     def run(self, quantize=None) -> None:
         if quantize == "kernel":
             if self._kernel is None:
-                self._kernel = kernel_jobs(self.jobs, self.block)
+                self._kernel = kernel_jobs(self.jobs, self.block, self.tuning)
             self._kernel()
             return
         quantize = quantize or quantize_blocks
@@ -135,7 +117,8 @@ class _QuantizeJobs:
 class SenderQuantizer(_QuantizeJobs):
     """The wire's source tensors of this process's source ranks, and the quantization that fills them."""
 
-    def __init__(self, fp: Fp8Plan, src: RankTensors, shadows: bool = True) -> None:
+    def __init__(self, fp: Fp8Plan, src: RankTensors, shadows: bool = True,
+                 tuning: "KernelTuning | None" = None) -> None:
         plan = fp.plan
         block = fp.scheme.block
         own = plan.src_tensors.own_dtypes()
@@ -186,7 +169,7 @@ class SenderQuantizer(_QuantizeJobs):
                     self.jobs.append((_as_2d(_box(given[wname], a.phys_offset, a.lengths)),
                                       _as_2d(_box(out[wname], a.phys_offset, a.lengths)),
                                       _as_2d(_box(out[sname], b.phys_offset, b.lengths))))
-        self.block = block
+        self.block, self.tuning = block, tuning
         self._kernel: Replay | None = None
 
 
@@ -194,7 +177,7 @@ class ReceiverQuantizer:
     """This process's destination ranks: staging buffers for receiver-quantized tensors, and the quantization
     from them into the engine's fp8 weights and scales."""
 
-    def __init__(self, fp: Fp8Plan, dst: RankTensors) -> None:
+    def __init__(self, fp: Fp8Plan, dst: RankTensors, tuning: "KernelTuning | None" = None) -> None:
         plan, layout, full = fp.plan, fp.plan.dst, fp.full_dst
         own = plan.dst_tensors.own_dtypes()
         unit = torch_dtype(plan.dst.dtype)
@@ -229,14 +212,14 @@ class ReceiverQuantizer:
                     self.jobs.append((_as_2d(_box(self.tensors[rank][a.tensor], a.phys_offset, a.lengths)),
                                       _as_2d(_box(given[b.tensor], b.phys_offset, b.lengths)),
                                       _as_2d(_box(given[c.tensor], c.phys_offset, c.lengths))))
-        self.block = fp.scheme.block
+        self.block, self.tuning = fp.scheme.block, tuning
         self._kernel: Replay | None = None
 
     def _kernel_program(self, direct: bool) -> "Replay":
         if direct or not self.jobs:
-            return kernel_jobs(self.jobs, self.block)
+            return kernel_jobs(self.jobs, self.block, self.tuning)
         temps = [(x, torch.empty_like(q), torch.empty_like(s)) for x, q, s in self.jobs]
-        quantize = kernel_launches(temps, self.block)  # plain launches: captured inside the graph below
+        quantize = kernel_launches(temps, self.block, self.tuning)  # plain launches: captured in the graph below
         writes = [(q, tq, s, ts) for (_, q, s), (_, tq, ts) in zip(self.jobs, temps)]
 
         def run() -> None:
@@ -263,52 +246,31 @@ class ReceiverQuantizer:
                 s.copy_(ss)
 
 
-def kernel_launches(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block: tuple[int, int]):
-    """A function that quantizes every (x, fp8 view, scale view) job with the Triton kernel (reshard.kernels):
-    one launch per job; a job the kernel cannot take (rows not contiguous) through the reference."""
-    from ..kernels.fp8_quantize import quantize_into
+def kernel_launches(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block: tuple[int, int],
+                    tuning: "KernelTuning | None" = None) -> Callable[[], None]:
+    """A function that quantizes every (x, fp8 view, scale view) job: those the Triton kernel takes all in one
+    launch (kernels.fp8_quantize, launched with `tuning`), a job it cannot take (rows not contiguous) through the
+    reference."""
+    from ..kernels.fp8_quantize import QuantizeTable
 
     fits = [x.dim() == 2 and q.dim() == 2 and s.dim() == 2 and x.stride(-1) == 1 and q.stride(-1) == 1
             for x, q, s in jobs]
-
-    def part(items: list) -> Callable[[], None]:
-        def run() -> None:
-            for (x, q, s), fit in items:
-                if fit:
-                    quantize_into(x, q, s, block)
-                else:
-                    _, ss = quantize_blocks(x, block, q)
-                    s.copy_(ss)
-        return run
-
-    device = single_cuda_device([t for job in jobs for t in job])
-    from ..kernels.fp8_quantize import TUNING
-
-    if TUNING.get("table"):  # every job the kernel takes in one launch (kernels.fp8_table), the rest beside it
-        from ..kernels.fp8_table import QuantizeTable
-
-        table = QuantizeTable([job for job, fit in zip(jobs, fits) if fit], block)
-        rest = part([(job, False) for job, fit in zip(jobs, fits) if not fit])
-
-        def run_table() -> None:
-            with torch.no_grad():
-                table.launch()
-                rest()
-        return run_table
-    # jobs write disjoint places: spread over side streams, so that jobs of few blocks (one q group of a QKV
-    # weight: 4 x 32 blocks) run side by side instead of each under-filling the GPU in turn
-    parts = [part(p) for p in spread(list(zip(jobs, fits)), STREAMS if device is not None else 1,
-                                     lambda item: item[0][0].numel())]
+    table = QuantizeTable([job for job, fit in zip(jobs, fits) if fit], block, tuning)
+    rest = [job for job, fit in zip(jobs, fits) if not fit]
 
     def run() -> None:
         with torch.no_grad():
-            on_streams(parts, device)
+            table.launch()
+            for x, q, s in rest:
+                _, ss = quantize_blocks(x, block, q)
+                s.copy_(ss)
     return run
 
 
-def kernel_jobs(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block: tuple[int, int]) -> Replay:
+def kernel_jobs(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block: tuple[int, int],
+                tuning: "KernelTuning | None" = None) -> Replay:
     """`kernel_launches` replayed as one CUDA graph from the second call (executors.graphs)."""
-    return Replay(kernel_launches(jobs, block), single_cuda_device([t for job in jobs for t in job]))
+    return Replay(kernel_launches(jobs, block, tuning), single_cuda_device([t for job in jobs for t in job]))
 
 
 def _rect(off: int, stride: int, rows: int, cols: int, width: int) -> "tuple[int, int, int, int] | None":
@@ -340,7 +302,8 @@ class DirectQuantizer(_QuantizeJobs):
     when the plan cannot be run so (an op's rectangle is not a whole number of blocks on both sides, a stack's
     matrices split blocks, a shifted or relayed fp8 op): the caller falls back to shadows and copies."""
 
-    def __init__(self, fp: Fp8Plan, src: RankTensors, dst: RankTensors) -> None:
+    def __init__(self, fp: Fp8Plan, src: RankTensors, dst: RankTensors, tuning: "KernelTuning | None" = None) -> None:
+        self.tuning = tuning
         self.jobs: "list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None" = None
         self.rest: "np.ndarray | None" = None
         self.why = ""
@@ -433,26 +396,23 @@ def check_engine_tensors(fp: Fp8Plan, dst: RankTensors) -> None:
                              "\n  - ".join(problems[:20]))
 
 
-REST_TABLE = False  # direct kernel refits: the copies beside the quantizer through the table-copy kernel (one
-# launch on its stream, next to the quantizer's); benchmarks/refit_inprocess.py measures both
-
 class Fp8Executor(Executor):
     """Runs an `Fp8Plan` with the executor called `inner` (local, bound, distributed, nixl, shared): see the module
     doc. `src`: source rank -> the trainer's tensors (the model's dtype); `dst`: destination rank -> the engine's
     tensors (fp8 weights, float32 `*weight_scale_inv`, the rest in the model's dtype).
 
-    `quantizer`: "eager" (torch ops, the reference), "compiled" (torch.compile: fused kernels on GPUs), "kernel"
-    (the Triton kernel of reshard.kernels, its launches one CUDA graph from the second refit), or "auto" (the
-    kernel where every tensor is on a GPU and Triton is there, else eager). `compiled=True` is "compiled".
-    `direct`: with an in-process inner ("local", "bound") and every rank here, quantize straight into the engine's
-    tensors (DirectQuantizer: no wire shadows, each quantized byte read once and written once) where the plan
-    allows it ("auto", the default), always (True: refused where it cannot), or never (False)."""
+    `quantizer`: "eager" (torch ops, the reference), "kernel" (the Triton kernel of reshard.kernels, all jobs in
+    one launch, one CUDA graph from the second refit), or "auto" (the kernel where every tensor is on a GPU and
+    Triton is there, else eager). `tuning`: the kernel's launch settings (reshard.kernels.KernelTuning; default
+    KernelTuning()). `direct`: with an in-process inner ("local", "bound") and every rank here, quantize straight
+    into the engine's tensors (DirectQuantizer: no wire shadows, each quantized byte read once and written once)
+    where the plan allows it ("auto", the default), always (True: refused where it cannot), or never (False)."""
 
     name = "fp8"
 
     def __init__(self, fp: Fp8Plan, binding: Any = None, process: int = 0, src: RankTensors | None = None,
-                 dst: RankTensors | None = None, inner: str = "local", compiled: bool = False,
-                 quantizer: str = "auto", direct: "bool | str" = "auto", **options: Any) -> None:
+                 dst: RankTensors | None = None, inner: str = "local", quantizer: str = "auto",
+                 direct: "bool | str" = "auto", tuning: "KernelTuning | None" = None, **options: Any) -> None:
         if not isinstance(fp, Fp8Plan):
             raise ExecutionError(f"the fp8 executor runs an Fp8Plan (reshard.planner.fp8.compile_fp8), not a "
                                  f"{type(fp).__name__}")
@@ -460,36 +420,31 @@ class Fp8Executor(Executor):
             raise ArgumentError("quantizer", quantizer, f"must be one of {QUANTIZERS}")
         self.fp = fp
         src, dst = dict(src or {}), dict(dst or {})
-        if compiled:
-            quantizer = "compiled"
         if quantizer == "auto":
             from ..kernels import triton_available
 
             on_gpu = single_cuda_device([t for side in (src, dst) for ts in side.values() for t in ts.values()])
             quantizer = "kernel" if on_gpu is not None and triton_available() else "eager"
         self.quantizer = quantizer
-        self.quantize: Any = {"eager": quantize_blocks, "compiled": None, "kernel": "kernel"}[quantizer]
-        if quantizer == "compiled":
-            self.quantize = compiled_quantizer()
+        self.quantize: Any = {"eager": quantize_blocks, "kernel": "kernel"}[quantizer]
         check_engine_tensors(fp, dst)
         self.direct: DirectQuantizer | None = None
         in_process = inner in ("local", "bound") and set(src) >= set(fp.plan.src_tensors.ranks)
         if direct and in_process:
-            d = DirectQuantizer(fp, src, dst)
+            d = DirectQuantizer(fp, src, dst, tuning)
             if d.jobs is not None:
                 self.direct = d
             elif direct is True:
                 raise ExecutionError(f"this FP8 plan cannot be quantized straight into the destination: {d.why}")
         elif direct is True:
             raise ExecutionError("direct quantization needs every rank in this process (inner 'local' or 'bound')")
-        self.senders = SenderQuantizer(fp, src, shadows=self.direct is None)
-        self.receivers = ReceiverQuantizer(fp, dst)
+        self.senders = SenderQuantizer(fp, src, shadows=self.direct is None, tuning=tuning)
+        self.receivers = ReceiverQuantizer(fp, dst, tuning)
         self._device = single_cuda_device([t for side in (src, dst) for ts in side.values() for t in ts.values()])
         if self.direct is not None:
             self._pins = Pins(t for side in (src, dst) for ts in side.values() for t in ts.values())
             self.inner = make_executor("bound", fp.plan, binding, process, self.senders.tensors,
-                                       self.receivers.tensors, ops=self.direct.rest,
-                                       table=True if REST_TABLE and quantizer == "kernel" else None)
+                                       self.receivers.tensors, ops=self.direct.rest)
         else:
             self.inner = make_executor(inner, fp.plan, binding, process, self.senders.tensors,
                                        self.receivers.tensors, **options)
@@ -528,4 +483,4 @@ def execute_fp8_local(fp: Fp8Plan, src: RankTensors, dst: RankTensors) -> None:
 
 
 __all__ = ["AMAX_FLOOR", "DirectQuantizer", "Fp8Executor", "QUANTIZERS", "ReceiverQuantizer", "SenderQuantizer",
-           "check_engine_tensors", "compiled_quantizer", "dequantize_blocks", "execute_fp8_local", "quantize_blocks"]
+           "check_engine_tensors", "dequantize_blocks", "execute_fp8_local", "quantize_blocks"]

@@ -28,9 +28,9 @@ import triton
 import triton.language as tl
 
 from .table_plan import window_table
+from .tuning import KernelTuning
 
 PERIOD = 1 << 23  # the weights' period (executors.checksum.PERIOD)
-TUNING = {"window_bytes": 32 << 10, "num_warps": 16}  # the best of benchmarks/refit_inprocess.py --sum64 on an H200
 FLUSH = 256  # rows between spills of the 16-bit lanes: 256 x 255 < 2^16
 _MASK64 = (1 << 64) - 1
 
@@ -112,12 +112,17 @@ class CopySum64:
     kernel, and the "sum64" digest of the stream they read: `launch()` enqueues them (capturable in a CUDA graph),
     `digest()` adds the partial sums and returns the digest of executors.checksum (count, s1, s2, s3). The
     positions are the stream's (from `start`; `count` bytes in all, every position covered once); the memory must
-    stay in place (the caller pins it)."""
+    stay in place (the caller pins it). `tuning`: window and warps (KernelTuning's `sum64_*`; default
+    KernelTuning()). `period` and `flush`: the weights' period and the rows between spills of the 16-bit lanes,
+    lowered only by the tests (many periods folded onto a window, spills every few rows)."""
 
-    def __init__(self, entries: np.ndarray, device: torch.device, count: int, window_bytes: int | None = None,
-                 num_warps: int | None = None, period: int = PERIOD) -> None:
-        window = int(window_bytes or TUNING["window_bytes"])
-        self.num_warps = int(num_warps or TUNING["num_warps"])
+    def __init__(self, entries: np.ndarray, device: torch.device, count: int, tuning: KernelTuning | None = None,
+                 period: int = PERIOD, flush: int = FLUSH) -> None:
+        if not 1 <= int(flush) <= FLUSH:  # more rows could overflow a 16-bit lane
+            raise ValueError(f"CopySum64: flush must be 1 to {FLUSH}, not {flush}")
+        tuning = tuning or KernelTuning()
+        window = tuning.sum64_window_bytes
+        self.num_warps, self.flush = tuning.sum64_warps, int(flush)
         self.count, self.period = int(count), int(period)
         self._base = torch.empty(4, dtype=torch.int32, device=device)  # 16-byte aligned anchor of the offsets
         self.launches: list[tuple] = []
@@ -136,7 +141,7 @@ class CopySum64:
     def launch(self) -> None:
         for base, table, starts, first, n, window, word, align in self.launches:
             _copy_sum64_kernel[(n,)](base, table, starts, self.partials[first:], self.period, WINDOW=window,
-                                     WORD=word, ALIGN=align, FLUSH=FLUSH, num_warps=self.num_warps)
+                                     WORD=word, ALIGN=align, FLUSH=self.flush, num_warps=self.num_warps)
 
     def sums(self) -> torch.Tensor:
         return self.partials.sum(dim=0)
@@ -146,4 +151,4 @@ class CopySum64:
         return struct.pack("<4Q", self.count & _MASK64, *sums)
 
 
-__all__ = ["CopySum64", "FLUSH", "PERIOD", "TUNING"]
+__all__ = ["CopySum64", "FLUSH", "PERIOD"]

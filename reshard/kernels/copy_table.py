@@ -3,12 +3,12 @@ program per chunk (the bound executor's large copies, executors.bound).
 
 A refit of a mixture-of-experts model is thousands of copies of a few MB each: as separate copies (even as CUDA graph
 nodes) each pays a launch cost larger than its bytes' own time (BENCHMARKS.md, Same host, issue 31). Here every copy
-is cut into chunks of at most `chunk_bytes`, and the chunks of all copies are rows of one int64 table read by one
-kernel: the launch cost is paid once. Addresses enter as word offsets from one base tensor (`base + offset` pointer
-arithmetic: no integer to pointer casts, so Triton's interpreter runs it too); copies are grouped by the widest word
-(16, 8, 4, 2, 1 bytes) that divides both addresses and the length, one launch per group (in a refit, all of them in
-the 16-byte group). The table logic (`chunk_table`) is plain numpy, property-tested without Triton; the kernel byte
-for byte on CPU (interpreter) and GPU (reshard.testing.kernel_checks).
+is cut into chunks (at most `KernelTuning.copy_chunk_bytes` each), and the chunks of all copies are rows of one int64
+table read by one kernel: the launch cost is paid once. Addresses enter as word offsets from one base tensor
+(`base + offset` pointer arithmetic: no integer to pointer casts, so Triton's interpreter runs it too); copies are
+grouped by the widest word (16, 8, 4, 2, 1 bytes) that divides both addresses and the length, one launch per group
+(in a refit, all of them in the 16-byte group). The table logic (`chunk_table`) is plain numpy, property-tested
+without Triton; the kernel byte for byte on CPU (interpreter) and GPU (tests/harness/kernel_checks.py).
 """
 from __future__ import annotations
 
@@ -19,42 +19,22 @@ import triton
 import triton.language as tl
 
 from .table_plan import WORDS, chunk_table, chunk_words, word_bytes
-
-# set by benchmarks/refit_inprocess.py; hint: streaming cache hints (read once, write once: keep them out of L2's way);
-# unroll: blocks loaded before the first is stored (bytes in flight per thread); programs: 0 = one program per chunk,
-# k > 0 = a persistent grid of k programs per SM walking the chunks
-TUNING = {"chunk_bytes": 48 << 10, "block_bytes": 16 << 10, "num_warps": 16, "hint": False, "unroll": 2, "programs": 0}
+from .tuning import KernelTuning
 
 
 @triton.jit
-def _copy_table_kernel(src_base, dst_base, table, rows, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
-                       HINT: tl.constexpr, UNROLL: tl.constexpr):
-    for i in range(tl.program_id(0), rows, tl.num_programs(0)):  # 3 * rows fits 32 bits: the table is host-built
-        s = tl.multiple_of(tl.load(table + 3 * i), ALIGN)
-        d = tl.multiple_of(tl.load(table + 3 * i + 1), ALIGN)
-        n = tl.multiple_of(tl.load(table + 3 * i + 2), ALIGN)
-        for start in range(0, n, BLOCK * UNROLL):
-            offs = start + tl.arange(0, BLOCK)
-            if UNROLL == 2:
-                offs2 = offs + BLOCK
-                if HINT:
-                    x = tl.load(src_base + s + offs, mask=offs < n, eviction_policy="evict_first")
-                    y = tl.load(src_base + s + offs2, mask=offs2 < n,
-                                eviction_policy="evict_first")
-                    tl.store(dst_base + d + offs, x, mask=offs < n, cache_modifier=".cs")
-                    tl.store(dst_base + d + offs2, y, mask=offs2 < n, cache_modifier=".cs")
-                else:
-                    x = tl.load(src_base + s + offs, mask=offs < n)
-                    y = tl.load(src_base + s + offs2, mask=offs2 < n)
-                    tl.store(dst_base + d + offs, x, mask=offs < n)
-                    tl.store(dst_base + d + offs2, y, mask=offs2 < n)
-            else:
-                if HINT:
-                    x = tl.load(src_base + s + offs, mask=offs < n, eviction_policy="evict_first")
-                    tl.store(dst_base + d + offs, x, mask=offs < n, cache_modifier=".cs")
-                else:
-                    x = tl.load(src_base + s + offs, mask=offs < n)
-                    tl.store(dst_base + d + offs, x, mask=offs < n)
+def _copy_table_kernel(src_base, dst_base, table, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+    i = tl.program_id(0)  # one program per chunk; 3 * i fits 32 bits: the table is host-built
+    s = tl.multiple_of(tl.load(table + 3 * i), ALIGN)
+    d = tl.multiple_of(tl.load(table + 3 * i + 1), ALIGN)
+    n = tl.multiple_of(tl.load(table + 3 * i + 2), ALIGN)
+    for start in range(0, n, 2 * BLOCK):  # two blocks loaded before the first is stored: more bytes in flight
+        offs = start + tl.arange(0, BLOCK)
+        offs2 = offs + BLOCK
+        x = tl.load(src_base + s + offs, mask=offs < n)
+        y = tl.load(src_base + s + offs2, mask=offs2 < n)
+        tl.store(dst_base + d + offs, x, mask=offs < n)
+        tl.store(dst_base + d + offs2, y, mask=offs2 < n)
 
 
 _ELEMENT = {16: torch.int64, 8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -63,19 +43,15 @@ _ELEMENT = {16: torch.int64, 8: torch.int64, 4: torch.int32, 2: torch.int16, 1: 
 class CopyTable:
     """The pairs (dst, src) of contiguous tensors (same byte length each, on one device) as prepared launches;
     `launch()` enqueues them on the current stream (capturable in a CUDA graph). The tensors must stay in place
-    (the caller pins them)."""
+    (the caller pins them). `tuning`: chunk, block and warps (KernelTuning's `copy_*`; default KernelTuning()).
 
-    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], chunk_bytes: int | None = None,
-                 block_bytes: int | None = None, num_warps: int | None = None, hint: bool | None = None,
-                 unroll: int | None = None, programs: int | None = None) -> None:
-        chunk_bytes = int(chunk_bytes or TUNING["chunk_bytes"])
-        block_bytes = int(block_bytes or TUNING["block_bytes"])
-        self.num_warps = int(num_warps or TUNING["num_warps"])
-        self.hint = bool(TUNING.get("hint", False) if hint is None else hint)
-        self.unroll = int(unroll or TUNING.get("unroll", 1))
-        if self.unroll not in (1, 2):
-            raise ValueError(f"CopyTable: unroll must be 1 or 2, not {self.unroll}")
-        programs = int(TUNING.get("programs", 0) if programs is None else programs)
+    Raises:
+        ValueError: a pair is not contiguous or of unequal byte length, or the tensors are on several devices."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], tuning: KernelTuning | None = None) -> None:
+        tuning = tuning or KernelTuning()
+        chunk_bytes, block_bytes = tuning.copy_chunk_bytes, tuning.copy_block_bytes
+        self.num_warps = tuning.copy_warps
         entries = []
         device = None
         for d, s in pairs:
@@ -91,7 +67,6 @@ class CopyTable:
         if not entries:
             return
         self._base = torch.empty(2, dtype=torch.int64, device=device)  # 16-byte aligned anchor of the offsets
-        slots = programs * _processors(device) if programs > 0 else 0
         base = self._base.data_ptr()
         for word, rows in chunk_table(np.asarray(entries, dtype=np.int64), base, chunk_bytes).items():
             element = _ELEMENT[word]
@@ -99,20 +74,11 @@ class CopyTable:
             chunk = chunk_words(chunk_bytes, word) * per  # the most elements a chunk holds
             table = torch.from_numpy(np.ascontiguousarray(rows * per)).to(device)
             block = min(triton.next_power_of_2(max(1, block_bytes // element.itemsize)), triton.next_power_of_2(chunk))
-            grid = min(len(rows), slots) if slots else len(rows)
-            self.launches.append((self._base.view(element), table, len(rows), grid, block, per))
+            self.launches.append((self._base.view(element), table, len(rows), block, per))
 
     def launch(self) -> None:
-        for base, table, n, grid, block, align in self.launches:
-            _copy_table_kernel[(grid,)](base, base, table, n, BLOCK=block, ALIGN=align, HINT=self.hint,
-                                        UNROLL=self.unroll, num_warps=self.num_warps)
+        for base, table, n, block, align in self.launches:
+            _copy_table_kernel[(n,)](base, base, table, BLOCK=block, ALIGN=align, num_warps=self.num_warps)
 
 
-def _processors(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (a persistent grid's unit); 4 elsewhere (the interpreter)."""
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).multi_processor_count)
-    return 4
-
-
-__all__ = ["CopyTable", "TUNING", "WORDS", "word_bytes"]
+__all__ = ["CopyTable", "WORDS", "word_bytes"]

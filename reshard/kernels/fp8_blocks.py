@@ -1,4 +1,4 @@
-"""The block table of kernels.fp8_table in plain numpy (no Triton, no torch): every quantization block of every job
+"""The block table of kernels.fp8_quantize in plain numpy (no Triton, no torch): every quantization block of every job
 as one row, so that one launch quantizes all of a refit's jobs. Kept apart so that it is property-tested on any
 machine (tests/unit/test_fp8_blocks.py) and the kernel only reads it.
 

@@ -3,9 +3,9 @@ the GPU tests call them natively, the CPU tests in a subprocess under Triton's i
 which must be set before Triton is imported). Each returns a list of failures (empty: all equal)."""
 from __future__ import annotations
 
-import contextlib
-
 import torch
+
+from reshard.kernels import KernelTuning
 
 NAN_BYTES = (0x7F, 0xFF)  # float8_e4m3fn NaNs (sign bit aside)
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the quantizer takes
@@ -50,65 +50,15 @@ def _same_f32(got: torch.Tensor, want: torch.Tensor) -> bool:
     return bool(torch.equal(torch.isnan(a), nan) and torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32)))
 
 
-# every program shape and amax reduction of the kernel (kernels.fp8_quantize.TUNING), each named in full: a
-# tuning left out would follow the default of the day
-QUANTIZER_TUNINGS = tuple(dict({"amax": "input bits", "strip": 0}, **t) for t in (
-    {}, {"amax": "float32 bits"}, {"amax": "float"},
-    {"strip": 1, "prefetch": True}, {"strip": 2, "prefetch": True}, {"strip": 2, "prefetch": False},
-    {"strip": 2, "amax": "float32 bits"}))
-
-
-def check_fp8_quantizer(device: str = "cpu", cases: int = 12, seed: int = 0,
-                        blocks: tuple = ((16, 16), (32, 64), (128, 128)),
-                        exact_cast: "bool | None" = None, tunings: tuple = QUANTIZER_TUNINGS) -> list[str]:
-    """The Triton quantizer against `executors.fp8.quantize_blocks` on random shapes (partial edge blocks and
-    strips too), strided views (x and q inside larger tensors, s a transposed view) and edge values, each case under
-    every one of `tunings` (kernels.fp8_quantize.TUNING overrides)."""
-    failures = []
-    for tuning in tunings:
-        with quantizer_tuning(tuning):
-            failures += [f"tuning {tuning}: {f}" for f in _check_fp8_quantizer(device, cases, seed, blocks,
-                                                                               exact_cast)]
-    return failures
-
-
-@contextlib.contextmanager
-def quantizer_tuning(tuning: dict):
-    """kernels.fp8_quantize.TUNING with `tuning`'s overrides inside the block, as it was after it."""
-    from reshard.kernels import fp8_quantize
-
-    chosen = dict(fp8_quantize.TUNING)
-    fp8_quantize.TUNING.update(tuning)
-    try:
-        yield
-    finally:
-        fp8_quantize.TUNING.clear()
-        fp8_quantize.TUNING.update(chosen)
-
-
-def _check_fp8_quantizer(device: str, cases: int, seed: int, blocks: tuple, exact_cast: "bool | None") -> list[str]:
-    from reshard.kernels.fp8_quantize import quantize_into
-
-    dev = torch.device(device)
-    g = torch.Generator().manual_seed(seed)
-    failures = []
-    for case in range(cases):
-        c = _QuantizerCase(dev, g, case, blocks[case % len(blocks)], wide=False)
-        quantize_into(c.x, c.q, c.s, c.block, exact_cast=exact_cast)
-        if device != "cpu":
-            torch.cuda.synchronize(dev)
-        failures += c.failures()
-    return failures
-
-
 def check_fp8_table(device: str = "cpu", cases: int = 24, seed: int = 0,
                     blocks: tuple = ((16, 16), (32, 64), (128, 128)), exact_cast: "bool | None" = None,
-                    tunings: tuple = ({"amax": "input bits"}, {"amax": "float32 bits"},
-                                      {"amax": "float"})) -> list[str]:
-    """The one-launch quantizer (kernels.fp8_table) against `executors.fp8.quantize_blocks`: per block shape, one
-    table of `cases` jobs of every input dtype and edge-value kind, some laid out for wide vectors and some not,
-    quantized in one call, each job's bytes (and what lies around it) checked."""
-    from reshard.kernels.fp8_table import QuantizeTable
+                    tunings: tuple = (KernelTuning(),)) -> list[str]:
+    """The quantizer (kernels.fp8_quantize: all jobs in one launch) against `executors.fp8.quantize_blocks` on
+    random shapes (partial edge blocks), strided views (x and q inside larger tensors, s a transposed view) and
+    edge values: per block shape and tuning, one table of `cases` jobs of every input dtype and edge-value kind,
+    some laid out for wide vectors and some not, quantized in one call, each job's bytes (and what lies around it)
+    checked."""
+    from reshard.kernels.fp8_quantize import QuantizeTable
 
     dev = torch.device(device)
     failures = []
@@ -116,8 +66,7 @@ def check_fp8_table(device: str = "cpu", cases: int = 24, seed: int = 0,
         g = torch.Generator().manual_seed(seed)
         for block in blocks:
             jobs = [_QuantizerCase(dev, g, case, block, wide=case % 2 == 0) for case in range(cases)]
-            with quantizer_tuning(tuning):
-                QuantizeTable([(c.x, c.q, c.s) for c in jobs], block, exact_cast=exact_cast).launch()
+            QuantizeTable([(c.x, c.q, c.s) for c in jobs], block, tuning, exact_cast=exact_cast).launch()
             if device != "cpu":
                 torch.cuda.synchronize(dev)
             failures += [f"tuning {tuning}: {f}" for c in jobs for f in c.failures()]
@@ -169,21 +118,12 @@ class _QuantizerCase:
         return out
 
 
-def check_fp8_refits(device: str = "cpu", quantizer: str = "kernel", head_dim: int = 128, layers: int = 2,
-                     tunings: tuple = ({"table": False}, {"table": True, "amax": "input bits"})) -> list[str]:
-    """Whole quantizing refits with `quantizer` (the kernel) on `device` under each of `tunings`
-    (kernels.fp8_quantize.TUNING overrides: a launch per job, and all jobs in one launch), each case twice (the
-    second a graph replay on GPUs) with the trainer's weights changed in place between: straight into the engine
-    (direct), through the wire's shadows, and with receivers quantizing (a trainer TP that cuts the MLP through
-    blocks); the engine's tensors must equal the reference checkpoint, byte for byte."""
-    failures = []
-    for tuning in tunings:
-        with quantizer_tuning(tuning):
-            failures += [f"tuning {tuning}: {f}" for f in _check_fp8_refits(device, quantizer, head_dim, layers)]
-    return failures
-
-
-def _check_fp8_refits(device: str, quantizer: str, head_dim: int, layers: int) -> list[str]:
+def check_fp8_refits(device: str = "cpu", quantizer: str = "kernel", head_dim: int = 128,
+                     layers: int = 2) -> list[str]:
+    """Whole quantizing refits with `quantizer` (the kernel) on `device`, each case twice (the second a graph replay
+    on GPUs) with the trainer's weights changed in place between: straight into the engine (direct), through the
+    wire's shadows, and with receivers quantizing (a trainer TP that cuts the MLP through blocks); the engine's
+    tensors must equal the reference checkpoint, byte for byte."""
     import reshard
     from reshard.executors.fp8 import Fp8Executor
     from reshard.executors.local import allocate, shard
@@ -295,9 +235,9 @@ def check_copy_table(device: str = "cpu", cases: int = 4, seed: int = 0, moe_lay
             taken[di].append((do, do + n))
             pairs.append((bufs[di][do:do + n], before[si][so:so + n]))
             want[di][do:do + n] = before[si][so:so + n]
-        # every kernel variant in turn: cache hints, two blocks in flight, a persistent grid walking the chunks
-        CopyTable(pairs, chunk_bytes=int(torch.randint(16, 300, (1,), generator=g)), block_bytes=64,
-                  hint=bool(case % 2), unroll=1 + (case // 2) % 2, programs=case % 3).launch()
+        # chunks cut anywhere in a copy, several blocks to a chunk
+        tuning = KernelTuning(copy_chunk_bytes=int(torch.randint(16, 300, (1,), generator=g)), copy_block_bytes=64)
+        CopyTable(pairs, tuning).launch()
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         bad = [i for i in range(3) if not torch.equal(bufs[i].cpu(), want[i].cpu())]
@@ -361,18 +301,15 @@ def check_copy_sum64(device: str = "cpu", cases: int = 6, seed: int = 0, big: bo
     from reshard.executors import allocate, execute_local, shard
     from reshard.executors.bound import BoundLocalExecutor
     from reshard.executors.checksum import PERIOD, Streams, block
-    from reshard.kernels import copy_sum64
-    from reshard.kernels.copy_sum64 import CopySum64
+    from reshard.kernels.copy_sum64 import FLUSH, CopySum64
 
     dev = torch.device(device)
     g = torch.Generator().manual_seed(seed)
     failures = []
-    flush = copy_sum64.FLUSH
     for case in range(cases + (1 if big else 0)):
         large = case == cases
         period, window = ((PERIOD, 16 << 10) if large else (PERIOD, 1024) if case % 3 == 0
                           else (4096, 256) if case % 3 == 1 else (1024, 64))
-        copy_sum64.FLUSH = flush if case % 2 == 0 else 2
         size = (48 << 20) if large else 12000
         bufs = [torch.randint(0, 256, (size,), generator=g, dtype=torch.uint8).to(dev) for _ in range(2)]
         src, dst = bufs
@@ -394,8 +331,9 @@ def check_copy_sum64(device: str = "cpu", cases: int = 6, seed: int = 0, big: bo
         want = before.clone()
         for so, do, n in pieces:
             want[do:do + n] = src[so:so + n]
-        k = CopySum64(np.asarray(entries, dtype=np.int64).reshape(-1, 4), dev, pos - start, window_bytes=window,
-                      num_warps=4, period=period)
+        k = CopySum64(np.asarray(entries, dtype=np.int64).reshape(-1, 4), dev, pos - start,
+                      KernelTuning(sum64_window_bytes=window, sum64_warps=4), period=period,
+                      flush=FLUSH if case % 2 == 0 else 2)
         k.launch()
         got = [int(v) & ((1 << 64) - 1) for v in k.sums().tolist()]
         stream = torch.cat([src[so:so + n] for so, _, n in pieces]) if pieces else src[:0]
@@ -410,7 +348,6 @@ def check_copy_sum64(device: str = "cpu", cases: int = 6, seed: int = 0, big: bo
             s.update(0, stream.cpu())
             if k.digest() != s.digest(0):
                 failures.append(f"{what}: digest differs from checksum.Streams on the CPU")
-    copy_sum64.FLUSH = flush
     spec = reshard.ModelSpec(family="qwen3", hidden_size=64, num_layers=1, num_attention_heads=4,
                              num_key_value_heads=2, head_dim=16, intermediate_size=96, vocab_size=64,
                              qk_norm=True, dtype="bfloat16")
@@ -420,13 +357,7 @@ def check_copy_sum64(device: str = "cpu", cases: int = 6, seed: int = 0, big: bo
         w = {t.name: torch.randn(t.shape, generator=g).to(torch.bfloat16) for t in spec.tensors}
         src = {r: {n: t.to(dev) for n, t in ts.items()} for r, ts in shard(src_l, w).items()}
         got = {r: {n: t.to(dev) for n, t in ts.items()} for r, ts in allocate(dst_l, -7.0).items()}
-        tuning = dict(copy_sum64.TUNING)
-        if dev.type == "cpu":  # the interpreter: small windows run faster
-            copy_sum64.TUNING["window_bytes"] = 1024
-        try:
-            ex = BoundLocalExecutor(plan, None, 0, src, got, checksum="sum64", checksum_kernel=True)
-        finally:
-            copy_sum64.TUNING.update(tuning)
+        ex = BoundLocalExecutor(plan, None, 0, src, got, checksum="sum64", checksum_kernel=True)
         if ex._fused is None:
             failures.append(f"bound tp={tp}: the kernel was not used")
         for step in range(2):
@@ -452,4 +383,4 @@ def check_copy_sum64(device: str = "cpu", cases: int = 6, seed: int = 0, big: bo
     return failures
 
 
-__all__ = ["check_copy_sum64", "check_copy_table", "check_fp8_quantizer", "check_fp8_refits", "check_sum64"]
+__all__ = ["check_copy_sum64", "check_copy_table", "check_fp8_refits", "check_fp8_table", "check_sum64"]

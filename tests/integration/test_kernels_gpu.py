@@ -1,5 +1,6 @@
 """The GPU paths of issue 31 on the GPU machine (`-m gpu`), byte for byte against the references: the Triton FP8
-quantizer (hardware cast and the integer cast the interpreter uses; a launch per job and all jobs in one), whole
+quantizer (hardware cast and the integer cast the interpreter uses; all jobs in one launch, every warps setting
+swept by benchmarks/refit_inprocess.py), whole
 quantizing refits with it, the sum64 kernel and the shared executor's digests, the bound executor (CUDA graph) and
 the inprocess transport against the reference LocalExecutor, refit after refit."""
 from __future__ import annotations
@@ -11,6 +12,7 @@ import reshard
 from reshard.executors import allocate, execute_local, make_executor, shard
 from reshard.executors import views
 from reshard.executors.bound import BoundLocalExecutor
+from reshard.kernels import KernelTuning
 from harness import kernel_checks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
@@ -18,12 +20,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.mark.parametrize("exact_cast", [False, True], ids=["hardware-cast", "integer-cast"])
 def test_fp8_quantizer_kernel_equals_reference_on_gpu(exact_cast):
-    assert kernel_checks.check_fp8_quantizer("cuda", cases=30, exact_cast=exact_cast) == []
-
-
-@pytest.mark.parametrize("exact_cast", [False, True], ids=["hardware-cast", "integer-cast"])
-def test_fp8_table_kernel_equals_reference_on_gpu(exact_cast):
-    assert kernel_checks.check_fp8_table("cuda", cases=40, exact_cast=exact_cast) == []
+    tunings = tuple(KernelTuning(quantize_warps=w) for w in (4, 8, 16))
+    assert kernel_checks.check_fp8_table("cuda", cases=40, exact_cast=exact_cast, tunings=tunings) == []
 
 
 def test_quantizing_refits_with_the_kernel_on_gpu():

@@ -153,7 +153,7 @@ def _ping_pong(store, me: int, device: torch.device, nbytes: int, bucket: int, i
     from reshard.executors.exchange import Exchange
     from reshard.executors.shared import export, open_handle, shared_empty
 
-    ex = Exchange(store, "pingpong", kind="bench")
+    ex = Exchange(store, "pingpong", transport="bench")
     if me == ENGINE:
         bufs = [shared_empty((bucket,), torch.uint8) if device.type == "cpu"
                 else torch.empty(bucket, dtype=torch.uint8, device=device) for _ in range(2)]

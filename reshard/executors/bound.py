@@ -29,12 +29,12 @@ from .base import Executor, RankTensors
 from .checksum import Streams, algorithm, block
 from .copies import DST, SRC, fold
 from .graphs import STREAMS, Replay, on_streams, single_cuda_device, spread
-from .guard import check_ops
+from .preflight import check_ops
 from .local import apply_shifts
 from .pins import Pins
 from .prepared import Prepared
 from .stats import RefitStats
-from .views import Memory, bind
+from .views import Memory, view_copies
 
 GRAPH = "auto"  # default graph mode on one GPU (see BoundLocalExecutor)
 MANY_COPIES = 1000  # "auto": from this many large copies on, the whole refit one graph (launch-bound otherwise)
@@ -69,7 +69,7 @@ class BoundLocalExecutor(Executor):
                        DST, o["dst_tensor"][mine], o["dst_offset"][mine], o["dst_stride"][mine],
                        o["rows"][mine], o["cols"][mine])
         flats = {SRC: prepared.src_flat, DST: prepared.dst_flat}
-        self._program = bind(program, Memory(lambda kind, i: flats[kind][i], plan.itemsize), plan.itemsize)
+        self._program = view_copies(program, Memory(lambda kind, i: flats[kind][i], plan.itemsize), plan.itemsize)
         self._shifts = prepared.shifts(mine)
         self.ops, self.copies, self.bytes = len(mine), len(program), int(program.numel) * plan.itemsize
         graph = GRAPH if graph is True else "none" if graph is False else graph

@@ -36,6 +36,7 @@ from typing import Any, Hashable, Mapping
 import torch
 
 from ..errors import ArgumentError
+from .local import block  # noqa: F401 - a block of a flat view, for the executors that hash blocks
 
 DIGEST_BYTES = 32
 ALGORITHMS = ("sha256", "sum64")
@@ -72,13 +73,6 @@ def tensor_digest(t: torch.Tensor) -> str:
 def tensor_digests(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
     """`tensor_digest` of every tensor (name -> hex digest)."""
     return {name: tensor_digest(t) for name, t in tensors.items()}
-
-
-def block(flat: torch.Tensor, offset: int, rows: int, cols: int, stride: int) -> torch.Tensor:
-    """The rows x cols block at `offset` of a flat view, rows `stride` apart."""
-    if rows == 1:
-        return flat.narrow(0, offset, cols)
-    return flat.as_strided((rows, cols), (stride, 1), flat.storage_offset() + offset)
 
 
 class _Sum64:

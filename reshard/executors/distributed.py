@@ -8,7 +8,7 @@ calls `refit` at every weight update; it sends what it owns and receives what it
      schedule is built (executors.schedule: streams per peer, buckets, rounds, folded copy programs). Build
      the executor once and call `refit` at every weight update;
   2. prepare: this process checks its tensors against the plan (names, shapes, dtype, contiguity, device)
-     and binds the schedule to them (executors.runners.Bound: wire and staging buffers, every copy as a
+     and binds the schedule to them (executors.runners.RoundViews: wire and staging buffers, every copy as a
      prebuilt view). The binding is kept and reused while the caller passes the same tensors, which is the
      usual case; `release()` drops it;
   3. preflight: one small all-reduce tells every process whether all are ready and run the same plan,
@@ -90,9 +90,9 @@ from .checksum import DIGEST_BYTES, Streams, algorithm, mismatch
 from .comm import Comm, comm_for
 from ..polling import wait_events
 from .runners import Buffers, RoundRunner, Setup, abort, make_runner
-from .guard import check_memory, check_ops
+from .preflight import check_ops
 from .lanes import NCCL_LANES
-from .local import check_tensors, in_units
+from .prepared import Prepared
 from .schedule import (DIRECT_BYTES, GLOO_DIRECT_BYTES, LANES_DIRECT_BYTES, RoundSchedule, bucket_numel_for,
                        build_schedule)
 from .stats import RefitStats, ops_landing, phase_times
@@ -234,22 +234,21 @@ class DistributedExecutor(Executor):
 
     def _run(self, start: float, src: dict, dst: dict, version: int | None) -> RefitStats:
         given, kept = _identity(src, dst), self._kept
-        if kept.bound is not None and given is not None and self._given and given[0] == self._given[0]:
+        if kept.views is not None and given is not None and self._given and given[0] == self._given[0]:
             # the very tensor objects, at the same addresses, that passed the checks last time: skip them (they
             # are a fixed cost of every refit otherwise). Metadata changed in place (resize_, set_) is
             # not seen: pass new tensors.
-            device, problem = kept.bound.device, None
+            device, problem = kept.views.device, None
         else:
             self._given = ()
-            problem = self._check_local(src, dst)
-            device, device_problem = self._device(src, dst)
+            prepared, problem = self._prepare(src, dst)
+            device, device_problem = self._device(prepared)
             problem = problem or device_problem
         runner = None
         if problem is None:
             try:  # buffers are allocated before the preflight, so that running out of memory is reported there
                 if not self._given:
-                    src, dst = in_units(self.plan, src, dst)  # tensors kept in a wider dtype, seen in the plan's
-                    kept.bind(self._setup, device, src, dst)
+                    kept.views_for(self._setup, device, prepared)
                     self._given = given or ()
                 runner = make_runner(self._setup, kept)
                 runner.sums = Streams(self.checksum) if self.checksum else None
@@ -291,37 +290,28 @@ class DistributedExecutor(Executor):
             staged=s.staged, undo=s.undo, ops=self._num_ops, copies=runner.copies,
             bytes_sent={p: n * itemsize for p, n in s.sent.items()},
             bytes_received={p: n * itemsize for p, n in s.received.items()},
-            local_bytes=s.local_numel * itemsize, staging_bytes=kept.bound.staging_bytes,
+            local_bytes=s.local_numel * itemsize, staging_bytes=kept.views.staging_bytes,
             transfers=sum(len(r.sends) + len(r.recvs) for r in s.rounds), checksum=self.checksum or "",
             rounds=len(s.rounds), lanes=len(self.lanes), bucket_bytes=self.bucket_numel * itemsize,
-            direct_bytes=kept.bound.direct_bytes, wire_bytes=kept.bound.wire_bytes)
+            direct_bytes=kept.views.direct_bytes, wire_bytes=kept.views.wire_bytes)
 
     # --- steps -----------------------------------------------------------------------------------
-    def _check_local(self, src: dict, dst: dict) -> str | None:
-        want_src = set(self.binding.src_ranks_of(self.rank))
-        want_dst = set(self.binding.dst_ranks_of(self.rank))
-        problems = []
-        for side, got, want in (("source", src, want_src), ("destination", dst, want_dst)):
-            if set(got) != want:
-                problems.append(f"{side} ranks given {sorted(got)}, but the binding has this process "
-                                f"(group rank {self.rank}) play {sorted(want)}")
-        if problems:
-            return "; ".join(problems)
+    def _prepare(self, src: dict, dst: dict) -> "tuple[Prepared | None, str | None]":
+        """This process's tensors checked and viewed (executors.prepared), or what is wrong with them: a refusal
+        that the preflight makes every process see."""
         try:
-            check_tensors(self.plan, src, dst)
-            check_memory(src, dst)
+            return Prepared(self.plan, src, dst, (self.binding.src_ranks_of(self.rank),
+                                                  self.binding.dst_ranks_of(self.rank))), None
         except ExecutionError as e:
-            return str(e)
-        return None
+            return None, str(e)
 
-    def _device(self, src: dict, dst: dict) -> tuple[torch.device, str | None]:
+    def _device(self, prepared: "Prepared | None") -> tuple[torch.device, str | None]:
         """The device of this process's tensors, and what is wrong with it for this group's backend."""
         fallback = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
-        devices = {t.device for side in (src, dst) for ts in side.values() for t in ts.values()
-                   if isinstance(t, torch.Tensor)}
-        if len(devices) > 1:
-            return fallback, f"this process's tensors are on several devices {sorted(map(str, devices))}"
-        device = devices.pop() if devices else fallback
+        try:
+            device = (prepared.device if prepared is not None else None) or fallback
+        except ExecutionError as e:
+            return fallback, str(e)
         if self.backend == "nccl" and device.type != "cuda":
             return fallback, f"the NCCL group needs CUDA tensors; this process's tensors are on {device}"
         if self.backend == "gloo" and device.type != "cpu":

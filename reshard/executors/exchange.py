@@ -2,7 +2,7 @@
 (TCPStore, FileStore, ...): NIXL's and the shared-memory executor.
 
 Values are bytes: an opaque blob (NIXL's agent metadata) and JSON for everything else (never pickle). Keys live
-under the executor's kind and namespace (a PrefixStore), so several executors can share one store:
+under the transport and namespace (a PrefixStore), so several executors can share one store:
 
   md/<p>        process p's blob (NIXL: get_agent_metadata(), taken after every registration)
   book/<p>      JSON: what p runs (plan digest, binding, options) and how its peers address its memory
@@ -25,13 +25,13 @@ PROTOCOL = 1
 
 
 class Exchange:
-    def __init__(self, store: Any, namespace: str, kind: str = "nixl") -> None:
+    def __init__(self, store: Any, namespace: str, transport: str = "nixl") -> None:
         import torch.distributed as dist
 
         if not namespace or "/" in namespace:
             raise ExecutionError(f"namespace={namespace!r} must be a non-empty name without '/'")
         self.namespace = namespace
-        self.store = dist.PrefixStore(f"reshard-{kind}/{namespace}/", store)
+        self.store = dist.PrefixStore(f"reshard-{transport}/{namespace}/", store)
 
     # --- set-up ----------------------------------------------------------------------------------------
     def publish(self, process: int, metadata: bytes, book: dict[str, Any]) -> None:

@@ -19,7 +19,7 @@ from ..layouts import Layout
 from ..planner import Plan
 from ..planner.plan import RELAY
 from .base import Executor, RankTensors
-from .guard import check_ops
+from .preflight import check_ops
 from .stats import RefitStats
 
 

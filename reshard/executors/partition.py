@@ -114,10 +114,6 @@ class Partition:
         """Every op this process receives, local or remote (plan order)."""
         return np.flatnonzero(self.receiver == self.process)
 
-    def local_by_stage(self) -> list[np.ndarray]:
-        stage = self.plan.ops["stage"][self.local]
-        return [self.local[stage == s] for s in range(self.plan.num_stages)]
-
     @cached_property
     def sends_to(self) -> dict[int, np.ndarray]:
         """Peer -> the ops this process sends it (plan order)."""

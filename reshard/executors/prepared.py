@@ -18,7 +18,7 @@ import torch
 from ..errors import ExecutionError
 from ..planner import Plan
 from .base import RankTensors
-from .guard import check_memory
+from .preflight import check_memory
 from .local import check_tensors, in_units, shift_views, torch_dtype
 from .partition import carve
 
@@ -45,9 +45,11 @@ class Prepared:
     def __init__(self, plan: Plan, src: RankTensors, dst: RankTensors,
                  ranks: "tuple[tuple[int, ...], tuple[int, ...]] | None" = None,
                  ids: "tuple | None" = None) -> None:
-        if ranks is not None and (set(src) != set(ranks[0]) or set(dst) != set(ranks[1])):
-            raise ExecutionError(f"this process plays source ranks {sorted(ranks[0])} and destination ranks "
-                                 f"{sorted(ranks[1])}; got tensors of {sorted(src)} and {sorted(dst)}")
+        wrong = [f"{side} ranks given {sorted(got)}, but the binding has this process play {sorted(want)}"
+                 for side, got, want in zip(("source", "destination"), (src, dst), ranks or ((), ()))
+                 if set(got) != set(want)] if ranks is not None else []
+        if wrong:
+            raise ExecutionError("; ".join(wrong))
         check_tensors(plan, src, dst, ids)
         check_memory(src, dst)
         self.plan, self.src, self.dst = plan, src, dst

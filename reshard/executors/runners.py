@@ -1,9 +1,9 @@
-"""How one process moves its part of a schedule: buffers bound to its tensors, and two runners that run rounds.
+"""How one process moves its part of a schedule: buffers viewing its tensors, and two runners that run rounds.
 
 What a runner needs from the executor that runs it is a `Setup` (the plan, this process's schedule, the
 group, the options, and the words of a failure) and the `Buffers` the executor keeps between refits.
-`Bound` ties a process schedule to the tensors of one call: flat views of the caller's tensors, the staging
-(shadow) buffer, the wire buffers, and every copy program as prebuilt views (executors.views). `Buffers.bind`
+`RoundViews` ties a process schedule to the tensors of one call: flat views of the caller's tensors, the staging
+(shadow) buffer, the wire buffers, and every copy program as prebuilt views (executors.views). `Buffers.views_for`
 reuses it while the caller passes the same tensors (the usual case: parameters live as long as the trainer
 and the inference engine do).
 
@@ -15,7 +15,6 @@ completion event against the timeout.
 from __future__ import annotations
 
 import abc
-import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,16 +24,16 @@ import torch
 
 from ..errors import ExecutionError
 from ..planner import Plan
-from ..polling import wait_events
+from ..polling import Background, wait_events
 from .comm import Comm
 from .checksum import Streams
 from .copies import DST, KIND_NAMES, SHADOW, SRC, WIRE, Copies, regions
-from .local import apply_shifts, shift_views, torch_dtype
+from .local import apply_shifts
+from .prepared import Prepared
 from .schedule import RoundSchedule
-from .views import BoundCopies, Memory, bind
+from .views import CopyViews, Memory, view_copies
 
 HOST_LEAD = 8  # rounds the host may enqueue ahead of the GPU (CudaRunner._keep_up)
-ALIGN = 64  # elements: every shadow tensor starts 128-byte aligned (bf16) so that word views apply
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,54 +61,47 @@ class Setup:
 
 class Buffers:
     """What an executor keeps between refits for its runners: the wire buffer (grown, never shrunk), the CUDA
-    streams, and the schedule bound to the tensors of the last call."""
+    streams, and the schedule viewing the tensors of the last call."""
 
     def __init__(self) -> None:
         self.wire: torch.Tensor | None = None
         self.streams: dict[str, torch.cuda.Stream] | None = None
-        self.bound: Bound | None = None
+        self.views: RoundViews | None = None
 
-    def bind(self, setup: Setup, device: torch.device, src: dict, dst: dict) -> "Bound":
-        """The schedule bound to these tensors; the last binding again when they are the same tensors (the
-        same addresses) on the same device."""
-        s, plan = setup.schedule, setup.plan
-        ptrs = [src[plan.src_tensors.ranks[i]][plan.src_tensors.names[i]].data_ptr() for i in s.src_ids]
-        ptrs += [dst[plan.dst_tensors.ranks[i]][plan.dst_tensors.names[i]].data_ptr() for i in s.dst_ids]
-        key = (str(device), *ptrs)
-        if self.bound is None or self.bound.key != key:
-            self.bound = None  # free the old views and staging before allocating new ones
-            self.bound = Bound(setup, self, device, src, dst, key)
-        return self.bound
-
-
-class Bound:
-    """A schedule bound to one set of tensors (see the module docstring)."""
-
-    def __init__(self, setup: Setup, kept: Buffers, device: torch.device, src: dict, dst: dict,
-                 key: tuple) -> None:
-        s, plan, depth = setup.schedule, setup.plan, setup.depth
-        self.key, self.device = key, device
-        itemsize = plan.itemsize
-        dtype = torch_dtype(plan.dst.dtype)
-        flats = {SRC: {}, DST: {}, SHADOW: {}}
-        for i in s.src_ids:
-            flats[SRC][i] = src[plan.src_tensors.ranks[i]][plan.src_tensors.names[i]].view(-1)
-        for i in s.dst_ids:
-            flats[DST][i] = dst[plan.dst_tensors.ranks[i]][plan.dst_tensors.names[i]].view(-1)
-        # staging: one buffer for every shadow, each shadow aligned
-        sizes = [flats[DST][i].numel() for i in s.shadow]
-        starts = np.concatenate([[0], np.cumsum([-(-n // ALIGN) * ALIGN for n in sizes])]).tolist()
-        self.shadow = torch.empty(int(starts[-1]), dtype=dtype, device=device)
-        for i, a, n in zip(s.shadow, starts, sizes):
-            flats[SHADOW][i] = self.shadow.narrow(0, int(a), n)
-        self.staging_bytes = int(starts[-1]) * itemsize if s.shadow else 0
-        # wire: depth x (messages in a round) buckets, kept across calls
+    def wire_for(self, setup: Setup, device: torch.device, dtype: torch.dtype) -> tuple["torch.Tensor | None", int]:
+        """The wire buffers, depth x (messages in a round) buckets, grown as needed and kept across calls; and
+        their bytes."""
+        s, depth = setup.schedule, setup.depth
         per_round = max(s.buffers_per_round, 1)
         need = depth * per_round * s.bucket_numel if s.rounds else 0
-        if kept.wire is None or kept.wire.numel() < need or kept.wire.device != device:
-            kept.wire = torch.empty(need, dtype=dtype, device=device)
-        self.wire = kept.wire[:need].view(depth, per_round, s.bucket_numel) if need else None
-        self.wire_bytes = need * itemsize
+        if self.wire is None or self.wire.numel() < need or self.wire.device != device:
+            self.wire = torch.empty(need, dtype=dtype, device=device)
+        return (self.wire[:need].view(depth, per_round, s.bucket_numel) if need else None), need * setup.plan.itemsize
+
+    def views_for(self, setup: Setup, device: torch.device, prepared: Prepared) -> "RoundViews":
+        """The schedule as views of these tensors; the last ones again when they are the same tensors (the
+        same addresses) on the same device."""
+        s = setup.schedule
+        key = (str(device), *(prepared.src_flat[i].data_ptr() for i in s.src_ids),
+               *(prepared.dst_flat[i].data_ptr() for i in s.dst_ids))
+        if self.views is None or self.views.key != key:
+            self.views = None  # free the old views and staging before allocating new ones
+            self.views = RoundViews(setup, self, device, prepared, key)
+        return self.views
+
+
+class RoundViews:
+    """A schedule as views of one set of tensors (see the module docstring)."""
+
+    def __init__(self, setup: Setup, kept: Buffers, device: torch.device, prepared: Prepared, key: tuple) -> None:
+        s, plan = setup.schedule, setup.plan
+        self.key, self.device = key, device
+        itemsize = plan.itemsize
+        # staging: one buffer for every shadow, each shadow aligned
+        self.shadow, shadows = prepared.arena({i: prepared.dst_flat[i].numel() for i in s.shadow}, device)
+        self.staging_bytes = self.shadow.numel() * itemsize if s.shadow else 0
+        flats = {SRC: prepared.src_flat, DST: prepared.dst_flat, SHADOW: shadows}
+        self.wire, self.wire_bytes = kept.wire_for(setup, device, prepared.dtype)
         wires: list[torch.Tensor] = []  # one view per packed message, into its round's buffer for its peer
 
         def flat(kind: int, i: int) -> torch.Tensor:
@@ -122,8 +114,31 @@ class Bound:
                                      f"does not hold") from None
 
         memory = Memory(flat, itemsize)
-        self.packs: list[list[BoundCopies]] = []
-        self.scatters: list[list[BoundCopies]] = []
+        self._bind_rounds(setup, flat, memory, wires)
+        # local copies of a stage, cut into one piece per round of that stage so they spread over the transfer
+        rounds_in_stage = np.bincount([r.stage for r in s.rounds], minlength=s.num_stages) if s.rounds else \
+            np.zeros(s.num_stages, np.int64)
+        local = [_pieces(c, max(int(k), 1)) for c, k in zip(s.local, rounds_in_stage)]
+        self.local = [[view_copies(piece, memory, itemsize) for piece in pieces] for pieces in local]
+        # undo: before a round's receives (a local piece) write, the regions they write are copied into the
+        # shadows; after a failure the copies that completed are put back
+        undo = lambda c, frm, to: view_copies(regions(c, frm, to), memory, itemsize) if s.undo else None  # noqa: E731
+        received = [Copies.concat([m.copies for m in r.recvs]) if s.undo else None for r in s.rounds]
+        self.backups = [undo(c, DST, SHADOW) for c in received]
+        self.restores = [undo(c, SHADOW, DST) for c in received]
+        self.local_backups = [[undo(c, DST, SHADOW) for c in pieces] for pieces in local]
+        self.local_restores = [[undo(c, SHADOW, DST) for c in pieces] for pieces in local]
+        self.commit = view_copies(s.commit, memory, itemsize)
+        self.deferred = view_copies(s.deferred, memory, itemsize)
+        self.shifts = prepared.shifts()  # value shifts of this process's destination blocks
+        self.ops: dict[tuple, list] = {}  # (round position, lane) -> its P2POps, built at first use
+
+    def _bind_rounds(self, setup: Setup, flat, memory: Memory, wires: list) -> None:
+        """Per round position: the buffers each message is sent from (received into) and the pack (scatter)
+        programs of the messages that travel through a wire buffer."""
+        s, depth, itemsize = setup.schedule, setup.depth, setup.plan.itemsize
+        self.packs: list[list[CopyViews]] = []
+        self.scatters: list[list[CopyViews]] = []
         self.send_bufs: list[list[torch.Tensor]] = []
         self.recv_bufs: list[list[torch.Tensor]] = []
         self.direct_bytes = 0
@@ -144,24 +159,7 @@ class Bound:
                         continue
                     wires.append(self.wire[slot, region[(way, m.peer)], m.offset:m.offset + m.numel])
                     bufs[-1].append(wires[-1])
-                    progs[-1].append(bind(_wire_id(m.copies, len(wires) - 1), memory, itemsize))
-        # local copies of a stage, cut into one piece per round of that stage so they spread over the transfer
-        rounds_in_stage = np.bincount([r.stage for r in s.rounds], minlength=s.num_stages) if s.rounds else \
-            np.zeros(s.num_stages, np.int64)
-        local = [_pieces(c, max(int(k), 1)) for c, k in zip(s.local, rounds_in_stage)]
-        self.local = [[bind(piece, memory, itemsize) for piece in pieces] for pieces in local]
-        # undo: before a round's receives (a local piece) write, the regions they write are copied into the
-        # shadows; after a failure the copies that completed are put back
-        undo = lambda c, frm, to: bind(regions(c, frm, to), memory, itemsize) if s.undo else None  # noqa: E731
-        received = [Copies.concat([m.copies for m in r.recvs]) if s.undo else None for r in s.rounds]
-        self.backups = [undo(c, DST, SHADOW) for c in received]
-        self.restores = [undo(c, SHADOW, DST) for c in received]
-        self.local_backups = [[undo(c, DST, SHADOW) for c in pieces] for pieces in local]
-        self.local_restores = [[undo(c, SHADOW, DST) for c in pieces] for pieces in local]
-        self.commit = bind(s.commit, memory, itemsize)
-        self.deferred = bind(s.deferred, memory, itemsize)
-        self.shifts = shift_views(plan, flats[DST])  # value shifts of this process's destination blocks
-        self.ops: dict[tuple, list] = {}  # (round position, lane) -> its P2POps, built at first use
+                    progs[-1].append(view_copies(_wire_id(m.copies, len(wires) - 1), memory, itemsize))
 
 
 def _wire_id(c: Copies, wire: int) -> Copies:
@@ -193,28 +191,16 @@ def abort(groups: list, timeout: float) -> list:
     abort on a thread of its own). All at once, every flag is set within moments and every free completes: the
     survivor raises shortly after its timeout with any number of lanes, its staged destinations untouched or its
     undo log put back, and its GPU usable (BENCHMARKS.md, NCCL: failure with lanes)."""
-    threads = [threading.Thread(target=_abort_one, args=(g,), daemon=True, name=f"reshard-abort-{i}")
-               for i, g in enumerate(groups)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + timeout
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    return [g for g, t in zip(groups, threads) if t.is_alive()]
-
-
-def _abort_one(group) -> None:
-    try:
-        group.abort()
-    except Exception:  # noqa: BLE001 - best effort: the error being raised says what failed
-        pass
+    calls = [Background(lambda g: g.abort(), group, name=f"reshard-abort-{i}") for i, group in enumerate(groups)]
+    deadline = time.monotonic() + timeout  # best effort: an abort's own error is left with its call
+    return [group for group, call in zip(groups, calls) if not call.join(deadline)]
 
 
 class RoundRunner(abc.ABC):
     """Runs one process's rounds over bound buffers. Round positions index `setup.schedule.rounds`."""
 
     def __init__(self, setup: Setup, kept: Buffers) -> None:
-        self.setup, self.b = setup, kept.bound
+        self.setup, self.b = setup, kept.views
         self.rounds = setup.schedule.rounds
         self.copies = 0
         self.undo_log: list[tuple] = []  # (completion event or None, restore program), in launch order
@@ -459,8 +445,8 @@ class CudaRunner(RoundRunner):
 
 
 def make_runner(setup: Setup, kept: Buffers) -> RoundRunner:
-    """The runner for the tensors `kept` is bound to (`Buffers.bind`)."""
-    return (CudaRunner if kept.bound.device.type == "cuda" else HostRunner)(setup, kept)
+    """The runner for the tensors `kept` views (`Buffers.views_for`)."""
+    return (CudaRunner if kept.views.device.type == "cuda" else HostRunner)(setup, kept)
 
 
-__all__ = ["Bound", "Buffers", "CudaRunner", "RoundRunner", "HostRunner", "Setup", "abort", "make_runner"]
+__all__ = ["RoundViews", "Buffers", "CudaRunner", "RoundRunner", "HostRunner", "Setup", "abort", "make_runner"]

@@ -51,12 +51,12 @@ from .binding import Binding
 from .checksum import Streams, Sum64Program, algorithm, block, mismatch, use_kernel
 from .copies import DST, PEER, SHADOW, SRC, Copies
 from .exchange import Exchange
-from .guard import check_ops
+from .preflight import check_ops
 from .local import apply_shifts, torch_dtype
 from .partition import Partition
 from .prepared import Prepared
 from .stats import RefitStats
-from .views import Memory, bind
+from .views import Memory, view_copies
 from .voted import VotedExecutor
 
 _SHM_DIR = "/dev/shm"
@@ -342,7 +342,7 @@ class SharedExecutor(VotedExecutor):
         self._feeders = sorted(self.part.receives_from)
         if self.device.type != "cuda":  # the segments killed processes left behind, before this one makes its own
             reclaim_segments()
-        self.exchange = Exchange(store, namespace, kind="shared")
+        self.exchange = Exchange(store, namespace, transport="shared")
         try:
             self._set_up()
         except BaseException as e:
@@ -401,12 +401,12 @@ class SharedExecutor(VotedExecutor):
             return self._peer_landing[(kind - PEER, i)]
 
         memory = Memory(flat, self.itemsize)
-        self._send_programs = {q: bind(part.copies(ops, SRC, PEER + q), memory, self.itemsize)
+        self._send_programs = {q: view_copies(part.copies(ops, SRC, PEER + q), memory, self.itemsize)
                                for q, ops in part.sends_to.items()}
         shadowed = part.in_flight if self.staged else np.zeros_like(part.in_flight)
         local, deferred = part.local_copies(shadowed, ~part.in_flight if self.staged else None)
-        self._local_program = bind(Copies.concat(local), memory, self.itemsize)
-        self._commit_program = bind(Copies.concat([part.commit(shadowed), deferred]), memory, self.itemsize)
+        self._local_program = view_copies(Copies.concat(local), memory, self.itemsize)
+        self._commit_program = view_copies(Copies.concat([part.commit(shadowed), deferred]), memory, self.itemsize)
         self._shifts = self.prepared.shifts(part.landing)
         if self.checksum:  # the blocks each stream's checksum reads, in plan order (executors.checksum)
             self._sum_out = {q: self._views(ops, self.src_flat, "src") for q, ops in part.sends_to.items()}

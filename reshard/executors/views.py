@@ -1,6 +1,6 @@
-"""Copy programs bound to real tensors: views built once, reused at every refit.
+"""Copy programs as views of real tensors: built once, reused at every refit.
 
-Binding a program turns each strided 3-D copy into a (destination view, source view) pair. Where offsets,
+Viewing a program turns each strided 3-D copy into a (destination view, source view) pair. Where offsets,
 strides and widths allow, the views read the bytes as 8-byte words instead of 2-byte bf16 elements (a copy
 is a copy whatever the element type, and the copy kernels move a quarter as many elements). Running a bound
 program is two `torch._foreach_copy_` calls: one for pairs that are both contiguous (fused into few launches
@@ -57,7 +57,7 @@ class Memory:
         return self._wide[key]
 
 
-class BoundCopies:
+class CopyViews:
     """A program's copies as view pairs; `run()` launches them on the current stream."""
 
     __slots__ = ("large", "groups", "count")
@@ -75,7 +75,7 @@ class BoundCopies:
         return self.count
 
 
-def bind(copies: Copies, memory: Memory, itemsize: int) -> BoundCopies:
+def view_copies(copies: Copies, memory: Memory, itemsize: int) -> CopyViews:
     """View pairs for a program: large contiguous pairs alone; small contiguous pairs grouped by word type
     (so that they fuse into few launches); strided pairs in one more group."""
     per_word = word_elements(copies, itemsize).tolist()
@@ -98,7 +98,7 @@ def bind(copies: Copies, memory: Memory, itemsize: int) -> BoundCopies:
         group[0].append(dv)
         group[1].append(sv)
     groups = [g for g in (*dense.values(), strided) if g[0]]
-    return BoundCopies(large, groups, len(copies))
+    return CopyViews(large, groups, len(copies))
 
 
 def _view(flat: torch.Tensor, off: int, step: int, stride: int, n: int, rows: int, cols: int) -> torch.Tensor:
@@ -107,3 +107,5 @@ def _view(flat: torch.Tensor, off: int, step: int, stride: int, n: int, rows: in
     if n == 1:
         return flat.as_strided((rows, cols), (stride, 1), flat.storage_offset() + off)
     return flat.as_strided((n, rows, cols), (step, stride, 1), flat.storage_offset() + off)
+
+bind = view_copies  # the old name, for tests/property/test_views.py (another owner's file)

@@ -58,10 +58,11 @@ from ..binding import Binding
 from ..checksum import Streams, algorithm, mismatch
 from ..copies import DST, SHADOW, SRC, WIRE
 from ..exchange import Exchange
-from ..guard import check_memory, check_ops
-from ..local import apply_shifts, check_tensors, in_units, shift_views, torch_dtype
+from ..preflight import check_ops
+from ..local import apply_shifts
+from ..prepared import Prepared
 from ..stats import RefitStats, ops_landing
-from ..views import BoundCopies, Memory, bind
+from ..views import CopyViews, Memory, view_copies
 from ..voted import VotedExecutor
 from .agent import describe, is_nixl_error
 from .connection import Connection
@@ -71,13 +72,6 @@ from .schedule import Link, LinkSchedule, build_schedule
 
 READY, DONE = b"R", b"D"
 _QUARANTINE: list[torch.Tensor] = []  # arenas of failed executors: a late remote write must not hit freed memory
-
-
-def _device_of(src: RankTensors, dst: RankTensors) -> torch.device:
-    devices = {t.device for side in (src, dst) for ts in side.values() for t in ts.values()}
-    if len(devices) > 1:
-        raise ExecutionError(f"a NIXL executor's tensors must all be on one device; got {sorted(map(str, devices))}")
-    return devices.pop() if devices else torch.device("cpu")
 
 
 class NixlExecutor(VotedExecutor):
@@ -95,7 +89,8 @@ class NixlExecutor(VotedExecutor):
         self.options = options = options or NixlOptions()
         self.timeout, self.poll_max_s = options.timeout, options.poll_max_s
         self.num_processes = binding.num_processes
-        self.device = _device_of(src, dst)
+        self.prepared = Prepared(plan, src, dst)
+        self.device = self.prepared.device or torch.device("cpu")
         on_gpu = self.device.type == "cuda"
         self.mem_type = "VRAM" if on_gpu else "DRAM"
         self.device_id = (self.device.index or 0) if on_gpu else 0
@@ -128,23 +123,15 @@ class NixlExecutor(VotedExecutor):
     # --- construction --------------------------------------------------------------------------------
     def _check_and_bind(self, src: RankTensors, dst: RankTensors) -> None:
         plan, s = self.plan, self.schedule
-        problems = []
-        for ids, table, given, side in ((s.src_ids, plan.src_tensors, src, "source"),
-                                        (s.dst_ids, plan.dst_tensors, dst, "destination")):
-            for i in ids:
-                rank, name = table.ranks[i], table.names[i]
-                if rank not in given or name not in given[rank]:
-                    problems.append(f"{side} rank {rank} tensor {name!r} is missing (process {self.process} "
-                                    f"plays that rank in {self.binding})")
+        problems = [f"{side} rank {table.ranks[i]} tensor {table.names[i]!r} is missing (process {self.process} "
+                    f"plays that rank in {self.binding})"
+                    for ids, table, flat, side in ((s.src_ids, plan.src_tensors, self.prepared.src_flat, "source"),
+                                                   (s.dst_ids, plan.dst_tensors, self.prepared.dst_flat, "destination"))
+                    for i in ids if i not in flat]
         if problems:
             raise ExecutionError("tensors do not match the plan:\n  - " + "\n  - ".join(problems[:20]))
-        check_tensors(plan, {r: src[r] for r in src}, {r: dst[r] for r in dst})
-        check_memory(src, dst)
-        src, dst = in_units(plan, src, dst)  # tensors kept in a wider dtype, seen in the plan's
-        self.src_flat = {i: src[plan.src_tensors.ranks[i]][plan.src_tensors.names[i]].view(-1) for i in s.src_ids}
-        self.dst_flat = {i: dst[plan.dst_tensors.ranks[i]][plan.dst_tensors.names[i]].view(-1) for i in s.dst_ids}
-        dtype = torch_dtype(plan.dst.dtype)
-        self.arena = torch.empty(s.arena_numel, dtype=dtype, device=self.device)
+        self.src_flat, self.dst_flat = self.prepared.src_flat, self.prepared.dst_flat
+        self.arena = torch.empty(s.arena_numel, dtype=self.prepared.dtype, device=self.device)
         arena = self.arena
 
         def memory(kind: int, ident: int) -> torch.Tensor:
@@ -158,12 +145,12 @@ class NixlExecutor(VotedExecutor):
         self._memory = memory
         # copy programs folded and bound once: views built here, each refit only launches them
         views = Memory(memory, self.itemsize)
-        program = lambda c: bind(c, views, self.itemsize)  # noqa: E731
+        program = lambda c: view_copies(c, views, self.itemsize)  # noqa: E731
         self._pack = {k: program(v) for k, v in s.pack.items()}
         self._arrive = {k: program(v) for k, v in s.arrive.items()}
         self._local = [program(c) for c in s.local]
         self._commit_program = program(s.commit)
-        self._shifts = shift_views(plan, self.dst_flat)  # value shifts of this process's destination blocks
+        self._shifts = self.prepared.shifts()  # value shifts of this process's destination blocks
 
     def _address(self, kind: int, ident: int) -> int:
         if kind in (SHADOW, WIRE):
@@ -195,89 +182,30 @@ class NixlExecutor(VotedExecutor):
                              if self.options.checksum else ())
 
     def _move(self, v: int, deadline: float) -> None:
-        s, conn, read = self.schedule, self.connection, self.schedule.direction == "read"
-        stage_left = defaultdict(int)
-        for link in s.incoming:
-            stage_left[link.stage] += 1
-        waiting_in = {link.id: link for link in s.incoming}
-        waiting_out = {link.id: link for link in s.outgoing}
-        unstarted_out = sorted(s.outgoing, key=lambda link: link.stage)
-        posted: dict[int, Link] = {}
-        frontier = 0
+        """Run the links of refit `v` until every one of this process completed, polling notifications and
+        transfer states, each wait bounded by `deadline`."""
+        s, st = self.schedule, _Progress(self.schedule)
         if s.num_stages:
             self._run(self._local[0])
             self._sync()
-        if not read:
+        if not st.read:
             for link in s.incoming:  # my landing memory is free: senders may write
                 self._notify(link.sender, READY, v, link)
-        next_failure_check = time.monotonic() + 0.05
-        sleep = 2e-5
+        next_failure_check, sleep = time.monotonic() + 0.05, 2e-5
         while True:
-            progress = False
             self._drain_notifications(v)
-            # 1. start outgoing links whose source bytes are in place
-            still = []
-            for link in unstarted_out:
-                if link.stage > frontier or (not read and not self._take(READY, v, link)):
-                    still.append(link)
-                    continue
-                if link.id in self._pack:
-                    self._run(self._pack[link.id])
-                    self._sync()
-                if self.options.checksum:  # before a peer can read or receive the link's bytes
-                    self.exchange.store.set(f"v{v}/sum/{link.id}", self._link_digest(link, "send"))
-                if read:
-                    self._notify(link.receiver, READY, v, link)
-                else:
-                    self._post(link, v)
-                    posted[link.id] = link
-                progress = True
-            unstarted_out = still
-            # 2. READ: post every incoming link whose sender is ready, before waiting on any
-            if read:
-                for link in list(waiting_in.values()):
-                    if link.id not in posted and self._take(READY, v, link):
-                        self._post(link, v)
-                        posted[link.id] = link
-                        progress = True
-            # 3. completions of the transfers this process posted
-            for lid, link in list(posted.items()):
-                state = conn.state(link)
-                if state == "DONE":
-                    del posted[lid]
-                    progress = True
-                    if read:
-                        self._arrived(link, waiting_in, stage_left, v)
-                    else:
-                        del waiting_out[lid]
-                elif state != "PROC":
-                    raise ExecutionError(f"{link} with process {link.peer(self.process)} ended in state {state}")
-            # 4. completions announced by peers
-            for link in list(waiting_out.values() if read else waiting_in.values()):
-                if self._take(DONE, v, link):
-                    progress = True
-                    if read:
-                        del waiting_out[link.id]
-                    else:
-                        self._arrived(link, waiting_in, stage_left, v)
-            # 5. stages whose incoming links are all in: run the next stage's local copies
-            while frontier < s.num_stages and stage_left[frontier] == 0:
-                frontier += 1
-                if frontier < s.num_stages:
-                    self._run(self._local[frontier])
-                    self._sync()  # relays of the next stage may read what these copies wrote
-                progress = True
-            if not waiting_in and not waiting_out and not unstarted_out and frontier >= s.num_stages:
+            progress = (self._start_outgoing(st, v) | self._post_reads(st, v) | self._completions(st, v)
+                        | self._announced(st, v) | self._next_stages(st))
+            if st.finished():
                 return
             now = time.monotonic()
             if now > deadline:
-                raise ExecutionError(f"timed out after {self.options.timeout:.1f} s, "
-                                     + self._pending(waiting_in, waiting_out, posted, unstarted_out, read))
+                raise ExecutionError(f"timed out after {self.options.timeout:.1f} s, " + st.pending())
             if now > next_failure_check:
                 reason = self.exchange.failure(v)
                 if reason is not None:
                     raise ExecutionError(f"another process failed first ({reason}) while this one was waiting for: "
-                                         + self._pending(waiting_in, waiting_out, posted, unstarted_out, read))
+                                         + st.pending())
                 next_failure_check = now + 0.05
             if progress:
                 sleep = 2e-5
@@ -285,7 +213,76 @@ class NixlExecutor(VotedExecutor):
                 time.sleep(sleep)
                 sleep = min(sleep * 2, self.options.poll_max_s)
 
-    def _arrived(self, link: Link, waiting_in: dict[int, Link], stage_left: dict[int, int], v: int) -> None:
+    def _start_outgoing(self, st: "_Progress", v: int) -> bool:
+        """Start outgoing links whose source bytes are in place (WRITE: and whose receiver is ready)."""
+        still = []
+        for link in st.unstarted_out:
+            if link.stage > st.frontier or (not st.read and not self._take(READY, v, link)):
+                still.append(link)
+                continue
+            if link.id in self._pack:
+                self._run(self._pack[link.id])
+                self._sync()
+            if self.options.checksum:  # before a peer can read or receive the link's bytes
+                self.exchange.store.set(f"v{v}/sum/{link.id}", self._link_digest(link, "send"))
+            if st.read:
+                self._notify(link.receiver, READY, v, link)
+            else:
+                self._post(link, v)
+                st.posted[link.id] = link
+        progress, st.unstarted_out = len(still) < len(st.unstarted_out), still
+        return progress
+
+    def _post_reads(self, st: "_Progress", v: int) -> bool:
+        """READ: post every incoming link whose sender is ready, before waiting on any."""
+        progress = False
+        for link in list(st.waiting_in.values()) if st.read else ():
+            if link.id not in st.posted and self._take(READY, v, link):
+                self._post(link, v)
+                st.posted[link.id] = link
+                progress = True
+        return progress
+
+    def _completions(self, st: "_Progress", v: int) -> bool:
+        """Completions of the transfers this process posted."""
+        progress = False
+        for lid, link in list(st.posted.items()):
+            state = self.connection.state(link)
+            if state == "DONE":
+                del st.posted[lid]
+                progress = True
+                if st.read:
+                    self._arrived(link, st, v)
+                else:
+                    del st.waiting_out[lid]
+            elif state != "PROC":
+                raise ExecutionError(f"{link} with process {link.peer(self.process)} ended in state {state}")
+        return progress
+
+    def _announced(self, st: "_Progress", v: int) -> bool:
+        """Completions announced by peers (their transfers' done notifications)."""
+        progress = False
+        for link in list(st.waiting_out.values() if st.read else st.waiting_in.values()):
+            if self._take(DONE, v, link):
+                progress = True
+                if st.read:
+                    del st.waiting_out[link.id]
+                else:
+                    self._arrived(link, st, v)
+        return progress
+
+    def _next_stages(self, st: "_Progress") -> bool:
+        """Stages whose incoming links are all in: run the next stage's local copies."""
+        progress = False
+        while st.frontier < self.schedule.num_stages and st.stage_left[st.frontier] == 0:
+            st.frontier += 1
+            if st.frontier < self.schedule.num_stages:
+                self._run(self._local[st.frontier])
+                self._sync()  # relays of the next stage may read what these copies wrote
+            progress = True
+        return progress
+
+    def _arrived(self, link: Link, st: "_Progress", v: int) -> None:
         if self.options.checksum:
             sent = self.exchange.store.get(f"v{v}/sum/{link.id}").decode()
             got = self._link_digest(link, "recv")
@@ -294,8 +291,8 @@ class NixlExecutor(VotedExecutor):
         if link.id in self._arrive:
             self._run(self._arrive[link.id])
             self._sync()
-        del waiting_in[link.id]
-        stage_left[link.stage] -= 1
+        del st.waiting_in[link.id]
+        st.stage_left[link.stage] -= 1
 
     def _link_digest(self, link: Link, side: str) -> str:
         """The checksum of one side of a link's pieces, in order: the bytes it moves (executors.checksum)."""
@@ -335,30 +332,7 @@ class NixlExecutor(VotedExecutor):
                              f"while process {self.process} runs version {v}: every process must refit the same "
                              f"versions")
 
-    def _pending(self, waiting_in: dict[int, Link], waiting_out: dict[int, Link], posted: dict[int, Link],
-                 unstarted_out: list[Link], read: bool) -> str:
-        parts = []
-        for link in waiting_in.values():
-            if link.id in posted:
-                parts.append(f"{link}: transfer still in progress")
-            elif read:
-                parts.append(f"{link}: no ready notification from process {link.sender}")
-            else:
-                parts.append(f"{link}: no done notification from process {link.sender}")
-        for link in unstarted_out:
-            parts.append(f"{link}: " + ("no ready notification from process " + str(link.receiver)
-                                        if not read else "earlier stages of this process not complete"))
-        for link in waiting_out.values():
-            if link in unstarted_out:
-                continue
-            if link.id in posted:
-                parts.append(f"{link}: transfer still in progress")
-            elif read:
-                parts.append(f"{link}: process {link.receiver} has not finished reading")
-        shown = "; ".join(parts[:8]) + (f"; and {len(parts) - 8} more" if len(parts) > 8 else "")
-        return f"waiting for: {shown}" if parts else "waiting for the local copies"
-
-    def _run(self, program: BoundCopies) -> None:
+    def _run(self, program: CopyViews) -> None:
         if len(program):
             with torch.no_grad():
                 program.run()
@@ -399,3 +373,44 @@ class NixlExecutor(VotedExecutor):
             if not close_within(self.connection.release, self.options.timeout, "releasing the NIXL agent"):
                 _QUARANTINE.append(self.arena)  # a release still running may yet touch the registered memory
 
+
+class _Progress:
+    """Where one refit's links stand on this process (NixlExecutor._move)."""
+
+    def __init__(self, s: LinkSchedule) -> None:
+        self.read, self.num_stages = s.direction == "read", s.num_stages
+        self.stage_left: dict[int, int] = defaultdict(int)
+        for link in s.incoming:
+            self.stage_left[link.stage] += 1
+        self.waiting_in = {link.id: link for link in s.incoming}
+        self.waiting_out = {link.id: link for link in s.outgoing}
+        self.unstarted_out = sorted(s.outgoing, key=lambda link: link.stage)
+        self.posted: dict[int, Link] = {}
+        self.frontier = 0
+
+    def finished(self) -> bool:
+        return not (self.waiting_in or self.waiting_out or self.unstarted_out) and self.frontier >= self.num_stages
+
+    def pending(self) -> str:
+        """What this process still waits for, in words."""
+        read, posted = self.read, self.posted
+        parts = []
+        for link in self.waiting_in.values():
+            if link.id in posted:
+                parts.append(f"{link}: transfer still in progress")
+            elif read:
+                parts.append(f"{link}: no ready notification from process {link.sender}")
+            else:
+                parts.append(f"{link}: no done notification from process {link.sender}")
+        for link in self.unstarted_out:
+            parts.append(f"{link}: " + ("no ready notification from process " + str(link.receiver)
+                                        if not read else "earlier stages of this process not complete"))
+        for link in self.waiting_out.values():
+            if link in self.unstarted_out:
+                continue
+            if link.id in posted:
+                parts.append(f"{link}: transfer still in progress")
+            elif read:
+                parts.append(f"{link}: process {link.receiver} has not finished reading")
+        shown = "; ".join(parts[:8]) + (f"; and {len(parts) - 8} more" if len(parts) > 8 else "")
+        return f"waiting for: {shown}" if parts else "waiting for the local copies"

@@ -451,6 +451,7 @@ class Fp8Executor(Executor):
 
     @property
     def src_tensors(self) -> Mapping[int, Mapping[str, torch.Tensor]]:
+        """Source rank -> the tensors the inner executor reads: the trainer's, and the fp8 and scale shadows."""
         return self.senders.tensors
 
     def refit(self, version: int | None = None) -> RefitStats:

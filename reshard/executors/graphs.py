@@ -59,6 +59,7 @@ STREAMS = 4  # side streams independent launches are spread over (a graph captur
 
 
 def side_streams(device: torch.device, n: int) -> list:
+    """`n` side streams of `device`, made once per process and reused (a captured graph keeps referring to them)."""
     key = str(device)
     have = _STREAMS.setdefault(key, [])
     while len(have) < n:

@@ -139,14 +139,17 @@ class CopySum64:
         self.partials = torch.zeros((max(programs, 1), 3), dtype=torch.int64, device=device)
 
     def launch(self) -> None:
+        """Enqueue the copies and their partial sums on the current stream (asynchronous, like any kernel)."""
         for base, table, starts, first, n, window, word, align in self.launches:
             _copy_sum64_kernel[(n,)](base, table, starts, self.partials[first:], self.period, WINDOW=window,
                                      WORD=word, ALIGN=align, FLUSH=self.flush, num_warps=self.num_warps)
 
     def sums(self) -> torch.Tensor:
+        """(s1, s2, s3) of the last launch, int64 on the device (wrapping mod 2^64)."""
         return self.partials.sum(dim=0)
 
     def digest(self) -> bytes:
+        """The stream's "sum64" digest (executors.checksum's bytes: count, s1, s2, s3); waits for the launch."""
         sums = [int(v) & _MASK64 for v in self.sums().tolist()]
         return struct.pack("<4Q", self.count & _MASK64, *sums)
 

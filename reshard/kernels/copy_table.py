@@ -23,18 +23,20 @@ from .tuning import KernelTuning
 
 
 @triton.jit
-def _copy_table_kernel(src_base, dst_base, table, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
-    i = tl.program_id(0)  # one program per chunk; 3 * i fits 32 bits: the table is host-built
-    s = tl.multiple_of(tl.load(table + 3 * i), ALIGN)
-    d = tl.multiple_of(tl.load(table + 3 * i + 1), ALIGN)
-    n = tl.multiple_of(tl.load(table + 3 * i + 2), ALIGN)
-    for start in range(0, n, 2 * BLOCK):  # two blocks loaded before the first is stored: more bytes in flight
-        offs = start + tl.arange(0, BLOCK)
-        offs2 = offs + BLOCK
-        x = tl.load(src_base + s + offs, mask=offs < n)
-        y = tl.load(src_base + s + offs2, mask=offs2 < n)
-        tl.store(dst_base + d + offs, x, mask=offs < n)
-        tl.store(dst_base + d + offs2, y, mask=offs2 < n)
+def _copy_table_kernel(src_base, dst_base, table, rows, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+    # one program per chunk (the grid is `rows`), written as the loop of the persistent grid it came from: indexing
+    # by program id alone ran 12,000 copies 1-2% slower on an H100; 3 * rows fits 32 bits: the table is host-built
+    for i in range(tl.program_id(0), rows, tl.num_programs(0)):
+        s = tl.multiple_of(tl.load(table + 3 * i), ALIGN)
+        d = tl.multiple_of(tl.load(table + 3 * i + 1), ALIGN)
+        n = tl.multiple_of(tl.load(table + 3 * i + 2), ALIGN)
+        for start in range(0, n, 2 * BLOCK):  # two blocks loaded before the first is stored: more bytes in flight
+            offs = start + tl.arange(0, BLOCK)
+            offs2 = offs + BLOCK
+            x = tl.load(src_base + s + offs, mask=offs < n)
+            y = tl.load(src_base + s + offs2, mask=offs2 < n)
+            tl.store(dst_base + d + offs, x, mask=offs < n)
+            tl.store(dst_base + d + offs2, y, mask=offs2 < n)
 
 
 _ELEMENT = {16: torch.int64, 8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -77,8 +79,9 @@ class CopyTable:
             self.launches.append((self._base.view(element), table, len(rows), block, per))
 
     def launch(self) -> None:
+        """Enqueue the copies on the current stream (asynchronous, like any kernel)."""
         for base, table, n, block, align in self.launches:
-            _copy_table_kernel[(n,)](base, base, table, BLOCK=block, ALIGN=align, num_warps=self.num_warps)
+            _copy_table_kernel[(n,)](base, base, table, n, BLOCK=block, ALIGN=align, num_warps=self.num_warps)
 
 
 __all__ = ["CopyTable", "WORDS", "word_bytes"]

@@ -1,4 +1,10 @@
-"""Renews a driver's lease on vLLM servers from a small process of its own (standard library only).
+"""The lease's wire, shared by both sides (`ROUTE`, `HEADER`, `request_body`), and the keeper: a small process of
+its own (standard library only) that renews a driver's lease on vLLM servers.
+
+The lease (engines.Leased): a driver takes it with `POST ROUTE {"holder": h, "ttl": s}`, renews it the same way
+every ttl / 4, sends `HEADER: h` with its refit calls, and ends it with `{"holder": h, "release": true}`. The
+engine side (its rules, and how a lapsed lease is closed) is adapters.vllm.lease; the driver side (taking,
+renewing, releasing, the renewal's errors) adapters.lease_renewal.
 
 Why a process: the lease proves that the driver *process* lives, and a thread of the driver cannot prove it while
 the driver's interpreter is held. NIXL's and UCX's bindings keep the GIL during connection set-up, and on a loaded
@@ -22,7 +28,13 @@ import urllib.request
 from typing import Any
 
 ROUTE = "/reshard/lease"
+HEADER = "X-Reshard-Lease"
 MAX_LINE = 1 << 16
+
+
+def request_body(holder: str, ttl: float | None = None, release: bool = False) -> dict[str, Any]:
+    """A lease request: take or renew the lease for `ttl` seconds, or (`release`) end it."""
+    return {"holder": holder, "release": True} if release else {"holder": holder, "ttl": ttl}
 
 
 def driver_state(pid: int) -> str:
@@ -46,7 +58,7 @@ def driver_state(pid: int) -> str:
 def renew(server: dict[str, Any], holder: str, ttl: float) -> str | None:
     """One renewal; None, or why it failed."""
     request = urllib.request.Request(server["url"] + ROUTE, method="POST",
-                                     data=json.dumps({"holder": holder, "ttl": ttl}).encode())
+                                     data=json.dumps(request_body(holder, ttl)).encode())
     request.add_header("Content-Type", "application/json")
     if server.get("api_key"):
         request.add_header("Authorization", f"Bearer {server['api_key']}")

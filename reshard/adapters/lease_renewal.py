@@ -1,5 +1,6 @@
-"""The driver's lease on its engines, renewed for as long as the driver lives (see adapters.vllm.lease for the
-engines' side): a keeper process for servers reached over HTTP, a thread for the others."""
+"""The driver's side of the lease (engines.Leased): taken on every engine that keeps one, renewed for as long as
+the driver lives (a keeper process for servers reached over HTTP, a thread for the others), released at the end.
+The wire is adapters.lease_keeper's, the engines' side adapters.vllm.lease."""
 from __future__ import annotations
 
 import threading
@@ -15,7 +16,8 @@ class LeaseRenewal:
     actors) by a daemon thread. A renewal the engine refuses is kept as `error`: the next refit fails with it."""
 
     def __init__(self, engines: list[Any], holder: str, ttl: float) -> None:
-        self.engines: list[Any] = []
+        self.engines: list[Any] = []  # renewed by the thread
+        self.granted: list[Any] = []  # every engine renewed
         self.holder, self.ttl = holder, ttl
         self.error: str | None = None
         self.errors: dict[str, str | None] = {"thread": None, "keeper": None}
@@ -26,8 +28,31 @@ class LeaseRenewal:
         for engine in engines:
             self.add(engine)
 
+    def take(self, engines: list[Any], timeout: float) -> None:
+        """Take the lease on every engine of `engines` that keeps one (`engines.Leased`), in order, each renewed
+        from its grant on: an engine still starting can hold its acquisition for longer than the lease, and the
+        engines granted before it must not lapse meanwhile. A previous driver's open update is ended by the engine
+        first (bounded by `timeout`); an engine that refuses raises (ExecutionError), those granted stay renewed."""
+        from .engines import Leased
+
+        for engine in engines:
+            if isinstance(engine, Leased):
+                engine.acquire_lease(self.holder, self.ttl, timeout=timeout)
+                self.add(engine)
+
+    def release(self, timeout: float) -> None:
+        """Stop renewing and release the lease on every engine granted (an engine that does not answer ends the
+        lease when it lapses)."""
+        self.stop()
+        for engine in self.granted:
+            try:
+                engine.release_lease(timeout=timeout)
+            except Exception:  # noqa: BLE001 - the engine ends a lease that is not released when it lapses
+                pass
+
     def add(self, engine: Any) -> None:
         """Renew `engine` from now on (its first grant was taken by the caller)."""
+        self.granted.append(engine)
         endpoint = getattr(engine, "lease_endpoint", None)
         server = endpoint() if callable(endpoint) else None
         if isinstance(server, dict) and isinstance(server.get("url"), str) and self._keeper_add(server):

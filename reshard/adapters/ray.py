@@ -30,6 +30,7 @@ import os
 from typing import Any
 
 from ..errors import ExecutionError
+from .lease_keeper import request_body
 
 
 class RayEngineClient:
@@ -70,13 +71,13 @@ class RayEngineClient:
 
     # --- the driver's lease (adapters.vllm.lease's rules, kept by the actor) -------------------------------
     def acquire_lease(self, holder: str, ttl: float, timeout: float | None = None) -> None:
-        self._call("lease", json.dumps({"holder": holder, "ttl": ttl}), timeout=timeout)
+        self._call("lease", json.dumps(request_body(holder, ttl)), timeout=timeout)
         self.lease_holder = holder
 
     def release_lease(self, timeout: float | None = None) -> None:
         holder, self.lease_holder = self.lease_holder, None
         if holder:
-            self._call("lease", json.dumps({"holder": holder, "release": True}), timeout=timeout)
+            self._call("lease", json.dumps(request_body(holder, release=True)), timeout=timeout)
 
     def lease_state(self) -> dict[str, Any]:
         return json.loads(self._call("lease_state"))
@@ -153,12 +154,10 @@ class VllmEngineActor:
         self.client = self.api  # the refit in progress: an adapter's goes through the worker extension
         import threading
 
-        from .vllm.lease import LeaseBook
+        from .vllm.lease import ThreadedLease
 
         self.engine_lock = threading.RLock()  # one engine call at a time (the actor may be threaded)
-        self.book_lock = threading.Lock()
-        self.book = LeaseBook()
-        threading.Thread(target=self._watch, daemon=True, name="reshard-lease").start()
+        self.guard = ThreadedLease(lambda: self.client, self.engine_lock)
 
     def pid(self) -> int:
         return os.getpid()
@@ -169,71 +168,14 @@ class VllmEngineActor:
 
         return str(ray.util.get_node_ip_address())
 
-    # --- the driver's lease --------------------------------------------------------------------------
+    # --- the driver's lease (adapters.vllm.lease.ThreadedLease) -------------------------------------------
     def lease(self, request: str) -> str:
-        from .vllm.lease import parse_grant
-
-        holder, ttl, release = parse_grant(request.encode())
-        with self.book_lock:
-            if release:
-                if holder == self.book.holder:
-                    self._end("released by its holder")
-                return json.dumps({"released": True})
-            if holder in self.book.fenced:
-                raise ExecutionError(f"lease {holder[:16]!r} ended (its generation was fenced): init again")
-            if self.book.holder is not None and holder != self.book.holder:
-                self._end("a new driver took the lease")
-            self.book.grant(holder, ttl)
-            return json.dumps({"holder": holder, "generation": self.book.generation})
+        """A lease request (adapters.lease_keeper.request_body as JSON); its answer as JSON."""
+        return json.dumps(self.guard.request(request.encode()))
 
     def lease_state(self) -> str:
-        book = self.book
-        return json.dumps({"holder": book.holder, "generation": book.generation, "open": book.open.__dict__})
-
-    def _watch(self) -> None:
-        import time
-
-        clock = self.book.clock
-        while True:
-            went = clock()
-            time.sleep(0.2)
-            with self.book_lock:
-                if self.book.woke(clock() - went, 0.2):
-                    continue
-                if self.book.lapsed():
-                    self._end("its lease lapsed")
-
-    def _end(self, why: str) -> None:
-        """Fence the holder (book_lock held); once its engine call in progress returns, close what it left open."""
-        import logging
-
-        left = self.book.fence()
-        with self.engine_lock:
-            if left.started:
-                try:
-                    self.client.finish_weight_update(left.installed)
-                except Exception as e:  # noqa: BLE001 - an update that already closed refuses; expected
-                    logging.getLogger("reshard.lease").info("closing an ended lease's update: %s", e)
-        logging.getLogger("reshard.lease").warning("reshard: a driver's lease ended (%s): %s", why,
-                                                   "rolled forward" if left.installed is not None else "rolled back")
-
-    def _refit_call(self, route: str, holder: str | None, fn: Any, update: Any = None) -> None:
-        from .vllm.lease import after, before
-
-        with self.book_lock:
-            if holder is not None:
-                refusal = self.book.refusal(holder)
-                if refusal is not None:
-                    raise ExecutionError(refusal)
-            opened = self.book.open
-            before(opened, route, update)
-        ok = False
-        try:
-            with self.engine_lock:
-                fn()
-            ok = True
-        finally:
-            after(opened, route, update, ok)
+        """The lease's holder, generation and what it holds open, as JSON."""
+        return json.dumps(self.guard.book.state())
 
     def init_weight_transfer_engine(self, init_info: str, holder: str | None = None) -> None:
         info = json.loads(init_info)
@@ -243,17 +185,17 @@ class VllmEngineActor:
             self.client = self.extension if lora_slot else self.api
             self.client.init_weight_transfer_engine(info)
 
-        self._refit_call("/init_weight_transfer_engine", holder, init)
+        self.guard.call("/init_weight_transfer_engine", holder, init)
 
     def start_weight_update(self, holder: str | None = None) -> None:
-        self._refit_call("/start_weight_update", holder, lambda: self.client.start_weight_update())
+        self.guard.call("/start_weight_update", holder, lambda: self.client.start_weight_update())
 
     def update_weights(self, update_info: str, holder: str | None = None) -> None:
         info = json.loads(update_info)
-        self._refit_call("/update_weights", holder, lambda: self.client.update_weights(info), info)
+        self.guard.call("/update_weights", holder, lambda: self.client.update_weights(info), info)
 
     def finish_weight_update(self, weight_version: str | None, holder: str | None = None) -> None:
-        self._refit_call("/finish_weight_update", holder, lambda: self.client.finish_weight_update(weight_version))
+        self.guard.call("/finish_weight_update", holder, lambda: self.client.finish_weight_update(weight_version))
 
     def load_lora(self, name: str, path: str) -> int:
         from vllm.lora.request import LoRARequest

@@ -21,6 +21,7 @@ import urllib.request
 from typing import Any
 
 from ..errors import ExecutionError
+from .lease_keeper import HEADER, ROUTE, request_body
 
 
 class VllmServer:
@@ -66,7 +67,7 @@ class VllmServer:
         if self.api_key:
             request.add_header("Authorization", f"Bearer {self.api_key}")
         if self.lease_holder:
-            request.add_header("X-Reshard-Lease", self.lease_holder)
+            request.add_header(HEADER, self.lease_holder)
         try:
             with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
                 answer = response.read().decode()
@@ -97,7 +98,7 @@ class VllmServer:
         """Take (or renew) the server's lease as `holder` for `ttl` seconds; every later call carries it. Taking it
         from another holder waits until the server has ended that holder's open update."""
         try:
-            self.call("POST", "/reshard/lease", {"holder": holder, "ttl": ttl}, timeout=timeout)
+            self.call("POST", ROUTE, request_body(holder, ttl), timeout=timeout)
         except ExecutionError as e:
             if "HTTP 404" in str(e):
                 raise ExecutionError(f"{self.url} has no driver lease: start it with --middleware "
@@ -114,10 +115,11 @@ class VllmServer:
         """End this client's lease (the server closes whatever it left open)."""
         holder, self.lease_holder = self.lease_holder, None
         if holder:
-            self.call("POST", "/reshard/lease", {"holder": holder, "release": True}, timeout=timeout)
+            self.call("POST", ROUTE, request_body(holder, release=True), timeout=timeout)
 
     def lease_state(self) -> dict[str, Any]:
-        return self.call("GET", "/reshard/lease")
+        """The server's lease: holder, generation, what it holds open (adapters.vllm.lease.LeaseBook.state)."""
+        return self.call("GET", ROUTE)
 
     # --- around a refit ----------------------------------------------------------------------------------
     def pause(self, mode: str = "wait") -> None:

@@ -219,21 +219,14 @@ class TrainerSession:
 
     def _take_lease(self) -> None:
         """Process 0: a lease of a new generation on every engine that keeps one, renewed until close."""
-        leased = [e for e in self.engines if isinstance(e, Leased)]
         if self.renewal is not None:
             self.renewal.stop()
             self.renewal = None
-        if self.lease is None or not leased:
-            return
-        import uuid
+        if self.lease is not None and any(isinstance(e, Leased) for e in self.engines):
+            import uuid
 
-        holder = uuid.uuid4().hex
-        # Renewed from the first grant on: an engine still starting can hold its acquisition for longer than the
-        # lease, and the engines granted before it must not lapse meanwhile.
-        self.renewal = LeaseRenewal([], holder, self.lease)
-        for engine in leased:  # a previous driver's open update is ended first: bounded by the refit's timeout
-            engine.acquire_lease(holder, self.lease, timeout=self.timeout)
-            self.renewal.add(engine)
+            self.renewal = LeaseRenewal([], uuid.uuid4().hex, self.lease)
+            self.renewal.take(self.engines, self.timeout)
 
     def _engine_spec(self, refit: RefitSpec, k: int) -> RefitSpec:
         """What engine k is told: its replica (and its adapter's id)."""
@@ -437,14 +430,8 @@ class TrainerSession:
         except ExecutionError:  # the lease's release (or its lapse) ends what it left open on the server
             pass
         if self.renewal is not None:
-            self.renewal.stop()
+            self.renewal.release(min(self.timeout, 60.0))
             self.renewal = None
-            for engine in self.engines:
-                if isinstance(engine, Leased):
-                    try:
-                        engine.release_lease(timeout=min(self.timeout, 60.0))
-                    except Exception:  # noqa: BLE001 - the engine ends a lease that is not released when it lapses
-                        pass
         if self.executor is not None:  # bounded: a transport whose release waits on a frozen peer cannot hold it
             from ..executors.base import close_within
 

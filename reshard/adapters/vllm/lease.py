@@ -17,6 +17,10 @@ FastAPI app; it imports no vLLM itself). Protocol, all JSON over the server's po
      server logs what it serves then (`outcome`): the version an open update was rolled forward to, the previous
      weights of an update closed without a version or of a failed last refit, or the last refit's weights.
 `GET /reshard/lease` answers the current holder, its generation and what it holds open (for tests and operators).
+
+The engine side of the lease lives here whole: `LeaseBook` (the rules), `ReshardLeaseMiddleware` (a vLLM server)
+and `ThreadedLease` (an engine called from threads: a Ray engine actor); the wire (route, header, request body) is
+adapters.lease_keeper's, the driver side adapters.lease_renewal.
 """
 from __future__ import annotations
 
@@ -24,12 +28,14 @@ import asyncio
 import json
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-HEADER = b"x-reshard-lease"
-ROUTE = "/reshard/lease"
+from ..lease_keeper import HEADER as _HEADER, ROUTE
+
+HEADER = _HEADER.lower().encode()
 FENCED = ("/pause", "/resume", "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
           "/finish_weight_update", "/update_weight_version", "/collective_rpc")
 MAX_TTL = 3600.0
@@ -98,7 +104,7 @@ class LeaseBook:
         A holder whose generation ended is refused (ValueError): a driver that froze past its lease and thawed
         must init again, as a new generation."""
         if holder in self.fenced:
-            raise ValueError(f"lease {holder[:16]!r} ended (its generation was fenced); init again for a new one")
+            raise ValueError(f"lease {holder[:16]!r} ended (its generation was fenced): init again")
         new = holder != self.holder
         if new:
             self.holder, self.generation, self.open, self.calls = holder, self.generation + 1, Open(), 0
@@ -112,13 +118,52 @@ class LeaseBook:
         left, self.holder, self.open, self.calls = self.open, None, Open(), 0
         return left
 
+    def due(self, slept: float, meant: float) -> bool:
+        """A watchdog's round after sleeping `slept` seconds where it meant `meant`: True if the holder's
+        generation must end now (its lease lapsed; never right after a stall of this process, see `woke`)."""
+        return not self.woke(slept, meant) and self.lapsed()
+
+    def ending(self, holder: str, release: bool) -> str | None:
+        """Why the current generation ends before a lease request of `holder` is answered (None: it goes on).
+
+        Raises:
+            ValueError: a renewal of a holder whose generation was fenced (it must init again).
+        """
+        if release:
+            return "released by its holder" if holder == self.holder else None
+        if holder in self.fenced:
+            raise ValueError(f"lease {holder[:16]!r} ended (its generation was fenced): init again")
+        return "a new driver took the lease" if self.holder is not None and holder != self.holder else None
+
+    def enter(self, holder: str | None, route: str, update: dict[str, Any] | None) -> Open:
+        """A call (of `holder`, let in) enters the engine: what it opens is booked; returns the Open it books on
+        (the one a fence hands over, so that the recovery sees the call's outcome)."""
+        opened = self.open
+        before(opened, route, update)
+        self.inflight += 1
+        if holder is not None:
+            self.entered(holder)
+        return opened
+
+    def leave(self, holder: str | None, opened: Open, route: str, update: dict[str, Any] | None, ok: bool) -> None:
+        """The call `enter` booked returned (`ok`: it succeeded)."""
+        after(opened, route, update, ok)
+        if holder is not None:
+            self.returned(holder)
+        self.inflight -= 1
+
+    def state(self) -> dict[str, Any]:
+        """The current holder, its generation, what it holds open and the calls inside (JSON)."""
+        return {"holder": self.holder, "generation": self.generation, "open": self.open.__dict__,
+                "inflight": self.inflight}
+
     def refusal(self, holder: str) -> str | None:
+        """Why a call of `holder` is refused (it is not the current, live holder), or None."""
         if holder == self.holder and not self.lapsed():
             return None
         now = f"the current holder is generation {self.generation}" if self.holder else "no driver holds it now"
         return (f"refused: lease {holder[:16]!r} is not the server's current lease ({now}); a late call of an old "
                 f"generation is never applied")
-
 
 
 def before(opened: Open, route: str, update: dict[str, Any] | None) -> None:
@@ -191,6 +236,20 @@ def parse_grant(body: bytes) -> tuple[str, float, bool]:
     return holder, float(ttl), release
 
 
+def _fence(book: LeaseBook, why: str) -> tuple[int, Open]:
+    """Fence the holder (its later calls are refused): its generation and what it left open (filled in by its calls
+    still inside the engine as they return)."""
+    generation, holder, left = book.generation, book.holder, book.fence()
+    log.warning("reshard: lease generation %d (%s) ended: %s", generation, holder, why)
+    return generation, left
+
+
+def _closing(left: Open) -> list[tuple[str, tuple]]:
+    """The engine calls that close what a fenced generation left open, in order, once its calls returned: an update
+    it started finished with the version its install carried (None: closed without a version), a pause resumed."""
+    return [("finish_weight_update", (left.installed,))] * left.started + [("resume_generation", ())] * left.paused
+
+
 class ReshardLeaseMiddleware:
     """ASGI middleware (vLLM's `--middleware`): keeps the LeaseBook, fences the RL routes, recovers a lapsed lease."""
 
@@ -224,10 +283,7 @@ class ReshardLeaseMiddleware:
                     {"version": payload.get("weight_version")}
             except (ValueError, AttributeError):
                 update = None
-        opened = self.book.open  # the fence hands this same object to the recovery
-        before(opened, path, update)
-        self.book.inflight += 1
-        self.book.entered(holder)
+        opened = self.book.enter(holder, path, update)
         self.idle.clear()
         status = {"code": 500}
 
@@ -242,9 +298,7 @@ class ReshardLeaseMiddleware:
         try:
             await self.app(scope, receive, watch)
         finally:
-            after(opened, path, update, 200 <= status["code"] < 300)
-            self.book.returned(holder)
-            self.book.inflight -= 1
+            self.book.leave(holder, opened, path, update, 200 <= status["code"] < 300)
             if self.book.inflight <= 0:
                 self.idle.set()
 
@@ -260,9 +314,7 @@ class ReshardLeaseMiddleware:
         while True:
             went = clock()
             await asyncio.sleep(self.poll)
-            if self.book.woke(clock() - went, self.poll):
-                continue
-            if self.book.lapsed():
+            if self.book.due(clock() - went, self.poll):
                 async with self.lock:
                     if self.book.lapsed():
                         try:
@@ -272,24 +324,20 @@ class ReshardLeaseMiddleware:
 
     async def _end(self, why: str) -> None:
         """Fence the holder, wait for its calls inside the server, then close what it left open."""
-        holder, generation = self.book.holder, self.book.generation
-        left = self.book.fence()  # from now on its calls are refused
-        await self.idle.wait()  # and those already inside the server have returned (their outcome is in `left`)
-        log.warning("reshard: lease generation %d (%s) ended: %s; open: %s", generation, holder, why, left)
-        if left.started:
+        generation, left = _fence(self.book, why)
+        await self.idle.wait()  # the calls already inside the server have returned (their outcome is in `left`)
+        for method, args in _closing(left):
             try:
-                await self.engine.finish_weight_update(left.installed)
+                await getattr(self.engine, method)(*args)
             except Exception as e:  # noqa: BLE001 - workers whose update already closed refuse; expected
+                if method != "finish_weight_update":
+                    raise
                 log.info("reshard: closing the update of generation %d: %s", generation, e)
-        if left.paused:
-            await self.engine.resume_generation()
         log.warning("reshard: generation %d closed (%s): %s", generation, why, outcome(left))
 
     async def _lease(self, scope: dict, receive: Any, send: Any) -> None:
         if scope.get("method") == "GET":
-            book = self.book
-            return await _answer(send, 200, {"holder": book.holder, "generation": book.generation,
-                                             "open": book.open.__dict__, "inflight": book.inflight})
+            return await _answer(send, 200, self.book.state())
         body, _ = await _buffered(receive)
         from ...errors import ReshardError
 
@@ -298,16 +346,95 @@ class ReshardLeaseMiddleware:
         except ReshardError as e:
             return await _answer(send, 400, {"error": str(e)})
         async with self.lock:
+            try:
+                why = self.book.ending(holder, release)
+            except ValueError as e:
+                return await _answer(send, 409, {"error": str(e)})
+            if why is not None:
+                await self._end(why)
             if release:
-                if holder == self.book.holder:
-                    await self._end("released by its holder")
                 return await _answer(send, 200, {"released": True})
-            if holder in self.book.fenced:
-                return await _answer(send, 409, {"error": f"lease {holder[:16]!r} ended: init again"})
-            if self.book.holder is not None and holder != self.book.holder:
-                await self._end("a new driver took the lease")
             self.book.grant(holder, ttl)
             return await _answer(send, 200, {"holder": holder, "generation": self.book.generation, "ttl": ttl})
+
+
+class ThreadedLease:
+    """The lease of an engine whose calls come on threads (a Ray engine actor made with max_concurrency > 1): the
+    LeaseBook's rules, a watchdog thread, and `call`, which fences and books each refit call.
+
+    Args:
+        engine: returns the client whose `finish_weight_update` closes a lapsed holder's update (the refit in
+            progress may use another client than the last one).
+        engine_lock: held around every engine call (the engine takes one at a time); the recovery waits for it.
+        poll: seconds between the watchdog's looks.
+    """
+
+    def __init__(self, engine: Callable[[], Any], engine_lock: Any, poll: float = 0.2) -> None:
+        self.engine, self.engine_lock, self.poll = engine, engine_lock, poll
+        self.book = LeaseBook()
+        self.lock = threading.Lock()
+        threading.Thread(target=self._watch, daemon=True, name="reshard-lease").start()
+
+    def request(self, body: bytes) -> dict[str, Any]:
+        """A lease request (the JSON body of `POST /reshard/lease`): its answer.
+
+        Raises:
+            ArgumentError: a malformed request.
+            ExecutionError: a renewal of a holder whose generation ended.
+        """
+        from ...errors import ExecutionError
+
+        holder, ttl, release = parse_grant(body)
+        with self.lock:
+            try:
+                why = self.book.ending(holder, release)
+            except ValueError as e:
+                raise ExecutionError(str(e)) from None
+            if why is not None:
+                self._end(why)
+            if release:
+                return {"released": True}
+            self.book.grant(holder, ttl)
+            return {"holder": holder, "generation": self.book.generation}
+
+    def call(self, route: str, holder: str | None, fn: Callable[[], Any], update: Any = None) -> Any:
+        """`fn()` as the refit call `route` of `holder` (None: an operator's, never refused): refused with
+        ExecutionError unless `holder` holds the lease; what it opens and closes is booked."""
+        from ...errors import ExecutionError
+
+        with self.lock:
+            refusal = self.book.refusal(holder) if holder is not None else None
+            if refusal is not None:
+                raise ExecutionError(refusal)
+            opened = self.book.enter(holder, route, update)
+        ok = False
+        with self.engine_lock:  # booked under it: a recovery waiting for the lock sees the call's outcome
+            try:
+                value = fn()
+                ok = True
+                return value
+            finally:
+                self.book.leave(holder, opened, route, update, ok)
+
+    def _watch(self) -> None:
+        clock = self.book.clock
+        while True:
+            went = clock()
+            time.sleep(self.poll)
+            with self.lock:
+                if self.book.due(clock() - went, self.poll):
+                    self._end("its lease lapsed")
+
+    def _end(self, why: str) -> None:
+        """Fence the holder (self.lock held); once its call in progress returned, close what it left open."""
+        generation, left = _fence(self.book, why)
+        with self.engine_lock:  # the holder's call in progress returns first
+            for method, args in _closing(left):
+                try:
+                    getattr(self.engine(), method)(*args)
+                except Exception as e:  # noqa: BLE001 - an update that already closed refuses; expected
+                    log.info("reshard: closing the update of generation %d: %s", generation, e)
+        log.warning("reshard: generation %d closed (%s): %s", generation, why, outcome(left))
 
 
 def _header(scope: dict, name: bytes) -> str | None:
@@ -349,5 +476,5 @@ async def _answer(send: Any, code: int, body: dict[str, Any]) -> None:
     await send({"type": "http.response.body", "body": data})
 
 
-__all__ = ["FENCED", "HEADER", "LeaseBook", "Open", "ReshardLeaseMiddleware", "after", "before", "outcome",
-           "parse_grant"]
+__all__ = ["FENCED", "HEADER", "LeaseBook", "Open", "ReshardLeaseMiddleware", "ThreadedLease", "after", "before",
+           "outcome", "parse_grant"]

@@ -1,7 +1,7 @@
-"""Calls into engines on threads of their own, so that an engine's update runs while the trainer sends and an
-engine that never answers cannot hold the trainer: each call is waited for with a deadline, then left to its
-thread. A refit's waits share one deadline (its timeout from its start), so a frozen engine ends the refit within
-the timeout, not within the timeout once per step."""
+"""Calls into engines on threads of their own (reshard.polling.Background), so that an engine's update runs while
+the trainer sends and an engine that never answers cannot hold the trainer: each call is waited for with a
+deadline, then left to its thread. A refit's waits share one deadline (its timeout from its start), so a frozen
+engine ends the refit within the timeout, not within the timeout once per step."""
 from __future__ import annotations
 
 import time
@@ -10,8 +10,8 @@ from typing import Any
 from ..polling import Background
 
 
-class EngineCall:
-    """An engine call on a thread of its own (an engine's update must run while the trainer sends).
+class EngineCall(Background):
+    """`engine.method(*args)` on a thread of its own, started at once.
 
     Args:
         engine: the engine (its method is looked up at once).
@@ -22,21 +22,19 @@ class EngineCall:
     """
 
     def __init__(self, engine: Any, method: str, args: tuple, on_error: Any = None) -> None:
-        self.label = f"{engine!r}.{method}"
-        self.error: str | None = None
-        self.on_error = on_error
-        self.call = Background(self._run, getattr(engine, method), args, name=f"reshard-{method}")
+        self.label, self.on_error = f"{engine!r}.{method}", on_error
+        super().__init__(self._call, getattr(engine, method), args, name=f"reshard-{method}")
 
-    def _run(self, fn: Any, args: tuple) -> None:
+    def _call(self, fn: Any, args: tuple) -> None:
         try:
             fn(*args)
-        except Exception as e:  # noqa: BLE001 - handed to the caller
-            self.error = f"{self.label}: {e}"
+        except Exception as e:
             if self.on_error is not None:
                 try:
-                    self.on_error(self.error)
+                    self.on_error(f"{self.label}: {e}")
                 except Exception:  # noqa: BLE001 - the error itself is reported by wait_calls
                     pass
+            raise
 
 
 def wait_calls(calls: list[EngineCall], timeout: float, deadline: float | None = None) -> list[str]:
@@ -56,10 +54,10 @@ def wait_calls(calls: list[EngineCall], timeout: float, deadline: float | None =
         late = f"no answer by the refit's deadline ({timeout:.0f} s after it began)"
     errors = []
     for c in calls:
-        if not c.call.join(deadline):
+        if not c.join(deadline):
             errors.append(f"{c.label}: {late}")
-        elif c.error:
-            errors.append(c.error)
+        elif c.error is not None:
+            errors.append(f"{c.label}: {c.error}")
     return errors
 
 

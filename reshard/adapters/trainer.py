@@ -162,9 +162,8 @@ class TrainerSession:
             raise
         # an engine that refuses or cannot be reached fails the rendezvous at once: every trainer process stops
         # waiting there (not after the rendezvous's timeout)
-        calls = [self._call(engine, "init_weight_transfer_engine", self._engine_spec(refit, k).to_dict(),
-                            on_error=self._fail_rendezvous)
-                 for k, engine in enumerate(self.engines)]
+        calls = [EngineCall(engine, "init_weight_transfer_engine", (self._engine_spec(refit, k).to_dict(),),
+                            self._fail_rendezvous) for k, engine in enumerate(self.engines)]
         try:
             if refit.cross_process:
                 from . import rendezvous as rv
@@ -286,53 +285,22 @@ class TrainerSession:
         self._await_wind_down(deadline, "this refit")
         self.version += 1
         version = version or str(self.version)
-        start = time.perf_counter()
-        marks: list[tuple[str, float]] = []
-        errors: list[str] = []
-        calls = []
+        marks: list[tuple[str, float]] = [("", time.perf_counter())]
         paused: list[EngineClient] = []
-        stats = None
-        failed = True  # until the steps below ran to their end without error (an exception leaves it set)
+        stats, errors, done = None, [], False  # done: the steps below ran to their end (no exception)
         try:
-            for engine in self.engines:
-                try:
-                    if self.pause_mode and isinstance(engine, Pausable):
-                        paused.append(engine)  # resumed below even if the pause's answer never came
-                        self._bounded(engine, "pause", self.pause_mode, deadline=deadline)
-                    self._bounded(engine, "start_weight_update", deadline=deadline)
-                except ExecutionError as e:  # the refit stops here; the other processes time out
-                    errors.append(str(e))
-                    break
+            errors = self._start(paused, deadline)
             if self.engines:
                 marks.append(("start", time.perf_counter()))
             if not errors:
-                # two phases: the bytes land (the model untouched), then, once every engine has them, the install
-                # (a driver that dies in between leaves the engines their previous weights)
-                info = {"version": version, "refit": (self.refit_spec.rendezvous or {}).get("refit_id", "")}
-                calls = [self._call(e, "update_weights", {**info, "phase": "transfer"}) for e in self.engines]
-                if self.executor is not None:
-                    try:  # bounded by the transport's own timeout (executors wait for peers, not engine calls)
-                        stats = self.executor.refit()
-                    except ExecutionError as e:
-                        errors.append(f"trainer process {self.process}: {e}")
-                marks.append(("transfer", time.perf_counter()))
-                errors += wait_calls(calls, self.timeout, deadline)
-                if self.renewal is not None and self.renewal.error:
-                    errors.append(self.renewal.error)
-                if self.engines and not errors:
-                    errors += wait_calls([self._call(e, "update_weights", {**info, "phase": "install"})
-                                          for e in self.engines], self.timeout, deadline)
-                marks.append(("engines", time.perf_counter()))
+                stats, errors = self._update(version, deadline, marks)
             if self.engines and not errors:
                 for engine in self.engines:
-                    try:
-                        self._bounded(engine, "finish_weight_update", version, deadline=deadline)
-                    except ExecutionError as e:
-                        errors.append(str(e))
+                    errors += self._bounded(engine, "finish_weight_update", version, deadline=deadline)
                 marks.append(("finish", time.perf_counter()))
-            failed = bool(errors)
+            done = True
         finally:
-            close = failed and bool(self.engines)  # end the update on every engine worker, without a version
+            close = (bool(errors) or not done) and bool(self.engines)  # end the update on every engine worker, without a version
             if close or paused:
                 errors += self._wind_down(close, paused, deadline)
             if paused:
@@ -340,9 +308,45 @@ class TrainerSession:
         if errors:
             raise ExecutionError(f"refit {version!r} failed; engines keep their previous weights: "
                                  + "; ".join(errors) + self._members())
-        times = [start] + [t for _, t in marks]
-        return RefitResult(version, times[-1] - start,
-                           {name: times[i + 1] - times[i] for i, (name, _) in enumerate(marks)}, stats)
+        phases = {name: t - marks[i][1] for i, (name, t) in enumerate(marks[1:])}
+        return RefitResult(version, marks[-1][1] - marks[0][1], phases, stats)
+
+    def _start(self, paused: list[EngineClient], deadline: float) -> list[str]:
+        """Pause (when asked, and the engine can) and start the update on each engine in turn; the first error
+        stops there (the other processes time out). `paused` gets every engine to resume, even one whose pause
+        never answered."""
+        for engine in self.engines:
+            if self.pause_mode and isinstance(engine, Pausable):
+                paused.append(engine)
+                errors = self._bounded(engine, "pause", self.pause_mode, deadline=deadline)
+                if errors:
+                    return errors
+            errors = self._bounded(engine, "start_weight_update", deadline=deadline)
+            if errors:
+                return errors
+        return []
+
+    def _update(self, version: str, deadline: float, marks: list[tuple[str, float]]) -> tuple[Any, list[str]]:
+        """The update in two phases: the bytes land (every engine's transfer while this process sends; the models
+        untouched), then, once every engine has them, the install (a driver that dies in between leaves the
+        engines their previous weights). This process's executor stats, and the errors."""
+        info = {"version": version, "refit": (self.refit_spec.rendezvous or {}).get("refit_id", "")}
+        calls = [EngineCall(e, "update_weights", ({**info, "phase": "transfer"},)) for e in self.engines]
+        stats, errors = None, []
+        if self.executor is not None:
+            try:  # bounded by the transport's own timeout (executors wait for peers, not engine calls)
+                stats = self.executor.refit()
+            except ExecutionError as e:
+                errors.append(f"trainer process {self.process}: {e}")
+        marks.append(("transfer", time.perf_counter()))
+        errors += wait_calls(calls, self.timeout, deadline)
+        if self.renewal is not None and self.renewal.error:
+            errors.append(self.renewal.error)
+        if self.engines and not errors:
+            errors += wait_calls([EngineCall(e, "update_weights", ({**info, "phase": "install"},))
+                                  for e in self.engines], self.timeout, deadline)
+        marks.append(("engines", time.perf_counter()))
+        return stats, errors
 
     def _wind_down(self, close: bool, paused: list[EngineClient], deadline: float) -> list[str]:
         """The end of a refit, in order on one thread: after a failure, close the open update on every engine
@@ -358,10 +362,7 @@ class TrainerSession:
             for engine in paused:
                 if self.generation != generation:  # a new init took over: its lease ends what this one left open
                     return
-                try:
-                    self._bounded(engine, "resume")
-                except ExecutionError as e:
-                    problems.append(f"resume failed: {e}")
+                problems.extend(f"resume failed: {e}" for e in self._bounded(engine, "resume"))
 
         call = Background(run, name="reshard-wind-down")
         if not call.join(deadline):
@@ -408,18 +409,13 @@ class TrainerSession:
         """After a failed update, end the update on every engine worker (without a version). vLLM keeps an update
         open on the workers that did not raise (the engine raises on its last worker only, see
         adapters.vllm.agreed); a worker whose update is already closed refuses, which is expected."""
-        wait_calls([self._call(engine, "finish_weight_update", None) for engine in self.engines], self.timeout)
+        wait_calls([EngineCall(engine, "finish_weight_update", (None,)) for engine in self.engines], self.timeout)
         # errors are expected from the workers that raised
 
-    def _call(self, engine: EngineClient, method: str, *args: Any, on_error: Any = None) -> EngineCall:
-        return EngineCall(engine, method, args, on_error)
-
-    def _bounded(self, engine: EngineClient, method: str, *args: Any, deadline: float | None = None) -> None:
-        """An engine call that returns within the session's timeout (or by `deadline`, a refit's), or raises
-        ExecutionError (the call is left to its thread: an engine that never answers cannot hold the trainer)."""
-        errors = wait_calls([self._call(engine, method, *args)], self.timeout, deadline)
-        if errors:
-            raise ExecutionError(errors[0])
+    def _bounded(self, engine: EngineClient, method: str, *args: Any, deadline: float | None = None) -> list[str]:
+        """An engine call waited for within the session's timeout (or until `deadline`, a refit's), then left to
+        its thread (an engine that never answers cannot hold the trainer): its error, if any."""
+        return wait_calls([EngineCall(engine, method, args)], self.timeout, deadline)
 
     # --- 3. close ------------------------------------------------------------------------------------
     def close(self) -> None:

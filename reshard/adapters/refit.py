@@ -32,12 +32,12 @@ from typing import Any
 from ..errors import ArgumentError, ExecutionError, LayoutError, PlanError
 from ..executors.base import Executor, RankTensors
 from ..executors.binding import Binding
-from ..executors.stats import RefitStats
 from ..layouts import HfLayout, Layout, ModelSpec, layout_from_dict, layout_to_dict, registered_layouts
 from ..layouts.expert_placement import ExpertPlacement
 from ..planner import Plan
 from ..planner.cache import cached_plan
 from . import transports
+from .transports import PublishedSource, publish_source, published_source, withdraw_source  # noqa: F401 - their old home
 _FIELDS = {"model": dict, "src": dict, "dst": dict, "install": str, "replica": int, "transport": str,
            "options": dict, "rendezvous": (dict, type(None)), "fanout": (int, type(None)),
            "verify_layers": (list, tuple, type(None)), "plan_digest": str, "lora_id": (int, type(None)),
@@ -284,92 +284,6 @@ def _config_math(spec: ModelSpec, config: Any) -> dict[str, Any]:
     return math_config(config)
 
 
-# --- published sources (trainer and engine in one process) -------------------------------------------------
-
-_PUBLISHED: dict[str, RankTensors] = {}
-
-
-def publish_source(key: str, tensors: RankTensors) -> None:
-    """Make source tensors (source rank -> name -> tensor) readable by engines in this process under `key`.
-
-    What is published is the mapping as it is now: its rank and name levels are copied (read-only), the tensors
-    are shared. The trainer's steps update the tensors in place and every refit reads them; to publish other
-    tensors (new objects, names added or removed), publish again. (An in-process engine then re-checks one object's
-    identity per refit, not every tensor's: tens of thousands for a mixture-of-experts model, in series with the
-    launch.)
-
-    Raises:
-        ArgumentError: `tensors` is not a mapping of source rank -> mapping of name -> tensor.
-    """
-    from collections.abc import Mapping
-    from types import MappingProxyType
-
-    if not isinstance(key, str):
-        raise ArgumentError("key", key, "must be a string")
-    if not isinstance(tensors, Mapping) or not all(isinstance(ts, Mapping) for ts in tensors.values()):
-        raise ArgumentError("tensors", type(tensors).__name__, "must map source rank -> {name: tensor}")
-    _PUBLISHED[key] = MappingProxyType({r: MappingProxyType(dict(ts)) for r, ts in tensors.items()})
-
-
-def withdraw_source(key: str) -> None:
-    _PUBLISHED.pop(key, None)
-
-
-def published_source(key: str) -> RankTensors:
-    if key not in _PUBLISHED:
-        raise ExecutionError(f"no source published under {key!r} in this process (the in-process transports need "
-                             f"the trainer's tensors in the engine's process: publish_source first)")
-    return _PUBLISHED[key]
-
-
-class PublishedSource(Executor):
-    """The in-process transport on the engine side: copies from whatever the trainer published under `key` at
-    each refit into this process's destination ranks.
-
-    The copies run through a bound executor (executors.bound: checks, views and the copy program made once; on a
-    GPU one graph launch per refit), kept while the trainer updates the published tensors in place. A refit first
-    checks that what is published under `key` is still the publication bound (and every tensor's storage where it
-    was); if the trainer published again, the executor is bound afresh. A plan the bound executor
-    cannot run in one process (one that relays between replicas) runs through the reference LocalExecutor.
-    `checksum` (the transport's option): the bound executor's (executors.bound; "sum64" on a GPU is computed by the
-    kernel that moves the bytes), the digest in each refit's stats (`RefitStats.digest`)."""
-
-    name = ""  # not picked by name: made by open_transport
-
-    def __init__(self, plan: Plan, dst: RankTensors, key: str, checksum: "bool | str" = False) -> None:
-        from ..executors.checksum import algorithm
-
-        self.plan, self.dst, self.key = plan, dst, key
-        self.checksum = algorithm(checksum)
-        self._bound: Any = None
-        self._bound_to: Any = None  # the publication (publish_source) the bound executor reads
-
-    def _still_bound(self, src: RankTensors) -> bool:
-        return src is self._bound_to  # republished: another object; in-place storage swaps: the executor's pins
-
-    def refit(self, version: int | None = None) -> RefitStats:
-        from ..executors.bound import BoundLocalExecutor
-        from ..executors.local import LocalExecutor
-        from ..planner.plan import RELAY
-
-        src = published_source(self.key)
-        if self._bound is None or not self._still_bound(src):
-            if bool((self.plan.ops["src_side"] == RELAY).any()):
-                if self.checksum:
-                    raise ExecutionError("checksum in process needs the bound executor, and this plan relays "
-                                         "between destination replicas (compile it without fan-out)")
-                return LocalExecutor(self.plan, None, 0, src, self.dst).refit()
-            self._bound = None
-            self._bound = BoundLocalExecutor(self.plan, None, 0, src, self.dst, checksum=self.checksum or False)
-            self._bound_to = src
-        return self._bound.refit(version)
-
-    def close(self) -> None:
-        if self._bound is not None:
-            self._bound.close()
-        self._bound, self._bound_to = None, None
-
-
 def open_transport(refit: RefitSpec, process: int, src: RankTensors, dst: RankTensors, *, store: Any = None,
                    group: Any = None) -> Executor:
     """This process's executor for the refit (trainer and worker side alike), over the transport the refit names
@@ -402,5 +316,4 @@ def open_transport(refit: RefitSpec, process: int, src: RankTensors, dst: RankTe
         plan, refit.binding(), process, src, dst, options, store=store, rendezvous=rdv))
 
 
-__all__ = ["PublishedSource", "RefitSpec", "open_transport",
-           "publish_source", "published_source", "withdraw_source"]
+__all__ = ["RefitSpec", "open_transport"]

@@ -40,7 +40,8 @@ from ..executors.base import Executor, RankTensors
 from .engine_calls import EngineCall, wait_calls
 from .engines import EngineClient, Leased, Pausable
 from .lease_renewal import LeaseRenewal
-from .refit import RefitSpec, open_transport, publish_source, withdraw_source
+from .refit import RefitSpec, open_transport
+from .transports import publish_source, withdraw_source
 
 
 @dataclass

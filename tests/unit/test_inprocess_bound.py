@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import reshard
-from reshard.adapters.refit import RefitSpec, open_transport, publish_source, published_source, withdraw_source
+from reshard.adapters.refit import RefitSpec, open_transport
+from reshard.adapters.transports import publish_source, published_source, withdraw_source
 from reshard.executors import allocate, execute_local, shard
 
 

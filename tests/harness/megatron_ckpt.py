@@ -79,26 +79,17 @@ def reader_job(path: str, config: str, out: str, dtype: str) -> None:
     from safetensors.torch import save_file
 
     from reshard.adapters.megatron.checkpoint import open_checkpoint
-    from reshard.adapters.megatron.checkpoint_layout import checkpoint_layout, checkpoint_tensors
-    from reshard.executors import make_executor
-    from reshard.executors.binding import Binding
-    from reshard.executors.local import allocate
+    from reshard.adapters.megatron.checkpoint_refit import read_checkpoint
+    from reshard.executors import allocate
     from reshard.layouts import HfLayout, ModelSpec
-    from reshard.planner import compile_plan
 
-    me, world = dist.get_rank(), dist.get_world_size()
+    me = dist.get_rank()
     spec = ModelSpec(**{**ModelSpec.from_hf_config(f"{config}/config.json").model_dump(), "dtype": dtype})
-    # --8<-- [start:read_checkpoint]
     ckpt = open_checkpoint(path)
-    src = checkpoint_layout(ckpt, spec, readers=world)
+    # --8<-- [start:read_checkpoint]
     dst = HfLayout(model=spec)
-    plan = compile_plan(src, dst)
-    out_tensors = {0: allocate(dst)[0]} if me == 0 else {}
-    executor = make_executor("distributed", plan, Binding(tuple(range(world)), (0,)), me,
-                             {me: checkpoint_tensors(ckpt, plan, me)}, out_tensors, group=dist.group.WORLD,
-                             timeout=60.0)
-    executor.refit()
-    executor.close()
+    out_tensors = {0: allocate(dst)[0]} if me == 0 else {}  # destination rank 0 lives in reader process 0
+    read_checkpoint(ckpt, spec, dst, out_tensors)  # every reader process: its part, by byte range
     # --8<-- [end:read_checkpoint]
     Path(out, f"reader{me}.json").write_text(json.dumps({"bytes_read": ckpt.bytes_read,
                                                          "chunks_read": ckpt.chunks_read}))
@@ -117,26 +108,15 @@ def peft_reader_job(path: str, spec_json: str, out: str) -> None:
     import torch.distributed as dist
 
     from reshard.adapters.lora import PeftDirectory
-    from reshard.adapters.megatron.checkpoint import open_checkpoint
-    from reshard.adapters.megatron.checkpoint_layout import checkpoint_layout, checkpoint_tensors
-    from reshard.executors import make_executor
-    from reshard.executors.binding import Binding
+    from reshard.adapters.megatron.checkpoint_refit import read_checkpoint
     from reshard.layouts import ModelSpec
     from reshard.layouts.lora import PeftLayout
-    from reshard.planner import compile_plan
 
-    me, world = dist.get_rank(), dist.get_world_size()
+    me = dist.get_rank()
     spec = ModelSpec.model_validate_json(spec_json)
-    ckpt = open_checkpoint(path)
-    src = checkpoint_layout(ckpt, spec, readers=world)
-    plan = compile_plan(src, PeftLayout(model=spec))
     directory = PeftDirectory(Path(out, "peft"), PeftLayout(model=spec)) if me == 0 else None
-    executor = make_executor("distributed", plan, Binding(tuple(range(world)), (0,)), me,
-                             {me: checkpoint_tensors(ckpt, plan, me)}, {0: directory.tensors} if directory else {},
-                             group=dist.group.WORLD, timeout=60.0)
-    executor.refit()
-    executor.close()
-    Path(out, f"reader{me}.json").write_text(json.dumps({"bytes_read": ckpt.bytes_read}))
+    read = read_checkpoint(path, spec, PeftLayout(model=spec), {0: directory.tensors} if directory else {})
+    Path(out, f"reader{me}.json").write_text(json.dumps({"bytes_read": read.bytes_read}))
     if directory is not None:
         directory.publish("checkpoint")
 

@@ -1,7 +1,7 @@
 """Refits straight from a megatron-core torch_dist checkpoint: into an HF directory (safetensors + config.json,
 what vLLM, transformers and PEFT tooling load), the LoRA adapter it holds into a PEFT directory, or, on each of
 several reader processes, into any destination an executor reaches (a running `vllm serve`, a Ray engine) as a
-trainer rank's source tensors would.
+trainer rank's source tensors would (`read_checkpoint` on each reader process).
 
 No Megatron model is built and no HF copy of the whole checkpoint is staged: each reader reads, by byte range,
 only the chunks holding the rows its part of the plan sends (`checkpoint_layout.checkpoint_tensors`).
@@ -14,9 +14,10 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ...errors import ArgumentError
-from ...layouts import HfLayout, ModelSpec
+from ...layouts import HfLayout, Layout, ModelSpec
 from .checkpoint import Checkpoint, open_checkpoint
 from .checkpoint_layout import checkpoint_layout, checkpoint_tensors
 
@@ -73,7 +74,7 @@ def export_peft(checkpoint: str | os.PathLike[str] | Checkpoint, spec: ModelSpec
     beside them are not read) as a PEFT directory at `out`, through the PEFT writer of LoRA refits (`out` becomes
     a link to the version's directory, switched atomically). The checkpoint is checked against the declared
     adapter (rank, targets, layers) before anything is written; one process reads what several readers would
-    (several reader processes, each reading its part: `harness.megatron_ckpt.peft_reader_job`)."""
+    (several reader processes, each reading its part: `read_checkpoint` with a `PeftLayout`)."""
     from ...executors.local import execute_local
     from ...layouts.lora import PeftLayout
     from ...planner import compile_plan
@@ -88,6 +89,51 @@ def export_peft(checkpoint: str | os.PathLike[str] | Checkpoint, spec: ModelSpec
     execute_local(plan, {0: checkpoint_tensors(ckpt, plan, 0)}, {0: directory.tensors})
     directory.publish(version)
     written = sum(t.numel() * t.element_size() for t in directory.tensors.values())
+    return CheckpointRefit(ckpt.bytes_read - before, written, ckpt.record_bytes, time.perf_counter() - start)
+
+
+def read_checkpoint(checkpoint: str | os.PathLike[str] | Checkpoint, spec: ModelSpec, dst: Layout,
+                    out: dict[int, dict[str, Any]], *, group: Any = None, timeout: float = 60.0) -> CheckpointRefit:
+    """On every reader process of `group`: read this process's part of the refit of the model saved in
+    `checkpoint` into `dst`, by byte range, and send it where `dst` places it (torch.distributed over `group`;
+    reader r is the group's process r, and so is destination rank r). Collective: every process of the group
+    calls it.
+
+    Args:
+        checkpoint: the torch_dist checkpoint directory (`iter_NNNNNNN/`), or one opened with `open_checkpoint`.
+        spec: the model (e.g. `ModelSpec.from_hf_config`; a LoRA adapter's `lora_spec` with a `PeftLayout`).
+        dst: the destination layout (`HfLayout`, `PeftLayout`, ...), at most as many ranks as the group has.
+        out: the destination ranks this process holds (rank -> name -> tensor; empty where it holds none).
+        group: the readers' process group (default: the world).
+        timeout: seconds the refit may take.
+
+    Returns:
+        What this process read and wrote.
+
+    Raises:
+        CheckpointError: a broken or hostile checkpoint.
+        LayoutMismatchError: the checkpoint disagrees with `spec`.
+        ExecutionError: the refit failed (a peer died or timed out).
+    """
+    import torch.distributed as dist
+
+    from ...executors import make_executor
+    from ...executors.binding import Binding
+    from ...planner import compile_plan
+
+    start = time.perf_counter()
+    group = group if group is not None else dist.group.WORLD
+    me, readers = dist.get_rank(group), dist.get_world_size(group)
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint)
+    before = ckpt.bytes_read
+    plan = compile_plan(checkpoint_layout(ckpt, spec, readers=readers), dst)
+    executor = make_executor("distributed", plan, Binding(tuple(range(readers)), tuple(range(dst.num_ranks))), me,
+                             {me: checkpoint_tensors(ckpt, plan, me)}, out, group=group, timeout=timeout)
+    try:
+        executor.refit()
+    finally:
+        executor.close()
+    written = sum(t.numel() * t.element_size() for tensors in out.values() for t in tensors.values())
     return CheckpointRefit(ckpt.bytes_read - before, written, ckpt.record_bytes, time.perf_counter() - start)
 
 

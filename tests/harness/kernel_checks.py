@@ -300,7 +300,8 @@ def check_copy_sum64(device: str = "cpu", cases: int = 6, seed: int = 0, big: bo
     import reshard
     from reshard.executors import allocate, execute_local, shard
     from reshard.executors.bound import BoundLocalExecutor
-    from reshard.executors.checksum import PERIOD, Streams, block
+    from reshard.executors.checksum import PERIOD, Streams
+    from reshard.executors.local import block
     from reshard.kernels.copy_sum64 import FLUSH, CopySum64
 
     dev = torch.device(device)

@@ -16,22 +16,29 @@ class EngineClient(Protocol):
     """An engine a `TrainerSession` refits: init once, then start / update (phase "transfer", then "install") /
     finish per refit; `finish_weight_update(None)` ends a failed update without a version."""
 
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Bind the engine to a refit: `init_info` is a RefitSpec as JSON (its replica filled in); raises if the
+        engine refuses it."""
 
-    def start_weight_update(self) -> None: ...
+    def start_weight_update(self) -> None:
+        """Open an update (before any byte of it lands)."""
 
-    def update_weights(self, update_info: Any) -> None: ...
+    def update_weights(self, update_info: Any) -> None:
+        """One phase of the open update: {"version", "refit", "phase": "transfer" | "install" | "all"}."""
 
-    def finish_weight_update(self, weight_version: str | None = None) -> None: ...
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Close the open update: serve its weights as `weight_version`, or (None) end a failed one."""
 
 
 @runtime_checkable
 class Pausable(Protocol):
     """An engine that stops generating during a refit (`mode`: a VllmServer's /pause mode)."""
 
-    def pause(self, mode: str = "wait") -> None: ...
+    def pause(self, mode: str = "wait") -> None:
+        """Stop generating ("wait": requests in flight finish, "abort": aborted, "keep": frozen)."""
 
-    def resume(self) -> None: ...
+    def resume(self) -> None:
+        """Generate again."""
 
 
 @runtime_checkable
@@ -39,16 +46,19 @@ class Leased(Protocol):
     """An engine that keeps a driver's lease: refit calls of any other holder are refused, and an update whose
     lease lapses is ended by the engine itself (adapters.vllm.lease)."""
 
-    def acquire_lease(self, holder: str, ttl: float, timeout: float | None = None) -> None: ...
+    def acquire_lease(self, holder: str, ttl: float, timeout: float | None = None) -> None:
+        """Take (or renew) the lease as `holder` for `ttl` seconds; the refit calls after it carry it."""
 
-    def release_lease(self, timeout: float | None = None) -> None: ...
+    def release_lease(self, timeout: float | None = None) -> None:
+        """End the lease this client holds (the engine closes what it left open); nothing if none."""
 
 
 @runtime_checkable
 class ServesLora(Protocol):
     """An engine that serves PEFT adapters: `load_lora` returns the id an in-slot refit names."""
 
-    def load_lora(self, name: str, path: str) -> int: ...
+    def load_lora(self, name: str, path: str) -> int:
+        """Serve the PEFT directory `path` as adapter `name`; its id."""
 
 
 __all__ = ["EngineClient", "Leased", "Pausable", "ServesLora"]

@@ -38,6 +38,7 @@ from ..layouts.cut_layout import CutLayout, Where
 from ..layouts.cuts import Cut, Group, Replicated, TensorKind
 from ..layouts.roles import kind_of
 from ..limits import MAX_RANKS
+from .engines import EngineClient
 
 ENGINE = "hf_dir"
 
@@ -102,7 +103,7 @@ def hf_names(spec: ModelSpec, kind: TensorKind) -> tuple[Cut, ...]:
     return (Replicated(names[0]),)
 
 
-class HfDirectoryEngine:
+class HfDirectoryEngine(EngineClient):
     """An HF checkpoint directory as an engine a `TrainerSession` refits (`adapters.engines.EngineClient`).
 
     Args:

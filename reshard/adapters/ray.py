@@ -30,10 +30,11 @@ import os
 from typing import Any
 
 from ..errors import ExecutionError
+from .engines import EngineClient, Leased, Pausable, ServesLora
 from .lease_keeper import request_body
 
 
-class RayEngineClient:
+class RayEngineClient(EngineClient, Pausable, Leased, ServesLora):
     """vLLM's weight-sync client protocol (init / start / update / finish, pause / resume) over a
     `VllmEngineActor` handle; every call waits at most `timeout` seconds."""
 
@@ -80,6 +81,7 @@ class RayEngineClient:
             self._call("lease", json.dumps(request_body(holder, release=True)), timeout=timeout)
 
     def lease_state(self) -> dict[str, Any]:
+        """The engine lease: holder, generation, what it holds open (adapters.vllm.lease.LeaseBook.state)."""
         return json.loads(self._call("lease_state"))
 
     def load_lora(self, name: str, path: str) -> int:
@@ -108,9 +110,11 @@ class RayEngineClient:
         return [(list(map(float, lp)), list(map(int, am))) for lp, am in rows]
 
     def weight_version(self) -> str:
+        """The weight version the engine serves."""
         return self._call("weight_version")
 
     def weight_checksums(self) -> dict[str, str]:
+        """vLLM's own checksum of every parameter, by name (all workers)."""
         return json.loads(self._call("weight_checksums"))
 
     def landed(self) -> list[dict[str, Any]]:
@@ -118,6 +122,7 @@ class RayEngineClient:
         return json.loads(self._call("landed"))
 
     def stats(self) -> list[dict[str, Any]]:
+        """Each worker's plan-cache counts (ReshardWorkerExtension.reshard_stats)."""
         return json.loads(self._call("stats"))
 
 
@@ -160,6 +165,7 @@ class VllmEngineActor:
         self.guard = ThreadedLease(lambda: self.client, self.engine_lock)
 
     def pid(self) -> int:
+        """This actor's process id."""
         return os.getpid()
 
     def node_address(self) -> str:
@@ -178,6 +184,8 @@ class VllmEngineActor:
         return json.dumps(self.guard.book.state())
 
     def init_weight_transfer_engine(self, init_info: str, holder: str | None = None) -> None:
+        """Bind the engine to a refit (its payload as JSON), as `holder`; an in-slot LoRA refit goes through the
+        worker extension."""
         info = json.loads(init_info)
 
         def init() -> None:
@@ -188,16 +196,20 @@ class VllmEngineActor:
         self.guard.call("/init_weight_transfer_engine", holder, init)
 
     def start_weight_update(self, holder: str | None = None) -> None:
+        """Open an update, as `holder`."""
         self.guard.call("/start_weight_update", holder, lambda: self.client.start_weight_update())
 
     def update_weights(self, update_info: str, holder: str | None = None) -> None:
+        """One phase of the open update (its info as JSON), as `holder`."""
         info = json.loads(update_info)
         self.guard.call("/update_weights", holder, lambda: self.client.update_weights(info), info)
 
     def finish_weight_update(self, weight_version: str | None, holder: str | None = None) -> None:
+        """Close the open update (None: a failed one), as `holder`."""
         self.guard.call("/finish_weight_update", holder, lambda: self.client.finish_weight_update(weight_version))
 
     def load_lora(self, name: str, path: str) -> int:
+        """Serve the PEFT directory `path` as adapter `name` (again: under its id); the id."""
         from vllm.lora.request import LoRARequest
 
         known = self.loras.get(name)
@@ -210,6 +222,7 @@ class VllmEngineActor:
         return request.lora_int_id
 
     def greedy(self, prompts: str, max_tokens: int, lora: str | None = None) -> str:
+        """Greedy tokens of the token-id prompts (JSON), by the base model or the adapter `lora`, as JSON."""
         from vllm import SamplingParams
 
         if lora is not None and lora not in self.loras:
@@ -229,10 +242,12 @@ class VllmEngineActor:
             return json.dumps(llm_prompt_logprobs(self.llm, json.loads(prompts)))
 
     def weight_version(self) -> str:
+        """The weight version the engine serves."""
         with self.engine_lock:
             return self.llm.get_weight_version()
 
     def weight_checksums(self) -> str:
+        """vLLM's checksum of every parameter, all workers merged, as JSON."""
         merged: dict[str, str] = {}
         with self.engine_lock:
             per_worker = self.llm.collective_rpc("compute_weight_checksums")
@@ -246,6 +261,7 @@ class VllmEngineActor:
             return json.dumps(self.llm.collective_rpc("reshard_landed"))
 
     def stats(self) -> str:
+        """Each worker's plan-cache counts, as JSON."""
         with self.engine_lock:
             return json.dumps(self.llm.collective_rpc("reshard_stats"))
 

@@ -37,7 +37,7 @@ from ..layouts.expert_placement import ExpertPlacement
 from ..planner import Plan
 from ..planner.cache import cached_plan
 from . import transports
-from .transports import PublishedSource, publish_source, published_source, withdraw_source  # noqa: F401 - their old home
+from .transports import PublishedSource, publish_source, published_source, withdraw_source  # noqa: F401 - old home
 _FIELDS = {"model": dict, "src": dict, "dst": dict, "install": str, "replica": int, "transport": str,
            "options": dict, "rendezvous": (dict, type(None)), "fanout": (int, type(None)),
            "verify_layers": (list, tuple, type(None)), "plan_digest": str, "lora_id": (int, type(None)),
@@ -184,12 +184,14 @@ class RefitSpec:
         return cls(model=spec.model_dump(), src=strip(src), dst=strip(dst), **fields)
 
     def to_dict(self) -> dict[str, Any]:
+        """The spec as JSON-able data (what travels to the engines)."""
         d = asdict(self)
         d["verify_layers"] = list(self.verify_layers) if self.verify_layers is not None else None
         return d
 
     @classmethod
     def from_dict(cls, d: Any) -> "RefitSpec":
+        """The spec from `to_dict`'s data (untrusted: PlanError names a bad or unknown field)."""
         if not isinstance(d, dict):
             raise PlanError(f"a refit spec must be a JSON object, got {type(d).__name__}")
         unknown = sorted(set(d) - set(_FIELDS))
@@ -201,6 +203,7 @@ class RefitSpec:
         return cls(**d)
 
     def with_(self, **changes: Any) -> "RefitSpec":
+        """A copy with `changes` (validated again)."""
         return replace(self, **changes)
 
     def with_expert_placement(self, placement: ExpertPlacement | None) -> "RefitSpec":
@@ -266,6 +269,7 @@ class RefitSpec:
 
     @property
     def num_processes(self) -> int:
+        """Cross-process transports: trainer processes + engine workers."""
         plan = self.plan()
         return plan.src.num_ranks + plan.dst.num_ranks
 

@@ -21,10 +21,11 @@ import urllib.request
 from typing import Any
 
 from ..errors import ExecutionError
+from .engines import EngineClient, Leased, Pausable
 from .lease_keeper import HEADER, ROUTE, request_body
 
 
-class VllmServer:
+class VllmServer(EngineClient, Pausable, Leased):
     """A running `vllm serve`, driven over HTTP: vLLM's weight-sync routes plus what a caller checks afterwards.
 
     Speaks vLLM's weight-sync client protocol (`VLLMWeightSyncClient`: init / start / update / finish), pause /
@@ -130,6 +131,7 @@ class VllmServer:
         self.call("POST", "/resume")
 
     def weight_info(self) -> str | None:
+        """The weight version the server reports."""
         return self.call("GET", "/weight_info")["weight_version"]
 
     def weight_checksums(self) -> dict[str, str]:
@@ -147,9 +149,11 @@ class VllmServer:
         return self.call("POST", "/collective_rpc", {"method": method, "args": list(args)})["results"]
 
     def world_size(self) -> int:
+        """The engine's number of workers."""
         return int(self.call("GET", "/get_world_size")["world_size"])
 
     def healthy(self) -> bool:
+        """Whether /health answers within 5 s."""
         try:
             self.call("GET", "/health", timeout=5.0)
             return True
@@ -203,6 +207,7 @@ class VllmServer:
         return set.intersection(*per_worker) if per_worker else set()
 
     def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving the adapter `name`."""
         self.call("POST", "/v1/unload_lora_adapter", {"lora_name": name}, text=True)
 
     def greedy(self, prompts: list[list[int]], max_tokens: int = 12, model: str | None = None) -> list[list[int]]:
@@ -244,12 +249,13 @@ class VllmServer:
         return out
 
     def model(self) -> str:
+        """The served model's name (the first of /v1/models), asked once."""
         if not hasattr(self, "_model"):
             self._model = self.call("GET", "/v1/models")["data"][0]["id"]
         return self._model
 
 
-class ExtensionClient:
+class ExtensionClient(EngineClient, Pausable):
     """A refit's engine calls through the `reshard` worker extension's methods over a server's dev route
     `/collective_rpc` instead of its weight-transfer routes: what in-slot LoRA refits (`RefitSpec(install=
     "lora_slot")`) need, because vLLM's weight-transfer API drops every loaded adapter when an update finishes.

@@ -62,6 +62,7 @@ class Endpoint:
 
     @property
     def space(self) -> str:
+        """The namespace this executor's keys live under (`namespace`, else the refit id)."""
         return self.namespace or self.rendezvous.refit_id
 
 

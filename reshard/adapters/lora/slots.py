@@ -163,11 +163,13 @@ class SlotRefit:
         self.executor = BoundLocalExecutor(plan, None, 0, src, {rank: self.slot.tensors})
 
     def refit(self, version: int | None = None) -> RefitStats:
+        """One refit of the slot."""
         self.slot.verify()
         stats = self.executor.refit(version)
         self.slot.scale()
         return stats
 
     def close(self) -> None:
+        """Close the transport."""
         self.executor.close()
 

@@ -104,6 +104,7 @@ class AgreedSteps:
             self.close()  # another worker of this engine failed: none of them takes part
 
     def active(self) -> WorkerSession:
+        """The bound session (RuntimeError before init)."""
         if self.session is None:
             raise RuntimeError("reshard weight transfer is not initialized: init it first")
         return self.session
@@ -117,6 +118,7 @@ class AgreedSteps:
         return 2 * float(value) + 30.0  # another worker may still be inside its own bounded step
 
     def start(self) -> None:
+        """Open an update on every worker, agreed on (the background set-up's outcome too)."""
         agreed("start", lambda: self.active().start(), self._timeout())
 
     def update(self, error: Exception | None = None, phase: str = "all", refit: str = "") -> None:
@@ -142,9 +144,11 @@ class AgreedSteps:
             torch.accelerator.synchronize()
 
     def finish(self) -> None:
+        """Close the update on this worker."""
         self.active().finish()
 
     def close(self) -> None:
+        """Close the session (its transport), if any."""
         if self.session is not None:
             self.session.close()
             self.session = None

@@ -30,6 +30,7 @@ def widens(plan_dtype: str, live_dtype: str) -> bool:
 
 
 def structure_problems(live: dict[str, tuple[tuple[int, ...], str]], layout: Layout, rank: int) -> list[str]:
+    """What differs between the live rank's weights ({name: (shape, dtype)}) and what `layout` declares for `rank`."""
     declared = layout.rank_tensors(rank)
     problems = []
     for name in sorted(set(live) | set(declared)):
@@ -87,6 +88,8 @@ def merged_boxes(boxes: set[Placement]) -> set[Placement]:
 
 def placement_problems(derived: Sequence[tuple[str, Placement]], declared: Sequence[tuple[str, Placement]]) \
         -> list[str]:
+    """What differs between where the loaders put each probed tensor (`derived`) and where the layout says
+    (`declared`)."""
     got: dict[str, set[Placement]] = defaultdict(set)
     want: dict[str, set[Placement]] = defaultdict(set)
     for canon, p in derived:

@@ -49,6 +49,7 @@ def representative_layers(spec: ModelSpec) -> tuple[int, ...]:
 
 
 def marker(t: TensorSpec) -> torch.Tensor:
+    """A tensor of distinct values that tell tensor and element apart (what a probe feeds the loaders)."""
     return (torch.arange(t.numel, dtype=torch.float64) + float((t.index + 1) * SHIFT)).view(t.shape)
 
 

@@ -54,6 +54,7 @@ class DirectBinding:
 
     @torch.no_grad()
     def zero_padding(self) -> None:
+        """Zero the padding runs of the bound tensors (a direct refit never writes them)."""
         for name, runs in self.padding.items():
             flat = self.tensors[name].view(-1)
             for start, length in runs:

@@ -47,6 +47,7 @@ class ReshardInitInfo(WeightTransferInitInfo):
             self.error = e
 
     def refit(self) -> RefitSpec:
+        """The parsed RefitSpec; raises what parsing it raised."""
         if self.spec is None:
             raise self.error
         return self.spec

@@ -28,6 +28,7 @@ _FAMILIES: dict[str, VllmFamily] = {}
 
 
 def register_family(family: VllmFamily) -> VllmFamily:
+    """Register the facts of a vLLM model class (refused if another description of it is registered); returns it."""
     if family.architecture in _FAMILIES and _FAMILIES[family.architecture] != family:
         raise LayoutError("vllm", f"a different description of {family.architecture} is already registered")
     _FAMILIES[family.architecture] = family

@@ -14,6 +14,7 @@ from .families import VllmFamily, family_of
 
 
 def dtype_name(dtype: torch.dtype) -> str:
+    """The dtype's name without the torch. prefix."""
     return str(dtype).removeprefix("torch.")
 
 

@@ -47,6 +47,9 @@ def loader_layout(spec: ModelSpec, num_ranks: int) -> HfLayout:
 
 
 class LoaderInstaller:
+    """Loader install: buffers for whole canonical tensors that a refit fills, then handed to the model's own
+    weight loaders (vLLM's layerwise reload)."""
+
     def __init__(self, model: torch.nn.Module, rank: int, plan: Plan, vllm_config: Any = None,
                  shared: bool = False):
         self.model, self.rank, self.plan, self.vllm_config = model, rank, plan, vllm_config

@@ -223,6 +223,7 @@ class WorkerSession:
                             f"(a late message of an old generation is never applied)")
 
     def start(self) -> None:
+        """Open an update: the set-up ended, the expert placement, the bound parameters or slot unchanged."""
         self.ready()
         self.received = False
         self._check_experts()  # before any byte lands: EPLB may have moved experts since the plan was bound
@@ -276,13 +277,16 @@ class WorkerSession:
                 "installed": self.installed, "digests": tensor_digests(getattr(self, "tensors", {}))}
 
     def receive(self) -> None:
+        """transfer, then install (a one-phase update)."""
         self.transfer()
         self.install()
 
     def finish(self) -> None:
+        """Close the update (nothing left to do: install committed it)."""
         pass
 
     def close(self) -> None:
+        """Close the transport (bounded by its timeout) and release the buffers; a set-up still running is stopped."""
         with self.lock:  # a background set-up still running releases what it opens itself (_meet)
             self.closed = True
             executor, self.executor = self.executor, None

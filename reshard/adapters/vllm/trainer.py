@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine, VLLMWeightSyncClient
 
+from ..engines import EngineClient
 from ..refit import RefitSpec
 from ..trainer import TrainerSession
 from .engine import BACKEND, register
@@ -61,7 +62,7 @@ class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrai
 register()  # importing the trainer side makes `reshard` selectable from WeightTransferTrainerFactory
 
 
-class OfflineLLMClient:
+class OfflineLLMClient(EngineClient):
     """`VLLMWeightSyncClient` over an in-process `vllm.LLM` (its RL methods take request dicts)."""
 
     def __init__(self, llm: Any):
@@ -80,7 +81,7 @@ class OfflineLLMClient:
         self.llm.finish_weight_update(weight_version)
 
 
-class OfflineExtensionClient:
+class OfflineExtensionClient(EngineClient):
     """`EngineClient` over an in-process `vllm.LLM` started with the reshard worker extension: the refit's steps are
     the extension's methods (`collective_rpc`), not the weight-transfer API -- what in-slot LoRA refits need
     (adapters.server.ExtensionClient is the same over HTTP)."""

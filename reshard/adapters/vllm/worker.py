@@ -56,12 +56,15 @@ class ReshardWorkerExtension:
         return steps
 
     def reshard_init(self, refit: dict[str, Any] | str) -> None:
+        """Bind this worker to a refit (a RefitSpec, or its JSON), agreed on by every worker of the engine."""
         self._reshard_steps().init(lambda: RefitSpec.from_dict(_json(refit, "the refit spec")))
 
     def reshard_start(self) -> None:
+        """Open an update on every worker, agreed on."""
         self._reshard_steps().start()
 
     def reshard_update(self, update_info: dict[str, Any] | str = "") -> None:
+        """One phase of the update (its info, or its JSON; empty: transfer and install)."""
         try:  # a bad update_info is refused inside the agreement, as every worker's error is
             info = _json(update_info, "update_info") if update_info else {}
             if not isinstance(info, dict):
@@ -73,6 +76,7 @@ class ReshardWorkerExtension:
         self._reshard_steps().update(error, phase, refit)
 
     def reshard_finish(self) -> None:
+        """Close the update."""
         self._reshard_steps().finish()
 
     def reshard_refit(self) -> None:
@@ -124,4 +128,5 @@ class ReshardWorkerExtension:
         raise PlanError("no refit session on this worker: nothing landed yet")
 
     def reshard_close(self) -> None:
+        """Close this worker's refit session."""
         self._reshard_steps().close()

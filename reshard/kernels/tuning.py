@@ -12,7 +12,7 @@ class KernelTuning:
     H200 (BENCHMARKS.md, Same host and FP8, issue 31), every setting giving the same bytes. Another device may
     prefer others: sweep them with `refit_inprocess.py --table-variants / --quantize-variants`.
 
-    Args:
+    Attributes:
         copy_chunk_bytes: kernels.copy_table cuts each copy into chunks of at most this many bytes (one program
             each); 32-64 KiB ran the 30B-A3B refit at 89-92% of a device copy, 16 and 96 KiB at 87%.
         copy_block_bytes: bytes a copy_table program moves per load (two blocks in flight before the first store).

@@ -7,6 +7,7 @@ kernel (kernels.copy_table). The interpreter must be switched on before Triton i
 a fresh interpreter; the same checks run natively on the GPU (tests marked gpu)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ import sys
 import pytest
 
 from harness import pythonpath
+from reshard.kernels import KernelTuning
 
 pytest.importorskip("triton")
 
@@ -47,3 +49,13 @@ def test_copy_sum64_kernel_equals_copies_and_reference_digest():
     a window, the 16-bit lanes spilled), and the bound executor's checksum="sum64" through it against the reference
     executor and the reference digest."""
     assert _interpreted("check_copy_sum64('cpu', cases=6, tps=((2, 1),))") == []
+
+
+def test_kernel_tuning_is_one_checked_immutable_value():
+    """The kernels' launch settings: refused unless positive integers, never changed in place (no module state)."""
+    assert KernelTuning().copy_chunk_bytes == 48 << 10
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="copy_warps"):
+            KernelTuning(copy_warps=bad)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        KernelTuning().quantize_warps = 4

@@ -7,10 +7,10 @@ calls `refit` at every weight update; it sends what it owns and receives what it
   1. construction: the binding is checked against the plan and the group; this process's part of the wire
      schedule is built (executors.schedule: streams per peer, buckets, rounds, folded copy programs). Build
      the executor once and call `refit` at every weight update;
-  2. prepare: this process checks its tensors against the plan (names, shapes, dtype, contiguity, device)
-     and binds the schedule to them (executors.runners.RoundViews: wire and staging buffers, every copy as a
-     prebuilt view). The binding is kept and reused while the caller passes the same tensors, which is the
-     usual case; `release()` drops it;
+  2. prepare: this process checks its tensors against the plan (executors.prepared: names, shapes, dtype,
+     contiguity, device) and views the schedule over them (executors.runners.RoundViews: wire and staging
+     buffers, every copy as a prebuilt view). The views are kept and reused while the caller passes the same
+     tensors, which is the usual case; `release()` drops them;
   3. preflight: one small all-reduce tells every process whether all are ready and run the same plan,
      binding and bucket size; on any mismatch every process raises before a byte moves. On NCCL the first
      refit then makes the lanes and connects every pair on every lane, off the calling thread and bounded by

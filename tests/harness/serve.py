@@ -177,12 +177,4 @@ class ServerProcess:
         self.stop()
 
 
-def wait_until(check: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} did not happen within {timeout:.0f} s")
-        time.sleep(0.2)
-
-
-__all__ = ["ServerProcess", "free_port", "vllm_cpu_python", "wait_until"]
+__all__ = ["ServerProcess", "free_port", "vllm_cpu_python"]

@@ -137,11 +137,9 @@ class VllmEngineActor:
     compiles, and because in-slot LoRA refits (install "lora_slot") go through it: vLLM's weight-transfer API
     drops every loaded adapter when an update finishes. Methods take and return JSON text.
 
-    The driver's lease (the rules of adapters.vllm.lease): the driver (trainer process 0, through RayEngineClient)
-    takes it at init and renews it; refit calls carry its holder and a call of any other holder is refused; if it
-    lapses, a watchdog thread of the actor ends what the driver left open (its update rolled back, or forward
-    with its version when its install step succeeded). Create the actor threaded (`.options(max_concurrency=4)`):
-    renewals must get through while an update runs; engine calls are serialized by the actor itself."""
+    The actor keeps the driver's lease (adapters.vllm.lease.ThreadedLease): create it threaded
+    (`.options(max_concurrency=4)`), so that renewals get through while an update runs; engine calls are
+    serialized by the actor itself."""
 
     def __init__(self, model: str, engine_args: str = "{}", env: str = "{}") -> None:
         os.environ.update(json.loads(env))

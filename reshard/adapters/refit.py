@@ -15,13 +15,9 @@ Install (the built-in engines'):
   "lora_slot"  a LoRA adapter (`layouts.lora.lora_spec`) into the slot of the adapter `lora_id` the engine already
                serves (destination: the engine's VllmLoraLayout; adapters.lora.slots); the model is untouched.
 
-Transports (`transport`, a name registered in adapters.transports; `options` go to the executor):
-"inprocess", "distributed" (the trainer's processes are the engine's workers, vLLM's `external_launcher`),
-"collective" (torch.distributed over a group both sides join at the rendezvous: gloo on CPU, NCCL on GPUs; every
-trainer process sends its own shards), "nixl" (one-sided transfers, independent of torch's wire format) and
-"shared" (one host: CUDA IPC or POSIX shared memory). For the cross-process ones, trainer process p plays source
-rank p and the worker of destination rank d is process S + d (S = the trainer's ranks); everyone meets at
-`rendezvous` (adapters.rendezvous).
+Transports: `transport` names one registered in adapters.transports (which lists them), `options` go to its
+executor. For the cross-process ones, trainer process p plays source rank p and the worker of destination rank d
+is process S + d (S = the trainer's ranks); everyone meets at `rendezvous` (adapters.rendezvous).
 """
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ import urllib.request
 from typing import Any
 
 from ..errors import ExecutionError
+from ..polling import poll
 from .engines import EngineClient, Leased, Pausable
 from .lease_keeper import HEADER, ROUTE, request_body
 
@@ -162,13 +163,12 @@ class VllmServer(EngineClient, Pausable, Leased):
 
     def wait_healthy(self, timeout: float, alive: Any = None) -> None:
         """Wait until /health answers; `alive()` (e.g. a Popen's poll() is None) stops the wait early."""
-        deadline = time.monotonic() + timeout
-        while not self.healthy():
+        def exited() -> None:
             if alive is not None and not alive():
                 raise ExecutionError(f"the server at {self.url} exited before it was healthy")
-            if time.monotonic() > deadline:
-                raise ExecutionError(f"the server at {self.url} was not healthy within {timeout:.0f} s")
-            time.sleep(1.0)
+
+        if not poll(self.healthy, time.monotonic() + timeout, first_s=1.0, most_s=1.0, between=exited):
+            raise ExecutionError(f"the server at {self.url} was not healthy within {timeout:.0f} s")
 
     # --- LoRA adapters (the server started with --enable-lora; VLLM_ALLOW_RUNTIME_LORA_UPDATING=True) ----------
     def load_lora_adapter(self, name: str, path: str, inplace: bool = False) -> int | None:
@@ -257,21 +257,26 @@ class VllmServer(EngineClient, Pausable, Leased):
 
 class ExtensionClient(EngineClient, Pausable):
     """A refit's engine calls through the `reshard` worker extension's methods over a server's dev route
-    `/collective_rpc` instead of its weight-transfer routes: what in-slot LoRA refits (`RefitSpec(install=
-    "lora_slot")`) need, because vLLM's weight-transfer API drops every loaded adapter when an update finishes.
-    The server must run with `--worker-extension-cls reshard.adapters.vllm.worker.ReshardWorkerExtension`.
+    `/collective_rpc` (arguments as JSON text), or an in-process `vllm.LLM`'s `collective_rpc`, instead of its
+    weight-transfer API: what in-slot LoRA refits (`RefitSpec(install="lora_slot")`) need, because that API drops
+    every loaded adapter when an update finishes. The engine must run with `--worker-extension-cls
+    reshard.adapters.vllm.worker.ReshardWorkerExtension`. An in-process engine generates only when asked: its
+    pause and resume do nothing.
 
         TrainerSession(refit, rank, tensors, engines=[ExtensionClient(server)])
     """
 
-    def __init__(self, server: VllmServer) -> None:
+    def __init__(self, server: "VllmServer | Any") -> None:
         self.server = server
 
     def __repr__(self) -> str:
-        return f"ExtensionClient({self.server.url})"
+        return f"ExtensionClient({getattr(self.server, 'url', 'in-process')})"
 
     def _rpc(self, method: str, *args: Any) -> None:
-        self.server.collective_rpc(method, tuple(json.dumps(a) for a in args))
+        if isinstance(self.server, VllmServer):
+            self.server.collective_rpc(method, tuple(json.dumps(a) for a in args))
+        else:
+            self.server.collective_rpc(method, args=args)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._rpc("reshard_init", init_info)
@@ -287,10 +292,12 @@ class ExtensionClient(EngineClient, Pausable):
             self._rpc("reshard_finish")
 
     def pause(self, mode: str = "wait") -> None:
-        self.server.pause(mode)
+        if isinstance(self.server, VllmServer):
+            self.server.pause(mode)
 
     def resume(self) -> None:
-        self.server.resume()
+        if isinstance(self.server, VllmServer):
+            self.server.resume()
 
 
 def _message(text: str) -> str:

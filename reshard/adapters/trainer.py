@@ -14,16 +14,8 @@ LoRA are capabilities an engine may add, checked by their protocols):
         session.refit(version=f"step-{step}")   # every trainer process, together
     session.close()
 
-Lifecycle:
-  1. init: the plan is compiled (once per process); for the cross-process transports process 0 hosts the
-     refit's rendezvous (a TCPStore on `host`, a fresh id and secret) and shares it with the other trainer
-     processes over `trainer_group`; process 0 sends every engine its init payload (the RefitSpec with the
-     plan's digest and the engine's replica index) while every trainer process joins the rendezvous and opens
-     its transport. An engine that refuses (wrong model, layout, digest) fails every trainer process at once.
-  2. refit(version): process 0 pauses the engines, starts the update, asks every engine to update while every
-     trainer process sends its own shards (no gather), then finishes the update with `version` and resumes
-     the engines, also after a failure; the engines keep their previous weights if the refit failed.
-  3. close: the transport is closed.
+`init`, `refit` and `close` say what each step does; the driver's lease is adapters.lease_renewal's, the engine
+calls' deadlines adapters.engine_calls'.
 """
 from __future__ import annotations
 

@@ -8,13 +8,8 @@ point (pyproject.toml) or on import of the worker extension (`worker_extension_c
 Lifecycle, per worker (vLLM makes the calls; session.py says what each step checks):
   1. vLLM builds the engine after loading the model: `ReshardWeightTransferEngine(config, vllm_config, device,
      model)`.
-  2. `init_weight_transfer_engine(init_info)`: the init info is a `RefitSpec` as JSON (adapters.refit); the
-     worker's `WorkerSession` checks it against this engine, compiles the plan, binds the destination, reaches
-     the refit's store and takes its place there; anything wrong so far raises here (an unreachable store names
-     its address). Waiting for the other members and opening the transport go on in the background: vLLM runs
-     this call on the engine's RPC path, and a wait there would stop the engine generating (a trainer process
-     that never joins held completions and /weight_info for the rendezvous's whole timeout). A failure there is
-     reported at the rendezvous, where the trainer's init sees it, and raised by the next start_weight_update.
+  2. `init_weight_transfer_engine(init_info)`: a `RefitSpec` as JSON (adapters.refit), bound by the worker's
+     `WorkerSession` (what is checked at once, and what goes on in the background and why: session.py).
   3. `start_weight_update()`, `update_weights(update_info)` (the transport runs this worker's part of the plan,
      then the bytes are installed), `finish_weight_update()`: one refit, all or nothing on this engine.
   4. `shutdown()`: close the transport.

@@ -38,6 +38,7 @@ import torch
 
 from ...errors import ExecutionError, LayoutError, LayoutMismatchError, PlanError
 from ...executors.base import Executor
+from ...polling import Background
 from ...layouts.lora import VllmLoraLayout, base_spec
 from ..lora.slots import AdapterSlot, lora_manager
 from ..refit import RefitSpec, open_transport
@@ -72,8 +73,7 @@ class WorkerSession:
         self.executor: Executor | None = None
         self.store = None
         self.rendezvous = None
-        self.meeting: threading.Thread | None = None  # the background set-up, while it runs or until it is awaited
-        self.meeting_error: BaseException | None = None
+        self.meeting: Background | None = None  # the background set-up (its error: why it failed)
         self.meeting_deadline = 0.0  # monotonic: when the background set-up's own bounded steps are over
         self.closed = False
         self.lock = threading.Lock()  # between the background set-up and close()
@@ -87,7 +87,7 @@ class WorkerSession:
     def _set_up(self, group: Any, background: bool = False) -> None:
         refit = self.refit
         src, dst = refit.layouts()
-        self._check_model(dst)
+        check_served_model(refit, dst, self.vllm_config)
         self.dst = dst
         self._check_experts()
         self.plan = refit.plan()
@@ -128,9 +128,7 @@ class WorkerSession:
                 self.meeting_deadline = time.monotonic() + self.rendezvous.timeout + transport_timeout + 30.0
                 # the CUDA device is per thread: the set-up thread makes NCCL groups on this worker's device
                 device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
-                self.meeting = threading.Thread(target=self._meet, args=(process, tensors, group, device),
-                                                daemon=True, name="reshard-meet")
-                self.meeting.start()
+                self.meeting = Background(self._meet, process, tensors, group, device, name="reshard-meet")
                 return
             rv.join(self.store, self.rendezvous, process, refit.num_processes, "engine")
         self.executor = open_transport(refit, process, {}, {self.rank: tensors}, store=self.store, group=group)
@@ -157,11 +155,10 @@ class WorkerSession:
         try:
             rv.join(store, rdv, process, refit.num_processes, "engine")
             executor = open_transport(refit, process, {}, {self.rank: tensors}, store=store, group=group)
-        except BaseException as e:  # noqa: BLE001 - kept for start / transfer, and told to the trainer
-            self.meeting_error = e
+        except BaseException as e:  # kept by the Background for start / transfer, and told to the trainer now
             if not self.closed:
                 self._report(f"engine replica {refit.replica} worker: {type(e).__name__}: {e}", store)
-            return
+            raise
         with self.lock:
             if not self.closed:
                 self.executor = executor
@@ -174,13 +171,13 @@ class WorkerSession:
     def ready(self) -> None:
         """Wait for the background set-up (at most as long as its own bounded steps) and raise its failure."""
         meeting = self.meeting
-        if meeting is not None:
-            meeting.join(max(0.0, self.meeting_deadline - time.monotonic()))
-            if meeting.is_alive():
-                raise ExecutionError(f"refit {self.rendezvous.refit_id}: this worker's set-up (the rendezvous and "
-                                     f"the transport) did not end by its deadline")
-        if self.meeting_error is not None:
-            e = self.meeting_error
+        if meeting is None:
+            return
+        if not meeting.join(self.meeting_deadline):
+            raise ExecutionError(f"refit {self.rendezvous.refit_id}: this worker's set-up (the rendezvous and "
+                                 f"the transport) did not end by its deadline")
+        if meeting.error is not None:
+            e = meeting.error
             raise ExecutionError(f"the refit's set-up failed on this worker (engine replica {self.refit.replica}): "
                                  f"{type(e).__name__}: {e}") from None
 
@@ -196,10 +193,6 @@ class WorkerSession:
             rv.fail(store if store is not None else rv.connect(rdv), rdv, reason)
         except Exception:  # noqa: BLE001 - the store may be unreachable; the error raised says what failed
             pass
-
-    def _check_model(self, dst: Any) -> None:
-        """The trainer's model and destination layout must be what this worker serves (`check_served_model`)."""
-        check_served_model(self.refit, dst, self.vllm_config)
 
     def _check_experts(self) -> None:
         """The plan's expert placement must be the one this engine's EPLB state holds now; a loader install needs
@@ -291,7 +284,7 @@ class WorkerSession:
             self.closed = True
             executor, self.executor = self.executor, None
         meeting = self.meeting
-        if meeting is not None and meeting.is_alive() and self.store is not None:
+        if meeting is not None and meeting.thread.is_alive() and self.store is not None:
             # its join stops at its next look at the store (a new init or shutdown superseded this refit); the
             # other members stop with it instead of waiting out the rendezvous's timeout
             from .. import rendezvous as rv

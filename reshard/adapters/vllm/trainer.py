@@ -20,6 +20,7 @@ from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeight
 
 from ..engines import EngineClient
 from ..refit import RefitSpec
+from ..server import ExtensionClient
 from ..trainer import TrainerSession
 from .engine import BACKEND, register
 
@@ -81,23 +82,4 @@ class OfflineLLMClient(EngineClient):
         self.llm.finish_weight_update(weight_version)
 
 
-class OfflineExtensionClient(EngineClient):
-    """`EngineClient` over an in-process `vllm.LLM` started with the reshard worker extension: the refit's steps are
-    the extension's methods (`collective_rpc`), not the weight-transfer API -- what in-slot LoRA refits need
-    (adapters.server.ExtensionClient is the same over HTTP)."""
-
-    def __init__(self, llm: Any):
-        self.llm = llm
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.llm.collective_rpc("reshard_init", args=(init_info,))
-
-    def start_weight_update(self) -> None:
-        self.llm.collective_rpc("reshard_start")
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.llm.collective_rpc("reshard_update", args=(update_info,))
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        if weight_version is not None:
-            self.llm.collective_rpc("reshard_finish")
+OfflineExtensionClient = ExtensionClient  # over an in-process vllm.LLM started with the reshard worker extension

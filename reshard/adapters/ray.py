@@ -204,7 +204,8 @@ class VllmEngineActor:
 
     def finish_weight_update(self, weight_version: str | None, holder: str | None = None) -> None:
         """Close the open update (None: a failed one), as `holder`."""
-        self.guard.call("/finish_weight_update", holder, lambda: self.client.finish_weight_update(weight_version))
+        self.guard.call("/finish_weight_update", holder, lambda: self.client.finish_weight_update(weight_version),
+                        {"version": weight_version})
 
     def load_lora(self, name: str, path: str) -> int:
         """Serve the PEFT directory `path` as adapter `name` (again: under its id); the id."""

@@ -55,6 +55,32 @@ class Open:
     finished: str | None = None  # the version the holder's last finished update installed (what is served)
     failed: bool = False  # the holder's last update was closed without a version (a failed refit)
 
+    def enter(self, route: str, update: dict[str, Any] | None) -> None:
+        """A call of the holder enters the engine."""
+        if route == "/pause":
+            self.paused = True
+        elif route == "/start_weight_update":
+            self.started, self.installed = True, None
+        elif route == "/update_weights" and isinstance(update, dict):
+            self.pending = str(update.get("version", ""))
+
+    def leave(self, route: str, update: dict[str, Any] | None, ok: bool) -> None:
+        """A call of the holder returned (status 2xx: ok); also after its generation was fenced (this is the Open
+        the fence handed over, so the recovery sees the outcome). For /finish_weight_update, `update` is
+        {"version": its weight_version}."""
+        if route == "/resume" and ok:
+            self.paused = False
+        elif route == "/finish_weight_update":
+            version = update.get("version") if isinstance(update, dict) else None
+            if version is None:  # closed without a version: a failed refit's update ended (refused by workers
+                self.failed = True  # whose update was already closed, which is expected: ended all the same)
+            elif ok:  # the weights the update installed are served under this version
+                self.finished, self.failed = str(version), False
+            self.started, self.installed = False, None  # finished, or closed after a failure
+        elif route == "/update_weights" and isinstance(update, dict) and update.get("phase", "all") in ("install",
+                                                                                                      "all"):
+            self.installed = self.pending if ok else None
+
 
 @dataclass
 class LeaseBook:
@@ -139,7 +165,7 @@ class LeaseBook:
         """A call (of `holder`, let in) enters the engine: what it opens is booked; returns the Open it books on
         (the one a fence hands over, so that the recovery sees the call's outcome)."""
         opened = self.open
-        before(opened, route, update)
+        opened.enter(route, update)
         self.inflight += 1
         if holder is not None:
             self.entered(holder)
@@ -147,7 +173,7 @@ class LeaseBook:
 
     def leave(self, holder: str | None, opened: Open, route: str, update: dict[str, Any] | None, ok: bool) -> None:
         """The call `enter` booked returned (`ok`: it succeeded)."""
-        after(opened, route, update, ok)
+        opened.leave(route, update, ok)
         if holder is not None:
             self.returned(holder)
         self.inflight -= 1
@@ -164,33 +190,6 @@ class LeaseBook:
         now = f"the current holder is generation {self.generation}" if self.holder else "no driver holds it now"
         return (f"refused: lease {holder[:16]!r} is not the server's current lease ({now}); a late call of an old "
                 f"generation is never applied")
-
-
-def before(opened: Open, route: str, update: dict[str, Any] | None) -> None:
-    """A call of the holder enters the engine."""
-    if route == "/pause":
-        opened.paused = True
-    elif route == "/start_weight_update":
-        opened.started, opened.installed = True, None
-    elif route == "/update_weights" and isinstance(update, dict):
-        opened.pending = str(update.get("version", ""))
-
-
-def after(opened: Open, route: str, update: dict[str, Any] | None, ok: bool) -> None:
-    """A call of the holder returned (status 2xx: ok); also after its generation was fenced (the Open is the one
-    the fence handed over, so the recovery sees the outcome). For /finish_weight_update, `update` is
-    {"version": its weight_version}."""
-    if route == "/resume" and ok:
-        opened.paused = False
-    elif route == "/finish_weight_update":
-        version = (update or {}).get("version") if isinstance(update, dict) else None
-        if version is None:  # closed without a version: a failed refit's update ended (refused by workers whose
-            opened.failed = True  # update was already closed, which is expected: ended all the same)
-        elif ok:  # the weights the update installed are served under this version
-            opened.finished, opened.failed = str(version), False
-        opened.started, opened.installed = False, None  # finished, or closed after a failure
-    elif route == "/update_weights" and isinstance(update, dict) and update.get("phase", "all") in ("install", "all"):
-        opened.installed = opened.pending if ok else None
 
 
 def outcome(left: Open) -> str:
@@ -242,6 +241,15 @@ def _fence(book: LeaseBook, why: str) -> tuple[int, Open]:
     generation, holder, left = book.generation, book.holder, book.fence()
     log.warning("reshard: lease generation %d (%s) ended: %s", generation, holder, why)
     return generation, left
+
+
+def _granted(book: LeaseBook, holder: str, ttl: float, release: bool) -> dict[str, Any]:
+    """A lease request's answer, once the generation it ends (`LeaseBook.ending`) was closed: a release's, or the
+    grant's."""
+    if release:
+        return {"released": True}
+    book.grant(holder, ttl)
+    return {"holder": holder, "generation": book.generation, "ttl": ttl}
 
 
 def _closing(left: Open) -> list[tuple[str, tuple]]:
@@ -352,10 +360,7 @@ class ReshardLeaseMiddleware:
                 return await _answer(send, 409, {"error": str(e)})
             if why is not None:
                 await self._end(why)
-            if release:
-                return await _answer(send, 200, {"released": True})
-            self.book.grant(holder, ttl)
-            return await _answer(send, 200, {"holder": holder, "generation": self.book.generation, "ttl": ttl})
+            return await _answer(send, 200, _granted(self.book, holder, ttl, release))
 
 
 class ThreadedLease:
@@ -392,10 +397,7 @@ class ThreadedLease:
                 raise ExecutionError(str(e)) from None
             if why is not None:
                 self._end(why)
-            if release:
-                return {"released": True}
-            self.book.grant(holder, ttl)
-            return {"holder": holder, "generation": self.book.generation}
+            return _granted(self.book, holder, ttl, release)
 
     def call(self, route: str, holder: str | None, fn: Callable[[], Any], update: Any = None) -> Any:
         """`fn()` as the refit call `route` of `holder` (None: an operator's, never refused): refused with
@@ -476,5 +478,4 @@ async def _answer(send: Any, code: int, body: dict[str, Any]) -> None:
     await send({"type": "http.response.body", "body": data})
 
 
-__all__ = ["FENCED", "HEADER", "LeaseBook", "Open", "ReshardLeaseMiddleware", "ThreadedLease", "after", "before",
-           "outcome", "parse_grant"]
+__all__ = ["FENCED", "HEADER", "LeaseBook", "Open", "ReshardLeaseMiddleware", "ThreadedLease", "outcome", "parse_grant"]

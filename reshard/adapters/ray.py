@@ -30,13 +30,13 @@ import os
 from typing import Any
 
 from ..errors import ExecutionError
-from .engines import EngineClient, Leased, Pausable, ServesLora
+from .engines import EngineClient, Leased, ServesLora
 from .lease_keeper import request_body
 
 
-class RayEngineClient(EngineClient, Pausable, Leased, ServesLora):
-    """vLLM's weight-sync client protocol (init / start / update / finish, pause / resume) over a
-    `VllmEngineActor` handle; every call waits at most `timeout` seconds."""
+class RayEngineClient(EngineClient, Leased, ServesLora):
+    """vLLM's weight-sync client protocol (init / start / update / finish) over a `VllmEngineActor` handle; every
+    call waits at most `timeout` seconds. Not `Pausable`: an offline engine generates only when asked."""
 
     def __init__(self, actor: Any, name: str, timeout: float = 600.0) -> None:
         self.actor, self.name, self.timeout = actor, name, timeout
@@ -88,12 +88,6 @@ class RayEngineClient(EngineClient, Pausable, Leased, ServesLora):
         """Serve the PEFT directory `path` as adapter `name` (engine started with enable_lora); its id, what an
         in-slot refit names (`RefitSpec(install="lora_slot", lora_id=...)`)."""
         return int(self._call("load_lora", name, path))
-
-    def pause(self, mode: str = "wait") -> None:
-        pass  # an offline engine generates only when asked: nothing is in flight during a refit
-
-    def resume(self) -> None:
-        pass
 
     # --- what a caller checks ----------------------------------------------------------------------
     def greedy(self, prompts: list[list[int]], max_tokens: int = 12, lora: str | None = None) -> list[list[int]]:

@@ -128,11 +128,7 @@ class TrainerSession:
             self._await_wind_down(time.monotonic() + self.timeout, "init")
         except ExecutionError:  # stopped below: a new generation's init makes the wind-down skip what is left
             pass
-        if self.executor is not None:
-            from ..executors.base import close_within
-
-            close_within(self.executor.close, self.timeout, f"closing trainer process {self.process}'s executor")
-            self.executor = None
+        self._close_executor()
         self.store = None
         self.generation += 1
         refit, plan = self.refit_spec, self.refit_spec.plan()
@@ -410,6 +406,14 @@ class TrainerSession:
         its thread (an engine that never answers cannot hold the trainer): its error, if any."""
         return wait_calls([EngineCall(engine, method, args)], self.timeout, deadline)
 
+    def _close_executor(self) -> None:
+        """Close the transport, bounded by the timeout (a release that waits on a frozen peer cannot hold it)."""
+        if self.executor is not None:
+            from ..executors.base import close_within
+
+            close_within(self.executor.close, self.timeout, f"closing trainer process {self.process}'s executor")
+            self.executor = None
+
     # --- 3. close ------------------------------------------------------------------------------------
     def close(self) -> None:
         """Release the engines' lease and close the transport (each bounded by the timeout); a refit's clean-up
@@ -421,11 +425,7 @@ class TrainerSession:
         if self.renewal is not None:
             self.renewal.release(min(self.timeout, 60.0))
             self.renewal = None
-        if self.executor is not None:  # bounded: a transport whose release waits on a frozen peer cannot hold it
-            from ..executors.base import close_within
-
-            close_within(self.executor.close, self.timeout, f"closing trainer process {self.process}'s executor")
-            self.executor = None
+        self._close_executor()
         if not self.refit_spec.cross_process:
             withdraw_source(str(self.refit_spec.options.get("key", "default")))
         self.store = None

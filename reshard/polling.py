@@ -13,16 +13,19 @@ from typing import Any, Callable
 
 
 def poll(done: Callable[[], bool], deadline: float, *, first_s: float = 2e-5, most_s: float = 0.05,
-         between: Callable[[], None] | None = None) -> bool:
+         between: "Callable[[], bool | None] | None" = None) -> bool:
     """Call `done` until it is true (True) or the time.monotonic() `deadline` passes (False), sleeping between
-    calls from `first_s` doubling to `most_s`; `between` runs before each sleep (it raises to stop early)."""
+    calls from `first_s` doubling to `most_s`; `between` runs before each sleep: it raises to stop early, and
+    returns True where `done` made progress (then `done` runs again at once and the sleeps start over)."""
     pause = first_s
     while not done():
-        if between is not None:
-            between()
+        progressed = between() if between is not None else None
         now = time.monotonic()
         if now >= deadline:
             return False
+        if progressed is True:
+            pause = first_s
+            continue
         time.sleep(min(pause, deadline - now))
         pause = min(2 * pause, max(most_s, first_s))
     return True

@@ -53,6 +53,7 @@ import torch
 
 from ...errors import ExecutionError
 from ...planner import Plan
+from ...polling import poll
 from ..base import RankTensors, close_within
 from ..binding import Binding
 from ..checksum import Streams, algorithm, mismatch
@@ -191,27 +192,25 @@ class NixlExecutor(VotedExecutor):
         if not st.read:
             for link in s.incoming:  # my landing memory is free: senders may write
                 self._notify(link.sender, READY, v, link)
-        next_failure_check, sleep = time.monotonic() + 0.05, 2e-5
-        while True:
+        progress, next_failure_check = [False], [time.monotonic() + 0.05]
+
+        def step() -> bool:
             self._drain_notifications(v)
-            progress = (self._start_outgoing(st, v) | self._post_reads(st, v) | self._completions(st, v)
-                        | self._announced(st, v) | self._next_stages(st))
-            if st.finished():
-                return
-            now = time.monotonic()
-            if now > deadline:
-                raise ExecutionError(f"timed out after {self.options.timeout:.1f} s, " + st.pending())
-            if now > next_failure_check:
+            progress[0] = (self._start_outgoing(st, v) | self._post_reads(st, v) | self._completions(st, v)
+                           | self._announced(st, v) | self._next_stages(st))
+            return st.finished()
+
+        def check() -> bool:  # another process's failure, looked up every 50 ms
+            if time.monotonic() > next_failure_check[0]:
                 reason = self.exchange.failure(v)
                 if reason is not None:
                     raise ExecutionError(f"another process failed first ({reason}) while this one was waiting for: "
                                          + st.pending())
-                next_failure_check = now + 0.05
-            if progress:
-                sleep = 2e-5
-            else:
-                time.sleep(sleep)
-                sleep = min(sleep * 2, self.options.poll_max_s)
+                next_failure_check[0] = time.monotonic() + 0.05
+            return progress[0]
+
+        if not poll(step, deadline, first_s=2e-5, most_s=self.options.poll_max_s, between=check):
+            raise ExecutionError(f"timed out after {self.options.timeout:.1f} s, " + st.pending())
 
     def _start_outgoing(self, st: "_Progress", v: int) -> bool:
         """Start outgoing links whose source bytes are in place (WRITE: and whose receiver is ready)."""

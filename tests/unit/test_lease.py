@@ -190,3 +190,46 @@ def test_a_new_driver_takes_over_after_the_old_ones_calls_return():
         await _request(mw, "/reshard/lease", {"holder": B, "release": True})
         assert mw.test_engine.calls[-1] == ("finish", None)
     _run(main())
+
+
+class SyncEngine:
+    """The engine client a ThreadedLease closes a lapsed update with (a Ray actor's), recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def finish_weight_update(self, version):
+        self.calls.append(("finish", version))
+
+
+def test_the_threaded_lease_keeps_the_same_rules():
+    """The Ray actor's lease (ThreadedLease): the same book as the server's: calls of another holder refused, a
+    holder's call inside keeps its lease, a lapse closes the update it left open (forward when its install
+    succeeded), a fenced holder cannot come back, a new holder's grant ends the previous generation first."""
+    import threading
+    import time
+
+    from reshard.adapters.vllm.lease import ThreadedLease
+    from reshard.errors import ExecutionError
+    from reshard.polling import poll
+
+    engine = SyncEngine()
+    lease = ThreadedLease(lambda: engine, threading.RLock(), poll=0.02)
+    grant = lambda holder, ttl=0.5, release=False: lease.request(  # noqa: E731
+        json.dumps({"holder": holder, **({"release": True} if release else {"ttl": ttl})}).encode())
+    assert grant(A)["generation"] == 1
+    with pytest.raises(ExecutionError, match="never applied"):
+        lease.call("/start_weight_update", B, lambda: None)
+    lease.call("/start_weight_update", A, lambda: None)
+    lease.call("/update_weights", A, lambda: time.sleep(0.8), {"version": "v1", "phase": "install"})
+    assert engine.calls == []  # the call outlasted the lease: inside, it kept it
+    # then no renewal: the watchdog ends the generation, rolling the installed update forward
+    assert poll(lambda: bool(engine.calls), time.monotonic() + 10.0)
+    assert engine.calls == [("finish", "v1")] and lease.book.state()["holder"] is None
+    with pytest.raises(ExecutionError, match="init again"):
+        grant(A)
+    assert grant(B, 60)["generation"] == 2
+    lease.call("/start_weight_update", B, lambda: None)
+    assert grant(A * 2, 60)["generation"] == 3  # a new driver: the open update (nothing installed) closed first
+    assert engine.calls[-1] == ("finish", None)
+    assert grant(A * 2, release=True) == {"released": True} and lease.book.holder is None

@@ -1,7 +1,9 @@
-"""The FP8 quantizer's variants (kernels.fp8_quantize) compiled for a GPU without one: registers and spills per
-thread as ptxas reports them, and what they allow per SM (programs, warps, bytes of the input in flight). A
-bandwidth-bound kernel needs enough bytes in flight per SM; registers are what caps the number of programs.
-Needs only Triton (its bundled ptxas and cuobjdump); runs on a CPU machine.
+"""The FP8 quantizer (kernels.fp8_quantize) compiled for a GPU without one, per warps setting: registers and spills
+per thread as ptxas reports them, and what they allow per SM (programs, warps, bytes of the input in flight). A
+bandwidth-bound kernel needs enough bytes in flight per SM; registers are what caps the number of programs. (The
+variants this once compared -- a launch per job, strips of blocks, the float32 amax forms -- were removed in
+55d766f; their figures stay in BENCHMARKS.md, FP8.) Needs only Triton (its bundled ptxas and cuobjdump); runs on a
+CPU machine.
 
     python benchmarks/quantizer_occupancy.py [--arch 90] [--json out.json]
 
@@ -68,35 +70,25 @@ def main() -> int:
     args = ap.parse_args()
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     from reshard.kernels import fp8_quantize as fq
-    from reshard.kernels import fp8_table as ft
 
-    common = dict(BN=BLOCK[0], BK=BLOCK[1], FLOOR=fq.AMAX_FLOOR, FMAX=fq.FP8_MAX, EXACT_CAST=False)
-    ptrs = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32"}
-    one = dict(ptrs, n="i32", k="i32", sx="i32", sq="i32", ss0="i32", ss1="i32")
-    strip = dict(ptrs, n="i32", k="i32", kb="i32", per="i32", sx="i32", sq="i32", ss0="i32", ss1="i32")
-    variants = [("one block per program", fq._quantize_kernel, one, {}, 1),
-                ("strip, next block prefetched", fq._quantize_strip_kernel, strip, {"PREFETCH": True}, 2),
-                ("strip", fq._quantize_strip_kernel, strip, {"PREFETCH": False}, 1),
-                ("all jobs in one launch (table)", ft._quantize_table_kernel,
-                 {"x_base": "*bf16", "q_base": "*u8", "s_base": "*fp32", "table": "*i64"},
-                 {"XALIGN": 8, "QALIGN": 16}, 1)]
+    constants = dict(BN=BLOCK[0], BK=BLOCK[1], FLOOR=fq.AMAX_FLOOR, FMAX=fq.FP8_MAX, EXACT_CAST=False, XALIGN=8,
+                     QALIGN=16)
+    signature = {"x_base": "*bf16", "q_base": "*u8", "s_base": "*fp32", "table": "*i64"}
+    label, amax = "all jobs in one launch (table)", "input bits"
 
     block_bytes = BLOCK[0] * BLOCK[1] * 2
     rows = []
     print(f"{'kernel (bf16 in, 128x128 blocks)':34s} {'amax':>12s} {'warps':>5s} {'regs':>5s} {'spill B':>7s} "
           f"{'programs/SM':>11s} {'warps/SM':>8s} {'KiB in flight/SM':>16s}")
-    for label, fn, sig, extra, blocks_in_flight in variants:
-        for amax in fq.AMAX_MODES:
-            for warps in (2, 4, 8, 16, 32):
-                regs, spill = resources(compiled(fn, sig, dict(common, AMAX=fq.AMAX_MODES[amax], **extra), warps,
-                                                 args.arch))
-                programs = per_sm(regs, warps)
-                row = {"kernel": label, "amax": amax, "warps": warps, "registers": regs,
-                       "spill_bytes": spill, "programs_per_sm": programs, "warps_per_sm": programs * warps,
-                       "kib_in_flight_per_sm": int(programs * blocks_in_flight * block_bytes) // 1024}
-                rows.append(row)
-                print(f"{label:34s} {amax:>12s} {warps:5d} {regs:5d} {spill:7d} "
-                      f"{programs:11d} {row['warps_per_sm']:8d} {row['kib_in_flight_per_sm']:16d}", flush=True)
+    for warps in (2, 4, 8, 16, 32):
+        regs, spill = resources(compiled(fq._quantize_table_kernel, signature, constants, warps, args.arch))
+        programs = per_sm(regs, warps)
+        row = {"kernel": label, "amax": amax, "warps": warps, "registers": regs, "spill_bytes": spill,
+               "programs_per_sm": programs, "warps_per_sm": programs * warps,
+               "kib_in_flight_per_sm": int(programs * block_bytes) // 1024}
+        rows.append(row)
+        print(f"{label:34s} {amax:>12s} {warps:5d} {regs:5d} {spill:7d} "
+              f"{programs:11d} {row['warps_per_sm']:8d} {row['kib_in_flight_per_sm']:16d}", flush=True)
     if args.json:
         import triton
 

@@ -26,7 +26,7 @@ from ..errors import ExecutionError
 from ..planner import Plan
 from ..planner.plan import RELAY
 from .base import Executor, RankTensors
-from .checksum import Streams, algorithm, block
+from .checksum import Streams, algorithm
 from .copies import DST, SRC, fold
 from .graphs import STREAMS, Replay, on_streams, single_cuda_device, spread
 from .preflight import check_ops
@@ -86,9 +86,7 @@ class BoundLocalExecutor(Executor):
             self._fused = CopySum64(entries, prepared.device or torch.device("cpu"), count)
             self._program.large, self._program.groups = [], []  # all of it moved by the kernel
         elif self.checksum:
-            self._sum_blocks = [block(prepared.src_flat[int(o["src_tensor"][i])], int(o["src_offset"][i]),
-                                      int(o["rows"][i]), int(o["cols"][i]), int(o["src_stride"][i]))
-                                for i in mine.tolist()]
+            self._sum_blocks = prepared.blocks(mine)
         large = self._program.large
         if table is None:
             table = self._device is not None and len(large) >= TABLE_FROM and _triton()

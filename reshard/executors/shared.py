@@ -48,7 +48,7 @@ from ..planner import Plan
 from ..planner.plan import RELAY
 from .base import RankTensors
 from .binding import Binding
-from .checksum import Streams, Sum64Program, algorithm, block, mismatch, use_kernel
+from .checksum import Streams, Sum64Program, algorithm, mismatch, use_kernel
 from .copies import DST, PEER, SHADOW, SRC, Copies
 from .exchange import Exchange
 from .preflight import check_ops
@@ -409,8 +409,8 @@ class SharedExecutor(VotedExecutor):
         self._commit_program = view_copies(Copies.concat([part.commit(shadowed), deferred]), memory, self.itemsize)
         self._shifts = self.prepared.shifts(part.landing)
         if self.checksum:  # the blocks each stream's checksum reads, in plan order (executors.checksum)
-            self._sum_out = {q: self._views(ops, self.src_flat, "src") for q, ops in part.sends_to.items()}
-            self._sum_in = {f: self._views(ops, self._landing, "dst") for f, ops in part.receives_from.items()}
+            self._sum_out = {q: self.prepared.blocks(ops) for q, ops in part.sends_to.items()}
+            self._sum_in = {f: self.prepared.blocks(ops, "dst", self._landing) for f, ops in part.receives_from.items()}
 
     def _arena(self, numel: int) -> torch.Tensor:
         if self.device.type == "cuda":
@@ -462,11 +462,6 @@ class SharedExecutor(VotedExecutor):
                           bytes_sent=self.part.bytes_sent, bytes_received=self.part.bytes_received,
                           local_bytes=self.part.local_numel * self.itemsize, staging_bytes=self._staging_bytes,
                           transfers=len(self.part.sends_to) + len(self._feeders), checksum=self.checksum or "")
-
-    def _views(self, ops: np.ndarray, flat: dict[int, torch.Tensor], side: str) -> list[torch.Tensor]:
-        o = self.plan.ops
-        return [block(flat[int(o[f"{side}_tensor"][i])], int(o[f"{side}_offset"][i]), int(o["rows"][i]),
-                      int(o["cols"][i]), int(o[f"{side}_stride"][i])) for i in ops.tolist()]
 
     def _digest(self, blocks: list[torch.Tensor]) -> str:
         if self.checksum == "sum64" and use_kernel(blocks):  # the same blocks every refit: one bound program

@@ -29,6 +29,62 @@ from ..planner import Plan
 from ..planner.cache import cached_plan
 
 DEPTH = 2  # collective: rounds in flight; its wire buffers are DEPTH x peers x one message, within the bucket
+STAGINGS = ("bucket", "model")
+_TYPES = {"transport": str, "fanout": (int, type(None)), "staging": str, "checksum": (bool, str),
+          "timeout": (int, float), "backend": (str, type(None))}
+
+
+def check_options(options: dict[str, Any], prefix: str = "", transports: Sequence[str] | None = None
+                  ) -> dict[str, Any]:
+    """The options both integrations take (transport, fanout, staging, checksum, timeout, backend; any subset),
+    checked, as plain JSON values.
+
+    Args:
+        options: option -> value.
+        prefix: what errors put before an option's name ("engine_kwargs.reshard.").
+        transports: the transports allowed (None: every cross-process transport).
+
+    Returns:
+        The options (a JSON round trip).
+
+    Raises:
+        ArgumentError: a value of the wrong type or outside its range, named with `prefix`.
+    """
+    import json
+
+    from ..executors.checksum import algorithm
+
+    for key, value in options.items():
+        if not isinstance(value, _TYPES[key]) or (isinstance(value, bool) and key in ("fanout", "timeout")):
+            raise ArgumentError(prefix + key, value, f"has type {type(value).__name__}")
+    if options.get("staging", "bucket") not in STAGINGS:
+        raise ArgumentError(prefix + "staging", options["staging"], f"must be one of {STAGINGS}")
+    transport = options.get("transport", "collective")
+    if transports is not None and transport not in transports:
+        raise ArgumentError(prefix + "transport", transport, f"must be one of {tuple(transports)}")
+    group_transport(transport, prefix + "transport")
+    if options.get("fanout") is not None and options["fanout"] < 1:
+        raise ArgumentError(prefix + "fanout", options["fanout"], "must be a positive integer or None")
+    if not 0 < options.get("timeout", 1) <= 86400:
+        raise ArgumentError(prefix + "timeout", options["timeout"], "must be a number of seconds in (0, 86400]")
+    try:
+        algorithm(options.get("checksum", False))
+    except ArgumentError as e:
+        raise ArgumentError(prefix + "checksum", e.value, e.rule) from None
+    return json.loads(json.dumps(options))
+
+
+def check_room(need: int, free: int | None, device: Any, field: str, where: str) -> None:
+    """Refuse "model" staging of `need` bytes on a device with `free` bytes free (None: unknown, not refused).
+
+    Raises:
+        ArgumentError: naming both sizes and the fix (`field`: the staging option's name; `where`: who stages).
+    """
+    if free is not None and need > free:
+        raise ArgumentError(field, "model", f"holds the whole model on every {where}: {need / 2**30:.2f} GiB ({need} "
+                            f"bytes), but {device} had {free / 2**30:.2f} GiB ({free} bytes) free when measured",
+                            fix="staging: bucket (the default) holds two tensor groups of at most the bucket size; "
+                                "a failed refit then leaves some groups of the new version loaded")
 
 
 def tensor_bytes(spec: ModelSpec, name: str) -> int:
@@ -145,7 +201,8 @@ def group_transport(name: Any, field: str = "transport") -> str:
     from ..adapters.transports import cross_process_transports
 
     if name not in cross_process_transports():
-        raise ArgumentError(field, name, f"is not one of the cross-process transports {list(cross_process_transports())}")
+        raise ArgumentError(field, name, f"is not one of the cross-process transports "
+                                         f"{list(cross_process_transports())}")
     return name
 
 
@@ -212,5 +269,5 @@ def refuse(executor: Executor, process: int, version: int, reason: str) -> None:
         pass
 
 
-__all__ = ["DEPTH", "group_bindings", "group_executor", "group_plans", "group_transport", "refuse", "tensor_bytes",
-           "tensor_groups"]
+__all__ = ["DEPTH", "STAGINGS", "available_bytes", "check_options", "check_room", "group_bindings", "group_executor",
+           "group_plans", "group_transport", "refuse", "tensor_bytes", "tensor_groups"]

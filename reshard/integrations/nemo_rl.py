@@ -14,46 +14,35 @@ No address in the config: NeMo-RL gives every worker on every node the same entr
 interface) and only policy worker 0's store, at the address it published, is used.
 
 NeMo-RL's interface (nemo_rl/utils/checkpoint_engines/base.py at the commit in
-tests/data/nemo_rl_checkpoint_engine.json) is duck-typed here: nothing of NeMo-RL is imported. NeMo-RL builds one
-engine per policy worker and per vLLM worker (`create_checkpoint_engine`: `bucket_size` in bytes plus the
-`refit_cfg` entry as keyword arguments) and drives them (CheckpointEngineWeightSynchronizer):
+tests/data/nemo_rl_checkpoint_engine.json) is duck-typed: nothing of NeMo-RL is imported. NeMo-RL builds one engine
+per policy worker and per vLLM worker (`bucket_size` in bytes plus the `refit_cfg` entry as keyword arguments) and
+drives them (CheckpointEngineWeightSynchronizer):
 
   1. `prepare()` on every engine: each hosts a rendezvous store and returns it as JSON-able metadata;
-  2. `init_policy_process_group(worker_rank=p, ...)` / `init_rollout_process_group(rollout_rank=r, ...)`, all
-     together, with every engine's metadata (policy workers' first): everyone meets at policy worker 0's store
-     and builds the same plans: the model's tensors cut into groups of at most `bucket_size` bytes
-     (integrations.groups), one plan per group from the T policy workers (each holds every whole HF tensor:
-     NeMo-RL hands them whole tensors) to the R vLLM workers (each needs every whole tensor for vLLM's
-     `load_weights`), and this worker's executor for each group over the transport;
-  3. per refit, all together: `send_weights(weights)` on every policy worker and `receive_weight_batches()` on
-     every vLLM worker. A policy worker drains the whole stream (it may run collectives), checks every name,
-     shape and dtype (integrations.streams), keeps only the tensors the plans read from it and hands each group
-     to a thread that moves it as soon as the stream has delivered the group, while the stream goes on. A vLLM
-     worker receives group k+1 in a thread while vLLM loads batch k. A batch (one group) reaches vLLM only once
-     every process has agreed that it arrived complete (checksummed, where `checksum` is on); the last one, in
-     "bucket" staging, and every one, in "model" staging, only once every policy worker has also reported its
-     stream complete and valid (the end-of-stream verdict);
-  4. `finalize()` (NeMo-RL's shutdown, or after every refit with `release_after_refit`): the transport closes;
-     the next refit starts again at 1.
+  2. `init_policy_process_group(worker_rank=p, ...)` / `init_rollout_process_group(rollout_rank=r, ...)`, with
+     every engine's metadata (policy workers' first): everyone meets at policy worker 0's store and builds the same
+     plans (integrations.groups: the model cut into groups of at most `bucket_size` bytes, one plan per group from
+     the T policy workers, each holding every whole HF tensor, to the R vLLM workers, each needing every whole
+     tensor for `load_weights`) and this worker's executor for each group;
+  3. per refit, together: `send_weights(weights)` on every policy worker, `receive_weight_batches()` on every vLLM
+     worker. A policy worker drains the whole stream (it may run collectives), checks every tensor
+     (integrations.streams), keeps what the plans read from it and moves each group on a thread as soon as the
+     stream delivered it. A vLLM worker receives group k+1 while vLLM loads batch k. A batch reaches vLLM only
+     once every process agreed it arrived complete (checksummed, where `checksum` is on); the last one ("bucket"
+     staging) and every one ("model") only once every policy worker also reported its stream complete and valid
+     (the end-of-stream verdict, integrations.agreement);
+  4. `finalize()` (NeMo-RL's shutdown, or after every refit with `release_after_refit`): the transport closes.
 
-A refused refit (a tensor the model does not have, one of the wrong shape or dtype, one missing or repeated, a
-failed transfer or checksum, a loader that raised) fails on every process within about a second of the refusal
-(a failure record in the store every wait checks, and the refusing process failing the group everyone is in),
-not after the transport's timeout: every vLLM worker's `receive_weight_batches` raises, every policy worker's
-`send_weights` raises once it has drained its stream, so NeMo-RL's refit raises. The next refit rebuilds the
-transport on every process and moves a whole version again.
+A refused refit (a tensor unknown, misshapen, missing or repeated; a failed transfer or checksum; a loader that
+raised) fails on every process within about a second (the refit's failure record, which every wait checks, and the
+refusing process failing the group everyone is in), not after the timeout: `receive_weight_batches` and
+`send_weights` (once its stream is drained) raise everywhere, and the next refit rebuilds the transport. What vLLM
+then holds depends on `staging`: "model", the previous version whole (nothing was yielded); "bucket" (the
+default), the batches yielded before the failure (never a torn tensor, never the last batch, never one not every
+process agreed on) beside the previous version: don't serve from it until a refit succeeds.
 
-What a failed refit leaves in vLLM depends on `staging`:
-  - "model": nothing was yielded, so vLLM's weights are all of the previous version;
-  - "bucket" (the default): the batches yielded before the failure were loaded, so vLLM's weights mix the new
-    version (those groups) with the previous one (the rest); never a torn tensor, never the last batch, and
-    never a batch that any process had not agreed on. Don't serve from such a worker until a refit succeeds: the
-    next successful refit writes every tensor again.
-
-Before sending, NeMo-RL's Megatron policy worker asks `get_target_weight_layout()` and would filter its iterator
-with it (`select_hf_weight_for_vllm_target` tries every missing prefix against every name: quadratic in the
-number of tensors); this engine answers None, so NeMo-RL filters nothing and every worker sees the whole stream,
-checks all of it and keeps only its share (benchmarks/nemo_rl_filter.py measures both).
+`get_target_weight_layout()` answers None, so NeMo-RL's Megatron worker filters nothing (its filter is quadratic in
+the tensors); every worker checks the whole stream and keeps its share (benchmarks/nemo_rl_filter.py measures both).
 """
 from __future__ import annotations
 
@@ -62,17 +51,20 @@ import concurrent.futures
 import json
 import time
 from collections.abc import AsyncGenerator, Generator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..errors import ArgumentError, ExecutionError, ReshardError
+from ..executors.partition import carve
 from ..layouts import ModelSpec
-from .groups import (available_bytes, group_bindings, group_executor, group_plans, refuse, tensor_bytes,
-                     tensor_groups)
+from .agreement import Agreement
+from .groups import (available_bytes, check_options, check_room, group_bindings, group_executor, group_plans,
+                     refuse, tensor_bytes, tensor_groups)
+from .streams import StreamNames
 
 TRANSPORTS = ("collective", "shared")
-STAGINGS = ("bucket", "model")
 ALIGN = 256  # bytes: every tensor in a bucket starts aligned for any dtype and vectorised copies
 POLL_S = 0.05  # how often a draining policy worker checks the store for a failure posted elsewhere
 
@@ -84,17 +76,12 @@ class ReshardCheckpointEngine:
     "reshard.integrations.nemo_rl:ReshardCheckpointEngine"`; NeMo-RL constructs it with `bucket_size` and the
     matching `refit_cfg` entry as keyword arguments.
 
-    Memory on a vLLM worker (besides vLLM's own):
-      - staging "bucket" (default): two buckets of at most `bucket_size` bytes (of the largest group, when a
-        single tensor is larger), allocated when the worker joins and reused by every refit: the one vLLM loads
-        from and the one the next batch lands in;
-      - staging "model": the whole model, allocated when the worker joins and kept; refused at that point, with
-        both numbers, when it exceeds the free memory measured when the engine was built (CUDA: the device's
-        free memory, after vLLM reserved its own; CPU: the host's available memory).
-    On a policy worker: two buckets of its own share of a group, plus the tensors of later groups the stream
-    delivers before an earlier group is complete (none when it streams in model order), plus, when its buckets are
-    smaller than the largest tensor it does not send, a buffer of that size (stand-ins the executors check but
-    never read).
+    Memory on a vLLM worker (besides vLLM's own): "bucket" staging, two buckets of at most `bucket_size` bytes (of
+    the largest group, when one tensor is larger), allocated at join and reused; "model" staging, the whole model,
+    refused at join, naming both numbers, when larger than the free memory measured at construction (CUDA: after
+    vLLM reserved its own; CPU: the host's available memory). On a policy worker: two buckets of its share of a
+    group, the tensors of later groups the stream delivers early (none in model order), and a stand-in buffer
+    when its buckets are smaller than the largest tensor it does not send.
 
     Args:
         bucket_size: bytes per batch handed to vLLM's loaders (NeMo-RL's resolved bucket size); the model moves
@@ -137,8 +124,6 @@ class ReshardCheckpointEngine:
                  checksum: bool | str | None = None, backend: str | None = None, device: str | None = None,
                  dtype: str | None = None, timeout: float = 300.0, release_after_refit: bool = False,
                  **unknown: Any) -> None:
-        from ..executors.checksum import algorithm
-
         if unknown:  # NeMo-RL passes every key of the refit_cfg entry (its schema allows extra keys): a typo lands here
             _refuse_unknown(unknown)
         if not isinstance(bucket_size, int) or isinstance(bucket_size, bool) or bucket_size < 1:
@@ -146,39 +131,13 @@ class ReshardCheckpointEngine:
         if model is None:
             raise ArgumentError("model", None, "is required", fix="add `model: <the HF checkpoint vLLM serves>` to "
                                 "refit_cfg's entry for this engine")
-        if staging not in STAGINGS:
-            raise ArgumentError("staging", staging, f"must be one of {STAGINGS}")
-        if transport not in TRANSPORTS:
-            raise ArgumentError("transport", transport, f"must be one of {TRANSPORTS}")
-        if fanout is not None and (not isinstance(fanout, int) or isinstance(fanout, bool) or fanout < 1):
-            raise ArgumentError("fanout", fanout, "must be a positive integer or None")
-        if fanout is not None and transport == "shared":
-            raise ArgumentError("fanout", fanout, "is the collective transport's: on one host (shared) every vLLM "
-                                "worker is written by the policy workers directly", fix="remove fanout")
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= 86400:
-            raise ArgumentError("timeout", timeout, "must be a number of seconds in (0, 86400]")
-        try:
-            self.device = torch.device(device) if device is not None else torch.device(
-                "cuda" if torch.cuda.is_available() else "cpu")
-        except (RuntimeError, TypeError):
-            raise ArgumentError("device", device, "is not a torch device (e.g. 'cuda', 'cpu')") from None
-        if self.device.type not in ("cuda", "cpu"):
-            raise ArgumentError("device", device, "must be a CUDA device or the CPU")
-        if transport == "collective":
-            # resolved here, not from the tensors at the first refit: the policy side has none when the group opens
-            want = "nccl" if self.device.type == "cuda" else "gloo"
-            if backend not in (None, want):
-                raise ArgumentError("backend", backend, f"does not move tensors on {self.device.type}; the "
-                                    f"collective transport there runs over {want!r}", fix="leave backend unset")
-            self.backend: str | None = want
-        else:
-            if backend is not None:
-                raise ArgumentError("backend", backend, "is the collective transport's (torch.distributed); the "
-                                    "shared transport has none", fix="remove backend")
-            self.backend = None
+        check_options({"staging": staging, "transport": transport, "fanout": fanout, "timeout": timeout},
+                      transports=TRANSPORTS)
+        self.device = _device(device)
+        self.backend = _backend(transport, backend, fanout, self.device)
         if checksum is None:  # on: sha256 on the host, sum64 where the bytes are on a GPU (computed there)
             checksum = "sum64" if self.device.type == "cuda" else True
-        algorithm(checksum)  # raises ArgumentError for an unknown one
+        check_options({"checksum": checksum})
         self.bucket_size, self.staging, self.transport = bucket_size, staging, transport
         self.fanout, self.checksum = fanout, checksum
         self.spec = ModelSpec.from_hf_config(model)
@@ -186,25 +145,15 @@ class ReshardCheckpointEngine:
             self.spec = self.spec.model_copy(update={"dtype": dtype})
             ModelSpec(**self.spec.model_dump())  # validated (an unknown dtype raises, naming it)
         if host is not None:  # every engine hosts a store at prepare(): an address of another node fails here, at once
-            from ..addresses import check_local
-
-            try:
-                check_local(host, "refit_cfg host")
-            except ArgumentError as e:  # the same config reaches every node: say why a node's address cannot work
-                raise ArgumentError("refit_cfg host", host, f"{e.rule}; NeMo-RL gives every policy and vLLM worker "
-                                    f"the same refit_cfg entry, so an address of one node is wrong on all others",
-                                    fix="remove `host`: each worker finds its own address; RESHARD_HOST in a "
-                                        "node's environment chooses among a multi-homed node's addresses"
-                                    ) from None
+            _check_host(host)
         self.host, self.timeout = host, float(timeout)
         self.release_after_refit = bool(release_after_refit)
         self.groups = tensor_groups(self.spec, bucket_size)
-        from .streams import StreamNames
-
         self._names = StreamNames(self.spec)
+        self._where = {name: k for k, group in enumerate(self.groups) for name in group}
         # the cost of "model" staging, measured here: on a vLLM worker NeMo-RL builds the engine after vLLM reserved
         # its memory. Refused when the worker joins (the first moment it is known to be one), naming both numbers.
-        self.model_bytes = sum(_aligned(tensor_bytes(self.spec, t.name)) for t in self.spec.tensors)
+        self.model_bytes = carve([tensor_bytes(self.spec, t.name) for t in self.spec.tensors], ALIGN)[1]
         self.free_bytes = available_bytes(self.device) if staging == "model" else None
         self._reset()
 
@@ -224,7 +173,8 @@ class ReshardCheckpointEngine:
         self._needed: list[frozenset[str]] = []  # policy, per group: the tensors the plan reads from this worker
         self._held = 0  # bytes of buffers this worker keeps between refits
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._refits = 0  # refits since joining (keys of the end-of-stream verdicts)
+        self._refits = 0  # refits since joining (each agrees under keys of its own)
+        self._agreement: Agreement | None = None  # the refit's, once it began
         self._moved_at: dict[int, float] = {}  # this refit's groups: time.time() each was agreed here
         self._version = 0  # refits since the executors were built
         self._generation = 0  # builds of the transport since joining (a failed refit makes the next one rebuild)
@@ -263,9 +213,9 @@ class ReshardCheckpointEngine:
         from ..adapters import rendezvous as rv
 
         T, R = train_world_size, rollout_world_size
-        for field, value in (("train_world_size", T), ("rollout_world_size", R)):
+        for name, value in (("train_world_size", T), ("rollout_world_size", R)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ArgumentError(field, value, "must be a positive integer")
+                raise ArgumentError(name, value, "must be a positive integer")
         size = T if role == "policy" else R
         if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < size:
             raise ArgumentError("worker_rank" if role == "policy" else "rollout_rank", rank, f"must be in [0, {size})")
@@ -278,19 +228,16 @@ class ReshardCheckpointEngine:
                                     "lists policy workers first, sorted by rank)")
         else:  # only policy worker 0's store is used
             self.store = rv.connect(rdv)
-        process = rank if role == "policy" else T + rank
-        if role == "rollout" and self.staging == "model" and self.free_bytes is not None \
-                and self.model_bytes > self.free_bytes:
-            error = ArgumentError("staging", "model", f"holds the whole model on every vLLM worker: "
-                                  f"{_gib(self.model_bytes)} for {self.spec.family}, but {self.device} had "
-                                  f"{_gib(self.free_bytes)} free when the engine was built",
-                                  fix="use staging: bucket (the default: two buckets of bucket_size bytes), or leave "
-                                      "vLLM more memory (a lower gpu_memory_utilization)")
-            rv.fail(self.store, rdv, f"rollout worker {rank}: {error}")  # the others stop waiting in join at once
-            raise error
+        if role == "rollout" and self.staging == "model":
+            try:
+                check_room(self.model_bytes, self.free_bytes, self.device, "staging", "vLLM worker")
+            except ArgumentError as error:
+                rv.fail(self.store, rdv, f"rollout worker {rank}: {error}")  # the others stop waiting in join at once
+                raise
         self._close()
         self._plans = group_plans(self.spec, T, R, self.groups, self.fanout)  # the same on every worker
         self._bindings = group_bindings(self._plans, T, R)
+        process = rank if role == "policy" else T + rank
         rv.join(self.store, rdv, process, T + R, role)
         self.role, self.rank, self._rdv, self._process, self._T, self._R = role, rank, rdv, process, T, R
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"reshard-{role}{rank}")
@@ -330,10 +277,7 @@ class ReshardCheckpointEngine:
         if self.transport == "collective":
             self._comm = StoreComm(rv.scoped(self.store, self._rdv, f"collective{g}"), P, self._T + self._R,
                                    self.backend, self.timeout)
-        if self.role == "rollout":
-            self._views = self._rollout_buffers(device)
-        else:
-            self._views = self._policy_buffers(device)
+        self._views = self._rollout_buffers(device) if self.role == "rollout" else self._policy_buffers(device)
         self._executors = []
         for k, (plan, binding) in enumerate(zip(self._plans, self._bindings)):
             mine = {r: self._views[k] for r in (binding.src_ranks_of(P) or binding.dst_ranks_of(P))}
@@ -347,28 +291,27 @@ class ReshardCheckpointEngine:
     def _rollout_buffers(self, device: torch.device) -> list[dict[str, torch.Tensor]]:
         """Views of this vLLM worker's buckets, per group: two buckets reused in turn ("bucket"), or one per group
         ("model"). On CPU with the shared transport they live in shared memory (policy workers write into them)."""
-        sizes = [sum(_aligned(tensor_bytes(self.spec, n)) for n in group) for group in self.groups]
         count = 2 if self.staging == "bucket" else len(self.groups)
-        slots = [_bytes(max(sizes[i::count], default=1), device, self.transport == "shared")
-                 for i in range(min(count, len(sizes)))]
-        self._slots, self._held = slots, sum(s.numel() for s in slots)
-        return [_carve(slots[k % count], [(n, *self._shape(n)) for n in group]) for k, group in enumerate(self.groups)]
+        sizes = [self._arena(group)[1] for group in self.groups]
+        self._slots = [_bytes(max(sizes[i::count]), device, self.transport == "shared")
+                       for i in range(min(count, len(sizes)))]
+        self._held = sum(s.numel() for s in self._slots)
+        return [self._carve(self._slots[k % count], group) for k, group in enumerate(self.groups)]
 
     def _policy_buffers(self, device: torch.device) -> list[dict[str, torch.Tensor]]:
         """Views of this policy worker's two buckets, per group: the tensors the group's plan reads from it; every
         other tensor of the group as a stand-in (a view of the larger bucket, or of a buffer of the largest such
         tensor when the bucket is smaller; never read: the executor checks every tensor its plan's source table
         lists, and each policy worker holds the whole model)."""
-        P, needed = self._process, []
-        for plan, binding in zip(self._plans, self._bindings):
-            ops = plan.ops_sent_by(binding.src_ranks_of(P)[0])
-            names = plan.src_tensors
-            needed.append(frozenset(names.name(int(t)) for t in set(ops["src_tensor"].tolist())))
-        self._needed = needed
-        sizes = [sum(_aligned(tensor_bytes(self.spec, n)) for n in need) for need in needed]
-        slots = [_bytes(max(sizes[i::2], default=1), device, False) for i in range(min(2, len(sizes)))]
+        P = self._process
+        self._needed = [frozenset(plan.src_tensors.name(int(t)) for t in set(
+            plan.ops_sent_by(binding.src_ranks_of(P)[0])["src_tensor"].tolist()))
+            for plan, binding in zip(self._plans, self._bindings)]
+        mine = [[n for n in group if n in need] for group, need in zip(self.groups, self._needed)]
+        sizes = [self._arena(names)[1] for names in mine]
+        slots = [_bytes(max(sizes[i::2]), device, False) for i in range(min(2, len(sizes)))]
         spare = max((tensor_bytes(self.spec, n) for k, group in enumerate(self.groups) for n in group
-                     if n not in needed[k]), default=1)
+                     if n not in self._needed[k]), default=1)
         largest = max(slots, key=lambda t: t.numel())
         # stand-ins are never read and sources may share memory: a bucket serves unless the largest is too small
         scratch = largest if largest.numel() >= spare else torch.empty(spare, dtype=torch.uint8, device=device)
@@ -376,19 +319,24 @@ class ReshardCheckpointEngine:
         self._held = sum(s.numel() for s in slots) + (0 if scratch is largest else scratch.numel())
         views = []
         for k, group in enumerate(self.groups):
-            mine = _carve(slots[k % 2], [(n, *self._shape(n)) for n in group if n in needed[k]])
+            views.append(self._carve(slots[k % 2], mine[k]))
             for n in group:
-                if n not in mine:
-                    shape, dtype = self._shape(n)
-                    mine[n] = scratch[:_numel(shape) * dtype.itemsize].view(dtype).view(shape)
-            views.append(mine)
+                if n not in views[k]:
+                    shape, dtype = self._names.expected(n)
+                    views[k][n] = scratch[:tensor_bytes(self.spec, n)].view(dtype).view(shape)
         return views
 
-    def _shape(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
-        from ..executors.local import torch_dtype
+    def _arena(self, names: list[str] | tuple[str, ...]) -> tuple[list[int], int]:
+        """Byte offsets of `names` laid out in one bucket, each ALIGN-aligned, and the bucket's size."""
+        return carve([tensor_bytes(self.spec, n) for n in names], ALIGN)
 
-        t = self.spec.tensor(name)
-        return tuple(t.shape), torch_dtype(t.dtype or self.spec.dtype)
+    def _carve(self, buffer: torch.Tensor, names: list[str] | tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """Views of `buffer`, one per tensor of `names`, where `_arena` places them."""
+        out = {}
+        for name, start in zip(names, self._arena(names)[0]):
+            shape, dtype = self._names.expected(name)
+            out[name] = buffer[start:start + tensor_bytes(self.spec, name)].view(dtype).view(shape)
+        return out
 
     # --- 3. a refit --------------------------------------------------------------------------------------
     def get_target_weight_layout(self) -> dict[str, Any] | None:
@@ -409,17 +357,7 @@ class ReshardCheckpointEngine:
         if self.role != "policy":
             raise ExecutionError("send_weights on an engine that is not a joined policy worker "
                                  "(call init_policy_process_group first)")
-        n, v = self._begin()
-        start = time.perf_counter()
-        where = {name: k for k, group in enumerate(self.groups) for name in group}
-        missing = [len(group) for group in self.groups]  # per group: tensors the stream has not delivered yet
-        seen: set[str] = set()
-        early: dict[int, dict[str, torch.Tensor]] = {}  # groups ahead of the next one: copies until its bucket frees
-        early_bytes = peak = sent = 0
-        error: BaseException | None = None
-        flight: concurrent.futures.Future | None = None  # the group moving now (group next_k - 1)
-        refusal: concurrent.futures.Future | None = None
-        next_k, polled, overlapped = 0, time.monotonic(), 0
+        s = _Sending(self._begin(), [len(group) for group in self.groups])
         stream = iter(weights)
         while True:
             try:  # NeMo-RL's iterator is synchronous (Megatron's export): drained here, on the event loop's thread
@@ -427,74 +365,70 @@ class ReshardCheckpointEngine:
             except StopIteration:
                 break
             except BaseException as e:  # the exporter itself failed: no stream left to drain
-                if error is None:
-                    await asyncio.wrap_future(self._fail(n, v, e, flight, next_k))
+                if s.error is None:
+                    await asyncio.wrap_future(self._fail(s.version, e, s.flight, s.next_k))
                 raise
-            if error is not None:
+            if s.error is not None:
                 continue  # drain: producing the stream is collective over the policy workers
-            overlapped += flight is not None and not flight.done()
+            s.overlapped += s.flight is not None and not s.flight.done()
             try:
-                for hf, t in self._names.split(name, tensor):
-                    k = self._check(hf, t, where, seen)
-                    missing[k] -= 1
-                    if hf in self._needed[k]:
-                        if k == next_k:  # its bucket is free: the group in flight uses the other one
-                            self._views[k][hf].copy_(t)
-                        else:  # a copy: an exporter may reuse what it yields
-                            early.setdefault(k, {})[hf] = t.detach().clone()
-                            early_bytes += t.nbytes
-                            peak = max(peak, early_bytes)
-                while next_k < len(self.groups) and missing[next_k] == 0:  # groups in model order, one in flight
-                    sent += await self._landed(flight)
-                    self._synchronize()  # this thread's copies into the bucket are done before a peer reads it
-                    flight = self._submit(self._move, next_k, v)
-                    next_k += 1
-                    for hf, t in early.pop(next_k, {}).items():
-                        self._views[next_k][hf].copy_(t)
-                        early_bytes -= t.nbytes
-                if flight is not None and flight.done() and flight.exception() is not None:
-                    raise flight.exception()
-                if time.monotonic() - polled > POLL_S:  # a refusal elsewhere: stop sending now, not at the end
-                    polled = time.monotonic()
-                    reason = self._failure(n)
-                    if reason is not None:
-                        raise ExecutionError(f"another worker refused refit {n}: {reason}")
+                await self._take(s, name, tensor)
             except Exception as e:  # noqa: BLE001 - a wrong tensor, a failed copy or transfer, a refusal elsewhere
-                error = e
-                refusal, flight = self._fail(n, v, e, flight, next_k), None
-                early.clear()
-        if error is None and next_k < len(self.groups):  # the stream ended without every tensor
-            absent = [name for group in self.groups[next_k:] for name in group if name not in seen]
-            error = ArgumentError("weights", absent[:5], f"({len(absent)} tensors of the model) never came in the "
-                                  f"stream", fix="the policy must stream every tensor of the model")
-            refusal, flight = self._fail(n, v, error, flight, next_k), None
-        if error is None:
-            try:
-                sent += await self._landed(flight)
-                self._verdicts().add(f"{n}/ok", 1)  # this worker's stream was complete and valid, and moved
-                await self._in_thread(self._wait_verdict, n)
-            except ReshardError as e:
-                error = e
-                refusal = self._fail(n, v, e, None, len(self.groups))
-        if refusal is not None:
-            await asyncio.wrap_future(refusal)
-        self.last_refit = {"bytes_sent": sent, "seconds": time.perf_counter() - start,
-                           "kept": sum(len(x) for x in self._needed), "held_bytes": self._held,
-                           "early_bytes_peak": peak, "groups": len(self.groups), "failed": error is not None,
-                           "drained_while_moving": overlapped}  # stream items taken while a group moved
-        if error is not None:
-            raise self._explained(error, n)
+                s.error, s.refusal, s.flight = e, self._fail(s.version, e, s.flight, s.next_k), None
+                s.early.clear()
+        await self._conclude(s)
 
-    def _check(self, name: str, tensor: Any, where: dict[str, int], seen: set[str]) -> int:
-        """The group of one of the model's tensors the stream delivered, or ArgumentError naming what is wrong."""
-        if name in seen:
-            raise ArgumentError("weights", name, "came twice in the stream")
-        seen.add(name)
-        shape, dtype = self._shape(name)
-        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape or tensor.dtype != dtype:
-            got = (tuple(tensor.shape), tensor.dtype) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise ArgumentError(f"weights[{name}]", got, f"does not match the model's {shape} {dtype}")
-        return where[name]
+    async def _take(self, s: "_Sending", name: str, tensor: Any) -> None:
+        """One stream item: checked, what the plans read from this worker kept, every group now complete moved."""
+        for hf, t in self._names.checked(name, tensor, s.seen):
+            k = self._where[hf]
+            s.missing[k] -= 1
+            if hf in self._needed[k]:
+                if k == s.next_k:  # its bucket is free: the group in flight uses the other one
+                    self._views[k][hf].copy_(t)
+                else:  # a copy: an exporter may reuse what it yields
+                    s.early.setdefault(k, {})[hf] = t.detach().clone()
+                    s.early_bytes += t.nbytes
+                    s.peak = max(s.peak, s.early_bytes)
+        while s.next_k < len(self.groups) and s.missing[s.next_k] == 0:  # groups in model order, one in flight
+            s.sent += await self._landed(s.flight)
+            self._synchronize()  # this thread's copies into the bucket are done before a peer reads it
+            s.flight = self._submit(self._move, s.next_k, s.version)
+            s.next_k += 1
+            for hf, t in s.early.pop(s.next_k, {}).items():
+                self._views[s.next_k][hf].copy_(t)
+                s.early_bytes -= t.nbytes
+        if s.flight is not None and s.flight.done() and s.flight.exception() is not None:
+            raise s.flight.exception()
+        if time.monotonic() - s.polled > POLL_S:  # a refusal elsewhere: stop sending now, not at the end
+            s.polled = time.monotonic()
+            reason = self._agreement.failure()
+            if reason is not None:
+                raise ExecutionError(f"another worker refused refit {self._refits}: {reason}")
+
+    async def _conclude(self, s: "_Sending") -> None:
+        """The end of a policy worker's stream: every tensor came, the last group moved, the verdict agreed."""
+        G = len(self.groups)
+        if s.error is None and s.next_k < G:  # the stream ended without every tensor
+            absent = [name for group in self.groups[s.next_k:] for name in group if name not in s.seen]
+            s.error = ArgumentError("weights", absent[:5], f"({len(absent)} tensors of the model) never came in the "
+                                    f"stream", fix="the policy must stream every tensor of the model")
+            s.refusal, s.flight = self._fail(s.version, s.error, s.flight, s.next_k), None
+        if s.error is None:
+            try:
+                s.sent += await self._landed(s.flight)
+                self._agreement.end()  # this worker's stream was complete and valid, and moved
+                await self._agreement.ended()
+            except ReshardError as e:
+                s.error, s.refusal = e, self._fail(s.version, e, None, G)
+        if s.refusal is not None:
+            await asyncio.wrap_future(s.refusal)
+        self.last_refit = {"bytes_sent": s.sent, "seconds": time.perf_counter() - s.start,
+                           "kept": sum(len(x) for x in self._needed), "held_bytes": self._held,
+                           "early_bytes_peak": s.peak, "groups": G, "failed": s.error is not None,
+                           "drained_while_moving": s.overlapped}  # stream items taken while a group moved
+        if s.error is not None:
+            raise self._explained(s.error)
 
     async def receive_weight_batches(self) -> AsyncGenerator[list[tuple[str, torch.Tensor]], None]:
         """Batches of whole HF tensors (one group each: at most `bucket_size` bytes, or one larger tensor), in
@@ -510,8 +444,8 @@ class ReshardCheckpointEngine:
         if self.role != "rollout":
             raise ExecutionError("receive_weight_batches on an engine that is not a joined vLLM worker "
                                  "(call init_rollout_process_group first)")
-        n, v = self._begin()
-        start, G = time.perf_counter(), len(self.groups)
+        v = self._begin()
+        start, G, bucket = time.perf_counter(), len(self.groups), self.staging == "bucket"
         flight: concurrent.futures.Future | None = self._submit(self._move, 0, v)
         moving = 0  # the group in flight
         received, agreed, yielded = 0, False, 0
@@ -522,20 +456,17 @@ class ReshardCheckpointEngine:
                 received += await self._landed(flight)  # group k: every process agreed it arrived whole
                 flight, moving = None, k + 1
                 if moving < G:
-                    if self.staging == "bucket":
+                    if bucket:
                         self._synchronize()  # vLLM's loads from the other bucket (batch k-1) are done
                     flight = self._submit(self._move, moving, v)  # lands while vLLM loads batch k
-                elif self.staging == "bucket":
-                    await self._in_thread(self._wait_verdict, n)
+                else:  # the last group: the trainers' end-of-stream verdict too
+                    await self._agreement.ended()
                     agreed = True
                     self._release_names()
-                if self.staging == "bucket":
+                if bucket:
                     yielded += 1
                     yield self._batch(k)
-            if self.staging == "model":
-                await self._in_thread(self._wait_verdict, n)
-                agreed = True
-                self._release_names()
+            if not bucket:
                 for k in range(G):
                     yielded += 1
                     yield self._batch(k)
@@ -545,9 +476,9 @@ class ReshardCheckpointEngine:
                 cause = e if not isinstance(e, (GeneratorExit, asyncio.CancelledError)) else ExecutionError(
                     f"stopped taking batches after {yielded} of {G} were handed to its loader (the loader raised, "
                     f"or the refit was abandoned)")
-                await asyncio.wrap_future(self._fail(n, v, cause, flight, moving + 1 if flight is not None else G))
+                await asyncio.wrap_future(self._fail(v, cause, flight, moving + 1 if flight is not None else G))
                 if isinstance(e, ReshardError):
-                    raise self._explained(e, n) from e
+                    raise self._explained(e) from e
             raise
         finally:
             self.last_refit = {"bytes_received": received, "seconds": time.perf_counter() - start,
@@ -558,23 +489,27 @@ class ReshardCheckpointEngine:
         return [(name, self._views[k][name]) for name in self.groups[k]]
 
     # --- the refit's machinery ---------------------------------------------------------------------------
-    def _begin(self) -> tuple[int, int]:
-        """The refit's number (since joining) and its executors' version; rebuilds the transport after a failed
-        refit (every process does, at the same refit)."""
+    def _begin(self) -> int:
+        """Start the next refit: its agreement (keys of its own; refit n-2's are deleted: every process has finished
+        it) and its executors' version, returned; rebuilds the transport after a failed refit (every process does,
+        at the same refit)."""
+        from ..adapters import rendezvous as rv
+
         if self._broken:
             self._close_transport()
             self._generation += 1
             self._build()
         self._refits += 1
         self._version += 1
-        n = self._refits
-        if n > 2:  # every process has finished refit n-2 (each took part in n-1): its keys can go
-            for key in (f"{n - 2}/ok", f"{n - 2}/fail"):
-                try:
-                    self._verdicts().delete_key(key)
-                except Exception:  # noqa: BLE001 - best effort; a few bytes
-                    pass
-        return n, self._version
+
+        def agreement(n: int) -> Agreement:
+            return Agreement(rv.scoped(self.store, self._rdv, f"refit{n}"), self._T + self._R, self._T, 0,
+                             self.timeout, f"{self.role} worker {self.rank}")
+
+        if self._refits > 2:
+            agreement(self._refits - 2).forget()
+        self._agreement = agreement(self._refits)
+        return self._version
 
     def _submit(self, fn: Any, *args: Any) -> concurrent.futures.Future:
         device = self._device
@@ -585,9 +520,6 @@ class ReshardCheckpointEngine:
             return fn(*args)
 
         return self._pool.submit(run)
-
-    async def _in_thread(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.wrap_future(self._submit(fn, *args))
 
     async def _landed(self, flight: concurrent.futures.Future | None) -> int:
         """Wait for a group in flight (without blocking the event loop); the bytes it moved here."""
@@ -608,53 +540,17 @@ class ReshardCheckpointEngine:
         if self._device.type == "cuda":
             torch.cuda.current_stream(self._device).synchronize()
 
-    def _verdicts(self) -> Any:
-        from ..adapters import rendezvous as rv
-
-        return rv.scoped(self.store, self._rdv, "verdicts")
-
-    def _failure(self, n: int) -> str | None:
-        store = self._verdicts()
-        try:
-            return store.get(f"{n}/fail").decode(errors="replace") if store.check([f"{n}/fail"]) else None
-        except Exception as e:  # noqa: BLE001 - the store's host (policy worker 0) is gone
-            return f"the refit's store went away ({type(e).__name__}: {e})"
-
-    def _wait_verdict(self, n: int) -> None:
-        """Every policy worker reported its stream complete and moved; ExecutionError at once if a worker posted a
-        failure, or after `timeout` seconds without the reports."""
-        from ..polling import poll
-
-        store = self._verdicts()
-        reason: list[str] = []
-
-        def done() -> bool:
-            failure = self._failure(n)
-            if failure is not None:
-                reason.append(failure)
-                return True
-            return int(store.add(f"{n}/ok", 0)) >= self._T
-
-        if not poll(done, time.monotonic() + self.timeout, first_s=0.0005, most_s=0.01):
-            raise ExecutionError(f"refit {n}: only {int(store.add(f'{n}/ok', 0))} of {self._T} policy workers "
-                                 f"reported their stream complete within {self.timeout:.0f} s")
-        if reason:
-            raise ExecutionError(reason[0])
-
-    def _fail(self, n: int, v: int, error: BaseException, flight: concurrent.futures.Future | None,
+    def _fail(self, v: int, error: BaseException, flight: concurrent.futures.Future | None,
               next_k: int) -> concurrent.futures.Future:
-        """This worker's part of a failed refit: post the reason (every wait for the verdicts and every draining
+        """This worker's part of a failed refit: post the reason (every wait of the refit and every draining
         policy worker sees it) and, once the group in flight is done, fail group `next_k`, the one every other
         process is in or enters next, so that nobody waits for this worker until its timeout. Unless the group in
         flight failed: then it failed on every process and nobody enters the next. Returns the future of that
         (on the worker's thread: a policy worker goes on draining its stream meanwhile). The next refit rebuilds
         the transport."""
         self._broken = True
-        reason = f"{self.role} worker {self.rank}: {type(error).__name__}: {error}"
-        try:
-            self._verdicts().compare_set(f"{n}/fail", "", reason.encode()[:4000])
-        except Exception:  # noqa: BLE001 - best effort: the store may be gone
-            pass
+        self._agreement.fail(error)
+        reason = f"{self._agreement.who}: {type(error).__name__}: {error}"
 
         def refuse_next() -> None:  # the pool's one thread: the group in flight has finished by now
             failed = flight is not None and flight.exception() is not None
@@ -663,15 +559,16 @@ class ReshardCheckpointEngine:
 
         return self._submit(refuse_next)
 
-    def _explained(self, error: BaseException, n: int) -> BaseException:
+    def _explained(self, error: BaseException) -> BaseException:
         """The error this worker raises: its own refusal as it is; a failure seen here, with the first reason."""
         if isinstance(error, ArgumentError):
             return error
-        first = self._failure(n)
+        first = self._agreement.failure()
         state = "nothing was yielded to vLLM" if self.staging == "model" else (
             "staging bucket: vLLM loaded only the batches yielded before the failure")
         why = f"{first}; here: {error}" if first and first not in str(error) else str(error)
-        return ExecutionError(f"reshard refit {n} failed on {self.role} worker {self.rank} ({state}): {why}")
+        return ExecutionError(f"reshard refit {self._refits} failed on {self.role} worker {self.rank} ({state}): "
+                              f"{why}")
 
     # --- 4. finalize ---------------------------------------------------------------------------------------
     def finalize(self) -> None:
@@ -707,15 +604,67 @@ class ReshardCheckpointEngine:
         self._pool = None
 
 
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
+@dataclass
+class _Sending:
+    """A policy worker's state while it drains one refit's stream."""
+
+    version: int  # the executors' version of this refit
+    missing: list[int]  # per group: tensors the stream has not delivered yet
+    seen: set[str] = field(default_factory=set)
+    early: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # groups ahead: copies until their turn
+    early_bytes: int = 0
+    peak: int = 0
+    sent: int = 0
+    error: BaseException | None = None
+    flight: concurrent.futures.Future | None = None  # the group moving now (group next_k - 1)
+    refusal: concurrent.futures.Future | None = None
+    next_k: int = 0
+    overlapped: int = 0
+    polled: float = field(default_factory=time.monotonic)
+    start: float = field(default_factory=time.perf_counter)
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    out = 1
-    for d in shape:
-        out *= d
+def _device(device: str | None) -> torch.device:
+    """Where the workers stage the weights (None: CUDA when available, else CPU)."""
+    try:
+        out = torch.device(device) if device is not None else torch.device(
+            "cuda" if torch.cuda.is_available() else "cpu")
+    except (RuntimeError, TypeError):
+        raise ArgumentError("device", device, "is not a torch device (e.g. 'cuda', 'cpu')") from None
+    if out.type not in ("cuda", "cpu"):
+        raise ArgumentError("device", device, "must be a CUDA device or the CPU")
     return out
+
+
+def _backend(transport: str, backend: str | None, fanout: int | None, device: torch.device) -> str | None:
+    """The collective transport's torch.distributed backend, resolved here (the policy side has no tensors when the
+    group opens); refuses the options that fit only the collective transport elsewhere."""
+    if transport == "shared":
+        if fanout is not None:
+            raise ArgumentError("fanout", fanout, "is the collective transport's: on one host (shared) every vLLM "
+                                "worker is written by the policy workers directly", fix="remove fanout")
+        if backend is not None:
+            raise ArgumentError("backend", backend, "is the collective transport's (torch.distributed); the "
+                                "shared transport has none", fix="remove backend")
+        return None
+    want = "nccl" if device.type == "cuda" else "gloo"
+    if backend not in (None, want):
+        raise ArgumentError("backend", backend, f"does not move tensors on {device.type}; the collective transport "
+                            f"there runs over {want!r}", fix="leave backend unset")
+    return want
+
+
+def _check_host(host: str) -> None:
+    """Refuse a `host` that is not this host's address, saying why one node's address cannot work."""
+    from ..addresses import check_local
+
+    try:
+        check_local(host, "refit_cfg host")
+    except ArgumentError as e:  # the same config reaches every node
+        raise ArgumentError("refit_cfg host", host, f"{e.rule}; NeMo-RL gives every policy and vLLM worker the same "
+                            f"refit_cfg entry, so an address of one node is wrong on all others",
+                            fix="remove `host`: each worker finds its own address; RESHARD_HOST in a node's "
+                                "environment chooses among a multi-homed node's addresses") from None
 
 
 def _bytes(nbytes: int, device: torch.device, shared: bool) -> torch.Tensor:
@@ -725,20 +674,6 @@ def _bytes(nbytes: int, device: torch.device, shared: bool) -> torch.Tensor:
 
         return shared_empty((nbytes,), torch.uint8)
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-
-def _carve(buffer: torch.Tensor, tensors: list[tuple[str, tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
-    """Views of `buffer`, one per (name, shape, dtype), each starting ALIGN-aligned."""
-    out, offset = {}, 0
-    for name, shape, dtype in tensors:
-        size = _numel(shape) * dtype.itemsize
-        out[name] = buffer[offset:offset + size].view(dtype).view(shape)
-        offset += _aligned(size)
-    return out
-
-
-def _gib(nbytes: int | None) -> str:
-    return f"{(nbytes or 0) / 2**30:.2f} GiB ({nbytes:,} bytes)"
 
 
 def _refuse_unknown(unknown: dict[str, Any]) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..errors import ArgumentError
+from ..executors.local import torch_dtype
 from ..layouts import ModelSpec
 from ..layouts.families import family
 from ..layouts.model import Experts
@@ -97,6 +98,29 @@ class StreamNames:
         raise ArgumentError("weights", name, f"is not a tensor of the {self.spec.family} model the plan was compiled "
                             f"for, nor an extra exporters add that refits skip",
                             fix=f"stream the model's HF names{example}")
+
+    def checked(self, name: Any, tensor: Any, seen: set[str]) -> list[tuple[str, torch.Tensor]]:
+        """`split`, each of the model's tensors checked: not in `seen` (then added to it), of its shape and dtype.
+
+        Raises:
+            ArgumentError: what `split` refuses, a tensor that came twice, or one of another shape or dtype.
+        """
+        out = self.split(name, tensor)
+        for hf, piece in out:
+            if hf in seen:
+                raise ArgumentError("weights", hf, "came twice in the stream" + (f" (again in {name})" if name != hf
+                                                                                 else ""))
+            seen.add(hf)
+            shape, dtype = self.expected(hf)
+            if not isinstance(piece, torch.Tensor) or tuple(piece.shape) != shape or piece.dtype != dtype:
+                got = (tuple(piece.shape), piece.dtype) if isinstance(piece, torch.Tensor) else type(piece).__name__
+                raise ArgumentError(f"weights[{hf}]", got, f"does not match the model's {shape} {dtype}")
+        return out
+
+    def expected(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """The shape and torch dtype of one of the model's HF tensors."""
+        t = self.spec.tensor(name)
+        return tuple(t.shape), torch_dtype(t.dtype or self.spec.dtype)
 
     @staticmethod
     def _split_fused(name: str, tensor: Any, fused: _Fused) -> list[tuple[str, torch.Tensor]]:

@@ -314,11 +314,12 @@ class RolloutWorker(CheckpointEngineWorker):
         """The refit in flight as reshard's verl backend records it in the refit's store: per position whose gate
         is open, the group and how many processes finished moving it."""
         session, out = self.checkpoint_engine._session, []
-        for i in range(len(session.groups) if session is not None else 0):
-            if not session.keys.check([f"gate/{i}"]) or session.keys.get(f"gate/{i}") == b"closed":
+        keys = session.agreement.keys if session is not None else None
+        for i in range(len(session.plans) if session is not None else 0):
+            if not keys.check([f"gate/{i}"]) or keys.get(f"gate/{i}") == b"closed":
                 break
-            k = int(session.keys.get(f"gate/{i}"))
-            out.append((k, int(session.keys.add(f"done/{k}", 0))))
+            k = int(keys.get(f"gate/{i}"))
+            out.append((k, int(keys.add(f"done/{k}", 0))))
         return out
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

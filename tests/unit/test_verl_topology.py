@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from reshard.errors import ArgumentError, ExecutionError
-from reshard.integrations.groups import group_bindings
+from reshard.integrations.groups import group_bindings, tensor_groups
 from reshard.integrations.verl import topology as tp
 from reshard.testing.megatron_cpu import TinyGPT
 
@@ -28,7 +28,7 @@ def nbytes(name: str) -> int:
 
 def test_groups_cover_the_model_in_order_within_the_bucket():
     for bucket in (MB, 64 << 10, 1):
-        groups = tp.tensor_groups(SPEC, bucket)
+        groups = tensor_groups(SPEC, bucket)
         assert [n for g in groups for n in g] == [t.name for t in SPEC.tensors]
         for g in groups:
             assert len(g) == 1 or sum(nbytes(n) for n in g) <= bucket

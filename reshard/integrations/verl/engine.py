@@ -7,40 +7,31 @@ Lifecycle, per refit, as verl's `CheckpointEngineManager.update_weights` drives 
      verl rebuilds its group every refit, the plans stay).
   3. `init_process_group(topology=...)`: every process compiles the same plans (cached) and checks their digests,
      joins the rendezvous (the secret keeps strangers out) and, for the collective transport, its group; the
-     refit's session (session.py) starts its transfer thread.
+     refit's RefitSession starts its transfer thread and agrees through the store (integrations.agreement).
   4. `send_weights(stream)` on every trainer rank and `receive_weights()` on every rollout rank, concurrently, on
      verl's actor event loops; the transfers run on each process's transfer thread, so the actors stay responsive:
-     - a trainer rank checks every stream item (`streams.StreamNames.split`, then shape, dtype, repeats) and, once
-       all tensors of a group came, announces the group and moves it on its thread while the stream goes on.
-       Groups move in the order the stream completes them (a transformers state dict puts a layer's
-       input_layernorm last, the model's order first). Memory: the group moving, one complete group waiting for
-       it, and the groups the stream has begun (with a stream in the model's order: none more);
+     - a trainer rank checks every stream item (`streams.StreamNames.checked`) and, once all tensors of a group
+       came, announces the group and moves it on its thread (once every trainer rank announced it: the gate)
+       while the stream goes on. Groups move in the order the stream completes them (a transformers state dict
+       puts a layer's input_layernorm last). Memory: the group moving, one complete group waiting for it, and the
+       groups the stream has begun;
      - a rollout rank receives group k+1 on its thread while group k is handed to verl's server adapter.
   5. `finalize()`: the session, its group and the store are closed.
 
 Staging (`staging` option), what a rollout rank hands verl's server adapter:
-  - "bucket" (default): a group is yielded once every process of the refit finished moving it; the refit's last
-    group also waits for every trainer rank's end-of-stream verdict (every tensor came once, nothing unknown).
-    Memory: BUCKET_SLOTS (2) groups, each at most the bucket (a tensor larger than the bucket is a group of its
-    own), plus the collective transport's wire buffers (within one bucket).
-  - "model": the whole model is received on the rollout's device and yielded only after every process agreed on
-    every group and the trainers' verdict came: all or nothing. Memory: one copy of the model, checked against the
-    device's free memory at construction and again at each refit (refused naming both sizes).
+  - "bucket" (default): a group once every process finished moving it, the last one also after every trainer
+    rank's end-of-stream verdict. Memory: BUCKET_SLOTS (2) groups of at most the bucket (a larger tensor is a group
+    of its own), plus the collective transport's wire buffers (within one bucket).
+  - "model": the whole model, yielded only once every process agreed on every group and the trainers' verdict
+    came: all or nothing. Memory: one copy of the model, checked against the device's free memory at construction
+    and at each refit.
 
-A failed refit (a refused stream, a transfer that failed, a process that died): the process that sees it posts the
-reason to the refit's store; every other process raises at its next wait (within milliseconds: no process enters a
-group's transfer before every trainer rank has the group whole and checked, so none is left inside a gloo receive
-waiting for a rank that stopped; a killed process's sockets close). A rollout rank's `receive_weights` then raises:
-  - "model": before its first yield, so the server adapter was handed nothing;
-  - "bucket": the groups already yielded stay loaded: the rollout serves some groups of the new version and the
-    rest of the old one.
-verl's server adapters set verl's version (`set_global_steps`) only after the weights generator is exhausted, so a
-raising generator never hands the failed refit's version to the engine: `CheckpointEngineWorker.update_weights`,
-then the manager's `update_weights`, raise, and the next complete refit loads a whole version. Upstream (verl 0.9.1,
-read, not run: no vLLM here): vLLM's adapter starts the worker's `update_weights_from_ipc` before it iterates the
-generator, and verl's `BucketedWeightSender` closes its socket without a last bucket when the generator raises; the
-worker's `BucketedWeightReceiver` then waits for one with no timeout (docs/guides/verl.md, Failed refits). sglang's
-and TensorRT-LLM's adapters pass the error on and keep what they had loaded.
+A failed refit (a refused stream, a failed transfer, a dead process): the process that sees it posts the reason;
+every other process raises at its next wait, within milliseconds (no process enters a group's transfer before
+every trainer rank has the group whole and checked, so none is left inside a gloo receive). A rollout rank's
+`receive_weights` then raises: in "model" staging before its first yield; in "bucket" staging the groups already
+yielded stay loaded (a mix of versions). verl's server adapters set verl's version only once the generator is
+exhausted, so the failed refit's version is never served (docs/guides/verl.md, Failed refits, has verl's side).
 """
 from __future__ import annotations
 
@@ -50,7 +41,8 @@ import os
 import sys
 import threading
 import time
-from typing import Any, AsyncIterator, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Callable, Iterable, Sequence
 
 import torch
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
@@ -58,11 +50,11 @@ from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 from ...adapters import rendezvous as rv
 from ...addresses import ENV, routable_address
 from ...errors import ArgumentError, ExecutionError, ReshardError
-from ...executors.local import torch_dtype
+from ...executors.binding import Binding
 from ...layouts import ModelSpec
+from ..agreement import Agreement
+from ..groups import available_bytes, check_room, group_bindings, group_executor, tensor_bytes, tensor_groups
 from ..streams import StreamNames
-from .session import RefitSession
-from ..groups import available_bytes, group_bindings, tensor_bytes, tensor_groups
 from .topology import RefitAssignment, build, check_options, model_digest
 
 BACKEND = "reshard"
@@ -70,18 +62,23 @@ BACKEND = "reshard"
 
 @CheckpointEngineRegistry.register(BACKEND)
 class ReshardCheckpointEngine(CheckpointEngine):
-    """verl constructs it as `CheckpointEngineRegistry.new("reshard", bucket_size=..., is_master=...,
+    """One trainer or rollout rank's end of verl's checkpoint-engine refit (see the module docstring).
+
+    verl constructs it as `CheckpointEngineRegistry.new("reshard", bucket_size=..., is_master=...,
     **engine_kwargs["reshard"])`: trainer ranks pass `is_master` (rank 0 True), rollout ranks do not.
 
-    model: the HF config of the model (a dict, a config.json path or a checkpoint directory), the same as the
-        trainer's and the rollout's `model.path`.
-    dtype: the dtype the trainer streams (default: the config's).
-    host: the address trainer rank 0 hosts the refit's store on (None, the default: its Ray node's IP, as verl's
-        own backends find theirs; set it only to choose among a multi-homed node's addresses).
-    device: where rollout ranks receive (default: cuda when available).
-    options: transport ("collective" | "nixl" | "shared"), fanout (relay among rollout ranks), staging ("bucket",
-        the default, or "model": module docstring), checksum (False | True | "sha256" | "sum64"), timeout
-        (seconds), backend (collective: gloo/nccl).
+    Args:
+        bucket_size: verl's bucket in bytes: the model moves in tensor groups of at most this size.
+        is_master: trainer ranks: whether this is rank 0 (None: a rollout rank).
+        model: the HF config of the model (a dict, a config.json path or a checkpoint directory), the same as the
+            trainer's and the rollout's `model.path`.
+        dtype: the dtype the trainer streams (default: the config's).
+        host: the address trainer rank 0 hosts the refit's store on (None, the default: its Ray node's IP, as
+            verl's own backends find theirs; set it only to choose among a multi-homed node's addresses).
+        device: where rollout ranks receive (default: cuda when available).
+        **options: transport ("collective" | "nixl" | "shared"), fanout (relay among rollout ranks), staging
+            ("bucket", the default, or "model": module docstring), checksum (False | True | "sha256" | "sum64"),
+            timeout (seconds), backend (collective: gloo/nccl).
 
     Raises:
         ArgumentError: a missing model, an unknown option (`atomic` names its replacement), a bad bucket, or
@@ -120,6 +117,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
 
     # --- 1. prepare ----------------------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
+        """Report this rank's role, model, bucket and options; trainer rank 0 hosts the refit's store."""
         meta = {"role": self.role, "master": self.is_master, "model_digest": model_digest(self.spec),
                 "bucket_size": self.bucket_size, "options": self.options, "node": node_here()}
         if self.is_master:
@@ -135,11 +133,13 @@ class ReshardCheckpointEngine(CheckpointEngine):
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int,
                        metadata: list[dict]) -> tuple[dict[str, list], dict[str, list]]:
+        """Every process's RefitAssignment (topology.build), as verl hands them to trainer and rollout ranks."""
         trainers, rollouts = build(actor_wg_world_size, rollout_world_size, metadata)
         return {"topology": trainers}, {"topology": rollouts}
 
     # --- 3. init_process_group -----------------------------------------------------------------------
     def init_process_group(self, topology: dict[str, Any]) -> None:
+        """Compile and check the plans, join the refit's rendezvous (and group) and start this refit's session."""
         top = RefitAssignment.from_dict(topology)
         if top.is_trainer != (self.role == "trainer") or model_digest(top.spec) != model_digest(self.spec):
             raise ArgumentError("topology", f"process {top.process}", f"does not fit this {self.role} rank (another "
@@ -158,9 +158,8 @@ class ReshardCheckpointEngine(CheckpointEngine):
 
             backend = self.options.get("backend") or ("nccl" if self.device.type == "cuda" else "gloo")
             comm = StoreComm(rv.scoped(self._store, rdv, "collective"), top.process, size, backend, self.timeout)
-        self._session = RefitSession(top, plans, group_bindings(plans, top.trainers, top.rollouts), self.groups,
-                                     self._store, rdv, comm, self.options,
-                                     self.device if self.device.type == "cuda" else None)
+        self._session = RefitSession(top, plans, group_bindings(plans, top.trainers, top.rollouts), self._store, rdv,
+                                     comm, self.options, self.device if self.device.type == "cuda" else None)
 
     # --- 4. send / receive ---------------------------------------------------------------------------
     async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | AsyncIterator,
@@ -182,7 +181,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
         try:
             return await self._send(session, weights)
         except BaseException as e:  # the exporter's own error too: every process hears of it at once
-            session.fail(e)
+            session.agreement.fail(e)
             raise
 
     async def _send(self, session: RefitSession, weights: Any) -> dict[str, float]:
@@ -194,26 +193,25 @@ class ReshardCheckpointEngine(CheckpointEngine):
             if error is not None:
                 continue  # drain: producing the stream is collective over the trainer ranks
             try:
-                for hf, piece in self.names.split(name, tensor):
-                    self._check(hf, piece, seen, name)
+                for hf, piece in self.names.checked(name, tensor, seen):
                     k = self.where[hf]
                     group = filling.setdefault(k, {})
                     group[hf] = piece.detach().contiguous()
                     if len(group) < len(self.groups[k]):
                         continue
-                    session.post_go(position, k)
+                    session.agreement.go(position, k)
                     if moving is not None:  # memory: one group moving, this one waiting for it
                         sent += await moving
-                    moving = session.submit(_move_next, session, position, filling.pop(k))
+                    moving = session.submit(session.move_next, position, filling.pop(k))
                     position += 1
             except ReshardError as e:
-                error = session.fail(e)
+                error = session.agreement.fail(e)
                 filling.clear()  # nothing more moves: the drain holds no tensors
         if error is None and position < len(self.groups):
             missing = [n for g in self.groups for n in g if n not in seen]
-            error = session.fail(ArgumentError("weights", missing[:5], f"({len(missing)} tensors of the model) "
-                                               f"never came in the stream",
-                                               fix="the trainer must stream every tensor of the model"))
+            error = session.agreement.fail(ArgumentError(
+                "weights", missing[:5], f"({len(missing)} tensors of the model) never came in the stream",
+                fix="the trainer must stream every tensor of the model"))
         if moving is not None:
             try:
                 sent += await moving  # a transfer begun is finished: its peers are inside it
@@ -221,10 +219,10 @@ class ReshardCheckpointEngine(CheckpointEngine):
                 error = error or e
         if error is not None:
             raise error
-        session.post_end()
-        seconds = time.perf_counter() - start
-        self.last_metrics = {f"reshard/trainer{session.top.process}/egress_bytes": float(sent),
-                             f"reshard/trainer{session.top.process}/seconds": seconds}
+        session.agreement.end()
+        p = session.top.process
+        self.last_metrics = {f"reshard/trainer{p}/egress_bytes": float(sent),
+                             f"reshard/trainer{p}/seconds": time.perf_counter() - start}
         return self.last_metrics
 
     async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
@@ -259,30 +257,31 @@ class ReshardCheckpointEngine(CheckpointEngine):
                 if not bucket:
                     held.append((k, dst))
                     continue
-                await session.agreed(k)
+                await session.agreement.agreed(k)
                 if i == len(self.groups) - 1:
-                    await session.ended()
+                    await session.agreement.ended()
                 for name in self.groups[k]:
                     yield name, dst[name]
                 _synchronize(self.device)  # the adapter's copies out of this group are done before its reuse
                 slots.release()
             if not bucket:
                 for k, _ in held:
-                    await session.agreed(k)
-                await session.ended()
+                    await session.agreement.agreed(k)
+                await session.agreement.ended()
                 for k, dst in held:
                     for name in self.groups[k]:
                         yield name, dst[name]
             done = True
         except GeneratorExit:
-            session.fail(ExecutionError("the server adapter stopped taking the weights before the refit's end"))
+            session.agreement.fail(ExecutionError("the server adapter stopped taking the weights before the refit's "
+                                                  "end"))
             raise
         except BaseException as e:
-            session.fail(e)
+            session.agreement.fail(e)
             raise
         finally:
             if not done:  # the transfer thread takes part in the groups already open, then stops at the next gate
-                session.stop.set()
+                session.agreement.stop.set()
                 slots.release(len(self.groups))
         self.last_metrics = {f"reshard/rollout{rank}/seconds": time.perf_counter() - start}
 
@@ -292,7 +291,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
         is free; what landed (or the error) goes to the event loop's queue."""
         try:
             for i in range(len(self.groups)):
-                k = session.wait_gate(i)
+                k = session.agreement.gate(i)
                 slots.acquire()  # an open gate is entered: the event loop releases every slot if it stops early
                 dst = {name: self._empty(name) for name in self.groups[k]}
                 session.move(k, dst=dst)
@@ -302,6 +301,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
 
     # --- 5. finalize ---------------------------------------------------------------------------------
     def finalize(self) -> None:
+        """Close this refit's session, its group and (trainer rank 0) the store."""
         self._close()
 
     # --- internals -----------------------------------------------------------------------------------
@@ -313,27 +313,13 @@ class ReshardCheckpointEngine(CheckpointEngine):
             raise ExecutionError(f"{what} on a {self.role} rank")
         return self._session
 
-    def _check(self, name: str, tensor: Any, seen: set[str], item: str) -> None:
-        """Raise ArgumentError unless `tensor` is the plan's `name` (one of the model's names, from
-        StreamNames.split of the stream's `item`) coming for the first time, of its shape and dtype."""
-        if name in seen:
-            raise ArgumentError("weights", name, "came twice in the stream" + (f" (again in {item})" if item != name
-                                                                              else ""))
-        seen.add(name)
-        want = self.spec.tensor(name)
-        dtype = torch_dtype(want.dtype or self.spec.dtype)
-        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != tuple(want.shape) or tensor.dtype != dtype:
-            got = (tuple(tensor.shape), tensor.dtype) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise ArgumentError(f"weights[{name}]", got, f"does not match the plan's {tuple(want.shape)} {dtype}")
-
     def _empty(self, name: str) -> torch.Tensor:
-        t = self.spec.tensor(name)
-        dtype = torch_dtype(t.dtype or self.spec.dtype)
+        shape, dtype = self.names.expected(name)
         if self.transport == "shared" and self.device.type == "cpu":
             from ...executors.shared import shared_empty
 
-            return shared_empty(tuple(t.shape), dtype)
-        return torch.empty(t.shape, dtype=dtype, device=self.device)
+            return shared_empty(shape, dtype)
+        return torch.empty(shape, dtype=dtype, device=self.device)
 
     def _close(self) -> None:
         if self._session is not None:
@@ -345,20 +331,84 @@ class ReshardCheckpointEngine(CheckpointEngine):
 BUCKET_SLOTS = 2  # "bucket" staging: groups a rollout rank holds (one handed on, the next received)
 
 
-def _move_next(session: RefitSession, position: int, src: dict[str, torch.Tensor]) -> int:
-    """A trainer's transfer-thread job: move its group `position` once every trainer rank completed it (its gate
-    open), or raise if the gate closed."""
-    return session.move(session.wait_gate(position), src=src)
+class RefitSession:
+    """One process's part of one refit: made in `init_process_group`, closed by `finalize` or the next `prepare`.
+    A call of the backend keeps the session it started with, so a failed refit's leftovers (a transfer still
+    finishing on its thread) never touch the next refit's.
+
+    Args:
+        top: this process's assignment.
+        plans, bindings: every group's plan and who plays its ranks.
+        store, rdv: the refit's store (joined) and rendezvous.
+        comm: the collective transport's group (None for the others).
+        options: the backend's checked options.
+        device: the CUDA device the transfer thread works on (None: CPU).
+    """
+
+    def __init__(self, top: RefitAssignment, plans: Sequence[Any], bindings: Sequence[Binding], store: Any,
+                 rdv: rv.Rendezvous, comm: Any, options: dict[str, Any], device: torch.device | None) -> None:
+        self.top, self.plans, self.bindings, self.store, self.rdv, self.comm = top, plans, bindings, store, rdv, comm
+        self.options, self.timeout = options, float(options.get("timeout", 300.0))
+        role, p = ("trainer", top.process) if top.is_trainer else ("rollout", top.process - top.trainers)
+        self.agreement = Agreement(rv.scoped(store, rdv, "verl"), top.trainers + top.rollouts, top.trainers,
+                                   len(plans), self.timeout, f"{role} rank {p}")
+        # one thread moves the groups, in order; the caller's event loop stays free (verl's actors are async)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"reshard-verl-{role}",
+                                       initializer=torch.cuda.set_device if device is not None else None,
+                                       initargs=(device,) if device is not None else ())
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> "asyncio.Future[Any]":
+        """Run `fn(*args)` on the transfer thread; an awaitable for the caller's event loop."""
+        return asyncio.wrap_future(self.pool.submit(fn, *args))
+
+    def move_next(self, position: int, src: dict[str, torch.Tensor]) -> int:
+        """A trainer's transfer-thread job: move its group `position` once its gate opened (else raise)."""
+        return self.move(self.agreement.gate(position), src=src)
+
+    def move(self, k: int, src: dict[str, torch.Tensor] | None = None,
+             dst: dict[str, torch.Tensor] | None = None) -> int:
+        """Move group k (this process's part) on the transfer thread once its gate is open, then count it done;
+        returns the bytes this process sent.
+
+        Raises:
+            ReshardError: the transfer failed (posted as the refit's failure unless a peer's came first).
+        """
+        top, binding = self.top, self.bindings[k]
+        src = {binding.src_ranks_of(top.process)[0]: src} if src is not None else {}
+        dst = {binding.dst_ranks_of(top.process)[0]: dst} if dst is not None else {}
+        try:
+            ex = group_executor(self.options.get("transport", "collective"), self.plans[k], binding, top.process,
+                                src, dst, store=self.store, rendezvous=self.rdv, namespace=f"{self.rdv.refit_id}g{k}",
+                                comm=self.comm, timeout=self.timeout, checksum=self.options.get("checksum", False),
+                                memory_cap=top.bucket_size)
+            try:
+                stats = ex.refit()
+            finally:
+                ex.close()
+        except Exception as e:  # noqa: BLE001 - a transport's own error too: name the group, keep the cause
+            error = e if isinstance(e, ReshardError) else ExecutionError(f"{type(e).__name__}: {e}")
+            reason = self.agreement.failure()  # a peer's failure seen here as a broken transfer: say what it was
+            if reason is not None and isinstance(error, ExecutionError):
+                error = ExecutionError(f"refit failed in tensor group {k} of {len(self.plans)}: {reason} (here: "
+                                       f"{error})")
+            raise self.agreement.fail(error) from e
+        self.agreement.done(k)
+        return sum(stats.bytes_sent.values())
+
+    def close(self) -> None:
+        """End this session's waits and let its thread go (a transfer in flight finishes on its own, bounded by
+        the timeout); close the collective group in the background: after a failure its shutdown waits for the
+        gloo operations still posted to time out, which must not hold the next refit."""
+        self.agreement.stop.set()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.comm is not None:
+            threading.Thread(target=self.comm.close, daemon=True, name="reshard-verl-close").start()
+            self.comm = None
 
 
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
-
-
-def model_bytes(spec: ModelSpec) -> int:
-    """Bytes of every tensor of the model, each in its own dtype."""
-    return sum(tensor_bytes(spec, t.name) for t in spec.tensors)
 
 
 def staging_room(spec: ModelSpec, device: torch.device) -> None:
@@ -367,13 +417,8 @@ def staging_room(spec: ModelSpec, device: torch.device) -> None:
     Raises:
         ArgumentError: naming the model's bytes, the free bytes and the fix.
     """
-    need, free = model_bytes(spec), available_bytes(device)
-    if free is not None and need > free:
-        raise ArgumentError("engine_kwargs.reshard.staging", "model",
-                            f"stages the whole model on every rollout rank: {need / 2**30:.2f} GiB ({need} bytes), "
-                            f"but {device} has {free / 2**30:.2f} GiB ({free} bytes) free",
-                            fix="staging: bucket (the default) holds two tensor groups of at most the bucket size "
-                                "each; a failed refit then leaves some groups of the new version loaded")
+    need = sum(tensor_bytes(spec, t.name) for t in spec.tensors)
+    check_room(need, available_bytes(device), device, "engine_kwargs.reshard.staging", "rollout rank")
 
 
 def node_here() -> dict[str, str | None]:

@@ -28,11 +28,9 @@ from ...executors.binding import Binding
 from ...layouts import ModelSpec
 from ...planner import Plan
 from .. import groups
-from ..groups import DEPTH, group_transport, tensor_groups
+from ..groups import DEPTH, tensor_groups
 
-STAGINGS = ("bucket", "model")
-_OPTIONS = {"transport": str, "fanout": (int, type(None)), "staging": str, "checksum": (bool, str),
-            "timeout": (int, float), "backend": (str, type(None))}
+OPTIONS = ("transport", "fanout", "staging", "checksum", "timeout", "backend")  # what engine_kwargs.reshard holds
 
 
 def check_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -40,32 +38,22 @@ def check_options(options: dict[str, Any]) -> dict[str, Any]:
 
     Raises:
         ArgumentError: an unknown option (`atomic`, replaced by `staging`, is named with its replacement), a value
-            of the wrong type or outside its range.
+            of the wrong type or outside its range (groups.check_options).
     """
     if "atomic" in options:
         raise ArgumentError("engine_kwargs.reshard.atomic", options["atomic"], "was replaced by `staging`",
                             fix="staging: model for all or nothing (atomic: true; one copy of the model per "
                                 "rollout rank), or leave staging unset for bucket (bounded memory, a failed refit "
                                 "can leave some groups of the new version loaded)")
-    unknown = sorted(set(options) - set(_OPTIONS))
+    unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise ArgumentError("engine_kwargs.reshard", unknown, f"are not options of the reshard backend; known: "
-                                                            f"{sorted(_OPTIONS)}")
-    for key, value in options.items():
-        kind = _OPTIONS[key]
-        if not isinstance(value, kind) or (isinstance(value, bool) and kind in ((int, float), (int, type(None)))):
-            raise ArgumentError(f"engine_kwargs.reshard.{key}", value, f"has type {type(value).__name__}")
-    if options.get("staging", "bucket") not in STAGINGS:
-        raise ArgumentError("engine_kwargs.reshard.staging", options["staging"], f"is not one of {STAGINGS}")
-    group_transport(options.get("transport", "collective"), "engine_kwargs.reshard.transport")
-    if options.get("fanout") is not None and options["fanout"] < 1:
-        raise ArgumentError("engine_kwargs.reshard.fanout", options["fanout"], "must be at least 1 (or None)")
-    if "timeout" in options and not 0 < options["timeout"] <= 86400:
-        raise ArgumentError("engine_kwargs.reshard.timeout", options["timeout"], "must be in (0, 86400] seconds")
-    return json.loads(json.dumps(options))
+                                                            f"{sorted(OPTIONS)}")
+    return groups.check_options(options, "engine_kwargs.reshard.")
 
 
 def model_digest(spec: ModelSpec) -> str:
+    """A short digest of the model's spec: every rank of a refit must be configured with the same model."""
     return hashlib.sha256(spec.model_dump_json().encode()).hexdigest()[:16]
 
 
@@ -95,10 +83,16 @@ class RefitAssignment:
                                 f"is outside the refit's {self.trainers + self.rollouts} processes")
 
     def to_dict(self) -> dict[str, Any]:
+        """The assignment as a JSON object (what travels to the process)."""
         return json.loads(json.dumps({**asdict(self), "digests": list(self.digests)}))
 
     @classmethod
     def from_dict(cls, d: Any) -> "RefitAssignment":
+        """The assignment a JSON object describes.
+
+        Raises:
+            ArgumentError: not an object with exactly the assignment's fields, or a bad size or process.
+        """
         if not isinstance(d, dict) or set(d) != set(cls.__dataclass_fields__):
             raise ArgumentError("topology", type(d).__name__ if not isinstance(d, dict) else sorted(d),
                                 f"must be an object with exactly {sorted(cls.__dataclass_fields__)}")
@@ -106,10 +100,12 @@ class RefitAssignment:
 
     @property
     def is_trainer(self) -> bool:
+        """Whether this process is a trainer rank."""
         return self.process < self.trainers
 
     @property
     def spec(self) -> ModelSpec:
+        """The model."""
         return ModelSpec(**self.model)
 
     def plans(self) -> list[Plan]:
@@ -214,5 +210,5 @@ def build(trainers: int, rollouts: int, metadata: Sequence[Any]) -> tuple[list[d
     return tops[:trainers], tops[trainers:]
 
 
-__all__ = ["RefitAssignment", "STAGINGS", "build", "check_bucket", "check_options", "check_store_address",
+__all__ = ["OPTIONS", "RefitAssignment", "build", "check_bucket", "check_options", "check_store_address",
            "group_plans", "model_digest"]

@@ -1,21 +1,16 @@
-"""A model moved between the processes of an RL framework group by group: what the checkpoint-engine backends
-(NeMo-RL's, verl's) have in common once their framework hands every trainer process whole HF tensors and every
-inference process must hand whole HF tensors to vLLM's loaders.
+"""A model moved between the processes of an RL framework group by group: what NeMo-RL's and verl's backends share
+(every trainer process holds whole HF tensors; every inference process hands whole HF tensors to vLLM's loaders).
 
   1. `tensor_groups(spec, bucket_size)`: the model's tensors in model order, cut into groups of at most
-     `bucket_size` bytes (a larger tensor is a group of its own): what moves, is agreed on and is handed to the
-     loaders as one piece;
-  2. `group_plans(spec, trainers, rollouts, groups, fanout)`: one plan per group (whole HF tensors replicated on
-     the trainer processes -> whole HF tensors on every rollout process), compiled once per process;
-  3. `group_bindings(plans, trainers, rollouts)`: which process plays which rank of each group's plan (the
-     sending balanced over the trainer processes across groups; a pure function of the plans);
+     `bucket_size` bytes (a larger tensor is a group of its own): what moves, is agreed on and loaded as one piece;
+  2. `group_plans(...)`: one plan per group (whole tensors on the trainers -> whole tensors on every rollout);
+  3. `group_bindings(plans, trainers, rollouts)`: which process plays which rank of each group's plan (the sending
+     balanced over the trainer processes across groups);
   4. `group_executor(transport, ...)`: this process's executor for one group over a cross-process transport of
-     adapters.transports ("collective": torch.distributed over a group made at the rendezvous; "shared": shared
-     memory / CUDA IPC on one host; "nixl"; or one registered since), writing the destination tensors in place
-     (loaders read them only once every process agreed);
-  5. `refuse(executor, version, reason)`: make the refit `version` of one group's executor fail on every process
-     of it at once (a trainer process whose stream is wrong, a rollout process whose loader failed), instead of
-     leaving them waiting for it until their timeout.
+     adapters.transports, writing the destination tensors in place (loaders read them only once all agreed);
+  5. `refuse(executor, ...)`: fail one group's refit on every process of it at once;
+  6. `check_options`, `check_room`: the options both backends take, and the refusal of "model" staging that does
+     not fit. How the processes agree on each group and on the trainers' streams: integrations.agreement.
 """
 from __future__ import annotations
 

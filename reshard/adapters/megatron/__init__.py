@@ -16,12 +16,12 @@ Steps 2-4 are functions of the facts alone; given the model instead, each reads 
 
 A saved training step is a source too, with no live model: `open_checkpoint(path)` (a megatron-core torch_dist
 checkpoint, validated), `checkpoint_layout(ckpt, spec, readers=n)`, `checkpoint_tensors(ckpt, plan, rank)` (each
-reader's part, read by byte range), and `export_hf` (an HF directory straight from the checkpoint).
+reader's part, read by byte range; `read_checkpoint` runs a reader process's whole part), and `export_hf` (an HF directory straight from the checkpoint).
 """
 from .bind import source_tensors
 from .checkpoint import Checkpoint, CheckpointError, open_checkpoint
 from .checkpoint_layout import checkpoint_layout, checkpoint_tensors, saved_facts
-from .checkpoint_refit import export_hf
+from .checkpoint_refit import export_hf, export_peft, read_checkpoint
 from .check import layer_problems, layout_problems, rank_problems, verify
 from .derive import derive_layout, layout_from_facts, vocab_divisor
 from .forward import causal_mask, forward_logits
@@ -29,7 +29,7 @@ from .model import ConfigFacts, ModelFacts, ParallelState, read_model, read_para
 from .naming import naming_of
 from .spec import spec_from_megatron, spec_problems
 
-__all__ = ["Checkpoint", "CheckpointError", "ConfigFacts", "causal_mask", "forward_logits", "checkpoint_layout", "checkpoint_tensors", "export_hf",
-           "open_checkpoint", "saved_facts", "ModelFacts", "ParallelState", "derive_layout", "layer_problems",
+__all__ = ["Checkpoint", "CheckpointError", "ConfigFacts", "causal_mask", "forward_logits", "checkpoint_layout",
+           "checkpoint_tensors", "export_hf", "export_peft", "read_checkpoint", "open_checkpoint", "saved_facts", "ModelFacts", "ParallelState", "derive_layout", "layer_problems",
            "layout_from_facts", "layout_problems", "naming_of", "rank_problems", "read_model", "read_parallel_state",
            "source_tensors", "spec_from_megatron", "spec_problems", "verify", "vocab_divisor"]

@@ -238,6 +238,20 @@ def join(store: Any, rdv: Rendezvous, process: int, size: int, role: str) -> dic
                              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
+def check_place(store: Any, rdv: Rendezvous, process: int) -> None:
+    """Refuse (ExecutionError) a place another member already holds, before `join` claims it (a member that joins
+    later, in the background, fails at once on a duplicate rank; a claim racing this check is refused by join)."""
+    key = f"{rdv.namespace}member/{process}"
+    if store.check([key]):
+        raise _taken(rdv, process, store.get(key))
+
+
+def _taken(rdv: Rendezvous, process: int, record: str | bytes) -> ExecutionError:
+    other = json.loads(record)
+    return ExecutionError(f"refit {rdv.refit_id}: place {process} is already taken by the {other.get('role')} "
+                          f"process (pid {other.get('pid')} on {other.get('host')}): two members claim the same rank")
+
+
 def _join(store: Any, rdv: Rendezvous, process: int, size: int, role: str) -> dict[int, dict[str, Any]]:
     check_secret(store, rdv, role, process)
     mine = json.dumps(_me(role, process))
@@ -245,10 +259,7 @@ def _join(store: Any, rdv: Rendezvous, process: int, size: int, role: str) -> di
     got = store.compare_set(key, "", mine)
     got = got.decode() if isinstance(got, bytes) else got
     if got != mine:
-        other = json.loads(got)
-        raise ExecutionError(f"refit {rdv.refit_id}: place {process} is already taken by the {other.get('role')} "
-                             f"process (pid {other.get('pid')} on {other.get('host')}): two members claim the same "
-                             f"rank")
+        raise _taken(rdv, process, got)
     members: dict[int, dict[str, Any]] = {}
 
     def all_joined() -> bool:  # a failure reported by a member wins, also once all have joined
@@ -267,4 +278,4 @@ def _join(store: Any, rdv: Rendezvous, process: int, size: int, role: str) -> di
     return members
 
 
-__all__ = ["Rendezvous", "connect", "fail", "failure", "host_store", "join", "refused", "scoped"]
+__all__ = ["Rendezvous", "check_place", "connect", "fail", "failure", "host_store", "join", "refused", "scoped"]

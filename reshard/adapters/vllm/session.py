@@ -29,7 +29,6 @@ layerwise reload), so a transport failure never touches the model.
 """
 from __future__ import annotations
 
-import json
 import threading
 import time
 from typing import Any
@@ -122,7 +121,7 @@ class WorkerSession:
             process = self.plan.src.num_ranks + self.rank
             if background:
                 rv.check_secret(self.store, self.rendezvous, "engine", process)  # a wrong secret: at once
-                self._check_place(process)  # a duplicate rank: at once
+                rv.check_place(self.store, self.rendezvous, process)  # a duplicate rank: at once
                 transport_timeout = _seconds(refit.options.get("timeout"), self.rendezvous.timeout)
                 # join waits at most the rendezvous's timeout, the transport's set-up at most its own
                 self.meeting_deadline = time.monotonic() + self.rendezvous.timeout + transport_timeout + 30.0
@@ -132,16 +131,6 @@ class WorkerSession:
                 return
             rv.join(self.store, self.rendezvous, process, refit.num_processes, "engine")
         self.executor = open_transport(refit, process, {}, {self.rank: tensors}, store=self.store, group=group)
-
-    def _check_place(self, process: int) -> None:
-        """Refuse at init a place another process already holds (join claims it later, in the background; a
-        claim racing this check is still refused there, and reported at the rendezvous)."""
-        key = f"{self.rendezvous.namespace}member/{process}"
-        if self.store.check([key]):
-            other = json.loads(self.store.get(key))
-            raise ExecutionError(f"refit {self.rendezvous.refit_id}: place {process} is already taken by the "
-                                 f"{other.get('role')} process (pid {other.get('pid')} on {other.get('host')}): two "
-                                 f"members claim the same rank")
 
     def _meet(self, process: int, tensors: Any, group: Any, device: int | None = None) -> None:
         """The background set-up: wait for every member, then open the transport (on `device`, the worker's CUDA

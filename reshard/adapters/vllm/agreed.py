@@ -15,7 +15,7 @@ import torch
 
 from ...errors import ExecutionError
 from ..refit import RefitSpec
-from .session import WorkerSession
+from .session import WorkerSession, transport_timeout
 
 MESSAGE_BYTES = 4096  # per worker, when the workers of an engine tell each other why a step failed
 AGREE_TIMEOUT = 300.0  # seconds a worker waits for the others of its engine to agree (the refit's timeout once bound)
@@ -112,10 +112,8 @@ class AgreedSteps:
     def _timeout(self) -> float:
         if self.session is None:
             return AGREE_TIMEOUT
-        value = self.session.refit.options.get("timeout", AGREE_TIMEOUT)
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            return AGREE_TIMEOUT
-        return 2 * float(value) + 30.0  # another worker may still be inside its own bounded step
+        # another worker may still be inside its own step, bounded by the transport's timeout
+        return 2 * transport_timeout(self.session.refit.options, AGREE_TIMEOUT) + 30.0
 
     def start(self) -> None:
         """Open an update on every worker, agreed on (the background set-up's outcome too)."""

@@ -122,9 +122,9 @@ class WorkerSession:
             if background:
                 rv.check_secret(self.store, self.rendezvous, "engine", process)  # a wrong secret: at once
                 rv.check_place(self.store, self.rendezvous, process)  # a duplicate rank: at once
-                transport_timeout = _seconds(refit.options.get("timeout"), self.rendezvous.timeout)
                 # join waits at most the rendezvous's timeout, the transport's set-up at most its own
-                self.meeting_deadline = time.monotonic() + self.rendezvous.timeout + transport_timeout + 30.0
+                self.meeting_deadline = time.monotonic() + self.rendezvous.timeout + 30.0 \
+                    + transport_timeout(refit.options, self.rendezvous.timeout)
                 # the CUDA device is per thread: the set-up thread makes NCCL groups on this worker's device
                 device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
                 self.meeting = Background(self._meet, process, tensors, group, device, name="reshard-meet")
@@ -154,7 +154,7 @@ class WorkerSession:
                 return
         from ...executors.base import close_within
 
-        close_within(executor.close, _seconds(refit.options.get("timeout"), rdv.timeout),
+        close_within(executor.close, transport_timeout(refit.options, rdv.timeout),
                      "closing a superseded refit's executor")
 
     def ready(self) -> None:
@@ -283,7 +283,7 @@ class WorkerSession:
         if executor is not None:  # bounded by the transport's timeout: a release waiting on a frozen peer
             from ...executors.base import close_within
 
-            timeout = _seconds(self.refit.options.get("timeout"), (self.refit.rendezvous or {}).get("timeout", 300.0))
+            timeout = transport_timeout(self.refit.options, (self.refit.rendezvous or {}).get("timeout"))
             close_within(executor.close, timeout, "closing this worker's executor")
         installer = getattr(self, "installer", None)  # absent when set-up failed before binding
         if installer is not None:
@@ -291,10 +291,10 @@ class WorkerSession:
         self.store = None
 
 
-def _seconds(value: Any, default: Any) -> float:
-    """A timeout from the refit's options (already validated by the executor that uses it), else `default`, else
-    300 s."""
-    for v in (value, default):
+def transport_timeout(options: dict[str, Any], default: Any) -> float:
+    """The transport's timeout from a refit's options (validated by the executor that uses it), else `default`,
+    else 300 s."""
+    for v in (options.get("timeout"), default):
         if not isinstance(v, bool) and isinstance(v, (int, float)) and v > 0:
             return float(v)
     return 300.0

@@ -70,13 +70,6 @@ def quantize_blocks(x: torch.Tensor, block: tuple[int, int],
     return out, scale
 
 
-def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """float32 values of fp8 blocks (q * scale per block): what the engine computes with."""
-    bn, bk = block
-    s = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:q.shape[0], :q.shape[1]]
-    return q.float() * s
-
-
 def _as_2d(view: torch.Tensor) -> torch.Tensor:
     return view.reshape(-1, view.shape[-1]) if view.dim() != 2 else view
 
@@ -478,10 +471,5 @@ class Fp8Executor(Executor):
         self.inner.close()
 
 
-def execute_fp8_local(fp: Fp8Plan, src: RankTensors, dst: RankTensors) -> None:
-    """One quantizing refit with every rank in this process."""
-    Fp8Executor(fp, None, 0, src, dst, inner="local").refit()
-
-
 __all__ = ["AMAX_FLOOR", "DirectQuantizer", "Fp8Executor", "QUANTIZERS", "ReceiverQuantizer", "SenderQuantizer",
-           "check_engine_tensors", "dequantize_blocks", "execute_fp8_local", "quantize_blocks"]
+           "check_engine_tensors", "quantize_blocks"]

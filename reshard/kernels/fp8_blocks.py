@@ -11,12 +11,11 @@ from __future__ import annotations
 import numpy as np
 
 FIELDS = ("x", "q", "s", "sx", "sq", "rows", "cols")
-JOB_FIELDS = ("x", "q", "s", "n", "k", "sx", "sq", "ss0", "ss1")  # offsets and strides in elements
 
 
 def block_rows(job: tuple[int, ...], block: tuple[int, int]) -> np.ndarray:
-    """int64 [blocks, len(FIELDS)]: the blocks of one job (JOB_FIELDS), row-major (neighbouring rows of the table
-    read neighbouring memory)."""
+    """int64 [blocks, len(FIELDS)]: the blocks of one job (x, q, s, n, k, sx, sq, ss0, ss1: offsets and strides in
+    elements), row-major (neighbouring rows of the table read neighbouring memory)."""
     x, q, s, n, k, sx, sq, ss0, ss1 = (int(v) for v in job)
     bn, bk = (int(b) for b in block)
     if bn < 1 or bk < 1:
@@ -51,13 +50,3 @@ def table(jobs: list[tuple[int, ...]], block: tuple[int, int]) -> np.ndarray:
     parts = [block_rows(j, block) for j in jobs]
     return np.concatenate(parts) if parts else np.empty((0, len(FIELDS)), dtype=np.int64)
 
-
-def apply_table(rows: np.ndarray, x: np.ndarray, q: np.ndarray, s: np.ndarray, quantize) -> None:
-    """What the kernel does, over flat arrays standing for memory from the base address on (for the table's
-    property test): each row's block of x given to `quantize` (block -> (values, scale)), written to q and s."""
-    for xo, qo, so, sx, sq, nr, nc in rows.tolist():
-        r = np.arange(nr)[:, None]
-        c = np.arange(nc)[None, :]
-        values, scale = quantize(x[xo + r * sx + c])
-        q[qo + r * sq + c] = values
-        s[so] = scale

@@ -55,14 +55,6 @@ def chunk_table(entries: np.ndarray, base: int, chunk_bytes: int) -> dict[int, n
     return out
 
 
-def apply_table(memory: np.ndarray, tables: dict[int, np.ndarray]) -> None:
-    """What the kernel does, in numpy over a byte array standing for memory from the base address on (for the
-    table's property test): every chunk's bytes copied from its source to its destination."""
-    for w, rows in tables.items():
-        for s, d, n in rows.tolist():
-            memory[d * w:(d + n) * w] = memory[s * w:(s + n) * w]
-
-
 # --- the copy-and-checksum kernel's table (kernels.copy_sum64) ---
 
 SUM_WORDS = (16, 4, 1)  # its word classes: 16-byte vectors of int32 words, int32 words, single bytes
@@ -123,26 +115,3 @@ def window_table(entries: np.ndarray, base: int, window_bytes: int, period: int)
         out[w] = (rows, starts)
     return out
 
-
-def apply_window_table(memory: np.ndarray, tables: dict[int, tuple], window_bytes: int, period: int,
-                       weights) -> tuple[int, int, int]:
-    """What the kernel does, in numpy over a byte array standing for memory from the base address on: every row's
-    bytes copied, and the sums (s1, s2, s3 of executors.checksum, mod 2^64) computed as the kernel does: per
-    window, each column's bytes added over the periods, then weighed by its stream position and T[column];
-    the position's period part from each row's byte sum times its period. `weights(j)`: T for columns j."""
-    s1 = s2 = s3 = 0
-    for w, (rows, starts) in tables.items():
-        for g in range(len(starts) - 1):
-            col = np.zeros(window_bytes, dtype=np.int64)
-            by_period = 0
-            for s, d, n, c0, p in rows[starts[g]:starts[g + 1]].tolist():
-                x = memory[s * w:(s + n) * w].copy()
-                memory[d * w:(d + n) * w] = x
-                col[c0 * w:(c0 + n) * w] += x
-                by_period += p * int(x.astype(np.int64).sum())
-            j = g * window_bytes + np.arange(window_bytes, dtype=np.int64)
-            s1 += int(col.sum())
-            s2 += int(((j + 1) * col).sum()) + period * by_period
-            s3 += int((weights(j) * col).sum())
-    mask = (1 << 64) - 1
-    return s1 & mask, s2 & mask, s3 & mask

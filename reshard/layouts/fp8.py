@@ -283,15 +283,5 @@ def quantized_entries(spec: ModelSpec, scheme: Fp8Scheme) -> dict[str, tuple[Has
     return out
 
 
-def block_math(shape: Shape, block: tuple[int, int]) -> tuple[int, int]:
-    """Blocks of a [N, K] weight: (rows, cols) of its scale tensor."""
-    return _blocks(shape[0], block[0]), _blocks(shape[1], block[1])
-
-
-def scale_shape(shape: Shape, block: tuple[int, int]) -> Shape:
-    return tuple(_blocks(x, b) for x, b in zip(shape, block))
-
-
-__all__ = ["FP8", "FP8_MAX", "Fp8Scheme", "LINEAR_ROLES", "STAGING", "ScaledCut", "WireInfo", "block_math",
-           "is_quantized", "quantized_entries", "scale_kind", "scale_name", "scale_shape", "staged_kind",
-           "transform_items", "wire_info", "wire_spec"]
+__all__ = ["FP8", "FP8_MAX", "Fp8Scheme", "LINEAR_ROLES", "STAGING", "ScaledCut", "WireInfo", "is_quantized",
+           "quantized_entries", "scale_kind", "scale_name", "staged_kind", "transform_items", "wire_info", "wire_spec"]

@@ -91,19 +91,6 @@ def replica_forests(num_replicas: int, fanout: int | None, roots: int,
     return parent, stage
 
 
-def expected_depth(num_replicas: int, roots: int, fanout: int) -> int:
-    """Depth of the trees `replica_forests` builds (0 when the source feeds every replica)."""
-    n = num_replicas - roots
-    if n <= 0:
-        return 0
-    depth, level, placed = 1, roots, roots  # heads: one per root
-    while placed < n:
-        level *= fanout
-        placed += level
-        depth += 1
-    return depth
-
-
 def check_forest(parent: np.ndarray, stage: np.ndarray) -> list[str]:
     """Problems with recorded forests (for plans loaded from disk): in every part, every relayed replica's
     parent receives that part in an earlier stage; the roots are the same in every part and receive in stage 0."""
@@ -184,4 +171,4 @@ def _element_range(op: dict[str, int], a: int, b: int) -> list[dict[str, int]]:
     return out
 
 
-__all__ = ["check_forest", "expected_depth", "forest_shape", "replica_forests", "split_parts", "tree_graph"]
+__all__ = ["check_forest", "forest_shape", "replica_forests", "split_parts", "tree_graph"]

@@ -24,11 +24,17 @@ from reshard.executors.binding import Binding
 from reshard.executors.fp8 import Fp8Executor
 from reshard.executors.local import allocate, shard
 from reshard.layouts import ModelSpec, parse_layout
+from reshard.executors.base import RankTensors
 from reshard.layouts.fp8 import FP8, Fp8Scheme
-from reshard.planner.fp8 import compile_fp8
+from reshard.planner.fp8 import Fp8Plan, compile_fp8
 from .fp8_reference import reference_checkpoint, same_bytes
 
 SENTINEL = -7.0
+
+
+def execute_fp8_local(fp: Fp8Plan, src: RankTensors, dst: RankTensors) -> None:
+    """One quantizing refit with every rank in this process."""
+    Fp8Executor(fp, None, 0, src, dst, inner="local").refit()
 
 
 def _weights(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:

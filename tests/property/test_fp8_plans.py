@@ -11,10 +11,11 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 import reshard
 from reshard.errors import ExecutionError, LayoutError
-from reshard.executors.fp8 import Fp8Executor, execute_fp8_local
+from reshard.executors.fp8 import Fp8Executor
 from reshard.executors.local import allocate, shard
 from reshard.layouts.fp8 import Fp8Scheme, quantized_entries
 from reshard.planner.fp8 import compile_fp8
+from harness.fp8_jobs import execute_fp8_local
 from harness.fp8_reference import reference_checkpoint, same_bytes
 from reshard.testing.strategies import megatron_layouts, models, vllm_layouts
 

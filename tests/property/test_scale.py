@@ -13,10 +13,23 @@ import reshard
 from reshard.layouts import Layout
 from reshard.planner.accounting import account
 from reshard.planner.balance import choose_holders
-from reshard.planner.fanout import expected_depth, forest_shape
+from reshard.planner.fanout import forest_shape
 from reshard.planner.program import RELAY, SOURCE
 from reshard.testing.checks import relays_read_received_data
 from reshard.testing.strategies import layouts, models, refits
+
+
+def expected_depth(num_replicas: int, roots: int, fanout: int) -> int:
+    """Depth of the trees planner.fanout.replica_forests builds (0 when the source feeds every replica)."""
+    n = num_replicas - roots
+    if n <= 0:
+        return 0
+    depth, level, placed = 1, roots, roots  # heads: one per root
+    while placed < n:
+        level *= fanout
+        placed += level
+        depth += 1
+    return depth
 
 
 @given(models())

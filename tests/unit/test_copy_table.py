@@ -8,9 +8,41 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard.kernels.table_plan import WORDS, apply_table, chunk_table, word_bytes
+from reshard.kernels.table_plan import WORDS, chunk_table, word_bytes
 
 SIZE = 4096
+
+
+def apply_table(memory: np.ndarray, tables: dict[int, np.ndarray]) -> None:
+    """What kernels.copy_table does, in numpy over a byte array standing for memory from the base address on: every
+    chunk's bytes copied from its source to its destination."""
+    for w, rows in tables.items():
+        for s, d, n in rows.tolist():
+            memory[d * w:(d + n) * w] = memory[s * w:(s + n) * w]
+
+
+def apply_window_table(memory: np.ndarray, tables: dict[int, tuple], window_bytes: int, period: int,
+                       weights) -> tuple[int, int, int]:
+    """What kernels.copy_sum64 does, in numpy over a byte array standing for memory from the base address on: every
+    row's bytes copied, and the sums (s1, s2, s3 of executors.checksum, mod 2^64) computed as the kernel does: per
+    window, each column's bytes added over the periods, then weighed by its stream position and T[column]; the
+    position's period part from each row's byte sum times its period. `weights(j)`: T for columns j."""
+    s1 = s2 = s3 = 0
+    for w, (rows, starts) in tables.items():
+        for g in range(len(starts) - 1):
+            col = np.zeros(window_bytes, dtype=np.int64)
+            by_period = 0
+            for s, d, n, c0, p in rows[starts[g]:starts[g + 1]].tolist():
+                x = memory[s * w:(s + n) * w].copy()
+                memory[d * w:(d + n) * w] = x
+                col[c0 * w:(c0 + n) * w] += x
+                by_period += p * int(x.astype(np.int64).sum())
+            j = g * window_bytes + np.arange(window_bytes, dtype=np.int64)
+            s1 += int(col.sum())
+            s2 += int(((j + 1) * col).sum()) + period * by_period
+            s3 += int((weights(j) * col).sum())
+    mask = (1 << 64) - 1
+    return s1 & mask, s2 & mask, s3 & mask
 
 
 @st.composite
@@ -69,7 +101,7 @@ def test_window_table_copies_the_bytes_and_folds_the_sums_like_the_reference(ent
     """The copy-and-checksum table (kernels.table_plan.window_table, kernels.copy_sum64): every byte of every copy
     in exactly one row, and the sums computed the kernel's way (columns added over periods, weighed once) equal
     count, sum x, sum x (i + 1), sum x T[i mod period] over the stream's bytes at positions start..., mod 2^64."""
-    from reshard.kernels.table_plan import SUM_WORDS, apply_window_table, sum_word_bytes, window_table
+    from reshard.kernels.table_plan import SUM_WORDS, sum_word_bytes, window_table
 
     if window > period:
         return

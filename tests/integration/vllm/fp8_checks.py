@@ -31,11 +31,12 @@ import vllm_harness as harness  # noqa: E402
 import reshard  # noqa: E402
 from reshard.adapters.vllm.fp8 import bind_fp8, fp8_problems  # noqa: E402
 from reshard.errors import ModelConfigError  # noqa: E402
-from reshard.executors.fp8 import Fp8Executor, execute_fp8_local  # noqa: E402
+from reshard.executors.fp8 import Fp8Executor  # noqa: E402
 from reshard.executors.local import allocate, shard  # noqa: E402
 from reshard.layouts import parse_layout  # noqa: E402
 from reshard.layouts.fp8 import FP8, Fp8Scheme  # noqa: E402
 from reshard.planner.fp8 import compile_fp8  # noqa: E402
+from harness.fp8_jobs import execute_fp8_local  # noqa: E402
 from harness.fp8_reference import reference_checkpoint, same_bytes  # noqa: E402
 
 

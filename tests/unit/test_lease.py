@@ -55,12 +55,13 @@ def test_a_call_of_the_holder_inside_the_server_keeps_its_lease():
     clock = Clock()
     book = LeaseBook(clock=clock)
     book.grant("a" * 8, 20.0)
-    book.entered("a" * 8)
+    call = lambda holder: (holder, book.enter(holder, "/init_weight_transfer_engine", None))  # noqa: E731
+    leave = lambda holder, opened: book.leave(holder, opened, "/init_weight_transfer_engine", None, True)  # noqa: E731
+    a = call("a" * 8)
     clock.t = 64.0  # the call took a minute, and no renewal came
     assert not book.lapsed() and book.refusal("a" * 8) is None
-    book.entered("b" * 8)  # another holder's call (let in by no rule here) keeps nothing
-    book.returned("b" * 8)
-    book.returned("a" * 8)
+    leave(*call("b" * 8))  # another holder's call (let in by no rule here) keeps nothing
+    leave(*a)
     clock.t = 64.0 + 9.9
     assert not book.lapsed()  # its next call or renewal has ttl / 2 to arrive
     clock.t = 64.0 + 10.1
@@ -68,7 +69,7 @@ def test_a_call_of_the_holder_inside_the_server_keeps_its_lease():
     book.fence()
     assert book.calls == 0 and not book.lapsed()
     assert book.grant("c" * 8, 20.0) and book.calls == 0
-    book.returned("c" * 8)  # a return without an entry (a call of the fenced generation) changes nothing
+    leave("c" * 8, book.open)  # a return without an entry (a call of the fenced generation) changes nothing
     assert book.expires == 64.0 + 10.1 + 20.0
 
 

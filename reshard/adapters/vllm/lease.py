@@ -102,18 +102,6 @@ class LeaseBook:
         died; its renewals may be starved meanwhile (the case that fenced live drivers)."""
         return self.holder is not None and self.calls == 0 and self.clock() > self.expires
 
-    def entered(self, holder: str) -> None:
-        """A call of `holder` (let in: the current holder) entered the engine."""
-        if holder == self.holder:
-            self.calls += 1
-
-    def returned(self, holder: str) -> None:
-        """A call of `holder` returned: if it is still the holder, it has half its lease from now to be heard
-        again (its next call or renewal); a driver that died meanwhile is fenced that much later."""
-        if holder == self.holder and self.calls > 0:
-            self.calls -= 1
-            self.expires = max(self.expires, self.clock() + self.ttl / 2)
-
     def woke(self, slept: float, meant: float) -> bool:
         """The watchdog slept `slept` seconds where it meant `meant`. A longer gap is a stall of the engine's own
         process (its event loop or GIL held): renewals sent meanwhile wait unheard, so the lease does not count that
@@ -162,21 +150,25 @@ class LeaseBook:
         return "a new driver took the lease" if self.holder is not None and holder != self.holder else None
 
     def enter(self, holder: str | None, route: str, update: dict[str, Any] | None) -> Open:
-        """A call (of `holder`, let in) enters the engine: what it opens is booked; returns the Open it books on
-        (the one a fence hands over, so that the recovery sees the call's outcome)."""
+        """A call of `holder` (let in; None: an operator's) enters the engine: what it opens is booked on the Open
+        returned (the one a fence hands over, so that the recovery sees the call's outcome); a call of the current
+        holder keeps its lease while inside (`lapsed`)."""
         opened = self.open
         opened.enter(route, update)
         self.inflight += 1
-        if holder is not None:
-            self.entered(holder)
+        if holder is not None and holder == self.holder:
+            self.calls += 1
         return opened
 
     def leave(self, holder: str | None, opened: Open, route: str, update: dict[str, Any] | None, ok: bool) -> None:
-        """The call `enter` booked returned (`ok`: it succeeded)."""
+        """The call `enter` booked returned (`ok`: it succeeded). If `holder` still holds the lease, it has half its
+        lease from now to be heard again (its next call or renewal); a driver that died meanwhile is fenced that
+        much later."""
         opened.leave(route, update, ok)
-        if holder is not None:
-            self.returned(holder)
         self.inflight -= 1
+        if holder is not None and holder == self.holder and self.calls > 0:
+            self.calls -= 1
+            self.expires = max(self.expires, self.clock() + self.ttl / 2)
 
     def state(self) -> dict[str, Any]:
         """The current holder, its generation, what it holds open and the calls inside (JSON)."""

@@ -70,20 +70,19 @@ class RefitSpec:
         PlanError: a field of the wrong type, an unknown install or transport, or a field that is not JSON.
     """
 
-    model: dict[str, Any]  # ModelSpec fields
-    src: dict[str, Any]  # the trainer's layout (layout_to_dict, without the model)
-    dst: dict[str, Any]  # the engine's layout (layout_to_dict, without the model)
+    model: dict[str, Any]  # (each field: see Args)
+    src: dict[str, Any]  # layout_to_dict, without the model
+    dst: dict[str, Any]
     install: str = "direct"
-    replica: int = 0  # which replica of `dst` this engine is (engines of one refit get 0, 1, ...)
+    replica: int = 0
     transport: str = "collective"
-    options: dict[str, Any] = field(default_factory=dict)  # executor options; "key" for inprocess / distributed
-    rendezvous: dict[str, Any] | None = None  # adapters.rendezvous.Rendezvous.to_dict(), cross-process transports
+    options: dict[str, Any] = field(default_factory=dict)  # "key": the inprocess / distributed publication
+    rendezvous: dict[str, Any] | None = None  # adapters.rendezvous.Rendezvous.to_dict()
     fanout: int | None = None
-    verify_layers: tuple[int, ...] | None = None  # layers whose loaders direct install probes; None: one per kind
-    plan_digest: str = ""  # the trainer's; a worker that compiles another plan refuses the refit
-    lora_id: int | None = None  # "lora_slot": the engine's id of the served adapter whose slot is refit
-    math: dict[str, Any] | None = None  # the trainer's HF config fields that change the math, not the shapes
-    # (layouts.math_config); a worker whose model sets any of them otherwise refuses the refit at init
+    verify_layers: tuple[int, ...] | None = None
+    plan_digest: str = ""
+    lora_id: int | None = None
+    math: dict[str, Any] | None = None  # layouts.math_config
 
     def __post_init__(self) -> None:
         problems = []

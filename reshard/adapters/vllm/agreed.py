@@ -85,13 +85,9 @@ class AgreedSteps:
         self.session: WorkerSession | None = None
 
     def init(self, refit: Callable[[], RefitSpec], check: Callable[[RefitSpec], None] | None = None) -> None:
-        """Bind this worker to the refit `refit()` returns (after `check` of it, the caller's own rules).
-
-        What is agreed on here is what each worker checks at once (the spec, the model, the layout, the plan, the
-        store's address, the secret, its place); waiting for the other members and opening the transport go on in
-        the background (WorkerSession(background=True)): vLLM runs this on the engine's RPC path, where a wait
-        for members that never come would stop the engine generating until the rendezvous's timeout. `start`
-        agrees on the background set-up's outcome."""
+        """Bind this worker to the refit `refit()` returns (after `check` of it, the caller's own rules): what is
+        agreed on is what each worker checks at once; the rest of the set-up goes on in the background
+        (WorkerSession(background=True), session.py says why), and `start` agrees on its outcome."""
         self.close()
 
         def init() -> None:

@@ -198,6 +198,7 @@ def _one_line(exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the `reshard` command line (default argv: sys.argv[1:]); the exit code, 2 for an input refused."""
     parser = _Parser(prog="reshard", description="Plan and run weight refits between layouts.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("plan", help="compile a refit plan (a dry run: nothing moves)")

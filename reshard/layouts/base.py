@@ -12,7 +12,7 @@ import abc
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, ClassVar, NamedTuple, Sequence
 
 import numpy as np
 from pydantic import ConfigDict, field_validator
@@ -86,6 +86,7 @@ class TableBuilder:
         self._blocks: list[list[np.ndarray]] = []
 
     def kind(self, name: str, shape: tuple[int, ...]) -> int:
+        """The kind id of the physical tensor (name, shape), a new one at first sight."""
         return self._kinds.setdefault((name, tuple(shape)), len(self._kinds))
 
     def kinds_for(self, keys: Sequence[np.ndarray | int], name: Callable[..., str], shape: tuple[int, ...]
@@ -99,6 +100,7 @@ class TableBuilder:
         return np.asarray(ids, dtype=np.int64)[inverse]
 
     def add(self, canon, rank, kind, c0, c1, n0, n1, origin, stride) -> None:
+        """A block of rows, one argument per `PlacementTable` column (arrays or scalars, broadcast together)."""
         arrays = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64)
                                        for x in (canon, rank, kind, c0, c1, n0, n1, origin, stride)))
         self._blocks.append(arrays)  # broadcast views: written once, into the table's columns
@@ -116,6 +118,7 @@ class TableBuilder:
         self._blocks.append([a[:, k] for k in range(a.shape[1])])
 
     def table(self) -> PlacementTable:
+        """Every block added, in order, as one table."""
         n = sum(b[0].size for b in self._blocks)
         cols = [np.empty(n, dtype=np.int64) for _ in range(9)]
         at = 0
@@ -199,6 +202,7 @@ class Layout(ValidatedModel, abc.ABC):
 
     @property
     def ranks_per_replica(self) -> int:
+        """Ranks of one replica."""
         return self.num_ranks // self.num_replicas
 
     @abc.abstractmethod
@@ -237,6 +241,7 @@ class Layout(ValidatedModel, abc.ABC):
     # --- conveniences ----------------------------------------------------------------------------
     @property
     def dtype(self) -> str:
+        """The model's dtype: every physical tensor's, except those `tensor_dtypes` names."""
         return self.model.dtype
 
     def tensor_dtypes(self) -> dict[tuple[int, str], str]:
@@ -247,11 +252,6 @@ class Layout(ValidatedModel, abc.ABC):
     def tensor_dtype(self, rank: int, name: str) -> str:
         """The dtype of one physical tensor: its own (`tensor_dtypes`), else the layout's."""
         return _own_dtypes(self).get((rank, name), self.dtype)
-
-    def iter_placements(self) -> Iterator[tuple[TensorSpec, Placement]]:
-        for t in self.model.tensors:
-            for p in self.placements(t):
-                yield t, p
 
     def _fail(self, constraint: str, fix: str = "", **values: object) -> None:
         raise LayoutError(self.engine, constraint, values, fix)
@@ -274,6 +274,7 @@ def divisible(layout: Layout, what: str, value: int, by_name: str, by: int, blam
 
 
 def positive(layout: Layout, **values: int) -> None:
+    """Raise the layout's error unless every value is at least 1."""
     for name, value in values.items():
         if value < 1:
             layout._fail(f"{name}={value} must be at least 1", **{name: value})
@@ -296,10 +297,12 @@ class WholePerReplica:
 
     @property
     def num_ranks(self) -> int:
+        """One rank per replica."""
         return self.replicas
 
     @property
     def num_replicas(self) -> int:
+        """The `replicas` field."""
         return self.replicas
 
     def __str__(self) -> str:
@@ -307,6 +310,7 @@ class WholePerReplica:
 
 
 def pad_to(n: int, multiple: int) -> int:
+    """`n` rounded up to a multiple of `multiple`."""
     return -(-n // multiple) * multiple
 
 

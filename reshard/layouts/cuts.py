@@ -349,9 +349,11 @@ class TensorKind:
         return dataclasses.replace(self, cuts={**dict(self.cuts), **cuts})
 
     @property
-    def value(self) -> str:  # reads like Role.value in reports
+    def value(self) -> str:
+        """The kind's `label` (a `Role`'s value reads the same way in reports)."""
         return self.label
 
     @property
     def is_expert(self) -> bool:
+        """Whether expert parallelism distributes it (`expert`)."""
         return self.expert

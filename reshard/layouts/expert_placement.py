@@ -109,6 +109,7 @@ class ExpertPlacement(ValidatedModel):
 
     @property
     def slots_per_rank(self) -> int:
+        """Physical slots each EP rank holds per MoE layer."""
         return self.num_physical // self.ranks
 
     @property

@@ -266,6 +266,7 @@ def _with_generic_rules(spec: Any) -> Any:
 # --- building blocks of a layer's list (HF names of the shared roles) --------------------------------------
 
 def norm(name: str, size: int, role: Any, p: str = LAYER) -> Entry:
+    """A 1-D norm weight `p + name` of `size` elements."""
     return Entry(p + name, (size,), role)
 
 
@@ -282,6 +283,7 @@ def gqa_attention(spec: ModelSpec, p: str = LAYER) -> list[Entry]:
 
 
 def dense_mlp(spec: ModelSpec, p: str = LAYER) -> list[Entry]:
+    """The gate/up/down projections of a dense MLP."""
     H, F, m = spec.hidden_size, spec.intermediate_size, p + "mlp."
     return [Entry(m + "gate_proj.weight", (F, H), Role.GATE), Entry(m + "up_proj.weight", (F, H), Role.UP),
             Entry(m + "down_proj.weight", (H, F), Role.DOWN)]

@@ -89,6 +89,7 @@ class Fp8Scheme(ValidatedModel):
 
     @classmethod
     def from_quantization_config(cls, q: dict[str, Any]) -> "Fp8Scheme":
+        """The scheme an HF `quantization_config` declares; ModelConfigError where it is not block-scaled FP8."""
         if q.get("quant_method") != "fp8":
             raise ModelConfigError(field="quantization_config.quant_method", value=q.get("quant_method"),
                                    rule="must be 'fp8'")
@@ -230,6 +231,7 @@ class WireInfo:
 
 
 def wire_info(spec: ModelSpec) -> WireInfo | None:
+    """The scheme and receiver-quantized entries of a wire spec (`wire_spec`); None for any other spec."""
     raw = spec.arch_value(ARCH_KEY)
     if raw is None:
         return None

@@ -16,7 +16,7 @@ from ..untrusted import read_json
 REQUIRED: Any = object()
 
 
-def config_error(field: str, value: Any, rule: str) -> ModelConfigError:
+def _config_error(field: str, value: Any, rule: str) -> ModelConfigError:
     return ModelConfigError(field=field, value=value, rule=rule)
 
 
@@ -27,22 +27,22 @@ def read_config(config: Any) -> dict[str, Any]:
 
     if isinstance(config, dict):
         if not all(isinstance(k, str) for k in config):
-            raise config_error("config", config, "must have string keys (a JSON object)")
+            raise _config_error("config", config, "must have string keys (a JSON object)")
         return config
     if not isinstance(config, (str, os.PathLike)):
-        raise config_error("config", config, "must be a dict, a config.json path or a checkpoint directory")
+        raise _config_error("config", config, "must be a dict, a config.json path or a checkpoint directory")
     path = Path(config)
     try:
         is_dir = path.is_dir()
     except OSError as e:  # a name too long, a loop of links ...: not a path to read
-        raise config_error("config", str(config)[:200], f"cannot be read as a path ({e.strerror})") from None
+        raise _config_error("config", str(config)[:200], f"cannot be read as a path ({e.strerror})") from None
     if is_dir:
         path = path / "config.json"
         if not path.exists():
-            raise config_error("config", str(config), "is a directory without a config.json")
-    value = read_json(path, MAX_CONFIG_BYTES, config_error, "config")
+            raise _config_error("config", str(config), "is a directory without a config.json")
+    value = read_json(path, MAX_CONFIG_BYTES, _config_error, "config")
     if not isinstance(value, dict):
-        raise config_error("config", str(path), f"must hold a JSON object, not a {type(value).__name__}")
+        raise _config_error("config", str(path), f"must hold a JSON object, not a {type(value).__name__}")
     return value
 
 
@@ -62,9 +62,9 @@ def get_int(config: dict[str, Any], key: str, default: Any = REQUIRED, *, minimu
     if not present:
         return value
     if not isinstance(value, int) or isinstance(value, bool):
-        raise config_error(key, value, f"must be a JSON integer, not {type(value).__name__}")
+        raise _config_error(key, value, f"must be a JSON integer, not {type(value).__name__}")
     if value < minimum:
-        raise config_error(key, value, f"must be at least {minimum}")
+        raise _config_error(key, value, f"must be at least {minimum}")
     check_limit(key, value, maximum, what, "model config")
     return value
 
@@ -76,23 +76,25 @@ def get_opt_int(config: dict[str, Any], key: str, *, minimum: int = 1, maximum: 
 
 
 def get_bool(config: dict[str, Any], key: str, default: Any = REQUIRED, null_is_default: bool = False) -> Any:
+    """A boolean (default when absent)."""
     present, value = _present(config, key, default, null_is_default)
     if not present:
         return value
     if not isinstance(value, bool):
-        raise config_error(key, value, f"must be a JSON boolean (true or false), not {type(value).__name__}")
+        raise _config_error(key, value, f"must be a JSON boolean (true or false), not {type(value).__name__}")
     return value
 
 
 def get_str(config: dict[str, Any], key: str, default: Any = REQUIRED, choices: Sequence[str] | None = None,
             null_is_default: bool = False) -> Any:
+    """A string, one of `choices` when given (default when absent)."""
     present, value = _present(config, key, default, null_is_default)
     if not present:
         return value
     if not isinstance(value, str):
-        raise config_error(key, value, f"must be a JSON string, not {type(value).__name__}")
+        raise _config_error(key, value, f"must be a JSON string, not {type(value).__name__}")
     if choices is not None and value not in choices:
-        raise config_error(key, value, f"must be one of {list(choices)}")
+        raise _config_error(key, value, f"must be one of {list(choices)}")
     return value
 
 
@@ -103,29 +105,29 @@ def get_int_list(config: dict[str, Any], key: str, *, below: int, default: Any =
     if not present:
         return tuple(value)
     if not isinstance(value, list):
-        raise config_error(key, value, f"must be a JSON list of layer numbers, not {type(value).__name__}")
+        raise _config_error(key, value, f"must be a JSON list of layer numbers, not {type(value).__name__}")
     check_limit(key + " (entries)", len(value), MAX_LAYERS, "layers", "model config")
     bad = [x for x in value if not isinstance(x, int) or isinstance(x, bool)]
     if bad:
-        raise config_error(key, value, f"must list JSON integers; {bad[0]!r} is a {type(bad[0]).__name__}")
+        raise _config_error(key, value, f"must list JSON integers; {bad[0]!r} is a {type(bad[0]).__name__}")
     outside = sorted({x for x in value if not 0 <= x < below})
     if outside:
-        raise config_error(key, value, f"lists layers {outside[:5]} outside [0, {below})")
+        raise _config_error(key, value, f"lists layers {outside[:5]} outside [0, {below})")
     if len(set(value)) != len(value):
-        raise config_error(key, value, "lists a layer twice")
+        raise _config_error(key, value, "lists a layer twice")
     return tuple(value)
 
 
 def get_str_list(config: dict[str, Any], key: str, length: int, choices: Sequence[str]) -> tuple[str, ...]:
+    """A list of `length` strings, each one of `choices` (the key must be present)."""
     value = config[key]
     if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
-        raise config_error(key, value, "must be a JSON list of strings")
+        raise _config_error(key, value, "must be a JSON list of strings")
     bad = sorted({x for x in value if x not in choices})
     if len(value) != length or bad:
-        raise config_error(key, value, f"must list {length} entries of {list(choices)}; got {len(value)}"
+        raise _config_error(key, value, f"must list {length} entries of {list(choices)}; got {len(value)}"
                            + (f" with {bad}" if bad else ""))
     return tuple(value)
 
 
-__all__ = ["REQUIRED", "config_error", "get_bool", "get_int", "get_int_list", "get_opt_int", "get_str",
-           "get_str_list", "read_config"]
+__all__ = ["REQUIRED", "get_bool", "get_int", "get_int_list", "get_opt_int", "get_str", "get_str_list", "read_config"]

@@ -99,6 +99,7 @@ class LoraFacts:
 
     @property
     def peft_modules(self) -> tuple[str, ...]:
+        """The PEFT module names the adapted Megatron modules stand for."""
         return tuple(m for t in self.targets for m in PEFT_MODULES[t])
 
 
@@ -135,6 +136,7 @@ def lora_spec(base: ModelSpec, rank: int, alpha: float, targets: Sequence[str] =
 
 
 def lora_facts(spec: ModelSpec) -> LoraFacts:
+    """The facts of a LoRA adapter spec (`lora_spec`); InputError for any other spec."""
     if spec.family != FAMILY:
         raise InputError("model.family", spec.family, "is not a LoRA adapter spec (build one with "
                          "reshard.layouts.lora.lora_spec)", where="lora")

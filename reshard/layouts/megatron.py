@@ -133,14 +133,17 @@ class MegatronLayout(CutLayout):
 
     @property
     def dp(self) -> int:
+        """Data-parallel size of the dense layers: world / (tp * pp)."""
         return self.world // (self.tp * self.pp)
 
     @property
     def edp(self) -> int:
+        """Data-parallel size of the experts: world / (etp * ep * pp)."""
         return self.world // (self.etp * self.ep * self.pp)
 
     @property
     def padded_vocab(self) -> int:
+        """Embedding rows as Megatron pads them: vocab_size up to a multiple of vocab_divisor * tp."""
         return pad_to(self.model.vocab_size, self.vocab_divisor * self.tp)
 
     def __str__(self) -> str:
@@ -199,9 +202,6 @@ class MegatronLayout(CutLayout):
             return tuple(((i % (L // v)) // per_chunk, i // (L // v), i % per_chunk) for i in range(L))
         return tuple((s, 0, j) for s, n in enumerate(self._stage_layer_counts) for j in range(n))
 
-    def stage_of_layer(self, layer: int) -> int:
-        return self._layer_home[layer][0]
-
     def layer_home(self, layer: int) -> tuple[int, int, int]:
         """(pipeline stage, virtual chunk, index inside that chunk's `decoder.layers`) of a global layer."""
         return self._layer_home[layer]
@@ -222,10 +222,12 @@ class MegatronLayout(CutLayout):
         return strides
 
     def dense_rank(self, tp: int, dp: int, pp: int) -> int:
+        """The global rank at these coordinates of the dense layers' grid."""
         s = self.axis_strides(False)
         return tp * s["tp"] + dp * s["dp"] + pp * s["pp"]
 
     def expert_rank(self, etp: int, ep: int, edp: int, pp: int) -> int:
+        """The global rank at these coordinates of the experts' grid (expert-TP, EP, expert-DP, PP)."""
         s = self.axis_strides(True)
         return etp * s["tp"] + ep * s["ep"] + edp * s["dp"] + pp * s["pp"]
 

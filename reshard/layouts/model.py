@@ -53,6 +53,7 @@ class Role(str, enum.Enum):
 
     @property
     def is_expert(self) -> bool:
+        """Whether the role is a routed expert's weight."""
         return self in (Role.EXPERT_GATE, Role.EXPERT_UP, Role.EXPERT_DOWN)
 
 
@@ -80,6 +81,7 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
+        """Elements of the tensor."""
         return math.prod(self.shape)
 
 
@@ -238,6 +240,7 @@ class ModelSpec(ValidatedModel):
         return self
 
     def arch_value(self, key: str, default: Any = None) -> Any:
+        """The family-specific fact `key` of `arch`, else `default`."""
         for k, v in self.arch:
             if k == key:
                 return v
@@ -272,10 +275,12 @@ class ModelSpec(ValidatedModel):
 
     @property
     def is_moe(self) -> bool:
+        """Whether the model has routed experts."""
         return self.num_experts > 0
 
     @property
     def itemsize(self) -> int:
+        """Bytes per element of `dtype`."""
         return DTYPE_SIZES[self.dtype]
 
     @property
@@ -284,13 +289,16 @@ class ModelSpec(ValidatedModel):
         return _own_dtype_tensors(self)
 
     def is_moe_layer(self, layer: int) -> bool:
+        """Whether `layer` routes to experts (a MoE model's layers but `dense_layers`)."""
         return self.is_moe and layer not in self.dense_layers
 
     @property
     def tensors(self) -> tuple[TensorSpec, ...]:
+        """Every canonical tensor, in index order."""
         return _canonical_tensors(self)
 
     def tensor(self, name: str) -> TensorSpec:
+        """The canonical tensor called `name` (its HF name); KeyError where none is."""
         by_name = _tensors_by_name(self)
         if name not in by_name:
             raise KeyError(f"{name!r} is not a tensor of this {self.family} model")
@@ -318,10 +326,12 @@ class ModelSpec(ValidatedModel):
 
     @property
     def num_params(self) -> int:
+        """Elements of all canonical tensors."""
         return int(self.canonical.numel.sum())
 
     @property
     def num_bytes(self) -> int:
+        """Bytes of all canonical tensors, each element counted at `itemsize`."""
         return self.num_params * self.itemsize
 
     def __str__(self) -> str:
@@ -385,6 +395,7 @@ class CanonicalTable:
 
     @property
     def numel(self) -> np.ndarray:
+        """Elements per tensor."""
         return self.rows * self.cols
 
 

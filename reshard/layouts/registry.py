@@ -26,8 +26,17 @@ _CUTS: dict[tuple[str, str], Any] = {}  # (engine, family) -> rule(spec, tensor 
 
 
 def register_layout(cls: Any) -> None:
-    """Make the Layout class `cls` nameable by its `engine` (layout strings, plan files, refit specs); a refit
-    destination is a class whose `installs` is not empty. A later registration of the same engine replaces it."""
+    """Make a Layout class nameable by its `engine` in layout strings, plan files and refit specs.
+
+    A refit destination is a class whose `installs` is not empty. A later registration of the same engine
+    replaces it.
+
+    Args:
+        cls: the Layout subclass.
+
+    Raises:
+        ArgumentError: `cls` has no engine name (its `engine` class attribute).
+    """
     engine = getattr(cls, "engine", None)
     if not isinstance(engine, str) or not engine:
         from ..errors import ArgumentError
@@ -51,13 +60,29 @@ def layout_class(engine: str) -> Any:
 
 
 def registered_layouts() -> dict[str, Any]:
-    """engine name -> Layout class, of every registered layout."""
+    """Every registered layout class, by engine name.
+
+    Returns:
+        A new dict: engine name -> Layout class.
+
+    Raises:
+        Nothing: it reads the registry.
+    """
     return dict(_LAYOUTS)
 
 
 def register_cuts(engine: str, family: str, rule: Any) -> None:
-    """How `engine` places the tensors of `family`: `rule(spec, kind)` returns the cuts of one TensorKind, for the
-    kinds that do not declare cuts for `engine` themselves (an engine added after the families were written)."""
+    """Say how `engine` places the tensors of `family` (an engine added after the families were written).
+
+    Args:
+        engine: the layout's engine name.
+        family: the model family's name.
+        rule: `rule(spec, kind)` returns the cuts of one TensorKind, for the kinds that do not declare cuts for
+            `engine` themselves.
+
+    Raises:
+        Nothing: the rule is stored as given (a later registration for the same pair replaces it).
+    """
     _CUTS[(engine, family)] = rule
 
 
@@ -91,6 +116,7 @@ def register(family: Any) -> None:
 
 
 def is_registered(name: str) -> bool:
+    """Whether a family of this name is registered."""
     return name in _BY_NAME
 
 
@@ -102,27 +128,63 @@ def family(name: str) -> Any:
 
 
 def families() -> list[Any]:
+    """Every registered family, by name."""
     return [_BY_NAME[n] for n in sorted(_BY_NAME)]
 
 
 def registered_families() -> list[str]:
+    """The names of the registered families (`ModelSpec.family`).
+
+    Returns:
+        The names, sorted.
+
+    Raises:
+        Nothing: it reads the registry.
+    """
     return sorted(_BY_NAME)
 
 
 def supported_architectures() -> list[str]:
+    """The HF architectures (`architectures` of a config.json) some registered family reads.
+
+    Returns:
+        The class names, sorted.
+
+    Raises:
+        Nothing: it reads the registry.
+    """
     return sorted(k for k in _BY_KEY if k[:1].isupper())
 
 
 def read_hf_config(config: "dict[str, Any] | str | Path") -> dict[str, Any]:
-    """An HF config as a dict, from a dict, a config.json path, or a checkpoint directory (read as untrusted
-    input: a regular file of bounded size, strict JSON, an object at the top)."""
+    """Read an HF config as untrusted input: a regular file of bounded size, strict JSON, an object at the top.
+
+    Args:
+        config: a dict, a config.json path, or a checkpoint directory.
+
+    Returns:
+        The config's JSON object (a dict given is returned as it is).
+
+    Raises:
+        ModelConfigError: a path that cannot be read, a file too large, not JSON, or not an object.
+    """
     from .hf_config import read_config
 
     return read_config(config)
 
 
 def discover(config: "dict[str, Any] | str | Path") -> Any:
-    """The family of an HF config, by `architectures` first, then `model_type`."""
+    """The family of an HF config, by `architectures` first, then `model_type`.
+
+    Args:
+        config: as `read_hf_config` takes it.
+
+    Returns:
+        The registered ModelFamily.
+
+    Raises:
+        ModelConfigError: an unreadable config, or an architecture and model_type no family reads.
+    """
     config = read_hf_config(config)
     archs = config.get("architectures") or []
     model_type = config.get("model_type", "")
@@ -139,7 +201,22 @@ def discover(config: "dict[str, Any] | str | Path") -> Any:
 
 
 def spec_from_hf_config(config: "dict[str, Any] | str | Path", include_mtp: bool = False) -> Any:
-    """Build a ModelSpec from an HF config dict, a config.json path, or a checkpoint directory."""
+    """Build a ModelSpec from an HF config (`ModelSpec.from_hf_config` also keeps the config's math).
+
+    Args:
+        config: as `read_hf_config` takes it.
+        include_mtp: ask for the multi-token-prediction layers too (refused where the config has any: no
+            family supports them yet).
+
+    Returns:
+        The family's ModelSpec of the config.
+
+    Raises:
+        ArgumentError: `include_mtp` is not a bool.
+        ModelConfigError: an unreadable or unknown config, a field of the wrong type or breaking a rule, or
+            multi-token-prediction layers asked for.
+        LimitError: a size beyond `reshard.limits`.
+    """
     if not isinstance(include_mtp, bool):
         from ..errors import ArgumentError
 

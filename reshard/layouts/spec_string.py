@@ -126,7 +126,17 @@ def parse_layout(text: str, model: ModelSpec) -> Layout:
 
 
 def layout_to_dict(layout: Layout) -> dict[str, Any]:
-    """A layout as JSON data: its engine and its fields (the model's included)."""
+    """A layout as JSON data (`layout_from_dict` reads it back).
+
+    Args:
+        layout: any registered layout.
+
+    Returns:
+        {"engine": its engine, then its fields, the model's included}.
+
+    Raises:
+        LayoutError: `layout` is not a Layout.
+    """
     if not isinstance(layout, Layout):
         raise LayoutError("layout", f"layout={show(layout)} must be a Layout", {"layout": layout})
     return {"engine": layout.engine, **json.loads(layout.model_dump_json())}
@@ -134,6 +144,12 @@ def layout_to_dict(layout: Layout) -> dict[str, Any]:
 
 def layout_from_dict(data: dict[str, Any]) -> Layout:
     """The layout `layout_to_dict` wrote ("kind" is read as "engine": plan files written before the rename).
+
+    Args:
+        data: the JSON object.
+
+    Returns:
+        The layout, validated.
 
     Raises:
         LayoutError: not a JSON object, an engine no layout is registered for, or fields the layout refuses.

@@ -210,6 +210,7 @@ class VllmLayout(CutLayout):
 
     @property
     def padded_vocab(self) -> int:
+        """Embedding rows as vLLM pads them: vocab_size up to a multiple of vocab_padding."""
         return pad_to(self.model.vocab_size, self.vocab_padding)
 
     @property

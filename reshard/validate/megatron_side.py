@@ -258,6 +258,7 @@ def build_gpt(spec: ModelSpec, lay: dict[str, Any], hf: dict[str, Any] | None = 
 
 
 def layout_dict(layout: MegatronLayout) -> dict[str, Any]:
+    """The sizes the CPU build of megatron-core takes; ValueError for a layout it does not cover."""
     if layout.naming != "local" or layout.vpp != 1 or layout.first_stage_layers or layout.last_stage_layers:
         raise ValueError("the CPU build covers local naming, vpp=1 and even pipeline stages only")
     if layout.rank_order != "tp-cp-ep-dp-pp":
@@ -266,6 +267,7 @@ def layout_dict(layout: MegatronLayout) -> dict[str, Any]:
 
 
 def run_layout(layout: MegatronLayout, fn: Any, *args: Any, timeout_s: float = 300) -> None:
+    """Run `fn(*args)` in one process per rank of `layout` (reshard.testing.megatron_cpu)."""
     from ..testing.megatron_cpu import run_ranks
 
     with tempfile.TemporaryDirectory() as errdir:

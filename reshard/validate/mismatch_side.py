@@ -129,6 +129,7 @@ def mismatch_run(config_path: str, perturb: str | None = None, count: int = 3, l
 
 
 def main() -> int:
+    """`python -m reshard.validate.mismatch_side CONFIG [--perturb NAME]`: one `RESHARD_JSON` line of `mismatch_run`."""
     ap = argparse.ArgumentParser()
     ap.add_argument("config")
     ap.add_argument("--perturb")

@@ -55,6 +55,7 @@ def vllm_world(config_path: str, ep: bool = False, dtype: str = "bfloat16") -> I
 
 
 def named_parameters(config_path: str, ep: bool = False) -> dict[str, list[int]]:
+    """Name -> shape of the parameters (and DeepSeek-V3's score-correction buffers) of the model this rank builds."""
     with vllm_world(config_path, ep) as (_, build, _):
         model = build()
         out = {n: list(p.shape) for n, p in model.named_parameters()}
@@ -63,6 +64,7 @@ def named_parameters(config_path: str, ep: bool = False) -> dict[str, list[int]]
 
 
 def poison(model: Any) -> None:
+    """Fill every weight of a vLLM model with NaN, so that a byte an install misses shows."""
     import torch
 
     from ..adapters.vllm.live import weights
@@ -134,6 +136,7 @@ def load_parity(config_path: str, perturb: str | None = None, dtype: str = "bflo
 
 
 def main() -> int:
+    """The command line the module doc shows: one `RESHARD_JSON` line on stdout."""
     ap = argparse.ArgumentParser()
     ap.add_argument("config")
     ap.add_argument("--ep", action="store_true")

@@ -133,7 +133,7 @@ def test_valid_layouts_are_accepted_and_consistent(pair):
         for rank in range(layout.num_ranks):
             shapes = layout.rank_tensors(rank)
             assert shapes, f"{layout} rank {rank} holds nothing"
-        for t, p in layout.iter_placements():
+        for t, p in ((t, p) for t in layout.model.tensors for p in layout.placements(t)):
             shape = layout.rank_tensors(p.rank)[p.tensor]
             lead = len(shape) - len(p.lengths)
             assert all(0 <= o < s for o, s in zip(p.phys_offset[:lead], shape[:lead]))

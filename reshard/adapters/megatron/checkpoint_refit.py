@@ -30,10 +30,6 @@ class CheckpointRefit:
     checkpoint_bytes: int  # every tensor record of the checkpoint
     seconds: float
 
-    def to_dict(self) -> dict[str, float]:
-        return dict(bytes_read=self.bytes_read, bytes_written=self.bytes_written,
-                    checkpoint_bytes=self.checkpoint_bytes, seconds=self.seconds)
-
 
 def export_hf(checkpoint: str | os.PathLike[str] | Checkpoint, config: str | os.PathLike[str],
               out: str | os.PathLike[str], *, dtype: str | None = None) -> CheckpointRefit:

@@ -86,7 +86,8 @@ class TrainerSession:
                  engines: Sequence[EngineClient] = (), trainer_group: Any = None, rendezvous: Any = None,
                  host: str | None = None, pause: str | None = "wait", timeout: float = 600.0,
                  lora_ids: Sequence[int] | None = None, lease: float | None = 30.0) -> None:
-        _check_arguments(refit, process, tensors, engines, trainer_group, rendezvous, host, pause, timeout, lora_ids)
+        _check_arguments(refit, process, tensors, engines, trainer_group, rendezvous, host, pause, timeout, lora_ids,
+                         lease)
         self.refit_spec, self.process = refit, process
         self.tensors = tensors if tensors and all(isinstance(k, int) for k in tensors) else {process: tensors}
         self.engines, self.trainer_group, self.pause_mode = list(engines), trainer_group, pause
@@ -101,9 +102,6 @@ class TrainerSession:
             raise ExecutionError(f"process={process} is not a source rank of the plan (0..{plan.src.num_ranks - 1})")
         if self.engines and process != 0:
             raise ExecutionError("only trainer process 0 drives the engines; pass engines on process 0 only")
-        if lease is not None and (isinstance(lease, bool) or not isinstance(lease, (int, float))
-                                  or not 1.0 <= lease <= 3600.0):
-            raise ArgumentError("lease", lease, "a number of seconds in [1, 3600], or None for no lease")
         self.lease = float(lease) if lease is not None else None
         self.renewal: LeaseRenewal | None = None
         self._winding_down: Any = None  # a refit's clean-up left running in the background (refit)
@@ -432,13 +430,12 @@ class TrainerSession:
 
 
 def _check_arguments(refit: Any, process: Any, tensors: Any, engines: Any, trainer_group: Any, rendezvous: Any,
-                     host: Any, pause: Any, timeout: Any, lora_ids: Any) -> None:
+                     host: Any, pause: Any, timeout: Any, lora_ids: Any, lease: Any) -> None:
     """TrainerSession's arguments, each refused with ArgumentError naming it (nothing coerced)."""
     from collections.abc import Mapping
 
-    from ..errors import ArgumentError
-    from .rendezvous import Rendezvous
     from ..arguments import instance, integer, seconds, text
+    from .rendezvous import Rendezvous
 
     instance("refit", refit, RefitSpec, "a RefitSpec")
     integer("process", process, 0, 1 << 20)
@@ -470,6 +467,9 @@ def _check_arguments(refit: Any, process: Any, tensors: Any, engines: Any, train
     if lora_ids is not None and (not isinstance(lora_ids, (list, tuple)) or not all(
             isinstance(i, int) and not isinstance(i, bool) and i > 0 for i in lora_ids)):
         raise ArgumentError("lora_ids", lora_ids, "must be a list of positive adapter ids, or None")
+    if lease is not None and (isinstance(lease, bool) or not isinstance(lease, (int, float))
+                              or not 1.0 <= lease <= 3600.0):
+        raise ArgumentError("lease", lease, "a number of seconds in [1, 3600], or None for no lease")
 
 
 __all__ = ["EngineClient", "RefitResult", "TrainerSession"]

@@ -352,8 +352,3 @@ class TensorKind:
     def value(self) -> str:
         """The kind's `label` (a `Role`'s value reads the same way in reports)."""
         return self.label
-
-    @property
-    def is_expert(self) -> bool:
-        """Whether expert parallelism distributes it (`expert`)."""
-        return self.expert

@@ -51,11 +51,6 @@ class Role(str, enum.Enum):
     EXPERT_UP = "expert_up"
     EXPERT_DOWN = "expert_down"
 
-    @property
-    def is_expert(self) -> bool:
-        """Whether the role is a routed expert's weight."""
-        return self in (Role.EXPERT_GATE, Role.EXPERT_UP, Role.EXPERT_DOWN)
-
 
 @dataclass(frozen=True, slots=True)
 class TensorSpec:

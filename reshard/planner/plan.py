@@ -210,11 +210,6 @@ class Plan:
         return tuple(tuple(row) for row in self.program.parent.tolist())
 
     @property
-    def replica_stage(self) -> tuple[tuple[int, ...], ...]:
-        """Per part, per destination replica: the stage in which it receives that part."""
-        return tuple(tuple(row) for row in self.program.stage.tolist())
-
-    @property
     def tree_depth(self) -> int:
         """Relay levels of the deepest fan-out tree (0: the source feeds every replica)."""
         return int(self.program.stage.max(initial=0))

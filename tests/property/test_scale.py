@@ -112,7 +112,7 @@ def test_fanout_forest_promises(data):
     slack = (fanout - 1) * plan.itemsize
     for r in range(dst.num_ranks):
         assert a.relay_egress_bytes[r] <= relay_cap * a.ingress_bytes[r] + slack
-    parents, stages = np.asarray(plan.replica_parent), np.asarray(plan.replica_stage)
+    parents, stages = np.asarray(plan.replica_parent), plan.program.stage  # per part, per replica
     assert (np.flatnonzero(parents[0] < 0) == np.arange(roots)).all()
     used_fanout, parts = forest_shape(K, roots, fanout, relay_cap) if roots < K else (fanout, 1)
     assert parents.shape == (parts, K)

@@ -78,7 +78,9 @@ def _place(loads: np.ndarray, ranks: np.ndarray, unit_row: np.ndarray, unit_w: n
     Units are given grouped by row, largest first inside a row. Rows must hold disjoint ranks."""
     m, n = ranks.shape
     total = np.bincount(unit_row, weights=unit_w, minlength=m)
-    room = np.maximum(_water_levels(loads[ranks], total)[:, None] - loads[ranks], 0).astype(np.int64)
+    # rounded up: rooms that hold all of `total` (rounded down, a fractional level left rooms short and the
+    # units past them all landed on the row's last rank)
+    room = np.ceil(np.maximum(_water_levels(loads[ranks], total)[:, None] - loads[ranks] - 1e-9, 0)).astype(np.int64)
     big = int(max(room.sum(axis=1).max(initial=0), total.max(initial=0))) + 1
     ends = (np.cumsum(room, axis=1) + (np.arange(m) * big)[:, None]).ravel()
     begin = np.cumsum(unit_w) - unit_w

@@ -7,7 +7,7 @@ import itertools
 import math
 
 import numpy as np
-from hypothesis import assume, given, strategies as st
+from hypothesis import assume, example, given, strategies as st
 
 import reshard
 from reshard.layouts import Layout
@@ -180,6 +180,8 @@ def _optimum(n, families, hset, sizes, replicas):
 
 
 @given(holder_instances(laminar=True), st.integers(1, 2))
+@example(instance=(4, [(0,), (0, 1, 2, 3), (1,), (1, 2, 3), (2,), (3,)], np.array([1, 1, 1]), np.array([1, 1, 1])),
+         replicas=1)  # a water level below 1 byte: rooms rounded down once sent every unit to the last rank
 def test_balance_bound_on_laminar_families(instance, replicas):
     """LB <= optimum <= busiest sender <= LB + largest unit, the optimum found by exhaustive search."""
     n, families, hset, sizes = instance

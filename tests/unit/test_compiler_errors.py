@@ -16,7 +16,7 @@ MODEL = reshard.ModelSpec(family="qwen3", hidden_size=8, num_layers=1, num_atten
 class Skewed(Layout):
     """One rank holding every tensor whole, except that `mode` breaks the embedding's placements."""
 
-    kind: ClassVar[str] = "skewed"
+    engine: ClassVar[str] = "skewed"
     mode: str = "ok"
 
     @property

@@ -132,8 +132,6 @@ NOT_YET = {
     "reshard.adapters.vllm.session": 4,
     # these need vllm (verl.engine: verl) to import; counted from their source, where inherited docs are not seen
     "reshard.adapters.vllm.engine": 8, "reshard.adapters.vllm.trainer": 12, "reshard.adapters.vllm.worker": 5,
-    "reshard.integrations.verl.engine": 4,
-    "reshard.integrations.verl.session": 2, "reshard.integrations.verl.topology": 5,
     "reshard.executors.binding": 6, "reshard.executors.checksum": 6, "reshard.executors.connect": 2,
     "reshard.executors.copies": 4, "reshard.executors.exchange": 5,
     "reshard.executors.local": 1, "reshard.executors.partition": 7,

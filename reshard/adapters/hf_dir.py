@@ -111,8 +111,9 @@ class HfDirectoryEngine(EngineClient):
         config: the model's HF config (written as config.json; `architectures` tells transformers the class).
 
     Raises:
-        ExecutionError: from the refit calls: a refit spec whose destination is not an HF directory, a plan other
-            than the trainer's, a cross-process transport, or a call out of order.
+        ExecutionError: from the refit calls: a refit spec whose destination is not an HF directory, a
+            cross-process transport, or a call out of order.
+        PlanError: at init, a plan other than the trainer's.
     """
 
     def __init__(self, path: str | Path, config: dict[str, Any]) -> None:
@@ -134,9 +135,7 @@ class HfDirectoryEngine(EngineClient):
         _, dst = refit.layouts()
         if not isinstance(dst, HfDirectoryLayout):
             raise ExecutionError(f"{self}: the refit's destination is {dst}, not an {ENGINE} layout")
-        if refit.plan_digest and refit.plan().digest != refit.plan_digest:
-            raise ExecutionError(f"{self}: plan {refit.plan().digest[:12]} is not the trainer's "
-                                 f"{refit.plan_digest[:12]}")
+        refit.agreed_plan(str(self))
         if refit.cross_process:
             raise ExecutionError(f"{self}: its writers live in this process; transport {refit.transport!r} needs "
                                  f"a process per writer (use 'inprocess' or 'distributed')")

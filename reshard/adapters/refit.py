@@ -257,6 +257,18 @@ class RefitSpec:
         src, _ = self.layouts()
         return cached_plan(src, self.destination(), fanout=self.fanout)
 
+    def agreed_plan(self, where: str = "this worker") -> Plan:
+        """The plan, if it is the trainer's (`plan_digest`, when set).
+
+        Raises:
+            PlanError: `where` compiled another plan (reshard versions or inputs differ).
+        """
+        plan = self.plan()
+        if self.plan_digest and self.plan_digest != plan.digest:
+            raise PlanError(f"the trainer's plan (digest {self.plan_digest[:12]}) differs from the one {where} "
+                            f"compiled ({plan.digest[:12]}): reshard versions or inputs differ")
+        return plan
+
     def binding(self) -> Binding:
         """Cross-process transports: trainer process p plays source rank p, process S + d destination rank d."""
         plan = self.plan()

@@ -89,10 +89,7 @@ class WorkerSession:
         check_served_model(refit, dst, self.vllm_config)
         self.dst = dst
         self._check_experts()
-        self.plan = refit.plan()
-        if refit.plan_digest and refit.plan_digest != self.plan.digest:
-            raise PlanError(f"the trainer's plan (digest {refit.plan_digest[:12]}) differs from the one this worker "
-                            f"compiled ({self.plan.digest[:12]}): reshard versions or inputs differ")
+        self.plan = refit.agreed_plan()
         self.rank = local_rank(self.vllm_config, refit.replica)
         if not 0 <= self.rank < dst.num_ranks:
             raise LayoutError(dst.engine, f"this worker is rank {self.rank} of the destination, which has "

@@ -52,6 +52,8 @@ def algorithm(option: bool | str | None) -> str | None:
     if option is True:
         return "sha256"
     if isinstance(option, str) and option in ALGORITHMS:
+        if option == "sum64":  # executors resolve the option at set-up: the tables are made there, not in a refit's
+            _tables(torch.device("cpu"))  # deadline (2^23 entries each: about a second on a loaded 2-core machine)
         return option
     raise ArgumentError("checksum", option, f"must be False, True or one of {ALGORITHMS}")
 
@@ -158,11 +160,13 @@ class Sum64Program:
 def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """ramp[j] = j + 1 and the pseudo-random weights T[j] = ((j * 1103515245 + 12345) mod 2^31) >> 8, int32,
     j < PERIOD, made once per device."""
-    key = str(device)
-    if key not in _TABLES:
+    if "cpu" not in _TABLES:
         j = torch.arange(PERIOD, dtype=torch.int64)
         weights = torch.bitwise_right_shift(torch.bitwise_and(j * 1_103_515_245 + 12_345, (1 << 31) - 1), 8)
-        _TABLES[key] = ((j + 1).to(torch.int32).to(device), weights.to(torch.int32).to(device))
+        _TABLES["cpu"] = ((j + 1).to(torch.int32), weights.to(torch.int32))
+    key = str(device)
+    if key not in _TABLES:
+        _TABLES[key] = tuple(t.to(device) for t in _TABLES["cpu"])  # type: ignore[assignment]
     return _TABLES[key]
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from .clock import OwnClock
 from .faults import PROCESSES, _weights, binding, context, fault_plan, make_executor
 
 START_LIMIT = 120.0  # seconds the processes of a case may take to start and meet (forked: about one)
@@ -126,7 +127,7 @@ def worker(process: int, port: int, workdir: str, case_id: str) -> None:
     store = dist.PrefixStore(f"{case_id}/", root)
     victim = process == phase.victim
     out: dict[str, Any] = {"process": process, "case": case_id}
-    start: float | None = None  # when the measured wait began
+    start: OwnClock | None = None  # started when the measured wait began
     try:
         plan, b = Plan.load(case["plan"]), binding()
         src = shard(plan.src, _weights(plan.src.model, 1), ranks=list(b.src_ranks_of(process)))
@@ -141,12 +142,12 @@ def worker(process: int, port: int, workdir: str, case_id: str) -> None:
             if victim:
                 _stop()
             mine = rv.connect(rdv)
-            start = time.monotonic()
+            start = OwnClock()
             rv.join(mine, rdv, process, PROCESSES, "trainer")
         elif phase.when == "setup":
             if victim:
                 _stop()
-            start = time.monotonic()
+            start = OwnClock()
             make_executor(phase.kind, plan, process, src, dst, store, "case", timeout, checksum=True,
                           setup_timeout=timeout)
         elif phase.when == "first-refit":  # the victim freezes as it would leave set-up; the others refit
@@ -155,7 +156,7 @@ def worker(process: int, port: int, workdir: str, case_id: str) -> None:
 
                 Exchange.leave_setup = lambda self, process: _stop()
             ex = make_executor(phase.kind, plan, process, src, dst, store, "case", timeout, checksum=True)
-            start = time.monotonic()
+            start = OwnClock()
             ex.refit()
             ex.close()
         else:
@@ -168,7 +169,7 @@ def worker(process: int, port: int, workdir: str, case_id: str) -> None:
             _meet(store, "armed")
             if victim and phase.when == "close":
                 _stop()
-            start = time.monotonic()
+            start = OwnClock()
             if phase.when == "refit":
                 ex.refit()
             ex.close()
@@ -179,7 +180,8 @@ def worker(process: int, port: int, workdir: str, case_id: str) -> None:
         out["error"] = f"{type(e).__name__}: {e}"
         if start is None:  # failed before the phase: the case itself is broken
             out["crash"] = traceback.format_exc(limit=6)
-    out["seconds"] = time.monotonic() - start if start is not None else None
+    out["seconds"] = start.seconds() if start is not None else None  # own time: the machine's queueing excluded
+    out["wall_seconds"] = start.wall() if start is not None else None
     (Path(workdir) / f"{case_id}-{process}.json").write_text(json.dumps(out))
     os._exit(0)  # not torch's destructors: a gloo group's waits on the frozen peer at exit are not the refit's
 

@@ -6,7 +6,8 @@ executor's. Corruption is caught by the executors' end-to-end checksums (both al
 
 SLACK is 2 s: measured survivors raise 0.02-0.05 s after a kill (gloo sees the socket close; NIXL and shared
 memory see another process's failure at their next poll) and 3.0-3.03 s after a freeze with a 3 s timeout, on
-a 2-core machine shared with other work. RESHARD_FAULT_SLACK widens it on slower machines.
+a 2-core machine shared with other work. The bound is on each survivor's own time (harness.clock: wall time less
+the time its threads queued for a CPU), so a loaded machine does not break it. RESHARD_FAULT_SLACK widens it.
 """
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def test_fault_fails_survivors_in_time_keeps_weights_and_recovers(tmp_path: Path
     for r in survivors:
         assert r["refit1"], f"process {r['process']}: the first refit was wrong"
         assert r["error"] is not None and r["error"].startswith("ExecutionError"), r
-        assert r["seconds"] < TIMEOUT + SLACK, f"process {r['process']} took {r['seconds']:.2f} s to fail"
+        assert r["seconds"] < TIMEOUT + SLACK, (f"process {r['process']} took {r['seconds']:.2f} s of its own "
+                                                f"({r['wall_seconds']:.2f} s wall) to fail")
         assert r["unchanged"], f"process {r['process']}: a failed staged refit changed its destinations"
         assert r["recovered"], f"process {r['process']}: the refit after the fault was wrong"
     if fault == "corrupt":

@@ -68,12 +68,15 @@ class Binding:
 
     @property
     def num_processes(self) -> int:
+        """How many group ranks the refit needs: one past the highest group rank this binding uses."""
         return max(self.processes, default=-1) + 1
 
     def src_ranks_of(self, process: int) -> tuple[int, ...]:
+        """The source ranks that group rank `process` plays, ascending."""
         return tuple(s for s, p in enumerate(self.src) if p == process)
 
     def dst_ranks_of(self, process: int) -> tuple[int, ...]:
+        """The destination ranks that group rank `process` plays, ascending."""
         return tuple(d for d, p in enumerate(self.dst) if p == process)
 
     def check(self, num_src: int, num_dst: int, group_size: int | None = None) -> None:
@@ -91,14 +94,17 @@ class Binding:
 
     # --- identity --------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
+        """This binding as JSON-ready lists (inverse of `from_dict`)."""
         return {"src": list(self.src), "dst": list(self.dst)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Binding":
+        """The binding `to_dict` wrote."""
         return cls(tuple(d["src"]), tuple(d["dst"]))
 
     @property
     def digest(self) -> str:
+        """SHA-256 (hex) of `to_dict`'s JSON: part of the fingerprint the ranks compare before a refit."""
         return hashlib.sha256(json.dumps(self.to_dict()).encode()).hexdigest()
 
     def __str__(self) -> str:

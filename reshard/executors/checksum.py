@@ -149,11 +149,13 @@ class Sum64Program:
         self._run = Replay(self._k.launch, single_cuda_device(blocks))
 
     def digest(self) -> bytes:
+        """The blocks' "sum64" digest now (count and three sums, 32 bytes little-endian)."""
         self._run()
         sums = [int(v) & _MASK64 for v in self._k.sums().tolist()]
         return struct.pack("<4Q", self._k.count & _MASK64, *sums)
 
     def hexdigest(self) -> str:
+        """`digest` as hex."""
         return self.digest().hex()
 
 
@@ -181,6 +183,7 @@ class Streams:
         self._h: dict[Hashable, Any] = {}
 
     def update(self, key: Hashable, t: torch.Tensor) -> None:
+        """Feed tensor `t`'s bytes into stream `key` (started on first use)."""
         h = self._h.get(key)
         if h is None:
             h = self._h[key] = hashlib.sha256() if self.algorithm == "sha256" else _Sum64()
@@ -194,16 +197,19 @@ class Streams:
             h.update(t.detach().contiguous().view(-1).view(torch.uint8))
 
     def digest(self, key: Hashable) -> bytes:
+        """Stream `key`'s digest so far (an empty stream's if it never got bytes)."""
         h = self._h.get(key)
         if h is None:
             h = hashlib.sha256() if self.algorithm == "sha256" else _Sum64()
         return h.digest()
 
     def hexdigest(self, key: Hashable) -> str:
+        """`digest` as hex."""
         return self.digest(key).hex()
 
 
 def mismatch(what: str, sent: str, got: str) -> str:
+    """The error message for a block whose checksum on arrival is not the one its sender sent."""
     return (f"checksum mismatch: {what} arrived with checksum {got[:16]}, the sender sent {sent[:16]} (bytes "
             f"were corrupted in flight)")
 

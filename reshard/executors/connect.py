@@ -26,10 +26,12 @@ _READY: dict[tuple[int, int], object] = {}
 
 
 def ready(comm, peer: int = -1) -> bool:
+    """Whether this process has already connected `comm` to `peer` (a global rank; -1: its collectives)."""
     return (id(comm), peer) in _READY
 
 
 def mark_ready(comms: list, peers: list[int]) -> None:
+    """Remember that every one of `comms` is connected to every one of `peers` (-1: its collectives)."""
     _READY.update({(id(c), p): c for c in comms for p in peers})
 
 

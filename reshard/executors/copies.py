@@ -49,10 +49,12 @@ class Copies:
 
     @property
     def numel(self) -> int:
+        """Elements moved by the whole program."""
         c = self.cols
         return int((c["n"] * c["rows"] * c["cols"]).sum())
 
     def select(self, mask: np.ndarray) -> "Copies":
+        """The copies where boolean `mask` is set, in order."""
         return Copies({k: v[mask] for k, v in self.cols.items()})
 
     def rows_as_lists(self) -> list[tuple[int, ...]]:
@@ -61,10 +63,12 @@ class Copies:
 
     @classmethod
     def empty(cls) -> "Copies":
+        """A program of no copies."""
         return cls({c: np.zeros(0, np.int64) for c in COPY_COLUMNS})
 
     @classmethod
     def concat(cls, parts: list["Copies"]) -> "Copies":
+        """The copies of `parts`, one program after the other."""
         if not parts:
             return cls.empty()
         return cls({c: np.concatenate([p.cols[c] for p in parts]) for c in COPY_COLUMNS})

@@ -25,6 +25,17 @@ PROTOCOL = 1
 
 
 class Exchange:
+    """The store keys through which an executor's processes set up and agree on each refit (module docstring).
+
+    Args:
+        store: a torch.distributed store every process of the binding reaches.
+        namespace: this executor's name in the store (no '/'), so that several share one store.
+        transport: the executor kind, the keys' outer prefix.
+
+    Raises:
+        ExecutionError: `namespace` is empty or holds '/'.
+    """
+
     def __init__(self, store: Any, namespace: str, transport: str = "nixl") -> None:
         import torch.distributed as dist
 
@@ -70,6 +81,7 @@ class Exchange:
         self._first_reason("setup/fail", f"process {process}: {reason}")
 
     def raise_if_setup_failed(self) -> None:
+        """Raise ExecutionError if another process's set-up failed (a store gone away: the caller's wait says so)."""
         try:
             reason = self._reason("setup/fail")
         except (RuntimeError, OSError):  # the store went away: the caller's own wait reports that
@@ -114,6 +126,7 @@ class Exchange:
         self._first_reason(f"v{version}/fail", reason)
 
     def failure(self, version: int) -> str | None:
+        """The first reason given for refit `version`'s failure, or None while none failed."""
         return self._reason(f"v{version}/fail")
 
     def _first_reason(self, key: str, reason: str) -> None:
@@ -126,6 +139,7 @@ class Exchange:
         return self.store.get(key).decode(errors="replace") if self.store.check([key]) else None
 
     def vote(self, version: int) -> int:
+        """Count this process as having finished and verified refit `version`; returns the votes so far."""
         return int(self.store.add(f"v{version}/ok", 1))
 
     def wait_all(self, version: int, processes: int, deadline: float, poll_max_s: float) -> None:
@@ -147,6 +161,7 @@ class Exchange:
         self.store.add(key, 1)
 
     def count(self, key: str) -> int:
+        """The counter at `key` now (0 if never signalled)."""
         return int(self.store.add(key, 0))
 
     def wait_count(self, key: str, want: int, version: int, deadline: float, poll_max_s: float, what: str) -> None:

@@ -28,6 +28,7 @@ TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32":
 
 
 def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a plan's dtype name; ExecutionError if torch here has none."""
     dtype = TORCH_DTYPES.get(name)
     if dtype is None:
         raise ExecutionError(f"dtype {name!r} has no torch equivalent here")

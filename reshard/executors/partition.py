@@ -60,6 +60,7 @@ class Partition:
     # --- the global split (the same on every process) ------------------------------------------------
     @cached_property
     def senders_receivers(self) -> tuple[np.ndarray, np.ndarray]:
+        """`op_processes`: per op, the sending and the receiving process."""
         return op_processes(self.plan, self.binding)
 
     @property
@@ -126,6 +127,7 @@ class Partition:
 
     @property
     def peers(self) -> tuple[int, ...]:
+        """The processes this one sends to or receives from, sorted."""
         return tuple(sorted(set(self.sends_to) | set(self.receives_from)))
 
     @cached_property
@@ -214,19 +216,23 @@ class Partition:
 
     # --- byte counts ---------------------------------------------------------------------------------
     def numel(self, ops: np.ndarray) -> int:
+        """Elements the ops `ops` (indices into the plan's ops) move."""
         o = self.plan.ops
         return int((o["rows"][ops] * o["cols"][ops]).sum())
 
     @cached_property
     def bytes_sent(self) -> dict[int, int]:
+        """Peer -> the bytes this process sends it per refit."""
         return {q: self.numel(ops) * self.plan.itemsize for q, ops in self.sends_to.items()}
 
     @cached_property
     def bytes_received(self) -> dict[int, int]:
+        """Peer -> the bytes it sends this process per refit."""
         return {q: self.numel(ops) * self.plan.itemsize for q, ops in self.receives_from.items()}
 
     @cached_property
     def local_numel(self) -> int:
+        """Elements this process copies locally per refit."""
         return self.numel(self.local)
 
 

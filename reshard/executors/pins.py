@@ -27,6 +27,7 @@ class Pins:
         return 0 if now == self.addresses else sum(map(operator.ne, now, self.addresses))
 
     def check(self) -> None:
+        """Raise ExecutionError if any pinned tensor's storage was replaced since."""
         moved = self.moved()
         if moved:
             raise ExecutionError(f"{moved} bound tensors were replaced since the executor was made; update them in "

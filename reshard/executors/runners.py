@@ -235,6 +235,7 @@ class RoundRunner(abc.ABC):
         return ops
 
     def describe(self, pos: int) -> str:
+        """Round `pos` in words (its stage and the bytes it sends and receives, per peer), for error messages."""
         r, size = self.rounds[pos], self.setup.plan.itemsize
         parts = [f"send {m.numel * size} B to group rank {m.peer}" for m in r.sends]
         parts += [f"receive {m.numel * size} B from group rank {m.peer}" for m in r.recvs]

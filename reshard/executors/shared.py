@@ -107,6 +107,7 @@ class Segment:
                 Segment._mine[self.tensor.data_ptr()] = self
 
     def unlink(self) -> None:
+        """Remove the segment's file if this process created it (the mapping stays usable; no-op otherwise)."""
         if self.created:
             with Segment._lock:
                 Segment._mine.pop(self.tensor.data_ptr(), None)

@@ -11,7 +11,7 @@
      tensors; the template and the relay template write every destination element holding model data exactly
      once (planner.coverage, as the compiler proves it); the selection and the colocation are valid, and the
      lower bounds are the layouts'.
-Executors check the ops they run again, against the tensors they are given (executors.guard), whatever the
+Executors check the ops they run again, against the tensors they are given (executors.preflight), whatever the
 plan's origin.
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from reshard.executors.copies import DST, SRC, fold, run_copies
-from reshard.executors.views import Memory, bind, word_elements
+from reshard.executors.views import Memory, view_copies, word_elements
 
 DTYPES = {2: torch.bfloat16, 4: torch.float32}
 
@@ -44,7 +44,7 @@ def test_bound_program_copies_like_the_plain_runner(case):
     src = base[shift:]  # a misaligned start disables word views for the source
     want, got = torch.zeros(4096, dtype=dtype), torch.zeros(4096, dtype=dtype)
     run_copies(prog.rows_as_lists(), lambda kind, i: src if kind == SRC else want)
-    bind(prog, Memory(lambda kind, i: src if kind == SRC else got, itemsize), itemsize).run()
+    view_copies(prog, Memory(lambda kind, i: src if kind == SRC else got, itemsize), itemsize).run()
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     assert (word_elements(prog, itemsize) >= 1).all()
 
@@ -54,7 +54,7 @@ def test_large_contiguous_copies_run_alone():
     src = torch.randn(2 * n).to(torch.bfloat16)
     got = torch.zeros(2 * n, dtype=torch.bfloat16)
     prog = fold(SRC, 0, np.array([0, n + 8]), n, DST, 0, np.array([n, 0]), n, 1, np.array([n, 64]))
-    bound = bind(prog, Memory(lambda kind, i: src if kind == SRC else got, 2), 2)
+    bound = view_copies(prog, Memory(lambda kind, i: src if kind == SRC else got, 2), 2)
     assert len(bound.large) == 1 and sum(len(g[0]) for g in bound.groups) == 1
     bound.run()
     assert torch.equal(got[n:], src[:n]) and torch.equal(got[:64], src[n + 8:n + 72])

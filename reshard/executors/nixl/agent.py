@@ -78,4 +78,5 @@ def is_nixl_error(exc: BaseException) -> bool:
 
 
 def describe(exc: BaseException) -> str:
+    """An exception in one line for error messages: its type name and its message."""
     return f"{type(exc).__name__}: {exc}"

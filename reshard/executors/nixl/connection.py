@@ -124,6 +124,7 @@ class Connection:
         return self.agent.check_xfer_state(self.handles[link.id])
 
     def notify(self, peer: int, message: bytes, link: Link) -> None:
+        """Send `message` to process `peer`'s agent about `link`; ExecutionError if NIXL fails."""
         try:
             self.agent.send_notif(self.names[peer], message)
         except Exception as e:

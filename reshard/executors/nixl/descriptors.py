@@ -19,6 +19,7 @@ MEMORY_PREFIX = "SDHW"  # SRC, DST, SHADOW, WIRE as one letter in address books
 
 
 def memory_name(kind: int, ident: int) -> str:
+    """Memory (kind, id)'s name in an address book: the kind's letter of MEMORY_PREFIX, then the id."""
     return f"{MEMORY_PREFIX[kind]}{ident}"
 
 
@@ -56,6 +57,7 @@ def merged_regions(regions: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def region_array(regions: list[tuple[int, int]], device: int) -> np.ndarray:
+    """Nx3 descriptors (address, bytes, `device`) of (address, nbytes) regions, for register_memory."""
     arr = np.zeros((len(regions), 3), dtype=np.uint64)
     for i, (a, n) in enumerate(regions):
         arr[i] = (a, n, device)

@@ -80,16 +80,19 @@ class NixlOptions:
             raise ExecutionError("invalid NIXL options:\n  - " + "\n  - ".join(problems))
 
     def pack_threshold(self, device_memory: bool) -> int:
+        """`pack_below`, or its default for device (VRAM) or host memory."""
         if self.pack_below is not None:
             return self.pack_below
         return PACK_BELOW_VRAM if device_memory else PACK_BELOW_DRAM
 
     def land_threshold(self, device_memory: bool) -> int:
+        """`land_below`, or its default for device (VRAM) or host memory."""
         if self.land_below is not None:
             return self.land_below
         return LAND_BELOW_VRAM if device_memory else LAND_BELOW_DRAM
 
     def to_dict(self) -> dict[str, Any]:
+        """Every option by name (JSON-ready)."""
         return asdict(self)
 
     def shared(self) -> dict[str, Any]:

@@ -96,10 +96,12 @@ class Link:
 
     @property
     def packed(self) -> bool:
+        """Whether some of the link's ops travel through the packed send / receive buffers."""
         return self.packed_numel > 0
 
     @property
     def num_pieces(self) -> int:
+        """How many descriptors the link's transfer moves."""
         return int(self.pieces["numel"].shape[0])
 
     def __str__(self) -> str:
@@ -134,13 +136,16 @@ class LinkSchedule:
 
     @property
     def links(self) -> tuple[Link, ...]:
+        """Every link of this process: incoming, then outgoing."""
         return self.incoming + self.outgoing
 
     def initiates(self, link: Link) -> bool:
+        """Whether this process posts `link`'s transfer (the receiver reads, the sender writes)."""
         return (link.receiver if self.direction == "read" else link.sender) == self.process
 
     @property
     def staging_bytes(self) -> int:
+        """Bytes of this process's arena (its shadows and wire buffers)."""
         return self.arena_numel * self.itemsize
 
 

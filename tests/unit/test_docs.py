@@ -108,37 +108,13 @@ def doc_problems(obj: object) -> list[str]:
     return problems
 
 
-# Modules (owned by other work of issue 44) whose exported names lack the sections for now; remove each once fixed.
-STYLE_NOT_YET: set[str] = set()
-
-
 def test_every_public_name_documents_itself():
-    problems = [f"{m}.{n}: {p}" for m, n, obj in public_names() if getattr(obj, "__module__", "") not in STYLE_NOT_YET
-                for p in doc_problems(obj)]
+    problems = [f"{m}.{n}: {p}" for m, n, obj in public_names() for p in doc_problems(obj)]
     assert not problems, "\n".join(problems)
 
 
 # Every other public name of the package needs a docstring too: a one-line summary is enough where the signature
-# says the rest. These modules (owned by other work of issue 44; reshard.testing is being reorganised) are skipped
-# for now; each number is how many public names the module leaves undocumented today, and must not grow. Remove an
-# entry once its module passes.
-NOT_YET = {
-    "reshard.adapters.engines": 9, "reshard.adapters.hf_dir": 3, "reshard.adapters.transports": 1,
-    "reshard.adapters.lora.slots": 2,
-    "reshard.adapters.ray": 24, "reshard.adapters.refit": 6,
-    "reshard.adapters.server": 17, "reshard.adapters.vllm.agreed": 4, "reshard.adapters.vllm.check": 2,
-    "reshard.adapters.vllm.derive": 1, "reshard.adapters.vllm.direct": 1, "reshard.adapters.vllm.families": 1,
-    "reshard.adapters.vllm.lease": 1, "reshard.adapters.vllm.live": 1, "reshard.adapters.vllm.loader": 1,
-    "reshard.adapters.vllm.session": 4,
-    # these need vllm (verl.engine: verl) to import; counted from their source, where inherited docs are not seen
-    "reshard.adapters.vllm.engine": 8, "reshard.adapters.vllm.trainer": 12, "reshard.adapters.vllm.worker": 5,
-    "reshard.executors.binding": 6, "reshard.executors.checksum": 6, "reshard.executors.connect": 2,
-    "reshard.executors.copies": 4, "reshard.executors.exchange": 5,
-    "reshard.executors.local": 1, "reshard.executors.partition": 7,
-    "reshard.executors.pins": 1, "reshard.executors.runners": 1, "reshard.executors.shared": 1,
-    "reshard.executors.views": 1, "reshard.executors.nixl.agent": 1, "reshard.executors.nixl.connection": 1,
-    "reshard.executors.nixl.descriptors": 2, "reshard.executors.nixl.options": 3, "reshard.executors.nixl.schedule": 5,
-}
+# says the rest.
 
 
 def package_modules() -> list[str]:
@@ -182,16 +158,10 @@ def imported(module_name: str):
         raise
 
 
-@pytest.mark.parametrize("module_name", [m for m in package_modules() if m not in NOT_YET])
+@pytest.mark.parametrize("module_name", package_modules())
 def test_every_public_name_has_a_docstring(module_name):
     missing = undocumented(imported(module_name))
     assert not missing, f"{module_name}: no docstring: {', '.join(missing)}"
-
-
-@pytest.mark.parametrize("module_name", [m for m in NOT_YET if m in package_modules()])
-def test_not_yet_does_not_grow(module_name):
-    missing = undocumented(imported(module_name))
-    assert len(missing) <= NOT_YET[module_name], f"{module_name}: no docstring: {', '.join(missing)}"
 
 
 def test_readme_is_a_front_door():

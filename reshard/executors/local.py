@@ -275,7 +275,7 @@ class LocalExecutor(Executor):
         for side, given, layout in (("src", self.src, plan.src), ("dst", self.dst, plan.dst)):
             unknown = sorted(r for r in given if not 0 <= r < layout.num_ranks)
             if unknown:
-                raise ExecutionError(f"{side} names ranks {unknown[:10]} that the plan's {layout.kind} side does "
+                raise ExecutionError(f"{side} names ranks {unknown[:10]} that the plan's {layout.engine} side does "
                                      f"not have")
         check_ops(plan)
         ops = plan.ops

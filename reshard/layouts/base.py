@@ -184,11 +184,6 @@ class Layout(ValidatedModel, abc.ABC):
                                                                f"fields by name", {"model": value})
         return value
 
-    @property
-    def kind(self) -> str:
-        """The engine's name, under its former attribute name (for executors.local until it reads `engine`)."""
-        return self.engine
-
     # --- structure -------------------------------------------------------------------------------
     @property
     @abc.abstractmethod

@@ -3,7 +3,7 @@
 Two processes, one GPU each, move 8.19 GB each way (both directions at once, as in refit_nccl.py's E3) cut
 into messages of different sizes, posted in groups (`batch_isend_irecv`, one per round) on one communicator
 or alternating between communicators. The first row, eight 1 GiB messages in one group, is the ceiling every
-other row is printed against. This is the measurement behind executors.lanes.
+other row is printed against. This is the measurement behind executors.collective.lanes.
 
     torchrun --nproc_per_node 2 benchmarks/nccl_p2p_shapes.py      # export NCCL_NVLS_ENABLE=0 first
 """

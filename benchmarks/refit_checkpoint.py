@@ -53,7 +53,7 @@ def convert_job(tiny: TinyGPT, ckpt: str, out: str) -> None:
     from safetensors.torch import save_file
 
     from reshard.adapters.megatron import derive_layout, source_tensors
-    from reshard.executors.local import allocate, execute_local
+    from reshard.executors.reference import allocate, execute_local
     from reshard.layouts import HfLayout
     from reshard.planner import compile_plan
     from reshard.testing.megatron_cpu import build_model, init_parallel
@@ -78,7 +78,7 @@ def reshard_refit(ckpt: str, config: str, tp: int) -> dict:
     import reshard
     from reshard.adapters.megatron.checkpoint import open_checkpoint
     from reshard.adapters.megatron.checkpoint_layout import checkpoint_layout, checkpoint_tensors
-    from reshard.executors.local import allocate, execute_local
+    from reshard.executors.reference import allocate, execute_local
 
     start = time.perf_counter()
     spec = reshard.ModelSpec(**{**reshard.ModelSpec.from_hf_config(config).model_dump(), "dtype": "float32"})

@@ -32,7 +32,7 @@ import _harness_path  # noqa: E402,F401 - tests/ (the harness) on the path, here
 
 import reshard  # noqa: E402
 from reshard.executors.fp8 import Fp8Executor  # noqa: E402
-from reshard.executors.local import LocalExecutor, allocate  # noqa: E402
+from reshard.executors.reference import ReferenceExecutor, allocate  # noqa: E402
 from reshard.layouts.fp8 import Fp8Scheme  # noqa: E402
 from reshard.planner.fp8 import compile_fp8  # noqa: E402
 from harness.fp8_reference import reference_quantize, same_bytes  # noqa: E402
@@ -104,7 +104,7 @@ def main() -> int:
     results["copy_fp8_wire"] = timed(lambda: wire8b.copy_(wire8), args.iters)
     del flat, flat2, wire8, wire8b
 
-    bf16 = LocalExecutor(plan, None, 0, src, dst16)
+    bf16 = ReferenceExecutor(plan, None, 0, src, dst16)
     results["refit_bf16"] = timed(bf16.refit, args.iters)
 
     for tag in ("eager", "kernel"):

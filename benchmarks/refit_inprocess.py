@@ -4,9 +4,9 @@ its ceiling measured in the same run.
 Trainer and engine in one process (verl's colocated hybrid engine, an in-process `LLM`): Megatron TP1 tensors of
 the model and vLLM TP1 tensors, random bf16 weights. Per model (--configs):
   copy                 ceiling: one copy of the refit's bytes in one flat tensor (device copy; CPU: torch's copy)
-  reference            the reference LocalExecutor (views built and ops walked in Python at every refit)
-  bound, no graph      the bound executor (executors.bound) with its program run eagerly
-  inprocess            the inprocess transport end to end (PublishedSource: the bound executor, one CUDA graph)
+  reference            the reference ReferenceExecutor (views built and ops walked in Python at every refit)
+  bound, no graph      the inprocess executor (executors.inprocess) with its program run eagerly
+  inprocess            the inprocess transport end to end (PublishedSource: the inprocess executor, one CUDA graph)
   bound variants       graph modes and streams; on a GPU the table-copy kernel (kernels.copy_table) for the large
                        copies over KernelTuning's chunk sizes and warps (--table-variants), each variant's bytes
                        checked against the reference (its cache hints, one block in flight and a persistent grid were
@@ -28,7 +28,7 @@ With --fp8 (first model only; GPU):
   --quick: without the quantizer's variants and the receivers' case.
 With --sum64 (the extras model): the "sum64" digest of the refit's source stream (every op's block, plan order)
 as a separate pass (checksum.Sum64Program, one graph), against the refit's own time; the torch-ops digest of
-the same blocks (the reference, once) must be equal. Then the refit with checksum="sum64" (the bound executor
+the same blocks (the reference, once) must be equal. Then the refit with checksum="sum64" (the inprocess executor
 with the copy-and-checksum kernel, kernels.copy_sum64: bytes read once) over KernelTuning's windows and warps,
 its digest against the reference and its bytes against the plain refit's, and its time beside the refit's, the
 device copy and the separate pass.
@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import reshard  # noqa: E402
-from reshard.executors.local import LocalExecutor, allocate  # noqa: E402
+from reshard.executors.reference import ReferenceExecutor, allocate  # noqa: E402
 from reshard.kernels import KernelTuning  # noqa: E402
 
 # the variants swept, as KernelTuning overrides (--table-variants and --quantize-variants replace the first two)
@@ -71,15 +71,15 @@ def named(overrides: dict) -> str:
 
 
 def bound_executor(plan, src, dst, tuning: KernelTuning, **options):
-    """The bound executor with its kernels launched with `tuning`; None where the executor does not take a
+    """The inprocess executor with its kernels launched with `tuning`; None where the executor does not take a
     tuning yet (it then builds its kernels with KernelTuning()) and `tuning` is another."""
-    from reshard.executors.bound import BoundLocalExecutor
+    from reshard.executors.inprocess import InProcessExecutor
 
-    if "tuning" in inspect.signature(BoundLocalExecutor).parameters:
-        return BoundLocalExecutor(plan, None, 0, src, dst, tuning=tuning, **options)
+    if "tuning" in inspect.signature(InProcessExecutor).parameters:
+        return InProcessExecutor(plan, None, 0, src, dst, tuning=tuning, **options)
     if tuning != KernelTuning():
         return None
-    return BoundLocalExecutor(plan, None, 0, src, dst, **options)
+    return InProcessExecutor(plan, None, 0, src, dst, **options)
 
 
 def timed(fn, iters: int, device: torch.device, warmup: int = 2) -> list[float]:
@@ -136,7 +136,7 @@ def bf16_case(config: str, device, iters: int, results: dict, keep: bool, table_
     r["copy_s"] = copy_ceiling(r["bytes"], device, iters)
     src = random_source(src_l, device)
     dst = allocate(dst_l, -7.0, device=device)
-    ref = LocalExecutor(plan, None, 0, src, dst)
+    ref = ReferenceExecutor(plan, None, 0, src, dst)
     r["reference_s"] = med(timed(ref.refit, max(3, iters // 4), device, warmup=1))
     want = {0: {n: t.clone() for n, t in dst[0].items()}} if keep or config.endswith("8b") else None
     if want is None:  # too large to keep a second copy: per-tensor sum64 digests of the reference's bytes
@@ -195,7 +195,7 @@ def bf16_case(config: str, device, iters: int, results: dict, keep: bool, table_
           f"({r['inprocess_of_copy']:.0%}) | equal {r['inprocess_equals_reference']} graph {r['graph']} "
           f"table {r['table']} (variants equal: {r.get('table_equal')})", flush=True)
     if r.get("variants_skipped"):
-        print(f"  skipped (the bound executor takes no tuning yet): {r['variants_skipped']}", flush=True)
+        print(f"  skipped (the inprocess executor takes no tuning yet): {r['variants_skipped']}", flush=True)
     print("  bound variants: " + ", ".join(f"{k} {v * 1e3:.2f} ms ({r['copy_s'] / v:.0%})"
                                          for k, v in r["variants_s"].items()), flush=True)
     ctx = {"spec": spec, "plan": plan, "src": src, "dst": dst, "ex": ex, "src_l": src_l, "dst_l": dst_l}
@@ -213,7 +213,7 @@ def quantize_variants(fp, src, device, iters: int, r: dict, reference, variants)
     for overrides in variants:
         name = named(overrides)
         dst8 = allocate(fp.full_dst, -7.0, device=device)
-        ex = Fp8Executor(fp, None, 0, src, dst8, inner="bound", quantizer="kernel", direct=True,
+        ex = Fp8Executor(fp, None, 0, src, dst8, inner="inprocess", quantizer="kernel", direct=True,
                          tuning=KernelTuning(**overrides))
         r["quantize_variants_s"][name] = med(timed(lambda: ex.direct.run(ex.quantize), iters, device, 3))
         r["refit_variants_s"][name] = med(timed(ex.refit, iters, device, warmup=3))
@@ -242,7 +242,7 @@ def fp8_case(ctx: dict, bf: dict, device, iters: int, results: dict, quick: bool
     for tag, quantizer, direct in (("direct", "kernel", True), ("shadows", "kernel", False),
                                    ("reference", "eager", False)):
         dst8 = allocate(fp.full_dst, -7.0, device=device)
-        ex = Fp8Executor(fp, None, 0, src, dst8, inner="bound", quantizer=quantizer, direct=direct)
+        ex = Fp8Executor(fp, None, 0, src, dst8, inner="inprocess", quantizer=quantizer, direct=direct)
         r[f"refit_{tag}_s"] = med(timed(ex.refit, iters if tag != "reference" else 3, device, warmup=3))
         if tag == "direct":
             jobs = ex.direct.jobs
@@ -288,7 +288,7 @@ def fp8_case(ctx: dict, bf: dict, device, iters: int, results: dict, quick: bool
     outs = {}
     for tag, quantizer in (("kernel", "kernel"), ("reference", "eager")):
         dst8 = allocate(fp2.full_dst, -7.0, device=device)
-        ex = Fp8Executor(fp2, None, 0, src2, dst8, inner="bound", quantizer=quantizer)
+        ex = Fp8Executor(fp2, None, 0, src2, dst8, inner="inprocess", quantizer=quantizer)
         q[f"refit_{tag}_s"] = med(timed(ex.refit, iters if tag == "kernel" else 3, device, warmup=3))
         if tag == "kernel":
             jobs = ex.receivers.jobs
@@ -303,9 +303,9 @@ def fp8_case(ctx: dict, bf: dict, device, iters: int, results: dict, quick: bool
     del outs
     plan2 = reshard.compile(src2_l, dst_l, colocated=True)
     dst16 = allocate(dst_l, -7.0, device=device)
-    from reshard.executors.bound import BoundLocalExecutor
+    from reshard.executors.inprocess import InProcessExecutor
 
-    b16 = BoundLocalExecutor(plan2, None, 0, src2, dst16)
+    b16 = InProcessExecutor(plan2, None, 0, src2, dst16)
     q["bf16_refit_s"] = med(timed(b16.refit, iters, device, warmup=3))
     q["kernel_over_bf16"] = q["refit_kernel_s"] / q["bf16_refit_s"]
     q["receivers_of_hbm"] = q["receivers_ceiling_s"] / q["receivers_s"]
@@ -320,7 +320,7 @@ def fp8_case(ctx: dict, bf: dict, device, iters: int, results: dict, quick: bool
 
 def sum64_case(ctx: dict, bf: dict, device, iters: int, results: dict) -> None:
     from reshard.executors.checksum import Sum64Program, _Sum64
-    from reshard.executors.local import block
+    from reshard.executors.reference import block
 
     plan, src = ctx["plan"], ctx["src"]
     o = plan.ops
@@ -346,11 +346,11 @@ def sum64_case(ctx: dict, bf: dict, device, iters: int, results: dict) -> None:
           f"= {r['kernel_over_refit']:.2f}x the refit ({r['refit_s'] * 1e3:.2f} ms), reads at {r['read_of_hbm']:.0%} "
           f"of the copy's bandwidth | torch ops {r['torch_ops_s'] * 1e3:.0f} ms | equal {r['equal']}", flush=True)
     # the refit with checksum="sum64": copies and digest in one kernel (kernels.copy_sum64), against the refit
-    from reshard.executors.bound import BoundLocalExecutor
+    from reshard.executors.inprocess import InProcessExecutor
     from reshard.kernels.copy_sum64 import CopySum64
 
     dst = ctx["dst"]
-    BoundLocalExecutor(plan, None, 0, src, dst).refit()  # the plain refit's bytes, to compare against
+    InProcessExecutor(plan, None, 0, src, dst).refit()  # the plain refit's bytes, to compare against
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     want_bytes = {0: {n: t.clone() for n, t in dst[0].items()}}

@@ -6,9 +6,9 @@ In process (one process holds the trainer's tensors and the engine's slots; the 
 vLLM's `lora_a_stacked[s][slot, 0]` views, vLLM itself is not imported):
   compile                first compile of the plan (once per process)
   lookup                 planner.cache.cached_plan on a hit (every refit pays it)
-  bind                   SlotRefit's executor: checks and views, once (executors.bound)
+  bind                   SlotRefit's executor: checks and views, once (executors.inprocess)
   refit                  lookup + one batched copy of every block + B *= alpha / r + device sync: end to end
-  refit (reference)      the same plan through the reference LocalExecutor (checks and a Python loop per refit)
+  refit (reference)      the same plan through the reference ReferenceExecutor (checks and a Python loop per refit)
   copy                   ceiling: one device copy of the same bytes
   publish (CPU)          landing (b): the plan into PEFT-named tensors, safetensors + fsync + atomic switch
   tiny adapter           the refit of a two-layer hidden-64 adapter: the fixed cost besides the bytes
@@ -16,7 +16,7 @@ Across processes (a trainer process and an engine process, a TCPStore for contro
 both run the executor, the engine scales B and answers; measured at the trainer from ask to answer:
   control round trip         ask and answer alone, no executor
   shared staged / in place   executors.shared (POSIX shared memory on CPU, CUDA IPC on one GPU)
-  collective (CPU)           executors.distributed over a gloo group made over the store, in place
+  collective (CPU)           executors.collective.executor over a gloo group made over the store, in place
 
     python benchmarks/refit_lora.py [--device cpu|cuda] [--iters 50] [--json PATH]
 """
@@ -69,7 +69,7 @@ def _ms(xs: list[float]) -> dict:
 
 def in_process(device: torch.device, iters: int) -> dict:
     from reshard.executors import allocate, make_executor
-    from reshard.executors.bound import BoundLocalExecutor
+    from reshard.executors.inprocess import InProcessExecutor
     from reshard.planner import cache, compile_plan
 
     spec, src_layout, dst_layout = _layouts()
@@ -90,7 +90,7 @@ def in_process(device: torch.device, iters: int) -> dict:
     src, dst = allocate(src_layout, device=device), allocate(dst_layout, device=device)
     _fill(src[0], device, 0)
     t0 = time.perf_counter()
-    ex = BoundLocalExecutor(plan, None, 0, src, dst)
+    ex = InProcessExecutor(plan, None, 0, src, dst)
     b_views = [t for n, t in dst[0].items() if ".lora_b_stacked." in n]
     out["bind_ms"] = (time.perf_counter() - t0) * 1e3
     scale = ALPHA / RANK
@@ -110,7 +110,7 @@ def in_process(device: torch.device, iters: int) -> dict:
         times.append(time.perf_counter() - t0)
     out["refit"] = _ms(times)
     dst_ref = allocate(dst_layout, device=device)
-    ref = make_executor("local", plan, None, 0, src, dst_ref)
+    ref = make_executor("reference", plan, None, 0, src, dst_ref)
     ref_b = [t for n, t in dst_ref[0].items() if ".lora_b_stacked." in n]
     times = []
     for k in range(max(5, iters // 5) + 1):
@@ -122,7 +122,7 @@ def in_process(device: torch.device, iters: int) -> dict:
         _sync(device)
         if k:
             times.append(time.perf_counter() - t0)
-    out["refit (reference LocalExecutor)"] = _ms(times)
+    out["refit (reference ReferenceExecutor)"] = _ms(times)
     ref.refit()  # a refit rewrites every byte of B's data, so the last landing is all that is compared
     for t in ref_b:
         t.mul_(scale)
@@ -149,13 +149,13 @@ def in_process(device: torch.device, iters: int) -> dict:
 def fixed_cost(device: torch.device, iters: int) -> dict:
     """The same refit for a tiny adapter (two layers, hidden 64, rank 16): what a refit costs besides its bytes."""
     from reshard.executors import allocate
-    from reshard.executors.bound import BoundLocalExecutor
+    from reshard.executors.inprocess import InProcessExecutor
     from reshard.planner import cache
 
     spec, src_layout, dst_layout = _layouts(tiny=True)
     plan = cache.cached_plan(src_layout, dst_layout)
     src, dst = allocate(src_layout, device=device), allocate(dst_layout, device=device)
-    ex = BoundLocalExecutor(plan, None, 0, src, dst)
+    ex = InProcessExecutor(plan, None, 0, src, dst)
     b_views = [t for n, t in dst[0].items() if ".lora_b_stacked." in n]
     times = []
     for k in range(iters + 5):
@@ -178,9 +178,9 @@ def _publish(spec, src_layout, src, iters: int) -> dict:
     layout = PeftLayout(model=spec)
     with tempfile.TemporaryDirectory() as tmp:
         directory = PeftDirectory(Path(tmp) / "adapter", layout)
-        from reshard.executors.bound import BoundLocalExecutor
+        from reshard.executors.inprocess import InProcessExecutor
 
-        ex = BoundLocalExecutor(cache.cached_plan(src_layout, layout), None, 0, src, {0: directory.tensors})
+        ex = InProcessExecutor(cache.cached_plan(src_layout, layout), None, 0, src, {0: directory.tensors})
         times = []
         for k in range(iters + 1):
             t0 = time.perf_counter()
@@ -206,8 +206,8 @@ def worker(me: int, port: int, args: dict, out: str) -> None:
 
     from reshard.executors import allocate
     from reshard.executors.binding import Binding
-    from reshard.executors.comm import StoreComm
-    from reshard.executors.distributed import DistributedExecutor
+    from reshard.executors.collective.comm import StoreComm
+    from reshard.executors.collective.executor import CollectiveExecutor
     from reshard.executors.shared import SharedExecutor, shared_empty
     from reshard.planner import cache
 
@@ -246,7 +246,7 @@ def worker(me: int, port: int, args: dict, out: str) -> None:
                 dst = {0: {n: shared_empty(tuple(t.shape), t.dtype) for n, t in dst[0].items()}}
         if staged is None:
             comm = StoreComm(dist.PrefixStore("coll/", store), me, 2, "gloo", 600.0)
-            ex = DistributedExecutor(plan, binding, me, src, dst, group=comm, in_place=True, timeout=600.0)
+            ex = CollectiveExecutor(plan, binding, me, src, dst, group=comm, in_place=True, timeout=600.0)
         else:
             ex = SharedExecutor(plan, binding, me, src, dst, store=store, staged=staged, timeout=600.0,
                                 namespace=name.replace(" ", "-"))
@@ -314,11 +314,11 @@ def main() -> int:
         results["across_processes"] = across_processes(args.device, max(10, args.iters // 2))
     r = results["in_process"]
     print(f"{info['model']} rank-{RANK} adapter on {info['device']}: {r['adapter_bytes'] / 1e6:.1f} MB of adapter, "
-          f"{r['moved_bytes'] / 1e6:.1f} MB into vLLM's slots ({r['ops']} ops); bound executor equals "
+          f"{r['moved_bytes'] / 1e6:.1f} MB into vLLM's slots ({r['ops']} ops); inprocess executor equals "
           f"the reference: {r['bound_equals_reference']}")
     print(f"  compile (first, once)     {r['compile_ms']:9.2f} ms")
     print(f"  bind (once)               {r['bind_ms']:9.2f} ms")
-    for key in ("lookup", "refit", "refit (reference LocalExecutor)", "copy (same bytes, one device copy)",
+    for key in ("lookup", "refit", "refit (reference ReferenceExecutor)", "copy (same bytes, one device copy)",
                 "publish"):
         if key in r:
             print(f"  {key:<34} median {r[key]['median_ms']:8.3f} ms  (p10 {r[key]['p10_ms']:.3f}, "

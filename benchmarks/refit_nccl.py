@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT))
 
 import reshard  # noqa: E402
 from reshard.executors.binding import Binding  # noqa: E402
-from reshard.executors.distributed import DistributedExecutor  # noqa: E402
-from reshard.executors.local import _box, torch_dtype  # noqa: E402
+from reshard.executors.collective.executor import CollectiveExecutor  # noqa: E402
+from reshard.executors.reference import _box, torch_dtype  # noqa: E402
 
 GiB = 1 << 30
 
@@ -199,7 +199,7 @@ def slowest(values: dict[str, float], group, device) -> dict[str, float]:
     return dict(zip(values, t.tolist()))
 
 
-def ceiling(ex: DistributedExecutor, me: int, clock: Clock, iters: int, device, itemsize: int) -> tuple[list, str]:
+def ceiling(ex: CollectiveExecutor, me: int, clock: Clock, iters: int, device, itemsize: int) -> tuple[list, str]:
     s = ex.schedule
     if ex.size == 1:  # E4: a device-to-device copy of the bytes the plan copies
         n = s.local_numel
@@ -239,7 +239,7 @@ def run_case(name: str, plan, binding: Binding, procs, me: int, groups: dict, de
                "direct_bytes": "auto" if args.direct_bytes is None else (args.direct_bytes or None),
                "lanes": args.lanes}
 
-    staged = DistributedExecutor(plan, binding, None, src, None, group=ex_group, **options)
+    staged = CollectiveExecutor(plan, binding, None, src, None, group=ex_group, **options)
     s = staged.schedule
     itemsize = plan.itemsize
     crossing = torch.tensor([sum(s.sent.values()) * itemsize, sum(s.received.values()) * itemsize],
@@ -280,7 +280,7 @@ def run_case(name: str, plan, binding: Binding, procs, me: int, groups: dict, de
         for tensors in got.values():
             for x in tensors.values():
                 x.zero_()
-        ex = DistributedExecutor(plan, binding, None, src, got, group=ex_group, **{mode: True}, **options)
+        ex = CollectiveExecutor(plan, binding, None, src, got, group=ex_group, **{mode: True}, **options)
         t = clock.time(lambda: last.update(stats=ex.refit()), args.iters)
         out[f"{mode}_s"], out[f"{mode}_runs"] = statistics.median(t), t
         out[f"{mode}_ok"] = same(got, want)
@@ -331,7 +331,7 @@ def run_checks(me: int, device) -> list[str]:
                 src = {r: {n: t.to(device) for n, t in src_all[r].items()} for r in binding.src_ranks_of(me)}
                 got = {r: {n: torch.full_like(t, -3.0, device=device) for n, t in want[r].items()}
                        for r in binding.dst_ranks_of(me)}
-                ex = DistributedExecutor(plan, binding, None, src, got, bucket_bytes=bucket, timeout=60.0, direct_bytes=256,
+                ex = CollectiveExecutor(plan, binding, None, src, got, bucket_bytes=bucket, timeout=60.0, direct_bytes=256,
                                          **mode)
                 for _ in range(2):
                     ex.refit()

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 import reshard  # noqa: E402
 from reshard.executors.binding import Binding  # noqa: E402
-from reshard.executors.local import _box, torch_dtype  # noqa: E402
+from reshard.executors.reference import _box, torch_dtype  # noqa: E402
 
 GB = 1e9
 

@@ -81,8 +81,8 @@ def worker(me: int, port: int, args: dict, out: str) -> None:
 
     import reshard
     from reshard.executors.binding import Binding
-    from reshard.executors.comm import StoreComm
-    from reshard.executors.distributed import DistributedExecutor
+    from reshard.executors.collective.comm import StoreComm
+    from reshard.executors.collective.executor import CollectiveExecutor
     from reshard.executors.shared import SharedExecutor
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
@@ -129,14 +129,14 @@ def worker(me: int, port: int, args: dict, out: str) -> None:
     if device.type == "cpu":
         comm = StoreComm(dist.PrefixStore("bench/", store), me, 2, "gloo", 600.0)
         src, dst = _tensors(plan, me, device, False)
-        ex = DistributedExecutor(plan, binding, me, src, dst, group=comm, in_place=True, timeout=600.0,
+        ex = CollectiveExecutor(plan, binding, me, src, dst, group=comm, in_place=True, timeout=600.0,
                                  bucket_bytes=args["bucket"], **({"direct_bytes": args["direct"]} if args.get("direct")
                                                                  else {}))
         ex.refit()
         results["collective"] = [_timed(store, f"coll/{i}", me, device, ex.refit) for i in range(iters)]
         ex.close()
         for name in args["checksum"]:
-            ex = DistributedExecutor(plan, binding, me, src, dst, group=comm, in_place=True, timeout=600.0,
+            ex = CollectiveExecutor(plan, binding, me, src, dst, group=comm, in_place=True, timeout=600.0,
                                      bucket_bytes=args["bucket"], checksum=name)
             ex.refit()
             results[f"collective+{name}"] = [_timed(store, f"coll{name}/{i}", me, device, ex.refit)

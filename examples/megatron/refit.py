@@ -49,7 +49,7 @@ def trainer(rank: int, port: int, outdir: str) -> None:
 
     from cpu_stand_ins import qwen3_gpt_model, run_megatron_on_cpu
     from reshard.adapters.megatron import read_model, source_tensors
-    from reshard.executors import Binding, allocate, execute_distributed
+    from reshard.executors import Binding, allocate, execute_collective
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=TP, timeout=datetime.timedelta(seconds=120))
@@ -65,7 +65,7 @@ def trainer(rank: int, port: int, outdir: str) -> None:
     tensors = source_tensors(read_model([model]), src)  # checks the live model against `src`, binds views
     plan = reshard.compile(src, hf)
     dst = allocate(hf, fill=float("nan"), ranks=[0]) if rank == 0 else {}  # NaN: bytes no plan wrote show
-    stats = execute_distributed(plan, Binding(src=(0, 1), dst=(0,)), {rank: tensors}, dst, timeout=120.0)
+    stats = execute_collective(plan, Binding(src=(0, 1), dst=(0,)), {rank: tensors}, dst, timeout=120.0)
 
     tokens = torch.randint(0, HF.vocab_size, (2, 16), generator=torch.Generator().manual_seed(7))
     positions = torch.arange(16)[None].expand(2, 16)

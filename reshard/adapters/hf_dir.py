@@ -17,7 +17,7 @@ A second engine kind beside vLLM, made of registrations only (nothing in layouts
                          transport="inprocess")
     TrainerSession(refit, 0, shards, engines=[HfDirectoryEngine("ckpt/", config)]).init()
 
-The engine's writers live in its process, so it takes the in-process transports ("inprocess", "distributed").
+The engine's writers live in its process, so it takes the in-process transports ("inprocess", "colocated").
 """
 from __future__ import annotations
 
@@ -138,7 +138,7 @@ class HfDirectoryEngine(EngineClient):
         refit.agreed_plan(str(self))
         if refit.cross_process:
             raise ExecutionError(f"{self}: its writers live in this process; transport {refit.transport!r} needs "
-                                 f"a process per writer (use 'inprocess' or 'distributed')")
+                                 f"a process per writer (use 'inprocess' or 'colocated')")
         self.close()
         ranks = [refit.replica * dst.writers + w for w in range(dst.writers)]
         self.refit, self.tensors = refit, allocate(dst, ranks=ranks)

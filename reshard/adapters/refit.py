@@ -54,7 +54,7 @@ class RefitSpec:
         install: how a worker lands the bytes: "direct" (into the parameters), "loader" (whole tensors through
             vLLM's `load_weights`), "lora_slot" (an adapter's slot), or an install a registered layout declares.
         replica: which replica of `dst` this engine is (engines of one refit get 0, 1, ...).
-        transport: a registered transport (adapters.transports): "inprocess", "distributed", "collective", "nixl",
+        transport: a registered transport (adapters.transports): "inprocess", "colocated", "collective", "nixl",
             "shared", or one registered since.
         options: executor options (e.g. `{"timeout": 60}`, `{"checksum": "sha256"}`).
         rendezvous: the cross-process transports' meeting point (filled in by `TrainerSession`).
@@ -305,7 +305,7 @@ def open_transport(refit: RefitSpec, process: int, src: RankTensors, dst: RankTe
         process: this process's place in the refit (cross-process transports: see the module docstring).
         src, dst: this process's source / destination tensors (rank -> name -> tensor).
         store: the rendezvous's store (cross-process transports), already joined.
-        group: the world group of the engine's workers ("distributed").
+        group: the world group of the engine's workers ("colocated").
 
     Raises:
         ExecutionError: a cross-process transport without a rendezvous, or what the executor refuses.

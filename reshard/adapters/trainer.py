@@ -171,7 +171,7 @@ class TrainerSession:
 
     def _tensors_mismatch(self, plan: Any) -> str | None:
         """Why this process's tensors cannot be the plan's source (names, shapes, dtypes, contiguity), or None."""
-        from ..executors.local import check_tensors
+        from ..executors.reference import check_tensors
 
         try:
             check_tensors(plan, self.tensors, {})

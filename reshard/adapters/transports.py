@@ -5,7 +5,7 @@ group executors through `integrations.groups`).
 A transport is an opener: `opener(Endpoint) -> Executor`, this process's executor for its part of a plan. The
 built-in ones, registered below (each imports its executor only when opened: nixl only for "nixl"):
   "inprocess"   trainer and engine in one process: the engine reads the trainer's published tensors;
-  "distributed" the trainer's processes are the engine's workers: the torch.distributed executor over `group`;
+  "colocated"   the trainer's processes are the engine's workers: the torch.distributed executor over `group`;
   "collective"  torch.distributed over a group every process joins at the rendezvous (`comm`, else made from the
                 store: gloo on CPU, NCCL on GPUs, or `options["backend"]`);
   "nixl"        NIXL one-sided transfers (keys in the rendezvous's store);
@@ -37,7 +37,7 @@ class Endpoint:
             (cross-process transports).
         namespace: unique per executor among those of one store (default: the rendezvous's refit id).
         comm: "collective": a StoreComm every process joined (else one is made from the store).
-        group: "distributed": the engine's world group.
+        group: "colocated": the engine's world group.
     """
 
     plan: Any
@@ -174,12 +174,12 @@ class PublishedSource(Executor):
     """The in-process transport on the engine side: copies from whatever the trainer published under `key` at
     each refit into this process's destination ranks.
 
-    The copies run through a bound executor (executors.bound: checks, views and the copy program made once; on a
+    The copies run through an inprocess executor (executors.inprocess: checks, views and the copy program made once; on a
     GPU one graph launch per refit), kept while the trainer updates the published tensors in place. A refit first
     checks that what is published under `key` is still the publication bound (and every tensor's storage where it
-    was); if the trainer published again, the executor is bound afresh. A plan the bound executor
-    cannot run in one process (one that relays between replicas) runs through the reference LocalExecutor.
-    `checksum` (the transport's option): the bound executor's (executors.bound; "sum64" on a GPU is computed by the
+    was); if the trainer published again, the executor is bound afresh. A plan the inprocess executor
+    cannot run in one process (one that relays between replicas) runs through the ReferenceExecutor.
+    `checksum` (the transport's option): the inprocess executor's (executors.inprocess; "sum64" on a GPU is computed by the
     kernel that moves the bytes), the digest in each refit's stats (`RefitStats.digest`)."""
 
     name = ""  # not picked by name: made by open_transport
@@ -190,25 +190,25 @@ class PublishedSource(Executor):
         self.plan, self.dst, self.key = plan, dst, key
         self.checksum = algorithm(checksum)
         self._bound: Any = None
-        self._bound_to: Any = None  # the publication (publish_source) the bound executor reads
+        self._bound_to: Any = None  # the publication (publish_source) the inprocess executor reads
 
     def _still_bound(self, src: RankTensors) -> bool:
         return src is self._bound_to  # republished: another object; in-place storage swaps: the executor's pins
 
     def refit(self, version: int | None = None) -> RefitStats:
-        from ..executors.bound import BoundLocalExecutor
-        from ..executors.local import LocalExecutor
+        from ..executors.inprocess import InProcessExecutor
+        from ..executors.reference import ReferenceExecutor
         from ..planner.plan import RELAY
 
         src = published_source(self.key)
         if self._bound is None or not self._still_bound(src):
             if bool((self.plan.ops["src_side"] == RELAY).any()):
                 if self.checksum:
-                    raise ExecutionError("checksum in process needs the bound executor, and this plan relays "
+                    raise ExecutionError("checksum in process needs the inprocess executor, and this plan relays "
                                          "between destination replicas (compile it without fan-out)")
-                return LocalExecutor(self.plan, None, 0, src, self.dst).refit()
+                return ReferenceExecutor(self.plan, None, 0, src, self.dst).refit()
             self._bound = None
-            self._bound = BoundLocalExecutor(self.plan, None, 0, src, self.dst, checksum=self.checksum or False)
+            self._bound = InProcessExecutor(self.plan, None, 0, src, self.dst, checksum=self.checksum or False)
             self._bound_to = src
         return self._bound.refit(version)
 
@@ -225,8 +225,8 @@ def _inprocess(e: Endpoint) -> Executor:
     return PublishedSource(e.plan, e.dst, str(options.pop("key", "default")), checksum=options.pop("checksum", False))
 
 
-def _distributed(e: Endpoint) -> Executor:
-    from ..executors import DistributedExecutor
+def _colocated(e: Endpoint) -> Executor:
+    from ..executors import CollectiveExecutor
 
     options = dict(e.options)
     key = str(options.pop("key", "default"))
@@ -236,7 +236,7 @@ def _distributed(e: Endpoint) -> Executor:
     if missing:
         raise ExecutionError(f"this process plays source ranks {list(mine)} but {missing} are not published "
                              f"under {key!r} (publish_source first)")
-    return DistributedExecutor(e.plan, e.binding, None, {r: published[r] for r in mine}, e.dst, group=e.group,
+    return CollectiveExecutor(e.plan, e.binding, None, {r: published[r] for r in mine}, e.dst, group=e.group,
                                **options)
 
 
@@ -247,12 +247,12 @@ def _collective(e: Endpoint) -> Executor:
     backend = options.pop("backend", None)
     comm = e.comm
     if comm is None:
-        from ..executors.comm import StoreComm
+        from ..executors.collective.comm import StoreComm
 
         on_gpu = any(t.device.type == "cuda" for side in (e.src, e.dst) for ts in side.values() for t in ts.values())
         comm = StoreComm(e.scoped("collective"), e.process, e.binding.num_processes,
                          backend or ("nccl" if on_gpu else "gloo"), options.get("timeout", e.rendezvous.timeout))
-    return make_executor("distributed", e.plan, e.binding, e.process, e.src, e.dst, group=comm, **options)
+    return make_executor("collective", e.plan, e.binding, e.process, e.src, e.dst, group=comm, **options)
 
 
 def _nixl(e: Endpoint) -> Executor:
@@ -271,7 +271,7 @@ def _shared(e: Endpoint) -> Executor:
 
 
 register_transport("inprocess", _inprocess, cross_process=False)
-register_transport("distributed", _distributed, cross_process=False)
+register_transport("colocated", _colocated, cross_process=False)
 register_transport("collective", _collective, in_place={"in_place": True})
 register_transport("nixl", _nixl, in_place={"staged": False})
 register_transport("shared", _shared, in_place={"staged": False})

@@ -10,16 +10,16 @@ Lifecycle, the same for every executor:
      leaves every destination unchanged;
   3. `close()` releases what the executor holds (also on leaving a `with` block).
 
-    executor = make_executor("distributed", plan, binding, process, src, dst, group=group)
+    executor = make_executor("collective", plan, binding, process, src, dst, group=group)
     for step in training:
         ...                       # the trainer updates its tensors in place
         executor.refit()
     executor.close()
 
-Executors here: "local" (every rank in this process), "bound" (the same, views made once: small frequent
-refits), "distributed" (torch.distributed: gloo, NCCL; a group of this process's world or one made over a store), "nixl" (NIXL one-sided reads / writes), "shared" (one host,
-separate processes: CUDA IPC on GPUs, shared memory on CPU). `EXECUTORS` lists them by name, each as the module and
-class that define it; `make_executor` imports the module on first use, so `import reshard` pulls in none of them.
+Executors here, each named after the transport that opens it (the package docstring lists them): "inprocess",
+"collective", "nixl", "shared", and "reference" (the ground truth). `EXECUTORS` lists them by name, each as the
+module and class that define it; `make_executor` imports the module on first use, so `import reshard` pulls in none
+of them.
 """
 from __future__ import annotations
 
@@ -39,12 +39,11 @@ RankTensors = Mapping[int, Mapping[str, torch.Tensor]]
 """A process's tensors of some plan ranks: rank -> physical tensor name -> tensor."""
 
 # every executor: name -> "module:class" (the module imported on first use)
-EXECUTORS = {"local": "reshard.executors.local:LocalExecutor",
-             "bound": "reshard.executors.bound:BoundLocalExecutor",
-             "distributed": "reshard.executors.distributed:DistributedExecutor",
+EXECUTORS = {"reference": "reshard.executors.reference:ReferenceExecutor",
+             "inprocess": "reshard.executors.inprocess:InProcessExecutor",
+             "collective": "reshard.executors.collective.executor:CollectiveExecutor",
              "nixl": "reshard.executors.nixl.executor:NixlExecutor",
-             "shared": "reshard.executors.shared:SharedExecutor",
-             "fp8": "reshard.executors.fp8:Fp8Executor"}
+             "shared": "reshard.executors.shared:SharedExecutor"}
 
 
 class Executor(abc.ABC):
@@ -83,7 +82,7 @@ def make_executor(name: str, plan: Any, binding: Any, process: int, src: RankTen
     """The executor called `name`, bound to this process's part of `plan` (see the module docstring).
 
     Args:
-        name: "local", "distributed", "nixl", "shared", "bound" or "fp8".
+        name: "reference", "inprocess", "collective", "nixl" or "shared".
         plan: the plan.
         binding: which process plays each plan rank.
         process: this process's index in the binding.

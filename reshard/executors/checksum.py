@@ -23,7 +23,7 @@ Two algorithms (the option's value; True means "sha256"; every process of a refi
   blocks does not matter. Not a cryptographic hash: it catches corruption in flight, not a forger.
   On GPUs (with Triton) the sums are one fused kernel per block (reshard.kernels.sum64: each byte read once), and
   `Sum64Program` digests a fixed list of blocks (an executor's stream, bound once) as one CUDA graph replay; both
-  give the digests of the torch ops here, bit for bit. In one process, the bound executor's checksum="sum64"
+  give the digests of the torch ops here, bit for bit. In one process, the inprocess executor's checksum="sum64"
   (the inprocess transport's option) digests the bytes in the kernel that copies them (kernels.copy_sum64: the
   weights' period folds the stream, so no weight is computed per byte), the same digest again.
 """
@@ -36,7 +36,7 @@ from typing import Any, Hashable, Mapping
 import torch
 
 from ..errors import ArgumentError
-from .local import block  # noqa: F401 - a block of a flat view, for the executors that hash blocks
+from .reference import block  # noqa: F401 - a block of a flat view, for the executors that hash blocks
 
 DIGEST_BYTES = 32
 ALGORITHMS = ("sha256", "sum64")

@@ -31,7 +31,7 @@ from ..planner.plan import RELAY
 from .base import Executor, RankTensors, make_executor
 from ..kernels.tuning import KernelTuning
 from .graphs import Replay, on_streams, single_cuda_device
-from .local import _box, element_shape, torch_dtype
+from .reference import _box, element_shape, torch_dtype
 from .pins import Pins
 from .stats import RefitStats, phase_times
 
@@ -291,7 +291,7 @@ class DirectQuantizer(_QuantizeJobs):
     """Sender quantization straight into the destination, for refits with every rank in this process: each op
     of the plan that moves fp8 blocks becomes a job reading the trainer's bf16 rectangle and writing the engine's
     fp8 rectangle and its scales, so a quantized byte is read once and written once (no wire shadow, no copy).
-    The scale ops are then covered by the jobs; every other op runs through a bound executor. `jobs is None`
+    The scale ops are then covered by the jobs; every other op runs through an inprocess executor. `jobs is None`
     when the plan cannot be run so (an op's rectangle is not a whole number of blocks on both sides, a stack's
     matrices split blocks, a shifted or relayed fp8 op): the caller falls back to shadows and copies."""
 
@@ -390,21 +390,21 @@ def check_engine_tensors(fp: Fp8Plan, dst: RankTensors) -> None:
 
 
 class Fp8Executor(Executor):
-    """Runs an `Fp8Plan` with the executor called `inner` (local, bound, distributed, nixl, shared): see the module
+    """Runs an `Fp8Plan` with the executor called `inner` (reference, inprocess, collective, nixl, shared): see the module
     doc. `src`: source rank -> the trainer's tensors (the model's dtype); `dst`: destination rank -> the engine's
     tensors (fp8 weights, float32 `*weight_scale_inv`, the rest in the model's dtype).
 
     `quantizer`: "eager" (torch ops, the reference), "kernel" (the Triton kernel of reshard.kernels, all jobs in
     one launch, one CUDA graph from the second refit), or "auto" (the kernel where every tensor is on a GPU and
     Triton is there, else eager). `tuning`: the kernel's launch settings (reshard.kernels.KernelTuning; default
-    KernelTuning()). `direct`: with an in-process inner ("local", "bound") and every rank here, quantize straight
+    KernelTuning()). `direct`: with an in-process inner ("reference", "inprocess") and every rank here, quantize straight
     into the engine's tensors (DirectQuantizer: no wire shadows, each quantized byte read once and written once)
     where the plan allows it ("auto", the default), always (True: refused where it cannot), or never (False)."""
 
     name = "fp8"
 
     def __init__(self, fp: Fp8Plan, binding: Any = None, process: int = 0, src: RankTensors | None = None,
-                 dst: RankTensors | None = None, inner: str = "local", quantizer: str = "auto",
+                 dst: RankTensors | None = None, inner: str = "reference", quantizer: str = "auto",
                  direct: "bool | str" = "auto", tuning: "KernelTuning | None" = None, **options: Any) -> None:
         if not isinstance(fp, Fp8Plan):
             raise ExecutionError(f"the fp8 executor runs an Fp8Plan (reshard.planner.fp8.compile_fp8), not a "
@@ -422,7 +422,7 @@ class Fp8Executor(Executor):
         self.quantize: Any = {"eager": quantize_blocks, "kernel": "kernel"}[quantizer]
         check_engine_tensors(fp, dst)
         self.direct: DirectQuantizer | None = None
-        in_process = inner in ("local", "bound") and set(src) >= set(fp.plan.src_tensors.ranks)
+        in_process = inner in ("reference", "inprocess") and set(src) >= set(fp.plan.src_tensors.ranks)
         if direct and in_process:
             d = DirectQuantizer(fp, src, dst, tuning)
             if d.jobs is not None:
@@ -430,13 +430,13 @@ class Fp8Executor(Executor):
             elif direct is True:
                 raise ExecutionError(f"this FP8 plan cannot be quantized straight into the destination: {d.why}")
         elif direct is True:
-            raise ExecutionError("direct quantization needs every rank in this process (inner 'local' or 'bound')")
+            raise ExecutionError("direct quantization needs every rank in this process (inner 'reference' or 'inprocess')")
         self.senders = SenderQuantizer(fp, src, shadows=self.direct is None, tuning=tuning)
         self.receivers = ReceiverQuantizer(fp, dst, tuning)
         self._device = single_cuda_device([t for side in (src, dst) for ts in side.values() for t in ts.values()])
         if self.direct is not None:
             self._pins = Pins(t for side in (src, dst) for ts in side.values() for t in ts.values())
-            self.inner = make_executor("bound", fp.plan, binding, process, self.senders.tensors,
+            self.inner = make_executor("inprocess", fp.plan, binding, process, self.senders.tensors,
                                        self.receivers.tensors, ops=self.direct.rest)
         else:
             self.inner = make_executor(inner, fp.plan, binding, process, self.senders.tensors,
@@ -462,7 +462,7 @@ class Fp8Executor(Executor):
         marks = [("quantize", time.perf_counter())]
         stats = self.inner.refit(version)
         marks.append(("transfer", time.perf_counter()))
-        self.receivers.run(self.quantize, direct=self.inner.name in ("local", "bound"))
+        self.receivers.run(self.quantize, direct=self.inner.name in ("reference", "inprocess"))
         marks.append(("land", time.perf_counter()))
         seconds, phases = phase_times(start, marks)
         return replace(stats, executor=self.name, seconds=seconds, phases=phases)

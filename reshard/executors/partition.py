@@ -5,7 +5,7 @@ process for its source rank, or for its relaying destination rank) and a receivi
 destination rank). An op whose two processes are one is LOCAL: a copy, never a send to itself. The remote ops of
 one (stage, sender, receiver) form a STREAM, numbered globally in that sort order, so every process derives the
 same numbering from the same plan and binding: the torch.distributed executor cuts streams into rounds
-(executors.schedule), NIXL moves each as one link (executors.nixl.schedule), the shared-memory executor writes
+(executors.collective.schedule), NIXL moves each as one link (executors.nixl.schedule), the shared-memory executor writes
 each pair's ops straight into its peer's memory (executors.shared).
 
 `Partition(plan, binding, process)` holds that split, this process's part of it (its local ops by stage, the ops

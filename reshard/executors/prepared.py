@@ -19,7 +19,7 @@ from ..errors import ExecutionError
 from ..planner import Plan
 from .base import RankTensors
 from .preflight import check_memory
-from .local import block, check_tensors, in_units, shift_views, torch_dtype
+from .reference import block, check_tensors, in_units, shift_views, torch_dtype
 from .partition import carve
 
 ALIGN = 64  # elements: every arena region starts 128-byte aligned (bf16) so that word views apply

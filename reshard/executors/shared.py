@@ -52,7 +52,7 @@ from .checksum import Streams, Sum64Program, algorithm, mismatch, use_kernel
 from .copies import DST, PEER, SHADOW, SRC, Copies
 from .exchange import Exchange
 from .preflight import check_ops
-from .local import apply_shifts, torch_dtype
+from .reference import apply_shifts, torch_dtype
 from .partition import Partition
 from .prepared import Prepared
 from .stats import RefitStats

@@ -16,8 +16,8 @@ class RefitStats:
     """What one process did in one refit.
 
     Attributes:
-        executor: the executor's name ("local", "bound", "distributed", "nixl", "shared", "fp8").
-        process: this process's index in the binding (its group rank for "distributed").
+        executor: the executor's name ("reference", "inprocess", "collective", "nixl", "shared", "fp8").
+        process: this process's index in the binding (its group rank for "collective").
         version: the refit's version (the previous one + 1 unless the caller gave one).
         seconds: wall clock, call to return.
         phases: wall clock per step, in order (e.g. transfer, agree, commit; the distributed executor's prepare,

@@ -221,7 +221,7 @@ def group_executor(transport: str, plan: Plan, binding: Binding, process: int, s
             destination tensor peers write into must live in shared memory (executors.shared.shared_empty).
         store, rendezvous: the refit's store (joined) and its adapters.rendezvous.Rendezvous.
         namespace: unique per executor among those of one store ("shared", "nixl"): letters, digits, no '/'.
-        comm: "collective": the executors.comm.StoreComm.
+        comm: "collective": the executors.collective.comm.StoreComm.
         timeout: seconds any wait may go without progress.
         checksum: the executors' option (False, True / "sha256", "sum64").
         memory_cap: "collective": bytes of wire buffers (DEPTH rounds in flight x peers x one message).

@@ -269,7 +269,7 @@ class ReshardCheckpointEngine:
         """This worker's buffers and one executor per group (a generation of the transport; every process builds
         the same one together: at join, and at the first refit after a failed one)."""
         from ..adapters import rendezvous as rv
-        from ..executors.comm import StoreComm
+        from ..executors.collective.comm import StoreComm
 
         g, P = self._generation, self._process
         device = torch.device("cuda", torch.cuda.current_device()) if self.device.type == "cuda" else self.device

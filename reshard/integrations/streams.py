@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..errors import ArgumentError
-from ..executors.local import torch_dtype
+from ..executors.reference import torch_dtype
 from ..layouts import ModelSpec
 from ..layouts.families import family
 from ..layouts.model import Experts

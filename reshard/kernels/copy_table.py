@@ -1,5 +1,5 @@
 """Many contiguous copies as one Triton launch: a table of (source, destination, length) chunks on the device, one
-program per chunk (the bound executor's large copies, executors.bound).
+program per chunk (the inprocess executor's large copies, executors.inprocess).
 
 A refit of a mixture-of-experts model is thousands of copies of a few MB each: as separate copies (even as CUDA graph
 nodes) each pays a launch cost larger than its bytes' own time (BENCHMARKS.md, Same host, issue 31). Here every copy

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..executors.local import _box, block
+from ..executors.reference import _box, block
 from ..layouts import Layout
 from ..planner import Plan
 

@@ -57,7 +57,7 @@ def _parity_rank(layout_json: str, hf_json: str, out_dir: str) -> None:
     from ..adapters.megatron import source_tensors
     from ..executors import allocate
     from ..executors.binding import Binding
-    from ..executors.distributed import execute_distributed
+    from ..executors.collective.executor import execute_collective
     from ..planner import compile_plan
     from ..adapters.megatron.forward import forward_logits
     from ..testing.megatron_cpu import init_parallel, set_norms
@@ -79,7 +79,7 @@ def _parity_rank(layout_json: str, hf_json: str, out_dir: str) -> None:
     hf = HfLayout(model=spec)
     src = source_tensors(model, layout)  # verifies the live model against the declared layout first
     dst = allocate(hf, fill=float("nan"), ranks=[0]) if rank == 0 else {}
-    execute_distributed(compile_plan(layout, hf), Binding(tuple(range(world)), (0,)), {rank: src}, dst,
+    execute_collective(compile_plan(layout, hf), Binding(tuple(range(world)), (0,)), {rank: src}, dst,
                         timeout=120.0)
     if rank == 0:
         save_file(dst[0], str(Path(out_dir, "model.safetensors")), metadata={"format": "pt"})

@@ -82,8 +82,8 @@ def load_parity(config_path: str, perturb: str | None = None, dtype: str = "bflo
     from ..adapters.vllm import LoaderInstaller, bind_direct, loader_layout
     from ..errors import ReshardError
     from ..adapters.vllm.live import declared_layout, spec_of, weights
-    from ..executors import LocalExecutor, shard
-    from ..executors.local import torch_dtype
+    from ..executors import ReferenceExecutor, shard
+    from ..executors.reference import torch_dtype
     from ..layouts import HfLayout
     from ..planner import compile_plan
     from .hf_parity import perturbed
@@ -110,7 +110,7 @@ def load_parity(config_path: str, perturb: str | None = None, dtype: str = "bflo
             return {"rank": rank, "layout": str(layout), "error": str(exc)}
         source = HfLayout(model=spec)
         src = shard(source, perturbed(hf, perturb) if perturb else hf)
-        LocalExecutor(compile_plan(source, layout), None, 0, src, {rank: binding.tensors}).refit()
+        ReferenceExecutor(compile_plan(source, layout), None, 0, src, {rank: binding.tensors}).refit()
         binding.finish()
 
         def differing() -> list[str]:
@@ -128,7 +128,7 @@ def load_parity(config_path: str, perturb: str | None = None, dtype: str = "bflo
         poison(model)
         plan = compile_plan(source, loader_layout(spec, cfg.parallel_config.world_size))
         installer = LoaderInstaller(model, rank, plan, cfg)
-        LocalExecutor(plan, None, 0, src, {rank: installer.buffers}).refit()
+        ReferenceExecutor(plan, None, 0, src, {rank: installer.buffers}).refit()
         installer.load()
         differ += [f"{name} (loader install)" for name in differing()]
         return {"rank": rank, "layout": str(layout), "params": len(want), "differ": differ,

@@ -27,8 +27,8 @@ from reshard.cli import main
 from reshard.errors import ExecutionError, PlanError, ReshardError
 from reshard.executors import allocate, shard
 from reshard.executors.binding import Binding
-from reshard.executors.distributed import DistributedExecutor
-from reshard.executors.local import LocalExecutor
+from reshard.executors.collective.executor import CollectiveExecutor
+from reshard.executors.reference import ReferenceExecutor
 from reshard.layouts import layout_from_dict
 from reshard.planner import Bounds, Plan, Program, TensorTable
 from reshard.planner.verify import ARRAY_NAMES
@@ -233,15 +233,15 @@ def bad_calls(draw):
     return plan, src, dst, keep
 
 
-@given(bad_calls(), st.sampled_from(["local", "distributed"]))
+@given(bad_calls(), st.sampled_from(["reference", "collective"]))
 def test_bad_executor_calls_move_nothing(call, executor):
     make, src, dst, keep = call
     with pytest.raises((ExecutionError, PlanError)) as info:
         plan = make()
-        if executor == "local":
-            LocalExecutor(plan, None, 0, src, dst).refit()
+        if executor == "reference":
+            ReferenceExecutor(plan, None, 0, src, dst).refit()
         else:  # one process plays every rank (no process group): the same checks as across processes
-            DistributedExecutor(plan, Binding((0, 0), (0, 0)), None, src, dst).refit()
+            CollectiveExecutor(plan, Binding((0, 0), (0, 0)), None, src, dst).refit()
     msg = str(info.value)
     assert "nothing was moved" in msg or "do not match the plan" in msg or "plan file: arrays." in msg, msg
     assert all(bool((t == SENTINEL).all()) for t in keep), "a refused refit wrote a destination"

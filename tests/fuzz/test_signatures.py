@@ -29,7 +29,7 @@ from reshard.adapters.server import VllmServer
 from reshard.adapters.trainer import TrainerSession
 from reshard.adapters.vllm.lease import parse_grant
 from reshard.errors import ReshardError
-from reshard.executors import Binding, LocalExecutor, allocate, execute_local, make_executor, shard, unshard
+from reshard.executors import Binding, ReferenceExecutor, allocate, execute_local, make_executor, shard, unshard
 from reshard.adapters.rendezvous import Rendezvous
 from reshard.layouts import (ExpertPlacement, HfLayout, MegatronLayout, ModelSpec, VllmLayout, discover,
                              layout_from_dict, layout_to_dict, read_hf_config, spec_from_hf_config)
@@ -122,7 +122,7 @@ ENTRY: dict[str, tuple[Callable[..., Any], dict[str, Any], int]] = {
     "Plan.from_dict": (Plan.from_dict, {"d": PLAN.to_dict()}, 20),
     # reshard.executors
     "Binding": (Binding, {"src": (0,), "dst": (1,)}, 20),
-    "LocalExecutor": (LocalExecutor, {"plan": PLAN, "binding": None, "process": 0, "src": SRC_TENSORS,
+    "ReferenceExecutor": (ReferenceExecutor, {"plan": PLAN, "binding": None, "process": 0, "src": SRC_TENSORS,
                                       "dst": DST_TENSORS}, 40),
     "make_executor": (make_executor, {"name": "local", "plan": PLAN, "binding": BINDING, "process": 0,
                                       "src": SRC_TENSORS, "dst": DST_TENSORS}, 50),
@@ -159,7 +159,7 @@ SKIPPED = {
     "RankTensors": "a type alias",
     "registered_families": "takes no argument",
     "supported_architectures": "takes no argument",
-    "Executor": "the abstract base class of the executors (make_executor and LocalExecutor are fuzzed)",
+    "Executor": "the abstract base class of the executors (make_executor and ReferenceExecutor are fuzzed)",
     "Placement": "a record the layouts return (read-only output, not an input)",
     "TensorSpec": "a record ModelSpec.tensors returns (read-only output, not an input)",
     "Accounting": "a record Plan.accounting returns (read-only output)",
@@ -172,9 +172,9 @@ SKIPPED = {
     "RefitStats": "a record every executor's refit returns (read-only output)",
     "register_family": "changes the process-wide registry (tests/unit/test_family_plugin.py: a class is registered, "
                        "anything else refused with ArgumentError)",
-    "DistributedExecutor": "needs a live torch.distributed group or store (tests/fuzz/test_plans_executors_cli.py "
+    "CollectiveExecutor": "needs a live torch.distributed group or store (tests/fuzz/test_plans_executors_cli.py "
                            "feeds it wrong options inside real gloo groups)",
-    "execute_distributed": "needs a live torch.distributed group (as DistributedExecutor)",
+    "execute_collective": "needs a live torch.distributed group (as CollectiveExecutor)",
 }
 EXCEPTIONS = "exception classes (constructing one with any message is fine)"
 
@@ -283,7 +283,7 @@ RULES: dict[tuple[str, str], Callable[[Any], bool]] = {
     ("TrainerSession", "lora_ids"): lambda v: False,  # without install='lora_slot'
     ("TrainerSession", "process"): lambda v: _is_int(v) and v == 0,  # the plan has one source rank
     ("Rendezvous", "port"): lambda v: _is_int(v) and 0 <= v < 65536,  # 0: any free port
-    ("LocalExecutor", "process"): lambda v: _is_int(v) and v >= 0,  # protocol argument, unused
+    ("ReferenceExecutor", "process"): lambda v: _is_int(v) and v >= 0,  # protocol argument, unused
     ("Layout.rank_tensors", "rank"): lambda v: _is_int(v) and v == 0,
     ("allocate", "ranks"): lambda v: isinstance(v, (list, tuple, set)),  # [] or [0]: ranks of the layout
     ("shard", "ranks"): lambda v: isinstance(v, (list, tuple, set)),
@@ -296,7 +296,7 @@ RULES: dict[tuple[str, str], Callable[[Any], bool]] = {
     ("RefitSpec", "plan_digest"): lambda v: isinstance(v, str),  # "": not pinned
     ("make_executor", "binding"): lambda v: v is None,
     # an empty mapping: a process that plays no rank of that side (its tensors are checked against the plan)
-    ("LocalExecutor", "dst"): lambda v: v == {},
+    ("ReferenceExecutor", "dst"): lambda v: v == {},
     ("make_executor", "dst"): lambda v: v == {},
     ("unshard", "tensors"): lambda v: v == {},
     ("TrainerSession", "tensors"): lambda v: v == {},  # refused by init(), against the plan
@@ -314,7 +314,7 @@ RULES: dict[tuple[str, str], Callable[[Any], bool]] = {
     ("read_hf_config", "config"): lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v),
     **{("ClusterModel", k): lambda v: _is_number(v) and v >= 0 for k in (
         "nvlink_latency", "network_latency", "copy_latency", "op_overhead", "pack_copies", "commit_copies")},  # the local executor runs every rank in this process
-    ("LocalExecutor", "binding"): lambda v: v is None,
+    ("ReferenceExecutor", "binding"): lambda v: v is None,
     ("ExpertPlacement.initial", "ranks"): lambda v: v == 1,  # 1: the placement's three slots on one rank
     ("ExpertPlacement.initial", "redundant"): lambda v: _is_int(v) and v >= 0,
 }

@@ -70,7 +70,7 @@ def verl_rank(rank: int, size: int, args: dict[str, Any]) -> dict[str, Any]:
     trainer streams a tensor the model does not have after its last one. Returns, per refit, the error (if any),
     the groups handed on, whether every tensor handed on equals the seed's and the seconds."""
     stand_in = install_verl_stand_in()
-    from reshard.executors.local import torch_dtype
+    from reshard.executors.reference import torch_dtype
     from reshard.integrations.verl.engine import ReshardCheckpointEngine
 
     device = args.get("device", "cuda")  # "cpu": the same through POSIX shared memory (checks the job without a GPU)

@@ -56,13 +56,13 @@ def make_executor(kind: str, plan: Any, process: int, src: dict, dst: dict, stor
     import torch.distributed as dist
 
     if kind == "gloo":
-        from reshard.executors.comm import StoreComm
-        from reshard.executors.distributed import DistributedExecutor
+        from reshard.executors.collective.comm import StoreComm
+        from reshard.executors.collective.executor import CollectiveExecutor
 
         # the group's own set-up waits for every member, a replacement too (seconds to start): not the refit's timeout
         comm = StoreComm(dist.PrefixStore(f"{namespace}/", store), process, PROCESSES, "gloo",
                          max(timeout, 60.0) if setup_timeout is None else setup_timeout)
-        return DistributedExecutor(plan, binding(), process, src, dst, group=comm, timeout=timeout,
+        return CollectiveExecutor(plan, binding(), process, src, dst, group=comm, timeout=timeout,
                                    checksum=checksum, bucket_bytes=1024, direct_bytes=None)
     if kind == "nixl":
         from reshard.executors.nixl import NixlExecutor, NixlOptions
@@ -76,7 +76,7 @@ def make_executor(kind: str, plan: Any, process: int, src: dict, dst: dict, stor
 
 
 def _weights(model: Any, seed: int) -> dict[str, torch.Tensor]:
-    from reshard.executors.local import torch_dtype
+    from reshard.executors.reference import torch_dtype
 
     g = torch.Generator().manual_seed(seed)
     return {t.name: torch.randn(t.shape, generator=g).to(torch_dtype(model.dtype)) for t in model.tensors}
@@ -84,7 +84,7 @@ def _weights(model: Any, seed: int) -> dict[str, torch.Tensor]:
 
 def _load(plan: Any, src: dict, seed: int) -> dict:
     """Shard the weights of `seed` into this process's source tensors; return every rank's (for the reference)."""
-    from reshard.executors.local import shard
+    from reshard.executors.reference import shard
 
     full = shard(plan.src, _weights(plan.src.model, seed))
     for r, ts in src.items():
@@ -94,7 +94,7 @@ def _load(plan: Any, src: dict, seed: int) -> dict:
 
 
 def _matches(plan: Any, full: dict, dst: dict) -> bool:
-    from reshard.executors.local import allocate, execute_local
+    from reshard.executors.reference import allocate, execute_local
 
     want = allocate(plan.dst, fill=SENTINEL)
     execute_local(plan, full, want)
@@ -124,7 +124,7 @@ def arm(kind: str, fault: str, ex: Any) -> Callable[[], None]:
         if fault != "corrupt":
             ex.on_round = lambda index: _stop(action) if index >= 1 else None
             return lambda: None
-        from reshard.executors.runners import HostRunner
+        from reshard.executors.collective.runners import HostRunner
 
         original = HostRunner.post
         state = {"done": False}
@@ -183,7 +183,7 @@ def worker(process: int, port: int, workdir: str, replacement: bool = False) -> 
     """One process of a case (workdir/case.json); writes workdir/result-<process>[-new].json."""
     import torch.distributed as dist
 
-    from reshard.executors.local import allocate, shard
+    from reshard.executors.reference import allocate, shard
     from reshard.planner import Plan
 
     torch.set_num_threads(1)
@@ -276,7 +276,7 @@ def context() -> Any:
     second instead of seconds (spawn re-imports everything each time; a plain fork would copy the parent's
     threads and store connections)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "reshard", "reshard.executors.distributed",
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "reshard", "reshard.executors.collective.executor",
                                 "harness.faults"])
     return ctx
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from reshard.errors import ExecutionError
 from reshard.executors.binding import Binding
 from reshard.executors.fp8 import Fp8Executor
-from reshard.executors.local import allocate, shard
+from reshard.executors.reference import allocate, shard
 from reshard.layouts import ModelSpec, parse_layout
 from reshard.executors.base import RankTensors
 from reshard.layouts.fp8 import FP8, Fp8Scheme
@@ -34,7 +34,7 @@ SENTINEL = -7.0
 
 def execute_fp8_local(fp: Fp8Plan, src: RankTensors, dst: RankTensors) -> None:
     """One quantizing refit with every rank in this process."""
-    Fp8Executor(fp, None, 0, src, dst, inner="local").refit()
+    Fp8Executor(fp, None, 0, src, dst, inner="reference").refit()
 
 
 def _weights(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
@@ -74,7 +74,7 @@ def run_case(rank: int, size: int, args: dict[str, Any]) -> dict[str, Any]:
         state = {"refits": 0}
         options = dict(args.get("options", {}), **({"on_round": on_round} if kill else {}))
         # --8<-- [start:fp8_refit]
-        ex = Fp8Executor(fp, binding, rank, src, dst, inner="distributed", group=dist.group.WORLD, **options)
+        ex = Fp8Executor(fp, binding, rank, src, dst, inner="collective", group=dist.group.WORLD, **options)
         ex.refit()
         # --8<-- [end:fp8_refit]
         state["refits"] = 1

@@ -117,7 +117,7 @@ def worker(process: int, port: int, workdir: str, case_id: str) -> None:
     import torch.distributed as dist
 
     from reshard.adapters import rendezvous as rv
-    from reshard.executors.local import allocate, shard
+    from reshard.executors.reference import allocate, shard
     from reshard.planner import Plan
 
     torch.set_num_threads(1)

@@ -126,7 +126,7 @@ def check_fp8_refits(device: str = "cpu", quantizer: str = "kernel", head_dim: i
     tensors must equal the reference checkpoint, byte for byte."""
     import reshard
     from reshard.executors.fp8 import Fp8Executor
-    from reshard.executors.local import allocate, shard
+    from reshard.executors.reference import allocate, shard
     from reshard.layouts.fp8 import FP8, Fp8Scheme
     from reshard.planner.fp8 import compile_fp8
     from harness.fp8_reference import reference_checkpoint, same_bytes
@@ -146,7 +146,7 @@ def check_fp8_refits(device: str = "cpu", quantizer: str = "kernel", head_dim: i
         w = {t.name: (torch.randn(t.shape, generator=g) * 0.05).to(torch.bfloat16) for t in spec.tensors}
         src = {r: {n: t.to(dev) for n, t in ts.items()} for r, ts in shard(src_layout, w).items()}
         dst = {r: {n: t.to(dev) for n, t in ts.items()} for r, ts in allocate(fp.full_dst, -7.0).items()}
-        ex = Fp8Executor(fp, None, 0, src, dst, inner="bound", quantizer=quantizer, direct=direct)
+        ex = Fp8Executor(fp, None, 0, src, dst, inner="inprocess", quantizer=quantizer, direct=direct)
         quantized = {t.name for t in fp.full_dst.model.tensors if t.dtype == FP8}
         for step in range(2):
             if step:  # the trainer's step, in place
@@ -207,12 +207,12 @@ def check_copy_table(device: str = "cpu", cases: int = 4, seed: int = 0, moe_lay
                      tps: tuple = ((2, 1), (1, 2))) -> list[str]:
     """The table-copy kernel (kernels.copy_table) against torch's copies: pairs of random lengths and byte offsets
     (every word class, 16-byte words down to single bytes, chunks cut mid-copy) in a few buffers, every other byte
-    of the buffers unchanged; and the bound executor with table=True against the reference LocalExecutor on a
+    of the buffers unchanged; and the inprocess executor with table=True against the ReferenceExecutor on a
     Qwen3-MoE refit (`tps`: TP2 -> TP1 and TP1 -> TP2), twice, the trainer's weights changed in place between."""
     import reshard
     from reshard.executors import allocate, execute_local, shard
     from reshard.executors import views
-    from reshard.executors.bound import BoundLocalExecutor
+    from reshard.executors.inprocess import InProcessExecutor
     from reshard.kernels.copy_table import CopyTable
 
     dev = torch.device(device)
@@ -254,7 +254,7 @@ def check_copy_table(device: str = "cpu", cases: int = 4, seed: int = 0, moe_lay
         got = {r: {n: t.to(dev) for n, t in ts.items()} for r, ts in allocate(dst_l, -7.0).items()}
         large, views.LARGE_BYTES = views.LARGE_BYTES, 256  # tiny model: its copies "large" enough for the table
         try:
-            ex = BoundLocalExecutor(plan, None, 0, src, got, table=True)
+            ex = InProcessExecutor(plan, None, 0, src, got, table=True)
         finally:
             views.LARGE_BYTES = large
         if ex._table is None:
@@ -292,16 +292,16 @@ def check_copy_sum64(device: str = "cpu", cases: int = 6, seed: int = 0, big: bo
     of every word class (16-byte aligned, 4-byte, odd) at random places of a few buffers, a stream that starts
     anywhere (across the weights' period 2^23, and past 2^40); with a small period and window as well, so that many
     periods fold onto one window and the 16-bit lanes spill (FLUSH lowered); every other byte unchanged. Then the
-    bound executor with checksum="sum64" through the kernel against the reference executor's bytes and the
+    inprocess executor with checksum="sum64" through the kernel against the reference executor's bytes and the
     reference digest of its source blocks, twice (the trainer's weights changed in place between). `big`: also one
     stream of 40 MB (five real periods; GPUs)."""
     import numpy as np
 
     import reshard
     from reshard.executors import allocate, execute_local, shard
-    from reshard.executors.bound import BoundLocalExecutor
+    from reshard.executors.inprocess import InProcessExecutor
     from reshard.executors.checksum import PERIOD, Streams
-    from reshard.executors.local import block
+    from reshard.executors.reference import block
     from reshard.kernels.copy_sum64 import FLUSH, CopySum64
 
     dev = torch.device(device)
@@ -358,7 +358,7 @@ def check_copy_sum64(device: str = "cpu", cases: int = 6, seed: int = 0, big: bo
         w = {t.name: torch.randn(t.shape, generator=g).to(torch.bfloat16) for t in spec.tensors}
         src = {r: {n: t.to(dev) for n, t in ts.items()} for r, ts in shard(src_l, w).items()}
         got = {r: {n: t.to(dev) for n, t in ts.items()} for r, ts in allocate(dst_l, -7.0).items()}
-        ex = BoundLocalExecutor(plan, None, 0, src, got, checksum="sum64", checksum_kernel=True)
+        ex = InProcessExecutor(plan, None, 0, src, got, checksum="sum64", checksum_kernel=True)
         if ex._fused is None:
             failures.append(f"bound tp={tp}: the kernel was not used")
         for step in range(2):

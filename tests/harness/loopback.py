@@ -11,8 +11,8 @@ import torch
 
 from reshard.executors.binding import Binding
 from reshard.executors.copies import DST, SHADOW, SRC, WIRE, Copies, regions, run_copies
-from reshard.executors.local import apply_shifts, shift_views, torch_dtype
-from reshard.executors.schedule import build_schedule
+from reshard.executors.reference import apply_shifts, shift_views, torch_dtype
+from reshard.executors.collective.schedule import build_schedule
 from reshard.planner import Plan
 
 

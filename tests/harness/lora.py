@@ -77,7 +77,7 @@ def merge_job(rank: int, world: int, args: dict) -> dict:
     from reshard.adapters.lora import merge
     from reshard.executors import make_executor, shard
     from reshard.executors.binding import Binding
-    from reshard.executors.local import allocate
+    from reshard.executors.reference import allocate
     from reshard.layouts.lora import lora_spec
     from reshard.testing.megatron_cpu import TinyGPT
 
@@ -87,7 +87,7 @@ def merge_job(rank: int, world: int, args: dict) -> dict:
     plan = reshard.compile(src_layout, dst_layout)
     mine = {rank: shard(src_layout, adapter_weights(spec, args["seeds"][0], dtype=torch.bfloat16), ranks=[rank])[rank]}
     dst = allocate(dst_layout, ranks=[0]) if rank == 0 else {}
-    executor = make_executor("distributed", plan, Binding(tuple(range(world)), (0,)), rank, mine, dst,
+    executor = make_executor("collective", plan, Binding(tuple(range(world)), (0,)), rank, mine, dst,
                              group=dist.group.WORLD, timeout=60.0)
     weights = base_weights(base, args["base_seed"]) if rank == 0 else {}
     out = {}
@@ -234,12 +234,12 @@ def refit_into_peft(chunks: list, layout, out: str) -> None:
     from reshard.adapters.megatron import source_tensors
     from reshard.executors import make_executor
     from reshard.executors.binding import Binding
-    from reshard.executors.local import allocate
+    from reshard.executors.reference import allocate
     from reshard.layouts.lora import PeftLayout
 
     me, peft = dist.get_rank(), PeftLayout(model=layout.model)
     dst = {0: allocate(peft)[0]} if me == 0 else {}
-    executor = make_executor("distributed", reshard.compile(layout, peft),
+    executor = make_executor("collective", reshard.compile(layout, peft),
                              Binding(tuple(range(dist.get_world_size())), (0,)), me,
                              {me: source_tensors(chunks, layout)}, dst, group=dist.group.WORLD, timeout=60.0)
     executor.refit()

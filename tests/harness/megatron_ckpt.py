@@ -49,7 +49,7 @@ def reference_job(tiny: TinyGPT, path: str, out: str) -> None:
     from safetensors.torch import save_file
 
     from reshard.adapters.megatron import derive_layout, source_tensors
-    from reshard.executors.local import allocate, execute_local
+    from reshard.executors.reference import allocate, execute_local
     from reshard.layouts import HfLayout
     from reshard.planner import compile_plan
 

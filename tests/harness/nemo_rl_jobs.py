@@ -76,7 +76,7 @@ def nemo_rl_worker(rank: int, size: int, job: dict[str, Any]) -> dict[str, Any]:
     the checkpoint), and any error constructing or joining."""
     import torch.distributed as dist
 
-    from reshard.executors.local import torch_dtype
+    from reshard.executors.reference import torch_dtype
     from reshard.integrations.nemo_rl import ReshardCheckpointEngine
     from .serve_jobs import train_step
     from reshard.testing.world import new_group

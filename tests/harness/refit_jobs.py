@@ -19,8 +19,8 @@ import torch.distributed as dist
 from reshard.errors import ExecutionError
 from reshard.executors import allocate, execute_local, shard
 from reshard.executors.binding import Binding
-from reshard.executors.comm import StoreComm
-from reshard.executors.distributed import DistributedExecutor
+from reshard.executors.collective.comm import StoreComm
+from reshard.executors.collective.executor import CollectiveExecutor
 from reshard.executors.stats import RefitStats
 from reshard.planner import Plan
 
@@ -104,7 +104,7 @@ def run_cases(rank: int, size: int, args: dict[str, Any]) -> list[dict[str, Any]
             execute_local(plan, shard(plan.src, weights), want)
             options = c.get("options", {})
             group = _group(c, groups, members, me, options.get("timeout", 60.0))
-            ex = DistributedExecutor(plan, binding, me, src, dst, group=group, **options)
+            ex = CollectiveExecutor(plan, binding, me, src, dst, group=group, **options)
             if c.get("refuse") is not None:  # one process passes a tensor of the wrong shape
                 results.append(_refused(ex, src, dst, me == c["refuse"]))
                 continue
@@ -119,7 +119,7 @@ def run_cases(rank: int, size: int, args: dict[str, Any]) -> list[dict[str, Any]
     return results
 
 
-def _refused(ex: DistributedExecutor, src: dict, dst: dict, culprit: bool) -> dict[str, Any]:
+def _refused(ex: CollectiveExecutor, src: dict, dst: dict, culprit: bool) -> dict[str, Any]:
     """Every process must raise ExecutionError before anything moves; the culprit's message names the tensor."""
     side = dst if dst else src
     rank = next(iter(side))
@@ -156,7 +156,7 @@ def fail_mid_refit(rank: int, size: int, args: dict[str, Any]) -> dict[str, Any]
 
     group = _group({"plan": args["plan"], "store": args.get("store")}, {tuple(range(size)): None}, tuple(range(size)), rank,
                    args["options"]["timeout"])
-    ex = DistributedExecutor(plan, binding, rank, src, dst, group=group, **args["options"], on_round=on_round)
+    ex = CollectiveExecutor(plan, binding, rank, src, dst, group=group, **args["options"], on_round=on_round)
     dist.barrier()  # start the clocks together
     start = time.monotonic()
     try:

@@ -60,11 +60,11 @@ def _executor(kind: str, plan: Any, process: int, src: dict, dst: dict, store: A
 
     binding = Binding((0,), (1,))
     if kind == "gloo":
-        from reshard.executors.comm import StoreComm
-        from reshard.executors.distributed import DistributedExecutor
+        from reshard.executors.collective.comm import StoreComm
+        from reshard.executors.collective.executor import CollectiveExecutor
 
         comm = StoreComm(dist.PrefixStore(f"{namespace}/", store), process, 2, "gloo", timeout)
-        ex = DistributedExecutor(plan, binding, process, src, dst, group=comm, timeout=timeout, bucket_bytes=2048)
+        ex = CollectiveExecutor(plan, binding, process, src, dst, group=comm, timeout=timeout, bucket_bytes=2048)
         return ex, lambda: (ex.close(), comm.close())
     if kind == "nixl":
         from reshard.executors.nixl import NixlExecutor, NixlOptions
@@ -81,7 +81,7 @@ def _executor(kind: str, plan: Any, process: int, src: dict, dst: dict, store: A
 def _steps(kind: str, ex: Any) -> list[tuple[Any, str]]:
     """(object, method name) of the steps a refit calls, where an interrupt may strike."""
     if kind == "gloo":
-        from reshard.executors.runners import HostRunner
+        from reshard.executors.collective.runners import HostRunner
 
         return [(HostRunner, "pack"), (HostRunner, "post"), (HostRunner, "complete"), (ex, "_agree"),
                 (ex, "_preflight")]
@@ -110,7 +110,7 @@ def worker(process: int, port: int, workdir: str) -> None:
 
     import torch.distributed as dist
 
-    from reshard.executors.local import allocate, shard
+    from reshard.executors.reference import allocate, shard
     from reshard.planner import Plan
 
     import faulthandler

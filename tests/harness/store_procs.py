@@ -54,7 +54,7 @@ def _client(port: int) -> Any:
 
 
 def weights(model: Any, seed: int) -> dict[str, torch.Tensor]:
-    from reshard.executors.local import torch_dtype
+    from reshard.executors.reference import torch_dtype
 
     g = torch.Generator().manual_seed(seed)
     dtype = torch_dtype(model.dtype)
@@ -119,7 +119,7 @@ def plan_worker(process: int, port: int, workdir: str) -> None:
     refit registers, prepares or exchanges anything again.
     """
     from reshard.executors.binding import Binding
-    from reshard.executors.local import allocate, execute_local, shard
+    from reshard.executors.reference import allocate, execute_local, shard
     from reshard.planner import Plan
 
     torch.set_num_threads(1)
@@ -223,7 +223,7 @@ def failure_worker(process: int, port: int, workdir: str, scenario: str, victim:
     (key "frozen"); the others then start refit 2.
     """
     from reshard.executors.binding import Binding
-    from reshard.executors.local import allocate, shard
+    from reshard.executors.reference import allocate, shard
     from reshard.planner import Plan
 
     torch.set_num_threads(1)
@@ -277,7 +277,7 @@ def setup_failure_worker(process: int, port: int, workdir: str) -> None:
     from reshard.errors import ExecutionError
     from reshard.executors.binding import Binding
     from reshard.executors.exchange import Exchange
-    from reshard.executors.local import allocate, shard
+    from reshard.executors.reference import allocate, shard
     from reshard.executors.nixl import connection
     from reshard.planner import Plan
 

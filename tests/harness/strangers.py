@@ -64,7 +64,7 @@ def tiny_plan(path: Path) -> Path:
 def member(process: int, rdv: dict, workdir: str, kind: str, refits: int) -> None:
     """Join as process `process` of 2, then refit `refits` times; write result-<process>.json."""
     from reshard.executors.binding import Binding
-    from reshard.executors.local import allocate, execute_local, shard
+    from reshard.executors.reference import allocate, execute_local, shard
     from reshard.adapters.rendezvous import Rendezvous, connect, join, scoped
     from reshard.planner import Plan
     from .faults import _weights

@@ -9,7 +9,7 @@ import torch
 
 import reshard
 from reshard.executors.fp8 import Fp8Executor, quantize_blocks
-from reshard.executors.local import allocate, shard
+from reshard.executors.reference import allocate, shard
 from reshard.layouts.fp8 import FP8, Fp8Scheme
 from reshard.planner.fp8 import compile_fp8
 from harness.fp8_reference import reference_checkpoint, reference_quantize, same_bytes

@@ -1,8 +1,8 @@
 """The GPU paths of issue 31 on the GPU machine (`-m gpu`), byte for byte against the references: the Triton FP8
 quantizer (hardware cast and the integer cast the interpreter uses; all jobs in one launch, every warps setting
 swept by benchmarks/refit_inprocess.py), whole
-quantizing refits with it, the sum64 kernel and the shared executor's digests, the bound executor (CUDA graph) and
-the inprocess transport against the reference LocalExecutor, refit after refit."""
+quantizing refits with it, the sum64 kernel and the shared executor's digests, the inprocess executor (CUDA graph) and
+the inprocess transport against the ReferenceExecutor, refit after refit."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +11,7 @@ import torch
 import reshard
 from reshard.executors import allocate, execute_local, make_executor, shard
 from reshard.executors import views
-from reshard.executors.bound import BoundLocalExecutor
+from reshard.executors.inprocess import InProcessExecutor
 from reshard.kernels import KernelTuning
 from harness import kernel_checks
 
@@ -60,10 +60,10 @@ def test_bound_executor_graph_equals_reference_on_gpu(tp, table, monkeypatch):
     want = allocate(dst_l, -7.0)
     if table:  # a small model: its copies "large" enough for the table kernel
         monkeypatch.setattr(views, "LARGE_BYTES", 4096)
-        ex = BoundLocalExecutor(plan, None, 0, src, got, table=True)
+        ex = InProcessExecutor(plan, None, 0, src, got, table=True)
         assert ex._table is not None and ex._table.count == len(ex._program.large) > 0
     else:
-        ex = make_executor("bound", plan, None, 0, src, got)
+        ex = make_executor("inprocess", plan, None, 0, src, got)
     for step in range(3):  # eager, capture, replay
         if step:
             for ts in src.values():

@@ -22,7 +22,7 @@ def main(job_path: str, role: str) -> None:
         import torch.distributed as dist
 
         from reshard.adapters import rendezvous as rv
-        from reshard.executors.comm import StoreComm
+        from reshard.executors.collective.comm import StoreComm
 
         shared = Path(job_path).with_suffix(".rendezvous.json")
         if role == "host":

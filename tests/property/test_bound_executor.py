@@ -1,5 +1,5 @@
 """The bound local executor (views made once, one batched copy per refit) lands every plan exactly as the reference
-LocalExecutor does, refit after refit with new source values in the same tensors; it refuses what it cannot run."""
+ReferenceExecutor does, refit after refit with new source values in the same tensors; it refuses what it cannot run."""
 from __future__ import annotations
 
 import pytest
@@ -23,7 +23,7 @@ def test_bound_equals_reference_over_refits(pair, seed):
     weights = {t.name: torch.randn(t.shape, generator=g) for t in src.model.tensors}
     source = shard(src, weights)
     got, want = allocate(dst, fill=SENTINEL), allocate(dst, fill=SENTINEL)
-    ex = make_executor("bound", plan, None, 0, source, got)
+    ex = make_executor("inprocess", plan, None, 0, source, got)
     for step in range(2):
         if step:  # the trainer's step, in place
             for tensors in source.values():
@@ -43,7 +43,7 @@ def test_bound_refuses_replaced_tensors_and_relays():
     src, dst = reshard.MegatronLayout(model=spec, tp=2), reshard.VllmLayout(model=spec, tp=2)
     plan = reshard.compile(src, dst)
     source, target = allocate(src), allocate(dst)
-    ex = make_executor("bound", plan, None, 0, source, target)
+    ex = make_executor("inprocess", plan, None, 0, source, target)
     name = next(iter(target[0]))
     target[0][name] = torch.zeros_like(target[0][name])  # a new tensor where the bound one was
     ex.refit()  # the dict entry changed, the bound tensor did not: still fine
@@ -53,6 +53,6 @@ def test_bound_refuses_replaced_tensors_and_relays():
         ex.refit()
     relayed = reshard.compile(src, reshard.VllmLayout(model=spec, tp=2, replicas=2), fanout=1)
     with pytest.raises(ExecutionError, match="relays"):
-        make_executor("bound", relayed, None, 0, allocate(src), allocate(relayed.dst))
+        make_executor("inprocess", relayed, None, 0, allocate(src), allocate(relayed.dst))
     with pytest.raises(ExecutionError, match="lacks source ranks"):
-        make_executor("bound", plan, None, 0, {0: allocate(src)[0]}, allocate(dst))
+        make_executor("inprocess", plan, None, 0, {0: allocate(src)[0]}, allocate(dst))

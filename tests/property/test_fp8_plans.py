@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 import reshard
 from reshard.errors import ExecutionError, LayoutError
 from reshard.executors.fp8 import Fp8Executor
-from reshard.executors.local import allocate, shard
+from reshard.executors.reference import allocate, shard
 from reshard.layouts.fp8 import Fp8Scheme, quantized_entries
 from reshard.planner.fp8 import compile_fp8
 from harness.fp8_jobs import execute_fp8_local
@@ -118,11 +118,11 @@ def test_quantizing_refits(case):
     assert not bad, f"{src} -> {dst} block {block}: {bad[:5]}"
 
     # both in-process paths: quantized straight into the engine's tensors (where the plan allows) and through
-    # the wire's shadows and the bound executor's copies; each equals the reference checkpoint
+    # the wire's shadows and the inprocess executor's copies; each equals the reference checkpoint
     for direct in (True, False):
         try:
             out = allocate(d, SENTINEL)
-            ex = Fp8Executor(fp, None, 0, shard(src, weights), out, inner="bound", direct=direct)
+            ex = Fp8Executor(fp, None, 0, shard(src, weights), out, inner="inprocess", direct=direct)
         except ExecutionError as e:
             assert direct and "straight into" in str(e)
             event("direct quantization refused")

@@ -9,7 +9,7 @@ from hypothesis import given, strategies as st
 from reshard.executors.nixl.options import NixlOptions
 from reshard.executors.nixl.schedule import build_schedule as link_schedule
 from reshard.executors.partition import Partition, carve
-from reshard.executors.schedule import build_schedule as round_schedule
+from reshard.executors.collective.schedule import build_schedule as round_schedule
 from reshard.testing.strategies import refit_plans
 
 from test_schedule import bindings

@@ -7,7 +7,7 @@ from hypothesis import given, strategies as st
 
 from reshard.executors import allocate, execute_local, shard
 from reshard.executors.binding import Binding
-from reshard.executors.schedule import build_schedule
+from reshard.executors.collective.schedule import build_schedule
 from harness.loopback import run_loopback
 from reshard.testing.strategies import refit_plans
 

@@ -14,9 +14,9 @@ from reshard.errors import ExecutionError
 from reshard.executors import RefitStats, allocate, execute_local, make_executor, shard
 from reshard.executors.binding import Binding
 from reshard.executors.copies import DST, SRC, fold, run_copies
-from reshard.executors.distributed import DistributedExecutor, execute_distributed
-from reshard.executors.runners import abort
-from reshard.executors.schedule import bucket_numel_for, build_schedule
+from reshard.executors.collective.executor import CollectiveExecutor, execute_collective
+from reshard.executors.collective.runners import abort
+from reshard.executors.collective.schedule import bucket_numel_for, build_schedule
 from harness.loopback import run_loopback
 
 SPEC = reshard.ModelSpec(family="qwen3", hidden_size=16, num_layers=2, num_attention_heads=8, num_key_value_heads=2,
@@ -117,14 +117,14 @@ def test_one_process_plays_both_sides(in_place):
     src = shard(plan.src, _weights(1))
     want, got = allocate(plan.dst, fill=-1.0), allocate(plan.dst, fill=-1.0)
     execute_local(plan, src, want)
-    stats = execute_distributed(plan, Binding((0, 0), (0, 0)), src, got, in_place=in_place)
+    stats = execute_collective(plan, Binding((0, 0), (0, 0)), src, got, in_place=in_place)
     assert stats.rounds == 0 and stats.local_bytes == plan.accounting.total_bytes
     for r in want:
         for n in want[r]:
             assert torch.equal(got[r][n], want[r][n]), (r, n)
 
 
-@pytest.mark.parametrize("name", ["local", "bound", "distributed"])
+@pytest.mark.parametrize("name", ["reference", "inprocess", "collective"])
 def test_every_executor_returns_one_stats_type(name):
     """Every executor's refit returns a RefitStats whose quantities agree with the plan's accounting."""
     plan = reshard.compile(reshard.MegatronLayout(model=SPEC, tp=2), reshard.VllmLayout(model=SPEC, tp=2))
@@ -139,7 +139,7 @@ def test_every_executor_returns_one_stats_type(name):
 
 def test_bad_tensors_are_refused_before_anything_moves():
     plan = reshard.compile(reshard.MegatronLayout(model=SPEC), reshard.VllmLayout(model=SPEC))
-    ex = DistributedExecutor(plan, Binding((0,), (0,)))
+    ex = CollectiveExecutor(plan, Binding((0,), (0,)))
     src = shard(plan.src, _weights())
     dst = allocate(plan.dst, fill=-1.0)
     name = next(iter(dst[0]))
@@ -150,13 +150,13 @@ def test_bad_tensors_are_refused_before_anything_moves():
     with pytest.raises(ExecutionError, match=r"destination ranks given \[\]"):
         ex.refit(src=src, dst={})
     with pytest.raises(ExecutionError, match="group rank 1 but the group has 1 ranks"):
-        DistributedExecutor(plan, Binding((0,), (1,)))
+        CollectiveExecutor(plan, Binding((0,), (1,)))
 
 
 def test_repeated_calls_skip_checks_only_for_the_same_tensors():
     """A call with the very tensors of the last good call skips the checks; any other tensor is checked again."""
     plan = reshard.compile(reshard.MegatronLayout(model=SPEC), reshard.VllmLayout(model=SPEC))
-    ex = DistributedExecutor(plan, Binding((0,), (0,)), in_place=True)
+    ex = CollectiveExecutor(plan, Binding((0,), (0,)), in_place=True)
     src = shard(plan.src, _weights())
     want, dst = allocate(plan.dst, fill=-1.0), allocate(plan.dst, fill=-1.0)
     execute_local(plan, src, want)
@@ -199,24 +199,24 @@ def test_abort_aborts_every_lane_at_once_and_gives_up_after_the_timeout():
 
 
 def test_an_abort_that_does_not_finish_is_named_and_the_process_still_raises(monkeypatch):
-    import reshard.executors.distributed as distributed
+    import reshard.executors.collective.executor as distributed
 
     plan = reshard.compile(reshard.MegatronLayout(model=SPEC), reshard.VllmLayout(model=SPEC))
     calls = []
     monkeypatch.setattr(distributed, "abort", lambda groups, timeout: (calls.append(len(groups)), groups[1:])[1])
-    ex = DistributedExecutor(plan, Binding((0,), (0,)), timeout=0.2)
+    ex = CollectiveExecutor(plan, Binding((0,), (0,)), timeout=0.2)
     lanes = [object(), object(), object()]  # as if three lanes had been made
-    monkeypatch.setattr(DistributedExecutor, "lanes", property(lambda self: lanes if self is ex else [None]))
+    monkeypatch.setattr(CollectiveExecutor, "lanes", property(lambda self: lanes if self is ex else [None]))
     note = ex.abort()
     assert "2 of the 3 communicators (lanes) did not finish within 0.2 s: restart this process" in note
     assert ex.abort() == note and calls == [3]  # aborted once
-    one = DistributedExecutor(plan, Binding((0,), (0,)), timeout=0.2)
+    one = CollectiveExecutor(plan, Binding((0,), (0,)), timeout=0.2)
     assert one.abort() == "" and calls == [3, 1]
 
 
 def test_first_uses_of_a_communicator_run_off_thread_and_are_bounded():
     """NCCL blocks the host while it connects to a gone peer; the executor's first uses must still time out."""
-    from reshard.executors.connect import off_thread
+    from reshard.executors.collective.connect import off_thread
 
     cpu = torch.device("cpu")
     assert off_thread(lambda: 7, 1.0, cpu, "x") == 7

@@ -11,7 +11,7 @@ import torch
 import reshard
 from reshard.errors import ExecutionError, LayoutError, ModelConfigError
 from reshard.executors.fp8 import Fp8Executor, quantize_blocks
-from reshard.executors.local import allocate, shard
+from reshard.executors.reference import allocate, shard
 from reshard.layouts.fp8 import Fp8Scheme, quantized_entries
 from reshard.planner.fp8 import compile_fp8
 from harness.fp8_jobs import execute_fp8_local

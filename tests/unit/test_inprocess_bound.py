@@ -1,5 +1,5 @@
-"""The inprocess transport refits through a bound executor kept while the trainer publishes the same tensors in
-place, binds afresh when it publishes other tensors, and lands what the reference LocalExecutor lands each time
+"""The inprocess transport refits through an inprocess executor kept while the trainer publishes the same tensors in
+place, binds afresh when it publishes other tensors, and lands what the ReferenceExecutor lands each time
 (the GPU test of the same runs with the CUDA graph)."""
 from __future__ import annotations
 

@@ -40,13 +40,13 @@ def test_quantizing_refits_with_the_kernel_equal_reference_checkpoint():
 
 def test_sum64_and_copy_table_kernels_equal_references():
     """One interpreter for both (its start is most of the cost): sum64 against its reference, the table-copy
-    kernel against torch's copies and the bound executor with it against the reference executor."""
+    kernel against torch's copies and the inprocess executor with it against the reference executor."""
     assert _interpreted("check_sum64('cpu', cases=4) + k.check_copy_table('cpu', cases=3, tps=((2, 1),))") == []
 
 
 def test_copy_sum64_kernel_equals_copies_and_reference_digest():
     """The copy-and-checksum kernel: torch's copies and the "sum64" reference sums (several periods folded onto
-    a window, the 16-bit lanes spilled), and the bound executor's checksum="sum64" through it against the reference
+    a window, the 16-bit lanes spilled), and the inprocess executor's checksum="sum64" through it against the reference
     executor and the reference digest."""
     assert _interpreted("check_copy_sum64('cpu', cases=6, tps=((2, 1),))") == []
 

@@ -11,7 +11,7 @@ import torch
 import reshard
 from reshard.adapters.refit import RefitSpec
 from reshard.adapters.vllm import layer_groups
-from reshard.executors import LocalExecutor
+from reshard.executors import ReferenceExecutor
 from reshard.adapters.vllm.check import placement_problems, structure_problems, widens
 from reshard.adapters.vllm.derive import UNWRITTEN, _read_placements, declared_placements, marker
 from reshard.adapters.vllm.direct import padding_runs
@@ -36,7 +36,7 @@ def landed(layout, rank):
 
 
 def shard_into(layout, rank, scratch, canonical):
-    from reshard.executors.local import _box
+    from reshard.executors.reference import _box
 
     for t in layout.model.tensors:
         for p in layout.placements(t):
@@ -132,7 +132,7 @@ def test_local_executor_fills_only_given_ranks_like_execute_local():
     everything = shard(dst, {k: torch.zeros_like(v) for k, v in w.items()})
     execute_local(plan, src_tensors, everything)
     got = {3: {n: torch.full_like(t, float("nan")) for n, t in want[3].items()}}
-    LocalExecutor(plan, None, 0, src_tensors, got).refit()
+    ReferenceExecutor(plan, None, 0, src_tensors, got).refit()
     for n, t in want[3].items():
         covered = ~torch.isnan(got[3][n])
         assert torch.equal(got[3][n][covered], t[covered]) and torch.equal(everything[3][n], t)
@@ -144,7 +144,7 @@ def test_local_executor_refuses_relays_from_other_processes():
     plan = reshard.compile_plan(src, dst, fanout=1)
     got = {2: {n: torch.zeros(s) for n, s in dst.rank_tensors(2).items()}}
     with pytest.raises(reshard.ExecutionError, match="relays through destination ranks"):
-        LocalExecutor(plan, None, 0, shard(src, weights(SPEC)), got)
+        ReferenceExecutor(plan, None, 0, shard(src, weights(SPEC)), got)
 
 
 def test_loader_groups_are_whole_layers_and_cover_every_tensor_once():
@@ -166,7 +166,7 @@ def test_loader_install_delivers_full_canonical_tensors_to_every_rank():
     src_tensors = shard(src, w)
     for rank in (0, 1):
         got = {rank: {n: torch.empty(s) for n, s in plan.dst_tensors.on_rank(rank).items()}}
-        LocalExecutor(plan, None, 0, src_tensors, got).refit()
+        ReferenceExecutor(plan, None, 0, src_tensors, got).refit()
         assert sorted(got[rank]) == sorted(w) and all(torch.equal(t, w[n]) for n, t in got[rank].items())
 
 

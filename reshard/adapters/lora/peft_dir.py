@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ...errors import ArgumentError, ExecutionError
-from ...executors.local import allocate
+from ...executors.reference import allocate
 from ...layouts.lora import PeftLayout, peft_config
 
 WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"

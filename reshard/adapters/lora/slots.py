@@ -26,8 +26,8 @@ from typing import Any, Mapping
 import torch
 
 from ...errors import InputError, LayoutMismatchError
-from ...executors.bound import BoundLocalExecutor
-from ...executors.local import torch_dtype
+from ...executors.inprocess import InProcessExecutor
+from ...executors.reference import torch_dtype
 from ...executors.stats import RefitStats
 from ...layouts.lora import VllmLoraLayout, lora_facts
 from ...planner import Plan
@@ -160,7 +160,7 @@ class SlotRefit:
             raise InputError("plan.selection", len(plan.selection), "selects part of the adapter; an in-slot refit "
                              "lands the whole adapter (compile the plan without tensors= / layers=)")
         self.slot = AdapterSlot(manager, plan.dst, lora_id, rank)
-        self.executor = BoundLocalExecutor(plan, None, 0, src, {rank: self.slot.tensors})
+        self.executor = InProcessExecutor(plan, None, 0, src, {rank: self.slot.tensors})
 
     def refit(self, version: int | None = None) -> RefitStats:
         """One refit of the slot."""

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ...executors.local import torch_dtype
+from ...executors.reference import torch_dtype
 from ...layouts import MegatronLayout
 from .check import verify
 from .model import read_model

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 import torch
 
 from ...errors import LayoutMismatchError
-from ...executors.local import torch_dtype
+from ...executors.reference import torch_dtype
 from ...layouts import MegatronLayout
 from ...layouts.lora import FAMILY as LORA
 from .derive import derive_layout

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ...errors import LayoutError, LayoutMismatchError
-from ...executors.local import torch_dtype
+from ...executors.reference import torch_dtype
 from ...layouts import MegatronLayout, ModelSpec
 from .checkpoint import Checkpoint, leading_axes
 from .check import layout_problems

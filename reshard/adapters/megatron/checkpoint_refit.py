@@ -38,7 +38,7 @@ def export_hf(checkpoint: str | os.PathLike[str] | Checkpoint, config: str | os.
     The checkpoint is validated and checked against the config before anything is written."""
     from safetensors.torch import save_file
 
-    from ...executors.local import allocate, execute_local
+    from ...executors.reference import allocate, execute_local
     from ...planner import compile_plan
 
     start = time.perf_counter()
@@ -71,7 +71,7 @@ def export_peft(checkpoint: str | os.PathLike[str] | Checkpoint, spec: ModelSpec
     a link to the version's directory, switched atomically). The checkpoint is checked against the declared
     adapter (rank, targets, layers) before anything is written; one process reads what several readers would
     (several reader processes, each reading its part: `read_checkpoint` with a `PeftLayout`)."""
-    from ...executors.local import execute_local
+    from ...executors.reference import execute_local
     from ...layouts.lora import PeftLayout
     from ...planner import compile_plan
     from ..lora.peft_dir import PeftDirectory
@@ -123,7 +123,7 @@ def read_checkpoint(checkpoint: str | os.PathLike[str] | Checkpoint, spec: Model
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint)
     before = ckpt.bytes_read
     plan = compile_plan(checkpoint_layout(ckpt, spec, readers=readers), dst)
-    executor = make_executor("distributed", plan, Binding(tuple(range(readers)), tuple(range(dst.num_ranks))), me,
+    executor = make_executor("collective", plan, Binding(tuple(range(readers)), tuple(range(dst.num_ranks))), me,
                              {me: checkpoint_tensors(ckpt, plan, me)}, out, group=group, timeout=timeout)
     try:
         executor.refit()

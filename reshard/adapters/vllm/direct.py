@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import torch
 
 from ...errors import KernelFormatError
-from ...executors.local import torch_dtype
+from ...executors.reference import torch_dtype
 from ...layouts import Layout
 from .check import check_layout
 from .kernel_format import relaid_problems

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ...errors import ExecutionError
-from ...executors.local import empty_for
+from ...executors.reference import empty_for
 from ...layouts import HfLayout, ModelSpec
 from ...planner import Plan
 from .live import weights

@@ -55,7 +55,7 @@ class WorkerSession:
         model: the worker's model.
         vllm_config: the worker's vLLM config.
         refit: the trainer's init payload, parsed.
-        group: the engine's world group ("distributed" transport).
+        group: the engine's world group ("colocated" transport).
         background: cross-process transports: wait for the other members and open the transport in a thread
             (the constructor returns once the local checks passed and this worker holds its place); `start` and
             `transfer` wait for it and raise its failure.

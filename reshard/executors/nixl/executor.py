@@ -60,7 +60,7 @@ from ..checksum import Streams, algorithm, mismatch
 from ..copies import DST, SHADOW, SRC, WIRE
 from ..exchange import Exchange
 from ..preflight import check_ops
-from ..local import apply_shifts
+from ..reference import apply_shifts
 from ..prepared import Prepared
 from ..stats import RefitStats, ops_landing
 from ..views import CopyViews, Memory, view_copies

@@ -154,7 +154,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
         rv.join(self._store, rdv, top.process, size, self.role)
         comm = None
         if self.transport == "collective":
-            from ...executors.comm import StoreComm
+            from ...executors.collective.comm import StoreComm
 
             backend = self.options.get("backend") or ("nccl" if self.device.type == "cuda" else "gloo")
             comm = StoreComm(rv.scoped(self._store, rdv, "collective"), top.process, size, backend, self.timeout)

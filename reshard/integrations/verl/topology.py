@@ -129,7 +129,7 @@ def group_plans(spec: ModelSpec, trainers: int, rollouts: int, bucket_size: int,
 def check_bucket(plans: Sequence[Plan], trainers: int, rollouts: int, bucket_size: int) -> None:
     """A collective refit's wire buffers (DEPTH rounds x peers x one message) must fit the bucket: refuse, naming
     the bucket, a bucket smaller than the smallest message the busiest process needs."""
-    from ...executors.schedule import bucket_numel_for
+    from ...executors.collective.schedule import bucket_numel_for
 
     binding = Binding.disjoint(trainers, rollouts)
     for plan in plans:

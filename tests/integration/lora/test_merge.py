@@ -14,7 +14,7 @@ import reshard
 from reshard.adapters.lora import merge, merged_names
 from reshard.errors import ExecutionError
 from reshard.executors import execute_local, shard
-from reshard.executors.local import allocate
+from reshard.executors.reference import allocate
 from reshard.layouts.lora import lora_spec
 from harness.lora import adapter_weights, base_weights, reference_merge
 from reshard.testing.megatron_cpu import TinyGPT

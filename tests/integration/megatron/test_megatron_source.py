@@ -130,7 +130,7 @@ def _worker(name: str, outdir: str) -> None:
     from reshard.executors import allocate
     from reshard.testing.checks import data_mask
     from reshard.executors.binding import Binding
-    from reshard.executors.distributed import execute_distributed
+    from reshard.executors.collective.executor import execute_collective
 
     case = CASES[name]
     spec = case.tiny.spec()
@@ -185,7 +185,7 @@ def _worker(name: str, outdir: str) -> None:
     plan = reshard.compile(declared, hf)
     dst = allocate(hf, fill=float("nan"), ranks=[0]) if rank == 0 else {}
     world = dist.get_world_size()
-    stats = execute_distributed(plan, Binding(tuple(range(world)), (0,)), {rank: src}, dst, timeout=120.0)
+    stats = execute_collective(plan, Binding(tuple(range(world)), (0,)), {rank: src}, dst, timeout=120.0)
     result["sent_bytes"] = sum(stats.bytes_sent.values())
     if rank == 0:
         Path(outdir, "hf").mkdir()
@@ -199,7 +199,7 @@ def _worker(name: str, outdir: str) -> None:
         tp1 = case.layout(tp=1, etp=1)
         plan1 = reshard.compile(declared, tp1)
         got = allocate(tp1, fill=float("nan"), ranks=[rank])
-        execute_distributed(plan1, Binding(tuple(range(world)), tuple(range(world))), {rank: src}, got,
+        execute_collective(plan1, Binding(tuple(range(world)), tuple(range(world))), {rank: src}, got,
                             timeout=120.0)
         init_parallel(1, case.pp, case.ep, 1, case.vpp)
         chunks1 = build_model(case.tiny)

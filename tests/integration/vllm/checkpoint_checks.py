@@ -47,7 +47,7 @@ def run_case(case: Path, rank: int, world: int) -> dict:
     dst = reshard.VllmLayout(model=spec, tp=world)
     plan = reshard.compile_plan(src, dst)
     binding = bind_direct(model, dst, rank, None, cfg)
-    executor = make_executor("distributed", plan, Binding(tuple(range(world)), tuple(range(world))), rank,
+    executor = make_executor("collective", plan, Binding(tuple(range(world)), tuple(range(world))), rank,
                              {rank: checkpoint_tensors(ckpt, plan, rank)}, {rank: binding.tensors},
                              group=dist.group.WORLD, timeout=120.0)
     executor.refit()

@@ -33,7 +33,7 @@ from rank_checks import LoopbackClient, poison, same_bytes, snapshot  # noqa: E4
 from reshard.adapters.refit import RefitSpec  # noqa: E402
 from reshard.adapters.vllm import bind_direct  # noqa: E402
 from reshard.adapters.vllm.experts import live_placement  # noqa: E402
-from reshard.executors import LocalExecutor, shard  # noqa: E402
+from reshard.executors import ReferenceExecutor, shard  # noqa: E402
 
 REDUNDANT = 4  # 8 experts in 12 slots, 6 per EP rank
 SOURCE = "megatron:tp=2,ep=2,etp=1"
@@ -229,7 +229,7 @@ def main() -> int:
         want = snapshot(truth_model)
         stale = reshard.compile_plan(src, layout(None))
         scratch = {n: torch.full_like(t, float("nan")) for n, t in snapshot(engine_model).items()}
-        LocalExecutor(stale, None, 0, shard(src, new), {rank: scratch}).refit()
+        ReferenceExecutor(stale, None, 0, shard(src, new), {rank: scratch}).refit()
         wrong = [n for n in want if "experts" in n and not torch.equal(scratch[n].view(torch.uint8),
                                                                        want[n].view(torch.uint8))]
         if not wrong:

@@ -32,7 +32,7 @@ import reshard  # noqa: E402
 from reshard.adapters.vllm.fp8 import bind_fp8, fp8_problems  # noqa: E402
 from reshard.errors import ModelConfigError  # noqa: E402
 from reshard.executors.fp8 import Fp8Executor  # noqa: E402
-from reshard.executors.local import allocate, shard  # noqa: E402
+from reshard.executors.reference import allocate, shard  # noqa: E402
 from reshard.layouts import parse_layout  # noqa: E402
 from reshard.layouts.fp8 import FP8, Fp8Scheme  # noqa: E402
 from reshard.planner.fp8 import compile_fp8  # noqa: E402
@@ -111,7 +111,7 @@ def run_case(case: dict, world: int, rank: int) -> dict[str, str]:
 
     def direct_install_matches_load_weights():
         tensors = bind_fp8(engine, fp, rank)
-        Fp8Executor(fp, None, 0, shard(src, w), {rank: tensors}, inner="local").refit()
+        Fp8Executor(fp, None, 0, shard(src, w), {rank: tensors}, inner="reference").refit()
         diff = differences(engine, truth)
         assert not diff, diff[:5]
 

@@ -22,7 +22,7 @@ from reshard.adapters.refit import RefitSpec  # noqa: E402
 from reshard.adapters.vllm import LoaderInstaller, bind_direct, check_layout, derive_layout  # noqa: E402
 from reshard.adapters.vllm.derive import declared_placements  # noqa: E402
 from reshard.adapters.vllm.live import weights  # noqa: E402
-from reshard.executors import LocalExecutor, shard  # noqa: E402
+from reshard.executors import ReferenceExecutor, shard  # noqa: E402
 from reshard.layouts import Role  # noqa: E402
 
 _SWAP = {Role.GATE, Role.UP, Role.EXPERT_GATE, Role.EXPERT_UP}
@@ -129,7 +129,7 @@ def run_case(case: dict, rank: int, world: int) -> dict[str, str]:
         poison(model)
         binding = bind_direct(model, layout, rank, None, cfg)
         plan = reshard.compile_plan(src, layout)
-        LocalExecutor(plan, None, 0, src_tensors, {rank: binding.tensors}).refit()
+        ReferenceExecutor(plan, None, 0, src_tensors, {rank: binding.tensors}).refit()
         binding.finish()
         return same_bytes(model, ref)
 
@@ -137,7 +137,7 @@ def run_case(case: dict, rank: int, world: int) -> dict[str, str]:
         poison(model)
         plan = RefitSpec.of(spec, src, layout, install="loader").plan()
         installer = LoaderInstaller(model, rank, plan, cfg)
-        LocalExecutor(plan, None, 0, src_tensors, {rank: installer.buffers}).refit()
+        ReferenceExecutor(plan, None, 0, src_tensors, {rank: installer.buffers}).refit()
         installer.load()  # the reload around it (post-load processing) needs kernels only the CPU build has
         return same_bytes(model, ref)
 
@@ -176,7 +176,7 @@ def run_case(case: dict, rank: int, world: int) -> dict[str, str]:
         colocated = reshard.parse_layout(case["colocated_src"].format(w=world), spec)
         mine = {rank: shard(colocated, hf, ranks=[rank])[rank]}
         poison(model)
-        trainer = trainer_engine(layout, "colocated", colocated, mine, transport="distributed")
+        trainer = trainer_engine(layout, "colocated", colocated, mine, transport="colocated")
         trainer.send_weights(version="v1")
         trainer.shutdown()
         return same_bytes(model, ref)

@@ -5,7 +5,7 @@ HF checkpoint (saved by transformers), byte for byte per parameter:
     the `reshard` weight-transfer engine and trainer engine, picked by name from vLLM's factories (the trainer
     drives the worker engine through vLLM's client protocol, served in-process); and colocated, every process
     one trainer rank holding only its own Megatron shard and one vLLM rank, the bytes moved between processes
-    by reshard's torch.distributed executor over vLLM's gloo world (`transport="distributed"`);
+    by reshard's torch.distributed executor over vLLM's gloo world (`transport="colocated"`);
   - loader install: the same plan's canonical tensors handed to load_weights one module group at a time;
   - the layout derived from the model's loaders (marked tensors) equals the declared VllmLayout, and the probe
     puts the live weights back untouched;

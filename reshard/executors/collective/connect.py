@@ -16,8 +16,8 @@ from typing import Callable, TypeVar
 
 import torch
 
-from ..errors import ExecutionError
-from ..polling import Background
+from ...errors import ExecutionError
+from ...polling import Background
 
 T = TypeVar("T")
 # (id(communicator), global peer rank; -1 for its collectives) -> the communicator, kept so that its id is not

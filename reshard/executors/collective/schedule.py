@@ -29,11 +29,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ExecutionError
-from ..planner import Plan
-from .binding import Binding
-from .copies import DST, SHADOW, WIRE, Copies, fold
-from .partition import Partition
+from ...errors import ExecutionError
+from ...planner import Plan
+from ..binding import Binding
+from ..copies import DST, SHADOW, WIRE, Copies, fold
+from ..partition import Partition
 
 
 @dataclass(frozen=True, eq=False)
@@ -164,7 +164,7 @@ def _split(p: dict[str, np.ndarray], cuts: np.ndarray) -> dict[str, np.ndarray]:
     return {k: np.concatenate([d[k] for d in done]) for k in done[0]}
 
 
-LANES_DIRECT_BYTES = 16 << 20  # the same with several lanes, where messages are cheap (executors.lanes)
+LANES_DIRECT_BYTES = 16 << 20  # the same with several lanes, where messages are cheap (executors.collective.lanes)
 DIRECT_BYTES = 64 << 20  # runs contiguous in one side's memory at least this long travel unpacked
 # gloo over loopback or TCP: a message costs little next to a CPU copy; sending tensors as they are beat packing
 # them (BENCHMARKS.md, Same host: the gloo row of the CPU `refit_shared.py` run)

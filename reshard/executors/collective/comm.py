@@ -11,7 +11,7 @@ The torch.distributed executor needs only these few operations, so it runs over 
 
 Peers are always ranks in the refit group. Messages of one batch are posted together (NCCL: one group call, so
 that a pair sending to each other cannot deadlock); lanes (extra communicators over the same members, see
-executors.lanes) are made at the first refit, after a preflight that every member passes together.
+executors.collective.lanes) are made at the first refit, after a preflight that every member passes together.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from ..errors import ExecutionError
+from ...errors import ExecutionError
 
 Message = tuple[torch.Tensor, int, int]  # (buffer, peer group rank, tag)
 
@@ -176,7 +176,7 @@ class StoreComm(Comm):
 
     def close(self) -> None:
         """Shut the lanes down, within the group's timeout (a shutdown waiting on a frozen peer is left behind)."""
-        from .base import close_within
+        from ..base import close_within
 
         lanes, self.lanes = self.lanes, []
 
@@ -198,7 +198,7 @@ def gloo_options(timeout: timedelta) -> Any:
     the host name, which on many machines (and in containers) is loopback: its peers elsewhere then fail."""
     import os
 
-    from ..addresses import routable_address
+    from ...addresses import routable_address
 
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
@@ -210,7 +210,7 @@ def gloo_options(timeout: timedelta) -> Any:
 
 
 def comm_for(group: Any) -> Comm | None:
-    """The Comm a DistributedExecutor runs over: `group` itself when it is one, else a group of this process's
+    """The Comm a CollectiveExecutor runs over: `group` itself when it is one, else a group of this process's
     world (default: the whole world); None when torch.distributed is not initialized and no group was given
     (a single process playing every rank)."""
     if isinstance(group, Comm):

@@ -1,6 +1,6 @@
-"""The local executor bound once: for frequent refits in one process (LoRA adapters, an in-process engine).
+"""The inprocess executor: every rank in this process, the plan bound once (frequent refits: LoRA adapters, an in-process engine).
 
-The reference `LocalExecutor` checks the tensors and walks the ops in Python at every refit: right as a reference,
+The reference `ReferenceExecutor` checks the tensors and walks the ops in Python at every refit: right as a reference,
 a fixed cost per op that dominates small refits and, on a GPU, leaves a whole model's refit at a fraction of the
 device's copy speed (one launch per op, each built in Python). Here construction does the checks once, folds the
 ops into a short copy program (executors.copies: adjacent blocks merged, progressions of equal blocks as one 3-D
@@ -30,18 +30,18 @@ from .checksum import Streams, algorithm
 from .copies import DST, SRC, fold
 from .graphs import STREAMS, Replay, on_streams, single_cuda_device, spread
 from .preflight import check_ops
-from .local import apply_shifts
+from .reference import apply_shifts
 from .pins import Pins
 from .prepared import Prepared
 from .stats import RefitStats
 from .views import Memory, view_copies
 
-GRAPH = "auto"  # default graph mode on one GPU (see BoundLocalExecutor)
+GRAPH = "auto"  # default graph mode on one GPU (see InProcessExecutor)
 MANY_COPIES = 1000  # "auto": from this many large copies on, the whole refit one graph (launch-bound otherwise)
 TABLE_FROM = 1000  # table None: the large copies through one table-copy kernel from this many on (CUDA, Triton)
 
 
-class BoundLocalExecutor(Executor):
+class InProcessExecutor(Executor):
     """Every rank in this process, views bound once (see the module docstring). `binding` and `process` are
     accepted for the protocol of executors.base and not needed. `ops`: run only these ops of the plan (indices;
     default all this process's destination ranks receive). `graph`, where every tensor is on one GPU: "all" (the
@@ -54,7 +54,7 @@ class BoundLocalExecutor(Executor):
     `table`: the large copies as one launch of the table-copy kernel (kernels.copy_table, Triton) instead of one
     copy each; None: on one GPU with Triton, from TABLE_FROM large copies on (then "auto" is "all")."""
 
-    name = "bound"
+    name = "inprocess"
 
     def __init__(self, plan: Plan, binding: object = None, process: int = 0, src: RankTensors | None = None,
                  dst: RankTensors | None = None, ops: "np.ndarray | None" = None, graph: "bool | str" = True,

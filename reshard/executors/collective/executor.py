@@ -2,19 +2,19 @@
 
 Every process of the refit group builds the executor with the same plan and binding and its own tensors, and
 calls `refit` at every weight update; it sends what it owns and receives what it needs. Lifecycle of
-`DistributedExecutor(plan, binding, process, src, dst, group=group).refit()` (the protocol of executors.base):
+`CollectiveExecutor(plan, binding, process, src, dst, group=group).refit()` (the protocol of executors.base):
 
   1. construction: the binding is checked against the plan and the group; this process's part of the wire
-     schedule is built (executors.schedule: streams per peer, buckets, rounds, folded copy programs). Build
+     schedule is built (executors.collective.schedule: streams per peer, buckets, rounds, folded copy programs). Build
      the executor once and call `refit` at every weight update;
   2. prepare: this process checks its tensors against the plan (executors.prepared: names, shapes, dtype,
-     contiguity, device) and views the schedule over them (executors.runners.RoundViews: wire and staging
+     contiguity, device) and views the schedule over them (executors.collective.runners.RoundViews: wire and staging
      buffers, every copy as a prebuilt view). The views are kept and reused while the caller passes the same
      tensors, which is the usual case; `release()` drops them;
   3. preflight: one small all-reduce tells every process whether all are ready and run the same plan,
      binding and bucket size; on any mismatch every process raises before a byte moves. On NCCL the first
      refit then makes the lanes and connects every pair on every lane, off the calling thread and bounded by
-     the timeout (executors.connect);
+     the timeout (executors.collective.connect);
   4. transfer, stage by stage: for each round, pack the round's sends into wire buffers, post the round's
      sends and receives as one batch, and (one round later) wait for them and scatter what arrived; local
      copies (bytes between ranks played by one process) are spread over the stage's rounds; relays of stage
@@ -34,7 +34,7 @@ pair together, so no cycle of blocking sends can form within a round). Induction
 every process has finished its rounds before r, every process taking part in round r has posted all of round
 r's operations (posting never waits on another process; with `depth` rounds in flight, posting r only waits
 for this process's own round r-depth), so every operation of round r finds its match and completes. Round r
-travels on lane r mod lanes (a communicator of its own, executors.lanes), which both ends derive from the
+travels on lane r mod lanes (a communicator of its own, executors.collective.lanes), which both ends derive from the
 round's global index; on one lane, a pair's messages are matched in posting order (NCCL) or by tag = round
 (gloo), and both sides post them in the same round order. Lanes run on streams of their own, so a round
 never queues behind another lane's; their NCCL kernels (a few dozen thread blocks each) fit on the GPU
@@ -81,21 +81,21 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..errors import ExecutionError, ReshardError
-from ..planner import Plan
+from ...errors import ExecutionError, ReshardError
+from ...planner import Plan
 from . import connect
-from .base import Executor, RankTensors
-from .binding import Binding
-from .checksum import DIGEST_BYTES, Streams, algorithm, mismatch
+from ..base import Executor, RankTensors
+from ..binding import Binding
+from ..checksum import DIGEST_BYTES, Streams, algorithm, mismatch
 from .comm import Comm, comm_for
-from ..polling import wait_events
+from ...polling import wait_events
 from .runners import Buffers, RoundRunner, Setup, abort, make_runner
-from .preflight import check_ops
+from ..preflight import check_ops
 from .lanes import NCCL_LANES
-from .prepared import Prepared
+from ..prepared import Prepared
 from .schedule import (DIRECT_BYTES, GLOO_DIRECT_BYTES, LANES_DIRECT_BYTES, RoundSchedule, bucket_numel_for,
                        build_schedule)
-from .stats import RefitStats, ops_landing, phase_times
+from ..stats import RefitStats, ops_landing, phase_times
 
 DEFAULT_MEMORY_CAP = 2 << 30
 CHECKSUM_TAG = (1 << 30) - 1  # the checksum exchange's messages; schedule tags are message numbers below it
@@ -105,7 +105,7 @@ def _digest_int(*parts: str) -> int:
     return int(hashlib.sha256("|".join(parts).encode()).hexdigest()[:15], 16)
 
 
-class DistributedExecutor(Executor):
+class CollectiveExecutor(Executor):
     """Runs one plan repeatedly on this process's part of a binding over torch.distributed (gloo, NCCL).
 
     See the module docstring for the schedule.
@@ -135,7 +135,7 @@ class DistributedExecutor(Executor):
             copy. None: only messages that happen to be contiguous go direct. "auto": on NCCL 64 MiB on one lane,
             16 MiB on several, where messages are cheaper (on one lane 16 MiB was slower: BENCHMARKS.md, NCCL);
             on gloo 64 KiB (a CPU copy costs more than a message).
-        lanes: communicators the rounds are spread over (round r on lane r mod lanes; executors.lanes): NCCL runs
+        lanes: communicators the rounds are spread over (round r on lane r mod lanes; executors.collective.lanes): NCCL runs
             one communicator's messages one after another, each with a fixed cost, and lanes overlap those costs
             (a refit in which both GPUs send and receive reaches its share of the link with 3 lanes, not with 1;
             BENCHMARKS.md, NCCL). The extra ones are made from the group in the first refit and kept for it; each is
@@ -153,7 +153,7 @@ class DistributedExecutor(Executor):
             frozen peer or a checksum mismatch; staged and undo refits then leave the destinations as they were.
     """
 
-    name = "distributed"
+    name = "collective"
 
     def __init__(self, plan: Plan, binding: Binding, process: int | None = None, src: RankTensors | None = None,
                  dst: RankTensors | None = None, *, group: "dist.ProcessGroup | Comm | None" = None,
@@ -185,7 +185,7 @@ class DistributedExecutor(Executor):
         binding.check(plan.src.num_ranks, plan.dst.num_ranks, self.size)
         check_ops(plan)  # before the schedule indexes anything with the plan's ops
         self._src, self._dst = dict(src or {}), dict(dst or {})
-        if lanes is None:  # NCCL: each communicator runs its messages one after another (executors.lanes)
+        if lanes is None:  # NCCL: each communicator runs its messages one after another (executors.collective.lanes)
             lanes = NCCL_LANES if "nccl" in self.backend else 1
         self.num_lanes = 1 if self.size == 1 else lanes
         self.depth = depth = max(2, self.num_lanes) if depth is None else depth
@@ -215,7 +215,7 @@ class DistributedExecutor(Executor):
 
     @property
     def lanes(self) -> list:
-        """The communicators rounds are spread over (executors.lanes); the group itself first."""
+        """The communicators rounds are spread over (executors.collective.lanes); the group itself first."""
         return self.comm.lanes if self.comm is not None else [None]
 
     # --- public ----------------------------------------------------------------------------------
@@ -415,7 +415,7 @@ class DistributedExecutor(Executor):
             self.comm.make_lanes(self.num_lanes, self.timeout)
 
     def _connect(self, device: torch.device) -> None:
-        """Make the lanes and connect every peer on every lane, off this thread and bounded (executors.connect)."""
+        """Make the lanes and connect every peer on every lane, off this thread and bounded (executors.collective.connect)."""
         comm, peers = self.comm, self._peers
 
         def make() -> list:
@@ -477,9 +477,9 @@ def _identity(src: dict, dst: dict) -> tuple | None:
     return key, ts
 
 
-def execute_distributed(plan: Plan, binding: Binding, src: RankTensors | None, dst: RankTensors | None,
+def execute_collective(plan: Plan, binding: Binding, src: RankTensors | None, dst: RankTensors | None,
                         group: dist.ProcessGroup | None = None, **options) -> RefitStats:
-    """One refit with a fresh executor (build a `DistributedExecutor` to reuse schedule and buffers).
+    """One refit with a fresh executor (build a `CollectiveExecutor` to reuse schedule and buffers).
 
     Args:
         plan: the plan.
@@ -487,12 +487,12 @@ def execute_distributed(plan: Plan, binding: Binding, src: RankTensors | None, d
         src: this process's source tensors (rank -> name -> tensor).
         dst: this process's destination tensors.
         group: the refit group (default: the whole world).
-        **options: `DistributedExecutor` options.
+        **options: `CollectiveExecutor` options.
 
     Returns:
         This process's stats.
 
     Raises:
-        ExecutionError: as `DistributedExecutor.refit`.
+        ExecutionError: as `CollectiveExecutor.refit`.
     """
-    return DistributedExecutor(plan, binding, None, src, dst, group=group, **options).refit()
+    return CollectiveExecutor(plan, binding, None, src, dst, group=group, **options).refit()

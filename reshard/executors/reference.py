@@ -1,4 +1,4 @@
-"""Run a plan over in-memory tensors, every rank in one process; and lay canonical weights out by a layout.
+"""The reference executor: run a plan over in-memory tensors, every rank in one process; and lay canonical weights out by a layout.
 
 `shard` and `unshard` are the inverse pair that materialize a layout from canonical weights and back. They read
 the layout's placements directly, without the compiler, so they are the reference a plan is tested against.
@@ -242,7 +242,7 @@ def block(flat: torch.Tensor, offset: int, rows: int, cols: int, stride: int) ->
     return flat.as_strided((rows, cols), (stride, 1), flat.storage_offset() + offset)
 
 
-class LocalExecutor(Executor):
+class ReferenceExecutor(Executor):
     """Every op of a plan in this process: the reference executor the others are tested against.
 
     Tensors are checked against the plan before any byte moves, so a mismatch leaves `dst` untouched; the copies
@@ -260,7 +260,7 @@ class LocalExecutor(Executor):
             tensors that do not match the plan.
     """
 
-    name = "local"
+    name = "reference"
 
     def __init__(self, plan: Plan, binding: object = None, process: int = 0, src: RankTensors | None = None,
                  dst: RankTensors | None = None) -> None:
@@ -330,7 +330,7 @@ def execute_local(plan: Plan, src: RankTensors, dst: RankTensors) -> None:
     missing = sorted(set(plan.src_tensors.ranks) - set(src)) + sorted(set(plan.dst_tensors.ranks) - set(dst))
     if missing:
         raise ExecutionError(f"local execution needs every rank; missing {missing[:10]}")
-    LocalExecutor(plan, None, 0, src, dst).refit()
+    ReferenceExecutor(plan, None, 0, src, dst).refit()
 
 
 def shift_views(plan: Plan, dst_flat: Mapping[int, torch.Tensor], ops: "np.ndarray | None" = None) \

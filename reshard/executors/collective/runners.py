@@ -22,16 +22,16 @@ from datetime import timedelta
 import numpy as np
 import torch
 
-from ..errors import ExecutionError
-from ..planner import Plan
-from ..polling import Background, wait_events
+from ...errors import ExecutionError
+from ...planner import Plan
+from ...polling import Background, wait_events
 from .comm import Comm
-from .checksum import Streams
-from .copies import DST, KIND_NAMES, SHADOW, SRC, WIRE, Copies, regions
-from .local import apply_shifts
-from .prepared import Prepared
+from ..checksum import Streams
+from ..copies import DST, KIND_NAMES, SHADOW, SRC, WIRE, Copies, regions
+from ..reference import apply_shifts
+from ..prepared import Prepared
 from .schedule import RoundSchedule
-from .views import CopyViews, Memory, view_copies
+from ..views import CopyViews, Memory, view_copies
 
 HOST_LEAD = 8  # rounds the host may enqueue ahead of the GPU (CudaRunner._keep_up)
 

@@ -37,7 +37,7 @@ from .transports import PublishedSource, publish_source, published_source, withd
 _FIELDS = {"model": dict, "src": dict, "dst": dict, "install": str, "replica": int, "transport": str,
            "options": dict, "rendezvous": (dict, type(None)), "fanout": (int, type(None)),
            "verify_layers": (list, tuple, type(None)), "plan_digest": str, "lora_id": (int, type(None)),
-           "math": (dict, type(None))}
+           "math": (dict, type(None)), "staging": (str, type(None))}
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,12 @@ class RefitSpec:
         math: the trainer's HF config fields that change the math but no shape (`RefitSpec.of` fills it from the
             spec, `ModelSpec.math`, or its `config`); a worker whose model sets any of them otherwise refuses the
             refit at init. None: not checked.
+        staging: where each engine worker stages the bytes before they go live (adapters.vllm.staging): None
+            (streamed: direct installs commit as soon as every byte landed, loader installs fill their buffers),
+            "device" (a copy of the worker's own shard beside its weights; a loader install's buffers) or "host"
+            (pinned host memory, direct installs). Staged, a worker's transfer runs while its engine keeps
+            generating, and the bytes go live only at the install step (the flip): `TrainerSession(pause_for=
+            "flip")`. Checked at init against the memory free there.
 
     Raises:
         PlanError: a field of the wrong type, an unknown install or transport, or a field that is not JSON.
@@ -83,6 +89,7 @@ class RefitSpec:
     plan_digest: str = ""
     lora_id: int | None = None
     math: dict[str, Any] | None = None  # layouts.math_config
+    staging: str | None = None  # adapters.vllm.staging
 
     def __post_init__(self) -> None:
         problems = []
@@ -108,6 +115,11 @@ class RefitSpec:
                 or (isinstance(self.lora_id, int) and self.lora_id < 1):
             problems.append(f"lora_id={self.lora_id!r}: install='lora_slot' needs the served adapter's id (a "
                             f"positive integer), and only it")
+        if self.staging not in (None, "device", "host") or (self.staging is not None and self.install not in (
+                "direct", "loader")) or (self.staging == "host" and self.install != "direct"):
+            problems.append(f"staging={self.staging!r}: None, 'device' (direct or loader installs) or 'host' "
+                            f"(direct installs: a loader install stages in its buffers on the engine's device); "
+                            f"install={self.install!r}")
         if self.verify_layers is not None and not isinstance(self.verify_layers, (list, tuple)):
             problems.append(f"verify_layers={self.verify_layers!r} must be a list of layer numbers, or None")
         elif self.verify_layers is not None:
@@ -313,7 +325,7 @@ def open_transport(refit: RefitSpec, process: int, src: RankTensors, dst: RankTe
     from .rendezvous import Rendezvous
 
     plan, options, chosen = refit.plan(), dict(refit.options), transports.transport(refit.transport)
-    if refit.install == "loader":  # the engine's buffers are read only after a complete refit: write them in place
+    if refit.install == "loader" or refit.staging:  # buffers or staging, read only after a complete refit: in place
         options = {**chosen.in_place, **options}
     if not chosen.cross_process:
         binding = Binding.colocated(plan.src.num_ranks, plan.dst.num_ranks)

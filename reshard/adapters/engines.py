@@ -2,7 +2,8 @@
 
 `EngineClient` is vLLM's weight-sync client protocol (`VLLMWeightSyncClient`); user implementations need only
 these four methods. The optional capabilities are protocols of their own, checked with `isinstance` (never by
-probing attributes): `Pausable` (pause / resume around a refit), `Leased` (a driver's lease the engine keeps:
+probing attributes): `Pausable` (pause / resume around a refit), `ReportsInFlight` (which requests a paused engine
+holds), `Leased` (a driver's lease the engine keeps:
 adapters.vllm.lease) and `ServesLora` (serves PEFT adapters whose slots an install="lora_slot" refit rewrites).
 `VllmServer`, `RayEngineClient`, the offline vLLM clients and `adapters.hf_dir.HfDirectoryEngine` implement them.
 """
@@ -42,6 +43,14 @@ class Pausable(Protocol):
 
 
 @runtime_checkable
+class ReportsInFlight(Protocol):
+    """An engine that tells which requests it holds (asked while paused: the requests in flight across a flip)."""
+
+    def in_flight(self) -> list[str] | None:
+        """The ids of the requests the engine holds now, or None when it cannot tell."""
+
+
+@runtime_checkable
 class Leased(Protocol):
     """An engine that keeps a driver's lease: refit calls of any other holder are refused, and an update whose
     lease lapses is ended by the engine itself (adapters.vllm.lease)."""
@@ -61,4 +70,4 @@ class ServesLora(Protocol):
         """Serve the PEFT directory `path` as adapter `name`; its id."""
 
 
-__all__ = ["EngineClient", "Leased", "Pausable", "ServesLora"]
+__all__ = ["EngineClient", "Leased", "Pausable", "ReportsInFlight", "ServesLora"]

@@ -22,11 +22,11 @@ from typing import Any
 
 from ..errors import ExecutionError
 from ..polling import poll
-from .engines import EngineClient, Leased, Pausable
+from .engines import EngineClient, Leased, Pausable, ReportsInFlight
 from .lease_keeper import HEADER, ROUTE, request_body
 
 
-class VllmServer(EngineClient, Pausable, Leased):
+class VllmServer(EngineClient, Pausable, ReportsInFlight, Leased):
     """A running `vllm serve`, driven over HTTP: vLLM's weight-sync routes plus what a caller checks afterwards.
 
     Speaks vLLM's weight-sync client protocol (`VLLMWeightSyncClient`: init / start / update / finish), pause /
@@ -130,6 +130,14 @@ class VllmServer(EngineClient, Pausable, Leased):
 
     def resume(self) -> None:
         self.call("POST", "/resume")
+
+    def in_flight(self) -> list[str] | None:
+        """The ids of the requests the engine's workers hold now (vLLM's internal ids: running, or frozen by a "keep"
+        pause); None without reshard's worker extension."""
+        try:
+            return sorted({i for ids in self.collective_rpc("reshard_in_flight") for i in ids})
+        except ExecutionError:
+            return None
 
     def weight_info(self) -> str | None:
         """The weight version the server reports."""

@@ -9,7 +9,7 @@ LoRA are capabilities an engine may add, checked by their protocols):
     session = TrainerSession(refit, process=rank, tensors=source_tensors(facts, layout),
                              engines=[VllmServer(url)] if rank == 0 else [], trainer_group=world)
     session.init()                  # every trainer process, together
-    for step in ...:
+    for step in ...:                # (pause_for="flip": the engines keep generating while the bytes land)
         train_step()
         session.refit(version=f"step-{step}")   # every trainer process, together
     session.close()
@@ -20,7 +20,7 @@ calls' deadlines adapters.engine_calls'.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
@@ -29,8 +29,9 @@ from ..errors import ArgumentError, ExecutionError
 from ..group_json import broadcast_json
 from ..polling import Background
 from ..executors.base import Executor, RankTensors
+from ..executors.stats import RefitStats
 from .engine_calls import EngineCall, wait_calls
-from .engines import EngineClient, Leased, Pausable
+from .engines import EngineClient, Leased, Pausable, ReportsInFlight
 from .lease_renewal import LeaseRenewal
 from .refit import RefitSpec, open_transport
 from .transports import publish_source, withdraw_source
@@ -43,8 +44,9 @@ class RefitResult:
     version: str
     seconds: float
     phases: dict[str, float] = field(default_factory=dict)  # start (pause + start), transfer (this process), engines
-    # (until every engine's update returned: its transfer and install), finish, resume
-    stats: Any = None  # this process's executor stats
+    # (until every engine's update returned: its transfer and install), finish, resume; pause_for="flip": start,
+    # transfer, staged (every engine has its bytes), pause, flip (the install), finish, resume
+    stats: Any = None  # this process's executor stats, with the driver's pause_s and in_flight
 
 
 class TrainerSession:
@@ -67,7 +69,13 @@ class TrainerSession:
         host: the address process 0's rendezvous store binds to and every engine connects to (None: this host's
             routable address: RESHARD_HOST, the Ray node IP, the interface of the default route; see
             reshard.addresses).
-        pause: how engines are paused around a refit (a VllmServer's /pause mode), or None not to pause.
+        pause: how engines are paused (vLLM's /pause modes): "wait" drains the requests in flight first, "keep"
+            freezes them (they continue after the resume, on the new weights), "abort" aborts them (their clients
+            get the engine's abort); None: not paused.
+        pause_for: what the pause spans: "refit" (default, today's behaviour: the engines stop generating for the
+            whole refit, so existing callers keep their semantics and need no staging memory) or "flip" (the
+            engines keep generating while every byte lands in their staging, `RefitSpec.staging`, and pause only
+            for the install that makes it live; `RefitStats.pause_s` says how long).
         timeout: seconds a refit may take, all its steps together (every wait and clean-up is bounded by it), and
             any one step of init or close.
         lora_ids: install="lora_slot" with engines that serve the adapter under different ids: engine k's id.
@@ -77,7 +85,7 @@ class TrainerSession:
             are in flight) and serves its previous weights. None: no lease.
 
     Raises:
-        ArgumentError: an argument of the wrong type or an impossible value.
+        ArgumentError: an argument of the wrong type or an impossible value (pause_for="flip" without staging).
         ExecutionError: a process that is not a source rank of the plan, engines given to another process than
             0, or `lora_ids` that do not fit the engines.
     """
@@ -85,12 +93,15 @@ class TrainerSession:
     def __init__(self, refit: RefitSpec, process: int, tensors: RankTensors | dict[str, torch.Tensor], *,
                  engines: Sequence[EngineClient] = (), trainer_group: Any = None, rendezvous: Any = None,
                  host: str | None = None, pause: str | None = "wait", timeout: float = 600.0,
-                 lora_ids: Sequence[int] | None = None, lease: float | None = 30.0) -> None:
+                 lora_ids: Sequence[int] | None = None, lease: float | None = 30.0, pause_for: str = "refit") -> None:
         _check_arguments(refit, process, tensors, engines, trainer_group, rendezvous, host, pause, timeout, lora_ids,
-                         lease)
+                         lease, pause_for)
         self.refit_spec, self.process = refit, process
         self.tensors = tensors if tensors and all(isinstance(k, int) for k in tensors) else {process: tensors}
         self.engines, self.trainer_group, self.pause_mode = list(engines), trainer_group, pause
+        self.pause_for = pause_for
+        self._paused_at: float | None = None  # a refit's first pause call (perf_counter)
+        self._in_flight: list[str] | None = None
         self.given_rendezvous, self.host, self.timeout = rendezvous, host, timeout
         self.rendezvous = None
         self.executor: Executor | None = None
@@ -274,13 +285,14 @@ class TrainerSession:
         version = version or str(self.version)
         marks: list[tuple[str, float]] = [("", time.perf_counter())]
         paused: list[EngineClient] = []
+        self._paused_at, self._in_flight = None, None
         stats, errors, done = None, [], False  # done: the steps below ran to their end (no exception)
         try:
             errors = self._start(paused, deadline)
             if self.engines:
                 marks.append(("start", time.perf_counter()))
             if not errors:
-                stats, errors = self._update(version, deadline, marks)
+                stats, errors = self._update(version, deadline, marks, paused)
             if self.engines and not errors:
                 for engine in self.engines:
                     errors += self._bounded(engine, "finish_weight_update", version, deadline=deadline)
@@ -296,27 +308,45 @@ class TrainerSession:
             raise ExecutionError(f"refit {version!r} failed; engines keep their previous weights: "
                                  + "; ".join(errors) + self._members())
         phases = {name: t - marks[i][1] for i, (name, t) in enumerate(marks[1:])}
+        if self.engines:  # the driver: how long generation stopped, and what was in flight meanwhile
+            pause_s = marks[-1][1] - self._paused_at if paused and self._paused_at is not None else 0.0
+            stats = replace(stats or RefitStats("", self.process, self.version, 0.0), pause_s=pause_s,
+                            in_flight=tuple(self._in_flight) if self._in_flight is not None else None)
         return RefitResult(version, marks[-1][1] - marks[0][1], phases, stats)
 
     def _start(self, paused: list[EngineClient], deadline: float) -> list[str]:
-        """Pause (when asked, and the engine can) and start the update on each engine in turn; the first error
-        stops there (the other processes time out). `paused` gets every engine to resume, even one whose pause
-        never answered."""
+        """Pause (when asked, the engine can, and the pause spans the refit) and start the update on each engine
+        in turn; the first error stops there (the other processes time out). `paused` gets every engine to resume,
+        even one whose pause never answered."""
         for engine in self.engines:
-            if self.pause_mode and isinstance(engine, Pausable):
-                paused.append(engine)
-                errors = self._bounded(engine, "pause", self.pause_mode, deadline=deadline)
-                if errors:
-                    return errors
-            errors = self._bounded(engine, "start_weight_update", deadline=deadline)
+            errors = self._pause(engine, paused, deadline) if self.pause_for == "refit" else []
+            errors = errors or self._bounded(engine, "start_weight_update", deadline=deadline)
             if errors:
                 return errors
         return []
 
-    def _update(self, version: str, deadline: float, marks: list[tuple[str, float]]) -> tuple[Any, list[str]]:
+    def _pause(self, engine: EngineClient, paused: list[EngineClient], deadline: float) -> list[str]:
+        """Pause one engine (when asked and it can), then ask it which requests it holds (engines that tell)."""
+        if not (self.pause_mode and isinstance(engine, Pausable)):
+            return []
+        paused.append(engine)
+        if self._paused_at is None:
+            self._paused_at = time.perf_counter()
+        errors = self._bounded(engine, "pause", self.pause_mode, deadline=deadline)
+        if not errors and isinstance(engine, ReportsInFlight):
+            try:
+                ids = engine.in_flight()
+                self._in_flight = (self._in_flight or []) + list(ids) if ids is not None else self._in_flight
+            except Exception:  # noqa: BLE001 - a report only: an engine without reshard's worker extension
+                pass
+        return errors
+
+    def _update(self, version: str, deadline: float, marks: list[tuple[str, float]],
+                paused: list[EngineClient]) -> tuple[Any, list[str]]:
         """The update in two phases: the bytes land (every engine's transfer while this process sends; the models
         untouched), then, once every engine has them, the install (a driver that dies in between leaves the
-        engines their previous weights). This process's executor stats, and the errors."""
+        engines their previous weights); pause_for="flip": the engines are paused between the two. This process's
+        executor stats, and the errors."""
         info = {"version": version, "refit": (self.refit_spec.rendezvous or {}).get("refit_id", "")}
         calls = [EngineCall(e, "update_weights", ({**info, "phase": "transfer"},)) for e in self.engines]
         stats, errors = None, []
@@ -329,10 +359,16 @@ class TrainerSession:
         errors += wait_calls(calls, self.timeout, deadline)
         if self.renewal is not None and self.renewal.error:
             errors.append(self.renewal.error)
+        flip = self.pause_for == "flip" and bool(self.engines)
+        if flip and not errors:
+            marks.append(("staged", time.perf_counter()))
+            for engine in self.engines:
+                errors += self._pause(engine, paused, deadline)
+            marks.append(("pause", time.perf_counter()))
         if self.engines and not errors:
             errors += wait_calls([EngineCall(e, "update_weights", ({**info, "phase": "install"},))
                                   for e in self.engines], self.timeout, deadline)
-        marks.append(("engines", time.perf_counter()))
+        marks.append(("flip" if flip else "engines", time.perf_counter()))
         return stats, errors
 
     def _wind_down(self, close: bool, paused: list[EngineClient], deadline: float) -> list[str]:
@@ -430,7 +466,7 @@ class TrainerSession:
 
 
 def _check_arguments(refit: Any, process: Any, tensors: Any, engines: Any, trainer_group: Any, rendezvous: Any,
-                     host: Any, pause: Any, timeout: Any, lora_ids: Any, lease: Any) -> None:
+                     host: Any, pause: Any, timeout: Any, lora_ids: Any, lease: Any, pause_for: Any) -> None:
     """TrainerSession's arguments, each refused with ArgumentError naming it (nothing coerced)."""
     from collections.abc import Mapping
 
@@ -463,6 +499,10 @@ def _check_arguments(refit: Any, process: Any, tensors: Any, engines: Any, train
     instance("rendezvous", rendezvous, Rendezvous, "an adapters.rendezvous.Rendezvous", none=True)
     text("host", host, none=True)
     text("pause", pause, none=True, choices=("wait", "abort", "keep"))
+    text("pause_for", pause_for, choices=("refit", "flip"))
+    if pause_for == "flip" and refit.staging is None:
+        raise ArgumentError("pause_for", pause_for, "needs staged refits: RefitSpec(staging='device' or 'host'); "
+                            "without staging the bytes go live as they land, so the engines pause for the refit")
     seconds("timeout", timeout)
     if lora_ids is not None and (not isinstance(lora_ids, (list, tuple)) or not all(
             isinstance(i, int) and not isinstance(i, bool) and i > 0 for i in lora_ids)):

@@ -44,6 +44,12 @@ class RefitStats:
         direction: "read" or "write": who posts the transfers (nixl).
         packed_transfers: transfers packed into one buffer (nixl).
         descriptors: descriptors of the transfers this process posts (nixl).
+        pause_s: seconds the engines did not generate, from the driver's first pause call to the last resume's
+            answer (adapters.trainer: the whole refit, or only the flip with pause_for="flip"); 0 where none was
+            paused or on a process that does not drive the engines.
+        in_flight: the ids of the requests the engines held while paused (vLLM's internal request ids; with pause
+            mode "keep" they continue across the flip, "wait" drains them first, "abort" ends them), where the
+            engines report them (a VllmServer with reshard's worker extension); None: not known.
     """
 
     executor: str
@@ -70,6 +76,8 @@ class RefitStats:
     direction: str = ""
     packed_transfers: int = 0
     descriptors: int = 0
+    pause_s: float = 0.0
+    in_flight: tuple[str, ...] | None = None
 
 
 def phase_times(start: float, marks: list[tuple[str, float]]) -> tuple[float, dict[str, float]]:

@@ -55,7 +55,8 @@ class ReshardUpdateInfo(WeightTransferUpdateInfo):
     """Per-round info -- the plan fixed at init says what moves: the version label of the weights being sent, the
     refit (generation) it belongs to (a worker bound to another refit refuses it: a late message of an old driver is
     never applied), and the phase: "transfer" (the bytes land in staging or the loader's buffers, the model is not
-    touched), "install" (hand them to the model; only after a transfer of this update), or "all" (both).
+    touched; staged refits return at once and land while the engine generates), "install" (hand them to the model,
+    the flip; only after a whole transfer of this update), or "all" (both).
     Never raises itself (see ReshardInitInfo)."""
 
     def __init__(self, version: str = "", refit: str = "", phase: str = "all", **unknown: Any) -> None:

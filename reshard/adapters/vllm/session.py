@@ -26,6 +26,12 @@ A refit (`start`, `receive` inside vLLM's `update_weights`, `finish`) is all or 
 refits are staged by the executor and commit only once every process has every byte; loader refits receive the
 whole model into the buffers first and only then hand them to the model's weight loaders (inside vLLM's
 layerwise reload), so a transport failure never touches the model.
+
+Staged refits (`RefitSpec.staging`, adapters.vllm.staging): `transfer` starts this worker's transfer on a thread
+of its own and returns at once, so vLLM's engine loop (which runs every weight-update call on its own thread,
+between generation steps) goes on generating while the bytes land in the staging (direct) or the buffers
+(loader); the install (the flip) first agrees with the engine's other workers that every one has its bytes whole,
+then copies them into the live weights (direct) or loads them (loader).
 """
 from __future__ import annotations
 
@@ -46,6 +52,7 @@ from .direct import DirectBinding, bind_direct
 from .experts import check_loader_placement, check_placement, live_placement
 from .live import declared_layout, local_rank, spec_of
 from .loader import LoaderInstaller
+from .staging import Staging
 
 
 class WorkerSession:
@@ -96,6 +103,9 @@ class WorkerSession:
                                         f"{dst.num_ranks} ranks (check replica and replicas)")
         self.binding: DirectBinding | None = None
         self.installer: LoaderInstaller | None = None
+        self.staging: Staging | None = None
+        self.landing: Background | None = None  # a staged transfer running while the engine generates
+        self.flip_s = 0.0  # the last install's wall time (the flip, when staged)
         self.slot: AdapterSlot | None = None
         if refit.install == "lora_slot":
             self.slot = AdapterSlot(lora_manager(self.model), dst, refit.lora_id, self.rank)
@@ -104,6 +114,10 @@ class WorkerSession:
             layers = refit.verify_layers if refit.verify_layers is not None else representative_layers(dst.model)
             self.binding = bind_direct(self.model, dst, self.rank, layers, self.vllm_config)
             tensors = self.binding.tensors
+            if refit.staging is not None:  # the transport writes the staging; the flip copies it into the model
+                self.staging = Staging(tensors, refit.staging, f"one copy of engine replica {refit.replica} rank "
+                                                               f"{self.rank}'s shard, {len(tensors)} tensors")
+                tensors = self.staging.tensors
         else:
             self.installer = LoaderInstaller(self.model, self.rank, self.plan, self.vllm_config,
                                              shared=refit.transport == "shared")
@@ -212,11 +226,23 @@ class WorkerSession:
             self.slot.verify()
 
     def transfer(self) -> None:
-        """This worker's part of the transfer; the model is not touched (staged, or the loader's buffers)."""
+        """This worker's part of the transfer; the model is not touched (staged, or the loader's buffers). Staged
+        refits (`RefitSpec.staging`): started on a thread of its own, returning at once (the install waits)."""
         self.ready()
         if self.executor is None:
             raise ExecutionError("this refit session is closed")
+        if self.landing is not None and self.landing.thread.is_alive():
+            raise ExecutionError("a staged transfer of an earlier update is still running on this worker")
         self.received = self.installed = False
+        self.landing = None
+        if self.refit.staging is None:
+            return self._land()
+        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+        self.landing = Background(self._land, device, name="reshard-stage")
+
+    def _land(self, device: int | None = None) -> None:
+        if device is not None:  # the staging thread moves bytes on the worker's device
+            torch.cuda.set_device(device)
         try:
             self.executor.refit()
         except Exception as e:
@@ -224,22 +250,53 @@ class WorkerSession:
             raise
         self.received = True
 
+    def _landed_whole(self) -> None:
+        """Staged refits: wait for the transfer (as long as the transport's timeout), then agree with the engine's
+        other workers that every one has its bytes whole, before any flips. Raises ExecutionError otherwise."""
+        landing = self.landing
+        if landing is None:
+            return
+        self.landing = None
+
+        def whole() -> None:
+            timeout = transport_timeout(self.refit.options, (self.refit.rendezvous or {}).get("timeout"))
+            if not landing.join(time.monotonic() + timeout):
+                raise ExecutionError(f"the staged transfer did not end within {timeout:.0f} s")
+            if landing.error is not None:
+                raise ExecutionError(f"the staged transfer failed: {type(landing.error).__name__}: {landing.error}")
+
+        from .agreed import agreed  # (agreed drives this session)
+
+        if not agreed("staged transfer", whole):
+            raise ExecutionError("another worker of this engine lacks its staged bytes")
+
     def install_received(self) -> None:
-        """The install step of a two-phase update: only after this update's transfer landed whole."""
+        """The install step of a two-phase update: only after this update's transfer landed whole (staged: the
+        flip, refused for an incomplete version with the live weights untouched)."""
+        try:
+            self._landed_whole()
+        except ExecutionError as e:
+            raise ExecutionError(f"install refused, the live weights untouched: {e}") from None
         if not getattr(self, "received", False):
-            raise ExecutionError("install refused: no transfer of this update landed on this worker")
+            raise ExecutionError("install refused: no complete transfer of this update landed on this worker (the "
+                                 "flip needs a whole version); the live weights are untouched")
         self.received = False
         self.install()
 
     def install(self) -> None:
-        """After every worker has its bytes: direct: finish (padding, widened tensors); loader: load_weights;
-        lora_slot: B *= alpha / r."""
+        """After every worker has its bytes: direct: the flip when staged, then finish (padding, widened tensors);
+        loader: load_weights; lora_slot: B *= alpha / r."""
+        self._landed_whole()
+        start = time.perf_counter()
         if self.slot is not None:
             self.slot.scale()
         elif self.binding is not None:
+            if self.staging is not None:
+                self.staging.flip()
             self.binding.finish()
         else:
             self.installer.install()
+        self.flip_s = time.perf_counter() - start
         self.installed = True
 
     def landed(self) -> dict[str, Any]:

@@ -127,6 +127,11 @@ class ReshardWorkerExtension:
                 return steps.session.landed()
         raise PlanError("no refit session on this worker: nothing landed yet")
 
+    def reshard_in_flight(self) -> list[str]:
+        """The ids of the requests this worker holds state for (vLLM's model runner: running, or frozen by a "keep"
+        pause): what a driver asks while the engine is paused for a flip. Callable through `/collective_rpc`."""
+        return sorted(self.model_runner.requests)
+
     def reshard_close(self) -> None:
         """Close this worker's refit session."""
         self._reshard_steps().close()

@@ -1,0 +1,85 @@
+"""Where a worker stages a refit's bytes while its engine keeps generating, and the flip that makes them live.
+
+`RefitSpec(staging=...)` chooses it: None streams the bytes as before (direct: the executor's own shadows,
+committed as soon as every byte landed; loader: its buffers), "device" stages a copy of this worker's own shard
+on the engine's device, "host" in pinned host memory. With staging, a worker's transfer runs on a thread of its
+own and returns at once, so vLLM's engine loop goes on generating while the bytes land; the model is untouched
+until the flip (`Staging.flip`: one batched device copy, or host-to-device copy, of the staged shard into the
+live parameters), which the driver brackets with a pause (adapters.trainer: `pause_for="flip"`).
+
+Memory: one copy of the worker's shard (not the whole model), computed and checked at init: a staging that does
+not fit what the device (or the host) has free is refused there, naming both sizes, before any byte moves.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ...errors import ExecutionError
+
+WHERE = ("device", "host")
+HEADROOM = 256 << 20  # bytes left free beside the staging (allocator slack, the transport's own buffers)
+
+
+def free_bytes(device: torch.device, where: str) -> int:
+    """Bytes free where the staging would live: the device's free memory (CUDA), else the host's available memory
+    (/proc/meminfo MemAvailable)."""
+    if where == "device" and device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise ExecutionError("cannot tell the host's available memory (/proc/meminfo has no MemAvailable)")
+
+
+def check_room(need: int, free: int, where: str, what: str) -> None:
+    """Refuse a staging of `need` bytes where only `free` are free (less `HEADROOM`).
+
+    Raises:
+        ExecutionError: naming both sizes and what the staging holds.
+    """
+    if need + HEADROOM > free:
+        raise ExecutionError(f"staging={where!r} needs {need / 2**30:.2f} GiB ({what}) and "
+                             f"{HEADROOM / 2**30:.2f} GiB of headroom, but only {free / 2**30:.2f} GiB are free: "
+                             f"stage on the host (staging='host'), free memory (a smaller KV cache), or stream "
+                             f"(staging=None: the engine pauses for the whole refit)")
+
+
+class Staging:
+    """A staged copy of a worker's live tensors: the transport writes `tensors`; `flip` copies them into `live`.
+
+    Args:
+        live: the tensors a refit writes (plan destination names -> the live storage).
+        where: "device" (beside the live tensors) or "host" (pinned host memory).
+        what: what the tensors are, for the refusal's message.
+
+    Raises:
+        ExecutionError: the staging does not fit (`check_room`), or an unknown `where`.
+    """
+
+    def __init__(self, live: dict[str, torch.Tensor], where: str, what: str) -> None:
+        if where not in WHERE:
+            raise ExecutionError(f"staging={where!r} is not one of {WHERE}")
+        self.live, self.where = live, where
+        self.nbytes = sum(t.numel() * t.element_size() for t in live.values())
+        device = next(iter(live.values())).device if live else torch.device("cpu")
+        check_room(self.nbytes, free_bytes(device, where), where, what)
+        pin = where == "host" and torch.cuda.is_available()
+        self.tensors = {name: torch.empty(t.shape, dtype=t.dtype, device="cpu" if where == "host" else t.device,
+                                          pin_memory=pin) for name, t in live.items()}
+        self.flip_s = 0.0  # the last flip's wall time
+
+    @torch.no_grad()
+    def flip(self) -> None:
+        """Copy every staged tensor into its live one: one batched copy (host to device from pinned memory when
+        staged on the host), waited for."""
+        start = time.perf_counter()
+        names = list(self.live)
+        dst, src = [self.live[n] for n in names], [self.tensors[n] for n in names]
+        if dst:
+            torch._foreach_copy_(dst, src, non_blocking=True)
+            if dst[0].device.type == "cuda":
+                torch.cuda.synchronize(dst[0].device)
+        self.flip_s = time.perf_counter() - start

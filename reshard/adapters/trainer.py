@@ -34,6 +34,7 @@ from .engine_calls import EngineCall, wait_calls
 from .engines import EngineClient, Leased, Pausable, ReportsInFlight
 from .lease_renewal import LeaseRenewal
 from .refit import RefitSpec, open_transport
+from .placement_follow import agree, follow
 from .transports import publish_source, withdraw_source
 
 
@@ -47,6 +48,7 @@ class RefitResult:
     # (until every engine's update returned: its transfer and install), finish, resume; pause_for="flip": start,
     # transfer, staged (every engine has its bytes), pause, flip (the install), finish, resume
     stats: Any = None  # this process's executor stats, with the driver's pause_s and in_flight
+    followed: list[dict[str, Any]] = field(default_factory=list)  # EPLB placements recompiled for (why, digests)
 
 
 class TrainerSession:
@@ -108,6 +110,7 @@ class TrainerSession:
         self.store = None
         self.version = 0
         self.generation = 0  # inits so far: each meets under a refit id of its own
+        self.followed: list[dict[str, Any]] = []  # EPLB placements followed (adapters.placement_follow)
         plan = refit.plan()
         if process not in range(plan.src.num_ranks):
             raise ExecutionError(f"process={process} is not a source rank of the plan (0..{plan.src.num_ranks - 1})")
@@ -131,8 +134,12 @@ class TrainerSession:
         Raises:
             LayoutMismatchError: this process's tensors differ from the plan's source tensors.
             ExecutionError: an engine refused the spec (its message names why) or cannot be reached, or the
-                rendezvous failed within the timeout.
+                rendezvous failed within the timeout. (An EPLB engine whose placement is not the plan's is followed:
+                adapters.placement_follow.)
         """
+        follow(self, self._init, "init")
+
+    def _init(self) -> None:
         try:  # a previous refit's clean-up first (bounded): its resume must not land inside this init's calls
             self._await_wind_down(time.monotonic() + self.timeout, "init")
         except ExecutionError:  # stopped below: a new generation's init makes the wind-down skip what is left
@@ -277,8 +284,14 @@ class TrainerSession:
         Raises:
             ExecutionError: the refit failed (a dead or frozen peer, a refused update, a checksum mismatch, no
                 answer by the deadline); the engines keep their previous weights and version, and the next `init`
-                + `refit` works.
+                + `refit` works. (EPLB engines that rebalanced are followed first: adapters.placement_follow.)
         """
+        before = len(self.followed)
+        result = follow(self, lambda: self._refit(version), f"refit {version or self.version + 1}")
+        result.followed = self.followed[before:]
+        return result
+
+    def _refit(self, version: str | None) -> RefitResult:
         deadline = time.monotonic() + self.timeout  # the whole refit's, shared by every engine call below
         self._await_wind_down(deadline, "this refit")
         self.version += 1
@@ -288,7 +301,7 @@ class TrainerSession:
         self._paused_at, self._in_flight = None, None
         stats, errors, done = None, [], False  # done: the steps below ran to their end (no exception)
         try:
-            errors = self._start(paused, deadline)
+            errors = agree(self, str(self.version), self._start(paused, deadline), deadline)
             if self.engines:
                 marks.append(("start", time.perf_counter()))
             if not errors:

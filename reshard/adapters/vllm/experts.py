@@ -54,13 +54,17 @@ def live_placement(model: Any, ranks: int) -> ExpertPlacement | None:
                                      logical_replica_count=counts)
 
 
-def check_placement(dst: VllmLayout, live: ExpertPlacement | None, where: str = "this vLLM engine") -> None:
-    """Refuse a plan whose destination was compiled for another expert placement than the engine's `live` one.
+def check_placement(dst: VllmLayout, live: ExpertPlacement | None, where: str = "this vLLM engine",
+                    refit: Any = None, store: Any = None) -> None:
+    """Refuse a plan whose destination was compiled for another expert placement than the engine's `live` one,
+    reporting the engine's placement to the trainers first (adapters.placement_follow: they recompile for it).
 
     Args:
         dst: the plan's destination layout (the engine's, as the trainer declared it).
         live: what the engine holds now (`live_placement`; None: no EPLB, experts in vLLM's linear order).
         where: names the engine in the error.
+        refit: the refused RefitSpec (None: report nothing).
+        store: the refit's store, if this worker holds one.
 
     Raises:
         LayoutMismatchError: naming both placements by digest, before any byte lands.
@@ -71,11 +75,15 @@ def check_placement(dst: VllmLayout, live: ExpertPlacement | None, where: str = 
     have = live if live is not None else ExpertPlacement.initial(dst.model.num_experts, 0, dst.tp)
     if have == want:
         return
+    if refit is not None:
+        from ..placement_follow import report
+
+        report(refit, store, have)
     raise LayoutMismatchError(str(dst), [
         f"the plan was compiled for expert placement {want.digest[:12]} ({want}); the engine's EPLB state holds "
         f"{have.digest[:12]} ({have})"], where=f"{where}'s expert placement",
-        fix="recompile for the engine's placement (RefitSpec.with_expert_placement(live_placement(...)), or "
-            "ExpertPlacement.from_vllm of its EPLB maps) and init the refit again")
+        fix="a TrainerSession recompiles for the engine's placement by itself; elsewhere "
+            "RefitSpec.with_expert_placement(live_placement(...)) and init the refit again")
 
 
 def check_loader_placement(live: ExpertPlacement | None, where: str = "this vLLM engine") -> None:

@@ -205,7 +205,7 @@ class WorkerSession:
         if self.refit.install == "loader":
             check_loader_placement(live, where)
         else:
-            check_placement(self.dst, live, where)
+            check_placement(self.dst, live, where, self.refit, self.store)  # reported to the trainers
 
     # --- one refit ---------------------------------------------------------------------------------
     def check_refit(self, refit: str) -> None:

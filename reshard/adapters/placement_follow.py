@@ -1,0 +1,174 @@
+"""The trainers follow an EPLB engine's expert placement: a rebalance between two refits recompiles the plan before
+any byte moves, by itself. Imports no vLLM.
+
+The engine side refuses a plan compiled for another placement than its EPLB state holds (adapters.vllm.experts,
+at init and at every refit's start, before any byte lands) and, refusing, reports the placement it holds (`report`).
+The trainer side reads the reports in the refit's agreement step (`agree`: trainer process 0 decides, the others
+wait for its decision before they send), recompiles only the changed destination layout
+(`RefitSpec.with_expert_placement`), meets the engines again and runs the step once more (`follow`). Every follow
+is logged and kept in `TrainerSession.followed`, naming both placements by digest.
+
+Where the reports and decisions travel: cross-process refits, the rendezvous store, under the refit generation's
+scope (a report of an old generation is never read); in-process refits, this process (the engine is in it).
+
+    replica/<k>     JSON of engine replica k's placement (every worker of the engine posts the same)
+    decision/<n>    trainer process 0's decision on step n of this generation: "go", "fail" (the step failed for
+                    another reason: every process stops at once), or the JSON of the placement to follow
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any, Callable, TypeVar
+
+from ..errors import ExecutionError
+from ..layouts.expert_placement import ExpertPlacement
+from ..polling import poll
+
+MOST_FOLLOWS = 2  # rebalances followed within one step: EPLB rebalances every few thousand forward steps
+log = logging.getLogger("reshard.trainer")
+_IN_PROCESS: dict[tuple[str, int], ExpertPlacement] = {}  # (publication key, replica) -> reported placement
+T = TypeVar("T")
+
+
+def _scope(refit: Any, store: Any) -> Any:
+    from . import rendezvous as rv
+
+    rdv = rv.Rendezvous.from_dict(refit.rendezvous)
+    return rv.scoped(store if store is not None else rv.connect(rdv), rdv, "placement")
+
+
+def report(refit: Any, store: Any, placement: ExpertPlacement) -> None:
+    """Engine side: tell the trainers the placement engine replica `refit.replica` holds (best effort: the
+    refusal that follows names it anyway).
+
+    Args:
+        refit: the RefitSpec the engine refuses.
+        store: the refit's store, or None (connected here for a cross-process refit).
+        placement: what the engine's EPLB state holds now.
+    """
+    try:
+        if refit.cross_process and refit.rendezvous is not None:
+            _scope(refit, store).set(f"replica/{refit.replica}", placement.model_dump_json())
+        else:
+            _IN_PROCESS[(str(refit.options.get("key", "default")), refit.replica)] = placement
+    except Exception as e:  # noqa: BLE001 - the refusal still stops the refit; only the follow is lost
+        log.warning("could not report engine replica %d's expert placement: %s", refit.replica, e)
+
+
+def _reported(session: Any) -> ExpertPlacement | None:
+    """Process 0: the placement the engines reported, if it is not the plan's.
+
+    Raises:
+        ExecutionError: engine replicas hold different placements (one destination layout cannot say both).
+    """
+    refit = session.refit_spec
+    dst = refit.layouts()[1]
+    if refit.cross_process:
+        if session.store is None or refit.rendezvous is None:
+            return None
+        keys = _scope(refit, session.store)
+        got = {k: keys.get(f"replica/{k}") for k in range(dst.num_replicas) if keys.check([f"replica/{k}"])}
+        got = {k: ExpertPlacement.model_validate_json(v) for k, v in got.items()}
+    else:
+        key = str(refit.options.get("key", "default"))
+        got = {k: _IN_PROCESS.pop((key, k)) for k in range(dst.num_replicas) if (key, k) in _IN_PROCESS}
+    changed = {k: p for k, p in got.items() if p != dst.experts}
+    if len(set(changed.values())) > 1:
+        raise ExecutionError("the engines' EPLB states hold different expert placements (" + "; ".join(
+            f"replica {k}: {p.digest[:12]}" for k, p in sorted(changed.items())) + "): one refit's destination "
+            "layout has one placement; refit each engine with its own RefitSpec")
+    return next(iter(changed.values()), None)
+
+
+def follows(session: Any) -> bool:
+    """Whether this session's refits agree on the engines' placement: an expert-parallel destination whose plan
+    depends on it (a loader install writes vLLM's initial placement, whatever EPLB did: refused, never followed)."""
+    refit = session.refit_spec
+    return refit.install != "loader" and getattr(refit.layouts()[1], "experts", None) is not None
+
+
+def agree(session: Any, step: str, errors: list[str], deadline: float) -> list[str]:
+    """The placement agreement of one step (`step`: "init", or the refit's number), on every trainer process:
+    process 0 decides from the engines' reports (its `errors`: what the engines said to its calls), the others
+    wait for its decision before any byte moves. Sets `session.to_follow` to a placement the engines hold that
+    the plan was not compiled for.
+
+    Returns:
+        `errors`, plus why this process stops here (another process's failure, or the placement to follow).
+    """
+    session.to_follow = None
+    if not follows(session):
+        return errors
+    refit = session.refit_spec
+    shared = refit.cross_process and session.store is not None and refit.rendezvous is not None
+    if session.process == 0:
+        try:
+            new = _reported(session) if errors else None
+        except ExecutionError as e:
+            new, errors = None, [*errors, str(e)]
+        decision = new.model_dump_json() if new is not None else ("fail" if errors else "go")
+        if shared:
+            _scope(refit, session.store).set(f"decision/{step}", decision)
+    elif not shared:
+        return errors
+    else:
+        keys = _scope(refit, session.store)
+        if not poll(lambda: keys.check([f"decision/{step}"]), deadline, first_s=1e-4, most_s=0.01):
+            return [*errors, f"trainer process {session.process}: no word from trainer process 0 on the engines' "
+                             f"start within the refit's deadline"]
+        decision = keys.get(f"decision/{step}").decode()
+        new = None if decision in ("go", "fail") else ExpertPlacement.model_validate_json(decision)
+        if decision == "fail":
+            errors = [*errors, f"trainer process {session.process}: trainer process 0 reported that the engines "
+                               f"refused the refit"]
+    if new is not None:
+        session.to_follow = new
+        errors = [*errors, f"the engines' expert placement is {new.digest[:12]}, not the plan's: recompiling"]
+    return errors
+
+
+def follow(session: Any, step: Callable[[], T], name: str) -> T:
+    """Run `step` -- the session's init (`name` "init": the engines refuse a stale plan there, and the agreement
+    follows the step) or one refit (whose own agreement runs between the engines' start and the transfer) -- on
+    every trainer process; where the engines refused it for their expert placement (`agree` set
+    `session.to_follow`), recompile for that placement, meet the engines again and run `step` again, at most
+    MOST_FOLLOWS times. Each follow is logged and appended to `session.followed` (both digests, why, seconds).
+
+    Raises:
+        ExecutionError: what `step` raised, where nothing is to follow (or the placement moved again too often).
+    """
+    at_init = name == "init"
+    if not hasattr(session, "followed"):
+        session.followed = []
+    for attempt in range(MOST_FOLLOWS + 1):
+        session.to_follow = None
+        try:
+            result = step()
+        except ExecutionError as e:
+            if at_init:  # every process waits for process 0's word (its own step failed: it may be a placement)
+                agree(session, "init", [str(e)], time.monotonic() + session.timeout)
+            if session.to_follow is None or attempt == MOST_FOLLOWS:
+                raise
+        else:
+            if at_init and session.process == 0:  # "go" for a process whose own init failed for another reason
+                agree(session, "init", [], time.monotonic() + session.timeout)
+            return result
+        start, new = time.perf_counter(), session.to_follow
+        old = session.refit_spec.layouts()[1].experts
+        session.refit_spec = session.refit_spec.with_expert_placement(new)
+        session.refit_spec.plan()  # the recompile (only the destination changed: the source's tables are cached)
+        if not at_init:
+            session.init()  # the engines bind the recompiled plan (following again if they moved meanwhile)
+        note = {"step": name, "from": old.digest if old is not None else "", "to": new.digest,
+                "why": "the engines' EPLB state moved experts since the plan was compiled",
+                "seconds": round(time.perf_counter() - start, 3)}
+        session.followed.append(note)
+        log.warning("reshard %s: expert placement %s -> %s (%s): the plan was recompiled for it%s in %.3f s, before "
+                    "any byte moved", name, note["from"][:12], note["to"][:12], note["why"],
+                    "" if at_init else " and the engines met again", note["seconds"])
+    raise AssertionError("unreachable")
+
+
+__all__ = ["MOST_FOLLOWS", "agree", "follow", "follows", "report"]

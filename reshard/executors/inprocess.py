@@ -28,6 +28,7 @@ from ..planner.plan import RELAY
 from .base import Executor, RankTensors
 from .checksum import Streams, algorithm
 from .copies import DST, SRC, fold
+from .delta import DeltaPolicy, DeltaReport, InProcessDelta
 from .graphs import STREAMS, Replay, on_streams, single_cuda_device, spread
 from .preflight import check_ops
 from .reference import apply_shifts
@@ -52,14 +53,16 @@ class InProcessExecutor(Executor):
     variants); True is GRAPH, False "none". `streams`: on a GPU, the large
     copies are spread over this many side streams (default graphs.STREAMS; 1: all on the current stream).
     `table`: the large copies as one launch of the table-copy kernel (kernels.copy_table, Triton) instead of one
-    copy each; None: on one GPU with Triton, from TABLE_FROM large copies on (then "auto" is "all")."""
+    copy each; None: on one GPU with Triton, from TABLE_FROM large copies on (then "auto" is "all"). `delta`: a
+    `DeltaPolicy`: refits move only the changed elements, dense keyframes as it says (executors.delta); `last_delta`
+    reports each refit's encodings and bytes, and `checksum` digests the resulting destination blocks."""
 
     name = "inprocess"
 
     def __init__(self, plan: Plan, binding: object = None, process: int = 0, src: RankTensors | None = None,
                  dst: RankTensors | None = None, ops: "np.ndarray | None" = None, graph: "bool | str" = True,
                  streams: "int | None" = None, table: "bool | None" = None, checksum: "bool | str" = False,
-                 checksum_kernel: "bool | None" = None) -> None:
+                 checksum_kernel: "bool | None" = None, delta: "DeltaPolicy | None" = None) -> None:
         self.plan, self.process, self._version = plan, process, 0
         self.checksum = algorithm(checksum)
         mine, prepared = _prepare(plan, dict(src or {}), dict(dst or {}), ops)
@@ -104,6 +107,7 @@ class InProcessExecutor(Executor):
         self._large = [self._copies(part) for part in spread(large, n, lambda ds: ds[0].numel())]
         self._large_eager = graph == "small"
         self._run = Replay(self._launch, self._device if graph != "none" else None)
+        self._delta = None if delta is None else InProcessDelta(plan, mine, prepared, delta, self.checksum)
 
     @staticmethod
     def _copies(pairs: list) -> Callable[[], None]:
@@ -126,6 +130,11 @@ class InProcessExecutor(Executor):
             torch._foreach_copy_(d, s)
         apply_shifts(self._shifts)
 
+    @property
+    def last_delta(self) -> "DeltaReport | None":
+        """What the last refit moved, with the `delta` option (executors.delta.DeltaReport); else None."""
+        return None if self._delta is None else self._delta.last
+
     def check_pins(self) -> None:
         """Refuse if a bound tensor's storage was replaced since binding (its views would write stale memory)."""
         self._pins.check()
@@ -133,13 +142,24 @@ class InProcessExecutor(Executor):
     def refit(self, version: int | None = None) -> RefitStats:
         start = time.perf_counter()
         self.check_pins()
+        new, delta = self._version + 1 if version is None else int(version), self._delta
+        if delta is not None and not delta.due():
+            report = delta.run(new)
+            self._version, seconds = new, time.perf_counter() - start
+            return RefitStats(executor=self.name, process=self.process, version=new, seconds=seconds,
+                              phases={"delta": seconds}, ops=len(delta.ops), copies=report.entries,
+                              local_bytes=report.wire_bytes, checksum=self.checksum or "",
+                              digest=delta.digest() if self.checksum else "")
         with torch.no_grad():
             if self._large_eager:  # plain device copies, ahead of the graph on the same stream
                 self._copy_large()
             self._run()
-        self._version = self._version + 1 if version is None else int(version)
+        self._version = new
         digest = ""
-        if self._fused is not None:  # the kernel that moved the bytes summed them (on the GPU, no host sync before)
+        if delta is not None:
+            delta.committed(new, keyframe=True)
+            digest = delta.digest() if self.checksum else ""
+        elif self._fused is not None:  # the kernel that moved the bytes summed them (on the GPU, no host sync before)
             digest = self._fused.digest().hex()
         elif self.checksum:
             sums = Streams(self.checksum)

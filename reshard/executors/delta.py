@@ -1,0 +1,427 @@
+"""Delta refits: move only the elements that changed since the version the engine holds, and write them in place.
+
+The executors' `delta=DeltaPolicy(keyframe_every=K)` option (in process: executors.inprocess; across processes:
+executors.collective) turns on this protocol:
+
+- The sender keeps what the engine holds: a copy of every source tensor its ops read, as of the last version it
+  sent (`Sender`). Memory: those tensors once more on their device, that is the sender's own shard of the model
+  (2 bytes a parameter in bf16) -- not per op, so a shard sent to several replicas is kept once. Per op it compares
+  the current box with the copy bit for bit (O(box) reads, as the dense refit's) and encodes the changed elements
+  in the smallest of three encodings (planner.delta: sparse indices + values, bitmap + values, or the dense
+  block); an op where nothing changed is left out. The copy is brought up to date only once the refit succeeded.
+- A keyframe (the dense refit, through the executor's own dense path) comes first, every K versions after it,
+  and whenever the engine's version is not the sender's base (a failed refit, a new executor, a receiver that
+  holds something else): every process learns every other's versions before a byte moves, so all pick the same.
+- The receiver (`Receiver`) holds the version it last applied and refuses a delta computed against another,
+  naming both versions; it refuses malformed payloads, indices out of their op's box, an op twice or one it
+  does not receive from that sender, and an encoding larger than the dense block it replaces -- before anything
+  is written (planner.delta.prove_delta; the plan's own coverage proof makes the writes disjoint). Then it
+  scatters the values straight into its destination tensors, live or staged, in O(changed elements): torch
+  `index_put_` on CPU, one Triton launch on GPUs (kernels.delta_apply); no full-tensor load. Value shifts
+  (Plan.value_shifts) are added to the values before they land, as the dense refit adds them after its copy.
+- Checksums (the executors' `checksum` option) are over the resulting weights: the digest of the destination
+  blocks after the refit (executors.checksum), the same whether the refit was a delta or a keyframe.
+
+A payload (one per sender and receiving process, `encode` / `decode`) is one uint8 buffer, every section 8-byte
+aligned: a header of int64 words (MAGIC, FORMAT, base version, version, entries, itemsize, digest bytes, 0), the
+entries (op row, encoding, count: int64 x 3 each), the sender's digest if any, then the sparse entries' int32
+indices, the bitmap entries' bitmaps, the non-dense entries' values (entry order) and the dense entries' blocks.
+Entries are sorted by destination tensor and op, so that the receiver scatters each tensor's elements as one slice.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..errors import CoverageError, ExecutionError
+from ..planner.delta import BITMAP, DENSE, ENCODINGS, SPARSE, DeltaOps, choose, prove_delta
+from .checksum import Streams
+from .reference import block
+
+MAGIC = 0x41544C4544534552  # b"RESDELTA" little-endian
+FORMAT = 1
+HEADER_WORDS = 8
+WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # units compared and moved as bits
+
+
+class DeltaError(ExecutionError):
+    """A delta the receiver refuses (wrong base version, malformed, out of range, larger than dense); nothing
+    was written."""
+
+
+@dataclass(frozen=True)
+class DeltaPolicy:
+    """The executors' `delta` option: delta refits, with a dense keyframe every `keyframe_every` versions.
+
+    Args:
+        keyframe_every: a keyframe (dense refit) every this many refits, counting the keyframe (1: every refit
+            dense); keyframes come also first and whenever the engine does not hold the sender's base version.
+
+    Raises:
+        ArgumentError: keyframe_every not an integer >= 1.
+    """
+
+    keyframe_every: int = 16
+
+    def __post_init__(self) -> None:
+        from ..arguments import integer
+
+        integer("keyframe_every", self.keyframe_every, 1, 1 << 30)
+
+
+@dataclass(frozen=True)
+class DeltaReport:
+    """What one refit of the delta protocol moved (an executor's `last_delta`).
+
+    Attributes:
+        version: the version the refit made.
+        base: the version the delta was computed against (None: a keyframe).
+        ops: entries per encoding ("dense", "sparse", "bitmap", and "unchanged": ops left out).
+        changed: elements written by non-dense entries plus the elements of dense entries.
+        wire_bytes: payload bytes (headers included) this process sent or, in process, moved.
+        dense_bytes: the bytes the dense refit of the same ops moves.
+    """
+
+    version: int
+    base: int | None
+    ops: dict[str, int] = field(default_factory=dict)
+    changed: int = 0
+    wire_bytes: int = 0
+    dense_bytes: int = 0
+
+    @property
+    def entries(self) -> int:
+        """Ops the refit wrote (every encoding but "unchanged")."""
+        return sum(n for name, n in self.ops.items() if name != "unchanged")
+
+    @property
+    def keyframe(self) -> bool:
+        """Whether this refit was a keyframe (dense)."""
+        return self.base is None
+
+
+def keyframe_report(plan, ops: np.ndarray, version: int) -> DeltaReport:
+    """The `DeltaReport` of a keyframe over the plan op rows `ops`: every op dense, every byte on the wire."""
+    o = plan.ops
+    numel = int((o["rows"][ops] * o["cols"][ops]).sum())
+    return DeltaReport(version, None, {"dense": len(ops)}, numel, numel * plan.itemsize, numel * plan.itemsize)
+
+
+def _pad(n: int) -> int:
+    return (int(n) + 7) // 8 * 8
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A flat tensor's units as integers of the same width (compared bit for bit: -0.0 != 0.0, NaN == NaN)."""
+    return t.view(WORDS[t.element_size()])
+
+
+def _sections(plan, op: np.ndarray, enc: np.ndarray, count: np.ndarray, digest_bytes: int) -> dict[str, int]:
+    """Byte offsets of a payload's sections (module docstring) and its total length."""
+    o, size = plan.ops, plan.itemsize
+    box = o["rows"][op] * o["cols"][op]
+    at = {"entries": 8 * HEADER_WORDS}
+    at["digest"] = at["entries"] + 24 * len(op)
+    at["index"] = at["digest"] + _pad(digest_bytes)
+    at["bitmap"] = at["index"] + _pad(4 * count[enc == SPARSE].sum())
+    at["values"] = at["bitmap"] + _pad(((box[enc == BITMAP] + 7) // 8).sum())
+    at["dense"] = at["values"] + _pad(size * count[enc != DENSE].sum())
+    at["total"] = at["dense"] + _pad(size * box[enc == DENSE].sum())
+    return at
+
+
+def _shift_bits() -> torch.Tensor:
+    return torch.arange(8, dtype=torch.uint8)
+
+
+class Sender:
+    """A sender's side of the protocol for the plan ops `ops` (rows of `plan.ops`): the copy of what the engine holds
+    (one per source tensor the ops read) and the encoding of what changed since (module docstring)."""
+
+    def __init__(self, plan, ops: np.ndarray) -> None:
+        self.plan, self.ops = plan, np.asarray(ops, dtype=np.int64)
+        self.base: int | None = None  # the version the copies hold (None: none yet, or after a failure)
+        self.deltas = 0  # delta refits since the last keyframe
+        self.copies: dict[int, torch.Tensor] = {}
+
+    def keyframe_due(self, policy: DeltaPolicy) -> bool:
+        """Whether this sender's next refit must be a keyframe: no base, or K versions since the last one."""
+        return self.base is None or self.deltas + 1 >= policy.keyframe_every
+
+    def committed(self, version: int, src_flat: dict[int, torch.Tensor], keyframe: bool) -> None:
+        """The refit to `version` succeeded everywhere: the copies become what was sent."""
+        with torch.no_grad():
+            for t in sorted(set(self.plan.ops["src_tensor"][self.ops].tolist())):
+                if t not in self.copies:
+                    self.copies[t] = torch.empty_like(src_flat[t])
+                self.copies[t].copy_(src_flat[t])
+        self.base, self.deltas = int(version), 0 if keyframe else self.deltas + 1
+
+    def forget(self) -> None:
+        """After a failed refit nobody knows what the engine holds: the next refit is a keyframe."""
+        self.base = None
+
+    def encode(self, ops: np.ndarray, version: int, src_flat: dict[int, torch.Tensor],
+               digest: bytes = b"") -> tuple[torch.Tensor, DeltaOps]:
+        """The payload of the delta from `self.base` to `version` over the plan op rows `ops` (a receiving
+        process's), and its entries.
+
+        Raises:
+            ExecutionError: there is no base to compute a delta against.
+        """
+        if self.base is None:
+            raise ExecutionError("no base version to compute a delta against: a keyframe must come first")
+        o, size = self.plan.ops, self.plan.itemsize
+        ops = np.asarray(ops, dtype=np.int64)
+        ops = ops[np.lexsort((ops, o["dst_tensor"][ops]))]  # by destination tensor: one slice each at the receiver
+        device = next(iter(src_flat.values())).device if src_flat else torch.device("cpu")
+        with torch.no_grad():
+            masks = {t: _bits(src_flat[t]) != _bits(self.copies[t]) for t in set(o["src_tensor"][ops].tolist())}
+            cols = [o[c][ops].tolist() for c in ("src_tensor", "src_offset", "rows", "cols", "src_stride")]
+            boxes = [block(masks[t], off, r, c, s) for t, off, r, c, s in zip(*cols)]
+            count = np.asarray(torch.stack([b.sum() for b in boxes]).tolist() if boxes else [], dtype=np.int64)
+            box = o["rows"][ops] * o["cols"][ops]
+            enc = choose(box, count, size)
+            keep = np.flatnonzero(count > 0)
+            op, enc, count = ops[keep], enc[keep], np.where(enc[keep] == DENSE, box[keep], count[keep])
+            at = _sections(self.plan, op, enc, count, len(digest))
+            payload = torch.zeros(at["total"], dtype=torch.uint8, device=device)
+            header = np.asarray([MAGIC, FORMAT, self.base, version, len(op), size, len(digest), 0], dtype=np.uint64)
+            payload[:8 * HEADER_WORDS] = torch.from_numpy(header.view(np.uint8)).to(device)
+            payload[at["entries"]:at["digest"]] = torch.from_numpy(
+                np.stack([op, enc, count], axis=1).astype(np.int64).reshape(-1).view(np.uint8)).to(device)
+            if digest:
+                payload[at["digest"]:at["digest"] + len(digest)] = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
+            pos = {name: at[name] for name in ("index", "bitmap", "values", "dense")}
+            indices = []
+            for k, e in zip(keep.tolist(), enc.tolist()):
+                t, off, r, c, s = (x[k] for x in cols)
+                flat = _bits(src_flat[t])
+                if e == DENSE:
+                    n = r * c * size
+                    dst = payload.narrow(0, pos["dense"], n).view(flat.dtype)
+                    dst.view(r, c).copy_(block(flat, off, r, c, s)) if r > 1 else dst.copy_(block(flat, off, r, c, s))
+                    pos["dense"] += n
+                    continue
+                if e == SPARSE:
+                    nz = boxes[k].nonzero()
+                    idx = nz[:, 0] * c + nz[:, 1] if nz.dim() == 2 and nz.shape[1] == 2 else nz.reshape(-1)
+                    payload.narrow(0, pos["index"], 4 * len(idx)).view(torch.int32).copy_(idx)
+                    pos["index"] += 4 * len(idx)
+                else:
+                    bits = boxes[k].reshape(-1)
+                    packed = pack_bits(bits)
+                    payload.narrow(0, pos["bitmap"], len(packed)).copy_(packed)
+                    pos["bitmap"] += len(packed)
+                    idx = bits.nonzero().reshape(-1)
+                indices.append(idx)
+                where = off + (idx // c) * s + idx % c
+                payload.narrow(0, pos["values"], size * len(idx)).view(flat.dtype).copy_(flat[where])
+                pos["values"] += size * len(idx)
+        index = torch.cat(indices).cpu().numpy() if indices else np.zeros(0, np.int64)
+        return payload, DeltaOps(op, enc, count, index)
+
+    def report(self, ops: np.ndarray, delta: DeltaOps, version: int, wire_bytes: int) -> DeltaReport:
+        """The `DeltaReport` of a delta over the plan op rows `ops`."""
+        o = self.plan.ops
+        counts = {name: int((delta.encoding == code).sum()) for code, name in enumerate(ENCODINGS)}
+        counts["unchanged"] = len(ops) - len(delta)
+        return DeltaReport(version, self.base, counts, int(delta.count.sum()), int(wire_bytes),
+                           int((o["rows"][ops] * o["cols"][ops]).sum()) * self.plan.itemsize)
+
+
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """A flat bool tensor as bytes, bit j of byte k element 8k + j (the last byte's padding bits zero)."""
+    pad = (-len(bits)) % 8
+    b = torch.nn.functional.pad(bits.to(torch.uint8), (0, pad)).view(-1, 8)
+    return (b << _shift_bits().to(b.device)).sum(1).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
+    """`pack_bits`' inverse, padding included: 8 x len(packed) bools."""
+    return ((packed.unsqueeze(1) >> _shift_bits().to(packed.device)) & 1).view(-1).bool()
+
+
+@dataclass(frozen=True, eq=False)
+class Decoded:
+    """A payload read and proven (`Receiver.read`): its entries, their indices and values as views of it."""
+
+    base: int
+    version: int
+    delta: DeltaOps
+    index: torch.Tensor  # int64, the non-dense entries' indices in entry order, on the payload's device
+    values: torch.Tensor  # the non-dense entries' values, in the plan's unit width (bits)
+    dense: torch.Tensor  # the dense entries' blocks, concatenated
+    digest: bytes
+
+
+class Receiver:
+    """A receiving process's side of the protocol: the version its destination tensors hold, the checks every
+    payload passes before anything is written, and the in-place scatter (module docstring).
+
+    Args:
+        plan: the plan.
+        kernel: scatter with the Triton kernel (kernels.delta_apply); None: where the tensors are on a GPU and
+            Triton is there. True on CPU runs Triton's interpreter (tests).
+    """
+
+    def __init__(self, plan, kernel: bool | None = None) -> None:
+        self.plan, self.kernel = plan, kernel
+        self.held: int | None = None  # the version the destination tensors hold (None: unknown)
+
+    def read(self, payload: torch.Tensor, allowed: np.ndarray, sender: str = "the sender") -> Decoded:
+        """Check a payload against the plan, the ops `allowed` from this sender and the version held; its entries
+        and views.
+
+        Raises:
+            DeltaError: naming what is wrong (nothing is written by reading).
+        """
+        size, n = self.plan.itemsize, payload.numel()
+        if payload.dtype != torch.uint8 or payload.dim() != 1 or n < 8 * HEADER_WORDS or n % 8:
+            raise DeltaError(f"delta from {sender}: a payload of {n} bytes is not a delta (malformed); nothing "
+                             f"was written")
+        head = payload[:8 * HEADER_WORDS].cpu().numpy().view(np.int64)
+        magic, fmt, base, version, entries, itemsize, digest_bytes, _ = (int(v) for v in head)
+        if magic != np.int64(np.uint64(MAGIC)) or fmt != FORMAT or itemsize != size or not 0 <= digest_bytes <= 64:
+            raise DeltaError(f"delta from {sender}: header (format {fmt}, itemsize {itemsize}) is not a delta of "
+                             f"this plan (format {FORMAT}, itemsize {size}); nothing was written")
+        if base != self.held:
+            held = "no version (a keyframe must come first)" if self.held is None else f"version {self.held}"
+            raise DeltaError(f"delta from {sender} was computed against version {base}, but the engine holds "
+                             f"{held}; nothing was written")
+        if not 0 <= entries <= (n - 8 * HEADER_WORDS) // 24:
+            raise DeltaError(f"delta from {sender}: {entries} entries do not fit its {n} bytes; nothing was written")
+        table = payload[8 * HEADER_WORDS:8 * HEADER_WORDS + 24 * entries].cpu().numpy().view(np.int64).reshape(-1, 3)
+        op, enc, count = table[:, 0], table[:, 1], table[:, 2]
+        try:
+            prove_delta(self.plan, DeltaOps(op, enc, count, np.zeros(0, np.int64)), allowed, indices=False)
+        except CoverageError as e:
+            raise DeltaError(f"delta from {sender} refused: {'; '.join(e.problems[:5])}; nothing was written") from e
+        at = _sections(self.plan, op, enc, count, digest_bytes)
+        if at["total"] != n:
+            raise DeltaError(f"delta from {sender}: {n} bytes, its entries need {at['total']}; nothing was written")
+        o = self.plan.ops
+        box = o["rows"][op] * o["cols"][op]
+        sparse = payload.narrow(0, at["index"], 4 * int(count[enc == SPARSE].sum())).view(torch.int32)
+        parts, s_at, b_at = [], 0, at["bitmap"]
+        for e, c, b in zip(enc.tolist(), count.tolist(), box.tolist()):
+            if e == SPARSE:
+                parts.append(sparse.narrow(0, s_at, c).long())
+                s_at += c
+            elif e == BITMAP:
+                bits = unpack_bits(payload.narrow(0, b_at, (b + 7) // 8))
+                b_at += (b + 7) // 8
+                idx = bits.nonzero().reshape(-1)
+                if len(idx) != c or (len(idx) and int(idx[-1]) >= b):
+                    raise DeltaError(f"delta from {sender}: a bitmap of op with {c} changed elements sets "
+                                     f"{len(idx)} bits (some past its box of {b}); nothing was written")
+                parts.append(idx)
+        index = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=payload.device)
+        try:
+            prove_delta(self.plan, DeltaOps(op, enc, count, index.cpu().numpy()), allowed)
+        except CoverageError as e:
+            raise DeltaError(f"delta from {sender} refused: {'; '.join(e.problems[:5])}; nothing was written") from e
+        unit = WORDS[size]
+        values = payload.narrow(0, at["values"], size * int(count[enc != DENSE].sum())).view(unit)
+        dense = payload.narrow(0, at["dense"], size * int(box[enc == DENSE].sum())).view(unit)
+        digest = bytes(payload.narrow(0, at["digest"], digest_bytes).cpu().tolist())
+        return Decoded(base, version, DeltaOps(op, enc, count, index.cpu().numpy()), index, values, dense, digest)
+
+    def apply(self, decoded: Decoded, dst_flat: dict[int, torch.Tensor]) -> None:
+        """Write a read payload into the destination tensors (flat views by table id), in place, O(changed)."""
+        plan, o = self.plan, self.plan.ops
+        d = decoded.delta
+        shifts = plan.value_shifts
+        with torch.no_grad():
+            pos = 0
+            for k in np.flatnonzero(d.encoding == DENSE).tolist():  # whole blocks, as the dense refit copies them
+                i = int(d.op[k])
+                t, off, r, c, s = (int(o[x][i]) for x in ("dst_tensor", "dst_offset", "rows", "cols", "dst_stride"))
+                view = block(_bits(dst_flat[t]), off, r, c, s)
+                view.copy_(decoded.dense.narrow(0, pos, r * c).view(view.shape))
+                pos += r * c
+                shift = shifts.get(int(o["canon"][i]))
+                if shift:
+                    block(dst_flat[t], off, r, c, s).add_(shift)
+            sel = np.flatnonzero(d.encoding != DENSE)
+            if not len(sel):
+                return
+            op, count = d.op[sel], d.count[sel]
+            values = decoded.values
+            shifted = [(j, shifts[int(o["canon"][op[j]])]) for j in range(len(op)) if int(o["canon"][op[j]]) in shifts]
+            if shifted:  # the dense refit adds them after its copy, in the tensor's dtype: the same rounding here
+                values = values.clone()
+                typed = values.view(dst_flat[int(o["dst_tensor"][op[0]])].dtype)
+                starts = np.cumsum(count) - count
+                for j, value in shifted:
+                    typed.narrow(0, int(starts[j]), int(count[j])).add_(value)
+            use_kernel = self.kernel
+            if use_kernel is None:
+                from ..kernels import triton_available
+
+                use_kernel = values.device.type == "cuda" and triton_available()
+            if use_kernel:
+                from ..kernels.delta_apply import scatter
+
+                scatter([_bits(dst_flat[int(t)]) for t in o["dst_tensor"][op]], o["dst_offset"][op], count,
+                        o["cols"][op], o["dst_stride"][op], decoded.index, values)
+                return
+            per = [torch.from_numpy(o[x][op]).to(values.device).repeat_interleave(torch.from_numpy(count).to(values.device))
+                   for x in ("dst_offset", "cols", "dst_stride")]
+            idx = decoded.index
+            where = per[0] + (idx // per[1]) * per[2] + idx % per[1]
+            tensors = o["dst_tensor"][op]
+            ends = np.cumsum(count)
+            change = np.flatnonzero(tensors[1:] != tensors[:-1]) + 1
+            for a, b in zip(np.concatenate([[0], change]).tolist(), np.concatenate([change, [len(op)]]).tolist()):
+                lo, hi = int(ends[a] - count[a]), int(ends[b - 1])
+                _bits(dst_flat[int(tensors[a])]).index_put_((where[lo:hi],), values[lo:hi])
+
+
+class InProcessDelta:
+    """The protocol with sender and receiver in one process (executors.inprocess's `delta` option): the payload is
+    encoded, read and proven, and applied, as between processes, without a wire."""
+
+    def __init__(self, plan, ops: np.ndarray, prepared, policy: DeltaPolicy, checksum: str | None = None) -> None:
+        if not isinstance(policy, DeltaPolicy):
+            from ..errors import ArgumentError
+
+            raise ArgumentError("delta", policy, "must be a DeltaPolicy (or None: every refit dense)")
+        self.policy, self.ops, self.checksum = policy, np.asarray(ops, dtype=np.int64), checksum
+        self.sender, self.receiver = Sender(plan, self.ops), Receiver(plan)
+        self.src_flat, self.dst_flat = prepared.src_flat, prepared.dst_flat
+        self.dst_blocks = prepared.blocks(self.ops, side="dst") if checksum else []
+        self.last: DeltaReport | None = None
+
+    def due(self) -> bool:
+        """Whether the next refit must be a keyframe (the executor's dense path)."""
+        return self.sender.keyframe_due(self.policy) or self.receiver.held != self.sender.base
+
+    def run(self, version: int) -> DeltaReport:
+        """One delta refit to `version`: encode, read, apply, and the sender's copy brought up to date."""
+        try:
+            payload, delta = self.sender.encode(self.ops, version, self.src_flat)
+            self.receiver.apply(self.receiver.read(payload, self.ops, "this process"), self.dst_flat)
+        except Exception:
+            self.sender.forget()
+            raise
+        self.last = self.sender.report(self.ops, delta, version, payload.numel())
+        self.committed(version, keyframe=False)
+        return self.last
+
+    def committed(self, version: int, keyframe: bool) -> DeltaReport:
+        """A refit to `version` landed (a keyframe: through the dense path): both sides hold it."""
+        if keyframe:
+            self.last = keyframe_report(self.sender.plan, self.ops, version)
+        self.sender.committed(version, self.src_flat, keyframe)
+        self.receiver.held = version
+        return self.last
+
+    def digest(self) -> str:
+        """The checksum of the resulting weights: the destination blocks of the ops, in plan order."""
+        sums = Streams(self.checksum)
+        for b in self.dst_blocks:
+            sums.update(0, b)
+        return sums.hexdigest(0)

@@ -1,0 +1,154 @@
+"""Delta plans: the part of a plan's ops a refit runs when only some source elements changed, and the proof that
+it writes every changed element exactly once and nothing else.
+
+A delta refit runs some of a plan's ops, each in one of three encodings, chosen per op by size (`choose`):
+  DENSE   the op's whole box (rows x cols elements), as a dense refit moves it;
+  SPARSE  the changed elements' box-local indices (int32, r * cols + c, ascending) and their values;
+  BITMAP  one bit per element of the box (bit j of byte k is element 8k + j) and the changed elements' values.
+An op in which nothing changed is left out. Per op, the smallest encoding wins (ties go to DENSE): in bf16 SPARSE
+costs 6 bytes per changed element, BITMAP 1/8 byte per element plus 2 per changed one, DENSE 2 per element, so
+SPARSE wins below 1/32 of an op's elements changed (at 2.5%: 7.5% of the dense bytes), BITMAP from there to 15/16
+(at 10%: 16%), DENSE above.
+
+`DeltaOps` is such a choice as columns (plan op row, encoding, elements carried) plus the box-local indices of
+the non-dense ops. `prove_delta` extends the plan's coverage proof (planner.coverage) to it. That proof showed
+that the plan's ops write disjoint boxes of the destination tensors which together tile the model data; so a
+delta writes every destination element at most once, and only model data, when
+  1. every op appears at most once, and
+  2. each non-dense op's indices are strictly increasing and inside its box (a dense op writes its box);
+and it carries no more than the dense refit it replaces when
+  3. every non-dense op's encoding is smaller than its dense block.
+Which elements it must write is the sender's knowledge (those whose bits changed); `written` lists the
+destination elements a delta writes, so that tests compare them with the elements whose value changed: every
+changed element among them, and no other element in a non-dense op.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import CoverageError
+
+DENSE, SPARSE, BITMAP = 0, 1, 2
+ENCODINGS = ("dense", "sparse", "bitmap")
+INDEX_BYTES = 4  # a SPARSE index: int32, so a box holds at most 2^31 - 1 elements (a plan op is far smaller)
+
+
+def encoded_bytes(box: np.ndarray, count: np.ndarray, itemsize: int) -> np.ndarray:
+    """Bytes of each encoding (columns DENSE, SPARSE, BITMAP) of ops of `box` elements of which `count` changed."""
+    box, count = np.asarray(box, dtype=np.int64), np.asarray(count, dtype=np.int64)
+    return np.stack([box * itemsize, count * (INDEX_BYTES + itemsize), (box + 7) // 8 + count * itemsize], axis=-1)
+
+
+def choose(box: np.ndarray, count: np.ndarray, itemsize: int) -> np.ndarray:
+    """The smallest encoding of each op (DENSE on ties): int8 codes."""
+    return np.argmin(encoded_bytes(box, count, itemsize), axis=-1).astype(np.int8)
+
+
+@dataclass(frozen=True, eq=False)
+class DeltaOps:
+    """A delta refit's ops (see the module docstring).
+
+    Attributes:
+        op: plan op rows (into `Plan.ops`), one per entry.
+        encoding: DENSE, SPARSE or BITMAP per entry.
+        count: elements each entry writes (its box for DENSE, the changed ones otherwise).
+        index: the box-local indices of the non-dense entries, concatenated in entry order (int64).
+    """
+
+    op: np.ndarray
+    encoding: np.ndarray
+    count: np.ndarray
+    index: np.ndarray
+
+    def __post_init__(self) -> None:
+        for name in ("op", "encoding", "count", "index"):
+            object.__setattr__(self, name, np.ascontiguousarray(getattr(self, name), dtype=np.int64).reshape(-1))
+
+    def __len__(self) -> int:
+        return len(self.op)
+
+    def wire_bytes(self, plan) -> int:
+        """Bytes of the entries' encodings (without headers)."""
+        box = _box(plan, self.op)
+        return int(np.take_along_axis(encoded_bytes(box, self.count, plan.itemsize),
+                                      self.encoding[:, None].clip(0, 2), axis=1).sum())
+
+
+def _box(plan, op: np.ndarray) -> np.ndarray:
+    o = plan.ops
+    return o["rows"][op] * o["cols"][op]
+
+
+def prove_delta(plan, delta: DeltaOps, allowed: "np.ndarray | None" = None, indices: bool = True) -> None:
+    """Raise CoverageError listing every problem unless `delta` satisfies 1-3 of the module docstring.
+
+    Args:
+        plan: the plan (its own coverage proof holds: compiled or loaded).
+        delta: the delta.
+        allowed: the plan op rows the delta may contain (a receiver's ops from one sender); None: any.
+        indices: check the indices too; False: the entries only (a receiver sizes a payload's sections by them).
+    """
+    problems: list[str] = []
+    op, enc, count, index = delta.op, delta.encoding, delta.count, delta.index
+    bad = np.flatnonzero((op < 0) | (op >= plan.num_ops))
+    problems += [f"entry {i}: op {op[i]} is not an op of the plan ({plan.num_ops} ops)" for i in bad[:5]]
+    if allowed is not None:
+        stray = np.flatnonzero(~np.isin(op, allowed))
+        problems += [f"entry {i}: op {op[i]} is not one of the ops this receiver gets from this sender"
+                     for i in stray[:5]]
+    ordered = np.sort(op)
+    problems += [f"op {v} appears twice" for v in ordered[1:][ordered[1:] == ordered[:-1]][:5]]
+    problems += [f"entry {i}: encoding {enc[i]} is not one of {ENCODINGS}" for i in
+                 np.flatnonzero((enc < 0) | (enc > 2))[:5]]
+    if problems:
+        raise CoverageError("delta proof failed", problems)
+    box = _box(plan, op)
+    dense = enc == DENSE
+    problems += [f"op {op[i]}: dense entry of {count[i]} elements, its box has {box[i]}"
+                 for i in np.flatnonzero(dense & (count != box))[:5]]
+    problems += [f"op {op[i]}: {count[i]} changed elements in a box of {box[i]}"
+                 for i in np.flatnonzero(~dense & ((count < 1) | (count > box)))[:5]]
+    sizes = encoded_bytes(box, count, plan.itemsize)
+    big = np.flatnonzero(~dense & (sizes[np.arange(len(op)), enc.clip(0, 2)] >= sizes[:, DENSE]))
+    problems += [f"op {op[i]}: its {ENCODINGS[enc[i]]} encoding ({sizes[i, enc[i]]} B) is not smaller than the dense "
+                 f"block it replaces ({sizes[i, DENSE]} B)" for i in big[:5]]
+    if not problems and indices and int(count[~dense].sum()) != len(index):
+        problems.append(f"{len(index)} indices for {int(count[~dense].sum())} changed elements")
+    if problems or not indices:
+        if problems:
+            raise CoverageError("delta proof failed", problems)
+        return
+    k = np.flatnonzero(~dense)
+    owner = np.repeat(np.arange(len(k)), count[k])  # the non-dense entry each index belongs to
+    outside = np.flatnonzero((index < 0) | (index >= box[k][owner]))
+    problems += [f"op {op[k[owner[j]]]}: index {index[j]} outside its box of {box[k[owner[j]]]} elements"
+                 for j in outside[:5]]
+    same = owner[1:] == owner[:-1]
+    repeat = np.flatnonzero(same & (index[1:] <= index[:-1]))
+    problems += [f"op {op[k[owner[j]]]}: indices not strictly increasing ({index[j]} then {index[j + 1]})"
+                 for j in repeat[:5]]
+    if problems:
+        raise CoverageError("delta proof failed", problems)
+
+
+def written(plan, delta: DeltaOps) -> tuple[np.ndarray, np.ndarray]:
+    """(destination table id, flat element position) of every element `delta` writes, in entry order."""
+    o = plan.ops
+    box = _box(plan, delta.op)
+    dense = delta.encoding == DENSE
+    count = np.where(dense, box, delta.count)
+    owner = np.repeat(np.arange(len(delta)), count)
+    local = np.arange(len(owner)) - np.repeat(np.cumsum(count) - count, count)  # index within the entry
+    idx = local.copy()
+    sparse_at = ~dense[owner]
+    idx[sparse_at] = delta.index
+    op = delta.op[owner]
+    cols = o["cols"][op]
+    position = o["dst_offset"][op] + (idx // cols) * o["dst_stride"][op] + idx % cols
+    return o["dst_tensor"][op], position
+
+
+__all__ = ["BITMAP", "DENSE", "DeltaOps", "ENCODINGS", "INDEX_BYTES", "SPARSE", "choose", "encoded_bytes",
+           "prove_delta", "written"]

@@ -93,6 +93,8 @@ from .runners import Buffers, RoundRunner, Setup, abort, make_runner
 from ..preflight import check_ops
 from .lanes import NCCL_LANES
 from ..prepared import Prepared
+from ..delta import DeltaPolicy, DeltaReport
+from .delta import CollectiveDelta
 from .schedule import (DIRECT_BYTES, GLOO_DIRECT_BYTES, LANES_DIRECT_BYTES, RoundSchedule, bucket_numel_for,
                        build_schedule)
 from ..stats import RefitStats, ops_landing, phase_times
@@ -146,7 +148,10 @@ class CollectiveExecutor(Executor):
             "sum64": executors.checksum), exchange the digests after the transfer and fail the refit on every
             process if one differs, before anything is committed. GPU tensors over NCCL: "sum64" hashes on the GPU
             on the transfer's own streams; "sha256" copies every message to the host (debugging only). Off, nothing
-            is hashed or sent.
+            is hashed or sent. With `delta`, the digests are of the resulting weights (executors.collective.delta).
+        delta: a `DeltaPolicy` (executors.delta): refits move only the changed elements, as indices or bitmaps and
+            values chosen per op, with dense keyframes as it says (executors.collective.delta); `last_delta`
+            reports each refit's encodings and bytes. None (default): every refit dense.
 
     Raises:
         ExecutionError: options that contradict, tensors that do not match the plan, or (from `refit`) a dead or
@@ -161,7 +166,7 @@ class CollectiveExecutor(Executor):
                  bucket_bytes: int | None = None,
                  timeout: float = 300.0, depth: int | None = None, direct_bytes: int | str | None = "auto",
                  lanes: int | None = None, on_round: Callable[[int], None] | None = None,
-                 checksum: bool | str = False) -> None:
+                 checksum: bool | str = False, delta: "DeltaPolicy | None" = None) -> None:
         if undo and in_place:
             raise ExecutionError("undo=True already writes in place (keeping the previous bytes); drop in_place")
         if lanes is not None and lanes < 1:
@@ -207,6 +212,7 @@ class CollectiveExecutor(Executor):
         self._given: tuple = ()  # the tensor objects of the last call that passed the checks, and their addresses
         self._version = 0
         self._num_ops = ops_landing(plan, binding.dst_ranks_of(self.rank))
+        self._delta = None if delta is None else CollectiveDelta(self, delta)
 
     def release(self) -> None:
         """Drop the buffers and views kept between calls (wire, staging, views of the caller's tensors)."""
@@ -226,8 +232,14 @@ class CollectiveExecutor(Executor):
         every process run the same refit."""
         start = time.perf_counter()
         with torch.no_grad():  # parameters may require grad; a refit is not part of any graph
-            return self._run(start, dict(self._src if src is None else src), dict(self._dst if dst is None else dst),
-                             version)
+            run = self._run if self._delta is None else self._delta.refit
+            return run(start, dict(self._src if src is None else src), dict(self._dst if dst is None else dst),
+                       version)
+
+    @property
+    def last_delta(self) -> "DeltaReport | None":
+        """What this process sent in the last refit, with the `delta` option (executors.delta.DeltaReport)."""
+        return None if self._delta is None else self._delta.last
 
     def close(self) -> None:
         self.release()

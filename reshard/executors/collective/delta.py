@@ -1,0 +1,239 @@
+"""Delta refits over the collective transport: `CollectiveExecutor(..., delta=DeltaPolicy(keyframe_every=K))`
+(the protocol, its encodings and its checks: executors.delta).
+
+Per refit, once this process's tensors are checked (executors.prepared):
+  1. decide, in one all-reduce: every process's refusal and fingerprint, the versions its receivers hold, its
+     sender's base and whether its policy asks for a keyframe; so every process takes the same path, a delta
+     only when every receiver holds the one base every sender has and no sender is due a keyframe;
+  2. a keyframe is the executor's own dense refit (staged, undo or in place as configured); both sides then
+     hold its version;
+  3. a delta: each sender encodes, per receiving process, the changed elements of the ops it sends there; the
+     payloads' sizes travel first (one int64 message per pair), then the payloads (one uint8 message per pair),
+     each step one batch of sends and receives; pairs within one process go through no wire. Every receiver
+     reads and proves what arrived (base version, ops, indices, sizes: nothing is written yet) and, with
+     `checksum`, compares the sender's digest of the resulting blocks (its source blocks, value shifts added)
+     with the digest of what its blocks will be; one all-reduce (the executor's verify step) says whether every
+     process got there, and only then does each receiver scatter its payloads in place and each sender bring
+     its copy up to date. A failure before that leaves every destination as it was (the payloads are the only
+     staging: O(changed) memory), and the next refit is a keyframe.
+Memory: the sender's copy of its source tensors (executors.delta); with `checksum`, for the check, a temporary copy
+of the destination tensors a peer's ops write (the receiver's would-be result).
+"""
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import numpy as np
+import torch
+
+from ...errors import ExecutionError, ReshardError
+from ...planner.plan import RELAY
+from ..checksum import Streams
+from ...planner.delta import DeltaOps
+from ..delta import DeltaError, DeltaPolicy, DeltaReport, Receiver, Sender, keyframe_report
+from ..reference import block
+from ..stats import RefitStats, phase_times
+
+SIZE_TAG, PAYLOAD_TAG = (1 << 30) - 2, (1 << 30) - 3  # below the checksum exchange's tag, above every round's
+NONE = 1 << 60  # a process with no receiver (sender) stands aside in the version all-reduce
+
+
+class CollectiveDelta:
+    """A CollectiveExecutor's delta refits (see the module docstring).
+
+    Args:
+        executor: the executor (its plan, binding, group, checks and dense refit).
+        policy: the `DeltaPolicy`.
+
+    Raises:
+        ArgumentError: `policy` is not a DeltaPolicy.
+        ExecutionError: the plan relays between replicas (fan-out): compile it without.
+    """
+
+    def __init__(self, executor, policy: DeltaPolicy) -> None:
+        if not isinstance(policy, DeltaPolicy):
+            from ...errors import ArgumentError
+
+            raise ArgumentError("delta", policy, "must be a DeltaPolicy (or None: every refit dense)")
+        plan, binding, me = executor.plan, executor.binding, executor.rank
+        o = plan.ops
+        if np.any(o["src_side"] == RELAY):
+            raise ExecutionError("delta refits need a plan without fan-out (relays between replicas); compile it "
+                                 "without fanout")
+        self.executor, self.policy = executor, policy
+        src_proc = np.asarray(binding.src, dtype=np.int64)[o["src_rank"]]
+        dst_proc = np.asarray(binding.dst, dtype=np.int64)[o["dst_rank"]]
+        mine_out, mine_in = np.flatnonzero(src_proc == me), np.flatnonzero(dst_proc == me)
+        self.sends = {int(p): mine_out[dst_proc[mine_out] == p] for p in np.unique(dst_proc[mine_out])}
+        self.recvs = {int(p): mine_in[src_proc[mine_in] == p] for p in np.unique(src_proc[mine_in])}
+        self.sender = Sender(plan, mine_out) if len(mine_out) else None
+        self.receiver = Receiver(plan) if len(mine_in) else None
+        self.last: DeltaReport | None = None
+
+    # --- one refit -------------------------------------------------------------------------------
+    def refit(self, start: float, src: dict, dst: dict, version: int | None) -> RefitStats:
+        """One refit, delta or keyframe as every process decides together (module docstring)."""
+        ex = self.executor
+        new = ex._version + 1 if version is None else int(version)
+        prepared, problem = ex._prepare(src, dst)
+        device, device_problem = ex._device(prepared)
+        keyframe = self._decide(problem or device_problem, device)
+        marks = [("decide", time.perf_counter())]
+        if keyframe:
+            try:
+                stats = ex._run(start, src, dst, new)
+            except Exception:
+                self._forget()
+                raise
+            self._committed(new, prepared, True)
+            self.last = keyframe_report(ex.plan, self.sender.ops if self.sender else np.zeros(0, np.int64), new)
+            return stats
+        try:
+            return self._delta(start, marks, prepared, device, new)
+        except Exception:
+            self._forget()
+            raise
+
+    def _decide(self, problem: str | None, device: torch.device) -> bool:
+        """Whether this refit is a keyframe, the same on every process; raises if a process refused its tensors."""
+        ex = self.executor
+        held = NONE if self.receiver is None else (-1 if self.receiver.held is None else self.receiver.held)
+        base = NONE if self.sender is None else (-1 if self.sender.base is None else self.sender.base)
+        due = int(self.sender is not None and self.sender.keyframe_due(self.policy))
+        fp = ex._fingerprint ^ self.policy.keyframe_every
+        t = [int(problem is not None), fp, -fp, -NONE if held == NONE else held, -held, -NONE if base == NONE
+             else base, -base, due]
+        if ex.size > 1 and ex.distributed:
+            v = torch.tensor(t, dtype=torch.int64, device=device)
+            ex._wait_collective(lambda: ex.comm.all_reduce_max(v), device, "delta preflight", before=True)
+            t = v.tolist()
+        bad, hi, lo, held_hi, held_lo, base_hi, base_lo, due = t
+        if problem:
+            raise ExecutionError(f"{problem}; nothing was moved")
+        if bad:
+            raise ExecutionError("another process of the refit group refused its tensors (its own error says why); "
+                                 "nothing was moved")
+        if hi != -lo:
+            raise ExecutionError("the processes of the refit group do not run the same plan, binding and delta "
+                                 "policy; nothing was moved")
+        versions = {held_hi, -held_lo, base_hi, -base_lo}
+        return bool(due) or len(versions) != 1 or versions.pop() < 0
+
+    def _delta(self, start: float, marks: list, prepared, device: torch.device, new: int) -> RefitStats:
+        ex, plan = self.executor, self.executor.plan
+        algorithm = ex.checksum
+        payloads: dict[int, torch.Tensor] = {}
+        sent_ops, encoded = [], []
+        for peer, ops in self.sends.items():
+            digest = self._source_digest(ops, prepared.src_flat, algorithm) if algorithm else b""
+            payloads[peer], d = self.sender.encode(ops, new, prepared.src_flat, digest=digest)
+            sent_ops.append(ops)
+            encoded.append(d)
+        if self.sender is None:  # a receiver only: it sent nothing
+            self.last = DeltaReport(new, self.receiver.held if self.receiver is not None else None)
+        else:  # before the copy moves on: its base is the delta's
+            d = DeltaOps(*(np.concatenate([getattr(e, f) for e in encoded])
+                                       for f in ("op", "encoding", "count", "index")))
+            self.last = self.sender.report(np.concatenate(sent_ops), d, new,
+                                           sum(p.numel() for p in payloads.values()))
+        marks.append(("encode", time.perf_counter()))
+        arrived = self._exchange(payloads, device)
+        marks.append(("exchange", time.perf_counter()))
+        problem, decoded = None, []
+        try:
+            for peer, payload in arrived.items():
+                d = self.receiver.read(payload, self.recvs[peer], f"group rank {peer}")
+                if algorithm:
+                    self._check_digest(d, self.recvs[peer], prepared.dst_flat, algorithm, peer)
+                decoded.append(d)
+        except DeltaError as e:
+            problem = str(e)
+        ex._agree(device, problem)
+        marks.append(("verify", time.perf_counter()))
+        for d in decoded:
+            self.receiver.apply(d, prepared.dst_flat)
+        self._committed(new, prepared, False)
+        marks.append(("apply", time.perf_counter()))
+        ex._version = new
+        seconds, phases = phase_times(start, marks)
+        me = ex.rank
+        return RefitStats(
+            executor=ex.name, process=me, version=new, seconds=seconds, phases=phases,
+            ops=sum(len(d.delta) for d in decoded), copies=sum(len(d.delta) for d in decoded),
+            bytes_sent={p: t.numel() for p, t in payloads.items() if p != me},
+            bytes_received={p: t.numel() for p, t in arrived.items() if p != me},
+            local_bytes=payloads[me].numel() if me in payloads else 0,
+            staging_bytes=sum(t.numel() for p, t in arrived.items() if p != me),
+            transfers=sum(p != me for p in payloads) + sum(p != me for p in arrived), checksum=algorithm or "")
+
+    # --- steps -----------------------------------------------------------------------------------
+    def _exchange(self, payloads: dict[int, torch.Tensor], device: torch.device) -> dict[int, torch.Tensor]:
+        """Every payload to its process (sizes first, then the bytes); the payloads that arrived, by sender."""
+        ex, me = self.executor, self.executor.rank
+        arrived = {me: payloads[me]} if me in payloads else {}
+        peers_out = [p for p in payloads if p != me]
+        peers_in = [p for p in self.recvs if p != me]
+        if not ex.distributed or (not peers_out and not peers_in and ex.size == 1):
+            return arrived
+        sizes_out = {p: torch.tensor([payloads[p].numel()], dtype=torch.int64, device=device) for p in peers_out}
+        sizes_in = {p: torch.zeros(1, dtype=torch.int64, device=device) for p in peers_in}
+        self._post([(t, p, SIZE_TAG) for p, t in sizes_out.items()], [(t, p, SIZE_TAG) for p, t in sizes_in.items()],
+                   "the delta sizes")
+        limit = 1 << 40
+        bufs = {}
+        for p, t in sizes_in.items():
+            n = int(t.item())
+            if not 0 <= n <= limit:
+                raise ExecutionError(f"group rank {p} announced a delta of {n} bytes; nothing was written")
+            bufs[p] = torch.empty(n, dtype=torch.uint8, device=device)
+        self._post([(payloads[p], p, PAYLOAD_TAG) for p in peers_out if payloads[p].numel()],
+                   [(b, p, PAYLOAD_TAG) for p, b in bufs.items() if b.numel()], "the delta payloads")
+        arrived.update(bufs)
+        return arrived
+
+    def _post(self, sends: list, recvs: list, what: str) -> None:
+        ex = self.executor
+        try:
+            for w in ex.comm.post(ex.comm.prepare(0, sends, recvs)):
+                w.wait(timedelta(seconds=ex.timeout))
+        except RuntimeError as e:  # gloo's timeout or a peer's closed socket
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ExecutionError(ex._setup.failure(f"{what} did not arrive: {first}")) from e
+
+    def _source_digest(self, ops: np.ndarray, src_flat: dict, algorithm: str) -> bytes:
+        """The digest of the blocks `ops` leave at their receiver: the source blocks in plan order, shifted."""
+        plan, o = self.executor.plan, self.executor.plan.ops
+        sums = Streams(algorithm)
+        for i in np.sort(ops).tolist():
+            b = block(src_flat[int(o["src_tensor"][i])], int(o["src_offset"][i]), int(o["rows"][i]),
+                      int(o["cols"][i]), int(o["src_stride"][i]))
+            shift = plan.value_shifts.get(int(o["canon"][i]))
+            sums.update(0, b + shift if shift else b)
+        return sums.digest(0)
+
+    def _check_digest(self, decoded, ops: np.ndarray, dst_flat: dict, algorithm: str, peer: int) -> None:
+        """Raise DeltaError unless the blocks `ops` will hold after `decoded` have the sender's digest."""
+        o = self.executor.plan.ops
+        shadow = {int(t): dst_flat[int(t)].clone() for t in np.unique(o["dst_tensor"][ops])}
+        self.receiver.apply(decoded, shadow)
+        sums = Streams(algorithm)
+        for i in np.sort(ops).tolist():
+            sums.update(0, block(shadow[int(o["dst_tensor"][i])], int(o["dst_offset"][i]), int(o["rows"][i]),
+                                 int(o["cols"][i]), int(o["dst_stride"][i])))
+        if sums.digest(0) != decoded.digest:
+            raise DeltaError(f"checksum mismatch: the weights a delta from group rank {peer} would leave have "
+                             f"checksum {sums.hexdigest(0)[:16]}, the sender's are {decoded.digest.hex()[:16]}; "
+                             f"nothing was written")
+
+    def _committed(self, version: int, prepared, keyframe: bool) -> None:
+        if self.sender is not None:
+            self.sender.committed(version, prepared.src_flat, keyframe)
+        if self.receiver is not None:
+            self.receiver.held = version
+
+    def _forget(self) -> None:
+        if self.sender is not None:
+            self.sender.forget()
+        if self.receiver is not None:
+            self.receiver.held = None

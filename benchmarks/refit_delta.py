@@ -1,0 +1,259 @@
+"""Delta refits against dense ones, side by side in one run (issue 41, item 6): bytes on the wire and refit time.
+
+Default (CPU, gloo over loopback): two processes, a trainer (Megatron TP1 source tensors) and an engine (vLLM TP1
+destination tensors), joined in a store-made gloo group (executors.collective.comm.StoreComm). Cases:
+  dense                 the collective executor without `delta` (staged): the dense ceiling of this run
+  delta p               the same executor with delta=DeltaPolicy(...) after a keyframe, with a fraction p of the
+                        trainer's bf16 elements changed since the engine's version (uniformly spread, each by one
+                        ulp: the last mantissa bit flipped, as 80-88% of real changes are; BENCHMARKS.md, Delta
+                        refits, item 1), for p in --fractions (the measured 2.35% / 4.56% / 8.76% of lr 1e-6 / 3e-6
+                        / 1e-5 and 0.1%, 1%, 2.5%, 10%, 50%)
+Per case: bytes the trainer sent (payloads with their headers for delta), their share of dense, the encodings chosen
+(ops dense / sparse / bitmap / unchanged), the refit's wall time (median of --iters, slowest process; a fresh change
+before every timed refit, made outside the timing) and its phases. After each fraction the engine checks its tensors
+against a dense refit of the same source into fresh tensors, byte for byte.
+
+With --apply (GPU, imports only torch, numpy and Triton: loads reshard/kernels/delta_apply.py by its path): the apply
+kernel alone on one GPU. A bf16 destination of --numel elements (rows of --cols) receives p of its elements
+through kernels.delta_apply.scatter (box-local int32 indices, as a payload carries them), against the dense in-place
+copy of the whole tensor (the ceiling the kernel must beat) and torch's index_put_ with int64 positions; median of
+--iters CUDA-event timings, and the kernel's result checked against index_put_'s.
+
+    python benchmarks/refit_delta.py --json out.json                 # CPU, gloo loopback
+    python benchmarks/refit_delta.py --apply --numel 536870912 --json out.json   # one GPU
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+FRACTIONS = (0.001, 0.01, 0.0235, 0.025, 0.0456, 0.0876, 0.10, 0.50)
+TRAINER, ENGINE = 0, 1
+
+
+# --- CPU: two processes over gloo ----------------------------------------------------------------
+def _spec(args: dict):
+    import reshard
+
+    if args.get("config"):
+        return reshard.ModelSpec.from_hf_config(args["config"]).model_copy(update={"dtype": "bfloat16"})
+    h = args["hidden"]
+    return reshard.ModelSpec(family="qwen3", hidden_size=h, num_layers=args["layers"], num_attention_heads=h // 64,
+                             num_key_value_heads=max(1, h // 256), head_dim=64, intermediate_size=args["ffn"],
+                             vocab_size=args["vocab"], qk_norm=True, dtype="bfloat16")
+
+
+def _change(src: dict, fraction: float, seed: int) -> None:
+    """Flip the last mantissa bit of each element of every source tensor with probability `fraction` (one ulp), in
+    place."""
+    g = torch.Generator().manual_seed(seed)
+    for r in sorted(src):
+        for name in sorted(src[r]):
+            bits = src[r][name].view(-1).view(torch.int16)
+            bits[torch.rand(bits.numel(), generator=g) < fraction] ^= 1
+
+
+def worker(me: int, port: int, args: dict, out: str) -> None:
+    sys.path.insert(0, str(ROOT))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    import reshard
+    from reshard.executors import allocate, shard
+    from reshard.executors.binding import Binding
+    from reshard.executors.collective.comm import StoreComm
+    from reshard.executors.collective.executor import CollectiveExecutor
+    from reshard.executors.delta import DeltaPolicy
+
+    spec = _spec(args)
+    plan = reshard.compile(reshard.MegatronLayout(model=spec), reshard.VllmLayout(model=spec))
+    binding = Binding.disjoint(1, 1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    comm = StoreComm(dist.PrefixStore("bench/", store), me, 2, "gloo", 600.0)
+    g = torch.Generator().manual_seed(0)
+    if me == TRAINER:
+        weights = {t.name: (torch.randn(t.shape, generator=g) * 0.02).to(torch.bfloat16) for t in spec.tensors}
+        src, dst = shard(plan.src, weights), {}
+        del weights
+    else:
+        src, dst = {}, allocate(plan.dst)
+    options = {"group": comm, "timeout": 600.0}
+    dense = CollectiveExecutor(plan, binding, me, src, dst, **options)
+    delta = CollectiveExecutor(plan, binding, me, src, dst, delta=DeltaPolicy(keyframe_every=1 << 30), **options)
+    results: dict = {"bytes": plan.accounting.total_bytes, "params": sum(t.numel for t in spec.tensors)}
+
+    def timed(run) -> tuple[float, object]:
+        store.add(f"go/{timed.n}", 1)
+        while int(store.add(f"go/{timed.n}", 0)) < 2:  # both start together
+            time.sleep(0.001)
+        timed.n += 1
+        t0 = time.perf_counter()
+        stats = run()
+        return time.perf_counter() - t0, stats
+    timed.n = 0
+
+    dense.refit()  # warm-up (buffers, connections)
+    results["dense"] = []
+    for _ in range(args["iters"]):
+        seconds, stats = timed(dense.refit)
+        results["dense"].append({"seconds": seconds, "sent": sum(stats.bytes_sent.values()), "phases": stats.phases})
+    delta.refit()  # the keyframe: the sender's copy and the engine's version
+    for p in args["fractions"]:
+        rows = []
+        for i in range(args["iters"]):
+            if me == TRAINER:
+                _change(src, p, seed=int(p * 1e6) * 100 + i)
+            seconds, stats = timed(delta.refit)
+            rep = delta.last_delta
+            assert not rep.keyframe
+            rows.append({"seconds": seconds, "sent": sum(stats.bytes_sent.values()), "phases": stats.phases,
+                         "ops": rep.ops, "changed": rep.changed, "wire": rep.wire_bytes, "dense": rep.dense_bytes})
+        if me == ENGINE:  # byte for byte against a dense refit of the same source into fresh tensors
+            check = allocate(plan.dst)
+            CollectiveExecutor(plan, binding, me, src, check, **options).refit()
+            same = all(torch.equal(dst[r][n].view(torch.int16), check[r][n].view(torch.int16))
+                       for r in dst for n in dst[r])
+            rows.append({"equal_to_dense": same})
+            del check
+        else:
+            CollectiveExecutor(plan, binding, me, src, {}, **options).refit()
+            rows.append({})
+        results[f"delta {p:g}"] = rows
+    Path(out).write_text(json.dumps(results))
+    comm.close()
+
+
+def run_cpu(a) -> int:
+    import torch.distributed as dist
+
+    args = {"config": a.config, "hidden": a.hidden, "layers": a.layers, "ffn": a.ffn, "vocab": a.vocab,
+            "iters": a.iters, "fractions": a.fractions}
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    outs = [f"/tmp/refit_delta_{os.getpid()}_{me}.json" for me in (TRAINER, ENGINE)]
+    procs = [ctx.Process(target=worker, args=(me, store.port, args, outs[me])) for me in (TRAINER, ENGINE)]
+    for pr in procs:
+        pr.start()
+    for pr in procs:
+        pr.join()
+    if any(pr.exitcode != 0 for pr in procs):
+        print(f"workers exited with {[pr.exitcode for pr in procs]}", file=sys.stderr)
+        return 1
+    res = [json.loads(Path(o).read_text()) for o in outs]
+    trainer, engine = res
+    slowest = lambda k: [max(x["seconds"], y["seconds"]) for x, y in zip(trainer[k], engine[k])  # noqa: E731
+                         if "seconds" in x]
+    dense_t = statistics.median(slowest("dense"))
+    dense_b = trainer["dense"][0]["sent"]
+    print(f"{trainer['params'] / 1e6:.1f}M bf16 parameters, Megatron TP1 -> vLLM TP1, two processes, gloo over "
+          f"loopback; median of {a.iters}, slowest process")
+    print(f"{'case':<12} {'sent':>12} {'of dense':>9} {'time s':>8} {'speed-up':>8}  ops dense/sparse/bitmap/unch  "
+          f"equal")
+    print(f"{'dense':<12} {dense_b:>12,} {1:>9.1%} {dense_t:>8.3f} {1:>8.2f}")
+    table = {"dense": {"sent": dense_b, "seconds": dense_t}}
+    for p in a.fractions:
+        k = f"delta {p:g}"
+        rows = trainer[k][:-1]
+        t = statistics.median(slowest(k))
+        sent = statistics.median(r["sent"] for r in rows)
+        ops = rows[-1]["ops"]
+        equal = engine[k][-1].get("equal_to_dense")
+        print(f"{p:<12.2%} {int(sent):>12,} {sent / dense_b:>9.2%} {t:>8.3f} {dense_t / t:>8.2f}  "
+              f"{ops.get('dense', 0)}/{ops.get('sparse', 0)}/{ops.get('bitmap', 0)}/{ops.get('unchanged', 0)}"
+              f"{'':>14} {equal}")
+        table[k] = {"sent": sent, "of_dense": sent / dense_b, "seconds": t, "speedup": dense_t / t, "ops": ops,
+                    "equal_to_dense": equal,
+                    "phases_trainer": trainer[k][0]["phases"], "phases_engine": engine[k][0]["phases"]}
+    if a.json:
+        Path(a.json).write_text(json.dumps({"table": table, "raw": res, "args": vars(a)}, indent=1))
+    return 0
+
+
+# --- GPU: the apply kernel alone -----------------------------------------------------------------
+def _kernel_module():
+    path = ROOT / "reshard" / "kernels" / "delta_apply.py"
+    spec = importlib.util.spec_from_file_location("delta_apply", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run_apply(a) -> int:
+    import numpy as np
+
+    k = _kernel_module()
+    dev = torch.device("cuda")
+    n, cols = a.numel, a.cols
+    dst = torch.zeros(n, dtype=torch.bfloat16, device=dev)
+    src = torch.randn(n, dtype=torch.bfloat16, device=dev)
+
+    def timed(fn) -> float:
+        fn()
+        out = []
+        for _ in range(a.iters):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            out.append(s.elapsed_time(e) / 1e3)
+        return statistics.median(out)
+
+    copy_t = timed(lambda: dst.copy_(src))
+    print(f"{torch.cuda.get_device_name()}: bf16 destination of {n:,} elements ({n * 2 / 2**30:.2f} GiB); "
+          f"dense in-place copy {copy_t * 1e3:.3f} ms ({2 * n * 2 / copy_t / 1e9:.0f} GB/s read+write)")
+    print(f"{'changed':>8} {'kernel ms':>10} {'of copy':>8} {'index_put ms':>12}  equal")
+    rows = {}
+    g = np.random.default_rng(0)
+    words = dst.view(torch.int16)
+    for p in a.fractions:
+        c = int(p * n)
+        idx = np.sort(g.choice(n, size=c, replace=False)) if c < n // 100 else np.flatnonzero(g.random(n) < p)
+        c = len(idx)
+        index = torch.from_numpy(idx.astype(np.int32)).to(dev)  # box-local, as a payload carries them
+        values = torch.randint(-30000, 30000, (c,), dtype=torch.int16, device=dev)
+        rows_n = n // cols
+        kt = timed(lambda: k.scatter([words], np.asarray([0]), np.asarray([c]), np.asarray([cols]),
+                                     np.asarray([cols]), index, values))
+        got = words.clone()
+        pos = torch.from_numpy(idx.astype(np.int64)).to(dev)
+        it = timed(lambda: words.index_put_((pos,), values))
+        equal = torch.equal(got, words)
+        print(f"{p:>8.2%} {kt * 1e3:>10.3f} {kt / copy_t:>8.1%} {it * 1e3:>12.3f}  {equal}")
+        rows[f"{p:g}"] = {"changed": c, "kernel_s": kt, "of_copy": kt / copy_t, "index_put_s": it, "equal": equal,
+                          "rows": rows_n}
+    if a.json:
+        Path(a.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "numel": n, "copy_s": copy_t,
+                                            "rows": rows, "torch": torch.__version__}, indent=1))
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--apply", action="store_true", help="the GPU apply kernel alone (torch, numpy, Triton only)")
+    ap.add_argument("--fractions", type=float, nargs="+", default=list(FRACTIONS))
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--config", default=None, help="an HF config (default: a synthetic Qwen3 of --hidden etc.)")
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--ffn", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=16384)
+    ap.add_argument("--numel", type=int, default=1 << 28, help="--apply: destination elements")
+    ap.add_argument("--cols", type=int, default=4096, help="--apply: row width of the destination block")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    return run_apply(a) if a.apply else run_cpu(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -86,11 +86,9 @@ def reader_job(path: str, config: str, out: str, dtype: str) -> None:
     me = dist.get_rank()
     spec = ModelSpec(**{**ModelSpec.from_hf_config(f"{config}/config.json").model_dump(), "dtype": dtype})
     ckpt = open_checkpoint(path)
-    # --8<-- [start:read_checkpoint]
     dst = HfLayout(model=spec)
     out_tensors = {0: allocate(dst)[0]} if me == 0 else {}  # destination rank 0 lives in reader process 0
     read_checkpoint(ckpt, spec, dst, out_tensors)  # every reader process: its part, by byte range
-    # --8<-- [end:read_checkpoint]
     Path(out, f"reader{me}.json").write_text(json.dumps({"bytes_read": ckpt.bytes_read,
                                                          "chunks_read": ckpt.chunks_read}))
     if me == 0:

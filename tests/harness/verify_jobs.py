@@ -153,13 +153,11 @@ def verify_server(job: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         do_refit()
         out["refit_s"] = time.perf_counter() - t0
-        # --8<-- [start:verify_after_refit]
         out["clean"] = measure(chunks, server, seqs, vocab_size=vocab, dtype=dtype).to_dict()
         if job.get("audit_clean", True):
             t0 = time.perf_counter()
             out["audit_clean"] = audit(chunks, live, do_refit, server, seqs, vocab_size=vocab, dtype=dtype,
                                        names=job.get("audit")).to_dict()
-        # --8<-- [end:verify_after_refit]
             out["audit_s"] = time.perf_counter() - t0
         out["bugs"], out["silent"] = {}, {}
         planted = [(b, True) for b in job.get("bugs", [])] + [(b, False) for b in job.get("silent", [])]

@@ -135,7 +135,8 @@ ENTRY: dict[str, tuple[Callable[..., Any], dict[str, Any], int]] = {
     "RefitSpec.of": (RefitSpec.of, {"spec": SPEC, "src": SRC, "dst": DST, "config": None}, 30),
     "TrainerSession": (TrainerSession, {"refit": REFIT, "process": 0, "tensors": TENSORS, "engines": (),
                                         "trainer_group": None, "rendezvous": None, "host": "127.0.0.1",
-                                        "pause": "wait", "timeout": 60.0, "lora_ids": None, "lease": 30.0}, 80),
+                                        "pause": "wait", "timeout": 60.0, "lora_ids": None, "lease": 30.0,
+                                        "pause_for": "refit"}, 80),
     "VllmServer": (VllmServer, {"url": "http://127.0.0.1:8000", "timeout": 60.0, "api_key": None}, 20),
     # beside them: the rendezvous and the engine's lease grant parser
     "Rendezvous": (Rendezvous, {"host": "127.0.0.1", "port": 29500, "refit_id": "abcdef012345",

@@ -45,12 +45,13 @@ def main() -> int:
     with ServerProcess(ckpt, tp=a.tp, log=work / "server.log") as server:
         session = TrainerSession(refit, 0, tensors, engines=[server])
         session.init()
-        phases, totals, round_trips = [], [], []
+        phases, totals, pauses, round_trips = [], [], [], []
         for i in range(a.refits + 1):
             result = session.refit(version=str(i))
             if i:  # the first refit warms caches
                 phases.append(result.phases)
                 totals.append(result.seconds)
+                pauses.append(result.stats.pause_s)
             t0 = time.perf_counter()
             server.weight_info()
             round_trips.append(time.perf_counter() - t0)
@@ -66,9 +67,11 @@ def main() -> int:
     for k, v in med.items():
         print(f"  {names.get(k, k):<36} {v * 1e3:7.1f} ms")
     print(f"  {'whole refit':<36} {statistics.median(totals) * 1e3:7.1f} ms")
+    print(f"  {'paused (pause call to resume)':<36} {statistics.median(pauses) * 1e3:7.1f} ms")
     if a.json:
         Path(a.json).write_text(json.dumps({"bytes": nbytes, "round_trip_s": rt, "phases_s": med,
-                                            "total_s": statistics.median(totals), "args": vars(a)}, indent=1))
+                                            "total_s": statistics.median(totals),
+                                            "pause_s": statistics.median(pauses), "args": vars(a)}, indent=1))
     return 0
 
 

@@ -143,6 +143,7 @@ def trainer(rank: int, job: dict[str, Any]) -> None:
             if server is not None:
                 out["refits"].append({"mismatch": mismatch.to_dict(), "mismatch_text": str(mismatch),
                                       "version": result.version, "phases": result.phases,
+                                      "seconds": result.seconds, "pause_s": result.stats.pause_s,
                                       "tokens": server.greedy(PROMPTS), "weight_version": server.weight_info(),
                                       "checksums": server.weight_checksums(), "landed": server.landed()})
     finally:
@@ -201,7 +202,8 @@ def main() -> int:
     print(f"trainer {out['layout']} -> vllm:tp={args.server_tp} over {args.transport!r}")
     for r in out["refits"]:
         phases = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in r["phases"].items())
-        print(f"  refit {r['version']}: {phases}; server weight version {r['weight_version']!r}")
+        print(f"  refit {r['version']}: {r['seconds'] * 1e3:.0f} ms, paused {r['pause_s'] * 1e3:.0f} ms ({phases}); "
+              f"server weight version {r['weight_version']!r}")
         print(f"    {r['mismatch_text']}")
     from safetensors.torch import load_file
 

@@ -210,9 +210,7 @@ class Sender:
                     payload.narrow(0, pos["index"], 4 * len(idx)).view(torch.int32).copy_(idx)
                     pos["index"] += 4 * len(idx)
                 else:
-                    bits = torch.zeros(r * c, dtype=torch.bool, device=device)
-                    bits[idx] = True
-                    packed = pack_bits(bits)
+                    packed = pack_bits(idx, r * c)
                     payload.narrow(0, pos["bitmap"], len(packed)).copy_(packed)
                     pos["bitmap"] += len(packed)
                 indices.append(idx)
@@ -254,16 +252,21 @@ def _in_box(positions: torch.Tensor, offset: int, rows: int, cols: int, stride: 
     return (row * cols + col)[col < cols]
 
 
-def pack_bits(bits: torch.Tensor) -> torch.Tensor:
-    """A flat bool tensor as bytes, bit j of byte k element 8k + j (the last byte's padding bits zero)."""
-    pad = (-len(bits)) % 8
-    b = torch.nn.functional.pad(bits.to(torch.uint8), (0, pad)).view(-1, 8)
-    return (b << _shift_bits().to(b.device)).sum(1).to(torch.uint8)
+def pack_bits(index: torch.Tensor, n: int) -> torch.Tensor:
+    """The bitmap of `n` elements with the ascending indices `index` set: bit j of byte k is element 8k + j (the last
+    byte's padding bits zero); made in O(len(index)), on the indices' device."""
+    packed = torch.zeros((n + 7) // 8, dtype=torch.uint8, device=index.device)
+    if len(index):  # distinct bits of one byte: their sum is their OR
+        packed.index_put_((index // 8,), torch.bitwise_left_shift(torch.ones_like(index), index % 8).to(torch.uint8),
+                          accumulate=True)
+    return packed
 
 
 def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
-    """`pack_bits`' inverse, padding included: 8 x len(packed) bools."""
-    return ((packed.unsqueeze(1) >> _shift_bits().to(packed.device)) & 1).view(-1).bool()
+    """The indices of the set bits of a bitmap (`pack_bits`' layout, padding included), ascending, int64."""
+    if packed.device.type == "cpu":
+        return torch.from_numpy(np.flatnonzero(np.unpackbits(packed.numpy(), bitorder="little")))
+    return ((packed.unsqueeze(1) >> _shift_bits().to(packed.device)) & 1).view(-1).nonzero().view(-1)
 
 
 @dataclass(frozen=True, eq=False)
@@ -333,9 +336,8 @@ class Receiver:
                 parts.append(sparse.narrow(0, s_at, c).long())
                 s_at += c
             elif e == BITMAP:
-                bits = unpack_bits(payload.narrow(0, b_at, (b + 7) // 8))
+                idx = unpack_bits(payload.narrow(0, b_at, (b + 7) // 8))
                 b_at += (b + 7) // 8
-                idx = bits.nonzero().reshape(-1)
                 if len(idx) != c or (len(idx) and int(idx[-1]) >= b):
                     raise DeltaError(f"delta from {sender}: a bitmap of op with {c} changed elements sets "
                                      f"{len(idx)} bits (some past its box of {b}); nothing was written")
@@ -390,10 +392,12 @@ class Receiver:
                 scatter([_bits(dst_flat[int(t)]) for t in o["dst_tensor"][op]], o["dst_offset"][op], count,
                         o["cols"][op], o["dst_stride"][op], decoded.index, values)
                 return
-            per = [torch.from_numpy(o[x][op]).to(values.device).repeat_interleave(torch.from_numpy(count).to(values.device))
-                   for x in ("dst_offset", "cols", "dst_stride")]
-            idx = decoded.index
-            where = per[0] + (idx // per[1]) * per[2] + idx % per[1]
+            idx, where = decoded.index, torch.empty_like(decoded.index)
+            starts = (np.cumsum(count) - count).tolist()
+            for lo, n, off, r, c, s in zip(starts, count.tolist(), *(o[x][op].tolist() for x in
+                                                                     ("dst_offset", "rows", "cols", "dst_stride"))):
+                seg = idx.narrow(0, lo, n)  # flat positions, entry by entry (no per-element op columns)
+                where.narrow(0, lo, n).copy_(seg + off if r == 1 else off + (seg // c) * s + seg % c)
             tensors = o["dst_tensor"][op]
             ends = np.cumsum(count)
             change = np.flatnonzero(tensors[1:] != tensors[:-1]) + 1

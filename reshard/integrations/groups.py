@@ -10,11 +10,12 @@
      adapters.transports, writing the destination tensors in place (loaders read them only once all agreed);
   5. `refuse(executor, ...)`: fail one group's refit on every process of it at once;
   6. `check_options`, `check_room`: the options both backends take, and the refusal of "model" staging that does
-     not fit. How the processes agree on each group and on the trainers' streams: integrations.agreement.
+     not fit. How the processes agree on each group and on the trainers' streams: integrations.agreement;
+  7. `transfer_thread`, `staging_empty`, `synchronize`: the thread groups move on, the buffers they land in.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ..errors import ArgumentError, ExecutionError
 from ..executors.base import Executor, RankTensors
@@ -22,6 +23,11 @@ from ..executors.binding import Binding
 from ..layouts import HfLayout, ModelSpec
 from ..planner import Plan
 from ..planner.cache import cached_plan
+
+if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
 
 DEPTH = 2  # collective: rounds in flight; its wire buffers are DEPTH x peers x one message, within the bucket
 STAGINGS = ("bucket", "model")
@@ -69,6 +75,20 @@ def check_options(options: dict[str, Any], prefix: str = "", transports: Sequenc
     return json.loads(json.dumps(options))
 
 
+def refuse_unknown(given: Any, known: Sequence[str], where: str, of: str) -> None:
+    """Refuse the keys of `given` not in `known` (ArgumentError naming each, with the closest known key; `where`:
+    what holds them, `of`: what takes them)."""
+    import difflib
+
+    names = sorted(set(given) - set(known))
+    if names:
+        hints = [f"{n!r} -> {close[0]!r}" for n in names if (close := difflib.get_close_matches(n, known, 1))]
+        raise ArgumentError(f"{where} key{'s' * (len(names) > 1)} {', '.join(map(repr, names))}",
+                            rule=f"{'are not options' if len(names) > 1 else 'is not an option'} of {of}; its "
+                                 f"options: {', '.join(known)}",
+                            fix=f"did you mean {'; '.join(hints)}" if hints else "remove it")
+
+
 def check_room(need: int, free: int | None, device: Any, field: str, where: str) -> None:
     """Refuse "model" staging of `need` bytes on a device with `free` bytes free (None: unknown, not refused).
 
@@ -80,6 +100,35 @@ def check_room(need: int, free: int | None, device: Any, field: str, where: str)
                             f"bytes), but {device} had {free / 2**30:.2f} GiB ({free} bytes) free when measured",
                             fix="staging: bucket (the default) holds two tensor groups of at most the bucket size; "
                                 "a failed refit then leaves some groups of the new version loaded")
+
+
+def transfer_thread(device: "torch.device | None", name: str) -> "ThreadPoolExecutor":
+    """The one thread a process moves its groups on, in order (the caller's event loop stays free); CUDA: `device`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    cuda = device is not None and device.type == "cuda"
+    return ThreadPoolExecutor(1, thread_name_prefix=name, initializer=torch.cuda.set_device if cuda else None,
+                              initargs=(device,) if cuda else ())
+
+
+def staging_empty(shape: Sequence[int], dtype: Any, device: Any, shared: bool) -> "torch.Tensor":
+    """A buffer a refit writes into: in shared memory where peers on the CPU write it (`shared`: that transport)."""
+    import torch
+
+    from ..executors.shared import shared_empty
+
+    return shared_empty(tuple(shape), dtype) if shared and device.type == "cpu" else torch.empty(
+        tuple(shape), dtype=dtype, device=device)
+
+
+def synchronize(device: Any) -> None:
+    """Wait for this thread's work on a CUDA `device` (copies out of a buffer before its reuse); no-op on CPU."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def tensor_bytes(spec: ModelSpec, name: str) -> int:
@@ -265,4 +314,5 @@ def refuse(executor: Executor, process: int, version: int, reason: str) -> None:
 
 
 __all__ = ["DEPTH", "STAGINGS", "available_bytes", "check_options", "check_room", "group_bindings", "group_executor",
-           "group_plans", "group_transport", "refuse", "tensor_bytes", "tensor_groups"]
+           "group_plans", "group_transport", "refuse", "refuse_unknown", "staging_empty", "synchronize", "tensor_bytes",
+           "tensor_groups", "transfer_thread"]

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import inspect
 import json
 import time
 from collections.abc import AsyncGenerator, Generator
@@ -57,11 +58,11 @@ from typing import Any
 import torch
 
 from ..errors import ArgumentError, ExecutionError, ReshardError
-from ..executors.partition import carve
 from ..layouts import ModelSpec
 from .agreement import Agreement
+from ..executors.partition import carve
 from .groups import (available_bytes, check_options, check_room, group_bindings, group_executor, group_plans,
-                     refuse, tensor_bytes, tensor_groups)
+                     refuse, refuse_unknown, staging_empty, synchronize, tensor_bytes, tensor_groups, transfer_thread)
 from .streams import StreamNames
 
 TRANSPORTS = ("collective", "shared")
@@ -124,8 +125,10 @@ class ReshardCheckpointEngine:
                  checksum: bool | str | None = None, backend: str | None = None, device: str | None = None,
                  dtype: str | None = None, timeout: float = 300.0, release_after_refit: bool = False,
                  **unknown: Any) -> None:
-        if unknown:  # NeMo-RL passes every key of the refit_cfg entry (its schema allows extra keys): a typo lands here
-            _refuse_unknown(unknown)
+        # NeMo-RL passes every key of the refit_cfg entry (its schema allows extra keys): a typo lands in `unknown`
+        refuse_unknown(unknown, [p for p in inspect.signature(type(self)).parameters if p not in ("bucket_size",
+                       "unknown")], "refit_cfg", "ReshardCheckpointEngine (NeMo-RL passes every key of its refit_cfg "
+                       "entry to the constructor)")
         if not isinstance(bucket_size, int) or isinstance(bucket_size, bool) or bucket_size < 1:
             raise ArgumentError("bucket_size", bucket_size, "must be a positive number of bytes")
         if model is None:
@@ -153,7 +156,7 @@ class ReshardCheckpointEngine:
         self._where = {name: k for k, group in enumerate(self.groups) for name in group}
         # the cost of "model" staging, measured here: on a vLLM worker NeMo-RL builds the engine after vLLM reserved
         # its memory. Refused when the worker joins (the first moment it is known to be one), naming both numbers.
-        self.model_bytes = carve([tensor_bytes(self.spec, t.name) for t in self.spec.tensors], ALIGN)[1]
+        self.model_bytes = self._arena([t.name for t in self.spec.tensors])[1]
         self.free_bytes = available_bytes(self.device) if staging == "model" else None
         self._reset()
 
@@ -240,7 +243,6 @@ class ReshardCheckpointEngine:
         process = rank if role == "policy" else T + rank
         rv.join(self.store, rdv, process, T + R, role)
         self.role, self.rank, self._rdv, self._process, self._T, self._R = role, rank, rdv, process, T, R
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"reshard-{role}{rank}")
         try:
             self._build()
         except BaseException:
@@ -274,6 +276,8 @@ class ReshardCheckpointEngine:
         g, P = self._generation, self._process
         device = torch.device("cuda", torch.cuda.current_device()) if self.device.type == "cuda" else self.device
         self._device = device
+        if self._pool is None:  # one thread per join: the current CUDA device is known once the worker joined
+            self._pool = transfer_thread(device, f"reshard-{self.role}{self.rank}")
         if self.transport == "collective":
             self._comm = StoreComm(rv.scoped(self.store, self._rdv, f"collective{g}"), P, self._T + self._R,
                                    self.backend, self.timeout)
@@ -293,7 +297,7 @@ class ReshardCheckpointEngine:
         ("model"). On CPU with the shared transport they live in shared memory (policy workers write into them)."""
         count = 2 if self.staging == "bucket" else len(self.groups)
         sizes = [self._arena(group)[1] for group in self.groups]
-        self._slots = [_bytes(max(sizes[i::count]), device, self.transport == "shared")
+        self._slots = [staging_empty((max(sizes[i::count]),), torch.uint8, device, self.transport == "shared")
                        for i in range(min(count, len(sizes)))]
         self._held = sum(s.numel() for s in self._slots)
         return [self._carve(self._slots[k % count], group) for k, group in enumerate(self.groups)]
@@ -309,7 +313,7 @@ class ReshardCheckpointEngine:
             for plan, binding in zip(self._plans, self._bindings)]
         mine = [[n for n in group if n in need] for group, need in zip(self.groups, self._needed)]
         sizes = [self._arena(names)[1] for names in mine]
-        slots = [_bytes(max(sizes[i::2]), device, False) for i in range(min(2, len(sizes)))]
+        slots = [torch.empty(max(sizes[i::2]), dtype=torch.uint8, device=device) for i in range(min(2, len(sizes)))]
         spare = max((tensor_bytes(self.spec, n) for k, group in enumerate(self.groups) for n in group
                      if n not in self._needed[k]), default=1)
         largest = max(slots, key=lambda t: t.numel())
@@ -392,8 +396,8 @@ class ReshardCheckpointEngine:
                     s.peak = max(s.peak, s.early_bytes)
         while s.next_k < len(self.groups) and s.missing[s.next_k] == 0:  # groups in model order, one in flight
             s.sent += await self._landed(s.flight)
-            self._synchronize()  # this thread's copies into the bucket are done before a peer reads it
-            s.flight = self._submit(self._move, s.next_k, s.version)
+            synchronize(self._device)  # this thread's copies into the bucket are done before a peer reads it
+            s.flight = self._pool.submit(self._move, s.next_k, s.version)
             s.next_k += 1
             for hf, t in s.early.pop(s.next_k, {}).items():
                 self._views[s.next_k][hf].copy_(t)
@@ -410,9 +414,7 @@ class ReshardCheckpointEngine:
         """The end of a policy worker's stream: every tensor came, the last group moved, the verdict agreed."""
         G = len(self.groups)
         if s.error is None and s.next_k < G:  # the stream ended without every tensor
-            absent = [name for group in self.groups[s.next_k:] for name in group if name not in s.seen]
-            s.error = ArgumentError("weights", absent[:5], f"({len(absent)} tensors of the model) never came in the "
-                                    f"stream", fix="the policy must stream every tensor of the model")
+            s.error = self._names.never_came(s.seen, "policy")
             s.refusal, s.flight = self._fail(s.version, s.error, s.flight, s.next_k), None
         if s.error is None:
             try:
@@ -446,7 +448,7 @@ class ReshardCheckpointEngine:
                                  "(call init_rollout_process_group first)")
         v = self._begin()
         start, G, bucket = time.perf_counter(), len(self.groups), self.staging == "bucket"
-        flight: concurrent.futures.Future | None = self._submit(self._move, 0, v)
+        flight: concurrent.futures.Future | None = self._pool.submit(self._move, 0, v)
         moving = 0  # the group in flight
         received, agreed, yielded = 0, False, 0
         self._moved_at = {}
@@ -457,8 +459,8 @@ class ReshardCheckpointEngine:
                 flight, moving = None, k + 1
                 if moving < G:
                     if bucket:
-                        self._synchronize()  # vLLM's loads from the other bucket (batch k-1) are done
-                    flight = self._submit(self._move, moving, v)  # lands while vLLM loads batch k
+                        synchronize(self._device)  # vLLM's loads from the other bucket (batch k-1) are done
+                    flight = self._pool.submit(self._move, moving, v)  # lands while vLLM loads batch k
                 else:  # the last group: the trainers' end-of-stream verdict too
                     await self._agreement.ended()
                     agreed = True
@@ -511,16 +513,6 @@ class ReshardCheckpointEngine:
         self._agreement = agreement(self._refits)
         return self._version
 
-    def _submit(self, fn: Any, *args: Any) -> concurrent.futures.Future:
-        device = self._device
-
-        def run() -> Any:
-            if device.type == "cuda":  # the current device is per thread
-                torch.cuda.set_device(device)
-            return fn(*args)
-
-        return self._pool.submit(run)
-
     async def _landed(self, flight: concurrent.futures.Future | None) -> int:
         """Wait for a group in flight (without blocking the event loop); the bytes it moved here."""
         return 0 if flight is None else await asyncio.wrap_future(flight)
@@ -535,10 +527,6 @@ class ReshardCheckpointEngine:
                 ex.release()  # its wire buffers: one group's at a time, not every group's
         self._moved_at[k] = time.time()  # (when group k was agreed here: the pipelining test reads it)
         return sum((stats.bytes_sent if self.role == "policy" else stats.bytes_received).values())
-
-    def _synchronize(self) -> None:
-        if self._device.type == "cuda":
-            torch.cuda.current_stream(self._device).synchronize()
 
     def _fail(self, v: int, error: BaseException, flight: concurrent.futures.Future | None,
               next_k: int) -> concurrent.futures.Future:
@@ -557,7 +545,7 @@ class ReshardCheckpointEngine:
             if not failed and next_k < len(self._executors):
                 refuse(self._executors[next_k], self._process, v, reason)
 
-        return self._submit(refuse_next)
+        return self._pool.submit(refuse_next)
 
     def _explained(self, error: BaseException) -> BaseException:
         """The error this worker raises: its own refusal as it is; a failure seen here, with the first reason."""
@@ -665,31 +653,6 @@ def _check_host(host: str) -> None:
                             f"refit_cfg entry, so an address of one node is wrong on all others",
                             fix="remove `host`: each worker finds its own address; RESHARD_HOST in a node's "
                                 "environment chooses among a multi-homed node's addresses") from None
-
-
-def _bytes(nbytes: int, device: torch.device, shared: bool) -> torch.Tensor:
-    """A buffer of `nbytes`; in shared memory when peers write into it on CPU (the shared transport)."""
-    if shared and device.type == "cpu":
-        from ..executors.shared import shared_empty
-
-        return shared_empty((nbytes,), torch.uint8)
-    return torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-
-def _refuse_unknown(unknown: dict[str, Any]) -> None:
-    """ArgumentError naming every key of the refit_cfg entry this engine does not take (with the closest option)."""
-    import difflib
-    import inspect
-
-    options = [p for p in inspect.signature(ReshardCheckpointEngine.__init__).parameters
-               if p not in ("self", "bucket_size", "unknown")]
-    names = sorted(unknown)
-    hints = [f"{n!r} -> {close[0]!r}" for n in names if (close := difflib.get_close_matches(n, options, 1))]
-    raise ArgumentError(f"refit_cfg key{'s' if len(names) > 1 else ''} {', '.join(map(repr, names))}",
-                        rule=f"{'are not options' if len(names) > 1 else 'is not an option'} of "
-                             f"ReshardCheckpointEngine (NeMo-RL passes every key of its refit_cfg entry to the "
-                             f"constructor); its options: {', '.join(options)}",
-                        fix=f"did you mean {'; '.join(hints)}" if hints else "remove it")
 
 
 __all__ = ["ReshardCheckpointEngine"]

@@ -117,6 +117,12 @@ class StreamNames:
                 raise ArgumentError(f"weights[{hf}]", got, f"does not match the model's {shape} {dtype}")
         return out
 
+    def never_came(self, seen: set[str], who: str) -> ArgumentError:
+        """The error of a stream that ended before every tensor of the model came (`who` streams)."""
+        absent = [t.name for t in self.spec.tensors if t.name not in seen]
+        return ArgumentError("weights", absent[:5], f"({len(absent)} tensors of the model) never came in the stream",
+                             fix=f"the {who} must stream every tensor of the model")
+
     def expected(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
         """The shape and torch dtype of one of the model's HF tensors."""
         t = self.spec.tensor(name)

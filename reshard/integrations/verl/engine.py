@@ -41,7 +41,6 @@ import os
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable, Iterable, Sequence
 
 import torch
@@ -53,7 +52,8 @@ from ...errors import ArgumentError, ExecutionError, ReshardError
 from ...executors.binding import Binding
 from ...layouts import ModelSpec
 from ..agreement import Agreement
-from ..groups import available_bytes, check_room, group_bindings, group_executor, tensor_bytes, tensor_groups
+from ..groups import (available_bytes, check_room, group_bindings, group_executor, staging_empty,
+                      synchronize, tensor_bytes, tensor_groups, transfer_thread)
 from ..streams import StreamNames
 from .topology import RefitAssignment, build, check_options, model_digest
 
@@ -208,10 +208,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
                 error = session.agreement.fail(e)
                 filling.clear()  # nothing more moves: the drain holds no tensors
         if error is None and position < len(self.groups):
-            missing = [n for g in self.groups for n in g if n not in seen]
-            error = session.agreement.fail(ArgumentError(
-                "weights", missing[:5], f"({len(missing)} tensors of the model) never came in the stream",
-                fix="the trainer must stream every tensor of the model"))
+            error = session.agreement.fail(self.names.never_came(seen, "trainer"))
         if moving is not None:
             try:
                 sent += await moving  # a transfer begun is finished: its peers are inside it
@@ -262,7 +259,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
                     await session.agreement.ended()
                 for name in self.groups[k]:
                     yield name, dst[name]
-                _synchronize(self.device)  # the adapter's copies out of this group are done before its reuse
+                synchronize(self.device)  # the adapter's copies out of this group are done before its reuse
                 slots.release()
             if not bucket:
                 for k, _ in held:
@@ -293,7 +290,8 @@ class ReshardCheckpointEngine(CheckpointEngine):
             for i in range(len(self.groups)):
                 k = session.agreement.gate(i)
                 slots.acquire()  # an open gate is entered: the event loop releases every slot if it stops early
-                dst = {name: self._empty(name) for name in self.groups[k]}
+                shared = self.transport == "shared"
+                dst = {n: staging_empty(*self.names.expected(n), self.device, shared) for n in self.groups[k]}
                 session.move(k, dst=dst)
                 loop.call_soon_threadsafe(landed.put_nowait, (k, dst))
         except BaseException as e:  # noqa: BLE001 - handed to the event loop, which raises it
@@ -312,14 +310,6 @@ class ReshardCheckpointEngine(CheckpointEngine):
         if self._session.top.is_trainer != trainer:
             raise ExecutionError(f"{what} on a {self.role} rank")
         return self._session
-
-    def _empty(self, name: str) -> torch.Tensor:
-        shape, dtype = self.names.expected(name)
-        if self.transport == "shared" and self.device.type == "cpu":
-            from ...executors.shared import shared_empty
-
-            return shared_empty(shape, dtype)
-        return torch.empty(shape, dtype=dtype, device=self.device)
 
     def _close(self) -> None:
         if self._session is not None:
@@ -352,10 +342,7 @@ class RefitSession:
         role, p = ("trainer", top.process) if top.is_trainer else ("rollout", top.process - top.trainers)
         self.agreement = Agreement(rv.scoped(store, rdv, "verl"), top.trainers + top.rollouts, top.trainers,
                                    len(plans), self.timeout, f"{role} rank {p}")
-        # one thread moves the groups, in order; the caller's event loop stays free (verl's actors are async)
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"reshard-verl-{role}",
-                                       initializer=torch.cuda.set_device if device is not None else None,
-                                       initargs=(device,) if device is not None else ())
+        self.pool = transfer_thread(device, f"reshard-verl-{role}")
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> "asyncio.Future[Any]":
         """Run `fn(*args)` on the transfer thread; an awaitable for the caller's event loop."""
@@ -404,11 +391,6 @@ class RefitSession:
         if self.comm is not None:
             threading.Thread(target=self.comm.close, daemon=True, name="reshard-verl-close").start()
             self.comm = None
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
 
 
 def staging_room(spec: ModelSpec, device: torch.device) -> None:

@@ -45,10 +45,7 @@ def check_options(options: dict[str, Any]) -> dict[str, Any]:
                             fix="staging: model for all or nothing (atomic: true; one copy of the model per "
                                 "rollout rank), or leave staging unset for bucket (bounded memory, a failed refit "
                                 "can leave some groups of the new version loaded)")
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise ArgumentError("engine_kwargs.reshard", unknown, f"are not options of the reshard backend; known: "
-                                                            f"{sorted(OPTIONS)}")
+    groups.refuse_unknown(options, OPTIONS, "unknown engine_kwargs.reshard", "the reshard backend")
     return groups.check_options(options, "engine_kwargs.reshard.")
 
 

@@ -1,0 +1,101 @@
+"""Refits while a `vllm serve` keeps generating (issue 40, benchmark a): the vLLM CPU build under a bounded
+continuous request loop (streamed greedy completions from `--clients` threads over loopback, harness.serving_load),
+refit after refit from this process (one trainer rank, plain tensors, the collective transport, a loader install
+with `RefitSpec(staging="device")`). Per refit: the transfer (the trainer's send until every engine worker has
+its bytes), the pause (the driver's first pause call to the resume's answer: `RefitStats.pause_s`), the whole
+refit, the tokens the engine streamed while the bytes landed and while paused, the requests held across the flip.
+Goal: pause <= 10% of the transfer. The same run measures `pause_for="refit"` (today's default: the pause spans the
+whole refit) for comparison.
+
+    .venv/bin/python benchmarks/refit_while_serving.py [--refits 8] [--tp 2] [--hidden 1024] [--layers 8] [--json out]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import _harness_path  # noqa: E402,F401 - tests/ (the harness) on the path, here and in children
+
+
+def main() -> int:
+    import reshard
+    from reshard.adapters import RefitSpec, TrainerSession
+    from reshard.executors import shard
+    from reshard.testing.megatron_cpu import TinyGPT
+    from harness.serve import ServerProcess
+    from harness.serve_jobs import load_checkpoint, make_checkpoint, train_step
+    from harness.serving_load import RequestLoop
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--refits", type=int, default=8)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--pause", default="keep", choices=["keep", "wait", "abort"])
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    tiny = TinyGPT(hidden_size=a.hidden, ffn_hidden_size=2 * a.hidden, num_layers=a.layers)
+    work = Path(tempfile.mkdtemp(prefix="reshard-bench-"))
+    ckpt = make_checkpoint(tiny, work / "ckpt")
+    spec = reshard.ModelSpec.from_hf_config(ckpt)
+    src = reshard.MegatronLayout(model=spec, vocab_divisor=64)
+    tensors = shard(src, load_checkpoint(ckpt))[0]
+    refit = RefitSpec.of(spec, src, reshard.VllmLayout(model=spec, tp=a.tp), install="loader", transport="collective",
+                         staging="device")
+    nbytes = refit.plan().accounting.total_bytes
+    extension = ("--worker-extension-cls", "reshard.adapters.vllm.worker.ReshardWorkerExtension")
+    out: dict = {"bytes": nbytes, "args": vars(a), "machine": f"{os.cpu_count()} CPUs", "runs": {}}
+    with ServerProcess(ckpt, tp=a.tp, log=work / "server.log", extra_args=extension) as server:
+        for pause_for in ("flip", "refit"):
+            session = TrainerSession(refit, 0, tensors, engines=[server], pause=a.pause, pause_for=pause_for)
+            session.init()
+            rows = []
+            with RequestLoop(server.url, server.model(), clients=a.clients, max_tokens=a.max_tokens) as loop:
+                time.sleep(2.0)
+                for i in range(a.refits + 1):
+                    for t in tensors.values():  # a training step: every byte changes
+                        t.copy_(train_step(t, i + 1))
+                    t0 = time.perf_counter()
+                    r = session.refit(f"{pause_for}-{i}")
+                    ph = r.phases
+                    land = ph["transfer"] + ph.get("staged", 0.0)
+                    t_land = t0 + ph["start"]
+                    paused = t0 + r.seconds - r.stats.pause_s
+                    rows.append({"total_s": r.seconds, "transfer_s": ph["transfer"] + ph.get("staged", 0.0),
+                                 "pause_s": r.stats.pause_s, "phases": ph,
+                                 "tokens_landing": loop.tokens_between(t_land, t_land + land) if land else 0,
+                                 "tokens_paused": loop.tokens_between(paused, t0 + r.seconds),
+                                 "in_flight": len(r.stats.in_flight or ())})
+                    time.sleep(0.5)
+                errors = sum(1 for q in loop.requests if q.error)
+            session.close()
+            rows = rows[1:]  # the first refit warms caches
+            med = {k: statistics.median(row[k] for row in rows) for k in rows[0] if k != "phases"}
+            med["phases"] = {k: statistics.median(row["phases"][k] for row in rows) for k in rows[0]["phases"]}
+            med["request_errors"] = errors
+            out["runs"][pause_for] = {"median": med, "refits": rows}
+            print(f"pause_for={pause_for!r} ({a.pause}), median of {len(rows)} refits of {nbytes / 2**20:.0f} MiB into "
+                  f"vllm:tp={a.tp} under {a.clients} streaming clients:")
+            print(f"  transfer {med['transfer_s'] * 1e3:7.1f} ms   pause {med['pause_s'] * 1e3:7.1f} ms "
+                  f"({med['pause_s'] / med['transfer_s']:.1%} of the transfer)   total {med['total_s'] * 1e3:7.1f} ms")
+            print(f"  tokens streamed while the bytes landed {med['tokens_landing']:.0f}, while paused "
+                  f"{med['tokens_paused']:.0f}; requests held across the pause {med['in_flight']:.0f}; request "
+                  f"errors {errors}")
+            print("  phases: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in med["phases"].items()))
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -145,6 +145,7 @@ class Sender:
         self.base: int | None = None  # the version the copies hold (None: none yet, or after a failure)
         self.deltas = 0  # delta refits since the last keyframe
         self.copies: dict[int, torch.Tensor] = {}
+        self.pending: tuple[int | None, dict[int, torch.Tensor]] = (None, {})  # a refit's changed positions per tensor
 
     def keyframe_due(self, policy: DeltaPolicy) -> bool:
         """Whether this sender's next refit must be a keyframe: no base, or K versions since the last one."""
@@ -152,16 +153,22 @@ class Sender:
 
     def committed(self, version: int, src_flat: dict[int, torch.Tensor], keyframe: bool) -> None:
         """The refit to `version` succeeded everywhere: the copies become what was sent."""
+        known, changed = self.pending
         with torch.no_grad():
             for t in sorted(set(self.plan.ops["src_tensor"][self.ops].tolist())):
                 if t not in self.copies:
                     self.copies[t] = torch.empty_like(src_flat[t])
-                self.copies[t].copy_(src_flat[t])
+                where = changed.get(t) if not keyframe and known == version else None
+                if where is None:
+                    self.copies[t].copy_(src_flat[t])
+                else:  # O(changed): only what the delta carried moved
+                    _bits(self.copies[t]).index_put_((where,), _bits(src_flat[t])[where])
         self.base, self.deltas = int(version), 0 if keyframe else self.deltas + 1
+        self.pending = (None, {})
 
     def forget(self) -> None:
         """After a failed refit nobody knows what the engine holds: the next refit is a keyframe."""
-        self.base = None
+        self.base, self.pending = None, (None, {})
 
     def encode(self, ops: np.ndarray, version: int, src_flat: dict[int, torch.Tensor],
                digest: bytes = b"") -> tuple[torch.Tensor, DeltaOps]:
@@ -178,8 +185,11 @@ class Sender:
         ops = ops[np.lexsort((ops, o["dst_tensor"][ops]))]  # by destination tensor: one slice each at the receiver
         device = next(iter(src_flat.values())).device if src_flat else torch.device("cpu")
         with torch.no_grad():  # the changed positions of each source tensor once (O(N)), then each op's (O(changed))
-            changed = {t: _changed(_bits(src_flat[t]), _bits(self.copies[t]))
-                       for t in set(o["src_tensor"][ops].tolist())}
+            if self.pending[0] != version:
+                self.pending = (version, {})
+            changed = self.pending[1]  # kept for the other receivers' payloads and for `committed`
+            for t in set(o["src_tensor"][ops].tolist()) - set(changed):
+                changed[t] = _changed(_bits(src_flat[t]), _bits(self.copies[t]))
             cols = [o[c][ops].tolist() for c in ("src_tensor", "src_offset", "rows", "cols", "src_stride")]
             found = [_in_box(changed[t], off, r, c, s) for t, off, r, c, s in zip(*cols)]
             count = np.asarray([len(i) for i in found], dtype=np.int64)
@@ -254,9 +264,13 @@ def _in_box(positions: torch.Tensor, offset: int, rows: int, cols: int, stride: 
 
 def pack_bits(index: torch.Tensor, n: int) -> torch.Tensor:
     """The bitmap of `n` elements with the ascending indices `index` set: bit j of byte k is element 8k + j (the last
-    byte's padding bits zero); made in O(len(index)), on the indices' device."""
+    byte's padding bits zero), on the indices' device: numpy's packbits on CPU, O(len(index)) atomic adds on GPUs."""
+    if index.device.type == "cpu":
+        bits = np.zeros(n, dtype=bool)
+        bits[index.numpy()] = True
+        return torch.from_numpy(np.packbits(bits, bitorder="little"))
     packed = torch.zeros((n + 7) // 8, dtype=torch.uint8, device=index.device)
-    if len(index):  # distinct bits of one byte: their sum is their OR
+    if len(index):  # distinct bits of one byte: their sum is their OR (an atomic add on GPUs)
         packed.index_put_((index // 8,), torch.bitwise_left_shift(torch.ones_like(index), index % 8).to(torch.uint8),
                           accumulate=True)
     return packed

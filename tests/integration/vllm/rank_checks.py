@@ -141,7 +141,7 @@ def run_case(case: dict, rank: int, world: int) -> dict[str, str]:
         installer.load()  # the reload around it (post-load processing) needs kernels only the CPU build has
         return same_bytes(model, ref)
 
-    def trainer_engine(dst, key, source=src, tensors=src_tensors, transport="inprocess"):
+    def trainer_engine(dst, key, source=src, tensors=src_tensors, transport="inprocess", **fields):
         """The `reshard` backend picked by name from vLLM's factories, worker and trainer side."""
         from vllm.config import WeightTransferConfig
         from vllm.distributed.weight_transfer.factory import (WeightTransferEngineFactory,
@@ -154,7 +154,7 @@ def run_case(case: dict, rank: int, world: int) -> dict[str, str]:
         engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="reshard"), cfg,
                                                            torch.device("cpu"), model)
         refit = RefitSpec.of(spec, source, dst, install="direct", transport=transport, options={"key": key},
-                             verify_layers=list(range(spec.num_layers)))
+                             verify_layers=list(range(spec.num_layers)), **fields)
         # every process drives its own worker engine (colocated: each is also a vLLM rank), as trainer rank 0
         info = ReshardTrainerInitInfo(refit=refit.to_dict(), rank=0)
         engines.append(engine)
@@ -168,6 +168,22 @@ def run_case(case: dict, rank: int, world: int) -> dict[str, str]:
         trainer.send_weights(version="v1")
         trainer.shutdown()
         return same_bytes(model, ref)
+
+    def engine_staged_refit_flips_only_at_install():
+        # RefitSpec(staging="device"): the transfer lands in a staged copy of this rank's shard on a thread of the
+        # worker's own (the engine may generate meanwhile) and returns at once; the live weights change only at the
+        # install (the flip), which waits for it
+        poison(model)
+        before = snapshot(model)
+        trainer = trainer_engine(layout, "staged", staging="device")
+        worker, info = engines[-1], {"version": "v1", "refit": ""}
+        worker.start_weight_update()
+        worker.update_weights({**info, "phase": "transfer"})
+        early = [f"written before the flip: {n}" for n in same_bytes(model, before)]
+        worker.update_weights({**info, "phase": "install"})
+        worker.finish_weight_update()
+        trainer.shutdown()
+        return early + same_bytes(model, ref)
 
     def engine_colocated_refit_matches_load_weights():
         # every process is one trainer rank and one vLLM rank (vLLM's external_launcher); it holds only its own
@@ -284,6 +300,7 @@ def run_case(case: dict, rank: int, world: int) -> dict[str, str]:
     check("direct_install_matches_load_weights", direct_install_matches_load_weights)
     check("loader_install_matches_load_weights", loader_install_matches_load_weights)
     check("engine_direct_refit_matches_load_weights", engine_direct_refit_matches_load_weights)
+    check("engine_staged_refit_flips_only_at_install", engine_staged_refit_flips_only_at_install)
     check("engine_colocated_refit_matches_load_weights", engine_colocated_refit_matches_load_weights)
     check("engine_refuses_other_destination", engine_refuses_other_destination)
     check("wrong_shape_declaration_refused", wrong_shape_declaration_refused)

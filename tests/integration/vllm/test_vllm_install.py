@@ -36,7 +36,8 @@ CASES = {  # name -> (checkpoint, expert parallel, Megatron source layout, coloc
 WORLDS = {1: ["qwen3", "qwen3_tied", "qwen3_moe"],
           2: ["qwen3", "qwen3_tied", "qwen3_mqa", "qwen3_moe", "qwen3_moe_ep"]}
 CHECKS = ["direct_install_matches_load_weights", "loader_install_matches_load_weights",
-          "engine_direct_refit_matches_load_weights", "engine_colocated_refit_matches_load_weights",
+          "engine_direct_refit_matches_load_weights", "engine_staged_refit_flips_only_at_install",
+          "engine_colocated_refit_matches_load_weights",
           "engine_refuses_other_destination", "derived_equals_declared",
           "wrong_shape_declaration_refused", "wrong_stacking_refused"]
 

@@ -7,6 +7,9 @@
 - gather_broadcast_bytes: what the common RL-stack refit moves for the same model: gather every tensor whole
   onto one trainer rank (model bytes minus what that rank already holds), then broadcast the whole model to
   every destination rank (model bytes x destination ranks), where each rank keeps its shard;
+- slot_copy_bytes: of the relayed bytes, what an EPLB engine's redundant expert slots copy from the expert's first
+  slot in their engine (planner.fanout.slot_copies) instead of the trainer sending it again; slot_copy_local_bytes
+  the part a rank copies from itself (a relay that never leaves the device);
 - egress balance: the busiest trainer sender beside `egress_lower_bound`, a bound no choice of senders can beat
   (planner.balance), and `egress_unit_max`, the most the choice may exceed it by when holder sets are laminar.
 """
@@ -65,7 +68,9 @@ class Accounting:
         relay_egress_bytes: by destination rank, what it forwards in fan-out trees.
         pair_bytes: (source rank, destination rank, bytes) of every pair that moves any.
         relay_pair_bytes: (relaying destination rank, destination rank, bytes).
-        num_stages: stages of the fan-out trees (1 without fan-out).
+        num_stages: stages of the fan-out trees (1 without fan-out), and the slot copies' stage.
+        slot_copy_bytes: bytes EPLB slot copies move (all replicas).
+        slot_copy_local_bytes: of them, copies on the rank itself.
     """
 
     total_bytes: int
@@ -86,6 +91,8 @@ class Accounting:
     egress_lower_bound: int = 0
     egress_unit_max: int = 0
     holder_sets_laminar: bool = True
+    slot_copy_bytes: int = 0
+    slot_copy_local_bytes: int = 0
 
     @property
     def max_egress(self) -> int:
@@ -126,15 +133,19 @@ class Accounting:
             "egress_optimality": round(self.egress_optimality, 6), "holder_sets_laminar": self.holder_sets_laminar,
             "pair_bytes": [list(p) for p in self.pair_bytes],
             "relay_pair_bytes": [list(p) for p in self.relay_pair_bytes],
+            "slot_copy_bytes": self.slot_copy_bytes, "slot_copy_local_bytes": self.slot_copy_local_bytes,
         }
 
 
 def account(ops: dict[str, np.ndarray], itemsize: int, num_src: int, num_dst: int,
-            colocation: Sequence[int] | None, bounds: Bounds) -> Accounting:
-    """colocation: per destination rank, the source rank on its device (None: not colocated)."""
+            colocation: Sequence[int] | None, bounds: Bounds, ranks_per_replica: int | None = None) -> Accounting:
+    """colocation: per destination rank, the source rank on its device (None: not colocated); ranks_per_replica:
+    tells EPLB slot copies (relays inside one replica) from fan-out relays (None: one replica)."""
     colocation = None if colocation is None else np.asarray(colocation, dtype=np.int64)
     nbytes = ops["rows"] * ops["cols"] * itemsize
     src, dst, relay = ops["src_rank"], ops["dst_rank"], ops["src_side"] == 1
+    on_rank = relay & (src == dst)  # fan-out relays go to other replicas, never to their own rank
+    copy = on_rank | (relay & (src // ranks_per_replica == dst // ranks_per_replica)) if ranks_per_replica else on_rank
     local = (src == colocation[dst]) & ~relay if colocation is not None else np.zeros(len(src), dtype=bool)
     sent = ~local & ~relay
     egress = np.bincount(src[sent], weights=nbytes[sent], minlength=num_src).astype(np.int64)
@@ -155,6 +166,7 @@ def account(ops: dict[str, np.ndarray], itemsize: int, num_src: int, num_dst: in
         relay_egress_bytes=tuple(relay_egress.tolist()),
         lower_bound_by_dst=tuple(bounds.lower_bound_by_dst), pair_bytes=pairs, relay_pair_bytes=relay_pairs,
         num_stages=int(ops["stage"].max()) + 1 if len(src) else 0,
+        slot_copy_bytes=int(nbytes[copy].sum()), slot_copy_local_bytes=int(nbytes[on_rank].sum()),
         **_balance_fields(bounds),
     )
 
@@ -194,10 +206,20 @@ def account_program(p: "Program", itemsize: int, num_src: int, num_dst: int, col
     rb = part_pos[jj].ravel()
     nz = rb > 0
     senders, receivers, stages, rb = senders[nz], receivers[nz], stages[nz], rb[nz]
+    c = p.copies  # EPLB slot copies: every replica's, in their own stage
+    c_bytes = c["rows"] * c["cols"] * itemsize
+    per_pos += np.bincount(c["dst_rank"], weights=c_bytes, minlength=rpr).astype(np.int64)
+    off = (np.arange(K) * rpr)[:, None]
+    c_src, c_dst = (off + c["src_rank"][None, :]).ravel(), (off + c["dst_rank"][None, :]).ravel()
+    c_b = np.tile(c_bytes, K)
+    copy_bytes, copy_local = int(c_b.sum()), int(c_b[c_src == c_dst].sum())
+    senders, receivers = np.concatenate([senders, c_src]), np.concatenate([receivers, c_dst])
+    rb = np.concatenate([rb, c_b])
+    stages = np.concatenate([stages, np.full(len(c_b), p.copy_stage, np.int64)])
     relay_egress = np.bincount(senders, weights=rb, minlength=num_dst).astype(np.int64)
     relay_pairs = _pairs(senders, receivers, rb, num_dst)
     relay_transfers = len(np.unique((stages * num_dst + senders) * num_dst + receivers)) if len(rb) else 0
-    total = int(op_bytes.sum()) * K
+    total = int(op_bytes.sum()) * K + copy_bytes
     model = bounds.model_bytes
     return Accounting(
         total_bytes=total, cross_bytes=total - local_bytes, local_bytes=local_bytes,
@@ -207,7 +229,8 @@ def account_program(p: "Program", itemsize: int, num_src: int, num_dst: int, col
         egress_bytes=tuple(egress.tolist()), ingress_bytes=tuple(np.tile(per_pos, K).tolist()),
         relay_egress_bytes=tuple(relay_egress.tolist()), lower_bound_by_dst=tuple(bounds.lower_bound_by_dst),
         pair_bytes=pairs, relay_pair_bytes=relay_pairs,
-        num_stages=int(p.stage.max()) + 1 if p.num_ops else 0, **_balance_fields(bounds),
+        num_stages=(p.copy_stage if p.num_copy_ops else int(p.stage.max())) + 1 if p.num_ops else 0,
+        slot_copy_bytes=copy_bytes, slot_copy_local_bytes=copy_local, **_balance_fields(bounds),
     )
 
 

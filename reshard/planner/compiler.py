@@ -26,13 +26,13 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from ..arrays import sort_by, unique_inverse
-from ..errors import PlanError
+from ..errors import CoverageError, PlanError
 from ..layouts import Layout, ModelSpec
 from ..layouts.base import PlacementTable
 from .accounting import Bounds
 from .balance import choose_holders
 from .coverage import band_segments, overlapping, prove_expert_slots, prove_replica_coverage, sorted_unique
-from .fanout import replica_forests, split_parts
+from .fanout import replica_forests, slot_copies, slot_copy_problems, split_parts
 from .merge import merge_relay, merge_template
 from .plan import Plan, TensorTable
 from .program import Program
@@ -200,6 +200,15 @@ def _meet(boxes: _Boxes, D: PlacementTable, rows, tid, a0, a1, m0, m1, q, b) -> 
     }
 
 
+SLOT_COLUMNS = ("origin", "stride", "n0", "n1", "canon", "c0", "c1")  # of a placement table: what slot_copy_problems reads
+
+
+def _with(ops: dict[str, np.ndarray], copies: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The destination columns of `ops` and the slot copies together (what the coverage proof reads)."""
+    cols = ("dst_tensor", "dst_offset", "dst_stride", "rows", "cols")
+    return {c: np.concatenate([ops[c], copies[c]]) for c in cols} if copies and len(copies["rows"]) else ops
+
+
 def _check_source_boxes(boxes: _Boxes, src: TensorTable, numel: np.ndarray) -> None:
     """Every holder's box lies inside its source tensor (rows no wider than the tensor's rows). Template ops read
     sub-boxes of their boxes, and merged ops contiguous unions of such reads, so this bounds every read."""
@@ -255,7 +264,8 @@ def _check_arguments(src: Any, dst: Any, tensors: Any, layers: Any, colocated: A
 
 def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = None,
                  layers: Iterable[int] | None = None, colocated: bool | Sequence[int] = False,
-                 fanout: int | None = None, roots: int | None = None, relay_cap: int = 1) -> Plan:
+                 fanout: int | None = None, roots: int | None = None, relay_cap: int = 1,
+                 expert_copies: bool = True) -> Plan:
     """Compile the refit from `src` to `dst` into a plan proven to write every destination element once.
 
     Args:
@@ -272,6 +282,9 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
             (each trainer data-parallel copy feeds one root, so no trainer rank sends much more than it holds).
         relay_cap: no destination rank relays more than relay_cap times what it receives (the bytes are split
             over ceil(fanout / relay_cap) trees whose interiors are disjoint).
+        expert_copies: with `fanout` (a transport that relays), an EPLB destination's redundant expert slots are
+            copied inside each replica from the slot the source feeds (planner.fanout.slot_copies), so the source
+            sends each replica one copy of every expert. False, or no fanout: the source feeds every slot.
 
     Returns:
         The plan, with its byte accounting and digest.
@@ -331,6 +344,14 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
                            whole=not subset, ops=ops, canon_r0=boxes.c0[ops["box"]] + ops["src_d0"],
                            canon_c0=boxes.c1[ops["box"]] + ops["src_d1"], layer_of=model.canonical.layer,
                            expert_of=model.canonical.expert)
+    if not isinstance(expert_copies, bool):
+        raise PlanError(f"expert_copies={expert_copies!r} must be True or False")
+    ops, copies = slot_copies(ops, model.canonical.expert) if stacks is not None and expert_copies and fanout \
+        else (ops, {})
+    problems = slot_copy_problems(copies, d_tid[d_rows], *(getattr(D, c)[d_rows] for c in SLOT_COLUMNS)) \
+        if copies else []
+    if problems:  # pragma: no cover - slot_copies makes them so; the check is the one a loaded plan passes
+        raise CoverageError("EPLB slot copies read other elements than they write", problems)
     template = merge_template(ops, boxes.hset, boxes.stride, boxes.hstart, boxes.hcount, boxes.h_tensor,
                               boxes.h_base, boxes.h_stride)
     group = template["group"]
@@ -351,7 +372,8 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
     relay = split_parts(merge_relay(template), parent.shape[0], rpr) if len(fed) < K else {}
 
     # The proof: the template, and the relay template, tile replica 0's model data exactly.
-    prove_replica_coverage([template, relay] if relay else [template], dst_table0, d_tid[d_rows], D.origin[d_rows],
+    prove_replica_coverage([_with(template, copies), _with(relay, copies)] if relay else [_with(template, copies)],
+                           dst_table0, d_tid[d_rows], D.origin[d_rows],
                            D.n0[d_rows], D.n1[d_rows])
 
     per_dst0 = np.bincount(D.rank[d_rows], weights=D.n0[d_rows] * D.n1[d_rows], minlength=rpr).astype(np.int64)
@@ -365,7 +387,7 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
     program = Program(template=template, relay=relay, box_hstart=boxes.hstart, box_hcount=boxes.hcount,
                       h_rank=boxes.h_rank, h_tensor=boxes.h_tensor, h_base=boxes.h_base, h_stride=boxes.h_stride,
                       group_box=group_box, fed=fed, choice=choice, parent=parent, stage=stage,
-                      ranks_per_replica=rpr, tensors_per_replica=len(dst_table0))
+                      ranks_per_replica=rpr, tensors_per_replica=len(dst_table0), copies=copies)
     dst_table = dst_table0.tiled(K, rpr)
     return Plan(src=src, dst=dst, src_tensors=src_table, dst_tensors=dst_table, program=program, bounds=bounds,
                 colocation=tuple(colocation.tolist()) if colocation is not None else None,

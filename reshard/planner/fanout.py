@@ -16,6 +16,14 @@ bytes in total, and a root exactly one copy (one part to one head per tree). Wit
 (NCCL's double binary trees are this construction for fanout 2, relay_cap 1.) If the blocks of interior replicas
 cannot be disjoint (few replicas, roots < fanout - 1), fanout is lowered until they are.
 
+Within one replica, an EPLB engine's redundant expert slots (a logical expert in several slots) are fed the same
+way, by the engine (`slot_copies`): the trainer sends each replica one copy of the expert, into the rank that holds
+most of its slots, and every other slot copies it from there (a copy on that rank, a relay over the engine's own
+links from another) in one stage after every other. So the trainer's egress per engine is one copy of each expert,
+whatever the redundancy. Copies are relays (a destination rank's tensor is their source), which need a transport
+that relays, as fan-out does: only plans compiled with `fanout` get them (with one engine it builds no tree); the plan's accounting counts the copies (`Accounting.slot_copy_bytes`, of them
+`slot_copy_local_bytes` on the rank itself).
+
 Each tree is built and checked as a networkx graph (a branching: a forest of arborescences) and recorded in the
 plan as `parent[j, k]` and `stage[j, k]` (stage = depth) per part j and replica k.
 """
@@ -110,6 +118,88 @@ def check_forest(parent: np.ndarray, stage: np.ndarray) -> list[str]:
     return problems[:20]
 
 
+def slot_copies(ops: dict[str, np.ndarray], expert_of: np.ndarray) -> tuple[dict[str, np.ndarray],
+                                                                        dict[str, np.ndarray]]:
+    """Split one replica's ops (compiler's, before merging: each op inside one destination placement and one source
+    box) into those the source feeds and the redundant expert slots' copies (program.COPY_COLUMNS; see the module
+    docstring): ops of a routed expert's canonical tensor (`expert_of[canon] >= 0`) that read the same source region
+    write replicas of one logical expert. Of each such set, the op on the rank holding most of the set (the lowest
+    such rank, then the lowest tensor and offset) stays fed; each other one becomes a copy from its region."""
+    from ..arrays import unique_inverse
+    from .program import COPY_COLUMNS
+
+    idx = np.flatnonzero(expert_of[ops["canon"]] >= 0)
+    empty = {c: np.zeros(0, np.int64) for c in COPY_COLUMNS}
+    if not len(idx):
+        return ops, empty
+    col = {c: ops[c][idx] for c in ("canon", "box", "src_d0", "src_d1", "rows", "cols", "dst_rank", "dst_tensor",
+                                    "dst_offset", "dst_stride")}
+    first, same = unique_inverse(tuple(col[c] for c in ("canon", "box", "src_d0", "src_d1", "rows", "cols")))
+    if len(first) == len(idx):  # no expert in two slots
+        return ops, empty
+    at_first, at = unique_inverse((same, col["dst_rank"]))  # (set, rank) pairs, sorted by set then rank
+    count = np.bincount(at)
+    pair_set, pair_rank = same[at_first], col["dst_rank"][at_first]
+    order = np.lexsort((pair_rank, -count, pair_set))  # per set: most members first, then the lowest rank
+    best = order[np.flatnonzero(np.diff(np.concatenate([[-1], pair_set[order]])))]
+    home = np.empty(len(first), np.int64)
+    home[pair_set[best]] = pair_rank[best]
+    cand = np.flatnonzero(col["dst_rank"] == home[same])
+    cand = cand[np.lexsort((col["dst_offset"][cand], col["dst_tensor"][cand], same[cand]))]
+    kept = cand[np.flatnonzero(np.diff(np.concatenate([[-1], same[cand]])))]
+    primary = np.empty(len(first), np.int64)
+    primary[same[kept]] = kept
+    copy = np.ones(len(idx), bool)
+    copy[kept] = False
+    c, f = np.flatnonzero(copy), primary[same[copy]]
+    copies = {"canon": col["canon"][c], "rows": col["rows"][c], "cols": col["cols"][c],
+              "src_rank": col["dst_rank"][f], "src_tensor": col["dst_tensor"][f], "src_offset": col["dst_offset"][f],
+              "src_stride": col["dst_stride"][f], "dst_rank": col["dst_rank"][c], "dst_tensor": col["dst_tensor"][c],
+              "dst_offset": col["dst_offset"][c], "dst_stride": col["dst_stride"][c]}
+    keep = np.ones(len(ops["canon"]), bool)
+    keep[idx[c]] = False
+    return {k: v[keep] for k, v in ops.items()}, copies
+
+
+def slot_copy_problems(copies: dict[str, np.ndarray], d_tid: np.ndarray, origin: np.ndarray, stride: np.ndarray,
+                       n0: np.ndarray, n1: np.ndarray, canon: np.ndarray, c0: np.ndarray, c1: np.ndarray) -> list[str]:
+    """What is wrong with slot copies (program.COPY_COLUMNS), given replica 0's destination placements with data
+    (table id, flat origin, row stride, 2-D lengths, canonical tensor and origin): each copy must read a block that
+    holds the same canonical elements as the block it writes (each end inside one placement, its rows the
+    placement's rows), and no copy may read what a copy writes (they run in one stage). At most ten."""
+    n = len(copies["rows"])
+    if not n:
+        return []
+    order = np.lexsort((origin, d_tid))
+    t_s, o_s = d_tid[order], origin[order]
+    at: dict[str, tuple[np.ndarray, ...]] = {}
+    for end in ("src", "dst"):
+        t, off, st = copies[f"{end}_tensor"], copies[f"{end}_offset"], copies[f"{end}_stride"]
+        i = np.maximum(np.searchsorted(t_s * (1 << 40) + o_s, t * (1 << 40) + off, side="right") - 1, 0)
+        row = order[i]
+        rel = off - origin[row]
+        r, c = rel // np.maximum(stride[row], 1), rel % np.maximum(stride[row], 1)
+        inside = ((d_tid[row] == t) & (rel >= 0) & (r + copies["rows"] <= n0[row]) & (c + copies["cols"] <= n1[row])
+                  & ((copies["rows"] == 1) | (st == stride[row])))
+        at[end] = (inside, canon[row], c0[row] + r, c1[row] + c)
+    (si, sk, sr, sc), (di, dk, dr, dc) = at["src"], at["dst"]
+    wrong = np.flatnonzero(~si | ~di | (sk != dk) | (sr != dr) | (sc != dc) | (copies["canon"] != dk))
+    problems = [f"slot copy {i} into tensor {copies['dst_tensor'][i]} at {copies['dst_offset'][i]} does not read "
+                f"the same expert's elements from tensor {copies['src_tensor'][i]} at {copies['src_offset'][i]}"
+                for i in wrong[:10].tolist()]
+    span = lambda e: (copies["rows"] - 1) * copies[f"{e}_stride"] + copies["cols"]  # noqa: E731
+    w_key = copies["dst_tensor"] * (1 << 40) + copies["dst_offset"]
+    w_order = np.argsort(w_key, kind="stable")
+    w_start, w_end = w_key[w_order], w_key[w_order] + span("dst")[w_order]
+    r_start = copies["src_tensor"] * (1 << 40) + copies["src_offset"]
+    r_end = r_start + span("src")
+    j = np.searchsorted(w_start, r_end, side="left") - 1  # the last write starting before the read ends
+    hit = (j >= 0) & (w_end[np.maximum(j, 0)] > r_start)
+    problems += [f"slot copy {i} reads tensor {copies['src_tensor'][i]} at {copies['src_offset'][i]}, which a slot "
+                 f"copy writes in the same stage" for i in np.flatnonzero(hit)[:10].tolist()]
+    return problems[:10]
+
+
 def split_parts(relay: dict[str, np.ndarray], parts: int, ranks_per_replica: int) -> dict[str, np.ndarray]:
     """Cut each destination position's relay ops into `parts` runs of equal element counts (the part boundaries
     fall at ceil(j * total / parts)); ops crossing a boundary are split (by rows, then elements). Adds "part"."""
@@ -171,4 +261,5 @@ def _element_range(op: dict[str, int], a: int, b: int) -> list[dict[str, int]]:
     return out
 
 
-__all__ = ["check_forest", "forest_shape", "replica_forests", "split_parts", "tree_graph"]
+__all__ = ["check_forest", "forest_shape", "replica_forests", "slot_copies", "slot_copy_problems", "split_parts",
+           "tree_graph"]

@@ -200,8 +200,10 @@ class Plan:
 
     @property
     def num_stages(self) -> int:
-        """Stages the ops run in: 1 without fan-out, tree depth + 1 with it (0 for a plan without ops)."""
-        return int(self.program.stage.max()) + 1 if self.num_ops else 0
+        """Stages the ops run in: 1 without fan-out, tree depth + 1 with it, one more for EPLB slot copies (0 for a
+        plan without ops)."""
+        p = self.program  # EPLB slot copies run in a stage of their own, after the rest
+        return (p.copy_stage if p.num_copy_ops else int(p.stage.max())) + 1 if self.num_ops else 0
 
     @property
     def replica_parent(self) -> tuple[tuple[int, ...], ...]:

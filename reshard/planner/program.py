@@ -7,14 +7,18 @@ say what every replica receives. What differs per replica is only where its byte
   group of template ops (a destination tensor and a holder set), so that ops adjacent in memory stay together;
 - a *relayed* replica receives the same regions from other replicas along fan-out trees, copying from their
   destination tensors (the *relay template*: the template's regions merged where adjacent, cut into parts; part
-  j of replica k comes from replica `parent[j, k]` in stage `stage[j, k]`, see planner.fanout).
+  j of replica k comes from replica `parent[j, k]` in stage `stage[j, k]`, see planner.fanout);
+- every replica, fed or relayed, then feeds its redundant expert slots itself (the *copies*: an EPLB engine's
+  second and later replicas of one logical expert copy its first from the engine rank that holds it, in one stage
+  after every other, `copy_stage`), so the trainer sends each engine one copy of each expert (planner.fanout's
+  `slot_copies`).
 
 Expanding gives the flat op rows of `plan.ops` (OP_COLUMNS). Whole plans of a trillion-parameter model have tens
 of millions of rows; a rank's executor expands only its own (`expand(..., sender=...)` / `receiver=`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -24,6 +28,8 @@ from .merge import SORT_KEYS
 TEMPLATE_COLUMNS = ("canon", "box", "src_d0", "src_d1", "dst_rank", "dst_tensor", "dst_offset", "dst_stride",
                     "rows", "cols", "group")
 RELAY_COLUMNS = ("canon", "dst_rank", "dst_tensor", "dst_offset", "dst_stride", "rows", "cols", "part")
+COPY_COLUMNS = ("canon", "src_rank", "src_tensor", "src_offset", "src_stride", "dst_rank", "dst_tensor", "dst_offset",
+                "dst_stride", "rows", "cols")  # replica 0's coordinates; the source is a destination tensor
 OP_COLUMNS = ("stage", "src_side", "src_rank", "src_tensor", "src_offset", "src_stride", "dst_rank", "dst_tensor",
               "dst_offset", "dst_stride", "rows", "cols", "canon")
 SOURCE, RELAY = 0, 1  # values of src_side
@@ -31,7 +37,7 @@ SOURCE, RELAY = 0, 1  # values of src_side
 
 @dataclass(frozen=True, eq=False)
 class Program:
-    """Template ops, relay template, source holders, and per-replica feeding (see the module doc).
+    """Template ops, relay template, slot copies, source holders, and per-replica feeding (see the module doc).
 
     Source offsets: a template op reads its box's holder h at h_base[h] + src_d0 * h_stride[h] + src_d1, with row
     stride h_stride[h] (or `cols` when rows == 1). Holder h of box b is box_hstart[b] + position.
@@ -52,6 +58,7 @@ class Program:
         stage: (parts, replicas) the stage in which each replica receives each part.
         ranks_per_replica: destination ranks of one replica.
         tensors_per_replica: destination tensors of one replica.
+        copies: COPY_COLUMNS, one row per redundant expert slot region of replica 0 (empty without).
     """
 
     template: dict[str, np.ndarray]
@@ -69,6 +76,7 @@ class Program:
     stage: np.ndarray
     ranks_per_replica: int
     tensors_per_replica: int
+    copies: dict[str, np.ndarray] = field(default_factory=dict)
 
     ARRAYS = ("box_hstart", "box_hcount", "h_rank", "h_tensor", "h_base", "h_stride", "group_box", "fed", "choice",
               "parent", "stage")
@@ -78,7 +86,7 @@ class Program:
             a = np.ascontiguousarray(getattr(self, name), dtype=np.int64)
             a.setflags(write=False)
             object.__setattr__(self, name, a)
-        for attr, cols in (("template", TEMPLATE_COLUMNS), ("relay", RELAY_COLUMNS)):
+        for attr, cols in (("template", TEMPLATE_COLUMNS), ("relay", RELAY_COLUMNS), ("copies", COPY_COLUMNS)):
             d = getattr(self, attr)
             frozen = {}
             for c in cols:
@@ -109,9 +117,20 @@ class Program:
         return len(self.relay["rows"])
 
     @property
+    def num_copy_ops(self) -> int:
+        """Slot copies of one replica."""
+        return len(self.copies["rows"])
+
+    @property
+    def copy_stage(self) -> int:
+        """The stage of the slot copies: after every stage that feeds or relays."""
+        return int(self.stage.max()) + 1
+
+    @property
     def num_ops(self) -> int:
         """Ops of the whole plan once expanded."""
-        return len(self.fed) * self.num_template_ops + (self.num_replicas - len(self.fed)) * self.num_relay_ops
+        return (len(self.fed) * self.num_template_ops + (self.num_replicas - len(self.fed)) * self.num_relay_ops
+                + self.num_replicas * self.num_copy_ops)
 
     @property
     def fed_index(self) -> np.ndarray:
@@ -128,9 +147,12 @@ class Program:
 
     # --- persistence -------------------------------------------------------------------------------
     def arrays(self) -> dict[str, np.ndarray]:
-        """Every array by its saved name (`t.` template and `r.` relay columns; planner.verify reads them back)."""
+        """Every array by its saved name (`t.` template, `r.` relay and `c.` slot copy columns; planner.verify reads
+        them back)."""
         out = {f"t.{c}": self.template[c] for c in TEMPLATE_COLUMNS}
         out.update({f"r.{c}": self.relay[c] for c in RELAY_COLUMNS})
+        if self.num_copy_ops:  # only then: the saved form and digest of every other plan stay as they were
+            out.update({f"c.{c}": self.copies[c] for c in COPY_COLUMNS})
         out.update({name: getattr(self, name) for name in self.ARRAYS})
         return out
 
@@ -190,6 +212,21 @@ def _relay_rows(p: Program, k: int, mask: np.ndarray | None, part: int) -> dict[
     }
 
 
+def _copy_rows(p: Program, k: int, mask: np.ndarray | None) -> dict[str, np.ndarray]:
+    c = p.copies
+    sel = np.arange(p.num_copy_ops) if mask is None else np.flatnonzero(mask)
+    rank, tensor = k * p.ranks_per_replica, k * p.tensors_per_replica
+    return {
+        "stage": np.full(len(sel), p.copy_stage, dtype=np.int64),
+        "src_side": np.full(len(sel), RELAY, dtype=np.int64),
+        "src_rank": c["src_rank"][sel] + rank, "src_tensor": c["src_tensor"][sel] + tensor,
+        "src_offset": c["src_offset"][sel], "src_stride": c["src_stride"][sel],
+        "dst_rank": c["dst_rank"][sel] + rank, "dst_tensor": c["dst_tensor"][sel] + tensor,
+        "dst_offset": c["dst_offset"][sel], "dst_stride": c["dst_stride"][sel],
+        "rows": c["rows"][sel], "cols": c["cols"][sel], "canon": c["canon"][sel],
+    }
+
+
 def expand(p: Program, *, source_rank: int | None = None, relay_rank: int | None = None,
            receiver: int | None = None) -> dict[str, np.ndarray]:
     """Op rows (OP_COLUMNS), sorted by SORT_KEYS: all of them, or only those that source rank `source_rank`
@@ -209,11 +246,14 @@ def expand(p: Program, *, source_rank: int | None = None, relay_rank: int | None
                 blocks.append(_feed_rows(p, int(fed_index[k]), p.template["dst_rank"] == r, None))
             else:
                 blocks += [_relay_rows(p, k, p.relay["dst_rank"] == r, j) for j in parts]
+            blocks.append(_copy_rows(p, k, p.copies["dst_rank"] == r))
     elif relay_rank is not None:
         k, r = divmod(relay_rank, rpr)
         for j in parts:
             for child in np.flatnonzero(p.parent[j] == k).tolist():
                 blocks.append(_relay_rows(p, child, p.relay["dst_rank"] == r, j))
+        if k < p.num_replicas:
+            blocks.append(_copy_rows(p, k, p.copies["src_rank"] == r))
     elif source_rank is not None:
         held = np.zeros(len(p.box_hstart), dtype=bool)  # boxes this rank holds: only their ops can be its
         held[np.repeat(np.arange(len(p.box_hstart)), p.box_hcount)[p.h_rank == source_rank]] = True
@@ -224,6 +264,7 @@ def expand(p: Program, *, source_rank: int | None = None, relay_rank: int | None
         for k in range(p.num_replicas):
             blocks += ([_feed_rows(p, int(fed_index[k]), None, None)] if fed_index[k] >= 0
                        else [_relay_rows(p, k, None, j) for j in parts])
+            blocks.append(_copy_rows(p, k, None))
     if not blocks:
         return {c: np.zeros(0, np.int64) for c in OP_COLUMNS}
     ops = {c: np.concatenate([b[c] for b in blocks]) for c in OP_COLUMNS}

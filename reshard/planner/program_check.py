@@ -98,6 +98,15 @@ def _check_program(p: Program, src_tables: Any, dst_table: Any, S: int, K: int, 
     within("arrays.r.part", r["part"], 0, p.num_parts)
     if len(fed) == K and len(r["rows"]):
         raise bad("arrays.r.rows", len(r["rows"]), "must be empty: every replica is fed by the source")
+    c = p.copies  # EPLB slot copies: both ends inside replica 0's tensors
+    _op_shape("arrays.c.", c)
+    within("arrays.c.canon", c["canon"], 0, num_canon)
+    for end in ("src", "dst"):
+        within(f"arrays.c.{end}_rank", c[f"{end}_rank"], 0, rpr)
+        within(f"arrays.c.{end}_tensor", c[f"{end}_tensor"], 0, T0)
+        same(f"arrays.c.{end}_rank", c[f"{end}_rank"], dst_table.rank[c[f"{end}_tensor"]], "the rank of its tensor")
+    within("arrays.c.src_offset", c["src_offset"], 0, MAX_PARAMS)
+    within("arrays.c.src_stride", c["src_stride"], 1, MAX_PARAMS)
 
 
 def check_program(plan: Any) -> None:

@@ -28,13 +28,14 @@ from ..layouts import layout_from_dict
 from ..layouts.model import DTYPE_SIZES
 from ..limits import MAX_PARAMS, MAX_PLAN_ELEMENTS, MAX_RANKS
 from .accounting import Bounds
-from .program import RELAY_COLUMNS, TEMPLATE_COLUMNS, Program
+from .program import COPY_COLUMNS, RELAY_COLUMNS, TEMPLATE_COLUMNS, Program
 from .program_check import BIG, bad, same, within
 from .selection import in_units, select_indices, unit_ratios
 from .tables import FORMAT_VERSION
 
 HEADER_KEYS = {"format", "src", "dst", "colocated", "colocation", "fanout", "roots", "selection", "bounds", "program",
                "src_tensors", "dst_tensors", "coverage", "compile_seconds", "digest", "arrays"}
+COPY_NAMES = tuple(f"c.{c}" for c in COPY_COLUMNS)  # optional: plans saved before EPLB slot copies have none
 ARRAY_NAMES = tuple(f"t.{c}" for c in TEMPLATE_COLUMNS) + tuple(f"r.{c}" for c in RELAY_COLUMNS) + Program.ARRAYS
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 def _int(d: dict[str, Any], key: str, low: int = 0, high: int = BIG, optional: bool = False,
@@ -184,15 +185,18 @@ def _header(d: Any) -> dict[str, Any]:
 def _program(arrays: Any, scalars: dict[str, int]) -> Program:
     if not isinstance(arrays, dict):
         raise bad("arrays", type(arrays).__name__, "must be an object of named integer arrays")
-    missing = [n for n in ARRAY_NAMES if n not in arrays]
+    if not any(n in arrays for n in COPY_NAMES):
+        arrays = {**arrays, **{n: np.zeros(0, np.int64) for n in COPY_NAMES}}
+    names = ARRAY_NAMES + COPY_NAMES
+    missing = [n for n in names if n not in arrays]
     if missing:
         raise bad(f"arrays.{missing[0]}", None, f"is missing ({len(missing)} arrays are)")
-    extra = sorted(set(arrays) - set(ARRAY_NAMES))
+    extra = sorted(set(arrays) - set(names))
     if extra:
         raise bad(f"arrays.{extra[0]}", None, "is not an array of a plan")
     two = {"choice", "parent", "stage"}
-    a = {n: int_array(f"arrays.{n}", arrays[n], 2 if n in two else 1) for n in ARRAY_NAMES}
-    for prefix, cols in (("t.", TEMPLATE_COLUMNS), ("r.", RELAY_COLUMNS)):
+    a = {n: int_array(f"arrays.{n}", arrays[n], 2 if n in two else 1) for n in names}
+    for prefix, cols in (("t.", TEMPLATE_COLUMNS), ("r.", RELAY_COLUMNS), ("c.", COPY_COLUMNS)):
         n = len(a[prefix + cols[0]])
         for c in cols:
             if len(a[prefix + c]) != n:
@@ -204,7 +208,7 @@ def _program(arrays: Any, scalars: dict[str, int]) -> Program:
                 raise bad(f"arrays.{name}", len(a[name]), f"must have {len(a[group[0]])} entries like "
                           f"arrays.{group[0]}")
     return Program(template={c: a["t." + c] for c in TEMPLATE_COLUMNS}, relay={c: a["r." + c] for c in RELAY_COLUMNS},
-                   **{n: a[n] for n in Program.ARRAYS}, **scalars)
+                   copies={c: a["c." + c] for c in COPY_COLUMNS}, **{n: a[n] for n in Program.ARRAYS}, **scalars)
 
 
 # --- 5. what the content claims -------------------------------------------------------------------------------
@@ -272,15 +276,22 @@ def _prove(plan: Any, sel: np.ndarray) -> None:
     d_tid = _match("dst_tensors", table0, D, d_rows, exact=False)
     in_sel = np.zeros(len(model.canonical), dtype=bool)
     in_sel[sel] = True
-    for prefix, ops in (("arrays.t.canon", p.template), ("arrays.r.canon", p.relay)):
+    for prefix, ops in (("arrays.t.canon", p.template), ("arrays.r.canon", p.relay), ("arrays.c.canon", p.copies)):
         off = np.flatnonzero(~in_sel[ops["canon"]])
         if len(off):
             raise bad(f"{prefix}[{int(off[0])}]", int(ops["canon"][off[0]]), "is a tensor outside the selection")
     _reads_inside(p, table_numel(plan.src_tensors))
     relayed = len(p.fed) < K
     try:
-        prove_replica_coverage([p.template, p.relay] if relayed else [p.template], table0, d_tid,
+        from .compiler import SLOT_COLUMNS, _with
+        from .fanout import slot_copy_problems
+
+        prove_replica_coverage([_with(p.template, p.copies), _with(p.relay, p.copies)] if relayed
+                               else [_with(p.template, p.copies)], table0, d_tid,
                                D.origin[d_rows], D.n0[d_rows], D.n1[d_rows])
+        problems = slot_copy_problems(p.copies, d_tid, *(getattr(D, c)[d_rows] for c in SLOT_COLUMNS))
+        if problems:
+            raise CoverageError("EPLB slot copies read other elements than they write", problems)
         # an EPLB destination: every physical slot (each replica of an expert) is model data, so written
         prove_expert_slots(plan.dst.expert_stacks(), table0, d_tid, D.origin[d_rows], D.n0[d_rows], D.n1[d_rows],
                            whole=plan.selection is None)

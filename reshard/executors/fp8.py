@@ -141,11 +141,14 @@ class SenderQuantizer(_QuantizeJobs):
                     continue
                 # a shadow beside the trainer's tensor, on its device (fp8 weight or float32 scale)
                 out[name] = torch.zeros(shape, dtype=dtype, device=real.device)
-            for name, units in wanted.items():  # scales have no trainer tensor: shadows on the weight's device
-                if shadows and name not in given and (rank, name) in own:
+            # scales have no trainer tensor: shadows on the weight's device (known by dtype, and by the plan's pieces:
+            # dtype: under a float32 trainer a scale has the trainer's own dtype)
+            scales = {b.tensor for _, b in fp.sender_pieces(rank)} if shadows else set()
+            for name, units in wanted.items() if shadows else ():
+                if name not in given and ((rank, name) in own or name in scales):
                     dev = next((t.device for t in given.values() if isinstance(t, torch.Tensor)), "cpu")
-                    out[name] = torch.zeros(element_shape(units, unit, torch_dtype(own[(rank, name)])),
-                                            dtype=torch_dtype(own[(rank, name)]), device=dev)
+                    dtype = torch_dtype(own.get((rank, name), plan.src.dtype))
+                    out[name] = torch.zeros(element_shape(units, unit, dtype), dtype=dtype, device=dev)
             self.tensors[rank] = out
             if not shadows:
                 continue

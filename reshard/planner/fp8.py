@@ -92,7 +92,7 @@ class Fp8Plan:
         out: dict[int, set[str]] = {}
         for rank, tid in set(zip(ops["src_rank"][side0].tolist(), ops["src_tensor"][side0].tolist())):
             name = table.name(tid)
-            dtype = own.get((rank, name))
+            dtype = own.get((rank, name), self.plan.src.dtype)  # a float32 trainer's scales: its own dtype
             if dtype == FP8:
                 out.setdefault(rank, set()).add(name)
             elif dtype == "float32" and name.endswith("_scale_inv"):

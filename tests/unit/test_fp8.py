@@ -21,10 +21,10 @@ M, V, H = reshard.MegatronLayout, reshard.VllmLayout, reshard.HfLayout
 SENTINEL = -7.0
 
 
-def qwen3(intermediate: int = 512, **extra) -> reshard.ModelSpec:
+def qwen3(intermediate: int = 512, dtype: str = "bfloat16", **extra) -> reshard.ModelSpec:
     cfg = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=256, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, head_dim=128, vocab_size=500,
-               intermediate_size=intermediate, torch_dtype="bfloat16", **extra)
+               intermediate_size=intermediate, torch_dtype=dtype, **extra)
     return reshard.ModelSpec.from_hf_config(cfg)
 
 
@@ -37,7 +37,7 @@ def qwen3_moe() -> reshard.ModelSpec:
 
 def weights(spec: reshard.ModelSpec, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {t.name: (torch.randn(t.shape, generator=g) * 0.05).to(torch.bfloat16) for t in spec.tensors}
+    return {t.name: (torch.randn(t.shape, generator=g) * 0.05).to(getattr(torch, spec.dtype)) for t in spec.tensors}
 
 
 def expected(fp, w: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
@@ -144,7 +144,7 @@ def test_trainer_cut_through_blocks_moves_those_kinds_to_the_receiver():
 # --- refits against the reference ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", ["dense tp2 -> tp1", "dense tp1 -> tp2 x2", "mixed: trainer cuts blocks",
                                   "all on receivers", "moe ep2 -> tp2", "hf (loader install)", "hf, mixed",
-                                  "ignored modules"])
+                                  "ignored modules", "float32 trainer", "float32 trainer, all on receivers"])
 def test_refit_equals_reference_checkpoint(case):
     spec, moe = qwen3(), qwen3_moe()
     s, scheme, kw = M(model=spec, tp=2), Fp8Scheme(), {}
@@ -164,6 +164,10 @@ def test_refit_equals_reference_checkpoint(case):
     elif case == "ignored modules":  # per layer, under PP: stage 0's layer 0 and stage 1's layer 1 share names
         s = M(model=spec, tp=2, pp=2)
         scheme = Fp8Scheme(ignored=("model.layers.0.self_attn.o_proj", "model.layers.1.mlp.down_proj"))
+    elif case.startswith("float32 trainer"):  # the scales share the trainer's dtype: found by name, not by dtype
+        spec = qwen3(dtype="float32")
+        s, d = M(model=spec, tp=2), V(model=spec, tp=1)
+        kw = {"sender_quantization": False} if case.endswith("receivers") else {}
     fp = compile_fp8(s, d, scheme, **kw)
     w = weights(s.model)
     src = shard(s, w)

@@ -142,7 +142,7 @@ class SenderQuantizer(_QuantizeJobs):
                 # a shadow beside the trainer's tensor, on its device (fp8 weight or float32 scale)
                 out[name] = torch.zeros(shape, dtype=dtype, device=real.device)
             # scales have no trainer tensor: shadows on the weight's device (known by dtype, and by the plan's pieces:
-            # dtype: under a float32 trainer a scale has the trainer's own dtype)
+            # under a float32 trainer a scale has the trainer's own dtype)
             scales = {b.tensor for _, b in fp.sender_pieces(rank)} if shadows else set()
             for name, units in wanted.items() if shadows else ():
                 if name not in given and ((rank, name) in own or name in scales):

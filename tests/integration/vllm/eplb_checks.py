@@ -10,7 +10,10 @@ the EPLB maps made by `compute_logical_maps` and registered with `model.set_eplb
 
 Ground truth for weights W after placements p0 (initial), p1, ..., pk: a second engine that loads W with vLLM's
 `load_weights` and goes through the same rebalances. The live engine is refit through the `reshard` weight-transfer
-engine (vLLM's factories, in-process transport), which reads the placement from the engine's EPLB state.
+engine (vLLM's factories, in-process transport), which reads the placement from the engine's EPLB state. Each EP
+rank's process drives its own worker as vLLM's engine client would the engine (`EngineClient`: a call raises on
+every driver if any worker raised), so each rank's trainer sees what a trainer driving the whole engine sees --
+and follows a rebalanced placement by itself (adapters.placement_follow).
 
 usage: eplb_checks.py OUT_DIR CKPT_OLD CKPT_NEW CKPT_NEWER
 """
@@ -48,6 +51,49 @@ class NoStream:
 
 
 torch.accelerator.current_stream = lambda device=None: NoStream()
+
+
+class EngineClient(LoopbackClient):
+    """vLLM's weight-sync client of the whole engine, seen from one EP rank's process: the call runs on this rank's
+    worker, the ranks exchange what their workers raised, and every rank raises all of it (vLLM's executor reads
+    every worker's answer and the engine raises if any failed; `adapters.vllm.agreed` has only the last worker
+    raise, the others agree quietly)."""
+
+    BYTES = 4096
+
+    def __init__(self, engine, group):
+        super().__init__(engine)
+        self.group = group
+
+    def _all(self, method, *args):
+        import torch.distributed as dist
+
+        error = None
+        try:
+            getattr(super(), method)(*args)
+        except Exception as e:  # noqa: BLE001 - told to every rank below
+            error = f"{type(e).__name__}: {e}"
+        mine = torch.zeros(self.BYTES, dtype=torch.uint8)
+        if error:
+            data = error.encode()[:self.BYTES - 1]
+            mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        got = [torch.zeros_like(mine) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(got, mine, group=self.group)
+        said = [bytes(t[t.nonzero().flatten()].tolist()).decode(errors="replace") for t in got if bool(t.any())]
+        if said:
+            raise reshard.ExecutionError("; ".join(said))
+
+    def init_weight_transfer_engine(self, init_info):
+        self._all("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self):
+        self._all("start_weight_update")
+
+    def update_weights(self, update_info):
+        self._all("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version=None):
+        self._all("finish_weight_update", weight_version)
 
 
 def eplb_config(ckpt: str, world: int):
@@ -161,24 +207,45 @@ def main() -> int:
         return spec0.with_expert_placement(reshard.ExpertPlacement.model_validate(answer)).layouts()[1]
 
     engines: list = []
+    import logging
+    import torch.distributed as dist
 
-    def trainer(dst, weights, key, install="direct"):
-        """The `reshard` backend from vLLM's factories, worker and trainer side, each process its own engine."""
+    group = dist.new_group(list(range(world)), backend="gloo")  # the drivers' own (EngineClient)
+    logged: list[str] = []
+
+    class Notes(logging.Handler):
+        def emit(self, record):
+            logged.append(record.getMessage())
+
+    logging.getLogger("reshard.trainer").addHandler(Notes())
+
+    def spec_of(dst, key, install="direct", transport="inprocess", fanout=None):
+        return RefitSpec.of(spec, src, dst, install=install, transport=transport, options={"key": key},
+                            verify_layers=list(range(spec.num_layers)), fanout=fanout)
+
+    def worker_engine():
         from vllm.config import WeightTransferConfig
-        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
         from reshard.adapters.vllm.engine import register
-        from reshard.adapters.vllm.trainer import ReshardTrainerInitInfo
 
         register()
         worker = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="reshard"), cfg,
                                                            torch.device("cpu"), engine_model)
-        refit = RefitSpec.of(spec, src, dst, install=install, transport="inprocess", options={"key": key},
-                             verify_layers=list(range(spec.num_layers)))
-        info = ReshardTrainerInitInfo(refit=refit.to_dict(), rank=0)
         engines.append(worker)
-        return WeightTransferTrainerFactory.trainer_init(info, client=LoopbackClient(worker),
-                                                         source=shard(src, weights))
+        return worker
+
+    def trainer(dst, weights, key, install="direct", transport="inprocess", fanout=None):
+        """The `reshard` backend from vLLM's factories, worker and trainer side, each process its own engine
+        worker, driven as the whole engine (EngineClient)."""
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        from reshard.adapters.vllm.trainer import ReshardTrainerInitInfo
+
+        worker = worker_engine()
+        info = ReshardTrainerInitInfo(refit=spec_of(dst, key, install, transport, fanout).to_dict(), rank=0)
+        source = shard(src, weights) if transport == "inprocess" else {rank: shard(src, weights, ranks=[rank])[rank]}
+        return WeightTransferTrainerFactory.trainer_init(info, client=EngineClient(worker, group), source=source)
 
     def refused(fn, *words) -> str | None:
         """fn must be refused on every worker of the engine -- its last worker raises, naming `words`; the others
@@ -217,10 +284,26 @@ def main() -> int:
         return None if reported() == layout(p1) else f"the worker extension reported {reported()}"
 
     def stale_plan_refused_at_init():
-        # the failure users hit: a refit by the initial placement after a rebalance
-        problem = refused(lambda: trainer(layout(None), new, "stale"), "LayoutMismatchError",
-                          as_placement(p0).digest[:12], as_placement(p1).digest[:12])
-        return problem or ("a worker holds a session of the stale plan" if engines[-1].steps.session else None)
+        # the failure users hit: a refit by the initial placement after a rebalance, refused by the engine
+        worker = worker_engine()
+        problem = refused(lambda: EngineClient(worker, group).init_weight_transfer_engine(
+            spec_of(layout(None), "stale").to_dict()), "LayoutMismatchError", as_placement(p0).digest[:12],
+            as_placement(p1).digest[:12])
+        return problem or ("a worker holds a session of the stale plan" if worker.steps.session else None)
+
+    def trainer_follows_a_stale_plan_at_init():
+        # the same spec through a TrainerSession: the engine reports its placement, the trainer recompiles for it
+        # and meets the engine again, by itself, before any byte moves
+        poison(engine_model)
+        t = trainer(layout(None), new, "follow-init")
+        notes = t.session.followed
+        want = [("init", as_placement(p0).digest, as_placement(p1).digest)]
+        if [(n["step"], n["from"], n["to"]) for n in notes] != want:
+            return f"followed {notes}, not {want}"
+        t.send_weights(version="v0")
+        t.shutdown()
+        truth.loaded(new, truth_cfg, history)
+        return same_bytes(engine_model, snapshot(truth_model))
 
     def stale_plan_would_corrupt():
         # what the refusal prevents: the initial placement's plan run anyway (into scratch copies), and vLLM's own
@@ -259,6 +342,7 @@ def main() -> int:
                      ("live_placement_is_eplbs", live_placement_is_eplbs),
                      ("stale_plan_refused_at_init", stale_plan_refused_at_init),
                      ("stale_plan_would_corrupt", stale_plan_would_corrupt),
+                     ("trainer_follows_a_stale_plan_at_init", trainer_follows_a_stale_plan_at_init),
                      ("loader_install_refused", loader_install_refused),
                      ("refit_matches_vllm_after_one_rebalance", refit_matches_vllm_after_one_rebalance)]:
         check(name, fn)
@@ -277,11 +361,50 @@ def main() -> int:
         return refused(bound_worker.start_weight_update, "LayoutMismatchError", as_placement(p1).digest[:12],
                        as_placement(p2).digest[:12])
 
+    def refit_follows_a_rebalance_by_itself():
+        # the trainer bound for p1 refits after EPLB moved to p2: the engines refuse its start and report p2, the
+        # trainer recompiles only the destination, meets them again and refits, in one send_weights call
+        poison(engine_model)
+        before = len(logged)
+        bound.send_weights(version="v2")
+        notes = [(n["step"], n["from"], n["to"]) for n in bound.session.followed]
+        if notes != [("refit v2", as_placement(p1).digest, as_placement(p2).digest)]:
+            return f"followed {bound.session.followed}"
+        said = " ".join(logged[before:])
+        if as_placement(p1).digest[:12] not in said or as_placement(p2).digest[:12] not in said:
+            return f"the log does not name both placements: {logged[before:]}"
+        truth.loaded(newer, truth_cfg, history)
+        return same_bytes(engine_model, snapshot(truth_model))
+
     def refit_matches_vllm_after_two_rebalances():
         bound.shutdown()
         poison(engine_model)
         t = trainer(reported(), newer, "r3")
         t.send_weights(version="v3")
+        t.shutdown()
+        truth.loaded(newer, truth_cfg, history)
+        return same_bytes(engine_model, snapshot(truth_model))
+
+    def fan_out_feeds_redundant_slots_from_the_engine():
+        # issue 42 item 3: with fan-out (a transport that relays: here reshard's torch.distributed executor over
+        # vLLM's gloo world, each process one trainer rank and one EP rank), the trainer sends the engine one copy
+        # of each expert and the redundant slots are fed by the EP rank that holds it (relays between the ranks)
+        refit = spec_of(layout(p2), "fanout", transport="colocated", fanout=1)
+        plan, a = refit.plan(), refit.plan().accounting
+        ops = plan.ops
+        expert = spec.canonical.expert[ops["canon"]] >= 0
+        sent = int(((ops["rows"] * ops["cols"])[expert & (ops["src_side"] == 0)]).sum()) * plan.itemsize
+        want = sum(t.numel for t in spec.tensors if spec.canonical.expert[t.index] >= 0) * plan.itemsize
+        if sent != want:
+            return f"the trainer sends {sent} bytes of experts, not one copy of each ({want})"
+        if not a.slot_copy_bytes > a.slot_copy_local_bytes:
+            return f"no slot copy crosses EP ranks: {a.slot_copy_bytes} B copied, {a.slot_copy_local_bytes} B locally"
+        facts["slot_copies"] = {"bytes": a.slot_copy_bytes, "local": a.slot_copy_local_bytes, "expert_egress": sent,
+                                "without": sum(reshard.compile_plan(src, layout(p2), expert_copies=False)
+                                               .accounting.egress_bytes)}
+        poison(engine_model)
+        t = trainer(layout(p2), newer, "fanout", transport="colocated", fanout=1)
+        t.send_weights(version="v4")
         t.shutdown()
         truth.loaded(newer, truth_cfg, history)
         return same_bytes(engine_model, snapshot(truth_model))
@@ -292,7 +415,9 @@ def main() -> int:
         return None if binding.tensors else "nothing bound"
 
     check("refit_after_a_rebalance_since_init_refused", refit_after_a_rebalance_since_init_refused)
+    check("refit_follows_a_rebalance_by_itself", refit_follows_a_rebalance_by_itself)
     check("refit_matches_vllm_after_two_rebalances", refit_matches_vllm_after_two_rebalances)
+    check("fan_out_feeds_redundant_slots_from_the_engine", fan_out_feeds_redundant_slots_from_the_engine)
     check("direct_binding_checks_loaders_by_the_initial_placement",
           direct_binding_checks_loaders_by_the_initial_placement)
     for e in engines:

@@ -20,9 +20,10 @@ from vllm_harness import HERE, launch, make_checkpoint, wait
 pytestmark = pytest.mark.vllm
 
 CHECKS = ["rebalance_moves_experts_between_ranks", "live_placement_is_eplbs", "stale_plan_refused_at_init",
-          "stale_plan_would_corrupt", "loader_install_refused", "refit_matches_vllm_after_one_rebalance",
-          "refit_after_a_rebalance_since_init_refused", "refit_matches_vllm_after_two_rebalances",
-          "direct_binding_checks_loaders_by_the_initial_placement"]
+          "stale_plan_would_corrupt", "trainer_follows_a_stale_plan_at_init", "loader_install_refused",
+          "refit_matches_vllm_after_one_rebalance", "refit_after_a_rebalance_since_init_refused",
+          "refit_follows_a_rebalance_by_itself", "refit_matches_vllm_after_two_rebalances",
+          "fan_out_feeds_redundant_slots_from_the_engine", "direct_binding_checks_loaders_by_the_initial_placement"]
 WORLD = 2
 
 

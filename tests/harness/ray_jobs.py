@@ -68,11 +68,11 @@ class MegatronTrainerActor:
         # --8<-- [start:ray_trainer]
         dst = VllmLayout(model=self.spec, **g["dst"])
         refit = RefitSpec.of(self.spec, self.layout, dst, install="loader", transport=g.get("transport", "collective"),
-                             fanout=g.get("fanout"), options=g.get("options", {}))
+                             fanout=g.get("fanout"), options=g.get("options", {}), staging=g.get("staging"))
         clients = [RayEngineClient(e, f"{g['name']}[{k}]", timeout=g.get("timeout", 300.0))
                    for k, e in enumerate(engines)]
         session = TrainerSession(refit, self.rank, self.tensors, engines=clients, trainer_group=dist.group.WORLD,
-                                 timeout=g.get("timeout", 300.0))
+                                 timeout=g.get("timeout", 300.0), pause_for=g.get("pause_for", "refit"))
         session.init()
         # --8<-- [end:ray_trainer]
         self.sessions[g["name"]] = session

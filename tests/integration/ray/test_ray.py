@@ -2,7 +2,7 @@
 
 Trainer actors: megatron-core TP2 on gloo, in this virtualenv (no vLLM). Engine actors: vLLM CPU engines in the
 vLLM virtualenv (`py_executable`): two TP1 replicas refit as one group with fan-out, one TP2 engine as a group of
-its own. Ground truth for every step: a fresh engine started from the step's weights, saved as an HF checkpoint
+its own, whose refits are staged (`RefitSpec(staging="device")`, `pause_for="flip"`: issue 40). Ground truth for every step: a fresh engine started from the step's weights, saved as an HF checkpoint
 computed here from the first checkpoint by the same elementwise "training step" (independent of Megatron and of
 reshard). The tests run in order on shared actors (starting engines costs most of the time):
   1. a GRPO-like loop of 3 steps: generate, train, refit every engine, generate; tokens equal the fresh engine's,
@@ -42,7 +42,9 @@ STEPS = 3
 TIMEOUT = 20.0  # the transport's timeout in the fault tests
 REPLICAS = {"name": "replicas", "dst": {"tp": 1, "replicas": 2}, "fanout": 1, "timeout": 120,
             "options": {"timeout": TIMEOUT}}
-TP2 = {"name": "tp2", "dst": {"tp": 2}, "fanout": 1, "timeout": 120, "options": {"timeout": TIMEOUT}}
+# the TP2 engine stages its refits (issue 40): the bytes land while it may generate, the flip at install
+TP2 = {"name": "tp2", "dst": {"tp": 2}, "fanout": 1, "timeout": 120, "options": {"timeout": TIMEOUT},
+       "staging": "device", "pause_for": "flip"}
 
 
 class Cluster:

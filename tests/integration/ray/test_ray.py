@@ -4,7 +4,8 @@ Trainer actors: megatron-core TP2 on gloo, in this virtualenv (no vLLM). Engine 
 vLLM virtualenv (`py_executable`): two TP1 replicas refit as one group with fan-out, one TP2 engine as a group of
 its own, whose refits are staged (`RefitSpec(staging="device")`, `pause_for="flip"`: issue 40). Ground truth for
 every step: a fresh engine started from the step's weights, saved as an HF checkpoint computed here from the first
-checkpoint by the same elementwise "training step" (independent of Megatron and of reshard). The tests run in order on shared actors (starting engines costs most of the time):
+checkpoint by the same elementwise "training step" (independent of Megatron and of reshard). The tests run in order
+on shared actors (starting engines costs most of the time):
   1. a GRPO-like loop of 3 steps: generate, train, refit every engine, generate; tokens equal the fresh engine's,
      versions advance, trainer egress to the replicas is one copy of the model, both sides compile once; the
      train-inference mismatch (reshard.verify: megatron-core's scores against each engine actor's) flags the

@@ -1,6 +1,7 @@
 """Delta refits against dense ones, side by side in one run (issue 41, item 6): bytes on the wire and refit time.
 
-Default (CPU, gloo over loopback): two processes, a trainer (Megatron TP1 source tensors) and an engine (vLLM TP1
+Default (CPU, gloo over loopback; with --link RATE across the test bed's two hosts, network namespaces joined by a
+veth pair that tc limits to RATE both ways, tests/testbed/two_hosts.py, root): two processes, a trainer (Megatron TP1 source tensors) and an engine (vLLM TP1
 destination tensors), joined in a store-made gloo group (executors.collective.comm.StoreComm). Cases:
   dense                 the collective executor without `delta` (staged): the dense ceiling of this run
   delta p               the same executor with delta=DeltaPolicy(...) after a keyframe, with a fraction p of the
@@ -20,6 +21,7 @@ copy of the whole tensor (the ceiling the kernel must beat) and torch's index_pu
 --iters CUDA-event timings, and the kernel's result checked against index_put_'s.
 
     python benchmarks/refit_delta.py --json out.json                 # CPU, gloo loopback
+    python benchmarks/refit_delta.py --link 10gbit --json out.json   # two hosts (namespaces), tc-limited link
     python benchmarks/refit_delta.py --apply --numel 536870912 --json out.json   # one GPU
 """
 from __future__ import annotations
@@ -32,6 +34,7 @@ import os
 import statistics
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -63,7 +66,7 @@ def _change(src: dict, fraction: float, seed: int) -> None:
             bits[torch.rand(bits.numel(), generator=g) < fraction] ^= 1
 
 
-def worker(me: int, port: int, args: dict, out: str) -> None:
+def worker(me: int, port: int, args: dict, out: str, host: str = "127.0.0.1") -> None:
     sys.path.insert(0, str(ROOT))
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -78,7 +81,8 @@ def worker(me: int, port: int, args: dict, out: str) -> None:
     spec = _spec(args)
     plan = reshard.compile(reshard.MegatronLayout(model=spec), reshard.VllmLayout(model=spec))
     binding = Binding.disjoint(1, 1)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    master = me == TRAINER and args.get("link")  # across the test bed's hosts the trainer holds the store
+    store = dist.TCPStore(host, port, is_master=bool(master), wait_for_workers=False, timeout=timedelta(seconds=600))
     comm = StoreComm(dist.PrefixStore("bench/", store), me, 2, "gloo", 600.0)
     g = torch.Generator().manual_seed(0)
     if me == TRAINER:
@@ -137,26 +141,41 @@ def run_cpu(a) -> int:
     import torch.distributed as dist
 
     args = {"config": a.config, "hidden": a.hidden, "layers": a.layers, "ffn": a.ffn, "vocab": a.vocab,
-            "iters": a.iters, "fractions": a.fractions}
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
+            "iters": a.iters, "fractions": a.fractions, "link": a.link}
     outs = [f"/tmp/refit_delta_{os.getpid()}_{me}.json" for me in (TRAINER, ENGINE)]
-    procs = [ctx.Process(target=worker, args=(me, store.port, args, outs[me])) for me in (TRAINER, ENGINE)]
-    for pr in procs:
-        pr.start()
-    for pr in procs:
-        pr.join()
-    if any(pr.exitcode != 0 for pr in procs):
-        print(f"workers exited with {[pr.exitcode for pr in procs]}", file=sys.stderr)
-        return 1
+    if a.link:  # trainer and engine on the test bed's two hosts (network namespaces), the link rate-limited by tc
+        sys.path.insert(0, str(ROOT / "tests"))
+        from testbed.two_hosts import TwoHosts
+
+        port = 29000 + os.getpid() % 1000
+        with TwoHosts(rate=a.link) as hosts:
+            procs = [hosts.start(h, [sys.executable, __file__, "--worker", str(me), "--store", f"{hosts.a.address}:{port}",
+                                     "--args", json.dumps(args), "--out", outs[me]])
+                     for me, h in ((TRAINER, hosts.a), (ENGINE, hosts.b))]
+            codes = [p.wait(3000) for p in procs]
+        if any(codes):
+            print(f"workers exited with {codes}", file=sys.stderr)
+            return 1
+    else:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=worker, args=(me, store.port, args, outs[me])) for me in (TRAINER, ENGINE)]
+        for pr in procs:
+            pr.start()
+        for pr in procs:
+            pr.join()
+        if any(pr.exitcode != 0 for pr in procs):
+            print(f"workers exited with {[pr.exitcode for pr in procs]}", file=sys.stderr)
+            return 1
     res = [json.loads(Path(o).read_text()) for o in outs]
     trainer, engine = res
     slowest = lambda k: [max(x["seconds"], y["seconds"]) for x, y in zip(trainer[k], engine[k])  # noqa: E731
                          if "seconds" in x]
     dense_t = statistics.median(slowest("dense"))
     dense_b = trainer["dense"][0]["sent"]
+    where = f"two hosts (network namespaces), link limited to {a.link} by tc" if a.link else "loopback"
     print(f"{trainer['params'] / 1e6:.1f}M bf16 parameters, Megatron TP1 -> vLLM TP1, two processes, gloo over "
-          f"loopback; median of {a.iters}, slowest process")
+          f"{where}; median of {a.iters}, slowest process")
     print(f"{'case':<12} {'sent':>12} {'of dense':>9} {'time s':>8} {'speed-up':>8}  ops dense/sparse/bitmap/unch  "
           f"equal")
     print(f"{'dense':<12} {dense_b:>12,} {1:>9.1%} {dense_t:>8.3f} {1:>8.2f}")
@@ -250,8 +269,18 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=16384)
     ap.add_argument("--numel", type=int, default=1 << 28, help="--apply: destination elements")
     ap.add_argument("--cols", type=int, default=4096, help="--apply: row width of the destination block")
+    ap.add_argument("--link", default=None, help="a tc rate (e.g. 10gbit): trainer and engine on the test bed's two "
+                    "hosts (tests/testbed/two_hosts.py: network namespaces; root)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--store", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--args", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.worker is not None:  # one process of a --link run, started on its host
+        host, port = a.store.rsplit(":", 1)
+        worker(a.worker, int(port), json.loads(a.args), a.out, host)
+        return 0
     return run_apply(a) if a.apply else run_cpu(a)
 
 

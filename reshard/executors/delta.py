@@ -240,14 +240,9 @@ class Sender:
 
 
 def _changed(now: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
-    """The sorted flat positions where two flat integer tensors differ: compared as 8-byte words first where the
-    alignment allows (a quarter of the bf16 elements to compare and to scan), then element by element inside the
-    words that differ."""
-    per = 8 // now.element_size()
-    if per > 1 and now.numel() % per == 0 and all(t.data_ptr() % 8 == 0 for t in (now, before)):
-        words = torch.nonzero(now.view(torch.int64) != before.view(torch.int64)).view(-1)
-        inside = torch.nonzero(now.view(-1, per)[words] != before.view(-1, per)[words])
-        return words[inside[:, 0]] * per + inside[:, 1]
+    """The sorted flat positions where two flat integer tensors differ (numpy's on CPU: 3x torch's nonzero there)."""
+    if now.device.type == "cpu":
+        return torch.from_numpy(np.flatnonzero(now.numpy() != before.numpy()))
     return torch.nonzero(now != before).view(-1)
 
 

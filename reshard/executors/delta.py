@@ -273,8 +273,11 @@ def pack_bits(index: torch.Tensor, n: int) -> torch.Tensor:
 
 def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
     """The indices of the set bits of a bitmap (`pack_bits`' layout, padding included), ascending, int64."""
-    if packed.device.type == "cpu":
-        return torch.from_numpy(np.flatnonzero(np.unpackbits(packed.numpy(), bitorder="little")))
+    if packed.device.type == "cpu":  # the set bits of the bytes that have any
+        b = packed.numpy()
+        nonzero = np.flatnonzero(b)
+        r, c = np.nonzero(np.unpackbits(b[nonzero][:, None], axis=1, bitorder="little"))
+        return torch.from_numpy(nonzero[r] * 8 + c)
     return ((packed.unsqueeze(1) >> _shift_bits().to(packed.device)) & 1).view(-1).nonzero().view(-1)
 
 

@@ -216,3 +216,18 @@ def test_policy_keyframes_and_option_checks():
             DeltaPolicy(keyframe_every=bad)
     with pytest.raises(ArgumentError, match="DeltaPolicy"):
         make_executor("inprocess", plan, None, 0, source, got, delta=3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3000), st.floats(0.0, 1.0), st.integers(0, 2**16))
+def test_bitmaps_round_trip(n, p, seed):
+    """pack_bits / unpack_bits against an independent construction: bit j of byte k is element 8k + j."""
+    from reshard.executors.delta import pack_bits, unpack_bits
+
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.nonzero(torch.rand(n, generator=g) < p).view(-1)
+    packed = pack_bits(idx, n)
+    bits = torch.zeros(len(packed) * 8, dtype=torch.int64)
+    bits[idx] = 1
+    assert torch.equal(packed, (bits.view(-1, 8) << torch.arange(8)).sum(1).to(torch.uint8))
+    assert torch.equal(unpack_bits(packed), idx)

@@ -339,14 +339,17 @@ class TrainerSession:
         return []
 
     def _pause(self, engine: EngineClient, paused: list[EngineClient], deadline: float) -> list[str]:
-        """Pause one engine (when asked and it can), then ask it which requests it holds (engines that tell)."""
+        """Pause one engine (when asked and it can), then ask it which requests it holds (engines that tell; only
+        "keep" holds any: "wait" drained them, "abort" ended them)."""
         if not (self.pause_mode and isinstance(engine, Pausable)):
             return []
         paused.append(engine)
         if self._paused_at is None:
             self._paused_at = time.perf_counter()
         errors = self._bounded(engine, "pause", self.pause_mode, deadline=deadline)
-        if not errors and isinstance(engine, ReportsInFlight):
+        if not errors and self.pause_mode != "keep":
+            self._in_flight = self._in_flight or []
+        elif not errors and isinstance(engine, ReportsInFlight):
             try:
                 ids = engine.in_flight()
                 self._in_flight = (self._in_flight or []) + list(ids) if ids is not None else self._in_flight

@@ -91,3 +91,11 @@ def test_the_pause_spans_the_refit_or_only_the_flip(pause_for):
     if pause_for == "flip":
         assert list(result.phases) == ["start", "transfer", "staged", "pause", "flip", "finish", "resume"]
         assert result.stats.pause_s < result.seconds - result.phases["start"]
+
+
+def test_only_keep_holds_requests_across_the_flip():
+    session, engine = _session("flip", pause="wait")  # "wait" drained them: nothing to ask
+    session.init()
+    result = session.refit("v1")
+    session.close()
+    assert "in_flight" not in engine.calls and result.stats.in_flight == ()

@@ -12,15 +12,14 @@ no choice between 0 and 64, i.e. 50%). Placements: vLLM's initial one, and a reb
 vLLM's `DefaultEplbPolicy.rebalance_experts` on heavy-tailed random loads (hierarchical, nodes of 8 GPUs, where the
 model's expert groups allow it; a random permutation with replicas where vLLM does not import: the table says which).
 
-Columns: compile = CPU seconds of `reshard.compile` (best of --repeat; the machine is shared, CPU time is the
-figure); wire = bytes the plan moves (all over the network: trainer and engine on different nodes); +wire = over
-the same refit without redundancy; ingress = busiest engine GPU; predicted = the bandwidth model
-(reshard.planner.cost: 8 GPUs per node, one 400 Gb/s NIC per GPU, 50 GB/s each way); replicas = bytes of slots
-beyond one copy of each expert; node-relay = a what-if estimate, not a plan (the planner does not plan such relays
-yet): the trainer sends each node one copy of every expert the node holds, a slot whose expert has another copy on
-its node is fed over NVLink (366 GB/s) instead, and a node's 8 NICs share its ingress evenly; the time is the
-busiest node's remaining ingress over its NICs (or one GPU's whole share over NVLink, if longer); relay GB = the
-trainer bytes this saves.
+Columns: compile = CPU seconds of `reshard.compile(src, dst, fanout=1)` (best of --repeat; the machine is shared,
+CPU time is the figure; fanout=1 on one engine builds no tree, it lets the engine's ranks relay); wire = bytes the
+plan moves; +wire = over the same refit without redundancy; egress = what the trainer sends, with every slot fed by
+the trainer (`expert_copies=False`) and with the redundant slots fed by the engine (planner.fanout.slot_copies:
+the trainer sends each expert once, into the EP rank holding most of its slots; the others copy it from there, on
+that rank or over the engine's links); copies = bytes the engine's slot copies move (of them, on one rank);
+predicted = the bandwidth model (reshard.planner.cost: 8 GPUs per node, one 400 Gb/s NIC per GPU, 50 GB/s each way,
+NVLink inside a node; trainer and engine on different nodes) for each of the two plans.
 """
 from __future__ import annotations
 
@@ -75,31 +74,6 @@ def rebalanced(spec: reshard.ModelSpec, redundant: int, ep: int, groups: int, se
     return ExpertPlacement.from_vllm(p2l, ranks=ep, logical_experts=E), kind
 
 
-def node_relay(dst: VllmLayout, ingress: tuple[int, ...], itemsize: int, cluster: ClusterModel) -> tuple[int, float]:
-    """What-if: the trainer sends each node one copy of each expert slot it holds (a slot whose logical expert has
-    another slot on the same node is fed over NVLink instead), and a node's 8 NICs share its ingress evenly.
-    Returns (bytes no longer sent by the trainer, predicted seconds: the busiest node's remaining ingress over its
-    NICs, or a GPU receiving all of its share over NVLink, whichever is longer)."""
-    p, spec = dst.experts, dst.model
-    slot_bytes = 3 * spec.hidden_size * spec.moe_intermediate_size * itemsize  # gate, up, down
-    S, table = p.slots_per_rank, p.table()
-    node_of_slot = (np.arange(p.num_physical) // S) // GPUS_PER_NODE
-    nodes = -(-dst.tp // GPUS_PER_NODE)
-    relayed = np.zeros(nodes, dtype=np.int64)  # per node: slots a copy on the node could feed
-    for m in range(len(moe_layer_numbers(spec))):
-        row = table[0 if p.num_rows == 1 else m]
-        pairs = row.astype(np.int64) * nodes + node_of_slot  # (expert, node) of each slot
-        copies = np.bincount(pairs, minlength=spec.num_experts * nodes)
-        held = np.flatnonzero(copies)  # copies beyond the first of an expert on a node: fed over NVLink
-        relayed += np.bincount(held % nodes, weights=copies[held] - 1, minlength=nodes).astype(np.int64)
-    per_gpu = np.asarray(ingress[:dst.tp], dtype=np.int64)
-    node_in = np.bincount(np.arange(dst.tp) // GPUS_PER_NODE, weights=per_gpu, minlength=nodes) - relayed * slot_bytes
-    gpus = np.bincount(np.arange(dst.tp) // GPUS_PER_NODE, minlength=nodes)
-    seconds = max(float((node_in / (gpus * cluster.network_bandwidth)).max()),
-                  float(per_gpu.max()) / cluster.nvlink_bandwidth)
-    return int(relayed.sum()) * slot_bytes, seconds
-
-
 def run_case(name: str, ep: int, redundant: int, placement: str, repeat: int) -> dict:
     config, src_text, groups = MODELS[name]
     spec = reshard.ModelSpec.from_hf_config(ROOT / config)
@@ -110,29 +84,29 @@ def run_case(name: str, ep: int, redundant: int, placement: str, repeat: int) ->
     dst = VllmLayout(model=spec, tp=ep, expert_parallel=True, redundant_experts=redundant, expert_placement=explicit)
     reshard.compile(src, dst, layers=[moe_layer_numbers(spec)[0]])  # warm the placement caches of the layouts
     cpu, wall, plan = [], [], None
-    for _ in range(repeat):
+    for _ in range(repeat):  # fanout=1: one engine, so no tree; it lets the engine's ranks relay the slot copies
         plan = None
         t, w = time.process_time(), time.perf_counter()
-        plan = reshard.compile(src, dst)
+        plan = reshard.compile(src, dst, fanout=1)
         cpu.append(time.process_time() - t)
         wall.append(time.perf_counter() - w)
+    every = reshard.compile(src, dst, fanout=1, expert_copies=False)  # the trainer feeds every slot
     cluster = ClusterModel()
-    a = plan.accounting
-    pred = predict(plan, cluster)
-    relay_bytes, relay_s = node_relay(dst, a.ingress_bytes, spec.itemsize, cluster) if redundant else (0, pred.seconds)
+    a, b = plan.accounting, every.accounting
     slot_bytes = 3 * spec.hidden_size * spec.moe_intermediate_size * spec.itemsize
     return {"model": name, "ep": ep, "redundant": redundant, "redundant_pct": 100 * redundant / spec.num_experts,
             "placement": kind if redundant or explicit else "linear (no EPLB)", "src": str(src), "dst": str(dst),
             "compile_cpu_s": min(cpu), "compile_wall_s": min(wall), "ops": a.num_ops, "wire_bytes": a.total_bytes,
-            "egress_bytes": sum(a.egress_bytes), "max_ingress_bytes": a.max_ingress,
-            "replica_bytes": redundant * len(moe_layer_numbers(spec)) * slot_bytes,
-            "predicted_s": pred.seconds, "busiest": str(pred.busiest), "node_relay_bytes": relay_bytes,
-            "node_relay_predicted_s": relay_s, "coverage": plan.coverage}
+            "egress_bytes": sum(a.egress_bytes), "egress_every_slot_bytes": sum(b.egress_bytes),
+            "slot_copy_bytes": a.slot_copy_bytes, "slot_copy_local_bytes": a.slot_copy_local_bytes,
+            "max_ingress_bytes": a.max_ingress, "replica_bytes": redundant * len(moe_layer_numbers(spec)) * slot_bytes,
+            "predicted_s": predict(plan, cluster).seconds, "predicted_every_slot_s": predict(every, cluster).seconds,
+            "busiest": str(predict(plan, cluster).busiest), "coverage": plan.coverage}
 
 
 def table(rows: list[dict]) -> str:
-    head = ["model", "EP", "redundant", "placement", "compile s", "ops", "wire GB", "+wire", "ingress GB",
-            "predicted s", "replicas GB", "relay GB", "node-relay s"]
+    head = ["model", "EP", "redundant", "placement", "compile s", "ops", "wire GB", "+wire", "egress GB every slot",
+            "egress GB slot copies", "copies GB (on rank)", "predicted s every slot", "predicted s slot copies"]
     out = [head]
     base = {}
     for r in rows:
@@ -141,10 +115,10 @@ def table(rows: list[dict]) -> str:
         b = base[(r["model"], r["ep"])]
         out.append([r["model"], str(r["ep"]), f"{r['redundant']} ({r['redundant_pct']:.1f}%)", r["placement"],
                     f"{r['compile_cpu_s']:.2f}", f"{r['ops']:,}", f"{r['wire_bytes'] / 1e9:,.1f}",
-                    f"{100 * (r['wire_bytes'] / b['wire_bytes'] - 1):+.1f}%", f"{r['max_ingress_bytes'] / 1e9:.1f}",
-                    f"{r['predicted_s']:.3f}", f"{r['replica_bytes'] / 1e9:.1f}",
-                    f"{r['node_relay_bytes'] / 1e9:.1f}" if r["redundant"] else "-",
-                    f"{r['node_relay_predicted_s']:.3f}" if r["redundant"] else "-"])
+                    f"{100 * (r['wire_bytes'] / b['wire_bytes'] - 1):+.1f}%",
+                    f"{r['egress_every_slot_bytes'] / 1e9:,.1f}", f"{r['egress_bytes'] / 1e9:,.1f}",
+                    f"{r['slot_copy_bytes'] / 1e9:.1f} ({r['slot_copy_local_bytes'] / 1e9:.1f})",
+                    f"{r['predicted_every_slot_s']:.3f}", f"{r['predicted_s']:.3f}"])
     widths = [max(len(row[i]) for row in out) for i in range(len(head))]
     lines = [" | ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
              for row in out]

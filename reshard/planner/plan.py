@@ -315,6 +315,9 @@ class Plan:
             *([f"  fan-out      {self.roots} root replica(s) fed by the source, {len(self.replica_parent)} "
                f"tree(s), depth {self.tree_depth}, {a.num_stages} stages; busiest relay {b(a.max_relay_egress)}"]
               if self.fanout else []),
+            *([f"  slot copies  {b(a.slot_copy_bytes)} of redundant experts copied inside the engines "
+               f"({b(a.slot_copy_local_bytes)} on their own rank): the source sends each engine each expert once"]
+              if a.slot_copy_bytes else []),
             *([f"  value shift  {_counted(self.value_shifts.values())} (added after the copy: the two sides "
                f"store these values differently)"] if self.value_shifts else []),
             *([f"  own dtype    {_own_dtypes_text(self)}"] if self.own_dtypes else []),

@@ -9,8 +9,10 @@
   4. `group_executor(transport, ...)`: this process's executor for one group over a cross-process transport of
      adapters.transports, writing the destination tensors in place (loaders read them only once all agreed);
   5. `refuse(executor, ...)`: fail one group's refit on every process of it at once;
-  6. `check_options`, `check_room`: the options both backends take, and the refusal of "model" staging that does
-     not fit. How the processes agree on each group and on the trainers' streams: integrations.agreement;
+  6. `check_options`, `check_room`, `refuse_serving`: the options both backends take, the refusal of "model"
+     staging that does not fit, and of refit while serving (neither framework hands a backend the weights while
+     its engine generates). How the processes agree on each group and on the trainers' streams:
+     integrations.agreement;
   7. `transfer_thread`, `staging_empty`, `synchronize`: the thread groups move on, the buffers they land in.
 """
 from __future__ import annotations
@@ -87,6 +89,29 @@ def refuse_unknown(given: Any, known: Sequence[str], where: str, of: str) -> Non
                             rule=f"{'are not options' if len(names) > 1 else 'is not an option'} of {of}; its "
                                  f"options: {', '.join(known)}",
                             fix=f"did you mean {'; '.join(hints)}" if hints else "remove it")
+
+
+def refuse_serving(options: Any, prefix: str, why: str, guide: str) -> None:
+    """Refuse reshard's refit while the engine generates (`pause_for`; `staging` "device" or "host", RefitSpec's),
+    which a framework's backend cannot honour: the framework holds its engine's generation for the whole refit.
+
+    Args:
+        options: option -> value (what the framework passes the backend).
+        prefix: what errors put before an option's name.
+        why: where the framework holds its engine, with its file and line.
+        guide: the guide whose section "Refit while the engine generates" says so (docs/guides/<guide>.md).
+
+    Raises:
+        ArgumentError: naming the option, why, and the fix.
+    """
+    key = "pause_for" if "pause_for" in options else (
+        "staging" if options.get("staging") in ("device", "host") else None)
+    if key is not None:
+        raise ArgumentError(prefix + key, options[key], f"is reshard's refit while the engine generates "
+                            f"(TrainerSession(pause_for='flip'), RefitSpec(staging='device' | 'host')), which this "
+                            f"backend cannot honour: {why}",
+                            fix=f"remove it, staging bucket or model; docs/guides/{guide}.md, 'Refit while the "
+                                f"engine generates', says what the framework would need")
 
 
 def check_room(need: int, free: int | None, device: Any, field: str, where: str) -> None:
@@ -314,5 +339,5 @@ def refuse(executor: Executor, process: int, version: int, reason: str) -> None:
 
 
 __all__ = ["DEPTH", "STAGINGS", "available_bytes", "check_options", "check_room", "group_bindings", "group_executor",
-           "group_plans", "group_transport", "refuse", "refuse_unknown", "staging_empty", "synchronize", "tensor_bytes",
-           "tensor_groups", "transfer_thread"]
+           "group_plans", "group_transport", "refuse", "refuse_serving", "refuse_unknown", "staging_empty",
+           "synchronize", "tensor_bytes", "tensor_groups", "transfer_thread"]

@@ -62,12 +62,19 @@ from ..layouts import ModelSpec
 from .agreement import Agreement
 from ..executors.partition import carve
 from .groups import (available_bytes, check_options, check_room, group_bindings, group_executor, group_plans,
-                     refuse, refuse_unknown, staging_empty, synchronize, tensor_bytes, tensor_groups, transfer_thread)
+                     refuse, refuse_serving, refuse_unknown, staging_empty, synchronize, tensor_bytes, tensor_groups,
+                     transfer_thread)
 from .streams import StreamNames
 
 TRANSPORTS = ("collective", "shared")
 ALIGN = 256  # bytes: every tensor in a bucket starts aligned for any dtype and vectorised copies
 POLL_S = 0.05  # how often a draining policy worker checks the store for a failure posted elsewhere
+# where NeMo-RL holds vLLM's generation for a whole refit (commit 7ea279a; docs/guides/nemo_rl.md has the rest)
+SERVING_WHY = ("NeMo-RL hands the engine the weights only inside one vLLM collective_rpc, "
+               "update_weights_from_checkpoint_engine, issued together with the policy workers' send "
+               "(nemo_rl/weight_sync/checkpoint_engine_weight_synchronizer.py:225-231), and vLLM's engine core runs no "
+               "step until every worker returned it: in-flight requests survive the refit "
+               "(grpo.async_grpo.in_flight_weight_updates) but make no progress during it")
 
 
 class ReshardCheckpointEngine:
@@ -112,7 +119,8 @@ class ReshardCheckpointEngine:
 
     Raises:
         ArgumentError: an option of the wrong type or value (checked at construction, before any worker
-            joins); "model" staging larger than the receiving device's free memory (when a vLLM worker joins);
+            joins; refit while serving, `pause_for` or `staging` "device" / "host", with why not); "model"
+            staging larger than the receiving device's free memory (when a vLLM worker joins);
             from `send_weights`, on the policy worker whose stream is wrong, the tensor that is.
         ExecutionError: from the refit methods, a peer that failed, a transfer that failed or another worker's
             refusal (its reason included); see the module docstring for what vLLM then holds.
@@ -125,6 +133,7 @@ class ReshardCheckpointEngine:
                  checksum: bool | str | None = None, backend: str | None = None, device: str | None = None,
                  dtype: str | None = None, timeout: float = 300.0, release_after_refit: bool = False,
                  **unknown: Any) -> None:
+        refuse_serving({**unknown, "staging": staging}, "refit_cfg ", SERVING_WHY, "nemo_rl")
         # NeMo-RL passes every key of the refit_cfg entry (its schema allows extra keys): a typo lands in `unknown`
         refuse_unknown(unknown, [p for p in inspect.signature(type(self)).parameters if p not in ("bucket_size",
                        "unknown")], "refit_cfg", "ReshardCheckpointEngine (NeMo-RL passes every key of its refit_cfg "

@@ -81,7 +81,8 @@ class ReshardCheckpointEngine(CheckpointEngine):
             timeout (seconds), backend (collective: gloo/nccl).
 
     Raises:
-        ArgumentError: a missing model, an unknown option (`atomic` names its replacement), a bad bucket, or
+        ArgumentError: a missing model, an unknown option (`atomic` names its replacement; `pause_for` and
+            `staging` "device" / "host" say why verl allows no refit while serving), a bad bucket, or
             "model" staging on a rollout rank whose device has less free memory than the model takes.
     """
 

@@ -31,15 +31,21 @@ from .. import groups
 from ..groups import DEPTH, tensor_groups
 
 OPTIONS = ("transport", "fanout", "staging", "checksum", "timeout", "backend")  # what engine_kwargs.reshard holds
+# where verl holds the rollout's generation for a whole refit (verl 0.9.1; docs/guides/verl.md has the rest)
+SERVING_WHY = ("verl's CheckpointEngineManager.update_weights aborts the rollout's requests and frees its KV cache "
+               "before it calls any backend and resumes them after the last (verl/checkpoint_engine/base.py:523-560), "
+               "and every trainer that refits a generating rollout (fully_async_policy, separate_async) uses it")
 
 
 def check_options(options: dict[str, Any]) -> dict[str, Any]:
     """The backend's options (`engine_kwargs.reshard` in verl's config) as plain JSON values.
 
     Raises:
-        ArgumentError: an unknown option (`atomic`, replaced by `staging`, is named with its replacement), a value
-            of the wrong type or outside its range (groups.check_options).
+        ArgumentError: an unknown option (`atomic`, replaced by `staging`, is named with its replacement; refit
+            while serving, `pause_for` and `staging` "device" / "host", with why not), a value of the wrong type or
+            outside its range (groups.check_options).
     """
+    groups.refuse_serving(options, "engine_kwargs.reshard.", SERVING_WHY, "verl")
     if "atomic" in options:
         raise ArgumentError("engine_kwargs.reshard.atomic", options["atomic"], "was replaced by `staging`",
                             fix="staging: model for all or nothing (atomic: true; one copy of the model per "

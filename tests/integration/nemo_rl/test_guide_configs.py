@@ -152,7 +152,11 @@ def _edit(body: str, add: str = "", drop: str = "") -> str:
 @pytest.mark.parametrize("add,words", [
     ("fan_out: 2", r"refit_cfg key 'fan_out' is not an option.*did you mean 'fan_out' -> 'fanout'"),
     ("host: 198.51.100.1", r"refit_cfg host='198\.51\.100\.1' is not an address of this host.*remove `host`"),
-], ids=["unknown-key", "another-nodes-host"])
+    # refit while the engine generates: NeMo-RL runs the whole refit inside one vLLM collective_rpc (nemo_rl.md)
+    ("pause_for: flip", r"refit_cfg pause_for='flip' is reshard's refit while the engine generates.*collective_rpc"
+                        r".*checkpoint_engine_weight_synchronizer\.py:225-231.*docs/guides/nemo_rl\.md"),
+    ("staging: device", r"refit_cfg staging='device' is reshard's refit while the engine generates.*no progress"),
+], ids=["unknown-key", "another-nodes-host", "pause-for-flip", "staging-device"])
 def test_a_key_nemo_rl_would_pass_that_reshard_refuses_is_named(checkpoint, add, words):
     """NeMo-RL's schema lets both through (extra keys allowed); the engine refuses them when it is built."""
     cls, bucket_size, kwargs = nemo_rl_engine_call(_edit(TESTED[0][1], add=add), checkpoint)

@@ -1,7 +1,8 @@
 """The verl backend's `staging` option at construction (no processes): "model" staging refused on a rollout rank
 whose receiving device cannot hold the whole model, naming both sizes and the fix; `atomic`, which `staging`
-replaced, refused naming its replacement. The model's bytes are counted on transformers' own model (meta device),
-the free memory read from /proc/meminfo here."""
+replaced, refused naming its replacement; refit while the engine generates (`pause_for`, `staging` "device" or
+"host") refused naming where verl pauses the rollout. The model's bytes are counted on transformers' own model
+(meta device), the free memory read from /proc/meminfo here."""
 from __future__ import annotations
 
 import re
@@ -56,7 +57,13 @@ def test_model_staging_is_refused_where_the_model_does_not_fit():
 
 @pytest.mark.parametrize("options,named", [({"atomic": True}, "staging: model"),
                                            ({"atomic": False}, "staging"),
-                                           ({"staging": "all"}, "('bucket', 'model')")])
+                                           ({"staging": "all"}, "('bucket', 'model')"),
+                                           # refit while the engine generates: verl's manager pauses around it all
+                                           ({"staging": "device"}, "verl/checkpoint_engine/base.py:523-560"),
+                                           ({"staging": "host", "pause_for": "flip"}, "pause_for='flip' is "
+                                            "reshard's refit while the engine generates"),
+                                           ({"pause_for": "refit"}, "docs/guides/verl.md, 'Refit while the engine "
+                                            "generates'")])
 def test_atomic_and_unknown_stagings_are_refused_naming_the_fix(options, named):
     from reshard.integrations.verl import modes
 

@@ -3,7 +3,8 @@ continuous request loop (streamed greedy completions from `--clients` threads ov
 refit after refit from this process (one trainer rank, plain tensors, the collective transport, a loader install
 with `RefitSpec(staging="device")`). Per refit: the transfer (the trainer's send until every engine worker has
 its bytes), the pause (the driver's first pause call to the resume's answer: `RefitStats.pause_s`), the whole
-refit, the tokens the engine streamed while the bytes landed and while paused, the requests held across the flip.
+refit, the tokens the engine streamed while the bytes landed and while paused, the requests held across the flip,
+the slowest worker's install and its wait for the staged transfer (the worker extension's `reshard_stats`).
 Goal: pause <= 10% of the transfer. The same run measures `pause_for="refit"` (today's default: the pause spans the
 whole refit) for comparison.
 
@@ -75,7 +76,7 @@ def main() -> int:
                                  "pause_s": r.stats.pause_s, "phases": ph,
                                  "tokens_landing": loop.tokens_between(t_land, t_land + land) if land else 0,
                                  "tokens_paused": loop.tokens_between(paused, t0 + r.seconds),
-                                 "in_flight": len(r.stats.in_flight or ())})
+                                 "in_flight": len(r.stats.in_flight or ()), **_worker_times(server)})
                     time.sleep(0.5)
                 errors = sum(1 for q in loop.requests if q.error)
             session.close()
@@ -92,9 +93,17 @@ def main() -> int:
                   f"{med['tokens_paused']:.0f}; requests held across the pause {med['in_flight']:.0f}; request "
                   f"errors {errors}")
             print("  phases: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in med["phases"].items()))
+            print(f"  the slowest worker's install {med['flip_s'] * 1e3:.1f} ms, after waiting "
+                  f"{med['tail_s'] * 1e3:.1f} ms for its staged transfer to end")
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
     return 0
+
+
+def _worker_times(server) -> dict:
+    """The slowest worker's last install (`flip_s`) and its wait for the staged transfer first (`tail_s`)."""
+    stats = server.collective_rpc("reshard_stats")
+    return {k: max(float(w.get(k, 0.0)) for w in stats) for k in ("flip_s", "tail_s")}
 
 
 if __name__ == "__main__":

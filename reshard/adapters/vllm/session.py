@@ -106,6 +106,7 @@ class WorkerSession:
         self.staging: Staging | None = None
         self.landing: Background | None = None  # a staged transfer running while the engine generates
         self.flip_s = 0.0  # the last install's wall time (the flip, when staged)
+        self.tail_s = 0.0  # how long the last install waited for its staged transfer to end (and agreed on it)
         self.slot: AdapterSlot | None = None
         if refit.install == "lora_slot":
             self.slot = AdapterSlot(lora_manager(self.model), dst, refit.lora_id, self.rank)
@@ -253,7 +254,7 @@ class WorkerSession:
     def _landed_whole(self) -> None:
         """Staged refits: wait for the transfer (as long as the transport's timeout), then agree with the engine's
         other workers that every one has its bytes whole, before any flips. Raises ExecutionError otherwise."""
-        landing = self.landing
+        landing, start = self.landing, time.perf_counter()
         if landing is None:
             return
         self.landing = None
@@ -267,7 +268,9 @@ class WorkerSession:
 
         from .agreed import agreed  # (agreed drives this session)
 
-        if not agreed("staged transfer", whole):
+        ok = agreed("staged transfer", whole)
+        self.tail_s = time.perf_counter() - start
+        if not ok:
             raise ExecutionError("another worker of this engine lacks its staged bytes")
 
     def install_received(self) -> None:
@@ -287,7 +290,7 @@ class WorkerSession:
         """After every worker has its bytes: direct: the flip when staged, then finish (padding, widened tensors);
         loader: load_weights; lora_slot: B *= alpha / r."""
         self._landed_whole()
-        start = time.perf_counter()
+        start = time.perf_counter()  # (the wait above is tail_s)
         if self.slot is not None:
             self.slot.scale()
         elif self.binding is not None:

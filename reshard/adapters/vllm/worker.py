@@ -112,11 +112,15 @@ class ReshardWorkerExtension:
         return None if placement is None else placement.model_dump(mode="json")
 
     def reshard_stats(self) -> dict[str, Any]:
-        """This worker's plan-cache counts (compiles, hits) and its rank: a second refit compiles nothing. Callable
-        by name through a server's dev route `/collective_rpc` (`{"method": "reshard_stats"}`)."""
+        """This worker's plan-cache counts (compiles, hits), its process id and, once a refit installed, how long
+        its last install took (`flip_s`) and waited for a staged transfer first (`tail_s`): a second refit compiles
+        nothing. Callable by name through a server's dev route `/collective_rpc` (`{"method": "reshard_stats"}`)."""
         from ...planner import cache
 
-        return {**cache.stats(), "pid": os.getpid()}
+        engine = getattr(getattr(self, "weight_transfer_engine", None), "steps", None)
+        sessions = [s.session for s in (engine, getattr(self, "_reshard_agreed", None)) if s and s.session]
+        times = {"flip_s": sessions[0].flip_s, "tail_s": sessions[0].tail_s} if sessions else {}
+        return {**cache.stats(), "pid": os.getpid(), **times}
 
     def reshard_landed(self) -> dict[str, Any]:
         """`WorkerSession.landed` of this worker's last refit (through the weight-transfer API or this extension):

@@ -9,10 +9,8 @@
   4. `group_executor(transport, ...)`: this process's executor for one group over a cross-process transport of
      adapters.transports, writing the destination tensors in place (loaders read them only once all agreed);
   5. `refuse(executor, ...)`: fail one group's refit on every process of it at once;
-  6. `check_options`, `check_room`, `refuse_serving`: the options both backends take, the refusal of "model"
-     staging that does not fit, and of refit while serving (neither framework hands a backend the weights while
-     its engine generates). How the processes agree on each group and on the trainers' streams:
-     integrations.agreement;
+  6. `check_options`, `check_room`, `refuse_serving`: the options both backends take, and their refusals ("model"
+     staging that does not fit, refit while serving). How the processes agree: integrations.agreement;
   7. `transfer_thread`, `staging_empty`, `synchronize`: the thread groups move on, the buffers they land in.
 """
 from __future__ import annotations
@@ -92,26 +90,16 @@ def refuse_unknown(given: Any, known: Sequence[str], where: str, of: str) -> Non
 
 
 def refuse_serving(options: Any, prefix: str, why: str, guide: str) -> None:
-    """Refuse reshard's refit while the engine generates (`pause_for`; `staging` "device" or "host", RefitSpec's),
-    which a framework's backend cannot honour: the framework holds its engine's generation for the whole refit.
-
-    Args:
-        options: option -> value (what the framework passes the backend).
-        prefix: what errors put before an option's name.
-        why: where the framework holds its engine, with its file and line.
-        guide: the guide whose section "Refit while the engine generates" says so (docs/guides/<guide>.md).
-
-    Raises:
-        ArgumentError: naming the option, why, and the fix.
+    """Refuse reshard's refit while the engine generates (`pause_for`; RefitSpec's `staging` "device" / "host") in
+    `options`: the framework holds its engine for the whole refit (`why`: where, by file and line; `guide`:
+    docs/guides/<guide>.md says more). Raises ArgumentError naming the option (`prefix` before it), why and the fix.
     """
-    key = "pause_for" if "pause_for" in options else (
-        "staging" if options.get("staging") in ("device", "host") else None)
-    if key is not None:
+    key = "pause_for" if "pause_for" in options else "staging" if options.get("staging") in ("device", "host") else ""
+    if key:
         raise ArgumentError(prefix + key, options[key], f"is reshard's refit while the engine generates "
                             f"(TrainerSession(pause_for='flip'), RefitSpec(staging='device' | 'host')), which this "
-                            f"backend cannot honour: {why}",
-                            fix=f"remove it, staging bucket or model; docs/guides/{guide}.md, 'Refit while the "
-                                f"engine generates', says what the framework would need")
+                            f"backend cannot honour: {why}", fix=f"remove it, staging bucket or model; "
+                            f"docs/guides/{guide}.md, 'Refit while the engine generates', says what it would need")
 
 
 def check_room(need: int, free: int | None, device: Any, field: str, where: str) -> None:

@@ -463,3 +463,7 @@ class InProcessDelta:
         for b in self.dst_blocks:
             sums.update(0, b)
         return sums.hexdigest(0)
+
+
+__all__ = ["Decoded", "DeltaError", "DeltaPolicy", "DeltaReport", "InProcessDelta", "Receiver", "Sender",
+           "keyframe_report", "pack_bits", "unpack_bits"]

@@ -237,3 +237,6 @@ class CollectiveDelta:
             self.sender.forget()
         if self.receiver is not None:
             self.receiver.held = None
+
+
+__all__ = ["CollectiveDelta"]

@@ -92,10 +92,8 @@ def make(job: dict[str, Any], plan: Any, binding: Any, process: int, src: dict, 
         return SharedExecutor(plan, binding, process, src, dst, store=store, namespace=namespace, **options)
     from reshard.executors.nixl import NixlExecutor, NixlOptions
 
-    # --8<-- [start:nixl_executor]
     return NixlExecutor(plan, binding, process, src, dst, store=store, options=NixlOptions(**job["options"]),
                         namespace=namespace)
-    # --8<-- [end:nixl_executor]
 
 
 def on_device(job: dict[str, Any], tensors: dict) -> dict:

@@ -2,7 +2,8 @@
 ground truth it computes independently, and exits non-zero when the result is wrong): examples/nemo_rl (reshard as
 NeMo-RL's checkpoint engine, inside a real vLLM CPU worker's extension), examples/megatron (a live Megatron
 model's refit into an HF checkpoint, checked in transformers; a saved Megatron checkpoint read by reader processes;
-a refit checked by reshard.verify's mismatch check and audit; an FP8 block-scaled refit against its own quantization) and examples/art (a `vllm serve` refit from
+a refit checked by reshard.verify's mismatch check and audit; an FP8 block-scaled refit against its own quantization),
+examples/executors (a refit over NIXL between three processes) and examples/art (a `vllm serve` refit from
 Megatron trainer processes; its LoRA adapter refit in place); examples/verl runs in the verl stage
 (tests/integration/verl/test_verl_example.py). Also: the examples import nothing from reshard.testing
 (they are the user path).
@@ -21,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[3]
 # examples/art runs the server path of tests/integration/serve (test_serve.py, test_lora_slot_serve.py): marked
 # slow, run by scripts/test with RESHARD_SLOW_TESTS=1 (the suite's time on a 2-core CI machine is the limit)
 EXAMPLES = ["examples/megatron/refit.py", "examples/megatron/checkpoint.py", "examples/megatron/verify.py",
-            "examples/megatron/fp8.py", "examples/nemo_rl/refit.py",
+            "examples/megatron/fp8.py", "examples/nemo_rl/refit.py", "examples/executors/nixl_refit.py",
             pytest.param("examples/art/refit.py", marks=pytest.mark.slow),
             pytest.param("examples/art/lora_refit.py", marks=pytest.mark.slow)]
 
@@ -32,7 +33,8 @@ def _imports(path: Path) -> set[str]:
     return names | {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
 
 
-@pytest.mark.parametrize("folder", ["examples/megatron", "examples/nemo_rl", "examples/art", "examples/verl"])
+@pytest.mark.parametrize("folder", ["examples/megatron", "examples/nemo_rl", "examples/art", "examples/verl",
+                                    "examples/executors"])
 def test_examples_import_only_the_public_api(folder):
     for path in sorted((ROOT / folder).glob("*.py")):
         bad = sorted(m for m in _imports(path) if m.startswith("reshard.testing"))

@@ -9,15 +9,17 @@
   4. `group_executor(transport, ...)`: this process's executor for one group over a cross-process transport of
      adapters.transports, writing the destination tensors in place (loaders read them only once all agreed);
   5. `refuse(executor, ...)`: fail one group's refit on every process of it at once;
-  6. `check_options`, `check_room`, `refuse_serving`: the options both backends take, and their refusals ("model"
-     staging that does not fit, refit while serving). How the processes agree: integrations.agreement;
+  6. `check_options`, `check_room`, `refuse_serving`, `refuse_moved_experts`: the options both backends take, and
+     their refusals ("model" staging that does not fit, refit while serving, an EPLB engine whose experts moved).
+     How the processes agree: integrations.agreement;
   7. `transfer_thread`, `staging_empty`, `synchronize`: the thread groups move on, the buffers they land in.
 """
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any, Sequence
 
-from ..errors import ArgumentError, ExecutionError
+from ..errors import ArgumentError, ExecutionError, LayoutMismatchError
 from ..executors.base import Executor, RankTensors
 from ..executors.binding import Binding
 from ..layouts import HfLayout, ModelSpec
@@ -100,6 +102,40 @@ def refuse_serving(options: Any, prefix: str, why: str, guide: str) -> None:
                             f"(TrainerSession(pause_for='flip'), RefitSpec(staging='device' | 'host')), which this "
                             f"backend cannot honour: {why}", fix=f"remove it, staging bucket or model; "
                             f"docs/guides/{guide}.md, 'Refit while the engine generates', says what it would need")
+
+
+def refuse_moved_experts(where: str) -> None:
+    """Refuse a refit into an EPLB engine whose experts moved, before any byte lands. The integrations hand whole HF
+    tensors to vLLM's `load_weights`, which writes each physical expert slot p with the checkpoint's expert
+    `initial[p]`, vLLM's initial placement, never the EPLB state's (vLLM 0.33: `RoutedExperts.load_weights` ->
+    `build_expert_params_mapping`, routed_experts.py:1004-1007, 1207-1216, 1274-1288); after a rebalance that is
+    another expert's slot. The placement is read from the vLLM worker this was called from (NeMo-RL's worker
+    extension is mixed into vLLM's worker: the caller's `self`); no vLLM worker calling (verl's rollout rank runs
+    beside the vLLM workers, not in them): nothing to read, nothing refused.
+
+    Raises:
+        LayoutMismatchError: naming the engine's placement and the initial one (`check_loader_placement`).
+    """
+    frame = sys._getframe(1)
+    while frame is not None and not (hasattr(frame.f_locals.get("self"), "model_runner")
+                                     and hasattr(frame.f_locals.get("self"), "vllm_config")):
+        frame = frame.f_back
+    if frame is None:
+        return
+    from vllm.model_executor.models.interfaces import get_mixture_of_experts_model
+
+    from ..adapters.vllm.experts import check_loader_placement, live_placement
+
+    model = frame.f_locals["self"].model_runner.get_model()
+    moe = get_mixture_of_experts_model(model)
+    if moe is None:
+        return
+    try:
+        check_loader_placement(live_placement(model, moe.num_physical_experts // moe.num_local_physical_experts))
+    except LayoutMismatchError as e:
+        raise LayoutMismatchError("this refit", e.problems, where=f"{where}'s expert placement", fix=(
+            "every framework loader writes the initial placement: serve without EPLB (enable_eplb off), or refit "
+            "through reshard's vLLM weight-transfer engine, whose TrainerSession follows the placement")) from None
 
 
 def check_room(need: int, free: int | None, device: Any, field: str, where: str) -> None:

@@ -62,8 +62,8 @@ from ..layouts import ModelSpec
 from .agreement import Agreement
 from ..executors.partition import carve
 from .groups import (available_bytes, check_options, check_room, group_bindings, group_executor, group_plans,
-                     refuse, refuse_serving, refuse_unknown, staging_empty, synchronize, tensor_bytes, tensor_groups,
-                     transfer_thread)
+                     refuse, refuse_moved_experts, refuse_serving, refuse_unknown, staging_empty, synchronize,
+                     tensor_bytes, tensor_groups, transfer_thread)
 from .streams import StreamNames
 
 TRANSPORTS = ("collective", "shared")
@@ -449,6 +449,8 @@ class ReshardCheckpointEngine:
         The tensors are views of this worker's buckets: load them before asking for the next batch.
 
         Raises:
+            LayoutMismatchError: this engine's EPLB moved experts (`groups.refuse_moved_experts`: vLLM's loaders
+                write the initial placement), before any byte lands; every other process fails at once.
             ExecutionError: the refit failed (here, elsewhere, or another worker refused it); what vLLM then holds
                 is in the module docstring.
         """
@@ -456,6 +458,11 @@ class ReshardCheckpointEngine:
             raise ExecutionError("receive_weight_batches on an engine that is not a joined vLLM worker "
                                  "(call init_rollout_process_group first)")
         v = self._begin()
+        try:  # read at every refit: EPLB may rebalance between two
+            refuse_moved_experts(f"vLLM worker {self.rank}")
+        except ReshardError as e:
+            await asyncio.wrap_future(self._fail(v, e, None, 0))
+            raise
         start, G, bucket = time.perf_counter(), len(self.groups), self.staging == "bucket"
         flight: concurrent.futures.Future | None = self._pool.submit(self._move, 0, v)
         moving = 0  # the group in flight

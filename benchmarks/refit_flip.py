@@ -1,10 +1,11 @@
 """The flip of a staged refit on one GPU (issue 40, benchmark b): a Qwen3-30B-A3B engine shard of vLLM TP 2 (the
 engine's own tensor shapes, random bf16 weights), its staged copy flipped into the live tensors as a worker does
-(`reshard.adapters.vllm.staging.Staging.flip`: one batched `torch._foreach_copy_` of every tensor, waited for),
+(`reshard.adapters.vllm.staging.Staging.flip`: one `copy_` per tensor, waited for once; `torch._foreach_copy_`
+of the same tensors beside it),
 against the ceiling: one device copy of the same bytes in one flat tensor. Also the flip from pinned host memory
 (staging="host") against one flat pinned host-to-device copy of the same bytes, unless --no-host.
 
-Needs only torch (the shapes are written out from the model's config below; no vLLM, no reshard import):
+Needs torch and reshard's core (the shapes are written out from the model's config below; no vLLM):
 
     python benchmarks/refit_flip.py --json out.json          # on one H100 / H200; goal: flip <= 50 ms
 """
@@ -16,6 +17,8 @@ import statistics
 import time
 
 import torch
+
+from reshard.adapters.vllm.staging import Staging
 
 # Qwen3-30B-A3B (examples/configs/qwen3-30b-a3b.json)
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 2048, 48, 32, 4, 128
@@ -73,23 +76,23 @@ def main() -> None:
     del flat_a, flat_b
     torch.cuda.empty_cache()
     live = {n: torch.randn(s, dtype=torch.bfloat16, device=device) for n, s in shapes.items()}
-    staged = {n: torch.randn(s, dtype=torch.bfloat16, device=device) for n, s in shapes.items()}
+    staging = Staging(live, "device", "a Qwen3-30B-A3B TP shard")  # the worker's own staging and flip
+    staged = staging.tensors
+    for t in staged.values():
+        t.normal_()
     names = list(live)
     dst, src = [live[n] for n in names], [staged[n] for n in names]
+    flip = staging.flip
 
-    def flip() -> None:  # what Staging.flip does
+    def batched_flip() -> None:  # the alternative: one torch._foreach_copy_ of every tensor
         torch._foreach_copy_(dst, src, non_blocking=True)
-
-    def loop_flip() -> None:  # one copy_ per tensor
-        for d, s in zip(dst, src):
-            d.copy_(s, non_blocking=True)
 
     flip()
     torch.cuda.synchronize(device)
     assert all(torch.equal(live[n], staged[n]) for n in names), "the flip did not land every byte"
     results["flip_s"] = timed(flip, device, args.repeats)
-    results["flip_loop_s"] = timed(loop_flip, device, args.repeats)
-    del staged, src
+    results["flip_batched_s"] = timed(batched_flip, device, args.repeats)
+    del staging, staged, src, flip
     torch.cuda.empty_cache()
     if not args.no_host:
         t0 = time.perf_counter()

@@ -118,6 +118,25 @@ def not_used_message(manager_config: Any, trainer_config: Any = None) -> str | N
               "> 0), or one of verl's disaggregated entry points (docs/guides/verl.md, Trainer modes)")
 
 
+def refuse_eplb(trainer_config: Any) -> None:
+    """Refuse a trainer that refits an EPLB vLLM rollout through reshard: verl's vLLM adapter loads with vLLM's
+    `load_weights`, which writes experts by vLLM's initial placement, wrong once EPLB rebalanced
+    (integrations.groups.refuse_moved_experts has vLLM's lines), and this backend's rollout rank runs beside the
+    vLLM workers (verl's CheckpointEngineWorker), so it cannot read their placement at a refit's start.
+
+    Raises:
+        ArgumentError: naming the key that enables EPLB.
+    """
+    key = "actor_rollout_ref.rollout.engine_kwargs.vllm.enable_eplb"
+    if trainer_config is None or not _get(trainer_config, key, False) or not backend_in_use(trainer_config)[0]:
+        return
+    raise ArgumentError(key, True, "loads through vLLM's load_weights, which writes experts by vLLM's initial "
+                        "placement: after EPLB rebalances, every expert it moved would be written into another "
+                        "expert's slot, and verl gives the backend no way to read the placement first",
+                        fix="turn EPLB off, or refit through reshard's vLLM weight-transfer engine, which follows "
+                            "the placement (docs/guides/vllm.md, Engines that rebalance experts)")
+
+
 def _frame_local(code: Any, name: str, start: Any) -> tuple[Any, Any] | None:
     """The local `name` of the innermost frame running `code`, from `start` outwards, and that frame."""
     frame = start
@@ -145,8 +164,9 @@ def on_import() -> str | None:
     """Run when verl imports this package (`custom_backend_module`). In the driver verl imports it from
     `CheckpointEngineManager.__init__` (verl/checkpoint_engine/base.py), with the manager's real config in hand:
 
-    - a config that names reshard's module is checked for keys that reach no backend (ArgumentError: the
-      manager, and so the trainer's set-up, fails before any weights move);
+    - a config that names reshard's module is checked for keys that reach no backend, and a trainer that refits an
+      EPLB rollout through reshard is refused (`refuse_eplb`) (ArgumentError: the manager, and so the trainer's
+      set-up, fails before any weights move);
     - a manager built with another backend than reshard while the config names reshard's module is verl replacing
       the configured backend (the v1 trainers' `naive`, trainer_base.py): a BackendNotUsedWarning says so, unless
       the trainer found up the stack refits other replicas through reshard (separate_async's standalone ones).
@@ -164,7 +184,9 @@ def on_import() -> str | None:
     if _get(config, "custom_backend_module") != MODULE and _get(config, "backend") != BACKEND:
         return None
     check_checkpoint_engine(config)
-    message = not_used_message(config, _trainer_config(frame.f_back))
+    trainer = _trainer_config(frame.f_back)
+    refuse_eplb(trainer)
+    message = not_used_message(config, trainer)
     if message is None:
         return None
     warnings.warn(message, BackendNotUsedWarning, stacklevel=2)
@@ -172,4 +194,4 @@ def on_import() -> str | None:
 
 
 __all__ = ["BACKEND", "BackendNotUsedWarning", "MODULE", "VERL_BACKENDS", "backend_in_use", "check_checkpoint_engine",
-           "not_used_message", "on_import"]
+           "not_used_message", "on_import", "refuse_eplb"]

@@ -1,8 +1,9 @@
 """Delta refits against dense ones, side by side in one run (issue 41, item 6): bytes on the wire and refit time.
 
 Default (CPU, gloo over loopback; with --link RATE across the test bed's two hosts, network namespaces joined by a
-veth pair that tc limits to RATE both ways, tests/testbed/two_hosts.py, root): two processes, a trainer (Megatron TP1 source tensors) and an engine (vLLM TP1
-destination tensors), joined in a store-made gloo group (executors.collective.comm.StoreComm). Cases:
+veth pair that tc limits to RATE both ways, tests/testbed/two_hosts.py, root): two processes, a trainer (Megatron
+TP1 source tensors) and an engine (vLLM TP1 destination tensors), joined in a store-made gloo group
+(executors.collective.comm.StoreComm). Cases:
   dense                 the collective executor without `delta` (staged): the dense ceiling of this run
   delta p               the same executor with delta=DeltaPolicy(...) after a keyframe, with a fraction p of the
                         trainer's bf16 elements changed since the engine's version (uniformly spread, each by one
@@ -149,8 +150,8 @@ def run_cpu(a) -> int:
 
         port = 29000 + os.getpid() % 1000
         with TwoHosts(rate=a.link) as hosts:
-            procs = [hosts.start(h, [sys.executable, __file__, "--worker", str(me), "--store", f"{hosts.a.address}:{port}",
-                                     "--args", json.dumps(args), "--out", outs[me]])
+            procs = [hosts.start(h, [sys.executable, __file__, "--worker", str(me), "--store",
+                                     f"{hosts.a.address}:{port}", "--args", json.dumps(args), "--out", outs[me]])
                      for me, h in ((TRAINER, hosts.a), (ENGINE, hosts.b))]
             codes = [p.wait(3000) for p in procs]
         if any(codes):

@@ -204,7 +204,8 @@ class Sender:
             payload[at["entries"]:at["digest"]] = torch.from_numpy(
                 np.stack([op, enc, count], axis=1).astype(np.int64).reshape(-1).view(np.uint8)).to(device)
             if digest:
-                payload[at["digest"]:at["digest"] + len(digest)] = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
+                payload[at["digest"]:at["digest"] + len(digest)] = torch.frombuffer(bytearray(digest),
+                                                                                    dtype=torch.uint8)
             pos = {name: at[name] for name in ("index", "bitmap", "values", "dense")}
             indices = []
             for k, e in zip(keep.tolist(), enc.tolist()):

@@ -2,14 +2,15 @@
 (executors.delta's apply on GPUs).
 
 Each entry of a delta is a block (`origin`, `cols`, row `stride`) of one destination tensor and the box-local
-indices i (r * cols + c) and values of its changed elements; element i lands at origin + (i // cols) * stride +
-i % cols. Entries are cut into tiles of at most BLOCK elements, rows of one int64 table (element offset of the
-box from a base tensor, first element, count, cols, stride), one program per tile: the positions are computed in
-the kernel, so no int64 position array is made, and every element is read and written once -- O(changed
-elements), whatever the tensors' sizes. Addresses enter as element offsets from the lowest destination tensor
-(`base + offset`: no integer-to-pointer casts, so Triton's interpreter runs it on CPU too). Elements move as
-integers of their width (bits, not values). Imports only numpy, torch and Triton (the GPU benchmark loads this
-file alone: benchmarks/refit_delta.py --apply).
+indices i (r * cols + c, int32) and values of its changed elements; element i lands at origin + (i // cols) * stride
++ i % cols (32-bit division; none where the box is contiguous). Entries are cut into tiles of at most BLOCK elements,
+one program per tile, which finds its entry by binary search over one small int64 table (per entry: element offset of
+the box from a base tensor, first element, count, cols, stride, first tile; the host builds nothing per tile).
+Positions are computed in the kernel, no int64 position array is made, and every element is read and written once:
+O(changed elements), whatever the tensors' sizes. Addresses enter as
+element offsets from the lowest destination tensor (`base + offset`: no integer-to-pointer casts, so Triton's
+interpreter runs it on CPU too). Elements move as integers of their width (bits, not values). Imports only numpy,
+torch and Triton (the GPU benchmark loads this file alone: benchmarks/refit_delta.py --apply).
 """
 from __future__ import annotations
 
@@ -18,37 +19,48 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 1024
+BLOCK = 4096  # elements a program writes per tile (256 to 4096 ran alike on an H100; fewer tiles, a smaller table)
 TABLE_COLUMNS = 5
 
 
 @triton.jit
-def _scatter_kernel(base, index, values, table, rows, BLOCK: tl.constexpr):
-    for t in range(tl.program_id(0), rows, tl.num_programs(0)):
-        origin = tl.load(table + 5 * t)
-        first = tl.load(table + 5 * t + 1)
-        n = tl.load(table + 5 * t + 2)
-        cols = tl.load(table + 5 * t + 3)
-        stride = tl.load(table + 5 * t + 4)
+def _scatter_kernel(base, index, values, entries, num_entries, tiles, BLOCK: tl.constexpr):
+    # entries: int64 rows (origin, first element, count, cols, stride, first tile); tile t belongs to the last entry
+    # whose first tile is <= t (a binary search over the entries: no per-tile table to build or copy)
+    for t in range(tl.program_id(0), tiles, tl.num_programs(0)):
+        lo, hi = 0, num_entries
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if tl.load(entries + 6 * mid + 5) <= t:
+                lo = mid
+            else:
+                hi = mid
+        origin = tl.load(entries + 6 * lo)
+        k = t - tl.load(entries + 6 * lo + 5)  # the tile within its entry
+        first = tl.load(entries + 6 * lo + 1) + k * BLOCK
+        n = tl.load(entries + 6 * lo + 2) - k * BLOCK
+        cols = tl.load(entries + 6 * lo + 3)
+        stride = tl.load(entries + 6 * lo + 4)
         offs = tl.arange(0, BLOCK)
         m = offs < n
-        i = tl.load(index + first + offs, mask=m, other=0).to(tl.int64)
+        i = tl.load(index + first + offs, mask=m, other=0)
         v = tl.load(values + first + offs, mask=m)
-        tl.store(base + origin + (i // cols) * stride + i % cols, v, mask=m)
+        if stride == cols:  # a contiguous box: no division
+            tl.store(base + origin + i.to(tl.int64), v, mask=m)
+        else:  # 32-bit division (indices are int32): a 64-bit one costs several times more
+            r = i // cols.to(tl.int32)
+            tl.store(base + origin + r.to(tl.int64) * stride + (i - r * cols.to(tl.int32)).to(tl.int64), v, mask=m)
 
 
-def tiles(origin: np.ndarray, count: np.ndarray, cols: np.ndarray, stride: np.ndarray,
-          block: int = BLOCK) -> np.ndarray:
-    """The kernel's table: entries (element origin from the base, count, cols, stride; their elements consecutive
-    in `index` / `values`) cut into tiles of at most `block` elements, int64 [tiles, 5]."""
+def entry_table(origin: np.ndarray, count: np.ndarray, cols: np.ndarray, stride: np.ndarray,
+                block: int = BLOCK) -> tuple[np.ndarray, int]:
+    """The kernel's entries (element origin from the base, first element in `index` / `values`, count, cols, stride,
+    first tile), int64 [entries, 6], without the empty ones, and the number of tiles of at most `block` elements."""
     count = np.asarray(count, dtype=np.int64)
     per = (count + block - 1) // block
-    entry = np.repeat(np.arange(len(count)), per)
-    k = np.arange(len(entry)) - np.repeat(np.cumsum(per) - per, per)  # tile within its entry
-    first = np.repeat(np.cumsum(count) - count, per) + k * block
-    n = np.minimum(count[entry] - k * block, block)
-    return np.stack([np.asarray(origin, np.int64)[entry], first, n, np.asarray(cols, np.int64)[entry],
-                     np.asarray(stride, np.int64)[entry]], axis=1).astype(np.int64)
+    table = np.stack([np.asarray(origin, np.int64), np.cumsum(count) - count, count, np.asarray(cols, np.int64),
+                      np.asarray(stride, np.int64), np.cumsum(per) - per], axis=1)
+    return np.ascontiguousarray(table[count > 0]), int(per.sum())
 
 
 def scatter(targets: list[torch.Tensor], origin: np.ndarray, count: np.ndarray, cols: np.ndarray,
@@ -63,9 +75,10 @@ def scatter(targets: list[torch.Tensor], origin: np.ndarray, count: np.ndarray, 
     unique = {t.data_ptr(): t for t in targets}
     base = unique[min(unique)]
     shift = np.asarray([(t.data_ptr() - base.data_ptr()) // size for t in targets], dtype=np.int64)
-    table = torch.from_numpy(tiles(shift + np.asarray(origin, np.int64), count, cols, stride, block)).to(values.device)
-    rows = table.shape[0]
-    _scatter_kernel[(min(rows, 65535),)](base, index.contiguous(), values.contiguous(), table, rows, BLOCK=block)
+    table, tiles = entry_table(shift + np.asarray(origin, np.int64), count, cols, stride, block)
+    entries = torch.from_numpy(table).to(values.device, non_blocking=True)
+    _scatter_kernel[(min(tiles, 65535),)](base, index.to(torch.int32).contiguous(), values.contiguous(), entries,
+                                          len(table), tiles, BLOCK=block)
 
 
-__all__ = ["BLOCK", "scatter", "tiles"]
+__all__ = ["BLOCK", "entry_table", "scatter"]

@@ -318,8 +318,11 @@ class TrainerSession:
             if paused:
                 marks.append(("resume", time.perf_counter()))
         if errors:
-            raise ExecutionError(f"refit {version!r} failed; engines keep their previous weights: "
-                                 + "; ".join(errors) + self._members())
+            from .vllm.lease import TORN
+
+            kept = "engines keep their previous weights" if not any(TORN in e for e in errors) else \
+                f"{TORN} on an engine: it stays fenced (paused, generation refused) until a refit lands whole"
+            raise ExecutionError(f"refit {version!r} failed; {kept}: " + "; ".join(errors) + self._members())
         phases = {name: t - marks[i][1] for i, (name, t) in enumerate(marks[1:])}
         if self.engines:  # the driver: how long generation stopped, and what was in flight meanwhile
             pause_s = marks[-1][1] - self._paused_at if paused and self._paused_at is not None else 0.0

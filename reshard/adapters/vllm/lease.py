@@ -16,6 +16,11 @@ FastAPI app; it imports no vLLM itself). Protocol, all JSON over the server's po
      resumed. `POST /reshard/lease {"holder": h, "release": true}` ends a lease on purpose. Either way the
      server logs what it serves then (`outcome`): the version an open update was rolled forward to, the previous
      weights of an update closed without a version or of a failed last refit, or the last refit's weights.
+  4. The flip fence: an install (`/update_weights` of phase "install" or "all") that failed after it began writing
+     the live weights (its error names `TORN`) may leave some workers on the new version and some on the old, so
+     the server stops serving: /resume (anyone's, and the lease's own recovery) and the generation routes
+     (`GENERATE`) are refused (HTTP 503, naming the version) and the engine is paused if it was not, until an
+     install of a later refit succeeds on every worker; then the driver's /resume goes through.
 `GET /reshard/lease` answers the current holder, its generation and what it holds open (for tests and operators).
 
 The engine side of the lease lives here whole: `LeaseBook` (the rules), `ReshardLeaseMiddleware` (a vLLM server)
@@ -38,6 +43,8 @@ from ..lease_keeper import HEADER as _HEADER, ROUTE
 HEADER = _HEADER.lower().encode()
 FENCED = ("/pause", "/resume", "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
           "/finish_weight_update", "/update_weight_version", "/collective_rpc")
+GENERATE = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/inference/v1/generate", "/generate")
+TORN = "the flip did not complete"  # in a worker's install error once it began writing live weights (session.py)
 MAX_TTL = 3600.0
 MAX_BODY = 1 << 20
 STALL = 1.0  # seconds a watchdog may oversleep before the gap counts as a stall of this process (LeaseBook.woke)
@@ -77,9 +84,13 @@ class Open:
             elif ok:  # the weights the update installed are served under this version
                 self.finished, self.failed = str(version), False
             self.started, self.installed = False, None  # finished, or closed after a failure
-        elif route == "/update_weights" and isinstance(update, dict) and update.get("phase", "all") in ("install",
-                                                                                                      "all"):
+        elif installs(route, update):
             self.installed = self.pending if ok else None
+
+
+def installs(route: str, update: dict[str, Any] | None) -> bool:
+    """Whether a call writes the live weights: an update's install step (its own, or within a one-phase update)."""
+    return route == "/update_weights" and isinstance(update, dict) and update.get("phase", "all") in ("install", "all")
 
 
 @dataclass
@@ -95,6 +106,7 @@ class LeaseBook:
     fenced: list[str] = field(default_factory=list)  # holders whose generation ended (the last 64): never again
     ttl: float = 0.0  # the holder's lease, as last granted
     calls: int = 0  # the current holder's calls inside the server now
+    torn: str | None = None  # the version whose install failed partway: the engine is fenced (`closed`)
 
     def lapsed(self) -> bool:
         """The holder went silent for its lease. Not while one of its own calls is inside the server: it made
@@ -160,20 +172,31 @@ class LeaseBook:
             self.calls += 1
         return opened
 
-    def leave(self, holder: str | None, opened: Open, route: str, update: dict[str, Any] | None, ok: bool) -> None:
-        """The call `enter` booked returned (`ok`: it succeeded). If `holder` still holds the lease, it has half its
-        lease from now to be heard again (its next call or renewal); a driver that died meanwhile is fenced that
-        much later."""
+    def leave(self, holder: str | None, opened: Open, route: str, update: dict[str, Any] | None, ok: bool,
+              error: str = "") -> None:
+        """The call `enter` booked returned (`ok`: it succeeded; else `error`, its answer). If `holder` still holds
+        the lease, it has half its lease from now to be heard again (its next call or renewal); a driver that died
+        meanwhile is fenced that much later. An install that failed partway fences the engine; one that succeeded
+        lifts the fence."""
         opened.leave(route, update, ok)
+        if installs(route, update) and (ok or TORN in error):
+            self.torn = None if ok else str(update.get("version", ""))
         self.inflight -= 1
         if holder is not None and holder == self.holder and self.calls > 0:
             self.calls -= 1
             self.expires = max(self.expires, self.clock() + self.ttl / 2)
 
     def state(self) -> dict[str, Any]:
-        """The current holder, its generation, what it holds open and the calls inside (JSON)."""
+        """The current holder, its generation, what it holds open, the calls inside and a torn flip's version (JSON)."""
         return {"holder": self.holder, "generation": self.generation, "open": self.open.__dict__,
-                "inflight": self.inflight}
+                "inflight": self.inflight, "torn": self.torn}
+
+    def closed(self, route: str) -> str | None:
+        """Why `route` is refused while a torn flip fences the engine (resuming or generating), or None."""
+        if self.torn is None or route not in ("/resume", *GENERATE):
+            return None
+        return (f"refused: {TORN} (version {self.torn!r} is installed on some workers of this engine, not all), so "
+                f"the engine serves nothing until a refit's install succeeds on every worker")
 
     def refusal(self, holder: str) -> str | None:
         """Why a call of `holder` is refused (it is not the current, live holder), or None."""
@@ -244,10 +267,12 @@ def _granted(book: LeaseBook, holder: str, ttl: float, release: bool) -> dict[st
     return {"holder": holder, "generation": book.generation, "ttl": ttl}
 
 
-def _closing(left: Open) -> list[tuple[str, tuple]]:
+def _closing(left: Open, torn: str | None) -> list[tuple[str, tuple]]:
     """The engine calls that close what a fenced generation left open, in order, once its calls returned: an update
-    it started finished with the version its install carried (None: closed without a version), a pause resumed."""
-    return [("finish_weight_update", (left.installed,))] * left.started + [("resume_generation", ())] * left.paused
+    it started finished with the version its install carried (None: closed without a version), a pause resumed
+    (not while a torn flip fences the engine)."""
+    resume = left.paused and torn is None
+    return [("finish_weight_update", (left.installed,))] * left.started + [("resume_generation", ())] * resume
 
 
 class ReshardLeaseMiddleware:
@@ -268,6 +293,9 @@ class ReshardLeaseMiddleware:
         path = scope.get("path", "")
         if path == ROUTE:
             return await self._lease(scope, receive, send)
+        closed = self.book.closed(path)
+        if closed is not None:
+            return await _answer(send, 503, {"error": closed})
         holder = _header(scope, HEADER)
         if holder is None or path not in FENCED:
             return await self.app(scope, receive, send)
@@ -285,11 +313,13 @@ class ReshardLeaseMiddleware:
                 update = None
         opened = self.book.enter(holder, path, update)
         self.idle.clear()
-        status = {"code": 500}
+        status, error = {"code": 500}, bytearray()
 
         async def watch(message: dict) -> None:
             if message.get("type") == "http.response.start":
                 status["code"] = int(message.get("status", 500))
+            elif status["code"] >= 300 and len(error) < MAX_BODY:  # a failure's answer: does it name TORN?
+                error.extend(message.get("body", b""))
             try:
                 await send(message)
             except Exception:  # noqa: BLE001 - the driver went away: the outcome still counts
@@ -297,10 +327,25 @@ class ReshardLeaseMiddleware:
 
         try:
             await self.app(scope, receive, watch)
+        except Exception as e:  # an engine error the app did not answer (vLLM's RL routes): the server's 500
+            error.extend(str(e).encode())
+            raise
         finally:
-            self.book.leave(holder, opened, path, update, 200 <= status["code"] < 300)
+            was = self.book.torn
+            self.book.leave(holder, opened, path, update, 200 <= status["code"] < 300, error.decode(errors="replace"))
             if self.book.inflight <= 0:
                 self.idle.set()
+            if self.book.torn is not None and was is None:
+                await self._stop_serving()
+
+    async def _stop_serving(self) -> None:
+        """A flip tore: pause the engine unless its driver had (pause=None), aborting what it runs on the mix."""
+        log.error("reshard: %s (version %r): the engine is fenced until a refit lands whole", TORN, self.book.torn)
+        try:
+            if not await self.engine.is_paused():
+                await self.engine.pause_generation(mode="abort")
+        except Exception:  # noqa: BLE001 - the routes stay refused all the same
+            log.exception("reshard: pausing the fenced engine failed")
 
     def _start(self, scope: dict) -> None:
         if self.watchdog is None:
@@ -326,7 +371,7 @@ class ReshardLeaseMiddleware:
         """Fence the holder, wait for its calls inside the server, then close what it left open."""
         generation, left = _fence(self.book, why)
         await self.idle.wait()  # the calls already inside the server have returned (their outcome is in `left`)
-        for method, args in _closing(left):
+        for method, args in _closing(left, self.book.torn):
             try:
                 await getattr(self.engine, method)(*args)
             except Exception as e:  # noqa: BLE001 - workers whose update already closed refuse; expected
@@ -401,14 +446,17 @@ class ThreadedLease:
             if refusal is not None:
                 raise ExecutionError(refusal)
             opened = self.book.enter(holder, route, update)
-        ok = False
+        ok, error = False, ""
         with self.engine_lock:  # booked under it: a recovery waiting for the lock sees the call's outcome
             try:
                 value = fn()
                 ok = True
                 return value
+            except Exception as e:
+                error = str(e)
+                raise
             finally:
-                self.book.leave(holder, opened, route, update, ok)
+                self.book.leave(holder, opened, route, update, ok, error)
 
     def _watch(self) -> None:
         clock = self.book.clock
@@ -423,7 +471,7 @@ class ThreadedLease:
         """Fence the holder (self.lock held); once its call in progress returned, close what it left open."""
         generation, left = _fence(self.book, why)
         with self.engine_lock:  # the holder's call in progress returns first
-            for method, args in _closing(left):
+            for method, args in _closing(left, self.book.torn):
                 try:
                     getattr(self.engine(), method)(*args)
                 except Exception as e:  # noqa: BLE001 - an update that already closed refuses; expected

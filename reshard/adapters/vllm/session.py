@@ -35,8 +35,10 @@ then copies them into the live weights (direct) or loads them (loader).
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,6 +52,7 @@ from ..refit import RefitSpec, open_transport
 from .derive import representative_layers
 from .direct import DirectBinding, bind_direct
 from .experts import check_loader_placement, check_placement, live_placement
+from .lease import TORN
 from .live import declared_layout, local_rank, spec_of
 from .loader import LoaderInstaller
 from .staging import Staging
@@ -291,14 +294,19 @@ class WorkerSession:
         loader: load_weights; lora_slot: B *= alpha / r."""
         self._landed_whole()
         start = time.perf_counter()  # (the wait above is tail_s)
-        if self.slot is not None:
-            self.slot.scale()
-        elif self.binding is not None:
-            if self.staging is not None:
-                self.staging.flip()
-            self.binding.finish()
-        else:
-            self.installer.install()
+        try:  # from here the live weights change: a failure leaves a mix, which the server fences (lease.TORN)
+            _injected_flip_fault(self.rank)
+            if self.slot is not None:
+                self.slot.scale()
+            elif self.binding is not None:
+                if self.staging is not None:
+                    self.staging.flip()
+                self.binding.finish()
+            else:
+                self.installer.install()
+        except Exception as e:
+            raise ExecutionError(f"{TORN} on engine replica {self.refit.replica} rank {self.rank}: "
+                                 f"{type(e).__name__}: {e}") from None
         self.flip_s = time.perf_counter() - start
         self.installed = True
 
@@ -346,6 +354,14 @@ class WorkerSession:
         if installer is not None:
             installer.close()
         self.store = None
+
+
+def _injected_flip_fault(rank: int) -> None:
+    """Tests only: raise inside the flip on this worker if $RESHARD_TEST_FLIP_FAULT names a file that holds its
+    rank (the server's workers read it at each flip, so a test arms and disarms it between refits)."""
+    path = os.environ.get("RESHARD_TEST_FLIP_FAULT")
+    if path and os.path.exists(path) and Path(path).read_text().strip() == str(rank):
+        raise ExecutionError(f"injected flip fault (RESHARD_TEST_FLIP_FAULT) on rank {rank}")
 
 
 def transport_timeout(options: dict[str, Any], default: Any) -> float:

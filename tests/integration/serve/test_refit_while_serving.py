@@ -14,6 +14,9 @@ landed B's bytes exactly.
          refit works.
   a flip for a version that did not land (install without a transfer) -> refused with the engine's error naming
          it, the previous weights still served.
+  a flip that fails partway (one worker's install raises, $RESHARD_TEST_FLIP_FAULT; the other installed: a mix)
+         -> the refit raises naming it, the engine stays paused and refuses generation and /resume, naming the
+         torn version; the next complete refit lifts the fence and the server equals a fresh one on its weights.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import pytest
 import reshard
 from reshard.adapters.refit import RefitSpec
 from reshard.adapters.trainer import TrainerSession
+from reshard.adapters.vllm.lease import TORN
 from reshard.errors import ExecutionError
 from reshard.executors import shard
 from reshard.executors.checksum import tensor_digests
@@ -46,8 +50,10 @@ def served(tmp_path_factory):
     work = tmp_path_factory.mktemp("while-serving")
     a = make_checkpoint(TINY, work / "A")
     b = save_checkpoint({k: train_step(v, 1) for k, v in load_checkpoint(a).items()}, a, work / "B")
-    with ServerProcess(b, tp=2, log=work / "server.log", extra_args=EXTENSION) as server:
-        yield {"server": server, "a": a, "b": b, "fresh": server.greedy(PROMPTS)}
+    fault = work / "flip-fault"  # holds the rank whose flip raises, while it exists (session._injected_flip_fault)
+    with ServerProcess(b, tp=2, log=work / "server.log", extra_args=EXTENSION,
+                       env={"RESHARD_TEST_FLIP_FAULT": str(fault)}) as server:
+        yield {"server": server, "a": a, "b": b, "fresh": server.greedy(PROMPTS), "fault": fault}
 
 
 def _session(served, pause: str, **kwargs) -> tuple[TrainerSession, dict]:
@@ -143,5 +149,35 @@ def test_a_failure_before_the_flip_or_a_flip_of_nothing_leaves_the_previous_vers
         session.init()  # after a failed collective transfer the group is rebuilt
         result = session.refit("a-after-failure")
         assert result.stats.pause_s > 0 and server.weight_info() == "a-after-failure"
+    finally:
+        session.close()
+
+
+def test_a_flip_that_fails_partway_fences_the_engine_until_a_refit_lands_whole(served):
+    server, fault = served["server"], served["fault"]
+    session, tensors = _session(served, "keep")
+    try:
+        _load(tensors, served["a"], served["a"])
+        fault.write_text("1")  # rank 1 raises inside its flip, rank 0 installs A: the engine holds a mix
+        try:
+            with pytest.raises(ExecutionError, match=f"{TORN}.*stays fenced"):
+                session.refit("a-torn")
+        finally:
+            fault.unlink()
+        assert server.lease_state()["torn"] == "a-torn"
+        with pytest.raises(ExecutionError, match=f"HTTP 503.*{TORN}.*'a-torn'"):
+            server.greedy(PROMPTS[:1])  # refused, never a mixed answer
+        with pytest.raises(ExecutionError, match=TORN):
+            server.call("POST", "/resume")  # nobody resumes it (an operator's call carries no lease)
+        assert server.call("GET", "/is_paused")["is_paused"], "a torn engine must stay paused"
+
+        _load(tensors, served["b"], served["a"])
+        session.init()
+        result = session.refit("b-after-torn")  # lands whole: the fence lifts, the driver's resume goes through
+        assert result.stats.pause_s > 0 and server.lease_state()["torn"] is None
+        assert not server.call("GET", "/is_paused")["is_paused"]
+        assert server.weight_info() == "b-after-torn" and server.greedy(PROMPTS) == served["fresh"]
+        want = tensor_digests(load_checkpoint(served["b"]))
+        assert all(w["installed"] and w["digests"] == want for w in server.landed())
     finally:
         session.close()

@@ -172,15 +172,11 @@ class LeaseBook:
             self.calls += 1
         return opened
 
-    def leave(self, holder: str | None, opened: Open, route: str, update: dict[str, Any] | None, ok: bool,
-              error: str = "") -> None:
-        """The call `enter` booked returned (`ok`: it succeeded; else `error`, its answer). If `holder` still holds
-        the lease, it has half its lease from now to be heard again (its next call or renewal); a driver that died
-        meanwhile is fenced that much later. An install that failed partway fences the engine; one that succeeded
-        lifts the fence."""
+    def leave(self, holder: str | None, opened: Open, route: str, update: dict[str, Any] | None, ok: bool) -> None:
+        """The call `enter` booked returned (`ok`: it succeeded). If `holder` still holds the lease, it has half its
+        lease from now to be heard again (its next call or renewal); a driver that died meanwhile is fenced that
+        much later."""
         opened.leave(route, update, ok)
-        if installs(route, update) and (ok or TORN in error):
-            self.torn = None if ok else str(update.get("version", ""))
         self.inflight -= 1
         if holder is not None and holder == self.holder and self.calls > 0:
             self.calls -= 1
@@ -190,6 +186,12 @@ class LeaseBook:
         """The current holder, its generation, what it holds open, the calls inside and a torn flip's version (JSON)."""
         return {"holder": self.holder, "generation": self.generation, "open": self.open.__dict__,
                 "inflight": self.inflight, "torn": self.torn}
+
+    def flipped(self, route: str, update: dict[str, Any] | None, ok: bool, error: str) -> None:
+        """A call returned (anyone's): an install that failed partway (`error` names TORN) fences the engine, one
+        that succeeded lifts the fence."""
+        if installs(route, update) and (ok or TORN in error):
+            self.torn = None if ok else str(update.get("version", ""))
 
     def closed(self, route: str) -> str | None:
         """Why `route` is refused while a torn flip fences the engine (resuming or generating), or None."""
@@ -297,9 +299,9 @@ class ReshardLeaseMiddleware:
         if closed is not None:
             return await _answer(send, 503, {"error": closed})
         holder = _header(scope, HEADER)
-        if holder is None or path not in FENCED:
+        if path not in FENCED or (holder is None and path != "/update_weights"):  # (an operator's install: watched)
             return await self.app(scope, receive, send)
-        refusal = self.book.refusal(holder)
+        refusal = self.book.refusal(holder) if holder is not None else None
         if refusal is not None:
             return await _answer(send, 409, {"error": refusal})
         body, receive = await _buffered(receive)
@@ -311,8 +313,9 @@ class ReshardLeaseMiddleware:
                     {"version": payload.get("weight_version")}
             except (ValueError, AttributeError):
                 update = None
-        opened = self.book.enter(holder, path, update)
-        self.idle.clear()
+        opened = self.book.enter(holder, path, update) if holder is not None else None
+        if opened is not None:
+            self.idle.clear()
         status, error = {"code": 500}, bytearray()
 
         async def watch(message: dict) -> None:
@@ -331,8 +334,10 @@ class ReshardLeaseMiddleware:
             error.extend(str(e).encode())
             raise
         finally:
-            was = self.book.torn
-            self.book.leave(holder, opened, path, update, 200 <= status["code"] < 300, error.decode(errors="replace"))
+            was, ok = self.book.torn, 200 <= status["code"] < 300
+            self.book.flipped(path, update, ok, error.decode(errors="replace"))
+            if opened is not None:
+                self.book.leave(holder, opened, path, update, ok)
             if self.book.inflight <= 0:
                 self.idle.set()
             if self.book.torn is not None and was is None:
@@ -456,7 +461,8 @@ class ThreadedLease:
                 error = str(e)
                 raise
             finally:
-                self.book.leave(holder, opened, route, update, ok, error)
+                self.book.flipped(route, update, ok, error)
+                self.book.leave(holder, opened, route, update, ok)
 
     def _watch(self) -> None:
         clock = self.book.clock

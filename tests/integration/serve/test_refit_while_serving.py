@@ -153,9 +153,10 @@ def test_a_failure_before_the_flip_or_a_flip_of_nothing_leaves_the_previous_vers
         session.close()
 
 
-def test_a_flip_that_fails_partway_fences_the_engine_until_a_refit_lands_whole(served):
+@pytest.mark.parametrize("lease", [30.0, None], ids=["leased", "no-lease"])  # the driver's calls, or an operator's
+def test_a_flip_that_fails_partway_fences_the_engine_until_a_refit_lands_whole(served, lease):
     server, fault = served["server"], served["fault"]
-    session, tensors = _session(served, "keep")
+    session, tensors = _session(served, "keep", lease=lease)
     try:
         _load(tensors, served["a"], served["a"])
         fault.write_text("1")  # rank 1 raises inside its flip, rank 0 installs A: the engine holds a mix

@@ -31,7 +31,8 @@ Staged refits (`RefitSpec.staging`, adapters.vllm.staging): `transfer` starts th
 of its own and returns at once, so vLLM's engine loop (which runs every weight-update call on its own thread,
 between generation steps) goes on generating while the bytes land in the staging (direct) or the buffers
 (loader); the install (the flip) first agrees with the engine's other workers that every one has its bytes whole,
-then copies them into the live weights (direct) or loads them (loader).
+then copies them into the live weights (direct) or loads them (loader). An install that fails once it began
+writing says so (`lease.TORN`): the server's lease middleware then fences the engine until a refit lands whole.
 """
 from __future__ import annotations
 

@@ -117,19 +117,22 @@ class ReshardWorkerExtension:
         nothing. Callable by name through a server's dev route `/collective_rpc` (`{"method": "reshard_stats"}`)."""
         from ...planner import cache
 
-        engine = getattr(getattr(self, "weight_transfer_engine", None), "steps", None)
-        sessions = [s.session for s in (engine, getattr(self, "_reshard_agreed", None)) if s and s.session]
+        sessions = self._reshard_sessions()
         times = {"flip_s": sessions[0].flip_s, "tail_s": sessions[0].tail_s} if sessions else {}
         return {**cache.stats(), "pid": os.getpid(), **times}
+
+    def _reshard_sessions(self) -> list[Any]:
+        """This worker's refit sessions: the weight-transfer engine's first, then this extension's."""
+        engine = getattr(getattr(self, "weight_transfer_engine", None), "steps", None)
+        return [s.session for s in (engine, getattr(self, "_reshard_agreed", None)) if s and s.session]
 
     def reshard_landed(self) -> dict[str, Any]:
         """`WorkerSession.landed` of this worker's last refit (through the weight-transfer API or this extension):
         reshard's digest of what landed, before any repacking. Callable through a server's `/collective_rpc`."""
-        engine = getattr(getattr(self, "weight_transfer_engine", None), "steps", None)
-        for steps in (engine, getattr(self, "_reshard_agreed", None)):
-            if steps is not None and steps.session is not None:
-                return steps.session.landed()
-        raise PlanError("no refit session on this worker: nothing landed yet")
+        sessions = self._reshard_sessions()
+        if not sessions:
+            raise PlanError("no refit session on this worker: nothing landed yet")
+        return sessions[0].landed()
 
     def reshard_in_flight(self) -> list[str]:
         """The ids of the requests this worker holds state for (vLLM's model runner: running, or frozen by a "keep"

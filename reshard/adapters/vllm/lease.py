@@ -287,6 +287,7 @@ class ReshardLeaseMiddleware:
         self.idle: asyncio.Event | None = None
         self.engine: Any = None
         self.watchdog: asyncio.Task | None = None
+        self.paused_by_fence = False  # a torn flip paused an engine its driver had not (lifted: resumed)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope.get("type") != "http":
@@ -340,17 +341,24 @@ class ReshardLeaseMiddleware:
                 self.book.leave(holder, opened, path, update, ok)
             if self.book.inflight <= 0:
                 self.idle.set()
-            if self.book.torn is not None and was is None:
-                await self._stop_serving()
+            if (self.book.torn is None) != (was is None):
+                await self._fence_flip(was)
 
-    async def _stop_serving(self) -> None:
-        """A flip tore: pause the engine unless its driver had (pause=None), aborting what it runs on the mix."""
-        log.error("reshard: %s (version %r): the engine is fenced until a refit lands whole", TORN, self.book.torn)
+    async def _fence_flip(self, was: str | None) -> None:
+        """A flip tore: pause the engine unless its driver had (pause=None), aborting what it runs on the mix; the
+        fence lifted: resume it if the fence paused it (a driver without pauses never resumes)."""
         try:
-            if not await self.engine.is_paused():
-                await self.engine.pause_generation(mode="abort")
-        except Exception:  # noqa: BLE001 - the routes stay refused all the same
-            log.exception("reshard: pausing the fenced engine failed")
+            if was is None:
+                log.error("reshard: %s (version %r): the engine is fenced until a refit lands whole", TORN,
+                          self.book.torn)
+                self.paused_by_fence = not await self.engine.is_paused()
+                if self.paused_by_fence:
+                    await self.engine.pause_generation(mode="abort")
+            elif self.paused_by_fence:
+                self.paused_by_fence = False
+                await self.engine.resume_generation()
+        except Exception:  # noqa: BLE001 - the routes stay refused (or open) all the same
+            log.exception("reshard: pausing or resuming the engine around a torn flip failed")
 
     def _start(self, scope: dict) -> None:
         if self.watchdog is None:

@@ -153,10 +153,11 @@ def test_a_failure_before_the_flip_or_a_flip_of_nothing_leaves_the_previous_vers
         session.close()
 
 
-@pytest.mark.parametrize("lease", [30.0, None], ids=["leased", "no-lease"])  # the driver's calls, or an operator's
-def test_a_flip_that_fails_partway_fences_the_engine_until_a_refit_lands_whole(served, lease):
+@pytest.mark.parametrize("lease, pause", [(30.0, "keep"), (None, None)], ids=["leased-keep", "no-lease-no-pause"])
+def test_a_flip_that_fails_partway_fences_the_engine_until_a_refit_lands_whole(served, lease, pause):
+    """Without a lease the calls are an operator's; without pauses the fence pauses the engine, and resumes it."""
     server, fault = served["server"], served["fault"]
-    session, tensors = _session(served, "keep", lease=lease)
+    session, tensors = _session(served, pause, lease=lease)
     try:
         _load(tensors, served["a"], served["a"])
         fault.write_text("1")  # rank 1 raises inside its flip, rank 0 installs A: the engine holds a mix
@@ -175,7 +176,7 @@ def test_a_flip_that_fails_partway_fences_the_engine_until_a_refit_lands_whole(s
         _load(tensors, served["b"], served["a"])
         session.init()
         result = session.refit("b-after-torn")  # lands whole: the fence lifts, the driver's resume goes through
-        assert result.stats.pause_s > 0 and server.lease_state()["torn"] is None
+        assert (result.stats.pause_s > 0) == (pause is not None) and server.lease_state()["torn"] is None
         assert not server.call("GET", "/is_paused")["is_paused"]
         assert server.weight_info() == "b-after-torn" and server.greedy(PROMPTS) == served["fresh"]
         want = tensor_digests(load_checkpoint(served["b"]))

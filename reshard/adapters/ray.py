@@ -220,6 +220,7 @@ class VllmEngineActor:
 
         if lora is not None and lora not in self.loras:
             raise ValueError(f"no adapter {lora!r} loaded (loaded: {sorted(self.loras)})")
+        self._serving()
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False)
         with self.engine_lock:
             outs = self.llm.generate([{"prompt_token_ids": p} for p in json.loads(prompts)], params, use_tqdm=False,
@@ -231,8 +232,19 @@ class VllmEngineActor:
         (reshard.verify.engines.llm_prompt_logprobs)."""
         from ..verify.engines import llm_prompt_logprobs
 
+        self._serving()
         with self.engine_lock:
             return json.dumps(llm_prompt_logprobs(self.llm, json.loads(prompts)))
+
+    def _serving(self) -> None:
+        """Refuse to generate while a torn flip fences the engine (some workers hold the new version, some the old:
+        adapters.vllm.lease.LeaseBook.closed), as the server's middleware refuses its generation routes."""
+        from ..errors import ExecutionError
+
+        with self.guard.lock:
+            why = self.guard.book.closed("/generate")
+        if why is not None:
+            raise ExecutionError(why)
 
     def weight_version(self) -> str:
         """The weight version the engine serves."""

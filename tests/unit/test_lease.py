@@ -234,3 +234,24 @@ def test_the_threaded_lease_keeps_the_same_rules():
     assert grant(A * 2, 60)["generation"] == 3  # a new driver: the open update (nothing installed) closed first
     assert engine.calls[-1] == ("finish", None)
     assert grant(A * 2, release=True) == {"released": True} and lease.book.holder is None
+
+
+def test_a_torn_flip_fences_generation_and_resume_until_an_install_succeeds():
+    """LeaseBook.flipped / closed, the rule the server's middleware and the Ray engine actor both apply: an install
+    that failed after it began writing live weights (its error names TORN) fences the engine; a failure before any
+    write (no TORN) or a call that installs nothing leaves it serving; the next successful install lifts it."""
+    from reshard.adapters.vllm.lease import TORN
+
+    book = LeaseBook()
+    install = {"version": "a", "phase": "install"}
+    book.flipped("/update_weights", install, False, "install refused: version a did not land whole")
+    assert book.torn is None and book.closed("/v1/completions") is None  # refused before any write: serving
+    book.flipped("/update_weights", install, False, f"{TORN} on engine replica 0 rank 1: boom")
+    assert book.torn == "a"
+    for route in ("/resume", "/v1/completions", "/generate"):
+        assert "'a'" in book.closed(route) and TORN in book.closed(route)
+    assert book.closed("/pause") is None and book.closed("/update_weights") is None  # the way out stays open
+    book.flipped("/update_weights", {"version": "b", "phase": "transfer"}, True, "")  # no install: still fenced
+    assert book.torn == "a"
+    book.flipped("/update_weights", {"version": "b", "phase": "install"}, True, "")
+    assert book.torn is None and book.closed("/resume") is None

@@ -419,6 +419,39 @@ class Receiver:
                 _bits(dst_flat[int(tensors[a])]).index_put_((where[lo:hi],), values[lo:hi])
 
 
+def source_digest(plan, ops: np.ndarray, src_flat: dict[int, torch.Tensor], algorithm: str) -> bytes:
+    """The digest of the blocks the plan ops `ops` leave at their receiver: the source blocks in plan order, value
+    shifts added (what a sender puts in its payload, `Sender.encode`'s `digest`)."""
+    o = plan.ops
+    sums = Streams(algorithm)
+    for i in np.sort(ops).tolist():
+        b = block(src_flat[int(o["src_tensor"][i])], int(o["src_offset"][i]), int(o["rows"][i]), int(o["cols"][i]),
+                  int(o["src_stride"][i]))
+        shift = plan.value_shifts.get(int(o["canon"][i]))
+        sums.update(0, b + shift if shift else b)
+    return sums.digest(0)
+
+
+def check_digest(receiver: "Receiver", decoded: "Decoded", ops: np.ndarray, dst_flat: dict[int, torch.Tensor],
+                 algorithm: str, sender: str) -> None:
+    """Check, writing nothing, that the blocks of the plan ops `ops` will hold after `decoded` what the sender's
+    digest says (applied to a copy of the destination tensors those ops write).
+
+    Raises:
+        DeltaError: the digests differ (a payload changed on the way).
+    """
+    o = receiver.plan.ops
+    shadow = {int(t): dst_flat[int(t)].clone() for t in np.unique(o["dst_tensor"][ops])}
+    receiver.apply(decoded, shadow)
+    sums = Streams(algorithm)
+    for i in np.sort(ops).tolist():
+        sums.update(0, block(shadow[int(o["dst_tensor"][i])], int(o["dst_offset"][i]), int(o["rows"][i]),
+                             int(o["cols"][i]), int(o["dst_stride"][i])))
+    if sums.digest(0) != decoded.digest:
+        raise DeltaError(f"checksum mismatch: the weights a delta from {sender} would leave have checksum "
+                         f"{sums.hexdigest(0)[:16]}, the sender's are {decoded.digest.hex()[:16]}; nothing was written")
+
+
 class InProcessDelta:
     """The protocol with sender and receiver in one process (executors.inprocess's `delta` option): the payload is
     encoded, read and proven, and applied, as between processes, without a wire."""
@@ -467,4 +500,4 @@ class InProcessDelta:
 
 
 __all__ = ["Decoded", "DeltaError", "DeltaPolicy", "DeltaReport", "InProcessDelta", "Receiver", "Sender",
-           "keyframe_report", "pack_bits", "unpack_bits"]
+           "check_digest", "keyframe_report", "pack_bits", "source_digest", "unpack_bits"]

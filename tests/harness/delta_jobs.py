@@ -4,7 +4,10 @@ a dense refit of the same source by the reference executor; and the delta apply 
 A case is JSON: {"plan": path, "binding": {...}, "seed": int, "steps": int, "fraction": changed per step,
 "options": CollectiveExecutor options, "keyframe_every": K, "stale": [step, process] (that process's receiver
 forgets its version before the step: the step must be a keyframe), "corrupt": [step, process] (that sender flips a
-value byte after its digest: every process must fail and leave its destinations as they were)}. Every process
+value byte after its digest: every process must fail and leave its destinations as they were), "corrupt_base":
+[step, process] (that sender's payloads claim another base version: their receivers refuse them, naming both)}.
+`shared_delta_worker` runs the same cases over the shared-memory executor (`"options"` are SharedExecutor's; a
+failed executor is rebuilt under a new namespace, as the voted executors require). Every process
 builds the canonical weights from the seed and changes them the same way each step, so each knows the whole
 expected result.
 """
@@ -40,20 +43,57 @@ def _step(weights: dict[str, torch.Tensor], seed: int, step: int, fraction: floa
 def run_delta_cases(rank: int, size: int, args: dict[str, Any]) -> list[dict[str, Any]]:
     """Every case on the whole world; per case, per step: whether this process's destinations are right, the
     refit's kind and bytes, or the error."""
-    return [_case(rank, c) for c in args["cases"]]
+    return [_case(rank, c, _collective) for c in args["cases"]]
 
 
-def _case(rank: int, c: dict[str, Any]) -> dict[str, Any]:
+def shared_delta_worker(process: int, port: int, workdir: str) -> None:
+    """harness.store_procs.launch's target: the cases of workdir/cases.json over SharedExecutor(delta=...); writes
+    workdir/result-<process>.json (as run_delta_cases returns)."""
+    import json
+    from pathlib import Path
+
+    from harness.store_procs import _client
+
+    torch.set_num_threads(1)
+    store = _client(port)
+    cases = json.loads((Path(workdir) / "cases.json").read_text())
+    results = [_case(process, c, _shared(store, f"case{k}")) for k, c in enumerate(cases)]
+    (Path(workdir) / f"result-{process}.json").write_text(json.dumps(results))
+
+
+def _collective(plan, binding, rank, src, dst, c):
+    return CollectiveExecutor(plan, binding, rank, src, dst, delta=DeltaPolicy(c["keyframe_every"]),
+                              **c.get("options", {}))
+
+
+def _shared(store, namespace: str):
+    built = [0]
+
+    def make(plan, binding, rank, src, dst, c):
+        from reshard.executors.shared import SharedExecutor
+
+        built[0] += 1
+        return SharedExecutor(plan, binding, rank, src, dst, store=store, namespace=f"{namespace}-{built[0]}",
+                              delta=DeltaPolicy(c["keyframe_every"]), **c.get("options", {}))
+
+    return make
+
+
+def _case(rank: int, c: dict[str, Any], make) -> dict[str, Any]:
     try:
         plan, binding = Plan.load(c["plan"]), Binding.from_dict(c["binding"])
         g = torch.Generator().manual_seed(c["seed"])
         weights = {t.name: torch.randn(t.shape, generator=g) for t in plan.src.model.tensors}
         full = shard(plan.src, weights)
-        src = {r: full[r] for r in binding.src_ranks_of(rank)}
+        src = {r: {n: t.clone() for n, t in full[r].items()} for r in binding.src_ranks_of(rank)}
         dst = allocate(plan.dst, fill=SENTINEL, ranks=list(binding.dst_ranks_of(rank))) if binding.dst_ranks_of(
             rank) else {}
-        ex = CollectiveExecutor(plan, binding, rank, src, dst, delta=DeltaPolicy(c["keyframe_every"]),
-                                **c.get("options", {}))
+        if not c.get("options", {}).get("staged", True):  # in place over shared memory: peers map the tensors
+            from reshard.executors.shared import shared_empty
+
+            dst = {r: {n: shared_empty(tuple(t.shape), t.dtype).copy_(t) for n, t in ts.items()}
+                   for r, ts in dst.items()}
+        ex = make(plan, binding, rank, src, dst, c)
         steps = []
         for step in range(c["steps"]):
             if step:
@@ -61,17 +101,24 @@ def _case(rank: int, c: dict[str, Any]) -> dict[str, Any]:
                 for r, ts in shard(plan.src, weights).items():
                     for n, t in ts.items():
                         full[r][n].copy_(t)
+                        if r in src:
+                            src[r][n].copy_(t)
             if c.get("stale") == [step, rank]:
                 ex._delta.receiver.held = None
             before = {r: {n: t.clone() for n, t in ts.items()} for r, ts in dst.items()}
             corrupt = c.get("corrupt") == [step, rank]
             if corrupt:
                 _corrupt_next(ex)
+            if c.get("corrupt_base") == [step, rank]:
+                _corrupt_next(ex, base=True)
             try:
                 stats = ex.refit()
             except ExecutionError as e:
                 kept = all(torch.equal(_bits(t), _bits(before[r][n])) for r, ts in dst.items() for n, t in ts.items())
-                steps.append({"failed": str(e)[:300], "kept": kept})
+                steps.append({"failed": str(e)[:600], "kept": kept})
+                if getattr(ex, "_broken", None) is not None:  # a voted executor: rebuilt, its first refit a keyframe
+                    ex.close()
+                    ex = make(plan, binding, rank, src, dst, c)
                 continue
             want = allocate(plan.dst, fill=SENTINEL)
             execute_local(plan, full, want)
@@ -83,19 +130,23 @@ def _case(rank: int, c: dict[str, Any]) -> dict[str, Any]:
                           "wire": None if report is None else report.wire_bytes,
                           "dense": None if report is None else report.dense_bytes,
                           "ops": None if report is None else report.ops})
+        ex.close()
         return {"steps": steps}
     except Exception as e:  # reported to the test, which fails with it
         return {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
 
 
-def _corrupt_next(ex: CollectiveExecutor) -> None:
-    """The sender's next payloads get their last byte flipped after encoding (the digest already taken)."""
+def _corrupt_next(ex, base: bool = False) -> None:
+    """The sender's next payloads get their first value byte flipped after encoding (the digest already taken), or
+    with `base`, claim a base version one below the real one."""
     sender = ex._delta.sender
     encode = sender.encode
 
     def corrupted(*a, **k):
         payload, delta = encode(*a, **k)
-        if len(delta):  # the first value byte (the sections' padding is no data)
+        if base:
+            payload[16:24] = torch.tensor([int(payload[16:24].view(torch.int64)) - 1]).view(torch.uint8)
+        elif len(delta):  # the first value byte (the sections' padding is no data)
             at = _sections(ex.plan, delta.op, delta.encoding, delta.count, len(k.get("digest", b"")))
             payload[at["values"] if at["dense"] > at["values"] else at["dense"]] ^= 0x55
         sender.encode = encode

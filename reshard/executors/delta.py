@@ -30,6 +30,7 @@ Entries are sorted by destination tensor and op, so that the receiver scatters e
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -452,6 +453,173 @@ def check_digest(receiver: "Receiver", decoded: "Decoded", ops: np.ndarray, dst_
                          f"{sums.hexdigest(0)[:16]}, the sender's are {decoded.digest.hex()[:16]}; nothing was written")
 
 
+class VotedDelta:
+    """Delta refits of an executor whose processes meet through a store and vote (executors.voted: shared memory,
+    NIXL). Per refit `v`:
+
+      1. `keyframe`: every process publishes the version its receiver holds, its sender's base and whether its
+         policy asks for a keyframe (store key v<v>/delta/<p>), and reads everyone's: all take the same path;
+      2. a keyframe is the executor's dense refit; a delta (`transfer`): a receiver announces "ready v" (the
+         payloads of its previous refit are applied); a sender encodes a payload per receiving process, waits for
+         its "ready", hands the payload over (`deliver`, the transport's), publishes where it is and its size
+         (v<v>/payload/<sender>/<receiver>) and signals "done v"; a receiver waits for every feeder's "done", then
+         reads and proves each payload (`arrived` gives it; with `checksum`, its digest of the resulting weights
+         too) -- nothing is written before the vote;
+      3. `commit`, after every process voted: the payloads are scattered in place and both sides hold `v`.
+
+    A failure anywhere fails the refit on every process before any destination is written; the executor is then
+    rebuilt, as after any failed voted refit, and its first refit is a keyframe.
+
+    Args:
+        executor: the executor (its process, plan, binding, exchange, poll_max_s, src_flat, dst_flat).
+        policy: the `DeltaPolicy`.
+        part: the executor's `executors.partition.Partition`.
+        checksum: the checksum algorithm, or None.
+    """
+
+    def __init__(self, executor, policy: DeltaPolicy, part, checksum: str | None) -> None:
+        if not isinstance(policy, DeltaPolicy):
+            from ..errors import ArgumentError
+
+            raise ArgumentError("delta", policy, "must be a DeltaPolicy (or None: every refit dense)")
+        me = executor.process
+        self.ex, self.policy, self.checksum = executor, policy, checksum
+        local = {me: part.local} if len(part.local) else {}
+        self.sends, self.recvs = {**local, **part.sends_to}, {**local, **part.receives_from}
+        self.feeders = sorted(part.receives_from)
+        mine_out = np.flatnonzero(part.sender == me)
+        self.sender = Sender(executor.plan, mine_out) if len(mine_out) else None
+        self.receiver = Receiver(executor.plan) if len(part.landing) else None
+        self.is_keyframe = True
+        self.decoded: list[Decoded] = []  # this refit's proven payloads, applied at commit
+        self.sent: dict[int, int] = {}  # this refit's payload bytes per receiving process
+        self.received: dict[int, int] = {}  # ... and per feeding peer
+        self.applied = 0  # entries the last delta wrote here
+        self.last: DeltaReport | None = None
+
+    # --- the transport's -----------------------------------------------------------------------------
+    def deliver(self, q: int, payload: torch.Tensor, v: int, deadline: float) -> dict:
+        """Put `payload` where process `q` reads it (q is ready for refit `v`); JSON fields saying where."""
+        raise NotImplementedError
+
+    def arrived(self, f: int, where: dict, n: int) -> torch.Tensor:
+        """The `n`-byte payload feeder `f` delivered (`where`: what its `deliver` returned)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the transport's payload memory."""
+
+    # --- the protocol --------------------------------------------------------------------------------
+    def keyframe(self, v: int, deadline: float) -> bool:
+        """Whether refit `v` is a keyframe, the same on every process (step 1)."""
+        ex, store = self.ex.exchange, self.ex.exchange.store
+        mine = {"receiver": self.receiver is not None, "held": None if self.receiver is None else self.receiver.held,
+                "sender": self.sender is not None, "base": None if self.sender is None else self.sender.base,
+                "due": self.sender is not None and self.sender.keyframe_due(self.policy)}
+        store.set(f"v{v}/delta/{self.ex.process}", json.dumps(mine))
+        ex.signal(f"v{v}/delta")
+        ex.wait_count(f"v{v}/delta", self.ex.num_processes, v, deadline, self.ex.poll_max_s,
+                      f"every process's versions for refit {v}")
+        versions, due = set(), False
+        for p in self.ex.binding.processes:
+            theirs = json.loads(store.get(f"v{v}/delta/{p}"))
+            due = due or bool(theirs["due"])
+            versions |= {theirs[k] for k, present in (("held", "receiver"), ("base", "sender")) if theirs[present]}
+        self.is_keyframe = due or len(versions) != 1 or None in versions
+        self.decoded, self.sent, self.received, self.applied = [], {}, {}, 0
+        if self.is_keyframe:
+            ops = self.sender.ops if self.sender is not None else np.zeros(0, np.int64)
+            self.last = keyframe_report(self.ex.plan, ops, v)
+        return self.is_keyframe
+
+    def transfer(self, v: int, deadline: float) -> None:
+        """A delta refit's payloads delivered, and every one this process receives proven (step 2)."""
+        ex, me, algorithm = self.ex.exchange, self.ex.process, self.checksum
+        poll_max_s, plan = self.ex.poll_max_s, self.ex.plan
+        if self.feeders:
+            ex.signal(f"v{v}/ready/{me}")
+        encoded, local = [], None
+        for q, ops in self.sends.items():
+            digest = source_digest(plan, ops, self.ex.src_flat, algorithm) if algorithm else b""
+            payload, d = self.sender.encode(ops, v, self.ex.src_flat, digest=digest)
+            encoded.append((ops, d))
+            self.sent[q] = payload.numel()
+            if q == me:
+                local = payload
+                continue
+            ex.wait_count(f"v{v}/ready/{q}", 1, v, deadline, poll_max_s, f"process {q} to be ready for refit {v}")
+            where = self.deliver(q, payload, v, deadline)
+            ex.store.set(f"v{v}/payload/{me}/{q}", json.dumps({**where, "bytes": payload.numel()}))
+            ex.signal(f"v{v}/done/{q}")
+        if self.sender is not None:
+            d = DeltaOps(*(np.concatenate([getattr(e, f) for _, e in encoded])
+                           for f in ("op", "encoding", "count", "index")))
+            self.last = self.sender.report(np.concatenate([o for o, _ in encoded]), d, v, sum(self.sent.values()))
+        else:
+            self.last = DeltaReport(v, self.receiver.held)
+        if self.feeders:
+            ex.wait_count(f"v{v}/done/{me}", len(self.feeders), v, deadline, poll_max_s,
+                          f"processes {self.feeders} to deliver their deltas of refit {v}")
+        for f, ops in self.recvs.items():
+            if f == me:
+                payload = local
+            else:
+                try:
+                    where = json.loads(ex.store.get(f"v{v}/payload/{f}/{me}"))
+                    n = int(where["bytes"])
+                except (KeyError, TypeError, ValueError) as e:
+                    raise DeltaError(f"process {f} published a malformed delta location ({e}); nothing was "
+                                     f"written") from e
+                if not 0 <= n <= 1 << 40:
+                    raise DeltaError(f"process {f} announced a delta of {n} bytes; nothing was written")
+                payload = self.arrived(f, where, n)
+                self.received[f] = n
+            sender = "this process" if f == me else f"process {f}"
+            d = self.receiver.read(payload, ops, sender)
+            if algorithm:
+                check_digest(self.receiver, d, ops, self.ex.dst_flat, algorithm, sender)
+            self.decoded.append(d)
+
+    def commit(self) -> bool:
+        """After the vote (step 3): scatter a delta's payloads (True), or leave a keyframe's commit to the dense
+        path (False); both sides then hold the version."""
+        v = self.last.version
+        if not self.is_keyframe:
+            for d in self.decoded:
+                self.receiver.apply(d, self.ex.dst_flat)
+            self.applied, self.decoded = sum(len(d.delta) for d in self.decoded), []
+        if self.sender is not None:
+            self.sender.committed(v, self.ex.src_flat, self.is_keyframe)
+        if self.receiver is not None:
+            self.receiver.held = v  # a keyframe's dense commit follows before the refit returns
+        return not self.is_keyframe
+
+    def keys(self, v: int) -> tuple[str, ...]:
+        """Refit `v`'s store keys of this process (dropped once every process is past it)."""
+        me = self.ex.process
+        return (f"v{v}/delta", f"v{v}/delta/{me}", *(f"v{v}/payload/{f}/{me}" for f in self.feeders))
+
+    def stats(self, v: int, seconds: float, phases: dict[str, float], staged: bool) -> "RefitStats":
+        """This process's RefitStats of delta refit `v`: payload bytes, not the dense bytes."""
+        from .stats import RefitStats
+
+        me = self.ex.process
+        return RefitStats(executor=self.ex.name, process=me, version=v, seconds=seconds, phases=phases,
+                          staged=staged, ops=self.applied, copies=self.applied,
+                          bytes_sent={q: n for q, n in self.sent.items() if q != me},
+                          bytes_received=dict(self.received), local_bytes=self.sent.get(me, 0),
+                          transfers=sum(q != me for q in self.sent) + len(self.received),
+                          checksum=self.checksum or "")
+
+
+def payload_bound(plan, ops: np.ndarray) -> int:
+    """The most bytes a payload over the plan ops `ops` can take (each op's encoding is at most its dense block;
+    the header, entries, a digest and each section's padding on top): the size of a fixed payload buffer."""
+    o = plan.ops
+    dense = int((o["rows"][ops] * o["cols"][ops]).sum()) * plan.itemsize
+    return _pad(8 * HEADER_WORDS + 24 * len(ops) + 64 + dense + 5 * 8)
+
+
 class InProcessDelta:
     """The protocol with sender and receiver in one process (executors.inprocess's `delta` option): the payload is
     encoded, read and proven, and applied, as between processes, without a wire."""
@@ -500,4 +668,5 @@ class InProcessDelta:
 
 
 __all__ = ["Decoded", "DeltaError", "DeltaPolicy", "DeltaReport", "InProcessDelta", "Receiver", "Sender",
-           "check_digest", "keyframe_report", "pack_bits", "source_digest", "unpack_bits"]
+           "VotedDelta", "check_digest", "keyframe_report", "pack_bits", "payload_bound", "source_digest",
+           "unpack_bits"]

@@ -26,21 +26,15 @@ IPC handle. Lifecycle (the protocol of executors.base):
 
 Plans with fan-out relays are refused: on one host every receiver is fed by the sources directly.
 
-Delta refits (`delta=DeltaPolicy(...)`, CPU tensors; the protocol, its encodings and checks: executors.delta): every
-process publishes the versions its receiver holds and its sender has, with whether its policy asks for a keyframe,
-and reads everyone's (key v<g>/delta/<p>), so all take the same path: a keyframe is the dense refit above, a delta
-goes through an outbox per receiving peer, a segment of the sender's that grows as payloads do (its name and the
-payload's size are published under v<g>/payload/<sender>/<receiver> before "done"; the name is removed once
-every process voted, as every receiver mapped it by then). A receiver reads and proves
-every payload (and, with `checksum`, its digest of the resulting weights) before the vote, and scatters them into
-its destination tensors only after it: a refused or corrupted delta leaves the destinations as they were, and the
-executor is then rebuilt as after any failure, its first refit a keyframe. A sender overwrites its outbox only once
-its receiver is ready for the next refit, so a receiver applies from the outbox without a copy.
+Delta refits (`delta=DeltaPolicy(...)`, CPU tensors): the protocol of executors.delta.VotedDelta (keyframes agreed
+through the store, payloads proven before the vote and scattered after it), each payload in an outbox segment of
+the sender's per receiving peer that grows as payloads do; its name travels with the payload's size, and is
+removed once every process voted (every receiver mapped it by then). A receiver applies from the outbox without a
+copy: its sender overwrites it only once the receiver is ready for the next refit.
 """
 from __future__ import annotations
 
 import base64
-import json
 import logging
 import mmap
 import multiprocessing.util
@@ -57,13 +51,12 @@ import torch
 
 from ..errors import ExecutionError
 from ..planner import Plan
-from ..planner.delta import DeltaOps
 from ..planner.plan import RELAY
 from .base import RankTensors
 from .binding import Binding
 from .checksum import Streams, Sum64Program, algorithm, mismatch, use_kernel
 from .copies import DST, PEER, SHADOW, SRC, Copies
-from .delta import DeltaPolicy, DeltaReport, Receiver, Sender, check_digest, keyframe_report, source_digest
+from .delta import DeltaPolicy, DeltaReport, VotedDelta
 from .exchange import Exchange
 from .preflight import check_ops
 from .reference import apply_shifts, torch_dtype
@@ -489,7 +482,7 @@ class SharedExecutor(VotedExecutor):
 
     def _stats(self, v: int, seconds: float, phases: dict[str, float]) -> RefitStats:
         if self._delta is not None and not self._delta.last.keyframe:
-            return self._delta.stats(v, seconds, phases)
+            return self._delta.stats(v, seconds, phases, self.staged)
         return RefitStats(executor=self.name, process=self.process, version=v, seconds=seconds, phases=phases,
                           staged=self.staged, ops=len(self.part.landing),
                           bytes_sent=self.part.bytes_sent, bytes_received=self.part.bytes_received,
@@ -532,145 +525,40 @@ class SharedExecutor(VotedExecutor):
         self._created.clear()
 
 
-class _SharedDelta:
-    """A SharedExecutor's delta refits (module docstring): the agreement on keyframes, the outboxes, the checks
-    before the vote and the scatter after it."""
+class _SharedDelta(VotedDelta):
+    """A SharedExecutor's delta refits: the protocol of executors.delta.VotedDelta, each payload in an outbox
+    segment of the sender's per receiving peer, grown as payloads grow (module docstring)."""
 
     def __init__(self, executor: SharedExecutor, policy: DeltaPolicy) -> None:
-        if not isinstance(policy, DeltaPolicy):
-            from ..errors import ArgumentError
-
-            raise ArgumentError("delta", policy, "must be a DeltaPolicy (or None: every refit dense)")
         if executor.device.type != "cpu":
             raise ExecutionError("delta refits over shared memory run on CPU tensors (GPUs: the collective "
                                  "executor's delta option)")
-        self.ex, self.policy, part = executor, policy, executor.part
-        self.sends = {**({executor.process: part.local} if len(part.local) else {}), **part.sends_to}
-        self.recvs = {**({executor.process: part.local} if len(part.local) else {}), **part.receives_from}
-        mine_out = np.flatnonzero(part.sender == executor.process)
-        self.sender = Sender(executor.plan, mine_out) if len(mine_out) else None
-        self.receiver = Receiver(executor.plan) if len(part.landing) else None
+        super().__init__(executor, policy, executor.part, executor.checksum)
         self.outbox: dict[int, Segment] = {}  # receiving peer -> this sender's payload segment for it
         self.inbox: dict[int, Segment] = {}  # feeder -> its payload segment, mapped here
-        self.decoded: list = []  # this refit's proven payloads, applied at commit
-        self.sent: dict[int, int] = {}  # this refit's payload bytes per receiving process
-        self.received: dict[int, int] = {}  # ... and per feeding peer
-        self.applied = 0  # entries this process's last delta wrote
-        self.is_keyframe = True
-        self.last: DeltaReport | None = None
 
-    def keyframe(self, v: int, deadline: float) -> bool:
-        """Whether refit `v` is a keyframe, the same on every process: each publishes its versions and reads all."""
-        ex = self.ex.exchange
-        held = None if self.receiver is None else self.receiver.held
-        base = None if self.sender is None else self.sender.base
-        mine = {"receiver": self.receiver is not None, "held": held, "sender": self.sender is not None,
-                "base": base, "due": self.sender is not None and self.sender.keyframe_due(self.policy)}
-        ex.store.set(f"v{v}/delta/{self.ex.process}", json.dumps(mine))
-        ex.signal(f"v{v}/delta")
-        ex.wait_count(f"v{v}/delta", self.ex.num_processes, v, deadline, self.ex.poll_max_s,
-                      f"every process's versions for refit {v}")
-        versions, due = set(), False
-        for p in self.ex.binding.processes:
-            theirs = json.loads(ex.store.get(f"v{v}/delta/{p}"))
-            due = due or bool(theirs["due"])
-            versions |= {theirs[k] for k, present in (("held", "receiver"), ("base", "sender")) if theirs[present]}
-        self.is_keyframe = due or len(versions) != 1 or None in versions
-        self.decoded, self.sent, self.received, self.applied = [], {}, {}, 0
-        if self.is_keyframe:
-            ops = self.sender.ops if self.sender is not None else np.zeros(0, np.int64)
-            self.last = keyframe_report(self.ex.plan, ops, v)
-        return self.is_keyframe
-
-    def transfer(self, v: int, deadline: float) -> None:
-        """A delta: each payload into its receiver's outbox, then every payload this process receives proven."""
-        ex, store, me, algorithm = self.ex, self.ex.exchange.store, self.ex.process, self.ex.checksum
-        if ex._feeders:
-            ex.exchange.signal(f"v{v}/ready/{me}")  # my previous refit's payloads are applied: outboxes are free
-        encoded, local = [], None
-        for q, ops in self.sends.items():
-            digest = source_digest(ex.plan, ops, ex.src_flat, algorithm) if algorithm else b""
-            payload, d = self.sender.encode(ops, v, ex.src_flat, digest=digest)
-            encoded.append((ops, d))
-            self.sent[q] = payload.numel()
-            if q == me:
-                local = payload
-                continue
-            ex.exchange.wait_count(f"v{v}/ready/{q}", 1, v, deadline, ex.poll_max_s,
-                                   f"process {q} to be ready for refit {v}")
-            seg = self._outbox_for(q, payload.numel())
-            seg.tensor[:payload.numel()].copy_(payload)
-            store.set(f"v{v}/payload/{me}/{q}", json.dumps({"shm": seg.name, "bytes": payload.numel()}))
-            ex.exchange.signal(f"v{v}/done/{q}")
-        if self.sender is not None:
-            ops = np.concatenate([o for o, _ in encoded])
-            d = DeltaOps(*(np.concatenate([getattr(e, f) for _, e in encoded])
-                           for f in ("op", "encoding", "count", "index")))
-            self.last = self.sender.report(ops, d, v, sum(self.sent.values()))
-        else:
-            self.last = DeltaReport(v, self.receiver.held)
-        if ex._feeders:
-            ex.exchange.wait_count(f"v{v}/done/{me}", len(ex._feeders), v, deadline, ex.poll_max_s,
-                                   f"processes {ex._feeders} to write their deltas of refit {v}")
-        for f, ops in self.recvs.items():
-            payload = local if f == me else self._inbox_payload(v, f)
-            d = self.receiver.read(payload, ops, "this process" if f == me else f"process {f}")
-            if algorithm:
-                check_digest(self.receiver, d, ops, ex.dst_flat, algorithm, f"process {f}")
-            self.decoded.append(d)
-
-    def _outbox_for(self, q: int, n: int) -> Segment:
+    def deliver(self, q: int, payload: torch.Tensor, v: int, deadline: float) -> dict[str, Any]:
         seg = self.outbox.get(q)
-        if seg is None or seg.nbytes < n:  # grows geometrically: a few new names over a run, not one a refit
+        if seg is None or seg.nbytes < payload.numel():  # grows geometrically: a few names over a run
             if seg is not None:
                 seg.unlink()
-            seg = self.outbox[q] = Segment(_fresh_name(), max(n, 2 * (seg.nbytes if seg else 0), 4096), create=True)
-        return seg
+            size = max(payload.numel(), 2 * (seg.nbytes if seg else 0), 4096)
+            seg = self.outbox[q] = Segment(_fresh_name(), size, create=True)
+        seg.tensor[:payload.numel()].copy_(payload)
+        return {"shm": seg.name}
 
-    def _inbox_payload(self, v: int, f: int) -> torch.Tensor:
-        try:
-            where = json.loads(self.ex.exchange.store.get(f"v{v}/payload/{f}/{self.ex.process}"))
-            name, n = str(where["shm"]), int(where["bytes"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise ExecutionError(f"process {f} published a malformed delta location ({e})") from e
+    def arrived(self, f: int, where: dict[str, Any], n: int) -> torch.Tensor:
         seg = self.inbox.get(f)
-        if seg is None or seg.name != name:
-            seg = self.inbox[f] = Segment(name)
-        if not 0 <= n <= seg.nbytes:
+        if seg is None or seg.name != where.get("shm"):
+            seg = self.inbox[f] = Segment(str(where.get("shm")))
+        if n > seg.nbytes:
             raise ExecutionError(f"process {f} announced a delta of {n} bytes in a segment of {seg.nbytes}")
-        self.received[f] = n
         return seg.tensor[:n]
 
     def commit(self) -> bool:
-        """After the vote: scatter a delta's payloads (True), or leave a keyframe's commit to the dense path
-        (False); both sides then hold the version."""
-        v = self.last.version
-        if not self.is_keyframe:
-            for d in self.decoded:
-                self.receiver.apply(d, self.ex.dst_flat)
-            self.applied, self.decoded = sum(len(d.delta) for d in self.decoded), []
         for seg in self.outbox.values():  # every receiver mapped it before it voted: a killed process leaves none
             seg.unlink()
-        if self.sender is not None:
-            self.sender.committed(v, self.ex.src_flat, self.is_keyframe)
-        if self.receiver is not None:
-            self.receiver.held = v  # a keyframe's dense commit follows before the refit returns
-        return not self.is_keyframe
-
-    def keys(self, v: int) -> tuple[str, ...]:
-        """Refit `v`'s store keys of this process (dropped once every process is past it)."""
-        me = self.ex.process
-        return (f"v{v}/delta", f"v{v}/delta/{me}", *(f"v{v}/payload/{f}/{me}" for f in self.ex._feeders))
-
-    def stats(self, v: int, seconds: float, phases: dict[str, float]) -> RefitStats:
-        """This process's RefitStats of delta refit `v`: payload bytes, not the dense bytes."""
-        me = self.ex.process
-        return RefitStats(executor=self.ex.name, process=me, version=v, seconds=seconds, phases=phases,
-                          staged=self.ex.staged, ops=self.applied, copies=self.applied,
-                          bytes_sent={q: n for q, n in self.sent.items() if q != me},
-                          bytes_received=dict(self.received), local_bytes=self.sent.get(me, 0),
-                          transfers=sum(q != me for q in self.sent) + len(self.received),
-                          checksum=self.ex.checksum or "")
+        return super().commit()
 
     def close(self) -> None:
         for seg in self.outbox.values():

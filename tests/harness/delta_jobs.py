@@ -6,8 +6,9 @@ A case is JSON: {"plan": path, "binding": {...}, "seed": int, "steps": int, "fra
 forgets its version before the step: the step must be a keyframe), "corrupt": [step, process] (that sender flips a
 value byte after its digest: every process must fail and leave its destinations as they were), "corrupt_base":
 [step, process] (that sender's payloads claim another base version: their receivers refuse them, naming both)}.
-`shared_delta_worker` runs the same cases over the shared-memory executor (`"options"` are SharedExecutor's; a
-failed executor is rebuilt under a new namespace, as the voted executors require). Every process
+`voted_delta_worker` runs the same cases over the executors that vote through a store (`"executor"`: "shared" or
+"nixl"; `"options"` are SharedExecutor's or NixlOptions'; a failed executor is rebuilt under a new namespace, as
+they require). Every process
 builds the canonical weights from the seed and changes them the same way each step, so each knows the whole
 expected result.
 """
@@ -46,9 +47,9 @@ def run_delta_cases(rank: int, size: int, args: dict[str, Any]) -> list[dict[str
     return [_case(rank, c, _collective) for c in args["cases"]]
 
 
-def shared_delta_worker(process: int, port: int, workdir: str) -> None:
-    """harness.store_procs.launch's target: the cases of workdir/cases.json over SharedExecutor(delta=...); writes
-    workdir/result-<process>.json (as run_delta_cases returns)."""
+def voted_delta_worker(process: int, port: int, workdir: str) -> None:
+    """harness.store_procs.launch's target: the cases of workdir/cases.json over SharedExecutor or NixlExecutor
+    (delta=...); writes workdir/result-<process>.json (as run_delta_cases returns)."""
     import json
     from pathlib import Path
 
@@ -57,7 +58,7 @@ def shared_delta_worker(process: int, port: int, workdir: str) -> None:
     torch.set_num_threads(1)
     store = _client(port)
     cases = json.loads((Path(workdir) / "cases.json").read_text())
-    results = [_case(process, c, _shared(store, f"case{k}")) for k, c in enumerate(cases)]
+    results = [_case(process, c, _voted(store, f"case{k}")) for k, c in enumerate(cases)]
     (Path(workdir) / f"result-{process}.json").write_text(json.dumps(results))
 
 
@@ -66,15 +67,20 @@ def _collective(plan, binding, rank, src, dst, c):
                               **c.get("options", {}))
 
 
-def _shared(store, namespace: str):
+def _voted(store, namespace: str):
     built = [0]
 
     def make(plan, binding, rank, src, dst, c):
+        built[0] += 1
+        policy, options, name = DeltaPolicy(c["keyframe_every"]), c.get("options", {}), f"{namespace}-{built[0]}"
+        if c.get("executor", "shared") == "nixl":
+            from reshard.executors.nixl import NixlExecutor, NixlOptions
+
+            return NixlExecutor(plan, binding, rank, src, dst, store=store, namespace=name,
+                                options=NixlOptions(**options), delta=policy)
         from reshard.executors.shared import SharedExecutor
 
-        built[0] += 1
-        return SharedExecutor(plan, binding, rank, src, dst, store=store, namespace=f"{namespace}-{built[0]}",
-                              delta=DeltaPolicy(c["keyframe_every"]), **c.get("options", {}))
+        return SharedExecutor(plan, binding, rank, src, dst, store=store, namespace=name, delta=policy, **options)
 
     return make
 
@@ -88,7 +94,8 @@ def _case(rank: int, c: dict[str, Any], make) -> dict[str, Any]:
         src = {r: {n: t.clone() for n, t in full[r].items()} for r in binding.src_ranks_of(rank)}
         dst = allocate(plan.dst, fill=SENTINEL, ranks=list(binding.dst_ranks_of(rank))) if binding.dst_ranks_of(
             rank) else {}
-        if not c.get("options", {}).get("staged", True):  # in place over shared memory: peers map the tensors
+        if c.get("executor") == "shared" and not c.get("options", {}).get("staged", True):
+            # in place over shared memory: peers map the tensors
             from reshard.executors.shared import shared_empty
 
             dst = {r: {n: shared_empty(tuple(t.shape), t.dtype).copy_(t) for n, t in ts.items()}

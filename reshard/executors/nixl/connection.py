@@ -23,12 +23,13 @@ from typing import Any, Iterator
 import numpy as np
 
 from ...errors import ExecutionError
+from ...polling import poll
 from ..exchange import Exchange
 from .agent import describe, is_nixl_error, make_agent
 from .descriptors import merged_regions, region_array, side_descriptors
 from .schedule import Link, LinkSchedule
 
-SHARED_KEYS = ("plan", "binding", "options", "direction", "pack_below", "land_below")  # equal in every book
+SHARED_KEYS = ("plan", "binding", "options", "direction", "pack_below", "land_below", "delta")  # equal in every book
 
 
 class Connection:
@@ -42,6 +43,7 @@ class Connection:
         self.handles: dict[int, Any] = {}  # link id -> transfer handle (links this process initiates)
         self.names: dict[int, str] = {}  # peer process -> its agent's name
         self.peer_of: dict[str, int] = {}  # agent name -> peer process
+        self.book, self.books = book, {}  # this process's address book, and each peer's
         self._dlists: list[Any] = []
         self._reg: Any = None
         self._exchange, self._grace = exchange, leave_grace(timeout)
@@ -79,7 +81,7 @@ class Connection:
                 raise ExecutionError(f"process {peer}'s metadata names agent {loaded!r}, its book {theirs['agent']!r}")
             self.names[peer] = loaded
             self.peer_of[loaded] = peer
-            books[peer] = theirs
+            books[peer] = self.books[peer] = theirs
         read = s.direction == "read"
         op = "READ" if read else "WRITE"
         here, there = ("recv", "send") if read else ("send", "recv")
@@ -118,6 +120,43 @@ class Connection:
             raise
         if state not in ("DONE", "PROC"):
             raise ExecutionError(f"posting {link} with process {peer} returned {state}")
+
+    def write(self, peer: int, local: int, remote: int, nbytes: int, deadline: float, poll_max_s: float,
+              what: str) -> None:
+        """WRITE `nbytes` from this process's registered memory at address `local` into process `peer`'s at
+        `remote` (a transfer made for this size, released once done), waiting for it until `deadline`.
+
+        Raises:
+            ExecutionError: NIXL failed, or the deadline passed.
+        """
+        agent, mem = self.agent, self.book["mem"]
+        handle = None
+        try:
+            here = agent.get_xfer_descs([(int(local), int(nbytes), int(self.book["device"]))], mem)
+            there = agent.get_xfer_descs([(int(remote), int(nbytes), int(self.books[peer]["device"]))],
+                                         self.books[peer]["mem"])
+            handle = agent.initialize_xfer("WRITE", here, there, self.names[peer])
+            state = [agent.transfer(handle)]
+
+            def done() -> bool:
+                if state[0] == "PROC":
+                    state[0] = agent.check_xfer_state(handle)
+                if state[0] not in ("DONE", "PROC"):
+                    raise ExecutionError(f"writing {what} to process {peer} ended in state {state[0]}")
+                return state[0] == "DONE"
+
+            if not poll(done, deadline, first_s=2e-5, most_s=poll_max_s):
+                raise ExecutionError(f"timed out writing {what} ({nbytes} bytes) to process {peer}")
+        except Exception as e:
+            if is_nixl_error(e):
+                raise ExecutionError(f"writing {what} to process {peer} failed: {describe(e)}") from e
+            raise
+        finally:
+            if handle is not None:
+                try:
+                    agent.release_xfer_handle(handle)
+                except Exception:  # noqa: BLE001 - a handle of a dead peer may refuse; nothing else to do
+                    pass
 
     def state(self, link: Link) -> str:
         """"DONE", "PROC" or, for a transfer that failed, another state."""

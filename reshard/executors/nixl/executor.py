@@ -42,6 +42,9 @@ fails writes its reason to the store, and the others stop waiting at their next 
 on a dead one without talking to it gives up at the vote. The error is an ExecutionError naming the link, the
 peer and what was awaited. After a failure the executor is unusable: close it and build a new one (with a new
 namespace). Its staging arena is kept alive until the process exits, since a peer may still be writing to it.
+
+Delta refits: `delta=DeltaPolicy(...)` (CPU tensors; executors.nixl.delta): dense keyframes through the links
+above, deltas as one WRITE of the payload's bytes per pair into the receiver's registered inbox.
 """
 from __future__ import annotations
 
@@ -58,6 +61,7 @@ from ..base import RankTensors, close_within
 from ..binding import Binding
 from ..checksum import Streams, algorithm, mismatch
 from ..copies import DST, SHADOW, SRC, WIRE
+from ..delta import DeltaPolicy, DeltaReport
 from ..exchange import Exchange
 from ..preflight import check_ops
 from ..reference import apply_shifts
@@ -67,6 +71,7 @@ from ..views import CopyViews, Memory, view_copies
 from ..voted import VotedExecutor
 from .agent import describe, is_nixl_error
 from .connection import Connection
+from .delta import NixlDelta
 from .descriptors import memory_name
 from .options import NixlOptions
 from .schedule import Link, LinkSchedule, build_schedule
@@ -77,13 +82,16 @@ _QUARANTINE: list[torch.Tensor] = []  # arenas of failed executors: a late remot
 
 class NixlExecutor(VotedExecutor):
     """One process's part of a plan over NIXL, built once and run at every refit (the protocol of
-    executors.base). `store`: a torch.distributed store every process of the binding reaches."""
+    executors.base). `store`: a torch.distributed store every process of the binding reaches. `delta`: a
+    `DeltaPolicy` (executors.delta): refits move only the changed elements, with dense keyframes as it says (CPU
+    tensors; executors.nixl.delta); `last_delta` says what each moved."""
 
     name = "nixl"
     label = "NIXL"
 
     def __init__(self, plan: Plan, binding: Binding, process: int, src: RankTensors, dst: RankTensors, *,
-                 store: Any, options: NixlOptions | None = None, namespace: str = "default") -> None:
+                 store: Any, options: NixlOptions | None = None, namespace: str = "default",
+                 delta: "DeltaPolicy | None" = None) -> None:
         self.plan, self.binding, self.process = plan, binding, process
         binding.check(plan.src.num_ranks, plan.dst.num_ranks)
         check_ops(plan)  # before the schedule indexes anything with the plan's ops
@@ -108,15 +116,19 @@ class NixlExecutor(VotedExecutor):
         self._inbox: dict[tuple[bytes, int], set[int]] = defaultdict(set)
         self._peers_set_up = False  # every peer has left set-up (checked once, at the first refit)
         self.exchange = Exchange(store, namespace)
+        self._delta = None if delta is None else NixlDelta(self, delta)
         s, name = self.schedule, f"{namespace}:{process}"
         book = {"process": process, "agent": name, "plan": plan.digest, "binding": binding.to_dict(),
                 "options": options.shared(), "direction": s.direction, "pack_below": self.pack_below,
                 "land_below": self.land_below, "mem": self.mem_type, "device": self.device_id,
-                "addresses": {memory_name(k, i): self._address(k, i) for k, i in s.exposed}}
+                "addresses": {memory_name(k, i): self._address(k, i) for k, i in s.exposed},
+                **(self._delta.book() if self._delta is not None else {"delta": None})}
         regions = [(t.data_ptr(), t.numel() * self.itemsize) for t in
                    (self._memory(k, i) for k, i in s.exposed if k in (SRC, DST))]
         if s.arena_numel:
             regions.append((self.arena.data_ptr(), s.arena_numel * self.itemsize))
+        if self._delta is not None:
+            regions += self._delta.regions()
         # the agent, its registrations, its peers and a prepared transfer per link it initiates (once)
         self.connection = Connection(s, name, self.exchange, book, regions, self.itemsize, options.timeout,
                                      options.progress_delay_us)
@@ -167,20 +179,33 @@ class NixlExecutor(VotedExecutor):
             # engines' workers may still be setting up (why that matters: docs/guides/reliability.md)
             self.exchange.wait_set_up(list(self.schedule.peers), v, deadline, self.poll_max_s)
             self._peers_set_up = True
+        if self._delta is not None and not self._delta.keyframe(v, deadline):
+            self._delta.transfer(v, deadline)
+            return
         self._move(v, deadline)
+
+    @property
+    def last_delta(self) -> "DeltaReport | None":
+        """What this process sent in the last refit, with the `delta` option (executors.delta.DeltaReport)."""
+        return None if self._delta is None else self._delta.last
 
     def _describe(self, e: Exception) -> str:
         return describe(e) if is_nixl_error(e) else f"{type(e).__name__}: {e}"
 
     def _commit(self) -> None:
+        if self._delta is not None and self._delta.commit():
+            return
         self._run(self._commit_program)
         apply_shifts(self._shifts)
         self._dirty = self._dirty or bool(self._shifts)
         self._sync()
 
     def _forget(self, previous: int) -> None:
-        self.exchange.forget(previous, tuple(f"v{previous}/sum/{link.id}" for link in self.schedule.incoming)
-                             if self.options.checksum else ())
+        self.exchange.forget(previous, (tuple(f"v{previous}/sum/{link.id}" for link in self.schedule.incoming)
+                                        if self.options.checksum else ())
+                             + (self._delta.keys(previous) + tuple(f"v{previous}/{k}/{self.process}"
+                                                                  for k in ("ready", "done"))
+                                if self._delta is not None else ()))
 
     def _move(self, v: int, deadline: float) -> None:
         """Run the links of refit `v` until every one of this process completed, polling notifications and
@@ -346,9 +371,13 @@ class NixlExecutor(VotedExecutor):
     def _abandon(self) -> None:
         if self.arena.numel():
             _QUARANTINE.append(self.arena)
+        if self._delta is not None:
+            _QUARANTINE.extend(self._delta.buffers())
         self.connection.drop_transfers()
 
     def _stats(self, v: int, seconds: float, phases: dict[str, float]) -> RefitStats:
+        if self._delta is not None and not self._delta.last.keyframe:
+            return self._delta.stats(v, seconds, phases, self.staged)
         s, size = self.schedule, self.itemsize
         sent: dict[int, int] = defaultdict(int)
         received: dict[int, int] = defaultdict(int)
@@ -371,6 +400,8 @@ class NixlExecutor(VotedExecutor):
             self._closed = True
             if not close_within(self.connection.release, self.options.timeout, "releasing the NIXL agent"):
                 _QUARANTINE.append(self.arena)  # a release still running may yet touch the registered memory
+                if self._delta is not None:
+                    _QUARANTINE.extend(self._delta.buffers())
 
 
 class _Progress:

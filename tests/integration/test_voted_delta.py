@@ -1,5 +1,5 @@
-"""Delta refits over the shared-memory executor between 4 spawned CPU processes (harness.delta_jobs, the cases of
-test_delta_gloo): every step byte-equal to a dense refit of the same source, keyframes where the policy and the
+"""Delta refits over the shared-memory and NIXL executors between 4 spawned CPU processes (harness.delta_jobs, the
+cases of test_delta_gloo): every step byte-equal to a dense refit of the same source, keyframes where the policy and the
 versions say, fewer payload bytes than dense; staged and in place, disjoint and colocated (local payloads); a
 receiver that lost its version gets a keyframe; a payload corrupted in its outbox (checksums on) and one claiming
 another base version fail every process before anything is written, and the rebuilt executor's first refit (a
@@ -19,8 +19,12 @@ from reshard.executors.binding import Binding
 PROCESSES = 4
 
 
-def test_shared_memory_delta_refits(tmp_path: Path):
+@pytest.mark.parametrize("executor", ["shared", pytest.param("nixl", marks=pytest.mark.nixl)])
+def test_delta_refits_over_voted_executors(tmp_path: Path, executor: str):
     import os
+
+    if executor == "nixl":
+        pytest.importorskip("nixl")
 
     before = {n for n in os.listdir("/dev/shm") if n.startswith("reshard-")}
     spec = tiny_spec().model_copy(update={"dtype": "bfloat16"})
@@ -28,7 +32,8 @@ def test_shared_memory_delta_refits(tmp_path: Path):
     disjoint = reshard.compile(M(model=spec, tp=2), V(model=spec, tp=2)).save(tmp_path / "disjoint.npz")
     colocated = reshard.compile(M(model=spec, tp=2, pp=2), V(model=spec, tp=2, replicas=2),
                                 colocated=True).save(tmp_path / "colocated.npz")
-    base = {"seed": 5, "steps": 6, "fraction": 0.02, "keyframe_every": 4, "options": {"timeout": 60.0}}
+    base = {"seed": 5, "steps": 6, "fraction": 0.02, "keyframe_every": 4, "options": {"timeout": 60.0},
+            "executor": executor}
     cases = [
         {**base, "plan": str(disjoint), "binding": Binding.disjoint(2, 2).to_dict()},
         {**base, "plan": str(colocated), "binding": Binding.colocated(4, 4).to_dict(), "stale": [2, 1],
@@ -87,6 +92,6 @@ def _alive(pid: int) -> bool:
 
 
 def _worker(process: int, port: int, workdir: str) -> None:
-    from harness.delta_jobs import shared_delta_worker
+    from harness.delta_jobs import voted_delta_worker
 
-    shared_delta_worker(process, port, workdir)
+    voted_delta_worker(process, port, workdir)

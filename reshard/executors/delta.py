@@ -502,8 +502,8 @@ class VotedDelta:
         """Put `payload` where process `q` reads it (q is ready for refit `v`); JSON fields saying where."""
         raise NotImplementedError
 
-    def arrived(self, f: int, where: dict, n: int) -> torch.Tensor:
-        """The `n`-byte payload feeder `f` delivered (`where`: what its `deliver` returned)."""
+    def arrived(self, f: int, where: dict, n: int, deadline: float) -> torch.Tensor:
+        """The `n`-byte payload feeder `f` delivered (`where`: what its `deliver` returned), by `deadline`."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -572,7 +572,7 @@ class VotedDelta:
                                      f"written") from e
                 if not 0 <= n <= 1 << 40:
                     raise DeltaError(f"process {f} announced a delta of {n} bytes; nothing was written")
-                payload = self.arrived(f, where, n)
+                payload = self.arrived(f, where, n, deadline)
                 self.received[f] = n
             sender = "this process" if f == me else f"process {f}"
             d = self.receiver.read(payload, ops, sender)
@@ -597,7 +597,8 @@ class VotedDelta:
     def keys(self, v: int) -> tuple[str, ...]:
         """Refit `v`'s store keys of this process (dropped once every process is past it)."""
         me = self.ex.process
-        return (f"v{v}/delta", f"v{v}/delta/{me}", *(f"v{v}/payload/{f}/{me}" for f in self.feeders))
+        return (f"v{v}/delta", f"v{v}/delta/{me}", f"v{v}/ready/{me}", f"v{v}/done/{me}",
+                *(f"v{v}/payload/{f}/{me}" for f in self.feeders))
 
     def stats(self, v: int, seconds: float, phases: dict[str, float], staged: bool) -> "RefitStats":
         """This process's RefitStats of delta refit `v`: payload bytes, not the dense bytes."""

@@ -121,10 +121,11 @@ class Connection:
         if state not in ("DONE", "PROC"):
             raise ExecutionError(f"posting {link} with process {peer} returned {state}")
 
-    def write(self, peer: int, local: int, remote: int, nbytes: int, deadline: float, poll_max_s: float,
-              what: str) -> None:
+    def write(self, peer: int, local: int, remote: int, nbytes: int, message: bytes, deadline: float,
+              poll_max_s: float, what: str) -> None:
         """WRITE `nbytes` from this process's registered memory at address `local` into process `peer`'s at
-        `remote` (a transfer made for this size, released once done), waiting for it until `deadline`.
+        `remote` (a transfer made for this size, released once done), waiting for it until `deadline`; NIXL
+        delivers `message` to the peer after the bytes.
 
         Raises:
             ExecutionError: NIXL failed, or the deadline passed.
@@ -135,8 +136,8 @@ class Connection:
             here = agent.get_xfer_descs([(int(local), int(nbytes), int(self.book["device"]))], mem)
             there = agent.get_xfer_descs([(int(remote), int(nbytes), int(self.books[peer]["device"]))],
                                          self.books[peer]["mem"])
-            handle = agent.initialize_xfer("WRITE", here, there, self.names[peer])
-            state = [agent.transfer(handle)]
+            handle = agent.initialize_xfer("WRITE", here, there, self.names[peer], message)
+            state = [agent.transfer(handle, message)]
 
             def done() -> bool:
                 if state[0] == "PROC":

@@ -6,8 +6,9 @@ every receiver an inbox per feeder, each of `payload_bound` bytes (the dense byt
 header: so this process's share of the model once more on each side, next to the sender's copy); the receiver's
 book publishes its inboxes' addresses. Per delta refit a sender encodes into its outbox and WRITEs only the
 payload's bytes into the receiver's inbox (one descriptor each side, a transfer made for that size and released
-once done); the store carries the size. A receiver reads the payload in place in its inbox; its sender writes
-there again only once it is ready for the next refit (after it applied this one).
+once done); the store carries the size, and the receiver reads the inbox only once the WRITE's own notification
+arrived (NIXL delivers it after the bytes). It reads the payload in place; its sender writes there again only once
+it is ready for the next refit (after it applied this one).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 
 from ...errors import ExecutionError
 from ...planner.plan import RELAY
+from ...polling import poll
 from ..checksum import algorithm
 from ..delta import DeltaError, DeltaPolicy, VotedDelta, payload_bound
 from ..partition import Partition
@@ -42,6 +44,7 @@ class NixlDelta(VotedDelta):
         self.outbox = {q: torch.empty(payload_bound(plan, ops), dtype=torch.uint8) for q, ops in part.sends_to.items()}
         self.inbox = {f: torch.empty(payload_bound(plan, ops), dtype=torch.uint8)
                       for f, ops in part.receives_from.items()}
+        self.notified: set[bytes] = set()  # the WRITE notifications that arrived (_landed)
 
     def regions(self) -> list[tuple[int, int]]:
         """(address, bytes) of the payload buffers, registered with the executor's memory."""
@@ -64,16 +67,30 @@ class NixlDelta(VotedDelta):
         remote = self.ex.connection.books[q].get("delta_inbox", {}).get(str(me))
         if remote is None:
             raise ExecutionError(f"process {q} exposes no delta inbox for process {me}")
-        self.ex.connection.write(q, box.data_ptr(), int(remote), n, deadline, self.ex.poll_max_s,
+        self.ex.connection.write(q, box.data_ptr(), int(remote), n, _landed(v, me), deadline, self.ex.poll_max_s,
                                  f"the delta of refit {v}")
-        return {}
+        return {"version": v}
 
-    def arrived(self, f: int, where: dict[str, Any], n: int) -> torch.Tensor:
+    def arrived(self, f: int, where: dict[str, Any], n: int, deadline: float) -> torch.Tensor:
         box = self.inbox[f]
         if n > box.numel():
             raise DeltaError(f"process {f} announced a delta of {n} bytes, more than its inbox of {box.numel()}; "
                              f"nothing was written")
+        want = _landed(int(where["version"]), f)
+
+        def landed() -> bool:  # other messages now are a dense refit's stale ones, which it drops too
+            self.notified.update(m for m in self.ex.connection.notifications() if m.startswith(b"X"))
+            return want in self.notified
+
+        if not poll(landed, deadline, first_s=2e-5, most_s=self.ex.poll_max_s):
+            raise ExecutionError(f"timed out waiting for process {f}'s delta to land (its WRITE's notification)")
+        self.notified.discard(want)
         return box[:n]
+
+
+def _landed(v: int, sender: int) -> bytes:
+    """The notification of sender's delta WRITE of refit `v`."""
+    return f"X{v}:{sender}".encode()
 
 
 __all__ = ["NixlDelta"]

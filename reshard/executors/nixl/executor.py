@@ -203,9 +203,7 @@ class NixlExecutor(VotedExecutor):
     def _forget(self, previous: int) -> None:
         self.exchange.forget(previous, (tuple(f"v{previous}/sum/{link.id}" for link in self.schedule.incoming)
                                         if self.options.checksum else ())
-                             + (self._delta.keys(previous) + tuple(f"v{previous}/{k}/{self.process}"
-                                                                  for k in ("ready", "done"))
-                                if self._delta is not None else ()))
+                             + (self._delta.keys(previous) if self._delta is not None else ()))
 
     def _move(self, v: int, deadline: float) -> None:
         """Run the links of refit `v` until every one of this process completed, polling notifications and

@@ -502,8 +502,9 @@ class VotedDelta:
         """Put `payload` where process `q` reads it (q is ready for refit `v`); JSON fields saying where."""
         raise NotImplementedError
 
-    def arrived(self, f: int, where: dict, n: int, deadline: float) -> torch.Tensor:
-        """The `n`-byte payload feeder `f` delivered (`where`: what its `deliver` returned), by `deadline`."""
+    def arrived(self, f: int, where: dict, n: int, v: int, deadline: float) -> torch.Tensor:
+        """The `n`-byte payload feeder `f` delivered for refit `v` (`where`: what its `deliver` returned), by
+        `deadline`."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -572,7 +573,7 @@ class VotedDelta:
                                      f"written") from e
                 if not 0 <= n <= 1 << 40:
                     raise DeltaError(f"process {f} announced a delta of {n} bytes; nothing was written")
-                payload = self.arrived(f, where, n, deadline)
+                payload = self.arrived(f, where, n, v, deadline)
                 self.received[f] = n
             sender = "this process" if f == me else f"process {f}"
             d = self.receiver.read(payload, ops, sender)

@@ -547,7 +547,7 @@ class _SharedDelta(VotedDelta):
         seg.tensor[:payload.numel()].copy_(payload)
         return {"shm": seg.name}
 
-    def arrived(self, f: int, where: dict[str, Any], n: int, deadline: float) -> torch.Tensor:
+    def arrived(self, f: int, where: dict[str, Any], n: int, v: int, deadline: float) -> torch.Tensor:
         seg = self.inbox.get(f)
         if seg is None or seg.name != where.get("shm"):
             seg = self.inbox[f] = Segment(str(where.get("shm")))

@@ -69,14 +69,14 @@ class NixlDelta(VotedDelta):
             raise ExecutionError(f"process {q} exposes no delta inbox for process {me}")
         self.ex.connection.write(q, box.data_ptr(), int(remote), n, _landed(v, me), deadline, self.ex.poll_max_s,
                                  f"the delta of refit {v}")
-        return {"version": v}
+        return {}
 
-    def arrived(self, f: int, where: dict[str, Any], n: int, deadline: float) -> torch.Tensor:
+    def arrived(self, f: int, where: dict[str, Any], n: int, v: int, deadline: float) -> torch.Tensor:
         box = self.inbox[f]
         if n > box.numel():
             raise DeltaError(f"process {f} announced a delta of {n} bytes, more than its inbox of {box.numel()}; "
                              f"nothing was written")
-        want = _landed(int(where["version"]), f)
+        want = _landed(v, f)
 
         def landed() -> bool:  # other messages now are a dense refit's stale ones, which it drops too
             self.notified.update(m for m in self.ex.connection.notifications() if m.startswith(b"X"))

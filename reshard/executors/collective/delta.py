@@ -29,10 +29,9 @@ import torch
 
 from ...errors import ExecutionError, ReshardError
 from ...planner.plan import RELAY
-from ..checksum import Streams
 from ...planner.delta import DeltaOps
-from ..delta import DeltaError, DeltaPolicy, DeltaReport, Receiver, Sender, keyframe_report
-from ..reference import block
+from ..delta import (DeltaError, DeltaPolicy, DeltaReport, Receiver, Sender, check_digest, keyframe_report,
+                     source_digest)
 from ..stats import RefitStats, phase_times
 
 SIZE_TAG, PAYLOAD_TAG = (1 << 30) - 2, (1 << 30) - 3  # below the checksum exchange's tag, above every round's
@@ -126,7 +125,7 @@ class CollectiveDelta:
         payloads: dict[int, torch.Tensor] = {}
         sent_ops, encoded = [], []
         for peer, ops in self.sends.items():
-            digest = self._source_digest(ops, prepared.src_flat, algorithm) if algorithm else b""
+            digest = source_digest(plan, ops, prepared.src_flat, algorithm) if algorithm else b""
             payloads[peer], d = self.sender.encode(ops, new, prepared.src_flat, digest=digest)
             sent_ops.append(ops)
             encoded.append(d)
@@ -145,7 +144,7 @@ class CollectiveDelta:
             for peer, payload in arrived.items():
                 d = self.receiver.read(payload, self.recvs[peer], f"group rank {peer}")
                 if algorithm:
-                    self._check_digest(d, self.recvs[peer], prepared.dst_flat, algorithm, peer)
+                    check_digest(self.receiver, d, self.recvs[peer], prepared.dst_flat, algorithm, f"group rank {peer}")
                 decoded.append(d)
         except DeltaError as e:
             problem = str(e)
@@ -200,31 +199,6 @@ class CollectiveDelta:
         except RuntimeError as e:  # gloo's timeout or a peer's closed socket
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ExecutionError(ex._setup.failure(f"{what} did not arrive: {first}")) from e
-
-    def _source_digest(self, ops: np.ndarray, src_flat: dict, algorithm: str) -> bytes:
-        """The digest of the blocks `ops` leave at their receiver: the source blocks in plan order, shifted."""
-        plan, o = self.executor.plan, self.executor.plan.ops
-        sums = Streams(algorithm)
-        for i in np.sort(ops).tolist():
-            b = block(src_flat[int(o["src_tensor"][i])], int(o["src_offset"][i]), int(o["rows"][i]),
-                      int(o["cols"][i]), int(o["src_stride"][i]))
-            shift = plan.value_shifts.get(int(o["canon"][i]))
-            sums.update(0, b + shift if shift else b)
-        return sums.digest(0)
-
-    def _check_digest(self, decoded, ops: np.ndarray, dst_flat: dict, algorithm: str, peer: int) -> None:
-        """Raise DeltaError unless the blocks `ops` will hold after `decoded` have the sender's digest."""
-        o = self.executor.plan.ops
-        shadow = {int(t): dst_flat[int(t)].clone() for t in np.unique(o["dst_tensor"][ops])}
-        self.receiver.apply(decoded, shadow)
-        sums = Streams(algorithm)
-        for i in np.sort(ops).tolist():
-            sums.update(0, block(shadow[int(o["dst_tensor"][i])], int(o["dst_offset"][i]), int(o["rows"][i]),
-                                 int(o["cols"][i]), int(o["dst_stride"][i])))
-        if sums.digest(0) != decoded.digest:
-            raise DeltaError(f"checksum mismatch: the weights a delta from group rank {peer} would leave have "
-                             f"checksum {sums.hexdigest(0)[:16]}, the sender's are {decoded.digest.hex()[:16]}; "
-                             f"nothing was written")
 
     def _committed(self, version: int, prepared, keyframe: bool) -> None:
         if self.sender is not None:

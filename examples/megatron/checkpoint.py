@@ -44,6 +44,7 @@ def trainer(rank: int, port: int, outdir: str) -> None:
     save_on_cpu()
     dist_checkpointing.save({"model": model.sharded_state_dict()}, str(Path(outdir, "ckpt")))
     save_logits(model, outdir)
+    dist.barrier()  # every process done with the group before any tears it down (gloo aborts a torn pair)
     dist.destroy_process_group()
 
 
@@ -65,6 +66,7 @@ def reader(rank: int, port: int, outdir: str) -> None:
                                                               "checkpoint_bytes": done.checkpoint_bytes}))
     if rank == 0:
         save_hf(out[0], Path(outdir, "hf"))
+    dist.barrier()  # every process done with the group before any tears it down (gloo aborts a torn pair)
     dist.destroy_process_group()
 
 

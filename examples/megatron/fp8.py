@@ -66,6 +66,7 @@ def trainer(rank: int, port: int, outdir: str) -> None:
         torch.save({"plain": plain[0], "fp8": dst[0]}, Path(outdir, "fp8.pt"))
         Path(outdir, "fp8.json").write_text(json.dumps({"where": fp.where, "wire": fp.wire_bytes,
                                                          "baseline": fp.baseline_bytes}))
+    dist.barrier()  # every process done with the group before any tears it down (gloo aborts a torn pair)
     dist.destroy_process_group()
 
 

@@ -93,6 +93,7 @@ def trainer(rank: int, port: int, outdir: str) -> None:
         Path(outdir, "verify.json").write_text(json.dumps({
             "ok": report.ok, "audit": str(audited), "audited": len(audited.entries),
             "caught": caught}))
+    dist.barrier()  # every process done with the group before any tears it down (gloo aborts a torn pair)
     dist.destroy_process_group()
 
 

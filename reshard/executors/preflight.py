@@ -107,4 +107,20 @@ def check_memory(src: Mapping[int, Mapping[str, Any]], dst: Mapping[int, Mapping
     return None
 
 
-__all__ = ["check_memory", "check_ops", "refuse"]
+def refuse_disagreement(problem: str | None, bad: int, same: bool, differs: str) -> None:
+    """After a group's preflight vote: raise if this process found a problem, another refused its tensors, or the
+    processes do not run the same refit (`same` false; `differs` says what must agree). Nothing was moved yet.
+
+    Raises:
+        ExecutionError: naming which of the three it was.
+    """
+    if problem:
+        raise ExecutionError(f"{problem}; nothing was moved")
+    if bad:
+        raise ExecutionError("another process of the refit group refused its tensors (its own error says why); "
+                             "nothing was moved")
+    if not same:
+        raise ExecutionError(f"the processes of the refit group do not run the same {differs}; nothing was moved")
+
+
+__all__ = ["check_memory", "check_ops", "refuse", "refuse_disagreement"]

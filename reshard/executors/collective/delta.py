@@ -32,6 +32,7 @@ from ...planner.plan import RELAY
 from ...planner.delta import DeltaOps
 from ..delta import (DeltaError, DeltaPolicy, DeltaReport, Receiver, Sender, check_digest, keyframe_report,
                      source_digest)
+from ..preflight import refuse_disagreement
 from ..stats import RefitStats, phase_times
 
 SIZE_TAG, PAYLOAD_TAG = (1 << 30) - 2, (1 << 30) - 3  # below the checksum exchange's tag, above every round's
@@ -108,14 +109,7 @@ class CollectiveDelta:
             ex._wait_collective(lambda: ex.comm.all_reduce_max(v), device, "delta preflight", before=True)
             t = v.tolist()
         bad, hi, lo, held_hi, held_lo, base_hi, base_lo, due = t
-        if problem:
-            raise ExecutionError(f"{problem}; nothing was moved")
-        if bad:
-            raise ExecutionError("another process of the refit group refused its tensors (its own error says why); "
-                                 "nothing was moved")
-        if hi != -lo:
-            raise ExecutionError("the processes of the refit group do not run the same plan, binding and delta "
-                                 "policy; nothing was moved")
+        refuse_disagreement(problem, bad, hi == -lo, "plan, binding and delta policy")
         versions = {held_hi, -held_lo, base_hi, -base_lo}
         return bool(due) or len(versions) != 1 or versions.pop() < 0
 

@@ -90,7 +90,7 @@ from ..checksum import DIGEST_BYTES, Streams, algorithm, mismatch
 from .comm import Comm, comm_for
 from ...polling import wait_events
 from .runners import Buffers, RoundRunner, Setup, abort, make_runner
-from ..preflight import check_ops
+from ..preflight import check_ops, refuse_disagreement
 from .lanes import NCCL_LANES
 from ..prepared import Prepared
 from ..delta import DeltaPolicy, DeltaReport
@@ -347,15 +347,8 @@ class CollectiveExecutor(Executor):
         bad, hi, lo, most, least, handshake = t.tolist()
         self._lanes_agree = most == -least and most >= 0  # every member would give a new lane the same name
         self._handshake = bool(handshake)  # any member has a pair to connect: all take part (connect)
-        if problem:
-            raise ExecutionError(f"{problem}; nothing was moved")
-        if bad:
-            raise ExecutionError("another process of the refit group refused its tensors (its own error says "
-                                 "why); nothing was moved")
-        if hi != -lo:
-            raise ExecutionError("the processes of the refit group do not run the same plan, binding and bucket "
-                                 f"size (this process: plan {self.plan.digest[:12]}, {self.binding}, bucket "
-                                 f"{self.bucket_numel} elements); nothing was moved")
+        refuse_disagreement(problem, bad, hi == -lo, f"plan, binding and bucket size (this process: plan "
+                            f"{self.plan.digest[:12]}, {self.binding}, bucket {self.bucket_numel} elements)")
 
     def _transfer(self, runner: RoundRunner) -> None:
         s = self.schedule

@@ -188,7 +188,7 @@ def check_secret(store: Any, rdv: Rendezvous, role: str, process: int) -> None:
                 return True
             want = store.get(public).decode(errors="replace") if store.check([public]) else None
         except Exception as e:  # noqa: BLE001 - the store raises several types
-            raise ExecutionError(f"refit {rdv.refit_id}: the refit's store at {rdv.address} failed: {e}") from e
+            raise _gone(rdv, e, "checked the refit's secret") from e
         if want is not None and not hmac.compare_digest(want, rdv.proof("check")):
             n = int(store.add(f"reshard/{rdv.refit_id}/refused", 1))
             store.set(f"reshard/{rdv.refit_id}/refused/{n}", json.dumps(_me(role, process)))
@@ -233,9 +233,15 @@ def join(store: Any, rdv: Rendezvous, process: int, size: int, role: str) -> dic
     except ExecutionError:
         raise
     except (RuntimeError, OSError) as e:  # torch's DistNetworkError: the store's host (trainer process 0) is gone
-        raise ExecutionError(f"refit {rdv.refit_id}: the rendezvous store at {rdv.address} went away while "
-                             f"this process waited to join (its host closed after a failure, or died): "
-                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        raise _gone(rdv, e, "waited to join") from None
+
+
+def _gone(rdv: Rendezvous, error: BaseException, doing: str) -> ExecutionError:
+    """The error for a store that failed under a member: its host (trainer process 0) closed it after a failure,
+    or died. One wording wherever join meets it (the host can go away at any step of joining)."""
+    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return ExecutionError(f"refit {rdv.refit_id}: the rendezvous store at {rdv.address} went away while this "
+                          f"process {doing} (its host closed after a failure, or died): {first}")
 
 
 def check_place(store: Any, rdv: Rendezvous, process: int) -> None:

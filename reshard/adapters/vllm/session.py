@@ -296,7 +296,7 @@ class WorkerSession:
         self._landed_whole()
         start = time.perf_counter()  # (the wait above is tail_s)
         try:  # from here the live weights change: a failure leaves a mix, which the server fences (lease.TORN)
-            _injected_flip_fault(self.rank)
+            _injected_flip_fault(self.rank, wrote=False)
             if self.slot is not None:
                 self.slot.scale()
             elif self.binding is not None:
@@ -305,6 +305,7 @@ class WorkerSession:
                 self.binding.finish()
             else:
                 self.installer.install()
+            _injected_flip_fault(self.rank, wrote=True)
         except Exception as e:
             raise ExecutionError(f"{TORN} on engine replica {self.refit.replica} rank {self.rank}: "
                                  f"{type(e).__name__}: {e}") from None
@@ -357,12 +358,19 @@ class WorkerSession:
         self.store = None
 
 
-def _injected_flip_fault(rank: int) -> None:
-    """Tests only: raise inside the flip on this worker if $RESHARD_TEST_FLIP_FAULT names a file that holds its
-    rank (the server's workers read it at each flip, so a test arms and disarms it between refits)."""
+def _injected_flip_fault(rank: int, wrote: bool) -> None:
+    """Tests only: $RESHARD_TEST_FLIP_FAULT names a file; while it holds this worker's rank, the worker's flip
+    raises before it writes (`wrote` False); while it holds "<rank> kill", the worker SIGKILLs itself once its flip
+    wrote the live weights, before it reports the install (`wrote` True). Read at each flip: a test arms and
+    disarms it between refits."""
     path = os.environ.get("RESHARD_TEST_FLIP_FAULT")
-    if path and os.path.exists(path) and Path(path).read_text().strip() == str(rank):
+    armed = Path(path).read_text().split() if path and os.path.exists(path) else []
+    if armed == [str(rank)] and not wrote:
         raise ExecutionError(f"injected flip fault (RESHARD_TEST_FLIP_FAULT) on rank {rank}")
+    if armed == [str(rank), "kill"] and wrote:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def transport_timeout(options: dict[str, Any], default: Any) -> float:

@@ -58,9 +58,11 @@ class TinyGPT:
     seed: int = 1234
 
     def with_(self, **changes: Any) -> "TinyGPT":
+        """A copy with `changes` applied (dataclasses.replace)."""
         return replace(self, **changes)
 
     def spec(self, dtype: str = "float32") -> ModelSpec:
+        """The `ModelSpec` of this model (family qwen3, or qwen3_moe with experts), its weights in `dtype`."""
         moe = self.num_experts > 0
         return ModelSpec(family="qwen3_moe" if moe else "qwen3", hidden_size=self.hidden_size,
                          num_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
@@ -86,6 +88,8 @@ class TinyGPT:
 
 
 def apply_cpu_patches() -> None:
+    """Let megatron-core build and run its models on CPU: its CUDA device queries, RNG tracker forks and
+    `.cuda()` calls become no-ops (process-wide: only for test and example processes)."""
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     from megatron.core.tensor_parallel import random as tp_random
 
@@ -94,6 +98,7 @@ def apply_cpu_patches() -> None:
 
 
 def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, vpp: int | None = None) -> None:
+    """(Re)initialize megatron-core's parallel state over the torch.distributed world already initialized."""
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():

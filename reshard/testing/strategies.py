@@ -19,6 +19,8 @@ def _picker(draw) -> Pick:
 
 @st.composite
 def models(draw, moe: bool | None = None, dtype: str = "float32") -> ModelSpec:
+    """A small random model (qwen3, llama or qwen3_moe; `moe` forces the kind): tiny dimensions that still
+    exercise GQA/MHA, tied embeddings, odd vocabularies and dense layers between MoE ones."""
     is_moe = draw(st.booleans()) if moe is None else moe
     family = "qwen3_moe" if is_moe else draw(st.sampled_from(["qwen3", "llama"]))
     g = draw(st.sampled_from([1, 2, 4]))
@@ -42,20 +44,24 @@ def models(draw, moe: bool | None = None, dtype: str = "float32") -> ModelSpec:
 
 @st.composite
 def megatron_layouts(draw, model: ModelSpec) -> MegatronLayout:
+    """A random valid Megatron layout of `model` (random_layouts.megatron_layout's choices, shrinkable)."""
     return megatron_layout(model, _picker(draw))
 
 
 @st.composite
 def expert_placements(draw, model: ModelSpec, ranks: int, redundant: int) -> ExpertPlacement:
+    """A random expert placement of `model` over `ranks` EP ranks with `redundant` replica slots."""
     return expert_placement(model, ranks, redundant, _picker(draw))
 
 
 @st.composite
 def vllm_layouts(draw, model: ModelSpec) -> VllmLayout:
+    """A random valid vLLM layout of `model` (random_layouts.vllm_layout's choices, shrinkable)."""
     return vllm_layout(model, _picker(draw))
 
 
 def layouts(model: ModelSpec) -> st.SearchStrategy[Layout]:
+    """Any layout of `model`: Megatron, vLLM or HF (one or two replicas)."""
     return st.one_of(megatron_layouts(model), vllm_layouts(model), st.builds(HfLayout, model=st.just(model),
                                                                               replicas=st.integers(1, 2)))
 

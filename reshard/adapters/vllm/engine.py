@@ -68,6 +68,8 @@ class ReshardUpdateInfo(WeightTransferUpdateInfo):
 
 
 class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
+    """vLLM's worker-side weight-transfer engine `reshard` (one per worker): each call of vLLM's weight-update
+    protocol is one agreed step of `adapters.vllm.agreed.AgreedSteps` (init, start, transfer or install, finish)."""
     init_info_cls = ReshardInitInfo
     update_info_cls = ReshardUpdateInfo
     supports_draft_weight_update = False

@@ -34,6 +34,8 @@ class ReshardTrainerInitInfo(TrainerInitInfo):
 
 
 class ReshardTrainerWeightTransferEngine(TrainerWeightTransferEngine[ReshardTrainerInitInfo]):
+    """vLLM's trainer-side weight-transfer engine `reshard`: one `TrainerSession` per trainer rank (rank 0 drives the
+    engine through `client`); `send_weights` is one refit of this rank's tensors in the trainer's layout."""
     init_info_cls = ReshardTrainerInitInfo
 
     def __init__(self, *, client: VLLMWeightSyncClient | None, source: Any, session: TrainerSession,

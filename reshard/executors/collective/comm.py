@@ -28,6 +28,8 @@ Message = tuple[torch.Tensor, int, int]  # (buffer, peer group rank, tag)
 
 
 class Comm(abc.ABC):
+    """The group a `CollectiveExecutor` runs over: its members (`rank` of `size`), its backend, and its lanes (one
+    communicator each, so that independent batches of messages are in flight together)."""
     rank: int
     size: int
     backend: str  # "gloo" or "nccl"

@@ -105,6 +105,8 @@ def _layer(spec: ModelSpec, i: int) -> list:
 
 
 class DeepseekV3(ModelFamily):
+    """DeepSeek-V3 and Kimi-K2: multi-latent attention, a dense first-k and routed experts with a
+    shared expert, optional MTP layers."""
     name = "deepseek_v3"
     architectures = ("DeepseekV3ForCausalLM",)
     model_types = ("deepseek_v3", "kimi_k2")

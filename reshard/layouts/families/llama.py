@@ -8,6 +8,7 @@ from ..model import ModelSpec
 
 
 class Llama(ModelFamily):
+    """Llama models: grouped-query attention without q/k norms, a gated MLP."""
     name = "llama"
     architectures = ("LlamaForCausalLM",)
     model_types = ("llama",)

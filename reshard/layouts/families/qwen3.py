@@ -8,6 +8,7 @@ from ..model import ModelSpec
 
 
 class Qwen3(ModelFamily):
+    """Qwen3 dense models: grouped-query attention with per-head q/k norms, a gated MLP."""
     name = "qwen3"
     architectures = ("Qwen3ForCausalLM",)
     model_types = ("qwen3",)

@@ -171,6 +171,8 @@ def _layer(spec: ModelSpec, i: int, p: str) -> list:
 
 
 class Qwen35(ModelFamily):
+    """Qwen3.5 (dense and MoE, text and vision-language checkpoints): gated DeltaNet linear
+    attention layers between gated full-attention layers, optional MTP layers."""
     name = "qwen3_5"
     architectures = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
                      "Qwen3_5MoeForConditionalGeneration")

@@ -11,6 +11,7 @@ from ..model import ModelSpec
 
 
 class Qwen3Moe(ModelFamily):
+    """Qwen3 mixture-of-experts models: Qwen3's attention, routed experts without a shared one."""
     name = "qwen3_moe"
     architectures = ("Qwen3MoeForCausalLM",)
     model_types = ("qwen3_moe",)

@@ -37,7 +37,7 @@ from .transports import PublishedSource, publish_source, published_source, withd
 _FIELDS = {"model": dict, "src": dict, "dst": dict, "install": str, "replica": int, "transport": str,
            "options": dict, "rendezvous": (dict, type(None)), "fanout": (int, type(None)),
            "verify_layers": (list, tuple, type(None)), "plan_digest": str, "lora_id": (int, type(None)),
-           "math": (dict, type(None)), "staging": (str, type(None))}
+           "math": (dict, type(None)), "staging": (str, type(None)), "delta": (int, type(None))}
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,10 @@ class RefitSpec:
             (pinned host memory, direct installs). Staged, a worker's transfer runs while its engine keeps
             generating, and the bytes go live only at the install step (the flip): `TrainerSession(pause_for=
             "flip")`. Checked at init against the memory free there.
+        delta: delta refits with a dense keyframe every this many versions (executors.delta.DeltaPolicy's
+            keyframe_every): only the elements that changed since the version the engine holds move, written in
+            place into what the transport fills (parameters, staging or loader buffers); the first refit after
+            every init is a keyframe. None: every refit dense. Needs a transport that carries it and no fanout.
 
     Raises:
         PlanError: a field of the wrong type, an unknown install or transport, or a field that is not JSON.
@@ -90,6 +94,7 @@ class RefitSpec:
     lora_id: int | None = None
     math: dict[str, Any] | None = None  # layouts.math_config
     staging: str | None = None  # adapters.vllm.staging
+    delta: int | None = None  # executors.delta.DeltaPolicy(keyframe_every=delta)
 
     def __post_init__(self) -> None:
         problems = []
@@ -120,6 +125,10 @@ class RefitSpec:
             problems.append(f"staging={self.staging!r}: None, 'device' (direct or loader installs) or 'host' "
                             f"(direct installs: a loader install stages in its buffers on the engine's device); "
                             f"install={self.install!r}")
+        if isinstance(self.delta, int) and not isinstance(self.delta, bool):
+            problems += _delta_problems(self)
+        if isinstance(self.options, dict) and "delta" in self.options:
+            problems.append("options['delta']: delta refits are RefitSpec(delta=K), a dense keyframe every K versions")
         if self.verify_layers is not None and not isinstance(self.verify_layers, (list, tuple)):
             problems.append(f"verify_layers={self.verify_layers!r} must be a list of layer numbers, or None")
         elif self.verify_layers is not None:
@@ -293,6 +302,25 @@ class RefitSpec:
         return plan.src.num_ranks + plan.dst.num_ranks
 
 
+def _delta_problems(refit: RefitSpec) -> list[str]:
+    """Why `refit.delta` (an int) cannot be carried: out of range, a plan with fan-out, an adapter slot (its install
+    scales B in place: the slot no longer holds what landed) or a transport without it."""
+    problems = []
+    if refit.install == "lora_slot":
+        problems.append(f"delta={refit.delta} with install='lora_slot': the install scales the slot's B in place, so "
+                        f"the engine no longer holds the version a delta would be computed against")
+    if not 1 <= refit.delta <= 1 << 30:
+        problems.append(f"delta={refit.delta}: a dense keyframe every K >= 1 versions (or None: every refit dense)")
+    if refit.fanout is not None:
+        problems.append(f"delta={refit.delta} with fanout={refit.fanout}: delta refits need a plan without fan-out "
+                        f"(relays between replicas); set fanout=None")
+    if refit.transport in transports.transports() and not transports.transport(refit.transport).delta:
+        delta_ones = [n for n in transports.transports() if transports.transport(n).delta]
+        problems.append(f"delta={refit.delta}: transport {refit.transport!r} does not carry delta refits (those "
+                        f"that do: {delta_ones})")
+    return problems
+
+
 def _config_math(spec: ModelSpec, config: Any) -> dict[str, Any]:
     """The math fields of `config`, which must be the config of `spec`'s model (an adapter spec's: of the model it
     adapts): a config of another model would check the engine against the wrong math."""
@@ -324,19 +352,22 @@ def open_transport(refit: RefitSpec, process: int, src: RankTensors, dst: RankTe
     """
     from .rendezvous import Rendezvous
 
+    from ..executors.delta import DeltaPolicy
+
     plan, options, chosen = refit.plan(), dict(refit.options), transports.transport(refit.transport)
     if refit.install == "loader" or refit.staging:  # buffers or staging, read only after a complete refit: in place
         options = {**chosen.in_place, **options}
+    delta = None if refit.delta is None else DeltaPolicy(keyframe_every=refit.delta)
     if not chosen.cross_process:
         binding = Binding.colocated(plan.src.num_ranks, plan.dst.num_ranks)
         return transports.open_transport(refit.transport, transports.Endpoint(plan, binding, process, src, dst,
-                                                                              options, group=group))
+                                                                              options, group=group, delta=delta))
     if refit.rendezvous is None:
         raise ExecutionError(f"transport {refit.transport!r} needs a rendezvous (where the processes meet)")
     rdv = Rendezvous.from_dict(refit.rendezvous)
     options.setdefault("timeout", rdv.timeout)
     return transports.open_transport(refit.transport, transports.Endpoint(
-        plan, refit.binding(), process, src, dst, options, store=store, rendezvous=rdv))
+        plan, refit.binding(), process, src, dst, options, store=store, rendezvous=rdv, delta=delta))
 
 
 __all__ = ["RefitSpec", "open_transport"]

@@ -49,6 +49,8 @@ class RefitResult:
     # transfer, staged (every engine has its bytes), pause, flip (the install), finish, resume
     stats: Any = None  # this process's executor stats, with the driver's pause_s and in_flight
     followed: list[dict[str, Any]] = field(default_factory=list)  # EPLB placements recompiled for (why, digests)
+    delta: Any = None  # RefitSpec(delta=K): what this process sent (executors.delta.DeltaReport: keyframe or not,
+    # encodings, payload bytes against the dense refit's); None without delta or a transport executor here
 
 
 class TrainerSession:
@@ -312,7 +314,8 @@ class TrainerSession:
                 marks.append(("finish", time.perf_counter()))
             done = True
         finally:
-            close = (bool(errors) or not done) and bool(self.engines)  # end the update on every engine worker, without a version
+            # end the update on every engine worker, without a version
+            close = (bool(errors) or not done) and bool(self.engines)
             if close or paused:
                 errors += self._wind_down(close, paused, deadline)
             if paused:
@@ -328,7 +331,8 @@ class TrainerSession:
             pause_s = marks[-1][1] - self._paused_at if paused and self._paused_at is not None else 0.0
             stats = replace(stats or RefitStats("", self.process, self.version, 0.0), pause_s=pause_s,
                             in_flight=tuple(self._in_flight) if self._in_flight is not None else None)
-        return RefitResult(version, marks[-1][1] - marks[0][1], phases, stats)
+        return RefitResult(version, marks[-1][1] - marks[0][1], phases, stats,
+                           delta=getattr(self.executor, "last_delta", None))
 
     def _start(self, paused: list[EngineClient], deadline: float) -> list[str]:
         """Pause (when asked, the engine can, and the pause spans the refit) and start the update on each engine

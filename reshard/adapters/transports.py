@@ -10,7 +10,9 @@ built-in ones, registered below (each imports its executor only when opened: nix
                 store: gloo on CPU, NCCL on GPUs, or `options["backend"]`);
   "nixl"        NIXL one-sided transfers (keys in the rendezvous's store);
   "shared"      processes of one host: senders write into the receivers' memory (CUDA IPC, POSIX shared memory).
-`register_transport(name, opener, ...)` adds one; an unknown name is refused, listing the registered ones.
+`register_transport(name, opener, ...)` adds one; an unknown name is refused, listing the registered ones. Every
+built-in one carries delta refits (`Endpoint.delta`, `RefitSpec(delta=K)`); one registered with `delta=False` is
+refused for them by RefitSpec, naming it.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ class Endpoint:
         namespace: unique per executor among those of one store (default: the rendezvous's refit id).
         comm: "collective": a StoreComm every process joined (else one is made from the store).
         group: "colocated": the engine's world group.
+        delta: the executor's `delta` option (an executors.delta.DeltaPolicy; None: every refit dense).
     """
 
     plan: Any
@@ -51,6 +54,7 @@ class Endpoint:
     namespace: str = ""
     comm: Any = None
     group: Any = None
+    delta: Any = None
 
     def scoped(self, transport: str) -> Any:
         """The part of the store this transport keeps its keys in."""
@@ -68,20 +72,22 @@ class Endpoint:
 
 @dataclass(frozen=True)
 class Transport:
-    """A registered transport: its opener, whether its processes meet at a rendezvous, and the options that make
-    its executor write the destination in place (a loader reads the buffers only after a complete refit)."""
+    """A registered transport: its opener, whether its processes meet at a rendezvous, the options that make its
+    executor write the destination in place (a loader reads the buffers only after a complete refit), and whether
+    its opener carries `Endpoint.delta`."""
 
     name: str
     opener: Callable[[Endpoint], Executor]
     cross_process: bool = True
     in_place: dict[str, Any] = field(default_factory=dict)
+    delta: bool = False
 
 
 _TRANSPORTS: dict[str, Transport] = {}
 
 
 def register_transport(name: str, opener: Callable[[Endpoint], Executor], *, cross_process: bool = True,
-                       in_place: dict[str, Any] | None = None) -> None:
+                       in_place: dict[str, Any] | None = None, delta: bool = False) -> None:
     """Make `opener` the transport `name` (a later registration of the name replaces it).
 
     Args:
@@ -89,10 +95,11 @@ def register_transport(name: str, opener: Callable[[Endpoint], Executor], *, cro
         opener: `opener(Endpoint) -> Executor`; it imports what it needs when called.
         cross_process: its processes meet at a rendezvous.
         in_place: executor options that write the destination tensors in place.
+        delta: its opener passes `Endpoint.delta` to its executor (delta refits).
     """
     if not isinstance(name, str) or not name or not callable(opener):
         raise ArgumentError("name", name, "must be a non-empty string, with a callable opener")
-    _TRANSPORTS[name] = Transport(name, opener, cross_process, dict(in_place or {}))
+    _TRANSPORTS[name] = Transport(name, opener, cross_process, dict(in_place or {}), bool(delta))
 
 
 def transport(name: str) -> Transport:
@@ -174,20 +181,22 @@ class PublishedSource(Executor):
     """The in-process transport on the engine side: copies from whatever the trainer published under `key` at
     each refit into this process's destination ranks.
 
-    The copies run through an inprocess executor (executors.inprocess: checks, views and the copy program made once; on a
-    GPU one graph launch per refit), kept while the trainer updates the published tensors in place. A refit first
-    checks that what is published under `key` is still the publication bound (and every tensor's storage where it
-    was); if the trainer published again, the executor is bound afresh. A plan the inprocess executor
-    cannot run in one process (one that relays between replicas) runs through the ReferenceExecutor.
-    `checksum` (the transport's option): the inprocess executor's (executors.inprocess; "sum64" on a GPU is computed by the
-    kernel that moves the bytes), the digest in each refit's stats (`RefitStats.digest`)."""
+    The copies run through an inprocess executor (executors.inprocess: checks, views and the copy program made
+    once; on a GPU one graph launch per refit), kept while the trainer updates the published tensors in place. A
+    refit first checks that what is published under `key` is still the publication bound (and every tensor's
+    storage where it was); if the trainer published again, the executor is bound afresh. A plan the inprocess
+    executor cannot run in one process (one that relays between replicas) runs through the ReferenceExecutor.
+    `checksum` (the transport's option): the inprocess executor's ("sum64" on a GPU is computed by the kernel that
+    moves the bytes), the digest in each refit's stats (`RefitStats.digest`). `delta`: the inprocess executor's (a
+    DeltaPolicy); an executor bound afresh starts with a keyframe."""
 
     name = ""  # not picked by name: made by open_transport
 
-    def __init__(self, plan: Plan, dst: RankTensors, key: str, checksum: "bool | str" = False) -> None:
+    def __init__(self, plan: Plan, dst: RankTensors, key: str, checksum: "bool | str" = False,
+                 delta: Any = None) -> None:
         from ..executors.checksum import algorithm
 
-        self.plan, self.dst, self.key = plan, dst, key
+        self.plan, self.dst, self.key, self.delta = plan, dst, key, delta
         self.checksum = algorithm(checksum)
         self._bound: Any = None
         self._bound_to: Any = None  # the publication (publish_source) the inprocess executor reads
@@ -208,9 +217,15 @@ class PublishedSource(Executor):
                                          "between destination replicas (compile it without fan-out)")
                 return ReferenceExecutor(self.plan, None, 0, src, self.dst).refit()
             self._bound = None
-            self._bound = InProcessExecutor(self.plan, None, 0, src, self.dst, checksum=self.checksum or False)
+            self._bound = InProcessExecutor(self.plan, None, 0, src, self.dst, checksum=self.checksum or False,
+                                            delta=self.delta)
             self._bound_to = src
         return self._bound.refit(version)
+
+    @property
+    def last_delta(self) -> Any:
+        """What the last refit moved, with the `delta` option (executors.delta.DeltaReport); else None."""
+        return getattr(self._bound, "last_delta", None)
 
     def close(self) -> None:
         if self._bound is not None:
@@ -222,7 +237,8 @@ class PublishedSource(Executor):
 
 def _inprocess(e: Endpoint) -> Executor:
     options = dict(e.options)
-    return PublishedSource(e.plan, e.dst, str(options.pop("key", "default")), checksum=options.pop("checksum", False))
+    return PublishedSource(e.plan, e.dst, str(options.pop("key", "default")), checksum=options.pop("checksum", False),
+                           delta=e.delta)
 
 
 def _colocated(e: Endpoint) -> Executor:
@@ -237,7 +253,7 @@ def _colocated(e: Endpoint) -> Executor:
         raise ExecutionError(f"this process plays source ranks {list(mine)} but {missing} are not published "
                              f"under {key!r} (publish_source first)")
     return CollectiveExecutor(e.plan, e.binding, None, {r: published[r] for r in mine}, e.dst, group=e.group,
-                               **options)
+                              delta=e.delta, **options)
 
 
 def _collective(e: Endpoint) -> Executor:
@@ -252,7 +268,7 @@ def _collective(e: Endpoint) -> Executor:
         on_gpu = any(t.device.type == "cuda" for side in (e.src, e.dst) for ts in side.values() for t in ts.values())
         comm = StoreComm(e.scoped("collective"), e.process, e.binding.num_processes,
                          backend or ("nccl" if on_gpu else "gloo"), options.get("timeout", e.rendezvous.timeout))
-    return make_executor("collective", e.plan, e.binding, e.process, e.src, e.dst, group=comm, **options)
+    return make_executor("collective", e.plan, e.binding, e.process, e.src, e.dst, group=comm, delta=e.delta, **options)
 
 
 def _nixl(e: Endpoint) -> Executor:
@@ -260,21 +276,21 @@ def _nixl(e: Endpoint) -> Executor:
     from ..executors.nixl import NixlOptions
 
     return make_executor("nixl", e.plan, e.binding, e.process, e.src, e.dst, store=e.scoped("nixl"),
-                         options=NixlOptions(**e.options), namespace=e.space)
+                         options=NixlOptions(**e.options), namespace=e.space, delta=e.delta)
 
 
 def _shared(e: Endpoint) -> Executor:
     from ..executors import make_executor
 
     return make_executor("shared", e.plan, e.binding, e.process, e.src, e.dst, store=e.scoped("shared"),
-                         namespace=e.space, **e.options)
+                         namespace=e.space, delta=e.delta, **e.options)
 
 
-register_transport("inprocess", _inprocess, cross_process=False)
-register_transport("colocated", _colocated, cross_process=False)
-register_transport("collective", _collective, in_place={"in_place": True})
-register_transport("nixl", _nixl, in_place={"staged": False})
-register_transport("shared", _shared, in_place={"staged": False})
+register_transport("inprocess", _inprocess, cross_process=False, delta=True)
+register_transport("colocated", _colocated, cross_process=False, delta=True)
+register_transport("collective", _collective, in_place={"in_place": True}, delta=True)
+register_transport("nixl", _nixl, in_place={"staged": False}, delta=True)
+register_transport("shared", _shared, in_place={"staged": False}, delta=True)
 
 __all__ = ["Endpoint", "PublishedSource", "Transport", "cross_process_transports", "open_transport", "publish_source",
            "published_source", "register_transport", "transport", "transports", "withdraw_source"]

@@ -1,7 +1,11 @@
 """The driver's lease is renewed by a keeper process (adapters.lease_keeper): it keeps renewing while the driver's
 GIL is held by a binding (the NIXL/UCX set-up that once let a live driver's lease lapse under load), stops while the
 driver is stopped (SIGSTOP: its lease must lapse) and ends when the driver dies. Real processes and a real HTTP
-server in a process of its own (a server in this process would be starved by the same held GIL)."""
+server in a process of its own (a server in this process would be starved by the same held GIL).
+
+Time bounds hold on a loaded machine: what is asserted is what a GIL-bound or stopped renewer would break by a wide
+margin (renewals all through a long hold; a quiet spell of twice the lease after SIGSTOP), each wait polled up to a
+generous deadline, never a gap near the renewal cadence that the scheduling of the keeper and server can stretch."""
 from __future__ import annotations
 
 import ctypes
@@ -89,7 +93,7 @@ def _gaps(times: list[float], start: float, end: float) -> float:
 
 
 def test_renewals_go_on_while_a_binding_holds_the_drivers_gil(server):
-    ttl, hold = 4.0, 9  # renewed every ttl / 4 = 1 s; the GIL held for more than twice the lease
+    ttl, hold = 4.0, 10  # renewed every ttl / 4 = 1 s; the GIL held for more than twice the lease
     renewal = LeaseRenewal([server], "driver0a", ttl)
     ticks: list[float] = []
     stop = threading.Event()
@@ -100,7 +104,7 @@ def test_renewals_go_on_while_a_binding_holds_the_drivers_gil(server):
 
     ticker = threading.Thread(target=tick, daemon=True)
     try:
-        time.sleep(1.5)
+        assert _wait_for(lambda: server.heard, 30.0), "the keeper never renewed"
         ticker.start()
         time.sleep(0.5)
         start = time.time()
@@ -111,35 +115,38 @@ def test_renewals_go_on_while_a_binding_holds_the_drivers_gil(server):
         ticker.join()
         # the harness really held the GIL: this process's own thread did not run meanwhile
         assert _gaps([t for t in ticks if start <= t <= end], start, end) > hold / 2
+        # renewals went on all through the hold: a renewer stopped by the GIL leaves all of it silent (a gap of
+        # `hold`); the 1 s cadence may stretch by seconds when a loaded machine is slow to run keeper and server
         heard = server.heard_between(start, end)
-        assert len(heard) >= 3 and _gaps(heard, start, end) < ttl, (heard, start, end)
-        assert renewal.error is None
+        assert len(heard) >= hold // 3 and _gaps(heard, start, end) < hold / 2, (heard, start, end)
+        # the last round's outcome counts (a renewal that timed out under load and then got through is no error)
+        assert _wait_for(lambda: renewal.error is None, 10.0), renewal.error
     finally:
         renewal.stop()
     assert renewal.keeper is None  # stopped, and waited for
 
 
 def test_the_keeper_stops_for_a_stopped_driver_and_ends_with_a_dead_one(server):
-    ttl = 2.0
+    ttl = 2.0  # renewed every 0.5 s
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, server.url, str(ttl)], stdout=subprocess.PIPE,
                               text=True, env=env)
     try:
         keeper = json.loads(driver.stdout.readline())["keeper"]
-        time.sleep(2.0)
-        assert len(server.heard) >= 2  # renewing every ttl / 4
+        assert _wait_for(lambda: len(server.heard) >= 2, 30.0), server.heard  # renewing every ttl / 4
         os.kill(driver.pid, signal.SIGSTOP)
         assert _wait_for(lambda: driver_state(driver.pid) == "stopped", 5.0)
-        time.sleep(ttl / 4 + 0.3)  # a round that had begun may still land
+        # a frozen driver's lease lapses: the renewals stop, leaving a silence of twice the lease (a round that
+        # had begun may still land first); a keeper still renewing never falls silent for 8 rounds
         stopped_at = time.time()
-        time.sleep(2 * ttl)
-        assert server.heard_between(stopped_at, time.time()) == []  # a frozen driver's lease lapses
+        assert _wait_for(lambda: time.time() - max([stopped_at, *server.heard]) > 2 * ttl, 30.0), \
+            f"renewals went on for a stopped driver: {server.heard_between(stopped_at, time.time())}"
         os.kill(driver.pid, signal.SIGCONT)
         resumed_at = time.time()
-        assert _wait_for(lambda: server.heard_between(resumed_at, time.time()), 3 * ttl)
+        assert _wait_for(lambda: server.heard_between(resumed_at, time.time()), 30.0), "no renewal after SIGCONT"
         driver.kill()  # SIGKILL: no clean-up of its own; the keeper must end by itself
         driver.wait(10)
-        assert _wait_for(lambda: driver_state(keeper) == "gone", 3 * ttl), "the keeper outlived its driver"
+        assert _wait_for(lambda: driver_state(keeper) == "gone", 30.0), "the keeper outlived its driver"
     finally:
         if driver.poll() is None:
             os.kill(driver.pid, signal.SIGCONT)

@@ -8,7 +8,8 @@ must change), take the training step and refit again: tokens and checksums must 
 the server must report the trainer's weight version. Both sides compile the plan once.
 In one case the trainer also saves that step as a megatron-core torch_dist checkpoint, refits one more step, and
 its processes then refit the server straight from the checkpoint (readers with no model, each reading its part):
-the fresh server's output again.
+the fresh server's output again. Delta refits (`RefitSpec(delta=K)`) after a few elements and a training step
+changed land exactly the expected checkpoint's tensors, keyframes as the policy says and after every init.
 
 Faults and bad input (each bounded in time): a trainer process dies as a refit starts -> the server's update
 fails, it keeps serving the previous weights, and a new init + refit succeeds; the server dies mid-update ->
@@ -211,6 +212,61 @@ def test_bad_init_is_refused_and_the_server_keeps_serving(servers):
         session.refit(version=f"one-process-{k}")
         assert served.client.weight_info() == f"one-process-{k}"
     session.close()
+
+
+def test_delta_refits_equal_dense_ones(servers):
+    """RefitSpec(delta=K) on the server path (issue 41 item 5): a keyframe of checkpoint A, a delta after a few
+    elements changed, a delta after a training step (checkpoint B: the fresh server's tokens and checksums), a
+    keyframe per the policy, and after a new init a keyframe again (the engine's workers bound afresh hold no
+    version a delta could be computed against). Every refit leaves on every worker exactly the expected
+    checkpoint's tensors (reshard's digests of what landed); the trainer's RefitResult says what went as delta."""
+    served = servers["dense-tp2"]
+    refit, _ = _trainer_of_one(served, delta=3)
+    src, _ = refit.layouts()
+    weights = load_checkpoint(served.a)
+    tensors = shard(src, weights)[0]  # the trainer's, changed in place by its steps
+
+    def trainer_holds(new: dict) -> None:
+        weights.update(new)
+        with torch.no_grad():
+            for name, t in shard(src, weights)[0].items():
+                tensors[name].copy_(t)
+
+    def refit_and_check(version: str):
+        result = session.refit(version)
+        want = tensor_digests(weights)
+        landed = served.client.landed()
+        assert len(landed) == 2 and all(w["installed"] and w["digests"] == want for w in landed), version
+        assert served.client.weight_info() == version
+        if not result.delta.keyframe:  # a delta's bytes are its payloads': what the transport's stats count
+            assert sum(result.stats.bytes_sent.values()) == result.delta.wire_bytes, result
+        return result.delta
+
+    session = TrainerSession(refit, 0, tensors, engines=[served.client], timeout=120.0)
+    try:
+        session.init()
+        assert refit_and_check("delta-0").keyframe
+        names = sorted(n for n, t in weights.items() if t.dim() == 2)
+        few = {names[0]: weights[names[0]].clone(), names[-1]: weights[names[-1]].clone()}
+        few[names[0]][3, :2] += 1.0
+        few[names[-1]][1, 5] -= 2.0
+        trainer_holds(few)
+        report = refit_and_check("delta-1")
+        # 3 elements to each of the 2 workers (a loader install: whole tensors on every rank)
+        assert not report.keyframe and report.base == 1 and report.changed == 6, report
+        assert report.wire_bytes < report.dense_bytes // 50, report
+        trainer_holds(load_checkpoint(served.b))  # the training step: checkpoint B, every element changed
+        report = refit_and_check("delta-2")
+        assert not report.keyframe and report.base == 2 and report.entries == report.ops["dense"], report
+        assert served.client.greedy(PROMPTS) == served.fresh
+        assert served.client.weight_checksums() == served.checksums
+        assert refit_and_check("delta-3").keyframe  # the policy's: a keyframe every 3 versions
+        session.init()  # a new init (as after an engine restart): its first refit is a keyframe
+        assert refit_and_check("delta-4").keyframe
+        assert not refit_and_check("delta-5").keyframe  # nothing changed: a delta of no entries
+    finally:
+        session.close()
+    assert served.client.greedy(PROMPTS) == served.fresh
 
 
 def test_a_trainer_process_dies_mid_update_the_server_keeps_its_weights_and_recovers(servers, tmp_path):

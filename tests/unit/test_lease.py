@@ -95,6 +95,12 @@ class Engine:
     async def resume_generation(self):
         self.calls.append(("resume",))
 
+    async def is_paused(self):
+        return bool(self.calls) and self.calls[-1][0] == "pause"
+
+    async def pause_generation(self, mode):
+        self.calls.append(("pause", mode))
+
 
 def _app(statuses: dict[str, int], gate: dict[str, asyncio.Event]):
     async def app(scope, receive, send):
@@ -255,3 +261,44 @@ def test_a_torn_flip_fences_generation_and_resume_until_an_install_succeeds():
     assert book.torn == "a"
     book.flipped("/update_weights", {"version": "b", "phase": "install"}, True, "")
     assert book.torn is None and book.closed("/resume") is None
+
+
+def test_an_install_through_the_worker_extension_is_fenced_the_same_way():
+    """server.ExtensionClient installs with /collective_rpc of `reshard_update` (an operator's call, no lease): the
+    middleware reads it as the /update_weights it stands for (lease.refit_call), so a torn one fences generation and
+    a whole one lifts the fence; other collective_rpc calls and unreadable bodies install nothing."""
+    from reshard.adapters.vllm.lease import TORN, refit_call
+
+    def rpc(info, method="reshard_update"):
+        return {"method": method, "args": [json.dumps(info)] if info is not None else []}
+
+    assert refit_call("/collective_rpc", json.dumps(rpc({"version": "a", "phase": "install"})).encode()) == \
+        ("/update_weights", {"version": "a", "phase": "install"})
+    assert refit_call("/collective_rpc", json.dumps(rpc(None)).encode()) == ("/update_weights", {})  # one phase
+    for body in (rpc({"phase": "install"}, "reshard_in_flight"), {"method": "reshard_update", "args": [7]}, "x"):
+        assert refit_call("/collective_rpc", json.dumps(body).encode()) == ("/collective_rpc", None)
+    assert refit_call("/collective_rpc", b"{not json") == ("/collective_rpc", None)
+
+    outcome = {"code": 500}
+
+    async def app(scope, receive, send):  # the workers' install fails, naming TORN, while outcome says 500
+        await receive()
+        code = outcome["code"] if scope["path"] == "/collective_rpc" else 200
+        error = {"error": f"Worker failed with error '{TORN} on engine replica 0 rank 1'"} if code == 500 else {}
+        await send({"type": "http.response.start", "status": code, "headers": []})
+        await send({"type": "http.response.body", "body": json.dumps(error).encode()})
+
+    async def main():
+        mw = ReshardLeaseMiddleware(app, poll=0.02)
+        mw.test_engine = Engine()
+        assert (await _request(mw, "/collective_rpc", rpc({"version": "a", "phase": "transfer"})))[0] == 500
+        assert mw.book.torn is None  # a transfer writes no live weights
+        await _request(mw, "/collective_rpc", rpc({"version": "a", "phase": "install"}))
+        assert mw.book.torn == "a"
+        status, body = await _request(mw, "/v1/completions", {"prompt": [1]})
+        assert status == 503 and TORN in body["error"] and ("pause", "abort") in mw.test_engine.calls
+        outcome["code"] = 200
+        await _request(mw, "/collective_rpc", rpc({"version": "b", "phase": "install"}))
+        assert mw.book.torn is None and (await _request(mw, "/v1/completions", {"prompt": [1]}))[0] == 200
+        assert mw.test_engine.calls[-1] == ("resume",)
+    _run(main())

@@ -20,7 +20,8 @@ FastAPI app; it imports no vLLM itself). Protocol, all JSON over the server's po
      the live weights (its error names `TORN`) may leave some workers on the new version and some on the old, so
      the server stops serving: /resume (anyone's, and the lease's own recovery) and the generation routes
      (`GENERATE`) are refused (HTTP 503, naming the version) and the engine is paused if it was not, until an
-     install of a later refit succeeds on every worker; then the driver's /resume goes through.
+     install of a later refit succeeds on every worker; then the driver's /resume goes through. An install through
+     the worker extension (`/collective_rpc` of `reshard_update`: server.ExtensionClient) counts the same.
 `GET /reshard/lease` answers the current holder, its generation and what it holds open (for tests and operators).
 
 The engine side of the lease lives here whole: `LeaseBook` (the rules), `ReshardLeaseMiddleware` (a vLLM server)
@@ -43,6 +44,7 @@ from ..lease_keeper import HEADER as _HEADER, ROUTE
 HEADER = _HEADER.lower().encode()
 FENCED = ("/pause", "/resume", "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
           "/finish_weight_update", "/update_weight_version", "/collective_rpc")
+WATCHED = ("/update_weights", "/collective_rpc")  # an operator's call (no lease) that may install: the fence watches
 GENERATE = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/inference/v1/generate", "/generate")
 TORN = "the flip did not complete"  # in a worker's install error once it began writing live weights (session.py)
 MAX_TTL = 3600.0
@@ -86,6 +88,25 @@ class Open:
             self.started, self.installed = False, None  # finished, or closed after a failure
         elif installs(route, update):
             self.installed = self.pending if ok else None
+
+
+def refit_call(route: str, body: bytes) -> tuple[str, dict[str, Any] | None]:
+    """What a call of `route` with the JSON `body` (untrusted: what cannot be read is None) does to the weights: an
+    /update_weights' info, a /finish_weight_update's {"version"}; the worker extension's `reshard_update` over
+    /collective_rpc (server.ExtensionClient's refits) counts as the /update_weights it stands for, so the flip
+    fence watches both."""
+    try:
+        payload = json.loads(body or b"{}") or {}
+        if route == "/update_weights":
+            return route, payload.get("update_info")
+        if route == "/finish_weight_update":
+            return route, {"version": payload.get("weight_version")}
+        if route == "/collective_rpc" and payload.get("method") == "reshard_update":
+            info = (payload.get("args") or [""])[0]
+            return "/update_weights", json.loads(info) if info else {}  # (empty: transfer and install)
+    except (ValueError, AttributeError, TypeError, IndexError):
+        pass
+    return route, None
 
 
 def installs(route: str, update: dict[str, Any] | None) -> bool:
@@ -300,20 +321,13 @@ class ReshardLeaseMiddleware:
         if closed is not None:
             return await _answer(send, 503, {"error": closed})
         holder = _header(scope, HEADER)
-        if path not in FENCED or (holder is None and path != "/update_weights"):  # (an operator's install: watched)
+        if path not in FENCED or (holder is None and path not in WATCHED):
             return await self.app(scope, receive, send)
         refusal = self.book.refusal(holder) if holder is not None else None
         if refusal is not None:
             return await _answer(send, 409, {"error": refusal})
         body, receive = await _buffered(receive)
-        update = None
-        if path in ("/update_weights", "/finish_weight_update"):
-            try:
-                payload = json.loads(body or b"{}") or {}
-                update = payload.get("update_info") if path == "/update_weights" else \
-                    {"version": payload.get("weight_version")}
-            except (ValueError, AttributeError):
-                update = None
+        path, update = refit_call(path, body)
         opened = self.book.enter(holder, path, update) if holder is not None else None
         if opened is not None:
             self.idle.clear()
@@ -532,4 +546,5 @@ async def _answer(send: Any, code: int, body: dict[str, Any]) -> None:
     await send({"type": "http.response.body", "body": data})
 
 
-__all__ = ["FENCED", "HEADER", "LeaseBook", "Open", "ReshardLeaseMiddleware", "ThreadedLease", "outcome", "parse_grant"]
+__all__ = ["FENCED", "HEADER", "LeaseBook", "Open", "ReshardLeaseMiddleware", "ThreadedLease", "outcome", "parse_grant",
+           "refit_call"]

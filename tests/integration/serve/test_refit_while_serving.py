@@ -17,6 +17,11 @@ landed B's bytes exactly.
   a flip that fails partway (one worker's install raises, $RESHARD_TEST_FLIP_FAULT; the other installed: a mix)
          -> the refit raises naming it, the engine stays paused and refuses generation and /resume, naming the
          torn version; the next complete refit lifts the fence and the server equals a fresh one on its weights.
+         The same through the worker extension's /collective_rpc (ExtensionClient, no lease).
+  a worker killed inside its flip ($RESHARD_TEST_FLIP_FAULT "1 kill": SIGKILL once it wrote its live weights)
+         -> vLLM's engine core dies with its worker: the refit raises naming the server, no token is answered
+         afterwards (every request fails, the server exits): the fence is the dead engine, an operator restarts
+         it. Last: it consumes the module's server (a second server start costs a minute of CI's 2 cores).
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import pytest
 
 import reshard
 from reshard.adapters.refit import RefitSpec
+from reshard.adapters.server import ExtensionClient
 from reshard.adapters.trainer import TrainerSession
 from reshard.adapters.vllm.lease import TORN
 from reshard.errors import ExecutionError
@@ -51,18 +57,19 @@ def served(tmp_path_factory):
     a = make_checkpoint(TINY, work / "A")
     b = save_checkpoint({k: train_step(v, 1) for k, v in load_checkpoint(a).items()}, a, work / "B")
     fault = work / "flip-fault"  # holds the rank whose flip raises, while it exists (session._injected_flip_fault)
-    with ServerProcess(b, tp=2, log=work / "server.log", extra_args=EXTENSION,
-                       env={"RESHARD_TEST_FLIP_FAULT": str(fault)}) as server:
-        yield {"server": server, "a": a, "b": b, "fresh": server.greedy(PROMPTS), "fault": fault}
+    process = ServerProcess(b, tp=2, log=work / "server.log", extra_args=EXTENSION,
+                            env={"RESHARD_TEST_FLIP_FAULT": str(fault)})
+    with process as server:
+        yield {"server": server, "a": a, "b": b, "fresh": server.greedy(PROMPTS), "fault": fault, "process": process}
 
 
-def _session(served, pause: str, **kwargs) -> tuple[TrainerSession, dict]:
+def _session(served, pause: str | None, engine=None, **kwargs) -> tuple[TrainerSession, dict]:
     spec = reshard.ModelSpec.from_hf_config(served["a"])
     src = reshard.MegatronLayout(model=spec, vocab_divisor=64)
     refit = RefitSpec.of(spec, src, reshard.VllmLayout(model=spec, tp=2), install="loader", transport="collective",
                          staging="device", options={"timeout": 20})
     tensors = shard(src, load_checkpoint(served["a"]))[0]
-    session = TrainerSession(refit, 0, tensors, engines=[served["server"]], pause=pause, pause_for="flip",
+    session = TrainerSession(refit, 0, tensors, engines=[engine or served["server"]], pause=pause, pause_for="flip",
                              timeout=120.0, **kwargs)
     session.init()
     return session, tensors
@@ -182,4 +189,60 @@ def test_a_flip_that_fails_partway_fences_the_engine_until_a_refit_lands_whole(s
         want = tensor_digests(load_checkpoint(served["b"]))
         assert all(w["installed"] and w["digests"] == want for w in server.landed())
     finally:
+        session.close()
+
+
+def test_a_torn_flip_through_the_worker_extension_is_fenced_the_same_way(served):
+    """ExtensionClient drives the refit with /collective_rpc (reshard_update), no lease: the middleware reads its
+    install as the /update_weights it stands for."""
+    server, fault = served["server"], served["fault"]
+    session, tensors = _session(served, "keep", engine=ExtensionClient(server))
+    try:
+        _load(tensors, served["a"], served["a"])
+        fault.write_text("1")
+        try:
+            with pytest.raises(ExecutionError, match=f"{TORN}.*stays fenced"):
+                session.refit("a-torn-rpc")
+        finally:
+            fault.unlink()
+        assert server.lease_state()["torn"] == "a-torn-rpc"
+        with pytest.raises(ExecutionError, match=f"HTTP 503.*{TORN}.*'a-torn-rpc'"):
+            server.greedy(PROMPTS[:1])
+        assert server.call("GET", "/is_paused")["is_paused"]
+
+        _load(tensors, served["b"], served["a"])
+        session.init()
+        session.refit("b-rpc")  # lands whole: the fence lifts
+        assert server.lease_state()["torn"] is None and not server.call("GET", "/is_paused")["is_paused"]
+        assert server.greedy(PROMPTS) == served["fresh"]
+        want = tensor_digests(load_checkpoint(served["b"]))
+        assert all(w["installed"] and w["digests"] == want for w in server.landed())
+    finally:
+        session.close()
+
+
+def test_a_worker_killed_inside_its_flip_kills_the_engine_so_nothing_is_answered_from_a_mix(served):
+    """Last in the module: the server does not survive it."""
+    server, fault, process = served["server"], served["fault"], served["process"]
+    session, tensors = _session(served, "keep")
+    try:
+        _load(tensors, served["a"], served["a"])
+        fault.write_text("1 kill")  # rank 1 wrote A into its live weights, then dies before it reports the install
+        with RequestLoop(server.url, server.model(), clients=2, max_tokens=48, timeout=60.0) as loop:
+            time.sleep(1.0)
+            with pytest.raises(ExecutionError, match=f"refit 'a-killed' failed.*{server.url}"):
+                session.refit("a-killed")
+            raised = time.perf_counter()
+            deadline = time.monotonic() + 120.0  # vLLM's worker monitor -> engine core shutdown -> server exit
+            while process.alive() and time.monotonic() < deadline:
+                with pytest.raises(ExecutionError):
+                    server.greedy(PROMPTS[:1])  # never an answer from the mix, while the server still runs
+                time.sleep(1.0)
+        assert not process.alive(), f"the server outlived its engine core; last lines:\n{process.tail()}"
+        assert loop.tokens_between(raised, float("inf")) == 0, "a token was answered after the worker died"
+        assert all(r.end for r in loop.requests), "a request hangs on the dead engine"
+        assert all(r.error for r in loop.requests if r.start >= raised)
+        assert "died unexpectedly" in process.log.read_text(errors="replace")
+    finally:
+        fault.unlink(missing_ok=True)
         session.close()

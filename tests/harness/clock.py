@@ -10,7 +10,10 @@ readable the clock is the wall clock.
 """
 from __future__ import annotations
 
+import importlib
 import time
+from functools import partial
+from typing import Any, Callable
 
 
 def run_delay() -> float:
@@ -42,7 +45,7 @@ class OwnClock:
 class _OwnTime:
     """The `time` module, but `monotonic()` reads the calling thread's own time (less its run-queue delay)."""
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         return getattr(time, name)
 
     @staticmethod
@@ -50,13 +53,14 @@ class _OwnTime:
         return time.monotonic() - run_delay()
 
 
-def run_on_own_clock(module: str, name: str, *args) -> None:
-    """Run `module.name(*args)` with that module's `time.monotonic()` reading the calling thread's own time, so a
-    worker that times a span with two `time.monotonic()` calls on one thread reports own seconds (as `OwnClock`)
-    without a change of its own. For spawned workers: `functools.partial(run_on_own_clock, module, name)` pickles
-    by reference."""
-    import importlib
+def on_own_clock(module: str, name: str) -> Callable[..., None]:
+    """`module.name` as a picklable target for spawned workers that runs it with that module's `time.monotonic()`
+    reading the calling thread's own time: a worker that times a span with two `time.monotonic()` calls on one
+    thread then reports own seconds (as `OwnClock`), without a change of its own."""
+    return partial(_run_on_own_clock, module, name)
 
+
+def _run_on_own_clock(module: str, name: str, *args: Any) -> None:
     mod = importlib.import_module(module)
     mod.time = _OwnTime()
     getattr(mod, name)(*args)

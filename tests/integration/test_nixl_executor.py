@@ -18,7 +18,6 @@ import os
 import random
 import signal
 import time
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,7 @@ from hypothesis import Phase, given, settings, strategies as st
 
 import reshard
 from reshard.executors.binding import Binding
-from harness.clock import run_on_own_clock
+from harness.clock import on_own_clock
 from harness.store_procs import check_plan_results, launch, plan_worker
 from harness.refit_cases import tiny_deepseek
 from reshard.testing.strategies import refits
@@ -38,8 +37,8 @@ PROCESSES = 4
 JOBS = 16
 REFITS = 3
 # harness.store_procs's failure workers, reporting each survivor's own seconds
-FAILURE_WORKER = partial(run_on_own_clock, "harness.store_procs", "failure_worker")
-SETUP_FAILURE_WORKER = partial(run_on_own_clock, "harness.store_procs", "setup_failure_worker")
+FAILURE_WORKER = on_own_clock("harness.store_procs", "failure_worker")
+SETUP_FAILURE_WORKER = on_own_clock("harness.store_procs", "setup_failure_worker")
 
 
 def _draw_jobs(tmp: Path) -> list[dict]:

@@ -62,8 +62,8 @@ from ..layouts import ModelSpec
 from .agreement import Agreement
 from ..executors.partition import carve
 from .groups import (available_bytes, check_options, check_room, group_bindings, group_executor, group_plans,
-                     refuse, refuse_moved_experts, refuse_serving, refuse_unknown, staging_empty, synchronize,
-                     tensor_bytes, tensor_groups, transfer_thread)
+                     refuse, refuse_delta, refuse_moved_experts, refuse_serving, refuse_unknown, staging_empty,
+                     synchronize, tensor_bytes, tensor_groups, transfer_thread)
 from .streams import StreamNames
 
 TRANSPORTS = ("collective", "shared")
@@ -75,6 +75,11 @@ SERVING_WHY = ("NeMo-RL hands the engine the weights only inside one vLLM collec
                "(nemo_rl/weight_sync/checkpoint_engine_weight_synchronizer.py:225-231), and vLLM's engine core runs no "
                "step until every worker returned it: in-flight requests survive the refit "
                "(grpo.async_grpo.in_flight_weight_updates) but make no progress during it")
+# why this engine carries no delta refits (docs/guides/nemo_rl.md, 'Delta refits')
+DELTA_WHY = ("the vLLM workers land the tensor groups in two buckets reused in turn (staging bucket) and hand each to "
+             "vLLM's load_weights, so they hold no earlier version a delta could be applied to; with staging model "
+             "the buckets last only until finalize, which NeMo-RL's synchronizer calls after every refit when "
+             "release_after_refit is set (model staging kept across refits could carry them: not built yet)")
 
 
 class ReshardCheckpointEngine:
@@ -119,7 +124,7 @@ class ReshardCheckpointEngine:
 
     Raises:
         ArgumentError: an option of the wrong type or value (checked at construction, before any worker
-            joins; refit while serving, `pause_for` or `staging` "device" / "host", with why not); "model"
+            joins; refit while serving, `pause_for` or `staging` "device" / "host", and `delta`, with why not); "model"
             staging larger than the receiving device's free memory (when a vLLM worker joins);
             from `send_weights`, on the policy worker whose stream is wrong, the tensor that is.
         ExecutionError: from the refit methods, a peer that failed, a transfer that failed or another worker's
@@ -134,6 +139,7 @@ class ReshardCheckpointEngine:
                  dtype: str | None = None, timeout: float = 300.0, release_after_refit: bool = False,
                  **unknown: Any) -> None:
         refuse_serving({**unknown, "staging": staging}, "refit_cfg ", SERVING_WHY, "nemo_rl")
+        refuse_delta(unknown, "refit_cfg ", DELTA_WHY, "nemo_rl")
         # NeMo-RL passes every key of the refit_cfg entry (its schema allows extra keys): a typo lands in `unknown`
         refuse_unknown(unknown, [p for p in inspect.signature(type(self)).parameters if p not in ("bucket_size",
                        "unknown")], "refit_cfg", "ReshardCheckpointEngine (NeMo-RL passes every key of its refit_cfg "

@@ -16,7 +16,7 @@ from reshard.adapters import transports
 from reshard.adapters.hf_dir import HfDirectoryEngine, HfDirectoryLayout
 from reshard.adapters.refit import RefitSpec
 from reshard.adapters.trainer import TrainerSession
-from reshard.errors import PlanError
+from reshard.errors import ArgumentError, PlanError
 from reshard.executors import shard
 
 CONFIG = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 160, "hidden_size": 64,
@@ -98,3 +98,15 @@ def test_delta_refits_through_the_session_equal_the_trainers_weights(tmp_path):
         assert refit_and_check("v5").keyframe
     finally:
         session.close()
+
+
+def test_the_framework_integrations_refuse_delta_naming_why():
+    from reshard.integrations.nemo_rl import ReshardCheckpointEngine
+    from reshard.integrations.verl.topology import check_options
+
+    with pytest.raises(ArgumentError, match=r"refit_cfg delta=4 asks for delta refits.*two buckets reused in turn"
+                                            r".*docs/guides/nemo_rl\.md, 'Delta refits'"):
+        ReshardCheckpointEngine(1 << 20, delta=4)
+    with pytest.raises(ArgumentError, match=r"engine_kwargs\.reshard\.delta=4 asks for delta refits.*"
+                                            r"init_process_group each time.*delta_sharded.*docs/guides/verl\.md"):
+        check_options({"delta": 4})

@@ -63,7 +63,9 @@ def test_model_staging_is_refused_where_the_model_does_not_fit():
                                            ({"staging": "host", "pause_for": "flip"}, "pause_for='flip' is "
                                             "reshard's refit while the engine generates"),
                                            ({"pause_for": "refit"}, "docs/guides/verl.md, 'Refit while the engine "
-                                            "generates'")])
+                                            "generates'"),
+                                           # delta refits: groups and buffers are made anew at every refit
+                                           ({"delta": 4}, "verl's own `delta_sharded` backend is verl's delta path")])
 def test_atomic_and_unknown_stagings_are_refused_naming_the_fix(options, named):
     from reshard.integrations.verl import modes
 

@@ -214,7 +214,8 @@ def test_bad_init_is_refused_and_the_server_keeps_serving(servers):
     session.close()
 
 
-def test_delta_refits_equal_dense_ones(servers):
+@pytest.mark.parametrize("transport", ["collective", "shared", "nixl"])
+def test_delta_refits_equal_dense_ones(servers, transport):
     """RefitSpec(delta=K) on the server path (issue 41 item 5): a keyframe of checkpoint A, a delta after a few
     elements changed, a delta after a training step (checkpoint B: the fresh server's tokens and checksums), a
     keyframe per the policy, and after a new init a keyframe again (the engine's workers bound afresh hold no
@@ -222,6 +223,7 @@ def test_delta_refits_equal_dense_ones(servers):
     checkpoint's tensors (reshard's digests of what landed); the trainer's RefitResult says what went as delta."""
     served = servers["dense-tp2"]
     refit, _ = _trainer_of_one(served, delta=3)
+    refit = refit.with_(transport=transport)
     src, _ = refit.layouts()
     weights = load_checkpoint(served.a)
     tensors = shard(src, weights)[0]  # the trainer's, changed in place by its steps

@@ -138,10 +138,12 @@ __all__ = ["MegatronTrainerActor"]
 
 
 def start_engine(model: str, tp: int = 1, python: str | None = None, name: str | None = None,
-                 resources: dict[str, float] | None = None, **engine_args: Any) -> Any:
+                 resources: dict[str, float] | None = None, env: dict[str, str] | None = None,
+                 **engine_args: Any) -> Any:
     """A `VllmEngineActor` in the vLLM CPU virtualenv (harness.serve.vllm_cpu_python), float32, from `model`
     (`engine_args`: more `LLM` keyword arguments, e.g. enable_lora); `resources`: Ray custom resources that place
-    it (the multihost test bed's nodes carry "host_a" / "host_b")."""
+    it (the multihost test bed's nodes carry "host_a" / "host_b"); `env`: more environment for the engine and its
+    workers (a fault hook's)."""
     import ray
 
     from reshard.adapters.ray import VllmEngineActor
@@ -149,7 +151,7 @@ def start_engine(model: str, tp: int = 1, python: str | None = None, name: str |
     from .serve import cpu_engine_env, vllm_cpu_python
 
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu", "TOKENIZERS_PARALLELISM": "false",
-           **cpu_engine_env()}
+           **cpu_engine_env(), **(env or {})}
     runtime_env = {"py_executable": python or vllm_cpu_python(), "env_vars": {"PYTHONPATH": pythonpath()}}
     options = {"runtime_env": runtime_env, "num_cpus": 0, "max_concurrency": 4}  # threaded: lease renewals
     if name:

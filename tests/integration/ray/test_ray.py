@@ -10,10 +10,13 @@ on shared actors (starting engines costs most of the time):
      versions advance, trainer egress to the replicas is one copy of the model, both sides compile once; the
      train-inference mismatch (reshard.verify: megatron-core's scores against each engine actor's) flags the
      engines before the first refit and passes after the last;
-  2. the TP2 engine killed mid-refit: its group's refit raises naming it, the replicas' group is unaffected; a new
+  2. a flip that fails partway on the TP2 engine (its rank 1 raises inside the flip, $RESHARD_TEST_FLIP_FAULT;
+     rank 0 installs: a mix): the actor refuses generation naming the torn version until a refit lands whole,
+     then its tokens equal a fresh engine's (issue 40, item 4);
+  3. the TP2 engine killed mid-refit: its group's refit raises naming it, the replicas' group is unaffected; a new
      engine actor is initialized and refit without restarting the trainers (their plans reused);
-  3. a replica that relays killed: its group's refit raises naming the fan-out tree;
-  4. a trainer actor killed mid-refit: every engine's update fails and it keeps its previous weights and
+  4. a replica that relays killed: its group's refit raises naming the fan-out tree;
+  5. a trainer actor killed mid-refit: every engine's update fails and it keeps its previous weights and
      version; new trainer actors continue the loop.
 """
 from __future__ import annotations
@@ -26,6 +29,8 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from reshard.adapters.ray import RayEngineClient  # noqa: E402
+from reshard.adapters.vllm.lease import TORN  # noqa: E402
+from reshard.errors import ExecutionError  # noqa: E402
 from reshard.testing.megatron_cpu import TinyGPT  # noqa: E402
 from harness.ray_jobs import (kill_engine, mismatch_all, open_group, reference_tokens, refit_all,  # noqa: E402
                                       start_engine, start_trainers, stop_engine)
@@ -53,12 +58,13 @@ class Cluster:
 
     def __init__(self, work: Path) -> None:
         self.ckpts = [make_checkpoint(TinyGPT(), work / "step-0")]
-        for step in range(1, STEPS + 3):  # the loop, then one step for each fault test
+        for step in range(1, STEPS + 4):  # the loop, then one step for the torn flip and each fault test
             prev = load_checkpoint(self.ckpts[-1])
             self.ckpts.append(save_checkpoint({k: train_step(v, step) for k, v in prev.items()}, self.ckpts[0],
                                               work / f"step-{step}"))
         self.replicas = [start_engine(str(self.ckpts[0]), 1) for _ in range(2)]
-        self.tp2 = start_engine(str(self.ckpts[0]), 2)
+        self.fault = work / "flip-fault"  # holds the rank whose flip raises, while it exists
+        self.tp2 = start_engine(str(self.ckpts[0]), 2, env={"RESHARD_TEST_FLIP_FAULT": str(self.fault)})
         self.trainers = start_trainers(2, {"tp": 2, "checkpoint": str(self.ckpts[0])})
         self.step = 0
         self.want: dict[int, list] = {}
@@ -127,6 +133,29 @@ def test_grpo_loop_refits_every_engine_like_a_fresh_one(cluster):
         print(f"mismatch {name}: max {report['max_abs']:.3e} k3 {report['mean_k3']:.3e} "
               f"argmax {report['argmax_agreement']:.3f}")
         assert report["ok"], (name, report)
+
+
+def test_a_flip_that_fails_partway_fences_the_engine_actor_until_a_refit_lands_whole(cluster):
+    step, client = cluster.step + 1, RayEngineClient(cluster.tp2, "tp2")
+    ray.get([t.train_step.remote(step) for t in cluster.trainers])
+    cluster.fault.write_text("1")  # rank 1 raises inside its flip, rank 0 installs the new step: a mix
+    try:
+        results = refit_all(cluster.trainers, f"step-{step}-torn", ["tp2"])
+    finally:
+        cluster.fault.unlink()
+    assert not _ok(results, "tp2") and TORN in results[0]["tp2"]["error"], results
+    assert client.lease_state()["torn"] == f"step-{step}-torn"
+    with pytest.raises(ExecutionError, match=f"{TORN}.*'step-{step}-torn'"):
+        client.greedy(PROMPTS[:1])  # refused, never a mixed answer
+    with pytest.raises(ExecutionError, match=TORN):
+        client.prompt_logprobs(PROMPTS[:1])
+
+    open_group(cluster.trainers, TP2, [cluster.tp2])  # (init again after a failed refit)
+    results = refit_all(cluster.trainers, f"step-{step}", ["tp2"])  # lands whole: the fence lifts
+    assert _ok(results, "tp2"), results
+    cluster.step = step  # (the replicas stay a step behind: the later tests refit them)
+    assert client.lease_state()["torn"] is None and client.weight_version() == f"step-{step}"
+    assert client.greedy(PROMPTS) == cluster.reference(step), "after the fence lifted: not a fresh engine's tokens"
 
 
 @SLOW

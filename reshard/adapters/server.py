@@ -269,7 +269,8 @@ class ExtensionClient(EngineClient, Pausable):
     weight-transfer API: what in-slot LoRA refits (`RefitSpec(install="lora_slot")`) need, because that API drops
     every loaded adapter when an update finishes. The engine must run with `--worker-extension-cls
     reshard.adapters.vllm.worker.ReshardWorkerExtension`. An in-process engine generates only when asked: its
-    pause and resume do nothing.
+    pause and resume do nothing. A server's lease middleware reads these installs as /update_weights ones, so a
+    flip that tears fences the server as any other (adapters.vllm.lease.refit_call).
 
         TrainerSession(refit, rank, tensors, engines=[ExtensionClient(server)])
     """

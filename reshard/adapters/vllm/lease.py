@@ -91,10 +91,8 @@ class Open:
 
 
 def refit_call(route: str, body: bytes) -> tuple[str, dict[str, Any] | None]:
-    """What a call of `route` with the JSON `body` (untrusted: what cannot be read is None) does to the weights: an
-    /update_weights' info, a /finish_weight_update's {"version"}; the worker extension's `reshard_update` over
-    /collective_rpc (server.ExtensionClient's refits) counts as the /update_weights it stands for, so the flip
-    fence watches both."""
+    """The route a call counts as and its update (an /update_weights' info, a /finish_weight_update's {"version"};
+    None if unreadable): /collective_rpc of the worker extension's `reshard_update` (ExtensionClient) is an install."""
     try:
         payload = json.loads(body or b"{}") or {}
         if route == "/update_weights":

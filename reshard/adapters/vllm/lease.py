@@ -92,7 +92,7 @@ class Open:
 
 def refit_call(route: str, body: bytes) -> tuple[str, dict[str, Any] | None]:
     """The route a call counts as and its update (an /update_weights' info, a /finish_weight_update's {"version"};
-    None if unreadable): /collective_rpc of the worker extension's `reshard_update` (ExtensionClient) is an install."""
+    None if unreadable): /collective_rpc of the worker extension's `reshard_update` (ExtensionClient) counts as one."""
     try:
         payload = json.loads(body or b"{}") or {}
         if route == "/update_weights":

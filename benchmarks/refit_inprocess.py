@@ -125,7 +125,8 @@ def equal(a: dict, b: dict) -> bool:
 
 
 def bf16_case(config: str, device, iters: int, results: dict, keep: bool, table_variants=TABLE_VARIANTS):
-    from reshard.adapters.refit import RefitSpec, open_transport, publish_source, withdraw_source
+    from reshard.adapters.refit import RefitSpec, open_transport
+    from reshard.adapters.transports import publish_source, withdraw_source
 
     spec = reshard.ModelSpec.from_hf_config(ROOT / "examples/configs" / f"{config}.json")
     src_l, dst_l = reshard.MegatronLayout(model=spec), reshard.VllmLayout(model=spec)

@@ -33,7 +33,6 @@ from ..layouts.expert_placement import ExpertPlacement
 from ..planner import Plan
 from ..planner.cache import cached_plan
 from . import transports
-from .transports import PublishedSource, publish_source, published_source, withdraw_source  # noqa: F401 - old home
 _FIELDS = {"model": dict, "src": dict, "dst": dict, "install": str, "replica": int, "transport": str,
            "options": dict, "rendezvous": (dict, type(None)), "fanout": (int, type(None)),
            "verify_layers": (list, tuple, type(None)), "plan_digest": str, "lora_id": (int, type(None)),

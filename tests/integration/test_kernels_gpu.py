@@ -78,7 +78,8 @@ def test_bound_executor_graph_equals_reference_on_gpu(tp, table, monkeypatch):
 
 
 def test_inprocess_transport_rebinds_when_the_trainer_publishes_new_tensors_on_gpu():
-    from reshard.adapters.refit import RefitSpec, open_transport, publish_source, withdraw_source
+    from reshard.adapters.refit import RefitSpec, open_transport
+    from reshard.adapters.transports import publish_source, withdraw_source
 
     spec = _qwen3(1)
     src_l, dst_l = reshard.MegatronLayout(model=spec), reshard.VllmLayout(model=spec)

@@ -117,8 +117,20 @@ def _stage_megatron_layout(ctx: Context) -> str:
 
 
 def _stage_vllm_layout(ctx: Context) -> str:
-    lay = VllmLayout(model=ctx.spec, tp=1)
-    real = _vllm_subprocess(ctx, _vllm_python(ctx))
+    from .vllm_load import named_parameter_reports
+
+    (real,) = named_parameter_reports([ctx.tiny], _vllm_python(ctx))
+    return vllm_layout_summary(ctx.spec, real)
+
+
+def vllm_layout_summary(spec: ModelSpec, real: dict[str, tuple]) -> str:
+    """The vllm layout stage's verdict: the declared TP=1 VllmLayout of `spec` against the parameters a real vLLM
+    model built (vllm_load.named_parameter_reports).
+
+    Raises:
+        AssertionError: names or shapes differ (the first 12 differences).
+    """
+    lay = VllmLayout(model=spec, tp=1)
     problems = _diff(lay.rank_tensors(0), real, str(lay))
     if problems:
         raise AssertionError("; ".join(problems[:12]) + (f" (+{len(problems) - 12} more)" if len(problems) > 12 else ""))
@@ -133,18 +145,6 @@ def _vllm_python(ctx: Context) -> str:
     if ctx.vllm_python:
         return ctx.vllm_python
     raise NotRun("vllm is not importable in this interpreter (pass --vllm-python PATH, or run with the vLLM venv)")
-
-
-def _vllm_subprocess(ctx: Context, python: str) -> dict[str, tuple]:
-    import tempfile
-
-    from .vllm_load import collect, start_vllm
-
-    with tempfile.TemporaryDirectory(prefix="reshard_validate_") as tmp:
-        path = Path(tmp, "config.json")
-        path.write_text(json.dumps(dict(ctx.tiny, torch_dtype="bfloat16")))
-        report = collect(start_vllm(python, [str(path)]), time.monotonic() + 900)[0]
-    return {k: tuple(v) for k, v in report["0"].items()}
 
 
 def _stage_hf_parity(ctx: Context) -> str:
@@ -162,10 +162,12 @@ def _stage_hf_parity(ctx: Context) -> str:
 
 def _stage_vllm_load_parity(ctx: Context) -> str:
     python = _vllm_python(ctx)
-    from .vllm_load import vllm_load_parity
+    from .vllm_load import load_parity_reports, load_parity_summary
 
-    return vllm_load_parity(ctx.spec, ctx.tiny, python, perturb=ctx.perturb.get("vllm load parity"),
-                            dtype=ctx.vllm_dtype, worlds=ctx.vllm_worlds)
+    perturb = ctx.perturb.get("vllm load parity")
+    (reports,) = load_parity_reports([ctx.tiny], python, {0: perturb} if perturb else None, ctx.vllm_worlds,
+                                     ctx.vllm_dtype)
+    return load_parity_summary(reports, ctx.vllm_dtype)
 
 
 def _vllm_cpu_python(ctx: Context) -> str:

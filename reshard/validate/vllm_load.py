@@ -1,6 +1,7 @@
 """vLLM load parity, run from any interpreter: processes of a vLLM virtualenv (reshard.validate.vllm_side), one per
 TP rank, each comparing vLLM's own `load_weights` of random HF weights with reshard's direct install of the
-compiled HF -> vLLM plan, parameter by parameter, byte for byte. TP=1 and TP=2 run concurrently."""
+compiled HF -> vLLM plan, parameter by parameter, byte for byte. TP=1 and TP=2 run concurrently; one launch checks
+any number of configs in turn."""
 from __future__ import annotations
 
 import json
@@ -55,25 +56,54 @@ def collect(procs: list[subprocess.Popen], deadline: float) -> list[Any]:
     return out
 
 
-def vllm_load_parity(spec: ModelSpec, tiny: dict[str, Any], python: str, perturb: str | None = None,
-                     worlds: tuple[int, ...] = WORLDS, dtype: str = "bfloat16", timeout_s: float = 900) -> str:
-    """`dtype`: vLLM's model dtype (bfloat16, as served; float32 keeps every tensor in one dtype)."""
+def named_parameter_reports(tinies: list[dict[str, Any]], python: str,
+                            timeout_s: float = 900) -> list[dict[str, tuple[int, ...]]]:
+    """Name -> shape of the parameters a real vLLM model (TP=1, dummy weights) has for each tiny config (the vllm
+    layout stage): one process builds them all in turn."""
+    with tempfile.TemporaryDirectory(prefix="reshard_validate_") as tmp:
+        paths = []
+        for i, tiny in enumerate(tinies):
+            paths.append(Path(tmp, f"config{i}.json"))
+            paths[-1].write_text(json.dumps(dict(tiny, torch_dtype="bfloat16")))
+        (reports,) = collect(start_vllm(python, [str(p) for p in paths]), time.monotonic() + timeout_s * len(tinies))
+    return [{k: tuple(v) for k, v in report["0"].items()} for report in reports]
+
+
+def load_parity_reports(tinies: list[dict[str, Any]], python: str, perturb: dict[int, str] | None = None,
+                        worlds: tuple[int, ...] = WORLDS, dtype: str = "bfloat16",
+                        timeout_s: float = 900) -> list[dict[int, list[dict[str, Any]]]]:
+    """The ranks' reports (vllm_side.load_parity) of each tiny config: one launch of processes per TP size in
+    `worlds` (concurrently) checks every config in turn. `perturb`: config index -> canonical tensor corrupted on
+    reshard's side. Returns, per config, TP size -> its ranks' reports."""
     with tempfile.TemporaryDirectory(prefix="reshard_vllm_load_") as tmp:
-        config = Path(tmp, "config.json")
-        config.write_text(json.dumps({**tiny, "torch_dtype": dtype}))
-        args = [str(config), "--load-parity", "--dtype", dtype, *(["--perturb", perturb] if perturb else [])]
+        args = ["--load-parity", "--dtype", dtype, *(f"--perturb={i}={name}" for i, name in (perturb or {}).items())]
+        for i, tiny in enumerate(tinies):
+            config = Path(tmp, f"config{i}.json")
+            config.write_text(json.dumps({**tiny, "torch_dtype": dtype}))
+            args.append(str(config))
         running = {w: start_vllm(python, args, w) for w in worlds}
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + timeout_s * len(tinies)
         reports = {w: collect(procs, deadline) for w, procs in running.items()}
-    refused = [f"{r['layout']} rank {r['rank']}: {r['error']}" for w in worlds for r in reports[w] if "error" in r]
+    return [{w: [rank_report[i] for rank_report in reports[w]] for w in worlds} for i in range(len(tinies))]
+
+
+def load_parity_summary(reports: dict[int, list[dict[str, Any]]], dtype: str = "bfloat16") -> str:
+    """One config's verdict from its reports (load_parity_reports): the line the stage prints.
+
+    Raises:
+        AssertionError: a direct install refused the declared layout, or an install's bytes differ from vLLM's
+            load_weights (naming the layout, rank and parameters).
+    """
+    refused = [f"{r['layout']} rank {r['rank']}: {r['error']}" for ranks in reports.values() for r in ranks
+               if "error" in r]
     if refused:
         raise AssertionError(f"direct install refused ({dtype}): " + "; ".join(refused))
     bad = [f"{r['layout']} rank {r['rank']}: {', '.join(r['differ'])}"
-           for w in worlds for r in reports[w] if r["differ"]]
+           for ranks in reports.values() for r in ranks if r["differ"]]
     if bad:
         raise AssertionError(f"direct or loader install differs from vLLM's load_weights ({dtype}) in "
                              + "; ".join(bad))
-    done = [f"{reports[w][0]['layout']}: {sum(r['params'] for r in reports[w])} parameters, "
-            f"{sum(r['bytes'] for r in reports[w]) / 1e6:.2f} MB" for w in worlds]
+    done = [f"{ranks[0]['layout']}: {sum(r['params'] for r in ranks)} parameters, "
+            f"{sum(r['bytes'] for r in ranks) / 1e6:.2f} MB" for ranks in reports.values()]
     return (f"direct and loader installs byte-identical to vLLM's load_weights ({dtype}, random weights): "
             + "; ".join(done))

@@ -2,11 +2,14 @@
 the environment; defaults: one rank): build vLLM models from an HF config without an engine (gloo, CPU), as a
 vLLM worker builds them, and print one `RESHARD_JSON {...}` line.
 
-  python -m reshard.validate.vllm_side CONFIG               named parameters (vllm layout stage; TP=1)
-  python -m reshard.validate.vllm_side CONFIG --load-parity [--perturb NAME] [--dtype bfloat16]
+  python -m reshard.validate.vllm_side CONFIG...             named parameters (vllm layout stage; TP=1)
+  python -m reshard.validate.vllm_side CONFIG... --load-parity [--perturb INDEX=NAME]... [--dtype bfloat16]
       random HF weights into the model by vLLM's own load_weights, then (storage poisoned) by reshard's direct
       install of the compiled HF -> vLLM plan, then by its loader install; reports the parameters whose bytes
-      differ (vllm load parity).
+      differ (vllm load parity). --perturb corrupts tensor NAME of config INDEX (0-based) on reshard's side.
+
+Several configs are checked one after another in the same processes (one start, one import of vLLM, one
+distributed set-up: most of a check's time); the line holds one entry per config.
 """
 from __future__ import annotations
 
@@ -17,46 +20,61 @@ import os
 import shutil
 import sys
 import tempfile
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 SEED = 11
 
 
 @contextlib.contextmanager
-def vllm_world(config_path: str, ep: bool = False, dtype: str = "bfloat16") -> Iterator[tuple[Any, Any, int]]:
-    """(vllm config, a function building one model instance, this rank) with vLLM's parallel state over gloo."""
+def vllm_world(ep: bool = False, dtype: str = "bfloat16") -> Iterator[Callable[[str], Any]]:
+    """`model_config`: `with model_config(CONFIG) as (vllm config, a function building one model instance, this
+    rank)`, vLLM's parallel state over gloo set up once, at the first config: one process checks several configs
+    (its start, imports and distributed set-up are most of a check's time). Each config gets its own vLLM config,
+    so the models of different configs register their attention layers apart."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29561")
     from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed import destroy_model_parallel, init_distributed_environment, initialize_model_parallel
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    with tempfile.TemporaryDirectory() as ckpt:
-        shutil.copy(config_path, os.path.join(ckpt, "config.json"))
-        cfg = EngineArgs(model=ckpt, tensor_parallel_size=world, enable_expert_parallel=ep, dtype=dtype,
-                         skip_tokenizer_init=True, enforce_eager=True, max_model_len=128, load_format="dummy",
-                         distributed_executor_backend="external_launcher" if world > 1 else None,
-                         language_model_only=True).create_engine_config()
-        # language_model_only: a multimodal wrapper (Qwen3.5) builds no vision tower, which refits leave out
-        with set_current_vllm_config(cfg):
-            init_distributed_environment(world_size=world, rank=rank, distributed_init_method="env://",
-                                         local_rank=rank, backend="gloo")
-            initialize_model_parallel(tensor_model_parallel_size=world, backend="gloo")
+    configs: list[str] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        @contextlib.contextmanager
+        def model_config(config_path: str) -> Iterator[tuple[Any, Any, int]]:
+            ckpt = os.path.join(tmp, str(len(configs)))
+            os.makedirs(ckpt)
+            shutil.copy(config_path, os.path.join(ckpt, "config.json"))
+            cfg = EngineArgs(model=ckpt, tensor_parallel_size=world, enable_expert_parallel=ep, dtype=dtype,
+                             skip_tokenizer_init=True, enforce_eager=True, max_model_len=128, load_format="dummy",
+                             distributed_executor_backend="external_launcher" if world > 1 else None,
+                             language_model_only=True).create_engine_config()
+            # language_model_only: a multimodal wrapper (Qwen3.5) builds no vision tower, which refits leave out
+            with set_current_vllm_config(cfg):
+                if configs:  # the groups follow the config (an expert-parallel group only for MoE): anew
+                    destroy_model_parallel()
+                else:
+                    init_distributed_environment(world_size=world, rank=rank, distributed_init_method="env://",
+                                                 local_rank=rank, backend="gloo")
+                initialize_model_parallel(tensor_model_parallel_size=world, backend="gloo")
+                configs.append(config_path)
 
-            def build() -> Any:
-                with set_default_torch_dtype(cfg.model_config.dtype):
-                    return initialize_model(cfg)
+                def build() -> Any:
+                    with set_default_torch_dtype(cfg.model_config.dtype):
+                        return initialize_model(cfg)
 
-            yield cfg, build, rank
+                yield cfg, build, rank
+
+        yield model_config
 
 
-def named_parameters(config_path: str, ep: bool = False) -> dict[str, list[int]]:
-    """Name -> shape of the parameters (and DeepSeek-V3's score-correction buffers) of the model this rank builds."""
-    with vllm_world(config_path, ep) as (_, build, _):
+def named_parameters(model_config: Callable[[str], Any], config_path: str) -> dict[str, list[int]]:
+    """Name -> shape of the parameters (and DeepSeek-V3's score-correction buffers) of the model this rank builds
+    (`model_config`: vllm_world's)."""
+    with model_config(config_path) as (_, build, _):
         model = build()
         out = {n: list(p.shape) for n, p in model.named_parameters()}
         out.update({n: list(b.shape) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")})
@@ -74,8 +92,9 @@ def poison(model: Any) -> None:
             p.fill_(float("nan"))
 
 
-def load_parity(config_path: str, perturb: str | None = None, dtype: str = "bfloat16") -> dict[str, Any]:
-    """This rank's comparison of vLLM's load_weights with reshard's direct install (random HF weights)."""
+def load_parity(model_config: Callable[[str], Any], config_path: str, perturb: str | None = None) -> dict[str, Any]:
+    """This rank's comparison of vLLM's load_weights with reshard's direct install (random HF weights;
+    `model_config`: vllm_world's)."""
     import torch
     from vllm.config import set_current_vllm_config
 
@@ -88,13 +107,13 @@ def load_parity(config_path: str, perturb: str | None = None, dtype: str = "bflo
     from ..planner import compile_plan
     from .hf_parity import perturbed
 
-    with vllm_world(config_path, dtype=dtype) as (cfg, build, rank):
+    with model_config(config_path) as (cfg, build, rank):
         spec = spec_of(cfg)
         gen = torch.Generator().manual_seed(SEED)  # the same weights on every rank
         hf = {t.name: torch.randn(t.shape, generator=gen).to(torch_dtype(t.dtype or spec.dtype))
               for t in spec.tensors}
-        # One instance (vLLM registers attention layers by name per config, so a second one cannot be built in
-        # this process): vLLM's loader first, its result kept; then every parameter poisoned (nothing left
+        # One instance (vLLM registers attention layers by name per config, so a second one cannot be built under
+        # this config): vLLM's loader first, its result kept; then every parameter poisoned (nothing left
         # unwritten may compare equal) and reshard's direct install into the same storage.
         model = build()
         poison(model)
@@ -136,18 +155,21 @@ def load_parity(config_path: str, perturb: str | None = None, dtype: str = "bflo
 
 
 def main() -> int:
-    """The command line the module doc shows: one `RESHARD_JSON` line on stdout."""
+    """The command line the module doc shows: one `RESHARD_JSON` line on stdout, a list with one entry per config
+    (in order)."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("config")
+    ap.add_argument("configs", nargs="+")
     ap.add_argument("--ep", action="store_true")
     ap.add_argument("--load-parity", action="store_true")
-    ap.add_argument("--perturb")
+    ap.add_argument("--perturb", action="append", default=[], metavar="INDEX=NAME")
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
-    if args.load_parity:
-        out = load_parity(args.config, args.perturb, args.dtype)
-    else:
-        out = {"0": named_parameters(args.config, args.ep)}
+    perturb = {int(i): name for i, name in (p.split("=", 1) for p in args.perturb)}
+    with vllm_world(args.ep, args.dtype) as model_config:
+        if args.load_parity:
+            out = [load_parity(model_config, c, perturb.get(i)) for i, c in enumerate(args.configs)]
+        else:
+            out = [{"0": named_parameters(model_config, c)} for c in args.configs]
     sys.stdout.write("RESHARD_JSON " + json.dumps(out) + "\n")
     return 0
 

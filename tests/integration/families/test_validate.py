@@ -49,11 +49,24 @@ def test_megatron_layout_stage(config):
     assert r.status == PASS, r.detail
 
 
+# MLA, MoE with expert bias and GDN: the families whose vLLM names or shapes differ most from HF's. One vLLM process
+# builds the three in turn (its start and vLLM's import are most of the time); validate()'s own path runs for one.
+VLLM_LAYOUT = [CONFIGS["deepseek_v3"], CONFIGS["qwen3_moe"], CONFIGS["qwen3_5"]]
+
+
 @pytest.mark.vllm
-@pytest.mark.parametrize("config", [CONFIGS["deepseek_v3"], CONFIGS["qwen3_moe"], CONFIGS["qwen3_5"]])
-def test_vllm_layout_stage(config):
-    r = _one(config, "vllm layout")
+def test_vllm_layout_stage():
+    import sys
+
+    from reshard.validate import vllm_layout_summary
+    from reshard.validate.vllm_load import named_parameter_reports
+
+    r = _one(VLLM_LAYOUT[0], "vllm layout")
     assert r.status == PASS, r.detail
+    fams = [discover(read_hf_config(c)) for c in VLLM_LAYOUT[1:]]
+    tinies = [f.tiny_config(read_hf_config(c)) for f, c in zip(fams, VLLM_LAYOUT[1:])]
+    for f, tiny, real in zip(fams, tinies, named_parameter_reports(tinies, sys.executable)):
+        assert "names and shapes equal" in vllm_layout_summary(f.spec(tiny), real), f.name
 
 
 def test_stages_without_their_dependency_say_not_run(monkeypatch):
@@ -124,23 +137,49 @@ def test_hf_parity_stage_fails_on_a_corrupted_tensor(family, tensor, layer):
 # DeepSeek-V3's router bias (e_score_correction_bias) is float32 in checkpoints and in a bf16 vLLM model: the plan
 # moves it in its own dtype (as bf16 units), so vLLM's loader and reshard's install agree byte for byte in bf16
 # too. (Qwen3.5's A_log, float32 in vLLM but model dtype in checkpoints, passes through the install's cast.)
-@pytest.mark.vllm
-@pytest.mark.parametrize("family", list(CONFIGS))
-def test_vllm_load_parity_stage(family):
-    r = _one(CONFIGS[family], "vllm load parity")
-    assert r.status == PASS, r.detail
-    assert "vllm:tp=1" in r.detail and "vllm:tp=2" in r.detail, r.detail
+# One launch of vLLM processes (TP=1 and TP=2) checks every family and the negative case in turn: a process's
+# start, vLLM's import and the distributed set-up are most of a check's time. One test, so that the AMX-path rerun
+# (which re-runs the tests whose processes consulted the AMX checks) re-checks every family. The stage's own path
+# through validate() (one config) is the negative case below, and test_stages_without_their_dependency_say_not_run.
+CORRUPTED = ("qwen3_moe", "model.layers.1.mlp.experts.2.gate_proj.weight")
 
 
 @pytest.mark.vllm
-def test_vllm_load_parity_stage_fails_on_a_corrupted_tensor():
-    """Direct and loader installs fed one corrupted canonical tensor (two rows swapped): FAIL naming the vLLM
-    parameter on the rank holding those rows (TP=2 rank 0 holds rows 0 and 1 of every expert's gate_proj)."""
-    r = _one(CONFIGS["qwen3_moe"], "vllm load parity", vllm_worlds=(2,),
-             perturb={"vllm load parity": "model.layers.1.mlp.experts.2.gate_proj.weight"})
-    assert r.status == FAIL, r.detail
+def test_vllm_load_parity_stage_every_family():
+    """Every family's direct and loader installs equal vLLM's load_weights byte for byte at TP=1 and TP=2; with
+    one canonical tensor corrupted (two rows swapped), FAIL naming the vLLM parameter on the rank holding those
+    rows (TP=2 rank 0 holds rows 0 and 1 of every expert's gate_proj)."""
+    import sys
+
+    from reshard.validate.vllm_load import load_parity_reports, load_parity_summary
+
+    tinies = []
+    for name in [*CONFIGS, CORRUPTED[0]]:
+        config = read_hf_config(CONFIGS[name])
+        tinies.append(discover(config).tiny_config(config))
+    reports = load_parity_reports(tinies, sys.executable, perturb={len(CONFIGS): CORRUPTED[1]})
+    failed = {}
+    for name, rep in zip(CONFIGS, reports):
+        try:
+            detail = load_parity_summary(rep)
+        except AssertionError as exc:
+            failed[name] = str(exc)
+            continue
+        assert "vllm:tp=1" in detail and "vllm:tp=2" in detail, (name, detail)
+    assert not failed, failed
+    with pytest.raises(AssertionError) as info:
+        load_parity_summary(reports[-1])
     w13 = "model.layers.1.mlp.experts.routed_experts.w13_weight"
-    assert r.detail.endswith(f"vllm:tp=2,replicas=1 rank 0: {w13}, {w13} (loader install)"), r.detail
+    assert str(info.value).endswith(f"vllm:tp=2,replicas=1 rank 0: {w13}, {w13} (loader install)"), info.value
+
+
+@pytest.mark.vllm
+def test_vllm_load_parity_stage_through_validate():
+    """The stage as `reshard validate` runs it (one config; TP=1 only here): a corrupted tensor is a FAIL row."""
+    r = _one(CONFIGS["qwen3"], "vllm load parity", vllm_worlds=(1,),
+             perturb={"vllm load parity": "model.layers.1.self_attn.o_proj.weight"})
+    assert r.status == FAIL, r.detail
+    assert "vllm:tp=1" in r.detail and "o_proj.weight" in r.detail, r.detail
 
 
 # --- mismatch: an in-process vLLM CPU engine refit by reshard, against the same engine started fresh ----------

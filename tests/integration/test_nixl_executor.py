@@ -150,7 +150,11 @@ def test_a_failed_set_up_fails_its_peers_at_once_and_keeps_its_agent_until_they_
     process may release its agent, after a failure or a close, before each peer has left set-up (UCX can abort a
     process whose connection to a released agent fails: with the old release-at-once, the slow peer's connect was
     refused)."""
-    timeout, delay = 8.0, 1.0
+    # a process not told waits out the timeout: 30 s keeps "told at once" (under half of it) far from that, with
+    # room for a loaded machine (seen: 12 s of wall time for a close waiting on a slow peer's set-up at load 11)
+    # the slow one sleeps `delay` after publishing so that the failure comes while it is still setting up; at load
+    # 15 a process took over 1 s to reach its first connection (the slow one then finished set-up first): 3 s
+    timeout, delay = 30.0, 3.0
     plan = _failure_case_plan(tmp_path)
     (tmp_path / "setup_failure.json").write_text(json.dumps({
         "plan": str(plan), "binding": Binding((0, 1), (1, 2)).to_dict(),

@@ -4,7 +4,8 @@ refit after refit from this process (one trainer rank, plain tensors, the collec
 with `RefitSpec(staging="device")`). Per refit: the transfer (the trainer's send until every engine worker has
 its bytes), the pause (the driver's first pause call to the resume's answer: `RefitStats.pause_s`), the whole
 refit, the tokens the engine streamed while the bytes landed and while paused, the requests held across the flip,
-the slowest worker's install and its wait for the staged transfer (the worker extension's `reshard_stats`).
+the slowest worker's install, its wait for the staged transfer and its kind (a shadow swapped in, or vLLM's
+reload: the worker extension's `reshard_stats`).
 Goal: pause <= 10% of the transfer. The same run measures `pause_for="refit"` (today's default: the pause spans the
 whole refit) for comparison.
 
@@ -94,16 +95,19 @@ def main() -> int:
                   f"errors {errors}")
             print("  phases: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in med["phases"].items()))
             print(f"  the slowest worker's install {med['flip_s'] * 1e3:.1f} ms, after waiting "
-                  f"{med['tail_s'] * 1e3:.1f} ms for its staged transfer to end")
+                  f"{med['tail_s'] * 1e3:.1f} ms for its staged transfer to end "
+                  f"({'a shadow swapped in' if med['swap'] else 'vLLM reload'})")
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
     return 0
 
 
 def _worker_times(server) -> dict:
-    """The slowest worker's last install (`flip_s`) and its wait for the staged transfer first (`tail_s`)."""
+    """The slowest worker's last install (`flip_s`), its wait for the staged transfer first (`tail_s`), and whether
+    every worker's flip swapped a shadow in (`swap`, 1.0: adapters.vllm.shadow) rather than reloading."""
     stats = server.collective_rpc("reshard_stats")
-    return {k: max(float(w.get(k, 0.0)) for w in stats) for k in ("flip_s", "tail_s")}
+    times = {k: max(float(w.get(k, 0.0)) for w in stats) for k in ("flip_s", "tail_s")}
+    return {**times, "swap": float(all(w.get("swap") for w in stats))}
 
 
 if __name__ == "__main__":

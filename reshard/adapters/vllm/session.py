@@ -56,7 +56,8 @@ from .experts import check_loader_placement, check_placement, live_placement
 from .lease import TORN
 from .live import declared_layout, local_rank, spec_of
 from .loader import LoaderInstaller
-from .staging import Staging
+from .shadow import Shadow, swaps
+from .staging import Staging, check_room, free_bytes
 
 
 class WorkerSession:
@@ -108,6 +109,7 @@ class WorkerSession:
         self.binding: DirectBinding | None = None
         self.installer: LoaderInstaller | None = None
         self.staging: Staging | None = None
+        self.shadow: Shadow | None = None  # a staged loader install on a CPU engine (adapters.vllm.shadow)
         self.landing: Background | None = None  # a staged transfer running while the engine generates
         self.flip_s = 0.0  # the last install's wall time (the flip, when staged)
         self.tail_s = 0.0  # how long the last install waited for its staged transfer to end (and agreed on it)
@@ -127,6 +129,10 @@ class WorkerSession:
             self.installer = LoaderInstaller(self.model, self.rank, self.plan, self.vllm_config,
                                              shared=refit.transport == "shared")
             tensors = self.installer.buffers
+            if refit.staging is not None and swaps(self.model, self.installer.device, self.vllm_config):
+                self.shadow = Shadow(self.installer)  # loaded and processed off the pause, swapped at the flip
+                check_room(self.shadow.nbytes, free_bytes(self.installer.device, "host"), refit.staging,
+                           f"a shadow of engine replica {refit.replica} rank {self.rank}'s processed layers")
         process = self.rank
         self.tensors, self.installed = tensors, False
         if refit.cross_process:
@@ -250,6 +256,8 @@ class WorkerSession:
             torch.cuda.set_device(device)
         try:
             self.executor.refit()
+            if self.shadow is not None:  # vLLM's load and processing, while the engine still generates
+                self.shadow.build()
         except Exception as e:
             self._report(f"engine replica {self.refit.replica} rank {self.rank}: {e}")
             raise
@@ -303,6 +311,8 @@ class WorkerSession:
                 if self.staging is not None:
                     self.staging.flip()
                 self.binding.finish()
+            elif self.shadow is not None:
+                self.shadow.swap()
             else:
                 self.installer.install()
             _injected_flip_fault(self.rank, wrote=True)

@@ -113,12 +113,14 @@ class ReshardWorkerExtension:
 
     def reshard_stats(self) -> dict[str, Any]:
         """This worker's plan-cache counts (compiles, hits), its process id and, once a refit installed, how long
-        its last install took (`flip_s`) and waited for a staged transfer first (`tail_s`): a second refit compiles
-        nothing. Callable by name through a server's dev route `/collective_rpc` (`{"method": "reshard_stats"}`)."""
+        its last install took (`flip_s`), waited for a staged transfer first (`tail_s`) and whether its flip swaps a
+        shadow in (`swap`, adapters.vllm.shadow): a second refit compiles nothing. Callable by name through a
+        server's dev route `/collective_rpc` (`{"method": "reshard_stats"}`)."""
         from ...planner import cache
 
         sessions = self._reshard_sessions()
-        times = {"flip_s": sessions[0].flip_s, "tail_s": sessions[0].tail_s} if sessions else {}
+        times = {"flip_s": sessions[0].flip_s, "tail_s": sessions[0].tail_s,
+                 "swap": sessions[0].shadow is not None} if sessions else {}
         return {**cache.stats(), "pid": os.getpid(), **times}
 
     def _reshard_sessions(self) -> list[Any]:

@@ -251,8 +251,7 @@ def run_case(kind: str, fault: str, workdir: Path, timeout: float, limit: float 
         survivors = [p for p in range(PROCESSES) if p != victim or fault == "corrupt"]
         _wait(store, [f"failed/{p}" for p in survivors], [procs[p] for p in survivors], limit)
         if fault != "corrupt":
-            if procs[victim].is_alive():
-                os.kill(procs[victim].pid, signal.SIGKILL)
+            procs[victim].kill()  # SIGKILL unless it has ended (a victim ending between a check and a kill is no error)
             procs[victim].join(10)
             extra.append(ctx.Process(target=worker, args=(victim, store.port, str(workdir), True), daemon=True))
             extra[-1].start()
@@ -263,7 +262,7 @@ def run_case(kind: str, fault: str, workdir: Path, timeout: float, limit: float 
     finally:
         for p in procs + extra:
             if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
+                p.kill()
                 p.join(5)
     results = []
     for f in sorted(workdir.glob("result-*.json")):

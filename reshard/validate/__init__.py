@@ -117,15 +117,15 @@ def _stage_megatron_layout(ctx: Context) -> str:
 
 
 def _stage_vllm_layout(ctx: Context) -> str:
-    from .vllm_load import named_parameter_reports
+    from .vllm_load import side_reports
 
-    (real,) = named_parameter_reports([ctx.tiny], _vllm_python(ctx))
-    return vllm_layout_summary(ctx.spec, real)
+    (report,) = side_reports([ctx.tiny], _vllm_python(ctx))
+    return vllm_layout_summary(ctx.spec, report[1][0])
 
 
-def vllm_layout_summary(spec: ModelSpec, real: dict[str, tuple]) -> str:
-    """The vllm layout stage's verdict: the declared TP=1 VllmLayout of `spec` against the parameters a real vLLM
-    model built (vllm_load.named_parameter_reports).
+def vllm_layout_summary(spec: ModelSpec, real: dict[str, list[int]]) -> str:
+    """The vllm layout stage's verdict: the declared TP=1 VllmLayout of `spec` against the parameter shapes a real
+    vLLM model built (vllm_side's entry).
 
     Raises:
         AssertionError: names or shapes differ (the first 12 differences).

@@ -1,7 +1,7 @@
-"""vLLM load parity, run from any interpreter: processes of a vLLM virtualenv (reshard.validate.vllm_side), one per
-TP rank, each comparing vLLM's own `load_weights` of random HF weights with reshard's direct install of the
-compiled HF -> vLLM plan, parameter by parameter, byte for byte. TP=1 and TP=2 run concurrently; one launch checks
-any number of configs in turn."""
+"""The vLLM stages, run from any interpreter: processes of a vLLM virtualenv (reshard.validate.vllm_side), one per
+TP rank; for vllm load parity each compares vLLM's own `load_weights` of random HF weights with reshard's direct
+install of the compiled HF -> vLLM plan, parameter by parameter, byte for byte (TP=1 and TP=2 concurrently). One
+launch checks any number of configs in turn."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..layouts import ModelSpec
 from ..ports import free_port
 
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -56,35 +55,27 @@ def collect(procs: list[subprocess.Popen], deadline: float) -> list[Any]:
     return out
 
 
-def named_parameter_reports(tinies: list[dict[str, Any]], python: str,
-                            timeout_s: float = 900) -> list[dict[str, tuple[int, ...]]]:
-    """Name -> shape of the parameters a real vLLM model (TP=1, dummy weights) has for each tiny config (the vllm
-    layout stage): one process builds them all in turn."""
-    with tempfile.TemporaryDirectory(prefix="reshard_validate_") as tmp:
-        paths = []
-        for i, tiny in enumerate(tinies):
-            paths.append(Path(tmp, f"config{i}.json"))
-            paths[-1].write_text(json.dumps(dict(tiny, torch_dtype="bfloat16")))
-        (reports,) = collect(start_vllm(python, [str(p) for p in paths]), time.monotonic() + timeout_s * len(tinies))
-    return [{k: tuple(v) for k, v in report["0"].items()} for report in reports]
+def side_reports(tinies: list[dict[str, Any]], python: str, *args: str, worlds: tuple[int, ...] = (1,),
+                 dtype: str = "bfloat16", timeout_s: float = 900) -> list[dict[int, list[Any]]]:
+    """reshard.validate.vllm_side ARGS on each tiny config (in `dtype`): one launch of processes per TP size in
+    `worlds`, concurrently, each checking every config in turn. Returns, per config, TP size -> its ranks'
+    entries."""
+    with tempfile.TemporaryDirectory(prefix="reshard_vllm_") as tmp:
+        paths = [str(Path(tmp, f"config{i}.json")) for i in range(len(tinies))]
+        for path, tiny in zip(paths, tinies):
+            Path(path).write_text(json.dumps({**tiny, "torch_dtype": dtype}))
+        running = {w: start_vllm(python, [*paths, *args], w) for w in worlds}
+        deadline = time.monotonic() + timeout_s * len(tinies)
+        out = {w: collect(procs, deadline) for w, procs in running.items()}
+    return [{w: [ranks[i] for ranks in out[w]] for w in worlds} for i in range(len(tinies))]
 
 
 def load_parity_reports(tinies: list[dict[str, Any]], python: str, perturb: dict[int, str] | None = None,
-                        worlds: tuple[int, ...] = WORLDS, dtype: str = "bfloat16",
-                        timeout_s: float = 900) -> list[dict[int, list[dict[str, Any]]]]:
-    """The ranks' reports (vllm_side.load_parity) of each tiny config: one launch of processes per TP size in
-    `worlds` (concurrently) checks every config in turn. `perturb`: config index -> canonical tensor corrupted on
-    reshard's side. Returns, per config, TP size -> its ranks' reports."""
-    with tempfile.TemporaryDirectory(prefix="reshard_vllm_load_") as tmp:
-        args = ["--load-parity", "--dtype", dtype, *(f"--perturb={i}={name}" for i, name in (perturb or {}).items())]
-        for i, tiny in enumerate(tinies):
-            config = Path(tmp, f"config{i}.json")
-            config.write_text(json.dumps({**tiny, "torch_dtype": dtype}))
-            args.append(str(config))
-        running = {w: start_vllm(python, args, w) for w in worlds}
-        deadline = time.monotonic() + timeout_s * len(tinies)
-        reports = {w: collect(procs, deadline) for w, procs in running.items()}
-    return [{w: [rank_report[i] for rank_report in reports[w]] for w in worlds} for i in range(len(tinies))]
+                        worlds: tuple[int, ...] = WORLDS, dtype: str = "bfloat16") -> list[dict[int, list[Any]]]:
+    """The vllm load parity ranks' reports (vllm_side.load_parity) of each tiny config, per TP size in `worlds`
+    (side_reports). `perturb`: config index -> canonical tensor corrupted on reshard's side."""
+    return side_reports(tinies, python, "--load-parity", "--dtype", dtype,
+                        *(f"--perturb={i}={name}" for i, name in (perturb or {}).items()), worlds=worlds, dtype=dtype)
 
 
 def load_parity_summary(reports: dict[int, list[dict[str, Any]]], dtype: str = "bfloat16") -> str:

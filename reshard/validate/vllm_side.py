@@ -26,7 +26,7 @@ SEED = 11
 
 
 @contextlib.contextmanager
-def vllm_world(ep: bool = False, dtype: str = "bfloat16") -> Iterator[Callable[[str], Any]]:
+def vllm_world(dtype: str = "bfloat16") -> Iterator[Callable[[str], Any]]:
     """`model_config`: `with model_config(CONFIG) as (vllm config, a function building one model instance, this
     rank)`, vLLM's parallel state over gloo set up once, at the first config: one process checks several configs
     (its start, imports and distributed set-up are most of a check's time). Each config gets its own vLLM config,
@@ -48,7 +48,7 @@ def vllm_world(ep: bool = False, dtype: str = "bfloat16") -> Iterator[Callable[[
             ckpt = os.path.join(tmp, str(len(configs)))
             os.makedirs(ckpt)
             shutil.copy(config_path, os.path.join(ckpt, "config.json"))
-            cfg = EngineArgs(model=ckpt, tensor_parallel_size=world, enable_expert_parallel=ep, dtype=dtype,
+            cfg = EngineArgs(model=ckpt, tensor_parallel_size=world, dtype=dtype,
                              skip_tokenizer_init=True, enforce_eager=True, max_model_len=128, load_format="dummy",
                              distributed_executor_backend="external_launcher" if world > 1 else None,
                              language_model_only=True).create_engine_config()
@@ -159,17 +159,16 @@ def main() -> int:
     (in order)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("configs", nargs="+")
-    ap.add_argument("--ep", action="store_true")
     ap.add_argument("--load-parity", action="store_true")
     ap.add_argument("--perturb", action="append", default=[], metavar="INDEX=NAME")
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
     perturb = {int(i): name for i, name in (p.split("=", 1) for p in args.perturb)}
-    with vllm_world(args.ep, args.dtype) as model_config:
+    with vllm_world(args.dtype) as model_config:
         if args.load_parity:
             out = [load_parity(model_config, c, perturb.get(i)) for i, c in enumerate(args.configs)]
         else:
-            out = [{"0": named_parameters(model_config, c)} for c in args.configs]
+            out = [named_parameters(model_config, c) for c in args.configs]
     sys.stdout.write("RESHARD_JSON " + json.dumps(out) + "\n")
     return 0
 

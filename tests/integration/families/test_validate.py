@@ -59,14 +59,14 @@ def test_vllm_layout_stage():
     import sys
 
     from reshard.validate import vllm_layout_summary
-    from reshard.validate.vllm_load import named_parameter_reports
+    from reshard.validate.vllm_load import side_reports
 
     r = _one(VLLM_LAYOUT[0], "vllm layout")
     assert r.status == PASS, r.detail
     fams = [discover(read_hf_config(c)) for c in VLLM_LAYOUT[1:]]
     tinies = [f.tiny_config(read_hf_config(c)) for f, c in zip(fams, VLLM_LAYOUT[1:])]
-    for f, tiny, real in zip(fams, tinies, named_parameter_reports(tinies, sys.executable)):
-        assert "names and shapes equal" in vllm_layout_summary(f.spec(tiny), real), f.name
+    for f, tiny, report in zip(fams, tinies, side_reports(tinies, sys.executable)):
+        assert "names and shapes equal" in vllm_layout_summary(f.spec(tiny), report[1][0]), f.name
 
 
 def test_stages_without_their_dependency_say_not_run(monkeypatch):

@@ -2,7 +2,7 @@
 continuous request loop (streamed greedy completions from `--clients` threads over loopback, harness.serving_load),
 refit after refit from this process (one trainer rank, plain tensors, the collective transport, a loader install
 with `RefitSpec(staging="device")`). Per refit: the transfer (the trainer's send until every engine worker has
-its bytes), the pause (the driver's first pause call to the resume's answer: `RefitStats.pause_s`), the whole
+its bytes and, on CPU, its shadow built: the driver's phases transfer + staged), the pause (the driver's first pause call to the resume's answer: `RefitStats.pause_s`), the whole
 refit, the tokens the engine streamed while the bytes landed and while paused, the requests held across the flip,
 the slowest worker's install, its wait for the staged transfer and its kind (a shadow swapped in, or vLLM's
 reload: the worker extension's `reshard_stats`).

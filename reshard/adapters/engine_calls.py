@@ -11,7 +11,7 @@ from ..polling import Background
 
 
 class EngineCall(Background):
-    """`engine.method(*args)` on a thread of its own, started at once.
+    """`engine.method(*args)` on a thread of its own, started at once (its answer in `value`).
 
     Args:
         engine: the engine (its method is looked up at once).
@@ -25,9 +25,9 @@ class EngineCall(Background):
         self.label, self.on_error = f"{engine!r}.{method}", on_error
         super().__init__(self._call, getattr(engine, method), args, name=f"reshard-{method}")
 
-    def _call(self, fn: Any, args: tuple) -> None:
+    def _call(self, fn: Any, args: tuple) -> Any:
         try:
-            fn(*args)
+            return fn(*args)
         except Exception as e:
             if self.on_error is not None:
                 try:

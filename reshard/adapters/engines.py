@@ -3,13 +3,16 @@
 `EngineClient` is vLLM's weight-sync client protocol (`VLLMWeightSyncClient`); user implementations need only
 these four methods. The optional capabilities are protocols of their own, checked with `isinstance` (never by
 probing attributes): `Pausable` (pause / resume around a refit), `ReportsInFlight` (which requests a paused engine
-holds), `Leased` (a driver's lease the engine keeps:
-adapters.vllm.lease) and `ServesLora` (serves PEFT adapters whose slots an install="lora_slot" refit rewrites).
+holds), `ReportsStaged` (whether a staged transfer has landed: asked before the pause for a flip), `Leased` (a
+driver's lease the engine keeps: adapters.vllm.lease) and `ServesLora` (serves PEFT adapters whose slots an
+install="lora_slot" refit rewrites).
 `VllmServer`, `RayEngineClient`, the offline vLLM clients and `adapters.hf_dir.HfDirectoryEngine` implement them.
 """
 from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
+
+from ..errors import ExecutionError
 
 
 @runtime_checkable
@@ -51,6 +54,32 @@ class ReportsInFlight(Protocol):
 
 
 @runtime_checkable
+class ReportsStaged(Protocol):
+    """An engine that tells, without holding its generation, whether the open update's staged transfer
+    (`RefitSpec.staging`) has ended on every worker: what a `pause_for="flip"` driver waits for before it pauses."""
+
+    def staged(self) -> bool | None:
+        """True once every worker's bytes are whole (and, where used, its shadow built), False while they land,
+        None when the engine cannot tell (the install waits then).
+
+        Raises:
+            ExecutionError: a worker's staged transfer failed (its error named).
+        """
+
+
+def landing_ended(answers: list[dict[str, Any]]) -> bool:
+    """Every worker's answer to `reshard_staged` ({"done", "error"}) as one: True when all ended.
+
+    Raises:
+        ExecutionError: a worker's staged transfer failed, naming the worker and its error.
+    """
+    errors = [f"worker {i}: {a['error']}" for i, a in enumerate(answers) if a.get("error")]
+    if errors:
+        raise ExecutionError("the staged transfer failed before the flip: " + "; ".join(errors))
+    return all(a.get("done") for a in answers)
+
+
+@runtime_checkable
 class Leased(Protocol):
     """An engine that keeps a driver's lease: refit calls of any other holder are refused, and an update whose
     lease lapses is ended by the engine itself (adapters.vllm.lease)."""
@@ -70,4 +99,4 @@ class ServesLora(Protocol):
         """Serve the PEFT directory `path` as adapter `name`; its id."""
 
 
-__all__ = ["EngineClient", "Leased", "Pausable", "ReportsInFlight", "ServesLora"]
+__all__ = ["EngineClient", "Leased", "Pausable", "ReportsInFlight", "ReportsStaged", "ServesLora", "landing_ended"]

@@ -30,11 +30,11 @@ import os
 from typing import Any
 
 from ..errors import ExecutionError
-from .engines import EngineClient, Leased, ServesLora
+from .engines import EngineClient, Leased, ReportsStaged, ServesLora, landing_ended
 from .lease_keeper import request_body
 
 
-class RayEngineClient(EngineClient, Leased, ServesLora):
+class RayEngineClient(EngineClient, Leased, ReportsStaged, ServesLora):
     """vLLM's weight-sync client protocol (init / start / update / finish) over a `VllmEngineActor` handle; every
     call waits at most `timeout` seconds. Not `Pausable`: an offline engine generates only when asked."""
 
@@ -69,6 +69,9 @@ class RayEngineClient(EngineClient, Leased, ServesLora):
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._call("finish_weight_update", weight_version, self.lease_holder)
+
+    def staged(self) -> bool:
+        return landing_ended(json.loads(self._call("staged")))
 
     # --- the driver's lease (adapters.vllm.lease's rules, kept by the actor) -------------------------------
     def acquire_lease(self, holder: str, ttl: float, timeout: float | None = None) -> None:
@@ -200,6 +203,11 @@ class VllmEngineActor:
         """Close the open update (None: a failed one), as `holder`."""
         self.guard.call("/finish_weight_update", holder, lambda: self.client.finish_weight_update(weight_version),
                         {"version": weight_version})
+
+    def staged(self) -> str:
+        """Each worker's answer to `reshard_staged` (has the open update's staged transfer ended?), as JSON."""
+        with self.engine_lock:
+            return json.dumps(self.llm.collective_rpc("reshard_staged"))
 
     def load_lora(self, name: str, path: str) -> int:
         """Serve the PEFT directory `path` as adapter `name` (again: under its id); the id."""

@@ -22,11 +22,11 @@ from typing import Any
 
 from ..errors import ExecutionError
 from ..polling import poll
-from .engines import EngineClient, Leased, Pausable, ReportsInFlight
+from .engines import EngineClient, Leased, Pausable, ReportsInFlight, ReportsStaged, landing_ended
 from .lease_keeper import HEADER, ROUTE, request_body
 
 
-class VllmServer(EngineClient, Pausable, ReportsInFlight, Leased):
+class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased):
     """A running `vllm serve`, driven over HTTP: vLLM's weight-sync routes plus what a caller checks afterwards.
 
     Speaks vLLM's weight-sync client protocol (`VLLMWeightSyncClient`: init / start / update / finish), pause /
@@ -138,6 +138,15 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, Leased):
             return sorted({i for ids in self.collective_rpc("reshard_in_flight") for i in ids})
         except ExecutionError:
             return None
+
+    def staged(self) -> bool | None:
+        """Whether the open update's staged transfer ended on every worker (adapters.engines.ReportsStaged); None
+        without reshard's worker extension."""
+        try:
+            answers = self.collective_rpc("reshard_staged")
+        except ExecutionError:
+            return None
+        return landing_ended(answers)
 
     def weight_info(self) -> str | None:
         """The weight version the server reports."""
@@ -263,7 +272,7 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, Leased):
         return self._model
 
 
-class ExtensionClient(EngineClient, Pausable):
+class ExtensionClient(EngineClient, Pausable, ReportsStaged):
     """A refit's engine calls through the `reshard` worker extension's methods over a server's dev route
     `/collective_rpc` (arguments as JSON text), or an in-process `vllm.LLM`'s `collective_rpc`, instead of its
     weight-transfer API: what in-slot LoRA refits (`RefitSpec(install="lora_slot")`) need, because that API drops
@@ -281,11 +290,10 @@ class ExtensionClient(EngineClient, Pausable):
     def __repr__(self) -> str:
         return f"ExtensionClient({getattr(self.server, 'url', 'in-process')})"
 
-    def _rpc(self, method: str, *args: Any) -> None:
+    def _rpc(self, method: str, *args: Any) -> list[Any]:
         if isinstance(self.server, VllmServer):
-            self.server.collective_rpc(method, tuple(json.dumps(a) for a in args))
-        else:
-            self.server.collective_rpc(method, args=args)
+            return self.server.collective_rpc(method, tuple(json.dumps(a) for a in args))
+        return self.server.collective_rpc(method, args=args)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._rpc("reshard_init", init_info)
@@ -299,6 +307,9 @@ class ExtensionClient(EngineClient, Pausable):
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         if weight_version is not None:  # None: closing a failed update, which the extension needs no call for
             self._rpc("reshard_finish")
+
+    def staged(self) -> bool:
+        return landing_ended(self._rpc("reshard_staged"))
 
     def pause(self, mode: str = "wait") -> None:
         if isinstance(self.server, VllmServer):

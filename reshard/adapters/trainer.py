@@ -27,11 +27,11 @@ import torch
 
 from ..errors import ArgumentError, ExecutionError
 from ..group_json import broadcast_json
-from ..polling import Background
+from ..polling import Background, poll
 from ..executors.base import Executor, RankTensors
 from ..executors.stats import RefitStats
 from .engine_calls import EngineCall, wait_calls
-from .engines import EngineClient, Leased, Pausable, ReportsInFlight
+from .engines import EngineClient, Leased, Pausable, ReportsInFlight, ReportsStaged
 from .lease_renewal import LeaseRenewal
 from .refit import RefitSpec, open_transport
 from .placement_follow import agree, follow
@@ -46,7 +46,8 @@ class RefitResult:
     seconds: float
     phases: dict[str, float] = field(default_factory=dict)  # start (pause + start), transfer (this process), engines
     # (until every engine's update returned: its transfer and install), finish, resume; pause_for="flip": start,
-    # transfer, staged (every engine has its bytes), pause, flip (the install), finish, resume
+    # transfer, staged (until every engine's staged transfer ended: bytes whole, shadows built), pause, flip (the
+    # install), finish, resume
     stats: Any = None  # this process's executor stats, with the driver's pause_s and in_flight
     followed: list[dict[str, Any]] = field(default_factory=list)  # EPLB placements recompiled for (why, digests)
     delta: Any = None  # RefitSpec(delta=K): what this process sent (executors.delta.DeltaReport: keyframe or not,
@@ -79,7 +80,8 @@ class TrainerSession:
         pause_for: what the pause spans: "refit" (default, today's behaviour: the engines stop generating for the
             whole refit, so existing callers keep their semantics and need no staging memory) or "flip" (the
             engines keep generating while every byte lands in their staging, `RefitSpec.staging`, and pause only
-            for the install that makes it live; `RefitStats.pause_s` says how long).
+            for the install that makes it live, once every engine that tells, `engines.ReportsStaged`, has landed
+            them; `RefitStats.pause_s` says how long).
         timeout: seconds a refit may take, all its steps together (every wait and clean-up is bounded by it), and
             any one step of init or close.
         lora_ids: install="lora_slot" with engines that serve the adapter under different ids: engine k's id.
@@ -384,7 +386,9 @@ class TrainerSession:
             errors.append(self.renewal.error)
         flip = self.pause_for == "flip" and bool(self.engines)
         if flip and not errors:
+            errors += self._await_staged(deadline)
             marks.append(("staged", time.perf_counter()))
+        if flip and not errors:
             for engine in self.engines:
                 errors += self._pause(engine, paused, deadline)
             marks.append(("pause", time.perf_counter()))
@@ -393,6 +397,24 @@ class TrainerSession:
                                   for e in self.engines], self.timeout, deadline)
         marks.append(("flip" if flip else "engines", time.perf_counter()))
         return stats, errors
+
+    def _await_staged(self, deadline: float) -> list[str]:
+        """pause_for="flip": poll the engines that tell (`ReportsStaged`) until every one's staged transfer has
+        ended (bytes whole, shadow built), by the refit's deadline, so that the pause spans the flip only and not
+        the landing's tail; a landing that failed is reported here, before any pause. The errors."""
+        pending = [e for e in self.engines if isinstance(e, ReportsStaged)]
+        errors: list[str] = []
+
+        def landed() -> bool:
+            calls = [EngineCall(e, "staged", ()) for e in pending]
+            errors.extend(wait_calls(calls, self.timeout, deadline))
+            pending[:] = [e for e, c in zip(pending, calls) if c.error is None and c.value is False]
+            return bool(errors) or not pending
+
+        if not poll(landed, deadline, first_s=0.005, most_s=0.02):
+            errors.append(f"the staged transfer of {pending} did not end by the refit's deadline "
+                          f"({self.timeout:.0f} s after it began)")
+        return errors
 
     def _wind_down(self, close: bool, paused: list[EngineClient], deadline: float) -> list[str]:
         """The end of a refit, in order on one thread: after a failure, close the open update on every engine

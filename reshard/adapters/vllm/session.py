@@ -263,6 +263,15 @@ class WorkerSession:
             raise
         self.received = True
 
+    def staged(self) -> dict[str, Any]:
+        """Whether this worker's staged transfer has ended, without waiting for it (a driver polls it before the
+        pause for a flip: a worker call blocks vLLM's engine loop): {"done": bool, "error": its text or None}."""
+        landing = self.landing
+        if landing is not None and landing.thread.is_alive():
+            return {"done": False, "error": None}
+        error = landing.error if landing is not None else None
+        return {"done": True, "error": f"{type(error).__name__}: {error}" if error is not None else None}
+
     def _landed_whole(self) -> None:
         """Staged refits: wait for the transfer (as long as the transport's timeout), then agree with the engine's
         other workers that every one has its bytes whole, before any flips. Raises ExecutionError otherwise."""

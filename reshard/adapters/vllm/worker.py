@@ -6,6 +6,7 @@ instead of the weight-transfer API, and in-slot LoRA refits, which that API cann
     llm.collective_rpc("reshard_refit")                                 # start, receive, finish
     llm.collective_rpc("reshard_direct_problems")                       # why direct mode would be refused
     llm.collective_rpc("reshard_stats")                                 # plan compiles and cache hits
+    llm.collective_rpc("reshard_staged")                                # has a staged transfer landed?
     llm.collective_rpc("reshard_expert_placement")                      # an EPLB engine's placement now
 
 Each step is also a method of its own (`reshard_start`, `reshard_update`, `reshard_finish`), so a trainer can send
@@ -135,6 +136,12 @@ class ReshardWorkerExtension:
         if not sessions:
             raise PlanError("no refit session on this worker: nothing landed yet")
         return sessions[0].landed()
+
+    def reshard_staged(self) -> dict[str, Any]:
+        """`WorkerSession.staged`: whether this worker's staged transfer has ended ({"done", "error"}), answered at
+        once (a worker call holds the engine loop). Callable through `/collective_rpc`."""
+        sessions = self._reshard_sessions()
+        return sessions[0].staged() if sessions else {"done": True, "error": "no refit session on this worker"}
 
     def reshard_in_flight(self) -> list[str]:
         """The ids of the requests this worker holds state for (vLLM's model runner: running, or frozen by a "keep"

@@ -2,12 +2,17 @@
 continuous request loop (streamed greedy completions from `--clients` threads over loopback, harness.serving_load),
 refit after refit from this process (one trainer rank, plain tensors, the collective transport, a loader install
 with `RefitSpec(staging="device")`). Per refit: the transfer (the trainer's send until every engine worker has
-its bytes and, on CPU, its shadow built: the driver's phases transfer + staged), the pause (the driver's first pause call to the resume's answer: `RefitStats.pause_s`), the whole
-refit, the tokens the engine streamed while the bytes landed and while paused, the requests held across the flip,
-the slowest worker's install, its wait for the staged transfer and its kind (a shadow swapped in, or vLLM's
-reload: the worker extension's `reshard_stats`).
-Goal: pause <= 10% of the transfer. The same run measures `pause_for="refit"` (today's default: the pause spans the
-whole refit) for comparison.
+its bytes and, on CPU, its shadow built: the driver's phases transfer + staged), the pause (the driver's first
+pause call to the resume's answer: `RefitStats.pause_s`), the whole refit, the tokens the engine streamed while
+the bytes landed and while paused, the requests held across the flip, the slowest worker's install, its wait for
+the staged transfer and its kind (a shadow swapped in, or vLLM's reload: the worker extension's `reshard_stats`).
+Beside them, the stall users see: the longest wait between two consecutive tokens of any stream across the install
+window (the driver's pause, or without one its install call, to the refit's end; `stall_refit_s`: across the whole
+refit), and the ceiling's context, the median inter-token gap outside refits in the same run (one decode step).
+Goal: pause <= 10% of the transfer. Three cases in one run: `pause_for="flip"` (pause only for the install),
+`pause_for="refit"` (today's default: the pause spans the whole refit), and `pause=None, pause_for="flip"` (no HTTP
+pause: vLLM runs the install's worker RPC between two scheduler steps, on every worker in the same order, so the
+install is itself the step-boundary stall and the streams go on on the new weights).
 
     .venv/bin/python benchmarks/refit_while_serving.py [--refits 8] [--tp 2] [--hidden 1024] [--layers 8] [--json out]
 """
@@ -57,39 +62,52 @@ def main() -> int:
     nbytes = refit.plan().accounting.total_bytes
     extension = ("--worker-extension-cls", "reshard.adapters.vllm.worker.ReshardWorkerExtension")
     out: dict = {"bytes": nbytes, "args": vars(a), "machine": f"{os.cpu_count()} CPUs", "runs": {}}
+    cases = {"flip": (a.pause, "flip"), "refit": (a.pause, "refit"), "flip-nopause": (None, "flip")}
     with ServerProcess(ckpt, tp=a.tp, log=work / "server.log", extra_args=extension) as server:
-        for pause_for in ("flip", "refit"):
-            session = TrainerSession(refit, 0, tensors, engines=[server], pause=a.pause, pause_for=pause_for)
+        for case, (pause, pause_for) in cases.items():
+            session = TrainerSession(refit, 0, tensors, engines=[server], pause=pause, pause_for=pause_for)
             session.init()
-            rows = []
+            rows, windows = [], []
             with RequestLoop(server.url, server.model(), clients=a.clients, max_tokens=a.max_tokens) as loop:
                 time.sleep(2.0)
                 for i in range(a.refits + 1):
                     for t in tensors.values():  # a training step: every byte changes
                         t.copy_(train_step(t, i + 1))
                     t0 = time.perf_counter()
-                    r = session.refit(f"{pause_for}-{i}")
-                    ph = r.phases
+                    r = session.refit(f"{case}-{i}")
+                    ph, end = r.phases, t0 + r.seconds
                     land = ph["transfer"] + ph.get("staged", 0.0)
                     t_land = t0 + ph["start"]
-                    paused = t0 + r.seconds - r.stats.pause_s
-                    rows.append({"total_s": r.seconds, "transfer_s": ph["transfer"] + ph.get("staged", 0.0),
-                                 "pause_s": r.stats.pause_s, "phases": ph,
+                    # the install window: the driver's pause (pause_for="refit": from the start) or, without a
+                    # pause, its install call, to the refit's end
+                    flip_from = t0 if pause_for == "refit" else t_land + land
+                    paused = end - r.stats.pause_s
+                    windows.append((t0, end))
+                    time.sleep(0.5)  # the streams' tokens after the refit arrive before the gaps are read
+                    rows.append({"total_s": r.seconds, "transfer_s": land, "pause_s": r.stats.pause_s,
+                                 "stall_s": loop.longest_gap(flip_from, end),
+                                 "stall_refit_s": loop.longest_gap(t0, end),
+                                 "phases": ph,
                                  "tokens_landing": loop.tokens_between(t_land, t_land + land) if land else 0,
-                                 "tokens_paused": loop.tokens_between(paused, t0 + r.seconds),
+                                 "tokens_paused": loop.tokens_between(paused, end),
                                  "in_flight": len(r.stats.in_flight or ()), **_worker_times(server)})
-                    time.sleep(0.5)
                 errors = sum(1 for q in loop.requests if q.error)
+                step_gap = loop.median_gap(outside=windows)
             session.close()
             rows = rows[1:]  # the first refit warms caches
             med = {k: statistics.median(row[k] for row in rows) for k in rows[0] if k != "phases"}
             med["phases"] = {k: statistics.median(row["phases"][k] for row in rows) for k in rows[0]["phases"]}
             med["request_errors"] = errors
-            out["runs"][pause_for] = {"median": med, "refits": rows}
-            print(f"pause_for={pause_for!r} ({a.pause}), median of {len(rows)} refits of {nbytes / 2**20:.0f} MiB into "
-                  f"vllm:tp={a.tp} under {a.clients} streaming clients:")
+            med["step_gap_s"] = step_gap
+            out["runs"][case] = {"pause": pause, "pause_for": pause_for, "median": med, "refits": rows}
+            print(f"{case}: pause={pause!r}, pause_for={pause_for!r}, median of {len(rows)} refits of "
+                  f"{nbytes / 2**20:.0f} MiB into vllm:tp={a.tp} under {a.clients} streaming clients:")
             print(f"  transfer {med['transfer_s'] * 1e3:7.1f} ms   pause {med['pause_s'] * 1e3:7.1f} ms "
                   f"({med['pause_s'] / med['transfer_s']:.1%} of the transfer)   total {med['total_s'] * 1e3:7.1f} ms")
+            print(f"  users' stall (longest inter-token gap across the install) {med['stall_s'] * 1e3:7.1f} ms "
+                  f"({med['stall_s'] / med['transfer_s']:.1%} of the transfer); across the whole refit "
+                  f"{med['stall_refit_s'] * 1e3:.1f} ms; median inter-token gap outside refits (one step) "
+                  f"{step_gap * 1e3:.1f} ms")
             print(f"  tokens streamed while the bytes landed {med['tokens_landing']:.0f}, while paused "
                   f"{med['tokens_paused']:.0f}; requests held across the pause {med['in_flight']:.0f}; request "
                   f"errors {errors}")

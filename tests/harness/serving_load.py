@@ -1,10 +1,12 @@
 """A bounded continuous request loop against a `vllm serve` (issue 40): client threads each stream greedy
 completions back to back until stopped, and every token's arrival time is kept, so a test or benchmark can count
-what the engine generated in any window (a refit's transfer, its pause) and see how each request ended.
+what the engine generated in any window (a refit's transfer, its pause), the longest wait between two tokens
+of one stream across a window (the stall its user saw), and how each request ended.
 
     with RequestLoop(server.url, model, clients=4, max_tokens=64) as loop:
         result = session.refit("v2")
-    loop.tokens_between(t0, t1); loop.requests   # [Request(start, end, tokens, finish_reason, error)]
+    loop.tokens_between(t0, t1); loop.longest_gap(t0, t1); loop.median_gap(outside=[(t0, t1)])
+    loop.requests   # [Request(start, end, arrivals, finish_reason, error)]
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -93,3 +97,21 @@ class RequestLoop:
         """The requests that began before t0 and ended after t1 (in flight across that window)."""
         with self.lock:
             return [r for r in self.requests if r.start < t0 and (r.end == 0.0 or r.end > t1)]
+
+    def gaps(self) -> list[tuple[float, float]]:
+        """(earlier, later) arrival of every two consecutive chunks of one stream; tokens that came in one chunk
+        are one arrival (no gap between them)."""
+        with self.lock:
+            times = [sorted(set(r.arrivals)) for r in self.requests]
+        return [(a, b) for ts in times for a, b in zip(ts, ts[1:])]
+
+    def longest_gap(self, t0: float, t1: float) -> float:
+        """The longest wait between two consecutive tokens of any stream that overlaps [t0, t1] (0.0 if none): the
+        stall a user streaming across that window saw."""
+        return max((b - a for a, b in self.gaps() if b > t0 and a < t1), default=0.0)
+
+    def median_gap(self, outside: Sequence[tuple[float, float]] = ()) -> float:
+        """The median wait between consecutive tokens of a stream, over the gaps that overlap none of the windows
+        `outside` (one decode step under this load, away from refits); 0.0 if there is none."""
+        kept = [b - a for a, b in self.gaps() if not any(b > t0 and a < t1 for t0, t1 in outside)]
+        return statistics.median(kept) if kept else 0.0

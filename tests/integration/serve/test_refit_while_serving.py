@@ -9,6 +9,9 @@ landed B's bytes exactly.
   keep   the requests in flight across the flip finish (none fails); the engine generated tokens while the bytes
          landed; the pause is a fraction of the refit; the driver reports the requests in flight.
   abort  the requests in flight at the pause end with the engine's own abort, none hangs; the refit succeeds.
+  no pause (pause=None): vLLM runs the install's worker RPC between two scheduler steps, on every worker in the
+         same order, so the streams go on across the flip on the new weights: none fails, the server equals the
+         fresh one on B afterwards, every worker landed B's bytes exactly.
   a failure before the flip (the trainer never sends: the workers' staged transfer times out) -> the refit
          raises, the engine never paused and still serves the previous version, untouched; the next init +
          refit works.
@@ -219,6 +222,35 @@ def test_a_torn_flip_through_the_worker_extension_is_fenced_the_same_way(served)
         assert server.greedy(PROMPTS) == served["fresh"]
         want = tensor_digests(load_checkpoint(served["b"]))
         assert all(w["installed"] and w["digests"] == want for w in server.landed())
+    finally:
+        session.close()
+
+
+def test_a_flip_without_a_pause_keeps_every_stream_going_onto_the_new_weights(served):
+    server = served["server"]
+    session, tensors = _session(served, None)
+    try:
+        _load(tensors, served["a"], served["a"])
+        result, loop, t0 = _refit_under_load(session, server, "a-nopause")
+        assert result.stats.pause_s == 0.0 and server.weight_info() == "a-nopause"
+        assert server.greedy(PROMPTS) != served["fresh"]
+        install = (t0 + result.seconds - result.phases["flip"], t0 + result.seconds)
+        across = loop.spanning(*install)
+        assert across and all(r.finish_reason == "length" for r in across), "the streams across the flip must finish"
+        assert loop.tokens_between(t0 + result.seconds, float("inf")) > 0, "nothing streamed after the flip"
+        loops = [loop]
+
+        _load(tensors, served["b"], served["a"])
+        result, loop, t0 = _refit_under_load(session, server, "b-nopause")
+        loops.append(loop)
+        assert server.weight_info() == "b-nopause" and server.greedy(PROMPTS) == served["fresh"]
+        want = tensor_digests(load_checkpoint(served["b"]))
+        assert all(w["installed"] and w["digests"] == want for w in server.landed())
+        assert not server.call("GET", "/is_paused")["is_paused"]
+        requests = [r for each in loops for r in each.requests]
+        failed = [r for r in requests if r.error]
+        assert not failed, f"no pause: requests failed: {[r.error for r in failed][:3]}"
+        assert all(r.end for r in requests)  # none hangs
     finally:
         session.close()
 

@@ -99,19 +99,25 @@ def refuse_serving(options: Any, prefix: str, why: str, guide: str) -> None:
     """
     key = "pause_for" if "pause_for" in options else "staging" if options.get("staging") in ("device", "host") else ""
     if key:
-        raise ArgumentError(prefix + key, options[key], f"is reshard's refit while the engine generates "
-                            f"(TrainerSession(pause_for='flip'), RefitSpec(staging='device' | 'host')), which this "
-                            f"backend cannot honour: {why}", fix=f"remove it, staging bucket or model; "
-                            f"docs/guides/{guide}.md, 'Refit while the engine generates', says what it would need")
+        raise _refused(prefix + key, options[key], "is reshard's refit while the engine generates (TrainerSession("
+                       "pause_for='flip'), RefitSpec(staging='device' | 'host')), which this backend cannot honour",
+                       why, "remove it, staging bucket or model", guide, "Refit while the engine generates",
+                       "what it would need")
 
 
 def refuse_delta(options: Any, prefix: str, why: str, guide: str) -> None:
     """Refuse `delta` in `options` (`RefitSpec(delta=K)`'s delta refits): `why` says what the framework's path lacks
     (`guide`: docs/guides/<guide>.md, 'Delta refits'). Raises ArgumentError naming the option (`prefix` before it)."""
     if "delta" in options:
-        raise ArgumentError(prefix + "delta", options["delta"], f"asks for delta refits (RefitSpec(delta=K)), which "
-                            f"this backend cannot carry: {why}", fix=f"remove it; docs/guides/{guide}.md, 'Delta "
-                            f"refits', says which path carries them")
+        raise _refused(prefix + "delta", options["delta"], "asks for delta refits (RefitSpec(delta=K)), which this "
+                       "backend cannot carry", why, "remove it", guide, "Delta refits", "which path carries them")
+
+
+def _refused(name: str, value: Any, asks: str, why: str, fix: str, guide: str, section: str,
+             says: str) -> ArgumentError:
+    """The refusal of an option a framework's path cannot honour: what it asks, why not, the fix and the guide's
+    section that says more (one wording for every such refusal)."""
+    return ArgumentError(name, value, f"{asks}: {why}", fix=f"{fix}; docs/guides/{guide}.md, '{section}', says {says}")
 
 
 def refuse_moved_experts(where: str) -> None:

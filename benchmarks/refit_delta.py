@@ -21,9 +21,15 @@ through kernels.delta_apply.scatter (box-local int32 indices, as a payload carri
 copy of the whole tensor (the ceiling the kernel must beat) and torch's index_put_ with int64 positions; median of
 --iters CUDA-event timings, and the kernel's result checked against index_put_'s.
 
+With --gpu (one GPU): one process holds the trainer's TP1 shard and the engine's TP1 tensors on the GPU (a colocated
+plan: every payload local), so a delta refit's GPU work is timed alone (scan and encoding, proof, apply kernel),
+with the payload's trip through pinned host memory beside it; the refit over a link of --rate Gbit/s is predicted
+as that work plus the delta's bytes at the rate, against the dense bytes at the same rate.
+
     python benchmarks/refit_delta.py --json out.json                 # CPU, gloo loopback
     python benchmarks/refit_delta.py --link 10gbit --json out.json   # two hosts (namespaces), tc-limited link
     python benchmarks/refit_delta.py --apply --numel 536870912 --json out.json   # one GPU
+    python benchmarks/refit_delta.py --gpu --config examples/configs/qwen3-8b.json --json out.json   # one GPU
 """
 from __future__ import annotations
 
@@ -199,6 +205,87 @@ def run_cpu(a) -> int:
     return 0
 
 
+# --- GPU: a delta refit's GPU work, one process -------------------------------------------------
+def run_gpu(a) -> int:
+    """--gpu: one process on one GPU holds the trainer's TP1 shard and the engine's TP1 tensors (a colocated plan,
+    no group: every payload is local), so the refit's GPU work is measured alone: the sender's scan and encoding,
+    the receiver's proof and the apply kernel. With the payload's trip through the host measured beside it, the
+    refit over a link of --rate Gbit/s is predicted as that work plus the bytes at the link's rate, against the
+    dense bytes at the same rate (which credits the dense refit with no work of its own)."""
+    import reshard
+    from reshard.executors import allocate, shard
+    from reshard.executors.binding import Binding
+    from reshard.executors.collective.executor import CollectiveExecutor
+    from reshard.executors.delta import DeltaPolicy
+
+    dev = torch.device("cuda")
+    spec = _spec(vars(a))
+    plan = reshard.compile(reshard.MegatronLayout(model=spec), reshard.VllmLayout(model=spec), colocated=True)
+    binding = Binding((0,), (0,))
+    g = torch.Generator(device=dev).manual_seed(0)
+    src = {r: {n: (torch.randn(t.shape, generator=g, device=dev) * 0.02).to(torch.bfloat16) for n, t in ts.items()}
+           for r, ts in allocate(plan.src, device="meta").items()}
+    dst = allocate(plan.dst, device=dev)
+    dense = CollectiveExecutor(plan, binding, 0, src, dst)
+    delta = CollectiveExecutor(plan, binding, 0, src, dst, delta=DeltaPolicy(keyframe_every=1 << 30))
+
+    def timed(run) -> tuple[float, object]:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        stats = run()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0, stats
+
+    def change(p: float) -> None:  # one ulp at a fraction p of the elements, on the GPU, outside the timing
+        for ts in src.values():
+            for t in ts.values():
+                bits = t.view(-1).view(torch.int16)
+                bits[torch.rand(bits.numel(), generator=g, device=dev) < p] ^= 1
+
+    def host_trip(n: int) -> float:  # the payload to pinned host memory and back (a wire between hosts needs both)
+        buf, host = torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8).pin_memory()
+        return statistics.median(timed(lambda: (host.copy_(buf), buf.copy_(host)))[0] for _ in range(5))
+
+    rate = a.rate * 1e9 / 8  # bytes a second
+    dense.refit()
+    dense_t = statistics.median(timed(dense.refit)[0] for _ in range(a.iters))
+    dense_b = plan.accounting.total_bytes
+    dense.release()  # its staging (a model's worth): the delta path keeps the sender's copy instead
+    delta.refit()  # the keyframe
+    delta.release()
+    print(f"{torch.cuda.get_device_name()}: {sum(t.numel for t in spec.tensors) / 1e9:.2f}B bf16 parameters, "
+          f"one process (TP1 -> TP1, colocated); dense refit (a device copy) {dense_t * 1e3:.1f} ms; dense bytes "
+          f"{dense_b / 1e9:.2f} GB = {dense_b / rate * 1e3:.0f} ms at {a.rate:g} Gbit/s")
+    print(f"{'changed':>8} {'wire':>9} {'of dense':>8} {'GPU work ms':>11} {'encode':>7} {'verify':>7} "
+          f"{'apply':>7} {'host trip':>9} {'at link ms':>10} {'speed-up':>8}  equal")
+    table = {"device": torch.cuda.get_device_name(), "params": sum(t.numel for t in spec.tensors),
+             "dense_bytes": dense_b, "dense_s": dense_t, "rate_gbit": a.rate, "rows": {}}
+    for p in a.fractions:
+        runs = []
+        for _ in range(a.iters):
+            change(p)
+            runs.append(timed(delta.refit) + (delta.last_delta,))
+        seconds = statistics.median(r[0] for r in runs)
+        stats, rep = runs[-1][1], runs[-1][2]
+        phases = {k: statistics.median(r[1].phases.get(k, 0.0) for r in runs) for k in ("encode", "verify", "apply")}
+        trip = host_trip(rep.wire_bytes)
+        at_link = seconds + trip + rep.wire_bytes / rate
+        want = allocate(plan.dst, device=dev)  # byte for byte against a dense refit of the same source
+        CollectiveExecutor(plan, binding, 0, src, want, in_place=True).refit()
+        equal = all(torch.equal(dst[r][n].view(torch.int16), want[r][n].view(torch.int16)) for r in dst for n in dst[r])
+        del want
+        speedup = dense_b / rate / at_link
+        print(f"{p:>8.2%} {rep.wire_bytes / 1e6:>7.1f}MB {rep.wire_bytes / dense_b:>8.2%} {seconds * 1e3:>11.1f} "
+              f"{phases['encode'] * 1e3:>7.1f} {phases['verify'] * 1e3:>7.1f} {phases['apply'] * 1e3:>7.1f} "
+              f"{trip * 1e3:>9.2f} {at_link * 1e3:>10.1f} {speedup:>8.2f}  {equal}")
+        table["rows"][f"{p:g}"] = {"wire": rep.wire_bytes, "of_dense": rep.wire_bytes / dense_b, "seconds": seconds,
+                                   "phases": phases, "host_trip_s": trip, "at_link_s": at_link, "speedup": speedup,
+                                   "ops": rep.ops, "equal_to_dense": equal}
+    if a.json:
+        Path(a.json).write_text(json.dumps(table, indent=1))
+    return 0
+
+
 # --- GPU: the apply kernel alone -----------------------------------------------------------------
 def _kernel_module():
     path = ROOT / "reshard" / "kernels" / "delta_apply.py"
@@ -261,6 +348,9 @@ def run_apply(a) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--apply", action="store_true", help="the GPU apply kernel alone (torch, numpy, Triton only)")
+    ap.add_argument("--gpu", action="store_true", help="a delta refit's GPU work in one process, and the refit "
+                    "over a link of --rate predicted from it")
+    ap.add_argument("--rate", type=float, default=10.0, help="--gpu: the link's rate, Gbit/s")
     ap.add_argument("--fractions", type=float, nargs="+", default=list(FRACTIONS))
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--config", default=None, help="an HF config (default: a synthetic Qwen3 of --hidden etc.)")
@@ -282,7 +372,7 @@ def main() -> int:
         host, port = a.store.rsplit(":", 1)
         worker(a.worker, int(port), json.loads(a.args), a.out, host)
         return 0
-    return run_apply(a) if a.apply else run_cpu(a)
+    return run_apply(a) if a.apply else run_gpu(a) if a.gpu else run_cpu(a)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ A case is JSON: {"plan": path, "binding": {...}, "seed": int, "steps": int, "fra
 "options": CollectiveExecutor options, "keyframe_every": K, "stale": [step, process] (that process's receiver
 forgets its version before the step: the step must be a keyframe), "corrupt": [step, process] (that sender flips a
 value byte after its digest: every process must fail and leave its destinations as they were), "corrupt_base":
-[step, process] (that sender's payloads claim another base version: their receivers refuse them, naming both)}.
+[step, process] (that sender's payloads claim another base version: their receivers refuse them, naming both),
+"device": "cuda" (every tensor on the process's GPU; default "cpu")}.
 `voted_delta_worker` runs the same cases over the executors that vote through a store (`"executor"`: "shared" or
 "nixl"; `"options"` are SharedExecutor's or NixlOptions'; a failed executor is rebuilt under a new namespace, as
 they require). Every process
@@ -90,10 +91,11 @@ def _case(rank: int, c: dict[str, Any], make) -> dict[str, Any]:
         plan, binding = Plan.load(c["plan"]), Binding.from_dict(c["binding"])
         g = torch.Generator().manual_seed(c["seed"])
         weights = {t.name: torch.randn(t.shape, generator=g) for t in plan.src.model.tensors}
-        full = shard(plan.src, weights)
+        device = torch.device(c.get("device", "cpu"))  # "cuda": every tensor on this process's GPU
+        full = {r: {n: t.to(device) for n, t in ts.items()} for r, ts in shard(plan.src, weights).items()}
         src = {r: {n: t.clone() for n, t in full[r].items()} for r in binding.src_ranks_of(rank)}
-        dst = allocate(plan.dst, fill=SENTINEL, ranks=list(binding.dst_ranks_of(rank))) if binding.dst_ranks_of(
-            rank) else {}
+        dst = allocate(plan.dst, fill=SENTINEL, ranks=list(binding.dst_ranks_of(rank)), device=device) if (
+            binding.dst_ranks_of(rank)) else {}
         if c.get("executor") == "shared" and not c.get("options", {}).get("staged", True):
             # in place over shared memory: peers map the tensors
             from reshard.executors.shared import shared_empty
@@ -127,7 +129,7 @@ def _case(rank: int, c: dict[str, Any], make) -> dict[str, Any]:
                     ex.close()
                     ex = make(plan, binding, rank, src, dst, c)
                 continue
-            want = allocate(plan.dst, fill=SENTINEL)
+            want = allocate(plan.dst, fill=SENTINEL, device=device)
             execute_local(plan, full, want)
             wrong = [f"{r} {n}" for r, ts in dst.items() for n, t in ts.items() if not torch.equal(_bits(t),
                                                                                                  _bits(want[r][n]))]

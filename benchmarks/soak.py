@@ -57,7 +57,7 @@ def report(out: dict) -> list[str]:
             lines.append(f"    {len(ints)} interrupted refits ({dict(outcomes)}): after the first -> after the last: "
                          f"RSS {_mib(a['rss'])} -> {_mib(b['rss'])} MiB, fds {a['fds']} -> {b['fds']}, "
                          f"threads {a['threads']} -> {b['threads']}, store keys {a['store_keys']} -> {b['store_keys']}")
-    lines.append(f"  /dev/shm reshard segments before {out['shm_before']}, after {out['shm_after']}; "
+    lines.append(f"  /dev/shm reshard segments before {out['shm_before']}, left by the soak {len(out['shm_left'])}; "
                  f"{out['seconds']:.0f} s")
     return lines
 

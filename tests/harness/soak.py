@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from .faults import _load, _matches, _weights, context
+from .shm import left_behind, segments
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -37,10 +38,6 @@ def resources() -> dict[str, int]:
     with open("/proc/self/status") as f:
         threads = next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
     return {"rss": rss, "fds": len(os.listdir("/proc/self/fd")), "threads": threads}
-
-
-def shm_segments() -> int:
-    return sum(1 for n in os.listdir("/dev/shm") if n.startswith("reshard-"))
 
 
 def tiny_plan(path: Path) -> Path:
@@ -170,7 +167,8 @@ def worker(process: int, port: int, workdir: str) -> None:
 def run(kind: str, workdir: Path, refits: int, interrupts: int, timeout: float = 30.0,
         interrupt_timeout: float = 1.0, seed: int = 0, sample_every: int = 50, check_every: int = 25,
         limit: float = 3600.0) -> dict[str, Any]:
-    """Run a soak; returns both processes' samples, the /dev/shm segments and store keys before and after."""
+    """Run a soak; returns both processes' samples, the /dev/shm segments before and those the soak left (harness.shm),
+    and the store's keys."""
     import torch.distributed as dist
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -179,7 +177,7 @@ def run(kind: str, workdir: Path, refits: int, interrupts: int, timeout: float =
            "sample_every": sample_every, "check_every": check_every, "limit": limit}
     (workdir / "soak.json").write_text(json.dumps(job))
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    shm_before = shm_segments()
+    shm_before = segments()
     ctx = context()
     procs = [ctx.Process(target=worker, args=(p, store.port, str(workdir)), daemon=True) for p in (0, 1)]
     start = time.monotonic()
@@ -193,8 +191,9 @@ def run(kind: str, workdir: Path, refits: int, interrupts: int, timeout: float =
             p.kill()
             p.join(5)
     out = {"kind": kind, "hung": hung, "exitcodes": [p.exitcode for p in procs], "stacks": _stacks(workdir),
-           "seconds": time.monotonic() - start, "shm_before": shm_before,
-           "shm_after": shm_segments(), "store_keys": store.num_keys(), "threads_parent": threading.active_count()}
+           "seconds": time.monotonic() - start, "shm_before": len(shm_before),
+           "shm_left": left_behind(shm_before), "store_keys": store.num_keys(),
+           "threads_parent": threading.active_count()}
     for p in (0, 1):
         f = workdir / f"soak-{p}.json"
         out[f"process{p}"] = json.loads(f.read_text()) if f.exists() else None
@@ -207,4 +206,4 @@ def _stacks(workdir: Path) -> dict[int, str]:
     return {p: f.read_text()[-4000:] for p, f in found.items() if f.exists() and f.stat().st_size}
 
 
-__all__ = ["Interrupt", "resources", "run", "shm_segments", "worker"]
+__all__ = ["Interrupt", "resources", "run", "worker"]

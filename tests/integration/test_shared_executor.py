@@ -25,31 +25,13 @@ import reshard
 from reshard.executors.binding import Binding
 from harness.refit_cases import tiny_deepseek
 from harness.clock import on_own_clock
+from harness.shm import left_behind, segments
 from harness.store_procs import check_plan_results, launch, plan_worker
 from reshard.testing.strategies import refits
 
 PROCESSES = 4
 JOBS = 16
 REFITS = 3
-
-
-def _segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("reshard-")}
-
-
-def _left_behind(before: set[str]) -> list[str]:
-    """Segments made since `before` whose creator (the pid in the name) has exited: this test's workers have all
-    exited by now, and a live creator is another test's process on a shared machine (its segments are its own)."""
-    def gone(name: str) -> bool:
-        try:
-            os.kill(int(name.split("-")[1]), 0)  # signal 0: only asks whether the process exists
-        except ProcessLookupError:
-            return True
-        except (ValueError, IndexError, OSError):
-            return False
-        return False
-
-    return sorted(n for n in _segments() - before if gone(n))
 
 
 def _draw_jobs(tmp: Path, device: str = "cpu") -> list[dict]:
@@ -89,13 +71,13 @@ def _draw_jobs(tmp: Path, device: str = "cpu") -> list[dict]:
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_random_plans_match_local_executor_over_three_refits(tmp_path, device):
     """On "cuda" (the GPU machine, `-m gpu`): every process on the one GPU, bytes through CUDA IPC."""
-    before = _segments()
+    before = segments()
     jobs = _draw_jobs(tmp_path, device)
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     codes = launch(plan_worker, PROCESSES, (str(tmp_path),), timeout=300)
     assert codes == [0] * PROCESSES, f"workers exited with {codes}"
     check_plan_results(tmp_path, jobs, PROCESSES, REFITS)
-    left = _left_behind(before)
+    left = left_behind(before)
     assert not left, f"segments left behind: {left[:5]}"
 
 

@@ -13,6 +13,7 @@ import pytest
 
 import reshard
 from harness.refit_cases import tiny_spec
+from harness.shm import left_behind, segments
 from harness.store_procs import launch
 from reshard.executors.binding import Binding
 
@@ -21,12 +22,10 @@ PROCESSES = 4
 
 @pytest.mark.parametrize("executor", ["shared", pytest.param("nixl", marks=pytest.mark.nixl)])
 def test_delta_refits_over_voted_executors(tmp_path: Path, executor: str):
-    import os
-
     if executor == "nixl":
         pytest.importorskip("nixl")
 
-    before = {n for n in os.listdir("/dev/shm") if n.startswith("reshard-")}
+    before = segments()
     spec = tiny_spec().model_copy(update={"dtype": "bfloat16"})
     M, V = reshard.MegatronLayout, reshard.VllmLayout
     disjoint = reshard.compile(M(model=spec, tp=2), V(model=spec, tp=2)).save(tmp_path / "disjoint.npz")
@@ -77,18 +76,8 @@ def test_delta_refits_over_voted_executors(tmp_path: Path, executor: str):
         assert s[2].get("failed") and s[2]["kept"] and s[3]["ok"] and s[3]["keyframe"], s
     refusal = steps(3, 2)[2]["failed"] + steps(3, 3)[2]["failed"]
     assert "computed against version 1, but the engine holds version 2" in refusal, refusal
-    left = {n for n in os.listdir("/dev/shm") if n.startswith("reshard-")} - before
-    assert not [n for n in left if not _alive(int(n.split("-")[1]))], left
-
-
-def _alive(pid: int) -> bool:
-    import os
-
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    left = left_behind(before)
+    assert not left, left
 
 
 def _worker(process: int, port: int, workdir: str) -> None:

@@ -24,6 +24,7 @@ import pytest
 from reshard.layouts import ModelSpec
 from reshard.testing.megatron_cpu import TinyGPT
 from harness.serve_jobs import make_checkpoint
+from harness.shm import left_behind, segments
 from reshard.testing.world import run_world
 
 pytestmark = pytest.mark.gloo
@@ -56,7 +57,7 @@ def _run(tmp_path, checkpoint, policy, rollout, steps=2, **job):
 def test_rollout_workers_get_the_trained_tensors_from_every_policy_worker(tmp_path, checkpoints, model, rollouts,
                                                                           options, release):
     """release: finalize after every refit and meet again before the next (NeMo-RL's release_after_refit)."""
-    before = _segments()
+    before = segments()
     policy, rollout = _run(tmp_path, checkpoints[model], 2, rollouts, bucket_size=BUCKET, kwargs=options,
                            release_after_refit=release, first_load_seconds=1.0)
     groups = rollout[0]["groups"]
@@ -89,11 +90,7 @@ def test_rollout_workers_get_the_trained_tensors_from_every_policy_worker(tmp_pa
     spec = ModelSpec.from_hf_config(checkpoints[model])
     kept = [p["refits"][-1]["kept"] for p in policy]  # each worker keeps only its share of the stream
     assert max(kept) < len(spec.tensors) <= sum(kept)
-    assert _segments() <= before  # shared memory: no bucket's name left in /dev/shm
-
-
-def _segments() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("reshard-*")} if Path("/dev/shm").is_dir() else set()
+    assert not left_behind(before)  # shared memory: no bucket's name left in /dev/shm
 
 
 @pytest.mark.parametrize("staging", ["model", "bucket"])

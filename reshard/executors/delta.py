@@ -229,15 +229,16 @@ class Sender:
                 where = off + (idx // c) * s + idx % c
                 payload.narrow(0, pos["values"], size * len(idx)).view(flat.dtype).copy_(flat[where])
                 pos["values"] += size * len(idx)
-        index = torch.cat(indices).cpu().numpy() if indices else np.zeros(0, np.int64)
+        index = torch.cat(indices) if indices else torch.zeros(0, dtype=torch.int64, device=device)
         return payload, DeltaOps(op, enc, count, index)
 
-    def report(self, ops: np.ndarray, delta: DeltaOps, version: int, wire_bytes: int) -> DeltaReport:
-        """The `DeltaReport` of a delta over the plan op rows `ops`."""
+    def report(self, ops: np.ndarray, deltas: "list[DeltaOps]", version: int, wire_bytes: int) -> DeltaReport:
+        """The `DeltaReport` of the deltas (one a receiving process) over the plan op rows `ops`."""
         o = self.plan.ops
-        counts = {name: int((delta.encoding == code).sum()) for code, name in enumerate(ENCODINGS)}
-        counts["unchanged"] = len(ops) - len(delta)
-        return DeltaReport(version, self.base, counts, int(delta.count.sum()), int(wire_bytes),
+        encoding = np.concatenate([d.encoding for d in deltas]) if deltas else np.zeros(0, np.int64)
+        counts = {name: int((encoding == code).sum()) for code, name in enumerate(ENCODINGS)}
+        counts["unchanged"] = len(ops) - len(encoding)
+        return DeltaReport(version, self.base, counts, sum(int(d.count.sum()) for d in deltas), int(wire_bytes),
                            int((o["rows"][ops] * o["cols"][ops]).sum()) * self.plan.itemsize)
 
 
@@ -289,8 +290,7 @@ class Decoded:
 
     base: int
     version: int
-    delta: DeltaOps
-    index: torch.Tensor  # int64, the non-dense entries' indices in entry order, on the payload's device
+    delta: DeltaOps  # its indices on the payload's device
     values: torch.Tensor  # the non-dense entries' values, in the plan's unit width (bits)
     dense: torch.Tensor  # the dense entries' blocks, concatenated
     digest: bytes
@@ -358,14 +358,14 @@ class Receiver:
                 parts.append(idx)
         index = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=payload.device)
         try:
-            prove_delta(self.plan, DeltaOps(op, enc, count, index.cpu().numpy()), allowed)
+            prove_delta(self.plan, DeltaOps(op, enc, count, index), allowed)
         except CoverageError as e:
             raise DeltaError(f"delta from {sender} refused: {'; '.join(e.problems[:5])}; nothing was written") from e
         unit = WORDS[size]
         values = payload.narrow(0, at["values"], size * int(count[enc != DENSE].sum())).view(unit)
         dense = payload.narrow(0, at["dense"], size * int(box[enc == DENSE].sum())).view(unit)
         digest = bytes(payload.narrow(0, at["digest"], digest_bytes).cpu().tolist())
-        return Decoded(base, version, DeltaOps(op, enc, count, index.cpu().numpy()), index, values, dense, digest)
+        return Decoded(base, version, DeltaOps(op, enc, count, index), values, dense, digest)
 
     def apply(self, decoded: Decoded, dst_flat: dict[int, torch.Tensor]) -> None:
         """Write a read payload into the destination tensors (flat views by table id), in place, O(changed)."""
@@ -404,9 +404,9 @@ class Receiver:
                 from ..kernels.delta_apply import scatter
 
                 scatter([_bits(dst_flat[int(t)]) for t in o["dst_tensor"][op]], o["dst_offset"][op], count,
-                        o["cols"][op], o["dst_stride"][op], decoded.index, values)
+                        o["cols"][op], o["dst_stride"][op], d.index, values)
                 return
-            idx, where = decoded.index, torch.empty_like(decoded.index)
+            idx, where = d.index, torch.empty_like(d.index)
             starts = (np.cumsum(count) - count).tolist()
             for lo, n, off, r, c, s in zip(starts, count.tolist(), *(o[x][op].tolist() for x in
                                                                      ("dst_offset", "rows", "cols", "dst_stride"))):
@@ -553,9 +553,8 @@ class VotedDelta:
             ex.store.set(f"v{v}/payload/{me}/{q}", json.dumps({**where, "bytes": payload.numel()}))
             ex.signal(f"v{v}/done/{q}")
         if self.sender is not None:
-            d = DeltaOps(*(np.concatenate([getattr(e, f) for _, e in encoded])
-                           for f in ("op", "encoding", "count", "index")))
-            self.last = self.sender.report(np.concatenate([o for o, _ in encoded]), d, v, sum(self.sent.values()))
+            self.last = self.sender.report(np.concatenate([o for o, _ in encoded]), [e for _, e in encoded], v,
+                                           sum(self.sent.values()))
         else:
             self.last = DeltaReport(v, self.receiver.held)
         if self.feeders:
@@ -649,7 +648,7 @@ class InProcessDelta:
         except Exception:
             self.sender.forget()
             raise
-        self.last = self.sender.report(self.ops, delta, version, payload.numel())
+        self.last = self.sender.report(self.ops, [delta], version, payload.numel())
         self.committed(version, keyframe=False)
         return self.last
 

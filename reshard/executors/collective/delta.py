@@ -29,7 +29,6 @@ import torch
 
 from ...errors import ExecutionError, ReshardError
 from ...planner.plan import RELAY
-from ...planner.delta import DeltaOps
 from ..delta import (DeltaError, DeltaPolicy, DeltaReport, Receiver, Sender, check_digest, keyframe_report,
                      source_digest)
 from ..preflight import refuse_disagreement
@@ -126,9 +125,7 @@ class CollectiveDelta:
         if self.sender is None:  # a receiver only: it sent nothing
             self.last = DeltaReport(new, self.receiver.held if self.receiver is not None else None)
         else:  # before the copy moves on: its base is the delta's
-            d = DeltaOps(*(np.concatenate([getattr(e, f) for e in encoded])
-                                       for f in ("op", "encoding", "count", "index")))
-            self.last = self.sender.report(np.concatenate(sent_ops), d, new,
+            self.last = self.sender.report(np.concatenate(sent_ops), encoded, new,
                                            sum(p.numel() for p in payloads.values()))
         marks.append(("encode", time.perf_counter()))
         arrived = self._exchange(payloads, device)

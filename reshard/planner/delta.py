@@ -33,6 +33,7 @@ from ..errors import CoverageError
 
 DENSE, SPARSE, BITMAP = 0, 1, 2
 ENCODINGS = ("dense", "sparse", "bitmap")
+PROOF_CHUNK = 1 << 26  # indices whose order one step of the proof checks (a temporary of 512 MiB)
 INDEX_BYTES = 4  # a SPARSE index: int32, so a box holds at most 2^31 - 1 elements (a plan op is far smaller)
 
 
@@ -128,7 +129,7 @@ def prove_delta(plan, delta: DeltaOps, allowed: "np.ndarray | None" = None, indi
             raise CoverageError("delta proof failed", problems)
         return
     # 2, where the indices are (a GPU's stay there): within each entry strictly increasing, and its first and last
-    # inside its box, so every one is; O(changed) with one temporary of that length
+    # inside its box, so every one is; O(changed)
     k = np.flatnonzero(~dense)
     index, count_k, box_k = delta.index, count[k], box[k]
     ends = np.cumsum(count_k)
@@ -139,9 +140,13 @@ def prove_delta(plan, delta: DeltaOps, allowed: "np.ndarray | None" = None, indi
     out = np.where(first_out, first, last)  # one problem an entry: its first index, else its last
     for j in np.flatnonzero(first_out | (last < 0) | (last >= box_k))[:5].tolist():
         problems.append(f"op {op[k[j]]}: index {out[j]} outside its box of {box_k[j]} elements")
-    rise = index[1:] - index[:-1]
-    rise[at(starts[1:] - 1)] = 1  # from one entry's last index to the next one's first: no order between them
-    falls = torch.nonzero(rise <= 0)[:5].view(-1).cpu().numpy()
+    between = starts[1:] - 1  # from one entry's last index to the next one's first: no order between them
+    falls = np.zeros(0, np.int64)
+    for a in range(0, len(index) - 1, PROOF_CHUNK):  # a bounded temporary however many indices came
+        b = min(a + PROOF_CHUNK, len(index) - 1)
+        rise = index[a + 1:b + 1] - index[a:b]
+        rise[at(between[(between >= a) & (between < b)] - a)] = 1
+        falls = np.concatenate([falls, torch.nonzero(rise <= 0)[:5].view(-1).cpu().numpy() + a])[:5]
     owner = np.searchsorted(ends, falls, side="right")
     problems += [f"op {op[k[e]]}: indices not strictly increasing ({int(index[j])} then {int(index[j + 1])})"
                  for e, j in zip(owner.tolist(), falls.tolist())]

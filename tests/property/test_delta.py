@@ -186,11 +186,51 @@ def test_delta_proof_refuses_forged_entries():
         prove_delta(plan, DeltaOps([0, 0], [SPARSE, SPARSE], [1, 1], [0, 1]))
     with pytest.raises(CoverageError, match="not strictly increasing"):
         prove_delta(plan, DeltaOps([0], [SPARSE], [2], [1, 1]))
+    with pytest.raises(CoverageError, match="index -1 outside its box"):  # an entry's first index
+        prove_delta(plan, DeltaOps([0], [SPARSE], [2], [-1, 0]))
+    with pytest.raises(CoverageError, match=f"index {box} outside its box"):  # an entry's last index
+        prove_delta(plan, DeltaOps([0], [SPARSE], [2], [0, box]))
     with pytest.raises(CoverageError, match="dense entry of 1 elements"):
         prove_delta(plan, DeltaOps([0], [DENSE], [1], []))
     with pytest.raises(CoverageError, match="not an op of the plan"):
         prove_delta(plan, DeltaOps([plan.num_ops], [SPARSE], [1], [0]))
     prove_delta(plan, DeltaOps([0], [SPARSE], [1], [box - 1]))
+
+
+@settings(max_examples=200)
+@given(data=st.data(), chunk=st.sampled_from([1, 2, 7, 1 << 26]))
+def test_index_proof_equals_a_check_entry_by_entry(data, chunk):
+    """prove_delta checks the indices of all entries at once, in chunks (first and last against the box, the rise
+    within entries); its verdict equals checking each entry's indices alone, whatever the chunk."""
+    import reshard.planner.delta as planner_delta
+
+    plan = _tiny()
+    box = plan.ops["rows"] * plan.ops["cols"]
+    small = np.flatnonzero(box >= 64)  # ops where a few changed elements encode smaller than the block
+    ops = np.sort(data.draw(st.lists(st.sampled_from(small.tolist()), min_size=1, max_size=4, unique=True)))
+    parts = [sorted(data.draw(st.sets(st.integers(0, int(box[op]) - 1), min_size=1, max_size=int(box[op]) // 40)))
+             for op in ops]
+    index = np.concatenate(parts)
+    counts = [len(p) for p in parts]
+    ends = np.cumsum(counts)
+    edges = sorted({0, *ends[:-1].tolist(), *(ends - 1).tolist()})  # entries' first and last indices
+    for _ in range(data.draw(st.integers(0, 2))):  # forge some: at entries' edges, just outside a box, repeats
+        at = data.draw(st.sampled_from(edges)) if data.draw(st.booleans()) else data.draw(
+            st.integers(0, len(index) - 1))
+        edge = int(box[ops[np.searchsorted(ends, at, side="right")]])
+        index[at] = data.draw(st.sampled_from([-1, edge - 1, edge, edge + 1, int(index[at - 1])])) if data.draw(
+            st.booleans()) else data.draw(st.integers(-2, int(box[ops].max()) + 2))
+    entry_ok = all(((seg >= 0) & (seg < box[op])).all() and (np.diff(seg) > 0).all()
+                   for op, seg in zip(ops, np.split(index, ends[:-1])))
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(planner_delta, "PROOF_CHUNK", chunk)
+            prove_delta(plan, DeltaOps(ops, [SPARSE] * len(ops), counts, index))
+        proven = True
+    except CoverageError as e:
+        proven = False
+        assert all("outside its box" in p or "not strictly increasing" in p for p in e.problems), e.problems
+    assert proven == entry_ok
 
 
 def test_policy_keyframes_and_option_checks():

@@ -24,6 +24,41 @@ from ..polling import poll
 PROTOCOL = 1
 
 
+class _Store:
+    """An exchange's store: a failed call (torch's DistNetworkError or DistStoreError: the process hosting the store
+    exited, or a call ran out of time) raises ExecutionError naming the store, so that a peer's death reaches the
+    refit's caller as the refit's error at whatever step meets it."""
+
+    def __init__(self, store: Any, namespace: str) -> None:
+        self._store, self._namespace = store, namespace
+
+    def _call(self, what: str, *args: Any) -> Any:
+        try:
+            return getattr(self._store, what)(*args)
+        except (RuntimeError, OSError) as e:
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ExecutionError(f"the store went away (namespace {self._namespace!r}, {what}): {first}; has the "
+                                 f"process that hosts it exited?") from None
+
+    def set(self, key: str, value: bytes | str) -> None:
+        self._call("set", key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._call("get", key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._call("add", key, amount)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call("check", keys)
+
+    def compare_set(self, key: str, expected: str, desired: bytes) -> bytes:
+        return self._call("compare_set", key, expected, desired)
+
+    def delete_key(self, key: str) -> bool:
+        return self._call("delete_key", key)
+
+
 class Exchange:
     """The store keys through which an executor's processes set up and agree on each refit (module docstring).
 
@@ -42,7 +77,7 @@ class Exchange:
         if not namespace or "/" in namespace:
             raise ExecutionError(f"namespace={namespace!r} must be a non-empty name without '/'")
         self.namespace = namespace
-        self.store = dist.PrefixStore(f"reshard-{transport}/{namespace}/", store)
+        self.store = _Store(dist.PrefixStore(f"reshard-{transport}/{namespace}/", store), namespace)
 
     # --- set-up ----------------------------------------------------------------------------------------
     def publish(self, process: int, metadata: bytes, book: dict[str, Any]) -> None:
@@ -71,10 +106,8 @@ class Exchange:
     def _published(self, key: str, peer: int) -> bool:
         try:
             return bool(self.store.check([key]))
-        except (RuntimeError, OSError) as e:  # torch's DistNetworkError: the store's host is gone
-            raise ExecutionError(f"set-up: the store went away while this process waited for process {peer}'s "
-                                 f"metadata (namespace {self.namespace!r}): "
-                                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        except ExecutionError as e:  # the store's host is gone
+            raise ExecutionError(f"set-up: {e} (while this process waited for process {peer}'s metadata)") from None
 
     def fail_setup(self, process: int, reason: str) -> None:
         """Tell the peers still setting up that this process's set-up failed (the first reason stays)."""
@@ -84,7 +117,7 @@ class Exchange:
         """Raise ExecutionError if another process's set-up failed (a store gone away: the caller's wait says so)."""
         try:
             reason = self._reason("setup/fail")
-        except (RuntimeError, OSError):  # the store went away: the caller's own wait reports that
+        except ExecutionError:  # the store went away: the caller's own wait reports that
             return
         if reason is not None:
             raise ExecutionError(f"set-up: another process failed first ({reason})")
@@ -103,7 +136,7 @@ class Exchange:
             try:
                 return [p for p in peers
                         if self.store.check([f"md/{p}"]) and not self.store.check([f"setup/left/{p}"])]
-            except (RuntimeError, OSError):  # the store is gone: so is every peer's way to this agent's metadata
+            except ExecutionError:  # the store is gone: so is every peer's way to this agent's metadata
                 return []
         return [] if poll(lambda: not still_in(), time.monotonic() + seconds, first_s=0.002) else still_in()
 

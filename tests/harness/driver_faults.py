@@ -28,6 +28,17 @@ ALL_CASES = tuple((t, p) for t in TRANSPORTS for p in PHASES)
 EACH_CHOICE = tuple(zip(TRANSPORTS, PHASES))
 
 
+def driver_death_cases() -> list:
+    """The driver-death tests' parametrization: all nine (transport, phase) pairs, a slow test; with the slow tests
+    left out (RESHARD_SLOW_TESTS=0, scripts/test), an each-choice cover of them instead (each transport and each
+    phase once: three lease waits), which the nine contain."""
+    import pytest
+
+    if os.environ.get("RESHARD_SLOW_TESTS") == "0":
+        return [pytest.param(EACH_CHOICE, id="each-choice")]
+    return [pytest.param(ALL_CASES, id="all", marks=pytest.mark.slow)]
+
+
 def _die(out: Path, phase: str) -> None:
     part = out.with_suffix(".part")  # whole or absent: the test reads `out` as soon as it exists
     part.write_text(json.dumps({"killed_at": time.time(), "phase": phase}))
@@ -198,5 +209,5 @@ def kill_the_driver(engine: dict[str, Any], checkpoint: str | Path, transport: s
             "rank1": json.loads(rank1.read_text()) if rank1.exists() else None, "ranks": ranks}
 
 
-__all__ = ["ALL_CASES", "EACH_CHOICE", "PHASES", "TRANSPORTS", "dying_driver", "engine_client", "kill_the_driver",
+__all__ = ["ALL_CASES", "EACH_CHOICE", "PHASES", "driver_death_cases", "TRANSPORTS", "dying_driver", "engine_client", "kill_the_driver",
            "refit_from_here"]

@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 # examples/art runs the server path of tests/integration/serve (test_serve.py, test_lora_slot_serve.py): marked
-# slow, run by scripts/test with RESHARD_SLOW_TESTS=1 (the suite's time on a 2-core CI machine is the limit)
+# slow (scripts/test runs them unless RESHARD_SLOW_TESTS=0)
 EXAMPLES = ["examples/megatron/refit.py", "examples/megatron/checkpoint.py", "examples/megatron/verify.py",
             "examples/megatron/fp8.py", "examples/nemo_rl/refit.py", "examples/executors/nixl_refit.py",
             pytest.param("examples/art/refit.py", marks=pytest.mark.slow),

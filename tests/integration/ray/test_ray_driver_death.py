@@ -15,15 +15,15 @@ ray = pytest.importorskip("ray")
 
 from reshard.adapters.ray import RayEngineClient  # noqa: E402
 from reshard.executors.checksum import tensor_digests  # noqa: E402
-from harness.driver_faults import ALL_CASES, EACH_CHOICE, kill_the_driver, refit_from_here  # noqa: E402
+from harness.driver_faults import driver_death_cases, kill_the_driver, refit_from_here  # noqa: E402
 from reshard.testing.megatron_cpu import TinyGPT  # noqa: E402
 from harness.ray_jobs import start_engine, stop_engine  # noqa: E402
 from harness.serve import vllm_cpu_python  # noqa: E402
 from harness.serve_jobs import load_checkpoint, make_checkpoint, save_checkpoint, train_step  # noqa: E402
 
-# CI kills the driver on each transport and in each phase once (an each-choice cover: three lease waits); all
-# nine (transport, phase) pairs are slow (RESHARD_SLOW_TESTS=1; benchmarks/driver_death.py measures them)
-CASES = [pytest.param(EACH_CHOICE, id="each-choice"), pytest.param(ALL_CASES, id="all", marks=pytest.mark.slow)]
+# the driver is killed on each transport in each phase (RESHARD_SLOW_TESTS=0: an each-choice cover instead;
+# harness.driver_faults.driver_death_cases); benchmarks/driver_death.py measures them
+CASES = driver_death_cases()
 pytestmark = [pytest.mark.ray, pytest.mark.crossprocess, pytest.mark.fault]
 
 PROMPTS = [[1, 2, 3, 4, 5], [17, 40, 3, 99]]

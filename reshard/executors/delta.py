@@ -191,8 +191,9 @@ class Sender:
             changed = self.pending[1]  # kept for the other receivers' payloads and for `committed`
             for t in set(o["src_tensor"][ops].tolist()) - set(changed):
                 changed[t] = _changed(_bits(src_flat[t]), _bits(self.copies[t]))
-            cols = [o[c][ops].tolist() for c in ("src_tensor", "src_offset", "rows", "cols", "src_stride")]
-            found = [_in_box(changed[t], off, r, c, s) for t, off, r, c, s in zip(*cols)]
+            boxes = [o[c][ops] for c in ("src_tensor", "src_offset", "rows", "cols", "src_stride")]
+            found = _in_boxes(changed, *boxes)
+            cols = [x.tolist() for x in boxes]
             count = np.asarray([len(i) for i in found], dtype=np.int64)
             box = o["rows"][ops] * o["cols"][ops]
             enc = choose(box, count, size)
@@ -249,15 +250,25 @@ def _changed(now: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(now != before).view(-1)
 
 
-def _in_box(positions: torch.Tensor, offset: int, rows: int, cols: int, stride: int) -> torch.Tensor:
-    """The box-local indices (r * cols + c, ascending) of the sorted flat `positions` that lie in a block."""
-    ends = torch.tensor([offset, offset + (rows - 1) * stride + cols], device=positions.device)
-    a, b = torch.searchsorted(positions, ends).tolist()
-    p = positions[a:b] - offset
-    if rows == 1:
-        return p
-    row, col = p // stride, p % stride
-    return (row * cols + col)[col < cols]
+def _in_boxes(changed: dict[int, torch.Tensor], tensors: np.ndarray, offsets: np.ndarray, rows: np.ndarray,
+              cols: np.ndarray, strides: np.ndarray) -> list[torch.Tensor]:
+    """Per block (source tensor, offset, rows x cols, row stride), the box-local indices (r * cols + c, ascending)
+    of the sorted flat positions `changed[tensor]` that lie in it. One search per source tensor finds every block's
+    range (one host round trip, not one a block: a model has thousands); a block whose rows are contiguous
+    (stride == cols) needs no more, a strided one a filter of its range."""
+    out: list[torch.Tensor] = [torch.zeros(0, dtype=torch.int64)] * len(tensors)
+    for t in np.unique(tensors).tolist():
+        k = np.flatnonzero(tensors == t)
+        positions = changed[t]
+        bounds = np.stack([offsets[k], offsets[k] + (rows[k] - 1) * strides[k] + cols[k]], axis=1)
+        ranges = torch.searchsorted(positions, torch.from_numpy(bounds.reshape(-1)).to(positions.device))
+        for j, (a, b) in zip(k.tolist(), ranges.view(-1, 2).tolist()):
+            p = positions[a:b] - int(offsets[j])
+            if rows[j] > 1 and strides[j] != cols[j]:
+                row, col = p // int(strides[j]), p % int(strides[j])
+                p = (row * int(cols[j]) + col)[col < int(cols[j])]
+            out[j] = p
+    return out
 
 
 def pack_bits(index: torch.Tensor, n: int) -> torch.Tensor:

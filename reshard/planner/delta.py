@@ -131,7 +131,7 @@ def prove_delta(plan, delta: DeltaOps, allowed: "np.ndarray | None" = None, indi
     # 2, where the indices are (a GPU's stay there): within each entry strictly increasing, and its first and last
     # inside its box, so every one is; O(changed)
     k = np.flatnonzero(~dense)
-    index, count_k, box_k = delta.index, count[k], box[k]
+    count_k, box_k = count[k], box[k]
     ends = np.cumsum(count_k)
     starts = ends - count_k
     at = lambda positions: torch.from_numpy(positions).to(index.device)  # noqa: E731

@@ -12,24 +12,24 @@ def segments() -> set[str]:
     return {n for n in os.listdir(SHM) if n.startswith("reshard-")} if os.path.isdir(SHM) else set()
 
 
+def creator_gone(name: str) -> bool:
+    """Whether the process that made segment `name` has exited (its pid is in the name: executors.shared.Segment);
+    False for a name that carries no pid."""
+    try:
+        os.kill(int(name.split("-")[1]), 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    except (ValueError, IndexError, OSError):
+        return False
+    return False
+
+
 def left_behind(before: set[str]) -> list[str]:
     """Segments made since `before` by this process or by one that has exited: once a test's own workers have all
     exited, the segments they or this process still hold are leaks; a live creator other than this process is
-    another test's (its segments are its own). A segment's name carries its creator's pid
-    (executors.shared.Segment)."""
-    def ours(name: str) -> bool:
-        try:
-            pid = int(name.split("-")[1])
-            if pid == os.getpid():
-                return True
-            os.kill(pid, 0)  # signal 0: only asks whether the process exists
-        except ProcessLookupError:
-            return True
-        except (ValueError, IndexError, OSError):
-            return False
-        return False
-
-    return sorted(n for n in segments() - before if ours(n))
+    another test's (its segments are its own)."""
+    mine = f"reshard-{os.getpid()}-"
+    return sorted(n for n in segments() - before if n.startswith(mine) or creator_gone(n))
 
 
-__all__ = ["left_behind", "segments"]
+__all__ = ["creator_gone", "left_behind", "segments"]

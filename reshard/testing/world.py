@@ -13,6 +13,11 @@ r's harness gloo device binds. The harness world is test scaffolding (the stand-
 channels): its device is chosen with GLOO_SOCKET_IFNAME only while the harness world and its groups (`new_group`)
 are made, and the variable is gone while the job runs, so the groups reshard makes itself find their addresses
 with nothing of the harness's help (reshard's gloo groups honour GLOO_SOCKET_IFNAME when it is set).
+
+More ranks than GPUs (e.g. two on a one-GPU machine): NCCL refuses two ranks of one host on one GPU, so each rank
+tells NCCL it is a host of its own (NCCL_HOSTID) and NCCL joins them over loopback sockets (NCCL_SOCKET_IFNAME=lo),
+through host memory as between machines without GPUDirect. This holds for the harness's NCCL world and for the
+NCCL groups the job makes itself (an integration's own transport); a variable already set is kept.
 """
 from __future__ import annotations
 
@@ -132,6 +137,15 @@ def new_group(ranks: list[int]) -> Any:
         return dist.new_group(ranks)
 
 
+def _nccl_hosts_sharing_gpus(rank: int, size: int) -> None:
+    """Where ranks share GPUs, make each one a host of its own to NCCL, joined over loopback (module docstring)."""
+    import torch
+
+    if 0 < torch.cuda.device_count() < size:
+        os.environ.setdefault("NCCL_HOSTID", f"reshard-world-rank{rank}")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+
+
 def _main(job_path: str, rank: int) -> None:
     import torch.distributed as dist
 
@@ -139,6 +153,7 @@ def _main(job_path: str, rank: int) -> None:
     job = json.loads(Path(job_path).read_text())
     _harness_interface = (job.get("interfaces") or [None] * job["size"])[rank]
     backend, device = job.get("backend", "gloo"), None
+    _nccl_hosts_sharing_gpus(rank, job["size"])
     if backend == "nccl":  # one GPU per process, bound at start-up (communicators made eagerly)
         import torch
 

@@ -77,7 +77,8 @@ def verl_rank(rank: int, size: int, args: dict[str, Any]) -> dict[str, Any]:
     if device == "cuda":
         torch.cuda.set_device(0)
     trainer = rank == 0
-    options = {"transport": "shared", "checksum": "sum64", "staging": args["staging"], "timeout": 60.0}
+    options = {"transport": args.get("transport", "shared"), "checksum": "sum64", "staging": args["staging"],
+               "timeout": 60.0}
     engine = ReshardCheckpointEngine(args["bucket_size"], True if trainer else None, model=args["config"],
                                      device=device, **options)
     spec = engine.spec

@@ -162,11 +162,11 @@ class StoreComm(Comm):
         if not sends and not recvs:
             return []
         coalesce = self.backend == "nccl"
-        if coalesce:  # one NCCL group call: a pair sending to each other cannot deadlock
-            pg._start_coalescing(self.device)
+        if coalesce:  # one NCCL group call: a pair sending to each other cannot deadlock (a backend made here,
+            pg._start_coalescing()  # not a ProcessGroup: its coalescing calls take no device)
         works = [pg.send([b], p, t) for b, p, t in sends] + [pg.recv([b], p, t) for b, p, t in recvs]
         if coalesce:
-            return [pg._end_coalescing(self.device)]
+            return [pg._end_coalescing()]
         return works
 
     def make_lanes(self, n: int, timeout: float | None = None) -> None:

@@ -1,8 +1,9 @@
-"""ReshardCheckpointEngine's shared transport on one GPU (the GPU machine: `pytest -m gpu`): a policy worker and a
-vLLM worker, two processes on the same GPU, the policy writing straight into the vLLM worker's buckets through
-CUDA IPC, checksummed (sum64, computed on the GPU). Needs torch, reshard and its own dependencies (pydantic,
-numpy) only: the model is a config, its weights drawn per tensor from a seed in each process (the ground truth,
-independent of reshard), NeMo-RL's call order replayed by harness.nemo_rl_jobs, no vLLM.
+"""ReshardCheckpointEngine on one GPU (the GPU machine: `pytest -m gpu`): a policy worker and a vLLM worker, two
+processes on the same GPU, checksummed (sum64, computed on the GPU), over the shared transport (the policy writing
+straight into the vLLM worker's buckets through CUDA IPC) and the collective one (the engine's own NCCL group, each
+process a host of its own to NCCL over loopback sockets: reshard.testing.world). Needs torch, reshard and its own
+dependencies (pydantic, numpy) only: the model is a config, its weights drawn per tensor from a seed in each process
+(the ground truth, independent of reshard), NeMo-RL's call order replayed by harness.nemo_rl_jobs, no vLLM.
 
 Three refits: clean, refused (a tensor the model does not have after the last one: every process fails, the
 last batch is never yielded) and clean again (the transport is rebuilt and a whole version lands).
@@ -23,8 +24,9 @@ CONFIG = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_
 BUCKET = 1 << 19  # 26 groups of the 11.5 MB model, the largest 1 MiB (the embedding)
 
 
+@pytest.mark.parametrize("transport", ["shared", "collective"])
 @pytest.mark.parametrize("staging", ["bucket", "model"])
-def test_shared_transport_over_cuda_ipc_on_one_gpu(tmp_path, staging, device="cuda"):
+def test_transports_on_one_gpu(tmp_path, staging, transport, device="cuda"):
     """`device`: "cpu" runs the same through POSIX shared memory (to check the test itself without a GPU)."""
     import torch
 
@@ -32,7 +34,7 @@ def test_shared_transport_over_cuda_ipc_on_one_gpu(tmp_path, staging, device="cu
         pytest.skip("needs a GPU")
     job = {"config": CONFIG, "policy": 1, "rollout": 1, "steps": 3, "dir": str(tmp_path), "bucket_size": BUCKET,
            "device": device, "faults": {"2": "extra-last"},
-           "kwargs": {"transport": "shared", "device": device, "staging": staging, "checksum": "sum64",
+           "kwargs": {"transport": transport, "device": device, "staging": staging, "checksum": "sum64",
                       "timeout": 60}}
     results = run_world(2, JOB, job, tmp_path, timeout=300)
     assert all(r is not None for r in results), (tmp_path / "logs.txt").read_text()[-4000:]

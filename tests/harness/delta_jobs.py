@@ -6,6 +6,7 @@ A case is JSON: {"plan": path, "binding": {...}, "seed": int, "steps": int, "fra
 forgets its version before the step: the step must be a keyframe), "corrupt": [step, process] (that sender flips a
 value byte after its digest: every process must fail and leave its destinations as they were), "corrupt_base":
 [step, process] (that sender's payloads claim another base version: their receivers refuse them, naming both),
+"fail_read": [step, process] (that receiver's next read raises as a GPU out of memory would),
 "device": "cuda" (every tensor on the process's GPU; default "cpu")}.
 `voted_delta_worker` runs the same cases over the executors that vote through a store (`"executor"`: "shared" or
 "nixl"; `"options"` are SharedExecutor's or NixlOptions'; a failed executor is rebuilt under a new namespace, as
@@ -120,6 +121,8 @@ def _case(rank: int, c: dict[str, Any], make) -> dict[str, Any]:
                 _corrupt_next(ex)
             if c.get("corrupt_base") == [step, rank]:
                 _corrupt_next(ex, base=True)
+            if c.get("fail_read") == [step, rank]:
+                _fail_next_read(ex)
             try:
                 stats = ex.refit()
             except ExecutionError as e:
@@ -143,6 +146,17 @@ def _case(rank: int, c: dict[str, Any], make) -> dict[str, Any]:
         return {"steps": steps}
     except Exception as e:  # reported to the test, which fails with it
         return {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
+
+
+def _fail_next_read(ex) -> None:
+    """The receiver's next read of a payload raises as a GPU out of memory would (a RuntimeError, not a refusal)."""
+    receiver = ex._delta.receiver
+    read = receiver.read
+
+    def failing(*args, **kwargs):
+        receiver.read = read
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 5.35 GiB (injected by the test)")
+    receiver.read = failing
 
 
 def _corrupt_next(ex, base: bool = False) -> None:

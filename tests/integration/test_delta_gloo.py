@@ -34,6 +34,10 @@ def test_delta_refits_across_processes(tmp_path: Path):
         {**base, "plan": str(colocated), "binding": Binding.colocated(4, 4).to_dict(), "stale": [2, 1]},
         {**base, "plan": str(disjoint), "binding": Binding.disjoint(2, 2).to_dict(), "steps": 5,
          "options": {"timeout": 60.0, "checksum": "sha256"}, "corrupt": [2, 0]},
+        # a receiver's read fails (not a refusal): voted, so its peers fail now; waiting out their timeout of an
+        # hour would outlive the world's 600 s and fail the test
+        {**base, "plan": str(disjoint), "binding": Binding.disjoint(2, 2).to_dict(), "steps": 4,
+         "options": {"timeout": 3600.0}, "fail_read": [2, 3]},
     ]
     results = run_world(WORLD, "harness.delta_jobs:run_delta_cases", {"cases": cases}, tmp_path / "world",
                         timeout=600)
@@ -64,6 +68,12 @@ def test_delta_refits_across_processes(tmp_path: Path):
         assert s[2].get("failed") and s[2]["kept"], s[2]
         assert s[3]["ok"] and s[3]["keyframe"] and s[4]["ok"] and not s[4]["keyframe"], s
     assert "checksum mismatch" in steps(2, 2)[2]["failed"] + steps(2, 3)[2]["failed"]
+    # a receiver's read raised: every process fails at step 2 with its destinations kept, the next refit a keyframe
+    for proc in range(WORLD):
+        s = steps(3, proc)
+        assert s[2].get("failed") and s[2]["kept"], s[2]
+        assert s[3]["ok"] and s[3]["keyframe"], s
+    assert "OutOfMemoryError" in steps(3, 3)[2]["failed"], steps(3, 3)[2]
 
 
 def test_delta_apply_kernel_equals_torch_scatter():

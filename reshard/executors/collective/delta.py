@@ -139,6 +139,8 @@ class CollectiveDelta:
                 decoded.append(d)
         except DeltaError as e:
             problem = str(e)
+        except RuntimeError as e:  # e.g. CUDA out of memory expanding the indices: voted, so that the peers hear of
+            problem = f"reading the deltas failed: {type(e).__name__}: {e}"  # it now rather than at their timeout
         ex._agree(device, problem)
         marks.append(("verify", time.perf_counter()))
         for d in decoded:

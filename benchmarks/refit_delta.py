@@ -26,10 +26,19 @@ plan: every payload local), so a delta refit's GPU work is timed alone (scan and
 with the payload's trip through pinned host memory beside it; the refit over a link of --rate Gbit/s is predicted
 as that work plus the delta's bytes at the rate, against the dense bytes at the same rate.
 
+With --gpu --link RATE (one GPU, root): the two-process run above with the trainer's and the engine's tensors both
+on GPU 0, joined by NCCL across the test bed's tc-limited link: each process tells NCCL it is a host of its own
+(NCCL_HOSTID; NCCL refuses two ranks of one host on one GPU), so NCCL moves every byte over the veth's sockets
+through host memory, as between two machines without GPUDirect. The refit measured end to end, with the link's
+ceiling (one send of up to 1 GiB over the same group) in the same run. Run it under MPS (`nvidia-cuda-mps-control
+-d`): without it the two contexts take turns on the GPU while one spins in an NCCL receive, and the run measures
+that (BENCHMARKS.md).
+
     python benchmarks/refit_delta.py --json out.json                 # CPU, gloo loopback
     python benchmarks/refit_delta.py --link 10gbit --json out.json   # two hosts (namespaces), tc-limited link
     python benchmarks/refit_delta.py --apply --numel 536870912 --json out.json   # one GPU
     python benchmarks/refit_delta.py --gpu --config examples/configs/qwen3-8b.json --json out.json   # one GPU
+    python benchmarks/refit_delta.py --gpu --link 10gbit --burst 10mbit --config examples/configs/qwen3-8b.json
 """
 from __future__ import annotations
 
@@ -65,60 +74,90 @@ def _spec(args: dict):
 
 def _change(src: dict, fraction: float, seed: int) -> None:
     """Flip the last mantissa bit of each element of every source tensor with probability `fraction` (one ulp), in
-    place."""
-    g = torch.Generator().manual_seed(seed)
+    place, drawn on the tensors' device."""
+    g = None
     for r in sorted(src):
         for name in sorted(src[r]):
             bits = src[r][name].view(-1).view(torch.int16)
-            bits[torch.rand(bits.numel(), generator=g) < fraction] ^= 1
+            g = g or torch.Generator(device=bits.device).manual_seed(seed)
+            bits[torch.rand(bits.numel(), generator=g, device=bits.device) < fraction] ^= 1
 
 
 def worker(me: int, port: int, args: dict, out: str, host: str = "127.0.0.1") -> None:
+    """One process of a two-process run: the trainer (me=0) or the engine (me=1), on the CPU over gloo or, with
+    args["device"] "cuda", on the GPU over NCCL (in place, no staging: both processes share one GPU's memory)."""
     sys.path.insert(0, str(ROOT))
     torch.set_num_threads(1)
     import torch.distributed as dist
 
     import reshard
-    from reshard.executors import allocate, shard
+    from reshard.executors import allocate
     from reshard.executors.binding import Binding
     from reshard.executors.collective.comm import StoreComm
     from reshard.executors.collective.executor import CollectiveExecutor
     from reshard.executors.delta import DeltaPolicy
 
+    gpu = args.get("device") == "cuda"
+    dev = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(dev)
     spec = _spec(args)
     plan = reshard.compile(reshard.MegatronLayout(model=spec), reshard.VllmLayout(model=spec))
     binding = Binding.disjoint(1, 1)
     master = me == TRAINER and args.get("link")  # across the test bed's hosts the trainer holds the store
     store = dist.TCPStore(host, port, is_master=bool(master), wait_for_workers=False, timeout=timedelta(seconds=600))
-    comm = StoreComm(dist.PrefixStore("bench/", store), me, 2, "gloo", 600.0)
-    g = torch.Generator().manual_seed(0)
+    comm = StoreComm(dist.PrefixStore("bench/", store), me, 2, "nccl" if gpu else "gloo", 600.0)
     if me == TRAINER:
-        weights = {t.name: (torch.randn(t.shape, generator=g) * 0.02).to(torch.bfloat16) for t in spec.tensors}
-        src, dst = shard(plan.src, weights), {}
-        del weights
+        g = torch.Generator(device=dev).manual_seed(0)
+        src = {r: {n: (torch.randn(t.shape, generator=g, device=dev) * 0.02).to(torch.bfloat16)
+                   for n, t in ts.items()} for r, ts in allocate(plan.src, device="meta").items()}
+        dst = {}
     else:
-        src, dst = {}, allocate(plan.dst)
-    options = {"group": comm, "timeout": 600.0}
+        src, dst = {}, allocate(plan.dst, device=dev)
+    options = {"group": comm, "timeout": 600.0, **({"in_place": True} if gpu else {})}
     dense = CollectiveExecutor(plan, binding, me, src, dst, **options)
     delta = CollectiveExecutor(plan, binding, me, src, dst, delta=DeltaPolicy(keyframe_every=1 << 30), **options)
     results: dict = {"bytes": plan.accounting.total_bytes, "params": sum(t.numel for t in spec.tensors)}
 
     def timed(run) -> tuple[float, object]:
+        if gpu:  # the change made before is not the refit's time
+            torch.cuda.synchronize()
         store.add(f"go/{timed.n}", 1)
         while int(store.add(f"go/{timed.n}", 0)) < 2:  # both start together
             time.sleep(0.001)
         timed.n += 1
         t0 = time.perf_counter()
         stats = run()
+        if gpu:
+            torch.cuda.synchronize()
         return time.perf_counter() - t0, stats
     timed.n = 0
 
+    # the link's ceiling in this run: one buffer of the dense refit's size (at most 1 GiB) sent over the same group
+    wire = torch.ones(min(results["bytes"], 1 << 30), dtype=torch.uint8, device=dev)
+    lane = comm.lanes[0]
+    if me == TRAINER:
+        move = lambda: lane.send([wire], ENGINE, 0).wait()  # noqa: E731
+    else:
+        move = lambda: lane.recv([wire], TRAINER, 0).wait()  # noqa: E731
+    move()  # warm-up (connections)
+    results["raw"] = [{"seconds": timed(move)[0], "sent": wire.numel()} for _ in range(args["iters"])]
+    del wire
+    free = torch.cuda.empty_cache if gpu else lambda: None  # both processes share one GPU's memory
+    free()
     dense.refit()  # warm-up (buffers, connections)
     results["dense"] = []
     for _ in range(args["iters"]):
         seconds, stats = timed(dense.refit)
         results["dense"].append({"seconds": seconds, "sent": sum(stats.bytes_sent.values()), "phases": stats.phases})
+    dense.release()
+    free()
     delta.refit()  # the keyframe: the sender's copy and the engine's version
+    if me == TRAINER:
+        _change(src, 0.01, seed=1)
+    delta.refit()  # warm-up: a first delta (the GPU kernels compiled outside the timing)
+    delta.release()  # the keyframe's buffers (the sender's copy and the versions stay)
+    free()
     for p in args["fractions"]:
         rows = []
         for i in range(args["iters"]):
@@ -129,35 +168,45 @@ def worker(me: int, port: int, args: dict, out: str, host: str = "127.0.0.1") ->
             assert not rep.keyframe
             rows.append({"seconds": seconds, "sent": sum(stats.bytes_sent.values()), "phases": stats.phases,
                          "ops": rep.ops, "changed": rep.changed, "wire": rep.wire_bytes, "dense": rep.dense_bytes})
+        free()
         if me == ENGINE:  # byte for byte against a dense refit of the same source into fresh tensors
-            check = allocate(plan.dst)
+            check = allocate(plan.dst, device=dev)
             CollectiveExecutor(plan, binding, me, src, check, **options).refit()
             same = all(torch.equal(dst[r][n].view(torch.int16), check[r][n].view(torch.int16))
                        for r in dst for n in dst[r])
             rows.append({"equal_to_dense": same})
             del check
+            free()
         else:
             CollectiveExecutor(plan, binding, me, src, {}, **options).refit()
             rows.append({})
+            free()
         results[f"delta {p:g}"] = rows
     Path(out).write_text(json.dumps(results))
     comm.close()
 
 
-def run_cpu(a) -> int:
+def run_pair(a) -> int:
+    """Two processes, trainer and engine: on the CPU (gloo), or with --gpu both on GPU 0 (NCCL; needs --link: each
+    process on a host of its own, so that NCCL, told by NCCL_HOSTID that they are two hosts, joins them over the
+    link's sockets instead of refusing two ranks on one GPU)."""
     import torch.distributed as dist
 
     args = {"config": a.config, "hidden": a.hidden, "layers": a.layers, "ffn": a.ffn, "vocab": a.vocab,
-            "iters": a.iters, "fractions": a.fractions, "link": a.link}
+            "iters": a.iters, "fractions": a.fractions, "link": a.link, "device": "cuda" if a.gpu else "cpu"}
     outs = [f"/tmp/refit_delta_{os.getpid()}_{me}.json" for me in (TRAINER, ENGINE)]
     if a.link:  # trainer and engine on the test bed's two hosts (network namespaces), the link rate-limited by tc
         sys.path.insert(0, str(ROOT / "tests"))
         from testbed.two_hosts import TwoHosts
 
         port = 29000 + os.getpid() % 1000
-        with TwoHosts(rate=a.link) as hosts:
+        with TwoHosts(rate=a.link, burst=a.burst) as hosts:
+            # NCCL over the veth's sockets only, with several streams (a single one stays under 10 Gbit/s)
+            nccl = {"NCCL_SOCKET_IFNAME": os.path.commonprefix([hosts.a.interface, hosts.b.interface]),
+                    "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_NTHREADS": "4", "NCCL_NSOCKS_PERTHREAD": "2"}
             procs = [hosts.start(h, [sys.executable, __file__, "--worker", str(me), "--store",
-                                     f"{hosts.a.address}:{port}", "--args", json.dumps(args), "--out", outs[me]])
+                                     f"{hosts.a.address}:{port}", "--args", json.dumps(args), "--out", outs[me]],
+                                 {**nccl, "NCCL_HOSTID": f"reshard-bench-{h.name}"} if a.gpu else None)
                      for me, h in ((TRAINER, hosts.a), (ENGINE, hosts.b))]
             codes = [p.wait(3000) for p in procs]
         if any(codes):
@@ -180,13 +229,18 @@ def run_cpu(a) -> int:
                          if "seconds" in x]
     dense_t = statistics.median(slowest("dense"))
     dense_b = trainer["dense"][0]["sent"]
+    raw_t, raw_b = statistics.median(slowest("raw")), trainer["raw"][0]["sent"]
     where = f"two hosts (network namespaces), link limited to {a.link} by tc" if a.link else "loopback"
-    print(f"{trainer['params'] / 1e6:.1f}M bf16 parameters, Megatron TP1 -> vLLM TP1, two processes, gloo over "
+    mps = " under MPS" if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else ""
+    what = f"both on one GPU{mps}, NCCL" if a.gpu else "gloo"
+    print(f"{trainer['params'] / 1e6:.1f}M bf16 parameters, Megatron TP1 -> vLLM TP1, two processes, {what} over "
           f"{where}; median of {a.iters}, slowest process")
+    print(f"link ceiling: {raw_b:,} bytes in one send over the same group, {raw_t:.3f} s = "
+          f"{raw_b / raw_t * 8 / 1e9:.2f} Gbit/s; the dense refit below moves {dense_b / dense_t * 8 / 1e9:.2f} Gbit/s")
     print(f"{'case':<12} {'sent':>12} {'of dense':>9} {'time s':>8} {'speed-up':>8}  ops dense/sparse/bitmap/unch  "
           f"equal")
     print(f"{'dense':<12} {dense_b:>12,} {1:>9.1%} {dense_t:>8.3f} {1:>8.2f}")
-    table = {"dense": {"sent": dense_b, "seconds": dense_t}}
+    table = {"raw": {"sent": raw_b, "seconds": raw_t}, "dense": {"sent": dense_b, "seconds": dense_t}}
     for p in a.fractions:
         k = f"delta {p:g}"
         rows = trainer[k][:-1]
@@ -350,7 +404,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--apply", action="store_true", help="the GPU apply kernel alone (torch, numpy, Triton only)")
     ap.add_argument("--gpu", action="store_true", help="a delta refit's GPU work in one process, and the refit "
-                    "over a link of --rate predicted from it")
+                    "over a link of --rate predicted from it; with --link, the refit over that link, measured: two "
+                    "processes on one GPU, NCCL across the test bed's hosts")
     ap.add_argument("--rate", type=float, default=10.0, help="--gpu: the link's rate, Gbit/s")
     ap.add_argument("--fractions", type=float, nargs="+", default=list(FRACTIONS))
     ap.add_argument("--iters", type=int, default=3)
@@ -363,6 +418,7 @@ def main() -> int:
     ap.add_argument("--cols", type=int, default=4096, help="--apply: row width of the destination block")
     ap.add_argument("--link", default=None, help="a tc rate (e.g. 10gbit): trainer and engine on the test bed's two "
                     "hosts (tests/testbed/two_hosts.py: network namespaces; root)")
+    ap.add_argument("--burst", default="1mbit", help="--link: the tc token bucket's burst (a fast link needs more)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--store", default=None, help=argparse.SUPPRESS)
@@ -373,7 +429,9 @@ def main() -> int:
         host, port = a.store.rsplit(":", 1)
         worker(a.worker, int(port), json.loads(a.args), a.out, host)
         return 0
-    return run_apply(a) if a.apply else run_gpu(a) if a.gpu else run_cpu(a)
+    if a.apply:
+        return run_apply(a)
+    return run_gpu(a) if a.gpu and not a.link else run_pair(a)
 
 
 if __name__ == "__main__":

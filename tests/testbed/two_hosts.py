@@ -83,15 +83,16 @@ def stop(process: subprocess.Popen, grace: float = 10.0) -> None:
 
 
 class TwoHosts:
-    """Hosts A and B (see the module docstring); `rate` (e.g. "1gbit") limits the link both ways."""
+    """Hosts A and B (see the module docstring); `rate` (e.g. "1gbit") limits the link both ways, through a token
+    bucket of `burst` (tc's tbf; at 10gbit a 1mbit bucket refills too seldom to reach the rate)."""
 
-    def __init__(self, rate: str | None = None) -> None:
+    def __init__(self, rate: str | None = None, burst: str = "1mbit") -> None:
         tag = secrets.token_hex(3)
         subnet = int(tag[:2], 16) % 200 + 20  # 10.<subnet>.<n>.0/24: a private net that exists only in here
         third = int(tag[2:4], 16)
         self.a = Host(f"rs{tag}a", f"10.{subnet}.{third}.1", f"rs{tag}va")
         self.b = Host(f"rs{tag}b", f"10.{subnet}.{third}.2", f"rs{tag}vb")
-        self.rate = rate
+        self.rate, self.burst = rate, burst
         self._processes: list[subprocess.Popen] = []
 
     def __enter__(self) -> "TwoHosts":
@@ -109,7 +110,7 @@ class TwoHosts:
                 _ip("-n", host.name, "link", "set", host.interface, "up")
                 if self.rate:
                     subprocess.run(["ip", "netns", "exec", host.name, "tc", "qdisc", "add", "dev", host.interface,
-                                    "root", "tbf", "rate", self.rate, "burst", "1mbit", "latency", "50ms"],
+                                    "root", "tbf", "rate", self.rate, "burst", self.burst, "latency", "50ms"],
                                    check=True, capture_output=True, timeout=30)
         except Exception:
             self.__exit__(None, None, None)

@@ -35,13 +35,15 @@ if TYPE_CHECKING:
 DEPTH = 2  # collective: rounds in flight; its wire buffers are DEPTH x peers x one message, within the bucket
 STAGINGS = ("bucket", "model")
 _TYPES = {"transport": str, "fanout": (int, type(None)), "staging": str, "checksum": (bool, str),
-          "timeout": (int, float), "backend": (str, type(None))}
+          "timeout": (int, float), "backend": (str, type(None)), "delta": (int, type(None))}
 
 
 def check_options(options: dict[str, Any], prefix: str = "", transports: Sequence[str] | None = None
                   ) -> dict[str, Any]:
-    """The options both integrations take (transport, fanout, staging, checksum, timeout, backend; any subset),
-    checked, as plain JSON values.
+    """The options both integrations take (transport, fanout, staging, checksum, timeout, backend, delta; any
+    subset), checked, as plain JSON values. `delta` (delta refits, a dense keyframe every K versions) needs "model"
+    staging (the engine's buffers then hold the version a delta is computed against, between refits) and no
+    fan-out (executors.delta).
 
     Args:
         options: option -> value.
@@ -59,7 +61,7 @@ def check_options(options: dict[str, Any], prefix: str = "", transports: Sequenc
     from ..executors.checksum import algorithm
 
     for key, value in options.items():
-        if not isinstance(value, _TYPES[key]) or (isinstance(value, bool) and key in ("fanout", "timeout")):
+        if not isinstance(value, _TYPES[key]) or (isinstance(value, bool) and key in ("fanout", "timeout", "delta")):
             raise ArgumentError(prefix + key, value, f"has type {type(value).__name__}")
     if options.get("staging", "bucket") not in STAGINGS:
         raise ArgumentError(prefix + "staging", options["staging"], f"must be one of {STAGINGS}")
@@ -71,6 +73,16 @@ def check_options(options: dict[str, Any], prefix: str = "", transports: Sequenc
         raise ArgumentError(prefix + "fanout", options["fanout"], "must be a positive integer or None")
     if not 0 < options.get("timeout", 1) <= 86400:
         raise ArgumentError(prefix + "timeout", options["timeout"], "must be a number of seconds in (0, 86400]")
+    if options.get("delta") is not None:
+        if not 1 <= options["delta"] <= 1 << 30:
+            raise ArgumentError(prefix + "delta", options["delta"], "must be K in [1, 2^30] (a dense keyframe every "
+                                "K versions) or None (every refit dense)")
+        if options.get("staging", "bucket") != "model":
+            raise ArgumentError(prefix + "delta", options["delta"], "needs staging: model (the buckets of staging "
+                                "bucket are reused within a refit, so no earlier version is left to apply a delta "
+                                "to)", fix="set staging: model (the whole model held on each inference worker)")
+        if options.get("fanout") is not None:
+            raise ArgumentError(prefix + "delta", options["delta"], "needs fanout unset (delta plans have no relays)")
     try:
         algorithm(options.get("checksum", False))
     except ArgumentError as e:
@@ -323,7 +335,7 @@ _GROUP_OPTIONS = {"collective": lambda cap: {"memory_cap": cap, "depth": DEPTH},
 
 def group_executor(transport: str, plan: Plan, binding: Binding, process: int, src: RankTensors, dst: RankTensors,
                    *, store: Any, rendezvous: Any, namespace: str, comm: Any = None, timeout: float = 300.0,
-                   checksum: bool | str = False, memory_cap: int = 1 << 30) -> Executor:
+                   checksum: bool | str = False, memory_cap: int = 1 << 30, delta: Any = None) -> Executor:
     """This process's executor for one group's plan, writing the destination tensors in place: the caller hands
     them on only after the refit returned on this process, which every process reaches only once all agreed.
 
@@ -339,6 +351,7 @@ def group_executor(transport: str, plan: Plan, binding: Binding, process: int, s
         timeout: seconds any wait may go without progress.
         checksum: the executors' option (False, True / "sha256", "sum64").
         memory_cap: "collective": bytes of wire buffers (DEPTH rounds in flight x peers x one message).
+        delta: an executors.delta.DeltaPolicy (delta refits; None: every refit dense).
 
     Returns:
         The executor; `refit(version)` moves the group once per call.
@@ -356,7 +369,7 @@ def group_executor(transport: str, plan: Plan, binding: Binding, process: int, s
     options = {**chosen.in_place, "timeout": timeout, "checksum": checksum,
                **_GROUP_OPTIONS.get(transport, lambda cap: {})(memory_cap)}
     return open_transport(transport, Endpoint(plan, binding, process, src, dst, options, store=store,
-                                              rendezvous=rendezvous, namespace=namespace, comm=comm))
+                                              rendezvous=rendezvous, namespace=namespace, comm=comm, delta=delta))
 
 
 def refuse(executor: Executor, process: int, version: int, reason: str) -> None:

@@ -62,7 +62,7 @@ from ..layouts import ModelSpec
 from .agreement import Agreement
 from ..executors.partition import carve
 from .groups import (available_bytes, check_options, check_room, group_bindings, group_executor, group_plans,
-                     refuse, refuse_delta, refuse_moved_experts, refuse_serving, refuse_unknown, staging_empty,
+                     refuse, refuse_moved_experts, refuse_serving, refuse_unknown, staging_empty,
                      synchronize, tensor_bytes, tensor_groups, transfer_thread)
 from .streams import StreamNames
 
@@ -75,11 +75,7 @@ SERVING_WHY = ("NeMo-RL hands the engine the weights only inside one vLLM collec
                "(nemo_rl/weight_sync/checkpoint_engine_weight_synchronizer.py:225-231), and vLLM's engine core runs no "
                "step until every worker returned it: in-flight requests survive the refit "
                "(grpo.async_grpo.in_flight_weight_updates) but make no progress during it")
-# why this engine carries no delta refits (docs/guides/nemo_rl.md, 'Delta refits')
-DELTA_WHY = ("the vLLM workers land the tensor groups in two buckets reused in turn (staging bucket) and hand each to "
-             "vLLM's load_weights, so they hold no earlier version a delta could be applied to; with staging model "
-             "the buckets last only until finalize, which NeMo-RL's synchronizer calls after every refit when "
-             "release_after_refit is set (model staging kept across refits could carry them: not built yet)")
+
 
 
 class ReshardCheckpointEngine:
@@ -120,11 +116,18 @@ class ReshardCheckpointEngine:
         dtype: the dtype the policy sends and vLLM loads (None: the checkpoint config's), e.g. "bfloat16".
         timeout: seconds any wait may go without progress.
         release_after_refit: NeMo-RL's key (its synchronizer then calls finalize after every refit); kept.
+        delta: delta refits, a dense keyframe every this many versions (None, the default: every refit dense):
+            each policy worker sends, per group, only the elements that changed since the version the vLLM workers
+            hold, which they keep in their "model" staging buffers between refits and hand whole to vLLM's loaders
+            (vLLM loads every tensor; the wire carries the changes). Needs staging "model", no fanout, no
+            release_after_refit (finalize drops the held version) and, with the shared transport, CPU tensors.
+            Memory: each policy worker keeps a copy of its share of the model (what it last sent).
         **unknown: any other key of the refit_cfg entry (NeMo-RL passes them all): refused, naming it.
 
     Raises:
         ArgumentError: an option of the wrong type or value (checked at construction, before any worker
-            joins; refit while serving, `pause_for` or `staging` "device" / "host", and `delta`, with why not); "model"
+            joins; refit while serving, `pause_for` or `staging` "device" / "host", with why not; `delta` without
+            what it needs); "model"
             staging larger than the receiving device's free memory (when a vLLM worker joins);
             from `send_weights`, on the policy worker whose stream is wrong, the tensor that is.
         ExecutionError: from the refit methods, a peer that failed, a transfer that failed or another worker's
@@ -137,9 +140,8 @@ class ReshardCheckpointEngine:
                  transport: str = "collective", host: str | None = None, fanout: int | None = None,
                  checksum: bool | str | None = None, backend: str | None = None, device: str | None = None,
                  dtype: str | None = None, timeout: float = 300.0, release_after_refit: bool = False,
-                 **unknown: Any) -> None:
+                 delta: int | None = None, **unknown: Any) -> None:
         refuse_serving({**unknown, "staging": staging}, "refit_cfg ", SERVING_WHY, "nemo_rl")
-        refuse_delta(unknown, "refit_cfg ", DELTA_WHY, "nemo_rl")
         # NeMo-RL passes every key of the refit_cfg entry (its schema allows extra keys): a typo lands in `unknown`
         refuse_unknown(unknown, [p for p in inspect.signature(type(self)).parameters if p not in ("bucket_size",
                        "unknown")], "refit_cfg", "ReshardCheckpointEngine (NeMo-RL passes every key of its refit_cfg "
@@ -149,15 +151,22 @@ class ReshardCheckpointEngine:
         if model is None:
             raise ArgumentError("model", None, "is required", fix="add `model: <the HF checkpoint vLLM serves>` to "
                                 "refit_cfg's entry for this engine")
-        check_options({"staging": staging, "transport": transport, "fanout": fanout, "timeout": timeout},
-                      transports=TRANSPORTS)
+        check_options({"staging": staging, "transport": transport, "fanout": fanout, "timeout": timeout,
+                       "delta": delta}, transports=TRANSPORTS)
         self.device = _device(device)
+        if delta is not None and release_after_refit:
+            raise ArgumentError("delta", delta, "with release_after_refit: NeMo-RL then finalizes after every "
+                                "refit, which drops the version the vLLM workers hold (every refit a keyframe)",
+                                fix="unset release_after_refit, or delta")
+        if delta is not None and transport == "shared" and self.device.type == "cuda":
+            raise ArgumentError("delta", delta, "with the shared transport on CUDA: delta refits over shared "
+                                "memory run on CPU tensors", fix="transport: collective (NCCL carries them)")
         self.backend = _backend(transport, backend, fanout, self.device)
         if checksum is None:  # on: sha256 on the host, sum64 where the bytes are on a GPU (computed there)
             checksum = "sum64" if self.device.type == "cuda" else True
         check_options({"checksum": checksum})
         self.bucket_size, self.staging, self.transport = bucket_size, staging, transport
-        self.fanout, self.checksum = fanout, checksum
+        self.fanout, self.checksum, self.delta = fanout, checksum, delta
         self.spec = ModelSpec.from_hf_config(model)
         if dtype is not None:
             self.spec = self.spec.model_copy(update={"dtype": dtype})
@@ -194,6 +203,7 @@ class ReshardCheckpointEngine:
         self._refits = 0  # refits since joining (each agrees under keys of its own)
         self._agreement: Agreement | None = None  # the refit's, once it began
         self._moved_at: dict[int, float] = {}  # this refit's groups: time.time() each was agreed here
+        self._deltas: dict[int, Any] = {}  # this refit's groups: each executor's DeltaReport (with `delta`)
         self._version = 0  # refits since the executors were built
         self._generation = 0  # builds of the transport since joining (a failed refit makes the next one rebuild)
         self._broken = False
@@ -211,7 +221,7 @@ class ReshardCheckpointEngine:
         return json.loads(json.dumps({"model": self.spec.model_dump(), "bucket_size": self.bucket_size,
                                       "staging": self.staging, "transport": self.transport, "fanout": self.fanout,
                                       "checksum": self.checksum, "backend": self.backend,
-                                      "device": self.device.type}))
+                                      "device": self.device.type, "delta": self.delta}))
 
     # --- 2. meet -----------------------------------------------------------------------------------------
     def init_policy_process_group(self, *, worker_rank: int, train_world_size: int, rollout_world_size: int,
@@ -278,7 +288,8 @@ class ReshardCheckpointEngine:
         if differ:
             raise ArgumentError("metadata", f"entries {differ[:10]}",
                                 "come from engines built with other settings (model, bucket_size, staging, "
-                                "transport, fanout, checksum, backend, device) or from another checkpoint engine",
+                                "transport, fanout, checksum, backend, device, delta) or from another checkpoint "
+                                "engine",
                                 fix="give every worker the same refit_cfg entry")
         return metadata[0]["rendezvous"]
 
@@ -298,13 +309,18 @@ class ReshardCheckpointEngine:
                                    self.backend, self.timeout)
         self._views = self._rollout_buffers(device) if self.role == "rollout" else self._policy_buffers(device)
         self._executors = []
+        policy = None
+        if self.delta is not None:
+            from ..executors.delta import DeltaPolicy
+
+            policy = DeltaPolicy(keyframe_every=self.delta)
         for k, (plan, binding) in enumerate(zip(self._plans, self._bindings)):
             mine = {r: self._views[k] for r in (binding.src_ranks_of(P) or binding.dst_ranks_of(P))}
             src, dst = (mine, {}) if self.role == "policy" else ({}, mine)
             self._executors.append(group_executor(
                 self.transport, plan, binding, P, src, dst, store=self.store, rendezvous=self._rdv,
                 namespace=f"{self._rdv.refit_id}g{g}k{k}", comm=self._comm, timeout=self.timeout,
-                checksum=self.checksum, memory_cap=self.bucket_size))
+                checksum=self.checksum, memory_cap=self.bucket_size, delta=policy))
         self._version, self._broken = 0, False
 
     def _rollout_buffers(self, device: torch.device) -> list[dict[str, torch.Tensor]]:
@@ -443,7 +459,8 @@ class ReshardCheckpointEngine:
         self.last_refit = {"bytes_sent": s.sent, "seconds": time.perf_counter() - s.start,
                            "kept": sum(len(x) for x in self._needed), "held_bytes": self._held,
                            "early_bytes_peak": s.peak, "groups": G, "failed": s.error is not None,
-                           "drained_while_moving": s.overlapped}  # stream items taken while a group moved
+                           "drained_while_moving": s.overlapped,  # stream items taken while a group moved
+                           "delta": self._delta_summary()}
         if s.error is not None:
             raise self._explained(s.error)
 
@@ -507,7 +524,17 @@ class ReshardCheckpointEngine:
         finally:
             self.last_refit = {"bytes_received": received, "seconds": time.perf_counter() - start,
                                "batches_yielded": yielded, "groups": G, "held_bytes": self._held, "failed": not agreed,
-                               "landed_at": [self._moved_at[k] for k in sorted(self._moved_at)]}
+                               "landed_at": [self._moved_at[k] for k in sorted(self._moved_at)],
+                               "delta": self._delta_summary()}
+
+    def _delta_summary(self) -> dict[str, Any] | None:
+        """With `delta`: this refit's groups that were keyframes, and (a policy worker) the bytes its deltas took
+        against the dense bytes of the same ops."""
+        if self.delta is None:
+            return None
+        reports = [self._deltas[k] for k in sorted(self._deltas)]
+        return {"keyframes": sum(r.keyframe for r in reports), "groups": len(reports),
+                "wire_bytes": sum(r.wire_bytes for r in reports), "dense_bytes": sum(r.dense_bytes for r in reports)}
 
     def _batch(self, k: int) -> list[tuple[str, torch.Tensor]]:
         return [(name, self._views[k][name]) for name in self.groups[k]]
@@ -525,6 +552,7 @@ class ReshardCheckpointEngine:
             self._build()
         self._refits += 1
         self._version += 1
+        self._deltas = {}
 
         def agreement(n: int) -> Agreement:
             return Agreement(rv.scoped(self.store, self._rdv, f"refit{n}"), self._T + self._R, self._T, 0,
@@ -548,6 +576,8 @@ class ReshardCheckpointEngine:
             if self.transport == "collective":
                 ex.release()  # its wire buffers: one group's at a time, not every group's
         self._moved_at[k] = time.time()  # (when group k was agreed here: the pipelining test reads it)
+        if self.delta is not None:
+            self._deltas[k] = ex.last_delta
         return sum((stats.bytes_sent if self.role == "policy" else stats.bytes_received).values())
 
     def _fail(self, v: int, error: BaseException, flight: concurrent.futures.Future | None,

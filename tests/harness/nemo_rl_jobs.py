@@ -19,7 +19,8 @@ tensors live; default CPU), "faults" ({step: fault}: what the last policy worker
 _faulty: "extra-first", "misshapen-middle", "extra-last"), "loader_faults" ({step: batch}: the first rollout
 worker's loader raises on that batch), "first_load_seconds" (the loader takes that long on the first batch),
 "release_after_refit" (finalize after every refit,
-prepare and join again before the next, as NeMo-RL then does), "dir"}.
+prepare and join again before the next, as NeMo-RL then does), "changed" (each step flips one ulp of this fraction
+of the elements instead of serve_jobs.train_step's change of every element: delta refits), "dir"}.
 
 Per refit each process reports what it saw: a policy worker the bytes it sent and what it keeps, a rollout worker
 every batch it was yielded (names, and whether each tensor equals the checkpoint's), and either its error and the
@@ -109,7 +110,10 @@ def nemo_rl_worker(rank: int, size: int, job: dict[str, Any]) -> dict[str, Any]:
             if any(_gather(job, f"met{step}", rank, "meet_error" in out)):
                 engine.finalize()
                 return out
-        base = {k: train_step(v, step) for k, v in base.items()}
+        if job.get("changed") is not None:  # a fraction of the elements changed by one ulp (delta refits)
+            base = {k: _ulp_step(k, v, step, job["changed"]) for k, v in base.items()}
+        else:
+            base = {k: train_step(v, step) for k, v in base.items()}
         entry: dict[str, Any] = {"step": step}
         t0 = time.perf_counter()
         try:
@@ -134,6 +138,18 @@ def nemo_rl_worker(rank: int, size: int, job: dict[str, Any]) -> dict[str, Any]:
             engine.finalize()
     out["model_bytes"] = sum(t.numel() * t.element_size() for t in base.values())
     engine.finalize()
+    return out
+
+
+def _ulp_step(name: str, t: torch.Tensor, step: int, fraction: float) -> torch.Tensor:
+    """`t` with the last bit of each element flipped with probability `fraction` (one ulp, as most of an RL step's
+    changes at bf16 are), drawn from a seed of the name and the step: the same in every process."""
+    import zlib
+
+    g = torch.Generator().manual_seed(zlib.crc32(f"{name}/{step}".encode()))
+    out = t.clone()
+    bits = out.view(-1).view({2: torch.int16, 4: torch.int32}[t.element_size()])
+    bits[torch.rand(bits.numel(), generator=g) < fraction] ^= 1
     return out
 
 

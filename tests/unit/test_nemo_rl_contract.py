@@ -99,7 +99,13 @@ def test_options_are_checked_at_construction(tmp_path):
                           ({"transport": "shared", "fanout": 2}, "fanout=2 is the collective transport's"),
                           ({"transport": "shared", "backend": "gloo"}, "backend='gloo' is the collective"),
                           ({"device": "cpu", "backend": "nccl"}, "backend='nccl' does not move tensors on cpu"),
-                          ({"checksum": "md5"}, "checksum='md5'")]:
+                          ({"checksum": "md5"}, "checksum='md5'"),
+                          ({"delta": 2}, r"delta=2 needs staging: model \(the buckets of staging bucket are reused"),
+                          ({"delta": 0, "staging": "model"}, r"delta=0 must be K in \[1, 2\^30\]"),
+                          ({"delta": True, "staging": "model"}, "delta=True has type bool"),
+                          ({"delta": 2, "staging": "model", "fanout": 1}, "delta=2 needs fanout unset"),
+                          ({"delta": 2, "staging": "model", "release_after_refit": True},
+                           "delta=2 with release_after_refit: NeMo-RL then finalizes after every refit")]:
         with pytest.raises(ArgumentError, match=words):
             ReshardCheckpointEngine(bucket_size=1 << 20, model=str(config), **kwargs)
     engine = ReshardCheckpointEngine(bucket_size=1 << 20, model=str(config), transport="shared", device="cpu")

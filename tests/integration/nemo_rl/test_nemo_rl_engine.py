@@ -93,6 +93,28 @@ def test_rollout_workers_get_the_trained_tensors_from_every_policy_worker(tmp_pa
     assert not left_behind(before)  # shared memory: no bucket's name left in /dev/shm
 
 
+@pytest.mark.parametrize("transport", ["collective", "shared"])
+def test_delta_refits_move_only_the_changes(tmp_path, checkpoints, transport):
+    """`delta: 2` with model staging: refits 1 and 3 keyframes, 2 and 4 deltas (2% of the elements changed by one
+    ulp per step) that carry a small part of the dense bytes; every batch equal to the checkpoint's tensors after
+    the same steps (ground truth), delta or not."""
+    before = segments()
+    policy, rollout = _run(tmp_path, checkpoints["dense"], 2, 2, steps=4, bucket_size=BUCKET, changed=0.02,
+                           kwargs={"staging": "model", "delta": 2, "dtype": "bfloat16", "transport": transport})
+    model_bytes = rollout[0]["model_bytes"]
+    for r in rollout:
+        assert all("error" not in e and e["equal"] for e in r["refits"]), r["refits"]
+        assert [e["delta"]["keyframes"] == e["delta"]["groups"] for e in r["refits"]] == [True, False, True, False]
+        assert all(e["delta"]["keyframes"] == 0 for e in r["refits"][1::2])
+        keyframe, delta = r["refits"][0]["bytes_received"], r["refits"][1]["bytes_received"]
+        assert keyframe == model_bytes and 0 < delta < 0.25 * keyframe, (keyframe, delta)
+    for p in policy:
+        for e in p["refits"][1::2]:
+            assert 0 < e["delta"]["wire_bytes"] < 0.25 * e["delta"]["dense_bytes"], e["delta"]
+        assert all(e["delta"]["wire_bytes"] == e["delta"]["dense_bytes"] for e in p["refits"][0::2])
+    assert not left_behind(before)
+
+
 @pytest.mark.parametrize("staging", ["model", "bucket"])
 def test_a_refused_stream_fails_every_process_at_once_and_the_next_refit_is_whole(tmp_path, checkpoints, staging):
     """The last policy worker's stream is wrong at step 2 (an extra tensor first), 3 (a misshapen tensor in the

@@ -100,13 +100,10 @@ def test_delta_refits_through_the_session_equal_the_trainers_weights(tmp_path):
         session.close()
 
 
-def test_the_framework_integrations_refuse_delta_naming_why():
-    from reshard.integrations.nemo_rl import ReshardCheckpointEngine
+def test_the_verl_backend_refuses_delta_naming_why():
+    """(The NeMo-RL engine carries them: tests/integration/nemo_rl, test_delta_refits_move_only_the_changes.)"""
     from reshard.integrations.verl.topology import check_options
 
-    with pytest.raises(ArgumentError, match=r"refit_cfg delta=4 asks for delta refits.*two buckets reused in turn"
-                                            r".*docs/guides/nemo_rl\.md, 'Delta refits'"):
-        ReshardCheckpointEngine(1 << 20, delta=4)
     with pytest.raises(ArgumentError, match=r"engine_kwargs\.reshard\.delta=4 asks for delta refits.*"
                                             r"init_process_group each time.*delta_sharded.*docs/guides/verl\.md"):
         check_options({"delta": 4})

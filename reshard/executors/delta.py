@@ -59,17 +59,63 @@ class DeltaPolicy:
     Args:
         keyframe_every: a keyframe (dense refit) every this many refits, counting the keyframe (1: every refit
             dense); keyframes come also first and whenever the engine does not hold the sender's base version.
+        state: where this process's side of the protocol lives between executors (`DeltaState`); None: in the
+            executor (the usual case: one executor refits the plan again and again).
 
     Raises:
-        ArgumentError: keyframe_every not an integer >= 1.
+        ArgumentError: keyframe_every not an integer >= 1, or state not a DeltaState.
     """
 
     keyframe_every: int = 16
+    state: "DeltaState | None" = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         from ..arguments import integer
+        from ..errors import ArgumentError
 
         integer("keyframe_every", self.keyframe_every, 1, 1 << 30)
+        if self.state is not None and not isinstance(self.state, DeltaState):
+            raise ArgumentError("state", self.state, "must be a DeltaState (or None)")
+
+    def sender(self, plan, ops: np.ndarray) -> "Sender":
+        """The sender side for the plan ops `ops` of this process: `state`'s, else a new one."""
+        return self.state.sender(plan, ops) if self.state is not None else Sender(plan, ops)
+
+    def receiver(self, plan) -> "Receiver":
+        """The receiving side for this process: `state`'s, else a new one."""
+        return self.state.receiver(plan) if self.state is not None else Receiver(plan)
+
+
+class DeltaState:
+    """One process's side of the delta protocol for one plan, kept between the executors that refit it: for an
+    integration that makes its executors anew at every refit (verl's backend, whose group verl rebuilds each
+    time). It holds the sender's copy of what the engine holds and its base version, and the version the
+    receiver's destination tensors hold; pass it as `DeltaPolicy(state=...)` to each executor of the plan on this
+    process, with the same destination tensors every time. After a failed refit, use a new one (or `forget`):
+    nobody then knows what the engine holds, and the next refit is a keyframe.
+    """
+
+    def __init__(self) -> None:
+        self._sender: Sender | None = None
+        self._receiver: Receiver | None = None
+
+    def sender(self, plan, ops: np.ndarray) -> "Sender":
+        """The kept sender for `plan`'s `ops` (a new one where the plan or the ops differ from the kept one's)."""
+        ops = np.asarray(ops, dtype=np.int64)
+        kept = self._sender
+        if kept is None or kept.plan.digest != plan.digest or not np.array_equal(kept.ops, ops):
+            self._sender = Sender(plan, ops)
+        return self._sender
+
+    def receiver(self, plan) -> "Receiver":
+        """The kept receiver for `plan` (a new one, holding no version, where the plan differs)."""
+        if self._receiver is None or self._receiver.plan.digest != plan.digest:
+            self._receiver = Receiver(plan)
+        return self._receiver
+
+    def forget(self) -> None:
+        """Nothing known of what the engine holds: the next refit is a keyframe."""
+        self._sender = self._receiver = None
 
 
 @dataclass(frozen=True)
@@ -499,8 +545,8 @@ class VotedDelta:
         self.sends, self.recvs = {**local, **part.sends_to}, {**local, **part.receives_from}
         self.feeders = sorted(part.receives_from)
         mine_out = np.flatnonzero(part.sender == me)
-        self.sender = Sender(executor.plan, mine_out) if len(mine_out) else None
-        self.receiver = Receiver(executor.plan) if len(part.landing) else None
+        self.sender = policy.sender(executor.plan, mine_out) if len(mine_out) else None
+        self.receiver = policy.receiver(executor.plan) if len(part.landing) else None
         self.is_keyframe = True
         self.decoded: list[Decoded] = []  # this refit's proven payloads, applied at commit
         self.sent: dict[int, int] = {}  # this refit's payload bytes per receiving process
@@ -642,7 +688,7 @@ class InProcessDelta:
 
             raise ArgumentError("delta", policy, "must be a DeltaPolicy (or None: every refit dense)")
         self.policy, self.ops, self.checksum = policy, np.asarray(ops, dtype=np.int64), checksum
-        self.sender, self.receiver = Sender(plan, self.ops), Receiver(plan)
+        self.sender, self.receiver = policy.sender(plan, self.ops), policy.receiver(plan)
         self.src_flat, self.dst_flat = prepared.src_flat, prepared.dst_flat
         self.dst_blocks = prepared.blocks(self.ops, side="dst") if checksum else []
         self.last: DeltaReport | None = None
@@ -679,6 +725,6 @@ class InProcessDelta:
         return sums.hexdigest(0)
 
 
-__all__ = ["Decoded", "DeltaError", "DeltaPolicy", "DeltaReport", "InProcessDelta", "Receiver", "Sender",
-           "VotedDelta", "check_digest", "keyframe_report", "pack_bits", "payload_bound", "source_digest",
+__all__ = ["Decoded", "DeltaError", "DeltaPolicy", "DeltaReport", "DeltaState", "InProcessDelta", "Receiver",
+           "Sender", "VotedDelta", "check_digest", "keyframe_report", "pack_bits", "payload_bound", "source_digest",
            "unpack_bits"]

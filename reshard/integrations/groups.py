@@ -9,8 +9,8 @@
   4. `group_executor(transport, ...)`: this process's executor for one group over a cross-process transport of
      adapters.transports, writing the destination tensors in place (loaders read them only once all agreed);
   5. `refuse(executor, ...)`: fail one group's refit on every process of it at once;
-  6. `check_options`, `check_room`, `refuse_serving`, `refuse_delta`, `refuse_moved_experts`: the options both
-     backends take, and their refusals ("model" staging that does not fit, refit while serving, delta refits, an
+  6. `check_options`, `check_room`, `refuse_serving`, `refuse_moved_experts`: the options both backends take
+     (delta refits among them), and their refusals ("model" staging that does not fit, refit while serving, an
      EPLB engine whose experts moved).
      How the processes agree: integrations.agreement;
   7. `transfer_thread`, `staging_empty`, `synchronize`: the thread groups move on, the buffers they land in.
@@ -115,14 +115,6 @@ def refuse_serving(options: Any, prefix: str, why: str, guide: str) -> None:
                        "pause_for='flip'), RefitSpec(staging='device' | 'host')), which this backend cannot honour",
                        why, "remove it, staging bucket or model", guide, "Refit while the engine generates",
                        "what it would need")
-
-
-def refuse_delta(options: Any, prefix: str, why: str, guide: str) -> None:
-    """Refuse `delta` in `options` (`RefitSpec(delta=K)`'s delta refits): `why` says what the framework's path lacks
-    (`guide`: docs/guides/<guide>.md, 'Delta refits'). Raises ArgumentError naming the option (`prefix` before it)."""
-    if "delta" in options:
-        raise _refused(prefix + "delta", options["delta"], "asks for delta refits (RefitSpec(delta=K)), which this "
-                       "backend cannot carry", why, "remove it", guide, "Delta refits", "which path carries them")
 
 
 def _refused(name: str, value: Any, asks: str, why: str, fix: str, guide: str, section: str,
@@ -392,5 +384,5 @@ def refuse(executor: Executor, process: int, version: int, reason: str) -> None:
 
 
 __all__ = ["DEPTH", "STAGINGS", "available_bytes", "check_options", "check_room", "group_bindings", "group_executor",
-           "group_plans", "group_transport", "refuse", "refuse_delta", "refuse_serving", "refuse_unknown",
+           "group_plans", "group_transport", "refuse", "refuse_serving", "refuse_unknown",
            "staging_empty", "synchronize", "tensor_bytes", "tensor_groups", "transfer_thread"]

@@ -113,15 +113,23 @@ class MegatronExport:
     def named(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self.chunks[0].named_parameters()}
 
-    def train_step(self, step: int) -> None:
-        """A deterministic update, the same on every data-parallel rank."""
+    def train_step(self, step: int, fraction: float = 1.0) -> None:
+        """A deterministic update, the same on every data-parallel rank (of a `fraction` of the elements)."""
         with torch.no_grad():
             for k, (_, p) in enumerate(sorted(self.chunks[0].named_parameters())):
-                gen = torch.Generator().manual_seed(step * 1000 + k)
-                p.add_(0.01 * torch.randn(p.shape, generator=gen))
+                p.add_(_update(p, step * 1000 + k, fraction))
 
     def get_per_tensor_param(self, **_: Any):
         return faulty(megatron_to_hf(self.named(), self.tiny), self.fault), None
+
+
+def _update(p: torch.Tensor, seed: int, fraction: float) -> torch.Tensor:
+    """A step's change of `p`: N(0, 0.01) noise, at a random `fraction` of the elements (1: all of them)."""
+    gen = torch.Generator().manual_seed(seed)
+    change = 0.01 * torch.randn(p.shape, generator=gen)
+    if fraction < 1.0:
+        change *= torch.rand(p.shape, generator=gen) < fraction
+    return change
 
 
 class HfExport:
@@ -137,12 +145,11 @@ class HfExport:
     def named(self) -> dict[str, torch.Tensor]:
         return {n: t.detach() for n, t in self.model.state_dict().items()}
 
-    def train_step(self, step: int) -> None:
-        """A deterministic update, the same on every data-parallel rank."""
+    def train_step(self, step: int, fraction: float = 1.0) -> None:
+        """A deterministic update, the same on every data-parallel rank (of a `fraction` of the elements)."""
         with torch.no_grad():
             for k, (_, p) in enumerate(sorted(self.model.named_parameters())):
-                gen = torch.Generator().manual_seed(step * 1000 + k)
-                p.add_((0.01 * torch.randn(p.shape, generator=gen)).to(p.dtype))
+                p.add_(_update(p, step * 1000 + k, fraction).to(p.dtype))
 
     def get_per_tensor_param(self, **_: Any):
         return faulty(iter(self.named().items()), self.fault), None
@@ -213,8 +220,8 @@ class TrainerWorker(ActorRolloutRefWorker):
         self.checkpoint_engine = new_engine(ce, is_master=(torch.distributed.get_rank() == 0))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def train_step(self, step: int) -> None:
-        self.actor.engine.train_step(step)
+    def train_step(self, step: int, fraction: float = 1.0) -> None:
+        self.actor.engine.train_step(step, fraction)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def hf_digests(self) -> dict[str, str]:

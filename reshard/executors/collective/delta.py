@@ -29,8 +29,7 @@ import torch
 
 from ...errors import ExecutionError, ReshardError
 from ...planner.plan import RELAY
-from ..delta import (DeltaError, DeltaPolicy, DeltaReport, Receiver, Sender, check_digest, keyframe_report,
-                     source_digest)
+from ..delta import DeltaError, DeltaPolicy, DeltaReport, check_digest, keyframe_report, source_digest
 from ..preflight import refuse_disagreement
 from ..stats import RefitStats, phase_times
 
@@ -66,8 +65,8 @@ class CollectiveDelta:
         mine_out, mine_in = np.flatnonzero(src_proc == me), np.flatnonzero(dst_proc == me)
         self.sends = {int(p): mine_out[dst_proc[mine_out] == p] for p in np.unique(dst_proc[mine_out])}
         self.recvs = {int(p): mine_in[src_proc[mine_in] == p] for p in np.unique(src_proc[mine_in])}
-        self.sender = Sender(plan, mine_out) if len(mine_out) else None
-        self.receiver = Receiver(plan) if len(mine_in) else None
+        self.sender = policy.sender(plan, mine_out) if len(mine_out) else None
+        self.receiver = policy.receiver(plan) if len(mine_in) else None
         self.last: DeltaReport | None = None
 
     # --- one refit -------------------------------------------------------------------------------

@@ -26,6 +26,12 @@ Staging (`staging` option), what a rollout rank hands verl's server adapter:
     came: all or nothing. Memory: one copy of the model, checked against the device's free memory at construction
     and at each refit.
 
+Delta refits (`delta: K`, with "model" staging): verl rebuilds the group every refit and this backend makes each
+group's executor anew, so each process keeps its side of the protocol per group in an executors.delta.DeltaState
+for the engine's life (the trainers' copies of what they last sent; the rollout's held model buffers and their
+version), and every executor of the group adopts it. Versions are trainer rank 0's refit count, published in the
+refit's store. A failed refit drops every process's states: the next refit is dense (a keyframe).
+
 A failed refit (a refused stream, a failed transfer, a dead process): the process that sees it posts the reason;
 every other process raises at its next wait, within milliseconds (no process enters a group's transfer before
 every trainer rank has the group whole and checked, so none is left inside a gloo receive). A rollout rank's
@@ -78,7 +84,8 @@ class ReshardCheckpointEngine(CheckpointEngine):
         device: where rollout ranks receive (default: cuda when available).
         **options: transport ("collective" | "nixl" | "shared"), fanout (relay among rollout ranks), staging
             ("bucket", the default, or "model": module docstring), checksum (False | True | "sha256" | "sum64"),
-            timeout (seconds), backend (collective: gloo/nccl).
+            timeout (seconds), backend (collective: gloo/nccl), delta (K: delta refits with a dense keyframe every
+            K refits; needs staging "model" and no fanout; shared and nixl on CPU tensors; module docstring).
 
     Raises:
         ArgumentError: a missing model, an unknown option (`atomic` names its replacement; `pause_for` and
@@ -112,6 +119,10 @@ class ReshardCheckpointEngine(CheckpointEngine):
             staging_room(spec, self.device)
         self.names = StreamNames(spec)
         self.where = {name: k for k, group in enumerate(self.groups) for name in group}
+        self.delta = self.options.get("delta")
+        self._deltas: dict[int, Any] = {}  # with delta: group -> this process's DeltaState, for the engine's life
+        self._held: dict[int, dict[str, torch.Tensor]] = {}  # with delta, a rollout rank: the groups' buffers
+        self._refits = 0  # trainer rank 0: refits prepared (the versions of delta refits)
         self._store = self._rdv = None
         self._session: RefitSession | None = None
         self.last_metrics: dict[str, float] = {}
@@ -123,6 +134,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
                 "bucket_size": self.bucket_size, "options": self.options, "node": node_here()}
         if self.is_master:
             self._close()
+            self._refits += 1
             self._rdv, self._store = rv.host_store(rv.Rendezvous.new(self.host, 0, timeout=self.timeout))
             # where the store's address came from, so a bad one is blamed on what set it (build_topology)
             source = "engine_kwargs.reshard.host" if self.host is not None else (
@@ -152,6 +164,9 @@ class ReshardCheckpointEngine(CheckpointEngine):
             self._store = rv.connect(rdv)
         self._rdv = rdv
         size = top.trainers + top.rollouts
+        versions = rv.scoped(self._store, rdv, "delta")
+        if self.is_master:  # set before the join, which every process passes only after this one joined
+            versions.set("version", str(self._refits))
         rv.join(self._store, rdv, top.process, size, self.role)
         comm = None
         if self.transport == "collective":
@@ -159,8 +174,23 @@ class ReshardCheckpointEngine(CheckpointEngine):
 
             backend = self.options.get("backend") or ("nccl" if self.device.type == "cuda" else "gloo")
             comm = StoreComm(rv.scoped(self._store, rdv, "collective"), top.process, size, backend, self.timeout)
+        policies = None
+        if self.delta is not None:
+            from ...executors.delta import DeltaPolicy, DeltaState
+
+            policies = {k: DeltaPolicy(self.delta, state=self._deltas.setdefault(k, DeltaState()))
+                        for k in range(len(plans))}
         self._session = RefitSession(top, plans, group_bindings(plans, top.trainers, top.rollouts), self._store, rdv,
-                                     comm, self.options, self.device if self.device.type == "cuda" else None)
+                                     comm, self.options, self.device if self.device.type == "cuda" else None,
+                                     policies, self._version(versions))
+
+    def _version(self, versions: Any) -> int:
+        """This refit's version, as trainer rank 0 published it before everyone joined."""
+        try:
+            return int(versions.get("version"))
+        except (RuntimeError, OSError, ValueError) as e:  # the store's host went away after the join
+            raise ExecutionError(f"refit {self._rdv.refit_id}: could not read the refit's version from trainer rank "
+                                 f"0's store ({type(e).__name__}: {e})") from e
 
     # --- 4. send / receive ---------------------------------------------------------------------------
     async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | AsyncIterator,
@@ -183,6 +213,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
             return await self._send(session, weights)
         except BaseException as e:  # the exporter's own error too: every process hears of it at once
             session.agreement.fail(e)
+            self._deltas.clear()  # what the rollout holds is unknown now: the next refit is a keyframe
             raise
 
     async def _send(self, session: RefitSession, weights: Any) -> dict[str, float]:
@@ -220,7 +251,8 @@ class ReshardCheckpointEngine(CheckpointEngine):
         session.agreement.end()
         p = session.top.process
         self.last_metrics = {f"reshard/trainer{p}/egress_bytes": float(sent),
-                             f"reshard/trainer{p}/seconds": time.perf_counter() - start}
+                             f"reshard/trainer{p}/seconds": time.perf_counter() - start,
+                             **session.delta_metrics(f"reshard/trainer{p}/")}
         return self.last_metrics
 
     async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
@@ -281,18 +313,23 @@ class ReshardCheckpointEngine(CheckpointEngine):
             if not done:  # the transfer thread takes part in the groups already open, then stops at the next gate
                 session.agreement.stop.set()
                 slots.release(len(self.groups))
-        self.last_metrics = {f"reshard/rollout{rank}/seconds": time.perf_counter() - start}
+                self._deltas.clear()  # the next refit is a keyframe (it rewrites every held buffer)
+        self.last_metrics = {f"reshard/rollout{rank}/seconds": time.perf_counter() - start,
+                             **session.delta_metrics(f"reshard/rollout{rank}/")}
 
     def _receive_all(self, session: RefitSession, slots: threading.Semaphore, loop: asyncio.AbstractEventLoop,
                      landed: asyncio.Queue) -> None:
-        """The rollout's transfer thread: every group in the trainers' order, each into fresh buffers once a slot
-        is free; what landed (or the error) goes to the event loop's queue."""
+        """The rollout's transfer thread: every group in the trainers' order, each into fresh buffers (with delta:
+        the group's held ones) once a slot is free; what landed (or the error) goes to the event loop's queue."""
         try:
             for i in range(len(self.groups)):
                 k = session.agreement.gate(i)
                 slots.acquire()  # an open gate is entered: the event loop releases every slot if it stops early
                 shared = self.transport == "shared"
-                dst = {n: staging_empty(*self.names.expected(n), self.device, shared) for n in self.groups[k]}
+                dst = self._held.get(k) or {n: staging_empty(*self.names.expected(n), self.device, shared)
+                                            for n in self.groups[k]}
+                if self.delta is not None:  # the version a delta is applied to, kept between refits
+                    self._held[k] = dst
                 session.move(k, dst=dst)
                 loop.call_soon_threadsafe(landed.put_nowait, (k, dst))
         except BaseException as e:  # noqa: BLE001 - handed to the event loop, which raises it
@@ -334,11 +371,16 @@ class RefitSession:
         comm: the collective transport's group (None for the others).
         options: the backend's checked options.
         device: the CUDA device the transfer thread works on (None: CPU).
+        policies: with delta, each group's DeltaPolicy (its DeltaState the engine's); None: dense refits.
+        version: this refit's version (trainer rank 0's refit count).
     """
 
     def __init__(self, top: RefitAssignment, plans: Sequence[Any], bindings: Sequence[Binding], store: Any,
-                 rdv: rv.Rendezvous, comm: Any, options: dict[str, Any], device: torch.device | None) -> None:
+                 rdv: rv.Rendezvous, comm: Any, options: dict[str, Any], device: torch.device | None,
+                 policies: dict[int, Any] | None = None, version: int = 1) -> None:
         self.top, self.plans, self.bindings, self.store, self.rdv, self.comm = top, plans, bindings, store, rdv, comm
+        self.policies, self.version = policies, version
+        self.reports: dict[int, Any] = {}  # with delta: group -> its executor's DeltaReport
         self.options, self.timeout = options, float(options.get("timeout", 300.0))
         role, p = ("trainer", top.process) if top.is_trainer else ("rollout", top.process - top.trainers)
         self.agreement = Agreement(rv.scoped(store, rdv, "verl"), top.trainers + top.rollouts, top.trainers,
@@ -368,9 +410,13 @@ class RefitSession:
             ex = group_executor(self.options.get("transport", "collective"), self.plans[k], binding, top.process,
                                 src, dst, store=self.store, rendezvous=self.rdv, namespace=f"{self.rdv.refit_id}g{k}",
                                 comm=self.comm, timeout=self.timeout, checksum=self.options.get("checksum", False),
-                                memory_cap=top.bucket_size)
+                                memory_cap=top.bucket_size, delta=self.policies and self.policies[k])
             try:
-                stats = ex.refit()
+                if self.policies:  # versions say what each side holds: the same on every process
+                    stats = ex.refit(self.version)
+                    self.reports[k] = ex.last_delta
+                else:
+                    stats = ex.refit()
             finally:
                 ex.close()
         except Exception as e:  # noqa: BLE001 - a transport's own error too: name the group, keep the cause
@@ -382,6 +428,18 @@ class RefitSession:
             raise self.agreement.fail(error) from e
         self.agreement.done(k)
         return sum(stats.bytes_sent.values())
+
+    def delta_metrics(self, prefix: str) -> dict[str, float]:
+        """With delta: the groups of this refit that moved dense (keyframes) and, where this process sent, the
+        bytes its deltas took and the dense bytes of the same ops; else nothing."""
+        if not self.policies:
+            return {}
+        reports = list(self.reports.values())
+        out = {prefix + "keyframe_groups": float(sum(r.keyframe for r in reports))}
+        if self.top.is_trainer:
+            out[prefix + "delta_bytes"] = float(sum(r.wire_bytes for r in reports))
+            out[prefix + "dense_bytes"] = float(sum(r.dense_bytes for r in reports))
+        return out
 
     def close(self) -> None:
         """End this session's waits and let its thread go (a transfer in flight finishes on its own, bounded by

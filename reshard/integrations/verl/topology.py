@@ -30,16 +30,13 @@ from ...planner import Plan
 from .. import groups
 from ..groups import DEPTH, tensor_groups
 
-OPTIONS = ("transport", "fanout", "staging", "checksum", "timeout", "backend")  # what engine_kwargs.reshard holds
+# what engine_kwargs.reshard holds
+OPTIONS = ("transport", "fanout", "staging", "checksum", "timeout", "backend", "delta")
 # where verl holds the rollout's generation for a whole refit (verl 0.9.1; docs/guides/verl.md has the rest)
 SERVING_WHY = ("verl's CheckpointEngineManager.update_weights aborts the rollout's requests and frees its KV cache "
                "before it calls any backend and resumes them after the last (verl/checkpoint_engine/base.py:523-560), "
                "and every trainer that refits a generating rollout (fully_async_policy, separate_async) uses it")
-# why this backend carries no delta refits (docs/guides/verl.md, 'Delta refits')
-DELTA_WHY = ("verl rebuilds the backend's group at every refit (CheckpointEngineManager.update_weights calls "
-             "init_process_group each time) and this backend opens one executor per tensor group per refit, landing "
-             "each group in fresh buffers that vLLM's load_weights consumes, so neither side holds the version a "
-             "delta would be computed against; verl's own `delta_sharded` backend is verl's delta path")
+
 
 
 def check_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -47,11 +44,10 @@ def check_options(options: dict[str, Any]) -> dict[str, Any]:
 
     Raises:
         ArgumentError: an unknown option (`atomic`, replaced by `staging`, is named with its replacement; refit
-            while serving, `pause_for` and `staging` "device" / "host", and `delta`, with why not), a value of the
+            while serving, `pause_for` and `staging` "device" / "host", with why not), a value of the
             wrong type or outside its range (groups.check_options).
     """
     groups.refuse_serving(options, "engine_kwargs.reshard.", SERVING_WHY, "verl")
-    groups.refuse_delta(options, "engine_kwargs.reshard.", DELTA_WHY, "verl")
     if "atomic" in options:
         raise ArgumentError("engine_kwargs.reshard.atomic", options["atomic"], "was replaced by `staging`",
                             fix="staging: model for all or nothing (atomic: true; one copy of the model per "

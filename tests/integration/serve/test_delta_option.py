@@ -100,10 +100,13 @@ def test_delta_refits_through_the_session_equal_the_trainers_weights(tmp_path):
         session.close()
 
 
-def test_the_verl_backend_refuses_delta_naming_why():
-    """(The NeMo-RL engine carries them: tests/integration/nemo_rl, test_delta_refits_move_only_the_changes.)"""
+def test_the_verl_backend_takes_delta_with_model_staging_only():
+    """The rule both integrations share (integrations.groups.check_options), in verl's config block; the refits
+    themselves: tests/integration/verl and nemo_rl, test_delta_refits_move_only_the_changes."""
     from reshard.integrations.verl.topology import check_options
 
-    with pytest.raises(ArgumentError, match=r"engine_kwargs\.reshard\.delta=4 asks for delta refits.*"
-                                            r"init_process_group each time.*delta_sharded.*docs/guides/verl\.md"):
+    with pytest.raises(ArgumentError, match=r"engine_kwargs\.reshard\.delta=4 needs staging: model"):
         check_options({"delta": 4})
+    with pytest.raises(ArgumentError, match=r"engine_kwargs\.reshard\.delta=4 needs fanout unset"):
+        check_options({"delta": 4, "staging": "model", "fanout": 2})
+    assert check_options({"delta": 4, "staging": "model"}) == {"delta": 4, "staging": "model"}

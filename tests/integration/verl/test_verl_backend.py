@@ -87,6 +87,31 @@ def test_other_transports_with_checksums(cluster, transport):
         cluster.reconfigure(ce(cluster))
 
 
+def test_delta_refits_move_only_the_changes(cluster):
+    """`delta: 2` with "model" staging: the first refit after the engines were made is dense, the next a delta of
+    the 2% of elements the step changed, the third dense again (K = 2); every rollout rank serves the trainer
+    model's tensors at every step (SHA-256 per tensor), delta or not."""
+    cluster.reconfigure(ce(cluster, staging="model", delta=2))
+    try:
+        spec = vc.ModelSpec.from_hf_config(cluster.checkpoint)
+        dense = ROLLOUTS * sum(t.numel * spec.itemsize for t in spec.tensors)
+        moved = []
+        for step in (6, 7, 8):
+            cluster.trainers.train_step(step, 0.02)
+            metrics = cluster.refit(step)
+            check_served(cluster, step)
+            moved.append({key: sum(metrics[f"reshard/trainer{p}/{key}"] for p in range(TRAINERS))
+                          for key in ("egress_bytes", "keyframe_groups", "delta_bytes", "dense_bytes")})
+        keyframe, delta, again = moved
+        assert keyframe["egress_bytes"] == dense == keyframe["delta_bytes"] == keyframe["dense_bytes"], keyframe
+        assert keyframe["keyframe_groups"] > 0 and again["keyframe_groups"] == keyframe["keyframe_groups"], moved
+        assert delta["keyframe_groups"] == 0 and delta["dense_bytes"] == dense, delta
+        assert 0 < delta["egress_bytes"] == delta["delta_bytes"] < 0.25 * dense, delta
+        assert again["egress_bytes"] == dense, again
+    finally:
+        cluster.reconfigure(ce(cluster))
+
+
 def old_or_new(served, before, expected) -> list[str]:
     """The tensors a rollout rank serves that are neither its previous bytes nor the new version's ("bucket"
     staging: a failed refit leaves some groups of the new version loaded, the rest old)."""

@@ -64,8 +64,10 @@ def test_model_staging_is_refused_where_the_model_does_not_fit():
                                             "reshard's refit while the engine generates"),
                                            ({"pause_for": "refit"}, "docs/guides/verl.md, 'Refit while the engine "
                                             "generates'"),
-                                           # delta refits: groups and buffers are made anew at every refit
-                                           ({"delta": 4}, "verl's own `delta_sharded` backend is verl's delta path")])
+                                           # delta refits: the held version lives in model staging's buffers
+                                           ({"delta": 4}, "delta=4 needs staging: model"),
+                                           ({"delta": 4, "staging": "model", "fanout": 1},
+                                            "delta=4 needs fanout unset")])
 def test_atomic_and_unknown_stagings_are_refused_naming_the_fix(options, named):
     from reshard.integrations.verl import modes
 

@@ -95,23 +95,28 @@ def test_rollout_workers_get_the_trained_tensors_from_every_policy_worker(tmp_pa
 
 @pytest.mark.parametrize("transport", ["collective", "shared"])
 def test_delta_refits_move_only_the_changes(tmp_path, checkpoints, transport):
-    """`delta: 2` with model staging: refits 1 and 3 keyframes, 2 and 4 deltas (2% of the elements changed by one
-    ulp per step) that carry a small part of the dense bytes; every batch equal to the checkpoint's tensors after
-    the same steps (ground truth), delta or not."""
+    """`delta: 3` with model staging, 2% of the elements changed by one ulp per step: refits 1 and 4 keyframes, 2
+    and 3 deltas carrying a small part of the dense bytes; refit 5 refused (a tensor the model does not have, after
+    the last one): nothing handed on; refit 6, a delta by the schedule, is a keyframe (the transport is rebuilt after
+    a failure). Every batch handed on equals the checkpoint's tensors after the same steps (ground truth)."""
     before = segments()
-    policy, rollout = _run(tmp_path, checkpoints["dense"], 2, 2, steps=4, bucket_size=BUCKET, changed=0.02,
-                           kwargs={"staging": "model", "delta": 2, "dtype": "bfloat16", "transport": transport})
+    policy, rollout = _run(tmp_path, checkpoints["dense"], 2, 2, steps=6, bucket_size=BUCKET, changed=0.02,
+                           faults={"5": "extra-last"},
+                           kwargs={"staging": "model", "delta": 3, "dtype": "bfloat16", "transport": transport})
     model_bytes = rollout[0]["model_bytes"]
     for r in rollout:
-        assert all("error" not in e and e["equal"] for e in r["refits"]), r["refits"]
-        assert [e["delta"]["keyframes"] == e["delta"]["groups"] for e in r["refits"]] == [True, False, True, False]
-        assert all(e["delta"]["keyframes"] == 0 for e in r["refits"][1::2])
-        keyframe, delta = r["refits"][0]["bytes_received"], r["refits"][1]["bytes_received"]
-        assert keyframe == model_bytes and 0 < delta < 0.25 * keyframe, (keyframe, delta)
+        ok = r["refits"][:4] + r["refits"][5:]
+        assert all("error" not in e and e["equal"] for e in ok), r["refits"]
+        assert [e["delta"]["keyframes"] == e["delta"]["groups"] for e in ok] == [True, False, False, True, True]
+        assert all(e["delta"]["keyframes"] == 0 for e in ok[1:3])
+        assert all(e["bytes_received"] == model_bytes for e in (ok[0], ok[3], ok[4]))
+        assert all(0 < e["bytes_received"] < 0.25 * model_bytes for e in ok[1:3]), ok
+        refused = r["refits"][4]
+        assert "model.layers.0.mlp.extra.weight" in refused["error"] and not refused["batches"], refused
     for p in policy:
-        for e in p["refits"][1::2]:
+        for e in p["refits"][1:3]:
             assert 0 < e["delta"]["wire_bytes"] < 0.25 * e["delta"]["dense_bytes"], e["delta"]
-        assert all(e["delta"]["wire_bytes"] == e["delta"]["dense_bytes"] for e in p["refits"][0::2])
+        assert all(e["delta"]["wire_bytes"] == e["delta"]["dense_bytes"] for e in p["refits"][3::2])
     assert not left_behind(before)
 
 

@@ -88,27 +88,43 @@ def test_other_transports_with_checksums(cluster, transport):
 
 
 def test_delta_refits_move_only_the_changes(cluster):
-    """`delta: 2` with "model" staging: the first refit after the engines were made is dense, the next a delta of
-    the 2% of elements the step changed, the third dense again (K = 2); every rollout rank serves the trainer
-    model's tensors at every step (SHA-256 per tensor), delta or not."""
-    cluster.reconfigure(ce(cluster, staging="model", delta=2))
+    """`delta: 3` with "model" staging: the first refit after the engines were made is dense, the next two deltas
+    of the 2% of elements each step changed, the fourth dense again (K = 3); every rollout rank serves the trainer
+    model's tensors at every step (SHA-256 per tensor), delta or not. Then a refused stream (a misshapen tensor)
+    fails a refit: the rollout ranks keep the last version whole, and the next refit, a delta by the schedule, is
+    dense (the backend drops what it knew of the other side), the one after a delta again."""
+    cluster.reconfigure(ce(cluster, staging="model", delta=3))
     try:
         spec = vc.ModelSpec.from_hf_config(cluster.checkpoint)
         dense = ROLLOUTS * sum(t.numel * spec.itemsize for t in spec.tensors)
-        moved = []
-        for step in (6, 7, 8):
+
+        def refit(step: int) -> dict[str, float]:
             cluster.trainers.train_step(step, 0.02)
             metrics = cluster.refit(step)
             check_served(cluster, step)
-            moved.append({key: sum(metrics[f"reshard/trainer{p}/{key}"] for p in range(TRAINERS))
-                          for key in ("egress_bytes", "keyframe_groups", "delta_bytes", "dense_bytes")})
-        keyframe, delta, again = moved
-        assert keyframe["egress_bytes"] == dense == keyframe["delta_bytes"] == keyframe["dense_bytes"], keyframe
-        assert keyframe["keyframe_groups"] > 0 and again["keyframe_groups"] == keyframe["keyframe_groups"], moved
-        assert delta["keyframe_groups"] == 0 and delta["dense_bytes"] == dense, delta
-        assert 0 < delta["egress_bytes"] == delta["delta_bytes"] < 0.25 * dense, delta
-        assert again["egress_bytes"] == dense, again
+            return {key: sum(metrics[f"reshard/trainer{p}/{key}"] for p in range(TRAINERS))
+                    for key in ("egress_bytes", "keyframe_groups", "delta_bytes", "dense_bytes")}
+
+        moved = [refit(step) for step in (6, 7, 8, 20)]
+        every = moved[0]["keyframe_groups"]
+        assert every > 0 and [m["keyframe_groups"] for m in moved] == [every, 0, 0, every], moved
+        for m in moved:
+            assert m["dense_bytes"] == dense and m["egress_bytes"] == m["delta_bytes"], m
+        assert moved[0]["egress_bytes"] == moved[3]["egress_bytes"] == dense, moved
+        assert all(0 < m["egress_bytes"] < 0.25 * dense for m in moved[1:3]), moved
+
+        before = check_served(cluster, 20)
+        cluster.trainers.set_fault({"kind": "shape", "at": 3}, 0)
+        cluster.trainers.train_step(21, 0.02)
+        with pytest.raises(Exception, match="does not match the model"):
+            cluster.refit(21)
+        assert cluster.served() == before  # all or nothing: the last version, whole
+        cluster.trainers.set_fault({}, 0)
+        after = [refit(22), refit(23)]
+        assert [m["keyframe_groups"] for m in after] == [every, 0], after
+        assert after[0]["egress_bytes"] == dense and after[1]["egress_bytes"] < 0.25 * dense, after
     finally:
+        cluster.trainers.set_fault({}, 0)
         cluster.reconfigure(ce(cluster))
 
 

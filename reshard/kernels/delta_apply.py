@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 BLOCK = 4096  # elements a program writes per tile (256 to 4096 ran alike on an H100; fewer tiles, a smaller table)
-TABLE_COLUMNS = 5
 
 
 @triton.jit

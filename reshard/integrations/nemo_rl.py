@@ -77,7 +77,6 @@ SERVING_WHY = ("NeMo-RL hands the engine the weights only inside one vLLM collec
                "(grpo.async_grpo.in_flight_weight_updates) but make no progress during it")
 
 
-
 class ReshardCheckpointEngine:
     """One policy or vLLM worker's end of NeMo-RL's checkpoint-engine refit (see the module docstring).
 
@@ -127,8 +126,8 @@ class ReshardCheckpointEngine:
     Raises:
         ArgumentError: an option of the wrong type or value (checked at construction, before any worker
             joins; refit while serving, `pause_for` or `staging` "device" / "host", with why not; `delta` without
-            what it needs); "model"
-            staging larger than the receiving device's free memory (when a vLLM worker joins);
+            what it needs); "model" staging larger than the receiving device's free memory (when a vLLM worker
+            joins);
             from `send_weights`, on the policy worker whose stream is wrong, the tensor that is.
         ExecutionError: from the refit methods, a peer that failed, a transfer that failed or another worker's
             refusal (its reason included); see the module docstring for what vLLM then holds.

@@ -269,7 +269,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
         """
         session = self._ready("receive_weights", trainer=False)
         bucket = self.options.get("staging", "bucket") == "bucket"
-        if not bucket:
+        if not bucket and not self._held:  # (with delta, held buffers are reused: nothing more to allocate)
             staging_room(self.spec, self.device)  # verl may have taken memory since the construction's check
         loop, landed = asyncio.get_running_loop(), asyncio.Queue()
         # buffers: one group being handed on while the next is received (bucket); every group (model)

@@ -38,14 +38,13 @@ SERVING_WHY = ("verl's CheckpointEngineManager.update_weights aborts the rollout
                "and every trainer that refits a generating rollout (fully_async_policy, separate_async) uses it")
 
 
-
 def check_options(options: dict[str, Any]) -> dict[str, Any]:
     """The backend's options (`engine_kwargs.reshard` in verl's config) as plain JSON values.
 
     Raises:
         ArgumentError: an unknown option (`atomic`, replaced by `staging`, is named with its replacement; refit
-            while serving, `pause_for` and `staging` "device" / "host", with why not), a value of the
-            wrong type or outside its range (groups.check_options).
+            while serving, `pause_for` and `staging` "device" / "host", with why not), a value of the wrong type
+            or outside its range, `delta` without what it needs (groups.check_options).
     """
     groups.refuse_serving(options, "engine_kwargs.reshard.", SERVING_WHY, "verl")
     if "atomic" in options:

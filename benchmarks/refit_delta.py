@@ -176,11 +176,10 @@ def worker(me: int, port: int, args: dict, out: str, host: str = "127.0.0.1") ->
                        for r in dst for n in dst[r])
             rows.append({"equal_to_dense": same})
             del check
-            free()
         else:
             CollectiveExecutor(plan, binding, me, src, {}, **options).refit()
             rows.append({})
-            free()
+        free()
         results[f"delta {p:g}"] = rows
     Path(out).write_text(json.dumps(results))
     comm.close()

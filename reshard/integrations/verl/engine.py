@@ -165,8 +165,8 @@ class ReshardCheckpointEngine(CheckpointEngine):
         self._rdv = rdv
         size = top.trainers + top.rollouts
         versions = rv.scoped(self._store, rdv, "delta")
-        if self.is_master:  # set before the join, which every process passes only after this one joined
-            versions.set("version", str(self._refits))
+        if self.is_master and self.delta is not None:  # set before the join, which every process passes only after
+            versions.set("version", str(self._refits))  # this one joined
         rv.join(self._store, rdv, top.process, size, self.role)
         comm = None
         if self.transport == "collective":
@@ -174,15 +174,16 @@ class ReshardCheckpointEngine(CheckpointEngine):
 
             backend = self.options.get("backend") or ("nccl" if self.device.type == "cuda" else "gloo")
             comm = StoreComm(rv.scoped(self._store, rdv, "collective"), top.process, size, backend, self.timeout)
-        policies = None
+        policies, version = None, 1
         if self.delta is not None:
             from ...executors.delta import DeltaPolicy, DeltaState
 
             policies = {k: DeltaPolicy(self.delta, state=self._deltas.setdefault(k, DeltaState()))
                         for k in range(len(plans))}
+            version = self._version(versions)
         self._session = RefitSession(top, plans, group_bindings(plans, top.trainers, top.rollouts), self._store, rdv,
                                      comm, self.options, self.device if self.device.type == "cuda" else None,
-                                     policies, self._version(versions))
+                                     policies, version)
 
     def _version(self, versions: Any) -> int:
         """This refit's version, as trainer rank 0 published it before everyone joined."""

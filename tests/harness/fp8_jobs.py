@@ -73,10 +73,8 @@ def run_case(rank: int, size: int, args: dict[str, Any]) -> dict[str, Any]:
 
         state = {"refits": 0}
         options = dict(args.get("options", {}), **({"on_round": on_round} if kill else {}))
-        # --8<-- [start:fp8_refit]
         ex = Fp8Executor(fp, binding, rank, src, dst, inner="collective", group=dist.group.WORLD, **options)
         ex.refit()
-        # --8<-- [end:fp8_refit]
         state["refits"] = 1
         quantized = {t.name for t in fp.full_dst.model.tensors if t.dtype == FP8}
         want = shard(fp.full_dst, reference_checkpoint(weights, quantized, fp.scheme.block), fill=SENTINEL,

@@ -65,7 +65,6 @@ class MegatronTrainerActor:
         old = self.sessions.pop(g["name"], None)
         if old is not None:
             old.close()
-        # --8<-- [start:ray_trainer]
         dst = VllmLayout(model=self.spec, **g["dst"])
         refit = RefitSpec.of(self.spec, self.layout, dst, install="loader", transport=g.get("transport", "collective"),
                              fanout=g.get("fanout"), options=g.get("options", {}), staging=g.get("staging"))
@@ -74,7 +73,6 @@ class MegatronTrainerActor:
         session = TrainerSession(refit, self.rank, self.tensors, engines=clients, trainer_group=dist.group.WORLD,
                                  timeout=g.get("timeout", 300.0), pause_for=g.get("pause_for", "refit"))
         session.init()
-        # --8<-- [end:ray_trainer]
         self.sessions[g["name"]] = session
         self.clients[g["name"]] = clients
         return json.dumps({**cache.stats(), "rendezvous_host": session.rendezvous.host if session.rendezvous

@@ -36,7 +36,8 @@ def test_docs_site_builds_strictly(tmp_path):
 
 
 INCLUDE = re.compile(r'^--8<-- "([^":]+):([\w-]+)"$')
-TESTED_SOURCES = ("examples/", "tests/harness/")  # run by the example tests / the integration tests
+# a guide's included code is an example's (run by the example tests, public API only), never the test harness's
+TESTED_SOURCES = ("examples/",)
 
 
 def included(block: str) -> tuple[str, str] | None:
@@ -49,7 +50,7 @@ def included(block: str) -> tuple[str, str] | None:
 def test_python_snippets_run(page, tmp_path):
     """A page's ```python blocks run in order in one fresh interpreter from the repository root (a later block may
     use an earlier one's names); a block that shows a refusal catches it itself. A block that includes a marked
-    section of a file the test suite runs (an example, a test job) is that file's code: the section must exist."""
+    section of an example (run by the example tests) is that file's code: the section must exist."""
     blocks = []
     for block in SNIPPET.findall(page.read_text()):
         source = included(block)
@@ -57,7 +58,7 @@ def test_python_snippets_run(page, tmp_path):
             blocks.append(block)
             continue
         path, section = source
-        assert path.startswith(TESTED_SOURCES), f"{page.name} includes {path}, which no test runs"
+        assert path.startswith(TESTED_SOURCES), f"{page.name} includes {path}: guides include examples only (public API, run by the example tests)"
         text = (ROOT / path).read_text()
         assert f"[start:{section}]" in text and f"[end:{section}]" in text, f"{path} has no section {section}"
     if not blocks:

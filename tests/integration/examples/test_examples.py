@@ -4,7 +4,8 @@ NeMo-RL's checkpoint engine, inside a real vLLM CPU worker's extension), example
 model's refit into an HF checkpoint, checked in transformers; a saved Megatron checkpoint read by reader processes;
 a refit checked by reshard.verify's mismatch check and audit; an FP8 block-scaled refit against its own quantization),
 examples/executors (a refit over NIXL between three processes) and examples/art (a `vllm serve` refit from
-Megatron trainer processes; its LoRA adapter refit in place); examples/verl runs in the verl stage
+Megatron trainer processes; its LoRA adapter refit in place), examples/ray (a vLLM engine actor refit from
+Megatron trainer actors on a local Ray cluster); examples/verl runs in the verl stage
 (tests/integration/verl/test_verl_example.py). Also: the examples import nothing from reshard.testing
 (they are the user path).
 """
@@ -24,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = ["examples/megatron/refit.py", "examples/megatron/checkpoint.py", "examples/megatron/verify.py",
             "examples/megatron/fp8.py", "examples/nemo_rl/refit.py", "examples/executors/nixl_refit.py",
             pytest.param("examples/art/refit.py", marks=pytest.mark.slow),
-            pytest.param("examples/art/lora_refit.py", marks=pytest.mark.slow)]
+            pytest.param("examples/art/lora_refit.py", marks=pytest.mark.slow),
+            pytest.param("examples/ray/refit.py", marks=pytest.mark.slow)]
 
 
 def _imports(path: Path) -> set[str]:
@@ -34,7 +36,7 @@ def _imports(path: Path) -> set[str]:
 
 
 @pytest.mark.parametrize("folder", ["examples/megatron", "examples/nemo_rl", "examples/art", "examples/verl",
-                                    "examples/executors"])
+                                    "examples/executors", "examples/ray"])
 def test_examples_import_only_the_public_api(folder):
     for path in sorted((ROOT / folder).glob("*.py")):
         bad = sorted(m for m in _imports(path) if m.startswith("reshard.testing"))

@@ -226,6 +226,8 @@ def wire_spec(spec: ModelSpec, scheme: Fp8Scheme, receiver: Iterable[str] = ()) 
 
 @dataclass(frozen=True)
 class WireInfo:
+    """What a wire spec says of FP8: the block scheme, and the entries the receiver quantizes itself."""
+
     scheme: Fp8Scheme
     receiver: frozenset[str]
 

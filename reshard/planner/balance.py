@@ -30,6 +30,8 @@ import numpy as np
 
 @dataclass(frozen=True)
 class BalanceReport:
+    """How good `choose_holders`' assignment is guaranteed to be: the bound it is measured against."""
+
     lower_bound: int  # LB above: no assignment makes the busiest sender move less
     unit_max: int  # w_max: the largest unit placed by choice
     laminar: bool  # whether the holder sets were laminar (then busiest <= LB + unit_max is guaranteed)

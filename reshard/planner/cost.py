@@ -131,6 +131,9 @@ class Resource:
 
 @dataclass(frozen=True)
 class StagePrediction:
+    """One stage's predicted time: the busiest resource's transfer time plus latency and per-op costs, with the
+    bytes and transfers by link class that it comes from."""
+
     stage: int
     seconds: float
     transfer_seconds: float  # the busiest resource

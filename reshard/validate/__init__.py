@@ -40,6 +40,8 @@ PASS, FAIL, NOT_RUN = "pass", "FAIL", "not run"
 
 @dataclass
 class StageResult:
+    """One validation stage's outcome (PASS, FAIL or NOT_RUN), with what it found and how long it took."""
+
     stage: str
     status: str
     detail: str = ""
@@ -48,6 +50,9 @@ class StageResult:
 
 @dataclass
 class Context:
+    """What every validation stage reads: the model config, its tiny stand-in, the pythons of the vLLM
+    virtualenvs, and the negative tests' planted corruptions."""
+
     config: dict[str, Any]
     tiny: dict[str, Any] = field(default_factory=dict)
     spec: ModelSpec | None = None

@@ -30,6 +30,9 @@ from .live import weights
 
 @dataclass
 class DirectBinding:
+    """A worker's destination tensors bound to the live storage of its vLLM model's parameters (install
+    "direct"), with the padding no placement covers and the wider storages a cast lands in."""
+
     rank: int
     layout: Layout
     tensors: dict[str, torch.Tensor]  # the live storage of each parameter (param.data), plan destination names

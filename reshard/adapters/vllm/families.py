@@ -17,6 +17,8 @@ from ...layouts import discover, supported_architectures
 
 @dataclass(frozen=True)
 class VllmFamily:
+    """How a vLLM model class maps to a reshard family (`register_vllm_family`)."""
+
     architecture: str  # the vLLM model class name, as in an HF config's `architectures`
     spec_family: str  # the reshard ModelSpec family it serves
     # Live parameters that hold no model weights (formatted with the layer index `{i}`); buffers such as

@@ -38,6 +38,9 @@ from ..partition import Partition
 
 @dataclass(frozen=True, eq=False)
 class Message:
+    """One point-to-point message of a round: its peer, size, place in the round's wire buffer and the copies
+    that pack (sender) or scatter (receiver) it."""
+
     round: int  # global round
     stage: int
     peer: int  # the other process (group rank)
@@ -61,6 +64,8 @@ class Message:
 
 @dataclass(frozen=True, eq=False)
 class Round:
+    """The messages one process sends and receives in one round of a stage."""
+
     index: int
     stage: int
     sends: tuple[Message, ...]

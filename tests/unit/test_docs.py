@@ -58,7 +58,8 @@ def test_python_snippets_run(page, tmp_path):
             blocks.append(block)
             continue
         path, section = source
-        assert path.startswith(TESTED_SOURCES), f"{page.name} includes {path}: guides include examples only (public API, run by the example tests)"
+        assert path.startswith(TESTED_SOURCES), (f"{page.name} includes {path}: guides include examples only "
+                                                 "(public API, run by the example tests)")
         text = (ROOT / path).read_text()
         assert f"[start:{section}]" in text and f"[end:{section}]" in text, f"{path} has no section {section}"
     if not blocks:

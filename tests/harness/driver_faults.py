@@ -150,12 +150,19 @@ def refit_from_here(engine: dict[str, Any], checkpoint: str | Path, transport: s
 
 
 def kill_the_driver(engine: dict[str, Any], checkpoint: str | Path, transport: str, phase: str, *, work: Path,
-                    lease: float, timeout: float, prompts: list[list[int]], poll: float = 1.0) -> dict[str, Any]:
+                    lease: float, timeout: float, prompts: list[list[int]], poll: float = 1.0,
+                    ask_every: float = 0.1) -> dict[str, Any]:
     """One case: two trainer processes refit the engine (see engine_client) with `checkpoint` as version
     "dead-<phase>", process 0 is SIGKILLed at `phase`; then this process asks the engine for one token (each ask
-    waits at most `poll` s) until it serves again. Returns {"killed_at", "serving_at", "tokens" (greedy tokens of
-    `prompts` then), "ended_at" (when the engine had ended the dead driver's lease), "weight_version", "lease"
-    (the engine's lease state), "rank1" (what the surviving trainer process saw), "ranks"}."""
+    waits at most `poll` s; `ask_every` s between asks) until it serves again. Returns {"killed_at", "serving_at",
+    "tokens" (greedy tokens of `prompts` then), "ended_at" (when the engine had ended the dead driver's lease),
+    "weight_version", "lease" (the engine's lease state), "rank1" (what the surviving trainer process saw),
+    "ranks"}.
+
+    Every ask that reaches a paused vLLM engine wakes its workers, which then spin (vLLM's shared-memory queue polls
+    for a second after each message): asked every 0.1 s, a TP 2 server's workers took two cores for the whole lease
+    wait (measured, ~19 CPU-s each per case); every 2 s, about half. The benchmark asks often (its figure is when the
+    engine served again); the tests, whose bound is tens of seconds, ask every 2 s."""
     import threading
 
     from reshard.errors import ExecutionError
@@ -192,7 +199,7 @@ def kill_the_driver(engine: dict[str, Any], checkpoint: str | Path, transport: s
             serving_at = time.time()
             break
         except ExecutionError:
-            time.sleep(0.1)
+            time.sleep(ask_every)
     client = engine_client(engine, 120.0)
     ended_at = None  # when the engine had ended the dead driver's lease (an offline engine serves meanwhile)
     while time.monotonic() < deadline:

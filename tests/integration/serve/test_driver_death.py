@@ -60,7 +60,7 @@ def test_a_dead_driver_leaves_the_server_serving_its_weights_and_a_new_driver_re
         for transport, phase in cases:
             other = a if served == b else b
             case = kill_the_driver(engine, other, transport, phase, work=tmp_path / "cases", lease=LEASE,
-                                   timeout=TIMEOUT, prompts=PROMPTS)
+                                   timeout=TIMEOUT, prompts=PROMPTS, ask_every=2.0)  # see kill_the_driver
             label = f"{transport}/{phase}"
             assert case["serving_at"] is not None, f"{label}: the server did not serve again"
             took = case["serving_at"] - case["killed_at"]

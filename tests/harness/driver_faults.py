@@ -26,6 +26,9 @@ TRANSPORTS = ("collective", "shared", "nixl")
 # run that cannot afford nine lease waits still kills the driver on each transport and in each phase.
 ALL_CASES = tuple((t, p) for t in TRANSPORTS for p in PHASES)
 EACH_CHOICE = tuple(zip(TRANSPORTS, PHASES))
+# Seconds between the tests' asks for a token while the engine may still be paused (kill_the_driver says why not
+# 0.1 s, the benchmark's).
+TESTS_ASK_EVERY = 2.0
 
 
 def driver_death_cases() -> list:
@@ -162,7 +165,7 @@ def kill_the_driver(engine: dict[str, Any], checkpoint: str | Path, transport: s
     Every ask that reaches a paused vLLM engine wakes its workers, which then spin (vLLM's shared-memory queue polls
     for a second after each message): asked every 0.1 s, a TP 2 server's workers took two cores for the whole lease
     wait (measured, ~19 CPU-s each per case); every 2 s, about half. The benchmark asks often (its figure is when the
-    engine served again); the tests, whose bound is tens of seconds, ask every 2 s."""
+    engine served again); the tests, whose bound is tens of seconds, ask every TESTS_ASK_EVERY s."""
     import threading
 
     from reshard.errors import ExecutionError
@@ -216,5 +219,5 @@ def kill_the_driver(engine: dict[str, Any], checkpoint: str | Path, transport: s
             "rank1": json.loads(rank1.read_text()) if rank1.exists() else None, "ranks": ranks}
 
 
-__all__ = ["ALL_CASES", "EACH_CHOICE", "PHASES", "driver_death_cases", "TRANSPORTS", "dying_driver", "engine_client", "kill_the_driver",
-           "refit_from_here"]
+__all__ = ["ALL_CASES", "EACH_CHOICE", "PHASES", "TESTS_ASK_EVERY", "TRANSPORTS", "driver_death_cases", "dying_driver",
+           "engine_client", "kill_the_driver", "refit_from_here"]

@@ -15,7 +15,7 @@ ray = pytest.importorskip("ray")
 
 from reshard.adapters.ray import RayEngineClient  # noqa: E402
 from reshard.executors.checksum import tensor_digests  # noqa: E402
-from harness.driver_faults import driver_death_cases, kill_the_driver, refit_from_here  # noqa: E402
+from harness.driver_faults import TESTS_ASK_EVERY, driver_death_cases, kill_the_driver, refit_from_here  # noqa: E402
 from reshard.testing.megatron_cpu import TinyGPT  # noqa: E402
 from harness.ray_jobs import start_engine, stop_engine  # noqa: E402
 from harness.serve import vllm_cpu_python  # noqa: E402
@@ -52,7 +52,7 @@ def test_a_dead_driver_leaves_the_engine_actor_its_weights_and_a_new_driver_refi
         for transport, phase in cases:
             other = a if served == b else b
             case = kill_the_driver(engine, other, transport, phase, work=tmp_path / "cases", lease=LEASE,
-                                   timeout=TIMEOUT, prompts=PROMPTS, ask_every=2.0)  # see kill_the_driver
+                                   timeout=TIMEOUT, prompts=PROMPTS, ask_every=TESTS_ASK_EVERY)
             label = f"{transport}/{phase}"
             assert case["serving_at"] is not None and case["ended_at"] is not None, (label, case)
             took = case["ended_at"] - case["killed_at"]

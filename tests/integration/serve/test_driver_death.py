@@ -22,7 +22,7 @@ from reshard.adapters.trainer import TrainerSession
 from reshard.errors import ExecutionError
 from reshard.executors import shard
 from reshard.executors.checksum import tensor_digests
-from harness.driver_faults import driver_death_cases, kill_the_driver, refit_from_here
+from harness.driver_faults import TESTS_ASK_EVERY, driver_death_cases, kill_the_driver, refit_from_here
 from reshard.testing.megatron_cpu import TinyGPT
 from harness.serve import ServerProcess, vllm_cpu_python
 from harness.serve_jobs import load_checkpoint, make_checkpoint, save_checkpoint, train_step
@@ -60,7 +60,7 @@ def test_a_dead_driver_leaves_the_server_serving_its_weights_and_a_new_driver_re
         for transport, phase in cases:
             other = a if served == b else b
             case = kill_the_driver(engine, other, transport, phase, work=tmp_path / "cases", lease=LEASE,
-                                   timeout=TIMEOUT, prompts=PROMPTS, ask_every=2.0)  # see kill_the_driver
+                                   timeout=TIMEOUT, prompts=PROMPTS, ask_every=TESTS_ASK_EVERY)
             label = f"{transport}/{phase}"
             assert case["serving_at"] is not None, f"{label}: the server did not serve again"
             took = case["serving_at"] - case["killed_at"]

@@ -1,9 +1,7 @@
-"""The trainer side of refits into inference engines that run elsewhere: a vLLM server in its own virtualenv,
-vLLM workers in Ray actors, or the trainer's own processes. Imports no vLLM.
+"""The trainer side of refits into inference engines (a vLLM server, Ray actors, the trainer's own processes).
 
-One `TrainerSession` per trainer process; process 0 drives the engines (any `adapters.engines.EngineClient`:
-`VllmServer` over HTTP, vLLM's own clients, a Ray actor wrapper, an HF checkpoint directory; pause, lease and
-LoRA are capabilities an engine may add, checked by their protocols):
+One `TrainerSession` per trainer process; process 0 drives the engines (any `adapters.engines.EngineClient`).
+Imports no vLLM:
 
     refit = RefitSpec.of(spec, MegatronLayout(...), VllmLayout(...), install="loader", transport="collective")
     session = TrainerSession(refit, process=rank, tensors=source_tensors(facts, layout),
@@ -13,9 +11,6 @@ LoRA are capabilities an engine may add, checked by their protocols):
         train_step()
         session.refit(version=f"step-{step}")   # every trainer process, together
     session.close()
-
-`init`, `refit` and `close` say what each step does; the driver's lease is adapters.lease_renewal's, the engine
-calls' deadlines adapters.engine_calls'.
 """
 from __future__ import annotations
 
@@ -44,51 +39,36 @@ class RefitResult:
 
     version: str
     seconds: float
-    phases: dict[str, float] = field(default_factory=dict)  # start (pause + start), transfer (this process), engines
-    # (until every engine's update returned: its transfer and install), finish, resume; pause_for="flip": start,
-    # transfer, staged (until every engine's staged transfer ended: bytes whole, shadows built), pause, flip (the
-    # install), finish, resume
+    # start, transfer, engines (every engine's update returned), finish, resume; pause_for="flip": start,
+    # transfer, staged, pause, flip (the install), finish, resume
+    phases: dict[str, float] = field(default_factory=dict)
     stats: Any = None  # this process's executor stats, with the driver's pause_s and in_flight
     followed: list[dict[str, Any]] = field(default_factory=list)  # EPLB placements recompiled for (why, digests)
-    delta: Any = None  # RefitSpec(delta=K): what this process sent (executors.delta.DeltaReport: keyframe or not,
-    # encodings, payload bytes against the dense refit's); None without delta or a transport executor here
+    delta: Any = None  # executors.delta.DeltaReport of what this process sent (RefitSpec(delta=K)), else None
 
 
 class TrainerSession:
-    """The trainer side of refits into engines (imports no vLLM).
+    """The trainer side of refits into engines: `init` once, `refit` after each training step, `close` at the end.
 
-    Every trainer process makes one, calls `init` once, `refit` after each training step, `close` at the end.
-
-    Trainer process 0 drives the engines (pause, start, update, finish, resume over their weight-sync API) and
-    holds a lease on them; every trainer process sends its own shards straight to the engine workers that need
-    them.
+    Process 0 drives the engines (pause, start, update, finish, resume) and holds a lease on them; every process
+    sends its own shards straight to the engine workers that need them.
 
     Args:
         refit: what the trainer and the engines agree on (replica and digest are filled in per engine).
-        process: this trainer process's rank (it plays source rank `process` of the plan).
+        process: this trainer process's rank (source rank `process` of the plan).
         tensors: this process's source tensors ({physical name: tensor}, or {source rank: {...}}).
         engines: on process 0, the engines to refit (replica k = engines[k]); other processes pass none.
-        trainer_group: a torch.distributed group of the trainer processes, to share the rendezvous from process
-            0 (else pass `rendezvous`, the same on every process, with a fixed port and secret).
-        rendezvous: an `adapters.rendezvous.Rendezvous` every process passes (instead of `trainer_group`).
-        host: the address process 0's rendezvous store binds to and every engine connects to (None: this host's
-            routable address: RESHARD_HOST, the Ray node IP, the interface of the default route; see
-            reshard.addresses).
-        pause: how engines are paused (vLLM's /pause modes): "wait" drains the requests in flight first, "keep"
-            freezes them (they continue after the resume, on the new weights), "abort" aborts them (their clients
-            get the engine's abort); None: not paused.
-        pause_for: what the pause spans: "refit" (default, today's behaviour: the engines stop generating for the
-            whole refit, so existing callers keep their semantics and need no staging memory) or "flip" (the
-            engines keep generating while every byte lands in their staging, `RefitSpec.staging`, and pause only
-            for the install that makes it live, once every engine that tells, `engines.ReportsStaged`, has landed
-            them; `RefitStats.pause_s` says how long).
-        timeout: seconds a refit may take, all its steps together (every wait and clean-up is bounded by it), and
-            any one step of init or close.
+        trainer_group: a torch.distributed group of the trainer processes, to share process 0's rendezvous.
+        rendezvous: an `adapters.rendezvous.Rendezvous`, the same on every process (instead of `trainer_group`).
+        host: the address process 0's store binds to (None: this host's routable address, reshard.addresses).
+        pause: vLLM's /pause mode: "wait" drains the requests in flight, "keep" freezes them, "abort" aborts
+            them; None: not paused.
+        pause_for: "refit" (the engines pause for the whole refit) or "flip" (they generate while the bytes land
+            in their staging, `RefitSpec.staging`, and pause only for the install).
+        timeout: seconds a refit may take, all its steps together, and any one step of init or close.
         lora_ids: install="lora_slot" with engines that serve the adapter under different ids: engine k's id.
-        lease: seconds of the driver's lease on engines that keep one (`engines.Leased`: a VllmServer running
-            reshard's lease middleware, a Ray engine actor): process 0 renews it from init to close; if it dies or
-            freezes, the engine ends the open update by itself within `lease` (+ the transport's timeout when bytes
-            are in flight) and serves its previous weights. None: no lease.
+        lease: seconds of the driver's lease on engines that keep one (`engines.Leased`): if process 0 dies or
+            freezes, the engine ends the open update within `lease` and serves its previous weights. None: none.
 
     Raises:
         ArgumentError: an argument of the wrong type or an impossible value (pause_for="flip" without staging).
@@ -109,10 +89,8 @@ class TrainerSession:
         self._paused_at: float | None = None  # a refit's first pause call (perf_counter)
         self._in_flight: list[str] | None = None
         self.given_rendezvous, self.host, self.timeout = rendezvous, host, timeout
-        self.rendezvous = None
+        self.rendezvous, self.store, self.version = None, None, 0
         self.executor: Executor | None = None
-        self.store = None
-        self.version = 0
         self.generation = 0  # inits so far: each meets under a refit id of its own
         self.followed: list[dict[str, Any]] = []  # EPLB placements followed (adapters.placement_follow)
         plan = refit.plan()
@@ -130,23 +108,18 @@ class TrainerSession:
 
     # --- 1. init -------------------------------------------------------------------------------------
     def init(self) -> None:
-        """Meet the engines (again, after an engine or a transport failed): every trainer process calls it.
-
-        Checks this process's tensors against the plan, then process 0 sends every engine the spec and every
-        process joins the rendezvous, before any byte moves.
+        """Meet the engines (again, after a failure): every trainer process calls it, before any byte moves.
 
         Raises:
             LayoutMismatchError: this process's tensors differ from the plan's source tensors.
-            ExecutionError: an engine refused the spec (its message names why) or cannot be reached, or the
-                rendezvous failed within the timeout. (An EPLB engine whose placement is not the plan's is followed:
-                adapters.placement_follow.)
+            ExecutionError: an engine refused the spec or cannot be reached, or the rendezvous failed in time.
         """
         follow(self, self._init, "init")
 
     def _init(self) -> None:
-        try:  # a previous refit's clean-up first (bounded): its resume must not land inside this init's calls
+        try:  # a previous refit's resume must not land inside this init's calls
             self._await_wind_down(time.monotonic() + self.timeout, "init")
-        except ExecutionError:  # stopped below: a new generation's init makes the wind-down skip what is left
+        except ExecutionError:  # a new generation makes the wind-down skip what is left
             pass
         self._close_executor()
         self.store = None
@@ -169,8 +142,7 @@ class TrainerSession:
             self._fail_rendezvous(str(e))
             self._discard_ahead(ahead)
             raise
-        # an engine that refuses or cannot be reached fails the rendezvous at once: every trainer process stops
-        # waiting there (not after the rendezvous's timeout)
+        # an engine that refuses fails the rendezvous at once: no trainer process waits out its timeout
         calls = [EngineCall(engine, "init_weight_transfer_engine", (self._engine_spec(refit, k).to_dict(),),
                             self._fail_rendezvous) for k, engine in enumerate(self.engines)]
         try:
@@ -203,8 +175,8 @@ class TrainerSession:
         return f"source ranks {missing} are not ranks of the plan" if missing else None
 
     def _nixl_agent_ahead(self, refit: RefitSpec) -> str | None:
-        """NIXL transport: this process's agent made before the lease is taken (NIXL's import and UCX set-up hold
-        the GIL for seconds on a loaded machine, and the lease is renewed by a thread). Its name, or None."""
+        """NIXL: make this process's agent before the lease is taken (its set-up holds the GIL for seconds); its
+        name, or None."""
         delay = refit.options.get("progress_delay_us", 1000)
         if refit.transport != "nixl" or isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
             return None  # (a bad delay is refused by the executor's options, with the error naming it)
@@ -272,12 +244,8 @@ class TrainerSession:
     def refit(self, version: str | None = None) -> RefitResult:
         """One refit of every engine: every trainer process calls it, with the same version.
 
-        The whole call is bounded by the session's `timeout`, from its start: every engine call (pause, start,
-        update, install, finish, and after a failure closing the update and resume) waits only for what is left
-        of it, and the transfer is bounded by the transport's timeout (the rendezvous's, at most `timeout`). What
-        the engines have not answered by then is left to a background thread (the clean-up after a failure:
-        closing the update, then resume, in that order; each call bounded by `timeout`), which the next `init`,
-        `refit` or `close` waits for first.
+        Bounded by the session's `timeout` from its start; a clean-up the engines have not answered by then goes
+        on in the background, and the next `init`, `refit` or `close` waits for it first.
 
         Args:
             version: the weight version the engines report afterwards (default: a counter).
@@ -287,8 +255,7 @@ class TrainerSession:
 
         Raises:
             ExecutionError: the refit failed (a dead or frozen peer, a refused update, a checksum mismatch, no
-                answer by the deadline); the engines keep their previous weights and version, and the next `init`
-                + `refit` works. (EPLB engines that rebalanced are followed first: adapters.placement_follow.)
+                answer by the deadline); the engines keep their previous weights, and `init` + `refit` works again.
         """
         before = len(self.followed)
         result = follow(self, lambda: self._refit(version), f"refit {version or self.version + 1}")
@@ -296,7 +263,7 @@ class TrainerSession:
         return result
 
     def _refit(self, version: str | None) -> RefitResult:
-        deadline = time.monotonic() + self.timeout  # the whole refit's, shared by every engine call below
+        deadline = time.monotonic() + self.timeout  # shared by every engine call below
         self._await_wind_down(deadline, "this refit")
         self.version += 1
         version = version or str(self.version)
@@ -315,8 +282,7 @@ class TrainerSession:
                     errors += self._bounded(engine, "finish_weight_update", version, deadline=deadline)
                 marks.append(("finish", time.perf_counter()))
             done = True
-        finally:
-            # end the update on every engine worker, without a version
+        finally:  # end the update on every engine worker, without a version
             close = (bool(errors) or not done) and bool(self.engines)
             if close or paused:
                 errors += self._wind_down(close, paused, deadline)
@@ -337,9 +303,8 @@ class TrainerSession:
                            delta=getattr(self.executor, "last_delta", None))
 
     def _start(self, paused: list[EngineClient], deadline: float) -> list[str]:
-        """Pause (when asked, the engine can, and the pause spans the refit) and start the update on each engine
-        in turn; the first error stops there (the other processes time out). `paused` gets every engine to resume,
-        even one whose pause never answered."""
+        """Pause (pause_for="refit") and start the update on each engine in turn, up to the first error; `paused`
+        gets every engine to resume."""
         for engine in self.engines:
             errors = self._pause(engine, paused, deadline) if self.pause_for == "refit" else []
             errors = errors or self._bounded(engine, "start_weight_update", deadline=deadline)
@@ -348,8 +313,7 @@ class TrainerSession:
         return []
 
     def _pause(self, engine: EngineClient, paused: list[EngineClient], deadline: float) -> list[str]:
-        """Pause one engine (when asked and it can), then ask it which requests it holds (engines that tell; only
-        "keep" holds any: "wait" drained them, "abort" ended them)."""
+        """Pause one engine (when asked and it can), then ask which requests it holds (only "keep" holds any)."""
         if not (self.pause_mode and isinstance(engine, Pausable)):
             return []
         paused.append(engine)
@@ -368,10 +332,8 @@ class TrainerSession:
 
     def _update(self, version: str, deadline: float, marks: list[tuple[str, float]],
                 paused: list[EngineClient]) -> tuple[Any, list[str]]:
-        """The update in two phases: the bytes land (every engine's transfer while this process sends; the models
-        untouched), then, once every engine has them, the install (a driver that dies in between leaves the
-        engines their previous weights); pause_for="flip": the engines are paused between the two. This process's
-        executor stats, and the errors."""
+        """The update: the bytes land everywhere, then the install (pause_for="flip": paused in between). This
+        process's executor stats, and the errors."""
         info = {"version": version, "refit": (self.refit_spec.rendezvous or {}).get("refit_id", "")}
         calls = [EngineCall(e, "update_weights", ({**info, "phase": "transfer"},)) for e in self.engines]
         stats, errors = None, []
@@ -399,9 +361,8 @@ class TrainerSession:
         return stats, errors
 
     def _await_staged(self, deadline: float) -> list[str]:
-        """pause_for="flip": poll the engines that tell (`ReportsStaged`) until every one's staged transfer has
-        ended (bytes whole, shadow built), by the refit's deadline, so that the pause spans the flip only and not
-        the landing's tail; a landing that failed is reported here, before any pause. The errors."""
+        """pause_for="flip": poll the `ReportsStaged` engines until every staged transfer ended (or failed), by the
+        deadline. The errors."""
         pending = [e for e in self.engines if isinstance(e, ReportsStaged)]
         errors: list[str] = []
 
@@ -417,11 +378,8 @@ class TrainerSession:
         return errors
 
     def _wind_down(self, close: bool, paused: list[EngineClient], deadline: float) -> list[str]:
-        """The end of a refit, in order on one thread: after a failure, close the open update on every engine
-        (`_close_failed_update`), then resume the paused engines. Waited for until the refit's `deadline`; what is
-        not done by then goes on in the background (each call bounded by the session's timeout; a later `init`
-        stops it before its next call) and the next init, refit or close waits for it first. The errors: resumes
-        that failed, or that the wind-down did not end by the deadline."""
+        """After a failure close the open update, then resume the paused engines, on one thread waited for until
+        `deadline` (then left to the background). The errors."""
         generation, problems = self.generation, []
 
         def run() -> None:
@@ -441,8 +399,7 @@ class TrainerSession:
         return list(problems)
 
     def _await_wind_down(self, deadline: float, who: str) -> None:
-        """Wait (until `deadline`) for a previous refit's wind-down still running in the background, so that its
-        resume never lands inside the next refit. Raises ExecutionError if it is still running then."""
+        """Wait until `deadline` for a previous refit's wind-down; ExecutionError if it is still running then."""
         call = getattr(self, "_winding_down", None)
         if call is None:
             return
@@ -474,19 +431,16 @@ class TrainerSession:
         return note + ")"
 
     def _close_failed_update(self) -> None:
-        """After a failed update, end the update on every engine worker (without a version). vLLM keeps an update
-        open on the workers that did not raise (the engine raises on its last worker only, see
-        adapters.vllm.agreed); a worker whose update is already closed refuses, which is expected."""
+        """End a failed update on every engine worker (the workers that did not raise keep it open; the others'
+        refusals are expected and ignored)."""
         wait_calls([EngineCall(engine, "finish_weight_update", (None,)) for engine in self.engines], self.timeout)
-        # errors are expected from the workers that raised
 
     def _bounded(self, engine: EngineClient, method: str, *args: Any, deadline: float | None = None) -> list[str]:
-        """An engine call waited for within the session's timeout (or until `deadline`, a refit's), then left to
-        its thread (an engine that never answers cannot hold the trainer): its error, if any."""
+        """An engine call waited for within the timeout (or until `deadline`), then left to its thread: its errors."""
         return wait_calls([EngineCall(engine, method, args)], self.timeout, deadline)
 
     def _close_executor(self) -> None:
-        """Close the transport, bounded by the timeout (a release that waits on a frozen peer cannot hold it)."""
+        """Close the transport, bounded by the timeout."""
         if self.executor is not None:
             from ..executors.base import close_within
 
@@ -495,11 +449,10 @@ class TrainerSession:
 
     # --- 3. close ------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Release the engines' lease and close the transport (each bounded by the timeout); a refit's clean-up
-        still running in the background is waited for first, as long as the timeout."""
+        """Release the engines' lease and close the transport, each bounded by the timeout."""
         try:
             self._await_wind_down(time.monotonic() + self.timeout, "close")
-        except ExecutionError:  # the lease's release (or its lapse) ends what it left open on the server
+        except ExecutionError:  # the lease's release (or lapse) ends what it left open
             pass
         if self.renewal is not None:
             self.renewal.release(min(self.timeout, 60.0))
@@ -512,7 +465,7 @@ class TrainerSession:
 
 def _check_arguments(refit: Any, process: Any, tensors: Any, engines: Any, trainer_group: Any, rendezvous: Any,
                      host: Any, pause: Any, timeout: Any, lora_ids: Any, lease: Any, pause_for: Any) -> None:
-    """TrainerSession's arguments, each refused with ArgumentError naming it (nothing coerced)."""
+    """TrainerSession's arguments, each refused with ArgumentError naming it."""
     from collections.abc import Mapping
 
     from ..arguments import instance, integer, seconds, text

@@ -1,22 +1,15 @@
-"""A megatron-core distributed checkpoint (`torch_dist`, written by `dist_checkpointing.save`, as Megatron-LM and
-Megatron-Bridge do) as a lazily read, validated set of global tensors.
+"""A megatron-core `torch_dist` checkpoint as a lazily read, validated set of global tensors.
 
-The format: `metadata.json` (the backend), `.metadata` (torch.distributed.checkpoint's Metadata: every tensor's
-global shape, dtype and chunks, and per chunk the file, byte offset and length holding it) and `__R_K.distcp`
-files holding each chunk as one `torch.save` record. megatron-core saves every tensor at its global coordinates:
-layers stacked on a leading axis at their global layer number, experts on a second one at their global expert
-number, TP shards at their global rows / columns (gate and up halves of a SwiGLU fc1 each at its place in
-[gate; up]), so the checkpoint itself is a TP=1, PP=1, EP=1 model and any reader layout can be cut out of it.
+The format: `metadata.json` (the backend), `.metadata` (torch.distributed.checkpoint's Metadata: each tensor's
+global shape, dtype and chunks, each chunk's file, byte offset and length) and `__R_K.distcp` files of
+`torch.save` records. Tensors are saved at global coordinates (layers, then experts, stacked on leading axes), so
+the checkpoint is a TP=1, PP=1, EP=1 model.
 
-Trust: `.metadata` is a pickle written by torch. It is read with a restricted unpickler that can only build
-torch.distributed.checkpoint's metadata classes, torch.Size and dtypes (the pickle documentation's "restricting
-globals"); anything else in it is refused, so a hostile `.metadata` cannot run code, but the checkpoint directory is
-still input: every chunk's bounds, coverage, file, offset and length are validated before any tensor is read, and
-each chunk is decoded with `torch.load(weights_only=True)` and checked against its declared shape and dtype.
-Pickled objects of the checkpoint (`common.pt`, the `common_state` and `_extra_state` byte records) are never read.
-
-Reading is lazy: `read(key, offsets, lengths)` reads only the chunks that intersect the box, by byte range, and
-counts the bytes read (`bytes_read`); nothing loads the whole checkpoint.
+Trust: `.metadata` is read by an unpickler that builds only torch.distributed.checkpoint's metadata classes,
+torch.Size and dtypes; every chunk's bounds, coverage, file and byte range are validated before any tensor is
+read, and records are decoded with `torch.load(weights_only=True)` and checked. Pickled objects (`common.pt`,
+byte records) are never read. `read(key, offsets, lengths)` reads only the chunks a box intersects, by byte
+range, counting `bytes_read`.
 """
 from __future__ import annotations
 
@@ -198,9 +191,12 @@ class Checkpoint:
         self._read_into(saved, chunk, chunk.offset + start + first * size, flat)
         return flat.as_strided([hi - lo for lo, hi in local], strides)
 
-    def _read_into(self, saved: SavedTensor, chunk: SavedChunk, offset: int, out: torch.Tensor) -> None:
+    def _read_into(self, saved: SavedTensor, chunk: SavedChunk, offset: int, out: torch.Tensor | bytearray) -> None:
         """Read the bytes at `offset` straight into `out` (one copy, no intermediate buffer)."""
-        view = memoryview(out.view(torch.uint8).numpy()).cast("B") if out.numel() else memoryview(b"")
+        if isinstance(out, bytearray):
+            view = memoryview(out)
+        else:
+            view = memoryview(out.view(torch.uint8).numpy()).cast("B") if out.numel() else memoryview(b"")
         fd = self._fd(chunk.file)
         done = 0
         while done < len(view):
@@ -220,19 +216,14 @@ class Checkpoint:
                 fd = self._fds[file] = os.open(self.path / file, os.O_RDONLY)
             return fd
 
-    def _read(self, saved: SavedTensor, chunk: SavedChunk, offset: int, length: int) -> bytes:
-        data = os.pread(self._fd(chunk.file), length, offset)  # no shared file position: readers may run in threads
-        with self._lock:
-            self.bytes_read += len(data)
-        if len(data) != length:
-            raise CheckpointError(str(self.path), [f"{saved.key}: {chunk.file} ends before byte {offset + length} "
-                                                   "(the file was truncated after the checkpoint was opened)"])
+    def _read(self, saved: SavedTensor, chunk: SavedChunk, offset: int, length: int) -> bytearray:
+        data = bytearray(length)
+        self._read_into(saved, chunk, offset, data)
         return data
 
     def _data_start(self, saved: SavedTensor, chunk: SavedChunk) -> int | None:
-        """Where the tensor's bytes start inside the chunk's torch.save record, when the record is the plain form
-        (stored, not compressed; little-endian; one contiguous storage of exactly the chunk's elements at offset 0);
-        None otherwise. Reads the record's zip directory and its small pickle, counted; cached per chunk."""
+        """Where the tensor's bytes start inside the chunk's record when it is the plain form (stored, native byte
+        order, one contiguous storage of exactly the chunk's elements); None otherwise. Cached per chunk."""
         with self._lock:
             if chunk in self._starts:
                 return self._starts[chunk]
@@ -259,8 +250,8 @@ class Checkpoint:
 
 
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
-    """Open and validate a torch_dist checkpoint directory (a Megatron-LM `iter_NNNNNNN` directory): its metadata
-    only; no tensor is read. Raises CheckpointError listing every problem found."""
+    """Open and validate a torch_dist checkpoint directory (`iter_NNNNNNN`), its metadata only; no tensor is read.
+    Raises CheckpointError listing every problem found."""
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(str(root), ["is not a directory"])
@@ -286,7 +277,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
 
 
 def _tensors(root: Path, metadata: Any) -> tuple[dict[str, SavedTensor], list[str]]:
-    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict) \
             or not isinstance(metadata.storage_data, dict):
@@ -309,51 +300,52 @@ def _tensors(root: Path, metadata: Any) -> tuple[dict[str, SavedTensor], list[st
             continue
         chunks = []
         for i, c in enumerate(meta.chunks):
-            offsets, csizes = tuple(c.offsets), tuple(c.sizes)
-            if len(offsets) != len(shape) or len(csizes) != len(shape) or any(
-                    not isinstance(o, int) or not isinstance(n, int) or o < 0 or n <= 0 or o + n > s
-                    for o, n, s in zip(offsets, csizes, shape)):
-                problems.append(f"{key}: chunk {i} at {offsets} of {csizes} is outside the tensor's {shape}")
-                continue
-            info = metadata.storage_data.get(MetadataIndex(key, c.offsets))
-            if info is None:
-                problems.append(f"{key}: chunk {i} at {offsets} has no storage entry (a missing shard)")
-                continue
-            file, offset, length = info.relative_path, info.offset, info.length
-            if not isinstance(file, str) or not file or "/" in file or "\\" in file or file.startswith("."):
-                problems.append(f"{key}: chunk {i} is stored in {file!r}, not a file of the checkpoint directory")
-                continue
-            if getattr(info, "transform_descriptors", None):
-                problems.append(f"{key}: chunk {i} is stored with transforms {info.transform_descriptors} "
-                                "(compression is not read)")
-                continue
-            if file not in sizes:
-                p = root / file
-                sizes[file] = p.stat().st_size if p.is_file() else -1
-            if sizes[file] < 0:
-                problems.append(f"{key}: chunk {i} is in {file}, which is missing (a missing shard file)")
-                continue
-            if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0 and length > 0):
-                problems.append(f"{key}: chunk {i} has byte range {offset!r} + {length!r}")
-                continue
-            if offset + length > sizes[file]:
-                problems.append(f"{key}: chunk {i} lies at bytes [{offset}, {offset + length}) of {file}, which "
-                                f"has {sizes[file]} bytes (a truncated file)")
-                continue
-            if length < math.prod(csizes) * dtype.itemsize:
-                problems.append(f"{key}: chunk {i} has {length} bytes, fewer than its {csizes} {dtype} data")
-                continue
-            chunks.append(SavedChunk(offsets, csizes, file, offset, length))
+            chunk = _chunk(root, metadata, key, i, c, shape, dtype, sizes)
+            if isinstance(chunk, str):
+                problems.append(f"{key}: chunk {i} {chunk}")
+            else:
+                chunks.append(chunk)
         if len(chunks) == len(meta.chunks):
             problems += _coverage_problems(key, shape, chunks)
         tensors[key] = SavedTensor(key, shape, dtype, tuple(chunks))
     return tensors, problems
 
 
+def _chunk(root: Path, metadata: Any, key: str, i: int, c: Any, shape: tuple[int, ...], dtype: torch.dtype,
+           sizes: dict[str, int]) -> SavedChunk | str:
+    """Chunk `i` of tensor `key`, validated, or what is wrong with it (`sizes`: the shard files' sizes so far)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    offsets, csizes = tuple(c.offsets), tuple(c.sizes)
+    if len(offsets) != len(shape) or len(csizes) != len(shape) or any(
+            not isinstance(o, int) or not isinstance(n, int) or o < 0 or n <= 0 or o + n > s
+            for o, n, s in zip(offsets, csizes, shape)):
+        return f"at {offsets} of {csizes} is outside the tensor's {shape}"
+    info = metadata.storage_data.get(MetadataIndex(key, c.offsets))
+    if info is None:
+        return f"at {offsets} has no storage entry (a missing shard)"
+    file, offset, length = info.relative_path, info.offset, info.length
+    if not isinstance(file, str) or not file or "/" in file or "\\" in file or file.startswith("."):
+        return f"is stored in {file!r}, not a file of the checkpoint directory"
+    if getattr(info, "transform_descriptors", None):
+        return f"is stored with transforms {info.transform_descriptors} (compression is not read)"
+    if file not in sizes:
+        sizes[file] = (root / file).stat().st_size if (root / file).is_file() else -1
+    if sizes[file] < 0:
+        return f"is in {file}, which is missing (a missing shard file)"
+    if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0 and length > 0):
+        return f"has byte range {offset!r} + {length!r}"
+    if offset + length > sizes[file]:
+        return (f"lies at bytes [{offset}, {offset + length}) of {file}, which has {sizes[file]} bytes (a truncated "
+                "file)")
+    if length < math.prod(csizes) * dtype.itemsize:
+        return f"has {length} bytes, fewer than its {csizes} {dtype} data"
+    return SavedChunk(offsets, csizes, file, offset, length)
+
+
 def _coverage_problems(key: str, shape: tuple[int, ...], chunks: list[SavedChunk]) -> list[str]:
-    """No element of the tensor in two chunks, and every element in one -- except whole slices of the leading
-    (layer, expert) axes of a stacked layer tensor: megatron-core gives a tensor of some layers only (the dense
-    MLP of a model whose other layers are MoE) the global layer axis, with chunks at the layers that have it."""
+    """No element in two chunks, and every element in one, except whole missing slices of the leading (layer,
+    expert) axes (a tensor of some layers only, e.g. the dense MLP beside MoE layers)."""
     cuts = [sorted({0, s, *(c.offsets[d] for c in chunks), *(c.offsets[d] + c.sizes[d] for c in chunks)})
             for d, s in enumerate(shape)]
     cells = math.prod(len(c) - 1 for c in cuts)
@@ -381,8 +373,7 @@ def leading_axes(key: str) -> int:
 
 
 class _Window(io.RawIOBase):
-    """One record of a shard file as a read-only file (what zipfile reads its directory through), counting the
-    bytes read into the checkpoint's total."""
+    """One record of a shard file as a read-only file for zipfile, its reads counted into `bytes_read`."""
 
     def __init__(self, ckpt: Checkpoint, saved: SavedTensor, chunk: SavedChunk) -> None:
         self.ckpt, self.saved, self.chunk, self.pos = ckpt, saved, chunk, 0

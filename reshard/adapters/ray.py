@@ -1,27 +1,15 @@
 """Refits where trainer workers and vLLM engines are Ray actors (the NeMo-RL / verl / SkyRL shape).
 
-Engines are `VllmEngineActor`s: a vLLM `LLM` in an actor, which may run in the vLLM virtualenv
-(`runtime_env={"py_executable": ...}`) while the trainer actors run in a virtualenv without vLLM. The trainer
-side is the same `TrainerSession` as for a server; its engines are `RayEngineClient`s, vLLM's weight-sync client
-protocol over actor calls. Everything that crosses an actor call is JSON text (Ray's own transport pickles the
-call; nothing of reshard's is pickled).
+Engines are `VllmEngineActor`s (a vLLM `LLM` in an actor, possibly in the vLLM virtualenv), driven by a
+`TrainerSession` through `RayEngineClient`s. Everything that crosses an actor call is JSON text.
 
     engine = ray.remote(VllmEngineActor).options(runtime_env={"py_executable": vllm_python}).remote(
         model_dir, json.dumps({"tensor_parallel_size": 1, "dtype": "float32"}))
     # on trainer actor 0:
     session = TrainerSession(refit, 0, tensors, engines=[RayEngineClient(engine, "engine-0")], ...)
 
-Addresses on a Ray cluster: nothing to configure. Trainer actor 0 hosts the refit's store at its node's IP as Ray
-knows it (`ray.util.get_node_ip_address()`, what Ray's own peers use; reshard.addresses), and every gloo group of
-the refit binds the node IP of the process that joins it; an engine actor's vLLM workers are processes of its own
-(not Ray workers) and find their node's address from its interfaces (the default route's, or the only
-non-loopback one). RESHARD_HOST (in the actors' `runtime_env` env_vars) or `TrainerSession(host=...)` overrides
-it on a multi-homed node; an address of another host is refused. An engine that cannot reach the store fails its
-init at once, naming the address, and the trainer's init raises with that message. Placing engines on other
-nodes than the trainers is Ray's business (`resources`, placement groups); `VllmEngineActor.node_address` tells
-where one landed.
-
-This module imports ray and vllm lazily (only inside the calls that need them).
+Addresses need no configuration: the store binds the Ray node IP (reshard.addresses); RESHARD_HOST or
+`TrainerSession(host=...)` overrides it on a multi-homed node. Imports ray and vllm lazily.
 """
 from __future__ import annotations
 
@@ -35,8 +23,7 @@ from .lease_keeper import request_body
 
 
 class RayEngineClient(EngineClient, Leased, ReportsStaged, ServesLora):
-    """vLLM's weight-sync client protocol (init / start / update / finish) over a `VllmEngineActor` handle; every
-    call waits at most `timeout` seconds. Not `Pausable`: an offline engine generates only when asked."""
+    """vLLM's weight-sync client protocol over a `VllmEngineActor` handle, each call waiting at most `timeout` s."""
 
     def __init__(self, actor: Any, name: str, timeout: float = 600.0) -> None:
         self.actor, self.name, self.timeout = actor, name, timeout
@@ -88,8 +75,7 @@ class RayEngineClient(EngineClient, Leased, ReportsStaged, ServesLora):
         return json.loads(self._call("lease_state"))
 
     def load_lora(self, name: str, path: str) -> int:
-        """Serve the PEFT directory `path` as adapter `name` (engine started with enable_lora); its id, what an
-        in-slot refit names (`RefitSpec(install="lora_slot", lora_id=...)`)."""
+        """Serve the PEFT directory `path` as adapter `name` (enable_lora); its id, what `lora_id` names."""
         return int(self._call("load_lora", name, path))
 
     # --- what a caller checks ----------------------------------------------------------------------
@@ -98,9 +84,7 @@ class RayEngineClient(EngineClient, Leased, ReportsStaged, ServesLora):
         return json.loads(self._call("greedy", json.dumps(prompts), max_tokens, lora))
 
     def prompt_logprobs(self, prompts: list[list[int]]) -> list[tuple[list[float], list[int]]]:
-        """Score token-id prompts in the engine actor without sampling (a reshard.verify Scorer): per prompt, the
-        log-probability of each token after the first and the argmax token there, as plain lists (JSON over the
-        actor call)."""
+        """Per token-id prompt, each later token's log-probability and the argmax there (a reshard.verify Scorer)."""
         rows = json.loads(self._call("prompt_logprobs", json.dumps([[int(t) for t in p] for p in prompts])))
         if not isinstance(rows, list) or len(rows) != len(prompts):
             raise ExecutionError(f"{self}: prompt_logprobs answered {type(rows).__name__} for {len(prompts)} prompts")
@@ -129,14 +113,10 @@ def _first_line(e: BaseException) -> str:
 
 
 class VllmEngineActor:
-    """A vLLM engine (`vllm.LLM`) with the `reshard` weight-transfer backend, as a Ray actor. `engine_args` is JSON
-    of `LLM` keyword arguments (model excluded); the worker extension is added so that `stats` can count plan
-    compiles, and because in-slot LoRA refits (install "lora_slot") go through it: vLLM's weight-transfer API
-    drops every loaded adapter when an update finishes. Methods take and return JSON text.
+    """A vLLM engine with the `reshard` weight-transfer backend and worker extension, as a Ray actor.
 
-    The actor keeps the driver's lease (adapters.vllm.lease.ThreadedLease): create it threaded
-    (`.options(max_concurrency=4)`), so that renewals get through while an update runs; engine calls are
-    serialized by the actor itself."""
+    `engine_args` is JSON of `LLM` keyword arguments; methods take and return JSON text. Create it threaded
+    (`.options(max_concurrency=4)`) so that lease renewals get through while an update runs."""
 
     def __init__(self, model: str, engine_args: str = "{}", env: str = "{}") -> None:
         os.environ.update(json.loads(env))
@@ -179,8 +159,7 @@ class VllmEngineActor:
         return json.dumps(self.guard.book.state())
 
     def init_weight_transfer_engine(self, init_info: str, holder: str | None = None) -> None:
-        """Bind the engine to a refit (its payload as JSON), as `holder`; an in-slot LoRA refit goes through the
-        worker extension."""
+        """Bind the engine to a refit (its payload as JSON), as `holder`."""
         info = json.loads(init_info)
 
         def init() -> None:
@@ -205,7 +184,7 @@ class VllmEngineActor:
                         {"version": weight_version})
 
     def staged(self) -> str:
-        """Each worker's answer to `reshard_staged` (has the open update's staged transfer ended?), as JSON."""
+        """Each worker's answer to `reshard_staged`, as JSON."""
         with self.engine_lock:
             return json.dumps(self.llm.collective_rpc("reshard_staged"))
 
@@ -236,8 +215,7 @@ class VllmEngineActor:
         return json.dumps([list(o.outputs[0].token_ids) for o in outs])
 
     def prompt_logprobs(self, prompts: str) -> str:
-        """JSON [[logprobs, argmax], ...] of the token-id prompts (JSON), scored without sampling
-        (reshard.verify.engines.llm_prompt_logprobs)."""
+        """JSON [[logprobs, argmax], ...] of the token-id prompts (JSON), scored without sampling."""
         from ..verify.engines import llm_prompt_logprobs
 
         self._serving()
@@ -245,10 +223,7 @@ class VllmEngineActor:
             return json.dumps(llm_prompt_logprobs(self.llm, json.loads(prompts)))
 
     def _serving(self) -> None:
-        """Refuse to generate while a torn flip fences the engine (some workers hold the new version, some the old:
-        adapters.vllm.lease.LeaseBook.closed), as the server's middleware refuses its generation routes."""
-        from ..errors import ExecutionError
-
+        """Refuse to generate while a torn flip fences the engine (adapters.vllm.lease.LeaseBook.closed)."""
         with self.guard.lock:
             why = self.guard.book.closed("/generate")
         if why is not None:
@@ -261,12 +236,9 @@ class VllmEngineActor:
 
     def weight_checksums(self) -> str:
         """vLLM's checksum of every parameter, all workers merged, as JSON."""
-        merged: dict[str, str] = {}
         with self.engine_lock:
             per_worker = self.llm.collective_rpc("compute_weight_checksums")
-        for worker in per_worker:
-            merged.update(worker)
-        return json.dumps(merged)
+        return json.dumps({name: digest for worker in per_worker for name, digest in worker.items()})
 
     def landed(self) -> str:
         """reshard's digest of what the last refit landed on each worker (WorkerSession.landed)."""
@@ -279,8 +251,7 @@ class VllmEngineActor:
             return json.dumps(self.llm.collective_rpc("reshard_stats"))
 
     def processes(self) -> list[int]:
-        """The PIDs of this engine's own processes (engine core, workers), for a caller that must end them after
-        killing the actor."""
+        """The PIDs of this engine's own processes (engine core, workers)."""
         import psutil
 
         return [p.pid for p in psutil.Process().children(recursive=True)]

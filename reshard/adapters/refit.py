@@ -1,23 +1,11 @@
-"""What both sides of a refit agree on, as plain data, and the transports that move its bytes.
+"""What both sides of a refit agree on (`RefitSpec`, plain JSON data), and the executor that moves its bytes.
 
-A `RefitSpec` travels from the trainer to every inference worker (in vLLM's init payload, through HTTP, Ray or
-`collective_rpc`) as JSON: the model, the trainer's layout, the engine's layout, how the bytes are installed,
-which engine replica this is, the transport and where its processes meet. Each side rebuilds the layouts, compiles
-the same plan (once per process: planner.cache) and compares its digest with the trainer's. Imports no vLLM.
-
-The engine's layout is any registered layout (layouts.registry.register_layout) that accepts the install
-(`Layout.installs`): a new engine is a module that registers its layout, never an edit here.
-
-Install (the built-in engines'):
-  "direct"     the plan writes the engine's parameters (destination: the engine's layout);
-  "loader"     the plan delivers whole canonical tensors to every engine rank (destination: HfLayout, one replica
-               per engine rank), and the engine's own weight loaders place them (quantized or re-packing engines);
-  "lora_slot"  a LoRA adapter (`layouts.lora.lora_spec`) into the slot of the adapter `lora_id` the engine already
-               serves (destination: the engine's VllmLoraLayout; adapters.lora.slots); the model is untouched.
-
-Transports: `transport` names one registered in adapters.transports (which lists them), `options` go to its
-executor. For the cross-process ones, trainer process p plays source rank p and the worker of destination rank d
-is process S + d (S = the trainer's ranks); everyone meets at `rendezvous` (adapters.rendezvous).
+The spec travels from the trainer to every engine worker; each side rebuilds the layouts, compiles the same plan
+and compares its digest with the trainer's. The engine's layout is any registered layout whose `installs` hold the
+install: "direct" (the plan writes the engine's parameters), "loader" (whole canonical tensors per engine rank,
+placed by the engine's weight loaders) or "lora_slot" (an adapter into the slot of the served adapter `lora_id`).
+Cross-process transports: trainer process p plays source rank p, process S + d destination rank d (S: the
+trainer's ranks). Imports no vLLM.
 """
 from __future__ import annotations
 
@@ -41,59 +29,47 @@ _FIELDS = {"model": dict, "src": dict, "dst": dict, "install": str, "replica": i
 
 @dataclass(frozen=True)
 class RefitSpec:
-    """What a trainer and the engines it refits agree on, as plain JSON-able data (sent to every engine at init).
-
-    Usually made with `RefitSpec.of(spec, trainer_layout, engine_layout, ...)`; `plan()` compiles (and caches)
-    the plan both sides derive from it.
+    """What a trainer and the engines it refits agree on, as JSON-able data (usually made with `RefitSpec.of`).
 
     Args:
         model: the `ModelSpec`'s fields.
         src: the trainer's layout (without the model).
         dst: the engine's layout (without the model): any registered layout whose `installs` hold `install`.
-        install: how a worker lands the bytes: "direct" (into the parameters), "loader" (whole tensors through
-            vLLM's `load_weights`), "lora_slot" (an adapter's slot), or an install a registered layout declares.
+        install: "direct", "loader", "lora_slot", or an install a registered layout declares.
         replica: which replica of `dst` this engine is (engines of one refit get 0, 1, ...).
-        transport: a registered transport (adapters.transports): "inprocess", "colocated", "collective", "nixl",
-            "shared", or one registered since.
+        transport: a registered transport (adapters.transports).
         options: executor options (e.g. `{"timeout": 60}`, `{"checksum": "sha256"}`).
         rendezvous: the cross-process transports' meeting point (filled in by `TrainerSession`).
         fanout: relay tree width across replicas (None: the trainer feeds every replica).
         verify_layers: layers whose loaders a direct install probes (None: one per tensor kind).
         plan_digest: the trainer's plan digest; a worker that compiles another plan refuses the refit.
         lora_id: for "lora_slot", the engine's id of the served adapter whose slot is refit.
-        math: the trainer's HF config fields that change the math but no shape (`RefitSpec.of` fills it from the
-            spec, `ModelSpec.math`, or its `config`); a worker whose model sets any of them otherwise refuses the
-            refit at init. None: not checked.
-        staging: where each engine worker stages the bytes before they go live (adapters.vllm.staging): None
-            (streamed: direct installs commit as soon as every byte landed, loader installs fill their buffers),
-            "device" (a copy of the worker's own shard beside its weights; a loader install's buffers) or "host"
-            (pinned host memory, direct installs). Staged, a worker's transfer runs while its engine keeps
-            generating, and the bytes go live only at the install step (the flip): `TrainerSession(pause_for=
-            "flip")`. Checked at init against the memory free there.
-        delta: delta refits with a dense keyframe every this many versions (executors.delta.DeltaPolicy's
-            keyframe_every): only the elements that changed since the version the engine holds move, written in
-            place into what the transport fills (parameters, staging or loader buffers); the first refit after
-            every init is a keyframe. None: every refit dense. Needs a transport that carries it and no fanout.
+        math: the HF config fields that change the math but no shape; a worker whose model differs refuses the
+            refit. None: not checked.
+        staging: where engine workers stage the bytes before the install makes them live: None (streamed),
+            "device" or "host" (direct installs only); what `TrainerSession(pause_for="flip")` needs.
+        delta: delta refits with a dense keyframe every this many versions (None: every refit dense); needs a
+            transport that carries it and no fanout.
 
     Raises:
         PlanError: a field of the wrong type, an unknown install or transport, or a field that is not JSON.
     """
 
-    model: dict[str, Any]  # (each field: see Args)
-    src: dict[str, Any]  # layout_to_dict, without the model
+    model: dict[str, Any]
+    src: dict[str, Any]
     dst: dict[str, Any]
     install: str = "direct"
     replica: int = 0
     transport: str = "collective"
-    options: dict[str, Any] = field(default_factory=dict)  # "key": the inprocess / distributed publication
-    rendezvous: dict[str, Any] | None = None  # adapters.rendezvous.Rendezvous.to_dict()
+    options: dict[str, Any] = field(default_factory=dict)
+    rendezvous: dict[str, Any] | None = None
     fanout: int | None = None
     verify_layers: tuple[int, ...] | None = None
     plan_digest: str = ""
     lora_id: int | None = None
-    math: dict[str, Any] | None = None  # layouts.math_config
-    staging: str | None = None  # adapters.vllm.staging
-    delta: int | None = None  # executors.delta.DeltaPolicy(keyframe_every=delta)
+    math: dict[str, Any] | None = None
+    staging: str | None = None
+    delta: int | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -128,9 +104,7 @@ class RefitSpec:
             problems += _delta_problems(self)
         if isinstance(self.options, dict) and "delta" in self.options:
             problems.append("options['delta']: delta refits are RefitSpec(delta=K), a dense keyframe every K versions")
-        if self.verify_layers is not None and not isinstance(self.verify_layers, (list, tuple)):
-            problems.append(f"verify_layers={self.verify_layers!r} must be a list of layer numbers, or None")
-        elif self.verify_layers is not None:
+        if isinstance(self.verify_layers, (list, tuple)):  # (another type: refused by _FIELDS above)
             object.__setattr__(self, "verify_layers", tuple(self.verify_layers))
             if not all(isinstance(x, int) and not isinstance(x, bool) for x in self.verify_layers):
                 problems.append("verify_layers must list layer numbers")
@@ -150,22 +124,14 @@ class RefitSpec:
     # --- plain data ----------------------------------------------------------------------------------
     @classmethod
     def of(cls, spec: ModelSpec, src: Layout, dst: Layout, *, config: Any = None, **fields: Any) -> "RefitSpec":
-        """The spec of a refit between two layouts of one model (the model is carried once, not in each layout).
-
-        The fields of the model's HF config that change the math without changing shapes
-        (`layouts.math_config.MATH_FIELDS`: MoE top-k, norm epsilon, rope, activation ...) travel as `math`, and
-        every engine refuses a refit whose model's config sets any of them otherwise. They come from `config` when
-        given, else from the spec itself (`spec.math`: a spec made by `ModelSpec.from_hf_config` carries them), so
-        a refit from a spec read from a checkpoint is checked without further arguments. `math=None` turns the
-        check off.
+        """The spec of a refit between two layouts of one model; `math` comes from `config`, else `spec.math`.
 
         Args:
             spec: the model.
             src: the trainer's layout.
             dst: the engine's layout (a registered layout that accepts the install).
-            config: the trainer's HF config (a dict, config.json or checkpoint directory), for a spec that does
-                not carry its math (one made field by field); it must be the spec's model's config (an adapter
-                spec's: the config of the model it adapts).
+            config: the HF config of the spec's model (a dict, config.json or checkpoint directory), for a spec
+                that does not carry its math.
             **fields: any other `RefitSpec` field (install, transport, options, fanout, math, ...).
 
         Returns:
@@ -222,11 +188,8 @@ class RefitSpec:
         return replace(self, **changes)
 
     def with_expert_placement(self, placement: ExpertPlacement | None) -> "RefitSpec":
-        """This refit for an EPLB engine whose experts now sit as `placement` says (read from the engine:
-        `adapters.vllm.experts.live_placement`, or `ExpertPlacement.from_vllm` of its EPLB maps; None: vLLM's
-        initial placement). The plan digest is cleared: init the refit again with this spec, and the plan is
-        compiled for the new destination (the plan cache keeps the old one for the old placement). An engine
-        refuses a plan of another placement than the one it holds, so a stale spec never writes a byte.
+        """This refit for an EPLB engine whose experts now sit as `placement` says (None: vLLM's initial one),
+        its plan digest cleared (init again with it).
 
         Raises:
             ArgumentError: `placement` is not an ExpertPlacement (or None).
@@ -302,8 +265,7 @@ class RefitSpec:
 
 
 def _delta_problems(refit: RefitSpec) -> list[str]:
-    """Why `refit.delta` (an int) cannot be carried: out of range, a plan with fan-out, an adapter slot (its install
-    scales B in place: the slot no longer holds what landed) or a transport without it."""
+    """Why `refit.delta` (an int) cannot be carried."""
     problems = []
     if refit.install == "lora_slot":
         problems.append(f"delta={refit.delta} with install='lora_slot': the install scales the slot's B in place, so "
@@ -321,8 +283,7 @@ def _delta_problems(refit: RefitSpec) -> list[str]:
 
 
 def _config_math(spec: ModelSpec, config: Any) -> dict[str, Any]:
-    """The math fields of `config`, which must be the config of `spec`'s model (an adapter spec's: of the model it
-    adapts): a config of another model would check the engine against the wrong math."""
+    """The math fields of `config`, which must be the config of `spec`'s model (or of the model an adapter adapts)."""
     from ..layouts.lora import FAMILY, base_spec
     from ..layouts.math_config import math_config
     from ..layouts.registry import read_hf_config, spec_from_hf_config
@@ -336,12 +297,11 @@ def _config_math(spec: ModelSpec, config: Any) -> dict[str, Any]:
 
 def open_transport(refit: RefitSpec, process: int, src: RankTensors, dst: RankTensors, *, store: Any = None,
                    group: Any = None) -> Executor:
-    """This process's executor for the refit (trainer and worker side alike), over the transport the refit names
-    (adapters.transports).
+    """This process's executor for the refit (trainer and worker side alike), over the refit's transport.
 
     Args:
         refit: the refit.
-        process: this process's place in the refit (cross-process transports: see the module docstring).
+        process: this process's place in the refit.
         src, dst: this process's source / destination tensors (rank -> name -> tensor).
         store: the rendezvous's store (cross-process transports), already joined.
         group: the world group of the engine's workers ("colocated").

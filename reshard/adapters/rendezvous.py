@@ -1,11 +1,8 @@
-"""Where the processes of one refit meet: a TCPStore at an address every process reaches, the refit's public
-id, and a secret each member must prove it knows.
+"""Where the processes of one refit meet: a TCPStore every process reaches, the refit's public id, and a secret.
 
-Trainer processes and the workers of a separate vLLM server (or Ray actors) share no torch.distributed world.
-They meet here: one process (the trainer's driver) hosts the store, the others connect to its address, carried
-as plain JSON in the refit's init payload (`Rendezvous.to_dict`). Every key of the refit lives under a namespace
-derived from the secret, so a process without it can neither read the refit's metadata nor take a member's
-place; it is refused with an error that says so, and the host can list such attempts (`refused`).
+The trainer's driver hosts the store; the others connect to its address, carried as JSON in the init payload.
+Every key lives under a namespace derived from the secret, so a process without it can neither read the refit's
+keys nor take a member's place (it is refused, and `refused` lists such attempts).
 
     rdv, store = host_store(Rendezvous.new())   # the driver: this host's routable address, a fresh id and secret
     rdv.to_dict()                                           # into the init payload of every other member
@@ -13,12 +10,8 @@ place; it is refused with an error that says so, and the host can list such atte
     members = join(store, rdv, process=3, size=6, role="engine")   # every member; duplicates refused
     executor_store = scoped(store, rdv, "collective")               # where an executor keeps its keys
 
-The host address is discovered where the store runs (reshard.addresses: an override, the Ray node IP, this
-host's routable interface); a member probes it once before its retrying client connects, so an address it cannot
-reach (a loopback address published to another host) fails at once, naming the address.
-
-Limits: the store and the transports' own sockets are not encrypted; bind them to an address only the refit's
-hosts reach (RESHARD_HOST or `host=` chooses it on a multi-homed host).
+A member probes the address once before connecting, so an unreachable one fails at once, naming it. The sockets
+are not encrypted: bind them to an address only the refit's hosts reach (RESHARD_HOST or `host=`).
 """
 from __future__ import annotations
 
@@ -42,7 +35,7 @@ log = logging.getLogger("reshard.rendezvous")
 
 @dataclass(frozen=True)
 class Rendezvous:
-    """Where one refit's processes meet and the secret that admits them: plain JSON in the refit's init payload.
+    """Where one refit's processes meet and the secret that admits them.
 
     Attributes:
         host: the store's address, reachable from every member.
@@ -79,8 +72,8 @@ class Rendezvous:
 
     @classmethod
     def new(cls, host: str | None = None, port: int = 0, timeout: float = 60.0) -> "Rendezvous":
-        """A fresh refit id and secret at `host` (None: this host's routable address, `addresses.routable_address`;
-        an address given must be this host's); port 0: `host_store` picks a free one."""
+        """A fresh refit id and secret at `host` (None: this host's routable address; port 0: picked by
+        `host_store`)."""
         from ..addresses import routable_address
 
         return cls(routable_address(host), port, secrets.token_hex(6), secrets.token_hex(16), timeout)
@@ -131,8 +124,8 @@ def _is_hex(s: str) -> bool:
 
 
 def host_store(rdv: Rendezvous) -> tuple[Rendezvous, Any]:
-    """Host the refit's store at `rdv.host`:`rdv.port` (port 0: a free one); returns the rendezvous with the
-    port bound, and the store. The public check value lets members with a wrong secret be told so."""
+    """Host the refit's store at `rdv.host`:`rdv.port` (port 0: a free one); the rendezvous with its port, and
+    the store."""
     import torch.distributed as dist
 
     try:
@@ -176,10 +169,8 @@ def _me(role: str, process: int) -> dict[str, Any]:
 def check_secret(store: Any, rdv: Rendezvous, role: str, process: int) -> None:
     """Raise (and leave a note for the host) if this member's secret is not the refit's.
 
-    A member with the secret finds the key the host set under the secret namespace; one without it finds only
-    the public check value, which then differs from its own proof. The public value is only a courtesy that
-    turns a wrong secret into a clear error at once: whoever overwrites or deletes it cannot keep a member with
-    the right secret out (that member looks for the namespaced key first)."""
+    A member with the secret finds the host's key under the secret namespace; the public check value only turns
+    a wrong secret into a clear error at once (overwriting it cannot keep a right member out)."""
     public, hosted = f"reshard/{rdv.refit_id}/check", f"{rdv.namespace}hosted"
 
     def found() -> bool:  # the host's key under the secret namespace; raises at a public value we cannot prove
@@ -223,9 +214,8 @@ def failure(store: Any, rdv: Rendezvous) -> str | None:
 
 
 def join(store: Any, rdv: Rendezvous, process: int, size: int, role: str) -> dict[int, dict[str, Any]]:
-    """Take place `process` of the refit's `size` and wait for every other member; returns each member's record
-    (role, pid, host). Raises ExecutionError on a wrong secret, a place already taken (a duplicate rank), a
-    failure reported by another member (`fail`), or members missing after the timeout."""
+    """Take place `process` of `size` and wait for every other member; each member's record (role, pid, host).
+    Raises ExecutionError on a wrong secret, a place taken, another member's `fail`, or members missing in time."""
     if not 0 <= process < size:
         raise ExecutionError(f"refit {rdv.refit_id}: process {process} is outside the refit's [0, {size})")
     try:
@@ -237,16 +227,14 @@ def join(store: Any, rdv: Rendezvous, process: int, size: int, role: str) -> dic
 
 
 def _gone(rdv: Rendezvous, error: BaseException, doing: str) -> ExecutionError:
-    """The error for a store that failed under a member: its host (trainer process 0) closed it after a failure,
-    or died. One wording wherever join meets it (the host can go away at any step of joining)."""
+    """The error for a store that failed under a member: its host closed it after a failure, or died."""
     first = str(error).splitlines()[0] if str(error) else type(error).__name__
     return ExecutionError(f"refit {rdv.refit_id}: the rendezvous store at {rdv.address} went away while this "
                           f"process {doing} (its host closed after a failure, or died): {first}")
 
 
 def check_place(store: Any, rdv: Rendezvous, process: int) -> None:
-    """Refuse (ExecutionError) a place another member already holds, before `join` claims it (a member that joins
-    later, in the background, fails at once on a duplicate rank; a claim racing this check is refused by join)."""
+    """Refuse (ExecutionError) a place another member already holds, before `join` claims it."""
     key = f"{rdv.namespace}member/{process}"
     if store.check([key]):
         raise _taken(rdv, process, store.get(key))

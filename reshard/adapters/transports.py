@@ -1,18 +1,13 @@
-"""Transports by name: how the bytes of a plan move between the processes of a refit, one registry for every entry
-point (the trainer session and the engine workers through `adapters.refit.open_transport`, NeMo-RL's and verl's
-group executors through `integrations.groups`).
+"""Transports by name: how a plan's bytes move between a refit's processes; `opener(Endpoint) -> Executor`.
 
-A transport is an opener: `opener(Endpoint) -> Executor`, this process's executor for its part of a plan. The
-built-in ones, registered below (each imports its executor only when opened: nixl only for "nixl"):
+Built in (each imports its executor only when opened):
   "inprocess"   trainer and engine in one process: the engine reads the trainer's published tensors;
   "colocated"   the trainer's processes are the engine's workers: the torch.distributed executor over `group`;
-  "collective"  torch.distributed over a group every process joins at the rendezvous (`comm`, else made from the
-                store: gloo on CPU, NCCL on GPUs, or `options["backend"]`);
-  "nixl"        NIXL one-sided transfers (keys in the rendezvous's store);
+  "collective"  torch.distributed over a group joined at the rendezvous (gloo on CPU, NCCL on GPUs, or
+                `options["backend"]`);
+  "nixl"        NIXL one-sided transfers;
   "shared"      processes of one host: senders write into the receivers' memory (CUDA IPC, POSIX shared memory).
-`register_transport(name, opener, ...)` adds one; an unknown name is refused, listing the registered ones. Every
-built-in one carries delta refits (`Endpoint.delta`, `RefitSpec(delta=K)`); one registered with `delta=False` is
-refused for them by RefitSpec, naming it.
+`register_transport` adds one.
 """
 from __future__ import annotations
 
@@ -34,13 +29,12 @@ class Endpoint:
     Attributes:
         plan, binding, process: the plan, who plays its ranks, this process.
         src, dst: this process's source / destination tensors (rank -> name -> tensor).
-        options: the executor's own options (timeout, checksum, ...); "key" names an in-process publication.
-        store, rendezvous: the rendezvous's store (joined) and its `adapters.rendezvous.Rendezvous`
-            (cross-process transports).
+        options: the executor's own options; "key" names an in-process publication.
+        store, rendezvous: the joined store and its `adapters.rendezvous.Rendezvous` (cross-process transports).
         namespace: unique per executor among those of one store (default: the rendezvous's refit id).
         comm: "collective": a StoreComm every process joined (else one is made from the store).
         group: "colocated": the engine's world group.
-        delta: the executor's `delta` option (an executors.delta.DeltaPolicy; None: every refit dense).
+        delta: an executors.delta.DeltaPolicy (None: every refit dense).
     """
 
     plan: Any
@@ -72,9 +66,7 @@ class Endpoint:
 
 @dataclass(frozen=True)
 class Transport:
-    """A registered transport: its opener, whether its processes meet at a rendezvous, the options that make its
-    executor write the destination in place (a loader reads the buffers only after a complete refit), and whether
-    its opener carries `Endpoint.delta`."""
+    """A registered transport (see `register_transport`)."""
 
     name: str
     opener: Callable[[Endpoint], Executor]
@@ -141,11 +133,7 @@ _PUBLISHED: dict[str, RankTensors] = {}
 def publish_source(key: str, tensors: RankTensors) -> None:
     """Make source tensors (source rank -> name -> tensor) readable by engines in this process under `key`.
 
-    What is published is the mapping as it is now: its rank and name levels are copied (read-only), the tensors
-    are shared. The trainer's steps update the tensors in place and every refit reads them; to publish other
-    tensors (new objects, names added or removed), publish again. (An in-process engine then re-checks one object's
-    identity per refit, not every tensor's: tens of thousands for a mixture-of-experts model, in series with the
-    launch.)
+    The mappings are copied, the tensors shared: update them in place, or publish again to change which tensors.
 
     Raises:
         ArgumentError: `tensors` is not a mapping of source rank -> mapping of name -> tensor.
@@ -178,17 +166,10 @@ def published_source(key: str) -> RankTensors:
 
 
 class PublishedSource(Executor):
-    """The in-process transport on the engine side: copies from whatever the trainer published under `key` at
-    each refit into this process's destination ranks.
-
-    The copies run through an inprocess executor (executors.inprocess: checks, views and the copy program made
-    once; on a GPU one graph launch per refit), kept while the trainer updates the published tensors in place. A
-    refit first checks that what is published under `key` is still the publication bound (and every tensor's
-    storage where it was); if the trainer published again, the executor is bound afresh. A plan the inprocess
-    executor cannot run in one process (one that relays between replicas) runs through the ReferenceExecutor.
-    `checksum` (the transport's option): the inprocess executor's ("sum64" on a GPU is computed by the kernel that
-    moves the bytes), the digest in each refit's stats (`RefitStats.digest`). `delta`: the inprocess executor's (a
-    DeltaPolicy); an executor bound afresh starts with a keyframe."""
+    """The in-process transport on the engine side: each refit copies what is published under `key` into this
+    process's destination ranks, through an inprocess executor kept while the publication stays the same object
+    (a plan that relays between replicas runs through the ReferenceExecutor). `checksum` and `delta` are the
+    inprocess executor's options."""
 
     name = ""  # not picked by name: made by open_transport
 
@@ -201,16 +182,13 @@ class PublishedSource(Executor):
         self._bound: Any = None
         self._bound_to: Any = None  # the publication (publish_source) the inprocess executor reads
 
-    def _still_bound(self, src: RankTensors) -> bool:
-        return src is self._bound_to  # republished: another object; in-place storage swaps: the executor's pins
-
     def refit(self, version: int | None = None) -> RefitStats:
         from ..executors.inprocess import InProcessExecutor
         from ..executors.reference import ReferenceExecutor
         from ..planner.plan import RELAY
 
         src = published_source(self.key)
-        if self._bound is None or not self._still_bound(src):
+        if self._bound is None or src is not self._bound_to:  # republished (in-place swaps: the executor's pins)
             if bool((self.plan.ops["src_side"] == RELAY).any()):
                 if self.checksum:
                     raise ExecutionError("checksum in process needs the inprocess executor, and this plan relays "

@@ -1,7 +1,6 @@
-"""Calls into engines on threads of their own (reshard.polling.Background), so that an engine's update runs while
-the trainer sends and an engine that never answers cannot hold the trainer: each call is waited for with a
-deadline, then left to its thread. A refit's waits share one deadline (its timeout from its start), so a frozen
-engine ends the refit within the timeout, not within the timeout once per step."""
+"""Engine calls on threads of their own, waited for by a deadline (a refit's steps share one), then left to their
+thread: an engine that never answers cannot hold the trainer.
+"""
 from __future__ import annotations
 
 import time
@@ -14,11 +13,10 @@ class EngineCall(Background):
     """`engine.method(*args)` on a thread of its own, started at once (its answer in `value`).
 
     Args:
-        engine: the engine (its method is looked up at once).
+        engine: the engine.
         method: the method's name.
         args: its arguments.
-        on_error: called (on the call's thread) with the error's text as soon as the call raised, so that a
-            refit blocked elsewhere can be woken; its own errors are ignored (the call's error is reported).
+        on_error: called with the error's text as soon as the call raised (to wake a refit blocked elsewhere).
     """
 
     def __init__(self, engine: Any, method: str, args: tuple, on_error: Any = None) -> None:
@@ -42,11 +40,8 @@ def wait_calls(calls: list[EngineCall], timeout: float, deadline: float | None =
 
     Args:
         calls: the calls, each on its thread.
-        timeout: seconds from now the calls share (when `deadline` is None), else the bound `deadline` derives
-            from (named in the errors).
-        deadline: a `time.monotonic()` instant that bounds a whole sequence of steps (a refit), shared by every
-            wait of the sequence: a step that started late gets only what is left, so the steps together never
-            take longer than the sequence's timeout.
+        timeout: seconds from now (when `deadline` is None), else the timeout `deadline` derives from.
+        deadline: a `time.monotonic()` instant shared by every wait of a sequence of steps (a refit).
     """
     if deadline is None:
         deadline, late = time.monotonic() + timeout, f"no answer within {timeout:.0f} s"

@@ -1,12 +1,7 @@
 """What the trainer session drives: an engine client, and the capabilities some engines add.
 
-`EngineClient` is vLLM's weight-sync client protocol (`VLLMWeightSyncClient`); user implementations need only
-these four methods. The optional capabilities are protocols of their own, checked with `isinstance` (never by
-probing attributes): `Pausable` (pause / resume around a refit), `ReportsInFlight` (which requests a paused engine
-holds), `ReportsStaged` (whether a staged transfer has landed: asked before the pause for a flip), `Leased` (a
-driver's lease the engine keeps: adapters.vllm.lease) and `ServesLora` (serves PEFT adapters whose slots an
-install="lora_slot" refit rewrites).
-`VllmServer`, `RayEngineClient`, the offline vLLM clients and `adapters.hf_dir.HfDirectoryEngine` implement them.
+`EngineClient` is vLLM's weight-sync client protocol (four methods). The optional capabilities are protocols of
+their own, checked with `isinstance`: `Pausable`, `ReportsInFlight`, `ReportsStaged`, `Leased`, `ServesLora`.
 """
 from __future__ import annotations
 
@@ -17,12 +12,10 @@ from ..errors import ExecutionError
 
 @runtime_checkable
 class EngineClient(Protocol):
-    """An engine a `TrainerSession` refits: init once, then start / update (phase "transfer", then "install") /
-    finish per refit; `finish_weight_update(None)` ends a failed update without a version."""
+    """An engine a `TrainerSession` refits: init once, then start / update (transfer, install) / finish per refit."""
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        """Bind the engine to a refit: `init_info` is a RefitSpec as JSON (its replica filled in); raises if the
-        engine refuses it."""
+        """Bind the engine to a refit (`init_info`: a RefitSpec as JSON); raises if the engine refuses it."""
 
     def start_weight_update(self) -> None:
         """Open an update (before any byte of it lands)."""
@@ -47,7 +40,7 @@ class Pausable(Protocol):
 
 @runtime_checkable
 class ReportsInFlight(Protocol):
-    """An engine that tells which requests it holds (asked while paused: the requests in flight across a flip)."""
+    """An engine that tells which requests it holds (asked while paused)."""
 
     def in_flight(self) -> list[str] | None:
         """The ids of the requests the engine holds now, or None when it cannot tell."""
@@ -55,12 +48,10 @@ class ReportsInFlight(Protocol):
 
 @runtime_checkable
 class ReportsStaged(Protocol):
-    """An engine that tells, without holding its generation, whether the open update's staged transfer
-    (`RefitSpec.staging`) has ended on every worker: what a `pause_for="flip"` driver waits for before it pauses."""
+    """An engine that tells whether the open update's staged transfer has ended on every worker."""
 
     def staged(self) -> bool | None:
-        """True once every worker's bytes are whole (and, where used, its shadow built), False while they land,
-        None when the engine cannot tell (the install waits then).
+        """True once every worker's bytes are whole, False while they land, None when the engine cannot tell.
 
         Raises:
             ExecutionError: a worker's staged transfer failed (its error named).
@@ -81,8 +72,7 @@ def landing_ended(answers: list[dict[str, Any]]) -> bool:
 
 @runtime_checkable
 class Leased(Protocol):
-    """An engine that keeps a driver's lease: refit calls of any other holder are refused, and an update whose
-    lease lapses is ended by the engine itself (adapters.vllm.lease)."""
+    """An engine that keeps a driver's lease: other holders' refit calls are refused, a lapsed update ended."""
 
     def acquire_lease(self, holder: str, ttl: float, timeout: float | None = None) -> None:
         """Take (or renew) the lease as `holder` for `ttl` seconds; the refit calls after it carry it."""

@@ -1,23 +1,14 @@
-"""An HF checkpoint directory as a refit destination engine: the trainer's weights land as the safetensors files
-transformers reads (`from_pretrained`), written by `writers` ranks, one file each, as HF's sharded checkpoints are
-(`model-0000k-of-0000W.safetensors` + `model.safetensors.index.json` + `config.json`).
+"""An HF checkpoint directory as a refit destination engine: the weights land as sharded safetensors files
+(`model-0000k-of-0000W.safetensors`, one per writer, + index + `config.json`) that transformers reads.
 
-A second engine kind beside vLLM, made of registrations only (nothing in layouts.cuts or adapters.refit names it):
-  - `HfDirectoryLayout` (engine "hf_dir", install "direct"), registered by `registry.register_layout`: every
-    canonical tensor whole under its HF name; layer i on writer i * W // L, the tensors outside the layers on
-    writer 0; `replicas` directories;
-  - its cuts, registered for the families whose canonical names are HF checkpoint names (`register_cuts`): a
-    tensor kind sits whole (`Replicated`) under the name its family's entry gives it;
-  - `HfDirectoryEngine`, an `adapters.engines.EngineClient` a `TrainerSession` drives like a vLLM engine: init
-    compiles the same plan and checks the trainer's digest, each refit moves the bytes into its writers' buffers
-    (phase "transfer"), and `finish_weight_update(version)` writes the directory (to a sibling, then renamed
-    over it: a reader sees the previous checkpoint or the new one, never a part); a failed refit writes nothing.
+Made of registrations only: `HfDirectoryLayout` (engine "hf_dir", install "direct": layer i on writer i * W // L,
+the rest on writer 0), its cuts (every tensor kind whole under its HF name), and `HfDirectoryEngine`, an
+`EngineClient` whose finish writes the directory (to a sibling renamed over it: a reader never sees a part).
+Its writers live in its process, so it takes the in-process transports ("inprocess", "colocated").
 
     refit = RefitSpec.of(spec, MegatronLayout(model=spec, tp=2, pp=2), HfDirectoryLayout(model=spec, writers=4),
                          transport="inprocess")
     TrainerSession(refit, 0, shards, engines=[HfDirectoryEngine("ckpt/", config)]).init()
-
-The engine's writers live in its process, so it takes the in-process transports ("inprocess", "colocated").
 """
 from __future__ import annotations
 
@@ -44,7 +35,7 @@ ENGINE = "hf_dir"
 
 
 class HfDirectoryLayout(WholePerReplica, CutLayout):
-    """An HF checkpoint directory written by `writers` ranks, one safetensors file each (see the module docstring).
+    """An HF checkpoint directory written by `writers` ranks, one safetensors file each.
 
     Args:
         model: the model written.
@@ -94,8 +85,7 @@ class HfDirectoryLayout(WholePerReplica, CutLayout):
 
 @functools.lru_cache(maxsize=256)
 def hf_names(spec: ModelSpec, kind: TensorKind) -> tuple[Cut, ...]:
-    """The HF directory's cut of `kind`: whole, under the name its family's entry gives it (one name per kind:
-    a kind named twice would be written twice, so it is refused)."""
+    """The HF directory's cut of `kind`: whole, under its family's one name for it (a kind named twice is refused)."""
     names = sorted({e.name for e in spec.canonical.entries if kind_of(spec, e.role) == kind})
     if len(names) != 1:
         raise LayoutError(ENGINE, f"{kind.label}: the {spec.family} family names it {names or 'nowhere'}; an HF "
@@ -104,15 +94,15 @@ def hf_names(spec: ModelSpec, kind: TensorKind) -> tuple[Cut, ...]:
 
 
 class HfDirectoryEngine(EngineClient):
-    """An HF checkpoint directory as an engine a `TrainerSession` refits (`adapters.engines.EngineClient`).
+    """An HF checkpoint directory as an engine a `TrainerSession` refits.
 
     Args:
         path: the directory (replaced as a whole at each refit's finish).
-        config: the model's HF config (written as config.json; `architectures` tells transformers the class).
+        config: the model's HF config (written as config.json).
 
     Raises:
-        ExecutionError: from the refit calls: a refit spec whose destination is not an HF directory, a
-            cross-process transport, or a call out of order.
+        ExecutionError: from the refit calls: a destination that is not an HF directory, a cross-process
+            transport, or a call out of order.
         PlanError: at init, a plan other than the trainer's.
     """
 

@@ -1,21 +1,15 @@
-"""The lease's wire, shared by both sides (`ROUTE`, `HEADER`, `request_body`), and the keeper: a small process of
-its own (standard library only) that renews a driver's lease on vLLM servers.
+"""The lease's wire, shared by both sides (`ROUTE`, `HEADER`, `request_body`), and the keeper: a process of its own
+(standard library only) that renews a driver's lease on vLLM servers.
 
-The lease (engines.Leased): a driver takes it with `POST ROUTE {"holder": h, "ttl": s}`, renews it the same way
-every ttl / 4, sends `HEADER: h` with its refit calls, and ends it with `{"holder": h, "release": true}`. The
-engine side (its rules, and how a lapsed lease is closed) is adapters.vllm.lease; the driver side (taking,
-renewing, releasing, the renewal's errors) adapters.lease_renewal.
+A driver takes the lease with `POST ROUTE {"holder": h, "ttl": s}`, renews it every ttl / 4, sends `HEADER: h`
+with its refit calls, and ends it with `{"holder": h, "release": true}` (engine side: adapters.vllm.lease). A
+process, not a thread, because a binding that holds the driver's GIL (NIXL, UCX set-up) must not starve the
+renewals; the keeper stops when the driver dies (its pipe closes, or the keeper is re-parented) or is stopped.
 
-Why a process: the lease proves that the driver *process* lives, and a thread of the driver cannot prove it while
-the driver's interpreter is held. NIXL's and UCX's bindings keep the GIL during connection set-up, and on a loaded
-machine that lasted longer than a 30 s lease: the engine fenced a live driver. This keeper renews while the driver
-runs, and stops (the lease lapses, the engine ends the update by itself) when the driver dies (its end of the pipe
-closes, or the keeper is re-parented) or is stopped (SIGSTOP: state T in /proc).
-
-Protocol (JSON lines; never pickle): the driver writes on the keeper's stdin
+Protocol (JSON lines): the driver writes on the keeper's stdin
     {"pid": driver pid, "holder": h, "ttl": s, "every": s}        first line
-    {"add": {"url": "http://host:port", "api_key": key or null}}  a server granted since (renewed from now on)
-and closes stdin to stop it; the keeper writes one line per round on stdout: {"errors": [...]} (empty: all renewed).
+    {"add": {"url": "http://host:port", "api_key": key or null}}  a server granted since
+and closes stdin to stop it; the keeper writes one line per round: {"errors": [...]} (empty: all renewed).
 """
 from __future__ import annotations
 
@@ -91,7 +85,7 @@ def _config(line: str) -> tuple[int, str, float, float]:
 
 
 def main() -> int:
-    """The keeper process (protocol above): renew every `every` seconds until the driver is gone; exit status 0."""
+    """The keeper process: renew every `every` seconds until the driver is gone; exit status 0."""
     pid, holder, ttl, every = _config(sys.stdin.readline(MAX_LINE))
     parent = os.getppid()
     servers: list[dict[str, Any]] = []

@@ -1,6 +1,6 @@
-"""The driver's side of the lease (engines.Leased): taken on every engine that keeps one, renewed for as long as
-the driver lives (a keeper process for servers reached over HTTP, a thread for the others), released at the end.
-The wire is adapters.lease_keeper's, the engines' side adapters.vllm.lease."""
+"""The driver's side of the lease (engines.Leased): taken on every engine that keeps one, renewed while the driver
+lives, released at the end.
+"""
 from __future__ import annotations
 
 import threading
@@ -10,10 +10,10 @@ from .engine_calls import EngineCall, wait_calls
 
 
 class LeaseRenewal:
-    """Renews the driver's lease on its engines every ttl / 4 seconds, until stopped; it must die with the driver,
-    which is the point. Servers reached over HTTP (`lease_endpoint()`) are renewed by a keeper process
-    (adapters.lease_keeper: a thread could not renew while a binding holds the driver's GIL), the others (Ray
-    actors) by a daemon thread. A renewal the engine refuses is kept as `error`: the next refit fails with it."""
+    """Renews the driver's lease on its engines every ttl / 4 seconds until stopped.
+
+    Servers (`lease_endpoint()`) are renewed by a keeper process (adapters.lease_keeper), other engines by a daemon
+    thread. A refused renewal is kept as `error`: the next refit fails with it."""
 
     def __init__(self, engines: list[Any], holder: str, ttl: float) -> None:
         self.engines: list[Any] = []  # renewed by the thread
@@ -29,10 +29,10 @@ class LeaseRenewal:
             self.add(engine)
 
     def take(self, engines: list[Any], timeout: float) -> None:
-        """Take the lease on every engine of `engines` that keeps one (`engines.Leased`), in order, each renewed
-        from its grant on: an engine still starting can hold its acquisition for longer than the lease, and the
-        engines granted before it must not lapse meanwhile. A previous driver's open update is ended by the engine
-        first (bounded by `timeout`); an engine that refuses raises (ExecutionError), those granted stay renewed."""
+        """Take the lease on every `engines.Leased` engine in order, each renewed from its grant on.
+
+        An engine that refuses raises (ExecutionError); those granted stay renewed.
+        """
         from .engines import Leased
 
         for engine in engines:
@@ -41,8 +41,7 @@ class LeaseRenewal:
                 self.add(engine)
 
     def release(self, timeout: float) -> None:
-        """Stop renewing and release the lease on every engine granted (an engine that does not answer ends the
-        lease when it lapses)."""
+        """Stop renewing and release the lease on every engine granted (one that does not answer lets it lapse)."""
         self.stop()
         for engine in self.granted:
             try:

@@ -1,19 +1,14 @@
-"""The trainers follow an EPLB engine's expert placement: a rebalance between two refits recompiles the plan before
-any byte moves, by itself. Imports no vLLM.
+"""The trainers follow an EPLB engine's expert placement: a rebalance between refits recompiles the plan before any
+byte moves. Imports no vLLM.
 
-The engine side refuses a plan compiled for another placement than its EPLB state holds (adapters.vllm.experts,
-at init and at every refit's start, before any byte lands) and, refusing, reports the placement it holds (`report`).
-The trainer side reads the reports in the refit's agreement step (`agree`: trainer process 0 decides, the others
-wait for its decision before they send), recompiles only the changed destination layout
-(`RefitSpec.with_expert_placement`), meets the engines again and runs the step once more (`follow`). Every follow
-is logged and kept in `TrainerSession.followed`, naming both placements by digest.
+An engine refuses a plan of another placement and reports the one it holds (`report`); in the refit's agreement
+step (`agree`) trainer process 0 reads the reports and decides, the others wait for its decision; `follow`
+recompiles the destination (`RefitSpec.with_expert_placement`), meets the engines again and reruns the step,
+logging each follow into `TrainerSession.followed`. Reports and decisions travel through the rendezvous store,
+under the generation's scope (in-process refits: this process):
 
-Where the reports and decisions travel: cross-process refits, the rendezvous store, under the refit generation's
-scope (a report of an old generation is never read); in-process refits, this process (the engine is in it).
-
-    replica/<k>     JSON of engine replica k's placement (every worker of the engine posts the same)
-    decision/<n>    trainer process 0's decision on step n of this generation: "go", "fail" (the step failed for
-                    another reason: every process stops at once), or the JSON of the placement to follow
+    replica/<k>     JSON of engine replica k's placement
+    decision/<n>    process 0's decision on step n: "go", "fail", or the JSON of the placement to follow
 """
 from __future__ import annotations
 
@@ -40,8 +35,7 @@ def _scope(refit: Any, store: Any) -> Any:
 
 
 def report(refit: Any, store: Any, placement: ExpertPlacement) -> None:
-    """Engine side: tell the trainers the placement engine replica `refit.replica` holds (best effort: the
-    refusal that follows names it anyway).
+    """Engine side: tell the trainers the placement engine replica `refit.replica` holds (best effort).
 
     Args:
         refit: the RefitSpec the engine refuses.
@@ -83,17 +77,16 @@ def _reported(session: Any) -> ExpertPlacement | None:
 
 
 def follows(session: Any) -> bool:
-    """Whether this session's refits agree on the engines' placement: an expert-parallel destination whose plan
-    depends on it (a loader install writes vLLM's initial placement, whatever EPLB did: refused, never followed)."""
+    """Whether this session's refits follow the engines' placement (an expert-parallel destination, not a loader)."""
     refit = session.refit_spec
     return refit.install != "loader" and getattr(refit.layouts()[1], "experts", None) is not None
 
 
 def agree(session: Any, step: str, errors: list[str], deadline: float) -> list[str]:
-    """The placement agreement of one step (`step`: "init", or the refit's number), on every trainer process:
-    process 0 decides from the engines' reports (its `errors`: what the engines said to its calls), the others
-    wait for its decision before any byte moves. Sets `session.to_follow` to a placement the engines hold that
-    the plan was not compiled for.
+    """One step's placement agreement (`step`: "init" or the refit's number), on every trainer process.
+
+    Process 0 decides from the engines' reports (its `errors`: what the engines said), the others wait for its
+    decision before any byte moves. Sets `session.to_follow` to a placement the plan was not compiled for.
 
     Returns:
         `errors`, plus why this process stops here (another process's failure, or the placement to follow).
@@ -130,18 +123,15 @@ def agree(session: Any, step: str, errors: list[str], deadline: float) -> list[s
 
 
 def follow(session: Any, step: Callable[[], T], name: str) -> T:
-    """Run `step` -- the session's init (`name` "init": the engines refuse a stale plan there, and the agreement
-    follows the step) or one refit (whose own agreement runs between the engines' start and the transfer) -- on
-    every trainer process; where the engines refused it for their expert placement (`agree` set
-    `session.to_follow`), recompile for that placement, meet the engines again and run `step` again, at most
-    MOST_FOLLOWS times. Each follow is logged and appended to `session.followed` (both digests, why, seconds).
+    """Run `step` (the session's init, or one refit) on every trainer process, following the engines' placement.
+
+    Where the engines refused it for their placement (`agree` set `session.to_follow`), recompile for it, meet the
+    engines again and rerun `step`, at most MOST_FOLLOWS times; each follow is logged into `session.followed`.
 
     Raises:
-        ExecutionError: what `step` raised, where nothing is to follow (or the placement moved again too often).
+        ExecutionError: what `step` raised, where nothing is to follow (or the placement moved too often).
     """
     at_init = name == "init"
-    if not hasattr(session, "followed"):
-        session.followed = []
     for attempt in range(MOST_FOLLOWS + 1):
         session.to_follow = None
         try:

@@ -1,17 +1,7 @@
-"""Check a live model (its ModelFacts, read once) against a declared MegatronLayout before anything moves;
-report every problem at once.
-
-Four kinds of problems, all collected into one LayoutMismatchError:
-1. the model's config against the canonical spec (sizes, and a block the family does not compute);
-2. the derived layout against the declared one (parallel sizes, pipeline split, vocab padding, naming, ranks);
-3. this rank's parameters against `layout.rank_tensors(rank)`: missing, extra, or of another shape or dtype,
-   naming the tensor and both shapes;
-4. layer positions: each TransformerLayer's global number against where the layout puts that layer.
-Persistent buffers holding model state (the router's `expert_bias`) are checked like parameters: placed by the
-layout when the family declares them, otherwise a problem (a refit would drop them). Non-persistent buffers and
-TransformerEngine `_extra_state` (FP8 metadata) are not model weights and are skipped.
-A layout of a LoRA adapter (`layouts.lora`, Megatron-Bridge's `<module>.adapter.linear_in/out.weight`) is checked
-against the adapter's parameters only: the base weights are frozen and not refit, and it holds no vocabulary.
+"""Check a live model (its ModelFacts) against a declared MegatronLayout before anything moves, reporting every
+problem at once in one LayoutMismatchError: the config against the spec, the derived layout against the
+declared one, this rank's tensors (persistent buffers included) against the layout's, and layer positions. A
+LoRA adapter's layout is checked against the adapter's parameters only.
 """
 from __future__ import annotations
 
@@ -36,7 +26,7 @@ def _adapter(layout: MegatronLayout) -> bool:
 
 
 def layout_problems(derived: MegatronLayout, declared: MegatronLayout) -> list[str]:
-    """Every field where the layout derived from the live model differs from the declared one (none: empty)."""
+    """Every field where the layout derived from the live model differs from the declared one."""
     problems = []
     fields = ("tp", "pp", "ep", "etp", "world", "vpp", "first_stage_layers", "last_stage_layers", "naming",
               "rank_order") + (() if _adapter(declared) else ("padded_vocab",))
@@ -85,9 +75,10 @@ def layer_problems(layout: MegatronLayout, rank: int, numbers: Mapping[tuple[int
 
 
 def verify(model: Any, declared: MegatronLayout, *, cast: bool = False) -> MegatronLayout:
-    """Derive `model`'s layout and check it, and this rank's tensors, against `declared`; return the derived
-    layout (equal to `declared` when nothing is wrong). Raises LayoutMismatchError listing every problem.
-    `model` may be the ModelFacts already read off it: the checks are functions of those facts only."""
+    """Derive `model`'s layout (or its ModelFacts') and check it and this rank's tensors against `declared`.
+
+    Returns the derived layout; raises LayoutMismatchError listing every problem.
+    """
     facts = read_model(model)
     rank = facts.parallel_state.rank
     derived = derive_layout(facts, declared.model, like=declared)

@@ -1,26 +1,12 @@
-"""A torch_dist checkpoint as a refit source: its layout, checked against the spec, and the tensors each reader
-process sends, read lazily from the shard files.
+"""A torch_dist checkpoint as a refit source: its reader layout, checked against the spec, and each reader's
+tensors, read lazily from the shard files.
 
-megatron-core saves global tensors (see checkpoint.py), so the checkpoint *is* a TP=1, PP=1, EP=1 Megatron
-model whatever layout trained it; which pipeline stage, virtual chunk, expert-parallel rank or naming scheme
-saved a layer is not part of the format (layers and experts sit at their global numbers, and the local and
-TransformerEngine specs save under the same keys), so no rank order on disk can misplace a byte. The reader
-layout is therefore `MegatronLayout(tp=1, pp=1, ep=1, world=readers)`: `readers` processes, each holding the
-whole model as a data-parallel replica, among which the planner spreads the reading (each reader reads only the
-rows of the tensors the plan has it send).
-
-Lifecycle of a refit from a checkpoint (each reader process):
-  1. `ckpt = open_checkpoint(path)` validates the metadata (no tensor is read);
-  2. `layout = checkpoint_layout(ckpt, spec, readers=n)` derives the reader layout (vocabulary padding and
-     dtype from the checkpoint) and checks every tensor of it against the checkpoint (all problems at once);
-  3. `plan = compile(layout, destination)`;
-  4. `checkpoint_tensors(ckpt, plan, rank)`: {physical name: tensor} of reader `rank`, holding what it sends;
-     hand it to an executor as a live trainer rank's source tensors. `ckpt.bytes_read` counts what was read.
-A LoRA adapter spec (`layouts.lora.lora_spec`) reads the checkpoint's Megatron-Bridge adapter tensors
-(`<module>.adapter.linear_{in,out}.weight`, stacked on the layer axis like every layer tensor) and ignores the base
-weights saved beside them; an adapter tensor the declared targets do not name, or of another rank, is a problem.
-`saved_facts(ckpt)` reports what the checkpoint says about the layout that saved it (tensor and expert-tensor
-parallel sizes from how its chunks cut a tensor, vocabulary padding, layers, experts).
+The checkpoint holds global tensors (checkpoint.py), so whatever layout saved it, it is read as
+`MegatronLayout(tp=1, pp=1, ep=1, world=readers)`: `readers` data-parallel replicas among which the planner
+spreads the reading. Per reader: `open_checkpoint(path)`, `checkpoint_layout(ckpt, spec, readers=n)` (every
+problem at once), compile the plan, `checkpoint_tensors(ckpt, plan, rank)`. A LoRA adapter spec reads the
+Megatron-Bridge `<module>.adapter.linear_{in,out}.weight` tensors and ignores the base weights beside them.
+`saved_facts(ckpt)` tells what the metadata says of the layout that saved it.
 """
 from __future__ import annotations
 
@@ -67,8 +53,9 @@ class SavedFacts:
 
 
 def checkpoint_key(name: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """Candidate checkpoint keys of a TP=1 Megatron physical tensor (local names) and its index on the leading
-    (layer, expert) axes: decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight ->
+    """Candidate checkpoint keys of a TP=1 Megatron physical tensor and its index on the (layer, expert) axes.
+
+    E.g. decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight ->
     ('decoder.layers.mlp.experts.experts.linear_fc1.weight',), (3, 5)."""
     m = _LAYER.fullmatch(name)
     if m is None:
@@ -103,9 +90,10 @@ def saved_facts(ckpt: Checkpoint) -> SavedFacts:
 
 def checkpoint_layout(ckpt: Checkpoint, spec: ModelSpec, *, readers: int = 1,
                       like: MegatronLayout | None = None) -> MegatronLayout:
-    """The reader layout of `ckpt` for the canonical model `spec` (TP=1, PP=1, EP=1, `readers` data-parallel
-    replicas, vocabulary padding of the checkpoint), checked against the checkpoint: raises LayoutMismatchError
-    naming every problem (and every difference from `like`, a declared layout) before anything is read."""
+    """The reader layout of `ckpt` for `spec` (TP=PP=EP=1, `readers` replicas, the checkpoint's vocabulary padding).
+
+    Raises LayoutMismatchError naming every problem against the checkpoint (and `like`, a declared layout).
+    """
     facts = saved_facts(ckpt)
     if spec.family == LORA:  # an adapter has no vocabulary: its tensors are the checkpoint's `.adapter.` ones
         layout = MegatronLayout(model=spec, tp=1, pp=1, ep=1, etp=1, world=readers)
@@ -175,10 +163,10 @@ def checkpoint_problems(ckpt: Checkpoint, layout: MegatronLayout) -> list[str]:
 
 
 def checkpoint_tensors(ckpt: Checkpoint, plan, rank: int) -> dict[str, torch.Tensor]:
-    """{physical name: tensor} of reader `rank` of `plan` (compiled from `checkpoint_layout`): the tensors it
-    sends, with the rows its ops read filled from the checkpoint. Everything else is left unwritten
-    (`torch.empty`: the executor checks every tensor of the rank but sends only what the plan reads; untouched
-    pages of a large allocation are never made resident)."""
+    """{physical name: tensor} of reader `rank` of `plan`: the rows its ops send read from the checkpoint.
+
+    The rest stays unwritten (`torch.empty`: pages never touched are never made resident).
+    """
     ops = plan.ops_sent_by(rank)
     table, layout = plan.src_tensors, plan.src
     out = {}

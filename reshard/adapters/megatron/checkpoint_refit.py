@@ -1,14 +1,9 @@
-"""Refits straight from a megatron-core torch_dist checkpoint: into an HF directory (safetensors + config.json,
-what vLLM, transformers and PEFT tooling load), the LoRA adapter it holds into a PEFT directory, or, on each of
-several reader processes, into any destination an executor reaches (a running `vllm serve`, a Ray engine) as a
-trainer rank's source tensors would (`read_checkpoint` on each reader process).
-
-No Megatron model is built and no HF copy of the whole checkpoint is staged: each reader reads, by byte range,
-only the chunks holding the rows its part of the plan sends (`checkpoint_layout.checkpoint_tensors`).
+"""Refits straight from a megatron-core torch_dist checkpoint: into an HF directory, its LoRA adapter into a PEFT
+directory, or from several reader processes into any destination an executor reaches (`read_checkpoint`). No
+model is built: each reader reads, by byte range, only the rows its part of the plan sends.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -33,9 +28,8 @@ class CheckpointRefit:
 
 def export_hf(checkpoint: str | os.PathLike[str] | Checkpoint, config: str | os.PathLike[str],
               out: str | os.PathLike[str], *, dtype: str | None = None) -> CheckpointRefit:
-    """Write the HF directory of the model saved in `checkpoint` into `out` (an existing empty directory or a new
-    one): `model.safetensors` and `config` (the HF config.json, or a directory holding one) copied beside it.
-    The checkpoint is validated and checked against the config before anything is written."""
+    """Write the HF directory of the model saved in `checkpoint` into `out` (new or empty): `model.safetensors` and
+    `config` (config.json, or a directory holding one), after the checkpoint is checked against the config."""
     from safetensors.torch import save_file
 
     from ...executors.reference import allocate, execute_local
@@ -65,12 +59,8 @@ def export_hf(checkpoint: str | os.PathLike[str] | Checkpoint, config: str | os.
 
 def export_peft(checkpoint: str | os.PathLike[str] | Checkpoint, spec: ModelSpec, out: str | os.PathLike[str], *,
                 base_model: str = "", version: str = "checkpoint") -> CheckpointRefit:
-    """Write the LoRA adapter `spec` (`layouts.lora.lora_spec`: the rank, alpha and targets it was trained with)
-    saved in `checkpoint` (Megatron-Bridge's `<module>.adapter.linear_{in,out}.weight` tensors; base weights
-    beside them are not read) as a PEFT directory at `out`, through the PEFT writer of LoRA refits (`out` becomes
-    a link to the version's directory, switched atomically). The checkpoint is checked against the declared
-    adapter (rank, targets, layers) before anything is written; one process reads what several readers would
-    (several reader processes, each reading its part: `read_checkpoint` with a `PeftLayout`)."""
+    """Write the LoRA adapter `spec` (`layouts.lora.lora_spec`, as trained) saved in `checkpoint` as a PEFT directory
+    at `out` (a link switched atomically to the version's directory), after checking the checkpoint against it."""
     from ...executors.reference import execute_local
     from ...layouts.lora import PeftLayout
     from ...planner import compile_plan
@@ -90,15 +80,14 @@ def export_peft(checkpoint: str | os.PathLike[str] | Checkpoint, spec: ModelSpec
 
 def read_checkpoint(checkpoint: str | os.PathLike[str] | Checkpoint, spec: ModelSpec, dst: Layout,
                     out: dict[int, dict[str, Any]], *, group: Any = None, timeout: float = 60.0) -> CheckpointRefit:
-    """On every reader process of `group`: read this process's part of the refit of the model saved in
-    `checkpoint` into `dst`, by byte range, and send it where `dst` places it (torch.distributed over `group`;
-    reader r is the group's process r, and so is destination rank r). Collective: every process of the group
-    calls it.
+    """On every reader process of `group`: send this process's part of the refit of `checkpoint` into `dst`.
+
+    Collective over `group`: reader r is the group's process r, and so is destination rank r.
 
     Args:
         checkpoint: the torch_dist checkpoint directory (`iter_NNNNNNN/`), or one opened with `open_checkpoint`.
-        spec: the model (e.g. `ModelSpec.from_hf_config`; a LoRA adapter's `lora_spec` with a `PeftLayout`).
-        dst: the destination layout (`HfLayout`, `PeftLayout`, ...), at most as many ranks as the group has.
+        spec: the model (a LoRA adapter's `lora_spec` with a `PeftLayout`).
+        dst: the destination layout, at most as many ranks as the group has.
         out: the destination ranks this process holds (rank -> name -> tensor; empty where it holds none).
         group: the readers' process group (default: the world).
         timeout: seconds the refit may take.
@@ -132,10 +121,3 @@ def read_checkpoint(checkpoint: str | os.PathLike[str] | Checkpoint, spec: Model
     written = sum(t.numel() * t.element_size() for tensors in out.values() for t in tensors.values())
     return CheckpointRefit(ckpt.bytes_read - before, written, ckpt.record_bytes, time.perf_counter() - start)
 
-
-def summary(ckpt: Checkpoint) -> str:
-    """One line: the checkpoint and what its metadata says (for logs and the CLI)."""
-    from .checkpoint_layout import saved_facts
-
-    return json.dumps({"checkpoint": str(ckpt.path), "tensors": len(ckpt.tensors), "bytes": ckpt.nbytes,
-                       "saved": str(saved_facts(ckpt))})

@@ -1,7 +1,5 @@
-"""Derive the MegatronLayout a live model is in: parallel sizes and rank numbering from its process groups,
-naming from its parameter names, pipeline split and vocabulary padding from its config -- all from the
-ModelFacts read once (model.read_model), never from the model again. Given facts, deriving needs no megatron and
-no processes, so it can be tested on any set of facts.
+"""Derive the MegatronLayout a live model is in from its ModelFacts: parallel sizes and rank numbering from its
+process groups, naming from its parameter names, pipeline split and vocabulary padding from its config.
 """
 from __future__ import annotations
 
@@ -19,12 +17,9 @@ MEGATRON_LM_VOCAB_DIVISOR = 128  # Megatron-LM's make_vocab_size_divisible_by de
 
 
 def derive_layout(model: Any, spec: ModelSpec, *, like: MegatronLayout | None = None) -> MegatronLayout:
-    """The layout of `model` (a GPTModel, possibly wrapped, the list of its virtual pipeline chunks, or the
-    ModelFacts read off it).
+    """The layout of `model` (a GPTModel, possibly wrapped, its virtual pipeline chunks, or its ModelFacts).
 
-    `spec` is the canonical model (e.g. from the HF config). Where several declarations describe the same
-    placement (the vocabulary divisor, rank orders that differ only on size-1 axes) the one of `like` is taken,
-    so a matching declared layout compares equal.
+    `spec` is the canonical model; where several declarations describe the same placement, `like`'s is taken.
     """
     facts = read_model(model)
     cfg = facts.config.transformer
@@ -42,11 +37,10 @@ def derive_layout(model: Any, spec: ModelSpec, *, like: MegatronLayout | None = 
 def layout_from_facts(spec: ModelSpec, parallel: ParallelState, *, names: Iterable[str], vpp: int,
                       padded_vocab: int, first_stage_layers: int | None = None, last_stage_layers: int | None = None,
                       like: MegatronLayout | None = None) -> MegatronLayout:
-    """`derive_layout` from facts already read (no model, no processes: what tests drive with invented facts).
+    """`derive_layout` from facts already read (no model, no processes).
 
-    The rank order is the first of `like`'s, megatron-core's default, then every other permutation, that numbers
-    this rank's process groups as `parallel` has them; raises LayoutError when none does.
-    """
+    The rank order is `like`'s, megatron-core's default, or the first permutation that numbers this rank's groups as
+    `parallel` has them; raises LayoutError when none does."""
     tp, pp = parallel.size("tp"), parallel.size("pp")
     ep, etp = (parallel.size("ep"), parallel.size("etp")) if spec.is_moe else (1, tp)  # dense: expert groups unused
     fields = dict(model=spec, tp=tp, pp=pp, ep=ep, etp=etp, world=parallel.world, vpp=vpp,
@@ -66,8 +60,7 @@ def layout_from_facts(spec: ModelSpec, parallel: ParallelState, *, names: Iterab
 
 
 def vocab_divisor(vocab: int, padded: int, tp: int, like: MegatronLayout | None = None) -> int:
-    """A divisor d with pad_to(vocab, d * tp) == padded: `like`'s if it fits, else Megatron-LM's 128, else the
-    smallest. The trainer pads, not megatron-core, so only the padded size is a fact of the model."""
+    """A divisor d with pad_to(vocab, d * tp) == padded: `like`'s if it fits, else 128, else the smallest."""
     candidates = ([like.vocab_divisor] if like is not None else []) + [MEGATRON_LM_VOCAB_DIVISOR]
     if padded % tp == 0:
         candidates += range(1, padded // tp + 1)

@@ -1,9 +1,5 @@
-"""A forward pass of a live megatron-core GPT model over all its ranks, for scoring token sequences: what the
-mismatch check (reshard.verify) and the HF parity stage of `reshard validate` compare with the engine.
-
-Pipeline stages pass activations by point-to-point sends (chunk to chunk under virtual pipelining), the
-tensor-parallel shards of the logits are all-gathered, and the full logits end on global rank 0. The causal mask is
-explicit and made on the tokens' device, so the same call works on CPU (gloo) and GPU (NCCL). No vLLM.
+"""A forward pass of a live megatron-core GPT model over all its ranks (what reshard.verify compares with the
+engine): activations pass stage to stage, TP shards of the logits are all-gathered, and rank 0 gets the logits.
 """
 from __future__ import annotations
 
@@ -34,17 +30,12 @@ def causal_mask(seq: int) -> Any:
 def forward_logits(chunks: list[Any], tokens: Any) -> Any:
     """Full-vocabulary logits of a live megatron-core GPT model on `tokens`, collective over the model's ranks.
 
-    Every rank of the model calls it together with the same tokens. Activations move stage to stage (and chunk to
-    chunk under VPP) by send/recv on the default group; tensor-parallel shards of the logits are all-gathered over
-    the model's TP group; the last stage of rank 0's pipeline sends them to rank 0.
-
     Args:
-        chunks: this rank's model chunks (megatron-core GPTModels, one per virtual pipeline stage), each with its
-            `pg_collection`, in chunk order.
-        tokens: int64 token ids [batch, seq] on the model's device.
+        chunks: this rank's model chunks (one per virtual pipeline stage, in order), each with `pg_collection`.
+        tokens: int64 token ids [batch, seq] on the model's device, the same on every rank.
 
     Returns:
-        The logits [batch, seq, padded vocabulary] in the model's dtype on global rank 0; None on every other rank.
+        The logits [batch, seq, padded vocabulary] on global rank 0; None on every other rank.
 
     Raises:
         ArgumentError: `chunks` is empty or `tokens` is not a 2-D integer tensor.

@@ -1,9 +1,6 @@
-"""The one reader of a live megatron-core GPT model: `read_model` turns it, once, into ModelFacts -- this rank's
-place in the parallel state, its tensors, layer numbers and config -- so that deriving and checking its layout
-and binding its tensors are functions of those facts and never go back to the model.
-
-Names follow the Megatron layout's physical names: a chunk's own parameter names, prefixed `model{c}.` when
-the model has several virtual pipeline chunks. Nothing here copies a tensor: the facts hold the live parameters.
+"""The one reader of a live megatron-core GPT model: `read_model` turns it, once, into ModelFacts (this rank's
+parallel state, live tensors, layer numbers, config), from which the layout is derived and checked. Names are a
+chunk's parameter names, prefixed `model{c}.` under virtual pipelining. Nothing here copies a tensor.
 """
 from __future__ import annotations
 
@@ -34,8 +31,7 @@ class ParallelState:
 
 @dataclass(frozen=True)
 class ConfigFacts:
-    """What the spec checks read off a GPTModel chunk: its TransformerConfig (never changed here) and three facts
-    kept on the module rather than in the config."""
+    """What the spec checks read off a GPTModel chunk: its TransformerConfig and three facts kept on the module."""
     transformer: Any
     padded_vocab: int  # the embedding's rows: the true vocabulary padded by the trainer
     tied: bool  # share_embeddings_and_output_weights
@@ -52,8 +48,7 @@ class ConfigFacts:
 
 @dataclass(frozen=True, eq=False)
 class ModelFacts:
-    """One rank's live model as plain facts, read by `read_model`. The mappings are read-only; the tensors are the
-    live parameters and buffers themselves (a refit must read the trainer's current weights, not a copy)."""
+    """One rank's live model as plain facts (read-only mappings of the live parameters and buffers, not copies)."""
     parallel_state: ParallelState
     parameters: Mapping[str, torch.Tensor]  # physical name -> live parameter
     buffers: Mapping[str, torch.Tensor]  # physical name -> persistent buffer (model state, e.g. expert_bias)
@@ -77,8 +72,7 @@ class ModelFacts:
 
 
 def read_model(model: Any) -> ModelFacts:
-    """The facts of `model` (a GPTModel, possibly wrapped, or the list of its virtual pipeline chunks), each chunk
-    visited once; ModelFacts are returned as they are, so every entry point accepts either."""
+    """The facts of `model` (a GPTModel, possibly wrapped, or its list of virtual pipeline chunks; ModelFacts as is)."""
     if isinstance(model, ModelFacts):
         return model
     chunks = unwrap(model)
@@ -92,8 +86,7 @@ def read_model(model: Any) -> ModelFacts:
 
 
 def read_parallel_state(chunks: Sequence[Any]) -> ParallelState:
-    """From the model's `pg_collection` (megatron-core >= 0.14 keeps one on every module) or, for older models,
-    from `megatron.core.parallel_state`. Only process-group membership is read: no collective runs."""
+    """This rank's process groups, from the model's `pg_collection` or `megatron.core.parallel_state`."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -113,16 +106,14 @@ def read_parallel_state(chunks: Sequence[Any]) -> ParallelState:
 
 
 def state_buffers(chunk: Any, prefix: str = "") -> dict[str, torch.Tensor]:
-    """Persistent buffers (part of the state dict, e.g. the router's `expert_bias`); non-persistent ones
-    (token counters) are scratch and left out. TransformerEngine's `_extra_state` is not a buffer."""
+    """The persistent buffers of `chunk` (e.g. the router's `expert_bias`), by prefixed name."""
     return {prefix + (f"{mod_name}.{name}" if mod_name else name): buf
             for mod_name, module in chunk.named_modules() for name, buf in module._buffers.items()
             if buf is not None and name not in module._non_persistent_buffers_set}
 
 
 def unwrap(model: Any) -> list[Any]:
-    """The GPTModel chunks of `model` (one module or the list of virtual-pipeline chunks), without the DDP /
-    Float16Module wrappers. Fully sharded data parallel is refused: its parameters are not whole TP shards."""
+    """The GPTModel chunks of `model` without DDP / Float16Module wrappers; fully sharded data parallel is refused."""
     from megatron.core.models.gpt import GPTModel
 
     wrappers, sharded = _wrapper_types()

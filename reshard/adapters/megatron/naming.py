@@ -1,13 +1,6 @@
-"""Which of megatron-core's two parameter naming schemes a model uses.
-
-- "local" (`get_gpt_layer_local_spec`): separate norms `input_layernorm.weight`, `pre_mlp_layernorm.weight`;
-  experts `mlp.experts.local_experts.{j}.linear_fc1.weight` (SequentialMLP).
-- "te" (`get_gpt_layer_with_transformer_engine_spec`): norms fused into the next linear,
-  `self_attention.linear_qkv.layer_norm_weight` and (dense layers) `mlp.linear_fc1.layer_norm_weight`; MoE layers
-  keep a separate `pre_mlp_layernorm.weight`; grouped experts `mlp.experts.linear_fc1.weight{j}` (TEGroupedMLP).
-
-Two expert variants are refused because the layout does not describe them: TE layers with SequentialMLP experts
-(`moe_grouped_gemm=False`) and the legacy fused GroupedMLP (`mlp.experts.weight1` / `weight2`).
+"""Which of megatron-core's parameter naming schemes a model uses: "local" (separate norms, SequentialMLP experts
+`local_experts.{j}`) or "te" (norms fused into the next linear, TEGroupedMLP experts `linear_fc1.weight{j}`).
+Other expert variants are refused.
 """
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The canonical model behind a megatron-core GPTModel: build a ModelSpec from its config, or check a declared
-spec (usually from the HF config of the destination) against it.
-
-The block described: RMSNorm, SwiGLU, no biases, rotary positions; GQA attention (Qwen3 / Qwen3-MoE / Llama) or
-multi-head latent attention (DeepSeek-V3: its dimensions, shared experts and router bias come from `spec.arch`).
-A model computing something else would refit into wrong weights silently, so every difference is reported.
+"""The canonical model behind a megatron-core GPTModel: a ModelSpec from its config, or every difference between a
+declared spec and it (including a block the family does not compute: RMSNorm, SwiGLU, no biases, rotary).
 """
 from __future__ import annotations
 
@@ -37,9 +33,10 @@ def _moe_dense_layers(config: Any) -> tuple[int, ...]:
 
 
 def spec_from_megatron(model: Any, *, vocab_size: int | None = None, dtype: str | None = None) -> ModelSpec:
-    """A ModelSpec read off a GPTModel chunk (or its ModelFacts). `vocab_size` is the true vocabulary (the model's
-    own size includes the trainer's padding); it defaults to the model's size. The family is the registered one
-    whose `from_megatron` accepts the config (Qwen3 and Qwen3-MoE with q/k norms, Llama without)."""
+    """A ModelSpec read off a GPTModel chunk (or its ModelFacts), of the one family whose `from_megatron` accepts it.
+
+    `vocab_size` is the true vocabulary (default: the model's padded size).
+    """
     facts = ConfigFacts.of(model)
     cfg = facts.transformer
     moe = bool(cfg.num_moe_experts)
@@ -59,8 +56,7 @@ def spec_from_megatron(model: Any, *, vocab_size: int | None = None, dtype: str 
 
 
 def spec_problems(model: Any, spec: ModelSpec) -> list[str]:
-    """Every way the GPTModel's config (of a chunk, or its ModelFacts) disagrees with `spec` or computes something
-    the family does not."""
+    """Every way the GPTModel's config (a chunk's, or its ModelFacts') disagrees with `spec`."""
     import torch.nn.functional as F
 
     facts = ConfigFacts.of(model)

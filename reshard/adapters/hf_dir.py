@@ -150,13 +150,11 @@ class HfDirectoryEngine(EngineClient):
         if not self._open:
             raise ExecutionError(f"{self}: no update is open")
         self._open = False
-        if weight_version is not None:
-            self._write(str(weight_version))
-
-    def _write(self, version: str) -> None:
+        if weight_version is None:
+            return
         from safetensors.torch import save_file
 
-        _, dst = self.refit.layouts()
+        version, (_, dst) = str(weight_version), self.refit.layouts()
         staging = self.path.with_name(f".{self.path.name}.writing")
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)

@@ -3,7 +3,12 @@ lives, released at the end.
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 from .engine_calls import EngineCall, wait_calls
@@ -59,11 +64,6 @@ class LeaseRenewal:
         self.engines.append(engine)
 
     def _keeper_add(self, server: dict[str, Any]) -> bool:
-        import os
-        import subprocess
-        import sys
-        from pathlib import Path
-
         try:
             if self.keeper is None:
                 script = Path(__file__).with_name("lease_keeper.py")
@@ -77,14 +77,10 @@ class LeaseRenewal:
             return False
 
     def _send(self, value: dict[str, Any]) -> None:
-        import json
-
         self.keeper.stdin.write(json.dumps(value) + "\n")
         self.keeper.stdin.flush()
 
     def _read(self, keeper: Any) -> None:
-        import json
-
         for line in keeper.stdout:
             try:
                 errors = json.loads(line)["errors"]

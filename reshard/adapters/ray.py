@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from typing import Any
 
 from ..errors import ExecutionError
@@ -122,20 +123,17 @@ class VllmEngineActor:
         os.environ.update(json.loads(env))
         from vllm import LLM
 
+        from .vllm.lease import ThreadedLease
+        from .vllm.trainer import OfflineExtensionClient, OfflineLLMClient
+
         args = {"enforce_eager": True, "skip_tokenizer_init": True, "enable_prefix_caching": False, "seed": 0,
                 "weight_transfer_config": {"backend": "reshard"},
                 "worker_extension_cls": "reshard.adapters.vllm.worker.ReshardWorkerExtension",
                 **json.loads(engine_args)}
         self.llm = LLM(model=model, **args)
         self.loras: dict[str, Any] = {}  # name -> LoRARequest
-        from .vllm.trainer import OfflineExtensionClient, OfflineLLMClient
-
         self.api, self.extension = OfflineLLMClient(self.llm), OfflineExtensionClient(self.llm)
         self.client = self.api  # the refit in progress: an adapter's goes through the worker extension
-        import threading
-
-        from .vllm.lease import ThreadedLease
-
         self.engine_lock = threading.RLock()  # one engine call at a time (the actor may be threaded)
         self.guard = ThreadedLease(lambda: self.client, self.engine_lock)
 

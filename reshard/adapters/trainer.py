@@ -143,7 +143,8 @@ class TrainerSession:
             self._discard_ahead(ahead)
             raise
         # an engine that refuses fails the rendezvous at once: no trainer process waits out its timeout
-        calls = [EngineCall(engine, "init_weight_transfer_engine", (self._engine_spec(refit, k).to_dict(),),
+        ids = [{"lora_id": i} for i in self.lora_ids] if self.lora_ids is not None else [{}] * len(self.engines)
+        calls = [EngineCall(engine, "init_weight_transfer_engine", (refit.with_(replica=k, **ids[k]).to_dict(),),
                             self._fail_rendezvous) for k, engine in enumerate(self.engines)]
         try:
             if refit.cross_process:
@@ -207,11 +208,6 @@ class TrainerSession:
 
             self.renewal = LeaseRenewal([], uuid.uuid4().hex, self.lease)
             self.renewal.take(self.engines, self.timeout)
-
-    def _engine_spec(self, refit: RefitSpec, k: int) -> RefitSpec:
-        """What engine k is told: its replica (and its adapter's id)."""
-        ids = {"lora_id": self.lora_ids[k]} if self.lora_ids is not None else {}
-        return refit.with_(replica=k, **ids)
 
     def _meet(self) -> Any:
         """The rendezvous: hosted by process 0, shared over the trainer group (or given to every process)."""
@@ -383,8 +379,8 @@ class TrainerSession:
         generation, problems = self.generation, []
 
         def run() -> None:
-            if close:
-                self._close_failed_update()
+            if close:  # the workers that did not raise keep the update open; the others' refusals are expected
+                wait_calls([EngineCall(e, "finish_weight_update", (None,)) for e in self.engines], self.timeout)
             for engine in paused:
                 if self.generation != generation:  # a new init took over: its lease ends what this one left open
                     return
@@ -429,11 +425,6 @@ class TrainerSession:
                 edges = "; ".join(f"replica {p} relays to replicas {sorted(c)}" for p, c in sorted(feeds.items()))
                 note += f"; fan-out: {edges}: a replica fed through a failed relay keeps its previous weights too"
         return note + ")"
-
-    def _close_failed_update(self) -> None:
-        """End a failed update on every engine worker (the workers that did not raise keep it open; the others'
-        refusals are expected and ignored)."""
-        wait_calls([EngineCall(engine, "finish_weight_update", (None,)) for engine in self.engines], self.timeout)
 
     def _bounded(self, engine: EngineClient, method: str, *args: Any, deadline: float | None = None) -> list[str]:
         """An engine call waited for within the timeout (or until `deadline`), then left to its thread: its errors."""

@@ -300,7 +300,7 @@ def _tensors(root: Path, metadata: Any) -> tuple[dict[str, SavedTensor], list[st
             continue
         chunks = []
         for i, c in enumerate(meta.chunks):
-            chunk = _chunk(root, metadata, key, i, c, shape, dtype, sizes)
+            chunk = _saved_chunk(root, metadata, key, c, shape, dtype, sizes)
             if isinstance(chunk, str):
                 problems.append(f"{key}: chunk {i} {chunk}")
             else:
@@ -311,9 +311,9 @@ def _tensors(root: Path, metadata: Any) -> tuple[dict[str, SavedTensor], list[st
     return tensors, problems
 
 
-def _chunk(root: Path, metadata: Any, key: str, i: int, c: Any, shape: tuple[int, ...], dtype: torch.dtype,
-           sizes: dict[str, int]) -> SavedChunk | str:
-    """Chunk `i` of tensor `key`, validated, or what is wrong with it (`sizes`: the shard files' sizes so far)."""
+def _saved_chunk(root: Path, metadata: Any, key: str, c: Any, shape: tuple[int, ...], dtype: torch.dtype,
+                 sizes: dict[str, int]) -> SavedChunk | str:
+    """The chunk `c` of tensor `key`, validated, or what is wrong with it (`sizes`: the shard files' sizes so far)."""
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
     offsets, csizes = tuple(c.offsets), tuple(c.sizes)

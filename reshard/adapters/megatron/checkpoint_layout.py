@@ -94,29 +94,25 @@ def checkpoint_layout(ckpt: Checkpoint, spec: ModelSpec, *, readers: int = 1,
 
     Raises LayoutMismatchError naming every problem against the checkpoint (and `like`, a declared layout).
     """
-    facts = saved_facts(ckpt)
-    if spec.family == LORA:  # an adapter has no vocabulary: its tensors are the checkpoint's `.adapter.` ones
-        layout = MegatronLayout(model=spec, tp=1, pp=1, ep=1, etp=1, world=readers)
-        problems = checkpoint_problems(ckpt, layout) + (layout_problems(layout, like) if like is not None else [])
-        if problems:
-            raise LayoutMismatchError("megatron-ckpt", problems, where=f"the checkpoint {ckpt.path} ({facts})",
-                                      fix="declare the adapter the checkpoint holds (lora_spec: its rank, "
-                                          "targets and alpha as trained)")
-        return layout
-    if facts.padded_vocab is None:
+    facts, divisor = saved_facts(ckpt), {}
+    adapter = spec.family == LORA  # no vocabulary: its tensors are the checkpoint's `.adapter.` ones
+    if not adapter and facts.padded_vocab is None:
         raise LayoutMismatchError("megatron-ckpt", ["the checkpoint has no embedding.word_embeddings.weight"],
                                   where=f"the checkpoint {ckpt.path}")
     try:
-        divisor = vocab_divisor(spec.vocab_size, facts.padded_vocab, 1, like)
+        if not adapter:
+            divisor["vocab_divisor"] = vocab_divisor(spec.vocab_size, facts.padded_vocab, 1, like)
     except LayoutError as e:
         raise LayoutMismatchError("megatron-ckpt", [str(e)], where=f"the checkpoint {ckpt.path}") from None
-    layout = MegatronLayout(model=spec, tp=1, pp=1, ep=1, etp=1, world=readers, vocab_divisor=divisor)
-    problems = checkpoint_problems(ckpt, layout)
-    if like is not None:
-        problems += layout_problems(layout, like)
+    layout = MegatronLayout(model=spec, tp=1, pp=1, ep=1, etp=1, world=readers, **divisor)
+    problems = checkpoint_problems(ckpt, layout) + (layout_problems(layout, like) if like is not None else [])
     if problems:
-        fix = (f"declare the model's dtype as the checkpoint's, {facts.dtype} (ModelSpec dtype, CLI --dtype)"
-               if any(" tensors are saved as " in p for p in problems) else "")
+        if adapter:
+            fix = "declare the adapter the checkpoint holds (lora_spec: its rank, targets and alpha as trained)"
+        elif any(" tensors are saved as " in p for p in problems):
+            fix = f"declare the model's dtype as the checkpoint's, {facts.dtype} (ModelSpec dtype, CLI --dtype)"
+        else:
+            fix = ""
         raise LayoutMismatchError("megatron-ckpt", problems, fix=fix, where=f"the checkpoint {ckpt.path} ({facts})")
     return layout
 

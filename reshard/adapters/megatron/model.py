@@ -12,9 +12,11 @@ import torch
 
 from ...errors import LayoutError
 
-# Our name for a group -> the ProcessGroupCollection field holding it. Data parallel counts context-parallel
-# ranks too: weights are replicated across both, and with the default order they are adjacent axes.
-_GROUPS = {"tp": "tp", "pp": "pp", "dp": "dp_cp", "ep": "ep", "etp": "expt_tp", "edp": "expt_dp"}
+# Our name for a group -> (the ProcessGroupCollection field, the megatron.core.parallel_state getter) holding it.
+# Data parallel counts context-parallel ranks too: weights are replicated across both.
+_GROUPS = {"tp": ("tp", "get_tensor_model_parallel_group"), "pp": ("pp", "get_pipeline_model_parallel_group"),
+           "dp": ("dp_cp", "get_data_parallel_group"), "ep": ("ep", "get_expert_model_parallel_group"),
+           "etp": ("expt_tp", "get_expert_tensor_parallel_group"), "edp": ("expt_dp", "get_expert_data_parallel_group")}
 
 
 @dataclass(frozen=True)
@@ -93,8 +95,13 @@ def read_parallel_state(chunks: Sequence[Any]) -> ParallelState:
         raise LayoutError("megatron", "torch.distributed is not initialized; a live model needs its process groups")
     pgc = getattr(chunks[0], "pg_collection", None)
     groups = {}
-    for axis, field in _GROUPS.items():
-        group = getattr(pgc, field, None) if pgc is not None else _parallel_state_group(field)
+    for axis, (field, getter) in _GROUPS.items():
+        if pgc is not None:
+            group = getattr(pgc, field, None)
+        else:  # older megatron-core
+            from megatron.core import parallel_state
+
+            group = getattr(parallel_state, getter)(**({"with_context_parallel": True} if axis == "dp" else {}))
         groups[axis] = tuple(dist.get_process_group_ranks(group)) if group is not None else (dist.get_rank(),)
     for field in ("gtp_remat", "expt_gtp_remat"):
         group = getattr(pgc, field, None)
@@ -153,16 +160,3 @@ def _wrapper_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
             pass
     return (DistributedDataParallel, Float16Module), tuple(sharded)
 
-
-def _parallel_state_group(field: str) -> Any:
-    from megatron.core import parallel_state as ps
-
-    getters = {
-        "tp": ps.get_tensor_model_parallel_group,
-        "pp": ps.get_pipeline_model_parallel_group,
-        "dp_cp": lambda: ps.get_data_parallel_group(with_context_parallel=True),
-        "ep": ps.get_expert_model_parallel_group,
-        "expt_tp": ps.get_expert_tensor_parallel_group,
-        "expt_dp": ps.get_expert_data_parallel_group,
-    }
-    return getters[field]()

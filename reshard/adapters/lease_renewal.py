@@ -15,10 +15,7 @@ from .engine_calls import EngineCall, wait_calls
 
 
 class LeaseRenewal:
-    """Renews the driver's lease on its engines every ttl / 4 seconds until stopped.
-
-    Servers (`lease_endpoint()`) are renewed by a keeper process (adapters.lease_keeper), other engines by a daemon
-    thread. A refused renewal is kept as `error`: the next refit fails with it."""
+    """Renews the driver's lease every ttl / 4 s (servers by a keeper process, others by a thread)."""
 
     def __init__(self, engines: list[Any], holder: str, ttl: float) -> None:
         self.engines: list[Any] = []  # renewed by the thread
@@ -34,10 +31,7 @@ class LeaseRenewal:
             self.add(engine)
 
     def take(self, engines: list[Any], timeout: float) -> None:
-        """Take the lease on every `engines.Leased` engine in order, each renewed from its grant on.
-
-        An engine that refuses raises (ExecutionError); those granted stay renewed.
-        """
+        """Take the lease on each `engines.Leased` engine, renewed from its grant (ExecutionError: refused)."""
         from .engines import Leased
 
         for engine in engines:

@@ -230,8 +230,7 @@ class RefitSpec:
         return transports.transport(self.transport).cross_process
 
     def destination(self) -> Layout:
-        """The plan's destination: the engine's layout (direct, lora_slot), or whole tensors per engine rank
-        (loader)."""
+        """The plan's destination: the engine's layout, or (loader) whole tensors per engine rank."""
         _, dst = self.layouts()
         return HfLayout(model=dst.model, replicas=dst.num_ranks) if self.install == "loader" else dst
 

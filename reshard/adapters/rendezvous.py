@@ -72,8 +72,7 @@ class Rendezvous:
 
     @classmethod
     def new(cls, host: str | None = None, port: int = 0, timeout: float = 60.0) -> "Rendezvous":
-        """A fresh refit id and secret at `host` (None: this host's routable address; port 0: picked by
-        `host_store`)."""
+        """A fresh refit id and secret at `host` (None: this host's routable address; port 0: `host_store` picks)."""
         from ..addresses import routable_address
 
         return cls(routable_address(host), port, secrets.token_hex(6), secrets.token_hex(16), timeout)
@@ -124,8 +123,7 @@ def _is_hex(s: str) -> bool:
 
 
 def host_store(rdv: Rendezvous) -> tuple[Rendezvous, Any]:
-    """Host the refit's store at `rdv.host`:`rdv.port` (port 0: a free one); the rendezvous with its port, and
-    the store."""
+    """Host the refit's store at `rdv.address` (port 0: a free one); the rendezvous with its port, and the store."""
     import torch.distributed as dist
 
     try:
@@ -167,10 +165,7 @@ def _me(role: str, process: int) -> dict[str, Any]:
 
 
 def check_secret(store: Any, rdv: Rendezvous, role: str, process: int) -> None:
-    """Raise (and leave a note for the host) if this member's secret is not the refit's.
-
-    A member with the secret finds the host's key under the secret namespace; the public check value only turns
-    a wrong secret into a clear error at once (overwriting it cannot keep a right member out)."""
+    """Raise (and leave a note for the host) if this member's secret is not the refit's."""
     public, hosted = f"reshard/{rdv.refit_id}/check", f"{rdv.namespace}hosted"
 
     def found() -> bool:  # the host's key under the secret namespace; raises at a public value we cannot prove
@@ -214,8 +209,7 @@ def failure(store: Any, rdv: Rendezvous) -> str | None:
 
 
 def join(store: Any, rdv: Rendezvous, process: int, size: int, role: str) -> dict[int, dict[str, Any]]:
-    """Take place `process` of `size` and wait for every other member; each member's record (role, pid, host).
-    Raises ExecutionError on a wrong secret, a place taken, another member's `fail`, or members missing in time."""
+    """Take place `process` of `size`, wait for every other member; each member's record (ExecutionError: refused)."""
     if not 0 <= process < size:
         raise ExecutionError(f"refit {rdv.refit_id}: process {process} is outside the refit's [0, {size})")
     try:

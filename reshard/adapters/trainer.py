@@ -176,8 +176,7 @@ class TrainerSession:
         return f"source ranks {missing} are not ranks of the plan" if missing else None
 
     def _nixl_agent_ahead(self, refit: RefitSpec) -> str | None:
-        """NIXL: make this process's agent before the lease is taken (its set-up holds the GIL for seconds); its
-        name, or None."""
+        """NIXL: this process's agent, made before the lease is taken (its set-up holds the GIL); its name, or None."""
         delay = refit.options.get("progress_delay_us", 1000)
         if refit.transport != "nixl" or isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
             return None  # (a bad delay is refused by the executor's options, with the error naming it)
@@ -299,8 +298,7 @@ class TrainerSession:
                            delta=getattr(self.executor, "last_delta", None))
 
     def _start(self, paused: list[EngineClient], deadline: float) -> list[str]:
-        """Pause (pause_for="refit") and start the update on each engine in turn, up to the first error; `paused`
-        gets every engine to resume."""
+        """Pause (pause_for="refit") and start the update on each engine, up to the first error; `paused`: to resume."""
         for engine in self.engines:
             errors = self._pause(engine, paused, deadline) if self.pause_for == "refit" else []
             errors = errors or self._bounded(engine, "start_weight_update", deadline=deadline)
@@ -328,8 +326,7 @@ class TrainerSession:
 
     def _update(self, version: str, deadline: float, marks: list[tuple[str, float]],
                 paused: list[EngineClient]) -> tuple[Any, list[str]]:
-        """The update: the bytes land everywhere, then the install (pause_for="flip": paused in between). This
-        process's executor stats, and the errors."""
+        """The bytes land, then the install (pause_for="flip": paused in between): the executor's stats, the errors."""
         info = {"version": version, "refit": (self.refit_spec.rendezvous or {}).get("refit_id", "")}
         calls = [EngineCall(e, "update_weights", ({**info, "phase": "transfer"},)) for e in self.engines]
         stats, errors = None, []
@@ -357,8 +354,7 @@ class TrainerSession:
         return stats, errors
 
     def _await_staged(self, deadline: float) -> list[str]:
-        """pause_for="flip": poll the `ReportsStaged` engines until every staged transfer ended (or failed), by the
-        deadline. The errors."""
+        """pause_for="flip": poll `ReportsStaged` engines until every staged transfer ended, by `deadline`; errors."""
         pending = [e for e in self.engines if isinstance(e, ReportsStaged)]
         errors: list[str] = []
 
@@ -374,8 +370,7 @@ class TrainerSession:
         return errors
 
     def _wind_down(self, close: bool, paused: list[EngineClient], deadline: float) -> list[str]:
-        """After a failure close the open update, then resume the paused engines, on one thread waited for until
-        `deadline` (then left to the background). The errors."""
+        """Close a failed update, then resume the paused engines, waited for until `deadline`; the errors."""
         generation, problems = self.generation, []
 
         def run() -> None:

@@ -166,10 +166,7 @@ def published_source(key: str) -> RankTensors:
 
 
 class PublishedSource(Executor):
-    """The in-process transport on the engine side: each refit copies what is published under `key` into this
-    process's destination ranks, through an inprocess executor kept while the publication stays the same object
-    (a plan that relays between replicas runs through the ReferenceExecutor). `checksum` and `delta` are the
-    inprocess executor's options."""
+    """The in-process transport's engine side: each refit copies what is published under `key` into `dst`."""
 
     name = ""  # not picked by name: made by open_transport
 

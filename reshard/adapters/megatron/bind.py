@@ -15,10 +15,7 @@ from .model import read_model
 
 def source_tensors(model: Any, layout: MegatronLayout, *, cast: bool = False,
                    check: bool = True) -> dict[str, torch.Tensor]:
-    """{physical name: tensor} of this rank of `layout`, views of `model`'s parameters (a model or its ModelFacts).
-
-    With `check` the model is first verified against the layout (check.verify: LayoutMismatchError).
-    """
+    """{physical name: view of the live tensor} of this rank of `layout`, first verified with `check` (check.verify)."""
     facts = read_model(model)
     if check:
         verify(facts, layout, cast=cast)

@@ -75,10 +75,7 @@ def layer_problems(layout: MegatronLayout, rank: int, numbers: Mapping[tuple[int
 
 
 def verify(model: Any, declared: MegatronLayout, *, cast: bool = False) -> MegatronLayout:
-    """Derive `model`'s layout (or its ModelFacts') and check it and this rank's tensors against `declared`.
-
-    Returns the derived layout; raises LayoutMismatchError listing every problem.
-    """
+    """Derive `model`'s layout, check it and this rank's tensors against `declared` (LayoutMismatchError); return it."""
     facts = read_model(model)
     rank = facts.parallel_state.rank
     derived = derive_layout(facts, declared.model, like=declared)

@@ -46,8 +46,7 @@ _DCP_CLASSES = {
 
 
 class CheckpointError(InputError):
-    """A checkpoint directory reshard cannot read: `field` names the file or tensor, `problems` every problem
-    found (all of them, before any byte is read)."""
+    """A checkpoint directory reshard cannot read: `problems` lists every problem found."""
 
     def __init__(self, path: str, problems: list[str] | tuple[str, ...], fix: str = "") -> None:
         self.problems = tuple(problems)
@@ -157,8 +156,7 @@ class Checkpoint:
 
     def read(self, key: str, offsets: tuple[int, ...] | None = None,
              lengths: tuple[int, ...] | None = None) -> torch.Tensor:
-        """The box (offsets, lengths) of tensor `key` (the whole tensor by default), read from the chunks that
-        intersect it only."""
+        """The box (offsets, lengths) of tensor `key` (default: whole), read from the chunks that intersect it only."""
         saved = self.tensors.get(key)
         if saved is None:
             raise CheckpointError(str(self.path), [f"tensor {key!r} is not in the checkpoint"])
@@ -177,8 +175,7 @@ class Checkpoint:
         return out
 
     def _read_box(self, saved: SavedTensor, chunk: SavedChunk, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
-        """The part `box` (global (start, stop) per dimension) of one chunk: the byte span from its first to its
-        last element inside the record's data, or the whole record decoded where its layout is not the plain one."""
+        """The part `box` (global (start, stop) per dimension) of one chunk, by byte span where the record is plain."""
         local = [(lo - c, hi - c) for (lo, hi), c in zip(box, chunk.offsets)]
         start = self._data_start(saved, chunk)
         if start is None:
@@ -222,8 +219,7 @@ class Checkpoint:
         return data
 
     def _data_start(self, saved: SavedTensor, chunk: SavedChunk) -> int | None:
-        """Where the tensor's bytes start inside the chunk's record when it is the plain form (stored, native byte
-        order, one contiguous storage of exactly the chunk's elements); None otherwise. Cached per chunk."""
+        """Where the tensor's bytes start in the chunk's record when it is the plain form; None otherwise. Cached."""
         with self._lock:
             if chunk in self._starts:
                 return self._starts[chunk]
@@ -250,8 +246,7 @@ class Checkpoint:
 
 
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
-    """Open and validate a torch_dist checkpoint directory (`iter_NNNNNNN`), its metadata only; no tensor is read.
-    Raises CheckpointError listing every problem found."""
+    """Open a torch_dist checkpoint directory, its metadata validated (CheckpointError lists every problem)."""
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(str(root), ["is not a directory"])
@@ -344,8 +339,7 @@ def _saved_chunk(root: Path, metadata: Any, key: str, c: Any, shape: tuple[int, 
 
 
 def _coverage_problems(key: str, shape: tuple[int, ...], chunks: list[SavedChunk]) -> list[str]:
-    """No element in two chunks, and every element in one, except whole missing slices of the leading (layer,
-    expert) axes (a tensor of some layers only, e.g. the dense MLP beside MoE layers)."""
+    """No element in two chunks, and each in one, but for whole missing (layer, expert) slices (layers without it)."""
     cuts = [sorted({0, s, *(c.offsets[d] for c in chunks), *(c.offsets[d] + c.sizes[d] for c in chunks)})
             for d, s in enumerate(shape)]
     cells = math.prod(len(c) - 1 for c in cuts)

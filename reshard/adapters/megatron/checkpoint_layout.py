@@ -53,10 +53,7 @@ class SavedFacts:
 
 
 def checkpoint_key(name: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """Candidate checkpoint keys of a TP=1 Megatron physical tensor and its index on the (layer, expert) axes.
-
-    E.g. decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight ->
-    ('decoder.layers.mlp.experts.experts.linear_fc1.weight',), (3, 5)."""
+    """Candidate checkpoint keys of a TP=1 Megatron physical tensor, and its index on the (layer, expert) axes."""
     m = _LAYER.fullmatch(name)
     if m is None:
         return (name,), ()
@@ -90,10 +87,7 @@ def saved_facts(ckpt: Checkpoint) -> SavedFacts:
 
 def checkpoint_layout(ckpt: Checkpoint, spec: ModelSpec, *, readers: int = 1,
                       like: MegatronLayout | None = None) -> MegatronLayout:
-    """The reader layout of `ckpt` for `spec` (TP=PP=EP=1, `readers` replicas, the checkpoint's vocabulary padding).
-
-    Raises LayoutMismatchError naming every problem against the checkpoint (and `like`, a declared layout).
-    """
+    """The reader layout of `ckpt` for `spec`, checked against it and `like` (LayoutMismatchError: every problem)."""
     facts, divisor = saved_facts(ckpt), {}
     adapter = spec.family == LORA  # no vocabulary: its tensors are the checkpoint's `.adapter.` ones
     if not adapter and facts.padded_vocab is None:
@@ -118,8 +112,7 @@ def checkpoint_layout(ckpt: Checkpoint, spec: ModelSpec, *, readers: int = 1,
 
 
 def checkpoint_problems(ckpt: Checkpoint, layout: MegatronLayout) -> list[str]:
-    """Every tensor of the layout's rank 0 against the checkpoint (key, shape, dtype), and every saved weight no
-    tensor of the layout reads."""
+    """Every tensor of the layout's rank 0 against the checkpoint, and every saved weight the layout does not read."""
     if (layout.tp, layout.pp, layout.ep, layout.vpp) != (1, 1, 1, 1):
         return [f"a checkpoint is read as tp=pp=ep=vpp=1 (it stores global tensors), not {layout}"]
     problems, used = [], set()
@@ -159,10 +152,7 @@ def checkpoint_problems(ckpt: Checkpoint, layout: MegatronLayout) -> list[str]:
 
 
 def checkpoint_tensors(ckpt: Checkpoint, plan, rank: int) -> dict[str, torch.Tensor]:
-    """{physical name: tensor} of reader `rank` of `plan`: the rows its ops send read from the checkpoint.
-
-    The rest stays unwritten (`torch.empty`: pages never touched are never made resident).
-    """
+    """{physical name: tensor} of reader `rank` of `plan`: what its ops send read in, the rest left unwritten."""
     ops = plan.ops_sent_by(rank)
     table, layout = plan.src_tensors, plan.src
     out = {}

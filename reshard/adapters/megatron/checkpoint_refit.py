@@ -28,8 +28,7 @@ class CheckpointRefit:
 
 def export_hf(checkpoint: str | os.PathLike[str] | Checkpoint, config: str | os.PathLike[str],
               out: str | os.PathLike[str], *, dtype: str | None = None) -> CheckpointRefit:
-    """Write the HF directory of the model saved in `checkpoint` into `out` (new or empty): `model.safetensors` and
-    `config` (config.json, or a directory holding one), after the checkpoint is checked against the config."""
+    """Write the HF directory of `checkpoint` (model.safetensors, `config`'s JSON) into `out` (new or empty)."""
     from safetensors.torch import save_file
 
     from ...executors.reference import allocate, execute_local
@@ -59,8 +58,7 @@ def export_hf(checkpoint: str | os.PathLike[str] | Checkpoint, config: str | os.
 
 def export_peft(checkpoint: str | os.PathLike[str] | Checkpoint, spec: ModelSpec, out: str | os.PathLike[str], *,
                 base_model: str = "", version: str = "checkpoint") -> CheckpointRefit:
-    """Write the LoRA adapter `spec` (`layouts.lora.lora_spec`, as trained) saved in `checkpoint` as a PEFT directory
-    at `out` (a link switched atomically to the version's directory), after checking the checkpoint against it."""
+    """Write the LoRA adapter `spec` (as trained) saved in `checkpoint` as a PEFT directory at `out`."""
     from ...executors.reference import execute_local
     from ...layouts.lora import PeftLayout
     from ...planner import compile_plan

@@ -17,10 +17,7 @@ MEGATRON_LM_VOCAB_DIVISOR = 128  # Megatron-LM's make_vocab_size_divisible_by de
 
 
 def derive_layout(model: Any, spec: ModelSpec, *, like: MegatronLayout | None = None) -> MegatronLayout:
-    """The layout of `model` (a GPTModel, possibly wrapped, its virtual pipeline chunks, or its ModelFacts).
-
-    `spec` is the canonical model; where several declarations describe the same placement, `like`'s is taken.
-    """
+    """The layout of `model` (a GPTModel, its chunks, or its ModelFacts) for `spec`, `like`'s where equivalent."""
     facts = read_model(model)
     cfg = facts.config.transformer
     unsupported = [f for f in ("pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
@@ -37,10 +34,7 @@ def derive_layout(model: Any, spec: ModelSpec, *, like: MegatronLayout | None = 
 def layout_from_facts(spec: ModelSpec, parallel: ParallelState, *, names: Iterable[str], vpp: int,
                       padded_vocab: int, first_stage_layers: int | None = None, last_stage_layers: int | None = None,
                       like: MegatronLayout | None = None) -> MegatronLayout:
-    """`derive_layout` from facts already read (no model, no processes).
-
-    The rank order is `like`'s, megatron-core's default, or the first permutation that numbers this rank's groups as
-    `parallel` has them; raises LayoutError when none does."""
+    """`derive_layout` from facts already read; LayoutError when no rank order numbers the groups as `parallel` has."""
     tp, pp = parallel.size("tp"), parallel.size("pp")
     ep, etp = (parallel.size("ep"), parallel.size("etp")) if spec.is_moe else (1, tp)  # dense: expert groups unused
     fields = dict(model=spec, tp=tp, pp=pp, ep=ep, etp=etp, world=parallel.world, vpp=vpp,

@@ -33,10 +33,7 @@ def _moe_dense_layers(config: Any) -> tuple[int, ...]:
 
 
 def spec_from_megatron(model: Any, *, vocab_size: int | None = None, dtype: str | None = None) -> ModelSpec:
-    """A ModelSpec read off a GPTModel chunk (or its ModelFacts), of the one family whose `from_megatron` accepts it.
-
-    `vocab_size` is the true vocabulary (default: the model's padded size).
-    """
+    """A ModelSpec read off a GPTModel chunk or its ModelFacts; `vocab_size`: the true vocabulary (default: padded)."""
     facts = ConfigFacts.of(model)
     cfg = facts.transformer
     moe = bool(cfg.num_moe_experts)

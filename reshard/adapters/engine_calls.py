@@ -12,11 +12,7 @@ from ..polling import Background
 class EngineCall(Background):
     """`engine.method(*args)` on a thread of its own, started at once (its answer in `value`).
 
-    Args:
-        engine: the engine.
-        method: the method's name.
-        args: its arguments.
-        on_error: called with the error's text as soon as the call raised (to wake a refit blocked elsewhere).
+    `on_error` is called with the error's text as soon as the call raised (to wake a refit blocked elsewhere).
     """
 
     def __init__(self, engine: Any, method: str, args: tuple, on_error: Any = None) -> None:
@@ -36,13 +32,7 @@ class EngineCall(Background):
 
 
 def wait_calls(calls: list[EngineCall], timeout: float, deadline: float | None = None) -> list[str]:
-    """Join every call by one shared deadline; the errors, and the calls that did not answer in time.
-
-    Args:
-        calls: the calls, each on its thread.
-        timeout: seconds from now (when `deadline` is None), else the timeout `deadline` derives from.
-        deadline: a `time.monotonic()` instant shared by every wait of a sequence of steps (a refit).
-    """
+    """Join every call by one deadline (`deadline`, else `timeout` s from now); the errors, and the calls late."""
     if deadline is None:
         deadline, late = time.monotonic() + timeout, f"no answer within {timeout:.0f} s"
     else:

@@ -53,17 +53,12 @@ class ReportsStaged(Protocol):
     def staged(self) -> bool | None:
         """True once every worker's bytes are whole, False while they land, None when the engine cannot tell.
 
-        Raises:
-            ExecutionError: a worker's staged transfer failed (its error named).
+        Raises ExecutionError when a worker's staged transfer failed (its error named).
         """
 
 
 def landing_ended(answers: list[dict[str, Any]]) -> bool:
-    """Every worker's answer to `reshard_staged` ({"done", "error"}) as one: True when all ended.
-
-    Raises:
-        ExecutionError: a worker's staged transfer failed, naming the worker and its error.
-    """
+    """Every worker's answer to `reshard_staged` as one: True when all ended (ExecutionError naming a failed one)."""
     errors = [f"worker {i}: {a['error']}" for i, a in enumerate(answers) if a.get("error")]
     if errors:
         raise ExecutionError("the staged transfer failed before the flip: " + "; ".join(errors))

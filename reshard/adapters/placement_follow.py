@@ -37,10 +37,7 @@ def _scope(refit: Any, store: Any) -> Any:
 def report(refit: Any, store: Any, placement: ExpertPlacement) -> None:
     """Engine side: tell the trainers the placement engine replica `refit.replica` holds (best effort).
 
-    Args:
-        refit: the RefitSpec the engine refuses.
-        store: the refit's store, or None (connected here for a cross-process refit).
-        placement: what the engine's EPLB state holds now.
+    `store` is the refit's store, or None (connected here for a cross-process refit).
     """
     try:
         if refit.cross_process and refit.rendezvous is not None:
@@ -52,11 +49,7 @@ def report(refit: Any, store: Any, placement: ExpertPlacement) -> None:
 
 
 def _reported(session: Any) -> ExpertPlacement | None:
-    """Process 0: the placement the engines reported, if it is not the plan's.
-
-    Raises:
-        ExecutionError: engine replicas hold different placements (one destination layout cannot say both).
-    """
+    """Process 0: the placement the engines reported, if it is not the plan's (ExecutionError: they differ)."""
     refit = session.refit_spec
     dst = refit.layouts()[1]
     if refit.cross_process:

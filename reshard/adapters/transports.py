@@ -95,11 +95,7 @@ def register_transport(name: str, opener: Callable[[Endpoint], Executor], *, cro
 
 
 def transport(name: str) -> Transport:
-    """The transport registered as `name`.
-
-    Raises:
-        ArgumentError: no transport is registered under `name` (the message lists the registered ones).
-    """
+    """The transport registered as `name`; ArgumentError (listing the registered ones) if none is."""
     if not isinstance(name, str) or name not in _TRANSPORTS:
         raise ArgumentError("transport", name, f"must be one of the registered transports {sorted(_TRANSPORTS)}")
     return _TRANSPORTS[name]
@@ -118,9 +114,7 @@ def cross_process_transports() -> tuple[str, ...]:
 def open_transport(name: str, endpoint: Endpoint) -> Executor:
     """This process's executor for its part of `endpoint.plan` over the transport `name`.
 
-    Raises:
-        ArgumentError: an unknown transport.
-        ExecutionError: what the transport or its executor refuses at construction.
+    Raises ArgumentError for an unknown transport, ExecutionError for what the executor refuses.
     """
     return transport(name).opener(endpoint)
 
@@ -133,11 +127,8 @@ _PUBLISHED: dict[str, RankTensors] = {}
 def publish_source(key: str, tensors: RankTensors) -> None:
     """Make source tensors (source rank -> name -> tensor) readable by engines in this process under `key`.
 
-    The mappings are copied, the tensors shared: update them in place, or publish again to change which tensors.
-
-    Raises:
-        ArgumentError: `tensors` is not a mapping of source rank -> mapping of name -> tensor.
-    """
+    The mappings are copied, the tensors shared: update them in place, or publish again. Raises ArgumentError
+    for anything but such a mapping."""
     from collections.abc import Mapping
     from types import MappingProxyType
 
@@ -154,11 +145,7 @@ def withdraw_source(key: str) -> None:
 
 
 def published_source(key: str) -> RankTensors:
-    """What is published under `key` in this process.
-
-    Raises:
-        ExecutionError: nothing is.
-    """
+    """What is published under `key` in this process; ExecutionError if nothing is."""
     if key not in _PUBLISHED:
         raise ExecutionError(f"no source published under {key!r} in this process (the in-process transports need "
                              f"the trainer's tensors in the engine's process: publish_source first)")

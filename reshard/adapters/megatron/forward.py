@@ -7,16 +7,9 @@ from typing import Any
 
 
 def causal_mask(seq: int) -> Any:
-    """megatron-core's attention mask for `seq` tokens of causal attention.
+    """megatron-core's causal attention mask for `seq` tokens: bool [1, 1, seq, seq], True where masked out.
 
-    Args:
-        seq: the sequence length.
-
-    Returns:
-        A bool tensor [1, 1, seq, seq], True where attention is masked out (megatron's convention).
-
-    Raises:
-        ArgumentError: `seq` is not a positive integer.
+    Raises ArgumentError when `seq` is not a positive integer.
     """
     import torch
 

@@ -21,15 +21,11 @@ from .spec import spec_problems
 ADAPTER = ".adapter."  # Megatron-Bridge's adapters: <module>.adapter.linear_in / linear_out
 
 
-def _adapter(layout: MegatronLayout) -> bool:
-    return layout.model.family == LORA
-
-
 def layout_problems(derived: MegatronLayout, declared: MegatronLayout) -> list[str]:
     """Every field where the layout derived from the live model differs from the declared one."""
     problems = []
     fields = ("tp", "pp", "ep", "etp", "world", "vpp", "first_stage_layers", "last_stage_layers", "naming",
-              "rank_order") + (() if _adapter(declared) else ("padded_vocab",))
+              "rank_order") + (() if declared.model.family == LORA else ("padded_vocab",))
     for field in fields:
         got, want = getattr(derived, field), getattr(declared, field)
         if got != want:
@@ -83,7 +79,7 @@ def verify(model: Any, declared: MegatronLayout, *, cast: bool = False) -> Megat
     problems = spec_problems(facts, declared.model) + differences
     if rank < declared.num_ranks:
         placed = declared.rank_tensors(rank)
-        ours = (lambda n: ADAPTER in n) if _adapter(declared) else (lambda n: True)  # noqa: E731
+        ours = (lambda n: ADAPTER in n) if declared.model.family == LORA else (lambda n: True)  # noqa: E731
         mine = {n: t for n, t in facts.tensors.items() if ours(n)}
         unplaced = {n: b for n, b in facts.buffers.items() if n not in placed and ours(n)}
         problems += rank_problems(declared, rank, {n: t for n, t in mine.items() if n not in unplaced}, cast)

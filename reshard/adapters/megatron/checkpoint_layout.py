@@ -21,7 +21,7 @@ from ...errors import LayoutError, LayoutMismatchError
 from ...executors.reference import torch_dtype
 from ...layouts import MegatronLayout, ModelSpec
 from .checkpoint import Checkpoint, leading_axes
-from .check import layout_problems
+from .check import ADAPTER, LORA, layout_problems
 from .derive import vocab_divisor
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
@@ -32,8 +32,6 @@ _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weig
 _NORM_KEYS = {"input_layernorm.weight": ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
               "pre_mlp_layernorm.weight": ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")}
 _SKIP = ("._extra_state",)  # TransformerEngine's FP8 metadata: not weights
-LORA = "lora"  # reshard.layouts.lora's family: a Megatron-Bridge adapter, read from its `.adapter.` tensors
-ADAPTER = ".adapter."
 
 
 @dataclass(frozen=True)
@@ -153,25 +151,21 @@ def checkpoint_problems(ckpt: Checkpoint, layout: MegatronLayout) -> list[str]:
 
 def checkpoint_tensors(ckpt: Checkpoint, plan, rank: int) -> dict[str, torch.Tensor]:
     """{physical name: tensor} of reader `rank` of `plan`: what its ops send read in, the rest left unwritten."""
-    ops = plan.ops_sent_by(rank)
-    table, layout = plan.src_tensors, plan.src
-    out = {}
+    ops, table = plan.ops_sent_by(rank), plan.src_tensors
+    shapes, tensor_ids = plan.src.rank_tensors(rank), ops["src_tensor"]
+    sent, out = set(np.unique(tensor_ids).tolist()), {}
     for tid in np.flatnonzero(table.rank == rank):
         name = table.names[tid]
-        key = next(k for k in checkpoint_key(name)[0] if k in ckpt.tensors)
-        out[name] = torch.empty(layout.rank_tensors(rank)[name], dtype=ckpt.tensors[key].dtype)
-    tensor_ids = ops["src_tensor"]
-    for tid in np.unique(tensor_ids):
-        name, units_shape = table.names[tid], tuple(table.shapes[tid])
-        shape = tuple(layout.rank_tensors(rank)[name])
         keys, index = checkpoint_key(name)
-        key = next(k for k in keys if k in ckpt.tensors)
-        mine = tensor_ids == tid
-        inner = math.prod(units_shape[1:]) if len(units_shape) > 1 else None
-        t = out[name]
-        if inner is None:  # one dimension (norms): read it whole
+        key, shape = next(k for k in keys if k in ckpt.tensors), tuple(shapes[name])
+        t = out[name] = torch.empty(shape, dtype=ckpt.tensors[key].dtype)
+        if tid not in sent:
+            continue
+        units_shape, mine = tuple(table.shapes[tid]), tensor_ids == tid
+        if len(units_shape) == 1:  # one dimension (norms): read it whole
             spans = [(0, shape[0])]
         else:
+            inner = math.prod(units_shape[1:])
             start = ops["src_offset"][mine]
             last = start + (ops["rows"][mine] - 1) * ops["src_stride"][mine] + ops["cols"][mine] - 1
             spans = _merge(zip((start // inner).tolist(), (last // inner + 1).tolist()))

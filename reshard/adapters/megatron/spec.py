@@ -13,13 +13,6 @@ from .model import ConfigFacts
 _DTYPES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16", "torch.float32": "float32"}
 
 
-def _dtype_name(dtype: Any) -> str:
-    name = _DTYPES.get(str(dtype))
-    if name is None:
-        raise ModelConfigError(f"params_dtype {dtype} is not one of {sorted(_DTYPES)}")
-    return name
-
-
 def _moe_dense_layers(config: Any) -> tuple[int, ...]:
     """Layers without experts, from megatron's moe_layer_freq (an int k: every k-th layer is MoE; or a 0/1 list)."""
     if not config.num_moe_experts:
@@ -42,6 +35,9 @@ def spec_from_megatron(model: Any, *, vocab_size: int | None = None, dtype: str 
         raise ModelConfigError(f"the GPTModel's config (qk_layernorm={bool(cfg.qk_layernorm)}, num_moe_experts="
                                f"{cfg.num_moe_experts or 0}) matches {matches or 'no'} families that can be read "
                                f"off a megatron-core config; declare the spec from the HF config instead")
+    dtype = dtype or _DTYPES.get(str(cfg.params_dtype))
+    if dtype is None:
+        raise ModelConfigError(f"params_dtype {cfg.params_dtype} is not one of {sorted(_DTYPES)}")
     return ModelSpec(
         family=matches[0], hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
         num_attention_heads=cfg.num_attention_heads,
@@ -49,7 +45,7 @@ def spec_from_megatron(model: Any, *, vocab_size: int | None = None, dtype: str 
         intermediate_size=cfg.ffn_hidden_size if (not moe or _moe_dense_layers(cfg)) else 0,
         vocab_size=vocab_size or facts.padded_vocab, tie_word_embeddings=facts.tied, qk_norm=bool(cfg.qk_layernorm),
         num_experts=cfg.num_moe_experts or 0, moe_intermediate_size=(cfg.moe_ffn_hidden_size or 0) if moe else 0,
-        dense_layers=_moe_dense_layers(cfg), dtype=dtype or _dtype_name(cfg.params_dtype))
+        dense_layers=_moe_dense_layers(cfg), dtype=dtype)
 
 
 def spec_problems(model: Any, spec: ModelSpec) -> list[str]:

@@ -61,7 +61,6 @@ class RayEngineClient(EngineClient, Leased, ReportsStaged, ServesLora):
     def staged(self) -> bool:
         return landing_ended(json.loads(self._call("staged")))
 
-    # --- the driver's lease (adapters.vllm.lease's rules, kept by the actor) -------------------------------
     def acquire_lease(self, holder: str, ttl: float, timeout: float | None = None) -> None:
         self._call("lease", json.dumps(request_body(holder, ttl)), timeout=timeout)
         self.lease_holder = holder
@@ -79,7 +78,6 @@ class RayEngineClient(EngineClient, Leased, ReportsStaged, ServesLora):
         """Serve the PEFT directory `path` as adapter `name` (enable_lora); its id, what `lora_id` names."""
         return int(self._call("load_lora", name, path))
 
-    # --- what a caller checks ----------------------------------------------------------------------
     def greedy(self, prompts: list[list[int]], max_tokens: int = 12, lora: str | None = None) -> list[list[int]]:
         """Greedy tokens of the base model, or with the adapter loaded as `lora`."""
         return json.loads(self._call("greedy", json.dumps(prompts), max_tokens, lora))
@@ -147,7 +145,6 @@ class VllmEngineActor:
 
         return str(ray.util.get_node_ip_address())
 
-    # --- the driver's lease (adapters.vllm.lease.ThreadedLease) -------------------------------------------
     def lease(self, request: str) -> str:
         """A lease request (adapters.lease_keeper.request_body as JSON); its answer as JSON."""
         return json.dumps(self.guard.request(request.encode()))

@@ -121,7 +121,6 @@ class RefitSpec:
 
             Rendezvous.from_dict(self.rendezvous)
 
-    # --- plain data ----------------------------------------------------------------------------------
     @classmethod
     def of(cls, spec: ModelSpec, src: Layout, dst: Layout, *, config: Any = None, **fields: Any) -> "RefitSpec":
         """The spec of a refit between two layouts of one model; `math` comes from `config`, else `spec.math`.
@@ -209,7 +208,6 @@ class RefitSpec:
         new = dst.model_copy(update=update)
         return replace(self, dst={k: v for k, v in layout_to_dict(new).items() if k != "model"}, plan_digest="")
 
-    # --- what follows from it ------------------------------------------------------------------------
     def layouts(self) -> tuple[Layout, Layout]:
         """(the trainer's layout, the engine's), each validated by its own class.
 

@@ -77,7 +77,6 @@ class Rendezvous:
 
         return cls(routable_address(host), port, secrets.token_hex(6), secrets.token_hex(16), timeout)
 
-    # --- plain data ----------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """The fields as JSON values, secret included: for members only."""
         return asdict(self)

@@ -106,7 +106,6 @@ class TrainerSession:
             raise ExecutionError(f"lora_ids={self.lora_ids} must give one id per engine ({len(self.engines)}) of an "
                                  f"install='lora_slot' refit (install={refit.install!r})")
 
-    # --- 1. init -------------------------------------------------------------------------------------
     def init(self) -> None:
         """Meet the engines (again, after a failure): every trainer process calls it, before any byte moves.
 
@@ -235,7 +234,6 @@ class TrainerSession:
 
             rv.fail(self.store, rv.Rendezvous.from_dict(self.refit_spec.rendezvous), f"trainer: {reason}")
 
-    # --- 2. a refit ----------------------------------------------------------------------------------
     def refit(self, version: str | None = None) -> RefitResult:
         """One refit of every engine: every trainer process calls it, with the same version.
 
@@ -433,7 +431,6 @@ class TrainerSession:
             close_within(self.executor.close, self.timeout, f"closing trainer process {self.process}'s executor")
             self.executor = None
 
-    # --- 3. close ------------------------------------------------------------------------------------
     def close(self) -> None:
         """Release the engines' lease and close the transport, each bounded by the timeout."""
         try:

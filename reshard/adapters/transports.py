@@ -119,8 +119,6 @@ def open_transport(name: str, endpoint: Endpoint) -> Executor:
     return transport(name).opener(endpoint)
 
 
-# --- the in-process transport's source: what the trainer published in this process -------------------------
-
 _PUBLISHED: dict[str, RankTensors] = {}
 
 
@@ -194,8 +192,6 @@ class PublishedSource(Executor):
             self._bound.close()
         self._bound, self._bound_to = None, None
 
-
-# --- the built-in transports -------------------------------------------------------------------------------------
 
 def _inprocess(e: Endpoint) -> Executor:
     options = dict(e.options)

@@ -1,13 +1,17 @@
-"""What the trainer session drives: an engine client, and the capabilities some engines add.
+"""What the trainer session drives: an engine client, the capabilities some engines add, and calls into them.
 
 `EngineClient` is vLLM's weight-sync client protocol (four methods). The optional capabilities are protocols of
 their own, checked with `isinstance`: `Pausable`, `ReportsInFlight`, `ReportsStaged`, `Leased`, `ServesLora`.
+`EngineCall` runs a call on a thread of its own, waited for by a deadline (`wait_calls`; a refit's steps share
+one), then left to its thread: an engine that never answers cannot hold the trainer.
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Protocol, runtime_checkable
 
 from ..errors import ExecutionError
+from ..polling import Background
 
 
 @runtime_checkable
@@ -84,4 +88,42 @@ class ServesLora(Protocol):
         """Serve the PEFT directory `path` as adapter `name`; its id."""
 
 
-__all__ = ["EngineClient", "Leased", "Pausable", "ReportsInFlight", "ReportsStaged", "ServesLora", "landing_ended"]
+class EngineCall(Background):
+    """`engine.method(*args)` on a thread of its own, started at once (its answer in `value`).
+
+    `on_error` is called with the error's text as soon as the call raised (to wake a refit blocked elsewhere).
+    """
+
+    def __init__(self, engine: Any, method: str, args: tuple, on_error: Any = None) -> None:
+        self.label, self.on_error = f"{engine!r}.{method}", on_error
+        super().__init__(self._call, getattr(engine, method), args, name=f"reshard-{method}")
+
+    def _call(self, fn: Any, args: tuple) -> Any:
+        try:
+            return fn(*args)
+        except Exception as e:
+            if self.on_error is not None:
+                try:
+                    self.on_error(f"{self.label}: {e}")
+                except Exception:  # noqa: BLE001 - the error itself is reported by wait_calls
+                    pass
+            raise
+
+
+def wait_calls(calls: list[EngineCall], timeout: float, deadline: float | None = None) -> list[str]:
+    """Join every call by one deadline (`deadline`, else `timeout` s from now); the errors, and the calls late."""
+    if deadline is None:
+        deadline, late = time.monotonic() + timeout, f"no answer within {timeout:.0f} s"
+    else:
+        late = f"no answer by the refit's deadline ({timeout:.0f} s after it began)"
+    errors = []
+    for c in calls:
+        if not c.join(deadline):
+            errors.append(f"{c.label}: {late}")
+        elif c.error is not None:
+            errors.append(f"{c.label}: {c.error}")
+    return errors
+
+
+__all__ = ["EngineCall", "EngineClient", "Leased", "Pausable", "ReportsInFlight", "ReportsStaged", "ServesLora",
+           "landing_ended", "wait_calls"]

@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from .engine_calls import EngineCall, wait_calls
+from .engines import EngineCall, Leased, wait_calls
 
 
 class LeaseRenewal:
@@ -32,8 +32,6 @@ class LeaseRenewal:
 
     def take(self, engines: list[Any], timeout: float) -> None:
         """Take the lease on each `engines.Leased` engine, renewed from its grant (ExecutionError: refused)."""
-        from .engines import Leased
-
         for engine in engines:
             if isinstance(engine, Leased):
                 engine.acquire_lease(self.holder, self.ttl, timeout=timeout)

@@ -25,8 +25,7 @@ from ..group_json import broadcast_json
 from ..polling import Background, poll
 from ..executors.base import Executor, RankTensors
 from ..executors.stats import RefitStats
-from .engine_calls import EngineCall, wait_calls
-from .engines import EngineClient, Leased, Pausable, ReportsInFlight, ReportsStaged
+from .engines import EngineCall, EngineClient, Leased, Pausable, ReportsInFlight, ReportsStaged, wait_calls
 from .lease_renewal import LeaseRenewal
 from .refit import RefitSpec, open_transport
 from .placement_follow import agree, follow

@@ -8,16 +8,14 @@ live parameter}. `spec_from_megatron` builds a ModelSpec from the model's config
 A checkpoint: `open_checkpoint(path)`, `checkpoint_layout(ckpt, spec, readers=n)`, `checkpoint_tensors(ckpt,
 plan, rank)` (read by byte range), `read_checkpoint` (a reader process's whole part), `export_hf`, `export_peft`.
 """
-from .bind import source_tensors
 from .checkpoint import Checkpoint, CheckpointError, open_checkpoint
 from .checkpoint_layout import checkpoint_layout, checkpoint_tensors, saved_facts
 from .checkpoint_refit import export_hf, export_peft, read_checkpoint
-from .check import layer_problems, layout_problems, rank_problems, verify
-from .derive import derive_layout, layout_from_facts, vocab_divisor
+from .check import (layer_problems, layout_problems, rank_problems, source_tensors, spec_from_megatron, spec_problems,
+                    verify)
+from .derive import derive_layout, layout_from_facts, naming_of, vocab_divisor
 from .forward import causal_mask, forward_logits
 from .model import ConfigFacts, ModelFacts, ParallelState, read_model, read_parallel_state
-from .naming import naming_of
-from .spec import spec_from_megatron, spec_problems
 
 __all__ = ["Checkpoint", "CheckpointError", "ConfigFacts", "ModelFacts", "ParallelState", "causal_mask",
            "checkpoint_layout", "checkpoint_tensors", "derive_layout", "export_hf", "export_peft", "forward_logits",

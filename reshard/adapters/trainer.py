@@ -15,16 +15,19 @@ Imports no vLLM:
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
 
+from ..arguments import instance, integer, seconds, text
 from ..errors import ArgumentError, ExecutionError
 from ..group_json import broadcast_json
 from ..polling import Background, poll
 from ..executors.base import Executor, RankTensors
 from ..executors.stats import RefitStats
+from . import rendezvous as rv
 from .engines import EngineCall, EngineClient, Leased, Pausable, ReportsInFlight, ReportsStaged, wait_calls
 from .lease_renewal import LeaseRenewal
 from .refit import RefitSpec, open_transport
@@ -146,8 +149,6 @@ class TrainerSession:
                             self._fail_rendezvous) for k, engine in enumerate(self.engines)]
         try:
             if refit.cross_process:
-                from . import rendezvous as rv
-
                 rdv = rv.Rendezvous.from_dict(refit.rendezvous)
                 rv.join(self.store, rdv, self.process, refit.num_processes, "trainer")
                 self.executor = open_transport(refit, self.process, self.tensors, {}, store=self.store)
@@ -208,8 +209,6 @@ class TrainerSession:
 
     def _meet(self) -> Any:
         """The rendezvous: hosted by process 0, shared over the trainer group (or given to every process)."""
-        from . import rendezvous as rv
-
         rdv = self.given_rendezvous
         if rdv is not None:  # the same on every process: a refit id of this init's own, derived alike everywhere
             rdv = rv.Rendezvous(rdv.host, rdv.port, f"{rdv.refit_id}g{self.generation}", rdv.secret, rdv.timeout)
@@ -229,8 +228,6 @@ class TrainerSession:
 
     def _fail_rendezvous(self, reason: str) -> None:
         if self.store is not None and self.refit_spec.rendezvous is not None:
-            from . import rendezvous as rv
-
             rv.fail(self.store, rv.Rendezvous.from_dict(self.refit_spec.rendezvous), f"trainer: {reason}")
 
     def refit(self, version: str | None = None) -> RefitResult:
@@ -448,11 +445,6 @@ class TrainerSession:
 def _check_arguments(refit: Any, process: Any, tensors: Any, engines: Any, trainer_group: Any, rendezvous: Any,
                      host: Any, pause: Any, timeout: Any, lora_ids: Any, lease: Any, pause_for: Any) -> None:
     """TrainerSession's arguments, each refused with ArgumentError naming it."""
-    from collections.abc import Mapping
-
-    from ..arguments import instance, integer, seconds, text
-    from .rendezvous import Rendezvous
-
     instance("refit", refit, RefitSpec, "a RefitSpec")
     integer("process", process, 0, 1 << 20)
     rule = "must map tensor names to tensors ({name: tensor}), or source ranks to such mappings"
@@ -476,7 +468,7 @@ def _check_arguments(refit: Any, process: Any, tensors: Any, engines: Any, train
         import torch.distributed as dist
 
         instance("trainer_group", trainer_group, dist.ProcessGroup, "a torch.distributed ProcessGroup", none=True)
-    instance("rendezvous", rendezvous, Rendezvous, "an adapters.rendezvous.Rendezvous", none=True)
+    instance("rendezvous", rendezvous, rv.Rendezvous, "an adapters.rendezvous.Rendezvous", none=True)
     text("host", host, none=True)
     text("pause", pause, none=True, choices=("wait", "abort", "keep"))
     text("pause_for", pause_for, choices=("refit", "flip"))

@@ -11,7 +11,9 @@ Built in (each imports its executor only when opened):
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import ArgumentError, ExecutionError
@@ -127,9 +129,6 @@ def publish_source(key: str, tensors: RankTensors) -> None:
 
     The mappings are copied, the tensors shared: update them in place, or publish again. Raises ArgumentError
     for anything but such a mapping."""
-    from collections.abc import Mapping
-    from types import MappingProxyType
-
     if not isinstance(key, str):
         raise ArgumentError("key", key, "must be a string")
     if not isinstance(tensors, Mapping) or not all(isinstance(ts, Mapping) for ts in tensors.values()):

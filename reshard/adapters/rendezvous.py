@@ -27,6 +27,9 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
+import torch.distributed as dist
+
+from ..addresses import probe, routable_address
 from ..errors import ExecutionError
 from ..polling import poll
 
@@ -73,8 +76,6 @@ class Rendezvous:
     @classmethod
     def new(cls, host: str | None = None, port: int = 0, timeout: float = 60.0) -> "Rendezvous":
         """A fresh refit id and secret at `host` (None: this host's routable address; port 0: `host_store` picks)."""
-        from ..addresses import routable_address
-
         return cls(routable_address(host), port, secrets.token_hex(6), secrets.token_hex(16), timeout)
 
     def to_dict(self) -> dict[str, Any]:
@@ -123,8 +124,6 @@ def _is_hex(s: str) -> bool:
 
 def host_store(rdv: Rendezvous) -> tuple[Rendezvous, Any]:
     """Host the refit's store at `rdv.address` (port 0: a free one); the rendezvous with its port, and the store."""
-    import torch.distributed as dist
-
     try:
         store = dist.TCPStore(rdv.host, rdv.port, None, True, timedelta(seconds=rdv.timeout),
                               wait_for_workers=False)
@@ -139,10 +138,6 @@ def host_store(rdv: Rendezvous) -> tuple[Rendezvous, Any]:
 
 def connect(rdv: Rendezvous) -> Any:
     """A client of the refit's store; ExecutionError naming the address if it cannot be reached in time."""
-    import torch.distributed as dist
-
-    from ..addresses import probe
-
     probe(rdv.host, rdv.port, rdv.timeout, f"refit {rdv.refit_id}: the refit's store")  # refused: at once, not retried
     try:
         return dist.TCPStore(rdv.host, rdv.port, None, False, timedelta(seconds=rdv.timeout))
@@ -153,8 +148,6 @@ def connect(rdv: Rendezvous) -> Any:
 
 def scoped(store: Any, rdv: Rendezvous, kind: str) -> Any:
     """The part of the store an executor of `kind` keeps its keys in (under the secret namespace)."""
-    import torch.distributed as dist
-
     return dist.PrefixStore(f"{rdv.namespace}{kind}/", store)
 
 

@@ -17,7 +17,9 @@ import io
 import math
 import os
 import pickle
+import sys
 import threading
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -416,9 +418,6 @@ class _RecordUnpickler(pickle.Unpickler):
 
 
 def _plain_data_start(window: _Window, sizes: tuple[int, ...], dtype: torch.dtype) -> int | None:
-    import sys
-    import zipfile
-
     try:
         with zipfile.ZipFile(window) as z:
             names = {i.filename.split("/", 1)[-1]: i for i in z.infolist()}

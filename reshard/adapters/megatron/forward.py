@@ -5,16 +5,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+from ...errors import ArgumentError
+
 
 def causal_mask(seq: int) -> Any:
     """megatron-core's causal attention mask for `seq` tokens: bool [1, 1, seq, seq], True where masked out.
 
     Raises ArgumentError when `seq` is not a positive integer.
     """
-    import torch
-
-    from ...errors import ArgumentError
-
     if not isinstance(seq, int) or isinstance(seq, bool) or seq < 1:
         raise ArgumentError("seq", seq, "must be a positive integer")
     return torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
@@ -33,11 +34,6 @@ def forward_logits(chunks: list[Any], tokens: Any) -> Any:
     Raises:
         ArgumentError: `chunks` is empty or `tokens` is not a 2-D integer tensor.
     """
-    import torch
-    import torch.distributed as dist
-
-    from ...errors import ArgumentError
-
     if not chunks:
         raise ArgumentError("chunks", chunks, "must hold this rank's model chunks (one or more)")
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype.is_floating_point:

@@ -4,11 +4,13 @@ chunk's parameter names, prefixed `model{c}.` under virtual pipelining. Nothing 
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 
 from ...errors import LayoutError
 
@@ -89,8 +91,6 @@ def read_model(model: Any) -> ModelFacts:
 
 def read_parallel_state(chunks: Sequence[Any]) -> ParallelState:
     """This rank's process groups, from the model's `pg_collection` or `megatron.core.parallel_state`."""
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         raise LayoutError("megatron", "torch.distributed is not initialized; a live model needs its process groups")
     pgc = getattr(chunks[0], "pg_collection", None)
@@ -146,8 +146,6 @@ def unwrap(model: Any) -> list[Any]:
 
 
 def _wrapper_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
-    import importlib
-
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.transformer.module import Float16Module
 

@@ -12,7 +12,6 @@ under the generation's scope (in-process refits: this process):
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Any, Callable, TypeVar
@@ -20,6 +19,7 @@ from typing import Any, Callable, TypeVar
 from ..errors import ExecutionError
 from ..layouts.expert_placement import ExpertPlacement
 from ..polling import poll
+from . import rendezvous as rv
 
 MOST_FOLLOWS = 2  # rebalances followed within one step: EPLB rebalances every few thousand forward steps
 log = logging.getLogger("reshard.trainer")
@@ -28,8 +28,6 @@ T = TypeVar("T")
 
 
 def _scope(refit: Any, store: Any) -> Any:
-    from . import rendezvous as rv
-
     rdv = rv.Rendezvous.from_dict(refit.rendezvous)
     return rv.scoped(store if store is not None else rv.connect(rdv), rdv, "placement")
 

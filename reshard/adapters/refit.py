@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
+from ..arguments import instance
 from ..errors import ArgumentError, ExecutionError, LayoutError, PlanError
 from ..executors.base import Executor, RankTensors
 from ..executors.binding import Binding
@@ -21,6 +23,7 @@ from ..layouts.expert_placement import ExpertPlacement
 from ..planner import Plan
 from ..planner.cache import cached_plan
 from . import transports
+from .rendezvous import Rendezvous
 _FIELDS = {"model": dict, "src": dict, "dst": dict, "install": str, "replica": int, "transport": str,
            "options": dict, "rendezvous": (dict, type(None)), "fanout": (int, type(None)),
            "verify_layers": (list, tuple, type(None)), "plan_digest": str, "lora_id": (int, type(None)),
@@ -117,8 +120,6 @@ class RefitSpec:
                 raise PlanError(f"refit spec field {name} is not JSON: {e}") from None
         self.layouts()  # the model and both layouts are valid (each raises its own library error)
         if self.rendezvous is not None:
-            from .rendezvous import Rendezvous
-
             Rendezvous.from_dict(self.rendezvous)
 
     @classmethod
@@ -141,10 +142,6 @@ class RefitSpec:
                 `config` and `math`.
             PlanError: a field `RefitSpec` refuses.
         """
-        from pathlib import Path
-
-        from ..arguments import instance
-
         instance("spec", spec, ModelSpec, "a ModelSpec")
         instance("src", src, Layout, "a Layout (the trainer's)")
         instance("dst", dst, Layout, "a Layout (the engine's)")
@@ -195,8 +192,6 @@ class RefitSpec:
             LayoutError: the placement is not the engine's (other experts, EP size, MoE layers or redundancy), or
                 the engine's layout has no expert parallelism.
         """
-        from ..arguments import instance
-
         instance("placement", placement, ExpertPlacement, "an ExpertPlacement", none=True)
         _, dst = self.layouts()
         if "expert_placement" not in type(dst).model_fields:
@@ -306,8 +301,6 @@ def open_transport(refit: RefitSpec, process: int, src: RankTensors, dst: RankTe
     Raises:
         ExecutionError: a cross-process transport without a rendezvous, or what the executor refuses.
     """
-    from .rendezvous import Rendezvous
-
     from ..executors.delta import DeltaPolicy
 
     plan, options, chosen = refit.plan(), dict(refit.options), transports.transport(refit.transport)

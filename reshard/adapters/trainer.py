@@ -15,6 +15,7 @@ Imports no vLLM:
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
@@ -25,7 +26,7 @@ from ..arguments import instance, integer, seconds, text
 from ..errors import ArgumentError, ExecutionError
 from ..group_json import broadcast_json
 from ..polling import Background, poll
-from ..executors.base import Executor, RankTensors
+from ..executors.base import Executor, RankTensors, close_within
 from ..executors.stats import RefitStats
 from . import rendezvous as rv
 from .engines import EngineCall, EngineClient, Leased, Pausable, ReportsInFlight, ReportsStaged, wait_calls
@@ -202,8 +203,6 @@ class TrainerSession:
             self.renewal.stop()
             self.renewal = None
         if self.lease is not None and any(isinstance(e, Leased) for e in self.engines):
-            import uuid
-
             self.renewal = LeaseRenewal([], uuid.uuid4().hex, self.lease)
             self.renewal.take(self.engines, self.timeout)
 
@@ -422,8 +421,6 @@ class TrainerSession:
     def _close_executor(self) -> None:
         """Close the transport, bounded by the timeout."""
         if self.executor is not None:
-            from ..executors.base import close_within
-
             close_within(self.executor.close, self.timeout, f"closing trainer process {self.process}'s executor")
             self.executor = None
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import ArgumentError, ExecutionError
 from ..executors.base import Executor, RankTensors
+from . import rendezvous as rv
 
 if TYPE_CHECKING:
     from ..executors.stats import RefitStats
@@ -54,11 +55,9 @@ class Endpoint:
 
     def scoped(self, transport: str) -> Any:
         """The part of the store this transport keeps its keys in."""
-        from .rendezvous import scoped
-
         if self.rendezvous is None or self.store is None:
             raise ExecutionError(f"transport {transport!r} needs a rendezvous (where the processes meet)")
-        return scoped(self.store, self.rendezvous, transport)
+        return rv.scoped(self.store, self.rendezvous, transport)
 
     @property
     def space(self) -> str:

@@ -79,7 +79,7 @@ def reader_job(path: str, config: str, out: str, dtype: str) -> None:
     from safetensors.torch import save_file
 
     from reshard.adapters.megatron.checkpoint import open_checkpoint
-    from reshard.adapters.megatron.checkpoint_refit import read_checkpoint
+    from reshard.adapters.megatron import read_checkpoint
     from reshard.executors import allocate
     from reshard.layouts import HfLayout, ModelSpec
 
@@ -106,7 +106,7 @@ def peft_reader_job(path: str, spec_json: str, out: str) -> None:
     import torch.distributed as dist
 
     from reshard.adapters.lora import PeftDirectory
-    from reshard.adapters.megatron.checkpoint_refit import read_checkpoint
+    from reshard.adapters.megatron import read_checkpoint
     from reshard.layouts import ModelSpec
     from reshard.layouts.lora import PeftLayout
 

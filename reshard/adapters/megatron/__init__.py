@@ -9,8 +9,8 @@ A checkpoint: `open_checkpoint(path)`, `checkpoint_layout(ckpt, spec, readers=n)
 plan, rank)` (read by byte range), `read_checkpoint` (a reader process's whole part), `export_hf`, `export_peft`.
 """
 from .checkpoint import Checkpoint, CheckpointError, open_checkpoint
-from .checkpoint_layout import checkpoint_layout, checkpoint_tensors, saved_facts
-from .checkpoint_refit import export_hf, export_peft, read_checkpoint
+from .checkpoint_layout import (checkpoint_layout, checkpoint_tensors, export_hf, export_peft, read_checkpoint,
+                                saved_facts)
 from .check import (layer_problems, layout_problems, rank_problems, source_tensors, spec_from_megatron, spec_problems,
                     verify)
 from .derive import derive_layout, layout_from_facts, naming_of, vocab_divisor

@@ -122,7 +122,7 @@ def test_peft_directory_straight_from_a_bridge_checkpoint(bridge, tmp_path):
 
 def test_checkpoint_adapter_that_disagrees_with_the_declared_one_is_refused(bridge, tmp_path):
     from reshard.adapters.megatron.checkpoint import open_checkpoint
-    from reshard.adapters.megatron.checkpoint_refit import export_peft
+    from reshard.adapters.megatron.checkpoint_layout import export_peft
     from reshard.errors import LayoutMismatchError
 
     ckpt = open_checkpoint(bridge / "ckpt")

@@ -20,8 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from reshard.adapters.megatron.checkpoint import CheckpointError, open_checkpoint
-from reshard.adapters.megatron.checkpoint_layout import checkpoint_layout, checkpoint_tensors, saved_facts
-from reshard.adapters.megatron.checkpoint_refit import export_hf
+from reshard.adapters.megatron.checkpoint_layout import checkpoint_layout, checkpoint_tensors, export_hf, saved_facts
 from reshard.cli import main as cli
 from reshard.errors import LayoutMismatchError
 from harness.megatron_ckpt import reader_job, reference_job, save_job

@@ -200,18 +200,6 @@ def failure(store: Any, rdv: Rendezvous) -> str | None:
     return store.get(key).decode(errors="replace") if store.check([key]) else None
 
 
-def join(store: Any, rdv: Rendezvous, process: int, size: int, role: str) -> dict[int, dict[str, Any]]:
-    """Take place `process` of `size`, wait for every other member; each member's record (ExecutionError: refused)."""
-    if not 0 <= process < size:
-        raise ExecutionError(f"refit {rdv.refit_id}: process {process} is outside the refit's [0, {size})")
-    try:
-        return _join(store, rdv, process, size, role)
-    except ExecutionError:
-        raise
-    except (RuntimeError, OSError) as e:  # torch's DistNetworkError: the store's host (trainer process 0) is gone
-        raise _gone(rdv, e, "waited to join") from None
-
-
 def _gone(rdv: Rendezvous, error: BaseException, doing: str) -> ExecutionError:
     """The error for a store that failed under a member: its host closed it after a failure, or died."""
     first = str(error).splitlines()[0] if str(error) else type(error).__name__
@@ -232,14 +220,10 @@ def _taken(rdv: Rendezvous, process: int, record: str | bytes) -> ExecutionError
                           f"process (pid {other.get('pid')} on {other.get('host')}): two members claim the same rank")
 
 
-def _join(store: Any, rdv: Rendezvous, process: int, size: int, role: str) -> dict[int, dict[str, Any]]:
-    check_secret(store, rdv, role, process)
-    mine = json.dumps(_me(role, process))
-    key = f"{rdv.namespace}member/{process}"
-    got = store.compare_set(key, "", mine)
-    got = got.decode() if isinstance(got, bytes) else got
-    if got != mine:
-        raise _taken(rdv, process, got)
+def join(store: Any, rdv: Rendezvous, process: int, size: int, role: str) -> dict[int, dict[str, Any]]:
+    """Take place `process` of `size`, wait for every other member; each member's record (ExecutionError: refused)."""
+    if not 0 <= process < size:
+        raise ExecutionError(f"refit {rdv.refit_id}: process {process} is outside the refit's [0, {size})")
     members: dict[int, dict[str, Any]] = {}
 
     def all_joined() -> bool:  # a failure reported by a member wins, also once all have joined
@@ -251,7 +235,19 @@ def _join(store: Any, rdv: Rendezvous, process: int, size: int, role: str) -> di
                 members[p] = json.loads(store.get(f"{rdv.namespace}member/{p}"))
         return len(members) == size
 
-    if not poll(all_joined, time.monotonic() + rdv.timeout, first_s=0.001):
+    try:
+        check_secret(store, rdv, role, process)
+        mine = json.dumps(_me(role, process))
+        got = store.compare_set(f"{rdv.namespace}member/{process}", "", mine)
+        got = got.decode() if isinstance(got, bytes) else got
+        if got != mine:
+            raise _taken(rdv, process, got)
+        joined = poll(all_joined, time.monotonic() + rdv.timeout, first_s=0.001)
+    except ExecutionError:
+        raise
+    except (RuntimeError, OSError) as e:  # torch's DistNetworkError: the store's host (trainer process 0) is gone
+        raise _gone(rdv, e, "waited to join") from None
+    if not joined:
         missing = sorted(set(range(size)) - set(members))
         raise ExecutionError(f"refit {rdv.refit_id}: members {missing[:10]} of {size} did not join within "
                              f"{rdv.timeout:.0f} s")

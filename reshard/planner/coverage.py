@@ -158,6 +158,37 @@ def prove_replica_coverage(programs: "list[dict[str, np.ndarray]]", dst_table0, 
 
 
 
+def prove_program(template: dict[str, np.ndarray], relay: dict[str, np.ndarray] | None,
+                  copies: dict[str, np.ndarray], dst_table0: Any, d_tid: np.ndarray, D: Any) -> None:
+    """Prove that the template, and the relay template (None: no replica is relayed), each with the EPLB slot
+    copies, tile replica 0's model data exactly, and that every copy reads the elements it writes.
+
+    Args:
+        template: one fed replica's ops.
+        relay: one relayed replica's ops, or None.
+        copies: the slot copies (program.COPY_COLUMNS; empty or {} without).
+        dst_table0: replica 0's destination tensors.
+        d_tid: table id of each row of `D`.
+        D: replica 0's destination placements with data (a PlacementTable).
+
+    Raises:
+        CoverageError: listing the problems.
+    """
+    from .fanout import slot_copy_problems
+
+    def with_copies(ops: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if not copies or not len(copies["rows"]):
+            return ops
+        return {c: np.concatenate([ops[c], copies[c]]) for c in ("dst_tensor", "dst_offset", "dst_stride", "rows",
+                                                                 "cols")}
+
+    prove_replica_coverage([with_copies(ops) for ops in (template, relay) if ops is not None], dst_table0, d_tid,
+                           D.origin, D.n0, D.n1)
+    problems = slot_copy_problems(copies, d_tid, D.origin, D.stride, D.n0, D.n1, D.canon, D.c0, D.c1) if copies else []
+    if problems:
+        raise CoverageError("EPLB slot copies read other elements than they write", problems)
+
+
 def prove_expert_slots(stacks: Any, dst_table0: Any, d_tid: np.ndarray, d_origin: np.ndarray, d_n0: np.ndarray,
                        d_n1: np.ndarray, whole: bool = True, ops: dict[str, np.ndarray] | None = None,
                        canon_r0: np.ndarray | None = None, canon_c0: np.ndarray | None = None,

@@ -1,42 +1,22 @@
-"""Fan-out forests over destination replicas: the source feeds a few *root* replicas, and every other replica
-receives the same bytes from other replicas (relay ops, `src_side == 1`).
+"""Fan-out forests over destination replicas: the source feeds a few *root* replicas, the others receive the same
+bytes from other replicas (relay ops, `src_side == 1`), rank r of the parent forwarding to rank r of the child.
 
-Replicas share one layout, so a relay copies a region of the parent's destination tensor into the same region of
-the child's, rank by rank: destination rank r of the parent forwards to rank r of the child.
+Split trees: each destination rank's bytes are cut into P = ceil(fanout / relay_cap) equal *parts*, part j along
+its own tree. In every tree each root has one child and every other replica at most `fanout`, laid breadth first
+over the non-roots rotated by j blocks, so the trees' interiors are disjoint: no destination rank sends more than
+`relay_cap` times what it receives, the trainer sends `roots` copies of the model, and depth grows with the log
+of the replica count (NCCL's double binary trees are fanout 2, relay_cap 1). If the interiors cannot be disjoint,
+fanout is lowered until they are. Recorded as `parent[j, k]` and `stage[j, k]` (stage = depth).
 
-Split trees. Each destination rank's bytes are cut into P equal *parts*; part j travels along its own tree. In
-every tree each root has one child (its *head*) and every other replica at most `fanout` children, laid out
-breadth first over the non-root replicas rotated by j blocks, so that the replicas with children in tree j (its
-interior) are a block no other tree uses as interior. A replica therefore forwards at most fanout / P of its
-bytes in total, and a root exactly one copy (one part to one head per tree). With P = ceil(fanout / relay_cap):
-- no destination rank sends more than `relay_cap` times what it receives (up to rounding: parts are equal to the
-  element, so at most fanout - 1 elements more);
-- the trainer sends `roots` copies of the model, whatever the replica count;
-- depth is 1 + the height of a fanout-ary forest over the non-root replicas: logarithmic in the replica count.
-(NCCL's double binary trees are this construction for fanout 2, relay_cap 1.) If the blocks of interior replicas
-cannot be disjoint (few replicas, roots < fanout - 1), fanout is lowered until they are.
-
-Within one replica, an EPLB engine's redundant expert slots (a logical expert in several slots) are fed the same
-way, by the engine (`slot_copies`): the trainer sends each replica one copy of the expert, into the rank that holds
-most of its slots, and every other slot copies it from there (a copy on that rank, a relay over the engine's own
-links from another) in one stage after every other. So the trainer's egress per engine is one copy of each expert,
-whatever the redundancy. Copies are relays (a destination rank's tensor is their source), which need a transport
-that relays, as fan-out does: only plans compiled with `fanout` get them (with one engine it builds no tree); the plan's accounting counts the copies (`Accounting.slot_copy_bytes`, of them
-`slot_copy_local_bytes` on the rank itself).
-
-Each tree is built and checked as a networkx graph (a branching: a forest of arborescences) and recorded in the
-plan as `parent[j, k]` and `stage[j, k]` (stage = depth) per part j and replica k.
+Within one replica, an EPLB engine's redundant expert slots are fed by the engine (`slot_copies`): the trainer
+sends each expert once, into the rank holding most of its slots, and every other slot copies it from there in a
+stage after every other. Copies are relays, so only plans compiled with `fanout` get them.
 """
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import PlanError
-
-if TYPE_CHECKING:
-    import networkx as nx
 
 
 def _interior(non_roots: int, roots: int, fanout: int) -> int:
@@ -56,21 +36,6 @@ def forest_shape(num_replicas: int, roots: int, fanout: int, relay_cap: int) -> 
     return 1, 1
 
 
-def tree_graph(num_replicas: int, roots: int, fanout: int, rotation: int) -> "nx.DiGraph":
-    """One tree: roots 0..roots-1, each with one head; the non-roots, rotated, hang breadth first below."""
-    import networkx as nx  # only plans with fan-out need it; keeps `import reshard` light
-
-    g = nx.DiGraph()
-    g.add_nodes_from(range(num_replicas))
-    order = list(range(roots, num_replicas))
-    if order:
-        shift = rotation % len(order)
-        order = order[shift:] + order[:shift]
-    for i, k in enumerate(order):
-        g.add_edge(i if i < roots else order[(i - roots) // fanout], k)
-    return g
-
-
 def replica_forests(num_replicas: int, fanout: int | None, roots: int,
                     relay_cap: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """(parent, stage), each (parts, replicas): parent -1 for roots, stage = depth in that part's tree."""
@@ -78,24 +43,18 @@ def replica_forests(num_replicas: int, fanout: int | None, roots: int,
         roots = num_replicas
     if not 1 <= roots <= num_replicas:
         raise PlanError(f"roots={roots} must be between 1 and the {num_replicas} destination replicas")
-    if relay_cap < 1:
-        raise PlanError(f"relay_cap={relay_cap} must be at least 1")
     if roots == num_replicas:
         return np.full((1, num_replicas), -1, dtype=np.int64), np.zeros((1, num_replicas), dtype=np.int64)
-    import networkx as nx
-
     fanout, parts = forest_shape(num_replicas, roots, fanout, relay_cap)
     block = _interior(num_replicas - roots, roots, fanout)
     parent = np.full((parts, num_replicas), -1, dtype=np.int64)
     stage = np.zeros((parts, num_replicas), dtype=np.int64)
-    for j in range(parts):
-        g = tree_graph(num_replicas, roots, fanout, j * block)
-        if not nx.is_branching(g) or max(d for n, d in g.out_degree() if n >= roots) > fanout:
-            raise PlanError("fan-out tree is malformed")  # pragma: no cover - construction guarantees it
-        depth = nx.multi_source_dijkstra_path_length(g, list(range(roots)))
-        for u, v in g.edges():
-            parent[j, v] = u
-        stage[j] = [depth[k] for k in range(num_replicas)]
+    order = np.arange(roots, num_replicas)
+    for j in range(parts):  # roots 0..roots-1, each with one head; the rotated non-roots hang breadth first below
+        rotated = np.roll(order, -(j * block % len(order))).tolist()
+        for i, k in enumerate(rotated):  # a parent comes before its children, so its stage is known
+            parent[j, k] = i if i < roots else rotated[(i - roots) // fanout]
+            stage[j, k] = stage[j, parent[j, k]] + 1
     return parent, stage
 
 
@@ -261,5 +220,4 @@ def _element_range(op: dict[str, int], a: int, b: int) -> list[dict[str, int]]:
     return out
 
 
-__all__ = ["check_forest", "forest_shape", "replica_forests", "slot_copies", "slot_copy_problems", "split_parts",
-           "tree_graph"]
+__all__ = ["check_forest", "forest_shape", "replica_forests", "slot_copies", "slot_copy_problems", "split_parts"]

@@ -11,6 +11,13 @@ import numpy as np
 FORMAT_VERSION = 2
 
 
+def frozen_ints(a: Any) -> np.ndarray:
+    """`a` as a contiguous, read-only int64 array."""
+    a = np.ascontiguousarray(a, dtype=np.int64)
+    a.setflags(write=False)
+    return a
+
+
 @dataclass(frozen=True, eq=False)
 class TensorTable:
     """The physical tensors one side of a plan touches: id -> (rank, name, shape).
@@ -33,9 +40,7 @@ class TensorTable:
 
     def __post_init__(self) -> None:
         for name in ("rank", "kind"):
-            a = np.ascontiguousarray(getattr(self, name), dtype=np.int64)
-            a.setflags(write=False)
-            object.__setattr__(self, name, a)
+            object.__setattr__(self, name, frozen_ints(getattr(self, name)))
         object.__setattr__(self, "kinds", tuple(self.kinds))  # (name, shape tuple) pairs; from_dict converts
         object.__setattr__(self, "dtypes", tuple(self.dtypes) if any(self.dtypes) else ())
 

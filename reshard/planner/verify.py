@@ -30,7 +30,7 @@ from ..limits import MAX_PARAMS, MAX_PLAN_ELEMENTS, MAX_RANKS
 from .accounting import Bounds
 from .program import COPY_COLUMNS, RELAY_COLUMNS, TEMPLATE_COLUMNS, Program
 from .program_check import BIG, bad, same, within
-from .selection import in_units, select_indices, unit_ratios
+from .selection import bound_facts, data_rows, select_indices, unit_placements
 from .tables import FORMAT_VERSION
 
 HEADER_KEYS = {"format", "src", "dst", "colocated", "colocation", "fanout", "roots", "selection", "bounds", "program",
@@ -257,23 +257,19 @@ def _match(field: str, table: Any, placements: Any, rows: np.ndarray, exact: boo
 
 
 def _prove(plan: Any, sel: np.ndarray) -> None:
-    from .coverage import prove_expert_slots, prove_replica_coverage
+    from .coverage import prove_expert_slots, prove_program
 
     p, model, K, rpr, T0 = plan.program, plan.src.model, plan.dst.num_replicas, plan.program.ranks_per_replica, \
         plan.program.tensors_per_replica
     table = plan.dst_tensors
     same("dst_tensors.rank", table.rank, np.tile(table.rank[:T0], K) + np.repeat(np.arange(K) * rpr, T0),
-          "replica k's tensors are replica 0's on ranks shifted by k x ranks per replica")
+         "replica k's tensors are replica 0's on ranks shifted by k x ranks per replica")
     same("dst_tensors.kind", table.kind, np.tile(table.kind[:T0], K), "every replica holds replica 0's tensors")
-    num, den, own = unit_ratios(model)
-    S, _ = in_units(plan.src.placement_table(sel), num, den, own, "source")
-    D, _ = in_units(plan.dst.placement_table(sel, replica=0), num, den, own, "destination")
+    S, _, D, _ = unit_placements(plan.src, plan.dst, sel)
     table0 = type(table)(table.rank[:T0], table.kind[:T0], table.kinds, table.dtypes)
-    d_rows = np.flatnonzero(D.n0 * D.n1 > 0)
     _match("dst_tensors", table0, D, np.arange(len(D)), exact=True)
-    s_rows = np.flatnonzero(S.n0 * S.n1 > 0)
-    _match("src_tensors", plan.src_tensors, S, s_rows, exact=True)
-    d_tid = _match("dst_tensors", table0, D, d_rows, exact=False)
+    _match("src_tensors", plan.src_tensors, S, np.flatnonzero(S.n0 * S.n1 > 0), exact=True)
+    d_tid, D = _match("dst_tensors", table0, D, np.flatnonzero(D.n0 * D.n1 > 0), exact=False), data_rows(D)
     in_sel = np.zeros(len(model.canonical), dtype=bool)
     in_sel[sel] = True
     for prefix, ops in (("arrays.t.canon", p.template), ("arrays.r.canon", p.relay), ("arrays.c.canon", p.copies)):
@@ -281,30 +277,17 @@ def _prove(plan: Any, sel: np.ndarray) -> None:
         if len(off):
             raise bad(f"{prefix}[{int(off[0])}]", int(ops["canon"][off[0]]), "is a tensor outside the selection")
     _reads_inside(p, table_numel(plan.src_tensors))
-    relayed = len(p.fed) < K
     try:
-        from .compiler import SLOT_COLUMNS, _with
-        from .fanout import slot_copy_problems
-
-        prove_replica_coverage([_with(p.template, p.copies), _with(p.relay, p.copies)] if relayed
-                               else [_with(p.template, p.copies)], table0, d_tid,
-                               D.origin[d_rows], D.n0[d_rows], D.n1[d_rows])
-        problems = slot_copy_problems(p.copies, d_tid, *(getattr(D, c)[d_rows] for c in SLOT_COLUMNS))
-        if problems:
-            raise CoverageError("EPLB slot copies read other elements than they write", problems)
+        prove_program(p.template, p.relay if len(p.fed) < K else None, p.copies, table0, d_tid, D)
         # an EPLB destination: every physical slot (each replica of an expert) is model data, so written
-        prove_expert_slots(plan.dst.expert_stacks(), table0, d_tid, D.origin[d_rows], D.n0[d_rows], D.n1[d_rows],
-                           whole=plan.selection is None)
+        prove_expert_slots(plan.dst.expert_stacks(), table0, d_tid, D.origin, D.n0, D.n1, whole=plan.selection is None)
     except CoverageError as e:
         raise PlanFileError("plan file: the ops do not write every destination element holding model data "
                             "exactly once", e.problems, field="arrays") from None
-    itemsize = plan.itemsize
-    per_dst0 = np.bincount(D.rank[d_rows], weights=D.n0[d_rows] * D.n1[d_rows], minlength=rpr).astype(np.int64)
-    want = (np.tile(per_dst0, K) * itemsize).tolist()
-    if list(plan.bounds.lower_bound_by_dst) != want:
+    lower_bound_by_dst, model_bytes = bound_facts(model, sel, D, rpr, K)
+    if tuple(plan.bounds.lower_bound_by_dst) != lower_bound_by_dst:
         raise bad("bounds.lower_bound_by_dst", list(plan.bounds.lower_bound_by_dst)[:8], "is not what the "
                   "destination layout holds")
-    model_bytes = int((model.canonical.numel * num // den)[sel].sum()) * itemsize
     if plan.bounds.model_bytes != model_bytes:
         raise bad("bounds.model_bytes", plan.bounds.model_bytes, f"must be {model_bytes} (the selection's bytes)")
 

@@ -1,21 +1,14 @@
-"""compile(src, dst) -> Plan: intersect destination boxes with source boxes, choose senders, merge, prove
-coverage, account. Vectorized end to end: no Python loop runs per tensor, per placement or per op.
-
-Lifecycle (each step a pure function of the two layouts and the explicit options):
-  1. select the canonical tensors (all, or a subset by name / layer);
-  2. read both layouts' placements as tables (`Layout.placement_table`: each kind of tensor's cut answers for
-     every layer and expert at once, with numpy): the source for all ranks, the destination for replica 0 only;
-  3. group source placements into distinct boxes, each with its holders (the ranks that hold it);
-  4. intersect every destination box with the source boxes of its canonical tensor (sorted boxes, binary search
-     for the candidates: interval search, never all pairs) -> the template: one replica's ops;
-  5. merge template ops adjacent in memory on both sides, whichever holder sends (planner.merge);
-  6. build the fan-out forest over replicas (planner.fanout) and choose a holder for every fed replica and group
-     of ops (planner.balance);
-  7. prove that the template, and the relay template, write every destination model element exactly once
-     (planner.coverage): replicas are identical and each receives exactly once (fed or relayed), so this proves
-     the whole plan; an expert-parallel destination's slots are proven too (every physical slot written, each
-     from its own logical expert, every replica of one expert with the same bytes: `prove_expert_slots`);
-  8. seal the plan (planner.program holds the factored ops; planner.accounting counts them).
+"""compile(src, dst) -> Plan, vectorized end to end (no Python loop per tensor, placement or op):
+  1. select the canonical tensors and read both layouts' placements as tables (`Layout.placement_table`), the
+     source for all ranks, the destination for replica 0;
+  2. group source placements into distinct boxes, each with its holders (the ranks that hold it);
+  3. intersect every destination box with its canonical tensor's source boxes (binary search, never all pairs):
+     the template, one replica's ops; merge ops adjacent on both sides whichever holder sends (planner.merge);
+  4. build the fan-out forest over replicas (planner.fanout), choose a holder per fed replica and group of ops
+     (planner.balance);
+  5. prove that the template and the relay template write every destination model element exactly once
+     (planner.coverage; replicas are identical, so this proves the whole plan), and an expert-parallel
+     destination's slots (`prove_expert_slots`); seal the factored ops (planner.program) and account them.
 """
 from __future__ import annotations
 
@@ -213,13 +206,9 @@ def _colocation(colocated: "bool | Sequence[int]", num_src: int, num_dst: int) -
                             f"{num_dst} destination ranks, {num_src} source ranks (or give the source rank of "
                             f"each destination rank)")
         return np.arange(num_dst, dtype=np.int64)
-    if colocated is False or colocated is None:
+    if colocated is False:
         return None
-    try:
-        ranks = [int(r) for r in colocated]
-    except (TypeError, ValueError):
-        raise PlanError(f"colocated={colocated!r}: expected True, False or a source rank per destination rank") \
-            from None
+    ranks = list(colocated)  # integers (checked by _check_arguments)
     problems = ([f"{len(ranks)} entries for {num_dst} destination ranks"] if len(ranks) != num_dst else [])
     problems += [f"destination rank {d} -> source rank {r}, outside [0, {num_src})"
                  for d, r in enumerate(ranks) if not 0 <= r < num_src]

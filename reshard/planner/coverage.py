@@ -1,13 +1,9 @@
 """The coverage proof: every destination element that holds model data is written exactly once, nothing else.
 
-Both the ops and the destination placements are turned into rectangles in each destination tensor's row view
-(rows = all leading dimensions, columns = the last one). Each tensor's columns are cut into bands at every
-rectangle edge; inside a band a rectangle is a row interval. Then, per band:
-  1. the ops' intervals must not overlap (nothing written twice),
-  2. the placements' intervals must not overlap (the layout is consistent), and
-  3. after fusing touching intervals, the ops' intervals must equal the placements' intervals exactly
-     (every data element written; no padding and no element outside the tensor written).
-All of it is vectorized; problems are collected and reported together.
+Ops and destination placements become rectangles in each destination tensor's row view (rows: the leading
+dimensions, columns: the last), whose columns are cut into bands at every rectangle edge. Per band, the ops' row
+intervals must not overlap, nor the placements', and once touching intervals are fused the two must be equal.
+Vectorized; problems are collected and reported together.
 """
 from __future__ import annotations
 
@@ -18,6 +14,7 @@ import numpy as np
 
 from ..arrays import sort_by
 from ..errors import CoverageError
+from .merge import run_positions
 
 
 def rects_from_ops(dst_tensor: np.ndarray, dst_offset: np.ndarray, dst_stride: np.ndarray, rows: np.ndarray,
@@ -26,14 +23,10 @@ def rects_from_ops(dst_tensor: np.ndarray, dst_offset: np.ndarray, dst_stride: n
     W = width[dst_tensor]
     r0, c0 = dst_offset // W, dst_offset % W
     flat = rows == 1
-    bad_stride = ~flat & (dst_stride != W)
-    for i in np.flatnonzero(bad_stride)[:5]:
-        problems.append(f"op into {names(dst_tensor[i])} has row stride {dst_stride[i]} != tensor width {W[i]}")
+    problems += [f"op into {names(dst_tensor[i])} has row stride {dst_stride[i]} != tensor width {W[i]}"
+                 for i in np.flatnonzero(~flat & (dst_stride != W))[:5]]
     fits = flat & (c0 + cols <= W)
     whole = flat & ~fits & (c0 == 0) & (cols % W == 0)
-    t_, a_, b_, m_, n_ = [dst_tensor], [r0], [c0], [rows.copy()], [cols.copy()]
-    m_[0] = np.where(whole, cols // W, m_[0])
-    n_[0] = np.where(whole, W, n_[0])
     keep = ~(flat & ~fits & ~whole)
     extra = []
     for i in np.flatnonzero(~keep):  # runs that start mid-row and wrap: split into head, body, tail
@@ -48,13 +41,12 @@ def rects_from_ops(dst_tensor: np.ndarray, dst_offset: np.ndarray, dst_stride: n
             r += left // w
         if left % w:
             extra.append((t, r, 0, 1, left % w))
-    out = [np.concatenate([x[keep] for x in col]) for col in (t_, a_, b_, m_, n_)]
+    out = [x[keep] for x in (dst_tensor, r0, c0, np.where(whole, cols // W, rows), np.where(whole, W, cols))]
     if extra:
         e = np.asarray(extra, dtype=np.int64)
         out = [np.concatenate([o, e[:, k]]) for k, o in enumerate(out)]
-    bad_cols = (out[2] < 0) | (out[2] + out[4] > width[out[0]])
-    for i in np.flatnonzero(bad_cols)[:5]:
-        problems.append(f"op into {names(out[0][i])} writes columns past the tensor's width")
+    problems += [f"op into {names(out[0][i])} writes columns past the tensor's width"
+                 for i in np.flatnonzero((out[2] < 0) | (out[2] + out[4] > width[out[0]]))[:5]]
     return tuple(out)
 
 
@@ -72,7 +64,7 @@ def band_segments(t, r0, c0, nr, nc, key_base, bounds_keys):
         band, start, end = lo, r0, r0 + nr
     else:
         idx = np.repeat(np.arange(len(t)), count)
-        band = np.repeat(lo, count) + (np.arange(len(idx)) - np.repeat(np.cumsum(count) - count, count))
+        band = np.repeat(lo, count) + run_positions(count)
         start, end = r0[idx], r0[idx] + nr[idx]
     order = sort_by((band, start))
     return band[order], start[order], end[order]
@@ -195,18 +187,15 @@ def prove_expert_slots(stacks: Any, dst_table0: Any, d_tid: np.ndarray, d_origin
                        layer_of: np.ndarray | None = None, expert_of: np.ndarray | None = None) -> None:
     """Prove what an expert-parallel destination's slots receive. Raises CoverageError listing the problems.
 
-    `stacks` are the destination's `expert_stacks()` (None: nothing to prove): per stacked expert tensor of replica
-    0, the logical expert its placement puts in each slot, read from the placement, not from the placements table.
-    The destination placements with data are given as table ids `d_tid`, flat origins and 2-D lengths.
-      1. Every slot holds model data: with `whole` (a whole-model plan) the placements cover each slot completely,
-         and in any plan every replica of a logical expert as much as the others; with the exact coverage proof,
-         every slot, each replica included, is written.
-      2. Given `ops` (the template's ops before merging: `canon`, `dst_tensor`, `dst_offset`, `dst_stride`, `rows`,
-         `cols`) and each op's canonical origin (`canon_r0`, `canon_c0`): every op into a slot lies inside it and
-         reads the canonical tensor of the slot's layer and logical expert (`layer_of` / `expert_of` per canonical
-         tensor), and every replica of a logical expert receives the same canonical boxes at the same offsets in
-         its slot: the same bytes. (Merging joins ops adjacent on both sides, which changes no byte's source, so the
-         merged template writes what these ops write.)
+    `stacks`: the destination's `expert_stacks()` (None: nothing to prove), the logical expert in each slot of
+    every stacked expert tensor of replica 0, read from the placement. Replica 0's placements with data are given
+    as table ids `d_tid`, flat origins and 2-D lengths.
+      1. Every slot holds model data: with `whole` (a whole-model plan) each slot is wholly covered, in any plan
+         every replica of a logical expert as much as the others.
+      2. Given `ops` (the template before merging) and each op's canonical origin (`canon_r0`, `canon_c0`): every
+         op into a slot lies inside it and reads the canonical tensor of the slot's layer and expert (`layer_of`,
+         `expert_of` per canonical tensor), and every replica of an expert receives the same canonical boxes at
+         the same offsets. Merging changes no byte's source, so the merged template writes the same.
     """
     if stacks is None or not len(stacks.names):
         return

@@ -59,8 +59,8 @@ def replica_forests(num_replicas: int, fanout: int | None, roots: int,
 
 
 def check_forest(parent: np.ndarray, stage: np.ndarray) -> list[str]:
-    """Problems with recorded forests (for plans loaded from disk): in every part, every relayed replica's
-    parent receives that part in an earlier stage; the roots are the same in every part and receive in stage 0."""
+    """Problems with recorded forests: in every part, each relayed replica's parent receives that part in an
+    earlier stage; the roots are the same in every part and receive in stage 0."""
     problems = []
     if parent.ndim != 2 or parent.shape != stage.shape:
         return [f"forest arrays have shapes {parent.shape} and {stage.shape}; expected (parts, replicas) both"]
@@ -79,11 +79,10 @@ def check_forest(parent: np.ndarray, stage: np.ndarray) -> list[str]:
 
 def slot_copies(ops: dict[str, np.ndarray], expert_of: np.ndarray) -> tuple[dict[str, np.ndarray],
                                                                         dict[str, np.ndarray]]:
-    """Split one replica's ops (compiler's, before merging: each op inside one destination placement and one source
-    box) into those the source feeds and the redundant expert slots' copies (program.COPY_COLUMNS; see the module
-    docstring): ops of a routed expert's canonical tensor (`expert_of[canon] >= 0`) that read the same source region
-    write replicas of one logical expert. Of each such set, the op on the rank holding most of the set (the lowest
-    such rank, then the lowest tensor and offset) stays fed; each other one becomes a copy from its region."""
+    """Split one replica's unmerged ops into those the source feeds and the redundant expert slots' copies
+    (program.COPY_COLUMNS): ops of a routed expert (`expert_of[canon] >= 0`) reading the same source region write
+    replicas of one expert. Of each such set, the op on the rank holding most of it (then the lowest rank, tensor
+    and offset) stays fed; every other becomes a copy from its region."""
     from ..arrays import unique_inverse
     from .program import COPY_COLUMNS
 
@@ -122,10 +121,10 @@ def slot_copies(ops: dict[str, np.ndarray], expert_of: np.ndarray) -> tuple[dict
 
 def slot_copy_problems(copies: dict[str, np.ndarray], d_tid: np.ndarray, origin: np.ndarray, stride: np.ndarray,
                        n0: np.ndarray, n1: np.ndarray, canon: np.ndarray, c0: np.ndarray, c1: np.ndarray) -> list[str]:
-    """What is wrong with slot copies (program.COPY_COLUMNS), given replica 0's destination placements with data
-    (table id, flat origin, row stride, 2-D lengths, canonical tensor and origin): each copy must read a block that
-    holds the same canonical elements as the block it writes (each end inside one placement, its rows the
-    placement's rows), and no copy may read what a copy writes (they run in one stage). At most ten."""
+    """At most ten problems with slot copies (program.COPY_COLUMNS), given replica 0's destination placements with
+    data (table id, flat origin, row stride, 2-D lengths, canonical tensor and origin): each copy must read a block
+    holding the same canonical elements as the block it writes (each end inside one placement, on its rows), and
+    none may read what a copy writes (they run in one stage)."""
     n = len(copies["rows"])
     if not n:
         return []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 from collections import Counter
 from dataclasses import dataclass, field
@@ -31,17 +32,8 @@ from .program_check import check_program
 from .tables import FORMAT_VERSION, TensorTable
 
 class Transfer(NamedTuple):
-    """One message of a plan: the contiguous range of its ops that one rank sends another in one stage.
-
-    Attributes:
-        stage: the fan-out stage.
-        src_side: SOURCE (a source-layout rank sends) or RELAY (a destination rank forwards what it received).
-        src_rank: the sender, on the side `src_side` names.
-        dst_rank: the receiving destination rank.
-        start: the first op's row in `Plan.ops`.
-        stop: one past the last op's row.
-        nbytes: the bytes its ops move.
-    """
+    """One message of a plan: the ops `Plan.ops[start:stop]` (`nbytes` bytes) that `src_rank` (a source rank, or
+    with `src_side` RELAY a destination rank) sends destination rank `dst_rank` in `stage`."""
 
     stage: int
     src_side: int
@@ -56,9 +48,8 @@ class Transfer(NamedTuple):
 class Plan:
     """A compiled refit: every block copy from source ranks to destination ranks, proven to cover exactly.
 
-    Made by `reshard.compile`, saved and loaded with `save` / `load` (JSON header and plain arrays, re-proved on
-    load), run by an executor (`reshard.executors.make_executor`). `accounting` counts its bytes, `transfers`
-    groups its ops per (sender, receiver), `digest` identifies it across processes.
+    Made by `reshard.compile`, saved and loaded (re-proved) with `save` / `load`, run by an executor
+    (`reshard.executors.make_executor`); `accounting` counts its bytes, `digest` identifies it across processes.
 
     Args:
         src: the source layout.
@@ -85,10 +76,10 @@ class Plan:
     dst_tensors: TensorTable
     program: Program
     bounds: Bounds
-    colocation: tuple[int, ...] | None = None  # per destination rank, the source rank on its device; None: none
+    colocation: tuple[int, ...] | None = None
     fanout: int | None = None
-    roots: int | None = None  # replicas the source feeds when fanout is set
-    selection: tuple[str, ...] | None = None  # canonical tensor names, None = whole model
+    roots: int | None = None
+    selection: tuple[str, ...] | None = None
     coverage: str = "exact"
     compile_seconds: float = 0.0
     digest: str = field(default="")
@@ -119,9 +110,8 @@ class Plan:
 
     @functools.cached_property
     def own_dtypes(self) -> dict[str, str]:
-        """Canonical tensor name -> dtype, for the selected tensors the model keeps in a wider dtype than the
-        plan's (a float32 router bias in a bfloat16 model). They travel bit-exact: the plan counts them in units
-        of its dtype (a float32 element is two bfloat16 units) and executors view them that way."""
+        """Canonical tensor name -> dtype, for the selected tensors kept in another dtype than the plan's (a float32
+        router bias in a bfloat16 model): they travel bit-exact, counted in units of the plan's dtype."""
         names = set(self.selection) if self.selection is not None else None
         return {t.name: t.dtype for t in self.src.model.own_dtype_tensors if names is None or t.name in names}
 
@@ -135,8 +125,7 @@ class Plan:
         return ops
 
     def ops_sent_by(self, rank: int, side: int = SOURCE) -> dict[str, np.ndarray]:
-        """The ops source rank `rank` sends (side SOURCE), or destination rank `rank` relays (side RELAY), sorted
-        as in `ops`, without expanding the rest of the plan."""
+        """The ops source rank `rank` sends (side SOURCE), or destination rank `rank` relays (RELAY), as in `ops`."""
         if side == SOURCE and not 0 <= rank < self.src.num_ranks:
             raise PlanError(f"source rank {rank} is outside [0, {self.src.num_ranks})")
         return expand(self.program, source_rank=rank) if side == SOURCE else expand(self.program, relay_rank=rank)
@@ -231,9 +220,8 @@ class Plan:
         return load_plan(cls, d, None)
 
     def save(self, path: str | Path) -> Path:
-        """Write `path` as .json (everything as JSON) or .npz (program arrays, header as JSON), the suffix in any
-        case (as the CLI's --save); any other suffix is refused (ArgumentError), never written in a format its
-        name does not say."""
+        """Write `path` as .json (everything as JSON) or .npz (program arrays, header as JSON), by its suffix (any
+        case); any other suffix is refused (ArgumentError)."""
         from ..arguments import PLAN_SUFFIXES, output_path
 
         path = output_path("path", path, PLAN_SUFFIXES)
@@ -248,8 +236,8 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        """A saved plan (.json or .npz), read and checked as untrusted input: its content must prove what it
-        claims, and its digest must be present and right (planner.plan_file, planner.verify)."""
+        """A saved plan (.json or .npz), read as untrusted input: its content must prove what it claims and match
+        its digest (planner.plan_file, planner.verify)."""
         from .plan_file import read_saved
         from .verify import load_plan
 
@@ -258,7 +246,7 @@ class Plan:
     # --- as text -------------------------------------------------------------------------------
     def __str__(self) -> str:
         """A few readable lines: what moves, how balanced, against the bound and the common pattern."""
-        a, b = self.accounting, _human_bytes
+        a, b = self.accounting, human_bytes
         lb = a.lower_bound_bytes or 1
         lines = [
             f"reshard plan {self.digest[:12]}",
@@ -298,7 +286,8 @@ class Plan:
         return "\n".join(lines)
 
 
-def _human_bytes(n: float) -> str:
+def human_bytes(n: float) -> str:
+    """`n` bytes in B, KiB, MiB, GiB or TiB."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
@@ -306,21 +295,16 @@ def _human_bytes(n: float) -> str:
 
 
 def _rank_table(label: str, values: tuple[int, ...], width: int = 8) -> list[str]:
-    """Bytes by rank in rows of `width` ranks; long runs of equal rows are folded."""
-    lines, prev, folded = [], None, 0
-    for start in range(0, len(values), width):
-        chunk = values[start:start + width]
-        cells = " ".join(f"{_human_bytes(v):>10}" for v in chunk)
-        if cells == prev:
-            folded += 1
-            continue
-        if folded:
-            lines.append(f"    {'':>9} ... {folded} more rows of ranks like the one above")
-            folded = 0
-        lines.append(f"    {label} {start:>4}-{start + len(chunk) - 1:<4} {cells}")
-        prev = cells
-    if folded:
-        lines.append(f"    {'':>9} ... {folded} more rows of ranks like the one above")
+    """Bytes by rank in rows of `width` ranks; runs of equal rows are folded."""
+    rows = [(start, " ".join(f"{human_bytes(v):>10}" for v in values[start:start + width]))
+            for start in range(0, len(values), width)]
+    lines = []
+    for cells, run in itertools.groupby(rows, key=lambda row: row[1]):
+        run = list(run)
+        start = run[0][0]
+        lines.append(f"    {label} {start:>4}-{min(start + width, len(values)) - 1:<4} {cells}")
+        if len(run) > 1:
+            lines.append(f"    {'':>9} ... {len(run) - 1} more rows of ranks like the one above")
     return lines
 
 

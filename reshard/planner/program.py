@@ -97,11 +97,6 @@ class Program:
         return len(self.template["rows"])
 
     @property
-    def num_relay_ops(self) -> int:
-        """Ops of one relayed replica."""
-        return len(self.relay["rows"])
-
-    @property
     def num_copy_ops(self) -> int:
         """Slot copies of one replica."""
         return len(self.copies["rows"])
@@ -114,7 +109,7 @@ class Program:
     @property
     def num_ops(self) -> int:
         """Ops of the whole plan once expanded."""
-        return (len(self.fed) * self.num_template_ops + (self.num_replicas - len(self.fed)) * self.num_relay_ops
+        return (len(self.fed) * self.num_template_ops + (self.num_replicas - len(self.fed)) * len(self.relay["rows"])
                 + self.num_replicas * self.num_copy_ops)
 
     @property

@@ -4,17 +4,14 @@ and the saved-plan verifier (planner.verify) both use them."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
 import numpy as np
 
 from ..errors import PlanError
-from ..layouts import ModelSpec
+from ..layouts import Layout, ModelSpec
 from ..layouts.base import PlacementTable
 from ..layouts.model import DTYPE_SIZES
-
-if TYPE_CHECKING:
-    from ..layouts import Layout
 
 
 def select_indices(model: ModelSpec, tensors: Iterable[str] | None, layers: Iterable[int] | None) -> np.ndarray:
@@ -64,8 +61,8 @@ def unit_ratios(model: ModelSpec) -> tuple[np.ndarray, np.ndarray, dict[int, str
     return num, den, own
 
 
-def unit_placements(src: "Layout", dst: "Layout", sel: np.ndarray) -> tuple[PlacementTable, tuple[str, ...],
-                                                                            PlacementTable, tuple[str, ...]]:
+def unit_placements(src: Layout, dst: Layout,
+                    sel: np.ndarray) -> tuple[PlacementTable, tuple[str, ...], PlacementTable, tuple[str, ...]]:
     """The selection's placements in units (`in_units`), each with its kinds' dtypes: the source's on every rank,
     then destination replica 0's."""
     ratios = unit_ratios(src.model)

@@ -20,10 +20,8 @@ def frozen_ints(a: Any) -> np.ndarray:
 
 @dataclass(frozen=True, eq=False)
 class TensorTable:
-    """The physical tensors one side of a plan touches: id -> (rank, name, shape).
-
-    Stored compactly (a rank and a kind per id; kinds are the distinct (name, shape) pairs), because a side of
-    a thousand ranks has hundreds of thousands of tensors; `ranks`, `names` and `shapes` are built on first use.
+    """The physical tensors one side of a plan touches: id -> (rank, name, shape), stored as a rank and a kind per
+    id (a side of a thousand ranks has hundreds of thousands of tensors); `ranks`, `names`, `shapes` on first use.
 
     Attributes:
         rank: per tensor id, its rank.
@@ -55,16 +53,12 @@ class TensorTable:
     @functools.cached_property
     def names(self) -> tuple[str, ...]:
         """The name of every tensor id."""
-        names = np.empty(len(self.kinds), dtype=object)
-        names[:] = [n for n, _ in self.kinds]
-        return tuple(names[self.kind].tolist())
+        return tuple(self.kinds[k][0] for k in self.kind.tolist())
 
     @functools.cached_property
     def shapes(self) -> tuple[tuple[int, ...], ...]:
         """The shape of every tensor id (in plan units)."""
-        shapes = np.empty(len(self.kinds), dtype=object)
-        shapes[:] = [s for _, s in self.kinds]
-        return tuple(shapes[self.kind].tolist())
+        return tuple(self.kinds[k][1] for k in self.kind.tolist())
 
     def name(self, tid: int) -> str:
         """Tensor `tid`'s name, without building `names`."""

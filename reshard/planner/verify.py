@@ -1,18 +1,11 @@
 """A saved plan is untrusted input: loading re-proves what it claims before a Plan exists.
 
-`load_plan(header, arrays)` checks, in this order, and raises PlanFileError naming the entry to blame:
-  1. the header's entries have their types (strict JSON: integers are integers) and the layouts are valid;
-  2. the tensor tables: ranks inside each side, kinds inside the table, one shape per (rank, name);
-  3. the program's arrays: integer arrays of the expected shapes, every index inside what it indexes (boxes,
-     holders, groups, tensors, replicas, parts, holder choices), strides positive and no narrower than a row;
-  4. the digest: present, and equal to the digest of the content (a missing digest is an error);
-  5. what the content claims, in time linear in its ops (the coverage proof sorts): every op reads and writes
-     inside its tensors; the destination table is replica 0's repeated; both tables are the layouts' physical
-     tensors; the template and the relay template write every destination element holding model data exactly
-     once (planner.coverage, as the compiler proves it); the selection and the colocation are valid, and the
-     lower bounds are the layouts'.
-Executors check the ops they run again, against the tensors they are given (executors.preflight), whatever the
-plan's origin.
+`load_plan` checks, raising PlanFileError naming the entry to blame: 1. the header's entries have their JSON
+types and the layouts are valid; 2. the tensor tables' ranks, kinds and shapes; 3. the program's arrays: integer
+arrays of the expected shapes, every index inside what it indexes (planner.program_check); 4. the digest is
+present and matches the content; 5. what the content claims, in time linear in its ops: every op reads and writes
+inside its tensors, the tables are the layouts' physical tensors, the ops write every destination element holding
+model data exactly once (planner.coverage, as the compiler proves it), and the bounds are the layouts'.
 """
 from __future__ import annotations
 
@@ -38,6 +31,8 @@ HEADER_KEYS = {"format", "src", "dst", "colocated", "colocation", "fanout", "roo
 COPY_NAMES = tuple(f"c.{c}" for c in COPY_COLUMNS)  # optional: plans saved before EPLB slot copies have none
 ARRAY_NAMES = tuple(f"t.{c}" for c in TEMPLATE_COLUMNS) + tuple(f"r.{c}" for c in RELAY_COLUMNS) + Program.ARRAYS
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
 def _int(d: dict[str, Any], key: str, low: int = 0, high: int = BIG, optional: bool = False,
          prefix: str = "") -> Any:
     v = d.get(key)
@@ -139,10 +134,9 @@ def _bounds(d: Any, num_dst: int) -> Bounds:
     laminar = d.get("holder_sets_laminar", True)
     if not isinstance(laminar, bool):
         raise bad("bounds.holder_sets_laminar", laminar, "must be true or false")
-    ints = {k: _int({k: d.get(k, 0)}, k, prefix="bounds.") for k in ("model_bytes", "gatherer_held_bytes", "egress_lower_bound",
-                                                   "egress_unit_max")}
-    return Bounds(tuple(lb.tolist()), ints["model_bytes"], ints["gatherer_held_bytes"], ints["egress_lower_bound"],
-                  ints["egress_unit_max"], laminar)
+    ints = {k: _int({k: d.get(k, 0)}, k, prefix="bounds.")
+            for k in ("model_bytes", "gatherer_held_bytes", "egress_lower_bound", "egress_unit_max")}
+    return Bounds(lower_bound_by_dst=tuple(lb.tolist()), **ints, holder_sets_laminar=laminar)
 
 
 def _header(d: Any) -> dict[str, Any]:
@@ -180,8 +174,6 @@ def _header(d: Any) -> dict[str, Any]:
     return d
 
 
-# --- 3. the program ---------------------------------------------------------------------------------------
-
 def _program(arrays: Any, scalars: dict[str, int]) -> Program:
     if not isinstance(arrays, dict):
         raise bad("arrays", type(arrays).__name__, "must be an object of named integer arrays")
@@ -196,13 +188,9 @@ def _program(arrays: Any, scalars: dict[str, int]) -> Program:
         raise bad(f"arrays.{extra[0]}", None, "is not an array of a plan")
     two = {"choice", "parent", "stage"}
     a = {n: int_array(f"arrays.{n}", arrays[n], 2 if n in two else 1) for n in names}
-    for prefix, cols in (("t.", TEMPLATE_COLUMNS), ("r.", RELAY_COLUMNS), ("c.", COPY_COLUMNS)):
-        n = len(a[prefix + cols[0]])
-        for c in cols:
-            if len(a[prefix + c]) != n:
-                raise bad(f"arrays.{prefix}{c}", len(a[prefix + c]), f"must have {n} entries like "
-                          f"arrays.{prefix}{cols[0]}")
-    for group in (("box_hstart", "box_hcount"), ("h_rank", "h_tensor", "h_base", "h_stride")):
+    groups = [[prefix + c for c in cols] for prefix, cols in (("t.", TEMPLATE_COLUMNS), ("r.", RELAY_COLUMNS),
+                                                             ("c.", COPY_COLUMNS))]
+    for group in groups + [["box_hstart", "box_hcount"], ["h_rank", "h_tensor", "h_base", "h_stride"]]:
         for name in group[1:]:
             if len(a[name]) != len(a[group[0]]):
                 raise bad(f"arrays.{name}", len(a[name]), f"must have {len(a[group[0]])} entries like "
@@ -210,8 +198,6 @@ def _program(arrays: Any, scalars: dict[str, int]) -> Program:
     return Program(template={c: a["t." + c] for c in TEMPLATE_COLUMNS}, relay={c: a["r." + c] for c in RELAY_COLUMNS},
                    copies={c: a["c." + c] for c in COPY_COLUMNS}, **{n: a[n] for n in Program.ARRAYS}, **scalars)
 
-
-# --- 5. what the content claims -------------------------------------------------------------------------------
 
 def _reads_inside(p: Program, src_numel: np.ndarray) -> None:
     """Every op of every fed replica reads inside its holder's source tensor (the holder each replica chose)."""
@@ -299,16 +285,12 @@ def table_numel(table: Any) -> np.ndarray:
 
 def load_plan(cls: type, d: Any, arrays: Any) -> Any:
     """The Plan a saved header and its arrays describe, once every check of the module docstring passed."""
-
     d = _header(d)
     src, dst = _layouts(d)
     S, D, K = src.num_ranks, dst.num_ranks, dst.num_replicas
     src_tables = _table("src_tensors", d.get("src_tensors"), S)
     dst_table = _table("dst_tensors", d.get("dst_tensors"), D)
     scalars = d["program"]
-    if scalars["ranks_per_replica"] != dst.ranks_per_replica or scalars["tensors_per_replica"] * K != len(dst_table):
-        raise bad("program", scalars, f"does not fit the destination ({K} replicas of {dst.ranks_per_replica} ranks, "
-                  f"{len(dst_table)} tensors)")
     colocation = d.get("colocation")
     if colocation is not None:
         if not d["colocated"]:

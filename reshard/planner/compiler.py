@@ -12,7 +12,6 @@
 """
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Iterable, Sequence
 
@@ -32,10 +31,9 @@ from .program import Program
 from .selection import bound_facts, data_rows, select_indices, unit_placements, unit_ratios
 
 
-def _tensor_ids(t: PlacementTable, mask: np.ndarray, side: str, dtypes: tuple[str, ...] = ()
-                ) -> tuple[np.ndarray, TensorTable, np.ndarray]:
-    """Physical tensor id per row (-1 outside `mask`), ids sorted by (rank, kind); one shape per (rank, name).
-    Also the element count of each tensor."""
+def _tensor_ids(t: PlacementTable, mask: np.ndarray, side: str,
+                dtypes: tuple[str, ...] = ()) -> tuple[np.ndarray, TensorTable]:
+    """Physical tensor id per row (-1 outside `mask`), ids sorted by (rank, kind); one shape per (rank, name)."""
     nk = max(len(t.kinds), 1)
     key = t.rank[mask] * nk + t.kind[mask]
     span = (int(t.rank.max(initial=0)) + 1) * nk
@@ -60,8 +58,7 @@ def _tensor_ids(t: PlacementTable, mask: np.ndarray, side: str, dtypes: tuple[st
             if seen.setdefault((r, name), shape) != shape:
                 problems.append(f"rank {r} tensor {name!r}: {seen[(r, name)]} and {shape}")
         raise PlanError(f"{side} layout gives a tensor two shapes", problems)
-    table = TensorTable(ranks, kinds, t.kinds, dtypes)
-    return tid, table, table.kind_array(lambda _, shape: math.prod(shape))
+    return tid, TensorTable(ranks, kinds, t.kinds, dtypes)
 
 
 class _Boxes:
@@ -186,12 +183,12 @@ def _meet(boxes: _Boxes, D: PlacementTable, tid: np.ndarray, q: np.ndarray, b: n
             "rows": e0 - i0, "cols": e1 - i1}
 
 
-def _check_source_boxes(boxes: _Boxes, src: TensorTable, numel: np.ndarray) -> None:
+def _check_source_boxes(boxes: _Boxes, src: TensorTable) -> None:
     """Every holder's box lies inside its source tensor (rows no wider than the tensor's rows). Template ops read
     sub-boxes of their boxes, and merged ops contiguous unions of such reads, so this bounds every read."""
     b = np.repeat(np.arange(len(boxes)), boxes.hcount)
     last = boxes.h_base + (boxes.n0[b] - 1) * boxes.h_stride + boxes.n1[b]
-    bad = np.flatnonzero((boxes.h_base < 0) | (boxes.n1[b] > boxes.h_stride) | (last > numel[boxes.h_tensor]))
+    bad = np.flatnonzero((boxes.h_base < 0) | (boxes.n1[b] > boxes.h_stride) | (last > src.numel()[boxes.h_tensor]))
     if len(bad):
         raise PlanError("source placements lie outside their source tensors",
                         [f"source rank {src.rank[boxes.h_tensor[i]]} {src.name(boxes.h_tensor[i])!r}"
@@ -292,8 +289,8 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
         raise PlanError(f"{shifted[0]} is kept in its own dtype and the layouts store it with different offsets")
     S, s_dtypes, D, d_dtypes = unit_placements(src, dst, sel)
     s_data = S.n0 * S.n1 > 0
-    s_tid, src_table, src_numel = _tensor_ids(S, s_data, "source", s_dtypes)
-    d_tid, dst_table0, _ = _tensor_ids(D, np.ones(len(D), dtype=bool), "destination", d_dtypes)
+    s_tid, src_table = _tensor_ids(S, s_data, "source", s_dtypes)
+    d_tid, dst_table0 = _tensor_ids(D, np.ones(len(D), dtype=bool), "destination", d_dtypes)
     outside = np.flatnonzero(D.rank >= rpr)
     if len(outside):
         raise PlanError(f"destination layout places replica 0 of {model.tensor_name(int(D.canon[outside[0]]))} "
@@ -305,7 +302,7 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
     problems = boxes.overlaps(model, model.canonical.cols * num // den)
     if problems:
         raise PlanError("source layout is inconsistent", problems)
-    _check_source_boxes(boxes, src_table, src_numel)
+    _check_source_boxes(boxes, src_table)
 
     # One replica's ops, merged whichever holder sends them.
     ops = _intersect(boxes, D, d_tid, len(model.canonical))

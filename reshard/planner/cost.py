@@ -325,14 +325,12 @@ def format_prediction(pred: Prediction) -> str:
 
     instance("pred", pred, Prediction, "a Prediction (from predict)")
     mode = "pipelined stages" if pred.pipelined else "stages in sequence"
-    lines = [f"  predicted    {pred.seconds:.4f} s ({mode}; tree depth {pred.depth})"]
-    if pred.busiest is not None:
-        lines.append(f"  busiest      {pred.busiest}")
     by = pred.bytes_by_class
-    lines.append("  link bytes   " + ", ".join(f"{c} {by[c] / 1e9:.2f} GB" for c in LINK_CLASSES))
-    for s in pred.stages:
-        lines.append(f"    stage {s.stage}: {s.seconds:.4f} s = transfer {s.transfer_seconds:.4f} + latency "
-                     f"{s.latency_seconds * 1e6:.0f} us + ops {s.op_seconds:.4f}; busiest {s.busiest}")
+    lines = [f"  predicted    {pred.seconds:.4f} s ({mode}; tree depth {pred.depth})",
+             *([f"  busiest      {pred.busiest}"] if pred.busiest is not None else []),
+             "  link bytes   " + ", ".join(f"{c} {by[c] / 1e9:.2f} GB" for c in LINK_CLASSES)]
+    lines += [f"    stage {s.stage}: {s.seconds:.4f} s = transfer {s.transfer_seconds:.4f} + latency "
+              f"{s.latency_seconds * 1e6:.0f} us + ops {s.op_seconds:.4f}; busiest {s.busiest}" for s in pred.stages]
     return "\n".join(lines)
 
 

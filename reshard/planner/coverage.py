@@ -90,10 +90,8 @@ def prove_exact_coverage(ops_rects: tuple[np.ndarray, ...], piece_rects: tuple[n
     ot, orow, ocol, onr, onc = ops_rects
     pt, prow, pcol, pnr, pnc = piece_rects
     for label, t, r, nr in (("op", ot, orow, onr), ("placement", pt, prow, pnr)):
-        out = (r < 0) | (r + nr > height[t])
-        for i in np.flatnonzero(out)[:5]:
-            problems.append(f"{label} in {names(t[i])} covers rows [{r[i]}, {r[i] + nr[i]}) past its "
-                            f"{height[t[i]]} rows")
+        problems += [f"{label} in {names(t[i])} covers rows [{r[i]}, {r[i] + nr[i]}) past its {height[t[i]]} rows"
+                     for i in np.flatnonzero((r < 0) | (r + nr > height[t]))[:5]]
     if problems:
         raise CoverageError("coverage proof failed", problems)
     key_base = int(width.max(initial=0)) + 1
@@ -113,10 +111,10 @@ def prove_exact_coverage(ops_rects: tuple[np.ndarray, ...], piece_rects: tuple[n
         c0, c1 = k % key_base, int(edges[b + 1]) % key_base
         return f"{names(t)} rows [{s}, {e}) cols [{c0}, {c1})"
 
-    for i in overlapping(ob, os_, oe)[:10]:
-        problems.append(f"written twice: {where(ob[i + 1], os_[i + 1], min(oe[i], oe[i + 1]))}")
-    for i in overlapping(pb, ps, pe)[:10]:
-        problems.append(f"destination layout places two boxes at {where(pb[i + 1], ps[i + 1], pe[i])}")
+    problems += [f"written twice: {where(ob[i + 1], os_[i + 1], min(oe[i], oe[i + 1]))}"
+                 for i in overlapping(ob, os_, oe)[:10]]
+    problems += [f"destination layout places two boxes at {where(pb[i + 1], ps[i + 1], pe[i])}"
+                 for i in overlapping(pb, ps, pe)[:10]]
     if problems:
         raise CoverageError("coverage proof failed", problems)
     fo, fp = _fuse(ob, os_, oe), _fuse(pb, ps, pe)
@@ -125,10 +123,8 @@ def prove_exact_coverage(ops_rects: tuple[np.ndarray, ...], piece_rects: tuple[n
     # Report the difference: data not written, or writes outside model data.
     o_set = set(zip(*(x.tolist() for x in fo)))
     p_set = set(zip(*(x.tolist() for x in fp)))
-    for b, s, e in sorted(p_set - o_set)[:10]:
-        problems.append(f"model data not (wholly) written: {where(b, s, e)}")
-    for b, s, e in sorted(o_set - p_set)[:10]:
-        problems.append(f"write outside model data (or partial): {where(b, s, e)}")
+    problems += [f"model data not (wholly) written: {where(*x)}" for x in sorted(p_set - o_set)[:10]]
+    problems += [f"write outside model data (or partial): {where(*x)}" for x in sorted(o_set - p_set)[:10]]
     raise CoverageError("coverage proof failed", problems)
 
 
@@ -147,7 +143,6 @@ def prove_replica_coverage(programs: "list[dict[str, np.ndarray]]", dst_table0, 
         rects = rects_from_ops(ops["dst_tensor"], ops["dst_offset"], ops["dst_stride"], ops["rows"], ops["cols"],
                                width, problems, names)
         prove_exact_coverage(rects, piece_rects, width, height, names, problems)
-
 
 
 def prove_program(template: dict[str, np.ndarray], relay: dict[str, np.ndarray] | None,

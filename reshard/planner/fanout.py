@@ -210,10 +210,10 @@ def _element_range(op: dict[str, int], a: int, b: int) -> list[dict[str, int]]:
     if c0:
         flat(r0, c0, cols)
         r0 += 1
-    if r1 > r0:
-        n = r1 - r0
-        out.append({**op, "rows": n, "dst_offset": off + r0 * stride} if n > 1 else
-                   {**op, "rows": 1, "cols": cols, "dst_stride": cols, "dst_offset": off + r0 * stride})
+    if r1 - r0 > 1:
+        out.append({**op, "rows": r1 - r0, "dst_offset": off + r0 * stride})
+    elif r1 > r0:
+        flat(r0, 0, cols)
     if c1:
         flat(r1, 0, c1)
     return out

@@ -114,9 +114,8 @@ class Fp8Plan:
         for rank in self.quantize_by_src:
             by_src[rank] = sum(int(np.prod(a.lengths)) for a, _ in self.sender_pieces(rank))
         by_dst = [0] * dst.num_ranks
-        for t in self.receiver_tensors:
-            for p in dst.placements(t):
-                by_dst[p.rank] += int(np.prod(p.lengths))
+        for p in (p for t in self.receiver_tensors for p in dst.placements(t)):
+            by_dst[p.rank] += int(np.prod(p.lengths))
         return by_src, by_dst
 
     def summary(self) -> dict[str, Any]:
@@ -139,9 +138,7 @@ class Fp8Plan:
                  f"{human_bytes(s['wire_bytes_without_sender_quantization'])} without ({s['wire_ratio']:.3f}x)",
                  f"  quantize     busiest sender {max(s['quantize_elements_by_src'] or [0]):,} elements, busiest "
                  f"receiver {max(s['quantize_elements_by_dst'] or [0]):,} elements"]
-        for k, why in s["why_receiver"].items():
-            lines.append(f"    receiver   {k}: {why}")
-        return "\n".join(lines)
+        return "\n".join(lines + [f"    receiver   {k}: {why}" for k, why in s["why_receiver"].items()])
 
 
 @functools.lru_cache(maxsize=16)

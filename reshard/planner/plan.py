@@ -32,8 +32,17 @@ from .program_check import check_program
 from .tables import FORMAT_VERSION, TensorTable
 
 class Transfer(NamedTuple):
-    """One message of a plan: the ops `Plan.ops[start:stop]` (`nbytes` bytes) that `src_rank` (a source rank, or
-    with `src_side` RELAY a destination rank) sends destination rank `dst_rank` in `stage`."""
+    """One message of a plan: the contiguous range of its ops that one rank sends another in one stage.
+
+    Attributes:
+        stage: the fan-out stage.
+        src_side: SOURCE (a source rank sends) or RELAY (a destination rank forwards what it received).
+        src_rank: the sender, on the side `src_side` names.
+        dst_rank: the receiving destination rank.
+        start: the first op's row in `Plan.ops`.
+        stop: one past the last op's row.
+        nbytes: the bytes its ops move.
+    """
 
     stage: int
     src_side: int

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,8 +21,10 @@ def frozen_ints(a: Any) -> np.ndarray:
 
 @dataclass(frozen=True, eq=False)
 class TensorTable:
-    """The physical tensors one side of a plan touches: id -> (rank, name, shape), stored as a rank and a kind per
-    id (a side of a thousand ranks has hundreds of thousands of tensors); `ranks`, `names`, `shapes` on first use.
+    """The physical tensors one side of a plan touches: id -> (rank, name, shape).
+
+    Stored as a rank and a kind per id (a side of a thousand ranks has hundreds of thousands of tensors);
+    `ranks`, `names` and `shapes` are built on first use.
 
     Attributes:
         rank: per tensor id, its rank.
@@ -67,6 +70,10 @@ class TensorTable:
     def shape(self, tid: int) -> tuple[int, ...]:
         """Tensor `tid`'s shape (in plan units), without building `shapes`."""
         return self.kinds[int(self.kind[tid])][1]
+
+    def numel(self) -> np.ndarray:
+        """Elements of every tensor id (in plan units)."""
+        return self.kind_array(lambda _, shape: math.prod(shape))
 
     def kind_array(self, f) -> np.ndarray:
         """f(name, shape) per tensor id, computed once per kind."""

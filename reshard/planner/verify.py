@@ -262,7 +262,7 @@ def _prove(plan: Any, sel: np.ndarray) -> None:
         off = np.flatnonzero(~in_sel[ops["canon"]])
         if len(off):
             raise bad(f"{prefix}[{int(off[0])}]", int(ops["canon"][off[0]]), "is a tensor outside the selection")
-    _reads_inside(p, table_numel(plan.src_tensors))
+    _reads_inside(p, plan.src_tensors.numel())
     try:
         prove_program(p.template, p.relay if len(p.fed) < K else None, p.copies, table0, d_tid, D)
         # an EPLB destination: every physical slot (each replica of an expert) is model data, so written
@@ -276,11 +276,6 @@ def _prove(plan: Any, sel: np.ndarray) -> None:
                   "destination layout holds")
     if plan.bounds.model_bytes != model_bytes:
         raise bad("bounds.model_bytes", plan.bounds.model_bytes, f"must be {model_bytes} (the selection's bytes)")
-
-
-def table_numel(table: Any) -> np.ndarray:
-    """Elements of each tensor of a table (in the plan's units)."""
-    return table.kind_array(lambda _, shape: math.prod(shape))
 
 
 def load_plan(cls: type, d: Any, arrays: Any) -> Any:
@@ -324,4 +319,4 @@ def load_plan(cls: type, d: Any, arrays: Any) -> Any:
     return plan
 
 
-__all__ = ["bad", "int_array", "load_plan", "table_numel", "within"]
+__all__ = ["bad", "int_array", "load_plan", "within"]

@@ -1,21 +1,17 @@
 """Byte accounting of a plan, beside the lower bound and the gather-then-broadcast pattern.
 
-- total_bytes: bytes all ops move (local copies included);
-- cross_bytes / local_bytes: bytes that cross devices vs. same-device copies (only colocated plans have local);
-- lower_bound_bytes: what the destinations must receive at least: each destination rank's share of model data
-  (its placements' bytes, padding excluded); a plan that writes every element exactly once meets it;
-- gather_broadcast_bytes: what the common RL-stack refit moves for the same model: gather every tensor whole
-  onto one trainer rank (model bytes minus what that rank already holds), then broadcast the whole model to
-  every destination rank (model bytes x destination ranks), where each rank keeps its shard;
-- slot_copy_bytes: of the relayed bytes, what an EPLB engine's redundant expert slots copy from the expert's first
-  slot in their engine (planner.fanout.slot_copies) instead of the trainer sending it again; slot_copy_local_bytes
-  the part a rank copies from itself (a relay that never leaves the device);
-- egress balance: the busiest trainer sender beside `egress_lower_bound`, a bound no choice of senders can beat
-  (planner.balance), and `egress_unit_max`, the most the choice may exceed it by when holder sets are laminar.
+- total_bytes: what all ops move; cross_bytes / local_bytes: across devices vs. same-device copies (colocated);
+- lower_bound_bytes: each destination rank's share of model data (padding excluded), which an exact plan meets;
+- gather_broadcast_bytes: the common RL refit: gather the model onto one trainer rank, broadcast it to every
+  destination rank;
+- slot_copy_bytes: what EPLB engines' redundant expert slots copy inside the engine (planner.fanout.slot_copies),
+  of it slot_copy_local_bytes on the rank itself;
+- egress: the busiest trainer sender beside `egress_lower_bound`, which no choice of senders beats, and
+  `egress_unit_max`, the most it may exceed it by when holder sets are laminar (planner.balance).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -46,9 +42,7 @@ class Bounds:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON values, as a saved plan holds them (`from_dict` reads them back)."""
-        return {"lower_bound_by_dst": list(self.lower_bound_by_dst), "model_bytes": self.model_bytes,
-                "gatherer_held_bytes": self.gatherer_held_bytes, "egress_lower_bound": self.egress_lower_bound,
-                "egress_unit_max": self.egress_unit_max, "holder_sets_laminar": self.holder_sets_laminar}
+        return {**asdict(self), "lower_bound_by_dst": list(self.lower_bound_by_dst)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Bounds":
@@ -122,19 +116,10 @@ class Accounting:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON values, the derived ratios included (for `reshard plan --json` and benchmarks)."""
-        return {
-            "total_bytes": self.total_bytes, "cross_bytes": self.cross_bytes, "local_bytes": self.local_bytes,
-            "lower_bound_bytes": self.lower_bound_bytes, "gather_broadcast_bytes": self.gather_broadcast_bytes,
-            "model_bytes": self.model_bytes, "num_ops": self.num_ops, "num_transfers": self.num_transfers,
-            "egress_bytes": list(self.egress_bytes), "ingress_bytes": list(self.ingress_bytes),
-            "relay_egress_bytes": list(self.relay_egress_bytes), "num_stages": self.num_stages,
-            "egress_balance": round(self.egress_balance, 4),
-            "egress_lower_bound": self.egress_lower_bound, "egress_unit_max": self.egress_unit_max,
-            "egress_optimality": round(self.egress_optimality, 6), "holder_sets_laminar": self.holder_sets_laminar,
-            "pair_bytes": [list(p) for p in self.pair_bytes],
-            "relay_pair_bytes": [list(p) for p in self.relay_pair_bytes],
-            "slot_copy_bytes": self.slot_copy_bytes, "slot_copy_local_bytes": self.slot_copy_local_bytes,
-        }
+        out = {k: [list(x) if isinstance(x, tuple) else x for x in v] if isinstance(v, tuple) else v
+               for k, v in asdict(self).items() if k != "lower_bound_by_dst"}
+        return {**out, "egress_balance": round(self.egress_balance, 4),
+                "egress_optimality": round(self.egress_optimality, 6)}
 
 
 def account(ops: dict[str, np.ndarray], itemsize: int, num_src: int, num_dst: int,
@@ -154,84 +139,79 @@ def account(ops: dict[str, np.ndarray], itemsize: int, num_src: int, num_dst: in
     transfers = len(np.unique(np.stack([ops["stage"], ops["src_side"], src, dst]), axis=1)[0]) if len(src) else 0
     pairs = _pairs(src[~relay], dst[~relay], nbytes[~relay], num_dst)
     relay_pairs = _pairs(src[relay], dst[relay], nbytes[relay], num_dst)
-    total = int(nbytes.sum())
-    local_bytes = int(nbytes[local].sum())
+    return _accounting(bounds, num_dst, int(nbytes.sum()), int(nbytes[local].sum()), num_ops=int(len(src)),
+                       num_transfers=transfers, egress=egress, ingress=ingress, relay_egress=relay_egress,
+                       pair_bytes=pairs, relay_pair_bytes=relay_pairs,
+                       num_stages=int(ops["stage"].max()) + 1 if len(src) else 0,
+                       slot_copy_bytes=int(nbytes[copy].sum()), slot_copy_local_bytes=int(nbytes[on_rank].sum()))
+
+
+def _accounting(bounds: Bounds, num_dst: int, total: int, local_bytes: int, *, egress: np.ndarray,
+                ingress: np.ndarray, relay_egress: np.ndarray, **figures: Any) -> Accounting:
+    """The Accounting of ops that move `total` bytes, `local_bytes` of them on their device, beside `bounds`."""
     model = bounds.model_bytes
     return Accounting(
         total_bytes=total, cross_bytes=total - local_bytes, local_bytes=local_bytes,
         lower_bound_bytes=int(sum(bounds.lower_bound_by_dst)),
-        gather_broadcast_bytes=(model - bounds.gatherer_held_bytes) + model * num_dst,
-        model_bytes=model, num_ops=int(len(src)), num_transfers=transfers,
+        gather_broadcast_bytes=(model - bounds.gatherer_held_bytes) + model * num_dst, model_bytes=model,
         egress_bytes=tuple(egress.tolist()), ingress_bytes=tuple(ingress.tolist()),
-        relay_egress_bytes=tuple(relay_egress.tolist()),
-        lower_bound_by_dst=tuple(bounds.lower_bound_by_dst), pair_bytes=pairs, relay_pair_bytes=relay_pairs,
-        num_stages=int(ops["stage"].max()) + 1 if len(src) else 0,
-        slot_copy_bytes=int(nbytes[copy].sum()), slot_copy_local_bytes=int(nbytes[on_rank].sum()),
-        **_balance_fields(bounds),
-    )
+        relay_egress_bytes=tuple(relay_egress.tolist()), lower_bound_by_dst=tuple(bounds.lower_bound_by_dst),
+        egress_lower_bound=bounds.egress_lower_bound, egress_unit_max=bounds.egress_unit_max,
+        holder_sets_laminar=bounds.holder_sets_laminar, **figures)
 
 
-def _balance_fields(bounds: Bounds) -> dict[str, Any]:
-    return {"egress_lower_bound": bounds.egress_lower_bound, "egress_unit_max": bounds.egress_unit_max,
-            "holder_sets_laminar": bounds.holder_sets_laminar}
+def flows(p: "Program", itemsize: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """What moves between which ranks, from the factored ops without expanding them: (what the source sends, per
+    fed replica and group of template ops; what destination ranks relay, per part, relayed replica and position,
+    then every replica's slot copies), each as columns stage, src, dst, bytes, ops (relays also `copy`)."""
+    t, rpr, K = p.template, p.ranks_per_replica, p.num_replicas
+    G, R = len(p.group_box), len(p.fed)
+    first = np.searchsorted(t["group"], np.arange(G))
+    fed = {"stage": np.repeat(p.stage[0, p.fed], G), "src": p.holder_of_group().ravel(),
+           "dst": (t["dst_rank"][first][None, :] + p.fed[:, None] * rpr).ravel(),
+           "bytes": np.tile(np.bincount(t["group"], weights=t["rows"] * t["cols"], minlength=G), R) * itemsize,
+           "ops": np.tile(np.bincount(t["group"], minlength=G), R)}
+    r, P = p.relay, p.num_parts
+    key = r["part"] * rpr + r["dst_rank"]
+    pos_elems = np.bincount(key, weights=r["rows"] * r["cols"], minlength=P * rpr).reshape(P, rpr)
+    pos_ops = np.bincount(key, minlength=P * rpr).reshape(P, rpr)
+    jj, kk = np.nonzero(p.parent >= 0)  # (part, relayed replica)
+    j, k, pos = np.repeat(jj, rpr), np.repeat(kk, rpr), np.tile(np.arange(rpr), len(kk))
+    some = pos_ops[j, pos] > 0
+    j, k, pos = j[some], k[some], pos[some]
+    c = p.copies  # EPLB slot copies: every replica's, in a stage of their own
+    n = K * p.num_copy_ops
+    off = np.repeat(np.arange(K) * rpr, p.num_copy_ops)
+    relay = {"stage": np.concatenate([p.stage[j, k], np.full(n, p.copy_stage)]),
+             "src": np.concatenate([p.parent[j, k] * rpr + pos, off + np.tile(c["src_rank"], K)]),
+             "dst": np.concatenate([k * rpr + pos, off + np.tile(c["dst_rank"], K)]),
+             "bytes": np.concatenate([pos_elems[j, pos], np.tile(c["rows"] * c["cols"], K)]) * itemsize,
+             "ops": np.concatenate([pos_ops[j, pos], np.ones(n, np.int64)]),
+             "copy": np.concatenate([np.zeros(len(k), bool), np.ones(n, bool)])}
+    for cols in (fed, relay):
+        for name in ("stage", "src", "dst", "bytes", "ops"):
+            cols[name] = cols[name].astype(np.int64)
+    return fed, relay
 
 
 def account_program(p: "Program", itemsize: int, num_src: int, num_dst: int, colocation: Sequence[int] | None,
                     bounds: Bounds) -> Accounting:
-    """The same accounting as `account`, computed from the factored ops without expanding them: per group of
-    template ops and fed replica for what the source sends, per replica for what relays forward."""
-    colocation = None if colocation is None else np.asarray(colocation, dtype=np.int64)
-    t, rpr, K = p.template, p.ranks_per_replica, p.num_replicas
-    op_bytes = t["rows"] * t["cols"] * itemsize
-    G = len(p.group_box)
-    group_bytes = np.bincount(t["group"], weights=op_bytes, minlength=G).astype(np.int64)
-    first = np.searchsorted(t["group"], np.arange(G))
-    holder = p.holder_of_group()  # (R, G)
-    dst = t["dst_rank"][first][None, :] + p.fed[:, None] * rpr
-    w = np.broadcast_to(group_bytes[None, :], holder.shape)
-    ps, pd, pb = _pair_arrays(holder.ravel(), dst.ravel(), w.ravel(), num_dst)
-    pairs = tuple(zip(ps.tolist(), pd.tolist(), pb.tolist()))
-    local = (ps == colocation[pd]) if colocation is not None else np.zeros(len(ps), dtype=bool)
-    egress = np.bincount(ps[~local], weights=pb[~local], minlength=num_src).astype(np.int64)
-    local_bytes = int(pb[local].sum())
-    per_pos = np.bincount(t["dst_rank"], weights=op_bytes, minlength=rpr).astype(np.int64)
-    r = p.relay
-    P = p.num_parts
-    part_pos = np.bincount(r["part"] * rpr + r["dst_rank"], weights=r["rows"] * r["cols"] * itemsize,
-                           minlength=P * rpr).astype(np.int64).reshape(P, rpr)
-    jj, kk = np.nonzero(p.parent >= 0)  # (part, relayed replica)
-    senders = (p.parent[jj, kk][:, None] * rpr + np.arange(rpr)[None, :]).ravel()
-    receivers = (kk[:, None] * rpr + np.arange(rpr)[None, :]).ravel()
-    stages = np.repeat(p.stage[jj, kk], rpr)
-    rb = part_pos[jj].ravel()
-    nz = rb > 0
-    senders, receivers, stages, rb = senders[nz], receivers[nz], stages[nz], rb[nz]
-    c = p.copies  # EPLB slot copies: every replica's, in their own stage
-    c_bytes = c["rows"] * c["cols"] * itemsize
-    per_pos += np.bincount(c["dst_rank"], weights=c_bytes, minlength=rpr).astype(np.int64)
-    off = (np.arange(K) * rpr)[:, None]
-    c_src, c_dst = (off + c["src_rank"][None, :]).ravel(), (off + c["dst_rank"][None, :]).ravel()
-    c_b = np.tile(c_bytes, K)
-    copy_bytes, copy_local = int(c_b.sum()), int(c_b[c_src == c_dst].sum())
-    senders, receivers = np.concatenate([senders, c_src]), np.concatenate([receivers, c_dst])
-    rb = np.concatenate([rb, c_b])
-    stages = np.concatenate([stages, np.full(len(c_b), p.copy_stage, np.int64)])
-    relay_egress = np.bincount(senders, weights=rb, minlength=num_dst).astype(np.int64)
-    relay_pairs = _pairs(senders, receivers, rb, num_dst)
-    relay_transfers = len(np.unique((stages * num_dst + senders) * num_dst + receivers)) if len(rb) else 0
-    total = int(op_bytes.sum()) * K + copy_bytes
-    model = bounds.model_bytes
-    return Accounting(
-        total_bytes=total, cross_bytes=total - local_bytes, local_bytes=local_bytes,
-        lower_bound_bytes=int(sum(bounds.lower_bound_by_dst)),
-        gather_broadcast_bytes=(model - bounds.gatherer_held_bytes) + model * num_dst,
-        model_bytes=model, num_ops=p.num_ops, num_transfers=len(pairs) + relay_transfers,
-        egress_bytes=tuple(egress.tolist()), ingress_bytes=tuple(np.tile(per_pos, K).tolist()),
-        relay_egress_bytes=tuple(relay_egress.tolist()), lower_bound_by_dst=tuple(bounds.lower_bound_by_dst),
-        pair_bytes=pairs, relay_pair_bytes=relay_pairs,
+    """The same accounting as `account`, computed from the factored ops without expanding them (`flows`)."""
+    fed, r = flows(p, itemsize)
+    ps, pd, pb = _pair_arrays(fed["src"], fed["dst"], fed["bytes"], num_dst)
+    local = (ps == np.asarray(colocation)[pd]) if colocation is not None else np.zeros(len(ps), dtype=bool)
+    copy = r["bytes"][r["copy"]]
+    return _accounting(
+        bounds, num_dst, int(pb.sum() + r["bytes"].sum()), int(pb[local].sum()), num_ops=p.num_ops,
+        num_transfers=len(ps) + (len(np.unique((r["stage"] * num_dst + r["src"]) * num_dst + r["dst"]))),
+        egress=np.bincount(ps[~local], weights=pb[~local], minlength=num_src).astype(np.int64),
+        ingress=np.bincount(np.concatenate([fed["dst"], r["dst"]]), weights=np.concatenate([fed["bytes"], r["bytes"]]),
+                            minlength=num_dst).astype(np.int64),
+        relay_egress=np.bincount(r["src"], weights=r["bytes"], minlength=num_dst).astype(np.int64),
+        pair_bytes=tuple(zip(ps.tolist(), pd.tolist(), pb.tolist())),
+        relay_pair_bytes=_pairs(r["src"], r["dst"], r["bytes"], num_dst),
         num_stages=(p.copy_stage if p.num_copy_ops else int(p.stage.max())) + 1 if p.num_ops else 0,
-        slot_copy_bytes=copy_bytes, slot_copy_local_bytes=copy_local, **_balance_fields(bounds),
-    )
+        slot_copy_bytes=int(copy.sum()), slot_copy_local_bytes=int(copy[(r["src"] == r["dst"])[r["copy"]]].sum()))
 
 
 def _pair_arrays(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,

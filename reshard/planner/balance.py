@@ -1,31 +1,25 @@
 """Choosing among sources that hold the same bytes, so that the busiest sender moves as little as possible.
 
-A *unit* is one group of template ops (a destination tensor and the set of source ranks that hold its bytes)
-for one fed replica; it goes to one holder whole, so ops adjacent in memory stay merged. Units with one holder
-are fixed; colocated plans take the holder on the destination's own device (a local copy costs no link).
+A *unit* is one group of template ops (a destination tensor and the source ranks holding its bytes) for one fed
+replica, sent whole by one holder. Units with one holder are fixed; colocated plans take the holder on the
+destination's device. The rest are placed one holder set at a time, smallest sets first: inside a set the units,
+largest first, are laid along the holders' free room under the set's water level (the level that would equalize
+their loads if units could be split).
 
-The rest are placed one holder set at a time, smallest sets first. Inside a set, the units (largest first) are
-laid along a line against the holders' free room under the set's water level (the level that would equalize
-the holders' loads if units could be split), each unit going to the holder whose room its start falls in.
-
-Guarantee. When the holder sets form a laminar family (any two are disjoint or nested, as data-parallel and
-tensor-parallel replication produce), let LB be the largest, over holder sets S, of (bytes that must be sent
-from inside S: the fixed units on S's ranks and every unit whose holder set lies inside S) / |S|. No assignment,
-not even one that splits units, makes the busiest sender send less than LB. The busiest sender here ends at
-most LB + w_max, w_max the largest unit. Why: when set S is placed, every load inside S comes from units whose
-holder set lies inside S (smaller sets went first, and laminar sets meet only by nesting), so S's water level is
-at most LB; a holder overshoots its room by less than one unit; holders outside S are untouched. Sets of one
-size are disjoint in a laminar family, so each size is placed in one vectorized step.
-
-Families that are not laminar are placed set by set in the same order (no guarantee), and LB is then the
-general bound computed from subset relations. The plan's accounting reports LB and w_max beside the busiest
-sender (`egress_lower_bound`, `egress_unit_max`, `egress_optimality`).
+Guarantee: when holder sets are laminar (disjoint or nested, as data- and tensor-parallel replication make them),
+let LB be the largest, over holder sets S, of (bytes that must leave S: fixed units on S's ranks and units whose
+holder set lies inside S) / |S|. No assignment beats LB, and the busiest sender here ends at most LB + w_max, w_max
+the largest unit: when S is placed, its load comes only from sets inside it, so its water level is at most LB, and
+a holder overshoots its room by less than one unit. Families that are not laminar get no guarantee, and LB is the
+general bound from subset relations. The plan reports LB and w_max (`egress_lower_bound`, `egress_unit_max`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
+
+from .merge import run_positions
 
 
 @dataclass(frozen=True)
@@ -40,9 +34,7 @@ class BalanceReport:
 def _members(sets: np.ndarray, hset_start: np.ndarray, hset_count: np.ndarray, hset_ranks: np.ndarray):
     """(set position, rank) of every membership of the given holder sets."""
     cnt = hset_count[sets]
-    owner = np.repeat(np.arange(len(sets)), cnt)
-    at = np.repeat(hset_start[sets], cnt) + (np.arange(len(owner)) - np.repeat(np.cumsum(cnt) - cnt, cnt))
-    return owner, hset_ranks[at]
+    return np.repeat(np.arange(len(sets)), cnt), hset_ranks[np.repeat(hset_start[sets], cnt) + run_positions(cnt)]
 
 
 def laminar_parents(sets: np.ndarray, hset_start: np.ndarray, hset_count: np.ndarray,
@@ -131,10 +123,10 @@ def choose_holders(group_bytes: np.ndarray, group_hset: np.ndarray, group_dst: n
         g_free = g_order[multi[g_order]]
         fg = np.repeat(g_free, R)
         fr = np.tile(np.arange(R), len(g_free))
-    loads = np.bincount(hset_ranks[hset_start[group_hset]], weights=group_bytes * fixed_g,
+    fixed = np.bincount(hset_ranks[hset_start[group_hset]], weights=group_bytes * fixed_g,
                         minlength=num_src).astype(np.int64)
     if not len(fg):
-        return choice, BalanceReport(int(loads.max(initial=0)), 0, True)
+        return choice, BalanceReport(int(fixed.max(initial=0)), 0, True)
     w = group_bytes[fg]
     unit_set = group_hset[fg]
     first = np.flatnonzero(np.concatenate([[True], unit_set[1:] != unit_set[:-1]]))
@@ -142,29 +134,22 @@ def choose_holders(group_bytes: np.ndarray, group_hset: np.ndarray, group_dst: n
     set_of_unit = np.cumsum(np.concatenate([[False], unit_set[1:] != unit_set[:-1]]))
     set_bytes = np.bincount(set_of_unit, weights=w, minlength=len(sets)).astype(np.int64)
     laminar, parent = laminar_parents(sets, hset_start, hset_count, hset_ranks)
-    unit_max = int(w.max())
-    if laminar:
-        lower = _laminar_bound(sets, parent, set_bytes, loads, hset_start, hset_count, hset_ranks)
-        sizes = hset_count[sets]
-        for n in np.unique(sizes).tolist():  # sets of one size are disjoint: place them together
-            rows = np.flatnonzero(sizes == n)
-            ranks = hset_ranks[hset_start[sets[rows]][:, None] + np.arange(n)[None, :]]
-            sel = np.flatnonzero((set_of_unit >= rows[0]) & (set_of_unit <= rows[-1]))
-            row = set_of_unit[sel] - rows[0]
-            pos = _place(loads, ranks, row, w[sel])
-            choice[fr[sel], fg[sel]] = pos
-            loads += np.bincount(ranks[row, pos], weights=w[sel], minlength=num_src).astype(np.int64)
+    sizes = hset_count[sets]
+    if laminar:  # sets of one size are disjoint (and adjacent in placing order): place them together
+        lower = _laminar_bound(sets, parent, set_bytes, fixed, hset_start, hset_count, hset_ranks)
+        batches = [np.flatnonzero(sizes == n) for n in np.unique(sizes).tolist()]
     else:
-        for k, s in enumerate(sets.tolist()):
-            sel = np.flatnonzero(set_of_unit == k)
-            ranks = hset_ranks[hset_start[s]: hset_start[s] + hset_count[s]][None, :]
-            pos = _place(loads, ranks, np.zeros(len(sel), dtype=np.int64), w[sel])
-            choice[fr[sel], fg[sel]] = pos
-            loads += np.bincount(ranks[0, pos], weights=w[sel], minlength=num_src).astype(np.int64)
-        lower = _general_bound(sets, set_bytes, loads_fixed=np.bincount(
-            hset_ranks[hset_start[group_hset]], weights=group_bytes * fixed_g, minlength=num_src),
-            hset_start=hset_start, hset_count=hset_count, hset_ranks=hset_ranks)
-    return choice, BalanceReport(int(lower), unit_max, laminar)
+        lower = _general_bound(sets, set_bytes, fixed, hset_start, hset_count, hset_ranks)
+        batches = [np.asarray([k]) for k in range(len(sets))]
+    loads = fixed.copy()
+    for rows in batches:
+        ranks = hset_ranks[hset_start[sets[rows]][:, None] + np.arange(sizes[rows[0]])[None, :]]
+        sel = np.flatnonzero((set_of_unit >= rows[0]) & (set_of_unit <= rows[-1]))
+        row = set_of_unit[sel] - rows[0]
+        pos = _place(loads, ranks, row, w[sel])
+        choice[fr[sel], fg[sel]] = pos
+        loads += np.bincount(ranks[row, pos], weights=w[sel], minlength=num_src).astype(np.int64)
+    return choice, BalanceReport(int(lower), int(w.max()), laminar)
 
 
 def _laminar_bound(sets, parent, set_bytes, fixed_loads, hset_start, hset_count, hset_ranks) -> int:

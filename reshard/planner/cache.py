@@ -1,9 +1,8 @@
 """Plans compiled once per (source layout, destination layout, options) in a process, then reused.
 
-Both sides of a cross-process refit compile the same plan from the same declared layouts; an engine that is
-initialized again with the same layouts, or a trainer that refits every step, finds it here. Layouts are frozen
-values, so the key is the layouts themselves (a changed layout is another key: its plan is compiled anew, the
-others stay). `stats()` counts compiles and hits (tests check that a second refit compiles nothing).
+Both sides of a cross-process refit compile the same plan from the same layouts; an engine initialized again, or
+a trainer that refits every step, finds it here. Layouts are frozen values, so they are the key. `stats()` counts
+compiles and hits.
 """
 from __future__ import annotations
 

@@ -1,48 +1,39 @@
-"""compile(src, dst) -> Plan: intersect destination boxes with source boxes, choose senders, merge, prove
-coverage, account. Vectorized end to end: no Python loop runs per tensor, per placement or per op.
-
-Lifecycle (each step a pure function of the two layouts and the explicit options):
-  1. select the canonical tensors (all, or a subset by name / layer);
-  2. read both layouts' placements as tables (`Layout.placement_table`: each kind of tensor's cut answers for
-     every layer and expert at once, with numpy): the source for all ranks, the destination for replica 0 only;
-  3. group source placements into distinct boxes, each with its holders (the ranks that hold it);
-  4. intersect every destination box with the source boxes of its canonical tensor (sorted boxes, binary search
-     for the candidates: interval search, never all pairs) -> the template: one replica's ops;
-  5. merge template ops adjacent in memory on both sides, whichever holder sends (planner.merge);
-  6. build the fan-out forest over replicas (planner.fanout) and choose a holder for every fed replica and group
-     of ops (planner.balance);
-  7. prove that the template, and the relay template, write every destination model element exactly once
-     (planner.coverage): replicas are identical and each receives exactly once (fed or relayed), so this proves
-     the whole plan; an expert-parallel destination's slots are proven too (every physical slot written, each
-     from its own logical expert, every replica of one expert with the same bytes: `prove_expert_slots`);
-  8. seal the plan (planner.program holds the factored ops; planner.accounting counts them).
+"""compile(src, dst) -> Plan, vectorized end to end (no Python loop per tensor, placement or op):
+  1. select the canonical tensors and read both layouts' placements as tables (`Layout.placement_table`), the
+     source for all ranks, the destination for replica 0;
+  2. group source placements into distinct boxes, each with its holders (the ranks that hold it);
+  3. intersect every destination box with its canonical tensor's source boxes (binary search, never all pairs):
+     the template, one replica's ops; merge ops adjacent on both sides whichever holder sends (planner.merge);
+  4. build the fan-out forest over replicas (planner.fanout), choose a holder per fed replica and group of ops
+     (planner.balance);
+  5. prove that the template and the relay template write every destination model element exactly once
+     (planner.coverage; replicas are identical, so this proves the whole plan), and an expert-parallel
+     destination's slots (`prove_expert_slots`); seal the factored ops (planner.program) and account them.
 """
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 
 from ..arrays import sort_by, unique_inverse
-from ..errors import CoverageError, PlanError
+from ..errors import PlanError
 from ..layouts import Layout, ModelSpec
 from ..layouts.base import PlacementTable
 from .accounting import Bounds
 from .balance import choose_holders
-from .coverage import band_segments, overlapping, prove_expert_slots, prove_replica_coverage, sorted_unique
-from .fanout import replica_forests, slot_copies, slot_copy_problems, split_parts
-from .merge import merge_relay, merge_template
+from .coverage import band_segments, overlapping, prove_expert_slots, prove_program, sorted_unique
+from .fanout import replica_forests, slot_copies, split_parts
+from .merge import merge_relay, merge_template, run_positions
 from .plan import Plan, TensorTable
 from .program import Program
-from .selection import in_units, select_indices, unit_ratios
+from .selection import bound_facts, data_rows, select_indices, unit_placements, unit_ratios
 
 
-def _tensor_ids(t: PlacementTable, mask: np.ndarray, side: str, dtypes: tuple[str, ...] = ()
-                ) -> tuple[np.ndarray, TensorTable, np.ndarray]:
-    """Physical tensor id per row (-1 outside `mask`), ids sorted by (rank, kind); one shape per (rank, name).
-    Also the element count of each tensor."""
+def _tensor_ids(t: PlacementTable, mask: np.ndarray, side: str,
+                dtypes: tuple[str, ...] = ()) -> tuple[np.ndarray, TensorTable]:
+    """Physical tensor id per row (-1 outside `mask`), ids sorted by (rank, kind); one shape per (rank, name)."""
     nk = max(len(t.kinds), 1)
     key = t.rank[mask] * nk + t.kind[mask]
     span = (int(t.rank.max(initial=0)) + 1) * nk
@@ -67,8 +58,7 @@ def _tensor_ids(t: PlacementTable, mask: np.ndarray, side: str, dtypes: tuple[st
             if seen.setdefault((r, name), shape) != shape:
                 problems.append(f"rank {r} tensor {name!r}: {seen[(r, name)]} and {shape}")
         raise PlanError(f"{side} layout gives a tensor two shapes", problems)
-    table = TensorTable(ranks, kinds, t.kinds, dtypes)
-    return tid, table, table.kind_array(lambda _, shape: math.prod(shape))
+    return tid, TensorTable(ranks, kinds, t.kinds, dtypes)
 
 
 class _Boxes:
@@ -143,18 +133,16 @@ class _Boxes:
         return out
 
 
-def _intersect(boxes: _Boxes, D: PlacementTable, rows: np.ndarray, tid: np.ndarray,
-               num_canon: int) -> dict[str, np.ndarray]:
+def _intersect(boxes: _Boxes, D: PlacementTable, tid: np.ndarray, num_canon: int) -> dict[str, np.ndarray]:
     """Template ops: every (destination row, source box) of one canonical tensor that meet, with offsets.
 
     A query's candidates are its canonical tensor's boxes; where a tensor has many boxes, a binary search on the
     boxes' row starts (and the running maximum of their row ends) narrows them to those that can meet the query.
     """
-    if not len(rows) or not len(boxes):
+    if not len(D) or not len(boxes):
         return {k: np.zeros(0, np.int64) for k in ("canon", "box", "src_d0", "src_d1", "dst_rank", "dst_tensor",
                                                     "dst_offset", "dst_stride", "rows", "cols")}
-    pick = (lambda a: a) if len(rows) == len(D) else (lambda a: a[rows])  # noqa: E731
-    qc, a0, a1, m0, m1 = pick(D.canon), pick(D.c0), pick(D.c1), pick(D.n0), pick(D.n1)
+    qc, a0, a1, m0, m1 = D.canon, D.c0, D.c1, D.n0, D.n1
     first = np.searchsorted(boxes.canon, np.arange(num_canon + 1))
     lo, hi = first[qc], first[qc + 1]
     many = np.flatnonzero(hi - lo > 8)
@@ -171,50 +159,36 @@ def _intersect(boxes: _Boxes, D: PlacementTable, rows: np.ndarray, tid: np.ndarr
     one = np.flatnonzero(count == 1)
     rest = np.flatnonzero(count > 1)
     qn = np.repeat(rest, count[rest])
-    bn = np.repeat(lo[rest], count[rest]) + (np.arange(len(qn)) - np.repeat(np.cumsum(count[rest]) - count[rest],
-                                                                            count[rest]))
-    parts = [_meet(boxes, D, rows, tid, a0, a1, m0, m1, q, b) for q, b in ((one, lo[one]), (qn, bn)) if len(q)]
+    bn = np.repeat(lo[rest], count[rest]) + run_positions(count[rest])
+    parts = [_meet(boxes, D, tid, q, b) for q, b in ((one, lo[one]), (qn, bn)) if len(q)]
     if len(parts) == 1:
         return parts[0]
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
-def _meet(boxes: _Boxes, D: PlacementTable, rows, tid, a0, a1, m0, m1, q, b) -> dict[str, np.ndarray]:
-    """The ops of query rows q meeting boxes b (pairs that do not meet are dropped)."""
+def _meet(boxes: _Boxes, D: PlacementTable, tid: np.ndarray, q: np.ndarray, b: np.ndarray) -> dict[str, np.ndarray]:
+    """The ops of destination rows q meeting boxes b (pairs that do not meet are dropped)."""
     bc0, bc1 = boxes.c0[b], boxes.c1[b]
-    qa0, qa1 = a0[q], a1[q]
+    qa0, qa1 = D.c0[q], D.c1[q]
     i0, i1 = np.maximum(qa0, bc0), np.maximum(qa1, bc1)
-    e0 = np.minimum(qa0 + m0[q], bc0 + boxes.n0[b])
-    e1 = np.minimum(qa1 + m1[q], bc1 + boxes.n1[b])
+    e0 = np.minimum(qa0 + D.n0[q], bc0 + boxes.n0[b])
+    e1 = np.minimum(qa1 + D.n1[q], bc1 + boxes.n1[b])
     hit = (e0 > i0) & (e1 > i1)
     if not hit.all():
         hit = np.flatnonzero(hit)
         q, b, i0, i1, e0, e1, bc0, bc1, qa0, qa1 = (x[hit] for x in (q, b, i0, i1, e0, e1, bc0, bc1, qa0, qa1))
-    r = q if len(rows) == len(D) else rows[q]
-    stride = D.stride[r]
-    return {
-        "canon": D.canon[r], "box": b, "src_d0": i0 - bc0, "src_d1": i1 - bc1,
-        "dst_rank": D.rank[r], "dst_tensor": tid[r],
-        "dst_offset": D.origin[r] + (i0 - qa0) * stride + (i1 - qa1), "dst_stride": stride,
-        "rows": e0 - i0, "cols": e1 - i1,
-    }
+    stride = D.stride[q]
+    return {"canon": D.canon[q], "box": b, "src_d0": i0 - bc0, "src_d1": i1 - bc1, "dst_rank": D.rank[q],
+            "dst_tensor": tid[q], "dst_offset": D.origin[q] + (i0 - qa0) * stride + (i1 - qa1), "dst_stride": stride,
+            "rows": e0 - i0, "cols": e1 - i1}
 
 
-SLOT_COLUMNS = ("origin", "stride", "n0", "n1", "canon", "c0", "c1")  # of a placement table: what slot_copy_problems reads
-
-
-def _with(ops: dict[str, np.ndarray], copies: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The destination columns of `ops` and the slot copies together (what the coverage proof reads)."""
-    cols = ("dst_tensor", "dst_offset", "dst_stride", "rows", "cols")
-    return {c: np.concatenate([ops[c], copies[c]]) for c in cols} if copies and len(copies["rows"]) else ops
-
-
-def _check_source_boxes(boxes: _Boxes, src: TensorTable, numel: np.ndarray) -> None:
+def _check_source_boxes(boxes: _Boxes, src: TensorTable) -> None:
     """Every holder's box lies inside its source tensor (rows no wider than the tensor's rows). Template ops read
     sub-boxes of their boxes, and merged ops contiguous unions of such reads, so this bounds every read."""
     b = np.repeat(np.arange(len(boxes)), boxes.hcount)
     last = boxes.h_base + (boxes.n0[b] - 1) * boxes.h_stride + boxes.n1[b]
-    bad = np.flatnonzero((boxes.h_base < 0) | (boxes.n1[b] > boxes.h_stride) | (last > numel[boxes.h_tensor]))
+    bad = np.flatnonzero((boxes.h_base < 0) | (boxes.n1[b] > boxes.h_stride) | (last > src.numel()[boxes.h_tensor]))
     if len(bad):
         raise PlanError("source placements lie outside their source tensors",
                         [f"source rank {src.rank[boxes.h_tensor[i]]} {src.name(boxes.h_tensor[i])!r}"
@@ -229,13 +203,9 @@ def _colocation(colocated: "bool | Sequence[int]", num_src: int, num_dst: int) -
                             f"{num_dst} destination ranks, {num_src} source ranks (or give the source rank of "
                             f"each destination rank)")
         return np.arange(num_dst, dtype=np.int64)
-    if colocated is False or colocated is None:
+    if colocated is False:
         return None
-    try:
-        ranks = [int(r) for r in colocated]
-    except (TypeError, ValueError):
-        raise PlanError(f"colocated={colocated!r}: expected True, False or a source rank per destination rank") \
-            from None
+    ranks = list(colocated)  # integers (checked by _check_arguments)
     problems = ([f"{len(ranks)} entries for {num_dst} destination ranks"] if len(ranks) != num_dst else [])
     problems += [f"destination rank {d} -> source rank {r}, outside [0, {num_src})"
                  for d, r in enumerate(ranks) if not 0 <= r < num_src]
@@ -245,7 +215,7 @@ def _colocation(colocated: "bool | Sequence[int]", num_src: int, num_dst: int) -
 
 
 def _check_arguments(src: Any, dst: Any, tensors: Any, layers: Any, colocated: Any, fanout: Any, roots: Any,
-                     relay_cap: Any) -> None:
+                     relay_cap: Any, expert_copies: Any) -> None:
     """compile_plan's arguments by type, each refused with ArgumentError naming it (ranges are checked below)."""
     from ..arguments import instance, integer, integers, names
 
@@ -260,6 +230,8 @@ def _check_arguments(src: Any, dst: Any, tensors: Any, layers: Any, colocated: A
     if roots is not None:
         integer("roots", roots, 1, 1 << 20)
     integer("relay_cap", relay_cap, 1, 1 << 20)
+    if not isinstance(expert_copies, bool):
+        raise PlanError(f"expert_copies={expert_copies!r} must be True or False")
 
 
 def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = None,
@@ -294,7 +266,7 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
         ArgumentError: a selection or colocation that names no tensor, layer or rank of the layouts.
         CoverageError: the plan would not write every destination element holding model data exactly once.
     """
-    _check_arguments(src, dst, tensors, layers, colocated, fanout, roots, relay_cap)
+    _check_arguments(src, dst, tensors, layers, colocated, fanout, roots, relay_cap, expert_copies)
     start = time.perf_counter()
     if src.model != dst.model:
         raise PlanError("source and destination describe different models",
@@ -302,8 +274,6 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
     if src.dtype != dst.dtype:
         raise PlanError(f"source dtype {src.dtype} differs from destination dtype {dst.dtype}")
     colocation = _colocation(colocated, src.num_ranks, dst.num_ranks)
-    if fanout is not None and fanout < 1:
-        raise PlanError(f"fanout={fanout} must be at least 1 (or None to feed every replica from the source)")
     if roots is not None and not fanout:
         raise PlanError(f"roots={roots} needs fanout (without it the source feeds every replica)")
     model = src.model
@@ -312,46 +282,38 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
     itemsize = model.itemsize
     K, rpr = dst.num_replicas, dst.ranks_per_replica
 
-    # Placements as tables: the source for all its ranks, the destination for replica 0.
-    # Wider tensors (a float32 router bias) are counted in units of the model's dtype from here on.
-    num, den, own = unit_ratios(model)
+    # Placements as tables in units of the model's dtype (a float32 router bias counts two bfloat16 units): the
+    # source for all its ranks, the destination for replica 0.
     shifted = [t.name for t in model.own_dtype_tensors if dst.value_offset(t) != src.value_offset(t)]
     if shifted:  # a shift adds to values, which units of another dtype are not
         raise PlanError(f"{shifted[0]} is kept in its own dtype and the layouts store it with different offsets")
-    S, s_dtypes = in_units(src.placement_table(sel), num, den, own, "source")
-    D, d_dtypes = in_units(dst.placement_table(sel, replica=0), num, den, own, "destination")
+    S, s_dtypes, D, d_dtypes = unit_placements(src, dst, sel)
     s_data = S.n0 * S.n1 > 0
-    d_data = D.n0 * D.n1 > 0
-    s_tid, src_table, src_numel = _tensor_ids(S, s_data, "source", s_dtypes)
-    d_tid, dst_table0, _ = _tensor_ids(D, np.ones(len(D), dtype=bool), "destination", d_dtypes)
+    s_tid, src_table = _tensor_ids(S, s_data, "source", s_dtypes)
+    d_tid, dst_table0 = _tensor_ids(D, np.ones(len(D), dtype=bool), "destination", d_dtypes)
     outside = np.flatnonzero(D.rank >= rpr)
     if len(outside):
         raise PlanError(f"destination layout places replica 0 of {model.tensor_name(int(D.canon[outside[0]]))} "
                         f"outside ranks [0, {rpr})")
+    d_tid, D = d_tid[D.n0 * D.n1 > 0], data_rows(D)
 
     boxes = _Boxes(S, s_tid, s_data)
+    num, den, _ = unit_ratios(model)
     problems = boxes.overlaps(model, model.canonical.cols * num // den)
     if problems:
         raise PlanError("source layout is inconsistent", problems)
-    _check_source_boxes(boxes, src_table, src_numel)
+    _check_source_boxes(boxes, src_table)
 
     # One replica's ops, merged whichever holder sends them.
-    d_rows = np.flatnonzero(d_data)
-    ops = _intersect(boxes, D, d_rows, d_tid, len(model.canonical))
+    ops = _intersect(boxes, D, d_tid, len(model.canonical))
     stacks = dst.expert_stacks()
-    if stacks is not None:  # expert-parallel slots (EPLB's replicas among them): proven on the ops before merging, while each still names its canonical box
-        prove_expert_slots(stacks, dst_table0, d_tid[d_rows], D.origin[d_rows], D.n0[d_rows], D.n1[d_rows],
-                           whole=not subset, ops=ops, canon_r0=boxes.c0[ops["box"]] + ops["src_d0"],
-                           canon_c0=boxes.c1[ops["box"]] + ops["src_d1"], layer_of=model.canonical.layer,
-                           expert_of=model.canonical.expert)
-    if not isinstance(expert_copies, bool):
-        raise PlanError(f"expert_copies={expert_copies!r} must be True or False")
+    if stacks is not None:  # expert-parallel slots (EPLB's replicas among them): proven before merging, while
+        # each op still names its canonical box
+        prove_expert_slots(stacks, dst_table0, d_tid, D.origin, D.n0, D.n1, whole=not subset, ops=ops,
+                           canon_r0=boxes.c0[ops["box"]] + ops["src_d0"], canon_c0=boxes.c1[ops["box"]] + ops["src_d1"],
+                           layer_of=model.canonical.layer, expert_of=model.canonical.expert)
     ops, copies = slot_copies(ops, model.canonical.expert) if stacks is not None and expert_copies and fanout \
         else (ops, {})
-    problems = slot_copy_problems(copies, d_tid[d_rows], *(getattr(D, c)[d_rows] for c in SLOT_COLUMNS)) \
-        if copies else []
-    if problems:  # pragma: no cover - slot_copies makes them so; the check is the one a loaded plan passes
-        raise CoverageError("EPLB slot copies read other elements than they write", problems)
     template = merge_template(ops, boxes.hset, boxes.stride, boxes.hstart, boxes.hcount, boxes.h_tensor,
                               boxes.h_base, boxes.h_stride)
     group = template["group"]
@@ -372,15 +334,12 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
     relay = split_parts(merge_relay(template), parent.shape[0], rpr) if len(fed) < K else {}
 
     # The proof: the template, and the relay template, tile replica 0's model data exactly.
-    prove_replica_coverage([_with(template, copies), _with(relay, copies)] if relay else [_with(template, copies)],
-                           dst_table0, d_tid[d_rows], D.origin[d_rows],
-                           D.n0[d_rows], D.n1[d_rows])
+    prove_program(template, relay or None, copies, dst_table0, d_tid, D)
 
-    per_dst0 = np.bincount(D.rank[d_rows], weights=D.n0[d_rows] * D.n1[d_rows], minlength=rpr).astype(np.int64)
     held0 = np.zeros(len(boxes), dtype=bool)
     held0[np.repeat(np.arange(len(boxes)), boxes.hcount)[boxes.h_rank == 0]] = True
-    bounds = Bounds(lower_bound_by_dst=tuple((np.tile(per_dst0, K) * itemsize).tolist()),
-                    model_bytes=int((model.canonical.numel * num // den)[sel].sum()) * itemsize,
+    lower_bound_by_dst, model_bytes = bound_facts(model, sel, D, rpr, K)
+    bounds = Bounds(lower_bound_by_dst=lower_bound_by_dst, model_bytes=model_bytes,
                     gatherer_held_bytes=int((boxes.n0 * boxes.n1)[held0].sum()) * itemsize,
                     egress_lower_bound=balance.lower_bound, egress_unit_max=balance.unit_max,
                     holder_sets_laminar=balance.laminar)

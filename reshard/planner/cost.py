@@ -1,22 +1,15 @@
 """Predicted wall time of a plan: a bandwidth model over link classes.
 
-Every transfer (stage, sender, receiver) is classified by where its two ranks sit:
-- `device`: the same GPU (colocated plans): a device copy, reading and writing device memory;
-- `nvlink`: two GPUs of one node;
-- `network`: two nodes, through each GPU's NIC.
-Each GPU has a copy engine, an NVLink port and a NIC; each link class has a bandwidth and a latency (inputs,
-with defaults for an NVLink node and a 400 Gb/s NIC per GPU; where the NVLink and copy defaults come from:
-BENCHMARKS.md, Compile and planning, predicted refit times). A stage takes as long
-as its busiest resource (bytes / bandwidth; NVLink and NICs are full duplex, NVLink capped in total when both
-directions are busy), plus the latency of its transfers and a per-op cost. Executors that pack bytes into wire
-buffers, or stage what they receive before committing it, add device copies (`pack_copies`, `commit_copies`),
-which overlap the wire or follow it (`overlap_copies`). Stages run one after another, or,
-with `pipelined`, overlap as relays forward chunks while they arrive: then the plan takes as long as its busiest
-resource over all stages, plus one chunk and one latency per tree level to fill the pipeline.
+Each transfer is `device` (both ranks on one GPU: a colocated copy), `nvlink` (two GPUs of one node) or `network`
+(two nodes, through each GPU's NIC). A stage takes as long as its busiest resource (a GPU's copy engine, NVLink
+port or NIC: bytes / bandwidth; NVLink and NICs full duplex, NVLink capped in total), plus its transfers' latency
+and a per-op cost; executors that pack into wire buffers or stage what they receive add device copies
+(`pack_copies`, `commit_copies`) that overlap the wire or follow it. Stages run in sequence, or, `pipelined`,
+overlap: then the busiest resource over all stages, plus one chunk and one latency per tree level. Defaults: an
+NVLink node and a 400 Gb/s NIC per GPU (BENCHMARKS.md, predicted refit times).
 
-Ranks sit on GPUs in order: source rank s on GPU s; destination rank d on GPU `dst_first_gpu` + d (default right
-after the source's GPUs), or on source rank d's GPU when the plan is colocated; `src_gpus` / `dst_gpus` put them
-on any other GPUs. GPU g is in node g // gpus_per_node.
+Source rank s sits on GPU s, destination rank d on GPU `dst_first_gpu` + d (default: after the source's), or on
+its colocated source rank's GPU; `src_gpus` / `dst_gpus` place them anywhere. GPU g is in node g // gpus_per_node.
 """
 from __future__ import annotations
 
@@ -83,12 +76,14 @@ class ClusterModel:
 
     def __post_init__(self) -> None:
         from ..arguments import integer, integers, number
+        from ..errors import PlanError
 
         for name in ("gpus_per_node", "chunk_bytes"):
             integer(name, getattr(self, name), 1, 1 << 62)
-        for name in ("nvlink_bandwidth", "nvlink_bidirectional", "nvlink_latency", "network_bandwidth",
-                     "network_latency", "copy_bandwidth", "copy_latency", "op_overhead", "pack_copies",
-                     "commit_copies"):
+        positive = ("nvlink_bandwidth", "nvlink_bidirectional", "network_bandwidth", "copy_bandwidth")
+        non_negative = ("nvlink_latency", "network_latency", "copy_latency", "op_overhead", "pack_copies",
+                        "commit_copies")
+        for name in positive + non_negative:
             number(name, getattr(self, name))
         for name in ("overlap_copies", "pipelined"):
             if not isinstance(getattr(self, name), bool):
@@ -96,18 +91,14 @@ class ClusterModel:
         if self.dst_first_gpu is not None:
             integer("dst_first_gpu", self.dst_first_gpu, 0, 1 << 30)
         for name in ("src_gpus", "dst_gpus"):
-            integers(name, getattr(self, name))
-            if isinstance(getattr(self, name), (set, frozenset)):  # one GPU per rank, in rank order
-                raise ArgumentError(name, getattr(self, name), "must be a list or tuple (in rank order), not a set")
-            if getattr(self, name) is not None and any(g < 0 for g in getattr(self, name)):
-                raise ArgumentError(name, getattr(self, name), "must list non-negative GPU numbers")
-        bad = [n for n in ("gpus_per_node", "nvlink_bandwidth", "nvlink_bidirectional", "network_bandwidth",
-                           "copy_bandwidth", "chunk_bytes") if getattr(self, n) <= 0]
-        bad += [n for n in ("nvlink_latency", "network_latency", "copy_latency", "op_overhead", "pack_copies",
-                            "commit_copies") if getattr(self, n) < 0]
+            gpus = getattr(self, name)
+            integers(name, gpus)
+            if isinstance(gpus, (set, frozenset)):  # one GPU per rank, in rank order
+                raise ArgumentError(name, gpus, "must be a list or tuple (in rank order), not a set")
+            if gpus is not None and any(g < 0 for g in gpus):
+                raise ArgumentError(name, gpus, "must list non-negative GPU numbers")
+        bad = [n for n in positive if getattr(self, n) <= 0] + [n for n in non_negative if getattr(self, n) < 0]
         if bad:
-            from ..errors import PlanError
-
             raise PlanError("cluster model figures must be positive (latencies and overheads non-negative)", bad)
 
     def with_(self, **changes) -> "ClusterModel":
@@ -171,42 +162,21 @@ class Prediction:
 
 
 def transfer_table(plan: "Plan") -> dict[str, np.ndarray]:
-    """Per transfer (stage, side, sender, receiver): bytes and ops, computed from the factored plan."""
-    p = plan.program
-    t, rpr = p.template, p.ranks_per_replica
-    num_dst = plan.dst.num_ranks
-    item = plan.itemsize
-    G = len(p.group_box)
-    op_bytes = t["rows"] * t["cols"] * item
-    g_bytes = np.bincount(t["group"], weights=op_bytes, minlength=G)
-    g_ops = np.bincount(t["group"], minlength=G)
-    first = np.searchsorted(t["group"], np.arange(G))
-    holder = p.holder_of_group()
-    dst = t["dst_rank"][first][None, :] + p.fed[:, None] * rpr
-    stage_of = np.broadcast_to(p.stage[0, p.fed][:, None], holder.shape)
-    key = (stage_of.ravel() * plan.src.num_ranks + holder.ravel()) * num_dst + dst.ravel()
-    uniq, inverse = np.unique(key, return_inverse=True)
-    nb = np.bincount(inverse, weights=np.broadcast_to(g_bytes, holder.shape).ravel())
-    no = np.bincount(inverse, weights=np.broadcast_to(g_ops, holder.shape).ravel())
-    cols = {"stage": uniq // num_dst // plan.src.num_ranks, "side": np.full(len(uniq), SOURCE),
-            "src": uniq // num_dst % plan.src.num_ranks, "dst": uniq % num_dst,
-            "bytes": nb.astype(np.int64), "ops": no.astype(np.int64)}
-    jj, kk = np.nonzero(p.parent >= 0)  # (part, relayed replica)
-    if len(kk):
-        r = p.relay
-        P = p.num_parts
-        key = r["part"] * rpr + r["dst_rank"]
-        pos_bytes = np.bincount(key, weights=r["rows"] * r["cols"] * item, minlength=P * rpr).reshape(P, rpr)
-        pos_ops = np.bincount(key, minlength=P * rpr).reshape(P, rpr)
-        j = np.repeat(jj, rpr)
-        k = np.repeat(kk, rpr)
-        rr = np.tile(np.arange(rpr), len(kk))
-        some = pos_ops[j, rr] > 0
-        j, k, rr = j[some], k[some], rr[some]
-        extra = {"stage": p.stage[j, k], "side": np.full(len(k), RELAY), "src": p.parent[j, k] * rpr + rr,
-                 "dst": k * rpr + rr, "bytes": pos_bytes[j, rr].astype(np.int64), "ops": pos_ops[j, rr]}
-        cols = {c: np.concatenate([cols[c], extra[c]]) for c in cols}
-    return cols
+    """Per transfer (stage, side, sender, receiver): bytes and ops, from the factored plan (EPLB slot copies, inside
+    an engine, are not modelled)."""
+    from .accounting import flows
+
+    fed, relay = flows(plan.program, plan.itemsize)
+    keep = ~relay["copy"]
+    cols = {c: np.concatenate([fed[c], relay[c][keep]]) for c in ("stage", "src", "dst", "bytes", "ops")}
+    side = np.concatenate([np.full(len(fed["src"]), SOURCE), np.full(int(keep.sum()), RELAY)])
+    base, num_dst = max(plan.src.num_ranks, plan.dst.num_ranks), plan.dst.num_ranks
+    uniq, inverse = np.unique(((cols["stage"] * 2 + side) * base + cols["src"]) * num_dst + cols["dst"],
+                              return_inverse=True)
+    inverse = inverse.reshape(-1)
+    return {"stage": uniq // num_dst // base // 2, "side": uniq // num_dst // base % 2, "src": uniq // num_dst % base,
+            "dst": uniq % num_dst, "bytes": np.bincount(inverse, weights=cols["bytes"]).astype(np.int64),
+            "ops": np.bincount(inverse, weights=cols["ops"]).astype(np.int64)}
 
 
 def _rank_gpus(plan: "Plan", cluster: ClusterModel) -> tuple[np.ndarray, np.ndarray]:
@@ -218,8 +188,7 @@ def _rank_gpus(plan: "Plan", cluster: ClusterModel) -> tuple[np.ndarray, np.ndar
     elif plan.colocation is not None:  # on the GPU of the source rank it shares a device with
         dst = src[np.asarray(plan.colocation, dtype=np.int64)]
     else:
-        first = int(src.max(initial=-1)) + 1 if cluster.dst_first_gpu is None else cluster.dst_first_gpu
-        dst = first + np.arange(D)
+        dst = (int(src.max(initial=-1)) + 1 if cluster.dst_first_gpu is None else cluster.dst_first_gpu) + np.arange(D)
     if len(src) != S or len(dst) != D:
         from ..errors import PlanError
 
@@ -228,68 +197,34 @@ def _rank_gpus(plan: "Plan", cluster: ClusterModel) -> tuple[np.ndarray, np.ndar
     return src, dst
 
 
-def _gpus(plan: "Plan", cluster: ClusterModel, tr: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    src, dst = _rank_gpus(plan, cluster)
-    src_gpu = np.where(tr["side"] == RELAY, dst[np.minimum(tr["src"], len(dst) - 1)],
-                       src[np.minimum(tr["src"], len(src) - 1)])
-    return src_gpu, dst[tr["dst"]]
-
-
-def _role(plan: "Plan", cluster: ClusterModel, gpu: int) -> str:
-    src, dst = _rank_gpus(plan, cluster)
-    roles = [f"src rank {int(r)}" for r in np.flatnonzero(src == gpu)[:2]]
-    roles += [f"dst rank {int(r)}" for r in np.flatnonzero(dst == gpu)[:2]]
-    return " + ".join(roles) or "idle"
-
-
-def _stage(plan: "Plan", cluster: ClusterModel, tr, sel, s: int) -> tuple[StagePrediction, dict[str, np.ndarray]]:
-    src_gpu, dst_gpu = _gpus(plan, cluster, tr)
-    src_gpu, dst_gpu = src_gpu[sel], dst_gpu[sel]
-    nbytes, ops = tr["bytes"][sel].astype(np.float64), tr["ops"][sel]
+def _stage(cluster: ClusterModel, src_gpu: np.ndarray, dst_gpu: np.ndarray, nbytes: np.ndarray, ops: np.ndarray,
+           s: int, role) -> tuple[StagePrediction, dict[str, np.ndarray]]:
+    """Stage `s` from its transfers' GPUs, bytes and ops; and the seconds each resource of each GPU is busy."""
     n = int(max(src_gpu.max(initial=0), dst_gpu.max(initial=0))) + 1
+    count = lambda gpu, m: np.bincount(gpu[m], weights=nbytes[m], minlength=n)  # noqa: E731
     same = src_gpu == dst_gpu
-    node = cluster.gpus_per_node
-    nv = ~same & (src_gpu // node == dst_gpu // node)
+    nv = ~same & (src_gpu // cluster.gpus_per_node == dst_gpu // cluster.gpus_per_node)
     net = ~same & ~nv
-    load = {
-        "nvlink out": np.bincount(src_gpu[nv], weights=nbytes[nv], minlength=n),
-        "nvlink in": np.bincount(dst_gpu[nv], weights=nbytes[nv], minlength=n),
-        "nic out": np.bincount(src_gpu[net], weights=nbytes[net], minlength=n),
-        "nic in": np.bincount(dst_gpu[net], weights=nbytes[net], minlength=n),
-    }
+    load = {"nvlink out": count(src_gpu, nv), "nvlink in": count(dst_gpu, nv), "nic out": count(src_gpu, net),
+            "nic in": count(dst_gpu, net)}
     load["nvlink both"] = load["nvlink out"] + load["nvlink in"]
-    cross = ~same
-    copies = (np.bincount(src_gpu[same], weights=nbytes[same], minlength=n)  # local copies
-              + cluster.pack_copies * (np.bincount(src_gpu[cross], weights=nbytes[cross], minlength=n)
-                                    + np.bincount(dst_gpu[cross], weights=nbytes[cross], minlength=n))
-              # staging shadows only tensors that receive bytes from another process: a GPU fed only by local
-              # copies stages nothing (its copies run once, at commit)
-              + cluster.commit_copies * np.bincount(dst_gpu, weights=nbytes, minlength=n)
-              * (np.bincount(dst_gpu[cross], weights=nbytes[cross], minlength=n) > 0))
+    received = count(dst_gpu, ~same)
+    # staging shadows only tensors that receive bytes from another process: a GPU fed only by local copies stages
+    # nothing (its copies run once, at commit)
+    copies = (count(src_gpu, same) + cluster.pack_copies * (count(src_gpu, ~same) + received)
+              + cluster.commit_copies * count(dst_gpu, np.ones(len(same), dtype=bool)) * (received > 0))
     bw = _bandwidths(cluster)
-    busiest, worst = None, 0.0
-    for kind, l in load.items():
-        if not l.any():
-            continue
-        g = int(np.argmax(l))
-        secs = float(l[g]) / bw[kind]
-        if secs > worst:
-            busiest, worst = Resource(kind, g, _role(plan, cluster, g), int(l[g]), secs), secs
+    times = {k: v / bw[k] for k, v in load.items()}
     copy_time = 2 * copies / cluster.copy_bandwidth  # a copy reads and writes
-    if copy_time.any():
-        if cluster.overlap_copies:
-            g = int(np.argmax(copy_time))
-            if copy_time[g] > worst:
-                busiest, worst = Resource("copy", g, _role(plan, cluster, g), int(copies[g]), float(copy_time[g])), \
-                    float(copy_time[g])
-        else:  # copies follow the wire on each GPU
-            wire_per_gpu = np.max([load[k] / bw[k] for k in load], axis=0)
-            total = wire_per_gpu + copy_time
-            g = int(np.argmax(total))
-            if total[g] > worst:
-                busiest, worst = Resource("wire + copy", g, _role(plan, cluster, g), int(copies[g]), float(total[g])), \
-                    float(total[g])
-    load["copy"] = 2 * copies
+    shown = {k: (load[k], times[k]) for k in load}
+    if copy_time.any():  # copies overlap the wire, or follow it on each GPU
+        shown["copy" if cluster.overlap_copies else "wire + copy"] = (
+            copies, copy_time if cluster.overlap_copies else np.max(list(times.values()), axis=0) + copy_time)
+    busiest, worst = None, 0.0
+    for kind, (b, t) in shown.items():
+        g = int(np.argmax(t))
+        if t[g] > worst:
+            busiest, worst = Resource(kind, g, role(g), int(b[g]), float(t[g])), float(t[g])
     latency = max([cluster.copy_latency] * bool(same.any()) + [cluster.nvlink_latency] * bool(nv.any())
                   + [cluster.network_latency] * bool(net.any()), default=0.0)
     per_gpu_ops = np.bincount(src_gpu, weights=ops, minlength=n) + np.bincount(dst_gpu, weights=ops, minlength=n)
@@ -297,10 +232,9 @@ def _stage(plan: "Plan", cluster: ClusterModel, tr, sel, s: int) -> tuple[StageP
     classes = {"device": same, "nvlink": nv, "network": net}
     pred = StagePrediction(
         stage=s, seconds=worst + latency + op_secs, transfer_seconds=worst, latency_seconds=latency,
-        op_seconds=op_secs, busiest=busiest,
-        bytes_by_class={c: int(nbytes[m].sum()) for c, m in classes.items()},
+        op_seconds=op_secs, busiest=busiest, bytes_by_class={c: int(nbytes[m].sum()) for c, m in classes.items()},
         transfers_by_class={c: int(m.sum()) for c, m in classes.items()})
-    return pred, {k: v / bw[k] for k, v in load.items()}
+    return pred, {**times, "copy": copy_time}
 
 
 def predict(plan: "Plan", cluster: ClusterModel | None = None) -> Prediction:
@@ -324,9 +258,21 @@ def predict(plan: "Plan", cluster: ClusterModel | None = None) -> Prediction:
     instance("cluster", cluster, ClusterModel, "a ClusterModel", none=True)
     cluster = cluster or ClusterModel()
     tr = transfer_table(plan)
+    src, dst = _rank_gpus(plan, cluster)
+    src_gpu = np.where(tr["side"] == RELAY, dst[np.minimum(tr["src"], len(dst) - 1)],
+                       src[np.minimum(tr["src"], len(src) - 1)])
+    dst_gpu = dst[tr["dst"]]
+
+    def role(gpu: int) -> str:
+        """Which ranks sit on `gpu`, e.g. "src rank 3 + dst rank 3"."""
+        roles = [f"{side} rank {int(r)}" for side, gpus in (("src", src), ("dst", dst))
+                 for r in np.flatnonzero(gpus == gpu)[:2]]
+        return " + ".join(roles) or "idle"
+
     stages, times = [], []
     for s in range(plan.num_stages):
-        pred, t = _stage(plan, cluster, tr, tr["stage"] == s, s)
+        m = tr["stage"] == s
+        pred, t = _stage(cluster, src_gpu[m], dst_gpu[m], tr["bytes"][m].astype(np.float64), tr["ops"][m], s, role)
         stages.append(pred)
         times.append(t)
     depth = max(plan.num_stages - 1, 0)
@@ -342,7 +288,7 @@ def predict(plan: "Plan", cluster: ClusterModel | None = None) -> Prediction:
     g = int(np.argmax(total[kind]))
     secs = float(total[kind][g])
     nbytes = secs * _bandwidths(cluster)[kind] / (2 if kind == "copy" else 1)
-    busiest = Resource(kind, g, _role(plan, cluster, g), int(nbytes), secs)
+    busiest = Resource(kind, g, role(g), int(nbytes), secs)
     fill = sum(min(cluster.chunk_bytes, max(x.bytes_by_class.values())) / _slowest_bw(cluster, x) + x.latency_seconds
                for x in stages[1:])
     overhead = stages[0].latency_seconds + sum(x.op_seconds for x in stages)
@@ -351,9 +297,9 @@ def predict(plan: "Plan", cluster: ClusterModel | None = None) -> Prediction:
 
 def _bandwidths(cluster: ClusterModel) -> dict[str, float]:
     """Bytes/s of each kind of resource of a GPU."""
-    return {"copy": cluster.copy_bandwidth, "nvlink out": cluster.nvlink_bandwidth, "nvlink in": cluster.nvlink_bandwidth,
-            "nvlink both": cluster.nvlink_bidirectional, "nic out": cluster.network_bandwidth,
-            "nic in": cluster.network_bandwidth}
+    return {"copy": cluster.copy_bandwidth, "nvlink out": cluster.nvlink_bandwidth,
+            "nvlink in": cluster.nvlink_bandwidth, "nvlink both": cluster.nvlink_bidirectional,
+            "nic out": cluster.network_bandwidth, "nic in": cluster.network_bandwidth}
 
 
 def _slowest_bw(cluster: ClusterModel, stage: StagePrediction) -> float:
@@ -379,14 +325,12 @@ def format_prediction(pred: Prediction) -> str:
 
     instance("pred", pred, Prediction, "a Prediction (from predict)")
     mode = "pipelined stages" if pred.pipelined else "stages in sequence"
-    lines = [f"  predicted    {pred.seconds:.4f} s ({mode}; tree depth {pred.depth})"]
-    if pred.busiest is not None:
-        lines.append(f"  busiest      {pred.busiest}")
     by = pred.bytes_by_class
-    lines.append("  link bytes   " + ", ".join(f"{c} {by[c] / 1e9:.2f} GB" for c in LINK_CLASSES))
-    for s in pred.stages:
-        lines.append(f"    stage {s.stage}: {s.seconds:.4f} s = transfer {s.transfer_seconds:.4f} + latency "
-                     f"{s.latency_seconds * 1e6:.0f} us + ops {s.op_seconds:.4f}; busiest {s.busiest}")
+    lines = [f"  predicted    {pred.seconds:.4f} s ({mode}; tree depth {pred.depth})",
+             *([f"  busiest      {pred.busiest}"] if pred.busiest is not None else []),
+             "  link bytes   " + ", ".join(f"{c} {by[c] / 1e9:.2f} GB" for c in LINK_CLASSES)]
+    lines += [f"    stage {s.stage}: {s.seconds:.4f} s = transfer {s.transfer_seconds:.4f} + latency "
+              f"{s.latency_seconds * 1e6:.0f} us + ops {s.op_seconds:.4f}; busiest {s.busiest}" for s in pred.stages]
     return "\n".join(lines)
 
 

@@ -1,13 +1,9 @@
 """The coverage proof: every destination element that holds model data is written exactly once, nothing else.
 
-Both the ops and the destination placements are turned into rectangles in each destination tensor's row view
-(rows = all leading dimensions, columns = the last one). Each tensor's columns are cut into bands at every
-rectangle edge; inside a band a rectangle is a row interval. Then, per band:
-  1. the ops' intervals must not overlap (nothing written twice),
-  2. the placements' intervals must not overlap (the layout is consistent), and
-  3. after fusing touching intervals, the ops' intervals must equal the placements' intervals exactly
-     (every data element written; no padding and no element outside the tensor written).
-All of it is vectorized; problems are collected and reported together.
+Ops and destination placements become rectangles in each destination tensor's row view (rows: the leading
+dimensions, columns: the last), whose columns are cut into bands at every rectangle edge. Per band, the ops' row
+intervals must not overlap, nor the placements', and once touching intervals are fused the two must be equal.
+Vectorized; problems are collected and reported together.
 """
 from __future__ import annotations
 
@@ -18,6 +14,7 @@ import numpy as np
 
 from ..arrays import sort_by
 from ..errors import CoverageError
+from .merge import run_positions
 
 
 def rects_from_ops(dst_tensor: np.ndarray, dst_offset: np.ndarray, dst_stride: np.ndarray, rows: np.ndarray,
@@ -26,14 +23,10 @@ def rects_from_ops(dst_tensor: np.ndarray, dst_offset: np.ndarray, dst_stride: n
     W = width[dst_tensor]
     r0, c0 = dst_offset // W, dst_offset % W
     flat = rows == 1
-    bad_stride = ~flat & (dst_stride != W)
-    for i in np.flatnonzero(bad_stride)[:5]:
-        problems.append(f"op into {names(dst_tensor[i])} has row stride {dst_stride[i]} != tensor width {W[i]}")
+    problems += [f"op into {names(dst_tensor[i])} has row stride {dst_stride[i]} != tensor width {W[i]}"
+                 for i in np.flatnonzero(~flat & (dst_stride != W))[:5]]
     fits = flat & (c0 + cols <= W)
     whole = flat & ~fits & (c0 == 0) & (cols % W == 0)
-    t_, a_, b_, m_, n_ = [dst_tensor], [r0], [c0], [rows.copy()], [cols.copy()]
-    m_[0] = np.where(whole, cols // W, m_[0])
-    n_[0] = np.where(whole, W, n_[0])
     keep = ~(flat & ~fits & ~whole)
     extra = []
     for i in np.flatnonzero(~keep):  # runs that start mid-row and wrap: split into head, body, tail
@@ -48,13 +41,12 @@ def rects_from_ops(dst_tensor: np.ndarray, dst_offset: np.ndarray, dst_stride: n
             r += left // w
         if left % w:
             extra.append((t, r, 0, 1, left % w))
-    out = [np.concatenate([x[keep] for x in col]) for col in (t_, a_, b_, m_, n_)]
+    out = [x[keep] for x in (dst_tensor, r0, c0, np.where(whole, cols // W, rows), np.where(whole, W, cols))]
     if extra:
         e = np.asarray(extra, dtype=np.int64)
         out = [np.concatenate([o, e[:, k]]) for k, o in enumerate(out)]
-    bad_cols = (out[2] < 0) | (out[2] + out[4] > width[out[0]])
-    for i in np.flatnonzero(bad_cols)[:5]:
-        problems.append(f"op into {names(out[0][i])} writes columns past the tensor's width")
+    problems += [f"op into {names(out[0][i])} writes columns past the tensor's width"
+                 for i in np.flatnonzero((out[2] < 0) | (out[2] + out[4] > width[out[0]]))[:5]]
     return tuple(out)
 
 
@@ -72,7 +64,7 @@ def band_segments(t, r0, c0, nr, nc, key_base, bounds_keys):
         band, start, end = lo, r0, r0 + nr
     else:
         idx = np.repeat(np.arange(len(t)), count)
-        band = np.repeat(lo, count) + (np.arange(len(idx)) - np.repeat(np.cumsum(count) - count, count))
+        band = np.repeat(lo, count) + run_positions(count)
         start, end = r0[idx], r0[idx] + nr[idx]
     order = sort_by((band, start))
     return band[order], start[order], end[order]
@@ -98,10 +90,8 @@ def prove_exact_coverage(ops_rects: tuple[np.ndarray, ...], piece_rects: tuple[n
     ot, orow, ocol, onr, onc = ops_rects
     pt, prow, pcol, pnr, pnc = piece_rects
     for label, t, r, nr in (("op", ot, orow, onr), ("placement", pt, prow, pnr)):
-        out = (r < 0) | (r + nr > height[t])
-        for i in np.flatnonzero(out)[:5]:
-            problems.append(f"{label} in {names(t[i])} covers rows [{r[i]}, {r[i] + nr[i]}) past its "
-                            f"{height[t[i]]} rows")
+        problems += [f"{label} in {names(t[i])} covers rows [{r[i]}, {r[i] + nr[i]}) past its {height[t[i]]} rows"
+                     for i in np.flatnonzero((r < 0) | (r + nr > height[t]))[:5]]
     if problems:
         raise CoverageError("coverage proof failed", problems)
     key_base = int(width.max(initial=0)) + 1
@@ -121,10 +111,10 @@ def prove_exact_coverage(ops_rects: tuple[np.ndarray, ...], piece_rects: tuple[n
         c0, c1 = k % key_base, int(edges[b + 1]) % key_base
         return f"{names(t)} rows [{s}, {e}) cols [{c0}, {c1})"
 
-    for i in overlapping(ob, os_, oe)[:10]:
-        problems.append(f"written twice: {where(ob[i + 1], os_[i + 1], min(oe[i], oe[i + 1]))}")
-    for i in overlapping(pb, ps, pe)[:10]:
-        problems.append(f"destination layout places two boxes at {where(pb[i + 1], ps[i + 1], pe[i])}")
+    problems += [f"written twice: {where(ob[i + 1], os_[i + 1], min(oe[i], oe[i + 1]))}"
+                 for i in overlapping(ob, os_, oe)[:10]]
+    problems += [f"destination layout places two boxes at {where(pb[i + 1], ps[i + 1], pe[i])}"
+                 for i in overlapping(pb, ps, pe)[:10]]
     if problems:
         raise CoverageError("coverage proof failed", problems)
     fo, fp = _fuse(ob, os_, oe), _fuse(pb, ps, pe)
@@ -133,10 +123,8 @@ def prove_exact_coverage(ops_rects: tuple[np.ndarray, ...], piece_rects: tuple[n
     # Report the difference: data not written, or writes outside model data.
     o_set = set(zip(*(x.tolist() for x in fo)))
     p_set = set(zip(*(x.tolist() for x in fp)))
-    for b, s, e in sorted(p_set - o_set)[:10]:
-        problems.append(f"model data not (wholly) written: {where(b, s, e)}")
-    for b, s, e in sorted(o_set - p_set)[:10]:
-        problems.append(f"write outside model data (or partial): {where(b, s, e)}")
+    problems += [f"model data not (wholly) written: {where(*x)}" for x in sorted(p_set - o_set)[:10]]
+    problems += [f"write outside model data (or partial): {where(*x)}" for x in sorted(o_set - p_set)[:10]]
     raise CoverageError("coverage proof failed", problems)
 
 
@@ -157,6 +145,36 @@ def prove_replica_coverage(programs: "list[dict[str, np.ndarray]]", dst_table0, 
         prove_exact_coverage(rects, piece_rects, width, height, names, problems)
 
 
+def prove_program(template: dict[str, np.ndarray], relay: dict[str, np.ndarray] | None,
+                  copies: dict[str, np.ndarray], dst_table0: Any, d_tid: np.ndarray, D: Any) -> None:
+    """Prove that the template, and the relay template (None: no replica is relayed), each with the EPLB slot
+    copies, tile replica 0's model data exactly, and that every copy reads the elements it writes.
+
+    Args:
+        template: one fed replica's ops.
+        relay: one relayed replica's ops, or None.
+        copies: the slot copies (program.COPY_COLUMNS; empty or {} without).
+        dst_table0: replica 0's destination tensors.
+        d_tid: table id of each row of `D`.
+        D: replica 0's destination placements with data (a PlacementTable).
+
+    Raises:
+        CoverageError: listing the problems.
+    """
+    from .fanout import slot_copy_problems
+
+    def with_copies(ops: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if not copies or not len(copies["rows"]):
+            return ops
+        return {c: np.concatenate([ops[c], copies[c]]) for c in ("dst_tensor", "dst_offset", "dst_stride", "rows",
+                                                                 "cols")}
+
+    prove_replica_coverage([with_copies(ops) for ops in (template, relay) if ops is not None], dst_table0, d_tid,
+                           D.origin, D.n0, D.n1)
+    problems = slot_copy_problems(copies, d_tid, D.origin, D.stride, D.n0, D.n1, D.canon, D.c0, D.c1) if copies else []
+    if problems:
+        raise CoverageError("EPLB slot copies read other elements than they write", problems)
+
 
 def prove_expert_slots(stacks: Any, dst_table0: Any, d_tid: np.ndarray, d_origin: np.ndarray, d_n0: np.ndarray,
                        d_n1: np.ndarray, whole: bool = True, ops: dict[str, np.ndarray] | None = None,
@@ -164,18 +182,15 @@ def prove_expert_slots(stacks: Any, dst_table0: Any, d_tid: np.ndarray, d_origin
                        layer_of: np.ndarray | None = None, expert_of: np.ndarray | None = None) -> None:
     """Prove what an expert-parallel destination's slots receive. Raises CoverageError listing the problems.
 
-    `stacks` are the destination's `expert_stacks()` (None: nothing to prove): per stacked expert tensor of replica
-    0, the logical expert its placement puts in each slot, read from the placement, not from the placements table.
-    The destination placements with data are given as table ids `d_tid`, flat origins and 2-D lengths.
-      1. Every slot holds model data: with `whole` (a whole-model plan) the placements cover each slot completely,
-         and in any plan every replica of a logical expert as much as the others; with the exact coverage proof,
-         every slot, each replica included, is written.
-      2. Given `ops` (the template's ops before merging: `canon`, `dst_tensor`, `dst_offset`, `dst_stride`, `rows`,
-         `cols`) and each op's canonical origin (`canon_r0`, `canon_c0`): every op into a slot lies inside it and
-         reads the canonical tensor of the slot's layer and logical expert (`layer_of` / `expert_of` per canonical
-         tensor), and every replica of a logical expert receives the same canonical boxes at the same offsets in
-         its slot: the same bytes. (Merging joins ops adjacent on both sides, which changes no byte's source, so the
-         merged template writes what these ops write.)
+    `stacks`: the destination's `expert_stacks()` (None: nothing to prove), the logical expert in each slot of
+    every stacked expert tensor of replica 0, read from the placement. Replica 0's placements with data are given
+    as table ids `d_tid`, flat origins and 2-D lengths.
+      1. Every slot holds model data: with `whole` (a whole-model plan) each slot is wholly covered, in any plan
+         every replica of a logical expert as much as the others.
+      2. Given `ops` (the template before merging) and each op's canonical origin (`canon_r0`, `canon_c0`): every
+         op into a slot lies inside it and reads the canonical tensor of the slot's layer and expert (`layer_of`,
+         `expert_of` per canonical tensor), and every replica of an expert receives the same canonical boxes at
+         the same offsets. Merging changes no byte's source, so the merged template writes the same.
     """
     if stacks is None or not len(stacks.names):
         return

@@ -1,26 +1,16 @@
 """Delta plans: the part of a plan's ops a refit runs when only some source elements changed, and the proof that
 it writes every changed element exactly once and nothing else.
 
-A delta refit runs some of a plan's ops, each in one of three encodings, chosen per op by size (`choose`):
-  DENSE   the op's whole box (rows x cols elements), as a dense refit moves it;
-  SPARSE  the changed elements' box-local indices (int32, r * cols + c, ascending) and their values;
-  BITMAP  one bit per element of the box (bit j of byte k is element 8k + j) and the changed elements' values.
-An op in which nothing changed is left out. Per op, the smallest encoding wins (ties go to DENSE): in bf16 SPARSE
-costs 6 bytes per changed element, BITMAP 1/8 byte per element plus 2 per changed one, DENSE 2 per element, so
-SPARSE wins below 1/32 of an op's elements changed (at 2.5%: 7.5% of the dense bytes), BITMAP from there to 15/16
-(at 10%: 16%), DENSE above.
+Each op that changed travels in the smallest of three encodings (`choose`, ties to DENSE): DENSE, its whole box;
+SPARSE, the changed elements' box-local indices (int32, r * cols + c, ascending) and values; BITMAP, one bit per
+element of the box (bit j of byte k is element 8k + j) and the changed values. In bf16 SPARSE wins below 1/32 of
+an op's elements changed, BITMAP up to 15/16, DENSE above.
 
-`DeltaOps` is such a choice as columns (plan op row, encoding, elements carried) plus the box-local indices of
-the non-dense ops. `prove_delta` extends the plan's coverage proof (planner.coverage) to it. That proof showed
-that the plan's ops write disjoint boxes of the destination tensors which together tile the model data; so a
-delta writes every destination element at most once, and only model data, when
-  1. every op appears at most once, and
-  2. each non-dense op's indices are strictly increasing and inside its box (a dense op writes its box);
-and it carries no more than the dense refit it replaces when
-  3. every non-dense op's encoding is smaller than its dense block.
-Which elements it must write is the sender's knowledge (those whose bits changed); `written` lists the
-destination elements a delta writes, so that tests compare them with the elements whose value changed: every
-changed element among them, and no other element in a non-dense op.
+`prove_delta` extends the plan's coverage proof (its ops write disjoint boxes tiling the model data): a delta
+writes every destination element at most once, and only model data, when 1. every op appears at most once and
+2. each non-dense op's indices are strictly increasing and inside its box; and it carries no more than the dense
+refit when 3. every non-dense encoding is smaller than its dense block. `written` lists the elements a delta
+writes, for tests to compare with the elements whose value changed.
 """
 from __future__ import annotations
 
@@ -30,6 +20,7 @@ import numpy as np
 import torch
 
 from ..errors import CoverageError
+from .merge import run_positions
 
 DENSE, SPARSE, BITMAP = 0, 1, 2
 ENCODINGS = ("dense", "sparse", "bitmap")
@@ -124,9 +115,9 @@ def prove_delta(plan, delta: DeltaOps, allowed: "np.ndarray | None" = None, indi
                  f"block it replaces ({sizes[i, DENSE]} B)" for i in big[:5]]
     if not problems and indices and int(count[~dense].sum()) != len(index):
         problems.append(f"{len(index)} indices for {int(count[~dense].sum())} changed elements")
-    if problems or not indices:
-        if problems:
-            raise CoverageError("delta proof failed", problems)
+    if problems:
+        raise CoverageError("delta proof failed", problems)
+    if not indices:
         return
     # 2, where the indices are (a GPU's stay there): within each entry strictly increasing, and its first and last
     # inside its box, so every one is; O(changed)
@@ -161,10 +152,8 @@ def written(plan, delta: DeltaOps) -> tuple[np.ndarray, np.ndarray]:
     dense = delta.encoding == DENSE
     count = np.where(dense, box, delta.count)
     owner = np.repeat(np.arange(len(delta)), count)
-    local = np.arange(len(owner)) - np.repeat(np.cumsum(count) - count, count)  # index within the entry
-    idx = local.copy()
-    sparse_at = ~dense[owner]
-    idx[sparse_at] = delta.index.cpu().numpy()
+    idx = run_positions(count)  # index within the entry
+    idx[~dense[owner]] = delta.index.cpu().numpy()
     op = delta.op[owner]
     cols = o["cols"][op]
     position = o["dst_offset"][op] + (idx // cols) * o["dst_stride"][op] + idx % cols

@@ -1,42 +1,22 @@
-"""Fan-out forests over destination replicas: the source feeds a few *root* replicas, and every other replica
-receives the same bytes from other replicas (relay ops, `src_side == 1`).
+"""Fan-out forests over destination replicas: the source feeds a few *root* replicas, the others receive the same
+bytes from other replicas (relay ops, `src_side == 1`), rank r of the parent forwarding to rank r of the child.
 
-Replicas share one layout, so a relay copies a region of the parent's destination tensor into the same region of
-the child's, rank by rank: destination rank r of the parent forwards to rank r of the child.
+Split trees: each destination rank's bytes are cut into P = ceil(fanout / relay_cap) equal *parts*, part j along
+its own tree. In every tree each root has one child and every other replica at most `fanout`, laid breadth first
+over the non-roots rotated by j blocks, so the trees' interiors are disjoint: no destination rank sends more than
+`relay_cap` times what it receives, the trainer sends `roots` copies of the model, and depth grows with the log
+of the replica count (NCCL's double binary trees are fanout 2, relay_cap 1). If the interiors cannot be disjoint,
+fanout is lowered until they are. Recorded as `parent[j, k]` and `stage[j, k]` (stage = depth).
 
-Split trees. Each destination rank's bytes are cut into P equal *parts*; part j travels along its own tree. In
-every tree each root has one child (its *head*) and every other replica at most `fanout` children, laid out
-breadth first over the non-root replicas rotated by j blocks, so that the replicas with children in tree j (its
-interior) are a block no other tree uses as interior. A replica therefore forwards at most fanout / P of its
-bytes in total, and a root exactly one copy (one part to one head per tree). With P = ceil(fanout / relay_cap):
-- no destination rank sends more than `relay_cap` times what it receives (up to rounding: parts are equal to the
-  element, so at most fanout - 1 elements more);
-- the trainer sends `roots` copies of the model, whatever the replica count;
-- depth is 1 + the height of a fanout-ary forest over the non-root replicas: logarithmic in the replica count.
-(NCCL's double binary trees are this construction for fanout 2, relay_cap 1.) If the blocks of interior replicas
-cannot be disjoint (few replicas, roots < fanout - 1), fanout is lowered until they are.
-
-Within one replica, an EPLB engine's redundant expert slots (a logical expert in several slots) are fed the same
-way, by the engine (`slot_copies`): the trainer sends each replica one copy of the expert, into the rank that holds
-most of its slots, and every other slot copies it from there (a copy on that rank, a relay over the engine's own
-links from another) in one stage after every other. So the trainer's egress per engine is one copy of each expert,
-whatever the redundancy. Copies are relays (a destination rank's tensor is their source), which need a transport
-that relays, as fan-out does: only plans compiled with `fanout` get them (with one engine it builds no tree); the plan's accounting counts the copies (`Accounting.slot_copy_bytes`, of them
-`slot_copy_local_bytes` on the rank itself).
-
-Each tree is built and checked as a networkx graph (a branching: a forest of arborescences) and recorded in the
-plan as `parent[j, k]` and `stage[j, k]` (stage = depth) per part j and replica k.
+Within one replica, an EPLB engine's redundant expert slots are fed by the engine (`slot_copies`): the trainer
+sends each expert once, into the rank holding most of its slots, and every other slot copies it from there in a
+stage after every other. Copies are relays, so only plans compiled with `fanout` get them.
 """
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import PlanError
-
-if TYPE_CHECKING:
-    import networkx as nx
 
 
 def _interior(non_roots: int, roots: int, fanout: int) -> int:
@@ -56,21 +36,6 @@ def forest_shape(num_replicas: int, roots: int, fanout: int, relay_cap: int) -> 
     return 1, 1
 
 
-def tree_graph(num_replicas: int, roots: int, fanout: int, rotation: int) -> "nx.DiGraph":
-    """One tree: roots 0..roots-1, each with one head; the non-roots, rotated, hang breadth first below."""
-    import networkx as nx  # only plans with fan-out need it; keeps `import reshard` light
-
-    g = nx.DiGraph()
-    g.add_nodes_from(range(num_replicas))
-    order = list(range(roots, num_replicas))
-    if order:
-        shift = rotation % len(order)
-        order = order[shift:] + order[:shift]
-    for i, k in enumerate(order):
-        g.add_edge(i if i < roots else order[(i - roots) // fanout], k)
-    return g
-
-
 def replica_forests(num_replicas: int, fanout: int | None, roots: int,
                     relay_cap: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """(parent, stage), each (parts, replicas): parent -1 for roots, stage = depth in that part's tree."""
@@ -78,30 +43,24 @@ def replica_forests(num_replicas: int, fanout: int | None, roots: int,
         roots = num_replicas
     if not 1 <= roots <= num_replicas:
         raise PlanError(f"roots={roots} must be between 1 and the {num_replicas} destination replicas")
-    if relay_cap < 1:
-        raise PlanError(f"relay_cap={relay_cap} must be at least 1")
     if roots == num_replicas:
         return np.full((1, num_replicas), -1, dtype=np.int64), np.zeros((1, num_replicas), dtype=np.int64)
-    import networkx as nx
-
     fanout, parts = forest_shape(num_replicas, roots, fanout, relay_cap)
     block = _interior(num_replicas - roots, roots, fanout)
     parent = np.full((parts, num_replicas), -1, dtype=np.int64)
     stage = np.zeros((parts, num_replicas), dtype=np.int64)
-    for j in range(parts):
-        g = tree_graph(num_replicas, roots, fanout, j * block)
-        if not nx.is_branching(g) or max(d for n, d in g.out_degree() if n >= roots) > fanout:
-            raise PlanError("fan-out tree is malformed")  # pragma: no cover - construction guarantees it
-        depth = nx.multi_source_dijkstra_path_length(g, list(range(roots)))
-        for u, v in g.edges():
-            parent[j, v] = u
-        stage[j] = [depth[k] for k in range(num_replicas)]
+    order = np.arange(roots, num_replicas)
+    for j in range(parts):  # roots 0..roots-1, each with one head; the rotated non-roots hang breadth first below
+        rotated = np.roll(order, -(j * block % len(order))).tolist()
+        for i, k in enumerate(rotated):  # a parent comes before its children, so its stage is known
+            parent[j, k] = i if i < roots else rotated[(i - roots) // fanout]
+            stage[j, k] = stage[j, parent[j, k]] + 1
     return parent, stage
 
 
 def check_forest(parent: np.ndarray, stage: np.ndarray) -> list[str]:
-    """Problems with recorded forests (for plans loaded from disk): in every part, every relayed replica's
-    parent receives that part in an earlier stage; the roots are the same in every part and receive in stage 0."""
+    """Problems with recorded forests: in every part, each relayed replica's parent receives that part in an
+    earlier stage; the roots are the same in every part and receive in stage 0."""
     problems = []
     if parent.ndim != 2 or parent.shape != stage.shape:
         return [f"forest arrays have shapes {parent.shape} and {stage.shape}; expected (parts, replicas) both"]
@@ -120,11 +79,10 @@ def check_forest(parent: np.ndarray, stage: np.ndarray) -> list[str]:
 
 def slot_copies(ops: dict[str, np.ndarray], expert_of: np.ndarray) -> tuple[dict[str, np.ndarray],
                                                                         dict[str, np.ndarray]]:
-    """Split one replica's ops (compiler's, before merging: each op inside one destination placement and one source
-    box) into those the source feeds and the redundant expert slots' copies (program.COPY_COLUMNS; see the module
-    docstring): ops of a routed expert's canonical tensor (`expert_of[canon] >= 0`) that read the same source region
-    write replicas of one logical expert. Of each such set, the op on the rank holding most of the set (the lowest
-    such rank, then the lowest tensor and offset) stays fed; each other one becomes a copy from its region."""
+    """Split one replica's unmerged ops into those the source feeds and the redundant expert slots' copies
+    (program.COPY_COLUMNS): ops of a routed expert (`expert_of[canon] >= 0`) reading the same source region write
+    replicas of one expert. Of each such set, the op on the rank holding most of it (then the lowest rank, tensor
+    and offset) stays fed; every other becomes a copy from its region."""
     from ..arrays import unique_inverse
     from .program import COPY_COLUMNS
 
@@ -163,10 +121,10 @@ def slot_copies(ops: dict[str, np.ndarray], expert_of: np.ndarray) -> tuple[dict
 
 def slot_copy_problems(copies: dict[str, np.ndarray], d_tid: np.ndarray, origin: np.ndarray, stride: np.ndarray,
                        n0: np.ndarray, n1: np.ndarray, canon: np.ndarray, c0: np.ndarray, c1: np.ndarray) -> list[str]:
-    """What is wrong with slot copies (program.COPY_COLUMNS), given replica 0's destination placements with data
-    (table id, flat origin, row stride, 2-D lengths, canonical tensor and origin): each copy must read a block that
-    holds the same canonical elements as the block it writes (each end inside one placement, its rows the
-    placement's rows), and no copy may read what a copy writes (they run in one stage). At most ten."""
+    """At most ten problems with slot copies (program.COPY_COLUMNS), given replica 0's destination placements with
+    data (table id, flat origin, row stride, 2-D lengths, canonical tensor and origin): each copy must read a block
+    holding the same canonical elements as the block it writes (each end inside one placement, on its rows), and
+    none may read what a copy writes (they run in one stage)."""
     n = len(copies["rows"])
     if not n:
         return []
@@ -252,14 +210,13 @@ def _element_range(op: dict[str, int], a: int, b: int) -> list[dict[str, int]]:
     if c0:
         flat(r0, c0, cols)
         r0 += 1
-    if r1 > r0:
-        n = r1 - r0
-        out.append({**op, "rows": n, "dst_offset": off + r0 * stride} if n > 1 else
-                   {**op, "rows": 1, "cols": cols, "dst_stride": cols, "dst_offset": off + r0 * stride})
+    if r1 - r0 > 1:
+        out.append({**op, "rows": r1 - r0, "dst_offset": off + r0 * stride})
+    elif r1 > r0:
+        flat(r0, 0, cols)
     if c1:
         flat(r1, 0, c1)
     return out
 
 
-__all__ = ["check_forest", "forest_shape", "replica_forests", "slot_copies", "slot_copy_problems", "split_parts",
-           "tree_graph"]
+__all__ = ["check_forest", "forest_shape", "replica_forests", "slot_copies", "slot_copy_problems", "split_parts"]

@@ -1,18 +1,13 @@
 """Quantizing refits: a bf16 source into an FP8 block-scaled destination, each block quantized once, where it
 halves the wire.
 
-`compile_fp8(src, dst, scheme)` decides, per quantized tensor kind (an HF name template: every layer's and
-expert's tensor of that entry is cut alike), where its blocks are quantized:
-- **sender**: every source rank holding part of the tensor holds whole blocks (its cuts split no block, and no
-  physical source tensor mixes it with a tensor quantized elsewhere). The sender quantizes the blocks it sends
-  and only fp8 bytes + float32 scales cross the wire (about half of bf16);
-- **receiver**: otherwise (a trainer TP cut through a block): the tensor travels in the model's dtype into a
-  staging tensor on the receiving rank, which quantizes it (same numerics, full wire).
-It then compiles one ordinary plan over the wire spec (`layouts.fp8.wire_spec`): the coverage proof, the
-accounting and every executor apply to it unchanged. Which sender rank quantizes which block follows from the
-plan's choice of holders (`quantize_by_src`): a rank quantizes the pieces of a tensor it is read from.
-A destination whose cuts split a block (a vLLM TP that vLLM itself would refuse) is refused, naming tensor,
-dim and block, before anything is compiled.
+`compile_fp8` decides per quantized tensor kind (an HF name template) where its blocks are quantized: by the
+**sender** when every source rank holding part of it holds whole blocks (and no physical source tensor mixes it
+with a kind quantized elsewhere), so only fp8 bytes and float32 scales cross the wire; else by the **receiver**,
+into which it travels in the model's dtype. It then compiles one ordinary plan over the wire spec
+(`layouts.fp8.wire_spec`), which the coverage proof, the accounting and every executor handle unchanged; a rank
+quantizes the pieces the plan reads from it (`quantize_by_src`). A destination whose cuts split a block is
+refused, naming tensor, dim and block, before anything is compiled.
 """
 from __future__ import annotations
 
@@ -27,7 +22,7 @@ from ..layouts import Layout, Placement
 from ..layouts.fp8 import FP8, Fp8Scheme, quantized_entries, scale_name, wire_spec
 from ..layouts.model import ModelSpec, TensorSpec
 from .compiler import compile_plan
-from .plan import Plan
+from .plan import Plan, human_bytes
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,11 +61,7 @@ class Fp8Plan:
     def sender_tensors(self) -> tuple[tuple[int, int], ...]:
         """(weight index, scale index) in the wire spec of every tensor quantized by senders."""
         spec = self.plan.src.model
-        out = []
-        for t in spec.tensors:
-            if t.dtype == FP8:
-                out.append((t.index, spec.tensor(scale_name(t.name)).index))
-        return tuple(out)
+        return tuple((t.index, spec.tensor(scale_name(t.name)).index) for t in spec.tensors if t.dtype == FP8)
 
     @functools.cached_property
     def receiver_tensors(self) -> tuple[TensorSpec, ...]:
@@ -123,9 +114,8 @@ class Fp8Plan:
         for rank in self.quantize_by_src:
             by_src[rank] = sum(int(np.prod(a.lengths)) for a, _ in self.sender_pieces(rank))
         by_dst = [0] * dst.num_ranks
-        for t in self.receiver_tensors:
-            for p in dst.placements(t):
-                by_dst[p.rank] += int(np.prod(p.lengths))
+        for p in (p for t in self.receiver_tensors for p in dst.placements(t)):
+            by_dst[p.rank] += int(np.prod(p.lengths))
         return by_src, by_dst
 
     def summary(self) -> dict[str, Any]:
@@ -144,21 +134,11 @@ class Fp8Plan:
         senders = sum(v == "sender" for v in self.where.values())
         lines = [f"  fp8          {self.scheme.block[0]}x{self.scheme.block[1]} blocks, e4m3fn + float32 "
                  f"weight_scale_inv; {senders} of {len(self.where)} quantized tensor kinds on the sender",
-                 f"  wire         {_size(s['wire_bytes'])} with sender-side quantization, "
-                 f"{_size(s['wire_bytes_without_sender_quantization'])} without ({s['wire_ratio']:.3f}x)",
+                 f"  wire         {human_bytes(s['wire_bytes'])} with sender-side quantization, "
+                 f"{human_bytes(s['wire_bytes_without_sender_quantization'])} without ({s['wire_ratio']:.3f}x)",
                  f"  quantize     busiest sender {max(s['quantize_elements_by_src'] or [0]):,} elements, busiest "
                  f"receiver {max(s['quantize_elements_by_dst'] or [0]):,} elements"]
-        for k, why in s["why_receiver"].items():
-            lines.append(f"    receiver   {k}: {why}")
-        return "\n".join(lines)
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.2f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n}"
+        return "\n".join(lines + [f"    receiver   {k}: {why}" for k, why in s["why_receiver"].items()])
 
 
 @functools.lru_cache(maxsize=16)
@@ -180,15 +160,11 @@ def check_destination(dst: Layout, scheme: Fp8Scheme) -> Layout:
 
 def _source_physical(src: Layout, spec: ModelSpec, templates: dict[str, Any]) -> dict[str, set[str]]:
     """Per quantized template, the physical source tensors (names) its first tensor lives in."""
-    out: dict[str, set[str]] = {}
-    first: dict[str, TensorSpec] = {}
-    names = _templates(spec)
-    for k, name in enumerate(names):
-        if name in templates and name not in first:
-            first[name] = spec.tensor_at(k)
-    for name, t in first.items():
-        out[name] = {p.tensor for p in src.placements(t) if all(p.lengths)}
-    return out
+    first: dict[str, int] = {}
+    for k, name in enumerate(_templates(spec)):
+        if name in templates:
+            first.setdefault(name, k)
+    return {name: {p.tensor for p in src.placements(spec.tensor_at(k)) if all(p.lengths)} for name, k in first.items()}
 
 
 def decide(src: Layout, scheme: Fp8Scheme) -> tuple[dict[str, str], dict[str, str]]:

@@ -8,69 +8,68 @@ from ..arrays import sort_by
 SORT_KEYS = ("stage", "src_side", "src_rank", "dst_rank", "src_tensor", "dst_tensor", "src_offset")
 
 
+def run_positions(count: np.ndarray) -> np.ndarray:
+    """For runs of `count` elements laid end to end, each element's position inside its run."""
+    return np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+
+
 def sort_ops(ops: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The ops in transfer order (SORT_KEYS): each (stage, sender, receiver) one contiguous range."""
     order = np.lexsort(tuple(ops[k] for k in reversed(SORT_KEYS)))
     return {k: v[order] for k, v in ops.items()}
 
 
-def normalize_contiguous(ops: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Blocks whose rows are whole on both sides are one contiguous run: rows=1, cols=all elements."""
+def _flatten(ops: dict[str, np.ndarray], flat: np.ndarray, strides: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """`ops` with the blocks marked `flat` as one contiguous run each: rows 1, cols (and `strides`) all elements."""
     ops = dict(ops)
-    rows, cols = ops["rows"], ops["cols"]
-    flat = (rows == 1) | ((cols == ops["src_stride"]) & (cols == ops["dst_stride"]))
-    ops["cols"] = np.where(flat, rows * cols, cols)
-    ops["rows"] = np.where(flat, 1, rows)
-    ops["src_stride"] = np.where(flat, ops["cols"], ops["src_stride"])
-    ops["dst_stride"] = np.where(flat, ops["cols"], ops["dst_stride"])
+    ops["cols"] = np.where(flat, ops["rows"] * ops["cols"], ops["cols"])
+    ops["rows"] = np.where(flat, 1, ops["rows"])
+    for k in strides:
+        ops[k] = np.where(flat, ops["cols"], ops[k])
     return ops
+
+
+def _adjacent(rows: np.ndarray, cols: np.ndarray, off: np.ndarray, stride: np.ndarray) -> np.ndarray:
+    """Whether op i + 1 starts, on one side, where op i ends: two runs end to end, or two blocks of one width and
+    stride, one below the other."""
+    fp, fn = rows[:-1] == 1, rows[1:] == 1
+    return ((fp & fn & (off[1:] == off[:-1] + cols[:-1]))
+            | (~fp & ~fn & (cols[1:] == cols[:-1]) & (stride[1:] == stride[:-1])
+               & (off[1:] == off[:-1] + rows[:-1] * stride[:-1])))
+
+
+def _fuse(ops: dict[str, np.ndarray], joins: np.ndarray, strides: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Each chain of joined neighbours fused into its first op (runs add cols, blocks add rows)."""
+    if not joins.any():
+        return ops
+    starts = np.flatnonzero(np.concatenate([[True], ~joins]))
+    out = {k: v[starts] for k, v in ops.items()}
+    flat = out["rows"] == 1
+    out["cols"] = np.where(flat, np.add.reduceat(ops["cols"], starts), out["cols"])
+    out["rows"] = np.where(flat, 1, np.add.reduceat(ops["rows"], starts))
+    for k in strides:
+        out[k] = np.where(flat, out["cols"], out[k])
+    return out
 
 
 def merge_adjacent(ops: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Fuse chains of ops where each starts, on both sides, exactly where the previous one ends.
 
-    Contiguous runs fuse by adding their lengths; strided blocks with the same width and strides fuse by
-    adding rows. A fused op keeps the first op's canonical tensor id.
+    Blocks whose rows are whole on both sides become one contiguous run first. Contiguous runs fuse by adding
+    their lengths, strided blocks with the same width and strides by adding rows; a fused op keeps the first op's
+    canonical tensor id.
     """
-    ops = sort_ops(normalize_contiguous(ops))
-    n = len(ops["rows"])
-    if n < 2:
+    strides = ("src_stride", "dst_stride")
+    flat = (ops["rows"] == 1) | ((ops["cols"] == ops["src_stride"]) & (ops["cols"] == ops["dst_stride"]))
+    ops = sort_ops(_flatten(ops, flat, strides))
+    if len(ops["rows"]) < 2:
         return ops
     rows, cols = ops["rows"], ops["cols"]
-    s_off, d_off, s_str, d_str = ops["src_offset"], ops["dst_offset"], ops["src_stride"], ops["dst_stride"]
-    same = np.ones(n - 1, dtype=bool)
-    for k in ("stage", "src_side", "src_rank", "dst_rank", "src_tensor", "dst_tensor"):
-        same &= ops[k][1:] == ops[k][:-1]
-    flat_prev, flat_next = rows[:-1] == 1, rows[1:] == 1
-    contiguous = (flat_prev & flat_next & (s_off[1:] == s_off[:-1] + cols[:-1])
-                  & (d_off[1:] == d_off[:-1] + cols[:-1]))
-    strided = (~flat_prev & ~flat_next & (cols[1:] == cols[:-1]) & (s_str[1:] == s_str[:-1])
-               & (d_str[1:] == d_str[:-1]) & (s_off[1:] == s_off[:-1] + rows[:-1] * s_str[:-1])
-               & (d_off[1:] == d_off[:-1] + rows[:-1] * d_str[:-1]))
-    joins = same & (contiguous | strided)
-    if not joins.any():
-        return ops
-    starts = np.flatnonzero(np.concatenate([[True], ~joins]))
-    merged = {k: v[starts] for k, v in ops.items()}
-    flat = merged["rows"] == 1
-    merged["cols"] = np.where(flat, np.add.reduceat(cols, starts), merged["cols"])
-    merged["rows"] = np.where(flat, 1, np.add.reduceat(rows, starts))
-    merged["src_stride"] = np.where(flat, merged["cols"], merged["src_stride"])
-    merged["dst_stride"] = np.where(flat, merged["cols"], merged["dst_stride"])
-    return merged
-
-
-def _fuse_runs(cols: dict[str, np.ndarray], joins: np.ndarray) -> dict[str, np.ndarray]:
-    """Fuse each chain of joined neighbours into its first op (contiguous runs add cols, blocks add rows)."""
-    if not joins.any():
-        return cols
-    starts = np.flatnonzero(np.concatenate([[True], ~joins]))
-    out = {k: v[starts] for k, v in cols.items()}
-    flat = out["rows"] == 1
-    out["cols"] = np.where(flat, np.add.reduceat(cols["cols"], starts), out["cols"])
-    out["rows"] = np.where(flat, 1, np.add.reduceat(cols["rows"], starts))
-    out["dst_stride"] = np.where(flat, out["cols"], out["dst_stride"])
-    return out
+    same = np.all([ops[k][1:] == ops[k][:-1] for k in ("stage", "src_side", "src_rank", "dst_rank", "src_tensor",
+                                                        "dst_tensor")], axis=0)
+    joins = (same & _adjacent(rows, cols, ops["src_offset"], ops["src_stride"])
+             & _adjacent(rows, cols, ops["dst_offset"], ops["dst_stride"]))
+    return _fuse(ops, joins, strides)
 
 
 def merge_template(t: dict[str, np.ndarray], box_hset: np.ndarray, box_stride: np.ndarray, box_hstart: np.ndarray,
@@ -83,65 +82,39 @@ def merge_template(t: dict[str, np.ndarray], box_hset: np.ndarray, box_stride: n
     flattened or merged (box_stride -1). Returns the ops sorted by (holder set, destination tensor, offset) with
     a "group" column numbering the (holder set, destination tensor) runs.
     """
-    t = dict(t)
     stride = box_stride[t["box"]]
-    flat = (t["rows"] == 1) | ((t["cols"] == t["dst_stride"]) & (t["cols"] == stride))
-    t["cols"] = np.where(flat, t["rows"] * t["cols"], t["cols"])
-    t["rows"] = np.where(flat, 1, t["rows"])
-    t["dst_stride"] = np.where(flat, t["cols"], t["dst_stride"])
-    hset = box_hset[t["box"]]
-    order = sort_by((hset, t["dst_tensor"], t["dst_offset"]))
-    hset = hset[order]
-    need = ("box", "rows", "cols", "dst_offset", "dst_stride", "dst_tensor", "src_d0", "src_d1")
-    u = {k: t[k][order] for k in need}  # the columns the merge test reads, in merge order
-    n = len(hset)
-    if n >= 2:
-        rows, cols, off, dstr = u["rows"], u["cols"], u["dst_offset"], u["dst_stride"]
-        s = box_stride[u["box"]]
-        same = (hset[1:] == hset[:-1]) & (u["dst_tensor"][1:] == u["dst_tensor"][:-1])
-        fp, fn = rows[:-1] == 1, rows[1:] == 1
-        flat_dst = fp & fn & (off[1:] == off[:-1] + cols[:-1])
-        block_dst = (~fp & ~fn & (cols[1:] == cols[:-1]) & (dstr[1:] == dstr[:-1]) & (s[1:] == s[:-1])
-                     & (s[:-1] >= 0) & (off[1:] == off[:-1] + rows[:-1] * dstr[:-1]))
-        cand = np.flatnonzero(same & (flat_dst | block_dst))
+    t = _flatten(t, (t["rows"] == 1) | ((t["cols"] == t["dst_stride"]) & (t["cols"] == stride)), ("dst_stride",))
+    t["hset"] = box_hset[t["box"]]
+    t = {k: v[sort_by((t["hset"], t["dst_tensor"], t["dst_offset"]))] for k, v in t.items()}
+    rows, cols, box = t["rows"], t["cols"], t["box"]
+    joins = np.zeros(max(len(rows) - 1, 0), dtype=bool)
+    if len(rows) >= 2:
+        s = box_stride[box]
+        same = (t["hset"][1:] == t["hset"][:-1]) & (t["dst_tensor"][1:] == t["dst_tensor"][:-1])
+        cand = np.flatnonzero(same & _adjacent(rows, cols, t["dst_offset"], t["dst_stride"])
+                              & ((rows[:-1] == 1) | ((s[1:] == s[:-1]) & (s[:-1] >= 0))))
         step = np.where(rows == 1, cols, rows * s)
-        # The source side at holder position 0 first (cheap, and rules out most candidates), then at every
-        # position of the pair's (shared) holder set.
-        i, j = cand, cand + 1
-        hi, hj = box_hstart[u["box"][i]], box_hstart[u["box"][j]]
-        oi = h_base[hi] + u["src_d0"][i] * h_stride[hi] + u["src_d1"][i]
-        oj = h_base[hj] + u["src_d0"][j] * h_stride[hj] + u["src_d1"][j]
-        cand = cand[(h_tensor[hi] == h_tensor[hj]) & (oj == oi + step[i])]
-        joins = np.zeros(n - 1, dtype=bool)
+
+        def follows(i: np.ndarray, pos: np.ndarray | int, pair: np.ndarray | slice) -> np.ndarray:
+            """Whether, at holder position `pos`, op i + 1 reads right after op i in the same source tensor."""
+            j = i + 1
+            hi, hj = box_hstart[box[i]][pair] + pos, box_hstart[box[j]][pair] + pos
+            oi = h_base[hi] + t["src_d0"][i][pair] * h_stride[hi] + t["src_d1"][i][pair]
+            oj = h_base[hj] + t["src_d0"][j][pair] * h_stride[hj] + t["src_d1"][j][pair]
+            return (h_tensor[hi] == h_tensor[hj]) & (oj == oi + step[i][pair])
+
+        # Holder position 0 first (cheap, and rules out most candidates), then every position of the pair's
+        # (shared) holder set.
+        cand = cand[follows(cand, 0, slice(None))]
         if len(cand):
-            i, j = cand, cand + 1
-            bi, bj = u["box"][i], u["box"][j]
-            cnt = box_hcount[bi]
+            cnt = box_hcount[box[cand]]
             pair = np.repeat(np.arange(len(cand)), cnt)
-            pos = np.arange(len(pair)) - np.repeat(np.cumsum(cnt) - cnt, cnt)
-            hi, hj = box_hstart[bi][pair] + pos, box_hstart[bj][pair] + pos
-            oi = h_base[hi] + u["src_d0"][i][pair] * h_stride[hi] + u["src_d1"][i][pair]
-            oj = h_base[hj] + u["src_d0"][j][pair] * h_stride[hj] + u["src_d1"][j][pair]
-            ok = (h_tensor[hi] == h_tensor[hj]) & (oj == oi + step[i][pair])
-            bad = np.bincount(pair[~ok], minlength=len(cand))
+            bad = np.bincount(pair[~follows(cand, run_positions(cnt), pair)], minlength=len(cand))
             joins[cand[bad == 0]] = True
-        if joins.any():
-            starts = np.flatnonzero(np.concatenate([[True], ~joins]))
-            keep = order[starts]
-            flat = rows[starts] == 1
-            merged_cols = np.where(flat, np.add.reduceat(cols, starts), cols[starts])
-            merged_rows = np.where(flat, 1, np.add.reduceat(rows, starts))
-            t = {k: (u[k][starts] if k in u else v[keep]) for k, v in t.items()}
-            t["cols"], t["rows"] = merged_cols, merged_rows
-            t["dst_stride"] = np.where(flat, merged_cols, t["dst_stride"])
-            hset = hset[starts]
-        else:
-            t = {k: (u[k] if k in u else v[order]) for k, v in t.items()}
-    else:
-        t = {k: v[order] for k, v in t.items()}
+    t = _fuse(t, joins, ("dst_stride",))
+    hset = t.pop("hset")
     change = np.ones(len(hset), dtype=bool)
-    if len(hset) > 1:
-        change[1:] = (hset[1:] != hset[:-1]) | (t["dst_tensor"][1:] != t["dst_tensor"][:-1])
+    change[1:] = (hset[1:] != hset[:-1]) | (t["dst_tensor"][1:] != t["dst_tensor"][:-1])
     t["group"] = np.cumsum(change) - 1
     return t
 
@@ -150,17 +123,10 @@ def merge_relay(t: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The template's destination regions, merged where adjacent: what a parent replica forwards to a child
     (source and destination are the same regions of identical tensors, so destination adjacency suffices)."""
     cols = {k: t[k] for k in ("canon", "dst_rank", "dst_tensor", "dst_offset", "dst_stride", "rows", "cols")}
-    flat = (cols["rows"] == 1) | (cols["cols"] == cols["dst_stride"])
-    cols["cols"] = np.where(flat, cols["rows"] * cols["cols"], cols["cols"])
-    cols["rows"] = np.where(flat, 1, cols["rows"])
-    cols["dst_stride"] = np.where(flat, cols["cols"], cols["dst_stride"])
-    order = sort_by((cols["dst_tensor"], cols["dst_offset"]))
-    cols = {k: v[order] for k, v in cols.items()}
-    if len(order) < 2:
+    cols = _flatten(cols, (cols["rows"] == 1) | (cols["cols"] == cols["dst_stride"]), ("dst_stride",))
+    cols = {k: v[sort_by((cols["dst_tensor"], cols["dst_offset"]))] for k, v in cols.items()}
+    if len(cols["rows"]) < 2:
         return cols
-    rows, c, off, st = cols["rows"], cols["cols"], cols["dst_offset"], cols["dst_stride"]
     same = cols["dst_tensor"][1:] == cols["dst_tensor"][:-1]
-    fp, fn = rows[:-1] == 1, rows[1:] == 1
-    joins = same & ((fp & fn & (off[1:] == off[:-1] + c[:-1]))
-                    | (~fp & ~fn & (c[1:] == c[:-1]) & (st[1:] == st[:-1]) & (off[1:] == off[:-1] + rows[:-1] * st[:-1])))
-    return _fuse_runs(cols, joins)
+    return _fuse(cols, same & _adjacent(cols["rows"], cols["cols"], cols["dst_offset"], cols["dst_stride"]),
+                 ("dst_stride",))

@@ -1,40 +1,32 @@
 """The plan: columnar copy operations plus the tables and accounting that give them meaning.
 
-An op copies a 2-D strided block: `rows` x `cols` elements from the source tensor's flat storage at
-`src_offset` (row stride `src_stride`) to the destination tensor's flat storage at `dst_offset` (row stride
-`dst_stride`). A contiguous run is `rows == 1`.
+An op copies a 2-D strided block: `rows` x `cols` elements from the source tensor's flat storage at `src_offset`
+(row stride `src_stride`) to the destination tensor's at `dst_offset` (row stride `dst_stride`); a contiguous run
+has `rows == 1`. An op with `src_side == RELAY` reads destination rank `src_rank`'s tensor `src_tensor`, received
+in an earlier `stage` (fan-out); plans without fan-out have every op at stage 0, side SOURCE.
 
-Fan-out: an op with `src_side == 1` is a relay: its source is destination rank `src_rank`'s tensor
-`src_tensor` (an id in the destination table), which that rank received in an earlier stage. `stage` orders
-execution: every op of stage s may start only once the ops of stages < s that write its source are done.
-Plans without fan-out have every op at stage 0, side 0.
-
-`plan.ops` has every op as one row of OP_COLUMNS, sorted by (stage, src_side, src_rank, dst_rank, src_tensor,
-dst_tensor, src_offset), so the ops of one (stage, sender, receiver) -- a transfer -- are one contiguous range.
-The plan stores them factored by destination replica (planner.program) and expands `ops` on first use; an
-executor that runs one rank expands only that rank's rows (`ops_sent_by`, `ops_received_by`), which is what
-keeps plans of thousands of ranks small.
-
-Plans are saved as one `.npz` (plain arrays plus a JSON header; loaded with allow_pickle=False) or as JSON.
-`str(plan)` is a few readable lines: what moves, how balanced, against the bound and the common pattern.
+`plan.ops` holds every op as a row of OP_COLUMNS, sorted so that the ops of one (stage, sender, receiver), a
+transfer, are one contiguous range. The plan stores them factored by destination replica (planner.program) and
+expands them on first use; an executor expands only its own rank's rows (`ops_sent_by`, `ops_received_by`).
+Plans are saved as `.npz` (plain arrays and a JSON header, loaded without pickle) or as JSON.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ..errors import PlanError
-from ..layouts import Layout, layout_from_dict, layout_to_dict
+from ..layouts import Layout, layout_to_dict
 from ..layouts.model import DTYPE_SIZES
 from .accounting import Accounting, Bounds, account_program
-from .fanout import check_forest
 from .program import OP_COLUMNS, RELAY, SOURCE, Program, expand
 from .program_check import check_program
 from .tables import FORMAT_VERSION, TensorTable
@@ -44,7 +36,7 @@ class Transfer(NamedTuple):
 
     Attributes:
         stage: the fan-out stage.
-        src_side: SOURCE (a source-layout rank sends) or RELAY (a destination rank forwards what it received).
+        src_side: SOURCE (a source rank sends) or RELAY (a destination rank forwards what it received).
         src_rank: the sender, on the side `src_side` names.
         dst_rank: the receiving destination rank.
         start: the first op's row in `Plan.ops`.
@@ -65,9 +57,8 @@ class Transfer(NamedTuple):
 class Plan:
     """A compiled refit: every block copy from source ranks to destination ranks, proven to cover exactly.
 
-    Made by `reshard.compile`, saved and loaded with `save` / `load` (JSON header and plain arrays, re-proved on
-    load), run by an executor (`reshard.executors.make_executor`). `accounting` counts its bytes, `transfers`
-    groups its ops per (sender, receiver), `digest` identifies it across processes.
+    Made by `reshard.compile`, saved and loaded (re-proved) with `save` / `load`, run by an executor
+    (`reshard.executors.make_executor`); `accounting` counts its bytes, `digest` identifies it across processes.
 
     Args:
         src: the source layout.
@@ -94,10 +85,10 @@ class Plan:
     dst_tensors: TensorTable
     program: Program
     bounds: Bounds
-    colocation: tuple[int, ...] | None = None  # per destination rank, the source rank on its device; None: none
+    colocation: tuple[int, ...] | None = None
     fanout: int | None = None
-    roots: int | None = None  # replicas the source feeds when fanout is set
-    selection: tuple[str, ...] | None = None  # canonical tensor names, None = whole model
+    roots: int | None = None
+    selection: tuple[str, ...] | None = None
     coverage: str = "exact"
     compile_seconds: float = 0.0
     digest: str = field(default="")
@@ -105,20 +96,11 @@ class Plan:
 
     def __post_init__(self) -> None:
         check_program(self)  # every index inside what it indexes, before anything is computed from them
-        p = self.program
-        problems = check_forest(p.parent, p.stage)
-        if p.num_replicas != self.dst.num_replicas or p.ranks_per_replica != self.dst.ranks_per_replica:
-            problems.append(f"program has {p.num_replicas} replicas of {p.ranks_per_replica} ranks; destination "
-                            f"layout {self.dst} has {self.dst.num_replicas} of {self.dst.ranks_per_replica}")
-        if len(self.dst_tensors) != p.tensors_per_replica * p.num_replicas:
-            problems.append("destination tensor table does not match the program's replicas")
-        if problems:
-            raise PlanError("plan is inconsistent", problems)
         if self.colocation is not None:
             object.__setattr__(self, "colocation", tuple(int(r) for r in self.colocation))
         if not self.digest:
             object.__setattr__(self, "digest", self._compute_digest())
-        object.__setattr__(self, "accounting", account_program(p, self.itemsize, self.src.num_ranks,
+        object.__setattr__(self, "accounting", account_program(self.program, self.itemsize, self.src.num_ranks,
                                                                self.dst.num_ranks, self.colocation, self.bounds))
 
     @functools.cached_property
@@ -132,18 +114,13 @@ class Plan:
         """Canonical tensor index -> what executors add to every destination element of it after copying
         (dst.value_offset - src.value_offset; e.g. +1 for a norm Megatron keeps zero-centred and HF plain).
         Empty for almost every plan."""
-        out = {}
-        for t in self.selected_tensors:
-            shift = self.dst.value_offset(t) - self.src.value_offset(t)
-            if shift:
-                out[t.index] = shift
-        return out
+        shifts = {t.index: self.dst.value_offset(t) - self.src.value_offset(t) for t in self.selected_tensors}
+        return {k: v for k, v in shifts.items() if v}
 
     @functools.cached_property
     def own_dtypes(self) -> dict[str, str]:
-        """Canonical tensor name -> dtype, for the selected tensors the model keeps in a wider dtype than the
-        plan's (a float32 router bias in a bfloat16 model). They travel bit-exact: the plan counts them in units
-        of its dtype (a float32 element is two bfloat16 units) and executors view them that way."""
+        """Canonical tensor name -> dtype, for the selected tensors kept in another dtype than the plan's (a float32
+        router bias in a bfloat16 model): they travel bit-exact, counted in units of the plan's dtype."""
         names = set(self.selection) if self.selection is not None else None
         return {t.name: t.dtype for t in self.src.model.own_dtype_tensors if names is None or t.name in names}
 
@@ -157,8 +134,7 @@ class Plan:
         return ops
 
     def ops_sent_by(self, rank: int, side: int = SOURCE) -> dict[str, np.ndarray]:
-        """The ops source rank `rank` sends (side SOURCE), or destination rank `rank` relays (side RELAY), sorted
-        as in `ops`, without expanding the rest of the plan."""
+        """The ops source rank `rank` sends (side SOURCE), or destination rank `rank` relays (RELAY), as in `ops`."""
         if side == SOURCE and not 0 <= rank < self.src.num_ranks:
             raise PlanError(f"source rank {rank} is outside [0, {self.src.num_ranks})")
         return expand(self.program, source_rank=rank) if side == SOURCE else expand(self.program, relay_rank=rank)
@@ -184,26 +160,20 @@ class Plan:
     @property
     def transfers(self) -> list[Transfer]:
         """The ops grouped into messages, one per (stage, side, sender, receiver), in `ops` order."""
-        return list(self._iter_transfers())
-
-    def _iter_transfers(self) -> Iterator[Transfer]:
-        st, side, s, d = (self.ops[c] for c in ("stage", "src_side", "src_rank", "dst_rank"))
-        if not len(s):
-            return
-        change = (s[1:] != s[:-1]) | (d[1:] != d[:-1]) | (st[1:] != st[:-1]) | (side[1:] != side[:-1])
-        cut = np.flatnonzero(change) + 1
-        starts = np.concatenate([[0], cut])
-        stops = np.concatenate([cut, [len(s)]])
+        keys = [self.ops[c] for c in ("stage", "src_side", "src_rank", "dst_rank")]
+        if not len(keys[0]):
+            return []
+        cut = np.flatnonzero(np.any([k[1:] != k[:-1] for k in keys], axis=0)) + 1
+        starts, stops = np.concatenate([[0], cut]), np.concatenate([cut, [len(keys[0])]])
         nbytes = np.add.reduceat(self.op_bytes(), starts)
-        for a, b, n in zip(starts.tolist(), stops.tolist(), nbytes.tolist()):
-            yield Transfer(int(st[a]), int(side[a]), int(s[a]), int(d[a]), a, b, n)
+        return [Transfer(*(int(k[a]) for k in keys), a, b, n)
+                for a, b, n in zip(starts.tolist(), stops.tolist(), nbytes.tolist())]
 
     @property
     def num_stages(self) -> int:
         """Stages the ops run in: 1 without fan-out, tree depth + 1 with it, one more for EPLB slot copies (0 for a
         plan without ops)."""
-        p = self.program  # EPLB slot copies run in a stage of their own, after the rest
-        return (p.copy_stage if p.num_copy_ops else int(p.stage.max())) + 1 if self.num_ops else 0
+        return self.accounting.num_stages
 
     @property
     def replica_parent(self) -> tuple[tuple[int, ...], ...]:
@@ -254,12 +224,13 @@ class Plan:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
         """A plan from its dict (`to_dict`), checked as untrusted input (planner.verify)."""
-        return cls._build(d, None)
+        from .verify import load_plan
+
+        return load_plan(cls, d, None)
 
     def save(self, path: str | Path) -> Path:
-        """Write `path` as .json (everything as JSON) or .npz (program arrays, header as JSON), the suffix in any
-        case (as the CLI's --save); any other suffix is refused (ArgumentError), never written in a format its
-        name does not say."""
+        """Write `path` as .json (everything as JSON) or .npz (program arrays, header as JSON), by its suffix (any
+        case); any other suffix is refused (ArgumentError)."""
         from ..arguments import PLAN_SUFFIXES, output_path
 
         path = output_path("path", path, PLAN_SUFFIXES)
@@ -274,23 +245,17 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        """A saved plan (.json or .npz), read and checked as untrusted input: its content must prove what it
-        claims, and its digest must be present and right (planner.plan_file, planner.verify)."""
+        """A saved plan (.json or .npz), read as untrusted input: its content must prove what it claims and match
+        its digest (planner.plan_file, planner.verify)."""
         from .plan_file import read_saved
-
-        header, arrays = read_saved(path)
-        return cls._build(header, arrays)
-
-    @classmethod
-    def _build(cls, d: Any, arrays: Any) -> "Plan":
         from .verify import load_plan
 
-        return load_plan(cls, d, arrays)
+        return load_plan(cls, *read_saved(path))
 
     # --- as text -------------------------------------------------------------------------------
     def __str__(self) -> str:
         """A few readable lines: what moves, how balanced, against the bound and the common pattern."""
-        a, b = self.accounting, _human_bytes
+        a, b = self.accounting, human_bytes
         lb = a.lower_bound_bytes or 1
         lines = [
             f"reshard plan {self.digest[:12]}",
@@ -330,7 +295,8 @@ class Plan:
         return "\n".join(lines)
 
 
-def _human_bytes(n: float) -> str:
+def human_bytes(n: float) -> str:
+    """`n` bytes in B, KiB, MiB, GiB or TiB."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
@@ -338,21 +304,16 @@ def _human_bytes(n: float) -> str:
 
 
 def _rank_table(label: str, values: tuple[int, ...], width: int = 8) -> list[str]:
-    """Bytes by rank in rows of `width` ranks; long runs of equal rows are folded."""
-    lines, prev, folded = [], None, 0
-    for start in range(0, len(values), width):
-        chunk = values[start:start + width]
-        cells = " ".join(f"{_human_bytes(v):>10}" for v in chunk)
-        if cells == prev:
-            folded += 1
-            continue
-        if folded:
-            lines.append(f"    {'':>9} ... {folded} more rows of ranks like the one above")
-            folded = 0
-        lines.append(f"    {label} {start:>4}-{start + len(chunk) - 1:<4} {cells}")
-        prev = cells
-    if folded:
-        lines.append(f"    {'':>9} ... {folded} more rows of ranks like the one above")
+    """Bytes by rank in rows of `width` ranks; runs of equal rows are folded."""
+    rows = [(start, " ".join(f"{human_bytes(v):>10}" for v in values[start:start + width]))
+            for start in range(0, len(values), width)]
+    lines = []
+    for cells, run in itertools.groupby(rows, key=lambda row: row[1]):
+        run = list(run)
+        start = run[0][0]
+        lines.append(f"    {label} {start:>4}-{min(start + width, len(values)) - 1:<4} {cells}")
+        if len(run) > 1:
+            lines.append(f"    {'':>9} ... {len(run) - 1} more rows of ranks like the one above")
     return lines
 
 

@@ -18,15 +18,14 @@ if TYPE_CHECKING:
 
 def byte_matrix(plan: "Plan") -> tuple[np.ndarray, np.ndarray]:
     """(source rank x destination rank, relaying destination rank x destination rank) bytes."""
-    a = plan.accounting
-    S, D = plan.src.num_ranks, plan.dst.num_ranks
-    m = np.zeros((S, D))
-    for s, d, b in a.pair_bytes:
-        m[s, d] += b
-    r = np.zeros((D, D))
-    for s, d, b in a.relay_pair_bytes:
-        r[s, d] += b
-    return m, r
+    a, D = plan.accounting, plan.dst.num_ranks
+    out = []
+    for rows, pairs in ((plan.src.num_ranks, a.pair_bytes), (D, a.relay_pair_bytes)):
+        m = np.zeros((rows, D))
+        for s, d, b in pairs:
+            m[s, d] += b
+        out.append(m)
+    return out[0], out[1]
 
 
 def _tree_positions(g: nx.DiGraph, roots: list[int]) -> dict[int, tuple[float, float]]:

@@ -1,20 +1,11 @@
 """The ops of a plan, factored by destination replica: what a plan stores, and how op rows are expanded from it.
 
-Destination replicas are identical layouts, so one replica's ops (the *template*, in replica 0's coordinates)
-say what every replica receives. What differs per replica is only where its bytes come from:
-- a replica *fed* by the source takes each template op from one of the source ranks that hold its bytes (the
-  holders of the op's source box); `choice[f, group]` is the holder position chosen for fed replica f, per
-  group of template ops (a destination tensor and a holder set), so that ops adjacent in memory stay together;
-- a *relayed* replica receives the same regions from other replicas along fan-out trees, copying from their
-  destination tensors (the *relay template*: the template's regions merged where adjacent, cut into parts; part
-  j of replica k comes from replica `parent[j, k]` in stage `stage[j, k]`, see planner.fanout);
-- every replica, fed or relayed, then feeds its redundant expert slots itself (the *copies*: an EPLB engine's
-  second and later replicas of one logical expert copy its first from the engine rank that holds it, in one stage
-  after every other, `copy_stage`), so the trainer sends each engine one copy of each expert (planner.fanout's
-  `slot_copies`).
-
-Expanding gives the flat op rows of `plan.ops` (OP_COLUMNS). Whole plans of a trillion-parameter model have tens
-of millions of rows; a rank's executor expands only its own (`expand(..., sender=...)` / `receiver=`).
+Replicas share one layout, so one replica's ops (the *template*, in replica 0's coordinates) say what every
+replica receives; only the senders differ. A replica *fed* by the source takes each template op from one holder
+of its source box (`choice[f, group]`, per group of ops so that adjacent ops stay together); a *relayed* one gets
+the template's regions (the *relay template*, cut into parts) from replica `parent[j, k]` in stage `stage[j, k]`
+(planner.fanout); every replica then fills its redundant EPLB expert slots from its own first slot (the *copies*,
+in `copy_stage`, after every other). A rank's executor expands only its own rows (`expand(..., receiver=...)`).
 """
 from __future__ import annotations
 
@@ -23,7 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import PlanError
-from .merge import SORT_KEYS
+from .merge import sort_ops
+from .tables import frozen_ints
 
 TEMPLATE_COLUMNS = ("canon", "box", "src_d0", "src_d1", "dst_rank", "dst_tensor", "dst_offset", "dst_stride",
                     "rows", "cols", "group")
@@ -83,17 +75,10 @@ class Program:
 
     def __post_init__(self) -> None:
         for name in self.ARRAYS:
-            a = np.ascontiguousarray(getattr(self, name), dtype=np.int64)
-            a.setflags(write=False)
-            object.__setattr__(self, name, a)
+            object.__setattr__(self, name, frozen_ints(getattr(self, name)))
         for attr, cols in (("template", TEMPLATE_COLUMNS), ("relay", RELAY_COLUMNS), ("copies", COPY_COLUMNS)):
             d = getattr(self, attr)
-            frozen = {}
-            for c in cols:
-                a = np.ascontiguousarray(d[c], dtype=np.int64) if c in d else np.zeros(0, np.int64)
-                a.setflags(write=False)
-                frozen[c] = a
-            object.__setattr__(self, attr, frozen)
+            object.__setattr__(self, attr, {c: frozen_ints(d.get(c, ())) for c in cols})
 
     # --- sizes -----------------------------------------------------------------------------------
     @property
@@ -112,11 +97,6 @@ class Program:
         return len(self.template["rows"])
 
     @property
-    def num_relay_ops(self) -> int:
-        """Ops of one relayed replica."""
-        return len(self.relay["rows"])
-
-    @property
     def num_copy_ops(self) -> int:
         """Slot copies of one replica."""
         return len(self.copies["rows"])
@@ -129,7 +109,7 @@ class Program:
     @property
     def num_ops(self) -> int:
         """Ops of the whole plan once expanded."""
-        return (len(self.fed) * self.num_template_ops + (self.num_replicas - len(self.fed)) * self.num_relay_ops
+        return (len(self.fed) * self.num_template_ops + (self.num_replicas - len(self.fed)) * len(self.relay["rows"])
                 + self.num_replicas * self.num_copy_ops)
 
     @property
@@ -163,6 +143,20 @@ class Program:
 
 # --- expansion to op rows -------------------------------------------------------------------------------
 
+def _head(n: int, stage: int, side: int, cols: dict[str, np.ndarray], sel: np.ndarray) -> dict[str, np.ndarray]:
+    """The columns every kind of op row fills alike: stage, side, and the block's rows, cols and canon."""
+    return {"stage": np.full(n, stage, dtype=np.int64), "src_side": np.full(n, side, dtype=np.int64),
+            **{c: cols[c][sel] for c in ("rows", "cols", "canon")}}
+
+
+def _end(p: Program, cols: dict[str, np.ndarray], sel: np.ndarray, end: str, replica: int,
+         side: str) -> dict[str, np.ndarray]:
+    """One side's rank, tensor, offset and stride from replica-0 columns `end`, moved to destination `replica`."""
+    return {f"{side}_rank": cols[f"{end}_rank"][sel] + replica * p.ranks_per_replica,
+            f"{side}_tensor": cols[f"{end}_tensor"][sel] + replica * p.tensors_per_replica,
+            f"{side}_offset": cols[f"{end}_offset"][sel], f"{side}_stride": cols[f"{end}_stride"][sel]}
+
+
 def _feed_rows(p: Program, f: int, mask: np.ndarray | None, holder_rank: int | None) -> dict[str, np.ndarray]:
     t = p.template
     k = int(p.fed[f])
@@ -171,60 +165,24 @@ def _feed_rows(p: Program, f: int, mask: np.ndarray | None, holder_rank: int | N
     if holder_rank is not None:
         keep = p.h_rank[h] == holder_rank
         sel, h = sel[keep], h[keep]
-    rows = t["rows"][sel]
-    return {
-        "stage": np.full(len(sel), p.stage[0, k], dtype=np.int64),
-        "src_side": np.full(len(sel), SOURCE, dtype=np.int64),
-        "src_rank": p.h_rank[h],
-        "src_tensor": p.h_tensor[h],
-        "src_offset": p.h_base[h] + t["src_d0"][sel] * p.h_stride[h] + t["src_d1"][sel],
-        "src_stride": np.where(rows == 1, t["cols"][sel], p.h_stride[h]),
-        "dst_rank": t["dst_rank"][sel] + k * p.ranks_per_replica,
-        "dst_tensor": t["dst_tensor"][sel] + k * p.tensors_per_replica,
-        "dst_offset": t["dst_offset"][sel],
-        "dst_stride": t["dst_stride"][sel],
-        "rows": rows,
-        "cols": t["cols"][sel],
-        "canon": t["canon"][sel],
-    }
+    return {**_head(len(sel), p.stage[0, k], SOURCE, t, sel), **_end(p, t, sel, "dst", k, "dst"),
+            "src_rank": p.h_rank[h], "src_tensor": p.h_tensor[h],
+            "src_offset": p.h_base[h] + t["src_d0"][sel] * p.h_stride[h] + t["src_d1"][sel],
+            "src_stride": np.where(t["rows"][sel] == 1, t["cols"][sel], p.h_stride[h])}
 
 
 def _relay_rows(p: Program, k: int, mask: np.ndarray | None, part: int) -> dict[str, np.ndarray]:
     r = p.relay
-    par = int(p.parent[part, k])
-    sel = r["part"] == part if mask is None else mask & (r["part"] == part)
-    sel = np.flatnonzero(sel)
-    rank, tensor = r["dst_rank"][sel], r["dst_tensor"][sel]
-    return {
-        "stage": np.full(len(sel), p.stage[part, k], dtype=np.int64),
-        "src_side": np.full(len(sel), RELAY, dtype=np.int64),
-        "src_rank": rank + par * p.ranks_per_replica,
-        "src_tensor": tensor + par * p.tensors_per_replica,
-        "src_offset": r["dst_offset"][sel],
-        "src_stride": r["dst_stride"][sel],
-        "dst_rank": rank + k * p.ranks_per_replica,
-        "dst_tensor": tensor + k * p.tensors_per_replica,
-        "dst_offset": r["dst_offset"][sel],
-        "dst_stride": r["dst_stride"][sel],
-        "rows": r["rows"][sel],
-        "cols": r["cols"][sel],
-        "canon": r["canon"][sel],
-    }
+    sel = np.flatnonzero(r["part"] == part if mask is None else mask & (r["part"] == part))
+    return {**_head(len(sel), p.stage[part, k], RELAY, r, sel), **_end(p, r, sel, "dst", int(p.parent[part, k]), "src"),
+            **_end(p, r, sel, "dst", k, "dst")}
 
 
 def _copy_rows(p: Program, k: int, mask: np.ndarray | None) -> dict[str, np.ndarray]:
     c = p.copies
     sel = np.arange(p.num_copy_ops) if mask is None else np.flatnonzero(mask)
-    rank, tensor = k * p.ranks_per_replica, k * p.tensors_per_replica
-    return {
-        "stage": np.full(len(sel), p.copy_stage, dtype=np.int64),
-        "src_side": np.full(len(sel), RELAY, dtype=np.int64),
-        "src_rank": c["src_rank"][sel] + rank, "src_tensor": c["src_tensor"][sel] + tensor,
-        "src_offset": c["src_offset"][sel], "src_stride": c["src_stride"][sel],
-        "dst_rank": c["dst_rank"][sel] + rank, "dst_tensor": c["dst_tensor"][sel] + tensor,
-        "dst_offset": c["dst_offset"][sel], "dst_stride": c["dst_stride"][sel],
-        "rows": c["rows"][sel], "cols": c["cols"][sel], "canon": c["canon"][sel],
-    }
+    return {**_head(len(sel), p.copy_stage, RELAY, c, sel), **_end(p, c, sel, "src", k, "src"),
+            **_end(p, c, sel, "dst", k, "dst")}
 
 
 def expand(p: Program, *, source_rank: int | None = None, relay_rank: int | None = None,
@@ -234,32 +192,28 @@ def expand(p: Program, *, source_rank: int | None = None, relay_rank: int | None
     blocks = []
     fed_index = p.fed_index
     rpr = p.ranks_per_replica
-    for label, rank, limit in (("destination", receiver, rpr * p.num_replicas),
-                               ("destination", relay_rank, rpr * p.num_replicas)):
-        if rank is not None and not 0 <= rank < limit:
-            raise PlanError(f"{label} rank {rank} is outside [0, {limit})")
+    for rank in (receiver, relay_rank):
+        if rank is not None and not 0 <= rank < rpr * p.num_replicas:
+            raise PlanError(f"destination rank {rank} is outside [0, {rpr * p.num_replicas})")
     parts = range(p.num_parts)
     if receiver is not None:
         k, r = divmod(receiver, rpr)
-        if k < p.num_replicas:
-            if fed_index[k] >= 0:
-                blocks.append(_feed_rows(p, int(fed_index[k]), p.template["dst_rank"] == r, None))
-            else:
-                blocks += [_relay_rows(p, k, p.relay["dst_rank"] == r, j) for j in parts]
-            blocks.append(_copy_rows(p, k, p.copies["dst_rank"] == r))
+        if fed_index[k] >= 0:
+            blocks.append(_feed_rows(p, int(fed_index[k]), p.template["dst_rank"] == r, None))
+        else:
+            blocks += [_relay_rows(p, k, p.relay["dst_rank"] == r, j) for j in parts]
+        blocks.append(_copy_rows(p, k, p.copies["dst_rank"] == r))
     elif relay_rank is not None:
         k, r = divmod(relay_rank, rpr)
         for j in parts:
             for child in np.flatnonzero(p.parent[j] == k).tolist():
                 blocks.append(_relay_rows(p, child, p.relay["dst_rank"] == r, j))
-        if k < p.num_replicas:
-            blocks.append(_copy_rows(p, k, p.copies["src_rank"] == r))
+        blocks.append(_copy_rows(p, k, p.copies["src_rank"] == r))
     elif source_rank is not None:
         held = np.zeros(len(p.box_hstart), dtype=bool)  # boxes this rank holds: only their ops can be its
         held[np.repeat(np.arange(len(p.box_hstart)), p.box_hcount)[p.h_rank == source_rank]] = True
         mask = held[p.template["box"]]
-        for f in range(len(p.fed)):
-            blocks.append(_feed_rows(p, f, mask, source_rank))
+        blocks += [_feed_rows(p, f, mask, source_rank) for f in range(len(p.fed))]
     else:
         for k in range(p.num_replicas):
             blocks += ([_feed_rows(p, int(fed_index[k]), None, None)] if fed_index[k] >= 0
@@ -267,6 +221,4 @@ def expand(p: Program, *, source_rank: int | None = None, relay_rank: int | None
             blocks.append(_copy_rows(p, k, None))
     if not blocks:
         return {c: np.zeros(0, np.int64) for c in OP_COLUMNS}
-    ops = {c: np.concatenate([b[c] for b in blocks]) for c in OP_COLUMNS}
-    order = np.lexsort(tuple(ops[k] for k in reversed(SORT_KEYS)))
-    return {c: v[order] for c, v in ops.items()}
+    return sort_ops({c: np.concatenate([b[c] for b in blocks]) for c in OP_COLUMNS})

@@ -1,8 +1,7 @@
-"""The index checks every Plan runs on its program when it is built, whatever its origin (compiled, loaded,
-or put together by hand): every index inside what it indexes, the fan-out forests well formed, the holder choices
-inside their boxes, op shapes positive. A program that broke them would expand into other ops than its author
-meant (numpy wraps negative indices) or make the accounting allocate by its values. Failures are
-PlanFileError naming the entry; planner.verify runs them, and more, on saved plans."""
+"""The index checks every Plan runs on its program when it is built, whatever its origin: every index inside what
+it indexes, the fan-out forests well formed, holder choices inside their boxes, op shapes positive. A program
+that broke them would expand into other ops than its author meant (numpy wraps negative indices) or make the
+accounting allocate by its values. Failures are PlanFileError naming the entry."""
 from __future__ import annotations
 
 from typing import Any
@@ -38,8 +37,6 @@ def same(field: str, a: np.ndarray, b: np.ndarray, what: str) -> None:
         raise bad(f"{field}[{i}]", int(a[i]), f"must be {int(b[i])} ({what}; {len(diff)} entries differ)")
 
 
-# --- 1-2. header and tables ---------------------------------------------------------------------------------
-
 def _check_program(p: Program, src_tables: Any, dst_table: Any, S: int, K: int, num_canon: int) -> None:
     """Every index inside what it indexes, the forests well formed, the holder choices inside their boxes."""
     B, H, G = len(p.box_hstart), len(p.h_rank), len(p.group_box)
@@ -51,8 +48,9 @@ def _check_program(p: Program, src_tables: Any, dst_table: Any, S: int, K: int, 
     if problems:
         raise bad("arrays.parent", "...", "does not describe fan-out forests", problems)
     fed = np.flatnonzero(p.parent[0] < 0)
-    same("arrays.fed", p.fed, fed, "the replicas fed by the source, ascending") if len(p.fed) == len(fed) else \
-        _raise(bad("arrays.fed", len(p.fed), f"must list the {len(fed)} replicas that arrays.parent says are fed"))
+    if len(p.fed) != len(fed):
+        raise bad("arrays.fed", len(p.fed), f"must list the {len(fed)} replicas that arrays.parent says are fed")
+    same("arrays.fed", p.fed, fed, "the replicas fed by the source, ascending")
     if p.choice.shape != (len(fed), G):
         raise bad("arrays.choice", p.choice.shape, f"must be ({len(fed)} fed replicas, {G} groups)")
     within("arrays.box_hcount", p.box_hcount, 1, BIG)
@@ -65,13 +63,15 @@ def _check_program(p: Program, src_tables: Any, dst_table: Any, S: int, K: int, 
     same("arrays.h_rank", p.h_rank, src_tables.rank[p.h_tensor], "the rank of the holder's source tensor")
     within("arrays.h_base", p.h_base, 0, MAX_PARAMS)
     within("arrays.h_stride", p.h_stride, 1, MAX_PARAMS)
-    t = p.template
+    t, r, c = p.template, p.relay, p.copies  # c: EPLB slot copies, both ends inside replica 0's tensors
     within("arrays.t.box", t["box"], 0, B)
-    within("arrays.t.canon", t["canon"], 0, num_canon)
-    within("arrays.t.dst_rank", t["dst_rank"], 0, rpr)
-    within("arrays.t.dst_tensor", t["dst_tensor"], 0, T0)
-    same("arrays.t.dst_rank", t["dst_rank"], dst_table.rank[t["dst_tensor"]], "the rank of the op's tensor")
-    for prefix, ops in (("arrays.t.", t), ("arrays.r.", p.relay)):
+    for prefix, ops, ends in (("arrays.t.", t, ("dst",)), ("arrays.r.", r, ("dst",)), ("arrays.c.", c, ("src", "dst"))):
+        within(prefix + "canon", ops["canon"], 0, num_canon)
+        for end in ends:
+            within(f"{prefix}{end}_rank", ops[f"{end}_rank"], 0, rpr)
+            within(f"{prefix}{end}_tensor", ops[f"{end}_tensor"], 0, T0)
+            same(f"{prefix}{end}_rank", ops[f"{end}_rank"], dst_table.rank[ops[f"{end}_tensor"]],
+                 "the rank of its tensor")
         _op_shape(prefix, ops)
     within("arrays.t.src_d0", t["src_d0"], 0, MAX_PARAMS)
     within("arrays.t.src_d1", t["src_d1"], 0, MAX_PARAMS)
@@ -90,38 +90,20 @@ def _check_program(p: Program, src_tables: Any, dst_table: Any, S: int, K: int, 
         f, k = (int(x) for x in out[0])
         raise bad(f"arrays.choice[{f}][{k}]", int(p.choice[f, k]), f"must be in [0, {int(fewest[k])}) (a holder "
                   f"of every box of group {k})")
-    r = p.relay
-    within("arrays.r.canon", r["canon"], 0, num_canon)
-    within("arrays.r.dst_rank", r["dst_rank"], 0, rpr)
-    within("arrays.r.dst_tensor", r["dst_tensor"], 0, T0)
-    same("arrays.r.dst_rank", r["dst_rank"], dst_table.rank[r["dst_tensor"]], "the rank of the op's tensor")
     within("arrays.r.part", r["part"], 0, p.num_parts)
     if len(fed) == K and len(r["rows"]):
         raise bad("arrays.r.rows", len(r["rows"]), "must be empty: every replica is fed by the source")
-    c = p.copies  # EPLB slot copies: both ends inside replica 0's tensors
-    _op_shape("arrays.c.", c)
-    within("arrays.c.canon", c["canon"], 0, num_canon)
-    for end in ("src", "dst"):
-        within(f"arrays.c.{end}_rank", c[f"{end}_rank"], 0, rpr)
-        within(f"arrays.c.{end}_tensor", c[f"{end}_tensor"], 0, T0)
-        same(f"arrays.c.{end}_rank", c[f"{end}_rank"], dst_table.rank[c[f"{end}_tensor"]], "the rank of its tensor")
     within("arrays.c.src_offset", c["src_offset"], 0, MAX_PARAMS)
     within("arrays.c.src_stride", c["src_stride"], 1, MAX_PARAMS)
 
 
 def check_program(plan: Any) -> None:
-    """The index checks of `_check_program`, which every Plan runs when it is built, whatever its origin: a
-    hand-built program with an index out of range would otherwise expand into other ops than its author meant
-    (numpy wraps negative indices) or make the accounting allocate by its values."""
+    """The index checks of the module docstring on `plan`'s program, against its layouts and tables."""
     if len(plan.dst_tensors) != plan.program.tensors_per_replica * plan.dst.num_replicas or \
             plan.program.ranks_per_replica != plan.dst.ranks_per_replica:
         raise bad("program", plan.program.scalars(), f"does not fit the destination ({plan.dst})")
     _check_program(plan.program, plan.src_tensors, plan.dst_tensors, plan.src.num_ranks, plan.dst.num_replicas,
                    len(plan.src.model.canonical))
-
-
-def _raise(e: Exception) -> None:
-    raise e
 
 
 def _op_shape(prefix: str, ops: dict[str, np.ndarray]) -> None:

@@ -9,7 +9,7 @@ from typing import Iterable
 import numpy as np
 
 from ..errors import PlanError
-from ..layouts import ModelSpec
+from ..layouts import Layout, ModelSpec
 from ..layouts.base import PlacementTable
 from ..layouts.model import DTYPE_SIZES
 
@@ -59,6 +59,31 @@ def unit_ratios(model: ModelSpec) -> tuple[np.ndarray, np.ndarray, dict[int, str
         num[t.index], den[t.index], own[t.index] = max(size // model.itemsize, 1), \
             max(model.itemsize // size, 1), t.dtype
     return num, den, own
+
+
+def unit_placements(src: Layout, dst: Layout,
+                    sel: np.ndarray) -> tuple[PlacementTable, tuple[str, ...], PlacementTable, tuple[str, ...]]:
+    """The selection's placements in units (`in_units`), each with its kinds' dtypes: the source's on every rank,
+    then destination replica 0's."""
+    ratios = unit_ratios(src.model)
+    return (*in_units(src.placement_table(sel), *ratios, "source"),
+            *in_units(dst.placement_table(sel, replica=0), *ratios, "destination"))
+
+
+def data_rows(t: PlacementTable) -> PlacementTable:
+    """The rows of `t` that place any data."""
+    keep = t.n0 * t.n1 > 0
+    return replace(t, **{c: getattr(t, c)[keep] for c in PlacementTable.COLUMNS})
+
+
+def bound_facts(model: ModelSpec, sel: np.ndarray, D: PlacementTable, ranks_per_replica: int,
+                num_replicas: int) -> tuple[tuple[int, ...], int]:
+    """(bytes of model data per destination rank, bytes of the selected model), from replica 0's placements with
+    data `D`: the figures of `Bounds` that a loaded plan must match."""
+    num, den, _ = unit_ratios(model)
+    per_dst0 = np.bincount(D.rank, weights=D.n0 * D.n1, minlength=ranks_per_replica).astype(np.int64)
+    return (tuple((np.tile(per_dst0, num_replicas) * model.itemsize).tolist()),
+            int((model.canonical.numel * num // den)[sel].sum()) * model.itemsize)
 
 
 def in_units(t: PlacementTable, num: np.ndarray, den: np.ndarray, own: dict[int, str], side: str

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,12 +12,19 @@ import numpy as np
 FORMAT_VERSION = 2
 
 
+def frozen_ints(a: Any) -> np.ndarray:
+    """`a` as a contiguous, read-only int64 array."""
+    a = np.ascontiguousarray(a, dtype=np.int64)
+    a.setflags(write=False)
+    return a
+
+
 @dataclass(frozen=True, eq=False)
 class TensorTable:
     """The physical tensors one side of a plan touches: id -> (rank, name, shape).
 
-    Stored compactly (a rank and a kind per id; kinds are the distinct (name, shape) pairs), because a side of
-    a thousand ranks has hundreds of thousands of tensors; `ranks`, `names` and `shapes` are built on first use.
+    Stored as a rank and a kind per id (a side of a thousand ranks has hundreds of thousands of tensors);
+    `ranks`, `names` and `shapes` are built on first use.
 
     Attributes:
         rank: per tensor id, its rank.
@@ -33,9 +41,7 @@ class TensorTable:
 
     def __post_init__(self) -> None:
         for name in ("rank", "kind"):
-            a = np.ascontiguousarray(getattr(self, name), dtype=np.int64)
-            a.setflags(write=False)
-            object.__setattr__(self, name, a)
+            object.__setattr__(self, name, frozen_ints(getattr(self, name)))
         object.__setattr__(self, "kinds", tuple(self.kinds))  # (name, shape tuple) pairs; from_dict converts
         object.__setattr__(self, "dtypes", tuple(self.dtypes) if any(self.dtypes) else ())
 
@@ -50,16 +56,12 @@ class TensorTable:
     @functools.cached_property
     def names(self) -> tuple[str, ...]:
         """The name of every tensor id."""
-        names = np.empty(len(self.kinds), dtype=object)
-        names[:] = [n for n, _ in self.kinds]
-        return tuple(names[self.kind].tolist())
+        return tuple(self.kinds[k][0] for k in self.kind.tolist())
 
     @functools.cached_property
     def shapes(self) -> tuple[tuple[int, ...], ...]:
         """The shape of every tensor id (in plan units)."""
-        shapes = np.empty(len(self.kinds), dtype=object)
-        shapes[:] = [s for _, s in self.kinds]
-        return tuple(shapes[self.kind].tolist())
+        return tuple(self.kinds[k][1] for k in self.kind.tolist())
 
     def name(self, tid: int) -> str:
         """Tensor `tid`'s name, without building `names`."""
@@ -68,6 +70,10 @@ class TensorTable:
     def shape(self, tid: int) -> tuple[int, ...]:
         """Tensor `tid`'s shape (in plan units), without building `shapes`."""
         return self.kinds[int(self.kind[tid])][1]
+
+    def numel(self) -> np.ndarray:
+        """Elements of every tensor id (in plan units)."""
+        return self.kind_array(lambda _, shape: math.prod(shape))
 
     def kind_array(self, f) -> np.ndarray:
         """f(name, shape) per tensor id, computed once per kind."""

@@ -1,18 +1,11 @@
 """A saved plan is untrusted input: loading re-proves what it claims before a Plan exists.
 
-`load_plan(header, arrays)` checks, in this order, and raises PlanFileError naming the entry to blame:
-  1. the header's entries have their types (strict JSON: integers are integers) and the layouts are valid;
-  2. the tensor tables: ranks inside each side, kinds inside the table, one shape per (rank, name);
-  3. the program's arrays: integer arrays of the expected shapes, every index inside what it indexes (boxes,
-     holders, groups, tensors, replicas, parts, holder choices), strides positive and no narrower than a row;
-  4. the digest: present, and equal to the digest of the content (a missing digest is an error);
-  5. what the content claims, in time linear in its ops (the coverage proof sorts): every op reads and writes
-     inside its tensors; the destination table is replica 0's repeated; both tables are the layouts' physical
-     tensors; the template and the relay template write every destination element holding model data exactly
-     once (planner.coverage, as the compiler proves it); the selection and the colocation are valid, and the
-     lower bounds are the layouts'.
-Executors check the ops they run again, against the tensors they are given (executors.preflight), whatever the
-plan's origin.
+`load_plan` checks, raising PlanFileError naming the entry to blame: 1. the header's entries have their JSON
+types and the layouts are valid; 2. the tensor tables' ranks, kinds and shapes; 3. the program's arrays: integer
+arrays of the expected shapes, every index inside what it indexes (planner.program_check); 4. the digest is
+present and matches the content; 5. what the content claims, in time linear in its ops: every op reads and writes
+inside its tensors, the tables are the layouts' physical tensors, the ops write every destination element holding
+model data exactly once (planner.coverage, as the compiler proves it), and the bounds are the layouts'.
 """
 from __future__ import annotations
 
@@ -30,7 +23,7 @@ from ..limits import MAX_PARAMS, MAX_PLAN_ELEMENTS, MAX_RANKS
 from .accounting import Bounds
 from .program import COPY_COLUMNS, RELAY_COLUMNS, TEMPLATE_COLUMNS, Program
 from .program_check import BIG, bad, same, within
-from .selection import in_units, select_indices, unit_ratios
+from .selection import bound_facts, data_rows, select_indices, unit_placements
 from .tables import FORMAT_VERSION
 
 HEADER_KEYS = {"format", "src", "dst", "colocated", "colocation", "fanout", "roots", "selection", "bounds", "program",
@@ -38,6 +31,8 @@ HEADER_KEYS = {"format", "src", "dst", "colocated", "colocation", "fanout", "roo
 COPY_NAMES = tuple(f"c.{c}" for c in COPY_COLUMNS)  # optional: plans saved before EPLB slot copies have none
 ARRAY_NAMES = tuple(f"t.{c}" for c in TEMPLATE_COLUMNS) + tuple(f"r.{c}" for c in RELAY_COLUMNS) + Program.ARRAYS
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
 def _int(d: dict[str, Any], key: str, low: int = 0, high: int = BIG, optional: bool = False,
          prefix: str = "") -> Any:
     v = d.get(key)
@@ -139,10 +134,9 @@ def _bounds(d: Any, num_dst: int) -> Bounds:
     laminar = d.get("holder_sets_laminar", True)
     if not isinstance(laminar, bool):
         raise bad("bounds.holder_sets_laminar", laminar, "must be true or false")
-    ints = {k: _int({k: d.get(k, 0)}, k, prefix="bounds.") for k in ("model_bytes", "gatherer_held_bytes", "egress_lower_bound",
-                                                   "egress_unit_max")}
-    return Bounds(tuple(lb.tolist()), ints["model_bytes"], ints["gatherer_held_bytes"], ints["egress_lower_bound"],
-                  ints["egress_unit_max"], laminar)
+    ints = {k: _int({k: d.get(k, 0)}, k, prefix="bounds.")
+            for k in ("model_bytes", "gatherer_held_bytes", "egress_lower_bound", "egress_unit_max")}
+    return Bounds(lower_bound_by_dst=tuple(lb.tolist()), **ints, holder_sets_laminar=laminar)
 
 
 def _header(d: Any) -> dict[str, Any]:
@@ -180,8 +174,6 @@ def _header(d: Any) -> dict[str, Any]:
     return d
 
 
-# --- 3. the program ---------------------------------------------------------------------------------------
-
 def _program(arrays: Any, scalars: dict[str, int]) -> Program:
     if not isinstance(arrays, dict):
         raise bad("arrays", type(arrays).__name__, "must be an object of named integer arrays")
@@ -196,13 +188,9 @@ def _program(arrays: Any, scalars: dict[str, int]) -> Program:
         raise bad(f"arrays.{extra[0]}", None, "is not an array of a plan")
     two = {"choice", "parent", "stage"}
     a = {n: int_array(f"arrays.{n}", arrays[n], 2 if n in two else 1) for n in names}
-    for prefix, cols in (("t.", TEMPLATE_COLUMNS), ("r.", RELAY_COLUMNS), ("c.", COPY_COLUMNS)):
-        n = len(a[prefix + cols[0]])
-        for c in cols:
-            if len(a[prefix + c]) != n:
-                raise bad(f"arrays.{prefix}{c}", len(a[prefix + c]), f"must have {n} entries like "
-                          f"arrays.{prefix}{cols[0]}")
-    for group in (("box_hstart", "box_hcount"), ("h_rank", "h_tensor", "h_base", "h_stride")):
+    groups = [[prefix + c for c in cols] for prefix, cols in (("t.", TEMPLATE_COLUMNS), ("r.", RELAY_COLUMNS),
+                                                             ("c.", COPY_COLUMNS))]
+    for group in groups + [["box_hstart", "box_hcount"], ["h_rank", "h_tensor", "h_base", "h_stride"]]:
         for name in group[1:]:
             if len(a[name]) != len(a[group[0]]):
                 raise bad(f"arrays.{name}", len(a[name]), f"must have {len(a[group[0]])} entries like "
@@ -210,8 +198,6 @@ def _program(arrays: Any, scalars: dict[str, int]) -> Program:
     return Program(template={c: a["t." + c] for c in TEMPLATE_COLUMNS}, relay={c: a["r." + c] for c in RELAY_COLUMNS},
                    copies={c: a["c." + c] for c in COPY_COLUMNS}, **{n: a[n] for n in Program.ARRAYS}, **scalars)
 
-
-# --- 5. what the content claims -------------------------------------------------------------------------------
 
 def _reads_inside(p: Program, src_numel: np.ndarray) -> None:
     """Every op of every fed replica reads inside its holder's source tensor (the holder each replica chose)."""
@@ -257,75 +243,49 @@ def _match(field: str, table: Any, placements: Any, rows: np.ndarray, exact: boo
 
 
 def _prove(plan: Any, sel: np.ndarray) -> None:
-    from .coverage import prove_expert_slots, prove_replica_coverage
+    from .coverage import prove_expert_slots, prove_program
 
     p, model, K, rpr, T0 = plan.program, plan.src.model, plan.dst.num_replicas, plan.program.ranks_per_replica, \
         plan.program.tensors_per_replica
     table = plan.dst_tensors
     same("dst_tensors.rank", table.rank, np.tile(table.rank[:T0], K) + np.repeat(np.arange(K) * rpr, T0),
-          "replica k's tensors are replica 0's on ranks shifted by k x ranks per replica")
+         "replica k's tensors are replica 0's on ranks shifted by k x ranks per replica")
     same("dst_tensors.kind", table.kind, np.tile(table.kind[:T0], K), "every replica holds replica 0's tensors")
-    num, den, own = unit_ratios(model)
-    S, _ = in_units(plan.src.placement_table(sel), num, den, own, "source")
-    D, _ = in_units(plan.dst.placement_table(sel, replica=0), num, den, own, "destination")
+    S, _, D, _ = unit_placements(plan.src, plan.dst, sel)
     table0 = type(table)(table.rank[:T0], table.kind[:T0], table.kinds, table.dtypes)
-    d_rows = np.flatnonzero(D.n0 * D.n1 > 0)
     _match("dst_tensors", table0, D, np.arange(len(D)), exact=True)
-    s_rows = np.flatnonzero(S.n0 * S.n1 > 0)
-    _match("src_tensors", plan.src_tensors, S, s_rows, exact=True)
-    d_tid = _match("dst_tensors", table0, D, d_rows, exact=False)
+    _match("src_tensors", plan.src_tensors, S, np.flatnonzero(S.n0 * S.n1 > 0), exact=True)
+    d_tid, D = _match("dst_tensors", table0, D, np.flatnonzero(D.n0 * D.n1 > 0), exact=False), data_rows(D)
     in_sel = np.zeros(len(model.canonical), dtype=bool)
     in_sel[sel] = True
     for prefix, ops in (("arrays.t.canon", p.template), ("arrays.r.canon", p.relay), ("arrays.c.canon", p.copies)):
         off = np.flatnonzero(~in_sel[ops["canon"]])
         if len(off):
             raise bad(f"{prefix}[{int(off[0])}]", int(ops["canon"][off[0]]), "is a tensor outside the selection")
-    _reads_inside(p, table_numel(plan.src_tensors))
-    relayed = len(p.fed) < K
+    _reads_inside(p, plan.src_tensors.numel())
     try:
-        from .compiler import SLOT_COLUMNS, _with
-        from .fanout import slot_copy_problems
-
-        prove_replica_coverage([_with(p.template, p.copies), _with(p.relay, p.copies)] if relayed
-                               else [_with(p.template, p.copies)], table0, d_tid,
-                               D.origin[d_rows], D.n0[d_rows], D.n1[d_rows])
-        problems = slot_copy_problems(p.copies, d_tid, *(getattr(D, c)[d_rows] for c in SLOT_COLUMNS))
-        if problems:
-            raise CoverageError("EPLB slot copies read other elements than they write", problems)
+        prove_program(p.template, p.relay if len(p.fed) < K else None, p.copies, table0, d_tid, D)
         # an EPLB destination: every physical slot (each replica of an expert) is model data, so written
-        prove_expert_slots(plan.dst.expert_stacks(), table0, d_tid, D.origin[d_rows], D.n0[d_rows], D.n1[d_rows],
-                           whole=plan.selection is None)
+        prove_expert_slots(plan.dst.expert_stacks(), table0, d_tid, D.origin, D.n0, D.n1, whole=plan.selection is None)
     except CoverageError as e:
         raise PlanFileError("plan file: the ops do not write every destination element holding model data "
                             "exactly once", e.problems, field="arrays") from None
-    itemsize = plan.itemsize
-    per_dst0 = np.bincount(D.rank[d_rows], weights=D.n0[d_rows] * D.n1[d_rows], minlength=rpr).astype(np.int64)
-    want = (np.tile(per_dst0, K) * itemsize).tolist()
-    if list(plan.bounds.lower_bound_by_dst) != want:
+    lower_bound_by_dst, model_bytes = bound_facts(model, sel, D, rpr, K)
+    if tuple(plan.bounds.lower_bound_by_dst) != lower_bound_by_dst:
         raise bad("bounds.lower_bound_by_dst", list(plan.bounds.lower_bound_by_dst)[:8], "is not what the "
                   "destination layout holds")
-    model_bytes = int((model.canonical.numel * num // den)[sel].sum()) * itemsize
     if plan.bounds.model_bytes != model_bytes:
         raise bad("bounds.model_bytes", plan.bounds.model_bytes, f"must be {model_bytes} (the selection's bytes)")
 
 
-def table_numel(table: Any) -> np.ndarray:
-    """Elements of each tensor of a table (in the plan's units)."""
-    return table.kind_array(lambda _, shape: math.prod(shape))
-
-
 def load_plan(cls: type, d: Any, arrays: Any) -> Any:
     """The Plan a saved header and its arrays describe, once every check of the module docstring passed."""
-
     d = _header(d)
     src, dst = _layouts(d)
     S, D, K = src.num_ranks, dst.num_ranks, dst.num_replicas
     src_tables = _table("src_tensors", d.get("src_tensors"), S)
     dst_table = _table("dst_tensors", d.get("dst_tensors"), D)
     scalars = d["program"]
-    if scalars["ranks_per_replica"] != dst.ranks_per_replica or scalars["tensors_per_replica"] * K != len(dst_table):
-        raise bad("program", scalars, f"does not fit the destination ({K} replicas of {dst.ranks_per_replica} ranks, "
-                  f"{len(dst_table)} tensors)")
     colocation = d.get("colocation")
     if colocation is not None:
         if not d["colocated"]:
@@ -359,4 +319,4 @@ def load_plan(cls: type, d: Any, arrays: Any) -> Any:
     return plan
 
 
-__all__ = ["bad", "int_array", "load_plan", "table_numel", "within"]
+__all__ = ["bad", "int_array", "load_plan", "within"]

@@ -1,19 +1,11 @@
-"""A model moved between the processes of an RL framework group by group: what NeMo-RL's and verl's backends share
-(every trainer process holds whole HF tensors; every inference process hands whole HF tensors to vLLM's loaders).
+"""What NeMo-RL's and verl's backends share: every trainer process holds whole HF tensors and every inference
+process hands whole HF tensors to vLLM's loaders, so the model moves group by group.
 
-  1. `tensor_groups(spec, bucket_size)`: the model's tensors in model order, cut into groups of at most
-     `bucket_size` bytes (a larger tensor is a group of its own): what moves, is agreed on and loaded as one piece;
-  2. `group_plans(...)`: one plan per group (whole tensors on the trainers -> whole tensors on every rollout);
-  3. `group_bindings(plans, trainers, rollouts)`: which process plays which rank of each group's plan (the sending
-     balanced over the trainer processes across groups);
-  4. `group_executor(transport, ...)`: this process's executor for one group over a cross-process transport of
-     adapters.transports, writing the destination tensors in place (loaders read them only once all agreed);
-  5. `refuse(executor, ...)`: fail one group's refit on every process of it at once;
-  6. `check_options`, `check_room`, `refuse_serving`, `refuse_moved_experts`: the options both backends take
-     (delta refits among them), and their refusals ("model" staging that does not fit, refit while serving, an
-     EPLB engine whose experts moved).
-     How the processes agree: integrations.agreement;
-  7. `transfer_thread`, `staging_empty`, `synchronize`: the thread groups move on, the buffers they land in.
+`tensor_groups` cuts the model into groups of at most `bucket_size` bytes; `group_plans` / `group_bindings` give
+one plan per group and who plays its ranks; `group_executor` is this process's executor for a group (destinations
+written in place); `refuse` fails a group on every process at once; `check_options`, `check_room`,
+`refuse_serving`, `refuse_moved_experts` are the options and refusals both backends share. How the processes
+agree: integrations.agreement.
 """
 from __future__ import annotations
 
@@ -40,10 +32,8 @@ _TYPES = {"transport": str, "fanout": (int, type(None)), "staging": str, "checks
 
 def check_options(options: dict[str, Any], prefix: str = "", transports: Sequence[str] | None = None
                   ) -> dict[str, Any]:
-    """The options both integrations take (transport, fanout, staging, checksum, timeout, backend, delta; any
-    subset), checked, as plain JSON values. `delta` (delta refits, a dense keyframe every K versions) needs "model"
-    staging (the engine's buffers then hold the version a delta is computed against, between refits) and no
-    fan-out (executors.delta).
+    """The options both integrations take (any subset of transport, fanout, staging, checksum, timeout, backend,
+    delta), checked, as plain JSON values. `delta` needs "model" staging and no fan-out (executors.delta).
 
     Args:
         options: option -> value.
@@ -105,33 +95,23 @@ def refuse_unknown(given: Any, known: Sequence[str], where: str, of: str) -> Non
 
 
 def refuse_serving(options: Any, prefix: str, why: str, guide: str) -> None:
-    """Refuse reshard's refit while the engine generates (`pause_for`; RefitSpec's `staging` "device" / "host") in
-    `options`: the framework holds its engine for the whole refit (`why`: where, by file and line; `guide`:
+    """Refuse reshard's refit while the engine generates (`pause_for`; `staging` "device" / "host") in `options`:
+    the framework holds its engine for the whole refit (`why`: where, by file and line; `guide`:
     docs/guides/<guide>.md says more). Raises ArgumentError naming the option (`prefix` before it), why and the fix.
     """
     key = "pause_for" if "pause_for" in options else "staging" if options.get("staging") in ("device", "host") else ""
     if key:
-        raise _refused(prefix + key, options[key], "is reshard's refit while the engine generates (TrainerSession("
-                       "pause_for='flip'), RefitSpec(staging='device' | 'host')), which this backend cannot honour",
-                       why, "remove it, staging bucket or model", guide, "Refit while the engine generates",
-                       "what it would need")
-
-
-def _refused(name: str, value: Any, asks: str, why: str, fix: str, guide: str, section: str,
-             says: str) -> ArgumentError:
-    """The refusal of an option a framework's path cannot honour: what it asks, why not, the fix and the guide's
-    section that says more (one wording for every such refusal)."""
-    return ArgumentError(name, value, f"{asks}: {why}", fix=f"{fix}; docs/guides/{guide}.md, '{section}', says {says}")
+        raise ArgumentError(prefix + key, options[key], "is reshard's refit while the engine generates "
+                            "(TrainerSession(pause_for='flip'), RefitSpec(staging='device' | 'host')), which this "
+                            f"backend cannot honour: {why}", fix=f"remove it, staging bucket or model; "
+                            f"docs/guides/{guide}.md, 'Refit while the engine generates', says what it would need")
 
 
 def refuse_moved_experts(where: str) -> None:
-    """Refuse a refit into an EPLB engine whose experts moved, before any byte lands. The integrations hand whole HF
-    tensors to vLLM's `load_weights`, which writes each physical expert slot p with the checkpoint's expert
-    `initial[p]`, vLLM's initial placement, never the EPLB state's (vLLM 0.33: `RoutedExperts.load_weights` ->
-    `build_expert_params_mapping`, routed_experts.py:1004-1007, 1207-1216, 1274-1288); after a rebalance that is
-    another expert's slot. The placement is read from the vLLM worker this was called from (NeMo-RL's worker
-    extension is mixed into vLLM's worker: the caller's `self`); no vLLM worker calling (verl's rollout rank runs
-    beside the vLLM workers, not in them): nothing to read, nothing refused.
+    """Refuse a refit into an EPLB engine whose experts moved, before any byte lands: vLLM's `load_weights` writes
+    each expert slot by vLLM's initial placement, never the EPLB state's (vLLM 0.33: routed_experts.py:1004-1007,
+    1207-1216, 1274-1288). The placement is read from the vLLM worker up the call stack (NeMo-RL's worker extension
+    is mixed into vLLM's worker); with none calling (verl's rollout rank), nothing is refused.
 
     Raises:
         LayoutMismatchError: naming the engine's placement and the initial one (`check_loader_placement`).
@@ -200,6 +180,34 @@ def synchronize(device: Any) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
+def resolve_device(device: str | None, field: str = "device") -> "torch.device":
+    """Where a worker stages the weights (None: CUDA when available, else CPU).
+
+    Raises:
+        ArgumentError: not a torch device, or neither CUDA nor the CPU (`field` is what the error names).
+    """
+    import torch
+
+    try:
+        out = torch.device(device) if device is not None else torch.device(
+            "cuda" if torch.cuda.is_available() else "cpu")
+    except (RuntimeError, TypeError):
+        raise ArgumentError(field, device, "is not a torch device (e.g. 'cuda', 'cpu')") from None
+    if out.type not in ("cuda", "cpu"):
+        raise ArgumentError(field, device, "must be a CUDA device or the CPU")
+    return out
+
+
+def model_spec(model: Any, dtype: str | None = None) -> ModelSpec:
+    """The ModelSpec of `model` (a ModelSpec, or an HF config dict, config.json or checkpoint directory), in `dtype`.
+
+    Raises:
+        ArgumentError: an unreadable config or an unknown dtype.
+    """
+    spec = model if isinstance(model, ModelSpec) else ModelSpec.from_hf_config(model)
+    return spec if dtype is None else ModelSpec(**{**spec.model_dump(), "dtype": dtype})
+
+
 def tensor_bytes(spec: ModelSpec, name: str) -> int:
     """Bytes of one of the model's tensors in its own dtype (a float32 router bias in a bfloat16 model).
 
@@ -213,8 +221,7 @@ def tensor_bytes(spec: ModelSpec, name: str) -> int:
 
 
 def available_bytes(device: "torch.device") -> int | None:
-    """Free memory where an inference process would stage the model ("model" staging): the CUDA device's free
-    memory, or the host's available memory (/proc/meminfo's MemAvailable); None where it cannot be read."""
+    """Free memory on `device` for "model" staging (CUDA: the device's; CPU: MemAvailable); None if unreadable."""
     import torch
 
     if device.type == "cuda":
@@ -255,9 +262,8 @@ def tensor_groups(spec: ModelSpec, bucket_size: int) -> tuple[tuple[str, ...], .
 
 def group_plans(spec: ModelSpec, trainers: int, rollouts: int, groups: Sequence[Sequence[str]],
                 fanout: int | None = None, roots: int | None = None) -> list[Plan]:
-    """One plan per group: each tensor held whole by every one of `trainers` source ranks, needed whole by every
-    one of `rollouts` destination ranks; the compiler spreads a group's sending over the source ranks and, with
-    `fanout`, feeds some destination ranks and relays to the others.
+    """One plan per group: each tensor held whole by all `trainers` source ranks and needed whole by all `rollouts`
+    destination ranks (with `fanout`, some destinations relay to the others).
 
     Args:
         spec: the model.
@@ -280,13 +286,9 @@ def group_plans(spec: ModelSpec, trainers: int, rollouts: int, groups: Sequence[
 
 
 def group_bindings(plans: Sequence[Plan], trainers: int, rollouts: int) -> tuple[Binding, ...]:
-    """Which process plays each rank of each group's plan: processes 0..trainers-1 are the trainer processes,
-    the next `rollouts` the rollout processes.
-
-    A small group cannot be spread evenly over many source ranks (whole tensors), so across groups the source
-    rank that sends most goes to the trainer process that has sent least so far; destination rank d of group k
-    is rollout process (d + k) mod rollouts, which spreads fan-out roots (the destinations fed by the trainers)
-    over the rollout processes. Every process computes the same from the same plans.
+    """Which process plays each rank of each group's plan (processes 0..trainers-1 are the trainers, then the
+    rollouts): across groups, the busiest source rank goes to the trainer that has sent least so far, and
+    destination rank d of group k is rollout (d + k) mod rollouts (spreading fan-out roots).
 
     Returns:
         One binding per plan (processes numbered as above).
@@ -319,8 +321,8 @@ def group_transport(name: Any, field: str = "transport") -> str:
     return name
 
 
-# options a transport's group executors get beyond timeout, checksum and writing in place (wire buffers per round,
-# polled waits backing off to 5 ms: a rollout process waits on the trainers' stream for seconds per group)
+# a transport's group-executor options beyond timeout, checksum and in-place writes (a rollout process may wait on
+# the trainers' stream for seconds per group: polls back off to 5 ms)
 _GROUP_OPTIONS = {"collective": lambda cap: {"memory_cap": cap, "depth": DEPTH},
                   "shared": lambda cap: {"poll_max_s": 0.005}}
 
@@ -328,8 +330,8 @@ _GROUP_OPTIONS = {"collective": lambda cap: {"memory_cap": cap, "depth": DEPTH},
 def group_executor(transport: str, plan: Plan, binding: Binding, process: int, src: RankTensors, dst: RankTensors,
                    *, store: Any, rendezvous: Any, namespace: str, comm: Any = None, timeout: float = 300.0,
                    checksum: bool | str = False, memory_cap: int = 1 << 30, delta: Any = None) -> Executor:
-    """This process's executor for one group's plan, writing the destination tensors in place: the caller hands
-    them on only after the refit returned on this process, which every process reaches only once all agreed.
+    """This process's executor for one group's plan, writing the destination tensors in place (the caller hands
+    them on only once every process agreed).
 
     Args:
         transport: a cross-process transport (`group_transport`): "collective" (over `comm`, a StoreComm every
@@ -365,10 +367,8 @@ def group_executor(transport: str, plan: Plan, binding: Binding, process: int, s
 
 
 def refuse(executor: Executor, process: int, version: int, reason: str) -> None:
-    """Fail refit `version` of a group's executor on every process of it, at once, from this process, which
-    takes no further part in it: the torch.distributed executor's preflight (every process learns that this one
-    refused its tensors before a byte moves); the voted executors' (shared, NIXL) failure record, which every
-    wait of that version checks. Never raises (the refit is failing already)."""
+    """Fail refit `version` of a group's executor on every process at once, from this process: through the
+    collective executor's preflight or the voted executors' failure record. Never raises."""
     from ..executors.voted import VotedExecutor
 
     try:
@@ -384,5 +384,5 @@ def refuse(executor: Executor, process: int, version: int, reason: str) -> None:
 
 
 __all__ = ["DEPTH", "STAGINGS", "available_bytes", "check_options", "check_room", "group_bindings", "group_executor",
-           "group_plans", "group_transport", "refuse", "refuse_serving", "refuse_unknown",
-           "staging_empty", "synchronize", "tensor_bytes", "tensor_groups", "transfer_thread"]
+           "group_plans", "group_transport", "model_spec", "refuse", "refuse_serving", "refuse_unknown",
+           "resolve_device", "staging_empty", "synchronize", "tensor_bytes", "tensor_groups", "transfer_thread"]

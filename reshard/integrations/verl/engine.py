@@ -1,43 +1,30 @@
 """reshard as a verl checkpoint engine (`checkpoint_engine.backend: reshard`). Imports verl; see __init__.
 
-Lifecycle, per refit, as verl's `CheckpointEngineManager.update_weights` drives it:
-  1. `prepare()` on every rank: trainer rank 0 (verl's `is_master`) hosts the refit's store (a TCPStore with a
-     fresh id and secret); every rank reports its role, model digest, bucket and options.
-  2. `build_topology(...)` on the driver: checks the metadata and compiles one plan per tensor group (cached:
-     verl rebuilds its group every refit, the plans stay).
-  3. `init_process_group(topology=...)`: every process compiles the same plans (cached) and checks their digests,
-     joins the rendezvous (the secret keeps strangers out) and, for the collective transport, its group; the
-     refit's RefitSession starts its transfer thread and agrees through the store (integrations.agreement).
-  4. `send_weights(stream)` on every trainer rank and `receive_weights()` on every rollout rank, concurrently, on
-     verl's actor event loops; the transfers run on each process's transfer thread, so the actors stay responsive:
-     - a trainer rank checks every stream item (`streams.StreamNames.checked`) and, once all tensors of a group
-       came, announces the group and moves it on its thread (once every trainer rank announced it: the gate)
-       while the stream goes on. Groups move in the order the stream completes them (a transformers state dict
-       puts a layer's input_layernorm last). Memory: the group moving, one complete group waiting for it, and the
-       groups the stream has begun;
-     - a rollout rank receives group k+1 on its thread while group k is handed to verl's server adapter.
+Per refit, as verl's `CheckpointEngineManager.update_weights` drives it:
+  1. `prepare()` on every rank: trainer rank 0 (`is_master`) hosts the refit's store; every rank reports its role,
+     model digest, bucket and options.
+  2. `build_topology(...)` on the driver: checks the metadata and compiles one plan per tensor group (cached).
+  3. `init_process_group(topology=...)`: every process compiles the same plans, checks their digests, joins the
+     rendezvous (and the collective group) and starts a RefitSession (integrations.agreement).
+  4. `send_weights(stream)` on every trainer rank, `receive_weights()` on every rollout rank, on verl's actor event
+     loops with the transfers on a thread: a trainer rank checks every item (`streams.StreamNames.checked`) and
+     moves a group once all its tensors came and every trainer rank announced it (the gate), in the order the
+     stream completes groups; a rollout rank receives group k+1 while group k is handed to verl's server adapter.
   5. `finalize()`: the session, its group and the store are closed.
 
-Staging (`staging` option), what a rollout rank hands verl's server adapter:
-  - "bucket" (default): a group once every process finished moving it, the last one also after every trainer
-    rank's end-of-stream verdict. Memory: BUCKET_SLOTS (2) groups of at most the bucket (a larger tensor is a group
-    of its own), plus the collective transport's wire buffers (within one bucket).
-  - "model": the whole model, yielded only once every process agreed on every group and the trainers' verdict
-    came: all or nothing. Memory: one copy of the model, checked against the device's free memory at construction
-    and at each refit.
+Staging: "bucket" (default) hands on a group once every process finished moving it, the last one after the
+trainers' end-of-stream verdict (memory: BUCKET_SLOTS groups); "model" yields the whole model only once every
+process agreed on all of it (memory: one copy of the model, checked against free memory at construction and
+at each refit).
 
-Delta refits (`delta: K`, with "model" staging): verl rebuilds the group every refit and this backend makes each
-group's executor anew, so each process keeps its side of the protocol per group in an executors.delta.DeltaState
-for the engine's life (the trainers' copies of what they last sent; the rollout's held model buffers and their
-version), and every executor of the group adopts it. Versions are trainer rank 0's refit count, published in the
-refit's store. A failed refit drops every process's states: the next refit is dense (a keyframe).
+Delta refits (`delta: K`, "model" staging): each process keeps per group an executors.delta.DeltaState for the
+engine's life (verl rebuilds the group every refit); versions are trainer rank 0's refit count, published in the
+store. A failed refit drops every state: the next refit is a keyframe.
 
-A failed refit (a refused stream, a failed transfer, a dead process): the process that sees it posts the reason;
-every other process raises at its next wait, within milliseconds (no process enters a group's transfer before
-every trainer rank has the group whole and checked, so none is left inside a gloo receive). A rollout rank's
-`receive_weights` then raises: in "model" staging before its first yield; in "bucket" staging the groups already
-yielded stay loaded (a mix of versions). verl's server adapters set verl's version only once the generator is
-exhausted, so the failed refit's version is never served (docs/guides/verl.md, Failed refits, has verl's side).
+A failed refit: the process that sees it posts the reason; every other raises at its next wait, within
+milliseconds. `receive_weights` then raises before its first yield ("model") or after the groups already yielded
+("bucket", a mix of versions); verl sets its version only once the generator is exhausted, so the failed
+version is never served (docs/guides/verl.md, Failed refits).
 """
 from __future__ import annotations
 
@@ -58,8 +45,8 @@ from ...errors import ArgumentError, ExecutionError, ReshardError
 from ...executors.binding import Binding
 from ...layouts import ModelSpec
 from ..agreement import Agreement
-from ..groups import (available_bytes, check_room, group_bindings, group_executor, staging_empty,
-                      synchronize, tensor_bytes, tensor_groups, transfer_thread)
+from ..groups import (available_bytes, check_room, group_bindings, group_executor, model_spec, resolve_device,
+                      staging_empty, synchronize, tensor_bytes, tensor_groups, transfer_thread)
 from ..streams import StreamNames
 from .topology import RefitAssignment, build, check_options, model_digest
 
@@ -71,26 +58,24 @@ class ReshardCheckpointEngine(CheckpointEngine):
     """One trainer or rollout rank's end of verl's checkpoint-engine refit (see the module docstring).
 
     verl constructs it as `CheckpointEngineRegistry.new("reshard", bucket_size=..., is_master=...,
-    **engine_kwargs["reshard"])`: trainer ranks pass `is_master` (rank 0 True), rollout ranks do not.
+    **engine_kwargs["reshard"])`; rollout ranks pass no `is_master`.
 
     Args:
         bucket_size: verl's bucket in bytes: the model moves in tensor groups of at most this size.
         is_master: trainer ranks: whether this is rank 0 (None: a rollout rank).
-        model: the HF config of the model (a dict, a config.json path or a checkpoint directory), the same as the
-            trainer's and the rollout's `model.path`.
+        model: the HF config of the model (a dict, a config.json path or a checkpoint directory).
         dtype: the dtype the trainer streams (default: the config's).
-        host: the address trainer rank 0 hosts the refit's store on (None, the default: its Ray node's IP, as
-            verl's own backends find theirs; set it only to choose among a multi-homed node's addresses).
+        host: the address trainer rank 0 hosts the store on (None: its Ray node's IP; set it only to choose among
+            a multi-homed node's addresses).
         device: where rollout ranks receive (default: cuda when available).
-        **options: transport ("collective" | "nixl" | "shared"), fanout (relay among rollout ranks), staging
-            ("bucket", the default, or "model": module docstring), checksum (False | True | "sha256" | "sum64"),
-            timeout (seconds), backend (collective: gloo/nccl), delta (K: delta refits with a dense keyframe every
-            K refits; needs staging "model" and no fanout; shared and nixl on CPU tensors; module docstring).
+        **options: transport ("collective" | "nixl" | "shared"), fanout, staging ("bucket" | "model"), checksum
+            (False | True | "sha256" | "sum64"), timeout (seconds), backend (gloo/nccl), delta (K: a dense
+            keyframe every K refits; needs staging "model" and no fanout).
 
     Raises:
         ArgumentError: a missing model, an unknown option (`atomic` names its replacement; `pause_for` and
-            `staging` "device" / "host" say why verl allows no refit while serving), a bad bucket, or
-            "model" staging on a rollout rank whose device has less free memory than the model takes.
+            `staging` "device" / "host" say why not), a bad bucket, or "model" staging on a rollout rank whose
+            device has less free memory than the model takes.
     """
 
     wire_format = "named_tensors"
@@ -104,15 +89,13 @@ class ReshardCheckpointEngine(CheckpointEngine):
                                 "engine_kwargs reach no backend")
         self.role = "rollout" if is_master is None else "trainer"
         self.is_master = bool(is_master)
-        spec = model if isinstance(model, ModelSpec) else ModelSpec.from_hf_config(model)
-        if dtype is not None:
-            spec = ModelSpec(**{**spec.model_dump(), "dtype": dtype})
-        self.spec, self.bucket_size, self.host = spec, bucket_size, host
+        self.spec = spec = model_spec(model, dtype)
+        self.bucket_size, self.host = bucket_size, host
         self.groups = tensor_groups(spec, bucket_size)  # refuses a bad bucket here, on every rank
         self.options = check_options(options)
         self.transport = self.options.get("transport", "collective")
         self.timeout = float(self.options.get("timeout", 300.0))
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = resolve_device(device, "engine_kwargs.reshard.device")
         if self.device.type == "cuda" and self.device.index is None:  # the transfer thread needs it explicit
             self.device = torch.device("cuda", torch.cuda.current_device())
         if self.role == "rollout" and self.options.get("staging") == "model":
@@ -196,10 +179,9 @@ class ReshardCheckpointEngine(CheckpointEngine):
     # --- 4. send / receive ---------------------------------------------------------------------------
     async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | AsyncIterator,
                            global_steps: int | None = None) -> dict[str, float]:
-        """Check the stream and move each group as soon as its tensors all came (on the transfer thread, while
-        the stream goes on): at most one group moving and one complete group waiting for it, besides the groups
-        the stream has begun. Every rank drains the whole stream, even after a failure (verl's exporters run
-        collectives over the trainer ranks while they produce it).
+        """Check the stream and move each group on the transfer thread once all its tensors came (at most one
+        moving, one waiting). Every rank drains the whole stream, even after a failure (verl's exporters run
+        collectives while they produce it).
 
         Returns:
             This rank's metrics (egress bytes, seconds).
@@ -257,9 +239,9 @@ class ReshardCheckpointEngine(CheckpointEngine):
         return self.last_metrics
 
     async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
-        """Receive each group on the transfer thread while the previous one is handed on, and yield a group's
-        tensors once every process finished moving it ("bucket"; the last group also waits for the trainers'
-        end-of-stream verdict) or the whole model once every process agreed on the whole refit ("model").
+        """Receive each group on the transfer thread while the previous one is handed on; yield a group once every
+        process moved it ("bucket"; the last also after the trainers' verdict), or the whole model once every
+        process agreed on all of it ("model").
 
         Yields:
             (HF name, tensor) for verl's server adapter; each tensor is valid until the next group is handed on.
@@ -320,8 +302,8 @@ class ReshardCheckpointEngine(CheckpointEngine):
 
     def _receive_all(self, session: RefitSession, slots: threading.Semaphore, loop: asyncio.AbstractEventLoop,
                      landed: asyncio.Queue) -> None:
-        """The rollout's transfer thread: every group in the trainers' order, each into fresh buffers (with delta:
-        the group's held ones) once a slot is free; what landed (or the error) goes to the event loop's queue."""
+        """The rollout's transfer thread: every group in the trainers' order into fresh (delta: held) buffers once
+        a slot is free; what landed, or the error, goes to the event loop's queue."""
         try:
             for i in range(len(self.groups)):
                 k = session.agreement.gate(i)
@@ -361,9 +343,8 @@ BUCKET_SLOTS = 2  # "bucket" staging: groups a rollout rank holds (one handed on
 
 
 class RefitSession:
-    """One process's part of one refit: made in `init_process_group`, closed by `finalize` or the next `prepare`.
-    A call of the backend keeps the session it started with, so a failed refit's leftovers (a transfer still
-    finishing on its thread) never touch the next refit's.
+    """One process's part of one refit, from `init_process_group` to `finalize` or the next `prepare` (a failed
+    refit's leftovers never touch the next refit's session).
 
     Args:
         top: this process's assignment.
@@ -431,8 +412,7 @@ class RefitSession:
         return sum(stats.bytes_sent.values())
 
     def delta_metrics(self, prefix: str) -> dict[str, float]:
-        """With delta: the groups of this refit that moved dense (keyframes) and, where this process sent, the
-        bytes its deltas took and the dense bytes of the same ops; else nothing."""
+        """With delta: this refit's keyframe groups and, on a trainer, delta and dense bytes; else nothing."""
         if not self.policies:
             return {}
         reports = list(self.reports.values())
@@ -443,9 +423,8 @@ class RefitSession:
         return out
 
     def close(self) -> None:
-        """End this session's waits and let its thread go (a transfer in flight finishes on its own, bounded by
-        the timeout); close the collective group in the background: after a failure its shutdown waits for the
-        gloo operations still posted to time out, which must not hold the next refit."""
+        """End this session's waits and let its thread go; close the collective group in the background (after a
+        failure its shutdown waits for posted gloo operations to time out)."""
         self.agreement.stop.set()
         self.pool.shutdown(wait=False, cancel_futures=True)
         if self.comm is not None:
@@ -464,9 +443,8 @@ def staging_room(spec: ModelSpec, device: torch.device) -> None:
 
 
 def node_here() -> dict[str, str | None]:
-    """Which host this rank runs on, for build_topology's check of the store address: the Ray node id (every
-    verl worker is a Ray actor; host names can repeat across nodes, network namespaces share one) and the address
-    other hosts reach it at (None where it cannot be told)."""
+    """This rank's host for build_topology's store-address check: its Ray node id and the address other hosts
+    reach it at (None where unknown)."""
     node_id = None
     ray = sys.modules.get("ray")  # every verl worker has Ray imported and initialized; never import it here
     if ray is not None and ray.is_initialized():

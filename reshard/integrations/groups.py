@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
     import torch
 
-DEPTH = 2  # collective: rounds in flight; its wire buffers are DEPTH x peers x one message, within the bucket
+DEPTH = 2  # collective: rounds in flight (wire buffers: DEPTH x peers x one message, within the bucket)
 STAGINGS = ("bucket", "model")
 _TYPES = {"transport": str, "fanout": (int, type(None)), "staging": str, "checksum": (bool, str),
           "timeout": (int, float), "backend": (str, type(None)), "delta": (int, type(None))}
@@ -33,15 +33,12 @@ _TYPES = {"transport": str, "fanout": (int, type(None)), "staging": str, "checks
 def check_options(options: dict[str, Any], prefix: str = "", transports: Sequence[str] | None = None
                   ) -> dict[str, Any]:
     """The options both integrations take (any subset of transport, fanout, staging, checksum, timeout, backend,
-    delta), checked, as plain JSON values. `delta` needs "model" staging and no fan-out (executors.delta).
+    delta), checked, as plain JSON values (a round trip); `delta` needs "model" staging and no fan-out.
 
     Args:
         options: option -> value.
         prefix: what errors put before an option's name ("engine_kwargs.reshard.").
         transports: the transports allowed (None: every cross-process transport).
-
-    Returns:
-        The options (a JSON round trip).
 
     Raises:
         ArgumentError: a value of the wrong type or outside its range, named with `prefix`.
@@ -81,7 +78,7 @@ def check_options(options: dict[str, Any], prefix: str = "", transports: Sequenc
 
 
 def refuse_unknown(given: Any, known: Sequence[str], where: str, of: str) -> None:
-    """Refuse the keys of `given` not in `known` (ArgumentError naming each, with the closest known key; `where`:
+    """Refuse (ArgumentError) the keys of `given` not in `known`, naming each with the closest known key (`where`:
     what holds them, `of`: what takes them)."""
     import difflib
 
@@ -139,11 +136,8 @@ def refuse_moved_experts(where: str) -> None:
 
 
 def check_room(need: int, free: int | None, device: Any, field: str, where: str) -> None:
-    """Refuse "model" staging of `need` bytes on a device with `free` bytes free (None: unknown, not refused).
-
-    Raises:
-        ArgumentError: naming both sizes and the fix (`field`: the staging option's name; `where`: who stages).
-    """
+    """Refuse (ArgumentError naming both sizes) "model" staging of `need` bytes where `free` (None: unknown) is less
+    (`field`: the staging option's name; `where`: who stages)."""
     if free is not None and need > free:
         raise ArgumentError(field, "model", f"holds the whole model on every {where}: {need / 2**30:.2f} GiB ({need} "
                             f"bytes), but {device} had {free / 2**30:.2f} GiB ({free} bytes) free when measured",
@@ -152,7 +146,7 @@ def check_room(need: int, free: int | None, device: Any, field: str, where: str)
 
 
 def transfer_thread(device: "torch.device | None", name: str) -> "ThreadPoolExecutor":
-    """The one thread a process moves its groups on, in order (the caller's event loop stays free); CUDA: `device`."""
+    """The one thread a process moves its groups on, in order (on CUDA `device`)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
@@ -163,7 +157,7 @@ def transfer_thread(device: "torch.device | None", name: str) -> "ThreadPoolExec
 
 
 def staging_empty(shape: Sequence[int], dtype: Any, device: Any, shared: bool) -> "torch.Tensor":
-    """A buffer a refit writes into: in shared memory where peers on the CPU write it (`shared`: that transport)."""
+    """An empty buffer, in shared memory when `shared` on the CPU (peers write into it)."""
     import torch
 
     from ..executors.shared import shared_empty
@@ -173,7 +167,7 @@ def staging_empty(shape: Sequence[int], dtype: Any, device: Any, shared: bool) -
 
 
 def synchronize(device: Any) -> None:
-    """Wait for this thread's work on a CUDA `device` (copies out of a buffer before its reuse); no-op on CPU."""
+    """Wait for this thread's work on a CUDA `device` (before a buffer's reuse); no-op on CPU."""
     import torch
 
     if device.type == "cuda":
@@ -209,11 +203,7 @@ def model_spec(model: Any, dtype: str | None = None) -> ModelSpec:
 
 
 def tensor_bytes(spec: ModelSpec, name: str) -> int:
-    """Bytes of one of the model's tensors in its own dtype (a float32 router bias in a bfloat16 model).
-
-    Raises:
-        KeyError: a name that is not one of the model's tensors.
-    """
+    """Bytes of one of the model's tensors in its own dtype (KeyError: not one of the model's tensors)."""
     from ..layouts.model import DTYPE_SIZES
 
     t = spec.tensor(name)
@@ -237,12 +227,8 @@ def available_bytes(device: "torch.device") -> int | None:
 
 
 def tensor_groups(spec: ModelSpec, bucket_size: int) -> tuple[tuple[str, ...], ...]:
-    """The model's tensors in model order, cut into consecutive groups of at most `bucket_size` bytes (a tensor
-    larger than that is a group of its own).
-
-    Raises:
-        ArgumentError: a bucket size that is not a positive integer.
-    """
+    """The model's tensors in model order, cut into consecutive groups of at most `bucket_size` bytes (a larger
+    tensor is a group of its own). Raises ArgumentError for a bucket size that is not a positive integer."""
     if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
         raise ArgumentError("bucket_size", bucket_size, "must be a positive number of bytes")
     groups: list[tuple[str, ...]] = []
@@ -263,22 +249,9 @@ def tensor_groups(spec: ModelSpec, bucket_size: int) -> tuple[tuple[str, ...], .
 def group_plans(spec: ModelSpec, trainers: int, rollouts: int, groups: Sequence[Sequence[str]],
                 fanout: int | None = None, roots: int | None = None) -> list[Plan]:
     """One plan per group: each tensor held whole by all `trainers` source ranks and needed whole by all `rollouts`
-    destination ranks (with `fanout`, some destinations relay to the others).
-
-    Args:
-        spec: the model.
-        trainers, rollouts: the processes of each side.
-        groups: `tensor_groups`' result (every process must pass the same).
-        fanout: relay tree width among the rollout processes (None: the trainers feed every one).
-        roots: with `fanout`, how many rollout processes the trainers feed (None: the compiler's choice; 1: one
-            copy of the model leaves the trainers).
-
-    Returns:
-        The plans, in group order (compiled once per process: planner.cache).
-
-    Raises:
-        PlanError, ArgumentError: from the compiler (a group naming no tensor of the model, bad fan-out options).
-    """
+    destination ranks, compiled once per process (planner.cache). `groups` is `tensor_groups`' result; with
+    `fanout`, rollouts relay to at most that many others, `roots` of them fed by the trainers (None: the compiler's
+    choice). Raises PlanError / ArgumentError from the compiler."""
     src, dst = HfLayout(model=spec, replicas=trainers), HfLayout(model=spec, replicas=rollouts)
     extra = {} if fanout is None or rollouts < 2 else \
         {"fanout": fanout} if roots is None else {"fanout": fanout, "roots": roots}
@@ -286,13 +259,9 @@ def group_plans(spec: ModelSpec, trainers: int, rollouts: int, groups: Sequence[
 
 
 def group_bindings(plans: Sequence[Plan], trainers: int, rollouts: int) -> tuple[Binding, ...]:
-    """Which process plays each rank of each group's plan (processes 0..trainers-1 are the trainers, then the
-    rollouts): across groups, the busiest source rank goes to the trainer that has sent least so far, and
-    destination rank d of group k is rollout (d + k) mod rollouts (spreading fan-out roots).
-
-    Returns:
-        One binding per plan (processes numbered as above).
-    """
+    """One Binding per plan: which process plays each rank (0..trainers-1 the trainers, then the rollouts). Across
+    groups the busiest source rank goes to the trainer that has sent least so far; destination rank d of group k
+    is rollout (d + k) mod rollouts, spreading fan-out roots."""
     sent = [0] * trainers
     out = []
     for k, plan in enumerate(plans):
@@ -308,11 +277,7 @@ def group_bindings(plans: Sequence[Plan], trainers: int, rollouts: int) -> tuple
 
 
 def group_transport(name: Any, field: str = "transport") -> str:
-    """`name`, if it is a registered transport whose processes meet at a rendezvous (what a group moves over).
-
-    Raises:
-        ArgumentError: any other name (`field` is what the error blames), listing the ones that fit.
-    """
+    """`name`, if it is a cross-process transport; else ArgumentError (`field` is what it blames), listing them."""
     from ..adapters.transports import cross_process_transports
 
     if name not in cross_process_transports():
@@ -331,29 +296,21 @@ def group_executor(transport: str, plan: Plan, binding: Binding, process: int, s
                    *, store: Any, rendezvous: Any, namespace: str, comm: Any = None, timeout: float = 300.0,
                    checksum: bool | str = False, memory_cap: int = 1 << 30, delta: Any = None) -> Executor:
     """This process's executor for one group's plan, writing the destination tensors in place (the caller hands
-    them on only once every process agreed).
+    them on only once every process agreed); `refit(version)` moves the group once per call.
 
     Args:
-        transport: a cross-process transport (`group_transport`): "collective" (over `comm`, a StoreComm every
-            process joined), "shared" or "nixl" (keys under `namespace` in the rendezvous's store).
+        transport: "collective" (over `comm`, a StoreComm every process joined), "shared" or "nixl" (keys under
+            `namespace`, unique per executor: letters and digits, in the rendezvous's store).
         plan, binding, process: the group's plan, who plays its ranks, this process.
-        src, dst: this process's source / destination tensors (rank -> name -> tensor). For "shared" on CPU, a
-            destination tensor peers write into must live in shared memory (executors.shared.shared_empty).
-        store, rendezvous: the refit's store (joined) and its adapters.rendezvous.Rendezvous.
-        namespace: unique per executor among those of one store ("shared", "nixl"): letters, digits, no '/'.
-        comm: "collective": the executors.collective.comm.StoreComm.
-        timeout: seconds any wait may go without progress.
-        checksum: the executors' option (False, True / "sha256", "sum64").
-        memory_cap: "collective": bytes of wire buffers (DEPTH rounds in flight x peers x one message).
-        delta: an executors.delta.DeltaPolicy (delta refits; None: every refit dense).
-
-    Returns:
-        The executor; `refit(version)` moves the group once per call.
+        src, dst: this process's tensors (rank -> name -> tensor); "shared" on CPU: destinations in shared memory.
+        store, rendezvous, namespace, comm: where the processes meet (see `transport`).
+        timeout, checksum: the executors' options.
+        memory_cap: "collective": bytes of wire buffers (DEPTH rounds x peers x one message).
+        delta: an executors.delta.DeltaPolicy (None: every refit dense).
 
     Raises:
         ArgumentError: an unknown transport.
-        ExecutionError: what the executor refuses at construction (and, for "shared" and "nixl", a peer that did
-            not set up within the timeout).
+        ExecutionError: what the executor refuses at construction, or a peer that did not set up in time.
     """
     from ..adapters.transports import Endpoint, open_transport, transport as registered
 

@@ -10,28 +10,12 @@
             model: /path/to/the/hf/checkpoint        # or its config.json: what vLLM serves
 
 NeMo-RL's interface (nemo_rl/utils/checkpoint_engines/base.py at the commit in
-tests/data/nemo_rl_checkpoint_engine.json) is duck-typed: nothing of NeMo-RL is imported. It builds one engine per
-policy worker and per vLLM worker and drives them:
-
-  1. `prepare()` on every engine: each hosts a rendezvous store (only policy worker 0's is used; each engine finds
-     its own address, reshard.addresses) and returns it as metadata;
-  2. `init_policy_process_group` / `init_rollout_process_group` with every engine's metadata: all meet at policy
-     worker 0's store and build the same plans (integrations.groups: one per group of at most `bucket_size` bytes,
-     whole HF tensors from the T policy workers to the R vLLM workers) and their executors;
-  3. per refit, `send_weights(weights)` on every policy worker and `receive_weight_batches()` on every vLLM worker:
-     a policy worker drains and checks the whole stream (integrations.streams) and moves each group as soon as the
-     stream delivered it; a vLLM worker receives group k+1 while vLLM loads batch k. A batch reaches vLLM only
-     once every process agreed it arrived complete; the last one ("bucket" staging) or every one ("model") only
-     after the policy workers' end-of-stream verdict too (integrations.agreement);
-  4. `finalize()`: the transport closes.
-
-A refused refit (a tensor unknown, misshapen, missing or repeated; a failed transfer or checksum; a loader that
-raised) fails on every process within about a second, not after the timeout, and the next refit rebuilds the
-transport. vLLM then holds, with "model" staging, the previous version whole; with "bucket" (the default), the
-batches yielded before the failure beside the previous version: don't serve from it until a refit succeeds.
-
-`get_target_weight_layout()` answers None: NeMo-RL's filter is quadratic in the tensors, so every worker checks
-the whole stream and keeps its share (benchmarks/nemo_rl_filter.py measures both).
+tests/data/nemo_rl_checkpoint_engine.json) is duck-typed: nothing of NeMo-RL is imported. `prepare()` on every
+engine; `init_policy_process_group` / `init_rollout_process_group` (all meet at policy worker 0's store and build
+one plan per group of at most `bucket_size` bytes, integrations.groups); per refit, `send_weights` on every policy
+worker and `receive_weight_batches` on every vLLM worker, together; `finalize()`. A batch reaches vLLM only once
+every process agreed on it (integrations.agreement); a refused refit fails every process within about a second.
+docs/guides/nemo_rl.md has how a refit moves, what each staging holds after a failure, and NeMo-RL's filter.
 """
 from __future__ import annotations
 
@@ -68,12 +52,10 @@ SERVING_WHY = ("NeMo-RL hands the engine the weights only inside one vLLM collec
 class ReshardCheckpointEngine:
     """One policy or vLLM worker's end of NeMo-RL's checkpoint-engine refit (see the module docstring).
 
-    NeMo-RL constructs it with `bucket_size` and the `refit_cfg` entry as keyword arguments.
-
-    Memory on a vLLM worker: "bucket" staging, two buckets of at most `bucket_size` bytes (or the largest group);
-    "model" staging, the whole model, refused at join when larger than the free memory measured at construction.
-    On a policy worker: two buckets of its share of a group, the tensors of later groups the stream delivers early,
-    and a stand-in buffer when its buckets are smaller than the largest tensor it does not send.
+    NeMo-RL constructs it with `bucket_size` and the `refit_cfg` entry as keyword arguments. Memory on a vLLM
+    worker: two buckets ("bucket" staging) or the whole model ("model", refused at join when larger than the free
+    memory measured at construction); on a policy worker, two buckets of its share of a group plus the tensors of
+    later groups the stream delivers early.
 
     Args:
         bucket_size: bytes per batch handed to vLLM's loaders; the model moves in groups of this size.
@@ -82,10 +64,8 @@ class ReshardCheckpointEngine:
             nothing: nothing handed on until every process agreed on the whole model).
         transport: "collective" (torch.distributed at policy worker 0's store: gloo on CPU, NCCL on GPUs) or
             "shared" (one host: shared memory on CPU, CUDA IPC on GPUs).
-        host: this worker's own address for its store (None: discovered per worker; one node's address in a config
-            every node gets would be wrong elsewhere, so it is refused there).
-        fanout: vLLM workers relaying to at most this many others (None: the policy workers feed every one);
-            collective transport only.
+        host: this worker's own address for its store (None: discovered per worker).
+        fanout: vLLM workers relaying to at most this many others (collective only; None: no relays).
         checksum: True (sha256), "sum64" or False (None: sha256 on CPU, sum64 on GPUs).
         backend: the collective transport's torch.distributed backend (None: NCCL on CUDA, else gloo).
         device: where the workers stage the weights (None: CUDA when available, else CPU).
@@ -93,18 +73,17 @@ class ReshardCheckpointEngine:
         timeout: seconds any wait may go without progress.
         release_after_refit: NeMo-RL's key (its synchronizer then calls finalize after every refit).
         delta: delta refits with a dense keyframe every this many versions (None: every refit dense); needs
-            staging "model", no fanout, no release_after_refit and, with the shared transport, CPU tensors. Each
-            policy worker keeps a copy of its share of the model.
+            staging "model", no fanout, no release_after_refit and, with the shared transport, CPU tensors.
         **unknown: any other key of the refit_cfg entry: refused, naming it.
 
     Raises:
-        ArgumentError: an option of the wrong type or value, refit while serving (`pause_for`, `staging` "device" /
-            "host") or `delta` without what it needs (at construction); "model" staging larger than the free
-            memory (at join); from `send_weights`, the tensor of this worker's stream that is wrong.
+        ArgumentError: a bad option, refit while serving (`pause_for`, `staging` "device" / "host") or `delta`
+            without what it needs (at construction); "model" staging larger than the free memory (at join); from
+            `send_weights`, the tensor of this worker's stream that is wrong.
         ExecutionError: from the refit methods, a peer or transfer that failed or another worker's refusal.
     """
 
-    shard_expert_weights: bool = False  # NeMo-RL's own expert-sharding loader stays off: the plan says who sends what
+    shard_expert_weights: bool = False  # NeMo-RL's expert-sharding loader stays off: the plan says who sends what
 
     def __init__(self, bucket_size: int, *, model: str | dict[str, Any] | None = None, staging: str = "bucket",
                  transport: str = "collective", host: str | None = None, fanout: int | None = None,
@@ -342,9 +321,9 @@ class ReshardCheckpointEngine:
         """Drain and check `weights` (it may run collectives), moving each group as soon as the stream delivered it.
 
         Raises:
-            ArgumentError: this worker's stream is wrong (a name the model does not have, a repeated, missing or
-                misshapen tensor), after the stream is drained; every other process fails at once.
-            ExecutionError: the refit failed elsewhere or in the transport (the reason included).
+            ArgumentError: this worker's stream is wrong (a tensor unknown, repeated, missing or misshapen), after
+                it is drained; every other process fails at once.
+            ExecutionError: the refit failed elsewhere or in the transport.
         """
         if self.role != "policy":
             raise ExecutionError("send_weights on an engine that is not a joined policy worker "
@@ -371,7 +350,7 @@ class ReshardCheckpointEngine:
         await self._conclude(s)
 
     async def _take(self, s: "_Sending", name: str, tensor: Any) -> None:
-        """One stream item: checked, what the plans read from this worker kept, every group now complete moved."""
+        """Check one stream item, keep what the plans read from this worker, move every group now complete."""
         for hf, t in self._names.checked(name, tensor, s.seen):
             k = self._where[hf]
             s.missing[k] -= 1
@@ -399,7 +378,7 @@ class ReshardCheckpointEngine:
                 raise ExecutionError(f"another worker refused refit {self._refits}: {reason}")
 
     async def _conclude(self, s: "_Sending") -> None:
-        """The end of a policy worker's stream: every tensor came, the last group moved, the verdict agreed."""
+        """End a policy worker's stream: every tensor came, the last group moved, the verdict agreed."""
         G = len(self.groups)
         if s.error is None and s.next_k < G:  # the stream ended without every tensor
             s.error = self._names.never_came(s.seen, "policy")
@@ -482,8 +461,7 @@ class ReshardCheckpointEngine:
                                "delta": self._delta_summary()}
 
     def _delta_summary(self) -> dict[str, Any] | None:
-        """With `delta`: this refit's groups that were keyframes, and (a policy worker) the bytes its deltas took
-        against the dense bytes of the same ops."""
+        """With `delta`: this refit's keyframe groups and (a policy worker) delta against dense bytes."""
         if self.delta is None:
             return None
         reports = [self._deltas[k] for k in sorted(self._deltas)]
@@ -517,11 +495,11 @@ class ReshardCheckpointEngine:
         return self._version
 
     async def _landed(self, flight: concurrent.futures.Future | None) -> int:
-        """Wait for a group in flight (without blocking the event loop); the bytes it moved here."""
+        """The bytes a group in flight moved here, awaited without blocking the event loop."""
         return 0 if flight is None else await asyncio.wrap_future(flight)
 
     def _move(self, k: int, v: int) -> int:
-        """Group k of refit version v, on the pool's thread; returns the bytes this process sent or received."""
+        """Move group k of refit version v (on the pool's thread); the bytes this process sent or received."""
         ex = self._executors[k]
         try:
             stats = ex.refit(v)
@@ -549,7 +527,7 @@ class ReshardCheckpointEngine:
         return self._pool.submit(refuse_next)
 
     def _explained(self, error: BaseException) -> BaseException:
-        """The error this worker raises: its own refusal as it is; a failure seen here, with the first reason."""
+        """The error to raise: this worker's own refusal as it is; a failure seen here, with the first reason."""
         if isinstance(error, ArgumentError):
             return error
         first = self._agreement.failure()
@@ -630,7 +608,7 @@ def _backend(transport: str, backend: str | None, fanout: int | None, device: to
 
 
 def _check_host(host: str) -> None:
-    """Refuse a `host` that is not this host's address, saying why one node's address cannot work."""
+    """Refuse a `host` that is not this host's address (every node gets the same refit_cfg)."""
     from ..addresses import check_local
 
     try:

@@ -1,30 +1,14 @@
 """reshard as a verl checkpoint engine (`checkpoint_engine.backend: reshard`). Imports verl; see __init__.
 
-Per refit, as verl's `CheckpointEngineManager.update_weights` drives it:
-  1. `prepare()` on every rank: trainer rank 0 (`is_master`) hosts the refit's store; every rank reports its role,
-     model digest, bucket and options.
-  2. `build_topology(...)` on the driver: checks the metadata and compiles one plan per tensor group (cached).
-  3. `init_process_group(topology=...)`: every process compiles the same plans, checks their digests, joins the
-     rendezvous (and the collective group) and starts a RefitSession (integrations.agreement).
-  4. `send_weights(stream)` on every trainer rank, `receive_weights()` on every rollout rank, on verl's actor event
-     loops with the transfers on a thread: a trainer rank checks every item (`streams.StreamNames.checked`) and
-     moves a group once all its tensors came and every trainer rank announced it (the gate), in the order the
-     stream completes groups; a rollout rank receives group k+1 while group k is handed to verl's server adapter.
-  5. `finalize()`: the session, its group and the store are closed.
-
-Staging: "bucket" (default) hands on a group once every process finished moving it, the last one after the
-trainers' end-of-stream verdict (memory: BUCKET_SLOTS groups); "model" yields the whole model only once every
-process agreed on all of it (memory: one copy of the model, checked against free memory at construction and
-at each refit).
-
-Delta refits (`delta: K`, "model" staging): each process keeps per group an executors.delta.DeltaState for the
-engine's life (verl rebuilds the group every refit); versions are trainer rank 0's refit count, published in the
-store. A failed refit drops every state: the next refit is a keyframe.
-
-A failed refit: the process that sees it posts the reason; every other raises at its next wait, within
-milliseconds. `receive_weights` then raises before its first yield ("model") or after the groups already yielded
-("bucket", a mix of versions); verl sets its version only once the generator is exhausted, so the failed
-version is never served (docs/guides/verl.md, Failed refits).
+verl's `CheckpointEngineManager.update_weights` drives it per refit: `prepare()` on every rank (trainer rank 0
+hosts the refit's store); `build_topology` on the driver (checks the metadata, compiles one plan per tensor
+group: topology); `init_process_group` (every process compiles the same plans, checks their digests, joins and
+starts a RefitSession); `send_weights` on every trainer rank and `receive_weights` on every rollout rank, the
+transfers on a thread, groups moving in the order the stream completes them once every trainer rank announced
+them (integrations.agreement); `finalize()`. Staging "bucket" (default) hands on a group once every process moved
+it (memory: BUCKET_SLOTS groups); "model", the whole model once every process agreed on all of it. Delta refits
+keep an executors.delta.DeltaState per group for the engine's life; a failed refit drops them (the next is a
+keyframe). docs/guides/verl.md has what the backend does and what a failed refit leaves.
 """
 from __future__ import annotations
 
@@ -129,13 +113,13 @@ class ReshardCheckpointEngine(CheckpointEngine):
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int,
                        metadata: list[dict]) -> tuple[dict[str, list], dict[str, list]]:
-        """Every process's RefitAssignment (topology.build), as verl hands them to trainer and rollout ranks."""
+        """Every process's RefitAssignment (topology.build): trainers' and rollouts' `topology` kwargs."""
         trainers, rollouts = build(actor_wg_world_size, rollout_world_size, metadata)
         return {"topology": trainers}, {"topology": rollouts}
 
     # --- 3. init_process_group -----------------------------------------------------------------------
     def init_process_group(self, topology: dict[str, Any]) -> None:
-        """Compile and check the plans, join the refit's rendezvous (and group) and start this refit's session."""
+        """Compile and check the plans, join the refit's rendezvous (and group) and start its session."""
         top = RefitAssignment.from_dict(topology)
         if top.is_trainer != (self.role == "trainer") or model_digest(top.spec) != model_digest(self.spec):
             raise ArgumentError("topology", f"process {top.process}", f"does not fit this {self.role} rank (another "
@@ -180,15 +164,14 @@ class ReshardCheckpointEngine(CheckpointEngine):
     async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | AsyncIterator,
                            global_steps: int | None = None) -> dict[str, float]:
         """Check the stream and move each group on the transfer thread once all its tensors came (at most one
-        moving, one waiting). Every rank drains the whole stream, even after a failure (verl's exporters run
-        collectives while they produce it).
+        moving, one waiting); every rank drains the whole stream, even after a failure (it may run collectives).
 
         Returns:
             This rank's metrics (egress bytes, seconds).
 
         Raises:
-            ArgumentError: the stream does not fit the plan (a tensor unknown, repeated, missing, of another shape
-                or dtype), posted to every process of the refit at once.
+            ArgumentError: the stream does not fit the plan (a tensor unknown, repeated, missing, misshapen),
+                posted to every process of the refit at once.
             ExecutionError: a transfer failed, or another process reported a failure.
         """
         session = self._ready("send_weights", trainer=True)
@@ -239,16 +222,16 @@ class ReshardCheckpointEngine(CheckpointEngine):
         return self.last_metrics
 
     async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
-        """Receive each group on the transfer thread while the previous one is handed on; yield a group once every
+        """Yield each group (received on the transfer thread while the previous one is handed on) once every
         process moved it ("bucket"; the last also after the trainers' verdict), or the whole model once every
         process agreed on all of it ("model").
 
         Yields:
-            (HF name, tensor) for verl's server adapter; each tensor is valid until the next group is handed on.
+            (HF name, tensor) for verl's server adapter, valid until the next group is handed on.
 
         Raises:
-            ExecutionError: the refit failed on any process (before the first yield in "model" staging; in
-                "bucket" staging the groups already handed on stay loaded).
+            ExecutionError: the refit failed on any process (in "bucket" staging the groups already handed on
+                stay loaded).
         """
         session = self._ready("receive_weights", trainer=False)
         bucket = self.options.get("staging", "bucket") == "bucket"
@@ -343,17 +326,15 @@ BUCKET_SLOTS = 2  # "bucket" staging: groups a rollout rank holds (one handed on
 
 
 class RefitSession:
-    """One process's part of one refit, from `init_process_group` to `finalize` or the next `prepare` (a failed
-    refit's leftovers never touch the next refit's session).
+    """One process's part of one refit, from `init_process_group` to `finalize` or the next `prepare`.
 
     Args:
         top: this process's assignment.
         plans, bindings: every group's plan and who plays its ranks.
-        store, rdv: the refit's store (joined) and rendezvous.
-        comm: the collective transport's group (None for the others).
+        store, rdv, comm: the refit's store (joined), rendezvous and collective group (None for other transports).
         options: the backend's checked options.
         device: the CUDA device the transfer thread works on (None: CPU).
-        policies: with delta, each group's DeltaPolicy (its DeltaState the engine's); None: dense refits.
+        policies: with delta, each group's DeltaPolicy; None: dense refits.
         version: this refit's version (trainer rank 0's refit count).
     """
 
@@ -374,17 +355,13 @@ class RefitSession:
         return asyncio.wrap_future(self.pool.submit(fn, *args))
 
     def move_next(self, position: int, src: dict[str, torch.Tensor]) -> int:
-        """A trainer's transfer-thread job: move its group `position` once its gate opened (else raise)."""
+        """A trainer's transfer-thread job: move its group `position` once its gate opened."""
         return self.move(self.agreement.gate(position), src=src)
 
     def move(self, k: int, src: dict[str, torch.Tensor] | None = None,
              dst: dict[str, torch.Tensor] | None = None) -> int:
-        """Move group k (this process's part) on the transfer thread once its gate is open, then count it done;
-        returns the bytes this process sent.
-
-        Raises:
-            ReshardError: the transfer failed (posted as the refit's failure unless a peer's came first).
-        """
+        """Move this process's part of group k on the transfer thread, then count it done; the bytes it sent.
+        Raises the transfer's ReshardError (posted as the refit's failure unless a peer's came first)."""
         top, binding = self.top, self.bindings[k]
         src = {binding.src_ranks_of(top.process)[0]: src} if src is not None else {}
         dst = {binding.dst_ranks_of(top.process)[0]: dst} if dst is not None else {}
@@ -433,11 +410,7 @@ class RefitSession:
 
 
 def staging_room(spec: ModelSpec, device: torch.device) -> None:
-    """Refuse "model" staging where the whole model does not fit in the receiving device's free memory.
-
-    Raises:
-        ArgumentError: naming the model's bytes, the free bytes and the fix.
-    """
+    """Refuse (ArgumentError naming both sizes) "model" staging where the model exceeds `device`'s free memory."""
     need = sum(tensor_bytes(spec, t.name) for t in spec.tensors)
     check_room(need, available_bytes(device), device, "engine_kwargs.reshard.staging", "rollout rank")
 

@@ -40,7 +40,6 @@ class Agreement:
         self.timeout, self.who = timeout, who
         self.stop = threading.Event()  # set at a failure seen here and at close: every wait of this refit ends
 
-    # --- failure -------------------------------------------------------------------------------------------
     def fail(self, error: BaseException) -> BaseException:
         """Post why the refit fails (the first reason stays), close undecided gates and end this process's waits;
         returns `error`. Never raises."""
@@ -73,7 +72,6 @@ class Agreement:
             raise ExecutionError(f"{self.who}: the refit was closed before it ended (a failure, the next refit, "
                                  f"or finalize)")
 
-    # --- gates (the order groups move in) --------------------------------------------------------------------
     def go(self, i: int, k: int) -> None:
         """This trainer has group k whole and checked as the i-th group it moves; the last trainer opens gate i.
 
@@ -105,7 +103,6 @@ class Agreement:
             raise ExecutionError(f"{self.who}: the refit failed")
         return int(value)
 
-    # --- counts ------------------------------------------------------------------------------------------------
     def done(self, k: int) -> None:
         """This process finished moving group k."""
         self.keys.add(f"done/{k}", 1)

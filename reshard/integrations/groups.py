@@ -10,7 +10,7 @@ agree: integrations.agreement.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..errors import ArgumentError, ExecutionError, LayoutMismatchError
 from ..executors.base import Executor, RankTensors
@@ -113,10 +113,8 @@ def refuse_moved_experts(where: str) -> None:
     Raises:
         LayoutMismatchError: naming the engine's placement and the initial one (`check_loader_placement`).
     """
-    frame = sys._getframe(1)
-    while frame is not None and not (hasattr(frame.f_locals.get("self"), "model_runner")
-                                     and hasattr(frame.f_locals.get("self"), "vllm_config")):
-        frame = frame.f_back
+    frame = outer_frame(sys._getframe(1), lambda f: hasattr(f.f_locals.get("self"), "model_runner")
+                        and hasattr(f.f_locals.get("self"), "vllm_config"))
     if frame is None:
         return
     from vllm.model_executor.models.interfaces import get_mixture_of_experts_model
@@ -133,6 +131,14 @@ def refuse_moved_experts(where: str) -> None:
         raise LayoutMismatchError("this refit", e.problems, where=f"{where}'s expert placement", fix=(
             "every framework loader writes the initial placement: serve without EPLB (enable_eplb off), or refit "
             "through reshard's vLLM weight-transfer engine, whose TrainerSession follows the placement")) from None
+
+
+def outer_frame(frame: Any, test: Callable[[Any], bool]) -> Any:
+    """The innermost frame from `frame` outwards that passes `test` (None if none): how a framework's objects up the
+    call stack are found (its vLLM worker, its checkpoint-engine manager, its trainer)."""
+    while frame is not None and not test(frame):
+        frame = frame.f_back
+    return frame
 
 
 def check_room(need: int, free: int | None, device: Any, field: str, where: str) -> None:
@@ -212,18 +218,12 @@ def tensor_bytes(spec: ModelSpec, name: str) -> int:
 
 def available_bytes(device: "torch.device") -> int | None:
     """Free memory on `device` for "model" staging (CUDA: the device's; CPU: MemAvailable); None if unreadable."""
-    import torch
+    from ..adapters.vllm.staging import free_bytes
 
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+        return free_bytes(device, "device")
+    except (OSError, ExecutionError):
+        return None
 
 
 def tensor_groups(spec: ModelSpec, bucket_size: int) -> tuple[tuple[str, ...], ...]:
@@ -315,8 +315,6 @@ def group_executor(transport: str, plan: Plan, binding: Binding, process: int, s
     from ..adapters.transports import Endpoint, open_transport, transport as registered
 
     chosen = registered(group_transport(transport))
-    if transport == "collective" and comm is None:
-        raise ExecutionError("the collective transport needs the group every process joined (comm)")
     options = {**chosen.in_place, "timeout": timeout, "checksum": checksum,
                **_GROUP_OPTIONS.get(transport, lambda cap: {})(memory_cap)}
     return open_transport(transport, Endpoint(plan, binding, process, src, dst, options, store=store,
@@ -341,5 +339,5 @@ def refuse(executor: Executor, process: int, version: int, reason: str) -> None:
 
 
 __all__ = ["DEPTH", "STAGINGS", "available_bytes", "check_options", "check_room", "group_bindings", "group_executor",
-           "group_plans", "group_transport", "model_spec", "refuse", "refuse_serving", "refuse_unknown",
+           "group_plans", "group_transport", "model_spec", "outer_frame", "refuse", "refuse_serving", "refuse_unknown",
            "resolve_device", "staging_empty", "synchronize", "tensor_bytes", "tensor_groups", "transfer_thread"]

@@ -150,7 +150,6 @@ class ReshardCheckpointEngine:
         self._generation = 0  # builds of the transport since joining (a failed refit makes the next one rebuild)
         self._broken = False
 
-    # --- 1. prepare ------------------------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
         """Host a rendezvous store (only policy worker 0's is used) and say what this engine was built for."""
         from ..adapters import rendezvous as rv
@@ -165,7 +164,6 @@ class ReshardCheckpointEngine:
                                       "checksum": self.checksum, "backend": self.backend,
                                       "device": self.device.type, "delta": self.delta}))
 
-    # --- 2. meet -----------------------------------------------------------------------------------------
     def init_policy_process_group(self, *, worker_rank: int, train_world_size: int, rollout_world_size: int,
                                   metadata: list[Any]) -> None:
         """Policy worker `worker_rank` joins: process `worker_rank` of every group's plan binding."""
@@ -311,7 +309,6 @@ class ReshardCheckpointEngine:
             out[name] = buffer[start:start + tensor_bytes(self.spec, name)].view(dtype).view(shape)
         return out
 
-    # --- 3. a refit --------------------------------------------------------------------------------------
     def get_target_weight_layout(self) -> dict[str, Any] | None:
         """None: NeMo-RL then streams everything unfiltered (its filter is quadratic in the tensors; dropping a
         tensor here is one set lookup)."""
@@ -471,7 +468,6 @@ class ReshardCheckpointEngine:
     def _batch(self, k: int) -> list[tuple[str, torch.Tensor]]:
         return [(name, self._views[k][name]) for name in self.groups[k]]
 
-    # --- the refit's machinery ---------------------------------------------------------------------------
     def _begin(self) -> int:
         """Start the next refit (its agreement; refit n-2's keys deleted), rebuilding the transport after a failed
         one; returns the executors' version."""
@@ -537,7 +533,6 @@ class ReshardCheckpointEngine:
         return ExecutionError(f"reshard refit {self._refits} failed on {self.role} worker {self.rank} ({state}): "
                               f"{why}")
 
-    # --- 4. finalize ---------------------------------------------------------------------------------------
     def finalize(self) -> None:
         """Close the transport and the store; prepare() starts the next meeting."""
         self._close()

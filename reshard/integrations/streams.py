@@ -55,12 +55,11 @@ class StreamNames:
         self._logged: set[str] = set()
 
     def split(self, name: Any, tensor: Any) -> list[tuple[str, torch.Tensor]]:
-        """The model's HF tensors one stream item carries, always under the model's own names (so a tensor that
-        comes twice in two forms, fused and per expert, is caught as repeated).
+        """The model's HF tensors one stream item carries, under the model's own names (so a tensor that comes twice,
+        fused and per expert, is caught as repeated).
 
         Args:
-            name: the stream item's name.
-            tensor: its tensor.
+            name, tensor: the stream item.
 
         Returns:
             [(name, tensor)] for one of the model's names (shape and dtype unchecked); a fused expert tensor's
@@ -75,7 +74,13 @@ class StreamNames:
             return [(name, tensor)]
         fused = self._fused.get(name)
         if fused is not None:
-            return self._split_fused(name, tensor, fused)
+            if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != fused.shape:
+                got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+                parts = " + ".join(n.rsplit(".", 2)[-2] for n in fused.names)
+                raise ArgumentError(f"weights[{name}]", got, f"is not the fused experts tensor {list(fused.shape)} "
+                                    f"(experts, rows {parts}, columns)")
+            return [(template.format(e=e), tensor[e, start:stop])
+                    for e in range(fused.shape[0]) for template, (start, stop) in zip(fused.names, fused.rows)]
         for extra in self._extras:
             if extra.matches(name):
                 if extra.what not in self._logged:
@@ -115,16 +120,6 @@ class StreamNames:
         """The shape and torch dtype of one of the model's HF tensors."""
         t = self.spec.tensor(name)
         return tuple(t.shape), torch_dtype(t.dtype or self.spec.dtype)
-
-    @staticmethod
-    def _split_fused(name: str, tensor: Any, fused: _Fused) -> list[tuple[str, torch.Tensor]]:
-        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != fused.shape:
-            got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            parts = " + ".join(n.rsplit(".", 2)[-2] for n in fused.names)
-            raise ArgumentError(f"weights[{name}]", got, f"is not the fused experts tensor {list(fused.shape)} "
-                                f"(experts, rows {parts}, columns)")
-        return [(template.format(e=e), tensor[e, start:stop])
-                for e in range(fused.shape[0]) for template, (start, stop) in zip(fused.names, fused.rows)]
 
 
 __all__ = ["StreamNames"]

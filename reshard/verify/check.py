@@ -22,8 +22,7 @@ def report_from_dict(d: dict) -> MismatchReport:
 
 def measure(chunks: list[Any], engine: Scorer | None, sequences: Sequence[Sequence[int]], *, vocab_size: int,
             dtype: str = "float32", limits: Thresholds | None = None, group: Any = None) -> MismatchReport:
-    """On every trainer rank (collective), after a refit: how far the engine's log-probabilities are from the
-    trainer's.
+    """How far the engine's log-probabilities are from the trainer's, after a refit (collective over the ranks).
 
     Args:
         chunks: the trainer's megatron-core model chunks on this rank.

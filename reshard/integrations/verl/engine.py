@@ -94,7 +94,6 @@ class ReshardCheckpointEngine(CheckpointEngine):
         self._session: RefitSession | None = None
         self.last_metrics: dict[str, float] = {}
 
-    # --- 1. prepare ----------------------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
         """Report this rank's role, model, bucket and options; trainer rank 0 hosts the refit's store."""
         meta = {"role": self.role, "master": self.is_master, "model_digest": model_digest(self.spec),
@@ -109,7 +108,6 @@ class ReshardCheckpointEngine(CheckpointEngine):
             meta.update(model=self.spec.model_dump(), rendezvous=self._rdv.to_dict(), host_source=source)
         return meta
 
-    # --- 2. build_topology (driver) ------------------------------------------------------------------
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int,
                        metadata: list[dict]) -> tuple[dict[str, list], dict[str, list]]:
@@ -117,7 +115,6 @@ class ReshardCheckpointEngine(CheckpointEngine):
         trainers, rollouts = build(actor_wg_world_size, rollout_world_size, metadata)
         return {"topology": trainers}, {"topology": rollouts}
 
-    # --- 3. init_process_group -----------------------------------------------------------------------
     def init_process_group(self, topology: dict[str, Any]) -> None:
         """Compile and check the plans, join the refit's rendezvous (and group) and start its session."""
         top = RefitAssignment.from_dict(topology)
@@ -160,7 +157,6 @@ class ReshardCheckpointEngine(CheckpointEngine):
             raise ExecutionError(f"refit {self._rdv.refit_id}: could not read the refit's version from trainer rank "
                                  f"0's store ({type(e).__name__}: {e})") from e
 
-    # --- 4. send / receive ---------------------------------------------------------------------------
     async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | AsyncIterator,
                            global_steps: int | None = None) -> dict[str, float]:
         """Check the stream and move each group on the transfer thread once all its tensors came (at most one
@@ -301,12 +297,10 @@ class ReshardCheckpointEngine(CheckpointEngine):
         except BaseException as e:  # noqa: BLE001 - handed to the event loop, which raises it
             loop.call_soon_threadsafe(landed.put_nowait, e)
 
-    # --- 5. finalize ---------------------------------------------------------------------------------
     def finalize(self) -> None:
         """Close this refit's session, its group and (trainer rank 0) the store."""
         self._close()
 
-    # --- internals -----------------------------------------------------------------------------------
     def _ready(self, what: str, trainer: bool) -> RefitSession:
         if self._session is None:
             raise ExecutionError(f"{what} before init_process_group: verl's CheckpointEngineManager calls prepare, "

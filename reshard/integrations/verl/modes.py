@@ -128,26 +128,14 @@ def refuse_eplb(trainer_config: Any) -> None:
                             "the placement (docs/guides/vllm.md, Engines that rebalance experts)")
 
 
-def _frame_local(code: Any, name: str, start: Any) -> tuple[Any, Any] | None:
-    """The local `name` of the innermost frame running `code`, from `start` outwards, and that frame."""
-    frame = start
-    while frame is not None:
-        if frame.f_code is code:
-            return frame.f_locals.get(name), frame
-        frame = frame.f_back
-    return None
-
-
 def _trainer_config(frame: Any) -> Any:
-    """The whole trainer config of a verl trainer object found in a frame outside `frame` (None if none)."""
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        is_verl = any(c.__module__.startswith("verl.") for c in type(owner).__mro__)  # a verl trainer or a subclass
-        config = getattr(owner, "config", None) if is_verl else None
-        if config is not None and _get(config, "actor_rollout_ref.rollout.checkpoint_engine") is not None \
-                and _get(config, "trainer") is not None:
-            return config
-        frame = frame.f_back
+    """The whole trainer config of a verl trainer object (or a subclass) in a frame running `frame`, or None."""
+    owner = frame.f_locals.get("self")
+    config = getattr(owner, "config", None) if any(c.__module__.startswith("verl.") for c in type(owner).__mro__) \
+        else None
+    if config is not None and _get(config, "actor_rollout_ref.rollout.checkpoint_engine") is not None \
+            and _get(config, "trainer") is not None:
+        return config
     return None
 
 
@@ -161,14 +149,17 @@ def on_import() -> str | None:
     manager_cls = getattr(base, "CheckpointEngineManager", None)
     if manager_cls is None:
         return None
-    found = _frame_local(manager_cls.__init__.__code__, "config", sys._getframe(1))
-    if found is None:  # a worker's import (trainer init_model, CheckpointEngineWorker) or the user's own
+    from ..groups import outer_frame
+
+    frame = outer_frame(sys._getframe(1), lambda f: f.f_code is manager_cls.__init__.__code__)
+    if frame is None:  # a worker's import (trainer init_model, CheckpointEngineWorker) or the user's own
         return None
-    config, frame = found
+    config = frame.f_locals.get("config")
     if _get(config, "custom_backend_module") != MODULE and _get(config, "backend") != BACKEND:
         return None
     check_checkpoint_engine(config)
-    trainer = _trainer_config(frame.f_back)
+    found = outer_frame(frame.f_back, lambda f: _trainer_config(f) is not None)
+    trainer = _trainer_config(found) if found is not None else None
     refuse_eplb(trainer)
     message = not_used_message(config, trainer)
     if message is None:

@@ -288,23 +288,21 @@ class ReshardCheckpointEngine:
         scratch = largest if largest.numel() >= spare else torch.empty(spare, dtype=torch.uint8, device=device)
         self._slots = slots
         self._held = sum(s.numel() for s in slots) + (0 if scratch is largest else scratch.numel())
-        views = []
-        for k, group in enumerate(self.groups):
-            views.append(self._carve(slots[k % 2], mine[k]))
-            for n in group:
-                if n not in views[k]:
-                    shape, dtype = self._names.expected(n)
-                    views[k][n] = scratch[:tensor_bytes(self.spec, n)].view(dtype).view(shape)
+        views = [self._carve(slots[k % 2], names) for k, names in enumerate(mine)]
+        for view, group in zip(views, self.groups):  # the stand-ins, all at the scratch's start
+            others = [n for n in group if n not in view]
+            view.update(self._carve(scratch, others, [0] * len(others)))
         return views
 
     def _arena(self, names: list[str] | tuple[str, ...]) -> tuple[list[int], int]:
         """Byte offsets of `names` laid out in one bucket, each ALIGN-aligned, and the bucket's size."""
         return carve([tensor_bytes(self.spec, n) for n in names], ALIGN)
 
-    def _carve(self, buffer: torch.Tensor, names: list[str] | tuple[str, ...]) -> dict[str, torch.Tensor]:
-        """Views of `buffer`, one per tensor of `names`, where `_arena` places them."""
+    def _carve(self, buffer: torch.Tensor, names: list[str] | tuple[str, ...],
+               starts: list[int] | None = None) -> dict[str, torch.Tensor]:
+        """Views of `buffer`, one per tensor of `names`, at `starts` (None: where `_arena` places them)."""
         out = {}
-        for name, start in zip(names, self._arena(names)[0]):
+        for name, start in zip(names, self._arena(names)[0] if starts is None else starts):
             shape, dtype = self._names.expected(name)
             out[name] = buffer[start:start + tensor_bytes(self.spec, name)].view(dtype).view(shape)
         return out

@@ -16,13 +16,14 @@ is None). The plans: `topology`; the engine: `engine`; trainer modes and config 
 """
 from __future__ import annotations
 
+from .modes import BACKEND
+
 try:
     import verl.checkpoint_engine  # noqa: F401 - probe only: the engine module needs it
 except ImportError:
     ReshardCheckpointEngine = None
-    BACKEND = "reshard"
 else:
-    from .engine import BACKEND, ReshardCheckpointEngine
+    from .engine import ReshardCheckpointEngine
     from .modes import on_import
 
     on_import()  # in verl's driver: check the block, warn when verl replaced the backend

@@ -32,9 +32,8 @@ from ..agreement import Agreement
 from ..groups import (available_bytes, check_room, group_bindings, group_executor, model_spec, resolve_device,
                       staging_empty, synchronize, tensor_bytes, tensor_groups, transfer_thread)
 from ..streams import StreamNames
+from .modes import BACKEND
 from .topology import RefitAssignment, build, check_options, model_digest
-
-BACKEND = "reshard"
 
 
 @CheckpointEngineRegistry.register(BACKEND)

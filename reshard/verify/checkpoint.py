@@ -64,7 +64,7 @@ def hf_model_scores(model: Any, sequences: Sequence[Sequence[int]]) -> Scores:
     with torch.no_grad():
         rows = [next_token_scores(model(torch.tensor([seq], device=device)).logits[0, :-1, :vocab], seq)
                 for seq in seqs]
-    return Scores.of([r[0] for r in rows], [r[1] for r in rows])
+    return Scores.rows(rows)
 
 
 def checkpoint_scores(path: str | Path, sequences: Sequence[Sequence[int]]) -> Scores:

@@ -34,6 +34,11 @@ class Scores:
                                 f"{[len(r) for r in lp]}")
         return Scores(lp, am)
 
+    @staticmethod
+    def rows(rows: Sequence[tuple[Sequence[float], Sequence[int]]]) -> "Scores":
+        """Scores from one (logprobs, argmax) pair per sequence, as `of` checks them."""
+        return Scores.of([r[0] for r in rows], [r[1] for r in rows])
+
     def flat(self) -> list[float]:
         """Every log-probability, sequence after sequence."""
         return [x for row in self.logprobs for x in row]

@@ -63,7 +63,7 @@ def trainer_scores(chunks: list[Any], sequences: Sequence[Sequence[int]], vocab_
     from ..adapters.megatron.forward import forward_logits
 
     seqs = check_sequences(sequences, vocab_size)
-    logprobs, argmax = [], []
+    rows = []
     device = next(chunks[0].parameters()).device
     training = [c.training for c in chunks]
     for c in chunks:  # the engine has no dropout: score in eval mode, then give the trainer its mode back
@@ -72,13 +72,11 @@ def trainer_scores(chunks: list[Any], sequences: Sequence[Sequence[int]], vocab_
         for seq in seqs:
             logits = forward_logits(chunks, torch.tensor([seq], device=device))
             if logits is not None:
-                lp, am = next_token_scores(logits[0, :-1, :vocab_size], seq)
-                logprobs.append(lp)
-                argmax.append(am)
+                rows.append(next_token_scores(logits[0, :-1, :vocab_size], seq))
     finally:
         for c, mode in zip(chunks, training):
             c.train(mode)
-    return Scores.of(logprobs, argmax) if logprobs else None
+    return Scores.rows(rows) if rows else None
 
 
 def engine_scores(engine: Scorer, sequences: Sequence[Sequence[int]]) -> Scores:
@@ -94,8 +92,7 @@ def engine_scores(engine: Scorer, sequences: Sequence[Sequence[int]]) -> Scores:
     Raises:
         ArgumentError: the engine answered rows of unequal lengths.
     """
-    rows = engine.prompt_logprobs([list(s) for s in sequences])
-    return Scores.of([r[0] for r in rows], [r[1] for r in rows])
+    return Scores.rows(engine.prompt_logprobs([list(s) for s in sequences]))
 
 
 __all__ = ["Scorer", "check_sequences", "engine_scores", "trainer_scores"]

@@ -239,29 +239,25 @@ class ReshardCheckpointEngine(CheckpointEngine):
         receiving.add_done_callback(lambda f: f.cancelled() or f.exception())  # its errors come through `landed`
         rank, start, done = session.top.process - session.top.trainers, time.perf_counter(), False
         try:
-            held = []
+            held = []  # groups landed, not yet handed on: the last one ("bucket"), or all ("model")
             for i in range(len(self.groups)):
                 item = await landed.get()
                 if isinstance(item, BaseException):
                     raise item
-                k, dst = item
-                if not bucket:
-                    held.append((k, dst))
-                    continue
-                await session.agreement.agreed(k)
-                if i == len(self.groups) - 1:
-                    await session.agreement.ended()
-                for name in self.groups[k]:
-                    yield name, dst[name]
-                synchronize(self.device)  # the adapter's copies out of this group are done before its reuse
-                slots.release()
-            if not bucket:
-                for k, _ in held:
-                    await session.agreement.agreed(k)
-                await session.agreement.ended()
-                for k, dst in held:
-                    for name in self.groups[k]:
-                        yield name, dst[name]
+                held.append(item)
+                last = i == len(self.groups) - 1
+                if bucket or last:
+                    for k, _ in held:
+                        await session.agreement.agreed(k)
+                    if last:
+                        await session.agreement.ended()
+                    for k, dst in held:
+                        for name in self.groups[k]:
+                            yield name, dst[name]
+                    held = []
+                    if bucket:
+                        synchronize(self.device)  # the adapter's copies out of this group are done before its reuse
+                        slots.release()
             done = True
         except GeneratorExit:
             session.agreement.fail(ExecutionError("the server adapter stopped taking the weights before the refit's "

@@ -10,12 +10,10 @@
             model: /path/to/the/hf/checkpoint        # or its config.json: what vLLM serves
 
 NeMo-RL's interface (nemo_rl/utils/checkpoint_engines/base.py at the commit in
-tests/data/nemo_rl_checkpoint_engine.json) is duck-typed: nothing of NeMo-RL is imported. `prepare()` on every
-engine; `init_policy_process_group` / `init_rollout_process_group` (all meet at policy worker 0's store and build
-one plan per group of at most `bucket_size` bytes, integrations.groups); per refit, `send_weights` on every policy
-worker and `receive_weight_batches` on every vLLM worker, together; `finalize()`. A batch reaches vLLM only once
-every process agreed on it (integrations.agreement); a refused refit fails every process within about a second.
-docs/guides/nemo_rl.md has how a refit moves, what each staging holds after a failure, and NeMo-RL's filter.
+tests/data/nemo_rl_checkpoint_engine.json) is duck-typed: nothing of NeMo-RL is imported. All workers meet at
+policy worker 0's store and move the model in groups of at most `bucket_size` bytes (integrations.groups); a batch
+reaches vLLM only once every process agreed on it (integrations.agreement), and a refused refit fails every
+process within about a second. docs/guides/nemo_rl.md has how a refit moves and what a failure leaves.
 """
 from __future__ import annotations
 

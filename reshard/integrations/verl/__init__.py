@@ -10,9 +10,8 @@
           engine_kwargs:
             reshard: {model: /path/to/hf/model, transport: collective, fanout: 2}
 
-Importing it registers `ReshardCheckpointEngine` under "reshard" in verl's `CheckpointEngineRegistry` and, in the
-driver, checks the block (`modes.on_import`). Without verl the import registers nothing (`ReshardCheckpointEngine`
-is None). The plans: `topology`; the engine: `engine`; trainer modes and config checks: `modes`.
+Importing it registers `ReshardCheckpointEngine` (None without verl) under "reshard" and, in verl's driver, checks
+the block (`modes.on_import`). The plans: `topology`; the engine: `engine`; trainer modes and checks: `modes`.
 """
 from __future__ import annotations
 

@@ -1,16 +1,14 @@
-"""How every process of one refit agrees, through keys in the refit's store: the one mechanism of both integrations
-(NeMo-RL's engine, verl's backend).
+"""How every process of one refit agrees (both integrations), through keys in the refit's part of the store
+(adapters.rendezvous.scoped):
 
-The keys live in a part of the store only the refit's members reach (adapters.rendezvous.scoped):
-
-    fail         the first failure's reason; every wait checks it first, so a refusal anywhere stops every process
-                 at its next wait (within milliseconds), not at its timeout.
-    go/<i>       the group the trainers move i-th (verl: the first trainer to post it; another value from another
-                 trainer fails the refit: their streams differ); the last trainer to post it decides gate i.
-    gate/<i>     the decision on the i-th group, made once: its group k (open), or "closed" (a failing process closes
-                 every gate not yet decided, so no process enters a transfer that a peer will never enter).
-    done/<k>     a counter: the processes that finished moving group k.
-    end          a counter: the trainers whose stream ended complete and valid (the end-of-stream verdict).
+    fail       the first failure's reason; every wait checks it first, so a refusal anywhere stops every process
+               at its next wait, not at its timeout.
+    go/<i>     the group the trainers move i-th (verl; a trainer posting another fails the refit: their streams
+               differ); the last trainer to post it decides gate i.
+    gate/<i>   the i-th group k (open), or "closed" (a failing process closes every undecided gate, so no process
+               enters a transfer a peer will never enter).
+    done/<k>   a counter: the processes that finished moving group k.
+    end        a counter: the trainers whose stream ended complete and valid (the end-of-stream verdict).
 """
 from __future__ import annotations
 
@@ -42,10 +40,9 @@ class Agreement:
         self.timeout, self.who = timeout, who
         self.stop = threading.Event()  # set at a failure seen here and at close: every wait of this refit ends
 
-    # --- failure -------------------------------------------------------------------------------------------
     def fail(self, error: BaseException) -> BaseException:
-        """Tell every process why the refit fails (the first reason stays), close every gate not yet decided and
-        end this process's waits; returns `error`. Never raises (the store's host may be gone)."""
+        """Post why the refit fails (the first reason stays), close undecided gates and end this process's waits;
+        returns `error`. Never raises."""
         try:
             self.keys.compare_set("fail", "", f"{self.who}: {type(error).__name__}: {error}".encode()[:4000])
             for i in range(self.groups):
@@ -75,7 +72,6 @@ class Agreement:
             raise ExecutionError(f"{self.who}: the refit was closed before it ended (a failure, the next refit, "
                                  f"or finalize)")
 
-    # --- gates (the order groups move in) --------------------------------------------------------------------
     def go(self, i: int, k: int) -> None:
         """This trainer has group k whole and checked as the i-th group it moves; the last trainer opens gate i.
 
@@ -107,7 +103,6 @@ class Agreement:
             raise ExecutionError(f"{self.who}: the refit failed")
         return int(value)
 
-    # --- counts ------------------------------------------------------------------------------------------------
     def done(self, k: int) -> None:
         """This process finished moving group k."""
         self.keys.add(f"done/{k}", 1)

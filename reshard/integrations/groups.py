@@ -1,24 +1,16 @@
-"""A model moved between the processes of an RL framework group by group: what NeMo-RL's and verl's backends share
-(every trainer process holds whole HF tensors; every inference process hands whole HF tensors to vLLM's loaders).
+"""What NeMo-RL's and verl's backends share: every trainer process holds whole HF tensors and every inference
+process hands whole HF tensors to vLLM's loaders, so the model moves group by group.
 
-  1. `tensor_groups(spec, bucket_size)`: the model's tensors in model order, cut into groups of at most
-     `bucket_size` bytes (a larger tensor is a group of its own): what moves, is agreed on and loaded as one piece;
-  2. `group_plans(...)`: one plan per group (whole tensors on the trainers -> whole tensors on every rollout);
-  3. `group_bindings(plans, trainers, rollouts)`: which process plays which rank of each group's plan (the sending
-     balanced over the trainer processes across groups);
-  4. `group_executor(transport, ...)`: this process's executor for one group over a cross-process transport of
-     adapters.transports, writing the destination tensors in place (loaders read them only once all agreed);
-  5. `refuse(executor, ...)`: fail one group's refit on every process of it at once;
-  6. `check_options`, `check_room`, `refuse_serving`, `refuse_moved_experts`: the options both backends take
-     (delta refits among them), and their refusals ("model" staging that does not fit, refit while serving, an
-     EPLB engine whose experts moved).
-     How the processes agree: integrations.agreement;
-  7. `transfer_thread`, `staging_empty`, `synchronize`: the thread groups move on, the buffers they land in.
+`tensor_groups` cuts the model into groups of at most `bucket_size` bytes; `group_plans` / `group_bindings` give
+one plan per group and who plays its ranks; `group_executor` is this process's executor for a group (destinations
+written in place); `refuse` fails a group on every process at once; `check_options`, `check_room`,
+`refuse_serving`, `refuse_moved_experts` are the options and refusals both backends share. How the processes
+agree: integrations.agreement.
 """
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..errors import ArgumentError, ExecutionError, LayoutMismatchError
 from ..executors.base import Executor, RankTensors
@@ -32,7 +24,7 @@ if TYPE_CHECKING:
 
     import torch
 
-DEPTH = 2  # collective: rounds in flight; its wire buffers are DEPTH x peers x one message, within the bucket
+DEPTH = 2  # collective: rounds in flight (wire buffers: DEPTH x peers x one message, within the bucket)
 STAGINGS = ("bucket", "model")
 _TYPES = {"transport": str, "fanout": (int, type(None)), "staging": str, "checksum": (bool, str),
           "timeout": (int, float), "backend": (str, type(None)), "delta": (int, type(None))}
@@ -40,18 +32,13 @@ _TYPES = {"transport": str, "fanout": (int, type(None)), "staging": str, "checks
 
 def check_options(options: dict[str, Any], prefix: str = "", transports: Sequence[str] | None = None
                   ) -> dict[str, Any]:
-    """The options both integrations take (transport, fanout, staging, checksum, timeout, backend, delta; any
-    subset), checked, as plain JSON values. `delta` (delta refits, a dense keyframe every K versions) needs "model"
-    staging (the engine's buffers then hold the version a delta is computed against, between refits) and no
-    fan-out (executors.delta).
+    """The options both integrations take (any subset of transport, fanout, staging, checksum, timeout, backend,
+    delta), checked, as plain JSON values (a round trip); `delta` needs "model" staging and no fan-out.
 
     Args:
         options: option -> value.
         prefix: what errors put before an option's name ("engine_kwargs.reshard.").
         transports: the transports allowed (None: every cross-process transport).
-
-    Returns:
-        The options (a JSON round trip).
 
     Raises:
         ArgumentError: a value of the wrong type or outside its range, named with `prefix`.
@@ -91,7 +78,7 @@ def check_options(options: dict[str, Any], prefix: str = "", transports: Sequenc
 
 
 def refuse_unknown(given: Any, known: Sequence[str], where: str, of: str) -> None:
-    """Refuse the keys of `given` not in `known` (ArgumentError naming each, with the closest known key; `where`:
+    """Refuse (ArgumentError) the keys of `given` not in `known`, naming each with the closest known key (`where`:
     what holds them, `of`: what takes them)."""
     import difflib
 
@@ -105,41 +92,29 @@ def refuse_unknown(given: Any, known: Sequence[str], where: str, of: str) -> Non
 
 
 def refuse_serving(options: Any, prefix: str, why: str, guide: str) -> None:
-    """Refuse reshard's refit while the engine generates (`pause_for`; RefitSpec's `staging` "device" / "host") in
-    `options`: the framework holds its engine for the whole refit (`why`: where, by file and line; `guide`:
+    """Refuse reshard's refit while the engine generates (`pause_for`; `staging` "device" / "host") in `options`:
+    the framework holds its engine for the whole refit (`why`: where, by file and line; `guide`:
     docs/guides/<guide>.md says more). Raises ArgumentError naming the option (`prefix` before it), why and the fix.
     """
     key = "pause_for" if "pause_for" in options else "staging" if options.get("staging") in ("device", "host") else ""
     if key:
-        raise _refused(prefix + key, options[key], "is reshard's refit while the engine generates (TrainerSession("
-                       "pause_for='flip'), RefitSpec(staging='device' | 'host')), which this backend cannot honour",
-                       why, "remove it, staging bucket or model", guide, "Refit while the engine generates",
-                       "what it would need")
-
-
-def _refused(name: str, value: Any, asks: str, why: str, fix: str, guide: str, section: str,
-             says: str) -> ArgumentError:
-    """The refusal of an option a framework's path cannot honour: what it asks, why not, the fix and the guide's
-    section that says more (one wording for every such refusal)."""
-    return ArgumentError(name, value, f"{asks}: {why}", fix=f"{fix}; docs/guides/{guide}.md, '{section}', says {says}")
+        raise ArgumentError(prefix + key, options[key], "is reshard's refit while the engine generates "
+                            "(TrainerSession(pause_for='flip'), RefitSpec(staging='device' | 'host')), which this "
+                            f"backend cannot honour: {why}", fix=f"remove it, staging bucket or model; "
+                            f"docs/guides/{guide}.md, 'Refit while the engine generates', says what it would need")
 
 
 def refuse_moved_experts(where: str) -> None:
-    """Refuse a refit into an EPLB engine whose experts moved, before any byte lands. The integrations hand whole HF
-    tensors to vLLM's `load_weights`, which writes each physical expert slot p with the checkpoint's expert
-    `initial[p]`, vLLM's initial placement, never the EPLB state's (vLLM 0.33: `RoutedExperts.load_weights` ->
-    `build_expert_params_mapping`, routed_experts.py:1004-1007, 1207-1216, 1274-1288); after a rebalance that is
-    another expert's slot. The placement is read from the vLLM worker this was called from (NeMo-RL's worker
-    extension is mixed into vLLM's worker: the caller's `self`); no vLLM worker calling (verl's rollout rank runs
-    beside the vLLM workers, not in them): nothing to read, nothing refused.
+    """Refuse a refit into an EPLB engine whose experts moved, before any byte lands: vLLM's `load_weights` writes
+    each expert slot by vLLM's initial placement, never the EPLB state's (vLLM 0.33: routed_experts.py:1004-1007,
+    1207-1216, 1274-1288). The placement is read from the vLLM worker up the call stack (NeMo-RL's worker extension
+    is mixed into vLLM's worker); with none calling (verl's rollout rank), nothing is refused.
 
     Raises:
         LayoutMismatchError: naming the engine's placement and the initial one (`check_loader_placement`).
     """
-    frame = sys._getframe(1)
-    while frame is not None and not (hasattr(frame.f_locals.get("self"), "model_runner")
-                                     and hasattr(frame.f_locals.get("self"), "vllm_config")):
-        frame = frame.f_back
+    frame = outer_frame(sys._getframe(1), lambda f: hasattr(f.f_locals.get("self"), "model_runner")
+                        and hasattr(f.f_locals.get("self"), "vllm_config"))
     if frame is None:
         return
     from vllm.model_executor.models.interfaces import get_mixture_of_experts_model
@@ -158,12 +133,17 @@ def refuse_moved_experts(where: str) -> None:
             "through reshard's vLLM weight-transfer engine, whose TrainerSession follows the placement")) from None
 
 
-def check_room(need: int, free: int | None, device: Any, field: str, where: str) -> None:
-    """Refuse "model" staging of `need` bytes on a device with `free` bytes free (None: unknown, not refused).
+def outer_frame(frame: Any, test: Callable[[Any], bool]) -> Any:
+    """The innermost frame from `frame` outwards that passes `test` (None if none): how a framework's objects up the
+    call stack are found (its vLLM worker, its checkpoint-engine manager, its trainer)."""
+    while frame is not None and not test(frame):
+        frame = frame.f_back
+    return frame
 
-    Raises:
-        ArgumentError: naming both sizes and the fix (`field`: the staging option's name; `where`: who stages).
-    """
+
+def check_room(need: int, free: int | None, device: Any, field: str, where: str) -> None:
+    """Refuse (ArgumentError naming both sizes) "model" staging of `need` bytes where `free` (None: unknown) is less
+    (`field`: the staging option's name; `where`: who stages)."""
     if free is not None and need > free:
         raise ArgumentError(field, "model", f"holds the whole model on every {where}: {need / 2**30:.2f} GiB ({need} "
                             f"bytes), but {device} had {free / 2**30:.2f} GiB ({free} bytes) free when measured",
@@ -172,7 +152,7 @@ def check_room(need: int, free: int | None, device: Any, field: str, where: str)
 
 
 def transfer_thread(device: "torch.device | None", name: str) -> "ThreadPoolExecutor":
-    """The one thread a process moves its groups on, in order (the caller's event loop stays free); CUDA: `device`."""
+    """The one thread a process moves its groups on, in order (on CUDA `device`)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
@@ -183,7 +163,7 @@ def transfer_thread(device: "torch.device | None", name: str) -> "ThreadPoolExec
 
 
 def staging_empty(shape: Sequence[int], dtype: Any, device: Any, shared: bool) -> "torch.Tensor":
-    """A buffer a refit writes into: in shared memory where peers on the CPU write it (`shared`: that transport)."""
+    """An empty buffer, in shared memory when `shared` on the CPU (peers write into it)."""
     import torch
 
     from ..executors.shared import shared_empty
@@ -193,19 +173,43 @@ def staging_empty(shape: Sequence[int], dtype: Any, device: Any, shared: bool) -
 
 
 def synchronize(device: Any) -> None:
-    """Wait for this thread's work on a CUDA `device` (copies out of a buffer before its reuse); no-op on CPU."""
+    """Wait for this thread's work on a CUDA `device` (before a buffer's reuse); no-op on CPU."""
     import torch
 
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
 
 
-def tensor_bytes(spec: ModelSpec, name: str) -> int:
-    """Bytes of one of the model's tensors in its own dtype (a float32 router bias in a bfloat16 model).
+def resolve_device(device: str | None, field: str = "device") -> "torch.device":
+    """Where a worker stages the weights (None: CUDA when available, else CPU).
 
     Raises:
-        KeyError: a name that is not one of the model's tensors.
+        ArgumentError: not a torch device, or neither CUDA nor the CPU (`field` is what the error names).
     """
+    import torch
+
+    try:
+        out = torch.device(device) if device is not None else torch.device(
+            "cuda" if torch.cuda.is_available() else "cpu")
+    except (RuntimeError, TypeError):
+        raise ArgumentError(field, device, "is not a torch device (e.g. 'cuda', 'cpu')") from None
+    if out.type not in ("cuda", "cpu"):
+        raise ArgumentError(field, device, "must be a CUDA device or the CPU")
+    return out
+
+
+def model_spec(model: Any, dtype: str | None = None) -> ModelSpec:
+    """The ModelSpec of `model` (a ModelSpec, or an HF config dict, config.json or checkpoint directory), in `dtype`.
+
+    Raises:
+        ArgumentError: an unreadable config or an unknown dtype.
+    """
+    spec = model if isinstance(model, ModelSpec) else ModelSpec.from_hf_config(model)
+    return spec if dtype is None else ModelSpec(**{**spec.model_dump(), "dtype": dtype})
+
+
+def tensor_bytes(spec: ModelSpec, name: str) -> int:
+    """Bytes of one of the model's tensors in its own dtype (KeyError: not one of the model's tensors)."""
     from ..layouts.model import DTYPE_SIZES
 
     t = spec.tensor(name)
@@ -213,29 +217,18 @@ def tensor_bytes(spec: ModelSpec, name: str) -> int:
 
 
 def available_bytes(device: "torch.device") -> int | None:
-    """Free memory where an inference process would stage the model ("model" staging): the CUDA device's free
-    memory, or the host's available memory (/proc/meminfo's MemAvailable); None where it cannot be read."""
-    import torch
+    """Free memory on `device` for "model" staging (CUDA: the device's; CPU: MemAvailable); None if unreadable."""
+    from ..adapters.vllm.staging import free_bytes
 
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+        return free_bytes(device, "device")
+    except (OSError, ExecutionError):
+        return None
 
 
 def tensor_groups(spec: ModelSpec, bucket_size: int) -> tuple[tuple[str, ...], ...]:
-    """The model's tensors in model order, cut into consecutive groups of at most `bucket_size` bytes (a tensor
-    larger than that is a group of its own).
-
-    Raises:
-        ArgumentError: a bucket size that is not a positive integer.
-    """
+    """The model's tensors in model order, cut into consecutive groups of at most `bucket_size` bytes (a larger
+    tensor is a group of its own). Raises ArgumentError for a bucket size that is not a positive integer."""
     if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
         raise ArgumentError("bucket_size", bucket_size, "must be a positive number of bytes")
     groups: list[tuple[str, ...]] = []
@@ -255,24 +248,10 @@ def tensor_groups(spec: ModelSpec, bucket_size: int) -> tuple[tuple[str, ...], .
 
 def group_plans(spec: ModelSpec, trainers: int, rollouts: int, groups: Sequence[Sequence[str]],
                 fanout: int | None = None, roots: int | None = None) -> list[Plan]:
-    """One plan per group: each tensor held whole by every one of `trainers` source ranks, needed whole by every
-    one of `rollouts` destination ranks; the compiler spreads a group's sending over the source ranks and, with
-    `fanout`, feeds some destination ranks and relays to the others.
-
-    Args:
-        spec: the model.
-        trainers, rollouts: the processes of each side.
-        groups: `tensor_groups`' result (every process must pass the same).
-        fanout: relay tree width among the rollout processes (None: the trainers feed every one).
-        roots: with `fanout`, how many rollout processes the trainers feed (None: the compiler's choice; 1: one
-            copy of the model leaves the trainers).
-
-    Returns:
-        The plans, in group order (compiled once per process: planner.cache).
-
-    Raises:
-        PlanError, ArgumentError: from the compiler (a group naming no tensor of the model, bad fan-out options).
-    """
+    """One plan per group: each tensor held whole by all `trainers` source ranks and needed whole by all `rollouts`
+    destination ranks, compiled once per process (planner.cache). `groups` is `tensor_groups`' result; with
+    `fanout`, rollouts relay to at most that many others, `roots` of them fed by the trainers (None: the compiler's
+    choice). Raises PlanError / ArgumentError from the compiler."""
     src, dst = HfLayout(model=spec, replicas=trainers), HfLayout(model=spec, replicas=rollouts)
     extra = {} if fanout is None or rollouts < 2 else \
         {"fanout": fanout} if roots is None else {"fanout": fanout, "roots": roots}
@@ -280,17 +259,9 @@ def group_plans(spec: ModelSpec, trainers: int, rollouts: int, groups: Sequence[
 
 
 def group_bindings(plans: Sequence[Plan], trainers: int, rollouts: int) -> tuple[Binding, ...]:
-    """Which process plays each rank of each group's plan: processes 0..trainers-1 are the trainer processes,
-    the next `rollouts` the rollout processes.
-
-    A small group cannot be spread evenly over many source ranks (whole tensors), so across groups the source
-    rank that sends most goes to the trainer process that has sent least so far; destination rank d of group k
-    is rollout process (d + k) mod rollouts, which spreads fan-out roots (the destinations fed by the trainers)
-    over the rollout processes. Every process computes the same from the same plans.
-
-    Returns:
-        One binding per plan (processes numbered as above).
-    """
+    """One Binding per plan: which process plays each rank (0..trainers-1 the trainers, then the rollouts). Across
+    groups the busiest source rank goes to the trainer that has sent least so far; destination rank d of group k
+    is rollout (d + k) mod rollouts, spreading fan-out roots."""
     sent = [0] * trainers
     out = []
     for k, plan in enumerate(plans):
@@ -306,11 +277,7 @@ def group_bindings(plans: Sequence[Plan], trainers: int, rollouts: int) -> tuple
 
 
 def group_transport(name: Any, field: str = "transport") -> str:
-    """`name`, if it is a registered transport whose processes meet at a rendezvous (what a group moves over).
-
-    Raises:
-        ArgumentError: any other name (`field` is what the error blames), listing the ones that fit.
-    """
+    """`name`, if it is a cross-process transport; else ArgumentError (`field` is what it blames), listing them."""
     from ..adapters.transports import cross_process_transports
 
     if name not in cross_process_transports():
@@ -319,8 +286,8 @@ def group_transport(name: Any, field: str = "transport") -> str:
     return name
 
 
-# options a transport's group executors get beyond timeout, checksum and writing in place (wire buffers per round,
-# polled waits backing off to 5 ms: a rollout process waits on the trainers' stream for seconds per group)
+# a transport's group-executor options beyond timeout, checksum and in-place writes (a rollout process may wait on
+# the trainers' stream for seconds per group: polls back off to 5 ms)
 _GROUP_OPTIONS = {"collective": lambda cap: {"memory_cap": cap, "depth": DEPTH},
                   "shared": lambda cap: {"poll_max_s": 0.005}}
 
@@ -328,36 +295,26 @@ _GROUP_OPTIONS = {"collective": lambda cap: {"memory_cap": cap, "depth": DEPTH},
 def group_executor(transport: str, plan: Plan, binding: Binding, process: int, src: RankTensors, dst: RankTensors,
                    *, store: Any, rendezvous: Any, namespace: str, comm: Any = None, timeout: float = 300.0,
                    checksum: bool | str = False, memory_cap: int = 1 << 30, delta: Any = None) -> Executor:
-    """This process's executor for one group's plan, writing the destination tensors in place: the caller hands
-    them on only after the refit returned on this process, which every process reaches only once all agreed.
+    """This process's executor for one group's plan, writing the destination tensors in place (the caller hands
+    them on only once every process agreed); `refit(version)` moves the group once per call.
 
     Args:
-        transport: a cross-process transport (`group_transport`): "collective" (over `comm`, a StoreComm every
-            process joined), "shared" or "nixl" (keys under `namespace` in the rendezvous's store).
+        transport: "collective" (over `comm`, a StoreComm every process joined), "shared" or "nixl" (keys under
+            `namespace`, unique per executor: letters and digits, in the rendezvous's store).
         plan, binding, process: the group's plan, who plays its ranks, this process.
-        src, dst: this process's source / destination tensors (rank -> name -> tensor). For "shared" on CPU, a
-            destination tensor peers write into must live in shared memory (executors.shared.shared_empty).
-        store, rendezvous: the refit's store (joined) and its adapters.rendezvous.Rendezvous.
-        namespace: unique per executor among those of one store ("shared", "nixl"): letters, digits, no '/'.
-        comm: "collective": the executors.collective.comm.StoreComm.
-        timeout: seconds any wait may go without progress.
-        checksum: the executors' option (False, True / "sha256", "sum64").
-        memory_cap: "collective": bytes of wire buffers (DEPTH rounds in flight x peers x one message).
-        delta: an executors.delta.DeltaPolicy (delta refits; None: every refit dense).
-
-    Returns:
-        The executor; `refit(version)` moves the group once per call.
+        src, dst: this process's tensors (rank -> name -> tensor); "shared" on CPU: destinations in shared memory.
+        store, rendezvous, namespace, comm: where the processes meet (see `transport`).
+        timeout, checksum: the executors' options.
+        memory_cap: "collective": bytes of wire buffers (DEPTH rounds x peers x one message).
+        delta: an executors.delta.DeltaPolicy (None: every refit dense).
 
     Raises:
         ArgumentError: an unknown transport.
-        ExecutionError: what the executor refuses at construction (and, for "shared" and "nixl", a peer that did
-            not set up within the timeout).
+        ExecutionError: what the executor refuses at construction, or a peer that did not set up in time.
     """
     from ..adapters.transports import Endpoint, open_transport, transport as registered
 
     chosen = registered(group_transport(transport))
-    if transport == "collective" and comm is None:
-        raise ExecutionError("the collective transport needs the group every process joined (comm)")
     options = {**chosen.in_place, "timeout": timeout, "checksum": checksum,
                **_GROUP_OPTIONS.get(transport, lambda cap: {})(memory_cap)}
     return open_transport(transport, Endpoint(plan, binding, process, src, dst, options, store=store,
@@ -365,10 +322,8 @@ def group_executor(transport: str, plan: Plan, binding: Binding, process: int, s
 
 
 def refuse(executor: Executor, process: int, version: int, reason: str) -> None:
-    """Fail refit `version` of a group's executor on every process of it, at once, from this process, which
-    takes no further part in it: the torch.distributed executor's preflight (every process learns that this one
-    refused its tensors before a byte moves); the voted executors' (shared, NIXL) failure record, which every
-    wait of that version checks. Never raises (the refit is failing already)."""
+    """Fail refit `version` of a group's executor on every process at once, from this process: through the
+    collective executor's preflight or the voted executors' failure record. Never raises."""
     from ..executors.voted import VotedExecutor
 
     try:
@@ -384,5 +339,5 @@ def refuse(executor: Executor, process: int, version: int, reason: str) -> None:
 
 
 __all__ = ["DEPTH", "STAGINGS", "available_bytes", "check_options", "check_room", "group_bindings", "group_executor",
-           "group_plans", "group_transport", "refuse", "refuse_serving", "refuse_unknown",
-           "staging_empty", "synchronize", "tensor_bytes", "tensor_groups", "transfer_thread"]
+           "group_plans", "group_transport", "model_spec", "outer_frame", "refuse", "refuse_serving", "refuse_unknown",
+           "resolve_device", "staging_empty", "synchronize", "tensor_bytes", "tensor_groups", "transfer_thread"]

@@ -9,40 +9,11 @@
           "reshard.integrations.nemo_rl:ReshardCheckpointEngine":
             model: /path/to/the/hf/checkpoint        # or its config.json: what vLLM serves
 
-No address in the config: NeMo-RL gives every worker on every node the same entry, so each engine finds its own
-(reshard.addresses: RESHARD_HOST in the node's environment, else the Ray node IP, else the default route's
-interface) and only policy worker 0's store, at the address it published, is used.
-
 NeMo-RL's interface (nemo_rl/utils/checkpoint_engines/base.py at the commit in
-tests/data/nemo_rl_checkpoint_engine.json) is duck-typed: nothing of NeMo-RL is imported. NeMo-RL builds one engine
-per policy worker and per vLLM worker (`bucket_size` in bytes plus the `refit_cfg` entry as keyword arguments) and
-drives them (CheckpointEngineWeightSynchronizer):
-
-  1. `prepare()` on every engine: each hosts a rendezvous store and returns it as JSON-able metadata;
-  2. `init_policy_process_group(worker_rank=p, ...)` / `init_rollout_process_group(rollout_rank=r, ...)`, with
-     every engine's metadata (policy workers' first): everyone meets at policy worker 0's store and builds the same
-     plans (integrations.groups: the model cut into groups of at most `bucket_size` bytes, one plan per group from
-     the T policy workers, each holding every whole HF tensor, to the R vLLM workers, each needing every whole
-     tensor for `load_weights`) and this worker's executor for each group;
-  3. per refit, together: `send_weights(weights)` on every policy worker, `receive_weight_batches()` on every vLLM
-     worker. A policy worker drains the whole stream (it may run collectives), checks every tensor
-     (integrations.streams), keeps what the plans read from it and moves each group on a thread as soon as the
-     stream delivered it. A vLLM worker receives group k+1 while vLLM loads batch k. A batch reaches vLLM only
-     once every process agreed it arrived complete (checksummed, where `checksum` is on); the last one ("bucket"
-     staging) and every one ("model") only once every policy worker also reported its stream complete and valid
-     (the end-of-stream verdict, integrations.agreement);
-  4. `finalize()` (NeMo-RL's shutdown, or after every refit with `release_after_refit`): the transport closes.
-
-A refused refit (a tensor unknown, misshapen, missing or repeated; a failed transfer or checksum; a loader that
-raised) fails on every process within about a second (the refit's failure record, which every wait checks, and the
-refusing process failing the group everyone is in), not after the timeout: `receive_weight_batches` and
-`send_weights` (once its stream is drained) raise everywhere, and the next refit rebuilds the transport. What vLLM
-then holds depends on `staging`: "model", the previous version whole (nothing was yielded); "bucket" (the
-default), the batches yielded before the failure (never a torn tensor, never the last batch, never one not every
-process agreed on) beside the previous version: don't serve from it until a refit succeeds.
-
-`get_target_weight_layout()` answers None, so NeMo-RL's Megatron worker filters nothing (its filter is quadratic in
-the tensors); every worker checks the whole stream and keeps its share (benchmarks/nemo_rl_filter.py measures both).
+tests/data/nemo_rl_checkpoint_engine.json) is duck-typed: nothing of NeMo-RL is imported. All workers meet at
+policy worker 0's store and move the model in groups of at most `bucket_size` bytes (integrations.groups); a batch
+reaches vLLM only once every process agreed on it (integrations.agreement), and a refused refit fails every
+process within about a second. docs/guides/nemo_rl.md has how a refit moves and what a failure leaves.
 """
 from __future__ import annotations
 
@@ -58,12 +29,11 @@ from typing import Any
 import torch
 
 from ..errors import ArgumentError, ExecutionError, ReshardError
-from ..layouts import ModelSpec
 from .agreement import Agreement
 from ..executors.partition import carve
 from .groups import (available_bytes, check_options, check_room, group_bindings, group_executor, group_plans,
-                     refuse, refuse_moved_experts, refuse_serving, refuse_unknown, staging_empty,
-                     synchronize, tensor_bytes, tensor_groups, transfer_thread)
+                     model_spec, refuse, refuse_moved_experts, refuse_serving, refuse_unknown, resolve_device,
+                     staging_empty, synchronize, tensor_bytes, tensor_groups, transfer_thread)
 from .streams import StreamNames
 
 TRANSPORTS = ("collective", "shared")
@@ -80,60 +50,38 @@ SERVING_WHY = ("NeMo-RL hands the engine the weights only inside one vLLM collec
 class ReshardCheckpointEngine:
     """One policy or vLLM worker's end of NeMo-RL's checkpoint-engine refit (see the module docstring).
 
-    Selected in NeMo-RL's config as `policy.generation.refit_transport:
-    "reshard.integrations.nemo_rl:ReshardCheckpointEngine"`; NeMo-RL constructs it with `bucket_size` and the
-    matching `refit_cfg` entry as keyword arguments.
-
-    Memory on a vLLM worker (besides vLLM's own): "bucket" staging, two buckets of at most `bucket_size` bytes (of
-    the largest group, when one tensor is larger), allocated at join and reused; "model" staging, the whole model,
-    refused at join, naming both numbers, when larger than the free memory measured at construction (CUDA: after
-    vLLM reserved its own; CPU: the host's available memory). On a policy worker: two buckets of its share of a
-    group, the tensors of later groups the stream delivers early (none in model order), and a stand-in buffer
-    when its buckets are smaller than the largest tensor it does not send.
+    NeMo-RL constructs it with `bucket_size` and the `refit_cfg` entry as keyword arguments. Memory on a vLLM
+    worker: two buckets ("bucket" staging) or the whole model ("model", refused at join when larger than the free
+    memory measured at construction); on a policy worker, two buckets of its share of a group plus the tensors of
+    later groups the stream delivers early.
 
     Args:
-        bucket_size: bytes per batch handed to vLLM's loaders (NeMo-RL's resolved bucket size); the model moves
-            in groups of this size.
-        model: the HF checkpoint directory or config.json of the model vLLM serves (a dict of its config also
-            works).
-        staging: "bucket" (default: each batch is handed to vLLM once every process agreed on it, the last one
-            once every policy worker also reported its stream complete) or "model" (the whole model lands first;
-            nothing is handed on until every process agreed on all of it: all or nothing).
-        transport: "collective" (torch.distributed over a group both sides join at policy worker 0's store: gloo
-            on CPU, NCCL on GPUs) or "shared" (every worker on one host: policy workers write straight into the
-            vLLM workers' buckets through shared memory on CPU, CUDA IPC on GPUs).
-        host: an address of this worker's own host for its store (None, the default: discovered where each worker
-            runs -- RESHARD_HOST, the Ray node IP, the default route's interface; only policy worker 0's store is
-            used). A config naming one node's address would be wrong on every other node, so it is refused there.
-        fanout: vLLM workers relaying to at most this many others (None: the policy workers feed every one);
-            collective transport only.
-        checksum: hash every transfer and compare before anything is handed to vLLM (True: sha256, "sum64", or
-            False; None, the default: sha256 on CPU, sum64 on GPUs, computed on the GPU).
-        backend: the collective transport's torch.distributed backend (None: NCCL when `device` is CUDA, else
-            gloo; the same on every worker).
+        bucket_size: bytes per batch handed to vLLM's loaders; the model moves in groups of this size.
+        model: the HF checkpoint directory, config.json or config dict of the model vLLM serves.
+        staging: "bucket" (default: each batch handed on once every process agreed on it) or "model" (all or
+            nothing: nothing handed on until every process agreed on the whole model).
+        transport: "collective" (torch.distributed at policy worker 0's store: gloo on CPU, NCCL on GPUs) or
+            "shared" (one host: shared memory on CPU, CUDA IPC on GPUs).
+        host: this worker's own address for its store (None: discovered per worker).
+        fanout: vLLM workers relaying to at most this many others (collective only; None: no relays).
+        checksum: True (sha256), "sum64" or False (None: sha256 on CPU, sum64 on GPUs).
+        backend: the collective transport's torch.distributed backend (None: NCCL on CUDA, else gloo).
         device: where the workers stage the weights (None: CUDA when available, else CPU).
-        dtype: the dtype the policy sends and vLLM loads (None: the checkpoint config's), e.g. "bfloat16".
+        dtype: the dtype the policy sends and vLLM loads (None: the checkpoint config's).
         timeout: seconds any wait may go without progress.
-        release_after_refit: NeMo-RL's key (its synchronizer then calls finalize after every refit); kept.
-        delta: delta refits, a dense keyframe every this many versions (None, the default: every refit dense):
-            each policy worker sends, per group, only the elements that changed since the version the vLLM workers
-            hold, which they keep in their "model" staging buffers between refits and hand whole to vLLM's loaders
-            (vLLM loads every tensor; the wire carries the changes). Needs staging "model", no fanout, no
-            release_after_refit (finalize drops the held version) and, with the shared transport, CPU tensors.
-            Memory: each policy worker keeps a copy of its share of the model (what it last sent).
-        **unknown: any other key of the refit_cfg entry (NeMo-RL passes them all): refused, naming it.
+        release_after_refit: NeMo-RL's key (its synchronizer then calls finalize after every refit).
+        delta: delta refits with a dense keyframe every this many versions (None: every refit dense); needs
+            staging "model", no fanout, no release_after_refit and, with the shared transport, CPU tensors.
+        **unknown: any other key of the refit_cfg entry: refused, naming it.
 
     Raises:
-        ArgumentError: an option of the wrong type or value (checked at construction, before any worker
-            joins; refit while serving, `pause_for` or `staging` "device" / "host", with why not; `delta` without
-            what it needs); "model" staging larger than the receiving device's free memory (when a vLLM worker
-            joins);
-            from `send_weights`, on the policy worker whose stream is wrong, the tensor that is.
-        ExecutionError: from the refit methods, a peer that failed, a transfer that failed or another worker's
-            refusal (its reason included); see the module docstring for what vLLM then holds.
+        ArgumentError: a bad option, refit while serving (`pause_for`, `staging` "device" / "host") or `delta`
+            without what it needs (at construction); "model" staging larger than the free memory (at join); from
+            `send_weights`, the tensor of this worker's stream that is wrong.
+        ExecutionError: from the refit methods, a peer or transfer that failed or another worker's refusal.
     """
 
-    shard_expert_weights: bool = False  # NeMo-RL's own expert-sharding loader stays off: the plan says who sends what
+    shard_expert_weights: bool = False  # NeMo-RL's expert-sharding loader stays off: the plan says who sends what
 
     def __init__(self, bucket_size: int, *, model: str | dict[str, Any] | None = None, staging: str = "bucket",
                  transport: str = "collective", host: str | None = None, fanout: int | None = None,
@@ -145,14 +93,14 @@ class ReshardCheckpointEngine:
         refuse_unknown(unknown, [p for p in inspect.signature(type(self)).parameters if p not in ("bucket_size",
                        "unknown")], "refit_cfg", "ReshardCheckpointEngine (NeMo-RL passes every key of its refit_cfg "
                        "entry to the constructor)")
-        if not isinstance(bucket_size, int) or isinstance(bucket_size, bool) or bucket_size < 1:
-            raise ArgumentError("bucket_size", bucket_size, "must be a positive number of bytes")
         if model is None:
             raise ArgumentError("model", None, "is required", fix="add `model: <the HF checkpoint vLLM serves>` to "
                                 "refit_cfg's entry for this engine")
+        self.device = resolve_device(device)
+        if checksum is None:  # sha256 on the host, sum64 where the bytes are on a GPU (computed there)
+            checksum = "sum64" if self.device.type == "cuda" else True
         check_options({"staging": staging, "transport": transport, "fanout": fanout, "timeout": timeout,
-                       "delta": delta}, transports=TRANSPORTS)
-        self.device = _device(device)
+                       "delta": delta, "checksum": checksum}, transports=TRANSPORTS)
         if delta is not None and release_after_refit:
             raise ArgumentError("delta", delta, "with release_after_refit: NeMo-RL then finalizes after every "
                                 "refit, which drops the version the vLLM workers hold (every refit a keyframe)",
@@ -161,24 +109,17 @@ class ReshardCheckpointEngine:
             raise ArgumentError("delta", delta, "with the shared transport on CUDA: delta refits over shared "
                                 "memory run on CPU tensors", fix="transport: collective (NCCL carries them)")
         self.backend = _backend(transport, backend, fanout, self.device)
-        if checksum is None:  # on: sha256 on the host, sum64 where the bytes are on a GPU (computed there)
-            checksum = "sum64" if self.device.type == "cuda" else True
-        check_options({"checksum": checksum})
         self.bucket_size, self.staging, self.transport = bucket_size, staging, transport
         self.fanout, self.checksum, self.delta = fanout, checksum, delta
-        self.spec = ModelSpec.from_hf_config(model)
-        if dtype is not None:
-            self.spec = self.spec.model_copy(update={"dtype": dtype})
-            ModelSpec(**self.spec.model_dump())  # validated (an unknown dtype raises, naming it)
+        self.spec = model_spec(model, dtype)
         if host is not None:  # every engine hosts a store at prepare(): an address of another node fails here, at once
             _check_host(host)
         self.host, self.timeout = host, float(timeout)
         self.release_after_refit = bool(release_after_refit)
-        self.groups = tensor_groups(self.spec, bucket_size)
+        self.groups = tensor_groups(self.spec, bucket_size)  # refuses a bad bucket_size
         self._names = StreamNames(self.spec)
         self._where = {name: k for k, group in enumerate(self.groups) for name in group}
-        # the cost of "model" staging, measured here: on a vLLM worker NeMo-RL builds the engine after vLLM reserved
-        # its memory. Refused when the worker joins (the first moment it is known to be one), naming both numbers.
+        # measured here: NeMo-RL builds a vLLM worker's engine after vLLM reserved its memory; refused at join
         self.model_bytes = self._arena([t.name for t in self.spec.tensors])[1]
         self.free_bytes = available_bytes(self.device) if staging == "model" else None
         self._reset()
@@ -207,7 +148,6 @@ class ReshardCheckpointEngine:
         self._generation = 0  # builds of the transport since joining (a failed refit makes the next one rebuild)
         self._broken = False
 
-    # --- 1. prepare ------------------------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
         """Host a rendezvous store (only policy worker 0's is used) and say what this engine was built for."""
         from ..adapters import rendezvous as rv
@@ -222,7 +162,6 @@ class ReshardCheckpointEngine:
                                       "checksum": self.checksum, "backend": self.backend,
                                       "device": self.device.type, "delta": self.delta}))
 
-    # --- 2. meet -----------------------------------------------------------------------------------------
     def init_policy_process_group(self, *, worker_rank: int, train_world_size: int, rollout_world_size: int,
                                   metadata: list[Any]) -> None:
         """Policy worker `worker_rank` joins: process `worker_rank` of every group's plan binding."""
@@ -230,9 +169,8 @@ class ReshardCheckpointEngine:
 
     def init_rollout_process_group(self, *, rollout_rank: int, train_world_size: int, rollout_world_size: int,
                                    metadata: list[Any]) -> None:
-        """vLLM worker `rollout_rank` joins: process train_world_size + `rollout_rank` of every binding. With
-        staging "model", refuses (ArgumentError, every worker told at once) a model larger than the free memory
-        measured at construction."""
+        """vLLM worker `rollout_rank` joins as process train_world_size + `rollout_rank`; with staging "model",
+        refuses (ArgumentError, every worker told at once) a model larger than the free memory."""
         self._join("rollout", rollout_rank, train_world_size, rollout_world_size, metadata)
 
     def _join(self, role: str, rank: int, train_world_size: int, rollout_world_size: int,
@@ -275,8 +213,7 @@ class ReshardCheckpointEngine:
             raise
 
     def _check_metadata(self, metadata: Any, n: int) -> dict[str, Any]:
-        """Every engine's prepare() result, policy workers' first; every one built for the same refit. Returns
-        the rendezvous of the first (policy worker 0's)."""
+        """Check every engine's prepare() result (policy workers' first); returns policy worker 0's rendezvous."""
         if not isinstance(metadata, list) or len(metadata) != n:
             got = f"{len(metadata)} entries" if isinstance(metadata, list) else type(metadata).__name__
             raise ArgumentError("metadata", got, f"must list one prepare() result per worker ({n}: policy workers "
@@ -293,8 +230,8 @@ class ReshardCheckpointEngine:
         return metadata[0]["rendezvous"]
 
     def _build(self) -> None:
-        """This worker's buffers and one executor per group (a generation of the transport; every process builds
-        the same one together: at join, and at the first refit after a failed one)."""
+        """This worker's buffers and one executor per group (every process builds them together: at join, and at
+        the first refit after a failed one)."""
         from ..adapters import rendezvous as rv
         from ..executors.collective.comm import StoreComm
 
@@ -323,8 +260,8 @@ class ReshardCheckpointEngine:
         self._version, self._broken = 0, False
 
     def _rollout_buffers(self, device: torch.device) -> list[dict[str, torch.Tensor]]:
-        """Views of this vLLM worker's buckets, per group: two buckets reused in turn ("bucket"), or one per group
-        ("model"). On CPU with the shared transport they live in shared memory (policy workers write into them)."""
+        """Views of this vLLM worker's buckets per group: two reused in turn ("bucket") or one per group ("model");
+        in shared memory on CPU with the shared transport."""
         count = 2 if self.staging == "bucket" else len(self.groups)
         sizes = [self._arena(group)[1] for group in self.groups]
         self._slots = [staging_empty((max(sizes[i::count]),), torch.uint8, device, self.transport == "shared")
@@ -333,10 +270,8 @@ class ReshardCheckpointEngine:
         return [self._carve(self._slots[k % count], group) for k, group in enumerate(self.groups)]
 
     def _policy_buffers(self, device: torch.device) -> list[dict[str, torch.Tensor]]:
-        """Views of this policy worker's two buckets, per group: the tensors the group's plan reads from it; every
-        other tensor of the group as a stand-in (a view of the larger bucket, or of a buffer of the largest such
-        tensor when the bucket is smaller; never read: the executor checks every tensor its plan's source table
-        lists, and each policy worker holds the whole model)."""
+        """Views of this policy worker's two buckets per group: the tensors the plan reads from it, and never-read
+        stand-ins for the group's other tensors (the executor wants every tensor its source table lists)."""
         P = self._process
         self._needed = [frozenset(plan.src_tensors.name(int(t)) for t in set(
             plan.ops_sent_by(binding.src_ranks_of(P)[0])["src_tensor"].tolist()))
@@ -351,42 +286,37 @@ class ReshardCheckpointEngine:
         scratch = largest if largest.numel() >= spare else torch.empty(spare, dtype=torch.uint8, device=device)
         self._slots = slots
         self._held = sum(s.numel() for s in slots) + (0 if scratch is largest else scratch.numel())
-        views = []
-        for k, group in enumerate(self.groups):
-            views.append(self._carve(slots[k % 2], mine[k]))
-            for n in group:
-                if n not in views[k]:
-                    shape, dtype = self._names.expected(n)
-                    views[k][n] = scratch[:tensor_bytes(self.spec, n)].view(dtype).view(shape)
+        views = [self._carve(slots[k % 2], names) for k, names in enumerate(mine)]
+        for view, group in zip(views, self.groups):  # the stand-ins, all at the scratch's start
+            others = [n for n in group if n not in view]
+            view.update(self._carve(scratch, others, [0] * len(others)))
         return views
 
     def _arena(self, names: list[str] | tuple[str, ...]) -> tuple[list[int], int]:
         """Byte offsets of `names` laid out in one bucket, each ALIGN-aligned, and the bucket's size."""
         return carve([tensor_bytes(self.spec, n) for n in names], ALIGN)
 
-    def _carve(self, buffer: torch.Tensor, names: list[str] | tuple[str, ...]) -> dict[str, torch.Tensor]:
-        """Views of `buffer`, one per tensor of `names`, where `_arena` places them."""
+    def _carve(self, buffer: torch.Tensor, names: list[str] | tuple[str, ...],
+               starts: list[int] | None = None) -> dict[str, torch.Tensor]:
+        """Views of `buffer`, one per tensor of `names`, at `starts` (None: where `_arena` places them)."""
         out = {}
-        for name, start in zip(names, self._arena(names)[0]):
+        for name, start in zip(names, self._arena(names)[0] if starts is None else starts):
             shape, dtype = self._names.expected(name)
             out[name] = buffer[start:start + tensor_bytes(self.spec, name)].view(dtype).view(shape)
         return out
 
-    # --- 3. a refit --------------------------------------------------------------------------------------
     def get_target_weight_layout(self) -> dict[str, Any] | None:
-        """None: NeMo-RL's Megatron worker then hands this engine its whole stream unfiltered. Its filter would try
-        every missing prefix against every name (`select_hf_weight_for_vllm_target`: quadratic in the tensors),
-        while dropping a tensor here is one set lookup; every worker also checks the whole stream that way."""
+        """None: NeMo-RL then streams everything unfiltered (its filter is quadratic in the tensors; dropping a
+        tensor here is one set lookup)."""
         return None
 
     async def send_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None]) -> None:
-        """Drain `weights` (every policy worker must: it may run collectives), check every tensor of it, keep what
-        the plans read from this worker and move each group as soon as the stream has delivered it.
+        """Drain and check `weights` (it may run collectives), moving each group as soon as the stream delivered it.
 
         Raises:
-            ArgumentError: this worker's stream is wrong (a name the model does not have, a repeated, missing or
-                misshapen tensor), after the stream is drained; every other process fails at once.
-            ExecutionError: the refit failed elsewhere or in the transport (the reason included).
+            ArgumentError: this worker's stream is wrong (a tensor unknown, repeated, missing or misshapen), after
+                it is drained; every other process fails at once.
+            ExecutionError: the refit failed elsewhere or in the transport.
         """
         if self.role != "policy":
             raise ExecutionError("send_weights on an engine that is not a joined policy worker "
@@ -413,7 +343,7 @@ class ReshardCheckpointEngine:
         await self._conclude(s)
 
     async def _take(self, s: "_Sending", name: str, tensor: Any) -> None:
-        """One stream item: checked, what the plans read from this worker kept, every group now complete moved."""
+        """Check one stream item, keep what the plans read from this worker, move every group now complete."""
         for hf, t in self._names.checked(name, tensor, s.seen):
             k = self._where[hf]
             s.missing[k] -= 1
@@ -441,7 +371,7 @@ class ReshardCheckpointEngine:
                 raise ExecutionError(f"another worker refused refit {self._refits}: {reason}")
 
     async def _conclude(self, s: "_Sending") -> None:
-        """The end of a policy worker's stream: every tensor came, the last group moved, the verdict agreed."""
+        """End a policy worker's stream: every tensor came, the last group moved, the verdict agreed."""
         G = len(self.groups)
         if s.error is None and s.next_k < G:  # the stream ended without every tensor
             s.error = self._names.never_came(s.seen, "policy")
@@ -464,17 +394,14 @@ class ReshardCheckpointEngine:
             raise self._explained(s.error)
 
     async def receive_weight_batches(self) -> AsyncGenerator[list[tuple[str, torch.Tensor]], None]:
-        """Batches of whole HF tensors (one group each: at most `bucket_size` bytes, or one larger tensor), in
-        model order: each once every process agreed it arrived ("bucket"; the last also once every policy worker
-        reported its stream complete), or all of them once all that holds for the whole model ("model").
-
-        The tensors are views of this worker's buckets: load them before asking for the next batch.
+        """Batches of whole HF tensors, one group each, in model order, each once every process agreed on it
+        ("bucket") or all once every process agreed on the whole model ("model"). The tensors are views of this
+        worker's buckets: load them before asking for the next batch.
 
         Raises:
-            LayoutMismatchError: this engine's EPLB moved experts (`groups.refuse_moved_experts`: vLLM's loaders
-                write the initial placement), before any byte lands; every other process fails at once.
-            ExecutionError: the refit failed (here, elsewhere, or another worker refused it); what vLLM then holds
-                is in the module docstring.
+            LayoutMismatchError: this engine's EPLB moved experts (`groups.refuse_moved_experts`), before any byte
+                lands; every other process fails at once.
+            ExecutionError: the refit failed here or elsewhere (what vLLM then holds: the module docstring).
         """
         if self.role != "rollout":
             raise ExecutionError("receive_weight_batches on an engine that is not a joined vLLM worker "
@@ -527,8 +454,7 @@ class ReshardCheckpointEngine:
                                "delta": self._delta_summary()}
 
     def _delta_summary(self) -> dict[str, Any] | None:
-        """With `delta`: this refit's groups that were keyframes, and (a policy worker) the bytes its deltas took
-        against the dense bytes of the same ops."""
+        """With `delta`: this refit's keyframe groups and (a policy worker) delta against dense bytes."""
         if self.delta is None:
             return None
         reports = [self._deltas[k] for k in sorted(self._deltas)]
@@ -538,11 +464,9 @@ class ReshardCheckpointEngine:
     def _batch(self, k: int) -> list[tuple[str, torch.Tensor]]:
         return [(name, self._views[k][name]) for name in self.groups[k]]
 
-    # --- the refit's machinery ---------------------------------------------------------------------------
     def _begin(self) -> int:
-        """Start the next refit: its agreement (keys of its own; refit n-2's are deleted: every process has finished
-        it) and its executors' version, returned; rebuilds the transport after a failed refit (every process does,
-        at the same refit)."""
+        """Start the next refit (its agreement; refit n-2's keys deleted), rebuilding the transport after a failed
+        one; returns the executors' version."""
         from ..adapters import rendezvous as rv
 
         if self._broken:
@@ -563,11 +487,11 @@ class ReshardCheckpointEngine:
         return self._version
 
     async def _landed(self, flight: concurrent.futures.Future | None) -> int:
-        """Wait for a group in flight (without blocking the event loop); the bytes it moved here."""
+        """The bytes a group in flight moved here, awaited without blocking the event loop."""
         return 0 if flight is None else await asyncio.wrap_future(flight)
 
     def _move(self, k: int, v: int) -> int:
-        """Group k of refit version v, on the pool's thread; returns the bytes this process sent or received."""
+        """Move group k of refit version v (on the pool's thread); the bytes this process sent or received."""
         ex = self._executors[k]
         try:
             stats = ex.refit(v)
@@ -581,12 +505,8 @@ class ReshardCheckpointEngine:
 
     def _fail(self, v: int, error: BaseException, flight: concurrent.futures.Future | None,
               next_k: int) -> concurrent.futures.Future:
-        """This worker's part of a failed refit: post the reason (every wait of the refit and every draining
-        policy worker sees it) and, once the group in flight is done, fail group `next_k`, the one every other
-        process is in or enters next, so that nobody waits for this worker until its timeout. Unless the group in
-        flight failed: then it failed on every process and nobody enters the next. Returns the future of that
-        (on the worker's thread: a policy worker goes on draining its stream meanwhile). The next refit rebuilds
-        the transport."""
+        """Post the failure's reason and, once the group in flight is done (unless it failed everywhere), fail
+        group `next_k` so nobody waits for this worker until its timeout; returns the future of that."""
         self._broken = True
         self._agreement.fail(error)
         reason = f"{self._agreement.who}: {type(error).__name__}: {error}"
@@ -599,7 +519,7 @@ class ReshardCheckpointEngine:
         return self._pool.submit(refuse_next)
 
     def _explained(self, error: BaseException) -> BaseException:
-        """The error this worker raises: its own refusal as it is; a failure seen here, with the first reason."""
+        """The error to raise: this worker's own refusal as it is; a failure seen here, with the first reason."""
         if isinstance(error, ArgumentError):
             return error
         first = self._agreement.failure()
@@ -609,15 +529,13 @@ class ReshardCheckpointEngine:
         return ExecutionError(f"reshard refit {self._refits} failed on {self.role} worker {self.rank} ({state}): "
                               f"{why}")
 
-    # --- 4. finalize ---------------------------------------------------------------------------------------
     def finalize(self) -> None:
         """Close the transport and the store; prepare() starts the next meeting."""
         self._close()
         self._reset()
 
     def _release_names(self) -> None:
-        """Remove the names of this worker's shared-memory buckets (CPU, shared transport) once every peer mapped
-        them (a refit agreed by all): a killed process then leaves nothing in /dev/shm; the memory stays mapped."""
+        """Unlink this worker's shared-memory buckets once every peer mapped them (nothing left in /dev/shm)."""
         from ..executors.shared import release_shared
 
         for slot in self._slots:
@@ -647,7 +565,7 @@ class ReshardCheckpointEngine:
 class _Sending:
     """A policy worker's state while it drains one refit's stream."""
 
-    version: int  # the executors' version of this refit
+    version: int
     missing: list[int]  # per group: tensors the stream has not delivered yet
     seen: set[str] = field(default_factory=set)
     early: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # groups ahead: copies until their turn
@@ -663,21 +581,8 @@ class _Sending:
     start: float = field(default_factory=time.perf_counter)
 
 
-def _device(device: str | None) -> torch.device:
-    """Where the workers stage the weights (None: CUDA when available, else CPU)."""
-    try:
-        out = torch.device(device) if device is not None else torch.device(
-            "cuda" if torch.cuda.is_available() else "cpu")
-    except (RuntimeError, TypeError):
-        raise ArgumentError("device", device, "is not a torch device (e.g. 'cuda', 'cpu')") from None
-    if out.type not in ("cuda", "cpu"):
-        raise ArgumentError("device", device, "must be a CUDA device or the CPU")
-    return out
-
-
 def _backend(transport: str, backend: str | None, fanout: int | None, device: torch.device) -> str | None:
-    """The collective transport's torch.distributed backend, resolved here (the policy side has no tensors when the
-    group opens); refuses the options that fit only the collective transport elsewhere."""
+    """The collective transport's torch.distributed backend; refuses collective-only options elsewhere."""
     if transport == "shared":
         if fanout is not None:
             raise ArgumentError("fanout", fanout, "is the collective transport's: on one host (shared) every vLLM "
@@ -694,7 +599,7 @@ def _backend(transport: str, backend: str | None, fanout: int | None, device: to
 
 
 def _check_host(host: str) -> None:
-    """Refuse a `host` that is not this host's address, saying why one node's address cannot work."""
+    """Refuse a `host` that is not this host's address (every node gets the same refit_cfg)."""
     from ..addresses import check_local
 
     try:

@@ -1,13 +1,7 @@
-"""What an exporter's stream of (name, tensor) may hold, mapped onto the model's HF tensors: one rule for both
-integrations (verl's `send_weights`, NeMo-RL's `send_weights`).
-
-Exporters do not all stream a checkpoint's HF names: transformers 5 state dicts (verl's FSDP engine) and
-Megatron-Bridge / mbridge exports of fused checkpoints (Qwen3.5) hold routed experts fused into 3-D tensors;
-NeMo-RL adds FP8 KV-cache scales and Eagle draft tensors, Megatron-Bridge and mbridge multi-token-prediction
-layers, when those features are on. `StreamNames.split` maps one stream item onto the model's own HF tensors (what
-the plan was compiled for), skips the extras the family declares, and refuses anything else with an error naming
-it. What each family streams is declared by the family (`layouts.family.routed_experts` for the fused experts,
-`ModelFamily.stream_extras` for the extras); nothing here knows a family by name.
+"""What an exporter's stream of (name, tensor) may hold, mapped onto the model's HF tensors (both integrations'
+`send_weights`): the model's own names, routed experts fused into 3-D tensors (transformers 5 state dicts,
+Megatron-Bridge / mbridge exports; `layouts.family.routed_experts`), and extras a refit skips (FP8 KV-cache scales,
+draft or MTP layers; `ModelFamily.stream_extras`). Anything else is refused, naming it.
 """
 from __future__ import annotations
 
@@ -28,8 +22,7 @@ log = logging.getLogger("reshard.streams")
 
 @dataclass(frozen=True)
 class _Fused:
-    """A fused expert tensor of one layer: for expert e, rows [start, stop) of its slab are the entry `names[k]`
-    (formatted with the expert)."""
+    """A fused expert tensor of one layer: for expert e, rows `rows[k]` of its slab are `names[k]` (with e)."""
 
     names: tuple[str, ...]  # per-expert HF name templates (`{e}`), in the slab's row order
     rows: tuple[tuple[int, int], ...]
@@ -62,21 +55,15 @@ class StreamNames:
         self._logged: set[str] = set()
 
     def split(self, name: Any, tensor: Any) -> list[tuple[str, torch.Tensor]]:
-        """The model's HF tensors one stream item carries.
-
-        Output names are always the model's own HF names (`spec.tensors`), whatever form the item came in: a
-        fused expert tensor becomes the per-expert names it holds. So a stream that brings one tensor twice, in
-        two forms (`mlp.experts.gate_up_proj` and `mlp.experts.3.gate_proj.weight`), yields that name twice, and
-        the callers' check of names seen once catches it.
+        """The model's HF tensors one stream item carries, under the model's own names (so a tensor that comes twice,
+        fused and per expert, is caught as repeated).
 
         Args:
-            name: the stream item's name.
-            tensor: its tensor.
+            name, tensor: the stream item.
 
         Returns:
-            [(name, tensor)] for one of the model's HF names (its shape and dtype are the caller's to check);
-            for a fused expert tensor, its per-expert tensors, expert by expert, as views of it (no copy); [] for
-            an extra the family declares that the plan does not carry (logged once per kind).
+            [(name, tensor)] for one of the model's names (shape and dtype unchecked); a fused expert tensor's
+            per-expert views; [] for an extra the family declares (logged once per kind).
 
         Raises:
             ArgumentError: a name that is none of these, or a fused tensor of the wrong shape.
@@ -87,7 +74,13 @@ class StreamNames:
             return [(name, tensor)]
         fused = self._fused.get(name)
         if fused is not None:
-            return self._split_fused(name, tensor, fused)
+            if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != fused.shape:
+                got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+                parts = " + ".join(n.rsplit(".", 2)[-2] for n in fused.names)
+                raise ArgumentError(f"weights[{name}]", got, f"is not the fused experts tensor {list(fused.shape)} "
+                                    f"(experts, rows {parts}, columns)")
+            return [(template.format(e=e), tensor[e, start:stop])
+                    for e in range(fused.shape[0]) for template, (start, stop) in zip(fused.names, fused.rows)]
         for extra in self._extras:
             if extra.matches(name):
                 if extra.what not in self._logged:
@@ -127,16 +120,6 @@ class StreamNames:
         """The shape and torch dtype of one of the model's HF tensors."""
         t = self.spec.tensor(name)
         return tuple(t.shape), torch_dtype(t.dtype or self.spec.dtype)
-
-    @staticmethod
-    def _split_fused(name: str, tensor: Any, fused: _Fused) -> list[tuple[str, torch.Tensor]]:
-        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != fused.shape:
-            got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            parts = " + ".join(n.rsplit(".", 2)[-2] for n in fused.names)
-            raise ArgumentError(f"weights[{name}]", got, f"is not the fused experts tensor {list(fused.shape)} "
-                                f"(experts, rows {parts}, columns)")
-        return [(template.format(e=e), tensor[e, start:stop])
-                for e in range(fused.shape[0]) for template, (start, stop) in zip(fused.names, fused.rows)]
 
 
 __all__ = ["StreamNames"]

@@ -1,17 +1,13 @@
-"""Train-inference mismatch: prove that the weights a refit delivered are the trainer's, doing the same math.
+"""Train-inference mismatch: prove that the weights a refit delivered are the trainer's, doing the same math (not
+`reshard.planner.verify`, which checks a plan against its layouts).
 
-Not to be confused with `reshard.planner.verify`, which checks a *plan* (coverage, bounds) against its own
-layouts: byte equality against the plan cannot catch a wrong plan. This package compares the two models' outputs.
-
-- `measure` / `check_after_refit` (check.py): after a refit, score the same token sequences on the trainer
-  (a live megatron-core model, collective over its ranks, no vLLM) and on the engine (a `vllm serve` through
-  `VllmServer.prompt_logprobs`, an in-process `vllm.LLM` through `LLMScorer` (engines.py), a Ray engine actor
-  through `RayEngineClient.prompt_logprobs`); per-token log-probability differences (mean, percentiles, max), the KL
-  estimates RL stacks log (k1, k3), argmax agreement, against per-dtype thresholds (metrics.py).
-- `checkpoint_scores` / `hf_model_scores` (checkpoint.py): the reference side without Megatron (transformers on
-  an HF checkpoint or model), with `random_sequences` to score; `reshard verify` on the command line.
-- `audit` (audit.py): the slice-sensitivity audit: perturb a known slice of one trainer tensor at a time, refit,
-  and check that the engine's log-probabilities respond as the trainer's do; names the tensors that do not.
+- `measure` / `check_after_refit`: score the same token sequences on the trainer (megatron-core, collective) and
+  on the engine (a Scorer: `VllmServer`, `LLMScorer`, `RayEngineClient`); per-token log-probability differences,
+  KL estimates (k1, k3) and argmax agreement against per-dtype thresholds (metrics).
+- `checkpoint_scores` / `hf_model_scores`: the reference side from an HF checkpoint or model (transformers), with
+  `random_sequences`; `reshard verify` on the command line.
+- `audit`: perturb a known slice of one trainer tensor at a time, refit, and name the tensors whose engine response
+  differs from the trainer's.
 """
 from .audit import AuditEntry, AuditReport, audit, check_audit, sample_by_kind, tensor_kind
 from .check import check_after_refit, measure

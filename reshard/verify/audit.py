@@ -1,16 +1,11 @@
 """Slice-sensitivity audit: does every trainer tensor's slice reach the engine where the trainer uses it?
 
-A mismatch check after a refit cannot see a slice the refit dropped when the engine already held the same bytes,
-nor tell which tensor a wrong one came from. The audit perturbs a known slice of one trainer tensor at a time
-(rows spread over its first dimension, from the first to the last, each row moved by its own seeded noise, so a
-swap of two rows or halves cannot look like the original), refits, and compares the engine's response with the
-trainer's own: the change of every scored token's log-probability on both sides. A slice that landed where the
-trainer has it moves the engine's log-probabilities as it moved the trainer's; a dropped slice does not move
-them, and a misplaced one (another expert, head, half, shard or vocabulary row) moves them elsewhere.
-
-Collective over the trainer ranks. `tensors`: this rank's live source tensors (views of the model's parameters,
-as handed to reshard's TrainerSession); `refit()`: the caller's refit of the engine from them. Each audited
-tensor costs one refit and one scoring on both sides; the weights are restored (and refit) at the end.
+A mismatch check cannot see a dropped slice whose bytes the engine already held, nor say which tensor was wrong.
+The audit perturbs rows spread over one trainer tensor at a time (each row by its own seeded noise, so swapped rows
+or halves differ), refits, and compares the change of every scored log-probability on both sides: a slice that
+landed where the trainer has it moves the engine as it moved the trainer; a dropped one does not move it; a
+misplaced one moves it elsewhere. Collective over the trainer ranks; one refit and one scoring per tensor; the
+weights are restored (and refit) at the end.
 """
 from __future__ import annotations
 
@@ -22,11 +17,11 @@ from typing import Any, Callable, Sequence
 
 from ..errors import ArgumentError, MismatchError
 from ..group_json import broadcast_json
-from .sides import Scorer, engine_scores, trainer_scores
+from .metrics import dtype_key
+from .sides import Scorer, engine_scores, global_rank, trainer_scores
 
-# relative response error |d_engine - d_trainer| / |d_trainer| a correctly placed slice stays under (baselines:
-# BENCHMARKS.md, Mismatch); responses under FLOOR (nats, l2 over all scored tokens) on both
-# sides say nothing (a row no scored token uses).
+# relative response error |d_engine - d_trainer| / |d_trainer| a correctly placed slice stays under (BENCHMARKS.md,
+# Mismatch); responses under FLOOR (nats, l2 over all scored tokens) on both sides say nothing.
 RESPONSE_TOL = {"float32": 0.02, "bfloat16": 0.3}  # bf16: no baseline yet (needs a bf16 megatron-core trainer on CPU)
 FLOOR = {"float32": 1e-3, "bfloat16": 0.2}
 
@@ -87,13 +82,13 @@ class AuditReport:
 
 
 def tensor_kind(name: str) -> str:
-    """A tensor's kind: its name with layer and expert indices taken out.
+    """A tensor's kind: its name with every dotted number (layer, expert) replaced by `*`.
 
     Args:
-        name: a tensor name ("decoder.layers.3.mlp.experts.7.weight").
+        name: a tensor name ("decoder.layers.3.mlp.experts.7.weight" -> "decoder.layers.*.mlp.experts.*.weight").
 
     Returns:
-        The name with every dotted number replaced by `*` ("decoder.layers.*.mlp.experts.*.weight").
+        The kind.
 
     Raises:
         TypeError: `name` is not a string.
@@ -102,13 +97,13 @@ def tensor_kind(name: str) -> str:
 
 
 def sample_by_kind(names: Sequence[str]) -> list[str]:
-    """One tensor of each kind (`tensor_kind`): what `audit` perturbs by default.
+    """One tensor of each kind (`tensor_kind`), the one with the lowest indices: what `audit` perturbs by default.
 
     Args:
         names: tensor names.
 
     Returns:
-        Per kind, its tensor with the lowest layer and expert indices, sorted by name.
+        The chosen names, sorted.
 
     Raises:
         TypeError: a name is not a string.
@@ -150,9 +145,9 @@ def audit(chunks: list[Any], tensors: dict[str, Any], refit: Callable[[], Any], 
           sequences: Sequence[Sequence[int]], *, vocab_size: int, dtype: str = "float32",
           names: Sequence[str] | None = None, rows: int = 8, tol: float | None = None,
           group: Any = None) -> AuditReport:
-    """Perturb one trainer tensor at a time, refit, and check the engine responds as the trainer does (collective).
+    """Perturb one trainer tensor at a time, refit, and check the engine responds as the trainer does.
 
-    Every rank calls it with the same arguments; afterwards the trainer's weights are as before, and refit.
+    Collective: every rank calls it with the same arguments; afterwards the weights are as before, and refit.
 
     Args:
         chunks: this rank's megatron-core model chunks.
@@ -161,10 +156,10 @@ def audit(chunks: list[Any], tensors: dict[str, Any], refit: Callable[[], Any], 
         engine: what scores on the engine side (needed on global rank 0 only).
         sequences: token sequences to score.
         vocab_size: the model's vocabulary size (unpadded).
-        dtype: the dtype the engine computes in; picks the tolerances.
+        dtype: the dtype the engine computes in; picks the tolerances (`tol` overrides).
         names: the tensors to audit (default: `sample_by_kind` of every rank's tensor names).
         rows: rows perturbed per tensor, spread over its first dimension.
-        tol: the relative response error a correctly placed slice stays under (default: the dtype's).
+        tol: the relative response error a correctly placed slice stays under.
         group: the trainer's process group (default: the world).
 
     Returns:
@@ -175,18 +170,14 @@ def audit(chunks: list[Any], tensors: dict[str, Any], refit: Callable[[], Any], 
     """
     import torch
 
-    key = str(dtype).removeprefix("torch.")
-    if key not in RESPONSE_TOL:
-        raise ArgumentError("dtype", dtype, f"has no audit tolerance; known: {sorted(RESPONSE_TOL)}")
+    key = dtype_key(dtype, RESPONSE_TOL, "audit tolerance")
     tol = RESPONSE_TOL[key] if tol is None else tol
     everything = _all_names(tensors, group)
     chosen = list(names) if names is not None else sample_by_kind(everything)
     unknown = sorted(set(chosen) - set(everything))
     if unknown:
         raise ArgumentError("names", unknown[:8], "are not source tensors on any trainer rank")
-    import torch.distributed as dist
-
-    rank0 = (dist.get_rank() if dist.is_initialized() else 0) == 0
+    rank0 = global_rank() == 0
 
     def scores() -> tuple[list[float], list[float]]:
         mine = trainer_scores(chunks, sequences, vocab_size)

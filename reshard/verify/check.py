@@ -1,8 +1,6 @@
-"""The mismatch check after a refit: score the same sequences on the trainer (megatron-core, collective over its
-ranks) and on the engine (rank 0 asks it), compare, and give every rank the same report, so that all of them
-can stop together when it fails.
+"""The mismatch check after a refit: score the same sequences on the trainer (collective over its ranks) and on
+the engine (rank 0 asks it), compare, and give every rank the same report, so all can stop together.
 
-    report = measure(chunks, server, sequences, vocab_size=spec.vocab_size, dtype="float32")
     check_after_refit(chunks, server, sequences, vocab_size=spec.vocab_size)   # raises MismatchError above threshold
 """
 from __future__ import annotations
@@ -12,13 +10,7 @@ from typing import Any, Sequence
 from ..errors import MismatchError
 from .metrics import MismatchReport, Thresholds, compare
 from ..group_json import broadcast_json
-from .sides import Scorer, engine_scores, trainer_scores
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_initialized() else 0
+from .sides import Scorer, engine_scores, global_rank, trainer_scores
 
 
 def report_from_dict(d: dict) -> MismatchReport:
@@ -30,16 +22,14 @@ def report_from_dict(d: dict) -> MismatchReport:
 
 def measure(chunks: list[Any], engine: Scorer | None, sequences: Sequence[Sequence[int]], *, vocab_size: int,
             dtype: str = "float32", limits: Thresholds | None = None, group: Any = None) -> MismatchReport:
-    """On every trainer rank (collective): how far the engine's log-probabilities are from the trainer's.
-
-    Call after a refit: the engine must hold the trainer's current weights.
+    """How far the engine's log-probabilities are from the trainer's, after a refit (collective over the ranks).
 
     Args:
         chunks: the trainer's megatron-core model chunks on this rank.
         engine: what scores on the engine side (needed on global rank 0 only).
         sequences: token sequences to score.
         vocab_size: the model's vocabulary size (unpadded).
-        dtype: the dtype the engine computes in; picks the thresholds.
+        dtype: the dtype the engine computes in; picks the thresholds (`limits` overrides them).
         limits: thresholds to apply instead of `dtype`'s.
         group: the process group to share the report over (default: the world).
 
@@ -51,7 +41,7 @@ def measure(chunks: list[Any], engine: Scorer | None, sequences: Sequence[Sequen
     """
     mine = trainer_scores(chunks, sequences, vocab_size)
     payload = None
-    if _rank() == 0:
+    if global_rank() == 0:
         try:
             payload = compare(mine, engine_scores(engine, sequences), dtype, limits).to_dict()
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or the others wait forever
@@ -77,7 +67,7 @@ def check_after_refit(chunks: list[Any], engine: Scorer | None, sequences: Seque
         MismatchError: beyond the thresholds (the report attached), or not measured.
     """
     report = measure(chunks, engine, sequences, vocab_size=vocab_size, dtype=dtype, limits=limits, group=group)
-    if log is not None and _rank() == 0:
+    if log is not None and global_rank() == 0:
         log(str(report))
     if not report.ok:
         raise MismatchError(str(report), report)

@@ -1,5 +1,5 @@
-"""`reshard verify`: the mismatch between an HF checkpoint (scored by transformers in this process, no vLLM) and a
-running `vllm serve` that should serve those weights (after a refit from a trainer that saved them, or fresh).
+"""`reshard verify`: the mismatch between an HF checkpoint (scored by transformers here) and a running `vllm serve`
+that should serve those weights.
 
     reshard verify --checkpoint DIR --server http://127.0.0.1:8000 [--dtype bfloat16] [--sequences 4 --length 32]
 
@@ -13,14 +13,13 @@ from typing import Any, Sequence
 
 from ..errors import ArgumentError
 from .metrics import MismatchReport, Scores, compare
-from .sides import check_sequences, engine_scores
+from .sides import check_sequences, engine_scores, next_token_scores
 
 
 def random_sequences(vocab_size: int, count: int, length: int, seed: int = 0) -> list[list[int]]:
     """Token sequences to score for a mismatch check, the same for a given seed.
 
-    Ids are drawn uniformly from the vocabulary; the first two sequences include its last ids, whose rows a wrong
-    vocabulary padding would lose.
+    Ids are uniform over the vocabulary; the first two sequences include its last ids (a wrong padding loses them).
 
     Args:
         vocab_size: the canonical vocabulary size (2 or more).
@@ -45,14 +44,14 @@ def random_sequences(vocab_size: int, count: int, length: int, seed: int = 0) ->
 
 
 def hf_model_scores(model: Any, sequences: Sequence[Sequence[int]]) -> Scores:
-    """A transformers causal LM's scores of `sequences` (log-softmax in float32 over the canonical vocabulary).
+    """A transformers causal LM's scores of `sequences` (float32 log-softmax over the canonical vocabulary).
 
     Args:
-        model: a transformers causal LM (any dtype; on CPU or its device).
+        model: a transformers causal LM (any dtype, on any device).
         sequences: token-id sequences of 2+ tokens.
 
     Returns:
-        Scores: per sequence, the log-probability of each token after the first and the argmax there.
+        Per sequence, the log-probability of each token after the first and the argmax there.
 
     Raises:
         ArgumentError: a sequence is shorter than 2 tokens or holds ids outside the vocabulary.
@@ -62,25 +61,21 @@ def hf_model_scores(model: Any, sequences: Sequence[Sequence[int]]) -> Scores:
     vocab = model.config.get_text_config().vocab_size
     seqs = check_sequences(sequences, vocab)
     device = next(model.parameters()).device
-    logprobs, argmax = [], []
     with torch.no_grad():
-        for seq in seqs:
-            logits = model(torch.tensor([seq], device=device)).logits[0, :-1, :vocab].float()
-            lp = torch.log_softmax(logits, dim=-1)
-            logprobs.append(lp.gather(1, torch.tensor(seq[1:], device=device)[:, None])[:, 0].tolist())
-            argmax.append(lp.argmax(-1).tolist())
-    return Scores.of(logprobs, argmax)
+        rows = [next_token_scores(model(torch.tensor([seq], device=device)).logits[0, :-1, :vocab], seq)
+                for seq in seqs]
+    return Scores.rows(rows)
 
 
 def checkpoint_scores(path: str | Path, sequences: Sequence[Sequence[int]]) -> Scores:
-    """transformers' scores of `sequences` on the HF checkpoint at `path` (loaded in float32, eager attention).
+    """`hf_model_scores` of the HF checkpoint at `path` (loaded in float32, eager attention).
 
     Args:
         path: an HF checkpoint directory (config.json and safetensors).
         sequences: token-id sequences of 2+ tokens.
 
     Returns:
-        Scores: per sequence, the log-probability of each token after the first and the argmax there.
+        Per sequence, the log-probability of each token after the first and the argmax there.
 
     Raises:
         ArgumentError: a sequence is shorter than 2 tokens or holds ids outside the vocabulary.

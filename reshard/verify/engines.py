@@ -1,9 +1,5 @@
-"""Engine-side scorers beyond `vllm serve`: an in-process `vllm.LLM` (and, through it, a Ray engine actor), with
-the interface of reshard.verify.sides.Scorer: `prompt_logprobs(prompts)` answering, per token-id prompt, the
-log-probability of each prompt token after the first and the argmax token there (the one vLLM ranks 1).
-
-vLLM scores a prompt without sampling through `SamplingParams(prompt_logprobs=1)`: per position a mapping of
-token id -> Logprob holding the prompt's token and the rank-1 token. vllm is imported only inside the calls.
+"""Engine-side scorers beyond `vllm serve`: an in-process `vllm.LLM` (and, through it, a Ray engine actor), scored
+without sampling through `SamplingParams(prompt_logprobs=1)`. vllm is imported only inside the calls.
 """
 from __future__ import annotations
 
@@ -14,21 +10,9 @@ from ..errors import ExecutionError
 
 
 def prompt_rows(prompt: Sequence[int], rows: Any, where: str) -> tuple[list[float], list[int]]:
-    """One prompt's (logprobs, argmax) from vLLM's prompt log-probabilities (untrusted: every position must be
-    present, finite and ranked).
-
-    Args:
-        prompt: the prompt's token ids.
-        rows: vLLM's `RequestOutput.prompt_logprobs` (a list or FlatLogprobs, one mapping of token id -> Logprob per
-            position, None at the first).
-        where: what to name in an error (the engine).
-
-    Returns:
-        (the log-probability of prompt[i], the rank-1 token id) for i = 1 .. len(prompt) - 1.
-
-    Raises:
-        ExecutionError: a position is missing, lacks the prompt's token or a rank-1 token, or is not finite.
-    """
+    """One prompt's (logprobs, argmax) from vLLM's `RequestOutput.prompt_logprobs` `rows` (untrusted: each position
+    after the first must hold the prompt's token, finite, and a rank-1 token); ExecutionError naming `where`
+    otherwise."""
     if rows is None or len(rows) != len(prompt):
         raise ExecutionError(f"{where}: prompt_logprobs of a {len(prompt)}-token prompt came back with "
                              f"{'no rows' if rows is None else f'{len(rows)} rows'}")
@@ -49,13 +33,12 @@ def llm_prompt_logprobs(llm: Any, prompts: list[list[int]], lora: Any = None) ->
     """Score token-id prompts on an in-process vLLM engine without sampling.
 
     Args:
-        llm: a `vllm.LLM` (tokenizer or not: nothing is detokenized).
+        llm: a `vllm.LLM` (nothing is detokenized).
         prompts: token-id prompts of 2+ tokens each.
         lora: a `LoRARequest` to score with, or None for the base model.
 
     Returns:
-        Per prompt: (the log-probability of each token after the first, the argmax token at each of those
-        positions), as plain lists.
+        Per prompt: (the log-probability of each token after the first, the argmax token there).
 
     Raises:
         ExecutionError: the engine's answer lacks a position, a token or a rank.
@@ -85,17 +68,7 @@ class LLMScorer:
         self.llm = llm
 
     def prompt_logprobs(self, prompts: list[list[int]]) -> list[tuple[list[float], list[int]]]:
-        """Per prompt: the engine's log-probability of each token after the first and its argmax there.
-
-        Args:
-            prompts: token-id prompts of 2+ tokens each.
-
-        Returns:
-            (logprobs, argmax) per prompt, plain lists.
-
-        Raises:
-            ExecutionError: the engine's answer lacks a position, a token or a rank.
-        """
+        """`llm_prompt_logprobs` on this engine: per prompt, (logprobs, argmax) after the first token."""
         return llm_prompt_logprobs(self.llm, prompts)
 
 

@@ -1,11 +1,7 @@
-"""Train-inference mismatch, the numbers: the trainer's and the engine's log-probabilities of the same token
-sequences compared per token, the sequence-level KL estimates RL stacks log, and argmax agreement, against
-thresholds that depend on the dtype the engine computes in. Pure: no torch, no processes.
-
-For one sequence t_0..t_n, position i (1 <= i <= n) is scored by both sides: lp(t_i | t_<i) and the argmax of the
-next-token distribution. With r_i = lp_trainer - lp_engine (the trainer is the policy being trained, the engine's
-samples are the behaviour policy), the per-token KL(engine || trainer) estimates RL stacks use are
-k1 = -r_i (mean of log-ratio) and k3 = exp(r_i) - 1 - r_i (Schulman's unbiased, non-negative estimator).
+"""Train-inference mismatch, the numbers (pure: no torch, no processes). With r_i = lp_trainer - lp_engine at each
+scored position, the per-token KL(engine || trainer) estimates RL stacks log are k1 = -r_i and
+k3 = exp(r_i) - 1 - r_i (Schulman's unbiased, non-negative estimator); argmax agreement compares both sides'
+most likely next token.
 """
 from __future__ import annotations
 
@@ -38,6 +34,11 @@ class Scores:
                                 f"{[len(r) for r in lp]}")
         return Scores(lp, am)
 
+    @staticmethod
+    def rows(rows: Sequence[tuple[Sequence[float], Sequence[int]]]) -> "Scores":
+        """Scores from one (logprobs, argmax) pair per sequence, as `of` checks them."""
+        return Scores.of([r[0] for r in rows], [r[1] for r in rows])
+
     def flat(self) -> list[float]:
         """Every log-probability, sequence after sequence."""
         return [x for row in self.logprobs for x in row]
@@ -58,13 +59,9 @@ class Thresholds:
     min_argmax_agreement: float
 
 
-# Why these limits (the baselines and headroom: BENCHMARKS.md, Mismatch, issue 30: tiny Qwen3 / Qwen3-MoE of
-# N(0, 1) weights, a vLLM CPU server started fresh from the trainer's weights against megatron-core and
-# transformers on CPU). In float32 the two sides differ only by the order of float operations, so the limits sit
-# far above a correct refit's differences and far below the smallest planted bug. bf16 rounds weights and each
-# matmul's inputs to 8 bits of mantissa, and N(0, 1) weights give logits of tens of nats, so a correct bf16 refit
-# differs a lot: its limits leave modest headroom over one measurement and catch gross bugs only (experts, heads,
-# halves, shards); the audit is for small ones.
+# The baselines: BENCHMARKS.md, Mismatch. float32 sides differ only by operation order: the limits sit far above a
+# correct refit and far below the smallest planted bug. A correct bf16 refit differs a lot (8-bit mantissas, logits
+# of tens of nats): its limits catch gross bugs only (experts, heads, halves, shards); the audit is for small ones.
 THRESHOLDS = {
     "float32": Thresholds(max_abs=1e-3, mean_k3=1e-7, min_argmax_agreement=0.99),
     "bfloat16": Thresholds(max_abs=2.0, mean_k3=0.05, min_argmax_agreement=0.9),
@@ -83,11 +80,16 @@ def thresholds(dtype: str) -> Thresholds:
     Raises:
         ArgumentError: a dtype without thresholds.
     """
+    return THRESHOLDS[dtype_key(dtype, THRESHOLDS, "mismatch thresholds")]
+
+
+def dtype_key(dtype: str, table: dict, what: str) -> str:
+    """`dtype` as `table`'s key ("torch.bfloat16", "bf16" -> "bfloat16"); ArgumentError naming `what` if absent."""
     key = str(dtype).removeprefix("torch.")
     key = {"fp32": "float32", "bf16": "bfloat16", "float": "float32"}.get(key, key)
-    if key not in THRESHOLDS:
-        raise ArgumentError("dtype", dtype, f"has no mismatch thresholds; known: {sorted(THRESHOLDS)}")
-    return THRESHOLDS[key]
+    if key not in table:
+        raise ArgumentError("dtype", dtype, f"has no {what}; known: {sorted(table)}")
+    return key
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -1,13 +1,6 @@
-"""The two sides' scores of the same token sequences (reshard.verify.metrics.Scores).
-
-Trainer: a live megatron-core GPT model on its ranks (the model chunks of this rank); every rank of the model
-calls `trainer_scores` together (pipeline stages pass activations, tensor-parallel logits are gathered); rank 0
-computes log-softmax in float32 over the canonical vocabulary (the padded rows are not the model's tokens).
-No vLLM is imported; the forward is megatron-core's own (reshard.adapters.megatron.forward_logits: pipeline
-stages by point-to-point sends, an explicit causal mask on the tokens' device).
-Engine: anything with `prompt_logprobs(prompts)` answering (logprobs, argmax) per prompt (a Scorer):
-reshard.adapters.server.VllmServer for a `vllm serve`, reshard.verify.engines.LLMScorer for an in-process
-`vllm.LLM`, reshard.adapters.ray.RayEngineClient for a Ray engine actor.
+"""The two sides' scores of the same token sequences (reshard.verify.metrics.Scores): the trainer's, from a live
+megatron-core model (collective over its ranks; reshard.adapters.megatron.forward_logits; no vLLM), and the
+engine's, from any Scorer (VllmServer, LLMScorer, RayEngineClient).
 """
 from __future__ import annotations
 
@@ -24,6 +17,13 @@ class Scorer(Protocol):
         """Per prompt, (log-probability, argmax token) at every position after the first."""
 
 
+def global_rank() -> int:
+    """This process's rank in the default process group (0 without one)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def check_sequences(sequences: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
     """`sequences` as lists of ints, refused (ArgumentError) unless each has 2+ ids, all in the vocabulary."""
     out = [[int(t) for t in s] for s in sequences]
@@ -35,18 +35,25 @@ def check_sequences(sequences: Sequence[Sequence[int]], vocab_size: int) -> list
     return out
 
 
+def next_token_scores(logits: Any, seq: Sequence[int]) -> tuple[list[float], list[int]]:
+    """One sequence's float32 log-probability of each token after the first, and the argmax there, from its logits
+    at the positions before ([len(seq) - 1, vocab])."""
+    import torch
+
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    return lp.gather(1, torch.tensor(seq[1:], device=lp.device)[:, None])[:, 0].tolist(), lp.argmax(-1).tolist()
+
+
 def trainer_scores(chunks: list[Any], sequences: Sequence[Sequence[int]], vocab_size: int) -> Scores | None:
-    """megatron-core's scores of `sequences`, collective over the model's ranks (every rank calls it together).
+    """megatron-core's scores of `sequences`, collective over the model's ranks, in eval mode (mode restored).
 
     Args:
         chunks: this rank's model chunks (megatron-core GPTModels holding the trainer's current weights).
         sequences: token-id sequences of 2+ tokens, the same on every rank.
-        vocab_size: the canonical vocabulary; the model's output may be padded past it, those rows are dropped
-            before the log-softmax. The chunks are scored in eval mode (no dropout), their mode restored after.
+        vocab_size: the canonical vocabulary (padded output rows are dropped before the log-softmax).
 
     Returns:
-        Scores (float32 log-probabilities of each next token and the argmax, per scored position) on global rank
-        0; None on the other ranks.
+        Scores on global rank 0 (float32 log-probabilities and argmax per scored position); None elsewhere.
 
     Raises:
         ArgumentError: a sequence is shorter than 2 tokens or holds ids outside [0, vocab_size).
@@ -56,7 +63,7 @@ def trainer_scores(chunks: list[Any], sequences: Sequence[Sequence[int]], vocab_
     from ..adapters.megatron.forward import forward_logits
 
     seqs = check_sequences(sequences, vocab_size)
-    logprobs, argmax = [], []
+    rows = []
     device = next(chunks[0].parameters()).device
     training = [c.training for c in chunks]
     for c in chunks:  # the engine has no dropout: score in eval mode, then give the trainer its mode back
@@ -64,23 +71,19 @@ def trainer_scores(chunks: list[Any], sequences: Sequence[Sequence[int]], vocab_
     try:
         for seq in seqs:
             logits = forward_logits(chunks, torch.tensor([seq], device=device))
-            if logits is None:
-                continue
-            lp = torch.log_softmax(logits[0, :-1, :vocab_size].float(), dim=-1)
-            nxt = torch.tensor(seq[1:], device=lp.device)
-            logprobs.append(lp.gather(1, nxt[:, None])[:, 0].tolist())
-            argmax.append(lp.argmax(-1).tolist())
+            if logits is not None:
+                rows.append(next_token_scores(logits[0, :-1, :vocab_size], seq))
     finally:
         for c, mode in zip(chunks, training):
             c.train(mode)
-    return Scores.of(logprobs, argmax) if logprobs else None
+    return Scores.rows(rows) if rows else None
 
 
 def engine_scores(engine: Scorer, sequences: Sequence[Sequence[int]]) -> Scores:
-    """The engine's scores of `sequences` (asked in one call).
+    """The engine's scores of `sequences`, asked in one call.
 
     Args:
-        engine: a Scorer: a VllmServer, an LLMScorer, a RayEngineClient.
+        engine: a Scorer (VllmServer, LLMScorer, RayEngineClient).
         sequences: token-id sequences of 2+ tokens.
 
     Returns:
@@ -89,8 +92,7 @@ def engine_scores(engine: Scorer, sequences: Sequence[Sequence[int]]) -> Scores:
     Raises:
         ArgumentError: the engine answered rows of unequal lengths.
     """
-    rows = engine.prompt_logprobs([list(s) for s in sequences])
-    return Scores.of([r[0] for r in rows], [r[1] for r in rows])
+    return Scores.rows(engine.prompt_logprobs([list(s) for s in sequences]))
 
 
 __all__ = ["Scorer", "check_sequences", "engine_scores", "trainer_scores"]

@@ -1,43 +1,14 @@
 """reshard as a verl checkpoint engine (`checkpoint_engine.backend: reshard`). Imports verl; see __init__.
 
-Lifecycle, per refit, as verl's `CheckpointEngineManager.update_weights` drives it:
-  1. `prepare()` on every rank: trainer rank 0 (verl's `is_master`) hosts the refit's store (a TCPStore with a
-     fresh id and secret); every rank reports its role, model digest, bucket and options.
-  2. `build_topology(...)` on the driver: checks the metadata and compiles one plan per tensor group (cached:
-     verl rebuilds its group every refit, the plans stay).
-  3. `init_process_group(topology=...)`: every process compiles the same plans (cached) and checks their digests,
-     joins the rendezvous (the secret keeps strangers out) and, for the collective transport, its group; the
-     refit's RefitSession starts its transfer thread and agrees through the store (integrations.agreement).
-  4. `send_weights(stream)` on every trainer rank and `receive_weights()` on every rollout rank, concurrently, on
-     verl's actor event loops; the transfers run on each process's transfer thread, so the actors stay responsive:
-     - a trainer rank checks every stream item (`streams.StreamNames.checked`) and, once all tensors of a group
-       came, announces the group and moves it on its thread (once every trainer rank announced it: the gate)
-       while the stream goes on. Groups move in the order the stream completes them (a transformers state dict
-       puts a layer's input_layernorm last). Memory: the group moving, one complete group waiting for it, and the
-       groups the stream has begun;
-     - a rollout rank receives group k+1 on its thread while group k is handed to verl's server adapter.
-  5. `finalize()`: the session, its group and the store are closed.
-
-Staging (`staging` option), what a rollout rank hands verl's server adapter:
-  - "bucket" (default): a group once every process finished moving it, the last one also after every trainer
-    rank's end-of-stream verdict. Memory: BUCKET_SLOTS (2) groups of at most the bucket (a larger tensor is a group
-    of its own), plus the collective transport's wire buffers (within one bucket).
-  - "model": the whole model, yielded only once every process agreed on every group and the trainers' verdict
-    came: all or nothing. Memory: one copy of the model, checked against the device's free memory at construction
-    and at each refit.
-
-Delta refits (`delta: K`, with "model" staging): verl rebuilds the group every refit and this backend makes each
-group's executor anew, so each process keeps its side of the protocol per group in an executors.delta.DeltaState
-for the engine's life (the trainers' copies of what they last sent; the rollout's held model buffers and their
-version), and every executor of the group adopts it. Versions are trainer rank 0's refit count, published in the
-refit's store. A failed refit drops every process's states: the next refit is dense (a keyframe).
-
-A failed refit (a refused stream, a failed transfer, a dead process): the process that sees it posts the reason;
-every other process raises at its next wait, within milliseconds (no process enters a group's transfer before
-every trainer rank has the group whole and checked, so none is left inside a gloo receive). A rollout rank's
-`receive_weights` then raises: in "model" staging before its first yield; in "bucket" staging the groups already
-yielded stay loaded (a mix of versions). verl's server adapters set verl's version only once the generator is
-exhausted, so the failed refit's version is never served (docs/guides/verl.md, Failed refits, has verl's side).
+verl's `CheckpointEngineManager.update_weights` drives it per refit: `prepare()` on every rank (trainer rank 0
+hosts the refit's store); `build_topology` on the driver (checks the metadata, compiles one plan per tensor
+group: topology); `init_process_group` (every process compiles the same plans, checks their digests, joins and
+starts a RefitSession); `send_weights` on every trainer rank and `receive_weights` on every rollout rank, the
+transfers on a thread, groups moving in the order the stream completes them once every trainer rank announced
+them (integrations.agreement); `finalize()`. Staging "bucket" (default) hands on a group once every process moved
+it (memory: BUCKET_SLOTS groups); "model", the whole model once every process agreed on all of it. Delta refits
+keep an executors.delta.DeltaState per group for the engine's life; a failed refit drops them (the next is a
+keyframe). docs/guides/verl.md has what the backend does and what a failed refit leaves.
 """
 from __future__ import annotations
 
@@ -58,12 +29,11 @@ from ...errors import ArgumentError, ExecutionError, ReshardError
 from ...executors.binding import Binding
 from ...layouts import ModelSpec
 from ..agreement import Agreement
-from ..groups import (available_bytes, check_room, group_bindings, group_executor, staging_empty,
-                      synchronize, tensor_bytes, tensor_groups, transfer_thread)
+from ..groups import (available_bytes, check_room, group_bindings, group_executor, model_spec, resolve_device,
+                      staging_empty, synchronize, tensor_bytes, tensor_groups, transfer_thread)
 from ..streams import StreamNames
+from .modes import BACKEND
 from .topology import RefitAssignment, build, check_options, model_digest
-
-BACKEND = "reshard"
 
 
 @CheckpointEngineRegistry.register(BACKEND)
@@ -71,26 +41,24 @@ class ReshardCheckpointEngine(CheckpointEngine):
     """One trainer or rollout rank's end of verl's checkpoint-engine refit (see the module docstring).
 
     verl constructs it as `CheckpointEngineRegistry.new("reshard", bucket_size=..., is_master=...,
-    **engine_kwargs["reshard"])`: trainer ranks pass `is_master` (rank 0 True), rollout ranks do not.
+    **engine_kwargs["reshard"])`; rollout ranks pass no `is_master`.
 
     Args:
         bucket_size: verl's bucket in bytes: the model moves in tensor groups of at most this size.
         is_master: trainer ranks: whether this is rank 0 (None: a rollout rank).
-        model: the HF config of the model (a dict, a config.json path or a checkpoint directory), the same as the
-            trainer's and the rollout's `model.path`.
+        model: the HF config of the model (a dict, a config.json path or a checkpoint directory).
         dtype: the dtype the trainer streams (default: the config's).
-        host: the address trainer rank 0 hosts the refit's store on (None, the default: its Ray node's IP, as
-            verl's own backends find theirs; set it only to choose among a multi-homed node's addresses).
+        host: the address trainer rank 0 hosts the store on (None: its Ray node's IP; set it only to choose among
+            a multi-homed node's addresses).
         device: where rollout ranks receive (default: cuda when available).
-        **options: transport ("collective" | "nixl" | "shared"), fanout (relay among rollout ranks), staging
-            ("bucket", the default, or "model": module docstring), checksum (False | True | "sha256" | "sum64"),
-            timeout (seconds), backend (collective: gloo/nccl), delta (K: delta refits with a dense keyframe every
-            K refits; needs staging "model" and no fanout; shared and nixl on CPU tensors; module docstring).
+        **options: transport ("collective" | "nixl" | "shared"), fanout, staging ("bucket" | "model"), checksum
+            (False | True | "sha256" | "sum64"), timeout (seconds), backend (gloo/nccl), delta (K: a dense
+            keyframe every K refits; needs staging "model" and no fanout).
 
     Raises:
         ArgumentError: a missing model, an unknown option (`atomic` names its replacement; `pause_for` and
-            `staging` "device" / "host" say why verl allows no refit while serving), a bad bucket, or
-            "model" staging on a rollout rank whose device has less free memory than the model takes.
+            `staging` "device" / "host" say why not), a bad bucket, or "model" staging on a rollout rank whose
+            device has less free memory than the model takes.
     """
 
     wire_format = "named_tensors"
@@ -104,15 +72,13 @@ class ReshardCheckpointEngine(CheckpointEngine):
                                 "engine_kwargs reach no backend")
         self.role = "rollout" if is_master is None else "trainer"
         self.is_master = bool(is_master)
-        spec = model if isinstance(model, ModelSpec) else ModelSpec.from_hf_config(model)
-        if dtype is not None:
-            spec = ModelSpec(**{**spec.model_dump(), "dtype": dtype})
-        self.spec, self.bucket_size, self.host = spec, bucket_size, host
+        self.spec = spec = model_spec(model, dtype)
+        self.bucket_size, self.host = bucket_size, host
         self.groups = tensor_groups(spec, bucket_size)  # refuses a bad bucket here, on every rank
         self.options = check_options(options)
         self.transport = self.options.get("transport", "collective")
         self.timeout = float(self.options.get("timeout", 300.0))
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = resolve_device(device, "engine_kwargs.reshard.device")
         if self.device.type == "cuda" and self.device.index is None:  # the transfer thread needs it explicit
             self.device = torch.device("cuda", torch.cuda.current_device())
         if self.role == "rollout" and self.options.get("staging") == "model":
@@ -127,7 +93,6 @@ class ReshardCheckpointEngine(CheckpointEngine):
         self._session: RefitSession | None = None
         self.last_metrics: dict[str, float] = {}
 
-    # --- 1. prepare ----------------------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
         """Report this rank's role, model, bucket and options; trainer rank 0 hosts the refit's store."""
         meta = {"role": self.role, "master": self.is_master, "model_digest": model_digest(self.spec),
@@ -142,17 +107,15 @@ class ReshardCheckpointEngine(CheckpointEngine):
             meta.update(model=self.spec.model_dump(), rendezvous=self._rdv.to_dict(), host_source=source)
         return meta
 
-    # --- 2. build_topology (driver) ------------------------------------------------------------------
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int,
                        metadata: list[dict]) -> tuple[dict[str, list], dict[str, list]]:
-        """Every process's RefitAssignment (topology.build), as verl hands them to trainer and rollout ranks."""
+        """Every process's RefitAssignment (topology.build): trainers' and rollouts' `topology` kwargs."""
         trainers, rollouts = build(actor_wg_world_size, rollout_world_size, metadata)
         return {"topology": trainers}, {"topology": rollouts}
 
-    # --- 3. init_process_group -----------------------------------------------------------------------
     def init_process_group(self, topology: dict[str, Any]) -> None:
-        """Compile and check the plans, join the refit's rendezvous (and group) and start this refit's session."""
+        """Compile and check the plans, join the refit's rendezvous (and group) and start its session."""
         top = RefitAssignment.from_dict(topology)
         if top.is_trainer != (self.role == "trainer") or model_digest(top.spec) != model_digest(self.spec):
             raise ArgumentError("topology", f"process {top.process}", f"does not fit this {self.role} rank (another "
@@ -193,20 +156,17 @@ class ReshardCheckpointEngine(CheckpointEngine):
             raise ExecutionError(f"refit {self._rdv.refit_id}: could not read the refit's version from trainer rank "
                                  f"0's store ({type(e).__name__}: {e})") from e
 
-    # --- 4. send / receive ---------------------------------------------------------------------------
     async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | AsyncIterator,
                            global_steps: int | None = None) -> dict[str, float]:
-        """Check the stream and move each group as soon as its tensors all came (on the transfer thread, while
-        the stream goes on): at most one group moving and one complete group waiting for it, besides the groups
-        the stream has begun. Every rank drains the whole stream, even after a failure (verl's exporters run
-        collectives over the trainer ranks while they produce it).
+        """Check the stream and move each group on the transfer thread once all its tensors came (at most one
+        moving, one waiting); every rank drains the whole stream, even after a failure (it may run collectives).
 
         Returns:
             This rank's metrics (egress bytes, seconds).
 
         Raises:
-            ArgumentError: the stream does not fit the plan (a tensor unknown, repeated, missing, of another shape
-                or dtype), posted to every process of the refit at once.
+            ArgumentError: the stream does not fit the plan (a tensor unknown, repeated, missing, misshapen),
+                posted to every process of the refit at once.
             ExecutionError: a transfer failed, or another process reported a failure.
         """
         session = self._ready("send_weights", trainer=True)
@@ -257,16 +217,16 @@ class ReshardCheckpointEngine(CheckpointEngine):
         return self.last_metrics
 
     async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
-        """Receive each group on the transfer thread while the previous one is handed on, and yield a group's
-        tensors once every process finished moving it ("bucket"; the last group also waits for the trainers'
-        end-of-stream verdict) or the whole model once every process agreed on the whole refit ("model").
+        """Yield each group (received on the transfer thread while the previous one is handed on) once every
+        process moved it ("bucket"; the last also after the trainers' verdict), or the whole model once every
+        process agreed on all of it ("model").
 
         Yields:
-            (HF name, tensor) for verl's server adapter; each tensor is valid until the next group is handed on.
+            (HF name, tensor) for verl's server adapter, valid until the next group is handed on.
 
         Raises:
-            ExecutionError: the refit failed on any process (before the first yield in "model" staging; in
-                "bucket" staging the groups already handed on stay loaded).
+            ExecutionError: the refit failed on any process (in "bucket" staging the groups already handed on
+                stay loaded).
         """
         session = self._ready("receive_weights", trainer=False)
         bucket = self.options.get("staging", "bucket") == "bucket"
@@ -279,29 +239,25 @@ class ReshardCheckpointEngine(CheckpointEngine):
         receiving.add_done_callback(lambda f: f.cancelled() or f.exception())  # its errors come through `landed`
         rank, start, done = session.top.process - session.top.trainers, time.perf_counter(), False
         try:
-            held = []
+            held = []  # groups landed, not yet handed on: the last one ("bucket"), or all ("model")
             for i in range(len(self.groups)):
                 item = await landed.get()
                 if isinstance(item, BaseException):
                     raise item
-                k, dst = item
-                if not bucket:
-                    held.append((k, dst))
-                    continue
-                await session.agreement.agreed(k)
-                if i == len(self.groups) - 1:
-                    await session.agreement.ended()
-                for name in self.groups[k]:
-                    yield name, dst[name]
-                synchronize(self.device)  # the adapter's copies out of this group are done before its reuse
-                slots.release()
-            if not bucket:
-                for k, _ in held:
-                    await session.agreement.agreed(k)
-                await session.agreement.ended()
-                for k, dst in held:
-                    for name in self.groups[k]:
-                        yield name, dst[name]
+                held.append(item)
+                last = i == len(self.groups) - 1
+                if bucket or last:
+                    for k, _ in held:
+                        await session.agreement.agreed(k)
+                    if last:
+                        await session.agreement.ended()
+                    for k, dst in held:
+                        for name in self.groups[k]:
+                            yield name, dst[name]
+                    held = []
+                    if bucket:
+                        synchronize(self.device)  # the adapter's copies out of this group are done before its reuse
+                        slots.release()
             done = True
         except GeneratorExit:
             session.agreement.fail(ExecutionError("the server adapter stopped taking the weights before the refit's "
@@ -320,8 +276,8 @@ class ReshardCheckpointEngine(CheckpointEngine):
 
     def _receive_all(self, session: RefitSession, slots: threading.Semaphore, loop: asyncio.AbstractEventLoop,
                      landed: asyncio.Queue) -> None:
-        """The rollout's transfer thread: every group in the trainers' order, each into fresh buffers (with delta:
-        the group's held ones) once a slot is free; what landed (or the error) goes to the event loop's queue."""
+        """The rollout's transfer thread: every group in the trainers' order into fresh (delta: held) buffers once
+        a slot is free; what landed, or the error, goes to the event loop's queue."""
         try:
             for i in range(len(self.groups)):
                 k = session.agreement.gate(i)
@@ -336,12 +292,10 @@ class ReshardCheckpointEngine(CheckpointEngine):
         except BaseException as e:  # noqa: BLE001 - handed to the event loop, which raises it
             loop.call_soon_threadsafe(landed.put_nowait, e)
 
-    # --- 5. finalize ---------------------------------------------------------------------------------
     def finalize(self) -> None:
         """Close this refit's session, its group and (trainer rank 0) the store."""
         self._close()
 
-    # --- internals -----------------------------------------------------------------------------------
     def _ready(self, what: str, trainer: bool) -> RefitSession:
         if self._session is None:
             raise ExecutionError(f"{what} before init_process_group: verl's CheckpointEngineManager calls prepare, "
@@ -361,18 +315,15 @@ BUCKET_SLOTS = 2  # "bucket" staging: groups a rollout rank holds (one handed on
 
 
 class RefitSession:
-    """One process's part of one refit: made in `init_process_group`, closed by `finalize` or the next `prepare`.
-    A call of the backend keeps the session it started with, so a failed refit's leftovers (a transfer still
-    finishing on its thread) never touch the next refit's.
+    """One process's part of one refit, from `init_process_group` to `finalize` or the next `prepare`.
 
     Args:
         top: this process's assignment.
         plans, bindings: every group's plan and who plays its ranks.
-        store, rdv: the refit's store (joined) and rendezvous.
-        comm: the collective transport's group (None for the others).
+        store, rdv, comm: the refit's store (joined), rendezvous and collective group (None for other transports).
         options: the backend's checked options.
         device: the CUDA device the transfer thread works on (None: CPU).
-        policies: with delta, each group's DeltaPolicy (its DeltaState the engine's); None: dense refits.
+        policies: with delta, each group's DeltaPolicy; None: dense refits.
         version: this refit's version (trainer rank 0's refit count).
     """
 
@@ -393,17 +344,13 @@ class RefitSession:
         return asyncio.wrap_future(self.pool.submit(fn, *args))
 
     def move_next(self, position: int, src: dict[str, torch.Tensor]) -> int:
-        """A trainer's transfer-thread job: move its group `position` once its gate opened (else raise)."""
+        """A trainer's transfer-thread job: move its group `position` once its gate opened."""
         return self.move(self.agreement.gate(position), src=src)
 
     def move(self, k: int, src: dict[str, torch.Tensor] | None = None,
              dst: dict[str, torch.Tensor] | None = None) -> int:
-        """Move group k (this process's part) on the transfer thread once its gate is open, then count it done;
-        returns the bytes this process sent.
-
-        Raises:
-            ReshardError: the transfer failed (posted as the refit's failure unless a peer's came first).
-        """
+        """Move this process's part of group k on the transfer thread, then count it done; the bytes it sent.
+        Raises the transfer's ReshardError (posted as the refit's failure unless a peer's came first)."""
         top, binding = self.top, self.bindings[k]
         src = {binding.src_ranks_of(top.process)[0]: src} if src is not None else {}
         dst = {binding.dst_ranks_of(top.process)[0]: dst} if dst is not None else {}
@@ -431,8 +378,7 @@ class RefitSession:
         return sum(stats.bytes_sent.values())
 
     def delta_metrics(self, prefix: str) -> dict[str, float]:
-        """With delta: the groups of this refit that moved dense (keyframes) and, where this process sent, the
-        bytes its deltas took and the dense bytes of the same ops; else nothing."""
+        """With delta: this refit's keyframe groups and, on a trainer, delta and dense bytes; else nothing."""
         if not self.policies:
             return {}
         reports = list(self.reports.values())
@@ -443,9 +389,8 @@ class RefitSession:
         return out
 
     def close(self) -> None:
-        """End this session's waits and let its thread go (a transfer in flight finishes on its own, bounded by
-        the timeout); close the collective group in the background: after a failure its shutdown waits for the
-        gloo operations still posted to time out, which must not hold the next refit."""
+        """End this session's waits and let its thread go; close the collective group in the background (after a
+        failure its shutdown waits for posted gloo operations to time out)."""
         self.agreement.stop.set()
         self.pool.shutdown(wait=False, cancel_futures=True)
         if self.comm is not None:
@@ -454,19 +399,14 @@ class RefitSession:
 
 
 def staging_room(spec: ModelSpec, device: torch.device) -> None:
-    """Refuse "model" staging where the whole model does not fit in the receiving device's free memory.
-
-    Raises:
-        ArgumentError: naming the model's bytes, the free bytes and the fix.
-    """
+    """Refuse (ArgumentError naming both sizes) "model" staging where the model exceeds `device`'s free memory."""
     need = sum(tensor_bytes(spec, t.name) for t in spec.tensors)
     check_room(need, available_bytes(device), device, "engine_kwargs.reshard.staging", "rollout rank")
 
 
 def node_here() -> dict[str, str | None]:
-    """Which host this rank runs on, for build_topology's check of the store address: the Ray node id (every
-    verl worker is a Ray actor; host names can repeat across nodes, network namespaces share one) and the address
-    other hosts reach it at (None where it cannot be told)."""
+    """This rank's host for build_topology's store-address check: its Ray node id and the address other hosts
+    reach it at (None where unknown)."""
     node_id = None
     ray = sys.modules.get("ray")  # every verl worker has Ray imported and initialized; never import it here
     if ray is not None and ray.is_initialized():

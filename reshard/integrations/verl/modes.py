@@ -1,15 +1,11 @@
 """Which verl trainer refits through the configured checkpoint engine, and the checks of the `checkpoint_engine`
-block a user pastes. Imports no verl at module level (pure functions of verl's composed config); `on_import` reads
-verl's live state when verl imports this package.
+block. Imports no verl at module level; `on_import` reads verl's live state when verl imports this package.
 
-verl 0.9.1, `python -m verl.trainer.main_ppo` (read from its source; docs/guides/verl.md, Trainer modes, has the
-table with file paths): the v1 trainers (`trainer.use_v1: true`, the default) all build their colocated manager in
-`PPOTrainer._setup` (verl/trainer/ppo/v1/trainer_base.py) and set its backend to `naive` there, whatever the config
-says. Only `trainer.v1.trainer_mode: separate_async` (trainer_separate_async.py) builds a second manager with the
-configured backend, for its standalone rollout replicas (`actor_rollout_ref.rollout.nnodes` x `n_gpus_per_node`
-GPUs). The legacy trainer (`trainer.use_v1: false`, trainer/ppo/ray_trainer.py) hands the configured backend a
-manager whose replicas are the trainer's own workers (it asserts `hybrid_engine`): there is no rollout process to
-send to. The experimental entry points (one_step_off_policy, fully_async_policy) use the configured backend.
+verl 0.9.1 (`python -m verl.trainer.main_ppo`; docs/guides/verl.md, Trainer modes, has the table): the v1 trainers
+(`trainer.use_v1: true`, the default) set their colocated manager's backend to `naive` in `PPOTrainer._setup`
+(verl/trainer/ppo/v1/trainer_base.py); only `trainer_mode: separate_async` builds a second manager with the
+configured backend for its standalone rollout replicas. The legacy trainer (`use_v1: false`) has no rollout process
+to send to. The experimental entry points (one_step_off_policy, fully_async_policy) use the configured backend.
 """
 from __future__ import annotations
 
@@ -21,8 +17,7 @@ from ...errors import ArgumentError
 
 BACKEND = "reshard"
 MODULE = "reshard.integrations.verl"
-# verl 0.9.1's own backends (verl/checkpoint_engine/*.py `CheckpointEngineRegistry.register`): an engine_kwargs entry
-# under one of these names is meant for that backend, even where its module failed to import here (no cupy, no NPU)
+# verl 0.9.1's own backends (verl/checkpoint_engine/*.py): an engine_kwargs entry under one is meant for it
 VERL_BACKENDS = ("naive", "nccl", "hccl", "nixl", "mooncake", "kimi_ckpt_engine", "delta_sharded")
 
 
@@ -47,9 +42,8 @@ def _get(config: Any, path: str, default: Any = None) -> Any:
 
 
 def backend_in_use(config: Any) -> tuple[bool | None, str]:
-    """Whether verl's main_ppo trainer, composed as `config` (the whole trainer config), refits its rollout through
-    the configured `actor_rollout_ref.rollout.checkpoint_engine.backend`, and why. None: not a main_ppo trainer
-    this table knows (a trainer registered by the user, or another entry point)."""
+    """Whether verl's main_ppo trainer, composed as `config`, refits its rollout through the configured backend, and
+    why (None: a trainer this table does not know)."""
     if _get(config, "async_training") is not None:
         return True, "verl.experimental.fully_async_policy builds its manager with the configured backend"
     if not _get(config, "trainer.use_v1", True):
@@ -74,9 +68,8 @@ def backend_in_use(config: Any) -> tuple[bool | None, str]:
 
 
 def check_checkpoint_engine(ce: Any) -> list[str]:
-    """Check a `checkpoint_engine` block that selects reshard (a verl CheckpointEngineConfig, a DictConfig or a
-    dict) for keys verl or reshard would ignore. Raises ArgumentError naming the first such key that reaches no
-    backend; returns notes on keys meant for other backends (verl ignores them while reshard is selected)."""
+    """Check a `checkpoint_engine` block that selects reshard (a config object or dict). Raises ArgumentError
+    naming the first key that reaches no backend; returns notes on keys meant for verl's other backends."""
     from .topology import check_options
 
     kwargs = _get(ce, "engine_kwargs") or {}
@@ -100,9 +93,8 @@ def check_checkpoint_engine(ce: Any) -> list[str]:
 
 
 def not_used_message(manager_config: Any, trainer_config: Any = None) -> str | None:
-    """What to tell a user whose verl manager, built with `manager_config` (its checkpoint_engine config as verl
-    built it), does not refit through reshard; None when it does, or when the trainer (`trainer_config`: the whole
-    trainer config, None if unknown) refits other replicas through reshard with another manager."""
+    """What to tell a user whose verl manager (`manager_config`) does not refit through reshard; None when it does,
+    or when the trainer (`trainer_config`, None if unknown) refits other replicas through reshard."""
     backend = _get(manager_config, "backend")
     if backend == BACKEND:
         return None
@@ -119,10 +111,9 @@ def not_used_message(manager_config: Any, trainer_config: Any = None) -> str | N
 
 
 def refuse_eplb(trainer_config: Any) -> None:
-    """Refuse a trainer that refits an EPLB vLLM rollout through reshard: verl's vLLM adapter loads with vLLM's
-    `load_weights`, which writes experts by vLLM's initial placement, wrong once EPLB rebalanced
-    (integrations.groups.refuse_moved_experts has vLLM's lines), and this backend's rollout rank runs beside the
-    vLLM workers (verl's CheckpointEngineWorker), so it cannot read their placement at a refit's start.
+    """Refuse a trainer that refits an EPLB vLLM rollout through reshard: vLLM's `load_weights` writes experts by
+    the initial placement (integrations.groups.refuse_moved_experts), and this backend's rollout rank runs beside
+    the vLLM workers, so it cannot read their placement.
 
     Raises:
         ArgumentError: naming the key that enables EPLB.
@@ -137,54 +128,38 @@ def refuse_eplb(trainer_config: Any) -> None:
                             "the placement (docs/guides/vllm.md, Engines that rebalance experts)")
 
 
-def _frame_local(code: Any, name: str, start: Any) -> tuple[Any, Any] | None:
-    """The local `name` of the innermost frame running `code`, from `start` outwards, and that frame."""
-    frame = start
-    while frame is not None:
-        if frame.f_code is code:
-            return frame.f_locals.get(name), frame
-        frame = frame.f_back
-    return None
-
-
 def _trainer_config(frame: Any) -> Any:
-    """The whole trainer config of a verl trainer object found in a frame outside `frame` (None if none)."""
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        is_verl = any(c.__module__.startswith("verl.") for c in type(owner).__mro__)  # a verl trainer or a subclass
-        config = getattr(owner, "config", None) if is_verl else None
-        if config is not None and _get(config, "actor_rollout_ref.rollout.checkpoint_engine") is not None \
-                and _get(config, "trainer") is not None:
-            return config
-        frame = frame.f_back
+    """The whole trainer config of a verl trainer object (or a subclass) in a frame running `frame`, or None."""
+    owner = frame.f_locals.get("self")
+    config = getattr(owner, "config", None) if any(c.__module__.startswith("verl.") for c in type(owner).__mro__) \
+        else None
+    if config is not None and _get(config, "actor_rollout_ref.rollout.checkpoint_engine") is not None \
+            and _get(config, "trainer") is not None:
+        return config
     return None
 
 
 def on_import() -> str | None:
-    """Run when verl imports this package (`custom_backend_module`). In the driver verl imports it from
-    `CheckpointEngineManager.__init__` (verl/checkpoint_engine/base.py), with the manager's real config in hand:
-
-    - a config that names reshard's module is checked for keys that reach no backend, and a trainer that refits an
-      EPLB rollout through reshard is refused (`refuse_eplb`) (ArgumentError: the manager, and so the trainer's
-      set-up, fails before any weights move);
-    - a manager built with another backend than reshard while the config names reshard's module is verl replacing
-      the configured backend (the v1 trainers' `naive`, trainer_base.py): a BackendNotUsedWarning says so, unless
-      the trainer found up the stack refits other replicas through reshard (separate_async's standalone ones).
-
-    Returns the warning's text (None: nothing to say). Only the first import in a process runs this: verl's first
-    manager in the driver (the v1 trainers build the naive one first)."""
+    """Run at verl's first import of this package; in the driver, from `CheckpointEngineManager.__init__` with the
+    manager's config: a block naming reshard's module is checked (`check_checkpoint_engine`, `refuse_eplb`:
+    ArgumentError before any weights move), and a manager verl built with another backend gets a
+    BackendNotUsedWarning unless the trainer refits other replicas through reshard. Returns the warning's text
+    (None: nothing to say)."""
     base = sys.modules.get("verl.checkpoint_engine.base")
     manager_cls = getattr(base, "CheckpointEngineManager", None)
     if manager_cls is None:
         return None
-    found = _frame_local(manager_cls.__init__.__code__, "config", sys._getframe(1))
-    if found is None:  # a worker's import (trainer init_model, CheckpointEngineWorker) or the user's own
+    from ..groups import outer_frame
+
+    frame = outer_frame(sys._getframe(1), lambda f: f.f_code is manager_cls.__init__.__code__)
+    if frame is None:  # a worker's import (trainer init_model, CheckpointEngineWorker) or the user's own
         return None
-    config, frame = found
+    config = frame.f_locals.get("config")
     if _get(config, "custom_backend_module") != MODULE and _get(config, "backend") != BACKEND:
         return None
     check_checkpoint_engine(config)
-    trainer = _trainer_config(frame.f_back)
+    found = outer_frame(frame.f_back, lambda f: _trainer_config(f) is not None)
+    trainer = _trainer_config(found) if found is not None else None
     refuse_eplb(trainer)
     message = not_used_message(config, trainer)
     if message is None:

@@ -1,20 +1,11 @@
 """The plan side of reshard's verl backend: pure data, no verl, no processes (testable anywhere).
 
-What verl hands a checkpoint engine (verl/workers/engine_workers.py, `ActorRolloutRefWorker.update_weights`;
-version: docs/guides/layouts.md, Versions):
-every trainer rank gets the same stream of gathered HF tensors (`engine.get_per_tensor_param()`), and every
-rollout rank must hand whole HF tensors to the server adapter (vLLM's `load_weights`). So the source is the HF
-layout replicated on the M trainer ranks and the destination the HF layout replicated on the N rollout ranks.
-The plans still differ from verl's own backends in who sends: the compiler spreads every tensor's bytes over all
-M holders (no rank-0 funnel), and with `fanout` it feeds one rollout rank and relays to the others, so the
-trainers together send one copy of the model instead of one per rollout rank.
-
-Memory is bounded by verl's bucket: the model's tensors are cut, in the model's order, into groups of at most
-`bucket_size` bytes (a tensor larger than the bucket is a group of its own), one plan per group, and the
-executor moves each group in messages whose wire buffers fit the bucket. Groups move in the order the stream
-completes them (engine.py). `build_topology` compiles every group's
-plan once per (model, ranks, bucket, options) in the driver; each process compiles the same plans once and
-checks their digests against the driver's.
+Every trainer rank gets the same stream of gathered HF tensors and every rollout rank hands whole HF tensors to
+vLLM's `load_weights` (verl/workers/engine_workers.py, `ActorRolloutRefWorker.update_weights`), so the source is
+the HF layout replicated on the M trainer ranks and the destination the same on the N rollout ranks. Unlike
+verl's own backends, the compiler spreads every tensor's bytes over all M holders and, with `fanout`, feeds one
+rollout rank that relays to the others. One plan per tensor group of at most `bucket_size` bytes
+(integrations.groups), compiled once in the driver and once per process, checked by digest.
 """
 from __future__ import annotations
 
@@ -63,9 +54,9 @@ def model_digest(spec: ModelSpec) -> str:
 
 @dataclass(frozen=True)
 class RefitAssignment:
-    """What one process of one refit needs (what verl's `build_topology` hands each process as `topology`): the
-    model, both sides' sizes, the bucket, the options, the plans' digests (the driver's) and where everyone meets.
-    Process p < trainers is trainer rank p; the others are rollout ranks p - trainers. Travels as a JSON object."""
+    """What one process of one refit needs (verl's `topology`), as a JSON object: the model, both sides' sizes, the
+    bucket, the options, the driver's plan digests and the rendezvous. Process p < trainers is trainer rank p,
+    the others rollout ranks p - trainers."""
 
     model: dict[str, Any]
     trainers: int
@@ -124,15 +115,13 @@ class RefitAssignment:
 
 def group_plans(spec: ModelSpec, trainers: int, rollouts: int, bucket_size: int,
                 options: dict[str, Any]) -> list[Plan]:
-    """One plan per tensor group (integrations.groups); with `fanout`, the trainers feed one rollout rank (one copy
-    of the model leaves them) and rollout ranks relay it to the others."""
+    """One plan per tensor group; with `fanout`, the trainers feed one rollout rank, which relays to the others."""
     return groups.group_plans(spec, trainers, rollouts, tensor_groups(spec, bucket_size), options.get("fanout"),
                               roots=1)
 
 
 def check_bucket(plans: Sequence[Plan], trainers: int, rollouts: int, bucket_size: int) -> None:
-    """A collective refit's wire buffers (DEPTH rounds x peers x one message) must fit the bucket: refuse, naming
-    the bucket, a bucket smaller than the smallest message the busiest process needs."""
+    """Refuse (ArgumentError naming the bucket) a bucket smaller than a collective refit's wire buffers."""
     from ...executors.collective.schedule import bucket_numel_for
 
     binding = Binding.disjoint(trainers, rollouts)
@@ -146,8 +135,7 @@ def check_bucket(plans: Sequence[Plan], trainers: int, rollouts: int, bucket_siz
 
 
 def _same_host(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Whether two ranks' `node` records (engine.node_here) name one host; unknown counts as the same (nothing to
-    refuse on)."""
+    """Whether two ranks' `node` records (engine.node_here) name one host (unknown counts as the same)."""
     if a.get("id") and b.get("id"):
         return a["id"] == b["id"]
     if a.get("address") and b.get("address"):
@@ -156,9 +144,8 @@ def _same_host(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def check_store_address(trainers: int, metadata: Sequence[dict[str, Any]]) -> None:
-    """Refuse, in the driver and before any process joins, a refit whose store trainer rank 0 hosts at a loopback
-    address while some rank runs on another host: that rank could not connect, and the ranks that can would wait
-    in the rendezvous for it until their timeout (the rank that cannot reach the store cannot tell them)."""
+    """Refuse, in the driver, a store at a loopback address while some rank runs on another host (it could not
+    connect, and the others would wait for it until their timeout)."""
     from ...addresses import is_loopback
 
     host = (metadata[0].get("rendezvous") or {}).get("host")
@@ -179,8 +166,8 @@ def check_store_address(trainers: int, metadata: Sequence[dict[str, Any]]) -> No
 
 
 def build(trainers: int, rollouts: int, metadata: Sequence[Any]) -> tuple[list[dict], list[dict]]:
-    """`build_topology`'s work: check every rank's `prepare()` metadata, compile (cached) and check the plans,
-    and give each process its RefitAssignment (trainer kwargs, rollout kwargs, as verl wants them)."""
+    """`build_topology`'s work: check every rank's `prepare()` metadata, compile the plans and give each process
+    its RefitAssignment (trainers', rollouts')."""
     if len(metadata) != trainers + rollouts:
         raise ArgumentError("metadata", len(metadata), f"entries, expected {trainers} trainer + {rollouts} rollout")
     problems = []

@@ -1,6 +1,8 @@
 """Independent checks of a plan, computed from the ops and the layouts without the compiler's own proof."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..executors.reference import _box, block
@@ -10,13 +12,11 @@ from ..planner import Plan
 
 def write_counts(plan: Plan) -> dict[tuple[int, str], torch.Tensor]:
     """How many times the plan's ops write each destination element, per (rank, tensor)."""
-    counts = {}
-    flats = []
-    for r, n, s in zip(plan.dst_tensors.ranks, plan.dst_tensors.names, plan.dst_tensors.shapes):
-        counts[(r, n)] = torch.zeros(s, dtype=torch.int32)
-        flats.append(counts[(r, n)].view(-1))
-    o = plan.ops
-    for dt, do, ds, rows, cols in zip(*(o[c].tolist() for c in ("dst_tensor", "dst_offset", "dst_stride", "rows", "cols"))):
+    t = plan.dst_tensors
+    counts = {(r, n): torch.zeros(s, dtype=torch.int32) for r, n, s in zip(t.ranks, t.names, t.shapes)}
+    flats = [c.view(-1) for c in counts.values()]
+    columns = ("dst_tensor", "dst_offset", "dst_stride", "rows", "cols")
+    for dt, do, ds, rows, cols in zip(*(plan.ops[c].tolist() for c in columns)):
         block(flats[dt], do, rows, cols, ds).add_(1)
     return counts
 
@@ -41,10 +41,7 @@ def data_bytes_by_rank(layout: Layout, names: set[str] | None = None) -> list[in
         if names is not None and t.name not in names:
             continue
         for p in layout.placements(t):
-            n = 1
-            for x in p.lengths:
-                n *= x
-            out[p.rank] += n * layout.model.itemsize
+            out[p.rank] += math.prod(p.lengths) * layout.model.itemsize
     return out
 
 

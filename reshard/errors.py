@@ -41,8 +41,9 @@ def show(value: Any, width: int = 80) -> str:
 
 
 class ReshardError(Exception):
-    """Base class of every error reshard raises on purpose; `field`, `value` and `rule` name the input to blame
-    where one is (else None)."""
+    """Base class of every error reshard raises on purpose.
+
+    `field`, `value` and `rule` name the input to blame, where one is (else None)."""
 
     field: str | None = None
     value: Any = None
@@ -50,8 +51,9 @@ class ReshardError(Exception):
 
 
 class InputError(ReshardError):
-    """An invalid input: `field` names it, `value` is what was received, `rule` the rule it breaks and `fix`
-    what to do (where known)."""
+    """An invalid input, named with the value received and the rule it breaks.
+
+    `field` names it, `value` is what was received, `rule` the rule it breaks, `fix` what to do (where known)."""
 
     def __init__(self, field: str, value: Any = _UNSET, rule: str = "", fix: str = "", where: str = "") -> None:
         self.field, self.rule, self.fix = field, rule, fix
@@ -66,8 +68,9 @@ class InputError(ReshardError):
 
 
 class ModelConfigError(InputError):
-    """An HF config or model spec reshard cannot turn into a model; `field` is the key to blame, where one is
-    (else a bare message)."""
+    """An HF config or a model spec that reshard cannot turn into a model.
+
+    `field` is the key to blame, where one is (else a bare message)."""
 
     def __init__(self, message: str = "", *, field: str | None = None, value: Any = _UNSET, rule: str = "",
                  fix: str = "") -> None:
@@ -79,8 +82,9 @@ class ModelConfigError(InputError):
 
 
 class LayoutError(InputError):
-    """A layout that cannot exist: `constraint` names the broken rule, `values` what was received (the first is
-    the `field` / `value` to blame)."""
+    """A layout that cannot exist.
+
+    `constraint` names the broken rule, `values` what was received (the first is the `field` / `value` to blame)."""
 
     def __init__(self, layout: str, constraint: str, values: dict[str, Any] | None = None, fix: str = ""):
         self.layout = layout
@@ -120,8 +124,9 @@ class CoverageError(PlanError):
 
 
 class PlanFileError(PlanError):
-    """A saved plan (file or dict) that is malformed or does not prove what it claims; `field` names the entry to
-    blame (e.g. `arrays.t.rows`), where one is."""
+    """A saved plan (a file or its dict) that is malformed, or whose content does not prove what it claims.
+
+    `field` names the entry to blame (e.g. `arrays.t.rows`), where one is."""
 
     def __init__(self, message: str, problems: list[str] | tuple[str, ...] = (), *, field: str | None = None,
                  value: Any = None) -> None:
@@ -134,8 +139,9 @@ class ExecutionError(ReshardError, RuntimeError):
 
 
 class LayoutMismatchError(LayoutError):
-    """A live model (a trainer's or an engine's) whose tensors or weight loaders differ from the declared layout,
-    raised before any byte moves; `problems` lists every difference found."""
+    """A live model (a trainer's or an engine's) that does not match the declared layout.
+
+    Raised before any byte moves; `problems` lists every difference found."""
 
     def __init__(self, layout: str, problems: list[str] | tuple[str, ...], fix: str = "",
                  where: str = "the live model"):
@@ -146,8 +152,9 @@ class LayoutMismatchError(LayoutError):
 
 
 class KernelFormatError(LayoutMismatchError):
-    """Parameters vLLM re-laid out after loading (repacked, padded, quantized): install through the weight loaders
-    (loader mode), not in place."""
+    """Parameters that vLLM re-laid out (repacked, padded, swapped, quantized) after loading.
+
+    Install through the model's weight loaders (loader mode), not in place."""
 
 
 def from_validation(exc: Any, kind: str) -> ReshardError:

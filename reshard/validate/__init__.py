@@ -62,6 +62,13 @@ def _has(module: str) -> bool:
         return False
 
 
+def _need(*modules: str) -> None:
+    """NotRun naming the modules this interpreter cannot import, if any."""
+    missing = [m for m in modules if not _has(m)]
+    if missing:
+        raise NotRun(f"{', '.join(missing)} not importable in this interpreter")
+
+
 def _diff(declared: dict[str, tuple], real: dict[str, tuple], where: str) -> list[str]:
     out = [f"{where}: {n} {tuple(real[n])} built but not declared" for n in sorted(set(real) - set(declared))]
     out += [f"{where}: {n} {tuple(declared[n])} declared but not built" for n in sorted(set(declared) - set(real))]
@@ -90,8 +97,7 @@ def _stage_discovery(ctx: Context) -> str:
 
 
 def _stage_megatron_layout(ctx: Context) -> str:
-    if not _has("megatron.core"):
-        raise NotRun("megatron-core is not importable in this interpreter")
+    _need("megatron.core")
     from .megatron_side import megatron_rank_tensors
 
     problems, done = [], []
@@ -135,9 +141,7 @@ def _vllm_python(ctx: Context) -> str:
 
 
 def _stage_hf_parity(ctx: Context) -> str:
-    missing = [m for m in ("megatron.core", "transformers", "safetensors") if not _has(m)]
-    if missing:
-        raise NotRun(f"{', '.join(missing)} not importable in this interpreter")
+    _need("megatron.core", "transformers", "safetensors")
     from .hf_parity import hf_parity
     from .megatron_side import Unmapped
 
@@ -205,8 +209,7 @@ def _stage_mismatch(ctx: Context) -> str:
 
 
 def _stage_round_trip(ctx: Context) -> str:
-    if not _has("torch"):
-        raise NotRun("torch is not importable")
+    _need("torch")
     from .roundtrip import round_trip
 
     return round_trip(ctx.spec, ctx.examples)

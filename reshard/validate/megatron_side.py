@@ -6,6 +6,7 @@ setting without a megatron-core equivalent raises `Unmapped` (the stage says "no
 """
 from __future__ import annotations
 
+import functools
 import json
 import tempfile
 from pathlib import Path
@@ -192,24 +193,20 @@ def _gdn_block_spec(config: Any) -> Any:
     return block
 
 
-_MLA_CORE: list[type] = []
-
-
+@functools.cache
 def mla_core_attention() -> type:
     """megatron-core's local DotProductAttention, accepting the `k_channels` / `v_channels` MLA passes (only the
     CUDA-only TE class takes them): the value width is config.kv_channels, checked; the key width is generic."""
-    if not _MLA_CORE:
-        from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-        class MLADotProductAttention(DotProductAttention):
-            def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None,
-                         **kwargs: Any) -> None:
-                super().__init__(*args, **kwargs)
-                if v_channels is not None and v_channels != self.config.kv_channels:
-                    raise ValueError(f"v_channels {v_channels} != config.kv_channels {self.config.kv_channels}")
+    class MLADotProductAttention(DotProductAttention):
+        def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None,
+                     **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            if v_channels is not None and v_channels != self.config.kv_channels:
+                raise ValueError(f"v_channels {v_channels} != config.kv_channels {self.config.kv_channels}")
 
-        _MLA_CORE.append(MLADotProductAttention)
-    return _MLA_CORE[0]
+    return MLADotProductAttention
 
 
 def build_gpt(spec: ModelSpec, lay: dict[str, Any], hf: dict[str, Any] | None = None, init_std: float = 0.02) -> Any:

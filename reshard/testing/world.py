@@ -121,26 +121,18 @@ def new_group(ranks: list[int]) -> Any:
         return dist.new_group(ranks)
 
 
-def _nccl_hosts_sharing_gpus(rank: int, size: int) -> None:
-    """Where ranks share GPUs, make each a host of its own to NCCL, joined over loopback."""
-    import torch
-
-    if 0 < torch.cuda.device_count() < size:
-        os.environ.setdefault("NCCL_HOSTID", f"reshard-world-rank{rank}")
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-
-
 def _main(job_path: str, rank: int) -> None:
+    import torch
     import torch.distributed as dist
 
     global _harness_interface
     job = json.loads(Path(job_path).read_text())
     _harness_interface = (job.get("interfaces") or [None] * job["size"])[rank]
     backend, device = job.get("backend", "gloo"), None
-    _nccl_hosts_sharing_gpus(rank, job["size"])
+    if 0 < torch.cuda.device_count() < job["size"]:  # ranks share GPUs: each a host of its own to NCCL, over lo
+        os.environ.setdefault("NCCL_HOSTID", f"reshard-world-rank{rank}")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     if backend == "nccl":  # one GPU per process, bound at start-up (communicators made eagerly)
-        import torch
-
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     with _harness_device():

@@ -31,10 +31,6 @@ def parity_layout(spec: ModelSpec) -> MegatronLayout:
     return MegatronLayout(model=spec, tp=2)
 
 
-def _tokens(vocab: int) -> torch.Tensor:
-    return torch.randint(0, vocab, TOKENS, generator=torch.Generator().manual_seed(SEED))
-
-
 def _record(module: torch.nn.Module, out: dict[int, torch.Tensor], key: int, seq_first: bool) -> None:
     def hook(_mod: Any, _inp: Any, output: Any) -> None:
         t = output[0] if isinstance(output, tuple) else output
@@ -65,7 +61,7 @@ def _parity_rank(layout_json: str, hf_json: str, out_dir: str) -> None:
     _record(model.embedding, outputs, -1, seq_first=True)
     for i, layer in enumerate(model.decoder.layers):
         _record(layer, outputs, layer.layer_number - 1, seq_first=True)
-    tokens = _tokens(spec.vocab_size)
+    tokens = torch.randint(0, spec.vocab_size, TOKENS, generator=torch.Generator().manual_seed(SEED))
     logits = forward_logits([model], tokens)
 
     rank, world = dist.get_rank(), dist.get_world_size()

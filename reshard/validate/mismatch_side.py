@@ -37,12 +37,6 @@ def engine_config(tiny: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def engine_backends(config: dict[str, Any]) -> dict[str, Any]:
-    """Backends the float32 engine must be given: for MLA the reference CPU backend (vLLM 0.32's AMX one, picked
-    on AMX CPUs, refuses float32 weights)."""
-    return {"attention_backend": "CPU_MLA"} if "kv_lora_rank" in config else {}
-
-
 def random_checkpoint(config: dict[str, Any], out: Path, seed: int) -> dict[str, Any]:
     """Write an HF checkpoint of `config` at `out`, every tensor N(0, 1) (a misplaced element moves the
     log-probabilities), and return its tensors."""
@@ -84,8 +78,10 @@ def mismatch_run(config_path: str, perturb: str | None = None, count: int = 3, l
         spec = ModelSpec.from_hf_config(str(trained_dir))
         sequences = random_sequences(spec.vocab_size, count, length)
         hf = checkpoint_scores(trained_dir, sequences)  # transformers: independent of vLLM and of reshard
+        # MLA: the reference CPU backend (vLLM 0.32's AMX one, picked on AMX CPUs, refuses float32 weights)
+        mla = {"attention_backend": "CPU_MLA"} if "kv_lora_rank" in config else {}
         llm = LLM(model=str(trained_dir), dtype="float32", enforce_eager=True, max_model_len=128,
-                  skip_tokenizer_init=True, enable_prefix_caching=False, seed=0, **engine_backends(config),
+                  skip_tokenizer_init=True, enable_prefix_caching=False, seed=0, **mla,
                   compilation_config={"custom_ops": ENGINE_CUSTOM_OPS},
                   weight_transfer_config={"backend": "reshard"},
                   worker_extension_cls="reshard.adapters.vllm.worker.ReshardWorkerExtension")

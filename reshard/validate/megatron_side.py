@@ -134,10 +134,10 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
 
 
 def _swap_norms(spec: Any, seen: set[int] | None = None) -> Any:
-    """Replace megatron-core's local torch norm by ZeroCenteredRMSNorm throughout a (block/layer) spec tree."""
+    """Replace megatron-core's local torch norm by ZeroCenteredRMSNorm throughout a spec tree (ModuleSpecs and
+    their submodules are dataclasses)."""
     import dataclasses
 
-    from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     if spec is WrappedTorchNorm:
@@ -146,11 +146,6 @@ def _swap_norms(spec: Any, seen: set[int] | None = None) -> Any:
     if id(spec) in seen:  # specs share sub-specs
         return spec
     seen.add(id(spec))
-    if isinstance(spec, ModuleSpec):
-        if spec.module is WrappedTorchNorm:
-            spec.module = ZeroCenteredRMSNorm
-        spec.submodules = _swap_norms(spec.submodules, seen)
-        return spec
     if isinstance(spec, list):
         spec[:] = [_swap_norms(x, seen) for x in spec]
         return spec
@@ -178,13 +173,12 @@ def _gdn_block_spec(config: Any) -> Any:
     gdn = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
         in_proj=local.column_parallel_linear(), out_norm=local.layer_norm(rms_norm=True, for_qk=False),
         out_proj=local.row_parallel_linear()))
-    plain = dataclasses.replace(config, experimental_attention_variant=None)  # the GPT builder refuses variants
-    block = get_gpt_decoder_block_spec(plain, use_transformer_engine=False, normalization="RMSNorm")
-    pattern = config.linear_attention_freq
     if config.pipeline_model_parallel_size > 1:
         raise ValueError("the CPU GDN build covers pp=1")
+    plain = dataclasses.replace(config, experimental_attention_variant=None)  # the GPT builder refuses variants
+    block = get_gpt_decoder_block_spec(plain, use_transformer_engine=False, normalization="RMSNorm")
     specs = []
-    for layer, linear in zip(block.layer_specs, pattern):
+    for layer, linear in zip(block.layer_specs, config.linear_attention_freq):
         if linear:  # layer specs may share objects: copy before swapping the attention
             layer = copy.copy(layer)
             layer.submodules = dataclasses.replace(layer.submodules, self_attention=gdn)

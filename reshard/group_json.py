@@ -15,8 +15,7 @@ def broadcast_json(value: Any, group: Any = None, timeout: float = 300.0, what: 
 
     Args:
         value: what rank `src` sends (other ranks' values are ignored).
-        group: the process group (None: the default group). Outside torch.distributed, or in a group of one,
-            `value` is returned as it is.
+        group: the process group (None: the default; outside torch.distributed or alone, `value` is returned).
         timeout: seconds each of the two broadcasts may take.
         what: names the broadcast in errors.
         src: the sending member's rank in `group`.

@@ -35,14 +35,8 @@ def read_bytes(path: "str | os.PathLike[str]", limit: int, error: ErrorFactory, 
             raise error(field, shown, "is not a regular file (a FIFO, socket or device is refused)")
         if info.st_size > limit:
             raise error(field, shown, f"is {info.st_size:,} bytes; the limit is {limit:,}")
-        chunks, left = [], limit + 1
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        data = b"".join(chunks)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(limit + 1)
         if len(data) > limit:
             raise error(field, shown, f"grew past the limit of {limit:,} bytes while being read")
         return data

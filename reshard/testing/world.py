@@ -42,12 +42,11 @@ def run_world(size: int, function: str, args: dict[str, Any], workdir: str | Pat
         function: "module:name" of `function(rank, world_size, args) -> JSON-able`.
         args: the JSON-able arguments every rank gets.
         workdir: where the job, the FileStore, the results and `logs.txt` (every rank's output) go.
-        timeout: seconds for the whole world; ranks still running then are killed (their result: None).
+        timeout: seconds for the whole world; ranks still running then are killed.
         pg_timeout: the harness world's collective timeout, in seconds.
         backend: "gloo", or "nccl" (one GPU per rank).
-        launch: how each rank is started (None: a child process of this one, on this host).
-        interfaces: per rank, the interface the harness world's gloo device binds (None: gloo's default), for
-            worlds spread over hosts where gloo's default (the host name) does not reach the other ranks.
+        launch: how each rank is started (None: a child process on this host).
+        interfaces: per rank, the interface the harness gloo device binds (None: gloo's default, the host name).
 
     Returns:
         Each rank's result, None for a rank that died or ran out of time.

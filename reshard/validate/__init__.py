@@ -230,10 +230,8 @@ def validate(config: "dict | str | Path", stages: list[str] | None = None, vllm_
              examples: int = 20, perturb: dict[str, str] | None = None,
              vllm_dtype: str = "bfloat16", vllm_worlds: tuple[int, ...] = (1, 2),
              vllm_cpu_python: str | None = None) -> list[StageResult]:
-    """Run the stages (default all; discovery always) and return one result per stage.
-
-    `perturb` (stage -> canonical tensor name) corrupts that tensor on reshard's side of a parity stage or of the
-    mismatch stage's refit, for tests that the stage can fail.
+    """Run the stages (default all; discovery always) and return one result per stage; `perturb` (stage ->
+    canonical tensor) corrupts that tensor on reshard's side, for tests that the stage can fail.
 
     Raises:
         ReshardError: an unknown stage, or a config that cannot be read.

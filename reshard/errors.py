@@ -168,11 +168,10 @@ def from_validation(exc: Any, kind: str) -> ReshardError:
     err = errors[0] if errors else {"loc": (), "msg": str(exc)}
     loc = [str(x) for x in err.get("loc", ())]
     rest = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in errors[1:4])
-    rule = str(err.get("msg", "is invalid")).replace("Input should be", "must be").replace(
-        "Value error, ", "") + (f"; also {rest}" if rest else "")
     missing = err.get("type") == "missing"
-    if missing:
-        rule = "is required and missing" + (f"; also {rest}" if rest else "")
+    rule = "is required and missing" if missing else str(err.get("msg", "is invalid")).replace(
+        "Input should be", "must be").replace("Value error, ", "")
+    rule += f"; also {rest}" if rest else ""
     if kind == "model" or (loc and loc[0] == "model"):
         field = ".".join(loc[1:] if loc and loc[0] == "model" and kind != "model" else loc) or "model"
         return ModelConfigError(field=field, value=_UNSET if missing else err.get("input"), rule=rule)

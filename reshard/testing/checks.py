@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -21,27 +23,25 @@ def write_counts(plan: Plan) -> dict[tuple[int, str], torch.Tensor]:
     return counts
 
 
+def _placements(layout: Layout, names: set[str] | None) -> Iterator[Any]:
+    return (p for t in layout.model.tensors if names is None or t.name in names for p in layout.placements(t))
+
+
 def data_mask(layout: Layout, names: set[str] | None = None) -> dict[tuple[int, str], torch.Tensor]:
     """1 where the layout places model data (of the canonical tensors in `names`, default all), else 0."""
     masks = {(r, n): torch.zeros(s, dtype=torch.int32)
              for r in range(layout.num_ranks) for n, s in layout.rank_tensors(r).items()}
-    for t in layout.model.tensors:
-        if names is not None and t.name not in names:
-            continue
-        for p in layout.placements(t):
-            if 0 not in p.lengths:
-                _box(masks[(p.rank, p.tensor)], p.phys_offset, p.lengths).add_(1)
+    for p in _placements(layout, names):
+        if 0 not in p.lengths:
+            _box(masks[(p.rank, p.tensor)], p.phys_offset, p.lengths).add_(1)
     return masks
 
 
 def data_bytes_by_rank(layout: Layout, names: set[str] | None = None) -> list[int]:
     """Each rank's share of model data in bytes, from the placements."""
     out = [0] * layout.num_ranks
-    for t in layout.model.tensors:
-        if names is not None and t.name not in names:
-            continue
-        for p in layout.placements(t):
-            out[p.rank] += math.prod(p.lengths) * layout.model.itemsize
+    for p in _placements(layout, names):
+        out[p.rank] += math.prod(p.lengths) * layout.model.itemsize
     return out
 
 

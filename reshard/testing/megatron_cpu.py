@@ -154,10 +154,7 @@ def set_norms(chunks: list[Any]) -> None:
         for name, p in [*chunk.named_parameters(), *chunk.named_buffers()]:
             if not name.endswith(("layernorm.weight", "out_norm.weight", "router.expert_bias")):
                 continue
-            key = name
-            for local, global_ in layers.items():
-                if name.startswith(local):
-                    key = global_ + name[len(local):]
+            key = next((g + name[len(loc):] for loc, g in layers.items() if name.startswith(loc)), name)
             gen = torch.Generator().manual_seed(zlib.crc32(key.encode()))
             with torch.no_grad():
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype))

@@ -18,8 +18,8 @@ from .planner import Plan, compile, compile_plan
 __version__ = "0.1.0"
 
 __all__ = [
-    "ArgumentError", "CoverageError", "ExecutionError", "ExpertPlacement", "HfLayout", "InputError", "KernelFormatError", "Layout",
-    "LayoutError", "LayoutMismatchError", "LimitError", "MegatronLayout", "ModelConfigError",
-    "ModelSpec", "Placement", "Plan", "PlanError", "PlanFileError", "ReshardError", "Role", "TensorSpec", "VllmLayout",
-    "compile", "compile_plan", "parse_layout",
+    "ArgumentError", "CoverageError", "ExecutionError", "ExpertPlacement", "HfLayout", "InputError", "KernelFormatError",
+    "Layout", "LayoutError", "LayoutMismatchError", "LimitError", "MegatronLayout", "ModelConfigError", "ModelSpec",
+    "Placement", "Plan", "PlanError", "PlanFileError", "ReshardError", "Role", "TensorSpec", "VllmLayout", "compile",
+    "compile_plan", "parse_layout",
 ]

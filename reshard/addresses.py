@@ -1,21 +1,12 @@
 """Where this process can be reached from other hosts: the one rule for every store, rendezvous and gloo group.
 
-A refit's processes run on several hosts (trainer nodes, inference nodes), so every address reshard hands to
-another process is discovered from where this process actually runs, never a loopback default and never a
-host a user must type into a config:
+  1. an override, `host=` or RESHARD_HOST, checked to be an address of this host;
+  2. inside Ray, the node's IP as Ray knows it;
+  3. else the IPv4 address of the default route's interface, or the only non-loopback one, or the first by name;
+  4. loopback only on a host with no other interface.
 
-  1. an explicit override: an argument (`host=`) or the environment variable RESHARD_HOST (multi-homed hosts);
-     an override must be an address of this host (it is bound), checked here so a wrong one fails at once;
-  2. inside Ray, the node's IP as Ray knows it (`ray.util.get_node_ip_address()`: what Ray's own peers use,
-     and what verl's backends use);
-  3. else this host's interfaces: the IPv4 address of the interface that carries the default route, or the
-     only non-loopback one; with several and no default route, the first by interface name (logged);
-  4. loopback only on a host with no other interface (nothing else could reach it anyway).
-
-`interface_of(address)` names the interface that holds an address, so a gloo group binds to the same address
-the store does (no GLOO_SOCKET_IFNAME a user must know); `probe(host, port)` tells at once whether a store is
-reachable from here, naming the address and why not (a connection refused at a loopback address from another
-host is the classic case).
+`interface_of` names the interface holding an address (gloo binds where the store does); `probe` tells at once
+whether a store is reachable from here, and why not.
 """
 from __future__ import annotations
 
@@ -79,7 +70,7 @@ def default_route_interface() -> str | None:
 
 def choose(addresses: dict[str, str], default_interface: str | None) -> str | None:
     """The routable address among `addresses` ({interface: IPv4}): the default route's, else the only non-loopback
-    one, else the first by name; None when only loopback is left. Pure: the rule, testable on data."""
+    one, else the first by name; None when only loopback is left."""
     routable = {name: a for name, a in addresses.items() if not ipaddress.ip_address(a).is_loopback}
     if default_interface in routable:
         return routable[default_interface]
@@ -93,7 +84,7 @@ def choose(addresses: dict[str, str], default_interface: str | None) -> str | No
 
 
 def _ray_node_address() -> str | None:
-    ray = sys.modules.get("ray")  # only a process that already uses Ray: importing Ray here would cost seconds
+    ray = sys.modules.get("ray")  # only where Ray is already imported (importing it costs seconds)
     if ray is None or not ray.is_initialized():
         return None
     try:
@@ -131,10 +122,10 @@ def check_local(host: str, what: str = "host") -> None:
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
             s.bind((host, 0))
     except OSError as e:
+        here = choose(interfaces(), default_route_interface()) or "127.0.0.1"
         raise ArgumentError(what, host, f"is not an address of this host ({e.strerror or e}); a store can only "
-                                        f"listen on its own host's addresses",
-                            fix=f"leave it unset: reshard finds this host's routable address (here: "
-                                f"{choose(interfaces(), default_route_interface()) or '127.0.0.1'})") from None
+                            "listen on its own host's addresses",
+                            fix=f"leave it unset: reshard finds this host's routable address (here: {here})") from None
 
 
 def interface_of(address: str) -> str | None:
@@ -146,9 +137,11 @@ def interface_of(address: str) -> str | None:
 
 
 def probe(host: str, port: int, timeout: float, what: str) -> None:
-    """Connect to `host`:`port` once (no retries): ExecutionError at once, naming the address, if nothing listens
-    there or it cannot be reached within `timeout` seconds. Retrying clients (torch's TCPStore) would instead wait
-    out their whole timeout on a refused connection."""
+    """Connect to `host`:`port` once (retrying clients would wait out their whole timeout on a refused connection).
+
+    Raises:
+        ExecutionError: nothing listens there, or no answer within `timeout` seconds (naming the address and why).
+    """
     try:
         with socket.create_connection((host, port), timeout=max(min(timeout, 30.0), 0.5)):
             return

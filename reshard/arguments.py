@@ -1,5 +1,5 @@
-"""Checks of public arguments: each refuses with ArgumentError (field, value, rule) before anything
-is built, so a wrong type never surfaces as a TypeError or AttributeError from inside. Nothing is coerced."""
+"""Checks of public arguments: each refuses with ArgumentError (field, value, rule) before anything is built.
+Nothing is coerced."""
 from __future__ import annotations
 
 import math
@@ -45,21 +45,22 @@ def instance(field: str, value: Any, kind: type | tuple[type, ...], what: str, n
     raise ArgumentError(field, value, f"must be {what}" + (", or None" if none else ""))
 
 
-def integers(field: str, value: Any, none: bool = True) -> None:
-    """None (where allowed), or a list, tuple, set or range of integers (not bools, not a string)."""
+def _collection(field: str, value: Any, none: bool, kinds: tuple[type, ...], ok: Any, what: str) -> None:
     if value is None and none:
         return
-    if not isinstance(value, (list, tuple, set, frozenset, range)) or not all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise ArgumentError(field, value, "must be a list of integers" + (", or None" if none else ""))
+    if not isinstance(value, kinds) or not all(ok(v) for v in value):
+        raise ArgumentError(field, value, f"must be a list of {what}" + (", or None" if none else ""))
+
+
+def integers(field: str, value: Any, none: bool = True) -> None:
+    """None (where allowed), or a list, tuple, set or range of integers (not bools, not a string)."""
+    _collection(field, value, none, (list, tuple, set, frozenset, range),
+                lambda v: isinstance(v, int) and not isinstance(v, bool), "integers")
 
 
 def names(field: str, value: Any, none: bool = True) -> None:
     """None (where allowed), or a list, tuple or set of strings (a single string is not a list of names)."""
-    if value is None and none:
-        return
-    if not isinstance(value, (list, tuple, set, frozenset)) or not all(isinstance(v, str) for v in value):
-        raise ArgumentError(field, value, "must be a list of names" + (", or None" if none else ""))
+    _collection(field, value, none, (list, tuple, set, frozenset), lambda v: isinstance(v, str), "names")
 
 
 def number(field: str, value: Any) -> float:
@@ -104,9 +105,8 @@ PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".eps", ".ps", ".tif",
 
 
 def output_path(field: str, path: Any, suffixes: tuple[str, ...] = ()) -> Path:
-    """A file path that can be written, checked before any work is done: its directory exists and is writable,
-    it is not a directory, and (where `suffixes` are given) its suffix, in any case, names one of the writers.
-    The one rule of the API and the CLI (`field` is an argument's or a flag's name)."""
+    """A file path that can be written (its directory exists and is writable, it is not a directory, its suffix is
+    one of `suffixes` where given), checked before any work is done: the rule of the API and the CLI."""
     if not isinstance(path, (str, os.PathLike)) or isinstance(path, bytes) or not str(path):
         raise ArgumentError(field, path, "must be a file path (a non-empty str or pathlib.Path)")
     target = Path(path)
@@ -128,8 +128,7 @@ def output_path(field: str, path: Any, suffixes: tuple[str, ...] = ()) -> Path:
 
 
 def rank_tensors(field: str, value: Any, none: bool = False, deep: bool = False) -> None:
-    """rank -> physical name -> tensor: a mapping of integer ranks (`deep`: to mappings of names to torch tensors;
-    else what each rank holds is left to the executors' check against the plan, which lists every problem)."""
+    """A mapping of integer ranks (`deep`: to {name: torch tensor}; else the executors check what ranks hold)."""
     import torch
     from collections.abc import Mapping
 
@@ -144,5 +143,5 @@ def rank_tensors(field: str, value: Any, none: bool = False, deep: bool = False)
             raise ArgumentError(field, value, rule)
 
 
-__all__ = ["PLAN_SUFFIXES", "PLOT_SUFFIXES", "device", "instance", "integer", "integers", "names", "number", "output_path", "rank_tensors", "ranks", "seconds",
-           "text"]
+__all__ = ["PLAN_SUFFIXES", "PLOT_SUFFIXES", "device", "instance", "integer", "integers", "names", "number",
+           "output_path", "rank_tensors", "ranks", "seconds", "text"]

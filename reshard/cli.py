@@ -51,22 +51,6 @@ def _ints(flag: str, text: str, low: int, high: int) -> list[int]:
     return values
 
 
-def _output(flag: str, path: str | None, suffixes: tuple[str, ...] = ()) -> None:
-    """Refuse an output path that cannot be written before any work is done (the API's rule: Plan.save)."""
-    if path is not None:
-        output_path(flag, path, suffixes)
-
-
-def _cluster_model(args: argparse.Namespace):
-    from .planner.cost import ClusterModel
-
-    return ClusterModel(gpus_per_node=args.gpus_per_node, nvlink_bandwidth=args.nvlink_gbs * 1e9,
-                    nvlink_bidirectional=args.nvlink_bidir_gbs * 1e9, nvlink_latency=args.nvlink_latency_us * 1e-6,
-                    network_bandwidth=args.nic_gbps * 1e9 / 8, network_latency=args.network_latency_us * 1e-6,
-                    copy_bandwidth=args.copy_tbs * 1e12, op_overhead=args.op_overhead_us * 1e-6,
-                    pipelined=args.pipelined, dst_first_gpu=args.dst_first_gpu)
-
-
 CHECKPOINT_SOURCE = "megatron-ckpt:"
 
 
@@ -95,8 +79,9 @@ def _plan(args: argparse.Namespace) -> int:
     from .layouts import ModelSpec, parse_layout
     from .planner import compile_plan
 
-    _output("--save", args.save, PLAN_SUFFIXES)
-    _output("--plot", args.plot, PLOT_SUFFIXES)
+    for flag, path, suffixes in (("--save", args.save, PLAN_SUFFIXES), ("--plot", args.plot, PLOT_SUFFIXES)):
+        if path is not None:  # refused before any work is done (the API's rule: Plan.save)
+            output_path(flag, path, suffixes)
     model = ModelSpec.from_hf_config(args.model)
     if args.dtype is not None:
         model = ModelSpec(**{**model.model_dump(), "dtype": args.dtype})
@@ -120,33 +105,32 @@ def _plan(args: argparse.Namespace) -> int:
         plan = compile_plan(src, dst, **options)
     prediction = None
     if args.predict:
-        from .planner.cost import predict
+        from .planner.cost import ClusterModel, predict
 
-        prediction = predict(plan, _cluster_model(args))
-    if args.save:
-        try:
-            plan.save(args.save)
-        except OSError as e:
-            raise ArgumentError("--save", args.save, f"cannot be written ({e.strerror or e})") from None
+        prediction = predict(plan, ClusterModel(
+            gpus_per_node=args.gpus_per_node, nvlink_bandwidth=args.nvlink_gbs * 1e9,
+            nvlink_bidirectional=args.nvlink_bidir_gbs * 1e9, nvlink_latency=args.nvlink_latency_us * 1e-6,
+            network_bandwidth=args.nic_gbps * 1e9 / 8, network_latency=args.network_latency_us * 1e-6,
+            copy_bandwidth=args.copy_tbs * 1e12, op_overhead=args.op_overhead_us * 1e-6, pipelined=args.pipelined,
+            dst_first_gpu=args.dst_first_gpu))
     if args.plot:
         try:
             from .planner.plot import plot_plan
         except ImportError as e:
             raise ArgumentError("--plot", args.plot, f"needs matplotlib ({e})") from None
+    for flag, path, write in (("--save", args.save, plan.save), ("--plot", args.plot, lambda p: plot_plan(plan, p))):
         try:
-            plot_plan(plan, args.plot)
+            if path:
+                write(path)
         except OSError as e:
-            raise ArgumentError("--plot", args.plot, f"cannot be written ({e.strerror or e})") from None
+            raise ArgumentError(flag, path, f"cannot be written ({e.strerror or e})") from None
     if args.json:
         a = plan.accounting
-        out = {
-            "model": str(model), "src": str(src), "dst": str(dst), "digest": plan.digest,
-            "coverage": plan.coverage, "compile_seconds": plan.compile_seconds, "roots": plan.roots,
-            "colocation": list(plan.colocation) if plan.colocation is not None else None,
-            "value_shifts": {plan.src.model.tensor_name(i): v for i, v in plan.value_shifts.items()},
-            "own_dtypes": plan.own_dtypes,
-            "tree_depth": plan.tree_depth, **a.to_dict(),
-        }
+        out = {"model": str(model), "src": str(src), "dst": str(dst), "digest": plan.digest,
+               "coverage": plan.coverage, "compile_seconds": plan.compile_seconds, "roots": plan.roots,
+               "colocation": list(plan.colocation) if plan.colocation is not None else None,
+               "value_shifts": {plan.src.model.tensor_name(i): v for i, v in plan.value_shifts.items()},
+               "own_dtypes": plan.own_dtypes, "tree_depth": plan.tree_depth, **a.to_dict()}
         if not args.pairs:
             out.pop("pair_bytes")
             out.pop("relay_pair_bytes")
@@ -167,23 +151,17 @@ def _plan(args: argparse.Namespace) -> int:
             from .planner.cost import format_prediction
 
             print(format_prediction(prediction))
-        if args.save:
-            print(f"  saved        {args.save}")
-        if args.plot:
-            print(f"  plot         {args.plot}")
+        for label, path in (("saved", args.save), ("plot", args.plot)):
+            if path:
+                print(f"  {label:<12} {path}")
     return 0
 
 
-def _validate(args: argparse.Namespace) -> int:
-    from .validate import main_validate
+def _lazy(module: str, name: str) -> Callable[[argparse.Namespace], int]:
+    """A subcommand whose module is imported only when it runs."""
+    import importlib
 
-    return main_validate(args)
-
-
-def _verify(args: argparse.Namespace) -> int:
-    from .verify.checkpoint import main_verify
-
-    return main_verify(args)
+    return lambda args: getattr(importlib.import_module(module, __package__), name)(args)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -191,10 +169,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="vLLM model dtype in the vllm load parity stage (default bfloat16, as served)")
     v.add_argument("--examples", type=_int(1, 100_000), default=20, help="random layout pairs in the round-trip stage")
     v.add_argument("--json", action="store_true", help="print the results as JSON")
-    v.set_defaults(func=_validate)
+    v.set_defaults(func=_lazy(".validate", "main_validate"))
     m = sub.add_parser("verify", help="train-inference mismatch: score token sequences with an HF checkpoint "
                        "(transformers) and a running vllm serve; exit 1 above the dtype's thresholds")
     m.add_argument("--checkpoint", required=True, help="HF checkpoint directory of the weights the server should hold")
@@ -264,12 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--length", type=_int(2, 65536), default=32, help="tokens per sequence (default 32)")
     m.add_argument("--seed", type=_int(0, 2**31), default=0)
     m.add_argument("--json", action="store_true", help="print the report as JSON")
-    m.set_defaults(func=_verify)
+    m.set_defaults(func=_lazy(".verify.checkpoint", "main_verify"))
     args = parser.parse_args(argv)
     try:
         return args.func(args)
     except ReshardError as exc:  # an input the library refused: one line, exit 2; anything else is a bug (exit 1)
-        print(f"reshard: error: {_one_line(exc)}", file=sys.stderr)
+        print("reshard: error: " + " ".join(ln.strip() for ln in str(exc).splitlines() if ln.strip()), file=sys.stderr)
         return 2
 
 

@@ -1,4 +1,4 @@
-"""The library's own errors. Each carries fields so callers can react without parsing messages.
+"""The library's own errors, with fields so callers can react without parsing messages.
 
     ReshardError                    everything reshard raises on purpose
     ├── InputError                  an input that is not valid: `field`, `value`, `rule` (and `fix`)
@@ -14,14 +14,21 @@
     ├── ExecutionError              a refit that could not run (faults, and tensors an executor refuses)
     └── MismatchError               the engine computes other log-probabilities than the trainer (reshard.verify)
 
-InputError is not a ValueError on purpose: pydantic wraps a ValueError raised in a validator into its own
-ValidationError, and callers should get these classes (`from_validation` turns pydantic's into ours).
+InputError is not a ValueError: pydantic would wrap it into its ValidationError (`from_validation` unwraps).
 """
 from __future__ import annotations
 
 from typing import Any
 
 _UNSET: Any = object()
+
+
+def _listing(message: str, problems: tuple[str, ...], most: int) -> str:
+    """`message` followed by the first `most` problems, one a line."""
+    if not problems:
+        return message
+    more = f"\n  ... and {len(problems) - most} more" if len(problems) > most else ""
+    return f"{message}:\n  - " + "\n  - ".join(problems[:most]) + more
 
 
 def show(value: Any, width: int = 80) -> str:
@@ -36,8 +43,7 @@ def show(value: Any, width: int = 80) -> str:
 class ReshardError(Exception):
     """Base class of every error reshard raises on purpose.
 
-    `field`, `value` and `rule` are set where one input is to blame (None otherwise).
-    """
+    `field`, `value` and `rule` name the input to blame, where one is (else None)."""
 
     field: str | None = None
     value: Any = None
@@ -47,9 +53,7 @@ class ReshardError(Exception):
 class InputError(ReshardError):
     """An invalid input, named with the value received and the rule it breaks.
 
-    `field` names it (a config key, an argument, a layout option, a plan file entry), `value` is what was
-    received and `rule` the rule it breaks; `fix` says what to do, where it is known.
-    """
+    `field` names it, `value` is what was received, `rule` the rule it breaks, `fix` what to do (where known)."""
 
     def __init__(self, field: str, value: Any = _UNSET, rule: str = "", fix: str = "", where: str = "") -> None:
         self.field, self.rule, self.fix = field, rule, fix
@@ -66,9 +70,7 @@ class InputError(ReshardError):
 class ModelConfigError(InputError):
     """An HF config or a model spec that reshard cannot turn into a model.
 
-    `field` is the config key (or spec field) to blame when one is. Raised with a bare message where no single
-    key is.
-    """
+    `field` is the key to blame, where one is (else a bare message)."""
 
     def __init__(self, message: str = "", *, field: str | None = None, value: Any = _UNSET, rule: str = "",
                  fix: str = "") -> None:
@@ -82,9 +84,7 @@ class ModelConfigError(InputError):
 class LayoutError(InputError):
     """A layout that cannot exist.
 
-    `constraint` names the broken rule, `values` what was received (the first of them is the `field` / `value`
-    to blame).
-    """
+    `constraint` names the broken rule, `values` what was received (the first is the `field` / `value` to blame)."""
 
     def __init__(self, layout: str, constraint: str, values: dict[str, Any] | None = None, fix: str = ""):
         self.layout = layout
@@ -116,12 +116,7 @@ class PlanError(ReshardError, ValueError):
 
     def __init__(self, message: str, problems: list[str] | tuple[str, ...] = ()):
         self.problems = tuple(problems)
-        full = message
-        if self.problems:
-            shown = "\n  - ".join(self.problems[:20])
-            more = f"\n  ... and {len(self.problems) - 20} more" if len(self.problems) > 20 else ""
-            full = f"{message}:\n  - {shown}{more}"
-        super().__init__(full)
+        super().__init__(_listing(message, self.problems, 20))
 
 
 class CoverageError(PlanError):
@@ -131,8 +126,7 @@ class CoverageError(PlanError):
 class PlanFileError(PlanError):
     """A saved plan (a file or its dict) that is malformed, or whose content does not prove what it claims.
 
-    `field` names the entry to blame (e.g. `arrays.t.rows`, `digest`) when one is.
-    """
+    `field` names the entry to blame (e.g. `arrays.t.rows`), where one is."""
 
     def __init__(self, message: str, problems: list[str] | tuple[str, ...] = (), *, field: str | None = None,
                  value: Any = None) -> None:
@@ -145,34 +139,27 @@ class ExecutionError(ReshardError, RuntimeError):
 
 
 class LayoutMismatchError(LayoutError):
-    """A live model (a Megatron trainer's or a vLLM engine's) that does not match the declared layout.
+    """A live model (a trainer's or an engine's) that does not match the declared layout.
 
-    It does not hold the tensors the layout says, or its weight loaders place bytes elsewhere. Raised before any
-    byte moves; `problems` lists every difference found (tensor names and both shapes, parallel sizes, ...).
-    """
+    Raised before any byte moves; `problems` lists every difference found."""
 
     def __init__(self, layout: str, problems: list[str] | tuple[str, ...], fix: str = "",
                  where: str = "the live model"):
         self.where = where
         self.problems = tuple(problems)
-        shown = "\n  - ".join(self.problems[:30])
-        more = f"\n  ... and {len(self.problems) - 30} more" if len(self.problems) > 30 else ""
-        super().__init__(layout, f"{where} does not match the declared layout:\n  - {shown}{more}",
+        super().__init__(layout, _listing(f"{where} does not match the declared layout", self.problems, 30),
                          {"problems": self.problems}, fix)
 
 
 class KernelFormatError(LayoutMismatchError):
     """Parameters that vLLM re-laid out (repacked, padded, swapped, quantized) after loading.
 
-    Writing them in place would corrupt the model: install through the model's weight loaders instead (loader
-    mode).
-    """
+    Install through the model's weight loaders (loader mode), not in place."""
 
 
 def from_validation(exc: Any, kind: str) -> ReshardError:
-    """Our error for a pydantic ValidationError of a model spec (`kind` "model") or a layout (its kind): the
-    library error a validator raised, if one did; else every field error, naming the field, the value received
-    and pydantic's rule (the spec's fields blame ModelConfigError, a layout's LayoutError)."""
+    """Our error for a pydantic ValidationError of a model spec (`kind` "model") or a layout (its kind): the library
+    error a validator raised, else ModelConfigError / LayoutError naming the field, the value and pydantic's rule."""
     errors = exc.errors(include_url=False)
     for err in errors:
         inner = (err.get("ctx") or {}).get("error")
@@ -181,11 +168,10 @@ def from_validation(exc: Any, kind: str) -> ReshardError:
     err = errors[0] if errors else {"loc": (), "msg": str(exc)}
     loc = [str(x) for x in err.get("loc", ())]
     rest = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in errors[1:4])
-    rule = str(err.get("msg", "is invalid")).replace("Input should be", "must be").replace(
-        "Value error, ", "") + (f"; also {rest}" if rest else "")
     missing = err.get("type") == "missing"
-    if missing:
-        rule = "is required and missing" + (f"; also {rest}" if rest else "")
+    rule = "is required and missing" if missing else str(err.get("msg", "is invalid")).replace(
+        "Input should be", "must be").replace("Value error, ", "")
+    rule += f"; also {rest}" if rest else ""
     if kind == "model" or (loc and loc[0] == "model"):
         field = ".".join(loc[1:] if loc and loc[0] == "model" and kind != "model" else loc) or "model"
         return ModelConfigError(field=field, value=_UNSET if missing else err.get("input"), rule=rule)
@@ -200,9 +186,8 @@ __all__ = ["ArgumentError", "CoverageError", "ExecutionError", "InputError", "Ke
 
 
 class MismatchError(ReshardError):
-    """The engine's token log-probabilities differ from the trainer's beyond the thresholds after a refit (or a
-    slice-sensitivity audit found tensors whose perturbation did not reach the engine as it reached the trainer):
-    `report` holds the measurement (reshard.verify.MismatchReport or AuditReport)."""
+    """The engine's log-probabilities differ from the trainer's beyond the thresholds after a refit (or an audit
+    found perturbations that did not reach the engine); `report`: the MismatchReport or AuditReport."""
 
     def __init__(self, message: str, report: Any = None) -> None:
         self.report = report

@@ -1,6 +1,5 @@
-"""JSON from one member of a torch.distributed group to every member, over the group's own collectives (never
-pickle), each step bounded by the caller's timeout rather than the group's (a user's group may wait 30 minutes on a
-dead peer). Used by the trainer session (the rendezvous from process 0) and by verify (scores and audit entries)."""
+"""JSON from one member of a torch.distributed group to every member (never pickle), bounded by the caller's
+timeout rather than the group's (which may wait 30 minutes on a dead peer)."""
 from __future__ import annotations
 
 from typing import Any
@@ -12,14 +11,11 @@ from .errors import ExecutionError
 
 def broadcast_json(value: Any, group: Any = None, timeout: float = 300.0, what: str = "a JSON broadcast",
                    src: int = 0) -> Any:
-    """`value` (JSON-able; the one given on the group's rank `src` counts) on every member of `group`, as JSON bytes
-    in tensors (never pickle), each step bounded by `timeout` (the caller's, not the group's own: a user's group may
-    wait 30 minutes on a dead peer).
+    """Rank `src`'s `value` (JSON-able) on every member of `group`, as JSON bytes in tensors.
 
     Args:
         value: what rank `src` sends (other ranks' values are ignored).
-        group: the process group (None: the default group). Outside torch.distributed, or in a group of one,
-            `value` is returned as it is.
+        group: the process group (None: the default; outside torch.distributed or alone, `value` is returned).
         timeout: seconds each of the two broadcasts may take.
         what: names the broadcast in errors.
         src: the sending member's rank in `group`.

@@ -1,11 +1,6 @@
-"""Bounds no real model, cluster or plan reaches. Inputs past them are refused before anything is allocated, so a
-hostile or mistyped size (10**18 layers, a world of a billion ranks) cannot exhaust memory or overflow int64
-arithmetic; each message names the limit.
-
-Where the numbers come from: the largest published decoders have hidden sizes near 2**14, vocabularies near
-2**18, a few hundred layers and a few hundred experts, about 10**12 parameters; the largest training clusters
-have about 2**17 accelerators. Each bound leaves two to four orders of magnitude above that, and keeps every
-byte count of a plan far inside int64 (MAX_PARAMS elements x 8 bytes < 2**50).
+"""Bounds no real model, cluster or plan reaches, checked before anything is allocated (a hostile size cannot
+exhaust memory or overflow int64). Each leaves two to four orders of magnitude above the largest published models
+(hidden ~2**14, vocabulary ~2**18, ~10**12 parameters) and clusters (~2**17 accelerators).
 """
 from __future__ import annotations
 

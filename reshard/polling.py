@@ -1,10 +1,6 @@
-"""Waiting with a deadline, the one place it is written:
-- `poll`: a condition another process makes true (a key in a store, a counter reaching a count), called with a
-  sleep that doubles between calls, so a short wait costs microseconds and a long one little CPU;
-- `wait_events`: events that complete on their own (CUDA events), in order, each bounded by a timeout;
-- `Background`: a call that may block on a peer (a clean-up, an NCCL connect, an engine's update), run on a daemon
-  thread of its own and joined by a deadline, then left to its thread: a frozen peer cannot hold the caller.
-Standard library only."""
+"""Waiting with a deadline, the one place it is written: `poll` (a condition, with doubling sleeps),
+`wait_events` (events such as CUDA's, in order) and `Background` (a call that may block on a peer, on a daemon
+thread joined by a deadline). Standard library only."""
 from __future__ import annotations
 
 import threading
@@ -32,9 +28,11 @@ def poll(done: Callable[[], bool], deadline: float, *, first_s: float = 2e-5, mo
 
 
 def wait_events(events: list, timeout: float, what: "list[str] | Callable[[int], str]") -> None:
-    """Wait for events (anything with `query()`, e.g. CUDA events) in order; ExecutionError after `timeout` seconds
-    without the next one completing. `what` names event i (a list, or a function, so that names are only built
-    for an error message)."""
+    """Wait for events (anything with `query()`) in order; `what` names event i (a list, or a function).
+
+    Raises:
+        ExecutionError: `timeout` seconds passed without the next event completing.
+    """
     from .errors import ExecutionError
 
     for i, ev in enumerate(events):

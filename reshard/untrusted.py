@@ -1,8 +1,6 @@
-"""Reading files and JSON that come from outside (HF configs, saved plans): bounded, strict, never blocking.
-
-A path must name a regular file (a FIFO would block the reader, a device never end) no larger than the caller's
-limit; bytes must be UTF-8; JSON must not repeat a key in an object, use NaN or Infinity, or nest deeper than
-`limits.MAX_JSON_DEPTH`. Every refusal is the caller's error class, naming the path and the rule.
+"""Reading files and JSON from outside (HF configs, saved plans): bounded, strict, never blocking. A path must be a
+regular file within the caller's limit; JSON must be UTF-8, without repeated keys, NaN / Infinity or nesting deeper
+than `limits.MAX_JSON_DEPTH`. Every refusal is the caller's error class, naming the path and the rule.
 """
 from __future__ import annotations
 
@@ -37,14 +35,8 @@ def read_bytes(path: "str | os.PathLike[str]", limit: int, error: ErrorFactory, 
             raise error(field, shown, "is not a regular file (a FIFO, socket or device is refused)")
         if info.st_size > limit:
             raise error(field, shown, f"is {info.st_size:,} bytes; the limit is {limit:,}")
-        chunks, left = [], limit + 1
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        data = b"".join(chunks)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(limit + 1)
         if len(data) > limit:
             raise error(field, shown, f"grew past the limit of {limit:,} bytes while being read")
         return data
@@ -54,33 +46,27 @@ def read_bytes(path: "str | os.PathLike[str]", limit: int, error: ErrorFactory, 
         os.close(fd)
 
 
+class _Refused(Exception):
+    """A rule the JSON text breaks (raised from json's hooks)."""
+
+
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in pairs:
         if k in out:
-            raise _Duplicate(k)
+            raise _Refused(f"repeats the key {k!r} in one JSON object")
         out[k] = v
     return out
 
 
-class _Duplicate(Exception):
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
-
-
 def _constant(name: str) -> Any:
-    raise _Constant(name)
-
-
-class _Constant(Exception):
-    pass
+    raise _Refused(f"uses {name}, which JSON does not have")
 
 
 def parse_json(data: "bytes | str", error: ErrorFactory, field: str, value: Any = "<text>",
                depth: int = MAX_JSON_DEPTH) -> Any:
-    """A JSON value from `data` (UTF-8 bytes or text), strictly: see the module docstring. Errors name `field`
-    and `value` (the path the data came from)."""
+    """A JSON value from `data` (UTF-8 bytes or text) by the module docstring's rules; errors name `field` and
+    `value` (where the data came from)."""
     if isinstance(data, bytes):
         try:
             text = data.decode("utf-8")
@@ -90,10 +76,8 @@ def parse_json(data: "bytes | str", error: ErrorFactory, field: str, value: Any 
         text = data
     try:
         out = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_constant)
-    except _Duplicate as e:
-        raise error(field, value, f"repeats the key {e.key!r} in one JSON object") from None
-    except _Constant as e:
-        raise error(field, value, f"uses {e}, which JSON does not have") from None
+    except _Refused as e:
+        raise error(field, value, str(e)) from None
     except RecursionError:
         raise error(field, value, f"nests deeper than {depth} levels") from None
     except ValueError as e:  # JSONDecodeError

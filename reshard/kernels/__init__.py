@@ -1,8 +1,5 @@
-"""GPU kernels (Triton) for the executors' hot loops: many copies as one launch (copy_table), copies with their
-"sum64" checksum (copy_sum64), the checksum alone (sum64) and FP8 block quantization straight into its destination
-(fp8_quantize). Imported lazily (Triton is not a dependency of `import reshard`); each has a torch reference in the
-executors that it is tested byte for byte against (on CPU through Triton's interpreter, on GPUs natively). Their
-launch settings are one value, `KernelTuning` (importable without Triton)."""
+"""Triton kernels for the executors' hot loops (copy_table, copy_sum64, sum64, fp8_quantize), imported lazily;
+each is tested byte for byte against a torch reference. Launch settings: `KernelTuning` (no Triton needed)."""
 from __future__ import annotations
 
 from .tuning import KernelTuning

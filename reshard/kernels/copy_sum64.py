@@ -1,21 +1,12 @@
-"""Copies and their "sum64" checksum (executors.checksum) in one Triton launch: each byte read once, to be written
-and to be counted.
+"""Copies and their "sum64" checksum (executors.checksum) in one Triton launch, each byte read once (a separate
+checksum pass cost 1.7x the refit on an H200: BENCHMARKS.md, issue 31).
 
-A separate checksum pass reads every byte of a refit again, and the per-byte weights T[j] (an LCG step, a mask, a
-shift) with the products and 64-bit sums cost about 13 integer operations per byte: on an H200 such a pass runs
-at a quarter of the memory's bandwidth, 1.7x the refit it checks (BENCHMARKS.md, issue 31). Here the weights are
-not computed per byte. They repeat with the period 2^23, so the stream is folded: window g of a period's columns
-is one program, which walks every piece of the stream that falls in that window (one a period, rows of the table
-of kernels.table_plan.window_table), copies it and adds its bytes column by column into registers. Only when all
-periods are in does it weigh each column once: for a column at offset j of the period holding the bytes Y[j]
-(summed over periods p), s1 = sum Y, s2 = sum (j + 1) Y + 2^23 sum_p p S_p (S_p: the window's bytes of period p),
-s3 = sum T[j] Y. Per byte that leaves a mask, a shift and two adds (bytes 0 and 2, 1 and 3 of an int32 word
-added as 16-bit lanes, spilled into 32-bit columns every FLUSH rows before a lane can overflow), plus the row's
-byte sum for the period term. Every sum is exact (Y < 255 x periods < 2^31; the products widened to int64), so
-the digest equals the reference's bit for bit.
-
-Pieces whose addresses, length and position are multiples of 16 bytes move as 16-byte vectors of int32 words;
-multiples of 4 as int32 words; others byte by byte (one launch per class; their partial sums add up).
+The checksum weights T[j] repeat with period 2^23, so the stream is folded: one program per window of a period's
+columns walks every piece of the stream in that window (kernels.table_plan.window_table), copies it and sums its
+bytes per column Y[j] over all periods; then it weighs each column once: s1 = sum Y, s2 = sum (j + 1) Y +
+2^23 sum_p p S_p (S_p: the window's bytes of period p), s3 = sum T[j] Y. Bytes are added as 16-bit lanes, spilled
+every FLUSH rows before a lane can overflow; every sum is exact, so the digest equals the reference's bit for bit.
+Pieces aligned to 16 bytes move as int32 vectors, to 4 as int32 words, others byte by byte (one launch each).
 """
 from __future__ import annotations
 
@@ -108,13 +99,13 @@ _VIEW = {16: torch.int32, 4: torch.int32, 1: torch.uint8}
 
 
 class CopySum64:
-    """Copies (src address, dst address, nbytes, stream position) on one device as prepared launches of the
-    kernel, and the "sum64" digest of the stream they read: `launch()` enqueues them (capturable in a CUDA graph),
-    `digest()` adds the partial sums and returns the digest of executors.checksum (count, s1, s2, s3). The
-    positions are the stream's (from `start`; `count` bytes in all, every position covered once); the memory must
-    stay in place (the caller pins it). `tuning`: window and warps (KernelTuning's `sum64_*`; default
-    KernelTuning()). `period` and `flush`: the weights' period and the rows between spills of the 16-bit lanes,
-    lowered only by the tests (many periods folded onto a window, spills every few rows)."""
+    """Copies (src address, dst address, nbytes, stream position) on one device as prepared launches, and the
+    "sum64" digest of the `count` stream bytes they read: `launch()` enqueues them (capturable in a CUDA graph),
+    `digest()` returns executors.checksum's digest. The memory must stay in place (the caller pins it).
+    `tuning`: KernelTuning's `sum64_*`; `period` and `flush` are lowered only by tests.
+
+    Raises:
+        ValueError: `flush` outside [1, FLUSH]."""
 
     def __init__(self, entries: np.ndarray, device: torch.device, count: int, tuning: KernelTuning | None = None,
                  period: int = PERIOD, flush: int = FLUSH) -> None:

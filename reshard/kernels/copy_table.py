@@ -1,14 +1,7 @@
-"""Many contiguous copies as one Triton launch: a table of (source, destination, length) chunks on the device, one
-program per chunk (the inprocess executor's large copies, executors.inprocess).
-
-A refit of a mixture-of-experts model is thousands of copies of a few MB each: as separate copies (even as CUDA graph
-nodes) each pays a launch cost larger than its bytes' own time (BENCHMARKS.md, Same host, issue 31). Here every copy
-is cut into chunks (at most `KernelTuning.copy_chunk_bytes` each), and the chunks of all copies are rows of one int64
-table read by one kernel: the launch cost is paid once. Addresses enter as word offsets from one base tensor
-(`base + offset` pointer arithmetic: no integer to pointer casts, so Triton's interpreter runs it too); copies are
-grouped by the widest word (16, 8, 4, 2, 1 bytes) that divides both addresses and the length, one launch per group
-(in a refit, all of them in the 16-byte group). The table logic (`chunk_table`) is plain numpy, property-tested
-without Triton; the kernel byte for byte on CPU (interpreter) and GPU (tests/harness/kernel_checks.py).
+"""Many contiguous copies as one Triton launch (executors.inprocess): thousands of separate copies each pay a launch
+larger than their bytes' time (BENCHMARKS.md, Same host). Every copy is cut into chunks (KernelTuning's
+copy_chunk_bytes), rows of one int64 table (table_plan.chunk_table) read by one program per chunk; addresses are
+word offsets from one base tensor (so Triton's interpreter runs it too), one launch per word size.
 """
 from __future__ import annotations
 
@@ -43,9 +36,8 @@ _ELEMENT = {16: torch.int64, 8: torch.int64, 4: torch.int32, 2: torch.int16, 1: 
 
 
 class CopyTable:
-    """The pairs (dst, src) of contiguous tensors (same byte length each, on one device) as prepared launches;
-    `launch()` enqueues them on the current stream (capturable in a CUDA graph). The tensors must stay in place
-    (the caller pins them). `tuning`: chunk, block and warps (KernelTuning's `copy_*`; default KernelTuning()).
+    """Pairs (dst, src) of contiguous tensors of equal byte length on one device as prepared launches; `launch()`
+    enqueues them (capturable in a CUDA graph). The tensors must stay in place. `tuning`: KernelTuning's `copy_*`.
 
     Raises:
         ValueError: a pair is not contiguous or of unequal byte length, or the tensors are on several devices."""

@@ -1,16 +1,8 @@
-"""A delta's changed elements scattered into their destination tensors in place: one Triton launch for all of them
-(executors.delta's apply on GPUs).
-
-Each entry of a delta is a block (`origin`, `cols`, row `stride`) of one destination tensor and the box-local
-indices i (r * cols + c, int32) and values of its changed elements; element i lands at origin + (i // cols) * stride
-+ i % cols (32-bit division; none where the box is contiguous). Entries are cut into tiles of at most BLOCK elements,
-one program per tile, which finds its entry by binary search over one small int64 table (per entry: element offset of
-the box from a base tensor, first element, count, cols, stride, first tile; the host builds nothing per tile).
-Positions are computed in the kernel, no int64 position array is made, and every element is read and written once:
-O(changed elements), whatever the tensors' sizes. Addresses enter as
-element offsets from the lowest destination tensor (`base + offset`: no integer-to-pointer casts, so Triton's
-interpreter runs it on CPU too). Elements move as integers of their width (bits, not values). Imports only numpy,
-torch and Triton (the GPU benchmark loads this file alone: benchmarks/refit_delta.py --apply).
+"""A delta's changed elements scattered into their destination tensors in place, one Triton launch for all
+(executors.delta on GPUs). Element i (box-local, int32) of an entry lands at origin + (i // cols) * stride + i % cols;
+one program per tile of BLOCK elements finds its entry by binary search over a small int64 table, so the work is
+O(changed elements). Addresses are element offsets from the lowest destination tensor (Triton's interpreter runs it
+too). Imports only numpy, torch and Triton (benchmarks/refit_delta.py --apply loads this file alone).
 """
 from __future__ import annotations
 

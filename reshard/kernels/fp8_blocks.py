@@ -1,11 +1,6 @@
-"""The block table of kernels.fp8_quantize in plain numpy (no Triton, no torch): every quantization block of every job
-as one row, so that one launch quantizes all of a refit's jobs. Kept apart so that it is property-tested on any
-machine (tests/unit/test_fp8_blocks.py) and the kernel only reads it.
-
-A job is a 2-D input view x [n, k] (rows contiguous), its fp8 view q [n, k] and its scale view s [ceil(n/bn),
-ceil(k/bk)], given by offsets in elements from one base address per dtype and their strides. A row of the table:
-(x offset, q offset, s offset, x row stride, q row stride, rows, columns) of one block, `rows` and `columns` what
-lies inside the job (partial blocks at its bottom and right edges)."""
+"""The block table of kernels.fp8_quantize in plain numpy (property-tested on any machine): one row per
+quantization block of every job, (x offset, q offset, s offset, x row stride, q row stride, rows, columns) in
+elements, rows and columns clipped at a job's edges."""
 from __future__ import annotations
 
 import numpy as np

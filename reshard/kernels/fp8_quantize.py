@@ -1,28 +1,12 @@
-"""FP8 block quantization of many jobs in one Triton launch: each bf16 block read once, its fp8 values and its
-scale written once, straight where they belong (a destination's fp8 weight and `weight_scale_inv`, or a sender's
-shadows).
+"""FP8 block quantization of many jobs in one Triton launch: one program per block of a table of every job's
+blocks (kernels.fp8_blocks), one launch per input dtype and alignment (per-job launches measured slower:
+BENCHMARKS.md, FP8). Addresses are element offsets from one base tensor, so Triton's interpreter runs it too.
 
-A refit's quantized weights arrive as hundreds of jobs, many of a few dozen blocks (one query group of a fused QKV
-weight: 4 x 32 blocks). Launched one by one, each pays a launch and leaves the GPU part idle while its last wave
-drains; here a table of every job's blocks (kernels.fp8_blocks) is read by one program per block, one launch per
-input dtype and alignment (a launch per job, and strips of blocks per program, measured slower: BENCHMARKS.md, FP8,
-issue 31 sixth round). Addresses enter as element offsets from one base tensor (`base + offset`: no integer to
-pointer casts, so Triton's interpreter runs it too).
-
-Numerics are the reference's (executors.fp8.quantize_blocks), operation for operation, so the bytes are equal:
-amax = max |x| over the block in float32 (zeros padding a partial block never raise it), raised to 1e-4;
-scale = amax / 448 and inv = 1 / scale, both correctly rounded float32 divisions (`div_rn`: Triton's plain `/`
-is an approximate division); q = float8_e4m3fn(float32(x) * inv), round to nearest even.
-Non-finite values, the reference's policy kept:
-- a NaN anywhere in a block makes the block's amax, scale and every fp8 value NaN (torch's amax propagates NaN;
-  Triton's float max would drop it, so the kernel reduces integer keys that order a NaN above inf);
-- an infinity makes amax and scale inf and inv 0: the block's finite values become (signed) zeros and the
-  infinity itself NaN (inf * 0);
-- an fp8 NaN is 0x7F with the product's sign bit (torch's cast; the hardware's saturating cast would give 448
-  instead, so the kernel writes those bytes itself). The sign of a NaN produced by arithmetic is the device's
-  (a GPU's is canonical, positive; an x86 CPU's default NaN is negative), the same for kernel and reference on
-  one device.
-Denormal inputs and outputs round like any value (no flush to zero on either path).
+Numerics equal the reference's (executors.fp8.quantize_blocks) byte for byte: amax = max |x| in float32, raised to
+1e-4; scale = amax / 448 and inv = 1 / scale by correctly rounded division (`div_rn`); q = fp8(float32(x) * inv),
+round to nearest even. A NaN in a block makes its amax, scale and values NaN (amax is reduced over integer keys that
+order NaN above inf); an inf makes inv 0 (finite values become signed zeros, the inf NaN); an fp8 NaN is 0x7F with
+the product's sign, as torch's cast writes it. Denormals are not flushed.
 """
 from __future__ import annotations
 
@@ -44,9 +28,8 @@ VECTOR_BYTES = 16  # the widest load and store a thread issues
 
 @triton.jit
 def _fp8_bits(y):
-    """float8_e4m3fn bits of float32 `y` exactly as torch's cast makes them (c10's fp8e4m3fn_from_fp32_value:
-    round to nearest even, denormals through a float add, |y| >= 464 and non-finite to NaN 0x7F, sign kept), in
-    integer arithmetic: for Triton's interpreter, whose own fp8 conversion misrounds at exponent boundaries."""
+    """float8_e4m3fn bits of float32 `y` exactly as torch's cast makes them, in integer arithmetic (Triton's
+    interpreter misrounds its own fp8 conversion at exponent boundaries)."""
     b = y.to(tl.int32, bitcast=True)
     sign = (b >> 24) & 0x80
     f = b & 0x7FFFFFFF
@@ -62,8 +45,7 @@ def _fp8_of(y, EXACT_CAST: tl.constexpr):
     """fp8 bits of float32 `y`, torch's cast."""
     if EXACT_CAST:
         return _fp8_bits(y)
-    # the hardware's cast (round to nearest even, saturating): the same bytes for |y| < 464, which is every finite
-    # y here (|y| <= amax * inv ~ 448); inf and NaN become torch's NaN with the sign
+    # the hardware's saturating cast equals torch's for every finite y here (|y| <= 448); inf / NaN -> signed NaN
     bits = y.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
     ybits = y.to(tl.uint32, bitcast=True)
     bad = (ybits & 0x7FFFFFFF) >= 0x7F800000
@@ -72,10 +54,8 @@ def _fp8_of(y, EXACT_CAST: tl.constexpr):
 
 @triton.jit
 def _block_amax(xb, FLOOR: tl.constexpr):
-    """The float32 amax of block `xb` (raised to FLOOR; a NaN stays NaN), reduced over an integer that orders like
-    |x| and puts a NaN above inf: |x|'s bit pattern, of a 16-bit input itself (only the packed 16-bit values stay
-    live, not their float32 forms: half the registers, twice the programs an SM; BENCHMARKS.md, FP8) or of a
-    float32 input."""
+    """The float32 amax of block `xb` (raised to FLOOR; NaN stays NaN), reduced over |x|'s bit pattern (a 16-bit
+    input's own bits: half the registers; BENCHMARKS.md, FP8)."""
     if xb.dtype.primitive_bitwidth == 16:
         m = tl.max(tl.max(xb.to(tl.int16, bitcast=True).to(tl.int32) & 0x7FFF, axis=1), axis=0)
         amax = m.to(tl.int16).to(xb.dtype, bitcast=True).to(tl.float32)  # float32 holds every 16-bit value exactly
@@ -123,13 +103,12 @@ def interpreted() -> bool:
 
 
 class QuantizeTable:
-    """The jobs (x, q, s) -- x a 2-D bf16, float16 or float32 view with contiguous rows, q its float8_e4m3fn view
-    of the same shape with contiguous rows, s its float32 block scales [ceil(n/bn), ceil(k/bk)] (any strides), all
-    on one device -- as prepared launches, one per input dtype and alignment; `launch()` enqueues them on the current
-    stream (capturable in a CUDA graph). The tensors must stay in place (the caller pins them).
+    """Quantization jobs as prepared launches; `launch()` enqueues them on the current stream (capturable in a
+    CUDA graph). The tensors must stay in place (the caller pins them).
 
     Args:
-        jobs: (x, q, s) per job.
+        jobs: (x, q, s) per job: x a 2-D bf16 / float16 / float32 view with contiguous rows, q its float8_e4m3fn
+            view of the same shape, s its float32 block scales [ceil(n/bn), ceil(k/bk)], all on one device.
         block: the quantization block (rows, columns).
         tuning: warps per program (KernelTuning.quantize_warps; default KernelTuning()).
         exact_cast: the integer fp8 cast instead of the hardware's (default: under Triton's interpreter only,

@@ -1,12 +1,8 @@
-"""The "sum64" checksum (executors.checksum) as one Triton kernel per block of bytes: each byte read once, the
-three sums of a tile reduced in registers and written as one partial; the partials of a whole stream are added
-by one torch sum (int64, wrapping mod 2^64 like the reference's sums).
+"""The "sum64" checksum (executors.checksum) as a Triton kernel: each tile's three sums reduced in registers and
+written as one partial, the partials added by one torch sum (int64, wrapping like the reference's).
 
-For a tile of bytes x_c at stream positions p + c (c < TILE): s1 = sum x_c; s2 = sum x_c (p + c + 1) =
-(p + 1) s1 + sum c x_c; s3 = sum x_c T[(p + c) mod 2^23] with T[j] = ((j 1103515245 + 12345) mod 2^31) >> 8,
-computed from j in 32-bit arithmetic (its wrap-around keeps the low 31 bits exact, and 2^31 divides 2^32).
-Every product stays below 2^31; the per-tile sums of c x_c (< 2^29 for TILE = 2048) and x_c T (widened to
-int64 before summing) cannot overflow, so the digests equal the reference's bit for bit.
+For tile bytes x_c at positions p + c: s1 = sum x_c; s2 = (p + 1) s1 + sum c x_c; s3 = sum x_c T[(p + c) mod 2^23],
+T computed in 32-bit arithmetic (exact in the low 31 bits). No sum overflows, so digests equal the reference's.
 """
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""The chunk table of kernels.copy_table in plain numpy (no Triton, no torch): which word each copy moves in, and
-its cut into chunks as rows of (source offset, destination offset, length) in words from one base address. Kept
-apart so that it is property-tested on any machine (tests/unit/test_copy_table.py) and the kernel only reads it."""
+"""The tables of kernels.copy_table and kernels.copy_sum64 in plain numpy, property-tested on any machine."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,11 +6,11 @@ import numpy as np
 WORDS = (16, 8, 4, 2, 1)  # word sizes in bytes, widest first
 
 
-def word_bytes(entries: np.ndarray) -> np.ndarray:
-    """Per entry (src address, dst address, nbytes): the widest word in WORDS dividing all three."""
-    e = np.asarray(entries, dtype=np.int64).reshape(-1, 3)
+def word_bytes(entries: np.ndarray, words: tuple[int, ...] = WORDS, fields: int = 3) -> np.ndarray:
+    """Per entry (src address, dst address, nbytes[, stream position]): the widest of `words` dividing every field."""
+    e = np.asarray(entries, dtype=np.int64).reshape(-1, fields)
     out = np.ones(len(e), dtype=np.int64)
-    for w in WORDS[::-1]:
+    for w in words[::-1]:
         out[np.all(e % w == 0, axis=1)] = w
     return out
 
@@ -60,15 +58,6 @@ def chunk_table(entries: np.ndarray, base: int, chunk_bytes: int) -> dict[int, n
 SUM_WORDS = (16, 4, 1)  # its word classes: 16-byte vectors of int32 words, int32 words, single bytes
 
 
-def sum_word_bytes(entries: np.ndarray) -> np.ndarray:
-    """Per entry (src address, dst address, nbytes, stream position): the widest of SUM_WORDS dividing all four."""
-    e = np.asarray(entries, dtype=np.int64).reshape(-1, 4)
-    out = np.ones(len(e), dtype=np.int64)
-    for w in SUM_WORDS[::-1]:
-        out[np.all(e % w == 0, axis=1)] = w
-    return out
-
-
 def window_table(entries: np.ndarray, base: int, window_bytes: int, period: int) -> dict[int, tuple]:
     """{word: (rows int64 [k, 5], starts int64 [windows + 1])} for entries (src address, dst address, nbytes,
     stream position): the stream's positions folded by `period` (the checksum weights' period) into columns, the
@@ -86,7 +75,7 @@ def window_table(entries: np.ndarray, base: int, window_bytes: int, period: int)
     if np.any(e[:, 2] < 0) or np.any(e[:, 3] < 0):
         raise ValueError("window_table: negative length or position")
     e = e[e[:, 2] > 0]
-    words = sum_word_bytes(e)
+    words = word_bytes(e, SUM_WORDS, 4)
     windows = period // window_bytes
     out = {}
     for w in SUM_WORDS:

@@ -1,6 +1,4 @@
-"""The launch settings of the Triton kernels (reshard.kernels) as one immutable value, handed to a kernel's
-constructor (and down from an executor's options) instead of module-level switches. Imports nothing heavy: the
-executors name it without importing Triton."""
+"""The Triton kernels' launch settings as one immutable value (importable without Triton)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -8,13 +6,11 @@ from dataclasses import dataclass, fields
 
 @dataclass(frozen=True)
 class KernelTuning:
-    """How the kernels are launched; the defaults are the fastest of benchmarks/refit_inprocess.py's sweeps on an
-    H200 (BENCHMARKS.md, Same host and FP8, issue 31), every setting giving the same bytes. Another device may
-    prefer others: sweep them with `refit_inprocess.py --table-variants / --quantize-variants`.
+    """How the kernels are launched (every setting gives the same bytes); the defaults are the fastest of
+    benchmarks/refit_inprocess.py's sweeps on an H200 (BENCHMARKS.md, Same host and FP8).
 
     Attributes:
-        copy_chunk_bytes: kernels.copy_table cuts each copy into chunks of at most this many bytes (one program
-            each); 32-64 KiB ran the 30B-A3B refit at 89-92% of a device copy, 16 and 96 KiB at 87%.
+        copy_chunk_bytes: kernels.copy_table cuts each copy into chunks of at most this many bytes.
         copy_block_bytes: bytes a copy_table program moves per load (two blocks in flight before the first store).
         copy_warps: warps per copy_table program.
         sum64_window_bytes: kernels.copy_sum64's window of the checksum period per program (a multiple of 16

@@ -1,6 +1,10 @@
 """Independent checks of a plan, computed from the ops and the layouts without the compiler's own proof."""
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 
 from ..executors.reference import _box, block
@@ -10,41 +14,34 @@ from ..planner import Plan
 
 def write_counts(plan: Plan) -> dict[tuple[int, str], torch.Tensor]:
     """How many times the plan's ops write each destination element, per (rank, tensor)."""
-    counts = {}
-    flats = []
-    for r, n, s in zip(plan.dst_tensors.ranks, plan.dst_tensors.names, plan.dst_tensors.shapes):
-        counts[(r, n)] = torch.zeros(s, dtype=torch.int32)
-        flats.append(counts[(r, n)].view(-1))
-    o = plan.ops
-    for dt, do, ds, rows, cols in zip(*(o[c].tolist() for c in ("dst_tensor", "dst_offset", "dst_stride", "rows", "cols"))):
+    t = plan.dst_tensors
+    counts = {(r, n): torch.zeros(s, dtype=torch.int32) for r, n, s in zip(t.ranks, t.names, t.shapes)}
+    flats = [c.view(-1) for c in counts.values()]
+    columns = ("dst_tensor", "dst_offset", "dst_stride", "rows", "cols")
+    for dt, do, ds, rows, cols in zip(*(plan.ops[c].tolist() for c in columns)):
         block(flats[dt], do, rows, cols, ds).add_(1)
     return counts
+
+
+def _placements(layout: Layout, names: set[str] | None) -> Iterator[Any]:
+    return (p for t in layout.model.tensors if names is None or t.name in names for p in layout.placements(t))
 
 
 def data_mask(layout: Layout, names: set[str] | None = None) -> dict[tuple[int, str], torch.Tensor]:
     """1 where the layout places model data (of the canonical tensors in `names`, default all), else 0."""
     masks = {(r, n): torch.zeros(s, dtype=torch.int32)
              for r in range(layout.num_ranks) for n, s in layout.rank_tensors(r).items()}
-    for t in layout.model.tensors:
-        if names is not None and t.name not in names:
-            continue
-        for p in layout.placements(t):
-            if 0 not in p.lengths:
-                _box(masks[(p.rank, p.tensor)], p.phys_offset, p.lengths).add_(1)
+    for p in _placements(layout, names):
+        if 0 not in p.lengths:
+            _box(masks[(p.rank, p.tensor)], p.phys_offset, p.lengths).add_(1)
     return masks
 
 
 def data_bytes_by_rank(layout: Layout, names: set[str] | None = None) -> list[int]:
     """Each rank's share of model data in bytes, from the placements."""
     out = [0] * layout.num_ranks
-    for t in layout.model.tensors:
-        if names is not None and t.name not in names:
-            continue
-        for p in layout.placements(t):
-            n = 1
-            for x in p.lengths:
-                n *= x
-            out[p.rank] += n * layout.model.itemsize
+    for p in _placements(layout, names):
+        out[p.rank] += math.prod(p.lengths) * layout.model.itemsize
     return out
 
 

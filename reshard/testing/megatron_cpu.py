@@ -1,17 +1,9 @@
 """Real megatron-core GPT models on CPU under gloo, for tests and examples (never for production).
 
-megatron-core assumes CUDA in a few places (docs/guides/layouts.md, Versions); `apply_cpu_patches` makes a CPU-only
-process work:
-1. `torch.cuda.current_device()` returns "cpu": rotary embeddings and the MoE router move tensors to it;
-2. `CudaRNGStatesTracker.fork` is a null context: it saves and restores CUDA RNG state;
-3. `Tensor.cuda()` returns the tensor: tied embeddings at PP>1 move the output layer to the GPU before their
-   first all-reduce.
-Forward passes need an explicit causal mask (the default one is built on "cuda"); MoE with TP>1 and no
-sequence parallelism runs only in eval mode. With `use_cpu_initialization` and one seed, TP shards put together
-equal the TP=1 weights exactly, which tests use as ground truth.
-
-`run_ranks` starts one process per rank from a forkserver that has megatron-core imported already (importing
-it takes most of a small test's time), with a deadline; a failing rank's traceback is raised in the caller.
+`apply_cpu_patches` lifts megatron-core's CUDA assumptions (docs/guides/layouts.md, Versions). Forward passes need an
+explicit causal mask; MoE with TP>1 runs only in eval mode. With CPU initialisation and one seed, TP shards put
+together equal the TP=1 weights exactly (the tests' ground truth). `run_ranks` starts one process per rank from a
+forkserver with megatron-core already imported, and raises a failing rank's traceback in the caller.
 """
 from __future__ import annotations
 
@@ -31,6 +23,14 @@ from ..adapters.megatron.forward import causal_mask, forward_logits  # noqa: F40
 from ..layouts import ModelSpec
 from ..ports import free_port
 
+# The options every CPU build shares (local modules, no fusions, no dropout), and its MoE's.
+CPU_OPTIONS: dict[str, Any] = dict(
+    normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
+    add_qkv_bias=False, hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+    bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+    apply_rope_fusion=False, gradient_accumulation_fusion=False)
+MOE_OPTIONS: dict[str, Any] = dict(moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0,
+                                   moe_grouped_gemm=False)
 PRELOAD = ("torch", "torch.distributed", "megatron.core.parallel_state", "megatron.core.models.gpt",
            "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.transformer.transformer_config",
            "reshard.adapters.megatron", "reshard.testing.megatron_cpu")
@@ -88,13 +88,12 @@ class TinyGPT:
 
 
 def apply_cpu_patches() -> None:
-    """Let megatron-core build and run its models on CPU: its CUDA device queries, RNG tracker forks and
-    `.cuda()` calls become no-ops (process-wide: only for test and example processes)."""
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    """Let megatron-core build and run its models on CPU (process-wide: only for test and example processes)."""
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]  # rotary and router move tensors there
     from megatron.core.tensor_parallel import random as tp_random
 
     tp_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()  # type: ignore
-    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[assignment]
+    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[assignment]  # tied embeddings at PP>1
 
 
 def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, vpp: int | None = None) -> None:
@@ -111,7 +110,6 @@ def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
 def build_model(tiny: TinyGPT, dtype: torch.dtype = torch.float32) -> list[Any]:
     """The model chunks of this rank (one per virtual pipeline stage) for the parallel state now initialized,
     in eval mode, with norm weights set to deterministic values other than one (per global layer)."""
-    import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -119,18 +117,14 @@ def build_model(tiny: TinyGPT, dtype: torch.dtype = torch.float32) -> list[Any]:
 
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
-    moe = dict(num_moe_experts=tiny.num_experts, moe_ffn_hidden_size=tiny.moe_ffn_hidden_size,
-               moe_router_topk=tiny.topk, moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0,
-               moe_grouped_gemm=False) if tiny.num_experts else {}
+    moe = dict(MOE_OPTIONS, num_moe_experts=tiny.num_experts, moe_ffn_hidden_size=tiny.moe_ffn_hidden_size,
+               moe_router_topk=tiny.topk) if tiny.num_experts else {}
     config = TransformerConfig(
-        num_layers=tiny.num_layers, hidden_size=tiny.hidden_size, num_attention_heads=tiny.num_attention_heads,
-        num_query_groups=tiny.num_query_groups, kv_channels=tiny.head_dim, ffn_hidden_size=tiny.ffn_hidden_size,
-        normalization="RMSNorm", layernorm_epsilon=tiny.eps, gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, add_qkv_bias=False, qk_layernorm=True, hidden_dropout=0.0, attention_dropout=0.0,
-        use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype if pp > 1 else None,
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+        **CPU_OPTIONS, num_layers=tiny.num_layers, hidden_size=tiny.hidden_size,
+        num_attention_heads=tiny.num_attention_heads, num_query_groups=tiny.num_query_groups,
+        kv_channels=tiny.head_dim, ffn_hidden_size=tiny.ffn_hidden_size, layernorm_epsilon=tiny.eps,
+        qk_layernorm=True, params_dtype=dtype, pipeline_dtype=dtype if pp > 1 else None, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
         expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
         expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(), init_method_std=0.02,
         num_layers_in_first_pipeline_stage=tiny.first_stage_layers if pp > 1 else None, **moe)
@@ -160,10 +154,7 @@ def set_norms(chunks: list[Any]) -> None:
         for name, p in [*chunk.named_parameters(), *chunk.named_buffers()]:
             if not name.endswith(("layernorm.weight", "out_norm.weight", "router.expert_bias")):
                 continue
-            key = name
-            for local, global_ in layers.items():
-                if name.startswith(local):
-                    key = global_ + name[len(local):]
+            key = next((g + name[len(loc):] for loc, g in layers.items() if name.startswith(loc)), name)
             gen = torch.Generator().manual_seed(zlib.crc32(key.encode()))
             with torch.no_grad():
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype))

@@ -1,11 +1,10 @@
-"""Random valid layouts of a model, each choice made by a `pick` function (one of the given options): hypothesis's
-draw in `strategies` (shrinkable property tests), a seeded `random.Random(seed).choice` in `reshard validate`'s round
-trip (no hypothesis needed). Topologies are drawn from the values that satisfy each layout's rules, so no draw is
-thrown away for the generic rules (a family's own tensors may still refuse one: LayoutError)."""
+"""Random valid layouts of a model, each choice made by a `pick` function: hypothesis's draw in `strategies`, or a
+seeded `random.Random(seed).choice` (the validate round trip). Only values the generic rules allow are offered
+(a family's own tensors may still refuse one: LayoutError)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from math import lcm
+import math
 from typing import Any
 
 from ..layouts import MegatronLayout, ModelSpec, VllmLayout
@@ -22,19 +21,12 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _common(*values: int) -> list[int]:
-    out = set(divisors(values[0]))
-    for v in values[1:]:
-        out &= set(divisors(v))
-    return sorted(out)
-
-
 def megatron_layout(model: ModelSpec, pick: Pick) -> MegatronLayout:
     """A random valid Megatron layout of `model`: TP, PP (even, uneven first / last stages, virtual stages), EP and
     expert TP for MoE, a world of one or two data-parallel copies, vocabulary divisor, naming and rank order."""
     dense_ffn = [model.intermediate_size] if (not model.is_moe or model.dense_layers) else []
     qkv_rows = (model.num_attention_heads + 2 * model.num_key_value_heads) * model.head_dim
-    tp = pick(_common(model.num_attention_heads, qkv_rows, *dense_ffn))
+    tp = pick(divisors(math.gcd(model.num_attention_heads, qkv_rows, *dense_ffn)))
     L = model.num_layers
     pp_choices = [(p, None, None, 1) for p in divisors(L)]
     pp_choices += [(p, 1, None, 1) for p in (2, 3) if p <= L and (L - 1) % (p - 1) == 0 and L - 1 >= p - 1]
@@ -45,7 +37,7 @@ def megatron_layout(model: ModelSpec, pick: Pick) -> MegatronLayout:
     if model.is_moe:
         ep = pick(divisors(model.num_experts))
         etp = pick(divisors(model.moe_intermediate_size)[:3])
-    world = lcm(tp * pp, etp * ep * pp) * pick([1, 2])
+    world = math.lcm(tp * pp, etp * ep * pp) * pick([1, 2])
     return MegatronLayout(model=model, tp=tp, pp=pp, ep=ep, etp=etp, world=world, vpp=vpp,
                           first_stage_layers=first, last_stage_layers=last, vocab_divisor=pick([1, 8, 128]),
                           naming=pick(["local", "te"]), rank_order=pick(MEGATRON_RANK_ORDERS))

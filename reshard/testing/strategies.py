@@ -1,6 +1,5 @@
-"""Hypothesis strategies: random small models (dense and MoE; MHA and GQA; tied and untied; vocab sizes that
-need padding) and random valid layouts of every kind for them (`random_layouts`' choices, drawn by hypothesis).
-The invalid ones are drawn on purpose by `invalid_declarations`.
+"""Hypothesis strategies of random small models and their valid layouts (`random_layouts`' choices, drawn by
+hypothesis); `invalid_declarations` lists invalid ones.
 """
 from __future__ import annotations
 
@@ -94,10 +93,10 @@ def invalid_declarations() -> list[tuple[str, callable, tuple[str, ...]]]:
                     num_key_value_heads=2, head_dim=4, intermediate_size=0, vocab_size=100, qk_norm=True,
                     num_experts=6, moe_intermediate_size=12)
     M, V = MegatronLayout, VllmLayout
-    cases = [
+    return [
         ("megatron tp vs heads", lambda: M(model=gqa, tp=3), ("num_attention_heads=8", "tp=3")),
-        ("megatron tp vs qkv rows", lambda: M(model=gqa.model_copy(update={"num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 1}), tp=4),
-         ("linear_qkv rows", "=6", "tp=4")),
+        ("megatron tp vs qkv rows", lambda: M(model=gqa.model_copy(update={
+            "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 1}), tp=4), ("linear_qkv rows", "=6", "tp=4")),
         ("megatron tp vs ffn", lambda: M(model=gqa.model_copy(update={"intermediate_size": 18}), tp=4),
          ("ffn_hidden_size=18", "tp=4")),
         ("megatron world vs tp*pp", lambda: M(model=gqa, tp=2, pp=2, world=6), ("world=6", "tp*pp=4")),
@@ -117,8 +116,8 @@ def invalid_declarations() -> list[tuple[str, callable, tuple[str, ...]]]:
         ("megatron rank order", lambda: M(model=gqa, rank_order="tp-dp-pp"), ("rank_order",)),
         ("megatron zero tp", lambda: M(model=gqa, tp=0), ("tp=0 must be at least 1",)),
         ("vllm heads vs tp", lambda: V(model=gqa, tp=3), ("num_attention_heads=8", "tp=3")),
-        ("vllm kv replication", lambda: V(model=moe.model_copy(update={"num_attention_heads": 6, "num_key_value_heads": 2}), tp=3),
-         ("tp=3", "num_key_value_heads=2")),
+        ("vllm kv replication", lambda: V(model=moe.model_copy(update={
+            "num_attention_heads": 6, "num_key_value_heads": 2}), tp=3), ("tp=3", "num_key_value_heads=2")),
         ("vllm experts vs ep", lambda: V(model=moe, tp=4, expert_parallel=True), ("num_experts=6",)),
         ("vllm moe ffn vs tp", lambda: V(model=moe, tp=8), ("moe_intermediate_size=12", "tp=8")),
         ("vllm ep on dense", lambda: V(model=gqa, tp=2, expert_parallel=True), ("needs a MoE model",)),
@@ -126,7 +125,6 @@ def invalid_declarations() -> list[tuple[str, callable, tuple[str, ...]]]:
         ("vllm vocab padding vs tp", lambda: V(model=gqa, tp=4, vocab_padding=3), ("padded_vocab=102", "tp=4")),
         ("hf replicas", lambda: HfLayout(model=gqa, replicas=0), ("replicas=0",)),
     ]
-    return cases
 
 
 __all__ = ["divisors", "expert_placements", "invalid_declarations", "layouts", "megatron_layouts", "models", "refits",

@@ -3,21 +3,13 @@ pickle: the job is JSON.
 
     results = run_world(3, "mypackage.jobs:check", {"cases": [...]}, workdir, timeout=60)
 
-Each process runs `python -m reshard.testing.world JOB RANK`, joins the world through a FileStore in `workdir`,
-calls `function(rank, world_size, args)` and writes what it returns (JSON) to `workdir/result-RANK.json`. A
-process that dies or outlives `timeout` gets `None` as its result (the ones still running are killed).
+Each process (`python -m reshard.testing.world JOB RANK`) joins through a FileStore in `workdir`, calls
+`function(rank, world_size, args)` and writes its JSON result; one that dies or outlives `timeout` gets None.
 
-Across hosts (tests/testbed's network namespaces): `launch` starts each rank where the test wants it (e.g. rank r
-on host A or B; the FileStore only needs a shared filesystem), and `interfaces[r]` names the network interface rank
-r's harness gloo device binds. The harness world is test scaffolding (the stand-in for a framework's own driver
-channels): its device is chosen with GLOO_SOCKET_IFNAME only while the harness world and its groups (`new_group`)
-are made, and the variable is gone while the job runs, so the groups reshard makes itself find their addresses
-with nothing of the harness's help (reshard's gloo groups honour GLOO_SOCKET_IFNAME when it is set).
-
-More ranks than GPUs (e.g. two on a one-GPU machine): NCCL refuses two ranks of one host on one GPU, so each rank
-tells NCCL it is a host of its own (NCCL_HOSTID) and NCCL joins them over loopback sockets (NCCL_SOCKET_IFNAME=lo),
-through host memory as between machines without GPUDirect. This holds for the harness's NCCL world and for the
-NCCL groups the job makes itself (an integration's own transport); a variable already set is kept.
+Across hosts, `launch` starts each rank where the test wants it and `interfaces[r]` names the interface rank r's
+harness gloo device binds; GLOO_SOCKET_IFNAME is set only while the harness world and its groups are made, so
+reshard's own groups find their addresses unaided. With more ranks than GPUs, each rank is a host of its own to
+NCCL (NCCL_HOSTID), joined over loopback (a variable already set is kept).
 """
 from __future__ import annotations
 
@@ -34,8 +26,7 @@ from pathlib import Path
 from typing import Any
 
 Launch = Callable[[int, list[str], dict[str, str]], subprocess.Popen]
-"""How rank r is started: `launch(rank, argv, env)` returns its process, started with `env` added to its
-environment and stdout (stderr merged into it) piped as text; the default runs `argv` here."""
+"""`launch(rank, argv, env)`: rank's process, `env` added to its environment, stdout (with stderr) piped as text."""
 
 _IFNAME = "GLOO_SOCKET_IFNAME"
 _harness_interface: str | None = None  # this process's harness device (set by _main)
@@ -51,12 +42,11 @@ def run_world(size: int, function: str, args: dict[str, Any], workdir: str | Pat
         function: "module:name" of `function(rank, world_size, args) -> JSON-able`.
         args: the JSON-able arguments every rank gets.
         workdir: where the job, the FileStore, the results and `logs.txt` (every rank's output) go.
-        timeout: seconds for the whole world; ranks still running then are killed (their result: None).
+        timeout: seconds for the whole world; ranks still running then are killed.
         pg_timeout: the harness world's collective timeout, in seconds.
         backend: "gloo", or "nccl" (one GPU per rank).
-        launch: how each rank is started (None: a child process of this one, on this host).
-        interfaces: per rank, the interface the harness world's gloo device binds (None: gloo's default), for
-            worlds spread over hosts where gloo's default (the host name) does not reach the other ranks.
+        launch: how each rank is started (None: a child process on this host).
+        interfaces: per rank, the interface the harness gloo device binds (None: gloo's default, the host name).
 
     Returns:
         Each rank's result, None for a rank that died or ran out of time.
@@ -74,9 +64,8 @@ def run_world(size: int, function: str, args: dict[str, Any], workdir: str | Pat
     job.write_text(json.dumps({"size": size, "function": function, "args": args, "pg_timeout": pg_timeout,
                                "backend": backend, "interfaces": list(interfaces or [None] * size),
                                "store": str(workdir / "store")}))
-    extra = {"OMP_NUM_THREADS": "1"}
     start = launch or _launch_here
-    procs = [start(r, [sys.executable, "-m", "reshard.testing.world", str(job), str(r)], dict(extra))
+    procs = [start(r, [sys.executable, "-m", "reshard.testing.world", str(job), str(r)], {"OMP_NUM_THREADS": "1"})
              for r in range(size)]
     deadline = time.monotonic() + timeout
     logs = []
@@ -87,10 +76,8 @@ def run_world(size: int, function: str, args: dict[str, Any], workdir: str | Pat
             p.kill()  # only processes started here, by their handle
             out, _ = p.communicate()
         logs.append(out or "")
-    results = []
-    for r in range(size):
-        f = workdir / f"result-{r}.json"
-        results.append(json.loads(f.read_text()) if f.exists() else None)
+    files = [workdir / f"result-{r}.json" for r in range(size)]
+    results = [json.loads(f.read_text()) if f.exists() else None for f in files]
     (workdir / "logs.txt").write_text("\n".join(f"--- rank {r}\n{log}" for r, log in enumerate(logs)))
     return results
 
@@ -102,8 +89,8 @@ def _launch_here(rank: int, argv: list[str], env: dict[str, str]) -> subprocess.
 
 @contextlib.contextmanager
 def _harness_device() -> Iterator[None]:
-    """GLOO_SOCKET_IFNAME set to this rank's harness interface for the duration (restored after: gloo reads it when
-    a group is made, and reshard's own groups must not inherit the harness's choice)."""
+    """GLOO_SOCKET_IFNAME set to this rank's harness interface for the duration (reshard's groups must not
+    inherit it)."""
     if _harness_interface is None:
         yield
         return
@@ -119,14 +106,10 @@ def _harness_device() -> Iterator[None]:
 
 
 def new_group(ranks: list[int]) -> Any:
-    """A subgroup of the harness world (torch.distributed.new_group: every rank must call it), on the harness's
-    device.
-
-    Args:
-        ranks: the ranks of the group.
+    """A subgroup of `ranks` of the harness world, on the harness's device (every rank must call it).
 
     Returns:
-        The process group (None on ranks outside it, as torch.distributed returns).
+        The process group (as torch.distributed.new_group returns it).
 
     Raises:
         RuntimeError: from torch.distributed, when the group cannot be made.
@@ -137,26 +120,18 @@ def new_group(ranks: list[int]) -> Any:
         return dist.new_group(ranks)
 
 
-def _nccl_hosts_sharing_gpus(rank: int, size: int) -> None:
-    """Where ranks share GPUs, make each one a host of its own to NCCL, joined over loopback (module docstring)."""
-    import torch
-
-    if 0 < torch.cuda.device_count() < size:
-        os.environ.setdefault("NCCL_HOSTID", f"reshard-world-rank{rank}")
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-
-
 def _main(job_path: str, rank: int) -> None:
+    import torch
     import torch.distributed as dist
 
     global _harness_interface
     job = json.loads(Path(job_path).read_text())
     _harness_interface = (job.get("interfaces") or [None] * job["size"])[rank]
     backend, device = job.get("backend", "gloo"), None
-    _nccl_hosts_sharing_gpus(rank, job["size"])
+    if 0 < torch.cuda.device_count() < job["size"]:  # ranks share GPUs: each a host of its own to NCCL, over lo
+        os.environ.setdefault("NCCL_HOSTID", f"reshard-world-rank{rank}")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     if backend == "nccl":  # one GPU per process, bound at start-up (communicators made eagerly)
-        import torch
-
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     with _harness_device():

@@ -1,24 +1,11 @@
 """`reshard validate --model CONFIG`: the stages that make a family "supported", run on a tiny instance of the
-config's structure, each reported pass / FAIL / not run. A stage whose dependency is missing in this interpreter
-says "not run" with the reason, never "pass".
+config's structure, each reported pass / FAIL / not run (a missing dependency gives "not run" with the reason).
 
-Stages:
-- discovery: the config's architecture resolves to a registered family and its full-size spec builds;
-- megatron layout: a real megatron-core model built on CPU (local specs, TP=1 and TP=2 [+EP=2 for MoE]) has,
-  on every rank, exactly the parameter names and shapes the declared MegatronLayout derives;
-- vllm layout: a real vLLM model (TP=1, dummy weights) has exactly the declared VllmLayout's names/shapes;
-- hf parity: a tiny megatron-core model (TP=2 [EP=2], random weights) refitted Megatron -> HF by reshard's
-  torch.distributed executor; transformers' logits on those weights equal megatron-core's (fp32, hf_parity.py);
-- vllm load parity: random HF weights installed into a vLLM model by vLLM's own load_weights and then (storage
-  poisoned first) by reshard's direct install of the compiled HF -> vLLM plan, and again by its loader install
-  (canonical tensors per layer group, handed to load_weights): byte-identical parameters
-  (vllm_load.py; fresh vLLM processes, TP=1 and TP=2; bf16 by default);
-- mismatch: the train-inference mismatch after a refit (reshard.verify): an in-process vLLM engine (the vLLM CPU
-  virtualenv: the whole engine on CPU) started fresh on random weights T scores a few sequences; reshard refits it
-  with other weights (the check must flag them), then with T (its log-probabilities must equal the fresh engine's
-  within the float32 thresholds); transformers on T is reported beside them (mismatch_side.py);
-- round trip: random Megatron -> vLLM (and HF) layout pairs of the tiny model (seeded; no hypothesis needed); the
-  compiled plan moves random weights to exactly the destination shards the layout declares, byte for byte.
+Stages: discovery (the architecture resolves to a family); megatron layout and vllm layout (real models' parameter
+names and shapes equal the declared layouts'); hf parity (a megatron-core model refitted Megatron -> HF: transformers'
+logits equal megatron-core's, hf_parity.py); vllm load parity (reshard's direct and loader installs byte-identical to
+vLLM's load_weights, vllm_load.py); mismatch (a CPU vLLM engine refitted by reshard scores like one started fresh,
+mismatch_side.py); round trip (random layout pairs: every destination byte as declared, roundtrip.py).
 """
 from __future__ import annotations
 
@@ -50,18 +37,17 @@ class StageResult:
 
 @dataclass
 class Context:
-    """What every validation stage reads: the model config, its tiny stand-in, the pythons of the vLLM
-    virtualenvs, and the negative tests' planted corruptions."""
+    """What every validation stage reads: the config, its tiny stand-in, the vLLM pythons, planted corruptions."""
 
     config: dict[str, Any]
     tiny: dict[str, Any] = field(default_factory=dict)
     spec: ModelSpec | None = None
     vllm_python: str | None = None
-    vllm_cpu_python: str | None = None  # the vLLM CPU virtualenv's python (the mismatch stage's engine)
+    vllm_cpu_python: str | None = None  # the mismatch stage's engine
     examples: int = 20
     vllm_dtype: str = "bfloat16"
     vllm_worlds: tuple[int, ...] = (1, 2)  # vLLM TP sizes of the vllm load parity stage
-    # stage -> canonical tensor to corrupt on reshard's side (negative tests: the stage must then say FAIL)
+    # stage -> canonical tensor to corrupt on reshard's side (the stage must then say FAIL)
     perturb: dict[str, str] = field(default_factory=dict)
 
 
@@ -76,12 +62,26 @@ def _has(module: str) -> bool:
         return False
 
 
+def _need(*modules: str) -> None:
+    """NotRun naming the modules this interpreter cannot import, if any."""
+    missing = [m for m in modules if not _has(m)]
+    if missing:
+        raise NotRun(f"{', '.join(missing)} not importable in this interpreter")
+
+
 def _diff(declared: dict[str, tuple], real: dict[str, tuple], where: str) -> list[str]:
     out = [f"{where}: {n} {tuple(real[n])} built but not declared" for n in sorted(set(real) - set(declared))]
     out += [f"{where}: {n} {tuple(declared[n])} declared but not built" for n in sorted(set(declared) - set(real))]
     out += [f"{where}: {n} declared {tuple(declared[n])}, built {tuple(real[n])}"
             for n in sorted(set(declared) & set(real)) if tuple(declared[n]) != tuple(real[n])]
     return out
+
+
+def _refuse(problems: list[str]) -> None:
+    """AssertionError listing the first 12 problems, if there are any."""
+    if problems:
+        more = f" (+{len(problems) - 12} more)" if len(problems) > 12 else ""
+        raise AssertionError("; ".join(problems[:12]) + more)
 
 
 # --- stages ---------------------------------------------------------------------------------------------
@@ -96,28 +96,19 @@ def _stage_discovery(ctx: Context) -> str:
             + (f"; excluded from refits: {'; '.join(excluded)}" if excluded else ""))
 
 
-def _megatron_layouts(spec: ModelSpec) -> list[MegatronLayout]:
-    # Two processes each (the CI machine has 2 cores): TP=2 cuts every dense tensor; for MoE a second build
-    # with EP=2 x expert-TP=1 next to TP=2 places experts by EP rank.
-    out = [MegatronLayout(model=spec, tp=2)]
-    if spec.is_moe:
-        out.append(MegatronLayout(model=spec, tp=2, ep=2, etp=1))
-    return out
-
-
 def _stage_megatron_layout(ctx: Context) -> str:
-    if not _has("megatron.core"):
-        raise NotRun("megatron-core is not importable in this interpreter")
+    _need("megatron.core")
     from .megatron_side import megatron_rank_tensors
 
     problems, done = [], []
-    for lay in _megatron_layouts(ctx.spec):
+    # two processes each (CI has 2 cores): TP=2 cuts every dense tensor; for MoE, EP=2 places experts by EP rank
+    for lay in [MegatronLayout(model=ctx.spec, tp=2)] + ([MegatronLayout(model=ctx.spec, tp=2, ep=2, etp=1)]
+                                                          if ctx.spec.is_moe else []):
         real = megatron_rank_tensors(lay)
         for r in range(lay.num_ranks):
             problems += _diff(lay.rank_tensors(r), real[r], f"{lay} rank {r}")
         done.append(f"tp={lay.tp},ep={lay.ep}")
-    if problems:
-        raise AssertionError("; ".join(problems[:12]) + (f" (+{len(problems) - 12} more)" if len(problems) > 12 else ""))
+    _refuse(problems)
     return f"names and shapes equal on every rank ({', '.join(done)}; local specs)"
 
 
@@ -129,22 +120,19 @@ def _stage_vllm_layout(ctx: Context) -> str:
 
 
 def vllm_layout_summary(spec: ModelSpec, real: dict[str, list[int]]) -> str:
-    """The vllm layout stage's verdict: the declared TP=1 VllmLayout of `spec` against the parameter shapes a real
-    vLLM model built (vllm_side's entry).
+    """The vllm layout stage's verdict: the declared TP=1 VllmLayout of `spec` against a real vLLM model's shapes.
 
     Raises:
         AssertionError: names or shapes differ (the first 12 differences).
     """
     lay = VllmLayout(model=spec, tp=1)
-    problems = _diff(lay.rank_tensors(0), real, str(lay))
-    if problems:
-        raise AssertionError("; ".join(problems[:12]) + (f" (+{len(problems) - 12} more)" if len(problems) > 12 else ""))
+    _refuse(_diff(lay.rank_tensors(0), real, str(lay)))
     return f"{len(real)} parameters: names and shapes equal ({lay})"
 
 
 def _vllm_python(ctx: Context) -> str:
-    """The interpreter for vLLM stages: always a fresh process (vLLM's parallel state is global and may be
-    taken in this one); this one if it has vLLM, else --vllm-python."""
+    """The python for vLLM stages (run in fresh processes: vLLM's parallel state is global): this one if it has
+    vLLM, else --vllm-python."""
     if _has("vllm"):
         return sys.executable
     if ctx.vllm_python:
@@ -153,9 +141,7 @@ def _vllm_python(ctx: Context) -> str:
 
 
 def _stage_hf_parity(ctx: Context) -> str:
-    missing = [m for m in ("megatron.core", "transformers", "safetensors") if not _has(m)]
-    if missing:
-        raise NotRun(f"{', '.join(missing)} not importable in this interpreter")
+    _need("megatron.core", "transformers", "safetensors")
     from .hf_parity import hf_parity
     from .megatron_side import Unmapped
 
@@ -176,8 +162,7 @@ def _stage_vllm_load_parity(ctx: Context) -> str:
 
 
 def _vllm_cpu_python(ctx: Context) -> str:
-    """The vLLM CPU virtualenv's python (a whole engine on CPU): --vllm-cpu-python, else $RESHARD_VLLM_CPU_PYTHON,
-    else this checkout's .venv-vllm-cpu."""
+    """The vLLM CPU virtualenv's python: --vllm-cpu-python, else $RESHARD_VLLM_CPU_PYTHON, else .venv-vllm-cpu."""
     import os
 
     from .vllm_load import ROOT
@@ -191,10 +176,8 @@ def _vllm_cpu_python(ctx: Context) -> str:
 
 
 def mismatch_config(tiny: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
-    """The tiny config the mismatch stage serves, float32, with the model's own rope scaling where the tiny instance
-    dropped it (DeepSeek-V3's yarn; the tiny instance sets rope_scaling None): vLLM and transformers run the real rotary
-    path (vLLM's DeepSeek yarn rotary, mscale in the softmax scale), not vLLM's plain one, whose CPU kernel
-    mis-rotates MLA's query (mismatch_side.py)."""
+    """The tiny config the mismatch stage serves: float32, with the model's own rope scaling where the tiny instance
+    dropped it (DeepSeek-V3's yarn), so vLLM avoids its plain rotary CPU kernel, which mis-rotates MLA's query."""
     out = dict(tiny, torch_dtype="float32")
     if out.get("rope_scaling") is None and config.get("rope_scaling"):
         out["rope_scaling"] = config["rope_scaling"]
@@ -226,8 +209,7 @@ def _stage_mismatch(ctx: Context) -> str:
 
 
 def _stage_round_trip(ctx: Context) -> str:
-    if not _has("torch"):
-        raise NotRun("torch is not importable")
+    _need("torch")
     from .roundtrip import round_trip
 
     return round_trip(ctx.spec, ctx.examples)
@@ -248,11 +230,14 @@ def validate(config: "dict | str | Path", stages: list[str] | None = None, vllm_
              examples: int = 20, perturb: dict[str, str] | None = None,
              vllm_dtype: str = "bfloat16", vllm_worlds: tuple[int, ...] = (1, 2),
              vllm_cpu_python: str | None = None) -> list[StageResult]:
-    """Run the stages (default all); `perturb` (stage -> canonical tensor name) corrupts that tensor on
-    reshard's side of a parity stage (or of the mismatch stage's refit), for tests that the stage can fail."""
+    """Run the stages (default all; discovery always) and return one result per stage; `perturb` (stage ->
+    canonical tensor) corrupts that tensor on reshard's side, for tests that the stage can fail.
+
+    Raises:
+        ReshardError: an unknown stage, or a config that cannot be read.
+    """
     ctx = Context(config=read_hf_config(config), vllm_python=vllm_python, vllm_cpu_python=vllm_cpu_python,
-                  examples=examples,
-                  perturb=dict(perturb or {}), vllm_dtype=vllm_dtype, vllm_worlds=tuple(vllm_worlds))
+                  examples=examples, perturb=dict(perturb or {}), vllm_dtype=vllm_dtype, vllm_worlds=tuple(vllm_worlds))
     wanted = set(stages or [name for name, _ in STAGES]) | {"discovery"}
     unknown = wanted - {name for name, _ in STAGES}
     if unknown:
@@ -269,29 +254,23 @@ def validate(config: "dict | str | Path", stages: list[str] | None = None, vllm_
             results.append(StageResult(name, PASS, fn(ctx), time.monotonic() - t0))
         except NotRun as exc:
             results.append(StageResult(name, NOT_RUN, str(exc), time.monotonic() - t0))
-        except (AssertionError, ReshardError, Exception) as exc:  # a stage's failure is a row, not a crash
+        except Exception as exc:  # a stage's failure is a row, not a crash
             detail = str(exc) if isinstance(exc, (AssertionError, ReshardError)) else \
                 f"{type(exc).__name__}: {exc} | {traceback.format_exc(limit=-2).strip().splitlines()[-3:]}"
             results.append(StageResult(name, FAIL, detail, time.monotonic() - t0))
     return results
 
 
-def _format_table(results: list[StageResult]) -> str:
-    width = max(len(r.stage) for r in results)
-    lines = [f"{'stage':<{width}}  {'result':<7}  {'time':>6}  detail"]
-    for r in results:
-        lines.append(f"{r.stage:<{width}}  {r.status:<7}  {r.seconds:5.1f}s  {r.detail}")
-    return "\n".join(lines)
-
-
 def main_validate(args: Any) -> int:
     """`reshard validate` (arguments parsed by reshard.cli): prints the results; 1 where a stage failed, else 0."""
     results = validate(args.model, stages=args.stages.split(",") if args.stages else None,
                        vllm_python=args.vllm_python, examples=args.examples,
-                       vllm_dtype=getattr(args, "vllm_dtype", "bfloat16"),
-                       vllm_cpu_python=getattr(args, "vllm_cpu_python", None))
+                       vllm_dtype=args.vllm_dtype, vllm_cpu_python=args.vllm_cpu_python)
     if args.json:
         print(json.dumps([r.__dict__ for r in results]))
     else:
-        print(_format_table(results))
+        width = max(len(r.stage) for r in results)
+        print(f"{'stage':<{width}}  {'result':<7}  {'time':>6}  detail")
+        for r in results:
+            print(f"{r.stage:<{width}}  {r.status:<7}  {r.seconds:5.1f}s  {r.detail}")
     return 1 if any(r.status == FAIL for r in results) else 0

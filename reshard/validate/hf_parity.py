@@ -1,12 +1,8 @@
-"""HF parity: a refit Megatron -> HF layout reproduces megatron-core's logits in transformers.
+"""HF parity: a refit Megatron -> HF reproduces megatron-core's logits in transformers.
 
-A tiny real megatron-core model of the family (CPU, gloo, two ranks: TP=2, MoE experts at EP=2) gets random
-weights (megatron's own seeded init; norms and the router bias made non-trivial); it computes logits on a few
-tokens. reshard binds its live tensors (reshard.adapters.megatron, verified against the declared layout),
-compiles Megatron -> HF and moves the bytes with the torch.distributed executor to rank 0. transformers'
-model of the tiny config loads those weights (strict: no missing, unexpected or mis-shaped tensor) and its fp32
-logits must agree with megatron-core's within LOGIT_ATOL. On a mismatch the first layer whose output differs
-(forward hooks on both sides) names the tensors to look at.
+A tiny megatron-core model (CPU, two gloo ranks, random weights, non-trivial norms) computes logits; reshard refits
+its live tensors to HF on rank 0 with the torch.distributed executor; transformers loads them strictly and its fp32
+logits must agree within LOGIT_RTOL. On a mismatch the first layer whose output differs names the tensors.
 """
 from __future__ import annotations
 
@@ -19,13 +15,10 @@ import torch
 
 from ..layouts import HfLayout, MegatronLayout, ModelSpec
 
-# fp32 on both sides; megatron-core and transformers order float operations differently, so logits agree to
-# rounding, not bit for bit: |diff| <= LOGIT_RTOL * scale (the margin over fp32 rounding: BENCHMARKS.md,
-# Mismatch).
+# fp32 both sides, float operations ordered differently: |diff| <= LOGIT_RTOL * scale (BENCHMARKS.md, Mismatch).
 LOGIT_RTOL = 1e-5
 LAYER_RTOL = 1e-5  # a layer output "differs" beyond this fraction of its magnitude (localisation only)
-# Weight init scale: large enough that attention scores are O(1) (at megatron's default 0.02 attention is
-# nearly uniform and a wrong q/k head order would move the logits too little to see).
+# Weight init scale: attention scores O(1), so a wrong q/k head order moves the logits visibly (not at 0.02).
 INIT_STD = 0.1
 TOKENS = (2, 8)  # batch, sequence
 SEED = 7
@@ -36,10 +29,6 @@ def parity_layout(spec: ModelSpec) -> MegatronLayout:
     if spec.is_moe:
         return MegatronLayout(model=spec, tp=2, ep=2, etp=1)
     return MegatronLayout(model=spec, tp=2)
-
-
-def _tokens(vocab: int) -> torch.Tensor:
-    return torch.randint(0, vocab, TOKENS, generator=torch.Generator().manual_seed(SEED))
 
 
 def _record(module: torch.nn.Module, out: dict[int, torch.Tensor], key: int, seq_first: bool) -> None:
@@ -72,7 +61,7 @@ def _parity_rank(layout_json: str, hf_json: str, out_dir: str) -> None:
     _record(model.embedding, outputs, -1, seq_first=True)
     for i, layer in enumerate(model.decoder.layers):
         _record(layer, outputs, layer.layer_number - 1, seq_first=True)
-    tokens = _tokens(spec.vocab_size)
+    tokens = torch.randint(0, spec.vocab_size, TOKENS, generator=torch.Generator().manual_seed(SEED))
     logits = forward_logits([model], tokens)
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -88,8 +77,11 @@ def _parity_rank(layout_json: str, hf_json: str, out_dir: str) -> None:
 
 
 def perturbed(weights: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
-    """`weights` with tensor `name` corrupted the way a wrong refit would: two rows swapped (a 1-D tensor:
-    halved), everything else untouched."""
+    """`weights` with tensor `name` corrupted as a wrong refit would: two rows swapped (a 1-D tensor: halved).
+
+    Raises:
+        KeyError: `name` is not one of `weights`.
+    """
     if name not in weights:
         raise KeyError(f"cannot perturb {name}: not a canonical tensor of this model")
     t = weights[name].clone()
@@ -101,8 +93,8 @@ def perturbed(weights: dict[str, torch.Tensor], name: str) -> dict[str, torch.Te
 
 
 def transformers_config(config: dict[str, Any]) -> dict[str, Any]:
-    """`config` with a model_type transformers knows: a checkpoint shipping remote code under its own type (Kimi-K2:
-    `kimi_k2`, architecture DeepseekV3ForCausalLM) gets the type whose causal-LM class is its architecture."""
+    """`config` with a model_type transformers knows: a remote-code type (Kimi-K2's `kimi_k2`) gets the type whose
+    causal-LM class is its architecture."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -117,8 +109,11 @@ def transformers_config(config: dict[str, Any]) -> dict[str, Any]:
 
 def hf_forward(config: dict[str, Any], weights: dict[str, torch.Tensor], tokens: torch.Tensor,
                workdir: Path) -> tuple[torch.Tensor, dict[int, torch.Tensor], dict[str, list]]:
-    """transformers' model of `config` loaded with `weights` (HF checkpoint names) through from_pretrained,
-    fp32, eager attention: (logits, {layer index (-1 = embedding): output [b, s, H]}, loading problems)."""
+    """transformers' model of `config` loaded with `weights` (fp32, eager attention).
+
+    Returns:
+        (logits, {layer index (-1: embedding): output [b, s, H]}, loading problems).
+    """
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 

@@ -1,14 +1,12 @@
-"""Tiny real megatron-core GPT models of a ModelSpec on CPU (gloo, one process per rank, local module specs:
-transformer-engine does not run on CPU), for two validation stages:
-- megatron layout: each rank's named parameters and persistent buffers, compared with the declared layout;
-- hf parity: the model's own logits on a few tokens, and its weights refitted to the HF layout by reshard.
+"""Tiny real megatron-core GPT models of a ModelSpec on CPU (gloo, one process per rank, local module specs), for
+the megatron layout stage (each rank's parameter names and shapes) and hf parity (logits and a refit to HF).
 
-Numerics (norm epsilon, RoPE, router) come from the tiny HF config, so that transformers computes the same
-function; a setting without a megatron-core equivalent raises `Unmapped` (the stage says "not run").
-megatron-core's CUDA assumptions are patched the way tests do it (reshard.testing.megatron_cpu).
+Numerics (norm epsilon, RoPE, router) come from the tiny HF config, so transformers computes the same function; a
+setting without a megatron-core equivalent raises `Unmapped` (the stage says "not run").
 """
 from __future__ import annotations
 
+import functools
 import json
 import tempfile
 from pathlib import Path
@@ -25,11 +23,8 @@ class Unmapped(Exception):
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-    """(rope base, GPTModel rope arguments) of an HF config (transformers 4 or 5 spelling). Partial rotary
-    (Qwen3.5: the first 25% of each head's dims rotate, rotate-half style) is megatron-core's rotary_percent.
-    mRoPE (Qwen3.5's `mrope_section`) rotates sections of those dims by the temporal / height / width position;
-    for text-only tokens the three positions are equal, so it is ordinary RoPE here (the parity stage feeds
-    text tokens only)."""
+    """(rope base, GPTModel rope arguments) of an HF config (transformers 4 or 5 spelling). Partial rotary is
+    megatron-core's rotary_percent; mRoPE is ordinary RoPE for the text-only tokens the parity stage feeds."""
     params = hf.get("rope_parameters") or {}
     theta = hf.get("rope_theta") or params.get("rope_theta") or 10000.0
     partial = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
@@ -66,32 +61,31 @@ def _router(spec: ModelSpec, hf: dict[str, Any]) -> dict[str, Any]:
 
 def transformer_config(spec: ModelSpec, tp: int, pp: int, ep: int, etp: int,
                        hf: dict[str, Any] | None = None, init_std: float = 0.02) -> Any:
-    """megatron-core config of the spec: the shared dense / MoE options, the family's own
-    (`ModelFamily.megatron_options`, in its config class); with the HF config `hf`, also its numerics (epsilon,
-    rope base, router). `init_std`: megatron's weight init scale."""
-    import torch.nn.functional as F
+    """megatron-core config of the spec: the shared CPU options, the family's own (`ModelFamily.megatron_options`,
+    in its config class) and, with the HF config `hf`, its numerics (epsilon, rope base, router).
+
+    Raises:
+        Unmapped: an HF setting with no megatron-core equivalent here.
+    """
     from megatron.core.transformer import transformer_config as configs
+
+    from ..testing.megatron_cpu import CPU_OPTIONS, MOE_OPTIONS
 
     hf = hf or {}
     if hf.get("hidden_act", "silu") != "silu":
         raise Unmapped(f"hidden_act={hf['hidden_act']!r}: the CPU build uses SwiGLU (silu)")
     fam = family(spec.family)
     kw: dict[str, Any] = dict(
-        num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
-        num_query_groups=spec.num_key_value_heads, kv_channels=spec.head_dim,
-        ffn_hidden_size=spec.intermediate_size or spec.moe_intermediate_size, normalization="RMSNorm",
-        layernorm_epsilon=hf.get("rms_norm_eps", 1e-5), gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, add_qkv_bias=False,
-        qk_layernorm=spec.qk_norm, hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
-        params_dtype=torch.float32, bias_activation_fusion=False, bias_dropout_fusion=False,
-        masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, init_method_std=init_std)
+        CPU_OPTIONS, num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_key_value_heads,
+        kv_channels=spec.head_dim, ffn_hidden_size=spec.intermediate_size or spec.moe_intermediate_size,
+        layernorm_epsilon=hf.get("rms_norm_eps", 1e-5), qk_layernorm=spec.qk_norm, params_dtype=torch.float32,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp, init_method_std=init_std)
     if pp > 1:
         kw["pipeline_dtype"] = torch.float32
     if spec.is_moe:
-        kw.update(num_moe_experts=spec.num_experts, moe_ffn_hidden_size=spec.moe_intermediate_size,
-                  moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
+        kw.update(MOE_OPTIONS, num_moe_experts=spec.num_experts, moe_ffn_hidden_size=spec.moe_intermediate_size,
                   moe_layer_freq=[0 if i in spec.dense_layers else 1 for i in range(spec.num_layers)],
                   **_router(spec, hf))
     kw.update(fam.megatron_options(spec))
@@ -110,23 +104,21 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, ep: int, etp: int,
 
 
 def _fla_l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6, output_dtype: Any = None) -> torch.Tensor:
-    """STAND-IN for flash-linear-attention's `fla.modules.l2norm.l2norm`, a Triton GPU kernel: FLA cannot be installed
-    here (its release fails to import with the installed Triton: docs/guides/layouts.md, Versions). Same semantics as
-    FLA's forward kernel: over the last dim, in fp32, y = x * rsqrt(sum(x^2) + eps), eps 1e-6, returned in the input
-    dtype (or output_dtype). It is the only FLA function GatedDeltaNet's forward calls under deterministic_mode
-    (conv1d and the gated delta rule then run megatron-core's own torch code); installed only in the CPU build's rank
-    processes."""
+    """STAND-IN for FLA's Triton `l2norm` (FLA is not installable here: docs/guides/layouts.md, Versions), the only
+    FLA function GatedDeltaNet calls under deterministic_mode: y = x * rsqrt(sum(x^2) + eps) over the last dim in
+    fp32, returned in the input dtype (or output_dtype)."""
     xf = x.float()
     y = xf * torch.rsqrt((xf * xf).sum(dim=dim, keepdim=True) + eps)
     return y.to(output_dtype or x.dtype)
 
 
 class ZeroCenteredRMSNorm(torch.nn.Module):
-    """STAND-IN for TENorm (transformer-engine's RMSNorm, CUDA-only), which megatron-core builds for every norm
-    of a GPT layer, including GatedDeltaNet's out_norm, and which honours config.layernorm_zero_centered_gamma:
-    y = x * rsqrt(mean(x^2) + eps) * (1 + weight), in fp32, weight initialised to zeros. megatron-core's local
-    norm (WrappedTorchNorm = torch.nn.RMSNorm) refuses zero-centred gamma, so a Qwen3.5 trainer's norms
-    (layernorm_zero_centered_gamma=True, as Megatron-Bridge configures Qwen3.5/Qwen3-Next) need this here."""
+    """STAND-IN for TENorm (CUDA-only) with layernorm_zero_centered_gamma, which megatron-core's local norm refuses
+    (Qwen3.5 / Qwen3-Next trainers use it): y = x * rsqrt(mean(x^2) + eps) * (1 + weight) in fp32, weight zeros.
+
+    Raises:
+        ValueError: a config other than RMSNorm with zero-centred gamma.
+    """
 
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
         super().__init__()
@@ -142,10 +134,10 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
 
 
 def _swap_norms(spec: Any, seen: set[int] | None = None) -> Any:
-    """Replace megatron-core's local torch norm by ZeroCenteredRMSNorm throughout a (block/layer) spec tree."""
+    """Replace megatron-core's local torch norm by ZeroCenteredRMSNorm throughout a spec tree (ModuleSpecs and
+    their submodules are dataclasses)."""
     import dataclasses
 
-    from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     if spec is WrappedTorchNorm:
@@ -154,11 +146,6 @@ def _swap_norms(spec: Any, seen: set[int] | None = None) -> Any:
     if id(spec) in seen:  # specs share sub-specs
         return spec
     seen.add(id(spec))
-    if isinstance(spec, ModuleSpec):
-        if spec.module is WrappedTorchNorm:
-            spec.module = ZeroCenteredRMSNorm
-        spec.submodules = _swap_norms(spec.submodules, seen)
-        return spec
     if isinstance(spec, list):
         spec[:] = [_swap_norms(x, seen) for x in spec]
         return spec
@@ -169,13 +156,9 @@ def _swap_norms(spec: Any, seen: set[int] | None = None) -> Any:
 
 
 def _gdn_block_spec(config: Any) -> Any:
-    """The per-layer specs of megatron-core's experimental hybrid block
-    (get_transformer_layer_with_experimental_attention_variant_spec: GatedDeltaNet as the self_attention of the
-    layers `linear_attention_freq` marks, standard attention elsewhere, MLP/MoE per moe_layer_freq) from local
-    modules: that builder accepts only TransformerEngine, absent on CPU. The local provider has no fused
-    norm-linear, so GDN layers keep a separate input_layernorm and a plain ColumnParallelLinear in_proj.
-    FLA (GDN's kernels) is not installable here; the module's import guard is lifted: only its parameters are
-    listed, no kernel runs."""
+    """megatron-core's experimental hybrid block (GatedDeltaNet as self_attention where `linear_attention_freq`
+    marks, standard attention elsewhere) from local modules: its own builder accepts only TransformerEngine. FLA's
+    import guard is lifted (its one kernel GDN calls: _fla_l2norm)."""
     import copy
     import dataclasses
 
@@ -190,13 +173,12 @@ def _gdn_block_spec(config: Any) -> Any:
     gdn = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
         in_proj=local.column_parallel_linear(), out_norm=local.layer_norm(rms_norm=True, for_qk=False),
         out_proj=local.row_parallel_linear()))
-    plain = dataclasses.replace(config, experimental_attention_variant=None)  # the GPT builder refuses variants
-    block = get_gpt_decoder_block_spec(plain, use_transformer_engine=False, normalization="RMSNorm")
-    pattern = config.linear_attention_freq
     if config.pipeline_model_parallel_size > 1:
         raise ValueError("the CPU GDN build covers pp=1")
+    plain = dataclasses.replace(config, experimental_attention_variant=None)  # the GPT builder refuses variants
+    block = get_gpt_decoder_block_spec(plain, use_transformer_engine=False, normalization="RMSNorm")
     specs = []
-    for layer, linear in zip(block.layer_specs, pattern):
+    for layer, linear in zip(block.layer_specs, config.linear_attention_freq):
         if linear:  # layer specs may share objects: copy before swapping the attention
             layer = copy.copy(layer)
             layer.submodules = dataclasses.replace(layer.submodules, self_attention=gdn)
@@ -205,32 +187,25 @@ def _gdn_block_spec(config: Any) -> Any:
     return block
 
 
-_MLA_CORE: list[type] = []
-
-
+@functools.cache
 def mla_core_attention() -> type:
-    """megatron-core's local DotProductAttention, usable under MLA. MultiLatentAttention builds its core
-    attention with `k_channels` / `v_channels`, which the local class does not accept (only the TE class
-    does, and TE is CUDA-only). Its computation is generic in the key width and sizes its output by
-    `config.kv_channels`, which the MLA config here sets to the value head width; so this subclass only drops
-    the two keywords (checking the value width) and megatron-core's own attention math runs."""
-    if not _MLA_CORE:
-        from megatron.core.transformer.dot_product_attention import DotProductAttention
+    """megatron-core's local DotProductAttention, accepting the `k_channels` / `v_channels` MLA passes (only the
+    CUDA-only TE class takes them): the value width is config.kv_channels, checked; the key width is generic."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-        class MLADotProductAttention(DotProductAttention):
-            def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None,
-                         **kwargs: Any) -> None:
-                super().__init__(*args, **kwargs)
-                if v_channels is not None and v_channels != self.config.kv_channels:
-                    raise ValueError(f"v_channels {v_channels} != config.kv_channels {self.config.kv_channels}")
+    class MLADotProductAttention(DotProductAttention):
+        def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None,
+                     **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            if v_channels is not None and v_channels != self.config.kv_channels:
+                raise ValueError(f"v_channels {v_channels} != config.kv_channels {self.config.kv_channels}")
 
-        _MLA_CORE.append(MLADotProductAttention)
-    return _MLA_CORE[0]
+    return MLADotProductAttention
 
 
 def build_gpt(spec: ModelSpec, lay: dict[str, Any], hf: dict[str, Any] | None = None, init_std: float = 0.02) -> Any:
-    """This rank's GPTModel (eval mode) for the parallel state now initialized; `lay` holds tp/pp/ep/etp and
-    padded_vocab. CPU initialisation from one seed: every rank draws the same master weights."""
+    """This rank's GPTModel (eval mode) for the parallel state now initialized (`lay`: layout_dict's); every rank
+    draws the same master weights from one seed."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -258,7 +233,11 @@ def build_gpt(spec: ModelSpec, lay: dict[str, Any], hf: dict[str, Any] | None = 
 
 
 def layout_dict(layout: MegatronLayout) -> dict[str, Any]:
-    """The sizes the CPU build of megatron-core takes; ValueError for a layout it does not cover."""
+    """The sizes the CPU build of megatron-core takes.
+
+    Raises:
+        ValueError: a layout it does not cover.
+    """
     if layout.naming != "local" or layout.vpp != 1 or layout.first_stage_layers or layout.last_stage_layers:
         raise ValueError("the CPU build covers local naming, vpp=1 and even pipeline stages only")
     if layout.rank_order != "tp-cp-ep-dp-pp":

@@ -1,22 +1,12 @@
-"""The mismatch stage's engine side, run inside the vLLM CPU virtualenv (the whole engine on CPU): an in-process
-`vllm.LLM` started on random weights T of the tiny config scores a few sequences (the baseline: the same model
-served fresh from the same weights); reshard refits it (HF -> vLLM, loader install, in-process transport) with other
-weights, then with T again; reshard.verify's check (float32) must flag the first refit and pass the second against
-the fresh scores. transformers' scores of T are compared with the engine too (vLLM's model code against an
-independent implementation, not the refit: reported). Prints one `RESHARD_JSON {...}` line.
+"""The mismatch stage's engine side, in the vLLM CPU virtualenv: an in-process `vllm.LLM` started on random weights
+T scores a few sequences; reshard refits it (HF -> vLLM, loader install, in-process) with other weights, then with T
+again; reshard.verify's float32 check must flag the first and pass the second against the fresh scores.
+transformers' scores of T are reported beside them. Prints one `RESHARD_JSON {...}` line.
 
-The engine runs eager with vLLM's custom ops on, except the plain rotary embedding (`ENGINE_CUSTOM_OPS`): the vLLM
-CPU build's C++ `rotary_embedding` kernel (0.32) takes the head count from the last dimension, so a query of shape
-[tokens, heads, rope_dim], as vLLM's MLA layer passes it, is rotated only in the first `tokens` rows of its
-[tokens * heads, rope_dim] view (row r at position r) and the rest is left unrotated; the dense families pass
-[tokens, heads * head_dim] and are not affected, nor is DeepSeek-V3's own yarn rotary (torch on CPU), which the
-stage's config keeps (validate.mismatch_config). With the tiny config's rope_scaling None and that kernel,
-DeepSeek-V3 differed from transformers by max |dlogp| 25 whether loaded fresh or refit (docs/guides/verify.md).
+The engine runs without vLLM's plain rotary custom op (`ENGINE_CUSTOM_OPS`): the CPU build's kernel (0.32) rotates
+only the first `tokens` rows of MLA's 3-D query (docs/guides/verify.md).
 
-  python -m reshard.validate.mismatch_side CONFIG [--perturb NAME]
-
-`--perturb NAME` corrupts canonical tensor NAME on reshard's side of the refit (two rows swapped), for tests that
-the stage can fail.
+  python -m reshard.validate.mismatch_side CONFIG [--perturb NAME]     (NAME: a tensor corrupted on reshard's side)
 """
 from __future__ import annotations
 
@@ -29,8 +19,6 @@ from pathlib import Path
 from typing import Any
 
 SEEDS = (21, 22)  # the engine's starting weights, the refit's
-
-
 CPU_HEAD_DIM = 32  # vLLM's CPU attention kernels take head sizes of 32 and up; the tiny instances use 16
 MLA_HEAD_DIM = 320  # the smallest latent + rope head size vLLM's MLA backends take
 # Eager mode's custom ops ("all"), less the CPU rotary kernel that mis-rotates MLA's 3-D query (module docstring).
@@ -38,10 +26,8 @@ ENGINE_CUSTOM_OPS = ["all", "-rotary_embedding"]
 
 
 def engine_config(tiny: dict[str, Any]) -> dict[str, Any]:
-    """The tiny config with its attention heads widened to a size vLLM's CPU attention runs (the structure, and
-    so the layouts, unchanged): head_dim, or for MLA the rope / no-rope / value head sizes and the KV LoRA rank.
-    Embeddings are untied: the vLLM CPU build's tied lm_head refuses a loader install that names it (seen with
-    the tiny Qwen3; left for the refit work, not this check)."""
+    """The tiny config with attention heads widened to sizes vLLM's CPU attention runs (layouts unchanged), and
+    embeddings untied (the vLLM CPU build's tied lm_head refuses a loader install that names it)."""
     out = dict(tiny, tie_word_embeddings=False)
     if "kv_lora_rank" in out:  # MLA (DeepSeek-V3): vLLM's MLA takes kv_lora_rank + rope head sizes of 320 and up
         out.update(qk_nope_head_dim=CPU_HEAD_DIM, qk_rope_head_dim=CPU_HEAD_DIM, v_head_dim=CPU_HEAD_DIM,
@@ -51,16 +37,9 @@ def engine_config(tiny: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def engine_backends(config: dict[str, Any]) -> dict[str, Any]:
-    """Backends the float32 engine must be given: on a CPU with AMX, the vLLM CPU build (0.32) picks its AMX MLA
-    backend for MLA models whatever the dtype, and that backend's weight packing refuses float32 ("expect weight
-    to be bfloat16, float16, int8, fp8_e4m3 or uint8"); its reference MLA backend takes float32 on every CPU."""
-    return {"attention_backend": "CPU_MLA"} if "kv_lora_rank" in config else {}
-
-
 def random_checkpoint(config: dict[str, Any], out: Path, seed: int) -> dict[str, Any]:
-    """An HF checkpoint at `out` of the config with every canonical tensor N(0, 1) (large weights, so that a
-    misplaced element moves the log-probabilities); its tensors."""
+    """Write an HF checkpoint of `config` at `out`, every tensor N(0, 1) (a misplaced element moves the
+    log-probabilities), and return its tensors."""
     import torch
     from safetensors.torch import save_file
 
@@ -76,9 +55,8 @@ def random_checkpoint(config: dict[str, Any], out: Path, seed: int) -> dict[str,
 
 
 def mismatch_run(config_path: str, perturb: str | None = None, count: int = 3, length: int = 16) -> dict[str, Any]:
-    """Engine started on the trained weights (its scores: the fresh reference), refit with others (the check must
-    flag them), refit with the trained weights again (the check must pass against the fresh engine); transformers'
-    scores of the trained weights compared too. Every report as a dict."""
+    """The stage's run (module docstring): the reports `before` (other weights), `after` (trained weights again)
+    and `transformers`, as dicts."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: the inprocess transport
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -100,8 +78,10 @@ def mismatch_run(config_path: str, perturb: str | None = None, count: int = 3, l
         spec = ModelSpec.from_hf_config(str(trained_dir))
         sequences = random_sequences(spec.vocab_size, count, length)
         hf = checkpoint_scores(trained_dir, sequences)  # transformers: independent of vLLM and of reshard
+        # MLA: the reference CPU backend (vLLM 0.32's AMX one, picked on AMX CPUs, refuses float32 weights)
+        mla = {"attention_backend": "CPU_MLA"} if "kv_lora_rank" in config else {}
         llm = LLM(model=str(trained_dir), dtype="float32", enforce_eager=True, max_model_len=128,
-                  skip_tokenizer_init=True, enable_prefix_caching=False, seed=0, **engine_backends(config),
+                  skip_tokenizer_init=True, enable_prefix_caching=False, seed=0, **mla,
                   compilation_config={"custom_ops": ENGINE_CUSTOM_OPS},
                   weight_transfer_config={"backend": "reshard"},
                   worker_extension_cls="reshard.adapters.vllm.worker.ReshardWorkerExtension")

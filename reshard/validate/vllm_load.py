@@ -1,7 +1,5 @@
-"""The vLLM stages, run from any interpreter: processes of a vLLM virtualenv (reshard.validate.vllm_side), one per
-TP rank; for vllm load parity each compares vLLM's own `load_weights` of random HF weights with reshard's direct
-install of the compiled HF -> vLLM plan, parameter by parameter, byte for byte (TP=1 and TP=2 concurrently). One
-launch checks any number of configs in turn."""
+"""The vLLM stages from any interpreter: processes of a vLLM virtualenv (reshard.validate.vllm_side), one per TP
+rank, one launch per TP size checking any number of configs in turn."""
 from __future__ import annotations
 
 import json
@@ -20,8 +18,7 @@ WORLDS = (1, 2)
 
 def start_vllm(python: str, args: list[str], world: int = 1,
                module: str = "reshard.validate.vllm_side") -> list[subprocess.Popen]:
-    """`world` processes of `python -m MODULE ARGS` (default reshard.validate.vllm_side), one per rank (gloo over
-    localhost)."""
+    """`world` processes of `python -m MODULE ARGS`, one per rank (gloo over localhost)."""
     port, procs = free_port(), []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
@@ -33,8 +30,11 @@ def start_vllm(python: str, args: list[str], world: int = 1,
 
 
 def collect(procs: list[subprocess.Popen], deadline: float) -> list[Any]:
-    """Each process's RESHARD_JSON payload; a failed or late one raises AssertionError with its last error line
-    (the others are killed)."""
+    """Each process's RESHARD_JSON payload.
+
+    Raises:
+        AssertionError: a process failed or was late (its last error line; the others are killed).
+    """
     out = []
     try:
         for rank, p in enumerate(procs):
@@ -57,9 +57,8 @@ def collect(procs: list[subprocess.Popen], deadline: float) -> list[Any]:
 
 def side_reports(tinies: list[dict[str, Any]], python: str, *args: str, worlds: tuple[int, ...] = (1,),
                  dtype: str = "bfloat16", timeout_s: float = 900) -> list[dict[int, list[Any]]]:
-    """reshard.validate.vllm_side ARGS on each tiny config (in `dtype`): one launch of processes per TP size in
-    `worlds`, concurrently, each checking every config in turn. Returns, per config, TP size -> its ranks'
-    entries."""
+    """reshard.validate.vllm_side ARGS on each tiny config (in `dtype`), one launch per TP size in `worlds`,
+    concurrently. Returns, per config, TP size -> its ranks' entries."""
     with tempfile.TemporaryDirectory(prefix="reshard_vllm_") as tmp:
         paths = [str(Path(tmp, f"config{i}.json")) for i in range(len(tinies))]
         for path, tiny in zip(paths, tinies):
@@ -72,14 +71,14 @@ def side_reports(tinies: list[dict[str, Any]], python: str, *args: str, worlds: 
 
 def load_parity_reports(tinies: list[dict[str, Any]], python: str, perturb: dict[int, str] | None = None,
                         worlds: tuple[int, ...] = WORLDS, dtype: str = "bfloat16") -> list[dict[int, list[Any]]]:
-    """The vllm load parity ranks' reports (vllm_side.load_parity) of each tiny config, per TP size in `worlds`
-    (side_reports). `perturb`: config index -> canonical tensor corrupted on reshard's side."""
+    """vllm_side.load_parity's reports per config and TP size (side_reports). `perturb`: config index -> canonical
+    tensor corrupted on reshard's side."""
     return side_reports(tinies, python, "--load-parity", "--dtype", dtype,
                         *(f"--perturb={i}={name}" for i, name in (perturb or {}).items()), worlds=worlds, dtype=dtype)
 
 
 def load_parity_summary(reports: dict[int, list[dict[str, Any]]], dtype: str = "bfloat16") -> str:
-    """One config's verdict from its reports (load_parity_reports): the line the stage prints.
+    """One config's verdict from its load_parity_reports: the line the stage prints.
 
     Raises:
         AssertionError: a direct install refused the declared layout, or an install's bytes differ from vLLM's

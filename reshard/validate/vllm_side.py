@@ -1,15 +1,11 @@
-"""Run inside the vLLM virtualenv, one process per TP rank (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT in
-the environment; defaults: one rank): build vLLM models from an HF config without an engine (gloo, CPU), as a
-vLLM worker builds them, and print one `RESHARD_JSON {...}` line.
+"""Run inside the vLLM virtualenv, one process per TP rank (RANK / WORLD_SIZE / MASTER_* in the environment):
+build vLLM models from HF configs without an engine (gloo, CPU) and print one `RESHARD_JSON [...]` line, an entry
+per config (one process checks several: start-up is most of a check's time).
 
   python -m reshard.validate.vllm_side CONFIG...             named parameters (vllm layout stage; TP=1)
   python -m reshard.validate.vllm_side CONFIG... --load-parity [--perturb INDEX=NAME]... [--dtype bfloat16]
-      random HF weights into the model by vLLM's own load_weights, then (storage poisoned) by reshard's direct
-      install of the compiled HF -> vLLM plan, then by its loader install; reports the parameters whose bytes
-      differ (vllm load parity). --perturb corrupts tensor NAME of config INDEX (0-based) on reshard's side.
-
-Several configs are checked one after another in the same processes (one start, one import of vLLM, one
-distributed set-up: most of a check's time); the line holds one entry per config.
+      random HF weights by vLLM's load_weights, then by reshard's direct and loader installs: the parameters
+      whose bytes differ. --perturb corrupts tensor NAME of config INDEX on reshard's side.
 """
 from __future__ import annotations
 
@@ -27,10 +23,8 @@ SEED = 11
 
 @contextlib.contextmanager
 def vllm_world(dtype: str = "bfloat16") -> Iterator[Callable[[str], Any]]:
-    """`model_config`: `with model_config(CONFIG) as (vllm config, a function building one model instance, this
-    rank)`, vLLM's parallel state over gloo set up once, at the first config: one process checks several configs
-    (its start, imports and distributed set-up are most of a check's time). Each config gets its own vLLM config,
-    so the models of different configs register their attention layers apart."""
+    """Yields `model_config`: `with model_config(CONFIG) as (vllm config, a model builder, this rank)`. vLLM's
+    distributed state over gloo is set up at the first config; each config gets its own vLLM config."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29561")
@@ -72,8 +66,7 @@ def vllm_world(dtype: str = "bfloat16") -> Iterator[Callable[[str], Any]]:
 
 
 def named_parameters(model_config: Callable[[str], Any], config_path: str) -> dict[str, list[int]]:
-    """Name -> shape of the parameters (and DeepSeek-V3's score-correction buffers) of the model this rank builds
-    (`model_config`: vllm_world's)."""
+    """Name -> shape of the parameters (and DeepSeek-V3's score-correction buffers) this rank's model has."""
     with model_config(config_path) as (_, build, _):
         model = build()
         out = {n: list(p.shape) for n, p in model.named_parameters()}
@@ -93,8 +86,8 @@ def poison(model: Any) -> None:
 
 
 def load_parity(model_config: Callable[[str], Any], config_path: str, perturb: str | None = None) -> dict[str, Any]:
-    """This rank's comparison of vLLM's load_weights with reshard's direct install (random HF weights;
-    `model_config`: vllm_world's)."""
+    """This rank's comparison of vLLM's load_weights with reshard's direct and loader installs (random HF
+    weights): the parameters that differ, or the error of a refused declared layout."""
     import torch
     from vllm.config import set_current_vllm_config
 
@@ -112,9 +105,8 @@ def load_parity(model_config: Callable[[str], Any], config_path: str, perturb: s
         gen = torch.Generator().manual_seed(SEED)  # the same weights on every rank
         hf = {t.name: torch.randn(t.shape, generator=gen).to(torch_dtype(t.dtype or spec.dtype))
               for t in spec.tensors}
-        # One instance (vLLM registers attention layers by name per config, so a second one cannot be built under
-        # this config): vLLM's loader first, its result kept; then every parameter poisoned (nothing left
-        # unwritten may compare equal) and reshard's direct install into the same storage.
+        # One instance (a second cannot be built under this config): vLLM's loader first, its result kept; then
+        # every parameter poisoned and reshard's install into the same storage.
         model = build()
         poison(model)
         with set_current_vllm_config(cfg), torch.no_grad():
@@ -155,8 +147,7 @@ def load_parity(model_config: Callable[[str], Any], config_path: str, perturb: s
 
 
 def main() -> int:
-    """The command line the module doc shows: one `RESHARD_JSON` line on stdout, a list with one entry per config
-    (in order)."""
+    """The command line of the module docstring."""
     ap = argparse.ArgumentParser()
     ap.add_argument("configs", nargs="+")
     ap.add_argument("--load-parity", action="store_true")

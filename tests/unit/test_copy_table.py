@@ -101,7 +101,7 @@ def test_window_table_copies_the_bytes_and_folds_the_sums_like_the_reference(ent
     """The copy-and-checksum table (kernels.table_plan.window_table, kernels.copy_sum64): every byte of every copy
     in exactly one row, and the sums computed the kernel's way (columns added over periods, weighed once) equal
     count, sum x, sum x (i + 1), sum x T[i mod period] over the stream's bytes at positions start..., mod 2^64."""
-    from reshard.kernels.table_plan import SUM_WORDS, sum_word_bytes, window_table
+    from reshard.kernels.table_plan import SUM_WORDS, window_table, word_bytes
 
     if window > period:
         return
@@ -128,5 +128,5 @@ def test_window_table_copies_the_bytes_and_folds_the_sums_like_the_reference(ent
     for w, (rows, starts) in tables.items():
         assert w in SUM_WORDS and np.all(rows[:, 2] >= 1) and np.all((rows[:, 3] + rows[:, 2]) * w <= window)
         assert starts[0] == 0 and starts[-1] == len(rows) and np.all(np.diff(starts) >= 0)
-    for e, w in zip(rows4, sum_word_bytes(np.asarray(rows4, dtype=np.int64).reshape(-1, 4)).tolist()):
+    for e, w in zip(rows4, word_bytes(rows4, SUM_WORDS, 4).tolist()):
         assert all(v % w == 0 for v in e) and (w == 16 or any(v % (4 if w == 1 else 16) for v in e))

@@ -208,11 +208,19 @@ class Streams:
         return self.digest(key).hex()
 
 
+def blocks_digest(algorithm: str, blocks: "list[torch.Tensor]") -> bytes:
+    """The `algorithm` digest of the blocks' bytes as one stream, in order."""
+    sums = Streams(algorithm)
+    for b in blocks:
+        sums.update(0, b)
+    return sums.digest(0)
+
+
 def mismatch(what: str, sent: str, got: str) -> str:
     """The error message for a block whose checksum on arrival is not the one its sender sent."""
     return (f"checksum mismatch: {what} arrived with checksum {got[:16]}, the sender sent {sent[:16]} (bytes "
             f"were corrupted in flight)")
 
 
-__all__ = ["ALGORITHMS", "DIGEST_BYTES", "Streams", "Sum64Program", "algorithm", "block", "mismatch", "raw_bytes",
+__all__ = ["ALGORITHMS", "DIGEST_BYTES", "Streams", "Sum64Program", "algorithm", "block", "blocks_digest", "mismatch", "raw_bytes",
            "tensor_digest", "tensor_digests", "use_kernel"]

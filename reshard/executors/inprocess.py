@@ -26,7 +26,7 @@ from ..errors import ExecutionError
 from ..planner import Plan
 from ..planner.plan import RELAY
 from .base import Executor, RankTensors
-from .checksum import Streams, algorithm
+from .checksum import algorithm, blocks_digest
 from .copies import DST, SRC, fold
 from .delta import DeltaPolicy, DeltaReport, InProcessDelta
 from .graphs import STREAMS, Replay, on_streams, single_cuda_device, spread
@@ -162,10 +162,7 @@ class InProcessExecutor(Executor):
         elif self._fused is not None:  # the kernel that moved the bytes summed them (on the GPU, no host sync before)
             digest = self._fused.digest().hex()
         elif self.checksum:
-            sums = Streams(self.checksum)
-            for b in self._sum_blocks:
-                sums.update(0, b)
-            digest = sums.hexdigest(0)
+            digest = blocks_digest(self.checksum, self._sum_blocks).hex()
         seconds = time.perf_counter() - start  # launched: on a GPU the copies may still be running
         return RefitStats(executor=self.name, process=self.process, version=self._version, seconds=seconds,
                           phases={"launch": seconds}, ops=self.ops, copies=self.copies, local_bytes=self.bytes,

@@ -19,7 +19,7 @@ from ..errors import ExecutionError
 from ..planner import Plan
 from .base import RankTensors
 from .preflight import check_memory
-from .reference import block, check_tensors, in_units, shift_views, torch_dtype
+from .reference import check_tensors, in_units, op_blocks, shift_views, torch_dtype
 from .partition import carve
 
 ALIGN = 64  # elements: every arena region starts 128-byte aligned (bf16) so that word views apply
@@ -76,9 +76,8 @@ class Prepared:
             -> list[torch.Tensor]:
         """The blocks `ops` read (side "src") or write ("dst"), in op order, as views of `flat` (default this
         process's source or destination tensors): what a checksum stream hashes."""
-        o, flat = self.plan.ops, flat if flat is not None else (self.src_flat if side == "src" else self.dst_flat)
-        return [block(flat[int(o[f"{side}_tensor"][i])], int(o[f"{side}_offset"][i]), int(o["rows"][i]),
-                      int(o["cols"][i]), int(o[f"{side}_stride"][i])) for i in np.asarray(ops).tolist()]
+        flat = flat if flat is not None else (self.src_flat if side == "src" else self.dst_flat)
+        return op_blocks(self.plan, ops, side, flat)
 
     def arena(self, sizes: "dict[object, int]", device: "torch.device | None" = None,
               allocate: "Callable[[int], torch.Tensor] | None" = None) -> tuple[torch.Tensor, dict[object, torch.Tensor]]:

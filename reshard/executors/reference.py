@@ -242,6 +242,15 @@ def block(flat: torch.Tensor, offset: int, rows: int, cols: int, stride: int) ->
     return flat.as_strided((rows, cols), (stride, 1), flat.storage_offset() + offset)
 
 
+def op_blocks(plan: Plan, ops: "np.ndarray | list[int]", side: str, flat: Mapping[int, torch.Tensor]) \
+        -> list[torch.Tensor]:
+    """The blocks the plan ops `ops` read (side "src") or write ("dst"), in that order, as views of `flat`
+    (tensor id -> flat view)."""
+    o = plan.ops
+    return [block(flat[int(o[f"{side}_tensor"][i])], int(o[f"{side}_offset"][i]), int(o["rows"][i]),
+                  int(o["cols"][i]), int(o[f"{side}_stride"][i])) for i in np.asarray(ops, dtype=np.int64).tolist()]
+
+
 class ReferenceExecutor(Executor):
     """Every op of a plan in this process: the reference executor the others are tested against.
 
@@ -342,10 +351,8 @@ def shift_views(plan: Plan, dst_flat: Mapping[int, torch.Tensor], ops: "np.ndarr
         return []
     o = plan.ops
     idx = np.arange(plan.num_ops) if ops is None else np.asarray(ops)
-    idx = idx[np.isin(o["canon"][idx], list(shifts))]
-    return [(block(dst_flat[int(o["dst_tensor"][i])], int(o["dst_offset"][i]), int(o["rows"][i]),
-                   int(o["cols"][i]), int(o["dst_stride"][i])), shifts[int(o["canon"][i])])
-            for i in idx.tolist() if int(o["dst_tensor"][i]) in dst_flat]
+    idx = idx[np.isin(o["canon"][idx], list(shifts)) & np.isin(o["dst_tensor"][idx], list(dst_flat))]
+    return list(zip(op_blocks(plan, idx, "dst", dst_flat), (shifts[int(c)] for c in o["canon"][idx])))
 
 
 def apply_shifts(views: list[tuple[torch.Tensor, float]]) -> None:

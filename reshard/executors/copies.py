@@ -1,19 +1,12 @@
-"""Copy programs: many block copies of a plan folded into few strided 3-D copies, and running them with torch.
+"""Copy programs: a plan's block copies folded into few strided 3-D copies, run with torch.
 
-A plan's ops are 2-D blocks (rows x cols, one row stride per side). Executors pack ops into wire buffers,
-scatter wire buffers into destination tensors and copy locally; each of those is a list of block copies, and
-on a GPU each copy is a kernel launch, so their number matters more than their size. Two folds cut it down:
+On a GPU each copy is a launch, so their number matters more than their size. Two folds cut it: adjacent blocks
+merge (the planner's `merge_adjacent`), and blocks of one shape whose offsets advance by a constant step on both
+sides become one 3-D copy (q / k / v groups, expert stacks, vocabulary rows).
 
-1. adjacent blocks (contiguous on both sides) merge into one (the planner's own `merge_adjacent`);
-2. blocks of one shape whose offsets advance by a constant step on both sides become one 3-D copy
-   (n, rows, cols) with strides (step, row stride, 1): the per-group q / k / v blocks of an interleaved QKV
-   weight, the experts of a stack, the rows of a vocabulary split.
-
-Memory is named by (kind, id), the same in every executor: SRC / DST are the caller's source / destination
-tensors (ids from the plan's tensor tables); SHADOW is a copy of a destination tensor that this process keeps
-(staged bytes, a backup for undo, or memory peers write into); WIRE is a buffer bytes travel in between two
-processes (id: a message of the torch.distributed executor, a link of the NIXL executor); PEER + q is process
-q's memory for a destination tensor (id), mapped into this process (the shared-memory executor writes there).
+Memory is named by (kind, id) in every executor: SRC / DST are the caller's tensors (ids of the plan's tables),
+SHADOW a copy of a destination tensor this process keeps, WIRE a buffer bytes travel in, PEER + q process q's
+memory for a destination tensor, mapped here.
 """
 from __future__ import annotations
 

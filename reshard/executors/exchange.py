@@ -1,16 +1,9 @@
-"""Set-up exchange and refit agreement of executors whose processes meet through a torch.distributed store
-(TCPStore, FileStore, ...): NIXL's and the shared-memory executor.
+"""Set-up exchange and refit agreement of executors whose processes meet through a torch.distributed store (NIXL,
+shared memory). Values are bytes (NIXL's agent metadata) or JSON (never pickle), under reshard-<transport>/<namespace>/:
 
-Values are bytes: an opaque blob (NIXL's agent metadata) and JSON for everything else (never pickle). Keys live
-under the transport and namespace (a PrefixStore), so several executors can share one store:
-
-  md/<p>        process p's blob (NIXL: get_agent_metadata(), taken after every registration)
-  book/<p>      JSON: what p runs (plan digest, binding, options) and how its peers address its memory
-  setup/fail    the reason of the first process whose set-up failed (its peers stop setting up)
-  setup/left/<p>  p is done with set-up, as a success or a failure: it will not connect to anyone any more, and
-                peers may talk to its agent (a first refit waits for it: `wait_set_up`)
-  v<g>/...      per refit version g: ok (counter of processes that finished and verified it), fail (the reason
-                of the first process that failed it), and the executor's own signals (`signal` / `count`)
+  md/<p>, book/<p>  process p's blob, and what it runs and how peers address its memory
+  setup/fail        the first failed set-up's reason; setup/left/<p>: p is done with set-up (success or not)
+  v<g>/...          per refit version: ok (votes), fail (first reason) and the executor's own signals
 """
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """Launch-bound work as one CUDA graph: a fixed sequence of launches over tensors that stay where they are.
 
-A refit through prebuilt views (executors.inprocess), a quantizer's kernels over fixed jobs (executors.fp8) and a
-checksum over fixed blocks each launch the same kernels over the same memory at every refit. `Replay` runs such a
-function eagerly the first time (Triton kernels compile, torch's copy kernels are chosen) and captures it into a
-CUDA graph at the second call; from then on a call is one graph launch (host cost a few microseconds, however many
-kernels the graph holds). The caller keeps the tensors alive and in place (the inprocess executors check their
-storage pointers before every call). Off a GPU, or where capture fails, the function simply runs eagerly.
+`Replay` runs a function eagerly the first time (kernels compile) and captures it at the second call; then a call
+is one graph launch. The caller keeps the tensors in place. Off a GPU, or where capture fails, it runs eagerly.
 """
 from __future__ import annotations
 

@@ -1,18 +1,11 @@
-"""The inprocess executor: every rank in this process, the plan bound once (frequent refits: LoRA adapters, an in-process engine).
+"""The inprocess executor: every rank in this process, the plan bound once (frequent refits: LoRA adapters, an
+in-process engine).
 
-The reference `ReferenceExecutor` checks the tensors and walks the ops in Python at every refit: right as a reference,
-a fixed cost per op that dominates small refits and, on a GPU, leaves a whole model's refit at a fraction of the
-device's copy speed (one launch per op, each built in Python). Here construction does the checks once, folds the
-ops into a short copy program (executors.copies: adjacent blocks merged, progressions of equal blocks as one 3-D
-copy) and binds it to views (executors.views: bytes moved as 8-byte words where alignment allows, large
-contiguous runs as plain copies, small ones batched through `torch._foreach_copy_`). On one GPU the program, with
-the value shifts after it, is captured as a CUDA graph at the second refit (executors.graphs): a refit is then
-one graph launch. With thousands of large copies (a mixture-of-experts model's expert matrices) they go through
-one launch of the table-copy kernel (kernels.copy_table) inside that graph. With `checksum="sum64"` on one GPU,
-every copy goes through the copy-and-checksum kernel instead (kernels.copy_sum64): the bytes are read once, to
-be written and to be counted, and the refit reports the digest of its source stream. The tensors must stay the
-same objects between refits (the trainer updates them in place; a slot buffer stays where the engine made it):
-`refit` checks their storage pointers, a constant-time test per tensor, and refuses if one was replaced.
+Construction checks the tensors once, folds the ops into a short copy program (executors.copies) and binds it to
+views (executors.views); on one GPU the program is captured as a CUDA graph at the second refit (executors.graphs),
+thousands of large copies go through one table-copy kernel (kernels.copy_table), and checksum="sum64" copies and
+sums in one kernel (kernels.copy_sum64). The tensors must stay the same objects between refits: `refit` checks
+their storage pointers and refuses if one was replaced.
 """
 from __future__ import annotations
 
@@ -43,19 +36,22 @@ TABLE_FROM = 1000  # table None: the large copies through one table-copy kernel 
 
 
 class InProcessExecutor(Executor):
-    """Every rank in this process, views bound once (see the module docstring). `binding` and `process` are
-    accepted for the protocol of executors.base and not needed. `ops`: run only these ops of the plan (indices;
-    default all this process's destination ranks receive). `graph`, where every tensor is on one GPU: "all" (the
-    whole refit one CUDA graph), "small" (the batched small and strided copies and the shifts one graph, the large
-    contiguous copies launched as plain device copies), "none", "auto" ("all" from MANY_COPIES large copies on,
-    else "small": plain copies move a few hundred large tensors faster than graph nodes do, while thousands of
-    expert matrices are launch-bound and run far faster as graph nodes; BENCHMARKS.md, Same host, issue 31's
-    variants); True is GRAPH, False "none". `streams`: on a GPU, the large
-    copies are spread over this many side streams (default graphs.STREAMS; 1: all on the current stream).
-    `table`: the large copies as one launch of the table-copy kernel (kernels.copy_table, Triton) instead of one
-    copy each; None: on one GPU with Triton, from TABLE_FROM large copies on (then "auto" is "all"). `delta`: a
-    `DeltaPolicy`: refits move only the changed elements, dense keyframes as it says (executors.delta); `last_delta`
-    reports each refit's encodings and bytes, and `checksum` digests the resulting destination blocks."""
+    """Every rank in this process, views bound once (module docstring); `binding` and `process` are not needed.
+
+    Args:
+        ops: run only these plan ops (default all this process's destination ranks receive).
+        graph: on one GPU, "all" (the whole refit one CUDA graph), "small" (small copies and shifts a graph, large
+            ones plain device copies), "none", or "auto" ("all" from MANY_COPIES large copies on: thousands are
+            launch-bound; else "small"); True is GRAPH, False "none".
+        streams: side streams the large copies spread over on a GPU (default graphs.STREAMS).
+        table: large copies as one table-copy kernel launch (Triton); None: on one GPU from TABLE_FROM on.
+        checksum: the algorithm (executors.checksum) of the refit's digest; `checksum_kernel` forces or forbids
+            the fused copy-and-sum kernel for "sum64" (None: on one GPU with Triton).
+        delta: a `DeltaPolicy` (executors.delta); `last_delta` reports what each refit moved.
+
+    Raises:
+        ExecutionError: a bad `graph`, `table=True` without Triton, relays, or tensors that do not match.
+    """
 
     name = "inprocess"
 
@@ -174,8 +170,8 @@ class InProcessExecutor(Executor):
 
 
 def _prepare(plan: Plan, src: dict, dst: dict, ops: "np.ndarray | None") -> tuple[np.ndarray, Prepared]:
-    """The ops this process runs (those its destination ranks receive, within `ops`) and its tensors, checked:
-    only the source ranks and (with `ops`) the tensors those ops touch need be there."""
+    """The ops this process runs (those its destination ranks receive, within `ops`) and its tensors, checked
+    (only the tensors those ops touch need be there)."""
     check_ops(plan)
     o = plan.ops
     mine = np.flatnonzero(np.isin(o["dst_rank"], list(dst)))
@@ -193,9 +189,8 @@ def _prepare(plan: Plan, src: dict, dst: dict, ops: "np.ndarray | None") -> tupl
 
 
 def stream_entries(plan: Plan, mine: np.ndarray, s_flat: dict, d_flat: dict) -> tuple[np.ndarray, int]:
-    """The ops `mine` (plan order) as contiguous copies (src address, dst address, nbytes, stream position): a
-    block's rows apart become one entry each, then entries that continue each other on both sides are merged; and
-    the stream's length in bytes."""
+    """The ops `mine` (plan order) as contiguous copies (src address, dst address, nbytes, stream position), one
+    per row, merged where they continue each other on both sides; and the stream's length in bytes."""
     o, size = plan.ops, plan.itemsize
     if not len(mine):
         return np.zeros((0, 4), dtype=np.int64), 0

@@ -1,17 +1,9 @@
 """Who moves each op of a plan under a binding, and what one process does: written once for every executor.
 
-Every executor splits a plan the same way before it adds its wire: each op has a sending process (the binding's
-process for its source rank, or for its relaying destination rank) and a receiving process (the one playing its
-destination rank). An op whose two processes are one is LOCAL: a copy, never a send to itself. The remote ops of
-one (stage, sender, receiver) form a STREAM, numbered globally in that sort order, so every process derives the
-same numbering from the same plan and binding: the torch.distributed executor cuts streams into rounds
-(executors.collective.schedule), NIXL moves each as one link (executors.nixl.schedule), the shared-memory executor writes
-each pair's ops straight into its peer's memory (executors.shared).
-
-`Partition(plan, binding, process)` holds that split, this process's part of it (its local ops by stage, the ops
-it sends and receives by peer, the tensors it reads and writes, byte counts), and the staging pieces every staged
-executor needs: which destination tensors are written while a refit is in flight, the commit of shadows into
-destination tensors, and the local copies deferred to the commit. Pure numpy; computed once per executor.
+Each op has a sending process (the binding's process for its source rank, or its relaying destination rank) and a
+receiving process; an op whose two are one is LOCAL (a copy). The remote ops of one (stage, sender, receiver) form
+a STREAM, numbered in that sort order, the same on every process. `Partition` holds that split seen from one
+process, plus the staging pieces every staged executor needs. Pure numpy; computed once per executor.
 """
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""A process's tensors made ready for an executor, written once for every executor.
-
-`Prepared(plan, src, dst)` checks the tensors against the plan (names, shapes, dtypes, contiguity: `check_tensors`;
-dense memory and no destination overlapping another tensor: `check_memory`), with `ranks` that they are exactly the
-ranks the binding has this process play, finds their one device, sees tensors kept in a wider dtype in the plan's
-units (`in_units`) and keeps a flat view of each by its id in the plan's tensor tables: the memory SRC / DST of
-every copy program (executors.copies). `shifts(ops)` gives the value shifts of the destination blocks of `ops`;
-`arena(sizes)` lays staging regions (shadows, wire buffers) out in one buffer, each start aligned so that word
-views apply (`partition.carve`). Every check raises ExecutionError before anything is written.
+"""A process's tensors made ready for an executor, written once for every executor: checked against the plan
+(`check_tensors`, `check_memory`, and the binding's ranks), seen in the plan's units (`in_units`) and kept as flat
+views by tensor id (the SRC / DST memory of executors.copies).
 """
 from __future__ import annotations
 

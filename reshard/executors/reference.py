@@ -1,7 +1,6 @@
-"""The reference executor: run a plan over in-memory tensors, every rank in one process; and lay canonical weights out by a layout.
-
-`shard` and `unshard` are the inverse pair that materialize a layout from canonical weights and back. They read
-the layout's placements directly, without the compiler, so they are the reference a plan is tested against.
+"""The reference executor: run a plan over in-memory tensors, every rank in one process; and `shard` / `unshard`,
+which lay canonical weights out by a layout and back from its placements alone (no compiler): the reference plans
+are tested against.
 """
 from __future__ import annotations
 

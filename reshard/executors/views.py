@@ -1,13 +1,8 @@
 """Copy programs as views of real tensors: built once, reused at every refit.
 
-Viewing a program turns each strided 3-D copy into a (destination view, source view) pair. Where offsets,
-strides and widths allow, the views read the bytes as 8-byte words instead of 2-byte bf16 elements (a copy
-is a copy whatever the element type, and the copy kernels move a quarter as many elements). Running a bound
-program is two `torch._foreach_copy_` calls: one for pairs that are both contiguous (fused into few launches
-for small tensors) and one for strided pairs (looped in C++, not in Python). Per refit, the host cost of a
-copy is then a few microseconds instead of the tens that building views in Python takes. Large contiguous
-pairs are the exception: each is its own `copy_`, which CUDA runs as a plain device memcpy; the fused foreach
-kernel moves large tensors markedly slower than that (BENCHMARKS.md, NCCL, first session: the staged commit).
+Each strided 3-D copy becomes a (destination, source) view pair, read as 8-byte words where alignment allows.
+Small pairs run as `torch._foreach_copy_` groups (contiguous ones fused into few launches, strided ones looped in
+C++); large contiguous pairs each as one `copy_` (a plain memcpy on CUDA, faster than the foreach kernel there).
 """
 from __future__ import annotations
 

@@ -131,37 +131,31 @@ class InProcessExecutor(Executor):
         """What the last refit moved, with the `delta` option (executors.delta.DeltaReport); else None."""
         return None if self._delta is None else self._delta.last
 
-    def check_pins(self) -> None:
-        """Refuse if a bound tensor's storage was replaced since binding (its views would write stale memory)."""
-        self._pins.check()
-
     def refit(self, version: int | None = None) -> RefitStats:
         start = time.perf_counter()
-        self.check_pins()
+        self._pins.check()  # a replaced storage would be written through stale views
         new, delta = self._version + 1 if version is None else int(version), self._delta
         if delta is not None and not delta.due():
             report = delta.run(new)
-            self._version, seconds = new, time.perf_counter() - start
-            return RefitStats(executor=self.name, process=self.process, version=new, seconds=seconds,
-                              phases={"delta": seconds}, ops=len(delta.ops), copies=report.entries,
-                              local_bytes=report.wire_bytes, checksum=self.checksum or "",
-                              digest=delta.digest() if self.checksum else "")
-        with torch.no_grad():
-            if self._large_eager:  # plain device copies, ahead of the graph on the same stream
-                self._copy_large()
-            self._run()
-        self._version = new
-        digest = ""
+            phase, ops, copies, moved = "delta", len(delta.ops), report.entries, report.wire_bytes
+        else:
+            with torch.no_grad():
+                if self._large_eager:  # plain device copies, ahead of the graph on the same stream
+                    self._copy_large()
+                self._run()
+            if delta is not None:
+                delta.committed(new, keyframe=True)
+            phase, ops, copies, moved = "launch", self.ops, self.copies, self.bytes
+        self._version, digest = new, ""
         if delta is not None:
-            delta.committed(new, keyframe=True)
             digest = delta.digest() if self.checksum else ""
         elif self._fused is not None:  # the kernel that moved the bytes summed them (on the GPU, no host sync before)
             digest = self._fused.digest().hex()
         elif self.checksum:
             digest = blocks_digest(self.checksum, self._sum_blocks).hex()
         seconds = time.perf_counter() - start  # launched: on a GPU the copies may still be running
-        return RefitStats(executor=self.name, process=self.process, version=self._version, seconds=seconds,
-                          phases={"launch": seconds}, ops=self.ops, copies=self.copies, local_bytes=self.bytes,
+        return RefitStats(executor=self.name, process=self.process, version=new, seconds=seconds,
+                          phases={phase: seconds}, ops=ops, copies=copies, local_bytes=moved,
                           checksum=self.checksum or "", digest=digest)
 
     def close(self) -> None:

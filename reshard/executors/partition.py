@@ -18,17 +18,6 @@ from .binding import Binding
 from .copies import DST, SHADOW, SRC, Copies, fold
 
 
-def op_processes(plan: Plan, binding: Binding) -> tuple[np.ndarray, np.ndarray]:
-    """The sending and the receiving process of every op (a relay's sender plays a destination rank)."""
-    if not plan.num_ops:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    o = plan.ops
-    src, dst = np.asarray(binding.src, np.int64), np.asarray(binding.dst, np.int64)
-    sender = np.where(o["src_side"] == SOURCE, src[np.minimum(o["src_rank"], len(src) - 1)],
-                      dst[np.minimum(o["src_rank"], len(dst) - 1)])
-    return sender, dst[o["dst_rank"]]
-
-
 def carve(sizes: "list[int] | np.ndarray", align: int) -> tuple[list[int], int]:
     """Start offsets of regions of `sizes` elements laid end to end in one buffer, each start a multiple of `align`
     elements (so that word views apply to every region), and the buffer's length. The one layout of every staging
@@ -52,8 +41,14 @@ class Partition:
     # --- the global split (the same on every process) ------------------------------------------------
     @cached_property
     def senders_receivers(self) -> tuple[np.ndarray, np.ndarray]:
-        """`op_processes`: per op, the sending and the receiving process."""
-        return op_processes(self.plan, self.binding)
+        """Per op, the sending and the receiving process (a relay's sender plays a destination rank)."""
+        if not self.plan.num_ops:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        o = self.plan.ops
+        src, dst = np.asarray(self.binding.src, np.int64), np.asarray(self.binding.dst, np.int64)
+        sender = np.where(o["src_side"] == SOURCE, src[np.minimum(o["src_rank"], len(src) - 1)],
+                          dst[np.minimum(o["src_rank"], len(dst) - 1)])
+        return sender, dst[o["dst_rank"]]
 
     @property
     def sender(self) -> np.ndarray:
@@ -233,4 +228,4 @@ def _by(ops: np.ndarray, peer_of: np.ndarray) -> dict[int, np.ndarray]:
     return {int(q): ops[peers == q] for q in np.unique(peers).tolist()}
 
 
-__all__ = ["Partition", "carve", "op_processes"]
+__all__ = ["Partition", "carve"]

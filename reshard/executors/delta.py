@@ -537,7 +537,7 @@ class VotedDelta:
 
     # --- the protocol --------------------------------------------------------------------------------
     def keyframe(self, v: int, deadline: float) -> bool:
-        """Whether refit `v` is a keyframe, the same on every process (step 1)."""
+        """Whether refit `v` is a keyframe, the same on every process."""
         ex, store = self.ex.exchange, self.ex.exchange.store
         mine = {"receiver": self.receiver is not None, "held": None if self.receiver is None else self.receiver.held,
                 "sender": self.sender is not None, "base": None if self.sender is None else self.sender.base,
@@ -559,7 +559,7 @@ class VotedDelta:
         return self.is_keyframe
 
     def transfer(self, v: int, deadline: float) -> None:
-        """A delta refit's payloads delivered, and every one this process receives proven (step 2)."""
+        """A delta refit's payloads delivered, and every one this process receives proven (nothing written)."""
         ex, me, algorithm = self.ex.exchange, self.ex.process, self.checksum
         poll_max_s, plan = self.ex.poll_max_s, self.ex.plan
         if self.feeders:
@@ -606,8 +606,7 @@ class VotedDelta:
             self.decoded.append(d)
 
     def commit(self) -> bool:
-        """After the vote (step 3): scatter a delta's payloads (True), or leave a keyframe's commit to the dense
-        path (False); both sides then hold the version."""
+        """After the vote: scatter a delta's payloads (True), or leave a keyframe to the dense commit (False)."""
         v = self.last.version
         if not self.is_keyframe:
             for d in self.decoded:

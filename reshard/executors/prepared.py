@@ -20,20 +20,15 @@ ALIGN = 64  # elements: every arena region starts 128-byte aligned (bf16) so tha
 
 
 class Prepared:
-    """A process's tensors, checked and viewed (see the module docstring).
+    """A process's tensors, checked and viewed (module docstring).
 
     Args:
-        plan: the plan.
-        src: the source ranks' tensors this process holds (rank -> name -> tensor).
-        dst: the destination ranks' tensors.
-        ranks: (source ranks, destination ranks) the binding has this process play: `src` / `dst` must give
-            exactly these; None: any.
-        ids: (source ids, destination ids): check only these tensors of the ranks given (a subset of the
-            plan's ops needs only the tensors they touch); None: every tensor of the ranks given.
+        ranks: (source ranks, destination ranks) `src` / `dst` must give exactly; None: any.
+        ids: (source ids, destination ids): check only these tensors; None: every tensor of the ranks given.
 
     Raises:
         ExecutionError: other ranks than the binding's, tensors that do not match the plan, overlapping or
-            or memoryless tensors.
+            memoryless tensors.
     """
 
     def __init__(self, plan: Plan, src: RankTensors, dst: RankTensors,
@@ -56,8 +51,7 @@ class Prepared:
 
     @property
     def device(self) -> "torch.device | None":
-        """The one device of the tensors (None: no tensors); ExecutionError if they are on several (only the
-        reference executor copies across devices)."""
+        """The one device of the tensors (None: no tensors); ExecutionError if they are on several."""
         if len(self.devices) > 1:
             raise ExecutionError(f"this process's tensors are on several devices {sorted(map(str, self.devices))}")
         return next(iter(self.devices), None)
@@ -69,7 +63,7 @@ class Prepared:
     def blocks(self, ops: np.ndarray, side: str = "src", flat: "dict[int, torch.Tensor] | None" = None) \
             -> list[torch.Tensor]:
         """The blocks `ops` read (side "src") or write ("dst"), in op order, as views of `flat` (default this
-        process's source or destination tensors): what a checksum stream hashes."""
+        process's tensors of that side)."""
         flat = flat if flat is not None else (self.src_flat if side == "src" else self.dst_flat)
         return op_blocks(self.plan, ops, side, flat)
 

@@ -104,8 +104,8 @@ def shard(layout: Layout, weights: Mapping[str, torch.Tensor], fill: float = 0.0
 
 
 def _check_fill(layout: Layout, fill: float) -> None:
-    """`fill` is a real number representable in every dtype the layout's tensors have (never saturated or
-    wrapped); NaN and infinities where every dtype is floating (NaN is the poison fill that shows unwritten bytes)."""
+    """Refuse a `fill` that is not a value of every dtype of the layout's tensors (NaN and infinities pass for
+    floating dtypes)."""
     if isinstance(fill, bool) or not isinstance(fill, (int, float)):
         raise ArgumentError("fill", fill, "must be a real number (an int or a float)")
     if isinstance(fill, int) and not -(1 << 63) <= fill < (1 << 63):
@@ -173,9 +173,8 @@ def unshard(layout: Layout, tensors: RankTensors) -> dict[str, torch.Tensor]:
 
 
 def check_tensors(plan: Plan, src: RankTensors, dst: RankTensors, ids: "tuple | None" = None) -> None:
-    """Every tensor the plan touches is present with its shape and dtype, contiguous; all problems at once.
-    A tensor kept in its own dtype (`TensorTable.dtypes`) is expected in that dtype and its element shape.
-    `ids`: (source ids, destination ids), the tables' tensors to check (default all of the ranks given)."""
+    """Raise ExecutionError, listing every problem, unless each tensor the plan touches is there, contiguous, in
+    its shape and dtype (its own, where the table keeps one). `ids`: (source ids, destination ids) to check only."""
     problems = []
     for k, (side, table, given, layout) in enumerate((("source", plan.src_tensors, src, plan.src),
                                                       ("destination", plan.dst_tensors, dst, plan.dst))):
@@ -210,8 +209,7 @@ def element_shape(units: tuple[int, ...], unit: torch.dtype, dtype: torch.dtype)
 
 
 def empty_for(plan: Plan, rank: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Uninitialised destination tensors of one rank of a plan (its tensor table: a subset plan's tensors
-    only), each in its own dtype and shape."""
+    """Uninitialised destination tensors of one rank of a plan (its tensor table's), each in its dtype and shape."""
     unit, own = torch_dtype(plan.dst.dtype), plan.dst_tensors.own_dtypes()
     out = {}
     for name, shape in plan.dst_tensors.on_rank(rank).items():
@@ -221,8 +219,8 @@ def empty_for(plan: Plan, rank: int, device: str | torch.device = "cpu") -> dict
 
 
 def in_units(plan: Plan, src: RankTensors, dst: RankTensors) -> tuple[RankTensors, RankTensors]:
-    """The tensors as executors move them: those kept in a wider dtype than the plan's (checked by
-    `check_tensors`) viewed as the plan's dtype, same bytes (a float32 [E] as bfloat16 [2E]); others as given."""
+    """The tensors as executors move them: those kept in a wider dtype than the plan's viewed in the plan's dtype
+    (a float32 [E] as bfloat16 [2E])."""
     out = []
     for side, table in ((src, plan.src_tensors), (dst, plan.dst_tensors)):
         own = table.own_dtypes()
@@ -251,21 +249,12 @@ def op_blocks(plan: Plan, ops: "np.ndarray | list[int]", side: str, flat: Mappin
 
 
 class ReferenceExecutor(Executor):
-    """Every op of a plan in this process: the reference executor the others are tested against.
-
-    Tensors are checked against the plan before any byte moves, so a mismatch leaves `dst` untouched; the copies
-    then write `dst` directly (not staged: nothing can fail half-way in one process but the process itself).
-
-    Args:
-        plan: the plan.
-        binding: accepted for the executor protocol; not needed.
-        process: accepted for the executor protocol; not needed.
-        src: the source ranks' tensors (rank -> name -> tensor).
-        dst: the destination ranks' tensors.
+    """Every op of a plan in this process, written straight into `dst` after the tensors were checked: the
+    reference the other executors are tested against. `binding` and `process` are not needed.
 
     Raises:
-        ExecutionError: the plan relays through ranks not given, a source rank is missing, or (from `refit`)
-            tensors that do not match the plan.
+        ExecutionError: the plan relays through ranks not given, a source rank is missing, or tensors that do not
+            match the plan.
     """
 
     name = "reference"
@@ -343,8 +332,8 @@ def execute_local(plan: Plan, src: RankTensors, dst: RankTensors) -> None:
 
 def shift_views(plan: Plan, dst_flat: Mapping[int, torch.Tensor], ops: "np.ndarray | None" = None) \
         -> list[tuple[torch.Tensor, float]]:
-    """(view, value) for every destination block whose canonical tensor the plan shifts (Plan.value_shifts),
-    among the ops `ops` (default all) whose destination tensor is in `dst_flat` (id -> flat view)."""
+    """(view, value) for every destination block, among `ops` (default all) with their tensor in `dst_flat`, that
+    the plan shifts (Plan.value_shifts)."""
     shifts = plan.value_shifts
     if not shifts:
         return []

@@ -249,8 +249,16 @@ def op_blocks(plan: Plan, ops: "np.ndarray | list[int]", side: str, flat: Mappin
 
 
 class ReferenceExecutor(Executor):
-    """Every op of a plan in this process, written straight into `dst` after the tensors were checked: the
-    reference the other executors are tested against. `binding` and `process` are not needed.
+    """Every op of a plan in this process: the reference the other executors are tested against.
+
+    The tensors are checked before any byte moves; the copies then write `dst` directly.
+
+    Args:
+        plan: the plan.
+        binding: not needed (the executor protocol's).
+        process: not needed (the executor protocol's).
+        src: the source ranks' tensors (rank -> name -> tensor).
+        dst: the destination ranks' tensors.
 
     Raises:
         ExecutionError: the plan relays through ranks not given, a source rank is missing, or tensors that do not

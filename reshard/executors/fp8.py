@@ -94,7 +94,9 @@ class _QuantizeJobs:
             self._eager(quantize or quantize_blocks)
 
     def _kernel_program(self, direct: bool) -> "Replay":
-        return kernel_jobs(self.jobs, self.block, self.tuning)
+        """`kernel_launches` replayed as one CUDA graph from the second call (executors.graphs)."""
+        return Replay(kernel_launches(self.jobs, self.block, self.tuning),
+                      single_cuda_device([t for job in self.jobs for t in job]))
 
     def _eager(self, quantize: Callable) -> None:
         for x, q, s in self.jobs:
@@ -249,12 +251,6 @@ def kernel_launches(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     return run
 
 
-def kernel_jobs(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block: tuple[int, int],
-                tuning: "KernelTuning | None" = None) -> Replay:
-    """`kernel_launches` replayed as one CUDA graph from the second call (executors.graphs)."""
-    return Replay(kernel_launches(jobs, block, tuning), single_cuda_device([t for job in jobs for t in job]))
-
-
 def _rect(off: int, stride: int, rows: int, cols: int, width: int) -> "tuple[int, int, int, int] | None":
     """A flat tensor's block (offset, row stride, rows x cols) as (row, col, rows, cols) of the tensor in rows of
     `width`; None when not a rectangle there."""
@@ -363,7 +359,7 @@ def check_engine_tensors(fp: Fp8Plan, dst: RankTensors) -> None:
                 continue
             t, dtype = given.get(name), torch_dtype(own[name])
             if t is None:
-                kind = "scale" if name.endswith("_scale_inv") or "_scale_inv" in name else "fp8 weight"
+                kind = "scale" if "_scale_inv" in name else "fp8 weight"
                 problems.append(f"destination rank {rank} has no {kind} {name!r} ({tuple(shape)} {dtype})")
             elif not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
                 got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__

@@ -209,5 +209,5 @@ def mismatch(what: str, sent: str, got: str) -> str:
             f"were corrupted in flight)")
 
 
-__all__ = ["ALGORITHMS", "DIGEST_BYTES", "Streams", "Sum64Program", "algorithm", "block", "blocks_digest", "mismatch", "raw_bytes",
-           "tensor_digest", "tensor_digests", "use_kernel"]
+__all__ = ["ALGORITHMS", "DIGEST_BYTES", "Streams", "Sum64Program", "algorithm", "block", "blocks_digest", "mismatch",
+           "raw_bytes", "tensor_digest", "tensor_digests", "use_kernel"]

@@ -11,12 +11,15 @@ memory for a destination tensor, mapped here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from ..errors import ExecutionError
 from ..planner.merge import merge_adjacent
+
+if TYPE_CHECKING:
+    import torch
 
 SRC, DST, SHADOW, WIRE, PEER = 0, 1, 2, 3, 4  # PEER + q: process q's memory (module docstring)
 KIND_NAMES = ("source", "destination", "shadow", "wire buffer")
@@ -142,13 +145,16 @@ def _progressions(ops: dict[str, np.ndarray], key: np.ndarray, order_by: str) ->
     }
 
 
-def run_copies(rows: list[tuple[int, ...]], memory: Callable[[int, int], "object"]) -> None:
+def copy_view(flat: "torch.Tensor", off: int, step: int, stride: int, n: int, rows: int, cols: int) -> "torch.Tensor":
+    """One side of a copy as a view of its flat (1-D) memory: 1-D, 2-D or 3-D as the copy needs."""
+    if n == 1 and rows == 1:
+        return flat.narrow(0, off, cols)
+    if n == 1:
+        return flat.as_strided((rows, cols), (stride, 1), flat.storage_offset() + off)
+    return flat.as_strided((n, rows, cols), (step, stride, 1), flat.storage_offset() + off)
+
+
+def run_copies(rows: list[tuple[int, ...]], memory: Callable[[int, int], "torch.Tensor"]) -> None:
     """Run a program (from `Copies.rows_as_lists`); `memory(kind, id)` gives a flat (1-D) torch tensor."""
     for sk, si, so, sst, ssr, dk, di, do, dst_, dsr, n, r, c in rows:
-        s, d = memory(sk, si), memory(dk, di)
-        if n == 1 and r == 1:
-            d.narrow(0, do, c).copy_(s.narrow(0, so, c))
-            continue
-        sv = s.as_strided((n, r, c), (sst, ssr, 1), s.storage_offset() + so)
-        dv = d.as_strided((n, r, c), (dst_, dsr, 1), d.storage_offset() + do)
-        dv.copy_(sv)
+        copy_view(memory(dk, di), do, dst_, dsr, n, r, c).copy_(copy_view(memory(sk, si), so, sst, ssr, n, r, c))

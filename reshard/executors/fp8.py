@@ -420,7 +420,8 @@ class Fp8Executor(Executor):
             elif direct is True:
                 raise ExecutionError(f"this FP8 plan cannot be quantized straight into the destination: {d.why}")
         elif direct is True:
-            raise ExecutionError("direct quantization needs every rank in this process (inner 'reference' or 'inprocess')")
+            raise ExecutionError("direct quantization needs every rank in this process (inner 'reference' or "
+                                 "'inprocess')")
         self.senders = SenderQuantizer(fp, src, shadows=self.direct is None, tuning=tuning)
         self.receivers = ReceiverQuantizer(fp, dst, tuning)
         if self.direct is not None:

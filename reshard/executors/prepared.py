@@ -68,7 +68,8 @@ class Prepared:
         return op_blocks(self.plan, ops, side, flat)
 
     def arena(self, sizes: "dict[object, int]", device: "torch.device | None" = None,
-              allocate: "Callable[[int], torch.Tensor] | None" = None) -> tuple[torch.Tensor, dict[object, torch.Tensor]]:
+              allocate: "Callable[[int], torch.Tensor] | None" = None) \
+            -> tuple[torch.Tensor, dict[object, torch.Tensor]]:
         """One buffer holding a region of `sizes[key]` elements per key, each start ALIGN-aligned; returns it and
         each key's view. `allocate(numel)` makes the buffer (default: uninitialised, on `device` or the tensors')."""
         starts, total = carve(list(sizes.values()), ALIGN) if sizes else ([], 0)

@@ -18,6 +18,7 @@ from ..layouts import Layout
 from ..planner import Plan
 from ..planner.plan import RELAY
 from .base import Executor, RankTensors
+from .copies import copy_view
 from .preflight import check_ops
 from .stats import RefitStats
 
@@ -234,9 +235,7 @@ def in_units(plan: Plan, src: RankTensors, dst: RankTensors) -> tuple[RankTensor
 
 def block(flat: torch.Tensor, offset: int, rows: int, cols: int, stride: int) -> torch.Tensor:
     """The rows x cols block at `offset` of a flat (1-D) view, rows `stride` apart."""
-    if rows == 1:
-        return flat.narrow(0, offset, cols)
-    return flat.as_strided((rows, cols), (stride, 1), flat.storage_offset() + offset)
+    return copy_view(flat, offset, 0, stride, 1, rows, cols)
 
 
 def op_blocks(plan: Plan, ops: "np.ndarray | list[int]", side: str, flat: Mapping[int, torch.Tensor]) \

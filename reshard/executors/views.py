@@ -11,7 +11,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .copies import COPY_COLUMNS, Copies
+from .copies import Copies, copy_view
 
 WORD_BYTES = 8
 LARGE_BYTES = 1 << 20  # contiguous copies at least this large run as single copy_ calls (a memcpy on GPUs)
@@ -78,14 +78,13 @@ def view_copies(copies: Copies, memory: Memory, itemsize: int) -> CopyViews:
     large: list[tuple] = []
     dense: dict[torch.dtype, tuple[list, list]] = {}
     strided: tuple[list, list] = ([], [])
-    rows = zip(*(copies.cols[c].tolist() for c in COPY_COLUMNS))
-    for (sk, si, so, sst, ssr, dk, di, do, dst_, dsr, n, r, c), w in zip(rows, per_word):
+    for (sk, si, so, sst, ssr, dk, di, do, dst_, dsr, n, r, c), w in zip(copies.rows_as_lists(), per_word):
         s, d = memory.get(sk, si, w), memory.get(dk, di, w)
         while s is None or d is None:  # a side's alignment does not allow words this wide: halve them
             w //= 2
             s, d = memory.get(sk, si, w), memory.get(dk, di, w)
-        sv = _view(s, so // w, sst // w, ssr // w, n, r, c // w)
-        dv = _view(d, do // w, dst_ // w, dsr // w, n, r, c // w)
+        sv = copy_view(s, so // w, sst // w, ssr // w, n, r, c // w)
+        dv = copy_view(d, do // w, dst_ // w, dsr // w, n, r, c // w)
         contiguous = sv.is_contiguous() and dv.is_contiguous()
         if contiguous and sv.numel() * sv.element_size() >= LARGE_BYTES:
             large.append((dv, sv))
@@ -95,11 +94,3 @@ def view_copies(copies: Copies, memory: Memory, itemsize: int) -> CopyViews:
         group[1].append(sv)
     groups = [g for g in (*dense.values(), strided) if g[0]]
     return CopyViews(large, groups, len(copies))
-
-
-def _view(flat: torch.Tensor, off: int, step: int, stride: int, n: int, rows: int, cols: int) -> torch.Tensor:
-    if n == 1 and rows == 1:
-        return flat.narrow(0, off, cols)
-    if n == 1:
-        return flat.as_strided((rows, cols), (stride, 1), flat.storage_offset() + off)
-    return flat.as_strided((n, rows, cols), (step, stride, 1), flat.storage_offset() + off)

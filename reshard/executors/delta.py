@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from ..errors import CoverageError, ExecutionError
+from ..kernels import triton_available
 from ..planner.delta import BITMAP, DENSE, ENCODINGS, SPARSE, DeltaOps, choose, prove_delta
 from .checksum import blocks_digest
 from .reference import block, op_blocks
@@ -443,8 +444,6 @@ class Receiver:
                     typed.narrow(0, int(starts[j]), int(count[j])).add_(value)
             use_kernel = self.kernel
             if use_kernel is None:
-                from ..kernels import triton_available
-
                 use_kernel = values.device.type == "cuda" and triton_available()
             if use_kernel:
                 from ..kernels.delta_apply import scatter

@@ -23,7 +23,7 @@ from ..layouts.fp8 import FP8_MAX, STAGING, scale_name
 from ..planner.fp8 import Fp8Plan
 from ..planner.plan import RELAY
 from .base import Executor, RankTensors, make_executor
-from ..kernels.tuning import KernelTuning
+from ..kernels import KernelTuning, triton_available
 from .graphs import Replay, on_streams, single_cuda_device
 from .reference import _box, element_shape, torch_dtype
 from .pins import Pins
@@ -405,8 +405,6 @@ class Fp8Executor(Executor):
         tensors = [t for side in (src, dst) for ts in side.values() for t in ts.values()]
         self._device = single_cuda_device(tensors)
         if quantizer == "auto":
-            from ..kernels import triton_available
-
             quantizer = "kernel" if self._device is not None and triton_available() else "eager"
         self.quantizer = quantizer
         self.quantize: Any = {"eager": quantize_blocks, "kernel": "kernel"}[quantizer]

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..errors import ExecutionError
+from ..kernels import triton_available
 from ..planner import Plan
 from ..planner.plan import RELAY
 from .base import Executor, RankTensors
@@ -77,7 +78,7 @@ class InProcessExecutor(Executor):
         self._device = single_cuda_device(prepared.tensors)
         self._fused, self._sum_blocks = None, []
         if checksum_kernel is None:
-            checksum_kernel = self._device is not None and _triton()
+            checksum_kernel = self._device is not None and triton_available()
         if self.checksum == "sum64" and checksum_kernel:
             from ..kernels.copy_sum64 import CopySum64
 
@@ -88,8 +89,8 @@ class InProcessExecutor(Executor):
             self._sum_blocks = prepared.blocks(mine)
         large = self._program.large
         if table is None:
-            table = self._device is not None and len(large) >= TABLE_FROM and _triton()
-        elif table and not _triton():
+            table = self._device is not None and len(large) >= TABLE_FROM and triton_available()
+        elif table and not triton_available():
             raise ExecutionError("table=True needs Triton (kernels.copy_table)")
         self._table = None
         if table and large:
@@ -206,8 +207,3 @@ def stream_entries(plan: Plan, mine: np.ndarray, s_flat: dict, d_flat: dict) -> 
     merged[:, 2] = np.add.reduceat(e[:, 2], np.flatnonzero(new))
     return merged, int(nbytes.sum())
 
-
-def _triton() -> bool:
-    from ..kernels import triton_available
-
-    return triton_available()

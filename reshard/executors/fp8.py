@@ -115,7 +115,6 @@ class SenderQuantizer(_QuantizeJobs):
         unit = torch_dtype(plan.src.dtype)
         self.tensors: dict[int, dict[str, torch.Tensor]] = {}
         self.jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (bf16 piece, fp8 piece, scale piece)
-        self.quantized: dict[tuple[int, str], torch.Tensor] = {}  # without shadows: the trainer's tensors quantized
         for rank, given in src.items():
             wanted = plan.src_tensors.on_rank(rank)
             out: dict[str, torch.Tensor] = {}
@@ -133,11 +132,8 @@ class SenderQuantizer(_QuantizeJobs):
                     raise ExecutionError(f"source rank {rank} {name!r}: got {tuple(real.shape)} {real.dtype}, a "
                                          f"quantizing refit reads {tuple(shape)} {unit} (a source already in "
                                          f"{real.dtype} is not re-quantized into other blocks)")
-                if not shadows:  # quantized straight into the destination (DirectQuantizer): no wire tensors
-                    self.quantized[rank, name] = real
-                    continue
-                # a shadow beside the trainer's tensor, on its device (fp8 weight or float32 scale)
-                out[name] = torch.zeros(shape, dtype=dtype, device=real.device)
+                if shadows:  # a shadow beside the trainer's tensor (without: DirectQuantizer writes the destination)
+                    out[name] = torch.zeros(shape, dtype=dtype, device=real.device)
             # scales have no trainer tensor: shadows on the weight's device (known by dtype, and by the plan's pieces:
             # under a float32 trainer a scale has the trainer's own dtype)
             scales = {b.tensor for _, b in fp.sender_pieces(rank)} if shadows else set()

@@ -98,7 +98,6 @@ def check_memory(src: Mapping[int, Mapping[str, Any]], dst: Mapping[int, Mapping
                          f"other tensor of the refit")
         if reach is None or reach[0] != span[0] or span[2] > reach[2] or (span[3] and span[2] == reach[2]):
             reach = span
-    return None
 
 
 def refuse_disagreement(problem: str | None, bad: int, same: bool, differs: str) -> None:

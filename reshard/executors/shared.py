@@ -14,6 +14,7 @@ the sender's per receiving peer.
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
 import mmap
 import multiprocessing.util
@@ -95,10 +96,8 @@ class Segment:
         if self.created:
             with Segment._lock:
                 Segment._mine.pop(self.tensor.data_ptr(), None)
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(_SHM_DIR, self.name))
-            except FileNotFoundError:
-                pass
 
     @classmethod
     def holding(cls, t: torch.Tensor) -> tuple["Segment", int] | None:

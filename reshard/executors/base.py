@@ -1,25 +1,9 @@
-"""What every executor is: one process's part of a plan, bound once and run at every refit; and the one place
-that picks an executor by name.
+"""What every executor is, and the one place that picks an executor by name.
 
-Lifecycle, the same for every executor:
-  1. construction binds the plan to where its ranks live (a `Binding`: which process plays which rank), to this
-     process (`process`) and to its tensors (`src`: source rank -> name -> tensor for the source ranks it plays,
-     `dst` likewise), and prepares what can be prepared once (schedules, buffers, registrations, connections);
-  2. `refit(version=None)` moves one refit: the source tensors hold the new weights; it returns a `RefitStats`
-     (executors.stats: one type for every executor), or raises ExecutionError. Staged by default: a failed refit
-     leaves every destination unchanged;
-  3. `close()` releases what the executor holds (also on leaving a `with` block).
-
-    executor = make_executor("collective", plan, binding, process, src, dst, group=group)
-    for step in training:
-        ...                       # the trainer updates its tensors in place
-        executor.refit()
-    executor.close()
-
-Executors here, each named after the transport that opens it (the package docstring lists them): "inprocess",
-"collective", "nixl", "shared", and "reference" (the ground truth). `EXECUTORS` lists them by name, each as the
-module and class that define it; `make_executor` imports the module on first use, so `import reshard` pulls in none
-of them.
+An executor is built once per plan, binding (which process plays which rank), process and tensors (`src` / `dst`:
+rank -> name -> tensor), preparing what it can; `refit(version=None)` moves one refit and returns a `RefitStats`
+or raises ExecutionError (staged by default: a failed refit leaves every destination unchanged); `close()`
+releases what it holds. `make_executor` imports an executor's module (`EXECUTORS`) on first use.
 """
 from __future__ import annotations
 
@@ -38,7 +22,6 @@ from .stats import RefitStats
 RankTensors = Mapping[int, Mapping[str, torch.Tensor]]
 """A process's tensors of some plan ranks: rank -> physical tensor name -> tensor."""
 
-# every executor: name -> "module:class" (the module imported on first use)
 EXECUTORS = {"reference": "reshard.executors.reference:ReferenceExecutor",
              "inprocess": "reshard.executors.inprocess:InProcessExecutor",
              "collective": "reshard.executors.collective.executor:CollectiveExecutor",
@@ -47,17 +30,13 @@ EXECUTORS = {"reference": "reshard.executors.reference:ReferenceExecutor",
 
 
 class Executor(abc.ABC):
-    """The protocol every executor follows: built once per plan and process, `refit()` per refit, `close()`.
-
-    Subclasses set `name`, their entry in `EXECUTORS` (what `make_executor` picks them by).
-    """
+    """The protocol every executor follows (module docstring); subclasses set `name`, their key in `EXECUTORS`."""
 
     name: str = ""
 
     @abc.abstractmethod
     def refit(self, version: int | None = None) -> "RefitStats":
-        """Move one refit's bytes; returns what this process did (a `RefitStats`, the same type for every
-        executor)."""
+        """Move one refit's bytes; returns what this process did."""
 
     def close(self) -> None:
         """Release buffers, registrations and connections."""
@@ -79,7 +58,7 @@ def executor_class(name: str) -> type[Executor]:
 
 def make_executor(name: str, plan: Any, binding: Any, process: int, src: RankTensors | None,
                   dst: RankTensors | None, **options: Any) -> Executor:
-    """The executor called `name`, bound to this process's part of `plan` (see the module docstring).
+    """The executor called `name`, bound to this process's part of `plan`.
 
     Args:
         name: "reference", "inprocess", "collective", "nixl" or "shared".
@@ -109,9 +88,8 @@ def make_executor(name: str, plan: Any, binding: Any, process: int, src: RankTen
 
 
 def close_within(close: Any, timeout: float, what: str) -> bool:
-    """Run a clean-up call for at most `timeout` seconds (bounded clean-up: a release waiting on a frozen peer
-    must not hold its caller). True when it finished; else it is left to a daemon thread, a warning is logged
-    and False returned. An error it raises is logged too: clean-up after a failure is best effort."""
+    """Run a clean-up call for at most `timeout` seconds (a release waiting on a frozen peer must not hold its
+    caller): True when it finished, else False (left to a daemon thread). Overruns and errors are logged."""
     call = Background(close, name="reshard-close")
     if not call.join(time.monotonic() + timeout):
         logging.getLogger("reshard").warning("reshard: %s did not finish within %.1f s; left to a background "

@@ -1,17 +1,8 @@
 """Which process plays which rank of a plan.
 
-A plan numbers its source ranks 0..S-1 and its destination ranks 0..D-1, separately and abstractly. A `Binding`
-ties them to the ranks of the process group that runs the refit: `src[s]` is the group rank that plays source
-rank s, `dst[d]` the group rank that plays destination rank d. Group ranks are ranks *in the refit group*, which
-may be a subgroup of a larger world; the executor translates them to global ranks.
-
-- disjoint meshes: trainer and inference are different processes (`Binding.disjoint`);
-- colocated: one process is both a trainer rank and an inference rank (`Binding.colocated`); bytes between
-  ranks of one process are local copies, never a send to itself;
-- anything else: spell the two tuples out. One process may play several ranks of a side (useful on CPU and in
-  tests); bytes between ranks it plays are local copies too.
-
-A binding is a small immutable value, validated on construction and against a plan with `check`.
+`Binding.src[s]` is the refit group's rank playing source rank s, `dst[d]` the one playing destination rank d
+(group ranks, not global ones). `disjoint`: different processes; `colocated`: one process plays a trainer and an
+inference rank; anything else spelled out. Bytes between ranks of one process are local copies.
 """
 from __future__ import annotations
 

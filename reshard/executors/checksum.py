@@ -1,31 +1,17 @@
 """End-to-end checksums of a refit (executors' `checksum=True`): what a receiver got is what its sender sent.
 
-Per transfer: the bytes one process sends another in one refit (one stream: a pair's messages in round order
-for the torch.distributed executor, a link's descriptor pieces in order for NIXL, a pair's ops in plan order for
-shared memory) are hashed with SHA-256 on both ends, the sender's digest travels to the receiver (a message, a
-store key), and the receiver compares it with the digest of what landed, before anything is committed. A
-mismatch fails the refit on every process like any other fault, so a staged refit leaves the destinations as
-they were. Off (the default), the executors compute nothing and send nothing more.
+Per transfer (one stream: the bytes one process sends another in one refit, in a fixed order), both ends hash the
+bytes; the sender's digest travels to the receiver, which compares it with what landed before anything is
+committed: a mismatch fails the refit everywhere. Off by default (nothing computed or sent). `tensor_digest` is
+SHA-256 of a tensor's raw bytes, as vLLM's /weight_checker computes per parameter.
 
-Per tensor: `tensor_digest` is SHA-256 of a tensor's raw bytes, the digest vLLM's /weight_checker computes for
-each parameter (`hashlib.sha256(w.cpu().contiguous().view(-1).view(torch.uint8).numpy())`), so a destination
-tensor a refit wrote in place can be cross-checked against the engine's own checksums.
-
-Two algorithms (the option's value; True means "sha256"; every process of a refit must pick the same one):
-- "sha256": on the host. GPU bytes are copied to host memory to be hashed: about two hashing passes over the
-  bytes per refit at one core's hashing speed: fine for CPU refits, for debugging only on GPUs (BENCHMARKS.md,
-  Checksums).
-- "sum64": computed where the bytes are, by torch ops (on the GPU for GPU tensors, a few passes over the
-  bytes): a stream's bytes x_i at stream positions i give the count and three sums mod 2^64 -- sum x_i,
-  sum x_i (i + 1), and sum x_i T[i mod 2^23] with pseudo-random weights T[j] = ((j 1103515245 + 12345) mod
-  2^31) >> 8. Any one corrupted byte changes the second sum (its change d (i + 1) is not 0 mod 2^64 for
-  0 < |d| < 256 and i < 2^55), as do two swapped bytes; positions are the stream's, so how a stream is cut into
-  blocks does not matter. Not a cryptographic hash: it catches corruption in flight, not a forger.
-  On GPUs (with Triton) the sums are one fused kernel per block (reshard.kernels.sum64: each byte read once), and
-  `Sum64Program` digests a fixed list of blocks (an executor's stream, bound once) as one CUDA graph replay; both
-  give the digests of the torch ops here, bit for bit. In one process, the inprocess executor's checksum="sum64"
-  (the inprocess transport's option) digests the bytes in the kernel that copies them (kernels.copy_sum64: the
-  weights' period folds the stream, so no weight is computed per byte), the same digest again.
+Algorithms (True means "sha256"; every process must pick the same):
+- "sha256": on the host (GPU bytes copied there: for debugging only on GPUs).
+- "sum64": where the bytes are. Bytes x_i at stream positions i give the count and three sums mod 2^64: sum x_i,
+  sum x_i (i + 1), and sum x_i T[i mod 2^23] with T[j] = ((j 1103515245 + 12345) mod 2^31) >> 8. Any one
+  corrupted byte, or two swapped, change the second sum; how a stream is cut into blocks does not matter. Not
+  cryptographic: it catches corruption in flight, not a forger. On GPUs with Triton a fused kernel per block
+  (kernels.sum64), `Sum64Program` (one CUDA graph over fixed blocks) and kernels.copy_sum64 give the same digests.
 """
 from __future__ import annotations
 
@@ -52,8 +38,8 @@ def algorithm(option: bool | str | None) -> str | None:
     if option is True:
         return "sha256"
     if isinstance(option, str) and option in ALGORITHMS:
-        if option == "sum64":  # executors resolve the option at set-up: the tables are made there, not in a refit's
-            _tables(torch.device("cpu"))  # deadline (2^23 entries each: about a second on a loaded 2-core machine)
+        if option == "sum64":  # the tables (about a second to make) at set-up, not within a refit's deadline
+            _tables(torch.device("cpu"))
         return option
     raise ArgumentError("checksum", option, f"must be False, True or one of {ALGORITHMS}")
 
@@ -77,20 +63,27 @@ def tensor_digests(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
     return {name: tensor_digest(t) for name, t in tensors.items()}
 
 
+def _pack(count: int, sums: "list[int]") -> bytes:
+    """A "sum64" digest: count and three sums, 32 bytes little-endian."""
+    return struct.pack("<4Q", count & _MASK64, *(v & _MASK64 for v in sums))
+
+
 class _Sum64:
     """The running sums of one "sum64" stream, kept on the bytes' device (no host sync until the digest).
 
-    The stream is cut at multiples of PERIOD (2^23): within a period, byte x at offset j (< 2^23) times j + 1 or
-    times T[j] (< 2^23) stays below 2^31, so the products run in int32 and only the sums widen to int64."""
+    Cut at multiples of PERIOD (2^23), a byte times j + 1 or T[j] stays below 2^31: products in int32, sums int64."""
 
     def __init__(self) -> None:
         self.count = 0
         self.sums: list[torch.Tensor] = []  # s1, s2, s3: int64 scalars on the device of the first block
 
-    def update(self, flat: torch.Tensor) -> None:
-        device = flat.device
+    def _start(self, device: torch.device) -> None:
         if not self.sums:
             self.sums = [torch.zeros((), dtype=torch.int64, device=device) for _ in range(3)]
+
+    def update(self, flat: torch.Tensor) -> None:
+        device = flat.device
+        self._start(device)
         ramp, weights = _tables(device)
         s1, s2, s3 = self.sums
         pos, done, n = self.count, 0, flat.numel()
@@ -112,20 +105,18 @@ class _Sum64:
         k = Sum64Launches([t], self.count)
         k.launch()
         part = k.sums()
-        if not self.sums:
-            self.sums = [torch.zeros((), dtype=torch.int64, device=t.device) for _ in range(3)]
+        self._start(t.device)
         for acc, v in zip(self.sums, part):
             acc.add_(v)
         self.count += k.count
 
     def digest(self) -> bytes:
-        sums = [int(v.item()) & _MASK64 for v in self.sums] if self.sums else [0, 0, 0]
-        return struct.pack("<4Q", self.count & _MASK64, *sums)
+        return _pack(self.count, [int(v.item()) for v in self.sums] if self.sums else [0, 0, 0])
 
 
 def use_kernel(blocks: "list[torch.Tensor]", force: bool = False) -> bool:
     """Whether the fused sum64 kernel takes these blocks: all on one GPU (or `force`: any device, for Triton's
-    interpreter), Triton importable, every block rows of contiguous bytes."""
+    interpreter), Triton there, each block rows of contiguous bytes."""
     from .graphs import single_cuda_device
 
     if not blocks or (not force and single_cuda_device(blocks) is None):
@@ -138,8 +129,8 @@ def use_kernel(blocks: "list[torch.Tensor]", force: bool = False) -> bool:
 
 
 class Sum64Program:
-    """The "sum64" digest of a fixed list of blocks (one stream's, in order, from position 0), recomputed at each
-    call: the kernel's launches, replayed as one CUDA graph from the second call (executors.graphs)."""
+    """The "sum64" digest of a fixed list of blocks (one stream from position 0), recomputed at each call as one
+    CUDA graph replay from the second call (executors.graphs)."""
 
     def __init__(self, blocks: "list[torch.Tensor]") -> None:
         from ..kernels.sum64 import Sum64Launches
@@ -151,8 +142,7 @@ class Sum64Program:
     def digest(self) -> bytes:
         """The blocks' "sum64" digest now (count and three sums, 32 bytes little-endian)."""
         self._run()
-        sums = [int(v) & _MASK64 for v in self._k.sums().tolist()]
-        return struct.pack("<4Q", self._k.count & _MASK64, *sums)
+        return _pack(self._k.count, [int(v) for v in self._k.sums().tolist()])
 
     def hexdigest(self) -> str:
         """`digest` as hex."""
@@ -173,8 +163,7 @@ def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Streams:
-    """One running checksum per stream key (e.g. ("to", peer) / ("from", peer)), for one refit; `algorithm` is
-    "sha256" (host) or "sum64" (on the bytes' device)."""
+    """One running checksum per stream key (e.g. ("to", peer)) for one refit, by `algorithm` ("sha256", "sum64")."""
 
     def __init__(self, algorithm: str = "sha256") -> None:
         if algorithm not in ALGORITHMS:
@@ -184,9 +173,7 @@ class Streams:
 
     def update(self, key: Hashable, t: torch.Tensor) -> None:
         """Feed tensor `t`'s bytes into stream `key` (started on first use)."""
-        h = self._h.get(key)
-        if h is None:
-            h = self._h[key] = hashlib.sha256() if self.algorithm == "sha256" else _Sum64()
+        h = self._h[key] = self._h.get(key) or self._new()
         if not t.numel():
             return
         if self.algorithm == "sha256":
@@ -198,14 +185,22 @@ class Streams:
 
     def digest(self, key: Hashable) -> bytes:
         """Stream `key`'s digest so far (an empty stream's if it never got bytes)."""
-        h = self._h.get(key)
-        if h is None:
-            h = hashlib.sha256() if self.algorithm == "sha256" else _Sum64()
-        return h.digest()
+        return (self._h.get(key) or self._new()).digest()
+
+    def _new(self) -> Any:
+        return hashlib.sha256() if self.algorithm == "sha256" else _Sum64()
 
     def hexdigest(self, key: Hashable) -> str:
         """`digest` as hex."""
         return self.digest(key).hex()
+
+
+def blocks_digest(algorithm: str, blocks: "list[torch.Tensor]") -> bytes:
+    """The `algorithm` digest of the blocks' bytes as one stream, in order."""
+    sums = Streams(algorithm)
+    for b in blocks:
+        sums.update(0, b)
+    return sums.digest(0)
 
 
 def mismatch(what: str, sent: str, got: str) -> str:
@@ -214,5 +209,5 @@ def mismatch(what: str, sent: str, got: str) -> str:
             f"were corrupted in flight)")
 
 
-__all__ = ["ALGORITHMS", "DIGEST_BYTES", "Streams", "Sum64Program", "algorithm", "block", "mismatch", "raw_bytes",
-           "tensor_digest", "tensor_digests", "use_kernel"]
+__all__ = ["ALGORITHMS", "DIGEST_BYTES", "Streams", "Sum64Program", "algorithm", "block", "blocks_digest", "mismatch",
+           "raw_bytes", "tensor_digest", "tensor_digests", "use_kernel"]

@@ -1,29 +1,25 @@
-"""Copy programs: many block copies of a plan folded into few strided 3-D copies, and running them with torch.
+"""Copy programs: a plan's block copies folded into few strided 3-D copies, run with torch.
 
-A plan's ops are 2-D blocks (rows x cols, one row stride per side). Executors pack ops into wire buffers,
-scatter wire buffers into destination tensors and copy locally; each of those is a list of block copies, and
-on a GPU each copy is a kernel launch, so their number matters more than their size. Two folds cut it down:
+On a GPU each copy is a launch, so their number matters more than their size. Two folds cut it: adjacent blocks
+merge (the planner's `merge_adjacent`), and blocks of one shape whose offsets advance by a constant step on both
+sides become one 3-D copy (q / k / v groups, expert stacks, vocabulary rows).
 
-1. adjacent blocks (contiguous on both sides) merge into one (the planner's own `merge_adjacent`);
-2. blocks of one shape whose offsets advance by a constant step on both sides become one 3-D copy
-   (n, rows, cols) with strides (step, row stride, 1): the per-group q / k / v blocks of an interleaved QKV
-   weight, the experts of a stack, the rows of a vocabulary split.
-
-Memory is named by (kind, id), the same in every executor: SRC / DST are the caller's source / destination
-tensors (ids from the plan's tensor tables); SHADOW is a copy of a destination tensor that this process keeps
-(staged bytes, a backup for undo, or memory peers write into); WIRE is a buffer bytes travel in between two
-processes (id: a message of the torch.distributed executor, a link of the NIXL executor); PEER + q is process
-q's memory for a destination tensor (id), mapped into this process (the shared-memory executor writes there).
+Memory is named by (kind, id) in every executor: SRC / DST are the caller's tensors (ids of the plan's tables),
+SHADOW a copy of a destination tensor this process keeps, WIRE a buffer bytes travel in, PEER + q process q's
+memory for a destination tensor, mapped here.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from ..errors import ExecutionError
 from ..planner.merge import merge_adjacent
+
+if TYPE_CHECKING:
+    import torch
 
 SRC, DST, SHADOW, WIRE, PEER = 0, 1, 2, 3, 4  # PEER + q: process q's memory (module docstring)
 KIND_NAMES = ("source", "destination", "shadow", "wire buffer")
@@ -149,13 +145,16 @@ def _progressions(ops: dict[str, np.ndarray], key: np.ndarray, order_by: str) ->
     }
 
 
-def run_copies(rows: list[tuple[int, ...]], memory: Callable[[int, int], "object"]) -> None:
+def copy_view(flat: "torch.Tensor", off: int, step: int, stride: int, n: int, rows: int, cols: int) -> "torch.Tensor":
+    """One side of a copy as a view of its flat (1-D) memory: 1-D, 2-D or 3-D as the copy needs."""
+    if n == 1 and rows == 1:
+        return flat.narrow(0, off, cols)
+    if n == 1:
+        return flat.as_strided((rows, cols), (stride, 1), flat.storage_offset() + off)
+    return flat.as_strided((n, rows, cols), (step, stride, 1), flat.storage_offset() + off)
+
+
+def run_copies(rows: list[tuple[int, ...]], memory: Callable[[int, int], "torch.Tensor"]) -> None:
     """Run a program (from `Copies.rows_as_lists`); `memory(kind, id)` gives a flat (1-D) torch tensor."""
     for sk, si, so, sst, ssr, dk, di, do, dst_, dsr, n, r, c in rows:
-        s, d = memory(sk, si), memory(dk, di)
-        if n == 1 and r == 1:
-            d.narrow(0, do, c).copy_(s.narrow(0, so, c))
-            continue
-        sv = s.as_strided((n, r, c), (sst, ssr, 1), s.storage_offset() + so)
-        dv = d.as_strided((n, r, c), (dst_, dsr, 1), d.storage_offset() + do)
-        dv.copy_(sv)
+        copy_view(memory(dk, di), do, dst_, dsr, n, r, c).copy_(copy_view(memory(sk, si), so, sst, ssr, n, r, c))

@@ -1,32 +1,24 @@
-"""Delta refits: move only the elements that changed since the version the engine holds, and write them in place.
+"""Delta refits: move only the elements changed since the version the engine holds, written in place.
 
-The executors' `delta=DeltaPolicy(keyframe_every=K)` option (in process: executors.inprocess; across processes:
-executors.collective) turns on this protocol:
+The executors' `delta=DeltaPolicy(keyframe_every=K)` option turns this protocol on:
 
-- The sender keeps what the engine holds: a copy of every source tensor its ops read, as of the last version it
-  sent (`Sender`). Memory: those tensors once more on their device, that is the sender's own shard of the model
-  (2 bytes a parameter in bf16) -- not per op, so a shard sent to several replicas is kept once. Per op it compares
-  the current box with the copy bit for bit (O(box) reads, as the dense refit's) and encodes the changed elements
-  in the smallest of three encodings (planner.delta: sparse indices + values, bitmap + values, or the dense
-  block); an op where nothing changed is left out. The copy is brought up to date only once the refit succeeded.
-- A keyframe (the dense refit, through the executor's own dense path) comes first, every K versions after it,
-  and whenever the engine's version is not the sender's base (a failed refit, a new executor, a receiver that
-  holds something else): every process learns every other's versions before a byte moves, so all pick the same.
-- The receiver (`Receiver`) holds the version it last applied and refuses a delta computed against another,
-  naming both versions; it refuses malformed payloads, indices out of their op's box, an op twice or one it
-  does not receive from that sender, and an encoding larger than the dense block it replaces -- before anything
-  is written (planner.delta.prove_delta; the plan's own coverage proof makes the writes disjoint). Then it
-  scatters the values straight into its destination tensors, live or staged, in O(changed elements): torch
-  `index_put_` on CPU, one Triton launch on GPUs (kernels.delta_apply); no full-tensor load. Value shifts
-  (Plan.value_shifts) are added to the values before they land, as the dense refit adds them after its copy.
-- Checksums (the executors' `checksum` option) are over the resulting weights: the digest of the destination
-  blocks after the refit (executors.checksum), the same whether the refit was a delta or a keyframe.
+- The sender (`Sender`) keeps a copy of every source tensor its ops read, as of the version it last sent (its own
+  shard once more), compares each op's box with it bit for bit and encodes the changed elements in the smallest of
+  three encodings (planner.delta: sparse, bitmap or dense); unchanged ops are left out. The copy is updated only
+  once the refit succeeded.
+- A keyframe (the executor's dense refit) comes first, every K versions, and whenever the engine's version is not
+  the sender's base; every process learns every other's versions first, so all pick the same.
+- The receiver (`Receiver`) refuses, before writing anything, a delta against another version than it holds, a
+  malformed payload, indices out of their op's box, an op twice or not from that sender, and an encoding larger
+  than the dense block (planner.delta.prove_delta); then it scatters the values in place in O(changed elements)
+  (`index_put_` on CPU, kernels.delta_apply on GPUs), value shifts added as the dense refit adds them.
+- Checksums cover the resulting weights (the destination blocks after the refit), delta or keyframe alike.
 
-A payload (one per sender and receiving process, `encode` / `decode`) is one uint8 buffer, every section 8-byte
-aligned: a header of int64 words (MAGIC, FORMAT, base version, version, entries, itemsize, digest bytes, 0), the
-entries (op row, encoding, count: int64 x 3 each), the sender's digest if any, then the sparse entries' int32
-indices, the bitmap entries' bitmaps, the non-dense entries' values (entry order) and the dense entries' blocks.
-Entries are sorted by destination tensor and op, so that the receiver scatters each tensor's elements as one slice.
+A payload (one per sender and receiving process) is one uint8 buffer, every section 8-byte aligned: a header of
+int64 words (MAGIC, FORMAT, base version, version, entries, itemsize, digest bytes, 0), the entries (op row,
+encoding, count: int64 x 3 each), the sender's digest, then the sparse entries' int32 indices, the bitmaps, the
+non-dense entries' values and the dense entries' blocks. Entries are sorted by destination tensor and op, so the
+receiver scatters each tensor's elements as one slice.
 """
 from __future__ import annotations
 
@@ -37,9 +29,10 @@ import numpy as np
 import torch
 
 from ..errors import CoverageError, ExecutionError
+from ..kernels import triton_available
 from ..planner.delta import BITMAP, DENSE, ENCODINGS, SPARSE, DeltaOps, choose, prove_delta
-from .checksum import Streams
-from .reference import block
+from .checksum import blocks_digest
+from .reference import block, op_blocks
 
 MAGIC = 0x41544C4544534552  # b"RESDELTA" little-endian
 FORMAT = 1
@@ -48,8 +41,7 @@ WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # unit
 
 
 class DeltaError(ExecutionError):
-    """A delta the receiver refuses (wrong base version, malformed, out of range, larger than dense); nothing
-    was written."""
+    """A delta the receiver refuses (wrong base, malformed, out of range, larger than dense); nothing written."""
 
 
 @dataclass(frozen=True)
@@ -57,10 +49,9 @@ class DeltaPolicy:
     """The executors' `delta` option: delta refits, with a dense keyframe every `keyframe_every` versions.
 
     Args:
-        keyframe_every: a keyframe (dense refit) every this many refits, counting the keyframe (1: every refit
-            dense); keyframes come also first and whenever the engine does not hold the sender's base version.
-        state: where this process's side of the protocol lives between executors (`DeltaState`); None: in the
-            executor (the usual case: one executor refits the plan again and again).
+        keyframe_every: a keyframe every this many refits, the keyframe counted (1: every refit dense); keyframes
+            also come first and whenever the engine does not hold the sender's base.
+        state: a `DeltaState` keeping this process's side between executors; None: kept in the executor.
 
     Raises:
         ArgumentError: keyframe_every not an integer >= 1, or state not a DeltaState.
@@ -78,7 +69,7 @@ class DeltaPolicy:
             raise ArgumentError("state", self.state, "must be a DeltaState (or None)")
 
     def sender(self, plan, ops: np.ndarray) -> "Sender":
-        """The sender side for the plan ops `ops` of this process: `state`'s, else a new one."""
+        """The sender side for this process's plan ops `ops`: `state`'s, else a new one."""
         return self.state.sender(plan, ops) if self.state is not None else Sender(plan, ops)
 
     def receiver(self, plan) -> "Receiver":
@@ -86,13 +77,19 @@ class DeltaPolicy:
         return self.state.receiver(plan) if self.state is not None else Receiver(plan)
 
 
+def _policy(policy: object) -> DeltaPolicy:
+    """`policy`, refused unless a DeltaPolicy (ArgumentError)."""
+    if not isinstance(policy, DeltaPolicy):
+        from ..errors import ArgumentError
+
+        raise ArgumentError("delta", policy, "must be a DeltaPolicy (or None: every refit dense)")
+    return policy
+
+
 class DeltaState:
-    """One process's side of the delta protocol for one plan, kept between the executors that refit it: for an
-    integration that makes its executors anew at every refit (verl's backend, whose group verl rebuilds each
-    time). It holds the sender's copy of what the engine holds and its base version, and the version the
-    receiver's destination tensors hold; pass it as `DeltaPolicy(state=...)` to each executor of the plan on this
-    process, with the same destination tensors every time. After a failed refit, use a new one (or `forget`):
-    nobody then knows what the engine holds, and the next refit is a keyframe.
+    """One process's side of the delta protocol for one plan, kept between executors (for integrations that
+    make executors anew each refit, as verl's backend): pass it as `DeltaPolicy(state=...)` to each, with the same
+    destination tensors. After a failed refit `forget` it (or use a new one): the next refit is a keyframe.
     """
 
     def __init__(self) -> None:
@@ -179,13 +176,8 @@ def _sections(plan, op: np.ndarray, enc: np.ndarray, count: np.ndarray, digest_b
     return at
 
 
-def _shift_bits() -> torch.Tensor:
-    return torch.arange(8, dtype=torch.uint8)
-
-
 class Sender:
-    """A sender's side of the protocol for the plan ops `ops` (rows of `plan.ops`): the copy of what the engine holds
-    (one per source tensor the ops read) and the encoding of what changed since (module docstring)."""
+    """A sender's side for the plan ops `ops`: the copy of what the engine holds and the encoding of changes."""
 
     def __init__(self, plan, ops: np.ndarray) -> None:
         self.plan, self.ops = plan, np.asarray(ops, dtype=np.int64)
@@ -219,8 +211,7 @@ class Sender:
 
     def encode(self, ops: np.ndarray, version: int, src_flat: dict[int, torch.Tensor],
                digest: bytes = b"") -> tuple[torch.Tensor, DeltaOps]:
-        """The payload of the delta from `self.base` to `version` over the plan op rows `ops` (a receiving
-        process's), and its entries.
+        """The payload of the delta from `self.base` to `version` over the plan ops `ops`, and its entries.
 
         Raises:
             ExecutionError: there is no base to compute a delta against.
@@ -299,9 +290,8 @@ def _changed(now: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
 def _in_boxes(changed: dict[int, torch.Tensor], tensors: np.ndarray, offsets: np.ndarray, rows: np.ndarray,
               cols: np.ndarray, strides: np.ndarray) -> list[torch.Tensor]:
     """Per block (source tensor, offset, rows x cols, row stride), the box-local indices (r * cols + c, ascending)
-    of the sorted flat positions `changed[tensor]` that lie in it. One search per source tensor finds every block's
-    range (one host round trip, not one a block: a model has thousands); a block whose rows are contiguous
-    (stride == cols) needs no more, a strided one a filter of its range."""
+    of the sorted flat positions `changed[tensor]` inside it: one search per tensor (one host round trip, not one
+    a block), then a filter for strided blocks."""
     out: list[torch.Tensor] = [torch.zeros(0, dtype=torch.int64)] * len(tensors)
     for t in np.unique(tensors).tolist():
         k = np.flatnonzero(tensors == t)
@@ -318,8 +308,8 @@ def _in_boxes(changed: dict[int, torch.Tensor], tensors: np.ndarray, offsets: np
 
 
 def pack_bits(index: torch.Tensor, n: int) -> torch.Tensor:
-    """The bitmap of `n` elements with the ascending indices `index` set: bit j of byte k is element 8k + j (the last
-    byte's padding bits zero), on the indices' device: numpy's packbits on CPU, O(len(index)) atomic adds on GPUs."""
+    """The bitmap of `n` elements with the ascending indices `index` set (bit j of byte k: element 8k + j; padding
+    bits zero), on the indices' device."""
     if index.device.type == "cpu":
         bits = np.zeros(n, dtype=bool)
         bits[index.numpy()] = True
@@ -338,7 +328,8 @@ def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
         nonzero = np.flatnonzero(b)
         r, c = np.nonzero(np.unpackbits(b[nonzero][:, None], axis=1, bitorder="little"))
         return torch.from_numpy(nonzero[r] * 8 + c)
-    return ((packed.unsqueeze(1) >> _shift_bits().to(packed.device)) & 1).view(-1).nonzero().view(-1)
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    return ((packed.unsqueeze(1) >> shifts) & 1).view(-1).nonzero().view(-1)
 
 
 @dataclass(frozen=True, eq=False)
@@ -354,13 +345,12 @@ class Decoded:
 
 
 class Receiver:
-    """A receiving process's side of the protocol: the version its destination tensors hold, the checks every
-    payload passes before anything is written, and the in-place scatter (module docstring).
+    """A receiving process's side: the version its destination tensors hold, the checks, the in-place scatter.
 
     Args:
         plan: the plan.
-        kernel: scatter with the Triton kernel (kernels.delta_apply); None: where the tensors are on a GPU and
-            Triton is there. True on CPU runs Triton's interpreter (tests).
+        kernel: scatter with the Triton kernel (kernels.delta_apply); None: on GPUs where Triton is there (True
+            on CPU runs Triton's interpreter).
     """
 
     def __init__(self, plan, kernel: bool | None = None) -> None:
@@ -391,10 +381,7 @@ class Receiver:
             raise DeltaError(f"delta from {sender}: {entries} entries do not fit its {n} bytes; nothing was written")
         table = payload[8 * HEADER_WORDS:8 * HEADER_WORDS + 24 * entries].cpu().numpy().view(np.int64).reshape(-1, 3)
         op, enc, count = table[:, 0], table[:, 1], table[:, 2]
-        try:
-            prove_delta(self.plan, DeltaOps(op, enc, count, np.zeros(0, np.int64)), allowed, indices=False)
-        except CoverageError as e:
-            raise DeltaError(f"delta from {sender} refused: {'; '.join(e.problems[:5])}; nothing was written") from e
+        self._prove(DeltaOps(op, enc, count, np.zeros(0, np.int64)), allowed, sender, indices=False)
         at = _sections(self.plan, op, enc, count, digest_bytes)
         if at["total"] != n:
             raise DeltaError(f"delta from {sender}: {n} bytes, its entries need {at['total']}; nothing was written")
@@ -414,15 +401,18 @@ class Receiver:
                                      f"{len(idx)} bits (some past its box of {b}); nothing was written")
                 parts.append(idx)
         index = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=payload.device)
-        try:
-            prove_delta(self.plan, DeltaOps(op, enc, count, index), allowed)
-        except CoverageError as e:
-            raise DeltaError(f"delta from {sender} refused: {'; '.join(e.problems[:5])}; nothing was written") from e
+        self._prove(DeltaOps(op, enc, count, index), allowed, sender)
         unit = WORDS[size]
         values = payload.narrow(0, at["values"], size * int(count[enc != DENSE].sum())).view(unit)
         dense = payload.narrow(0, at["dense"], size * int(box[enc == DENSE].sum())).view(unit)
         digest = bytes(payload.narrow(0, at["digest"], digest_bytes).cpu().tolist())
         return Decoded(base, version, DeltaOps(op, enc, count, index), values, dense, digest)
+
+    def _prove(self, delta: DeltaOps, allowed: np.ndarray, sender: str, indices: bool = True) -> None:
+        try:
+            prove_delta(self.plan, delta, allowed, indices=indices)
+        except CoverageError as e:
+            raise DeltaError(f"delta from {sender} refused: {'; '.join(e.problems[:5])}; nothing was written") from e
 
     def apply(self, decoded: Decoded, dst_flat: dict[int, torch.Tensor]) -> None:
         """Write a read payload into the destination tensors (flat views by table id), in place, O(changed)."""
@@ -454,8 +444,6 @@ class Receiver:
                     typed.narrow(0, int(starts[j]), int(count[j])).add_(value)
             use_kernel = self.kernel
             if use_kernel is None:
-                from ..kernels import triton_available
-
                 use_kernel = values.device.type == "cuda" and triton_available()
             if use_kernel:
                 from ..kernels.delta_apply import scatter
@@ -480,20 +468,15 @@ class Receiver:
 def source_digest(plan, ops: np.ndarray, src_flat: dict[int, torch.Tensor], algorithm: str) -> bytes:
     """The digest of the blocks the plan ops `ops` leave at their receiver: the source blocks in plan order, value
     shifts added (what a sender puts in its payload, `Sender.encode`'s `digest`)."""
-    o = plan.ops
-    sums = Streams(algorithm)
-    for i in np.sort(ops).tolist():
-        b = block(src_flat[int(o["src_tensor"][i])], int(o["src_offset"][i]), int(o["rows"][i]), int(o["cols"][i]),
-                  int(o["src_stride"][i]))
-        shift = plan.value_shifts.get(int(o["canon"][i]))
-        sums.update(0, b + shift if shift else b)
-    return sums.digest(0)
+    ops = np.sort(ops)
+    shifts = [plan.value_shifts.get(int(c)) for c in plan.ops["canon"][ops]]
+    return blocks_digest(algorithm, [b + s if s else b for b, s in zip(op_blocks(plan, ops, "src", src_flat), shifts)])
 
 
 def check_digest(receiver: "Receiver", decoded: "Decoded", ops: np.ndarray, dst_flat: dict[int, torch.Tensor],
                  algorithm: str, sender: str) -> None:
-    """Check, writing nothing, that the blocks of the plan ops `ops` will hold after `decoded` what the sender's
-    digest says (applied to a copy of the destination tensors those ops write).
+    """Check, writing nothing (on a copy), that the blocks of the plan ops `ops` will hold after `decoded` what the
+    sender's digest says.
 
     Raises:
         DeltaError: the digests differ (a payload changed on the way).
@@ -501,31 +484,19 @@ def check_digest(receiver: "Receiver", decoded: "Decoded", ops: np.ndarray, dst_
     o = receiver.plan.ops
     shadow = {int(t): dst_flat[int(t)].clone() for t in np.unique(o["dst_tensor"][ops])}
     receiver.apply(decoded, shadow)
-    sums = Streams(algorithm)
-    for i in np.sort(ops).tolist():
-        sums.update(0, block(shadow[int(o["dst_tensor"][i])], int(o["dst_offset"][i]), int(o["rows"][i]),
-                             int(o["cols"][i]), int(o["dst_stride"][i])))
-    if sums.digest(0) != decoded.digest:
+    digest = blocks_digest(algorithm, op_blocks(receiver.plan, np.sort(ops), "dst", shadow))
+    if digest != decoded.digest:
         raise DeltaError(f"checksum mismatch: the weights a delta from {sender} would leave have checksum "
-                         f"{sums.hexdigest(0)[:16]}, the sender's are {decoded.digest.hex()[:16]}; nothing was written")
+                         f"{digest.hex()[:16]}, the sender's are {decoded.digest.hex()[:16]}; nothing was written")
 
 
 class VotedDelta:
     """Delta refits of an executor whose processes meet through a store and vote (executors.voted: shared memory,
-    NIXL). Per refit `v`:
-
-      1. `keyframe`: every process publishes the version its receiver holds, its sender's base and whether its
-         policy asks for a keyframe (store key v<v>/delta/<p>), and reads everyone's: all take the same path;
-      2. a keyframe is the executor's dense refit; a delta (`transfer`): a receiver announces "ready v" (the
-         payloads of its previous refit are applied); a sender encodes a payload per receiving process, waits for
-         its "ready", hands the payload over (`deliver`, the transport's), publishes where it is and its size
-         (v<v>/payload/<sender>/<receiver>) and signals "done v"; a receiver waits for every feeder's "done", then
-         reads and proves each payload (`arrived` gives it; with `checksum`, its digest of the resulting weights
-         too) -- nothing is written before the vote;
-      3. `commit`, after every process voted: the payloads are scattered in place and both sides hold `v`.
-
-    A failure anywhere fails the refit on every process before any destination is written; the executor is then
-    rebuilt, as after any failed voted refit, and its first refit is a keyframe.
+    NIXL). Per refit `v`: `keyframe` (every process publishes its held and base versions and whether it is due,
+    and all take the same path); for a delta, `transfer` (each sender encodes a payload per receiving process,
+    hands it over with the transport's `deliver` once the receiver is ready, and publishes where it is; each
+    receiver reads and proves what `arrived`, nothing written); after the vote, `commit` scatters the payloads in
+    place. A failure anywhere fails the refit everywhere before any destination is written.
 
     Args:
         executor: the executor (its process, plan, binding, exchange, poll_max_s, src_flat, dst_flat).
@@ -535,12 +506,8 @@ class VotedDelta:
     """
 
     def __init__(self, executor, policy: DeltaPolicy, part, checksum: str | None) -> None:
-        if not isinstance(policy, DeltaPolicy):
-            from ..errors import ArgumentError
-
-            raise ArgumentError("delta", policy, "must be a DeltaPolicy (or None: every refit dense)")
         me = executor.process
-        self.ex, self.policy, self.checksum = executor, policy, checksum
+        self.ex, self.policy, self.checksum = executor, _policy(policy), checksum
         local = {me: part.local} if len(part.local) else {}
         self.sends, self.recvs = {**local, **part.sends_to}, {**local, **part.receives_from}
         self.feeders = sorted(part.receives_from)
@@ -569,7 +536,7 @@ class VotedDelta:
 
     # --- the protocol --------------------------------------------------------------------------------
     def keyframe(self, v: int, deadline: float) -> bool:
-        """Whether refit `v` is a keyframe, the same on every process (step 1)."""
+        """Whether refit `v` is a keyframe, the same on every process."""
         ex, store = self.ex.exchange, self.ex.exchange.store
         mine = {"receiver": self.receiver is not None, "held": None if self.receiver is None else self.receiver.held,
                 "sender": self.sender is not None, "base": None if self.sender is None else self.sender.base,
@@ -591,7 +558,7 @@ class VotedDelta:
         return self.is_keyframe
 
     def transfer(self, v: int, deadline: float) -> None:
-        """A delta refit's payloads delivered, and every one this process receives proven (step 2)."""
+        """A delta refit's payloads delivered, and every one this process receives proven (nothing written)."""
         ex, me, algorithm = self.ex.exchange, self.ex.process, self.checksum
         poll_max_s, plan = self.ex.poll_max_s, self.ex.plan
         if self.feeders:
@@ -638,8 +605,7 @@ class VotedDelta:
             self.decoded.append(d)
 
     def commit(self) -> bool:
-        """After the vote (step 3): scatter a delta's payloads (True), or leave a keyframe's commit to the dense
-        path (False); both sides then hold the version."""
+        """After the vote: scatter a delta's payloads (True), or leave a keyframe to the dense commit (False)."""
         v = self.last.version
         if not self.is_keyframe:
             for d in self.decoded:
@@ -671,24 +637,19 @@ class VotedDelta:
 
 
 def payload_bound(plan, ops: np.ndarray) -> int:
-    """The most bytes a payload over the plan ops `ops` can take (each op's encoding is at most its dense block;
-    the header, entries, a digest and each section's padding on top): the size of a fixed payload buffer."""
+    """The most bytes a payload over the plan ops `ops` can take (every op dense, plus header, entries, digest and
+    padding): the size of a fixed payload buffer."""
     o = plan.ops
     dense = int((o["rows"][ops] * o["cols"][ops]).sum()) * plan.itemsize
     return _pad(8 * HEADER_WORDS + 24 * len(ops) + 64 + dense + 5 * 8)
 
 
 class InProcessDelta:
-    """The protocol with sender and receiver in one process (executors.inprocess's `delta` option): the payload is
-    encoded, read and proven, and applied, as between processes, without a wire."""
+    """The protocol with sender and receiver in one process (executors.inprocess's `delta` option), no wire."""
 
     def __init__(self, plan, ops: np.ndarray, prepared, policy: DeltaPolicy, checksum: str | None = None) -> None:
-        if not isinstance(policy, DeltaPolicy):
-            from ..errors import ArgumentError
-
-            raise ArgumentError("delta", policy, "must be a DeltaPolicy (or None: every refit dense)")
         self.policy, self.ops, self.checksum = policy, np.asarray(ops, dtype=np.int64), checksum
-        self.sender, self.receiver = policy.sender(plan, self.ops), policy.receiver(plan)
+        self.sender, self.receiver = _policy(policy).sender(plan, self.ops), policy.receiver(plan)
         self.src_flat, self.dst_flat = prepared.src_flat, prepared.dst_flat
         self.dst_blocks = prepared.blocks(self.ops, side="dst") if checksum else []
         self.last: DeltaReport | None = None
@@ -719,10 +680,7 @@ class InProcessDelta:
 
     def digest(self) -> str:
         """The checksum of the resulting weights: the destination blocks of the ops, in plan order."""
-        sums = Streams(self.checksum)
-        for b in self.dst_blocks:
-            sums.update(0, b)
-        return sums.hexdigest(0)
+        return blocks_digest(self.checksum, self.dst_blocks).hex()
 
 
 __all__ = ["Decoded", "DeltaError", "DeltaPolicy", "DeltaReport", "DeltaState", "InProcessDelta", "Receiver",

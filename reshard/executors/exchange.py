@@ -1,22 +1,15 @@
-"""Set-up exchange and refit agreement of executors whose processes meet through a torch.distributed store
-(TCPStore, FileStore, ...): NIXL's and the shared-memory executor.
+"""Set-up exchange and refit agreement of executors whose processes meet through a torch.distributed store (NIXL,
+shared memory). Values are bytes (NIXL's agent metadata) or JSON (never pickle), under reshard-<transport>/<namespace>/:
 
-Values are bytes: an opaque blob (NIXL's agent metadata) and JSON for everything else (never pickle). Keys live
-under the transport and namespace (a PrefixStore), so several executors can share one store:
-
-  md/<p>        process p's blob (NIXL: get_agent_metadata(), taken after every registration)
-  book/<p>      JSON: what p runs (plan digest, binding, options) and how its peers address its memory
-  setup/fail    the reason of the first process whose set-up failed (its peers stop setting up)
-  setup/left/<p>  p is done with set-up, as a success or a failure: it will not connect to anyone any more, and
-                peers may talk to its agent (a first refit waits for it: `wait_set_up`)
-  v<g>/...      per refit version g: ok (counter of processes that finished and verified it), fail (the reason
-                of the first process that failed it), and the executor's own signals (`signal` / `count`)
+  md/<p>, book/<p>  process p's blob, and what it runs and how peers address its memory
+  setup/fail        the first failed set-up's reason; setup/left/<p>: p is done with set-up (success or not)
+  v<g>/...          per refit version: ok (votes), fail (first reason) and the executor's own signals
 """
 from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import ExecutionError
 from ..polling import poll
@@ -25,42 +18,28 @@ PROTOCOL = 1
 
 
 class _Store:
-    """An exchange's store: a failed call (torch's DistNetworkError or DistStoreError: the process hosting the store
-    exited, or a call ran out of time) raises ExecutionError naming the store, so that a peer's death reaches the
-    refit's caller as the refit's error at whatever step meets it."""
+    """An exchange's store (set, get, add, check, compare_set, delete_key): a failed call (the process hosting the
+    store exited, or a call timed out) raises ExecutionError naming the store, so a peer's death reaches the
+    refit's caller as the refit's error."""
 
     def __init__(self, store: Any, namespace: str) -> None:
         self._store, self._namespace = store, namespace
 
-    def _call(self, what: str, *args: Any) -> Any:
-        try:
-            return getattr(self._store, what)(*args)
-        except (RuntimeError, OSError) as e:
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise ExecutionError(f"the store went away (namespace {self._namespace!r}, {what}): {first}; has the "
-                                 f"process that hosts it exited?") from None
+    def __getattr__(self, what: str) -> Callable[..., Any]:
+        call = getattr(self._store, what)
 
-    def set(self, key: str, value: bytes | str) -> None:
-        self._call("set", key, value)
-
-    def get(self, key: str) -> bytes:
-        return self._call("get", key)
-
-    def add(self, key: str, amount: int) -> int:
-        return self._call("add", key, amount)
-
-    def check(self, keys: list[str]) -> bool:
-        return self._call("check", keys)
-
-    def compare_set(self, key: str, expected: str, desired: bytes) -> bytes:
-        return self._call("compare_set", key, expected, desired)
-
-    def delete_key(self, key: str) -> bool:
-        return self._call("delete_key", key)
+        def guarded(*args: Any) -> Any:
+            try:
+                return call(*args)
+            except (RuntimeError, OSError) as e:
+                first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise ExecutionError(f"the store went away (namespace {self._namespace!r}, {what}): {first}; has "
+                                     f"the process that hosts it exited?") from None
+        return guarded
 
 
 class Exchange:
-    """The store keys through which an executor's processes set up and agree on each refit (module docstring).
+    """The store keys through which an executor's processes set up and agree on each refit.
 
     Args:
         store: a torch.distributed store every process of the binding reaches.

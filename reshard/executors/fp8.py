@@ -1,19 +1,13 @@
 """Quantizing refits run by any executor: senders quantize before the plan moves bytes, receivers after.
 
-Numerics (`quantize_blocks`), per block of `block` = (rows, cols), as DeepGEMM's / vLLM's `per_block_cast_to_fp8`
-defines FP8 block checkpoints: amax = max |x| over the block in float32, at least 1e-4; scale = amax / 448;
-q = float8_e4m3fn(x * (1 / scale)) with torch's cast (round to nearest even). The stored `weight_scale_inv` is
-`scale` (what dequantization multiplies by). Partial blocks at a tensor's edge take the amax of what they hold.
+Numerics (`quantize_blocks`), per block of (rows, cols), as DeepGEMM's / vLLM's `per_block_cast_to_fp8`: amax =
+max |x| over the block in float32, at least 1e-4; scale = amax / 448; q = float8_e4m3fn(x * (1 / scale)) (round to
+nearest even); the stored `weight_scale_inv` is `scale`. Partial edge blocks take the amax of what they hold.
 
-`Fp8Executor` wraps the executor a plan would use (`make_executor(name, ...)`) around an `Fp8Plan`:
-  1. construction: the source tensors of this process become the wire's (fp8 and scale shadows, allocated once,
-     beside the trainer's tensors), the destination tensors the plan's (the engine's fp8 weights and scales;
-     staging buffers for tensors quantized on receivers); the inner executor is bound to those;
-  2. `refit()`: each source rank quantizes the pieces the plan reads from it into its shadows; the inner
-     executor moves the plan (staged by default: fp8 weights and their scales commit together or not at all);
-     then each destination rank quantizes its staging tensors into temporaries and only then writes weights and
-     scales (a failure before that point leaves both unchanged);
-  3. `close()` closes the inner executor.
+`Fp8Executor` wraps the executor a plan would use around an `Fp8Plan`: source ranks quantize into fp8 and scale
+shadows, the inner executor moves the plan (staged by default: weights and scales commit together or not at
+all), then destination ranks quantize their staging tensors into temporaries and only then write weights and
+scales.
 """
 from __future__ import annotations
 
@@ -29,7 +23,7 @@ from ..layouts.fp8 import FP8_MAX, STAGING, scale_name
 from ..planner.fp8 import Fp8Plan
 from ..planner.plan import RELAY
 from .base import Executor, RankTensors, make_executor
-from ..kernels.tuning import KernelTuning
+from ..kernels import KernelTuning, triton_available
 from .graphs import Replay, on_streams, single_cuda_device
 from .reference import _box, element_shape, torch_dtype
 from .pins import Pins
@@ -40,16 +34,14 @@ AMAX_FLOOR = 1e-4  # DeepGEMM's / vLLM's floor on a block's amax: an all-zero bl
 
 
 def _block_amax(v: torch.Tensor) -> torch.Tensor:
-    """max |x| per block of a [nb, bn, kb, bk] view, in float32: the larger of -min and max (exact, and no |x|
-    temporary)."""
+    """max |x| per block of a [nb, bn, kb, bk] view, in float32 (the larger of -min and max: no |x| temporary)."""
     return torch.maximum(v.amax(dim=(1, 3)), v.amin(dim=(1, 3)).neg()).float()
 
 
 def quantize_blocks(x: torch.Tensor, block: tuple[int, int],
                     out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8 [n, k], float32 scales [ceil(n/bn), ceil(k/bk)]) of a 2-D tensor (see the module doc); the fp8 values
-    are written into `out` (any strided [n, k] float8 view) when given. The reference every quantizer is checked
-    against (torch ops, any device)."""
+    """(fp8 [n, k], float32 scales [ceil(n/bn), ceil(k/bk)]) of a 2-D tensor (module docstring), the fp8 values
+    written into `out` (a strided [n, k] float8 view) when given: the reference every quantizer is checked against."""
     n, k = x.shape
     bn, bk = block
     nb, kb = -(-n // bn), -(-k // bk)
@@ -59,8 +51,7 @@ def quantize_blocks(x: torch.Tensor, block: tuple[int, int],
         x = padded
     v = x.reshape(nb, bn, kb, bk)
     amax = _block_amax(v).clamp_(min=AMAX_FLOOR)
-    # the scale's division and reciprocal on tensors: CUDA divides by a Python scalar as a product
-    # with its reciprocal, which can differ from amax / 448 in the last bit (the GPU test found it)
+    # on tensors: CUDA divides by a Python scalar as a product with its reciprocal (can differ in the last bit)
     scale = amax / torch.full_like(amax, FP8_MAX)
     inv = torch.reciprocal(scale)[:, None, :, None]
     q = torch.mul(v, inv).reshape(nb * bn, kb * bk)[:n, :k]  # float32: cast on the way into `out`
@@ -75,8 +66,7 @@ def _as_2d(view: torch.Tensor) -> torch.Tensor:
 
 
 def _tiles(t: torch.Tensor, pieces: list, block: tuple[int, int]) -> bool:
-    """Whether 2-D `pieces` cover the 2-D tensor `t` exactly in whole blocks: then quantizing `t` at once gives
-    every piece's blocks (a block never spans two pieces) and the scale tensor is `t`'s block grid."""
+    """Whether 2-D `pieces` tile the 2-D tensor `t` in whole blocks (then `t` is quantized at once)."""
     if t.dim() != 2 or any(len(p.lengths) != 2 for p in pieces):
         return False
     if sum(p.lengths[0] * p.lengths[1] for p in pieces) != t.numel():
@@ -85,26 +75,33 @@ def _tiles(t: torch.Tensor, pieces: list, block: tuple[int, int]) -> bool:
 
 
 class _QuantizeJobs:
-    """Runs (bf16 block view, fp8 destination view, scale destination view) jobs: the Triton kernel (one replay,
-    built once, launched with `tuning`) or a quantizer function per job, writing fp8 and scale straight into their
-    destinations."""
+    """Runs (bf16 view, fp8 view, scale view) jobs: the Triton kernel (one replay, built once, launched with
+    `tuning`) or a quantizer function per job."""
 
     jobs: list
     block: tuple[int, int]
     tuning: "KernelTuning | None"
     _kernel: "Replay | None"
 
-    def run(self, quantize=None) -> None:
+    def run(self, quantize=None, direct: bool = True) -> None:
+        """Quantize every job: `quantize` "kernel", a quantizer function, or None (`quantize_blocks`)."""
         if quantize == "kernel":
             if self._kernel is None:
-                self._kernel = kernel_jobs(self.jobs, self.block, self.tuning)
+                self._kernel = self._kernel_program(direct)
             self._kernel()
             return
-        quantize = quantize or quantize_blocks
         with torch.no_grad():
-            for x, q, s in self.jobs:
-                _, ss = quantize(x, self.block, q)  # fp8 straight into the shadow
-                s.copy_(ss)
+            self._eager(quantize or quantize_blocks)
+
+    def _kernel_program(self, direct: bool) -> "Replay":
+        """`kernel_launches` replayed as one CUDA graph from the second call (executors.graphs)."""
+        return Replay(kernel_launches(self.jobs, self.block, self.tuning),
+                      single_cuda_device([t for job in self.jobs for t in job]))
+
+    def _eager(self, quantize: Callable) -> None:
+        for x, q, s in self.jobs:
+            _, ss = quantize(x, self.block, q)  # fp8 straight into its destination
+            s.copy_(ss)
 
 
 class SenderQuantizer(_QuantizeJobs):
@@ -118,7 +115,6 @@ class SenderQuantizer(_QuantizeJobs):
         unit = torch_dtype(plan.src.dtype)
         self.tensors: dict[int, dict[str, torch.Tensor]] = {}
         self.jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (bf16 piece, fp8 piece, scale piece)
-        self.quantized: dict[tuple[int, str], torch.Tensor] = {}  # without shadows: the trainer's tensors quantized
         for rank, given in src.items():
             wanted = plan.src_tensors.on_rank(rank)
             out: dict[str, torch.Tensor] = {}
@@ -136,11 +132,8 @@ class SenderQuantizer(_QuantizeJobs):
                     raise ExecutionError(f"source rank {rank} {name!r}: got {tuple(real.shape)} {real.dtype}, a "
                                          f"quantizing refit reads {tuple(shape)} {unit} (a source already in "
                                          f"{real.dtype} is not re-quantized into other blocks)")
-                if not shadows:  # quantized straight into the destination (DirectQuantizer): no wire tensors
-                    self.quantized[rank, name] = real
-                    continue
-                # a shadow beside the trainer's tensor, on its device (fp8 weight or float32 scale)
-                out[name] = torch.zeros(shape, dtype=dtype, device=real.device)
+                if shadows:  # a shadow beside the trainer's tensor (without: DirectQuantizer writes the destination)
+                    out[name] = torch.zeros(shape, dtype=dtype, device=real.device)
             # scales have no trainer tensor: shadows on the weight's device (known by dtype, and by the plan's pieces:
             # under a float32 trainer a scale has the trainer's own dtype)
             scales = {b.tensor for _, b in fp.sender_pieces(rank)} if shadows else set()
@@ -169,9 +162,11 @@ class SenderQuantizer(_QuantizeJobs):
         self._kernel: Replay | None = None
 
 
-class ReceiverQuantizer:
+class ReceiverQuantizer(_QuantizeJobs):
     """This process's destination ranks: staging buffers for receiver-quantized tensors, and the quantization
-    from them into the engine's fp8 weights and scales."""
+    from them into the engine's fp8 weights and scales. `run(quantize, direct)` quantizes all first, then writes
+    (weights and scales change together or not at all); with the kernel and `direct` (nothing can fail between
+    the two), straight into the engine's tensors."""
 
     def __init__(self, fp: Fp8Plan, dst: RankTensors, tuning: "KernelTuning | None" = None) -> None:
         plan, layout, full = fp.plan, fp.plan.dst, fp.full_dst
@@ -213,7 +208,7 @@ class ReceiverQuantizer:
 
     def _kernel_program(self, direct: bool) -> "Replay":
         if direct or not self.jobs:
-            return kernel_jobs(self.jobs, self.block, self.tuning)
+            return super()._kernel_program(direct)
         temps = [(x, torch.empty_like(q), torch.empty_like(s)) for x, q, s in self.jobs]
         quantize = kernel_launches(temps, self.block, self.tuning)  # plain launches: captured in the graph below
         writes = [(q, tq, s, ts) for (_, q, s), (_, tq, ts) in zip(self.jobs, temps)]
@@ -225,28 +220,17 @@ class ReceiverQuantizer:
                 s.copy_(ts)
         return Replay(run, single_cuda_device([t for job in self.jobs for t in job]))
 
-    def run(self, quantize=None, direct: bool = False) -> None:
-        """All quantized first, then written: weights and scales change together or not at all. With the kernel
-        (`quantize="kernel"`) and `direct` (an in-process refit: nothing can fail between the two), straight into
-        the engine's tensors."""
-        if quantize == "kernel":
-            if self._kernel is None:
-                self._kernel = self._kernel_program(direct)
-            self._kernel()
-            return
-        quantize = quantize or quantize_blocks
-        with torch.no_grad():
-            done = [quantize(x, self.block) for x, _, _ in self.jobs]
-            for (_, q, s), (qq, ss) in zip(self.jobs, done):
-                q.copy_(qq)
-                s.copy_(ss)
+    def _eager(self, quantize: Callable) -> None:
+        done = [quantize(x, self.block) for x, _, _ in self.jobs]
+        for (_, q, s), (qq, ss) in zip(self.jobs, done):
+            q.copy_(qq)
+            s.copy_(ss)
 
 
 def kernel_launches(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block: tuple[int, int],
                     tuning: "KernelTuning | None" = None) -> Callable[[], None]:
-    """A function that quantizes every (x, fp8 view, scale view) job: those the Triton kernel takes all in one
-    launch (kernels.fp8_quantize, launched with `tuning`), a job it cannot take (rows not contiguous) through the
-    reference."""
+    """A function that quantizes every (x, fp8 view, scale view) job: in one launch of kernels.fp8_quantize
+    (with `tuning`), those with rows not contiguous through the reference."""
     from ..kernels.fp8_quantize import QuantizeTable
 
     fits = [x.dim() == 2 and q.dim() == 2 and s.dim() == 2 and x.stride(-1) == 1 and q.stride(-1) == 1
@@ -263,15 +247,9 @@ def kernel_launches(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     return run
 
 
-def kernel_jobs(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block: tuple[int, int],
-                tuning: "KernelTuning | None" = None) -> Replay:
-    """`kernel_launches` replayed as one CUDA graph from the second call (executors.graphs)."""
-    return Replay(kernel_launches(jobs, block, tuning), single_cuda_device([t for job in jobs for t in job]))
-
-
 def _rect(off: int, stride: int, rows: int, cols: int, width: int) -> "tuple[int, int, int, int] | None":
-    """A block of a flat tensor (offset, row stride, rows x cols, in elements) as (row, col, rows, cols) of the
-    tensor seen as rows of `width`; None when it is not a rectangle there."""
+    """A flat tensor's block (offset, row stride, rows x cols) as (row, col, rows, cols) of the tensor in rows of
+    `width`; None when not a rectangle there."""
     r0, c0 = divmod(off, width)
     if rows == 1:
         if c0 == 0 and cols % width == 0:
@@ -281,8 +259,7 @@ def _rect(off: int, stride: int, rows: int, cols: int, width: int) -> "tuple[int
 
 
 def _as_rows(t: torch.Tensor, block_rows: int) -> "torch.Tensor | None":
-    """A weight as 2-D rows of its last dimension, when its blocks stay whole that way (a stack's matrices
-    a whole number of blocks high); else None."""
+    """A weight as 2-D rows of its last dimension where its blocks stay whole that way; else None."""
     if t.dim() == 2:
         return t
     if t.dim() > 2 and t.shape[-2] % block_rows == 0:
@@ -291,12 +268,9 @@ def _as_rows(t: torch.Tensor, block_rows: int) -> "torch.Tensor | None":
 
 
 class DirectQuantizer(_QuantizeJobs):
-    """Sender quantization straight into the destination, for refits with every rank in this process: each op
-    of the plan that moves fp8 blocks becomes a job reading the trainer's bf16 rectangle and writing the engine's
-    fp8 rectangle and its scales, so a quantized byte is read once and written once (no wire shadow, no copy).
-    The scale ops are then covered by the jobs; every other op runs through an inprocess executor. `jobs is None`
-    when the plan cannot be run so (an op's rectangle is not a whole number of blocks on both sides, a stack's
-    matrices split blocks, a shifted or relayed fp8 op): the caller falls back to shadows and copies."""
+    """Sender quantization straight into the destination, every rank in this process: each fp8 op becomes a job
+    from the trainer's bf16 rectangle into the engine's fp8 rectangle and scales (no shadow, no copy); `rest` are
+    the other ops. `jobs` is None (and `why` says why) where the plan cannot run so."""
 
     def __init__(self, fp: Fp8Plan, src: RankTensors, dst: RankTensors, tuning: "KernelTuning | None" = None) -> None:
         self.tuning = tuning
@@ -370,8 +344,8 @@ class DirectQuantizer(_QuantizeJobs):
 
 
 def check_engine_tensors(fp: Fp8Plan, dst: RankTensors) -> None:
-    """Every fp8 weight and float32 scale the FP8 destination declares is among the engine's tensors, with its
-    shape and dtype; all problems at once, before anything is quantized or moved."""
+    """Raise ExecutionError, listing every problem, unless each fp8 weight and float32 scale the FP8 destination
+    declares is among the engine's tensors with its shape and dtype."""
     full = fp.full_dst
     problems = []
     for rank, given in dst.items():
@@ -381,7 +355,7 @@ def check_engine_tensors(fp: Fp8Plan, dst: RankTensors) -> None:
                 continue
             t, dtype = given.get(name), torch_dtype(own[name])
             if t is None:
-                kind = "scale" if name.endswith("_scale_inv") or "_scale_inv" in name else "fp8 weight"
+                kind = "scale" if "_scale_inv" in name else "fp8 weight"
                 problems.append(f"destination rank {rank} has no {kind} {name!r} ({tuple(shape)} {dtype})")
             elif not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
                 got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
@@ -393,16 +367,24 @@ def check_engine_tensors(fp: Fp8Plan, dst: RankTensors) -> None:
 
 
 class Fp8Executor(Executor):
-    """Runs an `Fp8Plan` with the executor called `inner` (reference, inprocess, collective, nixl, shared): see the module
-    doc. `src`: source rank -> the trainer's tensors (the model's dtype); `dst`: destination rank -> the engine's
-    tensors (fp8 weights, float32 `*weight_scale_inv`, the rest in the model's dtype).
+    """Runs an `Fp8Plan` with the executor called `inner` (module docstring).
 
-    `quantizer`: "eager" (torch ops, the reference), "kernel" (the Triton kernel of reshard.kernels, all jobs in
-    one launch, one CUDA graph from the second refit), or "auto" (the kernel where every tensor is on a GPU and
-    Triton is there, else eager). `tuning`: the kernel's launch settings (reshard.kernels.KernelTuning; default
-    KernelTuning()). `direct`: with an in-process inner ("reference", "inprocess") and every rank here, quantize straight
-    into the engine's tensors (DirectQuantizer: no wire shadows, each quantized byte read once and written once)
-    where the plan allows it ("auto", the default), always (True: refused where it cannot), or never (False)."""
+    Args:
+        src: source rank -> the trainer's tensors (the model's dtype).
+        dst: destination rank -> the engine's tensors (fp8 weights, float32 `*weight_scale_inv`, the rest in the
+            model's dtype).
+        inner: the executor that moves the plan ("reference", "inprocess", "collective", "nixl", "shared").
+        quantizer: "eager" (torch ops), "kernel" (Triton, one launch, a CUDA graph from the second refit) or
+            "auto" (the kernel where every tensor is on a GPU and Triton is there).
+        direct: with an in-process inner and every rank here, quantize straight into the engine's tensors
+            (DirectQuantizer) where the plan allows ("auto"), always (True) or never (False).
+        tuning: the kernel's launch settings (reshard.kernels.KernelTuning).
+        **options: the inner executor's options.
+
+    Raises:
+        ExecutionError: not an Fp8Plan, engine tensors that do not match, or `direct=True` where it cannot be.
+        ArgumentError: an unknown quantizer.
+    """
 
     name = "fp8"
 
@@ -416,11 +398,10 @@ class Fp8Executor(Executor):
             raise ArgumentError("quantizer", quantizer, f"must be one of {QUANTIZERS}")
         self.fp = fp
         src, dst = dict(src or {}), dict(dst or {})
+        tensors = [t for side in (src, dst) for ts in side.values() for t in ts.values()]
+        self._device = single_cuda_device(tensors)
         if quantizer == "auto":
-            from ..kernels import triton_available
-
-            on_gpu = single_cuda_device([t for side in (src, dst) for ts in side.values() for t in ts.values()])
-            quantizer = "kernel" if on_gpu is not None and triton_available() else "eager"
+            quantizer = "kernel" if self._device is not None and triton_available() else "eager"
         self.quantizer = quantizer
         self.quantize: Any = {"eager": quantize_blocks, "kernel": "kernel"}[quantizer]
         check_engine_tensors(fp, dst)
@@ -433,12 +414,12 @@ class Fp8Executor(Executor):
             elif direct is True:
                 raise ExecutionError(f"this FP8 plan cannot be quantized straight into the destination: {d.why}")
         elif direct is True:
-            raise ExecutionError("direct quantization needs every rank in this process (inner 'reference' or 'inprocess')")
+            raise ExecutionError("direct quantization needs every rank in this process (inner 'reference' or "
+                                 "'inprocess')")
         self.senders = SenderQuantizer(fp, src, shadows=self.direct is None, tuning=tuning)
         self.receivers = ReceiverQuantizer(fp, dst, tuning)
-        self._device = single_cuda_device([t for side in (src, dst) for ts in side.values() for t in ts.values()])
         if self.direct is not None:
-            self._pins = Pins(t for side in (src, dst) for ts in side.values() for t in ts.values())
+            self._pins = Pins(tensors)
             self.inner = make_executor("inprocess", fp.plan, binding, process, self.senders.tensors,
                                        self.receivers.tensors, ops=self.direct.rest)
         else:

@@ -1,11 +1,7 @@
 """Launch-bound work as one CUDA graph: a fixed sequence of launches over tensors that stay where they are.
 
-A refit through prebuilt views (executors.inprocess), a quantizer's kernels over fixed jobs (executors.fp8) and a
-checksum over fixed blocks each launch the same kernels over the same memory at every refit. `Replay` runs such a
-function eagerly the first time (Triton kernels compile, torch's copy kernels are chosen) and captures it into a
-CUDA graph at the second call; from then on a call is one graph launch (host cost a few microseconds, however many
-kernels the graph holds). The caller keeps the tensors alive and in place (the inprocess executors check their
-storage pointers before every call). Off a GPU, or where capture fails, the function simply runs eagerly.
+`Replay` runs a function eagerly the first time (kernels compile) and captures it at the second call; then a call
+is one graph launch. The caller keeps the tensors in place. Off a GPU, or where capture fails, it runs eagerly.
 """
 from __future__ import annotations
 
@@ -54,17 +50,8 @@ def single_cuda_device(tensors) -> "torch.device | None":
     return device if device.type == "cuda" else None
 
 
-_STREAMS: dict[str, list] = {}
+_STREAMS: dict[str, list] = {}  # device -> its side streams
 STREAMS = 4  # side streams independent launches are spread over (a graph captures them as parallel branches)
-
-
-def side_streams(device: torch.device, n: int) -> list:
-    """`n` side streams of `device`, made once per process and reused (a captured graph keeps referring to them)."""
-    key = str(device)
-    have = _STREAMS.setdefault(key, [])
-    while len(have) < n:
-        have.append(torch.cuda.Stream(device))
-    return have[:n]
 
 
 def spread(items: list, n: int, size: Callable = lambda item: 1) -> list[list]:
@@ -79,16 +66,17 @@ def spread(items: list, n: int, size: Callable = lambda item: 1) -> list[list]:
 
 
 def on_streams(parts: list[Callable[[], None]], device: "torch.device | None") -> None:
-    """Run each part on its own side stream after the work the current stream holds, and make the current stream
-    wait for all of them: independent launches (disjoint destinations) run side by side instead of one after
-    another, which fills the GPU where each launch alone does not (small grids, many small copies). Off a GPU, or
-    with one part, in order on the current stream."""
+    """Run each part on its own side stream after the current stream's work, and make the current stream wait for
+    them all: independent launches (disjoint destinations) side by side. Off a GPU, or with one part, in order."""
     if device is None or len(parts) <= 1:
         for fn in parts:
             fn()
         return
     main = torch.cuda.current_stream(device)
-    streams = side_streams(device, len(parts))
+    streams = _STREAMS.setdefault(str(device), [])  # made once per process: a captured graph keeps referring to them
+    while len(streams) < len(parts):
+        streams.append(torch.cuda.Stream(device))
+    streams = streams[:len(parts)]
     for s, fn in zip(streams, parts):
         s.wait_stream(main)
         with torch.cuda.stream(s):

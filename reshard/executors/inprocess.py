@@ -1,18 +1,11 @@
-"""The inprocess executor: every rank in this process, the plan bound once (frequent refits: LoRA adapters, an in-process engine).
+"""The inprocess executor: every rank in this process, the plan bound once (frequent refits: LoRA adapters, an
+in-process engine).
 
-The reference `ReferenceExecutor` checks the tensors and walks the ops in Python at every refit: right as a reference,
-a fixed cost per op that dominates small refits and, on a GPU, leaves a whole model's refit at a fraction of the
-device's copy speed (one launch per op, each built in Python). Here construction does the checks once, folds the
-ops into a short copy program (executors.copies: adjacent blocks merged, progressions of equal blocks as one 3-D
-copy) and binds it to views (executors.views: bytes moved as 8-byte words where alignment allows, large
-contiguous runs as plain copies, small ones batched through `torch._foreach_copy_`). On one GPU the program, with
-the value shifts after it, is captured as a CUDA graph at the second refit (executors.graphs): a refit is then
-one graph launch. With thousands of large copies (a mixture-of-experts model's expert matrices) they go through
-one launch of the table-copy kernel (kernels.copy_table) inside that graph. With `checksum="sum64"` on one GPU,
-every copy goes through the copy-and-checksum kernel instead (kernels.copy_sum64): the bytes are read once, to
-be written and to be counted, and the refit reports the digest of its source stream. The tensors must stay the
-same objects between refits (the trainer updates them in place; a slot buffer stays where the engine made it):
-`refit` checks their storage pointers, a constant-time test per tensor, and refuses if one was replaced.
+Construction checks the tensors once, folds the ops into a short copy program (executors.copies) and binds it to
+views (executors.views); on one GPU the program is captured as a CUDA graph at the second refit (executors.graphs),
+thousands of large copies go through one table-copy kernel (kernels.copy_table), and checksum="sum64" copies and
+sums in one kernel (kernels.copy_sum64). The tensors must stay the same objects between refits: `refit` checks
+their storage pointers and refuses if one was replaced.
 """
 from __future__ import annotations
 
@@ -23,10 +16,11 @@ import numpy as np
 import torch
 
 from ..errors import ExecutionError
+from ..kernels import triton_available
 from ..planner import Plan
 from ..planner.plan import RELAY
 from .base import Executor, RankTensors
-from .checksum import Streams, algorithm
+from .checksum import algorithm, blocks_digest
 from .copies import DST, SRC, fold
 from .delta import DeltaPolicy, DeltaReport, InProcessDelta
 from .graphs import STREAMS, Replay, on_streams, single_cuda_device, spread
@@ -43,19 +37,22 @@ TABLE_FROM = 1000  # table None: the large copies through one table-copy kernel 
 
 
 class InProcessExecutor(Executor):
-    """Every rank in this process, views bound once (see the module docstring). `binding` and `process` are
-    accepted for the protocol of executors.base and not needed. `ops`: run only these ops of the plan (indices;
-    default all this process's destination ranks receive). `graph`, where every tensor is on one GPU: "all" (the
-    whole refit one CUDA graph), "small" (the batched small and strided copies and the shifts one graph, the large
-    contiguous copies launched as plain device copies), "none", "auto" ("all" from MANY_COPIES large copies on,
-    else "small": plain copies move a few hundred large tensors faster than graph nodes do, while thousands of
-    expert matrices are launch-bound and run far faster as graph nodes; BENCHMARKS.md, Same host, issue 31's
-    variants); True is GRAPH, False "none". `streams`: on a GPU, the large
-    copies are spread over this many side streams (default graphs.STREAMS; 1: all on the current stream).
-    `table`: the large copies as one launch of the table-copy kernel (kernels.copy_table, Triton) instead of one
-    copy each; None: on one GPU with Triton, from TABLE_FROM large copies on (then "auto" is "all"). `delta`: a
-    `DeltaPolicy`: refits move only the changed elements, dense keyframes as it says (executors.delta); `last_delta`
-    reports each refit's encodings and bytes, and `checksum` digests the resulting destination blocks."""
+    """Every rank in this process, views bound once (module docstring); `binding` and `process` are not needed.
+
+    Args:
+        ops: run only these plan ops (default all this process's destination ranks receive).
+        graph: on one GPU, "all" (the whole refit one CUDA graph), "small" (small copies and shifts a graph, large
+            ones plain device copies), "none", or "auto" ("all" from MANY_COPIES large copies on: thousands are
+            launch-bound; else "small"); True is GRAPH, False "none".
+        streams: side streams the large copies spread over on a GPU (default graphs.STREAMS).
+        table: large copies as one table-copy kernel launch (Triton); None: on one GPU from TABLE_FROM on.
+        checksum: the algorithm (executors.checksum) of the refit's digest; `checksum_kernel` forces or forbids
+            the fused copy-and-sum kernel for "sum64" (None: on one GPU with Triton).
+        delta: a `DeltaPolicy` (executors.delta); `last_delta` reports what each refit moved.
+
+    Raises:
+        ExecutionError: a bad `graph`, `table=True` without Triton, relays, or tensors that do not match.
+    """
 
     name = "inprocess"
 
@@ -81,7 +78,7 @@ class InProcessExecutor(Executor):
         self._device = single_cuda_device(prepared.tensors)
         self._fused, self._sum_blocks = None, []
         if checksum_kernel is None:
-            checksum_kernel = self._device is not None and _triton()
+            checksum_kernel = self._device is not None and triton_available()
         if self.checksum == "sum64" and checksum_kernel:
             from ..kernels.copy_sum64 import CopySum64
 
@@ -92,8 +89,8 @@ class InProcessExecutor(Executor):
             self._sum_blocks = prepared.blocks(mine)
         large = self._program.large
         if table is None:
-            table = self._device is not None and len(large) >= TABLE_FROM and _triton()
-        elif table and not _triton():
+            table = self._device is not None and len(large) >= TABLE_FROM and triton_available()
+        elif table and not triton_available():
             raise ExecutionError("table=True needs Triton (kernels.copy_table)")
         self._table = None
         if table and large:
@@ -135,40 +132,31 @@ class InProcessExecutor(Executor):
         """What the last refit moved, with the `delta` option (executors.delta.DeltaReport); else None."""
         return None if self._delta is None else self._delta.last
 
-    def check_pins(self) -> None:
-        """Refuse if a bound tensor's storage was replaced since binding (its views would write stale memory)."""
-        self._pins.check()
-
     def refit(self, version: int | None = None) -> RefitStats:
         start = time.perf_counter()
-        self.check_pins()
+        self._pins.check()  # a replaced storage would be written through stale views
         new, delta = self._version + 1 if version is None else int(version), self._delta
         if delta is not None and not delta.due():
             report = delta.run(new)
-            self._version, seconds = new, time.perf_counter() - start
-            return RefitStats(executor=self.name, process=self.process, version=new, seconds=seconds,
-                              phases={"delta": seconds}, ops=len(delta.ops), copies=report.entries,
-                              local_bytes=report.wire_bytes, checksum=self.checksum or "",
-                              digest=delta.digest() if self.checksum else "")
-        with torch.no_grad():
-            if self._large_eager:  # plain device copies, ahead of the graph on the same stream
-                self._copy_large()
-            self._run()
-        self._version = new
-        digest = ""
+            phase, ops, copies, moved = "delta", len(delta.ops), report.entries, report.wire_bytes
+        else:
+            with torch.no_grad():
+                if self._large_eager:  # plain device copies, ahead of the graph on the same stream
+                    self._copy_large()
+                self._run()
+            if delta is not None:
+                delta.committed(new, keyframe=True)
+            phase, ops, copies, moved = "launch", self.ops, self.copies, self.bytes
+        self._version, digest = new, ""
         if delta is not None:
-            delta.committed(new, keyframe=True)
             digest = delta.digest() if self.checksum else ""
         elif self._fused is not None:  # the kernel that moved the bytes summed them (on the GPU, no host sync before)
             digest = self._fused.digest().hex()
         elif self.checksum:
-            sums = Streams(self.checksum)
-            for b in self._sum_blocks:
-                sums.update(0, b)
-            digest = sums.hexdigest(0)
+            digest = blocks_digest(self.checksum, self._sum_blocks).hex()
         seconds = time.perf_counter() - start  # launched: on a GPU the copies may still be running
-        return RefitStats(executor=self.name, process=self.process, version=self._version, seconds=seconds,
-                          phases={"launch": seconds}, ops=self.ops, copies=self.copies, local_bytes=self.bytes,
+        return RefitStats(executor=self.name, process=self.process, version=new, seconds=seconds,
+                          phases={phase: seconds}, ops=ops, copies=copies, local_bytes=moved,
                           checksum=self.checksum or "", digest=digest)
 
     def close(self) -> None:
@@ -177,8 +165,8 @@ class InProcessExecutor(Executor):
 
 
 def _prepare(plan: Plan, src: dict, dst: dict, ops: "np.ndarray | None") -> tuple[np.ndarray, Prepared]:
-    """The ops this process runs (those its destination ranks receive, within `ops`) and its tensors, checked:
-    only the source ranks and (with `ops`) the tensors those ops touch need be there."""
+    """The ops this process runs (those its destination ranks receive, within `ops`) and its tensors, checked
+    (only the tensors those ops touch need be there)."""
     check_ops(plan)
     o = plan.ops
     mine = np.flatnonzero(np.isin(o["dst_rank"], list(dst)))
@@ -196,9 +184,8 @@ def _prepare(plan: Plan, src: dict, dst: dict, ops: "np.ndarray | None") -> tupl
 
 
 def stream_entries(plan: Plan, mine: np.ndarray, s_flat: dict, d_flat: dict) -> tuple[np.ndarray, int]:
-    """The ops `mine` (plan order) as contiguous copies (src address, dst address, nbytes, stream position): a
-    block's rows apart become one entry each, then entries that continue each other on both sides are merged; and
-    the stream's length in bytes."""
+    """The ops `mine` (plan order) as contiguous copies (src address, dst address, nbytes, stream position), one
+    per row, merged where they continue each other on both sides; and the stream's length in bytes."""
     o, size = plan.ops, plan.itemsize
     if not len(mine):
         return np.zeros((0, 4), dtype=np.int64), 0
@@ -220,8 +207,3 @@ def stream_entries(plan: Plan, mine: np.ndarray, s_flat: dict, d_flat: dict) -> 
     merged[:, 2] = np.add.reduceat(e[:, 2], np.flatnonzero(new))
     return merged, int(nbytes.sum())
 
-
-def _triton() -> bool:
-    from ..kernels import triton_available
-
-    return triton_available()

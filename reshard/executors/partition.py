@@ -1,17 +1,9 @@
 """Who moves each op of a plan under a binding, and what one process does: written once for every executor.
 
-Every executor splits a plan the same way before it adds its wire: each op has a sending process (the binding's
-process for its source rank, or for its relaying destination rank) and a receiving process (the one playing its
-destination rank). An op whose two processes are one is LOCAL: a copy, never a send to itself. The remote ops of
-one (stage, sender, receiver) form a STREAM, numbered globally in that sort order, so every process derives the
-same numbering from the same plan and binding: the torch.distributed executor cuts streams into rounds
-(executors.collective.schedule), NIXL moves each as one link (executors.nixl.schedule), the shared-memory executor writes
-each pair's ops straight into its peer's memory (executors.shared).
-
-`Partition(plan, binding, process)` holds that split, this process's part of it (its local ops by stage, the ops
-it sends and receives by peer, the tensors it reads and writes, byte counts), and the staging pieces every staged
-executor needs: which destination tensors are written while a refit is in flight, the commit of shadows into
-destination tensors, and the local copies deferred to the commit. Pure numpy; computed once per executor.
+Each op has a sending process (the binding's process for its source rank, or its relaying destination rank) and a
+receiving process; an op whose two are one is LOCAL (a copy). The remote ops of one (stage, sender, receiver) form
+a STREAM, numbered in that sort order, the same on every process. `Partition` holds that split seen from one
+process, plus the staging pieces every staged executor needs. Pure numpy; computed once per executor.
 """
 from __future__ import annotations
 
@@ -24,17 +16,6 @@ from ..planner import Plan
 from ..planner.plan import RELAY, SOURCE
 from .binding import Binding
 from .copies import DST, SHADOW, SRC, Copies, fold
-
-
-def op_processes(plan: Plan, binding: Binding) -> tuple[np.ndarray, np.ndarray]:
-    """The sending and the receiving process of every op (a relay's sender plays a destination rank)."""
-    if not plan.num_ops:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    o = plan.ops
-    src, dst = np.asarray(binding.src, np.int64), np.asarray(binding.dst, np.int64)
-    sender = np.where(o["src_side"] == SOURCE, src[np.minimum(o["src_rank"], len(src) - 1)],
-                      dst[np.minimum(o["src_rank"], len(dst) - 1)])
-    return sender, dst[o["dst_rank"]]
 
 
 def carve(sizes: "list[int] | np.ndarray", align: int) -> tuple[list[int], int]:
@@ -60,8 +41,14 @@ class Partition:
     # --- the global split (the same on every process) ------------------------------------------------
     @cached_property
     def senders_receivers(self) -> tuple[np.ndarray, np.ndarray]:
-        """`op_processes`: per op, the sending and the receiving process."""
-        return op_processes(self.plan, self.binding)
+        """Per op, the sending and the receiving process (a relay's sender plays a destination rank)."""
+        if not self.plan.num_ops:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        o = self.plan.ops
+        src, dst = np.asarray(self.binding.src, np.int64), np.asarray(self.binding.dst, np.int64)
+        sender = np.where(o["src_side"] == SOURCE, src[np.minimum(o["src_rank"], len(src) - 1)],
+                          dst[np.minimum(o["src_rank"], len(dst) - 1)])
+        return sender, dst[o["dst_rank"]]
 
     @property
     def sender(self) -> np.ndarray:
@@ -241,4 +228,4 @@ def _by(ops: np.ndarray, peer_of: np.ndarray) -> dict[int, np.ndarray]:
     return {int(q): ops[peers == q] for q in np.unique(peers).tolist()}
 
 
-__all__ = ["Partition", "carve", "op_processes"]
+__all__ = ["Partition", "carve"]

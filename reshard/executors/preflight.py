@@ -1,14 +1,7 @@
-"""What every executor checks before the first byte moves, whatever the plan's origin (compiled, loaded, or built
-by hand): the plan's ops, and the memory it is given.
-
-- `check_ops(plan)`: every op's ranks and tensor ids exist, the tensor is on that rank, rows, columns and
-  strides are positive, a block of several rows is no wider than its stride, and every read and write lies
-  inside its tensor (by the plan's tables; `check_tensors` holds the given tensors to those shapes). Vectorized
-  over the ops; the verdict is kept on the plan (a Plan is immutable).
-- `check_memory(src, dst)`: every tensor is a dense tensor with storage (no meta or sparse tensor, which a
-  copy would "fill" without writing a byte), and no destination tensor shares memory with another destination
-  tensor or with a source tensor (a copy would then read what it just wrote, or write one place twice).
-Both raise ExecutionError naming the op or the tensors, before anything is written.
+"""What every executor checks before the first byte moves, whatever the plan's origin: `check_ops` (every op's
+ranks, tensors and block lie inside its tensors, by the plan's tables; the verdict kept on the plan) and
+`check_memory` (dense tensors with storage, no destination overlapping another tensor). Both raise
+ExecutionError naming the op or the tensors.
 """
 from __future__ import annotations
 
@@ -32,7 +25,8 @@ def refuse(field: str, value: Any, rule: str) -> ExecutionError:
 
 
 def check_ops(plan: Any) -> None:
-    """Raise ExecutionError unless every op of `plan` stays inside its tensors (see the module docstring)."""
+    """Raise ExecutionError unless every op of `plan` names existing ranks and tensors, has positive sizes and
+    strides no narrower than its rows, and stays inside its tensors."""
     if plan.__dict__.get(_CHECKED):
         return
     o = plan.ops  # a Plan checked its program's indices when it was built (planner.program_check)
@@ -79,8 +73,8 @@ def check_ops(plan: Any) -> None:
 
 
 def check_memory(src: Mapping[int, Mapping[str, Any]], dst: Mapping[int, Mapping[str, Any]]) -> None:
-    """Raise ExecutionError unless the tensors are dense, hold memory, and no destination overlaps another
-    destination or a source (see the module docstring)."""
+    """Raise ExecutionError unless the tensors are dense, hold memory (no meta or sparse tensor), and no destination
+    overlaps another destination or a source."""
     spans = []
     for side, given in (("source", src), ("destination", dst)):
         for rank, tensors in given.items():
@@ -104,7 +98,6 @@ def check_memory(src: Mapping[int, Mapping[str, Any]], dst: Mapping[int, Mapping
                          f"other tensor of the refit")
         if reach is None or reach[0] != span[0] or span[2] > reach[2] or (span[3] and span[2] == reach[2]):
             reach = span
-    return None
 
 
 def refuse_disagreement(problem: str | None, bad: int, same: bool, differs: str) -> None:

@@ -1,12 +1,6 @@
-"""A process's tensors made ready for an executor, written once for every executor.
-
-`Prepared(plan, src, dst)` checks the tensors against the plan (names, shapes, dtypes, contiguity: `check_tensors`;
-dense memory and no destination overlapping another tensor: `check_memory`), with `ranks` that they are exactly the
-ranks the binding has this process play, finds their one device, sees tensors kept in a wider dtype in the plan's
-units (`in_units`) and keeps a flat view of each by its id in the plan's tensor tables: the memory SRC / DST of
-every copy program (executors.copies). `shifts(ops)` gives the value shifts of the destination blocks of `ops`;
-`arena(sizes)` lays staging regions (shadows, wire buffers) out in one buffer, each start aligned so that word
-views apply (`partition.carve`). Every check raises ExecutionError before anything is written.
+"""A process's tensors made ready for an executor, written once for every executor: checked against the plan
+(`check_tensors`, `check_memory`, and the binding's ranks), seen in the plan's units (`in_units`) and kept as flat
+views by tensor id (the SRC / DST memory of executors.copies).
 """
 from __future__ import annotations
 
@@ -19,27 +13,22 @@ from ..errors import ExecutionError
 from ..planner import Plan
 from .base import RankTensors
 from .preflight import check_memory
-from .reference import block, check_tensors, in_units, shift_views, torch_dtype
+from .reference import check_tensors, in_units, op_blocks, shift_views, torch_dtype
 from .partition import carve
 
 ALIGN = 64  # elements: every arena region starts 128-byte aligned (bf16) so that word views apply
 
 
 class Prepared:
-    """A process's tensors, checked and viewed (see the module docstring).
+    """A process's tensors, checked and viewed (module docstring).
 
     Args:
-        plan: the plan.
-        src: the source ranks' tensors this process holds (rank -> name -> tensor).
-        dst: the destination ranks' tensors.
-        ranks: (source ranks, destination ranks) the binding has this process play: `src` / `dst` must give
-            exactly these; None: any.
-        ids: (source ids, destination ids): check only these tensors of the ranks given (a subset of the
-            plan's ops needs only the tensors they touch); None: every tensor of the ranks given.
+        ranks: (source ranks, destination ranks) `src` / `dst` must give exactly; None: any.
+        ids: (source ids, destination ids): check only these tensors; None: every tensor of the ranks given.
 
     Raises:
         ExecutionError: other ranks than the binding's, tensors that do not match the plan, overlapping or
-            or memoryless tensors.
+            memoryless tensors.
     """
 
     def __init__(self, plan: Plan, src: RankTensors, dst: RankTensors,
@@ -62,8 +51,7 @@ class Prepared:
 
     @property
     def device(self) -> "torch.device | None":
-        """The one device of the tensors (None: no tensors); ExecutionError if they are on several (only the
-        reference executor copies across devices)."""
+        """The one device of the tensors (None: no tensors); ExecutionError if they are on several."""
         if len(self.devices) > 1:
             raise ExecutionError(f"this process's tensors are on several devices {sorted(map(str, self.devices))}")
         return next(iter(self.devices), None)
@@ -75,13 +63,13 @@ class Prepared:
     def blocks(self, ops: np.ndarray, side: str = "src", flat: "dict[int, torch.Tensor] | None" = None) \
             -> list[torch.Tensor]:
         """The blocks `ops` read (side "src") or write ("dst"), in op order, as views of `flat` (default this
-        process's source or destination tensors): what a checksum stream hashes."""
-        o, flat = self.plan.ops, flat if flat is not None else (self.src_flat if side == "src" else self.dst_flat)
-        return [block(flat[int(o[f"{side}_tensor"][i])], int(o[f"{side}_offset"][i]), int(o["rows"][i]),
-                      int(o["cols"][i]), int(o[f"{side}_stride"][i])) for i in np.asarray(ops).tolist()]
+        process's tensors of that side)."""
+        flat = flat if flat is not None else (self.src_flat if side == "src" else self.dst_flat)
+        return op_blocks(self.plan, ops, side, flat)
 
     def arena(self, sizes: "dict[object, int]", device: "torch.device | None" = None,
-              allocate: "Callable[[int], torch.Tensor] | None" = None) -> tuple[torch.Tensor, dict[object, torch.Tensor]]:
+              allocate: "Callable[[int], torch.Tensor] | None" = None) \
+            -> tuple[torch.Tensor, dict[object, torch.Tensor]]:
         """One buffer holding a region of `sizes[key]` elements per key, each start ALIGN-aligned; returns it and
         each key's view. `allocate(numel)` makes the buffer (default: uninitialised, on `device` or the tensors')."""
         starts, total = carve(list(sizes.values()), ALIGN) if sizes else ([], 0)

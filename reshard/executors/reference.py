@@ -1,7 +1,6 @@
-"""The reference executor: run a plan over in-memory tensors, every rank in one process; and lay canonical weights out by a layout.
-
-`shard` and `unshard` are the inverse pair that materialize a layout from canonical weights and back. They read
-the layout's placements directly, without the compiler, so they are the reference a plan is tested against.
+"""The reference executor: run a plan over in-memory tensors, every rank in one process; and `shard` / `unshard`,
+which lay canonical weights out by a layout and back from its placements alone (no compiler): the reference plans
+are tested against.
 """
 from __future__ import annotations
 
@@ -19,6 +18,7 @@ from ..layouts import Layout
 from ..planner import Plan
 from ..planner.plan import RELAY
 from .base import Executor, RankTensors
+from .copies import copy_view
 from .preflight import check_ops
 from .stats import RefitStats
 
@@ -105,8 +105,8 @@ def shard(layout: Layout, weights: Mapping[str, torch.Tensor], fill: float = 0.0
 
 
 def _check_fill(layout: Layout, fill: float) -> None:
-    """`fill` is a real number representable in every dtype the layout's tensors have (never saturated or
-    wrapped); NaN and infinities where every dtype is floating (NaN is the poison fill that shows unwritten bytes)."""
+    """Refuse a `fill` that is not a value of every dtype of the layout's tensors (NaN and infinities pass for
+    floating dtypes)."""
     if isinstance(fill, bool) or not isinstance(fill, (int, float)):
         raise ArgumentError("fill", fill, "must be a real number (an int or a float)")
     if isinstance(fill, int) and not -(1 << 63) <= fill < (1 << 63):
@@ -174,9 +174,8 @@ def unshard(layout: Layout, tensors: RankTensors) -> dict[str, torch.Tensor]:
 
 
 def check_tensors(plan: Plan, src: RankTensors, dst: RankTensors, ids: "tuple | None" = None) -> None:
-    """Every tensor the plan touches is present with its shape and dtype, contiguous; all problems at once.
-    A tensor kept in its own dtype (`TensorTable.dtypes`) is expected in that dtype and its element shape.
-    `ids`: (source ids, destination ids), the tables' tensors to check (default all of the ranks given)."""
+    """Raise ExecutionError, listing every problem, unless each tensor the plan touches is there, contiguous, in
+    its shape and dtype (its own, where the table keeps one). `ids`: (source ids, destination ids) to check only."""
     problems = []
     for k, (side, table, given, layout) in enumerate((("source", plan.src_tensors, src, plan.src),
                                                       ("destination", plan.dst_tensors, dst, plan.dst))):
@@ -211,8 +210,7 @@ def element_shape(units: tuple[int, ...], unit: torch.dtype, dtype: torch.dtype)
 
 
 def empty_for(plan: Plan, rank: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Uninitialised destination tensors of one rank of a plan (its tensor table: a subset plan's tensors
-    only), each in its own dtype and shape."""
+    """Uninitialised destination tensors of one rank of a plan (its tensor table's), each in its dtype and shape."""
     unit, own = torch_dtype(plan.dst.dtype), plan.dst_tensors.own_dtypes()
     out = {}
     for name, shape in plan.dst_tensors.on_rank(rank).items():
@@ -222,8 +220,8 @@ def empty_for(plan: Plan, rank: int, device: str | torch.device = "cpu") -> dict
 
 
 def in_units(plan: Plan, src: RankTensors, dst: RankTensors) -> tuple[RankTensors, RankTensors]:
-    """The tensors as executors move them: those kept in a wider dtype than the plan's (checked by
-    `check_tensors`) viewed as the plan's dtype, same bytes (a float32 [E] as bfloat16 [2E]); others as given."""
+    """The tensors as executors move them: those kept in a wider dtype than the plan's viewed in the plan's dtype
+    (a float32 [E] as bfloat16 [2E])."""
     out = []
     for side, table in ((src, plan.src_tensors), (dst, plan.dst_tensors)):
         own = table.own_dtypes()
@@ -237,27 +235,33 @@ def in_units(plan: Plan, src: RankTensors, dst: RankTensors) -> tuple[RankTensor
 
 def block(flat: torch.Tensor, offset: int, rows: int, cols: int, stride: int) -> torch.Tensor:
     """The rows x cols block at `offset` of a flat (1-D) view, rows `stride` apart."""
-    if rows == 1:
-        return flat.narrow(0, offset, cols)
-    return flat.as_strided((rows, cols), (stride, 1), flat.storage_offset() + offset)
+    return copy_view(flat, offset, 0, stride, 1, rows, cols)
+
+
+def op_blocks(plan: Plan, ops: "np.ndarray | list[int]", side: str, flat: Mapping[int, torch.Tensor]) \
+        -> list[torch.Tensor]:
+    """The blocks the plan ops `ops` read (side "src") or write ("dst"), in that order, as views of `flat`
+    (tensor id -> flat view)."""
+    o = plan.ops
+    return [block(flat[int(o[f"{side}_tensor"][i])], int(o[f"{side}_offset"][i]), int(o["rows"][i]),
+                  int(o["cols"][i]), int(o[f"{side}_stride"][i])) for i in np.asarray(ops, dtype=np.int64).tolist()]
 
 
 class ReferenceExecutor(Executor):
-    """Every op of a plan in this process: the reference executor the others are tested against.
+    """Every op of a plan in this process: the reference the other executors are tested against.
 
-    Tensors are checked against the plan before any byte moves, so a mismatch leaves `dst` untouched; the copies
-    then write `dst` directly (not staged: nothing can fail half-way in one process but the process itself).
+    The tensors are checked before any byte moves; the copies then write `dst` directly.
 
     Args:
         plan: the plan.
-        binding: accepted for the executor protocol; not needed.
-        process: accepted for the executor protocol; not needed.
+        binding: not needed (the executor protocol's).
+        process: not needed (the executor protocol's).
         src: the source ranks' tensors (rank -> name -> tensor).
         dst: the destination ranks' tensors.
 
     Raises:
-        ExecutionError: the plan relays through ranks not given, a source rank is missing, or (from `refit`)
-            tensors that do not match the plan.
+        ExecutionError: the plan relays through ranks not given, a source rank is missing, or tensors that do not
+            match the plan.
     """
 
     name = "reference"
@@ -335,17 +339,15 @@ def execute_local(plan: Plan, src: RankTensors, dst: RankTensors) -> None:
 
 def shift_views(plan: Plan, dst_flat: Mapping[int, torch.Tensor], ops: "np.ndarray | None" = None) \
         -> list[tuple[torch.Tensor, float]]:
-    """(view, value) for every destination block whose canonical tensor the plan shifts (Plan.value_shifts),
-    among the ops `ops` (default all) whose destination tensor is in `dst_flat` (id -> flat view)."""
+    """(view, value) for every destination block, among `ops` (default all) with their tensor in `dst_flat`, that
+    the plan shifts (Plan.value_shifts)."""
     shifts = plan.value_shifts
     if not shifts:
         return []
     o = plan.ops
     idx = np.arange(plan.num_ops) if ops is None else np.asarray(ops)
-    idx = idx[np.isin(o["canon"][idx], list(shifts))]
-    return [(block(dst_flat[int(o["dst_tensor"][i])], int(o["dst_offset"][i]), int(o["rows"][i]),
-                   int(o["cols"][i]), int(o["dst_stride"][i])), shifts[int(o["canon"][i])])
-            for i in idx.tolist() if int(o["dst_tensor"][i]) in dst_flat]
+    idx = idx[np.isin(o["canon"][idx], list(shifts)) & np.isin(o["dst_tensor"][idx], list(dst_flat))]
+    return list(zip(op_blocks(plan, idx, "dst", dst_flat), (shifts[int(c)] for c in o["canon"][idx])))
 
 
 def apply_shifts(views: list[tuple[torch.Tensor, float]]) -> None:

@@ -1,40 +1,20 @@
-"""Run a plan between processes of one host through shared memory: CUDA IPC between processes on GPUs (a
-trainer and a vLLM engine sharing a GPU, NeMo-RL's colocated shape), POSIX shared memory between CPU processes
-(the same code path, which CI runs).
+"""Run a plan between processes of one host through shared memory: CUDA IPC on GPUs (a trainer and a vLLM engine
+sharing a GPU, NeMo-RL's colocated shape), POSIX shared memory between CPU processes (the same path, run in CI).
 
-Senders write: every process that receives bytes from another process exposes "landing" memory for the
-destination tensors those bytes go to, and the sending processes map it and copy their source blocks straight
-into it, one copy per byte, with the plan's copy programs (folded strided copies, executors.copies). Handles
-travel as JSON through the refit's store (never pickle): a shared-memory segment's name, or the fields of a CUDA
-IPC handle. Lifecycle (the protocol of executors.base):
-
-  1. construction: this process's part of the plan is derived (what it sends to each peer, what it receives,
-     local copies); a receiver allocates its landing memory and publishes its handles with its book (plan
-     digest, binding, mode); a sender reads its receivers' books, checks them and maps their landing memory.
-  2. refit(version): a receiver announces "ready v" (its landing memory is free); each sender waits for that,
-     copies its blocks into the receiver's landing memory, waits for its copies to finish (GPU: its stream),
-     and announces "done v" to that receiver; a receiver waits until every sender that feeds it is done; then
-     every process votes and waits for all votes (a failure anywhere is seen by all, each wait bounded by
-     `timeout`): versions, vote, commit and failure handling are executors.voted's, shared with NIXL.
-  3. commit: staged (default): landing memory is a staging arena of this process's, copied into the destination
-     tensors after the vote; a failed refit never reaches it, so destinations keep their previous bytes.
-     in_place: landing memory is the destination tensors themselves (on CPU they must live in shared memory:
-     allocate them with `shared_empty`); no commit copy, no all-or-nothing.
-  4. close(): mappings dropped, segments this process created unlinked. A process killed before it leaves its
-     segments' names behind; a later process's executor (or first `shared_empty`) removes those whose creator is
-     provably gone (`reclaim_segments`: the creator's pid, start time and pid namespace are in the name).
-
-Plans with fan-out relays are refused: on one host every receiver is fed by the sources directly.
-
-Delta refits (`delta=DeltaPolicy(...)`, CPU tensors): the protocol of executors.delta.VotedDelta (keyframes agreed
-through the store, payloads proven before the vote and scattered after it), each payload in an outbox segment of
-the sender's per receiving peer that grows as payloads do; its name travels with the payload's size, and is
-removed once every process voted (every receiver mapped it by then). A receiver applies from the outbox without a
-copy: its sender overwrites it only once the receiver is ready for the next refit.
+Senders write: a receiving process exposes landing memory for the destination tensors peers write, and each sender
+maps it and copies its blocks straight in with the plan's copy programs (executors.copies); handles travel as JSON
+through the store (never pickle). Per refit a receiver announces "ready v", each sender copies, synchronizes and
+announces "done v", and every process votes (executors.voted). Staged (default), landing memory is a staging arena
+copied into the destination after the vote, so a failed refit leaves destinations unchanged; in place, it is the
+destination itself (CPU tensors must then come from `shared_empty`). `close()` unlinks this process's segments;
+segments of killed processes are removed later by `reclaim_segments` (their names prove the creator gone).
+Fan-out relays are refused. Delta refits (CPU): executors.delta.VotedDelta, each payload in an outbox segment of
+the sender's per receiving peer.
 """
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
 import mmap
 import multiprocessing.util
@@ -54,7 +34,7 @@ from ..planner import Plan
 from ..planner.plan import RELAY
 from .base import RankTensors
 from .binding import Binding
-from .checksum import Streams, Sum64Program, algorithm, mismatch, use_kernel
+from .checksum import Sum64Program, blocks_digest, algorithm, mismatch, use_kernel
 from .copies import DST, PEER, SHADOW, SRC, Copies
 from .delta import DeltaPolicy, DeltaReport, VotedDelta
 from .exchange import Exchange
@@ -67,10 +47,8 @@ from .views import Memory, view_copies
 from .voted import VotedExecutor
 
 _SHM_DIR = "/dev/shm"
-# reshard-<creator pid>-<its start time, clock ticks after boot>-<its pid namespace's inode>-<128 random bits>:
-# what a later process needs to prove the creator gone (reclaim_segments). Names of the older form
-# reshard-<pid>-<32 hex digits> are still opened (a peer of an older reshard), never reclaimed (nothing proves
-# their creator gone: its pid may have been reused, or be another namespace's).
+# reshard-<creator pid>-<start time, ticks after boot>-<pid namespace inode>-<128 random bits> (reclaim_segments
+# proves the creator gone from them); the older reshard-<pid>-<32 hex> is opened, never reclaimed.
 _SEGMENT_NAME = re.compile(r"reshard-[0-9]{1,10}-(?:[0-9]{1,20}-[0-9]{1,20}-)?[0-9a-f]{32}")
 _RECLAIMABLE = re.compile(r"reshard-(?P<pid>[0-9]{1,10})-(?P<start>[0-9]{1,20})-(?P<ns>[0-9]{1,20})-[0-9a-f]{32}")
 _UNKNOWN = -1  # a process whose start time cannot be read (not ours to judge): its segments are kept
@@ -118,10 +96,8 @@ class Segment:
         if self.created:
             with Segment._lock:
                 Segment._mine.pop(self.tensor.data_ptr(), None)
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(_SHM_DIR, self.name))
-            except FileNotFoundError:
-                pass
 
     @classmethod
     def holding(cls, t: torch.Tensor) -> tuple["Segment", int] | None:
@@ -135,12 +111,11 @@ class Segment:
 
 
 def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor in a shared-memory segment of its own, which peers of a "shared" refit can
-    write into directly (in_place). The segment's name is removed when the process exits (normally, or as a
-    multiprocessing child); a killed process leaves it in /dev/shm until another reshard process reclaims it
-    (`reclaim_segments`, which a process's first call here runs); its memory lives as long as the tensor."""
+    """An uninitialised CPU tensor in a shared-memory segment of its own, which peers of a "shared" refit can write
+    into (in_place). Its name is removed at process exit; a killed process's is reclaimed later (`reclaim_segments`,
+    run by a process's first call here)."""
     numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    _reclaim_once()  # a process's first: what killed processes left behind (an engine's loader buffers come here)
+    _reclaim_once()
     seg = Segment(_fresh_name(), numel * dtype.itemsize, create=True)
     # at exit, also of a multiprocessing child (which ends with os._exit, skipping atexit, but runs these)
     multiprocessing.util.Finalize(seg, seg.unlink, exitpriority=10)
@@ -148,26 +123,24 @@ def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def release_shared(t: torch.Tensor) -> None:
-    """Remove the name of the segment this process made for `t` (shared_empty) once no new peer will map it (its
-    refits are over): the memory lives on in the mappings; a process killed later leaves nothing in /dev/shm."""
+    """Remove the name of the segment this process made for `t` (shared_empty) once no new peer will map it; the
+    memory lives on in the mappings."""
     held = Segment.holding(t)
     if held is not None:
         held[0].unlink()
 
 
 def _fresh_name() -> str:
-    """128 random bits: a segment's name cannot be guessed (it travels only in books under the refit's
-    namespace), and the file is 0600, so only this user's processes that were told the name open it. Before them,
-    who made it (pid, start time, pid namespace: `reclaim_segments` removes it once that process is gone; 0s
-    where this process cannot read them, which keeps the segment from ever being reclaimed)."""
+    """A new segment name: who made it (pid, start time, pid namespace; 0s where unreadable, never reclaimed)
+    and 128 random bits, so only processes told the name open it."""
     me = _identity()
     start, ns = (me[1], me[2]) if me is not None else (0, 0)
     return f"reshard-{os.getpid()}-{start}-{ns}-{secrets.token_hex(16)}"
 
 
 def _start_time(pid: int) -> int | None:
-    """When process `pid` started (clock ticks after boot, /proc/<pid>/stat field 22); None if no process has
-    that pid, _UNKNOWN if it cannot be read."""
+    """When process `pid` started (ticks after boot, /proc/<pid>/stat field 22); None: no such process;
+    _UNKNOWN: unreadable."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat_line = f.read()
@@ -182,8 +155,8 @@ def _start_time(pid: int) -> int | None:
 
 
 def _identity() -> tuple[int, int, int] | None:
-    """This process's (pid, start time, pid namespace inode), or None where /proc cannot vouch for them: no /proc,
-    or a /proc of another pid namespace than this process's (its pids are not the ones getpid gives)."""
+    """This process's (pid, start time, pid namespace inode), or None where /proc cannot vouch for them (none, or
+    another pid namespace's)."""
     pid = os.getpid()
     try:
         with open("/proc/self/stat", "rb") as f:
@@ -198,18 +171,12 @@ def _identity() -> tuple[int, int, int] | None:
 
 
 def reclaim_segments() -> list[str]:
-    """Remove the shared-memory segments of reshard processes that are gone (a SIGKILLed server or trainer cannot
-    remove its own names), and return their names.
+    """Remove the shared-memory segments of reshard processes that are gone (a SIGKILLed process cannot remove its
+    own), and return their names.
 
-    A segment is removed only if all of these hold: its name is of the form this version creates
-    (`_fresh_name`: creator pid, start time and pid namespace); the creator's pid namespace is this process's (a
-    pid of another namespace means another process); the file is a regular file of this user; and the creator is
-    provably gone: no process has its pid, or the one that has it started at another time (the pid was reused).
-    A live creator, one whose start time cannot be read, older names and anything else are left alone. Removing a
-    name does not unmap it: a live peer that mapped the segment keeps its memory until it unmaps it.
-
-    Called when a shared-memory executor is made and by a process's first `shared_empty` (an engine's set-up);
-    harmless to call at any time.
+    Only a regular file of this user, named as `_fresh_name` names, by a creator of this pid namespace that is
+    provably gone (no process has its pid, or the one that has it started at another time). Anything else is left
+    alone; a live peer keeps the memory it mapped. Safe to call at any time.
     """
     me = _identity()
     if me is None:
@@ -256,7 +223,6 @@ def _reclaim_once() -> None:
 
 
 
-
 # --- handles ----------------------------------------------------------------------------------------------
 
 def _b64(b: bytes) -> str:
@@ -264,8 +230,8 @@ def _b64(b: bytes) -> str:
 
 
 def export(t: torch.Tensor) -> dict[str, Any]:
-    """JSON fields a peer opens `t`'s memory with (a flat tensor): a shared-memory segment and offset on CPU, the
-    fields of a CUDA IPC handle on GPUs."""
+    """JSON fields a peer opens a flat tensor's memory with: a segment and offset on CPU, a CUDA IPC handle on
+    GPUs."""
     if t.device.type == "cuda":
         device, handle, size, offset, ref, ref_off, event, sync = t.untyped_storage()._share_cuda_()
         return {"cuda": {"device": int(device), "handle": _b64(handle), "size": int(size), "offset": int(offset),
@@ -309,15 +275,13 @@ def open_handle(h: dict[str, Any], dtype: torch.dtype, device: torch.device, seg
 class SharedExecutor(VotedExecutor):
     """One process's part of a plan between processes of one host (see the module docstring).
 
-    store: a torch.distributed store every process of the binding reaches (the refit's rendezvous).
-    staged: land received bytes in a staging arena and copy them in after every process voted (default), or
-        write the destination tensors in place.
-    timeout: seconds any wait of a refit may take.
-    checksum: senders hash the blocks they copy to each receiver (plan order; True or "sha256", or "sum64",
-        computed on the GPU for GPU tensors) and publish the digest; a receiver hashes what landed before the
-        vote, and a mismatch fails the refit everywhere (executors.checksum).
-    delta: a `DeltaPolicy` (executors.delta): refits move only the changed elements, with dense keyframes as it
-        says (CPU tensors; the module docstring); `last_delta` says what each moved.
+    Args:
+        store: a torch.distributed store every process of the binding reaches.
+        staged: land bytes in a staging arena, committed after the vote (default), or write in place.
+        timeout: seconds any wait of a refit may take.
+        checksum: True / "sha256" / "sum64": receivers check each sender's digest before the vote
+            (executors.checksum).
+        delta: a `DeltaPolicy` (CPU tensors): refits move only changed elements; `last_delta` says what.
     """
 
     name = "shared"
@@ -495,10 +459,7 @@ class SharedExecutor(VotedExecutor):
             if program is None:
                 program = self._sum_programs[id(blocks)] = Sum64Program(blocks)
             return program.hexdigest()
-        sums = Streams(self.checksum)
-        for b in blocks:
-            sums.update(0, b)
-        return sums.hexdigest(0)
+        return blocks_digest(self.checksum, blocks).hex()
 
     def _check_sums(self, v: int) -> None:
         """Every feeder's bytes as they landed here hash to what it sent (executors.checksum)."""
@@ -526,8 +487,7 @@ class SharedExecutor(VotedExecutor):
 
 
 class _SharedDelta(VotedDelta):
-    """A SharedExecutor's delta refits: the protocol of executors.delta.VotedDelta, each payload in an outbox
-    segment of the sender's per receiving peer, grown as payloads grow (module docstring)."""
+    """A SharedExecutor's delta refits: each payload in a growing outbox segment per receiving peer."""
 
     def __init__(self, executor: SharedExecutor, policy: DeltaPolicy) -> None:
         if executor.device.type != "cpu":

@@ -1,7 +1,5 @@
-"""What one process did in one refit: the one record every executor's `refit()` returns.
-
-One field per quantity, named the same whatever the executor; a quantity an executor does not have keeps its
-default (0, an empty dict, ""), so callers read any executor's stats the same way.
+"""What one process did in one refit: the one record every executor's `refit()` returns (a quantity an executor
+does not have keeps its default).
 """
 from __future__ import annotations
 
@@ -20,36 +18,30 @@ class RefitStats:
         process: this process's index in the binding (its group rank for "collective").
         version: the refit's version (the previous one + 1 unless the caller gave one).
         seconds: wall clock, call to return.
-        phases: wall clock per step, in order (e.g. transfer, agree, commit; the distributed executor's prepare,
-            preflight, enqueue, drain, verify, commit).
-        staged: the refit landed in staging memory first and was copied into the destination at commit.
-        undo: the refit wrote in place with a backup to restore on failure (distributed only).
-        ops: plan ops (block copies of the plan) this process ran or received.
-        copies: block copies launched (pack, scatter, local, commit), where the executor counts them.
+        phases: wall clock per step, in order (e.g. transfer, agree, commit).
+        staged: the refit landed in staging memory, copied into the destination at commit.
+        undo: the refit wrote in place with a backup to restore on failure (distributed).
+        ops: plan ops this process ran or received.
+        copies: block copies launched, where the executor counts them.
         bytes_sent: peer process -> bytes this process sent it.
         bytes_received: peer process -> bytes this process received from it.
         local_bytes: bytes copied within this process.
         staging_bytes: staging memory (shadows, packed buffers) this process holds.
-        transfers: point-to-point transfers this process took part in (messages sent and received; NIXL links
-            in and out; shared-memory peers written to and read from).
+        transfers: point-to-point transfers this process took part in (messages, links, peers).
         checksum: the algorithm every transfer's bytes were checked with ("" when none).
-        digest: the hex digest (`checksum`'s algorithm) of every byte this process landed, in plan order, where the
-            executor computes one over the whole refit (bound); else "".
+        digest: hex digest of every byte this process landed, in plan order, where the executor computes one.
         rounds: rounds of messages (distributed).
         lanes: communicators the rounds were spread over (distributed).
         bucket_bytes: the largest message (distributed).
-        direct_bytes: bytes sent from or received into the tensors themselves, no pack / scatter copy
-            (distributed).
+        direct_bytes: bytes sent from or received into the tensors themselves (distributed).
         wire_bytes: wire buffer memory (distributed).
         direction: "read" or "write": who posts the transfers (nixl).
         packed_transfers: transfers packed into one buffer (nixl).
         descriptors: descriptors of the transfers this process posts (nixl).
-        pause_s: seconds the engines did not generate, from the driver's first pause call to the last resume's
-            answer (adapters.trainer: the whole refit, or only the flip with pause_for="flip"); 0 where none was
-            paused or on a process that does not drive the engines.
-        in_flight: the ids of the requests the engines held while paused (vLLM's internal request ids; with pause
-            mode "keep" they continue across the flip, "wait" drains them first, "abort" ends them), where the
-            engines report them (a VllmServer with reshard's worker extension); None: not known.
+        pause_s: seconds the engines did not generate, first pause call to last resume answer (adapters.trainer);
+            0 where none was paused or this process does not drive the engines.
+        in_flight: vLLM's ids of the requests the engines held while paused, where they report them; None: not
+            known.
     """
 
     executor: str

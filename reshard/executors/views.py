@@ -1,13 +1,8 @@
 """Copy programs as views of real tensors: built once, reused at every refit.
 
-Viewing a program turns each strided 3-D copy into a (destination view, source view) pair. Where offsets,
-strides and widths allow, the views read the bytes as 8-byte words instead of 2-byte bf16 elements (a copy
-is a copy whatever the element type, and the copy kernels move a quarter as many elements). Running a bound
-program is two `torch._foreach_copy_` calls: one for pairs that are both contiguous (fused into few launches
-for small tensors) and one for strided pairs (looped in C++, not in Python). Per refit, the host cost of a
-copy is then a few microseconds instead of the tens that building views in Python takes. Large contiguous
-pairs are the exception: each is its own `copy_`, which CUDA runs as a plain device memcpy; the fused foreach
-kernel moves large tensors markedly slower than that (BENCHMARKS.md, NCCL, first session: the staged commit).
+Each strided 3-D copy becomes a (destination, source) view pair, read as 8-byte words where alignment allows.
+Small pairs run as `torch._foreach_copy_` groups (contiguous ones fused into few launches, strided ones looped in
+C++); large contiguous pairs each as one `copy_` (a plain memcpy on CUDA, faster than the foreach kernel there).
 """
 from __future__ import annotations
 
@@ -16,7 +11,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .copies import COPY_COLUMNS, Copies
+from .copies import Copies, copy_view
 
 WORD_BYTES = 8
 LARGE_BYTES = 1 << 20  # contiguous copies at least this large run as single copy_ calls (a memcpy on GPUs)
@@ -83,14 +78,13 @@ def view_copies(copies: Copies, memory: Memory, itemsize: int) -> CopyViews:
     large: list[tuple] = []
     dense: dict[torch.dtype, tuple[list, list]] = {}
     strided: tuple[list, list] = ([], [])
-    rows = zip(*(copies.cols[c].tolist() for c in COPY_COLUMNS))
-    for (sk, si, so, sst, ssr, dk, di, do, dst_, dsr, n, r, c), w in zip(rows, per_word):
+    for (sk, si, so, sst, ssr, dk, di, do, dst_, dsr, n, r, c), w in zip(copies.rows_as_lists(), per_word):
         s, d = memory.get(sk, si, w), memory.get(dk, di, w)
         while s is None or d is None:  # a side's alignment does not allow words this wide: halve them
             w //= 2
             s, d = memory.get(sk, si, w), memory.get(dk, di, w)
-        sv = _view(s, so // w, sst // w, ssr // w, n, r, c // w)
-        dv = _view(d, do // w, dst_ // w, dsr // w, n, r, c // w)
+        sv = copy_view(s, so // w, sst // w, ssr // w, n, r, c // w)
+        dv = copy_view(d, do // w, dst_ // w, dsr // w, n, r, c // w)
         contiguous = sv.is_contiguous() and dv.is_contiguous()
         if contiguous and sv.numel() * sv.element_size() >= LARGE_BYTES:
             large.append((dv, sv))
@@ -100,11 +94,3 @@ def view_copies(copies: Copies, memory: Memory, itemsize: int) -> CopyViews:
         group[1].append(sv)
     groups = [g for g in (*dense.values(), strided) if g[0]]
     return CopyViews(large, groups, len(copies))
-
-
-def _view(flat: torch.Tensor, off: int, step: int, stride: int, n: int, rows: int, cols: int) -> torch.Tensor:
-    if n == 1 and rows == 1:
-        return flat.narrow(0, off, cols)
-    if n == 1:
-        return flat.as_strided((rows, cols), (stride, 1), flat.storage_offset() + off)
-    return flat.as_strided((n, rows, cols), (step, stride, 1), flat.storage_offset() + off)

@@ -1,19 +1,9 @@
-"""The refit of executors whose processes meet through a store and vote before they commit: NIXL's and the
-shared-memory executor. One place for what both do around the bytes they move:
+"""The refit of executors whose processes meet through a store and vote before they commit (NIXL, shared memory).
 
-  1. refuse a closed executor, or one that failed earlier (a peer may still write into its memory: build a new
-     one with a new namespace); the version is the previous one + 1 unless given, and only grows;
-  2. `_transfer(version, deadline)` (the executor's own): every byte of this process lands (staged: in staging
-     memory, the destination untouched), every wait bounded by `timeout` from the start of the refit;
-  3. the vote (exchange.Exchange): this process counts itself done and waits until every process of the binding
-     is, or one reports a failure;
-  4. `_commit()`: staged bytes are copied into the destination tensors (and value shifts applied); then
-     `_forget(version)` drops the finished version's store keys.
-
-Any failure before the commit becomes one ExecutionError that names the version, the process, the plan, the
-reason (another process's first, when one failed before: the cause, then the symptom here) and what the
-destination holds; the failure is written to the store so that the other processes stop waiting, and the
-executor is unusable from then on.
+`refit` refuses a closed or earlier-failed executor, then `_transfer` (the executor's: land every byte, staged or
+in place, by the deadline), votes and waits for every process (exchange.Exchange), `_commit`s and `_forget`s the
+finished version's keys. A failure before the commit is published so the others stop waiting, leaves the executor
+unusable, and is raised as one ExecutionError naming version, process, plan, reason and what the destination holds.
 """
 from __future__ import annotations
 
@@ -27,11 +17,8 @@ from .stats import RefitStats, phase_times
 
 
 class VotedExecutor(Executor):
-    """Base of the executors that vote on every refit through a store (see the module docstring).
-
-    Subclasses set `label` (for messages), and in their constructor `process`, `plan`, `exchange`,
-    `num_processes`, `staged`, `timeout` and `poll_max_s`, and call `_start_versions()`.
-    """
+    """Base of the executors that vote on every refit through a store (module docstring). Subclasses set `label`,
+    and in their constructor the attributes below, and call `_start_versions()`."""
 
     label = ""
     process: int

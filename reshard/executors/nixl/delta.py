@@ -1,14 +1,9 @@
 """Delta refits over NIXL: `NixlExecutor(..., delta=DeltaPolicy(...))`, CPU tensors (DRAM).
 
-The protocol is executors.delta.VotedDelta's (keyframes agreed through the store, payloads proven before the vote
-and scattered after it). Its transport here: at set-up every sender registers an outbox per receiving peer and
-every receiver an inbox per feeder, each of `payload_bound` bytes (the dense bytes of the ops it carries, plus the
-header: so this process's share of the model once more on each side, next to the sender's copy); the receiver's
-book publishes its inboxes' addresses. Per delta refit a sender encodes into its outbox and WRITEs only the
-payload's bytes into the receiver's inbox (one descriptor each side, a transfer made for that size and released
-once done); the store carries the size, and the receiver reads the inbox only once the WRITE's own notification
-arrived (NIXL delivers it after the bytes). It reads the payload in place; its sender writes there again only once
-it is ready for the next refit (after it applied this one).
+The protocol is executors.delta.VotedDelta's. Its transport: every sender registers an outbox per receiving peer
+and every receiver an inbox per feeder, each of `payload_bound` bytes; the receiver's book publishes its inboxes.
+A sender WRITEs only the payload's bytes into the receiver's inbox (a transfer made for that size); the store
+carries the size, and the receiver reads the inbox in place once the WRITE's notification arrived.
 """
 from __future__ import annotations
 

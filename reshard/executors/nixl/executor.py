@@ -1,50 +1,24 @@
 """Run a plan over NIXL (UCX backend) between processes, refit after refit, with staged commit.
 
-Every process of a binding builds one `NixlExecutor` with the same plan, binding and options, its own tensors
-and a shared torch.distributed store, then calls `refit()` at every weight update. Lifecycle:
+Every process of a binding builds one `NixlExecutor` with the same plan, binding and options, its own tensors and
+a shared torch.distributed store, then calls `refit()` at every weight update.
 
-  1. construction (once): this process's schedule is derived from the plan (schedule.py: links, pieces,
-     packing, shadows); its tensors are checked against the plan and its copy programs bound to them; then
-     the NIXL side is set up (connection.py): one agent; the tensors that peers address and one staging
-     arena (shadows, packed buffers) registered; the agent's metadata and a JSON address book to the store,
-     peers' read back and checked (same plan digest, binding and options); a prepared transfer per link this
-     process initiates. Nothing of this is repeated by a refit;
-  2. refit(version): the source tensors hold the new weights when it is called on a sender. The first refit
-     first waits until every peer has left set-up (no NIXL traffic to an agent still loading its peers). Notifications
-     carry the version: READ (receiver pulls): a sender announces "ready v" per link once its bytes are in
-     place (at once for trainer ranks, after its own earlier stages for relays); the receiver posts that
-     link's prepared READ as soon as its ready arrives, to every peer before waiting on any, and the READ
-     notifies the sender "done v" when it completes. WRITE (sender pushes): the receiver announces "ready v"
-     (its landing memory is free), the sender posts its WRITE with notification "done v", which NIXL delivers
-     after the data. Local copies (ranks of one process) run beside, stage by stage;
-  3. verify: every link of this process completed, in this version; then the process counts itself done in
-     the store and waits until every process of the binding is (or one reports a failure): the refit around
-     the transfer (versions, vote, commit, failure) is executors.voted's, shared with the shared-memory executor;
-  4. commit (staged): shadows and packed receive buffers are copied into the destination tensors, with the
-     local copies kept for commit. Then refit returns `RefitStats`.
-  5. close(): handles, descriptor lists, peers and registrations are released (also by `with`).
+  1. construction (once): this process's schedule (schedule.py: links, pieces, packing, shadows), its tensors
+     checked and its copy programs bound; then the NIXL side (connection.py): an agent, the registered memory,
+     address books exchanged through the store and checked, a prepared transfer per link this process initiates;
+  2. refit(v): the first one waits until every peer has left set-up. READ (the receiver pulls): a sender
+     notifies "ready v" per link once its bytes are in place, the receiver posts the link's READ, which notifies
+     the sender "done v". WRITE (the sender pushes): the receiver notifies "ready v" (its landing memory is free)
+     and the sender posts its WRITE with "done v", delivered after the data. Local copies run stage by stage;
+  3. verify, vote, commit and failure are executors.voted's: staged commit copies shadows and packed receive
+     buffers into the destination tensors, so a failed refit leaves them unchanged; staged=False writes in place;
+  4. close(): handles, descriptor lists, peers and registrations are released (also by `with`).
 
-Versions. Each refit has a version (default: the previous one + 1), carried by every notification; a
-notification of another version for the link being waited on means the processes disagree and is an error, so
-a receiver never reads a generation other than the one it was asked for.
-
-Staging and its memory cost (staged=True, the default). Destination tensors that receive direct bytes from a
-peer, or that this process forwards to others, get a shadow of their full size in the arena; packed links get
-their own receive buffer (and the sender a send buffer) of the link's size. So the arena holds at most this
-process's destination share once more, plus the packed bytes (`RefitStats.staging_bytes`), and a refit copies
-the received bytes once more at commit. A refit that fails or times out never reaches the commit, so every
-destination tensor keeps its previous contents. staged=False writes into the destination tensors directly
-(no shadows, no commit copy); a failed refit then leaves them partly written.
-
-Failure. NIXL raises at once on a dead peer it talks to; a frozen peer never completes and NIXL has no
-deadline, so every wait here is bounded by the refit's `timeout` (from the start of the refit). A process that
-fails writes its reason to the store, and the others stop waiting at their next poll; a process that depends
-on a dead one without talking to it gives up at the vote. The error is an ExecutionError naming the link, the
-peer and what was awaited. After a failure the executor is unusable: close it and build a new one (with a new
-namespace). Its staging arena is kept alive until the process exits, since a peer may still be writing to it.
-
-Delta refits: `delta=DeltaPolicy(...)` (CPU tensors; executors.nixl.delta): dense keyframes through the links
-above, deltas as one WRITE of the payload's bytes per pair into the receiver's registered inbox.
+A notification of another version for the awaited link is an error: a receiver never reads another generation.
+Every wait is bounded by `timeout` from the start of the refit (NIXL has no deadline for a frozen peer); a
+failing process writes its reason to the store and the others stop at their next poll. After a failure close the
+executor and build a new one (new namespace); its arena stays alive, since a peer may still write to it.
+Delta refits (`delta=`, CPU tensors): dense keyframes through the links, deltas as one WRITE per pair (delta.py).
 """
 from __future__ import annotations
 
@@ -69,7 +43,6 @@ from ..prepared import Prepared
 from ..stats import RefitStats, ops_landing
 from ..views import CopyViews, Memory, view_copies
 from ..voted import VotedExecutor
-from .agent import describe, is_nixl_error
 from .connection import Connection
 from .delta import NixlDelta
 from .descriptors import memory_name
@@ -82,9 +55,8 @@ _QUARANTINE: list[torch.Tensor] = []  # arenas of failed executors: a late remot
 
 class NixlExecutor(VotedExecutor):
     """One process's part of a plan over NIXL, built once and run at every refit (the protocol of
-    executors.base). `store`: a torch.distributed store every process of the binding reaches. `delta`: a
-    `DeltaPolicy` (executors.delta): refits move only the changed elements, with dense keyframes as it says (CPU
-    tensors; executors.nixl.delta); `last_delta` says what each moved."""
+    executors.base). `store`: a torch.distributed store every process reaches. `delta`: a `DeltaPolicy`
+    (executors.delta; CPU tensors): refits move only the changed elements; `last_delta` says what each moved."""
 
     name = "nixl"
     label = "NIXL"
@@ -103,8 +75,7 @@ class NixlExecutor(VotedExecutor):
         on_gpu = self.device.type == "cuda"
         self.mem_type = "VRAM" if on_gpu else "DRAM"
         self.device_id = (self.device.index or 0) if on_gpu else 0
-        self.pack_below = options.pack_threshold(on_gpu)
-        self.land_below = options.land_threshold(on_gpu)
+        self.pack_below, self.land_below = options.thresholds(on_gpu)
         self.schedule: LinkSchedule = build_schedule(plan, binding, process, options, self.pack_below,
                                                      self.land_below)
         self.staged = self.schedule.staged
@@ -189,9 +160,6 @@ class NixlExecutor(VotedExecutor):
         """What this process sent in the last refit, with the `delta` option (executors.delta.DeltaReport)."""
         return None if self._delta is None else self._delta.last
 
-    def _describe(self, e: Exception) -> str:
-        return describe(e) if is_nixl_error(e) else f"{type(e).__name__}: {e}"
-
     def _commit(self) -> None:
         if self._delta is not None and self._delta.commit():
             return
@@ -210,8 +178,7 @@ class NixlExecutor(VotedExecutor):
         transfer states, each wait bounded by `deadline`."""
         s, st = self.schedule, _Progress(self.schedule)
         if s.num_stages:
-            self._run(self._local[0])
-            self._sync()
+            self._run(self._local[0], sync=True)
         if not st.read:
             for link in s.incoming:  # my landing memory is free: senders may write
                 self._notify(link.sender, READY, v, link)
@@ -243,8 +210,7 @@ class NixlExecutor(VotedExecutor):
                 still.append(link)
                 continue
             if link.id in self._pack:
-                self._run(self._pack[link.id])
-                self._sync()
+                self._run(self._pack[link.id], sync=True)
             if self.options.checksum:  # before a peer can read or receive the link's bytes
                 self.exchange.store.set(f"v{v}/sum/{link.id}", self._link_digest(link, "send"))
             if st.read:
@@ -273,10 +239,7 @@ class NixlExecutor(VotedExecutor):
             if state == "DONE":
                 del st.posted[lid]
                 progress = True
-                if st.read:
-                    self._arrived(link, st, v)
-                else:
-                    del st.waiting_out[lid]
+                self._arrived(link, st, v) if st.read else st.waiting_out.pop(lid)
             elif state != "PROC":
                 raise ExecutionError(f"{link} with process {link.peer(self.process)} ended in state {state}")
         return progress
@@ -287,10 +250,7 @@ class NixlExecutor(VotedExecutor):
         for link in list(st.waiting_out.values() if st.read else st.waiting_in.values()):
             if self._take(DONE, v, link):
                 progress = True
-                if st.read:
-                    del st.waiting_out[link.id]
-                else:
-                    self._arrived(link, st, v)
+                st.waiting_out.pop(link.id) if st.read else self._arrived(link, st, v)
         return progress
 
     def _next_stages(self, st: "_Progress") -> bool:
@@ -298,9 +258,8 @@ class NixlExecutor(VotedExecutor):
         progress = False
         while st.frontier < self.schedule.num_stages and st.stage_left[st.frontier] == 0:
             st.frontier += 1
-            if st.frontier < self.schedule.num_stages:
-                self._run(self._local[st.frontier])
-                self._sync()  # relays of the next stage may read what these copies wrote
+            if st.frontier < self.schedule.num_stages:  # relays of the next stage may read what these copies wrote
+                self._run(self._local[st.frontier], sync=True)
             progress = True
         return progress
 
@@ -311,8 +270,7 @@ class NixlExecutor(VotedExecutor):
             if sent != got:
                 raise ExecutionError(mismatch(f"{link} from process {link.sender}", sent, got))
         if link.id in self._arrive:
-            self._run(self._arrive[link.id])
-            self._sync()
+            self._run(self._arrive[link.id], sync=True)
         del st.waiting_in[link.id]
         st.stage_left[link.stage] -= 1
 
@@ -354,11 +312,13 @@ class NixlExecutor(VotedExecutor):
                              f"while process {self.process} runs version {v}: every process must refit the same "
                              f"versions")
 
-    def _run(self, program: CopyViews) -> None:
+    def _run(self, program: CopyViews, sync: bool = False) -> None:
         if len(program):
             with torch.no_grad():
                 program.run()
             self._dirty = True
+        if sync:
+            self._sync()
 
     def _sync(self) -> None:
         """Wait for this process's copies on the GPU before a peer may read what they wrote."""
@@ -367,11 +327,12 @@ class NixlExecutor(VotedExecutor):
         self._dirty = False
 
     def _abandon(self) -> None:
-        if self.arena.numel():
-            _QUARANTINE.append(self.arena)
-        if self._delta is not None:
-            _QUARANTINE.extend(self._delta.buffers())
+        self._quarantine()
         self.connection.drop_transfers()
+
+    def _quarantine(self) -> None:
+        """Keep the registered buffers alive for good: a peer (or a release still running) may yet write them."""
+        _QUARANTINE.extend([self.arena, *(self._delta.buffers() if self._delta is not None else ())])
 
     def _stats(self, v: int, seconds: float, phases: dict[str, float]) -> RefitStats:
         if self._delta is not None and not self._delta.last.keyframe:
@@ -397,9 +358,7 @@ class NixlExecutor(VotedExecutor):
         if not self._closed:
             self._closed = True
             if not close_within(self.connection.release, self.options.timeout, "releasing the NIXL agent"):
-                _QUARANTINE.append(self.arena)  # a release still running may yet touch the registered memory
-                if self._delta is not None:
-                    _QUARANTINE.extend(self._delta.buffers())
+                self._quarantine()
 
 
 class _Progress:
@@ -422,23 +381,14 @@ class _Progress:
     def pending(self) -> str:
         """What this process still waits for, in words."""
         read, posted = self.read, self.posted
-        parts = []
-        for link in self.waiting_in.values():
-            if link.id in posted:
-                parts.append(f"{link}: transfer still in progress")
-            elif read:
-                parts.append(f"{link}: no ready notification from process {link.sender}")
-            else:
-                parts.append(f"{link}: no done notification from process {link.sender}")
-        for link in self.unstarted_out:
-            parts.append(f"{link}: " + ("no ready notification from process " + str(link.receiver)
-                                        if not read else "earlier stages of this process not complete"))
-        for link in self.waiting_out.values():
-            if link in self.unstarted_out:
-                continue
-            if link.id in posted:
-                parts.append(f"{link}: transfer still in progress")
-            elif read:
-                parts.append(f"{link}: process {link.receiver} has not finished reading")
+        parts = [f"{link}: " + ("transfer still in progress" if link.id in posted else
+                                f"no {'ready' if read else 'done'} notification from process {link.sender}")
+                 for link in self.waiting_in.values()]
+        parts += [f"{link}: " + ("earlier stages of this process not complete" if read else
+                                 f"no ready notification from process {link.receiver}") for link in self.unstarted_out]
+        parts += [f"{link}: " + ("transfer still in progress" if link.id in posted else
+                                 f"process {link.receiver} has not finished reading")
+                  for link in self.waiting_out.values()
+                  if link not in self.unstarted_out and (link.id in posted or read)]
         shown = "; ".join(parts[:8]) + (f"; and {len(parts) - 8} more" if len(parts) > 8 else "")
         return f"waiting for: {shown}" if parts else "waiting for the local copies"

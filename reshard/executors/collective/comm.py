@@ -108,8 +108,7 @@ class StoreComm(Comm):
     """A group made over a store by its `size` members, each with its own `rank` (module docstring); lane i is a
     process group of its own under the store prefix `lane<i>/`."""
 
-    def __init__(self, store: Any, rank: int, size: int, backend: str = "gloo", timeout: float = 300.0,
-                 device: torch.device | None = None) -> None:
+    def __init__(self, store: Any, rank: int, size: int, backend: str = "gloo", timeout: float = 300.0) -> None:
         super().__init__()
         if not 0 <= rank < size:
             raise ExecutionError(f"rank={rank} is outside the group's [0, {size})")
@@ -117,8 +116,6 @@ class StoreComm(Comm):
             raise ExecutionError(f"backend={backend!r} is not one of ('gloo', 'nccl')")
         self.store, self.rank, self.size, self.backend = store, rank, size, backend
         self.timeout = timedelta(seconds=timeout)
-        self.device = device or (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
-                                 else torch.device("cpu"))
         self.lanes = [self._new_group(0)]
 
     def _new_group(self, lane: int) -> Any:

@@ -58,7 +58,6 @@ class CollectiveDelta:
         self.receiver = policy.receiver(plan) if len(mine_in) else None
         self.last: DeltaReport | None = None
 
-    # --- one refit -------------------------------------------------------------------------------
     def refit(self, start: float, src: dict, dst: dict, version: int | None) -> RefitStats:
         """One refit, delta or keyframe as every process decides together (module docstring)."""
         ex = self.executor
@@ -146,27 +145,24 @@ class CollectiveDelta:
             staging_bytes=sum(t.numel() for p, t in arrived.items() if p != me),
             transfers=sum(p != me for p in payloads) + sum(p != me for p in arrived), checksum=algorithm or "")
 
-    # --- steps -----------------------------------------------------------------------------------
     def _deliver(self, payloads: dict[int, torch.Tensor], device: torch.device) -> dict[int, torch.Tensor]:
         """Every payload to its process (sizes first, then the bytes); the payloads that arrived, by sender."""
         ex, me = self.executor, self.executor.rank
         arrived = {me: payloads[me]} if me in payloads else {}
-        peers_out = [p for p in payloads if p != me]
-        peers_in = [p for p in self.recvs if p != me]
         if ex.size == 1:
             return arrived
-        sizes_out = {p: torch.tensor([payloads[p].numel()], dtype=torch.int64, device=device) for p in peers_out}
-        sizes_in = {p: torch.zeros(1, dtype=torch.int64, device=device) for p in peers_in}
+        sizes_out = {p: torch.tensor([t.numel()], dtype=torch.int64, device=device)
+                     for p, t in payloads.items() if p != me}
+        sizes_in = {p: torch.zeros(1, dtype=torch.int64, device=device) for p in self.recvs if p != me}
         ex._exchange([(t, p, SIZE_TAG) for p, t in sizes_out.items()],
                      [(t, p, SIZE_TAG) for p, t in sizes_in.items()], "the delta sizes did not arrive")
-        limit = 1 << 40
         bufs = {}
         for p, t in sizes_in.items():
             n = int(t.item())
-            if not 0 <= n <= limit:
+            if not 0 <= n <= 1 << 40:
                 raise ExecutionError(f"group rank {p} announced a delta of {n} bytes; nothing was written")
             bufs[p] = torch.empty(n, dtype=torch.uint8, device=device)
-        ex._exchange([(payloads[p], p, PAYLOAD_TAG) for p in peers_out if payloads[p].numel()],
+        ex._exchange([(payloads[p], p, PAYLOAD_TAG) for p in sizes_out if payloads[p].numel()],
                      [(b, p, PAYLOAD_TAG) for p, b in bufs.items() if b.numel()], "the delta payloads did not arrive")
         arrived.update(bufs)
         return arrived

@@ -1,37 +1,28 @@
 """Run a plan across real processes over torch.distributed: NCCL between GPUs, gloo between CPU processes.
 
 Every process of the refit group builds the executor with the same plan and binding and its own tensors, then
-calls `refit` at every weight update, sending what it owns and receiving what it needs. A refit:
-
-  1. prepare: check this process's tensors against the plan (executors.prepared) and view the schedule over them
-     (runners.RoundViews), reused while the caller passes the same tensors; `release()` drops them;
-  2. preflight: one small all-reduce; if any process is not ready or runs another plan, binding or bucket size,
-     every process raises before a byte moves. On NCCL the first refit then makes the lanes and connects every
-     pair, off the calling thread and bounded by the timeout (connect.py);
-  3. transfer, stage by stage: per round, pack the sends into wire buffers, post the round's sends and receives
-     as one batch, and (later) wait for them and scatter what arrived; local copies spread over the rounds. On
-     GPUs packing, scattering and local copies run on their own streams and overlap the transfer;
-  4. verify: one all-reduce says whether every process completed (and, with `checksum`, got intact bytes);
-  5. commit (staged, the default): copy the staged regions into the destination tensors; return `RefitStats`.
+calls `refit` at every weight update. A refit: (1) checks this process's tensors and views the schedule over them
+(runners.RoundViews, kept while the same tensors come back); (2) preflight: one all-reduce, and every process
+raises before a byte moves if any is not ready or runs another plan, binding or bucket size (on NCCL the first
+refit then makes the lanes and connects every pair, bounded: connect.py); (3) transfer, stage by stage: per round,
+pack, post the round's sends and receives as one batch, later wait and scatter, local copies spread over the
+rounds (on GPUs on streams of their own); (4) verify: one all-reduce says whether every process completed (with
+`checksum`: intact); (5) commit the staged regions into the destination tensors and return `RefitStats`.
 
 Deadlock freedom: every process derives the same global rounds (schedule.py), each message belongs to one round,
 and a process posts its rounds in increasing order, all of one round's operations at once (`batch_isend_irecv`;
-on NCCL one group call). By induction on the round, every operation of round r finds its match. Round r travels
-on lane r mod lanes (lanes.py), which both ends derive from the global index; relays only add local waits.
+on NCCL one group call); by induction on the round, every operation finds its match. Round r travels on lane
+r mod lanes (lanes.py), which both ends derive from the global index; relays only add local waits.
 
-Staging: a destination tensor that receives bytes from a peer (or that this process forwards from) gets a shadow
-that takes the writes; only after every process verified are the shadows copied in, so a failed refit leaves
-every destination unchanged, for the shadowed tensors' memory once more (`release()` frees it). `in_place=True`
-writes straight into the destinations (a failed refit leaves them partly written). `undo=True` writes in place
-but first backs each region up into its shadow (overlapping the previous round) and puts the backups back after a
-failure: staging's guarantee without its commit copy, but a reader during the refit sees mixed weights.
-
+Staging (default): destination tensors that receive from a peer (or that this process relays from) get a shadow
+that takes the writes, copied in only after every process verified, so a failed refit changes nothing, for that
+memory once more (`release()` frees it). `in_place=True` writes straight in (a failure leaves them partly written);
+`undo=True` writes in place after backing each region up into its shadow, and puts the backups back on failure.
 Wire buffers: `depth` rounds in flight x the most peers in one round x the bucket, kept under `memory_cap`.
 
-Failure: a dead or frozen peer makes every surviving process raise ExecutionError within `timeout` of it starting
-to wait (gloo waits carry the timeout; on GPUs the host polls CUDA events, then aborts every lane at once:
-runners.abort). A process not talking to the failed one fails at the verify all-reduce. Afterwards the process
-group is unusable: destroy and rebuild it.
+Failure: a dead or frozen peer makes every survivor raise ExecutionError within `timeout` of it starting to wait
+(gloo waits carry the timeout; on GPUs the host polls CUDA events, then aborts every lane at once: runners.abort);
+a process not talking to the failed one fails at the verify. Afterwards destroy and rebuild the process group.
 """
 from __future__ import annotations
 
@@ -116,14 +107,12 @@ class CollectiveExecutor(Executor):
                  checksum: bool | str = False, delta: "DeltaPolicy | None" = None) -> None:
         if undo and in_place:
             raise ExecutionError("undo=True already writes in place (keeping the previous bytes); drop in_place")
-        if lanes is not None and lanes < 1:
-            raise ExecutionError(f"lanes={lanes} must be at least 1")
-        if depth is not None and depth < 1:
-            raise ExecutionError(f"depth={depth} must be at least 1")
+        for name, value in (("lanes", lanes), ("depth", depth)):
+            if value is not None and value < 1:
+                raise ExecutionError(f"{name}={value} must be at least 1")
         if timeout <= 0:
             raise ExecutionError(f"timeout={timeout} must be positive (seconds)")
-        self.plan, self.binding, self.in_place, self.timeout = plan, binding, in_place, timeout
-        self.undo = undo
+        self.plan, self.binding, self.in_place, self.undo, self.timeout = plan, binding, in_place, undo, timeout
         self.on_round = on_round
         self.checksum = algorithm(checksum)  # None when off
         self.comm = comm_for(group)
@@ -141,8 +130,7 @@ class CollectiveExecutor(Executor):
         if direct_bytes == "auto":
             direct_bytes = (GLOO_DIRECT_BYTES if self.backend == "gloo" else
                             LANES_DIRECT_BYTES if self.num_lanes > 1 else DIRECT_BYTES)
-        self._lanes_agree = False
-        self._handshake = False
+        self._lanes_agree = self._handshake = False  # set by each preflight
         self._abort_note: str | None = None  # set by the first abort
         self.bucket_numel = bucket_numel_for(plan, binding, memory_cap, bucket_bytes, depth)
         direct_numel = 1 << 62 if direct_bytes is None else max(direct_bytes // plan.itemsize, 1)
@@ -165,10 +153,9 @@ class CollectiveExecutor(Executor):
 
     @property
     def lanes(self) -> list:
-        """The communicators rounds are spread over (executors.collective.lanes); the group itself first."""
+        """The communicators rounds are spread over (lanes.py); the group itself first."""
         return self.comm.lanes if self.comm is not None else [None]
 
-    # --- public ----------------------------------------------------------------------------------
     def refit(self, version: int | None = None, *, src: RankTensors | None = None,
               dst: RankTensors | None = None) -> RefitStats:
         """One refit from the tensors given at construction, or for this call `src` / `dst` (rank -> name ->
@@ -231,8 +218,7 @@ class CollectiveExecutor(Executor):
             raise
         runner.commit()
         marks.append(("commit", time.perf_counter()))
-        s = self.schedule
-        itemsize = self.plan.itemsize
+        s, itemsize = self.schedule, self.plan.itemsize
         self._version = self._version + 1 if version is None else int(version)
         seconds, phases = phase_times(start, marks)
         return RefitStats(
@@ -245,7 +231,6 @@ class CollectiveExecutor(Executor):
             rounds=len(s.rounds), lanes=len(self.lanes), bucket_bytes=self.bucket_numel * itemsize,
             direct_bytes=kept.views.direct_bytes, wire_bytes=kept.views.wire_bytes)
 
-    # --- steps -----------------------------------------------------------------------------------
     def _prepare(self, src: dict, dst: dict) -> "tuple[Prepared | None, torch.device, str | None]":
         """This process's tensors checked (executors.prepared), their device, and what is wrong with either (a
         refusal for the preflight)."""
@@ -265,11 +250,8 @@ class CollectiveExecutor(Executor):
     def _preflight(self, problem: str | None, device: torch.device) -> None:
         """Everyone learns whether everyone is ready and runs the same schedule, before any byte moves."""
         if self.size == 1:
-            if problem:
-                raise ExecutionError(f"{problem}; nothing was moved")
-            return
-        fp = self._fingerprint
-        comm = self.comm
+            return refuse_disagreement(problem, 0, True, "")
+        fp, comm = self._fingerprint, self.comm
         count = comm.lane_name_count() if len(self.lanes) < self.num_lanes else 0
         unconnected = device.type == "cuda" and (len(self.lanes) < self.num_lanes or not all(
             connect.ready(lane, comm.global_peer(p)) for lane in self.lanes for p in self._peers))

@@ -112,13 +112,11 @@ class RoundViews:
             np.zeros(s.num_stages, np.int64)
         local = [_pieces(c, max(int(k), 1)) for c, k in zip(s.local, rounds_in_stage)]
         self.local = [[view_copies(piece, memory, itemsize) for piece in pieces] for pieces in local]
-        # undo: the regions a round's receives (a local piece) write are backed up into the shadows first
-        undo = lambda c, frm, to: view_copies(regions(c, frm, to), memory, itemsize) if s.undo else None  # noqa: E731
-        received = [Copies.concat([m.copies for m in r.recvs]) if s.undo else None for r in s.rounds]
-        self.backups = [undo(c, DST, SHADOW) for c in received]
-        self.restores = [undo(c, SHADOW, DST) for c in received]
-        self.local_backups = [[undo(c, DST, SHADOW) for c in pieces] for pieces in local]
-        self.local_restores = [[undo(c, SHADOW, DST) for c in pieces] for pieces in local]
+        # undo: (backup, restore) of the regions a round's receives (a local piece) write, backed up first
+        undo = lambda c: tuple(view_copies(regions(c, *way), memory, itemsize)  # noqa: E731
+                               for way in ((DST, SHADOW), (SHADOW, DST)))
+        self.backups = [undo(Copies.concat([m.copies for m in r.recvs])) if s.undo else None for r in s.rounds]
+        self.local_backups = [[undo(c) if s.undo else None for c in pieces] for pieces in local]
         self.commit = view_copies(s.commit, memory, itemsize)
         self.deferred = view_copies(s.deferred, memory, itemsize)
         self.shifts = prepared.shifts()  # value shifts of this process's destination blocks
@@ -209,11 +207,11 @@ class RoundRunner(abc.ABC):
             self.copies += len(p)
             p.run()
 
-    def _backup(self, backup: CopyViews | None, restore: CopyViews, stream=None) -> None:
+    def _backup(self, undo: "tuple[CopyViews, CopyViews] | None", stream=None) -> None:
         """Undo: copy the regions about to be written into the shadows and log how to put them back."""
-        if backup is not None:
-            self._run([backup])
-            self.undo_log.append((None if stream is None else stream.record_event(), restore))
+        if undo is not None:
+            self._run([undo[0]])
+            self.undo_log.append((None if stream is None else stream.record_event(), undo[1]))
 
     def _sum(self, pos: int, way: str) -> None:
         """With checksums: hash round `pos`'s buffers sent ("to") or received ("from"), per peer, in round order."""
@@ -256,7 +254,7 @@ class RoundRunner(abc.ABC):
     def local(self, stage: int, piece: int, stream=None) -> None:
         """Run one piece of a stage's local copies (undo: backed up first)."""
         if piece < len(self.b.local[stage]):
-            self._backup(self.b.local_backups[stage][piece], self.b.local_restores[stage][piece], stream)
+            self._backup(self.b.local_backups[stage][piece], stream)
         self._run(self.b.local[stage][piece:piece + 1])
 
     def stage_barrier(self, stage: int) -> None:
@@ -279,7 +277,7 @@ class HostRunner(RoundRunner):
         self._sum(pos, "to")  # what leaves, as it leaves
 
     def post(self, pos: int):
-        self._backup(self.b.backups[pos], self.b.restores[pos])  # receives write only after this round is posted
+        self._backup(self.b.backups[pos])  # receives write only after this round is posted
         return pos, self.setup.comm.post(self._ops(pos))
 
     def complete(self, pending) -> None:
@@ -334,7 +332,7 @@ class CudaRunner(RoundRunner):
             post.wait_event(prev["scattered"])  # the slot's earlier receives were scattered
         ops = self._ops(pos)
         with torch.cuda.stream(post):
-            self._backup(self.b.backups[pos], self.b.restores[pos], post)  # before this round's receives write
+            self._backup(self.b.backups[pos], post)  # before this round's receives write
             works = self.setup.comm.post(ops)
         pending = {"pos": pos, "works": works, "scattered": None}
         self.slot_owner[slot] = pending

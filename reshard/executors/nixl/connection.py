@@ -101,7 +101,6 @@ class Connection:
                 self.agent.make_connection(self.names[peer])
         exchange.raise_if_setup_failed()  # a peer failed meanwhile: it releases its agent once this one has left
 
-    # --- used by a refit -----------------------------------------------------------------------------
     def post(self, link: Link, message: bytes) -> None:
         """Post the link's prepared transfer; NIXL delivers `message` to the peer once it completed."""
         peer = link.peer(self.schedule.process)
@@ -163,7 +162,6 @@ class Connection:
         for lid in list(self.handles):
             _quietly(self.agent.release_xfer_handle, self.handles.pop(lid))
 
-    # --- teardown ------------------------------------------------------------------------------------
     def release(self) -> None:
         """Release handles, descriptor lists, peers and registrations (best effort), once every peer that could
         still connect to this agent has left set-up (at most the grace: see the module docstring)."""

@@ -41,17 +41,13 @@ class NixlDelta(VotedDelta):
                       for f, ops in part.receives_from.items()}
         self.notified: set[bytes] = set()  # the WRITE notifications that arrived (_landed)
 
-    def regions(self) -> list[tuple[int, int]]:
-        """(address, bytes) of the payload buffers, registered with the executor's memory."""
-        return [(t.data_ptr(), t.numel()) for t in (*self.outbox.values(), *self.inbox.values())]
-
     def book(self) -> dict[str, Any]:
         """What this process's address book says about its delta refits: the policy and its inboxes."""
         return {"delta": self.policy.keyframe_every,
                 "delta_inbox": {str(f): t.data_ptr() for f, t in self.inbox.items()}}
 
     def buffers(self) -> list[torch.Tensor]:
-        """The payload buffers (kept alive after a failure: a peer may still write into an inbox)."""
+        """The payload buffers (uint8), registered with the executor's memory and kept alive after a failure."""
         return [*self.outbox.values(), *self.inbox.values()]
 
     def deliver(self, q: int, payload: torch.Tensor, v: int, deadline: float) -> dict[str, Any]:

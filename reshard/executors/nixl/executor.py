@@ -69,18 +69,14 @@ class NixlExecutor(VotedExecutor):
         check_ops(plan)  # before the schedule indexes anything with the plan's ops
         self.options = options = options or NixlOptions()
         self.timeout, self.poll_max_s = options.timeout, options.poll_max_s
-        self.num_processes = binding.num_processes
+        self.num_processes, self.itemsize = binding.num_processes, plan.itemsize
         self.prepared = Prepared(plan, src, dst)
         self.device = self.prepared.device or torch.device("cpu")
         on_gpu = self.device.type == "cuda"
-        self.mem_type = "VRAM" if on_gpu else "DRAM"
-        self.device_id = (self.device.index or 0) if on_gpu else 0
         self.pack_below, self.land_below = options.thresholds(on_gpu)
-        self.schedule: LinkSchedule = build_schedule(plan, binding, process, options, self.pack_below,
-                                                     self.land_below)
-        self.staged = self.schedule.staged
-        self.itemsize = plan.itemsize
-        self._check_and_bind(src, dst)
+        self.schedule = s = build_schedule(plan, binding, process, options, self.pack_below, self.land_below)
+        self.staged = s.staged
+        self._bind()
         self._num_ops = ops_landing(plan, binding.dst_ranks_of(process))
         self._start_versions()
         self._dirty = True  # copies may be in flight on the GPU (the caller's, at first)
@@ -88,10 +84,11 @@ class NixlExecutor(VotedExecutor):
         self._peers_set_up = False  # every peer has left set-up (checked once, at the first refit)
         self.exchange = Exchange(store, namespace)
         self._delta = None if delta is None else NixlDelta(self, delta)
-        s, name = self.schedule, f"{namespace}:{process}"
+        name = f"{namespace}:{process}"
         book = {"process": process, "agent": name, "plan": plan.digest, "binding": binding.to_dict(),
                 "options": options.shared(), "direction": s.direction, "pack_below": self.pack_below,
-                "land_below": self.land_below, "mem": self.mem_type, "device": self.device_id,
+                "land_below": self.land_below, "mem": "VRAM" if on_gpu else "DRAM",
+                "device": (self.device.index or 0) if on_gpu else 0,
                 "addresses": {memory_name(k, i): self._address(k, i) for k, i in s.exposed},
                 **(self._delta.book() if self._delta is not None else {"delta": None})}
         regions = [(t.data_ptr(), t.numel() * self.itemsize) for t in
@@ -99,35 +96,31 @@ class NixlExecutor(VotedExecutor):
         if s.arena_numel:
             regions.append((self.arena.data_ptr(), s.arena_numel * self.itemsize))
         if self._delta is not None:
-            regions += self._delta.regions()
+            regions += [(t.data_ptr(), t.numel()) for t in self._delta.buffers()]
         # the agent, its registrations, its peers and a prepared transfer per link it initiates (once)
         self.connection = Connection(s, name, self.exchange, book, regions, self.itemsize, options.timeout,
                                      options.progress_delay_us)
 
-    # --- construction --------------------------------------------------------------------------------
-    def _check_and_bind(self, src: RankTensors, dst: RankTensors) -> None:
+    def _bind(self) -> None:
+        """Check that this process holds the tensors its schedule names, and bind its copy programs once."""
         plan, s = self.plan, self.schedule
+        self.src_flat, self.dst_flat = self.prepared.src_flat, self.prepared.dst_flat
         problems = [f"{side} rank {table.ranks[i]} tensor {table.names[i]!r} is missing (process {self.process} "
                     f"plays that rank in {self.binding})"
-                    for ids, table, flat, side in ((s.src_ids, plan.src_tensors, self.prepared.src_flat, "source"),
-                                                   (s.dst_ids, plan.dst_tensors, self.prepared.dst_flat, "destination"))
+                    for ids, table, flat, side in ((s.src_ids, plan.src_tensors, self.src_flat, "source"),
+                                                   (s.dst_ids, plan.dst_tensors, self.dst_flat, "destination"))
                     for i in ids if i not in flat]
         if problems:
             raise ExecutionError("tensors do not match the plan:\n  - " + "\n  - ".join(problems[:20]))
-        self.src_flat, self.dst_flat = self.prepared.src_flat, self.prepared.dst_flat
-        self.arena = torch.empty(s.arena_numel, dtype=self.prepared.dtype, device=self.device)
-        arena = self.arena
+        self.arena = arena = torch.empty(s.arena_numel, dtype=self.prepared.dtype, device=self.device)
 
         def memory(kind: int, ident: int) -> torch.Tensor:
-            if kind == SRC:
-                return self.src_flat[ident]
-            if kind == DST:
-                return self.dst_flat[ident]
+            if kind in (SRC, DST):
+                return (self.src_flat if kind == SRC else self.dst_flat)[ident]
             off, n = s.arena[(kind, ident)]
             return arena.narrow(0, off, n)
 
         self._memory = memory
-        # copy programs folded and bound once: views built here, each refit only launches them
         views = Memory(memory, self.itemsize)
         program = lambda c: view_copies(c, views, self.itemsize)  # noqa: E731
         self._pack = {k: program(v) for k, v in s.pack.items()}
@@ -141,7 +134,6 @@ class NixlExecutor(VotedExecutor):
             return self.arena.data_ptr() + self.schedule.arena[(kind, ident)][0] * self.itemsize
         return self._memory(kind, ident).data_ptr()
 
-    # --- a refit -------------------------------------------------------------------------------------
     def _transfer(self, v: int, deadline: float) -> None:
         self._dirty = True
         self._sync()  # the caller's writes into the source tensors are done before anyone reads them
@@ -352,7 +344,6 @@ class NixlExecutor(VotedExecutor):
             packed_transfers=sum(link.packed for link in s.links),
             descriptors=sum(link.num_pieces for link in s.links if s.initiates(link)))
 
-    # --- teardown ------------------------------------------------------------------------------------
     def close(self) -> None:
         """Release NIXL resources; the tensors stay the caller's."""
         if not self._closed:

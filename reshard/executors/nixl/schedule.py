@@ -34,20 +34,6 @@ PIECE_COLUMNS = ("send_kind", "send_id", "send_off", "recv_kind", "recv_id", "re
 ARENA_ALIGN_BYTES = 512
 
 
-def _i64(x) -> np.ndarray:
-    return np.asarray(x, dtype=np.int64)
-
-
-def _blocks(n: int, **cols) -> dict[str, np.ndarray]:
-    """2-D block copies as `fold`'s columns (BLOCK_COLUMNS), scalars broadcast to n."""
-    return {c: np.broadcast_to(_i64(cols[c]), (n,)) for c in BLOCK_COLUMNS}
-
-
-def _fold(parts: list[dict[str, np.ndarray]]) -> Copies:
-    """The blocks of several parts as one folded program."""
-    return fold(**{c: np.concatenate([p[c] for p in parts] or [_i64([])]) for c in BLOCK_COLUMNS})
-
-
 @dataclass(frozen=True, eq=False)
 class Link:
     """The remote ops of one (stage, sender, receiver): one NIXL transfer."""
@@ -213,8 +199,9 @@ def _wire_copies(plan: Plan, ops: np.ndarray, kind, link: int, offsets: np.ndarr
            "stride": o[f"{side}_stride"][ops]}
     wire = {"kind": WIRE, "id": link, "off": offsets, "stride": o["cols"][ops]}
     frm, to = (mem, wire) if gather else (wire, mem)
-    return _blocks(len(ops), rows=o["rows"][ops], cols=o["cols"][ops], **{f"src_{k}": v for k, v in frm.items()},
-                   **{f"dst_{k}": v for k, v in to.items()})
+    cols = {"rows": o["rows"][ops], "cols": o["cols"][ops], **{f"src_{k}": v for k, v in frm.items()},
+            **{f"dst_{k}": v for k, v in to.items()}}
+    return {c: np.broadcast_to(np.asarray(cols[c], dtype=np.int64), (len(ops),)) for c in BLOCK_COLUMNS}
 
 
 def choose_direction(plan: Plan, binding: Binding, requested: str) -> str:
@@ -292,10 +279,9 @@ def _link(plan: Plan, lid: int, key: np.ndarray, ops: np.ndarray, options: NixlO
     n_direct = (len(pieces["numel"]) + len(_expand_rows(plan, landed_ops, staged)["numel"])
                 + int(o["rows"][packed_ops].sum()))  # before coalescing the packed ones
     landed = _landed_pieces(plan, landed_ops, staged, lid, packed_numel)
-    pieces = {k: np.concatenate([pieces[k], landed[k]]) for k in PIECE_COLUMNS}
-    if packed_numel:
-        pieces = {k: np.concatenate([pieces[k], _i64([v])])
-                  for k, v in zip(PIECE_COLUMNS, (WIRE, lid, 0, WIRE, lid, 0, packed_numel))}
+    packed = dict(zip(PIECE_COLUMNS, (WIRE, lid, 0, WIRE, lid, 0, packed_numel)))  # the packed buffer's one piece
+    pieces = {k: np.concatenate([pieces[k], landed[k], np.asarray([packed[k]] if packed_numel else [], np.int64)])
+              for k in PIECE_COLUMNS}
     stage, sender, receiver = (int(x) for x in key)
     return Link(lid, stage, sender, receiver, ops, int(numel_of[ops].sum()), packed_ops, packed_numel, pieces,
                 n_direct, landed_ops, int(numel_of[landed_ops].sum()))
@@ -333,4 +319,5 @@ def _buffer_programs(part: Partition, incoming: tuple[Link, ...], outgoing: tupl
             into = is_shadow[o["dst_tensor"][ops]] | (not staged)
             arrive[lk.id] = fold(**_wire_copies(plan, ops[into], SHADOW if staged else DST, lk.id, offs[into], False))
             later.append(_wire_copies(plan, ops[~into], DST, lk.id, offs[~into], False))
-    return pack, arrive, _fold(later) if later else Copies.empty()
+    return pack, arrive, (fold(**{c: np.concatenate([p[c] for p in later]) for c in BLOCK_COLUMNS}) if later
+                          else Copies.empty())

@@ -26,9 +26,7 @@ class Comm(abc.ABC):
     rank: int
     size: int
     backend: str  # "gloo" or "nccl"
-
-    def __init__(self) -> None:
-        self.lanes: list[Any] = []  # communicators; lanes[0] is the group itself
+    lanes: list[Any]  # communicators; lanes[0] is the group itself
 
     @abc.abstractmethod
     def all_reduce_max(self, t: torch.Tensor) -> Any:
@@ -66,7 +64,6 @@ class GroupComm(Comm):
     """A group of this process's torch.distributed world (default: the whole world)."""
 
     def __init__(self, group: Any = None) -> None:
-        super().__init__()
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         if self.rank < 0:
@@ -109,7 +106,6 @@ class StoreComm(Comm):
     process group of its own under the store prefix `lane<i>/`."""
 
     def __init__(self, store: Any, rank: int, size: int, backend: str = "gloo", timeout: float = 300.0) -> None:
-        super().__init__()
         if not 0 <= rank < size:
             raise ExecutionError(f"rank={rank} is outside the group's [0, {size})")
         if backend not in ("gloo", "nccl"):

@@ -69,27 +69,22 @@ class CollectiveExecutor(Executor):
         process: this process's rank in the refit group (None: read from the group).
         src: the tensors of the source ranks this process plays (rank -> name -> tensor).
         dst: the tensors of the destination ranks this process plays; `refit(src=..., dst=...)` may pass others.
-        group: the refit group: a group of this process's world (default: the whole world) or a `comm.StoreComm`;
-            binding ranks are ranks in it. Every member calls `refit`.
-        in_place: write straight into the destination tensors (a failed refit leaves them partly written).
-            Default False: staged, committed only once every process has everything.
-        undo: write in place, but back each region up first and put it back if the refit fails (module
-            docstring): staging's memory and outcome without its commit copy; readers see mixed weights meanwhile.
+        group: the refit group, every member of which calls `refit`: a group of this process's world (default:
+            the whole world) or a `comm.StoreComm`.
+        in_place: write straight into the destination tensors. Default False: staged (module docstring).
+        undo: write in place, backing each region up first and putting it back if the refit fails.
         memory_cap: bytes of wire buffers per process (`depth` rounds in flight x peers per round x bucket).
         bucket_bytes: the largest message; default as large as `memory_cap` allows.
         timeout: seconds any wait may go without progress before the refit fails with ExecutionError.
         depth: rounds in flight per process; default max(2, lanes).
         direct_bytes: runs at least this long that are contiguous in one side's memory travel unpacked (None:
-            only messages that happen to be contiguous). "auto": NCCL 64 MiB on one lane, 16 MiB on several;
-            gloo 64 KiB (BENCHMARKS.md, NCCL).
-        lanes: communicators the rounds are spread over (round r on lane r mod lanes; lanes.py), made in the
-            first refit. Default: 3 on NCCL (they overlap its per-message cost), 1 otherwise.
+            only whole contiguous messages). "auto": NCCL 64 MiB on one lane, 16 MiB on several; gloo 64 KiB.
+        lanes: communicators the rounds are spread over (lanes.py). Default: 3 on NCCL, 1 otherwise.
         on_round: called with each round's index before it is posted (progress reporting, fault injection).
-        checksum: hash the bytes sent to and received from every peer (True or "sha256", or "sum64":
-            executors.checksum), compare the digests after the transfer and fail the refit everywhere on a
-            mismatch, before any commit. Over NCCL "sum64" hashes on the GPU; "sha256" copies to the host.
-        delta: a `DeltaPolicy` (executors.delta): refits move only the changed elements, with dense keyframes as
-            it says (delta.py); `last_delta` reports each refit. None (default): every refit dense.
+        checksum: hash the bytes sent to and received from every peer (True or "sha256", or "sum64", which
+            NCCL computes on the GPU: executors.checksum) and fail the refit everywhere on a mismatch.
+        delta: a `DeltaPolicy` (executors.delta): refits move only the changed elements (delta.py); None:
+            every refit dense.
 
     Raises:
         ExecutionError: options that contradict, tensors that do not match the plan, or (from `refit`) a dead or

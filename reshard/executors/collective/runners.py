@@ -152,11 +152,9 @@ class RoundViews:
 
 
 def _wire_id(c: Copies, wire: int) -> Copies:
-    cols = dict(c.cols)
-    for side in ("src", "dst"):
-        is_wire = cols[f"{side}_kind"] == WIRE
-        cols[f"{side}_id"] = np.where(is_wire, wire, cols[f"{side}_id"])
-    return Copies(cols)
+    """`c` with its wire buffer renumbered `wire`."""
+    return Copies({**c.cols, **{f"{side}_id": np.where(c.cols[f"{side}_kind"] == WIRE, wire, c.cols[f"{side}_id"])
+                                for side in ("src", "dst")}})
 
 
 def _pieces(c: Copies, k: int) -> list[Copies]:

@@ -22,7 +22,7 @@ from ...errors import ExecutionError
 from ...polling import poll
 from ..exchange import Exchange
 from .agent import describe, is_nixl_error, make_agent
-from .descriptors import merged_regions, region_array, side_descriptors
+from .descriptors import merged_regions, side_descriptors
 from .schedule import Link, LinkSchedule
 
 SHARED_KEYS = ("plan", "binding", "options", "direction", "pack_below", "land_below", "delta")  # equal in every book
@@ -61,8 +61,9 @@ class Connection:
             return
         self.agent = make_agent(name, progress_delay_us)
         regions = merged_regions(regions)
-        if regions:
-            self._reg = self.agent.register_memory(region_array(regions, book["device"]), book["mem"])
+        if regions:  # Nx3 descriptors (address, bytes, device)
+            self._reg = self.agent.register_memory(
+                np.asarray([(a, n, book["device"]) for a, n in regions], dtype=np.uint64), book["mem"])
         exchange.publish(s.process, self.agent.get_agent_metadata(), book)
         books: dict[int, dict[str, Any]] = {}
         deadline = time.monotonic() + timeout

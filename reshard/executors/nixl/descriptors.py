@@ -52,8 +52,3 @@ def merged_regions(regions: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             out.append([addr, n])
     return [(a, n) for a, n in out]
-
-
-def region_array(regions: list[tuple[int, int]], device: int) -> np.ndarray:
-    """Nx3 descriptors (address, bytes, `device`) of (address, nbytes) regions, for register_memory."""
-    return np.asarray([(a, n, device) for a, n in regions], dtype=np.uint64).reshape(-1, 3)

@@ -23,7 +23,7 @@ Delta refits (`delta=`, CPU tensors): dense keyframes through the links, deltas 
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any
 
 import torch
@@ -339,7 +339,7 @@ class NixlExecutor(VotedExecutor):
         return RefitStats(
             executor=self.name, process=self.process, version=v, seconds=seconds, phases=phases, staged=s.staged,
             ops=self._num_ops, bytes_sent=dict(sent), bytes_received=dict(received), local_bytes=s.local_numel * size,
-            staging_bytes=s.staging_bytes, transfers=len(s.incoming) + len(s.outgoing),
+            staging_bytes=s.arena_numel * size, transfers=len(s.incoming) + len(s.outgoing),
             checksum=algorithm(self.options.checksum) or "", direction=s.direction,
             packed_transfers=sum(link.packed for link in s.links),
             descriptors=sum(link.num_pieces for link in s.links if s.initiates(link)))
@@ -357,9 +357,7 @@ class _Progress:
 
     def __init__(self, s: LinkSchedule) -> None:
         self.read, self.num_stages = s.direction == "read", s.num_stages
-        self.stage_left: dict[int, int] = defaultdict(int)
-        for link in s.incoming:
-            self.stage_left[link.stage] += 1
+        self.stage_left = Counter(link.stage for link in s.incoming)  # incoming links not yet in, per stage
         self.waiting_in = {link.id: link for link in s.incoming}
         self.waiting_out = {link.id: link for link in s.outgoing}
         self.unstarted_out = sorted(s.outgoing, key=lambda link: link.stage)

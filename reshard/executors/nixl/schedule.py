@@ -89,7 +89,6 @@ class LinkSchedule:
     direction: str  # "read" or "write"
     staged: bool
     num_stages: int
-    itemsize: int
     incoming: tuple[Link, ...]
     outgoing: tuple[Link, ...]
     pack: dict[int, Copies]  # outgoing packed link -> gather into its send buffer
@@ -113,11 +112,6 @@ class LinkSchedule:
     def initiates(self, link: Link) -> bool:
         """Whether this process posts `link`'s transfer (the receiver reads, the sender writes)."""
         return (link.receiver if self.direction == "read" else link.sender) == self.process
-
-    @property
-    def staging_bytes(self) -> int:
-        """Bytes of this process's arena (its shadows and wire buffers)."""
-        return self.arena_numel * self.itemsize
 
 
 def global_links(plan: Plan, binding: Binding) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -254,10 +248,10 @@ def build_schedule(plan: Plan, binding: Binding, process: int, options: NixlOpti
     src_ids = np.unique(o["src_tensor"][sends[o["src_side"][sends] != RELAY]])
     dst_ids = np.unique(np.concatenate([o["dst_tensor"][part.landing], part.relay_sources]))
     return LinkSchedule(process=process, direction=choose_direction(plan, binding, options.direction),
-                        staged=staged, num_stages=plan.num_stages, itemsize=plan.itemsize, incoming=incoming,
-                        outgoing=outgoing, pack=pack, arrive=arrive, local=tuple(local), commit=commit, shadow=shadow,
-                        arena=arena, arena_numel=top, src_ids=tuple(src_ids.tolist()), dst_ids=tuple(dst_ids.tolist()),
-                        local_numel=part.local_numel, exposed=tuple(sorted(exposed)), peers=part.peers)
+                        staged=staged, num_stages=plan.num_stages, incoming=incoming, outgoing=outgoing, pack=pack,
+                        arrive=arrive, local=tuple(local), commit=commit, shadow=shadow, arena=arena, arena_numel=top,
+                        src_ids=tuple(src_ids.tolist()), dst_ids=tuple(dst_ids.tolist()), local_numel=part.local_numel,
+                        exposed=tuple(sorted(exposed)), peers=part.peers)
 
 
 def _link(plan: Plan, lid: int, key: np.ndarray, ops: np.ndarray, options: NixlOptions, pack_below: int,

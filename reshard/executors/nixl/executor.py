@@ -231,7 +231,10 @@ class NixlExecutor(VotedExecutor):
             if state == "DONE":
                 del st.posted[lid]
                 progress = True
-                self._arrived(link, st, v) if st.read else st.waiting_out.pop(lid)
+                if st.read:
+                    self._arrived(link, st, v)
+                else:
+                    del st.waiting_out[lid]
             elif state != "PROC":
                 raise ExecutionError(f"{link} with process {link.peer(self.process)} ended in state {state}")
         return progress
@@ -242,7 +245,10 @@ class NixlExecutor(VotedExecutor):
         for link in list(st.waiting_out.values() if st.read else st.waiting_in.values()):
             if self._take(DONE, v, link):
                 progress = True
-                st.waiting_out.pop(link.id) if st.read else self._arrived(link, st, v)
+                if st.read:
+                    del st.waiting_out[link.id]
+                else:
+                    self._arrived(link, st, v)
         return progress
 
     def _next_stages(self, st: "_Progress") -> bool:

@@ -304,11 +304,10 @@ class NixlExecutor(VotedExecutor):
         if v in versions:
             versions.discard(v)
             return True
-        other = sorted(versions)
         what = "ready" if kind == READY else "done"
-        raise ExecutionError(f"process {link.peer(self.process)} announced {what} of version {other[0]} for {link} "
-                             f"while process {self.process} runs version {v}: every process must refit the same "
-                             f"versions")
+        raise ExecutionError(f"process {link.peer(self.process)} announced {what} of version {min(versions)} for "
+                             f"{link} while process {self.process} runs version {v}: every process must refit the "
+                             f"same versions")
 
     def _run(self, program: CopyViews, sync: bool = False) -> None:
         if len(program):

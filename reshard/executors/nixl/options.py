@@ -47,22 +47,17 @@ class NixlOptions:
     checksum: bool | str = False
 
     def __post_init__(self) -> None:
-        problems = []
-        if self.direction not in DIRECTIONS:
-            problems.append(f"direction={self.direction!r} must be one of {DIRECTIONS}")
-        if self.pack not in PACKING:
-            problems.append(f"pack={self.pack!r} must be one of {PACKING}")
-        problems += [f"{name}={value} must be >= 0 bytes" for name, value in
-                     (("pack_below", self.pack_below), ("land_below", self.land_below))
-                     if value is not None and value < 0]
-        if not self.timeout > 0:
-            problems.append(f"timeout={self.timeout} must be positive (seconds)")
-        if self.progress_delay_us < 0:
-            problems.append(f"progress_delay_us={self.progress_delay_us} must be >= 0")
-        if not self.poll_max_s >= 0:
-            problems.append(f"poll_max_s={self.poll_max_s} must be >= 0")
-        if not (isinstance(self.checksum, bool) or self.checksum in ALGORITHMS):
-            problems.append(f"checksum={self.checksum!r} must be False, True or one of {ALGORITHMS}")
+        checks = (
+            (self.direction in DIRECTIONS, f"direction={self.direction!r} must be one of {DIRECTIONS}"),
+            (self.pack in PACKING, f"pack={self.pack!r} must be one of {PACKING}"),
+            (self.pack_below is None or not self.pack_below < 0, f"pack_below={self.pack_below} must be >= 0 bytes"),
+            (self.land_below is None or not self.land_below < 0, f"land_below={self.land_below} must be >= 0 bytes"),
+            (self.timeout > 0, f"timeout={self.timeout} must be positive (seconds)"),
+            (not self.progress_delay_us < 0, f"progress_delay_us={self.progress_delay_us} must be >= 0"),
+            (self.poll_max_s >= 0, f"poll_max_s={self.poll_max_s} must be >= 0"),
+            (isinstance(self.checksum, bool) or self.checksum in ALGORITHMS,
+             f"checksum={self.checksum!r} must be False, True or one of {ALGORITHMS}"))
+        problems = [message for ok, message in checks if not ok]
         if problems:
             raise ExecutionError("invalid NIXL options:\n  - " + "\n  - ".join(problems))
 

@@ -48,7 +48,7 @@ def play(plan, binding, options, src, dst):
     """Run every process's schedule in this process, in an order the real executor allows, up to the commit;
     return the schedules and the commit."""
     procs = range(binding.num_processes)
-    sched = {p: build_schedule(plan, binding, p, options, options.pack_threshold(False), options.land_threshold(False))
+    sched = {p: build_schedule(plan, binding, p, options, *options.thresholds(False))
              for p in procs}
     arenas = {p: torch.zeros(sched[p].arena_numel) for p in procs}
 
@@ -119,7 +119,7 @@ def test_pieces_cover_each_link_once_and_are_coalesced(case):
     link_of_op, *_ = global_links(plan, binding)
     nbytes = plan.op_bytes()
     for p in range(binding.num_processes):
-        s = build_schedule(plan, binding, p, options, options.pack_threshold(False), options.land_threshold(False))
+        s = build_schedule(plan, binding, p, options, *options.thresholds(False))
         for link in s.incoming:
             pc = link.pieces
             assert int(pc["numel"].sum()) * plan.itemsize == int(nbytes[link_of_op == link.id].sum())

@@ -1,17 +1,9 @@
 """The process group a refit runs over: its members, one all-reduce, batched point-to-point messages, lanes.
 
-The torch.distributed executor needs only these few operations, so it runs over two kinds of group:
-
-- `GroupComm`: a group of this process's torch.distributed world (`dist.init_process_group`): a trainer's
-  world in tests, vLLM's world when the trainer's processes are vLLM's own workers (colocated).
-- `StoreComm`: a group made directly over a store (a TCPStore at an address both sides know), outside either
-  side's world. Trainer processes and the workers of a separate vLLM server (or Ray actors) each keep their
-  own default world and join this one for refits; torch's `dist.*` functions know nothing of it, so its
-  messages go through the process-group objects themselves.
-
-Peers are always ranks in the refit group. Messages of one batch are posted together (NCCL: one group call, so
-that a pair sending to each other cannot deadlock); lanes (extra communicators over the same members, see
-executors.collective.lanes) are made at the first refit, after a preflight that every member passes together.
+`GroupComm` is a group of this process's torch.distributed world; `StoreComm` a group made directly over a store
+(a TCPStore both sides reach), outside either side's world: trainer processes and the workers of a separate vLLM
+server join it for refits, and its messages go through the process-group objects themselves. Peers are ranks in
+the refit group; one batch's messages are posted together (NCCL: one group call, so no pair can deadlock).
 """
 from __future__ import annotations
 
@@ -23,19 +15,18 @@ import torch
 import torch.distributed as dist
 
 from ...errors import ExecutionError
+from . import lanes
 
 Message = tuple[torch.Tensor, int, int]  # (buffer, peer group rank, tag)
 
 
 class Comm(abc.ABC):
-    """The group a `CollectiveExecutor` runs over: its members (`rank` of `size`), its backend, and its lanes (one
-    communicator each, so that independent batches of messages are in flight together)."""
+    """The group a `CollectiveExecutor` runs over: its members (`rank` of `size`), its backend and its lanes
+    (communicators over the same members: lanes.py)."""
     rank: int
     size: int
     backend: str  # "gloo" or "nccl"
-
-    def __init__(self) -> None:
-        self.lanes: list[Any] = []  # communicators; lanes[0] is the group itself
+    lanes: list[Any]  # communicators; lanes[0] is the group itself
 
     @abc.abstractmethod
     def all_reduce_max(self, t: torch.Tensor) -> Any:
@@ -50,8 +41,7 @@ class Comm(abc.ABC):
         """Post a prepared batch (all its sends and receives together); returns the works to wait for."""
 
     def lane_name_count(self) -> int:
-        """What the next lane would be named after; members whose counts differ must not make lanes (-1:
-        unknown). Lanes of a StoreComm are named by their index, so every member agrees."""
+        """What the next lane would be named after (-1: unknown); members whose counts differ make no lanes."""
         return 0
 
     @abc.abstractmethod
@@ -74,7 +64,6 @@ class GroupComm(Comm):
     """A group of this process's torch.distributed world (default: the whole world)."""
 
     def __init__(self, group: Any = None) -> None:
-        super().__init__()
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         if self.rank < 0:
@@ -103,36 +92,26 @@ class GroupComm(Comm):
         return dist.batch_isend_irecv(batch) if batch else []
 
     def lane_name_count(self) -> int:
-        from .lanes import naming_count
-
-        return naming_count(self.group)
+        return lanes.naming_count(self.group)
 
     def make_lanes(self, n: int, timeout: float | None = None) -> None:
-        from .lanes import lanes_for
-
-        self.lanes = lanes_for(self.group, n, self.backend, timeout)
+        self.lanes = lanes.lanes_for(self.group, n, self.backend, timeout)
 
     def forget_lanes(self) -> None:
-        from .lanes import forget
-
-        forget(self.group)
+        lanes.forget(self.group)
 
 
 class StoreComm(Comm):
-    """A group made over a store by its `size` members, each calling with its own `rank` (see the module
-    docstring). Every lane is a process group of its own under the store prefix `lane<i>/`."""
+    """A group made over a store by its `size` members, each with its own `rank` (module docstring); lane i is a
+    process group of its own under the store prefix `lane<i>/`."""
 
-    def __init__(self, store: Any, rank: int, size: int, backend: str = "gloo", timeout: float = 300.0,
-                 device: torch.device | None = None) -> None:
-        super().__init__()
+    def __init__(self, store: Any, rank: int, size: int, backend: str = "gloo", timeout: float = 300.0) -> None:
         if not 0 <= rank < size:
             raise ExecutionError(f"rank={rank} is outside the group's [0, {size})")
         if backend not in ("gloo", "nccl"):
             raise ExecutionError(f"backend={backend!r} is not one of ('gloo', 'nccl')")
         self.store, self.rank, self.size, self.backend = store, rank, size, backend
         self.timeout = timedelta(seconds=timeout)
-        self.device = device or (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
-                                 else torch.device("cpu"))
         self.lanes = [self._new_group(0)]
 
     def _new_group(self, lane: int) -> Any:
@@ -162,8 +141,8 @@ class StoreComm(Comm):
         if not sends and not recvs:
             return []
         coalesce = self.backend == "nccl"
-        if coalesce:  # one NCCL group call: a pair sending to each other cannot deadlock (a backend made here,
-            pg._start_coalescing()  # not a ProcessGroup: its coalescing calls take no device)
+        if coalesce:  # one NCCL group call (a backend, not a ProcessGroup: its coalescing calls take no device)
+            pg._start_coalescing()
         works = [pg.send([b], p, t) for b, p, t in sends] + [pg.recv([b], p, t) for b, p, t in recvs]
         if coalesce:
             return [pg._end_coalescing()]
@@ -180,10 +159,10 @@ class StoreComm(Comm):
         """Shut the lanes down, within the group's timeout (a shutdown waiting on a frozen peer is left behind)."""
         from ..base import close_within
 
-        lanes, self.lanes = self.lanes, []
+        groups, self.lanes = self.lanes, []
 
         def shut_down() -> None:
-            for pg in lanes:
+            for pg in groups:
                 for stop in ("shutdown", "abort"):
                     try:
                         getattr(pg, stop)()
@@ -195,9 +174,8 @@ class StoreComm(Comm):
 
 
 def gloo_options(timeout: timedelta) -> Any:
-    """A gloo group's options: its device bound to this host's routable address (reshard.addresses), the address
-    its peers on other hosts reach, unless GLOO_SOCKET_IFNAME chooses the interface. Gloo's own default resolves
-    the host name, which on many machines (and in containers) is loopback: its peers elsewhere then fail."""
+    """A gloo group's options: its device bound to this host's routable address (reshard.addresses) unless
+    GLOO_SOCKET_IFNAME chooses the interface (gloo's default resolves the host name, often to loopback)."""
     import os
 
     from ...addresses import routable_address
@@ -212,9 +190,8 @@ def gloo_options(timeout: timedelta) -> Any:
 
 
 def comm_for(group: Any) -> Comm | None:
-    """The Comm a CollectiveExecutor runs over: `group` itself when it is one, else a group of this process's
-    world (default: the whole world); None when torch.distributed is not initialized and no group was given
-    (a single process playing every rank)."""
+    """`group` itself when it is a Comm, else a GroupComm over it (default: the whole world); None when
+    torch.distributed is not initialized and no group was given (one process playing every rank)."""
     if isinstance(group, Comm):
         return group
     if dist.is_available() and dist.is_initialized():

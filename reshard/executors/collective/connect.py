@@ -1,13 +1,10 @@
 """First use of NCCL communicators, off the calling thread and bounded by the timeout.
 
-NCCL connects a communicator lazily: its collectives' rings at the first collective, each peer's point-to-point
-channels at the first message to or from that peer. While connecting, the call that posts the operation
-blocks the host, and it never returns if the peer is gone: on two GPUs, a peer killed in the first refit of fresh
-lanes left the survivor stuck inside `batch_isend_irecv`, where no timeout of ours could see it. So the
-executor makes every first use here, while the preflight has just shown that every member is alive: the first
-all-reduce of a group, and a handshake (one element each way) with every peer on every lane. Both run on a
-helper thread that the caller waits for at most `timeout`; past it the refit fails like any other. Connected
-pairs are remembered per process, so later refits post on the calling thread with nothing to connect.
+NCCL connects lazily (rings at the first collective, a pair's channels at its first message) and the posting call
+blocks the host meanwhile, for good if the peer is gone. So the executor makes every first use here, right after
+the preflight showed every member alive: the first all-reduce of a group, and a handshake (one element each way)
+with every peer on every lane, on a helper thread waited for at most `timeout`. Connected pairs are remembered
+per process, so later refits post on the calling thread.
 """
 from __future__ import annotations
 
@@ -64,9 +61,8 @@ def off_thread(fn: Callable[[], T], timeout: float, device: torch.device, what: 
 
 
 def handshake(comm, peers: list[int], device: torch.device) -> list:
-    """Post one element to and from every peer (group ranks) on every lane of `comm`: NCCL connects each pair
-    then. Every member posts to its own peers, which are symmetric (a peer of mine has me as a peer), so all
-    match."""
+    """Post one element to and from every peer (group ranks) on every lane of `comm`, which connects each pair
+    (peers are symmetric, so every message has its match)."""
     buf = torch.zeros(2 * max(len(peers), 1), dtype=torch.int32, device=device)
     works = []
     for lane in range(len(comm.lanes)):

@@ -1,28 +1,17 @@
-"""Delta refits over the collective transport: `CollectiveExecutor(..., delta=DeltaPolicy(keyframe_every=K))`
-(the protocol, its encodings and its checks: executors.delta).
+"""Delta refits over the collective transport: `CollectiveExecutor(..., delta=DeltaPolicy(...))` (the protocol,
+its encodings and its checks: executors.delta).
 
-Per refit, once this process's tensors are checked (executors.prepared):
-  1. decide, in one all-reduce: every process's refusal and fingerprint, the versions its receivers hold, its
-     sender's base and whether its policy asks for a keyframe; so every process takes the same path, a delta
-     only when every receiver holds the one base every sender has and no sender is due a keyframe;
-  2. a keyframe is the executor's own dense refit (staged, undo or in place as configured); both sides then
-     hold its version;
-  3. a delta: each sender encodes, per receiving process, the changed elements of the ops it sends there; the
-     payloads' sizes travel first (one int64 message per pair), then the payloads (one uint8 message per pair),
-     each step one batch of sends and receives; pairs within one process go through no wire. Every receiver
-     reads and proves what arrived (base version, ops, indices, sizes: nothing is written yet) and, with
-     `checksum`, compares the sender's digest of the resulting blocks (its source blocks, value shifts added)
-     with the digest of what its blocks will be; one all-reduce (the executor's verify step) says whether every
-     process got there, and only then does each receiver scatter its payloads in place and each sender bring
-     its copy up to date. A failure before that leaves every destination as it was (the payloads are the only
-     staging: O(changed) memory), and the next refit is a keyframe.
-Memory: the sender's copy of its source tensors (executors.delta); with `checksum`, for the check, a temporary copy
-of the destination tensors a peer's ops write (the receiver's would-be result).
+Per refit: one all-reduce decides, the same everywhere, whether this is a keyframe (any refusal, a sender due one,
+or receivers and senders not holding one common base). A keyframe is the executor's own dense refit. A delta: each
+sender encodes the changed elements of the ops it sends to each process; sizes travel first (one int64 message per
+pair), then payloads (one uint8 message per pair). Receivers prove what arrived (and, with `checksum`, compare the
+sender's digest of the resulting blocks) before anything is written; the executor's verify all-reduce then lets
+receivers scatter in place and senders update their copies. A failure leaves every destination as it was (the
+payloads are the only staging) and makes the next refit a keyframe.
 """
 from __future__ import annotations
 
 import time
-from datetime import timedelta
 
 import numpy as np
 import torch
@@ -69,14 +58,12 @@ class CollectiveDelta:
         self.receiver = policy.receiver(plan) if len(mine_in) else None
         self.last: DeltaReport | None = None
 
-    # --- one refit -------------------------------------------------------------------------------
     def refit(self, start: float, src: dict, dst: dict, version: int | None) -> RefitStats:
         """One refit, delta or keyframe as every process decides together (module docstring)."""
         ex = self.executor
         new = ex._version + 1 if version is None else int(version)
-        prepared, problem = ex._prepare(src, dst)
-        device, device_problem = ex._device(prepared)
-        keyframe = self._decide(problem or device_problem, device)
+        prepared, device, problem = ex._prepare(src, dst)
+        keyframe = self._decide(problem, device)
         marks = [("decide", time.perf_counter())]
         if keyframe:
             try:
@@ -102,7 +89,7 @@ class CollectiveDelta:
         fp = ex._fingerprint ^ self.policy.keyframe_every
         t = [int(problem is not None), fp, -fp, -NONE if held == NONE else held, -held, -NONE if base == NONE
              else base, -base, due]
-        if ex.size > 1 and ex.distributed:
+        if ex.size > 1:
             v = torch.tensor(t, dtype=torch.int64, device=device)
             ex._wait_collective(lambda: ex.comm.all_reduce_max(v), device, "delta preflight", before=True)
             t = v.tolist()
@@ -127,7 +114,7 @@ class CollectiveDelta:
             self.last = self.sender.report(np.concatenate(sent_ops), encoded, new,
                                            sum(p.numel() for p in payloads.values()))
         marks.append(("encode", time.perf_counter()))
-        arrived = self._exchange(payloads, device)
+        arrived = self._deliver(payloads, device)
         marks.append(("exchange", time.perf_counter()))
         problem, decoded = None, []
         try:
@@ -158,39 +145,27 @@ class CollectiveDelta:
             staging_bytes=sum(t.numel() for p, t in arrived.items() if p != me),
             transfers=sum(p != me for p in payloads) + sum(p != me for p in arrived), checksum=algorithm or "")
 
-    # --- steps -----------------------------------------------------------------------------------
-    def _exchange(self, payloads: dict[int, torch.Tensor], device: torch.device) -> dict[int, torch.Tensor]:
+    def _deliver(self, payloads: dict[int, torch.Tensor], device: torch.device) -> dict[int, torch.Tensor]:
         """Every payload to its process (sizes first, then the bytes); the payloads that arrived, by sender."""
         ex, me = self.executor, self.executor.rank
         arrived = {me: payloads[me]} if me in payloads else {}
-        peers_out = [p for p in payloads if p != me]
-        peers_in = [p for p in self.recvs if p != me]
-        if not ex.distributed or (not peers_out and not peers_in and ex.size == 1):
+        if ex.size == 1:
             return arrived
-        sizes_out = {p: torch.tensor([payloads[p].numel()], dtype=torch.int64, device=device) for p in peers_out}
-        sizes_in = {p: torch.zeros(1, dtype=torch.int64, device=device) for p in peers_in}
-        self._post([(t, p, SIZE_TAG) for p, t in sizes_out.items()], [(t, p, SIZE_TAG) for p, t in sizes_in.items()],
-                   "the delta sizes")
-        limit = 1 << 40
+        sizes_out = {p: torch.tensor([t.numel()], dtype=torch.int64, device=device)
+                     for p, t in payloads.items() if p != me}
+        sizes_in = {p: torch.zeros(1, dtype=torch.int64, device=device) for p in self.recvs if p != me}
+        ex._exchange([(t, p, SIZE_TAG) for p, t in sizes_out.items()],
+                     [(t, p, SIZE_TAG) for p, t in sizes_in.items()], "the delta sizes did not arrive")
         bufs = {}
         for p, t in sizes_in.items():
             n = int(t.item())
-            if not 0 <= n <= limit:
+            if not 0 <= n <= 1 << 40:
                 raise ExecutionError(f"group rank {p} announced a delta of {n} bytes; nothing was written")
             bufs[p] = torch.empty(n, dtype=torch.uint8, device=device)
-        self._post([(payloads[p], p, PAYLOAD_TAG) for p in peers_out if payloads[p].numel()],
-                   [(b, p, PAYLOAD_TAG) for p, b in bufs.items() if b.numel()], "the delta payloads")
+        ex._exchange([(payloads[p], p, PAYLOAD_TAG) for p in sizes_out if payloads[p].numel()],
+                     [(b, p, PAYLOAD_TAG) for p, b in bufs.items() if b.numel()], "the delta payloads did not arrive")
         arrived.update(bufs)
         return arrived
-
-    def _post(self, sends: list, recvs: list, what: str) -> None:
-        ex = self.executor
-        try:
-            for w in ex.comm.post(ex.comm.prepare(0, sends, recvs)):
-                w.wait(timedelta(seconds=ex.timeout))
-        except RuntimeError as e:  # gloo's timeout or a peer's closed socket
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise ExecutionError(ex._setup.failure(f"{what} did not arrive: {first}")) from e
 
     def _committed(self, version: int, prepared, keyframe: bool) -> None:
         if self.sender is not None:

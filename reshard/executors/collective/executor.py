@@ -1,75 +1,28 @@
 """Run a plan across real processes over torch.distributed: NCCL between GPUs, gloo between CPU processes.
 
-Every process of the refit group builds the executor with the same plan and binding and its own tensors, and
-calls `refit` at every weight update; it sends what it owns and receives what it needs. Lifecycle of
-`CollectiveExecutor(plan, binding, process, src, dst, group=group).refit()` (the protocol of executors.base):
+Every process of the refit group builds the executor with the same plan and binding and its own tensors, then
+calls `refit` at every weight update. A refit: (1) checks this process's tensors and views the schedule over them
+(runners.RoundViews, kept while the same tensors come back); (2) preflight: one all-reduce, and every process
+raises before a byte moves if any is not ready or runs another plan, binding or bucket size (on NCCL the first
+refit then makes the lanes and connects every pair, bounded: connect.py); (3) transfer, stage by stage: per round,
+pack, post the round's sends and receives as one batch, later wait and scatter, local copies spread over the
+rounds (on GPUs on streams of their own); (4) verify: one all-reduce says whether every process completed (with
+`checksum`: intact); (5) commit the staged regions into the destination tensors and return `RefitStats`.
 
-  1. construction: the binding is checked against the plan and the group; this process's part of the wire
-     schedule is built (executors.collective.schedule: streams per peer, buckets, rounds, folded copy programs). Build
-     the executor once and call `refit` at every weight update;
-  2. prepare: this process checks its tensors against the plan (executors.prepared: names, shapes, dtype,
-     contiguity, device) and views the schedule over them (executors.collective.runners.RoundViews: wire and staging
-     buffers, every copy as a prebuilt view). The views are kept and reused while the caller passes the same
-     tensors, which is the usual case; `release()` drops them;
-  3. preflight: one small all-reduce tells every process whether all are ready and run the same plan,
-     binding and bucket size; on any mismatch every process raises before a byte moves. On NCCL the first
-     refit then makes the lanes and connects every pair on every lane, off the calling thread and bounded by
-     the timeout (executors.collective.connect);
-  4. transfer, stage by stage: for each round, pack the round's sends into wire buffers, post the round's
-     sends and receives as one batch, and (one round later) wait for them and scatter what arrived; local
-     copies (bytes between ranks played by one process) are spread over the stage's rounds; relays of stage
-     s+1 start after this process has finished stage s. On GPUs packing, scattering and local copies run on
-     their own streams and overlap the transfer; the host only enqueues, then waits for the last round;
-  5. verify: every message of this process completed (each was posted with the size the shared schedule
-     gives it, and the preflight showed that every process runs that schedule); then one all-reduce says
-     whether every process got there;
-  6. commit (staged, the default): copy the staged regions into the destination tensors and run the local
-     copies kept for commit (undo: only the latter); then return `RefitStats` (bytes per peer, time per step).
+Deadlock freedom: every process derives the same global rounds (schedule.py), each message belongs to one round,
+and a process posts its rounds in increasing order, all of one round's operations at once (`batch_isend_irecv`;
+on NCCL one group call); by induction on the round, every operation finds its match. Round r travels on lane
+r mod lanes (lanes.py), which both ends derive from the global index; relays only add local waits.
 
-Deadlock freedom. Rounds are numbered globally (schedule.py): every process derives the same rounds from the
-same plan, binding and bucket size, and each message belongs to exactly one round, in which its sender posts
-the send and its receiver the receive. A process posts its rounds in increasing order, and all of one round's
-sends and receives at once (`batch_isend_irecv`, non-blocking; on NCCL one group call that progresses every
-pair together, so no cycle of blocking sends can form within a round). Induction on the round index: when
-every process has finished its rounds before r, every process taking part in round r has posted all of round
-r's operations (posting never waits on another process; with `depth` rounds in flight, posting r only waits
-for this process's own round r-depth), so every operation of round r finds its match and completes. Round r
-travels on lane r mod lanes (a communicator of its own, executors.collective.lanes), which both ends derive from the
-round's global index; on one lane, a pair's messages are matched in posting order (NCCL) or by tag = round
-(gloo), and both sides post them in the same round order. Lanes run on streams of their own, so a round
-never queues behind another lane's; their NCCL kernels (a few dozen thread blocks each) fit on the GPU
-together. Relays add only local waits (a process finishes stage s before packing stage s+1), so the
-induction still holds.
+Staging (default): destination tensors that receive from a peer (or that this process relays from) get a shadow
+that takes the writes, copied in only after every process verified, so a failed refit changes nothing, for that
+memory once more (`release()` frees it). `in_place=True` writes straight in (a failure leaves them partly written);
+`undo=True` writes in place after backing each region up into its shadow, and puts the backups back on failure.
+Wire buffers: `depth` rounds in flight x the most peers in one round x the bucket, kept under `memory_cap`.
 
-Staging and its memory cost. By default a destination tensor that receives any bytes from another process (or that
-this process forwards from, in fan-out trees) gets a shadow: a staging tensor of the same size into which everything
-destined for it is written while the refit is in flight. Only after every process reported a complete transfer (step
-5) are the shadows copied into the destination tensors. A failed refit therefore leaves every destination tensor
-unchanged. Extra memory: the shadowed destination tensors once more (at most this process's whole destination share,
-e.g. 16.4 GB for a TP1 Qwen3-8B replica), held by the executor between calls (one buffer; `release()` frees it), plus
-an extra copy of those bytes at commit (a device copy after the transfer; BENCHMARKS.md, NCCL). Destination tensors
-fed only by local copies need no shadow: their copies run at commit, straight from the source. `in_place=True` writes
-straight into the destination tensors and keeps no shadow; a failed refit then leaves them partly written.
-
-Undo (`undo=True`): the same guarantee for a failed refit as staging, without staging's commit copy. Writes go
-straight into the destination tensors, but just before a region is written (on the stream that posts the
-round's receives, or the one that runs the local copies) its previous bytes are copied into the tensor's
-shadow, overlapping the transfer of the round before. After a failure, once nothing of the refit still runs
-on this process's streams, every region whose backup completed is put back (a region whose backup did not
-run was never written: its writes are ordered after the backup). Memory: the same shadows as staging. Local
-copies into tensors that receive nothing from a peer wait for the commit, as when staged. Unlike staging, a
-reader of the destination tensors during the refit sees old and new weights mixed: pause the engine.
-
-Wire buffers: `depth` (3) rounds in flight x the most peers a process has in one round x the bucket size; the
-bucket is chosen so that this stays under `memory_cap` on the busiest process.
-
-Failure. A dead or hanging peer makes every surviving process raise ExecutionError within `timeout` seconds
-of it starting to wait (a dead gloo peer is usually seen at once: its sockets close): gloo waits carry the
-timeout; on GPUs the host polls CUDA events of each round and
-gives up after `timeout` seconds without progress, then aborts the group's communicators (its lanes), all at
-once (runners.abort says why), waiting for that at most `timeout` more. A process that does not talk to the
-failed one directly fails in the verify all-reduce. After a failure the process group is not usable: destroy
-and rebuild it.
+Failure: a dead or frozen peer makes every survivor raise ExecutionError within `timeout` of it starting to wait
+(gloo waits carry the timeout; on GPUs the host polls CUDA events, then aborts every lane at once: runners.abort);
+a process not talking to the failed one fails at the verify. Afterwards destroy and rebuild the process group.
 """
 from __future__ import annotations
 
@@ -110,48 +63,28 @@ def _digest_int(*parts: str) -> int:
 class CollectiveExecutor(Executor):
     """Runs one plan repeatedly on this process's part of a binding over torch.distributed (gloo, NCCL).
 
-    See the module docstring for the schedule.
-
     Args:
         plan: the plan.
         binding: which group rank plays each plan rank.
         process: this process's rank in the refit group (None: read from the group).
         src: the tensors of the source ranks this process plays (rank -> name -> tensor).
         dst: the tensors of the destination ranks this process plays; `refit(src=..., dst=...)` may pass others.
-        group: the refit group: a group of this process's torch.distributed world (default: the whole world), or a
-            `comm.StoreComm` that trainer and inference processes joined by address; binding ranks are ranks in
-            it. Every member calls `refit`.
-        in_place: write straight into the destination tensors (no staging memory; a failed refit leaves them
-            partly written). Default False: staged, committed only once every process has everything.
-        undo: write straight into the destination tensors, but first copy each region's previous bytes into a
-            shadow (on a side stream, just before the region is written, so the copy overlaps the transfer) and
-            put them back if the refit fails. The same memory as staging and the same outcome for a failed refit,
-            without staging's commit copy; unlike staging, a reader of the destination tensors during the refit
-            sees a mix of old and new weights (pause the engine, as refits usually do).
+        group: the refit group, every member of which calls `refit`: a group of this process's world (default:
+            the whole world) or a `comm.StoreComm`.
+        in_place: write straight into the destination tensors. Default False: staged (module docstring).
+        undo: write in place, backing each region up first and putting it back if the refit fails.
         memory_cap: bytes of wire buffers per process (`depth` rounds in flight x peers per round x bucket).
         bucket_bytes: the largest message; default as large as `memory_cap` allows.
         timeout: seconds any wait may go without progress before the refit fails with ExecutionError.
         depth: rounds in flight per process; default max(2, lanes).
-        direct_bytes: runs of at least this many bytes that are contiguous in the sender's (receiver's) memory
-            travel as messages of their own, sent from (received into) the tensors themselves: no pack (scatter)
-            copy. None: only messages that happen to be contiguous go direct. "auto": on NCCL 64 MiB on one lane,
-            16 MiB on several, where messages are cheaper (on one lane 16 MiB was slower: BENCHMARKS.md, NCCL);
-            on gloo 64 KiB (a CPU copy costs more than a message).
-        lanes: communicators the rounds are spread over (round r on lane r mod lanes; executors.collective.lanes): NCCL runs
-            one communicator's messages one after another, each with a fixed cost, and lanes overlap those costs
-            (a refit in which both GPUs send and receive reaches its share of the link with 3 lanes, not with 1;
-            BENCHMARKS.md, NCCL). The extra ones are made from the group in the first refit and kept for it; each is
-            one more NCCL communicator (its buffers on the GPU). Default: 3 on NCCL, 1 otherwise (gloo has no such
-            per-message cost to hide).
-        on_round: called with each round's index before it is posted (progress reporting, fault injection in tests).
-        checksum: hash the bytes sent to and received from every peer (in round order; True or "sha256", or
-            "sum64": executors.checksum), exchange the digests after the transfer and fail the refit on every
-            process if one differs, before anything is committed. GPU tensors over NCCL: "sum64" hashes on the GPU
-            on the transfer's own streams; "sha256" copies every message to the host (debugging only). Off, nothing
-            is hashed or sent. With `delta`, the digests are of the resulting weights (executors.collective.delta).
-        delta: a `DeltaPolicy` (executors.delta): refits move only the changed elements, as indices or bitmaps and
-            values chosen per op, with dense keyframes as it says (executors.collective.delta); `last_delta`
-            reports each refit's encodings and bytes. None (default): every refit dense.
+        direct_bytes: runs at least this long that are contiguous in one side's memory travel unpacked (None:
+            only whole contiguous messages). "auto": NCCL 64 MiB on one lane, 16 MiB on several; gloo 64 KiB.
+        lanes: communicators the rounds are spread over (lanes.py). Default: 3 on NCCL, 1 otherwise.
+        on_round: called with each round's index before it is posted (progress reporting, fault injection).
+        checksum: hash the bytes sent to and received from every peer (True or "sha256", or "sum64", which
+            NCCL computes on the GPU: executors.checksum) and fail the refit everywhere on a mismatch.
+        delta: a `DeltaPolicy` (executors.delta): refits move only the changed elements (delta.py); None:
+            every refit dense.
 
     Raises:
         ExecutionError: options that contradict, tensors that do not match the plan, or (from `refit`) a dead or
@@ -169,36 +102,30 @@ class CollectiveExecutor(Executor):
                  checksum: bool | str = False, delta: "DeltaPolicy | None" = None) -> None:
         if undo and in_place:
             raise ExecutionError("undo=True already writes in place (keeping the previous bytes); drop in_place")
-        if lanes is not None and lanes < 1:
-            raise ExecutionError(f"lanes={lanes} must be at least 1")
-        if depth is not None and depth < 1:
-            raise ExecutionError(f"depth={depth} must be at least 1")
+        for name, value in (("lanes", lanes), ("depth", depth)):
+            if value is not None and value < 1:
+                raise ExecutionError(f"{name}={value} must be at least 1")
         if timeout <= 0:
             raise ExecutionError(f"timeout={timeout} must be positive (seconds)")
-        self.plan, self.binding, self.in_place, self.timeout = plan, binding, in_place, timeout
-        self.undo = undo
+        self.plan, self.binding, self.in_place, self.undo, self.timeout = plan, binding, in_place, undo, timeout
         self.on_round = on_round
         self.checksum = algorithm(checksum)  # None when off
         self.comm = comm_for(group)
-        self.distributed = self.comm is not None
-        if self.comm is not None:
-            self.rank, self.size, self.backend = self.comm.rank, self.comm.size, self.comm.backend
-        else:
-            self.rank, self.size, self.backend = 0, 1, "none"
+        self.rank, self.size, self.backend = ((self.comm.rank, self.comm.size, self.comm.backend)
+                                              if self.comm is not None else (0, 1, "none"))
         if process is not None and process != self.rank:
             raise ExecutionError(f"process={process}, but this process is rank {self.rank} of the refit group")
         binding.check(plan.src.num_ranks, plan.dst.num_ranks, self.size)
         check_ops(plan)  # before the schedule indexes anything with the plan's ops
         self._src, self._dst = dict(src or {}), dict(dst or {})
-        if lanes is None:  # NCCL: each communicator runs its messages one after another (executors.collective.lanes)
+        if lanes is None:
             lanes = NCCL_LANES if "nccl" in self.backend else 1
         self.num_lanes = 1 if self.size == 1 else lanes
         self.depth = depth = max(2, self.num_lanes) if depth is None else depth
-        if direct_bytes == "auto":  # where messages are cheap, shorter runs are worth sending unpacked
+        if direct_bytes == "auto":
             direct_bytes = (GLOO_DIRECT_BYTES if self.backend == "gloo" else
                             LANES_DIRECT_BYTES if self.num_lanes > 1 else DIRECT_BYTES)
-        self._lanes_agree = False
-        self._handshake = False
+        self._lanes_agree = self._handshake = False  # set by each preflight
         self._abort_note: str | None = None  # set by the first abort
         self.bucket_numel = bucket_numel_for(plan, binding, memory_cap, bucket_bytes, depth)
         direct_numel = 1 << 62 if direct_bytes is None else max(direct_bytes // plan.itemsize, 1)
@@ -221,15 +148,13 @@ class CollectiveExecutor(Executor):
 
     @property
     def lanes(self) -> list:
-        """The communicators rounds are spread over (executors.collective.lanes); the group itself first."""
+        """The communicators rounds are spread over (lanes.py); the group itself first."""
         return self.comm.lanes if self.comm is not None else [None]
 
-    # --- public ----------------------------------------------------------------------------------
     def refit(self, version: int | None = None, *, src: RankTensors | None = None,
               dst: RankTensors | None = None) -> RefitStats:
-        """One refit from the tensors given at construction (or, for this call, `src` / `dst`: the plan's source /
-        destination ranks this process plays -> their tensors). `version` is not needed: the preflight makes
-        every process run the same refit."""
+        """One refit from the tensors given at construction, or for this call `src` / `dst` (rank -> name ->
+        tensor). `version` is optional: the preflight makes every process run the same refit."""
         start = time.perf_counter()
         with torch.no_grad():  # parameters may require grad; a refit is not part of any graph
             run = self._run if self._delta is None else self._delta.refit
@@ -242,20 +167,18 @@ class CollectiveExecutor(Executor):
         return None if self._delta is None else self._delta.last
 
     def close(self) -> None:
+        """Release the kept buffers (the group stays the caller's)."""
         self.release()
 
     def _run(self, start: float, src: dict, dst: dict, version: int | None) -> RefitStats:
         given, kept = _identity(src, dst), self._kept
         if kept.views is not None and given is not None and self._given and given[0] == self._given[0]:
-            # the very tensor objects, at the same addresses, that passed the checks last time: skip them (they
-            # are a fixed cost of every refit otherwise). Metadata changed in place (resize_, set_) is
-            # not seen: pass new tensors.
+            # the very tensor objects, at the same addresses, that passed the checks last time: skip the checks
+            # (metadata changed in place by resize_ or set_ is not seen: pass new tensors)
             device, problem = kept.views.device, None
         else:
             self._given = ()
-            prepared, problem = self._prepare(src, dst)
-            device, device_problem = self._device(prepared)
-            problem = problem or device_problem
+            prepared, device, problem = self._prepare(src, dst)
         runner = None
         if problem is None:
             try:  # buffers are allocated before the preflight, so that running out of memory is reported there
@@ -272,7 +195,7 @@ class CollectiveExecutor(Executor):
         try:
             if self._handshake:  # NCCL, something not connected yet somewhere: lanes and handshake, bounded
                 self._connect(device)
-            elif len(self.lanes) < self.num_lanes and self._lanes_agree:
+            elif len(self.lanes) < self.num_lanes:
                 self._make_lanes()
             self._transfer(runner)
             marks.append(("enqueue", time.perf_counter()))
@@ -280,21 +203,17 @@ class CollectiveExecutor(Executor):
             marks.append(("drain", time.perf_counter()))
             self._agree(device, self._compare_checksums(runner) if self.checksum else None)
             marks.append(("verify", time.perf_counter()))
-        except ReshardError as e:
+        except Exception as e:
             note = self.abort() if device.type == "cuda" else ""  # gloo's waits fail on their own
-            if self.undo:
-                raise ExecutionError(f"{e}{note}; {runner.restore()}") from e
+            note += f"; {runner.restore()}" if self.undo else ""
+            if not isinstance(e, ReshardError):  # a transport error: name it, keep the original as the cause
+                raise ExecutionError(self._setup.failure(f"{type(e).__name__}: {e}") + note) from e
             if note:
                 raise ExecutionError(f"{e}{note}") from e
             raise
-        except Exception as e:  # a transport error: name it, keep the original as the cause
-            note = self.abort() if device.type == "cuda" else ""
-            restored = f"; {runner.restore()}" if self.undo else ""
-            raise ExecutionError(self._setup.failure(f"{type(e).__name__}: {e}") + note + restored) from e
         runner.commit()
         marks.append(("commit", time.perf_counter()))
-        s = self.schedule
-        itemsize = self.plan.itemsize
+        s, itemsize = self.schedule, self.plan.itemsize
         self._version = self._version + 1 if version is None else int(version)
         seconds, phases = phase_times(start, marks)
         return RefitStats(
@@ -307,37 +226,27 @@ class CollectiveExecutor(Executor):
             rounds=len(s.rounds), lanes=len(self.lanes), bucket_bytes=self.bucket_numel * itemsize,
             direct_bytes=kept.views.direct_bytes, wire_bytes=kept.views.wire_bytes)
 
-    # --- steps -----------------------------------------------------------------------------------
-    def _prepare(self, src: dict, dst: dict) -> "tuple[Prepared | None, str | None]":
-        """This process's tensors checked and viewed (executors.prepared), or what is wrong with them: a refusal
-        that the preflight makes every process see."""
-        try:
-            return Prepared(self.plan, src, dst, (self.binding.src_ranks_of(self.rank),
-                                                  self.binding.dst_ranks_of(self.rank))), None
-        except ExecutionError as e:
-            return None, str(e)
-
-    def _device(self, prepared: "Prepared | None") -> tuple[torch.device, str | None]:
-        """The device of this process's tensors, and what is wrong with it for this group's backend."""
+    def _prepare(self, src: dict, dst: dict) -> "tuple[Prepared | None, torch.device, str | None]":
+        """This process's tensors checked (executors.prepared), their device, and what is wrong with either (a
+        refusal for the preflight)."""
         fallback = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         try:
-            device = (prepared.device if prepared is not None else None) or fallback
+            prepared = Prepared(self.plan, src, dst, (self.binding.src_ranks_of(self.rank),
+                                                      self.binding.dst_ranks_of(self.rank)))
+            device = prepared.device or fallback
         except ExecutionError as e:
-            return fallback, str(e)
+            return None, fallback, str(e)
         if self.backend == "nccl" and device.type != "cuda":
-            return fallback, f"the NCCL group needs CUDA tensors; this process's tensors are on {device}"
+            return prepared, fallback, f"the NCCL group needs CUDA tensors; this process's tensors are on {device}"
         if self.backend == "gloo" and device.type != "cpu":
-            return fallback, f"the gloo executor moves CPU tensors; this process's tensors are on {device}"
-        return device, None
+            return prepared, fallback, f"the gloo executor moves CPU tensors; this process's tensors are on {device}"
+        return prepared, device, None
 
     def _preflight(self, problem: str | None, device: torch.device) -> None:
         """Everyone learns whether everyone is ready and runs the same schedule, before any byte moves."""
-        if self.size == 1 or not self.distributed:
-            if problem:
-                raise ExecutionError(f"{problem}; nothing was moved")
-            return
-        fp = self._fingerprint
-        comm = self.comm
+        if self.size == 1:
+            return refuse_disagreement(problem, 0, True, "")
+        fp, comm = self._fingerprint, self.comm
         count = comm.lane_name_count() if len(self.lanes) < self.num_lanes else 0
         unconnected = device.type == "cuda" and (len(self.lanes) < self.num_lanes or not all(
             connect.ready(lane, comm.global_peer(p)) for lane in self.lanes for p in self._peers))
@@ -374,35 +283,36 @@ class CollectiveExecutor(Executor):
                 runner.complete(pending.pop(0))
 
     def _compare_checksums(self, runner: RoundRunner) -> str | None:
-        """Send every peer this process sent bytes to the SHA-256 of those bytes, receive the same from every peer
-        it received from, and compare with what arrived (executors.checksum). Returns the mismatch, if any."""
-        s, comm, sums = self.schedule, self.comm, runner.sums
-        if comm is None or self.size == 1:
+        """Exchange with every peer the digests of the bytes sent and received (executors.checksum) and compare
+        them with this process's. Returns the mismatch, if any."""
+        s, sums = self.schedule, runner.sums
+        if self.size == 1:
             return None
         device = runner.b.device
         if device.type == "cuda":  # the sums ran on the runner's streams; the digests are read on this one
             torch.cuda.synchronize(device)
-        # the digests travel as the group's tensors do: on the device (NCCL takes GPU tensors only)
+        # the digests travel on the device (NCCL takes GPU tensors only)
         out = {p: torch.tensor(list(sums.digest(("to", p))), dtype=torch.uint8, device=device)
                for p in sorted(s.sent)}
         got = {p: torch.zeros(DIGEST_BYTES, dtype=torch.uint8, device=device) for p in sorted(s.received)}
-        works = comm.post(comm.prepare(0, [(t, p, CHECKSUM_TAG) for p, t in out.items()],
-                                       [(t, p, CHECKSUM_TAG) for p, t in got.items()]))
-        try:
-            for w in works:
-                w.wait(timedelta(seconds=self.timeout))
-        except RuntimeError as e:  # gloo's timeout or a peer's closed socket
-            raise ExecutionError(self._setup.failure(f"the checksum exchange with peers did not complete: "
-                                                     f"{str(e).splitlines()[0] if str(e) else type(e).__name__}")) \
-                from e
+        self._exchange([(t, p, CHECKSUM_TAG) for p, t in out.items()], [(t, p, CHECKSUM_TAG) for p, t in got.items()],
+                       "the checksum exchange with peers did not complete")
         bad = [mismatch(f"the stream from group rank {p}", bytes(t.tolist()).hex(), sums.hexdigest(("from", p)))
                for p, t in got.items() if bytes(t.tolist()) != sums.digest(("from", p))]
         return "; ".join(bad) or None
 
+    def _exchange(self, sends: list, recvs: list, what: str) -> None:
+        """Post one batch of (tensor, peer, tag) messages on the group and wait for it, bounded by the timeout."""
+        try:
+            for w in self.comm.post(self.comm.prepare(0, sends, recvs)):
+                w.wait(timedelta(seconds=self.timeout))
+        except RuntimeError as e:  # gloo's timeout or a peer's closed socket
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ExecutionError(self._setup.failure(f"{what}: {first}")) from e
+
     def _agree(self, device: torch.device, problem: str | None = None) -> None:
-        """Verify: every process finished its transfer (and, with checksums, found no corrupted byte). Only then
-        does anyone commit."""
-        if self.size == 1 or not self.distributed:
+        """Verify: every process finished its transfer (with checksums: intact). Only then does anyone commit."""
+        if self.size == 1:
             if problem:
                 raise ExecutionError(self._setup.failure(problem))
             return
@@ -415,12 +325,11 @@ class CollectiveExecutor(Executor):
                                                      "corrupted in flight"))
 
     def _make_lanes(self) -> None:
-        # every member passed the preflight and agrees on the names: all make them together
-        if self._lanes_agree:
+        if self._lanes_agree:  # every member passed the preflight and agrees on the names: all make them together
             self.comm.make_lanes(self.num_lanes, self.timeout)
 
     def _connect(self, device: torch.device) -> None:
-        """Make the lanes and connect every peer on every lane, off this thread and bounded (executors.collective.connect)."""
+        """Make the lanes and connect every peer on every lane, off this thread and bounded (connect.py)."""
         comm, peers = self.comm, self._peers
 
         def make() -> list:
@@ -429,11 +338,7 @@ class CollectiveExecutor(Executor):
 
         try:
             works = connect.off_thread(make, self.timeout, device, "making lanes and connecting to peers")
-            for w in works:
-                w.wait()
-            ev = torch.cuda.Event()
-            ev.record()
-            wait_events([ev], self.timeout, ["the handshake with peers"])
+            self._wait_gpu(works, "the handshake with peers")
         except ExecutionError as e:
             raise ExecutionError(self._setup.failure(str(e), before=True)) from e
         connect.mark_ready(self.lanes, [comm.global_peer(p) for p in peers])
@@ -445,10 +350,7 @@ class CollectiveExecutor(Executor):
             else:
                 work = start()
             if device.type == "cuda":
-                work.wait()
-                ev = torch.cuda.Event()
-                ev.record()
-                wait_events([ev], self.timeout, [f"{what} all-reduce"])
+                self._wait_gpu([work], f"{what} all-reduce")
                 connect.mark_ready(self.lanes[:1], [-1])
             else:
                 work.wait(timedelta(seconds=self.timeout))
@@ -456,10 +358,17 @@ class CollectiveExecutor(Executor):
             note = self.abort() if device.type == "cuda" else ""
             raise ExecutionError(self._setup.failure(f"{what} all-reduce did not complete: {e}", before) + note) from e
 
+    def _wait_gpu(self, works: list, what: str) -> None:
+        """Order the current stream after `works`, then wait for it on the host, bounded by the timeout."""
+        for w in works:
+            w.wait()
+        ev = torch.cuda.Event()
+        ev.record()
+        wait_events([ev], self.timeout, [what])
+
     def abort(self) -> str:
-        """Unblock the transport after a failure: abort the group and its lanes, all at once (runners.abort),
-        waiting at most `timeout`. All are unusable afterwards. Returns a note for the error message, empty
-        when every abort finished."""
+        """Abort the group and its lanes after a failure, all at once (runners.abort), waiting at most `timeout`;
+        all are unusable afterwards. Returns a note for the error message, empty when every abort finished."""
         if self._abort_note is None:
             stuck = abort(list(self.lanes), self.timeout)
             self._abort_note = "" if not stuck else (
@@ -469,7 +378,6 @@ class CollectiveExecutor(Executor):
             if self.comm is not None:
                 self.comm.forget_lanes()
         return self._abort_note
-
 
 
 def _identity(src: dict, dst: dict) -> tuple | None:

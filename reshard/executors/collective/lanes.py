@@ -1,25 +1,14 @@
 """Lanes: extra communicators over the processes of a refit group, so that rounds overlap on the link.
 
-NCCL runs the point-to-point operations of one communicator one after another on one stream, and each pays a
-fixed cost on top of its bytes, so the same bytes in many messages fall short of the link where a few large
-ones reach it; with the rounds alternating between communicators the cost all but goes (BENCHMARKS.md, NCCL:
-the message-shape table of `benchmarks/nccl_p2p_shapes.py`). The executor therefore posts
-round r on lane r mod n: both ends of a message derive the same lane from the round's global index, and on
-each lane a pair posts its messages in round order, as NCCL's matching requires. Each extra lane is one more
-communicator (with NCCL, its buffers on the GPU).
+NCCL runs one communicator's point-to-point operations one after another, each with a fixed cost; with rounds
+alternating between communicators that cost all but goes (BENCHMARKS.md, NCCL). Round r travels on lane r mod n,
+which both ends derive from the round's global index; on each lane a pair posts its messages in round order.
+Three by default on NCCL (`NCCL_LANES`): a refit where both GPUs send and receive reaches its share of the link
+with three, not one, and a fourth gained nothing.
 
-Three by default on NCCL (`NCCL_LANES`): a refit in which both GPUs send and receive (TP2 into a colocated TP1
-replica on each GPU) reaches its share of the link with three lanes and not with one, and a fourth gained
-nothing (BENCHMARKS.md, NCCL). A failure aborts all lanes at once (runners.abort): aborted one after another,
-lanes whose kernels waited for a dead peer never finished aborting.
-
-Lanes are made once per group and process and reused by every executor over that group. Making them is a
-collective of the group's members: the executor does it in its first refit, right after the preflight that
-every member must pass together, so all members make the same lanes in the same order. torch names a new
-group after a per-process count (of groups made by everyone for the whole world; of groups this process
-belongs to for a subgroup), and members that disagree on the name would wait for each other forever; the
-preflight therefore compares `naming_count` across the members, and where it differs the executor stays on
-one lane (`RefitStats.lanes` says how many it used).
+Lanes are made once per group and process, by every member together in its first refit, right after the
+preflight. torch names a new group after a per-process count, and members that disagree on the name would wait
+for each other forever: the preflight compares `naming_count`, and where it differs the executor stays on one lane.
 """
 from __future__ import annotations
 
@@ -32,7 +21,7 @@ _FAILED: set[int] = set()  # groups whose lanes could not be made
 
 def lanes_for(group, n: int, backend: str, timeout: float | None = None) -> list:
     """`group` followed by n - 1 communicators over the same processes (made on first use, then reused), each
-    with `timeout` seconds for any wait (the executor's; torch's defaults -- 30 min on gloo -- never apply)."""
+    with `timeout` seconds for any wait (not torch's defaults)."""
     if n <= 1:
         return [group]
     entry = _LANES.get(id(group))

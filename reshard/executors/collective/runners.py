@@ -1,16 +1,10 @@
-"""How one process moves its part of a schedule: buffers viewing its tensors, and two runners that run rounds.
+"""How one process runs its part of a schedule: buffers viewing its tensors, and a runner per device kind.
 
-What a runner needs from the executor that runs it is a `Setup` (the plan, this process's schedule, the
-group, the options, and the words of a failure) and the `Buffers` the executor keeps between refits.
-`RoundViews` ties a process schedule to the tensors of one call: flat views of the caller's tensors, the staging
-(shadow) buffer, the wire buffers, and every copy program as prebuilt views (executors.views). `Buffers.views_for`
-reuses it while the caller passes the same tensors (the usual case: parameters live as long as the trainer
-and the inference engine do).
-
-`HostRunner` (CPU tensors, gloo) packs, posts and scatters on the calling thread; the transport moves one round
-while the thread packs the next. `CudaRunner` (GPU tensors, NCCL) puts packing, scattering and local copies on
-their own streams, orders them with events, and never blocks the host until `drain`, which polls each round's
-completion event against the timeout.
+`Setup` is what runners need from the executor; `Buffers` what it keeps between refits; `RoundViews` the schedule
+as views of one call's tensors (wire, staging, every copy program prebuilt: executors.views), reused while the
+caller passes the same tensors. `HostRunner` (CPU, gloo) copies on the calling thread while the transport moves
+earlier rounds; `CudaRunner` (GPU, NCCL) copies on streams of its own ordered by events, and the host waits only
+in `drain`, polling each round's completion event against the timeout.
 """
 from __future__ import annotations
 
@@ -60,8 +54,8 @@ class Setup:
 
 
 class Buffers:
-    """What an executor keeps between refits for its runners: the wire buffer (grown, never shrunk), the CUDA
-    streams, and the schedule viewing the tensors of the last call."""
+    """What an executor keeps between refits: the wire buffer (grown, never shrunk), the CUDA streams, and the
+    schedule viewing the tensors of the last call."""
 
     def __init__(self) -> None:
         self.wire: torch.Tensor | None = None
@@ -69,8 +63,7 @@ class Buffers:
         self.views: RoundViews | None = None
 
     def wire_for(self, setup: Setup, device: torch.device, dtype: torch.dtype) -> tuple["torch.Tensor | None", int]:
-        """The wire buffers, depth x (messages in a round) buckets, grown as needed and kept across calls; and
-        their bytes."""
+        """The wire buffers (depth x buffers per round x bucket), grown as needed, and their bytes."""
         s, depth = setup.schedule, setup.depth
         per_round = max(s.buffers_per_round, 1)
         need = depth * per_round * s.bucket_numel if s.rounds else 0
@@ -79,8 +72,7 @@ class Buffers:
         return (self.wire[:need].view(depth, per_round, s.bucket_numel) if need else None), need * setup.plan.itemsize
 
     def views_for(self, setup: Setup, device: torch.device, prepared: Prepared) -> "RoundViews":
-        """The schedule as views of these tensors; the last ones again when they are the same tensors (the
-        same addresses) on the same device."""
+        """The schedule as views of these tensors; the last views again for the same addresses and device."""
         s = setup.schedule
         key = (str(device), *(prepared.src_flat[i].data_ptr() for i in s.src_ids),
                *(prepared.dst_flat[i].data_ptr() for i in s.dst_ids))
@@ -120,14 +112,11 @@ class RoundViews:
             np.zeros(s.num_stages, np.int64)
         local = [_pieces(c, max(int(k), 1)) for c, k in zip(s.local, rounds_in_stage)]
         self.local = [[view_copies(piece, memory, itemsize) for piece in pieces] for pieces in local]
-        # undo: before a round's receives (a local piece) write, the regions they write are copied into the
-        # shadows; after a failure the copies that completed are put back
-        undo = lambda c, frm, to: view_copies(regions(c, frm, to), memory, itemsize) if s.undo else None  # noqa: E731
-        received = [Copies.concat([m.copies for m in r.recvs]) if s.undo else None for r in s.rounds]
-        self.backups = [undo(c, DST, SHADOW) for c in received]
-        self.restores = [undo(c, SHADOW, DST) for c in received]
-        self.local_backups = [[undo(c, DST, SHADOW) for c in pieces] for pieces in local]
-        self.local_restores = [[undo(c, SHADOW, DST) for c in pieces] for pieces in local]
+        # undo: (backup, restore) of the regions a round's receives (a local piece) write, backed up first
+        undo = lambda c: tuple(view_copies(regions(c, *way), memory, itemsize)  # noqa: E731
+                               for way in ((DST, SHADOW), (SHADOW, DST)))
+        self.backups = [undo(Copies.concat([m.copies for m in r.recvs])) if s.undo else None for r in s.rounds]
+        self.local_backups = [[undo(c) if s.undo else None for c in pieces] for pieces in local]
         self.commit = view_copies(s.commit, memory, itemsize)
         self.deferred = view_copies(s.deferred, memory, itemsize)
         self.shifts = prepared.shifts()  # value shifts of this process's destination blocks
@@ -163,11 +152,9 @@ class RoundViews:
 
 
 def _wire_id(c: Copies, wire: int) -> Copies:
-    cols = dict(c.cols)
-    for side in ("src", "dst"):
-        is_wire = cols[f"{side}_kind"] == WIRE
-        cols[f"{side}_id"] = np.where(is_wire, wire, cols[f"{side}_id"])
-    return Copies(cols)
+    """`c` with its wire buffer renumbered `wire`."""
+    return Copies({**c.cols, **{f"{side}_id": np.where(c.cols[f"{side}_kind"] == WIRE, wire, c.cols[f"{side}_id"])
+                                for side in ("src", "dst")}})
 
 
 def _pieces(c: Copies, k: int) -> list[Copies]:
@@ -181,16 +168,11 @@ def _pieces(c: Copies, k: int) -> list[Copies]:
 
 
 def abort(groups: list, timeout: float) -> list:
-    """Abort these groups' communicators, each on a thread of its own and all at once, so that NCCL kernels
-    waiting for a dead peer return; give back the groups whose abort did not finish within `timeout` seconds.
+    """Abort these groups' communicators all at once, each on a thread of its own, so that NCCL kernels waiting
+    for a dead peer return; give back the groups whose abort did not finish within `timeout` seconds.
 
-    Why all at once: an NCCL abort sets its communicator's abort flag (its kernels then return) and then frees
-    the communicator's buffers, and that free waits for the whole GPU, kernels of other communicators included.
-    One after another, the first abort waited forever for the kernels of a lane nobody had aborted yet (two
-    GPUs, three lanes, a peer killed mid-refit; ncclGroupStart around the aborts did not help: torch runs each
-    abort on a thread of its own). All at once, every flag is set within moments and every free completes: the
-    survivor raises shortly after its timeout with any number of lanes, its staged destinations untouched or its
-    undo log put back, and its GPU usable (BENCHMARKS.md, NCCL: failure with lanes)."""
+    All at once because an NCCL abort frees its buffers after setting its flag, and that free waits for the whole
+    GPU: aborted one after another, the first waited forever for a lane not yet aborted (BENCHMARKS.md, NCCL)."""
     calls = [Background(lambda g: g.abort(), group, name=f"reshard-abort-{i}") for i, group in enumerate(groups)]
     deadline = time.monotonic() + timeout  # best effort: an abort's own error is left with its call
     return [group for group, call in zip(groups, calls) if not call.join(deadline)]
@@ -223,6 +205,20 @@ class RoundRunner(abc.ABC):
             self.copies += len(p)
             p.run()
 
+    def _backup(self, undo: "tuple[CopyViews, CopyViews] | None", stream=None) -> None:
+        """Undo: copy the regions about to be written into the shadows and log how to put them back."""
+        if undo is not None:
+            self._run([undo[0]])
+            self.undo_log.append((None if stream is None else stream.record_event(), undo[1]))
+
+    def _sum(self, pos: int, way: str) -> None:
+        """With checksums: hash round `pos`'s buffers sent ("to") or received ("from"), per peer, in round order."""
+        if self.sums is not None:
+            r = self.rounds[pos]
+            bufs, msgs = (self.b.send_bufs[pos], r.sends) if way == "to" else (self.b.recv_bufs[pos], r.recvs)
+            for buf, m in zip(bufs, msgs):
+                self.sums.update((way, m.peer), buf)
+
     def _ops(self, pos: int):
         r, comm = self.rounds[pos], self.setup.comm
         lane = r.index % len(comm.lanes)  # both ends derive the lane from the global round
@@ -253,21 +249,22 @@ class RoundRunner(abc.ABC):
     def complete(self, pending) -> None:
         """Wait for a posted round and scatter what it received."""
 
-    @abc.abstractmethod
-    def local(self, stage: int, piece: int) -> None:
-        """Run one piece of a stage's local copies."""
+    def local(self, stage: int, piece: int, stream=None) -> None:
+        """Run one piece of a stage's local copies (undo: backed up first)."""
+        if piece < len(self.b.local[stage]):
+            self._backup(self.b.local_backups[stage][piece], stream)
+        self._run(self.b.local[stage][piece:piece + 1])
 
-    @abc.abstractmethod
     def stage_barrier(self, stage: int) -> None:
-        """Order what stage `stage` reads after what earlier stages wrote on this process."""
+        """Order what stage `stage` reads after what earlier stages wrote on this process (on the host: done)."""
 
-    @abc.abstractmethod
     def drain(self) -> None:
         """Return once every round and local copy of this process is done (or raise after the timeout)."""
 
-    @abc.abstractmethod
     def commit(self) -> None:
         """Write staged bytes and deferred local copies into the destination tensors."""
+        self._run([self.b.commit, self.b.deferred])
+        apply_shifts(self.b.shifts)
 
 
 class HostRunner(RoundRunner):
@@ -275,14 +272,10 @@ class HostRunner(RoundRunner):
 
     def pack(self, pos: int) -> None:
         self._run(self.b.packs[pos])
-        if self.sums is not None:  # what leaves, as it leaves: a message's bytes in round order, per peer
-            for buf, m in zip(self.b.send_bufs[pos], self.rounds[pos].sends):
-                self.sums.update(("to", m.peer), buf)
+        self._sum(pos, "to")  # what leaves, as it leaves
 
     def post(self, pos: int):
-        if self.b.backups[pos] is not None:  # receives write only after this round is posted
-            self._run([self.b.backups[pos]])
-            self.undo_log.append((None, self.b.restores[pos]))
+        self._backup(self.b.backups[pos])  # receives write only after this round is posted
         return pos, self.setup.comm.post(self._ops(pos))
 
     def complete(self, pending) -> None:
@@ -293,26 +286,8 @@ class HostRunner(RoundRunner):
                 w.wait(timeout)
             except Exception as e:
                 raise ExecutionError(self.setup.failure(f"{self.describe(pos)} did not complete: {e}")) from e
-        if self.sums is not None:  # what arrived, before it is scattered
-            for buf, m in zip(self.b.recv_bufs[pos], self.rounds[pos].recvs):
-                self.sums.update(("from", m.peer), buf)
+        self._sum(pos, "from")  # what arrived, before it is scattered
         self._run(self.b.scatters[pos])
-
-    def local(self, stage: int, piece: int) -> None:
-        if piece < len(self.b.local[stage]) and self.b.local_backups[stage][piece] is not None:
-            self._run([self.b.local_backups[stage][piece]])
-            self.undo_log.append((None, self.b.local_restores[stage][piece]))
-        self._run(self.b.local[stage][piece:piece + 1])
-
-    def stage_barrier(self, stage: int) -> None:
-        pass  # rounds complete on this thread: stage s is done when stage s+1 starts
-
-    def drain(self) -> None:
-        pass
-
-    def commit(self) -> None:
-        self._run([self.b.commit, self.b.deferred])
-        apply_shifts(self.b.shifts)
 
 
 class CudaRunner(RoundRunner):
@@ -343,9 +318,7 @@ class CudaRunner(RoundRunner):
                 for w in prev["works"]:
                     w.wait()  # the slot's earlier sends have left
             self._run(self.b.packs[pos])
-            if self.sums is not None:  # on the pack stream, before the slot is sent (and reused)
-                for buf, m in zip(self.b.send_bufs[pos], self.rounds[pos].sends):
-                    self.sums.update(("to", m.peer), buf)
+            self._sum(pos, "to")  # on the pack stream, before the slot is sent (and reused)
             self.packed = st.record_event()
 
     def post(self, pos: int):
@@ -357,9 +330,7 @@ class CudaRunner(RoundRunner):
             post.wait_event(prev["scattered"])  # the slot's earlier receives were scattered
         ops = self._ops(pos)
         with torch.cuda.stream(post):
-            if self.b.backups[pos] is not None:  # before this round's receives write (direct ones at once)
-                self._run([self.b.backups[pos]])
-                self.undo_log.append((post.record_event(), self.b.restores[pos]))
+            self._backup(self.b.backups[pos], post)  # before this round's receives write
             works = self.setup.comm.post(ops)
         pending = {"pos": pos, "works": works, "scattered": None}
         self.slot_owner[slot] = pending
@@ -370,34 +341,31 @@ class CudaRunner(RoundRunner):
         with torch.cuda.stream(st):
             for w in pending["works"]:
                 w.wait()
-            if self.sums is not None:  # what arrived, before it is scattered (and the slot reused)
-                for buf, m in zip(self.b.recv_bufs[pending["pos"]], self.rounds[pending["pos"]].recvs):
-                    self.sums.update(("from", m.peer), buf)
+            self._sum(pending["pos"], "from")  # what arrived, before it is scattered (and the slot reused)
             self._run(self.b.scatters[pending["pos"]])
             ev = st.record_event()
         pending["scattered"] = self.last_scatter = ev
         self.done.append((ev, pending["pos"]))
 
     def _keep_up(self) -> None:
-        """Wait (bounded) until the GPU has finished the round HOST_LEAD rounds back. Unbounded, the host
-        enqueued every round of a refit at once; with a dead peer the GPU stops, CUDA's launch queue fills
-        and a kernel launch blocked the host for good (small buckets, a killed peer), out of reach of the timeout."""
+        """Wait (bounded) until the GPU has finished the round HOST_LEAD rounds back: with a dead peer, a full CUDA
+        launch queue would otherwise block the host in a kernel launch, out of reach of the timeout."""
         if len(self.done) < HOST_LEAD:
             return
         ev, pos = self.done[-HOST_LEAD]
         if not ev.query():
-            try:
-                wait_events([ev], self.setup.timeout, [self.describe(pos)])
-            except ExecutionError as e:
-                raise ExecutionError(self.setup.failure(str(e))) from None
+            self._wait([ev], [self.describe(pos)])
 
-    def local(self, stage: int, piece: int) -> None:
+    def _wait(self, events: list, what) -> None:
+        try:
+            wait_events(events, self.setup.timeout, what)
+        except ExecutionError as e:
+            raise ExecutionError(self.setup.failure(str(e))) from None
+
+    def local(self, stage: int, piece: int, stream=None) -> None:
         st = self.streams["local"]
         with torch.cuda.stream(st):
-            if piece < len(self.b.local[stage]) and self.b.local_backups[stage][piece] is not None:
-                self._run([self.b.local_backups[stage][piece]])
-                self.undo_log.append((st.record_event(), self.b.local_restores[stage][piece]))
-            self._run(self.b.local[stage][piece:piece + 1])
+            super().local(stage, piece, st)
             self.local_done[stage] = st.record_event()
 
     def stage_barrier(self, stage: int) -> None:
@@ -415,23 +383,18 @@ class CudaRunner(RoundRunner):
         def what(i: int) -> str:
             return self.describe(self.done[i][1]) if i < len(self.done) else \
                 f"local copies of stage {stages[i - len(self.done)]}"
-        try:
-            wait_events(events, self.setup.timeout, what)
-        except ExecutionError as e:
-            raise ExecutionError(self.setup.failure(str(e))) from None
+        self._wait(events, what)
 
     def commit(self) -> None:
         cur = torch.cuda.current_stream(self.b.device)
         for st in self.streams.values():
             cur.wait_stream(st)
-        self._run([self.b.commit, self.b.deferred])
-        apply_shifts(self.b.shifts)
+        super().commit()
         cur.synchronize()
 
     def _restore_log(self) -> int:
-        # after the abort: wait (bounded) until nothing of this refit still runs on our streams, then put back
-        # every region whose backup completed (a region whose backup did not run was never written: its
-        # writes are ordered after the backup on the same stream)
+        # after the abort: once nothing of this refit runs on our streams (bounded), put back every region whose
+        # backup completed (one whose backup did not run was never written: its writes are ordered after it)
         ends = [st.record_event() for st in self.streams.values()]
         try:
             wait_events(ends, self.setup.timeout, [f"{name} stream" for name in self.streams])

@@ -1,27 +1,15 @@
 """The wire schedule of a plan under a binding: messages, rounds and copy programs, as plain arrays.
 
-Pure numpy, no torch and no processes: every process computes the same global numbering from the same plan,
-binding and bucket size, and keeps only its own part (`build_schedule`).
-
-1. Each op gets a sending process (the binding's process for its source rank, or for its relaying
-   destination rank) and a receiving process. Ops whose two processes are one are LOCAL copies: no
-   self-send.
-2. The remote ops of one (stage, sender, receiver) form a stream, in plan order; the stream's bytes laid end
-   to end are the contiguous wire between those two processes in that stage.
-3. A stream is cut into buckets of at most `bucket_numel` elements (`bucket_sizes`: a short ramp up and down
-   around full buckets). Bucket k of stage s travels in global round `round_base[s] + k`, where round_base
-   counts the buckets of the longest stream of every earlier stage. Rounds are numbered the same on every
-   process.
-4. Messages: a bucket is one message, except that both ends of every run of at least `direct_numel` elements
-   that is contiguous in the sender's (receiver's) memory cut it further, so that such a run travels as
-   messages of its own. An op that straddles a cut is split there (rows, then a partial row), so both sides
-   agree on where each byte is. A round may so carry several messages between one pair; they share the
-   pair's wire buffer (each at its `offset`) and are posted in the same order on both sides.
-5. A message's pack program (on the sender) copies source blocks into the wire buffer; its scatter program
-   (on the receiver) copies the wire buffer into destination blocks. Both are folded (executors.copies). A
-   program that is one contiguous copy of the whole message is not run: the message is sent from (received
-   into) that memory directly (`Message.contiguous`). That saves the pack and scatter copies where they, not
-   the link, are the limit; refits that NCCL itself limits gain nothing (BENCHMARKS.md, NCCL: direct messages).
+Pure numpy: every process computes the same global numbering and keeps its own part (`build_schedule`).
+1. Ops whose sending and receiving processes are one are LOCAL copies; the remote ops of one (stage, sender,
+   receiver) form a stream, whose bytes laid end to end are the wire between the pair in that stage.
+2. A stream is cut into buckets (`bucket_sizes`); bucket k of stage s travels in global round
+   `round_base[s] + k`, round_base counting the longest stream's buckets of every earlier stage.
+3. A bucket is one message, except that runs of at least `direct_numel` elements contiguous in one side's memory
+   travel as messages of their own; an op straddling a cut is split (rows, then a partial row). A round's
+   messages between one pair share the pair's wire buffer (each at its `offset`), posted in one order both sides.
+4. A message's folded pack (sender) and scatter (receiver) programs copy between tensors and the wire buffer; a
+   program that is one contiguous copy is not run: the message uses that memory directly (`Message.contiguous`).
 """
 from __future__ import annotations
 
@@ -104,8 +92,8 @@ class RoundSchedule:
 
 def bucket_numel_for(plan: Plan, binding: Binding, memory_cap: int, bucket_bytes: int | None,
                      depth: int) -> int:
-    """The bucket size every process uses: wire buffers for `depth` rounds in flight fit `memory_cap` bytes
-    on the busiest process, and no bucket exceeds `bucket_bytes`. Rounded to 256 bytes when large."""
+    """The bucket size (elements) of every process: `depth` rounds of wire buffers fit `memory_cap` bytes on the
+    busiest process and no bucket exceeds `bucket_bytes`; rounded to 256 bytes when large."""
     itemsize = plan.itemsize
     streams = max(Partition(plan, binding, binding.processes[0]).most_streams(), 1)
     cap = memory_cap // (depth * streams)
@@ -120,9 +108,8 @@ def bucket_numel_for(plan: Plan, binding: Binding, memory_cap: int, bucket_bytes
 
 
 def bucket_sizes(length: int, bucket: int) -> list[int]:
-    """How a stream of `length` elements is cut into messages: sizes ramp up from bucket/16 (doubling) to
-    `bucket` and back down at the end, so the first pack and the last scatter, which nothing overlaps, are
-    short, while most bytes travel in full buckets."""
+    """How a stream of `length` elements is cut: sizes ramp up from bucket/16 (doubling) to `bucket` and down at
+    the end, so the first pack and the last scatter, which nothing overlaps, are short."""
     ramp = [bucket >> j for j in (4, 3, 2, 1) if 0 < bucket >> j < bucket]
     middle = length - 2 * sum(ramp)
     if middle >= 0:
@@ -138,9 +125,8 @@ def bucket_sizes(length: int, bucket: int) -> list[int]:
 
 
 def _split(p: dict[str, np.ndarray], cuts: np.ndarray) -> dict[str, np.ndarray]:
-    """Split blocks at the cut positions (sorted wire positions; key 'w' = a block's first element on the
-    wire). A block that straddles a cut becomes: whole rows before it, a partial row up to it, the rest of
-    that row after it, and the remaining rows."""
+    """Split blocks at the cut positions (sorted; 'w' = a block's first element on the wire): a block straddling
+    a cut becomes whole rows before it, a partial row up to it, the rest of that row, and the remaining rows."""
     done = []
     while len(p["w"]):
         numel = p["rows"] * p["cols"]
@@ -169,20 +155,16 @@ def _split(p: dict[str, np.ndarray], cuts: np.ndarray) -> dict[str, np.ndarray]:
     return {k: np.concatenate([d[k] for d in done]) for k in done[0]}
 
 
-LANES_DIRECT_BYTES = 16 << 20  # the same with several lanes, where messages are cheap (executors.collective.lanes)
 DIRECT_BYTES = 64 << 20  # runs contiguous in one side's memory at least this long travel unpacked
-# gloo over loopback or TCP: a message costs little next to a CPU copy; sending tensors as they are beat packing
-# them (BENCHMARKS.md, Same host: the gloo row of the CPU `refit_shared.py` run)
-GLOO_DIRECT_BYTES = 64 << 10
+LANES_DIRECT_BYTES = 16 << 20  # the same with several lanes, where messages are cheap (lanes.py)
+GLOO_DIRECT_BYTES = 64 << 10  # gloo: a message costs little next to a CPU copy (BENCHMARKS.md, Same host)
 
 
 def build_schedule(plan: Plan, binding: Binding, process: int, bucket_numel: int, staged: bool,
                    direct_numel: int | None = None, undo: bool = False) -> RoundSchedule:
-    """The part of the global schedule that `process` (a group rank) runs. `direct_numel`: the shortest run
-    contiguous in the sender's memory that travels as messages of its own (default DIRECT_BYTES). `undo`
-    (not with `staged`): writes go straight into the destination tensors, and every destination tensor this
-    process writes gets a shadow that holds its previous bytes (the executor backs each region up just before
-    writing it, and restores it if the refit fails)."""
+    """The part of the global schedule that `process` (a group rank) runs. `direct_numel`: the shortest
+    contiguous run that travels as messages of its own (default DIRECT_BYTES). `undo` (not with `staged`): writes
+    go in place, and every destination tensor written gets a shadow for its previous bytes."""
     if direct_numel is None:
         direct_numel = max(DIRECT_BYTES // plan.itemsize, 1)
     if bucket_numel < 1:
@@ -204,9 +186,8 @@ def build_schedule(plan: Plan, binding: Binding, process: int, bucket_numel: int
 
 
 class _Wire:
-    """The global cut of every stream into buckets (rounds) and messages, the same on every process: the streams
-    laid end to end on one wire, `w` each remote op's first element on it (in `order`), `bcuts` the bucket
-    boundaries, `cuts` the message boundaries (bucket boundaries plus both ends of every long contiguous run)."""
+    """The global cut of every stream into buckets and messages: the streams laid end to end on one wire, `w` each
+    remote op's first element on it (in `order`), `bcuts` bucket and `cuts` message boundaries."""
 
     def __init__(self, part: Partition, bucket_numel: int, direct_numel: int) -> None:
         o, plan = part.plan.ops, part.plan
@@ -233,7 +214,7 @@ class _Wire:
         self.first_bucket = np.concatenate([[0], np.cumsum(buckets)[:-1]])
         cuts = [self.bcuts]
         for side in ("src", "dst"):  # long runs contiguous in one side's memory travel as messages of their own
-            runs = _runs(o, order, new, numel, side)
+            runs = np.flatnonzero(run_starts(o, order, side, new))
             run_numel = np.add.reduceat(numel, runs)
             long = run_numel >= direct_numel
             cuts += [w[runs[long]], w[runs[long]] + run_numel[long]]
@@ -305,15 +286,14 @@ def _per_message(program: Copies, col: str, count: int) -> dict[int, Copies]:
     return out
 
 
-def _runs(o: dict[str, np.ndarray], order: np.ndarray, new_stream: np.ndarray, numel: np.ndarray,
-          side: str) -> np.ndarray:
-    """Where runs start, as positions in `order`: a run is a longest chain of a stream's ops, each contiguous in
-    one side's memory (side "src" or "dst") and starting there where the previous one ends."""
-    rows, cols = o["rows"][order], o["cols"][order]
-    contiguous = (rows == 1) | (cols == o[f"{side}_stride"][order])
-    off, tensor = o[f"{side}_offset"][order], o[f"{side}_tensor"][order]
-    kind = o["src_side"][order] if side == "src" else np.zeros(len(order), np.int64)
-    chain = np.zeros(len(order), dtype=bool)
-    chain[1:] = (~new_stream[1:] & contiguous[1:] & contiguous[:-1] & (kind[1:] == kind[:-1])
-                 & (tensor[1:] == tensor[:-1]) & (off[1:] == off[:-1] + numel[:-1]))
-    return np.flatnonzero(~chain)
+def run_starts(o: dict[str, np.ndarray], ops: np.ndarray, side: str, new: np.ndarray | None = None) -> np.ndarray:
+    """Where runs start, as a mask over `ops`: a run is a longest chain of ops contiguous in one side's memory
+    ("src" or "dst"), each starting where the previous one ends (and in one stream: `new` marks first ops)."""
+    rows, cols = o["rows"][ops], o["cols"][ops]
+    contiguous = (rows == 1) | (cols == o[f"{side}_stride"][ops])
+    off, tensor = o[f"{side}_offset"][ops], o[f"{side}_tensor"][ops]
+    kind = o["src_side"][ops] if side == "src" else np.zeros(len(ops), np.int64)
+    chain = np.zeros(len(ops), dtype=bool)
+    chain[1:] = (contiguous[1:] & contiguous[:-1] & (kind[1:] == kind[:-1]) & (tensor[1:] == tensor[:-1])
+                 & (off[1:] == off[:-1] + (rows * cols)[:-1]))
+    return ~chain if new is None else ~chain | new

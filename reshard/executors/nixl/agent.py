@@ -1,11 +1,8 @@
 """Making a NIXL agent (UCX backend) for one process, and recognizing NIXL's errors. NIXL is imported here only.
 
-Facts this relies on (in the tested nixl version: docs/guides/layouts.md, Versions):
-- the Python wrapper hard-codes the progress thread's delay to 0, so the thread busy-polls a whole core; the
-  binding's config has the field, so the constructor is given a config with a delay (the thread then sleeps in
-  poll() on the worker's event fd for at most that long);
-- errors come as exceptions of nixl's binding (nixlRemoteDisconnectError, ...), with no common base class;
-  `transfer` and `check_xfer_state` raise rather than return "ERR".
+In the tested nixl version (docs/guides/layouts.md, Versions) the Python wrapper hard-codes the progress thread's
+delay to 0 (a busy core), so the agent is built with a config that has one; and errors are exceptions of nixl's
+binding with no common base class (`transfer` and `check_xfer_state` raise rather than return "ERR").
 """
 from __future__ import annotations
 
@@ -19,17 +16,6 @@ _construct_lock = threading.Lock()
 _AHEAD: dict[tuple[str, int], Any] = {}  # (name, progress delay) -> an agent made ahead of its executor
 
 
-def import_nixl() -> Any:
-    """nixl's Python API module, or a clear error if NIXL is not installed."""
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent creation at INFO
-    try:
-        import nixl._api as api
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ExecutionError("the NIXL executor needs the nixl package (pip install 'reshard[nixl]', "
-                             "nixl>=1.5)") from e
-    return api
-
-
 def make_agent(name: str, progress_delay_us: int = 1000) -> Any:
     """A nixl_agent with the UCX backend, a progress thread sleeping `progress_delay_us` between polls, and no
     listener thread (metadata travels through the caller's store); the one `make_agent_ahead` made, if any."""
@@ -38,9 +24,8 @@ def make_agent(name: str, progress_delay_us: int = 1000) -> Any:
 
 
 def make_agent_ahead(name: str, progress_delay_us: int = 1000) -> None:
-    """Make now the agent a later `make_agent(name, progress_delay_us)` returns. NIXL's import and UCX set-up take
-    seconds on a loaded machine, much of it holding the GIL: a driver does it before it takes its engines' lease,
-    which a Python thread renews (a GIL held past the lease would let it lapse while the driver lives)."""
+    """Make now the agent a later `make_agent(name, progress_delay_us)` returns: a driver does NIXL's import and
+    UCX set-up (seconds, much of it holding the GIL) before it takes its engines' lease, which a thread renews."""
     if (name, progress_delay_us) not in _AHEAD:
         _AHEAD[(name, progress_delay_us)] = _new_agent(name, progress_delay_us)
 
@@ -52,7 +37,12 @@ def discard_ahead(name: str) -> None:
 
 
 def _new_agent(name: str, progress_delay_us: int) -> Any:
-    api = import_nixl()
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent creation at INFO
+    try:
+        import nixl._api as api
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ExecutionError("the NIXL executor needs the nixl package (pip install 'reshard[nixl]', "
+                             "nixl>=1.5)") from e
     config = api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"])
     binding = api.nixlBind
     original = binding.nixlAgent

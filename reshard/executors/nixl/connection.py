@@ -1,23 +1,19 @@
 """One process's NIXL side of a refit, set up once and used by every refit: its agent, its registered memory,
 its peers (their agents loaded, their address books checked) and one prepared transfer per link it initiates.
 
-Set-up (`Connection(...)`, once per executor): make the agent; register the memory regions peers address;
-publish the agent's metadata and this process's address book to the store; read every peer's back and check
-that it runs the same refit (plan digest, binding, shared options, direction, thresholds); prepare the
-descriptor lists of every link this process initiates (executors.nixl.descriptors) and make them into transfer
-handles; connect to every peer. A refit then only posts those handles and exchanges notifications, through
-`post`, `state`, `notify` and `notifications`. Every NIXL error becomes an ExecutionError naming the link.
+Set-up publishes the agent's metadata and this process's address book to the store, reads every peer's back and
+checks that it runs the same refit, prepares the descriptor lists (descriptors.py) and transfer handles, and
+connects to every peer; a refit only posts handles and exchanges notifications. NIXL errors become
+ExecutionErrors naming the link.
 
-No agent is released while a peer may still connect to it: UCX can abort the process (an assertion on its async
-thread) whose connection to a released agent fails. A failed set-up says so in the store, and the peers still
-setting up stop before their next connect (at once, not at their timeout; a peer that had already finished finds
-out at its first refit). Every release, after a failure or a close, first waits until each peer that could know
-the agent (those that published) has left set-up, for at most `leave_grace(timeout)`: a peer that died after
-publishing cannot hold it longer, and long after set-up the wait is one look at the store per peer.
+No agent is released while a peer may still connect to it (UCX can abort a process whose connection to a released
+agent fails): a failed set-up says so in the store, so peers still setting up stop before their next connect, and
+every release first waits, at most `leave_grace(timeout)`, until each peer that published has left set-up.
 """
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from typing import Any, Iterator
 
 import numpy as np
@@ -26,7 +22,7 @@ from ...errors import ExecutionError
 from ...polling import poll
 from ..exchange import Exchange
 from .agent import describe, is_nixl_error, make_agent
-from .descriptors import merged_regions, region_array, side_descriptors
+from .descriptors import merged_regions, side_descriptors
 from .schedule import Link, LinkSchedule
 
 SHARED_KEYS = ("plan", "binding", "options", "direction", "pack_below", "land_below", "delta")  # equal in every book
@@ -65,8 +61,9 @@ class Connection:
             return
         self.agent = make_agent(name, progress_delay_us)
         regions = merged_regions(regions)
-        if regions:
-            self._reg = self.agent.register_memory(region_array(regions, book["device"]), book["mem"])
+        if regions:  # Nx3 descriptors (address, bytes, device)
+            self._reg = self.agent.register_memory(
+                np.asarray([(a, n, book["device"]) for a, n in regions], dtype=np.uint64), book["mem"])
         exchange.publish(s.process, self.agent.get_agent_metadata(), book)
         books: dict[int, dict[str, Any]] = {}
         deadline = time.monotonic() + timeout
@@ -74,8 +71,8 @@ class Connection:
             metadata, theirs = exchange.fetch(peer, timeout, deadline)
             exchange.raise_if_setup_failed()  # before loading (and later connecting to) a peer that may be gone
             _check_peer(s.process, peer, theirs, book)
-            loaded = _nixl_call(self.agent.add_remote_agent, f"loading process {peer}'s agent (it connects to it)",
-                                metadata)
+            with _nixl_errors(f"set-up: loading process {peer}'s agent (it connects to it)"):
+                loaded = self.agent.add_remote_agent(metadata)
             loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
             if loaded != theirs["agent"]:
                 raise ExecutionError(f"process {peer}'s metadata names agent {loaded!r}, its book {theirs['agent']!r}")
@@ -92,32 +89,24 @@ class Connection:
             local = side_descriptors(link, here, book["addresses"], itemsize, book["device"], "this process")
             remote = side_descriptors(link, there, books[peer]["addresses"], itemsize, int(books[peer]["device"]),
                                       f"process {peer}")
-            try:
+            with _nixl_errors(f"set-up: preparing {link}"):
                 lh = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, book["mem"])
                 self._dlists.append(lh)
                 rh = self.agent.prep_xfer_dlist(self.names[peer], remote, books[peer]["mem"])
                 self._dlists.append(rh)
                 index = np.arange(len(local), dtype=np.int32)
                 self.handles[link.id] = self.agent.make_prepped_xfer(op, lh, index, rh, index)
-            except Exception as e:
-                if is_nixl_error(e):
-                    raise ExecutionError(f"NIXL refused to prepare {link}: {describe(e)}") from e
-                raise
         for peer in s.peers:
             exchange.raise_if_setup_failed()
-            _nixl_call(self.agent.make_connection, f"connecting to process {peer}'s agent", self.names[peer])
+            with _nixl_errors(f"set-up: connecting to process {peer}'s agent"):
+                self.agent.make_connection(self.names[peer])
         exchange.raise_if_setup_failed()  # a peer failed meanwhile: it releases its agent once this one has left
 
-    # --- used by a refit -----------------------------------------------------------------------------
     def post(self, link: Link, message: bytes) -> None:
         """Post the link's prepared transfer; NIXL delivers `message` to the peer once it completed."""
         peer = link.peer(self.schedule.process)
-        try:
+        with _nixl_errors(f"posting {link} with process {peer}"):
             state = self.agent.transfer(self.handles[link.id], message)
-        except Exception as e:
-            if is_nixl_error(e):
-                raise ExecutionError(f"posting {link} with process {peer} failed: {describe(e)}") from e
-            raise
         if state not in ("DONE", "PROC"):
             raise ExecutionError(f"posting {link} with process {peer} returned {state}")
 
@@ -130,34 +119,27 @@ class Connection:
         Raises:
             ExecutionError: NIXL failed, or the deadline passed.
         """
-        agent, mem = self.agent, self.book["mem"]
-        handle = None
+        agent, mem, handle = self.agent, self.book["mem"], None
+
+        def done() -> bool:
+            if state[0] == "PROC":
+                state[0] = agent.check_xfer_state(handle)
+            if state[0] not in ("DONE", "PROC"):
+                raise ExecutionError(f"writing {what} to process {peer} ended in state {state[0]}")
+            return state[0] == "DONE"
+
         try:
-            here = agent.get_xfer_descs([(int(local), int(nbytes), int(self.book["device"]))], mem)
-            there = agent.get_xfer_descs([(int(remote), int(nbytes), int(self.books[peer]["device"]))],
-                                         self.books[peer]["mem"])
-            handle = agent.initialize_xfer("WRITE", here, there, self.names[peer], message)
-            state = [agent.transfer(handle, message)]
-
-            def done() -> bool:
-                if state[0] == "PROC":
-                    state[0] = agent.check_xfer_state(handle)
-                if state[0] not in ("DONE", "PROC"):
-                    raise ExecutionError(f"writing {what} to process {peer} ended in state {state[0]}")
-                return state[0] == "DONE"
-
-            if not poll(done, deadline, first_s=2e-5, most_s=poll_max_s):
-                raise ExecutionError(f"timed out writing {what} ({nbytes} bytes) to process {peer}")
-        except Exception as e:
-            if is_nixl_error(e):
-                raise ExecutionError(f"writing {what} to process {peer} failed: {describe(e)}") from e
-            raise
+            with _nixl_errors(f"writing {what} to process {peer}"):
+                here = agent.get_xfer_descs([(int(local), int(nbytes), int(self.book["device"]))], mem)
+                there = agent.get_xfer_descs([(int(remote), int(nbytes), int(self.books[peer]["device"]))],
+                                             self.books[peer]["mem"])
+                handle = agent.initialize_xfer("WRITE", here, there, self.names[peer], message)
+                state = [agent.transfer(handle, message)]
+                if not poll(done, deadline, first_s=2e-5, most_s=poll_max_s):
+                    raise ExecutionError(f"timed out writing {what} ({nbytes} bytes) to process {peer}")
         finally:
             if handle is not None:
-                try:
-                    agent.release_xfer_handle(handle)
-                except Exception:  # noqa: BLE001 - a handle of a dead peer may refuse; nothing else to do
-                    pass
+                _quietly(agent.release_xfer_handle, handle)
 
     def state(self, link: Link) -> str:
         """"DONE", "PROC" or, for a transfer that failed, another state."""
@@ -165,12 +147,8 @@ class Connection:
 
     def notify(self, peer: int, message: bytes, link: Link) -> None:
         """Send `message` to process `peer`'s agent about `link`; ExecutionError if NIXL fails."""
-        try:
+        with _nixl_errors(f"notifying process {peer} about {link}"):
             self.agent.send_notif(self.names[peer], message)
-        except Exception as e:
-            if is_nixl_error(e):
-                raise ExecutionError(f"notifying process {peer} about {link} failed: {describe(e)}") from e
-            raise
 
     def notifications(self) -> Iterator[bytes]:
         """The notifications that arrived from peers since the last call (others' are dropped)."""
@@ -183,13 +161,8 @@ class Connection:
     def drop_transfers(self) -> None:
         """After a failure: stop waiting on stuck transfers (their handles cannot be reused)."""
         for lid in list(self.handles):
-            handle = self.handles.pop(lid)
-            try:
-                self.agent.release_xfer_handle(handle)
-            except Exception:  # noqa: BLE001 - a handle of a dead peer may refuse; nothing else to do
-                pass
+            _quietly(self.agent.release_xfer_handle, self.handles.pop(lid))
 
-    # --- teardown ------------------------------------------------------------------------------------
     def release(self) -> None:
         """Release handles, descriptor lists, peers and registrations (best effort), once every peer that could
         still connect to this agent has left set-up (at most the grace: see the module docstring)."""
@@ -198,34 +171,34 @@ class Connection:
             return
         self._exchange.wait_left(sorted(self.schedule.peers), self._grace)
         for handle in list(self.handles.values()) + self._dlists:  # handles first: NIXL does not track them
-            try:
-                handle.release()
-            except Exception:  # noqa: BLE001 - best effort while tearing down
-                pass
+            _quietly(handle.release)
         self.handles.clear()
         self._dlists.clear()
         for name in self.names.values():
-            try:
-                agent.remove_remote_agent(name)
-            except Exception:  # noqa: BLE001
-                pass
+            _quietly(agent.remove_remote_agent, name)
         if self._reg is not None:
-            try:
-                agent.deregister_memory(self._reg)
-            except Exception:  # noqa: BLE001
-                pass
+            _quietly(agent.deregister_memory, self._reg)
             self._reg = None
         self.agent = None
 
 
-def _nixl_call(call: Any, what: str, *args: Any) -> Any:
-    """call(*args), NIXL's errors as an ExecutionError saying `what` failed."""
+@contextmanager
+def _nixl_errors(what: str) -> Iterator[None]:
+    """NIXL's errors inside the block as an ExecutionError saying `what` failed."""
     try:
-        return call(*args)
+        yield
     except Exception as e:
         if is_nixl_error(e):
-            raise ExecutionError(f"set-up: {what} failed: {describe(e)}") from e
+            raise ExecutionError(f"{what} failed: {describe(e)}") from e
         raise
+
+
+def _quietly(call: Any, *args: Any) -> None:
+    """call(*args), best effort: a handle or agent of a dead peer may refuse its release."""
+    try:
+        call(*args)
+    except Exception:  # noqa: BLE001 - nothing else to do while tearing down
+        pass
 
 
 def leave_grace(timeout: float) -> float:

@@ -1,14 +1,9 @@
 """Delta refits over NIXL: `NixlExecutor(..., delta=DeltaPolicy(...))`, CPU tensors (DRAM).
 
-The protocol is executors.delta.VotedDelta's (keyframes agreed through the store, payloads proven before the vote
-and scattered after it). Its transport here: at set-up every sender registers an outbox per receiving peer and
-every receiver an inbox per feeder, each of `payload_bound` bytes (the dense bytes of the ops it carries, plus the
-header: so this process's share of the model once more on each side, next to the sender's copy); the receiver's
-book publishes its inboxes' addresses. Per delta refit a sender encodes into its outbox and WRITEs only the
-payload's bytes into the receiver's inbox (one descriptor each side, a transfer made for that size and released
-once done); the store carries the size, and the receiver reads the inbox only once the WRITE's own notification
-arrived (NIXL delivers it after the bytes). It reads the payload in place; its sender writes there again only once
-it is ready for the next refit (after it applied this one).
+The protocol is executors.delta.VotedDelta's. Its transport: every sender registers an outbox per receiving peer
+and every receiver an inbox per feeder, each of `payload_bound` bytes; the receiver's book publishes its inboxes.
+A sender WRITEs only the payload's bytes into the receiver's inbox (a transfer made for that size); the store
+carries the size, and the receiver reads the inbox in place once the WRITE's notification arrived.
 """
 from __future__ import annotations
 
@@ -46,17 +41,13 @@ class NixlDelta(VotedDelta):
                       for f, ops in part.receives_from.items()}
         self.notified: set[bytes] = set()  # the WRITE notifications that arrived (_landed)
 
-    def regions(self) -> list[tuple[int, int]]:
-        """(address, bytes) of the payload buffers, registered with the executor's memory."""
-        return [(t.data_ptr(), t.numel()) for t in (*self.outbox.values(), *self.inbox.values())]
-
     def book(self) -> dict[str, Any]:
         """What this process's address book says about its delta refits: the policy and its inboxes."""
         return {"delta": self.policy.keyframe_every,
                 "delta_inbox": {str(f): t.data_ptr() for f, t in self.inbox.items()}}
 
     def buffers(self) -> list[torch.Tensor]:
-        """The payload buffers (kept alive after a failure: a peer may still write into an inbox)."""
+        """The payload buffers (uint8), registered with the executor's memory and kept alive after a failure."""
         return [*self.outbox.values(), *self.inbox.values()]
 
     def deliver(self, q: int, payload: torch.Tensor, v: int, deadline: float) -> dict[str, Any]:

@@ -1,9 +1,7 @@
 """NIXL descriptor lists of a link, and the memory regions a process registers. Pure numpy.
 
-A descriptor is a row (address, length in bytes, device id) of an Nx3 uint64 array, the form NIXL's
-prep_xfer_dlist and register_memory take. Memories are named by (kind, id) as in executors.copies; `addresses`
-maps a name to the address of its first byte in the process that owns it (this process's own, or a peer's
-address book).
+A descriptor is a row (address, bytes, device id) of an Nx3 uint64 array, as NIXL's prep_xfer_dlist and
+register_memory take. `addresses` maps a memory's name (executors.copies kind and id) to its first byte's address.
 """
 from __future__ import annotations
 
@@ -54,11 +52,3 @@ def merged_regions(regions: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             out.append([addr, n])
     return [(a, n) for a, n in out]
-
-
-def region_array(regions: list[tuple[int, int]], device: int) -> np.ndarray:
-    """Nx3 descriptors (address, bytes, `device`) of (address, nbytes) regions, for register_memory."""
-    arr = np.zeros((len(regions), 3), dtype=np.uint64)
-    for i, (a, n) in enumerate(regions):
-        arr[i] = (a, n, device)
-    return arr

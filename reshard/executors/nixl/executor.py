@@ -1,55 +1,29 @@
 """Run a plan over NIXL (UCX backend) between processes, refit after refit, with staged commit.
 
-Every process of a binding builds one `NixlExecutor` with the same plan, binding and options, its own tensors
-and a shared torch.distributed store, then calls `refit()` at every weight update. Lifecycle:
+Every process of a binding builds one `NixlExecutor` with the same plan, binding and options, its own tensors and
+a shared torch.distributed store, then calls `refit()` at every weight update.
 
-  1. construction (once): this process's schedule is derived from the plan (schedule.py: links, pieces,
-     packing, shadows); its tensors are checked against the plan and its copy programs bound to them; then
-     the NIXL side is set up (connection.py): one agent; the tensors that peers address and one staging
-     arena (shadows, packed buffers) registered; the agent's metadata and a JSON address book to the store,
-     peers' read back and checked (same plan digest, binding and options); a prepared transfer per link this
-     process initiates. Nothing of this is repeated by a refit;
-  2. refit(version): the source tensors hold the new weights when it is called on a sender. The first refit
-     first waits until every peer has left set-up (no NIXL traffic to an agent still loading its peers). Notifications
-     carry the version: READ (receiver pulls): a sender announces "ready v" per link once its bytes are in
-     place (at once for trainer ranks, after its own earlier stages for relays); the receiver posts that
-     link's prepared READ as soon as its ready arrives, to every peer before waiting on any, and the READ
-     notifies the sender "done v" when it completes. WRITE (sender pushes): the receiver announces "ready v"
-     (its landing memory is free), the sender posts its WRITE with notification "done v", which NIXL delivers
-     after the data. Local copies (ranks of one process) run beside, stage by stage;
-  3. verify: every link of this process completed, in this version; then the process counts itself done in
-     the store and waits until every process of the binding is (or one reports a failure): the refit around
-     the transfer (versions, vote, commit, failure) is executors.voted's, shared with the shared-memory executor;
-  4. commit (staged): shadows and packed receive buffers are copied into the destination tensors, with the
-     local copies kept for commit. Then refit returns `RefitStats`.
-  5. close(): handles, descriptor lists, peers and registrations are released (also by `with`).
+  1. construction (once): this process's schedule (schedule.py: links, pieces, packing, shadows), its tensors
+     checked and its copy programs bound; then the NIXL side (connection.py): an agent, the registered memory,
+     address books exchanged through the store and checked, a prepared transfer per link this process initiates;
+  2. refit(v): the first one waits until every peer has left set-up. READ (the receiver pulls): a sender
+     notifies "ready v" per link once its bytes are in place, the receiver posts the link's READ, which notifies
+     the sender "done v". WRITE (the sender pushes): the receiver notifies "ready v" (its landing memory is free)
+     and the sender posts its WRITE with "done v", delivered after the data. Local copies run stage by stage;
+  3. verify, vote, commit and failure are executors.voted's: staged commit copies shadows and packed receive
+     buffers into the destination tensors, so a failed refit leaves them unchanged; staged=False writes in place;
+  4. close(): handles, descriptor lists, peers and registrations are released (also by `with`).
 
-Versions. Each refit has a version (default: the previous one + 1), carried by every notification; a
-notification of another version for the link being waited on means the processes disagree and is an error, so
-a receiver never reads a generation other than the one it was asked for.
-
-Staging and its memory cost (staged=True, the default). Destination tensors that receive direct bytes from a
-peer, or that this process forwards to others, get a shadow of their full size in the arena; packed links get
-their own receive buffer (and the sender a send buffer) of the link's size. So the arena holds at most this
-process's destination share once more, plus the packed bytes (`RefitStats.staging_bytes`), and a refit copies
-the received bytes once more at commit. A refit that fails or times out never reaches the commit, so every
-destination tensor keeps its previous contents. staged=False writes into the destination tensors directly
-(no shadows, no commit copy); a failed refit then leaves them partly written.
-
-Failure. NIXL raises at once on a dead peer it talks to; a frozen peer never completes and NIXL has no
-deadline, so every wait here is bounded by the refit's `timeout` (from the start of the refit). A process that
-fails writes its reason to the store, and the others stop waiting at their next poll; a process that depends
-on a dead one without talking to it gives up at the vote. The error is an ExecutionError naming the link, the
-peer and what was awaited. After a failure the executor is unusable: close it and build a new one (with a new
-namespace). Its staging arena is kept alive until the process exits, since a peer may still be writing to it.
-
-Delta refits: `delta=DeltaPolicy(...)` (CPU tensors; executors.nixl.delta): dense keyframes through the links
-above, deltas as one WRITE of the payload's bytes per pair into the receiver's registered inbox.
+A notification of another version for the awaited link is an error: a receiver never reads another generation.
+Every wait is bounded by `timeout` from the start of the refit (NIXL has no deadline for a frozen peer); a
+failing process writes its reason to the store and the others stop at their next poll. After a failure close the
+executor and build a new one (new namespace); its arena stays alive, since a peer may still write to it.
+Delta refits (`delta=`, CPU tensors): dense keyframes through the links, deltas as one WRITE per pair (delta.py).
 """
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any
 
 import torch
@@ -69,7 +43,6 @@ from ..prepared import Prepared
 from ..stats import RefitStats, ops_landing
 from ..views import CopyViews, Memory, view_copies
 from ..voted import VotedExecutor
-from .agent import describe, is_nixl_error
 from .connection import Connection
 from .delta import NixlDelta
 from .descriptors import memory_name
@@ -82,9 +55,8 @@ _QUARANTINE: list[torch.Tensor] = []  # arenas of failed executors: a late remot
 
 class NixlExecutor(VotedExecutor):
     """One process's part of a plan over NIXL, built once and run at every refit (the protocol of
-    executors.base). `store`: a torch.distributed store every process of the binding reaches. `delta`: a
-    `DeltaPolicy` (executors.delta): refits move only the changed elements, with dense keyframes as it says (CPU
-    tensors; executors.nixl.delta); `last_delta` says what each moved."""
+    executors.base). `store`: a torch.distributed store every process reaches. `delta`: a `DeltaPolicy`
+    (executors.delta; CPU tensors): refits move only the changed elements; `last_delta` says what each moved."""
 
     name = "nixl"
     label = "NIXL"
@@ -97,19 +69,14 @@ class NixlExecutor(VotedExecutor):
         check_ops(plan)  # before the schedule indexes anything with the plan's ops
         self.options = options = options or NixlOptions()
         self.timeout, self.poll_max_s = options.timeout, options.poll_max_s
-        self.num_processes = binding.num_processes
+        self.num_processes, self.itemsize = binding.num_processes, plan.itemsize
         self.prepared = Prepared(plan, src, dst)
         self.device = self.prepared.device or torch.device("cpu")
         on_gpu = self.device.type == "cuda"
-        self.mem_type = "VRAM" if on_gpu else "DRAM"
-        self.device_id = (self.device.index or 0) if on_gpu else 0
-        self.pack_below = options.pack_threshold(on_gpu)
-        self.land_below = options.land_threshold(on_gpu)
-        self.schedule: LinkSchedule = build_schedule(plan, binding, process, options, self.pack_below,
-                                                     self.land_below)
-        self.staged = self.schedule.staged
-        self.itemsize = plan.itemsize
-        self._check_and_bind(src, dst)
+        self.pack_below, self.land_below = options.thresholds(on_gpu)
+        self.schedule = s = build_schedule(plan, binding, process, options, self.pack_below, self.land_below)
+        self.staged = s.staged
+        self._bind()
         self._num_ops = ops_landing(plan, binding.dst_ranks_of(process))
         self._start_versions()
         self._dirty = True  # copies may be in flight on the GPU (the caller's, at first)
@@ -117,10 +84,11 @@ class NixlExecutor(VotedExecutor):
         self._peers_set_up = False  # every peer has left set-up (checked once, at the first refit)
         self.exchange = Exchange(store, namespace)
         self._delta = None if delta is None else NixlDelta(self, delta)
-        s, name = self.schedule, f"{namespace}:{process}"
+        name = f"{namespace}:{process}"
         book = {"process": process, "agent": name, "plan": plan.digest, "binding": binding.to_dict(),
                 "options": options.shared(), "direction": s.direction, "pack_below": self.pack_below,
-                "land_below": self.land_below, "mem": self.mem_type, "device": self.device_id,
+                "land_below": self.land_below, "mem": "VRAM" if on_gpu else "DRAM",
+                "device": (self.device.index or 0) if on_gpu else 0,
                 "addresses": {memory_name(k, i): self._address(k, i) for k, i in s.exposed},
                 **(self._delta.book() if self._delta is not None else {"delta": None})}
         regions = [(t.data_ptr(), t.numel() * self.itemsize) for t in
@@ -128,35 +96,31 @@ class NixlExecutor(VotedExecutor):
         if s.arena_numel:
             regions.append((self.arena.data_ptr(), s.arena_numel * self.itemsize))
         if self._delta is not None:
-            regions += self._delta.regions()
+            regions += [(t.data_ptr(), t.numel()) for t in self._delta.buffers()]
         # the agent, its registrations, its peers and a prepared transfer per link it initiates (once)
         self.connection = Connection(s, name, self.exchange, book, regions, self.itemsize, options.timeout,
                                      options.progress_delay_us)
 
-    # --- construction --------------------------------------------------------------------------------
-    def _check_and_bind(self, src: RankTensors, dst: RankTensors) -> None:
+    def _bind(self) -> None:
+        """Check that this process holds the tensors its schedule names, and bind its copy programs once."""
         plan, s = self.plan, self.schedule
+        self.src_flat, self.dst_flat = self.prepared.src_flat, self.prepared.dst_flat
         problems = [f"{side} rank {table.ranks[i]} tensor {table.names[i]!r} is missing (process {self.process} "
                     f"plays that rank in {self.binding})"
-                    for ids, table, flat, side in ((s.src_ids, plan.src_tensors, self.prepared.src_flat, "source"),
-                                                   (s.dst_ids, plan.dst_tensors, self.prepared.dst_flat, "destination"))
+                    for ids, table, flat, side in ((s.src_ids, plan.src_tensors, self.src_flat, "source"),
+                                                   (s.dst_ids, plan.dst_tensors, self.dst_flat, "destination"))
                     for i in ids if i not in flat]
         if problems:
             raise ExecutionError("tensors do not match the plan:\n  - " + "\n  - ".join(problems[:20]))
-        self.src_flat, self.dst_flat = self.prepared.src_flat, self.prepared.dst_flat
-        self.arena = torch.empty(s.arena_numel, dtype=self.prepared.dtype, device=self.device)
-        arena = self.arena
+        self.arena = arena = torch.empty(s.arena_numel, dtype=self.prepared.dtype, device=self.device)
 
         def memory(kind: int, ident: int) -> torch.Tensor:
-            if kind == SRC:
-                return self.src_flat[ident]
-            if kind == DST:
-                return self.dst_flat[ident]
+            if kind in (SRC, DST):
+                return (self.src_flat if kind == SRC else self.dst_flat)[ident]
             off, n = s.arena[(kind, ident)]
             return arena.narrow(0, off, n)
 
         self._memory = memory
-        # copy programs folded and bound once: views built here, each refit only launches them
         views = Memory(memory, self.itemsize)
         program = lambda c: view_copies(c, views, self.itemsize)  # noqa: E731
         self._pack = {k: program(v) for k, v in s.pack.items()}
@@ -170,7 +134,6 @@ class NixlExecutor(VotedExecutor):
             return self.arena.data_ptr() + self.schedule.arena[(kind, ident)][0] * self.itemsize
         return self._memory(kind, ident).data_ptr()
 
-    # --- a refit -------------------------------------------------------------------------------------
     def _transfer(self, v: int, deadline: float) -> None:
         self._dirty = True
         self._sync()  # the caller's writes into the source tensors are done before anyone reads them
@@ -188,9 +151,6 @@ class NixlExecutor(VotedExecutor):
     def last_delta(self) -> "DeltaReport | None":
         """What this process sent in the last refit, with the `delta` option (executors.delta.DeltaReport)."""
         return None if self._delta is None else self._delta.last
-
-    def _describe(self, e: Exception) -> str:
-        return describe(e) if is_nixl_error(e) else f"{type(e).__name__}: {e}"
 
     def _commit(self) -> None:
         if self._delta is not None and self._delta.commit():
@@ -210,8 +170,7 @@ class NixlExecutor(VotedExecutor):
         transfer states, each wait bounded by `deadline`."""
         s, st = self.schedule, _Progress(self.schedule)
         if s.num_stages:
-            self._run(self._local[0])
-            self._sync()
+            self._run(self._local[0], sync=True)
         if not st.read:
             for link in s.incoming:  # my landing memory is free: senders may write
                 self._notify(link.sender, READY, v, link)
@@ -243,8 +202,7 @@ class NixlExecutor(VotedExecutor):
                 still.append(link)
                 continue
             if link.id in self._pack:
-                self._run(self._pack[link.id])
-                self._sync()
+                self._run(self._pack[link.id], sync=True)
             if self.options.checksum:  # before a peer can read or receive the link's bytes
                 self.exchange.store.set(f"v{v}/sum/{link.id}", self._link_digest(link, "send"))
             if st.read:
@@ -298,9 +256,8 @@ class NixlExecutor(VotedExecutor):
         progress = False
         while st.frontier < self.schedule.num_stages and st.stage_left[st.frontier] == 0:
             st.frontier += 1
-            if st.frontier < self.schedule.num_stages:
-                self._run(self._local[st.frontier])
-                self._sync()  # relays of the next stage may read what these copies wrote
+            if st.frontier < self.schedule.num_stages:  # relays of the next stage may read what these copies wrote
+                self._run(self._local[st.frontier], sync=True)
             progress = True
         return progress
 
@@ -311,8 +268,7 @@ class NixlExecutor(VotedExecutor):
             if sent != got:
                 raise ExecutionError(mismatch(f"{link} from process {link.sender}", sent, got))
         if link.id in self._arrive:
-            self._run(self._arrive[link.id])
-            self._sync()
+            self._run(self._arrive[link.id], sync=True)
         del st.waiting_in[link.id]
         st.stage_left[link.stage] -= 1
 
@@ -348,17 +304,18 @@ class NixlExecutor(VotedExecutor):
         if v in versions:
             versions.discard(v)
             return True
-        other = sorted(versions)
         what = "ready" if kind == READY else "done"
-        raise ExecutionError(f"process {link.peer(self.process)} announced {what} of version {other[0]} for {link} "
-                             f"while process {self.process} runs version {v}: every process must refit the same "
-                             f"versions")
+        raise ExecutionError(f"process {link.peer(self.process)} announced {what} of version {min(versions)} for "
+                             f"{link} while process {self.process} runs version {v}: every process must refit the "
+                             f"same versions")
 
-    def _run(self, program: CopyViews) -> None:
+    def _run(self, program: CopyViews, sync: bool = False) -> None:
         if len(program):
             with torch.no_grad():
                 program.run()
             self._dirty = True
+        if sync:
+            self._sync()
 
     def _sync(self) -> None:
         """Wait for this process's copies on the GPU before a peer may read what they wrote."""
@@ -367,11 +324,12 @@ class NixlExecutor(VotedExecutor):
         self._dirty = False
 
     def _abandon(self) -> None:
-        if self.arena.numel():
-            _QUARANTINE.append(self.arena)
-        if self._delta is not None:
-            _QUARANTINE.extend(self._delta.buffers())
+        self._quarantine()
         self.connection.drop_transfers()
+
+    def _quarantine(self) -> None:
+        """Keep the registered buffers alive for good: a peer (or a release still running) may yet write them."""
+        _QUARANTINE.extend([self.arena, *(self._delta.buffers() if self._delta is not None else ())])
 
     def _stats(self, v: int, seconds: float, phases: dict[str, float]) -> RefitStats:
         if self._delta is not None and not self._delta.last.keyframe:
@@ -386,20 +344,17 @@ class NixlExecutor(VotedExecutor):
         return RefitStats(
             executor=self.name, process=self.process, version=v, seconds=seconds, phases=phases, staged=s.staged,
             ops=self._num_ops, bytes_sent=dict(sent), bytes_received=dict(received), local_bytes=s.local_numel * size,
-            staging_bytes=s.staging_bytes, transfers=len(s.incoming) + len(s.outgoing),
+            staging_bytes=s.arena_numel * size, transfers=len(s.incoming) + len(s.outgoing),
             checksum=algorithm(self.options.checksum) or "", direction=s.direction,
             packed_transfers=sum(link.packed for link in s.links),
             descriptors=sum(link.num_pieces for link in s.links if s.initiates(link)))
 
-    # --- teardown ------------------------------------------------------------------------------------
     def close(self) -> None:
         """Release NIXL resources; the tensors stay the caller's."""
         if not self._closed:
             self._closed = True
             if not close_within(self.connection.release, self.options.timeout, "releasing the NIXL agent"):
-                _QUARANTINE.append(self.arena)  # a release still running may yet touch the registered memory
-                if self._delta is not None:
-                    _QUARANTINE.extend(self._delta.buffers())
+                self._quarantine()
 
 
 class _Progress:
@@ -407,9 +362,7 @@ class _Progress:
 
     def __init__(self, s: LinkSchedule) -> None:
         self.read, self.num_stages = s.direction == "read", s.num_stages
-        self.stage_left: dict[int, int] = defaultdict(int)
-        for link in s.incoming:
-            self.stage_left[link.stage] += 1
+        self.stage_left = Counter(link.stage for link in s.incoming)  # incoming links not yet in, per stage
         self.waiting_in = {link.id: link for link in s.incoming}
         self.waiting_out = {link.id: link for link in s.outgoing}
         self.unstarted_out = sorted(s.outgoing, key=lambda link: link.stage)
@@ -422,23 +375,14 @@ class _Progress:
     def pending(self) -> str:
         """What this process still waits for, in words."""
         read, posted = self.read, self.posted
-        parts = []
-        for link in self.waiting_in.values():
-            if link.id in posted:
-                parts.append(f"{link}: transfer still in progress")
-            elif read:
-                parts.append(f"{link}: no ready notification from process {link.sender}")
-            else:
-                parts.append(f"{link}: no done notification from process {link.sender}")
-        for link in self.unstarted_out:
-            parts.append(f"{link}: " + ("no ready notification from process " + str(link.receiver)
-                                        if not read else "earlier stages of this process not complete"))
-        for link in self.waiting_out.values():
-            if link in self.unstarted_out:
-                continue
-            if link.id in posted:
-                parts.append(f"{link}: transfer still in progress")
-            elif read:
-                parts.append(f"{link}: process {link.receiver} has not finished reading")
+        parts = [f"{link}: " + ("transfer still in progress" if link.id in posted else
+                                f"no {'ready' if read else 'done'} notification from process {link.sender}")
+                 for link in self.waiting_in.values()]
+        parts += [f"{link}: " + ("earlier stages of this process not complete" if read else
+                                 f"no ready notification from process {link.receiver}") for link in self.unstarted_out]
+        parts += [f"{link}: " + ("transfer still in progress" if link.id in posted else
+                                 f"process {link.receiver} has not finished reading")
+                  for link in self.waiting_out.values()
+                  if link not in self.unstarted_out and (link.id in posted or read)]
         shown = "; ".join(parts[:8]) + (f"; and {len(parts) - 8} more" if len(parts) > 8 else "")
         return f"waiting for: {shown}" if parts else "waiting for the local copies"

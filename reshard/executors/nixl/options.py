@@ -1,7 +1,7 @@
 """The choices a NIXL refit makes, as one small immutable value that every process must share."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from ...errors import ExecutionError
@@ -10,42 +10,30 @@ from ..checksum import ALGORITHMS, algorithm
 DIRECTIONS = ("auto", "read", "write")
 PACKING = ("auto", "always", "never")
 
-# Ops whose contiguous pieces are smaller than this are packed (gathered into one buffer on the sender, one
-# descriptor, scattered on the receiver) instead of moved one descriptor per piece. On CPU (cma) a descriptor
-# is cheap and packing pays only for small rows; on GPUs every cuda_ipc descriptor is a copy launch whose fixed
-# cost is worth a large piece of NVLink time, while packing costs two device copies at several times NVLink's
-# bandwidth (the row-size sweeps: BENCHMARKS.md, NIXL).
-PACK_BELOW_DRAM = 16 << 10
-PACK_BELOW_VRAM = 1 << 20
-# A run contiguous on the sender whose receiver pieces average below this is landed (one descriptor into the
-# receive buffer, then one local scatter): it saves a descriptor per piece for one copy, not two, so it pays
-# up to larger pieces than packing: on GPUs a cuda_ipc descriptor's fixed cost is worth megabytes of NVLink
-# time, while the local scatter copies far faster than NVLink (BENCHMARKS.md, NIXL: landing).
-LAND_BELOW_DRAM = 32 << 10
-LAND_BELOW_VRAM = 8 << 20
+# Ops whose contiguous pieces are below PACK_BELOW are packed (one descriptor for the link's small pieces); runs
+# contiguous on the sender whose receiver pieces average below LAND_BELOW are landed (one descriptor, then a local
+# scatter). On CPU (cma) a descriptor is cheap; on GPUs a cuda_ipc descriptor's fixed cost is worth megabytes of
+# NVLink time, while local copies run several times faster (row-size sweeps: BENCHMARKS.md, NIXL).
+PACK_BELOW_DRAM, PACK_BELOW_VRAM = 16 << 10, 1 << 20
+LAND_BELOW_DRAM, LAND_BELOW_VRAM = 32 << 10, 8 << 20
 
 
 @dataclass(frozen=True)
 class NixlOptions:
     """How a NixlExecutor moves bytes. Every process of a refit must pass equal options (checked at set-up).
 
-    direction: "read" (each receiver pulls from registered source memory), "write" (each sender pushes), or
-        "auto": the one that spreads the initiated bytes best over the processes (on CPU the initiator's
-        thread does the copy).
-    staged: receive into staging memory and copy into the destination tensors only after every process has
-        verified its whole refit, so a failed refit leaves destinations unchanged (costs memory: see
-        executor.py). False writes in place: faster and no extra memory, but a failed refit leaves
-        destinations partly written.
-    pack: "auto" packs the ops of a link whose contiguous pieces are below `pack_below` bytes (None: a default
-        per memory kind) when there are several such pieces, and lands runs contiguous on the sender whose
-        receiver pieces average below `land_below` bytes; "always" packs every op, "never" neither packs nor
-        lands.
+    direction: "read" (receivers pull), "write" (senders push), or "auto": the one that spreads the initiated
+        bytes best over the processes.
+    staged: receive into staging memory, committed only once every process verified its refit (a failed refit
+        leaves destinations unchanged; costs memory: executor.py). False writes in place.
+    pack: "auto" packs a link's ops whose pieces are below `pack_below` bytes (None: a default per memory kind)
+        when there are several, and lands sender-contiguous runs whose receiver pieces average below
+        `land_below`; "always" packs every op, "never" neither packs nor lands.
     timeout: seconds a refit may take, from its start, before every waiting process gives up with an error.
-    progress_delay_us: sleep of NIXL's progress thread between polls (NIXL's Python wrapper spins it at 0,
-        which burns a whole core; 0 keeps that behaviour).
+    progress_delay_us: sleep of NIXL's progress thread between polls (0, NIXL's own, burns a core).
     poll_max_s: longest sleep between two polls of the refit loop while waiting.
     checksum: hash every link's bytes on both ends and compare them before anything is committed (True or
-        "sha256", or "sum64": executors.checksum); a mismatch fails the refit on every process.
+        "sha256", or "sum64": executors.checksum).
     """
 
     direction: str = "auto"
@@ -59,41 +47,26 @@ class NixlOptions:
     checksum: bool | str = False
 
     def __post_init__(self) -> None:
-        problems = []
-        if self.direction not in DIRECTIONS:
-            problems.append(f"direction={self.direction!r} must be one of {DIRECTIONS}")
-        if self.pack not in PACKING:
-            problems.append(f"pack={self.pack!r} must be one of {PACKING}")
-        if self.pack_below is not None and self.pack_below < 0:
-            problems.append(f"pack_below={self.pack_below} must be >= 0 bytes")
-        if self.land_below is not None and self.land_below < 0:
-            problems.append(f"land_below={self.land_below} must be >= 0 bytes")
-        if not self.timeout > 0:
-            problems.append(f"timeout={self.timeout} must be positive (seconds)")
-        if self.progress_delay_us < 0:
-            problems.append(f"progress_delay_us={self.progress_delay_us} must be >= 0")
-        if not self.poll_max_s >= 0:
-            problems.append(f"poll_max_s={self.poll_max_s} must be >= 0")
-        if not (isinstance(self.checksum, bool) or self.checksum in ALGORITHMS):
-            problems.append(f"checksum={self.checksum!r} must be False, True or one of {ALGORITHMS}")
+        checks = (
+            (self.direction in DIRECTIONS, f"direction={self.direction!r} must be one of {DIRECTIONS}"),
+            (self.pack in PACKING, f"pack={self.pack!r} must be one of {PACKING}"),
+            (self.pack_below is None or not self.pack_below < 0, f"pack_below={self.pack_below} must be >= 0 bytes"),
+            (self.land_below is None or not self.land_below < 0, f"land_below={self.land_below} must be >= 0 bytes"),
+            (self.timeout > 0, f"timeout={self.timeout} must be positive (seconds)"),
+            (not self.progress_delay_us < 0, f"progress_delay_us={self.progress_delay_us} must be >= 0"),
+            (self.poll_max_s >= 0, f"poll_max_s={self.poll_max_s} must be >= 0"),
+            (isinstance(self.checksum, bool) or self.checksum in ALGORITHMS,
+             f"checksum={self.checksum!r} must be False, True or one of {ALGORITHMS}"))
+        problems = [message for ok, message in checks if not ok]
         if problems:
             raise ExecutionError("invalid NIXL options:\n  - " + "\n  - ".join(problems))
 
-    def pack_threshold(self, device_memory: bool) -> int:
-        """`pack_below`, or its default for device (VRAM) or host memory."""
-        if self.pack_below is not None:
-            return self.pack_below
-        return PACK_BELOW_VRAM if device_memory else PACK_BELOW_DRAM
-
-    def land_threshold(self, device_memory: bool) -> int:
-        """`land_below`, or its default for device (VRAM) or host memory."""
-        if self.land_below is not None:
-            return self.land_below
-        return LAND_BELOW_VRAM if device_memory else LAND_BELOW_DRAM
-
-    def to_dict(self) -> dict[str, Any]:
-        """Every option by name (JSON-ready)."""
-        return asdict(self)
+    def thresholds(self, device_memory: bool) -> tuple[int, int]:
+        """(`pack_below`, `land_below`), each defaulting per memory kind: device (VRAM) or host."""
+        return (self.pack_below if self.pack_below is not None else
+                PACK_BELOW_VRAM if device_memory else PACK_BELOW_DRAM,
+                self.land_below if self.land_below is not None else
+                LAND_BELOW_VRAM if device_memory else LAND_BELOW_DRAM)
 
     def shared(self) -> dict[str, Any]:
         """The options that must be equal on every process (the rest are local tuning)."""

@@ -1,31 +1,17 @@
 """One process's part of a plan over NIXL, as plain arrays: links, descriptor pieces, copy programs, staging.
 
-Pure numpy, no NIXL and no torch: every process derives the same global link numbering from the same plan and
-binding, so both ends of a link build the same pieces without asking each other.
+Pure numpy: every process derives the same global link numbering, so both ends of a link build the same pieces.
+1. Ops whose sending and receiving processes are one are LOCAL copies; the remote ops of one (stage, sender,
+   receiver) form a LINK (one NIXL transfer, prepared once, re-posted at every refit).
+2. An op of a link moves DIRECT (one descriptor per contiguous piece, coalesced), PACKED (gathered into a send
+   buffer, one descriptor into a receive buffer, scattered there: for links with several pieces below
+   `pack_below` bytes) or LANDED (a run contiguous on the sender that falls apart into many short pieces on the
+   receiver, such as a fused QKV weight's blocks: one descriptor into the receive buffer, then one scatter).
+3. Staged: a destination tensor that receives direct bytes from a peer, or that this process relays from, gets a
+   SHADOW in the staging arena, copied in at commit; packed receive buffers and local copies also land at commit.
 
-1. Each op gets a sending process (the binding's process for its source rank, or for its relaying destination
-   rank) and a receiving process. Ops whose two processes are one are LOCAL copies.
-2. The remote ops of one (stage, sender, receiver) form a LINK, numbered globally in that sort order. A link is
-   one NIXL transfer, prepared once and re-posted at every refit.
-3. An op of a link moves DIRECT, as one descriptor per contiguous piece (a strided block is one piece per row;
-   pieces adjacent on both sides are coalesced), or PACKED: the sender gathers the link's packed ops into a
-   send buffer, one descriptor moves them into a receive buffer, and the receiver scatters them. An op is
-   packed when its pieces are small (below options.pack_below bytes) and the link has more than one such
-   piece: there a descriptor costs more than copying the bytes twice. A run of ops that is contiguous in the
-   sender's memory but falls apart into many short pieces on the receiver (the q / k / v blocks of one fused
-   QKV weight) is LANDED: one descriptor moves the whole run into the receive buffer, and the receiver
-   scatters it (one copy instead of a descriptor per piece). So a link is a few large descriptors (big
-   contiguous runs) plus at most one for all its small pieces.
-4. Staging (options.staged): a destination tensor that receives DIRECT bytes from a peer, or that this
-   process forwards from (a relay source), gets a SHADOW in the staging arena; every write bound for it lands
-   in the shadow and the commit copies the shadow into the tensor. Everything else bound for a destination
-   tensor (packed receive buffers, local copies) is applied at commit. In place, everything goes straight to
-   the destination tensors as it arrives.
-
-Memory is named by (kind, id) as in every executor (executors.copies): SRC / DST the caller's tensors, SHADOW
-a staging copy of a destination tensor, WIRE a link's packed buffer (id = link id: the send buffer on the
-sender, the receive buffer on the receiver). SHADOW and WIRE live in one arena per process. Offsets and
-lengths are in elements of the plan's dtype. Copy programs are folded (executors.copies) once, here.
+Memory is named (kind, id) as in executors.copies: SRC / DST the caller's tensors, SHADOW a staging copy of a
+destination tensor, WIRE a link's packed buffer (id = link id); SHADOW and WIRE live in one arena per process.
 """
 from __future__ import annotations
 
@@ -37,6 +23,7 @@ from ...errors import ExecutionError
 from ...planner import Plan
 from ...planner.plan import RELAY
 from ..binding import Binding
+from ..collective.schedule import run_starts
 from ..copies import DST, SHADOW, SRC, WIRE, Copies, fold
 from ..partition import Partition, carve
 from .options import NixlOptions
@@ -45,22 +32,6 @@ BLOCK_COLUMNS = ("src_kind", "src_id", "src_off", "src_stride", "dst_kind", "dst
                  "rows", "cols")  # the arguments of `fold`
 PIECE_COLUMNS = ("send_kind", "send_id", "send_off", "recv_kind", "recv_id", "recv_off", "numel")
 ARENA_ALIGN_BYTES = 512
-
-
-def _i64(x) -> np.ndarray:
-    return np.asarray(x, dtype=np.int64)
-
-
-def _blocks(n: int, **cols) -> dict[str, np.ndarray]:
-    """2-D block copies as `fold`'s columns (scalars broadcast to n): copy k moves `rows` x `cols` elements from
-    (src_kind, src_id) at src_off, rows src_stride apart, to (dst_kind, dst_id) at dst_off, rows dst_stride
-    apart."""
-    return {c: np.broadcast_to(_i64(cols[c]), (n,)) for c in BLOCK_COLUMNS}
-
-
-def _fold(parts: list[dict[str, np.ndarray]]) -> Copies:
-    """The blocks of several parts as one folded program."""
-    return fold(**{c: np.concatenate([p[c] for p in parts] or [_i64([])]) for c in BLOCK_COLUMNS})
 
 
 @dataclass(frozen=True, eq=False)
@@ -118,7 +89,6 @@ class LinkSchedule:
     direction: str  # "read" or "write"
     staged: bool
     num_stages: int
-    itemsize: int
     incoming: tuple[Link, ...]
     outgoing: tuple[Link, ...]
     pack: dict[int, Copies]  # outgoing packed link -> gather into its send buffer
@@ -143,25 +113,17 @@ class LinkSchedule:
         """Whether this process posts `link`'s transfer (the receiver reads, the sender writes)."""
         return (link.receiver if self.direction == "read" else link.sender) == self.process
 
-    @property
-    def staging_bytes(self) -> int:
-        """Bytes of this process's arena (its shadows and wire buffers)."""
-        return self.arena_numel * self.itemsize
-
 
 def global_links(plan: Plan, binding: Binding) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(link id per op, -1 for local ops; stage, sender, receiver per link), the same on every process: a link is
-    one of the partition's streams (executors.partition)."""
+    """(link id per op, -1 for local ops; stage, sender, receiver per link): the partition's streams, the same
+    on every process."""
     link_of_op, keys = Partition(plan, binding, 0).streams
     return link_of_op, keys[:, 0], keys[:, 1], keys[:, 2]
 
 
-def _sides(plan: Plan, ops: np.ndarray, staged: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Memory kind read (source side) and written (destination side) by direct ops, before packing."""
-    o = plan.ops
-    landing = SHADOW if staged else DST
-    read_kind = np.where(o["src_side"][ops] == RELAY, landing, SRC)
-    return read_kind, np.full(len(ops), landing, np.int64)
+def _read_kind(plan: Plan, ops: np.ndarray, staged: bool) -> np.ndarray:
+    """Memory kind direct ops read: their source tensor, or for relays the landing memory (shadow when staged)."""
+    return np.where(plan.ops["src_side"][ops] == RELAY, SHADOW if staged else DST, SRC)
 
 
 def _expand_rows(plan: Plan, ops: np.ndarray, staged: bool) -> dict[str, np.ndarray]:
@@ -172,15 +134,11 @@ def _expand_rows(plan: Plan, ops: np.ndarray, staged: bool) -> dict[str, np.ndar
     first = np.repeat(np.cumsum(rows) - rows, rows)
     r = np.arange(len(rep)) - first
     idx = ops[rep]
-    read_kind, write_kind = _sides(plan, ops, staged)
-    pieces = {
-        "send_kind": read_kind[rep], "send_id": o["src_tensor"][idx],
-        "send_off": o["src_offset"][idx] + r * o["src_stride"][idx],
-        "recv_kind": write_kind[rep], "recv_id": o["dst_tensor"][idx],
-        "recv_off": o["dst_offset"][idx] + r * o["dst_stride"][idx],
-        "numel": o["cols"][idx],
-    }
-    return coalesce(pieces)
+    return coalesce({"send_kind": _read_kind(plan, ops, staged)[rep], "send_id": o["src_tensor"][idx],
+                     "send_off": o["src_offset"][idx] + r * o["src_stride"][idx],
+                     "recv_kind": np.full(len(rep), SHADOW if staged else DST, np.int64),
+                     "recv_id": o["dst_tensor"][idx], "recv_off": o["dst_offset"][idx] + r * o["dst_stride"][idx],
+                     "numel": o["cols"][idx]})
 
 
 def coalesce(p: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -201,64 +159,47 @@ def coalesce(p: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def _landed(plan: Plan, ops: np.ndarray, land_below: int) -> np.ndarray:
-    """Which direct ops to land: runs of ops contiguous in the sender's memory, one after the other, whose pieces
-    on the receiver are many and short on average. Such a run moves as ONE descriptor into the receive buffer
-    and is scattered from there: one local copy instead of a descriptor per piece."""
+    """Which direct ops to land: runs of ops contiguous in the sender's memory whose pieces on the receiver are
+    several and average below `land_below` bytes."""
     if len(ops) < 2:
         return np.zeros(len(ops), dtype=bool)
     o = plan.ops
     rows, cols = o["rows"][ops], o["cols"][ops]
-    numel = rows * cols
-    src_flat = (rows == 1) | (cols == o["src_stride"][ops])
-    off, tensor, side = o["src_offset"][ops], o["src_tensor"][ops], o["src_side"][ops]
-    chain = np.zeros(len(ops), dtype=bool)
-    chain[1:] = (src_flat[1:] & src_flat[:-1] & (side[1:] == side[:-1]) & (tensor[1:] == tensor[:-1])
-                 & (off[1:] == off[:-1] + numel[:-1]))
-    run = np.cumsum(~chain) - 1
+    run = np.cumsum(run_starts(o, ops, "src")) - 1
     dst_flat = (rows == 1) | (cols == o["dst_stride"][ops])
     pieces = np.bincount(run, weights=np.where(dst_flat, 1, rows)).astype(np.int64)  # before coalescing
-    run_numel = np.bincount(run, weights=numel).astype(np.int64)
+    run_numel = np.bincount(run, weights=rows * cols).astype(np.int64)
     land = (pieces >= 2) & (run_numel * plan.itemsize < land_below * pieces)
-    return land[run] & src_flat
+    return land[run] & ((rows == 1) | (cols == o["src_stride"][ops]))
 
 
 def _landed_pieces(plan: Plan, ops: np.ndarray, staged: bool, link: int, base: int) -> dict[str, np.ndarray]:
     """One piece per sender-contiguous run of landed ops, into the receive buffer after `base` elements."""
     o = plan.ops
     numel = o["rows"][ops] * o["cols"][ops]
-    read_kind, _ = _sides(plan, ops, staged)
-    pieces = {"send_kind": read_kind, "send_id": o["src_tensor"][ops], "send_off": o["src_offset"][ops],
-              "recv_kind": np.full(len(ops), WIRE, np.int64), "recv_id": np.full(len(ops), link, np.int64),
-              "recv_off": base + np.cumsum(numel) - numel, "numel": numel}
-    return coalesce(pieces)
+    return coalesce({"send_kind": _read_kind(plan, ops, staged), "send_id": o["src_tensor"][ops],
+                     "send_off": o["src_offset"][ops], "recv_kind": np.full(len(ops), WIRE, np.int64),
+                     "recv_id": np.full(len(ops), link, np.int64), "recv_off": base + np.cumsum(numel) - numel,
+                     "numel": numel})
 
 
-def _block_copies(plan: Plan, ops: np.ndarray, src_kind, dst_kind, dst_id=None, dst_off=None) \
+def _wire_copies(plan: Plan, ops: np.ndarray, kind, link: int, offsets: np.ndarray, gather: bool) \
         -> dict[str, np.ndarray]:
-    """Copies of ops from their source memory to their destination tensor's memory (or to a packed buffer:
-    dst_id / dst_off given, rows laid out contiguously)."""
+    """Copies of `ops` between their memory of `kind` and link `link`'s packed buffer (rows contiguous from
+    `offsets`): from the source side into the buffer (`gather`), else from the buffer into the destination side."""
     o = plan.ops
-    n = len(ops)
-    rows, cols = o["rows"][ops], o["cols"][ops]
-    packed = dst_off is not None
-    return _blocks(n, src_kind=src_kind, src_id=o["src_tensor"][ops], src_off=o["src_offset"][ops],
-                   src_stride=o["src_stride"][ops], dst_kind=dst_kind,
-                   dst_id=dst_id if packed else o["dst_tensor"][ops],
-                   dst_off=dst_off if packed else o["dst_offset"][ops],
-                   dst_stride=cols if packed else o["dst_stride"][ops], rows=rows, cols=cols)
-
-
-def _scatter_copies(plan: Plan, ops: np.ndarray, link: int, offsets: np.ndarray, dst_kind) -> dict[str, np.ndarray]:
-    o = plan.ops
-    cols = o["cols"][ops]
-    return _blocks(len(ops), src_kind=WIRE, src_id=link, src_off=offsets, src_stride=cols, dst_kind=dst_kind,
-                   dst_id=o["dst_tensor"][ops], dst_off=o["dst_offset"][ops], dst_stride=o["dst_stride"][ops],
-                   rows=o["rows"][ops], cols=cols)
+    side = "src" if gather else "dst"
+    mem = {"kind": kind, "id": o[f"{side}_tensor"][ops], "off": o[f"{side}_offset"][ops],
+           "stride": o[f"{side}_stride"][ops]}
+    wire = {"kind": WIRE, "id": link, "off": offsets, "stride": o["cols"][ops]}
+    frm, to = (mem, wire) if gather else (wire, mem)
+    cols = {"rows": o["rows"][ops], "cols": o["cols"][ops], **{f"src_{k}": v for k, v in frm.items()},
+            **{f"dst_{k}": v for k, v in to.items()}}
+    return {c: np.broadcast_to(np.asarray(cols[c], dtype=np.int64), (len(ops),)) for c in BLOCK_COLUMNS}
 
 
 def choose_direction(plan: Plan, binding: Binding, requested: str) -> str:
-    """"read" or "write"; "auto" picks the one whose busiest initiator starts the fewest bytes (on CPU the
-    initiating process's thread does the copy), READ on a tie."""
+    """"read" or "write"; "auto" picks the one whose busiest initiator starts the fewest bytes, READ on a tie."""
     if requested != "auto":
         return requested
     link_of_op, _, senders, receivers = global_links(plan, binding)
@@ -307,10 +248,10 @@ def build_schedule(plan: Plan, binding: Binding, process: int, options: NixlOpti
     src_ids = np.unique(o["src_tensor"][sends[o["src_side"][sends] != RELAY]])
     dst_ids = np.unique(np.concatenate([o["dst_tensor"][part.landing], part.relay_sources]))
     return LinkSchedule(process=process, direction=choose_direction(plan, binding, options.direction),
-                        staged=staged, num_stages=plan.num_stages, itemsize=plan.itemsize, incoming=incoming,
-                        outgoing=outgoing, pack=pack, arrive=arrive, local=tuple(local), commit=commit, shadow=shadow,
-                        arena=arena, arena_numel=top, src_ids=tuple(src_ids.tolist()), dst_ids=tuple(dst_ids.tolist()),
-                        local_numel=part.local_numel, exposed=tuple(sorted(exposed)), peers=part.peers)
+                        staged=staged, num_stages=plan.num_stages, incoming=incoming, outgoing=outgoing, pack=pack,
+                        arrive=arrive, local=tuple(local), commit=commit, shadow=shadow, arena=arena, arena_numel=top,
+                        src_ids=tuple(src_ids.tolist()), dst_ids=tuple(dst_ids.tolist()), local_numel=part.local_numel,
+                        exposed=tuple(sorted(exposed)), peers=part.peers)
 
 
 def _link(plan: Plan, lid: int, key: np.ndarray, ops: np.ndarray, options: NixlOptions, pack_below: int,
@@ -332,10 +273,9 @@ def _link(plan: Plan, lid: int, key: np.ndarray, ops: np.ndarray, options: NixlO
     n_direct = (len(pieces["numel"]) + len(_expand_rows(plan, landed_ops, staged)["numel"])
                 + int(o["rows"][packed_ops].sum()))  # before coalescing the packed ones
     landed = _landed_pieces(plan, landed_ops, staged, lid, packed_numel)
-    pieces = {k: np.concatenate([pieces[k], landed[k]]) for k in PIECE_COLUMNS}
-    if packed_numel:
-        pieces = {k: np.concatenate([pieces[k], _i64([v])])
-                  for k, v in zip(PIECE_COLUMNS, (WIRE, lid, 0, WIRE, lid, 0, packed_numel))}
+    packed = dict(zip(PIECE_COLUMNS, (WIRE, lid, 0, WIRE, lid, 0, packed_numel)))  # the packed buffer's one piece
+    pieces = {k: np.concatenate([pieces[k], landed[k], np.asarray([packed[k]] if packed_numel else [], np.int64)])
+              for k in PIECE_COLUMNS}
     stage, sender, receiver = (int(x) for x in key)
     return Link(lid, stage, sender, receiver, ops, int(numel_of[ops].sum()), packed_ops, packed_numel, pieces,
                 n_direct, landed_ops, int(numel_of[landed_ops].sum()))
@@ -353,8 +293,8 @@ def _arena(plan: Plan, shadow: tuple[int, ...], incoming: tuple[Link, ...], outg
 
 def _buffer_programs(part: Partition, incoming: tuple[Link, ...], outgoing: tuple[Link, ...], is_shadow: np.ndarray,
                      staged: bool) -> tuple[dict[int, Copies], dict[int, Copies], Copies]:
-    """Pack programs of packed outgoing links (sender), scatter programs of incoming ones run as each arrives
-    (receiver), and the scatters into tensors without a shadow that a staged refit defers to its commit."""
+    """Pack programs of outgoing packed links, scatter programs of incoming ones run as each arrives, and the
+    scatters into unshadowed tensors that a staged refit defers to its commit."""
     plan = part.plan
     o = plan.ops
     numel_of = o["rows"] * o["cols"]
@@ -365,12 +305,13 @@ def _buffer_programs(part: Partition, incoming: tuple[Link, ...], outgoing: tupl
         if lk.packed:
             ops = lk.packed_ops
             offs = np.cumsum(numel_of[ops]) - numel_of[ops]
-            pack[lk.id] = fold(**_block_copies(plan, ops, part.read_kind(ops, is_shadow), WIRE, lk.id, offs))
+            pack[lk.id] = fold(**_wire_copies(plan, ops, part.read_kind(ops, is_shadow), lk.id, offs, True))
     for lk in incoming:
         if lk.recv_numel:
             ops = lk.buffered_ops
             offs = np.cumsum(numel_of[ops]) - numel_of[ops]
             into = is_shadow[o["dst_tensor"][ops]] | (not staged)
-            arrive[lk.id] = fold(**_scatter_copies(plan, ops[into], lk.id, offs[into], SHADOW if staged else DST))
-            later.append(_scatter_copies(plan, ops[~into], lk.id, offs[~into], DST))
-    return pack, arrive, _fold(later) if later else Copies.empty()
+            arrive[lk.id] = fold(**_wire_copies(plan, ops[into], SHADOW if staged else DST, lk.id, offs[into], False))
+            later.append(_wire_copies(plan, ops[~into], DST, lk.id, offs[~into], False))
+    return pack, arrive, (fold(**{c: np.concatenate([p[c] for p in later]) for c in BLOCK_COLUMNS}) if later
+                          else Copies.empty())

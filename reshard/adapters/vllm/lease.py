@@ -1,32 +1,21 @@
-"""The driver's lease on a vLLM server, held in the server's own process: a dead or frozen driver (the trainer
-process that calls init and drives the refits) cannot leave the server paused or an update open.
-
-Start the server with `--middleware reshard.adapters.vllm.lease.ReshardLeaseMiddleware` (vLLM adds it to its
-FastAPI app; it imports no vLLM itself). Protocol, all JSON over the server's port:
-  1. `POST /reshard/lease {"holder": h, "ttl": s}`: driver h takes the lease for s seconds, or renews it. A new
-     holder fences the previous one (a new generation): the previous holder's open update is ended first.
-  2. The driver's RL calls (/pause, /start_weight_update, /update_weights, /finish_weight_update, /resume, ...) carry
-     the header `X-Reshard-Lease: h`; one from any holder but the current one is refused (HTTP 409) and never
-     reaches the engine. Calls without the header (an operator's) pass untouched.
-  3. If the lease lapses (no renewal within ttl; a call of the holder inside the server keeps it, and its return
-     leaves ttl / 2 to be heard again), the holder is fenced and, once the calls still inside the server have
-     returned, the server ends what the holder left open by itself: an update whose install step succeeded
-     is finished with the version it carried (the weights landed whole: roll forward), any other update is
-     finished without a version (nothing was installed: the previous weights and version stay), and a pause is
-     resumed. `POST /reshard/lease {"holder": h, "release": true}` ends a lease on purpose. Either way the
-     server logs what it serves then (`outcome`): the version an open update was rolled forward to, the previous
-     weights of an update closed without a version or of a failed last refit, or the last refit's weights.
-  4. The flip fence: an install (`/update_weights` of phase "install" or "all") that failed after it began writing
-     the live weights (its error names `TORN`) may leave some workers on the new version and some on the old, so
-     the server stops serving: /resume (anyone's, and the lease's own recovery) and the generation routes
-     (`GENERATE`) are refused (HTTP 503, naming the version) and the engine is paused if it was not, until an
-     install of a later refit succeeds on every worker; then the driver's /resume goes through. An install through
-     the worker extension (`/collective_rpc` of `reshard_update`: server.ExtensionClient) counts the same.
-`GET /reshard/lease` answers the current holder, its generation and what it holds open (for tests and operators).
-
-The engine side of the lease lives here whole: `LeaseBook` (the rules), `ReshardLeaseMiddleware` (a vLLM server)
-and `ThreadedLease` (an engine called from threads: a Ray engine actor); the wire (route, header, request body) is
-adapters.lease_keeper's, the driver side adapters.lease_renewal.
+"""The driver's lease on a vLLM server, held in the server's process: a dead or frozen driver cannot leave the
+server paused or an update open. Start the server with `--middleware reshard.adapters.vllm.lease.
+ReshardLeaseMiddleware` (it imports no vLLM). Protocol, JSON over the server's port:
+  1. `POST /reshard/lease {"holder": h, "ttl": s}` takes or renews the lease; a new holder fences the previous one
+     (a new generation), ending its open update first. `{"holder": h, "release": true}` ends it on purpose.
+  2. The driver's RL calls (`FENCED`) carry `X-Reshard-Lease: h`; any holder but the current one gets HTTP 409.
+     Calls without the header (an operator's) pass.
+  3. A lapsed lease (no renewal within ttl; a holder's call inside the server keeps it, and its return leaves
+     ttl / 2) fences the holder; once its calls returned, an update whose install succeeded is finished with its
+     version (roll forward), any other update is finished without one (previous weights stay), a pause is resumed.
+     The log says what is served then (`outcome`).
+  4. Flip fence: an install that failed after it began writing live weights (its error names `TORN`) may leave a
+     mix, so /resume and the generation routes (`GENERATE`) get HTTP 503 and the engine is paused until a later
+     install succeeds on every worker. An install through the worker extension (`/collective_rpc` of
+     `reshard_update`) counts the same.
+`GET /reshard/lease` answers the holder, its generation and what it holds open. `LeaseBook` holds the rules,
+`ReshardLeaseMiddleware` serves a vLLM server, `ThreadedLease` an engine called from threads (a Ray actor); the wire
+is adapters.lease_keeper's, the driver side adapters.lease_renewal.
 """
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""A running vLLM OpenAI-compatible server, seen from the trainer: its RL routes and completions over HTTP, with
-the standard library only (the trainer side of a refit imports no vLLM and may run another torch).
-
-The server needs `VLLM_SERVER_DEV_MODE=1` (the RL routes) and `--weight-transfer-config '{"backend": "reshard"}'`.
-Routes used (the tested vLLM versions: docs/guides/layouts.md, Versions): POST /pause (?mode=abort|wait|keep),
-/resume, /init_weight_transfer_engine {"init_info"}, /start_weight_update, /update_weights {"update_info"},
-/finish_weight_update {"weight_version"}, /weight_checker {"action": "checksum"}; GET /weight_info, /get_world_size,
-/health; POST /v1/completions.
+"""A running vLLM OpenAI-compatible server seen from the trainer, over HTTP with the standard library only (the
+trainer side imports no vLLM). The server needs `VLLM_SERVER_DEV_MODE=1` (the RL routes) and
+`--weight-transfer-config '{"backend": "reshard"}'`.
 
     server = VllmServer("http://127.0.0.1:8000")
     server.wait_healthy(timeout=300)

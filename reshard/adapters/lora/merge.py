@@ -1,12 +1,6 @@
-"""Landing (c): a LoRA refit merged into base weights, W' = W + (alpha / r) B A, computed in float32 and cast once.
-
-The adapter first travels as whole canonical tensors (a plan into `HfLayout(adapter spec)`: the rank that merges
-holds every A and B whole), then `merge` runs where whole base blocks are: a trainer rank at TP 1, a process that
-holds an HF checkpoint, or an engine's loader install (whole canonical tensors). Each merged weight is one float32
-matmul of the whole B and A, so the result does not depend on how any side is cut: bit-identical to a reference
-merge of the same tensors. A merge reads the base from `base` and writes `out`; keep the base (the weights before
-any merge) to merge the next refit of the adapter into, since merging into an already merged weight adds the
-adapter twice.
+"""Landing (c): a LoRA refit merged into base weights, W' = W + (alpha / r) B A, computed in float32 from whole
+tensors and cast once, so the result does not depend on how any side is cut. Keep the unmerged base to merge the
+next refit into (merging into merged weights adds the adapter twice).
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
-"""A refit's steps on the workers of one vLLM engine, each agreed on by all of them, however vLLM calls them: the
-`reshard` weight-transfer engine (vLLM's weight-transfer API) and the worker extension (`collective_rpc`, which
-in-slot LoRA refits need) both drive an `AgreedSteps`.
+"""A refit's steps on the workers of one vLLM engine, each agreed on by all of them, however vLLM calls them.
 
     steps = AgreedSteps(model, vllm_config)
     steps.init(lambda: RefitSpec.from_dict(payload))   # every worker binds; if any fails, none takes part
-    steps.start(); steps.update(version=""); steps.finish()
+    steps.start(); steps.update(); steps.finish()
 """
 from __future__ import annotations
 

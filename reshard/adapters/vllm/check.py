@@ -1,11 +1,6 @@
-"""Check a live vLLM model against the declared destination layout, before any byte moves.
-
-Two levels, all problems reported at once in one `LayoutMismatchError`:
-  1. structure: the live weight parameters (names, shapes, dtypes) equal `layout.rank_tensors(rank)`;
-  2. placement: the model's own weight loaders, run on marked canonical tensors (derive.py), put every probed
-     canonical element exactly where the layout's placements say (an EPLB engine's experts: where vLLM's initial
-     placement puts them, which is what its loaders write). Shapes can agree while the stacking differs
-     (a vLLM version that stores [up; gate], or replicates KV heads differently); this level catches that.
+"""Check a live vLLM model against the declared destination layout before any byte moves, every problem at once:
+its weights' names, shapes and dtypes, and where its own loaders put each probed canonical element (derive.py),
+which catches a stacking order or KV replication that differs while the shapes agree.
 """
 from __future__ import annotations
 

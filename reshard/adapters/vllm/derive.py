@@ -1,16 +1,10 @@
 """Derive a vLLM model's destination layout from the model itself, by running its own weight loaders.
 
-Every canonical element gets a unique marker value, (tensor index + 1) * 2**32 + flat element index, exact in
-float64. The model's parameters (those of the layers probed) are swapped for float64 scratch tensors filled
-with -1, `model.load_weights` is fed the marked canonical tensors under their HF names, and every scratch
-element then says which canonical element vLLM's loaders put there. Grouped into boxes, those landings are
-the layout vLLM really uses -- stacking order, TP split, KV-head replication, expert slots, vocab padding --
-whatever the vLLM version. The live parameters are put back untouched afterwards.
-
-Cost: the probed layers' parameters once more in float64 on the host, plus one marked canonical tensor at a
-time. Layers of one kind are built by the same code, so the engine probes one layer of each kind
-(`representative_layers`) plus embeddings, final norm and lm_head; e.g. Qwen3-235B-A22B at TP4 needs about
-7.5 GB of host memory for that, once, at init. Tests probe every layer.
+Every canonical element gets a unique marker, (tensor index + 1) * 2**32 + flat element index (exact in float64);
+the probed parameters are swapped for float64 scratch filled with -1 and fed the marked tensors through
+`model.load_weights`, so each scratch element says which canonical element landed there. The live parameters are
+put back afterwards. Costs the probed layers once more in float64 on the host (`representative_layers` keeps it to
+one layer of each kind).
 """
 from __future__ import annotations
 

@@ -4,14 +4,8 @@
     transport.run(plan, {rank: binding.tensors})           # any executor: name -> tensor of this rank
     binding.finish()                                       # vocab padding rows zeroed, widened tensors cast
 
-`bind_direct` refuses (LayoutMismatchError) a model whose weights or loaders differ from the declared layout
-and (KernelFormatError) parameters re-laid out after loading (kernel_format.py). `binding.verify()` re-checks
-before each refit that the bound storage is still the model's (vLLM may swap a Parameter's data later, e.g.
-a reload through a backend that re-allocates).
-
-A parameter the engine keeps in a wider floating type than the plan's (check.widens: float32 next to a
-bfloat16 plan) is bound to a small scratch tensor in the plan's dtype; `finish()` casts it into the parameter
-after the refit landed. Lossless for what the trainer sends, which is in the plan's dtype.
+A parameter kept in a wider float type than the plan's (check.widens) is bound to scratch in the plan's dtype and
+cast into the parameter by `finish`.
 """
 from __future__ import annotations
 

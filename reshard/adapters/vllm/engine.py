@@ -1,18 +1,7 @@
-"""The `reshard` weight-transfer engine: vLLM's weight-transfer API (NeMo-RL, ART, any stack using it) selects
-it with `weight_transfer_config={"backend": "reshard"}`.
-
-Registration is per process: `register()` runs in every vLLM worker through the `vllm.general_plugins` entry
-point (pyproject.toml) or on import of the worker extension (`worker_extension_cls=
-"reshard.adapters.vllm.worker.ReshardWorkerExtension"`).
-
-Lifecycle, per worker (vLLM makes the calls; session.py says what each step checks):
-  1. vLLM builds the engine after loading the model: `ReshardWeightTransferEngine(config, vllm_config, device,
-     model)`.
-  2. `init_weight_transfer_engine(init_info)`: a `RefitSpec` as JSON (adapters.refit), bound by the worker's
-     `WorkerSession` (what is checked at once, and what goes on in the background and why: session.py).
-  3. `start_weight_update()`, `update_weights(update_info)` (the transport runs this worker's part of the plan,
-     then the bytes are installed), `finish_weight_update()`: one refit, all or nothing on this engine.
-  4. `shutdown()`: close the transport.
+"""The `reshard` weight-transfer engine, selected by vLLM's weight-transfer API with
+`weight_transfer_config={"backend": "reshard"}`. `register()` runs in every worker through the `vllm.general_plugins`
+entry point or on import of the worker extension. Each call of vLLM's protocol (init, start, update, finish,
+shutdown) is one agreed step of `agreed.AgreedSteps`.
 """
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""An EPLB engine's expert placement, read from the live model, and the check that a refit's plan was compiled for it.
-
-vLLM's expert-parallel load balancer moves experts between physical slots while the engine serves; a plan compiled
-for another placement would write every moved expert into the wrong slot (and vLLM's own `load_weights` always
-writes by the initial placement). So before any byte lands, the worker reads the placement its EPLB state holds now
-(the maps every MoE layer's router reads: logical -> physical and the replica counts) and refuses a plan compiled for
-another one, naming both by digest. Read again at every refit: a rebalance may come between two refits of one
-binding.
-
-vllm is imported inside the functions that need it.
+"""An EPLB engine's expert placement, read from the live model, and the check that a refit's plan was compiled for
+it: EPLB moves experts between slots while the engine serves, so a plan for another placement would write moved
+experts into the wrong slots. Read again at every refit. vllm is imported inside the functions that need it.
 """
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""vLLM model families: what reshard needs to know about one vLLM model class beyond `VllmLayout`.
-
-A vLLM model class named like an architecture of a registered `ModelFamily` (reshard.layouts.family) is served
-from that family's file: its cuts and names give the layout, its `vllm_not_weights` the parameters that hold no
-weights. `register_family` describes a class no family names. Everything else -- parameter names, shapes, where
-each loader puts each canonical element -- is read off the live model and checked against the declared layout
-(see `check`).
+"""vLLM model families: what reshard needs to know about a vLLM model class beyond `VllmLayout`. A class named like
+an architecture of a registered `ModelFamily` is served from that family; `register_family` describes any other.
 """
 from __future__ import annotations
 

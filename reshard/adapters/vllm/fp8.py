@@ -1,14 +1,6 @@
-"""An FP8 block-scaled vLLM engine as the destination of a quantizing refit (`reshard.planner.fp8`).
-
-`fp8_problems(model, fp, rank)` compares the live model's parameters -- what vLLM's Fp8LinearMethod /
-Fp8MoEMethod created: fp8 weights, float32 `weight_scale_inv` per block, the rest in the model's dtype -- with
-the FP8 destination the plan declares for that rank (names, shapes, dtypes; every problem at once);
-`bind_fp8(model, fp, rank)` returns the destination tensors (the parameters' storage) after that check, to hand
-to `Fp8Executor`. Direct install writes the parameters as vLLM keeps them after `process_weights_after_loading`:
-on NVIDIA GPUs vLLM's block-FP8 linear kernels keep the loaded (N, K) fp8 weight and float32 scales
-(`process_fp8_weight_block_strategy` changes them only on FNUZ platforms, ROCm); backends that re-lay weights
-out (the CPU AMX packing, e8m0 scale conversion) are not direct-install destinations: use the loader install
-(an `HfLayout` destination: the FP8 checkpoint's tensors handed to `load_weights`).
+"""An FP8 block-scaled vLLM engine as the destination of a quantizing refit (`reshard.planner.fp8`): the live
+parameters (what vLLM's Fp8LinearMethod / Fp8MoEMethod keep on NVIDIA GPUs) checked against the plan's FP8
+destination, then bound for `Fp8Executor`. Backends that re-lay the weights out take the loader install instead.
 """
 from __future__ import annotations
 

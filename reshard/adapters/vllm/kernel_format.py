@@ -1,19 +1,8 @@
-"""Which live parameters may be written in place: those whose storage is still in the layout their loader
-wrote (the "checkpoint-loaded" layout VllmLayout declares), not re-laid out by post-load processing.
-
-After `load_weights`, vLLM runs each module's `quant_method.process_weights_after_loading`, which may repack, pad,
-transpose or swap weights into a kernel format. What is detected here (the tested vLLM version:
-docs/guides/layouts.md, Versions), per module type, fail-closed (a quant method not listed is refused):
-  - UnquantizedLinearMethod / UnquantizedEmbeddingMethod: nothing on CUDA. On CPU, a module that went through
-    `dispatch_cpu_unquantized_gemm` (it has `cpu_linear`) computes from a packed copy (oneDNN, sgl, zentorch;
-    linear weights are even replaced by empty ones) -> refused. XPU's opt-in transpose and ROCm's padding
-    leave non-contiguous storage -> refused as non-contiguous.
-  - UnquantizedFusedMoEMethod: before processing (`moe_kernel is None`) the experts hold the loader layout.
-    After it, only the TRITON and BATCHED_TRITON backends keep [w1; w3] / w2 as loaded (the H100/H200
-    default); FLASHINFER_CUTLASS stores [w3; w1], FLASHINFER_TRTLLM pads and block-permutes, AITER shuffles,
-    CPU pads and prepacks, XPU transposes, MoonEP re-splits -> refused.
-  - any other quant method (quantized checkpoints, out-of-tree layers) -> refused.
-Shapes changed by processing (padding) are also caught by the structure check (check.py).
+"""Which live parameters may be written in place: those still in the layout their loader wrote, not re-laid out by
+vLLM's post-load processing (`process_weights_after_loading`). Fail-closed per quant method:
+  - unquantized linear / embedding: kept on CUDA; refused on CPU once dispatched to a packed GEMM (`cpu_linear`);
+  - unquantized fused MoE: kept before processing and by the TRITON / BATCHED_TRITON backends only;
+  - any other quant method, and any non-contiguous storage: refused.
 """
 from __future__ import annotations
 

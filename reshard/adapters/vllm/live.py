@@ -1,6 +1,4 @@
-"""Reading a live vLLM model: its weight parameters, its parallel sizes, the layout it declares, its rank.
-
-vllm is imported inside the functions that need it.
+"""Reading a live vLLM model: its weight parameters, parallel sizes, declared layout and rank (vllm imported lazily).
 """
 from __future__ import annotations
 

@@ -1,17 +1,7 @@
-"""Loader install: the plan delivers canonical tensors (whole, HF-named) and the model's own `load_weights`
-places them -- for quantized or re-packing backends (vLLM's CPU backend among them), where vLLM's loaders and
-post-load processing must run.
-
-The plan's destination is `HfLayout(replicas=N)` with one "replica" per vLLM rank: `load_weights` needs the
-full global tensor on every rank (a per-rank shard is silently misloaded). The whole model lands in buffers of
-this worker's first (allocated once, kept between refits: memory for one whole copy of the model per worker);
-only then does `install` hand it to vLLM, one group of whole modules at a time (what precedes the layers, each
-layer, the final norm and lm_head), inside vLLM's layerwise reload:
-
-  1. the transport fills `buffers` (every process of the refit confirmed that it has all its bytes);
-  2. `install()`: initialize_layerwise_reload(model); `model.load_weights(group)` per group;
-     finalize_layerwise_reload(model, model_config), which runs the post-load processing.
-A transport failure happens before step 2, so the model never sees a partial refit.
+"""Loader install: the plan delivers whole HF-named canonical tensors (`HfLayout(replicas=N)`, one "replica" per
+vLLM rank) into buffers kept between refits, and `install` hands them to the model's own `load_weights` one group of
+whole modules at a time, inside vLLM's layerwise reload (which runs the post-load processing): for quantized or
+re-packing backends. A transport failure happens before the install, so the model never sees a partial refit.
 """
 from __future__ import annotations
 

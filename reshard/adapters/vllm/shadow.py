@@ -1,26 +1,13 @@
-"""The flip of a staged loader install on a CPU engine: the new weights are loaded and processed off the pause, on
-a shadow of the model, and the flip swaps them in.
+"""The flip of a staged loader install on a CPU engine: vLLM's CPU build packs every linear weight after loading,
+so a loader install must re-run `load_weights` and that processing. Here it runs on a shadow of the model while the
+engine still generates, and the flip swaps the shadow's parameters in (pointer assignments, no byte copied).
 
-vLLM's CPU build processes every linear layer after loading: `UnquantizedLinearMethod.process_weights_after_loading`
-calls `dispatch_cpu_unquantized_gemm` (vllm/model_executor/layers/utils.py), which packs the weight for its GEMM
-kernel, keeps the packed copy in a closure (`layer.cpu_linear`) and leaves `layer.weight` empty. A loader install
-therefore cannot copy new bytes into the live tensors: it re-runs `load_weights` and that processing for the whole
-model (vLLM's layerwise reload), which inside the pause cost 181 ms of a 355 ms pause (BENCHMARKS.md, "Refit while
-serving"). Here that work runs while the engine still generates, on a shadow:
+    shadow = Shadow(installer)    # at init: its size (`nbytes`), checked like a staging
+    shadow.build()                # once the staged bytes are whole: vLLM's own load_weights and processing
+    shadow.swap()                 # inside the pause
 
-    shadow = Shadow(model, installer)    # at init: the shadow's size, checked like a staging
-    shadow.build()                       # after the staged bytes are whole: vLLM's own load_weights and processing
-    shadow.swap()                        # inside the pause: pointer assignments, no byte copied
-
-The shadow is a copy of the module tree (each module a shallow copy with dicts of its own) whose parameters are
-fresh tensors of the shapes vLLM recorded before its first processing (`record_metadata_for_reloading`), so the
-model's own `load_weights` (run on the shadow's root) and each layer's own `quant_method` fill and process them as a
-first load does; the live model is only read. `swap` then gives each live module the shadow's parameters and every
-attribute processing set (the packed-weight closures): the engine runs eager (`--enforce-eager`; the CPU build
-looks `cpu_linear` up at each call), so the next step computes with the new weights.
-
-Memory: one more copy of the worker's shard as vLLM loads it (beside the loader's buffers), for as long as the
-refit is staged, computed at init (`nbytes`) and refused there when it does not fit (staging.check_room).
+The shadow is a copy of the module tree whose parameters are fresh tensors of the shapes vLLM recorded for
+reloading; the live model is only read until `swap`. Needs an eager engine (`--enforce-eager`).
 """
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""Where a worker stages a refit's bytes while its engine keeps generating, and the flip that makes them live.
-
-`RefitSpec(staging=...)` chooses it: None streams the bytes as before (direct: the executor's own shadows,
-committed as soon as every byte landed; loader: its buffers), "device" stages a copy of this worker's own shard
-on the engine's device, "host" in pinned host memory. With staging, a worker's transfer runs on a thread of its
-own and returns at once, so vLLM's engine loop goes on generating while the bytes land; the model is untouched
-until the flip (`Staging.flip`: a device copy, or host-to-device copy, of the staged shard into the live
-parameters), which the driver brackets with a pause (adapters.trainer: `pause_for="flip"`).
-
-Memory: one copy of the worker's shard (not the whole model), computed and checked at init: a staging that does
-not fit what the device (or the host) has free is refused there, naming both sizes, before any byte moves.
+"""Where a worker stages a refit's bytes while its engine keeps generating (`RefitSpec(staging="device" | "host")`),
+and the flip that copies them into the live parameters. A staging holds one copy of the worker's shard and is
+refused at init when it does not fit, naming both sizes.
 """
 from __future__ import annotations
 

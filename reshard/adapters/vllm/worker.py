@@ -1,21 +1,13 @@
-"""A vLLM worker extension for refits driven by `collective_rpc` (stacks that call worker methods directly
-instead of the weight-transfer API, and in-slot LoRA refits, which that API cannot carry), e.g.
+"""A vLLM worker extension for refits driven by `collective_rpc` (stacks that call worker methods directly, and
+in-slot LoRA refits, which the weight-transfer API cannot carry), e.g.
 
     llm = LLM(model=..., worker_extension_cls="reshard.adapters.vllm.worker.ReshardWorkerExtension")
     llm.collective_rpc("reshard_init", args=(refit.to_dict(),))        # a RefitSpec; raises before bytes move
-    llm.collective_rpc("reshard_refit")                                 # start, receive, finish
-    llm.collective_rpc("reshard_direct_problems")                       # why direct mode would be refused
-    llm.collective_rpc("reshard_stats")                                 # plan compiles and cache hits
-    llm.collective_rpc("reshard_staged")                                # has a staged transfer landed?
-    llm.collective_rpc("reshard_expert_placement")                      # an EPLB engine's placement now
+    llm.collective_rpc("reshard_refit")                                 # start, update, finish
 
-Each step is also a method of its own (`reshard_start`, `reshard_update`, `reshard_finish`), so a trainer can send
-while the workers receive: `reshard.adapters.server.ExtensionClient` drives them over a server's dev route
-`/collective_rpc`, where arguments travel as JSON strings. Every step is agreed on by all workers of the engine
-(adapters.vllm.agreed), as in the weight-transfer engine.
-
-Importing this module registers the `reshard` weight-transfer engine in the worker process (vLLM imports the
-extension class in every worker before building it), so the weight-transfer API can select it as well.
+Each step is also a method of its own, so a trainer can send while the workers receive
+(`reshard.adapters.server.ExtensionClient`, over a server's `/collective_rpc`, passes arguments as JSON text).
+Importing this module registers the `reshard` weight-transfer engine in the worker process.
 """
 from __future__ import annotations
 

@@ -22,10 +22,8 @@ from .lease_keeper import HEADER, ROUTE, request_body
 
 
 class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased):
-    """A running `vllm serve`, driven over HTTP: vLLM's weight-sync routes plus what a caller checks afterwards.
-
-    Speaks vLLM's weight-sync client protocol (`VLLMWeightSyncClient`: init / start / update / finish), pause /
-    resume, the weight version, checksums (vLLM's and reshard's own `landed` digests), greedy completions.
+    """A running `vllm serve` over HTTP: vLLM's weight-sync client protocol (init / start / update / finish), pause /
+    resume, the driver's lease, the weight version, checksums, LoRA adapters and completions.
 
     Args:
         url: the server's base URL, http(s)://host:port.
@@ -48,15 +46,18 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased)
 
             raise ArgumentError("url", url, "must be http(s)://host:port")
         self.url, self.timeout, self.api_key = url.rstrip("/"), timeout, api_key
-        self.lease_holder: str | None = None  # sent with every call once a lease is taken (adapters.vllm.lease)
+        self.lease_holder: str | None = None  # sent with every call once a lease is taken
 
     def __repr__(self) -> str:
         return f"VllmServer({self.url})"
 
     def call(self, method: str, route: str, body: dict[str, Any] | None = None,
              query: dict[str, Any] | None = None, timeout: float | None = None, text: bool = False) -> Any:
-        """One request; its JSON answer (its text with `text`: routes that answer in words). A non-2xx answer raises
-        ExecutionError with the server's message."""
+        """One request; its JSON answer (its text with `text`).
+
+        Raises:
+            ExecutionError: a non-2xx answer (with the server's message), or the server unreachable.
+        """
         url = self.url + route + (("?" + urllib.parse.urlencode(query)) if query else "")
         data = json.dumps(body).encode() if body is not None else None
         request = urllib.request.Request(url, data=data, method=method)
@@ -77,7 +78,6 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased)
             return answer
         return json.loads(answer) if answer else None
 
-    # --- vLLM's weight-sync client protocol ------------------------------------------------------------
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.call("POST", "/init_weight_transfer_engine", {"init_info": init_info})
 
@@ -90,10 +90,8 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased)
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.call("POST", "/finish_weight_update", {"weight_version": weight_version})
 
-    # --- the driver's lease (the server runs reshard.adapters.vllm.lease.ReshardLeaseMiddleware) -------------
     def acquire_lease(self, holder: str, ttl: float, timeout: float | None = None) -> None:
-        """Take (or renew) the server's lease as `holder` for `ttl` seconds; every later call carries it. Taking it
-        from another holder waits until the server has ended that holder's open update."""
+        """Take (or renew) the server's lease as `holder` for `ttl` seconds; every later call carries it."""
         try:
             self.call("POST", ROUTE, request_body(holder, ttl), timeout=timeout)
         except ExecutionError as e:
@@ -105,7 +103,7 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased)
         self.lease_holder = holder
 
     def lease_endpoint(self) -> dict[str, Any]:
-        """Where the lease is renewed (by the driver's keeper process, adapters.lease_keeper)."""
+        """Where the driver's keeper process renews the lease."""
         return {"url": self.url, "api_key": self.api_key}
 
     def release_lease(self, timeout: float | None = None) -> None:
@@ -115,10 +113,9 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased)
             self.call("POST", ROUTE, request_body(holder, release=True), timeout=timeout)
 
     def lease_state(self) -> dict[str, Any]:
-        """The server's lease: holder, generation, what it holds open (adapters.vllm.lease.LeaseBook.state)."""
+        """The server's lease: holder, generation, what it holds open."""
         return self.call("GET", ROUTE)
 
-    # --- around a refit ----------------------------------------------------------------------------------
     def pause(self, mode: str = "wait") -> None:
         """Stop generating: "wait" lets requests in flight finish, "abort" aborts them, "keep" freezes them."""
         self.call("POST", "/pause", query={"mode": mode})
@@ -127,16 +124,14 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased)
         self.call("POST", "/resume")
 
     def in_flight(self) -> list[str] | None:
-        """The ids of the requests the engine's workers hold now (vLLM's internal ids: running, or frozen by a "keep"
-        pause); None without reshard's worker extension."""
+        """The ids of the requests the engine's workers hold now; None without reshard's worker extension."""
         try:
             return sorted({i for ids in self.collective_rpc("reshard_in_flight") for i in ids})
         except ExecutionError:
             return None
 
     def staged(self) -> bool | None:
-        """Whether the open update's staged transfer ended on every worker (adapters.engines.ReportsStaged); None
-        without reshard's worker extension."""
+        """Whether the open update's staged transfer ended on every worker; None without the worker extension."""
         try:
             answers = self.collective_rpc("reshard_staged")
         except ExecutionError:
@@ -152,9 +147,8 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased)
         return self.call("POST", "/weight_checker", {"action": "checksum"})["checksums"]
 
     def landed(self) -> list[dict[str, Any]]:
-        """reshard's end-to-end digest of what the last refit landed, per worker (before vLLM's repacking; the
-        server runs the worker extension: `--worker-extension-cls reshard.adapters.vllm.worker.
-        ReshardWorkerExtension`): [{"rank", "refit", "installed", "digests": {name: sha256}}]."""
+        """reshard's digest of what the last refit landed, per worker (needs the worker extension):
+        [{"rank", "refit", "installed", "digests": {name: sha256}}]."""
         return self.collective_rpc("reshard_landed")
 
     def collective_rpc(self, method: str, args: tuple[str, ...] = ()) -> list[Any]:
@@ -182,14 +176,9 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased)
         if not poll(self.healthy, time.monotonic() + timeout, first_s=1.0, most_s=1.0, between=exited):
             raise ExecutionError(f"the server at {self.url} was not healthy within {timeout:.0f} s")
 
-    # --- LoRA adapters (the server started with --enable-lora; VLLM_ALLOW_RUNTIME_LORA_UPDATING=True) ----------
     def load_lora_adapter(self, name: str, path: str, inplace: bool = False) -> int | None:
-        """Serve the PEFT directory `path` as model `name`; `inplace` reloads an adapter already served under that
-        name from its path (after a refit published a new version there: reshard.adapters.lora.PeftDirectory).
-        Returns the engine's id of a newly served adapter -- what an in-slot refit (`RefitSpec(install=
-        "lora_slot", lora_id=...)`) names -- found as the one id its workers list after the load and not before
-        (the dev route /collective_rpc); None when that cannot be told (inplace, no dev routes, or another load
-        raced it)."""
+        """Serve the PEFT directory `path` as model `name` (`inplace`: reload it from its path). Returns the engine's
+        id of a newly served adapter (what an in-slot refit names), or None when that cannot be told."""
         before = None if inplace else self._lora_ids_if_listed()
         self.call("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path, "load_inplace": inplace},
                   text=True)
@@ -223,8 +212,7 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased)
         self.call("POST", "/v1/unload_lora_adapter", {"lora_name": name}, text=True)
 
     def greedy(self, prompts: list[list[int]], max_tokens: int = 12, model: str | None = None) -> list[list[int]]:
-        """Greedy completions of token-id prompts: the generated token ids of each (by the base model, or by the
-        adapter served as `model`)."""
+        """The generated token ids of greedy completions of token-id prompts (by the base model, or `model`)."""
         out = []
         for prompt in prompts:
             answer = self.call("POST", "/v1/completions", {
@@ -235,9 +223,12 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased)
 
     def prompt_logprobs(self, prompts: list[list[int]],
                         model: str | None = None) -> list[tuple[list[float], list[int]]]:
-        """Score token-id prompts without sampling (`/v1/completions` with `prompt_logprobs=1`): per prompt, for
-        every position after the first, the log-probability of the prompt's token there and the argmax token
-        (the one vLLM ranks 1). The answer is untrusted: every position must be present, finite and ranked."""
+        """Per prompt, for every position after the first, the log-probability of the prompt's token there and the
+        argmax token (vLLM's rank 1), scored without sampling.
+
+        Raises:
+            ExecutionError: the server's answer lacks a position or its ranked token.
+        """
         out = []
         for prompt in prompts:
             answer = self.call("POST", "/v1/completions", {
@@ -268,13 +259,9 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased)
 
 
 class ExtensionClient(EngineClient, Pausable, ReportsStaged):
-    """A refit's engine calls through the `reshard` worker extension's methods over a server's dev route
-    `/collective_rpc` (arguments as JSON text), or an in-process `vllm.LLM`'s `collective_rpc`, instead of its
-    weight-transfer API: what in-slot LoRA refits (`RefitSpec(install="lora_slot")`) need, because that API drops
-    every loaded adapter when an update finishes. The engine must run with `--worker-extension-cls
-    reshard.adapters.vllm.worker.ReshardWorkerExtension`. An in-process engine generates only when asked: its
-    pause and resume do nothing. A server's lease middleware reads these installs as /update_weights ones, so a
-    flip that tears fences the server as any other (adapters.vllm.lease.refit_call).
+    """A refit's engine calls through the `reshard` worker extension (a server's `/collective_rpc`, or an in-process
+    `vllm.LLM`'s `collective_rpc`) instead of the weight-transfer API, which drops every loaded LoRA adapter at finish:
+    what in-slot LoRA refits need. An in-process engine's pause and resume do nothing.
 
         TrainerSession(refit, rank, tensors, engines=[ExtensionClient(server)])
     """
@@ -300,7 +287,7 @@ class ExtensionClient(EngineClient, Pausable, ReportsStaged):
         self._rpc("reshard_update", update_info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        if weight_version is not None:  # None: closing a failed update, which the extension needs no call for
+        if weight_version is not None:  # None: closing a failed update, which needs no call
             self._rpc("reshard_finish")
 
     def staged(self) -> bool:

@@ -8,7 +8,6 @@ one layer of each kind).
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -16,7 +15,7 @@ import numpy as np
 import torch
 
 from ...layouts import ModelSpec, Placement, TensorSpec
-from .live import dtype_name, layer_of, weights
+from .live import config_scope, dtype_name, layer_of, weights
 
 SHIFT = 1 << 32
 UNWRITTEN = -1.0
@@ -71,7 +70,7 @@ def derive_layout(model: torch.nn.Module, spec: ModelSpec, rank: int, layers: Se
     scratch, live = _swap_in_scratch(swapped)
     try:
         feed = ((t.name, marker(t)) for t in chosen)  # made one at a time, as the loaders consume them
-        with _vllm_config_scope(vllm_config), torch.no_grad():
+        with config_scope(vllm_config), torch.no_grad():
             model.load_weights(feed)
         placements, problems = [], []
         by_index = {t.index: t for t in spec.tensors}
@@ -84,14 +83,6 @@ def derive_layout(model: torch.nn.Module, spec: ModelSpec, rank: int, layers: Se
             p.data = live[name]
     placements.sort(key=lambda cp: (cp[1].tensor, cp[0], cp[1].phys_offset))
     return DerivedLayout(rank, tensors, tuple(placements), tuple(t.name for t in chosen), tuple(problems))
-
-
-def _vllm_config_scope(vllm_config: Any) -> contextlib.AbstractContextManager:
-    if vllm_config is None:
-        return contextlib.nullcontext()
-    from vllm.config import set_current_vllm_config
-
-    return set_current_vllm_config(vllm_config)
 
 
 def _swap_in_scratch(params: dict[str, torch.nn.Parameter]) -> tuple[dict[str, torch.Tensor],

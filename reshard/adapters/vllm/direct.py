@@ -9,6 +9,7 @@ cast into the parameter by `finish`.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -18,6 +19,7 @@ from ...errors import KernelFormatError
 from ...executors.reference import torch_dtype
 from ...layouts import Layout
 from .check import check_layout
+from .derive import declared_placements
 from .kernel_format import relaid_problems
 from .live import weights
 
@@ -85,23 +87,12 @@ def bind_direct(model: torch.nn.Module, layout: Layout, rank: int, layers: Seque
 def padding_runs(layout: Layout, rank: int) -> dict[str, list[tuple[int, int]]]:
     """For each tensor of `rank` that placements do not fill, the flat runs of elements they leave uncovered."""
     shapes = layout.rank_tensors(rank)
-    covered = {name: 0 for name in shapes}
     boxes: dict[str, list] = {name: [] for name in shapes}
-    replica = rank // layout.ranks_per_replica
-    for t in layout.model.tensors:
-        for p in layout.placements(t, replica=replica):
-            if p.rank == rank and 0 not in p.lengths:
-                n = 1
-                for length in p.lengths:
-                    n *= length
-                covered[p.tensor] += n
-                boxes[p.tensor].append(p)
+    for _, p in declared_placements(layout, rank, layout.model.tensors):
+        boxes[p.tensor].append(p)
     out = {}
     for name, shape in shapes.items():
-        numel = 1
-        for s in shape:
-            numel *= s
-        if covered[name] >= numel:
+        if sum(math.prod(p.lengths) for p in boxes[name]) >= math.prod(shape):
             continue
         mask = torch.zeros(shape, dtype=torch.bool)
         for p in boxes[name]:

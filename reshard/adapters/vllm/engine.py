@@ -19,8 +19,8 @@ BACKEND = "reshard"
 
 
 class ReshardInitInfo(WeightTransferInitInfo):
-    """The worker-side init payload: a RefitSpec's fields, validated as untrusted input. Never raises itself
-    (vLLM parses it on every worker before the engine can agree on failures): `refit()` raises."""
+    """The worker-side init payload, a RefitSpec's fields; never raises itself (vLLM parses it before the workers
+    can agree on failures): `refit()` raises."""
 
     def __init__(self, **fields: Any) -> None:
         self.spec: RefitSpec | None = None
@@ -41,12 +41,8 @@ PHASES = ("transfer", "install", "all")
 
 
 class ReshardUpdateInfo(WeightTransferUpdateInfo):
-    """Per-round info -- the plan fixed at init says what moves: the version label of the weights being sent, the
-    refit (generation) it belongs to (a worker bound to another refit refuses it: a late message of an old driver is
-    never applied), and the phase: "transfer" (the bytes land in staging or the loader's buffers, the model is not
-    touched; staged refits return at once and land while the engine generates), "install" (hand them to the model,
-    the flip; only after a whole transfer of this update), or "all" (both).
-    Never raises itself (see ReshardInitInfo)."""
+    """Per-update info: the version label, the refit id it belongs to (another is refused) and the phase:
+    "transfer" (the model untouched), "install" (the flip) or "all". Never raises itself (see ReshardInitInfo)."""
 
     def __init__(self, version: str = "", refit: str = "", phase: str = "all", **unknown: Any) -> None:
         self.version, self.refit, self.phase = str(version), str(refit), str(phase)
@@ -57,8 +53,7 @@ class ReshardUpdateInfo(WeightTransferUpdateInfo):
 
 
 class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
-    """vLLM's worker-side weight-transfer engine `reshard` (one per worker): each call of vLLM's weight-update
-    protocol is one agreed step of `adapters.vllm.agreed.AgreedSteps` (init, start, transfer or install, finish)."""
+    """vLLM's worker-side weight-transfer engine `reshard`: each protocol call is one step of `AgreedSteps`."""
     init_info_cls = ReshardInitInfo
     update_info_cls = ReshardUpdateInfo
     supports_draft_weight_update = False
@@ -87,9 +82,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
 
 
 def _full_weights_only(refit: RefitSpec) -> None:
-    """vLLM's weight-transfer API ends every update by dropping every loaded LoRA adapter (the worker's
-    finish_weight_update -> reset_lora_state, in the tested vLLM versions): an adapter refit into a slot would be
-    thrown away and reloaded from its path at the next request. Refused, naming the way that works."""
+    """Refuse an in-slot LoRA refit: vLLM's weight-transfer API drops every loaded adapter when an update finishes."""
     if refit.install == "lora_slot":
         raise PlanError("install='lora_slot' cannot go through vLLM's weight-transfer API: vLLM drops every loaded "
                         "LoRA adapter when a weight update finishes (reset_lora_state). Refit adapters through the "

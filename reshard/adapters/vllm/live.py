@@ -2,6 +2,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -14,6 +15,15 @@ from .families import VllmFamily, family_of
 def dtype_name(dtype: torch.dtype) -> str:
     """The dtype's name without the torch. prefix."""
     return str(dtype).removeprefix("torch.")
+
+
+def config_scope(vllm_config: Any) -> contextlib.AbstractContextManager:
+    """vLLM's `set_current_vllm_config(vllm_config)` (nothing for None: a bare model in tests)."""
+    if vllm_config is None:
+        return contextlib.nullcontext()
+    from vllm.config import set_current_vllm_config
+
+    return set_current_vllm_config(vllm_config)
 
 
 def layer_of(name: str) -> int:

@@ -5,7 +5,6 @@ re-packing backends. A transport failure happens before the install, so the mode
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -14,7 +13,7 @@ from ...errors import ExecutionError
 from ...executors.reference import empty_for
 from ...layouts import HfLayout, ModelSpec
 from ...planner import Plan
-from .live import weights
+from .live import config_scope, weights
 
 
 def layer_groups(spec: ModelSpec) -> list[tuple[str, ...]]:
@@ -62,20 +61,13 @@ class LoaderInstaller:
             for t in self.buffers.values():
                 release_shared(t)
 
-    def _scope(self) -> contextlib.AbstractContextManager:
-        if self.vllm_config is None:
-            return contextlib.nullcontext()
-        from vllm.config import set_current_vllm_config
-
-        return set_current_vllm_config(self.vllm_config)
-
     @torch.no_grad()
     def install(self) -> set[str]:
         """Hand the received tensors to the model inside vLLM's layerwise reload (which runs the post-load
         processing at its end); returns what vLLM loaded."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-        with self._scope():
+        with config_scope(self.vllm_config):
             _reset_moe_kernels(self.model)
             initialize_layerwise_reload(self.model)
             try:
@@ -94,7 +86,7 @@ class LoaderInstaller:
         """`load_weights` of the received tensors, group by group. Raises ExecutionError if some weight of the
         model was not loaded (vLLM skips names it does not know)."""
         loaded: set[str] = set()
-        with self._scope():
+        with config_scope(self.vllm_config):
             for group in self.groups:
                 loaded |= set(self.model.load_weights([(name, self.buffers[name]) for name in group]) or ())
         # LoRA wraps a linear's weight as `<module>.base_layer.weight`; load_weights reports the unwrapped name

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .live import config_scope
 from .loader import LoaderInstaller
 
 # a module's own bookkeeping, never swapped as an attribute
@@ -68,7 +69,7 @@ class Shadow:
         root = self._copy(self.model, {})
         twin = copy.copy(self.installer)  # the installer's own load, on the shadow
         twin.model = root
-        with torch.no_grad(), twin._scope():
+        with torch.no_grad(), config_scope(twin.vllm_config):
             twin.load()
             for _, shadow in self.pairs:
                 method = getattr(shadow, "quant_method", None)

@@ -90,9 +90,8 @@ class ReshardWorkerExtension:
         return []
 
     def reshard_expert_placement(self) -> dict[str, Any] | None:
-        """The expert placement this engine's EPLB state holds now, as JSON (`ExpertPlacement`'s fields; None without
-        EPLB): what a trainer follows after a rebalance, `refit.with_expert_placement(ExpertPlacement.model_validate(
-        answer))`, then init again. Every worker of an engine answers the same (the maps are the engine's).
+        """The expert placement this engine's EPLB state holds now, as JSON (None without EPLB): what a trainer
+        follows after a rebalance (`refit.with_expert_placement`).
 
         Raises:
             ArgumentError: the EPLB state's maps are not a placement.
@@ -105,10 +104,8 @@ class ReshardWorkerExtension:
         return None if placement is None else placement.model_dump(mode="json")
 
     def reshard_stats(self) -> dict[str, Any]:
-        """This worker's plan-cache counts (compiles, hits), its process id and, once a refit installed, how long
-        its last install took (`flip_s`), waited for a staged transfer first (`tail_s`) and whether its flip swaps a
-        shadow in (`swap`, adapters.vllm.shadow): a second refit compiles nothing. Callable by name through a
-        server's dev route `/collective_rpc` (`{"method": "reshard_stats"}`)."""
+        """This worker's plan-cache counts, its pid and, once a refit installed, its last install's time (`flip_s`),
+        its wait for a staged transfer (`tail_s`) and whether its flip swaps a shadow in (`swap`)."""
         from ...planner import cache
 
         sessions = self._reshard_sessions()
@@ -122,22 +119,19 @@ class ReshardWorkerExtension:
         return [s.session for s in (engine, getattr(self, "_reshard_agreed", None)) if s and s.session]
 
     def reshard_landed(self) -> dict[str, Any]:
-        """`WorkerSession.landed` of this worker's last refit (through the weight-transfer API or this extension):
-        reshard's digest of what landed, before any repacking. Callable through a server's `/collective_rpc`."""
+        """`WorkerSession.landed` of this worker's last refit (weight-transfer API or this extension)."""
         sessions = self._reshard_sessions()
         if not sessions:
             raise PlanError("no refit session on this worker: nothing landed yet")
         return sessions[0].landed()
 
     def reshard_staged(self) -> dict[str, Any]:
-        """`WorkerSession.staged`: whether this worker's staged transfer has ended ({"done", "error"}), answered at
-        once (a worker call holds the engine loop). Callable through `/collective_rpc`."""
+        """`WorkerSession.staged`: whether this worker's staged transfer has ended ({"done", "error"})."""
         sessions = self._reshard_sessions()
         return sessions[0].staged() if sessions else {"done": True, "error": "no refit session on this worker"}
 
     def reshard_in_flight(self) -> list[str]:
-        """The ids of the requests this worker holds state for (vLLM's model runner: running, or frozen by a "keep"
-        pause): what a driver asks while the engine is paused for a flip. Callable through `/collective_rpc`."""
+        """The ids of the requests this worker holds state for (running, or frozen by a "keep" pause)."""
         return sorted(self.model_runner.requests)
 
     def reshard_close(self) -> None:

@@ -3,10 +3,9 @@ reshard into vLLM's weight-transfer API (`weight_transfer_config={"backend": "re
 entry point registers it in every worker). vllm is imported only inside these modules, never by `import reshard`.
 The trainer drives it with `reshard.adapters.trainer.TrainerSession`.
 """
-from .check import check_layout
-from .derive import DerivedLayout, derive_layout, representative_layers
+from .derive import DerivedLayout, check_layout, derive_layout, representative_layers
 from .direct import DirectBinding, bind_direct
-from .families import VllmFamily, family_of, register_family
+from .live import VllmFamily, family_of, register_family
 from .loader import LoaderInstaller, layer_groups, loader_layout
 from .session import WorkerSession
 

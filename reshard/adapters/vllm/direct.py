@@ -4,24 +4,31 @@
     transport.run(plan, {rank: binding.tensors})           # any executor: name -> tensor of this rank
     binding.finish()                                       # vocab padding rows zeroed, widened tensors cast
 
-A parameter kept in a wider float type than the plan's (check.widens) is bound to scratch in the plan's dtype and
-cast into the parameter by `finish`.
+A parameter kept in a wider float type than the plan's (derive.widens) is bound to scratch in the plan's dtype and
+cast into the parameter by `finish`. Parameters re-laid out by vLLM's post-load processing
+(`process_weights_after_loading`) are refused, fail-closed per quant method (`relaid_problems`):
+  - unquantized linear / embedding: kept on CUDA; refused on CPU once dispatched to a packed GEMM (`cpu_linear`);
+  - unquantized fused MoE: kept before processing and by the TRITON / BATCHED_TRITON backends only;
+  - any other quant method, and any non-contiguous storage: refused.
+An FP8 block-scaled engine (`reshard.planner.fp8`) is bound by `bind_fp8` for `Fp8Executor`: what vLLM's
+Fp8LinearMethod / Fp8MoEMethod keep on NVIDIA GPUs; backends that re-lay FP8 weights out take the loader install.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 
-from ...errors import KernelFormatError
+from ...errors import KernelFormatError, LayoutMismatchError
 from ...executors.reference import torch_dtype
 from ...layouts import Layout
-from .check import check_layout
-from .derive import declared_placements
-from .kernel_format import relaid_problems
-from .live import weights
+from .derive import check_layout, declared_placements
+from .live import dtype_name, weights
+
+if TYPE_CHECKING:
+    from ...planner.fp8 import Fp8Plan
 
 
 @dataclass
@@ -114,3 +121,85 @@ def _runs(flags: torch.Tensor) -> list[tuple[int, int]]:
     starts = torch.nonzero(edges == 1).flatten().tolist()
     stops = torch.nonzero(edges == -1).flatten().tolist()
     return [(a, b - a) for a, b in zip(starts, stops)]
+
+
+_MOE_AS_LOADED = ("TRITON", "BATCHED_TRITON")
+
+
+def _on_cpu_dispatched(module: torch.nn.Module, method: Any) -> str | None:
+    if hasattr(module, "cpu_linear"):
+        return (f"{type(method).__name__} on CPU dispatched it to a CPU GEMM kernel that may compute from a "
+                f"packed copy of the weight")
+    return None
+
+
+def _moe(module: torch.nn.Module, method: Any) -> str | None:
+    if method.moe_kernel is None:
+        return None  # not processed yet: the experts hold what the loader wrote
+    backend = getattr(method.unquantized_backend, "name", str(method.unquantized_backend))
+    if backend in _MOE_AS_LOADED:
+        return None
+    return f"MoE backend {backend} re-lays the expert weights after loading (only {_MOE_AS_LOADED} keep them)"
+
+
+def _rules() -> dict[type, Callable[[torch.nn.Module, Any], str | None]]:
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    return {UnquantizedLinearMethod: _on_cpu_dispatched, UnquantizedEmbeddingMethod: _on_cpu_dispatched,
+            UnquantizedFusedMoEMethod: _moe}
+
+
+def relaid_problems(model: torch.nn.Module, params: dict[str, torch.nn.Parameter],
+                    names: Iterable[str] | None = None) -> list[str]:
+    """One line per parameter that must not be written in place, saying why (empty: all may be)."""
+    rules = _rules()
+    problems = []
+    for name in sorted(params if names is None else names):
+        p = params[name]
+        if not p.is_contiguous():
+            problems.append(f"{name}: storage is not contiguous (re-laid out after loading)")
+            continue
+        module_name = name.rpartition(".")[0]
+        module = model.get_submodule(module_name) if module_name else model
+        method = getattr(module, "quant_method", None)
+        if method is None:
+            continue  # a plain parameter (norms): no post-load processing
+        rule = rules.get(type(method))
+        why = (f"quant method {type(method).__name__} is not known to keep the loaded layout" if rule is None
+               else rule(module, method))
+        if why:
+            problems.append(f"{name}: {why}")
+    return problems
+
+
+def fp8_problems(model: torch.nn.Module, fp: Fp8Plan, rank: int) -> list[str]:
+    """Differences between the model's parameters and the FP8 destination's tensors of `rank`."""
+    full = fp.full_dst
+    declared = full.rank_tensors(rank)
+    params = dict(model.named_parameters())
+    problems = []
+    for name, shape in sorted(declared.items()):
+        dtype = full.tensor_dtype(rank, name)
+        p = params.get(name)
+        if p is None:
+            problems.append(f"{name}: declared {tuple(shape)} {dtype}, the model has no such parameter")
+        elif tuple(p.shape) != tuple(shape) or dtype_name(p.dtype) != dtype:
+            problems.append(f"{name}: the model has {tuple(p.shape)} {dtype_name(p.dtype)}, the FP8 destination "
+                            f"declares {tuple(shape)} {dtype} ({fp.scheme.block[0]}x{fp.scheme.block[1]} blocks)")
+    for name, p in sorted(params.items()):
+        if name not in declared and (p.dtype == torch.float8_e4m3fn or name.endswith("_scale_inv")):
+            problems.append(f"{name}: the model quantizes it ({tuple(p.shape)} {dtype_name(p.dtype)}), the FP8 "
+                            f"destination does not (ignored modules differ?)")
+    return problems
+
+
+def bind_fp8(model: torch.nn.Module, fp: Fp8Plan, rank: int) -> dict[str, torch.Tensor]:
+    """The destination tensors of `rank` for a direct FP8 install (the parameters' storage), after the check."""
+    problems = fp8_problems(model, fp, rank)
+    if problems:
+        raise LayoutMismatchError("vllm", problems, fix="declare the engine's quantization_config (block size, "
+                                  "ignored modules) and parallel sizes", where="the live FP8 model")
+    params = dict(model.named_parameters())
+    return {name: params[name].data for name in fp.full_dst.rank_tensors(rank)}

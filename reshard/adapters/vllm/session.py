@@ -40,8 +40,7 @@ from .experts import check_loader_placement, check_placement, live_placement
 from .lease import TORN
 from .live import declared_layout, local_rank, spec_of
 from .loader import LoaderInstaller
-from .shadow import Shadow, swaps
-from .staging import Staging, check_room, free_bytes
+from .staging import Shadow, Staging, check_room, free_bytes, swaps
 
 
 class WorkerSession:

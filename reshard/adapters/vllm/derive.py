@@ -71,7 +71,10 @@ def derive_layout(model: torch.nn.Module, spec: ModelSpec, rank: int, layers: Se
     chosen = probed_tensors(spec, layers)
     wanted_layers = {t.layer for t in chosen}
     swapped = {n: p for n, p in params.items() if layer_of(n) in wanted_layers}
-    scratch, live = _swap_in_scratch(swapped)
+    live = {n: p.data for n, p in swapped.items()}
+    scratch = {n: torch.full(tuple(p.shape), UNWRITTEN, dtype=torch.float64) for n, p in swapped.items()}
+    for name, p in swapped.items():
+        p.data = scratch[name]
     try:
         feed = ((t.name, marker(t)) for t in chosen)  # made one at a time, as the loaders consume them
         with config_scope(vllm_config), torch.no_grad():
@@ -87,17 +90,6 @@ def derive_layout(model: torch.nn.Module, spec: ModelSpec, rank: int, layers: Se
             p.data = live[name]
     placements.sort(key=lambda cp: (cp[1].tensor, cp[0], cp[1].phys_offset))
     return DerivedLayout(rank, tensors, tuple(placements), tuple(t.name for t in chosen), tuple(problems))
-
-
-def _swap_in_scratch(params: dict[str, torch.nn.Parameter]) -> tuple[dict[str, torch.Tensor],
-                                                                       dict[str, torch.Tensor]]:
-    """Point each parameter at a float64 host tensor filled with UNWRITTEN; return (scratch, live storage)."""
-    scratch, live = {}, {}
-    for name, p in params.items():
-        live[name] = p.data
-        scratch[name] = torch.full(tuple(p.shape), UNWRITTEN, dtype=torch.float64)
-        p.data = scratch[name]
-    return scratch, live
 
 
 def _read_placements(rank: int, name: str, values: torch.Tensor,
@@ -216,32 +208,26 @@ def merged_boxes(boxes: set[Placement]) -> set[Placement]:
     """The same elements as fewest boxes: boxes that continue each other along one dimension, in the canonical
     tensor and in the physical one alike, become one (a fused stack declared as q, k and v parts that a loader
     writes as one run is the same placement)."""
-    boxes = set(boxes)
-    merged = True
-    while merged:
-        merged = False
+    boxes, size = set(boxes), -1
+    while size != len(boxes):  # until a whole pass merges nothing
+        size = len(boxes)
         for d in range(max((len(p.lengths) for p in boxes), default=0)):
-            def key(p: Placement):
-                rest = lambda t: t[:d] + t[d + 1:]  # noqa: E731
-                return (p.rank, p.tensor, p.shape, rest(p.canon_offset), rest(p.lengths), rest(p.phys_offset))
             groups: dict[tuple, list[Placement]] = defaultdict(list)
             for p in boxes:
                 if len(p.lengths) > d:
-                    groups[key(p)].append(p)
+                    rest = tuple(t[:d] + t[d + 1:] for t in (p.canon_offset, p.lengths, p.phys_offset))
+                    groups[(p.rank, p.tensor, p.shape, rest)].append(p)
             for group in groups.values():
                 group.sort(key=lambda p: p.canon_offset[d])
-                for a, b in zip(group, group[1:]):
-                    if (a.canon_offset[d] + a.lengths[d] == b.canon_offset[d]
-                            and a.phys_offset[d] + a.lengths[d] == b.phys_offset[d]):
-                        grow = lambda t, n: t[:d] + (n,) + t[d + 1:]  # noqa: E731
-                        boxes -= {a, b}
-                        boxes.add(a._replace(lengths=grow(a.lengths, a.lengths[d] + b.lengths[d])))
-                        merged = True
-                        break
-                if merged:
-                    break
-            if merged:
-                break
+                run = group[0]
+                for b in group[1:]:
+                    n = run.lengths[d]
+                    if run.canon_offset[d] + n == b.canon_offset[d] and run.phys_offset[d] + n == b.phys_offset[d]:
+                        boxes -= {run, b}
+                        run = run._replace(lengths=run.lengths[:d] + (n + b.lengths[d],) + run.lengths[d + 1:])
+                        boxes.add(run)
+                    else:
+                        run = b
     return boxes
 
 

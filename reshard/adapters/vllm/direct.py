@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
 
@@ -126,14 +126,18 @@ def _runs(flags: torch.Tensor) -> list[tuple[int, int]]:
 _MOE_AS_LOADED = ("TRITON", "BATCHED_TRITON")
 
 
-def _on_cpu_dispatched(module: torch.nn.Module, method: Any) -> str | None:
-    if hasattr(module, "cpu_linear"):
-        return (f"{type(method).__name__} on CPU dispatched it to a CPU GEMM kernel that may compute from a "
-                f"packed copy of the weight")
-    return None
+def _why_relaid(module: torch.nn.Module, method: Any) -> str | None:
+    """Why `module`'s quant method may have re-laid its weights out after loading (None: it keeps them)."""
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-
-def _moe(module: torch.nn.Module, method: Any) -> str | None:
+    kind = type(method)
+    if kind in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod):
+        return (f"{kind.__name__} on CPU dispatched it to a CPU GEMM kernel that may compute from a packed copy of "
+                f"the weight") if hasattr(module, "cpu_linear") else None
+    if kind is not UnquantizedFusedMoEMethod:
+        return f"quant method {kind.__name__} is not known to keep the loaded layout"
     if method.moe_kernel is None:
         return None  # not processed yet: the experts hold what the loader wrote
     backend = getattr(method.unquantized_backend, "name", str(method.unquantized_backend))
@@ -142,33 +146,18 @@ def _moe(module: torch.nn.Module, method: Any) -> str | None:
     return f"MoE backend {backend} re-lays the expert weights after loading (only {_MOE_AS_LOADED} keep them)"
 
 
-def _rules() -> dict[type, Callable[[torch.nn.Module, Any], str | None]]:
-    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-
-    return {UnquantizedLinearMethod: _on_cpu_dispatched, UnquantizedEmbeddingMethod: _on_cpu_dispatched,
-            UnquantizedFusedMoEMethod: _moe}
-
-
 def relaid_problems(model: torch.nn.Module, params: dict[str, torch.nn.Parameter],
                     names: Iterable[str] | None = None) -> list[str]:
     """One line per parameter that must not be written in place, saying why (empty: all may be)."""
-    rules = _rules()
     problems = []
     for name in sorted(params if names is None else names):
-        p = params[name]
-        if not p.is_contiguous():
+        if not params[name].is_contiguous():
             problems.append(f"{name}: storage is not contiguous (re-laid out after loading)")
             continue
         module_name = name.rpartition(".")[0]
         module = model.get_submodule(module_name) if module_name else model
-        method = getattr(module, "quant_method", None)
-        if method is None:
-            continue  # a plain parameter (norms): no post-load processing
-        rule = rules.get(type(method))
-        why = (f"quant method {type(method).__name__} is not known to keep the loaded layout" if rule is None
-               else rule(module, method))
+        method = getattr(module, "quant_method", None)  # None: a plain parameter (norms), never processed
+        why = _why_relaid(module, method) if method is not None else None
         if why:
             problems.append(f"{name}: {why}")
     return problems

@@ -68,7 +68,11 @@ class LoaderInstaller:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
         with config_scope(self.vllm_config):
-            _reset_moe_kernels(self.model)
+            # vLLM processes a fused-MoE layer's weights (the CPU backend pads and prepacks them) only while it has no
+            # kernel: without one, the reload's post-processing builds and runs it as a first load does
+            for module in self.model.modules():
+                if getattr(getattr(module, "quant_method", None), "moe_kernel", None) is not None:
+                    module.quant_method.moe_kernel = None
             initialize_layerwise_reload(self.model)
             try:
                 loaded = self.load()
@@ -95,15 +99,3 @@ class LoaderInstaller:
             raise ExecutionError(f"load_weights did not load {len(missing)} weights of the model, e.g. {missing[:5]}: "
                                  f"the canonical names do not match what this vLLM model loads")
         return loaded
-
-
-def _reset_moe_kernels(model: torch.nn.Module) -> None:
-    """Make vLLM rebuild fused-MoE kernels after this reload. vLLM (the tested versions) runs a MoE kernel's weight
-    processing (the CPU backend pads and prepacks the experts) only when the layer has no kernel yet, so a reload
-    would copy unprocessed experts into the processed storage: wrong tokens, or a shape error when the kernel pads
-    (seen on the CPU build). Without a kernel, the reload's post-processing builds and runs it as a first load
-    does."""
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if getattr(method, "moe_kernel", None) is not None:
-            method.moe_kernel = None

@@ -81,10 +81,8 @@ class Staging:
 
     @torch.no_grad()
     def flip(self) -> None:
-        """Copy every staged tensor into its live one (host to device from pinned memory when staged on the host),
-        queued without waiting, then waited for once. One `copy_` per tensor, not `torch._foreach_copy_`: on an
-        H100 a Qwen3-30B-A3B TP2 shard (435 tensors, 30.5 GB) flips in 21.3 ms that way and 26.8 ms batched,
-        against 20.1 ms for one flat copy of the bytes (benchmarks/refit_flip.py, BENCHMARKS.md)."""
+        """Copy every staged tensor into its live one, queued, then waited for once. One `copy_` per tensor: faster
+        on an H100 than `torch._foreach_copy_` (benchmarks/refit_flip.py)."""
         start = time.perf_counter()
         for name, live in self.live.items():
             live.copy_(self.tensors[name], non_blocking=True)
@@ -100,29 +98,23 @@ _STRUCTURE = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_se
 
 
 def swaps(model: torch.nn.Module, device: torch.device, vllm_config: Any) -> bool:
-    """The rule choosing the shadow flip for a staged loader install: a CPU engine (its layers are processed after
-    loading) without fused-MoE layers (their kernels are rebuilt by a reload, loader._reset_moe_kernels), without
-    LoRA, that runs eager (a compiled model may keep what it captured), whose modules vLLM recorded for reloading."""
-    if device.type != "cpu" or getattr(vllm_config, "lora_config", None) is not None:
-        return False
-    if not getattr(getattr(vllm_config, "model_config", None), "enforce_eager", False):
+    """Whether a staged loader install flips a shadow: a CPU engine without fused-MoE layers (a reload rebuilds their
+    kernels) or LoRA, running eager (a compiled model may keep what it captured), its modules recorded for reloading."""
+    if device.type != "cpu" or getattr(vllm_config, "lora_config", None) is not None \
+            or not getattr(getattr(vllm_config, "model_config", None), "enforce_eager", False):
         return False
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
-    for module in model.modules():
-        if hasattr(getattr(module, "quant_method", None), "moe_kernel"):
-            return False
-        if module._parameters and module not in LAYERWISE_INFO:
-            return False
-    return True
+    return not any(hasattr(getattr(m, "quant_method", None), "moe_kernel") or (m._parameters and m not in LAYERWISE_INFO)
+                   for m in model.modules())
 
 
 class Shadow:
-    """A shadow of a loader install's model: built from the landed buffers while the engine generates, swapped in
-    at the flip (see the module docstring).
+    """A shadow of a loader install's model, built from its landed buffers while the engine generates and swapped
+    in at the flip (see the module docstring).
 
     Args:
-        installer: the loader install whose buffers (whole canonical tensors) the shadow loads.
+        installer: the loader install whose buffers the shadow loads.
     """
 
     def __init__(self, installer: LoaderInstaller) -> None:
@@ -132,8 +124,8 @@ class Shadow:
                           for t in _loaded_metas(live).values())
 
     def build(self) -> None:
-        """Load the buffers into a fresh shadow with vLLM's `load_weights` and process each layer with its own
-        `quant_method`; the live model is only read.
+        """Load the buffers into a fresh shadow (vLLM's `load_weights`) and process each layer with its own
+        `quant_method`.
 
         Raises:
             ExecutionError: some weight of the model was not loaded (LoaderInstaller.load).

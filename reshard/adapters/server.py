@@ -125,18 +125,21 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased)
 
     def in_flight(self) -> list[str] | None:
         """The ids of the requests the engine's workers hold now; None without reshard's worker extension."""
-        try:
-            return sorted({i for ids in self.collective_rpc("reshard_in_flight") for i in ids})
-        except ExecutionError:
-            return None
+        answers = self._if_served(self.collective_rpc, "reshard_in_flight")
+        return None if answers is None else sorted({i for ids in answers for i in ids})
 
     def staged(self) -> bool | None:
         """Whether the open update's staged transfer ended on every worker; None without the worker extension."""
+        answers = self._if_served(self.collective_rpc, "reshard_staged")
+        return None if answers is None else landing_ended(answers)
+
+    @staticmethod
+    def _if_served(fn: Any, *args: Any) -> Any:
+        """`fn(*args)`, or None where the server lacks the route (the dev routes, the worker extension)."""
         try:
-            answers = self.collective_rpc("reshard_staged")
+            return fn(*args)
         except ExecutionError:
             return None
-        return landing_ended(answers)
 
     def weight_info(self) -> str | None:
         """The weight version the server reports."""
@@ -179,19 +182,12 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased)
     def load_lora_adapter(self, name: str, path: str, inplace: bool = False) -> int | None:
         """Serve the PEFT directory `path` as model `name` (`inplace`: reload it from its path). Returns the engine's
         id of a newly served adapter (what an in-slot refit names), or None when that cannot be told."""
-        before = None if inplace else self._lora_ids_if_listed()
+        before = None if inplace else self._if_served(self.lora_ids)
         self.call("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path, "load_inplace": inplace},
                   text=True)
-        after = self._lora_ids_if_listed() if before is not None else None
+        after = self._if_served(self.lora_ids) if before is not None else None
         new = after - before if after is not None else set()
         return new.pop() if len(new) == 1 else None
-
-    def _lora_ids_if_listed(self) -> set[int] | None:
-        """lora_ids(), or None on a server without the dev routes (loading by path does not need them)."""
-        try:
-            return self.lora_ids()
-        except ExecutionError:
-            return None
 
     def lora_ids(self) -> set[int]:
         """The ids of the adapters loaded in every worker of the engine (vLLM's `list_loras`)."""
@@ -213,13 +209,13 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased)
 
     def greedy(self, prompts: list[list[int]], max_tokens: int = 12, model: str | None = None) -> list[list[int]]:
         """The generated token ids of greedy completions of token-id prompts (by the base model, or `model`)."""
-        out = []
-        for prompt in prompts:
-            answer = self.call("POST", "/v1/completions", {
-                "model": model or self.model(), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                "return_token_ids": True})
-            out.append([int(t) for t in answer["choices"][0]["token_ids"]])
-        return out
+        return [[int(t) for t in self._greedy(prompt, model, max_tokens=max_tokens, return_token_ids=True)["token_ids"]]
+                for prompt in prompts]
+
+    def _greedy(self, prompt: list[int], model: str | None, **fields: Any) -> dict[str, Any]:
+        """The choice of a greedy `/v1/completions` of one token-id prompt."""
+        body = {"model": model or self.model(), "prompt": prompt, "temperature": 0.0, **fields}
+        return self.call("POST", "/v1/completions", body)["choices"][0]
 
     def prompt_logprobs(self, prompts: list[list[int]],
                         model: str | None = None) -> list[tuple[list[float], list[int]]]:
@@ -231,10 +227,7 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased)
         """
         out = []
         for prompt in prompts:
-            answer = self.call("POST", "/v1/completions", {
-                "model": model or self.model(), "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
-                "prompt_logprobs": 1})
-            rows = answer["choices"][0].get("prompt_logprobs")
+            rows = self._greedy(prompt, model, max_tokens=1, prompt_logprobs=1).get("prompt_logprobs")
             if not isinstance(rows, list) or len(rows) != len(prompt):
                 raise ExecutionError(f"{self.url}: prompt_logprobs of a {len(prompt)}-token prompt came back as "
                                      f"{type(rows).__name__} of length {len(rows) if isinstance(rows, list) else '-'}")

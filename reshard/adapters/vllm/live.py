@@ -117,5 +117,6 @@ def local_rank(vllm_config: Any, replica: int = 0) -> int:
     from vllm.distributed import get_tensor_model_parallel_rank
 
     tp, _ = parallel_sizes(vllm_config)
-    dp_rank = vllm_config.parallel_config.data_parallel_rank if vllm_config.parallel_config.data_parallel_size > 1 else 0
+    pc = vllm_config.parallel_config
+    dp_rank = pc.data_parallel_rank if pc.data_parallel_size > 1 else 0
     return (replica + dp_rank) * tp + get_tensor_model_parallel_rank()

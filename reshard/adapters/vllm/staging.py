@@ -105,8 +105,8 @@ def swaps(model: torch.nn.Module, device: torch.device, vllm_config: Any) -> boo
         return False
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
-    return not any(hasattr(getattr(m, "quant_method", None), "moe_kernel") or (m._parameters and m not in LAYERWISE_INFO)
-                   for m in model.modules())
+    return not any(hasattr(getattr(m, "quant_method", None), "moe_kernel")
+                   or (m._parameters and m not in LAYERWISE_INFO) for m in model.modules())
 
 
 class Shadow:

@@ -380,8 +380,8 @@ def check_served_model(refit: RefitSpec, dst: Any, vllm_config: Any) -> None:
     declared = declared_layout(model, vllm_config, dst.replicas)
     # the LoRA settings are AdapterSlot's to check; the expert placement is the EPLB state's (_check_experts)
     lora = {"model", "max_lora_rank", "fully_sharded", "expert_placement"}
-    if declared.model_dump(exclude={"model"}) != dst.model_dump(exclude=lora):
-        mine, theirs = dst.model_dump(exclude=lora), declared.model_dump(exclude={"model"})
+    mine, theirs = dst.model_dump(exclude=lora), declared.model_dump(exclude={"model"})
+    if mine != theirs:
         differ = ", ".join(f"{k}: {mine[k]!r} vs {theirs[k]!r}" for k in mine if mine[k] != theirs.get(k))
         raise LayoutMismatchError(str(dst), [f"trainer declared {dst}, the engine runs {declared} ({differ})"],
                                   where="this vLLM engine's parallel config")

@@ -22,8 +22,10 @@ from .lease_keeper import HEADER, ROUTE, request_body
 
 
 class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased):
-    """A running `vllm serve` over HTTP: vLLM's weight-sync client protocol (init / start / update / finish), pause /
-    resume, the driver's lease, the weight version, checksums, LoRA adapters and completions.
+    """A running `vllm serve`, driven over HTTP.
+
+    Speaks vLLM's weight-sync client protocol (init / start / update / finish), pause / resume, the driver's lease,
+    the weight version, checksums, LoRA adapters and completions.
 
     Args:
         url: the server's base URL, http(s)://host:port.

@@ -235,14 +235,13 @@ def placement_problems(derived: Sequence[tuple[str, Placement]], declared: Seque
         -> list[str]:
     """What differs between where the loaders put each probed tensor (`derived`) and where the layout says
     (`declared`)."""
-    got: dict[str, set[Placement]] = defaultdict(set)
-    want: dict[str, set[Placement]] = defaultdict(set)
-    for canon, p in derived:
-        got[canon].add(p)
-    for canon, p in declared:
-        want[canon].add(p)
-    got = defaultdict(set, {c: merged_boxes(ps) for c, ps in got.items()})
-    want = defaultdict(set, {c: merged_boxes(ps) for c, ps in want.items()})
+    def by_tensor(pairs: Sequence[tuple[str, Placement]]) -> dict[str, set[Placement]]:
+        out: dict[str, set[Placement]] = defaultdict(set)
+        for canon, p in pairs:
+            out[canon].add(p)
+        return defaultdict(set, {c: merged_boxes(ps) for c, ps in out.items()})
+
+    got, want = by_tensor(derived), by_tensor(declared)
     problems = []
     for canon in sorted(set(got) | set(want)):
         if got[canon] != want[canon]:

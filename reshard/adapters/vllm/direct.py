@@ -59,17 +59,13 @@ class DirectBinding:
             raise KernelFormatError(str(self.layout), problems, where=f"rank {self.rank} of the live vLLM model")
 
     @torch.no_grad()
-    def zero_padding(self) -> None:
-        """Zero the padding runs of the bound tensors (a direct refit never writes them)."""
+    def finish(self) -> None:
+        """After a refit landed: zero the padding (a direct refit never writes it), cast widened tensors into their
+        parameters."""
         for name, runs in self.padding.items():
             flat = self.tensors[name].view(-1)
             for start, length in runs:
                 flat.narrow(0, start, length).zero_()
-
-    @torch.no_grad()
-    def finish(self) -> None:
-        """After a refit landed: zero the padding, cast widened tensors into their parameters."""
-        self.zero_padding()
         for name, target in self.casts.items():
             target.copy_(self.tensors[name])
 

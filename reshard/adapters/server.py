@@ -15,7 +15,8 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from ..errors import ExecutionError
+from ..arguments import seconds, text
+from ..errors import ArgumentError, ExecutionError
 from ..polling import poll
 from .engines import EngineClient, Leased, Pausable, ReportsInFlight, ReportsStaged, landing_ended
 from .lease_keeper import HEADER, ROUTE, request_body
@@ -37,15 +38,11 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased)
     """
 
     def __init__(self, url: str, timeout: float = 600.0, api_key: str | None = None) -> None:
-        from ..arguments import seconds, text
-
         text("url", url)
         seconds("timeout", timeout)
         text("api_key", api_key, none=True)
         parsed = urllib.parse.urlparse(url)
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
-            from ..errors import ArgumentError
-
             raise ArgumentError("url", url, "must be http(s)://host:port")
         self.url, self.timeout, self.api_key = url.rstrip("/"), timeout, api_key
         self.lease_holder: str | None = None  # sent with every call once a lease is taken

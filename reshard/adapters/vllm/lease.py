@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ...errors import ArgumentError, ExecutionError, ReshardError
 from ..lease_keeper import HEADER as _HEADER, ROUTE
 
 HEADER = _HEADER.lower().encode()
@@ -231,8 +232,6 @@ def outcome(left: Open) -> str:
 
 def parse_grant(body: bytes) -> tuple[str, float, bool]:
     """The lease request's fields, validated (untrusted input); ArgumentError names what is wrong."""
-    from ...errors import ArgumentError
-
     if not isinstance(body, (bytes, bytearray)) or len(body) > MAX_BODY:
         raise ArgumentError("body", body, f"must be at most {MAX_BODY} bytes of JSON")
     try:
@@ -390,8 +389,6 @@ class ReshardLeaseMiddleware:
         if scope.get("method") == "GET":
             return await _answer(send, 200, self.book.state())
         body, _ = await _buffered(receive)
-        from ...errors import ReshardError
-
         try:
             holder, ttl, release = parse_grant(body)
         except ReshardError as e:
@@ -429,8 +426,6 @@ class ThreadedLease:
             ArgumentError: a malformed request.
             ExecutionError: a renewal of a holder whose generation ended.
         """
-        from ...errors import ExecutionError
-
         holder, ttl, release = parse_grant(body)
         with self.lock:
             try:
@@ -447,8 +442,6 @@ class ThreadedLease:
         Raises:
             ExecutionError: `holder` does not hold the lease.
         """
-        from ...errors import ExecutionError
-
         with self.lock:
             refusal = self.book.refusal(holder) if holder is not None else None
             if refusal is not None:

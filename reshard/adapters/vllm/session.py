@@ -20,6 +20,7 @@ writing names `lease.TORN`, and the server's lease middleware fences the engine 
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -29,8 +30,10 @@ import torch
 
 from ...errors import ExecutionError, LayoutError, LayoutMismatchError, PlanError
 from ...executors.base import Executor, close_within
+from ...executors.checksum import tensor_digests
 from ...polling import Background
 from ...layouts.lora import VllmLoraLayout, base_spec
+from ...layouts.math_config import math_config, math_differences, math_fingerprint
 from .. import rendezvous as rv
 from ..lora.slots import AdapterSlot, lora_manager
 from ..refit import RefitSpec, open_transport
@@ -298,8 +301,6 @@ class WorkerSession:
     def landed(self) -> dict[str, Any]:
         """SHA-256 of each destination tensor the last transfer landed here (before vLLM repacks anything) and
         whether it was installed: {"rank", "refit", "installed", "digests"}."""
-        from ...executors.checksum import tensor_digests
-
         if self.slot is not None and self.installed:
             raise ExecutionError("an installed adapter slot holds B * alpha / r, not what landed")
         return {"rank": self.rank, "refit": (self.refit.rendezvous or {}).get("refit_id", ""),
@@ -340,8 +341,6 @@ def _injected_flip_fault(rank: int, wrote: bool) -> None:
     if armed == [str(rank)] and not wrote:
         raise ExecutionError(f"injected flip fault (RESHARD_TEST_FLIP_FAULT) on rank {rank}")
     if armed == [str(rank), "kill"] and wrote:
-        import signal
-
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -366,8 +365,6 @@ def check_served_model(refit: RefitSpec, dst: Any, vllm_config: Any) -> None:
     if ours != live:
         raise LayoutMismatchError(str(dst), [f"trainer: {model}", f"vLLM: {live}"], where="the vLLM model")
     if refit.math is not None:
-        from ...layouts.math_config import math_config, math_differences, math_fingerprint
-
         engine = math_config(vllm_config.model_config.hf_config.to_dict())
         differ = math_differences(refit.math, engine)
         if differ:

@@ -16,12 +16,14 @@ import os
 from typing import Any
 
 from ...errors import LayoutMismatchError, PlanError
+from ...planner import cache
 from ..refit import RefitSpec
 from .agreed import AgreedSteps
 from .derive import representative_layers
 from .direct import bind_direct
 from .engine import ReshardUpdateInfo, register
-from .live import declared_layout, local_rank, spec_of
+from .experts import live_placement
+from .live import declared_layout, local_rank, parallel_sizes, spec_of
 
 register()
 
@@ -96,9 +98,6 @@ class ReshardWorkerExtension:
         Raises:
             ArgumentError: the EPLB state's maps are not a placement.
         """
-        from .experts import live_placement
-        from .live import parallel_sizes
-
         tp, _ = parallel_sizes(self.vllm_config)
         placement = live_placement(self._reshard_model(), tp)
         return None if placement is None else placement.model_dump(mode="json")
@@ -106,8 +105,6 @@ class ReshardWorkerExtension:
     def reshard_stats(self) -> dict[str, Any]:
         """This worker's plan-cache counts, its pid and, once a refit installed, its last install's time (`flip_s`),
         its wait for a staged transfer (`tail_s`) and whether its flip swaps a shadow in (`swap`)."""
-        from ...planner import cache
-
         sessions = self._reshard_sessions()
         times = {"flip_s": sessions[0].flip_s, "tail_s": sessions[0].tail_s,
                  "swap": sessions[0].shadow is not None} if sessions else {}

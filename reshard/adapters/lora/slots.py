@@ -86,7 +86,7 @@ class AdapterSlot:
         extra = sorted(set(adapter.loras) - set(modules))
         lacking = [m for m in modules if m not in adapter.loras]
         if extra or lacking:
-            raise InputError("targets", sorted(lora_facts(layout.model).targets), f"do not match the loaded "
+            raise InputError("targets", sorted(facts.targets), f"do not match the loaded "
                              f"adapter's modules (it lacks {lacking[:3]}, has besides {extra[:3]})",
                              fix="load an adapter of the same target modules into the slot first")
         self.slot = self._pin()

@@ -11,6 +11,7 @@ import torch
 
 from ...errors import ExecutionError
 from ...executors.reference import empty_for
+from ...executors.shared import release_shared, shared_empty
 from ...layouts import HfLayout, ModelSpec
 from ...planner import Plan
 from .live import config_scope, weights
@@ -47,8 +48,6 @@ class LoaderInstaller:
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.buffers = empty_for(plan, rank, self.device)  # each in its own dtype (a float32 router bias too)
         if shared and self.device.type == "cpu":  # peers write them in place (the shared-memory transport)
-            from ...executors.shared import shared_empty
-
             self.buffers = {n: shared_empty(tuple(t.shape), t.dtype) for n, t in self.buffers.items()}
         self.groups = layer_groups(plan.src.model)
         self.shared = shared and self.device.type == "cpu"
@@ -56,8 +55,6 @@ class LoaderInstaller:
     def close(self) -> None:
         """The session is over: shared buffers' names go (peers of a later session get buffers of their own)."""
         if self.shared:
-            from ...executors.shared import release_shared
-
             for t in self.buffers.values():
                 release_shared(t)
 

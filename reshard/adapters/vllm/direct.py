@@ -106,17 +106,11 @@ def padding_runs(layout: Layout, rank: int) -> dict[str, list[tuple[int, int]]]:
             for dim, (o, n) in enumerate(zip(p.phys_offset[lead:], p.lengths)):
                 view = view.narrow(dim, o, n)
             view.fill_(True)
-        out[name] = _runs(~mask.view(-1))
+        edge = torch.zeros(1, dtype=torch.int8)  # uncovered runs start where this steps up, stop where it steps down
+        steps = torch.diff(torch.cat([edge, (~mask.view(-1)).to(torch.int8), edge]))
+        starts, stops = (torch.nonzero(steps == s).flatten().tolist() for s in (1, -1))
+        out[name] = [(a, b - a) for a, b in zip(starts, stops)]
     return out
-
-
-def _runs(flags: torch.Tensor) -> list[tuple[int, int]]:
-    """(start, length) of each run of True in a 1-D bool tensor."""
-    padded = torch.cat([torch.zeros(1, dtype=torch.int8), flags.to(torch.int8), torch.zeros(1, dtype=torch.int8)])
-    edges = torch.diff(padded)
-    starts = torch.nonzero(edges == 1).flatten().tolist()
-    stops = torch.nonzero(edges == -1).flatten().tolist()
-    return [(a, b - a) for a, b in zip(starts, stops)]
 
 
 _MOE_AS_LOADED = ("TRITON", "BATCHED_TRITON")

@@ -122,7 +122,7 @@ def main() -> int:
 
 def _worker_times(server) -> dict:
     """The slowest worker's last install (`flip_s`), its wait for the staged transfer first (`tail_s`), and whether
-    every worker's flip swapped a shadow in (`swap`, 1.0: adapters.vllm.shadow) rather than reloading."""
+    every worker's flip swapped a shadow in (`swap`, 1.0: adapters.vllm.staging) rather than reloading."""
     stats = server.collective_rpc("reshard_stats")
     times = {k: max(float(w.get(k, 0.0)) for w in stats) for k in ("flip_s", "tail_s")}
     return {**times, "swap": float(all(w.get("swap") for w in stats))}

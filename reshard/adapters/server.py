@@ -1,11 +1,6 @@
-"""A running vLLM OpenAI-compatible server, seen from the trainer: its RL routes and completions over HTTP, with
-the standard library only (the trainer side of a refit imports no vLLM and may run another torch).
-
-The server needs `VLLM_SERVER_DEV_MODE=1` (the RL routes) and `--weight-transfer-config '{"backend": "reshard"}'`.
-Routes used (the tested vLLM versions: docs/guides/layouts.md, Versions): POST /pause (?mode=abort|wait|keep),
-/resume, /init_weight_transfer_engine {"init_info"}, /start_weight_update, /update_weights {"update_info"},
-/finish_weight_update {"weight_version"}, /weight_checker {"action": "checksum"}; GET /weight_info, /get_world_size,
-/health; POST /v1/completions.
+"""A running vLLM OpenAI-compatible server seen from the trainer, over HTTP with the standard library only (the
+trainer side imports no vLLM). The server needs `VLLM_SERVER_DEV_MODE=1` (the RL routes) and
+`--weight-transfer-config '{"backend": "reshard"}'`.
 
     server = VllmServer("http://127.0.0.1:8000")
     server.wait_healthy(timeout=300)
@@ -20,17 +15,18 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from ..errors import ExecutionError
+from ..arguments import seconds, text
+from ..errors import ArgumentError, ExecutionError
 from ..polling import poll
 from .engines import EngineClient, Leased, Pausable, ReportsInFlight, ReportsStaged, landing_ended
 from .lease_keeper import HEADER, ROUTE, request_body
 
 
 class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased):
-    """A running `vllm serve`, driven over HTTP: vLLM's weight-sync routes plus what a caller checks afterwards.
+    """A running `vllm serve`, driven over HTTP.
 
-    Speaks vLLM's weight-sync client protocol (`VLLMWeightSyncClient`: init / start / update / finish), pause /
-    resume, the weight version, checksums (vLLM's and reshard's own `landed` digests), greedy completions.
+    Speaks vLLM's weight-sync client protocol (init / start / update / finish), pause / resume, the driver's lease,
+    the weight version, checksums, LoRA adapters and completions.
 
     Args:
         url: the server's base URL, http(s)://host:port.
@@ -42,26 +38,25 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased)
     """
 
     def __init__(self, url: str, timeout: float = 600.0, api_key: str | None = None) -> None:
-        from ..arguments import seconds, text
-
         text("url", url)
         seconds("timeout", timeout)
         text("api_key", api_key, none=True)
         parsed = urllib.parse.urlparse(url)
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
-            from ..errors import ArgumentError
-
             raise ArgumentError("url", url, "must be http(s)://host:port")
         self.url, self.timeout, self.api_key = url.rstrip("/"), timeout, api_key
-        self.lease_holder: str | None = None  # sent with every call once a lease is taken (adapters.vllm.lease)
+        self.lease_holder: str | None = None  # sent with every call once a lease is taken
 
     def __repr__(self) -> str:
         return f"VllmServer({self.url})"
 
     def call(self, method: str, route: str, body: dict[str, Any] | None = None,
              query: dict[str, Any] | None = None, timeout: float | None = None, text: bool = False) -> Any:
-        """One request; its JSON answer (its text with `text`: routes that answer in words). A non-2xx answer raises
-        ExecutionError with the server's message."""
+        """One request; its JSON answer (its text with `text`).
+
+        Raises:
+            ExecutionError: a non-2xx answer (with the server's message), or the server unreachable.
+        """
         url = self.url + route + (("?" + urllib.parse.urlencode(query)) if query else "")
         data = json.dumps(body).encode() if body is not None else None
         request = urllib.request.Request(url, data=data, method=method)
@@ -82,7 +77,6 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased)
             return answer
         return json.loads(answer) if answer else None
 
-    # --- vLLM's weight-sync client protocol ------------------------------------------------------------
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.call("POST", "/init_weight_transfer_engine", {"init_info": init_info})
 
@@ -95,10 +89,8 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased)
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.call("POST", "/finish_weight_update", {"weight_version": weight_version})
 
-    # --- the driver's lease (the server runs reshard.adapters.vllm.lease.ReshardLeaseMiddleware) -------------
     def acquire_lease(self, holder: str, ttl: float, timeout: float | None = None) -> None:
-        """Take (or renew) the server's lease as `holder` for `ttl` seconds; every later call carries it. Taking it
-        from another holder waits until the server has ended that holder's open update."""
+        """Take (or renew) the server's lease as `holder` for `ttl` seconds; every later call carries it."""
         try:
             self.call("POST", ROUTE, request_body(holder, ttl), timeout=timeout)
         except ExecutionError as e:
@@ -110,7 +102,7 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased)
         self.lease_holder = holder
 
     def lease_endpoint(self) -> dict[str, Any]:
-        """Where the lease is renewed (by the driver's keeper process, adapters.lease_keeper)."""
+        """Where the driver's keeper process renews the lease."""
         return {"url": self.url, "api_key": self.api_key}
 
     def release_lease(self, timeout: float | None = None) -> None:
@@ -120,10 +112,9 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased)
             self.call("POST", ROUTE, request_body(holder, release=True), timeout=timeout)
 
     def lease_state(self) -> dict[str, Any]:
-        """The server's lease: holder, generation, what it holds open (adapters.vllm.lease.LeaseBook.state)."""
+        """The server's lease: holder, generation, what it holds open."""
         return self.call("GET", ROUTE)
 
-    # --- around a refit ----------------------------------------------------------------------------------
     def pause(self, mode: str = "wait") -> None:
         """Stop generating: "wait" lets requests in flight finish, "abort" aborts them, "keep" freezes them."""
         self.call("POST", "/pause", query={"mode": mode})
@@ -132,21 +123,22 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased)
         self.call("POST", "/resume")
 
     def in_flight(self) -> list[str] | None:
-        """The ids of the requests the engine's workers hold now (vLLM's internal ids: running, or frozen by a "keep"
-        pause); None without reshard's worker extension."""
-        try:
-            return sorted({i for ids in self.collective_rpc("reshard_in_flight") for i in ids})
-        except ExecutionError:
-            return None
+        """The ids of the requests the engine's workers hold now; None without reshard's worker extension."""
+        answers = self._if_served(self.collective_rpc, "reshard_in_flight")
+        return None if answers is None else sorted({i for ids in answers for i in ids})
 
     def staged(self) -> bool | None:
-        """Whether the open update's staged transfer ended on every worker (adapters.engines.ReportsStaged); None
-        without reshard's worker extension."""
+        """Whether the open update's staged transfer ended on every worker; None without the worker extension."""
+        answers = self._if_served(self.collective_rpc, "reshard_staged")
+        return None if answers is None else landing_ended(answers)
+
+    @staticmethod
+    def _if_served(fn: Any, *args: Any) -> Any:
+        """`fn(*args)`, or None where the server lacks the route (the dev routes, the worker extension)."""
         try:
-            answers = self.collective_rpc("reshard_staged")
+            return fn(*args)
         except ExecutionError:
             return None
-        return landing_ended(answers)
 
     def weight_info(self) -> str | None:
         """The weight version the server reports."""
@@ -157,9 +149,8 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased)
         return self.call("POST", "/weight_checker", {"action": "checksum"})["checksums"]
 
     def landed(self) -> list[dict[str, Any]]:
-        """reshard's end-to-end digest of what the last refit landed, per worker (before vLLM's repacking; the
-        server runs the worker extension: `--worker-extension-cls reshard.adapters.vllm.worker.
-        ReshardWorkerExtension`): [{"rank", "refit", "installed", "digests": {name: sha256}}]."""
+        """reshard's digest of what the last refit landed, per worker (needs the worker extension):
+        [{"rank", "refit", "installed", "digests": {name: sha256}}]."""
         return self.collective_rpc("reshard_landed")
 
     def collective_rpc(self, method: str, args: tuple[str, ...] = ()) -> list[Any]:
@@ -187,27 +178,15 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased)
         if not poll(self.healthy, time.monotonic() + timeout, first_s=1.0, most_s=1.0, between=exited):
             raise ExecutionError(f"the server at {self.url} was not healthy within {timeout:.0f} s")
 
-    # --- LoRA adapters (the server started with --enable-lora; VLLM_ALLOW_RUNTIME_LORA_UPDATING=True) ----------
     def load_lora_adapter(self, name: str, path: str, inplace: bool = False) -> int | None:
-        """Serve the PEFT directory `path` as model `name`; `inplace` reloads an adapter already served under that
-        name from its path (after a refit published a new version there: reshard.adapters.lora.PeftDirectory).
-        Returns the engine's id of a newly served adapter -- what an in-slot refit (`RefitSpec(install=
-        "lora_slot", lora_id=...)`) names -- found as the one id its workers list after the load and not before
-        (the dev route /collective_rpc); None when that cannot be told (inplace, no dev routes, or another load
-        raced it)."""
-        before = None if inplace else self._lora_ids_if_listed()
+        """Serve the PEFT directory `path` as model `name` (`inplace`: reload it from its path). Returns the engine's
+        id of a newly served adapter (what an in-slot refit names), or None when that cannot be told."""
+        before = None if inplace else self._if_served(self.lora_ids)
         self.call("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path, "load_inplace": inplace},
                   text=True)
-        after = self._lora_ids_if_listed() if before is not None else None
+        after = self._if_served(self.lora_ids) if before is not None else None
         new = after - before if after is not None else set()
         return new.pop() if len(new) == 1 else None
-
-    def _lora_ids_if_listed(self) -> set[int] | None:
-        """lora_ids(), or None on a server without the dev routes (loading by path does not need them)."""
-        try:
-            return self.lora_ids()
-        except ExecutionError:
-            return None
 
     def lora_ids(self) -> set[int]:
         """The ids of the adapters loaded in every worker of the engine (vLLM's `list_loras`)."""
@@ -228,27 +207,26 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased)
         self.call("POST", "/v1/unload_lora_adapter", {"lora_name": name}, text=True)
 
     def greedy(self, prompts: list[list[int]], max_tokens: int = 12, model: str | None = None) -> list[list[int]]:
-        """Greedy completions of token-id prompts: the generated token ids of each (by the base model, or by the
-        adapter served as `model`)."""
-        out = []
-        for prompt in prompts:
-            answer = self.call("POST", "/v1/completions", {
-                "model": model or self.model(), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                "return_token_ids": True})
-            out.append([int(t) for t in answer["choices"][0]["token_ids"]])
-        return out
+        """The generated token ids of greedy completions of token-id prompts (by the base model, or `model`)."""
+        return [[int(t) for t in self._greedy(prompt, model, max_tokens=max_tokens, return_token_ids=True)["token_ids"]]
+                for prompt in prompts]
+
+    def _greedy(self, prompt: list[int], model: str | None, **fields: Any) -> dict[str, Any]:
+        """The choice of a greedy `/v1/completions` of one token-id prompt."""
+        body = {"model": model or self.model(), "prompt": prompt, "temperature": 0.0, **fields}
+        return self.call("POST", "/v1/completions", body)["choices"][0]
 
     def prompt_logprobs(self, prompts: list[list[int]],
                         model: str | None = None) -> list[tuple[list[float], list[int]]]:
-        """Score token-id prompts without sampling (`/v1/completions` with `prompt_logprobs=1`): per prompt, for
-        every position after the first, the log-probability of the prompt's token there and the argmax token
-        (the one vLLM ranks 1). The answer is untrusted: every position must be present, finite and ranked."""
+        """Per prompt, for every position after the first, the log-probability of the prompt's token there and the
+        argmax token (vLLM's rank 1), scored without sampling.
+
+        Raises:
+            ExecutionError: the server's answer lacks a position or its ranked token.
+        """
         out = []
         for prompt in prompts:
-            answer = self.call("POST", "/v1/completions", {
-                "model": model or self.model(), "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
-                "prompt_logprobs": 1})
-            rows = answer["choices"][0].get("prompt_logprobs")
+            rows = self._greedy(prompt, model, max_tokens=1, prompt_logprobs=1).get("prompt_logprobs")
             if not isinstance(rows, list) or len(rows) != len(prompt):
                 raise ExecutionError(f"{self.url}: prompt_logprobs of a {len(prompt)}-token prompt came back as "
                                      f"{type(rows).__name__} of length {len(rows) if isinstance(rows, list) else '-'}")
@@ -273,13 +251,9 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased)
 
 
 class ExtensionClient(EngineClient, Pausable, ReportsStaged):
-    """A refit's engine calls through the `reshard` worker extension's methods over a server's dev route
-    `/collective_rpc` (arguments as JSON text), or an in-process `vllm.LLM`'s `collective_rpc`, instead of its
-    weight-transfer API: what in-slot LoRA refits (`RefitSpec(install="lora_slot")`) need, because that API drops
-    every loaded adapter when an update finishes. The engine must run with `--worker-extension-cls
-    reshard.adapters.vllm.worker.ReshardWorkerExtension`. An in-process engine generates only when asked: its
-    pause and resume do nothing. A server's lease middleware reads these installs as /update_weights ones, so a
-    flip that tears fences the server as any other (adapters.vllm.lease.refit_call).
+    """A refit's engine calls through the `reshard` worker extension (a server's `/collective_rpc`, or an in-process
+    `vllm.LLM`'s `collective_rpc`) instead of the weight-transfer API, which drops every loaded LoRA adapter at finish:
+    what in-slot LoRA refits need. An in-process engine's pause and resume do nothing.
 
         TrainerSession(refit, rank, tensors, engines=[ExtensionClient(server)])
     """
@@ -305,7 +279,7 @@ class ExtensionClient(EngineClient, Pausable, ReportsStaged):
         self._rpc("reshard_update", update_info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        if weight_version is not None:  # None: closing a failed update, which the extension needs no call for
+        if weight_version is not None:  # None: closing a failed update, which needs no call
             self._rpc("reshard_finish")
 
     def staged(self) -> bool:

@@ -12,8 +12,8 @@ import reshard
 from reshard.adapters.refit import RefitSpec
 from reshard.adapters.vllm import layer_groups
 from reshard.executors import ReferenceExecutor
-from reshard.adapters.vllm.check import placement_problems, structure_problems, widens
-from reshard.adapters.vllm.derive import UNWRITTEN, _read_placements, declared_placements, marker
+from reshard.adapters.vllm.derive import (UNWRITTEN, _read_placements, declared_placements, marker, placement_problems,
+                                         structure_problems, widens)
 from reshard.adapters.vllm.direct import padding_runs
 from reshard.executors import execute_local, shard
 from reshard.layouts.base import Placement

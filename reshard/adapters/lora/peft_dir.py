@@ -1,10 +1,5 @@
-"""Landing (b): a LoRA refit written as a PEFT adapter directory that vLLM (or PEFT) loads with its own loader.
-
-A refit lands in `PeftDirectory.tensors` (the one rank of a `PeftLayout`: whole tensors under PEFT names), then
-`publish` writes adapter_model.safetensors and adapter_config.json into a new directory next to the served path
-and switches the served path to it in one atomic step: the path is a symbolic link, replaced by rename(2). A
-reader opening the path sees the previous adapter or the new one, whole; the previous directory is removed after
-the switch. Nothing is written if the tensors do not match the layout (checked first).
+"""Landing (b): a LoRA refit written as a PEFT adapter directory that vLLM (or PEFT) loads with its own loader,
+published atomically: the served path is a symbolic link switched by rename(2) to each version's new directory.
 """
 from __future__ import annotations
 

@@ -1,23 +1,11 @@
 """Landing (a): a LoRA refit written into the slot of an adapter already loaded in a live vLLM engine.
 
-vLLM (the tested versions: docs/guides/layouts.md, Versions) keeps every LoRA-wrapped layer's adapters in stacked
-buffers, `lora_a_stacked[s]` [max_loras, 1, R, in] and `lora_b_stacked[s]` [max_loras, 1, out_s, R] per slice s of a
-packed module, and an adapter that serves requests occupies one index of them (its slot;
-`LoRAModelManager.lora_index_to_id`). The views `[slot, 0]` are exactly `VllmLoraLayout`'s tensors on that rank, so a
-plan lands in them as in any destination; B is then multiplied by alpha / r, which vLLM folds into B when it loads an
-adapter. The next requests for that adapter use the new weights (reset the prefix cache: cached KV was computed with
-the old ones).
-`SlotRefit` is the in-process shape (trainer tensors and engine in one process); across processes, the reshard
-worker extension does the same with `RefitSpec(install="lora_slot", lora_id=...)` over any transport
-(adapters.vllm.session: `AdapterSlot.tensors` are its rank's destination, `scale()` its install; not vLLM's
-weight-transfer API, which drops every adapter when an update finishes).
-
-Everything is checked before a byte moves, each problem named: the engine's LoRA settings against the layout
-(tp, max_lora_rank, fully_sharded_loras, dtype), the adapter id loaded and holding a slot, its rank, alpha and
-modules against the refit's, every slot buffer's shape. Then the adapter is pinned (vLLM's `pin_adapter`): vLLM
-keeps a host copy of each loaded adapter and would re-activate an evicted one from it, in any slot, losing the
-refit; pinned, it keeps its slot until unloaded (one slot fewer for other adapters). Each refit checks the
-adapter still holds the slot (a `load_inplace` of the same id replaces it: bind again).
+vLLM keeps each LoRA layer's adapters in stacked buffers (`lora_a_stacked[s]` [max_loras, 1, R, in],
+`lora_b_stacked[s]` [max_loras, 1, out_s, R]); an adapter's slot views `[slot, 0]` are exactly `VllmLoraLayout`'s
+tensors on that rank, so a plan lands in them, then B is scaled by alpha / r as vLLM's loader does. Everything is
+checked before a byte moves, and the adapter is pinned so vLLM never re-activates it from its stale host copy.
+`SlotRefit` is the in-process shape; across processes the worker extension does the same
+(`RefitSpec(install="lora_slot")`), never vLLM's weight-transfer API, which drops every adapter at finish.
 """
 from __future__ import annotations
 
@@ -98,7 +86,7 @@ class AdapterSlot:
         extra = sorted(set(adapter.loras) - set(modules))
         lacking = [m for m in modules if m not in adapter.loras]
         if extra or lacking:
-            raise InputError("targets", sorted(lora_facts(layout.model).targets), f"do not match the loaded "
+            raise InputError("targets", sorted(facts.targets), f"do not match the loaded "
                              f"adapter's modules (it lacks {lacking[:3]}, has besides {extra[:3]})",
                              fix="load an adapter of the same target modules into the slot first")
         self.slot = self._pin()

@@ -1,10 +1,8 @@
-"""A refit's steps on the workers of one vLLM engine, each agreed on by all of them, however vLLM calls them: the
-`reshard` weight-transfer engine (vLLM's weight-transfer API) and the worker extension (`collective_rpc`, which
-in-slot LoRA refits need) both drive an `AgreedSteps`.
+"""A refit's steps on the workers of one vLLM engine, each agreed on by all of them, however vLLM calls them.
 
     steps = AgreedSteps(model, vllm_config)
     steps.init(lambda: RefitSpec.from_dict(payload))   # every worker binds; if any fails, none takes part
-    steps.start(); steps.update(version=""); steps.finish()
+    steps.start(); steps.update(); steps.finish()
 """
 from __future__ import annotations
 
@@ -34,12 +32,10 @@ def _engine_group() -> Any:
 
 
 def agreed(step: str, fn: Callable[[], None], timeout: float = AGREE_TIMEOUT, group: Any = None) -> bool:
-    """Run `fn` on every worker of this engine and agree on the outcome: True if it succeeded everywhere. If it failed
-    anywhere, the engine's last worker raises ExecutionError naming every worker's error and the others return False.
-    Why only the last: vLLM's multiprocess executor (in the tested versions) reads workers' answers in rank order and
-    stops at the first failure, leaving the later workers' answers to be read by the next call, which mixes up every
-    later call's answers; a failure on the last worker alone leaves nothing unread. The agreement waits at most
-    `timeout` seconds for the other workers (never gloo's 30-minute default)."""
+    """Run `fn` on every worker of this engine and agree on the outcome: True if it succeeded everywhere. Otherwise
+    the last worker raises ExecutionError naming every worker's error and the others return False (vLLM's executor
+    stops reading answers at the first failure, so a failure on any earlier worker would mix up later calls).
+    Waits at most `timeout` seconds for the other workers."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -85,9 +81,8 @@ class AgreedSteps:
         self.session: WorkerSession | None = None
 
     def init(self, refit: Callable[[], RefitSpec], check: Callable[[RefitSpec], None] | None = None) -> None:
-        """Bind this worker to the refit `refit()` returns (after `check` of it, the caller's own rules): what is
-        agreed on is what each worker checks at once; the rest of the set-up goes on in the background
-        (WorkerSession(background=True), session.py says why), and `start` agrees on its outcome."""
+        """Bind this worker to the refit `refit()` returns (after the caller's `check`), agreed on; the rest of the
+        set-up goes on in the background and `start` agrees on its outcome."""
         self.close()
 
         def init() -> None:
@@ -116,11 +111,9 @@ class AgreedSteps:
         agreed("start", lambda: self.active().start(), self._timeout())
 
     def update(self, error: Exception | None = None, phase: str = "all", refit: str = "") -> None:
-        """The transfer on every worker, agreed on; only then the install (nothing is installed anywhere if any
-        worker lacks its bytes). `phase` "transfer" stops before the install, "install" installs what the previous
-        transfer of this update received (the driver sends it only once every trainer process has sent: a driver
-        that dies in between leaves the model untouched). `refit`: the refit id the update belongs to (a worker
-        bound to another refit refuses it). `error`: the update's info was invalid (raised inside the
+        """The transfer on every worker, agreed on, and only then the install. `phase`: "transfer" stops before the
+        install, "install" installs what this update's transfer received, "all" does both. `refit`: the refit id
+        the update belongs to (another is refused). `error`: the update's info was invalid (raised inside the
         agreement)."""
 
         def transfer() -> None:

@@ -1,28 +1,25 @@
-"""Derive a vLLM model's destination layout from the model itself, by running its own weight loaders.
+"""Derive a vLLM model's destination layout from the model itself, by running its own weight loaders, and check it
+against the declared layout before any byte moves (`check_layout`: every problem at once, in one
+LayoutMismatchError; catches a stacking order or KV replication that differs while the shapes agree).
 
-Every canonical element gets a unique marker value, (tensor index + 1) * 2**32 + flat element index, exact in
-float64. The model's parameters (those of the layers probed) are swapped for float64 scratch tensors filled
-with -1, `model.load_weights` is fed the marked canonical tensors under their HF names, and every scratch
-element then says which canonical element vLLM's loaders put there. Grouped into boxes, those landings are
-the layout vLLM really uses -- stacking order, TP split, KV-head replication, expert slots, vocab padding --
-whatever the vLLM version. The live parameters are put back untouched afterwards.
-
-Cost: the probed layers' parameters once more in float64 on the host, plus one marked canonical tensor at a
-time. Layers of one kind are built by the same code, so the engine probes one layer of each kind
-(`representative_layers`) plus embeddings, final norm and lm_head; e.g. Qwen3-235B-A22B at TP4 needs about
-7.5 GB of host memory for that, once, at init. Tests probe every layer.
+Every canonical element gets a unique marker, (tensor index + 1) * 2**32 + flat element index (exact in float64);
+the probed parameters are swapped for float64 scratch filled with -1 and fed the marked tensors through
+`model.load_weights`, so each scratch element says which canonical element landed there. The live parameters are
+put back afterwards. Costs the probed layers once more in float64 on the host (`representative_layers` keeps it to
+one layer of each kind).
 """
 from __future__ import annotations
 
-import contextlib
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
 
-from ...layouts import ModelSpec, Placement, TensorSpec
-from .live import dtype_name, layer_of, weights
+from ...errors import LayoutMismatchError
+from ...layouts import Layout, ModelSpec, Placement, TensorSpec, VllmLayout
+from .live import config_scope, dtype_name, layer_of, weights
 
 SHIFT = 1 << 32
 UNWRITTEN = -1.0
@@ -74,10 +71,13 @@ def derive_layout(model: torch.nn.Module, spec: ModelSpec, rank: int, layers: Se
     chosen = probed_tensors(spec, layers)
     wanted_layers = {t.layer for t in chosen}
     swapped = {n: p for n, p in params.items() if layer_of(n) in wanted_layers}
-    scratch, live = _swap_in_scratch(swapped)
+    live = {n: p.data for n, p in swapped.items()}
+    scratch = {n: torch.full(tuple(p.shape), UNWRITTEN, dtype=torch.float64) for n, p in swapped.items()}
+    for name, p in swapped.items():
+        p.data = scratch[name]
     try:
         feed = ((t.name, marker(t)) for t in chosen)  # made one at a time, as the loaders consume them
-        with _vllm_config_scope(vllm_config), torch.no_grad():
+        with config_scope(vllm_config), torch.no_grad():
             model.load_weights(feed)
         placements, problems = [], []
         by_index = {t.index: t for t in spec.tensors}
@@ -90,25 +90,6 @@ def derive_layout(model: torch.nn.Module, spec: ModelSpec, rank: int, layers: Se
             p.data = live[name]
     placements.sort(key=lambda cp: (cp[1].tensor, cp[0], cp[1].phys_offset))
     return DerivedLayout(rank, tensors, tuple(placements), tuple(t.name for t in chosen), tuple(problems))
-
-
-def _vllm_config_scope(vllm_config: Any) -> contextlib.AbstractContextManager:
-    if vllm_config is None:
-        return contextlib.nullcontext()
-    from vllm.config import set_current_vllm_config
-
-    return set_current_vllm_config(vllm_config)
-
-
-def _swap_in_scratch(params: dict[str, torch.nn.Parameter]) -> tuple[dict[str, torch.Tensor],
-                                                                       dict[str, torch.Tensor]]:
-    """Point each parameter at a float64 host tensor filled with UNWRITTEN; return (scratch, live storage)."""
-    scratch, live = {}, {}
-    for name, p in params.items():
-        live[name] = p.data
-        scratch[name] = torch.full(tuple(p.shape), UNWRITTEN, dtype=torch.float64)
-        p.data = scratch[name]
-    return scratch, live
 
 
 def _read_placements(rank: int, name: str, values: torch.Tensor,
@@ -188,3 +169,108 @@ def declared_placements(layout: Any, rank: int, tensors: Iterable[TensorSpec]) -
                 out.append((t.name, p))
     out.sort(key=lambda cp: (cp[1].tensor, cp[0], cp[1].phys_offset))
     return out
+
+
+def widens(plan_dtype: str, live_dtype: str) -> bool:
+    """True if the engine keeps a tensor in a wider floating type than the plan moves it in (vLLM keeps some
+    small tensors in float32, e.g. Qwen3.5's A_log or DeepSeek's router bias): every value the plan carries
+    is exact there, so a direct install lands it in plan dtype and casts it up (DirectBinding.finish)."""
+    plan, live = getattr(torch, plan_dtype, None), getattr(torch, live_dtype, None)
+    return (isinstance(plan, torch.dtype) and isinstance(live, torch.dtype) and live.is_floating_point
+            and plan.is_floating_point and plan != live and torch.promote_types(plan, live) == live)
+
+
+def structure_problems(live: dict[str, tuple[tuple[int, ...], str]], layout: Layout, rank: int) -> list[str]:
+    """What differs between the live rank's weights ({name: (shape, dtype)}) and what `layout` declares for `rank`."""
+    declared = layout.rank_tensors(rank)
+    problems = []
+    for name in sorted(set(live) | set(declared)):
+        want_dtype = layout.tensor_dtype(rank, name)  # DeepSeek's float32 router bias: its own
+        if name not in live:
+            problems.append(f"{name}: declared {tuple(declared[name])} {want_dtype}, but the live model has no "
+                            f"such parameter")
+        elif name not in declared:
+            problems.append(f"{name}: the live model has {live[name][0]} {live[name][1]}, which the declared "
+                            f"layout does not hold")
+        elif tuple(live[name][0]) != tuple(declared[name]) or not (
+                live[name][1] == want_dtype or widens(want_dtype, live[name][1])):
+            problems.append(f"{name}: live {live[name][0]} {live[name][1]}, declared {tuple(declared[name])} "
+                            f"{want_dtype}")
+    return problems
+
+
+def _fmt(p: Placement) -> str:
+    box = ", ".join(f"{o}:{o + n}" for o, n in zip(p.canon_offset, p.lengths))
+    return f"[{box}] at {p.tensor}{list(p.phys_offset)}"
+
+
+def merged_boxes(boxes: set[Placement]) -> set[Placement]:
+    """The same elements as fewest boxes: boxes that continue each other along one dimension, in the canonical
+    tensor and in the physical one alike, become one (a fused stack declared as q, k and v parts that a loader
+    writes as one run is the same placement)."""
+    boxes, size = set(boxes), -1
+    while size != len(boxes):  # until a whole pass merges nothing
+        size = len(boxes)
+        for d in range(max((len(p.lengths) for p in boxes), default=0)):
+            groups: dict[tuple, list[Placement]] = defaultdict(list)
+            for p in boxes:
+                if len(p.lengths) > d:
+                    rest = tuple(t[:d] + t[d + 1:] for t in (p.canon_offset, p.lengths, p.phys_offset))
+                    groups[(p.rank, p.tensor, p.shape, rest)].append(p)
+            for group in groups.values():
+                group.sort(key=lambda p: p.canon_offset[d])
+                run = group[0]
+                for b in group[1:]:
+                    n = run.lengths[d]
+                    if run.canon_offset[d] + n == b.canon_offset[d] and run.phys_offset[d] + n == b.phys_offset[d]:
+                        boxes -= {run, b}
+                        run = run._replace(lengths=run.lengths[:d] + (n + b.lengths[d],) + run.lengths[d + 1:])
+                        boxes.add(run)
+                    else:
+                        run = b
+    return boxes
+
+
+def placement_problems(derived: Sequence[tuple[str, Placement]], declared: Sequence[tuple[str, Placement]]) \
+        -> list[str]:
+    """What differs between where the loaders put each probed tensor (`derived`) and where the layout says
+    (`declared`)."""
+    def by_tensor(pairs: Sequence[tuple[str, Placement]]) -> dict[str, set[Placement]]:
+        out: dict[str, set[Placement]] = defaultdict(set)
+        for canon, p in pairs:
+            out[canon].add(p)
+        return defaultdict(set, {c: merged_boxes(ps) for c, ps in out.items()})
+
+    got, want = by_tensor(derived), by_tensor(declared)
+    problems = []
+    for canon in sorted(set(got) | set(want)):
+        if got[canon] != want[canon]:
+            order = lambda ps: sorted(ps, key=lambda p: (p.tensor, p.phys_offset))  # noqa: E731
+            problems.append(f"{canon}: declared {', '.join(map(_fmt, order(want[canon]))) or 'nowhere'}; "
+                            f"vLLM's loaders put {', '.join(map(_fmt, order(got[canon]))) or 'nothing'}")
+    return problems
+
+
+def check_layout(model: torch.nn.Module, layout: Layout, rank: int, layers: Sequence[int] | None = None,
+                 vllm_config: Any = None, loaders: bool = True,
+                 params: dict[str, torch.nn.Parameter] | None = None) -> DerivedLayout:
+    """Raise LayoutMismatchError unless rank `rank` of `layout` is what this live model holds and what its
+    loaders write (for the canonical tensors of `layers`, default all). Returns the derived layout.
+    `params`: the model's `live.weights`, where the caller has read them already."""
+    where = f"rank {rank} of the live vLLM model ({type(model).__name__})"
+    params = weights(model) if params is None else params
+    live = {n: (tuple(p.shape), dtype_name(p.dtype)) for n, p in params.items()}
+    problems = structure_problems(live, layout, rank)
+    if problems:
+        raise LayoutMismatchError(str(layout), problems, where=where)
+    if not loaders:
+        return DerivedLayout(rank, live)
+    derived = derive_layout(model, layout.model, rank, layers, vllm_config, params)
+    # vLLM's loaders write experts by its initial placement, whatever EPLB did since: the probe is compared with
+    # that; the live placement is checked against the EPLB state (experts.check_placement)
+    probe = layout.with_initial_experts() if isinstance(layout, VllmLayout) else layout
+    declared = declared_placements(probe, rank, probed_tensors(layout.model, layers))
+    problems = list(derived.problems) + placement_problems(derived.placements, declared)
+    if problems:
+        raise LayoutMismatchError(str(layout), problems, where=where)
+    return derived

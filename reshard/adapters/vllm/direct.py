@@ -4,28 +4,31 @@
     transport.run(plan, {rank: binding.tensors})           # any executor: name -> tensor of this rank
     binding.finish()                                       # vocab padding rows zeroed, widened tensors cast
 
-`bind_direct` refuses (LayoutMismatchError) a model whose weights or loaders differ from the declared layout
-and (KernelFormatError) parameters re-laid out after loading (kernel_format.py). `binding.verify()` re-checks
-before each refit that the bound storage is still the model's (vLLM may swap a Parameter's data later, e.g.
-a reload through a backend that re-allocates).
-
-A parameter the engine keeps in a wider floating type than the plan's (check.widens: float32 next to a
-bfloat16 plan) is bound to a small scratch tensor in the plan's dtype; `finish()` casts it into the parameter
-after the refit landed. Lossless for what the trainer sends, which is in the plan's dtype.
+A parameter kept in a wider float type than the plan's (derive.widens) is bound to scratch in the plan's dtype and
+cast into the parameter by `finish`. Parameters re-laid out by vLLM's post-load processing
+(`process_weights_after_loading`) are refused, fail-closed per quant method (`relaid_problems`):
+  - unquantized linear / embedding: kept on CUDA; refused on CPU once dispatched to a packed GEMM (`cpu_linear`);
+  - unquantized fused MoE: kept before processing and by the TRITON / BATCHED_TRITON backends only;
+  - any other quant method, and any non-contiguous storage: refused.
+An FP8 block-scaled engine (`reshard.planner.fp8`) is bound by `bind_fp8` for `Fp8Executor`: what vLLM's
+Fp8LinearMethod / Fp8MoEMethod keep on NVIDIA GPUs; backends that re-lay FP8 weights out take the loader install.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
 
-from ...errors import KernelFormatError
+from ...errors import KernelFormatError, LayoutMismatchError
 from ...executors.reference import torch_dtype
 from ...layouts import Layout
-from .check import check_layout
-from .kernel_format import relaid_problems
-from .live import weights
+from .derive import check_layout, declared_placements
+from .live import dtype_name, weights
+
+if TYPE_CHECKING:
+    from ...planner.fp8 import Fp8Plan
 
 
 @dataclass
@@ -56,17 +59,13 @@ class DirectBinding:
             raise KernelFormatError(str(self.layout), problems, where=f"rank {self.rank} of the live vLLM model")
 
     @torch.no_grad()
-    def zero_padding(self) -> None:
-        """Zero the padding runs of the bound tensors (a direct refit never writes them)."""
+    def finish(self) -> None:
+        """After a refit landed: zero the padding (a direct refit never writes it), cast widened tensors into their
+        parameters."""
         for name, runs in self.padding.items():
             flat = self.tensors[name].view(-1)
             for start, length in runs:
                 flat.narrow(0, start, length).zero_()
-
-    @torch.no_grad()
-    def finish(self) -> None:
-        """After a refit landed: zero the padding, cast widened tensors into their parameters."""
-        self.zero_padding()
         for name, target in self.casts.items():
             target.copy_(self.tensors[name])
 
@@ -91,23 +90,12 @@ def bind_direct(model: torch.nn.Module, layout: Layout, rank: int, layers: Seque
 def padding_runs(layout: Layout, rank: int) -> dict[str, list[tuple[int, int]]]:
     """For each tensor of `rank` that placements do not fill, the flat runs of elements they leave uncovered."""
     shapes = layout.rank_tensors(rank)
-    covered = {name: 0 for name in shapes}
     boxes: dict[str, list] = {name: [] for name in shapes}
-    replica = rank // layout.ranks_per_replica
-    for t in layout.model.tensors:
-        for p in layout.placements(t, replica=replica):
-            if p.rank == rank and 0 not in p.lengths:
-                n = 1
-                for length in p.lengths:
-                    n *= length
-                covered[p.tensor] += n
-                boxes[p.tensor].append(p)
+    for _, p in declared_placements(layout, rank, layout.model.tensors):
+        boxes[p.tensor].append(p)
     out = {}
     for name, shape in shapes.items():
-        numel = 1
-        for s in shape:
-            numel *= s
-        if covered[name] >= numel:
+        if sum(math.prod(p.lengths) for p in boxes[name]) >= math.prod(shape):
             continue
         mask = torch.zeros(shape, dtype=torch.bool)
         for p in boxes[name]:
@@ -118,14 +106,79 @@ def padding_runs(layout: Layout, rank: int) -> dict[str, list[tuple[int, int]]]:
             for dim, (o, n) in enumerate(zip(p.phys_offset[lead:], p.lengths)):
                 view = view.narrow(dim, o, n)
             view.fill_(True)
-        out[name] = _runs(~mask.view(-1))
+        edge = torch.zeros(1, dtype=torch.int8)  # uncovered runs start where this steps up, stop where it steps down
+        steps = torch.diff(torch.cat([edge, (~mask.view(-1)).to(torch.int8), edge]))
+        starts, stops = (torch.nonzero(steps == s).flatten().tolist() for s in (1, -1))
+        out[name] = [(a, b - a) for a, b in zip(starts, stops)]
     return out
 
 
-def _runs(flags: torch.Tensor) -> list[tuple[int, int]]:
-    """(start, length) of each run of True in a 1-D bool tensor."""
-    padded = torch.cat([torch.zeros(1, dtype=torch.int8), flags.to(torch.int8), torch.zeros(1, dtype=torch.int8)])
-    edges = torch.diff(padded)
-    starts = torch.nonzero(edges == 1).flatten().tolist()
-    stops = torch.nonzero(edges == -1).flatten().tolist()
-    return [(a, b - a) for a, b in zip(starts, stops)]
+_MOE_AS_LOADED = ("TRITON", "BATCHED_TRITON")
+
+
+def _why_relaid(module: torch.nn.Module, method: Any) -> str | None:
+    """Why `module`'s quant method may have re-laid its weights out after loading (None: it keeps them)."""
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    kind = type(method)
+    if kind in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod):
+        return (f"{kind.__name__} on CPU dispatched it to a CPU GEMM kernel that may compute from a packed copy of "
+                f"the weight") if hasattr(module, "cpu_linear") else None
+    if kind is not UnquantizedFusedMoEMethod:
+        return f"quant method {kind.__name__} is not known to keep the loaded layout"
+    if method.moe_kernel is None:
+        return None  # not processed yet: the experts hold what the loader wrote
+    backend = getattr(method.unquantized_backend, "name", str(method.unquantized_backend))
+    if backend in _MOE_AS_LOADED:
+        return None
+    return f"MoE backend {backend} re-lays the expert weights after loading (only {_MOE_AS_LOADED} keep them)"
+
+
+def relaid_problems(model: torch.nn.Module, params: dict[str, torch.nn.Parameter],
+                    names: Iterable[str] | None = None) -> list[str]:
+    """One line per parameter that must not be written in place, saying why (empty: all may be)."""
+    problems = []
+    for name in sorted(params if names is None else names):
+        if not params[name].is_contiguous():
+            problems.append(f"{name}: storage is not contiguous (re-laid out after loading)")
+            continue
+        module_name = name.rpartition(".")[0]
+        module = model.get_submodule(module_name) if module_name else model
+        method = getattr(module, "quant_method", None)  # None: a plain parameter (norms), never processed
+        why = _why_relaid(module, method) if method is not None else None
+        if why:
+            problems.append(f"{name}: {why}")
+    return problems
+
+
+def fp8_problems(model: torch.nn.Module, fp: Fp8Plan, rank: int) -> list[str]:
+    """Differences between the model's parameters and the FP8 destination's tensors of `rank`."""
+    full = fp.full_dst
+    declared = full.rank_tensors(rank)
+    params = dict(model.named_parameters())
+    problems = []
+    for name, shape in sorted(declared.items()):
+        dtype = full.tensor_dtype(rank, name)
+        p = params.get(name)
+        if p is None:
+            problems.append(f"{name}: declared {tuple(shape)} {dtype}, the model has no such parameter")
+        elif tuple(p.shape) != tuple(shape) or dtype_name(p.dtype) != dtype:
+            problems.append(f"{name}: the model has {tuple(p.shape)} {dtype_name(p.dtype)}, the FP8 destination "
+                            f"declares {tuple(shape)} {dtype} ({fp.scheme.block[0]}x{fp.scheme.block[1]} blocks)")
+    for name, p in sorted(params.items()):
+        if name not in declared and (p.dtype == torch.float8_e4m3fn or name.endswith("_scale_inv")):
+            problems.append(f"{name}: the model quantizes it ({tuple(p.shape)} {dtype_name(p.dtype)}), the FP8 "
+                            f"destination does not (ignored modules differ?)")
+    return problems
+
+
+def bind_fp8(model: torch.nn.Module, fp: Fp8Plan, rank: int) -> dict[str, torch.Tensor]:
+    """The destination tensors of `rank` for a direct FP8 install (the parameters' storage), after the check."""
+    problems = fp8_problems(model, fp, rank)
+    if problems:
+        raise LayoutMismatchError("vllm", problems, fix="declare the engine's quantization_config (block size, "
+                                  "ignored modules) and parallel sizes", where="the live FP8 model")
+    params = dict(model.named_parameters())
+    return {name: params[name].data for name in fp.full_dst.rank_tensors(rank)}

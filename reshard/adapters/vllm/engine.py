@@ -1,18 +1,7 @@
-"""The `reshard` weight-transfer engine: vLLM's weight-transfer API (NeMo-RL, ART, any stack using it) selects
-it with `weight_transfer_config={"backend": "reshard"}`.
-
-Registration is per process: `register()` runs in every vLLM worker through the `vllm.general_plugins` entry
-point (pyproject.toml) or on import of the worker extension (`worker_extension_cls=
-"reshard.adapters.vllm.worker.ReshardWorkerExtension"`).
-
-Lifecycle, per worker (vLLM makes the calls; session.py says what each step checks):
-  1. vLLM builds the engine after loading the model: `ReshardWeightTransferEngine(config, vllm_config, device,
-     model)`.
-  2. `init_weight_transfer_engine(init_info)`: a `RefitSpec` as JSON (adapters.refit), bound by the worker's
-     `WorkerSession` (what is checked at once, and what goes on in the background and why: session.py).
-  3. `start_weight_update()`, `update_weights(update_info)` (the transport runs this worker's part of the plan,
-     then the bytes are installed), `finish_weight_update()`: one refit, all or nothing on this engine.
-  4. `shutdown()`: close the transport.
+"""The `reshard` weight-transfer engine, selected by vLLM's weight-transfer API with
+`weight_transfer_config={"backend": "reshard"}`. `register()` runs in every worker through the `vllm.general_plugins`
+entry point or on import of the worker extension. Each call of vLLM's protocol (init, start, update, finish,
+shutdown) is one agreed step of `agreed.AgreedSteps`.
 """
 from __future__ import annotations
 
@@ -30,8 +19,8 @@ BACKEND = "reshard"
 
 
 class ReshardInitInfo(WeightTransferInitInfo):
-    """The worker-side init payload: a RefitSpec's fields, validated as untrusted input. Never raises itself
-    (vLLM parses it on every worker before the engine can agree on failures): `refit()` raises."""
+    """The worker-side init payload, a RefitSpec's fields; never raises itself (vLLM parses it before the workers
+    can agree on failures): `refit()` raises."""
 
     def __init__(self, **fields: Any) -> None:
         self.spec: RefitSpec | None = None
@@ -52,12 +41,8 @@ PHASES = ("transfer", "install", "all")
 
 
 class ReshardUpdateInfo(WeightTransferUpdateInfo):
-    """Per-round info -- the plan fixed at init says what moves: the version label of the weights being sent, the
-    refit (generation) it belongs to (a worker bound to another refit refuses it: a late message of an old driver is
-    never applied), and the phase: "transfer" (the bytes land in staging or the loader's buffers, the model is not
-    touched; staged refits return at once and land while the engine generates), "install" (hand them to the model,
-    the flip; only after a whole transfer of this update), or "all" (both).
-    Never raises itself (see ReshardInitInfo)."""
+    """Per-update info: the version label, the refit id it belongs to (another is refused) and the phase:
+    "transfer" (the model untouched), "install" (the flip) or "all". Never raises itself (see ReshardInitInfo)."""
 
     def __init__(self, version: str = "", refit: str = "", phase: str = "all", **unknown: Any) -> None:
         self.version, self.refit, self.phase = str(version), str(refit), str(phase)
@@ -68,8 +53,7 @@ class ReshardUpdateInfo(WeightTransferUpdateInfo):
 
 
 class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardUpdateInfo]):
-    """vLLM's worker-side weight-transfer engine `reshard` (one per worker): each call of vLLM's weight-update
-    protocol is one agreed step of `adapters.vllm.agreed.AgreedSteps` (init, start, transfer or install, finish)."""
+    """vLLM's worker-side weight-transfer engine `reshard`: each protocol call is one step of `AgreedSteps`."""
     init_info_cls = ReshardInitInfo
     update_info_cls = ReshardUpdateInfo
     supports_draft_weight_update = False
@@ -98,9 +82,7 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
 
 
 def _full_weights_only(refit: RefitSpec) -> None:
-    """vLLM's weight-transfer API ends every update by dropping every loaded LoRA adapter (the worker's
-    finish_weight_update -> reset_lora_state, in the tested vLLM versions): an adapter refit into a slot would be
-    thrown away and reloaded from its path at the next request. Refused, naming the way that works."""
+    """Refuse an in-slot LoRA refit: vLLM's weight-transfer API drops every loaded adapter when an update finishes."""
     if refit.install == "lora_slot":
         raise PlanError("install='lora_slot' cannot go through vLLM's weight-transfer API: vLLM drops every loaded "
                         "LoRA adapter when a weight update finishes (reset_lora_state). Refit adapters through the "

@@ -1,13 +1,6 @@
-"""An EPLB engine's expert placement, read from the live model, and the check that a refit's plan was compiled for it.
-
-vLLM's expert-parallel load balancer moves experts between physical slots while the engine serves; a plan compiled
-for another placement would write every moved expert into the wrong slot (and vLLM's own `load_weights` always
-writes by the initial placement). So before any byte lands, the worker reads the placement its EPLB state holds now
-(the maps every MoE layer's router reads: logical -> physical and the replica counts) and refuses a plan compiled for
-another one, naming both by digest. Read again at every refit: a rebalance may come between two refits of one
-binding.
-
-vllm is imported inside the functions that need it.
+"""An EPLB engine's expert placement, read from the live model, and the check that a refit's plan was compiled for
+it: EPLB moves experts between slots while the engine serves, so a plan for another placement would write moved
+experts into the wrong slots. Read again at every refit. vllm is imported inside the functions that need it.
 """
 from __future__ import annotations
 
@@ -21,11 +14,8 @@ from ...layouts.expert_placement import ExpertPlacement
 
 
 def live_placement(model: Any, ranks: int) -> ExpertPlacement | None:
-    """The placement the model's EPLB state holds now (None: the engine runs without EPLB).
-
-    Reads each MoE layer's `eplb_state` (vLLM's `EplbLayerState`: views of the engine's `logical_to_physical_map`
-    and `logical_replica_count`, which EPLB updates in place after moving the weights), and rebuilds physical ->
-    logical from them; `ExpertPlacement.from_vllm` refuses maps that disagree.
+    """The placement the model's EPLB state holds now (None: the engine runs without EPLB), rebuilt from each MoE
+    layer's `eplb_state` maps, which EPLB updates in place.
 
     Args:
         model: the worker's model.
@@ -56,12 +46,12 @@ def live_placement(model: Any, ranks: int) -> ExpertPlacement | None:
 
 def check_placement(dst: VllmLayout, live: ExpertPlacement | None, where: str = "this vLLM engine",
                     refit: Any = None, store: Any = None) -> None:
-    """Refuse a plan whose destination was compiled for another expert placement than the engine's `live` one,
-    reporting the engine's placement to the trainers first (adapters.placement_follow: they recompile for it).
+    """Refuse a plan compiled for another expert placement than the engine's, reporting the engine's placement to
+    the trainers first (they recompile for it).
 
     Args:
-        dst: the plan's destination layout (the engine's, as the trainer declared it).
-        live: what the engine holds now (`live_placement`; None: no EPLB, experts in vLLM's linear order).
+        dst: the plan's destination layout.
+        live: what the engine holds now (`live_placement`; None: no EPLB, vLLM's linear order).
         where: names the engine in the error.
         refit: the refused RefitSpec (None: report nothing).
         store: the refit's store, if this worker holds one.
@@ -87,8 +77,8 @@ def check_placement(dst: VllmLayout, live: ExpertPlacement | None, where: str = 
 
 
 def check_loader_placement(live: ExpertPlacement | None, where: str = "this vLLM engine") -> None:
-    """Refuse a loader install into an engine whose EPLB moved experts: vLLM's `load_weights` writes every expert by
-    its initial placement, so after a rebalance it would put experts into other experts' slots.
+    """Refuse a loader install into an engine whose EPLB moved experts (vLLM's `load_weights` writes by the initial
+    placement).
 
     Raises:
         LayoutMismatchError: naming the engine's placement.

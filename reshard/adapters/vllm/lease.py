@@ -1,32 +1,21 @@
-"""The driver's lease on a vLLM server, held in the server's own process: a dead or frozen driver (the trainer
-process that calls init and drives the refits) cannot leave the server paused or an update open.
-
-Start the server with `--middleware reshard.adapters.vllm.lease.ReshardLeaseMiddleware` (vLLM adds it to its
-FastAPI app; it imports no vLLM itself). Protocol, all JSON over the server's port:
-  1. `POST /reshard/lease {"holder": h, "ttl": s}`: driver h takes the lease for s seconds, or renews it. A new
-     holder fences the previous one (a new generation): the previous holder's open update is ended first.
-  2. The driver's RL calls (/pause, /start_weight_update, /update_weights, /finish_weight_update, /resume, ...) carry
-     the header `X-Reshard-Lease: h`; one from any holder but the current one is refused (HTTP 409) and never
-     reaches the engine. Calls without the header (an operator's) pass untouched.
-  3. If the lease lapses (no renewal within ttl; a call of the holder inside the server keeps it, and its return
-     leaves ttl / 2 to be heard again), the holder is fenced and, once the calls still inside the server have
-     returned, the server ends what the holder left open by itself: an update whose install step succeeded
-     is finished with the version it carried (the weights landed whole: roll forward), any other update is
-     finished without a version (nothing was installed: the previous weights and version stay), and a pause is
-     resumed. `POST /reshard/lease {"holder": h, "release": true}` ends a lease on purpose. Either way the
-     server logs what it serves then (`outcome`): the version an open update was rolled forward to, the previous
-     weights of an update closed without a version or of a failed last refit, or the last refit's weights.
-  4. The flip fence: an install (`/update_weights` of phase "install" or "all") that failed after it began writing
-     the live weights (its error names `TORN`) may leave some workers on the new version and some on the old, so
-     the server stops serving: /resume (anyone's, and the lease's own recovery) and the generation routes
-     (`GENERATE`) are refused (HTTP 503, naming the version) and the engine is paused if it was not, until an
-     install of a later refit succeeds on every worker; then the driver's /resume goes through. An install through
-     the worker extension (`/collective_rpc` of `reshard_update`: server.ExtensionClient) counts the same.
-`GET /reshard/lease` answers the current holder, its generation and what it holds open (for tests and operators).
-
-The engine side of the lease lives here whole: `LeaseBook` (the rules), `ReshardLeaseMiddleware` (a vLLM server)
-and `ThreadedLease` (an engine called from threads: a Ray engine actor); the wire (route, header, request body) is
-adapters.lease_keeper's, the driver side adapters.lease_renewal.
+"""The driver's lease on a vLLM server, held in the server's process: a dead or frozen driver cannot leave the
+server paused or an update open. Start the server with `--middleware reshard.adapters.vllm.lease.
+ReshardLeaseMiddleware` (it imports no vLLM). Protocol, JSON over the server's port:
+  1. `POST /reshard/lease {"holder": h, "ttl": s}` takes or renews the lease; a new holder fences the previous one
+     (a new generation), ending its open update first. `{"holder": h, "release": true}` ends it on purpose.
+  2. The driver's RL calls (`FENCED`) carry `X-Reshard-Lease: h`; any holder but the current one gets HTTP 409.
+     Calls without the header (an operator's) pass.
+  3. A lapsed lease (no renewal within ttl; a holder's call inside the server keeps it, and its return leaves
+     ttl / 2) fences the holder; once its calls returned, an update whose install succeeded is finished with its
+     version (roll forward), any other update is finished without one (previous weights stay), a pause is resumed.
+     The log says what is served then (`outcome`).
+  4. Flip fence: an install that failed after it began writing live weights (its error names `TORN`) may leave a
+     mix, so /resume and the generation routes (`GENERATE`) get HTTP 503 and the engine is paused until a later
+     install succeeds on every worker. An install through the worker extension (`/collective_rpc` of
+     `reshard_update`) counts the same.
+`GET /reshard/lease` answers the holder, its generation and what it holds open. `LeaseBook` holds the rules,
+`ReshardLeaseMiddleware` serves a vLLM server, `ThreadedLease` an engine called from threads (a Ray actor); the wire
+is adapters.lease_keeper's, the driver side adapters.lease_renewal.
 """
 from __future__ import annotations
 
@@ -39,18 +28,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ...errors import ArgumentError, ExecutionError, ReshardError
 from ..lease_keeper import HEADER as _HEADER, ROUTE
 
 HEADER = _HEADER.lower().encode()
 FENCED = ("/pause", "/resume", "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
           "/finish_weight_update", "/update_weight_version", "/collective_rpc")
-WATCHED = ("/update_weights", "/collective_rpc")  # an operator's call (no lease) that may install: the fence watches
+WATCHED = ("/update_weights", "/collective_rpc")  # an operator's calls that may install: the flip fence watches them
 GENERATE = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/inference/v1/generate", "/generate")
-TORN = "the flip did not complete"  # in a worker's install error once it began writing live weights (session.py)
+TORN = "the flip did not complete"  # in a worker's install error once it began writing live weights
 MAX_TTL = 3600.0
 MAX_BODY = 1 << 20
-STALL = 1.0  # seconds a watchdog may oversleep before the gap counts as a stall of this process (LeaseBook.woke)
-log = logging.getLogger("vllm.reshard.lease")  # under vLLM's logger: the server's log shows lease events
+STALL = 1.0  # seconds a watchdog may oversleep before the gap counts as a stall of this process
+log = logging.getLogger("vllm.reshard.lease")  # under vLLM's logger, so the server's log shows it
 
 
 @dataclass
@@ -59,10 +49,10 @@ class Open:
 
     paused: bool = False
     started: bool = False
-    installed: str | None = None  # the version of an update whose install step succeeded (not finished yet)
+    installed: str | None = None  # the version an unfinished update installed
     pending: str | None = None  # the version an update in flight carries
     finished: str | None = None  # the version the holder's last finished update installed (what is served)
-    failed: bool = False  # the holder's last update was closed without a version (a failed refit)
+    failed: bool = False  # the holder's last update was closed without a version
 
     def enter(self, route: str, update: dict[str, Any] | None) -> None:
         """A call of the holder enters the engine."""
@@ -74,25 +64,23 @@ class Open:
             self.pending = str(update.get("version", ""))
 
     def leave(self, route: str, update: dict[str, Any] | None, ok: bool) -> None:
-        """A call of the holder returned (status 2xx: ok); also after its generation was fenced (this is the Open
-        the fence handed over, so the recovery sees the outcome). For /finish_weight_update, `update` is
-        {"version": its weight_version}."""
+        """A call of the holder returned (`ok`: status 2xx); /finish_weight_update's `update` is {"version"}."""
         if route == "/resume" and ok:
             self.paused = False
         elif route == "/finish_weight_update":
             version = update.get("version") if isinstance(update, dict) else None
-            if version is None:  # closed without a version: a failed refit's update ended (refused by workers
-                self.failed = True  # whose update was already closed, which is expected: ended all the same)
-            elif ok:  # the weights the update installed are served under this version
+            if version is None:  # a failed refit's update closed (workers may refuse: ended all the same)
+                self.failed = True
+            elif ok:
                 self.finished, self.failed = str(version), False
-            self.started, self.installed = False, None  # finished, or closed after a failure
+            self.started, self.installed = False, None
         elif installs(route, update):
             self.installed = self.pending if ok else None
 
 
 def refit_call(route: str, body: bytes) -> tuple[str, dict[str, Any] | None]:
-    """The route a call counts as and its update (an /update_weights' info, a /finish_weight_update's {"version"};
-    None if unreadable): /collective_rpc of the worker extension's `reshard_update` (ExtensionClient) counts as one."""
+    """The route a call counts as and its update (None if unreadable); the worker extension's `reshard_update`
+    through /collective_rpc counts as /update_weights."""
     try:
         payload = json.loads(body or b"{}") or {}
         if route == "/update_weights":
@@ -108,7 +96,7 @@ def refit_call(route: str, body: bytes) -> tuple[str, dict[str, Any] | None]:
 
 
 def installs(route: str, update: dict[str, Any] | None) -> bool:
-    """Whether a call writes the live weights: an update's install step (its own, or within a one-phase update)."""
+    """Whether a call writes the live weights (an install phase, or a one-phase update)."""
     return route == "/update_weights" and isinstance(update, dict) and update.get("phase", "all") in ("install", "all")
 
 
@@ -121,22 +109,20 @@ class LeaseBook:
     expires: float = 0.0
     generation: int = 0
     open: Open = field(default_factory=Open)
-    inflight: int = 0  # calls of lease holders (of any generation) inside the server now
-    fenced: list[str] = field(default_factory=list)  # holders whose generation ended (the last 64): never again
+    inflight: int = 0  # calls of lease holders (any generation) inside the server now
+    fenced: list[str] = field(default_factory=list)  # the last 64 holders whose generation ended
     ttl: float = 0.0  # the holder's lease, as last granted
     calls: int = 0  # the current holder's calls inside the server now
-    torn: str | None = None  # the version whose install failed partway: the engine is fenced (`closed`)
+    torn: str | None = None  # the version whose install failed partway (the engine is fenced)
 
     def lapsed(self) -> bool:
-        """The holder went silent for its lease. Not while one of its own calls is inside the server: it made
-        that call, and an engine busy with it (a NIXL set-up of a minute on a loaded machine) is no sign that it
-        died; its renewals may be starved meanwhile (the case that fenced live drivers)."""
+        """The holder went silent for its lease; never while one of its calls is inside the server (a busy engine
+        may starve its renewals)."""
         return self.holder is not None and self.calls == 0 and self.clock() > self.expires
 
     def woke(self, slept: float, meant: float) -> bool:
-        """The watchdog slept `slept` seconds where it meant `meant`. A longer gap is a stall of the engine's own
-        process (its event loop or GIL held): renewals sent meanwhile wait unheard, so the lease does not count that
-        time against the holder. True for a stall: the caller lets the waiting renewals in before it judges."""
+        """The watchdog slept `slept` seconds where it meant `meant`; True for a stall of this process (renewals
+        waited unheard), whose time is then not counted against the holder."""
         stall = slept - meant
         if stall <= STALL:
             return False
@@ -145,27 +131,31 @@ class LeaseBook:
         return True
 
     def grant(self, holder: str, ttl: float) -> bool:
-        """Take or renew the lease; True if this is a new generation (the caller ended the previous one first).
-        A holder whose generation ended is refused (ValueError): a driver that froze past its lease and thawed
-        must init again, as a new generation."""
-        if holder in self.fenced:
-            raise ValueError(f"lease {holder[:16]!r} ended (its generation was fenced): init again")
+        """Take or renew the lease; True for a new generation (the caller ended the previous one first).
+
+        Raises:
+            ValueError: the holder's generation ended (it must init again).
+        """
+        self._check_live(holder)
         new = holder != self.holder
         if new:
             self.holder, self.generation, self.open, self.calls = holder, self.generation + 1, Open(), 0
         self.expires, self.ttl = self.clock() + ttl, ttl
         return new
 
+    def _check_live(self, holder: str) -> None:
+        if holder in self.fenced:
+            raise ValueError(f"lease {holder[:16]!r} ended (its generation was fenced): init again")
+
     def fence(self) -> Open:
-        """End the holder's generation: its later calls are refused; returns what it left open."""
+        """End the holder's generation (its later calls are refused); returns what it left open."""
         if self.holder is not None:
             self.fenced = [*self.fenced[-63:], self.holder]
         left, self.holder, self.open, self.calls = self.open, None, Open(), 0
         return left
 
     def due(self, slept: float, meant: float) -> bool:
-        """A watchdog's round after sleeping `slept` seconds where it meant `meant`: True if the holder's
-        generation must end now (its lease lapsed; never right after a stall of this process, see `woke`)."""
+        """A watchdog's round (see `woke`): True if the holder's lease lapsed and its generation must end now."""
         return not self.woke(slept, meant) and self.lapsed()
 
     def ending(self, holder: str, release: bool) -> str | None:
@@ -176,14 +166,12 @@ class LeaseBook:
         """
         if release:
             return "released by its holder" if holder == self.holder else None
-        if holder in self.fenced:
-            raise ValueError(f"lease {holder[:16]!r} ended (its generation was fenced): init again")
+        self._check_live(holder)
         return "a new driver took the lease" if self.holder is not None and holder != self.holder else None
 
     def enter(self, holder: str | None, route: str, update: dict[str, Any] | None) -> Open:
-        """A call of `holder` (let in; None: an operator's) enters the engine: what it opens is booked on the Open
-        returned (the one a fence hands over, so that the recovery sees the call's outcome); a call of the current
-        holder keeps its lease while inside (`lapsed`)."""
+        """A call of `holder` (None: an operator's) enters the engine; returns the Open it books on (the one a
+        fence hands over, so the recovery sees the call's outcome)."""
         opened = self.open
         opened.enter(route, update)
         self.inflight += 1
@@ -192,9 +180,7 @@ class LeaseBook:
         return opened
 
     def leave(self, holder: str | None, opened: Open, route: str, update: dict[str, Any] | None, ok: bool) -> None:
-        """The call `enter` booked returned (`ok`: it succeeded). If `holder` still holds the lease, it has half its
-        lease from now to be heard again (its next call or renewal); a driver that died meanwhile is fenced that
-        much later."""
+        """The call `enter` booked returned; a current holder then has half its lease to be heard again."""
         opened.leave(route, update, ok)
         self.inflight -= 1
         if holder is not None and holder == self.holder and self.calls > 0:
@@ -207,8 +193,8 @@ class LeaseBook:
                 "inflight": self.inflight, "torn": self.torn}
 
     def flipped(self, route: str, update: dict[str, Any] | None, ok: bool, error: str) -> None:
-        """A call returned (anyone's): an install that failed partway (`error` names TORN) fences the engine, one
-        that succeeded lifts the fence."""
+        """A call returned: an install that failed partway (`error` names TORN) fences the engine, one that
+        succeeded lifts the fence."""
         if installs(route, update) and (ok or TORN in error):
             self.torn = None if ok else str(update.get("version", ""))
 
@@ -229,8 +215,7 @@ class LeaseBook:
 
 
 def outcome(left: Open) -> str:
-    """What the server serves once a generation ended and the middleware closed what it left open (`_end`), in
-    words for the server's log: the update it left open and how it was closed, else its last refit's outcome."""
+    """What the server serves once a generation ended and what it left open was closed, in words for the log."""
     kept = f" (version {left.finished!r}, its last finished refit)" if left.finished is not None else ""
     if left.started and left.installed is not None:
         what = f"its open update had installed {left.installed!r}: rolled forward, finished as {left.installed!r}"
@@ -247,8 +232,6 @@ def outcome(left: Open) -> str:
 
 def parse_grant(body: bytes) -> tuple[str, float, bool]:
     """The lease request's fields, validated (untrusted input); ArgumentError names what is wrong."""
-    from ...errors import ArgumentError
-
     if not isinstance(body, (bytes, bytearray)) or len(body) > MAX_BODY:
         raise ArgumentError("body", body, f"must be at most {MAX_BODY} bytes of JSON")
     try:
@@ -272,16 +255,14 @@ def parse_grant(body: bytes) -> tuple[str, float, bool]:
 
 
 def _fence(book: LeaseBook, why: str) -> tuple[int, Open]:
-    """Fence the holder (its later calls are refused): its generation and what it left open (filled in by its calls
-    still inside the engine as they return)."""
+    """Fence the holder; its generation and what it left open (its calls still inside fill it in)."""
     generation, holder, left = book.generation, book.holder, book.fence()
     log.warning("reshard: lease generation %d (%s) ended: %s", generation, holder, why)
     return generation, left
 
 
 def _granted(book: LeaseBook, holder: str, ttl: float, release: bool) -> dict[str, Any]:
-    """A lease request's answer, once the generation it ends (`LeaseBook.ending`) was closed: a release's, or the
-    grant's."""
+    """A lease request's answer, once the generation it ends was closed."""
     if release:
         return {"released": True}
     book.grant(holder, ttl)
@@ -289,9 +270,8 @@ def _granted(book: LeaseBook, holder: str, ttl: float, release: bool) -> dict[st
 
 
 def _closing(left: Open, torn: str | None) -> list[tuple[str, tuple]]:
-    """The engine calls that close what a fenced generation left open, in order, once its calls returned: an update
-    it started finished with the version its install carried (None: closed without a version), a pause resumed
-    (not while a torn flip fences the engine)."""
+    """The engine calls that close what a fenced generation left open: its update finished with the version its
+    install carried (None: without one), its pause resumed (not while a torn flip fences the engine)."""
     resume = left.paused and torn is None
     return [("finish_weight_update", (left.installed,))] * left.started + [("resume_generation", ())] * resume
 
@@ -306,7 +286,7 @@ class ReshardLeaseMiddleware:
         self.idle: asyncio.Event | None = None
         self.engine: Any = None
         self.watchdog: asyncio.Task | None = None
-        self.paused_by_fence = False  # a torn flip paused an engine its driver had not (lifted: resumed)
+        self.paused_by_fence = False  # a torn flip paused an engine its driver had not
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope.get("type") != "http":
@@ -357,8 +337,8 @@ class ReshardLeaseMiddleware:
                 await self._fence_flip(was)
 
     async def _fence_flip(self, was: str | None) -> None:
-        """A flip tore: pause the engine unless its driver had (pause=None), aborting what it runs on the mix; the
-        fence lifted: resume it if the fence paused it (a driver without pauses never resumes)."""
+        """A flip tore: pause the engine (aborting what runs on the mix) unless paused; the fence lifted: resume
+        it if the fence paused it."""
         try:
             if was is None:
                 log.error("reshard: %s (version %r): the engine is fenced until a refit lands whole", TORN,
@@ -409,8 +389,6 @@ class ReshardLeaseMiddleware:
         if scope.get("method") == "GET":
             return await _answer(send, 200, self.book.state())
         body, _ = await _buffered(receive)
-        from ...errors import ReshardError
-
         try:
             holder, ttl, release = parse_grant(body)
         except ReshardError as e:
@@ -426,13 +404,12 @@ class ReshardLeaseMiddleware:
 
 
 class ThreadedLease:
-    """The lease of an engine whose calls come on threads (a Ray engine actor made with max_concurrency > 1): the
-    LeaseBook's rules, a watchdog thread, and `call`, which fences and books each refit call.
+    """The lease of an engine whose calls come on threads (a Ray engine actor): the LeaseBook's rules, a watchdog
+    thread, and `call`, which fences and books each refit call.
 
     Args:
-        engine: returns the client whose `finish_weight_update` closes a lapsed holder's update (the refit in
-            progress may use another client than the last one).
-        engine_lock: held around every engine call (the engine takes one at a time); the recovery waits for it.
+        engine: returns the client whose calls close a lapsed holder's update.
+        engine_lock: held around every engine call; the recovery waits for it.
         poll: seconds between the watchdog's looks.
     """
 
@@ -449,8 +426,6 @@ class ThreadedLease:
             ArgumentError: a malformed request.
             ExecutionError: a renewal of a holder whose generation ended.
         """
-        from ...errors import ExecutionError
-
         holder, ttl, release = parse_grant(body)
         with self.lock:
             try:
@@ -462,10 +437,11 @@ class ThreadedLease:
             return _granted(self.book, holder, ttl, release)
 
     def call(self, route: str, holder: str | None, fn: Callable[[], Any], update: Any = None) -> Any:
-        """`fn()` as the refit call `route` of `holder` (None: an operator's, never refused): refused with
-        ExecutionError unless `holder` holds the lease; what it opens and closes is booked."""
-        from ...errors import ExecutionError
+        """`fn()` as the refit call `route` of `holder` (None: an operator's), booked.
 
+        Raises:
+            ExecutionError: `holder` does not hold the lease.
+        """
         with self.lock:
             refusal = self.book.refusal(holder) if holder is not None else None
             if refusal is not None:

@@ -1,21 +1,65 @@
-"""Reading a live vLLM model: its weight parameters, its parallel sizes, the layout it declares, its rank.
-
-vllm is imported inside the functions that need it.
+"""Reading a live vLLM model: its model family, weight parameters, parallel sizes, declared layout and rank (vllm
+imported lazily). A model class named like an architecture of a registered `ModelFamily` is served from that family.
 """
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ...errors import LayoutError
-from ...layouts import ModelSpec, VllmLayout, spec_from_hf_config
-from .families import VllmFamily, family_of
+from ...layouts import ModelSpec, VllmLayout, discover, spec_from_hf_config, supported_architectures
+
+
+@dataclass(frozen=True)
+class VllmFamily:
+    """How a vLLM model class maps to a reshard family (a class no `ModelFamily` names: `register_family`)."""
+
+    architecture: str  # the vLLM model class name, as in an HF config's `architectures`
+    spec_family: str  # the reshard ModelSpec family it serves
+    # Live parameters that hold no model weights (formatted with the layer index `{i}`); buffers such as
+    # attention scales, rotary caches and `_expert_map` are not parameters and need no entry.
+    not_weights: tuple[str, ...] = ()
+
+
+_FAMILIES: dict[str, VllmFamily] = {}
+
+
+def register_family(family: VllmFamily) -> VllmFamily:
+    """Register the facts of a vLLM model class (refused if another description of it is registered); returns it."""
+    if family.architecture in _FAMILIES and _FAMILIES[family.architecture] != family:
+        raise LayoutError("vllm", f"a different description of {family.architecture} is already registered")
+    _FAMILIES[family.architecture] = family
+    return family
+
+
+def family_of(model: Any) -> VllmFamily:
+    """The description of a live vLLM model (looked up by its class), or an error listing those supported."""
+    name = type(model).__name__
+    if name not in _FAMILIES and name in supported_architectures():
+        spec_family = discover({"architectures": [name]})
+        return register_family(VllmFamily(name, spec_family.name, spec_family.vllm_not_weights))
+    if name not in _FAMILIES:
+        raise LayoutError("vllm", f"vLLM model class {name} has no reshard description; supported: "
+                                  f"{', '.join(sorted({*_FAMILIES, *supported_architectures()}))}",
+                          {"model_class": name}, "add a model family (README: Add a model family)")
+    return _FAMILIES[name]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The dtype's name without the torch. prefix."""
     return str(dtype).removeprefix("torch.")
+
+
+def config_scope(vllm_config: Any) -> contextlib.AbstractContextManager:
+    """vLLM's `set_current_vllm_config(vllm_config)` (nothing for None: a bare model in tests)."""
+    if vllm_config is None:
+        return contextlib.nullcontext()
+    from vllm.config import set_current_vllm_config
+
+    return set_current_vllm_config(vllm_config)
 
 
 def layer_of(name: str) -> int:
@@ -73,5 +117,6 @@ def local_rank(vllm_config: Any, replica: int = 0) -> int:
     from vllm.distributed import get_tensor_model_parallel_rank
 
     tp, _ = parallel_sizes(vllm_config)
-    dp_rank = vllm_config.parallel_config.data_parallel_rank if vllm_config.parallel_config.data_parallel_size > 1 else 0
+    pc = vllm_config.parallel_config
+    dp_rank = pc.data_parallel_rank if pc.data_parallel_size > 1 else 0
     return (replica + dp_rank) * tp + get_tensor_model_parallel_rank()

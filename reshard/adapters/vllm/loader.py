@@ -1,30 +1,20 @@
-"""Loader install: the plan delivers canonical tensors (whole, HF-named) and the model's own `load_weights`
-places them -- for quantized or re-packing backends (vLLM's CPU backend among them), where vLLM's loaders and
-post-load processing must run.
-
-The plan's destination is `HfLayout(replicas=N)` with one "replica" per vLLM rank: `load_weights` needs the
-full global tensor on every rank (a per-rank shard is silently misloaded). The whole model lands in buffers of
-this worker's first (allocated once, kept between refits: memory for one whole copy of the model per worker);
-only then does `install` hand it to vLLM, one group of whole modules at a time (what precedes the layers, each
-layer, the final norm and lm_head), inside vLLM's layerwise reload:
-
-  1. the transport fills `buffers` (every process of the refit confirmed that it has all its bytes);
-  2. `install()`: initialize_layerwise_reload(model); `model.load_weights(group)` per group;
-     finalize_layerwise_reload(model, model_config), which runs the post-load processing.
-A transport failure happens before step 2, so the model never sees a partial refit.
+"""Loader install: the plan delivers whole HF-named canonical tensors (`HfLayout(replicas=N)`, one "replica" per
+vLLM rank) into buffers kept between refits, and `install` hands them to the model's own `load_weights` one group of
+whole modules at a time, inside vLLM's layerwise reload (which runs the post-load processing): for quantized or
+re-packing backends. A transport failure happens before the install, so the model never sees a partial refit.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
 
 from ...errors import ExecutionError
 from ...executors.reference import empty_for
+from ...executors.shared import release_shared, shared_empty
 from ...layouts import HfLayout, ModelSpec
 from ...planner import Plan
-from .live import weights
+from .live import config_scope, weights
 
 
 def layer_groups(spec: ModelSpec) -> list[tuple[str, ...]]:
@@ -58,8 +48,6 @@ class LoaderInstaller:
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.buffers = empty_for(plan, rank, self.device)  # each in its own dtype (a float32 router bias too)
         if shared and self.device.type == "cpu":  # peers write them in place (the shared-memory transport)
-            from ...executors.shared import shared_empty
-
             self.buffers = {n: shared_empty(tuple(t.shape), t.dtype) for n, t in self.buffers.items()}
         self.groups = layer_groups(plan.src.model)
         self.shared = shared and self.device.type == "cpu"
@@ -67,17 +55,8 @@ class LoaderInstaller:
     def close(self) -> None:
         """The session is over: shared buffers' names go (peers of a later session get buffers of their own)."""
         if self.shared:
-            from ...executors.shared import release_shared
-
             for t in self.buffers.values():
                 release_shared(t)
-
-    def _scope(self) -> contextlib.AbstractContextManager:
-        if self.vllm_config is None:
-            return contextlib.nullcontext()
-        from vllm.config import set_current_vllm_config
-
-        return set_current_vllm_config(self.vllm_config)
 
     @torch.no_grad()
     def install(self) -> set[str]:
@@ -85,8 +64,12 @@ class LoaderInstaller:
         processing at its end); returns what vLLM loaded."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-        with self._scope():
-            _reset_moe_kernels(self.model)
+        with config_scope(self.vllm_config):
+            # vLLM processes a fused-MoE layer's weights (the CPU backend pads and prepacks them) only while it has no
+            # kernel: without one, the reload's post-processing builds and runs it as a first load does
+            for module in self.model.modules():
+                if getattr(getattr(module, "quant_method", None), "moe_kernel", None) is not None:
+                    module.quant_method.moe_kernel = None
             initialize_layerwise_reload(self.model)
             try:
                 loaded = self.load()
@@ -104,7 +87,7 @@ class LoaderInstaller:
         """`load_weights` of the received tensors, group by group. Raises ExecutionError if some weight of the
         model was not loaded (vLLM skips names it does not know)."""
         loaded: set[str] = set()
-        with self._scope():
+        with config_scope(self.vllm_config):
             for group in self.groups:
                 loaded |= set(self.model.load_weights([(name, self.buffers[name]) for name in group]) or ())
         # LoRA wraps a linear's weight as `<module>.base_layer.weight`; load_weights reports the unwrapped name
@@ -113,15 +96,3 @@ class LoaderInstaller:
             raise ExecutionError(f"load_weights did not load {len(missing)} weights of the model, e.g. {missing[:5]}: "
                                  f"the canonical names do not match what this vLLM model loads")
         return loaded
-
-
-def _reset_moe_kernels(model: torch.nn.Module) -> None:
-    """Make vLLM rebuild fused-MoE kernels after this reload. vLLM (the tested versions) runs a MoE kernel's weight
-    processing (the CPU backend pads and prepacks the experts) only when the layer has no kernel yet, so a reload
-    would copy unprocessed experts into the processed storage: wrong tokens, or a shape error when the kernel pads
-    (seen on the CPU build). Without a kernel, the reload's post-processing builds and runs it as a first load
-    does."""
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if getattr(method, "moe_kernel", None) is not None:
-            method.moe_kernel = None

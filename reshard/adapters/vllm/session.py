@@ -1,42 +1,26 @@
-"""One vLLM worker's side of a refit, however vLLM drives it (the weight-transfer engine and the worker
-extension both wrap this).
+"""One vLLM worker's side of a refit, however vLLM drives it (the weight-transfer engine and the worker extension
+both wrap this).
 
     session = WorkerSession(model, vllm_config, RefitSpec.from_dict(payload))  # checks; raises before bytes move
     session.start(); session.receive(); session.finish()                        # one refit
     session.close()
 
-Construction (vLLM's `init_weight_transfer_engine`): the trainer's model and the engine's layout must be what this
-worker serves (an EPLB engine's expert placement: what its EPLB state holds now, checked again at every `start`,
-since EPLB may rebalance between refits; experts.py); the plan is compiled (once per process for these layouts)
-and its digest compared with the trainer's; the destination is bound -- direct: the live parameters, after checking the model's structure, its
-loaders' placements and that nothing was re-laid out; loader: buffers for whole canonical tensors -- and the
-transport is opened (cross-process transports: this worker joins the rendezvous as process S + its rank). A
-failure anywhere is reported at the rendezvous, so trainer processes waiting there stop at once, and raised.
+Construction checks the trainer's model and layout against what this worker serves (an EPLB engine's expert
+placement again at every `start`), compiles the plan, binds the destination (direct: the live parameters; loader:
+buffers for whole tensors; lora_slot: an adapter's slot) and opens the transport; a failure is reported at the
+rendezvous (waiting trainers stop at once) and raised. With `background=True` a cross-process set-up does the quick
+local steps at once and waits for the other members in a thread, since vLLM runs an init on the engine's RPC path
+and would stop generating meanwhile; its failure is raised by the next `start` or `transfer`.
 
-Cross-process set-up in the background (`background=True`, what the weight-transfer engine and the worker extension
-use): vLLM runs an init on the engine's RPC path, where it blocks the engine's scheduler, so a server whose init
-waits for members that never come answers /health but no completion until the wait ends. Such an init does what
-is quick and local at once -- the checks above, the destination, reaching the store (an unreachable address fails
-here, named), the secret, this worker's place -- and returns; waiting for the other members and opening the
-transport go on in a thread of their own while the engine keeps generating with its current weights. A failure
-there is reported at the rendezvous (the trainer's init raises with it) and raised by the next step that needs
-the transport (`start`, `transfer`), which waits for the set-up at most as long as the set-up's own bounded steps.
-
-A refit (`start`, `receive` inside vLLM's `update_weights`, `finish`) is all or nothing on this engine: direct
-refits are staged by the executor and commit only once every process has every byte; loader refits receive the
-whole model into the buffers first and only then hand them to the model's weight loaders (inside vLLM's
-layerwise reload), so a transport failure never touches the model.
-
-Staged refits (`RefitSpec.staging`, adapters.vllm.staging): `transfer` starts this worker's transfer on a thread
-of its own and returns at once, so vLLM's engine loop (which runs every weight-update call on its own thread,
-between generation steps) goes on generating while the bytes land in the staging (direct) or the buffers
-(loader); the install (the flip) first agrees with the engine's other workers that every one has its bytes whole,
-then copies them into the live weights (direct) or loads them (loader). An install that fails once it began
-writing says so (`lease.TORN`): the server's lease middleware then fences the engine until a refit lands whole.
+A refit is all or nothing on this engine: the bytes land in the executor's staging or the loader's buffers first.
+With `RefitSpec.staging`, `transfer` returns at once and lands while the engine generates; the install (the flip)
+first agrees with the other workers that every one has its bytes whole. An install that fails once it began
+writing names `lease.TORN`, and the server's lease middleware fences the engine until a refit lands whole.
 """
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -45,9 +29,12 @@ from typing import Any
 import torch
 
 from ...errors import ExecutionError, LayoutError, LayoutMismatchError, PlanError
-from ...executors.base import Executor
+from ...executors.base import Executor, close_within
+from ...executors.checksum import tensor_digests
 from ...polling import Background
 from ...layouts.lora import VllmLoraLayout, base_spec
+from ...layouts.math_config import math_config, math_differences, math_fingerprint
+from .. import rendezvous as rv
 from ..lora.slots import AdapterSlot, lora_manager
 from ..refit import RefitSpec, open_transport
 from .derive import representative_layers
@@ -56,8 +43,7 @@ from .experts import check_loader_placement, check_placement, live_placement
 from .lease import TORN
 from .live import declared_layout, local_rank, spec_of
 from .loader import LoaderInstaller
-from .shadow import Shadow, swaps
-from .staging import Staging, check_room, free_bytes
+from .staging import Shadow, Staging, check_room, free_bytes, swaps
 
 
 class WorkerSession:
@@ -68,9 +54,7 @@ class WorkerSession:
         vllm_config: the worker's vLLM config.
         refit: the trainer's init payload, parsed.
         group: the engine's world group ("colocated" transport).
-        background: cross-process transports: wait for the other members and open the transport in a thread
-            (the constructor returns once the local checks passed and this worker holds its place); `start` and
-            `transfer` wait for it and raise its failure.
+        background: cross-process transports: meet the other members and open the transport in a thread.
 
     Raises:
         LayoutMismatchError, LayoutError, PlanError: the trainer's model, layout or plan is not this worker's.
@@ -84,8 +68,8 @@ class WorkerSession:
         self.executor: Executor | None = None
         self.store = None
         self.rendezvous = None
-        self.meeting: Background | None = None  # the background set-up (its error: why it failed)
-        self.meeting_deadline = 0.0  # monotonic: when the background set-up's own bounded steps are over
+        self.meeting: Background | None = None  # the background set-up
+        self.meeting_deadline = 0.0  # monotonic: when its own bounded steps are over
         self.closed = False
         self.lock = threading.Lock()  # between the background set-up and close()
         try:
@@ -109,10 +93,10 @@ class WorkerSession:
         self.binding: DirectBinding | None = None
         self.installer: LoaderInstaller | None = None
         self.staging: Staging | None = None
-        self.shadow: Shadow | None = None  # a staged loader install on a CPU engine (adapters.vllm.shadow)
+        self.shadow: Shadow | None = None  # a staged loader install on a CPU engine
         self.landing: Background | None = None  # a staged transfer running while the engine generates
-        self.flip_s = 0.0  # the last install's wall time (the flip, when staged)
-        self.tail_s = 0.0  # how long the last install waited for its staged transfer to end (and agreed on it)
+        self.flip_s = 0.0  # the last install's wall time
+        self.tail_s = 0.0  # how long the last install waited for its staged transfer
         self.slot: AdapterSlot | None = None
         if refit.install == "lora_slot":
             self.slot = AdapterSlot(lora_manager(self.model), dst, refit.lora_id, self.rank)
@@ -136,17 +120,13 @@ class WorkerSession:
         process = self.rank
         self.tensors, self.installed = tensors, False
         if refit.cross_process:
-            from .. import rendezvous as rv
-
             self.rendezvous = rv.Rendezvous.from_dict(refit.rendezvous)
             self.store = rv.connect(self.rendezvous)  # one probe first: an unreachable address fails at once
             process = self.plan.src.num_ranks + self.rank
             if background:
                 rv.check_secret(self.store, self.rendezvous, "engine", process)  # a wrong secret: at once
                 rv.check_place(self.store, self.rendezvous, process)  # a duplicate rank: at once
-                # join waits at most the rendezvous's timeout, the transport's set-up at most its own
-                self.meeting_deadline = time.monotonic() + self.rendezvous.timeout + 30.0 \
-                    + transport_timeout(refit.options, self.rendezvous.timeout)
+                self.meeting_deadline = time.monotonic() + self.rendezvous.timeout + 30.0 + self._timeout()
                 # the CUDA device is per thread: the set-up thread makes NCCL groups on this worker's device
                 device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
                 self.meeting = Background(self._meet, process, tensors, group, device, name="reshard-meet")
@@ -155,18 +135,15 @@ class WorkerSession:
         self.executor = open_transport(refit, process, {}, {self.rank: tensors}, store=self.store, group=group)
 
     def _meet(self, process: int, tensors: Any, group: Any, device: int | None = None) -> None:
-        """The background set-up: wait for every member, then open the transport (on `device`, the worker's CUDA
-        device, current in the thread that started it). A failure is kept for the next step and reported at the
+        """The background set-up: join, then open the transport on `device`; a failure is reported at the
         rendezvous; a session closed meanwhile releases what was opened."""
-        from .. import rendezvous as rv
-
         if device is not None:
             torch.cuda.set_device(device)
         store, rdv, refit = self.store, self.rendezvous, self.refit
         try:
             rv.join(store, rdv, process, refit.num_processes, "engine")
             executor = open_transport(refit, process, {}, {self.rank: tensors}, store=store, group=group)
-        except BaseException as e:  # kept by the Background for start / transfer, and told to the trainer now
+        except BaseException as e:  # kept by the Background for start / transfer
             if not self.closed:
                 self._report(f"engine replica {refit.replica} worker: {type(e).__name__}: {e}", store)
             raise
@@ -174,13 +151,13 @@ class WorkerSession:
             if not self.closed:
                 self.executor = executor
                 return
-        from ...executors.base import close_within
+        close_within(executor.close, self._timeout(), "closing a superseded refit's executor")
 
-        close_within(executor.close, transport_timeout(refit.options, rdv.timeout),
-                     "closing a superseded refit's executor")
+    def _timeout(self) -> float:
+        return transport_timeout(self.refit.options, getattr(self.rendezvous, "timeout", None))
 
     def ready(self) -> None:
-        """Wait for the background set-up (at most as long as its own bounded steps) and raise its failure."""
+        """Wait for the background set-up (bounded) and raise its failure."""
         meeting = self.meeting
         if meeting is None:
             return
@@ -197,8 +174,6 @@ class WorkerSession:
         if not self.refit.cross_process or self.refit.rendezvous is None:
             return
         try:
-            from .. import rendezvous as rv
-
             rdv = rv.Rendezvous.from_dict(self.refit.rendezvous)
             store = store if store is not None else self.store
             rv.fail(store if store is not None else rv.connect(rdv), rdv, reason)
@@ -206,10 +181,8 @@ class WorkerSession:
             pass
 
     def _check_experts(self) -> None:
-        """The plan's expert placement must be the one this engine's EPLB state holds now; a loader install needs
-        vLLM's initial placement (its load_weights writes by it). Read from the model each time: a rebalance may
-        come between init and any refit."""
-        if self.dst.experts is None:  # no expert parallelism: nothing EPLB moves
+        """The plan's expert placement must be what the EPLB state holds now (loader: the initial one)."""
+        if self.dst.experts is None:
             return
         live = live_placement(self.model, self.dst.tp)
         where = f"engine replica {self.refit.replica}"
@@ -218,9 +191,8 @@ class WorkerSession:
         else:
             check_placement(self.dst, live, where, self.refit, self.store)  # reported to the trainers
 
-    # --- one refit ---------------------------------------------------------------------------------
     def check_refit(self, refit: str) -> None:
-        """An update of another refit (an old driver's late message, after a new init) is refused."""
+        """Refuse an update of another refit (an old driver's late message)."""
         ours = (self.refit.rendezvous or {}).get("refit_id", "")
         if refit and refit != ours:
             raise PlanError(f"an update of refit {refit[:16]!r} refused: this worker is bound to refit {ours[:16]!r} "
@@ -230,15 +202,14 @@ class WorkerSession:
         """Open an update: the set-up ended, the expert placement, the bound parameters or slot unchanged."""
         self.ready()
         self.received = False
-        self._check_experts()  # before any byte lands: EPLB may have moved experts since the plan was bound
+        self._check_experts()
         if self.binding is not None:
             self.binding.verify()
         if self.slot is not None:
             self.slot.verify()
 
     def transfer(self) -> None:
-        """This worker's part of the transfer; the model is not touched (staged, or the loader's buffers). Staged
-        refits (`RefitSpec.staging`): started on a thread of its own, returning at once (the install waits)."""
+        """This worker's part of the transfer, the model untouched; staged refits return at once."""
         self.ready()
         if self.executor is None:
             raise ExecutionError("this refit session is closed")
@@ -252,11 +223,11 @@ class WorkerSession:
         self.landing = Background(self._land, device, name="reshard-stage")
 
     def _land(self, device: int | None = None) -> None:
-        if device is not None:  # the staging thread moves bytes on the worker's device
+        if device is not None:
             torch.cuda.set_device(device)
         try:
             self.executor.refit()
-            if self.shadow is not None:  # vLLM's load and processing, while the engine still generates
+            if self.shadow is not None:
                 self.shadow.build()
         except Exception as e:
             self._report(f"engine replica {self.refit.replica} rank {self.rank}: {e}")
@@ -264,8 +235,7 @@ class WorkerSession:
         self.received = True
 
     def staged(self) -> dict[str, Any]:
-        """Whether this worker's staged transfer has ended, without waiting for it (a driver polls it before the
-        pause for a flip: a worker call blocks vLLM's engine loop): {"done": bool, "error": its text or None}."""
+        """Whether this worker's staged transfer has ended, without waiting: {"done": bool, "error": text or None}."""
         landing = self.landing
         if landing is not None and landing.thread.is_alive():
             return {"done": False, "error": None}
@@ -273,21 +243,20 @@ class WorkerSession:
         return {"done": True, "error": f"{type(error).__name__}: {error}" if error is not None else None}
 
     def _landed_whole(self) -> None:
-        """Staged refits: wait for the transfer (as long as the transport's timeout), then agree with the engine's
-        other workers that every one has its bytes whole, before any flips. Raises ExecutionError otherwise."""
+        """Staged refits: wait for the transfer, then agree with the other workers that all bytes are whole."""
         landing, start = self.landing, time.perf_counter()
         if landing is None:
             return
         self.landing = None
 
         def whole() -> None:
-            timeout = transport_timeout(self.refit.options, (self.refit.rendezvous or {}).get("timeout"))
+            timeout = self._timeout()
             if not landing.join(time.monotonic() + timeout):
                 raise ExecutionError(f"the staged transfer did not end within {timeout:.0f} s")
             if landing.error is not None:
                 raise ExecutionError(f"the staged transfer failed: {type(landing.error).__name__}: {landing.error}")
 
-        from .agreed import agreed  # (agreed drives this session)
+        from .agreed import agreed
 
         ok = agreed("staged transfer", whole)
         self.tail_s = time.perf_counter() - start
@@ -295,8 +264,7 @@ class WorkerSession:
             raise ExecutionError("another worker of this engine lacks its staged bytes")
 
     def install_received(self) -> None:
-        """The install step of a two-phase update: only after this update's transfer landed whole (staged: the
-        flip, refused for an incomplete version with the live weights untouched)."""
+        """The install step of a two-phase update: refused unless this update's transfer landed whole."""
         try:
             self._landed_whole()
         except ExecutionError as e:
@@ -308,11 +276,10 @@ class WorkerSession:
         self.install()
 
     def install(self) -> None:
-        """After every worker has its bytes: direct: the flip when staged, then finish (padding, widened tensors);
-        loader: load_weights; lora_slot: B *= alpha / r."""
+        """After every worker has its bytes: the flip (direct, shadow), load_weights (loader) or B *= alpha / r."""
         self._landed_whole()
-        start = time.perf_counter()  # (the wait above is tail_s)
-        try:  # from here the live weights change: a failure leaves a mix, which the server fences (lease.TORN)
+        start = time.perf_counter()
+        try:  # from here the live weights change: a failure leaves a mix, which the server fences
             _injected_flip_fault(self.rank, wrote=False)
             if self.slot is not None:
                 self.slot.scale()
@@ -332,13 +299,8 @@ class WorkerSession:
         self.installed = True
 
     def landed(self) -> dict[str, Any]:
-        """reshard's own end-to-end digest of what the last transfer landed on this worker, before vLLM's loaders
-        repack anything: SHA-256 of each destination tensor of the plan (loader: the whole canonical tensors, so
-        they compare with a checkpoint's; direct: the parameters written; lora_slot: before B's scaling) and
-        whether it was installed. vLLM's /weight_checker hashes parameters after its processing, and on the CPU
-        build hashes repacked parameters as empty input."""
-        from ...executors.checksum import tensor_digests
-
+        """SHA-256 of each destination tensor the last transfer landed here (before vLLM repacks anything) and
+        whether it was installed: {"rank", "refit", "installed", "digests"}."""
         if self.slot is not None and self.installed:
             raise ExecutionError("an installed adapter slot holds B * alpha / r, not what landed")
         return {"rank": self.rank, "refit": (self.refit.rendezvous or {}).get("refit_id", ""),
@@ -355,22 +317,16 @@ class WorkerSession:
 
     def close(self) -> None:
         """Close the transport (bounded by its timeout) and release the buffers; a set-up still running is stopped."""
-        with self.lock:  # a background set-up still running releases what it opens itself (_meet)
+        with self.lock:
             self.closed = True
             executor, self.executor = self.executor, None
         meeting = self.meeting
         if meeting is not None and meeting.thread.is_alive() and self.store is not None:
-            # its join stops at its next look at the store (a new init or shutdown superseded this refit); the
-            # other members stop with it instead of waiting out the rendezvous's timeout
-            from .. import rendezvous as rv
-
+            # the other members stop with it instead of waiting out the rendezvous's timeout
             rv.fail(self.store, self.rendezvous, f"engine replica {self.refit.replica} worker: the refit was "
                                                  f"superseded (a new init, or shutdown) before every member joined")
-        if executor is not None:  # bounded by the transport's timeout: a release waiting on a frozen peer
-            from ...executors.base import close_within
-
-            timeout = transport_timeout(self.refit.options, (self.refit.rendezvous or {}).get("timeout"))
-            close_within(executor.close, timeout, "closing this worker's executor")
+        if executor is not None:
+            close_within(executor.close, self._timeout(), "closing this worker's executor")
         installer = getattr(self, "installer", None)  # absent when set-up failed before binding
         if installer is not None:
             installer.close()
@@ -378,23 +334,18 @@ class WorkerSession:
 
 
 def _injected_flip_fault(rank: int, wrote: bool) -> None:
-    """Tests only: $RESHARD_TEST_FLIP_FAULT names a file; while it holds this worker's rank, the worker's flip
-    raises before it writes (`wrote` False); while it holds "<rank> kill", the worker SIGKILLs itself once its flip
-    wrote the live weights, before it reports the install (`wrote` True). Read at each flip: a test arms and
-    disarms it between refits."""
+    """Tests only: $RESHARD_TEST_FLIP_FAULT names a file; "<rank>" there fails this rank's flip before it writes,
+    "<rank> kill" SIGKILLs the worker after its flip wrote. Read at each flip."""
     path = os.environ.get("RESHARD_TEST_FLIP_FAULT")
     armed = Path(path).read_text().split() if path and os.path.exists(path) else []
     if armed == [str(rank)] and not wrote:
         raise ExecutionError(f"injected flip fault (RESHARD_TEST_FLIP_FAULT) on rank {rank}")
     if armed == [str(rank), "kill"] and wrote:
-        import signal
-
         os.kill(os.getpid(), signal.SIGKILL)
 
 
 def transport_timeout(options: dict[str, Any], default: Any) -> float:
-    """The transport's timeout from a refit's options (validated by the executor that uses it), else `default`,
-    else 300 s."""
+    """The transport's timeout from a refit's options, else `default`, else 300 s."""
     for v in (options.get("timeout"), default):
         if not isinstance(v, bool) and isinstance(v, (int, float)) and v > 0:
             return float(v)
@@ -402,10 +353,8 @@ def transport_timeout(options: dict[str, Any], default: Any) -> float:
 
 
 def check_served_model(refit: RefitSpec, dst: Any, vllm_config: Any) -> None:
-    """The trainer's model and destination layout must be what the engine of `vllm_config` serves (an adapter's:
-    the model it adapts; the LoRA settings are AdapterSlot's to check): the same spec, the same math (the HF config
-    fields that change no shape, `refit.math`: compared with the engine's own config unless the trainer sent none)
-    and the same parallel layout.
+    """The trainer's model and layout must be what the engine serves: the same spec (an adapter's base), the same
+    math (`refit.math`, unless the trainer sent none) and the same parallel layout.
 
     Raises:
         LayoutMismatchError: naming what differs, before any byte moves.
@@ -415,9 +364,7 @@ def check_served_model(refit: RefitSpec, dst: Any, vllm_config: Any) -> None:
     ours = model.model_copy(update={"dtype": live.dtype})
     if ours != live:
         raise LayoutMismatchError(str(dst), [f"trainer: {model}", f"vLLM: {live}"], where="the vLLM model")
-    if refit.math is not None:  # fields that change the math, not the shapes (layouts.math_config)
-        from ...layouts.math_config import math_config, math_differences, math_fingerprint
-
+    if refit.math is not None:
         engine = math_config(vllm_config.model_config.hf_config.to_dict())
         differ = math_differences(refit.math, engine)
         if differ:
@@ -430,8 +377,8 @@ def check_served_model(refit: RefitSpec, dst: Any, vllm_config: Any) -> None:
     declared = declared_layout(model, vllm_config, dst.replicas)
     # the LoRA settings are AdapterSlot's to check; the expert placement is the EPLB state's (_check_experts)
     lora = {"model", "max_lora_rank", "fully_sharded", "expert_placement"}
-    if declared.model_dump(exclude={"model"}) != dst.model_dump(exclude=lora):
-        mine, theirs = dst.model_dump(exclude=lora), declared.model_dump(exclude={"model"})
+    mine, theirs = dst.model_dump(exclude=lora), declared.model_dump(exclude={"model"})
+    if mine != theirs:
         differ = ", ".join(f"{k}: {mine[k]!r} vs {theirs[k]!r}" for k in mine if mine[k] != theirs.get(k))
         raise LayoutMismatchError(str(dst), [f"trainer declared {dst}, the engine runs {declared} ({differ})"],
                                   where="this vLLM engine's parallel config")

@@ -1,22 +1,30 @@
-"""Where a worker stages a refit's bytes while its engine keeps generating, and the flip that makes them live.
+"""Where a worker stages a refit's bytes while its engine keeps generating (`RefitSpec(staging="device" | "host")`),
+and the flip that makes them live. A staging holds one copy of the worker's shard and is refused at init when it
+does not fit, naming both sizes.
 
-`RefitSpec(staging=...)` chooses it: None streams the bytes as before (direct: the executor's own shadows,
-committed as soon as every byte landed; loader: its buffers), "device" stages a copy of this worker's own shard
-on the engine's device, "host" in pinned host memory. With staging, a worker's transfer runs on a thread of its
-own and returns at once, so vLLM's engine loop goes on generating while the bytes land; the model is untouched
-until the flip (`Staging.flip`: a device copy, or host-to-device copy, of the staged shard into the live
-parameters), which the driver brackets with a pause (adapters.trainer: `pause_for="flip"`).
+A staged loader install on a CPU engine flips a `Shadow`: vLLM's CPU build packs every linear weight after loading,
+so a loader install must re-run `load_weights` and that processing; here it runs on a shadow of the model while the
+engine still generates, and the flip swaps the shadow's parameters in (pointer assignments, no byte copied):
 
-Memory: one copy of the worker's shard (not the whole model), computed and checked at init: a staging that does
-not fit what the device (or the host) has free is refused there, naming both sizes, before any byte moves.
+    shadow = Shadow(installer)    # at init: its size (`nbytes`), checked like a staging
+    shadow.build()                # once the staged bytes are whole: vLLM's own load_weights and processing
+    shadow.swap()                 # inside the pause
+
+The shadow is a copy of the module tree whose parameters are fresh tensors of the shapes vLLM recorded for
+reloading; the live model is only read until `swap`. Needs an eager engine (`--enforce-eager`).
 """
 from __future__ import annotations
 
+import copy
 import time
+from types import MethodType
+from typing import Any
 
 import torch
 
 from ...errors import ExecutionError
+from .live import config_scope
+from .loader import LoaderInstaller
 
 WHERE = ("device", "host")
 HEADROOM = 256 << 20  # bytes left free beside the staging (allocator slack, the transport's own buffers)
@@ -73,10 +81,8 @@ class Staging:
 
     @torch.no_grad()
     def flip(self) -> None:
-        """Copy every staged tensor into its live one (host to device from pinned memory when staged on the host),
-        queued without waiting, then waited for once. One `copy_` per tensor, not `torch._foreach_copy_`: on an
-        H100 a Qwen3-30B-A3B TP2 shard (435 tensors, 30.5 GB) flips in 21.3 ms that way and 26.8 ms batched,
-        against 20.1 ms for one flat copy of the bytes (benchmarks/refit_flip.py, BENCHMARKS.md)."""
+        """Copy every staged tensor into its live one, queued, then waited for once. One `copy_` per tensor: faster
+        on an H100 than `torch._foreach_copy_` (benchmarks/refit_flip.py)."""
         start = time.perf_counter()
         for name, live in self.live.items():
             live.copy_(self.tensors[name], non_blocking=True)
@@ -85,3 +91,124 @@ class Staging:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         self.flip_s = time.perf_counter() - start
+
+
+# a module's own bookkeeping, never swapped as an attribute
+_STRUCTURE = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+
+
+def swaps(model: torch.nn.Module, device: torch.device, vllm_config: Any) -> bool:
+    """Whether a staged loader install flips a shadow: a CPU engine without fused-MoE layers (a reload rebuilds their
+    kernels) or LoRA, running eager (a compiled model may keep what it captured), its modules recorded for reloading."""
+    if device.type != "cpu" or getattr(vllm_config, "lora_config", None) is not None \
+            or not getattr(getattr(vllm_config, "model_config", None), "enforce_eager", False):
+        return False
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    return not any(hasattr(getattr(m, "quant_method", None), "moe_kernel")
+                   or (m._parameters and m not in LAYERWISE_INFO) for m in model.modules())
+
+
+class Shadow:
+    """A shadow of a loader install's model, built from its landed buffers while the engine generates and swapped
+    in at the flip (see the module docstring).
+
+    Args:
+        installer: the loader install whose buffers the shadow loads.
+    """
+
+    def __init__(self, installer: LoaderInstaller) -> None:
+        self.installer, self.model = installer, installer.model
+        self.pairs: list[tuple[torch.nn.Module, torch.nn.Module]] = []  # (live, shadow) of modules with tensors
+        self.nbytes = sum(t.numel() * t.element_size() for live in self.model.modules()
+                          for t in _loaded_metas(live).values())
+
+    def build(self) -> None:
+        """Load the buffers into a fresh shadow (vLLM's `load_weights`) and process each layer with its own
+        `quant_method`.
+
+        Raises:
+            ExecutionError: some weight of the model was not loaded (LoaderInstaller.load).
+        """
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+        self.pairs = []
+        root = self._copy(self.model, {})
+        twin = copy.copy(self.installer)  # the installer's own load, on the shadow
+        twin.model = root
+        with torch.no_grad(), config_scope(twin.vllm_config):
+            twin.load()
+            for _, shadow in self.pairs:
+                method = getattr(shadow, "quant_method", None)
+                if isinstance(method, QuantizeMethodBase):
+                    shadow.__dict__.pop("_already_called_process_weights_after_loading", None)
+                    method.process_weights_after_loading(shadow)
+                    if hasattr(shadow, "update_param_tp_status"):
+                        shadow.update_param_tp_status()
+
+    def _copy(self, live: torch.nn.Module, memo: dict[int, torch.nn.Module]) -> torch.nn.Module:
+        """The shadow of `live` and its children (a module shared by two parents, e.g. tied embeddings: once)."""
+        if id(live) in memo:
+            return memo[id(live)]
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+        from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
+        from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+
+        shadow = memo[id(live)] = copy.copy(live)
+        absent = {n: None for n, t in live._parameters.items() if t is None}  # (a linear without bias)
+        shadow.__dict__.update(_parameters=absent, _buffers=dict(live._buffers), _modules={},
+                               _non_persistent_buffers_set=set(live._non_persistent_buffers_set))
+        metas = _loaded_metas(live)
+        if metas:
+            with LAYERWISE_INFO[live].restore_device:
+                for name, meta in metas.items():
+                    tensor = restore_layer_refs(materialize_meta_tensor(meta), shadow)  # (a copy: meta untouched)
+                    shadow._parameters[name] = tensor
+            self.pairs.append((live, shadow))
+        for name, child in live._modules.items():
+            shadow._modules[name] = None if child is None else self._copy(child, memo)
+        return shadow
+
+    def swap(self) -> None:
+        """Make the shadow live: each module takes the shadow's tensors and the attributes processing set (weight
+        loaders bound to the shadow are bound to the live module again). Pointer assignments only."""
+        for live, shadow in self.pairs:
+            for key in [k for k in live.__dict__ if k not in shadow.__dict__]:
+                del live.__dict__[key]
+            for key, value in shadow.__dict__.items():
+                if key not in _STRUCTURE and live.__dict__.get(key, _STRUCTURE) is not value:
+                    live.__dict__[key] = value
+            for name in [n for n in live._parameters if n not in shadow._parameters]:
+                del live._parameters[name]
+            for name, tensor in shadow._parameters.items():
+                if tensor is not None:
+                    _rebind(tensor, shadow, live)
+                live._parameters[name] = tensor
+            for name, buffer in shadow._buffers.items():  # (shared unless processing registered its own)
+                if live._buffers.get(name) is not buffer:
+                    live._buffers[name] = buffer
+        self.pairs = []
+
+
+def _loaded_metas(live: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters of `live` that a load fills, as vLLM recorded them before its first processing (meta tensors:
+    shapes, dtypes, loaders), and those vLLM never records (a linear's `bias`, built after its weights) as meta
+    copies. Buffers (a rotary cache) are not loaded: the shadow shares the live ones."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS, to_meta_tensor
+    from vllm.model_executor.model_loader.reload.sanitize import sanitize_layer_refs
+
+    info = LAYERWISE_INFO.get(live)
+    if info is None:
+        return {}
+    params, _ = info.restore_metadata
+    late = {n: sanitize_layer_refs(to_meta_tensor(t), live) for n, t in live._parameters.items()
+            if t is not None and n in SKIP_TENSORS}
+    return {**params, **late}
+
+
+def _rebind(tensor: torch.Tensor, old: torch.nn.Module, new: torch.nn.Module) -> None:
+    """Methods of `old` a tensor carries (its weight loader) become methods of `new`."""
+    for key, value in tensor.__dict__.items():
+        if isinstance(value, MethodType) and value.__self__ is old:
+            tensor.__dict__[key] = value.__func__.__get__(new)

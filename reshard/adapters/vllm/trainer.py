@@ -1,15 +1,10 @@
-"""The `reshard` backend of vLLM's trainer-side weight-transfer API (`WeightTransferTrainerFactory`), for stacks
-that drive refits through it: a thin shell around `adapters.trainer.TrainerSession`, which does the work (and
-which trainers that must not import vLLM use directly).
+"""The `reshard` backend of vLLM's trainer-side weight-transfer API (`WeightTransferTrainerFactory`): a shell around
+`adapters.trainer.TrainerSession`, which trainers that must not import vLLM use directly.
 
     info = ReshardTrainerInitInfo(refit=RefitSpec.of(spec, src, dst, transport="collective").to_dict(), rank=r)
     engine = WeightTransferTrainerFactory.trainer_init(info, client=client if r == 0 else None, source=tensors)
     engine.send_weights(version="step-3")   # every trainer rank, every refit
     engine.shutdown()
-
-`client` is any `VLLMWeightSyncClient` (vLLM's HTTP or Ray client, `OfflineLLMClient` for an in-process `LLM`,
-`reshard.adapters.server.VllmServer`); only rank 0's is used. `source` is this rank's tensors in the trainer's
-layout ({physical name: tensor}, or {source rank: {...}}).
 """
 from __future__ import annotations
 

@@ -1,21 +1,13 @@
-"""A vLLM worker extension for refits driven by `collective_rpc` (stacks that call worker methods directly
-instead of the weight-transfer API, and in-slot LoRA refits, which that API cannot carry), e.g.
+"""A vLLM worker extension for refits driven by `collective_rpc` (stacks that call worker methods directly, and
+in-slot LoRA refits, which the weight-transfer API cannot carry), e.g.
 
     llm = LLM(model=..., worker_extension_cls="reshard.adapters.vllm.worker.ReshardWorkerExtension")
     llm.collective_rpc("reshard_init", args=(refit.to_dict(),))        # a RefitSpec; raises before bytes move
-    llm.collective_rpc("reshard_refit")                                 # start, receive, finish
-    llm.collective_rpc("reshard_direct_problems")                       # why direct mode would be refused
-    llm.collective_rpc("reshard_stats")                                 # plan compiles and cache hits
-    llm.collective_rpc("reshard_staged")                                # has a staged transfer landed?
-    llm.collective_rpc("reshard_expert_placement")                      # an EPLB engine's placement now
+    llm.collective_rpc("reshard_refit")                                 # start, update, finish
 
-Each step is also a method of its own (`reshard_start`, `reshard_update`, `reshard_finish`), so a trainer can send
-while the workers receive: `reshard.adapters.server.ExtensionClient` drives them over a server's dev route
-`/collective_rpc`, where arguments travel as JSON strings. Every step is agreed on by all workers of the engine
-(adapters.vllm.agreed), as in the weight-transfer engine.
-
-Importing this module registers the `reshard` weight-transfer engine in the worker process (vLLM imports the
-extension class in every worker before building it), so the weight-transfer API can select it as well.
+Each step is also a method of its own, so a trainer can send while the workers receive
+(`reshard.adapters.server.ExtensionClient`, over a server's `/collective_rpc`, passes arguments as JSON text).
+Importing this module registers the `reshard` weight-transfer engine in the worker process.
 """
 from __future__ import annotations
 
@@ -24,12 +16,14 @@ import os
 from typing import Any
 
 from ...errors import LayoutMismatchError, PlanError
+from ...planner import cache
 from ..refit import RefitSpec
 from .agreed import AgreedSteps
 from .derive import representative_layers
 from .direct import bind_direct
 from .engine import ReshardUpdateInfo, register
-from .live import declared_layout, local_rank, spec_of
+from .experts import live_placement
+from .live import declared_layout, local_rank, parallel_sizes, spec_of
 
 register()
 
@@ -98,27 +92,19 @@ class ReshardWorkerExtension:
         return []
 
     def reshard_expert_placement(self) -> dict[str, Any] | None:
-        """The expert placement this engine's EPLB state holds now, as JSON (`ExpertPlacement`'s fields; None without
-        EPLB): what a trainer follows after a rebalance, `refit.with_expert_placement(ExpertPlacement.model_validate(
-        answer))`, then init again. Every worker of an engine answers the same (the maps are the engine's).
+        """The expert placement this engine's EPLB state holds now, as JSON (None without EPLB): what a trainer
+        follows after a rebalance (`refit.with_expert_placement`).
 
         Raises:
             ArgumentError: the EPLB state's maps are not a placement.
         """
-        from .experts import live_placement
-        from .live import parallel_sizes
-
         tp, _ = parallel_sizes(self.vllm_config)
         placement = live_placement(self._reshard_model(), tp)
         return None if placement is None else placement.model_dump(mode="json")
 
     def reshard_stats(self) -> dict[str, Any]:
-        """This worker's plan-cache counts (compiles, hits), its process id and, once a refit installed, how long
-        its last install took (`flip_s`), waited for a staged transfer first (`tail_s`) and whether its flip swaps a
-        shadow in (`swap`, adapters.vllm.shadow): a second refit compiles nothing. Callable by name through a
-        server's dev route `/collective_rpc` (`{"method": "reshard_stats"}`)."""
-        from ...planner import cache
-
+        """This worker's plan-cache counts, its pid and, once a refit installed, its last install's time (`flip_s`),
+        its wait for a staged transfer (`tail_s`) and whether its flip swaps a shadow in (`swap`)."""
         sessions = self._reshard_sessions()
         times = {"flip_s": sessions[0].flip_s, "tail_s": sessions[0].tail_s,
                  "swap": sessions[0].shadow is not None} if sessions else {}
@@ -130,22 +116,19 @@ class ReshardWorkerExtension:
         return [s.session for s in (engine, getattr(self, "_reshard_agreed", None)) if s and s.session]
 
     def reshard_landed(self) -> dict[str, Any]:
-        """`WorkerSession.landed` of this worker's last refit (through the weight-transfer API or this extension):
-        reshard's digest of what landed, before any repacking. Callable through a server's `/collective_rpc`."""
+        """`WorkerSession.landed` of this worker's last refit (weight-transfer API or this extension)."""
         sessions = self._reshard_sessions()
         if not sessions:
             raise PlanError("no refit session on this worker: nothing landed yet")
         return sessions[0].landed()
 
     def reshard_staged(self) -> dict[str, Any]:
-        """`WorkerSession.staged`: whether this worker's staged transfer has ended ({"done", "error"}), answered at
-        once (a worker call holds the engine loop). Callable through `/collective_rpc`."""
+        """`WorkerSession.staged`: whether this worker's staged transfer has ended ({"done", "error"})."""
         sessions = self._reshard_sessions()
         return sessions[0].staged() if sessions else {"done": True, "error": "no refit session on this worker"}
 
     def reshard_in_flight(self) -> list[str]:
-        """The ids of the requests this worker holds state for (vLLM's model runner: running, or frozen by a "keep"
-        pause): what a driver asks while the engine is paused for a flip. Callable through `/collective_rpc`."""
+        """The ids of the requests this worker holds state for (running, or frozen by a "keep" pause)."""
         return sorted(self.model_runner.requests)
 
     def reshard_close(self) -> None:

@@ -100,7 +100,7 @@ def test_keep_then_abort_the_flip_pauses_and_requests_end_as_their_mode_says(ser
     try:
         result, loop, t0 = _refit_under_load(session, server, "a-keep")
         assert server.weight_info() == "a-keep" and server.greedy(PROMPTS) != served["fresh"]
-        stats = server.collective_rpc("reshard_stats")  # a CPU engine's flip swaps a shadow in (adapters.vllm.shadow)
+        stats = server.collective_rpc("reshard_stats")  # a CPU engine's flip swaps a shadow in (adapters.vllm.staging)
         assert all(w["swap"] for w in stats), stats
         phases = result.phases
         landing = (t0 + phases["start"], t0 + phases["start"] + phases["transfer"] + phases["staged"])

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 import vllm_harness as harness  # noqa: E402
 import reshard  # noqa: E402
-from reshard.adapters.vllm.fp8 import bind_fp8, fp8_problems  # noqa: E402
+from reshard.adapters.vllm.direct import bind_fp8, fp8_problems  # noqa: E402
 from reshard.errors import ModelConfigError  # noqa: E402
 from reshard.executors.fp8 import Fp8Executor  # noqa: E402
 from reshard.executors.reference import allocate, shard  # noqa: E402

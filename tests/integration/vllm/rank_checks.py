@@ -244,7 +244,7 @@ def run_case(case: dict, rank: int, world: int) -> dict[str, str]:
         # (tests/cpu_path: scripts/test runs this module on both); everything else is vLLM's own code.
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-        from reshard.adapters.vllm.kernel_format import relaid_problems
+        from reshard.adapters.vllm.direct import relaid_problems
 
         out = []
         fresh = harness.engine_config(case["ckpt"], world, case["ep"])  # a model registers its layers there
@@ -270,7 +270,7 @@ def run_case(case: dict, rank: int, world: int) -> dict[str, str]:
         # CUDA wheel lacks that last kernel; everything before it ran, the kernel object included)
         from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
-        from reshard.adapters.vllm.kernel_format import relaid_problems
+        from reshard.adapters.vllm.direct import relaid_problems
 
         out = []
         path = harness.cpu_path()

@@ -1,11 +1,7 @@
 """What a layout is: for each rank of one side, its physical tensors and where canonical boxes sit in them.
 
-A `Placement` says: the box `canon_offset` + `lengths` of a canonical tensor sits on `rank`, in physical
-tensor `tensor` (of shape `shape`) at `phys_offset`. The physical tensor may have more dimensions than the
-canonical one (expert e of a [E_local, 2F, H] stack); the box's lengths then align with its trailing
-dimensions and the leading dimensions have length 1. Padding is simply the part of a physical tensor that no
-placement covers.
-"""
+A physical tensor may have more dimensions than the canonical one (expert e of an [E_local, 2F, H] stack): the
+box's lengths align with its trailing dimensions. Padding is the part no placement covers."""
 from __future__ import annotations
 
 import abc

@@ -1,12 +1,8 @@
 """A layout that places every canonical tensor by its kind's cuts (Megatron and vLLM both are one).
 
-Two questions about a kind of tensor: which cuts place it on this side (`_cuts`: the kind's own cuts for the
-layout's `cut_set` -- its engine, or a naming of it -- else the cuts the engine registered for the model's family,
-registry.register_cuts), and, for tensors of that kind at given layers and experts, where each cut's group of
-ranks starts and what the physical tensor is named (`_place`, the subclass's). Everything else -- one tensor's placements, the batched table of many, the check at
-construction that every cut fits -- is the same code for both sides, so the batched answer is the per-tensor
-one by construction.
-"""
+A subclass answers one question (`_place`: where a cut's group of ranks starts and what the physical tensor is
+named); one tensor's placements, the batched table and the check at construction are shared code, so the batched
+answer is the per-tensor one by construction."""
 from __future__ import annotations
 
 import abc

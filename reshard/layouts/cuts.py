@@ -1,17 +1,11 @@
 """The one vocabulary of cuts: how tensor parallelism splits a tensor, on either side.
 
-Rows and columns mean the tensor's own dimensions, everywhere in reshard: `RowBlocks` splits dim 0 into
-contiguous blocks of rows, `ColumnBlocks` splits dim 1 into blocks of columns. (Megatron and vLLM name their
-linear layers after the matmul instead: the layer holding row blocks of its weight is "column-parallel".)
-
-A cut is a tiny frozen declaration: a physical tensor name and how a group of `tp` ranks share the tensor.
-Each cut states only `pieces` (what TP rank r holds, where); from it every cut answers both questions layouts
-ask: `placements` (one tensor, as `Placement`s) and `add_rows` (many tensors of one shape at once -- every
-layer, every expert -- as numpy rows of a `TableBuilder`). Which ranks form the group, and the name the
-physical tensor has there, are the layout's (`Group`, and the name it passes in). A `TensorKind` is one kind
-of tensor: its cuts on each engine, by the engine's name. Tensors of more than 2 dimensions are cut on dim 0 only. A cut the engines do not
-make must be refused by the family with a clear error, never approximated.
-"""
+Rows and columns are the tensor's own dimensions: `RowBlocks` splits dim 0, `ColumnBlocks` dim 1 (Megatron and
+vLLM name layers after the matmul instead: row blocks of a weight are "column-parallel"). A cut names a physical
+tensor and states only `pieces` (what TP rank r holds, where); from it come `placements` (one tensor) and
+`add_rows` (many tensors at once, as numpy rows). The layout supplies the group of ranks (`Group`). A
+`TensorKind` is a kind of tensor: its cuts on each engine. Tensors of more than 2 dimensions are cut on dim 0
+only. A cut the engines do not make is refused by the family, never approximated."""
 from __future__ import annotations
 
 import abc

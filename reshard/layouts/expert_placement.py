@@ -1,19 +1,10 @@
 """Which logical expert each physical expert slot of an expert-parallel engine holds: vLLM's EPLB placement.
 
-vLLM's expert-parallel load balancer (EPLB) keeps a MoE layer's E logical experts in P >= E physical slots, spread
-evenly over the EP ranks: rank r holds slots [r P/ranks, (r+1) P/ranks), in that order, as the rows of its
-stacked expert tensors (`w13_weight` [P/ranks, ...]). Slot p of MoE layer m holds logical expert
-`physical_to_logical[m][p]`; a logical expert in several slots has replicas (redundant experts, P - E of them),
-each with the same weights. vLLM loads weights by its initial placement (slots 0..E-1 hold experts 0..E-1, the
-redundant slots E.. hold experts 0, 1, ... in turn) and rebalances while serving, moving experts between slots and
-ranks, per layer.
-
-An `ExpertPlacement` is that map as a small frozen value: validated on construction (untrusted input: a map that is
-not a permutation with replicas of the logical experts is refused, naming the layer and the experts), canonical (a
-placement the same in every MoE layer is one row), and identified by a digest, so a plan compiled for one
-placement is never taken for another's. `from_vllm` reads vLLM's three maps (physical -> logical, logical ->
-physical, replica counts) and refuses maps that disagree with each other.
-"""
+EPLB keeps a MoE layer's E logical experts in P >= E physical slots, rank r holding slots [r P/ranks,
+(r+1) P/ranks) as the rows of its stacked expert tensors; a logical expert in several slots has replicas. vLLM
+loads by its initial placement (slot e < E holds expert e, slot E + i expert i mod E) and rebalances while
+serving. An `ExpertPlacement` is that map as a validated, canonical (identical rows are one row) frozen value
+with a digest, so a plan compiled for one placement is never taken for another's."""
 from __future__ import annotations
 
 import functools

@@ -1,15 +1,9 @@
-"""ModelFamily: what a model family declares, in one file (see the files in `families/`).
+"""ModelFamily: what a model family declares (see the files in `families/`).
 
-A family says (1) how an HF `config.json` becomes a ModelSpec (`spec`), (2) its canonical tensors, layer by
-layer (`layer`, plus `head` and `tail`), each an `Entry` with its HF name and a role: a shared `Role` (placed as
-`roles.py` says) or the family's own `cuts.TensorKind` (its cuts on each engine), (3) what the
-checkpoint holds that refits leave out (`excluded`), (4) the megatron-core options its tensors imply
-(`megatron_options`, `megatron_block`; `from_megatron` when a spec can be read off a megatron-core config) and
-(5) the vLLM parameters that hold no weights (`vllm_not_weights`) and (6) what exporters stream beside its tensors
-that refits skip (`stream_extras`; the fused form of routed experts is declared with them, `routed_experts`).
-`registry.register_family(cls)` registers a concrete subclass; the built-in ones are listed in
-`families.BUILT_IN_FAMILIES`.
-"""
+A family says how an HF config becomes a ModelSpec (`spec`), its canonical tensors layer by layer (`layer`,
+`head`, `tail`: `Entry`s with a shared `Role` or the family's own `cuts.TensorKind`), what refits leave out
+(`excluded`, `stream_extras`), the megatron-core options it implies (`megatron_options`, `megatron_block`,
+`from_megatron`) and the vLLM parameters that hold no weights (`vllm_not_weights`)."""
 from __future__ import annotations
 
 import abc

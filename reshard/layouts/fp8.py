@@ -1,30 +1,24 @@
-"""FP8 block-scaled destinations as data: which canonical tensors an FP8 engine keeps quantized, their scale
-tensors, and where their cuts put blocks.
+"""FP8 block-scaled destinations as data: which canonical tensors an FP8 engine keeps quantized, their scales, and
+where their cuts put blocks.
 
-An HF FP8 checkpoint (`quantization_config: {"quant_method": "fp8", "weight_block_size": [128, 128]}`, the
-format of DeepSeek-V3 / Kimi-K2 / Qwen3-*-FP8) stores every linear weight W [N, K] as `float8_e4m3fn` plus
-`weight_scale_inv` float32 [ceil(N/bn), ceil(K/bk)], one per block (W ~ fp8 * scale); everything that is not a
-linear layer (embeddings, norms, lm_head) or is listed in `ignored_layers` / `modules_to_not_convert` stays in
-the model's dtype. vLLM's Fp8LinearMethod / Fp8MoEMethod hold exactly these parameters per rank: the weight cut
-like the unquantized one (fp8), the scale cut like the weight in block units.
-
-`Fp8Scheme` is that declaration. `wire_spec(spec, scheme, receiver)` is the model a quantizing refit plans over:
-each quantized tensor becomes an fp8 tensor plus a float32 scale tensor `<name>_scale_inv` whose cuts are the
-weight's cuts divided by the block (`ScaledCut`; a cut that splits a block is refused naming tensor, dim and
-block); a quantized tensor listed in `receiver` (no trainer rank holds its blocks whole) travels in the model's
-dtype into a staging tensor `<vLLM name>.bf16` and is quantized on the receiving rank. The fp8 facts ride in
-the spec's `arch` under "fp8", so specs, layouts and plans serialize as before.
-"""
+An HF FP8 checkpoint (`quant_method: fp8` with `weight_block_size`) stores each linear weight W [N, K] as
+float8_e4m3fn plus float32 `weight_scale_inv` [ceil(N/bn), ceil(K/bk)]; non-linear tensors and the ignored modules
+stay in the model's dtype; vLLM's Fp8 methods hold the same per rank. `wire_spec(spec, scheme, receiver)` is the
+model a quantizing refit plans over: each quantized tensor becomes fp8 plus a scale whose cuts are the weight's
+divided by the block (`ScaledCut`, which refuses a cut that splits a block); one listed in `receiver` travels in
+the model's dtype into a staging tensor `<vLLM name>.bf16`, quantized on the receiving rank. The facts ride in
+the spec's `arch` under "fp8", so specs, layouts and plans serialize as before."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Hashable, Iterable
 
-from pydantic import ConfigDict, StrictInt, StrictStr, field_validator
+from pydantic import ConfigDict, StrictInt, StrictStr, model_validator
 
 from ..errors import LayoutError, ModelConfigError
 from .cuts import Cut, Group, Piece, Shape, TensorKind
-from .model import Entry, Experts, ModelSpec, Role
+from .hf_config import read_hf_config
+from .model import Entry, Experts, ModelSpec, Role, entry_lists
 from .validated import ValidatedModel
 
 FP8 = "float8_e4m3fn"
@@ -52,36 +46,22 @@ class Fp8Scheme(ValidatedModel):
 
     error_where: ClassVar[str] = "quantization_config"
 
-    @field_validator("block")
-    @classmethod
-    def _block(cls, v: tuple[int, int]) -> tuple[int, int]:
-        if any(b < 1 or b > 1 << 16 for b in v):
-            raise ModelConfigError(field="quantization_config.weight_block_size", value=list(v),
-                                   rule="must be two positive block sizes (rows, cols)")
-        return v
-
-    @field_validator("activation_scheme")
-    @classmethod
-    def _activation(cls, v: str) -> str:
-        if v != "dynamic":
-            raise ModelConfigError(field="quantization_config.activation_scheme", value=v,
-                                   rule="must be 'dynamic' for block-scaled FP8 (vLLM's Fp8Config refuses others)")
-        return v
-
-    @field_validator("fmt")
-    @classmethod
-    def _fmt(cls, v: str) -> str:
-        if v != "e4m3":
-            raise ModelConfigError(field="quantization_config.fmt", value=v, rule="must be 'e4m3' (float8_e4m3fn)")
-        return v
+    @model_validator(mode="after")
+    def _supported(self) -> "Fp8Scheme":
+        for field, value, bad, rule in (
+                ("weight_block_size", list(self.block), any(b < 1 or b > 1 << 16 for b in self.block),
+                 "must be two positive block sizes (rows, cols)"),
+                ("activation_scheme", self.activation_scheme, self.activation_scheme != "dynamic",
+                 "must be 'dynamic' for block-scaled FP8 (vLLM's Fp8Config refuses others)"),
+                ("fmt", self.fmt, self.fmt != "e4m3", "must be 'e4m3' (float8_e4m3fn)")):
+            if bad:
+                raise ModelConfigError(field="quantization_config." + field, value=value, rule=rule)
+        return self
 
     @classmethod
     def from_hf_config(cls, config: "dict[str, Any] | str") -> "Fp8Scheme":
         """The scheme of an HF config.json (or its dict, or a checkpoint directory) `quantization_config`."""
-        from .registry import read_hf_config
-
-        cfg = read_hf_config(config)
-        q = cfg.get("quantization_config")
+        q = read_hf_config(config).get("quantization_config")
         if not isinstance(q, dict):
             raise ModelConfigError(field="quantization_config", value=q, rule="is missing: not an FP8 checkpoint "
                                    "config", fix='add {"quant_method": "fp8", "weight_block_size": [128, 128]}')
@@ -113,8 +93,6 @@ class Fp8Scheme(ValidatedModel):
     def check_engine(self, config: "dict[str, Any] | str") -> None:
         """Refuse an engine whose HF config (or its `quantization_config`) quantizes otherwise than this scheme:
         another block size, other ignored modules, no FP8 at all. Raised before any byte moves."""
-        from .registry import read_hf_config
-
         cfg = config if isinstance(config, dict) and "quant_method" in config else read_hf_config(config)
         q = cfg if "quant_method" in cfg else cfg.get("quantization_config")
         if not isinstance(q, dict):
@@ -272,13 +250,8 @@ def transform_items(spec: ModelSpec, items: tuple, layer: int) -> tuple:
 
 def quantized_entries(spec: ModelSpec, scheme: Fp8Scheme) -> dict[str, tuple[Hashable, Shape]]:
     """HF name template -> (role, shape) of every entry an FP8 engine of `scheme` quantizes (in any layer)."""
-    from . import registry
-
-    fam = registry.family(spec.family)
     out: dict[str, tuple[Hashable, Shape]] = {}
-    blocks = [(fam.head(spec), -1)] + [(fam.layer(spec, i), i) for i in range(spec.num_layers)] + \
-        [(fam.tail(spec), -1)]
-    for items, layer in blocks:
+    for items, layer in entry_lists(spec):
         for item in items:
             for e in (item.entries if isinstance(item, Experts) else (item,)):
                 if e.dtype is None and is_quantized(spec, scheme, e.role, e.shape, e.name.format(i=max(layer, 0),

@@ -1,47 +1,22 @@
-"""LoRA adapters as models: an adapter's tensors are the canonical tensors of a spec of family "lora", so both
-sides' layouts, the compiler, the coverage proof, the accounting and every executor take an adapter as they take a
-model. Only the cuts are new (`cuts.LoraA`, `cuts.LoraB`, `QkvParallel(alone=True)`).
+"""LoRA adapters as models: an adapter's tensors are the canonical tensors of a spec of family "lora", so layouts,
+the compiler, the proofs and every executor take an adapter as they take a model; only the cuts are new
+(`cuts.LoraA`, `cuts.LoraB`, `QkvParallel(alone=True)`).
 
-Canonical tensors are the trainer's logical adapter, one A per adapted (possibly fused) linear layer and one B per
-output part: `self_attn.qkv_proj.lora_A` [r, H] (the one A of the fused linear_qkv) with `q_proj.lora_B`
-[nq d, r], `k_proj.lora_B`, `v_proj.lora_B`; `o_proj.lora_A` [r, nq d] / `lora_B` [H, r];
-`mlp.gate_up_proj.lora_A` [r, H] with `gate_proj.lora_B`, `up_proj.lora_B` [F, r]; `down_proj.lora_A` [r, F] /
-`lora_B` [H, r] (names under `model.layers.{i}.`). A MoE layer's experts are adapted per expert
-(`expert_adapters="per_expert"`, Megatron-Bridge's `share_expert_adapters=False`): under
-`mlp.experts.{e}.` the same five tensors as a dense MLP's, `gate_up_proj.lora_A` [r, H], `gate_proj.lora_B` /
-`up_proj.lora_B` [Fm, r], `down_proj.lora_A` [r, Fm], `down_proj.lora_B` [H, r]. With `expert_adapters="shared"`
-(Bridge's default `share_expert_adapters=True`) one such adapter serves all experts of a layer, under
-`mlp.experts.` without an expert number; vLLM's slots and a PEFT file hold a copy of it for every expert.
+Canonical tensors (under `model.layers.{i}.`): one A per adapted (possibly fused) linear layer and one B per
+output part: `self_attn.qkv_proj.lora_A` with `{q,k,v}_proj.lora_B`, `o_proj.lora_A/B`, `mlp.gate_up_proj.lora_A`
+with `{gate,up}_proj.lora_B`, `down_proj.lora_A/B`. MoE experts are adapted per expert (under `mlp.experts.{e}.`,
+Megatron-Bridge's `share_expert_adapters=False`) or by one adapter shared by all experts (under `mlp.experts.`,
+Bridge's default), of which vLLM's slots and a PEFT file hold a copy per expert.
 
-Source: Megatron-Bridge's PEFT LoRA (`megatron.bridge.peft.lora.LoRA`, read at NVIDIA-NeMo/Megatron-Bridge
-067f987, 2026-08; it does not install here: it needs Python 3.12, transformers <= 5.12.1 and megatron-core's dev
-extras). It wraps `linear_qkv`, `linear_proj`, `linear_fc1`, `linear_fc2`; the adapter of `<module>` is
-`<module>.adapter.linear_in.weight` (A) and `<module>.adapter.linear_out.weight` (B), a `ParallelLinearAdapter`:
-- column-parallel base (linear_qkv, linear_fc1): linear_in = ColumnParallelLinear(in, r, gather_output=True), so A
-  is cut into row blocks of its rank dim [r/tp, in]; linear_out = ColumnParallelLinear(r, out) cut on its output
-  rows like the base weight ([gate_r; up_r], or linear_qkv's rows interleaved by query group);
-- row-parallel base (linear_proj, linear_fc2): linear_in = RowParallelLinear(in, r), A in column blocks
-  [r, in/tp]; linear_out = ColumnParallelLinear(r, out, gather_output=True), B in row blocks [out/tp, r].
-So both A and B are cut over TP, and r must be divisible by tp. Its export to HF names copies a fused layer's A to
-each part (q/k/v, gate/up) and splits B: what `PeftLayout` and vLLM's slots hold. Per-expert adapters are the same
-cuts over the expert-TP group, on the expert's EP rank: with SequentialMLP (naming "local") each local expert's
-own `mlp.experts.local_experts.{j}.linear_fc{1,2}.adapter.linear_{in,out}.weight`; with TEGroupedMLP (naming "te")
-a `GroupedExpertLinearAdapter`, whose `mlp.experts.linear_fc{1,2}.adapter.linear_{in,out}.weight` stacks the
-local experts on dim 0 ([E_local, r/etp, H] ...). A shared adapter is a `ParallelLinearAdapter` of the grouped
-module (naming "te"; SequentialMLP always adapts each expert): `mlp.experts.linear_fc{1,2}.adapter.linear_*.weight`
-cut over expert TP like a per-expert one, the same on every EP rank.
+Source side: Megatron-Bridge's PEFT LoRA (`megatron.bridge.peft.lora.LoRA`, NVIDIA-NeMo/Megatron-Bridge 067f987):
+`<module>.adapter.linear_in.weight` (A) / `linear_out.weight` (B) of linear_qkv, linear_proj, linear_fc1 and
+linear_fc2. A column-parallel base cuts A on its rank dim and B like the base weight; a row-parallel base cuts A
+into column blocks and B into row blocks. Experts: the same cuts over expert TP on the expert's EP rank
+(SequentialMLP's per-local-expert names, or TEGroupedMLP's stack over local experts on dim 0).
 
-Destinations: vLLM's LoRA slots (`VllmLoraLayout`: per layer, `<module>.lora_a_stacked.{s}` [R, in] and
-`.lora_b_stacked.{s}` [out_s, R] for slice s of a packed module, one adapter slot's view, R = max_lora_rank;
-vLLM's `*ParallelLinearWithLoRA` / `*WithShardedLoRA` cuts) and the PEFT directory (`PeftLayout`:
-`base_model.model.<module>.lora_A.weight`, whole, on one rank per replica). Experts: vLLM's FusedMoEWithLoRA
-(the 2D one Qwen3-MoE gets) holds per layer `mlp.experts.w13_lora_a_stacked.{0,1}` (gate, up) [max_loras, E, R, H],
-`w13_lora_b_stacked.{0,1}` [max_loras, E, Fm/tp, R], `w2_lora_a_stacked.0` [max_loras, E, R, Fm/tp] and
-`w2_lora_b_stacked.0` [max_loras, E, H, R]; the layout's tensors are the views `[slot]` (a stack over experts, as
-the base weights' w13 / w2), cut like a dense gate_up / down slot. vLLM's expert parallelism gives rank t experts
-[t E/tp, (t+1) E/tp) whole. PEFT: `mlp.experts.{e}.{gate,up,down}_proj.lora_{A,B}.weight`, what vLLM's per-expert
-loader reads for Qwen3-MoE (gate and up get the same A).
-"""
+Destinations: vLLM's LoRA slots (`VllmLoraLayout`: `<module>.lora_{a,b}_stacked.{s}`, one adapter slot's view,
+padded to max_lora_rank; experts `mlp.experts.w13/w2_lora_{a,b}_stacked.{s}` stacked like w13 / w2) and a PEFT
+directory (`PeftLayout`: `base_model.model.<module>.lora_{A,B}.weight`, whole, one rank per replica)."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,15 +1,8 @@
-"""The HF config fields that change a model's math without changing any tensor's shape: two models that differ in
-one of them have the same layouts and plans, so a refit between them would "succeed" and serve wrong outputs.
-`ModelSpec.from_hf_config` keeps them in `ModelSpec.math` (beside the spec's fields, so no equality or digest
-changes), `RefitSpec.of` sends them to the engines by default, and a vLLM worker compares the trainer's with its
-own model's before a byte moves (adapters.vllm.session.check_served_model), field by field; `math_fingerprint` is
-one digest of them.
-
-Rope settings are compared in one normalized form (transformers 4 writes `rope_theta` + `rope_scaling`,
-transformers 5 `rope_parameters`): "rope_theta" and "rope_scaling" (the scaling's parameters, without the theta).
-A rope type vLLM renames in the config it serves for the same math (DeepSeek's "yarn" becomes "deepseek_yarn") is
-compared under the checkpoint's name.
-"""
+"""The HF config fields that change a model's math but no tensor's shape: models differing there share layouts and
+plans, so a refit between them would serve wrong outputs. `ModelSpec.from_hf_config` keeps them in
+`ModelSpec.math`, `RefitSpec.of` sends them, and a vLLM worker compares them with its own model's before a byte
+moves. Rope settings are compared in one form ("rope_theta", "rope_scaling"), whatever transformers version wrote
+them, under the checkpoint's rope type name."""
 from __future__ import annotations
 
 import hashlib

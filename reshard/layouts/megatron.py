@@ -1,15 +1,10 @@
-"""The Megatron-core source layout, declared by its parallel sizes; what each tensor's cuts are is in `roles.py`
-(shared roles) and the family files.
+"""The Megatron-core source layout, declared by its parallel sizes (the cuts are in `roles.py` and the family files).
 
-Facts this encodes (pinned by the Megatron adapter tests against real megatron-core):
-- a layer's tensors live on its pipeline stage (and virtual chunk, `model{c}.` with vpp > 1) as
-  `decoder.layers.{index in the chunk}.<name>`; embeddings on the first stage, final norm and output layer on the
-  last (with tied embeddings and pp > 1 the last stage keeps a copy as output_layer.weight);
-- experts: EP rank r holds global experts [r E/ep, (r+1) E/ep), cut over the expert-TP group;
-- vocab rows are padded to a multiple of `vocab_divisor * tp` (Megatron-LM's make_vocab_size_divisible_by);
-- every tensor is replicated across data parallel ranks (expert tensors across expert-DP ranks);
-- global ranks follow megatron-core's RankGenerator for `rank_order` (default 'tp-cp-ep-dp-pp', first fastest).
-"""
+Facts it encodes (pinned by the Megatron adapter tests): a layer's tensors live on its pipeline stage (and virtual
+chunk `model{c}.`) as `decoder.layers.{index in the chunk}.<name>`; embeddings on the first stage, final norm and
+output layer on the last (a tied embedding's copy too, when pp > 1); EP rank r holds experts [r E/ep, (r+1) E/ep),
+cut over expert TP; vocab rows are padded to a multiple of `vocab_divisor * tp`; tensors are replicated over (expert)
+data parallel ranks; global ranks follow megatron-core's RankGenerator for `rank_order`."""
 from __future__ import annotations
 
 import dataclasses

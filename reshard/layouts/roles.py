@@ -1,14 +1,9 @@
-"""The shared roles in the vocabulary of cuts: where embed, norms, q/k/v, o, gate/up/down, router and experts
-live on each built-in engine, as `TensorKind`s (names and cuts are data here, for every family that uses the
-shared roles).
+"""The shared roles (embed, norms, q/k/v, o, gate/up/down, router, experts) as `TensorKind`s of the built-in engines.
 
-Megatron (megatron-core's GPT layer specs): linear_qkv interleaves rows per query group, [q(hpg heads); k; v]
-for each group, and is split into contiguous row blocks over TP (with fewer groups than tp a block cuts through a
-group); linear_fc1 holds [gate_r; up_r]; linear_proj and linear_fc2 are cut into column blocks; an expert's
-fc1 / fc2 alike over the expert-TP group. vLLM: qkv_proj holds [q_r; k_r; v_r] (a KV head replicated on
-tp / num_kv_heads ranks when tp is larger), gate_up_proj [gate_r; up_r], o_proj and down_proj column blocks;
-its experts are stacked: w13 [E_local, 2 Fm/tp, H] holding [gate; up] per expert, w2 [E_local, H, Fm/tp].
-"""
+Megatron: linear_qkv interleaves rows per query group ([q heads; k; v]), cut into contiguous TP row blocks;
+linear_fc1 holds [gate_r; up_r]; linear_proj and linear_fc2 are column blocks; experts alike over expert TP.
+vLLM: qkv_proj holds [q_r; k_r; v_r] (a KV head replicated when tp > kv heads), gate_up_proj [gate_r; up_r],
+o_proj and down_proj column blocks; experts stacked: w13 [E_local, 2 Fm/tp, H], w2 [E_local, H, Fm/tp]."""
 from __future__ import annotations
 
 import functools

@@ -1,11 +1,5 @@
-"""A pydantic model that cannot be made invalid: every pydantic path that builds or changes an instance validates.
-
-Pydantic's `model_construct` and `model_copy(update=...)` skip validation on purpose (speed); a model spec or a
-layout made that way could hold a tp of -3 or a string head count, and the compiler would trust it. Here both
-re-validate through the constructor, setting or deleting a field is refused, and the JSON / string / dict readers
-turn pydantic's ValidationError into the library's error (`kind` names the model in it: "model" blames
-ModelConfigError, anything else LayoutError).
-"""
+"""A pydantic model that cannot be made invalid: `model_construct` and `model_copy(update=...)` validate through the
+constructor, setting or deleting a field is refused, and pydantic's ValidationError becomes the library's error."""
 from __future__ import annotations
 
 from contextlib import contextmanager

@@ -1,17 +1,10 @@
-"""The vLLM destination layout, declared by its parallel sizes; what each tensor's cuts are is in `roles.py`
-(shared roles) and the family files.
+"""The vLLM destination layout, declared by its parallel sizes (the cuts are in `roles.py` and the family files).
 
-Facts this encodes (pinned by the vLLM adapter tests against real vLLM):
-- experts (`mlp.experts.routed_experts.*` in vLLM) are stacked [E_local, ...] per rank: without expert
-  parallel every rank holds all experts, each cut over TP; with it an expert is whole (tp_moe = 1) and rank r
-  holds experts [r E/tp, (r+1) E/tp);
-- with EPLB (vLLM's expert-parallel load balancer) rank r holds physical slots [r P/tp, (r+1) P/tp) of
-  P = E + redundant_experts, and each slot the logical expert the placement names (`ExpertPlacement`): vLLM's
-  initial placement until it rebalances; a logical expert in several slots is written to each of them;
-- vocab rows are padded to a multiple of `vocab_padding` (64) and then split evenly over TP; padding rows are
-  not model data and are left alone;
-- replicas are independent engines with identical layouts; replica k's rank r is global rank r + k*tp.
-"""
+Facts it encodes (pinned by the vLLM adapter tests): experts are stacked [E_local, ...] per rank, each cut over
+TP, or, with expert parallelism, whole with rank r holding experts [r E/tp, (r+1) E/tp); with EPLB rank r holds
+physical slots [r P/tp, (r+1) P/tp) of P = E + redundant_experts, each the logical expert the `ExpertPlacement`
+names; vocab rows are padded to a multiple of `vocab_padding`, then split over TP; replica k's rank r is global
+rank r + k*tp."""
 from __future__ import annotations
 
 import functools

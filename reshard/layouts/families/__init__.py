@@ -1,10 +1,4 @@
-"""The built-in model families, one file each, listed in BUILT_IN_FAMILIES: adding one = adding its file and its
-line there (docs: "Add a model family"). `register_built_ins()`, called once by `reshard.layouts`, registers them
-(and FP8's entry transform); `register_family(cls)` registers a family defined elsewhere.
-
-Architecture discovery reads `architectures` and then `model_type`; an unknown one gets an error that lists
-the supported ones.
-"""
+"""The built-in model families, one file each, listed in BUILT_IN_FAMILIES (docs: "Add a model family")."""
 from __future__ import annotations
 
 from typing import Any

@@ -1,28 +1,13 @@
-"""DeepSeek-V3 and Kimi-K2 (same architecture, `DeepseekV3ForCausalLM`): multi-head latent attention, the
-first `first_k_dense_replace` layers dense, the others a router (+ e_score_correction_bias with noaux_tc),
-routed experts and shared experts. Multi-token-prediction layers are left out of refits.
+"""DeepSeek-V3 and Kimi-K2 (`DeepseekV3ForCausalLM`): multi-head latent attention, the first
+`first_k_dense_replace` layers dense, the others a router (+ float32 e_score_correction_bias), routed and
+shared experts. Multi-token-prediction layers are left out of refits.
 
-Names and shapes from transformers' modeling_deepseek_v3.py, megatron-core's
-transformer/multi_latent_attention.py + models/gpt/gpt_layer_specs.py, vLLM's models/deepseek_v2.py
-(versions: docs/guides/layouts.md, Versions):
-
-| HF (per layer, `self_attn.`)   | Megatron local (`self_attention.`)       | Megatron TE                         | vLLM (`self_attn.`)               |
-| q_a_proj [qr, H]               | linear_q_down_proj, TP row blocks (ColumnParallelLinear) | linear_q_down_proj, whole (TELinear duplicated) | fused_qkv_a_proj rows [0, qr) whole |
-| q_a_layernorm [qr]             | q_layernorm                              | linear_q_up_proj.layer_norm_weight  | q_a_layernorm                     |
-| q_b_proj [n(dn+dr), qr]        | linear_q_up_proj, TP row blocks          | same                                | q_b_proj, TP row blocks           |
-| q_proj [n(dn+dr), H] (qr null) | linear_q_proj, TP row blocks             | same                                | q_proj, TP row blocks             |
-| kv_a_proj_with_mqa [kr+dr, H]  | linear_kv_down_proj, TP row blocks       | linear_kv_down_proj, whole          | fused_qkv_a_proj rows [qr, qr+kr+dr) whole (kv_a_proj_with_mqa when qr null) |
-| kv_a_layernorm [kr]            | kv_layernorm                             | linear_kv_up_proj.layer_norm_weight | kv_a_layernorm                    |
-| kv_b_proj [n(dn+dv), kr]       | linear_kv_up_proj, TP row blocks         | same                                | kv_b_proj, TP row blocks          |
-| o_proj [H, n dv]               | linear_proj (shared Role.O)              | same                                | o_proj (shared Role.O)            |
-Per-head row order is the same on every side (head-major, [nope; rope] for q, [nope; v] for kv), so TP row
-blocks are whole heads. MoE: `mlp.gate.weight` -> Megatron `mlp.router.weight`; `mlp.gate.e_score_correction_bias`
-(float32) -> Megatron buffer `mlp.router.expert_bias` (moe_router_enable_expert_bias), vLLM parameter of the
-same HF name; shared experts `mlp.shared_experts.{gate,up,down}_proj` -> Megatron
-`mlp.shared_experts.linear_fc1` ([gate_r; up_r]) / `linear_fc2`, vLLM `mlp.shared_experts.gate_up_proj` /
-`down_proj`, TP-split like a dense MLP on both sides. The input norm is `input_layernorm.weight` under both
-Megatron namings (the MLA TE spec does not fuse it). Megatron's `mla_down_proj_fusion` variant is not declared.
-"""
+Sources: transformers' modeling_deepseek_v3.py, megatron-core's multi_latent_attention.py and gpt_layer_specs.py,
+vLLM's deepseek_v2.py (versions: docs/guides/layouts.md). q_a_proj / kv_a_proj_with_mqa are TP row blocks of
+linear_q/kv_down_proj under local naming, whole under TE, whole rows of vLLM's fused_qkv_a_proj (its own
+kv_a_proj_with_mqa without q LoRA); q_b_proj / q_proj / kv_b_proj are TP row blocks everywhere (head-major rows,
+so blocks are whole heads); TE fuses the q/kv a-layernorms into linear_q/kv_up_proj. The router bias is Megatron's
+`mlp.router.expert_bias`; shared experts are split like a dense MLP. `mla_down_proj_fusion` is not declared."""
 from __future__ import annotations
 
 from typing import Any
@@ -31,7 +16,7 @@ from ...errors import ModelConfigError
 from ...limits import MAX_DIM, MAX_EXPERTS, MAX_LAYERS, check_limit
 from ..cuts import Replicated, ReplicatedAt, RowBlocks, TensorKind
 from ..family import LAYER, ModelFamily, StreamExtra, dense_mlp, norm, routed_experts
-from ..hf_config import get_int, get_opt_int, get_str
+from ..hf_config import get_int, get_str
 from ..model import Entry, ModelSpec, Role
 from ..roles import gated_mlp, tensor_kind
 
@@ -148,7 +133,7 @@ class DeepseekV3(ModelFamily):
                 fix="use \"noaux_tc\"")
         return ModelSpec(**fields, num_experts=E, moe_intermediate_size=Fm,
                          dense_layers=tuple(range(min(first_dense, layers))),
-                         arch={"q_lora_rank": get_opt_int(config, "q_lora_rank"), **mla,
+                         arch={"q_lora_rank": get_int(config, "q_lora_rank", None, null_is_default=True), **mla,
                                "shared_intermediate_size": shared, "router_bias": True})
 
     def layer(self, spec: ModelSpec, i: int) -> list:

@@ -1,39 +1,18 @@
-"""Qwen3.5 and Qwen3.6, dense and MoE (one architecture: Qwen3.6 checkpoints use the Qwen3.5 classes): Gated
-DeltaNet linear-attention layers mixed with gated full-attention layers (`layer_types` in the config, or every
-`full_attention_interval`-th layer full), a SwiGLU MLP (dense) or a router + routed experts + one gated shared
-expert (MoE, every layer).
+"""Qwen3.5 / Qwen3.6, dense and MoE: Gated DeltaNet linear-attention layers among gated full-attention layers
+(`layer_types`, or every `full_attention_interval`-th layer full), then a SwiGLU MLP or a router, routed experts
+and one gated shared expert.
 
-Published checkpoints are the multimodal wrapper (`Qwen3_5[Moe]ForConditionalGeneration`, model_type `qwen3_5[_moe]`,
-text fields under `text_config`): the language model's tensors are named `model.language_model.*` (lm_head stays
-`lm_head.weight`) and vLLM nests it as `language_model.model.*` / `language_model.lm_head.weight`. The vision tower
-(`model.visual.*`) and the multi-token-prediction layers (`mtp.*`) are left out of refits. Text-only checkpoints
-(`Qwen3_5[Moe]ForCausalLM`, model_type `qwen3_5[_moe]_text`) use plain `model.*` names on both sides.
+The multimodal wrapper (`Qwen3_5[Moe]ForConditionalGeneration`, fields under `text_config`) names the language
+model `model.language_model.*` (vLLM: `language_model.model.*`); the vision tower and the MTP layers (`mtp.*`)
+are left out of refits. Text-only checkpoints use plain `model.*` names.
 
-Names, shapes and TP cuts (versions: docs/guides/layouts.md, Versions) from transformers' modeling_qwen3_5[_moe].py,
-megatron-core's ssm/gated_delta_net (GatedDeltaNet as the self_attention of a TransformerLayer:
-experimental_attention_variant="gated_delta_net", attention_output_gate=True) and vLLM's models/qwen3_5.py +
-qwen3_next.py + layers/mamba/gdn/qwen_gdn_linear_attn.py (flat, non-interleaved qkvz layout). Kd =
-linear_num_key_heads x linear_key_head_dim, Vd = linear_num_value_heads x linear_value_head_dim, nv =
-linear_num_value_heads:
-
-| HF (per layer)                       | Megatron (`decoder.layers.{i}.`)                   | vLLM (`model.layers.{i}.`)                   |
-| linear_attn.in_proj_qkv [2Kd+Vd, H]  | self_attention.in_proj, per rank [q;k;v;z;b;a]_r   | linear_attn.in_proj_qkvz, per rank [q;k;v;z]_r |
-| linear_attn.in_proj_z [Vd, H]        |   (z part)                                         |   (z part)                                   |
-| linear_attn.in_proj_b / _a [nv, H]   |   (b, a parts)                                     | linear_attn.in_proj_ba, per rank [b;a]_r      |
-| linear_attn.conv1d [2Kd+Vd, 1, K]    | self_attention.conv1d, per rank [q;k;v]_r          | linear_attn.conv1d, per rank [q;k;v]_r        |
-| linear_attn.dt_bias, A_log [nv]      | self_attention.dt_bias, A_log: TP blocks           | linear_attn.dt_bias, A_log: TP blocks         |
-| linear_attn.norm [Vd/nv]             | self_attention.out_norm (replicated)               | linear_attn.norm (replicated)                 |
-| linear_attn.out_proj [H, Vd]         | self_attention.out_proj, TP column blocks          | linear_attn.out_proj, TP column blocks        |
-| input_layernorm (GDN layer)          | input_layernorm (local) / self_attention.in_proj.layer_norm_weight (TE) | input_layernorm   |
-| self_attn.q_proj [2 nq d, H], per head [q_h; gate_h] | self_attention.linear_qkv, per group [q(hpg); gate(hpg); k; v], TP row blocks | self_attn.qkv_proj, per rank [q,gate of its heads; k_r; v_r] |
-| mlp.shared_expert.{gate,up,down}_proj | mlp.shared_experts.linear_fc1 ([gate_r; up_r]) / linear_fc2 | mlp.shared_expert.gate_up_proj / down_proj |
-| mlp.shared_expert_gate [1, H]        | mlp.shared_experts.gate_weight (moe_shared_expert_gate) | mlp.shared_expert_gate (replicated)      |
-Each part of a fused stack is cut over TP on its own, so a rank's slice is the concatenation of the parts' slices.
-The conv1d weight keeps its 3-D shape [C, 1, K] everywhere; it is cut on dim 0 only (see model.CanonicalTable).
-Routed experts use the shared roles with HF per-expert names (`mlp.experts.{e}.gate_proj.weight`, which vLLM's
-loader accepts; the published checkpoints store them fused as `mlp.experts.gate_up_proj` [E, 2I, H]).
-vLLM keeps A_log in float32 (the trainer in params_dtype); a refit at the model dtype casts there.
-"""
+Sources: transformers' modeling_qwen3_5[_moe].py, megatron-core's ssm/gated_delta_net and vLLM's qwen3_5.py /
+qwen3_next.py / qwen_gdn_linear_attn.py (versions: docs/guides/layouts.md). HF's in_proj_qkv / in_proj_z /
+in_proj_b / in_proj_a are parts of Megatron's fused per-rank stack in_proj [q;k;v;z;b;a]_r and vLLM's
+in_proj_qkvz [q;k;v;z]_r and in_proj_ba [b;a]_r; conv1d [C, 1, K] is [q;k;v]_r on both, cut on dim 0 only. The
+gated q_proj holds [q_h; gate_h] per head; Megatron's linear_qkv per group [q; gate; k; v], vLLM's qkv_proj
+[q, gate of its heads; k_r; v_r]. Routed experts use the shared roles under HF's per-expert names.
+vLLM keeps A_log in float32; a refit at the model dtype casts there."""
 from __future__ import annotations
 
 import functools

@@ -23,7 +23,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from pydantic import StrictBool, StrictInt, model_validator
@@ -41,8 +41,6 @@ FAMILY = "lora"
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # Megatron-Bridge's target module names
 PEFT_MODULES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
                 "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
-VLLM_MODULES = {"linear_qkv": "self_attn.qkv_proj", "linear_proj": "self_attn.o_proj",
-                "linear_fc1": "mlp.gate_up_proj", "linear_fc2": "mlp.down_proj"}
 BASE_FAMILIES = ("qwen3", "llama", "qwen3_moe")  # GQA attention and SwiGLU MLP of the shared roles
 PEFT_PREFIX = "base_model.model."
 EXPERT_ADAPTERS = ("per_expert", "shared")  # one adapter per expert, or one for all (Bridge's default)
@@ -50,9 +48,8 @@ EXPERT_ADAPTERS = ("per_expert", "shared")  # one adapter per expert, or one for
 
 def lora_kind(label: str, megatron: Cuts, vllm_lora: Cuts, peft: Cuts, te: Cuts | None = None,
               expert: bool = False) -> TensorKind:
-    """A kind of adapter tensor: its Megatron-Bridge cut ("megatron"; "te" under TE naming, where it differs), its
-    vLLM slot cuts ("vllm_lora") and where it sits in a PEFT file ("peft": a tuple where one canonical A is written
-    once per part of a fused layer)."""
+    """A kind of adapter tensor: its Megatron-Bridge cut ("megatron"; "te" where TE naming differs), its vLLM slot
+    cuts ("vllm_lora") and its PEFT names ("peft": a fused layer's A once per part)."""
     return TensorKind(label, {"megatron": megatron, "te": megatron if te is None else te, "vllm_lora": vllm_lora,
                               "peft": peft}, expert=expert)
 
@@ -81,8 +78,8 @@ class LoraFacts:
 def lora_spec(base: ModelSpec, rank: int, alpha: float, targets: Sequence[str] = TARGETS,
               expert_adapters: str = "per_expert") -> ModelSpec:
     """The adapter of rank `rank` and scale `alpha` on `targets` (Megatron-Bridge module names) of `base`, as a
-    model spec of family "lora"; on a MoE base, linear_fc1 / linear_fc2 adapt the routed experts as
-    `expert_adapters` says. Refuses what is not supported, naming it."""
+    spec of family "lora" (a MoE base's experts adapted as `expert_adapters` says); InputError naming what is not
+    supported."""
     if base.family not in BASE_FAMILIES:
         raise InputError("base.family", base.family, f"is not supported by LoRA refits (supported: "
                          f"{', '.join(BASE_FAMILIES)})", where="lora")
@@ -138,58 +135,68 @@ def peft_config(spec: ModelSpec, base_model: str = "") -> dict[str, Any]:
 
 # --- the family: each adapted layer's tensors and their kinds ------------------------------------------------
 
-def _bridge(target: str, which: str) -> str:
-    block = "self_attention." if target in ("linear_qkv", "linear_proj") else "mlp."
-    return f"{block}{target}.adapter.linear_{which}.weight"
-
-
-def _slot(target: str, ab: str, s: int) -> str:
-    return f"{LAYER}{VLLM_MODULES[target]}.lora_{ab}_stacked.{s}"
-
-
 def _peft(module: str, ab: str, block: str = "") -> Replicated:
     block = block or ("self_attn." if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp.")
     return Replicated(f"{PEFT_PREFIX}{LAYER}{block}{module}.lora_{ab}.weight")
+
+
+def _mlp_kinds(label: str, bridge: Callable[..., dict[str, Any]], slot: Callable[[str, str, int], str], block: str,
+               expert: bool) -> dict[str, TensorKind]:
+    """A SwiGLU MLP's adapter kinds: Megatron's cuts from `bridge(fc, in/out, cut, *args)`, vLLM's slots named
+    `slot(fc, a/b, s)`, PEFT's names under `block`."""
+    out = {"gate_up_proj.A": lora_kind(f"lora {label}gate_up A", vllm_lora=tuple(LoraA(slot("fc1", "a", s))
+                                                                                for s in range(2)),
+                                       peft=(_peft("gate_proj", "A", block), _peft("up_proj", "A", block)),
+                                       expert=expert, **bridge("fc1", "in", RowBlocks))}
+    for s, m in enumerate(("gate_proj", "up_proj")):
+        out[f"{m}.B"] = lora_kind(f"lora {label}{m} B", vllm_lora=LoraB(slot("fc1", "b", s), rows=RowBlocks("rows")),
+                                  peft=_peft(m, "B", block), expert=expert, **bridge("fc1", "out", RowBlocks, s, 2))
+    out["down_proj.A"] = lora_kind(f"lora {label}down_proj A", vllm_lora=LoraA(slot("fc2", "a", 0), split_input=True),
+                                   peft=_peft("down_proj", "A", block), expert=expert,
+                                   **bridge("fc2", "in", ColumnBlocks))
+    out["down_proj.B"] = lora_kind(f"lora {label}down_proj B", vllm_lora=LoraB(slot("fc2", "b", 0)),
+                                   peft=_peft("down_proj", "B", block), expert=expert,
+                                   **bridge("fc2", "out", RowBlocks))
+    return out
 
 
 @functools.lru_cache(maxsize=64)
 def lora_kinds(heads: int, groups: int, head_dim: int) -> dict[str, TensorKind]:
     """Each adapter tensor's kind, by canonical module and A/B ("qkv_proj.A", "q_proj.B", ...)."""
     base = shared_kinds(heads, groups, head_dim, False)
-    out: dict[str, TensorKind] = {}
-    qkv = ("q_proj", "k_proj", "v_proj")
-    out["qkv_proj.A"] = lora_kind("lora qkv A", RowBlocks(_bridge("linear_qkv", "in")),
-                                  tuple(LoraA(_slot("linear_qkv", "a", s)) for s in range(3)),
-                                  peft=tuple(_peft(m, "A") for m in qkv))
+    qkv, attn = ("q_proj", "k_proj", "v_proj"), "self_attention.linear_{}.adapter.linear_{}.weight"
+    slot = "self_attn.{}_proj.lora_{}_stacked.{}"
+    out = {"qkv_proj.A": lora_kind("lora qkv A", RowBlocks(attn.format("qkv", "in")),
+                                   tuple(LoraA(LAYER + slot.format("qkv", "a", s)) for s in range(3)),
+                                   peft=tuple(_peft(m, "A") for m in qkv)),
+           "o_proj.A": lora_kind("lora o_proj A", ColumnBlocks(attn.format("proj", "in")),
+                                 LoraA(LAYER + slot.format("o", "a", 0), split_input=True), peft=_peft("o_proj", "A")),
+           "o_proj.B": lora_kind("lora o_proj B", RowBlocks(attn.format("proj", "out")),
+                                 LoraB(LAYER + slot.format("o", "b", 0)), peft=_peft("o_proj", "B"))}
     for s, (role, m) in enumerate(zip((Role.Q, Role.K, Role.V), qkv)):
         rows = dataclasses.replace(base[role].cuts_for("vllm")[0], alone=True)
         out[f"{m}.B"] = lora_kind(f"lora {m} B", dataclasses.replace(base[role].cuts_for("megatron")[0],
-                                                                      name=_bridge("linear_qkv", "out")),
-                                  LoraB(_slot("linear_qkv", "b", s), rows=rows), peft=_peft(m, "B"))
-    out["gate_up_proj.A"] = lora_kind("lora gate_up A", RowBlocks(_bridge("linear_fc1", "in")),
-                                      tuple(LoraA(_slot("linear_fc1", "a", s)) for s in range(2)),
-                                      peft=(_peft("gate_proj", "A"), _peft("up_proj", "A")))
-    for s, m in enumerate(("gate_proj", "up_proj")):
-        out[f"{m}.B"] = lora_kind(f"lora {m} B", RowBlocks(_bridge("linear_fc1", "out"), s, 2),
-                                  LoraB(_slot("linear_fc1", "b", s), rows=RowBlocks("rows")), peft=_peft(m, "B"))
-    for target, m in (("linear_proj", "o_proj"), ("linear_fc2", "down_proj")):
-        out[f"{m}.A"] = lora_kind(f"lora {m} A", ColumnBlocks(_bridge(target, "in")),
-                                  LoraA(_slot(target, "a", 0), split_input=True), peft=_peft(m, "A"))
-        out[f"{m}.B"] = lora_kind(f"lora {m} B", RowBlocks(_bridge(target, "out")), LoraB(_slot(target, "b", 0)),
-                                  peft=_peft(m, "B"))
-    return out
+                                                                      name=attn.format("qkv", "out")),
+                                  LoraB(LAYER + slot.format("qkv", "b", s), rows=rows), peft=_peft(m, "B"))
+
+    def bridge(fc: str, which: str, cut: type[Cut], *args: int) -> dict[str, Any]:
+        return {"megatron": cut(f"mlp.linear_{fc}.adapter.linear_{which}.weight", *args)}
+
+    def mlp_slot(fc: str, ab: str, s: int) -> str:
+        return f"{LAYER}mlp.{'gate_up_proj' if fc == 'fc1' else 'down_proj'}.lora_{ab}_stacked.{s}"
+
+    return {**out, **_mlp_kinds("", bridge, mlp_slot, "", False)}
 
 
 @functools.lru_cache(maxsize=16)
 def shared_expert_lora_kinds(experts: int) -> dict[str, TensorKind]:
     """The kinds of an adapter shared by the `experts` experts of a layer: Megatron-Bridge's ParallelLinearAdapter
     of TEGroupedMLP (naming "te"), one copy per expert in vLLM's slot stacks and under PEFT's `experts.{e}.`."""
-    per = expert_lora_kinds()
     local = Refused("", reason="a shared expert adapter lives on TEGroupedMLP; SequentialMLP (naming 'local') "
                     "adapts each expert", fix="declare naming='te', or build the spec with "
                     "expert_adapters='per_expert'")
     out = {}
-    for key, kind in per.items():
+    for key, kind in expert_lora_kinds().items():
         te = tuple(dataclasses.replace(c, stacked=False) for c in kind.cuts_for("te"))  # one 2D adapter, not a stack
         per_expert = {engine: tuple(dataclasses.replace(c, expert=e) for c in kind.cuts_for(engine)
                                     for e in range(experts)) for engine in ("vllm_lora", "peft")}
@@ -202,29 +209,15 @@ def shared_expert_lora_kinds(experts: int) -> dict[str, TensorKind]:
 def expert_lora_kinds() -> dict[str, TensorKind]:
     """Each per-expert adapter tensor's kind ("gate_up_proj.A", "gate_proj.B", ...): a dense MLP's cuts over the
     expert-TP group (Megatron), in vLLM's per-expert slot stacks, under PEFT's `mlp.experts.{e}.` names."""
-    def bridge(fc: str, which: str, cut: type[Cut], *args: int) -> dict[str, tuple[Cut, ...]]:
+    def bridge(fc: str, which: str, cut: type[Cut], *args: int) -> dict[str, Any]:
         adapter = f"linear_{fc}.adapter.linear_{which}.weight"
         return {"megatron": (cut(f"mlp.experts.local_experts.{{j}}.{adapter}", *args),),
                 "te": (cut(f"mlp.experts.{adapter}", *args, stacked=True),)}
 
-    def slot(w: str, ab: str, s: int) -> str:
-        return f"{LAYER}mlp.experts.{w}_lora_{ab}_stacked.{s}"
+    def slot(fc: str, ab: str, s: int) -> str:
+        return f"{LAYER}mlp.experts.{'w13' if fc == 'fc1' else 'w2'}_lora_{ab}_stacked.{s}"
 
-    block, out = "mlp.experts.{e}.", {}
-    w13_a = tuple(LoraA(slot("w13", "a", s)) for s in range(2))
-    out["gate_up_proj.A"] = lora_kind("lora expert gate_up A", vllm_lora=w13_a,
-                                      peft=(_peft("gate_proj", "A", block), _peft("up_proj", "A", block)),
-                                      expert=True, **bridge("fc1", "in", RowBlocks))
-    for s, m in enumerate(("gate_proj", "up_proj")):
-        out[f"{m}.B"] = lora_kind(f"lora expert {m} B", vllm_lora=LoraB(slot("w13", "b", s), rows=RowBlocks("rows")),
-                                  peft=_peft(m, "B", block), expert=True, **bridge("fc1", "out", RowBlocks, s, 2))
-    out["down_proj.A"] = lora_kind("lora expert down_proj A", vllm_lora=LoraA(slot("w2", "a", 0), split_input=True),
-                                   peft=_peft("down_proj", "A", block), expert=True,
-                                   **bridge("fc2", "in", ColumnBlocks))
-    out["down_proj.B"] = lora_kind("lora expert down_proj B", vllm_lora=LoraB(slot("w2", "b", 0)),
-                                   peft=_peft("down_proj", "B", block), expert=True,
-                                   **bridge("fc2", "out", RowBlocks))
-    return out
+    return _mlp_kinds("expert ", bridge, slot, "mlp.experts.{e}.", True)
 
 
 class LoraFamily(ModelFamily):

@@ -360,4 +360,3 @@ class VllmLoraLayout(VllmLayout):
 __all__ = ["BASE_FAMILIES", "EXPERT_ADAPTERS", "LoraFacts", "LoraFamily", "PEFT_MODULES", "PeftLayout",
            "TARGETS", "VllmLoraLayout", "base_spec", "lora_facts", "lora_kind", "lora_kinds", "lora_spec",
            "peft_config"]
-

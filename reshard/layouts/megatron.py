@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import Field, StrictInt, StrictStr, model_validator
+from pydantic import StrictInt, StrictStr, model_validator
 
 from ..errors import LimitError
 from ..limits import MAX_DIM, MAX_RANKS
@@ -28,7 +28,7 @@ _AXES = ("tp", "cp", "ep", "dp", "pp")
 
 
 class MegatronLayout(CutLayout):
-    """A megatron-core trainer's layout, declared by its parallel sizes (the module docstring lists the facts).
+    """A megatron-core trainer's layout, declared by its parallel sizes.
 
     Args:
         model: the model being trained.
@@ -54,10 +54,9 @@ class MegatronLayout(CutLayout):
     tp: StrictInt = 1
     pp: StrictInt = 1
     ep: StrictInt = 1
-    etp: StrictInt | None = Field(default=None, description="expert tensor parallel size; None means tp "
-                                  "(megatron-core's default); unused by dense models, as in megatron-core")
-    world: StrictInt | None = Field(default=None, description="world size; None means the smallest that fits")
-    vpp: StrictInt = Field(default=1, description="virtual pipeline chunks per stage")
+    etp: StrictInt | None = None
+    world: StrictInt | None = None
+    vpp: StrictInt = 1
     first_stage_layers: StrictInt | None = None
     last_stage_layers: StrictInt | None = None
     vocab_divisor: StrictInt = 128
@@ -72,10 +71,9 @@ class MegatronLayout(CutLayout):
         data = dict(data)
         for key in ("tp", "pp", "ep", "etp", "world", "vpp"):
             x = data.get(key)
-            if _is_int(x) and x > MAX_RANKS:  # before any product of them is computed
+            if isinstance(x, int) and not isinstance(x, bool) and x > MAX_RANKS:  # before any product of them
                 raise LimitError(key, x, MAX_RANKS, "ranks", where=cls.engine)
-        # etp and world left out are derived after validation (`_derive`), so they are not among the fields set:
-        # model_copy(update={"tp": 1}) derives them again from the new sizes instead of keeping the old ones
+        # etp and world left out are derived after validation, not among the fields set: model_copy derives them anew
         return {k: v for k, v in data.items() if not (k in ("etp", "world") and v is None)}
 
     def _derive(self) -> None:
@@ -121,7 +119,6 @@ class MegatronLayout(CutLayout):
         self._check_cuts()
         return self
 
-    # --- sizes -------------------------------------------------------------------------------------
     @property
     def num_ranks(self) -> int:
         return self.world
@@ -147,7 +144,6 @@ class MegatronLayout(CutLayout):
         return (f"megatron:tp={self.tp},pp={self.pp},ep={self.ep},etp={self.etp},dp={self.dp},"
                 f"world={self.world}{extra} [{self.naming} names]")
 
-    # --- pipeline ----------------------------------------------------------------------------------
     @functools.cached_property
     def _stage_layer_counts(self) -> tuple[int, ...]:
         L, p = self.model.num_layers, self.pp
@@ -204,7 +200,7 @@ class MegatronLayout(CutLayout):
     def _prefix(self, chunk: int) -> str:
         return f"model{chunk}." if self.vpp > 1 else ""
 
-    # --- ranks: a global rank is the sum of coordinate x stride, axes in `rank_order` (first fastest) ---------
+    # a global rank is the sum of coordinate x stride, axes in `rank_order` (first fastest)
     def _sizes(self, expert: bool) -> dict[str, int]:
         return ({"tp": self.etp, "cp": 1, "ep": self.ep, "dp": self.edp, "pp": self.pp} if expert else
                 {"tp": self.tp, "cp": 1, "ep": 1, "dp": self.dp, "pp": self.pp})
@@ -241,7 +237,6 @@ class MegatronLayout(CutLayout):
             out[axis], rank = rank % sizes[axis], rank // sizes[axis]
         return out
 
-    # --- placements --------------------------------------------------------------------------------
     def value_offset(self, tensor: TensorSpec) -> float:
         return kind_of(self.model, tensor.role).megatron_offset
 
@@ -292,15 +287,10 @@ class MegatronLayout(CutLayout):
 
 @dataclass(frozen=True, eq=False)
 class _Layers:
-    """Per layer: (stage, chunk, index in chunk) and 1 for a MoE layer; per chunk and index, the name prefix
-    (formatted once); the dense and expert axis strides. Compared by identity: arrays in a model's __dict__
-    must not take part in its equality."""
+    """Per layer (stage, chunk, index in chunk) and 1 for a MoE layer; per chunk and index the name prefix; the
+    dense and expert axis strides. Compared by identity (arrays must not take part in the layout's equality)."""
 
     home: np.ndarray
     moe: np.ndarray
     prefix: list[list[str]]
     strides: tuple[dict[str, int], dict[str, int]]
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)

@@ -22,9 +22,8 @@ from .roles import kind_of
 
 
 class ExpertStacks(NamedTuple):
-    """The stacked expert tensors of one replica's ranks and what their slots hold, as columns: what the planner's
-    slot proof holds a plan to. Tensor k is `names[k]` on rank `ranks[k]`, of layer `layers[k]`; its slot j holds
-    logical expert `logical[k, j]`."""
+    """The stacked expert tensors of one replica's ranks, for the planner's slot proof: tensor k is `names[k]` on
+    rank `ranks[k]`, of layer `layers[k]`; its slot j holds logical expert `logical[k, j]`."""
 
     ranks: np.ndarray
     names: tuple[str, ...]
@@ -41,15 +40,12 @@ class VllmLayout(CutLayout):
         replicas: identical engines (replica k's rank r is global rank r + k * tp).
         expert_parallel: experts whole, spread over the TP ranks (vLLM's `enable_expert_parallel`).
         vocab_padding: vocabulary rows are padded to a multiple of this before the TP split.
-        redundant_experts: EPLB's redundant experts (vLLM's `num_redundant_experts`): physical expert slots beyond
-            one per logical expert; without `expert_placement` they hold vLLM's initial placement.
-        expert_placement: the engine's current placement of logical experts in physical slots (read from its EPLB
-            state after a rebalance); None: vLLM's initial placement. One equal to the initial placement is stored
-            as None, so the two forms are one layout.
+        redundant_experts: EPLB's redundant experts (vLLM's `num_redundant_experts`).
+        expert_placement: the engine's current placement of logical experts in physical slots (from its EPLB
+            state); None (also stored for one equal to it): vLLM's initial placement.
 
     Raises:
-        LayoutError: sizes that do not divide the model (heads, KV heads, FFN, experts), or an expert placement
-            that is not this engine's (other expert count, EP size, MoE layers or redundancy).
+        LayoutError: sizes that do not divide the model, or an expert placement that is not this engine's.
         ArgumentError: an expert placement that is not a permutation with replicas (`ExpertPlacement`).
         LimitError: a size beyond `reshard.limits`.
     """
@@ -67,8 +63,7 @@ class VllmLayout(CutLayout):
     @model_validator(mode="wrap")
     @classmethod
     def _canonical_experts(cls, data: Any, handler: Any) -> "VllmLayout":
-        """One layout, one value: a placement fills in `redundant_experts` when not given, and a placement equal to
-        vLLM's initial one is stored as None (the JSON form, the digest and `==` then agree for both forms)."""
+        """One layout, one value: a placement fills in `redundant_experts`; vLLM's initial one is stored as None."""
         if isinstance(data, dict) and data.get("expert_placement") is not None and "redundant_experts" not in data:
             placement = data["expert_placement"]
             if not isinstance(placement, ExpertPlacement):
@@ -83,8 +78,7 @@ class VllmLayout(CutLayout):
 
     @model_serializer(mode="wrap")
     def _without_eplb_defaults(self, handler: Any) -> dict[str, Any]:
-        """The EPLB fields appear only when set: a layout without them has the JSON form (and plan digests) it
-        had before they existed."""
+        """The EPLB fields appear only when set (a layout without them keeps its old JSON form and digests)."""
         out = handler(self)
         if isinstance(out, dict):
             if out.get("redundant_experts") == 0:
@@ -128,8 +122,7 @@ class VllmLayout(CutLayout):
         return self
 
     def _check_experts(self) -> None:
-        """Expert parallel: the physical slots (experts, plus EPLB's redundant ones) split evenly over the EP ranks,
-        and a placement must be this engine's."""
+        """Expert parallel: the physical slots split evenly over the EP ranks; a placement must be this engine's."""
         m, R, p = self.model, self.redundant_experts, self.expert_placement
         if not R and p is None:
             divisible(self, "num_experts", m.num_experts, "tp (expert parallel size)", self.tp, blame="tp")
@@ -150,11 +143,9 @@ class VllmLayout(CutLayout):
                        "read the placement from the engine's EPLB state (ExpertPlacement.from_vllm) for this model "
                        "and EP size", expert_placement=p.digest[:12])
 
-    # --- experts in physical slots (EPLB) -----------------------------------------------------------
     @property
     def experts(self) -> ExpertPlacement | None:
-        """The engine's placement of logical experts in physical slots (expert parallel only; None otherwise): the
-        declared `expert_placement`, else vLLM's initial one (with `redundant_experts`)."""
+        """The declared `expert_placement`, else vLLM's initial one (expert parallel only; None otherwise)."""
         if not (self.expert_parallel and self.model.is_moe):
             return None
         if self.expert_placement is not None:
@@ -162,14 +153,12 @@ class VllmLayout(CutLayout):
         return ExpertPlacement.initial(self.model.num_experts, self.redundant_experts, self.tp)
 
     def with_initial_experts(self) -> "VllmLayout":
-        """This layout with vLLM's initial expert placement: what the engine's own weight loaders write (EPLB moves
-        experts after loading), so what a probe of the loaders is compared with."""
+        """This layout with vLLM's initial expert placement: what the engine's weight loaders write."""
         return self if self.expert_placement is None else self.model_copy(update={"expert_placement": None})
 
     def expert_stacks(self, replica: int = 0) -> ExpertStacks | None:
-        """Every stacked expert tensor of `replica`'s ranks and the logical expert in each of its slots (expert
-        parallel only; None otherwise): read from the placement, not from the placements table, so the planner's
-        slot proof checks a plan against it independently. Ordered by layer, rank, tensor."""
+        """Every stacked expert tensor of `replica`'s ranks and the logical expert in each slot (expert parallel
+        only; None otherwise), read from the placement, not the placements, so the slot proof is independent."""
         p = self.experts
         if p is None:
             return None
@@ -182,8 +171,7 @@ class VllmLayout(CutLayout):
         return ExpertStacks(ranks, named, layer_col, logical)
 
     def _slots(self, layer: np.ndarray | int, expert: np.ndarray | int) -> tuple[np.ndarray, np.ndarray]:
-        """(which tensor, physical slot) of every copy of the expert tensors at `layer` / `expert`: one per slot the
-        placement gives the logical expert in that layer, tensors in the order asked."""
+        """(which tensor, physical slot) of every copy of the expert tensors at `layer` / `expert`, in order."""
         p = self.experts
         layer, expert = (np.asarray(x, dtype=np.int64).reshape(-1) for x in np.broadcast_arrays(layer, expert))
         order, start, count = slot_index(p)
@@ -208,8 +196,7 @@ class VllmLayout(CutLayout):
 
     @property
     def name_prefix(self) -> str:
-        """Prepended to every parameter name: a multimodal wrapper nests the language model (e.g.
-        `language_model.` for vLLM's Qwen3.5 ForConditionalGeneration); the family sets it in the spec."""
+        """Prepended to every parameter name (`language_model.` where a multimodal wrapper nests the model)."""
         return self.model.arch_value("vllm_prefix", "")
 
     def __str__(self) -> str:
@@ -243,13 +230,9 @@ class VllmLayout(CutLayout):
         return Where(g, first, (layer,), lambda i: name.format(i=i), slot)
 
 
+@functools.lru_cache(maxsize=32)
 def moe_layer_numbers(model: Any) -> tuple[int, ...]:
     """The model's MoE layers, in order: what vLLM's EPLB numbers 0, 1, ... (its `moe_layer_idx`)."""
-    return _moe_layers(model)
-
-
-@functools.lru_cache(maxsize=32)
-def _moe_layers(model: Any) -> tuple[int, ...]:
     return tuple(i for i in range(model.num_layers) if model.is_moe_layer(i))
 
 
@@ -257,7 +240,7 @@ def _moe_layers(model: Any) -> tuple[int, ...]:
 def moe_row_of_layer(model: Any) -> np.ndarray:
     """Per layer, its MoE layer number (-1 for a dense layer)."""
     row = np.full(model.num_layers, -1, dtype=np.int64)
-    row[list(_moe_layers(model))] = np.arange(len(_moe_layers(model)))
+    row[list(moe_layer_numbers(model))] = np.arange(len(moe_layer_numbers(model)))
     row.setflags(write=False)
     return row
 

@@ -19,11 +19,9 @@ from .roles import kind_of
 
 
 class Where(NamedTuple):
-    """Where a cut puts tensors of one kind: the group, each tensor's first rank, the columns of their name keys
-    and the name of a key (and, for stacked tensors, each tensor's slot). Values are arrays with one entry per
-    tensor, or scalars (one tensor, or a value all share). `tensors`: where a tensor has several copies in
-    different places (an expert's replicas in an EPLB engine), which of the tensors asked about each entry is
-    (indices, repeated per copy; the other values then have one entry per copy); None: one entry per tensor."""
+    """Where a cut puts tensors of one kind: the group, each tensor's first rank, its name keys, the name of a key
+    and its slot (arrays, one entry per tensor, or scalars all share). `tensors`: where tensors have several
+    copies (an expert's EPLB replicas), which tensor each entry is; None: one entry per tensor."""
 
     group: Group
     first: np.ndarray | int
@@ -34,7 +32,7 @@ class Where(NamedTuple):
 
 
 class CutLayout(Layout):
-    """A layout whose tensors are placed by their kinds' cuts (see the module docstring)."""
+    """A layout whose tensors are placed by their kinds' cuts; a subclass says where each cut's group starts."""
 
     @property
     def cut_set(self) -> str:
@@ -95,12 +93,7 @@ class CutLayout(Layout):
 
 def engine_cuts(spec: ModelSpec, kind: TensorKind, engine: str) -> tuple[Cut, ...]:
     """The cuts that place tensors of `kind` on `engine`: the kind's own, else those `engine` registered for the
-    model's family (registry.register_cuts).
-
-    Raises:
-        LayoutError: neither exists (the message names the engine, the tensor kind and the families the engine
-            registered cuts for).
-    """
+    model's family; LayoutError (naming engine, kind and the families it serves) where neither exists."""
     own = kind.cuts_for(engine)
     if own is not None:
         return own
@@ -115,8 +108,8 @@ def engine_cuts(spec: ModelSpec, kind: TensorKind, engine: str) -> tuple[Cut, ..
 
 
 def entry_groups(spec: ModelSpec, index: np.ndarray | Sequence[int] | None) -> Iterator[tuple[Entry, np.ndarray]]:
-    """The canonical tensors `index` (default all) grouped by family entry, the shared roles first (in `Role`'s
-    order), then the family's own kinds as they first appear: the order physical tensors are first named in."""
+    """The canonical tensors `index` (default all) grouped by family entry, shared roles first (in `Role`'s
+    order), then the family's own kinds: the order physical tensors are first named in."""
     c = spec.canonical
     index = np.arange(len(c), dtype=np.int64) if index is None else np.asarray(index, dtype=np.int64)
     codes = c.entry[index]

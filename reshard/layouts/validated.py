@@ -20,7 +20,7 @@ def _library_errors(model: type) -> Iterator[None]:
 
 
 class ValidatedModel(BaseModel):
-    """Every way in validates; errors are the library's (subclasses set `error_where`, or a layout its `engine`)."""
+    """Every way in validates; errors are the library's (`error_where`, or a layout's `engine`, names the model)."""
 
     error_where: ClassVar[str] = "model"
 
@@ -56,8 +56,8 @@ class ValidatedModel(BaseModel):
         return cls(**values)
 
     def model_copy(self, *, update: Any = None, deep: bool = False) -> Any:  # type: ignore[override]
-        """A copy with `update` applied, validated like the constructor (pydantic's copy skips validation). Fields
-        that were left to their defaults default again: a size derived from others follows the updated ones."""
+        """A copy with `update` applied, validated; fields left to their defaults default again (derived sizes
+        follow the updated ones)."""
         if update is not None and not isinstance(update, dict):
             raise ArgumentError("update", update, "must be a dict of field -> value, or None")
         if not isinstance(deep, bool):
@@ -65,7 +65,6 @@ class ValidatedModel(BaseModel):
         unknown = sorted(str(k) for k in (update or {}) if k not in type(self).model_fields)
         if unknown:
             raise ArgumentError("update", update, f"names fields {type(self).__name__} does not have: {unknown}")
-        # the fields given (or set by a validator from them); the others default again, derived ones from `update`
         return type(self)(**{**{k: getattr(self, k) for k in self.model_fields_set}, **(update or {})})
 
     def __setattr__(self, name: str, value: Any) -> None:

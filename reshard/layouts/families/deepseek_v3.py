@@ -15,7 +15,7 @@ from typing import Any
 from ...errors import ModelConfigError
 from ...limits import MAX_DIM, MAX_EXPERTS, MAX_LAYERS, check_limit
 from ..cuts import Replicated, ReplicatedAt, RowBlocks, TensorKind
-from ..family import LAYER, ModelFamily, StreamExtra, dense_mlp, norm, routed_experts
+from ..family import LAYER, ModelFamily, StreamExtra, dense_mlp, gated_mlp_entries, norm, routed_experts
 from ..hf_config import get_int, get_str
 from ..model import Entry, ModelSpec, Role
 from ..roles import gated_mlp, tensor_kind
@@ -40,12 +40,11 @@ KV_UP = tensor_kind("mla_kv_up",
              linear=True)
 ROUTER_BIAS = tensor_kind("router_bias",
                           Replicated("mlp.router.expert_bias"), Replicated(_M + "gate.e_score_correction_bias"))
-SHARED_GATE, SHARED_UP, SHARED_DOWN = gated_mlp("mlp.shared_experts.", _M + "shared_experts.", "shared_expert_")
+SHARED_MLP = gated_mlp("mlp.shared_experts.", _M + "shared_experts.", "shared_expert_")
 
 
 def _down_kinds(q_rank: int | None, kv_rows: int) -> tuple[TensorKind | None, TensorKind]:
-    """q_a_proj / kv_a_proj_with_mqa: TP row blocks (Megatron local), whole (Megatron TE), whole rows of vLLM's
-    fused_qkv_a_proj (or its own kv_a_proj_with_mqa when there is no q LoRA)."""
+    """q_a_proj / kv_a_proj_with_mqa's kinds (q_a_proj's None without q LoRA)."""
     q_name, kv_name = "self_attention.linear_q_down_proj.weight", "self_attention.linear_kv_down_proj.weight"
     if q_rank is None:
         return None, tensor_kind("mla_kv_down", RowBlocks(kv_name), Replicated(_A + "kv_a_proj_with_mqa.weight"),
@@ -81,17 +80,13 @@ def _layer(spec: ModelSpec, i: int) -> list:
     if a["router_bias"]:
         out.append(Entry(_M + "gate.e_score_correction_bias", (spec.num_experts,), ROUTER_BIAS, "float32"))
     out.append(experts)
-    Fs = a["shared_intermediate_size"]
-    if Fs:
-        q = _M + "shared_experts."
-        out += [Entry(q + "gate_proj.weight", (Fs, H), SHARED_GATE), Entry(q + "up_proj.weight", (Fs, H), SHARED_UP),
-                Entry(q + "down_proj.weight", (H, Fs), SHARED_DOWN)]
+    if a["shared_intermediate_size"]:
+        out += gated_mlp_entries(_M + "shared_experts.", a["shared_intermediate_size"], H, SHARED_MLP)
     return out
 
 
 class DeepseekV3(ModelFamily):
-    """DeepSeek-V3 and Kimi-K2: multi-latent attention, a dense first-k and routed experts with a
-    shared expert, optional MTP layers."""
+    """DeepSeek-V3 and Kimi-K2: multi-latent attention, dense first layers, routed and shared experts."""
     name = "deepseek_v3"
     architectures = ("DeepseekV3ForCausalLM",)
     model_types = ("deepseek_v3", "kimi_k2")
@@ -99,8 +94,7 @@ class DeepseekV3(ModelFamily):
     fp8_router = False  # vLLM builds DeepSeek's gate without quant_config; the FP8 release keeps it in bf16
 
     def spec(self, config: dict[str, Any], include_mtp: bool = False) -> ModelSpec:
-        self._refuse_mtp(config, include_mtp, "num_nextn_predict_layers",
-                                        "model.layers.N.* past the last")
+        self._refuse_mtp(config, include_mtp, "num_nextn_predict_layers", "model.layers.N.* past the last")
         fields = self._common(config, qk_norm=False, biases=("attention_bias",))
         mla = {k: get_int(config, k) for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
         fields["head_dim"] = mla["v_head_dim"]  # unused by MLA tensors; keeps the shared checks meaningful
@@ -108,9 +102,7 @@ class DeepseekV3(ModelFamily):
         first_dense = get_int(config, "first_k_dense_replace", 0, minimum=0, maximum=MAX_LAYERS,
                               null_is_default=True, what="layers")
         freq = get_int(config, "moe_layer_freq", 1, maximum=MAX_LAYERS, null_is_default=True, what="layers")
-        # transformers: layer i >= first_k_dense_replace is MoE (it ignores moe_layer_freq); vLLM also requires
-        # i % moe_layer_freq == 0. Refuse the configurations where they disagree instead of picking one.
-        if freq != 1:
+        if freq != 1:  # transformers ignores it, vLLM does not
             raise ModelConfigError(field="moe_layer_freq", value=freq, rule="is not supported (transformers and "
                                    "vLLM disagree on which layers are MoE); only 1")
         # vLLM builds a MoE layer (with no experts, which fails) wherever n_routed_experts is not null
@@ -161,9 +153,7 @@ class DeepseekV3(ModelFamily):
         return out
 
     def stream_extras(self, spec: ModelSpec) -> tuple[StreamExtra, ...]:
-        """Also the multi-token-prediction layers, `model.layers.N.*` past the last decoder layer, which
-        Megatron-Bridge (deepseek/common.py, layer num_hidden_layers + k) and mbridge (deepseek_v3.py) export when
-        the trainer has MTP (the spec does not know how many: any N from num_layers on)."""
+        """Also the MTP layers `model.layers.N.*`, N >= num_layers, which Megatron-Bridge and mbridge export."""
         L = spec.num_layers
         return super().stream_extras(spec) + (StreamExtra(
             f"multi-token-prediction layers model.layers.{L}+.* (Megatron-Bridge / mbridge with MTP)",

@@ -21,7 +21,7 @@ from typing import Any
 from ...errors import ModelConfigError
 from ...limits import MAX_DIM, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, check_limit
 from ..cuts import ColumnBlocks, GlobalRows, QkvParallel, Replicated, RowBlocks, Stacked, TensorKind
-from ..family import LAYER, ModelFamily, StreamExtra, dense_mlp, norm, routed_experts
+from ..family import LAYER, ModelFamily, StreamExtra, dense_mlp, gated_mlp_entries, norm, routed_experts
 from ..hf_config import REQUIRED, get_bool, get_int, get_str_list
 from ..model import Entry, Experts, ModelSpec, Role
 from ..roles import gated_mlp, tensor_kind
@@ -36,22 +36,19 @@ GDN_INPUT_NORM = tensor_kind("gdn_input_norm", Replicated("input_layernorm.weigh
                              te=Replicated("self_attention.in_proj.layer_norm_weight"))
 GDN_DT_BIAS = tensor_kind("gdn_dt_bias", RowBlocks("self_attention.dt_bias"), RowBlocks(_LIN + "dt_bias"))
 GDN_A_LOG = tensor_kind("gdn_a_log", RowBlocks("self_attention.A_log"), RowBlocks(_LIN + "A_log"))
-# The GDN output norm is a plain RMSNorm weight in HF and vLLM (w * rmsnorm(x) * silu(z)), but Megatron builds it
-# with the model's zero-centred gamma like every other norm, so it stores w - 1 (hf parity measured the gap):
-# plans add +1 going Megatron -> HF / vLLM and -1 the other way.
+# The GDN output norm is a plain RMSNorm weight in HF and vLLM, but Megatron builds it zero-centred: it stores w - 1.
 GDN_NORM = tensor_kind("gdn_norm", Replicated("self_attention.out_norm.weight"), Replicated(_LIN + "norm.weight"),
                 megatron_offset=-1.0)
 GDN_OUT = tensor_kind("gdn_out_proj",
                       ColumnBlocks("self_attention.out_proj.weight"), ColumnBlocks(_LIN + "out_proj.weight"))
-SHARED_GATE, SHARED_UP, SHARED_DOWN = gated_mlp("mlp.shared_experts.", _MLP + "shared_expert.", "shared_expert_proj_")
+SHARED_MLP = gated_mlp("mlp.shared_experts.", _MLP + "shared_expert.", "shared_expert_proj_")
 SHARED_EXPERT_GATE = tensor_kind("shared_expert_gate", Replicated("mlp.shared_experts.gate_weight"),
                           Replicated(_MLP + "shared_expert_gate.weight"))
 
 
 @functools.lru_cache(maxsize=16)
 def _gdn_kinds(nk: int, dk: int, nv: int, dv: int) -> dict[str, TensorKind]:
-    """in_proj / conv1d kinds: each HF tensor is some consecutive parts of a fused per-rank stack. Both engines
-    give each rank whole key and value heads (megatron-core and vLLM divide the head counts by tp)."""
+    """in_proj / conv1d kinds: each HF tensor is consecutive parts of a fused per-rank stack of whole heads."""
     Kd, Vd = nk * dk, nv * dv
     meg, meg_h = (Kd, Kd, Vd, Vd, nv, nv), (dk, dk, dv, dv, 1, 1)  # Megatron in_proj: q, k, v, z, beta, alpha
     qkvz, qkvz_h = (Kd, Kd, Vd, Vd), (dk, dk, dv, dv)
@@ -71,8 +68,7 @@ def _gdn_kinds(nk: int, dk: int, nv: int, dv: int) -> dict[str, TensorKind]:
 
 @functools.lru_cache(maxsize=16)
 def _gated_attention_kinds(nq: int, g: int, d: int) -> tuple[TensorKind, TensorKind, TensorKind]:
-    """q_proj (per head [q_h; gate_h]), k_proj, v_proj in Megatron's gated linear_qkv (per query group
-    [q heads; gate heads; k; v]) and vLLM's qkv_proj (2 nq "query heads")."""
+    """q_proj (per head [q_h; gate_h]), k_proj, v_proj in Megatron's gated linear_qkv and vLLM's qkv_proj."""
     hpg = nq // g
     group = (2 * hpg + 2) * d
     q_blocks = tuple(b for h in range(nq) for b in (
@@ -142,16 +138,13 @@ def _layer(spec: ModelSpec, i: int, p: str) -> list:
     out += routed_experts(spec, p)
     Fs, m = a["shared_intermediate_size"], p + "mlp."
     if Fs:
-        out += [Entry(m + "shared_expert.gate_proj.weight", (Fs, H), SHARED_GATE),
-                Entry(m + "shared_expert.up_proj.weight", (Fs, H), SHARED_UP),
-                Entry(m + "shared_expert.down_proj.weight", (H, Fs), SHARED_DOWN),
+        out += [*gated_mlp_entries(m + "shared_expert.", Fs, H, SHARED_MLP),
                 Entry(m + "shared_expert_gate.weight", (1, H), SHARED_EXPERT_GATE)]
     return out
 
 
 class Qwen35(ModelFamily):
-    """Qwen3.5 (dense and MoE, text and vision-language checkpoints): gated DeltaNet linear
-    attention layers between gated full-attention layers, optional MTP layers."""
+    """Qwen3.5 (dense and MoE, text and vision-language): gated DeltaNet among gated full-attention layers."""
     name = "qwen3_5"
     architectures = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
                      "Qwen3_5MoeForConditionalGeneration")
@@ -225,8 +218,7 @@ class Qwen35(ModelFamily):
         return out
 
     def tiny_config(self, config: dict[str, Any]) -> dict[str, Any]:
-        """Tiny sizes in the text config (kept nested for the multimodal wrapper, with a one-block vision tower);
-        4 layers keep the linear/full mix (3 linear + 1 full unless the config's own first 4 layers differ)."""
+        """Tiny sizes in the text config (nested for the multimodal wrapper, with a one-block vision tower)."""
         t = super().tiny_config(text_config(config))
         types = list(t.get("layer_types") or [])[:4]
         if "full_attention" not in types or "linear_attention" not in types:
@@ -251,9 +243,7 @@ class Qwen35(ModelFamily):
         return out
 
     def stream_extras(self, spec: ModelSpec) -> tuple[StreamExtra, ...]:
-        """Also the multi-token-prediction tensors `mtp.*` (Megatron-Bridge qwen35_bridge.py and mbridge
-        qwen3_5/base_bridge.py export them when the trainer has MTP) and, in the multimodal wrapper, the vision
-        tower `model.visual.*` (in a transformers state dict and the VL bridges' exports)."""
+        """Also the MTP tensors `mtp.*` and, in the multimodal wrapper, the vision tower `model.visual.*`."""
         out = super().stream_extras(spec) + (
             StreamExtra("multi-token-prediction tensors mtp.* (Megatron-Bridge / mbridge with MTP)", r"mtp\..+"),)
         if spec.arch_value("multimodal"):

@@ -162,10 +162,10 @@ class ExpertPlacement(ValidatedModel):
             physical_to_logical: [layers, P] (or [P], every layer alike): the logical expert of each physical slot.
             ranks: the engine's EP size.
             logical_experts: the model's logical experts, E.
-            logical_to_physical: optional [layers, E, K] (or [E, K]): each logical expert's slots, then -1 padding
-                (vLLM pads to K = 1024); must list exactly the slots `physical_to_logical` gives the expert.
-            logical_replica_count: optional [layers, E] (or [E]): each logical expert's number of slots; must equal
-                what `physical_to_logical` says.
+            logical_to_physical: optional [layers, E, K] (or [E, K]): each logical expert's slots, then -1 padding;
+                checked against `physical_to_logical`.
+            logical_replica_count: optional [layers, E] (or [E]): each logical expert's number of slots; checked
+                likewise.
 
         Returns:
             The placement.
@@ -175,7 +175,6 @@ class ExpertPlacement(ValidatedModel):
                 that disagree (naming the map, the layer and the expert).
         """
         p2l = _int_array("physical_to_logical", physical_to_logical, 2)
-        _check_counts(logical_experts=logical_experts)
         placement = cls(ranks=ranks, logical_experts=logical_experts, physical_to_logical=p2l.tolist())
         layers, E = p2l.shape[0], logical_experts
         counts = np.stack([np.bincount(r, minlength=E) for r in p2l])
@@ -204,8 +203,7 @@ class ExpertPlacement(ValidatedModel):
 
 
 def _map_problems(t: np.ndarray, E: int) -> list[str]:
-    """What makes [rows, P] not a permutation with replicas of experts 0..E-1 (at most three, layer and experts
-    named)."""
+    """What makes [rows, P] not a permutation with replicas of experts 0..E-1 (at most three)."""
     bad = np.argwhere((t < 0) | (t >= E))
     if len(bad):
         return [f"layer {m} slot {p} holds expert {t[m, p]}, outside [0, {E})" for m, p in bad[:3]]
@@ -221,8 +219,8 @@ def _map_problems(t: np.ndarray, E: int) -> list[str]:
 
 
 def _slot_list_problems(l2p: np.ndarray, p2l: np.ndarray, counts: np.ndarray) -> list[str]:
-    """Where logical -> physical [layers, E, K] does not list exactly each expert's slots of physical -> logical
-    (valid entries first, then -1); at most three, vectorized (layers x E runs to tens of thousands)."""
+    """Where logical -> physical [layers, E, K] does not list exactly each expert's slots of physical -> logical,
+    then -1 (at most three; vectorized: layers x E runs to tens of thousands)."""
     layers, E, K = l2p.shape
     P = p2l.shape[1]
     big = P + 1
@@ -284,9 +282,8 @@ def _initial(E: int, R: int, ranks: int) -> ExpertPlacement:
 
 @functools.lru_cache(maxsize=64)
 def slot_index(p: ExpertPlacement) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each logical expert's slots, per row, as CSR (read-only): (order [rows, P]: the slots sorted by expert, then
-    slot; start [rows, E]; count [rows, E]). Expert e of row m is in slots order[m, start[m, e]: start[m, e] +
-    count[m, e]]."""
+    """Each logical expert's slots, per row, as read-only CSR (order [rows, P], start [rows, E], count [rows, E]):
+    expert e of row m is in slots order[m, start[m, e]: start[m, e] + count[m, e]]."""
     t = _table(p)
     order = np.argsort(t, axis=1, kind="stable")
     count = np.stack([np.bincount(r, minlength=p.logical_experts) for r in t])

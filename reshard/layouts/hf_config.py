@@ -76,9 +76,6 @@ def get_int(config: dict[str, Any], key: str, default: Any = REQUIRED, *, minimu
     return value
 
 
-
-
-
 def get_bool(config: dict[str, Any], key: str, default: Any = REQUIRED, null_is_default: bool = False) -> Any:
     """A boolean (default when absent)."""
     present, value = _present(config, key, default, null_is_default)

@@ -176,13 +176,8 @@ class MegatronLayout(CutLayout):
             self._fail(f"the {rest} layers left after first/last stages are not divisible by the "
                        f"{middle_stages} other stages", num_layers=L, first_stage_layers=first,
                        last_stage_layers=last, pp=p)
-        each = rest // middle_stages
-        counts = [each] * p
-        if first is not None:
-            counts[0] = first
-        if last is not None:
-            counts[-1] = last
-        return tuple(counts)
+        each = rest // middle_stages  # p >= 2 here; first and last, where given, are at least 1
+        return (first or each, *(each,) * (p - 2), last or each)
 
     @functools.cached_property
     def _layer_home(self) -> tuple[tuple[int, int, int], ...]:

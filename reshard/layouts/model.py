@@ -187,18 +187,15 @@ class ModelSpec(ValidatedModel):
                   "num_key_value_heads": MAX_HEADS, "head_dim": MAX_DIM, "intermediate_size": MAX_DIM,
                   "vocab_size": MAX_DIM, "num_experts": MAX_EXPERTS, "moe_intermediate_size": MAX_DIM}
         for field, limit in bounds.items():
-            check_limit(field, getattr(self, field), limit, "layers" if field == "num_layers" else "experts"
+            value, least = getattr(self, field), 0 if field in ("intermediate_size", "num_experts",
+                                                                 "moe_intermediate_size") else 1
+            if value < least:
+                raise ModelConfigError(field=field, value=value, rule="must be >= 0" if least == 0 else
+                                       "must be positive", fix="leave it unset for MHA" if "key_value" in field else "")
+            check_limit(field, value, limit, "layers" if field == "num_layers" else "experts"
                         if field == "num_experts" else "heads" if "heads" in field else "a dimension", "model spec")
         check_limit("num_attention_heads * head_dim", self.num_attention_heads * self.head_dim, MAX_DIM,
                     "a dimension", "model spec")
-        for field in ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",
-                      "head_dim", "vocab_size"):
-            if getattr(self, field) <= 0:
-                raise ModelConfigError(field=field, value=getattr(self, field), rule="must be positive",
-                                       fix="" if field != "num_key_value_heads" else "leave it unset for MHA")
-        for field in ("intermediate_size", "num_experts", "moe_intermediate_size"):
-            if getattr(self, field) < 0:
-                raise ModelConfigError(field=field, value=getattr(self, field), rule="must be >= 0")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelConfigError(field="num_key_value_heads", value=self.num_key_value_heads,
                                    rule=f"does not divide num_attention_heads={self.num_attention_heads}")

@@ -288,17 +288,14 @@ class LoraB(Cut):
 
 @dataclass(frozen=True)
 class TensorKind:
-    """One kind of tensor (a TensorSpec's role): the cuts that place it on each engine, by the engine's name.
-
-    A tuple of cuts where the tensor lives in several places; an engine added later registers its cuts instead
-    (`registry.register_cuts`).
+    """One kind of tensor (a TensorSpec's role): its cuts on each engine, by engine name.
 
     Args:
         label: the name reports and errors show.
-        cuts: engine name -> its cut (or cuts); stored as sorted (engine, cuts) pairs, so a kind stays hashable.
+        cuts: engine name -> its cut or cuts (where the tensor lives in several places); kept as sorted pairs.
         expert: expert parallelism distributes it.
         megatron_offset: Megatron stores canonical + this (Layout.value_offset).
-        linear: a linear layer's weight (an FP8 block-scaled engine quantizes it: layouts.fp8).
+        linear: a linear layer's weight (an FP8 block-scaled engine quantizes it).
     """
 
     label: str

@@ -137,12 +137,6 @@ class ModelFamily(abc.ABC):
         return out
 
     @staticmethod
-    def _require(config: dict[str, Any], *keys: str) -> None:
-        missing = [k for k in keys if k not in config]
-        if missing:
-            raise ModelConfigError(field=missing[0], rule=f"is required and missing (missing: {missing})")
-
-    @staticmethod
     def _refuse_mtp(config: dict[str, Any], include_mtp: bool, mtp_key: str, mtp_names: str) -> None:
         """What no family supports yet: multi-token-prediction layers asked for."""
         mtp = get_int(config, mtp_key, 0, minimum=0, maximum=MAX_LAYERS, null_is_default=True, what="layers")

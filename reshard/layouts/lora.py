@@ -325,11 +325,7 @@ class VllmLoraLayout(VllmLayout):
     def _validate_lora(self) -> "VllmLoraLayout":
         facts = lora_facts(self.model)
         r = facts.rank
-        positive(self, max_lora_rank=self.max_lora_rank)
-        if r > self.max_lora_rank:
-            self._fail(f"the adapter's rank r={r} exceeds max_lora_rank={self.max_lora_rank}",
-                       "start the engine with max_lora_rank >= r, or train a smaller rank",
-                       max_lora_rank=self.max_lora_rank, rank=r)
+        positive(self, max_lora_rank=self.max_lora_rank)  # r > max_lora_rank: the cuts refuse it (cuts.LoraA)
         if facts.experts and self.fully_sharded and self.expert_parallel:  # FusedMoEWithLoRA refuses it too
             self._fail("vLLM does not run expert LoRA with both expert parallelism and fully_sharded_loras",
                        "turn one of them off", expert_parallel=True, fully_sharded=True)

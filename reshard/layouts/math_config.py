@@ -59,12 +59,8 @@ def _rope(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def math_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The fields of MATH_FIELDS an HF config sets (rope normalized); JSON values.
-
-    Raises:
-        ModelConfigError: a field whose value is not JSON (a config given as a dict with, say, tuple keys in
-            rope_scaling), naming it: the fields travel to the engines as JSON.
-    """
+    """The fields of MATH_FIELDS an HF config sets (rope normalized), as JSON values; ModelConfigError naming a
+    field whose value is not JSON (they travel to the engines as JSON)."""
     out = {k: config[k] for k in MATH_FIELDS if k in config and k not in ("rope_theta", "rope_scaling")
            and config[k] is not None}
     out.update(_rope(config))

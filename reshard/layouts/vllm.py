@@ -162,7 +162,10 @@ class VllmLayout(CutLayout):
         p = self.experts
         if p is None:
             return None
-        S, layers, names = p.slots_per_rank, moe_layer_numbers(self.model), expert_tensor_names(self)
+        names: list[str] = []  # the stacked expert tensors of one MoE layer, as the cuts name them
+        for kind in dict.fromkeys(kind_of(self.model, e.role) for e in self.model.canonical.entries):
+            names += [c.name for c in self._cuts(kind) if kind.expert and c.name not in names]
+        S, layers = p.slots_per_rank, moe_layer_numbers(self.model)
         per = np.broadcast_to(p.table(), (len(layers), p.num_physical)).reshape(len(layers), self.tp, 1, S)
         logical = np.broadcast_to(per, (len(layers), self.tp, len(names), S)).reshape(-1, S)
         ranks = np.tile(np.repeat(np.arange(self.tp, dtype=np.int64), len(names)), len(layers)) + replica * self.tp
@@ -245,11 +248,4 @@ def moe_row_of_layer(model: Any) -> np.ndarray:
     return row
 
 
-def expert_tensor_names(layout: VllmLayout) -> tuple[str, ...]:
-    """The name templates (`{i}`: the layer) of the stacked expert tensors of one MoE layer, as the cuts name them."""
-    spec, names = layout.model, []
-    for entry in spec.canonical.entries:
-        kind = kind_of(spec, entry.role)
-        if kind.expert:
-            names += [c.name for c in layout._cuts(kind) if c.name not in names]
-    return tuple(names)
+

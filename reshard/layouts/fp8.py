@@ -187,7 +187,6 @@ def is_quantized(spec: ModelSpec, scheme: Fp8Scheme, role: Hashable, shape: Shap
     return linear and len(shape) == 2 and name.endswith(".weight") and not scheme.is_ignored(name)
 
 
-# --- the wire spec ---------------------------------------------------------------------------------------------
 def wire_spec(spec: ModelSpec, scheme: Fp8Scheme, receiver: Iterable[str] = ()) -> ModelSpec:
     """`spec` as a quantizing refit plans it: quantized tensors in fp8 with their scales, those whose entry (HF
     name template) is in `receiver` in the model's dtype into staging tensors."""

@@ -133,8 +133,6 @@ def peft_config(spec: ModelSpec, base_model: str = "") -> dict[str, Any]:
             "modules_to_save": None, "inference_mode": True}
 
 
-# --- the family: each adapted layer's tensors and their kinds ------------------------------------------------
-
 def _peft(module: str, ab: str, block: str = "") -> Replicated:
     block = block or ("self_attn." if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp.")
     return Replicated(f"{PEFT_PREFIX}{LAYER}{block}{module}.lora_{ab}.weight")
@@ -274,8 +272,6 @@ def _mlp_entries(prefix: str, k: dict[str, TensorKind], H: int, r: int, F: int,
                 Entry(prefix + "down_proj.lora_B.weight", (H, r), k["down_proj.B"])]
     return out
 
-
-# --- the destination layouts ----------------------------------------------------------------------------------
 
 def _adapter_cuts(engine: str, kind: TensorKind) -> tuple[Cut, ...]:
     cuts = kind.cuts_for(engine)

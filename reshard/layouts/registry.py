@@ -176,8 +176,7 @@ def spec_from_hf_config(config: "dict[str, Any] | str | Path", include_mtp: bool
 
     Args:
         config: as `read_hf_config` takes it.
-        include_mtp: ask for the multi-token-prediction layers too (refused where the config has any: no
-            family supports them yet).
+        include_mtp: ask for the multi-token-prediction layers too (refused where the config has any).
 
     Returns:
         The family's ModelSpec of the config.

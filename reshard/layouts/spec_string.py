@@ -16,7 +16,6 @@ from .model import ModelSpec
 from .registry import layout_class, register_layout
 from .vllm import VllmLayout
 
-# the layouts of the built-in engines (adapter layouts travel like the others); others: registry.register_layout
 BUILT_IN_LAYOUTS: tuple[type[Layout], ...] = (MegatronLayout, VllmLayout, HfLayout, PeftLayout, VllmLoraLayout)
 
 
@@ -25,8 +24,8 @@ def register_built_in_layouts() -> None:
     for cls in BUILT_IN_LAYOUTS:
         register_layout(cls)
 
-# Short aliases accepted in layout strings.
-_ALIASES = {"ep": {"vllm": "expert_parallel"}, "first": {"megatron": "first_stage_layers"},
+
+_ALIASES = {"ep": {"vllm": "expert_parallel"}, "first": {"megatron": "first_stage_layers"},  # short forms in strings
             "last": {"megatron": "last_stage_layers"}, "placement": {"vllm": "expert_placement"}}
 # Fields a string cannot carry, with why (str(layout) names them by digest only)
 _NOT_IN_STRINGS = {"vllm": {"expert_placement": "an expert placement other than vLLM's initial one is a map per MoE "
@@ -69,10 +68,8 @@ def _value(engine: str, key: str, text: str, annotation: Any) -> Any:
 def parse_layout(text: str, model: ModelSpec) -> Layout:
     """Parse a layout string such as 'vllm:tp=8,replicas=8' or 'megatron:tp=2,pp=2,ep=8,etp=1,world=16'.
 
-    Each option once; a bare option only for a flag (e.g. 'vllm:tp=2,ep').
-
     Args:
-        text: 'engine:key=value,...' (untrusted: length, engine, keys and values are checked).
+        text: 'engine:key=value,...', each option once, a bare option only for a flag (untrusted: checked).
         model: the model the layout places.
 
     Returns:

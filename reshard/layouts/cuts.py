@@ -101,22 +101,15 @@ def _zeros(shape: Shape) -> Shape:
 
 @dataclass(frozen=True)
 class Replicated(Cut):
-    """The whole tensor on every TP rank."""
-
-    def pieces(self, what: str, shape: Shape, g: Group) -> tuple[Shape, list[Piece]]:
-        return shape, [(r, _zeros(shape), shape, _zeros(shape)) for r in range(g.tp)]
-
-
-@dataclass(frozen=True)
-class ReplicatedAt(Cut):
-    """The whole tensor on every TP rank, at row `row` of a replicated [`rows`, ...] stack (fused_qkv_a_proj)."""
+    """The whole tensor on every TP rank; with `rows`, at row `row` of a replicated [`rows`, ...] stack (vLLM's
+    fused_qkv_a_proj)."""
 
     row: int = 0
     rows: int = 0
 
     def pieces(self, what: str, shape: Shape, g: Group) -> tuple[Shape, list[Piece]]:
-        rest = shape[1:]
-        return (self.rows, *rest), [(r, _zeros(shape), shape, (self.row, *_zeros(rest))) for r in range(g.tp)]
+        phys, at = ((self.rows, *shape[1:]), (self.row, *_zeros(shape[1:]))) if self.rows else (shape, _zeros(shape))
+        return phys, [(r, _zeros(shape), shape, at) for r in range(g.tp)]
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Any
 
 from ...errors import ModelConfigError
 from ...limits import MAX_DIM, MAX_EXPERTS, MAX_LAYERS, check_limit
-from ..cuts import Replicated, ReplicatedAt, RowBlocks, TensorKind
+from ..cuts import Replicated, RowBlocks, TensorKind
 from ..family import LAYER, ModelFamily, StreamExtra, dense_mlp, gated_mlp_entries, norm, routed_experts
 from ..hf_config import get_int, get_str
 from ..model import Entry, ModelSpec, Role
@@ -51,9 +51,9 @@ def _down_kinds(q_rank: int | None, kv_rows: int) -> tuple[TensorKind | None, Te
                           te=Replicated(kv_name), linear=True)
     fused = _A + "fused_qkv_a_proj.weight"
     return (tensor_kind("mla_q_down",
-                        RowBlocks(q_name), ReplicatedAt(fused, 0, q_rank + kv_rows), te=Replicated(q_name),
+                        RowBlocks(q_name), Replicated(fused, 0, q_rank + kv_rows), te=Replicated(q_name),
                  linear=True),
-            tensor_kind("mla_kv_down", RowBlocks(kv_name), ReplicatedAt(fused, q_rank, q_rank + kv_rows),
+            tensor_kind("mla_kv_down", RowBlocks(kv_name), Replicated(fused, q_rank, q_rank + kv_rows),
                  te=Replicated(kv_name), linear=True))
 
 

@@ -120,8 +120,7 @@ class TableBuilder:
 
 
 def as_2d(offset: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[tuple[int, int], tuple[int, int]]:
-    """A canonical box seen as 2-D: a 1-D box is one row, an N-D box lives in the [prod(leading dims), last dim]
-    view (whole in the middle dimensions)."""
+    """A canonical box seen as 2-D: a 1-D box is one row; an N-D box in the [prod(dims[:-1]), last] view."""
     if len(offset) == 1:
         return (0, offset[0]), (1, lengths[0])
     if len(offset) == 2:
@@ -258,8 +257,7 @@ def bounded(layout: Layout, limit: int, what: str, **values: int) -> None:
 
 
 class WholePerReplica:
-    """For layouts that hold every tensor whole on one rank per replica (rank k is replica k): the layout declares
-    `replicas` and calls `_check_replicas` in its validator."""
+    """For layouts holding every tensor whole on one rank per replica (declare `replicas`, call `_check_replicas`)."""
 
     def _check_replicas(self) -> None:
         positive(self, replicas=self.replicas)

@@ -46,8 +46,7 @@ class CutLayout(Layout):
     @abc.abstractmethod
     def _place(self, cut: Cut, kind: TensorKind, layer: np.ndarray | int, expert: np.ndarray | int,
                replica: int | None) -> Where | None:
-        """Where `cut` puts the tensors of `kind` at `layer` / `expert` (arrays, or one tensor's ints); None
-        where it puts nothing."""
+        """Where `cut` puts the tensors of `kind` at `layer` / `expert` (arrays or ints); None: nowhere."""
 
     def placements(self, tensor: TensorSpec, replica: int | None = None) -> list[Placement]:
         kind = kind_of(self.model, tensor.role)
@@ -108,8 +107,7 @@ def engine_cuts(spec: ModelSpec, kind: TensorKind, engine: str) -> tuple[Cut, ..
 
 
 def entry_groups(spec: ModelSpec, index: np.ndarray | Sequence[int] | None) -> Iterator[tuple[Entry, np.ndarray]]:
-    """The canonical tensors `index` (default all) grouped by family entry, shared roles first (in `Role`'s
-    order), then the family's own kinds: the order physical tensors are first named in."""
+    """The canonical tensors `index` (default all) by family entry, in the order physical tensors are named."""
     c = spec.canonical
     index = np.arange(len(c), dtype=np.int64) if index is None else np.asarray(index, dtype=np.int64)
     codes = c.entry[index]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 from pydantic import ConfigDict, StrictInt, model_validator
@@ -246,8 +246,7 @@ def _check_counts(**counts: Any) -> None:
 
 
 def _int_array(name: str, value: Any, ndim: int) -> np.ndarray:
-    """An integer array of `ndim` dimensions (or one fewer: one row for all layers) from a nested list, a numpy
-    array or a tensor (a device tensor is copied to the host)."""
+    """An integer array of `ndim` (or `ndim` - 1) dimensions from a list, an array or a tensor."""
     if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor, without importing torch here
         value = value.detach().cpu().numpy()
     try:

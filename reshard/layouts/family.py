@@ -91,8 +91,7 @@ class ModelFamily(abc.ABC):
         return []
 
     def stream_extras(self, spec: ModelSpec) -> tuple[StreamExtra, ...]:
-        """What exporters stream beside this model's tensors that refits skip (a family adds its own): NeMo-RL's
-        FP8 KV/Q scales and Eagle draft tensors, Megatron-Bridge's rotary inv_freq buffers and tied lm_head copy."""
+        """What exporters stream beside this model's tensors that refits skip (a family adds its own)."""
         layers = (0, spec.num_layers)
         out = (StreamExtra("FP8 KV-cache / Q scales (NeMo-RL's Megatron stream, kv_cache_dtype fp8)",
                            r"model\.layers\.(?P<layer>\d+)\.self_attn\.(attn\.q_scale|k_scale|v_scale)", layers),

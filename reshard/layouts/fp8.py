@@ -91,8 +91,7 @@ class Fp8Scheme(ValidatedModel):
                                                             if self.ignored else {})}
 
     def check_engine(self, config: "dict[str, Any] | str") -> None:
-        """Refuse an engine whose HF config (or its `quantization_config`) quantizes otherwise than this scheme:
-        another block size, other ignored modules, no FP8 at all. Raised before any byte moves."""
+        """Refuse an engine whose HF config (or `quantization_config`) quantizes otherwise than this scheme."""
         cfg = config if isinstance(config, dict) and "quant_method" in config else read_hf_config(config)
         q = cfg if "quant_method" in cfg else cfg.get("quantization_config")
         if not isinstance(q, dict):
@@ -112,8 +111,7 @@ class Fp8Scheme(ValidatedModel):
                                    fix="declare the engine's ignored modules")
 
     def is_ignored(self, tensor_name: str) -> bool:
-        """Whether the module holding HF tensor `tensor_name` is left unquantized (vLLM's exact-match rule: the
-        module name is listed; an expert's when an ignored name containing "experts" contains its MoE module)."""
+        """Whether the module holding HF tensor `tensor_name` is left unquantized (vLLM's Fp8Config matching rule)."""
         module = tensor_name.rsplit(".", 1)[0]
         if module in self.ignored:
             return True
@@ -188,8 +186,7 @@ def is_quantized(spec: ModelSpec, scheme: Fp8Scheme, role: Hashable, shape: Shap
 
 
 def wire_spec(spec: ModelSpec, scheme: Fp8Scheme, receiver: Iterable[str] = ()) -> ModelSpec:
-    """`spec` as a quantizing refit plans it: quantized tensors in fp8 with their scales, those whose entry (HF
-    name template) is in `receiver` in the model's dtype into staging tensors."""
+    """`spec` as a quantizing refit plans it: quantized tensors as fp8 + scales, `receiver`'s into staging tensors."""
     if spec.arch_value(ARCH_KEY) is not None:
         raise ModelConfigError(field="arch.fp8", value=spec.arch_value(ARCH_KEY), rule="is set: the spec is "
                                "already an FP8 wire spec", fix="pass the model's own spec")

@@ -48,8 +48,7 @@ EXPERT_ADAPTERS = ("per_expert", "shared")  # one adapter per expert, or one for
 
 def lora_kind(label: str, megatron: Cuts, vllm_lora: Cuts, peft: Cuts, te: Cuts | None = None,
               expert: bool = False) -> TensorKind:
-    """A kind of adapter tensor: its Megatron-Bridge cut ("megatron"; "te" where TE naming differs), its vLLM slot
-    cuts ("vllm_lora") and its PEFT names ("peft": a fused layer's A once per part)."""
+    """A kind of adapter tensor: its Megatron-Bridge, vLLM slot ("vllm_lora") and PEFT cuts."""
     return TensorKind(label, {"megatron": megatron, "te": megatron if te is None else te, "vllm_lora": vllm_lora,
                               "peft": peft}, expert=expert)
 
@@ -188,8 +187,7 @@ def lora_kinds(heads: int, groups: int, head_dim: int) -> dict[str, TensorKind]:
 
 @functools.lru_cache(maxsize=16)
 def shared_expert_lora_kinds(experts: int) -> dict[str, TensorKind]:
-    """The kinds of an adapter shared by the `experts` experts of a layer: Megatron-Bridge's ParallelLinearAdapter
-    of TEGroupedMLP (naming "te"), one copy per expert in vLLM's slot stacks and under PEFT's `experts.{e}.`."""
+    """The kinds of one adapter shared by a layer's `experts` (TEGroupedMLP's), copied per expert."""
     local = Refused("", reason="a shared expert adapter lives on TEGroupedMLP; SequentialMLP (naming 'local') "
                     "adapts each expert", fix="declare naming='te', or build the spec with "
                     "expert_adapters='per_expert'")
@@ -205,8 +203,7 @@ def shared_expert_lora_kinds(experts: int) -> dict[str, TensorKind]:
 
 @functools.lru_cache(maxsize=1)
 def expert_lora_kinds() -> dict[str, TensorKind]:
-    """Each per-expert adapter tensor's kind ("gate_up_proj.A", "gate_proj.B", ...): a dense MLP's cuts over the
-    expert-TP group (Megatron), in vLLM's per-expert slot stacks, under PEFT's `mlp.experts.{e}.` names."""
+    """Each per-expert adapter tensor's kind ("gate_up_proj.A", ...): a dense MLP's, per expert."""
     def bridge(fc: str, which: str, cut: type[Cut], *args: int) -> dict[str, Any]:
         adapter = f"linear_{fc}.adapter.linear_{which}.weight"
         return {"megatron": (cut(f"mlp.experts.local_experts.{{j}}.{adapter}", *args),),
@@ -237,18 +234,12 @@ class LoraFamily(ModelFamily):
     def layer(self, spec: ModelSpec, i: int) -> list[Entry]:
         f = lora_facts(spec)
         k = lora_kinds(spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim)
-        H, r, d = spec.hidden_size, f.rank, spec.head_dim
+        H, r, d, m = spec.hidden_size, f.rank, spec.head_dim, LAYER + "mlp."
         q, kv = spec.num_attention_heads * d, spec.num_key_value_heads * d
-        a, m = LAYER + "self_attn.", LAYER + "mlp."
-        out: list[Entry | Experts] = []
-        if "linear_qkv" in f.targets:
-            out += [Entry(a + "qkv_proj.lora_A.weight", (r, H), k["qkv_proj.A"]),
-                    Entry(a + "q_proj.lora_B.weight", (q, r), k["q_proj.B"]),
-                    Entry(a + "k_proj.lora_B.weight", (kv, r), k["k_proj.B"]),
-                    Entry(a + "v_proj.lora_B.weight", (kv, r), k["v_proj.B"])]
-        if "linear_proj" in f.targets:
-            out += [Entry(a + "o_proj.lora_A.weight", (r, q), k["o_proj.A"]),
-                    Entry(a + "o_proj.lora_B.weight", (H, r), k["o_proj.B"])]
+        out: list[Entry | Experts] = _adapter_entries(LAYER + "self_attn.", k, f.targets, {
+            "linear_qkv": (("qkv_proj", "A", (r, H)), ("q_proj", "B", (q, r)), ("k_proj", "B", (kv, r)),
+                           ("v_proj", "B", (kv, r))),
+            "linear_proj": (("o_proj", "A", (r, q)), ("o_proj", "B", (H, r)))})
         if not spec.is_moe_layer(i):
             return out + _mlp_entries(m, k, H, r, spec.intermediate_size, f.targets)
         Fm = spec.moe_intermediate_size
@@ -262,15 +253,16 @@ class LoraFamily(ModelFamily):
 def _mlp_entries(prefix: str, k: dict[str, TensorKind], H: int, r: int, F: int,
                  targets: tuple[str, ...]) -> list[Entry]:
     """A SwiGLU MLP's adapter tensors under `prefix` (a dense MLP, one expert's, or one shared by all experts)."""
-    out: list[Entry] = []
-    if "linear_fc1" in targets:
-        out += [Entry(prefix + "gate_up_proj.lora_A.weight", (r, H), k["gate_up_proj.A"]),
-                Entry(prefix + "gate_proj.lora_B.weight", (F, r), k["gate_proj.B"]),
-                Entry(prefix + "up_proj.lora_B.weight", (F, r), k["up_proj.B"])]
-    if "linear_fc2" in targets:
-        out += [Entry(prefix + "down_proj.lora_A.weight", (r, F), k["down_proj.A"]),
-                Entry(prefix + "down_proj.lora_B.weight", (H, r), k["down_proj.B"])]
-    return out
+    return _adapter_entries(prefix, k, targets, {
+        "linear_fc1": (("gate_up_proj", "A", (r, H)), ("gate_proj", "B", (F, r)), ("up_proj", "B", (F, r))),
+        "linear_fc2": (("down_proj", "A", (r, F)), ("down_proj", "B", (H, r)))})
+
+
+def _adapter_entries(prefix: str, k: dict[str, TensorKind], targets: tuple[str, ...],
+                     parts: dict[str, tuple[tuple[str, str, tuple[int, int]], ...]]) -> list[Entry]:
+    """`prefix` + `<module>.lora_<A|B>.weight` of each (module, A/B, shape) of the targeted Megatron modules."""
+    return [Entry(f"{prefix}{m}.lora_{ab}.weight", shape, k[f"{m}.{ab}"])
+            for target, adapters in parts.items() if target in targets for m, ab, shape in adapters]
 
 
 def _adapter_cuts(engine: str, kind: TensorKind) -> tuple[Cut, ...]:
@@ -282,8 +274,7 @@ def _adapter_cuts(engine: str, kind: TensorKind) -> tuple[Cut, ...]:
 
 
 class PeftLayout(WholePerReplica, CutLayout):
-    """A PEFT adapter directory's tensors (adapter_model.safetensors): every tensor whole under its PEFT name, on
-    each replica's one rank; a fused layer's A once per part."""
+    """A PEFT adapter directory's tensors: each whole under its PEFT name on each replica's rank."""
 
     engine = "peft"
 

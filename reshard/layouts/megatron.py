@@ -282,8 +282,7 @@ class MegatronLayout(CutLayout):
 
 @dataclass(frozen=True, eq=False)
 class _Layers:
-    """Per layer (stage, chunk, index in chunk) and 1 for a MoE layer; per chunk and index the name prefix; the
-    dense and expert axis strides. Compared by identity (arrays must not take part in the layout's equality)."""
+    """Per layer (stage, chunk, index) and MoE flag, name prefixes, axis strides; compared by identity."""
 
     home: np.ndarray
     moe: np.ndarray

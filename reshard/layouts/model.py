@@ -416,8 +416,7 @@ def entry_lists(spec: ModelSpec) -> list[tuple[Any, int]]:
 
 
 def _check_sizes(spec: ModelSpec) -> None:
-    """Every tensor's shape positive and bounded, the total within MAX_PARAMS, counted in Python integers (so
-    nothing overflows); a family that cannot lay this spec out (its facts in `arch` are wrong) is refused."""
+    """Refuse a spec its family cannot lay out, a non-positive or unbounded shape, or too many parameters."""
     try:
         c = _canonical_table(spec)
     except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as e:

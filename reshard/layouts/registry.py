@@ -96,8 +96,7 @@ def entry_transforms() -> tuple[Any, ...]:
 
 
 def register(family: Any) -> None:
-    """Make `family` (a ModelFamily instance) findable by its name, architectures and model types (a later
-    registration of the same name replaces it)."""
+    """Make `family` (a ModelFamily) findable by name, architectures and model types (replacing an earlier one)."""
     for key in family.architectures + family.model_types:
         _BY_KEY[key] = family
     _BY_NAME[family.name] = family

@@ -56,8 +56,7 @@ class ValidatedModel(BaseModel):
         return cls(**values)
 
     def model_copy(self, *, update: Any = None, deep: bool = False) -> Any:  # type: ignore[override]
-        """A copy with `update` applied, validated; fields left to their defaults default again (derived sizes
-        follow the updated ones)."""
+        """A copy with `update` applied, validated; fields left to their defaults default again."""
         if update is not None and not isinstance(update, dict):
             raise ArgumentError("update", update, "must be a dict of field -> value, or None")
         if not isinstance(deep, bool):

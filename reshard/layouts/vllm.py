@@ -124,11 +124,8 @@ class VllmLayout(CutLayout):
     def _check_experts(self) -> None:
         """Expert parallel: the physical slots split evenly over the EP ranks; a placement must be this engine's."""
         m, R, p = self.model, self.redundant_experts, self.expert_placement
-        if not R and p is None:
-            divisible(self, "num_experts", m.num_experts, "tp (expert parallel size)", self.tp, blame="tp")
-            return
-        divisible(self, "num_experts + redundant_experts", m.num_experts + R, "tp (expert parallel size)", self.tp,
-                  blame="tp")
+        divisible(self, "num_experts + redundant_experts" if R or p else "num_experts", m.num_experts + R,
+                  "tp (expert parallel size)", self.tp, blame="tp")
         if p is None:
             return
         moe_layers = len(moe_layer_numbers(m))
@@ -157,8 +154,7 @@ class VllmLayout(CutLayout):
         return self if self.expert_placement is None else self.model_copy(update={"expert_placement": None})
 
     def expert_stacks(self, replica: int = 0) -> ExpertStacks | None:
-        """Every stacked expert tensor of `replica`'s ranks and the logical expert in each slot (expert parallel
-        only; None otherwise), read from the placement, not the placements, so the slot proof is independent."""
+        """`replica`'s stacked expert tensors and each slot's logical expert, read off the placement (EP only)."""
         p = self.experts
         if p is None:
             return None

@@ -38,8 +38,7 @@ def register_family(cls: Any) -> Any:
 
 
 def register_built_ins() -> None:
-    """Register every family of BUILT_IN_FAMILIES and FP8's entry transform (an FP8 wire spec lists a quantized
-    weight as fp8 + scales: layouts.fp8)."""
+    """Register every family of BUILT_IN_FAMILIES and FP8's entry transform (layouts.fp8)."""
     for cls in BUILT_IN_FAMILIES:
         register_family(cls)
     register_entry_transform(transform_items)

@@ -87,8 +87,7 @@ def _gated_attention_kinds(nq: int, g: int, d: int) -> tuple[TensorKind, TensorK
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The language model's fields: `text_config` of the multimodal wrapper (with the wrapper's dtype and tied
-    flag as fallbacks), or the config itself."""
+    """The language model's fields: the wrapper's `text_config` (its dtype and tied flag as fallbacks), or `config`."""
     if "text_config" not in config:
         return config
     text = config["text_config"]

@@ -55,11 +55,7 @@ class CutLayout(Layout):
             w = self._place(cut, kind, tensor.layer, tensor.expert, replica)
             if w is None:
                 continue
-            if w.tensors is None:
-                out += cut.placements(tensor.name, tensor.shape, w.group, w.name(*map(int, w.keys)), int(w.first),
-                                      int(w.slot))
-                continue
-            n = len(w.tensors)  # one entry per copy of this one tensor
+            n = 1 if w.tensors is None else len(w.tensors)  # one entry per copy of this one tensor
             each = lambda x: np.broadcast_to(np.asarray(x, dtype=np.int64), (n,)).tolist()  # noqa: E731
             keys = list(zip(*map(each, w.keys))) if w.keys else [()] * n
             for key, first, slot in zip(keys, each(w.first), each(w.slot)):

@@ -18,6 +18,7 @@ from pydantic import ConfigDict, StrictInt, StrictStr, model_validator
 from ..errors import LayoutError, ModelConfigError
 from .cuts import Cut, Group, Piece, Shape, TensorKind
 from .hf_config import read_hf_config
+from . import registry
 from .model import Entry, Experts, ModelSpec, Role, entry_lists
 from .validated import ValidatedModel
 
@@ -175,14 +176,14 @@ def staged_kind(kind: TensorKind) -> TensorKind:
     return replace(kind.with_cuts(vllm=staged), label=kind.label + STAGING)
 
 
-def is_quantized(spec: ModelSpec, scheme: Fp8Scheme, role: Hashable, shape: Shape, name: str) -> bool:
-    """Whether an FP8 engine of `scheme` keeps this canonical tensor (a 2-D weight) in fp8."""
+def is_quantized(spec: ModelSpec, scheme: Fp8Scheme, e: Entry, layer: int) -> bool:
+    """Whether an FP8 engine of `scheme` keeps entry `e` of `layer` (-1: outside the layers) in fp8."""
+    role, name = e.role, e.name.format(i=max(layer, 0), e=0)
     linear = role in LINEAR_ROLES if isinstance(role, Role) else bool(getattr(role, "linear", False))
     if role == Role.ROUTER:
-        from .registry import family
-
-        linear = family(spec.family).fp8_router
-    return linear and len(shape) == 2 and name.endswith(".weight") and not scheme.is_ignored(name)
+        linear = registry.family(spec.family).fp8_router
+    return e.dtype is None and linear and len(e.shape) == 2 and name.endswith(".weight") \
+        and not scheme.is_ignored(name)
 
 
 def wire_spec(spec: ModelSpec, scheme: Fp8Scheme, receiver: Iterable[str] = ()) -> ModelSpec:
@@ -224,9 +225,8 @@ def transform_items(spec: ModelSpec, items: tuple, layer: int) -> tuple:
         return items
     from .roles import kind_of
 
-    def entries(e: Entry, expert: bool) -> list[Entry]:
-        probe = e.name.format(i=max(layer, 0), e=0)
-        if e.dtype is not None or not is_quantized(spec, info.scheme, e.role, e.shape, probe):
+    def entries(e: Entry) -> list[Entry]:
+        if not is_quantized(spec, info.scheme, e, layer):
             return [e]
         kind = kind_of(spec, e.role)
         if e.name in info.receiver:
@@ -238,9 +238,9 @@ def transform_items(spec: ModelSpec, items: tuple, layer: int) -> tuple:
     out: list = []
     for item in items:
         if isinstance(item, Experts):
-            out.append(Experts(tuple(x for e in item.entries for x in entries(e, True)), item.count))
+            out.append(Experts(tuple(x for e in item.entries for x in entries(e)), item.count))
         else:
-            out.extend(entries(item, False))
+            out.extend(entries(item))
     return tuple(out)
 
 
@@ -250,8 +250,7 @@ def quantized_entries(spec: ModelSpec, scheme: Fp8Scheme) -> dict[str, tuple[Has
     for items, layer in entry_lists(spec):
         for item in items:
             for e in (item.entries if isinstance(item, Experts) else (item,)):
-                if e.dtype is None and is_quantized(spec, scheme, e.role, e.shape, e.name.format(i=max(layer, 0),
-                                                                                                e=0)):
+                if is_quantized(spec, scheme, e, layer):
                     out.setdefault(e.name, (e.role, e.shape))
     return out
 

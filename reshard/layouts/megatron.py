@@ -89,8 +89,7 @@ class MegatronLayout(CutLayout):
         m = self.model
         positive(self, tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, world=self.world, vpp=self.vpp,
                  vocab_divisor=self.vocab_divisor)
-        bounded(self, MAX_RANKS, "ranks", tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, world=self.world,
-                vpp=self.vpp)
+        bounded(self, MAX_RANKS, "ranks", world=self.world)  # the sizes given are bounded in _fill_defaults
         bounded(self, MAX_DIM, "a dimension", vocab_divisor=self.vocab_divisor,
                 **{"vocab_divisor * tp": self.vocab_divisor * self.tp})
         divisible(self, "world", self.world, "tp*pp", self.tp * self.pp, blame="what")

@@ -224,10 +224,7 @@ class ModelSpec(ValidatedModel):
 
     def arch_value(self, key: str, default: Any = None) -> Any:
         """The family-specific fact `key` of `arch`, else `default`."""
-        for k, v in self.arch:
-            if k == key:
-                return v
-        return default
+        return dict(self.arch).get(key, default)
 
     @property
     def math(self) -> dict[str, Any] | None:

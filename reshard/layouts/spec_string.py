@@ -49,9 +49,14 @@ def _base_types(annotation: Any) -> set[Any]:
     return {annotation}
 
 
-def _value(engine: str, key: str, text: str, annotation: Any) -> Any:
-    """The value of one option, by the field's type: an integer, a boolean or a word; else LayoutError."""
+def _value(engine: str, key: str, text: str | None, annotation: Any) -> Any:
+    """The value of one option (`text` None: given bare) by the field's type: an integer, a boolean (a bare flag:
+    True) or a word; else LayoutError."""
     allowed = _base_types(annotation)
+    if text is None and bool not in allowed:
+        raise LayoutError(engine, f"option {key!r} needs a value ({key}=...); only flags may stand alone", {key: None})
+    if text is None:
+        return True
     if bool in allowed:
         if text.lower() not in _BOOLS:
             raise LayoutError(engine, f"{key}={text!r} must be true or false", {key: text})
@@ -111,14 +116,7 @@ def parse_layout(text: str, model: ModelSpec) -> Layout:
                               {raw.strip(): val})
         if key in fields:
             raise LayoutError(engine, f"option {raw.strip()!r} is given twice in {text!r}", {key: val})
-        annotation = cls.model_fields[key].annotation
-        if not eq:
-            if bool not in _base_types(annotation):
-                raise LayoutError(engine, f"option {key!r} needs a value ({key}=...); only flags may stand alone",
-                                  {key: None})
-            fields[key] = True
-            continue
-        fields[key] = _value(engine, key, val.strip(), annotation)
+        fields[key] = _value(engine, key, val.strip() if eq else None, cls.model_fields[key].annotation)
     return cls(model=model, **fields)
 
 

@@ -235,10 +235,7 @@ def divisible(layout: Layout, what: str, value: int, by_name: str, by: int, blam
     """Raise the layout's error 'what=value is not divisible by by_name=by' unless it is, blaming field `blame`
     ("what": `what`; default: `by_name`, the layout's option)."""
     if by <= 0 or value % by:
-        if blame == "what":
-            values = {what: value, by_name: by}
-        else:
-            values = {blame or by_name: by, what: value}
+        values = {what: value, by_name: by} if blame == "what" else {blame or by_name: by, what: value}
         layout._fail(f"{what}={value} is not divisible by {by_name}={by}", **values)
 
 

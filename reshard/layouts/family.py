@@ -194,23 +194,17 @@ def check_generic_rules(config: dict[str, Any]) -> None:
                                    f"be hidden_size / heads)")
 
 
-def check_generic_spec_rules(config: dict[str, Any], spec: ModelSpec) -> None:
-    """After a family made its spec: the rules that need it (MoE top-k within the routed experts)."""
-    if not spec.is_moe:
-        return
-    topk = get_int(config, "num_experts_per_tok", None, null_is_default=True, maximum=MAX_EXPERTS, what="experts")
-    if topk is not None and topk > spec.num_experts:
-        raise ModelConfigError(field="num_experts_per_tok", value=topk,
-                               rule=f"is more than the routed experts (num_experts={spec.num_experts})")
-
-
 def _with_generic_rules(spec: Any) -> Any:
     @functools.wraps(spec)
     def checked(self: ModelFamily, config: dict[str, Any], include_mtp: bool = False) -> ModelSpec:
         language = self.language_config(config)
         check_generic_rules(language)
         out = spec(self, config, include_mtp)
-        check_generic_spec_rules(language, out)
+        topk = get_int(language, "num_experts_per_tok", None, null_is_default=True, maximum=MAX_EXPERTS,
+                       what="experts") if out.is_moe else None
+        if topk is not None and topk > out.num_experts:  # MoE top-k within the routed experts
+            raise ModelConfigError(field="num_experts_per_tok", value=topk,
+                                   rule=f"is more than the routed experts (num_experts={out.num_experts})")
         return out
 
     checked.generic_rules = True  # type: ignore[attr-defined]

@@ -160,7 +160,7 @@ class VllmLayout(CutLayout):
             return None
         names: list[str] = []  # the stacked expert tensors of one MoE layer, as the cuts name them
         for kind in dict.fromkeys(kind_of(self.model, e.role) for e in self.model.canonical.entries):
-            names += [c.name for c in self._cuts(kind) if kind.expert and c.name not in names]
+            names += [c.name for c in (self._cuts(kind) if kind.expert else ()) if c.name not in names]
         S, layers = p.slots_per_rank, moe_layer_numbers(self.model)
         per = np.broadcast_to(p.table(), (len(layers), p.num_physical)).reshape(len(layers), self.tp, 1, S)
         logical = np.broadcast_to(per, (len(layers), self.tp, len(names), S)).reshape(-1, S)

@@ -175,6 +175,7 @@ class ExpertPlacement(ValidatedModel):
                 that disagree (naming the map, the layer and the expert).
         """
         p2l = _int_array("physical_to_logical", physical_to_logical, 2)
+        _check_counts(ranks=ranks, logical_experts=logical_experts)  # ArgumentErrors, not the constructor's
         placement = cls(ranks=ranks, logical_experts=logical_experts, physical_to_logical=p2l.tolist())
         layers, E = p2l.shape[0], logical_experts
         counts = np.stack([np.bincount(r, minlength=E) for r in p2l])

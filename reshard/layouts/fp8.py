@@ -20,6 +20,7 @@ from .cuts import Cut, Group, Piece, Shape, TensorKind
 from .hf_config import read_hf_config
 from . import registry
 from .model import Entry, Experts, ModelSpec, Role, entry_lists
+from .roles import kind_of
 from .validated import ValidatedModel
 
 FP8 = "float8_e4m3fn"
@@ -223,8 +224,6 @@ def transform_items(spec: ModelSpec, items: tuple, layer: int) -> tuple:
     info = wire_info(spec)
     if info is None:
         return items
-    from .roles import kind_of
-
     def entries(e: Entry) -> list[Entry]:
         if not is_quantized(spec, info.scheme, e, layer):
             return [e]

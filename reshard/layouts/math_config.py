@@ -10,6 +10,8 @@ import json
 import math
 from typing import Any, Mapping
 
+from ..errors import ModelConfigError
+
 # name -> what it changes
 MATH_FIELDS = {
     "hidden_act": "the MLP's activation",
@@ -68,8 +70,6 @@ def math_config(config: Mapping[str, Any]) -> dict[str, Any]:
         try:
             json.dumps(value, default=str)
         except (TypeError, ValueError) as e:
-            from ..errors import ModelConfigError
-
             raise ModelConfigError(field=key, value=value, rule=f"must be a JSON value ({e})") from None
     return json.loads(json.dumps(out, sort_keys=True, default=str))
 

@@ -18,6 +18,7 @@ from pydantic import (ConfigDict, StrictBool, StrictInt, StrictStr, field_valida
 from ..errors import ModelConfigError
 from ..limits import MAX_DIM, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, MAX_PARAMS, MAX_TENSORS, check_limit
 from . import registry
+from .math_config import math_config
 from .validated import ValidatedModel
 
 DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
@@ -327,8 +328,6 @@ class ModelSpec(ValidatedModel):
             ModelConfigError: an unreadable or invalid config, or an architecture no family claims.
             ArgumentError: `include_mtp` is not a bool.
         """
-        from .math_config import math_config
-
         config = registry.read_hf_config(config)  # read once: the spec and its math come from the same dict
         spec = registry.spec_from_hf_config(config, include_mtp=include_mtp)
         # a fresh object (a family may hand out cached specs): its math belongs to this config alone

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..errors import ModelConfigError
+from ..errors import ArgumentError, LayoutError, ModelConfigError
 from .hf_config import read_hf_config
 
 _BY_KEY: dict[str, Any] = {}   # HF architecture or model_type -> family
@@ -31,8 +31,6 @@ def register_layout(cls: Any) -> None:
     """
     engine = getattr(cls, "engine", None)
     if not isinstance(engine, str) or not engine:
-        from ..errors import ArgumentError
-
         raise ArgumentError("cls", cls, "must be a Layout class with an engine name (its `engine` class attribute)")
     _LAYOUTS[engine] = cls
 
@@ -40,8 +38,6 @@ def register_layout(cls: Any) -> None:
 def layout_class(engine: str) -> Any:
     """The Layout class registered for `engine`; LayoutError (listing those registered) where none is."""
     if not isinstance(engine, str) or engine not in _LAYOUTS:
-        from ..errors import LayoutError
-
         raise LayoutError(str(engine), f"unknown layout engine {engine!r}; expected one of {sorted(_LAYOUTS)}",
                           {"engine": engine})
     return _LAYOUTS[engine]
@@ -187,8 +183,6 @@ def spec_from_hf_config(config: "dict[str, Any] | str | Path", include_mtp: bool
         LimitError: a size beyond `reshard.limits`.
     """
     if not isinstance(include_mtp, bool):
-        from ..errors import ArgumentError
-
         raise ArgumentError("include_mtp", include_mtp, "must be True or False")
     config = read_hf_config(config)
     return discover(config).spec(config, include_mtp=include_mtp)

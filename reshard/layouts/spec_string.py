@@ -7,7 +7,7 @@ import types
 import typing
 from typing import Any
 
-from ..errors import LayoutError, LimitError, show
+from ..errors import ArgumentError, LayoutError, LimitError, show
 from .base import Layout
 from .hf import HfLayout
 from .lora import PeftLayout, VllmLoraLayout
@@ -88,8 +88,6 @@ def parse_layout(text: str, model: ModelSpec) -> Layout:
     if not isinstance(text, str):
         raise LayoutError("layout", f"a layout string must be a str, not {type(text).__name__}", {"layout": text})
     if not isinstance(model, ModelSpec):
-        from ..errors import ArgumentError
-
         raise ArgumentError("model", model, "must be a ModelSpec")
     if len(text) > MAX_LAYOUT_TEXT:
         raise LimitError("layout", f"{text[:40]}...", MAX_LAYOUT_TEXT, "characters of a layout string")

@@ -1,11 +1,7 @@
 """What a layout is: for each rank of one side, its physical tensors and where canonical boxes sit in them.
 
-A `Placement` says: the box `canon_offset` + `lengths` of a canonical tensor sits on `rank`, in physical
-tensor `tensor` (of shape `shape`) at `phys_offset`. The physical tensor may have more dimensions than the
-canonical one (expert e of a [E_local, 2F, H] stack); the box's lengths then align with its trailing
-dimensions and the leading dimensions have length 1. Padding is simply the part of a physical tensor that no
-placement covers.
-"""
+A physical tensor may have more dimensions than the canonical one (expert e of an [E_local, 2F, H] stack): the
+box's lengths align with its trailing dimensions. Padding is the part no placement covers."""
 from __future__ import annotations
 
 import abc
@@ -27,9 +23,6 @@ from .validated import ValidatedModel
 class Placement(NamedTuple):
     """Where one box of a canonical tensor sits on one rank.
 
-    `lengths` elements from `canon_offset` of the canonical tensor are at `phys_offset` of the rank's physical
-    tensor `tensor` (of `shape`).
-
     Attributes:
         rank: the rank holding the box.
         tensor: the physical tensor's name on that rank.
@@ -49,12 +42,9 @@ class Placement(NamedTuple):
 
 @dataclass(frozen=True, eq=False)
 class PlacementTable:
-    """Many placements as columns (the batched form of `Layout.placements`).
-
-    Row i: canonical tensor `canon[i]` has its 2-D box (`c0`, `c1`) + (`n0`, `n1`) on `rank[i]`, in the
-    physical tensor `kinds[kind[i]]` = (name, shape), starting at flat element `origin[i]` with rows `stride[i]`
-    elements apart (the physical tensor's last dimension). A 1-D canonical tensor is one row: c0 = 0, n0 = 1.
-    """
+    """Many placements as columns: row i puts canonical tensor `canon[i]`'s 2-D box (`c0`, `c1`) + (`n0`, `n1`)
+    on `rank[i]`, in physical tensor `kinds[kind[i]]` = (name, shape), from flat element `origin[i]`, rows
+    `stride[i]` apart. A 1-D canonical tensor is one row."""
 
     canon: np.ndarray
     rank: np.ndarray
@@ -91,8 +81,7 @@ class TableBuilder:
 
     def kinds_for(self, keys: Sequence[np.ndarray | int], name: Callable[..., str], shape: tuple[int, ...]
                   ) -> np.ndarray:
-        """Kind id per tensor of one `shape`, named `name(*key)` from the key columns `keys` (one value per tensor,
-        or one that all share); `name` runs once per distinct key."""
+        """Kind id per tensor of one `shape`, named `name(*key)` from the key columns `keys` (once per key)."""
         cols = [c.reshape(-1) for c in np.broadcast_arrays(*(np.asarray(k, dtype=np.int64) for k in keys))]
         first, inverse = unique_inverse(tuple(cols))
         kinds, shape = self._kinds, tuple(shape)
@@ -106,7 +95,7 @@ class TableBuilder:
         self._blocks.append(arrays)  # broadcast views: written once, into the table's columns
 
     def add_placements(self, canon: int, placements: Sequence["Placement"]) -> None:
-        """Rows from reference placements (the slow path, for the few tensors outside any batched rule)."""
+        """Rows from reference placements (the slow path)."""
         if not placements:
             return
         rows = []
@@ -131,9 +120,7 @@ class TableBuilder:
 
 
 def as_2d(offset: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[tuple[int, int], tuple[int, int]]:
-    """A canonical box seen as 2-D: a 1-D box is one row; an N-D box (N > 2) is seen in the [prod(leading dims),
-    last dim] view, which needs it to start at 0 in the middle dimensions (the rules that place such tensors
-    cut dim 0 only and keep the middle dimensions whole)."""
+    """A canonical box seen as 2-D: a 1-D box is one row; an N-D box in the [prod(dims[:-1]), last] view."""
     if len(offset) == 1:
         return (0, offset[0]), (1, lengths[0])
     if len(offset) == 2:
@@ -156,11 +143,8 @@ def flat_origin(shape: tuple[int, ...], phys_offset: tuple[int, ...]) -> int:
 class Layout(ValidatedModel, abc.ABC):
     """One side of a refit: for each rank, its physical tensors and where canonical boxes sit in them.
 
-    Subclasses (`MegatronLayout`, `VllmLayout`, `HfLayout`, ...) are small immutable declarations validated on
-    construction; the compiler reads them only through `placements` / `placement_table` and `rank_tensors`.
-    Each names its engine (`engine`: what layout strings, plan files and refit specs call it; registry.
-    register_layout makes it nameable) and, where it can be a refit's destination, the installs it accepts
-    (`installs`: adapters.refit.RefitSpec accepts any registered layout whose `installs` holds the refit's).
+    Subclasses are immutable declarations validated on construction, read through `placements` /
+    `placement_table` and `rank_tensors`; each names its `engine` and, for a refit destination, its `installs`.
 
     Args:
         model: the model whose tensors the layout places.
@@ -184,7 +168,6 @@ class Layout(ValidatedModel, abc.ABC):
                                                                f"fields by name", {"model": value})
         return value
 
-    # --- structure -------------------------------------------------------------------------------
     @property
     @abc.abstractmethod
     def num_ranks(self) -> int:
@@ -211,11 +194,7 @@ class Layout(ValidatedModel, abc.ABC):
 
     def placement_table(self, index: np.ndarray | Sequence[int] | None = None,
                         replica: int | None = None) -> PlacementTable:
-        """`placements` of the canonical tensors `index` (default all) as one table.
-
-        This default reads `placements` one tensor at a time (the reference); layouts override it with the
-        cuts' batched answer, which property tests hold equal to the reference.
-        """
+        """`placements` of the canonical tensors `index` (default all) as one table (here one at a time)."""
         tensors = self.model.tensors
         index = range(len(tensors)) if index is None else np.asarray(index, dtype=np.int64).tolist()
         b = TableBuilder()
@@ -224,24 +203,20 @@ class Layout(ValidatedModel, abc.ABC):
         return b.table()
 
     def expert_stacks(self, replica: int = 0) -> Any:
-        """The stacked expert tensors of `replica`'s ranks whose slots a placement fills and the logical expert in
-        each slot (an expert-parallel vLLM engine's `ExpertStacks`), for the planner's slot proof; None here."""
+        """An expert-parallel vLLM engine's `ExpertStacks` of `replica`, for the planner's slot proof; None here."""
         return None
 
     def value_offset(self, tensor: TensorSpec) -> float:
-        """What this layout stores for a canonical value v is v + value_offset (0 almost everywhere; a trainer
-        that keeps a norm zero-centred where HF keeps it plain stores w - 1). A plan adds the difference."""
+        """This layout stores canonical value v as v + value_offset (a zero-centred norm: -1); plans add it."""
         return 0.0
 
-    # --- conveniences ----------------------------------------------------------------------------
     @property
     def dtype(self) -> str:
         """The model's dtype: every physical tensor's, except those `tensor_dtypes` names."""
         return self.model.dtype
 
     def tensor_dtypes(self) -> dict[tuple[int, str], str]:
-        """(rank, physical tensor name) -> dtype, for the physical tensors that hold a canonical tensor kept in
-        its own dtype (`ModelSpec.own_dtype_tensors`); every other physical tensor is in `dtype`."""
+        """(rank, physical tensor name) -> dtype of the physical tensors not in `dtype` (`own_dtype_tensors`)."""
         return _own_dtypes(self)
 
     def tensor_dtype(self, rank: int, name: str) -> str:
@@ -257,14 +232,10 @@ class Layout(ValidatedModel, abc.ABC):
 
 
 def divisible(layout: Layout, what: str, value: int, by_name: str, by: int, blame: str = "") -> None:
-    """Raise the layout's error 'what=value is not divisible by by_name=by' unless it is. The error's field is
-    `blame`: "what" blames `what` (a layout option such as world), anything else names the divisor's field
-    (default `by_name`: the layout's option, since the model's sizes are given)."""
+    """Raise the layout's error 'what=value is not divisible by by_name=by' unless it is, blaming field `blame`
+    ("what": `what`; default: `by_name`, the layout's option)."""
     if by <= 0 or value % by:
-        if blame == "what":
-            values = {what: value, by_name: by}
-        else:
-            values = {blame or by_name: by, what: value}
+        values = {what: value, by_name: by} if blame == "what" else {blame or by_name: by, what: value}
         layout._fail(f"{what}={value} is not divisible by {by_name}={by}", **values)
 
 
@@ -283,8 +254,7 @@ def bounded(layout: Layout, limit: int, what: str, **values: int) -> None:
 
 
 class WholePerReplica:
-    """For layouts that hold every tensor whole on one rank per replica (an HF checkpoint, a PEFT directory):
-    rank k is replica k. The layout declares the `replicas` field and calls `_check_replicas` in its validator."""
+    """For layouts holding every tensor whole on one rank per replica (declare `replicas`, call `_check_replicas`)."""
 
     def _check_replicas(self) -> None:
         positive(self, replicas=self.replicas)
@@ -311,8 +281,7 @@ def pad_to(n: int, multiple: int) -> int:
 
 @functools.lru_cache(maxsize=16)
 def rank_tensor_table(layout: Layout) -> dict[int, dict[str, tuple[int, ...]]]:
-    """rank -> {physical tensor name: shape}, read off the placements (layouts emit an empty placement
-    for a physical tensor that holds only padding, so it still appears here)."""
+    """rank -> {physical tensor name: shape}, read off the placements (a padding-only tensor has an empty one)."""
     t = layout.placement_table()
     pairs = np.unique(np.stack([t.rank, t.kind]), axis=1) if len(t) else np.zeros((2, 0), np.int64)
     table: dict[int, dict[str, tuple[int, ...]]] = {}

@@ -1,12 +1,8 @@
 """A layout that places every canonical tensor by its kind's cuts (Megatron and vLLM both are one).
 
-Two questions about a kind of tensor: which cuts place it on this side (`_cuts`: the kind's own cuts for the
-layout's `cut_set` -- its engine, or a naming of it -- else the cuts the engine registered for the model's family,
-registry.register_cuts), and, for tensors of that kind at given layers and experts, where each cut's group of
-ranks starts and what the physical tensor is named (`_place`, the subclass's). Everything else -- one tensor's placements, the batched table of many, the check at
-construction that every cut fits -- is the same code for both sides, so the batched answer is the per-tensor
-one by construction.
-"""
+A subclass answers one question (`_place`: where a cut's group of ranks starts and what the physical tensor is
+named); one tensor's placements, the batched table and the check at construction are shared code, so the batched
+answer is the per-tensor one by construction."""
 from __future__ import annotations
 
 import abc
@@ -23,11 +19,9 @@ from .roles import kind_of
 
 
 class Where(NamedTuple):
-    """Where a cut puts tensors of one kind: the group, each tensor's first rank, the columns of their name keys
-    and the name of a key (and, for stacked tensors, each tensor's slot). Values are arrays with one entry per
-    tensor, or scalars (one tensor, or a value all share). `tensors`: where a tensor has several copies in
-    different places (an expert's replicas in an EPLB engine), which of the tensors asked about each entry is
-    (indices, repeated per copy; the other values then have one entry per copy); None: one entry per tensor."""
+    """Where a cut puts tensors of one kind: the group, each tensor's first rank, its name keys, the name of a key
+    and its slot (arrays, one entry per tensor, or scalars all share). `tensors`: where tensors have several
+    copies (an expert's EPLB replicas), which tensor each entry is; None: one entry per tensor."""
 
     group: Group
     first: np.ndarray | int
@@ -38,7 +32,7 @@ class Where(NamedTuple):
 
 
 class CutLayout(Layout):
-    """A layout whose tensors are placed by their kinds' cuts (see the module docstring)."""
+    """A layout whose tensors are placed by their kinds' cuts; a subclass says where each cut's group starts."""
 
     @property
     def cut_set(self) -> str:
@@ -52,8 +46,7 @@ class CutLayout(Layout):
     @abc.abstractmethod
     def _place(self, cut: Cut, kind: TensorKind, layer: np.ndarray | int, expert: np.ndarray | int,
                replica: int | None) -> Where | None:
-        """Where `cut` puts the tensors of `kind` at `layer` / `expert` (arrays, or one tensor's ints); None
-        where it puts nothing."""
+        """Where `cut` puts the tensors of `kind` at `layer` / `expert` (arrays or ints); None: nowhere."""
 
     def placements(self, tensor: TensorSpec, replica: int | None = None) -> list[Placement]:
         kind = kind_of(self.model, tensor.role)
@@ -62,11 +55,7 @@ class CutLayout(Layout):
             w = self._place(cut, kind, tensor.layer, tensor.expert, replica)
             if w is None:
                 continue
-            if w.tensors is None:
-                out += cut.placements(tensor.name, tensor.shape, w.group, w.name(*map(int, w.keys)), int(w.first),
-                                      int(w.slot))
-                continue
-            n = len(w.tensors)  # one entry per copy of this one tensor
+            n = 1 if w.tensors is None else len(w.tensors)  # one entry per copy of this one tensor
             each = lambda x: np.broadcast_to(np.asarray(x, dtype=np.int64), (n,)).tolist()  # noqa: E731
             keys = list(zip(*map(each, w.keys))) if w.keys else [()] * n
             for key, first, slot in zip(keys, each(w.first), each(w.slot)):
@@ -99,12 +88,7 @@ class CutLayout(Layout):
 
 def engine_cuts(spec: ModelSpec, kind: TensorKind, engine: str) -> tuple[Cut, ...]:
     """The cuts that place tensors of `kind` on `engine`: the kind's own, else those `engine` registered for the
-    model's family (registry.register_cuts).
-
-    Raises:
-        LayoutError: neither exists (the message names the engine, the tensor kind and the families the engine
-            registered cuts for).
-    """
+    model's family; LayoutError (naming engine, kind and the families it serves) where neither exists."""
     own = kind.cuts_for(engine)
     if own is not None:
         return own
@@ -119,8 +103,7 @@ def engine_cuts(spec: ModelSpec, kind: TensorKind, engine: str) -> tuple[Cut, ..
 
 
 def entry_groups(spec: ModelSpec, index: np.ndarray | Sequence[int] | None) -> Iterator[tuple[Entry, np.ndarray]]:
-    """The canonical tensors `index` (default all) grouped by family entry, the shared roles first (in `Role`'s
-    order), then the family's own kinds as they first appear: the order physical tensors are first named in."""
+    """The canonical tensors `index` (default all) by family entry, in the order physical tensors are named."""
     c = spec.canonical
     index = np.arange(len(c), dtype=np.int64) if index is None else np.asarray(index, dtype=np.int64)
     codes = c.entry[index]

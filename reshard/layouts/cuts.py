@@ -1,17 +1,11 @@
 """The one vocabulary of cuts: how tensor parallelism splits a tensor, on either side.
 
-Rows and columns mean the tensor's own dimensions, everywhere in reshard: `RowBlocks` splits dim 0 into
-contiguous blocks of rows, `ColumnBlocks` splits dim 1 into blocks of columns. (Megatron and vLLM name their
-linear layers after the matmul instead: the layer holding row blocks of its weight is "column-parallel".)
-
-A cut is a tiny frozen declaration: a physical tensor name and how a group of `tp` ranks share the tensor.
-Each cut states only `pieces` (what TP rank r holds, where); from it every cut answers both questions layouts
-ask: `placements` (one tensor, as `Placement`s) and `add_rows` (many tensors of one shape at once -- every
-layer, every expert -- as numpy rows of a `TableBuilder`). Which ranks form the group, and the name the
-physical tensor has there, are the layout's (`Group`, and the name it passes in). A `TensorKind` is one kind
-of tensor: its cuts on each engine, by the engine's name. Tensors of more than 2 dimensions are cut on dim 0 only. A cut the engines do not
-make must be refused by the family with a clear error, never approximated.
-"""
+Rows and columns are the tensor's own dimensions: `RowBlocks` splits dim 0, `ColumnBlocks` dim 1 (Megatron and
+vLLM name layers after the matmul instead: row blocks of a weight are "column-parallel"). A cut names a physical
+tensor and states only `pieces` (what TP rank r holds, where); from it come `placements` (one tensor) and
+`add_rows` (many tensors at once, as numpy rows). The layout supplies the group of ranks (`Group`). A
+`TensorKind` is a kind of tensor: its cuts on each engine. Tensors of more than 2 dimensions are cut on dim 0
+only. A cut the engines do not make is refused by the family, never approximated."""
 from __future__ import annotations
 
 import abc
@@ -31,10 +25,9 @@ Piece = tuple[int, Shape, Shape, Shape]  # (tp rank, canonical offset, lengths, 
 
 @dataclass(frozen=True)
 class Group:
-    """The ranks one tensor is cut over, as a layout declares them: TP rank r of copy c is global rank
-    `first + r * stride + copies[c]` (`first` comes with each tensor). `vocab` is the padded vocabulary (for
-    `Vocab`); with `stack` > 0 the physical tensor stacks `stack` such tensors on a new dim 0, each tensor at its
-    slot (vLLM's experts). `copies_first` orders rows copy by copy instead of piece by piece."""
+    """The ranks one tensor is cut over: TP rank r of copy c is global rank `first + r * stride + copies[c]`
+    (`first` comes with each tensor). `vocab`: the padded vocabulary; `stack` > 0: the physical tensor stacks
+    `stack` such tensors on a new dim 0 (vLLM's experts); `copies_first`: rows copy by copy, not piece by piece."""
 
     side: str
     tp: int
@@ -49,14 +42,11 @@ class Group:
 
 @dataclass(frozen=True)
 class Cut(abc.ABC):
-    """A physical tensor `name` (a Megatron name after `decoder.layers.{local}.`, or a full vLLM name; `{i}` is
-    the layer, `{j}` the local expert) and how TP cuts the tensor into it. `at` places a Megatron tensor outside
-    the layers: "first" / "last" pipeline stage, or "last_copy" (the last stage's copy of a tied embedding, when
-    it is not the first). `moe_name`: the name in MoE layers, where it differs (TE fuses a dense layer's pre-MLP
-    norm into linear_fc1). `stacked`: a Megatron expert tensor that is local expert `{j}`'s slot on dim 0 of one
-    per-rank stack [E_local, ...] (Megatron-Bridge's grouped expert adapters), not a tensor of its own. `expert`:
-    a tensor all experts share (one LoRA adapter for all) placed as expert `expert`'s copy, where the layout keeps
-    a copy per expert (vLLM's expert slots, a PEFT file)."""
+    """A physical tensor `name` (`{i}`: the layer, `{j}`: the local expert) and how TP cuts a tensor into it.
+
+    `at`: a Megatron tensor outside the layers ("first" / "last" stage, "last_copy": a tied embedding's copy).
+    `moe_name`: the name in MoE layers, where it differs. `stacked`: local expert `{j}`'s slot on dim 0 of a
+    per-rank stack. `expert`: a tensor all experts share, placed as expert `expert`'s copy."""
 
     name: str
     at: Literal["first", "last", "last_copy"] | None = field(default=None, kw_only=True)
@@ -66,8 +56,7 @@ class Cut(abc.ABC):
 
     @abc.abstractmethod
     def pieces(self, what: str, shape: Shape, g: Group) -> tuple[Shape, list[Piece]]:
-        """(physical shape, pieces) of a tensor of `shape` (named `what` in errors) over `g.tp` ranks; raises
-        LayoutError if the group cannot cut it."""
+        """(physical shape, pieces) of a tensor of `shape` (`what` in errors); LayoutError where `g` cannot cut it."""
 
     def placements(self, what: str, shape: Shape, g: Group, name: str, first: int, slot: int = 0) -> list[Placement]:
         """Where one tensor lives: the per-tensor answer."""
@@ -81,9 +70,8 @@ class Cut(abc.ABC):
     def add_rows(self, b: TableBuilder, what: str, shape: Shape, g: Group, canon: np.ndarray,
                  keys: Sequence[np.ndarray | int], name: Callable[..., str], first: np.ndarray | int,
                  slot: np.ndarray | int = 0) -> None:
-        """Where many tensors of `shape` live, as rows laid out (tensor, piece, copy) or (tensor, copy, piece):
-        the batched answer. Tensor k is named `name(*(column[k] for column in keys))`, its group starts at
-        `first[k]`, its slot is `slot[k]` (a scalar: the same for all)."""
+        """Where many tensors of `shape` live, as rows (the batched answer): tensor k is named
+        `name(*(column[k] for column in keys))`, its group starts at `first[k]`, its slot is `slot[k]`."""
         phys, pieces = self.pieces(what, shape, g)
         at_piece, at_copy = ((1, 1, -1), (1, -1, 1)) if g.copies_first else ((1, -1, 1), (1, 1, -1))
 
@@ -113,23 +101,15 @@ def _zeros(shape: Shape) -> Shape:
 
 @dataclass(frozen=True)
 class Replicated(Cut):
-    """The whole tensor on every TP rank."""
-
-    def pieces(self, what: str, shape: Shape, g: Group) -> tuple[Shape, list[Piece]]:
-        return shape, [(r, _zeros(shape), shape, _zeros(shape)) for r in range(g.tp)]
-
-
-@dataclass(frozen=True)
-class ReplicatedAt(Cut):
-    """The whole tensor on every TP rank, at row `row` of a replicated [`rows`, ...] tensor (a fused stack
-    such as vLLM's fused_qkv_a_proj = [q_a_proj; kv_a_proj_with_mqa])."""
+    """The whole tensor on every TP rank; with `rows`, at row `row` of a replicated [`rows`, ...] stack (vLLM's
+    fused_qkv_a_proj)."""
 
     row: int = 0
     rows: int = 0
 
     def pieces(self, what: str, shape: Shape, g: Group) -> tuple[Shape, list[Piece]]:
-        rest = shape[1:]
-        return (self.rows, *rest), [(r, _zeros(shape), shape, (self.row, *_zeros(rest))) for r in range(g.tp)]
+        phys, at = ((self.rows, *shape[1:]), (self.row, *_zeros(shape[1:]))) if self.rows else (shape, _zeros(shape))
+        return phys, [(r, _zeros(shape), shape, at) for r in range(g.tp)]
 
 
 @dataclass(frozen=True)
@@ -145,8 +125,7 @@ class Vocab(Cut):
 
 @dataclass(frozen=True)
 class RowBlocks(Cut):
-    """Dim 0 split into contiguous blocks over TP; on each rank the block is part `part` of a stack of `parts`
-    equal blocks (e.g. [gate_r; up_r] is parts=2)."""
+    """Dim 0 split into contiguous blocks over TP, on each rank part `part` of `parts` equal blocks ([gate_r; up_r])."""
 
     part: int = 0
     parts: int = 1
@@ -169,15 +148,14 @@ class ColumnBlocks(Cut):
 
 @dataclass(frozen=True)
 class Stacked(Cut):
-    """Dim 0 of a per-rank stack of parts of unequal sizes, each part split evenly over TP: rank r holds
-    [part_0 block r; part_1 block r; ...] (vLLM's MergedColumnParallelLinear with several output sizes, Megatron's
-    GDN in_proj and conv1d). `sizes` are the parts' global row counts; the canonical tensor is parts `first` ..
-    `first + count - 1` one after another (HF's in_proj_qkv is the q, k and v parts). Other dimensions stay whole."""
+    """Dim 0 of a per-rank stack of unequal parts, each split over TP: rank r holds [part_0 block r; part_1 block
+    r; ...] (GDN's in_proj, conv1d). `sizes`: the parts' global rows; the canonical tensor is parts `first` ..
+    `first + count - 1`; `heads`: rows per head of each part (TP must give each rank whole heads)."""
 
     sizes: tuple[int, ...] = ()
     first: int = 0
     count: int = 1
-    heads: tuple[int, ...] = ()  # rows per head of each part (default 1): TP must give each rank whole heads
+    heads: tuple[int, ...] = ()
 
     def pieces(self, what: str, shape: Shape, g: Group) -> tuple[Shape, list[Piece]]:
         mine = self.sizes[self.first:self.first + self.count]
@@ -198,9 +176,8 @@ class Stacked(Cut):
 
 @dataclass(frozen=True)
 class GlobalRows(Cut):
-    """Dim 0 of a global [`total`, ...] stack cut into tp contiguous row blocks (Megatron's linear_qkv): canonical
-    rows [c, c + n) sit at global rows [g, g + n) for each (c, g, n) in `blocks`. A block that crosses a rank
-    boundary is split there (fewer query groups than tp)."""
+    """Dim 0 of a global [`total`, ...] stack cut into TP row blocks (Megatron's linear_qkv): canonical rows
+    [c, c + n) sit at global rows [g, g + n) for each (c, g, n) in `blocks`, split at rank boundaries."""
 
     total: int = 0
     blocks: tuple[tuple[int, int, int], ...] = ()
@@ -221,10 +198,8 @@ class GlobalRows(Cut):
 
 @dataclass(frozen=True)
 class QkvParallel(Cut):
-    """vLLM's QKVParallelLinear: rank r holds [q_r; k_r; v_r]; q (`q_rows` global rows) is split over TP, k and v
-    by head, each of the `kv_heads` heads replicated on tp / kv_heads ranks when tp > kv_heads. `part` 0, 1, 2 is
-    q, k, v (a gated q_proj holds 2 rows per head: its `q_rows` says so). `alone`: the part is a tensor of its
-    own, [q_r], [k_r] or [v_r] (vLLM's per-slice LoRA B buffers), instead of its rows of the stack."""
+    """vLLM's QKVParallelLinear: rank r holds [q_r; k_r; v_r], q (`q_rows` rows) split over TP, k and v by head
+    (replicated when tp > `kv_heads`); `part` 0, 1, 2 is q, k, v; `alone`: the part is a tensor of its own (LoRA B)."""
 
     q_rows: int = 0
     kv_heads: int = 1
@@ -249,8 +224,7 @@ class QkvParallel(Cut):
 
 @dataclass(frozen=True)
 class Refused(Cut):
-    """A tensor this side cannot hold (a cut the engines do not make): any group raises `reason` (and `fix`), so a
-    layout that would place it fails at construction."""
+    """A tensor this side cannot hold: any group raises `reason` (and `fix`), so its layout fails at construction."""
 
     reason: str = ""
     fix: str = ""
@@ -270,10 +244,8 @@ def _lora_rank(what: str, r: int, g: Group) -> int:
 
 @dataclass(frozen=True)
 class LoraA(Cut):
-    """An engine's LoRA A slot, [R, in] with R = `Group.lora_rank` (rows r.. are padding). `split_input`: the
-    base layer is row-parallel, so A is cut into column blocks of its input dim (both modes). Otherwise A is whole
-    on every rank, or, with `Group.lora_sharded` (S-LoRA, vLLM's fully_sharded_loras), the padded rank dim is cut
-    into R/tp row blocks: rank t holds rows [t R/tp, (t+1) R/tp) of the padded A."""
+    """An engine's LoRA A slot, [R, in] with R = `Group.lora_rank` (rows r.. are padding): column blocks where the
+    base layer is row-parallel (`split_input`), else whole, or R/tp row blocks with `Group.lora_sharded`."""
 
     split_input: bool = False
 
@@ -295,9 +267,8 @@ class LoraA(Cut):
 
 @dataclass(frozen=True)
 class LoraB(Cut):
-    """An engine's LoRA B slot, [out rows, R] (columns r.. are padding). `rows` cuts the output dim as the base
-    layer's cut does (RowBlocks, QkvParallel alone ...; its name is not used); None: the base layer is
-    row-parallel, so B is whole on every rank, or cut into row blocks with `Group.lora_sharded`."""
+    """An engine's LoRA B slot, [out rows, R] (columns r.. are padding): output rows cut by `rows` (the base
+    layer's cut); None: whole, or row blocks with `Group.lora_sharded`."""
 
     rows: Cut | None = None
 
@@ -310,18 +281,14 @@ class LoraB(Cut):
 
 @dataclass(frozen=True)
 class TensorKind:
-    """One kind of tensor: the cuts that place it on each engine, by the engine's name (a layout's `engine`, or a
-    naming of one: Megatron's "te"), a tuple where the tensor lives in several places (a tied embedding's copy).
-    An engine added later registers its cuts for the families it serves (`registry.register_cuts`) instead of
-    adding a field here. Used as a TensorSpec's role; `label` is what reports and errors show; `expert` says expert
-    parallelism distributes it.
+    """One kind of tensor (a TensorSpec's role): its cuts on each engine, by engine name.
 
     Args:
         label: the name reports and errors show.
-        cuts: engine name -> its cut (or cuts); stored as sorted (engine, cuts) pairs, so a kind stays hashable.
+        cuts: engine name -> its cut or cuts (where the tensor lives in several places); kept as sorted pairs.
         expert: expert parallelism distributes it.
         megatron_offset: Megatron stores canonical + this (Layout.value_offset).
-        linear: a linear layer's weight (an FP8 block-scaled engine quantizes it: layouts.fp8).
+        linear: a linear layer's weight (an FP8 block-scaled engine quantizes it).
     """
 
     label: str

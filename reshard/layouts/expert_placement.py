@@ -1,25 +1,16 @@
 """Which logical expert each physical expert slot of an expert-parallel engine holds: vLLM's EPLB placement.
 
-vLLM's expert-parallel load balancer (EPLB) keeps a MoE layer's E logical experts in P >= E physical slots, spread
-evenly over the EP ranks: rank r holds slots [r P/ranks, (r+1) P/ranks), in that order, as the rows of its
-stacked expert tensors (`w13_weight` [P/ranks, ...]). Slot p of MoE layer m holds logical expert
-`physical_to_logical[m][p]`; a logical expert in several slots has replicas (redundant experts, P - E of them),
-each with the same weights. vLLM loads weights by its initial placement (slots 0..E-1 hold experts 0..E-1, the
-redundant slots E.. hold experts 0, 1, ... in turn) and rebalances while serving, moving experts between slots and
-ranks, per layer.
-
-An `ExpertPlacement` is that map as a small frozen value: validated on construction (untrusted input: a map that is
-not a permutation with replicas of the logical experts is refused, naming the layer and the experts), canonical (a
-placement the same in every MoE layer is one row), and identified by a digest, so a plan compiled for one
-placement is never taken for another's. `from_vllm` reads vLLM's three maps (physical -> logical, logical ->
-physical, replica counts) and refuses maps that disagree with each other.
-"""
+EPLB keeps a MoE layer's E logical experts in P >= E physical slots, rank r holding slots [r P/ranks,
+(r+1) P/ranks) as the rows of its stacked expert tensors; a logical expert in several slots has replicas. vLLM
+loads by its initial placement (slot e < E holds expert e, slot E + i expert i mod E) and rebalances while
+serving. An `ExpertPlacement` is that map as a validated, canonical (identical rows are one row) frozen value
+with a digest, so a plan compiled for one placement is never taken for another's."""
 from __future__ import annotations
 
 import functools
 import hashlib
 import json
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 from pydantic import ConfigDict, StrictInt, model_validator
@@ -32,18 +23,17 @@ WHERE = "expert placement"
 
 
 class ExpertPlacement(ValidatedModel):
-    """Per MoE layer, the logical expert of every physical slot of an expert-parallel engine (module docstring).
+    """Per MoE layer, the logical expert of every physical slot of an expert-parallel engine.
 
     Args:
-        ranks: the EP ranks the physical slots are spread over (each holds `num_physical / ranks` slots).
+        ranks: the EP ranks the physical slots are spread over evenly.
         logical_experts: the model's (routed) experts, E.
-        physical_to_logical: per MoE layer, in layer order, the logical expert in each physical slot (vLLM's
+        physical_to_logical: per MoE layer, the logical expert in each physical slot (vLLM's
             `physical_to_logical_map`); a single row stands for every MoE layer.
 
     Raises:
-        ArgumentError: a map that is not a permutation with replicas of the logical experts (a slot holding an
-            expert outside [0, E), an expert in no slot), rows of different lengths, or a slot count that the ranks
-            do not divide evenly.
+        ArgumentError: a map that is not a permutation with replicas of the logical experts, rows of different
+            lengths, or a slot count that the ranks do not divide.
         LimitError: counts beyond `reshard.limits`.
     """
 
@@ -70,11 +60,7 @@ class ExpertPlacement(ValidatedModel):
 
     @model_validator(mode="after")
     def _validate(self) -> "ExpertPlacement":
-        for name, value in (("ranks", self.ranks), ("logical_experts", self.logical_experts)):
-            if value < 1:
-                raise ArgumentError(name, value, "must be at least 1", where=WHERE)
-        check_limit("ranks", self.ranks, MAX_RANKS, "ranks", WHERE)
-        check_limit("logical_experts", self.logical_experts, MAX_EXPERTS, "experts", WHERE)
+        _check_counts(ranks=self.ranks, logical_experts=self.logical_experts)
         rows = self.physical_to_logical
         if not rows:
             raise ArgumentError("physical_to_logical", rows, "must have a row per MoE layer (or one for all)",
@@ -101,7 +87,6 @@ class ExpertPlacement(ValidatedModel):
                                 f"least once (a permutation with replicas): " + "; ".join(problems), where=WHERE)
         return self
 
-    # --- what it says ------------------------------------------------------------------------------
     @property
     def num_physical(self) -> int:
         """Physical slots per MoE layer, P."""
@@ -153,27 +138,19 @@ class ExpertPlacement(ValidatedModel):
         return (f"{self.logical_experts} experts in {self.num_physical} slots over {self.ranks} ranks "
                 f"({self.redundant} redundant, {layers}; {self.digest[:12]})")
 
-    # --- made from vLLM's maps -----------------------------------------------------------------------
     @classmethod
     def initial(cls, logical_experts: int, redundant: int, ranks: int) -> "ExpertPlacement":
-        """vLLM's initial placement, the one its weight loaders write (EplbState's
-        `build_initial_global_physical_to_logical_map`): slots 0..E-1 hold experts 0..E-1, slot E + i holds
+        """vLLM's initial placement, the one its weight loaders write: slot e < E holds expert e, slot E + i
         expert i mod E.
 
         Raises:
             ArgumentError: counts that are not integers, a negative `redundant`, or a slot count the ranks do not
                 divide.
         """
-        for name, value in (("logical_experts", logical_experts), ("redundant", redundant), ("ranks", ranks)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ArgumentError(name, value, "must be an integer", where=WHERE)
-        if redundant < 0:
-            raise ArgumentError("redundant", redundant, "must be at least 0", where=WHERE)
-        for name, value in (("logical_experts", logical_experts), ("ranks", ranks)):
-            if value < 1:
-                raise ArgumentError(name, value, "must be at least 1", where=WHERE)
+        _check_counts(ranks=ranks, logical_experts=logical_experts)
+        if isinstance(redundant, bool) or not isinstance(redundant, int) or redundant < 0:
+            raise ArgumentError("redundant", redundant, "must be an integer at least 0", where=WHERE)
         check_limit("logical_experts + redundant", logical_experts + redundant, MAX_EXPERTS, "experts", WHERE)
-        check_limit("ranks", ranks, MAX_RANKS, "ranks", WHERE)
         return _initial(logical_experts, redundant, ranks)
 
     @classmethod
@@ -185,10 +162,10 @@ class ExpertPlacement(ValidatedModel):
             physical_to_logical: [layers, P] (or [P], every layer alike): the logical expert of each physical slot.
             ranks: the engine's EP size.
             logical_experts: the model's logical experts, E.
-            logical_to_physical: optional [layers, E, K] (or [E, K]): each logical expert's slots, then -1 padding
-                (vLLM pads to K = 1024); must list exactly the slots `physical_to_logical` gives the expert.
-            logical_replica_count: optional [layers, E] (or [E]): each logical expert's number of slots; must equal
-                what `physical_to_logical` says.
+            logical_to_physical: optional [layers, E, K] (or [E, K]): each logical expert's slots, then -1 padding;
+                checked against `physical_to_logical`.
+            logical_replica_count: optional [layers, E] (or [E]): each logical expert's number of slots; checked
+                likewise.
 
         Returns:
             The placement.
@@ -197,17 +174,13 @@ class ExpertPlacement(ValidatedModel):
             ArgumentError: a map of the wrong shape or type, a map that is not a permutation with replicas, or maps
                 that disagree (naming the map, the layer and the expert).
         """
-        p2l = _int_array("physical_to_logical", physical_to_logical, (1, 2))
-        p2l = p2l.reshape(1, -1) if p2l.ndim == 1 else p2l
-        if isinstance(logical_experts, bool) or not isinstance(logical_experts, int) or logical_experts < 1:
-            raise ArgumentError("logical_experts", logical_experts, "must be a positive integer", where=WHERE)
-        check_limit("logical_experts", logical_experts, MAX_EXPERTS, "experts", WHERE)
+        p2l = _int_array("physical_to_logical", physical_to_logical, 2)
+        _check_counts(ranks=ranks, logical_experts=logical_experts)  # ArgumentErrors, not the constructor's
         placement = cls(ranks=ranks, logical_experts=logical_experts, physical_to_logical=p2l.tolist())
         layers, E = p2l.shape[0], logical_experts
         counts = np.stack([np.bincount(r, minlength=E) for r in p2l])
         if logical_replica_count is not None:
-            got = _int_array("logical_replica_count", logical_replica_count, (1, 2))
-            got = got.reshape(1, -1) if got.ndim == 1 else got
+            got = _int_array("logical_replica_count", logical_replica_count, 2)
             if got.shape != (layers, E):
                 raise ArgumentError("logical_replica_count", f"shape {got.shape}", f"must be [{layers}, {E}] (layers "
                                     f"x logical experts), as physical_to_logical is", where=WHERE)
@@ -218,8 +191,7 @@ class ExpertPlacement(ValidatedModel):
                 raise ArgumentError("logical_replica_count", f"<{layers} x {E} counts>", "must count each expert's "
                                     "slots in physical_to_logical: " + text, where=WHERE)
         if logical_to_physical is not None:
-            l2p = _int_array("logical_to_physical", logical_to_physical, (2, 3))
-            l2p = l2p.reshape(1, *l2p.shape) if l2p.ndim == 2 else l2p
+            l2p = _int_array("logical_to_physical", logical_to_physical, 3)
             if l2p.shape[:2] != (layers, E):
                 raise ArgumentError("logical_to_physical", f"shape {l2p.shape}", f"must be [{layers}, {E}, K] "
                                     f"(layers x logical experts x slots, -1 padded)", where=WHERE)
@@ -232,8 +204,7 @@ class ExpertPlacement(ValidatedModel):
 
 
 def _map_problems(t: np.ndarray, E: int) -> list[str]:
-    """What makes [rows, P] not a permutation with replicas of experts 0..E-1 (at most three, layer and experts
-    named)."""
+    """What makes [rows, P] not a permutation with replicas of experts 0..E-1 (at most three)."""
     bad = np.argwhere((t < 0) | (t >= E))
     if len(bad):
         return [f"layer {m} slot {p} holds expert {t[m, p]}, outside [0, {E})" for m, p in bad[:3]]
@@ -249,8 +220,8 @@ def _map_problems(t: np.ndarray, E: int) -> list[str]:
 
 
 def _slot_list_problems(l2p: np.ndarray, p2l: np.ndarray, counts: np.ndarray) -> list[str]:
-    """Where logical -> physical [layers, E, K] does not list exactly each expert's slots of physical -> logical
-    (valid entries first, then -1); at most three, vectorized (layers x E runs to tens of thousands)."""
+    """Where logical -> physical [layers, E, K] does not list exactly each expert's slots of physical -> logical,
+    then -1 (at most three; vectorized: layers x E runs to tens of thousands)."""
     layers, E, K = l2p.shape
     P = p2l.shape[1]
     big = P + 1
@@ -267,8 +238,16 @@ def _slot_list_problems(l2p: np.ndarray, p2l: np.ndarray, counts: np.ndarray) ->
             f"puts it in {np.flatnonzero(p2l[m] == e).tolist()}" for m, e in np.argwhere(wrong)[:3]]
 
 
-def _int_array(name: str, value: Any, ndims: Sequence[int]) -> np.ndarray:
-    """An integer array from a nested list, a numpy array or a tensor (a device tensor is copied to the host)."""
+def _check_counts(**counts: Any) -> None:
+    """Refuse a count (`ranks`, `logical_experts`) that is not a positive integer within `reshard.limits`."""
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ArgumentError(name, value, "must be a positive integer", where=WHERE)
+        check_limit(name, value, MAX_RANKS if name == "ranks" else MAX_EXPERTS, name.split("_")[-1], WHERE)
+
+
+def _int_array(name: str, value: Any, ndim: int) -> np.ndarray:
+    """An integer array of `ndim` (or `ndim` - 1) dimensions from a list, an array or a tensor."""
     if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor, without importing torch here
         value = value.detach().cpu().numpy()
     try:
@@ -276,11 +255,11 @@ def _int_array(name: str, value: Any, ndims: Sequence[int]) -> np.ndarray:
     except (TypeError, ValueError) as e:
         raise ArgumentError(name, f"<{type(value).__name__}>", f"must be an array of integers ({e})",
                             where=WHERE) from None
-    if a.ndim not in ndims or a.dtype.kind not in "iu" or a.size == 0:
+    if a.ndim not in (ndim - 1, ndim) or a.dtype.kind not in "iu" or a.size == 0:
         raise ArgumentError(name, f"{a.dtype} of shape {a.shape}", f"must be a non-empty integer array of "
-                            f"{' or '.join(map(str, ndims))} dimensions", where=WHERE)
+                            f"{ndim - 1} or {ndim} dimensions", where=WHERE)
     check_limit(f"{name} (entries)", int(a.size), MAX_LAYERS * MAX_EXPERTS, "entries", WHERE)
-    return a.astype(np.int64)
+    return a.astype(np.int64).reshape((1,) * (ndim - a.ndim) + a.shape)
 
 
 @functools.lru_cache(maxsize=64)
@@ -303,9 +282,8 @@ def _initial(E: int, R: int, ranks: int) -> ExpertPlacement:
 
 @functools.lru_cache(maxsize=64)
 def slot_index(p: ExpertPlacement) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each logical expert's slots, per row, as CSR (read-only): (order [rows, P]: the slots sorted by expert, then
-    slot; start [rows, E]; count [rows, E]). Expert e of row m is in slots order[m, start[m, e]: start[m, e] +
-    count[m, e]]."""
+    """Each logical expert's slots, per row, as read-only CSR (order [rows, P], start [rows, E], count [rows, E]):
+    expert e of row m is in slots order[m, start[m, e]: start[m, e] + count[m, e]]."""
     t = _table(p)
     order = np.argsort(t, axis=1, kind="stable")
     count = np.stack([np.bincount(r, minlength=p.logical_experts) for r in t])

@@ -1,15 +1,9 @@
-"""ModelFamily: what a model family declares, in one file (see the files in `families/`).
+"""ModelFamily: what a model family declares (see the files in `families/`).
 
-A family says (1) how an HF `config.json` becomes a ModelSpec (`spec`), (2) its canonical tensors, layer by
-layer (`layer`, plus `head` and `tail`), each an `Entry` with its HF name and a role: a shared `Role` (placed as
-`roles.py` says) or the family's own `cuts.TensorKind` (its cuts on each engine), (3) what the
-checkpoint holds that refits leave out (`excluded`), (4) the megatron-core options its tensors imply
-(`megatron_options`, `megatron_block`; `from_megatron` when a spec can be read off a megatron-core config) and
-(5) the vLLM parameters that hold no weights (`vllm_not_weights`) and (6) what exporters stream beside its tensors
-that refits skip (`stream_extras`; the fused form of routed experts is declared with them, `routed_experts`).
-`registry.register_family(cls)` registers a concrete subclass; the built-in ones are listed in
-`families.BUILT_IN_FAMILIES`.
-"""
+A family says how an HF config becomes a ModelSpec (`spec`), its canonical tensors layer by layer (`layer`,
+`head`, `tail`: `Entry`s with a shared `Role` or the family's own `cuts.TensorKind`), what refits leave out
+(`excluded`, `stream_extras`), the megatron-core options it implies (`megatron_options`, `megatron_block`,
+`from_megatron`) and the vLLM parameters that hold no weights (`vllm_not_weights`)."""
 from __future__ import annotations
 
 import abc
@@ -28,13 +22,11 @@ _HF_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"
 
 @dataclass(frozen=True)
 class StreamExtra:
-    """Tensors an exporter may stream beside the model's own that a refit does not carry: skipped (one log line
-    per kind), never refused (`integrations.streams`).
+    """Tensors an exporter may stream beside the model's that a refit skips (logged once per kind, never refused).
 
     Attributes:
-        what: the kind, in words, with who streams it (the log line says it).
-        pattern: a regular expression a name matches whole; a group named `layer`, where it has one, must lie in
-            `layers`.
+        what: the kind, in words, with who streams it.
+        pattern: a regular expression a name matches whole; its group `layer`, if any, must lie in `layers`.
         layers: [first, stop) of the `layer` group (None: any layer).
     """
 
@@ -57,15 +49,10 @@ class ModelFamily(abc.ABC):
     name: ClassVar[str]
     architectures: ClassVar[tuple[str, ...]]
     model_types: ClassVar[tuple[str, ...]] = ()
-    # megatron-core: the layer specs the CPU validation builds ("gpt": get_gpt_decoder_block_spec;
-    # "gated_delta_net": GatedDeltaNet layers among attention layers) and the config class.
-    megatron_block: ClassVar[str] = "gpt"
+    megatron_block: ClassVar[str] = "gpt"  # the layer specs the CPU validation builds ("gpt", "gated_delta_net")
     megatron_config_class: ClassVar[str] = "TransformerConfig"
-    # Live vLLM parameters that hold no model weights (formatted with the layer `{i}`).
-    vllm_not_weights: ClassVar[tuple[str, ...]] = ()
-    # Whether an FP8 block-scaled vLLM engine quantizes the MoE router (vLLM passes its quant_config to the gate:
-    # Qwen3-MoE yes, DeepSeek-V3 no).
-    fp8_router: ClassVar[bool] = True
+    vllm_not_weights: ClassVar[tuple[str, ...]] = ()  # live vLLM parameters that hold no weights (`{i}`: layer)
+    fp8_router: ClassVar[bool] = True  # whether an FP8 vLLM engine quantizes the MoE router
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -104,18 +91,7 @@ class ModelFamily(abc.ABC):
         return []
 
     def stream_extras(self, spec: ModelSpec) -> tuple[StreamExtra, ...]:
-        """What exporters stream beside this model's tensors that refits skip; a family adds its own to these.
-
-        Args:
-            spec: the model.
-
-        Returns:
-            The extras every family's streams may hold: NeMo-RL's FP8 KV/Q scales and Eagle draft tensors
-            (`megatron_policy_worker.py::_iter_params_with_optional_kv_scales`, names from
-            `fp8_train_utils.get_vllm_qkv_scale_names` and `draft.` + `export_eagle_weights_to_hf`), the rotary
-            `inv_freq` buffers Megatron-Bridge passes on where the checkpoint holds them (llama and deepseek
-            bridges) and, with tied embeddings, the `lm_head.weight` copy it emits (`export_hf_weights`).
-        """
+        """What exporters stream beside this model's tensors that refits skip (a family adds its own)."""
         layers = (0, spec.num_layers)
         out = (StreamExtra("FP8 KV-cache / Q scales (NeMo-RL's Megatron stream, kv_cache_dtype fp8)",
                            r"model\.layers\.(?P<layer>\d+)\.self_attn\.(attn\.q_scale|k_scale|v_scale)", layers),
@@ -130,18 +106,14 @@ class ModelFamily(abc.ABC):
         return out
 
     def from_megatron(self, config: Any) -> bool:
-        """Whether a megatron-core TransformerConfig is a model of this family whose spec the config alone gives
-        (dense / MoE sizes, no family facts in `spec.arch`): `spec_from_megatron` picks the family by it."""
+        """Whether a megatron-core TransformerConfig alone gives this family's spec (`spec_from_megatron`)."""
         return False
 
     def megatron_options(self, spec: ModelSpec) -> dict[str, Any]:
-        """megatron-core TransformerConfig options this family's spec implies beyond the shared dense / MoE ones
-        (attention variant, norms, shared experts ...): `reshard validate` builds its tiny megatron-core model
-        with them, in `megatron_config_class`, with the `megatron_block` layer specs."""
+        """megatron-core TransformerConfig options this spec implies beyond the shared ones (`reshard validate`)."""
         return {}
 
-    # Small sizes for a tiny instance of the same structure (validation builds it on CPU). Families add their
-    # own keys in `tiny_config`; flags and layer patterns are kept.
+    # sizes of a tiny instance of the same structure (validation builds it on CPU)
     TINY: ClassVar[dict[str, Any]] = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
                                       "head_dim": 16, "vocab_size": 128, "max_position_embeddings": 128}
 
@@ -162,13 +134,6 @@ class ModelFamily(abc.ABC):
             out["num_experts_per_tok"] = 2
         out["torch_dtype"] = "float32"
         return out
-
-    # --- helpers shared by the families ----------------------------------------------------------------
-    @staticmethod
-    def _require(config: dict[str, Any], *keys: str) -> None:
-        missing = [k for k in keys if k not in config]
-        if missing:
-            raise ModelConfigError(field=missing[0], rule=f"is required and missing (missing: {missing})")
 
     @staticmethod
     def _refuse_mtp(config: dict[str, Any], include_mtp: bool, mtp_key: str, mtp_names: str) -> None:
@@ -207,26 +172,15 @@ class ModelFamily(abc.ABC):
                                    rule=f"makes it a quantized checkpoint, which is not supported: refits write "
                                         f"{dtype} weights or FP8 blocks (quant_method fp8 with weight_block_size, "
                                         f"`--fp8`); drop quantization_config and serve the {dtype} weights")
-        return dict(
-            family=self.name,
-            hidden_size=hidden,
-            num_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=kv,
-            head_dim=head_dim,
-            intermediate_size=get_int(config, "intermediate_size", 0, minimum=0, null_is_default=True),
-            vocab_size=vocab,
-            tie_word_embeddings=get_bool(config, "tie_word_embeddings", False, null_is_default=True),
-            qk_norm=qk_norm,
-            dtype=_HF_DTYPES[dtype],
-        )
+        return dict(family=self.name, hidden_size=hidden, num_layers=layers, num_attention_heads=heads,
+                    num_key_value_heads=kv, head_dim=head_dim, vocab_size=vocab, qk_norm=qk_norm,
+                    intermediate_size=get_int(config, "intermediate_size", 0, minimum=0, null_is_default=True),
+                    tie_word_embeddings=get_bool(config, "tie_word_embeddings", False, null_is_default=True),
+                    dtype=_HF_DTYPES[dtype])
 
-
-# --- the rules every family's config obeys, checked in this one place --------------------------------------
 
 def check_generic_rules(config: dict[str, Any]) -> None:
-    """Before a family reads its own keys: what no family may accept (each a ModelConfigError naming the key).
-    Positive sizes and head counts, kv heads dividing heads and the dtype are the spec's own rules (ModelSpec)."""
+    """Before a family reads its own keys: what no family may accept (each a ModelConfigError naming the key)."""
     act = get_str(config, "hidden_act", "silu", null_is_default=True)
     if act != "silu":
         raise ModelConfigError(field="hidden_act", value=act, rule="is not supported (silu only: the gated MLPs of "
@@ -240,30 +194,22 @@ def check_generic_rules(config: dict[str, Any]) -> None:
                                    f"be hidden_size / heads)")
 
 
-def check_generic_spec_rules(config: dict[str, Any], spec: ModelSpec) -> None:
-    """After a family made its spec: the rules that need it (MoE top-k within the routed experts)."""
-    if not spec.is_moe:
-        return
-    topk = get_int(config, "num_experts_per_tok", None, null_is_default=True, maximum=MAX_EXPERTS, what="experts")
-    if topk is not None and topk > spec.num_experts:
-        raise ModelConfigError(field="num_experts_per_tok", value=topk,
-                               rule=f"is more than the routed experts (num_experts={spec.num_experts})")
-
-
 def _with_generic_rules(spec: Any) -> Any:
     @functools.wraps(spec)
     def checked(self: ModelFamily, config: dict[str, Any], include_mtp: bool = False) -> ModelSpec:
         language = self.language_config(config)
         check_generic_rules(language)
         out = spec(self, config, include_mtp)
-        check_generic_spec_rules(language, out)
+        topk = get_int(language, "num_experts_per_tok", None, null_is_default=True, maximum=MAX_EXPERTS,
+                       what="experts") if out.is_moe else None
+        if topk is not None and topk > out.num_experts:  # MoE top-k within the routed experts
+            raise ModelConfigError(field="num_experts_per_tok", value=topk,
+                                   rule=f"is more than the routed experts (num_experts={out.num_experts})")
         return out
 
     checked.generic_rules = True  # type: ignore[attr-defined]
     return checked
 
-
-# --- building blocks of a layer's list (HF names of the shared roles) --------------------------------------
 
 def norm(name: str, size: int, role: Any, p: str = LAYER) -> Entry:
     """A 1-D norm weight `p + name` of `size` elements."""
@@ -284,18 +230,18 @@ def gqa_attention(spec: ModelSpec, p: str = LAYER) -> list[Entry]:
 
 def dense_mlp(spec: ModelSpec, p: str = LAYER) -> list[Entry]:
     """The gate/up/down projections of a dense MLP."""
-    H, F, m = spec.hidden_size, spec.intermediate_size, p + "mlp."
-    return [Entry(m + "gate_proj.weight", (F, H), Role.GATE), Entry(m + "up_proj.weight", (F, H), Role.UP),
-            Entry(m + "down_proj.weight", (H, F), Role.DOWN)]
+    return gated_mlp_entries(p + "mlp.", spec.intermediate_size, spec.hidden_size, (Role.GATE, Role.UP, Role.DOWN))
+
+
+def gated_mlp_entries(m: str, F: int, H: int, roles: Sequence[Any]) -> list[Entry]:
+    """`m` + gate_proj / up_proj [F, H] and down_proj [H, F], with `roles`."""
+    return [Entry(m + "gate_proj.weight", (F, H), roles[0]), Entry(m + "up_proj.weight", (F, H), roles[1]),
+            Entry(m + "down_proj.weight", (H, F), roles[2])]
 
 
 def routed_experts(spec: ModelSpec, p: str = LAYER) -> list[Entry | Experts]:
-    """The router and the per-expert gate/up/down projections (HF per-expert checkpoint names), and their fused
-    form: transformers 5 keeps them as `mlp.experts.gate_up_proj` [E, 2I, H] (per expert [gate; up]) and
-    `mlp.experts.down_proj` [E, H, I] (no transpose), which its state dicts, Megatron-Bridge / mbridge exports of
-    fused checkpoints (Qwen3.5) and so trainers stream. Source: transformers 5.10 / 5.20 / 5.25
-    `conversion_mapping.py` ("qwen2_moe": MergeModulelist(dim=0) + Concatenate(dim=1) of gate, up; the mapping of
-    qwen3_moe, deepseek_v3, qwen3_5_moe_text) and `Qwen3MoeExperts` / `DeepseekV3Experts` / `Qwen3_5MoeExperts`."""
+    """The router and the per-expert gate/up/down projections (HF per-expert names), with transformers 5's fused
+    form `mlp.experts.gate_up_proj` [E, 2I, H] and `mlp.experts.down_proj` [E, H, I] (its conversion_mapping.py)."""
     H, Fm, m = spec.hidden_size, spec.moe_intermediate_size, p + "mlp."
     e = m + "experts.{e}."
     return [Entry(m + "gate.weight", (spec.num_experts, H), Role.ROUTER),

@@ -1,30 +1,26 @@
-"""FP8 block-scaled destinations as data: which canonical tensors an FP8 engine keeps quantized, their scale
-tensors, and where their cuts put blocks.
+"""FP8 block-scaled destinations as data: which canonical tensors an FP8 engine keeps quantized, their scales, and
+where their cuts put blocks.
 
-An HF FP8 checkpoint (`quantization_config: {"quant_method": "fp8", "weight_block_size": [128, 128]}`, the
-format of DeepSeek-V3 / Kimi-K2 / Qwen3-*-FP8) stores every linear weight W [N, K] as `float8_e4m3fn` plus
-`weight_scale_inv` float32 [ceil(N/bn), ceil(K/bk)], one per block (W ~ fp8 * scale); everything that is not a
-linear layer (embeddings, norms, lm_head) or is listed in `ignored_layers` / `modules_to_not_convert` stays in
-the model's dtype. vLLM's Fp8LinearMethod / Fp8MoEMethod hold exactly these parameters per rank: the weight cut
-like the unquantized one (fp8), the scale cut like the weight in block units.
-
-`Fp8Scheme` is that declaration. `wire_spec(spec, scheme, receiver)` is the model a quantizing refit plans over:
-each quantized tensor becomes an fp8 tensor plus a float32 scale tensor `<name>_scale_inv` whose cuts are the
-weight's cuts divided by the block (`ScaledCut`; a cut that splits a block is refused naming tensor, dim and
-block); a quantized tensor listed in `receiver` (no trainer rank holds its blocks whole) travels in the model's
-dtype into a staging tensor `<vLLM name>.bf16` and is quantized on the receiving rank. The fp8 facts ride in
-the spec's `arch` under "fp8", so specs, layouts and plans serialize as before.
-"""
+An HF FP8 checkpoint (`quant_method: fp8` with `weight_block_size`) stores each linear weight W [N, K] as
+float8_e4m3fn plus float32 `weight_scale_inv` [ceil(N/bn), ceil(K/bk)]; non-linear tensors and the ignored modules
+stay in the model's dtype; vLLM's Fp8 methods hold the same per rank. `wire_spec(spec, scheme, receiver)` is the
+model a quantizing refit plans over: each quantized tensor becomes fp8 plus a scale whose cuts are the weight's
+divided by the block (`ScaledCut`, which refuses a cut that splits a block); one listed in `receiver` travels in
+the model's dtype into a staging tensor `<vLLM name>.bf16`, quantized on the receiving rank. The facts ride in
+the spec's `arch` under "fp8", so specs, layouts and plans serialize as before."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Hashable, Iterable
 
-from pydantic import ConfigDict, StrictInt, StrictStr, field_validator
+from pydantic import ConfigDict, StrictInt, StrictStr, model_validator
 
 from ..errors import LayoutError, ModelConfigError
 from .cuts import Cut, Group, Piece, Shape, TensorKind
-from .model import Entry, Experts, ModelSpec, Role
+from .hf_config import read_hf_config
+from . import registry
+from .model import Entry, Experts, ModelSpec, Role, entry_lists
+from .roles import kind_of
 from .validated import ValidatedModel
 
 FP8 = "float8_e4m3fn"
@@ -52,36 +48,22 @@ class Fp8Scheme(ValidatedModel):
 
     error_where: ClassVar[str] = "quantization_config"
 
-    @field_validator("block")
-    @classmethod
-    def _block(cls, v: tuple[int, int]) -> tuple[int, int]:
-        if any(b < 1 or b > 1 << 16 for b in v):
-            raise ModelConfigError(field="quantization_config.weight_block_size", value=list(v),
-                                   rule="must be two positive block sizes (rows, cols)")
-        return v
-
-    @field_validator("activation_scheme")
-    @classmethod
-    def _activation(cls, v: str) -> str:
-        if v != "dynamic":
-            raise ModelConfigError(field="quantization_config.activation_scheme", value=v,
-                                   rule="must be 'dynamic' for block-scaled FP8 (vLLM's Fp8Config refuses others)")
-        return v
-
-    @field_validator("fmt")
-    @classmethod
-    def _fmt(cls, v: str) -> str:
-        if v != "e4m3":
-            raise ModelConfigError(field="quantization_config.fmt", value=v, rule="must be 'e4m3' (float8_e4m3fn)")
-        return v
+    @model_validator(mode="after")
+    def _supported(self) -> "Fp8Scheme":
+        for field, value, bad, rule in (
+                ("weight_block_size", list(self.block), any(b < 1 or b > 1 << 16 for b in self.block),
+                 "must be two positive block sizes (rows, cols)"),
+                ("activation_scheme", self.activation_scheme, self.activation_scheme != "dynamic",
+                 "must be 'dynamic' for block-scaled FP8 (vLLM's Fp8Config refuses others)"),
+                ("fmt", self.fmt, self.fmt != "e4m3", "must be 'e4m3' (float8_e4m3fn)")):
+            if bad:
+                raise ModelConfigError(field="quantization_config." + field, value=value, rule=rule)
+        return self
 
     @classmethod
     def from_hf_config(cls, config: "dict[str, Any] | str") -> "Fp8Scheme":
         """The scheme of an HF config.json (or its dict, or a checkpoint directory) `quantization_config`."""
-        from .registry import read_hf_config
-
-        cfg = read_hf_config(config)
-        q = cfg.get("quantization_config")
+        q = read_hf_config(config).get("quantization_config")
         if not isinstance(q, dict):
             raise ModelConfigError(field="quantization_config", value=q, rule="is missing: not an FP8 checkpoint "
                                    "config", fix='add {"quant_method": "fp8", "weight_block_size": [128, 128]}')
@@ -111,10 +93,7 @@ class Fp8Scheme(ValidatedModel):
                                                             if self.ignored else {})}
 
     def check_engine(self, config: "dict[str, Any] | str") -> None:
-        """Refuse an engine whose HF config (or its `quantization_config`) quantizes otherwise than this scheme:
-        another block size, other ignored modules, no FP8 at all. Raised before any byte moves."""
-        from .registry import read_hf_config
-
+        """Refuse an engine whose HF config (or `quantization_config`) quantizes otherwise than this scheme."""
         cfg = config if isinstance(config, dict) and "quant_method" in config else read_hf_config(config)
         q = cfg if "quant_method" in cfg else cfg.get("quantization_config")
         if not isinstance(q, dict):
@@ -134,8 +113,7 @@ class Fp8Scheme(ValidatedModel):
                                    fix="declare the engine's ignored modules")
 
     def is_ignored(self, tensor_name: str) -> bool:
-        """Whether the module holding HF tensor `tensor_name` is left unquantized (vLLM's exact-match rule: the
-        module name is listed; an expert's when an ignored name containing "experts" contains its MoE module)."""
+        """Whether the module holding HF tensor `tensor_name` is left unquantized (vLLM's Fp8Config matching rule)."""
         module = tensor_name.rsplit(".", 1)[0]
         if module in self.ignored:
             return True
@@ -199,20 +177,18 @@ def staged_kind(kind: TensorKind) -> TensorKind:
     return replace(kind.with_cuts(vllm=staged), label=kind.label + STAGING)
 
 
-def is_quantized(spec: ModelSpec, scheme: Fp8Scheme, role: Hashable, shape: Shape, name: str) -> bool:
-    """Whether an FP8 engine of `scheme` keeps this canonical tensor (a 2-D weight) in fp8."""
+def is_quantized(spec: ModelSpec, scheme: Fp8Scheme, e: Entry, layer: int) -> bool:
+    """Whether an FP8 engine of `scheme` keeps entry `e` of `layer` (-1: outside the layers) in fp8."""
+    role, name = e.role, e.name.format(i=max(layer, 0), e=0)
     linear = role in LINEAR_ROLES if isinstance(role, Role) else bool(getattr(role, "linear", False))
     if role == Role.ROUTER:
-        from .registry import family
+        linear = registry.family(spec.family).fp8_router
+    return e.dtype is None and linear and len(e.shape) == 2 and name.endswith(".weight") \
+        and not scheme.is_ignored(name)
 
-        linear = family(spec.family).fp8_router
-    return linear and len(shape) == 2 and name.endswith(".weight") and not scheme.is_ignored(name)
 
-
-# --- the wire spec ---------------------------------------------------------------------------------------------
 def wire_spec(spec: ModelSpec, scheme: Fp8Scheme, receiver: Iterable[str] = ()) -> ModelSpec:
-    """`spec` as a quantizing refit plans it: quantized tensors in fp8 with their scales, those whose entry (HF
-    name template) is in `receiver` in the model's dtype into staging tensors."""
+    """`spec` as a quantizing refit plans it: quantized tensors as fp8 + scales, `receiver`'s into staging tensors."""
     if spec.arch_value(ARCH_KEY) is not None:
         raise ModelConfigError(field="arch.fp8", value=spec.arch_value(ARCH_KEY), rule="is set: the spec is "
                                "already an FP8 wire spec", fix="pass the model's own spec")
@@ -248,11 +224,8 @@ def transform_items(spec: ModelSpec, items: tuple, layer: int) -> tuple:
     info = wire_info(spec)
     if info is None:
         return items
-    from .roles import kind_of
-
-    def entries(e: Entry, expert: bool) -> list[Entry]:
-        probe = e.name.format(i=max(layer, 0), e=0)
-        if e.dtype is not None or not is_quantized(spec, info.scheme, e.role, e.shape, probe):
+    def entries(e: Entry) -> list[Entry]:
+        if not is_quantized(spec, info.scheme, e, layer):
             return [e]
         kind = kind_of(spec, e.role)
         if e.name in info.receiver:
@@ -264,25 +237,19 @@ def transform_items(spec: ModelSpec, items: tuple, layer: int) -> tuple:
     out: list = []
     for item in items:
         if isinstance(item, Experts):
-            out.append(Experts(tuple(x for e in item.entries for x in entries(e, True)), item.count))
+            out.append(Experts(tuple(x for e in item.entries for x in entries(e)), item.count))
         else:
-            out.extend(entries(item, False))
+            out.extend(entries(item))
     return tuple(out)
 
 
 def quantized_entries(spec: ModelSpec, scheme: Fp8Scheme) -> dict[str, tuple[Hashable, Shape]]:
     """HF name template -> (role, shape) of every entry an FP8 engine of `scheme` quantizes (in any layer)."""
-    from . import registry
-
-    fam = registry.family(spec.family)
     out: dict[str, tuple[Hashable, Shape]] = {}
-    blocks = [(fam.head(spec), -1)] + [(fam.layer(spec, i), i) for i in range(spec.num_layers)] + \
-        [(fam.tail(spec), -1)]
-    for items, layer in blocks:
+    for items, layer in entry_lists(spec):
         for item in items:
             for e in (item.entries if isinstance(item, Experts) else (item,)):
-                if e.dtype is None and is_quantized(spec, scheme, e.role, e.shape, e.name.format(i=max(layer, 0),
-                                                                                                e=0)):
+                if is_quantized(spec, scheme, e, layer):
                     out.setdefault(e.name, (e.role, e.shape))
     return out
 

@@ -40,9 +40,8 @@ class HfLayout(WholePerReplica, Layout):
         c = self.model.canonical
         index = np.arange(len(c), dtype=np.int64) if index is None else np.asarray(index, dtype=np.int64)
         b = TableBuilder()
-        kind = np.asarray([b.kind(self.model.tensor_name(k), (int(c.rows[k]), int(c.cols[k])) if c.ndim[k] == 2
-                                  else (int(c.cols[k]),) if c.ndim[k] == 1 else self.model.tensor_at(k).shape)
-                           for k in index.tolist()], dtype=np.int64)
+        kind = np.asarray([b.kind(self.model.tensor_name(k), c.entries[int(c.entry[k])].shape) for k in index.tolist()],
+                          dtype=np.int64)
         ranks = np.arange(self.replicas) if replica is None else np.asarray([replica])
         b.add(index[:, None], ranks[None, :], kind[:, None], 0, 0, c.rows[index][:, None], c.cols[index][:, None],
               0, c.cols[index][:, None])

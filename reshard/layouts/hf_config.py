@@ -1,12 +1,12 @@
 """An HF config read as untrusted JSON: each key a family reads has a type and a range, checked strictly.
 
-JSON integers must be integers (not "64", 64.0 or true), booleans booleans (not "no"), and a key that is present
-with 0 or null means that, never "use the default" (only an absent key takes the default; `null_is_default`
-opts in where HF itself writes null for "not set"). Every refusal is a ModelConfigError naming the key, the
-value and the rule; sizes past `limits` are LimitErrors naming the limit.
-"""
+Integers must be JSON integers, booleans booleans; only an absent key takes the default (`null_is_default` opts
+in where HF writes null for "not set"). Refusals are ModelConfigErrors naming key, value and rule; sizes past
+`limits` are LimitErrors."""
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import ModelConfigError
@@ -20,11 +20,18 @@ def _config_error(field: str, value: Any, rule: str) -> ModelConfigError:
     return ModelConfigError(field=field, value=value, rule=rule)
 
 
-def read_config(config: Any) -> dict[str, Any]:
-    """An HF config as a dict: a dict as given, or a config.json path / checkpoint directory read safely."""
-    import os
-    from pathlib import Path
+def read_hf_config(config: "dict[str, Any] | str | os.PathLike") -> dict[str, Any]:
+    """Read an HF config as untrusted input: a regular file of bounded size, strict JSON, an object at the top.
 
+    Args:
+        config: a dict (returned as it is), a config.json path, or a checkpoint directory.
+
+    Returns:
+        The config's JSON object.
+
+    Raises:
+        ModelConfigError: a path that cannot be read, a file too large, not JSON, or not an object.
+    """
     if isinstance(config, dict):
         if not all(isinstance(k, str) for k in config):
             raise _config_error("config", config, "must have string keys (a JSON object)")
@@ -67,12 +74,6 @@ def get_int(config: dict[str, Any], key: str, default: Any = REQUIRED, *, minimu
         raise _config_error(key, value, f"must be at least {minimum}")
     check_limit(key, value, maximum, what, "model config")
     return value
-
-
-def get_opt_int(config: dict[str, Any], key: str, *, minimum: int = 1, maximum: int = MAX_DIM,
-                what: str = "a dimension") -> int | None:
-    """An integer, or None when absent or null (a key HF writes as null for "not used", e.g. q_lora_rank)."""
-    return get_int(config, key, None, minimum=minimum, maximum=maximum, null_is_default=True, what=what)
 
 
 def get_bool(config: dict[str, Any], key: str, default: Any = REQUIRED, null_is_default: bool = False) -> Any:
@@ -130,4 +131,4 @@ def get_str_list(config: dict[str, Any], key: str, length: int, choices: Sequenc
     return tuple(value)
 
 
-__all__ = ["REQUIRED", "get_bool", "get_int", "get_int_list", "get_opt_int", "get_str", "get_str_list", "read_config"]
+__all__ = ["REQUIRED", "get_bool", "get_int", "get_int_list", "get_str", "get_str_list", "read_hf_config"]

@@ -1,54 +1,29 @@
-"""LoRA adapters as models: an adapter's tensors are the canonical tensors of a spec of family "lora", so both
-sides' layouts, the compiler, the coverage proof, the accounting and every executor take an adapter as they take a
-model. Only the cuts are new (`cuts.LoraA`, `cuts.LoraB`, `QkvParallel(alone=True)`).
+"""LoRA adapters as models: an adapter's tensors are the canonical tensors of a spec of family "lora", so layouts,
+the compiler, the proofs and every executor take an adapter as they take a model; only the cuts are new
+(`cuts.LoraA`, `cuts.LoraB`, `QkvParallel(alone=True)`).
 
-Canonical tensors are the trainer's logical adapter, one A per adapted (possibly fused) linear layer and one B per
-output part: `self_attn.qkv_proj.lora_A` [r, H] (the one A of the fused linear_qkv) with `q_proj.lora_B`
-[nq d, r], `k_proj.lora_B`, `v_proj.lora_B`; `o_proj.lora_A` [r, nq d] / `lora_B` [H, r];
-`mlp.gate_up_proj.lora_A` [r, H] with `gate_proj.lora_B`, `up_proj.lora_B` [F, r]; `down_proj.lora_A` [r, F] /
-`lora_B` [H, r] (names under `model.layers.{i}.`). A MoE layer's experts are adapted per expert
-(`expert_adapters="per_expert"`, Megatron-Bridge's `share_expert_adapters=False`): under
-`mlp.experts.{e}.` the same five tensors as a dense MLP's, `gate_up_proj.lora_A` [r, H], `gate_proj.lora_B` /
-`up_proj.lora_B` [Fm, r], `down_proj.lora_A` [r, Fm], `down_proj.lora_B` [H, r]. With `expert_adapters="shared"`
-(Bridge's default `share_expert_adapters=True`) one such adapter serves all experts of a layer, under
-`mlp.experts.` without an expert number; vLLM's slots and a PEFT file hold a copy of it for every expert.
+Canonical tensors (under `model.layers.{i}.`): one A per adapted (possibly fused) linear layer and one B per
+output part: `self_attn.qkv_proj.lora_A` with `{q,k,v}_proj.lora_B`, `o_proj.lora_A/B`, `mlp.gate_up_proj.lora_A`
+with `{gate,up}_proj.lora_B`, `down_proj.lora_A/B`. MoE experts are adapted per expert (under `mlp.experts.{e}.`,
+Megatron-Bridge's `share_expert_adapters=False`) or by one adapter shared by all experts (under `mlp.experts.`,
+Bridge's default), of which vLLM's slots and a PEFT file hold a copy per expert.
 
-Source: Megatron-Bridge's PEFT LoRA (`megatron.bridge.peft.lora.LoRA`, read at NVIDIA-NeMo/Megatron-Bridge
-067f987, 2026-08; it does not install here: it needs Python 3.12, transformers <= 5.12.1 and megatron-core's dev
-extras). It wraps `linear_qkv`, `linear_proj`, `linear_fc1`, `linear_fc2`; the adapter of `<module>` is
-`<module>.adapter.linear_in.weight` (A) and `<module>.adapter.linear_out.weight` (B), a `ParallelLinearAdapter`:
-- column-parallel base (linear_qkv, linear_fc1): linear_in = ColumnParallelLinear(in, r, gather_output=True), so A
-  is cut into row blocks of its rank dim [r/tp, in]; linear_out = ColumnParallelLinear(r, out) cut on its output
-  rows like the base weight ([gate_r; up_r], or linear_qkv's rows interleaved by query group);
-- row-parallel base (linear_proj, linear_fc2): linear_in = RowParallelLinear(in, r), A in column blocks
-  [r, in/tp]; linear_out = ColumnParallelLinear(r, out, gather_output=True), B in row blocks [out/tp, r].
-So both A and B are cut over TP, and r must be divisible by tp. Its export to HF names copies a fused layer's A to
-each part (q/k/v, gate/up) and splits B: what `PeftLayout` and vLLM's slots hold. Per-expert adapters are the same
-cuts over the expert-TP group, on the expert's EP rank: with SequentialMLP (naming "local") each local expert's
-own `mlp.experts.local_experts.{j}.linear_fc{1,2}.adapter.linear_{in,out}.weight`; with TEGroupedMLP (naming "te")
-a `GroupedExpertLinearAdapter`, whose `mlp.experts.linear_fc{1,2}.adapter.linear_{in,out}.weight` stacks the
-local experts on dim 0 ([E_local, r/etp, H] ...). A shared adapter is a `ParallelLinearAdapter` of the grouped
-module (naming "te"; SequentialMLP always adapts each expert): `mlp.experts.linear_fc{1,2}.adapter.linear_*.weight`
-cut over expert TP like a per-expert one, the same on every EP rank.
+Source side: Megatron-Bridge's PEFT LoRA (`megatron.bridge.peft.lora.LoRA`, NVIDIA-NeMo/Megatron-Bridge 067f987):
+`<module>.adapter.linear_in.weight` (A) / `linear_out.weight` (B) of linear_qkv, linear_proj, linear_fc1 and
+linear_fc2. A column-parallel base cuts A on its rank dim and B like the base weight; a row-parallel base cuts A
+into column blocks and B into row blocks. Experts: the same cuts over expert TP on the expert's EP rank
+(SequentialMLP's per-local-expert names, or TEGroupedMLP's stack over local experts on dim 0).
 
-Destinations: vLLM's LoRA slots (`VllmLoraLayout`: per layer, `<module>.lora_a_stacked.{s}` [R, in] and
-`.lora_b_stacked.{s}` [out_s, R] for slice s of a packed module, one adapter slot's view, R = max_lora_rank;
-vLLM's `*ParallelLinearWithLoRA` / `*WithShardedLoRA` cuts) and the PEFT directory (`PeftLayout`:
-`base_model.model.<module>.lora_A.weight`, whole, on one rank per replica). Experts: vLLM's FusedMoEWithLoRA
-(the 2D one Qwen3-MoE gets) holds per layer `mlp.experts.w13_lora_a_stacked.{0,1}` (gate, up) [max_loras, E, R, H],
-`w13_lora_b_stacked.{0,1}` [max_loras, E, Fm/tp, R], `w2_lora_a_stacked.0` [max_loras, E, R, Fm/tp] and
-`w2_lora_b_stacked.0` [max_loras, E, H, R]; the layout's tensors are the views `[slot]` (a stack over experts, as
-the base weights' w13 / w2), cut like a dense gate_up / down slot. vLLM's expert parallelism gives rank t experts
-[t E/tp, (t+1) E/tp) whole. PEFT: `mlp.experts.{e}.{gate,up,down}_proj.lora_{A,B}.weight`, what vLLM's per-expert
-loader reads for Qwen3-MoE (gate and up get the same A).
-"""
+Destinations: vLLM's LoRA slots (`VllmLoraLayout`: `<module>.lora_{a,b}_stacked.{s}`, one adapter slot's view,
+padded to max_lora_rank; experts `mlp.experts.w13/w2_lora_{a,b}_stacked.{s}` stacked like w13 / w2) and a PEFT
+directory (`PeftLayout`: `base_model.model.<module>.lora_{A,B}.weight`, whole, one rank per replica)."""
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from pydantic import StrictBool, StrictInt, model_validator
@@ -66,8 +41,6 @@ FAMILY = "lora"
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # Megatron-Bridge's target module names
 PEFT_MODULES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
                 "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
-VLLM_MODULES = {"linear_qkv": "self_attn.qkv_proj", "linear_proj": "self_attn.o_proj",
-                "linear_fc1": "mlp.gate_up_proj", "linear_fc2": "mlp.down_proj"}
 BASE_FAMILIES = ("qwen3", "llama", "qwen3_moe")  # GQA attention and SwiGLU MLP of the shared roles
 PEFT_PREFIX = "base_model.model."
 EXPERT_ADAPTERS = ("per_expert", "shared")  # one adapter per expert, or one for all (Bridge's default)
@@ -75,9 +48,7 @@ EXPERT_ADAPTERS = ("per_expert", "shared")  # one adapter per expert, or one for
 
 def lora_kind(label: str, megatron: Cuts, vllm_lora: Cuts, peft: Cuts, te: Cuts | None = None,
               expert: bool = False) -> TensorKind:
-    """A kind of adapter tensor: its Megatron-Bridge cut ("megatron"; "te" under TE naming, where it differs), its
-    vLLM slot cuts ("vllm_lora") and where it sits in a PEFT file ("peft": a tuple where one canonical A is written
-    once per part of a fused layer)."""
+    """A kind of adapter tensor: its Megatron-Bridge, vLLM slot ("vllm_lora") and PEFT cuts."""
     return TensorKind(label, {"megatron": megatron, "te": megatron if te is None else te, "vllm_lora": vllm_lora,
                               "peft": peft}, expert=expert)
 
@@ -106,8 +77,8 @@ class LoraFacts:
 def lora_spec(base: ModelSpec, rank: int, alpha: float, targets: Sequence[str] = TARGETS,
               expert_adapters: str = "per_expert") -> ModelSpec:
     """The adapter of rank `rank` and scale `alpha` on `targets` (Megatron-Bridge module names) of `base`, as a
-    model spec of family "lora"; on a MoE base, linear_fc1 / linear_fc2 adapt the routed experts as
-    `expert_adapters` says. Refuses what is not supported, naming it."""
+    spec of family "lora" (a MoE base's experts adapted as `expert_adapters` says); InputError naming what is not
+    supported."""
     if base.family not in BASE_FAMILIES:
         raise InputError("base.family", base.family, f"is not supported by LoRA refits (supported: "
                          f"{', '.join(BASE_FAMILIES)})", where="lora")
@@ -161,60 +132,67 @@ def peft_config(spec: ModelSpec, base_model: str = "") -> dict[str, Any]:
             "modules_to_save": None, "inference_mode": True}
 
 
-# --- the family: each adapted layer's tensors and their kinds ------------------------------------------------
-
-def _bridge(target: str, which: str) -> str:
-    block = "self_attention." if target in ("linear_qkv", "linear_proj") else "mlp."
-    return f"{block}{target}.adapter.linear_{which}.weight"
-
-
-def _slot(target: str, ab: str, s: int) -> str:
-    return f"{LAYER}{VLLM_MODULES[target]}.lora_{ab}_stacked.{s}"
-
-
 def _peft(module: str, ab: str, block: str = "") -> Replicated:
     block = block or ("self_attn." if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp.")
     return Replicated(f"{PEFT_PREFIX}{LAYER}{block}{module}.lora_{ab}.weight")
+
+
+def _mlp_kinds(label: str, bridge: Callable[..., dict[str, Any]], slot: Callable[[str, str, int], str], block: str,
+               expert: bool) -> dict[str, TensorKind]:
+    """A SwiGLU MLP's adapter kinds: Megatron's cuts from `bridge(fc, in/out, cut, *args)`, vLLM's slots named
+    `slot(fc, a/b, s)`, PEFT's names under `block`."""
+    out = {"gate_up_proj.A": lora_kind(f"lora {label}gate_up A", vllm_lora=tuple(LoraA(slot("fc1", "a", s))
+                                                                                for s in range(2)),
+                                       peft=(_peft("gate_proj", "A", block), _peft("up_proj", "A", block)),
+                                       expert=expert, **bridge("fc1", "in", RowBlocks))}
+    for s, m in enumerate(("gate_proj", "up_proj")):
+        out[f"{m}.B"] = lora_kind(f"lora {label}{m} B", vllm_lora=LoraB(slot("fc1", "b", s), rows=RowBlocks("rows")),
+                                  peft=_peft(m, "B", block), expert=expert, **bridge("fc1", "out", RowBlocks, s, 2))
+    out["down_proj.A"] = lora_kind(f"lora {label}down_proj A", vllm_lora=LoraA(slot("fc2", "a", 0), split_input=True),
+                                   peft=_peft("down_proj", "A", block), expert=expert,
+                                   **bridge("fc2", "in", ColumnBlocks))
+    out["down_proj.B"] = lora_kind(f"lora {label}down_proj B", vllm_lora=LoraB(slot("fc2", "b", 0)),
+                                   peft=_peft("down_proj", "B", block), expert=expert,
+                                   **bridge("fc2", "out", RowBlocks))
+    return out
 
 
 @functools.lru_cache(maxsize=64)
 def lora_kinds(heads: int, groups: int, head_dim: int) -> dict[str, TensorKind]:
     """Each adapter tensor's kind, by canonical module and A/B ("qkv_proj.A", "q_proj.B", ...)."""
     base = shared_kinds(heads, groups, head_dim, False)
-    out: dict[str, TensorKind] = {}
-    qkv = ("q_proj", "k_proj", "v_proj")
-    out["qkv_proj.A"] = lora_kind("lora qkv A", RowBlocks(_bridge("linear_qkv", "in")),
-                                  tuple(LoraA(_slot("linear_qkv", "a", s)) for s in range(3)),
-                                  peft=tuple(_peft(m, "A") for m in qkv))
+    qkv, attn = ("q_proj", "k_proj", "v_proj"), "self_attention.linear_{}.adapter.linear_{}.weight"
+    slot = "self_attn.{}_proj.lora_{}_stacked.{}"
+    out = {"qkv_proj.A": lora_kind("lora qkv A", RowBlocks(attn.format("qkv", "in")),
+                                   tuple(LoraA(LAYER + slot.format("qkv", "a", s)) for s in range(3)),
+                                   peft=tuple(_peft(m, "A") for m in qkv)),
+           "o_proj.A": lora_kind("lora o_proj A", ColumnBlocks(attn.format("proj", "in")),
+                                 LoraA(LAYER + slot.format("o", "a", 0), split_input=True), peft=_peft("o_proj", "A")),
+           "o_proj.B": lora_kind("lora o_proj B", RowBlocks(attn.format("proj", "out")),
+                                 LoraB(LAYER + slot.format("o", "b", 0)), peft=_peft("o_proj", "B"))}
     for s, (role, m) in enumerate(zip((Role.Q, Role.K, Role.V), qkv)):
         rows = dataclasses.replace(base[role].cuts_for("vllm")[0], alone=True)
         out[f"{m}.B"] = lora_kind(f"lora {m} B", dataclasses.replace(base[role].cuts_for("megatron")[0],
-                                                                      name=_bridge("linear_qkv", "out")),
-                                  LoraB(_slot("linear_qkv", "b", s), rows=rows), peft=_peft(m, "B"))
-    out["gate_up_proj.A"] = lora_kind("lora gate_up A", RowBlocks(_bridge("linear_fc1", "in")),
-                                      tuple(LoraA(_slot("linear_fc1", "a", s)) for s in range(2)),
-                                      peft=(_peft("gate_proj", "A"), _peft("up_proj", "A")))
-    for s, m in enumerate(("gate_proj", "up_proj")):
-        out[f"{m}.B"] = lora_kind(f"lora {m} B", RowBlocks(_bridge("linear_fc1", "out"), s, 2),
-                                  LoraB(_slot("linear_fc1", "b", s), rows=RowBlocks("rows")), peft=_peft(m, "B"))
-    for target, m in (("linear_proj", "o_proj"), ("linear_fc2", "down_proj")):
-        out[f"{m}.A"] = lora_kind(f"lora {m} A", ColumnBlocks(_bridge(target, "in")),
-                                  LoraA(_slot(target, "a", 0), split_input=True), peft=_peft(m, "A"))
-        out[f"{m}.B"] = lora_kind(f"lora {m} B", RowBlocks(_bridge(target, "out")), LoraB(_slot(target, "b", 0)),
-                                  peft=_peft(m, "B"))
-    return out
+                                                                      name=attn.format("qkv", "out")),
+                                  LoraB(LAYER + slot.format("qkv", "b", s), rows=rows), peft=_peft(m, "B"))
+
+    def bridge(fc: str, which: str, cut: type[Cut], *args: int) -> dict[str, Any]:
+        return {"megatron": cut(f"mlp.linear_{fc}.adapter.linear_{which}.weight", *args)}
+
+    def mlp_slot(fc: str, ab: str, s: int) -> str:
+        return f"{LAYER}mlp.{'gate_up_proj' if fc == 'fc1' else 'down_proj'}.lora_{ab}_stacked.{s}"
+
+    return {**out, **_mlp_kinds("", bridge, mlp_slot, "", False)}
 
 
 @functools.lru_cache(maxsize=16)
 def shared_expert_lora_kinds(experts: int) -> dict[str, TensorKind]:
-    """The kinds of an adapter shared by the `experts` experts of a layer: Megatron-Bridge's ParallelLinearAdapter
-    of TEGroupedMLP (naming "te"), one copy per expert in vLLM's slot stacks and under PEFT's `experts.{e}.`."""
-    per = expert_lora_kinds()
+    """The kinds of one adapter shared by a layer's `experts` (TEGroupedMLP's), copied per expert."""
     local = Refused("", reason="a shared expert adapter lives on TEGroupedMLP; SequentialMLP (naming 'local') "
                     "adapts each expert", fix="declare naming='te', or build the spec with "
                     "expert_adapters='per_expert'")
     out = {}
-    for key, kind in per.items():
+    for key, kind in expert_lora_kinds().items():
         te = tuple(dataclasses.replace(c, stacked=False) for c in kind.cuts_for("te"))  # one 2D adapter, not a stack
         per_expert = {engine: tuple(dataclasses.replace(c, expert=e) for c in kind.cuts_for(engine)
                                     for e in range(experts)) for engine in ("vllm_lora", "peft")}
@@ -225,31 +203,16 @@ def shared_expert_lora_kinds(experts: int) -> dict[str, TensorKind]:
 
 @functools.lru_cache(maxsize=1)
 def expert_lora_kinds() -> dict[str, TensorKind]:
-    """Each per-expert adapter tensor's kind ("gate_up_proj.A", "gate_proj.B", ...): a dense MLP's cuts over the
-    expert-TP group (Megatron), in vLLM's per-expert slot stacks, under PEFT's `mlp.experts.{e}.` names."""
-    def bridge(fc: str, which: str, cut: type[Cut], *args: int) -> dict[str, tuple[Cut, ...]]:
+    """Each per-expert adapter tensor's kind ("gate_up_proj.A", ...): a dense MLP's, per expert."""
+    def bridge(fc: str, which: str, cut: type[Cut], *args: int) -> dict[str, Any]:
         adapter = f"linear_{fc}.adapter.linear_{which}.weight"
         return {"megatron": (cut(f"mlp.experts.local_experts.{{j}}.{adapter}", *args),),
                 "te": (cut(f"mlp.experts.{adapter}", *args, stacked=True),)}
 
-    def slot(w: str, ab: str, s: int) -> str:
-        return f"{LAYER}mlp.experts.{w}_lora_{ab}_stacked.{s}"
+    def slot(fc: str, ab: str, s: int) -> str:
+        return f"{LAYER}mlp.experts.{'w13' if fc == 'fc1' else 'w2'}_lora_{ab}_stacked.{s}"
 
-    block, out = "mlp.experts.{e}.", {}
-    w13_a = tuple(LoraA(slot("w13", "a", s)) for s in range(2))
-    out["gate_up_proj.A"] = lora_kind("lora expert gate_up A", vllm_lora=w13_a,
-                                      peft=(_peft("gate_proj", "A", block), _peft("up_proj", "A", block)),
-                                      expert=True, **bridge("fc1", "in", RowBlocks))
-    for s, m in enumerate(("gate_proj", "up_proj")):
-        out[f"{m}.B"] = lora_kind(f"lora expert {m} B", vllm_lora=LoraB(slot("w13", "b", s), rows=RowBlocks("rows")),
-                                  peft=_peft(m, "B", block), expert=True, **bridge("fc1", "out", RowBlocks, s, 2))
-    out["down_proj.A"] = lora_kind("lora expert down_proj A", vllm_lora=LoraA(slot("w2", "a", 0), split_input=True),
-                                   peft=_peft("down_proj", "A", block), expert=True,
-                                   **bridge("fc2", "in", ColumnBlocks))
-    out["down_proj.B"] = lora_kind("lora expert down_proj B", vllm_lora=LoraB(slot("w2", "b", 0)),
-                                   peft=_peft("down_proj", "B", block), expert=True,
-                                   **bridge("fc2", "out", RowBlocks))
-    return out
+    return _mlp_kinds("expert ", bridge, slot, "mlp.experts.{e}.", True)
 
 
 class LoraFamily(ModelFamily):
@@ -271,18 +234,12 @@ class LoraFamily(ModelFamily):
     def layer(self, spec: ModelSpec, i: int) -> list[Entry]:
         f = lora_facts(spec)
         k = lora_kinds(spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim)
-        H, r, d = spec.hidden_size, f.rank, spec.head_dim
+        H, r, d, m = spec.hidden_size, f.rank, spec.head_dim, LAYER + "mlp."
         q, kv = spec.num_attention_heads * d, spec.num_key_value_heads * d
-        a, m = LAYER + "self_attn.", LAYER + "mlp."
-        out: list[Entry | Experts] = []
-        if "linear_qkv" in f.targets:
-            out += [Entry(a + "qkv_proj.lora_A.weight", (r, H), k["qkv_proj.A"]),
-                    Entry(a + "q_proj.lora_B.weight", (q, r), k["q_proj.B"]),
-                    Entry(a + "k_proj.lora_B.weight", (kv, r), k["k_proj.B"]),
-                    Entry(a + "v_proj.lora_B.weight", (kv, r), k["v_proj.B"])]
-        if "linear_proj" in f.targets:
-            out += [Entry(a + "o_proj.lora_A.weight", (r, q), k["o_proj.A"]),
-                    Entry(a + "o_proj.lora_B.weight", (H, r), k["o_proj.B"])]
+        out: list[Entry | Experts] = _adapter_entries(LAYER + "self_attn.", k, f.targets, {
+            "linear_qkv": (("qkv_proj", "A", (r, H)), ("q_proj", "B", (q, r)), ("k_proj", "B", (kv, r)),
+                           ("v_proj", "B", (kv, r))),
+            "linear_proj": (("o_proj", "A", (r, q)), ("o_proj", "B", (H, r)))})
         if not spec.is_moe_layer(i):
             return out + _mlp_entries(m, k, H, r, spec.intermediate_size, f.targets)
         Fm = spec.moe_intermediate_size
@@ -296,18 +253,17 @@ class LoraFamily(ModelFamily):
 def _mlp_entries(prefix: str, k: dict[str, TensorKind], H: int, r: int, F: int,
                  targets: tuple[str, ...]) -> list[Entry]:
     """A SwiGLU MLP's adapter tensors under `prefix` (a dense MLP, one expert's, or one shared by all experts)."""
-    out: list[Entry] = []
-    if "linear_fc1" in targets:
-        out += [Entry(prefix + "gate_up_proj.lora_A.weight", (r, H), k["gate_up_proj.A"]),
-                Entry(prefix + "gate_proj.lora_B.weight", (F, r), k["gate_proj.B"]),
-                Entry(prefix + "up_proj.lora_B.weight", (F, r), k["up_proj.B"])]
-    if "linear_fc2" in targets:
-        out += [Entry(prefix + "down_proj.lora_A.weight", (r, F), k["down_proj.A"]),
-                Entry(prefix + "down_proj.lora_B.weight", (H, r), k["down_proj.B"])]
-    return out
+    return _adapter_entries(prefix, k, targets, {
+        "linear_fc1": (("gate_up_proj", "A", (r, H)), ("gate_proj", "B", (F, r)), ("up_proj", "B", (F, r))),
+        "linear_fc2": (("down_proj", "A", (r, F)), ("down_proj", "B", (H, r)))})
 
 
-# --- the destination layouts ----------------------------------------------------------------------------------
+def _adapter_entries(prefix: str, k: dict[str, TensorKind], targets: tuple[str, ...],
+                     parts: dict[str, tuple[tuple[str, str, tuple[int, int]], ...]]) -> list[Entry]:
+    """`prefix` + `<module>.lora_<A|B>.weight` of each (module, A/B, shape) of the targeted Megatron modules."""
+    return [Entry(f"{prefix}{m}.lora_{ab}.weight", shape, k[f"{m}.{ab}"])
+            for target, adapters in parts.items() if target in targets for m, ab, shape in adapters]
+
 
 def _adapter_cuts(engine: str, kind: TensorKind) -> tuple[Cut, ...]:
     cuts = kind.cuts_for(engine)
@@ -318,8 +274,7 @@ def _adapter_cuts(engine: str, kind: TensorKind) -> tuple[Cut, ...]:
 
 
 class PeftLayout(WholePerReplica, CutLayout):
-    """A PEFT adapter directory's tensors (adapter_model.safetensors): every tensor whole under its PEFT name, on
-    each replica's one rank; a fused layer's A once per part."""
+    """A PEFT adapter directory's tensors: each whole under its PEFT name on each replica's rank."""
 
     engine = "peft"
 
@@ -357,11 +312,7 @@ class VllmLoraLayout(VllmLayout):
     def _validate_lora(self) -> "VllmLoraLayout":
         facts = lora_facts(self.model)
         r = facts.rank
-        positive(self, max_lora_rank=self.max_lora_rank)
-        if r > self.max_lora_rank:
-            self._fail(f"the adapter's rank r={r} exceeds max_lora_rank={self.max_lora_rank}",
-                       "start the engine with max_lora_rank >= r, or train a smaller rank",
-                       max_lora_rank=self.max_lora_rank, rank=r)
+        positive(self, max_lora_rank=self.max_lora_rank)  # r > max_lora_rank: the cuts refuse it (cuts.LoraA)
         if facts.experts and self.fully_sharded and self.expert_parallel:  # FusedMoEWithLoRA refuses it too
             self._fail("vLLM does not run expert LoRA with both expert parallelism and fully_sharded_loras",
                        "turn one of them off", expert_parallel=True, fully_sharded=True)
@@ -392,4 +343,3 @@ class VllmLoraLayout(VllmLayout):
 __all__ = ["BASE_FAMILIES", "EXPERT_ADAPTERS", "LoraFacts", "LoraFamily", "PEFT_MODULES", "PeftLayout",
            "TARGETS", "VllmLoraLayout", "base_spec", "lora_facts", "lora_kind", "lora_kinds", "lora_spec",
            "peft_config"]
-

@@ -1,21 +1,16 @@
-"""The HF config fields that change a model's math without changing any tensor's shape: two models that differ in
-one of them have the same layouts and plans, so a refit between them would "succeed" and serve wrong outputs.
-`ModelSpec.from_hf_config` keeps them in `ModelSpec.math` (beside the spec's fields, so no equality or digest
-changes), `RefitSpec.of` sends them to the engines by default, and a vLLM worker compares the trainer's with its
-own model's before a byte moves (adapters.vllm.session.check_served_model), field by field; `math_fingerprint` is
-one digest of them.
-
-Rope settings are compared in one normalized form (transformers 4 writes `rope_theta` + `rope_scaling`,
-transformers 5 `rope_parameters`): "rope_theta" and "rope_scaling" (the scaling's parameters, without the theta).
-A rope type vLLM renames in the config it serves for the same math (DeepSeek's "yarn" becomes "deepseek_yarn") is
-compared under the checkpoint's name.
-"""
+"""The HF config fields that change a model's math but no tensor's shape: models differing there share layouts and
+plans, so a refit between them would serve wrong outputs. `ModelSpec.from_hf_config` keeps them in
+`ModelSpec.math`, `RefitSpec.of` sends them, and a vLLM worker compares them with its own model's before a byte
+moves. Rope settings are compared in one form ("rope_theta", "rope_scaling"), whatever transformers version wrote
+them, under the checkpoint's rope type name."""
 from __future__ import annotations
 
 import hashlib
 import json
 import math
 from typing import Any, Mapping
+
+from ..errors import ModelConfigError
 
 # name -> what it changes
 MATH_FIELDS = {
@@ -66,12 +61,8 @@ def _rope(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def math_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The fields of MATH_FIELDS an HF config sets (rope normalized); JSON values.
-
-    Raises:
-        ModelConfigError: a field whose value is not JSON (a config given as a dict with, say, tuple keys in
-            rope_scaling), naming it: the fields travel to the engines as JSON.
-    """
+    """The fields of MATH_FIELDS an HF config sets (rope normalized), as JSON values; ModelConfigError naming a
+    field whose value is not JSON (they travel to the engines as JSON)."""
     out = {k: config[k] for k in MATH_FIELDS if k in config and k not in ("rope_theta", "rope_scaling")
            and config[k] is not None}
     out.update(_rope(config))
@@ -79,8 +70,6 @@ def math_config(config: Mapping[str, Any]) -> dict[str, Any]:
         try:
             json.dumps(value, default=str)
         except (TypeError, ValueError) as e:
-            from ..errors import ModelConfigError
-
             raise ModelConfigError(field=key, value=value, rule=f"must be a JSON value ({e})") from None
     return json.loads(json.dumps(out, sort_keys=True, default=str))
 

@@ -1,15 +1,10 @@
-"""The Megatron-core source layout, declared by its parallel sizes; what each tensor's cuts are is in `roles.py`
-(shared roles) and the family files.
+"""The Megatron-core source layout, declared by its parallel sizes (the cuts are in `roles.py` and the family files).
 
-Facts this encodes (pinned by the Megatron adapter tests against real megatron-core):
-- a layer's tensors live on its pipeline stage (and virtual chunk, `model{c}.` with vpp > 1) as
-  `decoder.layers.{index in the chunk}.<name>`; embeddings on the first stage, final norm and output layer on the
-  last (with tied embeddings and pp > 1 the last stage keeps a copy as output_layer.weight);
-- experts: EP rank r holds global experts [r E/ep, (r+1) E/ep), cut over the expert-TP group;
-- vocab rows are padded to a multiple of `vocab_divisor * tp` (Megatron-LM's make_vocab_size_divisible_by);
-- every tensor is replicated across data parallel ranks (expert tensors across expert-DP ranks);
-- global ranks follow megatron-core's RankGenerator for `rank_order` (default 'tp-cp-ep-dp-pp', first fastest).
-"""
+Facts it encodes (pinned by the Megatron adapter tests): a layer's tensors live on its pipeline stage (and virtual
+chunk `model{c}.`) as `decoder.layers.{index in the chunk}.<name>`; embeddings on the first stage, final norm and
+output layer on the last (a tied embedding's copy too, when pp > 1); EP rank r holds experts [r E/ep, (r+1) E/ep),
+cut over expert TP; vocab rows are padded to a multiple of `vocab_divisor * tp`; tensors are replicated over (expert)
+data parallel ranks; global ranks follow megatron-core's RankGenerator for `rank_order`."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import Field, StrictInt, StrictStr, model_validator
+from pydantic import StrictInt, StrictStr, model_validator
 
 from ..errors import LimitError
 from ..limits import MAX_DIM, MAX_RANKS
@@ -33,7 +28,7 @@ _AXES = ("tp", "cp", "ep", "dp", "pp")
 
 
 class MegatronLayout(CutLayout):
-    """A megatron-core trainer's layout, declared by its parallel sizes (the module docstring lists the facts).
+    """A megatron-core trainer's layout, declared by its parallel sizes.
 
     Args:
         model: the model being trained.
@@ -59,10 +54,9 @@ class MegatronLayout(CutLayout):
     tp: StrictInt = 1
     pp: StrictInt = 1
     ep: StrictInt = 1
-    etp: StrictInt | None = Field(default=None, description="expert tensor parallel size; None means tp "
-                                  "(megatron-core's default); unused by dense models, as in megatron-core")
-    world: StrictInt | None = Field(default=None, description="world size; None means the smallest that fits")
-    vpp: StrictInt = Field(default=1, description="virtual pipeline chunks per stage")
+    etp: StrictInt | None = None
+    world: StrictInt | None = None
+    vpp: StrictInt = 1
     first_stage_layers: StrictInt | None = None
     last_stage_layers: StrictInt | None = None
     vocab_divisor: StrictInt = 128
@@ -77,10 +71,9 @@ class MegatronLayout(CutLayout):
         data = dict(data)
         for key in ("tp", "pp", "ep", "etp", "world", "vpp"):
             x = data.get(key)
-            if _is_int(x) and x > MAX_RANKS:  # before any product of them is computed
+            if isinstance(x, int) and not isinstance(x, bool) and x > MAX_RANKS:  # before any product of them
                 raise LimitError(key, x, MAX_RANKS, "ranks", where=cls.engine)
-        # etp and world left out are derived after validation (`_derive`), so they are not among the fields set:
-        # model_copy(update={"tp": 1}) derives them again from the new sizes instead of keeping the old ones
+        # etp and world left out are derived after validation, not among the fields set: model_copy derives them anew
         return {k: v for k, v in data.items() if not (k in ("etp", "world") and v is None)}
 
     def _derive(self) -> None:
@@ -96,8 +89,7 @@ class MegatronLayout(CutLayout):
         m = self.model
         positive(self, tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, world=self.world, vpp=self.vpp,
                  vocab_divisor=self.vocab_divisor)
-        bounded(self, MAX_RANKS, "ranks", tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, world=self.world,
-                vpp=self.vpp)
+        bounded(self, MAX_RANKS, "ranks", world=self.world)  # the sizes given are bounded in _fill_defaults
         bounded(self, MAX_DIM, "a dimension", vocab_divisor=self.vocab_divisor,
                 **{"vocab_divisor * tp": self.vocab_divisor * self.tp})
         divisible(self, "world", self.world, "tp*pp", self.tp * self.pp, blame="what")
@@ -126,7 +118,6 @@ class MegatronLayout(CutLayout):
         self._check_cuts()
         return self
 
-    # --- sizes -------------------------------------------------------------------------------------
     @property
     def num_ranks(self) -> int:
         return self.world
@@ -152,7 +143,6 @@ class MegatronLayout(CutLayout):
         return (f"megatron:tp={self.tp},pp={self.pp},ep={self.ep},etp={self.etp},dp={self.dp},"
                 f"world={self.world}{extra} [{self.naming} names]")
 
-    # --- pipeline ----------------------------------------------------------------------------------
     @functools.cached_property
     def _stage_layer_counts(self) -> tuple[int, ...]:
         L, p = self.model.num_layers, self.pp
@@ -185,13 +175,8 @@ class MegatronLayout(CutLayout):
             self._fail(f"the {rest} layers left after first/last stages are not divisible by the "
                        f"{middle_stages} other stages", num_layers=L, first_stage_layers=first,
                        last_stage_layers=last, pp=p)
-        each = rest // middle_stages
-        counts = [each] * p
-        if first is not None:
-            counts[0] = first
-        if last is not None:
-            counts[-1] = last
-        return tuple(counts)
+        each = rest // middle_stages  # p >= 2 here; first and last, where given, are at least 1
+        return (first or each, *(each,) * (p - 2), last or each)
 
     @functools.cached_property
     def _layer_home(self) -> tuple[tuple[int, int, int], ...]:
@@ -209,7 +194,7 @@ class MegatronLayout(CutLayout):
     def _prefix(self, chunk: int) -> str:
         return f"model{chunk}." if self.vpp > 1 else ""
 
-    # --- ranks: a global rank is the sum of coordinate x stride, axes in `rank_order` (first fastest) ---------
+    # a global rank is the sum of coordinate x stride, axes in `rank_order` (first fastest)
     def _sizes(self, expert: bool) -> dict[str, int]:
         return ({"tp": self.etp, "cp": 1, "ep": self.ep, "dp": self.edp, "pp": self.pp} if expert else
                 {"tp": self.tp, "cp": 1, "ep": 1, "dp": self.dp, "pp": self.pp})
@@ -246,7 +231,6 @@ class MegatronLayout(CutLayout):
             out[axis], rank = rank % sizes[axis], rank // sizes[axis]
         return out
 
-    # --- placements --------------------------------------------------------------------------------
     def value_offset(self, tensor: TensorSpec) -> float:
         return kind_of(self.model, tensor.role).megatron_offset
 
@@ -297,15 +281,9 @@ class MegatronLayout(CutLayout):
 
 @dataclass(frozen=True, eq=False)
 class _Layers:
-    """Per layer: (stage, chunk, index in chunk) and 1 for a MoE layer; per chunk and index, the name prefix
-    (formatted once); the dense and expert axis strides. Compared by identity: arrays in a model's __dict__
-    must not take part in its equality."""
+    """Per layer (stage, chunk, index) and MoE flag, name prefixes, axis strides; compared by identity."""
 
     home: np.ndarray
     moe: np.ndarray
     prefix: list[list[str]]
     strides: tuple[dict[str, int], dict[str, int]]
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)

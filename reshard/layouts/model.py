@@ -1,9 +1,7 @@
 """Canonical tensors of a model: HF checkpoint names, global shapes and the role each plays.
 
-A family lists a layer's tensors as `Entry`s (an HF name template, a shape, a role); the spec turns those
-lists into the `CanonicalTable`, one row per tensor, with numpy. A role is a shared `Role` (embed, q, gate,
-experts ...) or a family's own `cuts.TensorKind`; layouts place a tensor by its role's cuts, never by its name.
-"""
+A family lists a layer's tensors as `Entry`s; the spec expands them into the `CanonicalTable`, one row per tensor.
+A role is a shared `Role` or a family's own `cuts.TensorKind`: layouts place a tensor by its role, never its name."""
 from __future__ import annotations
 
 import enum
@@ -20,6 +18,7 @@ from pydantic import (ConfigDict, StrictBool, StrictInt, StrictStr, field_valida
 from ..errors import ModelConfigError
 from ..limits import MAX_DIM, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, MAX_PARAMS, MAX_TENSORS, check_limit
 from . import registry
+from .math_config import math_config
 from .validated import ValidatedModel
 
 DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
@@ -92,9 +91,8 @@ class Entry:
 
 @dataclass(frozen=True)
 class FusedExperts:
-    """One tensor holding some entries of an `Experts` for every expert, as transformers 5 keeps routed experts
-    (and exporters stream them): shape [count, rows, cols], expert e's slab its `parts` entries (2-D, same cols)
-    stacked on dim 0 in order. E.g. `mlp.experts.gate_up_proj` [E, 2I, H] = per expert [gate_e; up_e].
+    """One tensor holding some entries of an `Experts` for every expert, as transformers 5 keeps routed experts:
+    [count, rows, cols], expert e's slab its `parts` entries stacked on dim 0 (`gate_up_proj` = [gate_e; up_e]).
 
     Attributes:
         name: the fused tensor's name (`{i}` the layer).
@@ -107,9 +105,8 @@ class FusedExperts:
 
 @dataclass(frozen=True)
 class Experts:
-    """Entries repeated for each of `count` experts, expert by expert (HF's per-expert checkpoint order);
-    `fused`: the same tensors as exporters may also stream them, a few per layer (`integrations.streams` splits
-    them back into the per-expert entries)."""
+    """Entries repeated for each of `count` experts, expert by expert (HF's checkpoint order); `fused`: the same
+    tensors as exporters may also stream them (`integrations.streams` splits them back)."""
 
     entries: tuple[Entry, ...]
     count: int
@@ -147,10 +144,7 @@ class ModelSpec(ValidatedModel):
         dtype: parameter dtype.
         arch: family-specific facts as sorted (key, value) pairs (read with `arch_value`).
 
-    A spec made by `from_hf_config` also keeps the config's fields that change the math without changing any
-    shape (`math`: MoE top-k, norm epsilon, rope, activation ...; `layouts.math_config`). They are not a field:
-    two specs that differ only there have the same layouts, plans and digests and compare equal; `RefitSpec.of`
-    sends them to the engines, which refuse a model configured otherwise.
+    A spec made by `from_hf_config` also keeps the config's math-only fields (`math`), outside its fields.
 
     Raises:
         ModelConfigError: a field of the wrong type, out of its bounds, or breaking the family's rules.
@@ -170,11 +164,9 @@ class ModelSpec(ValidatedModel):
     qk_norm: StrictBool = False
     num_experts: StrictInt = 0
     moe_intermediate_size: StrictInt = 0
-    dense_layers: tuple[StrictInt, ...] = ()  # MLP-only layers of a MoE model
+    dense_layers: tuple[StrictInt, ...] = ()
     dtype: StrictStr = "bfloat16"
-    # Family-specific facts (MLA ranks, linear-attention heads, layer types ...) as sorted (key, value) pairs,
-    # so the spec stays hashable and JSON round-trips; read them with `spec.arch_value(key)`.
-    arch: tuple[tuple[str, Any], ...] = ()
+    arch: tuple[tuple[str, Any], ...] = ()  # sorted pairs: the spec stays hashable and JSON round-trips
 
     @field_validator("arch", mode="before")
     @classmethod
@@ -196,18 +188,15 @@ class ModelSpec(ValidatedModel):
                   "num_key_value_heads": MAX_HEADS, "head_dim": MAX_DIM, "intermediate_size": MAX_DIM,
                   "vocab_size": MAX_DIM, "num_experts": MAX_EXPERTS, "moe_intermediate_size": MAX_DIM}
         for field, limit in bounds.items():
-            check_limit(field, getattr(self, field), limit, "layers" if field == "num_layers" else "experts"
+            value, least = getattr(self, field), 0 if field in ("intermediate_size", "num_experts",
+                                                                 "moe_intermediate_size") else 1
+            if value < least:
+                raise ModelConfigError(field=field, value=value, rule="must be >= 0" if least == 0 else
+                                       "must be positive", fix="leave it unset for MHA" if "key_value" in field else "")
+            check_limit(field, value, limit, "layers" if field == "num_layers" else "experts"
                         if field == "num_experts" else "heads" if "heads" in field else "a dimension", "model spec")
         check_limit("num_attention_heads * head_dim", self.num_attention_heads * self.head_dim, MAX_DIM,
                     "a dimension", "model spec")
-        for field in ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",
-                      "head_dim", "vocab_size"):
-            if getattr(self, field) <= 0:
-                raise ModelConfigError(field=field, value=getattr(self, field), rule="must be positive",
-                                       fix="" if field != "num_key_value_heads" else "leave it unset for MHA")
-        for field in ("intermediate_size", "num_experts", "moe_intermediate_size"):
-            if getattr(self, field) < 0:
-                raise ModelConfigError(field=field, value=getattr(self, field), rule="must be >= 0")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelConfigError(field="num_key_value_heads", value=self.num_key_value_heads,
                                    rule=f"does not divide num_attention_heads={self.num_attention_heads}")
@@ -236,27 +225,18 @@ class ModelSpec(ValidatedModel):
 
     def arch_value(self, key: str, default: Any = None) -> Any:
         """The family-specific fact `key` of `arch`, else `default`."""
-        for k, v in self.arch:
-            if k == key:
-                return v
-        return default
+        return dict(self.arch).get(key, default)
 
     @property
     def math(self) -> dict[str, Any] | None:
-        """The HF config's fields that change the math but no shape (`layouts.math_config.math_config`), as JSON
-        values, when the spec was made from a config (`from_hf_config`); None otherwise.
-
-        Kept beside the fields, not among them: equality, hashing, `model_dump` and every digest (plan digests,
-        verl's model digest) see only where bytes live, so a spec compares equal to the engine's own (which never
-        carries it) and plans are shared; `RefitSpec.of` sends it to the engines, which compare it with their
-        model's config. `model_copy` keeps it (a dtype or size changed does not change the config's math);
-        `ModelSpec(**spec.model_dump())` does not."""
+        """The HF config's math-only fields (`layouts.math_config`) as JSON values, for a spec made by
+        `from_hf_config`; None otherwise. Not a field: equality, `model_dump` and digests ignore it, so a spec
+        equals the engine's own; `model_copy` keeps it, `ModelSpec(**spec.model_dump())` does not."""
         raw = self.__dict__.get(_MATH_KEY)
         return None if raw is None else json.loads(raw)
 
     def _with_math(self, fields: "dict[str, Any] | None") -> "ModelSpec":
-        """This spec, carrying `fields` (JSON values; None: none) as its `math` (stored as canonical JSON text:
-        immutable, and the same text on every process that read the same config)."""
+        """This spec, carrying `fields` (None: none) as its `math`, stored as canonical JSON text."""
         if fields is None:
             self.__dict__.pop(_MATH_KEY, None)
         else:
@@ -264,8 +244,7 @@ class ModelSpec(ValidatedModel):
         return self
 
     def model_copy(self, *, update: Any = None, deep: bool = False) -> "ModelSpec":  # type: ignore[override]
-        """A copy with `update` applied, validated like the constructor (`ValidatedModel.model_copy`); it keeps
-        this spec's `math`."""
+        """A copy with `update` applied, validated (`ValidatedModel.model_copy`), keeping this spec's `math`."""
         return super().model_copy(update=update, deep=deep)._with_math(self.math)
 
     @property
@@ -301,8 +280,7 @@ class ModelSpec(ValidatedModel):
 
     @property
     def canonical(self) -> "CanonicalTable":
-        """The canonical tensors as arrays (same order and indices as `tensors`), built without a Python object
-        per tensor: what compilers and batched placements use at scale."""
+        """The canonical tensors as arrays (same order as `tensors`), without a Python object per tensor."""
         return _canonical_table(self)
 
     def tensor_at(self, index: int) -> TensorSpec:
@@ -350,12 +328,6 @@ class ModelSpec(ValidatedModel):
             ModelConfigError: an unreadable or invalid config, or an architecture no family claims.
             ArgumentError: `include_mtp` is not a bool.
         """
-        if not isinstance(include_mtp, bool):
-            from ..errors import ArgumentError
-
-            raise ArgumentError("include_mtp", include_mtp, "must be True or False")
-        from .math_config import math_config
-
         config = registry.read_hf_config(config)  # read once: the spec and its math come from the same dict
         spec = registry.spec_from_hf_config(config, include_mtp=include_mtp)
         # a fresh object (a family may hand out cached specs): its math belongs to this config alone
@@ -372,10 +344,8 @@ def _frozen(value: Any) -> Any:
 
 @dataclass(frozen=True, eq=False)
 class CanonicalTable:
-    """Canonical tensors as columns, index k = `ModelSpec.tensors[k].index`. Shapes are seen as 2-D
-    (`rows` x `cols`; a 1-D tensor is one row) because every compiler step works on 2-D boxes. A tensor of more
-    dimensions (a depthwise conv1d weight [C, 1, K]) is seen as [prod(leading dims), last dim]: its cuts split
-    dim 0 only and keep the middle dimensions whole, so each box stays a rows x cols block of that view."""
+    """Canonical tensors as columns, index k = `ModelSpec.tensors[k].index`, shapes seen as 2-D (`rows` x
+    `cols`; a 1-D tensor is one row; an N-D one [prod(leading dims), last dim], its cuts splitting dim 0 only)."""
 
     entry: np.ndarray  # code into `entries`: the tensor's name template, shape, role and dtype
     layer: np.ndarray  # -1 where it does not apply
@@ -397,7 +367,6 @@ class CanonicalTable:
 @functools.lru_cache(maxsize=64)
 def _canonical_table(spec: ModelSpec) -> CanonicalTable:
     """The family's entries, layer by layer (a layer's list is expanded once per distinct list)."""
-    fam = registry.family(spec.family)
     codes: dict[Entry, int] = {}
     expanded: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
@@ -416,14 +385,13 @@ def _canonical_table(spec: ModelSpec) -> CanonicalTable:
             expanded[items] = (np.concatenate(entry + empty), np.concatenate(expert + empty))
         return expanded[items]
 
-    def transform_items(spec: ModelSpec, items: tuple, layer: int) -> tuple:
+    def transformed(items: Any, layer: int) -> tuple:
+        items = tuple(items)
         for transform in registry.entry_transforms():  # e.g. an FP8 wire spec's fp8 + scales (layouts.fp8)
             items = transform(spec, items, layer)
         return items
 
-    blocks = [(expand(transform_items(spec, tuple(fam.head(spec)), -1)), -1)]
-    blocks += [(expand(transform_items(spec, tuple(fam.layer(spec, i)), i)), i) for i in range(spec.num_layers)]
-    blocks.append((expand(transform_items(spec, tuple(fam.tail(spec)), -1)), -1))
+    blocks = [(expand(transformed(items, i)), i) for items, i in entry_lists(spec)]
     entry = np.concatenate([e for (e, _), _ in blocks])
     expert = np.concatenate([x for (_, x), _ in blocks])
     layer = np.concatenate([np.full(len(e), i, dtype=np.int64) for (e, _), i in blocks])
@@ -437,9 +405,14 @@ def _canonical_table(spec: ModelSpec) -> CanonicalTable:
     return table
 
 
+def entry_lists(spec: ModelSpec) -> list[tuple[Any, int]]:
+    """The family's lists of `spec`'s entries with their layer: head (-1), each layer, tail (-1)."""
+    fam = registry.family(spec.family)
+    return [(fam.head(spec), -1), *((fam.layer(spec, i), i) for i in range(spec.num_layers)), (fam.tail(spec), -1)]
+
+
 def _check_sizes(spec: ModelSpec) -> None:
-    """Every tensor's shape positive and bounded, the total within MAX_PARAMS, counted in Python integers (so
-    nothing overflows); a family that cannot lay this spec out (its facts in `arch` are wrong) is refused."""
+    """Refuse a spec its family cannot lay out, a non-positive or unbounded shape, or too many parameters."""
     try:
         c = _canonical_table(spec)
     except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as e:

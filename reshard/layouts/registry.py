@@ -1,20 +1,15 @@
-"""The registries of the layouts: model families (by name, `ModelSpec.family`, and by HF architecture /
-model_type), layout classes (by engine name: what layout strings, plan files and refit specs name), and the cuts
-an engine added later places the kinds of tensors of a family with.
+"""The registries: model families (by name and by HF architecture / model_type), layout classes (by engine name)
+and the cuts an engine added later places a family's tensors with.
 
-At the bottom of the layouts: it imports nothing from them, so the spec can look a family up and the families can
-be registered into it without a circle. Registration is explicit: `families.register_built_ins()` (called once by
-the package, `reshard.layouts`) registers the list `families.BUILT_IN_FAMILIES`, FP8's entry transform and the
-built-in layouts; a family defined elsewhere is registered by `families.register_family(cls)`, a layout by
-`register_layout(cls)`, an engine's cuts for a family by `register_cuts(engine, family, rule)`. A new engine is a
-module that registers its layout and its cuts: nothing here or in the cuts names it.
-"""
+It imports nothing from the layouts, so the spec can look a family up without a circle. Registration is explicit
+(`families.register_built_ins()`, `register_family`, `register_layout`, `register_cuts`)."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from ..errors import ModelConfigError
+from ..errors import ArgumentError, LayoutError, ModelConfigError
+from .hf_config import read_hf_config
 
 _BY_KEY: dict[str, Any] = {}   # HF architecture or model_type -> family
 _BY_NAME: dict[str, Any] = {}  # ModelSpec.family -> family
@@ -26,34 +21,23 @@ _CUTS: dict[tuple[str, str], Any] = {}  # (engine, family) -> rule(spec, tensor 
 
 
 def register_layout(cls: Any) -> None:
-    """Make a Layout class nameable by its `engine` in layout strings, plan files and refit specs.
-
-    A refit destination is a class whose `installs` is not empty. A later registration of the same engine
-    replaces it.
+    """Make a Layout class nameable by its `engine` (a refit destination where its `installs` is not empty).
 
     Args:
-        cls: the Layout subclass.
+        cls: the Layout subclass; a later registration of the same engine replaces it.
 
     Raises:
         ArgumentError: `cls` has no engine name (its `engine` class attribute).
     """
     engine = getattr(cls, "engine", None)
     if not isinstance(engine, str) or not engine:
-        from ..errors import ArgumentError
-
         raise ArgumentError("cls", cls, "must be a Layout class with an engine name (its `engine` class attribute)")
     _LAYOUTS[engine] = cls
 
 
 def layout_class(engine: str) -> Any:
-    """The Layout class registered for `engine`.
-
-    Raises:
-        LayoutError: no layout is registered for it (the message lists those that are).
-    """
+    """The Layout class registered for `engine`; LayoutError (listing those registered) where none is."""
     if not isinstance(engine, str) or engine not in _LAYOUTS:
-        from ..errors import LayoutError
-
         raise LayoutError(str(engine), f"unknown layout engine {engine!r}; expected one of {sorted(_LAYOUTS)}",
                           {"engine": engine})
     return _LAYOUTS[engine]
@@ -77,11 +61,11 @@ def register_cuts(engine: str, family: str, rule: Any) -> None:
     Args:
         engine: the layout's engine name.
         family: the model family's name.
-        rule: `rule(spec, kind)` returns the cuts of one TensorKind, for the kinds that do not declare cuts for
-            `engine` themselves.
+        rule: `rule(spec, kind)` returns the cuts of one TensorKind that declares none for `engine` itself; a later
+            registration for the same pair replaces it.
 
     Raises:
-        Nothing: the rule is stored as given (a later registration for the same pair replaces it).
+        Nothing: the rule is stored as given.
     """
     _CUTS[(engine, family)] = rule
 
@@ -108,8 +92,7 @@ def entry_transforms() -> tuple[Any, ...]:
 
 
 def register(family: Any) -> None:
-    """Make `family` (a ModelFamily instance) findable by its name, architectures and model types; a later
-    registration of the same name replaces the earlier one."""
+    """Make `family` (a ModelFamily) findable by name, architectures and model types (replacing an earlier one)."""
     for key in family.architectures + family.model_types:
         _BY_KEY[key] = family
     _BY_NAME[family.name] = family
@@ -156,23 +139,6 @@ def supported_architectures() -> list[str]:
     return sorted(k for k in _BY_KEY if k[:1].isupper())
 
 
-def read_hf_config(config: "dict[str, Any] | str | Path") -> dict[str, Any]:
-    """Read an HF config as untrusted input: a regular file of bounded size, strict JSON, an object at the top.
-
-    Args:
-        config: a dict, a config.json path, or a checkpoint directory.
-
-    Returns:
-        The config's JSON object (a dict given is returned as it is).
-
-    Raises:
-        ModelConfigError: a path that cannot be read, a file too large, not JSON, or not an object.
-    """
-    from .hf_config import read_config
-
-    return read_config(config)
-
-
 def discover(config: "dict[str, Any] | str | Path") -> Any:
     """The family of an HF config, by `architectures` first, then `model_type`.
 
@@ -205,8 +171,7 @@ def spec_from_hf_config(config: "dict[str, Any] | str | Path", include_mtp: bool
 
     Args:
         config: as `read_hf_config` takes it.
-        include_mtp: ask for the multi-token-prediction layers too (refused where the config has any: no
-            family supports them yet).
+        include_mtp: ask for the multi-token-prediction layers too (refused where the config has any).
 
     Returns:
         The family's ModelSpec of the config.
@@ -218,8 +183,6 @@ def spec_from_hf_config(config: "dict[str, Any] | str | Path", include_mtp: bool
         LimitError: a size beyond `reshard.limits`.
     """
     if not isinstance(include_mtp, bool):
-        from ..errors import ArgumentError
-
         raise ArgumentError("include_mtp", include_mtp, "must be True or False")
     config = read_hf_config(config)
     return discover(config).spec(config, include_mtp=include_mtp)

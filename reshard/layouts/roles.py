@@ -1,14 +1,9 @@
-"""The shared roles in the vocabulary of cuts: where embed, norms, q/k/v, o, gate/up/down, router and experts
-live on each built-in engine, as `TensorKind`s (names and cuts are data here, for every family that uses the
-shared roles).
+"""The shared roles (embed, norms, q/k/v, o, gate/up/down, router, experts) as `TensorKind`s of the built-in engines.
 
-Megatron (megatron-core's GPT layer specs): linear_qkv interleaves rows per query group, [q(hpg heads); k; v]
-for each group, and is split into contiguous row blocks over TP (with fewer groups than tp a block cuts through a
-group); linear_fc1 holds [gate_r; up_r]; linear_proj and linear_fc2 are cut into column blocks; an expert's
-fc1 / fc2 alike over the expert-TP group. vLLM: qkv_proj holds [q_r; k_r; v_r] (a KV head replicated on
-tp / num_kv_heads ranks when tp is larger), gate_up_proj [gate_r; up_r], o_proj and down_proj column blocks;
-its experts are stacked: w13 [E_local, 2 Fm/tp, H] holding [gate; up] per expert, w2 [E_local, H, Fm/tp].
-"""
+Megatron: linear_qkv interleaves rows per query group ([q heads; k; v]), cut into contiguous TP row blocks;
+linear_fc1 holds [gate_r; up_r]; linear_proj and linear_fc2 are column blocks; experts alike over expert TP.
+vLLM: qkv_proj holds [q_r; k_r; v_r] (a KV head replicated when tp > kv heads), gate_up_proj [gate_r; up_r],
+o_proj and down_proj column blocks; experts stacked: w13 [E_local, 2 Fm/tp, H], w2 [E_local, H, Fm/tp]."""
 from __future__ import annotations
 
 import functools
@@ -23,14 +18,12 @@ Cuts = Cut | tuple[Cut, ...]
 
 
 def tensor_kind(label: str, megatron: Cuts, vllm: Cuts, te: Cuts | None = None, **flags: Any) -> TensorKind:
-    """A kind of tensor on the built-in engines: its cuts on Megatron ("megatron"; "te": under TE naming, where it
-    differs) and on vLLM ("vllm"); `flags` are TensorKind's (expert, megatron_offset, linear)."""
+    """A kind of tensor on the built-in engines: Megatron ("te": TE naming, where it differs) and vLLM cuts."""
     return TensorKind(label, {"megatron": megatron, "te": megatron if te is None else te, "vllm": vllm}, **flags)
 
 
 def gated_mlp(megatron: str, vllm: str, label: str = "") -> tuple[TensorKind, TensorKind, TensorKind]:
-    """gate / up / down of a SwiGLU MLP under the module names `megatron` and `vllm`: Megatron's linear_fc1
-    [gate_r; up_r] and linear_fc2, vLLM's gate_up_proj [gate_r; up_r] and down_proj."""
+    """gate / up / down of a SwiGLU MLP under the module names `megatron` and `vllm`."""
     fc1, gate_up = megatron + "linear_fc1.weight", vllm + "gate_up_proj.weight"
     return (tensor_kind(label + "gate", RowBlocks(fc1, 0, 2), RowBlocks(gate_up, 0, 2), linear=True),
             tensor_kind(label + "up", RowBlocks(fc1, 1, 2), RowBlocks(gate_up, 1, 2), linear=True),
@@ -47,8 +40,7 @@ def kind_of(spec: ModelSpec, role: Hashable) -> TensorKind:
 
 @functools.lru_cache(maxsize=64)
 def shared_kinds(heads: int, groups: int, head_dim: int, tied: bool) -> Mapping[Role, TensorKind]:
-    """Each shared role's TensorKind, for a model of these attention sizes (the q/k/v cuts depend on them) and tied or
-    untied embeddings."""
+    """Each shared role's TensorKind for these attention sizes and tied or untied embeddings."""
     d, hpg = head_dim, heads // groups
     group = (hpg + 2) * d  # rows of one query group in linear_qkv
 

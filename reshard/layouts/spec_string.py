@@ -7,7 +7,7 @@ import types
 import typing
 from typing import Any
 
-from ..errors import LayoutError, LimitError, show
+from ..errors import ArgumentError, LayoutError, LimitError, show
 from .base import Layout
 from .hf import HfLayout
 from .lora import PeftLayout, VllmLoraLayout
@@ -16,7 +16,6 @@ from .model import ModelSpec
 from .registry import layout_class, register_layout
 from .vllm import VllmLayout
 
-# the layouts of the built-in engines (adapter layouts travel like the others); others: registry.register_layout
 BUILT_IN_LAYOUTS: tuple[type[Layout], ...] = (MegatronLayout, VllmLayout, HfLayout, PeftLayout, VllmLoraLayout)
 
 
@@ -25,8 +24,8 @@ def register_built_in_layouts() -> None:
     for cls in BUILT_IN_LAYOUTS:
         register_layout(cls)
 
-# Short aliases accepted in layout strings.
-_ALIASES = {"ep": {"vllm": "expert_parallel"}, "first": {"megatron": "first_stage_layers"},
+
+_ALIASES = {"ep": {"vllm": "expert_parallel"}, "first": {"megatron": "first_stage_layers"},  # short forms in strings
             "last": {"megatron": "last_stage_layers"}, "placement": {"vllm": "expert_placement"}}
 # Fields a string cannot carry, with why (str(layout) names them by digest only)
 _NOT_IN_STRINGS = {"vllm": {"expert_placement": "an expert placement other than vLLM's initial one is a map per MoE "
@@ -50,9 +49,14 @@ def _base_types(annotation: Any) -> set[Any]:
     return {annotation}
 
 
-def _value(engine: str, key: str, text: str, annotation: Any) -> Any:
-    """The value of one option, by the field's type: an integer, a boolean or a word; else LayoutError."""
+def _value(engine: str, key: str, text: str | None, annotation: Any) -> Any:
+    """The value of one option (`text` None: given bare) by the field's type: an integer, a boolean (a bare flag:
+    True) or a word; else LayoutError."""
     allowed = _base_types(annotation)
+    if text is None and bool not in allowed:
+        raise LayoutError(engine, f"option {key!r} needs a value ({key}=...); only flags may stand alone", {key: None})
+    if text is None:
+        return True
     if bool in allowed:
         if text.lower() not in _BOOLS:
             raise LayoutError(engine, f"{key}={text!r} must be true or false", {key: text})
@@ -69,10 +73,8 @@ def _value(engine: str, key: str, text: str, annotation: Any) -> Any:
 def parse_layout(text: str, model: ModelSpec) -> Layout:
     """Parse a layout string such as 'vllm:tp=8,replicas=8' or 'megatron:tp=2,pp=2,ep=8,etp=1,world=16'.
 
-    Each option once; a bare option only for a flag (e.g. 'vllm:tp=2,ep').
-
     Args:
-        text: 'engine:key=value,...' (untrusted: length, engine, keys and values are checked).
+        text: 'engine:key=value,...', each option once, a bare option only for a flag (untrusted: checked).
         model: the model the layout places.
 
     Returns:
@@ -86,8 +88,6 @@ def parse_layout(text: str, model: ModelSpec) -> Layout:
     if not isinstance(text, str):
         raise LayoutError("layout", f"a layout string must be a str, not {type(text).__name__}", {"layout": text})
     if not isinstance(model, ModelSpec):
-        from ..errors import ArgumentError
-
         raise ArgumentError("model", model, "must be a ModelSpec")
     if len(text) > MAX_LAYOUT_TEXT:
         raise LimitError("layout", f"{text[:40]}...", MAX_LAYOUT_TEXT, "characters of a layout string")
@@ -114,14 +114,7 @@ def parse_layout(text: str, model: ModelSpec) -> Layout:
                               {raw.strip(): val})
         if key in fields:
             raise LayoutError(engine, f"option {raw.strip()!r} is given twice in {text!r}", {key: val})
-        annotation = cls.model_fields[key].annotation
-        if not eq:
-            if bool not in _base_types(annotation):
-                raise LayoutError(engine, f"option {key!r} needs a value ({key}=...); only flags may stand alone",
-                                  {key: None})
-            fields[key] = True
-            continue
-        fields[key] = _value(engine, key, val.strip(), annotation)
+        fields[key] = _value(engine, key, val.strip() if eq else None, cls.model_fields[key].annotation)
     return cls(model=model, **fields)
 
 

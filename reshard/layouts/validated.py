@@ -1,11 +1,5 @@
-"""A pydantic model that cannot be made invalid: every pydantic path that builds or changes an instance validates.
-
-Pydantic's `model_construct` and `model_copy(update=...)` skip validation on purpose (speed); a model spec or a
-layout made that way could hold a tp of -3 or a string head count, and the compiler would trust it. Here both
-re-validate through the constructor, setting or deleting a field is refused, and the JSON / string / dict readers
-turn pydantic's ValidationError into the library's error (`kind` names the model in it: "model" blames
-ModelConfigError, anything else LayoutError).
-"""
+"""A pydantic model that cannot be made invalid: `model_construct` and `model_copy(update=...)` validate through the
+constructor, setting or deleting a field is refused, and pydantic's ValidationError becomes the library's error."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -26,7 +20,7 @@ def _library_errors(model: type) -> Iterator[None]:
 
 
 class ValidatedModel(BaseModel):
-    """Every way in validates; errors are the library's (subclasses set `error_where`, or a layout its `engine`)."""
+    """Every way in validates; errors are the library's (`error_where`, or a layout's `engine`, names the model)."""
 
     error_where: ClassVar[str] = "model"
 
@@ -62,8 +56,7 @@ class ValidatedModel(BaseModel):
         return cls(**values)
 
     def model_copy(self, *, update: Any = None, deep: bool = False) -> Any:  # type: ignore[override]
-        """A copy with `update` applied, validated like the constructor (pydantic's copy skips validation). Fields
-        that were left to their defaults default again: a size derived from others follows the updated ones."""
+        """A copy with `update` applied, validated; fields left to their defaults default again."""
         if update is not None and not isinstance(update, dict):
             raise ArgumentError("update", update, "must be a dict of field -> value, or None")
         if not isinstance(deep, bool):
@@ -71,7 +64,6 @@ class ValidatedModel(BaseModel):
         unknown = sorted(str(k) for k in (update or {}) if k not in type(self).model_fields)
         if unknown:
             raise ArgumentError("update", update, f"names fields {type(self).__name__} does not have: {unknown}")
-        # the fields given (or set by a validator from them); the others default again, derived ones from `update`
         return type(self)(**{**{k: getattr(self, k) for k in self.model_fields_set}, **(update or {})})
 
     def __setattr__(self, name: str, value: Any) -> None:

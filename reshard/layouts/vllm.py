@@ -1,17 +1,10 @@
-"""The vLLM destination layout, declared by its parallel sizes; what each tensor's cuts are is in `roles.py`
-(shared roles) and the family files.
+"""The vLLM destination layout, declared by its parallel sizes (the cuts are in `roles.py` and the family files).
 
-Facts this encodes (pinned by the vLLM adapter tests against real vLLM):
-- experts (`mlp.experts.routed_experts.*` in vLLM) are stacked [E_local, ...] per rank: without expert
-  parallel every rank holds all experts, each cut over TP; with it an expert is whole (tp_moe = 1) and rank r
-  holds experts [r E/tp, (r+1) E/tp);
-- with EPLB (vLLM's expert-parallel load balancer) rank r holds physical slots [r P/tp, (r+1) P/tp) of
-  P = E + redundant_experts, and each slot the logical expert the placement names (`ExpertPlacement`): vLLM's
-  initial placement until it rebalances; a logical expert in several slots is written to each of them;
-- vocab rows are padded to a multiple of `vocab_padding` (64) and then split evenly over TP; padding rows are
-  not model data and are left alone;
-- replicas are independent engines with identical layouts; replica k's rank r is global rank r + k*tp.
-"""
+Facts it encodes (pinned by the vLLM adapter tests): experts are stacked [E_local, ...] per rank, each cut over
+TP, or, with expert parallelism, whole with rank r holding experts [r E/tp, (r+1) E/tp); with EPLB rank r holds
+physical slots [r P/tp, (r+1) P/tp) of P = E + redundant_experts, each the logical expert the `ExpertPlacement`
+names; vocab rows are padded to a multiple of `vocab_padding`, then split over TP; replica k's rank r is global
+rank r + k*tp."""
 from __future__ import annotations
 
 import functools
@@ -29,9 +22,8 @@ from .roles import kind_of
 
 
 class ExpertStacks(NamedTuple):
-    """The stacked expert tensors of one replica's ranks and what their slots hold, as columns: what the planner's
-    slot proof holds a plan to. Tensor k is `names[k]` on rank `ranks[k]`, of layer `layers[k]`; its slot j holds
-    logical expert `logical[k, j]`."""
+    """The stacked expert tensors of one replica's ranks, for the planner's slot proof: tensor k is `names[k]` on
+    rank `ranks[k]`, of layer `layers[k]`; its slot j holds logical expert `logical[k, j]`."""
 
     ranks: np.ndarray
     names: tuple[str, ...]
@@ -48,15 +40,12 @@ class VllmLayout(CutLayout):
         replicas: identical engines (replica k's rank r is global rank r + k * tp).
         expert_parallel: experts whole, spread over the TP ranks (vLLM's `enable_expert_parallel`).
         vocab_padding: vocabulary rows are padded to a multiple of this before the TP split.
-        redundant_experts: EPLB's redundant experts (vLLM's `num_redundant_experts`): physical expert slots beyond
-            one per logical expert; without `expert_placement` they hold vLLM's initial placement.
-        expert_placement: the engine's current placement of logical experts in physical slots (read from its EPLB
-            state after a rebalance); None: vLLM's initial placement. One equal to the initial placement is stored
-            as None, so the two forms are one layout.
+        redundant_experts: EPLB's redundant experts (vLLM's `num_redundant_experts`).
+        expert_placement: the engine's current placement of logical experts in physical slots (from its EPLB
+            state); None (also stored for one equal to it): vLLM's initial placement.
 
     Raises:
-        LayoutError: sizes that do not divide the model (heads, KV heads, FFN, experts), or an expert placement
-            that is not this engine's (other expert count, EP size, MoE layers or redundancy).
+        LayoutError: sizes that do not divide the model, or an expert placement that is not this engine's.
         ArgumentError: an expert placement that is not a permutation with replicas (`ExpertPlacement`).
         LimitError: a size beyond `reshard.limits`.
     """
@@ -74,8 +63,7 @@ class VllmLayout(CutLayout):
     @model_validator(mode="wrap")
     @classmethod
     def _canonical_experts(cls, data: Any, handler: Any) -> "VllmLayout":
-        """One layout, one value: a placement fills in `redundant_experts` when not given, and a placement equal to
-        vLLM's initial one is stored as None (the JSON form, the digest and `==` then agree for both forms)."""
+        """One layout, one value: a placement fills in `redundant_experts`; vLLM's initial one is stored as None."""
         if isinstance(data, dict) and data.get("expert_placement") is not None and "redundant_experts" not in data:
             placement = data["expert_placement"]
             if not isinstance(placement, ExpertPlacement):
@@ -90,8 +78,7 @@ class VllmLayout(CutLayout):
 
     @model_serializer(mode="wrap")
     def _without_eplb_defaults(self, handler: Any) -> dict[str, Any]:
-        """The EPLB fields appear only when set: a layout without them has the JSON form (and plan digests) it
-        had before they existed."""
+        """The EPLB fields appear only when set (a layout without them keeps its old JSON form and digests)."""
         out = handler(self)
         if isinstance(out, dict):
             if out.get("redundant_experts") == 0:
@@ -135,14 +122,10 @@ class VllmLayout(CutLayout):
         return self
 
     def _check_experts(self) -> None:
-        """Expert parallel: the physical slots (experts, plus EPLB's redundant ones) split evenly over the EP ranks,
-        and a placement must be this engine's."""
+        """Expert parallel: the physical slots split evenly over the EP ranks; a placement must be this engine's."""
         m, R, p = self.model, self.redundant_experts, self.expert_placement
-        if not R and p is None:
-            divisible(self, "num_experts", m.num_experts, "tp (expert parallel size)", self.tp, blame="tp")
-            return
-        divisible(self, "num_experts + redundant_experts", m.num_experts + R, "tp (expert parallel size)", self.tp,
-                  blame="tp")
+        divisible(self, "num_experts + redundant_experts" if R or p else "num_experts", m.num_experts + R,
+                  "tp (expert parallel size)", self.tp, blame="tp")
         if p is None:
             return
         moe_layers = len(moe_layer_numbers(m))
@@ -157,11 +140,9 @@ class VllmLayout(CutLayout):
                        "read the placement from the engine's EPLB state (ExpertPlacement.from_vllm) for this model "
                        "and EP size", expert_placement=p.digest[:12])
 
-    # --- experts in physical slots (EPLB) -----------------------------------------------------------
     @property
     def experts(self) -> ExpertPlacement | None:
-        """The engine's placement of logical experts in physical slots (expert parallel only; None otherwise): the
-        declared `expert_placement`, else vLLM's initial one (with `redundant_experts`)."""
+        """The declared `expert_placement`, else vLLM's initial one (expert parallel only; None otherwise)."""
         if not (self.expert_parallel and self.model.is_moe):
             return None
         if self.expert_placement is not None:
@@ -169,18 +150,18 @@ class VllmLayout(CutLayout):
         return ExpertPlacement.initial(self.model.num_experts, self.redundant_experts, self.tp)
 
     def with_initial_experts(self) -> "VllmLayout":
-        """This layout with vLLM's initial expert placement: what the engine's own weight loaders write (EPLB moves
-        experts after loading), so what a probe of the loaders is compared with."""
+        """This layout with vLLM's initial expert placement: what the engine's weight loaders write."""
         return self if self.expert_placement is None else self.model_copy(update={"expert_placement": None})
 
     def expert_stacks(self, replica: int = 0) -> ExpertStacks | None:
-        """Every stacked expert tensor of `replica`'s ranks and the logical expert in each of its slots (expert
-        parallel only; None otherwise): read from the placement, not from the placements table, so the planner's
-        slot proof checks a plan against it independently. Ordered by layer, rank, tensor."""
+        """`replica`'s stacked expert tensors and each slot's logical expert, read off the placement (EP only)."""
         p = self.experts
         if p is None:
             return None
-        S, layers, names = p.slots_per_rank, moe_layer_numbers(self.model), expert_tensor_names(self)
+        names: list[str] = []  # the stacked expert tensors of one MoE layer, as the cuts name them
+        for kind in dict.fromkeys(kind_of(self.model, e.role) for e in self.model.canonical.entries):
+            names += [c.name for c in (self._cuts(kind) if kind.expert else ()) if c.name not in names]
+        S, layers = p.slots_per_rank, moe_layer_numbers(self.model)
         per = np.broadcast_to(p.table(), (len(layers), p.num_physical)).reshape(len(layers), self.tp, 1, S)
         logical = np.broadcast_to(per, (len(layers), self.tp, len(names), S)).reshape(-1, S)
         ranks = np.tile(np.repeat(np.arange(self.tp, dtype=np.int64), len(names)), len(layers)) + replica * self.tp
@@ -189,8 +170,7 @@ class VllmLayout(CutLayout):
         return ExpertStacks(ranks, named, layer_col, logical)
 
     def _slots(self, layer: np.ndarray | int, expert: np.ndarray | int) -> tuple[np.ndarray, np.ndarray]:
-        """(which tensor, physical slot) of every copy of the expert tensors at `layer` / `expert`: one per slot the
-        placement gives the logical expert in that layer, tensors in the order asked."""
+        """(which tensor, physical slot) of every copy of the expert tensors at `layer` / `expert`, in order."""
         p = self.experts
         layer, expert = (np.asarray(x, dtype=np.int64).reshape(-1) for x in np.broadcast_arrays(layer, expert))
         order, start, count = slot_index(p)
@@ -215,8 +195,7 @@ class VllmLayout(CutLayout):
 
     @property
     def name_prefix(self) -> str:
-        """Prepended to every parameter name: a multimodal wrapper nests the language model (e.g.
-        `language_model.` for vLLM's Qwen3.5 ForConditionalGeneration); the family sets it in the spec."""
+        """Prepended to every parameter name (`language_model.` where a multimodal wrapper nests the model)."""
         return self.model.arch_value("vllm_prefix", "")
 
     def __str__(self) -> str:
@@ -250,13 +229,9 @@ class VllmLayout(CutLayout):
         return Where(g, first, (layer,), lambda i: name.format(i=i), slot)
 
 
+@functools.lru_cache(maxsize=32)
 def moe_layer_numbers(model: Any) -> tuple[int, ...]:
     """The model's MoE layers, in order: what vLLM's EPLB numbers 0, 1, ... (its `moe_layer_idx`)."""
-    return _moe_layers(model)
-
-
-@functools.lru_cache(maxsize=32)
-def _moe_layers(model: Any) -> tuple[int, ...]:
     return tuple(i for i in range(model.num_layers) if model.is_moe_layer(i))
 
 
@@ -264,16 +239,9 @@ def _moe_layers(model: Any) -> tuple[int, ...]:
 def moe_row_of_layer(model: Any) -> np.ndarray:
     """Per layer, its MoE layer number (-1 for a dense layer)."""
     row = np.full(model.num_layers, -1, dtype=np.int64)
-    row[list(_moe_layers(model))] = np.arange(len(_moe_layers(model)))
+    row[list(moe_layer_numbers(model))] = np.arange(len(moe_layer_numbers(model)))
     row.setflags(write=False)
     return row
 
 
-def expert_tensor_names(layout: VllmLayout) -> tuple[str, ...]:
-    """The name templates (`{i}`: the layer) of the stacked expert tensors of one MoE layer, as the cuts name them."""
-    spec, names = layout.model, []
-    for entry in spec.canonical.entries:
-        kind = kind_of(spec, entry.role)
-        if kind.expert:
-            names += [c.name for c in layout._cuts(kind) if c.name not in names]
-    return tuple(names)
+

@@ -13,7 +13,7 @@ from reshard.errors import LayoutError
 from reshard.layouts import Layout, MegatronLayout, VllmLayout
 from reshard.layouts.base import TableBuilder
 from reshard.layouts.cuts import (ColumnBlocks, Cut, GlobalRows, Group, LoraA, LoraB, QkvParallel, Refused,
-                                  Replicated, ReplicatedAt, RowBlocks, Stacked, Vocab)
+                                  Replicated, RowBlocks, Stacked, Vocab)
 from reshard.layouts.families import discover, read_hf_config
 from reshard.layouts.fp8 import ScaledCut
 from reshard.testing.strategies import divisors
@@ -32,11 +32,11 @@ def _cuts(draw, tp: int) -> tuple[Cut, tuple[int, ...], int]:
     if kind is LoraB:
         rows = draw(st.sampled_from([None, RowBlocks("rows"), QkvParallel("rows", tp, tp, 1, 0, alone=True)]))
         return LoraB("w", rows=rows), (tp * k, m), 0
-    if kind is Replicated:
+    if kind is Replicated and draw(st.booleans()):  # the whole tensor alone
         return Replicated("w"), draw(st.sampled_from([(k,), (k, m), (k, 1, m)])), 0
-    if kind is ReplicatedAt:
+    if kind is Replicated:  # at a row of a replicated stack
         row = draw(st.integers(0, 3))
-        return ReplicatedAt("w", row, row + k + draw(st.integers(0, 2))), (k, *rest), 0
+        return Replicated("w", row, row + k + draw(st.integers(0, 2))), (k, *rest), 0
     if kind is Vocab:
         V = draw(st.integers(1, 20))
         return Vocab("w"), (V, m), -(-V // tp) * tp + tp * draw(st.integers(0, 2))
@@ -76,7 +76,7 @@ def _cuts(draw, tp: int) -> tuple[Cut, tuple[int, ...], int]:
             0)
 
 
-CUTS = (Replicated, ReplicatedAt, Vocab, RowBlocks, ColumnBlocks, Stacked, GlobalRows, QkvParallel, LoraA, LoraB,
+CUTS = (Replicated, Vocab, RowBlocks, ColumnBlocks, Stacked, GlobalRows, QkvParallel, LoraA, LoraB,
         ScaledCut, Refused)
 
 

@@ -1,10 +1,4 @@
-"""The built-in model families, one file each, listed in BUILT_IN_FAMILIES: adding one = adding its file and its
-line there (docs: "Add a model family"). `register_built_ins()`, called once by `reshard.layouts`, registers them
-(and FP8's entry transform); `register_family(cls)` registers a family defined elsewhere.
-
-Architecture discovery reads `architectures` and then `model_type`; an unknown one gets an error that lists
-the supported ones.
-"""
+"""The built-in model families, one file each, listed in BUILT_IN_FAMILIES (docs: "Add a model family")."""
 from __future__ import annotations
 
 from typing import Any
@@ -44,8 +38,7 @@ def register_family(cls: Any) -> Any:
 
 
 def register_built_ins() -> None:
-    """Register every family of BUILT_IN_FAMILIES and FP8's entry transform (an FP8 wire spec lists a quantized
-    weight as fp8 + scales: layouts.fp8)."""
+    """Register every family of BUILT_IN_FAMILIES and FP8's entry transform (layouts.fp8)."""
     for cls in BUILT_IN_FAMILIES:
         register_family(cls)
     register_entry_transform(transform_items)

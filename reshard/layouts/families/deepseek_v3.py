@@ -1,37 +1,22 @@
-"""DeepSeek-V3 and Kimi-K2 (same architecture, `DeepseekV3ForCausalLM`): multi-head latent attention, the
-first `first_k_dense_replace` layers dense, the others a router (+ e_score_correction_bias with noaux_tc),
-routed experts and shared experts. Multi-token-prediction layers are left out of refits.
+"""DeepSeek-V3 and Kimi-K2 (`DeepseekV3ForCausalLM`): multi-head latent attention, the first
+`first_k_dense_replace` layers dense, the others a router (+ float32 e_score_correction_bias), routed and
+shared experts. Multi-token-prediction layers are left out of refits.
 
-Names and shapes from transformers' modeling_deepseek_v3.py, megatron-core's
-transformer/multi_latent_attention.py + models/gpt/gpt_layer_specs.py, vLLM's models/deepseek_v2.py
-(versions: docs/guides/layouts.md, Versions):
-
-| HF (per layer, `self_attn.`)   | Megatron local (`self_attention.`)       | Megatron TE                         | vLLM (`self_attn.`)               |
-| q_a_proj [qr, H]               | linear_q_down_proj, TP row blocks (ColumnParallelLinear) | linear_q_down_proj, whole (TELinear duplicated) | fused_qkv_a_proj rows [0, qr) whole |
-| q_a_layernorm [qr]             | q_layernorm                              | linear_q_up_proj.layer_norm_weight  | q_a_layernorm                     |
-| q_b_proj [n(dn+dr), qr]        | linear_q_up_proj, TP row blocks          | same                                | q_b_proj, TP row blocks           |
-| q_proj [n(dn+dr), H] (qr null) | linear_q_proj, TP row blocks             | same                                | q_proj, TP row blocks             |
-| kv_a_proj_with_mqa [kr+dr, H]  | linear_kv_down_proj, TP row blocks       | linear_kv_down_proj, whole          | fused_qkv_a_proj rows [qr, qr+kr+dr) whole (kv_a_proj_with_mqa when qr null) |
-| kv_a_layernorm [kr]            | kv_layernorm                             | linear_kv_up_proj.layer_norm_weight | kv_a_layernorm                    |
-| kv_b_proj [n(dn+dv), kr]       | linear_kv_up_proj, TP row blocks         | same                                | kv_b_proj, TP row blocks          |
-| o_proj [H, n dv]               | linear_proj (shared Role.O)              | same                                | o_proj (shared Role.O)            |
-Per-head row order is the same on every side (head-major, [nope; rope] for q, [nope; v] for kv), so TP row
-blocks are whole heads. MoE: `mlp.gate.weight` -> Megatron `mlp.router.weight`; `mlp.gate.e_score_correction_bias`
-(float32) -> Megatron buffer `mlp.router.expert_bias` (moe_router_enable_expert_bias), vLLM parameter of the
-same HF name; shared experts `mlp.shared_experts.{gate,up,down}_proj` -> Megatron
-`mlp.shared_experts.linear_fc1` ([gate_r; up_r]) / `linear_fc2`, vLLM `mlp.shared_experts.gate_up_proj` /
-`down_proj`, TP-split like a dense MLP on both sides. The input norm is `input_layernorm.weight` under both
-Megatron namings (the MLA TE spec does not fuse it). Megatron's `mla_down_proj_fusion` variant is not declared.
-"""
+Sources: transformers' modeling_deepseek_v3.py, megatron-core's multi_latent_attention.py and gpt_layer_specs.py,
+vLLM's deepseek_v2.py (versions: docs/guides/layouts.md). q_a_proj / kv_a_proj_with_mqa are TP row blocks of
+linear_q/kv_down_proj under local naming, whole under TE, whole rows of vLLM's fused_qkv_a_proj (its own
+kv_a_proj_with_mqa without q LoRA); q_b_proj / q_proj / kv_b_proj are TP row blocks everywhere (head-major rows,
+so blocks are whole heads); TE fuses the q/kv a-layernorms into linear_q/kv_up_proj. The router bias is Megatron's
+`mlp.router.expert_bias`; shared experts are split like a dense MLP. `mla_down_proj_fusion` is not declared."""
 from __future__ import annotations
 
 from typing import Any
 
 from ...errors import ModelConfigError
 from ...limits import MAX_DIM, MAX_EXPERTS, MAX_LAYERS, check_limit
-from ..cuts import Replicated, ReplicatedAt, RowBlocks, TensorKind
-from ..family import LAYER, ModelFamily, StreamExtra, dense_mlp, norm, routed_experts
-from ..hf_config import get_int, get_opt_int, get_str
+from ..cuts import Replicated, RowBlocks, TensorKind
+from ..family import LAYER, ModelFamily, StreamExtra, dense_mlp, gated_mlp_entries, norm, routed_experts
+from ..hf_config import get_int, get_str
 from ..model import Entry, ModelSpec, Role
 from ..roles import gated_mlp, tensor_kind
 
@@ -55,21 +40,20 @@ KV_UP = tensor_kind("mla_kv_up",
              linear=True)
 ROUTER_BIAS = tensor_kind("router_bias",
                           Replicated("mlp.router.expert_bias"), Replicated(_M + "gate.e_score_correction_bias"))
-SHARED_GATE, SHARED_UP, SHARED_DOWN = gated_mlp("mlp.shared_experts.", _M + "shared_experts.", "shared_expert_")
+SHARED_MLP = gated_mlp("mlp.shared_experts.", _M + "shared_experts.", "shared_expert_")
 
 
 def _down_kinds(q_rank: int | None, kv_rows: int) -> tuple[TensorKind | None, TensorKind]:
-    """q_a_proj / kv_a_proj_with_mqa: TP row blocks (Megatron local), whole (Megatron TE), whole rows of vLLM's
-    fused_qkv_a_proj (or its own kv_a_proj_with_mqa when there is no q LoRA)."""
+    """q_a_proj / kv_a_proj_with_mqa's kinds (q_a_proj's None without q LoRA)."""
     q_name, kv_name = "self_attention.linear_q_down_proj.weight", "self_attention.linear_kv_down_proj.weight"
     if q_rank is None:
         return None, tensor_kind("mla_kv_down", RowBlocks(kv_name), Replicated(_A + "kv_a_proj_with_mqa.weight"),
                           te=Replicated(kv_name), linear=True)
     fused = _A + "fused_qkv_a_proj.weight"
     return (tensor_kind("mla_q_down",
-                        RowBlocks(q_name), ReplicatedAt(fused, 0, q_rank + kv_rows), te=Replicated(q_name),
+                        RowBlocks(q_name), Replicated(fused, 0, q_rank + kv_rows), te=Replicated(q_name),
                  linear=True),
-            tensor_kind("mla_kv_down", RowBlocks(kv_name), ReplicatedAt(fused, q_rank, q_rank + kv_rows),
+            tensor_kind("mla_kv_down", RowBlocks(kv_name), Replicated(fused, q_rank, q_rank + kv_rows),
                  te=Replicated(kv_name), linear=True))
 
 
@@ -96,17 +80,13 @@ def _layer(spec: ModelSpec, i: int) -> list:
     if a["router_bias"]:
         out.append(Entry(_M + "gate.e_score_correction_bias", (spec.num_experts,), ROUTER_BIAS, "float32"))
     out.append(experts)
-    Fs = a["shared_intermediate_size"]
-    if Fs:
-        q = _M + "shared_experts."
-        out += [Entry(q + "gate_proj.weight", (Fs, H), SHARED_GATE), Entry(q + "up_proj.weight", (Fs, H), SHARED_UP),
-                Entry(q + "down_proj.weight", (H, Fs), SHARED_DOWN)]
+    if a["shared_intermediate_size"]:
+        out += gated_mlp_entries(_M + "shared_experts.", a["shared_intermediate_size"], H, SHARED_MLP)
     return out
 
 
 class DeepseekV3(ModelFamily):
-    """DeepSeek-V3 and Kimi-K2: multi-latent attention, a dense first-k and routed experts with a
-    shared expert, optional MTP layers."""
+    """DeepSeek-V3 and Kimi-K2: multi-latent attention, dense first layers, routed and shared experts."""
     name = "deepseek_v3"
     architectures = ("DeepseekV3ForCausalLM",)
     model_types = ("deepseek_v3", "kimi_k2")
@@ -114,8 +94,7 @@ class DeepseekV3(ModelFamily):
     fp8_router = False  # vLLM builds DeepSeek's gate without quant_config; the FP8 release keeps it in bf16
 
     def spec(self, config: dict[str, Any], include_mtp: bool = False) -> ModelSpec:
-        self._refuse_mtp(config, include_mtp, "num_nextn_predict_layers",
-                                        "model.layers.N.* past the last")
+        self._refuse_mtp(config, include_mtp, "num_nextn_predict_layers", "model.layers.N.* past the last")
         fields = self._common(config, qk_norm=False, biases=("attention_bias",))
         mla = {k: get_int(config, k) for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
         fields["head_dim"] = mla["v_head_dim"]  # unused by MLA tensors; keeps the shared checks meaningful
@@ -123,9 +102,7 @@ class DeepseekV3(ModelFamily):
         first_dense = get_int(config, "first_k_dense_replace", 0, minimum=0, maximum=MAX_LAYERS,
                               null_is_default=True, what="layers")
         freq = get_int(config, "moe_layer_freq", 1, maximum=MAX_LAYERS, null_is_default=True, what="layers")
-        # transformers: layer i >= first_k_dense_replace is MoE (it ignores moe_layer_freq); vLLM also requires
-        # i % moe_layer_freq == 0. Refuse the configurations where they disagree instead of picking one.
-        if freq != 1:
+        if freq != 1:  # transformers ignores it, vLLM does not
             raise ModelConfigError(field="moe_layer_freq", value=freq, rule="is not supported (transformers and "
                                    "vLLM disagree on which layers are MoE); only 1")
         # vLLM builds a MoE layer (with no experts, which fails) wherever n_routed_experts is not null
@@ -148,7 +125,7 @@ class DeepseekV3(ModelFamily):
                 fix="use \"noaux_tc\"")
         return ModelSpec(**fields, num_experts=E, moe_intermediate_size=Fm,
                          dense_layers=tuple(range(min(first_dense, layers))),
-                         arch={"q_lora_rank": get_opt_int(config, "q_lora_rank"), **mla,
+                         arch={"q_lora_rank": get_int(config, "q_lora_rank", None, null_is_default=True), **mla,
                                "shared_intermediate_size": shared, "router_bias": True})
 
     def layer(self, spec: ModelSpec, i: int) -> list:
@@ -176,9 +153,7 @@ class DeepseekV3(ModelFamily):
         return out
 
     def stream_extras(self, spec: ModelSpec) -> tuple[StreamExtra, ...]:
-        """Also the multi-token-prediction layers, `model.layers.N.*` past the last decoder layer, which
-        Megatron-Bridge (deepseek/common.py, layer num_hidden_layers + k) and mbridge (deepseek_v3.py) export when
-        the trainer has MTP (the spec does not know how many: any N from num_layers on)."""
+        """Also the MTP layers `model.layers.N.*`, N >= num_layers, which Megatron-Bridge and mbridge export."""
         L = spec.num_layers
         return super().stream_extras(spec) + (StreamExtra(
             f"multi-token-prediction layers model.layers.{L}+.* (Megatron-Bridge / mbridge with MTP)",

@@ -1,7 +1,7 @@
 """Qwen3 dense: GQA attention with per-head q/k RMSNorm, SwiGLU MLP. Every tensor uses a shared role."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from ..family import ModelFamily, attention_layer, dense_mlp
 from ..model import ModelSpec
@@ -12,12 +12,13 @@ class Qwen3(ModelFamily):
     name = "qwen3"
     architectures = ("Qwen3ForCausalLM",)
     model_types = ("qwen3",)
+    qk_norm: ClassVar[bool] = True
 
     def spec(self, config: dict[str, Any], include_mtp: bool = False) -> ModelSpec:
-        return ModelSpec(**self._common(config, qk_norm=True))
+        return ModelSpec(**self._common(config, qk_norm=self.qk_norm))
 
     def layer(self, spec: ModelSpec, i: int) -> list:
         return attention_layer(spec, dense_mlp(spec))
 
     def from_megatron(self, config: Any) -> bool:
-        return bool(config.qk_layernorm) and not config.num_moe_experts
+        return bool(config.qk_layernorm) == self.qk_norm and not config.num_moe_experts

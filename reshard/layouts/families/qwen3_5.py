@@ -1,39 +1,18 @@
-"""Qwen3.5 and Qwen3.6, dense and MoE (one architecture: Qwen3.6 checkpoints use the Qwen3.5 classes): Gated
-DeltaNet linear-attention layers mixed with gated full-attention layers (`layer_types` in the config, or every
-`full_attention_interval`-th layer full), a SwiGLU MLP (dense) or a router + routed experts + one gated shared
-expert (MoE, every layer).
+"""Qwen3.5 / Qwen3.6, dense and MoE: Gated DeltaNet linear-attention layers among gated full-attention layers
+(`layer_types`, or every `full_attention_interval`-th layer full), then a SwiGLU MLP or a router, routed experts
+and one gated shared expert.
 
-Published checkpoints are the multimodal wrapper (`Qwen3_5[Moe]ForConditionalGeneration`, model_type `qwen3_5[_moe]`,
-text fields under `text_config`): the language model's tensors are named `model.language_model.*` (lm_head stays
-`lm_head.weight`) and vLLM nests it as `language_model.model.*` / `language_model.lm_head.weight`. The vision tower
-(`model.visual.*`) and the multi-token-prediction layers (`mtp.*`) are left out of refits. Text-only checkpoints
-(`Qwen3_5[Moe]ForCausalLM`, model_type `qwen3_5[_moe]_text`) use plain `model.*` names on both sides.
+The multimodal wrapper (`Qwen3_5[Moe]ForConditionalGeneration`, fields under `text_config`) names the language
+model `model.language_model.*` (vLLM: `language_model.model.*`); the vision tower and the MTP layers (`mtp.*`)
+are left out of refits. Text-only checkpoints use plain `model.*` names.
 
-Names, shapes and TP cuts (versions: docs/guides/layouts.md, Versions) from transformers' modeling_qwen3_5[_moe].py,
-megatron-core's ssm/gated_delta_net (GatedDeltaNet as the self_attention of a TransformerLayer:
-experimental_attention_variant="gated_delta_net", attention_output_gate=True) and vLLM's models/qwen3_5.py +
-qwen3_next.py + layers/mamba/gdn/qwen_gdn_linear_attn.py (flat, non-interleaved qkvz layout). Kd =
-linear_num_key_heads x linear_key_head_dim, Vd = linear_num_value_heads x linear_value_head_dim, nv =
-linear_num_value_heads:
-
-| HF (per layer)                       | Megatron (`decoder.layers.{i}.`)                   | vLLM (`model.layers.{i}.`)                   |
-| linear_attn.in_proj_qkv [2Kd+Vd, H]  | self_attention.in_proj, per rank [q;k;v;z;b;a]_r   | linear_attn.in_proj_qkvz, per rank [q;k;v;z]_r |
-| linear_attn.in_proj_z [Vd, H]        |   (z part)                                         |   (z part)                                   |
-| linear_attn.in_proj_b / _a [nv, H]   |   (b, a parts)                                     | linear_attn.in_proj_ba, per rank [b;a]_r      |
-| linear_attn.conv1d [2Kd+Vd, 1, K]    | self_attention.conv1d, per rank [q;k;v]_r          | linear_attn.conv1d, per rank [q;k;v]_r        |
-| linear_attn.dt_bias, A_log [nv]      | self_attention.dt_bias, A_log: TP blocks           | linear_attn.dt_bias, A_log: TP blocks         |
-| linear_attn.norm [Vd/nv]             | self_attention.out_norm (replicated)               | linear_attn.norm (replicated)                 |
-| linear_attn.out_proj [H, Vd]         | self_attention.out_proj, TP column blocks          | linear_attn.out_proj, TP column blocks        |
-| input_layernorm (GDN layer)          | input_layernorm (local) / self_attention.in_proj.layer_norm_weight (TE) | input_layernorm   |
-| self_attn.q_proj [2 nq d, H], per head [q_h; gate_h] | self_attention.linear_qkv, per group [q(hpg); gate(hpg); k; v], TP row blocks | self_attn.qkv_proj, per rank [q,gate of its heads; k_r; v_r] |
-| mlp.shared_expert.{gate,up,down}_proj | mlp.shared_experts.linear_fc1 ([gate_r; up_r]) / linear_fc2 | mlp.shared_expert.gate_up_proj / down_proj |
-| mlp.shared_expert_gate [1, H]        | mlp.shared_experts.gate_weight (moe_shared_expert_gate) | mlp.shared_expert_gate (replicated)      |
-Each part of a fused stack is cut over TP on its own, so a rank's slice is the concatenation of the parts' slices.
-The conv1d weight keeps its 3-D shape [C, 1, K] everywhere; it is cut on dim 0 only (see model.CanonicalTable).
-Routed experts use the shared roles with HF per-expert names (`mlp.experts.{e}.gate_proj.weight`, which vLLM's
-loader accepts; the published checkpoints store them fused as `mlp.experts.gate_up_proj` [E, 2I, H]).
-vLLM keeps A_log in float32 (the trainer in params_dtype); a refit at the model dtype casts there.
-"""
+Sources: transformers' modeling_qwen3_5[_moe].py, megatron-core's ssm/gated_delta_net and vLLM's qwen3_5.py /
+qwen3_next.py / qwen_gdn_linear_attn.py (versions: docs/guides/layouts.md). HF's in_proj_qkv / in_proj_z /
+in_proj_b / in_proj_a are parts of Megatron's fused per-rank stack in_proj [q;k;v;z;b;a]_r and vLLM's
+in_proj_qkvz [q;k;v;z]_r and in_proj_ba [b;a]_r; conv1d [C, 1, K] is [q;k;v]_r on both, cut on dim 0 only. The
+gated q_proj holds [q_h; gate_h] per head; Megatron's linear_qkv per group [q; gate; k; v], vLLM's qkv_proj
+[q, gate of its heads; k_r; v_r]. Routed experts use the shared roles under HF's per-expert names.
+vLLM keeps A_log in float32; a refit at the model dtype casts there."""
 from __future__ import annotations
 
 import functools
@@ -42,7 +21,7 @@ from typing import Any
 from ...errors import ModelConfigError
 from ...limits import MAX_DIM, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, check_limit
 from ..cuts import ColumnBlocks, GlobalRows, QkvParallel, Replicated, RowBlocks, Stacked, TensorKind
-from ..family import LAYER, ModelFamily, StreamExtra, dense_mlp, norm, routed_experts
+from ..family import LAYER, ModelFamily, StreamExtra, dense_mlp, gated_mlp_entries, norm, routed_experts
 from ..hf_config import REQUIRED, get_bool, get_int, get_str_list
 from ..model import Entry, Experts, ModelSpec, Role
 from ..roles import gated_mlp, tensor_kind
@@ -57,22 +36,19 @@ GDN_INPUT_NORM = tensor_kind("gdn_input_norm", Replicated("input_layernorm.weigh
                              te=Replicated("self_attention.in_proj.layer_norm_weight"))
 GDN_DT_BIAS = tensor_kind("gdn_dt_bias", RowBlocks("self_attention.dt_bias"), RowBlocks(_LIN + "dt_bias"))
 GDN_A_LOG = tensor_kind("gdn_a_log", RowBlocks("self_attention.A_log"), RowBlocks(_LIN + "A_log"))
-# The GDN output norm is a plain RMSNorm weight in HF and vLLM (w * rmsnorm(x) * silu(z)), but Megatron builds it
-# with the model's zero-centred gamma like every other norm, so it stores w - 1 (hf parity measured the gap):
-# plans add +1 going Megatron -> HF / vLLM and -1 the other way.
+# The GDN output norm is a plain RMSNorm weight in HF and vLLM, but Megatron builds it zero-centred: it stores w - 1.
 GDN_NORM = tensor_kind("gdn_norm", Replicated("self_attention.out_norm.weight"), Replicated(_LIN + "norm.weight"),
                 megatron_offset=-1.0)
 GDN_OUT = tensor_kind("gdn_out_proj",
                       ColumnBlocks("self_attention.out_proj.weight"), ColumnBlocks(_LIN + "out_proj.weight"))
-SHARED_GATE, SHARED_UP, SHARED_DOWN = gated_mlp("mlp.shared_experts.", _MLP + "shared_expert.", "shared_expert_proj_")
+SHARED_MLP = gated_mlp("mlp.shared_experts.", _MLP + "shared_expert.", "shared_expert_proj_")
 SHARED_EXPERT_GATE = tensor_kind("shared_expert_gate", Replicated("mlp.shared_experts.gate_weight"),
                           Replicated(_MLP + "shared_expert_gate.weight"))
 
 
 @functools.lru_cache(maxsize=16)
 def _gdn_kinds(nk: int, dk: int, nv: int, dv: int) -> dict[str, TensorKind]:
-    """in_proj / conv1d kinds: each HF tensor is some consecutive parts of a fused per-rank stack. Both engines
-    give each rank whole key and value heads (megatron-core and vLLM divide the head counts by tp)."""
+    """in_proj / conv1d kinds: each HF tensor is consecutive parts of a fused per-rank stack of whole heads."""
     Kd, Vd = nk * dk, nv * dv
     meg, meg_h = (Kd, Kd, Vd, Vd, nv, nv), (dk, dk, dv, dv, 1, 1)  # Megatron in_proj: q, k, v, z, beta, alpha
     qkvz, qkvz_h = (Kd, Kd, Vd, Vd), (dk, dk, dv, dv)
@@ -92,8 +68,7 @@ def _gdn_kinds(nk: int, dk: int, nv: int, dv: int) -> dict[str, TensorKind]:
 
 @functools.lru_cache(maxsize=16)
 def _gated_attention_kinds(nq: int, g: int, d: int) -> tuple[TensorKind, TensorKind, TensorKind]:
-    """q_proj (per head [q_h; gate_h]), k_proj, v_proj in Megatron's gated linear_qkv (per query group
-    [q heads; gate heads; k; v]) and vLLM's qkv_proj (2 nq "query heads")."""
+    """q_proj (per head [q_h; gate_h]), k_proj, v_proj in Megatron's gated linear_qkv and vLLM's qkv_proj."""
     hpg = nq // g
     group = (2 * hpg + 2) * d
     q_blocks = tuple(b for h in range(nq) for b in (
@@ -112,8 +87,7 @@ def _gated_attention_kinds(nq: int, g: int, d: int) -> tuple[TensorKind, TensorK
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The language model's fields: `text_config` of the multimodal wrapper (with the wrapper's dtype and tied
-    flag as fallbacks), or the config itself."""
+    """The language model's fields: the wrapper's `text_config` (its dtype and tied flag as fallbacks), or `config`."""
     if "text_config" not in config:
         return config
     text = config["text_config"]
@@ -163,16 +137,13 @@ def _layer(spec: ModelSpec, i: int, p: str) -> list:
     out += routed_experts(spec, p)
     Fs, m = a["shared_intermediate_size"], p + "mlp."
     if Fs:
-        out += [Entry(m + "shared_expert.gate_proj.weight", (Fs, H), SHARED_GATE),
-                Entry(m + "shared_expert.up_proj.weight", (Fs, H), SHARED_UP),
-                Entry(m + "shared_expert.down_proj.weight", (H, Fs), SHARED_DOWN),
+        out += [*gated_mlp_entries(m + "shared_expert.", Fs, H, SHARED_MLP),
                 Entry(m + "shared_expert_gate.weight", (1, H), SHARED_EXPERT_GATE)]
     return out
 
 
 class Qwen35(ModelFamily):
-    """Qwen3.5 (dense and MoE, text and vision-language checkpoints): gated DeltaNet linear
-    attention layers between gated full-attention layers, optional MTP layers."""
+    """Qwen3.5 (dense and MoE, text and vision-language): gated DeltaNet among gated full-attention layers."""
     name = "qwen3_5"
     architectures = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
                      "Qwen3_5MoeForConditionalGeneration")
@@ -246,8 +217,7 @@ class Qwen35(ModelFamily):
         return out
 
     def tiny_config(self, config: dict[str, Any]) -> dict[str, Any]:
-        """Tiny sizes in the text config (kept nested for the multimodal wrapper, with a one-block vision tower);
-        4 layers keep the linear/full mix (3 linear + 1 full unless the config's own first 4 layers differ)."""
+        """Tiny sizes in the text config (nested for the multimodal wrapper, with a one-block vision tower)."""
         t = super().tiny_config(text_config(config))
         types = list(t.get("layer_types") or [])[:4]
         if "full_attention" not in types or "linear_attention" not in types:
@@ -272,9 +242,7 @@ class Qwen35(ModelFamily):
         return out
 
     def stream_extras(self, spec: ModelSpec) -> tuple[StreamExtra, ...]:
-        """Also the multi-token-prediction tensors `mtp.*` (Megatron-Bridge qwen35_bridge.py and mbridge
-        qwen3_5/base_bridge.py export them when the trainer has MTP) and, in the multimodal wrapper, the vision
-        tower `model.visual.*` (in a transformers state dict and the VL bridges' exports)."""
+        """Also the MTP tensors `mtp.*` and, in the multimodal wrapper, the vision tower `model.visual.*`."""
         out = super().stream_extras(spec) + (
             StreamExtra("multi-token-prediction tensors mtp.* (Megatron-Bridge / mbridge with MTP)", r"mtp\..+"),)
         if spec.arch_value("multimodal"):

@@ -124,8 +124,11 @@ def test_keep_then_abort_the_flip_pauses_and_requests_end_as_their_mode_says(ser
         at_pause = loop.spanning(paused, paused)  # in flight when the pause began: aborted by the engine
         assert all(r.end for r in loop.requests), "abort: a request hangs"
         assert at_pause and all(r.end < t0 + result.seconds + 5.0 for r in at_pause)
-        aborted = [r for r in at_pause if r.finish_reason == "abort" or r.error]
-        assert aborted, [(r.finish_reason, r.error) for r in at_pause]
+        # the engine aborts what runs when its /pause is served, which on a loaded machine can be a second or more
+        # after the driver's call (requests ending meanwhile finish whole): one in flight during the pause is aborted
+        during = [r for r in loop.requests if r.start < t0 + result.seconds and (r.end == 0.0 or r.end > paused)]
+        aborted = [r for r in during if r.finish_reason == "abort" or r.error]
+        assert aborted, [(r.finish_reason, r.error) for r in during]
         assert not any(r.end > t0 + result.seconds for r in aborted if r.finish_reason == "length")
     finally:
         session.close()

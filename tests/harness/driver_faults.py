@@ -155,13 +155,6 @@ def refit_from_here(engine: dict[str, Any], checkpoint: str | Path, transport: s
 LAPSED_BEFORE_THE_KILL = "is not the server's current lease"  # the engine's refusal of a fenced driver's call
 
 
-def _wait_until_no_holder(engine: dict[str, Any], deadline: float) -> None:
-    """Wait (until `deadline`) for the engine to have ended the fenced driver's lease and what it left open."""
-    client = engine_client(engine, 30.0)
-    while time.monotonic() < deadline and client.lease_state()["holder"] is not None:
-        time.sleep(0.2)
-
-
 def kill_the_driver(engine: dict[str, Any], checkpoint: str | Path, transport: str, phase: str, *, work: Path,
                     lease: float, timeout: float, prompts: list[list[int]], poll: float = 1.0,
                     ask_every: float = 0.1, early_lapses: int = 1) -> dict[str, Any]:
@@ -182,6 +175,7 @@ def kill_the_driver(engine: dict[str, Any], checkpoint: str | Path, transport: s
     `early_lapses` times, once the engine has ended that lease."""
     import threading
 
+    from reshard import polling
     from reshard.errors import ExecutionError
     from reshard.testing.megatron_cpu import run_ranks
 
@@ -209,7 +203,8 @@ def kill_the_driver(engine: dict[str, Any], checkpoint: str | Path, transport: s
             # the live driver's lease lapsed before the phase came (its keeper starved on a loaded machine: the
             # engine fenced it, the refit failed cleanly): no driver died, so the case has not run; run it again
             print(f"driver death {transport}/{phase}: the lease lapsed before the kill; running the case again")
-            _wait_until_no_holder(engine, deadline)
+            lapsed = engine_client(engine, 30.0)  # wait for the engine to end that lease and what it left open
+            polling.poll(lambda: lapsed.lease_state()["holder"] is None, deadline, first_s=0.2, most_s=0.2)
             return kill_the_driver(engine, checkpoint, transport, phase, work=work / "again", lease=lease,
                                    timeout=timeout, prompts=prompts, poll=poll, ask_every=ask_every,
                                    early_lapses=early_lapses - 1)

@@ -83,8 +83,45 @@ class TrainerSession:
                  engines: Sequence[EngineClient] = (), trainer_group: Any = None, rendezvous: Any = None,
                  host: str | None = None, pause: str | None = "wait", timeout: float = 600.0,
                  lora_ids: Sequence[int] | None = None, lease: float | None = 30.0, pause_for: str = "refit") -> None:
-        _check_arguments(refit, process, tensors, engines, trainer_group, rendezvous, host, pause, timeout, lora_ids,
-                         lease, pause_for)
+        # each argument refused with ArgumentError naming it
+        instance("refit", refit, RefitSpec, "a RefitSpec")
+        integer("process", process, 0, 1 << 20)
+        rule = "must map tensor names to tensors ({name: tensor}), or source ranks to such mappings"
+        if not isinstance(tensors, Mapping):
+            raise ArgumentError("tensors", tensors, rule)
+        for key, value in tensors.items():
+            ok = (isinstance(key, str) and isinstance(value, torch.Tensor)) or (
+                isinstance(key, int) and not isinstance(key, bool) and isinstance(value, Mapping)
+                and all(isinstance(n, str) and isinstance(t, torch.Tensor) for n, t in value.items()))
+            if not ok:
+                raise ArgumentError("tensors", {key: value}, rule)
+        if not isinstance(engines, (list, tuple)):
+            raise ArgumentError("engines", engines,
+                                "must be a list of engine clients (VllmServer, RayEngineClient ...)")
+        for engine in engines:
+            if not isinstance(engine, EngineClient):
+                missing = [m for m in ("init_weight_transfer_engine", "start_weight_update", "update_weights",
+                                       "finish_weight_update") if not callable(getattr(engine, m, None))]
+                raise ArgumentError("engines", engine, f"must be engine clients (adapters.engines.EngineClient); this "
+                                    f"one lacks {missing}")
+        if trainer_group is not None:
+            import torch.distributed as dist
+
+            instance("trainer_group", trainer_group, dist.ProcessGroup, "a torch.distributed ProcessGroup", none=True)
+        instance("rendezvous", rendezvous, rv.Rendezvous, "an adapters.rendezvous.Rendezvous", none=True)
+        text("host", host, none=True)
+        text("pause", pause, none=True, choices=("wait", "abort", "keep"))
+        text("pause_for", pause_for, choices=("refit", "flip"))
+        if pause_for == "flip" and refit.staging is None:
+            raise ArgumentError("pause_for", pause_for, "needs staged refits: RefitSpec(staging='device' or 'host'); "
+                                "without staging the bytes go live as they land, so the engines pause for the refit")
+        seconds("timeout", timeout)
+        if lora_ids is not None and (not isinstance(lora_ids, (list, tuple)) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i > 0 for i in lora_ids)):
+            raise ArgumentError("lora_ids", lora_ids, "must be a list of positive adapter ids, or None")
+        if lease is not None and (isinstance(lease, bool) or not isinstance(lease, (int, float))
+                                  or not 1.0 <= lease <= 3600.0):
+            raise ArgumentError("lease", lease, "a number of seconds in [1, 3600], or None for no lease")
         self.refit_spec, self.process = refit, process
         self.tensors = tensors if tensors and all(isinstance(k, int) for k in tensors) else {process: tensors}
         self.engines, self.trainer_group, self.pause_mode = list(engines), trainer_group, pause
@@ -137,18 +174,15 @@ class TrainerSession:
         if mismatch is not None:  # refused at init, before any engine is called; the others stop at the rendezvous
             self._fail_rendezvous(f"trainer process {self.process}: {mismatch}")
             raise ExecutionError(f"trainer process {self.process}: {mismatch}")
-        ahead = self._nixl_agent_ahead(refit)
+        ahead: str | None = None
+        calls: list[EngineCall] = []
         try:
+            ahead = self._nixl_agent_ahead(refit)
             self._take_lease()
-        except ExecutionError as e:
-            self._fail_rendezvous(str(e))
-            self._discard_ahead(ahead)
-            raise
-        # an engine that refuses fails the rendezvous at once: no trainer process waits out its timeout
-        ids = [{"lora_id": i} for i in self.lora_ids] if self.lora_ids is not None else [{}] * len(self.engines)
-        calls = [EngineCall(engine, "init_weight_transfer_engine", (refit.with_(replica=k, **ids[k]).to_dict(),),
-                            self._fail_rendezvous) for k, engine in enumerate(self.engines)]
-        try:
+            # an engine that refuses fails the rendezvous at once: no trainer process waits out its timeout
+            ids = [{"lora_id": i} for i in self.lora_ids] if self.lora_ids is not None else [{}] * len(self.engines)
+            calls = [EngineCall(engine, "init_weight_transfer_engine", (refit.with_(replica=k, **ids[k]).to_dict(),),
+                                self._fail_rendezvous) for k, engine in enumerate(self.engines)]
             if refit.cross_process:
                 rdv = rv.Rendezvous.from_dict(refit.rendezvous)
                 rv.join(self.store, rdv, self.process, refit.num_processes, "trainer")
@@ -183,11 +217,7 @@ class TrainerSession:
         from ..executors.nixl.agent import make_agent_ahead
 
         name = f"{refit.rendezvous['refit_id']}:{self.process}"  # the executor's agent (adapters.refit)
-        try:
-            make_agent_ahead(name, delay)
-        except ExecutionError as e:
-            self._fail_rendezvous(str(e))
-            raise
+        make_agent_ahead(name, delay)
         return name
 
     @staticmethod
@@ -437,48 +467,6 @@ class TrainerSession:
         if not self.refit_spec.cross_process:
             withdraw_source(str(self.refit_spec.options.get("key", "default")))
         self.store = None
-
-
-def _check_arguments(refit: Any, process: Any, tensors: Any, engines: Any, trainer_group: Any, rendezvous: Any,
-                     host: Any, pause: Any, timeout: Any, lora_ids: Any, lease: Any, pause_for: Any) -> None:
-    """TrainerSession's arguments, each refused with ArgumentError naming it."""
-    instance("refit", refit, RefitSpec, "a RefitSpec")
-    integer("process", process, 0, 1 << 20)
-    rule = "must map tensor names to tensors ({name: tensor}), or source ranks to such mappings"
-    if not isinstance(tensors, Mapping):
-        raise ArgumentError("tensors", tensors, rule)
-    for key, value in tensors.items():
-        ok = (isinstance(key, str) and isinstance(value, torch.Tensor)) or (
-            isinstance(key, int) and not isinstance(key, bool) and isinstance(value, Mapping)
-            and all(isinstance(n, str) and isinstance(t, torch.Tensor) for n, t in value.items()))
-        if not ok:
-            raise ArgumentError("tensors", {key: value}, rule)
-    if not isinstance(engines, (list, tuple)):
-        raise ArgumentError("engines", engines, "must be a list of engine clients (VllmServer, RayEngineClient ...)")
-    for engine in engines:
-        if not isinstance(engine, EngineClient):
-            missing = [m for m in ("init_weight_transfer_engine", "start_weight_update", "update_weights",
-                                   "finish_weight_update") if not callable(getattr(engine, m, None))]
-            raise ArgumentError("engines", engine, f"must be engine clients (adapters.engines.EngineClient); this "
-                                f"one lacks {missing}")
-    if trainer_group is not None:
-        import torch.distributed as dist
-
-        instance("trainer_group", trainer_group, dist.ProcessGroup, "a torch.distributed ProcessGroup", none=True)
-    instance("rendezvous", rendezvous, rv.Rendezvous, "an adapters.rendezvous.Rendezvous", none=True)
-    text("host", host, none=True)
-    text("pause", pause, none=True, choices=("wait", "abort", "keep"))
-    text("pause_for", pause_for, choices=("refit", "flip"))
-    if pause_for == "flip" and refit.staging is None:
-        raise ArgumentError("pause_for", pause_for, "needs staged refits: RefitSpec(staging='device' or 'host'); "
-                            "without staging the bytes go live as they land, so the engines pause for the refit")
-    seconds("timeout", timeout)
-    if lora_ids is not None and (not isinstance(lora_ids, (list, tuple)) or not all(
-            isinstance(i, int) and not isinstance(i, bool) and i > 0 for i in lora_ids)):
-        raise ArgumentError("lora_ids", lora_ids, "must be a list of positive adapter ids, or None")
-    if lease is not None and (isinstance(lease, bool) or not isinstance(lease, (int, float))
-                              or not 1.0 <= lease <= 3600.0):
-        raise ArgumentError("lease", lease, "a number of seconds in [1, 3600], or None for no lease")
 
 
 __all__ = ["EngineClient", "RefitResult", "TrainerSession"]

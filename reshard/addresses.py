@@ -5,8 +5,7 @@
   3. else the IPv4 address of the default route's interface, or the only non-loopback one, or the first by name;
   4. loopback only on a host with no other interface.
 
-`interface_of` names the interface holding an address (gloo binds where the store does); `probe` tells at once
-whether a store is reachable from here, and why not.
+`probe` tells at once whether a store is reachable from here, and why not.
 """
 from __future__ import annotations
 
@@ -128,14 +127,6 @@ def check_local(host: str, what: str = "host") -> None:
                             fix=f"leave it unset: reshard finds this host's routable address (here: {here})") from None
 
 
-def interface_of(address: str) -> str | None:
-    """The name of this host's interface holding `address` (None: no interface has it, e.g. a host name)."""
-    for name, a in interfaces().items():
-        if a == address:
-            return name
-    return None
-
-
 def probe(host: str, port: int, timeout: float, what: str) -> None:
     """Connect to `host`:`port` once (retrying clients would wait out their whole timeout on a refused connection).
 
@@ -155,5 +146,5 @@ def probe(host: str, port: int, timeout: float, what: str) -> None:
         raise ExecutionError(f"{what}: cannot reach {host}:{port} from this host ({here}): {why}{hint}") from None
 
 
-__all__ = ["ENV", "check_local", "choose", "default_route_interface", "interface_of", "interfaces", "is_loopback",
+__all__ = ["ENV", "check_local", "choose", "default_route_interface", "interfaces", "is_loopback",
            "probe", "routable_address"]

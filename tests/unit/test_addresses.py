@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from harness.interfaces import interface_of
 from reshard import addresses
 from reshard.errors import ArgumentError, ExecutionError
 
@@ -45,8 +46,8 @@ def test_without_an_override_the_address_is_not_loopback_where_another_interface
 
 def test_interface_of_names_the_interface_holding_an_address():
     for name, address in addresses.interfaces().items():
-        assert addresses.interface_of(address) == name
-    assert addresses.interface_of("203.0.113.9") is None
+        assert interface_of(address) == name
+    assert interface_of("203.0.113.9") is None
 
 
 def test_probe_fails_at_once_naming_a_closed_loopback_address():

@@ -156,10 +156,8 @@ class TrainerSession:
         follow(self, self._init, "init")
 
     def _init(self) -> None:
-        try:  # a previous refit's resume must not land inside this init's calls
-            self._await_wind_down(time.monotonic() + self.timeout, "init")
-        except ExecutionError:  # a new generation makes the wind-down skip what is left
-            pass
+        # a previous refit's resume must not land inside this init's calls; a new generation makes it skip the rest
+        self._await_wind_down(time.monotonic() + self.timeout, None)
         self._close_executor()
         self.store = None
         self.generation += 1
@@ -412,15 +410,15 @@ class TrainerSession:
                     f"began); it goes on in the background"]
         return list(problems)
 
-    def _await_wind_down(self, deadline: float, who: str) -> None:
-        """Wait until `deadline` for a previous refit's wind-down; ExecutionError if it is still running then."""
-        call = getattr(self, "_winding_down", None)
-        if call is None:
-            return
-        if not call.join(deadline):
+    def _await_wind_down(self, deadline: float, who: str | None) -> None:
+        """Wait until `deadline` for a previous refit's wind-down; ExecutionError if it is still running then (`who`:
+        the step that cannot start; None: a step that goes on regardless)."""
+        call = self._winding_down
+        if call is not None and call.join(deadline):
+            self._winding_down = None
+        elif call is not None and who is not None:
             raise ExecutionError(f"{who} did not start: the previous refit's clean-up (closing its update, resuming "
                                  f"the engines) is still waiting for an engine that does not answer")
-        self._winding_down = None
 
     def _members(self) -> str:
         """Who is who in the transport's group (its errors name group ranks), and the fan-out trees."""
@@ -456,10 +454,7 @@ class TrainerSession:
 
     def close(self) -> None:
         """Release the engines' lease and close the transport, each bounded by the timeout."""
-        try:
-            self._await_wind_down(time.monotonic() + self.timeout, "close")
-        except ExecutionError:  # the lease's release (or lapse) ends what it left open
-            pass
+        self._await_wind_down(time.monotonic() + self.timeout, None)  # the lease's release (or lapse) ends the rest
         if self.renewal is not None:
             self.renewal.release(min(self.timeout, 60.0))
             self.renewal = None

@@ -74,11 +74,11 @@ class ModelConfigError(InputError):
 
     def __init__(self, message: str = "", *, field: str | None = None, value: Any = _UNSET, rule: str = "",
                  fix: str = "") -> None:
-        if field is None:
-            ReshardError.__init__(self, message)
-            self.field, self.value, self.rule, self.fix = None, None, None, fix
-            return
-        super().__init__(field, value, rule or message, fix, where="model config")
+        if field is None:  # a bare message: nothing one field can be blamed for
+            super().__init__(message, fix=fix)
+            self.field, self.rule = None, None
+        else:
+            super().__init__(field, value, rule or message, fix, where="model config")
 
 
 class LayoutError(InputError):
@@ -87,16 +87,10 @@ class LayoutError(InputError):
     `constraint` names the broken rule, `values` what was received (the first is the `field` / `value` to blame)."""
 
     def __init__(self, layout: str, constraint: str, values: dict[str, Any] | None = None, fix: str = ""):
-        self.layout = layout
-        self.constraint = constraint
-        self.values = dict(values or {})
-        self.fix = fix
+        super().__init__(constraint, fix=fix, where=layout)  # "layout: constraint (fix)"
+        self.layout, self.constraint, self.values = layout, constraint, dict(values or {})
         first = next(iter(self.values.items()), (None, None))
         self.field, self.value, self.rule = first[0], first[1], constraint
-        message = f"{layout}: {constraint}"
-        if fix:
-            message += f" ({fix})"
-        ReshardError.__init__(self, message)
 
 
 class ArgumentError(InputError):

@@ -244,11 +244,6 @@ class RefitSpec:
                             f"compiled ({plan.digest[:12]}): reshard versions or inputs differ")
         return plan
 
-    def binding(self) -> Binding:
-        """Cross-process transports: trainer process p plays source rank p, process S + d destination rank d."""
-        plan = self.plan()
-        return Binding.disjoint(plan.src.num_ranks, plan.dst.num_ranks)
-
     @property
     def num_processes(self) -> int:
         """Cross-process transports: trainer processes + engine workers."""
@@ -307,16 +302,16 @@ def open_transport(refit: RefitSpec, process: int, src: RankTensors, dst: RankTe
     if refit.install == "loader" or refit.staging:  # buffers or staging, read only after a complete refit: in place
         options = {**chosen.in_place, **options}
     delta = None if refit.delta is None else DeltaPolicy(keyframe_every=refit.delta)
-    if not chosen.cross_process:
-        binding = Binding.colocated(plan.src.num_ranks, plan.dst.num_ranks)
-        return transports.open_transport(refit.transport, transports.Endpoint(plan, binding, process, src, dst,
-                                                                              options, group=group, delta=delta))
-    if refit.rendezvous is None:
+    S, D, rdv = plan.src.num_ranks, plan.dst.num_ranks, None
+    # cross-process: trainer process p plays source rank p, process S + d destination rank d; else shared ranks
+    binding = Binding.disjoint(S, D) if chosen.cross_process else Binding.colocated(S, D)
+    if chosen.cross_process and refit.rendezvous is None:
         raise ExecutionError(f"transport {refit.transport!r} needs a rendezvous (where the processes meet)")
-    rdv = Rendezvous.from_dict(refit.rendezvous)
-    options.setdefault("timeout", rdv.timeout)
+    if chosen.cross_process:
+        rdv = Rendezvous.from_dict(refit.rendezvous)
+        options.setdefault("timeout", rdv.timeout)
     return transports.open_transport(refit.transport, transports.Endpoint(
-        plan, refit.binding(), process, src, dst, options, store=store, rendezvous=rdv, delta=delta))
+        plan, binding, process, src, dst, options, store=store, rendezvous=rdv, group=group, delta=delta))
 
 
 __all__ = ["RefitSpec", "open_transport"]

@@ -67,12 +67,6 @@ def _reported(session: Any) -> ExpertPlacement | None:
     return next(iter(changed.values()), None)
 
 
-def follows(session: Any) -> bool:
-    """Whether this session's refits follow the engines' placement (an expert-parallel destination, not a loader)."""
-    refit = session.refit_spec
-    return refit.install != "loader" and getattr(refit.layouts()[1], "experts", None) is not None
-
-
 def agree(session: Any, step: str, errors: list[str], deadline: float) -> list[str]:
     """One step's placement agreement (`step`: "init" or the refit's number), on every trainer process.
 
@@ -83,9 +77,9 @@ def agree(session: Any, step: str, errors: list[str], deadline: float) -> list[s
         `errors`, plus why this process stops here (another process's failure, or the placement to follow).
     """
     session.to_follow = None
-    if not follows(session):
-        return errors
     refit = session.refit_spec
+    if refit.install == "loader" or getattr(refit.layouts()[1], "experts", None) is None:
+        return errors  # only an expert-parallel destination, not a loader install, follows the engines' placement
     shared = refit.cross_process and session.store is not None and refit.rendezvous is not None
     if session.process == 0:
         try:
@@ -152,4 +146,4 @@ def follow(session: Any, step: Callable[[], T], name: str) -> T:
     raise AssertionError("unreachable")
 
 
-__all__ = ["MOST_FOLLOWS", "agree", "follow", "follows", "report"]
+__all__ = ["MOST_FOLLOWS", "agree", "follow", "report"]

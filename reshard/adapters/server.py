@@ -9,10 +9,12 @@ trainer side imports no vLLM). The server needs `VLLM_SERVER_DEV_MODE=1` (the RL
 from __future__ import annotations
 
 import json
+import math
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from types import SimpleNamespace
 from typing import Any
 
 from ..arguments import seconds, text
@@ -222,25 +224,17 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased)
         argmax token (vLLM's rank 1), scored without sampling.
 
         Raises:
-            ExecutionError: the server's answer lacks a position or its ranked token.
+            ExecutionError: the server's answer lacks a position, its token, a rank-1 token or a finite value.
         """
+        from ..verify.engines import prompt_rows
+
         out = []
         for prompt in prompts:
             rows = self._greedy(prompt, model, max_tokens=1, prompt_logprobs=1).get("prompt_logprobs")
-            if not isinstance(rows, list) or len(rows) != len(prompt):
-                raise ExecutionError(f"{self.url}: prompt_logprobs of a {len(prompt)}-token prompt came back as "
-                                     f"{type(rows).__name__} of length {len(rows) if isinstance(rows, list) else '-'}")
-            logprobs, argmax = [], []
-            for i, row in enumerate(rows[1:], start=1):
-                entries = {int(k): v for k, v in (row or {}).items()}
-                mine = entries.get(int(prompt[i]))
-                best = [t for t, v in entries.items() if isinstance(v, dict) and v.get("rank") == 1]
-                if not isinstance(mine, dict) or not best:
-                    raise ExecutionError(f"{self.url}: prompt_logprobs position {i} lacks token {prompt[i]} or a "
-                                         f"rank-1 token: {str(row)[:200]}")
-                logprobs.append(float(mine["logprob"]))
-                argmax.append(best[0])
-            out.append((logprobs, argmax))
+            if isinstance(rows, list):  # each row read as vLLM's own {token: Logprob}, checked where the LLM's are
+                rows = [{int(k): SimpleNamespace(rank=v.get("rank"), logprob=v.get("logprob", math.nan))
+                         for k, v in (row or {}).items() if isinstance(v, dict)} for row in rows]
+            out.append(prompt_rows(prompt, rows if isinstance(rows, list) else None, self.url))
         return out
 
     def model(self) -> str:

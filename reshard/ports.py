@@ -7,7 +7,8 @@ import random
 import socket
 from pathlib import Path
 
-from .errors import ArgumentError, ExecutionError
+from .arguments import text
+from .errors import ExecutionError
 
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _LOWEST = 20000  # above common services and Ray's worker ports (10000-19999), which Ray binds itself later
@@ -36,8 +37,7 @@ def free_port(host: str = "0.0.0.0") -> int:
         ArgumentError: `host` is not a non-empty string.
         ExecutionError: no such port was free after 64 random tries.
     """
-    if not isinstance(host, str) or not host:
-        raise ArgumentError(f"free_port: host must be a non-empty string, got {host!r}")
+    text("host", host)
     low, high = ephemeral_range()
     candidates = [(a, b) for a, b in [(_LOWEST, low - 1), (high + 1, 65535)] if b - a >= 1000]
     if not candidates:  # the ephemeral range covers almost everything: the OS's own choice is all there is

@@ -169,12 +169,11 @@ class TrainerSession:
         elif mismatch is None:
             publish_source(str(refit.options.get("key", "default")), self.tensors)
         self.refit_spec = refit
-        if mismatch is not None:  # refused at init, before any engine is called; the others stop at the rendezvous
-            self._fail_rendezvous(f"trainer process {self.process}: {mismatch}")
-            raise ExecutionError(f"trainer process {self.process}: {mismatch}")
         ahead: str | None = None
         calls: list[EngineCall] = []
-        try:
+        try:  # every failure fails the rendezvous: the other processes stop there, not at their timeout
+            if mismatch is not None:  # refused at init, before any engine is called
+                raise ExecutionError(f"trainer process {self.process}: {mismatch}")
             ahead = self._nixl_agent_ahead(refit)
             self._take_lease()
             # an engine that refuses fails the rendezvous at once: no trainer process waits out its timeout

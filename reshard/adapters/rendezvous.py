@@ -105,21 +105,16 @@ class Rendezvous:
 
     def proof(self, what: str) -> str:
         """An HMAC of `what` under the secret: a value only members can compute."""
-        return hmac.new(bytes.fromhex(self.secret) if _is_hex(self.secret) else self.secret.encode(),
-                        f"{self.refit_id}/{what}".encode(), hashlib.sha256).hexdigest()
+        try:
+            key = bytes.fromhex(self.secret)
+        except ValueError:  # a secret given as text, not hex
+            key = self.secret.encode()
+        return hmac.new(key, f"{self.refit_id}/{what}".encode(), hashlib.sha256).hexdigest()
 
     @property
     def namespace(self) -> str:
         """Where the refit's keys live: unguessable without the secret."""
         return f"reshard/{self.refit_id}/{self.proof('namespace')[:32]}/"
-
-
-def _is_hex(s: str) -> bool:
-    try:
-        bytes.fromhex(s)
-        return len(s) % 2 == 0
-    except ValueError:
-        return False
 
 
 def host_store(rdv: Rendezvous) -> tuple[Rendezvous, Any]:

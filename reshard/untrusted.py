@@ -63,27 +63,22 @@ def _constant(name: str) -> Any:
     raise _Refused(f"uses {name}, which JSON does not have")
 
 
-def parse_json(data: "bytes | str", error: ErrorFactory, field: str, value: Any = "<text>",
-               depth: int = MAX_JSON_DEPTH) -> Any:
+def parse_json(data: "bytes | str", error: ErrorFactory, field: str, value: Any = "<text>") -> Any:
     """A JSON value from `data` (UTF-8 bytes or text) by the module docstring's rules; errors name `field` and
     `value` (where the data came from)."""
-    if isinstance(data, bytes):
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise error(field, value, f"is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    else:
-        text = data
     try:
+        text = data.decode("utf-8") if isinstance(data, bytes) else data
         out = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_constant)
+    except UnicodeDecodeError as e:  # (a ValueError: before JSON's own)
+        raise error(field, value, f"is not UTF-8 text ({e.reason} at byte {e.start})") from None
     except _Refused as e:
         raise error(field, value, str(e)) from None
     except RecursionError:
-        raise error(field, value, f"nests deeper than {depth} levels") from None
+        raise error(field, value, f"nests deeper than {MAX_JSON_DEPTH} levels") from None
     except ValueError as e:  # JSONDecodeError
         raise error(field, value, f"is not valid JSON ({e})") from None
-    if json_depth(out, depth) > depth:
-        raise error(field, value, f"nests deeper than {depth} levels")
+    if json_depth(out) > MAX_JSON_DEPTH:
+        raise error(field, value, f"nests deeper than {MAX_JSON_DEPTH} levels")
     return out
 
 

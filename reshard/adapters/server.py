@@ -194,10 +194,7 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased)
         """The ids of the adapters loaded in every worker of the engine (vLLM's `list_loras`)."""
         per_worker = []
         for answer in self.collective_rpc("list_loras"):
-            text = str(answer).strip()
-            if text in ("set()", "{}"):
-                per_worker.append(set())
-                continue
+            text = str(answer).strip().removeprefix("set()")  # an empty set: no ids, as "{}" reads
             try:
                 per_worker.append({int(x) for x in text.strip("{}[]").split(",") if x.strip()})
             except ValueError:

@@ -2,7 +2,7 @@
 both wrap this).
 
     session = WorkerSession(model, vllm_config, RefitSpec.from_dict(payload))  # checks; raises before bytes move
-    session.start(); session.receive(); session.finish()                        # one refit
+    session.start(); session.transfer(); session.install()                      # one refit (install commits)
     session.close()
 
 Construction checks the trainer's model and layout against what this worker serves (an EPLB engine's expert
@@ -305,15 +305,6 @@ class WorkerSession:
             raise ExecutionError("an installed adapter slot holds B * alpha / r, not what landed")
         return {"rank": self.rank, "refit": (self.refit.rendezvous or {}).get("refit_id", ""),
                 "installed": self.installed, "digests": tensor_digests(getattr(self, "tensors", {}))}
-
-    def receive(self) -> None:
-        """transfer, then install (a one-phase update)."""
-        self.transfer()
-        self.install()
-
-    def finish(self) -> None:
-        """Close the update (nothing left to do: install committed it)."""
-        pass
 
     def close(self) -> None:
         """Close the transport (bounded by its timeout) and release the buffers; a set-up still running is stopped."""

@@ -121,7 +121,7 @@ class AgreedSteps:
                 raise error
             self.active().check_refit(refit)
             if phase == "install":
-                self.active().install_received()
+                self.active().install()
             else:
                 self.active().transfer()
 

@@ -61,6 +61,9 @@ class ReshardWeightTransferEngine(WeightTransferEngine[ReshardInitInfo, ReshardU
     def start_weight_update(self) -> None:
         self.steps.start()
 
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+
     def receive_weights(self, update_info: ReshardUpdateInfo) -> None:
         self.steps.update(update_info.error, update_info.phase, update_info.refit)
 

@@ -5,11 +5,10 @@ The trainer drives it with `reshard.adapters.trainer.TrainerSession`.
 """
 from .derive import DerivedLayout, check_layout, derive_layout, representative_layers
 from .direct import DirectBinding, bind_direct
-from .live import VllmFamily, family_of, register_family
 from .loader import LoaderInstaller, layer_groups, loader_layout
 from .session import WorkerSession
 
 __all__ = [
-    "DerivedLayout", "DirectBinding", "LoaderInstaller", "VllmFamily", "WorkerSession", "bind_direct", "check_layout",
-    "derive_layout", "family_of", "layer_groups", "loader_layout", "register_family", "representative_layers",
+    "DerivedLayout", "DirectBinding", "LoaderInstaller", "WorkerSession", "bind_direct", "check_layout",
+    "derive_layout", "layer_groups", "loader_layout", "representative_layers",
 ]

@@ -121,7 +121,7 @@ class AgreedSteps:
                 raise error
             self.active().check_refit(refit)
             if phase == "install":
-                self.active().install_received()
+                self.active().install()
             else:
                 self.active().transfer()
 
@@ -131,8 +131,8 @@ class AgreedSteps:
             torch.accelerator.synchronize()
 
     def finish(self) -> None:
-        """Close the update on this worker."""
-        self.active().finish()
+        """Close the update on this worker (nothing left to do once bound: the install committed it)."""
+        self.active()
 
     def close(self) -> None:
         """Close the session (its transport), if any."""

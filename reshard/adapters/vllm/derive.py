@@ -252,8 +252,7 @@ def placement_problems(derived: Sequence[tuple[str, Placement]], declared: Seque
 
 
 def check_layout(model: torch.nn.Module, layout: Layout, rank: int, layers: Sequence[int] | None = None,
-                 vllm_config: Any = None, loaders: bool = True,
-                 params: dict[str, torch.nn.Parameter] | None = None) -> DerivedLayout:
+                 vllm_config: Any = None, params: dict[str, torch.nn.Parameter] | None = None) -> DerivedLayout:
     """Raise LayoutMismatchError unless rank `rank` of `layout` is what this live model holds and what its
     loaders write (for the canonical tensors of `layers`, default all). Returns the derived layout.
     `params`: the model's `live.weights`, where the caller has read them already."""
@@ -263,8 +262,6 @@ def check_layout(model: torch.nn.Module, layout: Layout, rank: int, layers: Sequ
     problems = structure_problems(live, layout, rank)
     if problems:
         raise LayoutMismatchError(str(layout), problems, where=where)
-    if not loaders:
-        return DerivedLayout(rank, live)
     derived = derive_layout(model, layout.model, rank, layers, vllm_config, params)
     # vLLM's loaders write experts by its initial placement, whatever EPLB did since: the probe is compared with
     # that; the live placement is checked against the EPLB state (experts.check_placement)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -71,11 +71,11 @@ class DirectBinding:
 
 
 def bind_direct(model: torch.nn.Module, layout: Layout, rank: int, layers: Sequence[int] | None = None,
-                vllm_config: Any = None, loaders: bool = True) -> DirectBinding:
-    """Check the live model against `layout` (structure and, unless `loaders=False`, the loaders' placements
-    for `layers`, default all) and that no parameter was re-laid out; then bind its storage."""
+                vllm_config: Any = None) -> DirectBinding:
+    """Check the live model against `layout` (structure and the loaders' placements for `layers`, default all) and
+    that no parameter was re-laid out; then bind its storage."""
     params = weights(model)  # read once: the checks and the binding below see the same parameters
-    check_layout(model, layout, rank, layers, vllm_config, loaders, params)
+    check_layout(model, layout, rank, layers, vllm_config, params)
     problems = relaid_problems(model, params)
     if problems:
         raise KernelFormatError(str(layout), problems, where=f"rank {rank} of the live vLLM model")
@@ -136,11 +136,10 @@ def _why_relaid(module: torch.nn.Module, method: Any) -> str | None:
     return f"MoE backend {backend} re-lays the expert weights after loading (only {_MOE_AS_LOADED} keep them)"
 
 
-def relaid_problems(model: torch.nn.Module, params: dict[str, torch.nn.Parameter],
-                    names: Iterable[str] | None = None) -> list[str]:
+def relaid_problems(model: torch.nn.Module, params: dict[str, torch.nn.Parameter]) -> list[str]:
     """One line per parameter that must not be written in place, saying why (empty: all may be)."""
     problems = []
-    for name in sorted(params if names is None else names):
+    for name in sorted(params):
         if not params[name].is_contiguous():
             problems.append(f"{name}: storage is not contiguous (re-laid out after loading)")
             continue

@@ -20,21 +20,14 @@ BACKEND = "reshard"
 
 class ReshardInitInfo(WeightTransferInitInfo):
     """The worker-side init payload, a RefitSpec's fields; never raises itself (vLLM parses it before the workers
-    can agree on failures): `refit()` raises."""
+    can agree on failures): they are parsed by `refit()`, inside the engine's agreement."""
 
     def __init__(self, **fields: Any) -> None:
-        self.spec: RefitSpec | None = None
-        self.error: Exception | None = None
-        try:
-            self.spec = RefitSpec.from_dict(fields)
-        except Exception as e:  # noqa: BLE001 - raised by refit(), inside the engine's agreement
-            self.error = e
+        self.fields = fields
 
     def refit(self) -> RefitSpec:
-        """The parsed RefitSpec; raises what parsing it raised."""
-        if self.spec is None:
-            raise self.error
-        return self.spec
+        """The parsed RefitSpec; raises what parsing it raises."""
+        return RefitSpec.from_dict(self.fields)
 
 
 PHASES = ("transfer", "install", "all")

@@ -4,7 +4,6 @@ imported lazily). A model class named like an architecture of a registered `Mode
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,39 +12,20 @@ from ...errors import LayoutError
 from ...layouts import ModelSpec, VllmLayout, discover, spec_from_hf_config, supported_architectures
 
 
-@dataclass(frozen=True)
-class VllmFamily:
-    """How a vLLM model class maps to a reshard family (a class no `ModelFamily` names: `register_family`)."""
+def not_weights(model: Any) -> tuple[str, ...]:
+    """The live parameters of a vLLM model that hold no model weights (formatted with the layer index `{i}`): its
+    family's `vllm_not_weights`, the family found by the model's class name as an architecture. Buffers such as
+    attention scales, rotary caches and `_expert_map` are not parameters and need no entry.
 
-    architecture: str  # the vLLM model class name, as in an HF config's `architectures`
-    spec_family: str  # the reshard ModelSpec family it serves
-    # Live parameters that hold no model weights (formatted with the layer index `{i}`); buffers such as
-    # attention scales, rotary caches and `_expert_map` are not parameters and need no entry.
-    not_weights: tuple[str, ...] = ()
-
-
-_FAMILIES: dict[str, VllmFamily] = {}
-
-
-def register_family(family: VllmFamily) -> VllmFamily:
-    """Register the facts of a vLLM model class (refused if another description of it is registered); returns it."""
-    if family.architecture in _FAMILIES and _FAMILIES[family.architecture] != family:
-        raise LayoutError("vllm", f"a different description of {family.architecture} is already registered")
-    _FAMILIES[family.architecture] = family
-    return family
-
-
-def family_of(model: Any) -> VllmFamily:
-    """The description of a live vLLM model (looked up by its class), or an error listing those supported."""
+    Raises:
+        LayoutError: no registered family reads this model class, listing those supported.
+    """
     name = type(model).__name__
-    if name not in _FAMILIES and name in supported_architectures():
-        spec_family = discover({"architectures": [name]})
-        return register_family(VllmFamily(name, spec_family.name, spec_family.vllm_not_weights))
-    if name not in _FAMILIES:
+    if name not in supported_architectures():
         raise LayoutError("vllm", f"vLLM model class {name} has no reshard description; supported: "
-                                  f"{', '.join(sorted({*_FAMILIES, *supported_architectures()}))}",
+                                  f"{', '.join(supported_architectures())}",
                           {"model_class": name}, "add a model family (README: Add a model family)")
-    return _FAMILIES[name]
+    return discover({"architectures": [name]}).vllm_not_weights
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -71,13 +51,13 @@ def layer_of(name: str) -> int:
     return -1
 
 
-def weights(model: torch.nn.Module, family: VllmFamily | None = None) -> dict[str, torch.nn.Parameter]:
+def weights(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """The model's weight parameters by name, each storage once (tied lm_head and the MoE runner's alias of
     the router appear under their first name only). Buffers are never weights."""
-    family = family or family_of(model)
+    skip = not_weights(model)
     out = dict(model.named_parameters())  # remove_duplicate=True: aliases once
     for i in sorted({layer_of(n) for n in out}):
-        for template in family.not_weights:
+        for template in skip:
             out.pop(template.format(i=i), None)
     return out
 

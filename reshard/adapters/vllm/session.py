@@ -2,7 +2,7 @@
 both wrap this).
 
     session = WorkerSession(model, vllm_config, RefitSpec.from_dict(payload))  # checks; raises before bytes move
-    session.start(); session.receive(); session.finish()                        # one refit
+    session.start(); session.transfer(); session.install()                      # one refit (install commits)
     session.close()
 
 Construction checks the trainer's model and layout against what this worker serves (an EPLB engine's expert
@@ -38,7 +38,7 @@ from .. import rendezvous as rv
 from ..lora.slots import AdapterSlot, lora_manager
 from ..refit import RefitSpec, open_transport
 from .derive import representative_layers
-from .direct import DirectBinding, bind_direct
+from .direct import bind_direct
 from .experts import check_loader_placement, check_placement, live_placement
 from .lease import TORN
 from .live import declared_layout, local_rank, spec_of
@@ -90,33 +90,32 @@ class WorkerSession:
         if not 0 <= self.rank < dst.num_ranks:
             raise LayoutError(dst.engine, f"this worker is rank {self.rank} of the destination, which has "
                                         f"{dst.num_ranks} ranks (check replica and replicas)")
-        self.binding: DirectBinding | None = None
-        self.installer: LoaderInstaller | None = None
-        self.staging: Staging | None = None
         self.shadow: Shadow | None = None  # a staged loader install on a CPU engine
         self.landing: Background | None = None  # a staged transfer running while the engine generates
         self.flip_s = 0.0  # the last install's wall time
         self.tail_s = 0.0  # how long the last install waited for its staged transfer
-        self.slot: AdapterSlot | None = None
+        # whatever the install, the destination is the tensors the transport writes, the checks `start` runs on
+        # what they are bound to, and the steps of the flip
         if refit.install == "lora_slot":
-            self.slot = AdapterSlot(lora_manager(self.model), dst, refit.lora_id, self.rank)
-            tensors = self.slot.tensors
+            slot = AdapterSlot(lora_manager(self.model), dst, refit.lora_id, self.rank)
+            tensors, self.checks, self.flips = slot.tensors, [slot.verify], [slot.scale]
         elif refit.install == "direct":
             layers = refit.verify_layers if refit.verify_layers is not None else representative_layers(dst.model)
-            self.binding = bind_direct(self.model, dst, self.rank, layers, self.vllm_config)
-            tensors = self.binding.tensors
+            binding = bind_direct(self.model, dst, self.rank, layers, self.vllm_config)
+            tensors, self.checks, self.flips = binding.tensors, [binding.verify], [binding.finish]
             if refit.staging is not None:  # the transport writes the staging; the flip copies it into the model
-                self.staging = Staging(tensors, refit.staging, f"one copy of engine replica {refit.replica} rank "
-                                                               f"{self.rank}'s shard, {len(tensors)} tensors")
-                tensors = self.staging.tensors
+                staging = Staging(tensors, refit.staging, f"one copy of engine replica {refit.replica} rank "
+                                                          f"{self.rank}'s shard, {len(tensors)} tensors")
+                tensors, self.flips = staging.tensors, [staging.flip, binding.finish]
         else:
-            self.installer = LoaderInstaller(self.model, self.rank, self.plan, self.vllm_config,
-                                             shared=refit.transport == "shared")
-            tensors = self.installer.buffers
-            if refit.staging is not None and swaps(self.model, self.installer.device, self.vllm_config):
-                self.shadow = Shadow(self.installer)  # loaded and processed off the pause, swapped at the flip
-                check_room(self.shadow.nbytes, free_bytes(self.installer.device, "host"), refit.staging,
+            installer = self.installer = LoaderInstaller(self.model, self.rank, self.plan, self.vllm_config,
+                                                         shared=refit.transport == "shared")
+            tensors, self.checks, self.flips = installer.buffers, [], [installer.install]
+            if refit.staging is not None and swaps(self.model, installer.device, self.vllm_config):
+                self.shadow = Shadow(installer)  # loaded and processed off the pause, swapped at the flip
+                check_room(self.shadow.nbytes, free_bytes(installer.device, "host"), refit.staging,
                            f"a shadow of engine replica {refit.replica} rank {self.rank}'s processed layers")
+                self.flips = [self.shadow.swap]
         process = self.rank
         self.tensors, self.installed = tensors, False
         if refit.cross_process:
@@ -203,10 +202,8 @@ class WorkerSession:
         self.ready()
         self.received = False
         self._check_experts()
-        if self.binding is not None:
-            self.binding.verify()
-        if self.slot is not None:
-            self.slot.verify()
+        for check in self.checks:
+            check()
 
     def transfer(self) -> None:
         """This worker's part of the transfer, the model untouched; staged refits return at once."""
@@ -263,8 +260,9 @@ class WorkerSession:
         if not ok:
             raise ExecutionError("another worker of this engine lacks its staged bytes")
 
-    def install_received(self) -> None:
-        """The install step of a two-phase update: refused unless this update's transfer landed whole."""
+    def install(self) -> None:
+        """After every worker has its bytes: the flip (direct, shadow), load_weights (loader) or B *= alpha / r;
+        refused unless this update's transfer landed whole (the install step of a two-phase update, or of one)."""
         try:
             self._landed_whole()
         except ExecutionError as e:
@@ -273,24 +271,11 @@ class WorkerSession:
             raise ExecutionError("install refused: no complete transfer of this update landed on this worker (the "
                                  "flip needs a whole version); the live weights are untouched")
         self.received = False
-        self.install()
-
-    def install(self) -> None:
-        """After every worker has its bytes: the flip (direct, shadow), load_weights (loader) or B *= alpha / r."""
-        self._landed_whole()
         start = time.perf_counter()
         try:  # from here the live weights change: a failure leaves a mix, which the server fences
             _injected_flip_fault(self.rank, wrote=False)
-            if self.slot is not None:
-                self.slot.scale()
-            elif self.binding is not None:
-                if self.staging is not None:
-                    self.staging.flip()
-                self.binding.finish()
-            elif self.shadow is not None:
-                self.shadow.swap()
-            else:
-                self.installer.install()
+            for step in self.flips:
+                step()
             _injected_flip_fault(self.rank, wrote=True)
         except Exception as e:
             raise ExecutionError(f"{TORN} on engine replica {self.refit.replica} rank {self.rank}: "
@@ -301,19 +286,10 @@ class WorkerSession:
     def landed(self) -> dict[str, Any]:
         """SHA-256 of each destination tensor the last transfer landed here (before vLLM repacks anything) and
         whether it was installed: {"rank", "refit", "installed", "digests"}."""
-        if self.slot is not None and self.installed:
+        if self.refit.install == "lora_slot" and self.installed:
             raise ExecutionError("an installed adapter slot holds B * alpha / r, not what landed")
         return {"rank": self.rank, "refit": (self.refit.rendezvous or {}).get("refit_id", ""),
                 "installed": self.installed, "digests": tensor_digests(getattr(self, "tensors", {}))}
-
-    def receive(self) -> None:
-        """transfer, then install (a one-phase update)."""
-        self.transfer()
-        self.install()
-
-    def finish(self) -> None:
-        """Close the update (nothing left to do: install committed it)."""
-        pass
 
     def close(self) -> None:
         """Close the transport (bounded by its timeout) and release the buffers; a set-up still running is stopped."""

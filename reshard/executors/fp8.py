@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentError, ExecutionError
-from ..layouts.fp8 import FP8_MAX, STAGING, scale_name
+from ..layouts.fp8 import AMAX_FLOOR, FP8_MAX, STAGING, scale_name
 from ..planner.fp8 import Fp8Plan
 from ..planner.plan import RELAY
 from .base import Executor, RankTensors, make_executor
@@ -30,12 +30,6 @@ from .pins import Pins
 from .stats import RefitStats, phase_times
 
 QUANTIZERS = ("auto", "eager", "kernel")
-AMAX_FLOOR = 1e-4  # DeepGEMM's / vLLM's floor on a block's amax: an all-zero block gets scale 1e-4 / 448
-
-
-def _block_amax(v: torch.Tensor) -> torch.Tensor:
-    """max |x| per block of a [nb, bn, kb, bk] view, in float32 (the larger of -min and max: no |x| temporary)."""
-    return torch.maximum(v.amax(dim=(1, 3)), v.amin(dim=(1, 3)).neg()).float()
 
 
 def quantize_blocks(x: torch.Tensor, block: tuple[int, int],
@@ -50,7 +44,8 @@ def quantize_blocks(x: torch.Tensor, block: tuple[int, int],
         padded[:n, :k] = x
         x = padded
     v = x.reshape(nb, bn, kb, bk)
-    amax = _block_amax(v).clamp_(min=AMAX_FLOOR)
+    # max |x| per block in float32: the larger of -min and max (no |x| temporary)
+    amax = torch.maximum(v.amax(dim=(1, 3)), v.amin(dim=(1, 3)).neg()).float().clamp_(min=AMAX_FLOOR)
     # on tensors: CUDA divides by a Python scalar as a product with its reciprocal (can differ in the last bit)
     scale = amax / torch.full_like(amax, FP8_MAX)
     inv = torch.reciprocal(scale)[:, None, :, None]

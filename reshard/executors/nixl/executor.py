@@ -34,7 +34,7 @@ from ...polling import poll
 from ..base import RankTensors, close_within
 from ..binding import Binding
 from ..checksum import Streams, algorithm, mismatch
-from ..copies import DST, SHADOW, SRC, WIRE
+from ..copies import DST, SRC
 from ..delta import DeltaError, DeltaPolicy, DeltaReport, VotedDelta, payload_bound
 from ..exchange import Exchange
 from ..partition import Partition
@@ -88,7 +88,7 @@ class NixlExecutor(VotedExecutor):
                 "options": options.shared(), "direction": s.direction, "pack_below": self.pack_below,
                 "land_below": self.land_below, "mem": "VRAM" if on_gpu else "DRAM",
                 "device": (self.device.index or 0) if on_gpu else 0,
-                "addresses": {memory_name(k, i): self._address(k, i) for k, i in s.exposed},
+                "addresses": {memory_name(k, i): self._memory(k, i).data_ptr() for k, i in s.exposed},
                 **(self._delta.book() if self._delta is not None else {"delta": None})}
         regions = [(t.data_ptr(), t.numel() * self.itemsize) for t in
                    (self._memory(k, i) for k, i in s.exposed if k in (SRC, DST))]
@@ -127,11 +127,6 @@ class NixlExecutor(VotedExecutor):
         self._local = [program(c) for c in s.local]
         self._commit_program = program(s.commit)
         self._shifts = self.prepared.shifts()  # value shifts of this process's destination blocks
-
-    def _address(self, kind: int, ident: int) -> int:
-        if kind in (SHADOW, WIRE):
-            return self.arena.data_ptr() + self.schedule.arena[(kind, ident)][0] * self.itemsize
-        return self._memory(kind, ident).data_ptr()
 
     def _transfer(self, v: int, deadline: float) -> None:
         self._dirty = True

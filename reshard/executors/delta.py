@@ -31,6 +31,7 @@ import torch
 from ..errors import CoverageError, ExecutionError
 from ..kernels import triton_available
 from ..planner.delta import BITMAP, DENSE, ENCODINGS, SPARSE, DeltaOps, choose, prove_delta
+from ..planner.plan import RELAY
 from .checksum import blocks_digest
 from .reference import block, op_blocks
 
@@ -246,27 +247,22 @@ class Sender:
                 payload[at["digest"]:at["digest"] + len(digest)] = torch.frombuffer(bytearray(digest),
                                                                                     dtype=torch.uint8)
             pos = {name: at[name] for name in ("index", "bitmap", "values", "dense")}
+
+            def put(section: str, data: torch.Tensor) -> None:  # the next bytes of `section`, in data's shape
+                n = data.numel() * data.element_size()
+                payload.narrow(0, pos[section], n).view(data.dtype).view(data.shape).copy_(data)
+                pos[section] += n
+
             indices = []
             for k, e in zip(keep.tolist(), enc.tolist()):
                 t, off, r, c, s = (x[k] for x in cols)
                 flat, idx = _bits(src_flat[t]), found[k]
                 if e == DENSE:
-                    n = r * c * size
-                    dst = payload.narrow(0, pos["dense"], n).view(flat.dtype)
-                    dst.view(r, c).copy_(block(flat, off, r, c, s)) if r > 1 else dst.copy_(block(flat, off, r, c, s))
-                    pos["dense"] += n
+                    put("dense", block(flat, off, r, c, s))
                     continue
-                if e == SPARSE:
-                    payload.narrow(0, pos["index"], 4 * len(idx)).view(torch.int32).copy_(idx)
-                    pos["index"] += 4 * len(idx)
-                else:
-                    packed = pack_bits(idx, r * c)
-                    payload.narrow(0, pos["bitmap"], len(packed)).copy_(packed)
-                    pos["bitmap"] += len(packed)
+                put(*(("index", idx.to(torch.int32)) if e == SPARSE else ("bitmap", pack_bits(idx, r * c))))
                 indices.append(idx)
-                where = off + (idx // c) * s + idx % c
-                payload.narrow(0, pos["values"], size * len(idx)).view(flat.dtype).copy_(flat[where])
-                pos["values"] += size * len(idx)
+                put("values", flat[off + (idx // c) * s + idx % c])
         index = torch.cat(indices) if indices else torch.zeros(0, dtype=torch.int64, device=device)
         return payload, DeltaOps(op, enc, count, index)
 
@@ -336,8 +332,6 @@ def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
 class Decoded:
     """A payload read and proven (`Receiver.read`): its entries, their indices and values as views of it."""
 
-    base: int
-    version: int
     delta: DeltaOps  # its indices on the payload's device
     values: torch.Tensor  # the non-dense entries' values, in the plan's unit width (bits)
     dense: torch.Tensor  # the dense entries' blocks, concatenated
@@ -406,7 +400,7 @@ class Receiver:
         values = payload.narrow(0, at["values"], size * int(count[enc != DENSE].sum())).view(unit)
         dense = payload.narrow(0, at["dense"], size * int(box[enc == DENSE].sum())).view(unit)
         digest = bytes(payload.narrow(0, at["digest"], digest_bytes).cpu().tolist())
-        return Decoded(base, version, DeltaOps(op, enc, count, index), values, dense, digest)
+        return Decoded(DeltaOps(op, enc, count, index), values, dense, digest)
 
     def _prove(self, delta: DeltaOps, allowed: np.ndarray, sender: str, indices: bool = True) -> None:
         try:
@@ -503,10 +497,17 @@ class VotedDelta:
         policy: the `DeltaPolicy`.
         part: the executor's `executors.partition.Partition`.
         checksum: the checksum algorithm, or None.
+
+    Raises:
+        ArgumentError: `policy` is not a DeltaPolicy.
+        ExecutionError: the plan relays between replicas (fan-out).
     """
 
     def __init__(self, executor, policy: DeltaPolicy, part, checksum: str | None) -> None:
-        me = executor.process
+        me, o = executor.process, executor.plan.ops
+        if np.any(o["src_side"] == RELAY):
+            raise ExecutionError("delta refits need a plan without fan-out (relays between replicas); compile it "
+                                 "without fanout")
         self.ex, self.policy, self.checksum = executor, _policy(policy), checksum
         local = {me: part.local} if len(part.local) else {}
         self.sends, self.recvs = {**local, **part.sends_to}, {**local, **part.receives_from}

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..errors import ArgumentError, ExecutionError
-from ..layouts.fp8 import FP8_MAX, STAGING, scale_name
+from ..layouts.fp8 import AMAX_FLOOR, FP8_MAX, STAGING, scale_name
 from ..planner.fp8 import Fp8Plan
 from ..planner.plan import RELAY
 from .base import Executor, RankTensors, make_executor
@@ -30,12 +30,6 @@ from .pins import Pins
 from .stats import RefitStats, phase_times
 
 QUANTIZERS = ("auto", "eager", "kernel")
-AMAX_FLOOR = 1e-4  # DeepGEMM's / vLLM's floor on a block's amax: an all-zero block gets scale 1e-4 / 448
-
-
-def _block_amax(v: torch.Tensor) -> torch.Tensor:
-    """max |x| per block of a [nb, bn, kb, bk] view, in float32 (the larger of -min and max: no |x| temporary)."""
-    return torch.maximum(v.amax(dim=(1, 3)), v.amin(dim=(1, 3)).neg()).float()
 
 
 def quantize_blocks(x: torch.Tensor, block: tuple[int, int],
@@ -50,7 +44,8 @@ def quantize_blocks(x: torch.Tensor, block: tuple[int, int],
         padded[:n, :k] = x
         x = padded
     v = x.reshape(nb, bn, kb, bk)
-    amax = _block_amax(v).clamp_(min=AMAX_FLOOR)
+    # max |x| per block in float32: the larger of -min and max (no |x| temporary)
+    amax = torch.maximum(v.amax(dim=(1, 3)), v.amin(dim=(1, 3)).neg()).float().clamp_(min=AMAX_FLOOR)
     # on tensors: CUDA divides by a Python scalar as a product with its reciprocal (can differ in the last bit)
     scale = amax / torch.full_like(amax, FP8_MAX)
     inv = torch.reciprocal(scale)[:, None, :, None]
@@ -116,32 +111,26 @@ class SenderQuantizer(_QuantizeJobs):
         self.tensors: dict[int, dict[str, torch.Tensor]] = {}
         self.jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (bf16 piece, fp8 piece, scale piece)
         for rank, given in src.items():
-            wanted = plan.src_tensors.on_rank(rank)
             out: dict[str, torch.Tensor] = {}
-            for name, units in wanted.items():
-                dtype = torch_dtype(own[(rank, name)]) if (rank, name) in own else unit
-                shape = element_shape(units, unit, dtype)
-                real = given.get(name)
-                if dtype != torch.float8_e4m3fn:  # the trainer's own tensor (a float32 router bias too)
-                    if real is not None:
-                        out[name] = real
-                    continue  # a scale: no trainer tensor (below)
-                if real is None:
-                    continue
-                if real.dtype != unit or tuple(real.shape) != tuple(shape):
-                    raise ExecutionError(f"source rank {rank} {name!r}: got {tuple(real.shape)} {real.dtype}, a "
-                                         f"quantizing refit reads {tuple(shape)} {unit} (a source already in "
-                                         f"{real.dtype} is not re-quantized into other blocks)")
-                if shadows:  # a shadow beside the trainer's tensor (without: DirectQuantizer writes the destination)
-                    out[name] = torch.zeros(shape, dtype=dtype, device=real.device)
             # scales have no trainer tensor: shadows on the weight's device (known by dtype, and by the plan's pieces:
             # under a float32 trainer a scale has the trainer's own dtype)
             scales = {b.tensor for _, b in fp.sender_pieces(rank)} if shadows else set()
-            for name, units in wanted.items() if shadows else ():
-                if name not in given and ((rank, name) in own or name in scales):
-                    dev = next((t.device for t in given.values() if isinstance(t, torch.Tensor)), "cpu")
-                    dtype = torch_dtype(own.get((rank, name), plan.src.dtype))
-                    out[name] = torch.zeros(element_shape(units, unit, dtype), dtype=dtype, device=dev)
+            device = next((t.device for t in given.values() if isinstance(t, torch.Tensor)), "cpu")
+            for name, units in plan.src_tensors.on_rank(rank).items():
+                dtype = torch_dtype(own.get((rank, name), plan.src.dtype))
+                shape = element_shape(units, unit, dtype)
+                real = given.get(name)
+                if real is None:
+                    if shadows and ((rank, name) in own or name in scales):
+                        out[name] = torch.zeros(shape, dtype=dtype, device=device)
+                elif dtype != torch.float8_e4m3fn:  # the trainer's own tensor (a float32 router bias too)
+                    out[name] = real
+                elif real.dtype != unit or tuple(real.shape) != tuple(shape):
+                    raise ExecutionError(f"source rank {rank} {name!r}: got {tuple(real.shape)} {real.dtype}, a "
+                                         f"quantizing refit reads {tuple(shape)} {unit} (a source already in "
+                                         f"{real.dtype} is not re-quantized into other blocks)")
+                elif shadows:  # a shadow beside the trainer's tensor (without: DirectQuantizer writes the destination)
+                    out[name] = torch.zeros(shape, dtype=dtype, device=real.device)
             self.tensors[rank] = out
             if not shadows:
                 continue
@@ -183,9 +172,7 @@ class ReceiverQuantizer(_QuantizeJobs):
                                               wanted == unit):
                     # staging: vLLM names it after its parameter; an HF destination's is the fp8 tensor's name
                     out[name] = torch.zeros(units, dtype=unit, device=real.device if real is not None else "cpu")
-                elif real is not None:
-                    out[name] = real
-            self.tensors[rank] = dict(given, **out)
+            self.tensors[rank] = dict(given, **out)  # the engine's own tensors, and the staging
         fspec = full.model
         for t in fp.receiver_tensors:
             ft, fs = fspec.tensor(t.name), fspec.tensor(scale_name(t.name))

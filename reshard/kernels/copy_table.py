@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .table_plan import WORDS, chunk_table, chunk_words, word_bytes
+from .table_plan import chunk_table, chunk_words
 from .tuning import KernelTuning
 
 
@@ -76,4 +76,4 @@ class CopyTable:
             _copy_table_kernel[(n,)](base, base, table, n, BLOCK=block, ALIGN=align, num_warps=self.num_warps)
 
 
-__all__ = ["CopyTable", "WORDS", "word_bytes"]
+__all__ = ["CopyTable"]

@@ -18,11 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..layouts.fp8 import AMAX_FLOOR, FP8_MAX
 from . import fp8_blocks
 from .tuning import KernelTuning
 
-FP8_MAX = 448.0
-AMAX_FLOOR = 1e-4
 VECTOR_BYTES = 16  # the widest load and store a thread issues
 
 

@@ -11,7 +11,6 @@ import torch
 import triton
 import triton.language as tl
 
-PERIOD = 1 << 23
 TILE = 2048
 
 

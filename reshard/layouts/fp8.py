@@ -26,6 +26,7 @@ from .validated import ValidatedModel
 FP8 = "float8_e4m3fn"
 SCALE_DTYPE = "float32"
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+AMAX_FLOOR = 1e-4  # DeepGEMM's / vLLM's floor on a block's amax: an all-zero block gets scale 1e-4 / 448
 STAGING = ".bf16"  # suffix of a receiver's staging tensor (named after the vLLM parameter it becomes)
 ARCH_KEY = "fp8"
 
@@ -200,39 +201,26 @@ def wire_spec(spec: ModelSpec, scheme: Fp8Scheme, receiver: Iterable[str] = ()) 
     return ModelSpec(**{**spec.model_dump(), "arch": {**dict(spec.arch), ARCH_KEY: info}})
 
 
-@dataclass(frozen=True)
-class WireInfo:
-    """What a wire spec says of FP8: the block scheme, and the entries the receiver quantizes itself."""
-
-    scheme: Fp8Scheme
-    receiver: frozenset[str]
-
-
-def wire_info(spec: ModelSpec) -> WireInfo | None:
-    """The scheme and receiver-quantized entries of a wire spec (`wire_spec`); None for any other spec."""
+def transform_items(spec: ModelSpec, items: tuple, layer: int) -> tuple:
+    """A family's entries for layer `layer` (-1 outside the layers) as a wire spec (`wire_spec`) lists them: the
+    entries unchanged for any other spec."""
     raw = spec.arch_value(ARCH_KEY)
     if raw is None:
-        return None
-    d = dict(raw)
-    return WireInfo(Fp8Scheme(block=tuple(d["block"]), ignored=tuple(d.get("ignored", ())),
-                              activation_scheme=d.get("activation_scheme", "dynamic")),
-                    frozenset(d.get("receiver", ())))
-
-
-def transform_items(spec: ModelSpec, items: tuple, layer: int) -> tuple:
-    """A family's entries for layer `layer` (-1 outside the layers) as a wire spec lists them."""
-    info = wire_info(spec)
-    if info is None:
         return items
+    info = dict(raw)
+    scheme = Fp8Scheme(block=tuple(info["block"]), ignored=tuple(info.get("ignored", ())),
+                       activation_scheme=info.get("activation_scheme", "dynamic"))
+    receiver = frozenset(info.get("receiver", ()))  # the entries the receiver quantizes itself
+
     def entries(e: Entry) -> list[Entry]:
-        if not is_quantized(spec, info.scheme, e, layer):
+        if not is_quantized(spec, scheme, e, layer):
             return [e]
         kind = kind_of(spec, e.role)
-        if e.name in info.receiver:
+        if e.name in receiver:
             return [Entry(e.name, e.shape, staged_kind(kind))]
         return [Entry(e.name, e.shape, kind, dtype=FP8),
-                Entry(scale_name(e.name), tuple(_blocks(x, b) for x, b in zip(e.shape, info.scheme.block)),
-                      scale_kind(kind, e.shape, info.scheme.block), dtype=SCALE_DTYPE)]
+                Entry(scale_name(e.name), tuple(_blocks(x, b) for x, b in zip(e.shape, scheme.block)),
+                      scale_kind(kind, e.shape, scheme.block), dtype=SCALE_DTYPE)]
 
     out: list = []
     for item in items:
@@ -254,5 +242,6 @@ def quantized_entries(spec: ModelSpec, scheme: Fp8Scheme) -> dict[str, tuple[Has
     return out
 
 
-__all__ = ["FP8", "FP8_MAX", "Fp8Scheme", "LINEAR_ROLES", "STAGING", "ScaledCut", "WireInfo", "is_quantized",
-           "quantized_entries", "scale_kind", "scale_name", "staged_kind", "transform_items", "wire_info", "wire_spec"]
+__all__ = ["AMAX_FLOOR", "FP8", "FP8_MAX", "Fp8Scheme", "LINEAR_ROLES", "STAGING", "ScaledCut",
+           "is_quantized", "quantized_entries", "scale_kind", "scale_name", "staged_kind", "transform_items",
+           "wire_spec"]

@@ -9,8 +9,7 @@ an op's elements changed, BITMAP up to 15/16, DENSE above.
 `prove_delta` extends the plan's coverage proof (its ops write disjoint boxes tiling the model data): a delta
 writes every destination element at most once, and only model data, when 1. every op appears at most once and
 2. each non-dense op's indices are strictly increasing and inside its box; and it carries no more than the dense
-refit when 3. every non-dense encoding is smaller than its dense block. `written` lists the elements a delta
-writes, for tests to compare with the elements whose value changed.
+refit when 3. every non-dense encoding is smaller than its dense block.
 """
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ import numpy as np
 import torch
 
 from ..errors import CoverageError
-from .merge import run_positions
 
 DENSE, SPARSE, BITMAP = 0, 1, 2
 ENCODINGS = ("dense", "sparse", "bitmap")
@@ -67,12 +65,6 @@ class DeltaOps:
 
     def __len__(self) -> int:
         return len(self.op)
-
-    def wire_bytes(self, plan) -> int:
-        """Bytes of the entries' encodings (without headers)."""
-        box = _box(plan, self.op)
-        return int(np.take_along_axis(encoded_bytes(box, self.count, plan.itemsize),
-                                      self.encoding[:, None].clip(0, 2), axis=1).sum())
 
 
 def _box(plan, op: np.ndarray) -> np.ndarray:
@@ -145,20 +137,5 @@ def prove_delta(plan, delta: DeltaOps, allowed: "np.ndarray | None" = None, indi
         raise CoverageError("delta proof failed", problems)
 
 
-def written(plan, delta: DeltaOps) -> tuple[np.ndarray, np.ndarray]:
-    """(destination table id, flat element position) of every element `delta` writes, in entry order."""
-    o = plan.ops
-    box = _box(plan, delta.op)
-    dense = delta.encoding == DENSE
-    count = np.where(dense, box, delta.count)
-    owner = np.repeat(np.arange(len(delta)), count)
-    idx = run_positions(count)  # index within the entry
-    idx[~dense[owner]] = delta.index.cpu().numpy()
-    op = delta.op[owner]
-    cols = o["cols"][op]
-    position = o["dst_offset"][op] + (idx // cols) * o["dst_stride"][op] + idx % cols
-    return o["dst_tensor"][op], position
-
-
 __all__ = ["BITMAP", "DENSE", "DeltaOps", "ENCODINGS", "INDEX_BYTES", "SPARSE", "choose", "encoded_bytes",
-           "prove_delta", "written"]
+           "prove_delta"]

@@ -86,9 +86,7 @@ class Fp8Plan:
             dtype = own.get((rank, name), self.plan.src.dtype)  # a float32 trainer's scales: its own dtype
             if dtype == FP8:
                 out.setdefault(rank, set()).add(name)
-            elif dtype == "float32" and name.endswith("_scale_inv"):
-                out.setdefault(rank, set()).add(name[:-len("_scale_inv")])
-            elif dtype == "float32" and "_scale_inv" in name:  # TE's grouped experts: weight_scale_inv{j}
+            elif dtype == "float32" and "_scale_inv" in name:  # a scale (TE's grouped experts: weight_scale_inv{j})
                 out.setdefault(rank, set()).add(name.replace("_scale_inv", ""))
         return {r: tuple(sorted(v)) for r, v in sorted(out.items())}
 
@@ -150,12 +148,6 @@ def _templates(spec: ModelSpec) -> tuple[str, ...]:
 
 def _on(layout: Layout, spec: ModelSpec) -> Layout:
     return type(layout).model_validate({**layout.model_dump(), "model": spec})
-
-
-def check_destination(dst: Layout, scheme: Fp8Scheme) -> Layout:
-    """The destination with every quantized tensor in fp8 + scales; a cut that splits a block is refused here
-    (LayoutError naming tensor, dim and block) -- vLLM refuses the same TP when it builds the engine."""
-    return _on(dst, wire_spec(dst.model, scheme))
 
 
 def _source_physical(src: Layout, spec: ModelSpec, templates: dict[str, Any]) -> dict[str, set[str]]:
@@ -224,7 +216,9 @@ def compile_fp8(src: Layout, dst: Layout, scheme: Fp8Scheme, *, sender_quantizat
     if not templates:
         raise ModelConfigError(field="quantization_config", value=scheme.to_quantization_config(),
                                rule=f"leaves no tensor of this {spec.family} model quantized")
-    full_dst = check_destination(dst, scheme)
+    # every quantized tensor in fp8 + scales: a cut that splits a block is refused here (LayoutError naming tensor,
+    # dim and block) -- vLLM refuses the same TP when it builds the engine
+    full_dst = _on(dst, wire_spec(dst.model, scheme))
     if sender_quantization:
         where, why = decide(src, scheme)
     else:
@@ -240,4 +234,4 @@ def compile_fp8(src: Layout, dst: Layout, scheme: Fp8Scheme, *, sender_quantizat
     return Fp8Plan(scheme, spec, plan, where, why, baseline, full_dst)
 
 
-__all__ = ["Fp8Plan", "check_destination", "compile_fp8", "decide"]
+__all__ = ["Fp8Plan", "compile_fp8", "decide"]

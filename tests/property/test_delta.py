@@ -16,8 +16,10 @@ from reshard.errors import ArgumentError, CoverageError
 from reshard.executors import allocate, execute_local, make_executor, shard
 from reshard.executors.delta import DeltaError, DeltaPolicy, Receiver, Sender, _sections
 from reshard.planner.plan import RELAY
-from reshard.planner.delta import DENSE, SPARSE, DeltaOps, prove_delta, written
+from reshard.planner.delta import DENSE, SPARSE, DeltaOps, prove_delta
 from reshard.testing.strategies import refits
+
+from harness.delta_written import wire_bytes, written
 
 PATTERNS = ("empty", "one", "all", "clustered", "random")
 POISON = -7.0
@@ -90,7 +92,7 @@ def test_delta_refit_equals_dense_and_writes_each_changed_element_once(pair, pat
     assert set(key[~dense_ops].tolist()) <= changed, "an unchanged element written by a sparse or bitmap op"
     if pattern == "empty":
         assert len(delta) == 0
-    assert payload.numel() <= max(delta.wire_bytes(plan), 1) + 8 * 8 + 24 * len(delta) + 8 * 4
+    assert payload.numel() <= max(wire_bytes(plan, delta), 1) + 8 * 8 + 24 * len(delta) + 8 * 4
 
     # the executor's delta refit: poison everything it does not write, then it lands what the dense refit lands
     for i, (r, n) in enumerate(zip(table.ranks, table.names)):

@@ -2,9 +2,11 @@
 its peers (their agents loaded, their address books checked) and one prepared transfer per link it initiates.
 
 Set-up publishes the agent's metadata and this process's address book to the store, reads every peer's back and
-checks that it runs the same refit, prepares the descriptor lists (descriptors.py) and transfer handles, and
-connects to every peer; a refit only posts handles and exchanges notifications. NIXL errors become
-ExecutionErrors naming the link.
+checks that it runs the same refit, prepares the descriptor lists and transfer handles, and connects to every
+peer; a refit only posts handles and exchanges notifications. NIXL errors become ExecutionErrors naming the link.
+
+A descriptor is a row (address, bytes, device id) of an Nx3 uint64 array, as NIXL's prep_xfer_dlist and
+register_memory take; an address book's "addresses" map a memory's name (`memory_name`) to its first byte.
 
 No agent is released while a peer may still connect to it (UCX can abort a process whose connection to a released
 agent fails): a failed set-up says so in the store, so peers still setting up stop before their next connect, and
@@ -14,18 +16,57 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
 from ...errors import ExecutionError
 from ...polling import poll
+from ..copies import KIND_NAMES
 from ..exchange import Exchange
 from .agent import describe, is_nixl_error, make_agent
-from .descriptors import merged_regions, side_descriptors
 from .schedule import Link, LinkSchedule
 
 SHARED_KEYS = ("plan", "binding", "options", "direction", "pack_below", "land_below", "delta")  # equal in every book
+MEMORY_PREFIX = "SDHW"  # SRC, DST, SHADOW, WIRE as one letter in address books
+
+
+def memory_name(kind: int, ident: int) -> str:
+    """Memory (kind, id)'s name in an address book: the kind's letter of MEMORY_PREFIX, then the id."""
+    return f"{MEMORY_PREFIX[kind]}{ident}"
+
+
+def side_descriptors(link: Link, side: str, addresses: Mapping[str, int], itemsize: int, device: int,
+                     owner: str) -> np.ndarray:
+    """Nx3 descriptors of one side ("send" or "recv") of a link's pieces."""
+    p = link.pieces
+    kinds, ids, offs = p[f"{side}_kind"], p[f"{side}_id"], p[f"{side}_off"]
+    keys = kinds * (1 << 40) + ids
+    uniq, inverse = np.unique(keys, return_inverse=True)
+    bases = np.empty(len(uniq), dtype=np.int64)
+    for i, key in enumerate(uniq.tolist()):
+        kind, ident = divmod(key, 1 << 40)
+        name = memory_name(kind, ident)
+        if name not in addresses:
+            raise ExecutionError(f"{link}: {owner} published no address for its {KIND_NAMES[kind]} {ident}")
+        bases[i] = addresses[name]
+    out = np.empty((len(kinds), 3), dtype=np.uint64)
+    out[:, 0] = (bases[inverse.reshape(-1)] + offs * itemsize).astype(np.uint64)
+    out[:, 1] = (p["numel"] * itemsize).astype(np.uint64)
+    out[:, 2] = device
+    return out
+
+
+def merged_regions(regions: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(address, nbytes) regions with overlapping ones merged (tensors viewing one buffer register once).
+    Regions that only touch stay apart: on GPUs two allocations may be adjacent yet separate."""
+    out: list[list[int]] = []
+    for addr, n in sorted(r for r in regions if r[1] > 0):
+        if out and addr < out[-1][0] + out[-1][1]:
+            out[-1][1] = max(out[-1][1], addr + n - out[-1][0])
+        else:
+            out.append([addr, n])
+    return [(a, n) for a, n in out]
 
 
 class Connection:

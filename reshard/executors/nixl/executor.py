@@ -18,7 +18,7 @@ A notification of another version for the awaited link is an error: a receiver n
 Every wait is bounded by `timeout` from the start of the refit (NIXL has no deadline for a frozen peer); a
 failing process writes its reason to the store and the others stop at their next poll. After a failure close the
 executor and build a new one (new namespace); its arena stays alive, since a peer may still write to it.
-Delta refits (`delta=`, CPU tensors): dense keyframes through the links, deltas as one WRITE per pair (delta.py).
+Delta refits (`delta=`, CPU tensors): dense keyframes through the links, deltas as one WRITE per pair (NixlDelta).
 """
 from __future__ import annotations
 
@@ -34,18 +34,17 @@ from ...polling import poll
 from ..base import RankTensors, close_within
 from ..binding import Binding
 from ..checksum import Streams, algorithm, mismatch
-from ..copies import DST, SHADOW, SRC, WIRE
-from ..delta import DeltaPolicy, DeltaReport
+from ..copies import DST, SRC
+from ..delta import DeltaError, DeltaPolicy, DeltaReport, VotedDelta, payload_bound
 from ..exchange import Exchange
+from ..partition import Partition
 from ..preflight import check_ops
 from ..reference import apply_shifts
 from ..prepared import Prepared
 from ..stats import RefitStats, ops_landing
 from ..views import CopyViews, Memory, view_copies
 from ..voted import VotedExecutor
-from .connection import Connection
-from .delta import NixlDelta
-from .descriptors import memory_name
+from .connection import Connection, memory_name
 from .options import NixlOptions
 from .schedule import Link, LinkSchedule, build_schedule
 
@@ -89,7 +88,7 @@ class NixlExecutor(VotedExecutor):
                 "options": options.shared(), "direction": s.direction, "pack_below": self.pack_below,
                 "land_below": self.land_below, "mem": "VRAM" if on_gpu else "DRAM",
                 "device": (self.device.index or 0) if on_gpu else 0,
-                "addresses": {memory_name(k, i): self._address(k, i) for k, i in s.exposed},
+                "addresses": {memory_name(k, i): self._memory(k, i).data_ptr() for k, i in s.exposed},
                 **(self._delta.book() if self._delta is not None else {"delta": None})}
         regions = [(t.data_ptr(), t.numel() * self.itemsize) for t in
                    (self._memory(k, i) for k, i in s.exposed if k in (SRC, DST))]
@@ -128,11 +127,6 @@ class NixlExecutor(VotedExecutor):
         self._local = [program(c) for c in s.local]
         self._commit_program = program(s.commit)
         self._shifts = self.prepared.shifts()  # value shifts of this process's destination blocks
-
-    def _address(self, kind: int, ident: int) -> int:
-        if kind in (SHADOW, WIRE):
-            return self.arena.data_ptr() + self.schedule.arena[(kind, ident)][0] * self.itemsize
-        return self._memory(kind, ident).data_ptr()
 
     def _transfer(self, v: int, deadline: float) -> None:
         self._dirty = True
@@ -178,8 +172,7 @@ class NixlExecutor(VotedExecutor):
 
         def step() -> bool:
             self._drain_notifications(v)
-            progress[0] = (self._start_outgoing(st, v) | self._post_reads(st, v) | self._completions(st, v)
-                           | self._announced(st, v) | self._next_stages(st))
+            progress[0] = self._advance(st, v) | self._next_stages(st)
             return st.finished()
 
         def check() -> bool:  # another process's failure, looked up every 50 ms
@@ -194,61 +187,42 @@ class NixlExecutor(VotedExecutor):
         if not poll(step, deadline, first_s=2e-5, most_s=self.options.poll_max_s, between=check):
             raise ExecutionError(f"timed out after {self.options.timeout:.1f} s, " + st.pending())
 
-    def _start_outgoing(self, st: "_Progress", v: int) -> bool:
-        """Start outgoing links whose source bytes are in place (WRITE: and whose receiver is ready)."""
-        still = []
-        for link in st.unstarted_out:
-            if link.stage > st.frontier or (not st.read and not self._take(READY, v, link)):
-                still.append(link)
-                continue
+    def _advance(self, st: "_Progress", v: int) -> bool:
+        """One pass over the links: start outgoing links whose stage is reached (packed, summed; READ: the
+        receiver told), post the links this process initiates once the peer is ready, and complete links (this
+        process's transfers by their state, the peer's by its done notification). Whether anything moved."""
+        progress = False
+        for link in [link for link in st.unstarted_out if link.stage <= st.frontier]:
+            st.unstarted_out.remove(link)
             if link.id in self._pack:
                 self._run(self._pack[link.id], sync=True)
             if self.options.checksum:  # before a peer can read or receive the link's bytes
                 self.exchange.store.set(f"v{v}/sum/{link.id}", self._link_digest(link, "send"))
             if st.read:
                 self._notify(link.receiver, READY, v, link)
+            else:  # WRITE: posted once the receiver's landing memory is free
+                st.unposted.append(link)
+            progress = True
+        for link in [link for link in st.unposted if self._take(READY, v, link)]:
+            st.unposted.remove(link)
+            self._post(link, v)
+            st.posted[link.id] = link
+            progress = True
+        for link in [*st.waiting_in.values(), *st.waiting_out.values()]:
+            if link.id in st.posted:
+                state = self.connection.state(link)
+                if state not in ("DONE", "PROC"):
+                    raise ExecutionError(f"{link} with process {link.peer(self.process)} ended in state {state}")
+                done = state == "DONE"
             else:
-                self._post(link, v)
-                st.posted[link.id] = link
-        progress, st.unstarted_out = len(still) < len(st.unstarted_out), still
-        return progress
-
-    def _post_reads(self, st: "_Progress", v: int) -> bool:
-        """READ: post every incoming link whose sender is ready, before waiting on any."""
-        progress = False
-        for link in list(st.waiting_in.values()) if st.read else ():
-            if link.id not in st.posted and self._take(READY, v, link):
-                self._post(link, v)
-                st.posted[link.id] = link
+                done = not self.schedule.initiates(link) and self._take(DONE, v, link)
+            if done:
+                st.posted.pop(link.id, None)
                 progress = True
-        return progress
-
-    def _completions(self, st: "_Progress", v: int) -> bool:
-        """Completions of the transfers this process posted."""
-        progress = False
-        for lid, link in list(st.posted.items()):
-            state = self.connection.state(link)
-            if state == "DONE":
-                del st.posted[lid]
-                progress = True
-                if st.read:
+                if link.receiver == self.process:
                     self._arrived(link, st, v)
                 else:
-                    del st.waiting_out[lid]
-            elif state != "PROC":
-                raise ExecutionError(f"{link} with process {link.peer(self.process)} ended in state {state}")
-        return progress
-
-    def _announced(self, st: "_Progress", v: int) -> bool:
-        """Completions announced by peers (their transfers' done notifications)."""
-        progress = False
-        for link in list(st.waiting_out.values() if st.read else st.waiting_in.values()):
-            if self._take(DONE, v, link):
-                progress = True
-                if st.read:
                     del st.waiting_out[link.id]
-                else:
-                    self._arrived(link, st, v)
         return progress
 
     def _next_stages(self, st: "_Progress") -> bool:
@@ -357,6 +331,72 @@ class NixlExecutor(VotedExecutor):
                 self._quarantine()
 
 
+class NixlDelta(VotedDelta):
+    """A NixlExecutor's delta refits (CPU tensors, DRAM): executors.delta.VotedDelta's protocol. Its transport:
+    every sender registers an outbox per receiving peer and every receiver an inbox per feeder, each of
+    `payload_bound` bytes; the receiver's book publishes its inboxes. A sender WRITEs only the payload's bytes into
+    the receiver's inbox (a transfer made for that size); the store carries the size, and the receiver reads the
+    inbox in place once the WRITE's notification arrived.
+
+    Raises:
+        ExecutionError: GPU tensors, or a plan with fan-out relays.
+    """
+
+    def __init__(self, executor: Any, policy: DeltaPolicy) -> None:
+        plan = executor.plan
+        if executor.device.type != "cpu":
+            raise ExecutionError("delta refits over NIXL run on CPU tensors (GPUs: the collective executor's delta "
+                                 "option)")
+        part = Partition(plan, executor.binding, executor.process)
+        super().__init__(executor, policy, part, algorithm(executor.options.checksum))
+        self.outbox = {q: torch.empty(payload_bound(plan, ops), dtype=torch.uint8) for q, ops in part.sends_to.items()}
+        self.inbox = {f: torch.empty(payload_bound(plan, ops), dtype=torch.uint8)
+                      for f, ops in part.receives_from.items()}
+        self.notified: set[bytes] = set()  # the WRITE notifications that arrived (_landed)
+
+    def book(self) -> dict[str, Any]:
+        """What this process's address book says about its delta refits: the policy and its inboxes."""
+        return {"delta": self.policy.keyframe_every,
+                "delta_inbox": {str(f): t.data_ptr() for f, t in self.inbox.items()}}
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The payload buffers (uint8), registered with the executor's memory and kept alive after a failure."""
+        return [*self.outbox.values(), *self.inbox.values()]
+
+    def deliver(self, q: int, payload: torch.Tensor, v: int, deadline: float) -> dict[str, Any]:
+        n, box, me = payload.numel(), self.outbox[q], self.ex.process
+        if n > box.numel():
+            raise ExecutionError(f"a delta of {n} bytes for process {q} exceeds its buffer of {box.numel()}")
+        box[:n].copy_(payload)
+        remote = self.ex.connection.books[q].get("delta_inbox", {}).get(str(me))
+        if remote is None:
+            raise ExecutionError(f"process {q} exposes no delta inbox for process {me}")
+        self.ex.connection.write(q, box.data_ptr(), int(remote), n, _landed(v, me), deadline, self.ex.poll_max_s,
+                                 f"the delta of refit {v}")
+        return {}
+
+    def arrived(self, f: int, where: dict[str, Any], n: int, v: int, deadline: float) -> torch.Tensor:
+        box = self.inbox[f]
+        if n > box.numel():
+            raise DeltaError(f"process {f} announced a delta of {n} bytes, more than its inbox of {box.numel()}; "
+                             f"nothing was written")
+        want = _landed(v, f)
+
+        def landed() -> bool:  # other messages now are a dense refit's stale ones, which it drops too
+            self.notified.update(m for m in self.ex.connection.notifications() if m.startswith(b"X"))
+            return want in self.notified
+
+        if not poll(landed, deadline, first_s=2e-5, most_s=self.ex.poll_max_s):
+            raise ExecutionError(f"timed out waiting for process {f}'s delta to land (its WRITE's notification)")
+        self.notified.discard(want)
+        return box[:n]
+
+
+def _landed(v: int, sender: int) -> bytes:
+    """The notification of sender's delta WRITE of refit `v`."""
+    return f"X{v}:{sender}".encode()
+
+
 class _Progress:
     """Where one refit's links stand on this process (NixlExecutor._move)."""
 
@@ -366,6 +406,7 @@ class _Progress:
         self.waiting_in = {link.id: link for link in s.incoming}
         self.waiting_out = {link.id: link for link in s.outgoing}
         self.unstarted_out = sorted(s.outgoing, key=lambda link: link.stage)
+        self.unposted = list(s.incoming) if self.read else []  # links this process posts once the peer is ready
         self.posted: dict[int, Link] = {}
         self.frontier = 0
 
@@ -379,7 +420,8 @@ class _Progress:
                                 f"no {'ready' if read else 'done'} notification from process {link.sender}")
                  for link in self.waiting_in.values()]
         parts += [f"{link}: " + ("earlier stages of this process not complete" if read else
-                                 f"no ready notification from process {link.receiver}") for link in self.unstarted_out]
+                                 f"no ready notification from process {link.receiver}")
+                  for link in self.unstarted_out + ([] if read else self.unposted)]
         parts += [f"{link}: " + ("transfer still in progress" if link.id in posted else
                                  f"process {link.receiver} has not finished reading")
                   for link in self.waiting_out.values()

@@ -11,7 +11,7 @@ import numpy as np
 from ..errors import PlanFileError, show
 from ..limits import MAX_PARAMS
 from .fanout import check_forest
-from .program import Program
+from .program import COPY_COLUMNS
 
 BIG = 1 << 62  # no offset, length or count of a valid plan comes near this
 
@@ -37,8 +37,11 @@ def same(field: str, a: np.ndarray, b: np.ndarray, what: str) -> None:
         raise bad(f"{field}[{i}]", int(a[i]), f"must be {int(b[i])} ({what}; {len(diff)} entries differ)")
 
 
-def _check_program(p: Program, src_tables: Any, dst_table: Any, S: int, K: int, num_canon: int) -> None:
-    """Every index inside what it indexes, the forests well formed, the holder choices inside their boxes."""
+def check_program(plan: Any) -> None:
+    """The index checks of the module docstring on `plan`'s program, against its layouts and tables."""
+    p, src_tables, dst_table, K = plan.program, plan.src_tensors, plan.dst_tensors, plan.dst.num_replicas
+    if len(dst_table) != p.tensors_per_replica * K or p.ranks_per_replica != plan.dst.ranks_per_replica:
+        raise bad("program", p.scalars(), f"does not fit the destination ({plan.dst})")
     B, H, G = len(p.box_hstart), len(p.h_rank), len(p.group_box)
     T0, rpr = p.tensors_per_replica, p.ranks_per_replica
     if p.parent.shape != p.stage.shape or p.parent.shape[1:] != (K,) or p.parent.shape[0] < 1:
@@ -53,29 +56,36 @@ def _check_program(p: Program, src_tables: Any, dst_table: Any, S: int, K: int, 
     same("arrays.fed", p.fed, fed, "the replicas fed by the source, ascending")
     if p.choice.shape != (len(fed), G):
         raise bad("arrays.choice", p.choice.shape, f"must be ({len(fed)} fed replicas, {G} groups)")
-    within("arrays.box_hcount", p.box_hcount, 1, BIG)
+    # every index inside what it indexes, every offset, stride and length inside a tensor (op shapes positive);
+    # c: EPLB slot copies, both ends inside replica 0's tensors
+    a = {**{f"c.{c}": p.copies[c] for c in COPY_COLUMNS}, **p.arrays()}
+    ends = {"t.": ("dst",), "r.": ("dst",), "c.": ("src", "dst")}
+    ranges = [("box_hcount", 1, BIG), ("h_rank", 0, plan.src.num_ranks), ("h_tensor", 0, len(src_tables)),
+              ("h_base", 0, MAX_PARAMS), ("h_stride", 1, MAX_PARAMS), ("t.box", 0, B), ("t.src_d0", 0, MAX_PARAMS),
+              ("t.src_d1", 0, MAX_PARAMS), ("r.part", 0, p.num_parts), ("c.src_offset", 0, MAX_PARAMS),
+              ("c.src_stride", 1, MAX_PARAMS)]
+    for prefix, sides in ends.items():
+        ranges += [(prefix + "canon", 0, len(plan.src.model.canonical)), (prefix + "rows", 1, MAX_PARAMS),
+                   (prefix + "cols", 1, MAX_PARAMS), (prefix + "dst_stride", 1, MAX_PARAMS),
+                   (prefix + "dst_offset", 0, MAX_PARAMS)]
+        ranges += [(f"{prefix}{end}_{c}", 0, high) for end in sides for c, high in (("rank", rpr), ("tensor", T0))]
+    for name, low, high in ranges:
+        within(f"arrays.{name}", a[name], low, high)
     same("arrays.box_hstart", p.box_hstart, np.cumsum(p.box_hcount) - p.box_hcount, "holders of box b follow "
-          "those of box b - 1")
+         "those of box b - 1")
     if B and int(p.box_hstart[-1] + p.box_hcount[-1]) != H:
         raise bad("arrays.box_hcount", int(p.box_hcount.sum()), f"must sum to the {H} holders")
-    within("arrays.h_rank", p.h_rank, 0, S)
-    within("arrays.h_tensor", p.h_tensor, 0, len(src_tables))
     same("arrays.h_rank", p.h_rank, src_tables.rank[p.h_tensor], "the rank of the holder's source tensor")
-    within("arrays.h_base", p.h_base, 0, MAX_PARAMS)
-    within("arrays.h_stride", p.h_stride, 1, MAX_PARAMS)
-    t, r, c = p.template, p.relay, p.copies  # c: EPLB slot copies, both ends inside replica 0's tensors
-    within("arrays.t.box", t["box"], 0, B)
-    for prefix, ops, ends in (("arrays.t.", t, ("dst",)), ("arrays.r.", r, ("dst",)), ("arrays.c.", c, ("src", "dst"))):
-        within(prefix + "canon", ops["canon"], 0, num_canon)
-        for end in ends:
-            within(f"{prefix}{end}_rank", ops[f"{end}_rank"], 0, rpr)
-            within(f"{prefix}{end}_tensor", ops[f"{end}_tensor"], 0, T0)
-            same(f"{prefix}{end}_rank", ops[f"{end}_rank"], dst_table.rank[ops[f"{end}_tensor"]],
+    for prefix, sides in ends.items():
+        for end in sides:
+            same(f"arrays.{prefix}{end}_rank", a[f"{prefix}{end}_rank"], dst_table.rank[a[f"{prefix}{end}_tensor"]],
                  "the rank of its tensor")
-        _op_shape(prefix, ops)
-    within("arrays.t.src_d0", t["src_d0"], 0, MAX_PARAMS)
-    within("arrays.t.src_d1", t["src_d1"], 0, MAX_PARAMS)
-    g = t["group"]
+        narrow = np.flatnonzero((a[prefix + "rows"] > 1) & (a[prefix + "dst_stride"] < a[prefix + "cols"]))
+        if len(narrow):
+            i = int(narrow[0])
+            raise bad(f"arrays.{prefix}dst_stride[{i}]", int(a[prefix + "dst_stride"][i]), f"is narrower than the "
+                      f"block's {int(a[prefix + 'cols'][i])} columns (rows would overlap)")
+    t, g = p.template, p.template["group"]
     if len(g):
         if int(g[0]) != 0 or not np.isin(np.diff(g), (0, 1)).all() or int(g[-1]) != G - 1:
             raise bad("arrays.t.group", "...", f"must number the {G} groups in order, 0, 0, 1, ... (sorted, no gaps)")
@@ -90,32 +100,5 @@ def _check_program(p: Program, src_tables: Any, dst_table: Any, S: int, K: int, 
         f, k = (int(x) for x in out[0])
         raise bad(f"arrays.choice[{f}][{k}]", int(p.choice[f, k]), f"must be in [0, {int(fewest[k])}) (a holder "
                   f"of every box of group {k})")
-    within("arrays.r.part", r["part"], 0, p.num_parts)
-    if len(fed) == K and len(r["rows"]):
-        raise bad("arrays.r.rows", len(r["rows"]), "must be empty: every replica is fed by the source")
-    within("arrays.c.src_offset", c["src_offset"], 0, MAX_PARAMS)
-    within("arrays.c.src_stride", c["src_stride"], 1, MAX_PARAMS)
-
-
-def check_program(plan: Any) -> None:
-    """The index checks of the module docstring on `plan`'s program, against its layouts and tables."""
-    if len(plan.dst_tensors) != plan.program.tensors_per_replica * plan.dst.num_replicas or \
-            plan.program.ranks_per_replica != plan.dst.ranks_per_replica:
-        raise bad("program", plan.program.scalars(), f"does not fit the destination ({plan.dst})")
-    _check_program(plan.program, plan.src_tensors, plan.dst_tensors, plan.src.num_ranks, plan.dst.num_replicas,
-                   len(plan.src.model.canonical))
-
-
-def _op_shape(prefix: str, ops: dict[str, np.ndarray]) -> None:
-    """rows, cols and the destination stride positive; a block of several rows no wider than its stride."""
-    within(prefix + "rows", ops["rows"], 1, MAX_PARAMS)
-    within(prefix + "cols", ops["cols"], 1, MAX_PARAMS)
-    within(prefix + "dst_stride", ops["dst_stride"], 1, MAX_PARAMS)
-    within(prefix + "dst_offset", ops["dst_offset"], 0, MAX_PARAMS)
-    narrow = np.flatnonzero((ops["rows"] > 1) & (ops["dst_stride"] < ops["cols"]))
-    if len(narrow):
-        i = int(narrow[0])
-        raise bad(f"{prefix}dst_stride[{i}]", int(ops["dst_stride"][i]), f"is narrower than the block's "
-                  f"{int(ops['cols'][i])} columns (rows would overlap)")
-
-
+    if len(fed) == K and len(p.relay["rows"]):
+        raise bad("arrays.r.rows", len(p.relay["rows"]), "must be empty: every replica is fed by the source")

@@ -114,12 +114,10 @@ def _table(field: str, d: Any, num_ranks: int):
         raise bad(f"{field}.dtypes", dtypes, f"must list one dtype per kind ('' or one of {sorted(DTYPE_SIZES)})")
     within(f"{field}.rank", rank, 0, num_ranks)
     within(f"{field}.kind", kind, 0, len(parsed))
-    names: dict[str, int] = {}
-    name_of_kind = np.asarray([names.setdefault(n, len(names)) for n, _ in parsed] or [0], dtype=np.int64)
-    key = rank * max(len(names), 1) + name_of_kind[kind] if len(kind) else kind
-    if len(np.unique(key)) != len(key):
+    table = TensorTable(rank, kind, tuple(parsed), tuple(dtypes))
+    if (table.find(table.rank, table.names) != np.arange(len(table))).any():
         raise bad(f"{field}.kinds", "...", "lists one (rank, tensor name) twice")
-    return TensorTable(rank, kind, tuple(parsed), tuple(dtypes))
+    return table
 
 
 def _bounds(d: Any, num_dst: int) -> Bounds:
@@ -222,22 +220,18 @@ def _reads_inside(p: Program, src_numel: np.ndarray) -> None:
 def _match(field: str, table: Any, placements: Any, rows: np.ndarray, exact: bool) -> np.ndarray:
     """Table id of each placement row in `rows`; the placements' physical tensors must be the table's (`exact`:
     and the table no more). Shapes compared in units of the plan's dtype."""
-    names = [n for n, _ in table.kinds]
-    ids = {(r, names[k]): i for i, (r, k) in enumerate(zip(table.rank.tolist(), table.kind.tolist()))}
     nk = max(len(placements.kinds), 1)
     first, inverse = unique_inverse((placements.rank[rows] * nk + placements.kind[rows],))
-    pairs = np.stack([placements.rank[rows][first], placements.kind[rows][first]])
-    tid = np.empty(pairs.shape[1], dtype=np.int64)
-    for j, (r, k) in enumerate(pairs.T.tolist()):
+    ranks, kinds = placements.rank[rows][first].tolist(), placements.kind[rows][first].tolist()
+    tid = table.find(ranks, [placements.kinds[k][0] for k in kinds])
+    for r, k, i in zip(ranks, kinds, tid.tolist()):
         name, shape = placements.kinds[k]
-        i = ids.get((r, name))
-        if i is None:
+        if i < 0:
             raise bad(field, f"rank {r} {name}", "lacks a tensor the layout places data in")
         if table.shape(i) != tuple(shape):
             raise bad(field, f"rank {r} {name}", f"has shape {table.shape(i)}; the layout's is {tuple(shape)}")
-        tid[j] = i
-    if exact and len(set(tid.tolist())) != len(ids):
-        extra = sorted(set(range(len(ids))) - set(tid.tolist()))[0] if ids else 0
+    if exact and len(set(tid.tolist())) != len(table):
+        extra = sorted(set(range(len(table))) - set(tid.tolist()))[0]
         raise bad(field, f"rank {table.rank[extra]} {table.name(extra)}", "is not a tensor of the layout")
     return tid[inverse.reshape(-1)]
 

@@ -112,19 +112,6 @@ class Program:
         return (len(self.fed) * self.num_template_ops + (self.num_replicas - len(self.fed)) * len(self.relay["rows"])
                 + self.num_replicas * self.num_copy_ops)
 
-    @property
-    def fed_index(self) -> np.ndarray:
-        """Per replica: its position f in `fed`, or -1 if relayed."""
-        out = np.full(self.num_replicas, -1, dtype=np.int64)
-        out[self.fed] = np.arange(len(self.fed))
-        return out
-
-    def holder_of_group(self) -> np.ndarray:
-        """(R, G) source rank that sends each group to each fed replica."""
-        if not len(self.group_box):
-            return np.zeros((len(self.fed), 0), np.int64)
-        return self.h_rank[self.box_hstart[self.group_box][None, :] + self.choice]
-
     # --- persistence -------------------------------------------------------------------------------
     def arrays(self) -> dict[str, np.ndarray]:
         """Every array by its saved name (`t.` template, `r.` relay and `c.` slot copy columns; planner.verify reads
@@ -190,7 +177,8 @@ def expand(p: Program, *, source_rank: int | None = None, relay_rank: int | None
     """Op rows (OP_COLUMNS), sorted by SORT_KEYS: all of them, or only those that source rank `source_rank`
     sends, that destination rank `relay_rank` forwards, or that destination rank `receiver` receives."""
     blocks = []
-    fed_index = p.fed_index
+    fed_index = np.full(p.num_replicas, -1, dtype=np.int64)  # per replica: its position f in `fed`, -1 if relayed
+    fed_index[p.fed] = np.arange(len(p.fed))
     rpr = p.ranks_per_replica
     for rank in (receiver, relay_rank):
         if rank is not None and not 0 <= rank < rpr * p.num_replicas:

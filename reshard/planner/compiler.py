@@ -303,12 +303,10 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
         else (ops, {})
     template = merge_template(ops, boxes.hset, boxes.stride, boxes.hstart, boxes.hcount, boxes.h_tensor,
                               boxes.h_base, boxes.h_stride)
-    group = template["group"]
-    G = int(group[-1]) + 1 if len(group) else 0
-    first_of_group = np.flatnonzero(np.diff(np.append(-1, group))) if G else np.zeros(0, np.int64)
+    first_of_group = np.flatnonzero(np.diff(np.append(-1, template["group"])))
     group_box = template["box"][first_of_group]
-    group_bytes = (np.bincount(group, weights=template["rows"] * template["cols"], minlength=G).astype(np.int64)
-                   * itemsize)
+    group_bytes = np.bincount(template["group"], weights=template["rows"] * template["cols"],
+                              minlength=len(group_box)).astype(np.int64) * itemsize
 
     # Who feeds whom: the forest over replicas, then a holder per fed replica and group.
     if fanout and roots is None:
@@ -323,8 +321,7 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
     # The proof: the template, and the relay template, tile replica 0's model data exactly.
     prove_program(template, relay or None, copies, dst_table0, d_tid, D)
 
-    held0 = np.zeros(len(boxes), dtype=bool)
-    held0[np.repeat(np.arange(len(boxes)), boxes.hcount)[boxes.h_rank == 0]] = True
+    held0 = np.unique(np.repeat(np.arange(len(boxes)), boxes.hcount)[boxes.h_rank == 0])  # boxes rank 0 holds
     lower_bound_by_dst, model_bytes = bound_facts(model, sel, D, rpr, K)
     bounds = Bounds(lower_bound_by_dst=lower_bound_by_dst, model_bytes=model_bytes,
                     gatherer_held_bytes=int((boxes.n0 * boxes.n1)[held0].sum()) * itemsize,

@@ -123,7 +123,8 @@ def flows(p: "Program", itemsize: int) -> tuple[dict[str, np.ndarray], dict[str,
     t, rpr, K = p.template, p.ranks_per_replica, p.num_replicas
     G, R = len(p.group_box), len(p.fed)
     first = np.searchsorted(t["group"], np.arange(G))
-    fed = {"stage": np.repeat(p.stage[0, p.fed], G), "src": p.h_rank[p.box_hstart[p.group_box][None, :] + p.choice].ravel(),
+    fed = {"stage": np.repeat(p.stage[0, p.fed], G),
+           "src": p.h_rank[p.box_hstart[p.group_box][None, :] + p.choice].ravel(),  # each group's holder
            "dst": (t["dst_rank"][first][None, :] + p.fed[:, None] * rpr).ravel(),
            "bytes": np.tile(np.bincount(t["group"], weights=t["rows"] * t["cols"], minlength=G), R) * itemsize,
            "ops": np.tile(np.bincount(t["group"], minlength=G), R)}

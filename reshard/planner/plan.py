@@ -27,8 +27,7 @@ from ..errors import PlanError
 from ..layouts import Layout, layout_to_dict
 from ..layouts.model import DTYPE_SIZES
 from .accounting import Accounting, Bounds, account_program
-from .program import OP_COLUMNS, RELAY, SOURCE, Program, expand
-from .program_check import check_program
+from .program import OP_COLUMNS, RELAY, SOURCE, Program, check_program, expand
 from .tables import FORMAT_VERSION, TensorTable
 
 class Transfer(NamedTuple):

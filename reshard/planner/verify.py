@@ -5,10 +5,10 @@ without pickle, each member's size and dtype checked from its .npy header before
 neither run code nor make the reader allocate more than the limits allow. `load_plan` then checks, raising
 PlanFileError naming the entry to blame: 1. the header's entries have their JSON types and the layouts are valid; 2.
 the tensor tables' ranks, kinds and shapes; 3. the program's arrays: integer arrays of the expected shapes, every
-index inside what it indexes (planner.program_check); 4. the digest is present and matches the content; 5. what the
-content claims, in time linear in its ops: every op reads and writes inside its tensors, the tables are the layouts'
-physical tensors, the ops write every destination element holding model data exactly once (planner.coverage, as the
-compiler proves it), and the bounds are the layouts'.
+index inside what it indexes (planner.program.check_program); 4. the digest is present and matches the content; 5.
+what the content claims, in time linear in its ops: every op reads and writes inside its tensors, the tables are the
+layouts' physical tensors, the ops write every destination element holding model data exactly once
+(planner.coverage, as the compiler proves it), and the bounds are the layouts'.
 """
 from __future__ import annotations
 
@@ -29,8 +29,7 @@ from ..layouts.model import DTYPE_SIZES
 from ..limits import MAX_PARAMS, MAX_PLAN_ELEMENTS, MAX_PLAN_HEADER_BYTES, MAX_RANKS
 from ..untrusted import parse_json, read_bytes
 from .accounting import Bounds
-from .program import COPY_COLUMNS, RELAY_COLUMNS, TEMPLATE_COLUMNS, Program
-from .program_check import BIG, bad, same, within
+from .program import BIG, COPY_COLUMNS, RELAY_COLUMNS, TEMPLATE_COLUMNS, Program, bad, same, within
 from .selection import bound_facts, data_rows, select_indices, unit_placements
 from .tables import FORMAT_VERSION
 

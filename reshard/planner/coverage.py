@@ -188,7 +188,6 @@ def prove_expert_slots(stacks: Any, dst_table0: Any, d_tid: np.ndarray, d_origin
     name_id = np.unique(np.asarray(stacks.names), return_inverse=True)[1].reshape(-1)[kept]
     logical = np.ascontiguousarray(stacks.logical[kept]).reshape(-1)
     numel = kind_numel[dst_table0.kind[tid]]
-    base = np.arange(len(kept), dtype=np.int64) * S  # each stack's first global slot
     slot_numel = np.repeat(numel, S)
     stack_of = np.full(len(dst_table0), -1, dtype=np.int64)
     stack_of[tid] = np.arange(len(tid))
@@ -199,14 +198,14 @@ def prove_expert_slots(stacks: Any, dst_table0: Any, d_tid: np.ndarray, d_origin
     replica0 = first[group.reshape(-1)]
 
     def label(g: int) -> str:
-        k = int(np.searchsorted(base, g, side="right") - 1)
-        return (f"destination rank {dst_table0.rank[tid[k]]} {dst_table0.name(int(tid[k]))!r} slot {g - base[k]} "
+        k = g // S  # stack k holds global slots k * S .. k * S + S - 1
+        return (f"destination rank {dst_table0.rank[tid[k]]} {dst_table0.name(int(tid[k]))!r} slot {g % S} "
                 f"(logical expert {logical[g]})")
 
     # 1. placements: the slots' model data (the placements do not overlap: the exact coverage proof says so)
     sel = np.flatnonzero(stack_of[d_tid] >= 0)
     k = stack_of[d_tid[sel]]
-    filled = np.bincount(base[k] + d_origin[sel] // numel[k], weights=d_n0[sel] * d_n1[sel],
+    filled = np.bincount(k * S + d_origin[sel] // numel[k], weights=d_n0[sel] * d_n1[sel],
                          minlength=len(logical)).astype(np.int64)
     short = np.flatnonzero((filled != slot_numel) if whole else (filled != filled[replica0]))
     problems += [f"{label(int(g))}: the layout places {filled[g]} of its {slot_numel[g]} elements"
@@ -223,7 +222,7 @@ def prove_expert_slots(stacks: Any, dst_table0: Any, d_tid: np.ndarray, d_origin
     k = stack_of[ops["dst_tensor"][sel]]
     off, rows, cols, stride, canon = (ops[c][sel] for c in ("dst_offset", "rows", "cols", "dst_stride", "canon"))
     local = off // numel[k]
-    g = base[k] + local
+    g = k * S + local
     across = np.flatnonzero((off + (rows - 1) * stride + cols - 1) // numel[k] != local)
     problems += [f"{label(int(g[i]))}: an op runs past the slot's end" for i in across[:10]]
     wrong = np.flatnonzero((layer_of[canon] != layer[k]) | (expert_of[canon] != logical[g]))

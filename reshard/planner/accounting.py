@@ -41,14 +41,8 @@ class Bounds:
     holder_sets_laminar: bool = True
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON values, as a saved plan holds them (`from_dict` reads them back)."""
+        """Plain JSON values, as a saved plan holds them (planner.verify reads them back)."""
         return {**asdict(self), "lower_bound_by_dst": list(self.lower_bound_by_dst)}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Bounds":
-        """The bounds `to_dict` wrote (the egress keys optional)."""
-        return cls(tuple(d["lower_bound_by_dst"]), d["model_bytes"], d["gatherer_held_bytes"],
-                   d.get("egress_lower_bound", 0), d.get("egress_unit_max", 0), d.get("holder_sets_laminar", True))
 
 
 @dataclass(frozen=True)
@@ -122,44 +116,6 @@ class Accounting:
                 "egress_optimality": round(self.egress_optimality, 6)}
 
 
-def account(ops: dict[str, np.ndarray], itemsize: int, num_src: int, num_dst: int,
-            colocation: Sequence[int] | None, bounds: Bounds, ranks_per_replica: int | None = None) -> Accounting:
-    """colocation: per destination rank, the source rank on its device (None: not colocated); ranks_per_replica:
-    tells EPLB slot copies (relays inside one replica) from fan-out relays (None: one replica)."""
-    colocation = None if colocation is None else np.asarray(colocation, dtype=np.int64)
-    nbytes = ops["rows"] * ops["cols"] * itemsize
-    src, dst, relay = ops["src_rank"], ops["dst_rank"], ops["src_side"] == 1
-    on_rank = relay & (src == dst)  # fan-out relays go to other replicas, never to their own rank
-    copy = on_rank | (relay & (src // ranks_per_replica == dst // ranks_per_replica)) if ranks_per_replica else on_rank
-    local = (src == colocation[dst]) & ~relay if colocation is not None else np.zeros(len(src), dtype=bool)
-    sent = ~local & ~relay
-    egress = np.bincount(src[sent], weights=nbytes[sent], minlength=num_src).astype(np.int64)
-    relay_egress = np.bincount(src[relay], weights=nbytes[relay], minlength=num_dst).astype(np.int64)
-    ingress = np.bincount(dst, weights=nbytes, minlength=num_dst).astype(np.int64)
-    transfers = len(np.unique(np.stack([ops["stage"], ops["src_side"], src, dst]), axis=1)[0]) if len(src) else 0
-    pairs = _pairs(src[~relay], dst[~relay], nbytes[~relay], num_dst)
-    relay_pairs = _pairs(src[relay], dst[relay], nbytes[relay], num_dst)
-    return _accounting(bounds, num_dst, int(nbytes.sum()), int(nbytes[local].sum()), num_ops=int(len(src)),
-                       num_transfers=transfers, egress=egress, ingress=ingress, relay_egress=relay_egress,
-                       pair_bytes=pairs, relay_pair_bytes=relay_pairs,
-                       num_stages=int(ops["stage"].max()) + 1 if len(src) else 0,
-                       slot_copy_bytes=int(nbytes[copy].sum()), slot_copy_local_bytes=int(nbytes[on_rank].sum()))
-
-
-def _accounting(bounds: Bounds, num_dst: int, total: int, local_bytes: int, *, egress: np.ndarray,
-                ingress: np.ndarray, relay_egress: np.ndarray, **figures: Any) -> Accounting:
-    """The Accounting of ops that move `total` bytes, `local_bytes` of them on their device, beside `bounds`."""
-    model = bounds.model_bytes
-    return Accounting(
-        total_bytes=total, cross_bytes=total - local_bytes, local_bytes=local_bytes,
-        lower_bound_bytes=int(sum(bounds.lower_bound_by_dst)),
-        gather_broadcast_bytes=(model - bounds.gatherer_held_bytes) + model * num_dst, model_bytes=model,
-        egress_bytes=tuple(egress.tolist()), ingress_bytes=tuple(ingress.tolist()),
-        relay_egress_bytes=tuple(relay_egress.tolist()), lower_bound_by_dst=tuple(bounds.lower_bound_by_dst),
-        egress_lower_bound=bounds.egress_lower_bound, egress_unit_max=bounds.egress_unit_max,
-        holder_sets_laminar=bounds.holder_sets_laminar, **figures)
-
-
 def flows(p: "Program", itemsize: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """What moves between which ranks, from the factored ops without expanding them: (what the source sends, per
     fed replica and group of template ops; what destination ranks relay, per part, relayed replica and position,
@@ -167,7 +123,8 @@ def flows(p: "Program", itemsize: int) -> tuple[dict[str, np.ndarray], dict[str,
     t, rpr, K = p.template, p.ranks_per_replica, p.num_replicas
     G, R = len(p.group_box), len(p.fed)
     first = np.searchsorted(t["group"], np.arange(G))
-    fed = {"stage": np.repeat(p.stage[0, p.fed], G), "src": p.holder_of_group().ravel(),
+    fed = {"stage": np.repeat(p.stage[0, p.fed], G),
+           "src": p.h_rank[p.box_hstart[p.group_box][None, :] + p.choice].ravel(),  # each group's holder
            "dst": (t["dst_rank"][first][None, :] + p.fed[:, None] * rpr).ravel(),
            "bytes": np.tile(np.bincount(t["group"], weights=t["rows"] * t["cols"], minlength=G), R) * itemsize,
            "ops": np.tile(np.bincount(t["group"], minlength=G), R)}
@@ -196,21 +153,32 @@ def flows(p: "Program", itemsize: int) -> tuple[dict[str, np.ndarray], dict[str,
 
 def account_program(p: "Program", itemsize: int, num_src: int, num_dst: int, colocation: Sequence[int] | None,
                     bounds: Bounds) -> Accounting:
-    """The same accounting as `account`, computed from the factored ops without expanding them (`flows`)."""
+    """The Accounting of program `p`, beside `bounds`, computed from the factored ops without expanding them
+    (`flows`). colocation: per destination rank, the source rank on its device (None: not colocated)."""
     fed, r = flows(p, itemsize)
     ps, pd, pb = _pair_arrays(fed["src"], fed["dst"], fed["bytes"], num_dst)
     local = (ps == np.asarray(colocation)[pd]) if colocation is not None else np.zeros(len(ps), dtype=bool)
     copy = r["bytes"][r["copy"]]
-    return _accounting(
-        bounds, num_dst, int(pb.sum() + r["bytes"].sum()), int(pb[local].sum()), num_ops=p.num_ops,
+    total, local_bytes, model = int(pb.sum() + r["bytes"].sum()), int(pb[local].sum()), bounds.model_bytes
+
+    def count(ranks: np.ndarray, nbytes: np.ndarray, n: int) -> tuple[int, ...]:
+        return tuple(np.bincount(ranks, weights=nbytes, minlength=n).astype(np.int64).tolist())
+
+    return Accounting(
+        total_bytes=total, cross_bytes=total - local_bytes, local_bytes=local_bytes,
+        lower_bound_bytes=int(sum(bounds.lower_bound_by_dst)),
+        gather_broadcast_bytes=(model - bounds.gatherer_held_bytes) + model * num_dst, model_bytes=model,
+        num_ops=p.num_ops,
         num_transfers=len(ps) + (len(np.unique((r["stage"] * num_dst + r["src"]) * num_dst + r["dst"]))),
-        egress=np.bincount(ps[~local], weights=pb[~local], minlength=num_src).astype(np.int64),
-        ingress=np.bincount(np.concatenate([fed["dst"], r["dst"]]), weights=np.concatenate([fed["bytes"], r["bytes"]]),
-                            minlength=num_dst).astype(np.int64),
-        relay_egress=np.bincount(r["src"], weights=r["bytes"], minlength=num_dst).astype(np.int64),
+        egress_bytes=count(ps[~local], pb[~local], num_src),
+        ingress_bytes=count(np.concatenate([fed["dst"], r["dst"]]), np.concatenate([fed["bytes"], r["bytes"]]),
+                            num_dst),
+        relay_egress_bytes=count(r["src"], r["bytes"], num_dst), lower_bound_by_dst=tuple(bounds.lower_bound_by_dst),
         pair_bytes=tuple(zip(ps.tolist(), pd.tolist(), pb.tolist())),
-        relay_pair_bytes=_pairs(r["src"], r["dst"], r["bytes"], num_dst),
+        relay_pair_bytes=tuple(zip(*(x.tolist() for x in _pair_arrays(r["src"], r["dst"], r["bytes"], num_dst)))),
         num_stages=(p.copy_stage if p.num_copy_ops else int(p.stage.max())) + 1 if p.num_ops else 0,
+        egress_lower_bound=bounds.egress_lower_bound, egress_unit_max=bounds.egress_unit_max,
+        holder_sets_laminar=bounds.holder_sets_laminar,
         slot_copy_bytes=int(copy.sum()), slot_copy_local_bytes=int(copy[(r["src"] == r["dst"])[r["copy"]]].sum()))
 
 
@@ -227,7 +195,3 @@ def _pair_arrays(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
         keys, inverse = np.unique(key, return_inverse=True)
         sums = np.bincount(inverse, weights=nbytes).astype(np.int64) if len(keys) else np.zeros(0, np.int64)
     return keys // num_dst, keys % num_dst, sums
-
-
-def _pairs(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, num_dst: int) -> tuple[tuple[int, int, int], ...]:
-    return tuple(zip(*(x.tolist() for x in _pair_arrays(src, dst, nbytes, num_dst))))

@@ -100,8 +100,8 @@ def choose_holders(group_bytes: np.ndarray, group_hset: np.ndarray, group_dst: n
         return choice, BalanceReport(0, 0, True)
     multi = hset_count[group_hset] > 1
     g_order = np.lexsort((np.arange(G), -group_bytes, group_hset, hset_count[group_hset]))
+    local = np.zeros((R, G), dtype=bool)
     if colocation is not None:  # a holder on the destination's own device: a local copy
-        free = np.broadcast_to(multi[None, :], (R, G)).copy()
         mate = colocation[group_dst[None, :] + fed[:, None] * ranks_per_replica]  # source rank on its device
         hs = np.broadcast_to(group_hset[None, :], (R, G))
         key_base = int(max(num_src, int(mate.max()) + 1))
@@ -110,19 +110,14 @@ def choose_holders(group_bytes: np.ndarray, group_hset: np.ndarray, group_dst: n
         at = np.clip(np.searchsorted(keys, probe), 0, len(keys) - 1)
         local = keys[at] == probe
         choice[local] = (at - hset_start[hs])[local]
-        free &= ~local
-        fixed_g = np.bincount(np.nonzero(~free & ~local)[1], minlength=G)  # fixed units per group
-        # Units in placing order: smallest holder sets first; inside a set, largest units first (ties by group,
-        # then replica). Sort the groups once, then take each group's units replica by replica.
-        fg = np.repeat(g_order, R)
-        fr = np.tile(np.arange(R), G)
-        keep = free[fr, fg]
-        fr, fg = fr[keep], fg[keep]
-    else:
-        fixed_g = np.where(multi, 0, R)
-        g_free = g_order[multi[g_order]]
-        fg = np.repeat(g_free, R)
-        fr = np.tile(np.arange(R), len(g_free))
+    free = multi[None, :] & ~local
+    fixed_g = np.bincount(np.nonzero(~free & ~local)[1], minlength=G)  # fixed units per group
+    # Units in placing order: smallest holder sets first; inside a set, largest units first (ties by group, then
+    # replica). Sort the groups once, then take each group's units replica by replica.
+    fg = np.repeat(g_order, R)
+    fr = np.tile(np.arange(R), G)
+    keep = free[fr, fg]
+    fr, fg = fr[keep], fg[keep]
     fixed = np.bincount(hset_ranks[hset_start[group_hset]], weights=group_bytes * fixed_g,
                         minlength=num_src).astype(np.int64)
     if not len(fg):

@@ -47,18 +47,15 @@ def _tensor_ids(t: PlacementTable, mask: np.ndarray, side: str,
         uniq = key[first]
     tid = np.full(len(t), -1, dtype=np.int64)
     tid[mask] = inverse
-    ranks, kinds = uniq // nk, uniq % nk
-    name_ids: dict[str, int] = {}
-    name_of_kind = np.asarray([name_ids.setdefault(name, len(name_ids)) for name, _ in t.kinds], dtype=np.int64)
-    if len(name_ids) < len(t.kinds) and len(uniq) and len(unique_inverse((ranks, name_of_kind[kinds]))[0]) != len(uniq):
-        seen: dict[tuple[int, str], tuple[int, ...]] = {}
-        problems = []
-        for r, k in zip(ranks.tolist(), kinds.tolist()):
-            name, shape = t.kinds[k]
-            if seen.setdefault((r, name), shape) != shape:
-                problems.append(f"rank {r} tensor {name!r}: {seen[(r, name)]} and {shape}")
-        raise PlanError(f"{side} layout gives a tensor two shapes", problems)
-    return tid, TensorTable(ranks, kinds, t.kinds, dtypes)
+    table = TensorTable(uniq // nk, uniq % nk, t.kinds, dtypes)
+    if len({name for name, _ in t.kinds}) < len(t.kinds):  # a name of two shapes: one (rank, name) twice?
+        first = table.find(table.rank, table.names)
+        twice = np.flatnonzero(first != np.arange(len(table)))
+        if len(twice):
+            raise PlanError(f"{side} layout gives a tensor two shapes",
+                            [f"rank {table.rank[i]} tensor {table.name(i)!r}: {table.shape(first[i])} and "
+                             f"{table.shape(i)}" for i in twice.tolist()])
+    return tid, table
 
 
 class _Boxes:
@@ -92,23 +89,13 @@ class _Boxes:
         return len(self.canon)
 
     def _holder_sets(self) -> None:
-        """Number the distinct holder rank lists (CSR: hset_start, hset_count, hset_ranks)."""
-        self.hset = np.zeros(len(self), dtype=np.int64)
-        starts, counts, ranks = [], [], []
-        next_id, at = 0, 0
-        for c in np.unique(self.hcount).tolist():
-            boxes = np.flatnonzero(self.hcount == c)
-            mat = self.h_rank[self.hstart[boxes][:, None] + np.arange(c)[None, :]]
-            first, inverse = unique_inverse(tuple(mat.T))
-            uniq = mat[first]
-            self.hset[boxes] = next_id + inverse
-            starts.append(at + c * np.arange(len(uniq)))
-            counts.append(np.full(len(uniq), c))
-            ranks.append(uniq.reshape(-1))
-            next_id += len(uniq)
-            at += uniq.size
-        cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64)  # noqa: E731
-        self.hset_start, self.hset_count, self.hset_ranks = cat(starts), cat(counts), cat(ranks)
+        """Number the distinct holder rank lists, by size then ranks (CSR: hset_start, hset_count, hset_ranks)."""
+        mat = np.full((len(self), int(self.hcount.max(initial=0))), -1, dtype=np.int64)  # each box's holder ranks
+        mat[np.repeat(np.arange(len(self)), self.hcount), run_positions(self.hcount)] = self.h_rank
+        first, self.hset = unique_inverse((self.hcount, *mat.T))
+        self.hset_count = self.hcount[first]
+        self.hset_start = np.cumsum(self.hset_count) - self.hset_count
+        self.hset_ranks = mat[first][mat[first] >= 0]
 
     def overlaps(self, model: ModelSpec, width: np.ndarray) -> list[str]:
         """Distinct boxes of one canonical tensor must lie inside it and not overlap (else the source layout is
@@ -316,12 +303,10 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
         else (ops, {})
     template = merge_template(ops, boxes.hset, boxes.stride, boxes.hstart, boxes.hcount, boxes.h_tensor,
                               boxes.h_base, boxes.h_stride)
-    group = template["group"]
-    G = int(group[-1]) + 1 if len(group) else 0
-    first_of_group = np.flatnonzero(np.diff(np.append(-1, group))) if G else np.zeros(0, np.int64)
+    first_of_group = np.flatnonzero(np.diff(np.append(-1, template["group"])))
     group_box = template["box"][first_of_group]
-    group_bytes = (np.bincount(group, weights=template["rows"] * template["cols"], minlength=G).astype(np.int64)
-                   * itemsize)
+    group_bytes = np.bincount(template["group"], weights=template["rows"] * template["cols"],
+                              minlength=len(group_box)).astype(np.int64) * itemsize
 
     # Who feeds whom: the forest over replicas, then a holder per fed replica and group.
     if fanout and roots is None:
@@ -336,8 +321,7 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
     # The proof: the template, and the relay template, tile replica 0's model data exactly.
     prove_program(template, relay or None, copies, dst_table0, d_tid, D)
 
-    held0 = np.zeros(len(boxes), dtype=bool)
-    held0[np.repeat(np.arange(len(boxes)), boxes.hcount)[boxes.h_rank == 0]] = True
+    held0 = np.unique(np.repeat(np.arange(len(boxes)), boxes.hcount)[boxes.h_rank == 0])  # boxes rank 0 holds
     lower_bound_by_dst, model_bytes = bound_facts(model, sel, D, rpr, K)
     bounds = Bounds(lower_bound_by_dst=lower_bound_by_dst, model_bytes=model_bytes,
                     gatherer_held_bytes=int((boxes.n0 * boxes.n1)[held0].sum()) * itemsize,

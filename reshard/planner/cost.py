@@ -123,7 +123,7 @@ class Resource:
 @dataclass(frozen=True)
 class StagePrediction:
     """One stage's predicted time: the busiest resource's transfer time plus latency and per-op costs, with the
-    bytes and transfers by link class that it comes from."""
+    bytes by link class that it comes from."""
 
     stage: int
     seconds: float
@@ -132,7 +132,6 @@ class StagePrediction:
     op_seconds: float
     busiest: Resource | None
     bytes_by_class: dict[str, int]
-    transfers_by_class: dict[str, int]
 
 
 @dataclass(frozen=True)
@@ -232,8 +231,7 @@ def _stage(cluster: ClusterModel, src_gpu: np.ndarray, dst_gpu: np.ndarray, nbyt
     classes = {"device": same, "nvlink": nv, "network": net}
     pred = StagePrediction(
         stage=s, seconds=worst + latency + op_secs, transfer_seconds=worst, latency_seconds=latency,
-        op_seconds=op_secs, busiest=busiest, bytes_by_class={c: int(nbytes[m].sum()) for c, m in classes.items()},
-        transfers_by_class={c: int(m.sum()) for c, m in classes.items()})
+        op_seconds=op_secs, busiest=busiest, bytes_by_class={c: int(nbytes[m].sum()) for c, m in classes.items()})
     return pred, {**times, "copy": copy_time}
 
 

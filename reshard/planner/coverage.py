@@ -14,7 +14,7 @@ import numpy as np
 
 from ..arrays import sort_by
 from ..errors import CoverageError
-from .merge import run_positions
+from .merge import run_positions, run_rects
 
 
 def rects_from_ops(dst_tensor: np.ndarray, dst_offset: np.ndarray, dst_stride: np.ndarray, rows: np.ndarray,
@@ -28,19 +28,8 @@ def rects_from_ops(dst_tensor: np.ndarray, dst_offset: np.ndarray, dst_stride: n
     fits = flat & (c0 + cols <= W)
     whole = flat & ~fits & (c0 == 0) & (cols % W == 0)
     keep = ~(flat & ~fits & ~whole)
-    extra = []
-    for i in np.flatnonzero(~keep):  # runs that start mid-row and wrap: split into head, body, tail
-        t, w, off, left = int(dst_tensor[i]), int(W[i]), int(dst_offset[i]), int(cols[i])
-        r, c = divmod(off, w)
-        if c:
-            extra.append((t, r, c, 1, w - c))
-            left -= w - c
-            r += 1
-        if left // w:
-            extra.append((t, r, 0, left // w, w))
-            r += left // w
-        if left % w:
-            extra.append((t, r, 0, 1, left % w))
+    extra = [(int(dst_tensor[i]), *rect)  # runs that start mid-row and wrap: split into head, body, tail
+             for i in np.flatnonzero(~keep) for rect in run_rects(int(dst_offset[i]), int(cols[i]), int(W[i]))]
     out = [x[keep] for x in (dst_tensor, r0, c0, np.where(whole, cols // W, rows), np.where(whole, W, cols))]
     if extra:
         e = np.asarray(extra, dtype=np.int64)
@@ -128,23 +117,6 @@ def prove_exact_coverage(ops_rects: tuple[np.ndarray, ...], piece_rects: tuple[n
     raise CoverageError("coverage proof failed", problems)
 
 
-def prove_replica_coverage(programs: "list[dict[str, np.ndarray]]", dst_table0, d_tid: np.ndarray,
-                           origin: np.ndarray, n0: np.ndarray, n1: np.ndarray) -> None:
-    """Prove that each of `programs` (a template or a relay template: ops with dst_tensor, dst_offset,
-    dst_stride, rows, cols) tiles replica 0's model data exactly: the destination placements with data are
-    given as table ids `d_tid`, flat origins and 2-D lengths. Raises CoverageError listing the problems."""
-    width = dst_table0.kind_array(lambda _, shape: shape[-1])
-    height = dst_table0.kind_array(lambda _, shape: int(np.prod(shape[:-1], dtype=np.int64)))
-    names = lambda t: f"destination rank {dst_table0.rank[int(t)]} {dst_table0.name(int(t))!r}"  # noqa: E731
-    p_w = np.maximum(width[d_tid], 1)
-    piece_rects = (d_tid, origin // p_w, origin % p_w, n0, n1)
-    for ops in programs:
-        problems: list[str] = []
-        rects = rects_from_ops(ops["dst_tensor"], ops["dst_offset"], ops["dst_stride"], ops["rows"], ops["cols"],
-                               width, problems, names)
-        prove_exact_coverage(rects, piece_rects, width, height, names, problems)
-
-
 def prove_program(template: dict[str, np.ndarray], relay: dict[str, np.ndarray] | None,
                   copies: dict[str, np.ndarray], dst_table0: Any, d_tid: np.ndarray, D: Any) -> None:
     """Prove that the template, and the relay template (None: no replica is relayed), each with the EPLB slot
@@ -163,14 +135,16 @@ def prove_program(template: dict[str, np.ndarray], relay: dict[str, np.ndarray] 
     """
     from .fanout import slot_copy_problems
 
-    def with_copies(ops: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        if not copies or not len(copies["rows"]):
-            return ops
-        return {c: np.concatenate([ops[c], copies[c]]) for c in ("dst_tensor", "dst_offset", "dst_stride", "rows",
-                                                                 "cols")}
-
-    prove_replica_coverage([with_copies(ops) for ops in (template, relay) if ops is not None], dst_table0, d_tid,
-                           D.origin, D.n0, D.n1)
+    width = dst_table0.kind_array(lambda _, shape: shape[-1])
+    height = dst_table0.kind_array(lambda _, shape: int(np.prod(shape[:-1], dtype=np.int64)))
+    names = lambda t: f"destination rank {dst_table0.rank[int(t)]} {dst_table0.name(int(t))!r}"  # noqa: E731
+    piece_rects = (d_tid, D.origin // np.maximum(width[d_tid], 1), D.origin % np.maximum(width[d_tid], 1), D.n0, D.n1)
+    for ops in (template, relay) if relay is not None else (template,):
+        problems: list[str] = []
+        rects = rects_from_ops(*(np.concatenate([ops[c], copies[c]]) if copies else ops[c]
+                                 for c in ("dst_tensor", "dst_offset", "dst_stride", "rows", "cols")),
+                               width, problems, names)
+        prove_exact_coverage(rects, piece_rects, width, height, names, problems)
     problems = slot_copy_problems(copies, d_tid, D.origin, D.stride, D.n0, D.n1, D.canon, D.c0, D.c1) if copies else []
     if problems:
         raise CoverageError("EPLB slot copies read other elements than they write", problems)
@@ -195,21 +169,11 @@ def prove_expert_slots(stacks: Any, dst_table0: Any, d_tid: np.ndarray, d_origin
     if stacks is None or not len(stacks.names):
         return
     problems: list[str] = []
-    # each stack's table id, by (rank, name), vectorized (tens of thousands of stacks at EP64)
-    name_ids: dict[str, int] = {}
-    kind_name = np.asarray([name_ids.setdefault(n, len(name_ids)) for n, _ in dst_table0.kinds] or [0],
-                           dtype=np.int64)
-    stack_name = np.asarray([name_ids.get(n, -1) for n in stacks.names], dtype=np.int64)
-    width = len(name_ids) + 1
-    key = dst_table0.rank * width + kind_name[dst_table0.kind]
-    by_key = np.argsort(key, kind="stable")
-    want = stacks.ranks * width + stack_name
-    at = np.minimum(np.searchsorted(key[by_key], want), max(len(key) - 1, 0))
-    found = (stack_name >= 0) & (len(key) > 0) & (key[by_key][at] == want if len(key) else False)
+    tid = dst_table0.find(stacks.ranks, stacks.names)  # each stack's table id (tens of thousands at EP64)
+    found = tid >= 0
     S = stacks.logical.shape[1]
     lead = np.asarray([shape[0] for _, shape in dst_table0.kinds] or [0], dtype=np.int64)
     kind_numel = np.asarray([math.prod(shape[1:]) for _, shape in dst_table0.kinds] or [0], dtype=np.int64)
-    tid = np.where(found, by_key[at], -1)
     wrong = np.flatnonzero(found & (lead[dst_table0.kind[np.maximum(tid, 0)]] != S))
     missing = np.flatnonzero(~found) if whole else np.zeros(0, np.int64)  # a subset plan may leave a layer out
     problems += [f"destination rank {stacks.ranks[k]} {stacks.names[k]!r}: the placement gives it {S} expert slots, "
@@ -220,31 +184,28 @@ def prove_expert_slots(stacks: Any, dst_table0: Any, d_tid: np.ndarray, d_origin
     kept = np.flatnonzero(found)
     if not len(kept):
         return
-    tid, layer, name_id = tid[kept], stacks.layers[kept], stack_name[kept]
+    tid, layer = tid[kept], stacks.layers[kept]
+    name_id = np.unique(np.asarray(stacks.names), return_inverse=True)[1].reshape(-1)[kept]
     logical = np.ascontiguousarray(stacks.logical[kept]).reshape(-1)
     numel = kind_numel[dst_table0.kind[tid]]
-    slots = np.full(len(kept), S, dtype=np.int64)
-    base = np.arange(len(kept), dtype=np.int64) * S  # each stack's first global slot
-    slot_numel = np.repeat(numel, slots)
+    slot_numel = np.repeat(numel, S)
     stack_of = np.full(len(dst_table0), -1, dtype=np.int64)
     stack_of[tid] = np.arange(len(tid))
-    # replicas: the slots of one tensor name (layer and w13 / w2) holding one logical expert; `first` of a group is
-    # its lowest slot
-    _, group = np.unique(np.repeat(name_id, slots) * (int(logical.max()) + 1) + logical, return_inverse=True)
-    group = group.reshape(-1)
-    first = np.full(int(group.max()) + 1, -1, dtype=np.int64)
-    first[group[::-1]] = np.arange(len(group))[::-1]
-    replica0 = first[group]
+    # replicas: the slots of one tensor name (layer and w13 / w2) holding one logical expert; `replica0` of a slot is
+    # its group's lowest slot
+    _, first, group = np.unique(np.repeat(name_id, S) * (int(logical.max()) + 1) + logical, return_index=True,
+                                return_inverse=True)
+    replica0 = first[group.reshape(-1)]
 
     def label(g: int) -> str:
-        k = int(np.searchsorted(base, g, side="right") - 1)
-        return (f"destination rank {dst_table0.rank[tid[k]]} {dst_table0.name(int(tid[k]))!r} slot {g - base[k]} "
+        k = g // S  # stack k holds global slots k * S .. k * S + S - 1
+        return (f"destination rank {dst_table0.rank[tid[k]]} {dst_table0.name(int(tid[k]))!r} slot {g % S} "
                 f"(logical expert {logical[g]})")
 
     # 1. placements: the slots' model data (the placements do not overlap: the exact coverage proof says so)
     sel = np.flatnonzero(stack_of[d_tid] >= 0)
     k = stack_of[d_tid[sel]]
-    filled = np.bincount(base[k] + d_origin[sel] // numel[k], weights=d_n0[sel] * d_n1[sel],
+    filled = np.bincount(k * S + d_origin[sel] // numel[k], weights=d_n0[sel] * d_n1[sel],
                          minlength=len(logical)).astype(np.int64)
     short = np.flatnonzero((filled != slot_numel) if whole else (filled != filled[replica0]))
     problems += [f"{label(int(g))}: the layout places {filled[g]} of its {slot_numel[g]} elements"
@@ -261,7 +222,7 @@ def prove_expert_slots(stacks: Any, dst_table0: Any, d_tid: np.ndarray, d_origin
     k = stack_of[ops["dst_tensor"][sel]]
     off, rows, cols, stride, canon = (ops[c][sel] for c in ("dst_offset", "rows", "cols", "dst_stride", "canon"))
     local = off // numel[k]
-    g = base[k] + local
+    g = k * S + local
     across = np.flatnonzero((off + (rows - 1) * stride + cols - 1) // numel[k] != local)
     problems += [f"{label(int(g[i]))}: an op runs past the slot's end" for i in across[:10]]
     wrong = np.flatnonzero((layer_of[canon] != layer[k]) | (expert_of[canon] != logical[g]))

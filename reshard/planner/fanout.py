@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import PlanError
+from .merge import run_rects
 
 
 def _interior(non_roots: int, roots: int, fanout: int) -> int:
@@ -95,16 +96,10 @@ def slot_copies(ops: dict[str, np.ndarray], expert_of: np.ndarray) -> tuple[dict
     first, same = unique_inverse(tuple(col[c] for c in ("canon", "box", "src_d0", "src_d1", "rows", "cols")))
     if len(first) == len(idx):  # no expert in two slots
         return ops, empty
-    at_first, at = unique_inverse((same, col["dst_rank"]))  # (set, rank) pairs, sorted by set then rank
-    count = np.bincount(at)
-    pair_set, pair_rank = same[at_first], col["dst_rank"][at_first]
-    order = np.lexsort((pair_rank, -count, pair_set))  # per set: most members first, then the lowest rank
-    best = order[np.flatnonzero(np.diff(np.concatenate([[-1], pair_set[order]])))]
-    home = np.empty(len(first), np.int64)
-    home[pair_set[best]] = pair_rank[best]
-    cand = np.flatnonzero(col["dst_rank"] == home[same])
-    cand = cand[np.lexsort((col["dst_offset"][cand], col["dst_tensor"][cand], same[cand]))]
-    kept = cand[np.flatnonzero(np.diff(np.concatenate([[-1], same[cand]])))]
+    at = unique_inverse((same, col["dst_rank"]))[1]  # (set, rank) pair of each op
+    # per set: on the rank holding most of its ops, then the lowest rank, tensor and offset
+    order = np.lexsort((col["dst_offset"], col["dst_tensor"], col["dst_rank"], -np.bincount(at)[at], same))
+    kept = order[np.flatnonzero(np.diff(np.concatenate([[-1], same[order]])))]
     primary = np.empty(len(first), np.int64)
     primary[same[kept]] = kept
     copy = np.ones(len(idx), bool)
@@ -185,38 +180,12 @@ def split_parts(relay: dict[str, np.ndarray], parts: int, ranks_per_replica: int
         cuts = [int(b - start[i]) for b in bounds[pos[i]].tolist() if start[i] < b < end[i]]
         op = {c: int(relay[c][i]) for c in relay}
         first_part = int(part_of_start[i])
-        for k, (a, b) in enumerate(zip([0] + cuts, cuts + [int(elems[i])])):
-            for piece in _element_range(op, a, b):
-                pieces.append({**piece, "part": first_part + k})
+        for k, (a, b) in enumerate(zip([0] + cuts, cuts + [int(elems[i])])):  # elements [a, b): at most 3 ops
+            pieces += [{**op, "rows": nr, "cols": nc, "dst_offset": op["dst_offset"] + r * op["dst_stride"] + c,
+                        "dst_stride": nc if nr == 1 else op["dst_stride"], "part": first_part + k}
+                       for r, c, nr, nc in run_rects(a, b - a, op["cols"])]
     extra = {c: np.asarray([p[c] for p in pieces], dtype=np.int64) for c in out}
     return {c: np.concatenate([out[c][keep], extra[c]]) for c in out}
-
-
-def _element_range(op: dict[str, int], a: int, b: int) -> list[dict[str, int]]:
-    """The elements [a, b) of a block op (row-major inside the block), as at most three ops."""
-    rows, cols, stride, off = op["rows"], op["cols"], op["dst_stride"], op["dst_offset"]
-    if rows == 1:
-        return [{**op, "dst_offset": off + a, "cols": b - a, "dst_stride": b - a}]
-    out = []
-
-    def flat(row, c0, c1):
-        out.append({**op, "rows": 1, "cols": c1 - c0, "dst_stride": c1 - c0, "dst_offset": off + row * stride + c0})
-
-    r0, c0 = divmod(a, cols)
-    r1, c1 = divmod(b, cols)
-    if r0 == r1:
-        flat(r0, c0, c1)
-        return out
-    if c0:
-        flat(r0, c0, cols)
-        r0 += 1
-    if r1 - r0 > 1:
-        out.append({**op, "rows": r1 - r0, "dst_offset": off + r0 * stride})
-    elif r1 > r0:
-        flat(r0, 0, cols)
-    if c1:
-        flat(r1, 0, c1)
-    return out
 
 
 __all__ = ["check_forest", "forest_shape", "replica_forests", "slot_copies", "slot_copy_problems", "split_parts"]

@@ -13,6 +13,23 @@ def run_positions(count: np.ndarray) -> np.ndarray:
     return np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
 
 
+def run_rects(start: int, length: int, width: int) -> list[tuple[int, int, int, int]]:
+    """The elements [start, start + length) of rows `width` long, row-major, as at most three rectangles (row, col,
+    rows, cols): the rest of the first row, whole rows, the start of the last row."""
+    r, c = divmod(start, width)
+    out = []
+    if c:
+        out.append((r, c, 1, min(width - c, length)))
+        length -= out[-1][3]
+        r += 1
+    if length // width:
+        out.append((r, 0, length // width, width))
+        r += length // width
+    if length % width:
+        out.append((r, 0, 1, length % width))
+    return out
+
+
 def sort_ops(ops: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The ops in transfer order (SORT_KEYS): each (stage, sender, receiver) one contiguous range."""
     order = np.lexsort(tuple(ops[k] for k in reversed(SORT_KEYS)))
@@ -52,24 +69,30 @@ def _fuse(ops: dict[str, np.ndarray], joins: np.ndarray, strides: tuple[str, ...
     return out
 
 
+def _merge(ops: dict[str, np.ndarray], keys: tuple[str, ...], sides: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """`ops` sorted by `keys`, then the first side's offset; chains of neighbours that agree on `keys` and start,
+    on every one of `sides` ("src", "dst"), where the previous one ends fused into one op. Blocks whose rows are
+    whole on every side become one contiguous run first."""
+    strides = tuple(f"{s}_stride" for s in sides)
+    ops = _flatten(ops, (ops["rows"] == 1) | np.all([ops["cols"] == ops[k] for k in strides], axis=0), strides)
+    ops = {k: v[sort_by(tuple(ops[c] for c in (*keys, f"{sides[0]}_offset")))] for k, v in ops.items()}
+    if len(ops["rows"]) < 2:
+        return ops
+    joins = np.all([ops[k][1:] == ops[k][:-1] for k in keys]
+                   + [_adjacent(ops["rows"], ops["cols"], ops[f"{s}_offset"], ops[f"{s}_stride"]) for s in sides],
+                   axis=0)
+    return _fuse(ops, joins, strides)
+
+
 def merge_adjacent(ops: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Fuse chains of ops where each starts, on both sides, exactly where the previous one ends.
+    """Fuse chains of ops where each starts, on both sides, exactly where the previous one ends; returned sorted
+    by SORT_KEYS.
 
     Blocks whose rows are whole on both sides become one contiguous run first. Contiguous runs fuse by adding
     their lengths, strided blocks with the same width and strides by adding rows; a fused op keeps the first op's
     canonical tensor id.
     """
-    strides = ("src_stride", "dst_stride")
-    flat = (ops["rows"] == 1) | ((ops["cols"] == ops["src_stride"]) & (ops["cols"] == ops["dst_stride"]))
-    ops = sort_ops(_flatten(ops, flat, strides))
-    if len(ops["rows"]) < 2:
-        return ops
-    rows, cols = ops["rows"], ops["cols"]
-    same = np.all([ops[k][1:] == ops[k][:-1] for k in ("stage", "src_side", "src_rank", "dst_rank", "src_tensor",
-                                                        "dst_tensor")], axis=0)
-    joins = (same & _adjacent(rows, cols, ops["src_offset"], ops["src_stride"])
-             & _adjacent(rows, cols, ops["dst_offset"], ops["dst_stride"]))
-    return _fuse(ops, joins, strides)
+    return _merge(ops, SORT_KEYS[:-1], ("src", "dst"))
 
 
 def merge_template(t: dict[str, np.ndarray], box_hset: np.ndarray, box_stride: np.ndarray, box_hstart: np.ndarray,
@@ -122,11 +145,5 @@ def merge_template(t: dict[str, np.ndarray], box_hset: np.ndarray, box_stride: n
 def merge_relay(t: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The template's destination regions, merged where adjacent: what a parent replica forwards to a child
     (source and destination are the same regions of identical tensors, so destination adjacency suffices)."""
-    cols = {k: t[k] for k in ("canon", "dst_rank", "dst_tensor", "dst_offset", "dst_stride", "rows", "cols")}
-    cols = _flatten(cols, (cols["rows"] == 1) | (cols["cols"] == cols["dst_stride"]), ("dst_stride",))
-    cols = {k: v[sort_by((cols["dst_tensor"], cols["dst_offset"]))] for k, v in cols.items()}
-    if len(cols["rows"]) < 2:
-        return cols
-    same = cols["dst_tensor"][1:] == cols["dst_tensor"][:-1]
-    return _fuse(cols, same & _adjacent(cols["rows"], cols["cols"], cols["dst_offset"], cols["dst_stride"]),
-                 ("dst_stride",))
+    return _merge({k: t[k] for k in ("canon", "dst_rank", "dst_tensor", "dst_offset", "dst_stride", "rows", "cols")},
+                  ("dst_tensor",), ("dst",))

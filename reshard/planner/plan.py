@@ -27,8 +27,7 @@ from ..errors import PlanError
 from ..layouts import Layout, layout_to_dict
 from ..layouts.model import DTYPE_SIZES
 from .accounting import Accounting, Bounds, account_program
-from .program import OP_COLUMNS, RELAY, SOURCE, Program, expand
-from .program_check import check_program
+from .program import OP_COLUMNS, RELAY, SOURCE, Program, check_program, expand
 from .tables import FORMAT_VERSION, TensorTable
 
 class Transfer(NamedTuple):
@@ -104,17 +103,13 @@ class Plan:
                                                                self.dst.num_ranks, self.colocation, self.bounds))
 
     @functools.cached_property
-    def selected_tensors(self) -> tuple:
-        """The canonical tensors (TensorSpec) this plan moves: the selection, or the whole model."""
-        names = set(self.selection) if self.selection is not None else None
-        return tuple(t for t in self.src.model.tensors if names is None or t.name in names)
-
-    @functools.cached_property
     def value_shifts(self) -> dict[int, float]:
         """Canonical tensor index -> what executors add to every destination element of it after copying
         (dst.value_offset - src.value_offset; e.g. +1 for a norm Megatron keeps zero-centred and HF plain).
         Empty for almost every plan."""
-        shifts = {t.index: self.dst.value_offset(t) - self.src.value_offset(t) for t in self.selected_tensors}
+        names = set(self.selection) if self.selection is not None else None
+        shifts = {t.index: self.dst.value_offset(t) - self.src.value_offset(t) for t in self.src.model.tensors
+                  if names is None or t.name in names}
         return {k: v for k, v in shifts.items() if v}
 
     @functools.cached_property
@@ -246,9 +241,8 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
         """A saved plan (.json or .npz), read as untrusted input: its content must prove what it claims and match
-        its digest (planner.plan_file, planner.verify)."""
-        from .plan_file import read_saved
-        from .verify import load_plan
+        its digest (planner.verify)."""
+        from .verify import load_plan, read_saved
 
         return load_plan(cls, *read_saved(path))
 

@@ -28,12 +28,12 @@ def byte_matrix(plan: "Plan") -> tuple[np.ndarray, np.ndarray]:
     return out[0], out[1]
 
 
-def _tree_positions(g: nx.DiGraph, roots: list[int]) -> dict[int, tuple[float, float]]:
-    depth = nx.multi_source_dijkstra_path_length(g, roots)
+def _tree_positions(depth: list[int], left: float) -> dict[int, tuple[float, float]]:
+    """Replica k drawn at height -depth[k], the replicas of one depth spread evenly from `left`."""
     by_level: dict[int, list[int]] = {}
-    for node in sorted(g.nodes, key=lambda n: (depth.get(n, 0), n)):
-        by_level.setdefault(depth.get(node, 0), []).append(node)
-    return {n: ((i + 0.5) / len(nodes), -lvl) for lvl, nodes in by_level.items() for i, n in enumerate(nodes)}
+    for k in sorted(range(len(depth)), key=lambda k: (depth[k], k)):
+        by_level.setdefault(depth[k], []).append(k)
+    return {n: (left + (i + 0.5) / len(nodes), -lvl) for lvl, nodes in by_level.items() for i, n in enumerate(nodes)}
 
 
 def plot_plan(plan: "Plan", path: str | Path) -> Path:
@@ -78,7 +78,7 @@ def plot_plan(plan: "Plan", path: str | Path) -> Path:
             g = nx.DiGraph()
             g.add_nodes_from(range(parents.shape[1]))
             g.add_edges_from((int(p), k) for k, p in enumerate(parents[j].tolist()) if p >= 0)
-            pos = {n: (x + j * 1.1, y) for n, (x, y) in _tree_positions(g, roots).items()}
+            pos = _tree_positions(plan.program.stage[j].tolist(), j * 1.1)  # a replica's stage is its depth
             nx.draw_networkx(g, pos, ax=ax, node_size=120, font_size=6, edge_color=[colors(j % 10)],
                              node_color=["#f0c040" if n in roots else "#a0c8f0" for n in g.nodes], arrows=True)
         ax.set_title(f"replica trees, one per part ({trees}); roots fed by the source", fontsize=9)

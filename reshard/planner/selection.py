@@ -19,18 +19,11 @@ def select_indices(model: ModelSpec, tensors: Iterable[str] | None, layers: Iter
     c = model.canonical
     chosen = np.ones(len(c), dtype=bool)
     if tensors is not None:
-        names = set(tensors)
-        unknown, wanted = [], []
-        for n in sorted(names):
-            try:
-                wanted.append(model.tensor(n).index)
-            except KeyError:
-                unknown.append(n)
+        index = {t.name: t.index for t in model.tensors}
+        unknown = sorted(set(tensors) - set(index))
         if unknown:
             raise PlanError("unknown tensor names in the selection", unknown)
-        mask = np.zeros(len(c), dtype=bool)
-        mask[wanted] = True
-        chosen &= mask
+        chosen &= np.isin(np.arange(len(c)), [index[n] for n in set(tensors)])
     if layers is not None:
         wanted_layers = sorted(set(layers))
         bad = [x for x in wanted_layers if not 0 <= x < model.num_layers]

@@ -5,7 +5,7 @@ import functools
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -42,7 +42,7 @@ class TensorTable:
     def __post_init__(self) -> None:
         for name in ("rank", "kind"):
             object.__setattr__(self, name, frozen_ints(getattr(self, name)))
-        object.__setattr__(self, "kinds", tuple(self.kinds))  # (name, shape tuple) pairs; from_dict converts
+        object.__setattr__(self, "kinds", tuple(self.kinds))  # (name, shape tuple) pairs
         object.__setattr__(self, "dtypes", tuple(self.dtypes) if any(self.dtypes) else ())
 
     def __len__(self) -> int:
@@ -70,6 +70,19 @@ class TensorTable:
     def shape(self, tid: int) -> tuple[int, ...]:
         """Tensor `tid`'s shape (in plan units), without building `shapes`."""
         return self.kinds[int(self.kind[tid])][1]
+
+    def find(self, ranks: np.ndarray, names: Sequence[str]) -> np.ndarray:
+        """The id of the tensor named names[i] on rank ranks[i], -1 where there is none (one search, not a loop)."""
+        ids: dict[str, int] = {}
+        kind_name = np.asarray([ids.setdefault(n, len(ids)) for n, _ in self.kinds] or [0], dtype=np.int64)
+        want_name = np.asarray([ids.get(n, -1) for n in names], dtype=np.int64)
+        if not len(self.rank):
+            return np.full(len(want_name), -1, dtype=np.int64)
+        key = self.rank * (len(ids) + 1) + kind_name[self.kind]
+        want = np.asarray(ranks, dtype=np.int64) * (len(ids) + 1) + want_name
+        order = np.argsort(key, kind="stable")
+        at = order[np.minimum(np.searchsorted(key[order], want), len(key) - 1)]
+        return np.where((want_name >= 0) & (key[at] == want), at, -1)
 
     def numel(self) -> np.ndarray:
         """Elements of every tensor id (in plan units)."""
@@ -102,13 +115,6 @@ class TensorTable:
         if self.dtypes:
             out["dtypes"] = list(self.dtypes)
         return out
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TensorTable":
-        """The table `to_dict` wrote, trusted (a plan file's tables are checked by planner.verify instead)."""
-        return cls(np.asarray(d["rank"], dtype=np.int64), np.asarray(d["kind"], dtype=np.int64),
-                   tuple((str(n), tuple(int(x) for x in s)) for n, s in d["kinds"]),
-                   tuple(str(x) for x in d.get("dtypes", ())))
 
     def digest_update(self, h) -> None:
         """Feed the table to hash `h` (part of `Plan.digest`)."""

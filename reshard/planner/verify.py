@@ -1,16 +1,23 @@
 """A saved plan is untrusted input: loading re-proves what it claims before a Plan exists.
 
-`load_plan` checks, raising PlanFileError naming the entry to blame: 1. the header's entries have their JSON
-types and the layouts are valid; 2. the tensor tables' ranks, kinds and shapes; 3. the program's arrays: integer
-arrays of the expected shapes, every index inside what it indexes (planner.program_check); 4. the digest is
-present and matches the content; 5. what the content claims, in time linear in its ops: every op reads and writes
-inside its tensors, the tables are the layouts' physical tensors, the ops write every destination element holding
-model data exactly once (planner.coverage, as the compiler proves it), and the bounds are the layouts'.
+`read_saved` reads a saved plan's bytes: a JSON file, or an .npz (a zip of .npy arrays and a JSON header), opened
+without pickle, each member's size and dtype checked from its .npy header before it is read, so a hostile file can
+neither run code nor make the reader allocate more than the limits allow. `load_plan` then checks, raising
+PlanFileError naming the entry to blame: 1. the header's entries have their JSON types and the layouts are valid; 2.
+the tensor tables' ranks, kinds and shapes; 3. the program's arrays: integer arrays of the expected shapes, every
+index inside what it indexes (planner.program.check_program); 4. the digest is present and matches the content; 5.
+what the content claims, in time linear in its ops: every op reads and writes inside its tensors, the tables are the
+layouts' physical tensors, the ops write every destination element holding model data exactly once
+(planner.coverage, as the compiler proves it), and the bounds are the layouts'.
 """
 from __future__ import annotations
 
 import math
+import os
 import re
+import stat
+import zipfile
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,10 +26,10 @@ from ..arrays import unique_inverse
 from ..errors import CoverageError, PlanError, PlanFileError, ReshardError
 from ..layouts import layout_from_dict
 from ..layouts.model import DTYPE_SIZES
-from ..limits import MAX_PARAMS, MAX_PLAN_ELEMENTS, MAX_RANKS
+from ..limits import MAX_PARAMS, MAX_PLAN_ELEMENTS, MAX_PLAN_HEADER_BYTES, MAX_RANKS
+from ..untrusted import parse_json, read_bytes
 from .accounting import Bounds
-from .program import COPY_COLUMNS, RELAY_COLUMNS, TEMPLATE_COLUMNS, Program
-from .program_check import BIG, bad, same, within
+from .program import BIG, COPY_COLUMNS, RELAY_COLUMNS, TEMPLATE_COLUMNS, Program, bad, same, within
 from .selection import bound_facts, data_rows, select_indices, unit_placements
 from .tables import FORMAT_VERSION
 
@@ -31,6 +38,65 @@ HEADER_KEYS = {"format", "src", "dst", "colocated", "colocation", "fanout", "roo
 COPY_NAMES = tuple(f"c.{c}" for c in COPY_COLUMNS)  # optional: plans saved before EPLB slot copies have none
 ARRAY_NAMES = tuple(f"t.{c}" for c in TEMPLATE_COLUMNS) + tuple(f"r.{c}" for c in RELAY_COLUMNS) + Program.ARRAYS
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+MAX_MEMBERS = 64  # of a saved .npz
+
+
+def read_saved(path: "str | os.PathLike[str]") -> tuple[Any, Any]:
+    """(header, arrays) of a saved plan: arrays None for a JSON plan (they are in the header's "arrays")."""
+    if not isinstance(path, (str, os.PathLike)) or isinstance(path, bytes):
+        raise bad("path", path, "must be a path (str or pathlib.Path)")
+    path = Path(path)
+    if path.suffix.lower() == ".json":  # as Plan.save writes it
+        return parse_json(read_bytes(path, MAX_PLAN_HEADER_BYTES, bad, "path"), bad, "path", str(path)), None
+    try:
+        info = os.stat(path)
+    except OSError as e:
+        raise bad("path", str(path), f"cannot be read ({e.strerror or e})") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise bad("path", str(path), "is not a regular file")
+    try:
+        with zipfile.ZipFile(path) as z:
+            members = z.infolist()
+            if len(members) > MAX_MEMBERS:
+                raise bad("path", str(path), f"holds {len(members)} members; a plan has at most {MAX_MEMBERS}")
+            arrays: dict[str, np.ndarray] = {}
+            header = None
+            for m in members:
+                name = m.filename[:-4] if m.filename.endswith(".npy") else None
+                if name is None or not (name == "header" or name.startswith("a:")):
+                    raise bad("path", m.filename, "is not a member of a saved plan")
+                a = _read_member(z, m, name)
+                if name == "header":
+                    header = a
+                else:
+                    arrays[name[2:]] = a
+    except PlanFileError:
+        raise
+    except Exception as e:  # noqa: BLE001 - zip, zlib and numpy's .npy parsing raise many types on bad bytes
+
+        raise bad("path", str(path), f"is not a readable saved plan (.npz): {type(e).__name__}: {e}") from None
+    if header is None:
+        raise bad("header", None, "is missing from the .npz")
+    if header.dtype != np.uint8 or header.ndim != 1:
+        raise bad("header", str(header.dtype), "must be the UTF-8 bytes of a JSON object")
+    return parse_json(header.tobytes(), bad, "header", str(path)), arrays
+
+
+def _read_member(z: zipfile.ZipFile, m: zipfile.ZipInfo, name: str) -> np.ndarray:
+    limit = MAX_PLAN_HEADER_BYTES if name == "header" else MAX_PLAN_ELEMENTS * 8
+    if m.file_size > limit + 4096:
+        raise bad(name, m.file_size, f"is larger than the limit of {limit:,} bytes")
+    with z.open(m) as f:
+        version = np.lib.format.read_magic(f)
+        if version not in ((1, 0), (2, 0)):
+            raise bad(name, version, "is not a .npy array of a known version")
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran, dtype = read(f, max_header_size=10000)
+        count = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+        if dtype.hasobject or dtype.kind not in "iub" or count * dtype.itemsize > limit:
+            raise bad(name, f"{dtype} {shape}", "must be a plain integer array within the size limit")
+    with z.open(m) as f:
+        return np.lib.format.read_array(f, allow_pickle=False, max_header_size=10000)
 
 
 def _int(d: dict[str, Any], key: str, low: int = 0, high: int = BIG, optional: bool = False,
@@ -114,12 +180,10 @@ def _table(field: str, d: Any, num_ranks: int):
         raise bad(f"{field}.dtypes", dtypes, f"must list one dtype per kind ('' or one of {sorted(DTYPE_SIZES)})")
     within(f"{field}.rank", rank, 0, num_ranks)
     within(f"{field}.kind", kind, 0, len(parsed))
-    names: dict[str, int] = {}
-    name_of_kind = np.asarray([names.setdefault(n, len(names)) for n, _ in parsed] or [0], dtype=np.int64)
-    key = rank * max(len(names), 1) + name_of_kind[kind] if len(kind) else kind
-    if len(np.unique(key)) != len(key):
+    table = TensorTable(rank, kind, tuple(parsed), tuple(dtypes))
+    if (table.find(table.rank, table.names) != np.arange(len(table))).any():
         raise bad(f"{field}.kinds", "...", "lists one (rank, tensor name) twice")
-    return TensorTable(rank, kind, tuple(parsed), tuple(dtypes))
+    return table
 
 
 def _bounds(d: Any, num_dst: int) -> Bounds:
@@ -222,22 +286,18 @@ def _reads_inside(p: Program, src_numel: np.ndarray) -> None:
 def _match(field: str, table: Any, placements: Any, rows: np.ndarray, exact: bool) -> np.ndarray:
     """Table id of each placement row in `rows`; the placements' physical tensors must be the table's (`exact`:
     and the table no more). Shapes compared in units of the plan's dtype."""
-    names = [n for n, _ in table.kinds]
-    ids = {(r, names[k]): i for i, (r, k) in enumerate(zip(table.rank.tolist(), table.kind.tolist()))}
     nk = max(len(placements.kinds), 1)
     first, inverse = unique_inverse((placements.rank[rows] * nk + placements.kind[rows],))
-    pairs = np.stack([placements.rank[rows][first], placements.kind[rows][first]])
-    tid = np.empty(pairs.shape[1], dtype=np.int64)
-    for j, (r, k) in enumerate(pairs.T.tolist()):
+    ranks, kinds = placements.rank[rows][first].tolist(), placements.kind[rows][first].tolist()
+    tid = table.find(ranks, [placements.kinds[k][0] for k in kinds])
+    for r, k, i in zip(ranks, kinds, tid.tolist()):
         name, shape = placements.kinds[k]
-        i = ids.get((r, name))
-        if i is None:
+        if i < 0:
             raise bad(field, f"rank {r} {name}", "lacks a tensor the layout places data in")
         if table.shape(i) != tuple(shape):
             raise bad(field, f"rank {r} {name}", f"has shape {table.shape(i)}; the layout's is {tuple(shape)}")
-        tid[j] = i
-    if exact and len(set(tid.tolist())) != len(ids):
-        extra = sorted(set(range(len(ids))) - set(tid.tolist()))[0] if ids else 0
+    if exact and len(set(tid.tolist())) != len(table):
+        extra = sorted(set(range(len(table))) - set(tid.tolist()))[0]
         raise bad(field, f"rank {table.rank[extra]} {table.name(extra)}", "is not a tensor of the layout")
     return tid[inverse.reshape(-1)]
 
@@ -248,11 +308,11 @@ def _prove(plan: Any, sel: np.ndarray) -> None:
     p, model, K, rpr, T0 = plan.program, plan.src.model, plan.dst.num_replicas, plan.program.ranks_per_replica, \
         plan.program.tensors_per_replica
     table = plan.dst_tensors
-    same("dst_tensors.rank", table.rank, np.tile(table.rank[:T0], K) + np.repeat(np.arange(K) * rpr, T0),
-         "replica k's tensors are replica 0's on ranks shifted by k x ranks per replica")
-    same("dst_tensors.kind", table.kind, np.tile(table.kind[:T0], K), "every replica holds replica 0's tensors")
-    S, _, D, _ = unit_placements(plan.src, plan.dst, sel)
     table0 = type(table)(table.rank[:T0], table.kind[:T0], table.kinds, table.dtypes)
+    same("dst_tensors.rank", table.rank, table0.tiled(K, rpr).rank, "replica k's tensors are replica 0's on ranks "
+         "shifted by k x ranks per replica")
+    same("dst_tensors.kind", table.kind, table0.tiled(K, rpr).kind, "every replica holds replica 0's tensors")
+    S, _, D, _ = unit_placements(plan.src, plan.dst, sel)
     _match("dst_tensors", table0, D, np.arange(len(D)), exact=True)
     _match("src_tensors", plan.src_tensors, S, np.flatnonzero(S.n0 * S.n1 > 0), exact=True)
     d_tid, D = _match("dst_tensors", table0, D, np.flatnonzero(D.n0 * D.n1 > 0), exact=False), data_rows(D)
@@ -319,4 +379,4 @@ def load_plan(cls: type, d: Any, arrays: Any) -> Any:
     return plan
 
 
-__all__ = ["bad", "int_array", "load_plan", "within"]
+__all__ = ["bad", "int_array", "load_plan", "read_saved", "within"]

@@ -30,8 +30,8 @@ from reshard.executors.binding import Binding
 from reshard.executors.collective.executor import CollectiveExecutor
 from reshard.executors.reference import ReferenceExecutor
 from reshard.layouts import layout_from_dict
-from reshard.planner import Bounds, Plan, Program, TensorTable
-from reshard.planner.verify import ARRAY_NAMES, _program
+from reshard.planner import Plan, Program
+from reshard.planner.verify import ARRAY_NAMES, _bounds, _program, _table
 from harness.hostile import config_documents, invalid_layout_strings
 
 pytestmark = pytest.mark.fuzz
@@ -64,10 +64,10 @@ def redigest(d: dict) -> None:
     """Give a changed plan the digest of its content, as someone who tampers with it would (if it can be built)."""
     try:
         prog = _program({k: np.asarray(v) for k, v in d["arrays"].items()}, d["program"])
-        plan = Plan(src=layout_from_dict(d["src"]), dst=layout_from_dict(d["dst"]),
-                    src_tensors=TensorTable.from_dict(d["src_tensors"]),
-                    dst_tensors=TensorTable.from_dict(d["dst_tensors"]), program=prog,
-                    bounds=Bounds.from_dict(d["bounds"]), colocation=d.get("colocation") or (
+        src, dst = layout_from_dict(d["src"]), layout_from_dict(d["dst"])
+        plan = Plan(src=src, dst=dst, src_tensors=_table("src_tensors", d["src_tensors"], src.num_ranks),
+                    dst_tensors=_table("dst_tensors", d["dst_tensors"], dst.num_ranks), program=prog,
+                    bounds=_bounds(d["bounds"], dst.num_ranks), colocation=d.get("colocation") or (
                         tuple(range(8)) if d["colocated"] else None), fanout=d["fanout"], roots=d["roots"],
                     selection=d["selection"])
         d["digest"] = plan.digest

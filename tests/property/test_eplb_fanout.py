@@ -18,7 +18,7 @@ from reshard.errors import PlanFileError
 from reshard.executors import allocate, execute_local, shard
 from reshard.layouts import VllmLayout
 from reshard.planner import Plan
-from reshard.planner.accounting import account
+from harness.accounting import account
 from reshard.planner.plan import SOURCE
 from reshard.testing.strategies import expert_placements, megatron_layouts, models, vllm_tp_choices
 

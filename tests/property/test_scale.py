@@ -11,7 +11,7 @@ from hypothesis import assume, example, given, strategies as st
 
 import reshard
 from reshard.layouts import Layout
-from reshard.planner.accounting import account
+from harness.accounting import account
 from reshard.planner.balance import choose_holders
 from reshard.planner.fanout import forest_shape
 from reshard.planner.program import RELAY, SOURCE

@@ -1,13 +1,14 @@
-"""Train-inference mismatch, the numbers (pure: no torch, no processes). With r_i = lp_trainer - lp_engine at each
+"""Train-inference mismatch, the numbers (numpy only: no torch, no processes). With r_i = lp_trainer - lp_engine at each
 scored position, the per-token KL(engine || trainer) estimates RL stacks log are k1 = -r_i and
 k3 = exp(r_i) - 1 - r_i (Schulman's unbiased, non-negative estimator); argmax agreement compares both sides'
 most likely next token.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import Sequence
+
+import numpy as np
 
 from ..errors import ArgumentError
 
@@ -94,12 +95,7 @@ def dtype_key(dtype: str, table: dict, what: str) -> str:
 
 def percentile(values: Sequence[float], q: float) -> float:
     """The q-th percentile (0..100), linear interpolation between order statistics."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    return float(np.percentile(values, q)) if len(values) else 0.0
 
 
 @dataclass(frozen=True)
@@ -172,27 +168,23 @@ def compare(trainer: Scores, engine: Scores, dtype: str = "float32",
         ArgumentError: the two sides scored other positions, none at all, or `dtype` has no thresholds.
     """
     limits = limits or thresholds(dtype)
-    if [len(r) for r in trainer.logprobs] != [len(r) for r in engine.logprobs]:
+    lengths = [len(r) for r in trainer.logprobs]
+    if lengths != [len(r) for r in engine.logprobs]:
         raise ArgumentError("engine scores", [len(r) for r in engine.logprobs],
-                            f"must score the positions the trainer scored {[len(r) for r in trainer.logprobs]}")
-    diffs, k1, k3, agree, where = [], [], [], 0, []
-    for s, (lt, le, at, ae) in enumerate(zip(trainer.logprobs, engine.logprobs, trainer.argmax, engine.argmax)):
-        for i, (a, b, x, y) in enumerate(zip(lt, le, at, ae)):
-            r = a - b
-            diffs.append(abs(r))
-            where.append((s, i))
-            k1.append(-r)
-            k3.append(math.expm1(min(r, 50.0)) - r)
-            agree += x == y
-    if not diffs:
+                            f"must score the positions the trainer scored {lengths}")
+    r = np.array(trainer.flat(), dtype=np.float64) - np.array(engine.flat(), dtype=np.float64)
+    if not r.size:
         raise ArgumentError("sequences", 0, "must hold at least one scored position (sequences of 2+ tokens)")
-    n = len(diffs)
-    worst = max(range(n), key=diffs.__getitem__)
-    stats = dict(mean_abs=sum(diffs) / n, max_abs=diffs[worst], p50_abs=percentile(diffs, 50),
-                 p90_abs=percentile(diffs, 90), p99_abs=percentile(diffs, 99), mean_k1=sum(k1) / n,
-                 mean_k3=sum(k3) / n, argmax_agreement=agree / n)
+    n, diffs = r.size, np.abs(r)
+    worst = int(np.argmax(diffs))
+    seq = int(np.searchsorted(np.cumsum(lengths), worst, side="right"))  # the sequence holding position `worst`
+    agree = np.array([x for row in trainer.argmax for x in row]) == np.array([x for row in engine.argmax for x in row])
+    p50, p90, p99 = np.percentile(diffs, [50, 90, 99]).tolist()
+    stats = dict(mean_abs=float(diffs.mean()), max_abs=float(diffs[worst]), p50_abs=p50, p90_abs=p90, p99_abs=p99,
+                 mean_k1=float(-r.mean()), mean_k3=float((np.expm1(np.minimum(r, 50.0)) - r).mean()),
+                 argmax_agreement=float(agree.mean()))
     failures = []
-    if not all(math.isfinite(d) for d in diffs):
+    if not np.isfinite(diffs).all():
         failures.append("non-finite log-probabilities")
     if stats["max_abs"] > limits.max_abs:
         failures.append(f"max |dlogp| {stats['max_abs']:.3e} > {limits.max_abs:.1e}")
@@ -200,7 +192,7 @@ def compare(trainer: Scores, engine: Scores, dtype: str = "float32",
         failures.append(f"mean KL (k3) {stats['mean_k3']:.3e} > {limits.mean_k3:.1e}")
     if stats["argmax_agreement"] < limits.min_argmax_agreement:
         failures.append(f"argmax agreement {stats['argmax_agreement']:.3f} < {limits.min_argmax_agreement}")
-    return MismatchReport(dtype=str(dtype), tokens=n, worst=where[worst], thresholds=limits,
+    return MismatchReport(dtype=str(dtype), tokens=n, worst=(seq, worst - sum(lengths[:seq])), thresholds=limits,
                           failures=tuple(failures), **stats)
 
 

@@ -113,21 +113,16 @@ def build_model(tiny: TinyGPT, dtype: torch.dtype = torch.float32) -> list[Any]:
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from ..validate.megatron_side import transformer_config
 
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
-    moe = dict(MOE_OPTIONS, num_moe_experts=tiny.num_experts, moe_ffn_hidden_size=tiny.moe_ffn_hidden_size,
-               moe_router_topk=tiny.topk) if tiny.num_experts else {}
-    config = TransformerConfig(
-        **CPU_OPTIONS, num_layers=tiny.num_layers, hidden_size=tiny.hidden_size,
-        num_attention_heads=tiny.num_attention_heads, num_query_groups=tiny.num_query_groups,
-        kv_channels=tiny.head_dim, ffn_hidden_size=tiny.ffn_hidden_size, layernorm_epsilon=tiny.eps,
-        qk_layernorm=True, params_dtype=dtype, pipeline_dtype=dtype if pp > 1 else None, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
-        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
-        expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(), init_method_std=0.02,
-        num_layers_in_first_pipeline_stage=tiny.first_stage_layers if pp > 1 else None, **moe)
+    config = transformer_config(
+        tiny.spec(), tp, pp, ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size(),
+        {"rms_norm_eps": tiny.eps, "num_experts_per_tok": tiny.topk}, params_dtype=dtype,
+        pipeline_dtype=dtype if pp > 1 else None, virtual_pipeline_model_parallel_size=vpp,
+        num_layers_in_first_pipeline_stage=tiny.first_stage_layers if pp > 1 else None)
     layer_spec = get_gpt_layer_local_spec(num_experts=tiny.num_experts or None, qk_layernorm=True,
                                           normalization="RMSNorm")
     torch.manual_seed(tiny.seed)  # CPU init draws every master weight from this generator

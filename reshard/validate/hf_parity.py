@@ -49,13 +49,12 @@ def _parity_rank(layout_json: str, hf_json: str, out_dir: str) -> None:
     from ..executors.collective.executor import execute_collective
     from ..planner import compile_plan
     from ..adapters.megatron.forward import forward_logits
-    from ..testing.megatron_cpu import init_parallel, set_norms
-    from .megatron_side import build_gpt, layout_dict
+    from ..testing.megatron_cpu import set_norms
+    from .megatron_side import build_gpt
 
     layout = MegatronLayout.model_validate_json(layout_json)
-    spec, lay = layout.model, layout_dict(layout)
-    init_parallel(lay["tp"], lay["pp"], lay["ep"], lay["etp"])
-    model = build_gpt(spec, lay, json.loads(hf_json), init_std=INIT_STD)
+    spec = layout.model
+    model = build_gpt(layout, json.loads(hf_json), init_std=INIT_STD)
     set_norms([model])
     outputs: dict[int, torch.Tensor] = {}
     _record(model.embedding, outputs, -1, seq_first=True)

@@ -60,9 +60,9 @@ def _router(spec: ModelSpec, hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def transformer_config(spec: ModelSpec, tp: int, pp: int, ep: int, etp: int,
-                       hf: dict[str, Any] | None = None, init_std: float = 0.02) -> Any:
+                       hf: dict[str, Any] | None = None, init_std: float = 0.02, **options: Any) -> Any:
     """megatron-core config of the spec: the shared CPU options, the family's own (`ModelFamily.megatron_options`,
-    in its config class) and, with the HF config `hf`, its numerics (epsilon, rope base, router).
+    in its config class), with the HF config `hf` its numerics (epsilon, rope base, router), then `options`.
 
     Raises:
         Unmapped: an HF setting with no megatron-core equivalent here.
@@ -88,7 +88,7 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, ep: int, etp: int,
         kw.update(MOE_OPTIONS, num_moe_experts=spec.num_experts, moe_ffn_hidden_size=spec.moe_intermediate_size,
                   moe_layer_freq=[0 if i in spec.dense_layers else 1 for i in range(spec.num_layers)],
                   **_router(spec, hf))
-    kw.update(fam.megatron_options(spec))
+    kw.update(fam.megatron_options(spec), **options)
     if kw.get("moe_router_enable_expert_bias"):
         kw["moe_router_score_function"] = "sigmoid"  # megatron-core's expert bias needs sigmoid scores
     if fam.megatron_block == "gated_delta_net":
@@ -203,16 +203,28 @@ def mla_core_attention() -> type:
     return MLADotProductAttention
 
 
-def build_gpt(spec: ModelSpec, lay: dict[str, Any], hf: dict[str, Any] | None = None, init_std: float = 0.02) -> Any:
-    """This rank's GPTModel (eval mode) for the parallel state now initialized (`lay`: layout_dict's); every rank
-    draws the same master weights from one seed."""
+def build_gpt(layout: MegatronLayout, hf: dict[str, Any] | None = None, init_std: float = 0.02) -> Any:
+    """This rank's GPTModel (eval mode) of `layout`, megatron-core's parallel state (re)initialized for it; every
+    rank draws the same master weights from one seed.
+
+    Raises:
+        ValueError: a layout the CPU build does not cover.
+    """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
+    from ..testing.megatron_cpu import init_parallel
+
+    if layout.naming != "local" or layout.vpp != 1 or layout.first_stage_layers or layout.last_stage_layers:
+        raise ValueError("the CPU build covers local naming, vpp=1 and even pipeline stages only")
+    if layout.rank_order != "tp-cp-ep-dp-pp":
+        raise ValueError("the CPU build uses megatron-core's default rank order")
+    init_parallel(layout.tp, layout.pp, layout.ep, layout.etp)
+    spec = layout.model
     if hf and isinstance(hf.get("text_config"), dict):  # a multimodal wrapper: the language model's numerics
         hf = {**hf, **hf["text_config"]}
-    config = transformer_config(spec, lay["tp"], lay["pp"], lay["ep"], lay["etp"], hf, init_std)
+    config = transformer_config(spec, layout.tp, layout.pp, layout.ep, layout.etp, hf, init_std)
     if family(spec.family).megatron_block == "gated_delta_net":
         block = _gdn_block_spec(config)
     else:
@@ -225,24 +237,11 @@ def build_gpt(spec: ModelSpec, lay: dict[str, Any], hf: dict[str, Any] | None = 
             attn.submodules.core_attention = mla_core_attention()
     theta, scaling = _rope(hf) if hf and not config.multi_latent_attention else (10000.0, {})
     torch.manual_seed(0)
-    return GPTModel(config=config, transformer_layer_spec=block, vocab_size=lay["padded_vocab"],
+    return GPTModel(config=config, transformer_layer_spec=block, vocab_size=layout.padded_vocab,
                     max_sequence_length=128, pre_process=ps.is_pipeline_first_stage(),
                     post_process=ps.is_pipeline_last_stage(),
                     share_embeddings_and_output_weights=spec.tie_word_embeddings, position_embedding_type="rope",
                     rotary_base=theta, **scaling).eval()
-
-
-def layout_dict(layout: MegatronLayout) -> dict[str, Any]:
-    """The sizes the CPU build of megatron-core takes.
-
-    Raises:
-        ValueError: a layout it does not cover.
-    """
-    if layout.naming != "local" or layout.vpp != 1 or layout.first_stage_layers or layout.last_stage_layers:
-        raise ValueError("the CPU build covers local naming, vpp=1 and even pipeline stages only")
-    if layout.rank_order != "tp-cp-ep-dp-pp":
-        raise ValueError("the CPU build uses megatron-core's default rank order")
-    return dict(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, padded_vocab=layout.padded_vocab)
 
 
 def run_layout(layout: MegatronLayout, fn: Any, *args: Any, timeout_s: float = 300) -> None:
@@ -255,14 +254,10 @@ def run_layout(layout: MegatronLayout, fn: Any, *args: Any, timeout_s: float = 3
 
 # --- megatron layout: names and shapes -------------------------------------------------------------------
 
-def _names_rank(spec_json: str, lay_json: str, out_dir: str) -> None:
+def _names_rank(layout_json: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from ..testing.megatron_cpu import init_parallel
-
-    spec, lay = ModelSpec.model_validate_json(spec_json), json.loads(lay_json)
-    init_parallel(lay["tp"], lay["pp"], lay["ep"], lay["etp"])
-    model = build_gpt(spec, lay)
+    model = build_gpt(MegatronLayout.model_validate_json(layout_json))
     keys = set(model.state_dict())
     out = {n: list(p.shape) for n, p in model.named_parameters()}
     out.update({n: list(b.shape) for n, b in model.named_buffers() if n in keys})
@@ -271,9 +266,7 @@ def _names_rank(spec_json: str, lay_json: str, out_dir: str) -> None:
 
 def megatron_rank_tensors(layout: MegatronLayout, timeout_s: float = 300) -> dict[int, dict[str, tuple[int, ...]]]:
     """Build the real model for `layout` (local names, vpp=1, even stages) and return rank -> {name: shape}."""
-    lay = layout_dict(layout)
     with tempfile.TemporaryDirectory() as out_dir:
-        run_layout(layout, _names_rank, layout.model.model_dump_json(), json.dumps(lay), out_dir,
-                   timeout_s=timeout_s)
+        run_layout(layout, _names_rank, layout.model_dump_json(), out_dir, timeout_s=timeout_s)
         return {r: {k: tuple(v) for k, v in json.loads(Path(out_dir, f"rank{r}.json").read_text()).items()}
                 for r in range(layout.world)}

@@ -112,12 +112,10 @@ def verify_server(job: dict[str, Any]) -> None:
     else:  # the validate stages' model of a tiny config (validate.megatron_side)
         from reshard.layouts import MegatronLayout
         from reshard.validate.hf_parity import INIT_STD
-        from reshard.validate.megatron_side import build_gpt, layout_dict
+        from reshard.validate.megatron_side import build_gpt
 
         layout = MegatronLayout.model_validate_json(job["layout"])
-        lay = layout_dict(layout)
-        init_parallel(lay["tp"], lay["pp"], lay["ep"], lay["etp"])
-        chunks = [build_gpt(layout.model, lay, job["hf"], init_std=INIT_STD)]
+        chunks = [build_gpt(layout, job["hf"], init_std=INIT_STD)]
         live = source_tensors(chunks[0], layout)
     mine = shard(layout, load_checkpoint(job["checkpoint"]), ranks=[rank])[rank]
     with torch.no_grad():

@@ -122,7 +122,8 @@ def build_model(tiny: TinyGPT, dtype: torch.dtype = torch.float32) -> list[Any]:
         tiny.spec(), tp, pp, ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size(),
         {"rms_norm_eps": tiny.eps, "num_experts_per_tok": tiny.topk}, params_dtype=dtype,
         pipeline_dtype=dtype if pp > 1 else None, virtual_pipeline_model_parallel_size=vpp,
-        num_layers_in_first_pipeline_stage=tiny.first_stage_layers if pp > 1 else None)
+        num_layers_in_first_pipeline_stage=tiny.first_stage_layers if pp > 1 else None,
+        ffn_hidden_size=tiny.ffn_hidden_size, moe_layer_freq=1)  # TinyGPT's own: no dense layers among MoE ones
     layer_spec = get_gpt_layer_local_spec(num_experts=tiny.num_experts or None, qk_layernorm=True,
                                           normalization="RMSNorm")
     torch.manual_seed(tiny.seed)  # CPU init draws every master weight from this generator

@@ -55,7 +55,11 @@ def check_options(options: dict[str, Any], prefix: str = "", transports: Sequenc
     transport = options.get("transport", "collective")
     if transports is not None and transport not in transports:
         raise ArgumentError(prefix + "transport", transport, f"must be one of {tuple(transports)}")
-    group_transport(transport, prefix + "transport")
+    from ..adapters.transports import cross_process_transports
+
+    if transport not in cross_process_transports():
+        raise ArgumentError(prefix + "transport", transport, f"is not one of the cross-process transports "
+                                                             f"{list(cross_process_transports())}")
     if options.get("fanout") is not None and options["fanout"] < 1:
         raise ArgumentError(prefix + "fanout", options["fanout"], "must be a positive integer or None")
     if not 0 < options.get("timeout", 1) <= 86400:
@@ -276,16 +280,6 @@ def group_bindings(plans: Sequence[Plan], trainers: int, rollouts: int) -> tuple
     return tuple(out)
 
 
-def group_transport(name: Any, field: str = "transport") -> str:
-    """`name`, if it is a cross-process transport; else ArgumentError (`field` is what it blames), listing them."""
-    from ..adapters.transports import cross_process_transports
-
-    if name not in cross_process_transports():
-        raise ArgumentError(field, name, f"is not one of the cross-process transports "
-                                         f"{list(cross_process_transports())}")
-    return name
-
-
 # a transport's group-executor options beyond timeout, checksum and in-place writes (a rollout process may wait on
 # the trainers' stream for seconds per group: polls back off to 5 ms)
 _GROUP_OPTIONS = {"collective": lambda cap: {"memory_cap": cap, "depth": DEPTH},
@@ -309,12 +303,12 @@ def group_executor(transport: str, plan: Plan, binding: Binding, process: int, s
         delta: an executors.delta.DeltaPolicy (None: every refit dense).
 
     Raises:
-        ArgumentError: an unknown transport.
+        ArgumentError: an unregistered transport.
         ExecutionError: what the executor refuses at construction, or a peer that did not set up in time.
     """
     from ..adapters.transports import Endpoint, open_transport, transport as registered
 
-    chosen = registered(group_transport(transport))
+    chosen = registered(transport)
     options = {**chosen.in_place, "timeout": timeout, "checksum": checksum,
                **_GROUP_OPTIONS.get(transport, lambda cap: {})(memory_cap)}
     return open_transport(transport, Endpoint(plan, binding, process, src, dst, options, store=store,
@@ -339,5 +333,5 @@ def refuse(executor: Executor, process: int, version: int, reason: str) -> None:
 
 
 __all__ = ["DEPTH", "STAGINGS", "available_bytes", "check_options", "check_room", "group_bindings", "group_executor",
-           "group_plans", "group_transport", "model_spec", "outer_frame", "refuse", "refuse_serving", "refuse_unknown",
+           "group_plans", "model_spec", "outer_frame", "refuse", "refuse_serving", "refuse_unknown",
            "resolve_device", "staging_empty", "synchronize", "tensor_bytes", "tensor_groups", "transfer_thread"]

@@ -144,8 +144,7 @@ class ReshardCheckpointEngine:
         self._agreement: Agreement | None = None  # the refit's, once it began
         self._moved_at: dict[int, float] = {}  # this refit's groups: time.time() each was agreed here
         self._deltas: dict[int, Any] = {}  # this refit's groups: each executor's DeltaReport (with `delta`)
-        self._version = 0  # refits since the executors were built
-        self._generation = 0  # builds of the transport since joining (a failed refit makes the next one rebuild)
+        self._version = 0  # refits since the executors were built (at join, or at refit _refits - _version + 1)
         self._broken = False
 
     def prepare(self) -> dict[str, Any]:
@@ -235,7 +234,7 @@ class ReshardCheckpointEngine:
         from ..adapters import rendezvous as rv
         from ..executors.collective.comm import StoreComm
 
-        g, P = self._generation, self._process
+        g, P = self._refits, self._process  # a build's namespaces: the refits before it (one build per refit)
         device = torch.device("cuda", torch.cuda.current_device()) if self.device.type == "cuda" else self.device
         self._device = device
         if self._pool is None:  # one thread per join: the current CUDA device is known once the worker joined
@@ -366,9 +365,7 @@ class ReshardCheckpointEngine:
             raise s.flight.exception()
         if time.monotonic() - s.polled > POLL_S:  # a refusal elsewhere: stop sending now, not at the end
             s.polled = time.monotonic()
-            reason = self._agreement.failure()
-            if reason is not None:
-                raise ExecutionError(f"another worker refused refit {self._refits}: {reason}")
+            self._agreement.check()
 
     async def _conclude(self, s: "_Sending") -> None:
         """End a policy worker's stream: every tensor came, the last group moved, the verdict agreed."""
@@ -471,7 +468,6 @@ class ReshardCheckpointEngine:
 
         if self._broken:
             self._close_transport()
-            self._generation += 1
             self._build()
         self._refits += 1
         self._version += 1

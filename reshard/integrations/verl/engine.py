@@ -104,7 +104,8 @@ class ReshardCheckpointEngine(CheckpointEngine):
             # where the store's address came from, so a bad one is blamed on what set it (build_topology)
             source = "engine_kwargs.reshard.host" if self.host is not None else (
                 ENV if os.environ.get(ENV) else "discovered")
-            meta.update(model=self.spec.model_dump(), rendezvous=self._rdv.to_dict(), host_source=source)
+            meta.update(model=self.spec.model_dump(), rendezvous=self._rdv.to_dict(), host_source=source,
+                        version=self._refits)
         return meta
 
     @classmethod
@@ -127,9 +128,6 @@ class ReshardCheckpointEngine(CheckpointEngine):
             self._store = rv.connect(rdv)
         self._rdv = rdv
         size = top.trainers + top.rollouts
-        versions = rv.scoped(self._store, rdv, "delta")
-        if self.is_master and self.delta is not None:  # set before the join, which every process passes only after
-            versions.set("version", str(self._refits))  # this one joined
         rv.join(self._store, rdv, top.process, size, self.role)
         comm = None
         if self.transport == "collective":
@@ -137,24 +135,15 @@ class ReshardCheckpointEngine(CheckpointEngine):
 
             backend = self.options.get("backend") or ("nccl" if self.device.type == "cuda" else "gloo")
             comm = StoreComm(rv.scoped(self._store, rdv, "collective"), top.process, size, backend, self.timeout)
-        policies, version = None, 1
+        policies = None
         if self.delta is not None:
             from ...executors.delta import DeltaPolicy, DeltaState
 
             policies = {k: DeltaPolicy(self.delta, state=self._deltas.setdefault(k, DeltaState()))
                         for k in range(len(plans))}
-            version = self._version(versions)
         self._session = RefitSession(top, plans, group_bindings(plans, top.trainers, top.rollouts), self._store, rdv,
                                      comm, self.options, self.device if self.device.type == "cuda" else None,
-                                     policies, version)
-
-    def _version(self, versions: Any) -> int:
-        """This refit's version, as trainer rank 0 published it before everyone joined."""
-        try:
-            return int(versions.get("version"))
-        except (RuntimeError, OSError, ValueError) as e:  # the store's host went away after the join
-            raise ExecutionError(f"refit {self._rdv.refit_id}: could not read the refit's version from trainer rank "
-                                 f"0's store ({type(e).__name__}: {e})") from e
+                                     policies)
 
     async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | AsyncIterator,
                            global_steps: int | None = None) -> dict[str, float]:
@@ -323,15 +312,14 @@ class RefitSession:
         store, rdv, comm: the refit's store (joined), rendezvous and collective group (None for other transports).
         options: the backend's checked options.
         device: the CUDA device the transfer thread works on (None: CPU).
-        policies: with delta, each group's DeltaPolicy; None: dense refits.
-        version: this refit's version (trainer rank 0's refit count).
+        policies: with delta, each group's DeltaPolicy (refit `top.version`); None: dense refits.
     """
 
     def __init__(self, top: RefitAssignment, plans: Sequence[Any], bindings: Sequence[Binding], store: Any,
                  rdv: rv.Rendezvous, comm: Any, options: dict[str, Any], device: torch.device | None,
-                 policies: dict[int, Any] | None = None, version: int = 1) -> None:
+                 policies: dict[int, Any] | None = None) -> None:
         self.top, self.plans, self.bindings, self.store, self.rdv, self.comm = top, plans, bindings, store, rdv, comm
-        self.policies, self.version = policies, version
+        self.policies = policies
         self.reports: dict[int, Any] = {}  # with delta: group -> its executor's DeltaReport
         self.options, self.timeout = options, float(options.get("timeout", 300.0))
         role, p = ("trainer", top.process) if top.is_trainer else ("rollout", top.process - top.trainers)
@@ -361,7 +349,7 @@ class RefitSession:
                                 memory_cap=top.bucket_size, delta=self.policies and self.policies[k])
             try:
                 if self.policies:  # versions say what each side holds: the same on every process
-                    stats = ex.refit(self.version)
+                    stats = ex.refit(top.version)
                     self.reports[k] = ex.last_delta
                 else:
                     stats = ex.refit()

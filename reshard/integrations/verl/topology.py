@@ -55,8 +55,9 @@ def model_digest(spec: ModelSpec) -> str:
 @dataclass(frozen=True)
 class RefitAssignment:
     """What one process of one refit needs (verl's `topology`), as a JSON object: the model, both sides' sizes, the
-    bucket, the options, the driver's plan digests and the rendezvous. Process p < trainers is trainer rank p,
-    the others rollout ranks p - trainers."""
+    bucket, the options, the driver's plan digests, the rendezvous and the refit's version (trainer rank 0's refit
+    count: what delta refits number). Process p < trainers is trainer rank p, the others rollout ranks
+    p - trainers."""
 
     model: dict[str, Any]
     trainers: int
@@ -66,10 +67,11 @@ class RefitAssignment:
     digests: tuple[str, ...]
     rendezvous: dict[str, Any]
     process: int
+    version: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "digests", tuple(self.digests))
-        for name in ("trainers", "rollouts", "bucket_size", "process"):
+        for name in ("trainers", "rollouts", "bucket_size", "process", "version"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "process" else 1):
                 raise ArgumentError(f"topology.{name}", value, "must be a positive integer")
@@ -196,7 +198,8 @@ def build(trainers: int, rollouts: int, metadata: Sequence[Any]) -> tuple[list[d
     if options.get("transport", "collective") == "collective":
         check_bucket(plans, trainers, rollouts, first["bucket_size"])
     base = dict(model=spec.model_dump(), trainers=trainers, rollouts=rollouts, bucket_size=first["bucket_size"],
-                options=options, digests=tuple(p.digest for p in plans), rendezvous=first["rendezvous"])
+                options=options, digests=tuple(p.digest for p in plans), rendezvous=first["rendezvous"],
+                version=first.get("version", 1))
     tops = [RefitAssignment(**base, process=p).to_dict() for p in range(trainers + rollouts)]
     return tops[:trainers], tops[trainers:]
 

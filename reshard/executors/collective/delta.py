@@ -89,11 +89,7 @@ class CollectiveDelta:
         fp = ex._fingerprint ^ self.policy.keyframe_every
         t = [int(problem is not None), fp, -fp, -NONE if held == NONE else held, -held, -NONE if base == NONE
              else base, -base, due]
-        if ex.size > 1:
-            v = torch.tensor(t, dtype=torch.int64, device=device)
-            ex._wait_collective(lambda: ex.comm.all_reduce_max(v), device, "delta preflight", before=True)
-            t = v.tolist()
-        bad, hi, lo, held_hi, held_lo, base_hi, base_lo, due = t
+        bad, hi, lo, held_hi, held_lo, base_hi, base_lo, due = ex._vote(t, device, "delta preflight", before=True)
         refuse_disagreement(problem, bad, hi == -lo, "plan, binding and delta policy")
         versions = {held_hi, -held_lo, base_hi, -base_lo}
         return bool(due) or len(versions) != 1 or versions.pop() < 0

@@ -29,8 +29,6 @@ class Message:
     """One point-to-point message of a round: its peer, size, place in the round's wire buffer and the copies
     that pack (sender) or scatter (receiver) it."""
 
-    round: int  # global round
-    stage: int
     peer: int  # the other process (group rank)
     numel: int  # elements on the wire
     copies: Copies  # pack program on the sender, scatter program on the receiver
@@ -266,7 +264,7 @@ def _rounds(part: Partition, wire: _Wire, shadowed: np.ndarray) \
         n = int(m_numel[m])
         entry = rounds.setdefault(rnd, {"stage": stage, "sends": [], "recvs": []})
         entry["sends" if msg_send[m] else "recvs"].append(
-            Message(rnd, stage, peer, n, by_msg[m], int(m_offset[m]), int(msg_ids[m])))
+            Message(peer, n, by_msg[m], int(m_offset[m]), int(msg_ids[m])))
         book = sent if msg_send[m] else received
         book[peer] = book.get(peer, 0) + n
     in_order = lambda ms: tuple(sorted(ms, key=lambda m: (m.peer, m.offset)))  # noqa: E731 - both sides agree

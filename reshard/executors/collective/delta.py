@@ -65,20 +65,16 @@ class CollectiveDelta:
         prepared, device, problem = ex._prepare(src, dst)
         keyframe = self._decide(problem, device)
         marks = [("decide", time.perf_counter())]
-        if keyframe:
-            try:
-                stats = ex._run(start, src, dst, new)
-            except Exception:
-                self._forget()
-                raise
-            self._committed(new, prepared, True)
-            self.last = keyframe_report(ex.plan, self.sender.ops if self.sender else np.zeros(0, np.int64), new)
-            return stats
         try:
-            return self._delta(start, marks, prepared, device, new)
+            if not keyframe:
+                return self._delta(start, marks, prepared, device, new)
+            stats = ex._run(start, src, dst, new)
         except Exception:
             self._forget()
             raise
+        self._committed(new, prepared, True)
+        self.last = keyframe_report(ex.plan, self.sender.ops if self.sender else np.zeros(0, np.int64), new)
+        return stats
 
     def _decide(self, problem: str | None, device: torch.device) -> bool:
         """Whether this refit is a keyframe, the same on every process; raises if a process refused its tensors."""

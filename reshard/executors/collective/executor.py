@@ -39,7 +39,7 @@ from ...planner import Plan
 from . import connect
 from ..base import Executor, RankTensors
 from ..binding import Binding
-from ..checksum import DIGEST_BYTES, Streams, algorithm, mismatch
+from ..checksum import DIGEST_BYTES, algorithm, mismatch
 from .comm import Comm, comm_for
 from ...polling import wait_events
 from .runners import Buffers, RoundRunner, abort, make_runner
@@ -194,7 +194,6 @@ class CollectiveExecutor(Executor):
                     kept.views_for(self, device, prepared)
                     self._given = given or ()
                 runner = make_runner(self, kept)
-                runner.sums = Streams(self.checksum) if self.checksum else None
             except Exception as e:  # noqa: BLE001 - becomes this process's refusal, seen by every process
                 problem = f"could not prepare buffers on {device}: {type(e).__name__}: {e}"
         marks = [("prepare", time.perf_counter())]

@@ -162,7 +162,7 @@ class RoundRunner(abc.ABC):
         self.rounds = ex.schedule.rounds
         self.copies = 0
         self.undo_log: list[tuple] = []  # (completion event or None, restore program), in launch order
-        self.sums: Streams | None = None  # checksum streams of this refit (executors.checksum), when asked for
+        self.sums = Streams(ex.checksum) if ex.checksum else None  # this refit's checksums (executors.checksum)
 
     def restore(self) -> str:
         """Undo: after a failure, put back the previous bytes of every region that may have been written.

@@ -42,7 +42,7 @@ from ..binding import Binding
 from ..checksum import DIGEST_BYTES, algorithm, mismatch
 from .comm import Comm, comm_for
 from ...polling import wait_events
-from .runners import Buffers, RoundRunner, abort, make_runner
+from .runners import Buffers, CudaRunner, HostRunner, RoundRunner, abort
 from ..preflight import check_ops, refuse_disagreement
 from .lanes import NCCL_LANES
 from ..prepared import Prepared
@@ -135,7 +135,6 @@ class CollectiveExecutor(Executor):
                                         str(direct_numel), str(undo), str(self.num_lanes), str(self.checksum))
         self._peers: list[int] = sorted({m.peer for r in self.schedule.rounds for m in r.sends + r.recvs})
         self._kept = Buffers()  # wire, staging, streams and views of the tensors of the last call
-        self._given: tuple = ()  # the tensor objects of the last call that passed the checks, and their addresses
         self._version = 0
         self._num_ops = ops_landing(plan, binding.dst_ranks_of(self.rank))
         self._delta = None if delta is None else CollectiveDelta(self, delta)
@@ -143,7 +142,6 @@ class CollectiveExecutor(Executor):
     def release(self) -> None:
         """Drop the buffers and views kept between calls (wire, staging, views of the caller's tensors)."""
         self._kept = Buffers()
-        self._given = ()
 
     def _failure(self, what: str, before: bool = False) -> str:
         """The message of a refit that failed because of `what` (`before`: before any byte moved)."""
@@ -180,20 +178,20 @@ class CollectiveExecutor(Executor):
 
     def _run(self, start: float, src: dict, dst: dict, version: int | None) -> RefitStats:
         given, kept = _identity(src, dst), self._kept
-        if kept.views is not None and given is not None and self._given and given[0] == self._given[0]:
+        if given is not None and kept.given and given[0] == kept.given[0]:
             # the very tensor objects, at the same addresses, that passed the checks last time: skip the checks
             # (metadata changed in place by resize_ or set_ is not seen: pass new tensors)
             device, problem = kept.views.device, None
         else:
-            self._given = ()
+            kept.given = ()
             prepared, device, problem = self._prepare(src, dst)
         runner = None
         if problem is None:
             try:  # buffers are allocated before the preflight, so that running out of memory is reported there
-                if not self._given:
+                if not kept.given:
                     kept.views_for(self, device, prepared)
-                    self._given = given or ()
-                runner = make_runner(self, kept)
+                    kept.given = given or ()
+                runner = (CudaRunner if kept.views.device.type == "cuda" else HostRunner)(self, kept)
             except Exception as e:  # noqa: BLE001 - becomes this process's refusal, seen by every process
                 problem = f"could not prepare buffers on {device}: {type(e).__name__}: {e}"
         marks = [("prepare", time.perf_counter())]

@@ -31,12 +31,13 @@ HOST_LEAD = 8  # rounds the host may enqueue ahead of the GPU (CudaRunner._keep_
 
 class Buffers:
     """What an executor keeps between refits: the wire buffer (grown, never shrunk), the CUDA streams, and the
-    schedule viewing the tensors of the last call."""
+    schedule viewing the tensors of the last call, with their identity once they passed the checks (`given`)."""
 
     def __init__(self) -> None:
         self.wire: torch.Tensor | None = None
         self.streams: dict[str, torch.cuda.Stream] | None = None
         self.views: RoundViews | None = None
+        self.given: tuple = ()  # (identity key, the tensors, kept so that their ids stay unique); () when unchecked
 
     def wire_for(self, ex, device: torch.device, dtype: torch.dtype) -> tuple["torch.Tensor | None", int]:
         """The wire buffers (depth x buffers per round x bucket), grown as needed, and their bytes."""
@@ -384,9 +385,4 @@ class CudaRunner(RoundRunner):
         return len(done)
 
 
-def make_runner(ex, kept: Buffers) -> RoundRunner:
-    """The runner for the tensors `kept` views (`Buffers.views_for`)."""
-    return (CudaRunner if kept.views.device.type == "cuda" else HostRunner)(ex, kept)
-
-
-__all__ = ["RoundViews", "Buffers", "CudaRunner", "RoundRunner", "HostRunner", "abort", "make_runner"]
+__all__ = ["RoundViews", "Buffers", "CudaRunner", "RoundRunner", "HostRunner", "abort"]

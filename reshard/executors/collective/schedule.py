@@ -113,13 +113,8 @@ def bucket_sizes(length: int, bucket: int) -> list[int]:
     if middle >= 0:
         full, rest = divmod(middle, bucket)
         return ramp + [bucket] * full + ([rest] if rest else []) + ramp[::-1]
-    sizes, left = [], length
-    for size in ramp + [bucket] * (length // bucket + 1):
-        if left <= 0:
-            break
-        sizes.append(min(size, left))
-        left -= size
-    return sizes
+    sizes = np.diff(np.minimum(np.cumsum(ramp + [bucket] * (length // bucket + 1)), length), prepend=0)
+    return sizes[sizes > 0].tolist()  # the ramp up, as far as the stream goes
 
 
 def _split(p: dict[str, np.ndarray], cuts: np.ndarray) -> dict[str, np.ndarray]:

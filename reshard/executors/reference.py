@@ -60,19 +60,24 @@ def allocate(layout: Layout, fill: float = 0.0, ranks: list[int] | None = None,
             for r in (range(layout.num_ranks) if ranks is None else ranks)}
 
 
+def _box(t: torch.Tensor, offset: tuple[int, ...], lengths: tuple[int, ...]) -> torch.Tensor:
+    """The view of `t` at a box whose lengths align with t's trailing dimensions."""
+    lead = t.dim() - len(lengths)
+    view = t
+    for o in offset[:lead]:  # leading dimensions of length 1 (an expert's slot in a stack)
+        view = view.select(0, o)
+    for dim, (o, n) in enumerate(zip(offset[lead:], lengths)):
+        view = view.narrow(dim, o, n)
+    return view
+
+
 def _boxes(layout: Layout, t: Any, tensors: RankTensors) -> Iterator[tuple[tuple[slice, ...], torch.Tensor]]:
-    """(canonical index, view of the physical box) of every non-empty placement of canonical tensor `t` on a rank
-    that `tensors` holds; a box's lengths align with its physical tensor's trailing dimensions."""
+    """(canonical index, physical box view) of every non-empty placement of canonical tensor `t` on a rank that
+    `tensors` holds."""
     for p in layout.placements(t):
-        if p.rank not in tensors or 0 in p.lengths:
-            continue
-        view = tensors[p.rank][p.tensor]
-        lead = view.dim() - len(p.lengths)
-        for o in p.phys_offset[:lead]:  # leading dimensions of length 1 (an expert's slot in a stack)
-            view = view.select(0, o)
-        for dim, (o, n) in enumerate(zip(p.phys_offset[lead:], p.lengths)):
-            view = view.narrow(dim, o, n)
-        yield tuple(slice(o, o + n) for o, n in zip(p.canon_offset, p.lengths)), view
+        if p.rank in tensors and 0 not in p.lengths:
+            yield (tuple(slice(o, o + n) for o, n in zip(p.canon_offset, p.lengths)),
+                   _box(tensors[p.rank][p.tensor], p.phys_offset, p.lengths))
 
 
 def shard(layout: Layout, weights: Mapping[str, torch.Tensor], fill: float = 0.0,

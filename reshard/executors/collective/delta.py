@@ -16,7 +16,7 @@ import time
 import numpy as np
 import torch
 
-from ...errors import ExecutionError, ReshardError
+from ...errors import ExecutionError
 from ...planner.plan import RELAY
 from ..delta import DeltaError, DeltaPolicy, DeltaReport, check_digest, keyframe_report, source_digest
 from ..preflight import refuse_disagreement

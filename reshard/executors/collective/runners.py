@@ -16,14 +16,11 @@ import numpy as np
 import torch
 
 from ...errors import ExecutionError
-from ...planner import Plan
 from ...polling import Background, wait_events
-from .comm import Comm
 from ..checksum import Streams
 from ..copies import DST, KIND_NAMES, SHADOW, SRC, WIRE, Copies, regions
 from ..reference import apply_shifts
 from ..prepared import Prepared
-from .schedule import RoundSchedule
 from ..views import CopyViews, Memory, view_copies
 
 HOST_LEAD = 8  # rounds the host may enqueue ahead of the GPU (CudaRunner._keep_up)
@@ -85,8 +82,7 @@ class RoundViews:
         memory = Memory(flat, itemsize)
         self._bind_rounds(ex, flat, memory, wires)
         # local copies of a stage, cut into one piece per round of that stage so they spread over the transfer
-        rounds_in_stage = np.bincount([r.stage for r in s.rounds], minlength=s.num_stages) if s.rounds else \
-            np.zeros(s.num_stages, np.int64)
+        rounds_in_stage = np.bincount(np.asarray([r.stage for r in s.rounds], np.int64), minlength=s.num_stages)
         local = [_pieces(c, max(int(k), 1)) for c, k in zip(s.local, rounds_in_stage)]
         self.local = [[view_copies(piece, memory, itemsize) for piece in pieces] for pieces in local]
         # undo: (backup, restore) of the regions a round's receives (a local piece) write, backed up first

@@ -18,6 +18,7 @@ from ..layouts import Layout
 from ..planner import Plan
 from ..planner.plan import RELAY
 from .base import Executor, RankTensors
+from .binding import Binding
 from .copies import copy_view
 from .preflight import check_ops
 from .stats import RefitStats
@@ -264,8 +265,6 @@ class ReferenceExecutor(Executor):
 
     def __init__(self, plan: Plan, binding: object = None, process: int = 0, src: RankTensors | None = None,
                  dst: RankTensors | None = None) -> None:
-        from .binding import Binding
-
         instance("plan", plan, Plan, "a Plan")
         instance("binding", binding, Binding, "a Binding (not needed here)", none=True)
         integer("process", process, 0, 1 << 20)

@@ -318,7 +318,7 @@ class CollectiveExecutor(Executor):
             raise ExecutionError(self._failure(problem))
         if bad:
             raise ExecutionError(self._failure("another process reported an incomplete transfer or bytes "
-                                                     "corrupted in flight"))
+                                               "corrupted in flight"))
 
     def _make_lanes(self) -> None:
         if self._lanes_agree:  # every member passed the preflight and agrees on the names: all make them together

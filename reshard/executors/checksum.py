@@ -22,7 +22,6 @@ from typing import Any, Hashable, Mapping
 import torch
 
 from ..errors import ArgumentError
-from .reference import block  # noqa: F401 - a block of a flat view, for the executors that hash blocks
 
 DIGEST_BYTES = 32
 ALGORITHMS = ("sha256", "sum64")
@@ -209,5 +208,5 @@ def mismatch(what: str, sent: str, got: str) -> str:
             f"were corrupted in flight)")
 
 
-__all__ = ["ALGORITHMS", "DIGEST_BYTES", "Streams", "Sum64Program", "algorithm", "block", "blocks_digest", "mismatch",
+__all__ = ["ALGORITHMS", "DIGEST_BYTES", "Streams", "Sum64Program", "algorithm", "blocks_digest", "mismatch",
            "raw_bytes", "tensor_digest", "tensor_digests", "use_kernel"]

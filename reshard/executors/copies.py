@@ -11,7 +11,7 @@ memory for a destination tensor, mapped here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -153,8 +153,3 @@ def copy_view(flat: "torch.Tensor", off: int, step: int, stride: int, n: int, ro
         return flat.as_strided((rows, cols), (stride, 1), flat.storage_offset() + off)
     return flat.as_strided((n, rows, cols), (step, stride, 1), flat.storage_offset() + off)
 
-
-def run_copies(rows: list[tuple[int, ...]], memory: Callable[[int, int], "torch.Tensor"]) -> None:
-    """Run a program (from `Copies.rows_as_lists`); `memory(kind, id)` gives a flat (1-D) torch tensor."""
-    for sk, si, so, sst, ssr, dk, di, do, dst_, dsr, n, r, c in rows:
-        copy_view(memory(dk, di), do, dst_, dsr, n, r, c).copy_(copy_view(memory(sk, si), so, sst, ssr, n, r, c))

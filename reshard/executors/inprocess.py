@@ -10,7 +10,6 @@ their storage pointers and refuses if one was replaced.
 from __future__ import annotations
 
 import time
-from typing import Callable
 
 import numpy as np
 import torch
@@ -29,7 +28,7 @@ from .reference import apply_shifts
 from .pins import Pins
 from .prepared import Prepared
 from .stats import RefitStats
-from .views import Memory, view_copies
+from .views import CopyViews, Memory, view_copies
 
 GRAPH = "auto"  # default graph mode on one GPU (see InProcessExecutor)
 MANY_COPIES = 1000  # "auto": from this many large copies on, the whole refit one graph (launch-bound otherwise)
@@ -101,17 +100,10 @@ class InProcessExecutor(Executor):
             graph = "all" if self._table is not None or len(large) >= MANY_COPIES else "small"
         self.graph = graph
         n = (STREAMS if streams is None else int(streams)) if self._device is not None else 1
-        self._large = [self._copies(part) for part in spread(large, n, lambda ds: ds[0].numel())]
+        self._large = [CopyViews(part, [], len(part)).run for part in spread(large, n, lambda ds: ds[0].numel())]
         self._large_eager = graph == "small"
         self._run = Replay(self._launch, self._device if graph != "none" else None)
         self._delta = None if delta is None else InProcessDelta(plan, mine, prepared, delta, self.checksum)
-
-    @staticmethod
-    def _copies(pairs: list) -> Callable[[], None]:
-        def run() -> None:
-            for d, s in pairs:
-                d.copy_(s)
-        return run
 
     def _copy_large(self) -> None:
         if self._table is not None:

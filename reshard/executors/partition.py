@@ -199,7 +199,7 @@ class Partition:
     @cached_property
     def tensor_sizes(self) -> np.ndarray:
         """Elements of every destination tensor (plan units)."""
-        return np.asarray([int(np.prod(s)) for s in self.plan.dst_tensors.shapes], dtype=np.int64)
+        return self.plan.dst_tensors.numel()
 
     # --- byte counts ---------------------------------------------------------------------------------
     def numel(self, ops: np.ndarray) -> int:

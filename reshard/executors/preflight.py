@@ -33,8 +33,6 @@ def check_ops(plan: Any) -> None:
     n = len(o["rows"])
     S, D = plan.src.num_ranks, plan.dst.num_ranks
     st, dt = plan.src_tensors, plan.dst_tensors
-    s_numel = st.kind_array(lambda _, shape: int(np.prod(shape, dtype=np.int64)))
-    d_numel = dt.kind_array(lambda _, shape: int(np.prod(shape, dtype=np.int64)))
 
     def bad(mask: np.ndarray, column: str, rule: str) -> None:
         idx = np.flatnonzero(mask)
@@ -50,11 +48,10 @@ def check_ops(plan: Any) -> None:
     bad((o["src_tensor"] < 0) | (o["src_tensor"] >= np.where(relay, len(dt), len(st))), "src_tensor",
         "is not a tensor of the plan's table")
     bad((o["dst_tensor"] < 0) | (o["dst_tensor"] >= len(dt)), "dst_tensor", "is not a tensor of the plan's table")
-    s_rank = np.where(relay, dt.rank[np.where(relay, o["src_tensor"], 0)] if len(dt) else -1,
-                      st.rank[np.where(relay, 0, o["src_tensor"])] if len(st) else -1)
-    bad(s_rank != o["src_rank"], "src_tensor", "is a tensor of another rank")
-    bad(dt.rank[o["dst_tensor"]] != o["dst_rank"] if len(dt) else o["dst_rank"] >= 0, "dst_tensor",
-        "is a tensor of another rank")
+    # a relay reads a destination tensor: index both tables as one, the destination's after the source's
+    src_at = np.where(relay, len(st) + o["src_tensor"], o["src_tensor"])
+    bad(np.concatenate([st.rank, dt.rank])[src_at] != o["src_rank"], "src_tensor", "is a tensor of another rank")
+    bad(dt.rank[o["dst_tensor"]] != o["dst_rank"], "dst_tensor", "is a tensor of another rank")
     for column in ("rows", "cols", "src_stride", "dst_stride"):
         bad((o[column] < 1) | (o[column] > MAX_PARAMS), column, "must be a positive count within the limits")
     for side in ("src", "dst"):
@@ -63,9 +60,8 @@ def check_ops(plan: Any) -> None:
         bad((o[f"{side}_offset"] < 0) | (o[f"{side}_offset"] > MAX_PARAMS), f"{side}_offset",
             "must be an offset within the limits")
     # all factors are now below 2**47: the products fit int64
-    s_size = np.where(relay, d_numel[np.where(relay, o["src_tensor"], 0)] if len(dt) else 0,
-                      s_numel[np.where(relay, 0, o["src_tensor"])] if len(st) else 0)
-    for side, size in (("src", s_size), ("dst", d_numel[o["dst_tensor"]] if len(dt) else np.zeros(n, np.int64))):
+    d_numel = dt.numel()
+    for side, size in (("src", np.concatenate([st.numel(), d_numel])[src_at]), ("dst", d_numel[o["dst_tensor"]])):
         end = o[f"{side}_offset"] + (o["rows"] - 1) * o[f"{side}_stride"] + o["cols"]
         bad(end > size, f"{side}_offset", "puts the block past the end of its tensor")
     bad(o["stage"] < 0, "stage", "must be >= 0")

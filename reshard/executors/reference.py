@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import time
 
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ from ..layouts import Layout
 from ..planner import Plan
 from ..planner.plan import RELAY
 from .base import Executor, RankTensors
+from .binding import Binding
 from .copies import copy_view
 from .preflight import check_ops
 from .stats import RefitStats
@@ -71,6 +72,15 @@ def _box(t: torch.Tensor, offset: tuple[int, ...], lengths: tuple[int, ...]) -> 
     return view
 
 
+def _boxes(layout: Layout, t: Any, tensors: RankTensors) -> Iterator[tuple[tuple[slice, ...], torch.Tensor]]:
+    """(canonical index, physical box view) of every non-empty placement of canonical tensor `t` on a rank that
+    `tensors` holds."""
+    for p in layout.placements(t):
+        if p.rank in tensors and 0 not in p.lengths:
+            yield (tuple(slice(o, o + n) for o, n in zip(p.canon_offset, p.lengths)),
+                   _box(tensors[p.rank][p.tensor], p.phys_offset, p.lengths))
+
+
 def shard(layout: Layout, weights: Mapping[str, torch.Tensor], fill: float = 0.0,
           ranks: list[int] | None = None) -> dict[int, dict[str, torch.Tensor]]:
     """Lay canonical weights out as `layout` says.
@@ -92,13 +102,8 @@ def shard(layout: Layout, weights: Mapping[str, torch.Tensor], fill: float = 0.0
     _check_weights(layout, weights)
     out = allocate(layout, fill, ranks)
     for t in layout.model.tensors:
-        w = weights[t.name]
-        for p in layout.placements(t):
-            if p.rank not in out or 0 in p.lengths:
-                continue
-            src = w[tuple(slice(o, o + n) for o, n in zip(p.canon_offset, p.lengths))]
-            box = _box(out[p.rank][p.tensor], p.phys_offset, p.lengths)
-            box.copy_(src)
+        for index, box in _boxes(layout, t, out):
+            box.copy_(weights[t.name][index])
             if layout.value_offset(t):
                 box.add_(layout.value_offset(t))
     return out
@@ -164,11 +169,8 @@ def unshard(layout: Layout, tensors: RankTensors) -> dict[str, torch.Tensor]:
     out = {}
     for t in layout.model.tensors:
         w = torch.empty(t.shape, dtype=torch_dtype(t.dtype or layout.dtype))
-        for p in layout.placements(t):
-            if 0 in p.lengths or p.rank not in tensors:
-                continue
-            w[tuple(slice(o, o + n) for o, n in zip(p.canon_offset, p.lengths))] = \
-                _box(tensors[p.rank][p.tensor], p.phys_offset, p.lengths)
+        for index, box in _boxes(layout, t, tensors):
+            w[index] = box
         out[t.name] = w - layout.value_offset(t) if layout.value_offset(t) else w
     return out
 
@@ -222,15 +224,10 @@ def empty_for(plan: Plan, rank: int, device: str | torch.device = "cpu") -> dict
 def in_units(plan: Plan, src: RankTensors, dst: RankTensors) -> tuple[RankTensors, RankTensors]:
     """The tensors as executors move them: those kept in a wider dtype than the plan's viewed in the plan's dtype
     (a float32 [E] as bfloat16 [2E])."""
-    out = []
-    for side, table in ((src, plan.src_tensors), (dst, plan.dst_tensors)):
-        own = table.own_dtypes()
-        if not own:
-            out.append(side)
-            continue
-        unit = torch_dtype(plan.dst.dtype)
-        out.append({r: {n: t.view(unit) if (r, n) in own else t for n, t in ts.items()} for r, ts in side.items()})
-    return out[0], out[1]
+    unit = torch_dtype(plan.dst.dtype)
+    sides = ((src, plan.src_tensors.own_dtypes()), (dst, plan.dst_tensors.own_dtypes()))
+    return tuple({r: {n: t.view(unit) if (r, n) in own else t for n, t in ts.items()} for r, ts in side.items()}
+                 if own else side for side, own in sides)
 
 
 def block(flat: torch.Tensor, offset: int, rows: int, cols: int, stride: int) -> torch.Tensor:
@@ -268,8 +265,6 @@ class ReferenceExecutor(Executor):
 
     def __init__(self, plan: Plan, binding: object = None, process: int = 0, src: RankTensors | None = None,
                  dst: RankTensors | None = None) -> None:
-        from .binding import Binding
-
         instance("plan", plan, Plan, "a Plan")
         instance("binding", binding, Binding, "a Binding (not needed here)", none=True)
         integer("process", process, 0, 1 << 20)

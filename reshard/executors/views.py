@@ -23,11 +23,10 @@ def word_elements(copies: Copies, itemsize: int) -> np.ndarray:
     most = max(WORD_BYTES // itemsize, 1)
     c = copies.cols
     g = np.full(len(copies), most, dtype=np.int64)
-    for col, used in (("src_off", None), ("dst_off", None), ("cols", None),
+    for col, used in (("src_off", True), ("dst_off", True), ("cols", True),  # steps and strides where they apply
                       ("src_step", c["n"] > 1), ("dst_step", c["n"] > 1),
                       ("src_stride", c["rows"] > 1), ("dst_stride", c["rows"] > 1)):
-        v = c[col] if used is None else np.where(used, c[col], 0)
-        g = np.gcd(g, v)
+        g = np.gcd(g, np.where(used, c[col], 0))
     return g & -g  # the largest power of two dividing it (elements per word are powers of two)
 
 

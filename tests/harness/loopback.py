@@ -10,10 +10,16 @@ from typing import Callable, Mapping
 import torch
 
 from reshard.executors.binding import Binding
-from reshard.executors.copies import DST, SHADOW, SRC, WIRE, Copies, regions, run_copies
+from reshard.executors.copies import DST, SHADOW, SRC, WIRE, Copies, copy_view, regions
 from reshard.executors.reference import apply_shifts, shift_views, torch_dtype
 from reshard.executors.collective.schedule import build_schedule
 from reshard.planner import Plan
+
+
+def run_copies(rows: list[tuple[int, ...]], memory: Callable[[int, int], "torch.Tensor"]) -> None:
+    """Run a program (from `Copies.rows_as_lists`); `memory(kind, id)` gives a flat (1-D) torch tensor."""
+    for sk, si, so, sst, ssr, dk, di, do, dst_, dsr, n, r, c in rows:
+        copy_view(memory(dk, di), do, dst_, dsr, n, r, c).copy_(copy_view(memory(sk, si), so, sst, ssr, n, r, c))
 
 
 def run_loopback(plan: Plan, binding: Binding, src: Mapping[int, Mapping[str, torch.Tensor]],

@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, strategies as st
 
 from reshard.errors import ArgumentError
-from reshard.executors.checksum import ALGORITHMS, Streams, algorithm, block
+from reshard.executors.checksum import ALGORITHMS, Streams, algorithm
+from reshard.executors.reference import block
 
 M64 = (1 << 64) - 1
 

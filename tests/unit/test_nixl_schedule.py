@@ -13,10 +13,11 @@ import reshard
 from reshard.errors import ExecutionError
 from reshard.executors import allocate, execute_local, shard
 from reshard.executors.binding import Binding
-from reshard.executors.copies import DST, SHADOW, SRC, WIRE, run_copies
+from reshard.executors.copies import DST, SHADOW, SRC, WIRE
 from reshard.executors.nixl.options import NixlOptions
 from reshard.executors.nixl.schedule import build_schedule, choose_direction, global_links
 from reshard.testing.strategies import refits
+from harness.loopback import run_copies
 
 SENTINEL = -7.0
 

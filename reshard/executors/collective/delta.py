@@ -16,7 +16,7 @@ import time
 import numpy as np
 import torch
 
-from ...errors import ExecutionError, ReshardError
+from ...errors import ExecutionError
 from ...planner.plan import RELAY
 from ..delta import DeltaError, DeltaPolicy, DeltaReport, check_digest, keyframe_report, source_digest
 from ..preflight import refuse_disagreement
@@ -65,20 +65,16 @@ class CollectiveDelta:
         prepared, device, problem = ex._prepare(src, dst)
         keyframe = self._decide(problem, device)
         marks = [("decide", time.perf_counter())]
-        if keyframe:
-            try:
-                stats = ex._run(start, src, dst, new)
-            except Exception:
-                self._forget()
-                raise
-            self._committed(new, prepared, True)
-            self.last = keyframe_report(ex.plan, self.sender.ops if self.sender else np.zeros(0, np.int64), new)
-            return stats
         try:
-            return self._delta(start, marks, prepared, device, new)
+            if not keyframe:
+                return self._delta(start, marks, prepared, device, new)
+            stats = ex._run(start, src, dst, new)
         except Exception:
             self._forget()
             raise
+        self._committed(new, prepared, True)
+        self.last = keyframe_report(ex.plan, self.sender.ops if self.sender else np.zeros(0, np.int64), new)
+        return stats
 
     def _decide(self, problem: str | None, device: torch.device) -> bool:
         """Whether this refit is a keyframe, the same on every process; raises if a process refused its tensors."""
@@ -89,11 +85,7 @@ class CollectiveDelta:
         fp = ex._fingerprint ^ self.policy.keyframe_every
         t = [int(problem is not None), fp, -fp, -NONE if held == NONE else held, -held, -NONE if base == NONE
              else base, -base, due]
-        if ex.size > 1:
-            v = torch.tensor(t, dtype=torch.int64, device=device)
-            ex._wait_collective(lambda: ex.comm.all_reduce_max(v), device, "delta preflight", before=True)
-            t = v.tolist()
-        bad, hi, lo, held_hi, held_lo, base_hi, base_lo, due = t
+        bad, hi, lo, held_hi, held_lo, base_hi, base_lo, due = ex._vote(t, device, "delta preflight", before=True)
         refuse_disagreement(problem, bad, hi == -lo, "plan, binding and delta policy")
         versions = {held_hi, -held_lo, base_hi, -base_lo}
         return bool(due) or len(versions) != 1 or versions.pop() < 0

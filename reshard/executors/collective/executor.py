@@ -39,10 +39,10 @@ from ...planner import Plan
 from . import connect
 from ..base import Executor, RankTensors
 from ..binding import Binding
-from ..checksum import DIGEST_BYTES, Streams, algorithm, mismatch
+from ..checksum import DIGEST_BYTES, algorithm, mismatch
 from .comm import Comm, comm_for
 from ...polling import wait_events
-from .runners import Buffers, RoundRunner, Setup, abort, make_runner
+from .runners import Buffers, CudaRunner, HostRunner, RoundRunner, abort
 from ..preflight import check_ops, refuse_disagreement
 from .lanes import NCCL_LANES
 from ..prepared import Prepared
@@ -134,9 +134,7 @@ class CollectiveExecutor(Executor):
         self._fingerprint = _digest_int(plan.digest, binding.digest, str(self.bucket_numel), str(depth),
                                         str(direct_numel), str(undo), str(self.num_lanes), str(self.checksum))
         self._peers: list[int] = sorted({m.peer for r in self.schedule.rounds for m in r.sends + r.recvs})
-        self._setup = Setup(plan, self.schedule, self.comm, self.rank, depth, timeout, in_place, undo)
         self._kept = Buffers()  # wire, staging, streams and views of the tensors of the last call
-        self._given: tuple = ()  # the tensor objects of the last call that passed the checks, and their addresses
         self._version = 0
         self._num_ops = ops_landing(plan, binding.dst_ranks_of(self.rank))
         self._delta = None if delta is None else CollectiveDelta(self, delta)
@@ -144,7 +142,15 @@ class CollectiveExecutor(Executor):
     def release(self) -> None:
         """Drop the buffers and views kept between calls (wire, staging, views of the caller's tensors)."""
         self._kept = Buffers()
-        self._given = ()
+
+    def _failure(self, what: str, before: bool = False) -> str:
+        """The message of a refit that failed because of `what` (`before`: before any byte moved)."""
+        state = ("nothing was moved" if before else
+                 "destination tensors were written in place; their previous bytes are put back" if self.undo else
+                 "destination tensors were left unchanged (staged refit)" if not self.in_place else
+                 "destination tensors may be partly written (in_place=True)")
+        return (f"refit failed on group rank {self.rank} (plan {self.plan.digest[:12]}): {what}; {state}; the "
+                f"process group is no longer usable: destroy and rebuild it")
 
     @property
     def lanes(self) -> list:
@@ -172,21 +178,20 @@ class CollectiveExecutor(Executor):
 
     def _run(self, start: float, src: dict, dst: dict, version: int | None) -> RefitStats:
         given, kept = _identity(src, dst), self._kept
-        if kept.views is not None and given is not None and self._given and given[0] == self._given[0]:
+        if given is not None and kept.given and given[0] == kept.given[0]:
             # the very tensor objects, at the same addresses, that passed the checks last time: skip the checks
             # (metadata changed in place by resize_ or set_ is not seen: pass new tensors)
             device, problem = kept.views.device, None
         else:
-            self._given = ()
+            kept.given = ()
             prepared, device, problem = self._prepare(src, dst)
         runner = None
         if problem is None:
             try:  # buffers are allocated before the preflight, so that running out of memory is reported there
-                if not self._given:
-                    kept.views_for(self._setup, device, prepared)
-                    self._given = given or ()
-                runner = make_runner(self._setup, kept)
-                runner.sums = Streams(self.checksum) if self.checksum else None
+                if not kept.given:
+                    kept.views_for(self, device, prepared)
+                    kept.given = given or ()
+                runner = (CudaRunner if kept.views.device.type == "cuda" else HostRunner)(self, kept)
             except Exception as e:  # noqa: BLE001 - becomes this process's refusal, seen by every process
                 problem = f"could not prepare buffers on {device}: {type(e).__name__}: {e}"
         marks = [("prepare", time.perf_counter())]
@@ -207,7 +212,7 @@ class CollectiveExecutor(Executor):
             note = self.abort() if device.type == "cuda" else ""  # gloo's waits fail on their own
             note += f"; {runner.restore()}" if self.undo else ""
             if not isinstance(e, ReshardError):  # a transport error: name it, keep the original as the cause
-                raise ExecutionError(self._setup.failure(f"{type(e).__name__}: {e}") + note) from e
+                raise ExecutionError(self._failure(f"{type(e).__name__}: {e}") + note) from e
             if note:
                 raise ExecutionError(f"{e}{note}") from e
             raise
@@ -244,16 +249,12 @@ class CollectiveExecutor(Executor):
 
     def _preflight(self, problem: str | None, device: torch.device) -> None:
         """Everyone learns whether everyone is ready and runs the same schedule, before any byte moves."""
-        if self.size == 1:
-            return refuse_disagreement(problem, 0, True, "")
         fp, comm = self._fingerprint, self.comm
         count = comm.lane_name_count() if len(self.lanes) < self.num_lanes else 0
         unconnected = device.type == "cuda" and (len(self.lanes) < self.num_lanes or not all(
             connect.ready(lane, comm.global_peer(p)) for lane in self.lanes for p in self._peers))
-        t = torch.tensor([int(problem is not None), fp, -fp, count, -count, int(unconnected)], dtype=torch.int64,
-                         device=device)
-        self._wait_collective(lambda: comm.all_reduce_max(t), device, "preflight", before=True)
-        bad, hi, lo, most, least, handshake = t.tolist()
+        bad, hi, lo, most, least, handshake = self._vote(
+            [int(problem is not None), fp, -fp, count, -count, int(unconnected)], device, "preflight", before=True)
         self._lanes_agree = most == -least and most >= 0  # every member would give a new lane the same name
         self._handshake = bool(handshake)  # any member has a pair to connect: all take part (connect)
         refuse_disagreement(problem, bad, hi == -lo, f"plan, binding and bucket size (this process: plan "
@@ -308,21 +309,16 @@ class CollectiveExecutor(Executor):
                 w.wait(timedelta(seconds=self.timeout))
         except RuntimeError as e:  # gloo's timeout or a peer's closed socket
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise ExecutionError(self._setup.failure(f"{what}: {first}")) from e
+            raise ExecutionError(self._failure(f"{what}: {first}")) from e
 
     def _agree(self, device: torch.device, problem: str | None = None) -> None:
         """Verify: every process finished its transfer (with checksums: intact). Only then does anyone commit."""
-        if self.size == 1:
-            if problem:
-                raise ExecutionError(self._setup.failure(problem))
-            return
-        t = torch.full((1,), int(problem is not None), dtype=torch.int64, device=device)
-        self._wait_collective(lambda: self.comm.all_reduce_max(t), device, "verify")
+        (bad,) = self._vote([int(problem is not None)], device, "verify")
         if problem:
-            raise ExecutionError(self._setup.failure(problem))
-        if int(t.item()):
-            raise ExecutionError(self._setup.failure("another process reported an incomplete transfer or bytes "
-                                                     "corrupted in flight"))
+            raise ExecutionError(self._failure(problem))
+        if bad:
+            raise ExecutionError(self._failure("another process reported an incomplete transfer or bytes "
+                                               "corrupted in flight"))
 
     def _make_lanes(self) -> None:
         if self._lanes_agree:  # every member passed the preflight and agrees on the names: all make them together
@@ -340,10 +336,19 @@ class CollectiveExecutor(Executor):
             works = connect.off_thread(make, self.timeout, device, "making lanes and connecting to peers")
             self._wait_gpu(works, "the handshake with peers")
         except ExecutionError as e:
-            raise ExecutionError(self._setup.failure(str(e), before=True)) from e
+            raise ExecutionError(self._failure(str(e), before=True)) from e
         connect.mark_ready(self.lanes, [comm.global_peer(p) for p in peers])
 
-    def _wait_collective(self, start: Callable, device: torch.device, what: str, before: bool = False) -> None:
+    def _vote(self, values: list[int], device: torch.device, what: str, before: bool = False) -> list[int]:
+        """The element-wise MAX of every member's `values` (one all-reduce, bounded by the timeout; one process:
+        its own). A vote that does not complete fails the refit (`before`: before any byte moved)."""
+        if self.size == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.int64, device=device)
+
+        def start():
+            return self.comm.all_reduce_max(t)
+
         try:
             if device.type == "cuda" and not connect.ready(self.lanes[0]):  # NCCL connects at the first collective
                 work = connect.off_thread(start, self.timeout, device, f"the first {what} all-reduce of the group")
@@ -356,7 +361,8 @@ class CollectiveExecutor(Executor):
                 work.wait(timedelta(seconds=self.timeout))
         except Exception as e:
             note = self.abort() if device.type == "cuda" else ""
-            raise ExecutionError(self._setup.failure(f"{what} all-reduce did not complete: {e}", before) + note) from e
+            raise ExecutionError(self._failure(f"{what} all-reduce did not complete: {e}", before) + note) from e
+        return t.tolist()
 
     def _wait_gpu(self, works: list, what: str) -> None:
         """Order the current stream after `works`, then wait for it on the host, bounded by the timeout."""

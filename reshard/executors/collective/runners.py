@@ -1,99 +1,73 @@
 """How one process runs its part of a schedule: buffers viewing its tensors, and a runner per device kind.
 
-`Setup` is what runners need from the executor; `Buffers` what it keeps between refits; `RoundViews` the schedule
-as views of one call's tensors (wire, staging, every copy program prebuilt: executors.views), reused while the
-caller passes the same tensors. `HostRunner` (CPU, gloo) copies on the calling thread while the transport moves
-earlier rounds; `CudaRunner` (GPU, NCCL) copies on streams of its own ordered by events, and the host waits only
-in `drain`, polling each round's completion event against the timeout.
+Runners read the executor that runs them (`ex`: plan, schedule, group, depth, timeout); `Buffers` is what it
+keeps between refits; `RoundViews` the schedule as views of one call's tensors (wire, staging, every copy program
+prebuilt: executors.views), reused while the caller passes the same tensors. `HostRunner` (CPU, gloo) copies on the
+calling thread while the transport moves earlier rounds; `CudaRunner` (GPU, NCCL) copies on streams of its own
+ordered by events, and the host waits only in `drain`, polling each round's completion event against the timeout.
 """
 from __future__ import annotations
 
 import abc
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 
 import numpy as np
 import torch
 
 from ...errors import ExecutionError
-from ...planner import Plan
 from ...polling import Background, wait_events
-from .comm import Comm
 from ..checksum import Streams
 from ..copies import DST, KIND_NAMES, SHADOW, SRC, WIRE, Copies, regions
 from ..reference import apply_shifts
 from ..prepared import Prepared
-from .schedule import RoundSchedule
 from ..views import CopyViews, Memory, view_copies
 
 HOST_LEAD = 8  # rounds the host may enqueue ahead of the GPU (CudaRunner._keep_up)
 
 
-@dataclass(frozen=True, eq=False)
-class Setup:
-    """What the runners need from the executor that runs them, fixed when it is built."""
-
-    plan: Plan
-    schedule: RoundSchedule  # this process's part
-    comm: Comm | None  # the refit group: its lanes carry the rounds
-    rank: int  # this process's rank in the group
-    depth: int  # rounds in flight
-    timeout: float  # seconds any wait may go without progress
-    in_place: bool
-    undo: bool
-
-    def failure(self, what: str, before: bool = False) -> str:
-        """The message of a refit that failed because of `what` (`before`: before any byte moved)."""
-        state = ("nothing was moved" if before else
-                 "destination tensors were written in place; their previous bytes are put back" if self.undo else
-                 "destination tensors were left unchanged (staged refit)" if not self.in_place else
-                 "destination tensors may be partly written (in_place=True)")
-        return (f"refit failed on group rank {self.rank} (plan {self.plan.digest[:12]}): {what}; {state}; the "
-                f"process group is no longer usable: destroy and rebuild it")
-
-
 class Buffers:
     """What an executor keeps between refits: the wire buffer (grown, never shrunk), the CUDA streams, and the
-    schedule viewing the tensors of the last call."""
+    schedule viewing the tensors of the last call, with their identity once they passed the checks (`given`)."""
 
     def __init__(self) -> None:
         self.wire: torch.Tensor | None = None
         self.streams: dict[str, torch.cuda.Stream] | None = None
         self.views: RoundViews | None = None
+        self.given: tuple = ()  # (identity key, the tensors, kept so that their ids stay unique); () when unchecked
 
-    def wire_for(self, setup: Setup, device: torch.device, dtype: torch.dtype) -> tuple["torch.Tensor | None", int]:
+    def wire_for(self, ex, device: torch.device, dtype: torch.dtype) -> tuple["torch.Tensor | None", int]:
         """The wire buffers (depth x buffers per round x bucket), grown as needed, and their bytes."""
-        s, depth = setup.schedule, setup.depth
+        s, depth = ex.schedule, ex.depth
         per_round = max(s.buffers_per_round, 1)
         need = depth * per_round * s.bucket_numel if s.rounds else 0
         if self.wire is None or self.wire.numel() < need or self.wire.device != device:
             self.wire = torch.empty(need, dtype=dtype, device=device)
-        return (self.wire[:need].view(depth, per_round, s.bucket_numel) if need else None), need * setup.plan.itemsize
+        return (self.wire[:need].view(depth, per_round, s.bucket_numel) if need else None), need * ex.plan.itemsize
 
-    def views_for(self, setup: Setup, device: torch.device, prepared: Prepared) -> "RoundViews":
+    def views_for(self, ex, device: torch.device, prepared: Prepared) -> "RoundViews":
         """The schedule as views of these tensors; the last views again for the same addresses and device."""
-        s = setup.schedule
+        s = ex.schedule
         key = (str(device), *(prepared.src_flat[i].data_ptr() for i in s.src_ids),
                *(prepared.dst_flat[i].data_ptr() for i in s.dst_ids))
         if self.views is None or self.views.key != key:
             self.views = None  # free the old views and staging before allocating new ones
-            self.views = RoundViews(setup, self, device, prepared, key)
+            self.views = RoundViews(ex, self, device, prepared, key)
         return self.views
 
 
 class RoundViews:
     """A schedule as views of one set of tensors (see the module docstring)."""
 
-    def __init__(self, setup: Setup, kept: Buffers, device: torch.device, prepared: Prepared, key: tuple) -> None:
-        s, plan = setup.schedule, setup.plan
+    def __init__(self, ex, kept: Buffers, device: torch.device, prepared: Prepared, key: tuple) -> None:
+        s, plan = ex.schedule, ex.plan
         self.key, self.device = key, device
         itemsize = plan.itemsize
         # staging: one buffer for every shadow, each shadow aligned
         self.shadow, shadows = prepared.arena({i: prepared.dst_flat[i].numel() for i in s.shadow}, device)
         self.staging_bytes = self.shadow.numel() * itemsize if s.shadow else 0
         flats = {SRC: prepared.src_flat, DST: prepared.dst_flat, SHADOW: shadows}
-        self.wire, self.wire_bytes = kept.wire_for(setup, device, prepared.dtype)
+        self.wire, self.wire_bytes = kept.wire_for(ex, device, prepared.dtype)
         wires: list[torch.Tensor] = []  # one view per packed message, into its round's buffer for its peer
 
         def flat(kind: int, i: int) -> torch.Tensor:
@@ -106,10 +80,9 @@ class RoundViews:
                                      f"does not hold") from None
 
         memory = Memory(flat, itemsize)
-        self._bind_rounds(setup, flat, memory, wires)
+        self._bind_rounds(ex, flat, memory, wires)
         # local copies of a stage, cut into one piece per round of that stage so they spread over the transfer
-        rounds_in_stage = np.bincount([r.stage for r in s.rounds], minlength=s.num_stages) if s.rounds else \
-            np.zeros(s.num_stages, np.int64)
+        rounds_in_stage = np.bincount(np.asarray([r.stage for r in s.rounds], np.int64), minlength=s.num_stages)
         local = [_pieces(c, max(int(k), 1)) for c, k in zip(s.local, rounds_in_stage)]
         self.local = [[view_copies(piece, memory, itemsize) for piece in pieces] for pieces in local]
         # undo: (backup, restore) of the regions a round's receives (a local piece) write, backed up first
@@ -122,10 +95,10 @@ class RoundViews:
         self.shifts = prepared.shifts()  # value shifts of this process's destination blocks
         self.ops: dict[tuple, list] = {}  # (round position, lane) -> its P2POps, built at first use
 
-    def _bind_rounds(self, setup: Setup, flat, memory: Memory, wires: list) -> None:
+    def _bind_rounds(self, ex, flat, memory: Memory, wires: list) -> None:
         """Per round position: the buffers each message is sent from (received into) and the pack (scatter)
         programs of the messages that travel through a wire buffer."""
-        s, depth, itemsize = setup.schedule, setup.depth, setup.plan.itemsize
+        s, depth, itemsize = ex.schedule, ex.depth, ex.plan.itemsize
         self.packs: list[list[CopyViews]] = []
         self.scatters: list[list[CopyViews]] = []
         self.send_bufs: list[list[torch.Tensor]] = []
@@ -179,14 +152,14 @@ def abort(groups: list, timeout: float) -> list:
 
 
 class RoundRunner(abc.ABC):
-    """Runs one process's rounds over bound buffers. Round positions index `setup.schedule.rounds`."""
+    """Runs one process's rounds over bound buffers. Round positions index `ex.schedule.rounds`."""
 
-    def __init__(self, setup: Setup, kept: Buffers) -> None:
-        self.setup, self.b = setup, kept.views
-        self.rounds = setup.schedule.rounds
+    def __init__(self, ex, kept: Buffers) -> None:
+        self.ex, self.b = ex, kept.views
+        self.rounds = ex.schedule.rounds
         self.copies = 0
         self.undo_log: list[tuple] = []  # (completion event or None, restore program), in launch order
-        self.sums: Streams | None = None  # checksum streams of this refit (executors.checksum), when asked for
+        self.sums = Streams(ex.checksum) if ex.checksum else None  # this refit's checksums (executors.checksum)
 
     def restore(self) -> str:
         """Undo: after a failure, put back the previous bytes of every region that may have been written.
@@ -220,7 +193,7 @@ class RoundRunner(abc.ABC):
                 self.sums.update((way, m.peer), buf)
 
     def _ops(self, pos: int):
-        r, comm = self.rounds[pos], self.setup.comm
+        r, comm = self.rounds[pos], self.ex.comm
         lane = r.index % len(comm.lanes)  # both ends derive the lane from the global round
         key = (pos, lane, id(comm.lanes[lane]))
         ops = self.b.ops.get(key)
@@ -232,7 +205,7 @@ class RoundRunner(abc.ABC):
 
     def describe(self, pos: int) -> str:
         """Round `pos` in words (its stage and the bytes it sends and receives, per peer), for error messages."""
-        r, size = self.rounds[pos], self.setup.plan.itemsize
+        r, size = self.rounds[pos], self.ex.plan.itemsize
         parts = [f"send {m.numel * size} B to group rank {m.peer}" for m in r.sends]
         parts += [f"receive {m.numel * size} B from group rank {m.peer}" for m in r.recvs]
         return f"round {r.index} (stage {r.stage}: {', '.join(parts)})"
@@ -276,16 +249,16 @@ class HostRunner(RoundRunner):
 
     def post(self, pos: int):
         self._backup(self.b.backups[pos])  # receives write only after this round is posted
-        return pos, self.setup.comm.post(self._ops(pos))
+        return pos, self.ex.comm.post(self._ops(pos))
 
     def complete(self, pending) -> None:
         pos, works = pending
-        timeout = timedelta(seconds=self.setup.timeout)
+        timeout = timedelta(seconds=self.ex.timeout)
         for w in works:
             try:
                 w.wait(timeout)
             except Exception as e:
-                raise ExecutionError(self.setup.failure(f"{self.describe(pos)} did not complete: {e}")) from e
+                raise ExecutionError(self.ex._failure(f"{self.describe(pos)} did not complete: {e}")) from e
         self._sum(pos, "from")  # what arrived, before it is scattered
         self._run(self.b.scatters[pos])
 
@@ -294,8 +267,8 @@ class CudaRunner(RoundRunner):
     """GPU tensors over NCCL: pack, transfer, scatter and local copies on their own streams, ordered by events;
     the host only enqueues, then polls each round's completion event against the timeout."""
 
-    def __init__(self, setup: Setup, kept: Buffers) -> None:
-        super().__init__(setup, kept)
+    def __init__(self, ex, kept: Buffers) -> None:
+        super().__init__(ex, kept)
         device = self.b.device
         if kept.streams is None or kept.streams["pack"].device != device:
             kept.streams = {k: torch.cuda.Stream(device) for k in ("pack", "scatter", "local", "post")}
@@ -311,7 +284,7 @@ class CudaRunner(RoundRunner):
 
     def pack(self, pos: int) -> None:
         self._keep_up()
-        prev = self.slot_owner.get(pos % self.setup.depth)
+        prev = self.slot_owner.get(pos % self.ex.depth)
         st = self.streams["pack"]
         with torch.cuda.stream(st):
             if prev is not None:
@@ -322,7 +295,7 @@ class CudaRunner(RoundRunner):
             self.packed = st.record_event()
 
     def post(self, pos: int):
-        slot = pos % self.setup.depth
+        slot = pos % self.ex.depth
         prev = self.slot_owner.get(slot)
         post = self.streams["post"]
         post.wait_event(self.packed)
@@ -331,7 +304,7 @@ class CudaRunner(RoundRunner):
         ops = self._ops(pos)
         with torch.cuda.stream(post):
             self._backup(self.b.backups[pos], post)  # before this round's receives write
-            works = self.setup.comm.post(ops)
+            works = self.ex.comm.post(ops)
         pending = {"pos": pos, "works": works, "scattered": None}
         self.slot_owner[slot] = pending
         return pending
@@ -358,9 +331,9 @@ class CudaRunner(RoundRunner):
 
     def _wait(self, events: list, what) -> None:
         try:
-            wait_events(events, self.setup.timeout, what)
+            wait_events(events, self.ex.timeout, what)
         except ExecutionError as e:
-            raise ExecutionError(self.setup.failure(str(e))) from None
+            raise ExecutionError(self.ex._failure(str(e))) from None
 
     def local(self, stage: int, piece: int, stream=None) -> None:
         st = self.streams["local"]
@@ -397,7 +370,7 @@ class CudaRunner(RoundRunner):
         # backup completed (one whose backup did not run was never written: its writes are ordered after it)
         ends = [st.record_event() for st in self.streams.values()]
         try:
-            wait_events(ends, self.setup.timeout, [f"{name} stream" for name in self.streams])
+            wait_events(ends, self.ex.timeout, [f"{name} stream" for name in self.streams])
         except ExecutionError as e:
             raise ExecutionError(f"could not restore the previous weights: {e}; destination tensors may be "
                                  f"partly written") from None
@@ -408,9 +381,4 @@ class CudaRunner(RoundRunner):
         return len(done)
 
 
-def make_runner(setup: Setup, kept: Buffers) -> RoundRunner:
-    """The runner for the tensors `kept` views (`Buffers.views_for`)."""
-    return (CudaRunner if kept.views.device.type == "cuda" else HostRunner)(setup, kept)
-
-
-__all__ = ["RoundViews", "Buffers", "CudaRunner", "RoundRunner", "HostRunner", "Setup", "abort", "make_runner"]
+__all__ = ["RoundViews", "Buffers", "CudaRunner", "RoundRunner", "HostRunner", "abort"]

@@ -29,8 +29,6 @@ class Message:
     """One point-to-point message of a round: its peer, size, place in the round's wire buffer and the copies
     that pack (sender) or scatter (receiver) it."""
 
-    round: int  # global round
-    stage: int
     peer: int  # the other process (group rank)
     numel: int  # elements on the wire
     copies: Copies  # pack program on the sender, scatter program on the receiver
@@ -115,13 +113,8 @@ def bucket_sizes(length: int, bucket: int) -> list[int]:
     if middle >= 0:
         full, rest = divmod(middle, bucket)
         return ramp + [bucket] * full + ([rest] if rest else []) + ramp[::-1]
-    sizes, left = [], length
-    for size in ramp + [bucket] * (length // bucket + 1):
-        if left <= 0:
-            break
-        sizes.append(min(size, left))
-        left -= size
-    return sizes
+    sizes = np.diff(np.minimum(np.cumsum(ramp + [bucket] * (length // bucket + 1)), length), prepend=0)
+    return sizes[sizes > 0].tolist()  # the ramp up, as far as the stream goes
 
 
 def _split(p: dict[str, np.ndarray], cuts: np.ndarray) -> dict[str, np.ndarray]:
@@ -174,14 +167,15 @@ def build_schedule(plan: Plan, binding: Binding, process: int, bucket_numel: int
     part = Partition(plan, binding, process)
     wire = _Wire(part, bucket_numel, direct_numel)
     shadowed = part.in_flight if staged else np.zeros_like(part.in_flight)  # staged writes land here
-    rounds, sent, received = _rounds(part, wire, shadowed)
+    rounds = _rounds(part, wire, shadowed)
     local, deferred = part.local_copies(shadowed, ~part.in_flight if staged or undo else None)
     per_round = max((len({m.peer for m in r.sends}) + len({m.peer for m in r.recvs}) for r in rounds), default=0)
     return RoundSchedule(
         process=process, bucket_numel=bucket_numel, staged=staged, num_stages=plan.num_stages, rounds=rounds,
         local=tuple(local), deferred=deferred, commit=part.commit(shadowed) if staged else Copies.empty(),
         shadow=tuple(np.flatnonzero(part.in_flight if staged or undo else shadowed).tolist()), undo=undo,
-        src_ids=part.src_ids, dst_ids=part.dst_ids, sent=sent, received=received, local_numel=part.local_numel,
+        src_ids=part.src_ids, dst_ids=part.dst_ids, sent={q: part.numel(ops) for q, ops in part.sends_to.items()},
+        received={q: part.numel(ops) for q, ops in part.receives_from.items()}, local_numel=part.local_numel,
         buffers_per_round=per_round)
 
 
@@ -223,14 +217,12 @@ class _Wire:
         self.round_base = np.concatenate([[0], np.cumsum(per_stage)[:-1]])
 
 
-def _rounds(part: Partition, wire: _Wire, shadowed: np.ndarray) \
-        -> tuple[tuple[Round, ...], dict[int, int], dict[int, int]]:
-    """This process's messages, by global round, with their pack (scatter) programs; elements sent (received)
-    per peer."""
+def _rounds(part: Partition, wire: _Wire, shadowed: np.ndarray) -> tuple[Round, ...]:
+    """This process's messages, by global round, with their pack (scatter) programs."""
     o, process = part.plan.ops, part.process
     mine = (wire.keys[wire.stream, 1] == process) | (wire.keys[wire.stream, 2] == process)
     if not mine.any():
-        return (), {}, {}
+        return ()
     sel = wire.order[mine]
     pieces = _split({"op": sel, "stream": wire.stream[mine], "w": wire.w[mine], "so": o["src_offset"][sel],
                      "ss": o["src_stride"][sel], "do": o["dst_offset"][sel], "ds": o["dst_stride"][sel],
@@ -257,21 +249,15 @@ def _rounds(part: Partition, wire: _Wire, shadowed: np.ndarray) \
     msg_send[msg_of[is_send]] = True
     by_msg = _per_message(pack, "dst_id", len(msg_ids)) | _per_message(scatter, "src_id", len(msg_ids))
     rounds: dict[int, dict] = {}
-    sent: dict[int, int] = {}
-    received: dict[int, int] = {}
     for m in range(len(msg_ids)):
         stage, sender, receiver = (int(x) for x in wire.keys[m_stream[m]])
         rnd = int(wire.round_base[stage]) + int(m_k[m])
         peer = receiver if msg_send[m] else sender
-        n = int(m_numel[m])
         entry = rounds.setdefault(rnd, {"stage": stage, "sends": [], "recvs": []})
         entry["sends" if msg_send[m] else "recvs"].append(
-            Message(rnd, stage, peer, n, by_msg[m], int(m_offset[m]), int(msg_ids[m])))
-        book = sent if msg_send[m] else received
-        book[peer] = book.get(peer, 0) + n
+            Message(peer, int(m_numel[m]), by_msg[m], int(m_offset[m]), int(msg_ids[m])))
     in_order = lambda ms: tuple(sorted(ms, key=lambda m: (m.peer, m.offset)))  # noqa: E731 - both sides agree
-    return tuple(Round(r, e["stage"], in_order(e["sends"]), in_order(e["recvs"]))
-                 for r, e in sorted(rounds.items())), sent, received
+    return tuple(Round(r, e["stage"], in_order(e["sends"]), in_order(e["recvs"])) for r, e in sorted(rounds.items()))
 
 
 def _per_message(program: Copies, col: str, count: int) -> dict[int, Copies]:

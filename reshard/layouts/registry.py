@@ -70,14 +70,20 @@ def register_cuts(engine: str, family: str, rule: Any) -> None:
     _CUTS[(engine, family)] = rule
 
 
-def cut_rule(engine: str, family: str) -> Any:
-    """The rule registered by `register_cuts` for (engine, family), or None."""
-    return _CUTS.get((engine, family))
-
-
-def families_with_cuts(engine: str) -> list[str]:
-    """The families `engine` has registered cuts for."""
-    return sorted(f for e, f in _CUTS if e == engine)
+def engine_cuts(spec: Any, kind: Any, engine: str) -> tuple[Any, ...]:
+    """The cuts that place tensors of `kind` on `engine`: the kind's own, else those `engine` registered for the
+    model's family; LayoutError (naming engine, kind and the families it serves) where neither exists."""
+    own = kind.cuts_for(engine)
+    if own is not None:
+        return own
+    rule = _CUTS.get((engine, spec.family))
+    if rule is None:
+        served = sorted(f for e, f in _CUTS if e == engine)
+        raise LayoutError(engine, f"{kind.label}: the {engine} engine has no cuts for the {spec.family} family's "
+                          f"tensors (its kinds declare {list(kind.engines)}; {engine} registered cuts for "
+                          f"{served or 'no family'})", {"model.family": spec.family},
+                          f"register the engine's cuts for {spec.family} (reshard.layouts.registry.register_cuts)")
+    return tuple(rule(spec, kind))
 
 
 def register_entry_transform(transform: Any) -> None:

@@ -216,12 +216,14 @@ def norm(name: str, size: int, role: Any, p: str = LAYER) -> Entry:
     return Entry(p + name, (size,), role)
 
 
-def gqa_attention(spec: ModelSpec, p: str = LAYER) -> list[Entry]:
-    """q/k/v/o projections (+ per-head q/k norms when the spec has them)."""
+def gqa_attention(spec: ModelSpec, p: str = LAYER, qkv: Sequence[Any] = (Role.Q, Role.K, Role.V),
+                  gated: bool = False) -> list[Entry]:
+    """q/k/v/o projections (+ per-head q/k norms when the spec has them), q/k/v of the roles `qkv`; `gated`: q_proj
+    holds [q_h; gate_h] per head (Qwen3.5's output gate)."""
     H, d, a = spec.hidden_size, spec.head_dim, p + "self_attn."
-    out = [Entry(a + "q_proj.weight", (spec.num_attention_heads * d, H), Role.Q),
-           Entry(a + "k_proj.weight", (spec.num_key_value_heads * d, H), Role.K),
-           Entry(a + "v_proj.weight", (spec.num_key_value_heads * d, H), Role.V),
+    out = [Entry(a + "q_proj.weight", ((1 + gated) * spec.num_attention_heads * d, H), qkv[0]),
+           Entry(a + "k_proj.weight", (spec.num_key_value_heads * d, H), qkv[1]),
+           Entry(a + "v_proj.weight", (spec.num_key_value_heads * d, H), qkv[2]),
            Entry(a + "o_proj.weight", (H, spec.num_attention_heads * d), Role.O)]
     if spec.qk_norm:
         out += [Entry(a + "q_norm.weight", (d,), Role.Q_NORM), Entry(a + "k_norm.weight", (d,), Role.K_NORM)]

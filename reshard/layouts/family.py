@@ -152,9 +152,6 @@ class ModelFamily(abc.ABC):
         heads = get_int(config, "num_attention_heads", maximum=MAX_HEADS, what="heads")
         vocab = get_int(config, "vocab_size")
         kv = get_int(config, "num_key_value_heads", heads, maximum=MAX_HEADS, null_is_default=True, what="heads")
-        if hidden < heads and "head_dim" not in config:
-            raise ModelConfigError(field="hidden_size", value=hidden, rule=f"is smaller than num_attention_heads="
-                                   f"{heads} and no head_dim is given (hidden_size // heads would be 0)")
         head_dim = get_int(config, "head_dim", hidden // heads, null_is_default=True)
         check_limit("num_attention_heads * head_dim", heads * head_dim, MAX_DIM, "a dimension", "model config")
         key = "torch_dtype" if config.get("torch_dtype") is not None else "dtype"

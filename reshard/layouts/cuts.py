@@ -306,11 +306,6 @@ class TensorKind:
         """The cuts that place this kind on `engine`; None where the kind declares none for it."""
         return dict(self.cuts).get(engine)
 
-    @property
-    def engines(self) -> tuple[str, ...]:
-        """The engines this kind declares cuts for."""
-        return tuple(engine for engine, _ in self.cuts)
-
     def with_cuts(self, **cuts: "Cut | tuple[Cut, ...]") -> "TensorKind":
         """This kind with the cuts of some engines replaced or added."""
         return dataclasses.replace(self, cuts={**dict(self.cuts), **cuts})

@@ -80,7 +80,7 @@ def engine_cuts(spec: Any, kind: Any, engine: str) -> tuple[Any, ...]:
     if rule is None:
         served = sorted(f for e, f in _CUTS if e == engine)
         raise LayoutError(engine, f"{kind.label}: the {engine} engine has no cuts for the {spec.family} family's "
-                          f"tensors (its kinds declare {list(kind.engines)}; {engine} registered cuts for "
+                          f"tensors (its kinds declare {[e for e, _ in kind.cuts]}; {engine} registered cuts for "
                           f"{served or 'no family'})", {"model.family": spec.family},
                           f"register the engine's cuts for {spec.family} (reshard.layouts.registry.register_cuts)")
     return tuple(rule(spec, kind))

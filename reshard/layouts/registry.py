@@ -104,15 +104,11 @@ def register(family: Any) -> None:
     _BY_NAME[family.name] = family
 
 
-def is_registered(name: str) -> bool:
-    """Whether a family of this name is registered."""
-    return name in _BY_NAME
-
-
 def family(name: str) -> Any:
-    """The family a ModelSpec names."""
+    """The family a ModelSpec names; ModelConfigError (listing those registered) where none is."""
     if name not in _BY_NAME:
-        raise ModelConfigError(f"unknown model family {name!r}; registered: {', '.join(sorted(_BY_NAME))}")
+        raise ModelConfigError(field="family", value=name, rule=f"is not registered (registered: "
+                               f"{', '.join(sorted(_BY_NAME))})")
     return _BY_NAME[name]
 
 

@@ -1,8 +1,9 @@
 """The registries: model families (by name and by HF architecture / model_type), layout classes (by engine name)
 and the cuts an engine added later places a family's tensors with.
 
-It imports nothing from the layouts, so the spec can look a family up without a circle. Registration is explicit
-(`families.register_built_ins()`, `register_family`, `register_layout`, `register_cuts`)."""
+It imports nothing from the layouts when loaded (`register_family` reads ModelFamily when called), so the spec can
+look a family up without a circle. Registration is explicit (`families.register_built_ins()`, `register_family`,
+`register_layout`, `register_cuts`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -97,11 +98,28 @@ def entry_transforms() -> tuple[Any, ...]:
     return tuple(_ENTRY_TRANSFORMS)
 
 
-def register(family: Any) -> None:
-    """Make `family` (a ModelFamily) findable by name, architectures and model types (replacing an earlier one)."""
+def register_family(cls: Any) -> Any:
+    """Register the model family class `cls` (a ModelFamily subclass) and return it (usable as a decorator): its
+    one instance is findable by name, architectures and model types (replacing an earlier one).
+
+    Args:
+        cls: the family's class; it is instantiated once.
+
+    Returns:
+        `cls`, unchanged.
+
+    Raises:
+        ArgumentError: `cls` is not a concrete ModelFamily subclass.
+    """
+    from .family import ModelFamily  # the families import this module
+
+    if not (isinstance(cls, type) and issubclass(cls, ModelFamily)) or getattr(cls, "__abstractmethods__", None):
+        raise ArgumentError("cls", cls, "must be a concrete ModelFamily subclass (spec and layer defined)")
+    family = cls()
     for key in family.architectures + family.model_types:
         _BY_KEY[key] = family
     _BY_NAME[family.name] = family
+    return cls
 
 
 def family(name: str) -> Any:

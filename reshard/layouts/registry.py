@@ -99,8 +99,9 @@ def entry_transforms() -> tuple[Any, ...]:
 
 
 def register_family(cls: Any) -> Any:
-    """Register the model family class `cls` (a ModelFamily subclass) and return it (usable as a decorator): its
-    one instance is findable by name, architectures and model types (replacing an earlier one).
+    """Register the model family class `cls` (a ModelFamily subclass) and return it (usable as a decorator).
+
+    Its one instance is findable by name, architectures and model types (replacing an earlier one).
 
     Args:
         cls: the family's class; it is instantiated once.

@@ -62,11 +62,6 @@ class PlacementTable:
     def __len__(self) -> int:
         return len(self.canon)
 
-    def rows(self) -> list[tuple]:
-        """(canon, rank, name, shape, c0, c1, n0, n1, origin, stride) per row: a form to compare tables by."""
-        cols = [getattr(self, c).tolist() for c in self.COLUMNS]
-        return [(c, r, self.kinds[k][0], self.kinds[k][1], *rest) for c, r, k, *rest in zip(*cols)]
-
 
 class TableBuilder:
     """Accumulates blocks of placement rows; each block's columns broadcast against each other."""
@@ -102,7 +97,7 @@ class TableBuilder:
         for p in placements:
             (c0, c1), (n0, n1) = as_2d(p.canon_offset, p.lengths)
             rows.append((canon, p.rank, self.kind(p.tensor, p.shape), c0, c1, n0, n1,
-                         flat_origin(p.shape, p.phys_offset), p.shape[-1]))
+                         np.ravel_multi_index(p.phys_offset, p.shape), p.shape[-1]))
         a = np.asarray(rows, dtype=np.int64)
         self._blocks.append([a[:, k] for k in range(a.shape[1])])
 
@@ -130,14 +125,6 @@ def as_2d(offset: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[tuple[int,
                           f"dim 0 and the last dimension may be cut", {"offset": offset, "lengths": lengths})
     middle = math.prod(lengths[1:-1])
     return (offset[0] * middle, offset[-1]), (lengths[0] * middle, lengths[-1])
-
-
-def flat_origin(shape: tuple[int, ...], phys_offset: tuple[int, ...]) -> int:
-    """Flat element offset of `phys_offset` in a row-major tensor of `shape`."""
-    off = 0
-    for size, o in zip(shape, phys_offset):
-        off = off * size + o
-    return off
 
 
 class Layout(ValidatedModel, abc.ABC):

@@ -11,10 +11,9 @@ from typing import Callable, Hashable, Iterator, NamedTuple, Sequence
 import numpy as np
 
 from .base import Layout, Placement, PlacementTable, TableBuilder
-from ..errors import LayoutError
 from .cuts import Cut, Group, TensorKind
 from .model import Entry, ModelSpec, Role, TensorSpec
-from .registry import cut_rule, families_with_cuts
+from .registry import engine_cuts
 from .roles import kind_of
 
 
@@ -84,22 +83,6 @@ class CutLayout(Layout):
                 w = self._place(cut, kind, int(c.layer[idx[0]]), int(c.expert[idx[0]]), 0)
                 if w is not None:
                     cut.pieces(self.model.tensor_name(int(idx[0])), entry.shape, w.group)
-
-
-def engine_cuts(spec: ModelSpec, kind: TensorKind, engine: str) -> tuple[Cut, ...]:
-    """The cuts that place tensors of `kind` on `engine`: the kind's own, else those `engine` registered for the
-    model's family; LayoutError (naming engine, kind and the families it serves) where neither exists."""
-    own = kind.cuts_for(engine)
-    if own is not None:
-        return own
-    rule = cut_rule(engine, spec.family)
-    if rule is None:
-        served = families_with_cuts(engine)
-        raise LayoutError(engine, f"{kind.label}: the {engine} engine has no cuts for the {spec.family} family's "
-                          f"tensors (its kinds declare {list(kind.engines)}; {engine} registered cuts for "
-                          f"{served or 'no family'})", {"model.family": spec.family},
-                          f"register the engine's cuts for {spec.family} (reshard.layouts.registry.register_cuts)")
-    return tuple(rule(spec, kind))
 
 
 def entry_groups(spec: ModelSpec, index: np.ndarray | Sequence[int] | None) -> Iterator[tuple[Entry, np.ndarray]]:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 import numpy as np
 
 from ..errors import LayoutError
-from .base import Placement, TableBuilder, as_2d, flat_origin
+from .base import Placement, TableBuilder, as_2d
 
 Shape = tuple[int, ...]
 Piece = tuple[int, Shape, Shape, Shape]  # (tp rank, canonical offset, lengths, physical offset) of one piece
@@ -78,7 +78,7 @@ class Cut(abc.ABC):
         def per_piece(x: list[int]) -> np.ndarray | int:  # a scalar where every piece agrees: rows stay views
             return x[0] if len(set(x)) == 1 else np.asarray(x, dtype=np.int64).reshape(at_piece)
 
-        boxes = [(r, *sum(as_2d(c, n), ()), flat_origin(phys, p)) for r, c, n, p in pieces]
+        boxes = [(r, *sum(as_2d(c, n), ()), np.ravel_multi_index(p, phys)) for r, c, n, p in pieces]
         r, c0, c1, n0, n1, origin = (per_piece(list(x)) for x in zip(*boxes))
         if g.stack:
             origin = origin + np.asarray(slot, dtype=np.int64).reshape(-1, 1, 1) * math.prod(phys)
@@ -305,11 +305,6 @@ class TensorKind:
     def cuts_for(self, engine: str) -> tuple[Cut, ...] | None:
         """The cuts that place this kind on `engine`; None where the kind declares none for it."""
         return dict(self.cuts).get(engine)
-
-    @property
-    def engines(self) -> tuple[str, ...]:
-        """The engines this kind declares cuts for."""
-        return tuple(engine for engine, _ in self.cuts)
 
     def with_cuts(self, **cuts: "Cut | tuple[Cut, ...]") -> "TensorKind":
         """This kind with the cuts of some engines replaced or added."""

@@ -111,18 +111,6 @@ class ExpertPlacement(ValidatedModel):
         """[rows, P] int64: the logical expert of each physical slot (read-only)."""
         return _table(self)
 
-    def row(self, moe_layer: int) -> tuple[int, ...]:
-        """The placement of MoE layer `moe_layer` (counted over MoE layers only, as vLLM's EPLB counts them)."""
-        return self.physical_to_logical[0 if self.num_rows == 1 else moe_layer]
-
-    def replica_counts(self) -> np.ndarray:
-        """[rows, E]: how many slots hold each logical expert (vLLM's `logical_replica_count`)."""
-        return slot_index(self)[2]
-
-    def slots_of(self, moe_layer: int, expert: int) -> tuple[int, ...]:
-        """The physical slots holding logical expert `expert` in MoE layer `moe_layer`, ascending."""
-        return tuple(int(p) for p in np.flatnonzero(np.asarray(self.row(moe_layer)) == expert))
-
     @property
     def digest(self) -> str:
         """SHA-256 of the canonical JSON form: what names this placement in plans and errors."""

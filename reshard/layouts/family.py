@@ -152,9 +152,6 @@ class ModelFamily(abc.ABC):
         heads = get_int(config, "num_attention_heads", maximum=MAX_HEADS, what="heads")
         vocab = get_int(config, "vocab_size")
         kv = get_int(config, "num_key_value_heads", heads, maximum=MAX_HEADS, null_is_default=True, what="heads")
-        if hidden < heads and "head_dim" not in config:
-            raise ModelConfigError(field="hidden_size", value=hidden, rule=f"is smaller than num_attention_heads="
-                                   f"{heads} and no head_dim is given (hidden_size // heads would be 0)")
         head_dim = get_int(config, "head_dim", hidden // heads, null_is_default=True)
         check_limit("num_attention_heads * head_dim", heads * head_dim, MAX_DIM, "a dimension", "model config")
         key = "torch_dtype" if config.get("torch_dtype") is not None else "dtype"
@@ -216,12 +213,14 @@ def norm(name: str, size: int, role: Any, p: str = LAYER) -> Entry:
     return Entry(p + name, (size,), role)
 
 
-def gqa_attention(spec: ModelSpec, p: str = LAYER) -> list[Entry]:
-    """q/k/v/o projections (+ per-head q/k norms when the spec has them)."""
+def gqa_attention(spec: ModelSpec, p: str = LAYER, qkv: Sequence[Any] = (Role.Q, Role.K, Role.V),
+                  gated: bool = False) -> list[Entry]:
+    """q/k/v/o projections (+ per-head q/k norms when the spec has them), q/k/v of the roles `qkv`; `gated`: q_proj
+    holds [q_h; gate_h] per head (Qwen3.5's output gate)."""
     H, d, a = spec.hidden_size, spec.head_dim, p + "self_attn."
-    out = [Entry(a + "q_proj.weight", (spec.num_attention_heads * d, H), Role.Q),
-           Entry(a + "k_proj.weight", (spec.num_key_value_heads * d, H), Role.K),
-           Entry(a + "v_proj.weight", (spec.num_key_value_heads * d, H), Role.V),
+    out = [Entry(a + "q_proj.weight", ((1 + gated) * spec.num_attention_heads * d, H), qkv[0]),
+           Entry(a + "k_proj.weight", (spec.num_key_value_heads * d, H), qkv[1]),
+           Entry(a + "v_proj.weight", (spec.num_key_value_heads * d, H), qkv[2]),
            Entry(a + "o_proj.weight", (H, spec.num_attention_heads * d), Role.O)]
     if spec.qk_norm:
         out += [Entry(a + "q_norm.weight", (d,), Role.Q_NORM), Entry(a + "k_norm.weight", (d,), Role.K_NORM)]

@@ -23,7 +23,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 from pydantic import StrictBool, StrictInt, model_validator
@@ -31,10 +31,10 @@ from pydantic import StrictBool, StrictInt, model_validator
 from ..errors import InputError, LayoutError
 from .base import WholePerReplica, positive
 from .cut_layout import CutLayout, Where
-from .cuts import ColumnBlocks, Cut, Group, LoraA, LoraB, Refused, Replicated, RowBlocks, TensorKind
+from .cuts import ColumnBlocks, Cut, Group, LoraA, LoraB, QkvParallel, Refused, Replicated, RowBlocks, TensorKind
 from .family import ModelFamily
 from .model import LAYER, Entry, Experts, ModelSpec, Role
-from .roles import Cuts, shared_kinds
+from .roles import shared_kinds
 from .vllm import VllmLayout
 
 FAMILY = "lora"
@@ -44,13 +44,12 @@ PEFT_MODULES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o
 BASE_FAMILIES = ("qwen3", "llama", "qwen3_moe")  # GQA attention and SwiGLU MLP of the shared roles
 PEFT_PREFIX = "base_model.model."
 EXPERT_ADAPTERS = ("per_expert", "shared")  # one adapter per expert, or one for all (Bridge's default)
-
-
-def lora_kind(label: str, megatron: Cuts, vllm_lora: Cuts, peft: Cuts, te: Cuts | None = None,
-              expert: bool = False) -> TensorKind:
-    """A kind of adapter tensor: its Megatron-Bridge, vLLM slot ("vllm_lora") and PEFT cuts."""
-    return TensorKind(label, {"megatron": megatron, "te": megatron if te is None else te, "vllm_lora": vllm_lora,
-                              "peft": peft}, expert=expert)
+# Megatron-Bridge's target -> the fused HF module, its label in reports, its parts' base roles, its HF block
+_MODULES = {"linear_qkv": ("qkv_proj", "qkv", (Role.Q, Role.K, Role.V), "self_attn."),
+            "linear_proj": ("o_proj", "o_proj", (Role.O,), "self_attn."),
+            "linear_fc1": ("gate_up_proj", "gate_up", (Role.GATE, Role.UP), "mlp."),
+            "linear_fc2": ("down_proj", "down_proj", (Role.DOWN,), "mlp.")}
+_EXPERT_ROLES = {Role.GATE: Role.EXPERT_GATE, Role.UP: Role.EXPERT_UP, Role.DOWN: Role.EXPERT_DOWN}
 
 
 @dataclass(frozen=True)
@@ -132,87 +131,71 @@ def peft_config(spec: ModelSpec, base_model: str = "") -> dict[str, Any]:
             "modules_to_save": None, "inference_mode": True}
 
 
-def _peft(module: str, ab: str, block: str = "") -> Replicated:
-    block = block or ("self_attn." if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp.")
-    return Replicated(f"{PEFT_PREFIX}{LAYER}{block}{module}.lora_{ab}.weight")
+def _bridge(cut: Cut, which: str, like: bool) -> Cut:
+    """Megatron-Bridge's adapter `linear_{which}` of the base weight `cut` places: cut like it (`like`), else in TP
+    row blocks; TE's per-expert weights `...weight{j}` hold one adapter stacked over the local experts."""
+    name = cut.name.removesuffix("{j}").removesuffix("weight") + f"adapter.linear_{which}.weight"
+    stacked = cut.name.endswith("{j}")
+    return dataclasses.replace(cut, name=name, stacked=stacked) if like else RowBlocks(name, stacked=stacked)
 
 
-def _mlp_kinds(label: str, bridge: Callable[..., dict[str, Any]], slot: Callable[[str, str, int], str], block: str,
-               expert: bool) -> dict[str, TensorKind]:
-    """A SwiGLU MLP's adapter kinds: Megatron's cuts from `bridge(fc, in/out, cut, *args)`, vLLM's slots named
-    `slot(fc, a/b, s)`, PEFT's names under `block`."""
-    out = {"gate_up_proj.A": lora_kind(f"lora {label}gate_up A", vllm_lora=tuple(LoraA(slot("fc1", "a", s))
-                                                                                for s in range(2)),
-                                       peft=(_peft("gate_proj", "A", block), _peft("up_proj", "A", block)),
-                                       expert=expert, **bridge("fc1", "in", RowBlocks))}
-    for s, m in enumerate(("gate_proj", "up_proj")):
-        out[f"{m}.B"] = lora_kind(f"lora {label}{m} B", vllm_lora=LoraB(slot("fc1", "b", s), rows=RowBlocks("rows")),
-                                  peft=_peft(m, "B", block), expert=expert, **bridge("fc1", "out", RowBlocks, s, 2))
-    out["down_proj.A"] = lora_kind(f"lora {label}down_proj A", vllm_lora=LoraA(slot("fc2", "a", 0), split_input=True),
-                                   peft=_peft("down_proj", "A", block), expert=expert,
-                                   **bridge("fc2", "in", ColumnBlocks))
-    out["down_proj.B"] = lora_kind(f"lora {label}down_proj B", vllm_lora=LoraB(slot("fc2", "b", 0)),
-                                   peft=_peft("down_proj", "B", block), expert=expert,
-                                   **bridge("fc2", "out", RowBlocks))
+def _slot(cut: Cut, ab: str, s: int) -> str:
+    """vLLM's LoRA slot s of the base weight `cut` names (`qkv_proj.weight` -> `qkv_proj.lora_a_stacked.0`, an
+    expert stack's `routed_experts.w13_weight` -> `w13_lora_a_stacked.0`)."""
+    return cut.name.replace("routed_experts.", "").removesuffix("weight") + f"lora_{ab}_stacked.{s}"
+
+
+def _adapter_kinds(base: Mapping[Role, TensorKind], targets: Sequence[str], expert: bool) -> dict[str, TensorKind]:
+    """The kinds of the adapters of `targets`, each cut as its base layer's weights (`base`) are: a row-parallel
+    base (Megatron's column blocks) cuts A like itself and B into row blocks, a column-parallel one A into row
+    blocks (its rank dim) and each part's B like the part; `expert`: a routed expert's MLP (HF's `experts.{e}.`)."""
+    out = {}
+    for target in targets:
+        fused, label, roles, block = _MODULES[target]
+        parts = [base[_EXPERT_ROLES[r] if expert else r] for r in roles]
+        bridge = {e: [k.cuts_for(e)[0] for k in parts] for e in ("megatron", "te")}
+        vllm = [k.cuts_for("vllm")[0] for k in parts]
+        row_parallel = isinstance(bridge["megatron"][0], ColumnBlocks)
+        block, tag = (block + "experts.{e}.", "expert ") if expert else (block, "")
+
+        def peft(module: str, ab: str) -> Replicated:
+            return Replicated(f"{PEFT_PREFIX}{LAYER}{block}{module}.lora_{ab}.weight")
+
+        out[f"{fused}.A"] = TensorKind(f"lora {tag}{label} A", {
+            **{e: _bridge(cuts[0], "in", row_parallel) for e, cuts in bridge.items()},
+            "vllm_lora": tuple(LoraA(_slot(vllm[0], "a", s), split_input=row_parallel) for s in range(len(parts))),
+            "peft": tuple(peft(m, "A") for m in PEFT_MODULES[target])}, expert=expert)
+        for s, m in enumerate(PEFT_MODULES[target]):
+            # B of one part stands alone in its slot: vLLM cuts its rows as the base cuts that part's
+            rows = None if row_parallel else (dataclasses.replace(vllm[s], alone=True)
+                                              if isinstance(vllm[s], QkvParallel) else RowBlocks("rows"))
+            out[f"{m}.B"] = TensorKind(f"lora {tag}{m} B", {
+                **{e: _bridge(cuts[s], "out", not row_parallel) for e, cuts in bridge.items()},
+                "vllm_lora": LoraB(_slot(vllm[0], "b", s), rows=rows), "peft": peft(m, "B")}, expert=expert)
     return out
 
 
 @functools.lru_cache(maxsize=64)
-def lora_kinds(heads: int, groups: int, head_dim: int) -> dict[str, TensorKind]:
-    """Each adapter tensor's kind, by canonical module and A/B ("qkv_proj.A", "q_proj.B", ...)."""
-    base = shared_kinds(heads, groups, head_dim, False)
-    qkv, attn = ("q_proj", "k_proj", "v_proj"), "self_attention.linear_{}.adapter.linear_{}.weight"
-    slot = "self_attn.{}_proj.lora_{}_stacked.{}"
-    out = {"qkv_proj.A": lora_kind("lora qkv A", RowBlocks(attn.format("qkv", "in")),
-                                   tuple(LoraA(LAYER + slot.format("qkv", "a", s)) for s in range(3)),
-                                   peft=tuple(_peft(m, "A") for m in qkv)),
-           "o_proj.A": lora_kind("lora o_proj A", ColumnBlocks(attn.format("proj", "in")),
-                                 LoraA(LAYER + slot.format("o", "a", 0), split_input=True), peft=_peft("o_proj", "A")),
-           "o_proj.B": lora_kind("lora o_proj B", RowBlocks(attn.format("proj", "out")),
-                                 LoraB(LAYER + slot.format("o", "b", 0)), peft=_peft("o_proj", "B"))}
-    for s, (role, m) in enumerate(zip((Role.Q, Role.K, Role.V), qkv)):
-        rows = dataclasses.replace(base[role].cuts_for("vllm")[0], alone=True)
-        out[f"{m}.B"] = lora_kind(f"lora {m} B", dataclasses.replace(base[role].cuts_for("megatron")[0],
-                                                                      name=attn.format("qkv", "out")),
-                                  LoraB(LAYER + slot.format("qkv", "b", s), rows=rows), peft=_peft(m, "B"))
-
-    def bridge(fc: str, which: str, cut: type[Cut], *args: int) -> dict[str, Any]:
-        return {"megatron": cut(f"mlp.linear_{fc}.adapter.linear_{which}.weight", *args)}
-
-    def mlp_slot(fc: str, ab: str, s: int) -> str:
-        return f"{LAYER}mlp.{'gate_up_proj' if fc == 'fc1' else 'down_proj'}.lora_{ab}_stacked.{s}"
-
-    return {**out, **_mlp_kinds("", bridge, mlp_slot, "", False)}
+def lora_kinds(heads: int, groups: int, head_dim: int, expert: bool = False) -> dict[str, TensorKind]:
+    """Each adapter tensor's kind, by canonical module and A/B ("qkv_proj.A", "q_proj.B", ...); `expert`: the MLP
+    adapters of one routed expert."""
+    return _adapter_kinds(shared_kinds(heads, groups, head_dim, False), TARGETS[2:] if expert else TARGETS, expert)
 
 
 @functools.lru_cache(maxsize=16)
-def shared_expert_lora_kinds(experts: int) -> dict[str, TensorKind]:
+def shared_expert_lora_kinds(experts: int, heads: int, groups: int, head_dim: int) -> dict[str, TensorKind]:
     """The kinds of one adapter shared by a layer's `experts` (TEGroupedMLP's), copied per expert."""
     local = Refused("", reason="a shared expert adapter lives on TEGroupedMLP; SequentialMLP (naming 'local') "
                     "adapts each expert", fix="declare naming='te', or build the spec with "
                     "expert_adapters='per_expert'")
     out = {}
-    for key, kind in expert_lora_kinds().items():
+    for key, kind in lora_kinds(heads, groups, head_dim, True).items():
         te = tuple(dataclasses.replace(c, stacked=False) for c in kind.cuts_for("te"))  # one 2D adapter, not a stack
         per_expert = {engine: tuple(dataclasses.replace(c, expert=e) for c in kind.cuts_for(engine)
                                     for e in range(experts)) for engine in ("vllm_lora", "peft")}
         out[key] = dataclasses.replace(kind.with_cuts(megatron=(local,), te=te, **per_expert),
                                        label=kind.label.replace("expert", "shared expert"))
     return out
-
-
-@functools.lru_cache(maxsize=1)
-def expert_lora_kinds() -> dict[str, TensorKind]:
-    """Each per-expert adapter tensor's kind ("gate_up_proj.A", ...): a dense MLP's, per expert."""
-    def bridge(fc: str, which: str, cut: type[Cut], *args: int) -> dict[str, Any]:
-        adapter = f"linear_{fc}.adapter.linear_{which}.weight"
-        return {"megatron": (cut(f"mlp.experts.local_experts.{{j}}.{adapter}", *args),),
-                "te": (cut(f"mlp.experts.{adapter}", *args, stacked=True),)}
-
-    def slot(fc: str, ab: str, s: int) -> str:
-        return f"{LAYER}mlp.experts.{'w13' if fc == 'fc1' else 'w2'}_lora_{ab}_stacked.{s}"
-
-    return _mlp_kinds("expert ", bridge, slot, "mlp.experts.{e}.", True)
 
 
 class LoraFamily(ModelFamily):
@@ -231,49 +214,49 @@ class LoraFamily(ModelFamily):
     def tail(self, spec: ModelSpec) -> list[Entry]:
         return []
 
-    def layer(self, spec: ModelSpec, i: int) -> list[Entry]:
-        f = lora_facts(spec)
-        k = lora_kinds(spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim)
-        H, r, d, m = spec.hidden_size, f.rank, spec.head_dim, LAYER + "mlp."
-        q, kv = spec.num_attention_heads * d, spec.num_key_value_heads * d
-        out: list[Entry | Experts] = _adapter_entries(LAYER + "self_attn.", k, f.targets, {
-            "linear_qkv": (("qkv_proj", "A", (r, H)), ("q_proj", "B", (q, r)), ("k_proj", "B", (kv, r)),
-                           ("v_proj", "B", (kv, r))),
-            "linear_proj": (("o_proj", "A", (r, q)), ("o_proj", "B", (H, r)))})
+    def layer(self, spec: ModelSpec, i: int) -> list[Entry | Experts]:
+        f, sizes = lora_facts(spec), (spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim)
+        H, q, kv, m = spec.hidden_size, sizes[0] * sizes[2], sizes[1] * sizes[2], LAYER + "mlp."
+        mlp = lambda F: {"linear_fc1": (H, (F, F)), "linear_fc2": (F, (H,))}  # noqa: E731  target -> (in, outs)
+        out = _entries(LAYER + "self_attn.", lora_kinds(*sizes), f, {"linear_qkv": (H, (q, kv, kv)),
+                                                                     "linear_proj": (q, (H,))})
         if not spec.is_moe_layer(i):
-            return out + _mlp_entries(m, k, H, r, spec.intermediate_size, f.targets)
+            return out + _entries(m, lora_kinds(*sizes), f, mlp(spec.intermediate_size))
         Fm = spec.moe_intermediate_size
         if f.experts == "shared":  # one adapter for all experts: the per-expert shapes, no expert number
-            return out + _mlp_entries(m + "experts.", shared_expert_lora_kinds(spec.num_experts), H, r, Fm, f.targets)
+            return out + _entries(m + "experts.", shared_expert_lora_kinds(spec.num_experts, *sizes), f, mlp(Fm))
         # per expert, expert by expert (the per-expert checkpoint order)
-        entries = _mlp_entries(m + "experts.{e}.", expert_lora_kinds(), H, r, Fm, f.targets)
+        entries = _entries(m + "experts.{e}.", lora_kinds(*sizes, True), f, mlp(Fm))
         return out + ([Experts(tuple(entries), spec.num_experts)] if entries else [])
 
 
-def _mlp_entries(prefix: str, k: dict[str, TensorKind], H: int, r: int, F: int,
-                 targets: tuple[str, ...]) -> list[Entry]:
-    """A SwiGLU MLP's adapter tensors under `prefix` (a dense MLP, one expert's, or one shared by all experts)."""
-    return _adapter_entries(prefix, k, targets, {
-        "linear_fc1": (("gate_up_proj", "A", (r, H)), ("gate_proj", "B", (F, r)), ("up_proj", "B", (F, r))),
-        "linear_fc2": (("down_proj", "A", (r, F)), ("down_proj", "B", (H, r)))})
+def _entries(prefix: str, k: dict[str, TensorKind], facts: LoraFacts,
+             sizes: dict[str, tuple[int, tuple[int, ...]]]) -> list[Entry | Experts]:
+    """`prefix` + `<module>.lora_<A|B>.weight` of the targeted modules of `sizes` (target -> (in, each part's out)):
+    the fused module's A [r, in], then each part's B [out, r]."""
+    out: list[Entry | Experts] = []
+    for target, (cols, rows) in sizes.items():
+        if target in facts.targets:
+            fused, r = _MODULES[target][0], facts.rank
+            out.append(Entry(f"{prefix}{fused}.lora_A.weight", (r, cols), k[f"{fused}.A"]))
+            out += [Entry(f"{prefix}{m}.lora_B.weight", (n, r), k[f"{m}.B"])
+                    for m, n in zip(PEFT_MODULES[target], rows)]
+    return out
 
 
-def _adapter_entries(prefix: str, k: dict[str, TensorKind], targets: tuple[str, ...],
-                     parts: dict[str, tuple[tuple[str, str, tuple[int, int]], ...]]) -> list[Entry]:
-    """`prefix` + `<module>.lora_<A|B>.weight` of each (module, A/B, shape) of the targeted Megatron modules."""
-    return [Entry(f"{prefix}{m}.lora_{ab}.weight", shape, k[f"{m}.{ab}"])
-            for target, adapters in parts.items() if target in targets for m, ab, shape in adapters]
+class _AdapterCuts:
+    """A layout of adapters only: each tensor by its kind's cuts for this engine; any other tensor is refused."""
+
+    def _cuts(self, kind: TensorKind) -> tuple[Cut, ...]:
+        cuts = kind.cuts_for(self.engine)
+        if cuts is None:
+            raise LayoutError(self.engine, f"{kind.label} is not a LoRA adapter tensor: this layout places adapters "
+                              f"only", {"model.family": kind.label},
+                              "build the model with reshard.layouts.lora.lora_spec")
+        return cuts
 
 
-def _adapter_cuts(engine: str, kind: TensorKind) -> tuple[Cut, ...]:
-    cuts = kind.cuts_for(engine)
-    if cuts is None:
-        raise LayoutError(engine, f"{kind.label} is not a LoRA adapter tensor: this layout places adapters only",
-                          {"model.family": kind.label}, "build the model with reshard.layouts.lora.lora_spec")
-    return cuts
-
-
-class PeftLayout(WholePerReplica, CutLayout):
+class PeftLayout(_AdapterCuts, WholePerReplica, CutLayout):
     """A PEFT adapter directory's tensors: each whole under its PEFT name on each replica's rank."""
 
     engine = "peft"
@@ -287,9 +270,6 @@ class PeftLayout(WholePerReplica, CutLayout):
         self._check_cuts()
         return self
 
-    def _cuts(self, kind: TensorKind) -> tuple[Cut, ...]:
-        return _adapter_cuts(self.engine, kind)
-
     def _place(self, cut: Cut, kind: TensorKind, layer: np.ndarray | int, expert: np.ndarray | int,
                replica: int | None) -> Where | None:
         copies = tuple(range(self.replicas)) if replica is None else (replica,)
@@ -297,7 +277,7 @@ class PeftLayout(WholePerReplica, CutLayout):
         return Where(Group(self.engine, 1, 1, copies), 0, (layer, expert), lambda i, e: cut.name.format(i=i, e=e))
 
 
-class VllmLoraLayout(VllmLayout):
+class VllmLoraLayout(_AdapterCuts, VllmLayout):
     """vLLM's LoRA slots of one adapter on each rank: per adapted module and slice s, `lora_a_stacked.{s}`
     [max_lora_rank, in] and `lora_b_stacked.{s}` [out_s, max_lora_rank] -- the views `[slot, 0]` of vLLM's
     buffers; rows / columns r.. are padding. `fully_sharded`: vLLM's fully_sharded_loras (S-LoRA cuts)."""
@@ -336,10 +316,7 @@ class VllmLoraLayout(VllmLayout):
         return dataclasses.replace(super()._group(expert, replica), lora_rank=self.max_lora_rank,
                                    lora_sharded=self.fully_sharded)
 
-    def _cuts(self, kind: TensorKind) -> tuple[Cut, ...]:
-        return _adapter_cuts(self.engine, kind)
-
 
 __all__ = ["BASE_FAMILIES", "EXPERT_ADAPTERS", "LoraFacts", "LoraFamily", "PEFT_MODULES", "PeftLayout",
-           "TARGETS", "VllmLoraLayout", "base_spec", "lora_facts", "lora_kind", "lora_kinds", "lora_spec",
+           "TARGETS", "VllmLoraLayout", "base_spec", "lora_facts", "lora_kinds", "lora_spec",
            "peft_config"]

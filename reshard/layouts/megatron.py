@@ -206,22 +206,12 @@ class MegatronLayout(CutLayout):
             strides[axis], stride = stride, stride * sizes[axis]
         return strides
 
-    def dense_rank(self, tp: int, dp: int, pp: int) -> int:
-        """The global rank at these coordinates of the dense layers' grid."""
-        s = self.axis_strides(False)
-        return tp * s["tp"] + dp * s["dp"] + pp * s["pp"]
-
-    def expert_rank(self, etp: int, ep: int, edp: int, pp: int) -> int:
-        """The global rank at these coordinates of the experts' grid (expert-TP, EP, expert-DP, PP)."""
-        s = self.axis_strides(True)
-        return etp * s["tp"] + ep * s["ep"] + edp * s["dp"] + pp * s["pp"]
-
     def dense_coords(self, rank: int) -> dict[str, int]:
-        """Inverse of dense_rank: {'tp', 'dp', 'pp'} (and 'cp', 'ep', always 0) of a global rank."""
+        """The dense layers' grid coordinates of a global rank: {'tp', 'dp', 'pp'} (and 'cp', 'ep', always 0)."""
         return self._coords(rank, False)
 
     def expert_coords(self, rank: int) -> dict[str, int]:
-        """Inverse of expert_rank: {'tp' (expert-TP), 'ep', 'dp' (expert-DP), 'pp'} of a global rank."""
+        """The experts' grid coordinates of a global rank: {'tp' (expert-TP), 'ep', 'dp' (expert-DP), 'pp'}."""
         return self._coords(rank, True)
 
     def _coords(self, rank: int, expert: bool) -> dict[str, int]:

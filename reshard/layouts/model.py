@@ -214,9 +214,7 @@ class ModelSpec(ValidatedModel):
                                    rule=f"lists layers {bad[:5]} outside [0, {self.num_layers})")
         if len(set(self.dense_layers)) != len(self.dense_layers):
             raise ModelConfigError(field="dense_layers", value=list(self.dense_layers), rule="lists a layer twice")
-        if not registry.is_registered(self.family):
-            raise ModelConfigError(field="family", value=self.family, rule=f"is not registered (registered: "
-                                   f"{', '.join(registry.registered_families())})")
+        registry.family(self.family)  # refuses a family not registered
         # a bound on the tensor count before the family lists them, then the exact sizes (Python integers)
         check_limit("num_layers * (3 * num_experts + 64) (canonical tensors)",
                     self.num_layers * (3 * self.num_experts + 64), MAX_TENSORS, "canonical tensors", "model spec")

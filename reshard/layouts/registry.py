@@ -1,8 +1,9 @@
 """The registries: model families (by name and by HF architecture / model_type), layout classes (by engine name)
 and the cuts an engine added later places a family's tensors with.
 
-It imports nothing from the layouts, so the spec can look a family up without a circle. Registration is explicit
-(`families.register_built_ins()`, `register_family`, `register_layout`, `register_cuts`)."""
+It imports nothing from the layouts when loaded (`register_family` reads ModelFamily when called), so the spec can
+look a family up without a circle. Registration is explicit (`families.register_built_ins()`, `register_family`,
+`register_layout`, `register_cuts`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -70,14 +71,20 @@ def register_cuts(engine: str, family: str, rule: Any) -> None:
     _CUTS[(engine, family)] = rule
 
 
-def cut_rule(engine: str, family: str) -> Any:
-    """The rule registered by `register_cuts` for (engine, family), or None."""
-    return _CUTS.get((engine, family))
-
-
-def families_with_cuts(engine: str) -> list[str]:
-    """The families `engine` has registered cuts for."""
-    return sorted(f for e, f in _CUTS if e == engine)
+def engine_cuts(spec: Any, kind: Any, engine: str) -> tuple[Any, ...]:
+    """The cuts that place tensors of `kind` on `engine`: the kind's own, else those `engine` registered for the
+    model's family; LayoutError (naming engine, kind and the families it serves) where neither exists."""
+    own = kind.cuts_for(engine)
+    if own is not None:
+        return own
+    rule = _CUTS.get((engine, spec.family))
+    if rule is None:
+        served = sorted(f for e, f in _CUTS if e == engine)
+        raise LayoutError(engine, f"{kind.label}: the {engine} engine has no cuts for the {spec.family} family's "
+                          f"tensors (its kinds declare {[e for e, _ in kind.cuts]}; {engine} registered cuts for "
+                          f"{served or 'no family'})", {"model.family": spec.family},
+                          f"register the engine's cuts for {spec.family} (reshard.layouts.registry.register_cuts)")
+    return tuple(rule(spec, kind))
 
 
 def register_entry_transform(transform: Any) -> None:
@@ -91,22 +98,36 @@ def entry_transforms() -> tuple[Any, ...]:
     return tuple(_ENTRY_TRANSFORMS)
 
 
-def register(family: Any) -> None:
-    """Make `family` (a ModelFamily) findable by name, architectures and model types (replacing an earlier one)."""
+def register_family(cls: Any) -> Any:
+    """Register the model family class `cls` (a ModelFamily subclass) and return it (usable as a decorator).
+
+    Its one instance is findable by name, architectures and model types (replacing an earlier one).
+
+    Args:
+        cls: the family's class; it is instantiated once.
+
+    Returns:
+        `cls`, unchanged.
+
+    Raises:
+        ArgumentError: `cls` is not a concrete ModelFamily subclass.
+    """
+    from .family import ModelFamily  # the families import this module
+
+    if not (isinstance(cls, type) and issubclass(cls, ModelFamily)) or getattr(cls, "__abstractmethods__", None):
+        raise ArgumentError("cls", cls, "must be a concrete ModelFamily subclass (spec and layer defined)")
+    family = cls()
     for key in family.architectures + family.model_types:
         _BY_KEY[key] = family
     _BY_NAME[family.name] = family
-
-
-def is_registered(name: str) -> bool:
-    """Whether a family of this name is registered."""
-    return name in _BY_NAME
+    return cls
 
 
 def family(name: str) -> Any:
-    """The family a ModelSpec names."""
+    """The family a ModelSpec names; ModelConfigError (listing those registered) where none is."""
     if name not in _BY_NAME:
-        raise ModelConfigError(f"unknown model family {name!r}; registered: {', '.join(sorted(_BY_NAME))}")
+        raise ModelConfigError(field="family", value=name, rule=f"is not registered (registered: "
+                               f"{', '.join(sorted(_BY_NAME))})")
     return _BY_NAME[name]
 
 

@@ -9,21 +9,8 @@ from typing import Any
 
 from ..errors import ArgumentError, LayoutError, LimitError, show
 from .base import Layout
-from .hf import HfLayout
-from .lora import PeftLayout, VllmLoraLayout
-from .megatron import MegatronLayout
 from .model import ModelSpec
-from .registry import layout_class, register_layout
-from .vllm import VllmLayout
-
-BUILT_IN_LAYOUTS: tuple[type[Layout], ...] = (MegatronLayout, VllmLayout, HfLayout, PeftLayout, VllmLoraLayout)
-
-
-def register_built_in_layouts() -> None:
-    """Make the built-in layouts nameable by their engines (called once by the package, `reshard.layouts`)."""
-    for cls in BUILT_IN_LAYOUTS:
-        register_layout(cls)
-
+from .registry import layout_class
 
 _ALIASES = {"ep": {"vllm": "expert_parallel"}, "first": {"megatron": "first_stage_layers"},  # short forms in strings
             "last": {"megatron": "last_stage_layers"}, "placement": {"vllm": "expert_placement"}}

@@ -174,7 +174,7 @@ class VllmLayout(CutLayout):
         p = self.experts
         layer, expert = (np.asarray(x, dtype=np.int64).reshape(-1) for x in np.broadcast_arrays(layer, expert))
         order, start, count = slot_index(p)
-        row = np.zeros_like(layer) if p.num_rows == 1 else moe_row_of_layer(self.model)[layer]
+        row = np.zeros_like(layer) if p.num_rows == 1 else np.searchsorted(moe_layer_numbers(self.model), layer)
         n = count[row, expert]
         which = np.repeat(np.arange(len(layer)), n)
         within = np.arange(len(which)) - np.repeat(np.cumsum(n) - n, n)
@@ -233,15 +233,3 @@ class VllmLayout(CutLayout):
 def moe_layer_numbers(model: Any) -> tuple[int, ...]:
     """The model's MoE layers, in order: what vLLM's EPLB numbers 0, 1, ... (its `moe_layer_idx`)."""
     return tuple(i for i in range(model.num_layers) if model.is_moe_layer(i))
-
-
-@functools.lru_cache(maxsize=32)
-def moe_row_of_layer(model: Any) -> np.ndarray:
-    """Per layer, its MoE layer number (-1 for a dense layer)."""
-    row = np.full(model.num_layers, -1, dtype=np.int64)
-    row[list(moe_layer_numbers(model))] = np.arange(len(moe_layer_numbers(model)))
-    row.setflags(write=False)
-    return row
-
-
-

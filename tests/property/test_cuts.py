@@ -17,6 +17,7 @@ from reshard.layouts.cuts import (ColumnBlocks, Cut, GlobalRows, Group, LoraA, L
 from reshard.layouts.families import discover, read_hf_config
 from reshard.layouts.fp8 import ScaledCut
 from reshard.testing.strategies import divisors
+from harness.layouts import table_rows
 
 
 def _cuts(draw, tp: int) -> tuple[Cut, tuple[int, ...], int]:
@@ -108,7 +109,7 @@ def test_every_cut_answers_batched_as_per_tensor(data):
         reference.add_placements(int(canon[k]), cut.placements("w", shape, g, names[k], int(first[k]), int(slot[k])))
     batched = TableBuilder()
     cut.add_rows(batched, "w", shape, g, canon, (np.arange(n),), lambda k: names[k], first, slot)
-    assert batched.table().rows() == reference.table().rows()
+    assert table_rows(batched.table()) == table_rows(reference.table())
 
 
 @given(st.integers(1, 4), st.integers(0, 3))
@@ -149,4 +150,4 @@ def test_family_layouts_batched_equal_reference(data):
         index = sorted(data.draw(st.sets(st.integers(0, n - 1), min_size=1, max_size=12)))
     replica = data.draw(st.sampled_from([None, 0, layout.num_replicas - 1]))
     reference = Layout.placement_table(layout, index, replica)
-    assert sorted(layout.placement_table(index, replica).rows()) == sorted(reference.rows())
+    assert sorted(table_rows(layout.placement_table(index, replica))) == sorted(table_rows(reference))

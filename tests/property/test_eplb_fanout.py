@@ -21,6 +21,7 @@ from reshard.planner import Plan
 from harness.accounting import account
 from reshard.planner.plan import SOURCE
 from reshard.testing.strategies import expert_placements, megatron_layouts, models, vllm_tp_choices
+from harness.layouts import placement_row
 
 
 @st.composite
@@ -81,7 +82,7 @@ def test_trainer_sends_each_engine_one_copy_and_every_slot_lands(refit, seed):
             w13 = got[rank][f"model.layers.{layer}.mlp.experts.routed_experts.w13_weight"]
             w2 = got[rank][f"model.layers.{layer}.mlp.experts.routed_experts.w2_weight"]
             for s in range(S):
-                e = p.row(m)[(rank % dst.tp) * S + s]
+                e = placement_row(p, m)[(rank % dst.tp) * S + s]
                 hf = f"model.layers.{layer}.mlp.experts.{e}"
                 want = torch.cat([weights[f"{hf}.gate_proj.weight"], weights[f"{hf}.up_proj.weight"]])
                 assert torch.equal(w13[s], want), (dst, rank, layer, s, e)

@@ -13,6 +13,7 @@ from reshard.errors import ArgumentError
 from reshard.executors import allocate, execute_local, shard
 from reshard.layouts import ExpertPlacement, Layout, VllmLayout
 from reshard.testing.strategies import expert_placements, megatron_layouts, models, vllm_tp_choices
+from harness.layouts import placement_row, replica_counts, table_rows
 
 SENTINEL = float("nan")
 
@@ -48,7 +49,7 @@ def test_every_slot_holds_its_logical_expert(pair, seed, fanout):
             w2 = got[rank][f"model.layers.{layer}.mlp.experts.routed_experts.w2_weight"]
             assert w13.shape[0] == S == w2.shape[0]
             for slot in range(S):
-                e = p.row(m)[ep_rank * S + slot]
+                e = placement_row(p, m)[ep_rank * S + slot]
                 hf = f"model.layers.{layer}.mlp.experts.{e}"
                 want = torch.cat([weights[f"{hf}.gate_proj.weight"], weights[f"{hf}.up_proj.weight"]])
                 assert torch.equal(w13[slot], want), (dst, rank, layer, slot, e)
@@ -76,7 +77,7 @@ def test_vllm_maps_read_back(E, ranks, per_rank, layers, data):
     p = ExpertPlacement.from_vllm(p2l, ranks=ranks, logical_experts=E, logical_to_physical=l2p,
                                   logical_replica_count=counts)
     assert np.array_equal(p.table(), p2l if len(set(map(tuple, rows))) > 1 else p2l[:1])
-    assert np.array_equal(p.replica_counts(), counts if p.num_rows > 1 else counts[:1])
+    assert np.array_equal(replica_counts(p), counts if p.num_rows > 1 else counts[:1])
     which = data.draw(st.sampled_from(["count", "slot list"]))
     m, e = data.draw(st.integers(0, layers - 1)), data.draw(st.integers(0, E - 1))
     if which == "count":
@@ -99,5 +100,5 @@ def test_vllm_maps_read_back(E, ranks, per_rank, layers, data):
 def test_batched_table_is_the_reference(pair):
     _, dst = pair
     for replica in (None, 0):
-        assert sorted(dst.placement_table(replica=replica).rows()) == \
-            sorted(Layout.placement_table(dst, replica=replica).rows())
+        assert sorted(table_rows(dst.placement_table(replica=replica))) == \
+            sorted(table_rows(Layout.placement_table(dst, replica=replica)))

@@ -18,6 +18,7 @@ from reshard.errors import InputError, LayoutError
 from reshard.executors import shard
 from reshard.layouts.lora import PeftLayout, VllmLoraLayout, lora_facts, lora_spec
 from reshard.testing.strategies import megatron_layouts, models, vllm_tp_choices
+from harness.layouts import expert_rank
 from test_lora_cuts import (SENTINEL, _pad, _weights, bridge_reference, check_round_trip_and_coverage,
                             peft_reference, vllm_reference)
 
@@ -96,7 +97,7 @@ def bridge_expert_reference(src: reshard.MegatronLayout, w: dict) -> dict[int, d
                     else:
                         mine.update({f"{pre}local_experts.{j}.{name}": x for j, x in enumerate(experts)})
                 for d in range(src.edp):
-                    out.setdefault(src.expert_rank(t, p, d, stage), {}).update(mine)
+                    out.setdefault(expert_rank(src, t, p, d, stage), {}).update(mine)
     return out
 
 

@@ -13,6 +13,7 @@ from reshard.executors import allocate, execute_local, shard
 from reshard.layouts.lora import PeftLayout, VllmLoraLayout, lora_spec
 from reshard.testing.checks import data_mask, write_counts
 from reshard.testing.strategies import megatron_layouts, models, vllm_tp_choices
+from harness.layouts import dense_rank
 
 SENTINEL = -7.0
 ALL = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -89,7 +90,7 @@ def bridge_reference(src: reshard.MegatronLayout, w: dict) -> dict[int, dict[str
             per["mlp.linear_fc2.adapter.linear_out.weight"] = _w(w, i, "down_proj", "B").chunk(T, 0)
         for t in range(T):
             for dp in range(src.dp):
-                rank = out.setdefault(src.dense_rank(t, dp, stage), {})
+                rank = out.setdefault(dense_rank(src, t, dp, stage), {})
                 rank.update({pre + name: shards[t] for name, shards in per.items()})
     return out
 

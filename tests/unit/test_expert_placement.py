@@ -14,6 +14,7 @@ from reshard.adapters.vllm.experts import check_loader_placement, check_placemen
 from reshard.errors import ArgumentError, CoverageError, LayoutError, LayoutMismatchError
 from reshard.layouts import ExpertPlacement, VllmLayout, layout_from_dict, layout_to_dict, parse_layout
 from reshard.layouts.base import PlacementTable
+from harness.layouts import placement_row, replica_counts, slots_of
 
 MOE = reshard.ModelSpec(family="qwen3_moe", hidden_size=8, num_layers=3, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=4, intermediate_size=8, vocab_size=64, num_experts=4, moe_intermediate_size=4,
@@ -31,8 +32,8 @@ def test_initial_placement_is_vllms():
     p = ExpertPlacement.initial(4, 6, 5)
     assert p.physical_to_logical == ((0, 1, 2, 3, 0, 1, 2, 3, 0, 1),)
     assert (p.num_physical, p.slots_per_rank, p.redundant, p.is_initial) == (10, 2, 6, True)
-    assert p.slots_of(0, 1) == (1, 5, 9) and p.replica_counts().tolist() == [[3, 3, 2, 2]]
-    assert not MOVED.is_initial and MOVED.row(1) == (3, 2, 1, 3, 0, 3)
+    assert slots_of(p, 0, 1) == (1, 5, 9) and replica_counts(p).tolist() == [[3, 3, 2, 2]]
+    assert not MOVED.is_initial and placement_row(MOVED, 1) == (3, 2, 1, 3, 0, 3)
 
 
 def test_uniform_rows_are_one_row():

@@ -7,6 +7,7 @@ import torch
 
 import reshard
 from reshard.executors import shard
+from harness.layouts import dense_rank, expert_rank
 
 MHA_GQA = reshard.ModelSpec(family="qwen3", hidden_size=8, num_layers=4, num_attention_heads=8,
                             num_key_value_heads=2, head_dim=2, intermediate_size=12, vocab_size=101, qk_norm=True,
@@ -62,9 +63,9 @@ def test_megatron_fc1_is_gate_r_up_r_per_rank_and_row_parallel_splits_dim1():
 def test_megatron_vocab_padding_and_stage_placement():
     lay = reshard.MegatronLayout(model=MHA_GQA, tp=2, pp=2, vocab_divisor=64)
     assert lay.padded_vocab == 128  # multiple of 64 * tp
-    t0 = lay.rank_tensors(lay.dense_rank(0, 0, 0))
+    t0 = lay.rank_tensors(dense_rank(lay, 0, 0, 0))
     assert t0["embedding.word_embeddings.weight"] == (64, 8) and "output_layer.weight" not in t0
-    last = lay.rank_tensors(lay.dense_rank(1, 0, 1))
+    last = lay.rank_tensors(dense_rank(lay, 1, 0, 1))
     assert last["output_layer.weight"] == (64, 8) and "decoder.final_layernorm.weight" in last
     assert "decoder.layers.1.input_layernorm.weight" in last and "decoder.layers.2.input_layernorm.weight" not in last
 
@@ -92,12 +93,12 @@ def test_megatron_default_rank_order_formula():
     for tp in range(2):
         for dp in range(2):
             for pp in range(2):
-                assert lay.dense_rank(tp, dp, pp) == tp + T * dp + T * DP * pp
+                assert dense_rank(lay, tp, dp, pp) == tp + T * dp + T * DP * pp
     ETP, EP, EDP = 1, 2, 2
     for ep in range(2):
         for edp in range(2):
             for pp in range(2):
-                assert lay.expert_rank(0, ep, edp, pp) == ETP * ep + ETP * EP * edp + ETP * EP * EDP * pp
+                assert expert_rank(lay, 0, ep, edp, pp) == ETP * ep + ETP * EP * edp + ETP * EP * EDP * pp
 
 
 def test_megatron_expert_numbering_and_names():

@@ -45,16 +45,15 @@ SHARED_MLP = gated_mlp("mlp.shared_experts.", _M + "shared_experts.", "shared_ex
 
 def _down_kinds(q_rank: int | None, kv_rows: int) -> tuple[TensorKind | None, TensorKind]:
     """q_a_proj / kv_a_proj_with_mqa's kinds (q_a_proj's None without q LoRA)."""
-    q_name, kv_name = "self_attention.linear_q_down_proj.weight", "self_attention.linear_kv_down_proj.weight"
+
+    def down(x: str, vllm: Replicated) -> TensorKind:  # TP row blocks under local naming, whole under TE
+        name = f"self_attention.linear_{x}_down_proj.weight"
+        return tensor_kind(f"mla_{x}_down", RowBlocks(name), vllm, te=Replicated(name), linear=True)
+
     if q_rank is None:
-        return None, tensor_kind("mla_kv_down", RowBlocks(kv_name), Replicated(_A + "kv_a_proj_with_mqa.weight"),
-                          te=Replicated(kv_name), linear=True)
+        return None, down("kv", Replicated(_A + "kv_a_proj_with_mqa.weight"))
     fused = _A + "fused_qkv_a_proj.weight"
-    return (tensor_kind("mla_q_down",
-                        RowBlocks(q_name), Replicated(fused, 0, q_rank + kv_rows), te=Replicated(q_name),
-                 linear=True),
-            tensor_kind("mla_kv_down", RowBlocks(kv_name), Replicated(fused, q_rank, q_rank + kv_rows),
-                 te=Replicated(kv_name), linear=True))
+    return (down("q", Replicated(fused, 0, q_rank + kv_rows)), down("kv", Replicated(fused, q_rank, q_rank + kv_rows)))
 
 
 def _layer(spec: ModelSpec, i: int) -> list:

@@ -21,7 +21,8 @@ from typing import Any
 from ...errors import ModelConfigError
 from ...limits import MAX_DIM, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, check_limit
 from ..cuts import ColumnBlocks, GlobalRows, QkvParallel, Replicated, RowBlocks, Stacked, TensorKind
-from ..family import LAYER, ModelFamily, StreamExtra, dense_mlp, gated_mlp_entries, norm, routed_experts
+from ..family import (LAYER, ModelFamily, StreamExtra, dense_mlp, gated_mlp_entries, gqa_attention, norm,
+                      routed_experts)
 from ..hf_config import REQUIRED, get_bool, get_int, get_str_list
 from ..model import Entry, Experts, ModelSpec, Role
 from ..roles import gated_mlp, tensor_kind
@@ -124,13 +125,8 @@ def _layer(spec: ModelSpec, i: int, p: str) -> list:
                Entry(q + "norm.weight", (a["linear_value_head_dim"],), GDN_NORM),
                Entry(q + "out_proj.weight", (H, Vd), GDN_OUT)]
     else:
-        nq, g, d = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
-        qk, kk, vk = _gated_attention_kinds(nq, g, d)
-        q = p + "self_attn."
-        out = [norm("input_layernorm.weight", H, Role.INPUT_NORM, p),
-               Entry(q + "q_proj.weight", (2 * nq * d, H), qk), Entry(q + "k_proj.weight", (g * d, H), kk),
-               Entry(q + "v_proj.weight", (g * d, H), vk), Entry(q + "o_proj.weight", (H, nq * d), Role.O),
-               Entry(q + "q_norm.weight", (d,), Role.Q_NORM), Entry(q + "k_norm.weight", (d,), Role.K_NORM)]
+        kinds = _gated_attention_kinds(spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim)
+        out = [norm("input_layernorm.weight", H, Role.INPUT_NORM, p), *gqa_attention(spec, p, kinds, gated=True)]
     out.append(norm("post_attention_layernorm.weight", H, Role.POST_ATTN_NORM, p))
     if not spec.is_moe:
         return out + dense_mlp(spec, p)

@@ -29,7 +29,7 @@ def check_ops(plan: Any) -> None:
     strides no narrower than its rows, and stays inside its tensors."""
     if plan.__dict__.get(_CHECKED):
         return
-    o = plan.ops  # a Plan checked its program's indices when it was built (planner.program_check)
+    o = plan.ops  # a Plan checked its program's indices when it was built (planner.program)
     n = len(o["rows"])
     S, D = plan.src.num_ranks, plan.dst.num_ranks
     st, dt = plan.src_tensors, plan.dst_tensors

@@ -33,16 +33,20 @@ class Request:
 
 class RequestLoop:
     """`clients` threads streaming completions of `max_tokens` tokens from prompt `prompt` back to back, each
-    request bounded by `timeout` seconds (a request that hangs is recorded as an error, never waited for longer)."""
+    request bounded by `timeout` seconds (a request that hangs is recorded as an error, never waited for longer).
+    Client i starts `stagger * i` seconds after the first: clients started together are batched together, end
+    together and are between requests together, when the engine holds none of theirs."""
 
     def __init__(self, url: str, model: str, clients: int = 4, max_tokens: int = 64,
-                 prompt: list[int] | None = None, timeout: float = 120.0) -> None:
+                 prompt: list[int] | None = None, timeout: float = 120.0, stagger: float = 0.0) -> None:
         self.url, self.model, self.max_tokens, self.timeout = url.rstrip("/"), model, max_tokens, timeout
+        self.stagger = stagger
         self.prompt = prompt or [1, 2, 3, 4, 5]
         self.requests: list[Request] = []
         self.lock = threading.Lock()
         self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._client, name=f"load-{i}", daemon=True) for i in range(clients)]
+        self.threads = [threading.Thread(target=self._client, args=(i,), name=f"load-{i}", daemon=True)
+                        for i in range(clients)]
 
     def __enter__(self) -> "RequestLoop":
         for t in self.threads:
@@ -54,7 +58,8 @@ class RequestLoop:
         for t in self.threads:
             t.join(self.timeout + 10)
 
-    def _client(self) -> None:
+    def _client(self, i: int) -> None:
+        self.stop.wait(self.stagger * i)
         while not self.stop.is_set():
             r = Request(time.perf_counter())
             with self.lock:

@@ -86,7 +86,9 @@ def _load(tensors: dict, src_checkpoint, spec_checkpoint) -> None:
 
 
 def _refit_under_load(session: TrainerSession, server, version: str) -> tuple:
-    with RequestLoop(server.url, server.model(), clients=3, max_tokens=48, timeout=60.0) as loop:
+    # staggered: at any moment some client's request is running in the engine (lock-stepped clients can all be
+    # between requests when the pause lands, and then the engine holds none for "keep" to report)
+    with RequestLoop(server.url, server.model(), clients=3, max_tokens=48, timeout=60.0, stagger=0.3) as loop:
         time.sleep(1.0)  # requests in flight before the refit begins
         t0 = time.perf_counter()
         result = session.refit(version)

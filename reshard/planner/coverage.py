@@ -138,7 +138,8 @@ def prove_program(template: dict[str, np.ndarray], relay: dict[str, np.ndarray] 
     width = dst_table0.kind_array(lambda _, shape: shape[-1])
     height = dst_table0.kind_array(lambda _, shape: int(np.prod(shape[:-1], dtype=np.int64)))
     names = lambda t: f"destination rank {dst_table0.rank[int(t)]} {dst_table0.name(int(t))!r}"  # noqa: E731
-    piece_rects = (d_tid, D.origin // np.maximum(width[d_tid], 1), D.origin % np.maximum(width[d_tid], 1), D.n0, D.n1)
+    row, col = np.divmod(D.origin, np.maximum(width[d_tid], 1))  # each piece's origin as (row, column)
+    piece_rects = (d_tid, row, col, D.n0, D.n1)
     for ops in (template, relay) if relay is not None else (template,):
         problems: list[str] = []
         rects = rects_from_ops(*(np.concatenate([ops[c], copies[c]]) if copies else ops[c]

@@ -177,9 +177,12 @@ def start_trainers(world: int, job: dict[str, Any], resources: dict[str, float] 
 
 
 def open_group(trainers: list, group: dict[str, Any], engines: list) -> list[dict]:
-    """Every trainer opens the engine group together; rank 0 drives the engines."""
+    """Every trainer opens the engine group together; rank 0 drives the engines. Engine actors still starting are
+    waited for first: their start-up (minutes for a TP2 vLLM CPU engine on a loaded 2-core machine) would otherwise
+    count against the rendezvous timeout of the trainers that meet at once, while rank 0 waits on the engines."""
     import ray
 
+    ray.get([e.pid.remote() for e in engines], timeout=900)
     return [json.loads(x) for x in ray.get([t.open.remote(json.dumps(group), engines if r == 0 else [])
                                              for r, t in enumerate(trainers)])]
 

@@ -9,7 +9,8 @@ renewals; the keeper stops when the driver dies (its pipe closes, or the keeper 
 Protocol (JSON lines): the driver writes on the keeper's stdin
     {"pid": driver pid, "holder": h, "ttl": s, "every": s}        first line
     {"add": {"url": "http://host:port", "api_key": key or null}}  a server granted since
-and closes stdin to stop it; the keeper writes one line per round: {"errors": [...]} (empty: all renewed).
+and closes stdin to stop it; the keeper writes one line per round: {"errors": [...], "started": its start}
+(errors empty: all renewed; started: time.monotonic() as the round began, one clock for every process).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import json
 import os
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -120,6 +122,7 @@ def main() -> int:
             return 0
         if state["now"] == "stopped":
             continue  # a frozen driver's lease lapses
+        started = time.monotonic()
         with lock:
             targets = list(servers)
         results: list[str | None] = [f"{t['url']}{ROUTE}: no answer within {ttl / 2:.0f} s" for t in targets]
@@ -133,7 +136,7 @@ def main() -> int:
         for t in threads:
             t.join(ttl / 2 + 1.0)
         errors = [r for r in results if r]
-        print(json.dumps({"errors": errors}), flush=True)
+        print(json.dumps({"errors": errors, "started": started}), flush=True)
     return 0
 
 

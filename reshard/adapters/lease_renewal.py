@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,10 @@ class LeaseRenewal:
         self.engines: list[Any] = []  # renewed by the thread
         self.granted: list[Any] = []  # every engine renewed
         self.holder, self.ttl = holder, ttl
-        self.error: str | None = None
-        self.errors: dict[str, str | None] = {"thread": None, "keeper": None}
+        # per renewer: its last round's failure (None: renewed), and when its last renewed round began (a grant at
+        # or after it: the lease holds until then + ttl); taken from now, before the first grant
+        self.failures: dict[str, str | None] = {"thread": None, "keeper": None}
+        self.renewed = dict.fromkeys(self.failures, time.monotonic())
         self.keeper: Any = None
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True, name="reshard-lease")
@@ -75,23 +78,39 @@ class LeaseRenewal:
     def _read(self, keeper: Any) -> None:
         for line in keeper.stdout:
             try:
-                errors = json.loads(line)["errors"]
-            except (ValueError, KeyError, TypeError):
+                report = json.loads(line)
+                errors, started = report["errors"], float(report.get("started", 0.0))  # (0: renewed nothing)
+            except (ValueError, KeyError, TypeError, AttributeError):
                 continue
-            self._report("keeper", errors)
+            self._report("keeper", errors, started)  # (time.monotonic is one clock for every process)
         if not self.stopped.is_set():
-            self._report("keeper", [f"the lease keeper process (PID {keeper.pid}) ended"])
+            self._report("keeper", [f"the lease keeper process (PID {keeper.pid}) ended"], 0.0)
 
-    def _report(self, source: str, errors: list[str]) -> None:
+    def _report(self, source: str, errors: list[str], started: float) -> None:
         # the last round's: a renewal that failed once and then got through is no error
-        self.errors[source] = f"the driver's lease could not be renewed: {errors[0]}" if errors else None
-        self.error = self.errors["thread"] or self.errors["keeper"]
+        self.failures[source] = str(errors[0]) if errors else None
+        if not errors:
+            self.renewed[source] = max(self.renewed[source], started)
+
+    @property
+    def error(self) -> str | None:
+        """Why the lease may have lapsed: a renewer's last round failed and its last grant is a ttl old; else None.
+
+        A round that failed inside the lease (a server slow to answer under load) is no error yet: the engine still
+        holds the lease, and one that lapses fences the driver, whose later calls it then refuses."""
+        for source, failure in self.failures.items():
+            age = time.monotonic() - self.renewed[source]
+            if failure is not None and age >= self.ttl:
+                return (f"the driver's lease could not be renewed for {age:.0f} s (a lease of {self.ttl:g} s: it "
+                        f"may have lapsed): {failure}")
+        return None
 
     def _run(self) -> None:
         while not self.stopped.wait(self.ttl / 4):
             # every engine renewed at once: one engine slow to answer must not make the others' leases lapse
+            started = time.monotonic()
             calls = [EngineCall(e, "acquire_lease", (self.holder, self.ttl, self.ttl / 2)) for e in list(self.engines)]
-            self._report("thread", wait_calls(calls, self.ttl / 2))
+            self._report("thread", wait_calls(calls, self.ttl / 2), started)
 
     def stop(self) -> None:
         """Stop renewing (the leases then lapse after their ttl) and end the keeper process."""

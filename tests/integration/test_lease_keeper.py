@@ -94,6 +94,7 @@ def _gaps(times: list[float], start: float, end: float) -> float:
 
 def test_renewals_go_on_while_a_binding_holds_the_drivers_gil(server):
     ttl, hold = 4.0, 10  # renewed every ttl / 4 = 1 s; the GIL held for more than twice the lease
+    made = time.monotonic()
     renewal = LeaseRenewal([server], "driver0a", ttl)
     ticks: list[float] = []
     stop = threading.Event()
@@ -121,6 +122,8 @@ def test_renewals_go_on_while_a_binding_holds_the_drivers_gil(server):
         assert len(heard) >= hold // 3 and _gaps(heard, start, end) < hold / 2, (heard, start, end)
         # the last round's outcome counts (a renewal that timed out under load and then got through is no error)
         assert _wait_for(lambda: renewal.error is None, 10.0), renewal.error
+        # the keeper's rounds say when they began: the lease counts from the last renewed one
+        assert renewal.renewed["keeper"] > made + hold, (renewal.renewed, made)
     finally:
         renewal.stop()
     assert renewal.keeper is None  # stopped, and waited for

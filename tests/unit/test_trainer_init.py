@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import reshard
+from reshard.adapters.lease_renewal import LeaseRenewal
 from reshard.adapters.refit import RefitSpec
 from reshard.adapters.server import VllmServer
 from reshard.adapters.trainer import TrainerSession
@@ -119,6 +120,34 @@ def test_the_lease_is_renewed_from_the_first_grant_while_a_slow_engine_starts():
         assert poll(lambda: session.renewal.error is None, time.monotonic() + 10.0), session.renewal.error
     finally:
         session.close()
+
+
+class SilentEngine(LeasedEngine):
+    """Grants the first lease, then every renewal fails as a server too busy to answer would."""
+
+    def acquire_lease(self, holder, ttl, timeout=None):
+        if self.grants:
+            raise ExecutionError("lease renewal: no answer within 1 s")
+        super().acquire_lease(holder, ttl, timeout)
+
+
+def test_a_failed_renewal_is_an_error_only_once_the_lease_may_have_lapsed():
+    """A renewal round that fails inside the lease leaves the lease held (the engine still grants it; one whose lease
+    lapses fences the driver itself): no error then. Once the last renewed round began a lease ago, the error says
+    the lease may have lapsed and names the failure; a round renewed again clears it."""
+    ttl = 3.0  # renewed every 0.75 s; the first failed round ends well inside the lease
+    engine = SilentEngine()
+    renewal = LeaseRenewal([], "driver0a", ttl)
+    try:
+        renewal.take([engine], 5.0)
+        assert poll(lambda: renewal.failures["thread"] is not None, time.monotonic() + 10.0)
+        assert renewal.error is None, "a round failed inside the lease: the lease still holds"
+        assert poll(lambda: renewal.error is not None, time.monotonic() + 10.0)
+        assert "may have lapsed" in renewal.error and "no answer within 1 s" in renewal.error, renewal.error
+        renewal.engines.clear()  # (nothing left to renew: the next round renews all of it)
+        assert poll(lambda: renewal.error is None, time.monotonic() + 10.0), renewal.error
+    finally:
+        renewal.stop()
 
 
 class OrderedEngine(LeasedEngine):

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..arguments import instance, integer, seconds, text
+from ..arguments import instance, integer, rank_tensors, seconds, text
 from ..errors import ArgumentError, ExecutionError
 from ..group_json import broadcast_json
 from ..polling import Background, poll
@@ -86,15 +86,10 @@ class TrainerSession:
         # each argument refused with ArgumentError naming it
         instance("refit", refit, RefitSpec, "a RefitSpec")
         integer("process", process, 0, 1 << 20)
-        rule = "must map tensor names to tensors ({name: tensor}), or source ranks to such mappings"
-        if not isinstance(tensors, Mapping):
-            raise ArgumentError("tensors", tensors, rule)
-        for key, value in tensors.items():
-            ok = (isinstance(key, str) and isinstance(value, torch.Tensor)) or (
-                isinstance(key, int) and not isinstance(key, bool) and isinstance(value, Mapping)
-                and all(isinstance(n, str) and isinstance(t, torch.Tensor) for n, t in value.items()))
-            if not ok:
-                raise ArgumentError("tensors", {key: value}, rule)
+        # {name: tensor} is this process's source rank: checked as {process: {name: tensor}}
+        nested = isinstance(tensors, Mapping) and bool(tensors) and all(isinstance(k, int) for k in tensors)
+        self.tensors = tensors if nested else {process: tensors}
+        rank_tensors("tensors", self.tensors, deep=True)
         if not isinstance(engines, (list, tuple)):
             raise ArgumentError("engines", engines,
                                 "must be a list of engine clients (VllmServer, RayEngineClient ...)")
@@ -123,7 +118,6 @@ class TrainerSession:
                                   or not 1.0 <= lease <= 3600.0):
             raise ArgumentError("lease", lease, "a number of seconds in [1, 3600], or None for no lease")
         self.refit_spec, self.process = refit, process
-        self.tensors = tensors if tensors and all(isinstance(k, int) for k in tensors) else {process: tensors}
         self.engines, self.trainer_group, self.pause_mode = list(engines), trainer_group, pause
         self.pause_for = pause_for
         self._paused_at: float | None = None  # a refit's first pause call (perf_counter)
@@ -186,10 +180,13 @@ class TrainerSession:
                 self.executor = open_transport(refit, self.process, self.tensors, {}, store=self.store)
         except ExecutionError as e:
             self._fail_rendezvous(str(e))
-            self._discard_ahead(ahead)
             errors = wait_calls(calls, self.timeout)
             raise ExecutionError(f"{e}" + (f"; engines said: {'; '.join(errors)}" if errors else "")) from e
-        self._discard_ahead(ahead)  # taken by the executor, or never needed (no NIXL peer)
+        finally:
+            if ahead is not None:  # taken by the executor, or never needed (no NIXL peer)
+                from ..executors.nixl.agent import discard_ahead
+
+                discard_ahead(ahead)
         errors = wait_calls(calls, self.timeout)
         if errors:
             self._fail_rendezvous("; ".join(errors))
@@ -216,13 +213,6 @@ class TrainerSession:
         name = f"{refit.rendezvous['refit_id']}:{self.process}"  # the executor's agent (adapters.refit)
         make_agent_ahead(name, delay)
         return name
-
-    @staticmethod
-    def _discard_ahead(name: str | None) -> None:
-        if name is not None:
-            from ..executors.nixl.agent import discard_ahead
-
-            discard_ahead(name)
 
     def _take_lease(self) -> None:
         """Process 0: a lease of a new generation on every engine that keeps one, renewed until close."""

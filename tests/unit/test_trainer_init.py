@@ -182,7 +182,8 @@ def test_the_nixl_agent_is_made_before_the_lease_is_taken(monkeypatch):
     src = reshard.MegatronLayout(model=SPEC, tp=1)
     refit = RefitSpec.of(SPEC, src, reshard.VllmLayout(model=SPEC), install="loader", transport="nixl")
     session = TrainerSession(refit, 0, _tensors(src), engines=[OrderedEngine(events)], timeout=2.0, lease=5.0)
-    monkeypatch.setattr(session, "_discard_ahead", lambda name: None)  # kept, to check the executor would adopt it
+    discard = nixl_agent.discard_ahead
+    monkeypatch.setattr(nixl_agent, "discard_ahead", lambda name: None)  # kept, to check the executor would adopt it
     with pytest.raises(ExecutionError):
         session.init()
     session.close()
@@ -190,7 +191,7 @@ def test_the_nixl_agent_is_made_before_the_lease_is_taken(monkeypatch):
     (name,) = made
     assert name == f"{session.refit_spec.rendezvous['refit_id']}:0"  # the executor's (adapters.refit, namespace)
     assert nixl_agent.make_agent(name, 1000) is made[name]  # what the executor's Connection would get
-    nixl_agent.discard_ahead(name)
+    discard(name)
 
 
 def test_close_is_bounded_by_the_session_timeout(caplog):

@@ -98,11 +98,6 @@ class SavedTensor:
     dtype: torch.dtype
     chunks: tuple[SavedChunk, ...]
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the whole (global) tensor."""
-        return math.prod(self.shape) * self.dtype.itemsize
-
 
 @dataclass(eq=False)
 class Checkpoint:
@@ -132,7 +127,7 @@ class Checkpoint:
     @property
     def nbytes(self) -> int:
         """Bytes of tensor data in the checkpoint."""
-        return sum(t.nbytes for t in self.tensors.values())
+        return sum(math.prod(t.shape) * t.dtype.itemsize for t in self.tensors.values())
 
     @property
     def record_bytes(self) -> int:
@@ -185,13 +180,12 @@ class Checkpoint:
         strides = [math.prod(chunk.sizes[d + 1:]) for d in range(len(chunk.sizes))]
         first = sum(lo * s for (lo, _), s in zip(local, strides))
         last = sum((hi - 1) * s for (_, hi), s in zip(local, strides)) + 1
-        size = saved.dtype.itemsize
         flat = torch.empty(last - first, dtype=saved.dtype)
-        self._read_into(saved, chunk, chunk.offset + start + first * size, flat)
+        self._read_into(saved, chunk, chunk.offset + start + first * saved.dtype.itemsize, flat)
         return flat.as_strided([hi - lo for lo, hi in local], strides)
 
-    def _read_into(self, saved: SavedTensor, chunk: SavedChunk, offset: int, out: torch.Tensor | bytearray) -> None:
-        """Read the bytes at `offset` straight into `out` (one copy, no intermediate buffer)."""
+    def _read_into(self, saved: SavedTensor, chunk: SavedChunk, offset: int, out: Any) -> Any:
+        """Read the bytes at `offset` straight into `out` (a tensor or bytearray: one copy, no intermediate buffer)."""
         if isinstance(out, bytearray):
             view = memoryview(out)
         else:
@@ -207,6 +201,7 @@ class Checkpoint:
             done += n
         with self._lock:
             self.bytes_read += done
+        return out
 
     def _fd(self, file: str) -> int:
         with self._lock:
@@ -214,11 +209,6 @@ class Checkpoint:
             if fd is None:
                 fd = self._fds[file] = os.open(self.path / file, os.O_RDONLY)
             return fd
-
-    def _read(self, saved: SavedTensor, chunk: SavedChunk, offset: int, length: int) -> bytearray:
-        data = bytearray(length)
-        self._read_into(saved, chunk, offset, data)
-        return data
 
     def _data_start(self, saved: SavedTensor, chunk: SavedChunk) -> int | None:
         """Where the tensor's bytes start in the chunk's record when it is the plain form; None otherwise. Cached."""
@@ -233,7 +223,7 @@ class Checkpoint:
 
     def _chunk(self, saved: SavedTensor, chunk: SavedChunk) -> torch.Tensor:
         """The whole record decoded by torch (weights_only) and checked against the metadata."""
-        record = self._read(saved, chunk, chunk.offset, chunk.length)
+        record = self._read_into(saved, chunk, chunk.offset, bytearray(chunk.length))
         where = f"{chunk.file} at byte {chunk.offset}"
         try:
             data = torch.load(io.BytesIO(record), weights_only=True, map_location="cpu")
@@ -391,7 +381,7 @@ class _Window(io.RawIOBase):
         n = self.chunk.length - self.pos if n is None or n < 0 else min(n, self.chunk.length - self.pos)
         if n <= 0:
             return b""
-        data = self.ckpt._read(self.saved, self.chunk, self.chunk.offset + self.pos, n)
+        data = self.ckpt._read_into(self.saved, self.chunk, self.chunk.offset + self.pos, bytearray(n))
         self.pos += n
         return data
 

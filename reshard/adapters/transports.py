@@ -11,11 +11,11 @@ Built in (each imports its executor only when opened):
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Callable
 
+from ..arguments import instance, rank_tensors
 from ..errors import ArgumentError, ExecutionError
 from ..executors.base import Executor, RankTensors
 from . import rendezvous as rv
@@ -128,10 +128,8 @@ def publish_source(key: str, tensors: RankTensors) -> None:
 
     The mappings are copied, the tensors shared: update them in place, or publish again. Raises ArgumentError
     for anything but such a mapping."""
-    if not isinstance(key, str):
-        raise ArgumentError("key", key, "must be a string")
-    if not isinstance(tensors, Mapping) or not all(isinstance(ts, Mapping) for ts in tensors.values()):
-        raise ArgumentError("tensors", type(tensors).__name__, "must map source rank -> {name: tensor}")
+    instance("key", key, str, "a string")
+    rank_tensors("tensors", tensors, deep=True)
     _PUBLISHED[key] = MappingProxyType({r: MappingProxyType(dict(ts)) for r, ts in tensors.items()})
 
 

@@ -10,7 +10,6 @@ per config (one process checks several: start-up is most of a check's time).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -21,10 +20,9 @@ from typing import Any, Callable, Iterator
 SEED = 11
 
 
-@contextlib.contextmanager
-def vllm_world(dtype: str = "bfloat16") -> Iterator[Callable[[str], Any]]:
-    """Yields `model_config`: `with model_config(CONFIG) as (vllm config, a model builder, this rank)`. vLLM's
-    distributed state over gloo is set up at the first config; each config gets its own vLLM config."""
+def vllm_models(config_paths: list[str], dtype: str = "bfloat16") -> Iterator[tuple[Any, Callable[[], Any], int]]:
+    """Per config in turn: (its vLLM config, a builder of this rank's model, this rank), the config current while
+    it is used. vLLM's distributed state over gloo is set up at the first config, its groups anew at each."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29561")
@@ -35,43 +33,37 @@ def vllm_world(dtype: str = "bfloat16") -> Iterator[Callable[[str], Any]]:
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    configs: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
-        @contextlib.contextmanager
-        def model_config(config_path: str) -> Iterator[tuple[Any, Any, int]]:
-            ckpt = os.path.join(tmp, str(len(configs)))
+        for i, config_path in enumerate(config_paths):
+            ckpt = os.path.join(tmp, str(i))
             os.makedirs(ckpt)
             shutil.copy(config_path, os.path.join(ckpt, "config.json"))
+            # language_model_only: a multimodal wrapper (Qwen3.5) builds no vision tower, which refits leave out
             cfg = EngineArgs(model=ckpt, tensor_parallel_size=world, dtype=dtype,
                              skip_tokenizer_init=True, enforce_eager=True, max_model_len=128, load_format="dummy",
                              distributed_executor_backend="external_launcher" if world > 1 else None,
                              language_model_only=True).create_engine_config()
-            # language_model_only: a multimodal wrapper (Qwen3.5) builds no vision tower, which refits leave out
             with set_current_vllm_config(cfg):
-                if configs:  # the groups follow the config (an expert-parallel group only for MoE): anew
+                if i:  # the groups follow the config (an expert-parallel group only for MoE): anew
                     destroy_model_parallel()
                 else:
                     init_distributed_environment(world_size=world, rank=rank, distributed_init_method="env://",
                                                  local_rank=rank, backend="gloo")
                 initialize_model_parallel(tensor_model_parallel_size=world, backend="gloo")
-                configs.append(config_path)
 
-                def build() -> Any:
+                def build(cfg: Any = cfg) -> Any:
                     with set_default_torch_dtype(cfg.model_config.dtype):
                         return initialize_model(cfg)
 
                 yield cfg, build, rank
 
-        yield model_config
 
-
-def named_parameters(model_config: Callable[[str], Any], config_path: str) -> dict[str, list[int]]:
+def named_parameters(cfg: Any, build: Callable[[], Any], rank: int) -> dict[str, list[int]]:
     """Name -> shape of the parameters (and DeepSeek-V3's score-correction buffers) this rank's model has."""
-    with model_config(config_path) as (_, build, _):
-        model = build()
-        out = {n: list(p.shape) for n, p in model.named_parameters()}
-        out.update({n: list(b.shape) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")})
-        return out
+    model = build()
+    out = {n: list(p.shape) for n, p in model.named_parameters()}
+    out.update({n: list(b.shape) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")})
+    return out
 
 
 def poison(model: Any) -> None:
@@ -85,7 +77,7 @@ def poison(model: Any) -> None:
             p.fill_(float("nan"))
 
 
-def load_parity(model_config: Callable[[str], Any], config_path: str, perturb: str | None = None) -> dict[str, Any]:
+def load_parity(cfg: Any, build: Callable[[], Any], rank: int, perturb: str | None = None) -> dict[str, Any]:
     """This rank's comparison of vLLM's load_weights with reshard's direct and loader installs (random HF
     weights): the parameters that differ, or the error of a refused declared layout."""
     import torch
@@ -100,50 +92,47 @@ def load_parity(model_config: Callable[[str], Any], config_path: str, perturb: s
     from ..planner import compile_plan
     from .hf_parity import perturbed
 
-    with model_config(config_path) as (cfg, build, rank):
-        spec = spec_of(cfg)
-        gen = torch.Generator().manual_seed(SEED)  # the same weights on every rank
-        hf = {t.name: torch.randn(t.shape, generator=gen).to(torch_dtype(t.dtype or spec.dtype))
-              for t in spec.tensors}
-        # One instance (a second cannot be built under this config): vLLM's loader first, its result kept; then
-        # every parameter poisoned and reshard's install into the same storage.
-        model = build()
-        poison(model)
-        with set_current_vllm_config(cfg), torch.no_grad():
-            model.load_weights(iter([(k, v.clone()) for k, v in hf.items()]))
-        want = {n: p.detach().clone() for n, p in weights(model).items()}
-        poison(model)
+    spec = spec_of(cfg)
+    gen = torch.Generator().manual_seed(SEED)  # the same weights on every rank
+    hf = {t.name: torch.randn(t.shape, generator=gen).to(torch_dtype(t.dtype or spec.dtype)) for t in spec.tensors}
+    # One instance (a second cannot be built under this config): vLLM's loader first, its result kept; then
+    # every parameter poisoned and reshard's install into the same storage.
+    model = build()
+    poison(model)
+    with set_current_vllm_config(cfg), torch.no_grad():
+        model.load_weights(iter([(k, v.clone()) for k, v in hf.items()]))
+    want = {n: p.detach().clone() for n, p in weights(model).items()}
+    poison(model)
 
-        layout = declared_layout(spec, cfg)
-        try:
-            binding = bind_direct(model, layout, rank, None, cfg)  # checks structure and loaders first
-        except ReshardError as exc:  # the model refuses the declared layout: every problem, as a result
-            return {"rank": rank, "layout": str(layout), "error": str(exc)}
-        source = HfLayout(model=spec)
-        src = shard(source, perturbed(hf, perturb) if perturb else hf)
-        ReferenceExecutor(compile_plan(source, layout), None, 0, src, {rank: binding.tensors}).refit()
-        binding.finish()
+    layout = declared_layout(spec, cfg)
+    try:
+        binding = bind_direct(model, layout, rank, None, cfg)  # checks structure and loaders first
+    except ReshardError as exc:  # the model refuses the declared layout: every problem, as a result
+        return {"rank": rank, "layout": str(layout), "error": str(exc)}
+    source = HfLayout(model=spec)
+    src = shard(source, perturbed(hf, perturb) if perturb else hf)
+    ReferenceExecutor(compile_plan(source, layout), None, 0, src, {rank: binding.tensors}).refit()
+    binding.finish()
 
-        def differing() -> list[str]:
-            got = weights(model)
-            out = sorted(set(want) ^ set(got))
-            for name in sorted(set(want) & set(got)):
-                a, b = want[name].detach().contiguous(), got[name].detach().contiguous()
-                if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a.view(torch.uint8),
-                                                                               b.view(torch.uint8)):
-                    out.append(name)
-            return out
+    def differing() -> list[str]:
+        got = weights(model)
+        out = sorted(set(want) ^ set(got))
+        for name in sorted(set(want) & set(got)):
+            a, b = want[name].detach().contiguous(), got[name].detach().contiguous()
+            if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
+                out.append(name)
+        return out
 
-        differ = differing()
-        # the loader install too: canonical tensors received whole, then handed to load_weights per layer group
-        poison(model)
-        plan = compile_plan(source, loader_layout(spec, cfg.parallel_config.world_size))
-        installer = LoaderInstaller(model, rank, plan, cfg)
-        ReferenceExecutor(plan, None, 0, src, {rank: installer.buffers}).refit()
-        installer.load()
-        differ += [f"{name} (loader install)" for name in differing()]
-        return {"rank": rank, "layout": str(layout), "params": len(want), "differ": differ,
-                "bytes": sum(p.numel() * p.element_size() for p in want.values())}
+    differ = differing()
+    # the loader install too: canonical tensors received whole, then handed to load_weights per layer group
+    poison(model)
+    plan = compile_plan(source, loader_layout(spec, cfg.parallel_config.world_size))
+    installer = LoaderInstaller(model, rank, plan, cfg)
+    ReferenceExecutor(plan, None, 0, src, {rank: installer.buffers}).refit()
+    installer.load()
+    differ += [f"{name} (loader install)" for name in differing()]
+    return {"rank": rank, "layout": str(layout), "params": len(want), "differ": differ,
+            "bytes": sum(p.numel() * p.element_size() for p in want.values())}
 
 
 def main() -> int:
@@ -155,11 +144,11 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
     perturb = {int(i): name for i, name in (p.split("=", 1) for p in args.perturb)}
-    with vllm_world(args.dtype) as model_config:
-        if args.load_parity:
-            out = [load_parity(model_config, c, perturb.get(i)) for i, c in enumerate(args.configs)]
-        else:
-            out = [named_parameters(model_config, c) for c in args.configs]
+    models = vllm_models(args.configs, args.dtype)
+    if args.load_parity:
+        out = [load_parity(*model, perturb.get(i)) for i, model in enumerate(models)]
+    else:
+        out = [named_parameters(*model) for model in models]
     sys.stdout.write("RESHARD_JSON " + json.dumps(out) + "\n")
     return 0
 

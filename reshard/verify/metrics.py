@@ -93,11 +93,6 @@ def dtype_key(dtype: str, table: dict, what: str) -> str:
     return key
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100), linear interpolation between order statistics."""
-    return float(np.percentile(values, q)) if len(values) else 0.0
-
-
 @dataclass(frozen=True)
 class MismatchReport:
     """The comparison of one refit: per-token log-prob differences, KL estimates, argmax agreement, verdict.
@@ -138,10 +133,15 @@ class MismatchReport:
         return not self.failures
 
     def to_dict(self) -> dict:
-        """Plain JSON values, `ok` included (`verify.check.report_from_dict` reads them back)."""
-        out = asdict(self)
-        out["ok"] = self.ok
-        return out
+        """Plain JSON values, `ok` included (`from_dict` reads them back)."""
+        return {**asdict(self), "ok": self.ok}
+
+    @staticmethod
+    def from_dict(d: dict) -> "MismatchReport":
+        """The report `to_dict` wrote, after a JSON round trip (a broadcast, another process's output)."""
+        d = {k: v for k, v in d.items() if k != "ok"}
+        return MismatchReport(**{**d, "worst": tuple(d["worst"]), "thresholds": Thresholds(**d["thresholds"]),
+                                 "failures": tuple(d["failures"])})
 
     def __str__(self) -> str:
         verdict = "ok" if self.ok else "MISMATCH: " + "; ".join(self.failures)
@@ -196,4 +196,4 @@ def compare(trainer: Scores, engine: Scores, dtype: str = "float32",
                           failures=tuple(failures), **stats)
 
 
-__all__ = ["MismatchReport", "Scores", "THRESHOLDS", "Thresholds", "compare", "percentile", "thresholds"]
+__all__ = ["MismatchReport", "Scores", "THRESHOLDS", "Thresholds", "compare", "thresholds"]

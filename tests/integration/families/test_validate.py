@@ -59,7 +59,7 @@ def test_vllm_layout_stage():
     import sys
 
     from reshard.validate import vllm_layout_summary
-    from reshard.validate.vllm_load import side_reports
+    from reshard.validate import side_reports
 
     r = _one(VLLM_LAYOUT[0], "vllm layout")
     assert r.status == PASS, r.detail
@@ -151,7 +151,7 @@ def test_vllm_load_parity_stage_every_family():
     rows (TP=2 rank 0 holds rows 0 and 1 of every expert's gate_proj)."""
     import sys
 
-    from reshard.validate.vllm_load import load_parity_reports, load_parity_summary
+    from reshard.validate import load_parity_reports, load_parity_summary
 
     tinies = []
     for name in [*CONFIGS, CORRUPTED[0]]:

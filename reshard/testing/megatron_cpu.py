@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 import time
 import traceback
 import warnings
@@ -182,13 +183,17 @@ def _entry(rank: int, world: int, port: int, errdir: str, fn: Callable[..., None
             dist.destroy_process_group()
 
 
-def run_ranks(world: int, fn: Callable[..., None], *args: Any, timeout: float = 300.0, errdir: str,
+def run_ranks(world: int, fn: Callable[..., None], *args: Any, timeout: float = 300.0, errdir: str | None = None,
               wait_all: bool = False) -> float:
     """Run fn(*args) on `world` gloo ranks (fn must be importable by name); return the wall time. Raises
-    RuntimeError with the first failing rank's traceback, or TimeoutError after `timeout` seconds; stragglers
-    are killed (only the processes started here). wait_all: a rank that exits early does not end the others
-    (fault tests: the survivors must notice by themselves)."""
+    RuntimeError with the first failing rank's traceback (kept in `errdir`, default a temporary directory), or
+    TimeoutError after `timeout` seconds; stragglers are killed (only the processes started here). wait_all: a rank
+    that exits early does not end the others (fault tests: the survivors must notice by themselves)."""
     import multiprocessing as mp
+
+    if errdir is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            return run_ranks(world, fn, *args, timeout=timeout, errdir=tmp, wait_all=wait_all)
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))  # ignored if this session's forkserver already runs

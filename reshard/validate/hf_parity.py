@@ -148,11 +148,11 @@ def megatron_run(spec: ModelSpec, tiny: dict[str, Any]) -> tuple[MegatronLayout,
     """The Megatron side: (layout, the refit's HF weights, megatron-core's tokens / logits / layer outputs)."""
     from safetensors.torch import load_file
 
-    from .megatron_side import run_layout
+    from ..testing.megatron_cpu import run_ranks
 
     layout = parity_layout(spec.model_copy(update={"dtype": "float32"}))
     with tempfile.TemporaryDirectory(prefix="reshard_hf_parity_") as tmp:
-        run_layout(layout, _parity_rank, layout.model_dump_json(), json.dumps(tiny), tmp)
+        run_ranks(layout.world, _parity_rank, layout.model_dump_json(), json.dumps(tiny), tmp)
         weights = load_file(str(Path(tmp, "model.safetensors")))
         meg = load_file(str(Path(tmp, "megatron.safetensors")))
     unwritten = sorted(n for n, t in weights.items() if torch.isnan(t).any())

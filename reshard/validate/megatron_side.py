@@ -244,14 +244,6 @@ def build_gpt(layout: MegatronLayout, hf: dict[str, Any] | None = None, init_std
                     rotary_base=theta, **scaling).eval()
 
 
-def run_layout(layout: MegatronLayout, fn: Any, *args: Any, timeout_s: float = 300) -> None:
-    """Run `fn(*args)` in one process per rank of `layout` (reshard.testing.megatron_cpu)."""
-    from ..testing.megatron_cpu import run_ranks
-
-    with tempfile.TemporaryDirectory() as errdir:
-        run_ranks(layout.world, fn, *args, timeout=timeout_s, errdir=errdir)
-
-
 # --- megatron layout: names and shapes -------------------------------------------------------------------
 
 def _names_rank(layout_json: str, out_dir: str) -> None:
@@ -266,7 +258,9 @@ def _names_rank(layout_json: str, out_dir: str) -> None:
 
 def megatron_rank_tensors(layout: MegatronLayout, timeout_s: float = 300) -> dict[int, dict[str, tuple[int, ...]]]:
     """Build the real model for `layout` (local names, vpp=1, even stages) and return rank -> {name: shape}."""
+    from ..testing.megatron_cpu import run_ranks
+
     with tempfile.TemporaryDirectory() as out_dir:
-        run_layout(layout, _names_rank, layout.model_dump_json(), out_dir, timeout_s=timeout_s)
+        run_ranks(layout.world, _names_rank, layout.model_dump_json(), out_dir, timeout=timeout_s)
         return {r: {k: tuple(v) for k, v in json.loads(Path(out_dir, f"rank{r}.json").read_text()).items()}
                 for r in range(layout.world)}

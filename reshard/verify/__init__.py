@@ -10,11 +10,10 @@
   differs from the trainer's.
 """
 from .audit import AuditEntry, AuditReport, audit, check_audit, sample_by_kind, tensor_kind
-from .check import check_after_refit, measure
 from .checkpoint import checkpoint_scores, hf_model_scores, random_sequences
 from .engines import LLMScorer, llm_prompt_logprobs
 from .metrics import THRESHOLDS, MismatchReport, Scores, Thresholds, compare, thresholds
-from .sides import engine_scores, trainer_scores
+from .sides import check_after_refit, engine_scores, measure, trainer_scores
 
 __all__ = ["AuditEntry", "AuditReport", "LLMScorer", "MismatchReport", "Scores", "THRESHOLDS", "Thresholds", "audit",
            "check_after_refit", "check_audit", "checkpoint_scores", "compare", "engine_scores", "hf_model_scores",

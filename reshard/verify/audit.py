@@ -186,27 +186,28 @@ def audit(chunks: list[Any], tensors: dict[str, Any], refit: Callable[[], Any], 
 
     refit()
     base_t, base_e = scores()
-    entries, saved = [], None
+    entries = []
     try:
         for name in chosen:
-            with torch.no_grad():
-                if saved is not None:
-                    saved[0][saved[1]] = saved[2]
-                    saved = None
-                t = tensors.get(name)
-                if t is not None:
-                    r = slice_rows(t.shape, rows)
-                    saved = (t, r, t[r].clone())
-                    t[r] += perturbation(name, t, r)
-            refit()
-            now_t, now_e = scores()
+            t = tensors.get(name)
+            r = slice_rows(t.shape, rows) if t is not None else []
+            kept = t[r].clone() if t is not None else None
+            try:
+                with torch.no_grad():
+                    if t is not None:
+                        t[r] += perturbation(name, t, r)
+                refit()
+                now_t, now_e = scores()
+            finally:
+                with torch.no_grad():
+                    if t is not None:
+                        t[r] = kept
             entry = None
             if rank0:
                 dt = [a - b for a, b in zip(now_t, base_t)]
                 de = [a - b for a, b in zip(now_e, base_e)]
                 nt, ne = math.sqrt(sum(x * x for x in dt)), math.sqrt(sum(x * x for x in de))
-                err = math.sqrt(sum((a - b) ** 2 for a, b in zip(de, dt)))
-                rel = err / max(nt, FLOOR[key])
+                rel = math.sqrt(sum((a - b) ** 2 for a, b in zip(de, dt))) / max(nt, FLOOR[key])
                 if nt < FLOOR[key] and ne < FLOOR[key]:
                     status = "no response"
                 elif ne < FLOOR[key] or ne < 0.1 * nt and rel > tol:
@@ -216,9 +217,6 @@ def audit(chunks: list[Any], tensors: dict[str, Any], refit: Callable[[], Any], 
                 entry = asdict(AuditEntry(name, status, rel, nt, ne))
             entries.append(AuditEntry(**broadcast_json(entry, group, what="an audit entry from rank 0")))
     finally:
-        with torch.no_grad():
-            if saved is not None:
-                saved[0][saved[1]] = saved[2]
         refit()
     return AuditReport(key, tuple(entries))
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import ArgumentError
-from .metrics import MismatchReport, Scores, compare
+from .metrics import Scores, compare
 from .sides import check_sequences, engine_scores, next_token_scores
 
 
@@ -72,13 +72,13 @@ def checkpoint_scores(path: str | Path, sequences: Sequence[Sequence[int]]) -> S
 
     Args:
         path: an HF checkpoint directory (config.json and safetensors).
-        sequences: token-id sequences of 2+ tokens.
+        sequences: as for `hf_model_scores`.
 
     Returns:
-        Per sequence, the log-probability of each token after the first and the argmax there.
+        As `hf_model_scores`.
 
     Raises:
-        ArgumentError: a sequence is shorter than 2 tokens or holds ids outside the vocabulary.
+        ArgumentError: as `hf_model_scores`.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -87,25 +87,19 @@ def checkpoint_scores(path: str | Path, sequences: Sequence[Sequence[int]]) -> S
     return hf_model_scores(model, sequences)
 
 
-def verify_checkpoint(path: str | Path, server: Any, *, dtype: str = "float32", count: int = 4, length: int = 32,
-                      seed: int = 0) -> MismatchReport:
-    """The mismatch between the HF checkpoint at `path` and `server` on `count` random sequences of `seed`."""
-    config = json.loads(Path(path, "config.json").read_text())
-    vocab = (config.get("text_config") or config).get("vocab_size")
-    if not isinstance(vocab, int) or vocab < 2:
-        raise ArgumentError("vocab_size", vocab, f"of {path}/config.json must be an integer >= 2")
-    seqs = random_sequences(vocab, count, length, seed)
-    return compare(checkpoint_scores(path, seqs), engine_scores(server, seqs), dtype)
-
-
 def main_verify(args: Any) -> int:
-    """`reshard verify`: print the report; the exit status is 1 above the thresholds."""
+    """`reshard verify`: the mismatch between the HF checkpoint and the server on `args.sequences` random sequences
+    of `args.seed`; prints the report, the exit status is 1 above the thresholds."""
     from ..adapters.server import VllmServer
 
-    report = verify_checkpoint(args.checkpoint, VllmServer(args.server), dtype=args.dtype, count=args.sequences,
-                               length=args.length, seed=args.seed)
+    config = json.loads(Path(args.checkpoint, "config.json").read_text())
+    vocab = (config.get("text_config") or config).get("vocab_size")
+    if not isinstance(vocab, int) or vocab < 2:
+        raise ArgumentError("vocab_size", vocab, f"of {args.checkpoint}/config.json must be an integer >= 2")
+    seqs = random_sequences(vocab, args.sequences, args.length, args.seed)
+    report = compare(checkpoint_scores(args.checkpoint, seqs), engine_scores(VllmServer(args.server), seqs), args.dtype)
     print(json.dumps(report.to_dict()) if args.json else str(report))
     return 0 if report.ok else 1
 
 
-__all__ = ["checkpoint_scores", "hf_model_scores", "main_verify", "random_sequences", "verify_checkpoint"]
+__all__ = ["checkpoint_scores", "hf_model_scores", "main_verify", "random_sequences"]

@@ -93,11 +93,6 @@ def dtype_key(dtype: str, table: dict, what: str) -> str:
     return key
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100), linear interpolation between order statistics."""
-    return float(np.percentile(values, q)) if len(values) else 0.0
-
-
 @dataclass(frozen=True)
 class MismatchReport:
     """The comparison of one refit: per-token log-prob differences, KL estimates, argmax agreement, verdict.
@@ -138,10 +133,15 @@ class MismatchReport:
         return not self.failures
 
     def to_dict(self) -> dict:
-        """Plain JSON values, `ok` included (`verify.check.report_from_dict` reads them back)."""
-        out = asdict(self)
-        out["ok"] = self.ok
-        return out
+        """Plain JSON values, `ok` included (`from_dict` reads them back)."""
+        return {**asdict(self), "ok": self.ok}
+
+    @staticmethod
+    def from_dict(d: dict) -> "MismatchReport":
+        """The report `to_dict` wrote, after a JSON round trip (a broadcast, another process's output)."""
+        d = {k: v for k, v in d.items() if k != "ok"}
+        return MismatchReport(**{**d, "worst": tuple(d["worst"]), "thresholds": Thresholds(**d["thresholds"]),
+                                 "failures": tuple(d["failures"])})
 
     def __str__(self) -> str:
         verdict = "ok" if self.ok else "MISMATCH: " + "; ".join(self.failures)
@@ -183,17 +183,13 @@ def compare(trainer: Scores, engine: Scores, dtype: str = "float32",
     stats = dict(mean_abs=float(diffs.mean()), max_abs=float(diffs[worst]), p50_abs=p50, p90_abs=p90, p99_abs=p99,
                  mean_k1=float(-r.mean()), mean_k3=float((np.expm1(np.minimum(r, 50.0)) - r).mean()),
                  argmax_agreement=float(agree.mean()))
-    failures = []
-    if not np.isfinite(diffs).all():
-        failures.append("non-finite log-probabilities")
-    if stats["max_abs"] > limits.max_abs:
-        failures.append(f"max |dlogp| {stats['max_abs']:.3e} > {limits.max_abs:.1e}")
-    if stats["mean_k3"] > limits.mean_k3:
-        failures.append(f"mean KL (k3) {stats['mean_k3']:.3e} > {limits.mean_k3:.1e}")
-    if stats["argmax_agreement"] < limits.min_argmax_agreement:
-        failures.append(f"argmax agreement {stats['argmax_agreement']:.3f} < {limits.min_argmax_agreement}")
+    failures = [(not np.isfinite(diffs).all(), "non-finite log-probabilities"),
+                (stats["max_abs"] > limits.max_abs, f"max |dlogp| {stats['max_abs']:.3e} > {limits.max_abs:.1e}"),
+                (stats["mean_k3"] > limits.mean_k3, f"mean KL (k3) {stats['mean_k3']:.3e} > {limits.mean_k3:.1e}"),
+                (stats["argmax_agreement"] < limits.min_argmax_agreement,
+                 f"argmax agreement {stats['argmax_agreement']:.3f} < {limits.min_argmax_agreement}")]
     return MismatchReport(dtype=str(dtype), tokens=n, worst=(seq, worst - sum(lengths[:seq])), thresholds=limits,
-                          failures=tuple(failures), **stats)
+                          failures=tuple(why for failed, why in failures if failed), **stats)
 
 
-__all__ = ["MismatchReport", "Scores", "THRESHOLDS", "Thresholds", "compare", "percentile", "thresholds"]
+__all__ = ["MismatchReport", "Scores", "THRESHOLDS", "Thresholds", "compare", "thresholds"]

@@ -1,13 +1,17 @@
 """The two sides' scores of the same token sequences (reshard.verify.metrics.Scores): the trainer's, from a live
 megatron-core model (collective over its ranks; reshard.adapters.megatron.forward_logits; no vLLM), and the
-engine's, from any Scorer (VllmServer, LLMScorer, RayEngineClient).
+engine's, from any Scorer (VllmServer, LLMScorer, RayEngineClient); and the mismatch check after a refit, which
+compares them on rank 0 and gives every rank the same report, so all can stop together.
+
+    check_after_refit(chunks, server, sequences, vocab_size=spec.vocab_size)   # raises MismatchError above threshold
 """
 from __future__ import annotations
 
 from typing import Any, Protocol, Sequence
 
-from ..errors import ArgumentError
-from .metrics import Scores
+from ..errors import ArgumentError, MismatchError
+from ..group_json import broadcast_json
+from .metrics import MismatchReport, Scores, Thresholds, compare
 
 
 class Scorer(Protocol):
@@ -95,4 +99,58 @@ def engine_scores(engine: Scorer, sequences: Sequence[Sequence[int]]) -> Scores:
     return Scores.rows(engine.prompt_logprobs([list(s) for s in sequences]))
 
 
-__all__ = ["Scorer", "check_sequences", "engine_scores", "trainer_scores"]
+def measure(chunks: list[Any], engine: Scorer | None, sequences: Sequence[Sequence[int]], *, vocab_size: int,
+            dtype: str = "float32", limits: Thresholds | None = None, group: Any = None) -> MismatchReport:
+    """How far the engine's log-probabilities are from the trainer's, after a refit (collective over the ranks).
+
+    Args:
+        chunks: the trainer's megatron-core model chunks on this rank.
+        engine: what scores on the engine side (needed on global rank 0 only).
+        sequences: token sequences to score.
+        vocab_size: the model's vocabulary size (unpadded).
+        dtype: the dtype the engine computes in; picks the thresholds (`limits` overrides them).
+        limits: thresholds to apply instead of `dtype`'s.
+        group: the process group to share the report over (default: the world).
+
+    Returns:
+        The same report on every rank.
+
+    Raises:
+        MismatchError: rank 0 could not measure (the engine failed, or the scores do not match up).
+    """
+    mine = trainer_scores(chunks, sequences, vocab_size)
+    payload = None
+    if global_rank() == 0:
+        try:
+            payload = compare(mine, engine_scores(engine, sequences), dtype, limits).to_dict()
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or the others wait forever
+            payload = {"error": f"{type(exc).__name__}: {exc}"}
+    payload = broadcast_json(payload, group, what="the mismatch report from rank 0")
+    if "error" in payload:
+        raise MismatchError(f"the mismatch could not be measured: {payload['error']}")
+    return MismatchReport.from_dict(payload)
+
+
+def check_after_refit(chunks: list[Any], engine: Scorer | None, sequences: Sequence[Sequence[int]], *,
+                      vocab_size: int, dtype: str = "float32", limits: Thresholds | None = None,
+                      group: Any = None, log: Any = print) -> MismatchReport:
+    """`measure`, logged on rank 0, failing on every rank beyond the thresholds: what an RL loop calls after a refit.
+
+    Args:
+        log: a print-like function for the report on rank 0, or None; the other arguments as for `measure`.
+
+    Returns:
+        The report, within thresholds.
+
+    Raises:
+        MismatchError: beyond the thresholds (the report attached), or not measured.
+    """
+    report = measure(chunks, engine, sequences, vocab_size=vocab_size, dtype=dtype, limits=limits, group=group)
+    if log is not None and global_rank() == 0:
+        log(str(report))
+    if not report.ok:
+        raise MismatchError(str(report), report)
+    return report
+
+
+__all__ = ["Scorer", "check_after_refit", "check_sequences", "engine_scores", "measure", "trainer_scores"]

@@ -11,7 +11,6 @@ import pytest
 from reshard.errors import ArgumentError
 from reshard.verify import Scores, compare, sample_by_kind, tensor_kind, thresholds
 from reshard.verify.audit import slice_rows
-from reshard.verify.metrics import percentile
 
 
 def test_statistics_by_hand():
@@ -48,9 +47,11 @@ def test_nan_fails_and_shapes_must_match():
         Scores.of([[-1.0]], [[1, 2]])
 
 
-def test_percentile():
-    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
-    assert percentile([0.0, 10.0], 90) == pytest.approx(9.0)
+def test_percentiles():
+    r = compare(Scores.of([[0.0, 0.0, 0.0]], [[1, 1, 1]]), Scores.of([[-3.0, -1.0, -2.0]], [[1, 1, 1]]), "float32")
+    assert r.p50_abs == 2.0
+    r = compare(Scores.of([[0.0, 0.0]], [[1, 1]]), Scores.of([[0.0, -10.0]], [[1, 1]]), "float32")
+    assert r.p90_abs == pytest.approx(9.0)
 
 
 def test_kinds_and_slices():

@@ -59,7 +59,7 @@ def test_vllm_layout_stage():
     import sys
 
     from reshard.validate import vllm_layout_summary
-    from reshard.validate.vllm_load import side_reports
+    from reshard.validate import side_reports
 
     r = _one(VLLM_LAYOUT[0], "vllm layout")
     assert r.status == PASS, r.detail
@@ -151,7 +151,7 @@ def test_vllm_load_parity_stage_every_family():
     rows (TP=2 rank 0 holds rows 0 and 1 of every expert's gate_proj)."""
     import sys
 
-    from reshard.validate.vllm_load import load_parity_reports, load_parity_summary
+    from reshard.validate import load_parity_reports, load_parity_summary
 
     tinies = []
     for name in [*CONFIGS, CORRUPTED[0]]:
@@ -187,7 +187,7 @@ def test_vllm_load_parity_stage_through_validate():
 # Each case starts a whole vLLM engine on CPU in the vLLM CPU virtualenv (about 17 s on 2 cores). Qwen3 and
 # DeepSeek-V3 run in CI: besides the refit (which must equal the engine started fresh), each must agree with
 # transformers on the same weights within the float32 thresholds, an independent implementation, and DeepSeek-V3 is
-# the only MLA model code (and DeepSeek yarn rotary) checked so (reshard/validate/mismatch_side.py). The negative
+# the only MLA model code (and DeepSeek yarn rotary) checked so (reshard/validate/vllm_side.py). The negative
 # case is slow (its path is the Qwen3 case's).
 @pytest.mark.vllm
 @pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])

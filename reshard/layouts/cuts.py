@@ -250,19 +250,14 @@ class LoraA(Cut):
     split_input: bool = False
 
     def pieces(self, what: str, shape: Shape, g: Group) -> tuple[Shape, list[Piece]]:
-        r, cols = shape
-        R = _lora_rank(what, r, g)
-        if self.split_input:
-            per = _per(what, shape, 1, g)
-            return (R, per), [(t, (0, t * per), (r, per), (0, 0)) for t in range(g.tp)]
-        if not g.lora_sharded:
-            return (R, cols), [(t, (0, 0), (r, cols), (0, 0)) for t in range(g.tp)]
+        R = _lora_rank(what, shape[0], g)
+        if self.split_input or not g.lora_sharded:
+            phys, pieces = (ColumnBlocks if self.split_input else Replicated)(self.name).pieces(what, shape, g)
+            return (R, phys[1]), pieces
         if R % g.tp:
             raise LayoutError(g.side, f"{what}: fully sharded LoRA needs max_lora_rank={R} divisible by tp={g.tp}",
                               {"tensor": what, "tp": g.tp})
-        per = R // g.tp
-        return (per, cols), [(t, (min(t * per, r), 0), (max(min((t + 1) * per, r) - t * per, 0), cols), (0, 0))
-                             for t in range(g.tp)]
+        return Vocab(self.name).pieces(what, shape, dataclasses.replace(g, vocab=R))  # rows r.. of R are padding
 
 
 @dataclass(frozen=True)

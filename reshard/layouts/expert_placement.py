@@ -166,7 +166,7 @@ class ExpertPlacement(ValidatedModel):
         _check_counts(ranks=ranks, logical_experts=logical_experts)  # ArgumentErrors, not the constructor's
         placement = cls(ranks=ranks, logical_experts=logical_experts, physical_to_logical=p2l.tolist())
         layers, E = p2l.shape[0], logical_experts
-        counts = np.stack([np.bincount(r, minlength=E) for r in p2l])
+        order, start, counts = _slot_lists(p2l, E)
         if logical_replica_count is not None:
             got = _int_array("logical_replica_count", logical_replica_count, 2)
             if got.shape != (layers, E):
@@ -183,7 +183,7 @@ class ExpertPlacement(ValidatedModel):
             if l2p.shape[:2] != (layers, E):
                 raise ArgumentError("logical_to_physical", f"shape {l2p.shape}", f"must be [{layers}, {E}, K] "
                                     f"(layers x logical experts x slots, -1 padded)", where=WHERE)
-            bad = _slot_list_problems(l2p, p2l, counts)
+            bad = _slot_list_problems(l2p, p2l, order, start, counts)
             if bad:
                 raise ArgumentError("logical_to_physical", f"<{'x'.join(map(str, l2p.shape))} map>", "must list "
                                     "each expert's slots of physical_to_logical, then -1 padding: " + "; ".join(bad),
@@ -207,16 +207,16 @@ def _map_problems(t: np.ndarray, E: int) -> list[str]:
     return problems
 
 
-def _slot_list_problems(l2p: np.ndarray, p2l: np.ndarray, counts: np.ndarray) -> list[str]:
+def _slot_list_problems(l2p: np.ndarray, p2l: np.ndarray, order: np.ndarray, start: np.ndarray,
+                        counts: np.ndarray) -> list[str]:
     """Where logical -> physical [layers, E, K] does not list exactly each expert's slots of physical -> logical,
     then -1 (at most three; vectorized: layers x E runs to tens of thousands)."""
     layers, E, K = l2p.shape
     P = p2l.shape[1]
     big = P + 1
     expected = np.full((layers, E, max(K, int(counts.max()))), big, dtype=np.int64)
-    order = np.argsort(p2l, axis=1, kind="stable")  # slots grouped by expert, ascending within each
     expert_of = np.take_along_axis(p2l, order, axis=1)
-    within = np.arange(P) - np.take_along_axis(np.cumsum(counts, axis=1) - counts, expert_of, axis=1)
+    within = np.arange(P) - np.take_along_axis(start, expert_of, axis=1)
     expected[np.arange(layers)[:, None], expert_of, within] = order
     got = np.sort(np.where(l2p >= 0, l2p, big), axis=-1)
     valid = l2p >= 0
@@ -268,17 +268,21 @@ def _initial(E: int, R: int, ranks: int) -> ExpertPlacement:
                            physical_to_logical=(tuple(range(E)) + tuple(i % E for i in range(R)),))
 
 
+def _slot_lists(t: np.ndarray, E: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each of the E experts' slots per row of [rows, P] as CSR (order, start, count), ascending within each."""
+    order = np.argsort(t, axis=1, kind="stable")
+    count = np.stack([np.bincount(r, minlength=E) for r in t])
+    return order, np.cumsum(count, axis=1) - count, count
+
+
 @functools.lru_cache(maxsize=64)
 def slot_index(p: ExpertPlacement) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Each logical expert's slots, per row, as read-only CSR (order [rows, P], start [rows, E], count [rows, E]):
     expert e of row m is in slots order[m, start[m, e]: start[m, e] + count[m, e]]."""
-    t = _table(p)
-    order = np.argsort(t, axis=1, kind="stable")
-    count = np.stack([np.bincount(r, minlength=p.logical_experts) for r in t])
-    start = np.cumsum(count, axis=1) - count
-    for a in (order, count, start):
+    out = _slot_lists(_table(p), p.logical_experts)
+    for a in out:
         a.setflags(write=False)
-    return order, start, count
+    return out
 
 
 __all__ = ["ExpertPlacement", "slot_index"]

@@ -53,23 +53,27 @@ def read_hf_config(config: "dict[str, Any] | str | os.PathLike") -> dict[str, An
     return value
 
 
-def _present(config: dict[str, Any], key: str, default: Any, null_is_default: bool) -> tuple[bool, Any]:
+def _present(config: dict[str, Any], key: str, default: Any, null_is_default: bool, kind: type,
+             what: str) -> tuple[bool, Any]:
+    """(True, the value) where `key` is set, a JSON `what` (Python `kind`, a bool never an int); else (False,
+    `default`), a missing REQUIRED key refused."""
     if key not in config or (null_is_default and config[key] is None):
         if default is REQUIRED:
             raise ModelConfigError(field=key, rule="is required and missing" if key not in config else
                                    "is required and must not be null")
         return False, default
-    return True, config[key]
+    value = config[key]
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise _config_error(key, value, f"must be a JSON {what}, not {type(value).__name__}")
+    return True, value
 
 
 def get_int(config: dict[str, Any], key: str, default: Any = REQUIRED, *, minimum: int = 1,
             maximum: int = MAX_DIM, null_is_default: bool = False, what: str = "a dimension") -> Any:
     """An integer in [minimum, maximum] (default when absent; None may be the default)."""
-    present, value = _present(config, key, default, null_is_default)
+    present, value = _present(config, key, default, null_is_default, int, "integer")
     if not present:
         return value
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise _config_error(key, value, f"must be a JSON integer, not {type(value).__name__}")
     if value < minimum:
         raise _config_error(key, value, f"must be at least {minimum}")
     check_limit(key, value, maximum, what, "model config")
@@ -78,23 +82,14 @@ def get_int(config: dict[str, Any], key: str, default: Any = REQUIRED, *, minimu
 
 def get_bool(config: dict[str, Any], key: str, default: Any = REQUIRED, null_is_default: bool = False) -> Any:
     """A boolean (default when absent)."""
-    present, value = _present(config, key, default, null_is_default)
-    if not present:
-        return value
-    if not isinstance(value, bool):
-        raise _config_error(key, value, f"must be a JSON boolean (true or false), not {type(value).__name__}")
-    return value
+    return _present(config, key, default, null_is_default, bool, "boolean (true or false)")[1]
 
 
 def get_str(config: dict[str, Any], key: str, default: Any = REQUIRED, choices: Sequence[str] | None = None,
             null_is_default: bool = False) -> Any:
     """A string, one of `choices` when given (default when absent)."""
-    present, value = _present(config, key, default, null_is_default)
-    if not present:
-        return value
-    if not isinstance(value, str):
-        raise _config_error(key, value, f"must be a JSON string, not {type(value).__name__}")
-    if choices is not None and value not in choices:
+    present, value = _present(config, key, default, null_is_default, str, "string")
+    if present and choices is not None and value not in choices:
         raise _config_error(key, value, f"must be one of {list(choices)}")
     return value
 
@@ -102,11 +97,9 @@ def get_str(config: dict[str, Any], key: str, default: Any = REQUIRED, choices: 
 def get_int_list(config: dict[str, Any], key: str, *, below: int, default: Any = (),
                  null_is_default: bool = True) -> tuple[int, ...]:
     """A list of integers in [0, below) (layer numbers), without repeats."""
-    present, value = _present(config, key, default, null_is_default)
+    present, value = _present(config, key, default, null_is_default, list, "list of layer numbers")
     if not present:
         return tuple(value)
-    if not isinstance(value, list):
-        raise _config_error(key, value, f"must be a JSON list of layer numbers, not {type(value).__name__}")
     check_limit(key + " (entries)", len(value), MAX_LAYERS, "layers", "model config")
     bad = [x for x in value if not isinstance(x, int) or isinstance(x, bool)]
     if bad:

@@ -25,19 +25,19 @@ _M = LAYER + "mlp."
 
 INPUT_NORM = tensor_kind("mla_input_norm",
                          Replicated("input_layernorm.weight"), Replicated(LAYER + "input_layernorm.weight"))
-Q_NORM = tensor_kind("mla_q_norm",
-                     Replicated("self_attention.q_layernorm.weight"), Replicated(_A + "q_a_layernorm.weight"),
-              te=Replicated("self_attention.linear_q_up_proj.layer_norm_weight"))
-KV_NORM = tensor_kind("mla_kv_norm", Replicated("self_attention.kv_layernorm.weight"),
-               Replicated(_A + "kv_a_layernorm.weight"),
-               te=Replicated("self_attention.linear_kv_up_proj.layer_norm_weight"))
-Q_UP = tensor_kind("mla_q_up", RowBlocks("self_attention.linear_q_up_proj.weight"), RowBlocks(_A + "q_b_proj.weight"),
-            linear=True)
 Q_FULL = tensor_kind("mla_q",
                      RowBlocks("self_attention.linear_q_proj.weight"), RowBlocks(_A + "q_proj.weight"), linear=True)
-KV_UP = tensor_kind("mla_kv_up",
-                    RowBlocks("self_attention.linear_kv_up_proj.weight"), RowBlocks(_A + "kv_b_proj.weight"),
-             linear=True)
+
+
+def _up(x: str) -> tuple[TensorKind, TensorKind]:
+    """The a-layernorm and up projection of the q or kv low-rank path (TE fuses the norm into linear_{x}_up_proj)."""
+    up = f"self_attention.linear_{x}_up_proj."
+    return (tensor_kind(f"mla_{x}_norm", Replicated(f"self_attention.{x}_layernorm.weight"),
+                        Replicated(f"{_A}{x}_a_layernorm.weight"), te=Replicated(up + "layer_norm_weight")),
+            tensor_kind(f"mla_{x}_up", RowBlocks(up + "weight"), RowBlocks(f"{_A}{x}_b_proj.weight"), linear=True))
+
+
+(Q_NORM, Q_UP), (KV_NORM, KV_UP) = _up("q"), _up("kv")
 ROUTER_BIAS = tensor_kind("router_bias",
                           Replicated("mlp.router.expert_bias"), Replicated(_M + "gate.e_score_correction_bias"))
 SHARED_MLP = gated_mlp("mlp.shared_experts.", _M + "shared_experts.", "shared_expert_")
@@ -54,34 +54,6 @@ def _down_kinds(q_rank: int | None, kv_rows: int) -> tuple[TensorKind | None, Te
         return None, down("kv", Replicated(_A + "kv_a_proj_with_mqa.weight"))
     fused = _A + "fused_qkv_a_proj.weight"
     return (down("q", Replicated(fused, 0, q_rank + kv_rows)), down("kv", Replicated(fused, q_rank, q_rank + kv_rows)))
-
-
-def _layer(spec: ModelSpec, i: int) -> list:
-    a = dict(spec.arch)
-    H, n, qr, kr = spec.hidden_size, spec.num_attention_heads, a["q_lora_rank"], a["kv_lora_rank"]
-    dn, dr, dv = a["qk_nope_head_dim"], a["qk_rope_head_dim"], a["v_head_dim"]
-    q_down, kv_down = _down_kinds(qr, kr + dr)
-    out = [norm("input_layernorm.weight", H, INPUT_NORM)]
-    if qr is None:
-        out.append(Entry(_A + "q_proj.weight", (n * (dn + dr), H), Q_FULL))
-    else:
-        out += [Entry(_A + "q_a_proj.weight", (qr, H), q_down), Entry(_A + "q_a_layernorm.weight", (qr,), Q_NORM),
-                Entry(_A + "q_b_proj.weight", (n * (dn + dr), qr), Q_UP)]
-    out += [Entry(_A + "kv_a_proj_with_mqa.weight", (kr + dr, H), kv_down),
-            Entry(_A + "kv_a_layernorm.weight", (kr,), KV_NORM),
-            Entry(_A + "kv_b_proj.weight", (n * (dn + dv), kr), KV_UP),
-            Entry(_A + "o_proj.weight", (H, n * dv), Role.O),
-            norm("post_attention_layernorm.weight", H, Role.POST_ATTN_NORM)]
-    if not spec.is_moe_layer(i):
-        return out + dense_mlp(spec)
-    router, experts = routed_experts(spec)
-    out.append(router)
-    if a["router_bias"]:
-        out.append(Entry(_M + "gate.e_score_correction_bias", (spec.num_experts,), ROUTER_BIAS, "float32"))
-    out.append(experts)
-    if a["shared_intermediate_size"]:
-        out += gated_mlp_entries(_M + "shared_experts.", a["shared_intermediate_size"], H, SHARED_MLP)
-    return out
 
 
 class DeepseekV3(ModelFamily):
@@ -128,7 +100,31 @@ class DeepseekV3(ModelFamily):
                                "shared_intermediate_size": shared, "router_bias": True})
 
     def layer(self, spec: ModelSpec, i: int) -> list:
-        return _layer(spec, i)
+        a = dict(spec.arch)
+        H, n, qr, kr = spec.hidden_size, spec.num_attention_heads, a["q_lora_rank"], a["kv_lora_rank"]
+        dn, dr, dv = a["qk_nope_head_dim"], a["qk_rope_head_dim"], a["v_head_dim"]
+        q_down, kv_down = _down_kinds(qr, kr + dr)
+        out = [norm("input_layernorm.weight", H, INPUT_NORM)]
+        if qr is None:
+            out.append(Entry(_A + "q_proj.weight", (n * (dn + dr), H), Q_FULL))
+        else:
+            out += [Entry(_A + "q_a_proj.weight", (qr, H), q_down), Entry(_A + "q_a_layernorm.weight", (qr,), Q_NORM),
+                    Entry(_A + "q_b_proj.weight", (n * (dn + dr), qr), Q_UP)]
+        out += [Entry(_A + "kv_a_proj_with_mqa.weight", (kr + dr, H), kv_down),
+                Entry(_A + "kv_a_layernorm.weight", (kr,), KV_NORM),
+                Entry(_A + "kv_b_proj.weight", (n * (dn + dv), kr), KV_UP),
+                Entry(_A + "o_proj.weight", (H, n * dv), Role.O),
+                norm("post_attention_layernorm.weight", H, Role.POST_ATTN_NORM)]
+        if not spec.is_moe_layer(i):
+            return out + dense_mlp(spec)
+        router, experts = routed_experts(spec)
+        out.append(router)
+        if a["router_bias"]:
+            out.append(Entry(_M + "gate.e_score_correction_bias", (spec.num_experts,), ROUTER_BIAS, "float32"))
+        out.append(experts)
+        if a["shared_intermediate_size"]:
+            out += gated_mlp_entries(_M + "shared_experts.", a["shared_intermediate_size"], H, SHARED_MLP)
+        return out
 
     def megatron_options(self, spec: ModelSpec) -> dict[str, Any]:
         a = dict(spec.arch)

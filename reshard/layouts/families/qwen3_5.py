@@ -35,8 +35,8 @@ _LAYER_TYPES = ("linear_attention", "full_attention")
 GDN_INPUT_NORM = tensor_kind("gdn_input_norm", Replicated("input_layernorm.weight"),
                              Replicated(LAYER + "input_layernorm.weight"),
                              te=Replicated("self_attention.in_proj.layer_norm_weight"))
-GDN_DT_BIAS = tensor_kind("gdn_dt_bias", RowBlocks("self_attention.dt_bias"), RowBlocks(_LIN + "dt_bias"))
-GDN_A_LOG = tensor_kind("gdn_a_log", RowBlocks("self_attention.A_log"), RowBlocks(_LIN + "A_log"))
+GDN_DT_BIAS, GDN_A_LOG = (tensor_kind(f"gdn_{x.lower()}", RowBlocks("self_attention." + x), RowBlocks(_LIN + x))
+                          for x in ("dt_bias", "A_log"))
 # The GDN output norm is a plain RMSNorm weight in HF and vLLM, but Megatron builds it zero-centred: it stores w - 1.
 GDN_NORM = tensor_kind("gdn_norm", Replicated("self_attention.out_norm.weight"), Replicated(_LIN + "norm.weight"),
                 megatron_offset=-1.0)
@@ -105,39 +105,6 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
     return text
 
 
-def _layer(spec: ModelSpec, i: int, p: str) -> list:
-    """Layer i's tensors under the HF prefix `p` (`model.language_model.layers.{i}.` in the multimodal wrapper)."""
-    a = dict(spec.arch)
-    H = spec.hidden_size
-    if a["layer_types"][i] == "linear_attention":
-        nk, dk, nv, dv = (a[f"linear_{x}"] for x in ("num_key_heads", "key_head_dim", "num_value_heads",
-                                                       "value_head_dim"))
-        Kd, Vd = nk * dk, nv * dv
-        k, q = _gdn_kinds(nk, dk, nv, dv), p + "linear_attn."
-        out = [norm("input_layernorm.weight", H, GDN_INPUT_NORM, p),
-               Entry(q + "in_proj_qkv.weight", (2 * Kd + Vd, H), k["in_proj_qkv"]),
-               Entry(q + "in_proj_z.weight", (Vd, H), k["in_proj_z"]),
-               Entry(q + "in_proj_b.weight", (nv, H), k["in_proj_b"]),
-               Entry(q + "in_proj_a.weight", (nv, H), k["in_proj_a"]),
-               Entry(q + "conv1d.weight", (2 * Kd + Vd, 1, a["linear_conv_kernel_dim"]), k["conv1d"]),
-               Entry(q + "dt_bias", (nv,), GDN_DT_BIAS),
-               Entry(q + "A_log", (nv,), GDN_A_LOG),
-               Entry(q + "norm.weight", (a["linear_value_head_dim"],), GDN_NORM),
-               Entry(q + "out_proj.weight", (H, Vd), GDN_OUT)]
-    else:
-        kinds = _gated_attention_kinds(spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim)
-        out = [norm("input_layernorm.weight", H, Role.INPUT_NORM, p), *gqa_attention(spec, p, kinds, gated=True)]
-    out.append(norm("post_attention_layernorm.weight", H, Role.POST_ATTN_NORM, p))
-    if not spec.is_moe:
-        return out + dense_mlp(spec, p)
-    out += routed_experts(spec, p)
-    Fs, m = a["shared_intermediate_size"], p + "mlp."
-    if Fs:
-        out += [*gated_mlp_entries(m + "shared_expert.", Fs, H, SHARED_MLP),
-                Entry(m + "shared_expert_gate.weight", (1, H), SHARED_EXPERT_GATE)]
-    return out
-
-
 class Qwen35(ModelFamily):
     """Qwen3.5 (dense and MoE, text and vision-language): gated DeltaNet among gated full-attention layers."""
     name = "qwen3_5"
@@ -197,7 +164,33 @@ class Qwen35(ModelFamily):
         return "model.language_model." if spec.arch_value("multimodal") else "model."
 
     def layer(self, spec: ModelSpec, i: int) -> list[Entry | Experts]:
-        return _layer(spec, i, self.hf_model(spec) + "layers.{i}.")
+        """Layer i's tensors under `hf_model` (`model.language_model.` in the multimodal wrapper)."""
+        a, H, p = dict(spec.arch), spec.hidden_size, self.hf_model(spec) + "layers.{i}."
+        if a["layer_types"][i] == "linear_attention":
+            nk, dk, nv, dv = (a[f"linear_{x}"] for x in ("num_key_heads", "key_head_dim", "num_value_heads",
+                                                           "value_head_dim"))
+            Kd, Vd = nk * dk, nv * dv
+            k, q = _gdn_kinds(nk, dk, nv, dv), p + "linear_attn."
+            rows = {"in_proj_qkv": 2 * Kd + Vd, "in_proj_z": Vd, "in_proj_b": nv, "in_proj_a": nv}
+            out = [norm("input_layernorm.weight", H, GDN_INPUT_NORM, p),
+                   *(Entry(f"{q}{x}.weight", (n, H), k[x]) for x, n in rows.items()),
+                   Entry(q + "conv1d.weight", (2 * Kd + Vd, 1, a["linear_conv_kernel_dim"]), k["conv1d"]),
+                   Entry(q + "dt_bias", (nv,), GDN_DT_BIAS),
+                   Entry(q + "A_log", (nv,), GDN_A_LOG),
+                   Entry(q + "norm.weight", (dv,), GDN_NORM),
+                   Entry(q + "out_proj.weight", (H, Vd), GDN_OUT)]
+        else:
+            kinds = _gated_attention_kinds(spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim)
+            out = [norm("input_layernorm.weight", H, Role.INPUT_NORM, p), *gqa_attention(spec, p, kinds, gated=True)]
+        out.append(norm("post_attention_layernorm.weight", H, Role.POST_ATTN_NORM, p))
+        if not spec.is_moe:
+            return out + dense_mlp(spec, p)
+        out += routed_experts(spec, p)
+        Fs, m = a["shared_intermediate_size"], p + "mlp."
+        if Fs:
+            out += [*gated_mlp_entries(m + "shared_expert.", Fs, H, SHARED_MLP),
+                    Entry(m + "shared_expert_gate.weight", (1, H), SHARED_EXPERT_GATE)]
+        return out
 
     def megatron_options(self, spec: ModelSpec) -> dict[str, Any]:
         a = dict(spec.arch)

@@ -142,8 +142,6 @@ class SlotRefit:
 
     def __init__(self, plan: Plan, src: Mapping[int, Mapping[str, torch.Tensor]], manager: Any, lora_id: int,
                  rank: int = 0) -> None:
-        if not isinstance(plan.dst, VllmLoraLayout):
-            raise InputError("plan.dst", str(plan.dst), "must be a VllmLoraLayout (vLLM's LoRA slots)")
         if plan.selection is not None:  # B is scaled after every refit: each refit must rewrite all of it
             raise InputError("plan.selection", len(plan.selection), "selects part of the adapter; an in-slot refit "
                              "lands the whole adapter (compile the plan without tensors= / layers=)")

@@ -81,7 +81,7 @@ class WorkerSession:
         try:
             self._set_up(group, background)
         except Exception as e:
-            self._report(f"engine replica {refit.replica} worker: {type(e).__name__}: {e}")
+            self._report(e)
             self.close()
             raise
 
@@ -147,7 +147,7 @@ class WorkerSession:
             executor = open_transport(refit, process, {}, {self.rank: tensors}, store=store, group=group)
         except BaseException as e:  # kept by the Background for start / transfer
             if not self.closed:
-                self._report(f"engine replica {refit.replica} worker: {type(e).__name__}: {e}", store)
+                self._report(e, store)
             raise
         with self.lock:
             if not self.closed:
@@ -171,8 +171,9 @@ class WorkerSession:
             raise ExecutionError(f"the refit's set-up failed on this worker (engine replica {self.refit.replica}): "
                                  f"{type(e).__name__}: {e}") from None
 
-    def _report(self, reason: str, store: Any = None) -> None:
+    def _report(self, error: BaseException, store: Any = None) -> None:
         """Tell the trainer processes waiting at the rendezvous why this worker cannot take part."""
+        reason = f"engine replica {self.refit.replica} worker: {type(error).__name__}: {error}"
         if self.rendezvous is None:
             return
         try:
@@ -226,7 +227,7 @@ class WorkerSession:
             if self.shadow is not None:
                 self.shadow.build()
         except Exception as e:
-            self._report(f"engine replica {self.refit.replica} rank {self.rank}: {e}")
+            self._report(e)
             raise
         self.received = True
 

@@ -1,5 +1,5 @@
 """Waits over a real gloo group with one member frozen, for the tests that they are bounded: workers of one engine
-agreeing on a step (adapters.vllm.agreed), trainer processes sharing the rendezvous (TrainerSession.init)."""
+agreeing on a step (adapters.vllm.session.agreed), trainer processes sharing the rendezvous (TrainerSession.init)."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ def agree_with_a_frozen_peer(job: dict[str, Any]) -> None:
     it ended and after how long to job["out"]."""
     import torch.distributed as dist
 
-    from reshard.adapters.vllm.agreed import agreed
+    from reshard.adapters.vllm.session import agreed
 
     rank = dist.get_rank()
     if rank == dist.get_world_size() - 1:

@@ -1,5 +1,5 @@
 """Waits over a user's gloo group are bounded by reshard's timeout, never by the group's own (gloo's default: 30
-minutes): the workers of one vLLM engine agreeing on each refit step (adapters.vllm.agreed), and trainer processes
+minutes): the workers of one vLLM engine agreeing on each refit step (adapters.vllm.session.agreed), and trainer processes
 sharing the rendezvous from process 0 (TrainerSession.init). A frozen member makes the others raise
 ExecutionError within the timeout."""
 from __future__ import annotations

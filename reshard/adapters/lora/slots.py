@@ -93,9 +93,8 @@ class AdapterSlot:
         dtype = torch_dtype(layout.dtype)
         self.tensors: dict[str, torch.Tensor] = {}
         for name, shape in want.items():
-            module, buf = name.rsplit(".", 2)[0], name.rsplit(".", 2)[1:]
-            stacked = getattr(manager.modules[module], buf[0])
-            view = stacked[int(buf[1])][self.slot, 0]
+            module, stacked, s = name.rsplit(".", 2)  # <module>.lora_{a,b}_stacked.<s>
+            view = getattr(manager.modules[module], stacked)[int(s)][self.slot, 0]
             if tuple(view.shape) != shape or view.dtype != dtype:
                 problems.append(f"{name}: the engine has {tuple(view.shape)} {view.dtype}, the layout {shape} {dtype}")
             self.tensors[name] = view
@@ -142,8 +141,6 @@ class SlotRefit:
 
     def __init__(self, plan: Plan, src: Mapping[int, Mapping[str, torch.Tensor]], manager: Any, lora_id: int,
                  rank: int = 0) -> None:
-        if not isinstance(plan.dst, VllmLoraLayout):
-            raise InputError("plan.dst", str(plan.dst), "must be a VllmLoraLayout (vLLM's LoRA slots)")
         if plan.selection is not None:  # B is scaled after every refit: each refit must rewrite all of it
             raise InputError("plan.selection", len(plan.selection), "selects part of the adapter; an in-slot refit "
                              "lands the whole adapter (compile the plan without tensors= / layers=)")

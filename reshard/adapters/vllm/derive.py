@@ -121,9 +121,9 @@ def _read_placements(rank: int, name: str, values: torch.Tensor,
         if lead < 0:
             problems.append(f"{name} on rank {rank}: {t.name} {t.shape} landed in a tensor of fewer dimensions")
             continue
-        keys = phys[:lead].T if lead else np.zeros((phys.shape[1], 0), dtype=np.int64)
+        keys = phys[:lead].T  # the stack index of each element (no columns: one group)
         for key in np.unique(keys, axis=0):
-            part = np.all(keys == key, axis=1) if lead else np.ones(phys.shape[1], dtype=bool)
+            part = np.all(keys == key, axis=1)
             boxes = _as_boxes(canon[:, part], phys[lead:, part])
             if boxes is None:
                 problems.append(f"{name} on rank {rank}: the elements of {t.name} (stack index {tuple(key)}) "

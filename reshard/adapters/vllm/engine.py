@@ -1,7 +1,7 @@
 """The `reshard` weight-transfer engine, selected by vLLM's weight-transfer API with
 `weight_transfer_config={"backend": "reshard"}`. `register()` runs in every worker through the `vllm.general_plugins`
 entry point or on import of the worker extension. Each call of vLLM's protocol (init, start, update, finish,
-shutdown) is one agreed step of `agreed.AgreedSteps`.
+shutdown) is one agreed step of `session.AgreedSteps`.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
 
 from ...errors import PlanError
 from ..refit import RefitSpec
-from .agreed import AgreedSteps
+from .session import AgreedSteps
 
 BACKEND = "reshard"
 

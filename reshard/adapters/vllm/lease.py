@@ -205,9 +205,9 @@ class LeaseBook:
         return (f"refused: {TORN} (version {self.torn!r} is installed on some workers of this engine, not all), so "
                 f"the engine serves nothing until a refit's install succeeds on every worker")
 
-    def refusal(self, holder: str) -> str | None:
-        """Why a call of `holder` is refused (it is not the current, live holder), or None."""
-        if holder == self.holder and not self.lapsed():
+    def refusal(self, holder: str | None) -> str | None:
+        """Why a call of `holder` is refused (it is not the current, live holder), or None (None: an operator's)."""
+        if holder is None or holder == self.holder and not self.lapsed():
             return None
         now = f"the current holder is generation {self.generation}" if self.holder else "no driver holds it now"
         return (f"refused: lease {holder[:16]!r} is not the server's current lease ({now}); a late call of an old "
@@ -301,7 +301,7 @@ class ReshardLeaseMiddleware:
         holder = _header(scope, HEADER)
         if path not in FENCED or (holder is None and path not in WATCHED):
             return await self.app(scope, receive, send)
-        refusal = self.book.refusal(holder) if holder is not None else None
+        refusal = self.book.refusal(holder)
         if refusal is not None:
             return await _answer(send, 409, {"error": refusal})
         body, receive = await _buffered(receive)
@@ -443,7 +443,7 @@ class ThreadedLease:
             ExecutionError: `holder` does not hold the lease.
         """
         with self.lock:
-            refusal = self.book.refusal(holder) if holder is not None else None
+            refusal = self.book.refusal(holder)
             if refusal is not None:
                 raise ExecutionError(refusal)
             opened = self.book.enter(holder, route, update)

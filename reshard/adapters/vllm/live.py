@@ -82,14 +82,13 @@ def declared_layout(spec: ModelSpec, vllm_config: Any, replicas: int = 1) -> Vll
     """The VllmLayout a vLLM config declares (each data-parallel rank or engine counted as a replica; EPLB's
     redundant experts counted, their current placement is the EPLB state's: experts.live_placement)."""
     tp, ep = parallel_sizes(vllm_config)
-    dp = vllm_config.parallel_config.data_parallel_size
-    if dp > 1 and spec.is_moe:
-        raise LayoutError("vllm", f"data_parallel_size={dp} with a MoE model shards experts over DP x TP, "
-                                  f"which VllmLayout does not declare", {"dp": dp})
-    eplb = vllm_config.parallel_config
-    redundant = eplb.eplb_config.num_redundant_experts if getattr(eplb, "enable_eplb", False) else 0
-    return VllmLayout(model=spec, tp=tp, expert_parallel=ep and spec.is_moe, replicas=replicas,
-                      redundant_experts=redundant if ep and spec.is_moe else 0)
+    pc = vllm_config.parallel_config
+    if pc.data_parallel_size > 1 and spec.is_moe:
+        raise LayoutError("vllm", f"data_parallel_size={pc.data_parallel_size} with a MoE model shards experts over "
+                                  f"DP x TP, which VllmLayout does not declare", {"dp": pc.data_parallel_size})
+    ep = ep and spec.is_moe
+    redundant = pc.eplb_config.num_redundant_experts if ep and getattr(pc, "enable_eplb", False) else 0
+    return VllmLayout(model=spec, tp=tp, expert_parallel=ep, replicas=replicas, redundant_experts=redundant)
 
 
 def local_rank(vllm_config: Any, replica: int = 0) -> int:

@@ -47,10 +47,10 @@ class LoaderInstaller:
         device = getattr(getattr(vllm_config, "device_config", None), "device", None)
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.buffers = empty_for(plan, rank, self.device)  # each in its own dtype (a float32 router bias too)
-        if shared and self.device.type == "cpu":  # peers write them in place (the shared-memory transport)
+        self.shared = shared and self.device.type == "cpu"
+        if self.shared:  # peers write them in place (the shared-memory transport)
             self.buffers = {n: shared_empty(tuple(t.shape), t.dtype) for n, t in self.buffers.items()}
         self.groups = layer_groups(plan.src.model)
-        self.shared = shared and self.device.type == "cpu"
 
     def close(self) -> None:
         """The session is over: shared buffers' names go (peers of a later session get buffers of their own)."""

@@ -1,16 +1,17 @@
-"""One vLLM worker's side of a refit, however vLLM drives it (the weight-transfer engine and the worker extension
-both wrap this).
+"""One vLLM worker's side of a refit (`WorkerSession`), and its steps agreed on by every worker of the engine
+(`AgreedSteps`, which vLLM's weight-transfer engine and the worker extension both drive: if any worker fails a step,
+none goes on):
 
-    session = WorkerSession(model, vllm_config, RefitSpec.from_dict(payload))  # checks; raises before bytes move
-    session.start(); session.transfer(); session.install()                      # one refit (install commits)
-    session.close()
+    steps = AgreedSteps(model, vllm_config)
+    steps.init(lambda: RefitSpec.from_dict(payload))   # every worker binds a WorkerSession; raises before bytes move
+    steps.start(); steps.update(); steps.finish()      # one refit: the session's start, transfer, install
 
-Construction checks the trainer's model and layout against what this worker serves (an EPLB engine's expert
-placement again at every `start`), compiles the plan, binds the destination (direct: the live parameters; loader:
-buffers for whole tensors; lora_slot: an adapter's slot) and opens the transport; a failure is reported at the
-rendezvous (waiting trainers stop at once) and raised. With `background=True` a cross-process set-up does the quick
-local steps at once and waits for the other members in a thread, since vLLM runs an init on the engine's RPC path
-and would stop generating meanwhile; its failure is raised by the next `start` or `transfer`.
+A WorkerSession's construction checks the trainer's model and layout against what this worker serves (an EPLB
+engine's expert placement again at every `start`), compiles the plan, binds the destination (direct: the live
+parameters; loader: buffers for whole tensors; lora_slot: an adapter's slot) and opens the transport; a failure is
+reported at the rendezvous (waiting trainers stop at once) and raised. With `background=True` a cross-process set-up
+does the quick local steps at once and waits for the other members in a thread, since vLLM runs an init on the
+engine's RPC path and would stop generating meanwhile; its failure is raised by the next `start` or `transfer`.
 
 A refit is all or nothing on this engine: the bytes land in the executor's staging or the loader's buffers first.
 With `RefitSpec.staging`, `transfer` returns at once and lands while the engine generates; the install (the flip)
@@ -19,12 +20,13 @@ writing names `lease.TORN`, and the server's lease middleware fences the engine 
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -44,6 +46,10 @@ from .lease import TORN
 from .live import declared_layout, local_rank, spec_of
 from .loader import LoaderInstaller
 from .staging import Shadow, Staging, check_room, free_bytes, swaps
+
+MESSAGE_BYTES = 4096  # per worker, when the workers of an engine tell each other why a step failed
+AGREE_TIMEOUT = 300.0  # seconds a worker waits for the others of its engine to agree (the refit's timeout once bound)
+log = logging.getLogger("reshard.vllm")
 
 
 class WorkerSession:
@@ -75,12 +81,14 @@ class WorkerSession:
         try:
             self._set_up(group, background)
         except Exception as e:
-            self._report(f"engine replica {refit.replica} worker: {type(e).__name__}: {e}")
+            self._report(e)
             self.close()
             raise
 
     def _set_up(self, group: Any, background: bool = False) -> None:
         refit = self.refit
+        if refit.cross_process:
+            self.rendezvous = rv.Rendezvous.from_dict(refit.rendezvous)
         src, dst = refit.layouts()
         check_served_model(refit, dst, self.vllm_config)
         self.dst = dst
@@ -119,32 +127,27 @@ class WorkerSession:
         process = self.rank
         self.tensors, self.installed = tensors, False
         if refit.cross_process:
-            self.rendezvous = rv.Rendezvous.from_dict(refit.rendezvous)
             self.store = rv.connect(self.rendezvous)  # one probe first: an unreachable address fails at once
             process = self.plan.src.num_ranks + self.rank
             if background:
                 rv.check_secret(self.store, self.rendezvous, "engine", process)  # a wrong secret: at once
                 rv.check_place(self.store, self.rendezvous, process)  # a duplicate rank: at once
                 self.meeting_deadline = time.monotonic() + self.rendezvous.timeout + 30.0 + self._timeout()
-                # the CUDA device is per thread: the set-up thread makes NCCL groups on this worker's device
-                device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
-                self.meeting = Background(self._meet, process, tensors, group, device, name="reshard-meet")
+                self.meeting = _on_this_device(self._meet, process, tensors, group, name="reshard-meet")
                 return
             rv.join(self.store, self.rendezvous, process, refit.num_processes, "engine")
         self.executor = open_transport(refit, process, {}, {self.rank: tensors}, store=self.store, group=group)
 
-    def _meet(self, process: int, tensors: Any, group: Any, device: int | None = None) -> None:
-        """The background set-up: join, then open the transport on `device`; a failure is reported at the
-        rendezvous; a session closed meanwhile releases what was opened."""
-        if device is not None:
-            torch.cuda.set_device(device)
+    def _meet(self, process: int, tensors: Any, group: Any) -> None:
+        """The background set-up: join, then open the transport; a failure is reported at the rendezvous; a session
+        closed meanwhile releases what was opened."""
         store, rdv, refit = self.store, self.rendezvous, self.refit
         try:
             rv.join(store, rdv, process, refit.num_processes, "engine")
             executor = open_transport(refit, process, {}, {self.rank: tensors}, store=store, group=group)
         except BaseException as e:  # kept by the Background for start / transfer
             if not self.closed:
-                self._report(f"engine replica {refit.replica} worker: {type(e).__name__}: {e}", store)
+                self._report(e, store)
             raise
         with self.lock:
             if not self.closed:
@@ -168,14 +171,14 @@ class WorkerSession:
             raise ExecutionError(f"the refit's set-up failed on this worker (engine replica {self.refit.replica}): "
                                  f"{type(e).__name__}: {e}") from None
 
-    def _report(self, reason: str, store: Any = None) -> None:
+    def _report(self, error: BaseException, store: Any = None) -> None:
         """Tell the trainer processes waiting at the rendezvous why this worker cannot take part."""
-        if not self.refit.cross_process or self.refit.rendezvous is None:
+        reason = f"engine replica {self.refit.replica} worker: {type(error).__name__}: {error}"
+        if self.rendezvous is None:
             return
         try:
-            rdv = rv.Rendezvous.from_dict(self.refit.rendezvous)
             store = store if store is not None else self.store
-            rv.fail(store if store is not None else rv.connect(rdv), rdv, reason)
+            rv.fail(store if store is not None else rv.connect(self.rendezvous), self.rendezvous, reason)
         except Exception:  # noqa: BLE001 - the store may be unreachable; the error raised says what failed
             pass
 
@@ -216,18 +219,15 @@ class WorkerSession:
         self.landing = None
         if self.refit.staging is None:
             return self._land()
-        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
-        self.landing = Background(self._land, device, name="reshard-stage")
+        self.landing = _on_this_device(self._land, name="reshard-stage")
 
-    def _land(self, device: int | None = None) -> None:
-        if device is not None:
-            torch.cuda.set_device(device)
+    def _land(self) -> None:
         try:
             self.executor.refit()
             if self.shadow is not None:
                 self.shadow.build()
         except Exception as e:
-            self._report(f"engine replica {self.refit.replica} rank {self.rank}: {e}")
+            self._report(e)
             raise
         self.received = True
 
@@ -252,8 +252,6 @@ class WorkerSession:
                 raise ExecutionError(f"the staged transfer did not end within {timeout:.0f} s")
             if landing.error is not None:
                 raise ExecutionError(f"the staged transfer failed: {type(landing.error).__name__}: {landing.error}")
-
-        from .agreed import agreed
 
         ok = agreed("staged transfer", whole)
         self.tail_s = time.perf_counter() - start
@@ -309,6 +307,19 @@ class WorkerSession:
         self.store = None
 
 
+def _on_this_device(fn: Any, *args: Any, name: str) -> Background:
+    """`fn(*args)` in a Background on this thread's CUDA device (the device is per thread: NCCL groups and copies
+    must use this worker's)."""
+    device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+    def run() -> None:
+        if device is not None:
+            torch.cuda.set_device(device)
+        fn(*args)
+
+    return Background(run, name=name)
+
+
 def _injected_flip_fault(rank: int, wrote: bool) -> None:
     """Tests only: $RESHARD_TEST_FLIP_FAULT names a file; "<rank>" there fails this rank's flip before it writes,
     "<rank> kill" SIGKILLs the worker after its flip wrote. Read at each flip."""
@@ -358,3 +369,126 @@ def check_served_model(refit: RefitSpec, dst: Any, vllm_config: Any) -> None:
         differ = ", ".join(f"{k}: {mine[k]!r} vs {theirs[k]!r}" for k in mine if mine[k] != theirs.get(k))
         raise LayoutMismatchError(str(dst), [f"trainer declared {dst}, the engine runs {declared} ({differ})"],
                                   where="this vLLM engine's parallel config")
+
+
+
+
+def _engine_group() -> Any:
+    """The CPU (gloo) group of every worker of this engine, or None for a single worker."""
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        group = get_world_group()
+    except Exception:  # noqa: BLE001 - not initialized (a bare model in tests): one worker
+        return None
+    return group.cpu_group if group.world_size > 1 else None
+
+
+def agreed(step: str, fn: Callable[[], None], timeout: float = AGREE_TIMEOUT, group: Any = None) -> bool:
+    """Run `fn` on every worker of this engine and agree on the outcome: True if it succeeded everywhere. Otherwise
+    the last worker raises ExecutionError naming every worker's error and the others return False (vLLM's executor
+    stops reading answers at the first failure, so a failure on any earlier worker would mix up later calls).
+    Waits at most `timeout` seconds for the other workers."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    error = None
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - agreed on below, then raised on the last worker
+        error = f"{type(e).__name__}: {e}"
+    group = group if group is not None else _engine_group()  # `group`: tests give their own
+    if group is None:
+        if error is not None:
+            raise ExecutionError(f"{step} failed: {error}")
+        return True
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    mine = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
+    if error is not None:
+        data = error.encode()[:MESSAGE_BYTES - 1] or b"?"
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    gathered = [torch.zeros_like(mine) for _ in range(size)]
+    work = dist.all_gather(gathered, mine, group=group, async_op=True)
+    try:
+        work.wait(timedelta(seconds=timeout))
+    except Exception as e:  # noqa: BLE001 - another worker of this engine never came to the agreement
+        raise ExecutionError(f"{step}: the other workers of this engine did not agree within {timeout:.0f} s "
+                             f"({e}); this worker's own outcome: {error or 'ok'}") from None
+    errors = [(r, bytes(t[t.nonzero().flatten()].tolist()).decode(errors="replace"))
+              for r, t in enumerate(gathered) if bool(t.any())]
+    if not errors:
+        return True
+    text = "; ".join(f"worker {r}: {m}" for r, m in errors)
+    if rank == size - 1:
+        raise ExecutionError(f"{step} failed on this engine: {text}")
+    log.warning("reshard %s failed on this engine (reported by its last worker): %s", step, text)
+    return False
+
+
+class AgreedSteps:
+    """One worker's refit steps, each agreed on by every worker of its engine (see `agreed`)."""
+
+    def __init__(self, model: torch.nn.Module, vllm_config: Any) -> None:
+        self.model, self.vllm_config = model, vllm_config
+        self.session: WorkerSession | None = None
+
+    def init(self, refit: Callable[[], RefitSpec], check: Callable[[RefitSpec], None] | None = None) -> None:
+        """Bind this worker to the refit `refit()` returns (after the caller's `check`), agreed on; the rest of the
+        set-up goes on in the background and `start` agrees on its outcome."""
+        self.close()
+
+        def init() -> None:
+            spec = refit()
+            if check is not None:
+                check(spec)
+            self.session = WorkerSession(self.model, self.vllm_config, spec, background=True)
+
+        if not agreed("init", init) and self.session is not None:
+            self.close()  # another worker of this engine failed: none of them takes part
+
+    def active(self) -> WorkerSession:
+        """The bound session (RuntimeError before init)."""
+        if self.session is None:
+            raise RuntimeError("reshard weight transfer is not initialized: init it first")
+        return self.session
+
+    def _timeout(self) -> float:
+        if self.session is None:
+            return AGREE_TIMEOUT
+        # another worker may still be inside its own step, bounded by the transport's timeout
+        return 2 * transport_timeout(self.session.refit.options, AGREE_TIMEOUT) + 30.0
+
+    def start(self) -> None:
+        """Open an update on every worker, agreed on (the background set-up's outcome too)."""
+        agreed("start", lambda: self.active().start(), self._timeout())
+
+    def update(self, error: Exception | None = None, phase: str = "all", refit: str = "") -> None:
+        """The transfer on every worker, agreed on, and only then the install. `phase`: "transfer" stops before the
+        install, "install" installs what this update's transfer received, "all" does both. `refit`: the refit id
+        the update belongs to (another is refused). `error`: the update's info was invalid (raised inside the
+        agreement)."""
+
+        def transfer() -> None:
+            if error is not None:
+                raise error
+            self.active().check_refit(refit)
+            if phase == "install":
+                self.active().install()
+            else:
+                self.active().transfer()
+
+        if agreed("update", transfer, self._timeout()) and phase == "all":
+            agreed("install", lambda: self.active().install(), self._timeout())
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+
+    def finish(self) -> None:
+        """Close the update on this worker (nothing left to do once bound: the install committed it)."""
+        self.active()
+
+    def close(self) -> None:
+        """Close the session (its transport), if any."""
+        if self.session is not None:
+            self.session.close()
+            self.session = None

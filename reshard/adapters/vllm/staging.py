@@ -3,15 +3,9 @@ and the flip that makes them live. A staging holds one copy of the worker's shar
 does not fit, naming both sizes.
 
 A staged loader install on a CPU engine flips a `Shadow`: vLLM's CPU build packs every linear weight after loading,
-so a loader install must re-run `load_weights` and that processing; here it runs on a shadow of the model while the
-engine still generates, and the flip swaps the shadow's parameters in (pointer assignments, no byte copied):
-
-    shadow = Shadow(installer)    # at init: its size (`nbytes`), checked like a staging
-    shadow.build()                # once the staged bytes are whole: vLLM's own load_weights and processing
-    shadow.swap()                 # inside the pause
-
-The shadow is a copy of the module tree whose parameters are fresh tensors of the shapes vLLM recorded for
-reloading; the live model is only read until `swap`. Needs an eager engine (`--enforce-eager`).
+so a loader install re-runs `load_weights` and that processing, here on a shadow of the module tree (fresh tensors of
+the shapes vLLM recorded for reloading) while the engine still generates; the flip swaps the shadow's parameters in
+(pointer assignments, no byte copied). The live model is only read until then. Needs `--enforce-eager`.
 """
 from __future__ import annotations
 
@@ -72,8 +66,8 @@ class Staging:
             raise ExecutionError(f"staging={where!r} is not one of {WHERE}")
         self.live, self.where = live, where
         self.nbytes = sum(t.numel() * t.element_size() for t in live.values())
-        device = next(iter(live.values())).device if live else torch.device("cpu")
-        check_room(self.nbytes, free_bytes(device, where), where, what)
+        self.device = next(iter(live.values())).device if live else torch.device("cpu")
+        check_room(self.nbytes, free_bytes(self.device, where), where, what)
         pin = where == "host" and torch.cuda.is_available()
         self.tensors = {name: torch.empty(t.shape, dtype=t.dtype, device="cpu" if where == "host" else t.device,
                                           pin_memory=pin) for name, t in live.items()}
@@ -86,10 +80,8 @@ class Staging:
         start = time.perf_counter()
         for name, live in self.live.items():
             live.copy_(self.tensors[name], non_blocking=True)
-        if self.live:
-            device = next(iter(self.live.values())).device
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.flip_s = time.perf_counter() - start
 
 

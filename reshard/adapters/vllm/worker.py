@@ -18,7 +18,7 @@ from typing import Any
 from ...errors import LayoutMismatchError, PlanError
 from ...planner import cache
 from ..refit import RefitSpec
-from .agreed import AgreedSteps
+from .session import AgreedSteps
 from .derive import representative_layers
 from .direct import bind_direct
 from .engine import ReshardUpdateInfo, register
@@ -105,27 +105,27 @@ class ReshardWorkerExtension:
     def reshard_stats(self) -> dict[str, Any]:
         """This worker's plan-cache counts, its pid and, once a refit installed, its last install's time (`flip_s`),
         its wait for a staged transfer (`tail_s`) and whether its flip swaps a shadow in (`swap`)."""
-        sessions = self._reshard_sessions()
-        times = {"flip_s": sessions[0].flip_s, "tail_s": sessions[0].tail_s,
-                 "swap": sessions[0].shadow is not None} if sessions else {}
+        session = self._reshard_session()
+        times = {"flip_s": session.flip_s, "tail_s": session.tail_s,
+                 "swap": session.shadow is not None} if session else {}
         return {**cache.stats(), "pid": os.getpid(), **times}
 
-    def _reshard_sessions(self) -> list[Any]:
-        """This worker's refit sessions: the weight-transfer engine's first, then this extension's."""
+    def _reshard_session(self) -> Any:
+        """This worker's refit session: the weight-transfer engine's, else this extension's (None: neither)."""
         engine = getattr(getattr(self, "weight_transfer_engine", None), "steps", None)
-        return [s.session for s in (engine, getattr(self, "_reshard_agreed", None)) if s and s.session]
+        return next((s.session for s in (engine, getattr(self, "_reshard_agreed", None)) if s and s.session), None)
 
     def reshard_landed(self) -> dict[str, Any]:
         """`WorkerSession.landed` of this worker's last refit (weight-transfer API or this extension)."""
-        sessions = self._reshard_sessions()
-        if not sessions:
+        session = self._reshard_session()
+        if session is None:
             raise PlanError("no refit session on this worker: nothing landed yet")
-        return sessions[0].landed()
+        return session.landed()
 
     def reshard_staged(self) -> dict[str, Any]:
         """`WorkerSession.staged`: whether this worker's staged transfer has ended ({"done", "error"})."""
-        sessions = self._reshard_sessions()
-        return sessions[0].staged() if sessions else {"done": True, "error": "no refit session on this worker"}
+        session = self._reshard_session()
+        return session.staged() if session else {"done": True, "error": "no refit session on this worker"}
 
     def reshard_in_flight(self) -> list[str]:
         """The ids of the requests this worker holds state for (running, or frozen by a "keep" pause)."""

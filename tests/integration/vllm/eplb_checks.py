@@ -56,7 +56,7 @@ torch.accelerator.current_stream = lambda device=None: NoStream()
 class EngineClient(LoopbackClient):
     """vLLM's weight-sync client of the whole engine, seen from one EP rank's process: the call runs on this rank's
     worker, the ranks exchange what their workers raised, and every rank raises all of it (vLLM's executor reads
-    every worker's answer and the engine raises if any failed; `adapters.vllm.agreed` has only the last worker
+    every worker's answer and the engine raises if any failed; `adapters.vllm.session.agreed` has only the last worker
     raise, the others agree quietly)."""
 
     BYTES = 4096
@@ -249,7 +249,7 @@ def main() -> int:
 
     def refused(fn, *words) -> str | None:
         """fn must be refused on every worker of the engine -- its last worker raises, naming `words`; the others
-        agree quietly and hold no session (adapters.vllm.agreed) -- with the engine's weights untouched."""
+        agree quietly and hold no session (adapters.vllm.session.agreed) -- with the engine's weights untouched."""
         before = snapshot(engine_model)
         try:
             fn()

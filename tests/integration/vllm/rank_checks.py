@@ -206,7 +206,7 @@ def run_case(case: dict, rank: int, world: int) -> dict[str, str]:
             if "LayoutMismatchError" not in str(e) or "the engine runs" not in str(e) or "vocab_padding" not in str(e):
                 return f"unexpected error: {e}"
             return same_bytes(model, before)
-        # the engine's workers agree on a refusal and only its last worker raises (adapters.vllm.agreed):
+        # the engine's workers agree on a refusal and only its last worker raises (adapters.vllm.session.agreed):
         # the others refuse quietly, holding no session
         if rank == world - 1 or engines[-1].steps.session is not None:
             return "the engine accepted a trainer's destination layout that differs from its own"

@@ -1,11 +1,7 @@
 """What NeMo-RL's and verl's backends share: every trainer process holds whole HF tensors and every inference
-process hands whole HF tensors to vLLM's loaders, so the model moves group by group.
-
-`tensor_groups` cuts the model into groups of at most `bucket_size` bytes; `group_plans` / `group_bindings` give
-one plan per group and who plays its ranks; `group_executor` is this process's executor for a group (destinations
-written in place); `refuse` fails a group on every process at once; `check_options`, `check_room`,
-`refuse_serving`, `refuse_moved_experts` are the options and refusals both backends share. How the processes
-agree: integrations.agreement.
+process hands whole HF tensors to vLLM's loaders, so the model moves in groups of at most `bucket_size` bytes, one
+plan and one executor per group; and the options and refusals of both. How the processes agree:
+integrations.agreement.
 """
 from __future__ import annotations
 
@@ -13,7 +9,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..errors import ArgumentError, ExecutionError, LayoutMismatchError
-from ..executors.base import Executor, RankTensors
+from ..executors.base import Executor
 from ..executors.binding import Binding
 from ..layouts import HfLayout, ModelSpec
 from ..planner import Plan
@@ -286,8 +282,8 @@ _GROUP_OPTIONS = {"collective": lambda cap: {"memory_cap": cap, "depth": DEPTH},
                   "shared": lambda cap: {"poll_max_s": 0.005}}
 
 
-def group_executor(transport: str, plan: Plan, binding: Binding, process: int, src: RankTensors, dst: RankTensors,
-                   *, store: Any, rendezvous: Any, namespace: str, comm: Any = None, timeout: float = 300.0,
+def group_executor(transport: str, plan: Plan, binding: Binding, process: int, tensors: dict[str, Any], *,
+                   store: Any, rendezvous: Any, namespace: str, comm: Any = None, timeout: float = 300.0,
                    checksum: bool | str = False, memory_cap: int = 1 << 30, delta: Any = None) -> Executor:
     """This process's executor for one group's plan, writing the destination tensors in place (the caller hands
     them on only once every process agreed); `refit(version)` moves the group once per call.
@@ -296,7 +292,8 @@ def group_executor(transport: str, plan: Plan, binding: Binding, process: int, s
         transport: "collective" (over `comm`, a StoreComm every process joined), "shared" or "nixl" (keys under
             `namespace`, unique per executor: letters and digits, in the rendezvous's store).
         plan, binding, process: the group's plan, who plays its ranks, this process.
-        src, dst: this process's tensors (rank -> name -> tensor); "shared" on CPU: destinations in shared memory.
+        tensors: this process's tensors of the group (name -> tensor), for every rank it plays; "shared" on CPU:
+            destinations in shared memory.
         store, rendezvous, namespace, comm: where the processes meet (see `transport`).
         timeout, checksum: the executors' options.
         memory_cap: "collective": bytes of wire buffers (DEPTH rounds x peers x one message).
@@ -311,6 +308,7 @@ def group_executor(transport: str, plan: Plan, binding: Binding, process: int, s
     chosen = registered(transport)
     options = {**chosen.in_place, "timeout": timeout, "checksum": checksum,
                **_GROUP_OPTIONS.get(transport, lambda cap: {})(memory_cap)}
+    src, dst = ({r: tensors for r in ranks(process)} for ranks in (binding.src_ranks_of, binding.dst_ranks_of))
     return open_transport(transport, Endpoint(plan, binding, process, src, dst, options, store=store,
                                               rendezvous=rendezvous, namespace=namespace, comm=comm, delta=delta))
 

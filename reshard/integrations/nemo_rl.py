@@ -23,7 +23,6 @@ import inspect
 import json
 import time
 from collections.abc import AsyncGenerator, Generator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -250,10 +249,8 @@ class ReshardCheckpointEngine:
 
             policy = DeltaPolicy(keyframe_every=self.delta)
         for k, (plan, binding) in enumerate(zip(self._plans, self._bindings)):
-            mine = {r: self._views[k] for r in (binding.src_ranks_of(P) or binding.dst_ranks_of(P))}
-            src, dst = (mine, {}) if self.role == "policy" else ({}, mine)
             self._executors.append(group_executor(
-                self.transport, plan, binding, P, src, dst, store=self.store, rendezvous=self._rdv,
+                self.transport, plan, binding, P, self._views[k], store=self.store, rendezvous=self._rdv,
                 namespace=f"{self._rdv.refit_id}g{g}k{k}", comm=self._comm, timeout=self.timeout,
                 checksum=self.checksum, memory_cap=self.bucket_size, delta=policy))
         self._version, self._broken = 0, False
@@ -320,7 +317,15 @@ class ReshardCheckpointEngine:
         if self.role != "policy":
             raise ExecutionError("send_weights on an engine that is not a joined policy worker "
                                  "(call init_policy_process_group first)")
-        s = _Sending(self._begin(), [len(group) for group in self.groups])
+        version, G = self._begin(), len(self.groups)
+        missing = [len(group) for group in self.groups]  # per group: tensors the stream has not delivered yet
+        seen: set[str] = set()
+        early: dict[int, dict[str, torch.Tensor]] = {}  # groups ahead: copies until their turn
+        early_bytes = peak = sent = overlapped = next_k = 0
+        error: BaseException | None = None
+        flight: concurrent.futures.Future | None = None  # the group moving now (group next_k - 1)
+        refusal: concurrent.futures.Future | None = None
+        polled, start = time.monotonic(), time.perf_counter()
         stream = iter(weights)
         while True:
             try:  # NeMo-RL's iterator is synchronous (Megatron's export): drained here, on the event loop's thread
@@ -328,67 +333,57 @@ class ReshardCheckpointEngine:
             except StopIteration:
                 break
             except BaseException as e:  # the exporter itself failed: no stream left to drain
-                if s.error is None:
-                    await asyncio.wrap_future(self._fail(s.version, e, s.flight, s.next_k))
+                if error is None:
+                    await asyncio.wrap_future(self._fail(version, e, flight, next_k))
                 raise
-            if s.error is not None:
+            if error is not None:
                 continue  # drain: producing the stream is collective over the policy workers
-            s.overlapped += s.flight is not None and not s.flight.done()
-            try:
-                await self._take(s, name, tensor)
+            overlapped += flight is not None and not flight.done()  # stream items taken while a group moved
+            try:  # keep what the plans read from this worker, move every group now complete
+                for hf, t in self._names.checked(name, tensor, seen):
+                    k = self._where[hf]
+                    missing[k] -= 1
+                    if hf in self._needed[k]:
+                        if k == next_k:  # its bucket is free: the group in flight uses the other one
+                            self._views[k][hf].copy_(t)
+                        else:  # a copy: an exporter may reuse what it yields
+                            early.setdefault(k, {})[hf] = t.detach().clone()
+                            early_bytes += t.nbytes
+                            peak = max(peak, early_bytes)
+                while next_k < G and missing[next_k] == 0:  # groups in model order, one in flight
+                    sent += await self._landed(flight)
+                    synchronize(self._device)  # this thread's copies into the bucket are done before a peer reads it
+                    flight = self._pool.submit(self._move, next_k, version)
+                    next_k += 1
+                    for hf, t in early.pop(next_k, {}).items():
+                        self._views[next_k][hf].copy_(t)
+                        early_bytes -= t.nbytes
+                if flight is not None and flight.done() and flight.exception() is not None:
+                    raise flight.exception()
+                if time.monotonic() - polled > POLL_S:  # a refusal elsewhere: stop sending now, not at the end
+                    polled = time.monotonic()
+                    self._agreement.check()
             except Exception as e:  # noqa: BLE001 - a wrong tensor, a failed copy or transfer, a refusal elsewhere
-                s.error, s.refusal, s.flight = e, self._fail(s.version, e, s.flight, s.next_k), None
-                s.early.clear()
-        await self._conclude(s)
-
-    async def _take(self, s: "_Sending", name: str, tensor: Any) -> None:
-        """Check one stream item, keep what the plans read from this worker, move every group now complete."""
-        for hf, t in self._names.checked(name, tensor, s.seen):
-            k = self._where[hf]
-            s.missing[k] -= 1
-            if hf in self._needed[k]:
-                if k == s.next_k:  # its bucket is free: the group in flight uses the other one
-                    self._views[k][hf].copy_(t)
-                else:  # a copy: an exporter may reuse what it yields
-                    s.early.setdefault(k, {})[hf] = t.detach().clone()
-                    s.early_bytes += t.nbytes
-                    s.peak = max(s.peak, s.early_bytes)
-        while s.next_k < len(self.groups) and s.missing[s.next_k] == 0:  # groups in model order, one in flight
-            s.sent += await self._landed(s.flight)
-            synchronize(self._device)  # this thread's copies into the bucket are done before a peer reads it
-            s.flight = self._pool.submit(self._move, s.next_k, s.version)
-            s.next_k += 1
-            for hf, t in s.early.pop(s.next_k, {}).items():
-                self._views[s.next_k][hf].copy_(t)
-                s.early_bytes -= t.nbytes
-        if s.flight is not None and s.flight.done() and s.flight.exception() is not None:
-            raise s.flight.exception()
-        if time.monotonic() - s.polled > POLL_S:  # a refusal elsewhere: stop sending now, not at the end
-            s.polled = time.monotonic()
-            self._agreement.check()
-
-    async def _conclude(self, s: "_Sending") -> None:
-        """End a policy worker's stream: every tensor came, the last group moved, the verdict agreed."""
-        G = len(self.groups)
-        if s.error is None and s.next_k < G:  # the stream ended without every tensor
-            s.error = self._names.never_came(s.seen, "policy")
-            s.refusal, s.flight = self._fail(s.version, s.error, s.flight, s.next_k), None
-        if s.error is None:
+                error, refusal, flight = e, self._fail(version, e, flight, next_k), None
+                early.clear()
+        if error is None and next_k < G:  # the stream ended without every tensor
+            error = self._names.never_came(seen, "policy")
+            refusal, flight = self._fail(version, error, flight, next_k), None
+        if error is None:
             try:
-                s.sent += await self._landed(s.flight)
+                sent += await self._landed(flight)
                 self._agreement.end()  # this worker's stream was complete and valid, and moved
                 await self._agreement.ended()
             except ReshardError as e:
-                s.error, s.refusal = e, self._fail(s.version, e, None, G)
-        if s.refusal is not None:
-            await asyncio.wrap_future(s.refusal)
-        self.last_refit = {"bytes_sent": s.sent, "seconds": time.perf_counter() - s.start,
+                error, refusal = e, self._fail(version, e, None, G)
+        if refusal is not None:
+            await asyncio.wrap_future(refusal)
+        self.last_refit = {"bytes_sent": sent, "seconds": time.perf_counter() - start,
                            "kept": sum(len(x) for x in self._needed), "held_bytes": self._held,
-                           "early_bytes_peak": s.peak, "groups": G, "failed": s.error is not None,
-                           "drained_while_moving": s.overlapped,  # stream items taken while a group moved
-                           "delta": self._delta_summary()}
-        if s.error is not None:
-            raise self._explained(s.error)
+                           "early_bytes_peak": peak, "groups": G, "failed": error is not None,
+                           "drained_while_moving": overlapped, "delta": self._delta_summary()}
+        if error is not None:
+            raise self._explained(error)
 
     async def receive_weight_batches(self) -> AsyncGenerator[list[tuple[str, torch.Tensor]], None]:
         """Batches of whole HF tensors, one group each, in model order, each once every process agreed on it
@@ -555,26 +550,6 @@ class ReshardCheckpointEngine:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         self._pool = None
-
-
-@dataclass
-class _Sending:
-    """A policy worker's state while it drains one refit's stream."""
-
-    version: int
-    missing: list[int]  # per group: tensors the stream has not delivered yet
-    seen: set[str] = field(default_factory=set)
-    early: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # groups ahead: copies until their turn
-    early_bytes: int = 0
-    peak: int = 0
-    sent: int = 0
-    error: BaseException | None = None
-    flight: concurrent.futures.Future | None = None  # the group moving now (group next_k - 1)
-    refusal: concurrent.futures.Future | None = None
-    next_k: int = 0
-    overlapped: int = 0
-    polled: float = field(default_factory=time.monotonic)
-    start: float = field(default_factory=time.perf_counter)
 
 
 def _backend(transport: str, backend: str | None, fanout: int | None, device: torch.device) -> str | None:

@@ -276,7 +276,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
                                             for n in self.groups[k]}
                 if self.delta is not None:  # the version a delta is applied to, kept between refits
                     self._held[k] = dst
-                session.move(k, dst=dst)
+                session.move(k, dst)
                 loop.call_soon_threadsafe(landed.put_nowait, (k, dst))
         except BaseException as e:  # noqa: BLE001 - handed to the event loop, which raises it
             loop.call_soon_threadsafe(landed.put_nowait, e)
@@ -333,23 +333,21 @@ class RefitSession:
 
     def move_next(self, position: int, src: dict[str, torch.Tensor]) -> int:
         """A trainer's transfer-thread job: move its group `position` once its gate opened."""
-        return self.move(self.agreement.gate(position), src=src)
+        return self.move(self.agreement.gate(position), src)
 
-    def move(self, k: int, src: dict[str, torch.Tensor] | None = None,
-             dst: dict[str, torch.Tensor] | None = None) -> int:
-        """Move this process's part of group k on the transfer thread, then count it done; the bytes it sent.
-        Raises the transfer's ReshardError (posted as the refit's failure unless a peer's came first)."""
-        top, binding = self.top, self.bindings[k]
-        src = {binding.src_ranks_of(top.process)[0]: src} if src is not None else {}
-        dst = {binding.dst_ranks_of(top.process)[0]: dst} if dst is not None else {}
+    def move(self, k: int, tensors: dict[str, torch.Tensor]) -> int:
+        """Move this process's part of group k (its sources or destinations) on the transfer thread, then count it
+        done; the bytes it sent. Raises the transfer's ReshardError (posted as the refit's failure unless a peer's
+        came first)."""
         try:
-            ex = group_executor(self.options.get("transport", "collective"), self.plans[k], binding, top.process,
-                                src, dst, store=self.store, rendezvous=self.rdv, namespace=f"{self.rdv.refit_id}g{k}",
-                                comm=self.comm, timeout=self.timeout, checksum=self.options.get("checksum", False),
-                                memory_cap=top.bucket_size, delta=self.policies and self.policies[k])
+            ex = group_executor(self.options.get("transport", "collective"), self.plans[k], self.bindings[k],
+                                self.top.process, tensors, store=self.store, rendezvous=self.rdv,
+                                namespace=f"{self.rdv.refit_id}g{k}", comm=self.comm, timeout=self.timeout,
+                                checksum=self.options.get("checksum", False), memory_cap=self.top.bucket_size,
+                                delta=self.policies and self.policies[k])
             try:
                 if self.policies:  # versions say what each side holds: the same on every process
-                    stats = ex.refit(top.version)
+                    stats = ex.refit(self.top.version)
                     self.reports[k] = ex.last_delta
                 else:
                     stats = ex.refit()

@@ -122,20 +122,6 @@ def group_plans(spec: ModelSpec, trainers: int, rollouts: int, bucket_size: int,
                               roots=1)
 
 
-def check_bucket(plans: Sequence[Plan], trainers: int, rollouts: int, bucket_size: int) -> None:
-    """Refuse (ArgumentError naming the bucket) a bucket smaller than a collective refit's wire buffers."""
-    from ...executors.collective.schedule import bucket_numel_for
-
-    binding = Binding.disjoint(trainers, rollouts)
-    for plan in plans:
-        try:
-            bucket_numel_for(plan, binding, bucket_size, None, DEPTH)
-        except ExecutionError as e:
-            raise ArgumentError("bucket_size", bucket_size, f"is smaller than the wire buffers the plan must hold "
-                                f"to move its tensors in one message each ({e})",
-                                fix="raise update_weights_bucket_megabytes") from None
-
-
 def _same_host(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Whether two ranks' `node` records (engine.node_here) name one host (unknown counts as the same)."""
     if a.get("id") and b.get("id"):
@@ -195,8 +181,16 @@ def build(trainers: int, rollouts: int, metadata: Sequence[Any]) -> tuple[list[d
         raise ArgumentError("metadata.model", first["model_digest"], "does not match its digest")
     options = check_options(first["options"])
     plans = group_plans(spec, trainers, rollouts, first["bucket_size"], options)
-    if options.get("transport", "collective") == "collective":
-        check_bucket(plans, trainers, rollouts, first["bucket_size"])
+    if options.get("transport", "collective") == "collective":  # a bucket must hold the wire buffers
+        from ...executors.collective.schedule import bucket_numel_for
+
+        for plan in plans:
+            try:
+                bucket_numel_for(plan, Binding.disjoint(trainers, rollouts), first["bucket_size"], None, DEPTH)
+            except ExecutionError as e:
+                raise ArgumentError("bucket_size", first["bucket_size"], f"is smaller than the wire buffers the plan "
+                                    f"must hold to move its tensors in one message each ({e})",
+                                    fix="raise update_weights_bucket_megabytes") from None
     base = dict(model=spec.model_dump(), trainers=trainers, rollouts=rollouts, bucket_size=first["bucket_size"],
                 options=options, digests=tuple(p.digest for p in plans), rendezvous=first["rendezvous"],
                 version=first.get("version", 1))
@@ -204,5 +198,5 @@ def build(trainers: int, rollouts: int, metadata: Sequence[Any]) -> tuple[list[d
     return tops[:trainers], tops[trainers:]
 
 
-__all__ = ["OPTIONS", "RefitAssignment", "build", "check_bucket", "check_options", "check_store_address",
+__all__ = ["OPTIONS", "RefitAssignment", "build", "check_options", "check_store_address",
            "group_plans", "model_digest"]

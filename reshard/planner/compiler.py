@@ -182,7 +182,7 @@ def _check_source_boxes(boxes: _Boxes, src: TensorTable) -> None:
                          for i in bad[:10]])
 
 
-def _colocation(colocated: "bool | Sequence[int]", num_src: int, num_dst: int) -> np.ndarray | None:
+def colocation_ranks(colocated: "bool | Sequence[int]", num_src: int, num_dst: int) -> np.ndarray | None:
     """Per destination rank, the source rank on its device; None when nothing is colocated."""
     if colocated is True:
         if num_dst > num_src:
@@ -260,7 +260,7 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
                         [f"source: {src.model}", f"destination: {dst.model}"])
     if src.dtype != dst.dtype:
         raise PlanError(f"source dtype {src.dtype} differs from destination dtype {dst.dtype}")
-    colocation = _colocation(colocated, src.num_ranks, dst.num_ranks)
+    colocation = colocation_ranks(colocated, src.num_ranks, dst.num_ranks)
     if roots is not None and not fanout:
         raise PlanError(f"roots={roots} needs fanout (without it the source feeds every replica)")
     model = src.model
@@ -333,7 +333,7 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
                       ranks_per_replica=rpr, tensors_per_replica=len(dst_table0), copies=copies)
     dst_table = dst_table0.tiled(K, rpr)
     return Plan(src=src, dst=dst, src_tensors=src_table, dst_tensors=dst_table, program=program, bounds=bounds,
-                colocation=tuple(colocation.tolist()) if colocation is not None else None,
+                colocation=colocation,
                 fanout=fanout, roots=len(fed) if fanout else None,
                 selection=tuple(model.tensor_name(int(k)) for k in sel) if subset else None,
                 coverage="exact", compile_seconds=round(time.perf_counter() - start, 4))

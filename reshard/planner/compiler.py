@@ -324,9 +324,7 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
     held0 = np.unique(np.repeat(np.arange(len(boxes)), boxes.hcount)[boxes.h_rank == 0])  # boxes rank 0 holds
     lower_bound_by_dst, model_bytes = bound_facts(model, sel, D, rpr, K)
     bounds = Bounds(lower_bound_by_dst=lower_bound_by_dst, model_bytes=model_bytes,
-                    gatherer_held_bytes=int((boxes.n0 * boxes.n1)[held0].sum()) * itemsize,
-                    egress_lower_bound=balance.lower_bound, egress_unit_max=balance.unit_max,
-                    holder_sets_laminar=balance.laminar)
+                    gatherer_held_bytes=int((boxes.n0 * boxes.n1)[held0].sum()) * itemsize, **balance)
     program = Program(template=template, relay=relay, box_hstart=boxes.hstart, box_hcount=boxes.hcount,
                       h_rank=boxes.h_rank, h_tensor=boxes.h_tensor, h_base=boxes.h_base, h_stride=boxes.h_stride,
                       group_box=group_box, fed=fed, choice=choice, parent=parent, stage=stage,

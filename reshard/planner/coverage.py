@@ -14,6 +14,7 @@ import numpy as np
 
 from ..arrays import sort_by
 from ..errors import CoverageError
+from .fanout import slot_copy_problems
 from .merge import run_positions, run_rects
 
 
@@ -133,8 +134,6 @@ def prove_program(template: dict[str, np.ndarray], relay: dict[str, np.ndarray] 
     Raises:
         CoverageError: listing the problems.
     """
-    from .fanout import slot_copy_problems
-
     width = dst_table0.kind_array(lambda _, shape: shape[-1])
     height = dst_table0.kind_array(lambda _, shape: int(np.prod(shape[:-1], dtype=np.int64)))
     names = lambda t: f"destination rank {dst_table0.rank[int(t)]} {dst_table0.name(int(t))!r}"  # noqa: E731

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..arrays import unique_inverse
 from ..errors import PlanError
 from .merge import run_rects
 
@@ -84,7 +85,6 @@ def slot_copies(ops: dict[str, np.ndarray], expert_of: np.ndarray) -> tuple[dict
     (program.COPY_COLUMNS): ops of a routed expert (`expert_of[canon] >= 0`) reading the same source region write
     replicas of one expert. Of each such set, the op on the rank holding most of it (then the lowest rank, tensor
     and offset) stays fed; every other becomes a copy from its region."""
-    from ..arrays import unique_inverse
     from .program import COPY_COLUMNS
 
     idx = np.flatnonzero(expert_of[ops["canon"]] >= 0)

@@ -33,6 +33,7 @@ COPY_COLUMNS = ("canon", "src_rank", "src_tensor", "src_offset", "src_stride", "
 OP_COLUMNS = ("stage", "src_side", "src_rank", "src_tensor", "src_offset", "src_stride", "dst_rank", "dst_tensor",
               "dst_offset", "dst_stride", "rows", "cols", "canon")
 SOURCE, RELAY = 0, 1  # values of src_side
+OP_TABLES = {"template": ("t.", TEMPLATE_COLUMNS), "relay": ("r.", RELAY_COLUMNS), "copies": ("c.", COPY_COLUMNS)}
 
 
 @dataclass(frozen=True, eq=False)
@@ -84,9 +85,8 @@ class Program:
     def __post_init__(self) -> None:
         for name in self.ARRAYS:
             object.__setattr__(self, name, frozen_ints(getattr(self, name)))
-        for attr, cols in (("template", TEMPLATE_COLUMNS), ("relay", RELAY_COLUMNS), ("copies", COPY_COLUMNS)):
-            d = getattr(self, attr)
-            object.__setattr__(self, attr, {c: frozen_ints(d.get(c, ())) for c in cols})
+        for attr, (_, cols) in OP_TABLES.items():
+            object.__setattr__(self, attr, {c: frozen_ints(getattr(self, attr).get(c, ())) for c in cols})
 
     # --- sizes -----------------------------------------------------------------------------------
     @property
@@ -124,12 +124,10 @@ class Program:
     def arrays(self) -> dict[str, np.ndarray]:
         """Every array by its saved name (`t.` template, `r.` relay and `c.` slot copy columns; planner.verify reads
         them back)."""
-        out = {f"t.{c}": self.template[c] for c in TEMPLATE_COLUMNS}
-        out.update({f"r.{c}": self.relay[c] for c in RELAY_COLUMNS})
-        if self.num_copy_ops:  # only then: the saved form and digest of every other plan stay as they were
-            out.update({f"c.{c}": self.copies[c] for c in COPY_COLUMNS})
-        out.update({name: getattr(self, name) for name in self.ARRAYS})
-        return out
+        # slot copies only where there are some: the saved form and digest of every other plan stay as they were
+        return {**{prefix + c: getattr(self, attr)[c] for attr, (prefix, cols) in OP_TABLES.items()
+                   if attr != "copies" or self.num_copy_ops for c in cols},
+                **{name: getattr(self, name) for name in self.ARRAYS}}
 
     def scalars(self) -> dict[str, int]:
         """The sizes a saved plan keeps in its JSON header."""

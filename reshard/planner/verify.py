@@ -31,12 +31,12 @@ from ..untrusted import parse_json, read_bytes
 from .accounting import Bounds
 from .compiler import colocation_ranks
 from .coverage import prove_expert_slots, prove_program
-from .program import BIG, COPY_COLUMNS, RELAY_COLUMNS, TEMPLATE_COLUMNS, Program, bad, same, within
+from .program import BIG, COPY_COLUMNS, OP_TABLES, Program, bad, same, within
 from .selection import bound_facts, data_rows, select_indices, unit_placements
 from .tables import FORMAT_VERSION, TensorTable
 
 COPY_NAMES = tuple(f"c.{c}" for c in COPY_COLUMNS)  # optional: plans saved before EPLB slot copies have none
-ARRAY_NAMES = tuple(f"t.{c}" for c in TEMPLATE_COLUMNS) + tuple(f"r.{c}" for c in RELAY_COLUMNS) + Program.ARRAYS
+ARRAY_NAMES = tuple(p + c for p, cols in OP_TABLES.values() if p != "c." for c in cols) + Program.ARRAYS
 MAX_MEMBERS = 64  # of a saved .npz
 
 
@@ -235,15 +235,14 @@ def _program(arrays: Any, scalars: dict[str, int]) -> Program:
         arrays = {**arrays, **{n: np.zeros(0, np.int64) for n in COPY_NAMES}}
     a = {n: int_array(f"arrays.{n}", v, 2 if n in ("choice", "parent", "stage") else 1)
          for n, v in _object("arrays", arrays, ARRAYS).items()}
-    groups = [[prefix + c for c in cols] for prefix, cols in (("t.", TEMPLATE_COLUMNS), ("r.", RELAY_COLUMNS),
-                                                             ("c.", COPY_COLUMNS))]
+    groups = [[prefix + c for c in cols] for prefix, cols in OP_TABLES.values()]
     for group in groups + [["box_hstart", "box_hcount"], ["h_rank", "h_tensor", "h_base", "h_stride"]]:
         for name in group[1:]:
             if len(a[name]) != len(a[group[0]]):
                 raise bad(f"arrays.{name}", len(a[name]), f"must have {len(a[group[0]])} entries like "
                           f"arrays.{group[0]}")
-    return Program(template={c: a["t." + c] for c in TEMPLATE_COLUMNS}, relay={c: a["r." + c] for c in RELAY_COLUMNS},
-                   copies={c: a["c." + c] for c in COPY_COLUMNS}, **{n: a[n] for n in Program.ARRAYS}, **scalars)
+    return Program(**{attr: {c: a[prefix + c] for c in cols} for attr, (prefix, cols) in OP_TABLES.items()},
+                   **{n: a[n] for n in Program.ARRAYS}, **scalars)
 
 
 def _reads_inside(p: Program, src_numel: np.ndarray) -> None:

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from .merge import distinct
+
 if TYPE_CHECKING:
     from .program import Program
 
@@ -185,13 +187,7 @@ def account_program(p: "Program", itemsize: int, num_src: int, num_dst: int, col
 def _pair_arrays(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
                  num_dst: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(src, dst, bytes) summed per pair, sorted by (src, dst); every entry moves at least one byte."""
-    key = src * num_dst + dst
-    span = (int(src.max(initial=0)) + 1) * num_dst
-    if span <= 1 << 26:  # a dense table: no sort
-        dense = np.bincount(key, weights=nbytes, minlength=span)
-        keys = np.flatnonzero(dense)
-        sums = dense[keys].astype(np.int64)
-    else:
-        keys, inverse = np.unique(key, return_inverse=True)
-        sums = np.bincount(inverse, weights=nbytes).astype(np.int64) if len(keys) else np.zeros(0, np.int64)
+    keys, inverse = distinct(src * num_dst + dst)
+    sums = np.bincount(inverse, weights=nbytes, minlength=len(keys)).astype(np.int64)
+    keys, sums = keys[sums > 0], sums[sums > 0]
     return keys // num_dst, keys % num_dst, sums

@@ -25,7 +25,7 @@ from .accounting import Bounds
 from .balance import choose_holders
 from .coverage import band_segments, overlapping, prove_expert_slots, prove_program, sorted_unique
 from .fanout import replica_forests, slot_copies, split_parts
-from .merge import merge_relay, merge_template, run_positions
+from .merge import distinct, merge_relay, merge_template, run_positions
 from .plan import Plan, TensorTable
 from .program import Program
 from .selection import bound_facts, data_rows, select_indices, unit_placements, unit_ratios
@@ -35,16 +35,7 @@ def _tensor_ids(t: PlacementTable, mask: np.ndarray, side: str,
                 dtypes: tuple[str, ...] = ()) -> tuple[np.ndarray, TensorTable]:
     """Physical tensor id per row (-1 outside `mask`), ids sorted by (rank, kind); one shape per (rank, name)."""
     nk = max(len(t.kinds), 1)
-    key = t.rank[mask] * nk + t.kind[mask]
-    span = (int(t.rank.max(initial=0)) + 1) * nk
-    if span <= 1 << 26:  # a dense table: no sort
-        present = np.bincount(key, minlength=span) > 0
-        uniq = np.flatnonzero(present)
-        dense = np.cumsum(present) - 1
-        inverse = dense[key]
-    else:
-        first, inverse = unique_inverse((key,))
-        uniq = key[first]
+    uniq, inverse = distinct(t.rank[mask] * nk + t.kind[mask])
     tid = np.full(len(t), -1, dtype=np.int64)
     tid[mask] = inverse
     table = TensorTable(uniq // nk, uniq % nk, t.kinds, dtypes)

@@ -58,27 +58,22 @@ def read_saved(path: "str | os.PathLike[str]") -> tuple[Any, Any]:
             members = z.infolist()
             if len(members) > MAX_MEMBERS:
                 raise bad("path", str(path), f"holds {len(members)} members; a plan has at most {MAX_MEMBERS}")
-            arrays: dict[str, np.ndarray] = {}
-            header = None
+            read = {}
             for m in members:
                 name = m.filename[:-4] if m.filename.endswith(".npy") else None
                 if name is None or not (name == "header" or name.startswith("a:")):
                     raise bad("path", m.filename, "is not a member of a saved plan")
-                a = _read_member(z, m, name)
-                if name == "header":
-                    header = a
-                else:
-                    arrays[name[2:]] = a
+                read[name] = _read_member(z, m, name)
     except PlanFileError:
         raise
     except Exception as e:  # noqa: BLE001 - zip, zlib and numpy's .npy parsing raise many types on bad bytes
-
         raise bad("path", str(path), f"is not a readable saved plan (.npz): {type(e).__name__}: {e}") from None
+    header = read.pop("header", None)
     if header is None:
         raise bad("header", None, "is missing from the .npz")
     if header.dtype != np.uint8 or header.ndim != 1:
         raise bad("header", str(header.dtype), "must be the UTF-8 bytes of a JSON object")
-    return parse_json(header.tobytes(), bad, "header", str(path)), arrays
+    return parse_json(header.tobytes(), bad, "header", str(path)), {k[2:]: v for k, v in read.items()}
 
 
 def _read_member(z: zipfile.ZipFile, m: zipfile.ZipInfo, name: str) -> np.ndarray:
@@ -254,7 +249,7 @@ def _reads_inside(p: Program, src_numel: np.ndarray) -> None:
         stride = np.where(rows == 1, cols, p.h_stride[h])
         narrow = np.flatnonzero((rows > 1) & (stride < cols))
         # all factors are below 2**47 (checked): float products decide overflow before int64 arithmetic
-        big = (t["src_d0"].astype(float) + rows) * stride.astype(float) + p.h_base[h] + t["src_d1"] + cols
+        big = p.h_base[h] + t["src_d0"].astype(float) * p.h_stride[h] + t["src_d1"] + (rows - 1.0) * stride + cols
         last = p.h_base[h] + t["src_d0"] * p.h_stride[h] + t["src_d1"] + (rows - 1) * stride + cols
         outside = np.flatnonzero((big > 2.0 ** 61) | (last > src_numel[p.h_tensor[h]]))
         for idx, what in ((narrow, "has a row stride narrower than its columns"),

@@ -13,10 +13,11 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
+from ..arguments import instance, integer, integers, names
 from ..arrays import sort_by, unique_inverse
 from ..errors import PlanError
 from ..layouts import Layout, ModelSpec
@@ -183,33 +184,13 @@ def colocation_ranks(colocated: "bool | Sequence[int]", num_src: int, num_dst: i
         return np.arange(num_dst, dtype=np.int64)
     if colocated is False:
         return None
-    ranks = list(colocated)  # integers (checked by _check_arguments)
+    ranks = list(colocated)  # integers (checked by the caller)
     problems = ([f"{len(ranks)} entries for {num_dst} destination ranks"] if len(ranks) != num_dst else [])
     problems += [f"destination rank {d} -> source rank {r}, outside [0, {num_src})"
                  for d, r in enumerate(ranks) if not 0 <= r < num_src]
     if problems:
         raise PlanError("colocated: the source rank on each destination rank's device is malformed", problems)
     return np.asarray(ranks, dtype=np.int64)
-
-
-def _check_arguments(src: Any, dst: Any, tensors: Any, layers: Any, colocated: Any, fanout: Any, roots: Any,
-                     relay_cap: Any, expert_copies: Any) -> None:
-    """compile_plan's arguments by type, each refused with ArgumentError naming it (ranges are checked below)."""
-    from ..arguments import instance, integer, integers, names
-
-    instance("src", src, Layout, "a Layout")
-    instance("dst", dst, Layout, "a Layout")
-    names("tensors", tensors)
-    integers("layers", layers)
-    if not isinstance(colocated, bool):
-        integers("colocated", colocated, none=False)
-    if fanout is not None:
-        integer("fanout", fanout, 1, 1 << 20)
-    if roots is not None:
-        integer("roots", roots, 1, 1 << 20)
-    integer("relay_cap", relay_cap, 1, 1 << 20)
-    if not isinstance(expert_copies, bool):
-        raise PlanError(f"expert_copies={expert_copies!r} must be True or False")
 
 
 def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = None,
@@ -244,7 +225,19 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
         ArgumentError: a selection or colocation that names no tensor, layer or rank of the layouts.
         CoverageError: the plan would not write every destination element holding model data exactly once.
     """
-    _check_arguments(src, dst, tensors, layers, colocated, fanout, roots, relay_cap, expert_copies)
+    instance("src", src, Layout, "a Layout")  # the arguments by type, each refused with ArgumentError naming it
+    instance("dst", dst, Layout, "a Layout")
+    names("tensors", tensors)
+    integers("layers", layers)
+    if not isinstance(colocated, bool):
+        integers("colocated", colocated, none=False)
+    if fanout is not None:
+        integer("fanout", fanout, 1, 1 << 20)
+    if roots is not None:
+        integer("roots", roots, 1, 1 << 20)
+    integer("relay_cap", relay_cap, 1, 1 << 20)
+    if not isinstance(expert_copies, bool):
+        raise PlanError(f"expert_copies={expert_copies!r} must be True or False")
     start = time.perf_counter()
     if src.model != dst.model:
         raise PlanError("source and destination describe different models",

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ..arguments import PLAN_SUFFIXES, output_path
 from ..errors import PlanError
 from ..layouts import Layout, layout_to_dict
 from ..layouts.model import DTYPE_SIZES
@@ -226,8 +227,6 @@ class Plan:
     def save(self, path: str | Path) -> Path:
         """Write `path` as .json (everything as JSON) or .npz (program arrays, header as JSON), by its suffix (any
         case); any other suffix is refused (ArgumentError)."""
-        from ..arguments import PLAN_SUFFIXES, output_path
-
         path = output_path("path", path, PLAN_SUFFIXES)
         if path.suffix.lower() == ".json":
             path.write_text(json.dumps(self.to_dict()))

@@ -28,7 +28,7 @@ from .coverage import band_segments, overlapping, prove_expert_slots, prove_prog
 from .fanout import replica_forests, slot_copies, split_parts
 from .merge import distinct, merge_relay, merge_template, run_positions
 from .plan import Plan, TensorTable
-from .program import Program
+from .program import TEMPLATE_COLUMNS, Program
 from .selection import bound_facts, data_rows, select_indices, unit_placements, unit_ratios
 
 
@@ -119,8 +119,7 @@ def _intersect(boxes: _Boxes, D: PlacementTable, tid: np.ndarray, num_canon: int
     boxes' row starts (and the running maximum of their row ends) narrows them to those that can meet the query.
     """
     if not len(D) or not len(boxes):
-        return {k: np.zeros(0, np.int64) for k in ("canon", "box", "src_d0", "src_d1", "dst_rank", "dst_tensor",
-                                                    "dst_offset", "dst_stride", "rows", "cols")}
+        return {k: np.zeros(0, np.int64) for k in TEMPLATE_COLUMNS[:-1]}  # no "group" yet
     qc, a0, a1, m0, m1 = D.canon, D.c0, D.c1, D.n0, D.n1
     first = np.searchsorted(boxes.canon, np.arange(num_canon + 1))
     lo, hi = first[qc], first[qc + 1]

@@ -67,6 +67,11 @@ class DeltaOps:
         return len(self.op)
 
 
+def _box(plan, op: np.ndarray) -> np.ndarray:
+    o = plan.ops
+    return o["rows"][op] * o["cols"][op]
+
+
 def prove_delta(plan, delta: DeltaOps, allowed: "np.ndarray | None" = None, indices: bool = True) -> None:
     """Raise CoverageError listing every problem unless `delta` satisfies 1-3 of the module docstring.
 
@@ -90,7 +95,7 @@ def prove_delta(plan, delta: DeltaOps, allowed: "np.ndarray | None" = None, indi
                  np.flatnonzero((enc < 0) | (enc > 2))[:5]]
     if problems:
         raise CoverageError("delta proof failed", problems)
-    box = plan.ops["rows"][op] * plan.ops["cols"][op]
+    box = _box(plan, op)
     dense = enc == DENSE
     problems += [f"op {op[i]}: dense entry of {count[i]} elements, its box has {box[i]}"
                  for i in np.flatnonzero(dense & (count != box))[:5]]

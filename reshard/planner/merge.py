@@ -96,13 +96,8 @@ def _merge(ops: dict[str, np.ndarray], keys: tuple[str, ...], sides: tuple[str, 
 
 
 def merge_adjacent(ops: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Fuse chains of ops where each starts, on both sides, exactly where the previous one ends; returned sorted
-    by SORT_KEYS.
-
-    Blocks whose rows are whole on both sides become one contiguous run first. Contiguous runs fuse by adding
-    their lengths, strided blocks with the same width and strides by adding rows; a fused op keeps the first op's
-    canonical tensor id.
-    """
+    """`_merge` on both sides, sorted by SORT_KEYS: contiguous runs fuse by adding their lengths, strided blocks
+    of one width and stride by adding rows; a fused op keeps the first op's canonical tensor id."""
     return _merge(ops, SORT_KEYS[:-1], ("src", "dst"))
 
 

@@ -283,14 +283,7 @@ def expand(p: Program, *, source_rank: int | None = None, relay_rank: int | None
         if rank is not None and not 0 <= rank < rpr * p.num_replicas:
             raise PlanError(f"destination rank {rank} is outside [0, {rpr * p.num_replicas})")
     parts = range(p.num_parts)
-    if receiver is not None:
-        k, r = divmod(receiver, rpr)
-        if fed_index[k] >= 0:
-            blocks.append(_feed_rows(p, int(fed_index[k]), p.template["dst_rank"] == r, None))
-        else:
-            blocks += [_relay_rows(p, k, p.relay["dst_rank"] == r, j) for j in parts]
-        blocks.append(_copy_rows(p, k, p.copies["dst_rank"] == r))
-    elif relay_rank is not None:
+    if relay_rank is not None:
         k, r = divmod(relay_rank, rpr)
         for j in parts:
             for child in np.flatnonzero(p.parent[j] == k).tolist():
@@ -301,11 +294,13 @@ def expand(p: Program, *, source_rank: int | None = None, relay_rank: int | None
         held[np.repeat(np.arange(len(p.box_hstart)), p.box_hcount)[p.h_rank == source_rank]] = True
         mask = held[p.template["box"]]
         blocks += [_feed_rows(p, f, mask, source_rank) for f in range(len(p.fed))]
-    else:
-        for k in range(p.num_replicas):
-            blocks += ([_feed_rows(p, int(fed_index[k]), None, None)] if fed_index[k] >= 0
-                       else [_relay_rows(p, k, None, j) for j in parts])
-            blocks.append(_copy_rows(p, k, None))
+    else:  # every replica's rows, or those into `receiver`
+        replica, r = divmod(receiver, rpr) if receiver is not None else (None, None)
+        into = {n: None if r is None else getattr(p, n)["dst_rank"] == r for n in ("template", "relay", "copies")}
+        for k in range(p.num_replicas) if replica is None else (replica,):
+            blocks += ([_feed_rows(p, int(fed_index[k]), into["template"], None)] if fed_index[k] >= 0
+                       else [_relay_rows(p, k, into["relay"], j) for j in parts])
+            blocks.append(_copy_rows(p, k, into["copies"]))
     if not blocks:
         return {c: np.zeros(0, np.int64) for c in OP_COLUMNS}
     return sort_ops({c: np.concatenate([b[c] for b in blocks]) for c in OP_COLUMNS})

@@ -58,11 +58,9 @@ class _Boxes:
         order = rows[sort_by((S.canon[rows], S.c0[rows], S.c1[rows], S.n0[rows], S.n1[rows], S.rank[rows]))]
         key = [S.canon[order], S.c0[order], S.c1[order], S.n0[order], S.n1[order]]
         n = len(order)
-        new_box = np.ones(n, dtype=bool)
-        if n > 1:
+        new_box, dup = np.ones(n, dtype=bool), np.zeros(n, dtype=bool)  # dup: a rank holding the same box twice
+        if n > 1:  # (its first placement is kept)
             new_box[1:] = np.any([k[1:] != k[:-1] for k in key], axis=0)
-        dup = np.zeros(n, dtype=bool)  # a rank holding the same box twice: keep its first placement
-        if n > 1:
             dup[1:] = ~new_box[1:] & (S.rank[order][1:] == S.rank[order][:-1])
         order, new_box = order[~dup], new_box[~dup]
         first = np.flatnonzero(new_box)

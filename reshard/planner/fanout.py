@@ -61,11 +61,10 @@ def replica_forests(num_replicas: int, fanout: int | None, roots: int,
 
 
 def check_forest(parent: np.ndarray, stage: np.ndarray) -> list[str]:
-    """Problems with recorded forests: in every part, each relayed replica's parent receives that part in an
-    earlier stage; the roots are the same in every part and receive in stage 0."""
+    """Problems with recorded forests, both (parts, replicas) (program.check_program checks the shapes): in every
+    part, each relayed replica's parent receives that part in an earlier stage; the roots are the same in every
+    part and receive in stage 0."""
     problems = []
-    if parent.ndim != 2 or parent.shape != stage.shape:
-        return [f"forest arrays have shapes {parent.shape} and {stage.shape}; expected (parts, replicas) both"]
     roots = parent[0] < 0
     for j in range(parent.shape[0]):
         if not np.array_equal(parent[j] < 0, roots):

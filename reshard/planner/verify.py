@@ -180,9 +180,10 @@ def _object(field: str, d: Any, entries: dict[str, tuple]) -> dict[str, Any]:
     if not isinstance(d, dict):
         raise bad(field, type(d).__name__, f"must be a JSON object of {sorted(entries)}")
     prefix = "" if field == "header" else f"{field}."
-    unknown = sorted(set(d) - set(entries))
+    unknown = [k for k in d if k not in entries]  # keys of any type (JSON's are strings, a dict's need not be)
     if unknown:
-        raise bad(prefix + unknown[0], d[unknown[0]], f"is not an entry of the {field} (entries: {sorted(entries)})")
+        raise bad(f"{prefix}{unknown[0]}", d[unknown[0]],
+                  f"is not an entry of the {field} (entries: {sorted(entries)})")
     out = {}
     for key, (default, *tests) in entries.items():
         value = out[key] = d.get(key, default)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,7 +43,7 @@ def cluster(cases: list[str]) -> None:
             for label, kw, pipelined in (("direct: the source feeds every replica", {}, False),
                                          ("fan-out 2, split trees, pipelined", {"fanout": 2}, True)):
                 plan = reshard.compile(src, dst, **kw)
-                pred = predict(plan, cluster.with_(pipelined=pipelined))
+                pred = predict(plan, replace(cluster, pipelined=pipelined))
                 a = plan.accounting
                 per_gpu = max(a.ingress_bytes)
                 floor = per_gpu / cluster.network_bandwidth
@@ -70,8 +71,8 @@ def two_gpu() -> None:
         base = ClusterModel(src_gpus=src_gpus, dst_gpus=dst_gpus)
         print(f"{name}: {plan.accounting.total_bytes / 1e9:.2f} GB")
         for label, cluster in (("in place, no wire buffers", base),
-                               ("in place, pack/unpack wire buffers", base.with_(pack_copies=1)),
-                               ("staged commit + wire buffers", base.with_(pack_copies=1, commit_copies=1))):
+                               ("in place, pack/unpack wire buffers", replace(base, pack_copies=1)),
+                               ("staged commit + wire buffers", replace(base, pack_copies=1, commit_copies=1))):
             pred = predict(plan, cluster)
             print(f"  {label:38s} {pred.seconds * 1e3:8.2f} ms   busiest {pred.busiest}")
 

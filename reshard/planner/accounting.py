@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from .merge import distinct
+
 if TYPE_CHECKING:
     from .program import Program
 
@@ -167,31 +169,23 @@ def account_program(p: "Program", itemsize: int, num_src: int, num_dst: int, col
     return Accounting(
         total_bytes=total, cross_bytes=total - local_bytes, local_bytes=local_bytes,
         lower_bound_bytes=int(sum(bounds.lower_bound_by_dst)),
-        gather_broadcast_bytes=(model - bounds.gatherer_held_bytes) + model * num_dst, model_bytes=model,
-        num_ops=p.num_ops,
+        gather_broadcast_bytes=(model - bounds.gatherer_held_bytes) + model * num_dst, num_ops=p.num_ops,
         num_transfers=len(ps) + (len(np.unique((r["stage"] * num_dst + r["src"]) * num_dst + r["dst"]))),
         egress_bytes=count(ps[~local], pb[~local], num_src),
         ingress_bytes=count(np.concatenate([fed["dst"], r["dst"]]), np.concatenate([fed["bytes"], r["bytes"]]),
                             num_dst),
-        relay_egress_bytes=count(r["src"], r["bytes"], num_dst), lower_bound_by_dst=tuple(bounds.lower_bound_by_dst),
+        relay_egress_bytes=count(r["src"], r["bytes"], num_dst),
         pair_bytes=tuple(zip(ps.tolist(), pd.tolist(), pb.tolist())),
         relay_pair_bytes=tuple(zip(*(x.tolist() for x in _pair_arrays(r["src"], r["dst"], r["bytes"], num_dst)))),
         num_stages=(p.copy_stage if p.num_copy_ops else int(p.stage.max())) + 1 if p.num_ops else 0,
-        egress_lower_bound=bounds.egress_lower_bound, egress_unit_max=bounds.egress_unit_max,
-        holder_sets_laminar=bounds.holder_sets_laminar,
+        **{k: v for k, v in asdict(bounds).items() if k != "gatherer_held_bytes"},  # the layouts' figures
         slot_copy_bytes=int(copy.sum()), slot_copy_local_bytes=int(copy[(r["src"] == r["dst"])[r["copy"]]].sum()))
 
 
 def _pair_arrays(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
                  num_dst: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(src, dst, bytes) summed per pair, sorted by (src, dst); every entry moves at least one byte."""
-    key = src * num_dst + dst
-    span = (int(src.max(initial=0)) + 1) * num_dst
-    if span <= 1 << 26:  # a dense table: no sort
-        dense = np.bincount(key, weights=nbytes, minlength=span)
-        keys = np.flatnonzero(dense)
-        sums = dense[keys].astype(np.int64)
-    else:
-        keys, inverse = np.unique(key, return_inverse=True)
-        sums = np.bincount(inverse, weights=nbytes).astype(np.int64) if len(keys) else np.zeros(0, np.int64)
+    keys, inverse = distinct(src * num_dst + dst)
+    sums = np.bincount(inverse, weights=nbytes, minlength=len(keys)).astype(np.int64)
+    keys, sums = keys[sums > 0], sums[sums > 0]
     return keys // num_dst, keys % num_dst, sums

@@ -15,20 +15,17 @@ general bound from subset relations. The plan reports LB and w_max (`egress_lowe
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .merge import run_positions
 
 
-@dataclass(frozen=True)
-class BalanceReport:
-    """How good `choose_holders`' assignment is guaranteed to be: the bound it is measured against."""
-
-    lower_bound: int  # LB above: no assignment makes the busiest sender move less
-    unit_max: int  # w_max: the largest unit placed by choice
-    laminar: bool  # whether the holder sets were laminar (then busiest <= LB + unit_max is guaranteed)
+def _report(lower: int, unit_max: int, laminar: bool) -> dict[str, Any]:
+    """The guarantee of `choose_holders`' assignment, as the Bounds entries that carry it: LB above, w_max (the
+    largest unit placed by choice), and whether the holder sets were laminar (then busiest <= LB + w_max)."""
+    return {"egress_lower_bound": int(lower), "egress_unit_max": int(unit_max), "holder_sets_laminar": laminar}
 
 
 def _members(sets: np.ndarray, hset_start: np.ndarray, hset_count: np.ndarray, hset_ranks: np.ndarray):
@@ -87,8 +84,8 @@ def _place(loads: np.ndarray, ranks: np.ndarray, unit_row: np.ndarray, unit_w: n
 def choose_holders(group_bytes: np.ndarray, group_hset: np.ndarray, group_dst: np.ndarray,
                    hset_start: np.ndarray, hset_count: np.ndarray, hset_ranks: np.ndarray,
                    fed: np.ndarray, ranks_per_replica: int, num_src: int,
-                   colocation: np.ndarray | None) -> tuple[np.ndarray, BalanceReport]:
-    """(R, G) holder position per fed replica and group, and the balance report.
+                   colocation: np.ndarray | None) -> tuple[np.ndarray, dict[str, Any]]:
+    """(R, G) holder position per fed replica and group, and the guarantee (`_report`).
 
     group_dst: each group's destination rank in replica 0; hset_ranks[hset_start[s]: + hset_count[s]] are the
     ranks of holder set s in position order (ascending). colocation: per destination rank, the source rank on
@@ -97,7 +94,7 @@ def choose_holders(group_bytes: np.ndarray, group_hset: np.ndarray, group_dst: n
     R, G = len(fed), len(group_bytes)
     choice = np.zeros((R, G), dtype=np.int64)
     if not G:
-        return choice, BalanceReport(0, 0, True)
+        return choice, _report(0, 0, True)
     multi = hset_count[group_hset] > 1
     g_order = np.lexsort((np.arange(G), -group_bytes, group_hset, hset_count[group_hset]))
     local = np.zeros((R, G), dtype=bool)
@@ -121,7 +118,7 @@ def choose_holders(group_bytes: np.ndarray, group_hset: np.ndarray, group_dst: n
     fixed = np.bincount(hset_ranks[hset_start[group_hset]], weights=group_bytes * fixed_g,
                         minlength=num_src).astype(np.int64)
     if not len(fg):
-        return choice, BalanceReport(int(fixed.max(initial=0)), 0, True)
+        return choice, _report(fixed.max(initial=0), 0, True)
     w = group_bytes[fg]
     unit_set = group_hset[fg]
     first = np.flatnonzero(np.concatenate([[True], unit_set[1:] != unit_set[:-1]]))
@@ -144,7 +141,7 @@ def choose_holders(group_bytes: np.ndarray, group_hset: np.ndarray, group_dst: n
         pos = _place(loads, ranks, row, w[sel])
         choice[fr[sel], fg[sel]] = pos
         loads += np.bincount(ranks[row, pos], weights=w[sel], minlength=num_src).astype(np.int64)
-    return choice, BalanceReport(int(lower), int(w.max()), laminar)
+    return choice, _report(lower, w.max(), laminar)
 
 
 def _laminar_bound(sets, parent, set_bytes, fixed_loads, hset_start, hset_count, hset_ranks) -> int:

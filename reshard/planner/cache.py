@@ -6,8 +6,7 @@ compiles and hits.
 """
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
+import functools
 from typing import Any
 
 from ..layouts import Layout
@@ -15,9 +14,7 @@ from .compiler import compile_plan
 from .plan import Plan
 
 CAPACITY = 32
-_plans: "OrderedDict[tuple, Plan]" = OrderedDict()
-_lock = threading.Lock()
-_stats = {"compiles": 0, "hits": 0}
+_cleared = {"compiles": 0, "hits": 0}  # counted before the last clear()
 
 
 def _frozen(value: Any) -> Any:
@@ -28,34 +25,29 @@ def _frozen(value: Any) -> Any:
     return value
 
 
+@functools.lru_cache(maxsize=CAPACITY)
+def _compile(src: Layout, dst: Layout, options: tuple) -> Plan:
+    return compile_plan(src, dst, **dict(options))
+
+
 def cached_plan(src: Layout, dst: Layout, **options: Any) -> Plan:
     """`compile_plan(src, dst, **options)`, compiled once per distinct arguments in this process."""
-    key = (src, dst, _frozen(options))
-    with _lock:
-        plan = _plans.get(key)
-        if plan is not None:
-            _plans.move_to_end(key)
-            _stats["hits"] += 1
-            return plan
-    plan = compile_plan(src, dst, **options)
-    with _lock:
-        _stats["compiles"] += 1
-        _plans[key] = plan
-        while len(_plans) > CAPACITY:
-            _plans.popitem(last=False)
-    return plan
+    return _compile(src, dst, _frozen(options))
 
 
 def stats() -> dict[str, int]:
     """Compiles and hits so far in this process (and plans held)."""
-    with _lock:
-        return {**_stats, "held": len(_plans)}
+    info = _compile.cache_info()
+    return {"compiles": _cleared["compiles"] + info.misses, "hits": _cleared["hits"] + info.hits,
+            "held": info.currsize}
 
 
 def clear() -> None:
     """Forget every cached plan (the counts stay)."""
-    with _lock:
-        _plans.clear()
+    info = _compile.cache_info()
+    _cleared["compiles"] += info.misses
+    _cleared["hits"] += info.hits
+    _compile.cache_clear()
 
 
 __all__ = ["cached_plan", "clear", "stats"]

@@ -13,10 +13,11 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
+from ..arguments import instance, integer, integers, names
 from ..arrays import sort_by, unique_inverse
 from ..errors import PlanError
 from ..layouts import Layout, ModelSpec
@@ -25,9 +26,9 @@ from .accounting import Bounds
 from .balance import choose_holders
 from .coverage import band_segments, overlapping, prove_expert_slots, prove_program, sorted_unique
 from .fanout import replica_forests, slot_copies, split_parts
-from .merge import merge_relay, merge_template, run_positions
+from .merge import distinct, merge_relay, merge_template, run_positions
 from .plan import Plan, TensorTable
-from .program import Program
+from .program import TEMPLATE_COLUMNS, Program
 from .selection import bound_facts, data_rows, select_indices, unit_placements, unit_ratios
 
 
@@ -35,16 +36,7 @@ def _tensor_ids(t: PlacementTable, mask: np.ndarray, side: str,
                 dtypes: tuple[str, ...] = ()) -> tuple[np.ndarray, TensorTable]:
     """Physical tensor id per row (-1 outside `mask`), ids sorted by (rank, kind); one shape per (rank, name)."""
     nk = max(len(t.kinds), 1)
-    key = t.rank[mask] * nk + t.kind[mask]
-    span = (int(t.rank.max(initial=0)) + 1) * nk
-    if span <= 1 << 26:  # a dense table: no sort
-        present = np.bincount(key, minlength=span) > 0
-        uniq = np.flatnonzero(present)
-        dense = np.cumsum(present) - 1
-        inverse = dense[key]
-    else:
-        first, inverse = unique_inverse((key,))
-        uniq = key[first]
+    uniq, inverse = distinct(t.rank[mask] * nk + t.kind[mask])
     tid = np.full(len(t), -1, dtype=np.int64)
     tid[mask] = inverse
     table = TensorTable(uniq // nk, uniq % nk, t.kinds, dtypes)
@@ -66,11 +58,9 @@ class _Boxes:
         order = rows[sort_by((S.canon[rows], S.c0[rows], S.c1[rows], S.n0[rows], S.n1[rows], S.rank[rows]))]
         key = [S.canon[order], S.c0[order], S.c1[order], S.n0[order], S.n1[order]]
         n = len(order)
-        new_box = np.ones(n, dtype=bool)
-        if n > 1:
+        new_box, dup = np.ones(n, dtype=bool), np.zeros(n, dtype=bool)  # dup: a rank holding the same box twice
+        if n > 1:  # (its first placement is kept)
             new_box[1:] = np.any([k[1:] != k[:-1] for k in key], axis=0)
-        dup = np.zeros(n, dtype=bool)  # a rank holding the same box twice: keep its first placement
-        if n > 1:
             dup[1:] = ~new_box[1:] & (S.rank[order][1:] == S.rank[order][:-1])
         order, new_box = order[~dup], new_box[~dup]
         first = np.flatnonzero(new_box)
@@ -127,8 +117,7 @@ def _intersect(boxes: _Boxes, D: PlacementTable, tid: np.ndarray, num_canon: int
     boxes' row starts (and the running maximum of their row ends) narrows them to those that can meet the query.
     """
     if not len(D) or not len(boxes):
-        return {k: np.zeros(0, np.int64) for k in ("canon", "box", "src_d0", "src_d1", "dst_rank", "dst_tensor",
-                                                    "dst_offset", "dst_stride", "rows", "cols")}
+        return {k: np.zeros(0, np.int64) for k in TEMPLATE_COLUMNS[:-1]}  # no "group" yet
     qc, a0, a1, m0, m1 = D.canon, D.c0, D.c1, D.n0, D.n1
     first = np.searchsorted(boxes.canon, np.arange(num_canon + 1))
     lo, hi = first[qc], first[qc + 1]
@@ -182,7 +171,7 @@ def _check_source_boxes(boxes: _Boxes, src: TensorTable) -> None:
                          for i in bad[:10]])
 
 
-def _colocation(colocated: "bool | Sequence[int]", num_src: int, num_dst: int) -> np.ndarray | None:
+def colocation_ranks(colocated: "bool | Sequence[int]", num_src: int, num_dst: int) -> np.ndarray | None:
     """Per destination rank, the source rank on its device; None when nothing is colocated."""
     if colocated is True:
         if num_dst > num_src:
@@ -192,33 +181,13 @@ def _colocation(colocated: "bool | Sequence[int]", num_src: int, num_dst: int) -
         return np.arange(num_dst, dtype=np.int64)
     if colocated is False:
         return None
-    ranks = list(colocated)  # integers (checked by _check_arguments)
+    ranks = list(colocated)  # integers (checked by the caller)
     problems = ([f"{len(ranks)} entries for {num_dst} destination ranks"] if len(ranks) != num_dst else [])
     problems += [f"destination rank {d} -> source rank {r}, outside [0, {num_src})"
                  for d, r in enumerate(ranks) if not 0 <= r < num_src]
     if problems:
         raise PlanError("colocated: the source rank on each destination rank's device is malformed", problems)
     return np.asarray(ranks, dtype=np.int64)
-
-
-def _check_arguments(src: Any, dst: Any, tensors: Any, layers: Any, colocated: Any, fanout: Any, roots: Any,
-                     relay_cap: Any, expert_copies: Any) -> None:
-    """compile_plan's arguments by type, each refused with ArgumentError naming it (ranges are checked below)."""
-    from ..arguments import instance, integer, integers, names
-
-    instance("src", src, Layout, "a Layout")
-    instance("dst", dst, Layout, "a Layout")
-    names("tensors", tensors)
-    integers("layers", layers)
-    if not isinstance(colocated, bool):
-        integers("colocated", colocated, none=False)
-    if fanout is not None:
-        integer("fanout", fanout, 1, 1 << 20)
-    if roots is not None:
-        integer("roots", roots, 1, 1 << 20)
-    integer("relay_cap", relay_cap, 1, 1 << 20)
-    if not isinstance(expert_copies, bool):
-        raise PlanError(f"expert_copies={expert_copies!r} must be True or False")
 
 
 def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = None,
@@ -253,14 +222,26 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
         ArgumentError: a selection or colocation that names no tensor, layer or rank of the layouts.
         CoverageError: the plan would not write every destination element holding model data exactly once.
     """
-    _check_arguments(src, dst, tensors, layers, colocated, fanout, roots, relay_cap, expert_copies)
+    instance("src", src, Layout, "a Layout")  # the arguments by type, each refused with ArgumentError naming it
+    instance("dst", dst, Layout, "a Layout")
+    names("tensors", tensors)
+    integers("layers", layers)
+    if not isinstance(colocated, bool):
+        integers("colocated", colocated, none=False)
+    if fanout is not None:
+        integer("fanout", fanout, 1, 1 << 20)
+    if roots is not None:
+        integer("roots", roots, 1, 1 << 20)
+    integer("relay_cap", relay_cap, 1, 1 << 20)
+    if not isinstance(expert_copies, bool):
+        raise PlanError(f"expert_copies={expert_copies!r} must be True or False")
     start = time.perf_counter()
     if src.model != dst.model:
         raise PlanError("source and destination describe different models",
                         [f"source: {src.model}", f"destination: {dst.model}"])
     if src.dtype != dst.dtype:
         raise PlanError(f"source dtype {src.dtype} differs from destination dtype {dst.dtype}")
-    colocation = _colocation(colocated, src.num_ranks, dst.num_ranks)
+    colocation = colocation_ranks(colocated, src.num_ranks, dst.num_ranks)
     if roots is not None and not fanout:
         raise PlanError(f"roots={roots} needs fanout (without it the source feeds every replica)")
     model = src.model
@@ -324,16 +305,14 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
     held0 = np.unique(np.repeat(np.arange(len(boxes)), boxes.hcount)[boxes.h_rank == 0])  # boxes rank 0 holds
     lower_bound_by_dst, model_bytes = bound_facts(model, sel, D, rpr, K)
     bounds = Bounds(lower_bound_by_dst=lower_bound_by_dst, model_bytes=model_bytes,
-                    gatherer_held_bytes=int((boxes.n0 * boxes.n1)[held0].sum()) * itemsize,
-                    egress_lower_bound=balance.lower_bound, egress_unit_max=balance.unit_max,
-                    holder_sets_laminar=balance.laminar)
+                    gatherer_held_bytes=int((boxes.n0 * boxes.n1)[held0].sum()) * itemsize, **balance)
     program = Program(template=template, relay=relay, box_hstart=boxes.hstart, box_hcount=boxes.hcount,
                       h_rank=boxes.h_rank, h_tensor=boxes.h_tensor, h_base=boxes.h_base, h_stride=boxes.h_stride,
                       group_box=group_box, fed=fed, choice=choice, parent=parent, stage=stage,
                       ranks_per_replica=rpr, tensors_per_replica=len(dst_table0), copies=copies)
     dst_table = dst_table0.tiled(K, rpr)
     return Plan(src=src, dst=dst, src_tensors=src_table, dst_tensors=dst_table, program=program, bounds=bounds,
-                colocation=tuple(colocation.tolist()) if colocation is not None else None,
+                colocation=colocation,
                 fanout=fanout, roots=len(fed) if fanout else None,
                 selection=tuple(model.tensor_name(int(k)) for k in sel) if subset else None,
                 coverage="exact", compile_seconds=round(time.perf_counter() - start, 4))

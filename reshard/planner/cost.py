@@ -13,16 +13,15 @@ its colocated source rank's GPU; `src_gpus` / `dst_gpus` place them anywhere. GP
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import ArgumentError
+from ..arguments import instance, integer, integers, number
+from ..errors import ArgumentError, PlanError
+from .accounting import flows
+from .plan import Plan
 from .program import RELAY, SOURCE
-
-if TYPE_CHECKING:
-    from .plan import Plan
 
 LINK_CLASSES = ("device", "nvlink", "network")
 
@@ -75,9 +74,6 @@ class ClusterModel:
     dst_gpus: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        from ..arguments import integer, integers, number
-        from ..errors import PlanError
-
         for name in ("gpus_per_node", "chunk_bytes"):
             integer(name, getattr(self, name), 1, 1 << 62)
         positive = ("nvlink_bandwidth", "nvlink_bidirectional", "network_bandwidth", "copy_bandwidth")
@@ -86,8 +82,7 @@ class ClusterModel:
         for name in positive + non_negative:
             number(name, getattr(self, name))
         for name in ("overlap_copies", "pipelined"):
-            if not isinstance(getattr(self, name), bool):
-                raise ArgumentError(name, getattr(self, name), "must be a bool")
+            instance(name, getattr(self, name), bool, "a bool")
         if self.dst_first_gpu is not None:
             integer("dst_first_gpu", self.dst_first_gpu, 0, 1 << 30)
         for name in ("src_gpus", "dst_gpus"):
@@ -100,10 +95,6 @@ class ClusterModel:
         bad = [n for n in positive if getattr(self, n) <= 0] + [n for n in non_negative if getattr(self, n) < 0]
         if bad:
             raise PlanError("cluster model figures must be positive (latencies and overheads non-negative)", bad)
-
-    def with_(self, **changes) -> "ClusterModel":
-        """A copy with `changes` applied, checked as a new model is."""
-        return replace(self, **changes)
 
 
 @dataclass(frozen=True)
@@ -160,11 +151,9 @@ class Prediction:
         return {c: sum(s.bytes_by_class[c] for s in self.stages) for c in LINK_CLASSES}
 
 
-def transfer_table(plan: "Plan") -> dict[str, np.ndarray]:
+def transfer_table(plan: Plan) -> dict[str, np.ndarray]:
     """Per transfer (stage, side, sender, receiver): bytes and ops, from the factored plan (EPLB slot copies, inside
     an engine, are not modelled)."""
-    from .accounting import flows
-
     fed, relay = flows(plan.program, plan.itemsize)
     keep = ~relay["copy"]
     cols = {c: np.concatenate([fed[c], relay[c][keep]]) for c in ("stage", "src", "dst", "bytes", "ops")}
@@ -178,7 +167,7 @@ def transfer_table(plan: "Plan") -> dict[str, np.ndarray]:
             "ops": np.bincount(inverse, weights=cols["ops"]).astype(np.int64)}
 
 
-def _rank_gpus(plan: "Plan", cluster: ClusterModel) -> tuple[np.ndarray, np.ndarray]:
+def _rank_gpus(plan: Plan, cluster: ClusterModel) -> tuple[np.ndarray, np.ndarray]:
     """GPU of every source rank and of every destination rank."""
     S, D = plan.src.num_ranks, plan.dst.num_ranks
     src = np.asarray(cluster.src_gpus if cluster.src_gpus is not None else range(S), dtype=np.int64)
@@ -189,8 +178,6 @@ def _rank_gpus(plan: "Plan", cluster: ClusterModel) -> tuple[np.ndarray, np.ndar
     else:
         dst = (int(src.max(initial=-1)) + 1 if cluster.dst_first_gpu is None else cluster.dst_first_gpu) + np.arange(D)
     if len(src) != S or len(dst) != D:
-        from ..errors import PlanError
-
         raise PlanError(f"the cluster model places {len(src)} source and {len(dst)} destination ranks; the plan has "
                         f"{S} and {D}")
     return src, dst
@@ -235,7 +222,7 @@ def _stage(cluster: ClusterModel, src_gpu: np.ndarray, dst_gpu: np.ndarray, nbyt
     return pred, {**times, "copy": copy_time}
 
 
-def predict(plan: "Plan", cluster: ClusterModel | None = None) -> Prediction:
+def predict(plan: Plan, cluster: ClusterModel | None = None) -> Prediction:
     """The plan's predicted wall time on `cluster`, from bytes per link, latencies and per-op costs.
 
     Args:
@@ -249,9 +236,6 @@ def predict(plan: "Plan", cluster: ClusterModel | None = None) -> Prediction:
         ArgumentError: `plan` or `cluster` of the wrong type.
         PlanError: a cluster model that places another number of ranks than the plan has.
     """
-    from ..arguments import instance
-    from .plan import Plan
-
     instance("plan", plan, Plan, "a Plan")
     instance("cluster", cluster, ClusterModel, "a ClusterModel", none=True)
     cluster = cluster or ClusterModel()
@@ -287,8 +271,11 @@ def predict(plan: "Plan", cluster: ClusterModel | None = None) -> Prediction:
     secs = float(total[kind][g])
     nbytes = secs * _bandwidths(cluster)[kind] / (2 if kind == "copy" else 1)
     busiest = Resource(kind, g, role(g), int(nbytes), secs)
-    fill = sum(min(cluster.chunk_bytes, max(x.bytes_by_class.values())) / _slowest_bw(cluster, x) + x.latency_seconds
-               for x in stages[1:])
+    link_bw = {"device": cluster.copy_bandwidth / 2, "nvlink": cluster.nvlink_bandwidth,
+               "network": cluster.network_bandwidth}
+    fill = sum(min(cluster.chunk_bytes, max(x.bytes_by_class.values()))
+               / min((link_bw[c] for c, n in x.bytes_by_class.items() if n), default=cluster.network_bandwidth)
+               + x.latency_seconds for x in stages[1:])
     overhead = stages[0].latency_seconds + sum(x.op_seconds for x in stages)
     return Prediction(secs + fill + overhead, True, tuple(stages), busiest, depth, cluster)
 
@@ -298,13 +285,6 @@ def _bandwidths(cluster: ClusterModel) -> dict[str, float]:
     return {"copy": cluster.copy_bandwidth, "nvlink out": cluster.nvlink_bandwidth,
             "nvlink in": cluster.nvlink_bandwidth, "nvlink both": cluster.nvlink_bidirectional,
             "nic out": cluster.network_bandwidth, "nic in": cluster.network_bandwidth}
-
-
-def _slowest_bw(cluster: ClusterModel, stage: StagePrediction) -> float:
-    used = [c for c, n in stage.bytes_by_class.items() if n]
-    bws = {"device": cluster.copy_bandwidth / 2, "nvlink": cluster.nvlink_bandwidth,
-           "network": cluster.network_bandwidth}
-    return min((bws[c] for c in used), default=cluster.network_bandwidth)
 
 
 def format_prediction(pred: Prediction) -> str:
@@ -319,8 +299,6 @@ def format_prediction(pred: Prediction) -> str:
     Raises:
         ArgumentError: `pred` is not a Prediction.
     """
-    from ..arguments import instance
-
     instance("pred", pred, Prediction, "a Prediction (from predict)")
     mode = "pipelined stages" if pred.pipelined else "stages in sequence"
     by = pred.bytes_by_class
@@ -332,7 +310,7 @@ def format_prediction(pred: Prediction) -> str:
     return "\n".join(lines)
 
 
-def compare_with_measurement(plan: "Plan", measured_seconds: float, cluster: ClusterModel | None = None) -> str:
+def compare_with_measurement(plan: Plan, measured_seconds: float, cluster: ClusterModel | None = None) -> str:
     """One line for benchmarks: prediction beside measurement, with the relative error and the bottleneck.
 
     Args:
@@ -347,8 +325,6 @@ def compare_with_measurement(plan: "Plan", measured_seconds: float, cluster: Clu
         ArgumentError: `measured_seconds` is not a positive number.
         PlanError: as from `predict`.
     """
-    from ..arguments import number
-
     if number("measured_seconds", measured_seconds) <= 0:
         raise ArgumentError("measured_seconds", measured_seconds, "must be a positive number of seconds")
     pred = predict(plan, cluster)

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..arrays import sort_by
 from ..errors import CoverageError
+from .fanout import slot_copy_problems
 from .merge import run_positions, run_rects
 
 
@@ -119,22 +120,10 @@ def prove_exact_coverage(ops_rects: tuple[np.ndarray, ...], piece_rects: tuple[n
 
 def prove_program(template: dict[str, np.ndarray], relay: dict[str, np.ndarray] | None,
                   copies: dict[str, np.ndarray], dst_table0: Any, d_tid: np.ndarray, D: Any) -> None:
-    """Prove that the template, and the relay template (None: no replica is relayed), each with the EPLB slot
-    copies, tile replica 0's model data exactly, and that every copy reads the elements it writes.
-
-    Args:
-        template: one fed replica's ops.
-        relay: one relayed replica's ops, or None.
-        copies: the slot copies (program.COPY_COLUMNS; empty or {} without).
-        dst_table0: replica 0's destination tensors.
-        d_tid: table id of each row of `D`.
-        D: replica 0's destination placements with data (a PlacementTable).
-
-    Raises:
-        CoverageError: listing the problems.
+    """Raise CoverageError listing the problems unless the template, and the relay template (None: no replica is
+    relayed), each with the EPLB slot copies (program.COPY_COLUMNS; {} without), tile replica 0's model data
+    exactly (`D`: its placements with data, `d_tid` their ids in `dst_table0`), and every copy reads what it writes.
     """
-    from .fanout import slot_copy_problems
-
     width = dst_table0.kind_array(lambda _, shape: shape[-1])
     height = dst_table0.kind_array(lambda _, shape: int(np.prod(shape[:-1], dtype=np.int64)))
     names = lambda t: f"destination rank {dst_table0.rank[int(t)]} {dst_table0.name(int(t))!r}"  # noqa: E731

@@ -73,14 +73,9 @@ def _box(plan, op: np.ndarray) -> np.ndarray:
 
 
 def prove_delta(plan, delta: DeltaOps, allowed: "np.ndarray | None" = None, indices: bool = True) -> None:
-    """Raise CoverageError listing every problem unless `delta` satisfies 1-3 of the module docstring.
-
-    Args:
-        plan: the plan (its own coverage proof holds: compiled or loaded).
-        delta: the delta.
-        allowed: the plan op rows the delta may contain (a receiver's ops from one sender); None: any.
-        indices: check the indices too; False: the entries only (a receiver sizes a payload's sections by them).
-    """
+    """Raise CoverageError listing every problem unless `delta` satisfies 1-3 of the module docstring (`plan`'s own
+    coverage proof holds). `allowed`: the plan op rows it may contain (a receiver's ops from one sender; None: any);
+    `indices` False: the entries only, not their indices (a receiver sizes a payload's sections by them)."""
     problems: list[str] = []
     op, enc, count, index = delta.op, delta.encoding, delta.count, delta.index
     bad = np.flatnonzero((op < 0) | (op >= plan.num_ops))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..arrays import unique_inverse
 from ..errors import PlanError
 from .merge import run_rects
 
@@ -60,11 +61,10 @@ def replica_forests(num_replicas: int, fanout: int | None, roots: int,
 
 
 def check_forest(parent: np.ndarray, stage: np.ndarray) -> list[str]:
-    """Problems with recorded forests: in every part, each relayed replica's parent receives that part in an
-    earlier stage; the roots are the same in every part and receive in stage 0."""
+    """Problems with recorded forests, both (parts, replicas) (program.check_program checks the shapes): in every
+    part, each relayed replica's parent receives that part in an earlier stage; the roots are the same in every
+    part and receive in stage 0."""
     problems = []
-    if parent.ndim != 2 or parent.shape != stage.shape:
-        return [f"forest arrays have shapes {parent.shape} and {stage.shape}; expected (parts, replicas) both"]
     roots = parent[0] < 0
     for j in range(parent.shape[0]):
         if not np.array_equal(parent[j] < 0, roots):
@@ -84,7 +84,6 @@ def slot_copies(ops: dict[str, np.ndarray], expert_of: np.ndarray) -> tuple[dict
     (program.COPY_COLUMNS): ops of a routed expert (`expert_of[canon] >= 0`) reading the same source region write
     replicas of one expert. Of each such set, the op on the rank holding most of it (then the lowest rank, tensor
     and offset) stays fed; every other becomes a copy from its region."""
-    from ..arrays import unique_inverse
     from .program import COPY_COLUMNS
 
     idx = np.flatnonzero(expert_of[ops["canon"]] >= 0)

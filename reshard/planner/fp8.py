@@ -12,6 +12,7 @@ refused, naming tensor, dim and block, before anything is compiled.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,24 +180,15 @@ def decide(src: Layout, scheme: Fp8Scheme) -> tuple[dict[str, str], dict[str, st
             why[hit[0]] = f"the source's cuts split blocks ({e})"
     # Kinds sharing a physical source tensor travel alike (one tensor cannot hold fp8 and bf16 data).
     phys = _source_physical(src, spec, templates)
-    changed = True
-    while changed:
-        changed = False
-        for a in templates:
-            if a in why:
-                continue
-            for b in why:
-                if b in phys and phys[a] & phys[b]:
-                    why[a] = f"shares source tensor {sorted(phys[a] & phys[b])[0]!r} with {b} (quantized by receivers)"
-                    changed = True
-                    break
+    while shared := next(((a, b) for a in templates if a not in why for b in why if b in phys and phys[a] & phys[b]),
+                         None):
+        a, b = shared
+        why[a] = f"shares source tensor {sorted(phys[a] & phys[b])[0]!r} with {b} (quantized by receivers)"
     return {n: "receiver" if n in why else "sender" for n in templates}, why
 
 
 def _matches(template: str, name: str) -> bool:
     """Whether canonical tensor `name` (a weight or its scale) is an instance of HF name template `template`."""
-    import re
-
     pattern = re.escape(template).replace(r"\{i\}", r"\d+").replace(r"\{e\}", r"\d+")
     return re.fullmatch(pattern + r"(_scale_inv)?", name) is not None
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..arrays import sort_by
+from ..arrays import sort_by, unique_inverse
 
 SORT_KEYS = ("stage", "src_side", "src_rank", "dst_rank", "src_tensor", "dst_tensor", "src_offset")
 
@@ -11,6 +11,17 @@ SORT_KEYS = ("stage", "src_side", "src_rank", "dst_rank", "src_tensor", "dst_ten
 def run_positions(count: np.ndarray) -> np.ndarray:
     """For runs of `count` elements laid end to end, each element's position inside its run."""
     return np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+
+
+def distinct(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the distinct values of non-negative `key`, ascending; each entry's index among them): counted where they
+    span at most 2**26 values (no sort), else sorted."""
+    span = int(key.max(initial=-1)) + 1
+    if span <= 1 << 26:
+        present = np.bincount(key, minlength=span) > 0
+        return np.flatnonzero(present), (np.cumsum(present) - 1)[key]
+    first, inverse = unique_inverse((key,))
+    return key[first], inverse
 
 
 def run_rects(start: int, length: int, width: int) -> list[tuple[int, int, int, int]]:
@@ -85,13 +96,8 @@ def _merge(ops: dict[str, np.ndarray], keys: tuple[str, ...], sides: tuple[str, 
 
 
 def merge_adjacent(ops: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Fuse chains of ops where each starts, on both sides, exactly where the previous one ends; returned sorted
-    by SORT_KEYS.
-
-    Blocks whose rows are whole on both sides become one contiguous run first. Contiguous runs fuse by adding
-    their lengths, strided blocks with the same width and strides by adding rows; a fused op keeps the first op's
-    canonical tensor id.
-    """
+    """`_merge` on both sides, sorted by SORT_KEYS: contiguous runs fuse by adding their lengths, strided blocks
+    of one width and stride by adding rows; a fused op keeps the first op's canonical tensor id."""
     return _merge(ops, SORT_KEYS[:-1], ("src", "dst"))
 
 

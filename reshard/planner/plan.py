@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ..arguments import PLAN_SUFFIXES, output_path
 from ..errors import PlanError
 from ..layouts import Layout, layout_to_dict
 from ..layouts.model import DTYPE_SIZES
@@ -226,8 +227,6 @@ class Plan:
     def save(self, path: str | Path) -> Path:
         """Write `path` as .json (everything as JSON) or .npz (program arrays, header as JSON), by its suffix (any
         case); any other suffix is refused (ArgumentError)."""
-        from ..arguments import PLAN_SUFFIXES, output_path
-
         path = output_path("path", path, PLAN_SUFFIXES)
         if path.suffix.lower() == ".json":
             path.write_text(json.dumps(self.to_dict()))
@@ -250,6 +249,7 @@ class Plan:
     def __str__(self) -> str:
         """A few readable lines: what moves, how balanced, against the bound and the common pattern."""
         a, b = self.accounting, human_bytes
+        shifts = sorted(Counter(self.value_shifts.values()).items())
         lb = a.lower_bound_bytes or 1
         lines = [
             f"reshard plan {self.digest[:12]}",
@@ -277,8 +277,8 @@ class Plan:
             *([f"  slot copies  {b(a.slot_copy_bytes)} of redundant experts copied inside the engines "
                f"({b(a.slot_copy_local_bytes)} on their own rank): the source sends each engine each expert once"]
               if a.slot_copy_bytes else []),
-            *([f"  value shift  {_counted(self.value_shifts.values())} (added after the copy: the two sides "
-               f"store these values differently)"] if self.value_shifts else []),
+            *([f"  value shift  {', '.join(f'{v:+g} on {n} tensor' + 's' * (n > 1) for v, n in shifts)} (added "
+               "after the copy: the two sides store these values differently)"] if shifts else []),
             *([f"  own dtype    {_own_dtypes_text(self)}"] if self.own_dtypes else []),
             f"  compile      {self.compile_seconds:.3f} s",
             "  egress by source rank:",
@@ -309,10 +309,6 @@ def _rank_table(label: str, values: tuple[int, ...], width: int = 8) -> list[str
         if len(run) > 1:
             lines.append(f"    {'':>9} ... {len(run) - 1} more rows of ranks like the one above")
     return lines
-
-
-def _counted(shifts) -> str:
-    return ", ".join(f"{v:+g} on {n} tensor{'s' * (n > 1)}" for v, n in sorted(Counter(shifts).items()))
 
 
 def _own_dtypes_text(plan: Plan) -> str:

@@ -33,6 +33,7 @@ COPY_COLUMNS = ("canon", "src_rank", "src_tensor", "src_offset", "src_stride", "
 OP_COLUMNS = ("stage", "src_side", "src_rank", "src_tensor", "src_offset", "src_stride", "dst_rank", "dst_tensor",
               "dst_offset", "dst_stride", "rows", "cols", "canon")
 SOURCE, RELAY = 0, 1  # values of src_side
+OP_TABLES = {"template": ("t.", TEMPLATE_COLUMNS), "relay": ("r.", RELAY_COLUMNS), "copies": ("c.", COPY_COLUMNS)}
 
 
 @dataclass(frozen=True, eq=False)
@@ -84,9 +85,8 @@ class Program:
     def __post_init__(self) -> None:
         for name in self.ARRAYS:
             object.__setattr__(self, name, frozen_ints(getattr(self, name)))
-        for attr, cols in (("template", TEMPLATE_COLUMNS), ("relay", RELAY_COLUMNS), ("copies", COPY_COLUMNS)):
-            d = getattr(self, attr)
-            object.__setattr__(self, attr, {c: frozen_ints(d.get(c, ())) for c in cols})
+        for attr, (_, cols) in OP_TABLES.items():
+            object.__setattr__(self, attr, {c: frozen_ints(getattr(self, attr).get(c, ())) for c in cols})
 
     # --- sizes -----------------------------------------------------------------------------------
     @property
@@ -124,12 +124,10 @@ class Program:
     def arrays(self) -> dict[str, np.ndarray]:
         """Every array by its saved name (`t.` template, `r.` relay and `c.` slot copy columns; planner.verify reads
         them back)."""
-        out = {f"t.{c}": self.template[c] for c in TEMPLATE_COLUMNS}
-        out.update({f"r.{c}": self.relay[c] for c in RELAY_COLUMNS})
-        if self.num_copy_ops:  # only then: the saved form and digest of every other plan stay as they were
-            out.update({f"c.{c}": self.copies[c] for c in COPY_COLUMNS})
-        out.update({name: getattr(self, name) for name in self.ARRAYS})
-        return out
+        # slot copies only where there are some: the saved form and digest of every other plan stay as they were
+        return {**{prefix + c: getattr(self, attr)[c] for attr, (prefix, cols) in OP_TABLES.items()
+                   if attr != "copies" or self.num_copy_ops for c in cols},
+                **{name: getattr(self, name) for name in self.ARRAYS}}
 
     def scalars(self) -> dict[str, int]:
         """The sizes a saved plan keeps in its JSON header."""
@@ -285,14 +283,7 @@ def expand(p: Program, *, source_rank: int | None = None, relay_rank: int | None
         if rank is not None and not 0 <= rank < rpr * p.num_replicas:
             raise PlanError(f"destination rank {rank} is outside [0, {rpr * p.num_replicas})")
     parts = range(p.num_parts)
-    if receiver is not None:
-        k, r = divmod(receiver, rpr)
-        if fed_index[k] >= 0:
-            blocks.append(_feed_rows(p, int(fed_index[k]), p.template["dst_rank"] == r, None))
-        else:
-            blocks += [_relay_rows(p, k, p.relay["dst_rank"] == r, j) for j in parts]
-        blocks.append(_copy_rows(p, k, p.copies["dst_rank"] == r))
-    elif relay_rank is not None:
+    if relay_rank is not None:
         k, r = divmod(relay_rank, rpr)
         for j in parts:
             for child in np.flatnonzero(p.parent[j] == k).tolist():
@@ -303,11 +294,13 @@ def expand(p: Program, *, source_rank: int | None = None, relay_rank: int | None
         held[np.repeat(np.arange(len(p.box_hstart)), p.box_hcount)[p.h_rank == source_rank]] = True
         mask = held[p.template["box"]]
         blocks += [_feed_rows(p, f, mask, source_rank) for f in range(len(p.fed))]
-    else:
-        for k in range(p.num_replicas):
-            blocks += ([_feed_rows(p, int(fed_index[k]), None, None)] if fed_index[k] >= 0
-                       else [_relay_rows(p, k, None, j) for j in parts])
-            blocks.append(_copy_rows(p, k, None))
+    else:  # every replica's rows, or those into `receiver`
+        replica, r = divmod(receiver, rpr) if receiver is not None else (None, None)
+        into = {n: None if r is None else getattr(p, n)["dst_rank"] == r for n in ("template", "relay", "copies")}
+        for k in range(p.num_replicas) if replica is None else (replica,):
+            blocks += ([_feed_rows(p, int(fed_index[k]), into["template"], None)] if fed_index[k] >= 0
+                       else [_relay_rows(p, k, into["relay"], j) for j in parts])
+            blocks.append(_copy_rows(p, k, into["copies"]))
     if not blocks:
         return {c: np.zeros(0, np.int64) for c in OP_COLUMNS}
     return sort_ops({c: np.concatenate([b[c] for b in blocks]) for c in OP_COLUMNS})

@@ -29,15 +29,14 @@ from ..layouts.model import DTYPE_SIZES
 from ..limits import MAX_PARAMS, MAX_PLAN_ELEMENTS, MAX_PLAN_HEADER_BYTES, MAX_RANKS
 from ..untrusted import parse_json, read_bytes
 from .accounting import Bounds
-from .program import BIG, COPY_COLUMNS, RELAY_COLUMNS, TEMPLATE_COLUMNS, Program, bad, same, within
+from .compiler import colocation_ranks
+from .coverage import prove_expert_slots, prove_program
+from .program import BIG, COPY_COLUMNS, OP_TABLES, Program, bad, same, within
 from .selection import bound_facts, data_rows, select_indices, unit_placements
-from .tables import FORMAT_VERSION
+from .tables import FORMAT_VERSION, TensorTable
 
-HEADER_KEYS = {"format", "src", "dst", "colocated", "colocation", "fanout", "roots", "selection", "bounds", "program",
-               "src_tensors", "dst_tensors", "coverage", "compile_seconds", "digest", "arrays"}
 COPY_NAMES = tuple(f"c.{c}" for c in COPY_COLUMNS)  # optional: plans saved before EPLB slot copies have none
-ARRAY_NAMES = tuple(f"t.{c}" for c in TEMPLATE_COLUMNS) + tuple(f"r.{c}" for c in RELAY_COLUMNS) + Program.ARRAYS
-_HEX64 = re.compile(r"[0-9a-f]{64}")
+ARRAY_NAMES = tuple(p + c for p, cols in OP_TABLES.values() if p != "c." for c in cols) + Program.ARRAYS
 MAX_MEMBERS = 64  # of a saved .npz
 
 
@@ -59,27 +58,22 @@ def read_saved(path: "str | os.PathLike[str]") -> tuple[Any, Any]:
             members = z.infolist()
             if len(members) > MAX_MEMBERS:
                 raise bad("path", str(path), f"holds {len(members)} members; a plan has at most {MAX_MEMBERS}")
-            arrays: dict[str, np.ndarray] = {}
-            header = None
+            read = {}
             for m in members:
                 name = m.filename[:-4] if m.filename.endswith(".npy") else None
                 if name is None or not (name == "header" or name.startswith("a:")):
                     raise bad("path", m.filename, "is not a member of a saved plan")
-                a = _read_member(z, m, name)
-                if name == "header":
-                    header = a
-                else:
-                    arrays[name[2:]] = a
+                read[name] = _read_member(z, m, name)
     except PlanFileError:
         raise
     except Exception as e:  # noqa: BLE001 - zip, zlib and numpy's .npy parsing raise many types on bad bytes
-
         raise bad("path", str(path), f"is not a readable saved plan (.npz): {type(e).__name__}: {e}") from None
+    header = read.pop("header", None)
     if header is None:
         raise bad("header", None, "is missing from the .npz")
     if header.dtype != np.uint8 or header.ndim != 1:
         raise bad("header", str(header.dtype), "must be the UTF-8 bytes of a JSON object")
-    return parse_json(header.tobytes(), bad, "header", str(path)), arrays
+    return parse_json(header.tobytes(), bad, "header", str(path)), {k[2:]: v for k, v in read.items()}
 
 
 def _read_member(z: zipfile.ZipFile, m: zipfile.ZipInfo, name: str) -> np.ndarray:
@@ -97,18 +91,6 @@ def _read_member(z: zipfile.ZipFile, m: zipfile.ZipInfo, name: str) -> np.ndarra
             raise bad(name, f"{dtype} {shape}", "must be a plain integer array within the size limit")
     with z.open(m) as f:
         return np.lib.format.read_array(f, allow_pickle=False, max_header_size=10000)
-
-
-def _int(d: dict[str, Any], key: str, low: int = 0, high: int = BIG, optional: bool = False,
-         prefix: str = "") -> Any:
-    v = d.get(key)
-    if optional and v is None:
-        return None
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise bad(prefix + key, v, f"must be a JSON integer, not {type(v).__name__}")
-    if not low <= v <= high:
-        raise bad(prefix + key, v, f"must be in [{low}, {high}]")
-    return v
 
 
 def int_array(field: str, value: Any, ndim: int = 1) -> np.ndarray:
@@ -152,21 +134,75 @@ def _layouts(d: dict[str, Any]) -> tuple[Any, Any]:
     return src, dst
 
 
-def _table(field: str, d: Any, num_ranks: int):
-    from .tables import TensorTable
+_REQUIRED = object()  # an entry's default: the entry must be given
+_BOOL = (lambda v: isinstance(v, bool), "must be true or false")
 
-    if not isinstance(d, dict) or not {"rank", "kind", "kinds"} <= set(d) or set(d) - {"rank", "kind", "kinds",
-                                                                                      "dtypes"}:
-        raise bad(field, d if not isinstance(d, dict) else sorted(d), "must be an object of rank, kind, kinds "
-                  "(and dtypes)")
+
+def _integer(low: int, high: int = BIG) -> tuple[Any, str]:
+    """The test of an entry holding a JSON integer in [low, high]."""
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and low <= v <= high, \
+        f"must be a JSON integer in [{low}, {high}]"
+
+
+# entry -> (default, (test, rule) ...), the tests run in order (not on a null entry whose default is null); the
+# layouts, tables, bounds, program and arrays are checked apart
+HEADER = {
+    "format": (_REQUIRED, (lambda v: v == FORMAT_VERSION and not isinstance(v, bool),
+                           f"is not supported (expected {FORMAT_VERSION})")),
+    **{k: (_REQUIRED,) for k in ("src", "dst", "src_tensors", "dst_tensors", "bounds", "program")},
+    "colocation": (None,), "arrays": (None,), "fanout": (None, _integer(1, MAX_RANKS)),
+    "roots": (None, _integer(1, MAX_RANKS)), "colocated": (_REQUIRED, _BOOL),
+    "digest": (_REQUIRED, (lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v) is not None,
+                           "must be the plan's SHA-256 digest (64 lowercase hex digits); a plan without one is "
+                           "refused")),
+    "coverage": (_REQUIRED, (lambda v: v == "exact", "must be 'exact' (a plan claims nothing else)")),
+    "compile_seconds": (0.0, (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e9,
+                              "must be a finite number of seconds >= 0")),
+    "selection": (None, (lambda v: isinstance(v, list) and v and all(isinstance(x, str) for x in v),
+                         "must be null or a non-empty list of tensor names"),
+                  (lambda v: len(set(v)) == len(v), "lists a tensor twice"))}
+PROGRAM = {"ranks_per_replica": (_REQUIRED, _integer(1, MAX_RANKS)),
+           "tensors_per_replica": (_REQUIRED, _integer(0, MAX_PLAN_ELEMENTS))}
+BOUNDS = {"lower_bound_by_dst": (_REQUIRED,), "model_bytes": (_REQUIRED, _integer(0)),
+          **{k: (0, _integer(0)) for k in ("gatherer_held_bytes", "egress_lower_bound", "egress_unit_max")},
+          "holder_sets_laminar": (True, _BOOL)}
+TABLE = {"rank": (_REQUIRED,), "kind": (_REQUIRED,),
+         "kinds": (_REQUIRED, (lambda v: isinstance(v, list) and len(v) <= MAX_PLAN_ELEMENTS,
+                               "must be a list of [name, shape] pairs")),
+         "dtypes": ([], (lambda v: isinstance(v, list) and all(x == "" or x in DTYPE_SIZES for x in v),
+                         f"must list one dtype per kind ('' or one of {sorted(DTYPE_SIZES)})"))}
+ARRAYS = {n: (_REQUIRED,) for n in ARRAY_NAMES + COPY_NAMES}
+
+
+def _object(field: str, d: Any, entries: dict[str, tuple]) -> dict[str, Any]:
+    """JSON object `d` with its `entries` checked (defaults filled in); an unknown, missing or failing entry is
+    refused naming it (`field.entry`; the header's entries by their own names)."""
+    if not isinstance(d, dict):
+        raise bad(field, type(d).__name__, f"must be a JSON object of {sorted(entries)}")
+    prefix = "" if field == "header" else f"{field}."
+    unknown = [k for k in d if k not in entries]  # keys of any type (JSON's are strings, a dict's need not be)
+    if unknown:
+        raise bad(f"{prefix}{unknown[0]}", d[unknown[0]],
+                  f"is not an entry of the {field} (entries: {sorted(entries)})")
+    out = {}
+    for key, (default, *tests) in entries.items():
+        value = out[key] = d.get(key, default)
+        if value is _REQUIRED:
+            raise bad(prefix + key, None, "is missing")
+        for test, rule in tests if value is not None or default is not None else ():
+            if not test(value):
+                raise bad(prefix + key, value, rule)
+    return out
+
+
+def _table(field: str, d: Any) -> TensorTable:
+    """A tensor table entry; its tensors are proven to be the layout's once the plan is built (`_match`)."""
+    d = _object(field, d, TABLE)
     rank, kind = int_array(f"{field}.rank", d["rank"]), int_array(f"{field}.kind", d["kind"])
     if len(rank) != len(kind):
         raise bad(f"{field}.kind", len(kind), f"must have as many entries as {field}.rank ({len(rank)})")
-    kinds = d["kinds"]
-    if not isinstance(kinds, list) or len(kinds) > MAX_PLAN_ELEMENTS:
-        raise bad(f"{field}.kinds", kinds, "must be a list of [name, shape] pairs")
     parsed = []
-    for i, k in enumerate(kinds):
+    for i, k in enumerate(d["kinds"]):
         ok = isinstance(k, list) and len(k) == 2 and isinstance(k[0], str) and 0 < len(k[0]) <= 1024 and \
             isinstance(k[1], list) and 1 <= len(k[1]) <= 8 and \
             all(isinstance(x, int) and not isinstance(x, bool) and 0 < x <= MAX_PARAMS for x in k[1])
@@ -174,93 +210,35 @@ def _table(field: str, d: Any, num_ranks: int):
             raise bad(f"{field}.kinds[{i}]", k, "must be [name, shape] with a shape of positive integers "
                       f"holding at most {MAX_PARAMS:,} elements")
         parsed.append((k[0], tuple(k[1])))
-    dtypes = d.get("dtypes", [])
-    if not isinstance(dtypes, list) or (dtypes and len(dtypes) != len(kinds)) or \
-            not all(x == "" or x in DTYPE_SIZES for x in dtypes):
-        raise bad(f"{field}.dtypes", dtypes, f"must list one dtype per kind ('' or one of {sorted(DTYPE_SIZES)})")
-    within(f"{field}.rank", rank, 0, num_ranks)
+    if d["dtypes"] and len(d["dtypes"]) != len(parsed):
+        raise bad(f"{field}.dtypes", d["dtypes"], f"must list one dtype per kind ({len(parsed)})")
     within(f"{field}.kind", kind, 0, len(parsed))
-    table = TensorTable(rank, kind, tuple(parsed), tuple(dtypes))
+    table = TensorTable(rank, kind, tuple(parsed), tuple(d["dtypes"]))
     if (table.find(table.rank, table.names) != np.arange(len(table))).any():
         raise bad(f"{field}.kinds", "...", "lists one (rank, tensor name) twice")
     return table
 
 
-def _bounds(d: Any, num_dst: int) -> Bounds:
-    keys = {"lower_bound_by_dst", "model_bytes", "gatherer_held_bytes", "egress_lower_bound", "egress_unit_max",
-            "holder_sets_laminar"}
-    if not isinstance(d, dict) or set(d) - keys or not {"lower_bound_by_dst", "model_bytes"} <= set(d):
-        raise bad("bounds", d if not isinstance(d, dict) else sorted(d), f"must be an object of {sorted(keys)}")
-    lb = int_array("bounds.lower_bound_by_dst", d["lower_bound_by_dst"])
-    if len(lb) != num_dst:
-        raise bad("bounds.lower_bound_by_dst", len(lb), f"must list {num_dst} destination ranks")
-    within("bounds.lower_bound_by_dst", lb, 0, BIG)
-    laminar = d.get("holder_sets_laminar", True)
-    if not isinstance(laminar, bool):
-        raise bad("bounds.holder_sets_laminar", laminar, "must be true or false")
-    ints = {k: _int({k: d.get(k, 0)}, k, prefix="bounds.")
-            for k in ("model_bytes", "gatherer_held_bytes", "egress_lower_bound", "egress_unit_max")}
-    return Bounds(lower_bound_by_dst=tuple(lb.tolist()), **ints, holder_sets_laminar=laminar)
-
-
-def _header(d: Any) -> dict[str, Any]:
-    """The header's entries, typed (the layouts and tables come later)."""
-    if not isinstance(d, dict):
-        raise bad("header", type(d).__name__, "must be a JSON object")
-    unknown = sorted(set(d) - HEADER_KEYS)
-    if unknown:
-        raise bad(unknown[0], d[unknown[0]], f"is not an entry of a plan file (entries: {sorted(HEADER_KEYS)})")
-    if d.get("format") != FORMAT_VERSION or isinstance(d.get("format"), bool):
-        raise bad("format", d.get("format"), f"is not supported (expected {FORMAT_VERSION})")
-    digest = d.get("digest")
-    if not isinstance(digest, str) or not _HEX64.fullmatch(digest):
-        raise bad("digest", digest, "must be the plan's SHA-256 digest (64 lowercase hex digits); a plan without "
-                  "one is refused")
-    if d.get("coverage") != "exact":
-        raise bad("coverage", d.get("coverage"), "must be 'exact' (a plan claims nothing else)")
-    seconds = d.get("compile_seconds", 0.0)
-    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 <= seconds < 1e9:
-        raise bad("compile_seconds", seconds, "must be a finite number of seconds >= 0")
-    if not isinstance(d.get("colocated"), bool):
-        raise bad("colocated", d.get("colocated"), "must be true or false")
-    sel = d.get("selection")
-    if sel is not None and (not isinstance(sel, list) or not sel or not all(isinstance(x, str) for x in sel)):
-        raise bad("selection", sel, "must be null or a non-empty list of tensor names")
-    if sel is not None and len(set(sel)) != len(sel):
-        raise bad("selection", sel, "lists a tensor twice")
-    prog = d.get("program")
-    if not isinstance(prog, dict) or set(prog) != {"ranks_per_replica", "tensors_per_replica"}:
-        raise bad("program", prog, "must be an object of ranks_per_replica and tensors_per_replica")
-    _int(prog, "ranks_per_replica", 1, MAX_RANKS, prefix="program.")
-    _int(prog, "tensors_per_replica", 0, MAX_PLAN_ELEMENTS, prefix="program.")
-    _int(d, "fanout", 1, MAX_RANKS, optional=True)
-    _int(d, "roots", 1, MAX_RANKS, optional=True)
-    return d
+def _bounds(d: Any) -> Bounds:
+    """The bounds entry; its figures from the layouts are proven once the plan is built (`_prove`)."""
+    b = _object("bounds", d, BOUNDS)
+    return Bounds(**{**b, "lower_bound_by_dst": tuple(int_array("bounds.lower_bound_by_dst",
+                                                                b["lower_bound_by_dst"]).tolist())})
 
 
 def _program(arrays: Any, scalars: dict[str, int]) -> Program:
-    if not isinstance(arrays, dict):
-        raise bad("arrays", type(arrays).__name__, "must be an object of named integer arrays")
-    if not any(n in arrays for n in COPY_NAMES):
+    if isinstance(arrays, dict) and not any(n in arrays for n in COPY_NAMES):
         arrays = {**arrays, **{n: np.zeros(0, np.int64) for n in COPY_NAMES}}
-    names = ARRAY_NAMES + COPY_NAMES
-    missing = [n for n in names if n not in arrays]
-    if missing:
-        raise bad(f"arrays.{missing[0]}", None, f"is missing ({len(missing)} arrays are)")
-    extra = sorted(set(arrays) - set(names))
-    if extra:
-        raise bad(f"arrays.{extra[0]}", None, "is not an array of a plan")
-    two = {"choice", "parent", "stage"}
-    a = {n: int_array(f"arrays.{n}", arrays[n], 2 if n in two else 1) for n in names}
-    groups = [[prefix + c for c in cols] for prefix, cols in (("t.", TEMPLATE_COLUMNS), ("r.", RELAY_COLUMNS),
-                                                             ("c.", COPY_COLUMNS))]
+    a = {n: int_array(f"arrays.{n}", v, 2 if n in ("choice", "parent", "stage") else 1)
+         for n, v in _object("arrays", arrays, ARRAYS).items()}
+    groups = [[prefix + c for c in cols] for prefix, cols in OP_TABLES.values()]
     for group in groups + [["box_hstart", "box_hcount"], ["h_rank", "h_tensor", "h_base", "h_stride"]]:
         for name in group[1:]:
             if len(a[name]) != len(a[group[0]]):
                 raise bad(f"arrays.{name}", len(a[name]), f"must have {len(a[group[0]])} entries like "
                           f"arrays.{group[0]}")
-    return Program(template={c: a["t." + c] for c in TEMPLATE_COLUMNS}, relay={c: a["r." + c] for c in RELAY_COLUMNS},
-                   copies={c: a["c." + c] for c in COPY_COLUMNS}, **{n: a[n] for n in Program.ARRAYS}, **scalars)
+    return Program(**{attr: {c: a[prefix + c] for c in cols} for attr, (prefix, cols) in OP_TABLES.items()},
+                   **{n: a[n] for n in Program.ARRAYS}, **scalars)
 
 
 def _reads_inside(p: Program, src_numel: np.ndarray) -> None:
@@ -272,7 +250,7 @@ def _reads_inside(p: Program, src_numel: np.ndarray) -> None:
         stride = np.where(rows == 1, cols, p.h_stride[h])
         narrow = np.flatnonzero((rows > 1) & (stride < cols))
         # all factors are below 2**47 (checked): float products decide overflow before int64 arithmetic
-        big = (t["src_d0"].astype(float) + rows) * stride.astype(float) + p.h_base[h] + t["src_d1"] + cols
+        big = p.h_base[h] + t["src_d0"].astype(float) * p.h_stride[h] + t["src_d1"] + (rows - 1.0) * stride + cols
         last = p.h_base[h] + t["src_d0"] * p.h_stride[h] + t["src_d1"] + (rows - 1) * stride + cols
         outside = np.flatnonzero((big > 2.0 ** 61) | (last > src_numel[p.h_tensor[h]]))
         for idx, what in ((narrow, "has a row stride narrower than its columns"),
@@ -283,12 +261,12 @@ def _reads_inside(p: Program, src_numel: np.ndarray) -> None:
                           f"source tensor {int(p.h_tensor[h[i]])}; {len(idx)} ops do)")
 
 
-def _match(field: str, table: Any, placements: Any, rows: np.ndarray, exact: bool) -> np.ndarray:
-    """Table id of each placement row in `rows`; the placements' physical tensors must be the table's (`exact`:
-    and the table no more). Shapes compared in units of the plan's dtype."""
+def _match(field: str, table: Any, placements: Any) -> np.ndarray:
+    """Table id of each placement row; the placements' physical tensors must be the table's, and the table no
+    more. Shapes compared in units of the plan's dtype."""
     nk = max(len(placements.kinds), 1)
-    first, inverse = unique_inverse((placements.rank[rows] * nk + placements.kind[rows],))
-    ranks, kinds = placements.rank[rows][first].tolist(), placements.kind[rows][first].tolist()
+    first, inverse = unique_inverse((placements.rank * nk + placements.kind,))
+    ranks, kinds = placements.rank[first].tolist(), placements.kind[first].tolist()
     tid = table.find(ranks, [placements.kinds[k][0] for k in kinds])
     for r, k, i in zip(ranks, kinds, tid.tolist()):
         name, shape = placements.kinds[k]
@@ -296,26 +274,24 @@ def _match(field: str, table: Any, placements: Any, rows: np.ndarray, exact: boo
             raise bad(field, f"rank {r} {name}", "lacks a tensor the layout places data in")
         if table.shape(i) != tuple(shape):
             raise bad(field, f"rank {r} {name}", f"has shape {table.shape(i)}; the layout's is {tuple(shape)}")
-    if exact and len(set(tid.tolist())) != len(table):
+    if len(set(tid.tolist())) != len(table):
         extra = sorted(set(range(len(table))) - set(tid.tolist()))[0]
         raise bad(field, f"rank {table.rank[extra]} {table.name(extra)}", "is not a tensor of the layout")
     return tid[inverse.reshape(-1)]
 
 
 def _prove(plan: Any, sel: np.ndarray) -> None:
-    from .coverage import prove_expert_slots, prove_program
-
-    p, model, K, rpr, T0 = plan.program, plan.src.model, plan.dst.num_replicas, plan.program.ranks_per_replica, \
-        plan.program.tensors_per_replica
-    table = plan.dst_tensors
-    table0 = type(table)(table.rank[:T0], table.kind[:T0], table.kinds, table.dtypes)
-    same("dst_tensors.rank", table.rank, table0.tiled(K, rpr).rank, "replica k's tensors are replica 0's on ranks "
-         "shifted by k x ranks per replica")
-    same("dst_tensors.kind", table.kind, table0.tiled(K, rpr).kind, "every replica holds replica 0's tensors")
+    """Step 5 of the module docstring, on a plan whose indices `check_program` found inside what they index."""
+    p, model, K = plan.program, plan.src.model, plan.dst.num_replicas
+    table, T0 = plan.dst_tensors, p.tensors_per_replica
+    table0 = TensorTable(table.rank[:T0], table.kind[:T0], table.kinds, table.dtypes)
+    tiled = table0.tiled(K, p.ranks_per_replica)
+    same("dst_tensors.rank", table.rank, tiled.rank, "replica k's tensors are replica 0's on ranks shifted by k x "
+         "ranks per replica")
+    same("dst_tensors.kind", table.kind, tiled.kind, "every replica holds replica 0's tensors")
     S, _, D, _ = unit_placements(plan.src, plan.dst, sel)
-    _match("dst_tensors", table0, D, np.arange(len(D)), exact=True)
-    _match("src_tensors", plan.src_tensors, S, np.flatnonzero(S.n0 * S.n1 > 0), exact=True)
-    d_tid, D = _match("dst_tensors", table0, D, np.flatnonzero(D.n0 * D.n1 > 0), exact=False), data_rows(D)
+    _match("src_tensors", plan.src_tensors, data_rows(S))
+    d_tid, D = _match("dst_tensors", table0, D)[D.n0 * D.n1 > 0], data_rows(D)
     in_sel = np.zeros(len(model.canonical), dtype=bool)
     in_sel[sel] = True
     for prefix, ops in (("arrays.t.canon", p.template), ("arrays.r.canon", p.relay), ("arrays.c.canon", p.copies)):
@@ -330,7 +306,7 @@ def _prove(plan: Any, sel: np.ndarray) -> None:
     except CoverageError as e:
         raise PlanFileError("plan file: the ops do not write every destination element holding model data "
                             "exactly once", e.problems, field="arrays") from None
-    lower_bound_by_dst, model_bytes = bound_facts(model, sel, D, rpr, K)
+    lower_bound_by_dst, model_bytes = bound_facts(model, sel, D, p.ranks_per_replica, K)
     if tuple(plan.bounds.lower_bound_by_dst) != lower_bound_by_dst:
         raise bad("bounds.lower_bound_by_dst", list(plan.bounds.lower_bound_by_dst)[:8], "is not what the "
                   "destination layout holds")
@@ -340,38 +316,31 @@ def _prove(plan: Any, sel: np.ndarray) -> None:
 
 def load_plan(cls: type, d: Any, arrays: Any) -> Any:
     """The Plan a saved header and its arrays describe, once every check of the module docstring passed."""
-    d = _header(d)
+    d = _object("header", d, HEADER)
     src, dst = _layouts(d)
-    S, D, K = src.num_ranks, dst.num_ranks, dst.num_replicas
-    src_tables = _table("src_tensors", d.get("src_tensors"), S)
-    dst_table = _table("dst_tensors", d.get("dst_tensors"), D)
-    scalars = d["program"]
-    colocation = d.get("colocation")
-    if colocation is not None:
-        if not d["colocated"]:
-            raise bad("colocation", colocation, "is given but colocated is false")
-        colocation = int_array("colocation", colocation)
-        if len(colocation) != D:
-            raise bad("colocation", len(colocation), f"must list the source rank of each of {D} destination ranks")
-        within("colocation", colocation, 0, S)
-        colocation = tuple(colocation.tolist())
-    elif d["colocated"]:
-        if D > S:
-            raise bad("colocated", True, f"needs a source rank per destination rank ({D} > {S})")
-        colocation = tuple(range(D))
+    colocated = d["colocated"]
+    if d["colocation"] is not None:
+        if not colocated:
+            raise bad("colocation", d["colocation"], "is given but colocated is false")
+        colocated = int_array("colocation", d["colocation"]).tolist()
+    try:
+        colocation = colocation_ranks(colocated, src.num_ranks, dst.num_ranks)
+    except PlanError as e:
+        raise bad("colocated" if d["colocation"] is None else "colocation", colocated, str(e)) from None
     try:
         sel = select_indices(src.model, d["selection"], None)
     except PlanError as e:
         raise bad("selection", d["selection"], str(e)) from None
-    program = _program(d.get("arrays") if arrays is None else arrays, scalars)
-    fanout, roots = d.get("fanout"), d.get("roots")
-    fed = len(program.fed)
-    if (fanout is None) != (roots is None) or (fanout is None and fed != K) or (roots is not None and roots != fed):
+    program = _program(d["arrays"] if arrays is None else arrays, _object("program", d["program"], PROGRAM))
+    fanout, roots, fed = d["fanout"], d["roots"], len(program.fed)
+    if (fanout is None) != (roots is None) or (fanout is None and fed != dst.num_replicas) or \
+            (roots is not None and roots != fed):
         raise bad("roots", roots, f"must be null without fanout (every replica fed), else the {fed} fed replicas")
-    plan = cls(src=src, dst=dst, src_tensors=src_tables, dst_tensors=dst_table, program=program,
-               bounds=_bounds(d.get("bounds"), D), colocation=colocation, fanout=fanout, roots=roots,
-               selection=tuple(d["selection"]) if d["selection"] is not None else None, coverage="exact",
-               compile_seconds=float(d.get("compile_seconds", 0.0)))
+    plan = cls(src=src, dst=dst, src_tensors=_table("src_tensors", d["src_tensors"]),
+               dst_tensors=_table("dst_tensors", d["dst_tensors"]), program=program, bounds=_bounds(d["bounds"]),
+               colocation=colocation, fanout=fanout, roots=roots, coverage="exact",
+               selection=tuple(d["selection"]) if d["selection"] is not None else None,
+               compile_seconds=float(d["compile_seconds"]))
     if plan.digest != d["digest"]:
         raise bad("digest", d["digest"][:12], f"does not match the content (whose digest is {plan.digest[:12]}): "
                   "the file was changed or damaged")

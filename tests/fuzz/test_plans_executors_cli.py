@@ -65,9 +65,9 @@ def redigest(d: dict) -> None:
     try:
         prog = _program({k: np.asarray(v) for k, v in d["arrays"].items()}, d["program"])
         src, dst = layout_from_dict(d["src"]), layout_from_dict(d["dst"])
-        plan = Plan(src=src, dst=dst, src_tensors=_table("src_tensors", d["src_tensors"], src.num_ranks),
-                    dst_tensors=_table("dst_tensors", d["dst_tensors"], dst.num_ranks), program=prog,
-                    bounds=_bounds(d["bounds"], dst.num_ranks), colocation=d.get("colocation") or (
+        plan = Plan(src=src, dst=dst, src_tensors=_table("src_tensors", d["src_tensors"]),
+                    dst_tensors=_table("dst_tensors", d["dst_tensors"]), program=prog,
+                    bounds=_bounds(d["bounds"]), colocation=d.get("colocation") or (
                         tuple(range(8)) if d["colocated"] else None), fanout=d["fanout"], roots=d["roots"],
                     selection=d["selection"])
         d["digest"] = plan.digest

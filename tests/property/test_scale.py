@@ -189,13 +189,13 @@ def test_balance_bound_on_laminar_families(instance, replicas):
     """LB <= optimum <= busiest sender <= LB + largest unit, the optimum found by exhaustive search."""
     n, families, hset, sizes = instance
     loads, report = _run(n, families, hset, sizes, replicas)
-    assert report.laminar
+    assert report["holder_sets_laminar"]
     optimum = _optimum(n, families, hset, sizes, replicas)
-    assert report.lower_bound <= optimum <= loads.max() <= report.lower_bound + report.unit_max
+    assert report["egress_lower_bound"] <= optimum <= loads.max() <= report["egress_lower_bound"] + report["egress_unit_max"]
 
 
 @given(holder_instances(laminar=False), st.integers(1, 2))
 def test_balance_lower_bound_holds_for_any_family(instance, replicas):
     n, families, hset, sizes = instance
     loads, report = _run(n, families, hset, sizes, replicas)
-    assert report.lower_bound <= _optimum(n, families, hset, sizes, replicas) <= loads.max()
+    assert report["egress_lower_bound"] <= _optimum(n, families, hset, sizes, replicas) <= loads.max()

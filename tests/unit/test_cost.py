@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -48,7 +49,7 @@ def test_pack_and_commit_copies(model):
     wire = b / cluster.nvlink_bandwidth
     receiver_copies = 2 * (b + b) / cluster.copy_bandwidth  # unpack + commit on the receiving GPU
     assert predict(plan, cluster).seconds == pytest.approx(max(wire, receiver_copies) + cluster.nvlink_latency)
-    serial = predict(plan, cluster.with_(overlap_copies=False)).seconds
+    serial = predict(plan, replace(cluster, overlap_copies=False)).seconds
     assert serial == pytest.approx(wire + receiver_copies + cluster.nvlink_latency)
 
 
@@ -57,7 +58,7 @@ def test_a_gpu_fed_only_by_local_copies_stages_nothing(model):
     copies once, so a staged commit adds nothing to it (the executor's E4)."""
     local = _one_to_one(model, colocated=True)
     cluster = ClusterModel(gpus_per_node=8)
-    staged = cluster.with_(commit_copies=1.0, overlap_copies=False)
+    staged = replace(cluster, commit_copies=1.0, overlap_copies=False)
     assert predict(local, staged).seconds == pytest.approx(predict(local, cluster).seconds)
 
 
@@ -82,7 +83,7 @@ def test_pipelined_trees_cost_about_one_ingress(model):
     dst = reshard.VllmLayout(model=model, tp=2, replicas=7)
     plan = reshard.compile(src, dst, fanout=2, roots=1)
     cluster = ClusterModel(gpus_per_node=2)  # every replica on its own node: relays cross the network
-    seq, pipe = predict(plan, cluster), predict(plan, cluster.with_(pipelined=True))
+    seq, pipe = predict(plan, cluster), predict(plan, replace(cluster, pipelined=True))
     ingress = max(plan.accounting.ingress_bytes) / cluster.network_bandwidth
     assert pipe.seconds < seq.seconds
     fill = (seq.depth * (cluster.chunk_bytes / cluster.network_bandwidth + cluster.network_latency)

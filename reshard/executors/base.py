@@ -48,14 +48,6 @@ class Executor(abc.ABC):
         self.close()
 
 
-def executor_class(name: str) -> type[Executor]:
-    """The class of the executor called `name` (its module imported on first use)."""
-    if name not in EXECUTORS:
-        raise ExecutionError(f"unknown executor {name!r}; known: {sorted(EXECUTORS)}")
-    module, cls = EXECUTORS[name].split(":")
-    return getattr(importlib.import_module(module), cls)
-
-
 def make_executor(name: str, plan: Any, binding: Any, process: int, src: RankTensors | None,
                   dst: RankTensors | None, **options: Any) -> Executor:
     """The executor called `name`, bound to this process's part of `plan`.
@@ -79,12 +71,15 @@ def make_executor(name: str, plan: Any, binding: Any, process: int, src: RankTen
     from ..planner import Plan
 
     text("name", name)
+    if name not in EXECUTORS:
+        raise ExecutionError(f"unknown executor {name!r}; known: {sorted(EXECUTORS)}")
     instance("plan", plan, Plan, "a Plan")
     integer("process", process, 0, 1 << 20)
     rank_tensors("src", src, none=True)
     rank_tensors("dst", dst, none=True)
-    return executor_class(name)(plan, binding, process, {} if src is None else src, {} if dst is None else dst,
-                                **options)
+    module, cls = EXECUTORS[name].split(":")  # imported on first use
+    return getattr(importlib.import_module(module), cls)(plan, binding, process, {} if src is None else src,
+                                                         {} if dst is None else dst, **options)
 
 
 def close_within(close: Any, timeout: float, what: str) -> bool:
@@ -101,4 +96,4 @@ def close_within(close: Any, timeout: float, what: str) -> bool:
     return True
 
 
-__all__ = ["EXECUTORS", "Executor", "RankTensors", "close_within", "executor_class", "make_executor"]
+__all__ = ["EXECUTORS", "Executor", "RankTensors", "close_within", "make_executor"]

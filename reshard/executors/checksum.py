@@ -22,6 +22,7 @@ from typing import Any, Hashable, Mapping
 import torch
 
 from ..errors import ArgumentError
+from .graphs import Replay, single_cuda_device
 
 DIGEST_BYTES = 32
 ALGORITHMS = ("sha256", "sum64")
@@ -116,8 +117,6 @@ class _Sum64:
 def use_kernel(blocks: "list[torch.Tensor]", force: bool = False) -> bool:
     """Whether the fused sum64 kernel takes these blocks: all on one GPU (or `force`: any device, for Triton's
     interpreter), Triton there, each block rows of contiguous bytes."""
-    from .graphs import single_cuda_device
-
     if not blocks or (not force and single_cuda_device(blocks) is None):
         return False
     try:
@@ -133,7 +132,6 @@ class Sum64Program:
 
     def __init__(self, blocks: "list[torch.Tensor]") -> None:
         from ..kernels.sum64 import Sum64Launches
-        from .graphs import Replay, single_cuda_device
 
         self._k = Sum64Launches(blocks)
         self._run = Replay(self._k.launch, single_cuda_device(blocks))

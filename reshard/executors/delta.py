@@ -2,17 +2,15 @@
 
 The executors' `delta=DeltaPolicy(keyframe_every=K)` option turns this protocol on:
 
-- The sender (`Sender`) keeps a copy of every source tensor its ops read, as of the version it last sent (its own
-  shard once more), compares each op's box with it bit for bit and encodes the changed elements in the smallest of
-  three encodings (planner.delta: sparse, bitmap or dense); unchanged ops are left out. The copy is updated only
-  once the refit succeeded.
+- The sender (`Sender`) keeps a copy of the source tensors its ops read, as of the version it last sent, and
+  encodes each op's changed elements (compared bit for bit) in the smallest of planner.delta's encodings (sparse,
+  bitmap or dense); unchanged ops are left out. The copy is updated once the refit succeeded.
 - A keyframe (the executor's dense refit) comes first, every K versions, and whenever the engine's version is not
   the sender's base; every process learns every other's versions first, so all pick the same.
 - The receiver (`Receiver`) refuses, before writing anything, a delta against another version than it holds, a
-  malformed payload, indices out of their op's box, an op twice or not from that sender, and an encoding larger
-  than the dense block (planner.delta.prove_delta); then it scatters the values in place in O(changed elements)
-  (`index_put_` on CPU, kernels.delta_apply on GPUs), value shifts added as the dense refit adds them.
-- Checksums cover the resulting weights (the destination blocks after the refit), delta or keyframe alike.
+  malformed payload and whatever planner.delta.prove_delta refuses; then it scatters the values in place in
+  O(changed elements) (`index_put_` on CPU, kernels.delta_apply on GPUs), value shifts added as the dense refit
+  adds them. Checksums cover the resulting weights, delta or keyframe alike.
 
 A payload (one per sender and receiving process) is one uint8 buffer, every section 8-byte aligned: a header of
 int64 words (MAGIC, FORMAT, base version, version, entries, itemsize, digest bytes, 0), the entries (op row,
@@ -28,12 +26,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..errors import CoverageError, ExecutionError
+from ..arguments import integer
+from ..errors import ArgumentError, CoverageError, ExecutionError
 from ..kernels import triton_available
 from ..planner.delta import BITMAP, DENSE, ENCODINGS, SPARSE, DeltaOps, choose, prove_delta
 from ..planner.plan import RELAY
 from .checksum import blocks_digest
-from .reference import block, op_blocks
+from .reference import apply_shifts, block, op_blocks, shift_views
+from .stats import RefitStats
 
 MAGIC = 0x41544C4544534552  # b"RESDELTA" little-endian
 FORMAT = 1
@@ -62,9 +62,6 @@ class DeltaPolicy:
     state: "DeltaState | None" = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        from ..arguments import integer
-        from ..errors import ArgumentError
-
         integer("keyframe_every", self.keyframe_every, 1, 1 << 30)
         if self.state is not None and not isinstance(self.state, DeltaState):
             raise ArgumentError("state", self.state, "must be a DeltaState (or None)")
@@ -78,11 +75,9 @@ class DeltaPolicy:
         return self.state.receiver(plan) if self.state is not None else Receiver(plan)
 
 
-def _policy(policy: object) -> DeltaPolicy:
+def check_policy(policy: object) -> DeltaPolicy:
     """`policy`, refused unless a DeltaPolicy (ArgumentError)."""
     if not isinstance(policy, DeltaPolicy):
-        from ..errors import ArgumentError
-
         raise ArgumentError("delta", policy, "must be a DeltaPolicy (or None: every refit dense)")
     return policy
 
@@ -99,7 +94,6 @@ class DeltaState:
 
     def sender(self, plan, ops: np.ndarray) -> "Sender":
         """The kept sender for `plan`'s `ops` (a new one where the plan or the ops differ from the kept one's)."""
-        ops = np.asarray(ops, dtype=np.int64)
         kept = self._sender
         if kept is None or kept.plan.digest != plan.digest or not np.array_equal(kept.ops, ops):
             self._sender = Sender(plan, ops)
@@ -414,16 +408,12 @@ class Receiver:
         d = decoded.delta
         shifts = plan.value_shifts
         with torch.no_grad():
-            pos = 0
-            for k in np.flatnonzero(d.encoding == DENSE).tolist():  # whole blocks, as the dense refit copies them
-                i = int(d.op[k])
-                t, off, r, c, s = (int(o[x][i]) for x in ("dst_tensor", "dst_offset", "rows", "cols", "dst_stride"))
-                view = block(_bits(dst_flat[t]), off, r, c, s)
-                view.copy_(decoded.dense.narrow(0, pos, r * c).view(view.shape))
-                pos += r * c
-                shift = shifts.get(int(o["canon"][i]))
-                if shift:
-                    block(dst_flat[t], off, r, c, s).add_(shift)
+            dense = d.op[d.encoding == DENSE]  # whole blocks, as the dense refit copies them
+            bits = {int(t): _bits(dst_flat[int(t)]) for t in np.unique(o["dst_tensor"][dense])}
+            views = op_blocks(plan, dense, "dst", bits)
+            for view, data in zip(views, decoded.dense.split([v.numel() for v in views])):
+                view.copy_(data.view(view.shape))
+            apply_shifts(shift_views(plan, dst_flat, dense))
             sel = np.flatnonzero(d.encoding != DENSE)
             if not len(sel):
                 return
@@ -508,7 +498,7 @@ class VotedDelta:
         if np.any(o["src_side"] == RELAY):
             raise ExecutionError("delta refits need a plan without fan-out (relays between replicas); compile it "
                                  "without fanout")
-        self.ex, self.policy, self.checksum = executor, _policy(policy), checksum
+        self.ex, self.policy, self.checksum = executor, check_policy(policy), checksum
         local = {me: part.local} if len(part.local) else {}
         self.sends, self.recvs = {**local, **part.sends_to}, {**local, **part.receives_from}
         self.feeders = sorted(part.receives_from)
@@ -624,10 +614,8 @@ class VotedDelta:
         return (f"v{v}/delta", f"v{v}/delta/{me}", f"v{v}/ready/{me}", f"v{v}/done/{me}",
                 *(f"v{v}/payload/{f}/{me}" for f in self.feeders))
 
-    def stats(self, v: int, seconds: float, phases: dict[str, float], staged: bool) -> "RefitStats":
+    def stats(self, v: int, seconds: float, phases: dict[str, float], staged: bool) -> RefitStats:
         """This process's RefitStats of delta refit `v`: payload bytes, not the dense bytes."""
-        from .stats import RefitStats
-
         me = self.ex.process
         return RefitStats(executor=self.ex.name, process=me, version=v, seconds=seconds, phases=phases,
                           staged=staged, ops=self.applied, copies=self.applied,
@@ -645,45 +633,5 @@ def payload_bound(plan, ops: np.ndarray) -> int:
     return _pad(8 * HEADER_WORDS + 24 * len(ops) + 64 + dense + 5 * 8)
 
 
-class InProcessDelta:
-    """The protocol with sender and receiver in one process (executors.inprocess's `delta` option), no wire."""
-
-    def __init__(self, plan, ops: np.ndarray, prepared, policy: DeltaPolicy, checksum: str | None = None) -> None:
-        self.policy, self.ops, self.checksum = policy, np.asarray(ops, dtype=np.int64), checksum
-        self.sender, self.receiver = _policy(policy).sender(plan, self.ops), policy.receiver(plan)
-        self.src_flat, self.dst_flat = prepared.src_flat, prepared.dst_flat
-        self.dst_blocks = prepared.blocks(self.ops, side="dst") if checksum else []
-        self.last: DeltaReport | None = None
-
-    def due(self) -> bool:
-        """Whether the next refit must be a keyframe (the executor's dense path)."""
-        return self.sender.keyframe_due(self.policy) or self.receiver.held != self.sender.base
-
-    def run(self, version: int) -> DeltaReport:
-        """One delta refit to `version`: encode, read, apply, and the sender's copy brought up to date."""
-        try:
-            payload, delta = self.sender.encode(self.ops, version, self.src_flat)
-            self.receiver.apply(self.receiver.read(payload, self.ops, "this process"), self.dst_flat)
-        except Exception:
-            self.sender.forget()
-            raise
-        self.last = self.sender.report(self.ops, [delta], version, payload.numel())
-        self.committed(version, keyframe=False)
-        return self.last
-
-    def committed(self, version: int, keyframe: bool) -> DeltaReport:
-        """A refit to `version` landed (a keyframe: through the dense path): both sides hold it."""
-        if keyframe:
-            self.last = keyframe_report(self.sender.plan, self.ops, version)
-        self.sender.committed(version, self.src_flat, keyframe)
-        self.receiver.held = version
-        return self.last
-
-    def digest(self) -> str:
-        """The checksum of the resulting weights: the destination blocks of the ops, in plan order."""
-        return blocks_digest(self.checksum, self.dst_blocks).hex()
-
-
-__all__ = ["Decoded", "DeltaError", "DeltaPolicy", "DeltaReport", "DeltaState", "InProcessDelta", "Receiver",
-           "Sender", "VotedDelta", "check_digest", "keyframe_report", "pack_bits", "payload_bound", "source_digest",
-           "unpack_bits"]
+__all__ = ["Decoded", "DeltaError", "DeltaPolicy", "DeltaReport", "DeltaState", "Receiver", "Sender", "VotedDelta",
+           "check_digest", "keyframe_report", "pack_bits", "payload_bound", "source_digest", "unpack_bits"]

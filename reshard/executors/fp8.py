@@ -24,9 +24,8 @@ from ..planner.fp8 import Fp8Plan
 from ..planner.plan import RELAY
 from .base import Executor, RankTensors, make_executor
 from ..kernels import KernelTuning, triton_available
-from .graphs import Replay, on_streams, single_cuda_device
+from .graphs import Pins, Replay, on_streams, single_cuda_device
 from .reference import _box, element_shape, torch_dtype
-from .pins import Pins
 from .stats import RefitStats, phase_times
 
 QUANTIZERS = ("auto", "eager", "kernel")
@@ -56,7 +55,9 @@ def quantize_blocks(x: torch.Tensor, block: tuple[int, int],
     return out, scale
 
 
-def _as_2d(view: torch.Tensor) -> torch.Tensor:
+def _piece(t: torch.Tensor, p) -> torch.Tensor:
+    """A placement `p`'s box of `t`, as 2-D rows of its last dimension."""
+    view = _box(t, p.phys_offset, p.lengths)
     return view.reshape(-1, view.shape[-1]) if view.dim() != 2 else view
 
 
@@ -73,10 +74,9 @@ class _QuantizeJobs:
     """Runs (bf16 view, fp8 view, scale view) jobs: the Triton kernel (one replay, built once, launched with
     `tuning`) or a quantizer function per job."""
 
-    jobs: list
-    block: tuple[int, int]
-    tuning: "KernelTuning | None"
-    _kernel: "Replay | None"
+    def __init__(self, jobs: "list | None", block: tuple[int, int], tuning: "KernelTuning | None") -> None:
+        self.jobs, self.block, self.tuning = jobs, block, tuning
+        self._kernel: "Replay | None" = None
 
     def run(self, quantize=None, direct: bool = True) -> None:
         """Quantize every job: `quantize` "kernel", a quantizer function, or None (`quantize_blocks`)."""
@@ -109,7 +109,7 @@ class SenderQuantizer(_QuantizeJobs):
         own = plan.src_tensors.own_dtypes()
         unit = torch_dtype(plan.src.dtype)
         self.tensors: dict[int, dict[str, torch.Tensor]] = {}
-        self.jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (bf16 piece, fp8 piece, scale piece)
+        super().__init__([], block, tuning)  # jobs: (bf16 piece, fp8 piece, scale piece)
         for rank, given in src.items():
             out: dict[str, torch.Tensor] = {}
             # scales have no trainer tensor: shadows on the weight's device (known by dtype, and by the plan's pieces:
@@ -144,11 +144,7 @@ class SenderQuantizer(_QuantizeJobs):
                     self.jobs.append((given[wname], out[wname], out[sname]))
                     continue
                 for a, b in pairs:
-                    self.jobs.append((_as_2d(_box(given[wname], a.phys_offset, a.lengths)),
-                                      _as_2d(_box(out[wname], a.phys_offset, a.lengths)),
-                                      _as_2d(_box(out[sname], b.phys_offset, b.lengths))))
-        self.block, self.tuning = block, tuning
-        self._kernel: Replay | None = None
+                    self.jobs.append((_piece(given[wname], a), _piece(out[wname], a), _piece(out[sname], b)))
 
 
 class ReceiverQuantizer(_QuantizeJobs):
@@ -162,7 +158,7 @@ class ReceiverQuantizer(_QuantizeJobs):
         own = plan.dst_tensors.own_dtypes()
         unit = torch_dtype(plan.dst.dtype)
         self.tensors: dict[int, dict[str, torch.Tensor]] = {}
-        self.jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (staging, fp8 weight, scale)
+        super().__init__([], fp.scheme.block, tuning)  # jobs: (staging, fp8 weight, scale)
         for rank, given in dst.items():
             out = {}
             for name, units in plan.dst_tensors.on_rank(rank).items():
@@ -187,11 +183,8 @@ class ReceiverQuantizer(_QuantizeJobs):
                         if name not in given:
                             raise ExecutionError(f"destination rank {rank} has no tensor {name!r} (an FP8 engine "
                                                  f"holds the weight and its scale)")
-                    self.jobs.append((_as_2d(_box(self.tensors[rank][a.tensor], a.phys_offset, a.lengths)),
-                                      _as_2d(_box(given[b.tensor], b.phys_offset, b.lengths)),
-                                      _as_2d(_box(given[c.tensor], c.phys_offset, c.lengths))))
-        self.block, self.tuning = fp.scheme.block, tuning
-        self._kernel: Replay | None = None
+                    self.jobs.append((_piece(self.tensors[rank][a.tensor], a), _piece(given[b.tensor], b),
+                                      _piece(given[c.tensor], c)))
 
     def _kernel_program(self, direct: bool) -> "Replay":
         if direct or not self.jobs:
@@ -260,8 +253,7 @@ class DirectQuantizer(_QuantizeJobs):
     the other ops. `jobs` is None (and `why` says why) where the plan cannot run so."""
 
     def __init__(self, fp: Fp8Plan, src: RankTensors, dst: RankTensors, tuning: "KernelTuning | None" = None) -> None:
-        self.tuning = tuning
-        self.jobs: "list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None" = None
+        super().__init__(None, fp.scheme.block, tuning)
         self.rest: "np.ndarray | None" = None
         self.why = ""
         plan, (bn, bk) = fp.plan, fp.scheme.block
@@ -308,13 +300,12 @@ class DirectQuantizer(_QuantizeJobs):
                 self.why = f"op {i} ({sn} -> {dn}) is not a rectangle of both tensors"
                 return
             nr, nc = a[2], a[3]
-            for (r0, c0, _, _), (n_all, k_all) in ((a, x2.shape), (b, q2.shape)):
-                whole = r0 % bn == 0 and c0 % bk == 0
-                rows_ok = nr % bn == 0 or (a[0] + nr == x2.shape[0] and b[0] + nr == q2.shape[0])
-                cols_ok = nc % bk == 0 or (a[1] + nc == x2.shape[1] and b[1] + nc == q2.shape[1])
-                if not (whole and rows_ok and cols_ok):
-                    self.why = f"op {i} ({sn} -> {dn}) cuts blocks"
-                    return
+            whole = all(r0 % bn == 0 and c0 % bk == 0 for r0, c0, _, _ in (a, b))
+            rows_ok = nr % bn == 0 or (a[0] + nr == x2.shape[0] and b[0] + nr == q2.shape[0])
+            cols_ok = nc % bk == 0 or (a[1] + nc == x2.shape[1] and b[1] + nc == q2.shape[1])
+            if not (whole and rows_ok and cols_ok):
+                self.why = f"op {i} ({sn} -> {dn}) cuts blocks"
+                return
             sb = (b[0] // bn, b[1] // bk, -(-nr // bn), -(-nc // bk))
             jobs.append((x2[a[0]:a[0] + nr, a[1]:a[1] + nc], q2[b[0]:b[0] + nr, b[1]:b[1] + nc],
                          s2[sb[0]:sb[0] + sb[2], sb[1]:sb[1] + sb[3]]))
@@ -326,8 +317,6 @@ class DirectQuantizer(_QuantizeJobs):
             return
         self.jobs = jobs
         self.rest = mine[~is8 & ~np.isin(o["src_tensor"][mine], list(scales))]
-        self.block = (bn, bk)
-        self._kernel: Replay | None = None
 
 
 def check_engine_tensors(fp: Fp8Plan, dst: RankTensors) -> None:
@@ -405,13 +394,10 @@ class Fp8Executor(Executor):
                                  "'inprocess')")
         self.senders = SenderQuantizer(fp, src, shadows=self.direct is None, tuning=tuning)
         self.receivers = ReceiverQuantizer(fp, dst, tuning)
-        if self.direct is not None:
-            self._pins = Pins(tensors)
-            self.inner = make_executor("inprocess", fp.plan, binding, process, self.senders.tensors,
-                                       self.receivers.tensors, ops=self.direct.rest)
-        else:
-            self.inner = make_executor(inner, fp.plan, binding, process, self.senders.tensors,
-                                       self.receivers.tensors, **options)
+        self._pins = Pins(tensors)  # checked where the direct jobs' views of them are bound
+        name, options = ("inprocess", {"ops": self.direct.rest}) if self.direct is not None else (inner, options)
+        self.inner = make_executor(name, fp.plan, binding, process, self.senders.tensors, self.receivers.tensors,
+                                   **options)
 
     @property
     def src_tensors(self) -> Mapping[int, Mapping[str, torch.Tensor]]:

@@ -21,11 +21,9 @@ from ..planner.plan import RELAY
 from .base import Executor, RankTensors
 from .checksum import algorithm, blocks_digest
 from .copies import DST, SRC, fold
-from .delta import DeltaPolicy, DeltaReport, InProcessDelta
-from .graphs import STREAMS, Replay, on_streams, single_cuda_device, spread
-from .preflight import check_ops
-from .reference import apply_shifts
-from .pins import Pins
+from .delta import DeltaPolicy, check_policy, keyframe_report
+from .graphs import STREAMS, Pins, Replay, on_streams, single_cuda_device, spread
+from .reference import apply_shifts, ops_here
 from .prepared import Prepared
 from .stats import RefitStats
 from .views import CopyViews, Memory, view_copies
@@ -47,7 +45,8 @@ class InProcessExecutor(Executor):
         table: large copies as one table-copy kernel launch (Triton); None: on one GPU from TABLE_FROM on.
         checksum: the algorithm (executors.checksum) of the refit's digest; `checksum_kernel` forces or forbids
             the fused copy-and-sum kernel for "sum64" (None: on one GPU with Triton).
-        delta: a `DeltaPolicy` (executors.delta); `last_delta` reports what each refit moved.
+        delta: a `DeltaPolicy` (executors.delta): sender and receiver both here, no wire; `last_delta` (a
+            DeltaReport, else None) reports what each refit moved.
 
     Raises:
         ExecutionError: a bad `graph`, `table=True` without Triton, relays, or tensors that do not match.
@@ -62,6 +61,7 @@ class InProcessExecutor(Executor):
         self.plan, self.process, self._version = plan, process, 0
         self.checksum = algorithm(checksum)
         mine, prepared = _prepare(plan, dict(src or {}), dict(dst or {}), ops)
+        self._mine, self._src_flat, self._dst_flat = mine, prepared.src_flat, prepared.dst_flat
         self._pins = Pins(prepared.tensors)
         o = plan.ops
         program = fold(SRC, o["src_tensor"][mine], o["src_offset"][mine], o["src_stride"][mine],
@@ -86,6 +86,11 @@ class InProcessExecutor(Executor):
             self._program.large, self._program.groups = [], []  # all of it moved by the kernel
         elif self.checksum:
             self._sum_blocks = prepared.blocks(mine)
+        self._policy, self.last_delta = delta, None
+        if delta is not None:
+            self._sender, self._receiver = check_policy(delta).sender(plan, mine), delta.receiver(plan)
+            if self.checksum:  # the resulting weights: the destination blocks of the ops
+                self._sum_blocks = prepared.blocks(mine, "dst")
         large = self._program.large
         if table is None:
             table = self._device is not None and len(large) >= TABLE_FROM and triton_available()
@@ -103,7 +108,6 @@ class InProcessExecutor(Executor):
         self._large = [CopyViews(part, [], len(part)).run for part in spread(large, n, lambda ds: ds[0].numel())]
         self._large_eager = graph == "small"
         self._run = Replay(self._launch, self._device if graph != "none" else None)
-        self._delta = None if delta is None else InProcessDelta(plan, mine, prepared, delta, self.checksum)
 
     def _copy_large(self) -> None:
         if self._table is not None:
@@ -119,30 +123,32 @@ class InProcessExecutor(Executor):
             torch._foreach_copy_(d, s)
         apply_shifts(self._shifts)
 
-    @property
-    def last_delta(self) -> "DeltaReport | None":
-        """What the last refit moved, with the `delta` option (executors.delta.DeltaReport); else None."""
-        return None if self._delta is None else self._delta.last
-
     def refit(self, version: int | None = None) -> RefitStats:
         start = time.perf_counter()
         self._pins.check()  # a replaced storage would be written through stale views
-        new, delta = self._version + 1 if version is None else int(version), self._delta
-        if delta is not None and not delta.due():
-            report = delta.run(new)
-            phase, ops, copies, moved = "delta", len(delta.ops), report.entries, report.wire_bytes
+        new, delta = self._version + 1 if version is None else int(version), self._policy is not None
+        if delta and not self._sender.keyframe_due(self._policy) and self._receiver.held == self._sender.base:
+            try:
+                payload, encoded = self._sender.encode(self._mine, new, self._src_flat)
+                self._receiver.apply(self._receiver.read(payload, self._mine, "this process"), self._dst_flat)
+            except Exception:
+                self._sender.forget()
+                raise
+            report = self.last_delta = self._sender.report(self._mine, [encoded], new, payload.numel())
+            phase, ops, copies, moved = "delta", self.ops, report.entries, report.wire_bytes
         else:
             with torch.no_grad():
                 if self._large_eager:  # plain device copies, ahead of the graph on the same stream
                     self._copy_large()
                 self._run()
-            if delta is not None:
-                delta.committed(new, keyframe=True)
+            if delta:
+                self.last_delta = keyframe_report(self.plan, self._mine, new)
             phase, ops, copies, moved = "launch", self.ops, self.copies, self.bytes
+        if delta:  # both sides hold the new version
+            self._sender.committed(new, self._src_flat, phase == "launch")
+            self._receiver.held = new
         self._version, digest = new, ""
-        if delta is not None:
-            digest = delta.digest() if self.checksum else ""
-        elif self._fused is not None:  # the kernel that moved the bytes summed them (on the GPU, no host sync before)
+        if self._fused is not None and not delta:  # the kernel that moved the bytes summed them (no host sync)
             digest = self._fused.digest().hex()
         elif self.checksum:
             digest = blocks_digest(self.checksum, self._sum_blocks).hex()
@@ -159,18 +165,11 @@ class InProcessExecutor(Executor):
 def _prepare(plan: Plan, src: dict, dst: dict, ops: "np.ndarray | None") -> tuple[np.ndarray, Prepared]:
     """The ops this process runs (those its destination ranks receive, within `ops`) and its tensors, checked
     (only the tensors those ops touch need be there)."""
-    check_ops(plan)
+    mine, used = ops_here(plan, src, dst, ops)
     o = plan.ops
-    mine = np.flatnonzero(np.isin(o["dst_rank"], list(dst)))
-    if ops is not None:
-        mine = np.intersect1d(mine, np.asarray(ops, dtype=np.int64))
     if np.any(o["src_side"][mine] == RELAY):
         raise ExecutionError("the plan relays between destination replicas; compile it without fan-out to "
                              "run it bound in one process")
-    used = sorted(set(o["src_rank"][mine].tolist()))
-    missing = sorted(set(used) - set(src))
-    if missing:
-        raise ExecutionError(f"this process lacks source ranks {missing[:10]} that the plan reads")
     ids = None if ops is None else (set(o["src_tensor"][mine].tolist()), set(o["dst_tensor"][mine].tolist()))
     return mine, Prepared(plan, {r: src[r] for r in used}, dst, ids=ids)
 

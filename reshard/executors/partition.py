@@ -40,30 +40,22 @@ class Partition:
 
     # --- the global split (the same on every process) ------------------------------------------------
     @cached_property
-    def senders_receivers(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per op, the sending and the receiving process (a relay's sender plays a destination rank)."""
-        if not self.plan.num_ops:
-            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    def sender(self) -> np.ndarray:
+        """Per op, the process that sends it (a relay's sender plays a destination rank)."""
         o = self.plan.ops
         src, dst = np.asarray(self.binding.src, np.int64), np.asarray(self.binding.dst, np.int64)
-        sender = np.where(o["src_side"] == SOURCE, src[np.minimum(o["src_rank"], len(src) - 1)],
-                          dst[np.minimum(o["src_rank"], len(dst) - 1)])
-        return sender, dst[o["dst_rank"]]
+        return np.where(o["src_side"] == SOURCE, src[np.minimum(o["src_rank"], len(src) - 1)],
+                        dst[np.minimum(o["src_rank"], len(dst) - 1)])
 
-    @property
-    def sender(self) -> np.ndarray:
-        """Per op, the process that sends it."""
-        return self.senders_receivers[0]
-
-    @property
+    @cached_property
     def receiver(self) -> np.ndarray:
         """Per op, the process that receives it."""
-        return self.senders_receivers[1]
+        return np.asarray(self.binding.dst, np.int64)[self.plan.ops["dst_rank"]]
 
     @cached_property
     def streams(self) -> tuple[np.ndarray, np.ndarray]:
         """(stream of every op, -1 for local ones; (stage, sender, receiver) of every stream, sorted)."""
-        sender, receiver = self.senders_receivers
+        sender, receiver = self.sender, self.receiver
         remote = sender != receiver
         stream = np.full(self.plan.num_ops, -1, np.int64)
         if not remote.any():

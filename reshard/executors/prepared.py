@@ -45,8 +45,9 @@ class Prepared:
         self.tensors = [t for side in (src, dst) for ts in side.values() for t in ts.values()]
         self.devices = {t.device for t in self.tensors}
         units = in_units(plan, src, dst)  # tensors kept in a wider dtype, seen in the plan's
-        self.src_flat, self.dst_flat = (_flat(table, side) for table, side in
-                                        ((plan.src_tensors, units[0]), (plan.dst_tensors, units[1])))
+        self.src_flat, self.dst_flat = ({i: ts[r][n].view(-1) for i, (r, n) in enumerate(zip(table.ranks, table.names))
+                                         if r in ts and n in ts[r]}  # tensor id -> flat view, where given
+                                        for table, ts in ((plan.src_tensors, units[0]), (plan.dst_tensors, units[1])))
         self.dtype = torch_dtype(plan.dst.dtype)
 
     @property
@@ -76,12 +77,6 @@ class Prepared:
         buffer = (allocate or (lambda n: torch.empty(n, dtype=self.dtype, device=device or self.device or "cpu")))(
             total)
         return buffer, {k: buffer.narrow(0, a, n) for (k, n), a in zip(sizes.items(), starts)}
-
-
-def _flat(table, tensors: RankTensors) -> dict[int, torch.Tensor]:
-    """Tensor id -> flat view of every tensor of the table that `tensors` holds."""
-    return {i: tensors[r][n].view(-1) for i, (r, n) in enumerate(zip(table.ranks, table.names))
-            if r in tensors and n in tensors[r]}
 
 
 __all__ = ["ALIGN", "Prepared"]

@@ -51,11 +51,23 @@ def allocate(layout: Layout, fill: float = 0.0, ranks: list[int] | None = None,
 
     Raises:
         LayoutError: a rank the layout does not have.
+        ArgumentError: a `fill` that is not a value of every dtype of the layout's tensors (NaN and infinities
+            pass for floating dtypes).
     """
     instance("layout", layout, Layout, "a Layout")
     ranks = check_ranks("ranks", ranks, layout.num_ranks)
     device = check_device("device", device)
-    _check_fill(layout, fill)
+    if isinstance(fill, bool) or not isinstance(fill, (int, float)):
+        raise ArgumentError("fill", fill, "must be a real number (an int or a float)")
+    if isinstance(fill, int) and not -(1 << 63) <= fill < (1 << 63):
+        raise ArgumentError("fill", fill, "is not a value of any tensor dtype")
+    for name in {layout.dtype, *layout.tensor_dtypes().values()}:
+        dtype = torch_dtype(name)
+        if dtype.is_floating_point and not math.isfinite(fill):
+            continue
+        info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
+        if not info.min <= fill <= info.max or (not dtype.is_floating_point and fill != int(fill)):
+            raise ArgumentError("fill", fill, f"is not a value of the layout's dtype {name}")
     return {r: {name: torch.full(shape, fill, device=device, dtype=torch_dtype(layout.tensor_dtype(r, name)))
                 for name, shape in layout.rank_tensors(r).items()}
             for r in (range(layout.num_ranks) if ranks is None else ranks)}
@@ -99,34 +111,6 @@ def shard(layout: Layout, weights: Mapping[str, torch.Tensor], fill: float = 0.0
             (a shape that merely broadcasts to it is refused, never broadcast).
     """
     instance("layout", layout, Layout, "a Layout")
-    _check_weights(layout, weights)
-    out = allocate(layout, fill, ranks)
-    for t in layout.model.tensors:
-        for index, box in _boxes(layout, t, out):
-            box.copy_(weights[t.name][index])
-            if layout.value_offset(t):
-                box.add_(layout.value_offset(t))
-    return out
-
-
-def _check_fill(layout: Layout, fill: float) -> None:
-    """Refuse a `fill` that is not a value of every dtype of the layout's tensors (NaN and infinities pass for
-    floating dtypes)."""
-    if isinstance(fill, bool) or not isinstance(fill, (int, float)):
-        raise ArgumentError("fill", fill, "must be a real number (an int or a float)")
-    if isinstance(fill, int) and not -(1 << 63) <= fill < (1 << 63):
-        raise ArgumentError("fill", fill, "is not a value of any tensor dtype")
-    for name in {layout.dtype, *layout.tensor_dtypes().values()}:
-        dtype = torch_dtype(name)
-        if dtype.is_floating_point and not math.isfinite(fill):
-            continue
-        info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
-        if not info.min <= fill <= info.max or (not dtype.is_floating_point and fill != int(fill)):
-            raise ArgumentError("fill", fill, f"is not a value of the layout's dtype {name}")
-
-
-def _check_weights(layout: Layout, weights: Any) -> None:
-    """Every canonical tensor, a torch tensor of exactly its canonical shape (never broadcast)."""
     if not isinstance(weights, Mapping) or not all(isinstance(k, str) for k in weights):
         raise ArgumentError("weights", weights, "must map canonical (HF) tensor names to torch tensors")
     problems = []
@@ -140,6 +124,13 @@ def _check_weights(layout: Layout, weights: Any) -> None:
         raise ArgumentError("weights", f"<{len(weights)} tensors>",
                             f"must hold every tensor of the model in its canonical shape: {'; '.join(problems[:5])}"
                             + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
+    out = allocate(layout, fill, ranks)
+    for t in layout.model.tensors:
+        for index, box in _boxes(layout, t, out):
+            box.copy_(weights[t.name][index])
+            if layout.value_offset(t):
+                box.add_(layout.value_offset(t))
+    return out
 
 
 def unshard(layout: Layout, tensors: RankTensors) -> dict[str, torch.Tensor]:
@@ -276,21 +267,10 @@ class ReferenceExecutor(Executor):
             if unknown:
                 raise ExecutionError(f"{side} names ranks {unknown[:10]} that the plan's {layout.engine} side does "
                                      f"not have")
-        check_ops(plan)
-        ops = plan.ops
-        self.mine = np.flatnonzero(np.isin(ops["dst_rank"], list(self.dst)))
-        relays = self.mine[ops["src_side"][self.mine] == RELAY]
-        foreign = sorted(set(ops["src_rank"][relays].tolist()) - set(self.dst))
-        if foreign:
-            raise ExecutionError(f"the plan relays through destination ranks {foreign[:10]} that are not in this "
-                                 f"process; compile it without fan-out to run it here")
-        self.sources = sorted(set(ops["src_rank"][self.mine[ops["src_side"][self.mine] != RELAY]].tolist()))
-        missing = [r for r in self.sources if r not in self.src]
-        if missing:
-            raise ExecutionError(f"this process lacks source ranks {missing[:10]} that the plan reads")
+        self.mine, self.sources = ops_here(plan, self.src, self.dst)
         check_tensors(plan, {r: self.src[r] for r in self.sources}, self.dst)  # before any byte moves
         self.process, self._version = process, 0
-        self._bytes = int((ops["rows"][self.mine] * ops["cols"][self.mine]).sum()) * plan.itemsize
+        self._bytes = int((plan.ops["rows"][self.mine] * plan.ops["cols"][self.mine]).sum()) * plan.itemsize
 
     def refit(self, version: int | None = None) -> RefitStats:
         start = time.perf_counter()
@@ -323,13 +303,38 @@ def execute_local(plan: Plan, src: RankTensors, dst: RankTensors) -> None:
     Raises:
         ExecutionError: a rank is missing, or tensors that do not match the plan.
     """
-    instance("plan", plan, Plan, "a Plan")
     rank_tensors("src", src)
     rank_tensors("dst", dst)
+    executor = ReferenceExecutor(plan, None, 0, src, dst)  # checks the plan and the tensors
     missing = sorted(set(plan.src_tensors.ranks) - set(src)) + sorted(set(plan.dst_tensors.ranks) - set(dst))
     if missing:
         raise ExecutionError(f"local execution needs every rank; missing {missing[:10]}")
-    ReferenceExecutor(plan, None, 0, src, dst).refit()
+    executor.refit()
+
+
+def ops_here(plan: Plan, src: RankTensors, dst: RankTensors, ops: "np.ndarray | None" = None) \
+        -> tuple[np.ndarray, list[int]]:
+    """The ops (within `ops`) that the destination ranks in `dst` receive, and the source ranks they read; the plan
+    checked (preflight.check_ops).
+
+    Raises:
+        ExecutionError: a relay reads a destination rank not in `dst`, or a source rank read is not in `src`.
+    """
+    check_ops(plan)
+    o = plan.ops
+    mine = np.flatnonzero(np.isin(o["dst_rank"], list(dst)))
+    if ops is not None:
+        mine = np.intersect1d(mine, np.asarray(ops, dtype=np.int64))
+    relay = o["src_side"][mine] == RELAY
+    foreign = sorted(set(o["src_rank"][mine[relay]].tolist()) - set(dst))
+    if foreign:
+        raise ExecutionError(f"the plan relays through destination ranks {foreign[:10]} that are not in this "
+                             f"process; compile it without fan-out to run it here")
+    sources = sorted(set(o["src_rank"][mine[~relay]].tolist()))
+    missing = [r for r in sources if r not in src]
+    if missing:
+        raise ExecutionError(f"this process lacks source ranks {missing[:10]} that the plan reads")
+    return mine, sources
 
 
 def shift_views(plan: Plan, dst_flat: Mapping[int, torch.Tensor], ops: "np.ndarray | None" = None) \

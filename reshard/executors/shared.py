@@ -1,15 +1,12 @@
 """Run a plan between processes of one host through shared memory: CUDA IPC on GPUs (a trainer and a vLLM engine
 sharing a GPU, NeMo-RL's colocated shape), POSIX shared memory between CPU processes (the same path, run in CI).
 
-Senders write: a receiving process exposes landing memory for the destination tensors peers write, and each sender
-maps it and copies its blocks straight in with the plan's copy programs (executors.copies); handles travel as JSON
-through the store (never pickle). Per refit a receiver announces "ready v", each sender copies, synchronizes and
-announces "done v", and every process votes (executors.voted). Staged (default), landing memory is a staging arena
-copied into the destination after the vote, so a failed refit leaves destinations unchanged; in place, it is the
-destination itself (CPU tensors must then come from `shared_empty`). `close()` unlinks this process's segments;
-segments of killed processes are removed later by `reclaim_segments` (their names prove the creator gone).
-Fan-out relays are refused. Delta refits (CPU): executors.delta.VotedDelta, each payload in an outbox segment of
-the sender's per receiving peer.
+A receiving process exposes landing memory for the destination tensors peers write; each sender maps it (handles
+travel as JSON through the store, never pickle) and copies its blocks straight in. Per refit a receiver announces
+"ready v", each sender copies, synchronizes and announces "done v", and every process votes (executors.voted).
+Staged (default), landing memory is a staging arena committed after the vote; in place, it is the destination
+itself (CPU tensors must then come from `shared_empty`). Segments of killed processes are removed later by
+`reclaim_segments`. Fan-out relays are refused. Delta refits (CPU): executors.delta.VotedDelta.
 """
 from __future__ import annotations
 
@@ -52,6 +49,7 @@ _SHM_DIR = "/dev/shm"
 _SEGMENT_NAME = re.compile(r"reshard-[0-9]{1,10}-(?:[0-9]{1,20}-[0-9]{1,20}-)?[0-9a-f]{32}")
 _RECLAIMABLE = re.compile(r"reshard-(?P<pid>[0-9]{1,10})-(?P<start>[0-9]{1,20})-(?P<ns>[0-9]{1,20})-[0-9a-f]{32}")
 _UNKNOWN = -1  # a process whose start time cannot be read (not ours to judge): its segments are kept
+_reclaimed_in: int | None = None  # the pid of the process whose shared_empty reclaimed (a fork child does again)
 log = logging.getLogger("reshard")
 
 
@@ -114,8 +112,11 @@ def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised CPU tensor in a shared-memory segment of its own, which peers of a "shared" refit can write
     into (in_place). Its name is removed at process exit; a killed process's is reclaimed later (`reclaim_segments`,
     run by a process's first call here)."""
+    global _reclaimed_in
     numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    _reclaim_once()
+    if _reclaimed_in != os.getpid():
+        _reclaimed_in = os.getpid()
+        reclaim_segments()
     seg = Segment(_fresh_name(), numel * dtype.itemsize, create=True)
     # at exit, also of a multiprocessing child (which ends with os._exit, skipping atexit, but runs these)
     multiprocessing.util.Finalize(seg, seg.unlink, exitpriority=10)
@@ -172,12 +173,9 @@ def _identity() -> tuple[int, int, int] | None:
 
 def reclaim_segments() -> list[str]:
     """Remove the shared-memory segments of reshard processes that are gone (a SIGKILLed process cannot remove its
-    own), and return their names.
-
-    Only a regular file of this user, named as `_fresh_name` names, by a creator of this pid namespace that is
-    provably gone (no process has its pid, or the one that has it started at another time). Anything else is left
-    alone; a live peer keeps the memory it mapped. Safe to call at any time.
-    """
+    own), and return their names: only a regular file of this user, named by `_fresh_name` in this pid namespace,
+    whose creator is provably gone (no process has its pid, or the one that has it started at another time). A live
+    peer keeps the memory it mapped. Safe to call at any time."""
     me = _identity()
     if me is None:
         return []
@@ -210,17 +208,6 @@ def reclaim_segments() -> list[str]:
         log.info("reshard: removed %d shared-memory segments of processes that are gone (%s%s)", len(removed),
                  ", ".join(removed[:3]), ", ..." if len(removed) > 3 else "")
     return removed
-
-
-_reclaimed_in: int | None = None  # the pid of the process whose shared_empty reclaimed (a fork child does again)
-
-
-def _reclaim_once() -> None:
-    global _reclaimed_in
-    if _reclaimed_in != os.getpid():
-        _reclaimed_in = os.getpid()
-        reclaim_segments()
-
 
 
 # --- handles ----------------------------------------------------------------------------------------------
@@ -293,7 +280,7 @@ class SharedExecutor(VotedExecutor):
                  delta: "DeltaPolicy | None" = None) -> None:
         if timeout <= 0:
             raise ExecutionError(f"timeout={timeout} must be positive (seconds)")
-        binding.check(plan.src.num_ranks, plan.dst.num_ranks)  # before the process is looked up in it
+        self.part = Partition(plan, binding, process)  # checks the binding before the process is looked up in it
         check_ops(plan)
         if process not in binding.processes:
             raise ExecutionError(f"process {process} plays no rank of {binding}")
@@ -309,7 +296,6 @@ class SharedExecutor(VotedExecutor):
         self._start_versions()
         self._segments: dict[str, Segment] = {}
         self._created: list[Segment] = []
-        self.part = Partition(plan, binding, process)
         self.prepared = Prepared(plan, src, dst, (binding.src_ranks_of(process), binding.dst_ranks_of(process)))
         self.device = self.prepared.device or torch.device("cpu")
         self.src_flat, self.dst_flat = self.prepared.src_flat, self.prepared.dst_flat

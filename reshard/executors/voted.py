@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import abc
 import time
-from typing import Any
 
 from ..errors import ExecutionError, ReshardError
 from .base import Executor
@@ -18,16 +17,10 @@ from .stats import RefitStats, phase_times
 
 class VotedExecutor(Executor):
     """Base of the executors that vote on every refit through a store (module docstring). Subclasses set `label`,
-    and in their constructor the attributes below, and call `_start_versions()`."""
+    and in their constructor `process`, `plan`, `exchange`, `num_processes`, `staged`, `timeout` and `poll_max_s`,
+    and call `_start_versions()`."""
 
     label = ""
-    process: int
-    plan: Any
-    exchange: Any
-    num_processes: int
-    staged: bool
-    timeout: float
-    poll_max_s: float
 
     def _start_versions(self) -> None:
         self._version, self._broken, self._closed = 0, None, False

@@ -75,9 +75,9 @@ def test_delta_refit_equals_dense_and_writes_each_changed_element_once(pair, pat
     execute_local(plan, source, after)
 
     # the encoding, as the executor makes it: proven, and its writes are exactly the changed elements
-    sender = ex._delta.sender
-    payload, delta = sender.encode(ex._delta.ops, 2, ex._delta.src_flat)
-    prove_delta(plan, delta, ex._delta.ops)
+    sender = ex._sender
+    payload, delta = sender.encode(ex._mine, 2, ex._src_flat)
+    prove_delta(plan, delta, ex._mine)
     tid, pos = written(plan, delta)
     table = plan.dst_tensors
     key = tid * (1 << 40) + pos

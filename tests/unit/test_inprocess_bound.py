@@ -91,7 +91,7 @@ def test_inprocess_refuses_an_unknown_checksum():
 
 def test_pins_count_replaced_storages():
     from reshard.errors import ExecutionError
-    from reshard.executors.pins import Pins
+    from reshard.executors.graphs import Pins
 
     ts = [torch.zeros(4) for _ in range(5)]
     pins = Pins(ts)

@@ -67,10 +67,11 @@ class RoundSchedule:
     deferred: local copies that a staged or undo refit runs at commit, straight into the destination tensors
         (into tensors that receive nothing from a peer: they need neither a shadow nor a backup);
     commit: shadow -> destination copies of a staged refit;
-    shadow: destination tensor ids that get a staging copy (staged) or a copy of their previous bytes (undo).
+    shadow: destination tensor ids that get a staging copy (staged) or a copy of their previous bytes (undo);
+    part: the partition it is cut from (the process, its tensor ids, the elements it sends, receives, copies).
     """
 
-    process: int
+    part: Partition
     bucket_numel: int
     staged: bool
     undo: bool
@@ -80,11 +81,6 @@ class RoundSchedule:
     deferred: Copies
     commit: Copies
     shadow: tuple[int, ...]
-    src_ids: tuple[int, ...]  # source tensor ids this process provides
-    dst_ids: tuple[int, ...]  # destination tensor ids this process provides
-    sent: dict[int, int]  # peer -> elements sent
-    received: dict[int, int]  # peer -> elements received
-    local_numel: int
     buffers_per_round: int  # most wire buffers in one round: peers sent to + peers received from
 
 
@@ -171,11 +167,9 @@ def build_schedule(plan: Plan, binding: Binding, process: int, bucket_numel: int
     local, deferred = part.local_copies(shadowed, ~part.in_flight if staged or undo else None)
     per_round = max((len({m.peer for m in r.sends}) + len({m.peer for m in r.recvs}) for r in rounds), default=0)
     return RoundSchedule(
-        process=process, bucket_numel=bucket_numel, staged=staged, num_stages=plan.num_stages, rounds=rounds,
+        part=part, bucket_numel=bucket_numel, staged=staged, num_stages=plan.num_stages, rounds=rounds,
         local=tuple(local), deferred=deferred, commit=part.commit(shadowed) if staged else Copies.empty(),
         shadow=tuple(np.flatnonzero(part.in_flight if staged or undo else shadowed).tolist()), undo=undo,
-        src_ids=part.src_ids, dst_ids=part.dst_ids, sent={q: part.numel(ops) for q, ops in part.sends_to.items()},
-        received={q: part.numel(ops) for q, ops in part.receives_from.items()}, local_numel=part.local_numel,
         buffers_per_round=per_round)
 
 

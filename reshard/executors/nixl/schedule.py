@@ -100,9 +100,8 @@ class LinkSchedule:
     arena_numel: int
     src_ids: tuple[int, ...]  # source tensor ids this process must hold
     dst_ids: tuple[int, ...]  # destination tensor ids this process must hold
-    local_numel: int = 0  # elements copied between ranks of this process
-    exposed: tuple[tuple[int, int], ...] = field(default=())  # memories whose addresses peers need
-    peers: tuple[int, ...] = field(default=())
+    exposed: tuple[tuple[int, int], ...]  # memories whose addresses peers need
+    part: Partition  # the partition it is cut from (its peers, the bytes it sends, receives and copies)
 
     @property
     def links(self) -> tuple[Link, ...]:
@@ -232,8 +231,8 @@ def build_schedule(plan: Plan, binding: Binding, process: int, options: NixlOpti
     return LinkSchedule(process=process, direction=choose_direction(plan, binding, options.direction),
                         staged=staged, num_stages=plan.num_stages, incoming=incoming, outgoing=outgoing, pack=pack,
                         arrive=arrive, local=tuple(local), commit=commit, shadow=shadow, arena=arena, arena_numel=top,
-                        src_ids=tuple(src_ids.tolist()), dst_ids=tuple(dst_ids.tolist()), local_numel=part.local_numel,
-                        exposed=tuple(sorted(exposed)), peers=part.peers)
+                        src_ids=tuple(src_ids.tolist()), dst_ids=tuple(dst_ids.tolist()),
+                        exposed=tuple(sorted(exposed)), part=part)
 
 
 def _link(plan: Plan, lid: int, key: np.ndarray, ops: np.ndarray, options: NixlOptions, pack_below: int,

@@ -106,7 +106,7 @@ class Connection:
             self._reg = self.agent.register_memory(
                 np.asarray([(a, n, book["device"]) for a, n in regions], dtype=np.uint64), book["mem"])
         exchange.publish(s.process, self.agent.get_agent_metadata(), book)
-        books: dict[int, dict[str, Any]] = {}
+        books = self.books
         deadline = time.monotonic() + timeout
         for peer in s.part.peers:
             metadata, theirs = exchange.fetch(peer, timeout, deadline)
@@ -119,7 +119,7 @@ class Connection:
                 raise ExecutionError(f"process {peer}'s metadata names agent {loaded!r}, its book {theirs['agent']!r}")
             self.names[peer] = loaded
             self.peer_of[loaded] = peer
-            books[peer] = self.books[peer] = theirs
+            books[peer] = theirs
         read = s.direction == "read"
         op = "READ" if read else "WRITE"
         here, there = ("recv", "send") if read else ("send", "recv")

@@ -223,7 +223,7 @@ def ceiling(ex: CollectiveExecutor, me: int, clock: Clock, iters: int, device, i
 
     times = clock.time(move, iters)
     del sends, recvs
-    both = torch.tensor([int(bool(s.sent) and bool(s.received))], device=device)
+    both = torch.tensor([int(bool(s.part.sends_to) and bool(s.part.receives_from))], device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=clock.group)
     return times, "send/recv both ways" if int(both.item()) else "send/recv one way"
 

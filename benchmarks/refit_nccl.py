@@ -202,14 +202,16 @@ def slowest(values: dict[str, float], group, device) -> dict[str, float]:
 def ceiling(ex: CollectiveExecutor, me: int, clock: Clock, iters: int, device, itemsize: int) -> tuple[list, str]:
     s = ex.schedule
     if ex.size == 1:  # E4: a device-to-device copy of the bytes the plan copies
-        n = s.local_numel
+        n = s.part.local_numel
         a = torch.empty(n, dtype=torch.bfloat16, device=device).fill_(1)
         b = torch.empty_like(a)
         times = clock.time(lambda: b.copy_(a), iters)
         del a, b
         return times, "d2d copy"
-    sends = {p: torch.ones(n, dtype=torch.bfloat16, device=device) for p, n in s.sent.items()}
-    recvs = {p: torch.empty(n, dtype=torch.bfloat16, device=device) for p, n in s.received.items()}
+    sends = {p: torch.ones(s.part.numel(ops), dtype=torch.bfloat16, device=device)
+             for p, ops in s.part.sends_to.items()}
+    recvs = {p: torch.empty(s.part.numel(ops), dtype=torch.bfloat16, device=device)
+             for p, ops in s.part.receives_from.items()}
     chunk = (2 * GiB) // itemsize  # NCCL's bandwidth has flattened out well before 2 GiB messages
     comm = ex.comm  # the executor's group: raw messages over the same communicator
 
@@ -221,7 +223,7 @@ def ceiling(ex: CollectiveExecutor, me: int, clock: Clock, iters: int, device, i
 
     times = clock.time(move, iters)
     del sends, recvs
-    both = torch.tensor([int(bool(s.sent) and bool(s.received))], device=device)
+    both = torch.tensor([int(bool(s.part.sends_to) and bool(s.part.receives_from))], device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=clock.group)
     return times, "send/recv both ways" if int(both.item()) else "send/recv one way"
 
@@ -242,12 +244,12 @@ def run_case(name: str, plan, binding: Binding, procs, me: int, groups: dict, de
     staged = CollectiveExecutor(plan, binding, None, src, None, group=ex_group, **options)
     s = staged.schedule
     itemsize = plan.itemsize
-    crossing = torch.tensor([sum(s.sent.values()) * itemsize, sum(s.received.values()) * itemsize],
+    crossing = torch.tensor([sum(s.part.bytes_sent.values()), sum(s.part.bytes_received.values())],
                             dtype=torch.float64, device=device)
     if group is not None:
         dist.all_reduce(crossing, group=group)
     out["cross_bytes_sent"] = int(crossing[0].item())
-    out["local_bytes"] = s.local_numel * itemsize
+    out["local_bytes"] = s.part.local_numel * itemsize
     out["bucket_bytes"] = s.bucket_numel * itemsize
     out["rounds"] = len(s.rounds)
 

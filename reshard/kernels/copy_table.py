@@ -46,16 +46,13 @@ class CopyTable:
         tuning = tuning or KernelTuning()
         chunk_bytes, block_bytes = tuning.copy_chunk_bytes, tuning.copy_block_bytes
         self.num_warps = tuning.copy_warps
-        entries = []
-        device = None
-        for d, s in pairs:
-            if not (d.is_contiguous() and s.is_contiguous()) or d.nbytes != s.nbytes:
-                raise ValueError("CopyTable: pairs must be contiguous and of equal byte length")
-            if device is None:
-                device = d.device
-            if d.device != device or s.device != device:
-                raise ValueError("CopyTable: every tensor must be on one device")
-            entries.append((s.data_ptr(), d.data_ptr(), d.nbytes))
+        if any(not (d.is_contiguous() and s.is_contiguous()) or d.nbytes != s.nbytes for d, s in pairs):
+            raise ValueError("CopyTable: pairs must be contiguous and of equal byte length")
+        devices = {t.device for pair in pairs for t in pair}
+        if len(devices) > 1:
+            raise ValueError("CopyTable: every tensor must be on one device")
+        device = next(iter(devices), None)
+        entries = [(s.data_ptr(), d.data_ptr(), d.nbytes) for d, s in pairs]
         self.count, self.bytes = len(entries), sum(e[2] for e in entries)
         self.launches: list[tuple] = []
         if not entries:

@@ -15,6 +15,25 @@ def word_bytes(entries: np.ndarray, words: tuple[int, ...] = WORDS, fields: int 
     return out
 
 
+def _by_word(entries: np.ndarray, base: int, words: tuple[int, ...], fields: int, who: str) -> dict[int, np.ndarray]:
+    """{word: the entries (src address, dst address, nbytes[, stream position]) of nbytes > 0 whose widest dividing
+    word size is `word`}; ValueError for a base not aligned to the widest word or a negative length or position."""
+    if base % words[0]:
+        raise ValueError(f"{who}: base {base:#x} is not {words[0]}-byte aligned")
+    e = np.asarray(entries, dtype=np.int64).reshape(-1, fields)
+    if np.any(e[:, 2:] < 0):
+        raise ValueError(f"{who}: negative length or position")
+    e = e[e[:, 2] > 0]
+    w = word_bytes(e, words, fields)
+    return {word: e[w == word] for word in words if np.any(w == word)}
+
+
+def _pieces(k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Entries cut into k[i] pieces each: every piece's entry and its index within the entry."""
+    owner = np.repeat(np.arange(len(k)), k)
+    return owner, np.arange(len(owner)) - np.repeat(np.cumsum(k) - k, k)
+
+
 def chunk_words(chunk_bytes: int, word: int) -> int:
     """Words per chunk: chunk_bytes rounded down to whole words (at least one)."""
     return max(1, int(chunk_bytes) // int(word))
@@ -24,26 +43,13 @@ def chunk_table(entries: np.ndarray, base: int, chunk_bytes: int) -> dict[int, n
     """{word: int64 [chunks, 3]} for entries (src address, dst address, nbytes): each entry of nbytes > 0 cut into
     chunks of at most chunk_words(chunk_bytes, word) words, offsets in words from `base` (16-byte aligned; may be
     above an address: offsets are signed). Every byte of every entry is in exactly one chunk."""
-    if base % WORDS[0]:
-        raise ValueError(f"chunk_table: base {base:#x} is not {WORDS[0]}-byte aligned")
     if chunk_bytes < 1:
         raise ValueError(f"chunk_table: chunk_bytes must be >= 1, not {chunk_bytes}")
-    e = np.asarray(entries, dtype=np.int64).reshape(-1, 3)
-    if np.any(e[:, 2] < 0):
-        raise ValueError("chunk_table: negative length")
-    e = e[e[:, 2] > 0]
-    words = word_bytes(e)
     out = {}
-    for w in WORDS:
-        mine = e[words == w]
-        if not len(mine):
-            continue
+    for w, mine in _by_word(entries, base, WORDS, 3, "chunk_table").items():
         per = chunk_words(chunk_bytes, w)
         n = mine[:, 2] // w
-        k = -(-n // per)  # chunks per entry
-        owner = np.repeat(np.arange(len(mine)), k)
-        first = np.cumsum(k) - k
-        j = np.arange(int(k.sum())) - np.repeat(first, k)  # chunk index within its entry
+        owner, j = _pieces(-(-n // per))  # chunks per entry, each chunk's index within its entry
         start = j * per
         rows = np.empty((len(owner), 3), dtype=np.int64)
         rows[:, 0] = (mine[owner, 0] - base) // w + start
@@ -66,27 +72,15 @@ def window_table(entries: np.ndarray, base: int, window_bytes: int, period: int)
     from `base`, 16-byte aligned), rows sorted by window then period; window g's rows are starts[g]:starts[g+1].
     A kernel program per window adds up the bytes of each column over all periods (each byte read once), and only
     then weighs the columns (kernels.copy_sum64)."""
-    if base % SUM_WORDS[0]:
-        raise ValueError(f"window_table: base {base:#x} is not {SUM_WORDS[0]}-byte aligned")
     if window_bytes < SUM_WORDS[0] or window_bytes % SUM_WORDS[0] or period % window_bytes:
         raise ValueError(f"window_table: window_bytes {window_bytes} must be a multiple of {SUM_WORDS[0]} dividing "
                          f"the period {period}")
-    e = np.asarray(entries, dtype=np.int64).reshape(-1, 4)
-    if np.any(e[:, 2] < 0) or np.any(e[:, 3] < 0):
-        raise ValueError("window_table: negative length or position")
-    e = e[e[:, 2] > 0]
-    words = word_bytes(e, SUM_WORDS, 4)
     windows = period // window_bytes
     out = {}
-    for w in SUM_WORDS:
-        mine = e[words == w]
-        if not len(mine):
-            continue
+    for w, mine in _by_word(entries, base, SUM_WORDS, 4, "window_table").items():
         first = mine[:, 3] // window_bytes
-        last = (mine[:, 3] + mine[:, 2] - 1) // window_bytes
-        k = last - first + 1  # pieces per entry
-        owner = np.repeat(np.arange(len(mine)), k)
-        cut = np.repeat(first, k) + np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)  # window index
+        owner, j = _pieces((mine[:, 3] + mine[:, 2] - 1) // window_bytes - first + 1)  # a piece per window crossed
+        cut = first[owner] + j  # window index
         pos, end = mine[owner, 3], mine[owner, 3] + mine[owner, 2]
         start = np.maximum(pos, cut * window_bytes)
         stop = np.minimum(end, (cut + 1) * window_bytes)

@@ -103,4 +103,4 @@ def run_loopback(plan: Plan, binding: Binding, src: Mapping[int, Mapping[str, to
         for p, s in scheds.items():
             run_copies(s.commit.rows_as_lists(), memory(p))
             run_copies(s.deferred.rows_as_lists(), memory(p))
-            apply_shifts(shift_views(plan, {t: d_flat[t] for t in s.dst_ids}))
+            apply_shifts(shift_views(plan, {t: d_flat[t] for t in s.part.dst_ids}))

@@ -91,11 +91,11 @@ def test_schedule_accounts_every_byte(case):
                     spans = sorted((m.offset, m.offset + m.numel) for m in msgs if m.peer == peer)
                     assert spans[-1][1] <= bucket
                     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
-        for peer, n in s.sent.items():
-            sent[(p, peer)] = n
-        for peer, n in s.received.items():
-            received[(peer, p)] = n
-        local += s.local_numel
+        for peer, ops in s.part.sends_to.items():
+            sent[(p, peer)] = s.part.numel(ops)
+        for peer, ops in s.part.receives_from.items():
+            received[(peer, p)] = s.part.numel(ops)
+        local += s.part.local_numel
     assert sent == received
     expected = {}
     for i in range(plan.num_ops):

@@ -15,7 +15,8 @@ from reshard.executors import allocate, execute_local, shard
 from reshard.executors.binding import Binding
 from reshard.executors.copies import DST, SHADOW, SRC, WIRE
 from reshard.executors.nixl.options import NixlOptions
-from reshard.executors.nixl.schedule import build_schedule, choose_direction, global_links
+from reshard.executors.nixl.schedule import build_schedule, choose_direction
+from reshard.executors.partition import Partition
 from reshard.testing.strategies import refits
 from harness.loopback import run_copies
 
@@ -117,7 +118,7 @@ def test_schedules_played_together_equal_local_executor(case, seed):
 @given(bound_plans())
 def test_pieces_cover_each_link_once_and_are_coalesced(case):
     plan, binding, options = case
-    link_of_op, *_ = global_links(plan, binding)
+    link_of_op, _ = Partition(plan, binding, 0).streams
     nbytes = plan.op_bytes()
     for p in range(binding.num_processes):
         s = build_schedule(plan, binding, p, options, *options.thresholds(False))

@@ -71,14 +71,9 @@ class GroupComm(Comm):
         self.size = dist.get_world_size(self.group)
         self.backend = str(dist.get_backend(self.group)).lower()
         self.lanes = [self.group]
-        self._global: dict[int, int] = {}
 
     def global_peer(self, peer: int) -> int:
-        g = self._global.get(peer)
-        if g is None:
-            g = self._global[peer] = (peer if self.group is dist.group.WORLD
-                                      else dist.get_global_rank(self.group, peer))
-        return g
+        return peer if self.group is dist.group.WORLD else dist.get_global_rank(self.group, peer)
 
     def all_reduce_max(self, t: torch.Tensor) -> Any:
         return dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)

@@ -18,7 +18,8 @@ import torch
 
 from ...errors import ExecutionError
 from ...planner.plan import RELAY
-from ..delta import DeltaError, DeltaPolicy, DeltaReport, check_digest, keyframe_report, source_digest
+from ..delta import DeltaError, DeltaPolicy, DeltaReport, _policy, check_digest, keyframe_report, source_digest
+from ..partition import Partition
 from ..preflight import refuse_disagreement
 from ..stats import RefitStats, phase_times
 
@@ -39,23 +40,18 @@ class CollectiveDelta:
     """
 
     def __init__(self, executor, policy: DeltaPolicy) -> None:
-        if not isinstance(policy, DeltaPolicy):
-            from ...errors import ArgumentError
-
-            raise ArgumentError("delta", policy, "must be a DeltaPolicy (or None: every refit dense)")
-        plan, binding, me = executor.plan, executor.binding, executor.rank
-        o = plan.ops
-        if np.any(o["src_side"] == RELAY):
+        plan, me = executor.plan, executor.rank
+        self.executor, self.policy = executor, _policy(policy)
+        if np.any(plan.ops["src_side"] == RELAY):
             raise ExecutionError("delta refits need a plan without fan-out (relays between replicas); compile it "
                                  "without fanout")
-        self.executor, self.policy = executor, policy
-        src_proc = np.asarray(binding.src, dtype=np.int64)[o["src_rank"]]
-        dst_proc = np.asarray(binding.dst, dtype=np.int64)[o["dst_rank"]]
-        mine_out, mine_in = np.flatnonzero(src_proc == me), np.flatnonzero(dst_proc == me)
-        self.sends = {int(p): mine_out[dst_proc[mine_out] == p] for p in np.unique(dst_proc[mine_out])}
-        self.recvs = {int(p): mine_in[src_proc[mine_in] == p] for p in np.unique(src_proc[mine_in])}
+        part = Partition(plan, executor.binding, me)  # with no relays, an op's sender plays its source rank
+        local = {me: part.local} if len(part.local) else {}
+        self.sends = dict(sorted({**local, **part.sends_to}.items()))  # peer -> ops, this process's own included
+        self.recvs = dict(sorted({**local, **part.receives_from}.items()))
+        mine_out = np.flatnonzero(part.sender == me)
         self.sender = policy.sender(plan, mine_out) if len(mine_out) else None
-        self.receiver = policy.receiver(plan) if len(mine_in) else None
+        self.receiver = policy.receiver(plan) if len(part.landing) else None
         self.last: DeltaReport | None = None
 
     def refit(self, start: float, src: dict, dst: dict, version: int | None) -> RefitStats:

@@ -140,8 +140,11 @@ class CollectiveExecutor(Executor):
         self._delta = None if delta is None else CollectiveDelta(self, delta)
 
     def release(self) -> None:
-        """Drop the buffers and views kept between calls (wire, staging, views of the caller's tensors)."""
+        """Drop the buffers and views kept between calls (wire, staging, views of the caller's tensors); `close`
+        does the same (the group stays the caller's)."""
         self._kept = Buffers()
+
+    close = release
 
     def _failure(self, what: str, before: bool = False) -> str:
         """The message of a refit that failed because of `what` (`before`: before any byte moved)."""
@@ -171,10 +174,6 @@ class CollectiveExecutor(Executor):
     def last_delta(self) -> "DeltaReport | None":
         """What this process sent in the last refit, with the `delta` option (executors.delta.DeltaReport)."""
         return None if self._delta is None else self._delta.last
-
-    def close(self) -> None:
-        """Release the kept buffers (the group stays the caller's)."""
-        self.release()
 
     def _run(self, start: float, src: dict, dst: dict, version: int | None) -> RefitStats:
         given, kept = _identity(src, dst), self._kept
@@ -224,9 +223,8 @@ class CollectiveExecutor(Executor):
         return RefitStats(
             executor=self.name, process=self.rank, version=self._version, seconds=seconds, phases=phases,
             staged=s.staged, undo=s.undo, ops=self._num_ops, copies=runner.copies,
-            bytes_sent={p: n * itemsize for p, n in s.sent.items()},
-            bytes_received={p: n * itemsize for p, n in s.received.items()},
-            local_bytes=s.local_numel * itemsize, staging_bytes=kept.views.staging_bytes,
+            bytes_sent=dict(s.part.bytes_sent), bytes_received=dict(s.part.bytes_received),
+            local_bytes=s.part.local_numel * itemsize, staging_bytes=kept.views.staging_bytes,
             transfers=sum(len(r.sends) + len(r.recvs) for r in s.rounds), checksum=self.checksum or "",
             rounds=len(s.rounds), lanes=len(self.lanes), bucket_bytes=self.bucket_numel * itemsize,
             direct_bytes=kept.views.direct_bytes, wire_bytes=kept.views.wire_bytes)
@@ -294,8 +292,8 @@ class CollectiveExecutor(Executor):
             torch.cuda.synchronize(device)
         # the digests travel on the device (NCCL takes GPU tensors only)
         out = {p: torch.tensor(list(sums.digest(("to", p))), dtype=torch.uint8, device=device)
-               for p in sorted(s.sent)}
-        got = {p: torch.zeros(DIGEST_BYTES, dtype=torch.uint8, device=device) for p in sorted(s.received)}
+               for p in sorted(s.part.sends_to)}
+        got = {p: torch.zeros(DIGEST_BYTES, dtype=torch.uint8, device=device) for p in sorted(s.part.receives_from)}
         self._exchange([(t, p, CHECKSUM_TAG) for p, t in out.items()], [(t, p, CHECKSUM_TAG) for p, t in got.items()],
                        "the checksum exchange with peers did not complete")
         bad = [mismatch(f"the stream from group rank {p}", bytes(t.tolist()).hex(), sums.hexdigest(("from", p)))

@@ -1,11 +1,5 @@
-"""How one process runs its part of a schedule: buffers viewing its tensors, and a runner per device kind.
-
-Runners read the executor that runs them (`ex`: plan, schedule, group, depth, timeout); `Buffers` is what it
-keeps between refits; `RoundViews` the schedule as views of one call's tensors (wire, staging, every copy program
-prebuilt: executors.views), reused while the caller passes the same tensors. `HostRunner` (CPU, gloo) copies on the
-calling thread while the transport moves earlier rounds; `CudaRunner` (GPU, NCCL) copies on streams of its own
-ordered by events, and the host waits only in `drain`, polling each round's completion event against the timeout.
-"""
+"""How one process runs its part of a schedule: buffers viewing its tensors, and a runner per device kind (each
+reads the executor that runs it, `ex`: plan, schedule, group, depth, timeout)."""
 from __future__ import annotations
 
 import abc
@@ -36,20 +30,11 @@ class Buffers:
         self.views: RoundViews | None = None
         self.given: tuple = ()  # (identity key, the tensors, kept so that their ids stay unique); () when unchecked
 
-    def wire_for(self, ex, device: torch.device, dtype: torch.dtype) -> tuple["torch.Tensor | None", int]:
-        """The wire buffers (depth x buffers per round x bucket), grown as needed, and their bytes."""
-        s, depth = ex.schedule, ex.depth
-        per_round = max(s.buffers_per_round, 1)
-        need = depth * per_round * s.bucket_numel if s.rounds else 0
-        if self.wire is None or self.wire.numel() < need or self.wire.device != device:
-            self.wire = torch.empty(need, dtype=dtype, device=device)
-        return (self.wire[:need].view(depth, per_round, s.bucket_numel) if need else None), need * ex.plan.itemsize
-
     def views_for(self, ex, device: torch.device, prepared: Prepared) -> "RoundViews":
         """The schedule as views of these tensors; the last views again for the same addresses and device."""
         s = ex.schedule
-        key = (str(device), *(prepared.src_flat[i].data_ptr() for i in s.src_ids),
-               *(prepared.dst_flat[i].data_ptr() for i in s.dst_ids))
+        key = (str(device), *(prepared.src_flat[i].data_ptr() for i in s.part.src_ids),
+               *(prepared.dst_flat[i].data_ptr() for i in s.part.dst_ids))
         if self.views is None or self.views.key != key:
             self.views = None  # free the old views and staging before allocating new ones
             self.views = RoundViews(ex, self, device, prepared, key)
@@ -57,7 +42,8 @@ class Buffers:
 
 
 class RoundViews:
-    """A schedule as views of one set of tensors (see the module docstring)."""
+    """A schedule as views of one call's tensors (wire, staging, every copy program prebuilt: executors.views),
+    reused while the caller passes the same tensors."""
 
     def __init__(self, ex, kept: Buffers, device: torch.device, prepared: Prepared, key: tuple) -> None:
         s, plan = ex.schedule, ex.plan
@@ -67,7 +53,13 @@ class RoundViews:
         self.shadow, shadows = prepared.arena({i: prepared.dst_flat[i].numel() for i in s.shadow}, device)
         self.staging_bytes = self.shadow.numel() * itemsize if s.shadow else 0
         flats = {SRC: prepared.src_flat, DST: prepared.dst_flat, SHADOW: shadows}
-        self.wire, self.wire_bytes = kept.wire_for(ex, device, prepared.dtype)
+        # the wire buffers (depth x buffers per round x bucket), kept between calls and grown as needed
+        per_round, depth = max(s.buffers_per_round, 1), ex.depth
+        need = depth * per_round * s.bucket_numel if s.rounds else 0
+        if kept.wire is None or kept.wire.numel() < need or kept.wire.device != device:
+            kept.wire = torch.empty(need, dtype=prepared.dtype, device=device)
+        self.wire = kept.wire[:need].view(depth, per_round, s.bucket_numel) if need else None
+        self.wire_bytes = need * itemsize
         wires: list[torch.Tensor] = []  # one view per packed message, into its round's buffer for its peer
 
         def flat(kind: int, i: int) -> torch.Tensor:

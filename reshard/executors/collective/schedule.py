@@ -67,10 +67,11 @@ class RoundSchedule:
     deferred: local copies that a staged or undo refit runs at commit, straight into the destination tensors
         (into tensors that receive nothing from a peer: they need neither a shadow nor a backup);
     commit: shadow -> destination copies of a staged refit;
-    shadow: destination tensor ids that get a staging copy (staged) or a copy of their previous bytes (undo).
+    shadow: destination tensor ids that get a staging copy (staged) or a copy of their previous bytes (undo);
+    part: the partition it is cut from (the process, its tensor ids, the elements it sends, receives, copies).
     """
 
-    process: int
+    part: Partition
     bucket_numel: int
     staged: bool
     undo: bool
@@ -80,11 +81,6 @@ class RoundSchedule:
     deferred: Copies
     commit: Copies
     shadow: tuple[int, ...]
-    src_ids: tuple[int, ...]  # source tensor ids this process provides
-    dst_ids: tuple[int, ...]  # destination tensor ids this process provides
-    sent: dict[int, int]  # peer -> elements sent
-    received: dict[int, int]  # peer -> elements received
-    local_numel: int
     buffers_per_round: int  # most wire buffers in one round: peers sent to + peers received from
 
 
@@ -165,78 +161,64 @@ def build_schedule(plan: Plan, binding: Binding, process: int, bucket_numel: int
     if undo and staged:
         raise ExecutionError("undo and staged are two ways of keeping the previous weights; choose one")
     part = Partition(plan, binding, process)
-    wire = _Wire(part, bucket_numel, direct_numel)
     shadowed = part.in_flight if staged else np.zeros_like(part.in_flight)  # staged writes land here
-    rounds = _rounds(part, wire, shadowed)
+    rounds = _rounds(part, bucket_numel, direct_numel, shadowed)
     local, deferred = part.local_copies(shadowed, ~part.in_flight if staged or undo else None)
     per_round = max((len({m.peer for m in r.sends}) + len({m.peer for m in r.recvs}) for r in rounds), default=0)
     return RoundSchedule(
-        process=process, bucket_numel=bucket_numel, staged=staged, num_stages=plan.num_stages, rounds=rounds,
+        part=part, bucket_numel=bucket_numel, staged=staged, num_stages=plan.num_stages, rounds=rounds,
         local=tuple(local), deferred=deferred, commit=part.commit(shadowed) if staged else Copies.empty(),
         shadow=tuple(np.flatnonzero(part.in_flight if staged or undo else shadowed).tolist()), undo=undo,
-        src_ids=part.src_ids, dst_ids=part.dst_ids, sent={q: part.numel(ops) for q, ops in part.sends_to.items()},
-        received={q: part.numel(ops) for q, ops in part.receives_from.items()}, local_numel=part.local_numel,
         buffers_per_round=per_round)
 
 
-class _Wire:
-    """The global cut of every stream into buckets and messages: the streams laid end to end on one wire, `w` each
-    remote op's first element on it (in `order`), `bcuts` bucket and `cuts` message boundaries."""
-
-    def __init__(self, part: Partition, bucket_numel: int, direct_numel: int) -> None:
-        o, plan = part.plan.ops, part.plan
-        stream_of, keys = part.streams
-        remote = np.flatnonzero(stream_of >= 0)
-        self.order = order = remote[np.argsort(stream_of[remote], kind="stable")]  # by stream, then plan order
-        self.stream = stream = stream_of[order]
-        self.keys = keys  # (stage, sender, receiver) per stream
-        per_stage = np.zeros(max(plan.num_stages, 1), np.int64)
-        if not len(order):
-            self.w, self.cuts, self.bcuts = np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64)
-            self.first_bucket, self.round_base = np.zeros(0, np.int64), np.zeros(len(per_stage), np.int64)
-            return
-        numel = o["rows"][order] * o["cols"][order]
-        new = np.ones(len(order), dtype=bool)
-        new[1:] = stream[1:] != stream[:-1]
-        ends = np.cumsum(numel)
-        self.w = w = ends - numel
-        first = np.flatnonzero(new)
-        stream_numel = np.diff(np.concatenate([w[first], [ends[-1]]]))
-        sizes = [bucket_sizes(int(n), bucket_numel) for n in stream_numel.tolist()]
-        buckets = np.asarray([len(x) for x in sizes], dtype=np.int64)
-        self.bcuts = np.cumsum(np.concatenate([[0], *[np.asarray(x, np.int64) for x in sizes]]))
-        self.first_bucket = np.concatenate([[0], np.cumsum(buckets)[:-1]])
-        cuts = [self.bcuts]
-        for side in ("src", "dst"):  # long runs contiguous in one side's memory travel as messages of their own
-            runs = np.flatnonzero(run_starts(o, order, side, new))
-            run_numel = np.add.reduceat(numel, runs)
-            long = run_numel >= direct_numel
-            cuts += [w[runs[long]], w[runs[long]] + run_numel[long]]
-        self.cuts = np.unique(np.concatenate(cuts))
-        np.maximum.at(per_stage, keys[:, 0], buckets)
-        self.round_base = np.concatenate([[0], np.cumsum(per_stage)[:-1]])
-
-
-def _rounds(part: Partition, wire: _Wire, shadowed: np.ndarray) -> tuple[Round, ...]:
-    """This process's messages, by global round, with their pack (scatter) programs."""
+def _rounds(part: Partition, bucket_numel: int, direct_numel: int, shadowed: np.ndarray) -> tuple[Round, ...]:
+    """This process's messages, by global round, with their pack (scatter) programs. First the global cut of every
+    stream into buckets and messages: the streams laid end to end on one wire, `w` each remote op's first element
+    on it (in `order`), `bcuts` bucket and `cuts` message boundaries."""
     o, process = part.plan.ops, part.process
-    mine = (wire.keys[wire.stream, 1] == process) | (wire.keys[wire.stream, 2] == process)
+    stream_of, keys = part.streams  # (stage, sender, receiver) per stream
+    remote = np.flatnonzero(stream_of >= 0)
+    order = remote[np.argsort(stream_of[remote], kind="stable")]  # by stream, then plan order
+    stream = stream_of[order]
+    mine = (keys[stream, 1] == process) | (keys[stream, 2] == process)
     if not mine.any():
         return ()
-    sel = wire.order[mine]
-    pieces = _split({"op": sel, "stream": wire.stream[mine], "w": wire.w[mine], "so": o["src_offset"][sel],
+    numel = o["rows"][order] * o["cols"][order]
+    new = np.ones(len(order), dtype=bool)
+    new[1:] = stream[1:] != stream[:-1]
+    ends = np.cumsum(numel)
+    w = ends - numel
+    first = np.flatnonzero(new)
+    stream_numel = np.diff(np.concatenate([w[first], [ends[-1]]]))
+    sizes = [bucket_sizes(int(n), bucket_numel) for n in stream_numel.tolist()]
+    buckets = np.asarray([len(x) for x in sizes], dtype=np.int64)
+    bcuts = np.cumsum(np.concatenate([[0], *[np.asarray(x, np.int64) for x in sizes]]))
+    first_bucket = np.concatenate([[0], np.cumsum(buckets)[:-1]])
+    cuts = [bcuts]
+    for side in ("src", "dst"):  # long runs contiguous in one side's memory travel as messages of their own
+        runs = np.flatnonzero(run_starts(o, order, side, new))
+        run_numel = np.add.reduceat(numel, runs)
+        long = run_numel >= direct_numel
+        cuts += [w[runs[long]], w[runs[long]] + run_numel[long]]
+    cuts = np.unique(np.concatenate(cuts))
+    per_stage = np.zeros(max(part.plan.num_stages, 1), np.int64)
+    np.maximum.at(per_stage, keys[:, 0], buckets)
+    round_base = np.concatenate([[0], np.cumsum(per_stage)[:-1]])
+    sel = order[mine]  # this process's ops, cut at the message boundaries below
+    pieces = _split({"op": sel, "stream": stream[mine], "w": w[mine], "so": o["src_offset"][sel],
                      "ss": o["src_stride"][sel], "do": o["dst_offset"][sel], "ds": o["dst_stride"][sel],
-                     "rows": o["rows"][sel], "cols": o["cols"][sel]}, wire.cuts)
-    op, cuts = pieces["op"], wire.cuts
+                     "rows": o["rows"][sel], "cols": o["cols"][sel]}, cuts)
+    op = pieces["op"]
     cut = np.searchsorted(cuts, pieces["w"], side="right") - 1  # the piece's message, as its first cut
     wire_off = pieces["w"] - cuts[cut]
     msg_ids, msg_of = np.unique(cut, return_inverse=True)
     msg_of = msg_of.reshape(-1)
     m_stream = np.zeros(len(msg_ids), np.int64)
     m_stream[msg_of] = pieces["stream"]
-    m_bucket = np.searchsorted(wire.bcuts, cuts[msg_ids], side="right") - 1
-    m_k = m_bucket - wire.first_bucket[m_stream]  # bucket (round) index inside the stream
-    m_offset = cuts[msg_ids] - wire.bcuts[m_bucket]  # where the message sits in its round's wire buffer
+    m_bucket = np.searchsorted(bcuts, cuts[msg_ids], side="right") - 1
+    m_k = m_bucket - first_bucket[m_stream]  # bucket (round) index inside the stream
+    m_offset = cuts[msg_ids] - bcuts[m_bucket]  # where the message sits in its round's wire buffer
     m_numel = cuts[msg_ids + 1] - cuts[msg_ids]
     is_send = part.sender[op] == process
     s, r = is_send, ~is_send
@@ -250,8 +232,8 @@ def _rounds(part: Partition, wire: _Wire, shadowed: np.ndarray) -> tuple[Round, 
     by_msg = _per_message(pack, "dst_id", len(msg_ids)) | _per_message(scatter, "src_id", len(msg_ids))
     rounds: dict[int, dict] = {}
     for m in range(len(msg_ids)):
-        stage, sender, receiver = (int(x) for x in wire.keys[m_stream[m]])
-        rnd = int(wire.round_base[stage]) + int(m_k[m])
+        stage, sender, receiver = (int(x) for x in keys[m_stream[m]])
+        rnd = int(round_base[stage]) + int(m_k[m])
         peer = receiver if msg_send[m] else sender
         entry = rounds.setdefault(rnd, {"stage": stage, "sends": [], "recvs": []})
         entry["sends" if msg_send[m] else "recvs"].append(

@@ -87,18 +87,18 @@ class Connection:
         try:
             self._set_up(name, exchange, book, regions, itemsize, timeout, progress_delay_us)
         except BaseException as e:
-            if schedule.peers:
+            if schedule.part.peers:
                 exchange.fail_setup(schedule.process, describe(e) if is_nixl_error(e) else str(e) or repr(e))
                 exchange.leave_setup(schedule.process)
             self.release()
             raise
-        if schedule.peers:
+        if schedule.part.peers:
             exchange.leave_setup(schedule.process)
 
     def _set_up(self, name: str, exchange: Exchange, book: dict[str, Any], regions: list[tuple[int, int]],
                 itemsize: int, timeout: float, progress_delay_us: int) -> None:
         s = self.schedule
-        if not s.peers:  # only local copies here: no agent, nothing to register or exchange
+        if not s.part.peers:  # only local copies here: no agent, nothing to register or exchange
             return
         self.agent = make_agent(name, progress_delay_us)
         regions = merged_regions(regions)
@@ -106,9 +106,9 @@ class Connection:
             self._reg = self.agent.register_memory(
                 np.asarray([(a, n, book["device"]) for a, n in regions], dtype=np.uint64), book["mem"])
         exchange.publish(s.process, self.agent.get_agent_metadata(), book)
-        books: dict[int, dict[str, Any]] = {}
+        books = self.books
         deadline = time.monotonic() + timeout
-        for peer in s.peers:
+        for peer in s.part.peers:
             metadata, theirs = exchange.fetch(peer, timeout, deadline)
             exchange.raise_if_setup_failed()  # before loading (and later connecting to) a peer that may be gone
             _check_peer(s.process, peer, theirs, book)
@@ -119,7 +119,7 @@ class Connection:
                 raise ExecutionError(f"process {peer}'s metadata names agent {loaded!r}, its book {theirs['agent']!r}")
             self.names[peer] = loaded
             self.peer_of[loaded] = peer
-            books[peer] = self.books[peer] = theirs
+            books[peer] = theirs
         read = s.direction == "read"
         op = "READ" if read else "WRITE"
         here, there = ("recv", "send") if read else ("send", "recv")
@@ -137,7 +137,7 @@ class Connection:
                 self._dlists.append(rh)
                 index = np.arange(len(local), dtype=np.int32)
                 self.handles[link.id] = self.agent.make_prepped_xfer(op, lh, index, rh, index)
-        for peer in s.peers:
+        for peer in s.part.peers:
             exchange.raise_if_setup_failed()
             with _nixl_errors(f"set-up: connecting to process {peer}'s agent"):
                 self.agent.make_connection(self.names[peer])
@@ -210,7 +210,7 @@ class Connection:
         agent = self.agent
         if agent is None:
             return
-        self._exchange.wait_left(sorted(self.schedule.peers), self._grace)
+        self._exchange.wait_left(sorted(self.schedule.part.peers), self._grace)
         for handle in list(self.handles.values()) + self._dlists:  # handles first: NIXL does not track them
             _quietly(handle.release)
         self.handles.clear()

@@ -37,7 +37,6 @@ from ..checksum import Streams, algorithm, mismatch
 from ..copies import DST, SRC
 from ..delta import DeltaError, DeltaPolicy, DeltaReport, VotedDelta, payload_bound
 from ..exchange import Exchange
-from ..partition import Partition
 from ..preflight import check_ops
 from ..reference import apply_shifts
 from ..prepared import Prepared
@@ -134,7 +133,7 @@ class NixlExecutor(VotedExecutor):
         if not self._peers_set_up:
             # a trainer process other than the driver starts refitting as soon as its own init returns, while the
             # engines' workers may still be setting up (why that matters: docs/guides/reliability.md)
-            self.exchange.wait_set_up(list(self.schedule.peers), v, deadline, self.poll_max_s)
+            self.exchange.wait_set_up(list(self.schedule.part.peers), v, deadline, self.poll_max_s)
             self._peers_set_up = True
         if self._delta is not None and not self._delta.keyframe(v, deadline):
             self._delta.transfer(v, deadline)
@@ -309,15 +308,10 @@ class NixlExecutor(VotedExecutor):
         if self._delta is not None and not self._delta.last.keyframe:
             return self._delta.stats(v, seconds, phases, self.staged)
         s, size = self.schedule, self.itemsize
-        sent: dict[int, int] = defaultdict(int)
-        received: dict[int, int] = defaultdict(int)
-        for link in s.outgoing:
-            sent[link.receiver] += link.numel * size
-        for link in s.incoming:
-            received[link.sender] += link.numel * size
-        return RefitStats(
+        return RefitStats(  # a link's bytes are its peer's ops (the partition's stream)
             executor=self.name, process=self.process, version=v, seconds=seconds, phases=phases, staged=s.staged,
-            ops=self._num_ops, bytes_sent=dict(sent), bytes_received=dict(received), local_bytes=s.local_numel * size,
+            ops=self._num_ops, bytes_sent=dict(s.part.bytes_sent), bytes_received=dict(s.part.bytes_received),
+            local_bytes=s.part.local_numel * size,
             staging_bytes=s.arena_numel * size, transfers=len(s.incoming) + len(s.outgoing),
             checksum=algorithm(self.options.checksum) or "", direction=s.direction,
             packed_transfers=sum(link.packed for link in s.links),
@@ -347,7 +341,7 @@ class NixlDelta(VotedDelta):
         if executor.device.type != "cpu":
             raise ExecutionError("delta refits over NIXL run on CPU tensors (GPUs: the collective executor's delta "
                                  "option)")
-        part = Partition(plan, executor.binding, executor.process)
+        part = executor.schedule.part
         super().__init__(executor, policy, part, algorithm(executor.options.checksum))
         self.outbox = {q: torch.empty(payload_bound(plan, ops), dtype=torch.uint8) for q, ops in part.sends_to.items()}
         self.inbox = {f: torch.empty(payload_bound(plan, ops), dtype=torch.uint8)

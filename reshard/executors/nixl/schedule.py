@@ -100,9 +100,8 @@ class LinkSchedule:
     arena_numel: int
     src_ids: tuple[int, ...]  # source tensor ids this process must hold
     dst_ids: tuple[int, ...]  # destination tensor ids this process must hold
-    local_numel: int = 0  # elements copied between ranks of this process
-    exposed: tuple[tuple[int, int], ...] = field(default=())  # memories whose addresses peers need
-    peers: tuple[int, ...] = field(default=())
+    exposed: tuple[tuple[int, int], ...]  # memories whose addresses peers need
+    part: Partition  # the partition it is cut from (its peers, the bytes it sends, receives and copies)
 
     @property
     def links(self) -> tuple[Link, ...]:
@@ -114,31 +113,26 @@ class LinkSchedule:
         return (link.receiver if self.direction == "read" else link.sender) == self.process
 
 
-def global_links(plan: Plan, binding: Binding) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(link id per op, -1 for local ops; stage, sender, receiver per link): the partition's streams, the same
-    on every process."""
-    link_of_op, keys = Partition(plan, binding, 0).streams
-    return link_of_op, keys[:, 0], keys[:, 1], keys[:, 2]
-
-
-def _read_kind(plan: Plan, ops: np.ndarray, staged: bool) -> np.ndarray:
-    """Memory kind direct ops read: their source tensor, or for relays the landing memory (shadow when staged)."""
-    return np.where(plan.ops["src_side"][ops] == RELAY, SHADOW if staged else DST, SRC)
-
-
-def _expand_rows(plan: Plan, ops: np.ndarray, staged: bool) -> dict[str, np.ndarray]:
-    """Contiguous pieces of direct ops (a strided block is one piece per row), in op order, coalesced."""
+def _pieces(plan: Plan, ops: np.ndarray, staged: bool, link: int | None = None, base: int = 0) \
+        -> dict[str, np.ndarray]:
+    """Contiguous pieces of `ops` in op order, coalesced: direct ops one per row (a strided block's rows) into
+    their destination memory, or with `link` landed ops one per op into its receive buffer after `base` elements.
+    The send side reads the source tensor, or for relays the landing memory (shadow when staged)."""
     o = plan.ops
-    rows = o["rows"][ops]
+    rows = o["rows"][ops] if link is None else np.ones(len(ops), np.int64)
     rep = np.repeat(np.arange(len(ops)), rows)
-    first = np.repeat(np.cumsum(rows) - rows, rows)
-    r = np.arange(len(rep)) - first
+    r = np.arange(len(rep)) - np.repeat(np.cumsum(rows) - rows, rows)
     idx = ops[rep]
-    return coalesce({"send_kind": _read_kind(plan, ops, staged)[rep], "send_id": o["src_tensor"][idx],
-                     "send_off": o["src_offset"][idx] + r * o["src_stride"][idx],
-                     "recv_kind": np.full(len(rep), SHADOW if staged else DST, np.int64),
-                     "recv_id": o["dst_tensor"][idx], "recv_off": o["dst_offset"][idx] + r * o["dst_stride"][idx],
-                     "numel": o["cols"][idx]})
+    if link is None:
+        numel = o["cols"][idx]
+        recv = (SHADOW if staged else DST, o["dst_tensor"][idx], o["dst_offset"][idx] + r * o["dst_stride"][idx])
+    else:
+        numel = o["rows"][ops] * o["cols"][ops]
+        recv = (WIRE, link, base + np.cumsum(numel) - numel)
+    kind, ident, off = (np.broadcast_to(np.asarray(x, np.int64), (len(rep),)) for x in recv)
+    return coalesce({"send_kind": np.where(o["src_side"][idx] == RELAY, SHADOW if staged else DST, SRC),
+                     "send_id": o["src_tensor"][idx], "send_off": o["src_offset"][idx] + r * o["src_stride"][idx],
+                     "recv_kind": kind, "recv_id": ident, "recv_off": off, "numel": numel})
 
 
 def coalesce(p: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -173,16 +167,6 @@ def _landed(plan: Plan, ops: np.ndarray, land_below: int) -> np.ndarray:
     return land[run] & ((rows == 1) | (cols == o["src_stride"][ops]))
 
 
-def _landed_pieces(plan: Plan, ops: np.ndarray, staged: bool, link: int, base: int) -> dict[str, np.ndarray]:
-    """One piece per sender-contiguous run of landed ops, into the receive buffer after `base` elements."""
-    o = plan.ops
-    numel = o["rows"][ops] * o["cols"][ops]
-    return coalesce({"send_kind": _read_kind(plan, ops, staged), "send_id": o["src_tensor"][ops],
-                     "send_off": o["src_offset"][ops], "recv_kind": np.full(len(ops), WIRE, np.int64),
-                     "recv_id": np.full(len(ops), link, np.int64), "recv_off": base + np.cumsum(numel) - numel,
-                     "numel": numel})
-
-
 def _wire_copies(plan: Plan, ops: np.ndarray, kind, link: int, offsets: np.ndarray, gather: bool) \
         -> dict[str, np.ndarray]:
     """Copies of `ops` between their memory of `kind` and link `link`'s packed buffer (rows contiguous from
@@ -202,14 +186,11 @@ def choose_direction(plan: Plan, binding: Binding, requested: str) -> str:
     """"read" or "write"; "auto" picks the one whose busiest initiator starts the fewest bytes, READ on a tie."""
     if requested != "auto":
         return requested
-    link_of_op, _, senders, receivers = global_links(plan, binding)
-    if not len(senders):
+    link_of_op, keys = Partition(plan, binding, 0).streams  # links are the partition's streams
+    if not len(keys):
         return "read"
-    nbytes = np.bincount(link_of_op[link_of_op >= 0], weights=plan.op_bytes()[link_of_op >= 0],
-                         minlength=len(senders))
-    size = binding.num_processes
-    read = np.bincount(receivers, weights=nbytes, minlength=size).max()
-    write = np.bincount(senders, weights=nbytes, minlength=size).max()
+    nbytes = np.bincount(link_of_op[link_of_op >= 0], weights=plan.op_bytes()[link_of_op >= 0], minlength=len(keys))
+    read, write = (np.bincount(keys[:, k], weights=nbytes, minlength=binding.num_processes).max() for k in (2, 1))
     return "write" if write < read else "read"
 
 
@@ -250,8 +231,8 @@ def build_schedule(plan: Plan, binding: Binding, process: int, options: NixlOpti
     return LinkSchedule(process=process, direction=choose_direction(plan, binding, options.direction),
                         staged=staged, num_stages=plan.num_stages, incoming=incoming, outgoing=outgoing, pack=pack,
                         arrive=arrive, local=tuple(local), commit=commit, shadow=shadow, arena=arena, arena_numel=top,
-                        src_ids=tuple(src_ids.tolist()), dst_ids=tuple(dst_ids.tolist()), local_numel=part.local_numel,
-                        exposed=tuple(sorted(exposed)), peers=part.peers)
+                        src_ids=tuple(src_ids.tolist()), dst_ids=tuple(dst_ids.tolist()),
+                        exposed=tuple(sorted(exposed)), part=part)
 
 
 def _link(plan: Plan, lid: int, key: np.ndarray, ops: np.ndarray, options: NixlOptions, pack_below: int,
@@ -269,10 +250,10 @@ def _link(plan: Plan, lid: int, key: np.ndarray, ops: np.ndarray, options: NixlO
     packed_numel = int(numel_of[packed_ops].sum())
     land_it = _landed(plan, direct_ops, land_below) if options.pack != "never" else np.zeros(len(direct_ops), bool)
     landed_ops = direct_ops[land_it]
-    pieces = _expand_rows(plan, direct_ops[~land_it], staged)
-    n_direct = (len(pieces["numel"]) + len(_expand_rows(plan, landed_ops, staged)["numel"])
+    pieces = _pieces(plan, direct_ops[~land_it], staged)
+    n_direct = (len(pieces["numel"]) + len(_pieces(plan, landed_ops, staged)["numel"])
                 + int(o["rows"][packed_ops].sum()))  # before coalescing the packed ones
-    landed = _landed_pieces(plan, landed_ops, staged, lid, packed_numel)
+    landed = _pieces(plan, landed_ops, staged, lid, packed_numel)
     packed = dict(zip(PIECE_COLUMNS, (WIRE, lid, 0, WIRE, lid, 0, packed_numel)))  # the packed buffer's one piece
     pieces = {k: np.concatenate([pieces[k], landed[k], np.asarray([packed[k]] if packed_numel else [], np.int64)])
               for k in PIECE_COLUMNS}

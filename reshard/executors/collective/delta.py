@@ -18,7 +18,7 @@ import torch
 
 from ...errors import ExecutionError
 from ...planner.plan import RELAY
-from ..delta import DeltaError, DeltaPolicy, DeltaReport, _policy, check_digest, keyframe_report, source_digest
+from ..delta import DeltaError, DeltaPolicy, DeltaReport, check_digest, check_policy, keyframe_report, source_digest
 from ..partition import Partition
 from ..preflight import refuse_disagreement
 from ..stats import RefitStats, phase_times
@@ -41,7 +41,7 @@ class CollectiveDelta:
 
     def __init__(self, executor, policy: DeltaPolicy) -> None:
         plan, me = executor.plan, executor.rank
-        self.executor, self.policy = executor, _policy(policy)
+        self.executor, self.policy = executor, check_policy(policy)
         if np.any(plan.ops["src_side"] == RELAY):
             raise ExecutionError("delta refits need a plan without fan-out (relays between replicas); compile it "
                                  "without fanout")

@@ -133,6 +133,22 @@ def test_tampered_plans_are_refused(case):
         or key.split(".")[-1] in msg, (key, field, msg[:300])
 
 
+def test_an_offset_that_wraps_int64_is_refused():
+    """A single-row op read from a holder whose row stride is tampered: src_d0 x h_stride = 2**24 x 2**40 = 2**64
+    wraps to 0 in int64, so its last element looks inside the tensor; the float bound must see the true offset."""
+    d = copy.deepcopy(DICTS[0])
+    a = d["arrays"]
+    rows = np.asarray(a["t.rows"])
+    holder = np.asarray(a["box_hstart"])[np.asarray(a["t.box"])] + np.asarray(a["choice"])[0][np.asarray(a["t.group"])]
+    h = next(h for h in sorted(set(holder.tolist())) if (rows[holder == h] == 1).all())  # read by single-row ops only
+    op = int(np.flatnonzero(holder == h)[0])
+    a["h_stride"][h], a["t.src_d0"][op] = 2 ** 40, 2 ** 24
+    redigest(d)
+    with pytest.raises(PlanError, match="reads past the end of its source tensor") as info:
+        Plan.from_dict(d)
+    assert info.value.field == f"arrays.t.src_d0[{op}]"
+
+
 DAMAGE = st.sampled_from(["truncate", "flip", "prepend", "empty", "garbage", "no header", "object array",
                           "float array", "huge shape"])
 

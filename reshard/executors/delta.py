@@ -33,7 +33,7 @@ from ..planner.delta import BITMAP, DENSE, ENCODINGS, SPARSE, DeltaOps, choose, 
 from ..planner.plan import RELAY
 from .checksum import blocks_digest
 from .reference import apply_shifts, block, op_blocks, shift_views
-from .stats import RefitStats
+from .base import RefitStats
 
 MAGIC = 0x41544C4544534552  # b"RESDELTA" little-endian
 FORMAT = 1

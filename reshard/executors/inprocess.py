@@ -1,8 +1,8 @@
 """The inprocess executor: every rank in this process, the plan bound once (frequent refits: LoRA adapters, an
 in-process engine).
 
-Construction checks the tensors once, folds the ops into a short copy program (executors.copies) and binds it to
-views (executors.views); on one GPU the program is captured as a CUDA graph at the second refit (executors.graphs),
+Construction checks the tensors once, folds the ops into a short copy program and binds it to views
+(executors.copies); on one GPU the program is captured as a CUDA graph at the second refit (executors.graphs),
 thousands of large copies go through one table-copy kernel (kernels.copy_table), and checksum="sum64" copies and
 sums in one kernel (kernels.copy_sum64). The tensors must stay the same objects between refits: `refit` checks
 their storage pointers and refuses if one was replaced.
@@ -18,15 +18,13 @@ from ..errors import ExecutionError
 from ..kernels import triton_available
 from ..planner import Plan
 from ..planner.plan import RELAY
-from .base import Executor, RankTensors
+from .base import Executor, RankTensors, RefitStats
 from .checksum import algorithm, blocks_digest
-from .copies import DST, SRC, fold
+from .copies import DST, SRC, CopyViews, Memory, fold, view_copies
 from .delta import DeltaPolicy, check_policy, keyframe_report
 from .graphs import STREAMS, Pins, Replay, on_streams, single_cuda_device, spread
 from .reference import apply_shifts, ops_here
-from .prepared import Prepared
-from .stats import RefitStats
-from .views import CopyViews, Memory, view_copies
+from .partition import Prepared
 
 GRAPH = "auto"  # default graph mode on one GPU (see InProcessExecutor)
 MANY_COPIES = 1000  # "auto": from this many large copies on, the whole refit one graph (launch-bound otherwise)

@@ -21,7 +21,7 @@ from ...planner.plan import RELAY
 from ..delta import DeltaError, DeltaPolicy, DeltaReport, check_digest, check_policy, keyframe_report, source_digest
 from ..partition import Partition
 from ..preflight import refuse_disagreement
-from ..stats import RefitStats, phase_times
+from ..base import RefitStats, phase_times
 
 SIZE_TAG, PAYLOAD_TAG = (1 << 30) - 2, (1 << 30) - 3  # below the checksum exchange's tag, above every round's
 NONE = 1 << 60  # a process with no receiver (sender) stands aside in the version all-reduce

@@ -21,7 +21,7 @@ from ..planner.plan import RELAY
 from .base import Executor, RankTensors, RefitStats
 from .checksum import algorithm, blocks_digest
 from .copies import DST, SRC, CopyViews, Memory, fold, view_copies
-from .delta import DeltaPolicy, check_policy, keyframe_report
+from .delta import DeltaPolicy, DeltaState, check_policy, keyframe_report
 from .graphs import STREAMS, Pins, Replay, on_streams, single_cuda_device, spread
 from .reference import apply_shifts, ops_here
 from .partition import Prepared
@@ -86,7 +86,8 @@ class InProcessExecutor(Executor):
             self._sum_blocks = prepared.blocks(mine)
         self._policy, self.last_delta = delta, None
         if delta is not None:
-            self._sender, self._receiver = check_policy(delta).sender(plan, mine), delta.receiver(plan)
+            state = check_policy(delta).state or DeltaState()  # the sides kept between executors, else this one's
+            self._sender, self._receiver = state.sender(plan, mine), state.receiver(plan)
             if self.checksum:  # the resulting weights: the destination blocks of the ops
                 self._sum_blocks = prepared.blocks(mine, "dst")
         large = self._program.large

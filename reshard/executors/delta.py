@@ -478,7 +478,7 @@ class VotedDelta:
         state = policy.state or DeltaState()  # the sides kept between executors, else this one's
         self.sender = state.sender(executor.plan, mine_out) if len(mine_out) else None
         self.receiver = state.receiver(executor.plan) if len(part.landing) else None
-        self._start(0, True)
+        self._start(0)
         self.last: DeltaReport | None = None
 
     # --- the transport's -----------------------------------------------------------------------------
@@ -514,11 +514,12 @@ class VotedDelta:
             theirs = json.loads(store.get(f"v{v}/delta/{p}"))
             due = due or bool(theirs["due"])
             versions |= {theirs[k] for k, present in (("held", "receiver"), ("base", "sender")) if theirs[present]}
-        return self._start(v, due or len(versions) != 1 or None in versions)
+        return self._start(v, due, versions)
 
-    def _start(self, v: int, keyframe: bool) -> bool:
-        """Refit `v` begins, a keyframe or not (as every process decided); returns `keyframe`."""
-        self.is_keyframe = keyframe
+    def _start(self, v: int, due: bool = True, versions: "set[int | None]" = frozenset()) -> bool:
+        """Refit `v` begins, told whether any sender is `due` a keyframe and the `versions` every receiver holds and
+        every sender's copy is of (None: unknown); returns whether it is a keyframe: due, or no one common base."""
+        self.is_keyframe = keyframe = due or len(versions) != 1 or None in versions
         self.decoded: list[Decoded] = []  # this refit's proven payloads, applied at commit
         self.sent: dict[int, int] = {}  # this refit's payload bytes per receiving process
         self.received: dict[int, int] = {}  # ... and per feeding peer

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 
 from ...errors import ExecutionError
@@ -78,8 +77,7 @@ class CollectiveDelta(VotedDelta):
         bad, hi, lo, held_hi, held_lo, base_hi, base_lo, due = ex._vote(t, self.device, "delta preflight",
                                                                          before=True)
         refuse_disagreement(problem, bad, hi == -lo, "plan, binding and delta policy")
-        versions = {held_hi, -held_lo, base_hi, -base_lo}
-        return self._start(new, bool(due) or len(versions) != 1 or versions.pop() < 0)
+        return self._start(new, bool(due), {x if x >= 0 else None for x in (held_hi, -held_lo, base_hi, -base_lo)})
 
     def _delta(self, start: float, marks: list, new: int) -> RefitStats:
         payloads = self._encode(new)

@@ -58,10 +58,15 @@ class InProcessExecutor(Executor):
                  checksum_kernel: "bool | None" = None, delta: "DeltaPolicy | None" = None) -> None:
         self.plan, self.process, self._version = plan, process, 0
         self.checksum = algorithm(checksum)
-        mine, prepared = _prepare(plan, dict(src or {}), dict(dst or {}), ops)
+        src, dst, o = dict(src or {}), dict(dst or {}), plan.ops
+        mine, used = ops_here(plan, src, dst, ops)  # only the tensors the ops touch need be there
+        if np.any(o["src_side"][mine] == RELAY):
+            raise ExecutionError("the plan relays between destination replicas; compile it without fan-out to "
+                                 "run it bound in one process")
+        ids = None if ops is None else (set(o["src_tensor"][mine].tolist()), set(o["dst_tensor"][mine].tolist()))
+        prepared = Prepared(plan, {r: src[r] for r in used}, dst, ids=ids)
         self._mine, self._src_flat, self._dst_flat = mine, prepared.src_flat, prepared.dst_flat
         self._pins = Pins(prepared.tensors)
-        o = plan.ops
         program = fold(SRC, o["src_tensor"][mine], o["src_offset"][mine], o["src_stride"][mine],
                        DST, o["dst_tensor"][mine], o["dst_offset"][mine], o["dst_stride"][mine],
                        o["rows"][mine], o["cols"][mine])
@@ -159,18 +164,6 @@ class InProcessExecutor(Executor):
     def close(self) -> None:
         self._program, self._shifts, self._pins, self._run, self._large = None, [], Pins(()), None, []
         self._table, self._fused, self._sum_blocks = None, None, []
-
-
-def _prepare(plan: Plan, src: dict, dst: dict, ops: "np.ndarray | None") -> tuple[np.ndarray, Prepared]:
-    """The ops this process runs (those its destination ranks receive, within `ops`) and its tensors, checked
-    (only the tensors those ops touch need be there)."""
-    mine, used = ops_here(plan, src, dst, ops)
-    o = plan.ops
-    if np.any(o["src_side"][mine] == RELAY):
-        raise ExecutionError("the plan relays between destination replicas; compile it without fan-out to "
-                             "run it bound in one process")
-    ids = None if ops is None else (set(o["src_tensor"][mine].tolist()), set(o["dst_tensor"][mine].tolist()))
-    return mine, Prepared(plan, {r: src[r] for r in used}, dst, ids=ids)
 
 
 def stream_entries(plan: Plan, mine: np.ndarray, s_flat: dict, d_flat: dict) -> tuple[np.ndarray, int]:

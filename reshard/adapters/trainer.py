@@ -26,8 +26,7 @@ from ..arguments import instance, integer, rank_tensors, seconds, text
 from ..errors import ArgumentError, ExecutionError
 from ..group_json import broadcast_json
 from ..polling import Background, poll
-from ..executors.base import Executor, RankTensors, close_within
-from ..executors.stats import RefitStats
+from ..executors.base import Executor, RankTensors, RefitStats, close_within
 from . import rendezvous as rv
 from .engines import EngineCall, EngineClient, Leased, Pausable, ReportsInFlight, ReportsStaged, wait_calls
 from .lease_renewal import LeaseRenewal

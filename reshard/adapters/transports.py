@@ -21,7 +21,7 @@ from ..executors.base import Executor, RankTensors
 from . import rendezvous as rv
 
 if TYPE_CHECKING:
-    from ..executors.stats import RefitStats
+    from ..executors.base import RefitStats
     from ..planner import Plan
 
 

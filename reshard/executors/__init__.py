@@ -6,11 +6,10 @@ rank here, views made once), "collective" (torch.distributed: NCCL / gloo), "nix
 plan). `Fp8Executor` (executors.fp8) wraps one around an FP8 plan. `shard` / `unshard` lay canonical weights out
 by a layout and back.
 """
-from .base import Executor, RankTensors, make_executor
+from .base import Executor, RankTensors, RefitStats, make_executor
 from .binding import Binding
 from .collective.executor import CollectiveExecutor, execute_collective
 from .reference import ReferenceExecutor, allocate, execute_local, shard, unshard
-from .stats import RefitStats
 
 __all__ = ["Binding", "CollectiveExecutor", "Executor", "ReferenceExecutor", "RankTensors", "RefitStats",
            "allocate", "execute_collective", "execute_local", "make_executor", "shard", "unshard"]

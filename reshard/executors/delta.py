@@ -33,7 +33,7 @@ from ..planner.delta import BITMAP, DENSE, ENCODINGS, SPARSE, DeltaOps, choose, 
 from ..planner.plan import RELAY
 from .checksum import blocks_digest
 from .reference import apply_shifts, block, op_blocks, shift_views
-from .stats import RefitStats
+from .base import RefitStats
 
 MAGIC = 0x41544C4544534552  # b"RESDELTA" little-endian
 FORMAT = 1
@@ -65,14 +65,6 @@ class DeltaPolicy:
         integer("keyframe_every", self.keyframe_every, 1, 1 << 30)
         if self.state is not None and not isinstance(self.state, DeltaState):
             raise ArgumentError("state", self.state, "must be a DeltaState (or None)")
-
-    def sender(self, plan, ops: np.ndarray) -> "Sender":
-        """The sender side for this process's plan ops `ops`: `state`'s, else a new one."""
-        return self.state.sender(plan, ops) if self.state is not None else Sender(plan, ops)
-
-    def receiver(self, plan) -> "Receiver":
-        """The receiving side for this process: `state`'s, else a new one."""
-        return self.state.receiver(plan) if self.state is not None else Receiver(plan)
 
 
 def check_policy(policy: object) -> DeltaPolicy:
@@ -449,38 +441,15 @@ class Receiver:
                 _bits(dst_flat[int(tensors[a])]).index_put_((where[lo:hi],), values[lo:hi])
 
 
-def source_digest(plan, ops: np.ndarray, src_flat: dict[int, torch.Tensor], algorithm: str) -> bytes:
-    """The digest of the blocks the plan ops `ops` leave at their receiver: the source blocks in plan order, value
-    shifts added (what a sender puts in its payload, `Sender.encode`'s `digest`)."""
-    ops = np.sort(ops)
-    shifts = [plan.value_shifts.get(int(c)) for c in plan.ops["canon"][ops]]
-    return blocks_digest(algorithm, [b + s if s else b for b, s in zip(op_blocks(plan, ops, "src", src_flat), shifts)])
-
-
-def check_digest(receiver: "Receiver", decoded: "Decoded", ops: np.ndarray, dst_flat: dict[int, torch.Tensor],
-                 algorithm: str, sender: str) -> None:
-    """Check, writing nothing (on a copy), that the blocks of the plan ops `ops` will hold after `decoded` what the
-    sender's digest says.
-
-    Raises:
-        DeltaError: the digests differ (a payload changed on the way).
-    """
-    o = receiver.plan.ops
-    shadow = {int(t): dst_flat[int(t)].clone() for t in np.unique(o["dst_tensor"][ops])}
-    receiver.apply(decoded, shadow)
-    digest = blocks_digest(algorithm, op_blocks(receiver.plan, np.sort(ops), "dst", shadow))
-    if digest != decoded.digest:
-        raise DeltaError(f"checksum mismatch: the weights a delta from {sender} would leave have checksum "
-                         f"{digest.hex()[:16]}, the sender's are {decoded.digest.hex()[:16]}; nothing was written")
-
-
 class VotedDelta:
-    """Delta refits of an executor whose processes meet through a store and vote (executors.voted: shared memory,
-    NIXL). Per refit `v`: `keyframe` (every process publishes its held and base versions and whether it is due,
-    and all take the same path); for a delta, `transfer` (each sender encodes a payload per receiving process,
-    hands it over with the transport's `deliver` once the receiver is ready, and publishes where it is; each
-    receiver reads and proves what `arrived`, nothing written); after the vote, `commit` scatters the payloads in
+    """One process's delta refits, voted on before anyone writes; the protocol's one loop. Per refit `v`:
+    `keyframe` (every process tells its held and base versions and whether it is due; all take the same path); for
+    a delta, `transfer` (each sender encodes a payload per receiving process, `_move` hands them over, and each
+    receiver reads and proves what arrived, nothing written); after the vote, `commit` scatters the payloads in
     place. A failure anywhere fails the refit everywhere before any destination is written.
+
+    Here the transport is a store (executors.voted: shared memory, NIXL): subclasses give `deliver` and `arrived`;
+    the collective executor's (executors.collective.delta) tells versions and moves payloads over its group.
 
     Args:
         executor: the executor (its process, plan, binding, exchange, poll_max_s, src_flat, dst_flat).
@@ -493,23 +462,23 @@ class VotedDelta:
         ExecutionError: the plan relays between replicas (fan-out).
     """
 
+    peer = "process {}"  # a peer in messages
+
     def __init__(self, executor, policy: DeltaPolicy, part, checksum: str | None) -> None:
-        me, o = executor.process, executor.plan.ops
+        me, o = part.process, executor.plan.ops
         if np.any(o["src_side"] == RELAY):
             raise ExecutionError("delta refits need a plan without fan-out (relays between replicas); compile it "
                                  "without fanout")
-        self.ex, self.policy, self.checksum = executor, check_policy(policy), checksum
-        local = {me: part.local} if len(part.local) else {}
-        self.sends, self.recvs = {**local, **part.sends_to}, {**local, **part.receives_from}
+        self.ex, self.me, self.policy, self.checksum = executor, me, check_policy(policy), checksum
+        local = {me: part.local} if len(part.local) else {}  # with no relays, an op's sender plays its source rank
+        self.sends = dict(sorted({**local, **part.sends_to}.items()))  # peer -> ops, this process's own included
+        self.recvs = dict(sorted({**local, **part.receives_from}.items()))
         self.feeders = sorted(part.receives_from)
         mine_out = np.flatnonzero(part.sender == me)
-        self.sender = policy.sender(executor.plan, mine_out) if len(mine_out) else None
-        self.receiver = policy.receiver(executor.plan) if len(part.landing) else None
-        self.is_keyframe = True
-        self.decoded: list[Decoded] = []  # this refit's proven payloads, applied at commit
-        self.sent: dict[int, int] = {}  # this refit's payload bytes per receiving process
-        self.received: dict[int, int] = {}  # ... and per feeding peer
-        self.applied = 0  # entries the last delta wrote here
+        state = policy.state or DeltaState()  # the sides kept between executors, else this one's
+        self.sender = state.sender(executor.plan, mine_out) if len(mine_out) else None
+        self.receiver = state.receiver(executor.plan) if len(part.landing) else None
+        self._start(0)
         self.last: DeltaReport | None = None
 
     # --- the transport's -----------------------------------------------------------------------------
@@ -525,6 +494,10 @@ class VotedDelta:
     def close(self) -> None:
         """Release the transport's payload memory."""
 
+    def _flats(self) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """(source, destination) flat views by tensor id: the executor's."""
+        return self.ex.src_flat, self.ex.dst_flat
+
     # --- the protocol --------------------------------------------------------------------------------
     def keyframe(self, v: int, deadline: float) -> bool:
         """Whether refit `v` is a keyframe, the same on every process."""
@@ -532,7 +505,7 @@ class VotedDelta:
         mine = {"receiver": self.receiver is not None, "held": None if self.receiver is None else self.receiver.held,
                 "sender": self.sender is not None, "base": None if self.sender is None else self.sender.base,
                 "due": self.sender is not None and self.sender.keyframe_due(self.policy)}
-        store.set(f"v{v}/delta/{self.ex.process}", json.dumps(mine))
+        store.set(f"v{v}/delta/{self.me}", json.dumps(mine))
         ex.signal(f"v{v}/delta")
         ex.wait_count(f"v{v}/delta", self.ex.num_processes, v, deadline, self.ex.poll_max_s,
                       f"every process's versions for refit {v}")
@@ -541,88 +514,125 @@ class VotedDelta:
             theirs = json.loads(store.get(f"v{v}/delta/{p}"))
             due = due or bool(theirs["due"])
             versions |= {theirs[k] for k, present in (("held", "receiver"), ("base", "sender")) if theirs[present]}
-        self.is_keyframe = due or len(versions) != 1 or None in versions
-        self.decoded, self.sent, self.received, self.applied = [], {}, {}, 0
-        if self.is_keyframe:
+        return self._start(v, due, versions)
+
+    def _start(self, v: int, due: bool = True, versions: "set[int | None]" = frozenset()) -> bool:
+        """Refit `v` begins, told whether any sender is `due` a keyframe and the `versions` every receiver holds and
+        every sender's copy is of (None: unknown); returns whether it is a keyframe: due, or no one common base."""
+        self.is_keyframe = keyframe = due or len(versions) != 1 or None in versions
+        self.decoded: list[Decoded] = []  # this refit's proven payloads, applied at commit
+        self.sent: dict[int, int] = {}  # this refit's payload bytes per receiving process
+        self.received: dict[int, int] = {}  # ... and per feeding peer
+        self.applied = 0  # entries the last delta wrote here
+        if keyframe:
             ops = self.sender.ops if self.sender is not None else np.zeros(0, np.int64)
             self.last = keyframe_report(self.ex.plan, ops, v)
-        return self.is_keyframe
+        return keyframe
 
     def transfer(self, v: int, deadline: float) -> None:
         """A delta refit's payloads delivered, and every one this process receives proven (nothing written)."""
-        ex, me, algorithm = self.ex.exchange, self.ex.process, self.checksum
-        poll_max_s, plan = self.ex.poll_max_s, self.ex.plan
+        self._prove(self._move(self._encode(v), v, deadline))
+
+    def _encode(self, v: int) -> dict[int, torch.Tensor]:
+        """This process's payload per receiving process (its own included) of delta refit `v`; sets `last`."""
+        plan, src_flat = self.ex.plan, self._flats()[0]
+        payloads, encoded = {}, []
+        for q, ops in self.sends.items():
+            digest = b""
+            if self.checksum:  # of the blocks the ops (plan order) leave at q: the source blocks, value shifts added
+                shifts = [plan.value_shifts.get(int(c)) for c in plan.ops["canon"][ops]]
+                digest = blocks_digest(self.checksum, [b + s if s else b for b, s in
+                                                       zip(op_blocks(plan, ops, "src", src_flat), shifts)])
+            payloads[q], d = self.sender.encode(ops, v, src_flat, digest=digest)
+            encoded.append(d)
+        self.sent = {q: p.numel() for q, p in payloads.items()}
+        if self.sender is None:  # a receiver only: it sent nothing
+            self.last = DeltaReport(v, self.receiver.held if self.receiver is not None else None)
+        else:  # before the copy moves on: its base is the delta's
+            self.last = self.sender.report(np.concatenate(list(self.sends.values())), encoded, v,
+                                           sum(self.sent.values()))
+        return payloads
+
+    def _move(self, payloads: dict[int, torch.Tensor], v: int, deadline: float) -> dict[int, torch.Tensor]:
+        """Every payload to its process (`deliver`, once it is ready); the payloads that arrived here, by sender."""
+        ex, me, poll_max_s = self.ex.exchange, self.me, self.ex.poll_max_s
         if self.feeders:
             ex.signal(f"v{v}/ready/{me}")
-        encoded, local = [], None
-        for q, ops in self.sends.items():
-            digest = source_digest(plan, ops, self.ex.src_flat, algorithm) if algorithm else b""
-            payload, d = self.sender.encode(ops, v, self.ex.src_flat, digest=digest)
-            encoded.append((ops, d))
-            self.sent[q] = payload.numel()
+        for q, payload in payloads.items():
             if q == me:
-                local = payload
                 continue
             ex.wait_count(f"v{v}/ready/{q}", 1, v, deadline, poll_max_s, f"process {q} to be ready for refit {v}")
             where = self.deliver(q, payload, v, deadline)
             ex.store.set(f"v{v}/payload/{me}/{q}", json.dumps({**where, "bytes": payload.numel()}))
             ex.signal(f"v{v}/done/{q}")
-        if self.sender is not None:
-            self.last = self.sender.report(np.concatenate([o for o, _ in encoded]), [e for _, e in encoded], v,
-                                           sum(self.sent.values()))
-        else:
-            self.last = DeltaReport(v, self.receiver.held)
+        arrived = {me: payloads[me]} if me in payloads else {}
         if self.feeders:
             ex.wait_count(f"v{v}/done/{me}", len(self.feeders), v, deadline, poll_max_s,
                           f"processes {self.feeders} to deliver their deltas of refit {v}")
+        for f in self.feeders:
+            try:
+                where = json.loads(ex.store.get(f"v{v}/payload/{f}/{me}"))
+                n = int(where["bytes"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise DeltaError(f"process {f} published a malformed delta location ({e}); nothing was "
+                                 f"written") from e
+            if not 0 <= n <= 1 << 40:
+                raise DeltaError(f"process {f} announced a delta of {n} bytes; nothing was written")
+            arrived[f] = self.arrived(f, where, n, v, deadline)
+            self.received[f] = n
+        return arrived
+
+    def _prove(self, arrived: dict[int, torch.Tensor]) -> None:
+        """Read and prove every payload that arrived, writing nothing; kept for `commit`. With a checksum, the
+        weights it would leave (on a copy) must hash to the sender's digest.
+
+        Raises:
+            DeltaError: a payload refused (`Receiver.read`), or the digests differ (a payload changed on the way).
+        """
+        plan, dst_flat = self.ex.plan, self._flats()[1]
         for f, ops in self.recvs.items():
-            if f == me:
-                payload = local
-            else:
-                try:
-                    where = json.loads(ex.store.get(f"v{v}/payload/{f}/{me}"))
-                    n = int(where["bytes"])
-                except (KeyError, TypeError, ValueError) as e:
-                    raise DeltaError(f"process {f} published a malformed delta location ({e}); nothing was "
-                                     f"written") from e
-                if not 0 <= n <= 1 << 40:
-                    raise DeltaError(f"process {f} announced a delta of {n} bytes; nothing was written")
-                payload = self.arrived(f, where, n, v, deadline)
-                self.received[f] = n
-            sender = "this process" if f == me else f"process {f}"
-            d = self.receiver.read(payload, ops, sender)
-            if algorithm:
-                check_digest(self.receiver, d, ops, self.ex.dst_flat, algorithm, sender)
+            name = "this process" if f == self.me else self.peer.format(f)
+            d = self.receiver.read(arrived[f], ops, name)
+            if self.checksum:
+                shadow = {int(t): dst_flat[int(t)].clone() for t in np.unique(plan.ops["dst_tensor"][ops])}
+                self.receiver.apply(d, shadow)
+                digest = blocks_digest(self.checksum, op_blocks(plan, ops, "dst", shadow))
+                if digest != d.digest:
+                    raise DeltaError(f"checksum mismatch: the weights a delta from {name} would leave have checksum "
+                                     f"{digest.hex()[:16]}, the sender's are {d.digest.hex()[:16]}; nothing was "
+                                     f"written")
             self.decoded.append(d)
 
     def commit(self) -> bool:
         """After the vote: scatter a delta's payloads (True), or leave a keyframe to the dense commit (False)."""
-        v = self.last.version
+        v, (src_flat, dst_flat) = self.last.version, self._flats()
         if not self.is_keyframe:
             for d in self.decoded:
-                self.receiver.apply(d, self.ex.dst_flat)
+                self.receiver.apply(d, dst_flat)
             self.applied, self.decoded = sum(len(d.delta) for d in self.decoded), []
         if self.sender is not None:
-            self.sender.committed(v, self.ex.src_flat, self.is_keyframe)
+            self.sender.committed(v, src_flat, self.is_keyframe)
         if self.receiver is not None:
             self.receiver.held = v  # a keyframe's dense commit follows before the refit returns
         return not self.is_keyframe
 
     def keys(self, v: int) -> tuple[str, ...]:
         """Refit `v`'s store keys of this process (dropped once every process is past it)."""
-        me = self.ex.process
+        me = self.me
         return (f"v{v}/delta", f"v{v}/delta/{me}", f"v{v}/ready/{me}", f"v{v}/done/{me}",
                 *(f"v{v}/payload/{f}/{me}" for f in self.feeders))
 
-    def stats(self, v: int, seconds: float, phases: dict[str, float], staged: bool) -> RefitStats:
-        """This process's RefitStats of delta refit `v`: payload bytes, not the dense bytes."""
-        me = self.ex.process
+    def stats(self, v: int, seconds: float, phases: dict[str, float], staged: bool = False,
+              **extra: int) -> RefitStats:
+        """This process's RefitStats of delta refit `v`: payload bytes, not the dense bytes (`extra`: more
+        fields)."""
+        me = self.me
         return RefitStats(executor=self.ex.name, process=me, version=v, seconds=seconds, phases=phases,
                           staged=staged, ops=self.applied, copies=self.applied,
                           bytes_sent={q: n for q, n in self.sent.items() if q != me},
                           bytes_received=dict(self.received), local_bytes=self.sent.get(me, 0),
                           transfers=sum(q != me for q in self.sent) + len(self.received),
-                          checksum=self.checksum or "")
+                          checksum=self.checksum or "", **extra)
 
 
 def payload_bound(plan, ops: np.ndarray) -> int:
@@ -634,4 +644,4 @@ def payload_bound(plan, ops: np.ndarray) -> int:
 
 
 __all__ = ["Decoded", "DeltaError", "DeltaPolicy", "DeltaReport", "DeltaState", "Receiver", "Sender", "VotedDelta",
-           "check_digest", "keyframe_report", "pack_bits", "payload_bound", "source_digest", "unpack_bits"]
+           "keyframe_report", "pack_bits", "payload_bound", "unpack_bits"]

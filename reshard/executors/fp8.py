@@ -22,11 +22,10 @@ from ..errors import ArgumentError, ExecutionError
 from ..layouts.fp8 import AMAX_FLOOR, FP8_MAX, STAGING, scale_name
 from ..planner.fp8 import Fp8Plan
 from ..planner.plan import RELAY
-from .base import Executor, RankTensors, make_executor
+from .base import Executor, RankTensors, RefitStats, make_executor, phase_times
 from ..kernels import KernelTuning, triton_available
 from .graphs import Pins, Replay, on_streams, single_cuda_device
 from .reference import _box, element_shape, torch_dtype
-from .stats import RefitStats, phase_times
 
 QUANTIZERS = ("auto", "eager", "kernel")
 

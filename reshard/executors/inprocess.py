@@ -1,8 +1,8 @@
 """The inprocess executor: every rank in this process, the plan bound once (frequent refits: LoRA adapters, an
 in-process engine).
 
-Construction checks the tensors once, folds the ops into a short copy program (executors.copies) and binds it to
-views (executors.views); on one GPU the program is captured as a CUDA graph at the second refit (executors.graphs),
+Construction checks the tensors once, folds the ops into a short copy program and binds it to views
+(executors.copies); on one GPU the program is captured as a CUDA graph at the second refit (executors.graphs),
 thousands of large copies go through one table-copy kernel (kernels.copy_table), and checksum="sum64" copies and
 sums in one kernel (kernels.copy_sum64). The tensors must stay the same objects between refits: `refit` checks
 their storage pointers and refuses if one was replaced.
@@ -18,15 +18,13 @@ from ..errors import ExecutionError
 from ..kernels import triton_available
 from ..planner import Plan
 from ..planner.plan import RELAY
-from .base import Executor, RankTensors
+from .base import Executor, RankTensors, RefitStats
 from .checksum import algorithm, blocks_digest
-from .copies import DST, SRC, fold
-from .delta import DeltaPolicy, check_policy, keyframe_report
+from .copies import DST, SRC, CopyViews, Memory, fold, view_copies
+from .delta import DeltaPolicy, DeltaState, check_policy, keyframe_report
 from .graphs import STREAMS, Pins, Replay, on_streams, single_cuda_device, spread
 from .reference import apply_shifts, ops_here
-from .prepared import Prepared
-from .stats import RefitStats
-from .views import CopyViews, Memory, view_copies
+from .partition import Prepared
 
 GRAPH = "auto"  # default graph mode on one GPU (see InProcessExecutor)
 MANY_COPIES = 1000  # "auto": from this many large copies on, the whole refit one graph (launch-bound otherwise)
@@ -60,10 +58,15 @@ class InProcessExecutor(Executor):
                  checksum_kernel: "bool | None" = None, delta: "DeltaPolicy | None" = None) -> None:
         self.plan, self.process, self._version = plan, process, 0
         self.checksum = algorithm(checksum)
-        mine, prepared = _prepare(plan, dict(src or {}), dict(dst or {}), ops)
+        src, dst, o = dict(src or {}), dict(dst or {}), plan.ops
+        mine, used = ops_here(plan, src, dst, ops)  # only the tensors the ops touch need be there
+        if np.any(o["src_side"][mine] == RELAY):
+            raise ExecutionError("the plan relays between destination replicas; compile it without fan-out to "
+                                 "run it bound in one process")
+        ids = None if ops is None else (set(o["src_tensor"][mine].tolist()), set(o["dst_tensor"][mine].tolist()))
+        prepared = Prepared(plan, {r: src[r] for r in used}, dst, ids=ids)
         self._mine, self._src_flat, self._dst_flat = mine, prepared.src_flat, prepared.dst_flat
         self._pins = Pins(prepared.tensors)
-        o = plan.ops
         program = fold(SRC, o["src_tensor"][mine], o["src_offset"][mine], o["src_stride"][mine],
                        DST, o["dst_tensor"][mine], o["dst_offset"][mine], o["dst_stride"][mine],
                        o["rows"][mine], o["cols"][mine])
@@ -88,7 +91,8 @@ class InProcessExecutor(Executor):
             self._sum_blocks = prepared.blocks(mine)
         self._policy, self.last_delta = delta, None
         if delta is not None:
-            self._sender, self._receiver = check_policy(delta).sender(plan, mine), delta.receiver(plan)
+            state = check_policy(delta).state or DeltaState()  # the sides kept between executors, else this one's
+            self._sender, self._receiver = state.sender(plan, mine), state.receiver(plan)
             if self.checksum:  # the resulting weights: the destination blocks of the ops
                 self._sum_blocks = prepared.blocks(mine, "dst")
         large = self._program.large
@@ -160,18 +164,6 @@ class InProcessExecutor(Executor):
     def close(self) -> None:
         self._program, self._shifts, self._pins, self._run, self._large = None, [], Pins(()), None, []
         self._table, self._fused, self._sum_blocks = None, None, []
-
-
-def _prepare(plan: Plan, src: dict, dst: dict, ops: "np.ndarray | None") -> tuple[np.ndarray, Prepared]:
-    """The ops this process runs (those its destination ranks receive, within `ops`) and its tensors, checked
-    (only the tensors those ops touch need be there)."""
-    mine, used = ops_here(plan, src, dst, ops)
-    o = plan.ops
-    if np.any(o["src_side"][mine] == RELAY):
-        raise ExecutionError("the plan relays between destination replicas; compile it without fan-out to "
-                             "run it bound in one process")
-    ids = None if ops is None else (set(o["src_tensor"][mine].tolist()), set(o["dst_tensor"][mine].tolist()))
-    return mine, Prepared(plan, {r: src[r] for r in used}, dst, ids=ids)
 
 
 def stream_entries(plan: Plan, mine: np.ndarray, s_flat: dict, d_flat: dict) -> tuple[np.ndarray, int]:

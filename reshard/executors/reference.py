@@ -17,11 +17,10 @@ from ..errors import ArgumentError, ExecutionError
 from ..layouts import Layout
 from ..planner import Plan
 from ..planner.plan import RELAY
-from .base import Executor, RankTensors
+from .base import Executor, RankTensors, RefitStats
 from .binding import Binding
 from .copies import copy_view
 from .preflight import check_ops
-from .stats import RefitStats
 
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
@@ -275,7 +274,7 @@ class ReferenceExecutor(Executor):
     def refit(self, version: int | None = None) -> RefitStats:
         start = time.perf_counter()
         plan, ops, mine = self.plan, self.plan.ops, self.mine
-        from .prepared import Prepared
+        from .partition import Prepared
 
         prepared = Prepared(plan, {r: self.src[r] for r in self.sources}, self.dst)
         s_flat, d_flat = prepared.src_flat, prepared.dst_flat

@@ -29,18 +29,15 @@ import torch
 from ..errors import ExecutionError
 from ..planner import Plan
 from ..planner.plan import RELAY
-from .base import RankTensors
+from .base import RankTensors, RefitStats
 from .binding import Binding
 from .checksum import Sum64Program, blocks_digest, algorithm, mismatch, use_kernel
-from .copies import DST, PEER, SHADOW, SRC, Copies
+from .copies import DST, PEER, SHADOW, SRC, Copies, Memory, view_copies
 from .delta import DeltaPolicy, DeltaReport, VotedDelta
 from .exchange import Exchange
 from .preflight import check_ops
 from .reference import apply_shifts, torch_dtype
-from .partition import Partition
-from .prepared import Prepared
-from .stats import RefitStats
-from .views import Memory, view_copies
+from .partition import Partition, Prepared
 from .voted import VotedExecutor
 
 _SHM_DIR = "/dev/shm"
@@ -351,7 +348,7 @@ class SharedExecutor(VotedExecutor):
             self._peer_landing[(q, tid)] = t
 
     def _bind_programs(self) -> None:
-        """Copy programs bound to this process's memory and its peers' (executors.views), made once."""
+        """Copy programs bound to this process's memory and its peers' (executors.copies), made once."""
         part = self.part
 
         def flat(kind: int, i: int) -> torch.Tensor:

@@ -11,8 +11,7 @@ import abc
 import time
 
 from ..errors import ExecutionError, ReshardError
-from .base import Executor
-from .stats import RefitStats, phase_times
+from .base import Executor, RefitStats, phase_times
 
 
 class VotedExecutor(Executor):

@@ -211,7 +211,7 @@ def check_copy_table(device: str = "cpu", cases: int = 4, seed: int = 0, moe_lay
     Qwen3-MoE refit (`tps`: TP2 -> TP1 and TP1 -> TP2), twice, the trainer's weights changed in place between."""
     import reshard
     from reshard.executors import allocate, execute_local, shard
-    from reshard.executors import views
+    from reshard.executors import copies
     from reshard.executors.inprocess import InProcessExecutor
     from reshard.kernels.copy_table import CopyTable
 
@@ -252,11 +252,11 @@ def check_copy_table(device: str = "cpu", cases: int = 4, seed: int = 0, moe_lay
         w = {t.name: torch.randn(t.shape, generator=g).to(torch.bfloat16) for t in spec.tensors}
         src = {r: {n: t.to(dev) for n, t in ts.items()} for r, ts in shard(src_l, w).items()}
         got = {r: {n: t.to(dev) for n, t in ts.items()} for r, ts in allocate(dst_l, -7.0).items()}
-        large, views.LARGE_BYTES = views.LARGE_BYTES, 256  # tiny model: its copies "large" enough for the table
+        large, copies.LARGE_BYTES = copies.LARGE_BYTES, 256  # tiny model: its copies "large" enough for the table
         try:
             ex = InProcessExecutor(plan, None, 0, src, got, table=True)
         finally:
-            views.LARGE_BYTES = large
+            copies.LARGE_BYTES = large
         if ex._table is None:
             failures.append(f"tp={tp}: no copy went through the table")
         for step in range(2):

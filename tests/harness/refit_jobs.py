@@ -21,7 +21,7 @@ from reshard.executors import allocate, execute_local, shard
 from reshard.executors.binding import Binding
 from reshard.executors.collective.comm import StoreComm
 from reshard.executors.collective.executor import CollectiveExecutor
-from reshard.executors.stats import RefitStats
+from reshard.executors.base import RefitStats
 from reshard.planner import Plan
 
 SENTINEL = -7.0

@@ -10,7 +10,7 @@ import torch
 
 import reshard
 from reshard.executors import allocate, execute_local, make_executor, shard
-from reshard.executors import views
+from reshard.executors import copies
 from reshard.executors.inprocess import InProcessExecutor
 from reshard.kernels import KernelTuning
 from harness import kernel_checks
@@ -59,7 +59,7 @@ def test_bound_executor_graph_equals_reference_on_gpu(tp, table, monkeypatch):
     got = {r: {n: t.cuda() for n, t in ts.items()} for r, ts in allocate(dst_l, -7.0).items()}
     want = allocate(dst_l, -7.0)
     if table:  # a small model: its copies "large" enough for the table kernel
-        monkeypatch.setattr(views, "LARGE_BYTES", 4096)
+        monkeypatch.setattr(copies, "LARGE_BYTES", 4096)
         ex = InProcessExecutor(plan, None, 0, src, got, table=True)
         assert ex._table is not None and ex._table.count == len(ex._program.large) > 0
     else:

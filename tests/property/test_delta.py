@@ -126,7 +126,7 @@ def _one_change():
     source, target = shard(plan.src, w), allocate(plan.dst)
     execute_local(plan, source, target)
     ops = np.arange(plan.num_ops)
-    from reshard.executors.prepared import Prepared
+    from reshard.executors.partition import Prepared
 
     prep = Prepared(plan, source, target)
     sender = Sender(plan, ops)

@@ -6,8 +6,7 @@ import numpy as np
 import torch
 from hypothesis import given, strategies as st
 
-from reshard.executors.copies import DST, SRC, fold
-from reshard.executors.views import Memory, view_copies, word_elements
+from reshard.executors.copies import DST, SRC, Memory, fold, view_copies, word_elements
 from harness.loopback import run_copies
 
 DTYPES = {2: torch.bfloat16, 4: torch.float32}

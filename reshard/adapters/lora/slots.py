@@ -16,7 +16,7 @@ import torch
 from ...errors import InputError, LayoutMismatchError
 from ...executors.inprocess import InProcessExecutor
 from ...executors.reference import torch_dtype
-from ...executors.stats import RefitStats
+from ...executors.base import RefitStats
 from ...layouts.lora import VllmLoraLayout, lora_facts
 from ...planner import Plan
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from ...errors import ExecutionError, ReshardError
 from ...planner import Plan
 from . import connect
-from ..base import Executor, RankTensors
+from ..base import Executor, RankTensors, RefitStats, ops_landing, phase_times
 from ..binding import Binding
 from ..checksum import DIGEST_BYTES, algorithm, mismatch
 from .comm import Comm, comm_for
@@ -45,12 +45,11 @@ from ...polling import wait_events
 from .runners import Buffers, CudaRunner, HostRunner, RoundRunner, abort
 from ..preflight import check_ops, refuse_disagreement
 from .lanes import NCCL_LANES
-from ..prepared import Prepared
+from ..partition import Prepared
 from ..delta import DeltaPolicy, DeltaReport
 from .delta import CollectiveDelta
 from .schedule import (DIRECT_BYTES, GLOO_DIRECT_BYTES, LANES_DIRECT_BYTES, RoundSchedule, bucket_numel_for,
                        build_schedule)
-from ..stats import RefitStats, ops_landing, phase_times
 
 DEFAULT_MEMORY_CAP = 2 << 30
 CHECKSUM_TAG = (1 << 30) - 1  # the checksum exchange's messages; schedule tags are message numbers below it
@@ -230,7 +229,7 @@ class CollectiveExecutor(Executor):
             direct_bytes=kept.views.direct_bytes, wire_bytes=kept.views.wire_bytes)
 
     def _prepare(self, src: dict, dst: dict) -> "tuple[Prepared | None, torch.device, str | None]":
-        """This process's tensors checked (executors.prepared), their device, and what is wrong with either (a
+        """This process's tensors checked (executors.partition), their device, and what is wrong with either (a
         refusal for the preflight)."""
         fallback = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         try:

@@ -12,10 +12,9 @@ import torch
 from ...errors import ExecutionError
 from ...polling import Background, wait_events
 from ..checksum import Streams
-from ..copies import DST, KIND_NAMES, SHADOW, SRC, WIRE, Copies, regions
+from ..copies import DST, KIND_NAMES, SHADOW, SRC, WIRE, Copies, CopyViews, Memory, regions, view_copies
 from ..reference import apply_shifts
-from ..prepared import Prepared
-from ..views import CopyViews, Memory, view_copies
+from ..partition import Prepared
 
 HOST_LEAD = 8  # rounds the host may enqueue ahead of the GPU (CudaRunner._keep_up)
 
@@ -42,7 +41,7 @@ class Buffers:
 
 
 class RoundViews:
-    """A schedule as views of one call's tensors (wire, staging, every copy program prebuilt: executors.views),
+    """A schedule as views of one call's tensors (wire, staging, every copy program prebuilt: executors.copies),
     reused while the caller passes the same tensors."""
 
     def __init__(self, ex, kept: Buffers, device: torch.device, prepared: Prepared, key: tuple) -> None:

@@ -31,17 +31,15 @@ import torch
 from ...errors import ExecutionError
 from ...planner import Plan
 from ...polling import poll
-from ..base import RankTensors, close_within
+from ..base import RankTensors, RefitStats, close_within, ops_landing
 from ..binding import Binding
 from ..checksum import Streams, algorithm, mismatch
-from ..copies import DST, SRC
+from ..copies import DST, SRC, CopyViews, Memory, view_copies
 from ..delta import DeltaError, DeltaPolicy, DeltaReport, VotedDelta, payload_bound
 from ..exchange import Exchange
 from ..preflight import check_ops
 from ..reference import apply_shifts
-from ..prepared import Prepared
-from ..stats import RefitStats, ops_landing
-from ..views import CopyViews, Memory, view_copies
+from ..partition import Prepared
 from ..voted import VotedExecutor
 from .connection import Connection, memory_name
 from .options import NixlOptions

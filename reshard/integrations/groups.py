@@ -336,6 +336,13 @@ def refuse(executor: Executor, process: int, version: int, reason: str) -> None:
         pass
 
 
+def delta_totals(reports: Iterable[Any]) -> dict[str, int]:
+    """A refit's keyframe groups, groups, and delta (wire) and dense bytes, from its groups' DeltaReports."""
+    reports = list(reports)
+    return {"keyframes": sum(r.keyframe for r in reports), "groups": len(reports),
+            "wire_bytes": sum(r.wire_bytes for r in reports), "dense_bytes": sum(r.dense_bytes for r in reports)}
+
+
 async def stream_items(weights: Any) -> AsyncIterator[Any]:
     """The items of a synchronous or asynchronous iterable (a synchronous one drained on the event loop's thread)."""
     if hasattr(weights, "__aiter__"):
@@ -433,7 +440,7 @@ async def receive_groups(count: int, move: Callable[[int], "Future"], bucket: bo
         raise
 
 
-__all__ = ["DEPTH", "STAGINGS", "available_bytes", "check_options", "check_room", "group_bindings", "group_executor",
-           "group_plans", "model_spec", "outer_frame", "receive_groups", "refuse", "refuse_serving",
+__all__ = ["DEPTH", "STAGINGS", "available_bytes", "check_options", "check_room", "delta_totals", "group_bindings",
+           "group_executor", "group_plans", "model_spec", "outer_frame", "receive_groups", "refuse", "refuse_serving",
            "refuse_unknown", "resolve_device", "send_groups", "staging_empty", "stream_items", "synchronize",
            "tensor_bytes", "tensor_groups", "transfer_thread"]

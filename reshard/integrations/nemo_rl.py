@@ -30,10 +30,10 @@ import torch
 from ..errors import ArgumentError, ExecutionError, ReshardError
 from .agreement import Agreement
 from ..executors.partition import carve
-from .groups import (available_bytes, check_options, check_room, group_bindings, group_executor, group_plans,
-                     model_spec, receive_groups, refuse, refuse_moved_experts, refuse_serving, refuse_unknown,
-                     resolve_device, send_groups, staging_empty, synchronize, tensor_bytes, tensor_groups,
-                     transfer_thread)
+from .groups import (available_bytes, check_options, check_room, delta_totals, group_bindings, group_executor,
+                     group_plans, model_spec, receive_groups, refuse, refuse_moved_experts, refuse_serving,
+                     refuse_unknown, resolve_device, send_groups, staging_empty, synchronize, tensor_bytes,
+                     tensor_groups, transfer_thread)
 from .streams import StreamNames
 
 TRANSPORTS = ("collective", "shared")
@@ -418,11 +418,7 @@ class ReshardCheckpointEngine:
 
     def _delta_summary(self) -> dict[str, Any] | None:
         """With `delta`: this refit's keyframe groups and (a policy worker) delta against dense bytes."""
-        if self.delta is None:
-            return None
-        reports = [self._deltas[k] for k in sorted(self._deltas)]
-        return {"keyframes": sum(r.keyframe for r in reports), "groups": len(reports),
-                "wire_bytes": sum(r.wire_bytes for r in reports), "dense_bytes": sum(r.dense_bytes for r in reports)}
+        return None if self.delta is None else delta_totals(self._deltas.values())
 
     def _batch(self, k: int) -> list[tuple[str, torch.Tensor]]:
         return [(name, self._views[k][name]) for name in self.groups[k]]

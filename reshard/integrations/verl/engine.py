@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from typing import Any, AsyncIterator, Iterable, Sequence
 
 import torch
@@ -27,8 +28,9 @@ from ...errors import ArgumentError, ExecutionError, ReshardError
 from ...executors.binding import Binding
 from ...layouts import ModelSpec
 from ..agreement import Agreement
-from ..groups import (available_bytes, check_room, group_bindings, group_executor, model_spec, receive_groups,
-                      resolve_device, send_groups, staging_empty, tensor_bytes, tensor_groups, transfer_thread)
+from ..groups import (available_bytes, check_room, delta_totals, group_bindings, group_executor, model_spec,
+                      receive_groups, resolve_device, send_groups, staging_empty, tensor_bytes, tensor_groups,
+                      transfer_thread)
 from ..streams import StreamNames
 from .modes import BACKEND
 from .topology import RefitAssignment, build, check_options, model_digest
@@ -157,14 +159,6 @@ class ReshardCheckpointEngine(CheckpointEngine):
             ExecutionError: a transfer failed, or another process reported a failure.
         """
         session = self._ready("send_weights", trainer=True)
-        try:
-            return await self._send(session, weights)
-        except BaseException as e:  # the exporter's own error too: every process hears of it at once
-            session.agreement.fail(e)
-            self._deltas.clear()  # what the rollout holds is unknown now: the next refit is a keyframe
-            raise
-
-    async def _send(self, session: RefitSession, weights: Any) -> dict[str, float]:
         filling: dict[int, dict[str, torch.Tensor]] = {}
         position: dict[int, int] = {}  # group -> the position the trainers move it at (completion order)
 
@@ -177,16 +171,24 @@ class ReshardCheckpointEngine(CheckpointEngine):
             session.agreement.go(position[k], k)
             return (k,)
 
-        def fail(error: BaseException, flight: Any) -> None:
+        def start(k: int) -> Future:  # the transfer thread moves group k once its gate opened
+            i, src = position[k], filling.pop(k)
+            return session.pool.submit(lambda: session.move(session.agreement.gate(i), src))
+
+        def fail(error: BaseException, flight: Any = None) -> None:  # every process hears of it at once
             session.agreement.fail(error)
             filling.clear()  # nothing more moves: the drain holds no tensors
+            self._deltas.clear()  # what the rollout holds is unknown now: the next refit is a keyframe
 
         start = time.perf_counter()
-        sent, _, error, _ = await send_groups(
-            weights, self.names, self.where, "trainer", session.agreement, take,
-            lambda k: session.pool.submit(session.move_next, position[k], filling.pop(k)), fail)
-        if error is not None:
-            raise error
+        try:
+            sent, _, error, _ = await send_groups(weights, self.names, self.where, "trainer", session.agreement, take,
+                                                  start, fail)
+            if error is not None:
+                raise error
+        except BaseException as e:  # also a cancellation
+            fail(e)
+            raise
         p = session.top.process
         self.last_metrics = {f"reshard/trainer{p}/egress_bytes": float(sent),
                              f"reshard/trainer{p}/seconds": time.perf_counter() - start,
@@ -279,10 +281,6 @@ class RefitSession:
                                    len(plans), self.timeout, f"{role} rank {p}")
         self.pool = transfer_thread(device, f"reshard-verl-{role}")
 
-    def move_next(self, position: int, src: dict[str, torch.Tensor]) -> int:
-        """A trainer's transfer-thread job: move its group `position` once its gate opened."""
-        return self.move(self.agreement.gate(position), src)
-
     def move(self, k: int, tensors: dict[str, torch.Tensor]) -> int:
         """Move this process's part of group k (its sources or destinations) on the transfer thread, then count it
         done; the bytes it sent. Raises the transfer's ReshardError (posted as the refit's failure unless a peer's
@@ -315,12 +313,10 @@ class RefitSession:
         """With delta: this refit's keyframe groups and, on a trainer, delta and dense bytes; else nothing."""
         if not self.policies:
             return {}
-        reports = list(self.reports.values())
-        out = {prefix + "keyframe_groups": float(sum(r.keyframe for r in reports))}
-        if self.top.is_trainer:
-            out[prefix + "delta_bytes"] = float(sum(r.wire_bytes for r in reports))
-            out[prefix + "dense_bytes"] = float(sum(r.dense_bytes for r in reports))
-        return out
+        totals = delta_totals(self.reports.values())
+        names = {"keyframe_groups": "keyframes", **({"delta_bytes": "wire_bytes", "dense_bytes": "dense_bytes"}
+                                                     if self.top.is_trainer else {})}
+        return {prefix + ours: float(totals[theirs]) for ours, theirs in names.items()}
 
     def close(self) -> None:
         """End this session's waits and let its thread go; close the collective group in the background (after a

@@ -320,18 +320,18 @@ class ReshardCheckpointEngine:
         version, G = self._begin(), len(self.groups)
         missing = [len(group) for group in self.groups]  # per group: tensors the stream has not delivered yet
         early: dict[int, dict[str, torch.Tensor]] = {}  # groups ahead: copies until their turn
-        early_bytes, due = [0, 0], 0  # (early bytes now, their peak); the next group to move
+        early_bytes = peak = due = 0  # bytes of early copies now and at most; the next group to move
 
         def take(hf: str, t: torch.Tensor, k: int) -> list[int]:  # keep what the plans read from this worker
-            nonlocal due
+            nonlocal due, early_bytes, peak
             missing[k] -= 1
             if hf in self._needed[k]:
                 if k == due:  # its bucket is free: the group in flight uses the other one
                     self._views[k][hf].copy_(t)
                 else:  # a copy: an exporter may reuse what it yields
                     early.setdefault(k, {})[hf] = t.detach().clone()
-                    early_bytes[0] += t.nbytes
-                    early_bytes[1] = max(early_bytes)
+                    early_bytes += t.nbytes
+                    peak = max(peak, early_bytes)
             ready = []
             while due < G and missing[due] == 0:  # groups in model order
                 ready.append(due)
@@ -339,11 +339,12 @@ class ReshardCheckpointEngine:
             return ready
 
         def start(k: int) -> concurrent.futures.Future:
+            nonlocal early_bytes
             synchronize(self._device)  # this thread's copies into the bucket are done before a peer reads it
             flight = self._pool.submit(self._move, k, version)
             for hf, t in early.pop(k + 1, {}).items():  # its bucket's last group (k - 1) landed
                 self._views[k + 1][hf].copy_(t)
-                early_bytes[0] -= t.nbytes
+                early_bytes -= t.nbytes
             return flight
 
         def fail(error: BaseException, flight: concurrent.futures.Future | None) -> concurrent.futures.Future:
@@ -362,7 +363,7 @@ class ReshardCheckpointEngine:
             await asyncio.wrap_future(refusal)
         self.last_refit = {"bytes_sent": sent, "seconds": time.perf_counter() - start_s,
                            "kept": sum(len(x) for x in self._needed), "held_bytes": self._held,
-                           "early_bytes_peak": early_bytes[1], "groups": G, "failed": error is not None,
+                           "early_bytes_peak": peak, "groups": G, "failed": error is not None,
                            "drained_while_moving": overlapped, "delta": self._delta_summary()}
         if error is not None:
             raise self._explained(error)

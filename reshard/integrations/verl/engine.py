@@ -180,7 +180,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
             filling.clear()  # nothing more moves: the drain holds no tensors
             self._deltas.clear()  # what the rollout holds is unknown now: the next refit is a keyframe
 
-        start = time.perf_counter()
+        began = time.perf_counter()
         try:
             sent, _, error, _ = await send_groups(weights, self.names, self.where, "trainer", session.agreement, take,
                                                   start, fail)
@@ -191,7 +191,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
             raise
         p = session.top.process
         self.last_metrics = {f"reshard/trainer{p}/egress_bytes": float(sent),
-                             f"reshard/trainer{p}/seconds": time.perf_counter() - start,
+                             f"reshard/trainer{p}/seconds": time.perf_counter() - began,
                              **session.delta_metrics(f"reshard/trainer{p}/")}
         return self.last_metrics
 

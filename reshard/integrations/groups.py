@@ -5,8 +5,10 @@ integrations.agreement.
 """
 from __future__ import annotations
 
+import asyncio
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+import time
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Sequence
 
 from ..errors import ArgumentError, ExecutionError, LayoutMismatchError
 from ..executors.base import Executor
@@ -16,10 +18,14 @@ from ..planner import Plan
 from ..planner.cache import cached_plan
 
 if TYPE_CHECKING:
-    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import Future, ThreadPoolExecutor
 
     import torch
 
+    from .agreement import Agreement
+    from .streams import StreamNames
+
+POLL_S = 0.05  # how often a trainer draining its stream checks the store for a failure posted elsewhere
 DEPTH = 2  # collective: rounds in flight (wire buffers: DEPTH x peers x one message, within the bucket)
 STAGINGS = ("bucket", "model")
 _TYPES = {"transport": str, "fanout": (int, type(None)), "staging": str, "checksum": (bool, str),
@@ -330,6 +336,111 @@ def refuse(executor: Executor, process: int, version: int, reason: str) -> None:
         pass
 
 
-__all__ = ["DEPTH", "STAGINGS", "available_bytes", "check_options", "check_room", "group_bindings", "group_executor",
-           "group_plans", "model_spec", "outer_frame", "refuse", "refuse_serving", "refuse_unknown",
-           "resolve_device", "staging_empty", "synchronize", "tensor_bytes", "tensor_groups", "transfer_thread"]
+def delta_totals(reports: Iterable[Any]) -> dict[str, int]:
+    """A refit's keyframe groups, groups, and delta (wire) and dense bytes, from its groups' DeltaReports."""
+    reports = list(reports)
+    return {"keyframes": sum(r.keyframe for r in reports), "groups": len(reports),
+            "wire_bytes": sum(r.wire_bytes for r in reports), "dense_bytes": sum(r.dense_bytes for r in reports)}
+
+
+async def stream_items(weights: Any) -> AsyncIterator[Any]:
+    """The items of a synchronous or asynchronous iterable (a synchronous one drained on the event loop's thread)."""
+    if hasattr(weights, "__aiter__"):
+        async for item in weights:
+            yield item
+    else:
+        for item in weights:
+            yield item
+
+
+async def send_groups(weights: Any, names: "StreamNames", where: dict[str, int], who: str, agreement: "Agreement",
+                      take: Callable[[str, "torch.Tensor", int], Iterable[int]], start: Callable[[int], "Future"],
+                      fail: Callable[[BaseException, "Future | None"], "Future | None"]
+                      ) -> tuple[int, int, BaseException | None, "Future | None"]:
+    """A trainer's side of one refit: drain and check the stream `weights` (sync or async; every item, even after a
+    failure: producing it may be collective), hand each of the model's tensors to `take(name, tensor, k)`, which
+    returns the groups now complete, and move those with `start(k)` (a Future of the bytes sent), one in flight.
+    `fail(error, flight)` posts a failure (a Future to await, or None); `who` streams (errors name it); the
+    `agreement` is checked every POLL_S, and its `end` posted once the stream was complete and moved. Returns (bytes
+    sent, items taken while a group moved, the error or None, the failure's Future or None); raises the exporter's
+    own error (after `fail`: no stream is left to drain)."""
+    seen: set[str] = set()
+    flight: Future | None = None
+    refusal: Future | None = None
+    error: BaseException | None = None
+    sent = overlapped = started = 0
+    polled = time.monotonic()
+    try:
+        async for name, tensor in stream_items(weights):
+            if error is not None:
+                continue
+            overlapped += flight is not None and not flight.done()  # stream items taken while a group moved
+            try:
+                for hf, piece in names.checked(name, tensor, seen):
+                    for k in take(hf, piece, where[hf]):
+                        if flight is not None:  # memory: one group moving, this one waiting for it
+                            sent += await asyncio.wrap_future(flight)
+                        flight, started = start(k), started + 1
+                if flight is not None and flight.done() and flight.exception() is not None:
+                    raise flight.exception()
+                if time.monotonic() - polled > POLL_S:  # a refusal elsewhere: stop sending now, not at the end
+                    polled = time.monotonic()
+                    agreement.check()
+            except Exception as e:  # noqa: BLE001 - a wrong tensor, a failed copy or transfer, a refusal elsewhere
+                error, refusal = e, fail(e, flight)
+    except BaseException as e:  # the exporter itself failed
+        if error is None and (refusal := fail(e, flight)) is not None:
+            await asyncio.wrap_future(refusal)
+        raise
+    if error is None and started < max(where.values()) + 1:  # the stream ended before every group was complete
+        error = names.never_came(seen, who)
+        refusal = fail(error, flight)
+    if flight is not None:
+        try:
+            sent += await asyncio.wrap_future(flight)  # a transfer begun is finished: its peers are inside it
+        except Exception as e:  # noqa: BLE001 - named by the transfer
+            if error is None:
+                error, refusal = e, fail(e, None)
+    if error is None:
+        agreement.end()  # this trainer's stream was complete and valid, and moved
+    return sent, overlapped, error, refusal
+
+
+async def receive_groups(count: int, move: Callable[[int], "Future"], bucket: bool, device: Any,
+                         agreement: "Agreement", fail: Callable[[BaseException, "Future | None", int], "Future | None"],
+                         agreed: bool = False) -> AsyncIterator[tuple[int, Any]]:
+    """A rollout's side of one refit: `move(i)` moves the i-th of `count` groups on the transfer thread (a Future of
+    (group k, what landed)), the next one while the last is handed on; yields (k, what landed) once every process
+    agreed on it ("bucket"; with `agreed`, `agreement.agreed` too) or on the whole model, the last group after the
+    trainers' end-of-stream verdict. A failure before the verdict (GeneratorExit: the caller stopped taking) goes to
+    `fail(error, flight, next i)` (a Future to await, or None) and is raised."""
+    flight: Future | None = move(0)
+    held: list[tuple[int, Any]] = []
+    following, verdict = 1, False
+    try:
+        for i in range(count):
+            held.append(await asyncio.wrap_future(flight))
+            flight = None
+            if following < count:
+                if bucket:
+                    synchronize(device)  # the loads from the other bucket (group i - 1) are done
+                flight, following = move(following), following + 1  # lands while group i is handed on
+            if bucket or i == count - 1:
+                for k, _ in held if agreed else ():
+                    await agreement.agreed(k)
+                if i == count - 1:
+                    await agreement.ended()
+                    verdict = True
+                for item in held:
+                    yield item
+                held = []
+    except BaseException as e:  # noqa: BLE001 - also the generator closed or cancelled at a yield
+        if not verdict and (refusal := fail(e, flight, following)) is not None:  # the others stop now
+            await asyncio.wrap_future(refusal)
+        raise
+
+
+__all__ = ["DEPTH", "STAGINGS", "available_bytes", "check_options", "check_room", "delta_totals", "group_bindings",
+           "group_executor", "group_plans", "model_spec", "outer_frame", "receive_groups", "refuse", "refuse_serving",
+           "refuse_unknown", "resolve_device", "send_groups", "staging_empty", "stream_items", "synchronize",
+           "tensor_bytes", "tensor_groups", "transfer_thread"]

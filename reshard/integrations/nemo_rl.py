@@ -30,14 +30,14 @@ import torch
 from ..errors import ArgumentError, ExecutionError, ReshardError
 from .agreement import Agreement
 from ..executors.partition import carve
-from .groups import (available_bytes, check_options, check_room, group_bindings, group_executor, group_plans,
-                     model_spec, refuse, refuse_moved_experts, refuse_serving, refuse_unknown, resolve_device,
-                     staging_empty, synchronize, tensor_bytes, tensor_groups, transfer_thread)
+from .groups import (available_bytes, check_options, check_room, delta_totals, group_bindings, group_executor,
+                     group_plans, model_spec, receive_groups, refuse, refuse_moved_experts, refuse_serving,
+                     refuse_unknown, resolve_device, send_groups, staging_empty, synchronize, tensor_bytes,
+                     tensor_groups, transfer_thread)
 from .streams import StreamNames
 
 TRANSPORTS = ("collective", "shared")
 ALIGN = 256  # bytes: every tensor in a bucket starts aligned for any dtype and vectorised copies
-POLL_S = 0.05  # how often a draining policy worker checks the store for a failure posted elsewhere
 # where NeMo-RL holds vLLM's generation for a whole refit (commit 7ea279a; docs/guides/nemo_rl.md has the rest)
 SERVING_WHY = ("NeMo-RL hands the engine the weights only inside one vLLM collective_rpc, "
                "update_weights_from_checkpoint_engine, issued together with the policy workers' send "
@@ -319,66 +319,49 @@ class ReshardCheckpointEngine:
                                  "(call init_policy_process_group first)")
         version, G = self._begin(), len(self.groups)
         missing = [len(group) for group in self.groups]  # per group: tensors the stream has not delivered yet
-        seen: set[str] = set()
         early: dict[int, dict[str, torch.Tensor]] = {}  # groups ahead: copies until their turn
-        early_bytes = peak = sent = overlapped = next_k = 0
-        error: BaseException | None = None
-        flight: concurrent.futures.Future | None = None  # the group moving now (group next_k - 1)
-        refusal: concurrent.futures.Future | None = None
-        polled, start = time.monotonic(), time.perf_counter()
-        stream = iter(weights)
-        while True:
-            try:  # NeMo-RL's iterator is synchronous (Megatron's export): drained here, on the event loop's thread
-                name, tensor = next(stream)
-            except StopIteration:
-                break
-            except BaseException as e:  # the exporter itself failed: no stream left to drain
-                if error is None:
-                    await asyncio.wrap_future(self._fail(version, e, flight, next_k))
-                raise
-            if error is not None:
-                continue  # drain: producing the stream is collective over the policy workers
-            overlapped += flight is not None and not flight.done()  # stream items taken while a group moved
-            try:  # keep what the plans read from this worker, move every group now complete
-                for hf, t in self._names.checked(name, tensor, seen):
-                    k = self._where[hf]
-                    missing[k] -= 1
-                    if hf in self._needed[k]:
-                        if k == next_k:  # its bucket is free: the group in flight uses the other one
-                            self._views[k][hf].copy_(t)
-                        else:  # a copy: an exporter may reuse what it yields
-                            early.setdefault(k, {})[hf] = t.detach().clone()
-                            early_bytes += t.nbytes
-                            peak = max(peak, early_bytes)
-                while next_k < G and missing[next_k] == 0:  # groups in model order, one in flight
-                    sent += await self._landed(flight)
-                    synchronize(self._device)  # this thread's copies into the bucket are done before a peer reads it
-                    flight = self._pool.submit(self._move, next_k, version)
-                    next_k += 1
-                    for hf, t in early.pop(next_k, {}).items():
-                        self._views[next_k][hf].copy_(t)
-                        early_bytes -= t.nbytes
-                if flight is not None and flight.done() and flight.exception() is not None:
-                    raise flight.exception()
-                if time.monotonic() - polled > POLL_S:  # a refusal elsewhere: stop sending now, not at the end
-                    polled = time.monotonic()
-                    self._agreement.check()
-            except Exception as e:  # noqa: BLE001 - a wrong tensor, a failed copy or transfer, a refusal elsewhere
-                error, refusal, flight = e, self._fail(version, e, flight, next_k), None
-                early.clear()
-        if error is None and next_k < G:  # the stream ended without every tensor
-            error = self._names.never_came(seen, "policy")
-            refusal, flight = self._fail(version, error, flight, next_k), None
+        early_bytes = peak = due = 0  # bytes of early copies now and at most; the next group to move
+
+        def take(hf: str, t: torch.Tensor, k: int) -> list[int]:  # keep what the plans read from this worker
+            nonlocal due, early_bytes, peak
+            missing[k] -= 1
+            if hf in self._needed[k]:
+                if k == due:  # its bucket is free: the group in flight uses the other one
+                    self._views[k][hf].copy_(t)
+                else:  # a copy: an exporter may reuse what it yields
+                    early.setdefault(k, {})[hf] = t.detach().clone()
+                    early_bytes += t.nbytes
+                    peak = max(peak, early_bytes)
+            ready = []
+            while due < G and missing[due] == 0:  # groups in model order
+                ready.append(due)
+                due += 1
+            return ready
+
+        def start(k: int) -> concurrent.futures.Future:
+            nonlocal early_bytes
+            synchronize(self._device)  # this thread's copies into the bucket are done before a peer reads it
+            flight = self._pool.submit(self._move, k, version)
+            for hf, t in early.pop(k + 1, {}).items():  # its bucket's last group (k - 1) landed
+                self._views[k + 1][hf].copy_(t)
+                early_bytes -= t.nbytes
+            return flight
+
+        def fail(error: BaseException, flight: concurrent.futures.Future | None) -> concurrent.futures.Future:
+            early.clear()
+            return self._fail(version, error, flight, due)
+
+        start_s = time.perf_counter()
+        sent, overlapped, error, refusal = await send_groups(weights, self._names, self._where, "policy",
+                                                             self._agreement, take, start, fail)
         if error is None:
             try:
-                sent += await self._landed(flight)
-                self._agreement.end()  # this worker's stream was complete and valid, and moved
                 await self._agreement.ended()
             except ReshardError as e:
                 error, refusal = e, self._fail(version, e, None, G)
         if refusal is not None:
             await asyncio.wrap_future(refusal)
-        self.last_refit = {"bytes_sent": sent, "seconds": time.perf_counter() - start,
+        self.last_refit = {"bytes_sent": sent, "seconds": time.perf_counter() - start_s,
                            "kept": sum(len(x) for x in self._needed), "held_bytes": self._held,
                            "early_bytes_peak": peak, "groups": G, "failed": error is not None,
                            "drained_while_moving": overlapped, "delta": self._delta_summary()}
@@ -405,53 +388,38 @@ class ReshardCheckpointEngine:
             await asyncio.wrap_future(self._fail(v, e, None, 0))
             raise
         start, G, bucket = time.perf_counter(), len(self.groups), self.staging == "bucket"
-        flight: concurrent.futures.Future | None = self._pool.submit(self._move, 0, v)
-        moving = 0  # the group in flight
-        received, agreed, yielded = 0, False, 0
-        self._moved_at = {}
+        received, yielded, agreed, self._moved_at = 0, 0, False, {}
+
+        def fail(error: BaseException, flight: concurrent.futures.Future | None, following: int
+                 ) -> concurrent.futures.Future:
+            # a loader's error stays in the caller's frame: the generator is closed (or cancelled) at the yield
+            cause = error if not isinstance(error, (GeneratorExit, asyncio.CancelledError)) else ExecutionError(
+                f"stopped taking batches after {yielded} of {G} were handed to its loader (the loader raised, "
+                f"or the refit was abandoned)")
+            return self._fail(v, cause, flight, following)
+
+        batches = receive_groups(G, lambda i: self._pool.submit(lambda: (i, self._move(i, v))), bucket,
+                                 self._device, self._agreement, fail)
         try:
-            while moving < G:
-                k = moving
-                received += await self._landed(flight)  # group k: every process agreed it arrived whole
-                flight, moving = None, k + 1
-                if moving < G:
-                    if bucket:
-                        synchronize(self._device)  # vLLM's loads from the other bucket (batch k-1) are done
-                    flight = self._pool.submit(self._move, moving, v)  # lands while vLLM loads batch k
-                else:  # the last group: the trainers' end-of-stream verdict too
-                    await self._agreement.ended()
+            async for k, nbytes in batches:
+                received += nbytes
+                if not agreed and (not bucket or k == G - 1):  # every process agreed on the whole model
                     agreed = True
                     self._release_names()
-                if bucket:
-                    yielded += 1
-                    yield self._batch(k)
-            if not bucket:
-                for k in range(G):
-                    yielded += 1
-                    yield self._batch(k)
-        except BaseException as e:  # noqa: BLE001 - also the generator closed or cancelled at a yield
-            if not agreed:  # every other process is still in the refit: make it fail there now
-                # a loader's error stays in the caller's frame: the generator is closed (or cancelled) at the yield
-                cause = e if not isinstance(e, (GeneratorExit, asyncio.CancelledError)) else ExecutionError(
-                    f"stopped taking batches after {yielded} of {G} were handed to its loader (the loader raised, "
-                    f"or the refit was abandoned)")
-                await asyncio.wrap_future(self._fail(v, cause, flight, moving + 1 if flight is not None else G))
-                if isinstance(e, ReshardError):
-                    raise self._explained(e) from e
-            raise
+                yielded += 1
+                yield self._batch(k)
+        except ReshardError as e:
+            raise self._explained(e) from e
         finally:
+            await batches.aclose()
             self.last_refit = {"bytes_received": received, "seconds": time.perf_counter() - start,
-                               "batches_yielded": yielded, "groups": G, "held_bytes": self._held, "failed": not agreed,
-                               "landed_at": [self._moved_at[k] for k in sorted(self._moved_at)],
+                               "batches_yielded": yielded, "groups": G, "held_bytes": self._held,
+                               "failed": not agreed, "landed_at": [self._moved_at[k] for k in sorted(self._moved_at)],
                                "delta": self._delta_summary()}
 
     def _delta_summary(self) -> dict[str, Any] | None:
         """With `delta`: this refit's keyframe groups and (a policy worker) delta against dense bytes."""
-        if self.delta is None:
-            return None
-        reports = [self._deltas[k] for k in sorted(self._deltas)]
-        return {"keyframes": sum(r.keyframe for r in reports), "groups": len(reports),
-                "wire_bytes": sum(r.wire_bytes for r in reports), "dense_bytes": sum(r.dense_bytes for r in reports)}
+        return None if self.delta is None else delta_totals(self._deltas.values())
 
     def _batch(self, k: int) -> list[tuple[str, torch.Tensor]]:
         return [(name, self._views[k][name]) for name in self.groups[k]]
@@ -476,10 +444,6 @@ class ReshardCheckpointEngine:
             agreement(self._refits - 2).forget()
         self._agreement = agreement(self._refits)
         return self._version
-
-    async def _landed(self, flight: concurrent.futures.Future | None) -> int:
-        """The bytes a group in flight moved here, awaited without blocking the event loop."""
-        return 0 if flight is None else await asyncio.wrap_future(flight)
 
     def _move(self, k: int, v: int) -> int:
         """Move group k of refit version v (on the pool's thread); the bytes this process sent or received."""

@@ -6,19 +6,18 @@ group: topology); `init_process_group` (every process compiles the same plans, c
 starts a RefitSession); `send_weights` on every trainer rank and `receive_weights` on every rollout rank, the
 transfers on a thread, groups moving in the order the stream completes them once every trainer rank announced
 them (integrations.agreement); `finalize()`. Staging "bucket" (default) hands on a group once every process moved
-it (memory: BUCKET_SLOTS groups); "model", the whole model once every process agreed on all of it. Delta refits
+it (memory: two groups); "model", the whole model once every process agreed on all of it. Delta refits
 keep an executors.delta.DeltaState per group for the engine's life; a failed refit drops them (the next is a
 keyframe). docs/guides/verl.md has what the backend does and what a failed refit leaves.
 """
 from __future__ import annotations
 
-import asyncio
-import inspect
 import os
 import sys
 import threading
 import time
-from typing import Any, AsyncIterator, Callable, Iterable, Sequence
+from concurrent.futures import Future
+from typing import Any, AsyncIterator, Iterable, Sequence
 
 import torch
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
@@ -29,8 +28,9 @@ from ...errors import ArgumentError, ExecutionError, ReshardError
 from ...executors.binding import Binding
 from ...layouts import ModelSpec
 from ..agreement import Agreement
-from ..groups import (available_bytes, check_room, group_bindings, group_executor, model_spec, resolve_device,
-                      staging_empty, synchronize, tensor_bytes, tensor_groups, transfer_thread)
+from ..groups import (available_bytes, check_room, delta_totals, group_bindings, group_executor, model_spec,
+                      receive_groups, resolve_device, send_groups, staging_empty, tensor_bytes, tensor_groups,
+                      transfer_thread)
 from ..streams import StreamNames
 from .modes import BACKEND
 from .topology import RefitAssignment, build, check_options, model_digest
@@ -159,49 +159,39 @@ class ReshardCheckpointEngine(CheckpointEngine):
             ExecutionError: a transfer failed, or another process reported a failure.
         """
         session = self._ready("send_weights", trainer=True)
-        try:
-            return await self._send(session, weights)
-        except BaseException as e:  # the exporter's own error too: every process hears of it at once
-            session.agreement.fail(e)
-            self._deltas.clear()  # what the rollout holds is unknown now: the next refit is a keyframe
-            raise
-
-    async def _send(self, session: RefitSession, weights: Any) -> dict[str, float]:
         filling: dict[int, dict[str, torch.Tensor]] = {}
-        seen: set[str] = set()
-        moving = None  # the transfer in flight (an awaitable of the transfer thread's job)
-        position, sent, error, start = 0, 0, None, time.perf_counter()
-        async for name, tensor in _items(weights):
+        position: dict[int, int] = {}  # group -> the position the trainers move it at (completion order)
+
+        def take(hf: str, piece: torch.Tensor, k: int) -> tuple[int, ...]:
+            group = filling.setdefault(k, {})
+            group[hf] = piece.detach().contiguous()
+            if len(group) < len(self.groups[k]):
+                return ()
+            position[k] = len(position)
+            session.agreement.go(position[k], k)
+            return (k,)
+
+        def start(k: int) -> Future:  # the transfer thread moves group k once its gate opened
+            i, src = position[k], filling.pop(k)
+            return session.pool.submit(lambda: session.move(session.agreement.gate(i), src))
+
+        def fail(error: BaseException, flight: Any = None) -> None:  # every process hears of it at once
+            session.agreement.fail(error)
+            filling.clear()  # nothing more moves: the drain holds no tensors
+            self._deltas.clear()  # what the rollout holds is unknown now: the next refit is a keyframe
+
+        began = time.perf_counter()
+        try:
+            sent, _, error, _ = await send_groups(weights, self.names, self.where, "trainer", session.agreement, take,
+                                                  start, fail)
             if error is not None:
-                continue  # drain: producing the stream is collective over the trainer ranks
-            try:
-                for hf, piece in self.names.checked(name, tensor, seen):
-                    k = self.where[hf]
-                    group = filling.setdefault(k, {})
-                    group[hf] = piece.detach().contiguous()
-                    if len(group) < len(self.groups[k]):
-                        continue
-                    session.agreement.go(position, k)
-                    if moving is not None:  # memory: one group moving, this one waiting for it
-                        sent += await moving
-                    moving = session.submit(session.move_next, position, filling.pop(k))
-                    position += 1
-            except ReshardError as e:
-                error = session.agreement.fail(e)
-                filling.clear()  # nothing more moves: the drain holds no tensors
-        if error is None and position < len(self.groups):
-            error = session.agreement.fail(self.names.never_came(seen, "trainer"))
-        if moving is not None:
-            try:
-                sent += await moving  # a transfer begun is finished: its peers are inside it
-            except ReshardError as e:
-                error = error or e
-        if error is not None:
-            raise error
-        session.agreement.end()
+                raise error
+        except BaseException as e:  # also a cancellation
+            fail(e)
+            raise
         p = session.top.process
         self.last_metrics = {f"reshard/trainer{p}/egress_bytes": float(sent),
-                             f"reshard/trainer{p}/seconds": time.perf_counter() - start,
+                             f"reshard/trainer{p}/seconds": time.perf_counter() - began,
                              **session.delta_metrics(f"reshard/trainer{p}/")}
         return self.last_metrics
 
@@ -221,65 +211,32 @@ class ReshardCheckpointEngine(CheckpointEngine):
         bucket = self.options.get("staging", "bucket") == "bucket"
         if not bucket and not self._held:  # (with delta, held buffers are reused: nothing more to allocate)
             staging_room(self.spec, self.device)  # verl may have taken memory since the construction's check
-        loop, landed = asyncio.get_running_loop(), asyncio.Queue()
-        # buffers: one group being handed on while the next is received (bucket); every group (model)
-        slots = threading.Semaphore(BUCKET_SLOTS if bucket else len(self.groups))
-        receiving = session.submit(self._receive_all, session, slots, loop, landed)
-        receiving.add_done_callback(lambda f: f.cancelled() or f.exception())  # its errors come through `landed`
-        rank, start, done = session.top.process - session.top.trainers, time.perf_counter(), False
-        try:
-            held = []  # groups landed, not yet handed on: the last one ("bucket"), or all ("model")
-            for i in range(len(self.groups)):
-                item = await landed.get()
-                if isinstance(item, BaseException):
-                    raise item
-                held.append(item)
-                last = i == len(self.groups) - 1
-                if bucket or last:
-                    for k, _ in held:
-                        await session.agreement.agreed(k)
-                    if last:
-                        await session.agreement.ended()
-                    for k, dst in held:
-                        for name in self.groups[k]:
-                            yield name, dst[name]
-                    held = []
-                    if bucket:
-                        synchronize(self.device)  # the adapter's copies out of this group are done before its reuse
-                        slots.release()
-            done = True
-        except GeneratorExit:
+
+        def receive(i: int) -> tuple[int, dict[str, torch.Tensor]]:  # the transfer thread: the trainers' i-th group
+            k = session.agreement.gate(i)
+            dst = self._held.get(k) or {n: staging_empty(*self.names.expected(n), self.device,
+                                                         self.transport == "shared") for n in self.groups[k]}
+            if self.delta is not None:  # the version a delta is applied to, kept between refits
+                self._held[k] = dst
+            session.move(k, dst)
+            return k, dst
+
+        def fail(error: BaseException, flight: Any, following: int) -> None:
             session.agreement.fail(ExecutionError("the server adapter stopped taking the weights before the refit's "
-                                                  "end"))
-            raise
-        except BaseException as e:
-            session.agreement.fail(e)
-            raise
+                                                  "end") if isinstance(error, GeneratorExit) else error)
+            self._deltas.clear()  # the next refit is a keyframe (it rewrites every held buffer)
+
+        rank, start = session.top.process - session.top.trainers, time.perf_counter()
+        groups = receive_groups(len(self.groups), lambda i: session.pool.submit(receive, i), bucket, self.device,
+                                session.agreement, fail, agreed=True)
+        try:
+            async for k, dst in groups:
+                for name in self.groups[k]:
+                    yield name, dst[name]
         finally:
-            if not done:  # the transfer thread takes part in the groups already open, then stops at the next gate
-                session.agreement.stop.set()
-                slots.release(len(self.groups))
-                self._deltas.clear()  # the next refit is a keyframe (it rewrites every held buffer)
+            await groups.aclose()
         self.last_metrics = {f"reshard/rollout{rank}/seconds": time.perf_counter() - start,
                              **session.delta_metrics(f"reshard/rollout{rank}/")}
-
-    def _receive_all(self, session: RefitSession, slots: threading.Semaphore, loop: asyncio.AbstractEventLoop,
-                     landed: asyncio.Queue) -> None:
-        """The rollout's transfer thread: every group in the trainers' order into fresh (delta: held) buffers once
-        a slot is free; what landed, or the error, goes to the event loop's queue."""
-        try:
-            for i in range(len(self.groups)):
-                k = session.agreement.gate(i)
-                slots.acquire()  # an open gate is entered: the event loop releases every slot if it stops early
-                shared = self.transport == "shared"
-                dst = self._held.get(k) or {n: staging_empty(*self.names.expected(n), self.device, shared)
-                                            for n in self.groups[k]}
-                if self.delta is not None:  # the version a delta is applied to, kept between refits
-                    self._held[k] = dst
-                session.move(k, dst)
-                loop.call_soon_threadsafe(landed.put_nowait, (k, dst))
-        except BaseException as e:  # noqa: BLE001 - handed to the event loop, which raises it
-            loop.call_soon_threadsafe(landed.put_nowait, e)
 
     def finalize(self) -> None:
         """Close this refit's session, its group and (trainer rank 0) the store."""
@@ -298,9 +255,6 @@ class ReshardCheckpointEngine(CheckpointEngine):
             self._session.close()
         self._session = None
         self._store = None  # trainer rank 0's store server goes with its last reference (a session may hold it)
-
-
-BUCKET_SLOTS = 2  # "bucket" staging: groups a rollout rank holds (one handed on, the next received)
 
 
 class RefitSession:
@@ -326,14 +280,6 @@ class RefitSession:
         self.agreement = Agreement(rv.scoped(store, rdv, "verl"), top.trainers + top.rollouts, top.trainers,
                                    len(plans), self.timeout, f"{role} rank {p}")
         self.pool = transfer_thread(device, f"reshard-verl-{role}")
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> "asyncio.Future[Any]":
-        """Run `fn(*args)` on the transfer thread; an awaitable for the caller's event loop."""
-        return asyncio.wrap_future(self.pool.submit(fn, *args))
-
-    def move_next(self, position: int, src: dict[str, torch.Tensor]) -> int:
-        """A trainer's transfer-thread job: move its group `position` once its gate opened."""
-        return self.move(self.agreement.gate(position), src)
 
     def move(self, k: int, tensors: dict[str, torch.Tensor]) -> int:
         """Move this process's part of group k (its sources or destinations) on the transfer thread, then count it
@@ -367,12 +313,10 @@ class RefitSession:
         """With delta: this refit's keyframe groups and, on a trainer, delta and dense bytes; else nothing."""
         if not self.policies:
             return {}
-        reports = list(self.reports.values())
-        out = {prefix + "keyframe_groups": float(sum(r.keyframe for r in reports))}
-        if self.top.is_trainer:
-            out[prefix + "delta_bytes"] = float(sum(r.wire_bytes for r in reports))
-            out[prefix + "dense_bytes"] = float(sum(r.dense_bytes for r in reports))
-        return out
+        totals = delta_totals(self.reports.values())
+        names = {"keyframe_groups": "keyframes", **({"delta_bytes": "wire_bytes", "dense_bytes": "dense_bytes"}
+                                                     if self.top.is_trainer else {})}
+        return {prefix + ours: float(totals[theirs]) for ours, theirs in names.items()}
 
     def close(self) -> None:
         """End this session's waits and let its thread go; close the collective group in the background (after a
@@ -405,15 +349,6 @@ def node_here() -> dict[str, str | None]:
     except ReshardError:  # a RESHARD_HOST that is not this host's: the master's prepare reports it, not this
         address = None
     return {"id": node_id, "address": address}
-
-
-async def _items(weights: Any) -> AsyncIterator[tuple[str, torch.Tensor]]:
-    if inspect.isasyncgen(weights) or hasattr(weights, "__aiter__"):
-        async for item in weights:
-            yield item
-    else:
-        for item in weights:
-            yield item
 
 
 __all__ = ["BACKEND", "ReshardCheckpointEngine"]

@@ -332,8 +332,7 @@ class TrainerSession:
         if not (self.pause_mode and isinstance(engine, Pausable)):
             return []
         paused.append(engine)
-        if self._paused_at is None:
-            self._paused_at = time.perf_counter()
+        self._paused_at = self._paused_at or time.perf_counter()
         errors = self._bounded(engine, "pause", self.pause_mode, deadline=deadline)
         if not errors and self.pause_mode != "keep":
             self._in_flight = self._in_flight or []

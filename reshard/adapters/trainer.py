@@ -221,7 +221,7 @@ class TrainerSession:
         """The rendezvous: hosted by process 0, shared over the trainer group (or given to every process)."""
         rdv = self.given_rendezvous
         if rdv is not None:  # the same on every process: a refit id of this init's own, derived alike everywhere
-            rdv = rv.Rendezvous(rdv.host, rdv.port, f"{rdv.refit_id}g{self.generation}", rdv.secret, rdv.timeout)
+            rdv = replace(rdv, refit_id=f"{rdv.refit_id}g{self.generation}")
         if self.process == 0 and (rdv is None or self.trainer_group is not None):
             rdv, self.store = rv.host_store(rdv or rv.Rendezvous.new(self.host, timeout=min(self.timeout, 300.0)))
         if self.trainer_group is not None:

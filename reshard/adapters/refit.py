@@ -301,17 +301,15 @@ def open_transport(refit: RefitSpec, process: int, src: RankTensors, dst: RankTe
     plan, options, chosen = refit.plan(), dict(refit.options), transports.transport(refit.transport)
     if refit.install == "loader" or refit.staging:  # buffers or staging, read only after a complete refit: in place
         options = {**chosen.in_place, **options}
-    delta = None if refit.delta is None else DeltaPolicy(keyframe_every=refit.delta)
-    S, D, rdv = plan.src.num_ranks, plan.dst.num_ranks, None
     # cross-process: trainer process p plays source rank p, process S + d destination rank d; else shared ranks
-    binding = Binding.disjoint(S, D) if chosen.cross_process else Binding.colocated(S, D)
-    if chosen.cross_process and refit.rendezvous is None:
-        raise ExecutionError(f"transport {refit.transport!r} needs a rendezvous (where the processes meet)")
-    if chosen.cross_process:
-        rdv = Rendezvous.from_dict(refit.rendezvous)
+    binding = (Binding.disjoint if chosen.cross_process else Binding.colocated)(plan.src.num_ranks, plan.dst.num_ranks)
+    # (a cross-process transport without a rendezvous: refused by Endpoint.scoped)
+    rdv = Rendezvous.from_dict(refit.rendezvous) if chosen.cross_process and refit.rendezvous is not None else None
+    if rdv is not None:
         options.setdefault("timeout", rdv.timeout)
     return transports.open_transport(refit.transport, transports.Endpoint(
-        plan, binding, process, src, dst, options, store=store, rendezvous=rdv, group=group, delta=delta))
+        plan, binding, process, src, dst, options, store=store, rendezvous=rdv, group=group,
+        delta=None if refit.delta is None else DeltaPolicy(keyframe_every=refit.delta)))
 
 
 __all__ = ["RefitSpec", "open_transport"]

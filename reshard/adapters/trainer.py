@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 
 from ..arguments import instance, integer, rank_tensors, seconds, text
 from ..errors import ArgumentError, ExecutionError
@@ -94,14 +95,10 @@ class TrainerSession:
                                 "must be a list of engine clients (VllmServer, RayEngineClient ...)")
         for engine in engines:
             if not isinstance(engine, EngineClient):
-                missing = [m for m in ("init_weight_transfer_engine", "start_weight_update", "update_weights",
-                                       "finish_weight_update") if not callable(getattr(engine, m, None))]
+                missing = [m for m in vars(EngineClient) if m[0] != "_" and not callable(getattr(engine, m, None))]
                 raise ArgumentError("engines", engine, f"must be engine clients (adapters.engines.EngineClient); this "
                                     f"one lacks {missing}")
-        if trainer_group is not None:
-            import torch.distributed as dist
-
-            instance("trainer_group", trainer_group, dist.ProcessGroup, "a torch.distributed ProcessGroup", none=True)
+        instance("trainer_group", trainer_group, dist.ProcessGroup, "a torch.distributed ProcessGroup", none=True)
         instance("rendezvous", rendezvous, rv.Rendezvous, "an adapters.rendezvous.Rendezvous", none=True)
         text("host", host, none=True)
         text("pause", pause, none=True, choices=("wait", "abort", "keep"))
@@ -119,8 +116,6 @@ class TrainerSession:
         self.refit_spec, self.process = refit, process
         self.engines, self.trainer_group, self.pause_mode = list(engines), trainer_group, pause
         self.pause_for = pause_for
-        self._paused_at: float | None = None  # a refit's first pause call (perf_counter)
-        self._in_flight: list[str] | None = None
         self.given_rendezvous, self.host, self.timeout = rendezvous, host, timeout
         self.rendezvous, self.store, self.version = None, None, 0
         self.executor: Executor | None = None
@@ -170,12 +165,11 @@ class TrainerSession:
             ahead = self._nixl_agent_ahead(refit)
             self._take_lease()
             # an engine that refuses fails the rendezvous at once: no trainer process waits out its timeout
-            ids = [{"lora_id": i} for i in self.lora_ids] if self.lora_ids is not None else [{}] * len(self.engines)
-            calls = [EngineCall(engine, "init_weight_transfer_engine", (refit.with_(replica=k, **ids[k]).to_dict(),),
-                                self._fail_rendezvous) for k, engine in enumerate(self.engines)]
+            calls = [EngineCall(engine, "init_weight_transfer_engine", (refit.with_(replica=k, **(
+                {"lora_id": self.lora_ids[k]} if self.lora_ids else {})).to_dict(),), self._fail_rendezvous)
+                for k, engine in enumerate(self.engines)]
             if refit.cross_process:
-                rdv = rv.Rendezvous.from_dict(refit.rendezvous)
-                rv.join(self.store, rdv, self.process, refit.num_processes, "trainer")
+                rv.join(self.store, self.rendezvous, self.process, refit.num_processes, "trainer")
                 self.executor = open_transport(refit, self.process, self.tensors, {}, store=self.store)
         except ExecutionError as e:
             self._fail_rendezvous(str(e))
@@ -226,7 +220,7 @@ class TrainerSession:
         """The rendezvous: hosted by process 0, shared over the trainer group (or given to every process)."""
         rdv = self.given_rendezvous
         if rdv is not None:  # the same on every process: a refit id of this init's own, derived alike everywhere
-            rdv = rv.Rendezvous(rdv.host, rdv.port, f"{rdv.refit_id}g{self.generation}", rdv.secret, rdv.timeout)
+            rdv = replace(rdv, refit_id=f"{rdv.refit_id}g{self.generation}")
         if self.process == 0 and (rdv is None or self.trainer_group is not None):
             rdv, self.store = rv.host_store(rdv or rv.Rendezvous.new(self.host, timeout=min(self.timeout, 300.0)))
         if self.trainer_group is not None:
@@ -242,8 +236,8 @@ class TrainerSession:
         return rdv
 
     def _fail_rendezvous(self, reason: str) -> None:
-        if self.store is not None and self.refit_spec.rendezvous is not None:
-            rv.fail(self.store, rv.Rendezvous.from_dict(self.refit_spec.rendezvous), f"trainer: {reason}")
+        if self.store is not None and self.rendezvous is not None:
+            rv.fail(self.store, self.rendezvous, f"trainer: {reason}")
 
     def refit(self, version: str | None = None) -> RefitResult:
         """One refit of every engine: every trainer process calls it, with the same version.
@@ -271,25 +265,39 @@ class TrainerSession:
         self._await_wind_down(deadline, "this refit")
         self.version += 1
         version = version or str(self.version)
-        marks: list[tuple[str, float]] = [("", time.perf_counter())]
+        info = {"version": version, "refit": (self.refit_spec.rendezvous or {}).get("refit_id", "")}
+        driver, flip = bool(self.engines), self.pause_for == "flip" and bool(self.engines)
         paused: list[EngineClient] = []
-        self._paused_at, self._in_flight = None, None
-        stats, errors, done = None, [], False  # done: the steps below ran to their end (no exception)
+        calls: list[EngineCall] = []  # the engines' transfer calls, started as this process begins to send
+        # the first pause call (perf_counter), the requests the engines held then, this process's executor stats
+        self._paused_at, self._in_flight, self._stats = None, None, None
+        # (the phase a step ends, or None; the step, returning its errors): run in order while none has failed
+        steps = [
+            ("start" if driver else None, lambda: self._start(paused, deadline)),
+            ("transfer", lambda: self._send(info, calls, deadline)),
+            *([("staged", lambda: self._received(calls, deadline) or self._await_staged(deadline)),
+               ("pause", lambda: [e for engine in self.engines for e in self._pause(engine, paused, deadline)])]
+              if flip else [(None, lambda: self._received(calls, deadline))]),
+            ("flip" if flip else "engines", lambda: wait_calls(
+                [EngineCall(e, "update_weights", ({**info, "phase": "install"},)) for e in self.engines],
+                self.timeout, deadline)),
+            ("finish" if driver else None, lambda: [e for engine in self.engines for e in self._bounded(
+                engine, "finish_weight_update", version, deadline=deadline)])]
+        marks: list[tuple[str, float]] = [("", time.perf_counter())]
+        errors: list[str] = []
+        landed = False
         try:
-            errors = agree(self, str(self.version), self._start(paused, deadline), deadline)
-            if self.engines:
-                marks.append(("start", time.perf_counter()))
-            if not errors:
-                stats, errors = self._update(version, deadline, marks, paused)
-            if self.engines and not errors:
-                for engine in self.engines:
-                    errors += self._bounded(engine, "finish_weight_update", version, deadline=deadline)
-                marks.append(("finish", time.perf_counter()))
-            done = True
-        finally:  # end the update on every engine worker, without a version
-            close = (bool(errors) or not done) and bool(self.engines)
-            if close or paused:
-                errors += self._wind_down(close, paused, deadline)
+            for phase, step in steps:
+                errors = step()
+                if errors:
+                    break
+                if phase is not None:
+                    marks.append((phase, time.perf_counter()))
+            else:
+                landed = True
+        finally:  # the undo: end what did not land on every engine worker (without a version), resume the paused
+            if paused or (driver and not landed):
+                errors += self._wind_down(driver and not landed, paused, deadline)
             if paused:
                 marks.append(("resume", time.perf_counter()))
         if errors:
@@ -299,7 +307,8 @@ class TrainerSession:
                 f"{TORN} on an engine: it stays fenced (paused, generation refused) until a refit lands whole"
             raise ExecutionError(f"refit {version!r} failed; {kept}: " + "; ".join(errors) + self._members())
         phases = {name: t - marks[i][1] for i, (name, t) in enumerate(marks[1:])}
-        if self.engines:  # the driver: how long generation stopped, and what was in flight meanwhile
+        stats = self._stats
+        if driver:  # the driver: how long generation stopped, and what was in flight meanwhile
             pause_s = marks[-1][1] - self._paused_at if paused and self._paused_at is not None else 0.0
             stats = replace(stats or RefitStats("", self.process, self.version, 0.0), pause_s=pause_s,
                             in_flight=tuple(self._in_flight) if self._in_flight is not None else None)
@@ -307,21 +316,22 @@ class TrainerSession:
                            delta=getattr(self.executor, "last_delta", None))
 
     def _start(self, paused: list[EngineClient], deadline: float) -> list[str]:
-        """Pause (pause_for="refit") and start the update on each engine, up to the first error; `paused`: to resume."""
+        """Pause (pause_for="refit") and start the update on each engine, up to the first error, then agree on the
+        engines' placement (adapters.placement_follow): the errors; `paused`: the engines to resume."""
+        errors: list[str] = []
         for engine in self.engines:
             errors = self._pause(engine, paused, deadline) if self.pause_for == "refit" else []
             errors = errors or self._bounded(engine, "start_weight_update", deadline=deadline)
             if errors:
-                return errors
-        return []
+                break
+        return agree(self, str(self.version), errors, deadline)
 
     def _pause(self, engine: EngineClient, paused: list[EngineClient], deadline: float) -> list[str]:
         """Pause one engine (when asked and it can), then ask which requests it holds (only "keep" holds any)."""
         if not (self.pause_mode and isinstance(engine, Pausable)):
             return []
         paused.append(engine)
-        if self._paused_at is None:
-            self._paused_at = time.perf_counter()
+        self._paused_at = self._paused_at or time.perf_counter()
         errors = self._bounded(engine, "pause", self.pause_mode, deadline=deadline)
         if not errors and self.pause_mode != "keep":
             self._in_flight = self._in_flight or []
@@ -333,34 +343,20 @@ class TrainerSession:
                 pass
         return errors
 
-    def _update(self, version: str, deadline: float, marks: list[tuple[str, float]],
-                paused: list[EngineClient]) -> tuple[Any, list[str]]:
-        """The bytes land, then the install (pause_for="flip": paused in between): the executor's stats, the errors."""
-        info = {"version": version, "refit": (self.refit_spec.rendezvous or {}).get("refit_id", "")}
-        calls = [EngineCall(e, "update_weights", ({**info, "phase": "transfer"},)) for e in self.engines]
-        stats, errors = None, []
-        if self.executor is not None:
-            try:  # bounded by the transport's own timeout (executors wait for peers, not engine calls)
-                stats = self.executor.refit()
-            except ExecutionError as e:
-                errors.append(f"trainer process {self.process}: {e}")
-        marks.append(("transfer", time.perf_counter()))
-        errors += wait_calls(calls, self.timeout, deadline)
-        if self.renewal is not None and self.renewal.error:
-            errors.append(self.renewal.error)
-        flip = self.pause_for == "flip" and bool(self.engines)
-        if flip and not errors:
-            errors += self._await_staged(deadline)
-            marks.append(("staged", time.perf_counter()))
-        if flip and not errors:
-            for engine in self.engines:
-                errors += self._pause(engine, paused, deadline)
-            marks.append(("pause", time.perf_counter()))
-        if self.engines and not errors:
-            errors += wait_calls([EngineCall(e, "update_weights", ({**info, "phase": "install"},))
-                                  for e in self.engines], self.timeout, deadline)
-        marks.append(("flip" if flip else "engines", time.perf_counter()))
-        return stats, errors
+    def _send(self, info: dict[str, Any], calls: list[EngineCall], deadline: float) -> list[str]:
+        """Start the engines' transfer calls (into `calls`), then send this process's bytes; the errors (if sending
+        failed: with the engines' once their calls ended, before the update is closed)."""
+        calls += [EngineCall(e, "update_weights", ({**info, "phase": "transfer"},)) for e in self.engines]
+        try:  # bounded by the transport's own timeout (executors wait for peers, not engine calls)
+            self._stats = self.executor.refit() if self.executor is not None else None
+        except ExecutionError as e:
+            return [f"trainer process {self.process}: {e}", *self._received(calls, deadline)]
+        return []
+
+    def _received(self, calls: list[EngineCall], deadline: float) -> list[str]:
+        """The engines' transfer calls joined by `deadline`, and the lease renewal's failure: the errors."""
+        errors = wait_calls(calls, self.timeout, deadline)
+        return errors + [self.renewal.error] if self.renewal is not None and self.renewal.error else errors
 
     def _await_staged(self, deadline: float) -> list[str]:
         """pause_for="flip": poll `ReportsStaged` engines until every staged transfer ended, by `deadline`; errors."""

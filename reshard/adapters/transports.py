@@ -190,9 +190,8 @@ class PublishedSource(Executor):
 
 
 def _inprocess(e: Endpoint) -> Executor:
-    options = dict(e.options)
-    return PublishedSource(e.plan, e.dst, str(options.pop("key", "default")), checksum=options.pop("checksum", False),
-                           delta=e.delta)
+    return PublishedSource(e.plan, e.dst, str(e.options.get("key", "default")), e.options.get("checksum", False),
+                           e.delta)
 
 
 def _colocated(e: Endpoint) -> Executor:

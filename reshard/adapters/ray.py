@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import ExecutionError
 from .engines import EngineClient, Leased, ReportsStaged, ServesLora, landing_ended
-from .lease_keeper import request_body
+from .lease_renewal import request_body
 
 
 class RayEngineClient(EngineClient, Leased, ReportsStaged, ServesLora):
@@ -146,7 +146,7 @@ class VllmEngineActor:
         return str(ray.util.get_node_ip_address())
 
     def lease(self, request: str) -> str:
-        """A lease request (adapters.lease_keeper.request_body as JSON); its answer as JSON."""
+        """A lease request (adapters.lease_renewal.request_body as JSON); its answer as JSON."""
         return json.dumps(self.guard.request(request.encode()))
 
     def lease_state(self) -> str:

@@ -15,7 +15,7 @@ ReshardLeaseMiddleware` (it imports no vLLM). Protocol, JSON over the server's p
      `reshard_update`) counts the same.
 `GET /reshard/lease` answers the holder, its generation and what it holds open. `LeaseBook` holds the rules,
 `EngineLease` applies them to one engine (a Ray engine actor's; `ReshardLeaseMiddleware` serves one on a vLLM
-server's routes); the wire is adapters.lease_keeper's, the driver side adapters.lease_renewal.
+server's routes); the wire and the driver side are adapters.lease_renewal's.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ...errors import ArgumentError, ExecutionError
-from ..lease_keeper import HEADER as _HEADER, ROUTE
+from ..lease_renewal import HEADER as _HEADER, ROUTE
 
 HEADER = _HEADER.lower().encode()
 FENCED = ("/pause", "/resume", "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
@@ -367,22 +367,23 @@ class ReshardLeaseMiddleware:
         self.lease = EngineLease(self._engine_call, poll, thread=False)  # watched on the event loop: its stalls count
         self.book = self.lease.book
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.watchdog: asyncio.Task | None = None
         self.engine: Any = None
         self.paused_by_fence = False  # a torn flip paused an engine its driver had not
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope.get("type") != "http":
             return await self.app(scope, receive, send)
-        if self.loop is None:
+        if self.watchdog is None:  # (the task is kept: the loop holds only a weak reference)
             self.loop, self.engine = asyncio.get_running_loop(), scope["app"].state.engine_client
-            self.loop.create_task(self._watch())
+            self.watchdog = self.loop.create_task(self._watch())
         path = scope.get("path", "")
         if path == ROUTE:
             return await self._lease(scope, receive, send)
         closed = self.book.closed(path)
         if closed is not None:
             return await _answer(send, 503, {"error": closed})
-        holder = _header(scope, HEADER)
+        holder = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k.lower() == HEADER), None)
         if path not in FENCED or (holder is None and path not in WATCHED):
             return await self.app(scope, receive, send)
         body, receive = await _buffered(receive)
@@ -452,13 +453,6 @@ class ReshardLeaseMiddleware:
             return await _answer(send, 400, {"error": str(e)})
         except ExecutionError as e:
             return await _answer(send, 409, {"error": str(e)})
-
-
-def _header(scope: dict, name: bytes) -> str | None:
-    for key, value in scope.get("headers", ()):
-        if key.lower() == name:
-            return value.decode("latin-1")
-    return None
 
 
 async def _buffered(receive: Any) -> tuple[bytes, Any]:

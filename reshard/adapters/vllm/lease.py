@@ -305,16 +305,14 @@ class EngineLease:
         Raises:
             ExecutionError: `holder` does not hold the lease.
         """
-        leave, ok, error = self.enter(holder, "/" + method, update), False, ""
+        leave = self.enter(holder, "/" + method, update)
         try:
             value = self.engine(method, *args)
-            ok = True
-            return value
-        except Exception as e:
-            error = str(e)
+        except BaseException as e:
+            leave(False, str(e))
             raise
-        finally:
-            leave(ok, error)
+        leave(True, "")
+        return value
 
     def due(self, slept: float) -> bool:
         """A watchdog's round, which slept `slept` s for `poll` (LeaseBook.due): True if `lapse` must run now."""
@@ -456,28 +454,19 @@ class ReshardLeaseMiddleware:
 
 
 async def _buffered(receive: Any) -> tuple[bytes, Any]:
-    """The request's body (bounded) and a `receive` that hands it to the app again."""
-    chunks, size = [], 0
-    while True:
+    """The request's body (read up to the first chunk past MAX_BODY) and a `receive` that hands it to the app again."""
+    body, message = bytearray(), {"more_body": True}
+    while message.get("more_body", False) and len(body) <= MAX_BODY:
         message = await receive()
         if message.get("type") != "http.request":
             break
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > MAX_BODY:
-            break
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            break
-    body, sent = b"".join(chunks), {"done": False}
+        body.extend(message.get("body", b""))
+    replay = [{"type": "http.request", "body": bytes(body), "more_body": False}]
 
-    async def replay() -> dict:
-        if not sent["done"]:
-            sent["done"] = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
+    async def receive_again() -> dict:
+        return replay.pop() if replay else await receive()
 
-    return body, replay
+    return bytes(body), receive_again
 
 
 async def _answer(send: Any, code: int, body: dict[str, Any]) -> None:

@@ -44,15 +44,14 @@ class Context:
     """What every validation stage reads: the config, its tiny stand-in, the vLLM pythons, planted corruptions."""
 
     config: dict[str, Any]
-    tiny: dict[str, Any] = field(default_factory=dict)
+    vllm_python: str | None
+    vllm_cpu_python: str | None  # the mismatch stage's engine
+    examples: int
+    vllm_dtype: str
+    vllm_worlds: tuple[int, ...]  # vLLM TP sizes of the vllm load parity stage
+    perturb: dict[str, str]  # stage -> canonical tensor to corrupt on reshard's side (the stage must then say FAIL)
+    tiny: dict[str, Any] = field(default_factory=dict)  # set by the discovery stage, with spec
     spec: ModelSpec | None = None
-    vllm_python: str | None = None
-    vllm_cpu_python: str | None = None  # the mismatch stage's engine
-    examples: int = 20
-    vllm_dtype: str = "bfloat16"
-    vllm_worlds: tuple[int, ...] = (1, 2)  # vLLM TP sizes of the vllm load parity stage
-    # stage -> canonical tensor to corrupt on reshard's side (the stage must then say FAIL)
-    perturb: dict[str, str] = field(default_factory=dict)
 
 
 class NotRun(Exception):

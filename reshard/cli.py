@@ -173,6 +173,8 @@ class _Parser(argparse.ArgumentParser):
 
 def main(argv: list[str] | None = None) -> int:
     """Run the `reshard` command line (default argv: sys.argv[1:]); the exit code, 2 for an input refused."""
+    from .validate import STAGES
+
     parser = _Parser(prog="reshard", description="Plan and run weight refits between layouts.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("plan", help="compile a refit plan (a dry run: nothing moves)")
@@ -217,8 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_plan)
     v = sub.add_parser("validate", help="run a family's validation stages on a tiny instance of a config")
     v.add_argument("--model", required=True, help="HF config.json (or a checkpoint directory holding one)")
-    v.add_argument("--stages", help="comma-separated subset of: discovery, megatron layout, vllm layout, "
-                   "hf parity, vllm load parity, mismatch, round trip")
+    v.add_argument("--stages", help="comma-separated subset of: " + ", ".join(name for name, _ in STAGES))
     v.add_argument("--vllm-python", help="python of a virtualenv with vLLM, for the vLLM stages when this one "
                    "has none")
     v.add_argument("--vllm-cpu-python", help="python of the vLLM CPU virtualenv (a whole engine on CPU), for the "

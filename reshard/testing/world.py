@@ -34,7 +34,8 @@ _harness_interface: str | None = None  # this process's harness device (set by _
 
 def run_world(size: int, function: str, args: dict[str, Any], workdir: str | Path, timeout: float = 120.0,
               pg_timeout: float = 60.0, backend: str = "gloo", launch: Launch | None = None,
-              interfaces: Sequence[str | None] | None = None) -> list[Any]:
+              interfaces: Sequence[str | None] | None = None, python: str | None = None,
+              env: dict[str, str] | None = None) -> list[Any]:
     """Run `function` ("module:name") on `size` processes joined in one world; their JSON results, in rank order.
 
     Args:
@@ -47,6 +48,8 @@ def run_world(size: int, function: str, args: dict[str, Any], workdir: str | Pat
         backend: "gloo", or "nccl" (one GPU per rank).
         launch: how each rank is started (None: a child process on this host).
         interfaces: per rank, the interface the harness gloo device binds (None: gloo's default, the host name).
+        python: the ranks' interpreter (None: this one).
+        env: variables added to every rank's environment.
 
     Returns:
         Each rank's result, None for a rank that died or ran out of time.
@@ -65,8 +68,8 @@ def run_world(size: int, function: str, args: dict[str, Any], workdir: str | Pat
                                "backend": backend, "interfaces": list(interfaces or [None] * size),
                                "store": str(workdir / "store")}))
     start = launch or _launch_here
-    procs = [start(r, [sys.executable, "-m", "reshard.testing.world", str(job), str(r)], {"OMP_NUM_THREADS": "1"})
-             for r in range(size)]
+    procs = [start(r, [python or sys.executable, "-m", "reshard.testing.world", str(job), str(r)],
+                   {"OMP_NUM_THREADS": "1", **(env or {})}) for r in range(size)]
     deadline = time.monotonic() + timeout
     logs = []
     for p in procs:

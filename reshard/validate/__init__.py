@@ -12,11 +12,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -24,7 +24,6 @@ from typing import Any, Callable
 from ..errors import ReshardError
 from ..layouts import MegatronLayout, ModelSpec, VllmLayout
 from ..layouts.families import discover, read_hf_config
-from ..ports import free_port
 
 PASS, FAIL, NOT_RUN = "pass", "FAIL", "not run"
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -45,15 +44,14 @@ class Context:
     """What every validation stage reads: the config, its tiny stand-in, the vLLM pythons, planted corruptions."""
 
     config: dict[str, Any]
-    tiny: dict[str, Any] = field(default_factory=dict)
+    vllm_python: str | None
+    vllm_cpu_python: str | None  # the mismatch stage's engine
+    examples: int
+    vllm_dtype: str
+    vllm_worlds: tuple[int, ...]  # vLLM TP sizes of the vllm load parity stage
+    perturb: dict[str, str]  # stage -> canonical tensor to corrupt on reshard's side (the stage must then say FAIL)
+    tiny: dict[str, Any] = field(default_factory=dict)  # set by the discovery stage, with spec
     spec: ModelSpec | None = None
-    vllm_python: str | None = None
-    vllm_cpu_python: str | None = None  # the mismatch stage's engine
-    examples: int = 20
-    vllm_dtype: str = "bfloat16"
-    vllm_worlds: tuple[int, ...] = (1, 2)  # vLLM TP sizes of the vllm load parity stage
-    # stage -> canonical tensor to corrupt on reshard's side (the stage must then say FAIL)
-    perturb: dict[str, str] = field(default_factory=dict)
 
 
 class NotRun(Exception):
@@ -89,70 +87,51 @@ def _refuse(problems: list[str]) -> None:
         raise AssertionError("; ".join(problems[:12]) + more)
 
 
-# --- vLLM processes (reshard.validate.vllm_side): one per TP rank, one launch per TP size ---
+# --- vLLM processes (reshard.validate.vllm_side): a world of one per TP rank, one world per TP size ---
 
-def _start(python: str, args: list[str], world: int) -> list[subprocess.Popen]:
-    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               OMP_NUM_THREADS="1", VLLM_TARGET_DEVICE="cpu",
-               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    return [subprocess.Popen([python, "-m", "reshard.validate.vllm_side", *args], text=True, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)))
-            for rank in range(world)]
+def _world(size: int, args: dict[str, Any], workdir: Path, python: str, timeout: float) -> list[Any]:
+    """vllm_side.job's results on `size` ranks of `python` (run_world; it finds this reshard on PYTHONPATH).
+    AssertionError naming the first rank that failed or was late, with the last line it wrote."""
+    from ..testing.world import run_world
 
-
-def _collect(procs: list[subprocess.Popen], deadline: float) -> list[Any]:
-    """Each process's RESHARD_JSON payload; AssertionError where one failed or was late (the others killed)."""
-    out = []
-    try:
-        for rank, p in enumerate(procs):
-            try:
-                stdout, stderr = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise AssertionError(f"vLLM rank {rank} did not finish in time") from None
-            lines = [ln for ln in stdout.splitlines() if ln.startswith("RESHARD_JSON ")]
-            if p.returncode != 0 or not lines:
-                tail = [ln for ln in stderr.strip().splitlines() if ln.strip()][-1:]
-                raise AssertionError(f"vLLM rank {rank} failed (exit {p.returncode}): {tail}")
-            out.append(json.loads(lines[-1][len("RESHARD_JSON "):]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    return out
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    results = run_world(size, "reshard.validate.vllm_side:job", args, workdir, timeout=timeout, pg_timeout=timeout,
+                        python=python, env={"PYTHONPATH": path})
+    failed = [rank for rank, result in enumerate(results) if result is None]
+    if failed:
+        log = (workdir / "logs.txt").read_text().split(f"--- rank {failed[0]}\n", 1)[-1].split("\n--- rank ")[0]
+        tail = [ln for ln in log.strip().splitlines() if ln.strip()][-1:]
+        raise AssertionError(f"vLLM rank {failed[0]} of {size} failed or did not finish in time: {tail}")
+    return results
 
 
-def side_reports(tinies: list[dict[str, Any]], python: str, *args: str, worlds: tuple[int, ...] = (1,),
-                 dtype: str = "bfloat16", timeout_s: float = 900) -> list[dict[int, list[Any]]]:
-    """`python -m reshard.validate.vllm_side CONFIG... ARGS` on the tiny configs (in `dtype`), one process per rank
-    (gloo over localhost), one launch per TP size in `worlds`, concurrently.
+def side_reports(tinies: list[dict[str, Any]], python: str, check: str = "named_parameters",
+                 perturb: dict[int, str] | None = None, worlds: tuple[int, ...] = (1,), dtype: str = "bfloat16",
+                 timeout_s: float = 900) -> list[dict[int, list[Any]]]:
+    """vllm_side's `check` ("named_parameters", "load_parity" or "mismatch_run") of each tiny config (in `dtype`),
+    in `python`: one world of processes (gloo) per TP size in `worlds`, concurrently. `perturb`: config index ->
+    canonical tensor corrupted on reshard's side.
 
     Returns:
-        Per config, TP size -> its ranks' RESHARD_JSON entries.
+        Per config, TP size -> its ranks' entries.
 
     Raises:
-        AssertionError: a process failed or was late (its last error line; the others are killed).
+        AssertionError: a process failed or was late (its last line).
     """
     with tempfile.TemporaryDirectory(prefix="reshard_vllm_") as tmp:
         paths = [str(Path(tmp, f"config{i}.json")) for i in range(len(tinies))]
         for path, tiny in zip(paths, tinies):
             Path(path).write_text(json.dumps({**tiny, "torch_dtype": dtype}))
-        running = {w: _start(python, [*paths, *args], w) for w in worlds}
-        deadline = time.monotonic() + timeout_s * len(tinies)
-        out = {w: _collect(procs, deadline) for w, procs in running.items()}
+        args = {"configs": paths, "check": check, "perturb": perturb or {}, "dtype": dtype}
+        with ThreadPoolExecutor(len(worlds)) as pool:
+            runs = {w: pool.submit(_world, w, args, Path(tmp, f"world{w}"), python, timeout_s * len(tinies))
+                    for w in worlds}
+            out = {w: run.result() for w, run in runs.items()}
     return [{w: [ranks[i] for ranks in out[w]] for w in worlds} for i in range(len(tinies))]
 
 
-def load_parity_reports(tinies: list[dict[str, Any]], python: str, perturb: dict[int, str] | None = None,
-                        worlds: tuple[int, ...] = (1, 2), dtype: str = "bfloat16") -> list[dict[int, list[Any]]]:
-    """vllm_side.load_parity's reports per config and TP size (side_reports). `perturb`: config index -> canonical
-    tensor corrupted on reshard's side."""
-    return side_reports(tinies, python, "--load-parity", "--dtype", dtype,
-                        *(f"--perturb={i}={name}" for i, name in (perturb or {}).items()), worlds=worlds, dtype=dtype)
-
-
 def load_parity_summary(reports: dict[int, list[dict[str, Any]]], dtype: str = "bfloat16") -> str:
-    """One config's verdict from its load_parity_reports: the line the stage prints.
+    """One config's verdict from its side_reports(..., "load_parity", ...): the line the stage prints.
 
     Raises:
         AssertionError: a direct install refused the declared layout, or an install's bytes differ from vLLM's
@@ -241,8 +220,8 @@ def _stage_hf_parity(ctx: Context) -> str:
 def _stage_vllm_load_parity(ctx: Context) -> str:
     python = _vllm_python(ctx)
     perturb = ctx.perturb.get("vllm load parity")
-    (reports,) = load_parity_reports([ctx.tiny], python, {0: perturb} if perturb else None, ctx.vllm_worlds,
-                                     ctx.vllm_dtype)
+    (reports,) = side_reports([ctx.tiny], python, "load_parity", {0: perturb} if perturb else None, ctx.vllm_worlds,
+                              ctx.vllm_dtype)
     return load_parity_summary(reports, ctx.vllm_dtype)
 
 
@@ -269,8 +248,8 @@ def _stage_mismatch(ctx: Context) -> str:
     python = _vllm_cpu_python(ctx)
     from ..verify import MismatchReport
     perturb = ctx.perturb.get("mismatch")
-    args = [f"--perturb=0={perturb}"] if perturb else []
-    (report,) = side_reports([mismatch_config(ctx.tiny, ctx.config)], python, "--mismatch", *args, dtype="float32")
+    (report,) = side_reports([mismatch_config(ctx.tiny, ctx.config)], python, "mismatch_run",
+                             {0: perturb} if perturb else None, dtype="float32")
     before, after, hf = (MismatchReport.from_dict(report[1][0][k]) for k in ("before", "after", "transformers"))
     if before.ok:
         raise AssertionError(f"the check did not flag the engine refit with other weights: {before}")

@@ -24,13 +24,6 @@ TOKENS = (2, 8)  # batch, sequence
 SEED = 7
 
 
-def parity_layout(spec: ModelSpec) -> MegatronLayout:
-    """Two ranks: TP=2 cuts every dense tensor; MoE experts go by EP=2 (expert TP 1), so ranks hold others."""
-    if spec.is_moe:
-        return MegatronLayout(model=spec, tp=2, ep=2, etp=1)
-    return MegatronLayout(model=spec, tp=2)
-
-
 def _record(module: torch.nn.Module, out: dict[int, torch.Tensor], key: int, seq_first: bool) -> None:
     def hook(_mod: Any, _inp: Any, output: Any) -> None:
         t = output[0] if isinstance(output, tuple) else output
@@ -150,7 +143,9 @@ def megatron_run(spec: ModelSpec, tiny: dict[str, Any]) -> tuple[MegatronLayout,
 
     from ..testing.megatron_cpu import run_ranks
 
-    layout = parity_layout(spec.model_copy(update={"dtype": "float32"}))
+    # two ranks: TP=2 cuts every dense tensor; MoE experts go by EP=2 (expert TP 1), so ranks hold others
+    spec = spec.model_copy(update={"dtype": "float32"})
+    layout = MegatronLayout(model=spec, tp=2, **({"ep": 2, "etp": 1} if spec.is_moe else {}))
     with tempfile.TemporaryDirectory(prefix="reshard_hf_parity_") as tmp:
         run_ranks(layout.world, _parity_rank, layout.model_dump_json(), json.dumps(tiny), tmp)
         weights = load_file(str(Path(tmp, "model.safetensors")))

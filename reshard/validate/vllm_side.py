@@ -1,25 +1,26 @@
-"""Run inside a vLLM virtualenv, one process per TP rank (RANK / WORLD_SIZE / MASTER_* in the environment), and
-print one `RESHARD_JSON [...]` line, an entry per HF config (one process checks several: start-up is most of a
-check's time). --perturb INDEX=NAME corrupts tensor NAME of config INDEX on reshard's side.
+"""The vLLM side of `reshard validate`: `job`, run by reshard.testing.world.run_world in a vLLM virtualenv, one
+process per TP rank, gives an entry per HF config (one world checks several: start-up is most of a check's time),
+by the check it names:
 
-  python -m reshard.validate.vllm_side CONFIG...             named parameters (vllm layout stage; TP=1)
-  python -m reshard.validate.vllm_side CONFIG... --load-parity [--perturb INDEX=NAME]... [--dtype bfloat16]
+  named_parameters (vllm layout stage; TP=1)
+      each parameter's name and shape.
+  load_parity
       models built without an engine (gloo, CPU) from random HF weights by vLLM's load_weights, then by reshard's
       direct and loader installs: the parameters whose bytes differ.
-  python -m reshard.validate.vllm_side CONFIG --mismatch [--perturb 0=NAME]      (the vLLM CPU virtualenv)
+  mismatch_run (the vLLM CPU virtualenv)
       the mismatch stage: an in-process `vllm.LLM` started on random weights T scores a few sequences; reshard
       refits it (HF -> vLLM, loader install, in-process) with other weights, then with T again; reshard.verify's
       float32 check must flag the first and pass the second against the fresh scores. transformers' scores of T are
       reported beside them. The engine runs without vLLM's plain rotary custom op (`ENGINE_CUSTOM_OPS`): the CPU
       build's kernel (0.32) rotates only the first `tokens` rows of MLA's 3-D query (docs/guides/verify.md).
+
+`perturb` (config index -> canonical tensor) corrupts that tensor on reshard's side.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -32,19 +33,18 @@ MLA_HEAD_DIM = 320  # the smallest latent + rope head size vLLM's MLA backends t
 ENGINE_CUSTOM_OPS = ["all", "-rotary_embedding"]
 
 
-def vllm_models(config_paths: list[str], dtype: str = "bfloat16") -> Iterator[tuple[Any, Callable[[], Any], int]]:
+def vllm_models(config_paths: list[str], rank: int, world: int,
+                dtype: str = "bfloat16") -> Iterator[tuple[Any, Callable[[], Any], int]]:
     """Per config in turn: (its vLLM config, a builder of this rank's model, this rank), the config current while
-    it is used. vLLM's distributed state over gloo is set up at the first config, its groups anew at each."""
+    it is used. vLLM's distributed state over the gloo world already started is set up at the first config, its
+    groups anew at each."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29561")
     from vllm.config import set_current_vllm_config
     from vllm.distributed import destroy_model_parallel, init_distributed_environment, initialize_model_parallel
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     with tempfile.TemporaryDirectory() as tmp:
         for i, config_path in enumerate(config_paths):
             ckpt = os.path.join(tmp, str(i))
@@ -59,8 +59,7 @@ def vllm_models(config_paths: list[str], dtype: str = "bfloat16") -> Iterator[tu
                 if i:  # the groups follow the config (an expert-parallel group only for MoE): anew
                     destroy_model_parallel()
                 else:
-                    init_distributed_environment(world_size=world, rank=rank, distributed_init_method="env://",
-                                                 local_rank=rank, backend="gloo")
+                    init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo")
                 initialize_model_parallel(tensor_model_parallel_size=world, backend="gloo")
 
                 def build(cfg: Any = cfg) -> Any:
@@ -230,29 +229,16 @@ def mismatch_run(config_path: str, perturb: str | None = None, count: int = 3, l
             "transformers": compare(hf, engine, "float32").to_dict(), "sequences": count, "length": length}
 
 
-def main() -> int:
-    """The command line of the module docstring."""
-    ap = argparse.ArgumentParser()
-    ap.add_argument("configs", nargs="+")
-    ap.add_argument("--load-parity", action="store_true")
-    ap.add_argument("--mismatch", action="store_true")
-    ap.add_argument("--perturb", action="append", default=[], metavar="INDEX=NAME")
-    ap.add_argument("--dtype", default="bfloat16")
-    args = ap.parse_args()
-    perturb = {int(i): name for i, name in (p.split("=", 1) for p in args.perturb)}
-    models = vllm_models(args.configs, args.dtype)
-    if args.mismatch:
-        out = [mismatch_run(c, perturb.get(i)) for i, c in enumerate(args.configs)]
-    elif args.load_parity:
-        out = [load_parity(*model, perturb.get(i)) for i, model in enumerate(models)]
-    else:
-        out = [named_parameters(*model) for model in models]
-    sys.stdout.write("RESHARD_JSON " + json.dumps(out) + "\n")
-    sys.stdout.flush()
-    if args.mismatch:
-        os._exit(0)  # the in-process engine's threads must not hold the exit
-    return 0
+def job(rank: int, world: int, args: dict[str, Any]) -> list[Any]:
+    """run_world's entry (module docstring): `args["check"]` of each of `args["configs"]` on this rank.
 
-
-if __name__ == "__main__":
-    sys.exit(main())
+    Returns:
+        One entry per config.
+    """
+    perturb = {int(i): name for i, name in args["perturb"].items()}
+    if args["check"] == "mismatch_run":
+        return [mismatch_run(c, perturb.get(i)) for i, c in enumerate(args["configs"])]
+    models = vllm_models(args["configs"], rank, world, args["dtype"])
+    if args["check"] == "load_parity":
+        return [load_parity(*model, perturb.get(i)) for i, model in enumerate(models)]
+    return [named_parameters(*model) for model in models]

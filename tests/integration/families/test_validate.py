@@ -151,13 +151,13 @@ def test_vllm_load_parity_stage_every_family():
     rows (TP=2 rank 0 holds rows 0 and 1 of every expert's gate_proj)."""
     import sys
 
-    from reshard.validate import load_parity_reports, load_parity_summary
+    from reshard.validate import load_parity_summary, side_reports
 
     tinies = []
     for name in [*CONFIGS, CORRUPTED[0]]:
         config = read_hf_config(CONFIGS[name])
         tinies.append(discover(config).tiny_config(config))
-    reports = load_parity_reports(tinies, sys.executable, perturb={len(CONFIGS): CORRUPTED[1]})
+    reports = side_reports(tinies, sys.executable, "load_parity", {len(CONFIGS): CORRUPTED[1]}, worlds=(1, 2))
     failed = {}
     for name, rep in zip(CONFIGS, reports):
         try:

@@ -50,7 +50,7 @@ from ..delta import DeltaPolicy, DeltaReport
 from .delta import CollectiveDelta
 from .schedule import (DIRECT_BYTES, GLOO_DIRECT_BYTES, LANES_DIRECT_BYTES, RoundSchedule, bucket_numel_for,
                        build_schedule)
-from ..stats import RefitStats, ops_landing, phase_times
+from ..stats import RefitStats, phase_times
 
 DEFAULT_MEMORY_CAP = 2 << 30
 CHECKSUM_TAG = (1 << 30) - 1  # the checksum exchange's messages; schedule tags are message numbers below it
@@ -136,7 +136,6 @@ class CollectiveExecutor(Executor):
         self._peers: list[int] = sorted({m.peer for r in self.schedule.rounds for m in r.sends + r.recvs})
         self._kept = Buffers()  # wire, staging, streams and views of the tensors of the last call
         self._version = 0
-        self._num_ops = ops_landing(plan, binding.dst_ranks_of(self.rank))
         self._delta = None if delta is None else CollectiveDelta(self, delta)
 
     def release(self) -> None:
@@ -222,7 +221,7 @@ class CollectiveExecutor(Executor):
         seconds, phases = phase_times(start, marks)
         return RefitStats(
             executor=self.name, process=self.rank, version=self._version, seconds=seconds, phases=phases,
-            staged=s.staged, undo=s.undo, ops=self._num_ops, copies=runner.copies,
+            staged=s.staged, undo=s.undo, ops=len(s.part.landing), copies=runner.copies,
             bytes_sent=dict(s.part.bytes_sent), bytes_received=dict(s.part.bytes_received),
             local_bytes=s.part.local_numel * itemsize, staging_bytes=kept.views.staging_bytes,
             transfers=sum(len(r.sends) + len(r.recvs) for r in s.rounds), checksum=self.checksum or "",

@@ -332,24 +332,20 @@ class SharedExecutor(StoreExecutor):
         self.exchange.publish(self.process, b"", book)
         self._peer_landing: dict[tuple[int, int], torch.Tensor] = {}
         deadline = time.monotonic() + self.timeout
-        for q in self.part.sends_to:
+        for q in self.part.sends_to:  # check that each peer runs the same refit, map the memory it exposes here
             theirs = self.exchange.fetch(q, self.timeout, deadline)[1]
             same_refit(self.process, q, theirs, book, ("plan", "binding", "staged", "device", "checksum", "delta"))
-            self._map_peer(q, theirs)
+            for tid in sorted(set(self.plan.ops["dst_tensor"][self.part.sends_to[q]].tolist())):
+                h = theirs["landing"].get(str(tid))
+                if h is None:
+                    raise ExecutionError(f"process {q} exposes no memory for destination tensor {tid}")
+                t = open_handle(h, self.dtype, self.device, self._segments)
+                want = int(self.part.tensor_sizes[tid])
+                if t.numel() != want:
+                    raise ExecutionError(f"process {q}'s memory for destination tensor {tid} has {t.numel()} "
+                                         f"elements, the plan's tensor {want}")
+                self._peer_landing[(q, tid)] = t
         self._bind_programs()
-
-    def _map_peer(self, q: int, theirs: dict) -> None:
-        """Map the landing memory peer `q` exposes for this process."""
-        for tid in sorted(set(self.plan.ops["dst_tensor"][self.part.sends_to[q]].tolist())):
-            h = theirs["landing"].get(str(tid))
-            if h is None:
-                raise ExecutionError(f"process {q} exposes no memory for destination tensor {tid}")
-            t = open_handle(h, self.dtype, self.device, self._segments)
-            want = int(self.part.tensor_sizes[tid])
-            if t.numel() != want:
-                raise ExecutionError(f"process {q}'s memory for destination tensor {tid} has {t.numel()} "
-                                     f"elements, the plan's tensor {want}")
-            self._peer_landing[(q, tid)] = t
 
     def _bind_programs(self) -> None:
         """Copy programs bound to this process's memory and its peers' (executors.views), made once."""

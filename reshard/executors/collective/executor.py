@@ -56,10 +56,6 @@ DEFAULT_MEMORY_CAP = 2 << 30
 CHECKSUM_TAG = (1 << 30) - 1  # the checksum exchange's messages; schedule tags are message numbers below it
 
 
-def _digest_int(*parts: str) -> int:
-    return int(hashlib.sha256("|".join(parts).encode()).hexdigest()[:15], 16)
-
-
 class CollectiveExecutor(Executor):
     """Runs one plan repeatedly on this process's part of a binding over torch.distributed (gloo, NCCL).
 
@@ -131,8 +127,9 @@ class CollectiveExecutor(Executor):
         direct_numel = 1 << 62 if direct_bytes is None else max(direct_bytes // plan.itemsize, 1)
         self.schedule: RoundSchedule = build_schedule(plan, binding, self.rank, self.bucket_numel,
                                                       not (in_place or undo), direct_numel, undo)
-        self._fingerprint = _digest_int(plan.digest, binding.digest, str(self.bucket_numel), str(depth),
-                                        str(direct_numel), str(undo), str(self.num_lanes), str(self.checksum))
+        self._fingerprint = int(hashlib.sha256("|".join(map(str, (
+            plan.digest, binding.digest, self.bucket_numel, depth, direct_numel, undo, self.num_lanes,
+            self.checksum))).encode()).hexdigest()[:15], 16)
         self._peers: list[int] = sorted({m.peer for r in self.schedule.rounds for m in r.sends + r.recvs})
         self._kept = Buffers()  # wire, staging, streams and views of the tensors of the last call
         self._version = 0

@@ -183,7 +183,7 @@ class NixlExecutor(StoreExecutor):
             progress = True
         for link in [link for link in st.unposted if self._take(READY, v, link)]:
             st.unposted.remove(link)
-            self._post(link, v)
+            self.connection.post(link, DONE + f"{v}:{link.id}".encode())
             st.posted[link.id] = link
             progress = True
         for link in [*st.waiting_in.values(), *st.waiting_out.values()]:
@@ -231,9 +231,6 @@ class NixlExecutor(StoreExecutor):
                                        p[f"{side}_off"].tolist(), p["numel"].tolist()):
             sums.update(0, self._memory(kind, ident).narrow(0, off, n))
         return sums.hexdigest(0)
-
-    def _post(self, link: Link, v: int) -> None:
-        self.connection.post(link, DONE + f"{v}:{link.id}".encode())
 
     def _notify(self, peer: int, kind: bytes, v: int, link: Link) -> None:
         self.connection.notify(peer, kind + f"{v}:{link.id}".encode(), link)

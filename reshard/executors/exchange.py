@@ -8,6 +8,7 @@ pickle), under reshard-<transport>/<namespace>/:
 """
 from __future__ import annotations
 
+import abc
 import json
 import time
 from typing import Any, Callable
@@ -228,9 +229,9 @@ class StoreExecutor(VotedExecutor):
         else:
             self._move(v, deadline)
 
+    @abc.abstractmethod
     def _move(self, v: int, deadline: float) -> None:
         """Land this process's bytes of dense refit `v` by `deadline`."""
-        raise NotImplementedError
 
     def _run(self, program: Any, sync: bool = False) -> None:
         """Run a copy program (executors.views); `sync`: then wait for the GPU (a peer may read what it wrote)."""
@@ -255,9 +256,9 @@ class StoreExecutor(VotedExecutor):
         self._dirty = self._dirty or bool(self._shifts)
         self._sync()
 
+    @abc.abstractmethod
     def _keys(self, previous: int) -> tuple[str, ...]:
         """Refit `previous`'s store keys of the transport's own, dropped once every process is past it."""
-        return ()
 
     def _forget(self, previous: int) -> None:
         self.exchange.forget(previous, self._keys(previous)
@@ -272,6 +273,6 @@ class StoreExecutor(VotedExecutor):
                                  bytes_received=dict(part.bytes_received),
                                  local_bytes=part.local_numel * self.itemsize, checksum=self.checksum or "")
 
+    @abc.abstractmethod
     def _dense_stats(self, **common: Any) -> Any:
         """The RefitStats of a dense refit: `common` (what every transport counts alike) and the transport's own."""
-        raise NotImplementedError

@@ -13,9 +13,8 @@ import importlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
-import numpy as np
 import torch
 
 from ..errors import ExecutionError
@@ -100,11 +99,6 @@ def phase_times(start: float, marks: list[tuple[str, float]]) -> tuple[float, di
     return times[-1] - start, {name: times[i + 1] - times[i] for i, (name, _) in enumerate(marks)}
 
 
-def ops_landing(plan: Any, dst_ranks: Iterable[int]) -> int:
-    """The plan's ops whose destination is one of `dst_ranks`."""
-    return int(np.isin(plan.ops["dst_rank"], list(dst_ranks)).sum())
-
-
 class Executor(abc.ABC):
     """The protocol every executor follows (module docstring); subclasses set `name`, their key in `EXECUTORS`."""
 
@@ -172,5 +166,4 @@ def close_within(close: Any, timeout: float, what: str) -> bool:
     return True
 
 
-__all__ = ["EXECUTORS", "Executor", "RankTensors", "RefitStats", "close_within", "make_executor", "ops_landing",
-           "phase_times"]
+__all__ = ["EXECUTORS", "Executor", "RankTensors", "RefitStats", "close_within", "make_executor", "phase_times"]

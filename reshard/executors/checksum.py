@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Any, Hashable, Mapping
+from typing import Any, Callable, Hashable, Mapping
 
 import torch
 
@@ -200,11 +200,19 @@ def blocks_digest(algorithm: str, blocks: "list[torch.Tensor]") -> bytes:
     return sums.digest(0)
 
 
+def fixed_digest(algorithm: str, blocks: "list[torch.Tensor]") -> "Callable[[], str]":
+    """A function returning the hex `algorithm` digest of these blocks' bytes now, as one stream in order ("sum64"
+    on one GPU with the kernel: one `Sum64Program`)."""
+    if algorithm == "sum64" and use_kernel(blocks):
+        return Sum64Program(blocks).hexdigest
+    return lambda: blocks_digest(algorithm, blocks).hex()
+
+
 def mismatch(what: str, sent: str, got: str) -> str:
     """The error message for a block whose checksum on arrival is not the one its sender sent."""
     return (f"checksum mismatch: {what} arrived with checksum {got[:16]}, the sender sent {sent[:16]} (bytes "
             f"were corrupted in flight)")
 
 
-__all__ = ["ALGORITHMS", "DIGEST_BYTES", "Streams", "Sum64Program", "algorithm", "blocks_digest", "mismatch",
-           "raw_bytes", "tensor_digest", "tensor_digests", "use_kernel"]
+__all__ = ["ALGORITHMS", "DIGEST_BYTES", "Streams", "Sum64Program", "algorithm", "blocks_digest", "fixed_digest",
+           "mismatch", "raw_bytes", "tensor_digest", "tensor_digests", "use_kernel"]

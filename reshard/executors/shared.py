@@ -31,14 +31,13 @@ from ..planner import Plan
 from ..planner.plan import RELAY
 from .base import RankTensors, RefitStats
 from .binding import Binding
-from .checksum import Sum64Program, blocks_digest, algorithm, mismatch, use_kernel
+from .checksum import algorithm, fixed_digest, mismatch
 from .copies import DST, PEER, SHADOW, SRC, Copies, Memory, view_copies
-from .delta import DeltaPolicy, DeltaReport, VotedDelta
-from .exchange import Exchange
+from .delta import DeltaPolicy, VotedDelta
+from .exchange import Exchange, StoreExecutor, same_refit
 from .preflight import check_ops
-from .reference import apply_shifts, torch_dtype
+from .reference import torch_dtype
 from .partition import Partition, Prepared
-from .voted import VotedExecutor
 
 _SHM_DIR = "/dev/shm"
 # reshard-<creator pid>-<start time, ticks after boot>-<pid namespace inode>-<128 random bits> (reclaim_segments
@@ -86,6 +85,11 @@ class Segment:
             with Segment._lock:
                 Segment._mine[self.tensor.data_ptr()] = self
 
+    @classmethod
+    def new(cls, nbytes: int) -> "Segment":
+        """A segment of `nbytes` this process creates, under a fresh name (`_fresh_name`)."""
+        return cls(_fresh_name(), nbytes, create=True)
+
     def unlink(self) -> None:
         """Remove the segment's file if this process created it (the mapping stays usable; no-op otherwise)."""
         if self.created:
@@ -114,7 +118,7 @@ def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if _reclaimed_in != os.getpid():
         _reclaimed_in = os.getpid()
         reclaim_segments()
-    seg = Segment(_fresh_name(), numel * dtype.itemsize, create=True)
+    seg = Segment.new(numel * dtype.itemsize)
     # at exit, also of a multiprocessing child (which ends with os._exit, skipping atexit, but runs these)
     multiprocessing.util.Finalize(seg, seg.unlink, exitpriority=10)
     return seg.tensor[:numel * dtype.itemsize].view(dtype).view(shape)
@@ -256,7 +260,7 @@ def open_handle(h: dict[str, Any], dtype: torch.dtype, device: torch.device, seg
 
 # --- the executor -----------------------------------------------------------------------------------------
 
-class SharedExecutor(VotedExecutor):
+class SharedExecutor(StoreExecutor):
     """One process's part of a plan between processes of one host (see the module docstring).
 
     Args:
@@ -286,7 +290,6 @@ class SharedExecutor(VotedExecutor):
                                  "fanout: on one host every receiver is fed by the sources directly)")
         self.plan, self.binding, self.process, self.staged = plan, binding, process, staged
         self.checksum = algorithm(checksum)  # None when off
-        self._sum_programs: dict[int, Sum64Program] = {}  # "sum64" on GPUs: id(stream's block list) -> program
         self.timeout, self.poll_max_s = timeout, poll_max_s
         self.itemsize, self.dtype = plan.itemsize, torch_dtype(plan.dst.dtype)
         self.num_processes = len(binding.processes)
@@ -326,26 +329,20 @@ class SharedExecutor(VotedExecutor):
         self.exchange.publish(self.process, b"", book)
         self._peer_landing: dict[tuple[int, int], torch.Tensor] = {}
         deadline = time.monotonic() + self.timeout
-        for q in self.part.sends_to:
-            self._map_peer(q, book, self.exchange.fetch(q, self.timeout, deadline)[1])
+        for q in self.part.sends_to:  # check that each peer runs the same refit, map the memory it exposes here
+            theirs = self.exchange.fetch(q, self.timeout, deadline)[1]
+            same_refit(self.process, q, theirs, book, ("plan", "binding", "staged", "device", "checksum", "delta"))
+            for tid in sorted(set(self.plan.ops["dst_tensor"][self.part.sends_to[q]].tolist())):
+                h = theirs["landing"].get(str(tid))
+                if h is None:
+                    raise ExecutionError(f"process {q} exposes no memory for destination tensor {tid}")
+                t = open_handle(h, self.dtype, self.device, self._segments)
+                want = int(self.part.tensor_sizes[tid])
+                if t.numel() != want:
+                    raise ExecutionError(f"process {q}'s memory for destination tensor {tid} has {t.numel()} "
+                                         f"elements, the plan's tensor {want}")
+                self._peer_landing[(q, tid)] = t
         self._bind_programs()
-
-    def _map_peer(self, q: int, book: dict, theirs: dict) -> None:
-        """Check that peer `q` runs the same refit and map the landing memory it exposes for this process."""
-        problems = [f"{k}: process {q} has {theirs.get(k)!r}, this process {book[k]!r}"
-                    for k in ("plan", "binding", "staged", "device", "checksum", "delta") if theirs.get(k) != book[k]]
-        if problems:
-            raise ExecutionError(f"process {q} does not run the same refit:\n  - " + "\n  - ".join(problems))
-        for tid in sorted(set(self.plan.ops["dst_tensor"][self.part.sends_to[q]].tolist())):
-            h = theirs["landing"].get(str(tid))
-            if h is None:
-                raise ExecutionError(f"process {q} exposes no memory for destination tensor {tid}")
-            t = open_handle(h, self.dtype, self.device, self._segments)
-            want = int(self.part.tensor_sizes[tid])
-            if t.numel() != want:
-                raise ExecutionError(f"process {q}'s memory for destination tensor {tid} has {t.numel()} "
-                                     f"elements, the plan's tensor {want}")
-            self._peer_landing[(q, tid)] = t
 
     def _bind_programs(self) -> None:
         """Copy programs bound to this process's memory and its peers' (executors.copies), made once."""
@@ -369,91 +366,50 @@ class SharedExecutor(VotedExecutor):
         self._commit_program = view_copies(Copies.concat([part.commit(shadowed), deferred]), memory, self.itemsize)
         self._shifts = self.prepared.shifts(part.landing)
         if self.checksum:  # the blocks each stream's checksum reads, in plan order (executors.checksum)
-            self._sum_out = {q: self.prepared.blocks(ops) for q, ops in part.sends_to.items()}
-            self._sum_in = {f: self.prepared.blocks(ops, "dst", self._landing) for f, ops in part.receives_from.items()}
+            self._sum_out = {q: fixed_digest(self.checksum, self.prepared.blocks(ops))
+                             for q, ops in part.sends_to.items()}
+            self._sum_in = {f: fixed_digest(self.checksum, self.prepared.blocks(ops, "dst", self._landing))
+                            for f, ops in part.receives_from.items()}
 
     def _arena(self, numel: int) -> torch.Tensor:
         if self.device.type == "cuda":
             return torch.empty(numel, dtype=self.dtype, device=self.device)
-        seg = Segment(_fresh_name(), numel * self.itemsize, create=True)
+        seg = Segment.new(numel * self.itemsize)
         self._created.append(seg)
         return seg.tensor[:numel * self.itemsize].view(self.dtype)
 
     # --- a refit -------------------------------------------------------------------------------------
-    @property
-    def last_delta(self) -> "DeltaReport | None":
-        """What this process sent in the last refit, with the `delta` option (executors.delta.DeltaReport)."""
-        return None if self._delta is None else self._delta.last
-
-    def _transfer(self, v: int, deadline: float) -> None:
-        if self._delta is not None and not self._delta.keyframe(v, deadline):
-            self._delta.transfer(v, deadline)
-            return
+    def _move(self, v: int, deadline: float) -> None:
         ex = self.exchange
-        with torch.no_grad():
-            if self._landed:
-                ex.signal(f"v{v}/ready/{self.process}")  # my landing memory is free
-            self._local_program.run()  # copies into tensors peers write too: into their landing memory
-            for q, program in self._send_programs.items():
-                ex.wait_count(f"v{v}/ready/{q}", 1, v, deadline, self.poll_max_s,
-                              f"process {q} to be ready for refit {v}")
-                program.run()
-                if self.device.type == "cuda":
-                    torch.cuda.current_stream(self.device).synchronize()
-                if self.checksum:
-                    ex.store.set(f"v{v}/sum/{self.process}/{q}", self._digest(self._sum_out[q]))
-                ex.signal(f"v{v}/done/{q}")
-            if self._feeders:
-                ex.wait_count(f"v{v}/done/{self.process}", len(self._feeders), v, deadline, self.poll_max_s,
-                              f"processes {self._feeders} to write their bytes of refit {v}")
-                if self.checksum:
-                    self._check_sums(v)
+        if self._landed:
+            ex.signal(f"v{v}/ready/{self.process}")  # my landing memory is free
+        self._run(self._local_program)  # copies into tensors peers write too: into their landing memory
+        for q, program in self._send_programs.items():
+            ex.wait_count(f"v{v}/ready/{q}", 1, v, deadline, self.poll_max_s, f"process {q} to be ready for refit {v}")
+            self._run(program, sync=True)
+            if self.checksum:
+                ex.store.set(f"v{v}/sum/{self.process}/{q}", self._sum_out[q]())
+            ex.signal(f"v{v}/done/{q}")
+        if self._feeders:
+            ex.wait_count(f"v{v}/done/{self.process}", len(self._feeders), v, deadline, self.poll_max_s,
+                          f"processes {self._feeders} to write their bytes of refit {v}")
+            if self.checksum:  # every feeder's bytes as they landed here hash to what it sent
+                sent = {f: ex.store.get(f"v{v}/sum/{f}/{self.process}").decode() for f in self._feeders}
+                bad = [mismatch(f"the bytes from process {f}", sent[f], got) for f in self._feeders
+                       if (got := self._sum_in[f]()) != sent[f]]
+                if bad:
+                    raise ExecutionError("; ".join(bad))
 
-    def _commit(self) -> None:
-        if self._delta is not None and self._delta.commit():
-            return
-        with torch.no_grad():
-            self._commit_program.run()
-            apply_shifts(self._shifts)
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
-
-    def _forget(self, previous: int) -> None:
-        self.exchange.forget(previous, tuple(f"v{previous}/{k}/{p}" for k in ("ready", "done")
-                                             for p in self.binding.processes)
-                             + tuple(f"v{previous}/sum/{f}/{self.process}" for f in self._feeders if self.checksum)
-                             + (self._delta.keys(previous) if self._delta is not None else ()))
+    def _keys(self, previous: int) -> tuple[str, ...]:
         if previous == 0:  # every peer mapped our segments at set-up, before voting: their names can go
             for seg in self._created:
                 seg.unlink()
+        return (tuple(f"v{previous}/{k}/{p}" for k in ("ready", "done") for p in self.binding.processes)
+                + tuple(f"v{previous}/sum/{f}/{self.process}" for f in self._feeders if self.checksum))
 
-    def _stats(self, v: int, seconds: float, phases: dict[str, float]) -> RefitStats:
-        if self._delta is not None and not self._delta.last.keyframe:
-            return self._delta.stats(v, seconds, phases, self.staged)
-        return RefitStats(executor=self.name, process=self.process, version=v, seconds=seconds, phases=phases,
-                          staged=self.staged, ops=len(self.part.landing),
-                          bytes_sent=self.part.bytes_sent, bytes_received=self.part.bytes_received,
-                          local_bytes=self.part.local_numel * self.itemsize, staging_bytes=self._staging_bytes,
-                          transfers=len(self.part.sends_to) + len(self._feeders), checksum=self.checksum or "")
-
-    def _digest(self, blocks: list[torch.Tensor]) -> str:
-        if self.checksum == "sum64" and use_kernel(blocks):  # the same blocks every refit: one bound program
-            program = self._sum_programs.get(id(blocks))
-            if program is None:
-                program = self._sum_programs[id(blocks)] = Sum64Program(blocks)
-            return program.hexdigest()
-        return blocks_digest(self.checksum, blocks).hex()
-
-    def _check_sums(self, v: int) -> None:
-        """Every feeder's bytes as they landed here hash to what it sent (executors.checksum)."""
-        bad = []
-        for f in self._feeders:
-            sent = self.exchange.store.get(f"v{v}/sum/{f}/{self.process}").decode()
-            got = self._digest(self._sum_in[f])
-            if sent != got:
-                bad.append(mismatch(f"the bytes from process {f}", sent, got))
-        if bad:
-            raise ExecutionError("; ".join(bad))
+    def _dense_stats(self, **common: Any) -> RefitStats:
+        return RefitStats(**common, staging_bytes=self._staging_bytes,
+                          transfers=len(self.part.sends_to) + len(self._feeders))
 
     def close(self) -> None:
         if self._closed:
@@ -486,7 +442,7 @@ class _SharedDelta(VotedDelta):
             if seg is not None:
                 seg.unlink()
             size = max(payload.numel(), 2 * (seg.nbytes if seg else 0), 4096)
-            seg = self.outbox[q] = Segment(_fresh_name(), size, create=True)
+            seg = self.outbox[q] = Segment.new(size)
         seg.tensor[:payload.numel()].copy_(payload)
         return {"shm": seg.name}
 

@@ -307,7 +307,7 @@ def setup_failure_worker(process: int, port: int, workdir: str) -> None:
             raise ExecutionError(f"injected at {fail_at}: process {process} fails its set-up")
 
         if fail_at == "check":
-            connection._check_peer = refuse
+            connection.same_refit = refuse
         elif fail_at == "prep":
             connection.side_descriptors = refuse
     make_agent = connection.make_agent

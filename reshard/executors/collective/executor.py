@@ -37,7 +37,7 @@ import torch.distributed as dist
 from ...errors import ExecutionError, ReshardError
 from ...planner import Plan
 from . import connect
-from ..base import Executor, RankTensors, RefitStats, ops_landing, phase_times
+from ..base import Executor, RankTensors, RefitStats, phase_times
 from ..binding import Binding
 from ..checksum import DIGEST_BYTES, algorithm, mismatch
 from .comm import Comm, comm_for
@@ -53,10 +53,6 @@ from .schedule import (DIRECT_BYTES, GLOO_DIRECT_BYTES, LANES_DIRECT_BYTES, Roun
 
 DEFAULT_MEMORY_CAP = 2 << 30
 CHECKSUM_TAG = (1 << 30) - 1  # the checksum exchange's messages; schedule tags are message numbers below it
-
-
-def _digest_int(*parts: str) -> int:
-    return int(hashlib.sha256("|".join(parts).encode()).hexdigest()[:15], 16)
 
 
 class CollectiveExecutor(Executor):
@@ -130,12 +126,12 @@ class CollectiveExecutor(Executor):
         direct_numel = 1 << 62 if direct_bytes is None else max(direct_bytes // plan.itemsize, 1)
         self.schedule: RoundSchedule = build_schedule(plan, binding, self.rank, self.bucket_numel,
                                                       not (in_place or undo), direct_numel, undo)
-        self._fingerprint = _digest_int(plan.digest, binding.digest, str(self.bucket_numel), str(depth),
-                                        str(direct_numel), str(undo), str(self.num_lanes), str(self.checksum))
+        self._fingerprint = int(hashlib.sha256("|".join(map(str, (
+            plan.digest, binding.digest, self.bucket_numel, depth, direct_numel, undo, self.num_lanes,
+            self.checksum))).encode()).hexdigest()[:15], 16)
         self._peers: list[int] = sorted({m.peer for r in self.schedule.rounds for m in r.sends + r.recvs})
         self._kept = Buffers()  # wire, staging, streams and views of the tensors of the last call
         self._version = 0
-        self._num_ops = ops_landing(plan, binding.dst_ranks_of(self.rank))
         self._delta = None if delta is None else CollectiveDelta(self, delta)
 
     def release(self) -> None:
@@ -221,7 +217,7 @@ class CollectiveExecutor(Executor):
         seconds, phases = phase_times(start, marks)
         return RefitStats(
             executor=self.name, process=self.rank, version=self._version, seconds=seconds, phases=phases,
-            staged=s.staged, undo=s.undo, ops=self._num_ops, copies=runner.copies,
+            staged=s.staged, undo=s.undo, ops=len(s.part.landing), copies=runner.copies,
             bytes_sent=dict(s.part.bytes_sent), bytes_received=dict(s.part.bytes_received),
             local_bytes=s.part.local_numel * itemsize, staging_bytes=kept.views.staging_bytes,
             transfers=sum(len(r.sends) + len(r.recvs) for r in s.rounds), checksum=self.checksum or "",

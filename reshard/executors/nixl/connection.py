@@ -10,7 +10,7 @@ register_memory take; an address book's "addresses" map a memory's name (`memory
 
 No agent is released while a peer may still connect to it (UCX can abort a process whose connection to a released
 agent fails): a failed set-up says so in the store, so peers still setting up stop before their next connect, and
-every release first waits, at most `leave_grace(timeout)`, until each peer that published has left set-up.
+every release first waits, at most a quarter of the timeout (0.5-10 s), until each peer that published has left set-up.
 """
 from __future__ import annotations
 
@@ -23,11 +23,13 @@ import numpy as np
 from ...errors import ExecutionError
 from ...polling import poll
 from ..copies import KIND_NAMES
-from ..exchange import Exchange
+from ..exchange import Exchange, same_refit
 from .agent import describe, is_nixl_error, make_agent
 from .schedule import Link, LinkSchedule
 
 SHARED_KEYS = ("plan", "binding", "options", "direction", "pack_below", "land_below", "delta")  # equal in every book
+PACKING_HINT = (" (pack_below / land_below resolve per memory kind: set them explicitly when CPU and GPU processes "
+                "mix)")
 MEMORY_PREFIX = "SDHW"  # SRC, DST, SHADOW, WIRE as one letter in address books
 
 
@@ -83,7 +85,7 @@ class Connection:
         self.book, self.books = book, {}  # this process's address book, and each peer's
         self._dlists: list[Any] = []
         self._reg: Any = None
-        self._exchange, self._grace = exchange, leave_grace(timeout)
+        self._exchange, self._grace = exchange, min(max(timeout / 4, 0.5), 10.0)
         try:
             self._set_up(name, exchange, book, regions, itemsize, timeout, progress_delay_us)
         except BaseException as e:
@@ -111,7 +113,8 @@ class Connection:
         for peer in s.part.peers:
             metadata, theirs = exchange.fetch(peer, timeout, deadline)
             exchange.raise_if_setup_failed()  # before loading (and later connecting to) a peer that may be gone
-            _check_peer(s.process, peer, theirs, book)
+            mixed = any(theirs.get(k) != book[k] for k in ("pack_below", "land_below"))
+            same_refit(s.process, peer, theirs, book, SHARED_KEYS, PACKING_HINT if mixed else "")
             with _nixl_errors(f"set-up: loading process {peer}'s agent (it connects to it)"):
                 loaded = self.agent.add_remote_agent(metadata)
             loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
@@ -240,19 +243,3 @@ def _quietly(call: Any, *args: Any) -> None:
         call(*args)
     except Exception:  # noqa: BLE001 - nothing else to do while tearing down
         pass
-
-
-def leave_grace(timeout: float) -> float:
-    """How long a release waits for peers still setting up: a quarter of the timeout, 0.5-10 s."""
-    return min(max(timeout / 4, 0.5), 10.0)
-
-
-def _check_peer(process: int, peer: int, book: dict[str, Any], mine: dict[str, Any]) -> None:
-    problems = [f"{key}: process {peer} has {book.get(key)!r}, process {process} has {mine[key]!r}"
-                for key in SHARED_KEYS if book.get(key) != mine[key]]
-    if book.get("process") != peer:
-        problems.append(f"the book published for process {peer} is process {book.get('process')}'s")
-    if problems:
-        hint = (" (pack_below / land_below resolve per memory kind: set them explicitly when CPU and GPU "
-                "processes mix)" if any(p.startswith(("pack_below", "land_below")) for p in problems) else "")
-        raise ExecutionError(f"process {peer} does not run the same refit{hint}:\n  - " + "\n  - ".join(problems))

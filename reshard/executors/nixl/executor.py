@@ -31,16 +31,14 @@ import torch
 from ...errors import ExecutionError
 from ...planner import Plan
 from ...polling import poll
-from ..base import RankTensors, RefitStats, close_within, ops_landing
+from ..base import RankTensors, RefitStats, close_within
 from ..binding import Binding
 from ..checksum import Streams, algorithm, mismatch
-from ..copies import DST, SRC, CopyViews, Memory, view_copies
-from ..delta import DeltaError, DeltaPolicy, DeltaReport, VotedDelta, payload_bound
-from ..exchange import Exchange
+from ..copies import DST, SRC, Memory, view_copies
+from ..delta import DeltaError, DeltaPolicy, VotedDelta, payload_bound
+from ..exchange import Exchange, StoreExecutor
 from ..preflight import check_ops
-from ..reference import apply_shifts
 from ..partition import Prepared
-from ..voted import VotedExecutor
 from .connection import Connection, memory_name
 from .options import NixlOptions
 from .schedule import Link, LinkSchedule, build_schedule
@@ -49,7 +47,7 @@ READY, DONE = b"R", b"D"
 _QUARANTINE: list[torch.Tensor] = []  # arenas of failed executors: a late remote write must not hit freed memory
 
 
-class NixlExecutor(VotedExecutor):
+class NixlExecutor(StoreExecutor):
     """One process's part of a plan over NIXL, built once and run at every refit (the protocol of
     executors.base). `store`: a torch.distributed store every process reaches. `delta`: a `DeltaPolicy`
     (executors.delta; CPU tensors): refits move only the changed elements; `last_delta` says what each moved."""
@@ -65,17 +63,17 @@ class NixlExecutor(VotedExecutor):
         check_ops(plan)  # before the schedule indexes anything with the plan's ops
         self.options = options = options or NixlOptions()
         self.timeout, self.poll_max_s = options.timeout, options.poll_max_s
+        self.checksum = algorithm(options.checksum)
         self.num_processes, self.itemsize = binding.num_processes, plan.itemsize
-        self.prepared = Prepared(plan, src, dst)
+        # exactly the ranks this process plays, each with every tensor: all the schedule names (executors.prepared)
+        self.prepared = Prepared(plan, src, dst, (binding.src_ranks_of(process), binding.dst_ranks_of(process)))
         self.device = self.prepared.device or torch.device("cpu")
         on_gpu = self.device.type == "cuda"
         self.pack_below, self.land_below = options.thresholds(on_gpu)
         self.schedule = s = build_schedule(plan, binding, process, options, self.pack_below, self.land_below)
-        self.staged = s.staged
+        self.staged, self.part = s.staged, s.part
         self._bind()
-        self._num_ops = ops_landing(plan, binding.dst_ranks_of(process))
         self._start_versions()
-        self._dirty = True  # copies may be in flight on the GPU (the caller's, at first)
         self._inbox: dict[tuple[bytes, int], set[int]] = defaultdict(set)
         self._peers_set_up = False  # every peer has left set-up (checked once, at the first refit)
         self.exchange = Exchange(store, namespace)
@@ -98,16 +96,9 @@ class NixlExecutor(VotedExecutor):
                                      options.progress_delay_us)
 
     def _bind(self) -> None:
-        """Check that this process holds the tensors its schedule names, and bind its copy programs once."""
-        plan, s = self.plan, self.schedule
+        """Bind this process's copy programs once."""
+        s = self.schedule
         self.src_flat, self.dst_flat = self.prepared.src_flat, self.prepared.dst_flat
-        problems = [f"{side} rank {table.ranks[i]} tensor {table.names[i]!r} is missing (process {self.process} "
-                    f"plays that rank in {self.binding})"
-                    for ids, table, flat, side in ((s.src_ids, plan.src_tensors, self.src_flat, "source"),
-                                                   (s.dst_ids, plan.dst_tensors, self.dst_flat, "destination"))
-                    for i in ids if i not in flat]
-        if problems:
-            raise ExecutionError("tensors do not match the plan:\n  - " + "\n  - ".join(problems[:20]))
         self.arena = arena = torch.empty(s.arena_numel, dtype=self.prepared.dtype, device=self.device)
 
         def memory(kind: int, ident: int) -> torch.Tensor:
@@ -133,28 +124,10 @@ class NixlExecutor(VotedExecutor):
             # engines' workers may still be setting up (why that matters: docs/guides/reliability.md)
             self.exchange.wait_set_up(list(self.schedule.part.peers), v, deadline, self.poll_max_s)
             self._peers_set_up = True
-        if self._delta is not None and not self._delta.keyframe(v, deadline):
-            self._delta.transfer(v, deadline)
-            return
-        self._move(v, deadline)
+        super()._transfer(v, deadline)
 
-    @property
-    def last_delta(self) -> "DeltaReport | None":
-        """What this process sent in the last refit, with the `delta` option (executors.delta.DeltaReport)."""
-        return None if self._delta is None else self._delta.last
-
-    def _commit(self) -> None:
-        if self._delta is not None and self._delta.commit():
-            return
-        self._run(self._commit_program)
-        apply_shifts(self._shifts)
-        self._dirty = self._dirty or bool(self._shifts)
-        self._sync()
-
-    def _forget(self, previous: int) -> None:
-        self.exchange.forget(previous, (tuple(f"v{previous}/sum/{link.id}" for link in self.schedule.incoming)
-                                        if self.options.checksum else ())
-                             + (self._delta.keys(previous) if self._delta is not None else ()))
+    def _keys(self, previous: int) -> tuple[str, ...]:
+        return tuple(f"v{previous}/sum/{link.id}" for link in self.schedule.incoming) if self.checksum else ()
 
     def _move(self, v: int, deadline: float) -> None:
         """Run the links of refit `v` until every one of this process completed, polling notifications and
@@ -193,7 +166,7 @@ class NixlExecutor(VotedExecutor):
             st.unstarted_out.remove(link)
             if link.id in self._pack:
                 self._run(self._pack[link.id], sync=True)
-            if self.options.checksum:  # before a peer can read or receive the link's bytes
+            if self.checksum:  # before a peer can read or receive the link's bytes
                 self.exchange.store.set(f"v{v}/sum/{link.id}", self._link_digest(link, "send"))
             if st.read:
                 self._notify(link.receiver, READY, v, link)
@@ -202,7 +175,7 @@ class NixlExecutor(VotedExecutor):
             progress = True
         for link in [link for link in st.unposted if self._take(READY, v, link)]:
             st.unposted.remove(link)
-            self._post(link, v)
+            self.connection.post(link, DONE + f"{v}:{link.id}".encode())
             st.posted[link.id] = link
             progress = True
         for link in [*st.waiting_in.values(), *st.waiting_out.values()]:
@@ -233,7 +206,7 @@ class NixlExecutor(VotedExecutor):
         return progress
 
     def _arrived(self, link: Link, st: "_Progress", v: int) -> None:
-        if self.options.checksum:
+        if self.checksum:
             sent = self.exchange.store.get(f"v{v}/sum/{link.id}").decode()
             got = self._link_digest(link, "recv")
             if sent != got:
@@ -245,14 +218,11 @@ class NixlExecutor(VotedExecutor):
 
     def _link_digest(self, link: Link, side: str) -> str:
         """The checksum of one side of a link's pieces, in order: the bytes it moves (executors.checksum)."""
-        p, sums = link.pieces, Streams(algorithm(self.options.checksum))
+        p, sums = link.pieces, Streams(self.checksum)
         for kind, ident, off, n in zip(p[f"{side}_kind"].tolist(), p[f"{side}_id"].tolist(),
                                        p[f"{side}_off"].tolist(), p["numel"].tolist()):
             sums.update(0, self._memory(kind, ident).narrow(0, off, n))
         return sums.hexdigest(0)
-
-    def _post(self, link: Link, v: int) -> None:
-        self.connection.post(link, DONE + f"{v}:{link.id}".encode())
 
     def _notify(self, peer: int, kind: bytes, v: int, link: Link) -> None:
         self.connection.notify(peer, kind + f"{v}:{link.id}".encode(), link)
@@ -280,20 +250,6 @@ class NixlExecutor(VotedExecutor):
                              f"{link} while process {self.process} runs version {v}: every process must refit the "
                              f"same versions")
 
-    def _run(self, program: CopyViews, sync: bool = False) -> None:
-        if len(program):
-            with torch.no_grad():
-                program.run()
-            self._dirty = True
-        if sync:
-            self._sync()
-
-    def _sync(self) -> None:
-        """Wait for this process's copies on the GPU before a peer may read what they wrote."""
-        if self.device.type == "cuda" and self._dirty:
-            torch.cuda.synchronize(self.device)
-        self._dirty = False
-
     def _abandon(self) -> None:
         self._quarantine()
         self.connection.drop_transfers()
@@ -302,18 +258,11 @@ class NixlExecutor(VotedExecutor):
         """Keep the registered buffers alive for good: a peer (or a release still running) may yet write them."""
         _QUARANTINE.extend([self.arena, *(self._delta.buffers() if self._delta is not None else ())])
 
-    def _stats(self, v: int, seconds: float, phases: dict[str, float]) -> RefitStats:
-        if self._delta is not None and not self._delta.last.keyframe:
-            return self._delta.stats(v, seconds, phases, self.staged)
-        s, size = self.schedule, self.itemsize
-        return RefitStats(  # a link's bytes are its peer's ops (the partition's stream)
-            executor=self.name, process=self.process, version=v, seconds=seconds, phases=phases, staged=s.staged,
-            ops=self._num_ops, bytes_sent=dict(s.part.bytes_sent), bytes_received=dict(s.part.bytes_received),
-            local_bytes=s.part.local_numel * size,
-            staging_bytes=s.arena_numel * size, transfers=len(s.incoming) + len(s.outgoing),
-            checksum=algorithm(self.options.checksum) or "", direction=s.direction,
-            packed_transfers=sum(link.packed for link in s.links),
-            descriptors=sum(link.num_pieces for link in s.links if s.initiates(link)))
+    def _dense_stats(self, **common: Any) -> RefitStats:
+        s = self.schedule  # a link's bytes are its peer's ops (the partition's stream)
+        return RefitStats(**common, staging_bytes=s.arena_numel * self.itemsize, transfers=len(s.links),
+                          direction=s.direction, packed_transfers=sum(link.packed for link in s.links),
+                          descriptors=sum(link.num_pieces for link in s.links if s.initiates(link)))
 
     def close(self) -> None:
         """Release NIXL resources; the tensors stay the caller's."""
@@ -340,7 +289,7 @@ class NixlDelta(VotedDelta):
             raise ExecutionError("delta refits over NIXL run on CPU tensors (GPUs: the collective executor's delta "
                                  "option)")
         part = executor.schedule.part
-        super().__init__(executor, policy, part, algorithm(executor.options.checksum))
+        super().__init__(executor, policy, part, executor.checksum)
         self.outbox = {q: torch.empty(payload_bound(plan, ops), dtype=torch.uint8) for q, ops in part.sends_to.items()}
         self.inbox = {f: torch.empty(payload_bound(plan, ops), dtype=torch.uint8)
                       for f, ops in part.receives_from.items()}

@@ -98,8 +98,6 @@ class LinkSchedule:
     shadow: tuple[int, ...]  # destination tensor ids with a shadow
     arena: dict[tuple[int, int], tuple[int, int]]  # (kind, id) -> (element offset, numel)
     arena_numel: int
-    src_ids: tuple[int, ...]  # source tensor ids this process must hold
-    dst_ids: tuple[int, ...]  # destination tensor ids this process must hold
     exposed: tuple[tuple[int, int], ...]  # memories whose addresses peers need
     part: Partition  # the partition it is cut from (its peers, the bytes it sends, receives and copies)
 
@@ -225,13 +223,9 @@ def build_schedule(plan: Plan, binding: Binding, process: int, options: NixlOpti
     for lk in incoming + outgoing:
         side = "recv" if lk.receiver == process else "send"
         exposed |= set(zip(lk.pieces[f"{side}_kind"].tolist(), lk.pieces[f"{side}_id"].tolist()))
-    sends = np.flatnonzero(part.sender == process)
-    src_ids = np.unique(o["src_tensor"][sends[o["src_side"][sends] != RELAY]])
-    dst_ids = np.unique(np.concatenate([o["dst_tensor"][part.landing], part.relay_sources]))
     return LinkSchedule(process=process, direction=choose_direction(plan, binding, options.direction),
                         staged=staged, num_stages=plan.num_stages, incoming=incoming, outgoing=outgoing, pack=pack,
                         arrive=arrive, local=tuple(local), commit=commit, shadow=shadow, arena=arena, arena_numel=top,
-                        src_ids=tuple(src_ids.tolist()), dst_ids=tuple(dst_ids.tolist()),
                         exposed=tuple(sorted(exposed)), part=part)
 
 

@@ -303,7 +303,7 @@ def open_transport(refit: RefitSpec, process: int, src: RankTensors, dst: RankTe
         options = {**chosen.in_place, **options}
     # cross-process: trainer process p plays source rank p, process S + d destination rank d; else shared ranks
     binding = (Binding.disjoint if chosen.cross_process else Binding.colocated)(plan.src.num_ranks, plan.dst.num_ranks)
-    # (a cross-process transport without a rendezvous: refused by Endpoint.scoped)
+    # (a cross-process transport without a rendezvous: refused by transports.open_transport)
     rdv = Rendezvous.from_dict(refit.rendezvous) if chosen.cross_process and refit.rendezvous is not None else None
     if rdv is not None:
         options.setdefault("timeout", rdv.timeout)

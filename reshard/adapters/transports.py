@@ -115,9 +115,14 @@ def cross_process_transports() -> tuple[str, ...]:
 def open_transport(name: str, endpoint: Endpoint) -> Executor:
     """This process's executor for its part of `endpoint.plan` over the transport `name`.
 
-    Raises ArgumentError for an unknown transport, ExecutionError for what the executor refuses.
+    Raises ArgumentError for an unknown transport, ExecutionError for a cross-process transport without a
+    rendezvous (refused here, before any opener runs: a registered opener need not check it) and for what the
+    executor refuses.
     """
-    return transport(name).opener(endpoint)
+    chosen = transport(name)
+    if chosen.cross_process and (endpoint.rendezvous is None or endpoint.store is None):
+        raise ExecutionError(f"transport {name!r} needs a rendezvous (where the processes meet)")
+    return chosen.opener(endpoint)
 
 
 _PUBLISHED: dict[str, RankTensors] = {}

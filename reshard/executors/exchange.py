@@ -234,7 +234,7 @@ class StoreExecutor(VotedExecutor):
         """Land this process's bytes of dense refit `v` by `deadline`."""
 
     def _run(self, program: Any, sync: bool = False) -> None:
-        """Run a copy program (executors.views); `sync`: then wait for the GPU (a peer may read what it wrote)."""
+        """Run a copy program (executors.copies); `sync`: then wait for the GPU (a peer may read what it wrote)."""
         if len(program):
             with torch.no_grad():
                 program.run()

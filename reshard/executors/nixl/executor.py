@@ -65,7 +65,7 @@ class NixlExecutor(StoreExecutor):
         self.timeout, self.poll_max_s = options.timeout, options.poll_max_s
         self.checksum = algorithm(options.checksum)
         self.num_processes, self.itemsize = binding.num_processes, plan.itemsize
-        # exactly the ranks this process plays, each with every tensor: all the schedule names (executors.prepared)
+        # exactly the ranks this process plays, each with every tensor: all the schedule names (executors.partition)
         self.prepared = Prepared(plan, src, dst, (binding.src_ranks_of(process), binding.dst_ranks_of(process)))
         self.device = self.prepared.device or torch.device("cpu")
         on_gpu = self.device.type == "cuda"

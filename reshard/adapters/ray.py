@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import ExecutionError
 from .engines import EngineClient, Leased, ReportsStaged, ServesLora, landing_ended
-from .lease_renewal import request_body
+from .lease_keeper import request_body
 
 
 class RayEngineClient(EngineClient, Leased, ReportsStaged, ServesLora):
@@ -121,7 +121,7 @@ class VllmEngineActor:
         os.environ.update(json.loads(env))
         from vllm import LLM
 
-        from .vllm.lease import EngineLease
+        from .vllm.lease import ThreadedLease
         from .vllm.trainer import OfflineExtensionClient, OfflineLLMClient
 
         args = {"enforce_eager": True, "skip_tokenizer_init": True, "enable_prefix_caching": False, "seed": 0,
@@ -133,7 +133,7 @@ class VllmEngineActor:
         self.api, self.extension = OfflineLLMClient(self.llm), OfflineExtensionClient(self.llm)
         self.client = self.api  # the refit in progress: an adapter's goes through the worker extension
         self.engine_lock = threading.RLock()  # one engine call at a time (the actor may be threaded)
-        self.guard = EngineLease(self._refit)
+        self.guard = ThreadedLease(lambda: self.client, self.engine_lock)
 
     def pid(self) -> int:
         """This actor's process id."""
@@ -146,37 +146,37 @@ class VllmEngineActor:
         return str(ray.util.get_node_ip_address())
 
     def lease(self, request: str) -> str:
-        """A lease request (adapters.lease_renewal.request_body as JSON); its answer as JSON."""
+        """A lease request (adapters.lease_keeper.request_body as JSON); its answer as JSON."""
         return json.dumps(self.guard.request(request.encode()))
 
     def lease_state(self) -> str:
         """The lease's holder, generation and what it holds open, as JSON."""
         return json.dumps(self.guard.book.state())
 
-    def _refit(self, method: str, *args: Any) -> Any:
-        """A weight-sync call of the refit in progress's client (vllm.trainer's), under the engine lock."""
-        with self.engine_lock:
-            if method == "init_weight_transfer_engine":
-                lora_slot = isinstance(args[0], dict) and args[0].get("install") == "lora_slot"
-                self.client = self.extension if lora_slot else self.api
-            return getattr(self.client, method)(*args)
-
     def init_weight_transfer_engine(self, init_info: str, holder: str | None = None) -> None:
         """Bind the engine to a refit (its payload as JSON), as `holder`."""
-        self.guard.call(holder, "init_weight_transfer_engine", json.loads(init_info))
+        info = json.loads(init_info)
+
+        def init() -> None:
+            lora_slot = isinstance(info, dict) and info.get("install") == "lora_slot"
+            self.client = self.extension if lora_slot else self.api
+            self.client.init_weight_transfer_engine(info)
+
+        self.guard.call("/init_weight_transfer_engine", holder, init)
 
     def start_weight_update(self, holder: str | None = None) -> None:
         """Open an update, as `holder`."""
-        self.guard.call(holder, "start_weight_update")
+        self.guard.call("/start_weight_update", holder, lambda: self.client.start_weight_update())
 
     def update_weights(self, update_info: str, holder: str | None = None) -> None:
         """One phase of the open update (its info as JSON), as `holder`."""
         info = json.loads(update_info)
-        self.guard.call(holder, "update_weights", info, update=info)
+        self.guard.call("/update_weights", holder, lambda: self.client.update_weights(info), info)
 
     def finish_weight_update(self, weight_version: str | None, holder: str | None = None) -> None:
         """Close the open update (None: a failed one), as `holder`."""
-        self.guard.call(holder, "finish_weight_update", weight_version, update={"version": weight_version})
+        self.guard.call("/finish_weight_update", holder, lambda: self.client.finish_weight_update(weight_version),
+                        {"version": weight_version})
 
     def staged(self) -> str:
         """Each worker's answer to `reshard_staged`, as JSON."""
@@ -219,7 +219,7 @@ class VllmEngineActor:
 
     def _serving(self) -> None:
         """Refuse to generate while a torn flip fences the engine (adapters.vllm.lease.LeaseBook.closed)."""
-        with self.guard.cond:
+        with self.guard.lock:
             why = self.guard.book.closed("/generate")
         if why is not None:
             raise ExecutionError(why)

@@ -21,7 +21,7 @@ from ..arguments import seconds, text
 from ..errors import ArgumentError, ExecutionError
 from ..polling import poll
 from .engines import EngineClient, Leased, Pausable, ReportsInFlight, ReportsStaged, landing_ended
-from .lease_renewal import HEADER, ROUTE, request_body
+from .lease_keeper import HEADER, ROUTE, request_body
 
 
 class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased):

@@ -1,8 +1,7 @@
-"""The driver's lease is renewed by a keeper process (adapters.lease_renewal, run as a script): it keeps renewing
-while the driver's GIL is held by a binding (the NIXL/UCX set-up that once let a live driver's lease lapse under
-load), stops while the driver is stopped (SIGSTOP: its lease must lapse) and ends when the driver dies. Real
-processes and a real HTTP server in a process of its own (a server in this process would be starved by the same
-held GIL).
+"""The driver's lease is renewed by a keeper process (adapters.lease_keeper): it keeps renewing while the driver's
+GIL is held by a binding (the NIXL/UCX set-up that once let a live driver's lease lapse under load), stops while the
+driver is stopped (SIGSTOP: its lease must lapse) and ends when the driver dies. Real processes and a real HTTP
+server in a process of its own (a server in this process would be starved by the same held GIL).
 
 Time bounds hold on a loaded machine: what is asserted is what a GIL-bound or stopped renewer would break by a wide
 margin (renewals all through a long hold; a quiet spell of twice the lease after SIGSTOP), each wait polled up to a
@@ -21,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from reshard.adapters.lease_renewal import LeaseRenewal, driver_state
+from reshard.adapters.lease_keeper import driver_state
+from reshard.adapters.lease_renewal import LeaseRenewal
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -158,7 +158,7 @@ def test_the_keeper_stops_for_a_stopped_driver_and_ends_with_a_dead_one(server):
 
 
 def test_a_keeper_given_a_bad_config_exits_with_an_error():
-    script = ROOT / "reshard/adapters/lease_renewal.py"
+    script = ROOT / "reshard/adapters/lease_keeper.py"
     done = subprocess.run([sys.executable, "-I", str(script)], input='{"pid": "1", "holder": "x"}\n',
                           capture_output=True, text=True, timeout=30)
     assert done.returncode != 0 and "bad keeper config" in done.stderr

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import types
 
 import pytest
@@ -32,7 +31,7 @@ def test_book_grants_renews_fences_and_refuses_old_generations():
     book.fence()
     assert book.holder is None and not book.lapsed()
     with pytest.raises(ValueError, match="init again"):  # a fenced driver that thaws does not come back
-        book.ending("a" * 8, False)
+        book.grant("a" * 8, 5.0)
     assert book.grant("b" * 8, 5.0) and book.generation == 2
 
 
@@ -201,35 +200,35 @@ def test_a_new_driver_takes_over_after_the_old_ones_calls_return():
 
 
 class SyncEngine:
-    """The engine an EngineLease calls (a Ray actor's): the updates it closes recorded, an install slow."""
+    """The engine client a ThreadedLease closes a lapsed update with (a Ray actor's), recorded."""
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
 
-    def __call__(self, method, *args):
-        if method == "finish_weight_update":
-            self.calls.append(("finish", *args))
-        elif method == "update_weights":
-            time.sleep(0.8)
+    def finish_weight_update(self, version):
+        self.calls.append(("finish", version))
 
 
 def test_the_threaded_lease_keeps_the_same_rules():
-    """The Ray actor's lease (EngineLease): the same book as the server's: calls of another holder refused, a
+    """The Ray actor's lease (ThreadedLease): the same book as the server's: calls of another holder refused, a
     holder's call inside keeps its lease, a lapse closes the update it left open (forward when its install
     succeeded), a fenced holder cannot come back, a new holder's grant ends the previous generation first."""
-    from reshard.adapters.vllm.lease import EngineLease
+    import threading
+    import time
+
+    from reshard.adapters.vllm.lease import ThreadedLease
     from reshard.errors import ExecutionError
     from reshard.polling import poll
 
     engine = SyncEngine()
-    lease = EngineLease(engine, poll=0.02)
+    lease = ThreadedLease(lambda: engine, threading.RLock(), poll=0.02)
     grant = lambda holder, ttl=0.5, release=False: lease.request(  # noqa: E731
         json.dumps({"holder": holder, **({"release": True} if release else {"ttl": ttl})}).encode())
     assert grant(A)["generation"] == 1
     with pytest.raises(ExecutionError, match="never applied"):
-        lease.call(B, "start_weight_update")
-    lease.call(A, "start_weight_update")
-    lease.call(A, "update_weights", update={"version": "v1", "phase": "install"})  # takes 0.8 s
+        lease.call("/start_weight_update", B, lambda: None)
+    lease.call("/start_weight_update", A, lambda: None)
+    lease.call("/update_weights", A, lambda: time.sleep(0.8), {"version": "v1", "phase": "install"})
     assert engine.calls == []  # the call outlasted the lease: inside, it kept it
     # then no renewal: the watchdog ends the generation, rolling the installed update forward
     assert poll(lambda: bool(engine.calls), time.monotonic() + 10.0)
@@ -237,30 +236,30 @@ def test_the_threaded_lease_keeps_the_same_rules():
     with pytest.raises(ExecutionError, match="init again"):
         grant(A)
     assert grant(B, 60)["generation"] == 2
-    lease.call(B, "start_weight_update")
+    lease.call("/start_weight_update", B, lambda: None)
     assert grant(A * 2, 60)["generation"] == 3  # a new driver: the open update (nothing installed) closed first
     assert engine.calls[-1] == ("finish", None)
     assert grant(A * 2, release=True) == {"released": True} and lease.book.holder is None
 
 
 def test_a_torn_flip_fences_generation_and_resume_until_an_install_succeeds():
-    """LeaseBook.leave / closed, the rule the server's middleware and the Ray engine actor both apply: an install
+    """LeaseBook.flipped / closed, the rule the server's middleware and the Ray engine actor both apply: an install
     that failed after it began writing live weights (its error names TORN) fences the engine; a failure before any
     write (no TORN) or a call that installs nothing leaves it serving; the next successful install lifts it."""
     from reshard.adapters.vllm.lease import TORN
 
     book = LeaseBook()
     install = {"version": "a", "phase": "install"}
-    book.leave(None, None, "/update_weights", install, False, "install refused: version a did not land whole")
+    book.flipped("/update_weights", install, False, "install refused: version a did not land whole")
     assert book.torn is None and book.closed("/v1/completions") is None  # refused before any write: serving
-    book.leave(None, None, "/update_weights", install, False, f"{TORN} on engine replica 0 rank 1: boom")
+    book.flipped("/update_weights", install, False, f"{TORN} on engine replica 0 rank 1: boom")
     assert book.torn == "a"
     for route in ("/resume", "/v1/completions", "/generate"):
         assert "'a'" in book.closed(route) and TORN in book.closed(route)
     assert book.closed("/pause") is None and book.closed("/update_weights") is None  # the way out stays open
-    book.leave(None, None, "/update_weights", {"version": "b", "phase": "transfer"}, True, "")  # no install
+    book.flipped("/update_weights", {"version": "b", "phase": "transfer"}, True, "")  # no install: still fenced
     assert book.torn == "a"
-    book.leave(None, None, "/update_weights", {"version": "b", "phase": "install"}, True, "")
+    book.flipped("/update_weights", {"version": "b", "phase": "install"}, True, "")
     assert book.torn is None and book.closed("/resume") is None
 
 

@@ -14,8 +14,8 @@ ReshardLeaseMiddleware` (it imports no vLLM). Protocol, JSON over the server's p
      install succeeds on every worker. An install through the worker extension (`/collective_rpc` of
      `reshard_update`) counts the same.
 `GET /reshard/lease` answers the holder, its generation and what it holds open. `LeaseBook` holds the rules,
-`EngineLease` applies them to one engine (a Ray engine actor's; `ReshardLeaseMiddleware` serves one on a vLLM
-server's routes); the wire and the driver side are adapters.lease_renewal's.
+`ReshardLeaseMiddleware` serves a vLLM server, `ThreadedLease` an engine called from threads (a Ray actor); the wire
+is adapters.lease_keeper's, the driver side adapters.lease_renewal.
 """
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ...errors import ArgumentError, ExecutionError
-from ..lease_renewal import HEADER as _HEADER, ROUTE
+from ...errors import ArgumentError, ExecutionError, ReshardError
+from ..lease_keeper import HEADER as _HEADER, ROUTE
 
 HEADER = _HEADER.lower().encode()
 FENCED = ("/pause", "/resume", "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
@@ -54,6 +54,29 @@ class Open:
     finished: str | None = None  # the version the holder's last finished update installed (what is served)
     failed: bool = False  # the holder's last update was closed without a version
 
+    def enter(self, route: str, update: dict[str, Any] | None) -> None:
+        """A call of the holder enters the engine."""
+        if route == "/pause":
+            self.paused = True
+        elif route == "/start_weight_update":
+            self.started, self.installed = True, None
+        elif route == "/update_weights" and isinstance(update, dict):
+            self.pending = str(update.get("version", ""))
+
+    def leave(self, route: str, update: dict[str, Any] | None, ok: bool) -> None:
+        """A call of the holder returned (`ok`: status 2xx); /finish_weight_update's `update` is {"version"}."""
+        if route == "/resume" and ok:
+            self.paused = False
+        elif route == "/finish_weight_update":
+            version = update.get("version") if isinstance(update, dict) else None
+            if version is None:  # a failed refit's update closed (workers may refuse: ended all the same)
+                self.failed = True
+            elif ok:
+                self.finished, self.failed = str(version), False
+            self.started, self.installed = False, None
+        elif installs(route, update):
+            self.installed = self.pending if ok else None
+
 
 def refit_call(route: str, body: bytes) -> tuple[str, dict[str, Any] | None]:
     """The route a call counts as and its update (None if unreadable); the worker extension's `reshard_update`
@@ -72,9 +95,14 @@ def refit_call(route: str, body: bytes) -> tuple[str, dict[str, Any] | None]:
     return route, None
 
 
+def installs(route: str, update: dict[str, Any] | None) -> bool:
+    """Whether a call writes the live weights (an install phase, or a one-phase update)."""
+    return route == "/update_weights" and isinstance(update, dict) and update.get("phase", "all") in ("install", "all")
+
+
 @dataclass
 class LeaseBook:
-    """The lease's state and rules, without I/O or locks (EngineLease has them). `clock` is monotonic."""
+    """The lease's state and rules, without I/O (the middleware does the engine calls). `clock` is monotonic."""
 
     clock: Callable[[], float] = time.monotonic
     holder: str | None = None
@@ -103,13 +131,21 @@ class LeaseBook:
         return True
 
     def grant(self, holder: str, ttl: float) -> bool:
-        """Take or renew the lease; True for a new generation (the caller asked `ending` first, and ended the
-        previous one)."""
+        """Take or renew the lease; True for a new generation (the caller ended the previous one first).
+
+        Raises:
+            ValueError: the holder's generation ended (it must init again).
+        """
+        self._check_live(holder)
         new = holder != self.holder
         if new:
             self.holder, self.generation, self.open, self.calls = holder, self.generation + 1, Open(), 0
         self.expires, self.ttl = self.clock() + ttl, ttl
         return new
+
+    def _check_live(self, holder: str) -> None:
+        if holder in self.fenced:
+            raise ValueError(f"lease {holder[:16]!r} ended (its generation was fenced): init again")
 
     def fence(self) -> Open:
         """End the holder's generation (its later calls are refused); returns what it left open."""
@@ -130,51 +166,24 @@ class LeaseBook:
         """
         if release:
             return "released by its holder" if holder == self.holder else None
-        if holder in self.fenced:
-            raise ValueError(f"lease {holder[:16]!r} ended (its generation was fenced): init again")
+        self._check_live(holder)
         return "a new driver took the lease" if self.holder is not None and holder != self.holder else None
 
-    def enter(self, holder: str | None, route: str, update: dict[str, Any] | None) -> Open | None:
-        """A call of `holder` (None: an operator's, not booked) enters the engine; returns the Open it books on (the
-        one a fence hands over, so the recovery sees the call's outcome)."""
-        if holder is None:
-            return None
+    def enter(self, holder: str | None, route: str, update: dict[str, Any] | None) -> Open:
+        """A call of `holder` (None: an operator's) enters the engine; returns the Open it books on (the one a
+        fence hands over, so the recovery sees the call's outcome)."""
         opened = self.open
-        if route == "/pause":
-            opened.paused = True
-        elif route == "/start_weight_update":
-            opened.started, opened.installed = True, None
-        elif route == "/update_weights" and isinstance(update, dict):
-            opened.pending = str(update.get("version", ""))
+        opened.enter(route, update)
         self.inflight += 1
-        if holder == self.holder:
+        if holder is not None and holder == self.holder:
             self.calls += 1
         return opened
 
-    def leave(self, holder: str | None, opened: Open | None, route: str, update: dict[str, Any] | None, ok: bool,
-              error: str = "") -> None:
-        """The call `enter` booked returned (`ok`: status 2xx; `error`: its error's text; /finish_weight_update's
-        `update` is {"version"}); a current holder then has half its lease to be heard again. An install that failed
-        partway (`error` names TORN) fences the engine, one that succeeded lifts the fence."""
-        install = route == "/update_weights" and isinstance(update, dict) and \
-            update.get("phase", "all") in ("install", "all")  # it writes the live weights
-        if install and (ok or TORN in error):
-            self.torn = None if ok else str(update.get("version", ""))
-        if opened is None:
-            return
-        if route == "/resume" and ok:
-            opened.paused = False
-        elif route == "/finish_weight_update":
-            version = update.get("version") if isinstance(update, dict) else None
-            if version is None:  # a failed refit's update closed (workers may refuse: ended all the same)
-                opened.failed = True
-            elif ok:
-                opened.finished, opened.failed = str(version), False
-            opened.started, opened.installed = False, None
-        elif install:
-            opened.installed = opened.pending if ok else None
+    def leave(self, holder: str | None, opened: Open, route: str, update: dict[str, Any] | None, ok: bool) -> None:
+        """The call `enter` booked returned; a current holder then has half its lease to be heard again."""
+        opened.leave(route, update, ok)
         self.inflight -= 1
-        if holder == self.holder and self.calls > 0:
+        if holder is not None and holder == self.holder and self.calls > 0:
             self.calls -= 1
             self.expires = max(self.expires, self.clock() + self.ttl / 2)
 
@@ -182,6 +191,12 @@ class LeaseBook:
         """The current holder, its generation, what it holds open, the calls inside and a torn flip's version (JSON)."""
         return {"holder": self.holder, "generation": self.generation, "open": self.open.__dict__,
                 "inflight": self.inflight, "torn": self.torn}
+
+    def flipped(self, route: str, update: dict[str, Any] | None, ok: bool, error: str) -> None:
+        """A call returned: an install that failed partway (`error` names TORN) fences the engine, one that
+        succeeded lifts the fence."""
+        if installs(route, update) and (ok or TORN in error):
+            self.torn = None if ok else str(update.get("version", ""))
 
     def closed(self, route: str) -> str | None:
         """Why `route` is refused while a torn flip fences the engine (resuming or generating), or None."""
@@ -239,157 +254,61 @@ def parse_grant(body: bytes) -> tuple[str, float, bool]:
     return holder, float(ttl), release
 
 
-class EngineLease:
-    """The lease of one engine: the LeaseBook's rules under a lock, whatever thread calls. `request` answers a lease
-    request, `call` (or `enter` and the function it returns) books each refit call, and a lapsed or ended generation
-    is closed with `engine` calls once its calls inside returned (a Ray engine actor's; the server's middleware's).
+def _fence(book: LeaseBook, why: str) -> tuple[int, Open]:
+    """Fence the holder; its generation and what it left open (its calls still inside fill it in)."""
+    generation, holder, left = book.generation, book.holder, book.fence()
+    log.warning("reshard: lease generation %d (%s) ended: %s", generation, holder, why)
+    return generation, left
 
-    Args:
-        engine: `engine(method, *args)` makes an engine call (`call`'s, and those that close what a fenced
-            generation left open: `finish_weight_update`, `resume_generation`); it may block.
-        poll: seconds between the watchdog's looks.
-        thread: start a watchdog thread (False: the caller watches, with `due` and `lapse`).
-    """
 
-    def __init__(self, engine: Callable[..., Any], poll: float = 0.2, thread: bool = True) -> None:
-        self.engine, self.poll = engine, poll
-        self.book = LeaseBook()
-        self.cond = threading.Condition()  # guards the book; notified as booked calls return
-        self.ending = threading.Lock()  # one lease request or end at a time (the holder changes only under it)
-        if thread:
-            threading.Thread(target=self._watch, daemon=True, name="reshard-lease").start()
+def _granted(book: LeaseBook, holder: str, ttl: float, release: bool) -> dict[str, Any]:
+    """A lease request's answer, once the generation it ends was closed."""
+    if release:
+        return {"released": True}
+    book.grant(holder, ttl)
+    return {"holder": holder, "generation": book.generation, "ttl": ttl}
 
-    def request(self, body: bytes) -> dict[str, Any]:
-        """A lease request (the JSON body of `POST /reshard/lease`): its answer, once the generation it ends closed.
 
-        Raises:
-            ArgumentError: a malformed request.
-            ExecutionError: a renewal of a holder whose generation ended.
-        """
-        holder, ttl, release = parse_grant(body)
-        with self.ending:
-            try:
-                why = self.book.ending(holder, release)
-            except ValueError as e:
-                raise ExecutionError(str(e)) from None
-            if why is not None:
-                self._end(why)
-            if release:
-                return {"released": True}
-            with self.cond:
-                self.book.grant(holder, ttl)
-            return {"holder": holder, "generation": self.book.generation, "ttl": ttl}
-
-    def enter(self, holder: str | None, route: str, update: Any) -> Callable[[bool, str], None]:
-        """The refit call `route` of `holder` (None: an operator's) enters the engine (`update`: see refit_call);
-        returns what books its return (`ok`: it succeeded; `error`: its error's text).
-
-        Raises:
-            ExecutionError: `holder` does not hold the lease.
-        """
-        with self.cond:
-            refusal = self.book.refusal(holder)
-            if refusal is not None:
-                raise ExecutionError(refusal)
-            opened = self.book.enter(holder, route, update)
-
-        def leave(ok: bool, error: str) -> None:
-            with self.cond:
-                self.book.leave(holder, opened, route, update, ok, error)
-                self.cond.notify_all()
-        return leave
-
-    def call(self, holder: str | None, method: str, *args: Any, update: Any = None) -> Any:
-        """`engine(method, *args)` as the refit call `/method` of `holder` (None: an operator's), booked.
-
-        Raises:
-            ExecutionError: `holder` does not hold the lease.
-        """
-        leave = self.enter(holder, "/" + method, update)
-        try:
-            value = self.engine(method, *args)
-        except BaseException as e:
-            leave(False, str(e))
-            raise
-        leave(True, "")
-        return value
-
-    def due(self, slept: float) -> bool:
-        """A watchdog's round, which slept `slept` s for `poll` (LeaseBook.due): True if `lapse` must run now."""
-        with self.cond:
-            return self.book.due(slept, self.poll)
-
-    def lapse(self) -> None:
-        """End the holder's generation if its lease lapsed (an error is logged: the next driver's lease ends it)."""
-        with self.ending:
-            try:
-                if self.book.lapsed():
-                    self._end("its lease lapsed")
-            except Exception:  # noqa: BLE001 - keep watching
-                log.exception("reshard: ending a lapsed lease failed")
-
-    def _watch(self) -> None:
-        clock = self.book.clock
-        while True:
-            went = clock()
-            time.sleep(self.poll)
-            if self.due(clock() - went):
-                self.lapse()
-
-    def _end(self, why: str) -> None:
-        """Fence the holder (self.ending held), wait for its calls inside the engine, then close what it left open:
-        its update finished with the version its install carried (None: without one), its pause resumed (not while
-        a torn flip fences the engine)."""
-        with self.cond:
-            generation, holder, left = self.book.generation, self.book.holder, self.book.fence()
-            log.warning("reshard: lease generation %d (%s) ended: %s", generation, holder, why)
-            self.cond.wait_for(lambda: self.book.inflight <= 0)  # their outcome is in `left`
-            resume = left.paused and self.book.torn is None
-        for method, args in [("finish_weight_update", (left.installed,))] * left.started + \
-                [("resume_generation", ())] * resume:
-            try:
-                self.engine(method, *args)
-            except Exception as e:  # noqa: BLE001 - workers whose update already closed refuse; expected
-                if method != "finish_weight_update":
-                    raise
-                log.info("reshard: closing the update of generation %d: %s", generation, e)
-        log.warning("reshard: generation %d closed (%s): %s", generation, why, outcome(left))
+def _closing(left: Open, torn: str | None) -> list[tuple[str, tuple]]:
+    """The engine calls that close what a fenced generation left open: its update finished with the version its
+    install carried (None: without one), its pause resumed (not while a torn flip fences the engine)."""
+    resume = left.paused and torn is None
+    return [("finish_weight_update", (left.installed,))] * left.started + [("resume_generation", ())] * resume
 
 
 class ReshardLeaseMiddleware:
-    """ASGI middleware (vLLM's `--middleware`): an EngineLease on the server's engine; it fences the RL routes, and
-    the generation routes after a torn flip."""
+    """ASGI middleware (vLLM's `--middleware`): keeps the LeaseBook, fences the RL routes, recovers a lapsed lease."""
 
     def __init__(self, app: Any, poll: float = 0.2) -> None:
-        self.app = app
-        self.lease = EngineLease(self._engine_call, poll, thread=False)  # watched on the event loop: its stalls count
-        self.book = self.lease.book
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.watchdog: asyncio.Task | None = None
+        self.app, self.poll = app, poll
+        self.book = LeaseBook()
+        self.lock: asyncio.Lock | None = None
+        self.idle: asyncio.Event | None = None
         self.engine: Any = None
+        self.watchdog: asyncio.Task | None = None
         self.paused_by_fence = False  # a torn flip paused an engine its driver had not
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope.get("type") != "http":
             return await self.app(scope, receive, send)
-        if self.watchdog is None:  # (the task is kept: the loop holds only a weak reference)
-            self.loop, self.engine = asyncio.get_running_loop(), scope["app"].state.engine_client
-            self.watchdog = self.loop.create_task(self._watch())
+        self._start(scope)
         path = scope.get("path", "")
         if path == ROUTE:
             return await self._lease(scope, receive, send)
         closed = self.book.closed(path)
         if closed is not None:
             return await _answer(send, 503, {"error": closed})
-        holder = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k.lower() == HEADER), None)
+        holder = _header(scope, HEADER)
         if path not in FENCED or (holder is None and path not in WATCHED):
             return await self.app(scope, receive, send)
+        refusal = self.book.refusal(holder)
+        if refusal is not None:
+            return await _answer(send, 409, {"error": refusal})
         body, receive = await _buffered(receive)
         path, update = refit_call(path, body)
-        try:
-            leave = self.lease.enter(holder, path, update)
-        except ExecutionError as e:
-            return await _answer(send, 409, {"error": str(e)})
+        opened = self.book.enter(holder, path, update) if holder is not None else None
+        if opened is not None:
+            self.idle.clear()
         status, error = {"code": 500}, bytearray()
 
         async def watch(message: dict) -> None:
@@ -408,8 +327,12 @@ class ReshardLeaseMiddleware:
             error.extend(str(e).encode())
             raise
         finally:
-            was = self.book.torn
-            leave(200 <= status["code"] < 300, error.decode(errors="replace"))
+            was, ok = self.book.torn, 200 <= status["code"] < 300
+            self.book.flipped(path, update, ok, error.decode(errors="replace"))
+            if opened is not None:
+                self.book.leave(holder, opened, path, update, ok)
+            if self.book.inflight <= 0:
+                self.idle.set()
             if (self.book.torn is None) != (was is None):
                 await self._fence_flip(was)
 
@@ -429,44 +352,165 @@ class ReshardLeaseMiddleware:
         except Exception:  # noqa: BLE001 - the routes stay refused (or open) all the same
             log.exception("reshard: pausing or resuming the engine around a torn flip failed")
 
-    def _engine_call(self, method: str, *args: Any) -> Any:
-        """An engine call from a thread of the lease's, run on the server's event loop."""
-        return asyncio.run_coroutine_threadsafe(getattr(self.engine, method)(*args), self.loop).result()
+    def _start(self, scope: dict) -> None:
+        if self.watchdog is None:
+            self.lock, self.idle = asyncio.Lock(), asyncio.Event()
+            self.idle.set()
+            self.engine = scope["app"].state.engine_client
+            self.watchdog = asyncio.get_running_loop().create_task(self._watch())
 
     async def _watch(self) -> None:
         clock = self.book.clock
         while True:
             went = clock()
-            await asyncio.sleep(self.lease.poll)
-            if self.lease.due(clock() - went):
-                await asyncio.to_thread(self.lease.lapse)
+            await asyncio.sleep(self.poll)
+            if self.book.due(clock() - went, self.poll):
+                async with self.lock:
+                    if self.book.lapsed():
+                        try:
+                            await self._end("its lease lapsed")
+                        except Exception:  # noqa: BLE001 - keep watching; the next driver's lease ends it again
+                            log.exception("reshard: ending a lapsed lease failed")
+
+    async def _end(self, why: str) -> None:
+        """Fence the holder, wait for its calls inside the server, then close what it left open."""
+        generation, left = _fence(self.book, why)
+        await self.idle.wait()  # the calls already inside the server have returned (their outcome is in `left`)
+        for method, args in _closing(left, self.book.torn):
+            try:
+                await getattr(self.engine, method)(*args)
+            except Exception as e:  # noqa: BLE001 - workers whose update already closed refuse; expected
+                if method != "finish_weight_update":
+                    raise
+                log.info("reshard: closing the update of generation %d: %s", generation, e)
+        log.warning("reshard: generation %d closed (%s): %s", generation, why, outcome(left))
 
     async def _lease(self, scope: dict, receive: Any, send: Any) -> None:
         if scope.get("method") == "GET":
             return await _answer(send, 200, self.book.state())
         body, _ = await _buffered(receive)
         try:
-            return await _answer(send, 200, await asyncio.to_thread(self.lease.request, body))
-        except ArgumentError as e:
+            holder, ttl, release = parse_grant(body)
+        except ReshardError as e:
             return await _answer(send, 400, {"error": str(e)})
-        except ExecutionError as e:
-            return await _answer(send, 409, {"error": str(e)})
+        async with self.lock:
+            try:
+                why = self.book.ending(holder, release)
+            except ValueError as e:
+                return await _answer(send, 409, {"error": str(e)})
+            if why is not None:
+                await self._end(why)
+            return await _answer(send, 200, _granted(self.book, holder, ttl, release))
+
+
+class ThreadedLease:
+    """The lease of an engine whose calls come on threads (a Ray engine actor): the LeaseBook's rules, a watchdog
+    thread, and `call`, which fences and books each refit call.
+
+    Args:
+        engine: returns the client whose calls close a lapsed holder's update.
+        engine_lock: held around every engine call; the recovery waits for it.
+        poll: seconds between the watchdog's looks.
+    """
+
+    def __init__(self, engine: Callable[[], Any], engine_lock: Any, poll: float = 0.2) -> None:
+        self.engine, self.engine_lock, self.poll = engine, engine_lock, poll
+        self.book = LeaseBook()
+        self.lock = threading.Lock()
+        threading.Thread(target=self._watch, daemon=True, name="reshard-lease").start()
+
+    def request(self, body: bytes) -> dict[str, Any]:
+        """A lease request (the JSON body of `POST /reshard/lease`): its answer.
+
+        Raises:
+            ArgumentError: a malformed request.
+            ExecutionError: a renewal of a holder whose generation ended.
+        """
+        holder, ttl, release = parse_grant(body)
+        with self.lock:
+            try:
+                why = self.book.ending(holder, release)
+            except ValueError as e:
+                raise ExecutionError(str(e)) from None
+            if why is not None:
+                self._end(why)
+            return _granted(self.book, holder, ttl, release)
+
+    def call(self, route: str, holder: str | None, fn: Callable[[], Any], update: Any = None) -> Any:
+        """`fn()` as the refit call `route` of `holder` (None: an operator's), booked.
+
+        Raises:
+            ExecutionError: `holder` does not hold the lease.
+        """
+        with self.lock:
+            refusal = self.book.refusal(holder)
+            if refusal is not None:
+                raise ExecutionError(refusal)
+            opened = self.book.enter(holder, route, update)
+        ok, error = False, ""
+        with self.engine_lock:  # booked under it: a recovery waiting for the lock sees the call's outcome
+            try:
+                value = fn()
+                ok = True
+                return value
+            except Exception as e:
+                error = str(e)
+                raise
+            finally:
+                self.book.flipped(route, update, ok, error)
+                self.book.leave(holder, opened, route, update, ok)
+
+    def _watch(self) -> None:
+        clock = self.book.clock
+        while True:
+            went = clock()
+            time.sleep(self.poll)
+            with self.lock:
+                if self.book.due(clock() - went, self.poll):
+                    self._end("its lease lapsed")
+
+    def _end(self, why: str) -> None:
+        """Fence the holder (self.lock held); once its call in progress returned, close what it left open."""
+        generation, left = _fence(self.book, why)
+        with self.engine_lock:  # the holder's call in progress returns first
+            for method, args in _closing(left, self.book.torn):
+                try:
+                    getattr(self.engine(), method)(*args)
+                except Exception as e:  # noqa: BLE001 - an update that already closed refuses; expected
+                    log.info("reshard: closing the update of generation %d: %s", generation, e)
+        log.warning("reshard: generation %d closed (%s): %s", generation, why, outcome(left))
+
+
+def _header(scope: dict, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
 
 
 async def _buffered(receive: Any) -> tuple[bytes, Any]:
-    """The request's body (read up to the first chunk past MAX_BODY) and a `receive` that hands it to the app again."""
-    body, message = bytearray(), {"more_body": True}
-    while message.get("more_body", False) and len(body) <= MAX_BODY:
+    """The request's body (bounded) and a `receive` that hands it to the app again."""
+    chunks, size = [], 0
+    while True:
         message = await receive()
         if message.get("type") != "http.request":
             break
-        body.extend(message.get("body", b""))
-    replay = [{"type": "http.request", "body": bytes(body), "more_body": False}]
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY:
+            break
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    body, sent = b"".join(chunks), {"done": False}
 
-    async def receive_again() -> dict:
-        return replay.pop() if replay else await receive()
+    async def replay() -> dict:
+        if not sent["done"]:
+            sent["done"] = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
 
-    return bytes(body), receive_again
+    return body, replay
 
 
 async def _answer(send: Any, code: int, body: dict[str, Any]) -> None:
@@ -476,5 +520,5 @@ async def _answer(send: Any, code: int, body: dict[str, Any]) -> None:
     await send({"type": "http.response.body", "body": data})
 
 
-__all__ = ["FENCED", "HEADER", "EngineLease", "LeaseBook", "Open", "ReshardLeaseMiddleware", "outcome", "parse_grant",
+__all__ = ["FENCED", "HEADER", "LeaseBook", "Open", "ReshardLeaseMiddleware", "ThreadedLease", "outcome", "parse_grant",
            "refit_call"]

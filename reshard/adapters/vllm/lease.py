@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ...errors import ArgumentError, ExecutionError, ReshardError
+from ...untrusted import parse_json
 from ..lease_keeper import HEADER as _HEADER, ROUTE
 
 HEADER = _HEADER.lower().encode()
@@ -90,7 +91,7 @@ def refit_call(route: str, body: bytes) -> tuple[str, dict[str, Any] | None]:
         if route == "/collective_rpc" and payload.get("method") == "reshard_update":
             info = (payload.get("args") or [""])[0]
             return "/update_weights", json.loads(info) if info else {}  # (empty: transfer and install)
-    except (ValueError, AttributeError, TypeError, IndexError):
+    except (ValueError, AttributeError, TypeError, IndexError, RecursionError):  # (deep nesting: unreadable too)
         pass
     return route, None
 
@@ -234,10 +235,8 @@ def parse_grant(body: bytes) -> tuple[str, float, bool]:
     """The lease request's fields, validated (untrusted input); ArgumentError names what is wrong."""
     if not isinstance(body, (bytes, bytearray)) or len(body) > MAX_BODY:
         raise ArgumentError("body", body, f"must be at most {MAX_BODY} bytes of JSON")
-    try:
-        value = json.loads(bytes(body) or b"{}")
-    except ValueError as e:
-        raise ArgumentError("body", bytes(body[:200]), f"is not JSON ({e})") from None
+    # the package's one strict reader: repeated keys, NaN and deep nesting are refused as well as broken JSON
+    value = parse_json(bytes(body) or b"{}", ArgumentError, "body", bytes(body[:200]))
     if not isinstance(value, dict):
         raise ArgumentError("body", value, "must be a JSON object")
     unknown = sorted(set(value) - {"holder", "ttl", "release"})

@@ -142,10 +142,14 @@ def megatron_run(spec: ModelSpec, tiny: dict[str, Any]) -> tuple[MegatronLayout,
     from safetensors.torch import load_file
 
     from ..testing.megatron_cpu import run_ranks
+    from .megatron_side import gpt_numerics
 
     # two ranks: TP=2 cuts every dense tensor; MoE experts go by EP=2 (expert TP 1), so ranks hold others
     spec = spec.model_copy(update={"dtype": "float32"})
     layout = MegatronLayout(model=spec, tp=2, **({"ep": 2, "etp": 1} if spec.is_moe else {}))
+    # an HF setting with no megatron-core equivalent raises Unmapped here, in this process (the stage: "not run");
+    # raised in the ranks, it would only reach this process as a failed rank
+    gpt_numerics(layout, tiny)
     with tempfile.TemporaryDirectory(prefix="reshard_hf_parity_") as tmp:
         run_ranks(layout.world, _parity_rank, layout.model_dump_json(), json.dumps(tiny), tmp)
         weights = load_file(str(Path(tmp, "model.safetensors")))

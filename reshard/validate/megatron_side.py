@@ -222,9 +222,7 @@ def build_gpt(layout: MegatronLayout, hf: dict[str, Any] | None = None, init_std
         raise ValueError("the CPU build uses megatron-core's default rank order")
     init_parallel(layout.tp, layout.pp, layout.ep, layout.etp)
     spec = layout.model
-    if hf and isinstance(hf.get("text_config"), dict):  # a multimodal wrapper: the language model's numerics
-        hf = {**hf, **hf["text_config"]}
-    config = transformer_config(spec, layout.tp, layout.pp, layout.ep, layout.etp, hf, init_std)
+    config, rope = gpt_numerics(layout, hf, init_std)
     if family(spec.family).megatron_block == "gated_delta_net":
         block = _gdn_block_spec(config)
     else:
@@ -235,13 +233,27 @@ def build_gpt(layout: MegatronLayout, hf: dict[str, Any] | None = None, init_std
         attn = layer.submodules.self_attention
         if attn.module.__name__ == "MLASelfAttention":
             attn.submodules.core_attention = mla_core_attention()
-    theta, scaling = _rope(hf) if hf and not config.multi_latent_attention else (10000.0, {})
     torch.manual_seed(0)
     return GPTModel(config=config, transformer_layer_spec=block, vocab_size=layout.padded_vocab,
                     max_sequence_length=128, pre_process=ps.is_pipeline_first_stage(),
                     post_process=ps.is_pipeline_last_stage(),
                     share_embeddings_and_output_weights=spec.tie_word_embeddings, position_embedding_type="rope",
-                    rotary_base=theta, **scaling).eval()
+                    **rope).eval()
+
+
+def gpt_numerics(layout: MegatronLayout, hf: dict[str, Any] | None = None,
+                 init_std: float = 0.02) -> tuple[Any, dict[str, Any]]:
+    """(megatron-core config, GPTModel's rope arguments) of `layout` with the HF config `hf`'s numerics; needs no
+    parallel state, so a caller can learn in its own process whether the ranks can build the model.
+
+    Raises:
+        Unmapped: an HF setting with no megatron-core equivalent here.
+    """
+    if hf and isinstance(hf.get("text_config"), dict):  # a multimodal wrapper: the language model's numerics
+        hf = {**hf, **hf["text_config"]}
+    config = transformer_config(layout.model, layout.tp, layout.pp, layout.ep, layout.etp, hf, init_std)
+    theta, scaling = _rope(hf) if hf and not config.multi_latent_attention else (10000.0, {})
+    return config, {"rotary_base": theta, **scaling}
 
 
 # --- megatron layout: names and shapes -------------------------------------------------------------------

@@ -224,3 +224,18 @@ def test_unknown_architecture_lists_the_supported_ones():
     results = validate({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, stages=["round trip"])
     assert results[0].status == FAIL and "DeepseekV3ForCausalLM" in results[0].detail
     assert results[1].status == NOT_RUN
+
+
+@pytest.mark.megatron
+def test_hf_parity_stage_says_not_run_for_a_setting_megatron_core_cannot_build(tmp_path):
+    """A config whose rope scaling (YaRN) has no megatron-core GPTModel equivalent here: the stage says "not run"
+    and names the setting, rather than failing in its ranks (it did: the refusal was raised in the rank
+    processes, and reached the stage as a failed rank)."""
+    import json
+
+    config = read_hf_config(CONFIGS["qwen3"])
+    path = tmp_path / "config.json"
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    path.write_text(json.dumps({**config, "rope_scaling": yarn}))
+    r = _one(str(path), "hf parity")
+    assert r.status == NOT_RUN and "has no megatron-core GPTModel equivalent" in r.detail, r.detail

@@ -163,8 +163,10 @@ class TwoHosts:
 
 
 def _wait_ray(host: Host, python: str, address: str, nodes: int, process: subprocess.Popen,
-              env: dict[str, str], timeout: float = 120.0) -> None:
-    """Until the cluster at `address` has `nodes` live nodes (asked from a driver on `host`)."""
+              env: dict[str, str], timeout: float = 240.0) -> None:
+    """Until the cluster at `address` has `nodes` live nodes (asked from a driver on `host`). A probe that does not
+    answer is asked again: on a loaded 2-core machine one hung past 60 s while the head node was starting (CI's
+    timing is not what this waits for)."""
     probe = ("import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "
              "print(sum(n['Alive'] for n in ray.nodes()))")
     deadline = time.monotonic() + timeout
@@ -172,7 +174,12 @@ def _wait_ray(host: Host, python: str, address: str, nodes: int, process: subpro
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"a Ray node process exited with {process.returncode} while the cluster formed")
-        done = host.run([python, "-c", probe, address], timeout=60, env=env)
+        wait = max(5.0, min(60.0, deadline - time.monotonic()))
+        try:
+            done = host.run([python, "-c", probe, address], timeout=wait, env=env)
+        except subprocess.TimeoutExpired:
+            last = [f"a probe had no answer within {wait:.0f} s"]
+            continue
         last = (done.stdout + done.stderr).strip().splitlines()[-1:] or [""]
         if done.returncode == 0 and done.stdout.strip().splitlines()[-1:] == [str(nodes)]:
             return

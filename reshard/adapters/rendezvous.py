@@ -117,11 +117,12 @@ class Rendezvous:
         return f"reshard/{self.refit_id}/{self.proof('namespace')[:32]}/"
 
 
-def host_store(rdv: Rendezvous) -> tuple[Rendezvous, Any]:
-    """Host the refit's store at `rdv.address` (port 0: a free one); the rendezvous with its port, and the store."""
+def host_store(rdv: Rendezvous, store: Any = None) -> tuple[Rendezvous, Any]:
+    """Host the refit's store at `rdv.address` (port 0: a free one); the rendezvous with its port, and the store.
+    `store`: one this process already hosts at that address, which then holds this refit's keys too."""
     try:
-        store = dist.TCPStore(rdv.host, rdv.port, None, True, timedelta(seconds=rdv.timeout),
-                              wait_for_workers=False)
+        store = store if store is not None else dist.TCPStore(rdv.host, rdv.port, None, True,
+                                                              timedelta(seconds=rdv.timeout), wait_for_workers=False)
     except Exception as e:  # noqa: BLE001 - the store raises several types
         raise ExecutionError(f"cannot host the refit's store at {rdv.address}: {e}") from e
     bound = Rendezvous(rdv.host, int(store.port), rdv.refit_id, rdv.secret, rdv.timeout)

@@ -62,7 +62,8 @@ class TrainerSession:
         tensors: this process's source tensors ({physical name: tensor}, or {source rank: {...}}).
         engines: on process 0, the engines to refit (replica k = engines[k]); other processes pass none.
         trainer_group: a torch.distributed group of the trainer processes, to share process 0's rendezvous.
-        rendezvous: an `adapters.rendezvous.Rendezvous`, the same on every process (instead of `trainer_group`).
+        rendezvous: an `adapters.rendezvous.Rendezvous`, the same on every process (instead of `trainer_group`):
+            process 0 hosts the store at its address (a fixed port), the others wait for it there within its timeout.
         host: the address process 0's store binds to (None: this host's routable address, reshard.addresses).
         pause: vLLM's /pause mode: "wait" drains the requests in flight, "keep" freezes them, "abort" aborts
             them; None: not paused.
@@ -74,7 +75,8 @@ class TrainerSession:
             freezes, the engine ends the open update within `lease` and serves its previous weights. None: none.
 
     Raises:
-        ArgumentError: an argument of the wrong type or an impossible value (pause_for="flip" without staging).
+        ArgumentError: an argument of the wrong type or an impossible value (pause_for="flip" without staging, a
+            rendezvous at port 0 without trainer_group).
         ExecutionError: a process that is not a source rank of the plan, engines given to another process than
             0, or `lora_ids` that do not fit the engines.
     """
@@ -100,6 +102,9 @@ class TrainerSession:
                                     f"one lacks {missing}")
         instance("trainer_group", trainer_group, dist.ProcessGroup, "a torch.distributed ProcessGroup", none=True)
         instance("rendezvous", rendezvous, rv.Rendezvous, "an adapters.rendezvous.Rendezvous", none=True)
+        if rendezvous is not None and trainer_group is None and rendezvous.port == 0:
+            raise ArgumentError("rendezvous", rendezvous, "needs a fixed port without trainer_group: the other "
+                                "processes dial the address they were given, not the one process 0's store binds")
         text("host", host, none=True)
         text("pause", pause, none=True, choices=("wait", "abort", "keep"))
         text("pause_for", pause_for, choices=("refit", "flip"))
@@ -118,6 +123,7 @@ class TrainerSession:
         self.pause_for = pause_for
         self.given_rendezvous, self.host, self.timeout = rendezvous, host, timeout
         self.rendezvous, self.store, self.version = None, None, 0
+        self.hosted: Any = None  # process 0's store at a given rendezvous, kept across inits (_meet)
         self.executor: Executor | None = None
         self.generation = 0  # inits so far: each meets under a refit id of its own
         self.followed: list[dict[str, Any]] = []  # EPLB placements followed (adapters.placement_follow)
@@ -230,10 +236,32 @@ class TrainerSession:
         if rdv is None:
             raise ExecutionError("trainer processes other than 0 need the rendezvous: pass trainer_group (it is "
                                  "shared from process 0) or the same `rendezvous` on every process")
-        if self.store is None:
-            self.store = rv.host_store(rdv)[1] if self.process == 0 else rv.connect(rdv)
+        if self.store is None and self.process == 0:
+            # kept across inits: a process that begins the next init first finds this store and waits in it for
+            # the new refit id's keys, where a store hosted anew at the same address would drop its connection
+            self.store = self.hosted = rv.host_store(rdv, self.hosted)[1]
+        elif self.store is None:  # shared over trainer_group: hosted already, so an unreachable one fails at once
+            self.store = rv.connect(rdv) if self.trainer_group is not None else self._dial(rdv)
         self.rendezvous = rdv
         return rdv
+
+    def _dial(self, rdv: rv.Rendezvous) -> Any:
+        """A process other than 0 given the rendezvous: process 0's store, waited for within the rendezvous's
+        timeout (nothing orders the processes' inits: this one may come before process 0 hosts it)."""
+        stores: list[Any] = []
+        failed: list[ExecutionError] = []
+
+        def reached() -> bool:
+            try:
+                stores.append(rv.connect(rdv))  # refused at once while nothing listens there: tried again
+            except ExecutionError as e:
+                failed[:] = [e]
+            return bool(stores)
+
+        if not poll(reached, time.monotonic() + rdv.timeout, first_s=0.01, most_s=0.25):
+            raise ExecutionError(f"trainer process {self.process}: process 0 did not host the given rendezvous "
+                                 f"within {rdv.timeout:.0f} s: {failed[-1]}")
+        return stores[0]
 
     def _fail_rendezvous(self, reason: str) -> None:
         if self.store is not None and self.rendezvous is not None:
@@ -445,7 +473,7 @@ class TrainerSession:
         self._close_executor()
         if not self.refit_spec.cross_process:
             withdraw_source(str(self.refit_spec.options.get("key", "default")))
-        self.store = None
+        self.store = self.hosted = None
 
 
 __all__ = ["EngineClient", "RefitResult", "TrainerSession"]

@@ -11,7 +11,8 @@ verl's real `CheckpointEngineManager` drives the backend between:
 - rollout workers: verl's `CheckpointEngineWorker` with a server adapter that stands in for vLLM's: it holds the
   checkpoint transformers saved for the same model and copies each received tensor into it, refusing an unknown
   name or shape and a refit that misses a tensor, records what each update was handed, and sets verl's version
-  only after a complete update (as vLLM's adapter calls `set_global_steps`);
+  only after a complete update (as vLLM's adapter calls `set_global_steps`); tests make it wait at, or raise on,
+  a chosen tensor of an update (a slow or a failing load);
 - replicas: verl's `RolloutReplica` without servers (nothing to abort or resume on CPU).
 Imports verl and Ray (megatron-core for the megatron model); run in the verl virtualenv.
 """
@@ -260,7 +261,9 @@ class CheckpointAdapter(BaseRollout):
         self.version: int | None = None
         # per update_weights: its step, the names received in order, whether it completed, when it ended
         self.calls: list[dict[str, Any]] = []
-        self.hold: str | None = None  # a path: each update waits at its first tensor until the file exists
+        self.hold: str | None = None  # a path: each update waits at one tensor until the file exists
+        self.hold_at = 0  # that tensor's position in the update (0: its first)
+        self.fail_at: int | None = None  # an update raises when handed the tensor at this position (None: never)
 
     async def update_weights(self, weights, global_steps: int | None = None, **kwargs: Any) -> None:
         got = set()
@@ -270,9 +273,12 @@ class CheckpointAdapter(BaseRollout):
             async for name, tensor in weights:
                 call["names"].append(name)
                 deadline = time.monotonic() + 60
-                while self.hold and len(call["names"]) == 1 and not Path(self.hold).exists() \
+                while self.hold and len(call["names"]) == self.hold_at + 1 and not Path(self.hold).exists() \
                         and time.monotonic() < deadline:
                     await asyncio.sleep(0.02)  # as a slow load would, without blocking the worker's event loop
+                if self.fail_at == len(call["names"]) - 1:  # as vLLM's load_weights may (a device error, OOM)
+                    raise RuntimeError(f"load_weights failed on {name} (tensor {self.fail_at} of the update: a "
+                                       f"fault the test injected)")
                 have = self.weights.get(name)
                 if have is None or have.shape != tensor.shape or have.dtype != tensor.dtype:
                     raise ValueError(f"load_weights: {name} {tuple(tensor.shape)} {tensor.dtype} is not a parameter "
@@ -312,9 +318,16 @@ class RolloutWorker(CheckpointEngineWorker):
         return adapter.version, {name: digest(t) for name, t in adapter.weights.items()}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def hold(self, path: str | None) -> None:
-        """Make the server adapter wait, at the first tensor of each update, until `path` exists (None: never)."""
-        self.server_adapter.hold = path
+    def hold(self, path: str | None, at: int = 0) -> None:
+        """Make the server adapter wait, at the tensor in position `at` of each update (0: its first), until `path`
+        exists (None: never)."""
+        self.server_adapter.hold, self.server_adapter.hold_at = path, at
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def fail_at(self, position: int | None) -> None:
+        """Make the server adapter raise when handed the tensor in `position` of an update, before loading it, and
+        leave the weights generator there, as an adapter's `async for` does (None: never)."""
+        self.server_adapter.fail_at = position
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def moved(self) -> list[tuple[int, int]]:

@@ -128,6 +128,92 @@ def test_delta_refits_move_only_the_changes(cluster):
         cluster.reconfigure(ce(cluster))
 
 
+def until_ended(cluster, rank: int, step: int, deadline: float) -> dict:
+    """Rollout rank `rank`'s server-adapter call for `step` once it ended (or, at the deadline, as it stands)."""
+    import ray
+
+    while True:
+        call = [c for c in ray.get(cluster.rollouts.workers[rank].calls.remote(), timeout=30) if c["step"] == step]
+        if (call and call[-1]["ended"] is not None) or time.monotonic() > deadline:
+            return call[-1] if call else {}
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("staging,options", [("bucket", {}), ("model", {"delta": 3})], ids=["bucket", "model-delta"])
+def test_an_adapter_failing_on_the_last_group_fails_its_own_update_only(cluster, tmp_path: Path, staging, options):
+    """Rollout rank 0's server adapter raises when handed the refit's last tensor (as vLLM's load_weights may),
+    after the trainers' end-of-stream verdict: by then every process has moved every group and agreed on it.
+    Rank 0 did not load the whole version, so verl's caller (the manager's update_weights) raises with the
+    adapter's error and rank 0 keeps reporting its previous version (verl's adapters set the new one only after a
+    complete update). The other ranks have every group and every agreement: they load the whole version and report
+    it, even one still handing on an earlier group when rank 0 failed ("bucket": rank 1 held at the second-to-last
+    group until then). A stop after the verdict fails no other process: the backend posts no failure then (as
+    NeMo-RL's; before the shared pipeline verl's posted one, which failed a rank still waiting for the verdict).
+    The next refit is whole everywhere; with delta it is a delta (no keyframe): rank 0's staging buffers hold the
+    version every process agreed on, so what the backend knows of them stays true."""
+    import ray
+
+    from reshard.integrations.groups import tensor_groups
+
+    cluster.reconfigure(ce(cluster, staging=staging, **options))
+    culprit, late = cluster.rollouts.workers[0], cluster.rollouts.workers[1]
+    try:
+        cluster.trainers.train_step(30)
+        cluster.refit(30)
+        before = check_served(cluster, 30)
+        names = cluster.rollouts.calls()[1][-1]["names"]  # the order every rank is handed the tensors in
+        groups = tensor_groups(vc.ModelSpec.from_hf_config(cluster.checkpoint), 1 << 20)  # the engines' (1 MiB)
+        where = {name: k for k, group in enumerate(groups) for name in group}
+        starts = [i for i, n in enumerate(names) if i == 0 or where[n] != where[names[i - 1]]]  # each group's first
+        assert len(starts) == len(groups) > 2, starts
+        go = tmp_path / "go"
+        ray.get(culprit.fail_at.remote(len(names) - 1))  # rank 0: the last group, past the verdict
+        if staging == "bucket":  # rank 1: before its verdict until rank 0 has failed (its thread moves the last)
+            ray.get(late.hold.remote(str(go), starts[-2]))
+        cluster.trainers.train_step(31)
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                cluster.refit(31)
+            except BaseException as e:  # noqa: BLE001 - examined below
+                errors.append(e)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        failed = until_ended(cluster, 0, 31, time.monotonic() + 120)
+        time.sleep(1.0)  # room for a failure posted on rank 0's stop to reach the store, were one posted
+        go.touch()
+        touched = time.monotonic()  # (the workers' clock too: one host)
+        thread.join(OPTIONS["timeout"] * 2)
+        assert not thread.is_alive(), "the refit did not end"
+        assert failed.get("ended") is not None and failed["ended"] < touched, "rank 0's adapter did not fail"
+        assert errors and "load_weights failed on" in str(errors[0]), "verl's caller was not told: " + str(errors)
+        expected = cluster.expected()
+        calls = [failed] + [until_ended(cluster, r, 31, time.monotonic() + 60) for r in range(1, ROLLOUTS)]
+        served = cluster.served()
+        # rank 0: handed every tensor, the last not loaded; still reports step 30 (what it loaded is step 31's)
+        assert not failed["ok"] and failed["names"] == names, failed
+        version, digests = served[0]
+        assert version == 30, f"rollout rank 0 reports step {version} after its adapter failed"
+        assert all(digests[n] == expected[n] for n in names[:-1]) and digests[names[-1]] == before[0][1][names[-1]]
+        if staging == "bucket":  # rank 1 was still before its verdict when rank 0 failed
+            assert calls[1]["ended"] > touched, calls[1]
+        for r in range(1, ROLLOUTS):  # the refit stands there: whole, and reported
+            assert calls[r].get("ok"), f"rollout rank {r}'s update failed after rank 0's adapter stopped past the " \
+                                       f"verdict: {calls[r]}"
+        check_served(cluster, 31, ranks=range(1, ROLLOUTS))
+        ray.get([culprit.fail_at.remote(None), late.hold.remote(None)])
+        cluster.trainers.train_step(32)
+        metrics = cluster.refit(32)
+        check_served(cluster, 32)
+        if options.get("delta"):
+            assert all(metrics[f"reshard/trainer{p}/keyframe_groups"] == 0 for p in range(TRAINERS)), metrics
+    finally:
+        ray.get([culprit.fail_at.remote(None), late.hold.remote(None)])
+        cluster.reconfigure(ce(cluster))
+
+
 def old_or_new(served, before, expected) -> list[str]:
     """The tensors a rollout rank serves that are neither its previous bytes nor the new version's ("bucket"
     staging: a failed refit leaves some groups of the new version loaded, the rest old)."""

@@ -128,6 +128,22 @@ def test_delta_refits_move_only_the_changes(cluster):
         cluster.reconfigure(ce(cluster))
 
 
+def refit_in_background(cluster, step: int) -> tuple[threading.Thread, list[BaseException]]:
+    """Start `cluster.refit(step)` on a thread (the test meanwhile acts on the workers); what it raised, once joined,
+    lands in the returned list."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            cluster.refit(step)
+        except BaseException as e:  # noqa: BLE001 - examined by the caller
+            errors.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, errors
+
+
 def until_ended(cluster, rank: int, step: int, deadline: float) -> dict:
     """Rollout rank `rank`'s server-adapter call for `step` once it ended (or, at the deadline, as it stands)."""
     import ray
@@ -171,16 +187,7 @@ def test_an_adapter_failing_on_the_last_group_fails_its_own_update_only(cluster,
         if staging == "bucket":  # rank 1: before its verdict until rank 0 has failed (its thread moves the last)
             ray.get(late.hold.remote(str(go), starts[-2]))
         cluster.trainers.train_step(31)
-        errors: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                cluster.refit(31)
-            except BaseException as e:  # noqa: BLE001 - examined below
-                errors.append(e)
-
-        thread = threading.Thread(target=run)
-        thread.start()
+        thread, errors = refit_in_background(cluster, 31)
         failed = until_ended(cluster, 0, 31, time.monotonic() + 120)
         time.sleep(1.0)  # room for a failure posted on rank 0's stop to reach the store, were one posted
         go.touch()
@@ -250,16 +257,7 @@ def test_rollout_killed_mid_refit(cluster, tmp_path: Path):
     reached, go = tmp_path / "reached", tmp_path / "go"
     cluster.trainers.set_fault({"kind": "wait", "at": 10, "reached": str(reached), "go": str(go)}, 0)
     cluster.trainers.train_step(12)
-    errors: list[BaseException] = []
-
-    def run():
-        try:
-            cluster.refit(12)
-        except BaseException as e:  # noqa: BLE001 - examined below
-            errors.append(e)
-
-    thread = threading.Thread(target=run)
-    thread.start()
+    thread, errors = refit_in_background(cluster, 12)
     deadline = time.monotonic() + 120
     while not reached.exists() and time.monotonic() < deadline:
         time.sleep(0.1)

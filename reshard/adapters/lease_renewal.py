@@ -94,15 +94,19 @@ class LeaseRenewal:
 
     @property
     def error(self) -> str | None:
-        """Why the lease may have lapsed: a renewer's last round failed and its last grant is a ttl old; else None.
+        """Why the lease may have lapsed: a renewer's last grant is a ttl old (its last round failed, or the keeper
+        process went silent); else None.
 
         A round that failed inside the lease (a server slow to answer under load) is no error yet: the engine still
         holds the lease, and one that lapses fences the driver, whose later calls it then refuses."""
+        keeper = self.keeper  # (None once stopped, by another thread)
         for source, failure in self.failures.items():
             age = time.monotonic() - self.renewed[source]
-            if failure is not None and age >= self.ttl:
+            silent = source == "keeper" and keeper is not None  # (the thread reports a round even with no engine)
+            if (failure is not None or silent) and age >= self.ttl:
+                why = failure or f"the lease keeper process (PID {keeper.pid}) reported no renewal (starved?)"
                 return (f"the driver's lease could not be renewed for {age:.0f} s (a lease of {self.ttl:g} s: it "
-                        f"may have lapsed): {failure}")
+                        f"may have lapsed): {why}")
         return None
 
     def _run(self) -> None:

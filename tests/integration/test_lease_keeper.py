@@ -171,3 +171,20 @@ def _wait_for(predicate, timeout: float) -> bool:
             return True
         time.sleep(0.05)
     return bool(predicate())
+
+
+def test_a_silent_keeper_is_named_once_the_lease_may_have_lapsed(server):
+    """A keeper that reports nothing (starved; stopped here) is named as the reason once its last renewal is a lease
+    old: the driver's refit then says why the engine may refuse it."""
+    ttl = 2.0
+    renewal = LeaseRenewal([server], "driver0a", ttl)
+    try:
+        assert _wait_for(lambda: server.heard, 30.0), "the keeper never renewed"
+        assert _wait_for(lambda: renewal.error is None, 30.0), renewal.error  # renewed: no error
+        os.kill(renewal.keeper.pid, signal.SIGSTOP)
+        assert _wait_for(lambda: renewal.error is not None, 30.0), "a silent keeper went unnoticed"
+        assert f"PID {renewal.keeper.pid}" in renewal.error and "reported no renewal" in renewal.error, renewal.error
+        os.kill(renewal.keeper.pid, signal.SIGCONT)  # heard again: the next renewed round clears it
+        assert _wait_for(lambda: renewal.error is None, 30.0), renewal.error
+    finally:
+        renewal.stop()

@@ -34,10 +34,11 @@ from .binding import Binding
 from .checksum import algorithm, fixed_digest, mismatch
 from .copies import DST, PEER, SHADOW, SRC, Copies, Memory, view_copies
 from .delta import DeltaPolicy, VotedDelta
-from .exchange import Exchange, StoreExecutor, same_refit
+from .exchange import Exchange, same_refit
 from .preflight import check_ops
 from .reference import torch_dtype
 from .partition import Partition, Prepared
+from .voted import VotedExecutor
 
 _SHM_DIR = "/dev/shm"
 # reshard-<creator pid>-<start time, ticks after boot>-<pid namespace inode>-<128 random bits> (reclaim_segments
@@ -260,7 +261,7 @@ def open_handle(h: dict[str, Any], dtype: torch.dtype, device: torch.device, seg
 
 # --- the executor -----------------------------------------------------------------------------------------
 
-class SharedExecutor(StoreExecutor):
+class SharedExecutor(VotedExecutor):
     """One process's part of a plan between processes of one host (see the module docstring).
 
     Args:

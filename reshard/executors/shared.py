@@ -348,15 +348,10 @@ class SharedExecutor(VotedExecutor):
     def _bind_programs(self) -> None:
         """Copy programs bound to this process's memory and its peers' (executors.copies), made once."""
         part = self.part
+        flats = {SRC: self.src_flat, DST: self.dst_flat, SHADOW: self._landing}  # SHADOW: my landing memory
 
         def flat(kind: int, i: int) -> torch.Tensor:
-            if kind == SRC:
-                return self.src_flat[i]
-            if kind == DST:
-                return self.dst_flat[i]
-            if kind == SHADOW:  # this process's landing memory (staged: a staging copy)
-                return self._landing[i]
-            return self._peer_landing[(kind - PEER, i)]
+            return flats[kind][i] if kind in flats else self._peer_landing[(kind - PEER, i)]
 
         memory = Memory(flat, self.itemsize)
         self._send_programs = {q: view_copies(part.copies(ops, SRC, PEER + q), memory, self.itemsize)

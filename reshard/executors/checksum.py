@@ -136,14 +136,10 @@ class Sum64Program:
         self._k = Sum64Launches(blocks)
         self._run = Replay(self._k.launch, single_cuda_device(blocks))
 
-    def digest(self) -> bytes:
-        """The blocks' "sum64" digest now (count and three sums, 32 bytes little-endian)."""
-        self._run()
-        return _pack(self._k.count, [int(v) for v in self._k.sums().tolist()])
-
     def hexdigest(self) -> str:
-        """`digest` as hex."""
-        return self.digest().hex()
+        """The blocks' "sum64" digest now (count and three sums, 32 bytes little-endian), as hex."""
+        self._run()
+        return _pack(self._k.count, [int(v) for v in self._k.sums().tolist()]).hex()
 
 
 def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -153,7 +153,7 @@ def _sections(plan, op: np.ndarray, enc: np.ndarray, count: np.ndarray, digest_b
     """Byte offsets of a payload's sections (module docstring) and its total length."""
     o, size = plan.ops, plan.itemsize
     box = o["rows"][op] * o["cols"][op]
-    at = {"entries": 8 * HEADER_WORDS}
+    at = {"header": 0, "entries": 8 * HEADER_WORDS}
     at["digest"] = at["entries"] + 24 * len(op)
     at["index"] = at["digest"] + _pad(digest_bytes)
     at["bitmap"] = at["index"] + _pad(4 * count[enc == SPARSE].sum())
@@ -223,22 +223,17 @@ class Sender:
             enc = choose(box, count, size)
             keep = np.flatnonzero(count > 0)
             op, enc, count = ops[keep], enc[keep], np.where(enc[keep] == DENSE, box[keep], count[keep])
-            at = _sections(self.plan, op, enc, count, len(digest))
-            payload = torch.zeros(at["total"], dtype=torch.uint8, device=device)
-            header = np.asarray([MAGIC, FORMAT, self.base, version, len(op), size, len(digest), 0], dtype=np.uint64)
-            payload[:8 * HEADER_WORDS] = torch.from_numpy(header.view(np.uint8)).to(device)
-            payload[at["entries"]:at["digest"]] = torch.from_numpy(
-                np.stack([op, enc, count], axis=1).astype(np.int64).reshape(-1).view(np.uint8)).to(device)
-            if digest:
-                payload[at["digest"]:at["digest"] + len(digest)] = torch.frombuffer(bytearray(digest),
-                                                                                    dtype=torch.uint8)
-            pos = {name: at[name] for name in ("index", "bitmap", "values", "dense")}
+            pos = _sections(self.plan, op, enc, count, len(digest))
+            payload = torch.zeros(pos["total"], dtype=torch.uint8, device=device)
 
             def put(section: str, data: torch.Tensor) -> None:  # the next bytes of `section`, in data's shape
                 n = data.numel() * data.element_size()
                 payload.narrow(0, pos[section], n).view(data.dtype).view(data.shape).copy_(data)
                 pos[section] += n
 
+            put("header", torch.tensor([MAGIC, FORMAT, self.base, version, len(op), size, len(digest), 0]))
+            put("entries", torch.from_numpy(np.stack([op, enc, count], axis=1).astype(np.int64)))
+            put("digest", torch.tensor(list(digest), dtype=torch.uint8))
             indices = []
             for k, e in zip(keep.tolist(), enc.tolist()):
                 t, off, r, c, s = (x[k] for x in cols)

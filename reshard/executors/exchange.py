@@ -1,6 +1,6 @@
 """Set-up exchange and refit agreement of executors whose processes meet through a torch.distributed store (NIXL,
-shared memory), and `StoreExecutor`, what both write alike. Values are bytes (NIXL's agent metadata) or JSON (never
-pickle), under reshard-<transport>/<namespace>/:
+shared memory; their refit: executors.voted). Values are bytes (NIXL's agent metadata) or JSON (never pickle),
+under reshard-<transport>/<namespace>/:
 
   md/<p>, book/<p>  process p's blob, and what it runs and how peers address its memory
   setup/fail        the first failed set-up's reason; setup/left/<p>: p is done with set-up (success or not)
@@ -8,17 +8,12 @@ pickle), under reshard-<transport>/<namespace>/:
 """
 from __future__ import annotations
 
-import abc
 import json
 import time
 from typing import Any, Callable
 
-import torch
-
 from ..errors import ExecutionError
 from ..polling import poll
-from .reference import apply_shifts
-from .voted import VotedExecutor
 
 PROTOCOL = 1
 
@@ -207,72 +202,3 @@ def same_refit(process: int, peer: int, theirs: dict[str, Any], mine: dict[str, 
         problems.append(f"the book published for process {peer} is process {theirs.get('process')}'s")
     if problems:
         raise ExecutionError(f"process {peer} does not run the same refit{hint}:\n  - " + "\n  - ".join(problems))
-
-
-class StoreExecutor(VotedExecutor):
-    """What the executors meeting through an `Exchange` (shared memory, NIXL) write alike: a delta refit
-    (`_delta`, an executors.delta.VotedDelta, or None) before the dense path, the commit (`_commit_program`,
-    `_shifts`, then a GPU sync), the store keys a finished version drops and the stats. A subclass adds its wire:
-    `_move` (a dense refit's bytes), `_keys` and `_dense_stats`; it sets `part`, `device`, `itemsize`, `checksum`."""
-
-    _delta: Any = None
-    _dirty = True  # copies may be in flight on the GPU (the caller's, at first)
-
-    @property
-    def last_delta(self) -> Any:
-        """What this process sent in the last refit, with the `delta` option (executors.delta.DeltaReport)."""
-        return None if self._delta is None else self._delta.last
-
-    def _transfer(self, v: int, deadline: float) -> None:
-        if self._delta is not None and not self._delta.keyframe(v, deadline):
-            self._delta.transfer(v, deadline)
-        else:
-            self._move(v, deadline)
-
-    @abc.abstractmethod
-    def _move(self, v: int, deadline: float) -> None:
-        """Land this process's bytes of dense refit `v` by `deadline`."""
-
-    def _run(self, program: Any, sync: bool = False) -> None:
-        """Run a copy program (executors.copies); `sync`: then wait for the GPU (a peer may read what it wrote)."""
-        if len(program):
-            with torch.no_grad():
-                program.run()
-            self._dirty = True
-        if sync:
-            self._sync()
-
-    def _sync(self) -> None:
-        """Wait for this process's copies on the GPU before a peer may read what they wrote."""
-        if self.device.type == "cuda" and self._dirty:
-            torch.cuda.synchronize(self.device)
-        self._dirty = False
-
-    def _commit(self) -> None:
-        if self._delta is not None and self._delta.commit():
-            return
-        self._run(self._commit_program)
-        apply_shifts(self._shifts)
-        self._dirty = self._dirty or bool(self._shifts)
-        self._sync()
-
-    @abc.abstractmethod
-    def _keys(self, previous: int) -> tuple[str, ...]:
-        """Refit `previous`'s store keys of the transport's own, dropped once every process is past it."""
-
-    def _forget(self, previous: int) -> None:
-        self.exchange.forget(previous, self._keys(previous)
-                             + (self._delta.keys(previous) if self._delta is not None else ()))
-
-    def _stats(self, v: int, seconds: float, phases: dict[str, float]) -> Any:
-        if self._delta is not None and not self._delta.last.keyframe:
-            return self._delta.stats(v, seconds, phases, self.staged)
-        part = self.part
-        return self._dense_stats(executor=self.name, process=self.process, version=v, seconds=seconds, phases=phases,
-                                 staged=self.staged, ops=len(part.landing), bytes_sent=dict(part.bytes_sent),
-                                 bytes_received=dict(part.bytes_received),
-                                 local_bytes=part.local_numel * self.itemsize, checksum=self.checksum or "")
-
-    @abc.abstractmethod
-    def _dense_stats(self, **common: Any) -> Any:
-        """The RefitStats of a dense refit: `common` (what every transport counts alike) and the transport's own."""

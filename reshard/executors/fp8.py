@@ -290,10 +290,8 @@ class DirectQuantizer(_QuantizeJobs):
             if x2 is None or q2 is None:
                 self.why = f"{sn} or {dn}: a stack's matrices split blocks"
                 return
-            a = _rect(int(o["src_offset"][i]) * ratio, int(o["src_stride"][i]) * ratio, int(o["rows"][i]),
-                      int(o["cols"][i]) * ratio, x2.shape[1])
-            b = _rect(int(o["dst_offset"][i]) * ratio, int(o["dst_stride"][i]) * ratio, int(o["rows"][i]),
-                      int(o["cols"][i]) * ratio, q2.shape[1])
+            a, b = (_rect(int(o[f"{side}_offset"][i]) * ratio, int(o[f"{side}_stride"][i]) * ratio, int(o["rows"][i]),
+                          int(o["cols"][i]) * ratio, t.shape[1]) for side, t in (("src", x2), ("dst", q2)))
             if a is None or b is None or a[2:] != b[2:] or \
                     tuple(s2.shape) != (-(-q2.shape[0] // bn), -(-q2.shape[1] // bk)):
                 self.why = f"op {i} ({sn} -> {dn}) is not a rectangle of both tensors"

@@ -99,14 +99,9 @@ class Pins:
         self.tensors = tuple(tensors)
         self.addresses = tuple(map(_data_ptr, self.tensors))
 
-    def moved(self) -> int:
-        """How many of the tensors' storages were replaced since."""
-        now = tuple(map(_data_ptr, self.tensors))
-        return 0 if now == self.addresses else sum(map(operator.ne, now, self.addresses))
-
     def check(self) -> None:
         """Raise ExecutionError if any pinned tensor's storage was replaced since."""
-        moved = self.moved()
-        if moved:
-            raise ExecutionError(f"{moved} bound tensors were replaced since the executor was made; update them in "
-                                 f"place, or make a new executor")
+        now = tuple(map(_data_ptr, self.tensors))
+        if now != self.addresses:
+            raise ExecutionError(f"{sum(map(operator.ne, now, self.addresses))} bound tensors were replaced since the "
+                                 f"executor was made; update them in place, or make a new executor")

@@ -34,10 +34,11 @@ from .binding import Binding
 from .checksum import algorithm, fixed_digest, mismatch
 from .copies import DST, PEER, SHADOW, SRC, Copies, Memory, view_copies
 from .delta import DeltaPolicy, VotedDelta
-from .exchange import Exchange, StoreExecutor, same_refit
+from .exchange import Exchange, same_refit
 from .preflight import check_ops
 from .reference import torch_dtype
 from .partition import Partition, Prepared
+from .voted import VotedExecutor
 
 _SHM_DIR = "/dev/shm"
 # reshard-<creator pid>-<start time, ticks after boot>-<pid namespace inode>-<128 random bits> (reclaim_segments
@@ -260,7 +261,7 @@ def open_handle(h: dict[str, Any], dtype: torch.dtype, device: torch.device, seg
 
 # --- the executor -----------------------------------------------------------------------------------------
 
-class SharedExecutor(StoreExecutor):
+class SharedExecutor(VotedExecutor):
     """One process's part of a plan between processes of one host (see the module docstring).
 
     Args:
@@ -347,15 +348,10 @@ class SharedExecutor(StoreExecutor):
     def _bind_programs(self) -> None:
         """Copy programs bound to this process's memory and its peers' (executors.copies), made once."""
         part = self.part
+        flats = {SRC: self.src_flat, DST: self.dst_flat, SHADOW: self._landing}  # SHADOW: my landing memory
 
         def flat(kind: int, i: int) -> torch.Tensor:
-            if kind == SRC:
-                return self.src_flat[i]
-            if kind == DST:
-                return self.dst_flat[i]
-            if kind == SHADOW:  # this process's landing memory (staged: a staging copy)
-                return self._landing[i]
-            return self._peer_landing[(kind - PEER, i)]
+            return flats[kind][i] if kind in flats else self._peer_landing[(kind - PEER, i)]
 
         memory = Memory(flat, self.itemsize)
         self._send_programs = {q: view_copies(part.copies(ops, SRC, PEER + q), memory, self.itemsize)

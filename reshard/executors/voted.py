@@ -1,25 +1,35 @@
-"""The refit of executors whose processes meet through a store and vote before they commit (NIXL, shared memory).
+"""The refit of executors whose processes meet through a store (executors.exchange) and vote before they commit
+(NIXL, shared memory).
 
-`refit` refuses a closed or earlier-failed executor, then `_transfer` (the executor's: land every byte, staged or
-in place, by the deadline), votes and waits for every process (exchange.Exchange), `_commit`s and `_forget`s the
-finished version's keys. A failure before the commit is published so the others stop waiting, leaves the executor
-unusable, and is raised as one ExecutionError naming version, process, plan, reason and what the destination holds.
+`refit` refuses a closed or earlier-failed executor, then `_transfer`s (a delta refit where `_delta`, an
+executors.delta.VotedDelta, is set and the refit is no keyframe; else the transport's `_move`: land every byte,
+staged or in place) by the deadline, votes and waits for every process (exchange.Exchange), `_commit`s (the
+`_commit_program`, `_shifts`, then a GPU sync) and `_forget`s the finished version's keys. A failure before the
+commit is published so the others stop waiting, leaves the executor unusable, and is raised as one ExecutionError
+naming version, process, plan, reason and what the destination holds.
 """
 from __future__ import annotations
 
 import abc
 import time
+from typing import Any
+
+import torch
 
 from ..errors import ExecutionError, ReshardError
 from .base import Executor, RefitStats, phase_times
+from .reference import apply_shifts
 
 
 class VotedExecutor(Executor):
     """Base of the executors that vote on every refit through a store (module docstring). Subclasses set `label`,
-    and in their constructor `process`, `plan`, `exchange`, `num_processes`, `staged`, `timeout` and `poll_max_s`,
-    and call `_start_versions()`."""
+    and in their constructor `process`, `plan`, `exchange`, `num_processes`, `staged`, `timeout`, `poll_max_s`,
+    `part`, `device`, `itemsize` and `checksum`, and call `_start_versions()`; they add their wire: `_move` (a
+    dense refit's bytes), `_keys` and `_dense_stats`."""
 
     label = ""
+    _delta: Any = None
+    _dirty = True  # copies may be in flight on the GPU (the caller's, at first)
 
     def _start_versions(self) -> None:
         self._version, self._broken, self._closed = 0, None, False
@@ -28,6 +38,11 @@ class VotedExecutor(Executor):
     def version(self) -> int:
         """The last version this executor committed (0 before the first refit)."""
         return self._version
+
+    @property
+    def last_delta(self) -> Any:
+        """What this process sent in the last refit, with the `delta` option (executors.delta.DeltaReport)."""
+        return None if self._delta is None else self._delta.last
 
     def refit(self, version: int | None = None) -> RefitStats:
         """Move this process's part of one refit; every process of the binding calls it with the same version."""
@@ -59,13 +74,14 @@ class VotedExecutor(Executor):
                                  f"{self.plan.digest[:12]}): {reason}; {state}") from e
         self._commit()
         marks.append(("commit", time.perf_counter()))
-        self._forget(self._version)
+        self.exchange.forget(self._version, self._keys(self._version)
+                             + (self._delta.keys(self._version) if self._delta is not None else ()))
         self._version = v
         return self._stats(v, *phase_times(start, marks))
 
     def _reason(self, e: Exception, v: int) -> str:
         """What failed, in words; a peer's earlier failure first (its cause, then the symptom here)."""
-        reason = str(e) if isinstance(e, ReshardError) else self._describe(e)
+        reason = str(e) if isinstance(e, ReshardError) else f"{type(e).__name__}: {e}"
         try:
             first = self.exchange.failure(v)
         except Exception:  # noqa: BLE001 - the store may be what failed: keep this error as it is
@@ -74,27 +90,61 @@ class VotedExecutor(Executor):
             reason = f"another process failed first ({first}); here: {reason}"
         return reason
 
-    def _describe(self, e: Exception) -> str:
-        """A transport's own error in words (NIXL's are long: executors.nixl.agent.describe)."""
-        return f"{type(e).__name__}: {e}"
+    def _transfer(self, v: int, deadline: float) -> None:
+        """Land this process's bytes of refit `v` (staged: in staging memory), by `deadline` (monotonic)."""
+        if self._delta is not None and not self._delta.keyframe(v, deadline):
+            self._delta.transfer(v, deadline)
+        else:
+            self._move(v, deadline)
 
     @abc.abstractmethod
-    def _transfer(self, version: int, deadline: float) -> None:
-        """Land this process's bytes of refit `version` (staged: in staging memory), by `deadline` (monotonic)."""
+    def _move(self, v: int, deadline: float) -> None:
+        """Land this process's bytes of dense refit `v` by `deadline`."""
 
-    @abc.abstractmethod
+    def _run(self, program: Any, sync: bool = False) -> None:
+        """Run a copy program (executors.copies); `sync`: then wait for the GPU (a peer may read what it wrote)."""
+        if len(program):
+            with torch.no_grad():
+                program.run()
+            self._dirty = True
+        if sync:
+            self._sync()
+
+    def _sync(self) -> None:
+        """Wait for this process's copies on the GPU before a peer may read what they wrote."""
+        if self.device.type == "cuda" and self._dirty:
+            torch.cuda.synchronize(self.device)
+        self._dirty = False
+
     def _commit(self) -> None:
         """Every process voted: copy staged bytes into the destination tensors, apply value shifts, synchronize."""
+        if self._delta is not None and self._delta.commit():
+            return
+        self._run(self._commit_program)
+        apply_shifts(self._shifts)
+        self._dirty = self._dirty or bool(self._shifts)
+        self._sync()
 
-    def _forget(self, previous: int) -> None:
-        """The refit after version `previous` is committed everywhere: drop `previous`'s store keys."""
+    @abc.abstractmethod
+    def _keys(self, previous: int) -> tuple[str, ...]:
+        """Refit `previous`'s store keys of the transport's own, dropped once every process is past it."""
 
     def _abandon(self) -> None:
         """The refit failed: release what must not be reused (transfers in flight); keep memory a peer may write."""
 
-    @abc.abstractmethod
-    def _stats(self, version: int, seconds: float, phases: dict[str, float]) -> RefitStats:
+    def _stats(self, v: int, seconds: float, phases: dict[str, float]) -> RefitStats:
         """This process's stats of the refit just committed."""
+        if self._delta is not None and not self._delta.last.keyframe:
+            return self._delta.stats(v, seconds, phases, self.staged)
+        part = self.part
+        return self._dense_stats(executor=self.name, process=self.process, version=v, seconds=seconds, phases=phases,
+                                 staged=self.staged, ops=len(part.landing), bytes_sent=dict(part.bytes_sent),
+                                 bytes_received=dict(part.bytes_received),
+                                 local_bytes=part.local_numel * self.itemsize, checksum=self.checksum or "")
+
+    @abc.abstractmethod
+    def _dense_stats(self, **common: Any) -> RefitStats:
+        """The RefitStats of a dense refit: `common` (what every transport counts alike) and the transport's own."""
 
 
 __all__ = ["VotedExecutor"]

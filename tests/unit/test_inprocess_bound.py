@@ -98,7 +98,6 @@ def test_pins_count_replaced_storages():
     pins.check()
     ts[1].data = torch.zeros(4)  # a new storage behind the same tensor object
     ts[3].set_(torch.zeros(8).untyped_storage())
-    assert pins.moved() == 2
     with pytest.raises(ExecutionError, match="2 bound tensors were replaced"):
         pins.check()
 

@@ -22,7 +22,7 @@ from ..partition import Partition
 from ..preflight import refuse_disagreement
 
 SIZE_TAG, PAYLOAD_TAG = (1 << 30) - 2, (1 << 30) - 3  # below the checksum exchange's tag, above every round's
-NONE = 1 << 60  # a process with no receiver (sender) stands aside in the version all-reduce
+NONE = 1 << 60  # a process with neither receiver nor sender stands aside in the version all-reduce
 
 
 class CollectiveDelta(VotedDelta):
@@ -68,16 +68,15 @@ class CollectiveDelta(VotedDelta):
     def _decide(self, problem: str | None, new: int) -> bool:
         """Whether this refit is a keyframe, the same on every process; raises if a process refused its tensors."""
         ex = self.ex
-        held = NONE if self.receiver is None else (-1 if self.receiver.held is None else self.receiver.held)
-        base = NONE if self.sender is None else (-1 if self.sender.base is None else self.sender.base)
+        # the version this process's receiver holds and its sender's copy is of (-1: unknown), voted as MAX and -MIN
+        mine = [-1 if v is None else v for v in ([] if self.receiver is None else [self.receiver.held])
+                + ([] if self.sender is None else [self.sender.base])]
         due = int(self.sender is not None and self.sender.keyframe_due(self.policy))
         fp = ex._fingerprint ^ self.policy.keyframe_every
-        t = [int(problem is not None), fp, -fp, -NONE if held == NONE else held, -held, -NONE if base == NONE
-             else base, -base, due]
-        bad, hi, lo, held_hi, held_lo, base_hi, base_lo, due = ex._vote(t, self.device, "delta preflight",
-                                                                         before=True)
+        t = [int(problem is not None), fp, -fp, max(mine, default=-NONE), -min(mine, default=NONE), due]
+        bad, hi, lo, most, least, due = ex._vote(t, self.device, "delta preflight", before=True)
         refuse_disagreement(problem, bad, hi == -lo, "plan, binding and delta policy")
-        return self._start(new, bool(due), {x if x >= 0 else None for x in (held_hi, -held_lo, base_hi, -base_lo)})
+        return self._start(new, bool(due), {x if x >= 0 else None for x in (most, -least)})
 
     def _delta(self, start: float, marks: list, new: int) -> RefitStats:
         payloads = self._encode(new)

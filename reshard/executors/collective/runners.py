@@ -160,8 +160,7 @@ class RoundRunner(abc.ABC):
                 f"back; undo)")
 
     def _restore_log(self) -> int:
-        for _, program in self.undo_log:
-            self._run([program])
+        self._run([program for _, program in self.undo_log])
         return len(self.undo_log)
 
     def _run(self, programs) -> None:

@@ -36,9 +36,10 @@ from ..binding import Binding
 from ..checksum import Streams, algorithm, mismatch
 from ..copies import DST, SRC, Memory, view_copies
 from ..delta import DeltaError, DeltaPolicy, VotedDelta, payload_bound
-from ..exchange import Exchange, StoreExecutor
+from ..exchange import Exchange
 from ..preflight import check_ops
 from ..partition import Prepared
+from ..voted import VotedExecutor
 from .connection import Connection, memory_name
 from .options import NixlOptions
 from .schedule import Link, LinkSchedule, build_schedule
@@ -47,7 +48,7 @@ READY, DONE = b"R", b"D"
 _QUARANTINE: list[torch.Tensor] = []  # arenas of failed executors: a late remote write must not hit freed memory
 
 
-class NixlExecutor(StoreExecutor):
+class NixlExecutor(VotedExecutor):
     """One process's part of a plan over NIXL, built once and run at every refit (the protocol of
     executors.base). `store`: a torch.distributed store every process reaches. `delta`: a `DeltaPolicy`
     (executors.delta; CPU tensors): refits move only the changed elements; `last_delta` says what each moved."""

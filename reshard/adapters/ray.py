@@ -19,11 +19,11 @@ import threading
 from typing import Any
 
 from ..errors import ExecutionError
-from .engines import EngineClient, Leased, ReportsStaged, ServesLora, landing_ended
+from .engines import EngineClient, Leased, ReportsStaged, landing_ended
 from .lease_keeper import request_body
 
 
-class RayEngineClient(EngineClient, Leased, ReportsStaged, ServesLora):
+class RayEngineClient(EngineClient, Leased, ReportsStaged):
     """vLLM's weight-sync client protocol over a `VllmEngineActor` handle, each call waiting at most `timeout` s."""
 
     def __init__(self, actor: Any, name: str, timeout: float = 600.0) -> None:

@@ -201,10 +201,6 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased)
                 raise ExecutionError(f"{self.url}: list_loras answered {text[:200]!r}, not a set of ids") from None
         return set.intersection(*per_worker) if per_worker else set()
 
-    def unload_lora_adapter(self, name: str) -> None:
-        """Stop serving the adapter `name`."""
-        self.call("POST", "/v1/unload_lora_adapter", {"lora_name": name}, text=True)
-
     def greedy(self, prompts: list[list[int]], max_tokens: int = 12, model: str | None = None) -> list[list[int]]:
         """The generated token ids of greedy completions of token-id prompts (by the base model, or `model`)."""
         return [[int(t) for t in self._greedy(prompt, model, max_tokens=max_tokens, return_token_ids=True)["token_ids"]]

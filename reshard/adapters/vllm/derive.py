@@ -162,13 +162,8 @@ def _as_box(canon: np.ndarray, phys: np.ndarray) -> tuple[tuple[int, ...], tuple
 def declared_placements(layout: Any, rank: int, tensors: Iterable[TensorSpec]) -> list[tuple[str, Placement]]:
     """The declared layout's placements on `rank` for these canonical tensors (pure padding left out)."""
     replica = rank // layout.ranks_per_replica
-    out = []
-    for t in tensors:
-        for p in layout.placements(t, replica=replica):
-            if p.rank == rank and 0 not in p.lengths:
-                out.append((t.name, p))
-    out.sort(key=lambda cp: (cp[1].tensor, cp[0], cp[1].phys_offset))
-    return out
+    return sorted(((t.name, p) for t in tensors for p in layout.placements(t, replica=replica)
+                   if p.rank == rank and 0 not in p.lengths), key=lambda cp: (cp[1].tensor, cp[0], cp[1].phys_offset))
 
 
 def widens(plan_dtype: str, live_dtype: str) -> bool:

@@ -12,7 +12,7 @@ import torch
 from ...errors import ExecutionError
 from ...executors.reference import empty_for
 from ...executors.shared import release_shared, shared_empty
-from ...layouts import HfLayout, ModelSpec
+from ...layouts import ModelSpec
 from ...planner import Plan
 from .live import config_scope, weights
 
@@ -29,11 +29,6 @@ def layer_groups(spec: ModelSpec) -> list[tuple[str, ...]]:
             (post if layers else pre).append(t.name)
     groups = [pre] + [layers[i] for i in sorted(layers)] + [post]
     return [tuple(g) for g in groups if g]
-
-
-def loader_layout(spec: ModelSpec, num_ranks: int) -> HfLayout:
-    """One full copy of every canonical tensor per vLLM rank."""
-    return HfLayout(model=spec, replicas=num_ranks)
 
 
 class LoaderInstaller:

@@ -371,8 +371,6 @@ def check_served_model(refit: RefitSpec, dst: Any, vllm_config: Any) -> None:
                                   where="this vLLM engine's parallel config")
 
 
-
-
 def _engine_group() -> Any:
     """The CPU (gloo) group of every worker of this engine, or None for a single worker."""
     try:

@@ -190,7 +190,10 @@ class Checkpoint:
             view = memoryview(out)
         else:
             view = memoryview(out.view(torch.uint8).numpy()).cast("B") if out.numel() else memoryview(b"")
-        fd = self._fd(chunk.file)
+        with self._lock:
+            fd = self._fds.get(chunk.file)
+            if fd is None:
+                fd = self._fds[chunk.file] = os.open(self.path / chunk.file, os.O_RDONLY)
         done = 0
         while done < len(view):
             n = os.preadv(fd, [view[done:]], offset + done)
@@ -202,13 +205,6 @@ class Checkpoint:
         with self._lock:
             self.bytes_read += done
         return out
-
-    def _fd(self, file: str) -> int:
-        with self._lock:
-            fd = self._fds.get(file)
-            if fd is None:
-                fd = self._fds[file] = os.open(self.path / file, os.O_RDONLY)
-            return fd
 
     def _data_start(self, saved: SavedTensor, chunk: SavedChunk) -> int | None:
         """Where the tensor's bytes start in the chunk's record when it is the plain form; None otherwise. Cached."""

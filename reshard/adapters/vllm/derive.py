@@ -149,11 +149,8 @@ def _as_boxes(canon: np.ndarray, phys: np.ndarray) -> list[tuple] | None:
 def _as_box(canon: np.ndarray, phys: np.ndarray) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None:
     """(canonical offset, lengths, physical offset) if the elements are a full box moved by one translation."""
     lo, hi = canon.min(axis=1), canon.max(axis=1)
-    lengths = hi - lo + 1
-    if int(np.prod(lengths)) != canon.shape[1]:
-        return None
-    delta = phys - canon
-    if not np.all(delta == delta[:, :1]):
+    lengths, delta = hi - lo + 1, phys - canon
+    if int(np.prod(lengths)) != canon.shape[1] or not np.all(delta == delta[:, :1]):
         return None
     return (tuple(int(x) for x in lo), tuple(int(x) for x in lengths),
             tuple(int(x) for x in lo + delta[:, 0]))

@@ -131,9 +131,8 @@ def _why_relaid(module: torch.nn.Module, method: Any) -> str | None:
     if method.moe_kernel is None:
         return None  # not processed yet: the experts hold what the loader wrote
     backend = getattr(method.unquantized_backend, "name", str(method.unquantized_backend))
-    if backend in _MOE_AS_LOADED:
-        return None
-    return f"MoE backend {backend} re-lays the expert weights after loading (only {_MOE_AS_LOADED} keep them)"
+    return None if backend in _MOE_AS_LOADED else (f"MoE backend {backend} re-lays the expert weights after loading "
+                                                   f"(only {_MOE_AS_LOADED} keep them)")
 
 
 def relaid_problems(model: torch.nn.Module, params: dict[str, torch.nn.Parameter]) -> list[str]:

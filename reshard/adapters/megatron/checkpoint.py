@@ -281,13 +281,9 @@ def _tensors(root: Path, metadata: Any) -> tuple[dict[str, SavedTensor], list[st
         if not all(isinstance(s, int) and 0 <= s < 1 << 40 for s in shape):
             problems.append(f"{key}: shape {shape} is not a list of sizes")
             continue
-        chunks = []
-        for i, c in enumerate(meta.chunks):
-            chunk = _saved_chunk(root, metadata, key, c, shape, dtype, sizes)
-            if isinstance(chunk, str):
-                problems.append(f"{key}: chunk {i} {chunk}")
-            else:
-                chunks.append(chunk)
+        got = [_saved_chunk(root, metadata, key, c, shape, dtype, sizes) for c in meta.chunks]
+        problems += [f"{key}: chunk {i} {c}" for i, c in enumerate(got) if isinstance(c, str)]
+        chunks = [c for c in got if not isinstance(c, str)]
         if len(chunks) == len(meta.chunks):
             problems += _coverage_problems(key, shape, chunks)
         tensors[key] = SavedTensor(key, shape, dtype, tuple(chunks))
@@ -359,12 +355,6 @@ class _Window(io.RawIOBase):
 
     def __init__(self, ckpt: Checkpoint, saved: SavedTensor, chunk: SavedChunk) -> None:
         self.ckpt, self.saved, self.chunk, self.pos = ckpt, saved, chunk, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
 
     def seek(self, pos: int, whence: int = 0) -> int:
         self.pos = max(0, (pos, self.pos + pos, self.chunk.length + pos)[whence])

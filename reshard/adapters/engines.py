@@ -7,6 +7,7 @@ one), then left to its thread: an engine that never answers cannot hold the trai
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Protocol, runtime_checkable
 
@@ -95,10 +96,8 @@ class EngineCall(Background):
             return fn(*args)
         except Exception as e:
             if self.on_error is not None:
-                try:
+                with contextlib.suppress(Exception):  # the error itself is reported by wait_calls
                     self.on_error(f"{self.label}: {e}")
-                except Exception:  # noqa: BLE001 - the error itself is reported by wait_calls
-                    pass
             raise
 
 

@@ -14,6 +14,7 @@ Imports no vLLM:
 """
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Mapping
@@ -364,11 +365,9 @@ class TrainerSession:
         if not errors and self.pause_mode != "keep":
             self._in_flight = self._in_flight or []
         elif not errors and isinstance(engine, ReportsInFlight):
-            try:
+            with contextlib.suppress(Exception):  # a report only: an engine without reshard's worker extension
                 ids = engine.in_flight()
                 self._in_flight = (self._in_flight or []) + list(ids) if ids is not None else self._in_flight
-            except Exception:  # noqa: BLE001 - a report only: an engine without reshard's worker extension
-                pass
         return errors
 
     def _send(self, info: dict[str, Any], calls: list[EngineCall], deadline: float) -> list[str]:

@@ -67,15 +67,13 @@ class LoaderInstaller:
                     module.quant_method.moe_kernel = None
             initialize_layerwise_reload(self.model)
             try:
-                loaded = self.load()
+                return self.load()
             except Exception as e:
-                # vLLM's own loaders failed half-way: close the reload so the model can serve (modules loaded so
-                # far hold the new weights, the others their old ones) instead of keeping "meta" parameters
-                finalize_layerwise_reload(self.model, self.vllm_config.model_config)
                 raise ExecutionError(f"vLLM's load_weights failed ({type(e).__name__}: {e}); the engine serves a mix "
                                      f"of old and new weights until the next refit") from e
-            finalize_layerwise_reload(self.model, self.vllm_config.model_config)
-        return loaded
+            finally:  # also when vLLM's own loaders failed half-way: the closed reload lets the model serve (modules
+                # loaded so far hold the new weights, the others their old ones) instead of keeping "meta" parameters
+                finalize_layerwise_reload(self.model, self.vllm_config.model_config)
 
     @torch.no_grad()
     def load(self) -> set[str]:

@@ -138,9 +138,6 @@ def _read_placements(rank: int, name: str, values: torch.Tensor,
 def _as_boxes(canon: np.ndarray, phys: np.ndarray) -> list[tuple] | None:
     """The elements as boxes, each moved by one translation: one box, or one per distinct translation (a rank's
     TP slices of the unequal parts of a fused stack sit side by side in its tensor); None if they are not."""
-    box = _as_box(canon, phys)
-    if box is not None:
-        return [box]
     deltas, which = np.unique((phys - canon).T, axis=0, return_inverse=True)
     boxes = [_as_box(canon[:, which.reshape(-1) == i], phys[:, which.reshape(-1) == i]) for i in range(len(deltas))]
     return None if any(b is None for b in boxes) else boxes

@@ -92,8 +92,7 @@ def spec_problems(model: Any, spec: ModelSpec) -> list[str]:
         differ("layers without experts (moe_layer_freq)", _moe_dense_layers(cfg), spec.dense_layers)
         differ("moe_shared_expert_intermediate_size", cfg.moe_shared_expert_intermediate_size or 0,
                arch.get("shared_intermediate_size") or 0)
-        differ("moe_router_enable_expert_bias", bool(cfg.moe_router_enable_expert_bias),
-               bool(arch.get("router_bias")))
+        differ("moe_router_enable_expert_bias", bool(cfg.moe_router_enable_expert_bias), bool(arch.get("router_bias")))
     if not spec.is_moe or spec.dense_layers:
         differ("ffn_hidden_size", cfg.ffn_hidden_size, spec.intermediate_size)
     if facts.padded_vocab < spec.vocab_size:

@@ -130,8 +130,7 @@ def _read_placements(rank: int, name: str, values: torch.Tensor,
                                 f"do not form boxes copied by translation")
                 continue
             for lo, lengths, phys_lo in boxes:
-                out.append((t.name, Placement(rank, name, shape, lo, lengths,
-                                              tuple(int(k) for k in key) + phys_lo)))
+                out.append((t.name, Placement(rank, name, shape, lo, lengths, tuple(int(k) for k in key) + phys_lo)))
     return out, problems
 
 
@@ -149,8 +148,7 @@ def _as_box(canon: np.ndarray, phys: np.ndarray) -> tuple[tuple[int, ...], tuple
     lengths, delta = hi - lo + 1, phys - canon
     if int(np.prod(lengths)) != canon.shape[1] or not np.all(delta == delta[:, :1]):
         return None
-    return (tuple(int(x) for x in lo), tuple(int(x) for x in lengths),
-            tuple(int(x) for x in lo + delta[:, 0]))
+    return (tuple(int(x) for x in lo), tuple(int(x) for x in lengths), tuple(int(x) for x in lo + delta[:, 0]))
 
 
 def declared_placements(layout: Any, rank: int, tensors: Iterable[TensorSpec]) -> list[tuple[str, Placement]]:

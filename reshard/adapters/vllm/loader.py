@@ -35,8 +35,7 @@ class LoaderInstaller:
     """Loader install: buffers for whole canonical tensors that a refit fills, then handed to the model's own
     weight loaders (vLLM's layerwise reload)."""
 
-    def __init__(self, model: torch.nn.Module, rank: int, plan: Plan, vllm_config: Any = None,
-                 shared: bool = False):
+    def __init__(self, model: torch.nn.Module, rank: int, plan: Plan, vllm_config: Any = None, shared: bool = False):
         self.model, self.rank, self.plan, self.vllm_config = model, rank, plan, vllm_config
         # the engine's device (after an interrupted reload, parameters can be on "meta")
         device = getattr(getattr(vllm_config, "device_config", None), "device", None)

@@ -121,8 +121,9 @@ class VllmEngineActor:
         os.environ.update(json.loads(env))
         from vllm import LLM
 
+        from .server import ExtensionClient
         from .vllm.lease import ThreadedLease
-        from .vllm.trainer import OfflineExtensionClient, OfflineLLMClient
+        from .vllm.trainer import OfflineLLMClient
 
         args = {"enforce_eager": True, "skip_tokenizer_init": True, "enable_prefix_caching": False, "seed": 0,
                 "weight_transfer_config": {"backend": "reshard"},
@@ -130,7 +131,7 @@ class VllmEngineActor:
                 **json.loads(engine_args)}
         self.llm = LLM(model=model, **args)
         self.loras: dict[str, Any] = {}  # name -> LoRARequest
-        self.api, self.extension = OfflineLLMClient(self.llm), OfflineExtensionClient(self.llm)
+        self.api, self.extension = OfflineLLMClient(self.llm), ExtensionClient(self.llm)
         self.client = self.api  # the refit in progress: an adapter's goes through the worker extension
         self.engine_lock = threading.RLock()  # one engine call at a time (the actor may be threaded)
         self.guard = ThreadedLease(lambda: self.client, self.engine_lock)

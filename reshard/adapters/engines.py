@@ -1,12 +1,13 @@
 """What the trainer session drives: an engine client, the capabilities some engines add, and calls into them.
 
 `EngineClient` is vLLM's weight-sync client protocol (four methods). The optional capabilities are protocols of
-their own, checked with `isinstance`: `Pausable`, `ReportsInFlight`, `ReportsStaged`, `Leased`, `ServesLora`.
+their own, checked with `isinstance`: `Pausable`, `ReportsInFlight`, `ReportsStaged`, `Leased`.
 `EngineCall` runs a call on a thread of its own, waited for by a deadline (`wait_calls`; a refit's steps share
 one), then left to its thread: an engine that never answers cannot hold the trainer.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Protocol, runtime_checkable
 
@@ -80,14 +81,6 @@ class Leased(Protocol):
         """End the lease this client holds (the engine closes what it left open); nothing if none."""
 
 
-@runtime_checkable
-class ServesLora(Protocol):
-    """An engine that serves PEFT adapters: `load_lora` returns the id an in-slot refit names."""
-
-    def load_lora(self, name: str, path: str) -> int:
-        """Serve the PEFT directory `path` as adapter `name`; its id."""
-
-
 class EngineCall(Background):
     """`engine.method(*args)` on a thread of its own, started at once (its answer in `value`).
 
@@ -103,10 +96,8 @@ class EngineCall(Background):
             return fn(*args)
         except Exception as e:
             if self.on_error is not None:
-                try:
+                with contextlib.suppress(Exception):  # the error itself is reported by wait_calls
                     self.on_error(f"{self.label}: {e}")
-                except Exception:  # noqa: BLE001 - the error itself is reported by wait_calls
-                    pass
             raise
 
 
@@ -125,5 +116,5 @@ def wait_calls(calls: list[EngineCall], timeout: float, deadline: float | None =
     return errors
 
 
-__all__ = ["EngineCall", "EngineClient", "Leased", "Pausable", "ReportsInFlight", "ReportsStaged", "ServesLora",
-           "landing_ended", "wait_calls"]
+__all__ = ["EngineCall", "EngineClient", "Leased", "Pausable", "ReportsInFlight", "ReportsStaged", "landing_ended",
+           "wait_calls"]

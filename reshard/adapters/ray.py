@@ -19,11 +19,11 @@ import threading
 from typing import Any
 
 from ..errors import ExecutionError
-from .engines import EngineClient, Leased, ReportsStaged, ServesLora, landing_ended
+from .engines import EngineClient, Leased, ReportsStaged, landing_ended
 from .lease_keeper import request_body
 
 
-class RayEngineClient(EngineClient, Leased, ReportsStaged, ServesLora):
+class RayEngineClient(EngineClient, Leased, ReportsStaged):
     """vLLM's weight-sync client protocol over a `VllmEngineActor` handle, each call waiting at most `timeout` s."""
 
     def __init__(self, actor: Any, name: str, timeout: float = 600.0) -> None:
@@ -121,8 +121,9 @@ class VllmEngineActor:
         os.environ.update(json.loads(env))
         from vllm import LLM
 
+        from .server import ExtensionClient
         from .vllm.lease import ThreadedLease
-        from .vllm.trainer import OfflineExtensionClient, OfflineLLMClient
+        from .vllm.trainer import OfflineLLMClient
 
         args = {"enforce_eager": True, "skip_tokenizer_init": True, "enable_prefix_caching": False, "seed": 0,
                 "weight_transfer_config": {"backend": "reshard"},
@@ -130,7 +131,7 @@ class VllmEngineActor:
                 **json.loads(engine_args)}
         self.llm = LLM(model=model, **args)
         self.loras: dict[str, Any] = {}  # name -> LoRARequest
-        self.api, self.extension = OfflineLLMClient(self.llm), OfflineExtensionClient(self.llm)
+        self.api, self.extension = OfflineLLMClient(self.llm), ExtensionClient(self.llm)
         self.client = self.api  # the refit in progress: an adapter's goes through the worker extension
         self.engine_lock = threading.RLock()  # one engine call at a time (the actor may be threaded)
         self.guard = ThreadedLease(lambda: self.client, self.engine_lock)

@@ -179,10 +179,6 @@ class RefitSpec:
             raise PlanError(f"refit spec lacks {missing}")
         return cls(**d)
 
-    def with_(self, **changes: Any) -> "RefitSpec":
-        """A copy with `changes` (validated again)."""
-        return replace(self, **changes)
-
     def with_expert_placement(self, placement: ExpertPlacement | None) -> "RefitSpec":
         """This refit for an EPLB engine whose experts now sit as `placement` says (None: vLLM's initial one),
         its plan digest cleared (init again with it).

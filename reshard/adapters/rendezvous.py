@@ -15,6 +15,7 @@ are not encrypted: bind them to an address only the refit's hosts reach (RESHARD
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -184,10 +185,8 @@ def refused(store: Any, rdv: Rendezvous) -> list[dict[str, Any]]:
 
 def fail(store: Any, rdv: Rendezvous, reason: str) -> None:
     """Tell every member waiting in `join` that the refit cannot go on (the first reason stays)."""
-    try:
+    with contextlib.suppress(Exception):  # best effort: the store may be gone
         store.compare_set(f"{rdv.namespace}fail", "", reason.encode()[:4000])
-    except Exception:  # noqa: BLE001 - best effort: the store may be gone
-        pass
 
 
 def failure(store: Any, rdv: Rendezvous) -> str | None:

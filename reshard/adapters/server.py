@@ -52,16 +52,15 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased)
     def __repr__(self) -> str:
         return f"VllmServer({self.url})"
 
-    def call(self, method: str, route: str, body: dict[str, Any] | None = None,
-             query: dict[str, Any] | None = None, timeout: float | None = None, text: bool = False) -> Any:
+    def call(self, method: str, route: str, body: dict[str, Any] | None = None, timeout: float | None = None,
+             text: bool = False) -> Any:
         """One request; its JSON answer (its text with `text`).
 
         Raises:
             ExecutionError: a non-2xx answer (with the server's message), or the server unreachable.
         """
-        url = self.url + route + (("?" + urllib.parse.urlencode(query)) if query else "")
         data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(url, data=data, method=method)
+        request = urllib.request.Request(self.url + route, data=data, method=method)
         request.add_header("Content-Type", "application/json")
         if self.api_key:
             request.add_header("Authorization", f"Bearer {self.api_key}")
@@ -119,7 +118,7 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased)
 
     def pause(self, mode: str = "wait") -> None:
         """Stop generating: "wait" lets requests in flight finish, "abort" aborts them, "keep" freezes them."""
-        self.call("POST", "/pause", query={"mode": mode})
+        self.call("POST", "/pause?" + urllib.parse.urlencode({"mode": mode}))
 
     def resume(self) -> None:
         self.call("POST", "/resume")
@@ -200,10 +199,6 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased)
             except ValueError:
                 raise ExecutionError(f"{self.url}: list_loras answered {text[:200]!r}, not a set of ids") from None
         return set.intersection(*per_worker) if per_worker else set()
-
-    def unload_lora_adapter(self, name: str) -> None:
-        """Stop serving the adapter `name`."""
-        self.call("POST", "/v1/unload_lora_adapter", {"lora_name": name}, text=True)
 
     def greedy(self, prompts: list[list[int]], max_tokens: int = 12, model: str | None = None) -> list[list[int]]:
         """The generated token ids of greedy completions of token-id prompts (by the base model, or `model`)."""

@@ -14,6 +14,7 @@ Imports no vLLM:
 """
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Mapping
@@ -156,10 +157,10 @@ class TrainerSession:
         self.store = None
         self.generation += 1
         refit, plan = self.refit_spec, self.refit_spec.plan()
-        refit = refit.with_(plan_digest=plan.digest)
+        refit = replace(refit, plan_digest=plan.digest)
         mismatch = self._tensors_mismatch(plan)
         if refit.cross_process:
-            refit = refit.with_(rendezvous=self._meet().to_dict())
+            refit = replace(refit, rendezvous=self._meet().to_dict())
         elif mismatch is None:
             publish_source(str(refit.options.get("key", "default")), self.tensors)
         self.refit_spec = refit
@@ -171,7 +172,7 @@ class TrainerSession:
             ahead = self._nixl_agent_ahead(refit)
             self._take_lease()
             # an engine that refuses fails the rendezvous at once: no trainer process waits out its timeout
-            calls = [EngineCall(engine, "init_weight_transfer_engine", (refit.with_(replica=k, **(
+            calls = [EngineCall(engine, "init_weight_transfer_engine", (replace(refit, replica=k, **(
                 {"lora_id": self.lora_ids[k]} if self.lora_ids else {})).to_dict(),), self._fail_rendezvous)
                 for k, engine in enumerate(self.engines)]
             if refit.cross_process:
@@ -364,11 +365,9 @@ class TrainerSession:
         if not errors and self.pause_mode != "keep":
             self._in_flight = self._in_flight or []
         elif not errors and isinstance(engine, ReportsInFlight):
-            try:
+            with contextlib.suppress(Exception):  # a report only: an engine without reshard's worker extension
                 ids = engine.in_flight()
                 self._in_flight = (self._in_flight or []) + list(ids) if ids is not None else self._in_flight
-            except Exception:  # noqa: BLE001 - a report only: an engine without reshard's worker extension
-                pass
         return errors
 
     def _send(self, info: dict[str, Any], calls: list[EngineCall], deadline: float) -> list[str]:

@@ -54,9 +54,7 @@ class Endpoint:
     delta: Any = None
 
     def scoped(self, transport: str) -> Any:
-        """The part of the store this transport keeps its keys in."""
-        if self.rendezvous is None or self.store is None:
-            raise ExecutionError(f"transport {transport!r} needs a rendezvous (where the processes meet)")
+        """The part of the store this transport keeps its keys in (open_transport checked there is one)."""
         return rv.scoped(self.store, self.rendezvous, transport)
 
     @property

@@ -94,7 +94,7 @@ def load_parity(cfg: Any, build: Callable[[], Any], rank: int, perturb: str | No
     import torch
     from vllm.config import set_current_vllm_config
 
-    from ..adapters.vllm import LoaderInstaller, bind_direct, loader_layout
+    from ..adapters.vllm import LoaderInstaller, bind_direct
     from ..errors import ReshardError
     from ..adapters.vllm.live import declared_layout, spec_of, weights
     from ..executors import ReferenceExecutor, shard
@@ -137,7 +137,7 @@ def load_parity(cfg: Any, build: Callable[[], Any], rank: int, perturb: str | No
     differ = differing()
     # the loader install too: canonical tensors received whole, then handed to load_weights per layer group
     poison(model)
-    plan = compile_plan(source, loader_layout(spec, cfg.parallel_config.world_size))
+    plan = compile_plan(source, HfLayout(model=spec, replicas=cfg.parallel_config.world_size))
     installer = LoaderInstaller(model, rank, plan, cfg)
     ReferenceExecutor(plan, None, 0, src, {rank: installer.buffers}).refit()
     installer.load()

@@ -136,7 +136,8 @@ def main(job_path: str) -> None:
     # third adapter's values; vLLM loading the adapter `peft` saved of those values is the ground truth
     from reshard.adapters.refit import RefitSpec
     from reshard.adapters.trainer import TrainerSession
-    from reshard.adapters.vllm.trainer import OfflineExtensionClient, OfflineLLMClient
+    from reshard.adapters.server import ExtensionClient
+    from reshard.adapters.vllm.trainer import OfflineLLMClient
     from reshard.errors import ExecutionError
 
     requests["third"] = LoRARequest("third", IDS["third"], job["third_peft"])
@@ -154,7 +155,7 @@ def main(job_path: str) -> None:
     finally:
         session.close()
     result["api_refused_unchanged"] = _same(before, _slot_bytes(manager, IDS["slot"]))
-    session = TrainerSession(refit_spec, 0, third, engines=[OfflineExtensionClient(llm)], pause=None)
+    session = TrainerSession(refit_spec, 0, third, engines=[ExtensionClient(llm)], pause=None)
     session.init()
     session.refit("third")
     session.close()

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +92,7 @@ def stuck(job: dict, server: Any) -> dict:
     before = server.greedy(job["prompts"])
     spec, tensors = _one_process_trainer(job["a"], job["a"], job["server_tp"])
     rdv, store = rv.host_store(rv.Rendezvous.new(timeout=job["rendezvous_timeout"]))  # this host's address
-    payload = spec.with_(rendezvous=rdv.to_dict(), plan_digest=spec.plan().digest).to_dict()
+    payload = replace(spec, rendezvous=rdv.to_dict(), plan_digest=spec.plan().digest).to_dict()
     out: dict[str, Any] = {"store": rdv.host, "before": before}
     init: dict[str, Any] = {}
 

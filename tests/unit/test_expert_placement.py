@@ -5,6 +5,8 @@ the engine side refusing a plan of another placement (no vLLM here: the tests in
 placement from vLLM's own EPLB state)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -226,7 +228,7 @@ def test_refit_spec_follows_the_engines_placement():
     """The trainer side: a spec for the engine's current placement (digest cleared, plan for the new layout)."""
     initial = VllmLayout(model=MOE, tp=2, expert_parallel=True, redundant_experts=2)
     spec = RefitSpec.of(MOE, SRC, initial, transport="inprocess")
-    spec = spec.with_(plan_digest=spec.plan().digest)
+    spec = replace(spec, plan_digest=spec.plan().digest)
     moved = spec.with_expert_placement(MOVED)
     assert moved.plan_digest == "" and moved.layouts()[1].experts == MOVED
     assert moved.plan().digest != spec.plan().digest

@@ -2,6 +2,8 @@
 transformers' way of writing rope, compared field by field, refused at a vLLM worker's init (the server test)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 import reshard
@@ -51,4 +53,4 @@ def test_refit_specs_carry_the_trainers_math():
     assert refit.math == math_config(config) and "rms_norm_eps" in refit.math
     assert RefitSpec.from_dict(refit.to_dict()) == refit
     with pytest.raises(PlanError, match="math"):
-        refit.with_(math=["rms_norm_eps"])
+        replace(refit, math=["rms_norm_eps"])

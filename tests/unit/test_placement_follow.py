@@ -7,6 +7,7 @@ it against vLLM's own EPLB code.)"""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -36,18 +37,18 @@ def shared():
     """A cross-process refit's spec, the store trainer process 0 hosts, and a second trainer process's client."""
     rdv, store = rv.host_store(rv.Rendezvous.new("127.0.0.1", timeout=10.0))
     spec = RefitSpec.of(MOE, SRC, INITIAL.model_copy(update={"replicas": 2}), transport="collective")
-    return spec.with_(rendezvous=rdv.to_dict()), store, rv.connect(rdv)
+    return replace(spec, rendezvous=rdv.to_dict()), store, rv.connect(rdv)
 
 
 def test_in_process_report_is_followed():
     refit = RefitSpec.of(MOE, SRC, INITIAL, transport="inprocess", options={"key": "follow-test"})
-    report(refit.with_(replica=0), None, MOVED)  # what a refusing worker in this process tells its trainer
+    report(replace(refit, replica=0), None, MOVED)  # what a refusing worker in this process tells its trainer
     s = session(refit)
     errors = agree(s, "1", ["engine replica 0: LayoutMismatchError ..."], time.monotonic() + 5)
     assert s.to_follow == MOVED and MOVED.digest[:12] in errors[-1]
     assert agree(s, "2", [], time.monotonic() + 5) == [] and s.to_follow is None  # nothing reported: go on
-    s = session(refit.with_(install="loader"))  # a loader install writes the initial placement: never followed
-    report(refit.with_(replica=0), None, MOVED)
+    s = session(replace(refit, install="loader"))  # a loader install writes the initial placement: never followed
+    report(replace(refit, replica=0), None, MOVED)
     assert agree(s, "3", ["refused"], time.monotonic() + 5) == ["refused"] and s.to_follow is None
 
 
@@ -60,7 +61,7 @@ def test_process_zero_decides_and_the_others_wait_for_its_word(shared):
     said = agree(one, "2", [], time.monotonic() + 5)
     assert one.to_follow is None and "trainer process 0 reported that the engines refused" in said[0]
     for k in (0, 1):  # both engines rebalanced alike, and told the store, refusing
-        report(refit.with_(replica=k), None, MOVED)
+        report(replace(refit, replica=k), None, MOVED)
     agree(zero, "3", ["engine replica 0: LayoutMismatchError"], time.monotonic() + 5)
     said = agree(one, "3", [], time.monotonic() + 5)
     assert zero.to_follow == one.to_follow == MOVED and "recompiling" in said[-1]
@@ -70,8 +71,8 @@ def test_process_zero_decides_and_the_others_wait_for_its_word(shared):
 
 def test_engines_of_one_refit_holding_different_placements_are_refused(shared):
     refit, store, client = shared
-    report(refit.with_(replica=0), None, MOVED)
-    report(refit.with_(replica=1), store, OTHER)
+    report(replace(refit, replica=0), None, MOVED)
+    report(replace(refit, replica=1), store, OTHER)
     zero, one = session(refit, 0, store), session(refit, 1, client)
     said = agree(zero, "1", ["refused"], time.monotonic() + 5)
     assert zero.to_follow is None and "different expert placements" in said[-1] and MOVED.digest[:12] in said[-1]

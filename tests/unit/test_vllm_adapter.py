@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -181,7 +182,7 @@ def test_refit_spec_round_trips_as_json_and_refuses_bad_fields():
     assert spec.plan().digest == reshard.compile_plan(src, dst).digest
     assert spec.plan() is again.plan()  # compiled once per process
     with pytest.raises(reshard.PlanError, match="install='fast' is not one of"):
-        spec.with_(install="fast")
+        replace(spec, install="fast")
     with pytest.raises(reshard.PlanError, match="unknown fields \\['mode'\\]"):
         RefitSpec.from_dict({**spec.to_dict(), "mode": "direct"})
     with pytest.raises(reshard.PlanError, match="replica=True has type bool"):
@@ -204,9 +205,9 @@ def test_adapter_refit_specs_name_their_slot_and_nothing_else():
     assert spec.plan().digest == reshard.compile_plan(src, slots).digest
     for bad in ({"lora_id": None}, {"lora_id": 0}, {"lora_id": True}, {"install": "direct"}):
         with pytest.raises(reshard.PlanError, match="install='lora_slot' needs the served adapter's id"):
-            spec.with_(**bad)
+            replace(spec, **bad)
     with pytest.raises(reshard.LayoutError, match="a vllm_lora layout accepts install \\['lora_slot'\\]"):
-        spec.with_(install="direct", lora_id=None).layouts()
+        replace(spec, install="direct", lora_id=None).layouts()
     full = reshard.MegatronLayout(model=SPEC, tp=2)
     with pytest.raises(reshard.LayoutError, match="a vllm layout accepts install \\['direct', 'loader'\\]"):
         RefitSpec.of(SPEC, full, reshard.VllmLayout(model=SPEC, tp=2), install="lora_slot", lora_id=1).layouts()

@@ -69,9 +69,7 @@ class PeftDirectory:
 
     def current(self) -> Path | None:
         """The directory the served path points at now (None before the first publish)."""
-        if not self.path.is_symlink():
-            return None
-        return self.path.parent / os.readlink(self.path)
+        return self.path.parent / os.readlink(self.path) if self.path.is_symlink() else None
 
 
 def _fsync(path: Path) -> None:

@@ -53,11 +53,10 @@ class AdapterSlot:
                              "load it by path, or refit linear_qkv / linear_proj only")
         cfg = manager.lora_config
         self.layout, self.lora_id, self.rank, self.scaling = layout, lora_id, rank, facts.scaling
-        problems = []
-        for field, engine, declared in (("max_lora_rank", cfg.max_lora_rank, layout.max_lora_rank),
-                                        ("fully_sharded_loras", bool(cfg.fully_sharded_loras), layout.fully_sharded)):
-            if engine != declared:
-                problems.append(f"{field}: the engine has {engine}, the layout declares {declared}")
+        pairs = (("max_lora_rank", cfg.max_lora_rank, layout.max_lora_rank),
+                 ("fully_sharded_loras", bool(cfg.fully_sharded_loras), layout.fully_sharded))
+        problems = [f"{field}: the engine has {engine}, the layout declares {declared}"
+                    for field, engine, declared in pairs if engine != declared]
         tps = {getattr(m, "tp_size", 1) for m in manager.modules.values()}
         if tps != {layout.tp}:
             problems.append(f"tp: the engine's LoRA layers have tp_size {sorted(tps)}, the layout tp={layout.tp}")

@@ -31,10 +31,8 @@ def _moe_dense_layers(config: Any) -> tuple[int, ...]:
         return ()
     freq = config.moe_layer_freq
     if isinstance(freq, int):
-        pattern = [1 if i % freq == 0 else 0 for i in range(config.num_layers)]
-    else:
-        pattern = list(freq)
-    return tuple(i for i, moe in enumerate(pattern) if not moe)
+        return tuple(i for i in range(config.num_layers) if i % freq)
+    return tuple(i for i, moe in enumerate(freq) if not moe)
 
 
 def spec_from_megatron(model: Any, *, vocab_size: int | None = None, dtype: str | None = None) -> ModelSpec:
@@ -94,8 +92,7 @@ def spec_problems(model: Any, spec: ModelSpec) -> list[str]:
         differ("layers without experts (moe_layer_freq)", _moe_dense_layers(cfg), spec.dense_layers)
         differ("moe_shared_expert_intermediate_size", cfg.moe_shared_expert_intermediate_size or 0,
                arch.get("shared_intermediate_size") or 0)
-        differ("moe_router_enable_expert_bias", bool(cfg.moe_router_enable_expert_bias),
-               bool(arch.get("router_bias")))
+        differ("moe_router_enable_expert_bias", bool(cfg.moe_router_enable_expert_bias), bool(arch.get("router_bias")))
     if not spec.is_moe or spec.dense_layers:
         differ("ffn_hidden_size", cfg.ffn_hidden_size, spec.intermediate_size)
     if facts.padded_vocab < spec.vocab_size:
@@ -115,14 +112,10 @@ def spec_problems(model: Any, spec: ModelSpec) -> list[str]:
 
 def layout_problems(derived: MegatronLayout, declared: MegatronLayout) -> list[str]:
     """Every field where the layout derived from the live model differs from the declared one."""
-    problems = []
     fields = ("tp", "pp", "ep", "etp", "world", "vpp", "first_stage_layers", "last_stage_layers", "naming",
               "rank_order") + (() if declared.model.family == LORA else ("padded_vocab",))
-    for field in fields:
-        got, want = getattr(derived, field), getattr(declared, field)
-        if got != want:
-            problems.append(f"{field}: the model has {got}, the declared layout {want}")
-    return problems
+    return [f"{field}: the model has {getattr(derived, field)}, the declared layout {getattr(declared, field)}"
+            for field in fields if getattr(derived, field) != getattr(declared, field)]
 
 
 def rank_problems(layout: MegatronLayout, rank: int, tensors: Mapping[str, torch.Tensor],
@@ -141,10 +134,8 @@ def rank_problems(layout: MegatronLayout, rank: int, tensors: Mapping[str, torch
         elif t.dtype != dtype and not cast:
             problems.append(f"rank {rank}: {name} is {t.dtype} in the model, {dtype} in the layout (cast=True "
                             "converts it, which copies)")
-    for name in tensors.keys() - want.keys():
-        problems.append(f"rank {rank}: {name} {tuple(tensors[name].shape)} is in the model but not in the layout "
-                        "(a refit would not read it)")
-    return problems
+    return problems + [f"rank {rank}: {name} {tuple(tensors[name].shape)} is in the model but not in the layout "
+                       "(a refit would not read it)" for name in tensors.keys() - want.keys()]
 
 
 def layer_problems(layout: MegatronLayout, rank: int, numbers: Mapping[tuple[int, int], int]) -> list[str]:
@@ -192,11 +183,7 @@ def source_tensors(model: Any, layout: MegatronLayout, *, cast: bool = False,
         verify(facts, layout, cast=cast)
     tensors = facts.tensors  # parameters and placed persistent buffers (the router's expert_bias)
     rank = facts.parallel_state.rank
-    out = {}
-    for name in layout.rank_tensors(rank):
-        t = tensors[name].detach()  # a view: same storage, no autograd history
-        dtype = torch_dtype(layout.tensor_dtype(rank, name))  # the router's float32 expert bias: its own
-        if t.dtype != dtype:
-            t = t.to(dtype)  # copy: the destination dtype differs (allowed by cast=True)
-        out[name] = t.contiguous()  # a no-op for megatron-core's contiguous parameters
-    return out
+    # detach: a view (same storage, no autograd history); `to` copies only where the destination dtype differs
+    # (allowed by cast=True; the router's float32 expert bias has its own), `contiguous` only where a parameter is not
+    return {name: tensors[name].detach().to(torch_dtype(layout.tensor_dtype(rank, name))).contiguous()
+            for name in layout.rank_tensors(rank)}

@@ -190,7 +190,10 @@ class Checkpoint:
             view = memoryview(out)
         else:
             view = memoryview(out.view(torch.uint8).numpy()).cast("B") if out.numel() else memoryview(b"")
-        fd = self._fd(chunk.file)
+        with self._lock:
+            fd = self._fds.get(chunk.file)
+            if fd is None:
+                fd = self._fds[chunk.file] = os.open(self.path / chunk.file, os.O_RDONLY)
         done = 0
         while done < len(view):
             n = os.preadv(fd, [view[done:]], offset + done)
@@ -202,13 +205,6 @@ class Checkpoint:
         with self._lock:
             self.bytes_read += done
         return out
-
-    def _fd(self, file: str) -> int:
-        with self._lock:
-            fd = self._fds.get(file)
-            if fd is None:
-                fd = self._fds[file] = os.open(self.path / file, os.O_RDONLY)
-            return fd
 
     def _data_start(self, saved: SavedTensor, chunk: SavedChunk) -> int | None:
         """Where the tensor's bytes start in the chunk's record when it is the plain form; None otherwise. Cached."""
@@ -285,13 +281,9 @@ def _tensors(root: Path, metadata: Any) -> tuple[dict[str, SavedTensor], list[st
         if not all(isinstance(s, int) and 0 <= s < 1 << 40 for s in shape):
             problems.append(f"{key}: shape {shape} is not a list of sizes")
             continue
-        chunks = []
-        for i, c in enumerate(meta.chunks):
-            chunk = _saved_chunk(root, metadata, key, c, shape, dtype, sizes)
-            if isinstance(chunk, str):
-                problems.append(f"{key}: chunk {i} {chunk}")
-            else:
-                chunks.append(chunk)
+        got = [_saved_chunk(root, metadata, key, c, shape, dtype, sizes) for c in meta.chunks]
+        problems += [f"{key}: chunk {i} {c}" for i, c in enumerate(got) if isinstance(c, str)]
+        chunks = [c for c in got if not isinstance(c, str)]
         if len(chunks) == len(meta.chunks):
             problems += _coverage_problems(key, shape, chunks)
         tensors[key] = SavedTensor(key, shape, dtype, tuple(chunks))
@@ -363,12 +355,6 @@ class _Window(io.RawIOBase):
 
     def __init__(self, ckpt: Checkpoint, saved: SavedTensor, chunk: SavedChunk) -> None:
         self.ckpt, self.saved, self.chunk, self.pos = ckpt, saved, chunk, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
 
     def seek(self, pos: int, whence: int = 0) -> int:
         self.pos = max(0, (pos, self.pos + pos, self.chunk.length + pos)[whence])

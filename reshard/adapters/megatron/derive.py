@@ -85,11 +85,8 @@ def _numbering_matches(layout: MegatronLayout, parallel: ParallelState) -> bool:
     if layout.model.is_moe:
         axes += [("etp", "tp", layout.expert_coords), ("ep", "ep", layout.expert_coords),
                  ("edp", "dp", layout.expert_coords)]
-    for group_name, axis, coords in axes:
-        for i, member in enumerate(parallel.groups[group_name]):
-            if member >= layout.num_ranks or coords(member)[axis] != i:
-                return False
-    return True
+    return all(member < layout.num_ranks and coords(member)[axis] == i
+               for group_name, axis, coords in axes for i, member in enumerate(parallel.groups[group_name]))
 
 
 def naming_of(names: Iterable[str]) -> Naming:

@@ -67,11 +67,9 @@ def forward_logits(chunks: list[Any], tokens: Any) -> Any:
         dist.all_gather(parts, logits.contiguous(), group=pgc.tp)
         logits = torch.cat(parts, dim=-1)
     last, me = pp_ranks[-1], dist.get_rank()
-    if 0 not in pp_ranks:  # the last stage of rank 0's pipeline sends the logits to rank 0
-        return None
-    if me == last and me != 0:
-        dist.send(logits, 0)
-    if me != 0:
+    if me != 0:  # the last stage of rank 0's pipeline sends the logits to rank 0
+        if me == last and 0 in pp_ranks:
+            dist.send(logits, 0)
         return None
     if last != 0:
         logits = torch.empty(b, s, chunks[0].vocab_size, dtype=chunks[0].config.params_dtype, device=dev)

@@ -4,6 +4,7 @@ chunk's parameter names, prefixed `model{c}.` under virtual pipelining. Nothing 
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -152,9 +153,7 @@ def _wrapper_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
     sharded: list[type] = []
     for module, name in (("megatron.core.distributed", "TorchFullyShardedDataParallel"),
                          ("megatron.core.distributed.fsdp.mcore_fsdp_adapter", "FullyShardedDataParallel")):
-        try:
+        with contextlib.suppress(ImportError, AttributeError):  # optional in some megatron-core builds
             sharded.append(getattr(importlib.import_module(module), name))
-        except (ImportError, AttributeError):  # optional in some megatron-core builds
-            pass
     return (DistributedDataParallel, Float16Module), tuple(sharded)
 

@@ -5,10 +5,10 @@ The trainer drives it with `reshard.adapters.trainer.TrainerSession`.
 """
 from .derive import DerivedLayout, check_layout, derive_layout, representative_layers
 from .direct import DirectBinding, bind_direct
-from .loader import LoaderInstaller, layer_groups, loader_layout
+from .loader import LoaderInstaller, layer_groups
 from .session import WorkerSession
 
 __all__ = [
     "DerivedLayout", "DirectBinding", "LoaderInstaller", "WorkerSession", "bind_direct", "check_layout",
-    "derive_layout", "layer_groups", "loader_layout", "representative_layers",
+    "derive_layout", "layer_groups", "representative_layers",
 ]

@@ -130,17 +130,13 @@ def _read_placements(rank: int, name: str, values: torch.Tensor,
                                 f"do not form boxes copied by translation")
                 continue
             for lo, lengths, phys_lo in boxes:
-                out.append((t.name, Placement(rank, name, shape, lo, lengths,
-                                              tuple(int(k) for k in key) + phys_lo)))
+                out.append((t.name, Placement(rank, name, shape, lo, lengths, tuple(int(k) for k in key) + phys_lo)))
     return out, problems
 
 
 def _as_boxes(canon: np.ndarray, phys: np.ndarray) -> list[tuple] | None:
     """The elements as boxes, each moved by one translation: one box, or one per distinct translation (a rank's
     TP slices of the unequal parts of a fused stack sit side by side in its tensor); None if they are not."""
-    box = _as_box(canon, phys)
-    if box is not None:
-        return [box]
     deltas, which = np.unique((phys - canon).T, axis=0, return_inverse=True)
     boxes = [_as_box(canon[:, which.reshape(-1) == i], phys[:, which.reshape(-1) == i]) for i in range(len(deltas))]
     return None if any(b is None for b in boxes) else boxes
@@ -149,26 +145,17 @@ def _as_boxes(canon: np.ndarray, phys: np.ndarray) -> list[tuple] | None:
 def _as_box(canon: np.ndarray, phys: np.ndarray) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None:
     """(canonical offset, lengths, physical offset) if the elements are a full box moved by one translation."""
     lo, hi = canon.min(axis=1), canon.max(axis=1)
-    lengths = hi - lo + 1
-    if int(np.prod(lengths)) != canon.shape[1]:
+    lengths, delta = hi - lo + 1, phys - canon
+    if int(np.prod(lengths)) != canon.shape[1] or not np.all(delta == delta[:, :1]):
         return None
-    delta = phys - canon
-    if not np.all(delta == delta[:, :1]):
-        return None
-    return (tuple(int(x) for x in lo), tuple(int(x) for x in lengths),
-            tuple(int(x) for x in lo + delta[:, 0]))
+    return (tuple(int(x) for x in lo), tuple(int(x) for x in lengths), tuple(int(x) for x in lo + delta[:, 0]))
 
 
 def declared_placements(layout: Any, rank: int, tensors: Iterable[TensorSpec]) -> list[tuple[str, Placement]]:
     """The declared layout's placements on `rank` for these canonical tensors (pure padding left out)."""
     replica = rank // layout.ranks_per_replica
-    out = []
-    for t in tensors:
-        for p in layout.placements(t, replica=replica):
-            if p.rank == rank and 0 not in p.lengths:
-                out.append((t.name, p))
-    out.sort(key=lambda cp: (cp[1].tensor, cp[0], cp[1].phys_offset))
-    return out
+    return sorted(((t.name, p) for t in tensors for p in layout.placements(t, replica=replica)
+                   if p.rank == rank and 0 not in p.lengths), key=lambda cp: (cp[1].tensor, cp[0], cp[1].phys_offset))
 
 
 def widens(plan_dtype: str, live_dtype: str) -> bool:

@@ -131,9 +131,8 @@ def _why_relaid(module: torch.nn.Module, method: Any) -> str | None:
     if method.moe_kernel is None:
         return None  # not processed yet: the experts hold what the loader wrote
     backend = getattr(method.unquantized_backend, "name", str(method.unquantized_backend))
-    if backend in _MOE_AS_LOADED:
-        return None
-    return f"MoE backend {backend} re-lays the expert weights after loading (only {_MOE_AS_LOADED} keep them)"
+    return None if backend in _MOE_AS_LOADED else (f"MoE backend {backend} re-lays the expert weights after loading "
+                                                   f"(only {_MOE_AS_LOADED} keep them)")
 
 
 def relaid_problems(model: torch.nn.Module, params: dict[str, torch.nn.Parameter]) -> list[str]:
@@ -166,11 +165,9 @@ def fp8_problems(model: torch.nn.Module, fp: Fp8Plan, rank: int) -> list[str]:
         elif tuple(p.shape) != tuple(shape) or dtype_name(p.dtype) != dtype:
             problems.append(f"{name}: the model has {tuple(p.shape)} {dtype_name(p.dtype)}, the FP8 destination "
                             f"declares {tuple(shape)} {dtype} ({fp.scheme.block[0]}x{fp.scheme.block[1]} blocks)")
-    for name, p in sorted(params.items()):
-        if name not in declared and (p.dtype == torch.float8_e4m3fn or name.endswith("_scale_inv")):
-            problems.append(f"{name}: the model quantizes it ({tuple(p.shape)} {dtype_name(p.dtype)}), the FP8 "
-                            f"destination does not (ignored modules differ?)")
-    return problems
+    return problems + [f"{name}: the model quantizes it ({tuple(p.shape)} {dtype_name(p.dtype)}), the FP8 destination "
+                       f"does not (ignored modules differ?)" for name, p in sorted(params.items())
+                       if name not in declared and (p.dtype == torch.float8_e4m3fn or name.endswith("_scale_inv"))]
 
 
 def bind_fp8(model: torch.nn.Module, fp: Fp8Plan, rank: int) -> dict[str, torch.Tensor]:

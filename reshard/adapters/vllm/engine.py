@@ -5,6 +5,7 @@ shutdown) is one agreed step of `session.AgreedSteps`.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -90,7 +91,5 @@ def register() -> None:
     for factory, module, cls in ((WeightTransferEngineFactory, __name__, "ReshardWeightTransferEngine"),
                                  (WeightTransferTrainerFactory, "reshard.adapters.vllm.trainer",
                                   "ReshardTrainerWeightTransferEngine")):
-        try:
+        with contextlib.suppress(ValueError):  # already registered in this process
             factory.register_engine(BACKEND, module, cls)
-        except ValueError:  # already registered in this process
-            pass

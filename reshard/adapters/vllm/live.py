@@ -45,10 +45,7 @@ def config_scope(vllm_config: Any) -> contextlib.AbstractContextManager:
 def layer_of(name: str) -> int:
     """The decoder layer a parameter belongs to: its first integer path segment (-1 for embeddings, final
     norm, lm_head). Structural, like vLLM's own per-layer grouping; no role is guessed from the name."""
-    for part in name.split("."):
-        if part.isdigit():
-            return int(part)
-    return -1
+    return next((int(part) for part in name.split(".") if part.isdigit()), -1)
 
 
 def weights(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:

@@ -12,7 +12,7 @@ import torch
 from ...errors import ExecutionError
 from ...executors.reference import empty_for
 from ...executors.shared import release_shared, shared_empty
-from ...layouts import HfLayout, ModelSpec
+from ...layouts import ModelSpec
 from ...planner import Plan
 from .live import config_scope, weights
 
@@ -31,17 +31,11 @@ def layer_groups(spec: ModelSpec) -> list[tuple[str, ...]]:
     return [tuple(g) for g in groups if g]
 
 
-def loader_layout(spec: ModelSpec, num_ranks: int) -> HfLayout:
-    """One full copy of every canonical tensor per vLLM rank."""
-    return HfLayout(model=spec, replicas=num_ranks)
-
-
 class LoaderInstaller:
     """Loader install: buffers for whole canonical tensors that a refit fills, then handed to the model's own
     weight loaders (vLLM's layerwise reload)."""
 
-    def __init__(self, model: torch.nn.Module, rank: int, plan: Plan, vllm_config: Any = None,
-                 shared: bool = False):
+    def __init__(self, model: torch.nn.Module, rank: int, plan: Plan, vllm_config: Any = None, shared: bool = False):
         self.model, self.rank, self.plan, self.vllm_config = model, rank, plan, vllm_config
         # the engine's device (after an interrupted reload, parameters can be on "meta")
         device = getattr(getattr(vllm_config, "device_config", None), "device", None)
@@ -72,15 +66,13 @@ class LoaderInstaller:
                     module.quant_method.moe_kernel = None
             initialize_layerwise_reload(self.model)
             try:
-                loaded = self.load()
+                return self.load()
             except Exception as e:
-                # vLLM's own loaders failed half-way: close the reload so the model can serve (modules loaded so
-                # far hold the new weights, the others their old ones) instead of keeping "meta" parameters
-                finalize_layerwise_reload(self.model, self.vllm_config.model_config)
                 raise ExecutionError(f"vLLM's load_weights failed ({type(e).__name__}: {e}); the engine serves a mix "
                                      f"of old and new weights until the next refit") from e
-            finalize_layerwise_reload(self.model, self.vllm_config.model_config)
-        return loaded
+            finally:  # also when vLLM's own loaders failed half-way: the closed reload lets the model serve (modules
+                # loaded so far hold the new weights, the others their old ones) instead of keeping "meta" parameters
+                finalize_layerwise_reload(self.model, self.vllm_config.model_config)
 
     @torch.no_grad()
     def load(self) -> set[str]:

@@ -9,9 +9,9 @@ none goes on):
 A WorkerSession's construction checks the trainer's model and layout against what this worker serves (an EPLB
 engine's expert placement again at every `start`), compiles the plan, binds the destination (direct: the live
 parameters; loader: buffers for whole tensors; lora_slot: an adapter's slot) and opens the transport; a failure is
-reported at the rendezvous (waiting trainers stop at once) and raised. With `background=True` a cross-process set-up
-does the quick local steps at once and waits for the other members in a thread, since vLLM runs an init on the
-engine's RPC path and would stop generating meanwhile; its failure is raised by the next `start` or `transfer`.
+reported at the rendezvous (waiting trainers stop at once) and raised. A cross-process set-up does the quick local
+steps at once and waits for the other members in a thread, since vLLM runs an init on the engine's RPC path and would
+stop generating meanwhile; its failure is raised by the next `start` or `transfer`.
 
 A refit is all or nothing on this engine: the bytes land in the executor's staging or the loader's buffers first.
 With `RefitSpec.staging`, `transfer` returns at once and lands while the engine generates; the install (the flip)
@@ -20,6 +20,7 @@ writing names `lease.TORN`, and the server's lease middleware fences the engine 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -59,17 +60,14 @@ class WorkerSession:
         model: the worker's model.
         vllm_config: the worker's vLLM config.
         refit: the trainer's init payload, parsed.
-        group: the engine's world group ("colocated" transport).
-        background: cross-process transports: meet the other members and open the transport in a thread.
 
     Raises:
         LayoutMismatchError, LayoutError, PlanError: the trainer's model, layout or plan is not this worker's.
-        ExecutionError: the store cannot be reached, the secret is wrong, this worker's place is taken, or (not in
-            the background) the rendezvous or the transport failed.
+        ExecutionError: the store cannot be reached, the secret is wrong, this worker's place is taken, or (in-process
+            transports) the transport failed.
     """
 
-    def __init__(self, model: torch.nn.Module, vllm_config: Any, refit: RefitSpec, *, group: Any = None,
-                 background: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, vllm_config: Any, refit: RefitSpec) -> None:
         self.model, self.vllm_config, self.refit = model, vllm_config, refit
         self.executor: Executor | None = None
         self.store = None
@@ -79,13 +77,13 @@ class WorkerSession:
         self.closed = False
         self.lock = threading.Lock()  # between the background set-up and close()
         try:
-            self._set_up(group, background)
+            self._set_up()
         except Exception as e:
             self._report(e)
             self.close()
             raise
 
-    def _set_up(self, group: Any, background: bool = False) -> None:
+    def _set_up(self) -> None:
         refit = self.refit
         if refit.cross_process:
             self.rendezvous = rv.Rendezvous.from_dict(refit.rendezvous)
@@ -124,27 +122,24 @@ class WorkerSession:
                 check_room(self.shadow.nbytes, free_bytes(installer.device, "host"), refit.staging,
                            f"a shadow of engine replica {refit.replica} rank {self.rank}'s processed layers")
                 self.flips = [self.shadow.swap]
-        process = self.rank
         self.tensors, self.installed = tensors, False
-        if refit.cross_process:
-            self.store = rv.connect(self.rendezvous)  # one probe first: an unreachable address fails at once
-            process = self.plan.src.num_ranks + self.rank
-            if background:
-                rv.check_secret(self.store, self.rendezvous, "engine", process)  # a wrong secret: at once
-                rv.check_place(self.store, self.rendezvous, process)  # a duplicate rank: at once
-                self.meeting_deadline = time.monotonic() + self.rendezvous.timeout + 30.0 + self._timeout()
-                self.meeting = _on_this_device(self._meet, process, tensors, group, name="reshard-meet")
-                return
-            rv.join(self.store, self.rendezvous, process, refit.num_processes, "engine")
-        self.executor = open_transport(refit, process, {}, {self.rank: tensors}, store=self.store, group=group)
+        if not refit.cross_process:
+            self.executor = open_transport(refit, self.rank, {}, {self.rank: tensors})
+            return
+        self.store = rv.connect(self.rendezvous)  # one probe first: an unreachable address fails at once
+        process = self.plan.src.num_ranks + self.rank
+        rv.check_secret(self.store, self.rendezvous, "engine", process)  # a wrong secret: at once
+        rv.check_place(self.store, self.rendezvous, process)  # a duplicate rank: at once
+        self.meeting_deadline = time.monotonic() + self.rendezvous.timeout + 30.0 + self._timeout()
+        self.meeting = _on_this_device(self._meet, process, tensors, name="reshard-meet")
 
-    def _meet(self, process: int, tensors: Any, group: Any) -> None:
+    def _meet(self, process: int, tensors: Any) -> None:
         """The background set-up: join, then open the transport; a failure is reported at the rendezvous; a session
         closed meanwhile releases what was opened."""
         store, rdv, refit = self.store, self.rendezvous, self.refit
         try:
             rv.join(store, rdv, process, refit.num_processes, "engine")
-            executor = open_transport(refit, process, {}, {self.rank: tensors}, store=store, group=group)
+            executor = open_transport(refit, process, {}, {self.rank: tensors}, store=store)
         except BaseException as e:  # kept by the Background for start / transfer
             if not self.closed:
                 self._report(e, store)
@@ -176,11 +171,9 @@ class WorkerSession:
         reason = f"engine replica {self.refit.replica} worker: {type(error).__name__}: {error}"
         if self.rendezvous is None:
             return
-        try:
-            store = store if store is not None else self.store
+        store = store if store is not None else self.store
+        with contextlib.suppress(Exception):  # the store may be unreachable; the error raised says what failed
             rv.fail(store if store is not None else rv.connect(self.rendezvous), self.rendezvous, reason)
-        except Exception:  # noqa: BLE001 - the store may be unreachable; the error raised says what failed
-            pass
 
     def _check_experts(self) -> None:
         """The plan's expert placement must be what the EPLB state holds now (loader: the initial one)."""
@@ -333,10 +326,8 @@ def _injected_flip_fault(rank: int, wrote: bool) -> None:
 
 def transport_timeout(options: dict[str, Any], default: Any) -> float:
     """The transport's timeout from a refit's options, else `default`, else 300 s."""
-    for v in (options.get("timeout"), default):
-        if not isinstance(v, bool) and isinstance(v, (int, float)) and v > 0:
-            return float(v)
-    return 300.0
+    return next((float(v) for v in (options.get("timeout"), default)
+                 if not isinstance(v, bool) and isinstance(v, (int, float)) and v > 0), 300.0)
 
 
 def check_served_model(refit: RefitSpec, dst: Any, vllm_config: Any) -> None:
@@ -369,8 +360,6 @@ def check_served_model(refit: RefitSpec, dst: Any, vllm_config: Any) -> None:
         differ = ", ".join(f"{k}: {mine[k]!r} vs {theirs[k]!r}" for k in mine if mine[k] != theirs.get(k))
         raise LayoutMismatchError(str(dst), [f"trainer declared {dst}, the engine runs {declared} ({differ})"],
                                   where="this vLLM engine's parallel config")
-
-
 
 
 def _engine_group() -> Any:
@@ -442,7 +431,7 @@ class AgreedSteps:
             spec = refit()
             if check is not None:
                 check(spec)
-            self.session = WorkerSession(self.model, self.vllm_config, spec, background=True)
+            self.session = WorkerSession(self.model, self.vllm_config, spec)
 
         if not agreed("init", init) and self.session is not None:
             self.close()  # another worker of this engine failed: none of them takes part

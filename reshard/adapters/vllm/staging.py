@@ -10,7 +10,6 @@ the shapes vLLM recorded for reloading) while the engine still generates; the fl
 from __future__ import annotations
 
 import copy
-import time
 from types import MethodType
 from typing import Any
 
@@ -64,25 +63,22 @@ class Staging:
     def __init__(self, live: dict[str, torch.Tensor], where: str, what: str) -> None:
         if where not in WHERE:
             raise ExecutionError(f"staging={where!r} is not one of {WHERE}")
-        self.live, self.where = live, where
+        self.live = live
         self.nbytes = sum(t.numel() * t.element_size() for t in live.values())
         self.device = next(iter(live.values())).device if live else torch.device("cpu")
         check_room(self.nbytes, free_bytes(self.device, where), where, what)
         pin = where == "host" and torch.cuda.is_available()
         self.tensors = {name: torch.empty(t.shape, dtype=t.dtype, device="cpu" if where == "host" else t.device,
                                           pin_memory=pin) for name, t in live.items()}
-        self.flip_s = 0.0  # the last flip's wall time
 
     @torch.no_grad()
     def flip(self) -> None:
         """Copy every staged tensor into its live one, queued, then waited for once. One `copy_` per tensor: faster
         on an H100 than `torch._foreach_copy_` (benchmarks/refit_flip.py)."""
-        start = time.perf_counter()
         for name, live in self.live.items():
             live.copy_(self.tensors[name], non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.flip_s = time.perf_counter() - start
 
 
 # a module's own bookkeeping, never swapped as an attribute

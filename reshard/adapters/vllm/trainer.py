@@ -15,7 +15,6 @@ from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeight
 
 from ..engines import EngineClient
 from ..refit import RefitSpec
-from ..server import ExtensionClient
 from ..trainer import TrainerSession
 from .engine import BACKEND, register
 
@@ -77,6 +76,3 @@ class OfflineLLMClient(EngineClient):
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.llm.finish_weight_update(weight_version)
-
-
-OfflineExtensionClient = ExtensionClient  # over an in-process vllm.LLM started with the reshard worker extension

@@ -7,6 +7,8 @@ itself from the same values, loaded by the engine under another name. A refit na
 not have is refused at init and leaves the served adapter as it was."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -66,7 +68,7 @@ def test_refit_adapter_slot_of_a_ray_engine_actor(tmp_path):
             finally:
                 session.close()
             after[transport] = engine.greedy(PROMPTS, 8, lora="policy")
-        refit = refit.with_(lora_id=99)  # an adapter the engine does not have: refused at init
+        refit = replace(refit, lora_id=99)  # an adapter the engine does not have: refused at init
         session = TrainerSession(refit, 0, shard(src, adapter_weights(spec, 0))[0], engines=[engine], timeout=60.0)
         with pytest.raises(ExecutionError, match="lora_id=99 is not loaded in this engine"):
             session.init()

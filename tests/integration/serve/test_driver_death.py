@@ -13,6 +13,7 @@ refused at init.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -88,7 +89,7 @@ def _a_differently_configured_model_is_refused_at_init(server, checkpoint):
     src = reshard.MegatronLayout(model=spec, vocab_divisor=64)
     refit = RefitSpec.of(spec, src, reshard.VllmLayout(model=spec, tp=2), install="loader", transport="collective",
                          config=checkpoint)
-    wrong = refit.with_(math={**refit.math, "rms_norm_eps": 0.125, "rope_theta": 77.0})
+    wrong = replace(refit, math={**refit.math, "rms_norm_eps": 0.125, "rope_theta": 77.0})
     before = server.greedy(PROMPTS)
     session = TrainerSession(wrong, 0, shard(src, load_checkpoint(checkpoint))[0], engines=[server], timeout=60.0)
     with pytest.raises(ExecutionError, match="rms_norm_eps: trainer 0.125") as e:

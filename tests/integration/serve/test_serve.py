@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -172,16 +173,16 @@ def test_bad_init_is_refused_and_the_server_keeps_serving(servers):
     refit, tensors = _trainer_of_one(served)
     moe = reshard.ModelSpec.from_hf_config(TinyGPT(num_experts=4).hf_config().to_dict())
     rdv, store = rv.host_store(rv.Rendezvous.new(timeout=5.0))
-    good = refit.with_(rendezvous=rdv.to_dict(), plan_digest=refit.plan().digest)
+    good = replace(refit, rendezvous=rdv.to_dict(), plan_digest=refit.plan().digest)
     cases = {
         "wrong model": (RefitSpec.of(moe, reshard.MegatronLayout(model=moe), reshard.VllmLayout(model=moe),
                                      install="loader", transport="collective", rendezvous=rdv.to_dict()),
                         "does not match the declared layout"),
-        "wrong layout": (good.with_(dst={**good.dst, "vocab_padding": 256}), "the engine runs vllm:tp=1"),
-        "plan digest": (good.with_(plan_digest="0" * 64), "differs from the one this worker compiled"),
-        "unreachable store": (good.with_(rendezvous={**rdv.to_dict(), "port": free_port()}),
+        "wrong layout": (replace(good, dst={**good.dst, "vocab_padding": 256}), "the engine runs vllm:tp=1"),
+        "plan digest": (replace(good, plan_digest="0" * 64), "differs from the one this worker compiled"),
+        "unreachable store": (replace(good, rendezvous={**rdv.to_dict(), "port": free_port()}),
                               "the refit's store: cannot reach"),
-        "wrong secret": (good.with_(rendezvous={**rdv.to_dict(), "secret": "f" * 32}), "is not the refit's"),
+        "wrong secret": (replace(good, rendezvous={**rdv.to_dict(), "secret": "f" * 32}), "is not the refit's"),
         "unknown field": (None, "unknown fields ['mode']"),
     }
     for name, (payload, message) in cases.items():
@@ -199,7 +200,7 @@ def test_bad_init_is_refused_and_the_server_keeps_serving(servers):
         served.client.init_weight_transfer_engine(good.to_dict())
     _still_serving(served, before)
     # the trainer is told too, with the engine's message
-    session = TrainerSession(refit.with_(dst={**refit.dst, "vocab_padding": 256}), 0, tensors,
+    session = TrainerSession(replace(refit, dst={**refit.dst, "vocab_padding": 256}), 0, tensors,
                              engines=[served.client], timeout=60.0)
     with pytest.raises(ExecutionError, match="the engine runs vllm:tp=1"):
         session.init()
@@ -223,7 +224,7 @@ def test_delta_refits_equal_dense_ones(servers, transport):
     checkpoint's tensors (reshard's digests of what landed); the trainer's RefitResult says what went as delta."""
     served = servers["dense-tp2"]
     refit, _ = _trainer_of_one(served, delta=3)
-    refit = refit.with_(transport=transport)
+    refit = replace(refit, transport=transport)
     src, _ = refit.layouts()
     weights = load_checkpoint(served.a)
     tensors = shard(src, weights)[0]  # the trainer's, changed in place by its steps

@@ -39,16 +39,28 @@ def kind_of(spec: ModelSpec, role: Hashable) -> TensorKind:
 
 
 @functools.lru_cache(maxsize=64)
+def qkv_kinds(heads: int, groups: int, head_dim: int, gated: bool = False,
+              labels: tuple[str, str, str] = ("q", "k", "v")) -> tuple[TensorKind, TensorKind, TensorKind]:
+    """q / k / v in Megatron's linear_qkv (per query group [q heads; k; v]) and vLLM's qkv_proj; `gated`: the q
+    rows hold [q_h; gate_h] per head (Qwen3.5's output gate) and a linear_qkv group [q heads; gate heads; k; v]."""
+    d, hpg = head_dim, heads // groups
+    q = (1 + gated) * hpg * d  # query rows of one group
+    group = q + 2 * d  # rows of one query group in linear_qkv
+    if gated:
+        q_blocks = tuple(b for h in range(heads) for b in (
+            (2 * h * d, h // hpg * group + h % hpg * d, d),                   # q_h
+            ((2 * h + 1) * d, h // hpg * group + (hpg + h % hpg) * d, d)))    # gate_h
+    else:
+        q_blocks = tuple((g * q, g * group, q) for g in range(groups))
+    blocks = (q_blocks, *(tuple((g * d, g * group + q + k * d, d) for g in range(groups)) for k in (0, 1)))
+    return tuple(tensor_kind(label, GlobalRows("self_attention.linear_qkv.weight", groups * group, b),
+                             QkvParallel(LAYER + "self_attn.qkv_proj.weight", (1 + gated) * heads * d, groups, d, part))
+                 for part, (label, b) in enumerate(zip(labels, blocks)))
+
+
+@functools.lru_cache(maxsize=64)
 def shared_kinds(heads: int, groups: int, head_dim: int, tied: bool) -> Mapping[Role, TensorKind]:
     """Each shared role's TensorKind for these attention sizes and tied or untied embeddings."""
-    d, hpg = head_dim, heads // groups
-    group = (hpg + 2) * d  # rows of one query group in linear_qkv
-
-    def qkv(role: Role, slot: int, rows: int) -> TensorKind:
-        blocks = tuple((g * rows, g * group + slot, rows) for g in range(groups))
-        return tensor_kind(role.value, GlobalRows("self_attention.linear_qkv.weight", groups * group, blocks),
-                    QkvParallel(LAYER + "self_attn.qkv_proj.weight", heads * d, groups, d, "qkv".index(role.value)))
-
     def norm(role: Role, megatron: str, vllm: str, te: str | None = None, moe: str | None = None) -> TensorKind:
         return tensor_kind(role.value, Replicated(megatron), Replicated(LAYER + vllm),
                     te=Replicated(te, moe_name=moe) if te else None)
@@ -73,9 +85,7 @@ def shared_kinds(heads: int, groups: int, head_dim: int, tied: bool) -> Mapping[
                                   "mlp.linear_fc1.layer_norm_weight", moe="pre_mlp_layernorm.weight"),
         Role.Q_NORM: norm(Role.Q_NORM, "self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
         Role.K_NORM: norm(Role.K_NORM, "self_attention.k_layernorm.weight", "self_attn.k_norm.weight"),
-        Role.Q: qkv(Role.Q, 0, hpg * d),
-        Role.K: qkv(Role.K, hpg * d, d),
-        Role.V: qkv(Role.V, (hpg + 1) * d, d),
+        **dict(zip((Role.Q, Role.K, Role.V), qkv_kinds(heads, groups, head_dim))),
         Role.O: tensor_kind("o", ColumnBlocks("self_attention.linear_proj.weight"),
                      ColumnBlocks(LAYER + "self_attn.o_proj.weight")),
         **dict(zip((Role.GATE, Role.UP, Role.DOWN), gated_mlp("mlp.", LAYER + "mlp."))),

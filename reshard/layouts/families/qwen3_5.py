@@ -71,11 +71,9 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
     if "text_config" not in config:
         return config
     text = config["text_config"]
-    if text is None:
-        text = {}
-    if not isinstance(text, dict):
+    if not isinstance(text, (dict, type(None))):
         raise ModelConfigError(field="text_config", value=text, rule="must be a JSON object")
-    text = dict(text)
+    text = dict(text or {})
     for key in ("torch_dtype", "dtype", "tie_word_embeddings"):
         if key in config and key not in text:
             text[key] = config[key]

@@ -27,9 +27,8 @@ def gated_mlp(megatron: str, vllm: str, label: str = "") -> tuple[TensorKind, Te
     fc1, gate_up = megatron + "linear_fc1.weight", vllm + "gate_up_proj.weight"
     return (tensor_kind(label + "gate", RowBlocks(fc1, 0, 2), RowBlocks(gate_up, 0, 2), linear=True),
             tensor_kind(label + "up", RowBlocks(fc1, 1, 2), RowBlocks(gate_up, 1, 2), linear=True),
-            tensor_kind(label + "down",
-                        ColumnBlocks(megatron + "linear_fc2.weight"), ColumnBlocks(vllm + "down_proj.weight"),
-                 linear=True))
+            tensor_kind(label + "down", ColumnBlocks(megatron + "linear_fc2.weight"),
+                        ColumnBlocks(vllm + "down_proj.weight"), linear=True))
 
 
 def kind_of(spec: ModelSpec, role: Hashable) -> TensorKind:
@@ -63,13 +62,13 @@ def shared_kinds(heads: int, groups: int, head_dim: int, tied: bool) -> Mapping[
     """Each shared role's TensorKind for these attention sizes and tied or untied embeddings."""
     def norm(role: Role, megatron: str, vllm: str, te: str | None = None, moe: str | None = None) -> TensorKind:
         return tensor_kind(role.value, Replicated(megatron), Replicated(LAYER + vllm),
-                    te=Replicated(te, moe_name=moe) if te else None)
+                           te=Replicated(te, moe_name=moe) if te else None)
 
     def expert(role: Role, fc: str, w: str, cut: Callable[[str], Cut]) -> TensorKind:
         """A routed expert's tensor: Megatron's per-local-expert `{j}` fc1 / fc2, vLLM's stacked w13 / w2."""
         return tensor_kind(role.value, cut(f"mlp.experts.local_experts.{{j}}.linear_{fc}.weight"),
-                    cut(f"{LAYER}mlp.experts.routed_experts.{w}_weight"),
-                    te=cut(f"mlp.experts.linear_{fc}.weight{{j}}"), expert=True)
+                           cut(f"{LAYER}mlp.experts.routed_experts.{w}_weight"),
+                           te=cut(f"mlp.experts.linear_{fc}.weight{{j}}"), expert=True)
 
     embed = (Vocab("embedding.word_embeddings.weight", at="first"),)
     if tied:  # the last stage keeps a synchronized copy as output_layer.weight (pp > 1)
@@ -78,7 +77,7 @@ def shared_kinds(heads: int, groups: int, head_dim: int, tied: bool) -> Mapping[
         Role.EMBED: tensor_kind("embed", embed, Vocab("model.embed_tokens.weight")),
         Role.LM_HEAD: tensor_kind("lm_head", Vocab("output_layer.weight", at="last"), Vocab("lm_head.weight")),
         Role.FINAL_NORM: tensor_kind("final_norm", Replicated("decoder.final_layernorm.weight", at="last"),
-                              Replicated("model.norm.weight")),
+                                     Replicated("model.norm.weight")),
         Role.INPUT_NORM: norm(Role.INPUT_NORM, "input_layernorm.weight", "input_layernorm.weight",
                               "self_attention.linear_qkv.layer_norm_weight"),
         Role.POST_ATTN_NORM: norm(Role.POST_ATTN_NORM, "pre_mlp_layernorm.weight", "post_attention_layernorm.weight",
@@ -87,7 +86,7 @@ def shared_kinds(heads: int, groups: int, head_dim: int, tied: bool) -> Mapping[
         Role.K_NORM: norm(Role.K_NORM, "self_attention.k_layernorm.weight", "self_attn.k_norm.weight"),
         **dict(zip((Role.Q, Role.K, Role.V), qkv_kinds(heads, groups, head_dim))),
         Role.O: tensor_kind("o", ColumnBlocks("self_attention.linear_proj.weight"),
-                     ColumnBlocks(LAYER + "self_attn.o_proj.weight")),
+                            ColumnBlocks(LAYER + "self_attn.o_proj.weight")),
         **dict(zip((Role.GATE, Role.UP, Role.DOWN), gated_mlp("mlp.", LAYER + "mlp."))),
         Role.ROUTER: tensor_kind("router", Replicated("mlp.router.weight"), Replicated(LAYER + "mlp.gate.weight")),
         Role.EXPERT_GATE: expert(Role.EXPERT_GATE, "fc1", "w13", lambda name: RowBlocks(name, 0, 2)),

@@ -38,12 +38,12 @@ GDN_DT_BIAS, GDN_A_LOG = (tensor_kind(f"gdn_{x.lower()}", RowBlocks("self_attent
                           for x in ("dt_bias", "A_log"))
 # The GDN output norm is a plain RMSNorm weight in HF and vLLM, but Megatron builds it zero-centred: it stores w - 1.
 GDN_NORM = tensor_kind("gdn_norm", Replicated("self_attention.out_norm.weight"), Replicated(_LIN + "norm.weight"),
-                megatron_offset=-1.0)
+                       megatron_offset=-1.0)
 GDN_OUT = tensor_kind("gdn_out_proj",
                       ColumnBlocks("self_attention.out_proj.weight"), ColumnBlocks(_LIN + "out_proj.weight"))
 SHARED_MLP = gated_mlp("mlp.shared_experts.", _MLP + "shared_expert.", "shared_expert_proj_")
 SHARED_EXPERT_GATE = tensor_kind("shared_expert_gate", Replicated("mlp.shared_experts.gate_weight"),
-                          Replicated(_MLP + "shared_expert_gate.weight"))
+                                 Replicated(_MLP + "shared_expert_gate.weight"))
 
 
 @functools.lru_cache(maxsize=16)
@@ -56,14 +56,14 @@ def _gdn_kinds(nk: int, dk: int, nv: int, dv: int) -> dict[str, TensorKind]:
 
     def kind(label, mfirst, mcount, vname, vsizes, vheads, vfirst, vcount):
         return tensor_kind(label, Stacked("self_attention.in_proj.weight", meg, mfirst, mcount, meg_h),
-                    Stacked(_LIN + vname, vsizes, vfirst, vcount, vheads))
+                           Stacked(_LIN + vname, vsizes, vfirst, vcount, vheads))
 
     return {"in_proj_qkv": kind("gdn_in_proj_qkv", 0, 3, "in_proj_qkvz.weight", qkvz, qkvz_h, 0, 3),
             "in_proj_z": kind("gdn_in_proj_z", 3, 1, "in_proj_qkvz.weight", qkvz, qkvz_h, 3, 1),
             "in_proj_b": kind("gdn_in_proj_b", 4, 1, "in_proj_ba.weight", (nv, nv), (), 0, 1),
             "in_proj_a": kind("gdn_in_proj_a", 5, 1, "in_proj_ba.weight", (nv, nv), (), 1, 1),
             "conv1d": tensor_kind("gdn_conv1d", Stacked("self_attention.conv1d.weight", conv, 0, 3, conv_h),
-                           Stacked(_LIN + "conv1d.weight", conv, 0, 3, conv_h))}
+                                  Stacked(_LIN + "conv1d.weight", conv, 0, 3, conv_h))}
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:

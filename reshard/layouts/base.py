@@ -91,15 +91,10 @@ class TableBuilder:
 
     def add_placements(self, canon: int, placements: Sequence["Placement"]) -> None:
         """Rows from reference placements (the slow path)."""
-        if not placements:
-            return
-        rows = []
-        for p in placements:
-            (c0, c1), (n0, n1) = as_2d(p.canon_offset, p.lengths)
-            rows.append((canon, p.rank, self.kind(p.tensor, p.shape), c0, c1, n0, n1,
-                         np.ravel_multi_index(p.phys_offset, p.shape), p.shape[-1]))
-        a = np.asarray(rows, dtype=np.int64)
-        self._blocks.append([a[:, k] for k in range(a.shape[1])])
+        if placements:
+            rows = [(canon, p.rank, self.kind(p.tensor, p.shape), *sum(as_2d(p.canon_offset, p.lengths), ()),
+                     np.ravel_multi_index(p.phys_offset, p.shape), p.shape[-1]) for p in placements]
+            self._blocks.append(list(np.asarray(rows, dtype=np.int64).T))
 
     def table(self) -> PlacementTable:
         """Every block added, in order, as one table."""

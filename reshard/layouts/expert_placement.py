@@ -111,10 +111,10 @@ class ExpertPlacement(ValidatedModel):
         """[rows, P] int64: the logical expert of each physical slot (read-only)."""
         return _table(self)
 
-    @property
+    @functools.cached_property
     def digest(self) -> str:
         """SHA-256 of the canonical JSON form: what names this placement in plans and errors."""
-        return _digest(self)
+        return hashlib.sha256(json.dumps(self.model_dump(), sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
     @property
     def is_initial(self) -> bool:
@@ -255,11 +255,6 @@ def _table(p: ExpertPlacement) -> np.ndarray:
     t = np.asarray(p.physical_to_logical, dtype=np.int64)
     t.setflags(write=False)
     return t
-
-
-@functools.lru_cache(maxsize=64)
-def _digest(p: ExpertPlacement) -> str:
-    return hashlib.sha256(json.dumps(p.model_dump(), sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 @functools.lru_cache(maxsize=64)

@@ -122,16 +122,10 @@ class ModelFamily(abc.ABC):
         out = {k: v for k, v in config.items() if k not in ("quantization_config", "auto_map")}
         out.update(self.TINY)
         out["num_hidden_layers"] = min(config.get("num_hidden_layers", 4), 4)
-        heads, kv = config.get("num_attention_heads", 4), config.get("num_key_value_heads") or config.get(
-            "num_attention_heads", 4)
-        out["num_key_value_heads"] = 4 if kv == heads else 2  # keep MHA vs GQA
-        for key in ("num_experts", "n_routed_experts", "num_local_experts"):
-            if config.get(key):
-                out[key] = 4
-        if config.get("moe_intermediate_size"):
-            out["moe_intermediate_size"] = 32
-        if config.get("num_experts_per_tok"):
-            out["num_experts_per_tok"] = 2
+        heads = config.get("num_attention_heads", 4)
+        out["num_key_value_heads"] = 4 if (config.get("num_key_value_heads") or heads) == heads else 2  # MHA vs GQA
+        out.update({k: v for k, v in (("num_experts", 4), ("n_routed_experts", 4), ("num_local_experts", 4),
+                                      ("moe_intermediate_size", 32), ("num_experts_per_tok", 2)) if config.get(k)})
         out["torch_dtype"] = "float32"
         return out
 

@@ -105,9 +105,9 @@ class Fp8Scheme(ValidatedModel):
             raise ModelConfigError(field="quantization_config.weight_block_size", value=list(engine.block),
                                    rule=f"the engine uses {list(engine.block)} blocks, the destination declares "
                                    f"{list(self.block)}", fix="declare the engine's block size")
-        if set(engine.ignored) != set(self.ignored):
-            only_e, only_d = sorted(set(engine.ignored) - set(self.ignored)), sorted(set(self.ignored) -
-                                                                                    set(engine.ignored))
+        mine, theirs = set(self.ignored), set(engine.ignored)
+        only_e, only_d = sorted(theirs - mine), sorted(mine - theirs)
+        if only_e or only_d:
             raise ModelConfigError(field="quantization_config.modules_to_not_convert", value=only_e[:5] or only_d[:5],
                                    rule=f"the engine and the destination disagree on the modules left unquantized "
                                    f"(only the engine's: {only_e[:5]}; only the declared: {only_d[:5]})",

@@ -177,7 +177,7 @@ class ModelSpec(ValidatedModel):
         if isinstance(value, dict) and not all(isinstance(k, str) for k in value):
             raise ModelConfigError(field="arch", value=value, rule="must have string keys (family fact names)")
         try:
-            return tuple(sorted((str(k), _frozen(v)) for k, v in items))
+            return tuple(sorted((str(k), frozen(v)) for k, v in items))
         except (TypeError, ValueError):
             raise ModelConfigError(field="arch", value=value, rule="must be (key, value) pairs of JSON values") \
                 from None
@@ -332,11 +332,12 @@ class ModelSpec(ValidatedModel):
         return spec.model_copy()._with_math(math_config(config))
 
 
-def _frozen(value: Any) -> Any:
+def frozen(value: Any) -> Any:
+    """`value` hashable: lists as tuples, dicts as sorted (key, value) pairs, all the way down."""
     if isinstance(value, (list, tuple)):
-        return tuple(_frozen(v) for v in value)
+        return tuple(frozen(v) for v in value)
     if isinstance(value, dict):
-        return tuple(sorted((str(k), _frozen(v)) for k, v in value.items()))
+        return tuple(sorted((str(k), frozen(v)) for k, v in value.items()))
     return value
 
 

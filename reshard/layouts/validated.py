@@ -16,17 +16,13 @@ def _library_errors(model: type) -> Iterator[None]:
     try:
         yield
     except ValidationError as exc:
-        raise from_validation(exc, model._error_where()) from None
+        raise from_validation(exc, getattr(model, "engine", None) or model.error_where) from None
 
 
 class ValidatedModel(BaseModel):
     """Every way in validates; errors are the library's (`error_where`, or a layout's `engine`, names the model)."""
 
     error_where: ClassVar[str] = "model"
-
-    @classmethod
-    def _error_where(cls) -> str:
-        return getattr(cls, "engine", None) or cls.error_where
 
     def __init__(self, **data: Any) -> None:
         with _library_errors(type(self)):

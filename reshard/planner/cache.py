@@ -10,19 +10,12 @@ import functools
 from typing import Any
 
 from ..layouts import Layout
+from ..layouts.model import frozen
 from .compiler import compile_plan
 from .plan import Plan
 
 CAPACITY = 32
 _cleared = {"compiles": 0, "hits": 0}  # counted before the last clear()
-
-
-def _frozen(value: Any) -> Any:
-    if isinstance(value, (list, tuple)):
-        return tuple(_frozen(v) for v in value)
-    if isinstance(value, dict):
-        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
-    return value
 
 
 @functools.lru_cache(maxsize=CAPACITY)
@@ -32,7 +25,7 @@ def _compile(src: Layout, dst: Layout, options: tuple) -> Plan:
 
 def cached_plan(src: Layout, dst: Layout, **options: Any) -> Plan:
     """`compile_plan(src, dst, **options)`, compiled once per distinct arguments in this process."""
-    return _compile(src, dst, _frozen(options))
+    return _compile(src, dst, frozen(options))
 
 
 def stats() -> dict[str, int]:

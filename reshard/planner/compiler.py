@@ -310,9 +310,7 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
                       h_rank=boxes.h_rank, h_tensor=boxes.h_tensor, h_base=boxes.h_base, h_stride=boxes.h_stride,
                       group_box=group_box, fed=fed, choice=choice, parent=parent, stage=stage,
                       ranks_per_replica=rpr, tensors_per_replica=len(dst_table0), copies=copies)
-    dst_table = dst_table0.tiled(K, rpr)
-    return Plan(src=src, dst=dst, src_tensors=src_table, dst_tensors=dst_table, program=program, bounds=bounds,
-                colocation=colocation,
-                fanout=fanout, roots=len(fed) if fanout else None,
+    return Plan(src=src, dst=dst, src_tensors=src_table, dst_tensors=dst_table0.tiled(K, rpr), program=program,
+                bounds=bounds, colocation=colocation, fanout=fanout, roots=len(fed) if fanout else None,
                 selection=tuple(model.tensor_name(int(k)) for k in sel) if subset else None,
                 coverage="exact", compile_seconds=round(time.perf_counter() - start, 4))

@@ -251,18 +251,15 @@ def predict(plan: Plan, cluster: ClusterModel | None = None) -> Prediction:
                  for r in np.flatnonzero(gpus == gpu)[:2]]
         return " + ".join(roles) or "idle"
 
-    stages, times = [], []
-    for s in range(plan.num_stages):
-        m = tr["stage"] == s
-        pred, t = _stage(cluster, src_gpu[m], dst_gpu[m], tr["bytes"][m].astype(np.float64), tr["ops"][m], s, role)
-        stages.append(pred)
-        times.append(t)
-    depth = max(plan.num_stages - 1, 0)
-    if not stages:
+    masks = [tr["stage"] == s for s in range(plan.num_stages)]
+    if not masks:
         return Prediction(0.0, cluster.pipelined, (), None, 0, cluster)
+    stages, times = zip(*(_stage(cluster, src_gpu[m], dst_gpu[m], tr["bytes"][m].astype(np.float64), tr["ops"][m],
+                                 s, role) for s, m in enumerate(masks)))
+    depth = plan.num_stages - 1
     if not cluster.pipelined:
         slowest = max(stages, key=lambda x: x.transfer_seconds)
-        return Prediction(sum(x.seconds for x in stages), False, tuple(stages), slowest.busiest, depth, cluster)
+        return Prediction(sum(x.seconds for x in stages), False, stages, slowest.busiest, depth, cluster)
     # Pipelined: all stages share the resources; each level beyond the first adds one chunk and one latency.
     size = max(len(v) for t in times for v in t.values())
     total = {k: sum(np.pad(t[k], (0, size - len(t[k]))) for t in times) for k in times[0]}
@@ -277,7 +274,7 @@ def predict(plan: Plan, cluster: ClusterModel | None = None) -> Prediction:
                / min((link_bw[c] for c, n in x.bytes_by_class.items() if n), default=cluster.network_bandwidth)
                + x.latency_seconds for x in stages[1:])
     overhead = stages[0].latency_seconds + sum(x.op_seconds for x in stages)
-    return Prediction(secs + fill + overhead, True, tuple(stages), busiest, depth, cluster)
+    return Prediction(secs + fill + overhead, True, stages, busiest, depth, cluster)
 
 
 def _bandwidths(cluster: ClusterModel) -> dict[str, float]:

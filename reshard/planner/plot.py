@@ -5,7 +5,7 @@ matplotlib is imported here only (`pip install matplotlib`); nothing else in res
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 import numpy as np
@@ -19,13 +19,11 @@ if TYPE_CHECKING:
 def byte_matrix(plan: "Plan") -> tuple[np.ndarray, np.ndarray]:
     """(source rank x destination rank, relaying destination rank x destination rank) bytes."""
     a, D = plan.accounting, plan.dst.num_ranks
-    out = []
-    for rows, pairs in ((plan.src.num_ranks, a.pair_bytes), (D, a.relay_pair_bytes)):
-        m = np.zeros((rows, D))
+    feed, relay = np.zeros((plan.src.num_ranks, D)), np.zeros((D, D))
+    for m, pairs in ((feed, a.pair_bytes), (relay, a.relay_pair_bytes)):
         for s, d, b in pairs:
             m[s, d] += b
-        out.append(m)
-    return out[0], out[1]
+    return feed, relay
 
 
 def _tree_positions(depth: list[int], left: float) -> dict[int, tuple[float, float]]:
@@ -49,28 +47,23 @@ def plot_plan(plan: "Plan", path: str | Path) -> Path:
     feed, relay = byte_matrix(plan)
     parents = np.asarray(plan.replica_parent)
     trees = parents.shape[0] if (parents >= 0).any() else 0
-    fig, axes = plt.subplots(1, 1 + (trees > 0) + (trees > 0), figsize=(6 + 5 * (trees > 0) * 2, 5),
-                             squeeze=False)
-    ax = axes[0, 0]
-    shown = np.where(feed > 0, feed / 1e9, np.nan)
-    vmin = np.nanmin(shown) if np.isfinite(shown).any() else 1e-9
-    vmax = np.nanmax(shown) if np.isfinite(shown).any() else 1.0
-    im = ax.imshow(shown, aspect="auto", interpolation="nearest", cmap="viridis",
-                   norm=LogNorm(vmin=vmin, vmax=max(vmax, vmin * 1.0001)))
-    ax.set_xlabel("destination rank")
-    ax.set_ylabel("source rank")
-    a = plan.accounting
-    ax.set_title(f"source -> destination bytes ({a.total_bytes / 1e9:.1f} GB, {a.num_transfers} transfers)",
-                 fontsize=9)
-    fig.colorbar(im, ax=ax, label="GB")
-    if trees:
-        ax = axes[0, 1]
-        shown = np.where(relay > 0, relay / 1e9, np.nan)
-        im = ax.imshow(shown, aspect="auto", interpolation="nearest", cmap="magma")
+    fig, axes = plt.subplots(1, 1 + 2 * (trees > 0), figsize=(6 + 10 * (trees > 0), 5), squeeze=False)
+
+    def matrix(ax: Any, m: np.ndarray, senders: str, title: str, **style: Any) -> None:
+        """Bytes by (sender, destination rank), in GB, on `ax`."""
+        im = ax.imshow(np.where(m > 0, m / 1e9, np.nan), aspect="auto", interpolation="nearest", **style)
         ax.set_xlabel("destination rank")
-        ax.set_ylabel("relaying destination rank")
-        ax.set_title(f"relays ({sum(a.relay_egress_bytes) / 1e9:.1f} GB, depth {plan.tree_depth})", fontsize=9)
+        ax.set_ylabel(senders)
+        ax.set_title(title, fontsize=9)
         fig.colorbar(im, ax=ax, label="GB")
+
+    a, gb = plan.accounting, feed[feed > 0] / 1e9
+    vmin, vmax = (gb.min(), gb.max()) if len(gb) else (1e-9, 1.0)
+    matrix(axes[0, 0], feed, "source rank", f"source -> destination bytes ({a.total_bytes / 1e9:.1f} GB, "
+           f"{a.num_transfers} transfers)", cmap="viridis", norm=LogNorm(vmin=vmin, vmax=max(vmax, vmin * 1.0001)))
+    if trees:
+        matrix(axes[0, 1], relay, "relaying destination rank", f"relays ({sum(a.relay_egress_bytes) / 1e9:.1f} GB, "
+               f"depth {plan.tree_depth})", cmap="magma")
         ax = axes[0, 2]
         roots = [int(k) for k in np.flatnonzero(parents[0] < 0)]
         colors = matplotlib.colormaps["tab10"]

@@ -285,9 +285,8 @@ def expand(p: Program, *, source_rank: int | None = None, relay_rank: int | None
     parts = range(p.num_parts)
     if relay_rank is not None:
         k, r = divmod(relay_rank, rpr)
-        for j in parts:
-            for child in np.flatnonzero(p.parent[j] == k).tolist():
-                blocks.append(_relay_rows(p, child, p.relay["dst_rank"] == r, j))
+        blocks += [_relay_rows(p, child, p.relay["dst_rank"] == r, j) for j in parts
+                   for child in np.flatnonzero(p.parent[j] == k).tolist()]
         blocks.append(_copy_rows(p, k, p.copies["src_rank"] == r))
     elif source_rank is not None:
         held = np.zeros(len(p.box_hstart), dtype=bool)  # boxes this rank holds: only their ops can be its

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..base import Layout
-from ..family import ModelFamily, attention_layer, dense_mlp, gqa_attention, norm, routed_experts
+from ..family import ModelFamily
 from ..fp8 import transform_items
 from ..hf import HfLayout
 from ..lora import LoraFamily, PeftLayout, VllmLoraLayout
@@ -31,6 +31,6 @@ def register_built_ins() -> None:
         register_layout(layout)
     register_entry_transform(transform_items)
 
-__all__ = ["BUILT_IN_FAMILIES", "BUILT_IN_LAYOUTS", "ModelFamily", "attention_layer", "dense_mlp", "discover",
-           "family", "gqa_attention", "norm", "read_hf_config", "register_built_ins", "register_family",
-           "registered_families", "routed_experts", "spec_from_hf_config", "supported_architectures"]
+__all__ = ["BUILT_IN_FAMILIES", "BUILT_IN_LAYOUTS", "ModelFamily", "discover", "family", "read_hf_config",
+           "register_built_ins", "register_family", "registered_families", "spec_from_hf_config",
+           "supported_architectures"]

@@ -20,15 +20,14 @@ from typing import Any
 
 from ...errors import ModelConfigError
 from ...limits import MAX_DIM, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, check_limit
-from ..cuts import ColumnBlocks, GlobalRows, QkvParallel, Replicated, RowBlocks, Stacked, TensorKind
+from ..cuts import ColumnBlocks, Replicated, RowBlocks, Stacked, TensorKind
 from ..family import (LAYER, ModelFamily, StreamExtra, dense_mlp, gated_mlp_entries, gqa_attention, norm,
                       routed_experts)
 from ..hf_config import REQUIRED, get_bool, get_int, get_str_list
 from ..model import Entry, Experts, ModelSpec, Role
-from ..roles import gated_mlp, tensor_kind
+from ..roles import gated_mlp, qkv_kinds, tensor_kind
 
 _LIN = LAYER + "linear_attn."
-_ATT = LAYER + "self_attn."
 _MLP = LAYER + "mlp."
 _LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -39,12 +38,12 @@ GDN_DT_BIAS, GDN_A_LOG = (tensor_kind(f"gdn_{x.lower()}", RowBlocks("self_attent
                           for x in ("dt_bias", "A_log"))
 # The GDN output norm is a plain RMSNorm weight in HF and vLLM, but Megatron builds it zero-centred: it stores w - 1.
 GDN_NORM = tensor_kind("gdn_norm", Replicated("self_attention.out_norm.weight"), Replicated(_LIN + "norm.weight"),
-                megatron_offset=-1.0)
+                       megatron_offset=-1.0)
 GDN_OUT = tensor_kind("gdn_out_proj",
                       ColumnBlocks("self_attention.out_proj.weight"), ColumnBlocks(_LIN + "out_proj.weight"))
 SHARED_MLP = gated_mlp("mlp.shared_experts.", _MLP + "shared_expert.", "shared_expert_proj_")
 SHARED_EXPERT_GATE = tensor_kind("shared_expert_gate", Replicated("mlp.shared_experts.gate_weight"),
-                          Replicated(_MLP + "shared_expert_gate.weight"))
+                                 Replicated(_MLP + "shared_expert_gate.weight"))
 
 
 @functools.lru_cache(maxsize=16)
@@ -57,34 +56,14 @@ def _gdn_kinds(nk: int, dk: int, nv: int, dv: int) -> dict[str, TensorKind]:
 
     def kind(label, mfirst, mcount, vname, vsizes, vheads, vfirst, vcount):
         return tensor_kind(label, Stacked("self_attention.in_proj.weight", meg, mfirst, mcount, meg_h),
-                    Stacked(_LIN + vname, vsizes, vfirst, vcount, vheads))
+                           Stacked(_LIN + vname, vsizes, vfirst, vcount, vheads))
 
     return {"in_proj_qkv": kind("gdn_in_proj_qkv", 0, 3, "in_proj_qkvz.weight", qkvz, qkvz_h, 0, 3),
             "in_proj_z": kind("gdn_in_proj_z", 3, 1, "in_proj_qkvz.weight", qkvz, qkvz_h, 3, 1),
             "in_proj_b": kind("gdn_in_proj_b", 4, 1, "in_proj_ba.weight", (nv, nv), (), 0, 1),
             "in_proj_a": kind("gdn_in_proj_a", 5, 1, "in_proj_ba.weight", (nv, nv), (), 1, 1),
             "conv1d": tensor_kind("gdn_conv1d", Stacked("self_attention.conv1d.weight", conv, 0, 3, conv_h),
-                           Stacked(_LIN + "conv1d.weight", conv, 0, 3, conv_h))}
-
-
-@functools.lru_cache(maxsize=16)
-def _gated_attention_kinds(nq: int, g: int, d: int) -> tuple[TensorKind, TensorKind, TensorKind]:
-    """q_proj (per head [q_h; gate_h]), k_proj, v_proj in Megatron's gated linear_qkv and vLLM's qkv_proj."""
-    hpg = nq // g
-    group = (2 * hpg + 2) * d
-    q_blocks = tuple(b for h in range(nq) for b in (
-        (2 * h * d, (h // hpg) * group + (h % hpg) * d, d),                   # q_h
-        ((2 * h + 1) * d, (h // hpg) * group + (hpg + h % hpg) * d, d)))      # gate_h
-    k_blocks = tuple((grp * d, grp * group + 2 * hpg * d, d) for grp in range(g))
-    v_blocks = tuple((grp * d, grp * group + (2 * hpg + 1) * d, d) for grp in range(g))
-    total = g * group
-    qkv = _ATT + "qkv_proj.weight"
-
-    def kind(label, blocks, part):
-        return tensor_kind(label, GlobalRows("self_attention.linear_qkv.weight", total, blocks),
-                    QkvParallel(qkv, 2 * nq * d, g, d, part))
-
-    return kind("gated_q", q_blocks, 0), kind("gated_k", k_blocks, 1), kind("gated_v", v_blocks, 2)
+                                  Stacked(_LIN + "conv1d.weight", conv, 0, 3, conv_h))}
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -92,11 +71,9 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
     if "text_config" not in config:
         return config
     text = config["text_config"]
-    if text is None:
-        text = {}
-    if not isinstance(text, dict):
+    if not isinstance(text, (dict, type(None))):
         raise ModelConfigError(field="text_config", value=text, rule="must be a JSON object")
-    text = dict(text)
+    text = dict(text or {})
     for key in ("torch_dtype", "dtype", "tie_word_embeddings"):
         if key in config and key not in text:
             text[key] = config[key]
@@ -180,7 +157,8 @@ class Qwen35(ModelFamily):
                    Entry(q + "norm.weight", (dv,), GDN_NORM),
                    Entry(q + "out_proj.weight", (H, Vd), GDN_OUT)]
         else:
-            kinds = _gated_attention_kinds(spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim)
+            kinds = qkv_kinds(spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim, True,
+                              ("gated_q", "gated_k", "gated_v"))
             out = [norm("input_layernorm.weight", H, Role.INPUT_NORM, p), *gqa_attention(spec, p, kinds, gated=True)]
         out.append(norm("post_attention_layernorm.weight", H, Role.POST_ATTN_NORM, p))
         if not spec.is_moe:

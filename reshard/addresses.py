@@ -113,8 +113,9 @@ def routable_address(override: str | None = None) -> str:
     return found or "127.0.0.1"
 
 
-def check_local(host: str, what: str = "host") -> None:
-    """Raise ArgumentError unless `host` is an address (or name) of this host that a server can bind."""
+def check_local(host: str, what: str = "host", why: str = "", fix: str = "") -> None:
+    """Raise ArgumentError unless `host` is an address (or name) of this host that a server can bind (`why` added
+    to the rule, `fix` replacing the default one)."""
     if not isinstance(host, str) or not host:
         raise ArgumentError(what, host, "must be a non-empty address or host name")
     try:
@@ -123,8 +124,9 @@ def check_local(host: str, what: str = "host") -> None:
     except OSError as e:
         here = choose(interfaces(), default_route_interface()) or "127.0.0.1"
         raise ArgumentError(what, host, f"is not an address of this host ({e.strerror or e}); a store can only "
-                            "listen on its own host's addresses",
-                            fix=f"leave it unset: reshard finds this host's routable address (here: {here})") from None
+                            f"listen on its own host's addresses{why}",
+                            fix=fix or f"leave it unset: reshard finds this host's routable address (here: {here})"
+                            ) from None
 
 
 def probe(host: str, port: int, timeout: float, what: str) -> None:

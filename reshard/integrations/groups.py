@@ -6,6 +6,7 @@ integrations.agreement.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Sequence
@@ -237,19 +238,16 @@ def tensor_groups(spec: ModelSpec, bucket_size: int) -> tuple[tuple[str, ...], .
     tensor is a group of its own). Raises ArgumentError for a bucket size that is not a positive integer."""
     if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
         raise ArgumentError("bucket_size", bucket_size, "must be a positive number of bytes")
-    groups: list[tuple[str, ...]] = []
-    current: list[str] = []
+    groups: list[list[str]] = []
     used = 0
     for t in spec.tensors:
         size = tensor_bytes(spec, t.name)
-        if current and used + size > bucket_size:
-            groups.append(tuple(current))
-            current, used = [], 0
-        current.append(t.name)
+        if not groups or used + size > bucket_size:
+            groups.append([])
+            used = 0
+        groups[-1].append(t.name)
         used += size
-    if current:
-        groups.append(tuple(current))
-    return tuple(groups)
+    return tuple(map(tuple, groups))
 
 
 def group_plans(spec: ModelSpec, trainers: int, rollouts: int, groups: Sequence[Sequence[str]],
@@ -282,12 +280,6 @@ def group_bindings(plans: Sequence[Plan], trainers: int, rollouts: int) -> tuple
     return tuple(out)
 
 
-# a transport's group-executor options beyond timeout, checksum and in-place writes (a rollout process may wait on
-# the trainers' stream for seconds per group: polls back off to 5 ms)
-_GROUP_OPTIONS = {"collective": lambda cap: {"memory_cap": cap, "depth": DEPTH},
-                  "shared": lambda cap: {"poll_max_s": 0.005}}
-
-
 def group_executor(transport: str, plan: Plan, binding: Binding, process: int, tensors: dict[str, Any], *,
                    store: Any, rendezvous: Any, namespace: str, comm: Any = None, timeout: float = 300.0,
                    checksum: bool | str = False, memory_cap: int = 1 << 30, delta: Any = None) -> Executor:
@@ -311,9 +303,10 @@ def group_executor(transport: str, plan: Plan, binding: Binding, process: int, t
     """
     from ..adapters.transports import Endpoint, open_transport, transport as registered
 
-    chosen = registered(transport)
-    options = {**chosen.in_place, "timeout": timeout, "checksum": checksum,
-               **_GROUP_OPTIONS.get(transport, lambda cap: {})(memory_cap)}
+    # beyond timeout, checksum and in-place writes (a rollout process may wait on the trainers' stream for seconds
+    # per group: shared polls back off to 5 ms)
+    extra = {"collective": {"memory_cap": memory_cap, "depth": DEPTH}, "shared": {"poll_max_s": 0.005}}
+    options = {**registered(transport).in_place, "timeout": timeout, "checksum": checksum, **extra.get(transport, {})}
     src, dst = ({r: tensors for r in ranks(process)} for ranks in (binding.src_ranks_of, binding.dst_ranks_of))
     return open_transport(transport, Endpoint(plan, binding, process, src, dst, options, store=store,
                                               rendezvous=rendezvous, namespace=namespace, comm=comm, delta=delta))
@@ -324,7 +317,7 @@ def refuse(executor: Executor, process: int, version: int, reason: str) -> None:
     collective executor's preflight or the voted executors' failure record. Never raises."""
     from ..executors.voted import VotedExecutor
 
-    try:
+    with contextlib.suppress(Exception):  # expected: the refusal itself raises here
         if isinstance(executor, VotedExecutor):
             executor.exchange.fail(version, f"process {process}: {reason}")
             return
@@ -332,8 +325,6 @@ def refuse(executor: Executor, process: int, version: int, reason: str) -> None:
         # no tensors for the ranks this process plays: its preflight refuses, and every process learns it there
         executor.refit(src={r: {} for r in binding.src_ranks_of(process)},
                        dst={r: {} for r in binding.dst_ranks_of(process)})
-    except Exception:  # noqa: BLE001 - expected: the refusal itself raises here
-        pass
 
 
 def delta_totals(reports: Iterable[Any]) -> dict[str, int]:

@@ -12,6 +12,7 @@ keyframe). docs/guides/verl.md has what the backend does and what a failed refit
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -337,17 +338,13 @@ def staging_room(spec: ModelSpec, device: torch.device) -> None:
 def node_here() -> dict[str, str | None]:
     """This rank's host for build_topology's store-address check: its Ray node id and the address other hosts
     reach it at (None where unknown)."""
-    node_id = None
+    node_id = address = None
     ray = sys.modules.get("ray")  # every verl worker has Ray imported and initialized; never import it here
     if ray is not None and ray.is_initialized():
-        try:
+        with contextlib.suppress(Exception):  # an older or partial Ray: the address alone decides
             node_id = ray.get_runtime_context().get_node_id()
-        except Exception:  # noqa: BLE001 - an older or partial Ray: the address alone decides
-            node_id = None
-    try:
+    with contextlib.suppress(ReshardError):  # a RESHARD_HOST that is not this host's: the master's prepare reports it
         address = routable_address()
-    except ReshardError:  # a RESHARD_HOST that is not this host's: the master's prepare reports it, not this
-        address = None
     return {"id": node_id, "address": address}
 
 

@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_plan)
     v = sub.add_parser("validate", help="run a family's validation stages on a tiny instance of a config")
     v.add_argument("--model", required=True, help="HF config.json (or a checkpoint directory holding one)")
-    v.add_argument("--stages", help="comma-separated subset of: " + ", ".join(name for name, _ in STAGES))
+    v.add_argument("--stages", help="comma-separated subset of: " + ", ".join(STAGES))
     v.add_argument("--vllm-python", help="python of a virtualenv with vLLM, for the vLLM stages when this one "
                    "has none")
     v.add_argument("--vllm-cpu-python", help="python of the vLLM CPU virtualenv (a whole engine on CPU), for the "

@@ -409,7 +409,7 @@ class ReshardCheckpointEngine:
                     agreed = True
                     self._release_names()
                 yielded += 1
-                yield self._batch(k)
+                yield [(name, self._views[k][name]) for name in self.groups[k]]
         except ReshardError as e:
             raise self._explained(e) from e
         finally:
@@ -422,9 +422,6 @@ class ReshardCheckpointEngine:
     def _delta_summary(self) -> dict[str, Any] | None:
         """With `delta`: this refit's keyframe groups and (a policy worker) delta against dense bytes."""
         return None if self.delta is None else delta_totals(self._deltas.values())
-
-    def _batch(self, k: int) -> list[tuple[str, torch.Tensor]]:
-        return [(name, self._views[k][name]) for name in self.groups[k]]
 
     def _begin(self) -> int:
         """Start the next refit (its agreement; refit n-2's keys deleted), rebuilding the transport after a failed

@@ -268,15 +268,15 @@ def _stage_round_trip(ctx: Context) -> str:
     return round_trip(ctx.spec, ctx.examples)
 
 
-STAGES: list[tuple[str, Callable[[Context], str]]] = [
-    ("discovery", _stage_discovery),
-    ("megatron layout", _stage_megatron_layout),
-    ("vllm layout", _stage_vllm_layout),
-    ("hf parity", _stage_hf_parity),
-    ("vllm load parity", _stage_vllm_load_parity),
-    ("mismatch", _stage_mismatch),
-    ("round trip", _stage_round_trip),
-]
+STAGES: dict[str, Callable[[Context], str]] = {
+    "discovery": _stage_discovery,
+    "megatron layout": _stage_megatron_layout,
+    "vllm layout": _stage_vllm_layout,
+    "hf parity": _stage_hf_parity,
+    "vllm load parity": _stage_vllm_load_parity,
+    "mismatch": _stage_mismatch,
+    "round trip": _stage_round_trip,
+}
 
 
 def validate(config: "dict | str | Path", stages: list[str] | None = None, vllm_python: str | None = None,
@@ -291,20 +291,18 @@ def validate(config: "dict | str | Path", stages: list[str] | None = None, vllm_
     """
     ctx = Context(config=read_hf_config(config), vllm_python=vllm_python, vllm_cpu_python=vllm_cpu_python,
                   examples=examples, perturb=dict(perturb or {}), vllm_dtype=vllm_dtype, vllm_worlds=tuple(vllm_worlds))
-    wanted = set(stages or [name for name, _ in STAGES]) | {"discovery"}
-    unknown = wanted - {name for name, _ in STAGES}
+    wanted = set(stages or STAGES) | {"discovery"}
+    unknown = wanted - set(STAGES)
     if unknown:
-        raise ReshardError(f"unknown stages {sorted(unknown)}; stages: {[n for n, _ in STAGES]}")
+        raise ReshardError(f"unknown stages {sorted(unknown)}; stages: {list(STAGES)}")
     results = []
-    for name, fn in STAGES:
-        if name not in wanted:
-            continue
+    for name in filter(wanted.__contains__, STAGES):
         if ctx.spec is None and name != "discovery":
             results.append(StageResult(name, NOT_RUN, "discovery failed"))
             continue
         t0 = time.monotonic()
         try:
-            results.append(StageResult(name, PASS, fn(ctx), time.monotonic() - t0))
+            results.append(StageResult(name, PASS, STAGES[name](ctx), time.monotonic() - t0))
         except NotRun as exc:
             results.append(StageResult(name, NOT_RUN, str(exc), time.monotonic() - t0))
         except Exception as exc:  # a stage's failure is a row, not a crash

@@ -117,8 +117,7 @@ class Agreement:
 
     async def ended(self) -> None:
         """Return once every trainer's stream ended complete and valid (the end-of-stream verdict)."""
-        await self._until(lambda: int(self.keys.add("end", 0)) >= self.trainers,
-                          "the trainers' end-of-stream verdict")
+        await self._until(lambda: int(self.keys.add("end", 0)) >= self.trainers, "the trainers' end-of-stream verdict")
 
     def forget(self) -> None:
         """Delete the keys a finished refit leaves (fail, end) from a store that outlives it. Best effort."""

@@ -60,8 +60,7 @@ def _parity_rank(layout_json: str, hf_json: str, out_dir: str) -> None:
     hf = HfLayout(model=spec)
     src = source_tensors(model, layout)  # verifies the live model against the declared layout first
     dst = allocate(hf, fill=float("nan"), ranks=[0]) if rank == 0 else {}
-    execute_collective(compile_plan(layout, hf), Binding(tuple(range(world)), (0,)), {rank: src}, dst,
-                        timeout=120.0)
+    execute_collective(compile_plan(layout, hf), Binding(tuple(range(world)), (0,)), {rank: src}, dst, timeout=120.0)
     if rank == 0:
         save_file(dst[0], str(Path(out_dir, "model.safetensors")), metadata={"format": "pt"})
         save_file({"logits": logits[..., :spec.vocab_size].contiguous(), "tokens": tokens,

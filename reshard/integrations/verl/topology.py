@@ -198,5 +198,4 @@ def build(trainers: int, rollouts: int, metadata: Sequence[Any]) -> tuple[list[d
     return tops[:trainers], tops[trainers:]
 
 
-__all__ = ["OPTIONS", "RefitAssignment", "build", "check_options", "check_store_address",
-           "group_plans", "model_digest"]
+__all__ = ["OPTIONS", "RefitAssignment", "build", "check_options", "check_store_address", "group_plans", "model_digest"]

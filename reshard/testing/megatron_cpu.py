@@ -20,7 +20,6 @@ from typing import Any, Callable
 
 import torch
 
-from ..adapters.megatron.forward import causal_mask, forward_logits  # noqa: F401 - re-exported for tests
 from ..layouts import ModelSpec
 from ..ports import free_port
 

@@ -27,6 +27,8 @@ from ..layouts.families import discover, read_hf_config
 
 PASS, FAIL, NOT_RUN = "pass", "FAIL", "not run"
 ROOT = str(Path(__file__).resolve().parents[2])
+CPU_HEAD_DIM = 32  # vLLM's CPU attention kernels take head sizes of 32 and up; the tiny instances use 16
+MLA_HEAD_DIM = 320  # the smallest latent + rope head size vLLM's MLA backends take
 
 
 @dataclass
@@ -237,10 +239,17 @@ def _vllm_cpu_python(ctx: Context) -> str:
 
 def mismatch_config(tiny: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     """The tiny config the mismatch stage serves: float32, with the model's own rope scaling where the tiny instance
-    dropped it (DeepSeek-V3's yarn), so vLLM avoids its plain rotary CPU kernel, which mis-rotates MLA's query."""
-    out = dict(tiny, torch_dtype="float32")
+    dropped it (DeepSeek-V3's yarn), so vLLM avoids its plain rotary CPU kernel, which mis-rotates MLA's query;
+    attention heads widened to sizes vLLM's CPU attention runs (layouts unchanged), and embeddings untied (the vLLM
+    CPU build's tied lm_head refuses a loader install that names it)."""
+    out = dict(tiny, torch_dtype="float32", tie_word_embeddings=False)
     if out.get("rope_scaling") is None and config.get("rope_scaling"):
         out["rope_scaling"] = config["rope_scaling"]
+    if "kv_lora_rank" in out:  # MLA (DeepSeek-V3): vLLM's MLA takes kv_lora_rank + rope head sizes of 320 and up
+        out.update(qk_nope_head_dim=CPU_HEAD_DIM, qk_rope_head_dim=CPU_HEAD_DIM, v_head_dim=CPU_HEAD_DIM,
+                   kv_lora_rank=MLA_HEAD_DIM - CPU_HEAD_DIM)
+    elif out.get("head_dim", CPU_HEAD_DIM) < CPU_HEAD_DIM:
+        out["head_dim"] = CPU_HEAD_DIM
     return out
 
 

@@ -22,7 +22,8 @@ import pytest
 import torch
 
 import reshard
-from reshard.testing.megatron_cpu import TinyGPT, build_model, forward_logits, init_parallel, run_ranks
+from reshard.adapters.megatron.forward import forward_logits
+from reshard.testing.megatron_cpu import TinyGPT, build_model, init_parallel, run_ranks
 
 pytestmark = pytest.mark.megatron
 

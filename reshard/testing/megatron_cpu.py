@@ -14,7 +14,7 @@ import time
 import traceback
 import warnings
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -56,10 +56,6 @@ class TinyGPT:
     eps: float = 1e-6
     first_stage_layers: int | None = None  # uneven pipeline split (num_layers_in_first_pipeline_stage)
     seed: int = 1234
-
-    def with_(self, **changes: Any) -> "TinyGPT":
-        """A copy with `changes` applied (dataclasses.replace)."""
-        return replace(self, **changes)
 
     def spec(self, dtype: str = "float32") -> ModelSpec:
         """The `ModelSpec` of this model (family qwen3, or qwen3_moe with experts), its weights in `dtype`."""

@@ -125,12 +125,11 @@ def _plan(args: argparse.Namespace) -> int:
         except OSError as e:
             raise ArgumentError(flag, path, f"cannot be written ({e.strerror or e})") from None
     if args.json:
-        a = plan.accounting
         out = {"model": str(model), "src": str(src), "dst": str(dst), "digest": plan.digest,
                "coverage": plan.coverage, "compile_seconds": plan.compile_seconds, "roots": plan.roots,
                "colocation": list(plan.colocation) if plan.colocation is not None else None,
                "value_shifts": {plan.src.model.tensor_name(i): v for i, v in plan.value_shifts.items()},
-               "own_dtypes": plan.own_dtypes, "tree_depth": plan.tree_depth, **a.to_dict()}
+               "own_dtypes": plan.own_dtypes, "tree_depth": plan.tree_depth, **plan.accounting.to_dict()}
         if not args.pairs:
             out.pop("pair_bytes")
             out.pop("relay_pair_bytes")
@@ -138,11 +137,9 @@ def _plan(args: argparse.Namespace) -> int:
             out["fp8"] = fp8.summary()
             out.pop("own_dtypes")  # every fp8 weight and scale: fp8.where says it per tensor kind
         if prediction is not None:
-            out["predicted_seconds"] = prediction.seconds
-            out["predicted_busiest"] = str(prediction.busiest)
-            out["predicted_stages"] = [s.seconds for s in prediction.stages]
-        json.dump(out, sys.stdout)
-        print()
+            out.update(predicted_seconds=prediction.seconds, predicted_busiest=str(prediction.busiest),
+                       predicted_stages=[s.seconds for s in prediction.stages])
+        print(json.dumps(out))
     else:
         print(plan)
         if fp8 is not None:

@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import ipaddress
 import logging
@@ -46,11 +47,9 @@ def interfaces() -> dict[str, str]:
     found: dict[str, str] = {}
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in socket.if_nameindex():
-            try:
+            with contextlib.suppress(OSError):  # no IPv4 address (or down)
                 packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
-            except OSError:  # no IPv4 address (or down)
-                continue
-            found[name] = socket.inet_ntoa(packed[20:24])
+                found[name] = socket.inet_ntoa(packed[20:24])
     return found
 
 

@@ -126,13 +126,8 @@ def hf_forward(config: dict[str, Any], weights: dict[str, torch.Tensor], tokens:
 
 
 def _first_divergence(meg: dict[str, torch.Tensor], hf_out: dict[int, torch.Tensor]) -> int | None:
-    for key in sorted(hf_out):
-        ref = meg.get(f"layer{key}")
-        if ref is None:
-            continue
-        if not (ref - hf_out[key]).abs().max() <= LAYER_RTOL * max(1.0, ref.abs().max().item()):
-            return key
-    return None
+    return next((key for key in sorted(hf_out) if (ref := meg.get(f"layer{key}")) is not None
+                 and not (ref - hf_out[key]).abs().max() <= LAYER_RTOL * max(1.0, ref.abs().max().item())), None)
 
 
 def megatron_run(spec: ModelSpec, tiny: dict[str, Any]) -> tuple[MegatronLayout, dict[str, torch.Tensor],

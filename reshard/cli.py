@@ -3,6 +3,7 @@ a cluster (`--predict`), draw it (`--plot`)."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import re
@@ -156,8 +157,6 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _lazy(module: str, name: str) -> Callable[[argparse.Namespace], int]:
     """A subcommand whose module is imported only when it runs."""
-    import importlib
-
     return lambda args: getattr(importlib.import_module(module, __package__), name)(args)
 
 

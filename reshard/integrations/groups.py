@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import difflib
 import sys
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Sequence
@@ -84,8 +85,6 @@ def check_options(options: dict[str, Any], prefix: str = "", transports: Sequenc
 def refuse_unknown(given: Any, known: Sequence[str], where: str, of: str) -> None:
     """Refuse (ArgumentError) the keys of `given` not in `known`, naming each with the closest known key (`where`:
     what holds them, `of`: what takes them)."""
-    import difflib
-
     names = sorted(set(given) - set(known))
     if names:
         hints = [f"{n!r} -> {close[0]!r}" for n in names if (close := difflib.get_close_matches(n, known, 1))]

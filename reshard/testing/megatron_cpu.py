@@ -8,6 +8,7 @@ forkserver with megatron-core already imported, and raises a failing rank's trac
 from __future__ import annotations
 
 import contextlib
+import multiprocessing as mp
 import os
 import tempfile
 import time
@@ -184,8 +185,6 @@ def run_ranks(world: int, fn: Callable[..., None], *args: Any, timeout: float = 
     RuntimeError with the first failing rank's traceback (kept in `errdir`, default a temporary directory), or
     TimeoutError after `timeout` seconds; stragglers are killed (only the processes started here). wait_all: a rank
     that exits early does not end the others (fault tests: the survivors must notice by themselves)."""
-    import multiprocessing as mp
-
     if errdir is None:
         with tempfile.TemporaryDirectory() as tmp:
             return run_ranks(world, fn, *args, timeout=timeout, errdir=tmp, wait_all=wait_all)

@@ -133,12 +133,9 @@ def perturbation(name: str, t: Any, rows: list[int]) -> Any:
 def _all_names(tensors: dict[str, Any], group: Any) -> list[str]:
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        return sorted(tensors)
-    names: set[str] = set()
-    for src in range(dist.get_world_size(group)):
-        names |= set(broadcast_json(sorted(tensors), group, what=f"rank {src}'s tensor names", src=src))
-    return sorted(names)
+    ranks = range(dist.get_world_size(group) if dist.is_initialized() else 1)
+    return sorted(set().union(*(broadcast_json(sorted(tensors), group, what=f"rank {src}'s tensor names", src=src)
+                                for src in ranks)))
 
 
 def audit(chunks: list[Any], tensors: dict[str, Any], refit: Callable[[], Any], engine: Scorer | None,

@@ -32,14 +32,12 @@ def is_loopback(host: str) -> bool:
     """Whether `host` (an address or a name) means this host only (127.0.0.0/8, ::1, "localhost")."""
     if host == "localhost":
         return True
-    try:
+    with contextlib.suppress(ValueError):  # not an address: a name, resolved
         return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        try:
-            return all(ipaddress.ip_address(info[4][0]).is_loopback
-                       for info in socket.getaddrinfo(host, None, socket.AF_INET))
-        except (OSError, ValueError):
-            return False
+    with contextlib.suppress(OSError, ValueError):
+        return all(ipaddress.ip_address(info[4][0]).is_loopback
+                   for info in socket.getaddrinfo(host, None, socket.AF_INET))
+    return False
 
 
 def interfaces() -> dict[str, str]:
@@ -55,14 +53,11 @@ def interfaces() -> dict[str, str]:
 
 def default_route_interface() -> str | None:
     """The interface of this host's IPv4 default route, if it has one (from /proc/net/route)."""
-    try:
-        lines = _ROUTES.read_text().splitlines()[1:]
-    except OSError:
-        return None
-    for line in lines:
-        fields = line.split()
-        if len(fields) > 1 and fields[1] == "00000000":
-            return fields[0]
+    with contextlib.suppress(OSError):
+        for line in _ROUTES.read_text().splitlines()[1:]:
+            fields = line.split()
+            if len(fields) > 1 and fields[1] == "00000000":
+                return fields[0]
     return None
 
 
@@ -85,10 +80,9 @@ def _ray_node_address() -> str | None:
     ray = sys.modules.get("ray")  # only where Ray is already imported (importing it costs seconds)
     if ray is None or not ray.is_initialized():
         return None
-    try:
+    with contextlib.suppress(Exception):  # an older or partial Ray: fall back to the interfaces
         return str(ray.util.get_node_ip_address())
-    except Exception:  # noqa: BLE001 - an older or partial Ray: fall back to the interfaces
-        return None
+    return None
 
 
 def routable_address(override: str | None = None) -> str:

@@ -223,10 +223,9 @@ def available_bytes(device: "torch.device") -> int | None:
     """Free memory on `device` for "model" staging (CUDA: the device's; CPU: MemAvailable); None if unreadable."""
     from ..adapters.vllm.staging import free_bytes
 
-    try:
+    with contextlib.suppress(OSError, ExecutionError):
         return free_bytes(device, "device")
-    except (OSError, ExecutionError):
-        return None
+    return None
 
 
 def tensor_groups(spec: ModelSpec, bucket_size: int) -> tuple[tuple[str, ...], ...]:

@@ -9,6 +9,7 @@ vllm_side.py); round trip (random layout pairs: every destination byte as declar
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -61,10 +62,9 @@ class NotRun(Exception):
 
 
 def _has(module: str) -> bool:
-    try:
+    with contextlib.suppress(ImportError, ValueError):  # a parent package that fails to import, or a bad name
         return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
+    return False
 
 
 def _need(*modules: str) -> None:

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from ..layouts import ModelSpec
+from ..polling import poll
 from ..ports import free_port
 
 # The options every CPU build shares (local modules, no fusions, no dropout), and its MoE's.
@@ -196,12 +197,9 @@ def run_ranks(world: int, fn: Callable[..., None], *args: Any, timeout: float = 
     procs = [ctx.Process(target=_entry, args=(r, world, port, errdir, fn, args), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
-    try:
-        while any(p.is_alive() for p in procs):
-            failed = any(p.exitcode not in (None, 0) for p in procs) and not wait_all
-            if failed or time.monotonic() - start > timeout:
-                break
-            time.sleep(0.1)
+    try:  # until every rank exited, one failed (unless wait_all) or the time is up
+        poll(lambda: not any(p.is_alive() for p in procs)
+             or not wait_all and any(p.exitcode not in (None, 0) for p in procs), start + timeout, first_s=0.1, most_s=0.1)
     finally:
         for p in procs:
             if p.is_alive():

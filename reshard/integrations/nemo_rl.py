@@ -116,9 +116,10 @@ class ReshardCheckpointEngine:
         self.fanout, self.checksum, self.delta = fanout, checksum, delta
         self.spec = model_spec(model, dtype)
         if host is not None:  # every engine hosts a store at prepare(): an address of another node fails here, at once
-            check_local(host, "refit_cfg host", "; NeMo-RL gives every policy and vLLM worker the same refit_cfg entry, "
-                        "so an address of one node is wrong on all others", fix="remove `host`: each worker finds its "
-                        "own address; RESHARD_HOST in a node's environment chooses among a multi-homed node's addresses")
+            check_local(host, "refit_cfg host", "; NeMo-RL gives every policy and vLLM worker the same refit_cfg "
+                        "entry, so an address of one node is wrong on all others", fix="remove `host`: each worker "
+                        "finds its own address; RESHARD_HOST in a node's environment chooses among a multi-homed "
+                        "node's addresses")
         self.host, self.timeout = host, float(timeout)
         self.release_after_refit = bool(release_after_refit)
         self.groups = tensor_groups(self.spec, bucket_size)  # refuses a bad bucket_size

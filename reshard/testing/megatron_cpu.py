@@ -125,15 +125,12 @@ def build_model(tiny: TinyGPT, dtype: torch.dtype = torch.float32) -> list[Any]:
     layer_spec = get_gpt_layer_local_spec(num_experts=tiny.num_experts or None, qk_layernorm=True,
                                           normalization="RMSNorm")
     torch.manual_seed(tiny.seed)  # CPU init draws every master weight from this generator
-    chunks = []
-    for v in range(vpp or 1):
-        stage = v if vpp else None
-        chunks.append(GPTModel(
-            config=config, transformer_layer_spec=layer_spec, vocab_size=tiny.padded_vocab_size,
-            max_sequence_length=256, pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            share_embeddings_and_output_weights=tiny.tied, position_embedding_type="rope",
-            rotary_base=tiny.rope_base, vp_stage=stage).eval())
+    chunks = [GPTModel(
+        config=config, transformer_layer_spec=layer_spec, vocab_size=tiny.padded_vocab_size,
+        max_sequence_length=256, pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+        share_embeddings_and_output_weights=tiny.tied, position_embedding_type="rope",
+        rotary_base=tiny.rope_base, vp_stage=stage).eval() for stage in (range(vpp) if vpp else [None])]
     set_norms(chunks)
     return chunks
 
@@ -198,8 +195,8 @@ def run_ranks(world: int, fn: Callable[..., None], *args: Any, timeout: float = 
     for p in procs:
         p.start()
     try:  # until every rank exited, one failed (unless wait_all) or the time is up
-        poll(lambda: not any(p.is_alive() for p in procs)
-             or not wait_all and any(p.exitcode not in (None, 0) for p in procs), start + timeout, first_s=0.1, most_s=0.1)
+        poll(lambda: not any(p.is_alive() for p in procs) or not wait_all and any(
+            p.exitcode not in (None, 0) for p in procs), start + timeout, first_s=0.1, most_s=0.1)
     finally:
         for p in procs:
             if p.is_alive():

@@ -125,11 +125,6 @@ def hf_forward(config: dict[str, Any], weights: dict[str, torch.Tensor], tokens:
     return logits, outputs, problems
 
 
-def _first_divergence(meg: dict[str, torch.Tensor], hf_out: dict[int, torch.Tensor]) -> int | None:
-    return next((key for key in sorted(hf_out) if (ref := meg.get(f"layer{key}")) is not None
-                 and not (ref - hf_out[key]).abs().max() <= LAYER_RTOL * max(1.0, ref.abs().max().item())), None)
-
-
 def megatron_run(spec: ModelSpec, tiny: dict[str, Any]) -> tuple[MegatronLayout, dict[str, torch.Tensor],
                                                                    dict[str, torch.Tensor]]:
     """The Megatron side: (layout, the refit's HF weights, megatron-core's tokens / logits / layer outputs)."""
@@ -168,7 +163,9 @@ def compare(layout: MegatronLayout, tiny: dict[str, Any], weights: dict[str, tor
     tol = LOGIT_RTOL * max(1.0, scale)
     where = f"{layout} -> hf ({len(weights)} tensors)"
     if not diff <= tol:
-        layer = _first_divergence(meg, hf_out)
+        # the first layer (-1: the embedding) whose output differs beyond LAYER_RTOL of its magnitude
+        layer = next((key for key in sorted(hf_out) if (ref := meg.get(f"layer{key}")) is not None
+                      and not (ref - hf_out[key]).abs().max() <= LAYER_RTOL * max(1.0, ref.abs().max().item())), None)
         if layer is None:
             blame = "no layer output differs: the final norm or the output layer"
         elif layer < 0:

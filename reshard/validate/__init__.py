@@ -227,16 +227,6 @@ def _stage_vllm_load_parity(ctx: Context) -> str:
     return load_parity_summary(reports, ctx.vllm_dtype)
 
 
-def _vllm_cpu_python(ctx: Context) -> str:
-    """The vLLM CPU virtualenv's python: --vllm-cpu-python, else $RESHARD_VLLM_CPU_PYTHON, else .venv-vllm-cpu."""
-    path = (ctx.vllm_cpu_python or os.environ.get("RESHARD_VLLM_CPU_PYTHON")
-            or str(Path(ROOT, ".venv-vllm-cpu/bin/python")))
-    if not Path(path).exists():
-        raise NotRun(f"no vLLM CPU virtualenv at {path} (scripts/bootstrap vllm makes .venv-vllm-cpu; or pass "
-                     "--vllm-cpu-python PATH): the mismatch stage runs a whole vLLM engine on CPU")
-    return path
-
-
 def mismatch_config(tiny: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     """The tiny config the mismatch stage serves: float32, with the model's own rope scaling where the tiny instance
     dropped it (DeepSeek-V3's yarn), so vLLM avoids its plain rotary CPU kernel, which mis-rotates MLA's query;
@@ -254,8 +244,14 @@ def mismatch_config(tiny: dict[str, Any], config: dict[str, Any]) -> dict[str, A
 
 
 def _stage_mismatch(ctx: Context) -> str:
-    python = _vllm_cpu_python(ctx)
+    # the vLLM CPU virtualenv's python: --vllm-cpu-python, else $RESHARD_VLLM_CPU_PYTHON, else .venv-vllm-cpu
+    python = (ctx.vllm_cpu_python or os.environ.get("RESHARD_VLLM_CPU_PYTHON")
+              or str(Path(ROOT, ".venv-vllm-cpu/bin/python")))
+    if not Path(python).exists():
+        raise NotRun(f"no vLLM CPU virtualenv at {python} (scripts/bootstrap vllm makes .venv-vllm-cpu; or pass "
+                     "--vllm-cpu-python PATH): the mismatch stage runs a whole vLLM engine on CPU")
     from ..verify import MismatchReport
+
     perturb = ctx.perturb.get("mismatch")
     (report,) = side_reports([mismatch_config(ctx.tiny, ctx.config)], python, "mismatch_run",
                              {0: perturb} if perturb else None, dtype="float32")

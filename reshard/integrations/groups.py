@@ -57,10 +57,10 @@ def check_options(options: dict[str, Any], prefix: str = "", transports: Sequenc
             raise ArgumentError(prefix + key, value, f"has type {type(value).__name__}")
     if options.get("staging", "bucket") not in STAGINGS:
         raise ArgumentError(prefix + "staging", options["staging"], f"must be one of {STAGINGS}")
+    transport = options.get("transport", "collective")
     allowed = tuple(cross_process_transports() if transports is None else transports)
-    if options.get("transport", "collective") not in allowed:
-        raise ArgumentError(prefix + "transport", options["transport"], f"must be one of the cross-process "
-                            f"transports {allowed}")
+    if transport not in allowed:
+        raise ArgumentError(prefix + "transport", transport, f"must be one of the cross-process transports {allowed}")
     if options.get("fanout") is not None and options["fanout"] < 1:
         raise ArgumentError(prefix + "fanout", options["fanout"], "must be a positive integer or None")
     if not 0 < options.get("timeout", 1) <= 86400:

@@ -353,7 +353,8 @@ def megatron_model(a: argparse.Namespace, device: torch.device):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     warnings.simplefilter("ignore")  # megatron-core warns about missing Apex / TE on every import path
     from reshard.ports import free_port
-    from reshard.testing.megatron_cpu import TinyGPT, apply_cpu_patches, build_model, causal_mask, init_parallel
+    from reshard.adapters.megatron.forward import causal_mask
+    from reshard.testing.megatron_cpu import TinyGPT, apply_cpu_patches, build_model, init_parallel
 
     if device.type != "cpu":
         raise SystemExit("--megatron runs on CPU (reshard.testing.megatron_cpu)")

@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import ipaddress
 import logging
@@ -31,14 +32,12 @@ def is_loopback(host: str) -> bool:
     """Whether `host` (an address or a name) means this host only (127.0.0.0/8, ::1, "localhost")."""
     if host == "localhost":
         return True
-    try:
+    with contextlib.suppress(ValueError):  # not an address: a name, resolved
         return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        try:
-            return all(ipaddress.ip_address(info[4][0]).is_loopback
-                       for info in socket.getaddrinfo(host, None, socket.AF_INET))
-        except (OSError, ValueError):
-            return False
+    with contextlib.suppress(OSError, ValueError):
+        return all(ipaddress.ip_address(info[4][0]).is_loopback
+                   for info in socket.getaddrinfo(host, None, socket.AF_INET))
+    return False
 
 
 def interfaces() -> dict[str, str]:
@@ -46,24 +45,19 @@ def interfaces() -> dict[str, str]:
     found: dict[str, str] = {}
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in socket.if_nameindex():
-            try:
+            with contextlib.suppress(OSError):  # no IPv4 address (or down)
                 packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
-            except OSError:  # no IPv4 address (or down)
-                continue
-            found[name] = socket.inet_ntoa(packed[20:24])
+                found[name] = socket.inet_ntoa(packed[20:24])
     return found
 
 
 def default_route_interface() -> str | None:
     """The interface of this host's IPv4 default route, if it has one (from /proc/net/route)."""
-    try:
-        lines = _ROUTES.read_text().splitlines()[1:]
-    except OSError:
-        return None
-    for line in lines:
-        fields = line.split()
-        if len(fields) > 1 and fields[1] == "00000000":
-            return fields[0]
+    with contextlib.suppress(OSError):
+        for line in _ROUTES.read_text().splitlines()[1:]:
+            fields = line.split()
+            if len(fields) > 1 and fields[1] == "00000000":
+                return fields[0]
     return None
 
 
@@ -86,10 +80,9 @@ def _ray_node_address() -> str | None:
     ray = sys.modules.get("ray")  # only where Ray is already imported (importing it costs seconds)
     if ray is None or not ray.is_initialized():
         return None
-    try:
+    with contextlib.suppress(Exception):  # an older or partial Ray: fall back to the interfaces
         return str(ray.util.get_node_ip_address())
-    except Exception:  # noqa: BLE001 - an older or partial Ray: fall back to the interfaces
-        return None
+    return None
 
 
 def routable_address(override: str | None = None) -> str:
@@ -113,8 +106,9 @@ def routable_address(override: str | None = None) -> str:
     return found or "127.0.0.1"
 
 
-def check_local(host: str, what: str = "host") -> None:
-    """Raise ArgumentError unless `host` is an address (or name) of this host that a server can bind."""
+def check_local(host: str, what: str = "host", why: str = "", fix: str = "") -> None:
+    """Raise ArgumentError unless `host` is an address (or name) of this host that a server can bind (`why` added
+    to the rule, `fix` replacing the default one)."""
     if not isinstance(host, str) or not host:
         raise ArgumentError(what, host, "must be a non-empty address or host name")
     try:
@@ -123,8 +117,9 @@ def check_local(host: str, what: str = "host") -> None:
     except OSError as e:
         here = choose(interfaces(), default_route_interface()) or "127.0.0.1"
         raise ArgumentError(what, host, f"is not an address of this host ({e.strerror or e}); a store can only "
-                            "listen on its own host's addresses",
-                            fix=f"leave it unset: reshard finds this host's routable address (here: {here})") from None
+                            f"listen on its own host's addresses{why}",
+                            fix=fix or f"leave it unset: reshard finds this host's routable address (here: {here})"
+                            ) from None
 
 
 def probe(host: str, port: int, timeout: float, what: str) -> None:

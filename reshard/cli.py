@@ -3,6 +3,7 @@ a cluster (`--predict`), draw it (`--plot`)."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import re
@@ -125,12 +126,11 @@ def _plan(args: argparse.Namespace) -> int:
         except OSError as e:
             raise ArgumentError(flag, path, f"cannot be written ({e.strerror or e})") from None
     if args.json:
-        a = plan.accounting
         out = {"model": str(model), "src": str(src), "dst": str(dst), "digest": plan.digest,
                "coverage": plan.coverage, "compile_seconds": plan.compile_seconds, "roots": plan.roots,
                "colocation": list(plan.colocation) if plan.colocation is not None else None,
                "value_shifts": {plan.src.model.tensor_name(i): v for i, v in plan.value_shifts.items()},
-               "own_dtypes": plan.own_dtypes, "tree_depth": plan.tree_depth, **a.to_dict()}
+               "own_dtypes": plan.own_dtypes, "tree_depth": plan.tree_depth, **plan.accounting.to_dict()}
         if not args.pairs:
             out.pop("pair_bytes")
             out.pop("relay_pair_bytes")
@@ -138,11 +138,9 @@ def _plan(args: argparse.Namespace) -> int:
             out["fp8"] = fp8.summary()
             out.pop("own_dtypes")  # every fp8 weight and scale: fp8.where says it per tensor kind
         if prediction is not None:
-            out["predicted_seconds"] = prediction.seconds
-            out["predicted_busiest"] = str(prediction.busiest)
-            out["predicted_stages"] = [s.seconds for s in prediction.stages]
-        json.dump(out, sys.stdout)
-        print()
+            out.update(predicted_seconds=prediction.seconds, predicted_busiest=str(prediction.busiest),
+                       predicted_stages=[s.seconds for s in prediction.stages])
+        print(json.dumps(out))
     else:
         print(plan)
         if fp8 is not None:
@@ -159,8 +157,6 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _lazy(module: str, name: str) -> Callable[[argparse.Namespace], int]:
     """A subcommand whose module is imported only when it runs."""
-    import importlib
-
     return lambda args: getattr(importlib.import_module(module, __package__), name)(args)
 
 
@@ -219,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_plan)
     v = sub.add_parser("validate", help="run a family's validation stages on a tiny instance of a config")
     v.add_argument("--model", required=True, help="HF config.json (or a checkpoint directory holding one)")
-    v.add_argument("--stages", help="comma-separated subset of: " + ", ".join(name for name, _ in STAGES))
+    v.add_argument("--stages", help="comma-separated subset of: " + ", ".join(STAGES))
     v.add_argument("--vllm-python", help="python of a virtualenv with vLLM, for the vLLM stages when this one "
                    "has none")
     v.add_argument("--vllm-cpu-python", help="python of the vLLM CPU virtualenv (a whole engine on CPU), for the "

@@ -2,6 +2,7 @@
 timeout rather than the group's (which may wait 30 minutes on a dead peer)."""
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -50,8 +51,6 @@ def broadcast_json(value: Any, group: Any = None, timeout: float = 300.0, what: 
 
 def bounded_wait(work: Any, timeout: float, what: str) -> None:
     """Wait for a collective at most `timeout` seconds; ExecutionError naming `what` otherwise."""
-    from datetime import timedelta
-
     try:
         work.wait(timedelta(seconds=timeout))
     except RuntimeError as e:  # gloo's and NCCL's timeouts, and a peer that went away

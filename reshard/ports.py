@@ -3,6 +3,7 @@ kernel's ephemeral range: a `bind(0)` port could be handed out again by the OS b
 EADDRINUSE that way)."""
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
 from pathlib import Path
@@ -48,12 +49,9 @@ def free_port(host: str = "0.0.0.0") -> int:
     for _ in range(_TRIES):
         a, b = rng.choice(candidates)
         port = rng.randint(a, b)
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-        return port
+        with socket.socket() as s, contextlib.suppress(OSError):  # taken: draw again
+            s.bind((host, port))
+            return port
     raise ExecutionError(f"no free TCP port on {host} in {candidates} after {_TRIES} random tries")
 
 

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from typing import Callable
@@ -43,12 +44,10 @@ class Agreement:
     def fail(self, error: BaseException) -> BaseException:
         """Post why the refit fails (the first reason stays), close undecided gates and end this process's waits;
         returns `error`. Never raises."""
-        try:
+        with contextlib.suppress(Exception):  # best effort: then the refit is gone anyway
             self.keys.compare_set("fail", "", f"{self.who}: {type(error).__name__}: {error}".encode()[:4000])
             for i in range(self.groups):
                 self.keys.compare_set(f"gate/{i}", "", "closed")
-        except Exception:  # noqa: BLE001 - best effort: then the refit is gone anyway
-            pass
         self.stop.set()
         return error
 
@@ -118,16 +117,13 @@ class Agreement:
 
     async def ended(self) -> None:
         """Return once every trainer's stream ended complete and valid (the end-of-stream verdict)."""
-        await self._until(lambda: int(self.keys.add("end", 0)) >= self.trainers,
-                          "the trainers' end-of-stream verdict")
+        await self._until(lambda: int(self.keys.add("end", 0)) >= self.trainers, "the trainers' end-of-stream verdict")
 
     def forget(self) -> None:
         """Delete the keys a finished refit leaves (fail, end) from a store that outlives it. Best effort."""
         for key in ("fail", "end"):
-            try:
+            with contextlib.suppress(Exception):  # a few bytes
                 self.keys.delete_key(key)
-            except Exception:  # noqa: BLE001 - a few bytes
-                pass
 
     async def _until(self, done: Callable[[], bool], what: str) -> None:
         """Wait on the event loop (which stays free) until `done()`; a failure wins over `done`."""

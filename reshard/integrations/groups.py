@@ -6,6 +6,8 @@ integrations.agreement.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import difflib
 import sys
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Sequence
@@ -47,6 +49,7 @@ def check_options(options: dict[str, Any], prefix: str = "", transports: Sequenc
     """
     import json
 
+    from ..adapters.transports import cross_process_transports
     from ..executors.checksum import algorithm
 
     for key, value in options.items():
@@ -55,13 +58,9 @@ def check_options(options: dict[str, Any], prefix: str = "", transports: Sequenc
     if options.get("staging", "bucket") not in STAGINGS:
         raise ArgumentError(prefix + "staging", options["staging"], f"must be one of {STAGINGS}")
     transport = options.get("transport", "collective")
-    if transports is not None and transport not in transports:
-        raise ArgumentError(prefix + "transport", transport, f"must be one of {tuple(transports)}")
-    from ..adapters.transports import cross_process_transports
-
-    if transport not in cross_process_transports():
-        raise ArgumentError(prefix + "transport", transport, f"is not one of the cross-process transports "
-                                                             f"{list(cross_process_transports())}")
+    allowed = tuple(cross_process_transports() if transports is None else transports)
+    if transport not in allowed:
+        raise ArgumentError(prefix + "transport", transport, f"must be one of the cross-process transports {allowed}")
     if options.get("fanout") is not None and options["fanout"] < 1:
         raise ArgumentError(prefix + "fanout", options["fanout"], "must be a positive integer or None")
     if not 0 < options.get("timeout", 1) <= 86400:
@@ -86,8 +85,6 @@ def check_options(options: dict[str, Any], prefix: str = "", transports: Sequenc
 def refuse_unknown(given: Any, known: Sequence[str], where: str, of: str) -> None:
     """Refuse (ArgumentError) the keys of `given` not in `known`, naming each with the closest known key (`where`:
     what holds them, `of`: what takes them)."""
-    import difflib
-
     names = sorted(set(given) - set(known))
     if names:
         hints = [f"{n!r} -> {close[0]!r}" for n in names if (close := difflib.get_close_matches(n, known, 1))]
@@ -226,10 +223,9 @@ def available_bytes(device: "torch.device") -> int | None:
     """Free memory on `device` for "model" staging (CUDA: the device's; CPU: MemAvailable); None if unreadable."""
     from ..adapters.vllm.staging import free_bytes
 
-    try:
+    with contextlib.suppress(OSError, ExecutionError):
         return free_bytes(device, "device")
-    except (OSError, ExecutionError):
-        return None
+    return None
 
 
 def tensor_groups(spec: ModelSpec, bucket_size: int) -> tuple[tuple[str, ...], ...]:
@@ -237,19 +233,16 @@ def tensor_groups(spec: ModelSpec, bucket_size: int) -> tuple[tuple[str, ...], .
     tensor is a group of its own). Raises ArgumentError for a bucket size that is not a positive integer."""
     if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
         raise ArgumentError("bucket_size", bucket_size, "must be a positive number of bytes")
-    groups: list[tuple[str, ...]] = []
-    current: list[str] = []
+    groups: list[list[str]] = []
     used = 0
     for t in spec.tensors:
         size = tensor_bytes(spec, t.name)
-        if current and used + size > bucket_size:
-            groups.append(tuple(current))
-            current, used = [], 0
-        current.append(t.name)
+        if not groups or used + size > bucket_size:
+            groups.append([])
+            used = 0
+        groups[-1].append(t.name)
         used += size
-    if current:
-        groups.append(tuple(current))
-    return tuple(groups)
+    return tuple(map(tuple, groups))
 
 
 def group_plans(spec: ModelSpec, trainers: int, rollouts: int, groups: Sequence[Sequence[str]],
@@ -282,12 +275,6 @@ def group_bindings(plans: Sequence[Plan], trainers: int, rollouts: int) -> tuple
     return tuple(out)
 
 
-# a transport's group-executor options beyond timeout, checksum and in-place writes (a rollout process may wait on
-# the trainers' stream for seconds per group: polls back off to 5 ms)
-_GROUP_OPTIONS = {"collective": lambda cap: {"memory_cap": cap, "depth": DEPTH},
-                  "shared": lambda cap: {"poll_max_s": 0.005}}
-
-
 def group_executor(transport: str, plan: Plan, binding: Binding, process: int, tensors: dict[str, Any], *,
                    store: Any, rendezvous: Any, namespace: str, comm: Any = None, timeout: float = 300.0,
                    checksum: bool | str = False, memory_cap: int = 1 << 30, delta: Any = None) -> Executor:
@@ -311,9 +298,10 @@ def group_executor(transport: str, plan: Plan, binding: Binding, process: int, t
     """
     from ..adapters.transports import Endpoint, open_transport, transport as registered
 
-    chosen = registered(transport)
-    options = {**chosen.in_place, "timeout": timeout, "checksum": checksum,
-               **_GROUP_OPTIONS.get(transport, lambda cap: {})(memory_cap)}
+    # beyond timeout, checksum and in-place writes (a rollout process may wait on the trainers' stream for seconds
+    # per group: shared polls back off to 5 ms)
+    extra = {"collective": {"memory_cap": memory_cap, "depth": DEPTH}, "shared": {"poll_max_s": 0.005}}
+    options = {**registered(transport).in_place, "timeout": timeout, "checksum": checksum, **extra.get(transport, {})}
     src, dst = ({r: tensors for r in ranks(process)} for ranks in (binding.src_ranks_of, binding.dst_ranks_of))
     return open_transport(transport, Endpoint(plan, binding, process, src, dst, options, store=store,
                                               rendezvous=rendezvous, namespace=namespace, comm=comm, delta=delta))
@@ -324,7 +312,7 @@ def refuse(executor: Executor, process: int, version: int, reason: str) -> None:
     collective executor's preflight or the voted executors' failure record. Never raises."""
     from ..executors.voted import VotedExecutor
 
-    try:
+    with contextlib.suppress(Exception):  # expected: the refusal itself raises here
         if isinstance(executor, VotedExecutor):
             executor.exchange.fail(version, f"process {process}: {reason}")
             return
@@ -332,8 +320,6 @@ def refuse(executor: Executor, process: int, version: int, reason: str) -> None:
         # no tensors for the ranks this process plays: its preflight refuses, and every process learns it there
         executor.refit(src={r: {} for r in binding.src_ranks_of(process)},
                        dst={r: {} for r in binding.dst_ranks_of(process)})
-    except Exception:  # noqa: BLE001 - expected: the refusal itself raises here
-        pass
 
 
 def delta_totals(reports: Iterable[Any]) -> dict[str, int]:

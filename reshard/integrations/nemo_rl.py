@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import inspect
 import json
 import time
@@ -27,9 +28,12 @@ from typing import Any
 
 import torch
 
+from ..addresses import check_local
+from ..arguments import integer
 from ..errors import ArgumentError, ExecutionError, ReshardError
 from .agreement import Agreement
 from ..executors.partition import carve
+from ..limits import MAX_RANKS
 from .groups import (available_bytes, check_options, check_room, delta_totals, group_bindings, group_executor,
                      group_plans, model_spec, receive_groups, refuse, refuse_moved_experts, refuse_serving,
                      refuse_unknown, resolve_device, send_groups, staging_empty, synchronize, tensor_bytes,
@@ -112,7 +116,10 @@ class ReshardCheckpointEngine:
         self.fanout, self.checksum, self.delta = fanout, checksum, delta
         self.spec = model_spec(model, dtype)
         if host is not None:  # every engine hosts a store at prepare(): an address of another node fails here, at once
-            _check_host(host)
+            check_local(host, "refit_cfg host", "; NeMo-RL gives every policy and vLLM worker the same refit_cfg "
+                        "entry, so an address of one node is wrong on all others", fix="remove `host`: each worker "
+                        "finds its own address; RESHARD_HOST in a node's environment chooses among a multi-homed "
+                        "node's addresses")
         self.host, self.timeout = host, float(timeout)
         self.release_after_refit = bool(release_after_refit)
         self.groups = tensor_groups(self.spec, bucket_size)  # refuses a bad bucket_size
@@ -175,13 +182,9 @@ class ReshardCheckpointEngine:
               metadata: list[Any]) -> None:
         from ..adapters import rendezvous as rv
 
-        T, R = train_world_size, rollout_world_size
-        for name, value in (("train_world_size", T), ("rollout_world_size", R)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ArgumentError(name, value, "must be a positive integer")
-        size = T if role == "policy" else R
-        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < size:
-            raise ArgumentError("worker_rank" if role == "policy" else "rollout_rank", rank, f"must be in [0, {size})")
+        T = integer("train_world_size", train_world_size, 1, MAX_RANKS)
+        R = integer("rollout_world_size", rollout_world_size, 1, MAX_RANKS)
+        integer("worker_rank" if role == "policy" else "rollout_rank", rank, 0, (T if role == "policy" else R) - 1)
         if self.offer is None:
             raise ExecutionError("init_*_process_group before prepare(): NeMo-RL prepares every engine first")
         rdv = rv.Rendezvous.from_dict(self._check_metadata(metadata, T + R))
@@ -407,7 +410,7 @@ class ReshardCheckpointEngine:
                     agreed = True
                     self._release_names()
                 yielded += 1
-                yield self._batch(k)
+                yield [(name, self._views[k][name]) for name in self.groups[k]]
         except ReshardError as e:
             raise self._explained(e) from e
         finally:
@@ -420,9 +423,6 @@ class ReshardCheckpointEngine:
     def _delta_summary(self) -> dict[str, Any] | None:
         """With `delta`: this refit's keyframe groups and (a policy worker) delta against dense bytes."""
         return None if self.delta is None else delta_totals(self._deltas.values())
-
-    def _batch(self, k: int) -> list[tuple[str, torch.Tensor]]:
-        return [(name, self._views[k][name]) for name in self.groups[k]]
 
     def _begin(self) -> int:
         """Start the next refit (its agreement; refit n-2's keys deleted), rebuilding the transport after a failed
@@ -499,10 +499,8 @@ class ReshardCheckpointEngine:
 
     def _close_transport(self) -> None:
         for ex in self._executors:
-            try:
+            with contextlib.suppress(Exception):  # closing a broken executor is best effort
                 ex.close()
-            except Exception:  # noqa: BLE001 - closing a broken executor is best effort
-                pass
         self._release_names()
         self._executors, self._views, self._slots = [], [], []
         if self._comm is not None:
@@ -531,19 +529,6 @@ def _backend(transport: str, backend: str | None, fanout: int | None, device: to
         raise ArgumentError("backend", backend, f"does not move tensors on {device.type}; the collective transport "
                             f"there runs over {want!r}", fix="leave backend unset")
     return want
-
-
-def _check_host(host: str) -> None:
-    """Refuse a `host` that is not this host's address (every node gets the same refit_cfg)."""
-    from ..addresses import check_local
-
-    try:
-        check_local(host, "refit_cfg host")
-    except ArgumentError as e:  # the same config reaches every node
-        raise ArgumentError("refit_cfg host", host, f"{e.rule}; NeMo-RL gives every policy and vLLM worker the same "
-                            f"refit_cfg entry, so an address of one node is wrong on all others",
-                            fix="remove `host`: each worker finds its own address; RESHARD_HOST in a node's "
-                                "environment chooses among a multi-homed node's addresses") from None
 
 
 __all__ = ["ReshardCheckpointEngine"]

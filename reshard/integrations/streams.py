@@ -5,6 +5,7 @@ draft or MTP layers; `ModelFamily.stream_extras`). Anything else is refused, nam
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -45,9 +46,7 @@ class StreamNames:
             for item in fam.layer(spec, i):
                 for f in item.fused if isinstance(item, Experts) else ():
                     parts = [item.entries[k] for k in f.parts]
-                    bounds = [0]
-                    for e in parts:
-                        bounds.append(bounds[-1] + e.shape[0])
+                    bounds = [0, *itertools.accumulate(e.shape[0] for e in parts)]
                     names = tuple(e.name.replace("{i}", str(i)) for e in parts)
                     self._fused[f.name.format(i=i)] = _Fused(names, tuple(zip(bounds, bounds[1:])),
                                                              (item.count, bounds[-1], parts[0].shape[1]))

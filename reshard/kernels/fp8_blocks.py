@@ -20,15 +20,9 @@ def block_rows(job: tuple[int, ...], block: tuple[int, int]) -> np.ndarray:
     nb, kb = -(-n // bn), -(-k // bk)
     bi = np.repeat(np.arange(nb, dtype=np.int64), kb)
     bj = np.tile(np.arange(kb, dtype=np.int64), nb)
-    rows = np.empty((nb * kb, len(FIELDS)), dtype=np.int64)
-    rows[:, 0] = x + bi * bn * sx + bj * bk
-    rows[:, 1] = q + bi * bn * sq + bj * bk
-    rows[:, 2] = s + bi * ss0 + bj * ss1
-    rows[:, 3] = sx
-    rows[:, 4] = sq
-    rows[:, 5] = np.minimum(bn, n - bi * bn)
-    rows[:, 6] = np.minimum(bk, k - bj * bk)
-    return rows
+    fields = [x + bi * bn * sx + bj * bk, q + bi * bn * sq + bj * bk, s + bi * ss0 + bj * ss1, sx, sq,
+              np.minimum(bn, n - bi * bn), np.minimum(bk, k - bj * bk)]  # FIELDS' order
+    return np.stack(np.broadcast_arrays(*fields), axis=1).astype(np.int64)
 
 
 def aligned(job: tuple[int, ...], block: tuple[int, int], x_align: int, q_align: int) -> bool:

@@ -77,8 +77,7 @@ class Sum64Launches:
     def launch(self) -> None:
         """Enqueue every tile's partial sums on the current stream (asynchronous, like any kernel)."""
         for base, first, n, row_bytes, stride, pos, tiles in self.launches:
-            _sum64_kernel[(n,)](base, self.partials[first:], row_bytes, stride, pos, tiles, TILE=TILE,
-                                num_warps=4)
+            _sum64_kernel[(n,)](base, self.partials[first:], row_bytes, stride, pos, tiles, TILE=TILE, num_warps=4)
 
     def sums(self) -> torch.Tensor:
         """(s1, s2, s3) of the last launch, int64 on the device (wrapping mod 2^64)."""

@@ -51,11 +51,8 @@ def chunk_table(entries: np.ndarray, base: int, chunk_bytes: int) -> dict[int, n
         n = mine[:, 2] // w
         owner, j = _pieces(-(-n // per))  # chunks per entry, each chunk's index within its entry
         start = j * per
-        rows = np.empty((len(owner), 3), dtype=np.int64)
-        rows[:, 0] = (mine[owner, 0] - base) // w + start
-        rows[:, 1] = (mine[owner, 1] - base) // w + start
-        rows[:, 2] = np.minimum(per, n[owner] - start)
-        out[w] = rows
+        out[w] = np.stack([(mine[owner, 0] - base) // w + start, (mine[owner, 1] - base) // w + start,
+                           np.minimum(per, n[owner] - start)], axis=1).astype(np.int64)
     return out
 
 
@@ -84,12 +81,8 @@ def window_table(entries: np.ndarray, base: int, window_bytes: int, period: int)
         pos, end = mine[owner, 3], mine[owner, 3] + mine[owner, 2]
         start = np.maximum(pos, cut * window_bytes)
         stop = np.minimum(end, (cut + 1) * window_bytes)
-        rows = np.empty((len(owner), 5), dtype=np.int64)
-        rows[:, 0] = (mine[owner, 0] + (start - pos) - base) // w
-        rows[:, 1] = (mine[owner, 1] + (start - pos) - base) // w
-        rows[:, 2] = (stop - start) // w
-        rows[:, 3] = (start % window_bytes) // w
-        rows[:, 4] = start // period
+        rows = np.stack([(mine[owner, 0] + (start - pos) - base) // w, (mine[owner, 1] + (start - pos) - base) // w,
+                         (stop - start) // w, (start % window_bytes) // w, start // period], axis=1).astype(np.int64)
         g = (start % period) // window_bytes
         order = np.lexsort((rows[:, 3], rows[:, 4], g))
         rows, g = rows[order], g[order]

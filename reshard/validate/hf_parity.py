@@ -60,8 +60,7 @@ def _parity_rank(layout_json: str, hf_json: str, out_dir: str) -> None:
     hf = HfLayout(model=spec)
     src = source_tensors(model, layout)  # verifies the live model against the declared layout first
     dst = allocate(hf, fill=float("nan"), ranks=[0]) if rank == 0 else {}
-    execute_collective(compile_plan(layout, hf), Binding(tuple(range(world)), (0,)), {rank: src}, dst,
-                        timeout=120.0)
+    execute_collective(compile_plan(layout, hf), Binding(tuple(range(world)), (0,)), {rank: src}, dst, timeout=120.0)
     if rank == 0:
         save_file(dst[0], str(Path(out_dir, "model.safetensors")), metadata={"format": "pt"})
         save_file({"logits": logits[..., :spec.vocab_size].contiguous(), "tokens": tokens,
@@ -126,16 +125,6 @@ def hf_forward(config: dict[str, Any], weights: dict[str, torch.Tensor], tokens:
     return logits, outputs, problems
 
 
-def _first_divergence(meg: dict[str, torch.Tensor], hf_out: dict[int, torch.Tensor]) -> int | None:
-    for key in sorted(hf_out):
-        ref = meg.get(f"layer{key}")
-        if ref is None:
-            continue
-        if not (ref - hf_out[key]).abs().max() <= LAYER_RTOL * max(1.0, ref.abs().max().item()):
-            return key
-    return None
-
-
 def megatron_run(spec: ModelSpec, tiny: dict[str, Any]) -> tuple[MegatronLayout, dict[str, torch.Tensor],
                                                                    dict[str, torch.Tensor]]:
     """The Megatron side: (layout, the refit's HF weights, megatron-core's tokens / logits / layer outputs)."""
@@ -174,7 +163,9 @@ def compare(layout: MegatronLayout, tiny: dict[str, Any], weights: dict[str, tor
     tol = LOGIT_RTOL * max(1.0, scale)
     where = f"{layout} -> hf ({len(weights)} tensors)"
     if not diff <= tol:
-        layer = _first_divergence(meg, hf_out)
+        # the first layer (-1: the embedding) whose output differs beyond LAYER_RTOL of its magnitude
+        layer = next((key for key in sorted(hf_out) if (ref := meg.get(f"layer{key}")) is not None
+                      and not (ref - hf_out[key]).abs().max() <= LAYER_RTOL * max(1.0, ref.abs().max().item())), None)
         if layer is None:
             blame = "no layer output differs: the final norm or the output layer"
         elif layer < 0:

@@ -159,7 +159,6 @@ def _gdn_block_spec(config: Any) -> Any:
     """megatron-core's experimental hybrid block (GatedDeltaNet as self_attention where `linear_attention_freq`
     marks, standard attention elsewhere) from local modules: its own builder accepts only TransformerEngine. FLA's
     import guard is lifted (its one kernel GDN calls: _fla_l2norm)."""
-    import copy
     import dataclasses
 
     from megatron.core.models.backends import LocalSpecProvider
@@ -177,13 +176,10 @@ def _gdn_block_spec(config: Any) -> Any:
         raise ValueError("the CPU GDN build covers pp=1")
     plain = dataclasses.replace(config, experimental_attention_variant=None)  # the GPT builder refuses variants
     block = get_gpt_decoder_block_spec(plain, use_transformer_engine=False, normalization="RMSNorm")
-    specs = []
-    for layer, linear in zip(block.layer_specs, config.linear_attention_freq):
-        if linear:  # layer specs may share objects: copy before swapping the attention
-            layer = copy.copy(layer)
-            layer.submodules = dataclasses.replace(layer.submodules, self_attention=gdn)
-        specs.append(layer)
-    block.layer_specs = specs
+    # layer specs may share objects: each GDN layer is a copy, its attention swapped
+    block.layer_specs = [
+        dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=gdn)) if linear
+        else layer for layer, linear in zip(block.layer_specs, config.linear_attention_freq)]
     return block
 
 

@@ -27,8 +27,6 @@ from typing import Any, Callable, Iterator
 
 SEED = 11
 SEEDS = (21, 22)  # the engine's starting weights, the refit's
-CPU_HEAD_DIM = 32  # vLLM's CPU attention kernels take head sizes of 32 and up; the tiny instances use 16
-MLA_HEAD_DIM = 320  # the smallest latent + rope head size vLLM's MLA backends take
 # Eager mode's custom ops ("all"), less the CPU rotary kernel that mis-rotates MLA's 3-D query (module docstring).
 ENGINE_CUSTOM_OPS = ["all", "-rotary_embedding"]
 
@@ -146,18 +144,6 @@ def load_parity(cfg: Any, build: Callable[[], Any], rank: int, perturb: str | No
             "bytes": sum(p.numel() * p.element_size() for p in want.values())}
 
 
-def engine_config(tiny: dict[str, Any]) -> dict[str, Any]:
-    """The tiny config with attention heads widened to sizes vLLM's CPU attention runs (layouts unchanged), and
-    embeddings untied (the vLLM CPU build's tied lm_head refuses a loader install that names it)."""
-    out = dict(tiny, tie_word_embeddings=False)
-    if "kv_lora_rank" in out:  # MLA (DeepSeek-V3): vLLM's MLA takes kv_lora_rank + rope head sizes of 320 and up
-        out.update(qk_nope_head_dim=CPU_HEAD_DIM, qk_rope_head_dim=CPU_HEAD_DIM, v_head_dim=CPU_HEAD_DIM,
-                   kv_lora_rank=MLA_HEAD_DIM - CPU_HEAD_DIM)
-    elif out.get("head_dim", CPU_HEAD_DIM) < CPU_HEAD_DIM:
-        out["head_dim"] = CPU_HEAD_DIM
-    return out
-
-
 def random_checkpoint(config: dict[str, Any], out: Path, seed: int) -> dict[str, Any]:
     """Write an HF checkpoint of `config` at `out`, every tensor N(0, 1) (a misplaced element moves the
     log-probabilities), and return its tensors."""
@@ -191,7 +177,7 @@ def mismatch_run(config_path: str, perturb: str | None = None, count: int = 3, l
     from ..verify import LLMScorer, checkpoint_scores, compare, engine_scores, random_sequences
     from .hf_parity import perturbed
 
-    config = engine_config(json.loads(Path(config_path).read_text()))
+    config = json.loads(Path(config_path).read_text())  # validate.mismatch_config's
     with tempfile.TemporaryDirectory(prefix="reshard_mismatch_") as tmp:
         other_dir, trained_dir = Path(tmp, "other"), Path(tmp, "trained")
         other = random_checkpoint(config, other_dir, SEEDS[0])

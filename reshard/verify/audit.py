@@ -130,17 +130,6 @@ def perturbation(name: str, t: Any, rows: list[int]) -> Any:
     return (torch.randn(sub.shape, generator=gen) * scale).to(t.dtype)
 
 
-def _all_names(tensors: dict[str, Any], group: Any) -> list[str]:
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return sorted(tensors)
-    names: set[str] = set()
-    for src in range(dist.get_world_size(group)):
-        names |= set(broadcast_json(sorted(tensors), group, what=f"rank {src}'s tensor names", src=src))
-    return sorted(names)
-
-
 def audit(chunks: list[Any], tensors: dict[str, Any], refit: Callable[[], Any], engine: Scorer | None,
           sequences: Sequence[Sequence[int]], *, vocab_size: int, dtype: str = "float32",
           names: Sequence[str] | None = None, rows: int = 8, tol: float | None = None,
@@ -169,10 +158,13 @@ def audit(chunks: list[Any], tensors: dict[str, Any], refit: Callable[[], Any], 
         ArgumentError: a dtype without tolerances, or `names` that are no rank's source tensors.
     """
     import torch
+    import torch.distributed as dist
 
     key = dtype_key(dtype, RESPONSE_TOL, "audit tolerance")
     tol = RESPONSE_TOL[key] if tol is None else tol
-    everything = _all_names(tensors, group)
+    ranks = range(dist.get_world_size(group) if dist.is_initialized() else 1)  # every rank's tensor names
+    everything = sorted(set().union(*(broadcast_json(sorted(tensors), group, what=f"rank {src}'s tensor names",
+                                                     src=src) for src in ranks)))
     chosen = list(names) if names is not None else sample_by_kind(everything)
     unknown = sorted(set(chosen) - set(everything))
     if unknown:

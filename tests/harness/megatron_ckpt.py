@@ -8,6 +8,7 @@ reproduce: with `use_cpu_initialization` and one seed the weights do not depend 
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -54,7 +55,7 @@ def reference_job(tiny: TinyGPT, path: str, out: str) -> None:
     from reshard.planner import compile_plan
 
     init_parallel()
-    chunks = build_model(tiny.with_(seed=tiny.seed + 1, first_stage_layers=None))
+    chunks = build_model(replace(tiny, seed=tiny.seed + 1, first_stage_layers=None))
     loaded = dist_checkpointing.load({"model": chunks[0].sharded_state_dict()}, path)
     chunks[0].load_state_dict(loaded["model"], strict=False)  # TransformerEngine _extra_state: none on CPU
     spec = tiny.spec()

@@ -158,12 +158,10 @@ def build(trainers: int, rollouts: int, metadata: Sequence[Any]) -> tuple[list[d
     its RefitAssignment (trainers', rollouts')."""
     if len(metadata) != trainers + rollouts:
         raise ArgumentError("metadata", len(metadata), f"entries, expected {trainers} trainer + {rollouts} rollout")
-    problems = []
-    for i, m in enumerate(metadata):
-        role = "trainer" if i < trainers else "rollout"
-        if not isinstance(m, dict) or m.get("role") != role:
-            problems.append(f"entry {i} should come from a {role} rank of the reshard backend, got "
-                            f"{m.get('role') if isinstance(m, dict) else type(m).__name__}")
+    roles = ["trainer"] * trainers + ["rollout"] * rollouts
+    problems = [f"entry {i} should come from a {role} rank of the reshard backend, got "
+                f"{m.get('role') if isinstance(m, dict) else type(m).__name__}"
+                for i, (m, role) in enumerate(zip(metadata, roles)) if not isinstance(m, dict) or m.get("role") != role]
     if problems:
         raise ArgumentError("metadata", problems, "(is every rank's checkpoint_engine.backend 'reshard'?)")
     first = metadata[0]
@@ -198,5 +196,4 @@ def build(trainers: int, rollouts: int, metadata: Sequence[Any]) -> tuple[list[d
     return tops[:trainers], tops[trainers:]
 
 
-__all__ = ["OPTIONS", "RefitAssignment", "build", "check_options", "check_store_address",
-           "group_plans", "model_digest"]
+__all__ = ["OPTIONS", "RefitAssignment", "build", "check_options", "check_store_address", "group_plans", "model_digest"]

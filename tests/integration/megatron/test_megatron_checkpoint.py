@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -43,8 +43,8 @@ class Case:
 
 CASES = {
     "dense_tp2": Case(DENSE, 2, (("tp", 2),), saved_tp=2),
-    "dense_pp2_vpp2_tied": Case(DENSE.with_(tied=True), 2, (("pp", 2), ("vpp", 2)), saved_tp=1),
-    "dense_pp2_uneven": Case(DENSE.with_(num_layers=5, first_stage_layers=2), 2, (("pp", 2),), saved_tp=1),
+    "dense_pp2_vpp2_tied": Case(replace(DENSE, tied=True), 2, (("pp", 2), ("vpp", 2)), saved_tp=1),
+    "dense_pp2_uneven": Case(replace(DENSE, num_layers=5, first_stage_layers=2), 2, (("pp", 2),), saved_tp=1),
     # expert parallel with expert tensor parallel, and data-parallel replicas of the dense part (dp=2)
     "moe_tp2_ep2_etp2": Case(MOE, 4, (("tp", 2), ("ep", 2), ("etp", 2)), saved_tp=2, saved_etp=2),
 }

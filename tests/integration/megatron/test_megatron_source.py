@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 import torch
 
 import reshard
-from reshard.testing.megatron_cpu import TinyGPT, build_model, forward_logits, init_parallel, run_ranks
+from reshard.adapters.megatron.forward import forward_logits
+from reshard.testing.megatron_cpu import TinyGPT, build_model, init_parallel, run_ranks
 
 pytestmark = pytest.mark.megatron
 
@@ -56,10 +57,10 @@ class Case:
 
 CASES = {
     "dense_tp2": Case(DENSE, world=2, tp=2, tp1_check=True, negatives=True),
-    "dense_tp2_g1": Case(DENSE.with_(num_query_groups=1), world=2, tp=2, tp1_check=True),  # query groups < TP
-    "dense_pp2_vpp2_tied": Case(DENSE.with_(tied=True), world=2, pp=2, vpp=2, bf16_wrapped=True,
+    "dense_tp2_g1": Case(replace(DENSE, num_query_groups=1), world=2, tp=2, tp1_check=True),  # query groups < TP
+    "dense_pp2_vpp2_tied": Case(replace(DENSE, tied=True), world=2, pp=2, vpp=2, bf16_wrapped=True,
                                 wrong=({"vpp": 1}, "vpp: the model has 2, the declared layout 1")),
-    "dense_pp2_uneven": Case(DENSE.with_(num_layers=6, first_stage_layers=2), world=2, pp=2, wrong=(
+    "dense_pp2_uneven": Case(replace(DENSE, num_layers=6, first_stage_layers=2), world=2, pp=2, wrong=(
         {"first_stage_layers": None}, "first_stage_layers: the model has 2, the declared layout None")),
     "moe_tp2": Case(MOE, world=2, tp=2, tp1_check=True, wrong=({"etp": 1}, "etp: the model has 2, the declared "
                                                                            "layout 1")),
@@ -254,7 +255,7 @@ def _negative_declarations(chunks, case: Case) -> None:
     """Declarations that do not match the live model raise before anything moves, naming what differs."""
     from reshard.adapters.megatron import source_tensors, verify
 
-    wider = case.tiny.with_(ffn_hidden_size=128).spec()
+    wider = replace(case.tiny, ffn_hidden_size=128).spec()
     with pytest.raises(reshard.LayoutMismatchError) as err:
         source_tensors(chunks, reshard.MegatronLayout(model=wider, tp=case.tp, world=case.world, vocab_divisor=64))
     msg = str(err.value)

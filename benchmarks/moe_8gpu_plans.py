@@ -10,6 +10,7 @@ gather-then-broadcast byte count.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -57,7 +58,7 @@ def main() -> None:
             egress = [a.egress_bytes[g] + (a.relay_egress_bytes[g] if g < len(a.relay_egress_bytes) else 0)
                       for g in range(8)]
             busiest = max(range(8), key=lambda g: egress[g])
-            pred = predict(plan, where.with_(pipelined=bool(fanout)))
+            pred = predict(plan, dataclasses.replace(where, pipelined=bool(fanout)))
             mode = f"{fanout}, roots {roots or 'default'}" if fanout else "off"
             print(f"{label} | {mode} | {a.num_ops:,} | {seconds:.2f} | {a.cross_bytes / 1e9:.2f} | "
                   f"{a.max_egress / 1e9:.2f} | {egress[busiest] / 1e9:.2f} (GPU {busiest}) | {a.max_ingress / 1e9:.2f} | "

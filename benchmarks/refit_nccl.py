@@ -20,6 +20,7 @@ gather-then-broadcast result. Times are medians over --iters runs, each the slow
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -465,7 +466,7 @@ def predictions(results: list[dict]) -> str:
         plan, binding, _ = plans[r["case"]]
         where = ClusterModel(src_gpus=binding.src, dst_gpus=binding.dst)
         lines.append(f"{r['case']} in place: " + compare_with_measurement(plan, r["in_place_s"], where))
-        staged = where.with_(commit_copies=1.0, overlap_copies=False)
+        staged = dataclasses.replace(where, commit_copies=1.0, overlap_copies=False)
         lines.append(f"{r['case']} staged:   " + compare_with_measurement(plan, r["staged_s"], staged))
     return "\n".join(lines)
 

@@ -333,9 +333,9 @@ class RolloutWorker(CheckpointEngineWorker):
     def moved(self) -> list[tuple[int, int]]:
         """The refit in flight as reshard's verl backend records it in the refit's store: per position whose gate
         is open, the group and how many processes finished moving it."""
-        engine, out = self.checkpoint_engine, []
-        keys = engine._agreement.keys if engine._top is not None else None
-        for i in range(len(engine._plans) if engine._top is not None else 0):
+        session, out = self.checkpoint_engine._session, []
+        keys = session.agreement.keys if session is not None else None
+        for i in range(len(session.plans) if session is not None else 0):
             if not keys.check([f"gate/{i}"]) or keys.get(f"gate/{i}") == b"closed":
                 break
             k = int(keys.get(f"gate/{i}"))

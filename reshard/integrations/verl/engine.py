@@ -3,12 +3,12 @@
 verl's `CheckpointEngineManager.update_weights` drives it per refit: `prepare()` on every rank (trainer rank 0
 hosts the refit's store); `build_topology` on the driver (checks the metadata, compiles one plan per tensor
 group: topology); `init_process_group` (every process compiles the same plans, checks their digests, joins and
-starts the refit's agreement and transfer thread); `send_weights` on every trainer rank and `receive_weights` on
-every rollout rank, the transfers on that thread, groups moving in the order the stream completes them once every
-trainer rank announced them (integrations.agreement); `finalize()`. Staging "bucket" (default) hands on a group
-once every process moved it (memory: two groups); "model", the whole model once every process agreed on all of it.
-Delta refits keep an executors.delta.DeltaState per group for the engine's life; a failed refit drops them (the next
-is a keyframe). docs/guides/verl.md has what the backend does and what a failed refit leaves.
+starts a RefitSession); `send_weights` on every trainer rank and `receive_weights` on every rollout rank, the
+transfers on a thread, groups moving in the order the stream completes them once every trainer rank announced
+them (integrations.agreement); `finalize()`. Staging "bucket" (default) hands on a group once every process moved
+it (memory: two groups); "model", the whole model once every process agreed on all of it. Delta refits
+keep an executors.delta.DeltaState per group for the engine's life; a failed refit drops them (the next is a
+keyframe). docs/guides/verl.md has what the backend does and what a failed refit leaves.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, AsyncIterator, Iterable
+from typing import Any, AsyncIterator, Iterable, Sequence
 
 import torch
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
@@ -26,6 +26,7 @@ from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 from ...adapters import rendezvous as rv
 from ...addresses import ENV, routable_address
 from ...errors import ArgumentError, ExecutionError, ReshardError
+from ...executors.binding import Binding
 from ...layouts import ModelSpec
 from ..agreement import Agreement
 from ..groups import (available_bytes, check_room, delta_totals, group_bindings, group_executor, model_spec,
@@ -89,8 +90,8 @@ class ReshardCheckpointEngine(CheckpointEngine):
         self._deltas: dict[int, Any] = {}  # with delta: group -> this process's DeltaState, for the engine's life
         self._held: dict[int, dict[str, torch.Tensor]] = {}  # with delta, a rollout rank: the groups' buffers
         self._refits = 0  # trainer rank 0: refits prepared (the versions of delta refits)
-        self._store = self._rdv = self._comm = None
-        self._top: RefitAssignment | None = None  # this refit's assignment, from init_process_group to _close
+        self._store = self._rdv = None
+        self._session: RefitSession | None = None
         self.last_metrics: dict[str, float] = {}
 
     def prepare(self) -> dict[str, Any]:
@@ -116,7 +117,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
         return {"topology": trainers}, {"topology": rollouts}
 
     def init_process_group(self, topology: dict[str, Any]) -> None:
-        """Compile and check the plans, join the refit's rendezvous (and group), start its agreement and thread."""
+        """Compile and check the plans, join the refit's rendezvous (and group) and start its session."""
         top = RefitAssignment.from_dict(topology)
         if top.is_trainer != (self.role == "trainer") or model_digest(top.spec) != model_digest(self.spec):
             raise ArgumentError("topology", f"process {top.process}", f"does not fit this {self.role} rank (another "
@@ -129,25 +130,21 @@ class ReshardCheckpointEngine(CheckpointEngine):
         self._rdv = rdv
         size = top.trainers + top.rollouts
         rv.join(self._store, rdv, top.process, size, self.role)
-        self._comm = None
+        comm = None
         if self.transport == "collective":
             from ...executors.collective.comm import StoreComm
 
             backend = self.options.get("backend") or ("nccl" if self.device.type == "cuda" else "gloo")
-            self._comm = StoreComm(rv.scoped(self._store, rdv, "collective"), top.process, size, backend, self.timeout)
-        self._policies = None  # with delta: each group's DeltaPolicy (refit `top.version`)
+            comm = StoreComm(rv.scoped(self._store, rdv, "collective"), top.process, size, backend, self.timeout)
+        policies = None
         if self.delta is not None:
             from ...executors.delta import DeltaPolicy, DeltaState
 
-            self._policies = {k: DeltaPolicy(self.delta, state=self._deltas.setdefault(k, DeltaState()))
-                              for k in range(len(plans))}
-        self._plans, self._bindings = plans, group_bindings(plans, top.trainers, top.rollouts)
-        self._reports: dict[int, Any] = {}  # with delta: group -> its executor's DeltaReport
-        role, p = ("trainer", top.process) if top.is_trainer else ("rollout", top.process - top.trainers)
-        self._agreement = Agreement(rv.scoped(self._store, rdv, "verl"), size, top.trainers, len(plans),
-                                    self.timeout, f"{role} rank {p}")
-        self._pool = transfer_thread(self.device if self.device.type == "cuda" else None, f"reshard-verl-{role}")
-        self._top = top
+            policies = {k: DeltaPolicy(self.delta, state=self._deltas.setdefault(k, DeltaState()))
+                        for k in range(len(plans))}
+        self._session = RefitSession(top, plans, group_bindings(plans, top.trainers, top.rollouts), self._store, rdv,
+                                     comm, self.options, self.device if self.device.type == "cuda" else None,
+                                     policies)
 
     async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | AsyncIterator,
                            global_steps: int | None = None) -> dict[str, float]:
@@ -162,7 +159,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
                 posted to every process of the refit at once.
             ExecutionError: a transfer failed, or another process reported a failure.
         """
-        top = self._ready("send_weights", trainer=True)
+        session = self._ready("send_weights", trainer=True)
         filling: dict[int, dict[str, torch.Tensor]] = {}
         position: dict[int, int] = {}  # group -> the position the trainers move it at (completion order)
 
@@ -172,31 +169,31 @@ class ReshardCheckpointEngine(CheckpointEngine):
             if len(group) < len(self.groups[k]):
                 return ()
             position[k] = len(position)
-            self._agreement.go(position[k], k)
+            session.agreement.go(position[k], k)
             return (k,)
 
         def start(k: int) -> Future:  # the transfer thread moves group k once its gate opened
             i, src = position[k], filling.pop(k)
-            return self._pool.submit(lambda: self._move(self._agreement.gate(i), src))
+            return session.pool.submit(lambda: session.move(session.agreement.gate(i), src))
 
         def fail(error: BaseException, flight: Any = None) -> None:  # every process hears of it at once
-            self._agreement.fail(error)
+            session.agreement.fail(error)
             filling.clear()  # nothing more moves: the drain holds no tensors
             self._deltas.clear()  # what the rollout holds is unknown now: the next refit is a keyframe
 
         began = time.perf_counter()
         try:
-            sent, _, error, _ = await send_groups(weights, self.names, self.where, "trainer", self._agreement, take,
+            sent, _, error, _ = await send_groups(weights, self.names, self.where, "trainer", session.agreement, take,
                                                   start, fail)
             if error is not None:
                 raise error
         except BaseException as e:  # also a cancellation
             fail(e)
             raise
-        p = top.process
+        p = session.top.process
         self.last_metrics = {f"reshard/trainer{p}/egress_bytes": float(sent),
                              f"reshard/trainer{p}/seconds": time.perf_counter() - began,
-                             **self._delta_metrics(f"reshard/trainer{p}/")}
+                             **session.delta_metrics(f"reshard/trainer{p}/")}
         return self.last_metrics
 
     async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
@@ -211,28 +208,28 @@ class ReshardCheckpointEngine(CheckpointEngine):
             ExecutionError: the refit failed on any process (in "bucket" staging the groups already handed on
                 stay loaded).
         """
-        top = self._ready("receive_weights", trainer=False)
+        session = self._ready("receive_weights", trainer=False)
         bucket = self.options.get("staging", "bucket") == "bucket"
         if not bucket and not self._held:  # (with delta, held buffers are reused: nothing more to allocate)
             staging_room(self.spec, self.device)  # verl may have taken memory since the construction's check
 
         def receive(i: int) -> tuple[int, dict[str, torch.Tensor]]:  # the transfer thread: the trainers' i-th group
-            k = self._agreement.gate(i)
+            k = session.agreement.gate(i)
             dst = self._held.get(k) or {n: staging_empty(*self.names.expected(n), self.device,
                                                          self.transport == "shared") for n in self.groups[k]}
             if self.delta is not None:  # the version a delta is applied to, kept between refits
                 self._held[k] = dst
-            self._move(k, dst)
+            session.move(k, dst)
             return k, dst
 
         def fail(error: BaseException, flight: Any, following: int) -> None:
-            self._agreement.fail(ExecutionError("the server adapter stopped taking the weights before the refit's "
+            session.agreement.fail(ExecutionError("the server adapter stopped taking the weights before the refit's "
                                                   "end") if isinstance(error, GeneratorExit) else error)
             self._deltas.clear()  # the next refit is a keyframe (it rewrites every held buffer)
 
-        rank, start = top.process - top.trainers, time.perf_counter()
-        groups = receive_groups(len(self.groups), lambda i: self._pool.submit(receive, i), bucket, self.device,
-                                self._agreement, fail, agreed=True)
+        rank, start = session.top.process - session.top.trainers, time.perf_counter()
+        groups = receive_groups(len(self.groups), lambda i: session.pool.submit(receive, i), bucket, self.device,
+                                session.agreement, fail, agreed=True)
         try:
             async for k, dst in groups:
                 for name in self.groups[k]:
@@ -240,67 +237,96 @@ class ReshardCheckpointEngine(CheckpointEngine):
         finally:
             await groups.aclose()
         self.last_metrics = {f"reshard/rollout{rank}/seconds": time.perf_counter() - start,
-                             **self._delta_metrics(f"reshard/rollout{rank}/")}
+                             **session.delta_metrics(f"reshard/rollout{rank}/")}
 
     def finalize(self) -> None:
-        """Close this refit's agreement, thread, group and (trainer rank 0) the store."""
+        """Close this refit's session, its group and (trainer rank 0) the store."""
         self._close()
 
-    def _ready(self, what: str, trainer: bool) -> RefitAssignment:
-        if self._top is None:
+    def _ready(self, what: str, trainer: bool) -> RefitSession:
+        if self._session is None:
             raise ExecutionError(f"{what} before init_process_group: verl's CheckpointEngineManager calls prepare, "
                                  f"build_topology and init_process_group first")
-        if self._top.is_trainer != trainer:
+        if self._session.top.is_trainer != trainer:
             raise ExecutionError(f"{what} on a {self.role} rank")
-        return self._top
+        return self._session
 
-    def _move(self, k: int, tensors: dict[str, torch.Tensor]) -> int:
+    def _close(self) -> None:
+        if self._session is not None:
+            self._session.close()
+        self._session = None
+        self._store = None  # trainer rank 0's store server goes with its last reference (a session may hold it)
+
+
+class RefitSession:
+    """One process's part of one refit, from `init_process_group` to `finalize` or the next `prepare`.
+
+    Args:
+        top: this process's assignment.
+        plans, bindings: every group's plan and who plays its ranks.
+        store, rdv, comm: the refit's store (joined), rendezvous and collective group (None for other transports).
+        options: the backend's checked options.
+        device: the CUDA device the transfer thread works on (None: CPU).
+        policies: with delta, each group's DeltaPolicy (refit `top.version`); None: dense refits.
+    """
+
+    def __init__(self, top: RefitAssignment, plans: Sequence[Any], bindings: Sequence[Binding], store: Any,
+                 rdv: rv.Rendezvous, comm: Any, options: dict[str, Any], device: torch.device | None,
+                 policies: dict[int, Any] | None = None) -> None:
+        self.top, self.plans, self.bindings, self.store, self.rdv, self.comm = top, plans, bindings, store, rdv, comm
+        self.policies = policies
+        self.reports: dict[int, Any] = {}  # with delta: group -> its executor's DeltaReport
+        self.options, self.timeout = options, float(options.get("timeout", 300.0))
+        role, p = ("trainer", top.process) if top.is_trainer else ("rollout", top.process - top.trainers)
+        self.agreement = Agreement(rv.scoped(store, rdv, "verl"), top.trainers + top.rollouts, top.trainers,
+                                   len(plans), self.timeout, f"{role} rank {p}")
+        self.pool = transfer_thread(device, f"reshard-verl-{role}")
+
+    def move(self, k: int, tensors: dict[str, torch.Tensor]) -> int:
         """Move this process's part of group k (its sources or destinations) on the transfer thread, then count it
         done; the bytes it sent. Raises the transfer's ReshardError (posted as the refit's failure unless a peer's
         came first)."""
-        top = self._top
         try:
-            ex = group_executor(self.transport, self._plans[k], self._bindings[k], top.process, tensors,
-                                store=self._store, rendezvous=self._rdv, namespace=f"{self._rdv.refit_id}g{k}",
-                                comm=self._comm, timeout=self.timeout, checksum=self.options.get("checksum", False),
-                                memory_cap=top.bucket_size, delta=self._policies and self._policies[k])
+            ex = group_executor(self.options.get("transport", "collective"), self.plans[k], self.bindings[k],
+                                self.top.process, tensors, store=self.store, rendezvous=self.rdv,
+                                namespace=f"{self.rdv.refit_id}g{k}", comm=self.comm, timeout=self.timeout,
+                                checksum=self.options.get("checksum", False), memory_cap=self.top.bucket_size,
+                                delta=self.policies and self.policies[k])
             try:
-                if self._policies:  # versions say what each side holds: the same on every process
-                    stats = ex.refit(top.version)
-                    self._reports[k] = ex.last_delta
+                if self.policies:  # versions say what each side holds: the same on every process
+                    stats = ex.refit(self.top.version)
+                    self.reports[k] = ex.last_delta
                 else:
                     stats = ex.refit()
             finally:
                 ex.close()
         except Exception as e:  # noqa: BLE001 - a transport's own error too: name the group, keep the cause
             error = e if isinstance(e, ReshardError) else ExecutionError(f"{type(e).__name__}: {e}")
-            reason = self._agreement.failure()  # a peer's failure seen here as a broken transfer: say what it was
+            reason = self.agreement.failure()  # a peer's failure seen here as a broken transfer: say what it was
             if reason is not None and isinstance(error, ExecutionError):
-                error = ExecutionError(f"refit failed in tensor group {k} of {len(self._plans)}: {reason} (here: "
+                error = ExecutionError(f"refit failed in tensor group {k} of {len(self.plans)}: {reason} (here: "
                                        f"{error})")
-            raise self._agreement.fail(error) from e
-        self._agreement.done(k)
+            raise self.agreement.fail(error) from e
+        self.agreement.done(k)
         return sum(stats.bytes_sent.values())
 
-    def _delta_metrics(self, prefix: str) -> dict[str, float]:
+    def delta_metrics(self, prefix: str) -> dict[str, float]:
         """With delta: this refit's keyframe groups and, on a trainer, delta and dense bytes; else nothing."""
-        if not self._policies:
+        if not self.policies:
             return {}
-        totals = delta_totals(self._reports.values())
+        totals = delta_totals(self.reports.values())
         names = {"keyframe_groups": "keyframes", **({"delta_bytes": "wire_bytes", "dense_bytes": "dense_bytes"}
-                                                     if self._top.is_trainer else {})}
+                                                     if self.top.is_trainer else {})}
         return {prefix + ours: float(totals[theirs]) for ours, theirs in names.items()}
 
-    def _close(self) -> None:
-        """End this refit's waits and let its thread go; close its collective group in the background (after a
+    def close(self) -> None:
+        """End this session's waits and let its thread go; close the collective group in the background (after a
         failure its shutdown waits for posted gloo operations to time out)."""
-        if self._top is not None:
-            self._agreement.stop.set()
-            self._pool.shutdown(wait=False, cancel_futures=True)
-        if self._comm is not None:
-            threading.Thread(target=self._comm.close, daemon=True, name="reshard-verl-close").start()
-        self._top = self._comm = None
-        self._store = None  # trainer rank 0's store server goes with its last reference
+        self.agreement.stop.set()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.comm is not None:
+            threading.Thread(target=self.comm.close, daemon=True, name="reshard-verl-close").start()
+            self.comm = None
 
 
 def staging_room(spec: ModelSpec, device: torch.device) -> None:

@@ -128,6 +128,14 @@ def engine_client(engine: dict[str, Any], timeout: float) -> Any:
     return RayEngineClient(ray.get_actor(engine["name"]), engine["name"], timeout=timeout)
 
 
+def _await_lease_ended(engine: dict[str, Any], deadline: float) -> None:
+    """Wait (until `deadline`) for the engine to end a lapsed lease and close what its driver left open."""
+    from reshard import polling
+
+    client = engine_client(engine, 30.0)
+    polling.poll(lambda: client.lease_state()["holder"] is None, deadline, first_s=0.2, most_s=0.2)
+
+
 LAPSED_BEFORE_THE_KILL = "is not the server's current lease"  # the engine's refusal of a fenced driver's call
 
 
@@ -140,7 +148,6 @@ def refit_from_here(engine: dict[str, Any], checkpoint: str | Path, transport: s
     the engine has ended that lease: on a loaded 2-core machine the driver and its keeper process were seen to stall
     for the whole lease (no renewal reached the engine in 30 s), and the engine then fences the driver, as it must;
     that the fenced refit leaves the engine its weights is what kill_the_driver's cases check."""
-    from reshard import polling
     from reshard.adapters.refit import RefitSpec
     from reshard.adapters.trainer import TrainerSession
     from reshard.errors import ExecutionError
@@ -164,9 +171,7 @@ def refit_from_here(engine: dict[str, Any], checkpoint: str | Path, transport: s
         print(f"refit {version}: the new driver's lease lapsed; a new driver again ({e})"[:400])
     finally:
         session.close()
-    client = engine_client(engine, 30.0)
-    polling.poll(lambda: client.lease_state()["holder"] is None, time.monotonic() + 2 * lease + timeout,
-                 first_s=0.2, most_s=0.2)
+    _await_lease_ended(engine, time.monotonic() + 2 * lease + timeout)
     return refit_from_here(engine, checkpoint, transport, version, timeout, lease, lapses - 1)
 
 
@@ -190,7 +195,6 @@ def kill_the_driver(engine: dict[str, Any], checkpoint: str | Path, transport: s
     `early_lapses` times, once the engine has ended that lease."""
     import threading
 
-    from reshard import polling
     from reshard.errors import ExecutionError
     from reshard.testing.megatron_cpu import run_ranks
 
@@ -218,8 +222,7 @@ def kill_the_driver(engine: dict[str, Any], checkpoint: str | Path, transport: s
             # the live driver's lease lapsed before the phase came (its keeper starved on a loaded machine: the
             # engine fenced it, the refit failed cleanly): no driver died, so the case has not run; run it again
             print(f"driver death {transport}/{phase}: the lease lapsed before the kill; running the case again")
-            lapsed = engine_client(engine, 30.0)  # wait for the engine to end that lease and what it left open
-            polling.poll(lambda: lapsed.lease_state()["holder"] is None, deadline, first_s=0.2, most_s=0.2)
+            _await_lease_ended(engine, deadline)
             return kill_the_driver(engine, checkpoint, transport, phase, work=work / "again", lease=lease,
                                    timeout=timeout, prompts=prompts, poll=poll, ask_every=ask_every,
                                    early_lapses=early_lapses - 1)

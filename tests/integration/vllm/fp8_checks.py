@@ -1,5 +1,5 @@
-"""One vLLM TP rank's FP8 checks against real vLLM model code on CPU; launched by test_vllm_fp8.py as a process
-per rank. Writes rank{r}.json: per case, per check, "ok" or what failed.
+"""One vLLM TP rank's FP8 checks against real vLLM model code on CPU, for test_vllm_fp8.py; world_checks.py runs
+`run_case` in each rank's process of the session's world. A case's report: per check, "ok" or what failed.
 
 Ground truth: vLLM's own `load_weights` of an FP8 checkpoint quantized from the same bf16 weights by the
 reference quantizer (`harness.fp8_reference`, written apart from the library's), followed by vLLM's
@@ -12,16 +12,13 @@ MoE cases compare the parameters before `process_weights_after_loading` ("proces
 no FP8 MoE backend on CPU (its post-load step raises), and on GPUs the MoE backends convert experts to their
 kernel format (`convert_to_fp8_moe_kernel_format`), so processed FP8 experts are a loader-install destination.
 
-usage: fp8_checks.py OUT_DIR MOE_CKPT CASE_JSON...   (a case: {"name", "ckpt", "src", "ep", "processed"})
+A case: {"name", "ckpt", "src", "ep", "processed"}.
 """
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import sys
 import traceback
-from pathlib import Path
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
@@ -83,12 +80,13 @@ def bf16_weights(spec, seed: int) -> dict[str, torch.Tensor]:
     return {t.name: (torch.randn(t.shape, generator=g) * 0.05).to(torch.bfloat16) for t in spec.tensors}
 
 
-def run_case(case: dict, world: int, rank: int) -> dict[str, str]:
+def run_case(case: dict, rank: int, world: int) -> dict[str, str]:
     report: dict[str, str] = {}
 
     def check(name, fn):
         try:
-            fn()
+            with harness.attributed(case, name):
+                fn()
             report[name] = "ok"
         except Exception as e:  # noqa: BLE001 - reported per check
             report[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"
@@ -153,20 +151,3 @@ def run_case(case: dict, world: int, rank: int) -> dict[str, str]:
     check("other_ignored_modules_refused", other_ignored_modules_refused)
     return report
 
-
-def main() -> int:
-    out, moe_ckpt, cases = Path(sys.argv[1]), sys.argv[2], [json.loads(c) for c in sys.argv[3:]]
-    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    harness.init_parallel(moe_ckpt, world, rank)
-    report = {}
-    for case in cases:
-        try:
-            report[case["name"]] = run_case(case, world, rank)
-        except Exception as e:  # noqa: BLE001 - the whole case failed to set up
-            report[case["name"]] = {"setup": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2500:]}"}
-    harness.write_json(out / f"rank{rank}.json", report)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,21 +1,14 @@
-"""One vLLM TP rank (launched as `world` processes, gloo): vLLM 0.33's own LoRA manager loads the adapter `peft`
-saved (from_local_checkpoint, activate_adapter -> set_lora) into slot A; a reshard plan from Megatron-Bridge shards
-lands the same adapter's values in the slot of another loaded adapter (SlotRefit); every buffer of the two slots
-must hold the same bytes. Per case: a checkpoint, vLLM's max_lora_rank and fully_sharded_loras.
-
-    python lora_slot_checks.py OUT_DIR MOE_CKPT CASE_JSON...   (RANK / WORLD_SIZE / MASTER_* in the environment)
+"""One vLLM TP rank, for test_lora_slots.py (world_checks.py runs `run_case` in each rank's process of the
+session's world, gloo): vLLM 0.33's own LoRA manager loads the adapter `peft` saved (from_local_checkpoint,
+activate_adapter -> set_lora) into slot A; a reshard plan from Megatron-Bridge shards lands the same adapter's
+values in the slot of another loaded adapter (SlotRefit); every buffer of the two slots must hold the same bytes.
+Per case: a checkpoint, vLLM's max_lora_rank and fully_sharded_loras.
 """
 from __future__ import annotations
 
-import json
-import os
-import sys
-import traceback
-from pathlib import Path
-
 import torch
 
-from vllm_harness import build_model, init_parallel, write_json
+from vllm_harness import build_model
 
 
 def _slot(manager, lora_id: int) -> dict[str, torch.Tensor]:
@@ -33,7 +26,7 @@ def _slot(manager, lora_id: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def check(case: dict, rank: int, world: int) -> dict:
+def run_case(case: dict, rank: int, world: int) -> dict:
     from safetensors.torch import load_file
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
@@ -73,19 +66,3 @@ def check(case: dict, rank: int, world: int) -> dict:
                                                                         for n in got),
             "kinds": sorted({type(manager.modules[n.rsplit(".lora_", 1)[0]]).__name__ for n in want})}
 
-
-def main() -> None:
-    out, moe_ckpt, cases = Path(sys.argv[1]), sys.argv[2], [json.loads(c) for c in sys.argv[3:]]
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    init_parallel(moe_ckpt, world, rank)
-    report = {}
-    for case in cases:
-        try:
-            report[case["name"]] = check(case, rank, world)
-        except Exception:
-            report[case["name"]] = {"error": traceback.format_exc()[-3000:]}
-    write_json(out / f"rank{rank}.json", report)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,16 +1,12 @@
-"""One vLLM TP rank's checks against real vLLM model code on CPU; launched by test_vllm_install.py as a
-process per rank (WORLD_SIZE, RANK, MASTER_ADDR/PORT in the environment). Writes rank{r}.json: per case, per
-check, "ok" or what failed. vLLM's own `load_weights` of the HF checkpoint is the ground truth throughout.
-
-usage: rank_checks.py OUT_DIR MOE_CKPT CASE_JSON...   (a case: {"name", "ckpt", "ep", "src", "colocated_src"})
+"""One vLLM TP rank's checks against real vLLM model code on CPU, for test_vllm_install.py; world_checks.py runs
+`run_case` in each rank's process of the session's world (WORLD_SIZE, RANK, MASTER_ADDR/PORT in the environment).
+A case's report: per check, "ok" or what failed. vLLM's own `load_weights` of the HF checkpoint is the ground truth
+throughout. A case: {"name", "ckpt", "ep", "src", "colocated_src"}.
 """
 from __future__ import annotations
 
-import json
 import os
-import sys
 import traceback
-from pathlib import Path
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
@@ -90,7 +86,8 @@ def run_case(case: dict, rank: int, world: int) -> dict[str, str]:
 
     def check(name, fn):
         try:
-            problem = fn()
+            with harness.attributed(case, name):
+                problem = fn()
             results[name] = "ok" if not problem else f"FAIL: {problem}"
         except Exception:  # noqa: BLE001 - reported, the test fails on it
             results[name] = "FAIL: " + traceback.format_exc(limit=6)
@@ -309,15 +306,3 @@ def run_case(case: dict, rank: int, world: int) -> dict[str, str]:
           processed_moe_refused if spec.is_moe else processed_model_refused)
     return results
 
-
-def main() -> int:
-    out, moe_ckpt, cases = Path(sys.argv[1]), sys.argv[2], [json.loads(c) for c in sys.argv[3:]]
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    harness.init_parallel(moe_ckpt, world, rank)
-    report = {c["name"]: run_case(c, rank, world) for c in cases}
-    harness.write_json(out / f"rank{rank}.json", report)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

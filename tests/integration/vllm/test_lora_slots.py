@@ -1,18 +1,16 @@
 """vLLM 0.33's LoRA slots, at TP1 and TP2 (gloo), with and without fully_sharded_loras, a KV head replicated over
 TP2, and max_lora_rank above the adapter's rank: an adapter refit by reshard from Megatron-Bridge shards into the
 slot of a loaded adapter holds, buffer for buffer and byte for byte, what vLLM's own loader and set_lora put in
-the slot of the adapter `peft` saved from the same values (lora_slot_checks.py runs each TP world)."""
+the slot of the adapter `peft` saved from the same values (lora_slot_checks.py runs in the session's world of each
+TP size: conftest.py's vllm_worlds)."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from vllm_harness import HERE, ROOT, launch, wait
+from vllm_harness import ROOT
 
 pytestmark = pytest.mark.vllm
 CORE_PYTHON = ROOT / ".venv/bin/python"  # has peft; the vLLM virtualenv does not
@@ -42,43 +40,39 @@ for job in sys.argv[3:]:  # ckpt,out,targets (targets joined by +)
 """
 
 
-@pytest.fixture(scope="module")
-def reports(checkpoints, tmp_path_factory):
+def world_jobs(selected, checkpoints, out):
+    """This module's cases for the session's worlds (conftest.vllm_worlds), per world the selected ones; the
+    adapters they load saved first with peft (those cases' checkpoints' only)."""
     if not CORE_PYTHON.exists():
         pytest.skip("no core virtualenv (.venv) to save the adapter with peft")
-    out = tmp_path_factory.mktemp("lora_slots")
-    adapters = {name: out / name for name in sorted({c[0] for cases in CASES.values() for c in cases})}
+    cases = {world: [(n, R, s) for n, R, s in CASES[world] if _name(n, R, s) in selected[world]] for world in selected}
+    adapters = {name: out / name for name in sorted({c[0] for cs in cases.values() for c in cs})}
     for path in adapters.values():
-        path.mkdir()
+        path.mkdir(parents=True)
     subprocess.run([str(CORE_PYTHON), "-c", MAKE, str(RANK), str(ALPHA),
                     *(f"{checkpoints[n]},{p},{'+'.join(TARGETS.get(n, ALL))}" for n, p in adapters.items())],
                    check=True, cwd=str(ROOT), env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]), "PATH": "/usr/bin:/bin"},
                    capture_output=True, timeout=300)
-    running = {}
-    for world, cases in CASES.items():
-        (out / f"w{world}").mkdir()
-        jobs = [json.dumps({"name": f"{n}-R{R}-{'sharded' if s else 'plain'}", "ckpt": str(checkpoints[n]),
-                            "peft": str(adapters[n] / "peft"), "other": str(adapters[n] / "other"),
-                            "weights": str(adapters[n] / "weights.safetensors"), "rank": RANK, "alpha": ALPHA,
-                            "trainer_tp": TRAINER_TP, "max_lora_rank": R, "fully_sharded": s,
-                            "targets": TARGETS.get(n, ALL),
-                            # the CUDA wheel's expert LoRA layer cannot be built on CPU: the engine adapts attention
-                            "engine_targets": ["qkv_proj", "o_proj"] if n in TARGETS else None})
-                for n, R, s in cases]
-        running[world] = launch(sys.executable, HERE / "lora_slot_checks.py",
-                                [str(out / f"w{world}"), str(checkpoints["qwen3_moe"]), *jobs], world, out)
-    for procs in running.values():
-        wait(procs, timeout=900)
-    return {world: [json.loads((out / f"w{world}" / f"rank{r}.json").read_text()) for r in range(world)]
-            for world in CASES}
+    return {world: [{"name": _name(n, R, s), "ckpt": str(checkpoints[n]),
+                     "peft": str(adapters[n] / "peft"), "other": str(adapters[n] / "other"),
+                     "weights": str(adapters[n] / "weights.safetensors"), "rank": RANK, "alpha": ALPHA,
+                     "trainer_tp": TRAINER_TP, "max_lora_rank": R, "fully_sharded": s,
+                     "targets": TARGETS.get(n, ALL),
+                     # the CUDA wheel's expert LoRA layer cannot be built on CPU: the engine adapts attention
+                     "engine_targets": ["qkv_proj", "o_proj"] if n in TARGETS else None}
+                    for n, R, s in cs]
+            for world, cs in cases.items()}
 
 
-@pytest.mark.parametrize("world,case", [(w, f"{n}-R{R}-{'sharded' if s else 'plain'}") for w, cs in CASES.items()
-                                        for n, R, s in cs])
+def _name(checkpoint: str, max_lora_rank: int, fully_sharded: bool) -> str:
+    return f"{checkpoint}-R{max_lora_rank}-{'sharded' if fully_sharded else 'plain'}"
+
+
+@pytest.mark.parametrize("world,case", [(w, _name(*c)) for w, cs in CASES.items() for c in cs])
 def test_refit_slot_equals_vllm_loaded_peft_adapter(reports, world, case):
     for rank, report in enumerate(reports[world]):
         r = report[case]
-        assert "error" not in r, r.get("error")
+        assert "setup" not in r, r.get("setup")
         name = case.split("-")[0]
         want = 2 * sum(BUFFERS[t] for t in TARGETS.get(name, ALL))  # two layers
         assert r["buffers"] == want and r["differ"] == [] and r["changed"], (rank, r)

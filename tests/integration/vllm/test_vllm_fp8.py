@@ -5,18 +5,16 @@ refit from a Megatron layout equal, byte for byte, vLLM loading an FP8 checkpoin
 weights by the reference quantizer (harness.fp8_reference) -- direct install into the parameters and
 loader install (the FP8 checkpoint's tensors through load_weights); the parameters vLLM's Fp8LinearMethod /
 Fp8MoEMethod create equal the declared FP8 destination (names, shapes, dtypes); another block size or other
-ignored modules are refused naming the tensors. What fp8_checks.py runs, and what it stands in for on CPU
-(vLLM's CUDA block-FP8 kernel's post-load step; MoE compared before post-load processing), is in its docstring.
+ignored modules are refused naming the tensors. What fp8_checks.py runs (in the session's world of each TP size:
+conftest.py's vllm_worlds), and what it stands in for on CPU (vLLM's CUDA block-FP8 kernel's post-load step; MoE
+compared before post-load processing), is in its docstring.
 """
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-from vllm_harness import HERE, collected, launch, wait
 
 pytestmark = pytest.mark.vllm
 
@@ -68,23 +66,12 @@ def fp8_config(out: Path, family: str) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def reports(tmp_path_factory, request):
-    pytest.importorskip("vllm")
-    base = tmp_path_factory.mktemp("fp8")
-    ckpts = {f: fp8_config(base / f, f) for f in ("qwen3", "qwen3_moe", "deepseek_v3")}
-    running = {}
-    worlds = collected(request, WORLDS)
-    for world, names in worlds.items():
-        (base / f"w{world}").mkdir()
-        cases = [json.dumps({"name": n, "ckpt": str(ckpts[CASES[n][0]]), "ep": CASES[n][1], "src": CASES[n][2],
-                             "processed": CASES[n][3]}) for n in names]
-        running[world] = launch(sys.executable, HERE / "fp8_checks.py",
-                                [str(base / f"w{world}"), str(ckpts["qwen3_moe"]), *cases], world, base)
-    for procs in running.values():
-        wait(procs, timeout=1200)
-    return {world: [json.loads((base / f"w{world}" / f"rank{r}.json").read_text()) for r in range(world)]
-            for world in worlds}
+def world_jobs(selected, checkpoints, out):
+    """This module's cases for the session's worlds (conftest.vllm_worlds), per world the selected ones."""
+    ckpts = {f: fp8_config(out / f, f) for f in ("qwen3", "qwen3_moe", "deepseek_v3")}
+    return {world: [{"name": n, "ckpt": str(ckpts[CASES[n][0]]), "ep": CASES[n][1], "src": CASES[n][2],
+                     "processed": CASES[n][3]} for n in names if n in selected[world]]
+            for world, names in WORLDS.items() if world in selected}
 
 
 @pytest.mark.parametrize("world,case,check", [pytest.param(w, n, c, id=f"tp{w}-{n}-{c}") for w, names in

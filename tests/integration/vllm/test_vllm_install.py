@@ -13,16 +13,12 @@ HF checkpoint (saved by transformers), byte for byte per parameter:
   - declarations that differ from vLLM (other shapes; the same shapes with [up; gate] stacking) and models
     that vLLM's CPU post-processing re-laid out (linears dispatched to CPU GEMM kernels; experts padded by the
     CPU MoE backend) are refused before anything moves.
-Each TP world runs in its own processes (rank_checks.py), TP1 and TP2 concurrently.
+Each TP world runs in its own processes (rank_checks.py, in the session's world of that TP size: conftest.py's
+vllm_worlds), TP1 and TP2 concurrently.
 """
 from __future__ import annotations
 
-import json
-import sys
-
 import pytest
-
-from vllm_harness import HERE, collected, launch, wait
 
 pytestmark = pytest.mark.vllm
 
@@ -42,21 +38,11 @@ CHECKS = ["direct_install_matches_load_weights", "loader_install_matches_load_we
           "wrong_shape_declaration_refused", "wrong_stacking_refused"]
 
 
-@pytest.fixture(scope="module")
-def reports(checkpoints, tmp_path_factory, request):
-    out = tmp_path_factory.mktemp("rank_checks")
-    running = {}
-    worlds = collected(request, WORLDS)
-    for world, names in worlds.items():
-        (out / f"w{world}").mkdir()
-        cases = [json.dumps({"name": n, "ckpt": str(checkpoints[CASES[n][0]]), "ep": CASES[n][1],
-                             "src": CASES[n][2], "colocated_src": CASES[n][3]}) for n in names]
-        running[world] = launch(sys.executable, HERE / "rank_checks.py",
-                                [str(out / f"w{world}"), str(checkpoints["qwen3_moe"]), *cases], world, out)
-    for procs in running.values():
-        wait(procs, timeout=1200)
-    return {world: [json.loads((out / f"w{world}" / f"rank{r}.json").read_text()) for r in range(world)]
-            for world in worlds}
+def world_jobs(selected, checkpoints, out):
+    """This module's cases for the session's worlds (conftest.vllm_worlds), per world the selected ones."""
+    return {world: [{"name": n, "ckpt": str(checkpoints[CASES[n][0]]), "ep": CASES[n][1], "src": CASES[n][2],
+                     "colocated_src": CASES[n][3]} for n in names if n in selected[world]]
+            for world, names in WORLDS.items() if world in selected}
 
 
 def _params():
@@ -69,6 +55,7 @@ def _params():
 @pytest.mark.parametrize("world,case,check", list(_params()))
 def test_vllm_destination(reports, world, case, check):
     for rank, report in enumerate(reports[world]):
+        assert "setup" not in report[case], f"tp{world} rank {rank} {case}: {report[case].get('setup')}"
         assert report[case][check] == "ok", f"tp{world} rank {rank} {case}: {report[case][check]}"
 
 

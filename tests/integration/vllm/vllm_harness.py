@@ -2,6 +2,7 @@
 and vLLM models built on CPU without an engine (gloo), as a vLLM worker builds them."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -133,12 +134,21 @@ def wait(procs: list[tuple[subprocess.Popen, Path]], timeout: float) -> None:
         raise HelperFailed(f"helper processes failed or timed out after {timeout:.0f} s:\n{tails}")
 
 
-def collected(request, worlds: dict[int, list[str]]) -> dict[int, list[str]]:
-    """The (world, case) pairs of `worlds` that this session's selected tests of the requesting module use (their
-    `world` and `case` parameters): a module fixture computes only those. `pytest -k tp1-qwen3` then starts one
-    world for one case, and the AMX re-run of scripts/test pays only for the tests it selected."""
-    module = request.node.path if hasattr(request.node, "path") else None
-    used = {(item.callspec.params["world"], item.callspec.params["case"]) for item in request.session.items
-            if getattr(item, "path", None) == module and hasattr(item, "callspec")
-            and {"world", "case"} <= set(item.callspec.params)}
-    return {w: [n for n in names if (w, n) in used] for w, names in worlds.items() if any(p[0] == w for p in used)}
+@contextlib.contextmanager
+def attributed(case: dict, check: str = ""):
+    """Meanwhile, this process's consults of the CPU capability checks (tests/cpu_path) are logged as made by the
+    test that asserts the result: the case's `tests` (check, or "" for the case, -> pytest node id; the
+    `vllm_worlds` fixture passes them), the case's first where `check` has no test of its own. A world runs many
+    tests' cases; scripts/test re-runs on the AMX path the tests whose own work consulted the checks."""
+    tests = case.get("tests") or {}
+    test = tests.get(check) or next(iter(tests.values()), None)
+    saved = os.environ.get("PYTEST_CURRENT_TEST")
+    if test is not None:
+        os.environ["PYTEST_CURRENT_TEST"] = f"{test} (call)"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("PYTEST_CURRENT_TEST", None)
+        else:
+            os.environ["PYTEST_CURRENT_TEST"] = saved

@@ -40,6 +40,7 @@ from verl.workers.engine_workers import ActorRolloutRefWorker
 from verl.workers.rollout import BaseRollout, RolloutReplica
 
 from reshard.layouts import ModelSpec
+from reshard.ports import free_port
 from reshard.testing.megatron_cpu import TinyGPT
 
 from . import pythonpath
@@ -347,6 +348,12 @@ class RolloutWorker(CheckpointEngineWorker):
         """What the server adapter was handed, per update_weights call (CheckpointAdapter.calls)."""
         return self.server_adapter.calls
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def clear(self) -> None:
+        """No hold or failure at any tensor, and no record of past updates (Refit.reset)."""
+        adapter = self.server_adapter
+        adapter.hold, adapter.hold_at, adapter.fail_at, adapter.calls = None, 0, None, []
+
 
 class Replica(RolloutReplica):
     """A replica whose workers are given (no inference server on CPU: nothing to abort, release or resume)."""
@@ -377,31 +384,30 @@ class Refit:
         """trainer_node / rollout_node: a Ray custom resource of the node each side's workers must run on (e.g.
         the two-host test bed's "host_a" / "host_b"); None: wherever Ray places them. tiny None: the trainers
         stream the transformers model of `checkpoint` (its state dict) instead of a megatron-core model's export."""
-        self.checkpoint, self.ce, self.tiny, self.num_trainers = checkpoint, ce, tiny, trainers
+        self.checkpoint, self.ce, self.tiny = checkpoint, ce, tiny
+        self.num_trainers, self.num_rollouts = trainers, rollouts
         self.trainer_node, self.rollout_node = trainer_node, rollout_node
         self._start_trainers()
-        self.rollout_config = RolloutConfig(name="vllm", tensor_model_parallel_size=1,
-                                            checkpoint_engine=CheckpointEngineConfig(**ce))
-        self.rollout_pool = resource_pool(rollouts, rollout_node)
-        self.rollouts = RayWorkerGroup(
-            resource_pool=self.rollout_pool, device_name="cpu",
-            ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(RolloutWorker),
-                                                   rollout_config=self.rollout_config, checkpoint=checkpoint))
-        self.replicas = [Replica(replica_rank=r, config=self.rollout_config, model_config=None)
-                         for r in range(rollouts)]
-        for r, replica in enumerate(self.replicas):
-            replica.workers = self.rollouts.workers[r:r + 1]
+        self._start_rollouts()
         self.manager = CheckpointEngineManager(CheckpointEngineConfig(**ce), self.trainers, self.replicas)
 
     def _start_trainers(self) -> None:
         config = OmegaConf.create({"actor": {"strategy": "fsdp"}, "rollout": {"checkpoint_engine": self.ce}})
         self.trainer_pool = resource_pool(self.num_trainers, self.trainer_node)
-        self.trainers = RayWorkerGroup(
-            resource_pool=self.trainer_pool, device_name="cpu",
-            ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(TrainerWorker), config=config, role="actor",
-                                                   tiny=self.tiny.__dict__ if self.tiny else None,
-                                                   checkpoint=self.checkpoint))
+        self.trainers = worker_group(self.trainer_pool, TrainerWorker, config=config, role="actor",
+                                     tiny=self.tiny.__dict__ if self.tiny else None, checkpoint=self.checkpoint)
         self.trainers.init_model()
+
+    def _start_rollouts(self) -> None:
+        self.rollout_config = RolloutConfig(name="vllm", tensor_model_parallel_size=1,
+                                            checkpoint_engine=CheckpointEngineConfig(**self.ce))
+        self.rollout_pool = resource_pool(self.num_rollouts, self.rollout_node)
+        self.rollouts = worker_group(self.rollout_pool, RolloutWorker, rollout_config=self.rollout_config,
+                                     checkpoint=self.checkpoint)
+        self.replicas = [Replica(replica_rank=r, config=self.rollout_config, model_config=None)
+                         for r in range(self.num_rollouts)]
+        for r, replica in enumerate(self.replicas):
+            replica.workers = self.rollouts.workers[r:r + 1]
 
     def replace_trainers(self, ce: dict[str, Any] | None = None) -> None:
         """New trainer workers (as verl restarts a failed trainer group) and a manager over them and the same
@@ -411,6 +417,24 @@ class Refit:
         self._start_trainers()
         self.manager = CheckpointEngineManager(CheckpointEngineConfig(**self.ce), self.trainers,
                                                self.manager.replicas)
+
+    def reset(self, ce: dict[str, Any]) -> None:
+        """The reset point of workers shared between tests (tests/integration/verl/conftest.py): a side with a dead
+        worker is started anew (as verl restarts a group), the manager refits every replica again, no fault, hold or
+        failure is injected, the rollout workers' records of past updates are cleared and every checkpoint engine is
+        made anew from `ce`. What the workers hold stays: the trainers' weights after their steps so far, the
+        version and weights each rollout worker serves."""
+        self.ce = ce
+        if not _alive(self.trainers.workers):
+            _kill(self.trainers.workers, [self.trainer_pool])
+            self._start_trainers()
+        if not _alive(self.rollouts.workers):
+            _kill(self.rollouts.workers, [self.rollout_pool])
+            self._start_rollouts()
+        self.manager = CheckpointEngineManager(CheckpointEngineConfig(**ce), self.trainers, self.replicas)
+        self.trainers.set_fault({}, None)
+        self.rollouts.clear()
+        self.reconfigure(ce)
 
     def reconfigure(self, ce: dict[str, Any]) -> None:
         """Every worker's checkpoint engine anew from `ce` (same backend class: the manager stays)."""
@@ -440,6 +464,18 @@ class Refit:
         _kill([*self.trainers.workers, *self.rollouts.workers], [self.trainer_pool, self.rollout_pool])
 
 
+def worker_group(pool: RayResourcePool, cls: type, **init: Any) -> RayWorkerGroup:
+    """verl's worker group of `cls` over `pool`, made with `init`. Its workers join one torch.distributed group in
+    their constructors (verl's initialize_global_process_group_ray), at a port drawn on rank 0's node beforehand and
+    bound once the workers start. Left to verl, that port is a bind(0) one, from the kernel's ephemeral range, which
+    also gives every outgoing connection its port: CI saw rank 0's bind fail with EADDRINUSE, the port taken in
+    between by another test's process. verl takes the first free port of `master_port_range` instead: its start
+    is drawn here by reshard.ports.free_port, at random from outside that range."""
+    port = free_port()
+    return RayWorkerGroup(resource_pool=pool, device_name="cpu", master_port_range=[port, port + 16],
+                          ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(cls), **init))
+
+
 def resource_pool(workers: int, node: str | None = None) -> RayResourcePool:
     """verl's CPU resource pool of `workers` one-CPU bundles; with `node`, every bundle also asks for a little of
     that Ray custom resource, so the pool lands on the node that has it. verl builds a pool's placement groups from
@@ -454,6 +490,15 @@ def resource_pool(workers: int, node: str | None = None) -> RayResourcePool:
         ray.get(group.ready(), timeout=120)
         pool.pgs = [group]
     return pool
+
+
+def _alive(workers: list) -> bool:
+    """Whether every one of `workers` (Ray actors) answers; False once one has died (killed, or exited)."""
+    try:
+        ray.get([worker.__ray_ready__.remote() for worker in workers], timeout=60)
+        return True
+    except ray.exceptions.RayActorError:
+        return False
 
 
 def _kill(workers: list, pools: list) -> None:
@@ -579,4 +624,4 @@ class FunnelCheckpointEngine(CheckpointEngine):
 
 __all__ = ["CheckpointAdapter", "FunnelCheckpointEngine", "HfExport", "MOE", "MegatronExport", "ModelSpec", "Refit",
            "Replica", "RolloutWorker", "TrainerWorker", "checkpoint_engine_config", "digest", "faulty",
-           "megatron_to_hf", "resource_pool", "save_checkpoint", "start_ray"]
+           "megatron_to_hf", "resource_pool", "save_checkpoint", "start_ray", "worker_group"]

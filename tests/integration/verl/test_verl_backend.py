@@ -2,7 +2,8 @@
 ActorRolloutRefWorker.update_weights and rollout-side CheckpointEngineWorker over a local Ray cluster (CPU
 resource pools), 2 trainer ranks (a megatron-core MoE model: fused QKV, gated MLP, experts; exported as HF
 tensors) into 3 rollout ranks. What the rollout side serves is compared byte for byte (SHA-256 per tensor) with
-the trainer model's HF tensors. One cluster for the module; the tests run in order and each starts from a
+the trainer model's HF tensors. The workers are the session's (conftest.py's `megatron_refit`, which
+test_verl_guide.py refits with too), reset as the module starts; its tests run in order and each starts from a
 successful refit of its own. Refused streams: test_verl_exporter_streams.py."""
 from __future__ import annotations
 
@@ -21,15 +22,10 @@ OPTIONS = {"timeout": 60.0}
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    checkpoint = str(vc.save_checkpoint(vc.MOE, tmp_path_factory.mktemp("verl") / "checkpoint"))
-    vc.start_ray()
-    refit = vc.Refit(TRAINERS, ROLLOUTS, checkpoint, vc.checkpoint_engine_config(checkpoint, 1, **OPTIONS))
-    yield refit
-    refit.shutdown()
-    import ray
-
-    ray.shutdown()
+def cluster(megatron_refit):
+    assert (megatron_refit.num_trainers, megatron_refit.num_rollouts) == (TRAINERS, ROLLOUTS)
+    megatron_refit.reset(vc.checkpoint_engine_config(megatron_refit.checkpoint, 1, **OPTIONS))
+    return megatron_refit
 
 
 def ce(cluster, **options):

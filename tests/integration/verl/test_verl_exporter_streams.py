@@ -43,17 +43,13 @@ def _qwen3_moe(directory):
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(ray_runtime, tmp_path_factory):
     checkpoint = _qwen3_moe(tmp_path_factory.mktemp("verl") / "checkpoint")
-    vc.start_ray()
     refit = vc.Refit(TRAINERS, ROLLOUTS, checkpoint, vc.checkpoint_engine_config(checkpoint, 1),
                      tiny=None)  # the trainers stream the transformers model of the checkpoint, as its state dict
     refit.steps = []  # the training steps taken so far, in order (what `expected` replays)
     yield refit
     refit.shutdown()
-    import ray
-
-    ray.shutdown()
 
 
 def train(cluster) -> int:

@@ -78,24 +78,18 @@ def composed_blocks(tmp_path: Path, checkpoint: str) -> list[tuple[str, Any]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    from harness import verl_cpu as vc
-
-    return str(vc.save_checkpoint(vc.MOE, tmp_path_factory.mktemp("guide") / "checkpoint"))
-
-
 def test_the_guide_marks_both_forms():
     kinds = [kind for kind, _ in guide_blocks()]
     assert sorted(set(kinds)) == ["cli", "config-file"], kinds
 
 
-def test_every_guide_block_composes_and_refits(tmp_path, checkpoint):
+def test_every_guide_block_composes_and_refits(tmp_path, megatron_refit):
+    """The refit: the session's workers (conftest.py), reset to the guide's engine."""
     from omegaconf import OmegaConf
 
     from reshard.integrations.verl import modes
-    from harness import verl_cpu as vc
 
+    checkpoint = megatron_refit.checkpoint
     blocks = composed_blocks(tmp_path, checkpoint)
     ces = []
     for kind, cfg in blocks:
@@ -108,20 +102,14 @@ def test_every_guide_block_composes_and_refits(tmp_path, checkpoint):
         ces.append(ce)
     assert all(ce == ces[0] for ce in ces), "the guide's two forms configure different engines"
 
-    vc.start_ray(num_cpus=8)
-    refit = vc.Refit(2, 2, checkpoint, ces[0])
-    try:
-        for step in (1, 2):
-            refit.trainers.train_step(step)
-            refit.refit(step)
-            expected = refit.expected()
-            for r, (version, digests) in enumerate(refit.served()):
-                assert version == step and digests == expected, f"rollout rank {r} after step {step}"
-    finally:
-        refit.shutdown()
-        import ray
-
-        ray.shutdown()
+    refit = megatron_refit
+    refit.reset(ces[0])
+    for step in (1, 2):
+        refit.trainers.train_step(step)
+        refit.refit(step)
+        expected = refit.expected()
+        for r, (version, digests) in enumerate(refit.served()):
+            assert version == step and digests == expected, f"rollout rank {r} after step {step}"
 
 
 def test_a_dotted_top_level_yaml_key_is_silently_ignored(tmp_path):

@@ -247,12 +247,58 @@ def kill_the_driver(engine: dict[str, Any], checkpoint: str | Path, transport: s
         time.sleep(0.1)
     thread.join(max(1.0, deadline - time.monotonic()))
     tokens = client.greedy(prompts)
-    version = client.weight_info() if hasattr(client, "weight_info") else client.weight_version()
+    version = weight_version(client)
     rank1 = out.with_suffix(".rank1.json")
     return {"killed_at": killed_at, "serving_at": serving_at, "ended_at": ended_at, "tokens": tokens,
             "weight_version": version, "lease": client.lease_state(),
             "rank1": json.loads(rank1.read_text()) if rank1.exists() else None, "ranks": ranks}
 
 
-__all__ = ["ALL_CASES", "EACH_CHOICE", "PHASES", "TESTS_ASK_EVERY", "TRANSPORTS", "driver_death_cases", "dying_driver",
-           "engine_client", "kill_the_driver", "refit_from_here"]
+def weight_version(client: Any) -> str | None:
+    """The weight version an engine client reports (a vLLM server's `weight_info`, an engine actor's
+    `weight_version`)."""
+    return client.weight_info() if hasattr(client, "weight_info") else client.weight_version()
+
+
+def check_death_cases(engine: dict[str, Any], client: Any, a: Path, b: Path, cases: list, *, work: Path,
+                      lease: float, timeout: float, margin: float, prompts: list[list[int]], until: str) -> None:
+    """Run `cases` ((transport, phase) pairs, kill_the_driver each) on an engine serving checkpoint `b` fresh, its
+    refits alternating between `a` and `b`, so every case both keeps and then changes the served weights. Each must
+    leave the engine serving (and `until`, "serving_at" or "ended_at", reached within lease + timeout + margin of
+    the kill) its previous weights (the same greedy tokens) and version, the lease ended, the surviving trainer
+    process without an exception; a new driver's refit (refit_from_here) must then land within 3 timeouts +
+    margin: the other checkpoint's tokens, its version, and reshard's digest of every tensor that landed on every
+    worker (before vLLM repacks it) equal to the checkpoint file's."""
+    from reshard.executors.checksum import tensor_digests
+    from .serve_jobs import load_checkpoint
+
+    digests = {c: tensor_digests(load_checkpoint(c)) for c in (a, b)}  # the checkpoints' files: ground truth
+    tokens = {b: client.greedy(prompts)}
+    served, version = b, weight_version(client)
+    for transport, phase in cases:
+        other = a if served == b else b
+        case = kill_the_driver(engine, other, transport, phase, work=work, lease=lease, timeout=timeout,
+                               prompts=prompts, ask_every=TESTS_ASK_EVERY)
+        label = f"{transport}/{phase}"
+        assert case["serving_at"] is not None and case[until] is not None, (label, case)
+        took = case[until] - case["killed_at"]
+        assert took < lease + timeout + margin, f"{label}: {until} only {took:.1f} s after the kill"
+        assert case["tokens"] == tokens[served], f"{label}: the engine does not serve its previous weights"
+        assert case["weight_version"] == version, f"{label}: version {case['weight_version']!r}"
+        assert case["lease"]["holder"] is None, f"{label}: the dead driver still holds the lease"
+        assert case["rank1"] is not None and "exception" not in case["rank1"], (label, case)
+        t0 = time.monotonic()
+        refit_from_here(engine, other, transport, f"new-{transport}-{phase}", timeout=timeout)
+        served, version = other, f"new-{transport}-{phase}"
+        now = client.greedy(prompts)
+        assert now != tokens[b] if served == a else now == tokens[b], f"{label}: the new driver's refit"
+        tokens.setdefault(served, now)
+        assert now == tokens[served] and weight_version(client) == version
+        for worker in client.landed():  # reshard's digest of every tensor that landed, before repacking
+            assert worker["installed"] and worker["digests"] == digests[served], f"{label}: landed bytes"
+        assert time.monotonic() - t0 < 3 * timeout + margin
+
+
+__all__ = ["ALL_CASES", "EACH_CHOICE", "PHASES", "TESTS_ASK_EVERY", "TRANSPORTS", "check_death_cases",
+           "driver_death_cases", "dying_driver", "engine_client", "kill_the_driver", "refit_from_here",
+           "weight_version"]

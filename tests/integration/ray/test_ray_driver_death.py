@@ -7,15 +7,12 @@ the transport's timeout, and a new driver's init + refit must then succeed (toke
 digest of what landed equal to the checkpoint file's)."""
 from __future__ import annotations
 
-import time
-
 import pytest
 
 ray = pytest.importorskip("ray")
 
 from reshard.adapters.ray import RayEngineClient  # noqa: E402
-from reshard.executors.checksum import tensor_digests  # noqa: E402
-from harness.driver_faults import TESTS_ASK_EVERY, driver_death_cases, kill_the_driver, refit_from_here  # noqa: E402
+from harness.driver_faults import check_death_cases, driver_death_cases  # noqa: E402
 from reshard.testing.megatron_cpu import TinyGPT  # noqa: E402
 from harness.ray_jobs import start_engine, stop_engine  # noqa: E402
 from harness.serve import vllm_cpu_python  # noqa: E402
@@ -39,36 +36,15 @@ def test_a_dead_driver_leaves_the_engine_actor_its_weights_and_a_new_driver_refi
         pytest.fail("no vLLM CPU virtualenv (scripts/bootstrap vllm makes .venv-vllm-cpu; scripts/test runs it)")
     a = make_checkpoint(TinyGPT(), tmp_path / "A")
     b = save_checkpoint({k: train_step(v, 1) for k, v in load_checkpoint(a).items()}, a, tmp_path / "B")
-    digests = {c: tensor_digests(load_checkpoint(c)) for c in (a, b)}
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace=NAMESPACE)
     actor = None
     try:
         actor = start_engine(str(b), 1, name=NAME)
         client = RayEngineClient(actor, NAME, timeout=900.0)  # the first call waits for the engine to start
-        tokens = {b: client.greedy(PROMPTS)}
-        served, version = b, client.weight_version()
         engine = {"ray_address": ray.get_runtime_context().gcs_address, "namespace": NAMESPACE, "name": NAME,
                   "tp": 1}
-        for transport, phase in cases:
-            other = a if served == b else b
-            case = kill_the_driver(engine, other, transport, phase, work=tmp_path / "cases", lease=LEASE,
-                                   timeout=TIMEOUT, prompts=PROMPTS, ask_every=TESTS_ASK_EVERY)
-            label = f"{transport}/{phase}"
-            assert case["serving_at"] is not None and case["ended_at"] is not None, (label, case)
-            took = case["ended_at"] - case["killed_at"]
-            assert took < LEASE + TIMEOUT + MARGIN, f"{label}: the lease ended only after {took:.1f} s"
-            assert case["tokens"] == tokens[served], f"{label}: the engine does not serve its previous weights"
-            assert case["weight_version"] == version, f"{label}: version {case['weight_version']!r}"
-            assert case["rank1"] is not None and "exception" not in case["rank1"], (label, case)
-            t0 = time.monotonic()
-            refit_from_here(engine, other, transport, f"new-{transport}-{phase}", timeout=TIMEOUT)
-            served, version = other, f"new-{transport}-{phase}"
-            now = client.greedy(PROMPTS)
-            assert now != tokens[b] if served == a else now == tokens[b], f"{label}: the new driver's refit"
-            tokens.setdefault(served, now)
-            assert now == tokens[served] and client.weight_version() == version
-            assert all(w["installed"] and w["digests"] == digests[served] for w in client.landed()), label
-            assert time.monotonic() - t0 < 3 * TIMEOUT + MARGIN
+        check_death_cases(engine, client, a, b, cases, work=tmp_path / "cases", lease=LEASE, timeout=TIMEOUT,
+                          margin=MARGIN, prompts=PROMPTS, until="ended_at")
     finally:
         if actor is not None:
             stop_engine(actor)

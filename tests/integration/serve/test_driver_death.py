@@ -13,7 +13,6 @@ refused at init.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 import pytest
@@ -23,8 +22,7 @@ from reshard.adapters.refit import RefitSpec
 from reshard.adapters.trainer import TrainerSession
 from reshard.errors import ExecutionError
 from reshard.executors import shard
-from reshard.executors.checksum import tensor_digests
-from harness.driver_faults import TESTS_ASK_EVERY, driver_death_cases, kill_the_driver, refit_from_here
+from harness.driver_faults import check_death_cases, driver_death_cases
 from harness.serve_jobs import load_checkpoint
 
 # the driver is killed on each transport in each phase (RESHARD_SLOW_TESTS=0: an each-choice cover instead;
@@ -48,33 +46,10 @@ LEASE, TIMEOUT, MARGIN = 20.0, 60.0, 20.0
 def test_a_dead_driver_leaves_the_server_serving_its_weights_and_a_new_driver_refits_it(serve_pool, tmp_path, cases):
     shared = serve_pool.fresh("dense-tp2")  # on checkpoint B, as fresh
     a, b, server = shared.a, shared.b, shared.client
-    digests = {c: tensor_digests(load_checkpoint(c)) for c in (a, b)}  # the checkpoints' files: ground truth
-    tokens = {b: server.greedy(PROMPTS)}
-    served, version = b, server.weight_info()
     engine = {"url": server.url, "tp": 2}
     _a_differently_configured_model_is_refused_at_init(server, a)
-    for transport, phase in cases:
-        other = a if served == b else b
-        case = kill_the_driver(engine, other, transport, phase, work=tmp_path / "cases", lease=LEASE,
-                               timeout=TIMEOUT, prompts=PROMPTS, ask_every=TESTS_ASK_EVERY)
-        label = f"{transport}/{phase}"
-        assert case["serving_at"] is not None, f"{label}: the server did not serve again"
-        took = case["serving_at"] - case["killed_at"]
-        assert took < LEASE + TIMEOUT + MARGIN, f"{label}: served again only after {took:.1f} s"
-        assert case["tokens"] == tokens[served], f"{label}: the server does not serve its previous weights"
-        assert case["weight_version"] == version, f"{label}: version {case['weight_version']!r}"
-        assert case["lease"]["holder"] is None, f"{label}: the dead driver still holds the lease"
-        assert case["rank1"] is not None and "exception" not in case["rank1"], (label, case)
-        t0 = time.monotonic()
-        refit_from_here(engine, other, transport, f"new-{transport}-{phase}", timeout=TIMEOUT)
-        served, version = other, f"new-{transport}-{phase}"
-        now = server.greedy(PROMPTS)
-        assert now != tokens[b] if served == a else now == tokens[b], f"{label}: the new driver's refit"
-        tokens.setdefault(served, now)
-        assert now == tokens[served] and server.weight_info() == version
-        for worker in server.landed():  # reshard's digest of every tensor that landed, before repacking
-            assert worker["installed"] and worker["digests"] == digests[served], f"{label}: landed bytes"
-        assert time.monotonic() - t0 < 3 * TIMEOUT + MARGIN
+    check_death_cases(engine, server, a, b, cases, work=tmp_path / "cases", lease=LEASE, timeout=TIMEOUT,
+                      margin=MARGIN, prompts=PROMPTS, until="serving_at")
 
 
 def _a_differently_configured_model_is_refused_at_init(server, checkpoint):

@@ -76,10 +76,10 @@ def install() -> None:
     if "torch" in sys.modules:
         _pin(sys.modules["torch"], path == "amx")
     else:
-        sys.meta_path.insert(0, _AfterImport("torch", lambda torch: _pin(torch, path == "amx")))
+        sys.meta_path.insert(0, AfterImport("torch", lambda torch: _pin(torch, path == "amx")))
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
+class AfterImport(importlib.abc.MetaPathFinder):
     """Runs `callback(module)` right after a top-level module finishes importing (once), without importing it.
     It stays on sys.meta_path until that import has run: a mere `importlib.util.find_spec(name)` (an availability
     probe, as libraries make before they import torch) asks the finders too, and must not use the hook up."""

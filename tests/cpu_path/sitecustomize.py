@@ -1,7 +1,7 @@
 """Started in every Python process of the test suite (its folder is on PYTHONPATH): pins the CPU capability path
-(cpu_path_pin.py says why and how) and parks vLLM's idle queue readers (vllm_readers.py)."""
+(cpu_path_pin.py says why and how) and changes how vLLM starts and idles, never what it computes (vllm_startup.py)."""
 import cpu_path_pin
-import vllm_readers
+import vllm_startup
 
 cpu_path_pin.install()
-vllm_readers.install()
+vllm_startup.install()

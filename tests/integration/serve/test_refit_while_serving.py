@@ -111,8 +111,13 @@ def test_keep_then_abort_the_flip_pauses_and_requests_end_as_their_mode_says(ser
         assert result.stats.pause_s < result.seconds, result.phases
         failed = [r for r in loop.requests if r.error]
         assert not failed, f"keep: requests failed: {[r.error for r in failed][:3]}"
-        across = loop.spanning(paused, t0 + result.seconds)  # held across the whole pause, then went on
-        assert across and all(r.finish_reason == "length" for r in across), "keep: the flip's requests must finish"
+        # in flight when the driver paused: each finished whole (held across the pause, or done before the engine
+        # served the pause), none aborted. (Not "ended after the refit returned": a held request with a token or
+        # two left ends as soon as the engine resumes, which on a loaded machine can be seconds before the driver's
+        # resume call returns: a run beside four other heavy jobs on this 2-core machine saw every held request end in
+        # that gap.)
+        at_pause = loop.spanning(paused, paused)
+        assert at_pause and all(r.finish_reason == "length" for r in at_pause), "keep: the flip's requests must finish"
         assert result.stats.in_flight, "the driver did not see the requests held across the flip"
         assert all(r.end for r in loop.requests)  # none hangs
 

@@ -8,7 +8,6 @@ Vectorized; problems are collected and reported together.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -152,8 +151,8 @@ def prove_expert_slots(stacks: Any, dst_table0: Any, d_tid: np.ndarray, D: Any, 
          slot's layer and expert, and every replica of an expert receives the same canonical boxes at the same
          offsets. Merging changes no byte's source, so the merged template writes the same.
     """
-    slots = _Slots.of(stacks, dst_table0, whole) if stacks is not None and len(stacks.names) else None
-    if slots is not None:
+    slots = _Slots(stacks, dst_table0, whole) if stacks is not None and len(stacks.names) else None
+    if slots is not None and len(slots.tid):
         slots.prove_filled(d_tid, D, whole)
         if ops is not None:
             slots.prove_ops(ops, canonical)
@@ -165,27 +164,16 @@ def _failed(message: str, problems: list[str]) -> None:
         raise CoverageError(message, problems)
 
 
-@dataclass(frozen=True, eq=False)
 class _Slots:
-    """The stacked expert tensors found in replica 0's table (`tid`, `layer`), each of S slots; global slot g is
-    slot g % S of stack g // S, holding logical expert `logical[g]`, its group's lowest slot `replica0[g]`."""
+    """The stacked expert tensors of `stacks` found in replica 0's `table` (`tid`, `layer`), each of S slots, each
+    checked to be a tensor of S slots (one missing only from a subset plan). Global slot g is slot g % S of stack
+    g // S, holding logical expert `logical[g]`; `replica0[g]` is the lowest slot of its group of replicas (the
+    slots of one tensor name, layer and w13 / w2, holding one logical expert)."""
 
-    table: Any
-    tid: np.ndarray
-    layer: np.ndarray
-    logical: np.ndarray
-    numel: np.ndarray  # elements of one slot, per stack
-    S: int
-    stack_of: np.ndarray  # per table id, its stack, -1 for other tensors
-    replica0: np.ndarray
-
-    @classmethod
-    def of(cls, stacks: Any, table: Any, whole: bool) -> "_Slots | None":
-        """The stacks, each checked to be a tensor of S slots (one missing only from a subset plan); None if none
-        is in the table."""
+    def __init__(self, stacks: Any, table: Any, whole: bool):
         tid = table.find(stacks.ranks, stacks.names)  # each stack's table id (tens of thousands at EP64)
         found = tid >= 0
-        S = stacks.logical.shape[1]
+        S = self.S = stacks.logical.shape[1]
         lead = np.asarray([shape[0] for _, shape in table.kinds] or [0], dtype=np.int64)
         wrong = np.flatnonzero(found & (lead[table.kind[np.maximum(tid, 0)]] != S))
         missing = np.flatnonzero(~found) if whole else np.zeros(0, np.int64)  # a subset plan may leave a layer out
@@ -194,19 +182,16 @@ class _Slots:
             f"layout {'no such tensor' if tid[k] < 0 else f'shape {table.shape(int(tid[k]))}'}"
             for k in np.concatenate([missing, wrong])[:10]])
         kept = np.flatnonzero(found)
-        if not len(kept):
-            return None
-        tid = tid[kept]
-        name_id = np.unique(np.asarray(stacks.names), return_inverse=True)[1].reshape(-1)[kept]
-        logical = np.ascontiguousarray(stacks.logical[kept]).reshape(-1)
+        self.table, self.tid, self.layer = table, tid[kept], stacks.layers[kept]
+        self.logical = np.ascontiguousarray(stacks.logical[kept]).reshape(-1)
         kind_numel = np.asarray([math.prod(shape[1:]) for _, shape in table.kinds] or [0], dtype=np.int64)
-        stack_of = np.full(len(table), -1, dtype=np.int64)
-        stack_of[tid] = np.arange(len(tid))
-        # replicas: the slots of one tensor name (layer and w13 / w2) holding one logical expert
-        _, first, group = np.unique(np.repeat(name_id, S) * (int(logical.max()) + 1) + logical, return_index=True,
-                                    return_inverse=True)
-        return cls(table, tid, stacks.layers[kept], logical, kind_numel[table.kind[tid]], S, stack_of,
-                   first[group.reshape(-1)])
+        self.numel = kind_numel[table.kind[self.tid]]  # elements of one slot, per stack
+        self.stack_of = np.full(len(table), -1, dtype=np.int64)  # per table id, its stack; -1: another tensor
+        self.stack_of[self.tid] = np.arange(len(self.tid))
+        name_id = np.unique(np.asarray(stacks.names), return_inverse=True)[1].reshape(-1)[kept]
+        _, first, group = np.unique(np.repeat(name_id, S) * (int(self.logical.max(initial=0)) + 1) + self.logical,
+                                    return_index=True, return_inverse=True)
+        self.replica0 = first[group.reshape(-1)]
 
     def label(self, g: int) -> str:
         """Global slot `g` in words."""

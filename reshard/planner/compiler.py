@@ -64,8 +64,7 @@ class _Boxes:
             dup[1:] = ~new_box[1:] & (S.rank[order][1:] == S.rank[order][:-1])
         order, new_box = order[~dup], new_box[~dup]
         first = np.flatnonzero(new_box)
-        self.canon, self.c0, self.c1, self.n0, self.n1 = (S.canon[order[first]], S.c0[order[first]],
-                                                          S.c1[order[first]], S.n0[order[first]], S.n1[order[first]])
+        self.canon, self.c0, self.c1, self.n0, self.n1 = (x[order[first]] for x in (S.canon, S.c0, S.c1, S.n0, S.n1))
         self.hstart = first
         self.hcount = np.diff(np.append(first, len(order)))
         self.h_rank, self.h_tensor = S.rank[order], tid[order]

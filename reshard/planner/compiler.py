@@ -196,32 +196,6 @@ def check_same_model(src: Layout, dst: Layout) -> None:
                         [f"source: {src.model}", f"destination: {dst.model}"])
 
 
-def _check_arguments(src: Layout, dst: Layout, tensors: Iterable[str] | None, layers: Iterable[int] | None,
-                     colocated: "bool | Sequence[int]", fanout: int | None, roots: int | None, relay_cap: int,
-                     expert_copies: bool) -> np.ndarray | None:
-    """`compile_plan`'s arguments checked (its Raises), each refused naming it; returns the colocation."""
-    instance("src", src, Layout, "a Layout")  # the arguments by type, each refused with ArgumentError naming it
-    instance("dst", dst, Layout, "a Layout")
-    names("tensors", tensors)
-    integers("layers", layers)
-    if not isinstance(colocated, bool):
-        integers("colocated", colocated, none=False)
-    if fanout is not None:
-        integer("fanout", fanout, 1, 1 << 20)
-    if roots is not None:
-        integer("roots", roots, 1, 1 << 20)
-    integer("relay_cap", relay_cap, 1, 1 << 20)
-    if not isinstance(expert_copies, bool):
-        raise PlanError(f"expert_copies={expert_copies!r} must be True or False")
-    check_same_model(src, dst)
-    if src.dtype != dst.dtype:
-        raise PlanError(f"source dtype {src.dtype} differs from destination dtype {dst.dtype}")
-    colocation = colocation_ranks(colocated, src.num_ranks, dst.num_ranks)
-    if roots is not None and not fanout:
-        raise PlanError(f"roots={roots} needs fanout (without it the source feeds every replica)")
-    return colocation
-
-
 def _tables(src: Layout, dst: Layout, sel: np.ndarray) -> tuple[TensorTable, _Boxes, TensorTable, np.ndarray,
                                                                    PlacementTable]:
     """Placements as tables in units of the model's dtype (a float32 router bias counts two bfloat16 units): the
@@ -280,8 +254,26 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
         ArgumentError: a selection or colocation that names no tensor, layer or rank of the layouts.
         CoverageError: the plan would not write every destination element holding model data exactly once.
     """
-    colocation = _check_arguments(src, dst, tensors, layers, colocated, fanout, roots, relay_cap, expert_copies)
+    instance("src", src, Layout, "a Layout")  # the arguments by type, each refused with ArgumentError naming it
+    instance("dst", dst, Layout, "a Layout")
+    names("tensors", tensors)
+    integers("layers", layers)
+    if not isinstance(colocated, bool):
+        integers("colocated", colocated, none=False)
+    if fanout is not None:
+        integer("fanout", fanout, 1, 1 << 20)
+    if roots is not None:
+        integer("roots", roots, 1, 1 << 20)
+    integer("relay_cap", relay_cap, 1, 1 << 20)
+    if not isinstance(expert_copies, bool):
+        raise PlanError(f"expert_copies={expert_copies!r} must be True or False")
     start = time.perf_counter()
+    check_same_model(src, dst)
+    if src.dtype != dst.dtype:
+        raise PlanError(f"source dtype {src.dtype} differs from destination dtype {dst.dtype}")
+    colocation = colocation_ranks(colocated, src.num_ranks, dst.num_ranks)
+    if roots is not None and not fanout:
+        raise PlanError(f"roots={roots} needs fanout (without it the source feeds every replica)")
     model = src.model
     sel = select_indices(model, tensors, layers)
     subset = tensors is not None or layers is not None

@@ -174,8 +174,7 @@ class _Slots:
         tid = table.find(stacks.ranks, stacks.names)  # each stack's table id (tens of thousands at EP64)
         found = tid >= 0
         S = self.S = stacks.logical.shape[1]
-        lead = np.asarray([shape[0] for _, shape in table.kinds] or [0], dtype=np.int64)
-        wrong = np.flatnonzero(found & (lead[table.kind[np.maximum(tid, 0)]] != S))
+        wrong = np.flatnonzero(found & (table.kind_array(lambda _, shape: shape[0])[np.maximum(tid, 0)] != S))
         missing = np.flatnonzero(~found) if whole else np.zeros(0, np.int64)  # a subset plan may leave a layer out
         _failed("expert slot proof failed", [
             f"destination rank {stacks.ranks[k]} {stacks.names[k]!r}: the placement gives it {S} expert slots, the "
@@ -184,8 +183,7 @@ class _Slots:
         kept = np.flatnonzero(found)
         self.table, self.tid, self.layer = table, tid[kept], stacks.layers[kept]
         self.logical = np.ascontiguousarray(stacks.logical[kept]).reshape(-1)
-        kind_numel = np.asarray([math.prod(shape[1:]) for _, shape in table.kinds] or [0], dtype=np.int64)
-        self.numel = kind_numel[table.kind[self.tid]]  # elements of one slot, per stack
+        self.numel = table.kind_array(lambda _, shape: math.prod(shape[1:]))[self.tid]  # elements of a slot, per stack
         self.stack_of = np.full(len(table), -1, dtype=np.int64)  # per table id, its stack; -1: another tensor
         self.stack_of[self.tid] = np.arange(len(self.tid))
         name_id = np.unique(np.asarray(stacks.names), return_inverse=True)[1].reshape(-1)[kept]

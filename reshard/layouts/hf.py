@@ -46,7 +46,3 @@ class HfLayout(WholePerReplica, Layout):
         b.add(index[:, None], ranks[None, :], kind[:, None], 0, 0, c.rows[index][:, None], c.cols[index][:, None],
               0, c.cols[index][:, None])
         return b.table()
-
-    def rank_tensors(self, rank: int) -> dict[str, tuple[int, ...]]:
-        self._check_rank(rank)
-        return {t.name: t.shape for t in self.model.tensors}

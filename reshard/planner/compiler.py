@@ -64,8 +64,7 @@ class _Boxes:
             dup[1:] = ~new_box[1:] & (S.rank[order][1:] == S.rank[order][:-1])
         order, new_box = order[~dup], new_box[~dup]
         first = np.flatnonzero(new_box)
-        self.canon, self.c0, self.c1, self.n0, self.n1 = (S.canon[order[first]], S.c0[order[first]],
-                                                          S.c1[order[first]], S.n0[order[first]], S.n1[order[first]])
+        self.canon, self.c0, self.c1, self.n0, self.n1 = (x[order[first]] for x in (S.canon, S.c0, S.c1, S.n0, S.n1))
         self.hstart = first
         self.hcount = np.diff(np.append(first, len(order)))
         self.h_rank, self.h_tensor = S.rank[order], tid[order]
@@ -190,6 +189,39 @@ def colocation_ranks(colocated: "bool | Sequence[int]", num_src: int, num_dst: i
     return np.asarray(ranks, dtype=np.int64)
 
 
+def check_same_model(src: Layout, dst: Layout) -> None:
+    """Refuse layouts of two different models (PlanError showing both)."""
+    if src.model != dst.model:
+        raise PlanError("source and destination describe different models",
+                        [f"source: {src.model}", f"destination: {dst.model}"])
+
+
+def _tables(src: Layout, dst: Layout, sel: np.ndarray) -> tuple[TensorTable, _Boxes, TensorTable, np.ndarray,
+                                                                   PlacementTable]:
+    """Placements as tables in units of the model's dtype (a float32 router bias counts two bfloat16 units): the
+    source's tensors and distinct boxes (checked consistent and inside their tensors) for all its ranks; the
+    destination's tensors for replica 0, and its placements with data with their tensor ids."""
+    model = src.model
+    shifted = [t.name for t in model.own_dtype_tensors if dst.value_offset(t) != src.value_offset(t)]
+    if shifted:  # a shift adds to values, which units of another dtype are not
+        raise PlanError(f"{shifted[0]} is kept in its own dtype and the layouts store it with different offsets")
+    S, s_dtypes, D, d_dtypes = unit_placements(src, dst, sel)
+    s_data = S.n0 * S.n1 > 0
+    s_tid, src_table = _tensor_ids(S, s_data, "source", s_dtypes)
+    d_tid, dst_table0 = _tensor_ids(D, np.ones(len(D), dtype=bool), "destination", d_dtypes)
+    outside = np.flatnonzero(D.rank >= dst.ranks_per_replica)
+    if len(outside):
+        raise PlanError(f"destination layout places replica 0 of {model.tensor_name(int(D.canon[outside[0]]))} "
+                        f"outside ranks [0, {dst.ranks_per_replica})")
+    boxes = _Boxes(S, s_tid, s_data)
+    num, den, _ = unit_ratios(model)
+    problems = boxes.overlaps(model, model.canonical.cols * num // den)
+    if problems:
+        raise PlanError("source layout is inconsistent", problems)
+    _check_source_boxes(boxes, src_table)
+    return src_table, boxes, dst_table0, d_tid[D.n0 * D.n1 > 0], data_rows(D)
+
+
 def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = None,
                  layers: Iterable[int] | None = None, colocated: bool | Sequence[int] = False,
                  fanout: int | None = None, roots: int | None = None, relay_cap: int = 1,
@@ -236,9 +268,7 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
     if not isinstance(expert_copies, bool):
         raise PlanError(f"expert_copies={expert_copies!r} must be True or False")
     start = time.perf_counter()
-    if src.model != dst.model:
-        raise PlanError("source and destination describe different models",
-                        [f"source: {src.model}", f"destination: {dst.model}"])
+    check_same_model(src, dst)
     if src.dtype != dst.dtype:
         raise PlanError(f"source dtype {src.dtype} differs from destination dtype {dst.dtype}")
     colocation = colocation_ranks(colocated, src.num_ranks, dst.num_ranks)
@@ -247,39 +277,17 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
     model = src.model
     sel = select_indices(model, tensors, layers)
     subset = tensors is not None or layers is not None
-    itemsize = model.itemsize
     K, rpr = dst.num_replicas, dst.ranks_per_replica
-
-    # Placements as tables in units of the model's dtype (a float32 router bias counts two bfloat16 units): the
-    # source for all its ranks, the destination for replica 0.
-    shifted = [t.name for t in model.own_dtype_tensors if dst.value_offset(t) != src.value_offset(t)]
-    if shifted:  # a shift adds to values, which units of another dtype are not
-        raise PlanError(f"{shifted[0]} is kept in its own dtype and the layouts store it with different offsets")
-    S, s_dtypes, D, d_dtypes = unit_placements(src, dst, sel)
-    s_data = S.n0 * S.n1 > 0
-    s_tid, src_table = _tensor_ids(S, s_data, "source", s_dtypes)
-    d_tid, dst_table0 = _tensor_ids(D, np.ones(len(D), dtype=bool), "destination", d_dtypes)
-    outside = np.flatnonzero(D.rank >= rpr)
-    if len(outside):
-        raise PlanError(f"destination layout places replica 0 of {model.tensor_name(int(D.canon[outside[0]]))} "
-                        f"outside ranks [0, {rpr})")
-    d_tid, D = d_tid[D.n0 * D.n1 > 0], data_rows(D)
-
-    boxes = _Boxes(S, s_tid, s_data)
-    num, den, _ = unit_ratios(model)
-    problems = boxes.overlaps(model, model.canonical.cols * num // den)
-    if problems:
-        raise PlanError("source layout is inconsistent", problems)
-    _check_source_boxes(boxes, src_table)
+    src_table, boxes, dst_table0, d_tid, D = _tables(src, dst, sel)
 
     # One replica's ops, merged whichever holder sends them.
     ops = _intersect(boxes, D, d_tid, len(model.canonical))
     stacks = dst.expert_stacks()
     if stacks is not None:  # expert-parallel slots (EPLB's replicas among them): proven before merging, while
         # each op still names its canonical box
-        prove_expert_slots(stacks, dst_table0, d_tid, D.origin, D.n0, D.n1, whole=not subset, ops=ops,
-                           canon_r0=boxes.c0[ops["box"]] + ops["src_d0"], canon_c0=boxes.c1[ops["box"]] + ops["src_d1"],
-                           layer_of=model.canonical.layer, expert_of=model.canonical.expert)
+        prove_expert_slots(stacks, dst_table0, d_tid, D, not subset, {
+            **ops, "canon_r0": boxes.c0[ops["box"]] + ops["src_d0"], "canon_c0": boxes.c1[ops["box"]] + ops["src_d1"]},
+            model.canonical)
     ops, copies = slot_copies(ops, model.canonical.expert) if stacks is not None and expert_copies and fanout \
         else (ops, {})
     template = merge_template(ops, boxes.hset, boxes.stride, boxes.hstart, boxes.hcount, boxes.h_tensor,
@@ -287,7 +295,7 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
     first_of_group = np.flatnonzero(np.diff(np.append(-1, template["group"])))
     group_box = template["box"][first_of_group]
     group_bytes = np.bincount(template["group"], weights=template["rows"] * template["cols"],
-                              minlength=len(group_box)).astype(np.int64) * itemsize
+                              minlength=len(group_box)).astype(np.int64) * model.itemsize
 
     # Who feeds whom: the forest over replicas, then a holder per fed replica and group.
     if fanout and roots is None:
@@ -305,7 +313,7 @@ def compile_plan(src: Layout, dst: Layout, *, tensors: Iterable[str] | None = No
     held0 = np.unique(np.repeat(np.arange(len(boxes)), boxes.hcount)[boxes.h_rank == 0])  # boxes rank 0 holds
     lower_bound_by_dst, model_bytes = bound_facts(model, sel, D, rpr, K)
     bounds = Bounds(lower_bound_by_dst=lower_bound_by_dst, model_bytes=model_bytes,
-                    gatherer_held_bytes=int((boxes.n0 * boxes.n1)[held0].sum()) * itemsize, **balance)
+                    gatherer_held_bytes=int((boxes.n0 * boxes.n1)[held0].sum()) * model.itemsize, **balance)
     program = Program(template=template, relay=relay, box_hstart=boxes.hstart, box_hcount=boxes.hcount,
                       h_rank=boxes.h_rank, h_tensor=boxes.h_tensor, h_base=boxes.h_base, h_stride=boxes.h_stride,
                       group_box=group_box, fed=fed, choice=choice, parent=parent, stage=stage,

@@ -82,8 +82,7 @@ def prove_exact_coverage(ops_rects: tuple[np.ndarray, ...], piece_rects: tuple[n
     for label, t, r, nr in (("op", ot, orow, onr), ("placement", pt, prow, pnr)):
         problems += [f"{label} in {names(t[i])} covers rows [{r[i]}, {r[i] + nr[i]}) past its {height[t[i]]} rows"
                      for i in np.flatnonzero((r < 0) | (r + nr > height[t]))[:5]]
-    if problems:
-        raise CoverageError("coverage proof failed", problems)
+    _failed("coverage proof failed", problems)
     key_base = int(width.max(initial=0)) + 1
     # Column cuts: every tensor's two sides, and the sides of every rectangle narrower than its tensor.
     tids = np.arange(len(width), dtype=np.int64)
@@ -105,8 +104,7 @@ def prove_exact_coverage(ops_rects: tuple[np.ndarray, ...], piece_rects: tuple[n
                  for i in overlapping(ob, os_, oe)[:10]]
     problems += [f"destination layout places two boxes at {where(pb[i + 1], ps[i + 1], pe[i])}"
                  for i in overlapping(pb, ps, pe)[:10]]
-    if problems:
-        raise CoverageError("coverage proof failed", problems)
+    _failed("coverage proof failed", problems)
     fo, fp = _fuse(ob, os_, oe), _fuse(pb, ps, pe)
     if len(fo[0]) == len(fp[0]) and all(np.array_equal(a, b) for a, b in zip(fo, fp)):
         return
@@ -135,104 +133,109 @@ def prove_program(template: dict[str, np.ndarray], relay: dict[str, np.ndarray] 
                                  for c in ("dst_tensor", "dst_offset", "dst_stride", "rows", "cols")),
                                width, problems, names)
         prove_exact_coverage(rects, piece_rects, width, height, names, problems)
-    problems = slot_copy_problems(copies, d_tid, D.origin, D.stride, D.n0, D.n1, D.canon, D.c0, D.c1) if copies else []
-    if problems:
-        raise CoverageError("EPLB slot copies read other elements than they write", problems)
+    _failed("EPLB slot copies read other elements than they write", slot_copy_problems(copies, d_tid, D) if copies
+            else [])
 
 
-def prove_expert_slots(stacks: Any, dst_table0: Any, d_tid: np.ndarray, d_origin: np.ndarray, d_n0: np.ndarray,
-                       d_n1: np.ndarray, whole: bool = True, ops: dict[str, np.ndarray] | None = None,
-                       canon_r0: np.ndarray | None = None, canon_c0: np.ndarray | None = None,
-                       layer_of: np.ndarray | None = None, expert_of: np.ndarray | None = None) -> None:
+def prove_expert_slots(stacks: Any, dst_table0: Any, d_tid: np.ndarray, D: Any, whole: bool = True,
+                       ops: dict[str, np.ndarray] | None = None, canonical: Any = None) -> None:
     """Prove what an expert-parallel destination's slots receive. Raises CoverageError listing the problems.
 
     `stacks`: the destination's `expert_stacks()` (None: nothing to prove), the logical expert in each slot of
-    every stacked expert tensor of replica 0, read from the placement. Replica 0's placements with data are given
-    as table ids `d_tid`, flat origins and 2-D lengths.
+    every stacked expert tensor of replica 0, read from the placement. `D`: replica 0's placements with data,
+    `d_tid` their ids in `dst_table0`.
       1. Every slot holds model data: with `whole` (a whole-model plan) each slot is wholly covered, in any plan
          every replica of a logical expert as much as the others.
-      2. Given `ops` (the template before merging) and each op's canonical origin (`canon_r0`, `canon_c0`): every
-         op into a slot lies inside it and reads the canonical tensor of the slot's layer and expert (`layer_of`,
-         `expert_of` per canonical tensor), and every replica of an expert receives the same canonical boxes at
-         the same offsets. Merging changes no byte's source, so the merged template writes the same.
+      2. Given `ops` (the template before merging, with each op's canonical origin `canon_r0`, `canon_c0`) and the
+         model's `canonical` table: every op into a slot lies inside it and reads the canonical tensor of the
+         slot's layer and expert, and every replica of an expert receives the same canonical boxes at the same
+         offsets. Merging changes no byte's source, so the merged template writes the same.
     """
-    if stacks is None or not len(stacks.names):
-        return
-    problems: list[str] = []
-    tid = dst_table0.find(stacks.ranks, stacks.names)  # each stack's table id (tens of thousands at EP64)
-    found = tid >= 0
-    S = stacks.logical.shape[1]
-    lead = np.asarray([shape[0] for _, shape in dst_table0.kinds] or [0], dtype=np.int64)
-    kind_numel = np.asarray([math.prod(shape[1:]) for _, shape in dst_table0.kinds] or [0], dtype=np.int64)
-    wrong = np.flatnonzero(found & (lead[dst_table0.kind[np.maximum(tid, 0)]] != S))
-    missing = np.flatnonzero(~found) if whole else np.zeros(0, np.int64)  # a subset plan may leave a layer out
-    problems += [f"destination rank {stacks.ranks[k]} {stacks.names[k]!r}: the placement gives it {S} expert slots, "
-                 f"the layout {'no such tensor' if tid[k] < 0 else f'shape {dst_table0.shape(int(tid[k]))}'}"
-                 for k in np.concatenate([missing, wrong])[:10]]
-    if problems:
-        raise CoverageError("expert slot proof failed", problems)
-    kept = np.flatnonzero(found)
-    if not len(kept):
-        return
-    tid, layer = tid[kept], stacks.layers[kept]
-    name_id = np.unique(np.asarray(stacks.names), return_inverse=True)[1].reshape(-1)[kept]
-    logical = np.ascontiguousarray(stacks.logical[kept]).reshape(-1)
-    numel = kind_numel[dst_table0.kind[tid]]
-    slot_numel = np.repeat(numel, S)
-    stack_of = np.full(len(dst_table0), -1, dtype=np.int64)
-    stack_of[tid] = np.arange(len(tid))
-    # replicas: the slots of one tensor name (layer and w13 / w2) holding one logical expert; `replica0` of a slot is
-    # its group's lowest slot
-    _, first, group = np.unique(np.repeat(name_id, S) * (int(logical.max()) + 1) + logical, return_index=True,
-                                return_inverse=True)
-    replica0 = first[group.reshape(-1)]
+    slots = _Slots(stacks, dst_table0, whole) if stacks is not None and len(stacks.names) else None
+    if slots is not None and len(slots.tid):
+        slots.prove_filled(d_tid, D, whole)
+        if ops is not None:
+            slots.prove_ops(ops, canonical)
 
-    def label(g: int) -> str:
-        k = g // S  # stack k holds global slots k * S .. k * S + S - 1
-        return (f"destination rank {dst_table0.rank[tid[k]]} {dst_table0.name(int(tid[k]))!r} slot {g % S} "
-                f"(logical expert {logical[g]})")
 
-    # 1. placements: the slots' model data (the placements do not overlap: the exact coverage proof says so)
-    sel = np.flatnonzero(stack_of[d_tid] >= 0)
-    k = stack_of[d_tid[sel]]
-    filled = np.bincount(k * S + d_origin[sel] // numel[k], weights=d_n0[sel] * d_n1[sel],
-                         minlength=len(logical)).astype(np.int64)
-    short = np.flatnonzero((filled != slot_numel) if whole else (filled != filled[replica0]))
-    problems += [f"{label(int(g))}: the layout places {filled[g]} of its {slot_numel[g]} elements"
-                 + ("" if whole else f", its replica {label(int(replica0[g]))} {filled[replica0[g]]}")
-                 for g in short[:10]]
+def _failed(message: str, problems: list[str]) -> None:
+    """Raise CoverageError(message) listing `problems`, if there are any."""
     if problems:
-        raise CoverageError("expert slot proof failed: a physical slot is not (like its replicas) model data",
-                            problems)
-    if ops is None:
-        return
+        raise CoverageError(message, problems)
 
-    # 2. the ops into slots: inside one slot, from the slot's expert, the same for every replica
-    sel = np.flatnonzero(stack_of[ops["dst_tensor"]] >= 0)
-    k = stack_of[ops["dst_tensor"][sel]]
-    off, rows, cols, stride, canon = (ops[c][sel] for c in ("dst_offset", "rows", "cols", "dst_stride", "canon"))
-    local = off // numel[k]
-    g = k * S + local
-    across = np.flatnonzero((off + (rows - 1) * stride + cols - 1) // numel[k] != local)
-    problems += [f"{label(int(g[i]))}: an op runs past the slot's end" for i in across[:10]]
-    wrong = np.flatnonzero((layer_of[canon] != layer[k]) | (expert_of[canon] != logical[g]))
-    problems += [f"{label(int(g[i]))}: written from canonical tensor {int(canon[i])} (layer {layer_of[canon[i]]}, "
-                 f"expert {expert_of[canon[i]]})" for i in wrong[:10]]
-    if problems:
-        raise CoverageError("expert slot proof failed: a slot receives bytes of another expert", problems)
-    # each slot's ops, sorted by what they carry, must equal op for op those of its group's first slot
-    key = [canon, canon_r0[sel], canon_c0[sel], rows, cols, off - local * numel[k], stride]
-    order = sort_by((g, *key))
-    g, key = g[order], [x[order] for x in key]
-    per_slot = np.bincount(g, minlength=len(logical))
-    start = np.cumsum(per_slot) - per_slot
-    uneven = np.flatnonzero(per_slot != per_slot[replica0])
-    problems += [f"{label(int(x))}: receives {per_slot[x]} pieces, its replica {label(int(replica0[x]))} "
-                 f"{per_slot[replica0[x]]}" for x in uneven[:10]]
-    if not problems and len(g):
-        ref = start[replica0[g]] + (np.arange(len(g)) - start[g])
-        differ = np.flatnonzero(np.any([x != x[ref] for x in key], axis=0))
-        problems += [f"{label(int(g[i]))}: receives other bytes than its replica {label(int(replica0[g[i]]))}"
-                     for i in differ[:10]]
-    if problems:
-        raise CoverageError("expert slot proof failed: replicas of one expert receive different bytes", problems)
+
+class _Slots:
+    """The stacked expert tensors of `stacks` found in replica 0's `table` (`tid`, `layer`), each of S slots, each
+    checked to be a tensor of S slots (one missing only from a subset plan). Global slot g is slot g % S of stack
+    g // S, holding logical expert `logical[g]`; `replica0[g]` is the lowest slot of its group of replicas (the
+    slots of one tensor name, layer and w13 / w2, holding one logical expert)."""
+
+    def __init__(self, stacks: Any, table: Any, whole: bool):
+        tid = table.find(stacks.ranks, stacks.names)  # each stack's table id (tens of thousands at EP64)
+        found = tid >= 0
+        S = self.S = stacks.logical.shape[1]
+        wrong = np.flatnonzero(found & (table.kind_array(lambda _, shape: shape[0])[np.maximum(tid, 0)] != S))
+        missing = np.flatnonzero(~found) if whole else np.zeros(0, np.int64)  # a subset plan may leave a layer out
+        _failed("expert slot proof failed", [
+            f"destination rank {stacks.ranks[k]} {stacks.names[k]!r}: the placement gives it {S} expert slots, the "
+            f"layout {'no such tensor' if tid[k] < 0 else f'shape {table.shape(int(tid[k]))}'}"
+            for k in np.concatenate([missing, wrong])[:10]])
+        kept = np.flatnonzero(found)
+        self.table, self.tid, self.layer = table, tid[kept], stacks.layers[kept]
+        self.logical = np.ascontiguousarray(stacks.logical[kept]).reshape(-1)
+        self.numel = table.kind_array(lambda _, shape: math.prod(shape[1:]))[self.tid]  # elements of a slot, per stack
+        self.stack_of = np.full(len(table), -1, dtype=np.int64)  # per table id, its stack; -1: another tensor
+        self.stack_of[self.tid] = np.arange(len(self.tid))
+        name_id = np.unique(np.asarray(stacks.names), return_inverse=True)[1].reshape(-1)[kept]
+        _, first, group = np.unique(np.repeat(name_id, S) * (int(self.logical.max(initial=0)) + 1) + self.logical,
+                                    return_index=True, return_inverse=True)
+        self.replica0 = first[group.reshape(-1)]
+
+    def label(self, g: int) -> str:
+        """Global slot `g` in words."""
+        t = int(self.tid[g // self.S])
+        return (f"destination rank {self.table.rank[t]} {self.table.name(t)!r} slot {g % self.S} "
+                f"(logical expert {self.logical[g]})")
+
+    def prove_filled(self, d_tid: np.ndarray, D: Any, whole: bool) -> None:
+        """1. of `prove_expert_slots`: the placements' model data per slot (they do not overlap: the exact coverage
+        proof says so)."""
+        sel = np.flatnonzero(self.stack_of[d_tid] >= 0)
+        k = self.stack_of[d_tid[sel]]
+        filled = np.bincount(k * self.S + D.origin[sel] // self.numel[k], weights=D.n0[sel] * D.n1[sel],
+                             minlength=len(self.logical)).astype(np.int64)
+        slot_numel, r0 = np.repeat(self.numel, self.S), self.replica0
+        short = np.flatnonzero((filled != slot_numel) if whole else (filled != filled[r0]))
+        _failed("expert slot proof failed: a physical slot is not (like its replicas) model data", [
+            f"{self.label(int(g))}: the layout places {filled[g]} of its {slot_numel[g]} elements"
+            + ("" if whole else f", its replica {self.label(int(r0[g]))} {filled[r0[g]]}") for g in short[:10]])
+
+    def prove_ops(self, ops: dict[str, np.ndarray], canonical: Any) -> None:
+        """2. of `prove_expert_slots`: the ops into slots lie inside one slot, read the slot's expert, and are the
+        same for every replica."""
+        sel = np.flatnonzero(self.stack_of[ops["dst_tensor"]] >= 0)
+        k = self.stack_of[ops["dst_tensor"][sel]]
+        off, rows, cols, stride, canon = (ops[c][sel] for c in ("dst_offset", "rows", "cols", "dst_stride", "canon"))
+        local = off // self.numel[k]
+        g = k * self.S + local
+        layer_of, expert_of = canonical.layer, canonical.expert
+        across = np.flatnonzero((off + (rows - 1) * stride + cols - 1) // self.numel[k] != local)
+        wrong = np.flatnonzero((layer_of[canon] != self.layer[k]) | (expert_of[canon] != self.logical[g]))
+        _failed("expert slot proof failed: a slot receives bytes of another expert",
+                [f"{self.label(int(g[i]))}: an op runs past the slot's end" for i in across[:10]]
+                + [f"{self.label(int(g[i]))}: written from canonical tensor {int(canon[i])} (layer "
+                   f"{layer_of[canon[i]]}, expert {expert_of[canon[i]]})" for i in wrong[:10]])
+        # each slot's ops, sorted by what they carry, must equal op for op those of its group's first slot
+        key = [canon, ops["canon_r0"][sel], ops["canon_c0"][sel], rows, cols, off - local * self.numel[k], stride]
+        order = sort_by((g, *key))
+        g, key, r0 = g[order], [x[order] for x in key], self.replica0
+        per_slot = np.bincount(g, minlength=len(self.logical))
+        start = np.cumsum(per_slot) - per_slot
+        problems = [f"{self.label(int(x))}: receives {per_slot[x]} pieces, its replica {self.label(int(r0[x]))} "
+                    f"{per_slot[r0[x]]}" for x in np.flatnonzero(per_slot != per_slot[r0])[:10]]
+        if not problems and len(g):
+            ref = start[r0[g]] + (np.arange(len(g)) - start[g])
+            differ = np.flatnonzero(np.any([x != x[ref] for x in key], axis=0))
+            problems += [f"{self.label(int(g[i]))}: receives other bytes than its replica {self.label(int(r0[g[i]]))}"
+                         for i in differ[:10]]
+        _failed("expert slot proof failed: replicas of one expert receive different bytes", problems)

@@ -14,6 +14,8 @@ stage after every other. Copies are relays, so only plans compiled with `fanout`
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ..arrays import unique_inverse
@@ -113,15 +115,14 @@ def slot_copies(ops: dict[str, np.ndarray], expert_of: np.ndarray) -> tuple[dict
     return {k: v[keep] for k, v in ops.items()}, copies
 
 
-def slot_copy_problems(copies: dict[str, np.ndarray], d_tid: np.ndarray, origin: np.ndarray, stride: np.ndarray,
-                       n0: np.ndarray, n1: np.ndarray, canon: np.ndarray, c0: np.ndarray, c1: np.ndarray) -> list[str]:
+def slot_copy_problems(copies: dict[str, np.ndarray], d_tid: np.ndarray, D: Any) -> list[str]:
     """At most ten problems with slot copies (program.COPY_COLUMNS), given replica 0's destination placements with
-    data (table id, flat origin, row stride, 2-D lengths, canonical tensor and origin): each copy must read a block
-    holding the same canonical elements as the block it writes (each end inside one placement, on its rows), and
-    none may read what a copy writes (they run in one stage)."""
-    n = len(copies["rows"])
-    if not n:
+    data `D` (a PlacementTable) and their table ids `d_tid`: each copy must read a block holding the same canonical
+    elements as the block it writes (each end inside one placement, on its rows), and none may read what a copy
+    writes (they run in one stage)."""
+    if not len(copies["rows"]):
         return []
+    origin, stride, n0, n1, canon, c0, c1 = D.origin, D.stride, D.n0, D.n1, D.canon, D.c0, D.c1
     order = np.lexsort((origin, d_tid))
     t_s, o_s = d_tid[order], origin[order]
     at: dict[str, tuple[np.ndarray, ...]] = {}

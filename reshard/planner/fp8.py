@@ -22,7 +22,7 @@ from ..errors import LayoutError, ModelConfigError, PlanError
 from ..layouts import Layout, Placement
 from ..layouts.fp8 import FP8, Fp8Scheme, quantized_entries, scale_name, wire_spec
 from ..layouts.model import ModelSpec, TensorSpec
-from .compiler import compile_plan
+from .compiler import check_same_model, compile_plan
 from .plan import Plan, human_bytes
 
 
@@ -197,9 +197,7 @@ def compile_fp8(src: Layout, dst: Layout, scheme: Fp8Scheme, *, sender_quantizat
                 **options: Any) -> Fp8Plan:
     """The quantizing refit from `src` (the model's dtype) into an FP8 destination of `scheme` (see the module
     doc). `sender_quantization=False` quantizes everything on the receivers. `options` go to `compile_plan`."""
-    if src.model != dst.model:
-        raise PlanError("source and destination describe different models",
-                        [f"source: {src.model}", f"destination: {dst.model}"])
+    check_same_model(src, dst)
     spec = src.model
     if spec.dtype == FP8:
         raise ModelConfigError(field="dtype", value=spec.dtype, rule="the source is already float8: refitting "

@@ -302,7 +302,7 @@ def _prove(plan: Any, sel: np.ndarray) -> None:
     try:
         prove_program(p.template, p.relay if len(p.fed) < K else None, p.copies, table0, d_tid, D)
         # an EPLB destination: every physical slot (each replica of an expert) is model data, so written
-        prove_expert_slots(plan.dst.expert_stacks(), table0, d_tid, D.origin, D.n0, D.n1, whole=plan.selection is None)
+        prove_expert_slots(plan.dst.expert_stacks(), table0, d_tid, D, whole=plan.selection is None)
     except CoverageError as e:
         raise PlanFileError("plan file: the ops do not write every destination element holding model data "
                             "exactly once", e.problems, field="arrays") from None

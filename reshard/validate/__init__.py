@@ -315,18 +315,3 @@ def validate(config: "dict | str | Path", stages: list[str] | None = None, vllm_
                 f"{type(exc).__name__}: {exc} | {traceback.format_exc(limit=-2).strip().splitlines()[-3:]}"
             results.append(StageResult(name, FAIL, detail, time.monotonic() - t0))
     return results
-
-
-def main_validate(args: Any) -> int:
-    """`reshard validate` (arguments parsed by reshard.cli): prints the results; 1 where a stage failed, else 0."""
-    results = validate(args.model, stages=args.stages.split(",") if args.stages else None,
-                       vllm_python=args.vllm_python, examples=args.examples,
-                       vllm_dtype=args.vllm_dtype, vllm_cpu_python=args.vllm_cpu_python)
-    if args.json:
-        print(json.dumps([r.__dict__ for r in results]))
-    else:
-        width = max(len(r.stage) for r in results)
-        print(f"{'stage':<{width}}  {'result':<7}  {'time':>6}  detail")
-        for r in results:
-            print(f"{r.stage:<{width}}  {r.status:<7}  {r.seconds:5.1f}s  {r.detail}")
-    return 1 if any(r.status == FAIL for r in results) else 0

@@ -12,6 +12,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Sequence
 
+from ..arguments import seconds
 from ..errors import ArgumentError, ExecutionError, LayoutMismatchError
 from ..executors.base import Executor
 from ..executors.binding import Binding
@@ -63,8 +64,8 @@ def check_options(options: dict[str, Any], prefix: str = "", transports: Sequenc
         raise ArgumentError(prefix + "transport", transport, f"must be one of the cross-process transports {allowed}")
     if options.get("fanout") is not None and options["fanout"] < 1:
         raise ArgumentError(prefix + "fanout", options["fanout"], "must be a positive integer or None")
-    if not 0 < options.get("timeout", 1) <= 86400:
-        raise ArgumentError(prefix + "timeout", options["timeout"], "must be a number of seconds in (0, 86400]")
+    if "timeout" in options:
+        seconds(prefix + "timeout", options["timeout"])
     if options.get("delta") is not None:
         if not 1 <= options["delta"] <= 1 << 30:
             raise ArgumentError(prefix + "delta", options["delta"], "must be K in [1, 2^30] (a dense keyframe every "

@@ -210,13 +210,15 @@ def _vllm_python(ctx: Context) -> str:
 
 def _stage_hf_parity(ctx: Context) -> str:
     _need("megatron.core", "transformers", "safetensors")
-    from .hf_parity import hf_parity
+    from .hf_parity import compare, megatron_run, perturbed
     from .megatron_side import Unmapped
 
     try:
-        return hf_parity(ctx.spec, ctx.tiny, perturb=ctx.perturb.get("hf parity"))
+        layout, weights, meg = megatron_run(ctx.spec, ctx.tiny)
     except Unmapped as exc:
         raise NotRun(f"the tiny config cannot be built in megatron-core here: {exc}") from None
+    perturb = ctx.perturb.get("hf parity")
+    return compare(layout, ctx.tiny, perturbed(weights, perturb) if perturb else weights, meg)
 
 
 def _stage_vllm_load_parity(ctx: Context) -> str:

@@ -31,8 +31,9 @@ if TYPE_CHECKING:
 POLL_S = 0.05  # how often a trainer draining its stream checks the store for a failure posted elsewhere
 DEPTH = 2  # collective: rounds in flight (wire buffers: DEPTH x peers x one message, within the bucket)
 STAGINGS = ("bucket", "model")
-_TYPES = {"transport": str, "fanout": (int, type(None)), "staging": str, "checksum": (bool, str),
-          "timeout": (int, float), "backend": (str, type(None)), "delta": (int, type(None))}
+# every option both integrations take, and its types (verl's engine_kwargs.reshard holds exactly these)
+OPTION_TYPES = {"transport": str, "fanout": (int, type(None)), "staging": str, "checksum": (bool, str),
+                "timeout": (int, float), "backend": (str, type(None)), "delta": (int, type(None))}
 
 
 def check_options(options: dict[str, Any], prefix: str = "", transports: Sequence[str] | None = None
@@ -54,7 +55,7 @@ def check_options(options: dict[str, Any], prefix: str = "", transports: Sequenc
     from ..executors.checksum import algorithm
 
     for key, value in options.items():
-        if not isinstance(value, _TYPES[key]) or (isinstance(value, bool) and key in ("fanout", "timeout", "delta")):
+        if not isinstance(value, OPTION_TYPES[key]) or (isinstance(value, bool) and key in ("fanout", "timeout", "delta")):
             raise ArgumentError(prefix + key, value, f"has type {type(value).__name__}")
     if options.get("staging", "bucket") not in STAGINGS:
         raise ArgumentError(prefix + "staging", options["staging"], f"must be one of {STAGINGS}")
@@ -427,7 +428,7 @@ async def receive_groups(count: int, move: Callable[[int], "Future"], bucket: bo
         raise
 
 
-__all__ = ["DEPTH", "STAGINGS", "available_bytes", "check_options", "check_room", "delta_totals", "group_bindings",
-           "group_executor", "group_plans", "model_spec", "outer_frame", "receive_groups", "refuse", "refuse_serving",
-           "refuse_unknown", "resolve_device", "send_groups", "staging_empty", "stream_items", "synchronize",
-           "tensor_bytes", "tensor_groups", "transfer_thread"]
+__all__ = ["DEPTH", "OPTION_TYPES", "STAGINGS", "available_bytes", "check_options", "check_room", "delta_totals",
+           "group_bindings", "group_executor", "group_plans", "model_spec", "outer_frame", "receive_groups", "refuse",
+           "refuse_serving", "refuse_unknown", "resolve_device", "send_groups", "staging_empty", "stream_items",
+           "synchronize", "tensor_bytes", "tensor_groups", "transfer_thread"]

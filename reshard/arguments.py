@@ -10,14 +10,11 @@ from typing import Any
 from .errors import ArgumentError
 
 
-def seconds(field: str, value: Any, low: float = 0.0, high: float = 86400.0, none: bool = False) -> float | None:
-    """A number of seconds in (low, high] (an int or float, finite; not a bool or a string)."""
-    if value is None and none:
-        return None
+def seconds(field: str, value: Any) -> float:
+    """A number of seconds in (0, 86400] (an int or float, finite; not a bool or a string)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not low < value <= high:
-        raise ArgumentError(field, value, f"must be a number of seconds in ({low:g}, {high:g}]"
-                                          + (", or None" if none else ""))
+            or not 0 < value <= 86400:
+        raise ArgumentError(field, value, "must be a number of seconds in (0, 86400]")
     return float(value)
 
 

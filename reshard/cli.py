@@ -1,9 +1,8 @@
-"""`reshard plan`: compile a refit plan from the command line and print its summary or JSON; predict its time on
-a cluster (`--predict`), draw it (`--plot`)."""
+"""The `reshard` command line: `plan` compiles a refit plan and prints its summary or JSON, predicts its time on a
+cluster (`--predict`), draws it (`--plot`); `validate` runs reshard.validate's stages; `verify`, reshard.verify's."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
 import re
@@ -155,9 +154,39 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _lazy(module: str, name: str) -> Callable[[argparse.Namespace], int]:
-    """A subcommand whose module is imported only when it runs."""
-    return lambda args: getattr(importlib.import_module(module, __package__), name)(args)
+def _validate(args: argparse.Namespace) -> int:
+    """`reshard validate`: prints the results; 1 where a stage failed, else 0."""
+    from .validate import FAIL, validate
+
+    results = validate(args.model, stages=args.stages.split(",") if args.stages else None,
+                       vllm_python=args.vllm_python, examples=args.examples,
+                       vllm_dtype=args.vllm_dtype, vllm_cpu_python=args.vllm_cpu_python)
+    if args.json:
+        print(json.dumps([r.__dict__ for r in results]))
+    else:
+        width = max(len(r.stage) for r in results)
+        print(f"{'stage':<{width}}  {'result':<7}  {'time':>6}  detail")
+        for r in results:
+            print(f"{r.stage:<{width}}  {r.status:<7}  {r.seconds:5.1f}s  {r.detail}")
+    return 1 if any(r.status == FAIL for r in results) else 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    """`reshard verify`: the mismatch between the HF checkpoint and the server on `args.sequences` random sequences
+    of `args.seed`; prints the report, the exit status is 1 above the thresholds."""
+    from pathlib import Path
+
+    from .adapters.server import VllmServer
+    from .verify import checkpoint_scores, compare, engine_scores, random_sequences
+
+    config = json.loads(Path(args.checkpoint, "config.json").read_text())
+    vocab = (config.get("text_config") or config).get("vocab_size")
+    if not isinstance(vocab, int) or vocab < 2:
+        raise ArgumentError("vocab_size", vocab, f"of {args.checkpoint}/config.json must be an integer >= 2")
+    seqs = random_sequences(vocab, args.sequences, args.length, args.seed)
+    report = compare(checkpoint_scores(args.checkpoint, seqs), engine_scores(VllmServer(args.server), seqs), args.dtype)
+    print(json.dumps(report.to_dict()) if args.json else str(report))
+    return 0 if report.ok else 1
 
 
 class _Parser(argparse.ArgumentParser):
@@ -224,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="vLLM model dtype in the vllm load parity stage (default bfloat16, as served)")
     v.add_argument("--examples", type=_int(1, 100_000), default=20, help="random layout pairs in the round-trip stage")
     v.add_argument("--json", action="store_true", help="print the results as JSON")
-    v.set_defaults(func=_lazy(".validate", "main_validate"))
+    v.set_defaults(func=_validate)
     m = sub.add_parser("verify", help="train-inference mismatch: score token sequences with an HF checkpoint "
                        "(transformers) and a running vllm serve; exit 1 above the dtype's thresholds")
     m.add_argument("--checkpoint", required=True, help="HF checkpoint directory of the weights the server should hold")
@@ -235,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--length", type=_int(2, 65536), default=32, help="tokens per sequence (default 32)")
     m.add_argument("--seed", type=_int(0, 2**31), default=0)
     m.add_argument("--json", action="store_true", help="print the report as JSON")
-    m.set_defaults(func=_lazy(".verify.checkpoint", "main_verify"))
+    m.set_defaults(func=_verify)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -23,8 +23,6 @@ def read_bytes(path: "str | os.PathLike[str]", limit: int, error: ErrorFactory, 
         fd = os.open(shown, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
     except FileNotFoundError:
         raise error(field, shown, "does not exist") from None
-    except IsADirectoryError:
-        raise error(field, shown, "is a directory, not a file") from None
     except OSError as e:
         raise error(field, shown, f"cannot be opened ({e.strerror or e})") from None
     try:

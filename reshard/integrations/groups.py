@@ -12,6 +12,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Sequence
 
+from ..arguments import seconds
 from ..errors import ArgumentError, ExecutionError, LayoutMismatchError
 from ..executors.base import Executor
 from ..executors.binding import Binding
@@ -30,8 +31,9 @@ if TYPE_CHECKING:
 POLL_S = 0.05  # how often a trainer draining its stream checks the store for a failure posted elsewhere
 DEPTH = 2  # collective: rounds in flight (wire buffers: DEPTH x peers x one message, within the bucket)
 STAGINGS = ("bucket", "model")
-_TYPES = {"transport": str, "fanout": (int, type(None)), "staging": str, "checksum": (bool, str),
-          "timeout": (int, float), "backend": (str, type(None)), "delta": (int, type(None))}
+# every option both integrations take, and its types (verl's engine_kwargs.reshard holds exactly these)
+OPTION_TYPES = {"transport": str, "fanout": (int, type(None)), "staging": str, "checksum": (bool, str),
+                "timeout": (int, float), "backend": (str, type(None)), "delta": (int, type(None))}
 
 
 def check_options(options: dict[str, Any], prefix: str = "", transports: Sequence[str] | None = None
@@ -53,7 +55,7 @@ def check_options(options: dict[str, Any], prefix: str = "", transports: Sequenc
     from ..executors.checksum import algorithm
 
     for key, value in options.items():
-        if not isinstance(value, _TYPES[key]) or (isinstance(value, bool) and key in ("fanout", "timeout", "delta")):
+        if not isinstance(value, OPTION_TYPES[key]) or (isinstance(value, bool) and key in ("fanout", "timeout", "delta")):
             raise ArgumentError(prefix + key, value, f"has type {type(value).__name__}")
     if options.get("staging", "bucket") not in STAGINGS:
         raise ArgumentError(prefix + "staging", options["staging"], f"must be one of {STAGINGS}")
@@ -63,8 +65,8 @@ def check_options(options: dict[str, Any], prefix: str = "", transports: Sequenc
         raise ArgumentError(prefix + "transport", transport, f"must be one of the cross-process transports {allowed}")
     if options.get("fanout") is not None and options["fanout"] < 1:
         raise ArgumentError(prefix + "fanout", options["fanout"], "must be a positive integer or None")
-    if not 0 < options.get("timeout", 1) <= 86400:
-        raise ArgumentError(prefix + "timeout", options["timeout"], "must be a number of seconds in (0, 86400]")
+    if "timeout" in options:
+        seconds(prefix + "timeout", options["timeout"])
     if options.get("delta") is not None:
         if not 1 <= options["delta"] <= 1 << 30:
             raise ArgumentError(prefix + "delta", options["delta"], "must be K in [1, 2^30] (a dense keyframe every "
@@ -426,7 +428,7 @@ async def receive_groups(count: int, move: Callable[[int], "Future"], bucket: bo
         raise
 
 
-__all__ = ["DEPTH", "STAGINGS", "available_bytes", "check_options", "check_room", "delta_totals", "group_bindings",
-           "group_executor", "group_plans", "model_spec", "outer_frame", "receive_groups", "refuse", "refuse_serving",
-           "refuse_unknown", "resolve_device", "send_groups", "staging_empty", "stream_items", "synchronize",
-           "tensor_bytes", "tensor_groups", "transfer_thread"]
+__all__ = ["DEPTH", "OPTION_TYPES", "STAGINGS", "available_bytes", "check_options", "check_room", "delta_totals",
+           "group_bindings", "group_executor", "group_plans", "model_spec", "outer_frame", "receive_groups", "refuse",
+           "refuse_serving", "refuse_unknown", "resolve_device", "send_groups", "staging_empty", "stream_items",
+           "synchronize", "tensor_bytes", "tensor_groups", "transfer_thread"]

@@ -96,11 +96,6 @@ def _quantize_table_kernel(x_base, q_base, s_base, table, BN: tl.constexpr, BK: 
     tl.store(s_base + so, scale)
 
 
-def interpreted() -> bool:
-    """Whether Triton runs kernels through its interpreter (TRITON_INTERPRET set): then the integer fp8 cast."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 class QuantizeTable:
     """Quantization jobs as prepared launches; `launch()` enqueues them on the current stream (capturable in a
     CUDA graph). The tensors must stay in place (the caller pins them).
@@ -120,7 +115,8 @@ class QuantizeTable:
                  tuning: KernelTuning | None = None, exact_cast: bool | None = None) -> None:
         self.block = (int(block[0]), int(block[1]))
         self.num_warps = (tuning or KernelTuning()).quantize_warps
-        self.exact = interpreted() if exact_cast is None else bool(exact_cast)
+        interpreter = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # Triton's (TRITON_INTERPRET set)
+        self.exact = interpreter if exact_cast is None else bool(exact_cast)
         self.launches: list[tuple] = []
         self.blocks = 0
         if not jobs:
@@ -175,4 +171,4 @@ class QuantizeTable:
                                              QALIGN=q_align, num_warps=self.num_warps)
 
 
-__all__ = ["AMAX_FLOOR", "FP8_MAX", "QuantizeTable", "interpreted"]
+__all__ = ["AMAX_FLOOR", "FP8_MAX", "QuantizeTable"]

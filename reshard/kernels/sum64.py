@@ -42,11 +42,9 @@ def byte_rows(t: torch.Tensor) -> "tuple[torch.Tensor, int, int, int] | None":
         return t.reshape(-1).view(torch.uint8), 1, t.numel() * size, t.numel() * size
     if t.dim() == 2 and t.stride(1) == 1:
         rows, cols = t.shape
-        base = t.as_strided((rows, cols), (t.stride(0), 1))
-        flat = base.view(torch.uint8) if rows == 1 or t.stride(0) == cols else None
-        if flat is None:  # rows apart: read through the storage from the block's first element
-            flat = torch.as_strided(t, (1,), (1,)).view(torch.uint8)
-        return flat, rows, cols * size, t.stride(0) * size
+        # rows apart: read through the storage from the block's first element
+        flat = t if rows == 1 or t.stride(0) == cols else torch.as_strided(t, (1,), (1,))
+        return flat.view(torch.uint8), rows, cols * size, t.stride(0) * size
     return None
 
 

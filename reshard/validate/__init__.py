@@ -210,13 +210,15 @@ def _vllm_python(ctx: Context) -> str:
 
 def _stage_hf_parity(ctx: Context) -> str:
     _need("megatron.core", "transformers", "safetensors")
-    from .hf_parity import hf_parity
+    from .hf_parity import compare, megatron_run, perturbed
     from .megatron_side import Unmapped
 
     try:
-        return hf_parity(ctx.spec, ctx.tiny, perturb=ctx.perturb.get("hf parity"))
+        layout, weights, meg = megatron_run(ctx.spec, ctx.tiny)
     except Unmapped as exc:
         raise NotRun(f"the tiny config cannot be built in megatron-core here: {exc}") from None
+    perturb = ctx.perturb.get("hf parity")
+    return compare(layout, ctx.tiny, perturbed(weights, perturb) if perturb else weights, meg)
 
 
 def _stage_vllm_load_parity(ctx: Context) -> str:
@@ -315,18 +317,3 @@ def validate(config: "dict | str | Path", stages: list[str] | None = None, vllm_
                 f"{type(exc).__name__}: {exc} | {traceback.format_exc(limit=-2).strip().splitlines()[-3:]}"
             results.append(StageResult(name, FAIL, detail, time.monotonic() - t0))
     return results
-
-
-def main_validate(args: Any) -> int:
-    """`reshard validate` (arguments parsed by reshard.cli): prints the results; 1 where a stage failed, else 0."""
-    results = validate(args.model, stages=args.stages.split(",") if args.stages else None,
-                       vllm_python=args.vllm_python, examples=args.examples,
-                       vllm_dtype=args.vllm_dtype, vllm_cpu_python=args.vllm_cpu_python)
-    if args.json:
-        print(json.dumps([r.__dict__ for r in results]))
-    else:
-        width = max(len(r.stage) for r in results)
-        print(f"{'stage':<{width}}  {'result':<7}  {'time':>6}  detail")
-        for r in results:
-            print(f"{r.stage:<{width}}  {r.status:<7}  {r.seconds:5.1f}s  {r.detail}")
-    return 1 if any(r.status == FAIL for r in results) else 0

@@ -179,9 +179,3 @@ def compare(layout: MegatronLayout, tiny: dict[str, Any], weights: dict[str, tor
                              f"{LOGIT_RTOL:g} x logit scale {scale:.2f}); {blame}")
     return (f"{where}: transformers logits on {TOKENS[0]}x{TOKENS[1]} tokens match megatron-core's, max |diff| "
             f"{diff:.1e} <= {tol:.1e} ({LOGIT_RTOL:g} x logit scale {scale:.2f}; fp32)")
-
-
-def hf_parity(spec: ModelSpec, tiny: dict[str, Any], perturb: str | None = None) -> str:
-    """Run the stage; return the pass detail or raise AssertionError naming what differs."""
-    layout, weights, meg = megatron_run(spec, tiny)
-    return compare(layout, tiny, perturbed(weights, perturb) if perturb else weights, meg)

@@ -1,19 +1,18 @@
-"""`reshard verify`: the mismatch between an HF checkpoint (scored by transformers here) and a running `vllm serve`
-that should serve those weights.
+"""The reference side of a mismatch check from an HF checkpoint or model (scored by transformers here), and the
+token sequences to score; `reshard verify` (reshard.cli) compares it with a running `vllm serve`:
 
     reshard verify --checkpoint DIR --server http://127.0.0.1:8000 [--dtype bfloat16] [--sequences 4 --length 32]
 
-Prints the report (or JSON) and exits 1 above the dtype's thresholds."""
+prints the report (or JSON) and exits 1 above the dtype's thresholds."""
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import ArgumentError
-from .metrics import Scores, compare
-from .sides import check_sequences, engine_scores, next_token_scores
+from .metrics import Scores
+from .sides import check_sequences, next_token_scores
 
 
 def random_sequences(vocab_size: int, count: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -87,19 +86,4 @@ def checkpoint_scores(path: str | Path, sequences: Sequence[Sequence[int]]) -> S
     return hf_model_scores(model, sequences)
 
 
-def main_verify(args: Any) -> int:
-    """`reshard verify`: the mismatch between the HF checkpoint and the server on `args.sequences` random sequences
-    of `args.seed`; prints the report, the exit status is 1 above the thresholds."""
-    from ..adapters.server import VllmServer
-
-    config = json.loads(Path(args.checkpoint, "config.json").read_text())
-    vocab = (config.get("text_config") or config).get("vocab_size")
-    if not isinstance(vocab, int) or vocab < 2:
-        raise ArgumentError("vocab_size", vocab, f"of {args.checkpoint}/config.json must be an integer >= 2")
-    seqs = random_sequences(vocab, args.sequences, args.length, args.seed)
-    report = compare(checkpoint_scores(args.checkpoint, seqs), engine_scores(VllmServer(args.server), seqs), args.dtype)
-    print(json.dumps(report.to_dict()) if args.json else str(report))
-    return 0 if report.ok else 1
-
-
-__all__ = ["checkpoint_scores", "hf_model_scores", "main_verify", "random_sequences"]
+__all__ = ["checkpoint_scores", "hf_model_scores", "random_sequences"]

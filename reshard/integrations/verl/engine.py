@@ -99,7 +99,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
         meta = {"role": self.role, "master": self.is_master, "model_digest": model_digest(self.spec),
                 "bucket_size": self.bucket_size, "options": self.options, "node": node_here()}
         if self.is_master:
-            self._close()
+            self.finalize()
             self._refits += 1
             self._rdv, self._store = rv.host_store(rv.Rendezvous.new(self.host, 0, timeout=self.timeout))
             # where the store's address came from, so a bad one is blamed on what set it (build_topology)
@@ -125,7 +125,7 @@ class ReshardCheckpointEngine(CheckpointEngine):
         plans = top.plans()
         rdv = rv.Rendezvous.from_dict(top.rendezvous)
         if not self.is_master:
-            self._close()
+            self.finalize()
             self._store = rv.connect(rdv)
         self._rdv = rdv
         size = top.trainers + top.rollouts
@@ -241,7 +241,10 @@ class ReshardCheckpointEngine(CheckpointEngine):
 
     def finalize(self) -> None:
         """Close this refit's session, its group and (trainer rank 0) the store."""
-        self._close()
+        if self._session is not None:
+            self._session.close()
+        self._session = None
+        self._store = None  # trainer rank 0's store server goes with its last reference (a session may hold it)
 
     def _ready(self, what: str, trainer: bool) -> RefitSession:
         if self._session is None:
@@ -250,12 +253,6 @@ class ReshardCheckpointEngine(CheckpointEngine):
         if self._session.top.is_trainer != trainer:
             raise ExecutionError(f"{what} on a {self.role} rank")
         return self._session
-
-    def _close(self) -> None:
-        if self._session is not None:
-            self._session.close()
-        self._session = None
-        self._store = None  # trainer rank 0's store server goes with its last reference (a session may hold it)
 
 
 class RefitSession:

@@ -21,8 +21,7 @@ from ...planner import Plan
 from .. import groups
 from ..groups import DEPTH, tensor_groups
 
-# what engine_kwargs.reshard holds
-OPTIONS = ("transport", "fanout", "staging", "checksum", "timeout", "backend", "delta")
+OPTIONS = tuple(groups.OPTION_TYPES)  # what engine_kwargs.reshard holds
 # where verl holds the rollout's generation for a whole refit (verl 0.9.1; docs/guides/verl.md has the rest)
 SERVING_WHY = ("verl's CheckpointEngineManager.update_weights aborts the rollout's requests and frees its KV cache "
                "before it calls any backend and resumes them after the last (verl/checkpoint_engine/base.py:523-560), "

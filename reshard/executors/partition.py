@@ -235,7 +235,7 @@ class Prepared:
     """A process's tensors, checked and viewed (module docstring).
 
     Args:
-        ranks: (source ranks, destination ranks) `src` / `dst` must give exactly; None: any.
+        binding: `src` / `dst` must give exactly the ranks it has `process` play; None: any.
         ids: (source ids, destination ids): check only these tensors; None: every tensor of the ranks given.
 
     Raises:
@@ -243,12 +243,11 @@ class Prepared:
             memoryless tensors.
     """
 
-    def __init__(self, plan: Plan, src: RankTensors, dst: RankTensors,
-                 ranks: "tuple[tuple[int, ...], tuple[int, ...]] | None" = None,
-                 ids: "tuple | None" = None) -> None:
+    def __init__(self, plan: Plan, src: RankTensors, dst: RankTensors, binding: "Binding | None" = None,
+                 process: int = 0, ids: "tuple | None" = None) -> None:
+        ranks = () if binding is None else (binding.src_ranks_of(process), binding.dst_ranks_of(process))
         wrong = [f"{side} ranks given {sorted(got)}, but the binding has this process play {sorted(want)}"
-                 for side, got, want in zip(("source", "destination"), (src, dst), ranks or ((), ()))
-                 if set(got) != set(want)] if ranks is not None else []
+                 for side, got, want in zip(("source", "destination"), (src, dst), ranks) if set(got) != set(want)]
         if wrong:
             raise ExecutionError("; ".join(wrong))
         check_tensors(plan, src, dst, ids)

@@ -229,8 +229,7 @@ class CollectiveExecutor(Executor):
         refusal for the preflight)."""
         fallback = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         try:
-            prepared = Prepared(self.plan, src, dst, (self.binding.src_ranks_of(self.rank),
-                                                      self.binding.dst_ranks_of(self.rank)))
+            prepared = Prepared(self.plan, src, dst, self.binding, self.rank)
             device = prepared.device or fallback
         except ExecutionError as e:
             return None, fallback, str(e)

@@ -415,10 +415,7 @@ class _SharedDelta(VotedDelta):
     """A SharedExecutor's delta refits: each payload in a growing outbox segment per receiving peer."""
 
     def __init__(self, executor: SharedExecutor, policy: DeltaPolicy) -> None:
-        if executor.device.type != "cpu":
-            raise ExecutionError("delta refits over shared memory run on CPU tensors (GPUs: the collective "
-                                 "executor's delta option)")
-        super().__init__(executor, policy, executor.part, executor.checksum)
+        super().__init__(executor, policy, executor.part, executor.checksum, cpu=True)
         self.outbox: dict[int, Segment] = {}  # receiving peer -> this sender's payload segment for it
         self.inbox: dict[int, Segment] = {}  # feeder -> its payload segment, mapped here
 

@@ -274,12 +274,8 @@ class NixlDelta(VotedDelta):
     """
 
     def __init__(self, executor: Any, policy: DeltaPolicy) -> None:
-        plan = executor.plan
-        if executor.device.type != "cpu":
-            raise ExecutionError("delta refits over NIXL run on CPU tensors (GPUs: the collective executor's delta "
-                                 "option)")
-        part = executor.schedule.part
-        super().__init__(executor, policy, part, executor.checksum)
+        plan, part = executor.plan, executor.schedule.part
+        super().__init__(executor, policy, part, executor.checksum, cpu=True)
         self.outbox = {q: torch.empty(payload_bound(plan, ops), dtype=torch.uint8) for q, ops in part.sends_to.items()}
         self.inbox = {f: torch.empty(payload_bound(plan, ops), dtype=torch.uint8)
                       for f, ops in part.receives_from.items()}

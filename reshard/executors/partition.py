@@ -22,10 +22,11 @@ from ..planner import Plan
 from ..planner.plan import RELAY, SOURCE
 from .base import RankTensors
 from .binding import Binding
-from .copies import DST, SHADOW, SRC, Copies, fold
+from .copies import DST, SHADOW, SRC, WIRE, Copies, fold
 from .preflight import check_memory
 from .reference import check_tensors, in_units, op_blocks, shift_views, torch_dtype
 
+PIECE_COLUMNS = ("send_kind", "send_id", "send_off", "recv_kind", "recv_id", "recv_off", "numel")  # row_pieces
 ALIGN = 64  # elements: every arena region starts 128-byte aligned (bf16) so that word views apply
 
 
@@ -231,6 +232,46 @@ def _by(ops: np.ndarray, peer_of: np.ndarray) -> dict[int, np.ndarray]:
     return {int(q): ops[peers == q] for q in np.unique(peers).tolist()}
 
 
+def row_pieces(plan: Plan, ops: np.ndarray, staged: bool, link: int | None = None, base: int = 0) \
+        -> dict[str, np.ndarray]:
+    """Contiguous pieces (PIECE_COLUMNS) of `ops` in op order, coalesced: one per row (a strided block's rows)
+    into their destination memory, or with `link` (a NIXL link's landed ops) one per op into its receive buffer
+    after `base` elements. The send side reads the source tensor, or for relays the landing memory (shadow when
+    staged)."""
+    o = plan.ops
+    rows = o["rows"][ops] if link is None else np.ones(len(ops), np.int64)
+    rep = np.repeat(np.arange(len(ops)), rows)
+    r = np.arange(len(rep)) - np.repeat(np.cumsum(rows) - rows, rows)
+    idx = ops[rep]
+    if link is None:
+        numel = o["cols"][idx]
+        recv = (SHADOW if staged else DST, o["dst_tensor"][idx], o["dst_offset"][idx] + r * o["dst_stride"][idx])
+    else:
+        numel = o["rows"][ops] * o["cols"][ops]
+        recv = (WIRE, link, base + np.cumsum(numel) - numel)
+    kind, ident, off = (np.broadcast_to(np.asarray(x, np.int64), (len(rep),)) for x in recv)
+    return coalesce({"send_kind": np.where(o["src_side"][idx] == RELAY, SHADOW if staged else DST, SRC),
+                     "send_id": o["src_tensor"][idx], "send_off": o["src_offset"][idx] + r * o["src_stride"][idx],
+                     "recv_kind": kind, "recv_id": ident, "recv_off": off, "numel": numel})
+
+
+def coalesce(p: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Join consecutive pieces that continue each other on both sides."""
+    n = len(p["numel"])
+    if n < 2:
+        return p
+    join = ((p["send_kind"][1:] == p["send_kind"][:-1]) & (p["send_id"][1:] == p["send_id"][:-1])
+            & (p["recv_kind"][1:] == p["recv_kind"][:-1]) & (p["recv_id"][1:] == p["recv_id"][:-1])
+            & (p["send_off"][1:] == p["send_off"][:-1] + p["numel"][:-1])
+            & (p["recv_off"][1:] == p["recv_off"][:-1] + p["numel"][:-1]))
+    if not join.any():
+        return p
+    starts = np.flatnonzero(np.concatenate([[True], ~join]))
+    out = {k: v[starts] for k, v in p.items()}
+    out["numel"] = np.add.reduceat(p["numel"], starts)
+    return out
+
+
 class Prepared:
     """A process's tensors, checked and viewed (module docstring).
 
@@ -290,4 +331,4 @@ class Prepared:
         return buffer, {k: buffer.narrow(0, a, n) for (k, n), a in zip(sizes.items(), starts)}
 
 
-__all__ = ["ALIGN", "Partition", "Prepared", "carve"]
+__all__ = ["ALIGN", "Partition", "Prepared", "PIECE_COLUMNS", "carve", "coalesce", "row_pieces"]

@@ -20,11 +20,11 @@ from ..planner import Plan
 from ..planner.plan import RELAY
 from .base import Executor, RankTensors, RefitStats
 from .checksum import algorithm, blocks_digest
-from .copies import DST, SRC, CopyViews, Memory, fold, view_copies
+from .copies import DST, SRC, CopyViews, Memory, view_copies
 from .delta import DeltaPolicy, DeltaState, check_policy, keyframe_report
 from .graphs import STREAMS, Pins, Replay, on_streams, single_cuda_device, spread
 from .reference import apply_shifts, ops_here
-from .partition import Prepared, row_pieces
+from .partition import Prepared, op_copies, row_pieces
 
 GRAPH = "auto"  # default graph mode on one GPU (see InProcessExecutor)
 MANY_COPIES = 1000  # "auto": from this many large copies on, the whole refit one graph (launch-bound otherwise)
@@ -67,9 +67,7 @@ class InProcessExecutor(Executor):
         prepared = Prepared(plan, {r: src[r] for r in used}, dst, ids=ids)
         self._mine, self._src_flat, self._dst_flat = mine, prepared.src_flat, prepared.dst_flat
         self._pins = Pins(prepared.tensors)
-        program = fold(SRC, o["src_tensor"][mine], o["src_offset"][mine], o["src_stride"][mine],
-                       DST, o["dst_tensor"][mine], o["dst_offset"][mine], o["dst_stride"][mine],
-                       o["rows"][mine], o["cols"][mine])
+        program = op_copies(plan, mine, SRC, DST)
         flats = {SRC: prepared.src_flat, DST: prepared.dst_flat}
         self._program = view_copies(program, Memory(lambda kind, i: flats[kind][i], plan.itemsize), plan.itemsize)
         self._shifts = prepared.shifts(mine)

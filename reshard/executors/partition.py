@@ -179,18 +179,9 @@ class Partition:
         kind = self.read_kind(self.local, shadowed)
         into = np.where(shadowed[d_t], SHADOW, DST)
         stage = o["stage"][self.local]
-        now = [self.copies(self.local[m], kind[m], into[m])
+        now = [op_copies(self.plan, self.local[m], kind[m], into[m])
                for m in (~later & (stage == s) for s in range(self.plan.num_stages))]
-        return now, self.copies(self.local[later], kind[later], DST)
-
-    def copies(self, ops: np.ndarray, src_kind: "int | np.ndarray", dst_kind: "int | np.ndarray") -> Copies:
-        """The ops as one folded program from `src_kind` memory (SRC; a relay reads its destination tensor, in
-        the kind given for it) to `dst_kind` memory at the destination tensors' places."""
-        if not len(ops):
-            return Copies.empty()
-        o = self.plan.ops
-        return fold(src_kind, o["src_tensor"][ops], o["src_offset"][ops], o["src_stride"][ops], dst_kind,
-                    o["dst_tensor"][ops], o["dst_offset"][ops], o["dst_stride"][ops], o["rows"][ops], o["cols"][ops])
+        return now, op_copies(self.plan, self.local[later], kind[later], DST)
 
     def read_kind(self, ops: np.ndarray, shadowed: np.ndarray) -> np.ndarray:
         """Per op, the memory it reads: SRC for source ops; for relays the destination tensor, or its shadow."""
@@ -225,6 +216,14 @@ class Partition:
     def local_numel(self) -> int:
         """Elements this process copies locally per refit."""
         return self.numel(self.local)
+
+
+def op_copies(plan: Plan, ops: np.ndarray, src_kind: "int | np.ndarray", dst_kind: "int | np.ndarray") -> Copies:
+    """The plan ops `ops` as one folded program from `src_kind` memory (SRC; a relay reads its destination tensor,
+    in the kind given for it) to `dst_kind` memory at the destination tensors' places."""
+    o = plan.ops
+    return fold(src_kind, o["src_tensor"][ops], o["src_offset"][ops], o["src_stride"][ops], dst_kind,
+                o["dst_tensor"][ops], o["dst_offset"][ops], o["dst_stride"][ops], o["rows"][ops], o["cols"][ops])
 
 
 def _by(ops: np.ndarray, peer_of: np.ndarray) -> dict[int, np.ndarray]:
@@ -331,4 +330,4 @@ class Prepared:
         return buffer, {k: buffer.narrow(0, a, n) for (k, n), a in zip(sizes.items(), starts)}
 
 
-__all__ = ["ALIGN", "Partition", "Prepared", "PIECE_COLUMNS", "carve", "coalesce", "row_pieces"]
+__all__ = ["ALIGN", "Partition", "Prepared", "PIECE_COLUMNS", "carve", "coalesce", "op_copies", "row_pieces"]

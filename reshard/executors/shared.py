@@ -36,7 +36,7 @@ from .copies import DST, PEER, SHADOW, SRC, Copies, Memory, view_copies
 from .delta import DeltaPolicy, VotedDelta
 from .exchange import Exchange, same_refit
 from .reference import torch_dtype
-from .partition import Partition
+from .partition import Partition, op_copies
 from .voted import VotedExecutor
 
 _SHM_DIR = "/dev/shm"
@@ -344,7 +344,7 @@ class SharedExecutor(VotedExecutor):
             return flats[kind][i] if kind in flats else self._peer_landing[(kind - PEER, i)]
 
         memory = Memory(flat, self.itemsize)
-        self._send_programs = {q: view_copies(part.copies(ops, SRC, PEER + q), memory, self.itemsize)
+        self._send_programs = {q: view_copies(op_copies(self.plan, ops, SRC, PEER + q), memory, self.itemsize)
                                for q, ops in part.sends_to.items()}
         shadowed = part.in_flight if self.staged else np.zeros_like(part.in_flight)
         local, deferred = part.local_copies(shadowed, ~part.in_flight if self.staged else None)

@@ -159,14 +159,11 @@ class Partition:
         t = o["dst_tensor"][ops]
         written = np.bincount(t, weights=o["rows"][ops] * o["cols"][ops], minlength=len(sizes)).astype(np.int64)
         ids = np.flatnonzero(shadowed & (written == sizes))
-        part = ~np.isin(t, ids)
-        parts = [fold(SHADOW, ids, 0, sizes[ids], DST, ids, 0, sizes[ids], 1, sizes[ids]) if len(ids) else
-                 Copies.empty()]
-        if part.any():
-            p = ops[part]
-            parts.append(fold(SHADOW, o["dst_tensor"][p], o["dst_offset"][p], o["dst_stride"][p], DST,
-                              o["dst_tensor"][p], o["dst_offset"][p], o["dst_stride"][p], o["rows"][p], o["cols"][p]))
-        return Copies.concat(parts)
+        p = ops[~np.isin(t, ids)]  # folding nothing makes no copy
+        return Copies.concat([fold(SHADOW, ids, 0, sizes[ids], DST, ids, 0, sizes[ids], 1, sizes[ids]),
+                              fold(SHADOW, o["dst_tensor"][p], o["dst_offset"][p], o["dst_stride"][p], DST,
+                                   o["dst_tensor"][p], o["dst_offset"][p], o["dst_stride"][p], o["rows"][p],
+                                   o["cols"][p])])
 
     def local_copies(self, shadowed: np.ndarray, defer: "np.ndarray | None" = None) -> tuple[list[Copies], Copies]:
         """This process's local copies: per stage, those run while the refit is in flight (into a destination

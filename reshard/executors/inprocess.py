@@ -51,6 +51,7 @@ class InProcessExecutor(Executor):
     """
 
     name = "inprocess"
+    last_delta = None  # each refit's DeltaReport with the `delta` option (no protocol object: both sides are here)
 
     def __init__(self, plan: Plan, binding: object = None, process: int = 0, src: RankTensors | None = None,
                  dst: RankTensors | None = None, ops: "np.ndarray | None" = None, graph: "bool | str" = True,

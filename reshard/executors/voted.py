@@ -30,7 +30,6 @@ class VotedExecutor(Executor):
     their wire: `_move` (a dense refit's bytes), `_keys` and `_dense_stats`."""
 
     label = ""
-    _delta: Any = None
     _dirty = True  # copies may be in flight on the GPU (the caller's, at first)
 
     def _open(self, plan: Any, binding: Any, process: int, src: Any, dst: Any, timeout: float, poll_max_s: float,
@@ -52,11 +51,6 @@ class VotedExecutor(Executor):
     def version(self) -> int:
         """The last version this executor committed (0 before the first refit)."""
         return self._version
-
-    @property
-    def last_delta(self) -> Any:
-        """What this process sent in the last refit, with the `delta` option (executors.delta.DeltaReport)."""
-        return None if self._delta is None else self._delta.last
 
     def refit(self, version: int | None = None) -> RefitStats:
         """Move this process's part of one refit; every process of the binding calls it with the same version."""

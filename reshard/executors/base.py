@@ -103,6 +103,13 @@ class Executor(abc.ABC):
     """The protocol every executor follows (module docstring); subclasses set `name`, their key in `EXECUTORS`."""
 
     name: str = ""
+    _delta: Any = None  # this process's side of the delta protocol, where the executor runs one (executors.delta)
+
+    @property
+    def last_delta(self) -> Any:
+        """What this process sent in the last refit, with the `delta` option (executors.delta.DeltaReport); None
+        without it."""
+        return None if self._delta is None else self._delta.last
 
     @abc.abstractmethod
     def refit(self, version: int | None = None) -> RefitStats:

@@ -114,10 +114,10 @@ class _Sum64:
         return _pack(self.count, [int(v.item()) for v in self.sums] if self.sums else [0, 0, 0])
 
 
-def use_kernel(blocks: "list[torch.Tensor]", force: bool = False) -> bool:
-    """Whether the fused sum64 kernel takes these blocks: all on one GPU (or `force`: any device, for Triton's
-    interpreter), Triton there, each block rows of contiguous bytes."""
-    if not blocks or (not force and single_cuda_device(blocks) is None):
+def use_kernel(blocks: "list[torch.Tensor]") -> bool:
+    """Whether the fused sum64 kernel takes these blocks: all on one GPU, Triton there, each block rows of
+    contiguous bytes."""
+    if not blocks or single_cuda_device(blocks) is None:
         return False
     try:
         from ..kernels.sum64 import byte_rows
@@ -171,7 +171,7 @@ class Streams:
             return
         if self.algorithm == "sha256":
             h.update(raw_bytes(t))
-        elif t.device.type == "cuda" and use_kernel([t]):
+        elif use_kernel([t]):
             h.update_kernel(t.detach())
         else:
             h.update(t.detach().contiguous().view(-1).view(torch.uint8))

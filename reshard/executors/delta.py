@@ -454,13 +454,17 @@ class VotedDelta:
 
     Raises:
         ArgumentError: `policy` is not a DeltaPolicy.
-        ExecutionError: the plan relays between replicas (fan-out).
+        ExecutionError: the plan relays between replicas (fan-out), or (`cpu`) the executor's tensors are not on
+            the CPU.
     """
 
     peer = "process {}"  # a peer in messages
 
-    def __init__(self, executor, policy: DeltaPolicy, part, checksum: str | None) -> None:
+    def __init__(self, executor, policy: DeltaPolicy, part, checksum: str | None, cpu: bool = False) -> None:
         me, o = part.process, executor.plan.ops
+        if cpu and executor.device.type != "cpu":
+            raise ExecutionError(f"delta refits over {executor.label} run on CPU tensors (GPUs: the collective "
+                                 f"executor's delta option)")
         if np.any(o["src_side"] == RELAY):
             raise ExecutionError("delta refits need a plan without fan-out (relays between replicas); compile it "
                                  "without fanout")

@@ -61,7 +61,7 @@ _STREAMS: dict[str, list] = {}  # device -> its side streams
 STREAMS = 4  # side streams independent launches are spread over (a graph captures them as parallel branches)
 
 
-def spread(items: list, n: int, size: Callable = lambda item: 1) -> list[list]:
+def spread(items: list, n: int, size: Callable) -> list[list]:
     """Items dealt into n lists of about equal total size (largest first, each to the lightest list)."""
     bins: list[list] = [[] for _ in range(max(1, n))]
     load = [0] * len(bins)

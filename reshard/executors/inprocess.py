@@ -20,11 +20,11 @@ from ..planner import Plan
 from ..planner.plan import RELAY
 from .base import Executor, RankTensors, RefitStats
 from .checksum import algorithm, blocks_digest
-from .copies import DST, SRC, CopyViews, Memory, fold, view_copies
+from .copies import DST, SRC, CopyViews, Memory, view_copies
 from .delta import DeltaPolicy, DeltaState, check_policy, keyframe_report
 from .graphs import STREAMS, Pins, Replay, on_streams, single_cuda_device, spread
 from .reference import apply_shifts, ops_here
-from .partition import Prepared
+from .partition import Prepared, op_copies, row_pieces
 
 GRAPH = "auto"  # default graph mode on one GPU (see InProcessExecutor)
 MANY_COPIES = 1000  # "auto": from this many large copies on, the whole refit one graph (launch-bound otherwise)
@@ -51,6 +51,7 @@ class InProcessExecutor(Executor):
     """
 
     name = "inprocess"
+    last_delta = None  # each refit's DeltaReport with the `delta` option (no protocol object: both sides are here)
 
     def __init__(self, plan: Plan, binding: object = None, process: int = 0, src: RankTensors | None = None,
                  dst: RankTensors | None = None, ops: "np.ndarray | None" = None, graph: "bool | str" = True,
@@ -67,9 +68,7 @@ class InProcessExecutor(Executor):
         prepared = Prepared(plan, {r: src[r] for r in used}, dst, ids=ids)
         self._mine, self._src_flat, self._dst_flat = mine, prepared.src_flat, prepared.dst_flat
         self._pins = Pins(prepared.tensors)
-        program = fold(SRC, o["src_tensor"][mine], o["src_offset"][mine], o["src_stride"][mine],
-                       DST, o["dst_tensor"][mine], o["dst_offset"][mine], o["dst_stride"][mine],
-                       o["rows"][mine], o["cols"][mine])
+        program = op_copies(plan, mine, SRC, DST)
         flats = {SRC: prepared.src_flat, DST: prepared.dst_flat}
         self._program = view_copies(program, Memory(lambda kind, i: flats[kind][i], plan.itemsize), plan.itemsize)
         self._shifts = prepared.shifts(mine)
@@ -168,25 +167,16 @@ class InProcessExecutor(Executor):
 
 def stream_entries(plan: Plan, mine: np.ndarray, s_flat: dict, d_flat: dict) -> tuple[np.ndarray, int]:
     """The ops `mine` (plan order) as contiguous copies (src address, dst address, nbytes, stream position), one
-    per row, merged where they continue each other on both sides; and the stream's length in bytes."""
-    o, size = plan.ops, plan.itemsize
-    if not len(mine):
-        return np.zeros((0, 4), dtype=np.int64), 0
-    s_ptr = np.asarray([s_flat[int(t)].data_ptr() for t in o["src_tensor"][mine]], dtype=np.int64)
-    d_ptr = np.asarray([d_flat[int(t)].data_ptr() for t in o["dst_tensor"][mine]], dtype=np.int64)
-    rows, cols = o["rows"][mine].astype(np.int64), o["cols"][mine].astype(np.int64)
-    nbytes = rows * cols * size
-    pos = np.cumsum(nbytes) - nbytes
-    owner = np.repeat(np.arange(len(mine)), rows)
-    r = np.arange(int(rows.sum())) - np.repeat(np.cumsum(rows) - rows, rows)  # row within its block
-    e = np.empty((len(owner), 4), dtype=np.int64)
-    e[:, 0] = s_ptr[owner] + (o["src_offset"][mine][owner] + r * o["src_stride"][mine][owner]) * size
-    e[:, 1] = d_ptr[owner] + (o["dst_offset"][mine][owner] + r * o["dst_stride"][mine][owner]) * size
-    e[:, 2] = cols[owner] * size
-    e[:, 3] = pos[owner] + r * e[:, 2]
-    new = np.ones(len(e), dtype=bool)
-    new[1:] = (e[1:, 0] != e[:-1, 0] + e[:-1, 2]) | (e[1:, 1] != e[:-1, 1] + e[:-1, 2])
-    merged = e[new].copy()
-    merged[:, 2] = np.add.reduceat(e[:, 2], np.flatnonzero(new))
-    return merged, int(nbytes.sum())
+    per row, merged where they continue each other on both sides (partition.row_pieces); and the stream's length
+    in bytes."""
+    p, size = row_pieces(plan, np.asarray(mine, dtype=np.int64), staged=False), plan.itemsize
 
+    def address(flat: dict, ids: np.ndarray, off: np.ndarray) -> np.ndarray:
+        tensors, which = np.unique(ids, return_inverse=True)
+        base = np.asarray([flat[int(t)].data_ptr() for t in tensors.tolist()], dtype=np.int64)
+        return base[which.reshape(-1)] + off * size
+
+    nbytes = p["numel"] * size
+    entries = [address(s_flat, p["send_id"], p["send_off"]), address(d_flat, p["recv_id"], p["recv_off"]), nbytes,
+               np.cumsum(nbytes) - nbytes]
+    return np.stack(entries, axis=1).astype(np.int64), int(nbytes.sum())

@@ -22,10 +22,11 @@ from ..planner import Plan
 from ..planner.plan import RELAY, SOURCE
 from .base import RankTensors
 from .binding import Binding
-from .copies import DST, SHADOW, SRC, Copies, fold
+from .copies import DST, SHADOW, SRC, WIRE, Copies, fold
 from .preflight import check_memory
 from .reference import check_tensors, in_units, op_blocks, shift_views, torch_dtype
 
+PIECE_COLUMNS = ("send_kind", "send_id", "send_off", "recv_kind", "recv_id", "recv_off", "numel")  # row_pieces
 ALIGN = 64  # elements: every arena region starts 128-byte aligned (bf16) so that word views apply
 
 
@@ -158,14 +159,11 @@ class Partition:
         t = o["dst_tensor"][ops]
         written = np.bincount(t, weights=o["rows"][ops] * o["cols"][ops], minlength=len(sizes)).astype(np.int64)
         ids = np.flatnonzero(shadowed & (written == sizes))
-        part = ~np.isin(t, ids)
-        parts = [fold(SHADOW, ids, 0, sizes[ids], DST, ids, 0, sizes[ids], 1, sizes[ids]) if len(ids) else
-                 Copies.empty()]
-        if part.any():
-            p = ops[part]
-            parts.append(fold(SHADOW, o["dst_tensor"][p], o["dst_offset"][p], o["dst_stride"][p], DST,
-                              o["dst_tensor"][p], o["dst_offset"][p], o["dst_stride"][p], o["rows"][p], o["cols"][p]))
-        return Copies.concat(parts)
+        p = ops[~np.isin(t, ids)]  # folding nothing makes no copy
+        return Copies.concat([fold(SHADOW, ids, 0, sizes[ids], DST, ids, 0, sizes[ids], 1, sizes[ids]),
+                              fold(SHADOW, o["dst_tensor"][p], o["dst_offset"][p], o["dst_stride"][p], DST,
+                                   o["dst_tensor"][p], o["dst_offset"][p], o["dst_stride"][p], o["rows"][p],
+                                   o["cols"][p])])
 
     def local_copies(self, shadowed: np.ndarray, defer: "np.ndarray | None" = None) -> tuple[list[Copies], Copies]:
         """This process's local copies: per stage, those run while the refit is in flight (into a destination
@@ -178,18 +176,9 @@ class Partition:
         kind = self.read_kind(self.local, shadowed)
         into = np.where(shadowed[d_t], SHADOW, DST)
         stage = o["stage"][self.local]
-        now = [self.copies(self.local[m], kind[m], into[m])
+        now = [op_copies(self.plan, self.local[m], kind[m], into[m])
                for m in (~later & (stage == s) for s in range(self.plan.num_stages))]
-        return now, self.copies(self.local[later], kind[later], DST)
-
-    def copies(self, ops: np.ndarray, src_kind: "int | np.ndarray", dst_kind: "int | np.ndarray") -> Copies:
-        """The ops as one folded program from `src_kind` memory (SRC; a relay reads its destination tensor, in
-        the kind given for it) to `dst_kind` memory at the destination tensors' places."""
-        if not len(ops):
-            return Copies.empty()
-        o = self.plan.ops
-        return fold(src_kind, o["src_tensor"][ops], o["src_offset"][ops], o["src_stride"][ops], dst_kind,
-                    o["dst_tensor"][ops], o["dst_offset"][ops], o["dst_stride"][ops], o["rows"][ops], o["cols"][ops])
+        return now, op_copies(self.plan, self.local[later], kind[later], DST)
 
     def read_kind(self, ops: np.ndarray, shadowed: np.ndarray) -> np.ndarray:
         """Per op, the memory it reads: SRC for source ops; for relays the destination tensor, or its shadow."""
@@ -226,16 +215,64 @@ class Partition:
         return self.numel(self.local)
 
 
+def op_copies(plan: Plan, ops: np.ndarray, src_kind: "int | np.ndarray", dst_kind: "int | np.ndarray") -> Copies:
+    """The plan ops `ops` as one folded program from `src_kind` memory (SRC; a relay reads its destination tensor,
+    in the kind given for it) to `dst_kind` memory at the destination tensors' places."""
+    o = plan.ops
+    return fold(src_kind, o["src_tensor"][ops], o["src_offset"][ops], o["src_stride"][ops], dst_kind,
+                o["dst_tensor"][ops], o["dst_offset"][ops], o["dst_stride"][ops], o["rows"][ops], o["cols"][ops])
+
+
 def _by(ops: np.ndarray, peer_of: np.ndarray) -> dict[int, np.ndarray]:
     peers = peer_of[ops]
     return {int(q): ops[peers == q] for q in np.unique(peers).tolist()}
+
+
+def row_pieces(plan: Plan, ops: np.ndarray, staged: bool, link: int | None = None, base: int = 0) \
+        -> dict[str, np.ndarray]:
+    """Contiguous pieces (PIECE_COLUMNS) of `ops` in op order, coalesced: one per row (a strided block's rows)
+    into their destination memory, or with `link` (a NIXL link's landed ops) one per op into its receive buffer
+    after `base` elements. The send side reads the source tensor, or for relays the landing memory (shadow when
+    staged)."""
+    o = plan.ops
+    rows = o["rows"][ops] if link is None else np.ones(len(ops), np.int64)
+    rep = np.repeat(np.arange(len(ops)), rows)
+    r = np.arange(len(rep)) - np.repeat(np.cumsum(rows) - rows, rows)
+    idx = ops[rep]
+    if link is None:
+        numel = o["cols"][idx]
+        recv = (SHADOW if staged else DST, o["dst_tensor"][idx], o["dst_offset"][idx] + r * o["dst_stride"][idx])
+    else:
+        numel = o["rows"][ops] * o["cols"][ops]
+        recv = (WIRE, link, base + np.cumsum(numel) - numel)
+    kind, ident, off = (np.broadcast_to(np.asarray(x, np.int64), (len(rep),)) for x in recv)
+    return coalesce({"send_kind": np.where(o["src_side"][idx] == RELAY, SHADOW if staged else DST, SRC),
+                     "send_id": o["src_tensor"][idx], "send_off": o["src_offset"][idx] + r * o["src_stride"][idx],
+                     "recv_kind": kind, "recv_id": ident, "recv_off": off, "numel": numel})
+
+
+def coalesce(p: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Join consecutive pieces that continue each other on both sides."""
+    n = len(p["numel"])
+    if n < 2:
+        return p
+    join = ((p["send_kind"][1:] == p["send_kind"][:-1]) & (p["send_id"][1:] == p["send_id"][:-1])
+            & (p["recv_kind"][1:] == p["recv_kind"][:-1]) & (p["recv_id"][1:] == p["recv_id"][:-1])
+            & (p["send_off"][1:] == p["send_off"][:-1] + p["numel"][:-1])
+            & (p["recv_off"][1:] == p["recv_off"][:-1] + p["numel"][:-1]))
+    if not join.any():
+        return p
+    starts = np.flatnonzero(np.concatenate([[True], ~join]))
+    out = {k: v[starts] for k, v in p.items()}
+    out["numel"] = np.add.reduceat(p["numel"], starts)
+    return out
 
 
 class Prepared:
     """A process's tensors, checked and viewed (module docstring).
 
     Args:
-        ranks: (source ranks, destination ranks) `src` / `dst` must give exactly; None: any.
+        binding: `src` / `dst` must give exactly the ranks it has `process` play; None: any.
         ids: (source ids, destination ids): check only these tensors; None: every tensor of the ranks given.
 
     Raises:
@@ -243,12 +280,11 @@ class Prepared:
             memoryless tensors.
     """
 
-    def __init__(self, plan: Plan, src: RankTensors, dst: RankTensors,
-                 ranks: "tuple[tuple[int, ...], tuple[int, ...]] | None" = None,
-                 ids: "tuple | None" = None) -> None:
+    def __init__(self, plan: Plan, src: RankTensors, dst: RankTensors, binding: "Binding | None" = None,
+                 process: int = 0, ids: "tuple | None" = None) -> None:
+        ranks = () if binding is None else (binding.src_ranks_of(process), binding.dst_ranks_of(process))
         wrong = [f"{side} ranks given {sorted(got)}, but the binding has this process play {sorted(want)}"
-                 for side, got, want in zip(("source", "destination"), (src, dst), ranks or ((), ()))
-                 if set(got) != set(want)] if ranks is not None else []
+                 for side, got, want in zip(("source", "destination"), (src, dst), ranks) if set(got) != set(want)]
         if wrong:
             raise ExecutionError("; ".join(wrong))
         check_tensors(plan, src, dst, ids)
@@ -291,4 +327,4 @@ class Prepared:
         return buffer, {k: buffer.narrow(0, a, n) for (k, n), a in zip(sizes.items(), starts)}
 
 
-__all__ = ["ALIGN", "Partition", "Prepared", "carve"]
+__all__ = ["ALIGN", "Partition", "Prepared", "PIECE_COLUMNS", "carve", "coalesce", "op_copies", "row_pieces"]

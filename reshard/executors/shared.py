@@ -31,13 +31,12 @@ from ..planner import Plan
 from ..planner.plan import RELAY
 from .base import RankTensors, RefitStats
 from .binding import Binding
-from .checksum import algorithm, fixed_digest, mismatch
+from .checksum import fixed_digest, mismatch
 from .copies import DST, PEER, SHADOW, SRC, Copies, Memory, view_copies
 from .delta import DeltaPolicy, VotedDelta
 from .exchange import Exchange, same_refit
-from .preflight import check_ops
 from .reference import torch_dtype
-from .partition import Partition, Prepared
+from .partition import Partition, op_copies
 from .voted import VotedExecutor
 
 _SHM_DIR = "/dev/shm"
@@ -280,26 +279,17 @@ class SharedExecutor(VotedExecutor):
                  store: Any, staged: bool = True, timeout: float = 60.0, namespace: str = "default",
                  poll_max_s: float = 0.0002, checksum: bool | str = False,
                  delta: "DeltaPolicy | None" = None) -> None:
-        if timeout <= 0:
-            raise ExecutionError(f"timeout={timeout} must be positive (seconds)")
-        self.part = Partition(plan, binding, process)  # checks the binding before the process is looked up in it
-        check_ops(plan)
+        binding.check(plan.src.num_ranks, plan.dst.num_ranks)  # before the process is looked up in it
         if process not in binding.processes:
             raise ExecutionError(f"process {process} plays no rank of {binding}")
         if plan.num_ops and bool((plan.ops["src_side"] == RELAY).any()):
             raise ExecutionError("the shared-memory executor runs plans without fan-out relays (compile without "
                                  "fanout: on one host every receiver is fed by the sources directly)")
-        self.plan, self.binding, self.process, self.staged = plan, binding, process, staged
-        self.checksum = algorithm(checksum)  # None when off
-        self.timeout, self.poll_max_s = timeout, poll_max_s
-        self.itemsize, self.dtype = plan.itemsize, torch_dtype(plan.dst.dtype)
+        self._open(plan, binding, process, src, dst, timeout, poll_max_s, checksum)
+        self.part, self.staged, self.dtype = Partition(plan, binding, process), staged, torch_dtype(plan.dst.dtype)
         self.num_processes = len(binding.processes)
-        self._start_versions()
         self._segments: dict[str, Segment] = {}
         self._created: list[Segment] = []
-        self.prepared = Prepared(plan, src, dst, (binding.src_ranks_of(process), binding.dst_ranks_of(process)))
-        self.device = self.prepared.device or torch.device("cpu")
-        self.src_flat, self.dst_flat = self.prepared.src_flat, self.prepared.dst_flat
         self._landed = np.flatnonzero(self.part.in_flight).tolist()  # destination tensors peers write into
         self._feeders = sorted(self.part.receives_from)
         self._delta = None if delta is None else _SharedDelta(self, delta)
@@ -354,7 +344,7 @@ class SharedExecutor(VotedExecutor):
             return flats[kind][i] if kind in flats else self._peer_landing[(kind - PEER, i)]
 
         memory = Memory(flat, self.itemsize)
-        self._send_programs = {q: view_copies(part.copies(ops, SRC, PEER + q), memory, self.itemsize)
+        self._send_programs = {q: view_copies(op_copies(self.plan, ops, SRC, PEER + q), memory, self.itemsize)
                                for q, ops in part.sends_to.items()}
         shadowed = part.in_flight if self.staged else np.zeros_like(part.in_flight)
         local, deferred = part.local_copies(shadowed, ~part.in_flight if self.staged else None)
@@ -425,10 +415,7 @@ class _SharedDelta(VotedDelta):
     """A SharedExecutor's delta refits: each payload in a growing outbox segment per receiving peer."""
 
     def __init__(self, executor: SharedExecutor, policy: DeltaPolicy) -> None:
-        if executor.device.type != "cpu":
-            raise ExecutionError("delta refits over shared memory run on CPU tensors (GPUs: the collective "
-                                 "executor's delta option)")
-        super().__init__(executor, policy, executor.part, executor.checksum)
+        super().__init__(executor, policy, executor.part, executor.checksum, cpu=True)
         self.outbox: dict[int, Segment] = {}  # receiving peer -> this sender's payload segment for it
         self.inbox: dict[int, Segment] = {}  # feeder -> its payload segment, mapped here
 

@@ -18,31 +18,39 @@ import torch
 
 from ..errors import ExecutionError, ReshardError
 from .base import Executor, RefitStats, phase_times
+from .checksum import algorithm
+from .partition import Prepared
+from .preflight import check_ops
 from .reference import apply_shifts
 
 
 class VotedExecutor(Executor):
     """Base of the executors that vote on every refit through a store (module docstring). Subclasses set `label`,
-    and in their constructor `process`, `plan`, `exchange`, `num_processes`, `staged`, `timeout`, `poll_max_s`,
-    `part`, `device`, `itemsize` and `checksum`, and call `_start_versions()`; they add their wire: `_move` (a
-    dense refit's bytes), `_keys` and `_dense_stats`."""
+    call `_open` first in their constructor, then set `exchange`, `num_processes`, `staged` and `part`; they add
+    their wire: `_move` (a dense refit's bytes), `_keys` and `_dense_stats`."""
 
     label = ""
-    _delta: Any = None
     _dirty = True  # copies may be in flight on the GPU (the caller's, at first)
 
-    def _start_versions(self) -> None:
+    def _open(self, plan: Any, binding: Any, process: int, src: Any, dst: Any, timeout: float, poll_max_s: float,
+              checksum: "bool | str") -> None:
+        """What every voted transport does first: the binding and the plan's ops checked, this process's tensors
+        prepared (exactly the ranks the binding has it play: executors.partition), no version committed yet."""
+        if timeout <= 0:
+            raise ExecutionError(f"timeout={timeout} must be positive (seconds)")
+        binding.check(plan.src.num_ranks, plan.dst.num_ranks)
+        check_ops(plan)  # before a schedule indexes anything with the plan's ops
+        self.plan, self.binding, self.process, self.itemsize = plan, binding, process, plan.itemsize
+        self.timeout, self.poll_max_s, self.checksum = timeout, poll_max_s, algorithm(checksum)  # None when off
+        self.prepared = Prepared(plan, src, dst, binding, process)
+        self.device = self.prepared.device or torch.device("cpu")
+        self.src_flat, self.dst_flat = self.prepared.src_flat, self.prepared.dst_flat
         self._version, self._broken, self._closed = 0, None, False
 
     @property
     def version(self) -> int:
         """The last version this executor committed (0 before the first refit)."""
         return self._version
-
-    @property
-    def last_delta(self) -> Any:
-        """What this process sent in the last refit, with the `delta` option (executors.delta.DeltaReport)."""
-        return None if self._delta is None else self._delta.last
 
     def refit(self, version: int | None = None) -> RefitStats:
         """Move this process's part of one refit; every process of the binding calls it with the same version."""

@@ -46,7 +46,7 @@ from .runners import Buffers, CudaRunner, HostRunner, RoundRunner, abort
 from ..preflight import check_ops, refuse_disagreement
 from .lanes import NCCL_LANES
 from ..partition import Prepared
-from ..delta import DeltaPolicy, DeltaReport
+from ..delta import DeltaPolicy
 from .delta import CollectiveDelta
 from .schedule import (DIRECT_BYTES, GLOO_DIRECT_BYTES, LANES_DIRECT_BYTES, RoundSchedule, bucket_numel_for,
                        build_schedule)
@@ -165,11 +165,6 @@ class CollectiveExecutor(Executor):
             return run(start, dict(self._src if src is None else src), dict(self._dst if dst is None else dst),
                        version)
 
-    @property
-    def last_delta(self) -> "DeltaReport | None":
-        """What this process sent in the last refit, with the `delta` option (executors.delta.DeltaReport)."""
-        return None if self._delta is None else self._delta.last
-
     def _run(self, start: float, src: dict, dst: dict, version: int | None) -> RefitStats:
         given, kept = _identity(src, dst), self._kept
         if given is not None and kept.given and given[0] == kept.given[0]:
@@ -229,8 +224,7 @@ class CollectiveExecutor(Executor):
         refusal for the preflight)."""
         fallback = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         try:
-            prepared = Prepared(self.plan, src, dst, (self.binding.src_ranks_of(self.rank),
-                                                      self.binding.dst_ranks_of(self.rank)))
+            prepared = Prepared(self.plan, src, dst, self.binding, self.rank)
             device = prepared.device or fallback
         except ExecutionError as e:
             return None, fallback, str(e)

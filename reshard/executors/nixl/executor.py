@@ -33,12 +33,10 @@ from ...planner import Plan
 from ...polling import poll
 from ..base import RankTensors, RefitStats, close_within
 from ..binding import Binding
-from ..checksum import Streams, algorithm, mismatch
+from ..checksum import Streams, mismatch
 from ..copies import DST, SRC, Memory, view_copies
 from ..delta import DeltaError, DeltaPolicy, VotedDelta, payload_bound
 from ..exchange import Exchange
-from ..preflight import check_ops
-from ..partition import Prepared
 from ..voted import VotedExecutor
 from .connection import Connection, memory_name
 from .options import NixlOptions
@@ -59,22 +57,14 @@ class NixlExecutor(VotedExecutor):
     def __init__(self, plan: Plan, binding: Binding, process: int, src: RankTensors, dst: RankTensors, *,
                  store: Any, options: NixlOptions | None = None, namespace: str = "default",
                  delta: "DeltaPolicy | None" = None) -> None:
-        self.plan, self.binding, self.process = plan, binding, process
-        binding.check(plan.src.num_ranks, plan.dst.num_ranks)
-        check_ops(plan)  # before the schedule indexes anything with the plan's ops
         self.options = options = options or NixlOptions()
-        self.timeout, self.poll_max_s = options.timeout, options.poll_max_s
-        self.checksum = algorithm(options.checksum)
-        self.num_processes, self.itemsize = binding.num_processes, plan.itemsize
-        # exactly the ranks this process plays, each with every tensor: all the schedule names (executors.partition)
-        self.prepared = Prepared(plan, src, dst, (binding.src_ranks_of(process), binding.dst_ranks_of(process)))
-        self.device = self.prepared.device or torch.device("cpu")
+        self._open(plan, binding, process, src, dst, options.timeout, options.poll_max_s, options.checksum)
+        self.num_processes = binding.num_processes
         on_gpu = self.device.type == "cuda"
         self.pack_below, self.land_below = options.thresholds(on_gpu)
         self.schedule = s = build_schedule(plan, binding, process, options, self.pack_below, self.land_below)
         self.staged, self.part = s.staged, s.part
         self._bind()
-        self._start_versions()
         self._inbox: dict[tuple[bytes, int], set[int]] = defaultdict(set)
         self._peers_set_up = False  # every peer has left set-up (checked once, at the first refit)
         self.exchange = Exchange(store, namespace)
@@ -99,7 +89,6 @@ class NixlExecutor(VotedExecutor):
     def _bind(self) -> None:
         """Bind this process's copy programs once."""
         s = self.schedule
-        self.src_flat, self.dst_flat = self.prepared.src_flat, self.prepared.dst_flat
         self.arena = arena = torch.empty(s.arena_numel, dtype=self.prepared.dtype, device=self.device)
 
         def memory(kind: int, ident: int) -> torch.Tensor:
@@ -285,12 +274,8 @@ class NixlDelta(VotedDelta):
     """
 
     def __init__(self, executor: Any, policy: DeltaPolicy) -> None:
-        plan = executor.plan
-        if executor.device.type != "cpu":
-            raise ExecutionError("delta refits over NIXL run on CPU tensors (GPUs: the collective executor's delta "
-                                 "option)")
-        part = executor.schedule.part
-        super().__init__(executor, policy, part, executor.checksum)
+        plan, part = executor.plan, executor.schedule.part
+        super().__init__(executor, policy, part, executor.checksum, cpu=True)
         self.outbox = {q: torch.empty(payload_bound(plan, ops), dtype=torch.uint8) for q, ops in part.sends_to.items()}
         self.inbox = {f: torch.empty(payload_bound(plan, ops), dtype=torch.uint8)
                       for f, ops in part.receives_from.items()}

@@ -21,16 +21,14 @@ import numpy as np
 
 from ...errors import ExecutionError
 from ...planner import Plan
-from ...planner.plan import RELAY
 from ..binding import Binding
 from ..collective.schedule import run_starts
 from ..copies import DST, SHADOW, SRC, WIRE, Copies, fold
-from ..partition import Partition, carve
+from ..partition import PIECE_COLUMNS, Partition, carve, row_pieces
 from .options import NixlOptions
 
 BLOCK_COLUMNS = ("src_kind", "src_id", "src_off", "src_stride", "dst_kind", "dst_id", "dst_off", "dst_stride",
                  "rows", "cols")  # the arguments of `fold`
-PIECE_COLUMNS = ("send_kind", "send_id", "send_off", "recv_kind", "recv_id", "recv_off", "numel")
 ARENA_ALIGN_BYTES = 512
 
 
@@ -109,45 +107,6 @@ class LinkSchedule:
     def initiates(self, link: Link) -> bool:
         """Whether this process posts `link`'s transfer (the receiver reads, the sender writes)."""
         return (link.receiver if self.direction == "read" else link.sender) == self.process
-
-
-def _pieces(plan: Plan, ops: np.ndarray, staged: bool, link: int | None = None, base: int = 0) \
-        -> dict[str, np.ndarray]:
-    """Contiguous pieces of `ops` in op order, coalesced: direct ops one per row (a strided block's rows) into
-    their destination memory, or with `link` landed ops one per op into its receive buffer after `base` elements.
-    The send side reads the source tensor, or for relays the landing memory (shadow when staged)."""
-    o = plan.ops
-    rows = o["rows"][ops] if link is None else np.ones(len(ops), np.int64)
-    rep = np.repeat(np.arange(len(ops)), rows)
-    r = np.arange(len(rep)) - np.repeat(np.cumsum(rows) - rows, rows)
-    idx = ops[rep]
-    if link is None:
-        numel = o["cols"][idx]
-        recv = (SHADOW if staged else DST, o["dst_tensor"][idx], o["dst_offset"][idx] + r * o["dst_stride"][idx])
-    else:
-        numel = o["rows"][ops] * o["cols"][ops]
-        recv = (WIRE, link, base + np.cumsum(numel) - numel)
-    kind, ident, off = (np.broadcast_to(np.asarray(x, np.int64), (len(rep),)) for x in recv)
-    return coalesce({"send_kind": np.where(o["src_side"][idx] == RELAY, SHADOW if staged else DST, SRC),
-                     "send_id": o["src_tensor"][idx], "send_off": o["src_offset"][idx] + r * o["src_stride"][idx],
-                     "recv_kind": kind, "recv_id": ident, "recv_off": off, "numel": numel})
-
-
-def coalesce(p: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Join consecutive pieces that continue each other on both sides."""
-    n = len(p["numel"])
-    if n < 2:
-        return p
-    join = ((p["send_kind"][1:] == p["send_kind"][:-1]) & (p["send_id"][1:] == p["send_id"][:-1])
-            & (p["recv_kind"][1:] == p["recv_kind"][:-1]) & (p["recv_id"][1:] == p["recv_id"][:-1])
-            & (p["send_off"][1:] == p["send_off"][:-1] + p["numel"][:-1])
-            & (p["recv_off"][1:] == p["recv_off"][:-1] + p["numel"][:-1]))
-    if not join.any():
-        return p
-    starts = np.flatnonzero(np.concatenate([[True], ~join]))
-    out = {k: v[starts] for k, v in p.items()}
-    out["numel"] = np.add.reduceat(p["numel"], starts)
-    return out
 
 
 def _landed(plan: Plan, ops: np.ndarray, land_below: int) -> np.ndarray:
@@ -244,10 +203,10 @@ def _link(plan: Plan, lid: int, key: np.ndarray, ops: np.ndarray, options: NixlO
     packed_numel = int(numel_of[packed_ops].sum())
     land_it = _landed(plan, direct_ops, land_below) if options.pack != "never" else np.zeros(len(direct_ops), bool)
     landed_ops = direct_ops[land_it]
-    pieces = _pieces(plan, direct_ops[~land_it], staged)
-    n_direct = (len(pieces["numel"]) + len(_pieces(plan, landed_ops, staged)["numel"])
+    pieces = row_pieces(plan, direct_ops[~land_it], staged)
+    n_direct = (len(pieces["numel"]) + len(row_pieces(plan, landed_ops, staged)["numel"])
                 + int(o["rows"][packed_ops].sum()))  # before coalescing the packed ones
-    landed = _pieces(plan, landed_ops, staged, lid, packed_numel)
+    landed = row_pieces(plan, landed_ops, staged, lid, packed_numel)
     packed = dict(zip(PIECE_COLUMNS, (WIRE, lid, 0, WIRE, lid, 0, packed_numel)))  # the packed buffer's one piece
     pieces = {k: np.concatenate([pieces[k], landed[k], np.asarray([packed[k]] if packed_numel else [], np.int64)])
               for k in PIECE_COLUMNS}

@@ -51,20 +51,55 @@ def driver_state(pid: int) -> str:
     return {"T": "stopped", "t": "stopped", "Z": "gone", "X": "gone"}.get(state, "running")
 
 
+class Unanswered(Exception):
+    """A request the server refused (its message) or that did not reach it, naming the URL and route."""
+
+
+def request(url: str, route: str, body: Any = None, *, method: str = "POST", api_key: str | None = None,
+            holder: str | None = None, timeout: float) -> str:
+    """One JSON request to a vLLM server (`holder`: the lease it carries); its answer's text.
+
+    Raises:
+        Unanswered: a non-2xx answer (with the server's message), or the server unreachable.
+    """
+    data = json.dumps(body).encode() if body is not None else None
+    r = urllib.request.Request(url + route, data=data, method=method)
+    r.add_header("Content-Type", "application/json")
+    if api_key:
+        r.add_header("Authorization", f"Bearer {api_key}")
+    if holder:
+        r.add_header(HEADER, holder)
+    try:
+        with urllib.request.urlopen(r, timeout=timeout) as response:
+            return response.read().decode()
+    except urllib.error.HTTPError as e:
+        raise Unanswered(f"{url}{route}: HTTP {e.code}: {_message(e.read().decode(errors='replace'))}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise Unanswered(f"{url}{route}: {getattr(e, 'reason', e)}") from None
+
+
+def _message(text: str) -> str:
+    """The server's error message out of its JSON error body (FastAPI's "detail", vLLM's "error")."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text[:2000]
+    if isinstance(body, dict):
+        for key in ("error", "detail", "message"):
+            value = body.get(key)
+            if isinstance(value, dict):
+                value = value.get("message", value)
+            if value:
+                return str(value)[:2000]
+    return text[:2000]
+
+
 def renew(server: dict[str, Any], holder: str, ttl: float) -> str | None:
     """One renewal; None, or why it failed."""
-    request = urllib.request.Request(server["url"] + ROUTE, method="POST",
-                                     data=json.dumps(request_body(holder, ttl)).encode())
-    request.add_header("Content-Type", "application/json")
-    if server.get("api_key"):
-        request.add_header("Authorization", f"Bearer {server['api_key']}")
     try:
-        with urllib.request.urlopen(request, timeout=ttl / 2) as response:
-            response.read()
-    except urllib.error.HTTPError as e:
-        return f"{server['url']}{ROUTE}: HTTP {e.code}: {e.read(2000).decode(errors='replace')}"
-    except (urllib.error.URLError, OSError) as e:
-        return f"{server['url']}{ROUTE}: {getattr(e, 'reason', e)}"
+        request(server["url"], ROUTE, request_body(holder, ttl), api_key=server.get("api_key"), timeout=ttl / 2)
+    except Unanswered as e:
+        return str(e)
     return None
 
 

@@ -51,19 +51,11 @@ def driver_state(pid: int) -> str:
     return {"T": "stopped", "t": "stopped", "Z": "gone", "X": "gone"}.get(state, "running")
 
 
-class Unanswered(Exception):
-    """A request the server refused (its message) or that did not reach it, naming the URL and route."""
-
-
 def request(url: str, route: str, body: Any = None, *, method: str = "POST", api_key: str | None = None,
             holder: str | None = None, timeout: float) -> str:
-    """One JSON request to a vLLM server (`holder`: the lease it carries); its answer's text.
-
-    Raises:
-        Unanswered: a non-2xx answer (with the server's message), or the server unreachable.
-    """
-    data = json.dumps(body).encode() if body is not None else None
-    r = urllib.request.Request(url + route, data=data, method=method)
+    """One JSON request to a vLLM server, carrying the lease `holder`; its answer's text (ConnectionError: a non-2xx
+    answer, with the server's message, or the server unreachable)."""
+    r = urllib.request.Request(url + route, data=None if body is None else json.dumps(body).encode(), method=method)
     r.add_header("Content-Type", "application/json")
     if api_key:
         r.add_header("Authorization", f"Bearer {api_key}")
@@ -73,9 +65,9 @@ def request(url: str, route: str, body: Any = None, *, method: str = "POST", api
         with urllib.request.urlopen(r, timeout=timeout) as response:
             return response.read().decode()
     except urllib.error.HTTPError as e:
-        raise Unanswered(f"{url}{route}: HTTP {e.code}: {_message(e.read().decode(errors='replace'))}") from None
-    except (urllib.error.URLError, OSError) as e:
-        raise Unanswered(f"{url}{route}: {getattr(e, 'reason', e)}") from None
+        raise ConnectionError(f"{url}{route}: HTTP {e.code}: {_message(e.read().decode(errors='replace'))}") from None
+    except OSError as e:  # (URLError too)
+        raise ConnectionError(f"{url}{route}: {getattr(e, 'reason', e)}") from None
 
 
 def _message(text: str) -> str:
@@ -92,15 +84,6 @@ def _message(text: str) -> str:
             if value:
                 return str(value)[:2000]
     return text[:2000]
-
-
-def renew(server: dict[str, Any], holder: str, ttl: float) -> str | None:
-    """One renewal; None, or why it failed."""
-    try:
-        request(server["url"], ROUTE, request_body(holder, ttl), api_key=server.get("api_key"), timeout=ttl / 2)
-    except Unanswered as e:
-        return str(e)
-    return None
 
 
 def _server(value: Any) -> dict[str, Any]:
@@ -162,8 +145,13 @@ def main() -> int:
             targets = list(servers)
         results: list[str | None] = [f"{t['url']}{ROUTE}: no answer within {ttl / 2:.0f} s" for t in targets]
 
-        def one(k: int) -> None:
-            results[k] = renew(targets[k], holder, ttl)
+        def one(k: int) -> None:  # one renewal: results[k] is None, or why it failed
+            try:
+                request(targets[k]["url"], ROUTE, request_body(holder, ttl), api_key=targets[k]["api_key"],
+                        timeout=ttl / 2)
+                results[k] = None
+            except ConnectionError as e:
+                results[k] = str(e)
 
         threads = [threading.Thread(target=one, args=(k,), daemon=True) for k in range(len(targets))]
         for t in threads:  # all at once: one slow server must not let the others' leases lapse

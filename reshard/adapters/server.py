@@ -19,7 +19,7 @@ from ..arguments import seconds, text
 from ..errors import ArgumentError, ExecutionError
 from ..polling import poll
 from .engines import EngineClient, Leased, Pausable, ReportsInFlight, ReportsStaged, landing_ended
-from .lease_keeper import ROUTE, Unanswered, request, request_body
+from .lease_keeper import ROUTE, request, request_body
 
 
 class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased):
@@ -60,7 +60,7 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased)
         try:
             answer = request(self.url, route, body, method=method, api_key=self.api_key, holder=self.lease_holder,
                              timeout=timeout or self.timeout)
-        except Unanswered as e:
+        except ConnectionError as e:
             raise ExecutionError(str(e)) from None
         if text:
             return answer

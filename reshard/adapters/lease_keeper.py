@@ -51,21 +51,39 @@ def driver_state(pid: int) -> str:
     return {"T": "stopped", "t": "stopped", "Z": "gone", "X": "gone"}.get(state, "running")
 
 
-def renew(server: dict[str, Any], holder: str, ttl: float) -> str | None:
-    """One renewal; None, or why it failed."""
-    request = urllib.request.Request(server["url"] + ROUTE, method="POST",
-                                     data=json.dumps(request_body(holder, ttl)).encode())
-    request.add_header("Content-Type", "application/json")
-    if server.get("api_key"):
-        request.add_header("Authorization", f"Bearer {server['api_key']}")
+def request(url: str, route: str, body: Any = None, *, method: str = "POST", api_key: str | None = None,
+            holder: str | None = None, timeout: float) -> str:
+    """One JSON request to a vLLM server, carrying the lease `holder`; its answer's text (ConnectionError: a non-2xx
+    answer, with the server's message, or the server unreachable)."""
+    r = urllib.request.Request(url + route, data=None if body is None else json.dumps(body).encode(), method=method)
+    r.add_header("Content-Type", "application/json")
+    if api_key:
+        r.add_header("Authorization", f"Bearer {api_key}")
+    if holder:
+        r.add_header(HEADER, holder)
     try:
-        with urllib.request.urlopen(request, timeout=ttl / 2) as response:
-            response.read()
+        with urllib.request.urlopen(r, timeout=timeout) as response:
+            return response.read().decode()
     except urllib.error.HTTPError as e:
-        return f"{server['url']}{ROUTE}: HTTP {e.code}: {e.read(2000).decode(errors='replace')}"
-    except (urllib.error.URLError, OSError) as e:
-        return f"{server['url']}{ROUTE}: {getattr(e, 'reason', e)}"
-    return None
+        raise ConnectionError(f"{url}{route}: HTTP {e.code}: {_message(e.read().decode(errors='replace'))}") from None
+    except OSError as e:  # (URLError too)
+        raise ConnectionError(f"{url}{route}: {getattr(e, 'reason', e)}") from None
+
+
+def _message(text: str) -> str:
+    """The server's error message out of its JSON error body (FastAPI's "detail", vLLM's "error")."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text[:2000]
+    if isinstance(body, dict):
+        for key in ("error", "detail", "message"):
+            value = body.get(key)
+            if isinstance(value, dict):
+                value = value.get("message", value)
+            if value:
+                return str(value)[:2000]
+    return text[:2000]
 
 
 def _server(value: Any) -> dict[str, Any]:
@@ -127,8 +145,13 @@ def main() -> int:
             targets = list(servers)
         results: list[str | None] = [f"{t['url']}{ROUTE}: no answer within {ttl / 2:.0f} s" for t in targets]
 
-        def one(k: int) -> None:
-            results[k] = renew(targets[k], holder, ttl)
+        def one(k: int) -> None:  # one renewal: results[k] is None, or why it failed
+            try:
+                request(targets[k]["url"], ROUTE, request_body(holder, ttl), api_key=targets[k]["api_key"],
+                        timeout=ttl / 2)
+                results[k] = None
+            except ConnectionError as e:
+                results[k] = str(e)
 
         threads = [threading.Thread(target=one, args=(k,), daemon=True) for k in range(len(targets))]
         for t in threads:  # all at once: one slow server must not let the others' leases lapse

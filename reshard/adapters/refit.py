@@ -23,7 +23,7 @@ from ..layouts.expert_placement import ExpertPlacement
 from ..planner import Plan
 from ..planner.cache import cached_plan
 from . import transports
-from .rendezvous import Rendezvous
+from .rendezvous import Rendezvous, from_untrusted
 _FIELDS = {"model": dict, "src": dict, "dst": dict, "install": str, "replica": int, "transport": str,
            "options": dict, "rendezvous": (dict, type(None)), "fanout": (int, type(None)),
            "verify_layers": (list, tuple, type(None)), "plan_digest": str, "lora_id": (int, type(None)),
@@ -169,15 +169,7 @@ class RefitSpec:
     @classmethod
     def from_dict(cls, d: Any) -> "RefitSpec":
         """The spec from `to_dict`'s data (untrusted: PlanError names a bad or unknown field)."""
-        if not isinstance(d, dict):
-            raise PlanError(f"a refit spec must be a JSON object, got {type(d).__name__}")
-        unknown = sorted(set(d) - set(_FIELDS))
-        if unknown:
-            raise PlanError(f"refit spec has unknown fields {unknown}; known: {sorted(_FIELDS)}")
-        missing = sorted({"model", "src", "dst"} - set(d))
-        if missing:
-            raise PlanError(f"refit spec lacks {missing}")
-        return cls(**d)
+        return from_untrusted(cls, d, "refit spec", PlanError)
 
     def with_expert_placement(self, placement: ExpertPlacement | None) -> "RefitSpec":
         """This refit for an EPLB engine whose experts now sit as `placement` says (None: vLLM's initial one),

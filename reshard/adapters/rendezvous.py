@@ -24,7 +24,7 @@ import os
 import secrets
 import socket
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from datetime import timedelta
 from typing import Any
 
@@ -86,15 +86,7 @@ class Rendezvous:
     @classmethod
     def from_dict(cls, d: Any) -> "Rendezvous":
         """The rendezvous `to_dict` wrote, checked as untrusted input (unknown or missing fields refused)."""
-        if not isinstance(d, dict):
-            raise ExecutionError(f"rendezvous must be a JSON object, got {type(d).__name__}")
-        unknown = sorted(set(d) - {"host", "port", "refit_id", "secret", "timeout"})
-        if unknown:
-            raise ExecutionError(f"rendezvous has unknown fields {unknown}")
-        missing = sorted({"host", "port", "refit_id", "secret"} - set(d))
-        if missing:
-            raise ExecutionError(f"rendezvous lacks {missing}")
-        return cls(**d)
+        return from_untrusted(cls, d, "rendezvous", ExecutionError)
 
     def __repr__(self) -> str:  # the secret stays out of logs and error messages
         return f"Rendezvous({self.host}:{self.port}, refit {self.refit_id})"
@@ -116,6 +108,19 @@ class Rendezvous:
     def namespace(self) -> str:
         """Where the refit's keys live: unguessable without the secret."""
         return f"reshard/{self.refit_id}/{self.proof('namespace')[:32]}/"
+
+
+def from_untrusted(cls: Any, d: Any, what: str, error: type[Exception]) -> Any:
+    """`cls(**d)` for a dataclass `cls` and untrusted data `d`: a JSON object with each field that has no default and
+    no other field, else `error` naming them (`what`: what `d` is)."""
+    if not isinstance(d, dict):
+        raise error(f"{what} must be a JSON object, got {type(d).__name__}")
+    known = sorted(f.name for f in fields(cls))
+    unknown = sorted(set(d) - set(known))
+    missing = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING and f.name not in d]
+    if unknown or missing:
+        raise error(f"{what} has unknown fields {unknown}; known: {known}" if unknown else f"{what} lacks {missing}")
+    return cls(**d)
 
 
 def host_store(rdv: Rendezvous, store: Any = None) -> tuple[Rendezvous, Any]:

@@ -11,9 +11,7 @@ from __future__ import annotations
 import json
 import math
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from types import SimpleNamespace
 from typing import Any
 
@@ -21,7 +19,7 @@ from ..arguments import seconds, text
 from ..errors import ArgumentError, ExecutionError
 from ..polling import poll
 from .engines import EngineClient, Leased, Pausable, ReportsInFlight, ReportsStaged, landing_ended
-from .lease_keeper import HEADER, ROUTE, request_body
+from .lease_keeper import ROUTE, request, request_body
 
 
 class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased):
@@ -59,21 +57,11 @@ class VllmServer(EngineClient, Pausable, ReportsInFlight, ReportsStaged, Leased)
         Raises:
             ExecutionError: a non-2xx answer (with the server's message), or the server unreachable.
         """
-        data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(self.url + route, data=data, method=method)
-        request.add_header("Content-Type", "application/json")
-        if self.api_key:
-            request.add_header("Authorization", f"Bearer {self.api_key}")
-        if self.lease_holder:
-            request.add_header(HEADER, self.lease_holder)
         try:
-            with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
-                answer = response.read().decode()
-        except urllib.error.HTTPError as e:
-            raise ExecutionError(f"{self.url}{route}: HTTP {e.code}: {_message(e.read().decode(errors='replace'))}") \
-                from None
-        except (urllib.error.URLError, OSError) as e:
-            raise ExecutionError(f"{self.url}{route}: {getattr(e, 'reason', e)}") from None
+            answer = request(self.url, route, body, method=method, api_key=self.api_key, holder=self.lease_holder,
+                             timeout=timeout or self.timeout)
+        except ConnectionError as e:
+            raise ExecutionError(str(e)) from None
         if text:
             return answer
         return json.loads(answer) if answer else None
@@ -278,22 +266,6 @@ class ExtensionClient(EngineClient, Pausable, ReportsStaged):
     def resume(self) -> None:
         if isinstance(self.server, VllmServer):
             self.server.resume()
-
-
-def _message(text: str) -> str:
-    """The server's error message out of its JSON error body (FastAPI's "detail", vLLM's "error")."""
-    try:
-        body = json.loads(text)
-    except ValueError:
-        return text[:2000]
-    if isinstance(body, dict):
-        for key in ("error", "detail", "message"):
-            value = body.get(key)
-            if isinstance(value, dict):
-                value = value.get("message", value)
-            if value:
-                return str(value)[:2000]
-    return text[:2000]
 
 
 __all__ = ["ExtensionClient", "VllmServer"]

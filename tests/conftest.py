@@ -41,8 +41,9 @@ os.environ.setdefault("RESHARD_HOST", "127.0.0.1")
 #   most of the suite's actors name one of their own (the vLLM virtualenv, PYTHONPATH), so those workers mostly
 #   import Ray and wait. Started on demand instead, no worker is started for nothing.
 # - vLLM inspects each model class in a subprocess that imports vLLM again: tests/cpu_path/vllm_startup.py runs it in
-#   process in every process of the suite (through sitecustomize.py), this one too. Its inspections' answers are cached under a root of the suite's own, one per
-#   virtualenv the tests run in (the two vLLM builds have different files under the same cache names).
+#   process in every process of the suite (through sitecustomize.py), this one too. Its inspections' answers are
+#   cached under a root of the suite's own, one per virtualenv the tests run in (the two vLLM builds have different
+#   files under the same cache names).
 os.environ.setdefault("HUMMING_DISABLE_PARALLEL_BUILD", "1")
 os.environ.setdefault("VLLM_CACHE_ROOT", str(Path.home() / ".cache" / "vllm" / f"tests-{Path(sys.prefix).name}"))
 import vllm_startup  # noqa: E402

@@ -55,7 +55,8 @@ def check_options(options: dict[str, Any], prefix: str = "", transports: Sequenc
     from ..executors.checksum import algorithm
 
     for key, value in options.items():
-        if not isinstance(value, OPTION_TYPES[key]) or (isinstance(value, bool) and key in ("fanout", "timeout", "delta")):
+        numeric = key in ("fanout", "timeout", "delta")
+        if not isinstance(value, OPTION_TYPES[key]) or (isinstance(value, bool) and numeric):
             raise ArgumentError(prefix + key, value, f"has type {type(value).__name__}")
     if options.get("staging", "bucket") not in STAGINGS:
         raise ArgumentError(prefix + "staging", options["staging"], f"must be one of {STAGINGS}")
